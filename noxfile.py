@@ -1,0 +1,151 @@
+"""Every dev task of the roll monorepo. The CI matrix (.github/workflows/ci.yml) follows this session list.
+
+    nox -s tests                 # every CPU test (the README's test command)
+    nox -s unit                  # each package alone in a fresh venv with only its declared dependencies
+    nox -s unit -- roll-algos    # one package
+    nox -s configs               # compose every config and experiment, bind every _target_
+    nox -s lint                  # ruff
+    nox -s device -- cuda        # tests marked for one hardware (cuda | rocm | npu); skips where absent
+    nox -s quickstart            # the main job (short GRPO run)
+    nox -s bench                 # benchmarks in bench/
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["lint", "tests"]
+
+# Install order matters only for readability: siblings are installed from their folders, never from PyPI.
+PACKAGES = ["roll-hw", "roll-algos", "roll-core", "roll-engines", "roll-envs"]
+# Sibling dependencies (mirrors each pyproject; tests/test_dependency_graph.py checks both agree).
+SIBLINGS = {
+    "roll-hw": [],
+    "roll-algos": [],
+    "roll-core": ["roll-hw", "roll-algos"],
+    "roll-engines": ["roll-hw", "roll-algos", "roll-core"],
+    "roll-envs": ["roll-hw", "roll-algos", "roll-core"],
+}
+HARDWARE = ["cuda", "rocm", "npu"]
+TEST_TOOLS = ["pytest", "pytest-timeout", "hypothesis"]
+# Extras installed by `tests`: the CPU-capable engines and rewards.
+EXTRAS = {"roll-engines": "[hf,fsdp]", "roll-envs": "[math]"}
+
+
+def constraints(hw: str = "cpu") -> list[str]:
+    return ["-c", str(ROOT / "constraints" / f"{hw}.txt")]
+
+
+def existing_packages() -> list[str]:
+    return [p for p in PACKAGES if (ROOT / "packages" / p / "pyproject.toml").is_file()]
+
+
+@nox.session(python=False)
+def tests(session: nox.Session) -> None:
+    """Every CPU test: all packages in one venv (.venv), device-marked tests skipped."""
+    venv = ROOT / ".venv"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        session.run(sys.executable, "-m", "venv", str(venv), external=True)
+    stamp = venv / ".roll-installed"
+    signature = "".join((ROOT / f).read_text() for f in _install_inputs())
+    if not stamp.exists() or stamp.read_text() != signature:
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        pkgs = []
+        for pkg in existing_packages():
+            pkgs += ["-e", f"packages/{pkg}{EXTRAS.get(pkg, '')}"]
+        session.run(*pip, *constraints(), *pkgs, "-e", "tests/plugins/roll-dummy-platform", *TEST_TOOLS, "nox",
+                    "ruff", "pyyaml", external=True)
+        stamp.write_text(signature)
+    session.run(str(python), "-m", "pytest", *(session.posargs or _test_paths()), external=True,
+                env={"ROLL_TEST_SESSION": "tests"})
+
+
+def _install_inputs() -> list[str]:
+    files = ["constraints/cpu.txt", "tests/plugins/roll-dummy-platform/pyproject.toml"]
+    files += [f"packages/{p}/pyproject.toml" for p in existing_packages()]
+    return files
+
+
+def _test_paths() -> list[str]:
+    return [f"packages/{p}/tests" for p in existing_packages()] + ["tests"]
+
+
+@nox.session(python=False)
+def unit(session: nox.Session) -> None:
+    """Each package alone: a fresh venv per package holding only its declared dependencies, then its tests."""
+    chosen = session.posargs or existing_packages()
+    unknown = sorted(set(chosen) - set(PACKAGES))
+    if unknown:
+        session.error(f"unknown package(s) {unknown}; choose from {PACKAGES}")
+    for pkg in chosen:
+        venv = ROOT / ".nox" / "unit-venvs" / pkg
+        if venv.exists():
+            shutil.rmtree(venv)
+        session.run(sys.executable, "-m", "venv", str(venv), external=True)
+        python = str(venv / "bin" / "python")
+        local = [f"packages/{dep}" for dep in SIBLINGS[pkg]] + [f"packages/{pkg}[test]"]
+        session.run(python, "-m", "pip", "install", "-q", *constraints(), *local, external=True)
+        session.log(f"{pkg}: installed {_freeze_summary(session, python)}")
+        session.run(python, "-m", "pytest", "-p", "no:cacheprovider", f"packages/{pkg}/tests", external=True,
+                    env={"ROLL_TEST_SESSION": f"unit-{pkg}"})
+
+
+def _freeze_summary(session: nox.Session, python: str) -> str:
+    out = session.run(python, "-m", "pip", "freeze", silent=True, external=True) or ""
+    names = sorted(line.split("==")[0].split(" @ ")[0] for line in out.splitlines() if line.strip())
+    return ", ".join(n for n in names if n.lower().startswith(("roll", "torch", "ray", "transformers")))
+
+
+@nox.session(python=False)
+def configs(session: nox.Session) -> None:
+    """Compose every primary config and experiment on CPU; bind every _target_ to its signature."""
+    tests_session_python = ROOT / ".venv" / "bin" / "python"
+    if not tests_session_python.exists():
+        session.error("run `nox -s tests` once first (it builds .venv)")
+    session.run(str(tests_session_python), "-m", "pytest", "tests/configs", *session.posargs, external=True)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and format check over the whole tree."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=False)
+def device(session: nox.Session) -> None:
+    """Tests marked for one hardware kind: `nox -s device -- cuda|rocm|npu`. Skips cleanly where it is absent."""
+    if len(session.posargs) < 1 or session.posargs[0] not in HARDWARE:
+        session.error(f"usage: nox -s device -- {{{'|'.join(HARDWARE)}}} [pytest args]")
+    hw, extra = session.posargs[0], session.posargs[1:]
+    python = ROOT / ".venv" / "bin" / "python"
+    if not python.exists():
+        session.error("run `nox -s tests` once first (it builds .venv)")
+    probe = f"import sys; from roll_hw.detect import get_platform_class as g; sys.exit(0 if g('{hw}').is_available() else 3)"
+    if subprocess.run([str(python), "-c", probe]).returncode != 0:
+        session.skip(f"no {hw} device on this machine (roll-doctor shows why); {hw} tests run on {hw} runners")
+    session.run(str(python), "-m", "pytest", "-m", hw, *_test_paths(), *extra, external=True,
+                env={"ROLL_TEST_SESSION": f"device-{hw}"})
+
+
+@nox.session(python=False)
+def quickstart(session: nox.Session) -> None:
+    """The main job: a short GRPO run that improves the default model (README's first command)."""
+    python = ROOT / ".venv" / "bin" / "python"
+    session.run(str(python), "-m", "roll_core.cli", "experiment=quickstart", *session.posargs, external=True)
+
+
+@nox.session(python=False)
+def bench(session: nox.Session) -> None:
+    """Benchmarks: each prints ratios against a baseline measured in the same run."""
+    python = ROOT / ".venv" / "bin" / "python"
+    for script in sorted((ROOT / "bench").glob("bench_*.py")):
+        session.run(str(python), str(script), *session.posargs, external=True)

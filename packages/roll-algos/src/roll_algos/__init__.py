@@ -1,0 +1,11 @@
+"""roll-algos: the RL math for LLM post-training, on plain torch tensors.
+
+Modules: `advantages` (GRPO, Dr.GRPO, RLOO, REINFORCE++, REINFORCE++-baseline, GAE, returns, whitening),
+`losses` (policy-loss variants, value loss, aggregation, entropy, off-policy weights, overlong penalty),
+`kl` (k1/k2/k3/abs estimators, fixed and adaptive controllers). No Ray, no configs, no batch classes.
+"""
+
+from roll_algos import advantages, kl, losses
+
+__version__ = "0.1.0"
+__all__ = ["advantages", "kl", "losses"]

@@ -1,0 +1,90 @@
+"""KL estimators between the policy and a reference policy, and KL coefficient controllers.
+
+Estimators are per token, from log-probs of the *sampled* tokens (Schulman's k1/k2/k3). With
+log_ratio = logp - ref_logp:
+
+| kind | formula | notes |
+|---|---|---|
+| `k1` | log_ratio | unbiased, high variance, can be negative |
+| `k2` (`mse`) | 0.5 * log_ratio^2 | biased, low variance, >= 0 |
+| `k3` (`low_var_kl`) | exp(-log_ratio) + log_ratio - 1 | unbiased, >= 0, clamped to [-10, 10] |
+| `abs` | abs(log_ratio) | >= 0 |
+
+The caller applies the mask (zero the masked positions or aggregate with `roll_algos.losses.aggregate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["KL_KINDS", "AdaptiveKLController", "FixedKLController", "kl_estimate"]
+
+KL_KINDS = ("k1", "k2", "mse", "k3", "low_var_kl", "abs")
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
+    """Per-token KL(pi || ref) estimate.
+
+    Args:
+        logp: (B, T) log-probs of sampled tokens under the policy.
+        ref_logp: (B, T) log-probs of the same tokens under the reference.
+        kind: one of `KL_KINDS`.
+    Returns:
+        (B, T) estimates; not masked.
+    """
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} differ in shape")
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind in ("k2", "mse"):
+        return 0.5 * log_ratio.square()
+    if kind in ("k3", "low_var_kl"):
+        # Clamp the exponent first: exp(20+) overflows in fp32 long before the final clamp would act.
+        neg = torch.clamp(-log_ratio, min=-20.0, max=20.0)
+        return torch.clamp(torch.exp(neg) - neg - 1.0, min=-10.0, max=10.0)
+    if kind == "abs":
+        return log_ratio.abs()
+    raise ValueError(f"unknown KL kind {kind!r}; choose one of {', '.join(KL_KINDS)}")
+
+
+@dataclass
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    value: float
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        """No-op; returns the coefficient."""
+        return self.value
+
+
+class AdaptiveKLController:
+    """Proportional controller from Ziegler et al. (2019), as in PPO-RLHF.
+
+    error = clip(current_kl / target - 1, -0.2, 0.2); coef *= 1 + error * n_steps / horizon.
+    """
+
+    def __init__(self, init_coef: float, target: float, horizon: int) -> None:
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"target ({target}) and horizon ({horizon}) must be > 0")
+        self.value = float(init_coef)
+        self.target = float(target)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        """Update from the KL measured over `n_steps` samples; returns the new coefficient."""
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+        return self.value
+
+    def state_dict(self) -> dict[str, float]:
+        """For checkpoints."""
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore from `state_dict()`."""
+        self.value = float(state["value"])

@@ -1,0 +1,290 @@
+"""Losses, aggregation, KL: hand-computed values (arithmetic in comments) and properties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from roll_algos.kl import AdaptiveKLController, FixedKLController, kl_estimate
+from roll_algos.losses import (
+    AGG_MODES,
+    POLICY_LOSS_VARIANTS,
+    aggregate,
+    entropy_from_logits,
+    off_policy_weights,
+    overlong_penalty,
+    policy_loss,
+    token_logprobs,
+    value_loss,
+)
+
+T = torch.tensor
+NAN = float("nan")
+
+
+def close(a: torch.Tensor, b: float | list, tol: float = 1e-5) -> None:
+    torch.testing.assert_close(a, torch.as_tensor(b, dtype=a.dtype), atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------- aggregation by hand
+LOSS = T([[1.0, 2.0, NAN], [4.0, NAN, NAN], [NAN, NAN, NAN]])
+MASK = T([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+
+
+def test_token_mean() -> None:
+    # (1 + 2 + 4) / 3 valid tokens
+    close(aggregate(LOSS, MASK, "token-mean"), 7 / 3)
+
+
+def test_seq_mean_token_mean() -> None:
+    # rows with tokens: mean(1, 2) = 1.5 and 4; the empty third row is excluded -> (1.5 + 4) / 2
+    close(aggregate(LOSS, MASK, "seq-mean-token-mean"), 2.75)
+
+
+def test_seq_mean_token_sum() -> None:
+    # row sums 3, 4, 0 over B = 3 rows
+    close(aggregate(LOSS, MASK, "seq-mean-token-sum"), 7 / 3)
+
+
+def test_seq_mean_token_sum_norm() -> None:
+    # Dr.GRPO: 7 / (B=3 * norm_length=4)
+    close(aggregate(LOSS, MASK, "seq-mean-token-sum-norm", norm_length=4), 7 / 12)
+    with pytest.raises(ValueError, match="norm_length"):
+        aggregate(LOSS, MASK, "seq-mean-token-sum-norm")
+
+
+def test_all_masked_is_zero_for_every_mode() -> None:
+    for mode in AGG_MODES:
+        close(aggregate(torch.full((2, 3), NAN), torch.zeros(2, 3), mode, norm_length=3), 0.0)
+
+
+def test_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="unknown aggregation 'mean'.*token-mean"):
+        aggregate(LOSS, MASK, "mean")
+
+
+# ---------------------------------------------------------------- policy loss by hand
+def test_ppo_clip_by_hand() -> None:
+    # token 0: A=+1, ratio e^0.5=1.6487 > 1.2 -> clipped: loss = -1*1.2 = -1.2  (clip-high active)
+    # token 1: A=-1, ratio e^-0.5=0.6065 < 0.8 -> max(0.6065, 0.8) = 0.8     (clip-low active)
+    # token 2: A=+2, ratio 1 -> -2
+    logp = T([[0.5, -0.5, 0.0]])
+    old = torch.zeros(1, 3)
+    adv = T([[1.0, -1.0, 2.0]])
+    loss, m = policy_loss(logp, old, adv, torch.ones(1, 3), variant="ppo")
+    close(loss, (-1.2 + 0.8 - 2.0) / 3)
+    close(m["clipfrac_high"], 1 / 3)
+    close(m["clipfrac_low"], 1 / 3)
+    close(m["ratio_max"], math.exp(0.5))
+
+
+def test_clip_higher_by_hand() -> None:
+    # ratio 1.25, A=+1: clip_high 0.28 leaves it unclipped (-1.25); clip_high 0.2 clips to -1.2
+    logp = T([[math.log(1.25)]])
+    args = (logp, torch.zeros(1, 1), T([[1.0]]), torch.ones(1, 1))
+    close(policy_loss(*args, clip_high=0.28)[0], -1.25)
+    close(policy_loss(*args, clip_high=0.2)[0], -1.2)
+
+
+def test_dual_clip_by_hand() -> None:
+    # A=-1, ratio e^2 = 7.389: PPO loss = max(7.389, 0.8) = 7.389; dual clip c=3 bounds it at 3
+    args = (T([[2.0]]), torch.zeros(1, 1), T([[-1.0]]), torch.ones(1, 1))
+    close(policy_loss(*args)[0], math.exp(2.0))
+    loss, m = policy_loss(*args, dual_clip=3.0)
+    close(loss, 3.0)
+    close(m["clipfrac_dual"], 1.0)
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        policy_loss(*args, dual_clip=0.5)
+
+
+def test_gspo_sequence_ratio_by_hand() -> None:
+    # row log-ratios [0.1, 0.3] -> seq ratio exp(0.2) = 1.2214 > 1.2, A=+1 -> clipped to 1.2 on both tokens
+    loss, _ = policy_loss(T([[0.1, 0.3]]), torch.zeros(1, 2), T([1.0]), torch.ones(1, 2), variant="gspo")
+    close(loss, -1.2)
+    # with a tiny clip range (GSPO's paper uses ~3e-4), an on-policy batch is still -A
+    loss, _ = policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), T([0.5]), torch.ones(1, 2), variant="gspo",
+                          clip_low=3e-4, clip_high=4e-4)
+    close(loss, -0.5)
+
+
+def test_cispo_tis_topr_vanilla_values() -> None:
+    # ratio e^1 = 2.718 for token 0; logp values are the log-probs themselves: [1, 0]
+    logp = T([[1.0, 0.0]])
+    old = T([[0.0, 0.0]])
+    adv = T([[1.0, 1.0]])
+    mask = torch.ones(1, 2)
+    # vanilla: -(1*1 + 1*0)/2 = -0.5
+    close(policy_loss(logp, old, adv, mask, variant="vanilla")[0], -0.5)
+    # cispo: weight clip(2.718, 0.8, 1.2) = 1.2 on token 0 -> -(1.2*1 + 1*0)/2 = -0.6
+    close(policy_loss(logp, old, adv, mask, variant="cispo")[0], -0.6)
+    # tis cap 2: -(2*1 + 0)/2 = -1
+    close(policy_loss(logp, old, adv, mask, variant="tis", ratio_cap=2.0)[0], -1.0)
+    # topr, positive row: -A logp = -0.5; negative row (A=-1): weight clip(2.718, 0, 1)=1 -> +0.5
+    close(policy_loss(logp, old, adv, mask, variant="topr")[0], -0.5)
+    close(policy_loss(logp, old, -adv, mask, variant="topr")[0], 0.5)
+    with pytest.raises(ValueError, match="unknown policy loss 'foo'"):
+        policy_loss(logp, old, adv, mask, variant="foo")
+
+
+def test_value_loss_by_hand() -> None:
+    # V=2, old=0, R=0: unclipped 0.5*4 = 2; clipped V' = 0 + clip(2, -0.5, 0.5) = 0.5 -> 0.5*0.25 = 0.125
+    # max(2, 0.125) = 2. Second token: V=0, old=0, R=1 -> 0.5 both ways. Mean = 1.25
+    v, old, ret = T([[2.0, 0.0]]), torch.zeros(1, 2), T([[0.0, 1.0]])
+    loss, m = value_loss(v, old, ret, torch.ones(1, 2), clip=0.5)
+    close(loss, 1.25)
+    close(m["vf_clipfrac"], 0.0)
+    # V=-1, old=0, R=-2: unclipped 0.5*1=0.5, clipped V'=-0.5 -> 0.5*2.25=1.125 -> clipped branch wins
+    loss, m = value_loss(T([[-1.0]]), torch.zeros(1, 1), T([[-2.0]]), torch.ones(1, 1), clip=0.5)
+    close(loss, 1.125)
+    close(m["vf_clipfrac"], 1.0)
+    close(value_loss(T([[-1.0]]), torch.zeros(1, 1), T([[-2.0]]), torch.ones(1, 1))[0], 0.5)
+
+
+def test_entropy_by_hand() -> None:
+    # uniform over 4 -> ln 4; a one-hot-ish large logit -> ~0; huge logits stay finite (fp32, logsumexp)
+    logits = T([[[0.0, 0.0, 0.0, 0.0], [1000.0, 0.0, 0.0, 0.0]]], dtype=torch.bfloat16)
+    ent = entropy_from_logits(logits, T([[1, 1]]))
+    assert ent.dtype == torch.float32
+    close(ent, [[math.log(4), 0.0]], tol=1e-3)
+    close(entropy_from_logits(logits, T([[0, 1]])), [[0.0, 0.0]], tol=1e-3)
+
+
+def test_token_logprobs_matches_log_softmax() -> None:
+    logits = torch.randn(2, 3, 7)
+    labels = torch.randint(0, 7, (2, 3))
+    expected = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
+    torch.testing.assert_close(token_logprobs(logits, labels), expected)
+
+
+def test_off_policy_weights_by_hand() -> None:
+    old = T([[0.0, 1.0, 0.5]])
+    beh = T([[0.0, 0.0, 0.0]])
+    mask = T([[1, 1, 0]])
+    # token: [e^0, min(e^1, 2)] = [1, 2], masked -> 0
+    close(off_policy_weights(old, beh, mask, level="token", cap=2.0), [[1.0, 2.0, 0.0]])
+    # sequence: exp(0 + 1) = 2.718 -> cap 3 leaves it; masked 0
+    close(off_policy_weights(old, beh, mask, level="sequence", cap=3.0), [[math.e, math.e, 0.0]])
+    w = off_policy_weights(old.requires_grad_(), beh, mask)
+    assert not w.requires_grad
+
+
+def test_overlong_penalty_by_hand() -> None:
+    # max 100, buffer 20: <=80 -> 0; 90 -> -0.5; 100 -> -1; 130 -> -1
+    close(overlong_penalty(T([50, 80, 90, 100, 130]), max_length=100, buffer=20), [0, 0, -0.5, -1, -1])
+
+
+# ---------------------------------------------------------------- KL
+def test_kl_by_hand() -> None:
+    logp, ref = T([0.0, 1.0]), T([0.0, 0.0])
+    close(kl_estimate(logp, ref, "k1"), [0.0, 1.0])
+    close(kl_estimate(logp, ref, "k2"), [0.0, 0.5])
+    close(kl_estimate(logp, ref, "abs"), [0.0, 1.0])
+    # k3: exp(-1) + 1 - 1 = 0.367879
+    close(kl_estimate(logp, ref, "k3"), [0.0, math.exp(-1)])
+    close(kl_estimate(logp, ref, "low_var_kl"), [0.0, math.exp(-1)])
+    # clamp: log_ratio = -50 -> exp(50) would be huge; result clamped to 10
+    close(kl_estimate(T([-50.0]), T([0.0]), "k3"), [10.0])
+    with pytest.raises(ValueError, match="unknown KL kind"):
+        kl_estimate(logp, ref, "k9")
+
+
+def test_kl_controllers_by_hand() -> None:
+    assert FixedKLController(0.1).update(5.0, 100) == 0.1
+    c = AdaptiveKLController(0.1, target=1.0, horizon=100)
+    # KL 3x target: error clipped to 0.2; 0.1 * (1 + 0.2 * 50/100) = 0.11
+    assert c.update(3.0, 50) == pytest.approx(0.11)
+    # KL 0.5x target: error -0.2 (clipped from -0.5); 0.11 * (1 - 0.2*100/100) = 0.088
+    assert c.update(0.5, 100) == pytest.approx(0.088)
+    c2 = AdaptiveKLController(1.0, 1.0, 1)
+    c2.load_state_dict(c.state_dict())
+    assert c2.value == pytest.approx(0.088)
+
+
+# ---------------------------------------------------------------- properties
+def _batch(seed: int, dtype: torch.dtype = torch.float64, b: int = 4, t: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(b, t, generator=g, dtype=dtype) * 3
+    old = logp + 0.3 * torch.randn(b, t, generator=g, dtype=dtype)
+    adv = torch.randn(b, generator=g, dtype=dtype)
+    mask = (torch.rand(b, t, generator=g) > 0.3).to(dtype)
+    mask[:, 0] = 1
+    return logp, old, adv, mask
+
+
+@given(seed=st.integers(0, 10_000), agg=st.sampled_from(AGG_MODES))
+@settings(max_examples=40, deadline=None)
+def test_at_ratio_one_every_variant_has_the_vanilla_gradient(seed: int, agg: str) -> None:
+    logp0, _, adv, mask = _batch(seed)
+
+    def grad(variant: str) -> torch.Tensor:
+        logp = logp0.clone().requires_grad_()
+        loss, _ = policy_loss(logp, logp0.detach(), adv, mask, variant=variant, agg=agg, norm_length=5,
+                              dual_clip=3.0 if variant == "ppo" else None)
+        (g,) = torch.autograd.grad(loss, logp)
+        return g
+
+    # Advantages are per sequence, so GSPO's gradient through the row mean (1/L per token, times L tokens)
+    # lands on each token exactly as vanilla's does.
+    reference = grad("vanilla")
+    assert reference.abs().sum() > 0
+    for variant in POLICY_LOSS_VARIANTS:
+        torch.testing.assert_close(grad(variant), reference, msg=variant)
+
+
+@given(seed=st.integers(0, 10_000), variant=st.sampled_from(POLICY_LOSS_VARIANTS), agg=st.sampled_from(AGG_MODES))
+@settings(max_examples=60, deadline=None)
+def test_masked_positions_change_nothing_and_get_no_gradient(seed: int, variant: str, agg: str) -> None:
+    logp, old, adv, mask = _batch(seed)
+    junk = torch.full_like(logp, NAN)
+    logp_a = logp.clone().requires_grad_()
+    logp_b = torch.where(mask.bool(), logp, junk).requires_grad_()
+    old_b = torch.where(mask.bool(), old, -junk)
+    la, ma = policy_loss(logp_a, old, adv, mask, variant=variant, agg=agg, norm_length=5)
+    lb, mb = policy_loss(logp_b, old_b, adv, mask, variant=variant, agg=agg, norm_length=5)
+    torch.testing.assert_close(la, lb)
+    for k in ma:
+        torch.testing.assert_close(ma[k], mb[k])
+    (ga,) = torch.autograd.grad(la, logp_a)
+    (gb,) = torch.autograd.grad(lb, logp_b)
+    assert torch.isfinite(gb).all()
+    torch.testing.assert_close(ga, gb)
+    assert (gb[~mask.bool()] == 0).all()
+
+
+@given(variant=st.sampled_from(POLICY_LOSS_VARIANTS), agg=st.sampled_from(AGG_MODES))
+@settings(max_examples=30, deadline=None)
+def test_loss_is_finite_for_all_masked_rows(variant: str, agg: str) -> None:
+    logp = torch.full((2, 3), NAN, requires_grad=True)
+    mask = torch.zeros(2, 3)
+    loss, metrics = policy_loss(logp, torch.zeros(2, 3), torch.ones(2), mask, variant=variant, agg=agg, norm_length=3)
+    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()
+    vl, _ = value_loss(torch.full((2, 3), NAN), torch.zeros(2, 3), torch.zeros(2, 3), mask, clip=0.2, agg=agg,
+                        norm_length=3)
+    assert torch.isfinite(vl)
+
+
+@given(a=st.floats(-30, 30, allow_nan=False), b=st.floats(-30, 30, allow_nan=False))
+@settings(max_examples=100, deadline=None)
+def test_k3_is_nonnegative(a: float, b: float) -> None:
+    assert kl_estimate(T([a]), T([b]), "k3").item() >= 0
+    assert kl_estimate(T([a]), T([b]), "k2").item() >= 0
+
+
+@given(seed=st.integers(0, 10_000), variant=st.sampled_from(POLICY_LOSS_VARIANTS), agg=st.sampled_from(AGG_MODES))
+@settings(max_examples=40, deadline=None)
+def test_fp32_matches_fp64(seed: int, variant: str, agg: str) -> None:
+    logp, old, adv, mask = _batch(seed)
+    l64, _ = policy_loss(logp, old, adv, mask, variant=variant, agg=agg, norm_length=5, dual_clip=3.0
+                         if variant == "ppo" else None)
+    l32, _ = policy_loss(logp.float(), old.float(), adv.float(), mask.float(), variant=variant, agg=agg,
+                         norm_length=5, dual_clip=3.0 if variant == "ppo" else None)
+    torch.testing.assert_close(l32.double(), l64, atol=1e-5, rtol=1e-4)
+    for kind in ("k1", "k2", "k3", "abs"):
+        torch.testing.assert_close(kl_estimate(logp.float(), old.float(), kind).double(), kl_estimate(logp, old, kind),
+                                   atol=1e-5, rtol=1e-4)

@@ -1,0 +1,119 @@
+"""Compose, validate and materialise run configs; turn Hydra/OmegaConf errors into actionable messages.
+
+- `find_conf_dir()` locates the user-facing YAML tree (`$ROLL_CONF_DIR`, then `./conf`, then the repository's
+  `conf/` next to an editable install, then the copy packaged inside roll-core).
+- `compose(overrides)` composes a primary config (Hydra compose API) without building anything.
+- `to_object(cfg)` turns the DictConfig into dataclasses once, at the entry point, running every `__post_init__`.
+- `explain(exc)` walks an exception chain for the OmegaConf error that names a key and adds "did you mean".
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Sequence
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A run config is invalid; the message names the key and, where close, the right spelling."""
+
+
+def find_conf_dir() -> Path:
+    """The folder holding `rlvr.yaml` and the config groups."""
+    candidates: list[Path] = []
+    if os.environ.get("ROLL_CONF_DIR"):
+        candidates.append(Path(os.environ["ROLL_CONF_DIR"]))
+    candidates.append(Path.cwd() / "conf")
+    here = Path(__file__).resolve()
+    candidates += [parent / "conf" for parent in here.parents]
+    candidates.append(here.parent.parent / "_conf")
+    for cand in candidates:
+        if (cand / "rlvr.yaml").is_file():
+            return cand
+    tried = "\n  ".join(str(c) for c in candidates[:3] + candidates[-1:])
+    raise ConfigError(f"cannot find roll's conf/ folder (looked for rlvr.yaml in):\n  {tried}\nset ROLL_CONF_DIR")
+
+
+def _dataclass_fields(obj_type: Any) -> list[str]:
+    if obj_type is not None and is_dataclass(obj_type):
+        return [f.name for f in fields(obj_type) if not f.name.startswith("_")]
+    return []
+
+
+def explain(exc: BaseException) -> str:
+    """A one-paragraph message for a composition error, with a "did you mean" when a close key exists."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    chain: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    lines = [line for e in chain for line in str(e).strip().splitlines()]
+    # Hydra suggests "+key=value" for unknown keys, which a structured config rejects too; OmegaConf repeats
+    # its message as an unformatted template. Neither helps a user.
+    lines = [ln for ln in lines if ln.strip() and not ln.startswith("To append to your config") and "$VALUE" not in ln]
+    message = "\n".join(dict.fromkeys(lines))
+    for err in chain:
+        if isinstance(err, OmegaConfBaseException) and getattr(err, "key", None) is not None:
+            key = str(err.key)
+            candidates = _dataclass_fields(getattr(err, "object_type", None))
+            close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+            full_key = getattr(err, "full_key", None) or key
+            if key in candidates:
+                pass  # the key exists: the value is what is wrong, and the message says why
+            elif close:
+                parent = full_key.rsplit(".", 1)[0] + "." if "." in full_key else ""
+                message += f"\nDid you mean '{parent}{close[0]}'?"
+            elif candidates:
+                message += f"\nValid keys here: {', '.join(candidates)}"
+            break
+    return message
+
+
+def compose(
+    overrides: Sequence[str] = (),
+    config_name: str = "rlvr",
+    conf_dir: str | Path | None = None,
+) -> DictConfig:
+    """Compose `config_name` with Hydra overrides; raises `ConfigError` with an explained message.
+
+    Args:
+        overrides: Hydra override strings, e.g. ["algo=ppo", "algo.lr=1e-6"].
+        config_name: primary config in the conf folder.
+        conf_dir: the conf folder; default `find_conf_dir()`.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from roll_core.registry import register_all_configs
+
+    register_all_configs()
+    conf = Path(conf_dir) if conf_dir is not None else find_conf_dir()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf.resolve()), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    except Exception as exc:
+        raise ConfigError(explain(exc)) from exc
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def to_object(cfg: DictConfig) -> Any:
+    """Resolve interpolations and instantiate the schema dataclasses (runs their `__post_init__` checks)."""
+    try:
+        return OmegaConf.to_object(cfg)
+    except Exception as exc:
+        raise ConfigError(explain(exc)) from exc
+
+
+def load_config(overrides: Sequence[str] = (), config_name: str = "rlvr", conf_dir: str | Path | None = None) -> Any:
+    """`compose` then `to_object`: the typed config a pipeline takes."""
+    return to_object(compose(overrides, config_name, conf_dir))

@@ -1,0 +1,277 @@
+"""Structured-config schemas owned by roll-core: algorithm, model, hardware, cluster, pipeline and the root.
+
+Contract: each schema is a dataclass registered in Hydra's ConfigStore by `register_configs()`; the YAML under
+`conf/` extends these schemas, so an unknown key or a wrong type fails at composition with the key's name.
+Invariants live in `__post_init__` and say how to fix the value. Engine and environment schemas live in the
+packages that implement them (roll-engines, roll-envs) and register through their own `roll.configs` entry
+points; the root types those groups as `Any` so that any installed implementation's schema can fill them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "tis", "topr", "vanilla")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _one_of(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+@dataclass
+class AlgoConfig:
+    """The RL algorithm: advantage estimator, losses, KL, optimisation schedule."""
+
+    # Display name of the preset (grpo, ppo, ...); free text, shown in logs.
+    name: str = "grpo"
+    # Advantage estimator: grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae (gae trains a critic).
+    adv_estimator: str = "grpo"
+    # Samples per prompt (the GRPO group size); group estimators need >= 2.
+    group_size: int = 8
+    # Actor learning rate (AdamW).
+    lr: float = 1e-6
+    # Linear warm-up steps of the actor and critic learning rates (optimizer steps).
+    warmup_steps: int = 0
+    # LR schedule after warm-up: constant | cosine | linear (decay to 0 at the last step).
+    lr_schedule: str = "constant"
+    # AdamW weight decay.
+    weight_decay: float = 0.0
+    # Passes over each rollout batch.
+    ppo_epochs: int = 1
+    # Samples per optimizer step; 0 means the whole rollout batch is one optimizer step.
+    mini_batch_size: int = 0
+    # Global gradient-norm clip; 0 disables.
+    max_grad_norm: float = 1.0
+    # Policy loss variant: ppo | gspo | cispo | tis | topr | vanilla.
+    policy_loss: str = "ppo"
+    # Loss aggregation over tokens: token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm.
+    loss_agg: str = "token-mean"
+    # Lower PPO clip epsilon (ratio >= 1 - clip_low).
+    clip_low: float = 0.2
+    # Upper PPO clip epsilon; > clip_low is DAPO's clip-higher.
+    clip_high: float = 0.2
+    # Dual-clip constant c > 1 bounding negative-advantage loss at c*|A|; null disables.
+    dual_clip: float | None = None
+    # Ratio cap for the tis/cispo variants.
+    ratio_cap: float = 2.0
+    # KL-to-reference coefficient; 0 disables the reference model entirely.
+    kl_coef: float = 0.0
+    # KL estimator: k1 | k2 | k3 (= low_var_kl) | abs.
+    kl_kind: str = "k3"
+    # Where KL acts: false adds coef*KL to the loss; true subtracts it from the token reward.
+    kl_in_reward: bool = False
+    # Target KL for the adaptive controller (PPO-style); null keeps kl_coef fixed.
+    kl_target: float | None = None
+    # Horizon (samples) of the adaptive KL controller.
+    kl_horizon: int = 10000
+    # Entropy bonus coefficient (subtracted from the loss).
+    entropy_coef: float = 0.0
+    # Discount for gae / returns.
+    gamma: float = 1.0
+    # GAE lambda.
+    lam: float = 1.0
+    # Critic learning rate (gae only).
+    critic_lr: float = 1e-5
+    # PPO value clip; null disables.
+    value_clip: float | None = 0.2
+    # Whiten advantages over the batch after estimation (masked).
+    whiten_advantages: bool = False
+    # Clip advantages to [-x, x]; null disables.
+    advantage_clip: float | None = None
+    # Clip sequence rewards to [-x, x]; null disables.
+    reward_clip: float | None = None
+    # Truncated importance weights between training and inference log-probs: null | token | sequence.
+    off_policy_correction: str | None = None
+    # Cap of the off-policy correction weights.
+    off_policy_cap: float = 2.0
+    # DAPO soft overlong penalty buffer in tokens (0 disables); the penalty reaches -1 at the response limit.
+    overlong_buffer: int = 0
+    # DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no GRPO signal).
+    drop_uniform_groups: bool = False
+
+    @property
+    def use_critic(self) -> bool:
+        """True when the estimator needs a value model."""
+        return self.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        """True when a reference model is needed (only when KL is on: a silent default must not switch it on)."""
+        return self.kl_coef > 0 or self.kl_target is not None
+
+    def __post_init__(self) -> None:
+        _one_of("algo.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        _one_of("algo.policy_loss", self.policy_loss, POLICY_LOSSES)
+        _one_of("algo.loss_agg", self.loss_agg, LOSS_AGGS)
+        _one_of("algo.kl_kind", self.kl_kind, KL_KINDS)
+        _one_of("algo.lr_schedule", self.lr_schedule, ("constant", "cosine", "linear"))
+        _one_of("algo.off_policy_correction", self.off_policy_correction, (None, "token", "sequence"))
+        if self.group_size < 1:
+            raise ValueError(f"algo.group_size={self.group_size} must be >= 1")
+        if self.adv_estimator in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline") and self.group_size < 2:
+            raise ValueError(
+                f"algo.adv_estimator={self.adv_estimator} compares samples of one prompt: set algo.group_size >= 2"
+            )
+        _positive("algo.lr", self.lr)
+        _positive("algo.ppo_epochs", self.ppo_epochs)
+        _positive("algo.mini_batch_size", self.mini_batch_size, allow_zero=True)
+        _positive("algo.max_grad_norm", self.max_grad_norm, allow_zero=True)
+        _positive("algo.clip_low", self.clip_low)
+        _positive("algo.clip_high", self.clip_high)
+        if self.clip_low >= 1:
+            raise ValueError(f"algo.clip_low={self.clip_low} must be < 1 (the ratio floor is 1 - clip_low)")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"algo.dual_clip={self.dual_clip} must be > 1 (3 is usual) or null")
+        _positive("algo.kl_coef", self.kl_coef, allow_zero=True)
+        _positive("algo.entropy_coef", self.entropy_coef, allow_zero=True)
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ValueError(f"algo.gamma={self.gamma} and algo.lam={self.lam} must lie in [0, 1]")
+        _positive("algo.overlong_buffer", self.overlong_buffer, allow_zero=True)
+
+
+@dataclass
+class ModelConfig:
+    """Which model to post-train; engines load it with transformers."""
+
+    # Display name.
+    name: str = MISSING
+    # HF folder or hub id; "builtin:<name>" resolves through roll_engines' model provisioning (GGUF presets).
+    path: str = MISSING
+    # Tokenizer folder or id; null uses `path`.
+    tokenizer: str | None = None
+    # Weights dtype: auto | float32 | bfloat16 | float16 (auto: bf16 where the platform runs it fast, else fp32).
+    dtype: str = "float32"
+    # Passed to transformers' from_pretrained.
+    trust_remote_code: bool = False
+    # attn_implementation for transformers (sdpa, eager, flash_attention_2).
+    attn_implementation: str = "sdpa"
+    # Maximum prompt tokens; longer prompts are skipped and counted.
+    max_prompt_length: int = 256
+    # Maximum generated tokens per sample.
+    max_response_length: int = 128
+
+    def __post_init__(self) -> None:
+        _one_of("model.dtype", self.dtype, DTYPES)
+        _positive("model.max_prompt_length", self.max_prompt_length)
+        _positive("model.max_response_length", self.max_response_length)
+
+
+@dataclass
+class HwConfig:
+    """Which hardware platform to run on."""
+
+    # Platform name (cpu, cuda, rocm, npu, or a plugin's); auto detects. ROLL_PLATFORM overrides auto.
+    platform: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.platform != "auto":
+            from roll_hw import platform_names
+
+            names = platform_names()
+            if self.platform not in names:
+                raise ValueError(f"hw.platform={self.platform!r} is not installed; installed: {', '.join(names)}")
+
+
+@dataclass
+class ClusterConfig:
+    """Where workers run: in-process (local), a Ray instance started here, or an existing Ray cluster."""
+
+    # local: every role in this process (debuggable, no Ray) | ray: Ray actors.
+    backend: str = "local"
+    # Ray address: null starts a local instance; "auto" or "ray://host:port" joins an existing cluster.
+    address: str | None = None
+    # CPUs for a Ray instance started here (null: all cores).
+    num_cpus: int | None = None
+    # Custom resources for a Ray instance started here, e.g. {GPU: 2} for tests.
+    resources: dict[str, float] = field(default_factory=dict)
+    # colocated: roles time-share the same devices | disaggregated: each role gets its own devices.
+    placement: str = "colocated"
+    # Fraction of a CPU each Ray worker reserves (roles are cheap to schedule; CPU threads are set separately).
+    cpus_per_worker: float = 0.5
+    # Ray namespace for this run's actors.
+    namespace: str = "roll"
+
+    def __post_init__(self) -> None:
+        _one_of("cluster.backend", self.backend, ("local", "ray"))
+        _one_of("cluster.placement", self.placement, ("colocated", "disaggregated"))
+        if self.backend == "local" and self.address is not None:
+            raise ValueError("cluster.address is set but cluster.backend=local: use cluster=ray to join a cluster")
+        _positive("cluster.cpus_per_worker", self.cpus_per_worker, allow_zero=True)
+
+
+@dataclass
+class PipelineConfig:
+    """Run control of the RLVR pipeline."""
+
+    # Pipeline kind (rlvr).
+    name: str = "rlvr"
+    # Training steps (one rollout batch each).
+    max_steps: int = 20
+    # Prompts per step; each is sampled algo.group_size times.
+    rollout_batch_size: int = 8
+    # Evaluate held-out accuracy every N steps (0: never; the first and last steps are always evaluated if > 0).
+    eval_every: int = 5
+    # Held-out prompts per evaluation.
+    eval_size: int = 64
+    # Save a checkpoint every N steps (0: only at the end).
+    save_every: int = 0
+    # Checkpoints to keep (older ones are deleted after a new one is complete).
+    keep_last: int = 2
+    # Global seed (data order, sampling, init of new heads).
+    seed: int = 42
+    # Output folder; null: Hydra's run folder (or ./outputs/<timestamp> without Hydra).
+    output_dir: str | None = None
+    # Continue from the latest checkpoint in output_dir.
+    resume: bool = False
+    # Show a progress bar.
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("pipeline.max_steps", self.max_steps)
+        _positive("pipeline.rollout_batch_size", self.rollout_batch_size)
+        _positive("pipeline.eval_every", self.eval_every, allow_zero=True)
+        _positive("pipeline.save_every", self.save_every, allow_zero=True)
+        _positive("pipeline.keep_last", self.keep_last)
+
+
+@dataclass
+class RLVRConfig:
+    """Root of an RLVR run. Engine and env groups are typed `Any`: their schemas come from their packages."""
+
+    defaults: list[Any] = field(default_factory=list)
+    # Experiment name (used in output paths and trackers).
+    experiment: str = "rlvr"
+    model: ModelConfig = MISSING
+    algo: AlgoConfig = MISSING
+    train_engine: Any = MISSING
+    infer_engine: Any = MISSING
+    env: Any = MISSING
+    hw: HwConfig = field(default_factory=HwConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+
+def register_configs() -> None:
+    """Store roll-core's schemas in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="rlvr_schema", node=RLVRConfig)
+    cs.store(group="algo", name="algo_schema", node=AlgoConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="hw", name="hw_schema", node=HwConfig)
+    cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
+    cs.store(group="pipeline", name="pipeline_schema", node=PipelineConfig)

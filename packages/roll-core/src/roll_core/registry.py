@@ -1,0 +1,120 @@
+"""One plugin loader over roll's entry-point groups.
+
+Entry points say what is installed; config says what a run builds. Every group is `roll.<kind>`:
+
+| group | an entry point loads to |
+|---|---|
+| `roll.platforms` | a `roll_hw.Platform` subclass |
+| `roll.train_engines` / `roll.infer_engines` | an engine class |
+| `roll.envs` / `roll.rewards` | an environment / reward class |
+| `roll.algorithms` | an advantage estimator (callable) |
+| `roll.configs` | a `register_configs()` callable that stores dataclass schemas in Hydra's ConfigStore |
+
+Contract: listing a group imports nothing (entry-point metadata only); `load` imports one object and caches it;
+calling anything twice is cheap and idempotent, because every Ray worker process loads plugins again. An unknown
+name raises `PluginNotFoundError` listing what is installed; a failing import raises `PluginLoadError` naming the
+group, the name and the cause.
+"""
+
+from __future__ import annotations
+
+import difflib
+from functools import lru_cache
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+GROUPS: tuple[str, ...] = (
+    "roll.platforms",
+    "roll.train_engines",
+    "roll.infer_engines",
+    "roll.envs",
+    "roll.rewards",
+    "roll.algorithms",
+    "roll.configs",
+)
+
+
+class PluginError(LookupError):
+    """Base class for registry errors."""
+
+
+class PluginNotFoundError(PluginError):
+    """No plugin of that name is installed in that group."""
+
+
+class PluginLoadError(PluginError):
+    """A plugin is installed but importing it failed."""
+
+
+def _check_group(group: str) -> None:
+    if group not in GROUPS:
+        raise PluginNotFoundError(f"unknown plugin group {group!r}; groups are: {', '.join(GROUPS)}")
+
+
+@lru_cache(maxsize=None)
+def _entry_points(group: str) -> dict[str, EntryPoint]:
+    _check_group(group)
+    return {ep.name: ep for ep in entry_points(group=group)}
+
+
+def available(group: str) -> list[str]:
+    """Sorted names installed in `group`. Imports nothing."""
+    return sorted(_entry_points(group))
+
+
+def describe(group: str) -> dict[str, str]:
+    """name -> "module:attr (distribution version)" for every plugin in `group`, for error messages and docs."""
+    out = {}
+    for name, ep in sorted(_entry_points(group).items()):
+        dist = getattr(ep, "dist", None)
+        out[name] = f"{ep.value} ({dist.name} {dist.version})" if dist is not None else ep.value
+    return out
+
+
+@lru_cache(maxsize=None)
+def load(group: str, name: str) -> Any:
+    """Import and return the object registered as `name` in `group`.
+
+    Raises:
+        PluginNotFoundError: `name` is not installed; the message lists what is and suggests close names.
+        PluginLoadError: the plugin's import failed; the message names group, name, target and cause.
+    """
+    eps = _entry_points(group)
+    if name not in eps:
+        installed = ", ".join(sorted(eps)) or "none"
+        close = difflib.get_close_matches(name, list(eps), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise PluginNotFoundError(f"no plugin {name!r} in group {group!r}; installed: {installed}.{hint}")
+    ep = eps[name]
+    try:
+        return ep.load()
+    except Exception as exc:
+        raise PluginLoadError(
+            f"plugin {name!r} in group {group!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def load_all(group: str) -> dict[str, Any]:
+    """Load every plugin of `group` (fails on the first broken one, with its name)."""
+    return {name: load(group, name) for name in available(group)}
+
+
+_configs_registered = False
+
+
+def register_all_configs() -> list[str]:
+    """Call every `roll.configs` entry point once per process; returns the names called (empty when already done)."""
+    global _configs_registered
+    if _configs_registered:
+        return []
+    names = available("roll.configs")
+    for name in names:
+        load("roll.configs", name)()
+    _configs_registered = True
+    return names
+
+
+def clear_cache() -> None:
+    """Forget cached entry points and loaded objects (tests that install plugins at run time)."""
+    _entry_points.cache_clear()
+    load.cache_clear()

@@ -1,0 +1,98 @@
+"""`roll-doctor` / `python -m roll_hw`: print what roll sees on this machine, as a table.
+
+Reports the detected platform, every known platform's probe, devices, torch version, which torch.distributed
+backends are compiled in, and which optional engines import. It never fails on a missing optional package: every
+probe is wrapped, and the worst outcome is a row that says "no (<reason>)".
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Iterable
+
+from roll_hw.detect import get_platform_class, platform_names, resolve_platform
+
+#: Optional engines and libraries: display name -> import name.
+OPTIONAL_ENGINES: dict[str, str] = {
+    "transformers": "transformers",
+    "ray": "ray",
+    "vllm": "vllm",
+    "sglang": "sglang",
+    "megatron-core": "megatron.core",
+    "flash-attn": "flash_attn",
+    "torch_npu": "torch_npu",
+    "deepspeed": "deepspeed",
+}
+
+
+def _version_of(module_name: str) -> str:
+    """Import a module and return its version, or "no (reason)"."""
+    try:
+        if importlib.util.find_spec(module_name.split(".")[0]) is None:
+            return "no (not installed)"
+        mod = importlib.import_module(module_name)
+    except Exception as exc:  # a broken optional install must not crash the doctor
+        return f"no ({type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''})"
+    top = sys.modules.get(module_name.split(".")[0], mod)
+    return str(getattr(mod, "__version__", getattr(top, "__version__", "yes")))
+
+
+def _dist_backends() -> str:
+    try:
+        import torch.distributed as dist
+    except Exception as exc:
+        return f"none ({exc})"
+    if not dist.is_available():
+        return "none (torch built without distributed)"
+    names = []
+    for backend, probe in (("gloo", "is_gloo_available"), ("nccl", "is_nccl_available"), ("mpi", "is_mpi_available")):
+        if getattr(dist, probe, lambda: False)():
+            names.append(backend)
+    if importlib.util.find_spec("torch_npu") is not None:
+        names.append("hccl (torch_npu)")
+    return ", ".join(names) or "none"
+
+
+def table(rows: Iterable[tuple[str, str]], title: str) -> str:
+    """Format (key, value) rows as a two-column text table under a title."""
+    rows = list(rows)
+    width = max((len(k) for k, _ in rows), default=0)
+    line = "-" * (width + 3 + max((len(v) for _, v in rows), default=0))
+    out = [title, line]
+    out += [f"{k.ljust(width)} | {v}" for k, v in rows]
+    out.append(line)
+    return "\n".join(out)
+
+
+def report() -> tuple[str, bool]:
+    """The whole doctor report as text, and whether the platform resolved."""
+    sections = []
+    try:
+        current = resolve_platform()
+        detected = current.name
+    except Exception as exc:
+        current, detected = None, f"ERROR: {exc}"
+    rows = [("detected platform", detected), ("python", sys.version.split()[0]), ("torch", _version_of("torch"))]
+    rows.append(("torch.distributed backends", _dist_backends()))
+    sections.append(table(rows, "roll-doctor"))
+    if current is not None:
+        sections.append(table(current.describe().items(), f"platform: {current.name}"))
+    probes = []
+    for name in platform_names():
+        try:
+            cls = get_platform_class(name)
+            probes.append((name, "available" if cls.is_available() else f"no ({cls.unavailable_reason()})"))
+        except Exception as exc:
+            probes.append((name, f"error ({exc})"))
+    sections.append(table(probes, "platform probes"))
+    sections.append(table([(k, _version_of(v)) for k, v in OPTIONAL_ENGINES.items()], "optional engines"))
+    return "\n\n".join(sections), current is not None
+
+
+def main() -> int:
+    """Console entry point: print the report; exit 1 if the platform could not be resolved."""
+    text, ok = report()
+    print(text)
+    return 0 if ok else 1

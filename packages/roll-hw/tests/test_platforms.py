@@ -1,0 +1,133 @@
+"""Built-in platforms: conformance suite, detection order, ROLL_PLATFORM, and the doctor."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import roll_hw
+from roll_hw import PlatformUnavailableError, resolve_platform
+from roll_hw.cpu import CpuPlatform
+from roll_hw.cuda import CudaPlatform
+from roll_hw.npu import NpuPlatform
+from roll_hw.rocm import RocmPlatform
+from roll_hw.testing import PlatformTestSuite
+
+
+class TestCpuPlatform(PlatformTestSuite):
+    platform = CpuPlatform
+
+
+class TestCudaPlatform(PlatformTestSuite):
+    platform = CudaPlatform
+
+
+class TestRocmPlatform(PlatformTestSuite):
+    platform = RocmPlatform
+
+
+class TestNpuPlatform(PlatformTestSuite):
+    platform = NpuPlatform
+
+
+def test_platform_facts() -> None:
+    assert (CudaPlatform.ray_resource, CudaPlatform.visible_devices_env, CudaPlatform.dist_backend) == (
+        "GPU",
+        "CUDA_VISIBLE_DEVICES",
+        "nccl",
+    )
+    assert (RocmPlatform.device_type, RocmPlatform.visible_devices_env) == ("cuda", "HIP_VISIBLE_DEVICES")
+    assert (NpuPlatform.ray_resource, NpuPlatform.visible_devices_env, NpuPlatform.dist_backend) == (
+        "NPU",
+        "ASCEND_RT_VISIBLE_DEVICES",
+        "hccl",
+    )
+    assert (CpuPlatform.ray_resource, CpuPlatform.dist_backend) == (None, "gloo")
+
+
+def test_auto_detection_matches_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ROLL_PLATFORM", raising=False)
+    expected = next(p for p in (CudaPlatform, RocmPlatform, NpuPlatform, CpuPlatform) if p.is_available())
+    plugins_active = [p for p in roll_hw.detect.plugin_platforms().values() if p.is_available()]
+    assert resolve_platform() is (plugins_active[0] if plugins_active else expected)
+
+
+def test_forced_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLL_PLATFORM", "cpu")
+    assert resolve_platform() is CpuPlatform
+
+
+def test_forced_npu_without_torch_npu_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    if NpuPlatform.is_available():
+        pytest.skip("this machine has an NPU")
+    monkeypatch.setenv("ROLL_PLATFORM", "npu")
+    with pytest.raises(PlatformUnavailableError, match=r"ROLL_PLATFORM=npu.*torch_npu.*roll-hw\[npu\]"):
+        resolve_platform()
+
+
+def test_unknown_platform_lists_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLL_PLATFORM", "tpu9000")
+    with pytest.raises(PlatformUnavailableError, match=r"unknown platform 'tpu9000'; installed platforms: cuda, rocm, npu, cpu"):
+        resolve_platform()
+
+
+def test_current_platform_is_lazy_and_swappable() -> None:
+    roll_hw.set_current_platform(None)
+    assert roll_hw._current is None  # importing resolved nothing
+    first = roll_hw.current_platform
+    assert roll_hw._current is first
+    roll_hw.set_current_platform(NpuPlatform)
+    try:
+        assert roll_hw.current_platform is NpuPlatform
+    finally:
+        roll_hw.set_current_platform(None)
+
+
+def test_cpu_memory_stats_are_plausible() -> None:
+    mem = CpuPlatform.memory_stats()
+    assert mem.total > 2**30 and 0 < mem.free <= mem.total and mem.allocated > 0
+
+
+def test_cpu_config_hook_forces_fp32_without_amx() -> None:
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(dtype="auto", dist_backend="")
+    CpuPlatform.check_and_update_config(cfg)
+    assert cfg.dtype == ("bfloat16" if CpuPlatform.supports_bf16() else "float32")
+    assert cfg.dist_backend == "gloo"
+
+
+def test_import_does_not_import_torch() -> None:
+    code = "import sys, roll_hw; from roll_hw import detect, doctor, interface; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_doctor_prints_table() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "roll_hw"], check=True, capture_output=True, text=True, env=_env(ROLL_PLATFORM="cpu")
+    ).stdout
+    assert "detected platform" in out and "| cpu" in out
+    assert "platform probes" in out and "optional engines" in out
+    for name in ("cuda", "rocm", "npu", "vllm", "sglang", "torch_npu"):
+        assert name in out
+    assert "gloo" in out  # the CPU build of torch has gloo
+
+
+def test_doctor_fails_clearly_on_forced_unavailable_platform() -> None:
+    if NpuPlatform.is_available():
+        pytest.skip("this machine has an NPU")
+    proc = subprocess.run(
+        [sys.executable, "-m", "roll_hw"], capture_output=True, text=True, env=_env(ROLL_PLATFORM="npu")
+    )
+    assert proc.returncode == 1
+    assert "ERROR: platform 'npu' forced by ROLL_PLATFORM=npu is unavailable" in proc.stdout
+
+
+def _env(**extra: str) -> dict[str, str]:
+    import os
+
+    env = dict(os.environ)
+    env.update(extra)
+    return env
