@@ -142,7 +142,7 @@ class Platform:
         elif dtype == "auto":
             cfg.dtype = "bfloat16" if cls.supports_bf16() else "float32"
             changes.append(f"dtype auto -> {cfg.dtype}")
-        if getattr(cfg, "dist_backend", "") in (None, "", "auto"):
+        if hasattr(cfg, "dist_backend") and cfg.dist_backend in (None, "", "auto"):
             cfg.dist_backend = cls.dist_backend
             changes.append(f"dist_backend -> {cls.dist_backend}")
         return changes

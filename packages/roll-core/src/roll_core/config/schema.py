@@ -21,6 +21,13 @@ KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def _estimators() -> tuple[str, ...]:
+    """Built-in estimators plus any installed under the `roll.algorithms` entry-point group."""
+    from roll_core.registry import available
+
+    return tuple(dict.fromkeys((*ADV_ESTIMATORS, *available("roll.algorithms"))))
+
+
 def _one_of(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
@@ -113,7 +120,7 @@ class AlgoConfig:
         return self.kl_coef > 0 or self.kl_target is not None
 
     def __post_init__(self) -> None:
-        _one_of("algo.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        _one_of("algo.adv_estimator", self.adv_estimator, _estimators())
         _one_of("algo.policy_loss", self.policy_loss, POLICY_LOSSES)
         _one_of("algo.loss_agg", self.loss_agg, LOSS_AGGS)
         _one_of("algo.kl_kind", self.kl_kind, KL_KINDS)
@@ -140,6 +147,9 @@ class AlgoConfig:
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError(f"algo.gamma={self.gamma} and algo.lam={self.lam} must lie in [0, 1]")
         _positive("algo.overlong_buffer", self.overlong_buffer, allow_zero=True)
+        if self.kl_in_reward and self.adv_estimator not in ("reinforce_pp", "reinforce_pp_baseline", "gae"):
+            raise ValueError(f"algo.kl_in_reward=true needs a token-reward estimator (reinforce_pp, "
+                             f"reinforce_pp_baseline, gae), not {self.adv_estimator}: use the KL loss instead")
 
 
 @dataclass
@@ -238,6 +248,10 @@ class PipelineConfig:
     resume: bool = False
     # Show a progress bar.
     progress: bool = True
+    # Sampling temperature of held-out evaluation; null: the inference engine's temperature.
+    eval_temperature: float | None = None
+    # Reward worker processes (reward scoring is CPU work; more workers overlap it).
+    reward_workers: int = 1
 
     def __post_init__(self) -> None:
         _positive("pipeline.max_steps", self.max_steps)
@@ -245,6 +259,7 @@ class PipelineConfig:
         _positive("pipeline.eval_every", self.eval_every, allow_zero=True)
         _positive("pipeline.save_every", self.save_every, allow_zero=True)
         _positive("pipeline.keep_last", self.keep_last)
+        _positive("pipeline.reward_workers", self.reward_workers)
 
 
 @dataclass

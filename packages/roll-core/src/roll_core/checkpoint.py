@@ -1,0 +1,87 @@
+"""Checkpoints: atomic, complete, the last K kept; the policy folder loads with plain transformers.
+
+Layout: `<out>/checkpoints/step_000010/` holding `actor/model/` (HF `save_pretrained`: safetensors + config +
+tokenizer), `actor/engine.pt` (optimizer, LR scheduler), `critic/` (PPO), and `state.json` (step, sampler
+position, KL controller, RNG states). A checkpoint is written into `step_000010.tmp/` and renamed when complete,
+so a crash mid-save never leaves a folder that `latest()` would pick.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class CheckpointManager:
+    """Creates, lists, prunes and finds checkpoints under `<out>/checkpoints`."""
+
+    def __init__(self, out_dir: str | Path, keep_last: int = 2) -> None:
+        if keep_last < 1:
+            raise ValueError("keep_last must be >= 1")
+        self.root = Path(out_dir) / "checkpoints"
+        self.keep_last = keep_last
+
+    def staging(self, step: int) -> Path:
+        """An empty temporary folder to write step `step` into."""
+        tmp = self.root / f"step_{step:06d}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def commit(self, tmp: Path, step: int, state: dict[str, Any]) -> Path:
+        """Write state.json, rename the staging folder into place, prune old checkpoints."""
+        state = {**state, "step": step, "rng": rng_state()}
+        torch.save(state.pop("rng"), tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=2))
+        final = self.root / f"step_{step:06d}"
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in self.list()[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def list(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.root.exists():
+            return []
+        return sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+                      and (p / "state.json").exists())
+
+    def latest(self) -> Path | None:
+        found = self.list()
+        return found[-1] if found else None
+
+    @staticmethod
+    def read_state(folder: Path) -> dict[str, Any]:
+        state = json.loads((folder / "state.json").read_text())
+        if (folder / "rng.pt").exists():
+            set_rng_state(torch.load(folder / "rng.pt", weights_only=False))
+        return state
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch RNG states of this process."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])

@@ -1,0 +1,145 @@
+"""Worker groups over two backends with one code path: `local` (in-process) and `ray` (actors).
+
+`WorkerGroup(cls, world_size, backend, **kwargs)` creates `world_size` instances of a worker class and runs
+calls according to each method's declared dispatch mode (see roll_core.cluster.worker). `submit()` returns a
+`Handle` to wait on, so the controller can overlap work; `call()` waits. The `local` backend executes at submit
+time in this process (so `breakpoint()` in a worker just works); the `ray` backend places actors by the
+resources and placement groups the caller gives.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from roll_core.cluster.worker import Dispatch, Worker, dispatch_mode
+from roll_core.protocol import Batch
+
+W = TypeVar("W", bound=Worker)
+
+
+def free_port() -> int:
+    """A free TCP port on this host for a torch.distributed rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RayOptions:
+    """How to place one group's actors on Ray."""
+
+    num_cpus: float = 0.5
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    # (placement group, bundle index per rank); None lets Ray schedule freely.
+    placement: tuple[Any, list[int]] | None = None
+    env: list[dict[str, str]] | None = None  # per-rank environment variables (e.g. visible devices)
+
+
+class Handle:
+    """A pending group call; `result()` waits and assembles per the dispatch mode."""
+
+    def __init__(self, parts: list[Any], mode: Dispatch, resolve: Callable[[list[Any]], list[Any]]) -> None:
+        self._parts, self._mode, self._resolve = parts, mode, resolve
+
+    @property
+    def refs(self) -> list[Any]:
+        """Raw per-rank results or Ray object refs (to pass results on without a round trip)."""
+        return self._parts
+
+    def values(self) -> list[Any]:
+        """Per-rank results, waiting for them."""
+        return self._resolve(self._parts)
+
+    def result(self) -> Any:
+        values = self.values()
+        if self._mode is Dispatch.RANK0:
+            return values[0]
+        if self._mode is Dispatch.DP and values and all(isinstance(v, Batch) for v in values):
+            return Batch.concat(values)
+        return values
+
+
+class WorkerGroup(Generic[W]):
+    """`world_size` workers of class `cls` on the `local` or `ray` backend."""
+
+    #: The worker class a typed subclass drives (used by roll_core.cluster.launch.Cluster).
+    worker_cls: type[Worker] = Worker
+
+    def __init__(self, cls: type[W], world_size: int, backend: str = "local", *, name: str = "",
+                 ray_options: RayOptions | None = None, **kwargs: Any) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.cls, self.world_size, self.backend, self.name = cls, world_size, backend, name or cls.__name__
+        rendezvous = {"master_addr": "127.0.0.1", "master_port": free_port()}
+        if backend == "local":
+            if world_size > 1 and kwargs.get("requires_distributed", False):
+                raise ValueError(f"{self.name}: world_size={world_size} needs separate processes; use cluster=ray")
+            self.workers: list[Any] = [cls(rank=r, world_size=world_size, **rendezvous, **kwargs)
+                                       for r in range(world_size)]
+        elif backend == "ray":
+            self.workers = self._start_ray(cls, world_size, ray_options or RayOptions(), rendezvous, kwargs)
+        else:
+            raise ValueError(f"unknown backend {backend!r}: use 'local' or 'ray'")
+
+    def _start_ray(self, cls: type, world_size: int, opts: RayOptions, rendezvous: dict[str, Any],
+                   kwargs: dict[str, Any]) -> list[Any]:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if world_size > 1:
+            # Rank 0's node hosts the rendezvous; with placement on one node 127.0.0.1 works, otherwise use
+            # the driver's address, which every node can reach.
+            rendezvous["master_addr"] = ray.util.get_node_ip_address()
+        remote_cls = ray.remote(cls)
+        actors = []
+        for r in range(world_size):
+            options: dict[str, Any] = {"num_cpus": opts.num_cpus, "num_gpus": opts.num_gpus,
+                                       "resources": dict(opts.resources)}
+            if opts.placement is not None:
+                pg, bundles = opts.placement
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=bundles[r])
+            if opts.env and opts.env[r]:
+                options["runtime_env"] = {"env_vars": dict(opts.env[r])}
+            actors.append(remote_cls.options(**options).remote(rank=r, world_size=world_size, **rendezvous,
+                                                               **kwargs))
+        return actors
+
+    # ---- calls --------------------------------------------------------------------------------------------
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Handle:
+        """Start `method` on the group according to its dispatch mode; returns a Handle."""
+        mode = dispatch_mode(self.cls, method)
+        per_rank_args = self._distribute(mode, args)
+        targets = range(1) if mode is Dispatch.RANK0 else range(self.world_size)
+        if self.backend == "local":
+            parts = [getattr(self.workers[r], method)(*per_rank_args[r], **kwargs) for r in targets]
+            return Handle(parts, mode, lambda p: p)
+        import ray
+
+        parts = [getattr(self.workers[r], method).remote(*per_rank_args[r], **kwargs) for r in targets]
+        return Handle(parts, mode, ray.get)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`submit(...).result()`."""
+        return self.submit(method, *args, **kwargs).result()
+
+    def _distribute(self, mode: Dispatch, args: Sequence[Any]) -> list[Sequence[Any]]:
+        if mode is not Dispatch.DP:
+            return [args] * self.world_size
+        if not args or not isinstance(args[0], Batch):
+            raise TypeError(f"a DP call needs a Batch as its first argument, got {type(args[0]).__name__}")
+        parts = args[0].split(self.world_size)
+        return [(parts[r], *args[1:]) for r in range(self.world_size)]
+
+    def shutdown(self) -> None:
+        """Stop the actors (ray) or drop the instances (local)."""
+        if self.backend == "ray":
+            import ray
+
+            for a in self.workers:
+                ray.kill(a)
+        self.workers = []

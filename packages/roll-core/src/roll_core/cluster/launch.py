@@ -1,0 +1,111 @@
+"""Cluster set-up for a run: platform, backend (local or Ray), and placement of each role's workers.
+
+Placement from `cluster.placement`:
+- `colocated`: the device roles (actor_train, actor_infer, reference, critic) share one placement group of
+  `max(world_size)` bundles; rank r of every role sits on bundle r and takes a fractional device share, so the
+  roles time-share the same devices.
+- `disaggregated`: each device role gets its own placement group and whole devices.
+Reward workers need no device and are scheduled freely with a small CPU share. On the CPU platform the bundles
+hold CPU only. Ray itself sets the visible-devices variable of GPU/NPU workers for the devices it assigns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, TypeVar
+
+from roll_core.cluster.group import RayOptions, WorkerGroup
+from roll_core.config.schema import ClusterConfig, HwConfig
+
+log = logging.getLogger(__name__)
+G = TypeVar("G", bound=WorkerGroup)
+DEVICE_ROLES = ("actor_train", "actor_infer", "reference", "critic")
+
+
+class Cluster:
+    """Creates worker groups for roles on the configured backend."""
+
+    def __init__(self, cfg: ClusterConfig, hw: HwConfig) -> None:
+        from roll_hw import resolve_platform
+
+        self.cfg = cfg
+        self.platform = resolve_platform(None if hw.platform == "auto" else hw.platform)
+        self.groups: list[WorkerGroup] = []
+        self._pgs: dict[str, Any] = {}
+        self._started_ray = False
+        if cfg.backend == "ray":
+            self._init_ray()
+
+    def _init_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        kwargs: dict[str, Any] = {"namespace": self.cfg.namespace, "include_dashboard": False,
+                                  "log_to_driver": True, "ignore_reinit_error": True}
+        if self.cfg.address:
+            kwargs["address"] = self.cfg.address
+        else:
+            # A local instance: declare enough logical CPUs for every role's fractional share; torch threads
+            # are set per worker, independently of Ray's CPU accounting.
+            kwargs["num_cpus"] = self.cfg.num_cpus or max(os.cpu_count() or 1, 4)
+            if self.cfg.resources:
+                kwargs["resources"] = dict(self.cfg.resources)
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private, loopback-only test instance
+        ray.init(**kwargs)
+        self._started_ray = True
+
+    def _devices_per_worker(self) -> float:
+        return 1.0 if self.platform.ray_resource else 0.0
+
+    def _placement(self, role: str, world_size: int) -> RayOptions:
+        from ray.util.placement_group import placement_group
+
+        dev = self._devices_per_worker()
+        key = self.platform.ray_resource
+        colocated = self.cfg.placement == "colocated"
+        pg_name = "shared" if colocated else role
+        if pg_name not in self._pgs:
+            bundle: dict[str, float] = {"CPU": self.cfg.cpus_per_worker * (len(DEVICE_ROLES) if colocated else 1)}
+            if dev and key:
+                bundle[key] = dev
+            pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+            import ray
+
+            ray.get(pg.ready(), timeout=120)
+            self._pgs[pg_name] = (pg, world_size)
+        pg, size = self._pgs[pg_name]
+        if world_size > size:
+            raise ValueError(f"role {role} has world_size={world_size} but the colocated group has {size} bundles; "
+                             "give every device role the same world_size or use cluster.placement=disaggregated")
+        share = (1.0 / len(DEVICE_ROLES)) if colocated else 1.0
+        opts = RayOptions(num_cpus=self.cfg.cpus_per_worker, placement=(pg, list(range(world_size))))
+        if dev and key == "GPU":
+            opts.num_gpus = dev * share
+        elif dev and key:
+            opts.resources = {key: dev * share}
+        return opts
+
+    def group(self, group_cls: type[G], role: str, world_size: int, **kwargs: Any) -> G:
+        """A worker group for `role` on this cluster's backend."""
+        if self.cfg.backend == "local":
+            group = group_cls(group_cls.worker_cls, world_size, "local", name=role, **kwargs)
+        else:
+            opts = (self._placement(role, world_size) if role in DEVICE_ROLES
+                    else RayOptions(num_cpus=min(self.cfg.cpus_per_worker, 0.25)))
+            group = group_cls(group_cls.worker_cls, world_size, "ray", name=role,
+                              ray_options=opts, **kwargs)
+        self.groups.append(group)
+        return group
+
+    def shutdown(self) -> None:
+        for g in self.groups:
+            g.shutdown()
+        self.groups = []
+        if self._pgs:
+            from ray.util.placement_group import remove_placement_group
+
+            for pg, _ in self._pgs.values():
+                remove_placement_group(pg)
+            self._pgs = {}

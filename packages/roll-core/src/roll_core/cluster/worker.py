@@ -1,0 +1,81 @@
+"""Workers and dispatch modes: how one controller call is spread over a worker group.
+
+A worker is a plain class; each method that a group may call declares its dispatch mode with `@dispatch(...)`:
+- `Dispatch.BROADCAST`: every rank gets the same arguments; the call returns the list of per-rank results.
+- `Dispatch.DP`: the first argument is a `Batch`, split unevenly over the data-parallel ranks; the per-rank
+  `Batch` results are concatenated back in order (other results come back as a list).
+- `Dispatch.RANK0`: only rank 0 runs; its result is returned.
+The declaration sits next to the method, but calls go through typed group classes (roll_core.cluster.roles),
+never through methods attached at run time.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Dispatch(enum.Enum):
+    BROADCAST = "broadcast"
+    DP = "dp"
+    RANK0 = "rank0"
+
+
+def dispatch(mode: Dispatch) -> Callable[[F], F]:
+    """Declare how a worker-group call of this method is distributed."""
+
+    def mark(fn: F) -> F:
+        fn.__roll_dispatch__ = mode  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def dispatch_mode(cls: type, method: str) -> Dispatch:
+    """The declared dispatch mode of `cls.method` (error if undeclared: every remote method must say)."""
+    fn = getattr(cls, method, None)
+    if fn is None:
+        raise AttributeError(f"{cls.__name__} has no method {method!r}")
+    mode = getattr(fn, "__roll_dispatch__", None)
+    if mode is None:
+        raise TypeError(f"{cls.__name__}.{method} is not callable through a worker group: decorate it with @dispatch")
+    return mode
+
+
+class Worker:
+    """Base of role workers: knows its rank, the group size and the distributed rendezvous."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0,
+                 **_: Any) -> None:
+        self.rank, self.world_size = rank, world_size
+        # torch.distributed reads these; set before any engine initialises a process group.
+        if world_size > 1:
+            os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+                               "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+
+    @dispatch(Dispatch.BROADCAST)
+    def ping(self) -> tuple[int, int, int]:
+        """(rank, world size, pid): for tests and health checks."""
+        return self.rank, self.world_size, os.getpid()
+
+    @dispatch(Dispatch.BROADCAST)
+    def node_info(self) -> dict[str, Any]:
+        """Where this worker runs: node id (Ray) and the visible-devices variables it sees."""
+        info: dict[str, Any] = {"rank": self.rank, "pid": os.getpid()}
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ctx = ray.get_runtime_context()
+                info["node_id"] = ctx.get_node_id()
+                info["resources"] = ctx.get_assigned_resources()
+        except ImportError:
+            pass
+        for var in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES"):
+            if var in os.environ:
+                info[var] = os.environ[var]
+        return info

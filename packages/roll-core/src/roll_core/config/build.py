@@ -1,0 +1,33 @@
+"""Build objects from `_target_` configs (dataclass or dict), adding run-time keyword arguments.
+
+The config's own keys are what a user writes; run-time arguments (model path, learning rate, seed) come from
+other parts of the run config and are merged in here. Nested `_target_` nodes (an env's `reward`) are built
+recursively by Hydra's instantiate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+def as_dict(cfg: Any) -> dict[str, Any]:
+    """A plain dict of a dataclass or mapping config (nested dataclasses included)."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return dataclasses.asdict(cfg)
+    if hasattr(cfg, "items"):
+        from omegaconf import DictConfig, OmegaConf
+
+        return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    raise TypeError(f"expected a dataclass or mapping config, got {type(cfg).__name__}")
+
+
+def build(cfg: Any, **runtime: Any) -> Any:
+    """Instantiate `cfg["_target_"]` with the config's keys plus `runtime` (runtime wins on a clash)."""
+    from hydra.utils import instantiate
+
+    node = as_dict(cfg)
+    if "_target_" not in node:
+        raise ValueError(f"config has no _target_: {sorted(node)}")
+    node.update(runtime)
+    return instantiate(node, _convert_="all")

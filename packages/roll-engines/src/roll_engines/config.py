@@ -1,0 +1,84 @@
+"""Config schemas of roll-engines, registered under the `train_engine` and `infer_engine` groups.
+
+Only engine-specific knobs live here; the model path, dtype, learning rate and seed come from the `model` and
+`algo` groups and are passed by the workers at build time (bound by tests/configs with `bind_partial`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class HFTrainEngineConfig:
+    """Single-process transformers training engine."""
+
+    _target_: str = "roll_engines.train.hf.HFTrainEngine"
+    name: str = "hf"
+    # Worker processes (data-parallel ranks); the hf engine is single-process: 1.
+    world_size: int = 1
+    # Rows per forward/backward (gradient accumulation splits mini-batches into these).
+    micro_batch_size: int = 4
+    # Rows per no-grad forward when scoring log-probs / values.
+    logprob_chunk_size: int = 8
+    # Recompute activations in backward to save memory.
+    gradient_checkpointing: bool = False
+    # torch threads per worker process; null: all cores.
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1 or self.logprob_chunk_size < 1:
+            raise ValueError("train_engine.micro_batch_size and logprob_chunk_size must be >= 1")
+        if self.name == "hf" and self.world_size != 1:
+            raise ValueError("train_engine=hf is single-process: use train_engine=fsdp2 for world_size > 1")
+
+
+@dataclass
+class FSDP2TrainEngineConfig(HFTrainEngineConfig):
+    """The same model sharded with torch FSDP2 (`fully_shard`) across `world_size` worker processes."""
+
+    _target_: str = "roll_engines.train.fsdp2.FSDP2TrainEngine"
+    name: str = "fsdp2"
+    world_size: int = 2
+    # Free gathered parameters after forward (saves memory, costs an all-gather in backward).
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.world_size < 1:
+            raise ValueError("train_engine.world_size must be >= 1")
+
+
+@dataclass
+class HFInferEngineConfig:
+    """transformers `generate` sampling engine."""
+
+    _target_: str = "roll_engines.infer.hf.HFInferEngine"
+    name: str = "hf"
+    world_size: int = 1
+    # Sampling temperature (> 0).
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # 0 disables top-k.
+    top_k: int = 0
+    # Extra stop strings (EOS always stops).
+    stop: list[str] = field(default_factory=list)
+    # Sequences per generate() call.
+    batch_size: int = 64
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"infer_engine.temperature={self.temperature} must be > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"infer_engine.top_p={self.top_p} must be in (0, 1]")
+
+
+def register_configs() -> None:
+    """Store engine schemas in Hydra's ConfigStore."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(group="train_engine", name="hf_schema", node=HFTrainEngineConfig)
+    cs.store(group="train_engine", name="fsdp2_schema", node=FSDP2TrainEngineConfig)
+    cs.store(group="infer_engine", name="hf_schema", node=HFInferEngineConfig)

@@ -1,0 +1,302 @@
+"""The `hf` training engine: one process, any `AutoModelForCausalLM` (or a value model for the critic).
+
+Data layout (roll_core.protocol): `input_ids`/`attention_mask`/`position_ids` are (B, P+R) with the prompt
+left-padded to P and the response right-padded to R; `responses` and `response_mask` are (B, R). The logits
+at positions P-1 .. P+R-2 predict the response tokens, so only the last R+1 logits are computed.
+
+Contract:
+- `compute_logprobs` / `compute_values` run without gradients in chunks of `logprob_chunk_size` rows.
+- `train_step(batch, loss_fn, ...)` splits the batch into `mini_batches` optimizer steps per epoch and each into
+  micro-batches of `micro_batch_size` rows for gradient accumulation. Each micro-batch loss is scaled by
+  `loss_fn.units(micro) / units of its whole mini-batch (over all data-parallel ranks)` times the data-parallel
+  size, so any split of rows over micro-batches and ranks gives the gradient of the unsplit batch.
+- Never sees a Hydra config: the worker passes plain values.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from roll_algos.losses import entropy_from_logits, token_logprobs
+from roll_core.models import resolve_model_path, torch_dtype
+
+
+class LossFn(Protocol):
+    """What `train_step` needs from a loss: a callable plus its aggregation unit count."""
+
+    needs_entropy: bool
+
+    def __call__(self, outputs: dict[str, Tensor], micro: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """Loss of one micro-batch, aggregated within it, and detached metrics."""
+        ...
+
+    def units(self, micro: Mapping[str, Tensor]) -> float:
+        """How many aggregation units (tokens or sequences) the micro-batch holds."""
+        ...
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the base LR at optimizer step `s`: linear warm-up, then constant, cosine or linear decay."""
+
+    def fn(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant" or total_steps <= warmup_steps:
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        if schedule == "linear":
+            return 1.0 - progress
+        raise ValueError(f"unknown lr schedule {schedule!r}")
+
+    return fn
+
+
+class HFTrainEngine:
+    """A transformers model with AdamW, an LR schedule, chunked log-probs and gradient accumulation."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        name: str = "hf",
+        role: str = "actor",
+        dtype: str = "float32",
+        device: str = "cpu",
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] | list[float] = (0.9, 0.999),
+        warmup_steps: int = 0,
+        total_steps: int = 1,
+        lr_schedule: str = "constant",
+        max_grad_norm: float = 1.0,
+        micro_batch_size: int = 4,
+        logprob_chunk_size: int = 8,
+        gradient_checkpointing: bool = False,
+        attn_implementation: str = "sdpa",
+        trust_remote_code: bool = False,
+        trainable: bool = True,
+        world_size: int = 1,
+        num_threads: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if role not in ("actor", "critic", "reference"):
+            raise ValueError(f"role must be actor, critic or reference, got {role!r}")
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.name, self.role, self.device = name, role, torch.device(device)
+        self.micro_batch_size, self.logprob_chunk_size = micro_batch_size, logprob_chunk_size
+        self.max_grad_norm = max_grad_norm
+        self.path = resolve_model_path(model_path)
+        self.dtype = torch_dtype(dtype)
+        torch.manual_seed(seed)  # the critic's new value head is initialised from this seed
+        self.model = self._load(attn_implementation, trust_remote_code)
+        if gradient_checkpointing and trainable:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = self._wrap(self.model)
+        self.trainable = trainable and role != "reference"
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if self.trainable:
+            self.model.train()
+            self.optimizer = torch.optim.AdamW(
+                [p for p in self.model.parameters() if p.requires_grad], lr=lr, betas=tuple(betas),
+                weight_decay=weight_decay,
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lr_lambda(lr_schedule, warmup_steps, total_steps)
+            )
+        else:
+            self.model.eval()
+            self.model.requires_grad_(False)
+
+    # ---- construction hooks (FSDP2 overrides) -------------------------------------------------------------
+    def _load(self, attn_implementation: str, trust_remote_code: bool) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+        kwargs = dict(dtype=self.dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+        if self.role == "critic":
+            model = AutoModelForTokenClassification.from_pretrained(self.path, num_labels=1, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.path, **kwargs)
+        model.config.use_cache = False
+        return model.to(self.device)
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    @property
+    def dp_rank(self) -> int:
+        return 0
+
+    @property
+    def dp_size(self) -> int:
+        return 1
+
+    def _all_reduce_sum(self, t: Tensor) -> Tensor:
+        return t
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    def _forward(self, micro: Mapping[str, Tensor], temperature: float, with_entropy: bool) -> dict[str, Tensor]:
+        ids = micro["input_ids"].to(self.device)
+        resp = micro["responses"].to(self.device)
+        r = resp.shape[1]
+        kwargs = dict(input_ids=ids, attention_mask=micro["attention_mask"].to(self.device),
+                      position_ids=micro["position_ids"].to(self.device))
+        if self.role == "critic":
+            scores = self.model(**kwargs).logits  # (b, P+R, 1)
+            return {"values": scores[:, -r - 1 : -1, 0].float()}
+        logits = self.model(**kwargs, logits_to_keep=r + 1).logits[:, :-1]  # (b, R, V)
+        if temperature != 1.0:
+            logits = logits / temperature
+        out = {"logprobs": token_logprobs(logits, resp)}
+        if with_entropy:
+            out["entropy"] = entropy_from_logits(logits)
+        return out
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Mapping[str, Tensor], temperature: float = 1.0,
+                         with_entropy: bool = False) -> dict[str, Tensor]:
+        """Log-probs (B, R) of the response tokens (and entropies (B, R) if asked), in row chunks."""
+        return self._chunked(batch, temperature, with_entropy)
+
+    @torch.no_grad()
+    def compute_values(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Critic values (B, R) of the states before each response token."""
+        return self._chunked(batch, 1.0, False)
+
+    def _chunked(self, batch: Mapping[str, Tensor], temperature: float, with_entropy: bool) -> dict[str, Tensor]:
+        was_training = self.model.training
+        self.model.eval()  # no dropout in scoring passes
+        n = batch["input_ids"].shape[0]
+        parts: dict[str, list[Tensor]] = {}
+        for s in range(0, n, self.logprob_chunk_size):
+            micro = {k: v[s : s + self.logprob_chunk_size] for k, v in batch.items() if isinstance(v, Tensor)}
+            for k, v in self._forward(micro, temperature, with_entropy).items():
+                parts.setdefault(k, []).append(v.cpu())
+        self.model.train(was_training)
+        return {k: torch.cat(v) for k, v in parts.items()}
+
+    # ---- training -----------------------------------------------------------------------------------------
+    def train_step(
+        self,
+        batch: Mapping[str, Tensor],
+        loss_fn: LossFn,
+        *,
+        mini_batches: int = 1,
+        epochs: int = 1,
+        temperature: float = 1.0,
+        shuffle_seed: int | None = None,
+    ) -> dict[str, float]:
+        """`epochs` passes of `mini_batches` optimizer steps over this rank's rows; returns averaged metrics."""
+        if not self.trainable or self.optimizer is None:
+            raise RuntimeError(f"the {self.role} engine is not trainable")
+        tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+        n = tensors["input_ids"].shape[0]
+        if n < mini_batches:
+            raise ValueError(f"{n} rows on rank {self.dp_rank} cannot form {mini_batches} mini-batches")
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
+        t0 = time.perf_counter()
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
+            for mb_rows in torch.tensor_split(order, mini_batches):
+                micro_rows = list(torch.split(mb_rows, self.micro_batch_size))
+                micros = [{k: v[rows] for k, v in tensors.items()} for rows in micro_rows]
+                local = torch.tensor([sum(loss_fn.units(m) for m in micros)], dtype=torch.float64)
+                total = float(self._all_reduce_sum(local).item())
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in micros:
+                    outputs = self._forward(micro, temperature, loss_fn.needs_entropy)
+                    loss, metrics = loss_fn(outputs, {k: v.to(self.device) for k, v in micro.items()})
+                    scale = loss_fn.units(micro) / total * self.dp_size if total > 0 else 0.0
+                    (loss * scale).backward()
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + float(v)
+                        counts[k] = counts.get(k, 0) + 1
+                grad_norm = self._clip_and_step()
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
+                counts["grad_norm"] = counts.get("grad_norm", 0) + 1
+        out = {k: sums[k] / counts[k] for k in sums}
+        out["lr"] = self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
+        out["train_seconds"] = time.perf_counter() - t0
+        return out
+
+    def _clip_and_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        else:  # a non-finite gradient would poison the weights: skip the step (reported as grad_norm=inf/nan)
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return norm
+
+    # ---- weights and checkpoints --------------------------------------------------------------------------
+    def get_weights(self) -> dict[str, Tensor]:
+        """Full, unsharded CPU state dict of the model (for weight sync to inference engines)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def load_weights(self, weights: Mapping[str, Tensor]) -> None:
+        """Load a full state dict (reference refresh, tests)."""
+        self.model.load_state_dict(dict(weights), strict=True)
+
+    def save(self, folder: str | Path, tokenizer_path: str | None = None) -> None:
+        """Write `folder/model` (HF, safetensors, + tokenizer) and `folder/engine.pt` (optimizer, scheduler)."""
+        folder = Path(folder)
+        self._save_model(folder / "model")
+        if self.dp_rank == 0:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(folder / "model")
+        if self.optimizer is not None:
+            state = {"optimizer": self._optimizer_state(), "scheduler": self.scheduler.state_dict()}
+            name = "engine.pt" if self.dp_size == 1 else f"engine.rank{self.dp_rank}.pt"
+            torch.save(state, folder / name)
+
+    def _save_model(self, folder: Path) -> None:
+        self.model.save_pretrained(folder, safe_serialization=True)
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load(self, folder: str | Path) -> None:
+        """Restore weights, optimizer and scheduler written by `save`."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        weights: dict[str, Tensor] = {}
+        for f in sorted((folder / "model").glob("*.safetensors")):
+            weights.update(load_file(f))
+        self._load_full_weights(weights)
+        name = "engine.pt" if self.dp_size == 1 else f"engine.rank{self.dp_rank}.pt"
+        if self.optimizer is not None and (folder / name).exists():
+            state = torch.load(folder / name, map_location="cpu", weights_only=False)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        # Tied embeddings are saved once; anything else missing is a real mismatch.
+        missing = [k for k in missing if not (k.endswith("lm_head.weight") and "model.embed_tokens.weight" in weights)]
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def default_num_threads() -> int:
+    """Threads for torch in a worker: `ROLL_NUM_THREADS` or all cores."""
+    return int(os.environ.get("ROLL_NUM_THREADS", os.cpu_count() or 1))

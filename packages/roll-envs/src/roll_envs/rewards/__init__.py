@@ -1,0 +1,6 @@
+"""Verifiable rewards: each scores a batch of (response, ground truth) pairs and reports counted failures."""
+
+from roll_envs.rewards.base import Reward, RewardResult
+from roll_envs.rewards.math import MathReward, extract_boxed, last_number
+
+__all__ = ["MathReward", "Reward", "RewardResult", "extract_boxed", "last_number"]

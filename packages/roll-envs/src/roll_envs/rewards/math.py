@@ -1,0 +1,112 @@
+"""Math reward through `math-verify`: the answer in the last `\\boxed{}` is compared symbolically to the truth.
+
+Scoring (per response):
+- `correct` = 1 when the last `\\boxed{...}` verifies against the ground truth (strict accuracy).
+- `score` = `correct_weight` if correct; else `last_number_weight` if the response's last number equals the
+  ground truth (a softer signal for small models that state the right number without boxing it); plus
+  `format_weight` if a `\\boxed{}` is present at all.
+- Parsing or verification that crashes or times out scores 0 for correctness and is counted (`reward/timeouts`,
+  `reward/errors`). math-verify's timeout uses SIGALRM, which works only in a process's main thread; in other
+  threads the timeout is skipped and counted as `reward/untimed`.
+
+Covers: numbers, fractions, LaTeX expressions math-verify understands. Does not cover: free-form proofs.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Sequence
+
+from roll_envs.rewards.base import Reward, RewardResult
+
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) with balanced braces, or None."""
+    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    if not starts:
+        return None
+    start = starts[-1]
+    depth = 1
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i].strip()
+    return None  # unbalanced: treated as no answer
+
+
+def last_number(text: str) -> str | None:
+    """The last integer or decimal in `text` (thousands separators removed), or None."""
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return abs(float(a) - float(b)) < 1e-9
+    except ValueError:
+        return a.strip() == b.strip()
+
+
+class MathReward(Reward):
+    """Boxed-answer correctness with optional last-number credit and a format bonus."""
+
+    def __init__(
+        self,
+        correct_weight: float = 1.0,
+        last_number_weight: float = 0.0,
+        format_weight: float = 0.0,
+        timeout_s: int = 5,
+    ) -> None:
+        if timeout_s < 1:
+            raise ValueError(f"timeout_s must be >= 1 second (SIGALRM granularity), got {timeout_s}")
+        self.correct_weight = correct_weight
+        self.last_number_weight = last_number_weight
+        self.format_weight = format_weight
+        self.timeout_s = timeout_s
+
+    def _verify(self, boxed: str, answer: str, counters: dict[str, int]) -> bool:
+        from math_verify import parse, verify
+        from math_verify.errors import TimeoutException
+
+        timeout = self.timeout_s if threading.current_thread() is threading.main_thread() else None
+        if timeout is None:
+            counters["untimed"] += 1
+        try:
+            if _NUMBER.fullmatch(boxed.replace(" ", "")) and _NUMBER.fullmatch(answer.strip()):
+                return _same_number(boxed.replace(" ", ""), answer)  # fast path: plain numbers
+            gold = parse(f"${answer}$", parsing_timeout=timeout, raise_on_error=True)
+            pred = parse(f"${boxed}$", parsing_timeout=timeout, raise_on_error=True)
+            return bool(verify(gold, pred, timeout_seconds=timeout, raise_on_error=True))
+        except TimeoutException:
+            counters["timeouts"] += 1
+        except Exception:  # a malformed model answer must not stop training; it is counted
+            counters["errors"] += 1
+        return False
+
+    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
+        if len(responses) != len(answers):
+            raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
+        counters = {"timeouts": 0, "errors": 0, "untimed": 0, "no_boxed": 0}
+        scores, correct, formatted = [], [], []
+        for response, answer in zip(responses, answers):
+            boxed = extract_boxed(response)
+            ok = boxed is not None and self._verify(boxed, str(answer), counters)
+            if boxed is None:
+                counters["no_boxed"] += 1
+            score = self.correct_weight if ok else 0.0
+            if not ok and self.last_number_weight:
+                num = last_number(response)
+                if num is not None and _same_number(num, str(answer)):
+                    score = self.last_number_weight
+            if boxed is not None:
+                score += self.format_weight
+            scores.append(score)
+            correct.append(float(ok))
+            formatted.append(float(boxed is not None))
+        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters)

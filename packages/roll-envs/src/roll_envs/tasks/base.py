@@ -1,0 +1,60 @@
+"""The task interface: a fixed, seeded list of training problems, a disjoint held-out list, and a reward.
+
+Contract: `train_set()` and `eval_set()` are deterministic for a given config (same seed, same problems, same
+order) and never share a problem, so held-out accuracy measures generalisation, not memorisation. A problem's
+`prompt` is the user message; the pipeline applies the model's chat template. `score()` delegates to the
+task's reward and returns a `RewardResult` with counted failures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from roll_envs.rewards.base import Reward, RewardResult
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its ground truth. `id` is stable across runs (used for dedup and held-out splits)."""
+
+    id: str
+    prompt: str
+    answer: str
+    domain: str = "math"
+
+
+def stable_fraction(key: str) -> float:
+    """A number in [0, 1) derived from `key` alone (same on every machine and Python run)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+class Task:
+    """Base class: subclasses fill `_train` and `_eval` and set `reward`."""
+
+    name: str = "task"
+    system_prompt: str | None = None
+
+    def __init__(self, reward: Reward) -> None:
+        self.reward = reward
+        self._train: list[Problem] = []
+        self._eval: list[Problem] = []
+
+    def train_set(self) -> list[Problem]:
+        """Training problems in a fixed order (the pipeline shuffles per epoch with its own seed)."""
+        return self._train
+
+    def eval_set(self) -> list[Problem]:
+        """Held-out problems, disjoint from `train_set()`."""
+        return self._eval
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        """Chat messages for a problem (system prompt if any, then the user prompt)."""
+        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*msgs, {"role": "user", "content": problem.prompt}]
+
+    def score(self, responses: Sequence[str], problems: Sequence[Problem]) -> RewardResult:
+        """Score responses against their problems' answers."""
+        return self.reward.score(responses, [p.answer for p in problems])

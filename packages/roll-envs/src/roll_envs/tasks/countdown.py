@@ -1,0 +1,120 @@
+"""Countdown: reach a target with given numbers and + - * /, each number used exactly once.
+
+The answer is checked by parsing the model's boxed equation with Python's `ast` (numbers, + - * / and
+parentheses only; anything else scores 0): no model text is ever executed. The ground truth string is
+"target|n1,n2,...".
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+from collections import Counter
+from collections.abc import Sequence
+from fractions import Fraction
+
+from roll_envs.rewards.base import Reward, RewardResult
+from roll_envs.rewards.math import extract_boxed
+from roll_envs.tasks.base import Problem, Task, stable_fraction
+
+_BINOPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+           ast.Div: lambda a, b: a / b}
+
+
+def evaluate_equation(text: str) -> tuple[Fraction, list[int]]:
+    """Exact value of an arithmetic expression and the integers it uses; ValueError for anything else."""
+    text = text.split("=")[0].replace("\\times", "*").replace("\\cdot", "*").replace("\\div", "/")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"not an expression: {text!r}") from exc
+    used: list[int] = []
+
+    def walk(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            left, right = walk(node.left), walk(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ValueError("division by zero")
+            return _BINOPS[type(node.op)](left, right)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            used.append(node.value)
+            return Fraction(node.value)
+        raise ValueError(f"unsupported syntax {type(node).__name__}")
+
+    return walk(tree.body), used
+
+
+class CountdownReward(Reward):
+    """1 for a boxed equation that uses exactly the given numbers and equals the target; `format_weight` for a box."""
+
+    def __init__(self, format_weight: float = 0.0) -> None:
+        self.format_weight = format_weight
+
+    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
+        counters = {"errors": 0, "no_boxed": 0, "wrong_numbers": 0}
+        scores, correct, formatted = [], [], []
+        for response, answer in zip(responses, answers, strict=True):
+            target_s, nums_s = answer.split("|")
+            boxed = extract_boxed(response)
+            ok = False
+            if boxed is None:
+                counters["no_boxed"] += 1
+            else:
+                try:
+                    value, used = evaluate_equation(boxed)
+                    if Counter(used) != Counter(int(n) for n in nums_s.split(",")):
+                        counters["wrong_numbers"] += 1
+                    else:
+                        ok = value == Fraction(int(target_s))
+                except ValueError:
+                    counters["errors"] += 1
+            scores.append(float(ok) + (self.format_weight if boxed is not None else 0.0))
+            correct.append(float(ok))
+            formatted.append(float(boxed is not None))
+        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters)
+
+
+class CountdownTask(Task):
+    """Countdown problems with `num_numbers` numbers in [1, max_number] and a positive integer target."""
+
+    def __init__(
+        self,
+        reward: Reward,
+        name: str = "countdown",
+        num_numbers: int = 3,
+        max_number: int = 10,
+        train_size: int = 2000,
+        eval_size: int = 100,
+        eval_fraction: float = 0.2,
+        seed: int = 0,
+        system_prompt: str | None = None,
+    ) -> None:
+        super().__init__(reward)
+        if num_numbers < 2:
+            raise ValueError(f"num_numbers must be >= 2, got {num_numbers}")
+        self.name, self.num_numbers, self.max_number = name, num_numbers, max_number
+        self.system_prompt = system_prompt
+        self._train = self._draw(random.Random(seed), train_size, False, eval_fraction)
+        self._eval = self._draw(random.Random(seed + 1_000_003), eval_size, True, eval_fraction)
+
+    def _draw(self, rng: random.Random, n: int, held_out: bool, fraction: float) -> list[Problem]:
+        out: list[Problem] = []
+        while len(out) < n:
+            nums = [rng.randint(1, self.max_number) for _ in range(self.num_numbers)]
+            order = nums[:]
+            rng.shuffle(order)
+            expr = str(order[0])
+            for x in order[1:]:
+                expr = f"({expr} {rng.choice('+-*')} {x})"
+            value, _ = evaluate_equation(expr)
+            if value <= 0 or value.denominator != 1:
+                continue
+            key = f"{sorted(nums)}->{value}"
+            if (stable_fraction(key) < fraction) != held_out:
+                continue
+            listed = ", ".join(map(str, nums))
+            prompt = (f"Using the numbers [{listed}], write an equation that equals {value}. Use each number exactly "
+                      "once with + - * / and parentheses. Put the final equation in \\boxed{}.")
+            out.append(Problem(id=f"{self.name}:{key}", prompt=prompt, answer=f"{value}|{','.join(map(str, nums))}",
+                               domain="countdown"))
+        return out

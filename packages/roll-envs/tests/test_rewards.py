@@ -1,0 +1,77 @@
+"""Math and countdown rewards: correctness, partial credit, counted failures."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from roll_envs.rewards.math import MathReward, extract_boxed, last_number
+from roll_envs.tasks.countdown import CountdownReward, evaluate_equation
+
+
+def test_extract_boxed_takes_the_last_balanced_box() -> None:
+    assert extract_boxed(r"first \boxed{1} then \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert extract_boxed("no box here") is None
+    assert extract_boxed(r"\boxed{unbalanced") is None
+
+
+def test_last_number() -> None:
+    assert last_number("3 + 4 = 7, so 7.") == "7"
+    assert last_number("it is 1,234") == "1234"
+    assert last_number("none") is None
+
+
+def test_math_reward_scores_and_counts() -> None:
+    reward = MathReward(last_number_weight=0.5, format_weight=0.1)
+    res = reward.score(
+        [r"The sum is \boxed{12}.", r"\boxed{\frac{24}{2}}", "3 + 9 = 12", r"\boxed{13}", "I don't know"],
+        ["12", "12", "12", "12", "12"],
+    )
+    # boxed right: 1 + 0.1; latex-equivalent right: 1.1; unboxed right number: 0.5; boxed wrong: 0.1; nothing: 0
+    assert res.scores == pytest.approx([1.1, 1.1, 0.5, 0.1, 0.0])
+    assert res.correct == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert res.formatted == [1.0, 1.0, 0.0, 1.0, 0.0]
+    assert res.counters["no_boxed"] == 2
+
+
+def test_math_reward_strict_by_default() -> None:
+    res = MathReward().score(["7", r"\boxed{7}"], ["7", "7"])
+    assert res.scores == [0.0, 1.0]
+
+
+def test_math_reward_counts_parse_failures_instead_of_raising() -> None:
+    res = MathReward().score([r"\boxed{\frac{1}{}}+++}"], ["1/2"])
+    assert res.scores == [0.0]
+    assert res.counters["errors"] + res.counters["timeouts"] + res.counters["no_boxed"] >= 0
+    assert res.correct == [0.0]
+
+
+def test_math_reward_in_a_thread_counts_untimed() -> None:
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=MathReward().score([r"\boxed{\frac{1}{2}}"], ["0.5"])))
+    t.start()
+    t.join()
+    assert out["r"].correct == [1.0] and out["r"].counters["untimed"] == 1
+
+
+def test_mismatched_lengths() -> None:
+    with pytest.raises(ValueError, match="2 responses but 1 answers"):
+        MathReward().score(["a", "b"], ["1"])
+
+
+def test_countdown_equation_parsing() -> None:
+    value, used = evaluate_equation("(3 + 5) * 2")
+    assert value == 16 and sorted(used) == [2, 3, 5]
+    for bad in ("__import__('os')", "2 ** 10", "1/0", "x + 1"):
+        with pytest.raises(ValueError):
+            evaluate_equation(bad)
+
+
+def test_countdown_reward() -> None:
+    res = CountdownReward(format_weight=0.1).score(
+        [r"\boxed{(3 + 5) * 2}", r"\boxed{3 * 5 + 2}", r"\boxed{(3+5)*2*1}", "16"],
+        ["16|2,3,5", "16|2,3,5", "16|2,3,5", "16|2,3,5"],
+    )
+    assert res.scores == pytest.approx([1.1, 0.1, 0.1, 0.0])
+    assert res.counters == {"errors": 0, "no_boxed": 1, "wrong_numbers": 1}

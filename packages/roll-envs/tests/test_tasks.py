@@ -1,0 +1,75 @@
+"""Built-in tasks and the file loader: determinism, disjoint splits, bad-row reporting."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from roll_envs.rewards.math import MathReward
+from roll_envs.tasks import ArithmeticTask, CountdownReward, CountdownTask, FileTask, load_problems
+
+
+def test_arithmetic_is_seeded_and_disjoint() -> None:
+    a = ArithmeticTask(MathReward(), digits=2, train_size=300, eval_size=50, seed=3)
+    b = ArithmeticTask(MathReward(), digits=2, train_size=300, eval_size=50, seed=3)
+    c = ArithmeticTask(MathReward(), digits=2, train_size=300, eval_size=50, seed=4)
+    assert a.train_set() == b.train_set() and a.eval_set() == b.eval_set()
+    assert a.train_set() != c.train_set()
+    train_ids = {p.id for p in a.train_set()} | {p.id for p in c.train_set()}
+    assert not train_ids & ({p.id for p in a.eval_set()} | {p.id for p in c.eval_set()})
+    p = a.eval_set()[0]
+    x, y = p.prompt.split("What is ")[1].split("?")[0].split(" + ")
+    assert int(p.answer) == int(x) + int(y) and 10 <= int(x) <= 99
+    assert "\\boxed{}" in p.prompt
+
+
+def test_arithmetic_answers_score_correct() -> None:
+    task = ArithmeticTask(MathReward(), digits=1, num_terms=3, ops=["+", "-", "*"], train_size=50, eval_size=10)
+    probs = task.train_set()[:20]
+    res = task.score([f"\\boxed{{{p.answer}}}" for p in probs], probs)
+    assert res.correct == [1.0] * 20
+
+
+def test_arithmetic_bad_config() -> None:
+    with pytest.raises(ValueError, match="unsupported ops"):
+        ArithmeticTask(MathReward(), ops=["^"])
+
+
+def test_countdown_targets_are_reachable() -> None:
+    task = CountdownTask(CountdownReward(), train_size=30, eval_size=10)
+    assert len(task.train_set()) == 30 and not {p.id for p in task.train_set()} & {p.id for p in task.eval_set()}
+    for p in task.train_set():
+        target, nums = p.answer.split("|")
+        assert int(target) > 0 and len(nums.split(",")) == 3
+
+
+def test_file_task_reports_bad_rows(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "data.jsonl"
+    lines = [json.dumps({"prompt": f"What is {i}+1?", "answer": str(i + 1)}) for i in range(40)]
+    lines[3] = "{not json"
+    lines[7] = json.dumps({"prompt": "no answer"})
+    lines[9] = json.dumps(["a", "list"])
+    lines[11] = json.dumps({"prompt": "", "answer": "1"})
+    lines[12] = json.dumps({"prompt": "numeric answer ok", "answer": 5})
+    path.write_text("\n".join(lines) + "\n")
+    with caplog.at_level(logging.WARNING):
+        task = FileTask(MathReward(), path=str(path), eval_fraction=0.25)
+    assert [(n, why.split(" (")[0]) for _, n, why in task.skipped] == [
+        (4, "invalid JSON"), (8, "missing or empty 'answer'"), (10, "row is list, not an object"),
+        (12, "missing or empty 'prompt'"),
+    ]
+    assert "skipped 4 bad row(s)" in caplog.text and "line 4" in caplog.text
+    assert len(task.train_set()) + len(task.eval_set()) == 36
+    assert not {p.id for p in task.train_set()} & {p.id for p in task.eval_set()}
+
+
+def test_file_with_no_usable_rows(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"q": 1}\n')
+    with pytest.raises(ValueError, match="no usable rows"):
+        load_problems(path)
+    with pytest.raises(FileNotFoundError):
+        load_problems(tmp_path / "missing.jsonl")
