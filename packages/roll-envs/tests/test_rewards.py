@@ -35,6 +35,12 @@ def test_math_reward_scores_and_counts() -> None:
     assert res.counters["no_boxed"] == 2
 
 
+def test_empty_box_earns_no_format_bonus() -> None:
+    res = MathReward(format_weight=0.2, last_number_weight=0.5).score([r"The answer is \boxed{} 7", r"\boxed{}"],
+                                                                      ["7", "7"])
+    assert res.scores == [0.5, 0.0] and res.formatted == [0.0, 0.0]
+
+
 def test_math_reward_strict_by_default() -> None:
     res = MathReward().score(["7", r"\boxed{7}"], ["7", "7"])
     assert res.scores == [0.0, 1.0]

@@ -155,14 +155,10 @@ class Batch:
         for b in batches[1:]:
             if set(b.keys()) != keys:
                 raise ValueError(f"cannot concat batches with keys {sorted(keys)} and {sorted(b.keys())}")
-        nonempty = [b for b in batches if len(b)]
-        if not nonempty:
-            return batches[0]
+        meta = {k: v for k, v in batches[0].meta.items() if k not in ("split_index", "split_sizes")}
+        nonempty = [b for b in batches if len(b)] or batches[:1]
         td = torch.cat([b.td for b in nonempty]) if len(nonempty[0].td.keys()) else None
         fields = {k: [x for b in nonempty for x in b.fields[k]] for k in nonempty[0].fields}
-        meta = {k: v for k, v in nonempty[0].meta.items() if k not in ("split_index", "split_sizes")}
-        if td is None:
-            return Batch(None, fields, meta)
         return Batch(td, fields, meta)
 
     def to(self, device: str | torch.device) -> Batch:

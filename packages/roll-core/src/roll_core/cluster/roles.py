@@ -40,6 +40,10 @@ class TrainWorker(Worker):
         return self.engine.train_step(batch.tensors(), loss_fn, mini_batches=mini_batches, epochs=epochs,
                                       temperature=temperature, shuffle_seed=shuffle_seed + self.rank)
 
+    @dispatch(Dispatch.DP)
+    def compute_gradients(self, batch: Batch, loss_fn: Any, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        return self.engine.compute_gradients(batch.tensors(), loss_fn, temperature)
+
     @dispatch(Dispatch.BROADCAST)
     def get_weights(self) -> dict[str, torch.Tensor] | None:
         weights = self.engine.get_weights()  # collective for sharded engines: every rank must call it

@@ -211,26 +211,48 @@ class HFTrainEngine:
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
             for mb_rows in torch.tensor_split(order, mini_batches):
-                micro_rows = list(torch.split(mb_rows, self.micro_batch_size))
-                micros = [{k: v[rows] for k, v in tensors.items()} for rows in micro_rows]
-                local = torch.tensor([sum(loss_fn.units(m) for m in micros)], dtype=torch.float64)
-                total = float(self._all_reduce_sum(local).item())
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in micros:
-                    outputs = self._forward(micro, temperature, loss_fn.needs_entropy)
-                    loss, metrics = loss_fn(outputs, {k: v.to(self.device) for k, v in micro.items()})
-                    scale = loss_fn.units(micro) / total * self.dp_size if total > 0 else 0.0
-                    (loss * scale).backward()
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + float(v)
-                        counts[k] = counts.get(k, 0) + 1
-                grad_norm = self._clip_and_step()
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
+                for k, v in self._accumulate({k: v[mb_rows] for k, v in tensors.items()}, loss_fn, temperature):
+                    sums[k] = sums.get(k, 0.0) + v
+                    counts[k] = counts.get(k, 0) + 1
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + self._clip_and_step()
                 counts["grad_norm"] = counts.get("grad_norm", 0) + 1
         out = {k: sums[k] / counts[k] for k in sums}
         out["lr"] = self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
         out["train_seconds"] = time.perf_counter() - t0
         return out
+
+    def _accumulate(self, mini: dict[str, Tensor], loss_fn: LossFn, temperature: float) -> list[tuple[str, float]]:
+        """Backward of one mini-batch in micro-batches, each scaled so the sum is the whole mini-batch's gradient.
+
+        Returns (metric name, value) pairs, one per metric per micro-batch.
+        """
+        n = mini["input_ids"].shape[0]
+        micros = [{k: v[s : s + self.micro_batch_size] for k, v in mini.items()}
+                  for s in range(0, n, self.micro_batch_size)]
+        local = torch.tensor([sum(loss_fn.units(m) for m in micros)], dtype=torch.float64)
+        total = float(self._all_reduce_sum(local).item())
+        out = []
+        for micro in micros:
+            outputs = self._forward(micro, temperature, loss_fn.needs_entropy)
+            loss, metrics = loss_fn(outputs, {k: v.to(self.device) for k, v in micro.items()})
+            scale = loss_fn.units(micro) / total * self.dp_size if total > 0 else 0.0
+            (loss * scale).backward()
+            out += [(k, float(v)) for k, v in metrics.items()]
+        return out
+
+    def compute_gradients(self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float = 1.0
+                          ) -> dict[str, Tensor]:
+        """Gradients of `loss_fn` over this rank's rows as one mini-batch, without an optimizer step (checks)."""
+        self.model.zero_grad(set_to_none=True)
+        self._accumulate({k: v for k, v in batch.items() if isinstance(v, Tensor)}, loss_fn, temperature)
+        grads = self.gradients()
+        self.model.zero_grad(set_to_none=True)
+        return grads
+
+    def gradients(self) -> dict[str, Tensor]:
+        """Current full gradients by parameter name (CPU copies)."""
+        return {name: p.grad.detach().cpu().clone() for name, p in self.model.named_parameters() if p.grad is not None}
 
     def _clip_and_step(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -1,10 +1,11 @@
 """Math reward through `math-verify`: the answer in the last `\\boxed{}` is compared symbolically to the truth.
 
 Scoring (per response):
-- `correct` = 1 when the last `\\boxed{...}` verifies against the ground truth (strict accuracy).
+- `correct` = 1 when the last non-empty `\\boxed{...}` verifies against the ground truth (strict accuracy).
 - `score` = `correct_weight` if correct; else `last_number_weight` if the response's last number equals the
   ground truth (a softer signal for small models that state the right number without boxing it); plus
-  `format_weight` if a `\\boxed{}` is present at all.
+  `format_weight` if a non-empty `\\boxed{...}` is present (small models copy the prompt's empty `\\boxed{}`;
+  that earns nothing).
 - Parsing or verification that crashes or times out scores 0 for correctness and is counted (`reward/timeouts`,
   `reward/errors`). math-verify's timeout uses SIGALRM, which works only in a process's main thread; in other
   threads the timeout is skipped and counted as `reward/untimed`.
@@ -95,7 +96,7 @@ class MathReward(Reward):
         counters = {"timeouts": 0, "errors": 0, "untimed": 0, "no_boxed": 0}
         scores, correct, formatted = [], [], []
         for response, answer in zip(responses, answers):
-            boxed = extract_boxed(response)
+            boxed = extract_boxed(response) or None  # an empty \boxed{} (copied from the prompt) is no answer
             ok = boxed is not None and self._verify(boxed, str(answer), counters)
             if boxed is None:
                 counters["no_boxed"] += 1

@@ -1,0 +1,57 @@
+"""Worker groups on the local backend: dispatch modes, typed calls, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roll_core.cluster.group import WorkerGroup
+from roll_core.cluster.worker import Dispatch, Worker, dispatch
+from roll_core.protocol import Batch
+
+
+class Doubler(Worker):
+    def __init__(self, factor: int = 2, **base):
+        super().__init__(**base)
+        self.factor = factor
+
+    @dispatch(Dispatch.DP)
+    def double(self, batch: Batch) -> Batch:
+        return Batch({"x": batch["x"] * self.factor, "rank": torch.full((len(batch),), self.rank)})
+
+    @dispatch(Dispatch.RANK0)
+    def who(self) -> int:
+        return self.rank
+
+    def undeclared(self) -> None:
+        pass
+
+
+def test_dp_split_is_uneven_and_ordered() -> None:
+    group = WorkerGroup(Doubler, 3, "local", factor=10)
+    out = group.call("double", Batch({"x": torch.arange(7).float()}))
+    assert out["x"].tolist() == [0, 10, 20, 30, 40, 50, 60]
+    assert out["rank"].tolist() == [0, 0, 0, 1, 1, 2, 2]
+
+
+def test_broadcast_and_rank0() -> None:
+    group = WorkerGroup(Doubler, 2, "local")
+    assert [r[:2] for r in group.call("ping")] == [(0, 2), (1, 2)]
+    assert group.call("who") == 0
+
+
+def test_undeclared_method_and_bad_args() -> None:
+    group = WorkerGroup(Doubler, 1, "local")
+    with pytest.raises(TypeError, match="decorate it with @dispatch"):
+        group.call("undeclared")
+    with pytest.raises(TypeError, match="needs a Batch"):
+        group.call("double", [1, 2])
+    with pytest.raises(ValueError, match="unknown backend"):
+        WorkerGroup(Doubler, 1, "mpi")
+
+
+def test_local_backend_runs_in_this_process() -> None:
+    import os
+
+    group = WorkerGroup(Doubler, 2, "local")
+    assert {pid for _, _, pid in group.call("ping")} == {os.getpid()}

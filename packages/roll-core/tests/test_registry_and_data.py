@@ -1,0 +1,85 @@
+"""Plugin registry, prompt sampler, checkpoint manager, objectives' exact accumulation units."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from roll_core import registry
+from roll_core.checkpoint import CheckpointManager
+from roll_core.data import PromptSampler
+from roll_core.pipelines.objectives import PolicyObjective, agg_units
+
+
+def test_registry_lists_and_loads() -> None:
+    assert {"grpo", "gae", "rloo"} <= set(registry.available("roll.algorithms"))
+    assert "cpu" in registry.available("roll.platforms")
+    assert callable(registry.load("roll.algorithms", "grpo"))
+    assert registry.load("roll.algorithms", "grpo") is registry.load("roll.algorithms", "grpo")  # cached
+
+
+def test_registry_unknown_names() -> None:
+    with pytest.raises(registry.PluginNotFoundError, match=r"no plugin 'grop'.*installed: .*grpo.*Did you mean 'grpo'"):
+        registry.load("roll.algorithms", "grop")
+    with pytest.raises(registry.PluginNotFoundError, match="unknown plugin group"):
+        registry.available("roll.nothing")
+
+
+def test_registry_reports_broken_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib.metadata import EntryPoint
+
+    broken = EntryPoint(name="broken", value="roll_no_such_module:Thing", group="roll.envs")
+    monkeypatch.setattr(registry, "_entry_points", lambda group: {"broken": broken})
+    registry.load.cache_clear()
+    with pytest.raises(registry.PluginLoadError, match=r"plugin 'broken' in group 'roll.envs'.*ModuleNotFoundError"):
+        registry.load("roll.envs", "broken")
+    registry.load.cache_clear()
+
+
+def test_sampler_epochs_and_resume() -> None:
+    a = PromptSampler(5, seed=1)
+    first = a.next(3) + a.next(4)  # crosses into epoch 1
+    assert sorted(first[:5]) == [0, 1, 2, 3, 4] and a.epoch == 1
+    b = PromptSampler(5, seed=1)
+    b.next(3)
+    state = b.state_dict()
+    c = PromptSampler(5, seed=1)
+    c.load_state_dict(state)
+    assert c.next(4) == first[3:]
+    with pytest.raises(ValueError, match="sampler state is for size=5"):
+        PromptSampler(6, seed=1).load_state_dict(state)
+
+
+def test_checkpoint_manager_atomic_and_pruned(tmp_path: Path) -> None:
+    m = CheckpointManager(tmp_path, keep_last=2)
+    for step in (1, 2, 3):
+        tmp = m.staging(step)
+        (tmp / "weights").write_text(str(step))
+        m.commit(tmp, step, {"sampler": {"epoch": 0}})
+    assert [p.name for p in m.list()] == ["step_000002", "step_000003"]
+    # an interrupted save leaves a .tmp folder that is never picked
+    (m.staging(4) / "weights").write_text("partial")
+    assert m.latest().name == "step_000003"
+    assert json.loads((m.latest() / "state.json").read_text())["step"] == 3
+
+
+def test_units_make_accumulation_exact() -> None:
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    assert agg_units(mask, "token-mean") == 3
+    assert agg_units(mask, "seq-mean-token-mean") == 2
+    assert agg_units(mask, "seq-mean-token-sum") == 3
+
+
+def test_policy_objective_adds_kl_and_entropy() -> None:
+    logp = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_()
+    micro = {"response_mask": torch.ones(1, 2), "advantages": torch.ones(1, 2),
+             "ref_logprobs": torch.log(torch.tensor([[0.5, 0.5]]))}
+    base = PolicyObjective()({"logprobs": logp}, micro)[0]
+    with_kl, m = PolicyObjective(kl_loss_coef=0.5, kl_kind="k1")({"logprobs": logp}, micro)
+    # k1 = [0, ln(0.5)] -> mean -0.3466; loss adds 0.5 * that
+    assert float((with_kl - base).detach()) == pytest.approx(0.5 * (0 + torch.log(torch.tensor(0.5)).item()) / 2, abs=1e-6)
+    ent, m = PolicyObjective(entropy_coef=0.1)({"logprobs": logp, "entropy": torch.ones(1, 2)}, micro)
+    assert float((ent - base).detach()) == pytest.approx(-0.1) and float(m["actor/entropy"]) == 1.0

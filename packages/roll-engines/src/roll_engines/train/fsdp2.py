@@ -1,0 +1,112 @@
+"""The `fsdp2` training engine: the `hf` engine's model sharded with FSDP2 (`fully_shard`) over N processes.
+
+Each worker process is one data-parallel rank holding 1/N of every parameter, gradient and optimizer state.
+The process group comes from the environment the worker group sets (RANK, WORLD_SIZE, MASTER_ADDR/PORT); the
+backend is the platform's (gloo on CPU, nccl on CUDA/ROCm, hccl on NPU). Every decoder layer is its own FSDP
+unit, then the root. FSDP averages gradients over ranks; the base engine's loss scaling (units of this rank's
+micro-batch over the units of the whole mini-batch, times N) makes the result equal to the single-process
+gradient of the whole batch.
+
+Collectives: `get_weights`, `save` and `load` gather or scatter full tensors and must be called on every rank
+(the worker group's broadcast dispatch does that); only rank 0 returns or writes the full model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from roll_engines.train.hf import HFTrainEngine
+
+
+def _init_process_group(backend: str | None = None) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        raise RuntimeError("the fsdp2 engine runs inside a worker group (RANK/WORLD_SIZE/MASTER_ADDR are unset); "
+                           "use cluster=ray, or train_engine=hf for a single process")
+    if backend is None:
+        from roll_hw import current_platform
+
+        backend = current_platform.dist_backend
+    dist.init_process_group(backend=backend)
+
+
+class FSDP2TrainEngine(HFTrainEngine):
+    """FSDP2-sharded variant of `HFTrainEngine` (same constructor plus `reshard_after_forward`)."""
+
+    def __init__(self, model_path: str, *, reshard_after_forward: bool = True, dist_backend: str | None = None,
+                 **kwargs: Any) -> None:
+        self.reshard_after_forward = reshard_after_forward
+        _init_process_group(dist_backend)
+        super().__init__(model_path, **kwargs)
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        layers = getattr(getattr(model, "model", model), "layers", None)
+        if layers is None:
+            raise TypeError(f"cannot find decoder layers (model.model.layers) in {type(model).__name__}")
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        return model
+
+    @property
+    def dp_rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    @property
+    def dp_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+
+    def _all_reduce_sum(self, t: Tensor) -> Tensor:
+        import torch.distributed as dist
+
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    # ---- full-state collectives ---------------------------------------------------------------------------
+    def _full_state_dict(self) -> dict[str, Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def get_weights(self) -> dict[str, Tensor]:
+        """Full CPU state dict on rank 0 (empty dict elsewhere); every rank must call."""
+        full = self._full_state_dict()
+        return full if self.dp_rank == 0 else {}
+
+    def gradients(self) -> dict[str, Tensor]:
+        """Full (unsharded) gradients, for tests comparing with the single-process engine; every rank calls."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                g = p.grad
+                out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().cpu()
+        return out
+
+    def _save_model(self, folder: Path) -> None:
+        full = self._full_state_dict()
+        if self.dp_rank == 0:
+            # save_pretrained on the wrapped model would write DTensors: hand it the gathered state instead.
+            self.model.save_pretrained(folder, state_dict=full, safe_serialization=True)
+
+    def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
