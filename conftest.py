@@ -17,7 +17,7 @@ HW_MARKERS = ("cuda", "rocm", "npu")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    needs_hw = [it for it in items if any(it.get_closest_marker(m) for m in HW_MARKERS + ("gpus",))]
+    needs_hw = [it for it in items if any(it.get_closest_marker(m) for m in (*HW_MARKERS, "gpus"))]
     if not needs_hw:
         return
     try:

@@ -1,13 +1,13 @@
 """Every dev task of the roll monorepo. The CI matrix (.github/workflows/ci.yml) follows this session list.
 
-    nox -s tests                 # every CPU test (the README's test command)
-    nox -s unit                  # each package alone in a fresh venv with only its declared dependencies
-    nox -s unit -- roll-algos    # one package
-    nox -s configs               # compose every config and experiment, bind every _target_
-    nox -s lint                  # ruff
-    nox -s device -- cuda        # tests marked for one hardware (cuda | rocm | npu); skips where absent
-    nox -s quickstart            # the main job (short GRPO run)
-    nox -s bench                 # benchmarks in bench/
+nox -s tests                 # every CPU test (the README's test command)
+nox -s unit                  # each package alone in a fresh venv with only its declared dependencies
+nox -s unit -- roll-algos    # one package
+nox -s configs               # compose every config and experiment, bind every _target_
+nox -s lint                  # ruff
+nox -s device -- cuda        # tests marked for one hardware (cuda | rocm | npu); skips where absent
+nox -s quickstart            # the main job (short GRPO run)
+nox -s bench                 # benchmarks in bench/
 """
 
 from __future__ import annotations
@@ -59,8 +59,22 @@ def _ensure_venv(session: nox.Session) -> Path:
         pkgs = []
         for pkg in existing_packages():
             pkgs += ["-e", f"packages/{pkg}{EXTRAS.get(pkg, '')}"]
-        session.run(str(python), "-m", "pip", "install", "-q", *constraints(), *pkgs,
-                    "-e", "tests/plugins/roll-dummy-platform", *TEST_TOOLS, "nox", "ruff", "pyyaml", external=True)
+        session.run(
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            *constraints(),
+            *pkgs,
+            "-e",
+            "tests/plugins/roll-dummy-platform",
+            *TEST_TOOLS,
+            "nox",
+            "ruff",
+            "pyyaml",
+            external=True,
+        )
         stamp.write_text(signature)
     return python
 
@@ -69,8 +83,14 @@ def _ensure_venv(session: nox.Session) -> Path:
 def tests(session: nox.Session) -> None:
     """Every CPU test: all packages in one venv (.venv), device-marked tests skipped."""
     python = _ensure_venv(session)
-    session.run(str(python), "-m", "pytest", *(session.posargs or _test_paths()), external=True,
-                env={"ROLL_TEST_SESSION": "tests"})
+    session.run(
+        str(python),
+        "-m",
+        "pytest",
+        *(session.posargs or _test_paths()),
+        external=True,
+        env={"ROLL_TEST_SESSION": "tests"},
+    )
 
 
 def _install_inputs() -> list[str]:
@@ -99,8 +119,16 @@ def unit(session: nox.Session) -> None:
         local = [f"packages/{dep}" for dep in SIBLINGS[pkg]] + [f"packages/{pkg}[test]"]
         session.run(python, "-m", "pip", "install", "-q", *constraints(), *local, external=True)
         session.log(f"{pkg}: installed {_freeze_summary(session, python)}")
-        session.run(python, "-m", "pytest", "-p", "no:cacheprovider", f"packages/{pkg}/tests", external=True,
-                    env={"ROLL_TEST_SESSION": f"unit-{pkg}"})
+        session.run(
+            python,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            f"packages/{pkg}/tests",
+            external=True,
+            env={"ROLL_TEST_SESSION": f"unit-{pkg}"},
+        )
 
 
 def _freeze_summary(session: nox.Session, python: str) -> str:
@@ -123,6 +151,7 @@ def lint(session: nox.Session) -> None:
     """ruff check and format check over the whole tree."""
     session.install("ruff")
     session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
 
 
 @nox.session(python=False)
@@ -134,11 +163,23 @@ def device(session: nox.Session) -> None:
     python = ROOT / ".venv" / "bin" / "python"
     if not python.exists():
         session.error("run `nox -s tests` once first (it builds .venv)")
-    probe = f"import sys; from roll_hw.detect import get_platform_class as g; sys.exit(0 if g('{hw}').is_available() else 3)"
+    probe = (
+        "import sys; from roll_hw.detect import get_platform_class as g; "
+        f"sys.exit(0 if g('{hw}').is_available() else 3)"
+    )
     if subprocess.run([str(python), "-c", probe]).returncode != 0:
         session.skip(f"no {hw} device on this machine (roll-doctor shows why); {hw} tests run on {hw} runners")
-    session.run(str(python), "-m", "pytest", "-m", hw, *_test_paths(), *extra, external=True,
-                env={"ROLL_TEST_SESSION": f"device-{hw}"})
+    session.run(
+        str(python),
+        "-m",
+        "pytest",
+        "-m",
+        hw,
+        *_test_paths(),
+        *extra,
+        external=True,
+        env={"ROLL_TEST_SESSION": f"device-{hw}"},
+    )
 
 
 @nox.session(python=False)

@@ -61,8 +61,10 @@ def main() -> None:
     _ = aggregate  # the aggregation under test is inside policy_loss
     t_roll = timeit(roll, logp, old, adv, mask, repeats)
     t_naive = timeit(naive, logp, old, adv, mask, repeats)
-    print(f"policy_loss+aggregate on ({b}, {t}): roll {t_roll * 1e3:.1f} ms, naive {t_naive * 1e3:.1f} ms, "
-          f"ratio naive/roll = {t_naive / t_roll:.2f}x (fwd+bwd, best of {repeats})")
+    print(
+        f"policy_loss+aggregate on ({b}, {t}): roll {t_roll * 1e3:.1f} ms, naive {t_naive * 1e3:.1f} ms, "
+        f"ratio naive/roll = {t_naive / t_roll:.2f}x (fwd+bwd, best of {repeats})"
+    )
 
 
 if __name__ == "__main__":

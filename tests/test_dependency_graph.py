@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import ast
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["roll-hw", "roll-algos", "roll-core", "roll-engines", "roll-envs"]
@@ -68,7 +68,7 @@ def test_dependencies_point_down(pkg: str) -> None:
 
 @pytest.mark.parametrize("pkg", PACKAGES)
 def test_siblings_are_ranges_not_pins(pkg: str) -> None:
-    for name, req in declared_siblings(pkg).items():
+    for req in declared_siblings(pkg).values():
         assert "==" not in req and "<" in req and ">=" in req, f"{pkg} pins {req!r}; use a range like >=0.1,<0.2"
 
 
@@ -100,5 +100,7 @@ def test_package_layout(pkg: str) -> None:
 
 def test_hardware_and_engine_extras() -> None:
     assert {"cuda", "rocm", "npu"} <= set(pyproject("roll-hw")["project"]["optional-dependencies"])
-    assert {"hf", "fsdp", "megatron", "vllm", "sglang"} <= set(pyproject("roll-engines")["project"]["optional-dependencies"])
+    assert {"hf", "fsdp", "megatron", "vllm", "sglang"} <= set(
+        pyproject("roll-engines")["project"]["optional-dependencies"]
+    )
     assert {"gem", "code"} <= set(pyproject("roll-envs")["project"]["optional-dependencies"])

@@ -12,8 +12,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_top_level_entries() -> None:
-    for entry in ("packages", "conf", "tests", "noxfile.py", "README.md", ".ci/run", ".github/workflows", "bench",
-                  "examples", "constraints/cpu.txt"):
+    for entry in (
+        "packages",
+        "conf",
+        "tests",
+        "noxfile.py",
+        "README.md",
+        ".ci/run",
+        ".github/workflows",
+        "bench",
+        "examples",
+        "constraints/cpu.txt",
+    ):
         assert (ROOT / entry).exists(), entry
 
 

@@ -23,8 +23,13 @@ def ray_cluster():
     """One local Ray instance for every test that needs it (Ray takes 10-15 s to start here)."""
     ray = pytest.importorskip("ray")
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=8, include_dashboard=False, namespace="roll-tests", ignore_reinit_error=True,
-             runtime_env={"env_vars": {"ROLL_CACHE_DIR": os.environ["ROLL_CACHE_DIR"]}})
+    ray.init(
+        num_cpus=8,
+        include_dashboard=False,
+        namespace="roll-tests",
+        ignore_reinit_error=True,
+        runtime_env={"env_vars": {"ROLL_CACHE_DIR": os.environ["ROLL_CACHE_DIR"]}},
+    )
     yield ray
     ray.shutdown()
 
@@ -39,10 +44,21 @@ def seven_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def tiny_overrides(data: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "model=tiny", "model.max_response_length=6", "env=file", f"env.path={data}",
-        "env.reward.last_number_weight=1.0", "env.eval_size=16", "algo.group_size=8", "algo.lr=3e-3",
-        "pipeline.rollout_batch_size=4", "pipeline.max_steps=20", "pipeline.eval_every=0", "pipeline.progress=false",
-        f"pipeline.output_dir={out}", "train_engine.micro_batch_size=16", *extra,
+        "model=tiny",
+        "model.max_response_length=6",
+        "env=file",
+        f"env.path={data}",
+        "env.reward.last_number_weight=1.0",
+        "env.eval_size=16",
+        "algo.group_size=8",
+        "algo.lr=3e-3",
+        "pipeline.rollout_batch_size=4",
+        "pipeline.max_steps=20",
+        "pipeline.eval_every=0",
+        "pipeline.progress=false",
+        f"pipeline.output_dir={out}",
+        "train_engine.micro_batch_size=16",
+        *extra,
     ]
 
 

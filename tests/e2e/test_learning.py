@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from conftest import rewards, run, tiny_overrides
 
 
@@ -15,7 +16,7 @@ def assert_learns(history: list[dict], margin: float = 0.25) -> None:
 
 
 def test_grpo_learns_local(seven_task: Path, tmp_path: Path) -> None:
-    summary, history = run(tiny_overrides(seven_task, tmp_path, "algo=grpo"))
+    _, history = run(tiny_overrides(seven_task, tmp_path, "algo=grpo"))
     assert_learns(history)
     assert (tmp_path / "curves.png").exists() and list((tmp_path / "tensorboard").iterdir())
     assert (tmp_path / "checkpoints" / "step_000020" / "actor" / "model" / "config.json").exists()
@@ -35,8 +36,17 @@ def test_grpo_learns_on_ray_colocated(ray_cluster, seven_task: Path, tmp_path: P
 
 @pytest.mark.ray
 def test_ppo_learns_on_ray_disaggregated(ray_cluster, seven_task: Path, tmp_path: Path) -> None:
-    _, history = run(tiny_overrides(seven_task, tmp_path, "algo=ppo", "algo.critic_lr=3e-3", "cluster=ray",
-                                    "cluster.placement=disaggregated", "pipeline.reward_workers=2"))
+    _, history = run(
+        tiny_overrides(
+            seven_task,
+            tmp_path,
+            "algo=ppo",
+            "algo.critic_lr=3e-3",
+            "cluster=ray",
+            "cluster.placement=disaggregated",
+            "pipeline.reward_workers=2",
+        )
+    )
     assert_learns(history)
 
 
@@ -44,10 +54,10 @@ def test_resume_reproduces_the_uninterrupted_run(seven_task: Path, tmp_path: Pat
     common = ["algo=grpo", "pipeline.max_steps=6", "algo.kl_coef=0.01", "algo.ppo_epochs=2"]
     _, full = run(tiny_overrides(seven_task, tmp_path / "full", *common, "pipeline.save_every=3"))
     # "Crash" after step 3: run only 3 steps, then resume in the same folder up to step 6.
-    _, part = run(tiny_overrides(seven_task, tmp_path / "resumed", *common, "pipeline.save_every=3",
-                                 "pipeline.max_steps=3"))
-    _, resumed = run(tiny_overrides(seven_task, tmp_path / "resumed", *common, "pipeline.save_every=3",
-                                    "pipeline.resume=true"))
+    run(tiny_overrides(seven_task, tmp_path / "resumed", *common, "pipeline.save_every=3", "pipeline.max_steps=3"))
+    _, resumed = run(
+        tiny_overrides(seven_task, tmp_path / "resumed", *common, "pipeline.save_every=3", "pipeline.resume=true")
+    )
     keys = ["reward/mean", "actor/pg_loss", "actor/kl_to_ref", "actor/entropy", "response/length_mean"]
     by_step = {h["step"]: h for h in full}
     assert [h["step"] for h in resumed] == [1, 2, 3, 4, 5, 6]

@@ -22,8 +22,11 @@ def _batch(path: str) -> Batch:
     gen = infer.generate(ids, n=2, seed=5)
     p_ids, p_mask = pad_left([x for x in ids for _ in range(2)], infer.pad_id)
     tensors = build_sequences(p_ids, p_mask, gen.responses, gen.response_mask)
-    tensors.update(responses=gen.responses, response_mask=gen.response_mask,
-                   advantages=torch.linspace(-1, 1, 6)[:, None] * gen.response_mask)
+    tensors.update(
+        responses=gen.responses,
+        response_mask=gen.response_mask,
+        advantages=torch.linspace(-1, 1, 6)[:, None] * gen.response_mask,
+    )
     return Batch(tensors)
 
 
@@ -38,8 +41,14 @@ def test_fsdp2_gradients_equal_single_process(ray_cluster) -> None:
     expected = single.compute_gradients(batch.tensors(), objective)
 
     engine = {k: v for k, v in vars(FSDP2TrainEngineConfig(micro_batch_size=2)).items()}
-    group = TrainGroup(TrainWorker, 2, "ray", ray_options=RayOptions(num_cpus=0.5), engine=engine,
-                       runtime={"model_path": path, "lr": 1e-3, "num_threads": 1, "dist_backend": "gloo"})
+    group = TrainGroup(
+        TrainWorker,
+        2,
+        "ray",
+        ray_options=RayOptions(num_cpus=0.5),
+        engine=engine,
+        runtime={"model_path": path, "lr": 1e-3, "num_threads": 1, "dist_backend": "gloo"},
+    )
     try:
         assert [r[:2] for r in group.call("ping")] == [(0, 2), (1, 2)]
         pids = {r[2] for r in group.call("ping")}

@@ -10,10 +10,9 @@ import pytest
 
 pytest.importorskip("roll_dummy_platform", reason="install tests/plugins/roll-dummy-platform (nox does)")
 
-from roll_dummy_platform import DummyPlatform  # noqa: E402
-
-from roll_hw import detect, platform_names, resolve_platform  # noqa: E402
-from roll_hw.testing import PlatformTestSuite  # noqa: E402
+from roll_dummy_platform import DummyPlatform
+from roll_hw import detect, platform_names, resolve_platform
+from roll_hw.testing import PlatformTestSuite
 
 
 class TestDummyPlatformConformance(PlatformTestSuite):

@@ -63,7 +63,7 @@ def test_all_masked_is_zero_for_every_mode() -> None:
 
 
 def test_unknown_mode() -> None:
-    with pytest.raises(ValueError, match="unknown aggregation 'mean'.*token-mean"):
+    with pytest.raises(ValueError, match=r"unknown aggregation 'mean'.*token-mean"):
         aggregate(LOSS, MASK, "mean")
 
 
@@ -106,8 +106,9 @@ def test_gspo_sequence_ratio_by_hand() -> None:
     loss, _ = policy_loss(T([[0.1, 0.3]]), torch.zeros(1, 2), T([1.0]), torch.ones(1, 2), variant="gspo")
     close(loss, -1.2)
     # with a tiny clip range (GSPO's paper uses ~3e-4), an on-policy batch is still -A
-    loss, _ = policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), T([0.5]), torch.ones(1, 2), variant="gspo",
-                          clip_low=3e-4, clip_high=4e-4)
+    loss, _ = policy_loss(
+        torch.zeros(1, 2), torch.zeros(1, 2), T([0.5]), torch.ones(1, 2), variant="gspo", clip_low=3e-4, clip_high=4e-4
+    )
     close(loss, -0.5)
 
 
@@ -222,8 +223,16 @@ def test_at_ratio_one_every_variant_has_the_vanilla_gradient(seed: int, agg: str
 
     def grad(variant: str) -> torch.Tensor:
         logp = logp0.clone().requires_grad_()
-        loss, _ = policy_loss(logp, logp0.detach(), adv, mask, variant=variant, agg=agg, norm_length=5,
-                              dual_clip=3.0 if variant == "ppo" else None)
+        loss, _ = policy_loss(
+            logp,
+            logp0.detach(),
+            adv,
+            mask,
+            variant=variant,
+            agg=agg,
+            norm_length=5,
+            dual_clip=3.0 if variant == "ppo" else None,
+        )
         (g,) = torch.autograd.grad(loss, logp)
         return g
 
@@ -264,8 +273,9 @@ def test_loss_is_finite_for_all_masked_rows(variant: str, agg: str) -> None:
     assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
     loss.backward()
     assert torch.isfinite(logp.grad).all()
-    vl, _ = value_loss(torch.full((2, 3), NAN), torch.zeros(2, 3), torch.zeros(2, 3), mask, clip=0.2, agg=agg,
-                        norm_length=3)
+    vl, _ = value_loss(
+        torch.full((2, 3), NAN), torch.zeros(2, 3), torch.zeros(2, 3), mask, clip=0.2, agg=agg, norm_length=3
+    )
     assert torch.isfinite(vl)
 
 
@@ -280,11 +290,21 @@ def test_k3_is_nonnegative(a: float, b: float) -> None:
 @settings(max_examples=40, deadline=None)
 def test_fp32_matches_fp64(seed: int, variant: str, agg: str) -> None:
     logp, old, adv, mask = _batch(seed)
-    l64, _ = policy_loss(logp, old, adv, mask, variant=variant, agg=agg, norm_length=5, dual_clip=3.0
-                         if variant == "ppo" else None)
-    l32, _ = policy_loss(logp.float(), old.float(), adv.float(), mask.float(), variant=variant, agg=agg,
-                         norm_length=5, dual_clip=3.0 if variant == "ppo" else None)
+    l64, _ = policy_loss(
+        logp, old, adv, mask, variant=variant, agg=agg, norm_length=5, dual_clip=3.0 if variant == "ppo" else None
+    )
+    l32, _ = policy_loss(
+        logp.float(),
+        old.float(),
+        adv.float(),
+        mask.float(),
+        variant=variant,
+        agg=agg,
+        norm_length=5,
+        dual_clip=3.0 if variant == "ppo" else None,
+    )
     torch.testing.assert_close(l32.double(), l64, atol=1e-5, rtol=1e-4)
     for kind in ("k1", "k2", "k3", "abs"):
-        torch.testing.assert_close(kl_estimate(logp.float(), old.float(), kind).double(), kl_estimate(logp, old, kind),
-                                   atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            kl_estimate(logp.float(), old.float(), kind).double(), kl_estimate(logp, old, kind), atol=1e-5, rtol=1e-4
+        )

@@ -13,8 +13,11 @@ from roll_core.protocol import Batch, build_sequences, pad_left
 
 
 def make(n: int) -> Batch:
-    return Batch({"x": torch.arange(n).float(), "y": torch.arange(2 * n).view(n, 2)},
-                 {"id": [f"p{i}" for i in range(n)]}, {"step": 3})
+    return Batch(
+        {"x": torch.arange(n).float(), "y": torch.arange(2 * n).view(n, 2)},
+        {"id": [f"p{i}" for i in range(n)]},
+        {"step": 3},
+    )
 
 
 @given(n=st.integers(0, 40), parts=st.integers(1, 9))

@@ -75,11 +75,16 @@ def test_units_make_accumulation_exact() -> None:
 
 def test_policy_objective_adds_kl_and_entropy() -> None:
     logp = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_()
-    micro = {"response_mask": torch.ones(1, 2), "advantages": torch.ones(1, 2),
-             "ref_logprobs": torch.log(torch.tensor([[0.5, 0.5]]))}
+    micro = {
+        "response_mask": torch.ones(1, 2),
+        "advantages": torch.ones(1, 2),
+        "ref_logprobs": torch.log(torch.tensor([[0.5, 0.5]])),
+    }
     base = PolicyObjective()({"logprobs": logp}, micro)[0]
     with_kl, m = PolicyObjective(kl_loss_coef=0.5, kl_kind="k1")({"logprobs": logp}, micro)
     # k1 = [0, ln(0.5)] -> mean -0.3466; loss adds 0.5 * that
-    assert float((with_kl - base).detach()) == pytest.approx(0.5 * (0 + torch.log(torch.tensor(0.5)).item()) / 2, abs=1e-6)
+    assert float((with_kl - base).detach()) == pytest.approx(
+        0.5 * (0 + torch.log(torch.tensor(0.5)).item()) / 2, abs=1e-6
+    )
     ent, m = PolicyObjective(entropy_coef=0.1)({"logprobs": logp, "entropy": torch.ones(1, 2)}, micro)
     assert float((ent - base).detach()) == pytest.approx(-0.1) and float(m["actor/entropy"]) == 1.0

@@ -46,7 +46,7 @@ def test_generate_layout_and_logprobs_match_trainer(tiny: str) -> None:
     batch = _batch(infer, ["What is 1+2?", "Hi"], n=3)
     assert batch["responses"].shape[0] == 6 and batch["responses"].shape[1] <= 12
     mask = batch["response_mask"]
-    assert ((mask[:, 1:] <= mask[:, :-1]).all()), "mask must be a prefix"
+    assert (mask[:, 1:] <= mask[:, :-1]).all(), "mask must be a prefix"
     train = HFTrainEngine(tiny, trainable=False, role="reference")
     logp = train.compute_logprobs(batch, temperature=0.8)["logprobs"]
     # The trainer recomputes exactly what the sampler reported (same weights, fp32).

@@ -36,8 +36,9 @@ def test_math_reward_scores_and_counts() -> None:
 
 
 def test_empty_box_earns_no_format_bonus() -> None:
-    res = MathReward(format_weight=0.2, last_number_weight=0.5).score([r"The answer is \boxed{} 7", r"\boxed{}"],
-                                                                      ["7", "7"])
+    res = MathReward(format_weight=0.2, last_number_weight=0.5).score(
+        [r"The answer is \boxed{} 7", r"\boxed{}"], ["7", "7"]
+    )
     assert res.scores == [0.5, 0.0] and res.formatted == [0.0, 0.0]
 
 

@@ -58,7 +58,9 @@ def test_file_task_reports_bad_rows(tmp_path: Path, caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.WARNING):
         task = FileTask(MathReward(), path=str(path), eval_fraction=0.25)
     assert [(n, why.split(" (")[0]) for _, n, why in task.skipped] == [
-        (4, "invalid JSON"), (8, "missing or empty 'answer'"), (10, "row is list, not an object"),
+        (4, "invalid JSON"),
+        (8, "missing or empty 'answer'"),
+        (10, "row is list, not an object"),
         (12, "missing or empty 'prompt'"),
     ]
     assert "skipped 4 bad row(s)" in caplog.text and "line 4" in caplog.text

@@ -69,7 +69,9 @@ def test_forced_npu_without_torch_npu_is_a_clear_error(monkeypatch: pytest.Monke
 
 def test_unknown_platform_lists_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROLL_PLATFORM", "tpu9000")
-    with pytest.raises(PlatformUnavailableError, match=r"unknown platform 'tpu9000'; installed platforms: cuda, rocm, npu, cpu"):
+    with pytest.raises(
+        PlatformUnavailableError, match=r"unknown platform 'tpu9000'; installed platforms: cuda, rocm, npu, cpu"
+    ):
         resolve_platform()
 
 

@@ -16,37 +16,43 @@ from roll_algos import advantages as A
 
 
 class AdvantageEstimator(Protocol):
-    def __call__(self, scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
-                 ) -> tuple[Tensor, Tensor | None]: ...
+    def __call__(
+        self, scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
+    ) -> tuple[Tensor, Tensor | None]: ...
 
 
-def grpo(scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
-         ) -> tuple[Tensor, Tensor | None]:
+def grpo(
+    scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
+) -> tuple[Tensor, Tensor | None]:
     """(r - group mean) / group std on every token."""
     return A.broadcast_to_tokens(A.group_normalized(scores, algo.group_size), mask), None
 
 
-def dr_grpo(scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
-            ) -> tuple[Tensor, Tensor | None]:
+def dr_grpo(
+    scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
+) -> tuple[Tensor, Tensor | None]:
     """r - group mean on every token (no std normalisation)."""
     return A.broadcast_to_tokens(A.group_normalized(scores, algo.group_size, std_normalize=False), mask), None
 
 
-def rloo(scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
-         ) -> tuple[Tensor, Tensor | None]:
+def rloo(
+    scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
+) -> tuple[Tensor, Tensor | None]:
     """Leave-one-out baseline on every token."""
     return A.broadcast_to_tokens(A.leave_one_out(scores, algo.group_size), mask), None
 
 
-def reinforce_pp(scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
-                 ) -> tuple[Tensor, Tensor | None]:
+def reinforce_pp(
+    scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
+) -> tuple[Tensor, Tensor | None]:
     """Discounted return of the token rewards, whitened over the batch."""
     returns = A.discounted_returns(token_rewards, mask, gamma=algo.gamma)
     return A.whiten(returns, mask), None
 
 
-def reinforce_pp_baseline(scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
-                          ) -> tuple[Tensor, Tensor | None]:
+def reinforce_pp_baseline(
+    scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
+) -> tuple[Tensor, Tensor | None]:
     """Subtract each group's mean outcome from the token rewards, then as reinforce_pp."""
     baseline = scores - A.group_normalized(scores, algo.group_size, std_normalize=False)  # = group mean
     last = _last_token_mask(mask)
@@ -54,8 +60,9 @@ def reinforce_pp_baseline(scores: Tensor, token_rewards: Tensor, mask: Tensor, v
     return reinforce_pp(scores, shifted, mask, values, algo)
 
 
-def gae(scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
-        ) -> tuple[Tensor, Tensor | None]:
+def gae(
+    scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
+) -> tuple[Tensor, Tensor | None]:
     """GAE with the critic's values; returns are the critic's targets."""
     if values is None:
         raise ValueError("adv_estimator=gae needs critic values")

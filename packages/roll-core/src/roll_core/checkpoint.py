@@ -51,8 +51,11 @@ class CheckpointManager:
         """Complete checkpoints, oldest first."""
         if not self.root.exists():
             return []
-        return sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
-                      and (p / "state.json").exists())
+        return sorted(
+            p
+            for p in self.root.glob("step_*")
+            if p.is_dir() and not p.name.endswith(".tmp") and (p / "state.json").exists()
+        )
 
     def latest(self) -> Path | None:
         found = self.list()

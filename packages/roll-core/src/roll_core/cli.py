@@ -100,8 +100,10 @@ def eval_main(argv: list[str] | None = None) -> int:
         print(f"roll-eval: invalid config:\n{exc}", file=sys.stderr)
         return 2
     result = evaluate_model(cfg, samples=args.samples)
-    print(f"accuracy {result['accuracy']:.4f} on {result['n']} held-out problems of {result['task']} "
-          f"(mean reward {result['reward']:.4f}, model {model})")
+    print(
+        f"accuracy {result['accuracy']:.4f} on {result['n']} held-out problems of {result['task']} "
+        f"(mean reward {result['reward']:.4f}, model {model})"
+    )
     return 0
 
 

@@ -44,7 +44,9 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["size"] != self.size or state["seed"] != self.seed:
-            raise ValueError(f"sampler state is for size={state['size']}, seed={state['seed']}; "
-                             f"this run has size={self.size}, seed={self.seed}")
+            raise ValueError(
+                f"sampler state is for size={state['size']}, seed={state['seed']}; "
+                f"this run has size={self.size}, seed={self.seed}"
+            )
         self.epoch, self.position = state["epoch"], state["position"]
         self._perm = self._permutation(self.epoch)

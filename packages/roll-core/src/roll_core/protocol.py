@@ -186,8 +186,9 @@ def pad_left(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor
     return ids, mask
 
 
-def build_sequences(prompts: Tensor, prompt_mask: Tensor, responses: Tensor, response_mask: Tensor
-                    ) -> dict[str, Tensor]:
+def build_sequences(
+    prompts: Tensor, prompt_mask: Tensor, responses: Tensor, response_mask: Tensor
+) -> dict[str, Tensor]:
     """`input_ids`, `attention_mask`, `position_ids` (B, P+R) from left-padded prompts and right-padded responses."""
     input_ids = torch.cat([prompts, responses], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)

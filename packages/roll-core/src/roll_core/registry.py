@@ -19,7 +19,7 @@ group, the name and the cause.
 from __future__ import annotations
 
 import difflib
-from functools import lru_cache
+from functools import cache
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -51,7 +51,7 @@ def _check_group(group: str) -> None:
         raise PluginNotFoundError(f"unknown plugin group {group!r}; groups are: {', '.join(GROUPS)}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _entry_points(group: str) -> dict[str, EntryPoint]:
     _check_group(group)
     return {ep.name: ep for ep in entry_points(group=group)}
@@ -71,7 +71,7 @@ def describe(group: str) -> dict[str, str]:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def load(group: str, name: str) -> Any:
     """Import and return the object registered as `name` in `group`.
 

@@ -20,8 +20,9 @@ log = logging.getLogger(__name__)
 class Tracker:
     """Writes metrics to JSONL and TensorBoard; plots curves on demand."""
 
-    def __init__(self, out_dir: str | Path, config_yaml: str | None = None, tensorboard: bool = True,
-                 resume: bool = False) -> None:
+    def __init__(
+        self, out_dir: str | Path, config_yaml: str | None = None, tensorboard: bool = True, resume: bool = False
+    ) -> None:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         if config_yaml is not None:
@@ -50,8 +51,11 @@ class Tracker:
         self.metrics_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        clean = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) or v is None}
+        clean = {
+            k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) or v is None
+        }
         record = {"step": step, **clean}
         self.history.append(record)
         with open(self.metrics_path, "a") as f:

@@ -31,7 +31,7 @@ class NpuPlatform(Platform):
             cls._import_error = "torch_npu is not installed"
             return None
         try:
-            import torch_npu  # noqa: F401  (registers the "npu" device with torch)
+            import torch_npu
 
             return torch_npu
         except Exception as exc:  # a broken CANN install raises all sorts of errors

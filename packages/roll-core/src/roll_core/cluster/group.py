@@ -69,8 +69,16 @@ class WorkerGroup(Generic[W]):
     #: The worker class a typed subclass drives (used by roll_core.cluster.launch.Cluster).
     worker_cls: type[Worker] = Worker
 
-    def __init__(self, cls: type[W], world_size: int, backend: str = "local", *, name: str = "",
-                 ray_options: RayOptions | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        cls: type[W],
+        world_size: int,
+        backend: str = "local",
+        *,
+        name: str = "",
+        ray_options: RayOptions | None = None,
+        **kwargs: Any,
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.cls, self.world_size, self.backend, self.name = cls, world_size, backend, name or cls.__name__
@@ -78,15 +86,17 @@ class WorkerGroup(Generic[W]):
         if backend == "local":
             if world_size > 1 and kwargs.get("requires_distributed", False):
                 raise ValueError(f"{self.name}: world_size={world_size} needs separate processes; use cluster=ray")
-            self.workers: list[Any] = [cls(rank=r, world_size=world_size, **rendezvous, **kwargs)
-                                       for r in range(world_size)]
+            self.workers: list[Any] = [
+                cls(rank=r, world_size=world_size, **rendezvous, **kwargs) for r in range(world_size)
+            ]
         elif backend == "ray":
             self.workers = self._start_ray(cls, world_size, ray_options or RayOptions(), rendezvous, kwargs)
         else:
             raise ValueError(f"unknown backend {backend!r}: use 'local' or 'ray'")
 
-    def _start_ray(self, cls: type, world_size: int, opts: RayOptions, rendezvous: dict[str, Any],
-                   kwargs: dict[str, Any]) -> list[Any]:
+    def _start_ray(
+        self, cls: type, world_size: int, opts: RayOptions, rendezvous: dict[str, Any], kwargs: dict[str, Any]
+    ) -> list[Any]:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -97,16 +107,19 @@ class WorkerGroup(Generic[W]):
         remote_cls = ray.remote(cls)
         actors = []
         for r in range(world_size):
-            options: dict[str, Any] = {"num_cpus": opts.num_cpus, "num_gpus": opts.num_gpus,
-                                       "resources": dict(opts.resources)}
+            options: dict[str, Any] = {
+                "num_cpus": opts.num_cpus,
+                "num_gpus": opts.num_gpus,
+                "resources": dict(opts.resources),
+            }
             if opts.placement is not None:
                 pg, bundles = opts.placement
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=bundles[r])
+                    placement_group=pg, placement_group_bundle_index=bundles[r]
+                )
             if opts.env and opts.env[r]:
                 options["runtime_env"] = {"env_vars": dict(opts.env[r])}
-            actors.append(remote_cls.options(**options).remote(rank=r, world_size=world_size, **rendezvous,
-                                                               **kwargs))
+            actors.append(remote_cls.options(**options).remote(rank=r, world_size=world_size, **rendezvous, **kwargs))
         return actors
 
     # ---- calls --------------------------------------------------------------------------------------------

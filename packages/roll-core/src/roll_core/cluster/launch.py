@@ -42,8 +42,12 @@ class Cluster:
 
         if ray.is_initialized():
             return
-        kwargs: dict[str, Any] = {"namespace": self.cfg.namespace, "include_dashboard": False,
-                                  "log_to_driver": True, "ignore_reinit_error": True}
+        kwargs: dict[str, Any] = {
+            "namespace": self.cfg.namespace,
+            "include_dashboard": False,
+            "log_to_driver": True,
+            "ignore_reinit_error": True,
+        }
         if self.cfg.address:
             kwargs["address"] = self.cfg.address
         else:
@@ -77,8 +81,10 @@ class Cluster:
             self._pgs[pg_name] = (pg, world_size)
         pg, size = self._pgs[pg_name]
         if world_size > size:
-            raise ValueError(f"role {role} has world_size={world_size} but the colocated group has {size} bundles; "
-                             "give every device role the same world_size or use cluster.placement=disaggregated")
+            raise ValueError(
+                f"role {role} has world_size={world_size} but the colocated group has {size} bundles; "
+                "give every device role the same world_size or use cluster.placement=disaggregated"
+            )
         share = (1.0 / len(DEVICE_ROLES)) if colocated else 1.0
         opts = RayOptions(num_cpus=self.cfg.cpus_per_worker, placement=(pg, list(range(world_size))))
         if dev and key == "GPU":
@@ -92,10 +98,12 @@ class Cluster:
         if self.cfg.backend == "local":
             group = group_cls(group_cls.worker_cls, world_size, "local", name=role, **kwargs)
         else:
-            opts = (self._placement(role, world_size) if role in DEVICE_ROLES
-                    else RayOptions(num_cpus=min(self.cfg.cpus_per_worker, 0.25)))
-            group = group_cls(group_cls.worker_cls, world_size, "ray", name=role,
-                              ray_options=opts, **kwargs)
+            opts = (
+                self._placement(role, world_size)
+                if role in DEVICE_ROLES
+                else RayOptions(num_cpus=min(self.cfg.cpus_per_worker, 0.25))
+            )
+            group = group_cls(group_cls.worker_cls, world_size, "ray", name=role, ray_options=opts, **kwargs)
         self.groups.append(group)
         return group
 

@@ -35,10 +35,17 @@ class TrainWorker(Worker):
         return Batch(self.engine.compute_values(batch.tensors()))
 
     @dispatch(Dispatch.DP)
-    def train(self, batch: Batch, loss_fn: Any, mini_batches: int, epochs: int, temperature: float,
-              shuffle_seed: int) -> dict[str, float]:
-        return self.engine.train_step(batch.tensors(), loss_fn, mini_batches=mini_batches, epochs=epochs,
-                                      temperature=temperature, shuffle_seed=shuffle_seed + self.rank)
+    def train(
+        self, batch: Batch, loss_fn: Any, mini_batches: int, epochs: int, temperature: float, shuffle_seed: int
+    ) -> dict[str, float]:
+        return self.engine.train_step(
+            batch.tensors(),
+            loss_fn,
+            mini_batches=mini_batches,
+            epochs=epochs,
+            temperature=temperature,
+            shuffle_seed=shuffle_seed + self.rank,
+        )
 
     @dispatch(Dispatch.DP)
     def compute_gradients(self, batch: Batch, loss_fn: Any, temperature: float = 1.0) -> dict[str, torch.Tensor]:
@@ -66,12 +73,20 @@ class InferWorker(Worker):
         self.engine = build(engine, **runtime)
 
     @dispatch(Dispatch.DP)
-    def generate(self, batch: Batch, n: int, temperature: float | None = None, max_new_tokens: int | None = None,
-                 seed: int = 0) -> Batch:
-        gen = self.engine.generate(batch["prompt_ids"], n, temperature=temperature, max_new_tokens=max_new_tokens,
-                                   seed=seed * 1009 + self.rank)
-        out = Batch({"responses": gen.responses, "behaviour_logprobs": gen.logprobs,
-                     "response_mask": gen.response_mask, "truncated": gen.truncated})
+    def generate(
+        self, batch: Batch, n: int, temperature: float | None = None, max_new_tokens: int | None = None, seed: int = 0
+    ) -> Batch:
+        gen = self.engine.generate(
+            batch["prompt_ids"], n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed * 1009 + self.rank
+        )
+        out = Batch(
+            {
+                "responses": gen.responses,
+                "behaviour_logprobs": gen.logprobs,
+                "response_mask": gen.response_mask,
+                "truncated": gen.truncated,
+            }
+        )
         out.meta["generate_seconds"] = gen.seconds
         return out
 
@@ -92,13 +107,19 @@ class RewardWorker(Worker):
 
     @dispatch(Dispatch.DP)
     def score(self, batch: Batch) -> Batch:
-        texts = [self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
-                 for r, m in zip(batch["responses"], batch["response_mask"])]
+        texts = [
+            self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
+            for r, m in zip(batch["responses"], batch["response_mask"])
+        ]
         res = self.task.reward.score(texts, batch["answer"])
-        out = Batch({"scores": torch.tensor(res.scores, dtype=torch.float32),
-                     "correct": torch.tensor(res.correct, dtype=torch.float32),
-                     "formatted": torch.tensor(res.formatted, dtype=torch.float32)},
-                    {"response_text": texts})
+        out = Batch(
+            {
+                "scores": torch.tensor(res.scores, dtype=torch.float32),
+                "correct": torch.tensor(res.correct, dtype=torch.float32),
+                "formatted": torch.tensor(res.formatted, dtype=torch.float32),
+            },
+            {"response_text": texts},
+        )
         out.meta["reward_counters"] = res.counters
         return out
 
@@ -122,10 +143,12 @@ class TrainGroup(WorkerGroup[TrainWorker]):
     def compute_values(self, batch: Batch) -> Batch:
         return self.call("compute_values", batch)
 
-    def train(self, batch: Batch, loss_fn: Any, *, mini_batches: int, epochs: int, temperature: float,
-              shuffle_seed: int) -> dict[str, float]:
-        per_rank: list[dict[str, float]] = self.call("train", batch, loss_fn, mini_batches, epochs, temperature,
-                                                     shuffle_seed)
+    def train(
+        self, batch: Batch, loss_fn: Any, *, mini_batches: int, epochs: int, temperature: float, shuffle_seed: int
+    ) -> dict[str, float]:
+        per_rank: list[dict[str, float]] = self.call(
+            "train", batch, loss_fn, mini_batches, epochs, temperature, shuffle_seed
+        )
         return {k: sum(d[k] for d in per_rank) / len(per_rank) for k in per_rank[0]}
 
     def get_weights_handle(self) -> Handle:
@@ -144,8 +167,15 @@ class InferGroup(WorkerGroup[InferWorker]):
 
     worker_cls = InferWorker
 
-    def generate(self, batch: Batch, n: int, *, temperature: float | None = None,
-                 max_new_tokens: int | None = None, seed: int = 0) -> Batch:
+    def generate(
+        self,
+        batch: Batch,
+        n: int,
+        *,
+        temperature: float | None = None,
+        max_new_tokens: int | None = None,
+        seed: int = 0,
+    ) -> Batch:
         handle = self.submit("generate", batch, n, temperature, max_new_tokens, seed)
         parts = handle.values()
         out = Batch.concat(_pad_responses(parts))

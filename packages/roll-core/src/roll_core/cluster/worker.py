@@ -49,13 +49,21 @@ def dispatch_mode(cls: type, method: str) -> Dispatch:
 class Worker:
     """Base of role workers: knows its rank, the group size and the distributed rendezvous."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0,
-                 **_: Any) -> None:
+    def __init__(
+        self, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0, **_: Any
+    ) -> None:
         self.rank, self.world_size = rank, world_size
         # torch.distributed reads these; set before any engine initialises a process group.
         if world_size > 1:
-            os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
-                               "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+            os.environ.update(
+                {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(world_size),
+                    "LOCAL_RANK": "0",
+                    "MASTER_ADDR": master_addr,
+                    "MASTER_PORT": str(master_port),
+                }
+            )
 
     @dispatch(Dispatch.BROADCAST)
     def ping(self) -> tuple[int, int, int]:

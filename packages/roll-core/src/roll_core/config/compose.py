@@ -106,8 +106,27 @@ def compose(
         GlobalHydra.instance().clear()
 
 
+def check_unknown_keys(cfg: DictConfig, where: str = "") -> None:
+    """Refuse keys that no schema declares, even ones forced in with Hydra's `+key=value` (which bypasses
+    struct mode): a key nobody reads is a silently ignored setting."""
+    obj_type = cfg._metadata.object_type
+    known = {f.name for f in fields(obj_type)} if obj_type is not None and is_dataclass(obj_type) else None
+    for key in cfg.keys():
+        full = f"{where}.{key}" if where else str(key)
+        if known is not None and key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+            hint = f" Did you mean '{full.rsplit('.', 1)[0] + '.' if '.' in full else ''}{close[0]}'?" if close else ""
+            raise ConfigError(f"Key '{key}' not in '{obj_type.__name__}' (full_key: {full}).{hint}")
+        if OmegaConf.is_missing(cfg, key):
+            continue
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig):
+            check_unknown_keys(child, full)
+
+
 def to_object(cfg: DictConfig) -> Any:
     """Resolve interpolations and instantiate the schema dataclasses (runs their `__post_init__` checks)."""
+    check_unknown_keys(cfg)
     try:
         return OmegaConf.to_object(cfg)
     except Exception as exc:

@@ -148,8 +148,10 @@ class AlgoConfig:
             raise ValueError(f"algo.gamma={self.gamma} and algo.lam={self.lam} must lie in [0, 1]")
         _positive("algo.overlong_buffer", self.overlong_buffer, allow_zero=True)
         if self.kl_in_reward and self.adv_estimator not in ("reinforce_pp", "reinforce_pp_baseline", "gae"):
-            raise ValueError(f"algo.kl_in_reward=true needs a token-reward estimator (reinforce_pp, "
-                             f"reinforce_pp_baseline, gae), not {self.adv_estimator}: use the KL loss instead")
+            raise ValueError(
+                f"algo.kl_in_reward=true needs a token-reward estimator (reinforce_pp, "
+                f"reinforce_pp_baseline, gae), not {self.adv_estimator}: use the KL loss instead"
+            )
 
 
 @dataclass

@@ -52,9 +52,19 @@ class PolicyObjective:
         adv = micro["advantages"]
         if "is_weights" in micro:  # off-policy correction; every variant is linear in A, so scaling A is exact
             adv = adv * micro["is_weights"]
-        loss, metrics = policy_loss(logp, old, adv, mask, variant=self.variant, clip_low=self.clip_low,
-                                    clip_high=self.clip_high, dual_clip=self.dual_clip, agg=self.agg,
-                                    norm_length=self.norm_length, ratio_cap=self.ratio_cap)
+        loss, metrics = policy_loss(
+            logp,
+            old,
+            adv,
+            mask,
+            variant=self.variant,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+            agg=self.agg,
+            norm_length=self.norm_length,
+            ratio_cap=self.ratio_cap,
+        )
         out = {f"actor/{k}": v for k, v in metrics.items()}
         out["actor/pg_loss"] = loss.detach()
         if self.kl_loss_coef > 0:
@@ -64,8 +74,9 @@ class PolicyObjective:
             out["actor/kl_loss"] = kl_loss.detach()
         if "entropy" in outputs:
             ent = outputs["entropy"]
-            ent_agg = aggregate(ent if self.entropy_coef > 0 else ent.detach(), mask, self.agg,
-                                norm_length=self.norm_length)
+            ent_agg = aggregate(
+                ent if self.entropy_coef > 0 else ent.detach(), mask, self.agg, norm_length=self.norm_length
+            )
             if self.entropy_coef > 0:
                 loss = loss - self.entropy_coef * ent_agg
             out["actor/entropy"] = masked_mean(ent.detach(), mask)
@@ -85,9 +96,7 @@ class ValueObjective:
 
     def __call__(self, outputs: dict[str, Tensor], micro: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         mask = micro["response_mask"]
-        loss, m = value_loss(outputs["values"], micro["values"], micro["returns"], mask, clip=self.clip,
-                             agg=self.agg)
+        loss, m = value_loss(outputs["values"], micro["values"], micro["returns"], mask, clip=self.clip, agg=self.agg)
         with torch.no_grad():
             err = masked_mean((outputs["values"] - micro["returns"]).abs(), mask)
-        return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": m["vf_clipfrac"],
-                      "critic/abs_error": err}
+        return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": m["vf_clipfrac"], "critic/abs_error": err}

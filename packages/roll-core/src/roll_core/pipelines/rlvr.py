@@ -52,43 +52,89 @@ class RLVRPipeline:
         self.model_path = resolve_model_path(model.path)
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model.tokenizer or self.model_path,
-                                                       trust_remote_code=model.trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            model.tokenizer or self.model_path, trust_remote_code=model.trust_remote_code
+        )
         self.task = build(cfg.env)
         self.train_set, self.eval_set = self.task.train_set(), self.task.eval_set()[: pipe.eval_size]
         self.sampler = PromptSampler(len(self.train_set), seed=pipe.seed)
         self.estimator = registry.load("roll.algorithms", algo.adv_estimator)
-        self.kl_ctl = (AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon) if algo.kl_target
-                       else FixedKLController(algo.kl_coef))
+        self.kl_ctl = (
+            AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
+            if algo.kl_target
+            else FixedKLController(algo.kl_coef)
+        )
 
         rows = pipe.rollout_batch_size * algo.group_size
         self.mini_batches = max(1, rows // algo.mini_batch_size) if algo.mini_batch_size else 1
         total_opt_steps = pipe.max_steps * algo.ppo_epochs * self.mini_batches
-        common = {"model_path": self.model_path, "dtype": model.dtype, "attn_implementation": model.attn_implementation,
-                  "trust_remote_code": model.trust_remote_code, "seed": pipe.seed,
-                  "device": self.cluster.platform.torch_device()}
-        optim = {"weight_decay": algo.weight_decay, "warmup_steps": algo.warmup_steps, "total_steps": total_opt_steps,
-                 "lr_schedule": algo.lr_schedule, "max_grad_norm": algo.max_grad_norm}
+        common = {
+            "model_path": self.model_path,
+            "dtype": model.dtype,
+            "attn_implementation": model.attn_implementation,
+            "trust_remote_code": model.trust_remote_code,
+            "seed": pipe.seed,
+            "device": self.cluster.platform.torch_device(),
+        }
+        optim = {
+            "weight_decay": algo.weight_decay,
+            "warmup_steps": algo.warmup_steps,
+            "total_steps": total_opt_steps,
+            "lr_schedule": algo.lr_schedule,
+            "max_grad_norm": algo.max_grad_norm,
+        }
         te, ie = as_dict(cfg.train_engine), as_dict(cfg.infer_engine)
-        self.actor_train = self.cluster.group(TrainGroup, "actor_train", te["world_size"], engine=te,
-                                              runtime={**common, **optim, "role": "actor", "lr": algo.lr})
-        self.actor_infer = self.cluster.group(InferGroup, "actor_infer", ie["world_size"], engine=ie,
-                                              runtime={**common, "max_new_tokens": model.max_response_length})
+        self.actor_train = self.cluster.group(
+            TrainGroup,
+            "actor_train",
+            te["world_size"],
+            engine=te,
+            runtime={**common, **optim, "role": "actor", "lr": algo.lr},
+        )
+        self.actor_infer = self.cluster.group(
+            InferGroup,
+            "actor_infer",
+            ie["world_size"],
+            engine=ie,
+            runtime={**common, "max_new_tokens": model.max_response_length},
+        )
         self.reference = None
         if algo.use_reference:
-            self.reference = self.cluster.group(TrainGroup, "reference", te["world_size"], engine=te,
-                                                runtime={**common, "role": "reference", "trainable": False})
+            self.reference = self.cluster.group(
+                TrainGroup,
+                "reference",
+                te["world_size"],
+                engine=te,
+                runtime={**common, "role": "reference", "trainable": False},
+            )
         self.critic = None
         if algo.use_critic:
-            self.critic = self.cluster.group(TrainGroup, "critic", te["world_size"], engine=te,
-                                             runtime={**common, **optim, "role": "critic", "lr": algo.critic_lr})
-        self.reward = self.cluster.group(RewardGroup, "reward", pipe.reward_workers, env=as_dict(cfg.env),
-                                         tokenizer_path=model.tokenizer or self.model_path)
+            self.critic = self.cluster.group(
+                TrainGroup,
+                "critic",
+                te["world_size"],
+                engine=te,
+                runtime={**common, **optim, "role": "critic", "lr": algo.critic_lr},
+            )
+        self.reward = self.cluster.group(
+            RewardGroup,
+            "reward",
+            pipe.reward_workers,
+            env=as_dict(cfg.env),
+            tokenizer_path=model.tokenizer or self.model_path,
+        )
         self.policy_objective = PolicyObjective(
-            variant=algo.policy_loss, agg=algo.loss_agg, clip_low=algo.clip_low, clip_high=algo.clip_high,
-            dual_clip=algo.dual_clip, ratio_cap=algo.ratio_cap, norm_length=model.max_response_length,
-            kl_loss_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_kind=algo.kl_kind,
-            entropy_coef=algo.entropy_coef)
+            variant=algo.policy_loss,
+            agg=algo.loss_agg,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            dual_clip=algo.dual_clip,
+            ratio_cap=algo.ratio_cap,
+            norm_length=model.max_response_length,
+            kl_loss_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
+            kl_kind=algo.kl_kind,
+            entropy_coef=algo.entropy_coef,
+        )
         self.value_objective = ValueObjective(clip=algo.value_clip, agg=algo.loss_agg)
         self.ckpt = CheckpointManager(self.out, keep_last=pipe.keep_last)
         self.start_step = 1
@@ -110,24 +156,37 @@ class RLVRPipeline:
         t0 = time.perf_counter()
         if self.start_step == 1 and pipe.eval_every > 0:
             self.tracker.log(0, self.evaluate(0))
-        bar = tqdm(range(self.start_step, pipe.max_steps + 1), desc=self.cfg.experiment, unit="step",
-                   disable=not pipe.progress, initial=self.start_step - 1, total=pipe.max_steps)
+        bar = tqdm(
+            range(self.start_step, pipe.max_steps + 1),
+            desc=self.cfg.experiment,
+            unit="step",
+            disable=not pipe.progress,
+            initial=self.start_step - 1,
+            total=pipe.max_steps,
+        )
         for step in bar:
             metrics = self.step(step)
             if pipe.eval_every > 0 and (step % pipe.eval_every == 0 or step == pipe.max_steps):
                 metrics.update(self.evaluate(step))
             self.tracker.log(step, metrics)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['reward/accuracy']:.2f}",
-                            sec=f"{metrics['perf/step_seconds']:.1f}")
+            bar.set_postfix(
+                reward=f"{metrics['reward/mean']:.3f}",
+                acc=f"{metrics['reward/accuracy']:.2f}",
+                sec=f"{metrics['perf/step_seconds']:.1f}",
+            )
             if (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps:
                 self.save(step)
             self.tracker.plot()
         self.tracker.close()
         evals = [h["eval/accuracy"] for h in self.tracker.history if h.get("eval/accuracy") is not None]
-        summary = {"final_eval_accuracy": evals[-1] if evals else None, "best_eval_accuracy": max(evals, default=None),
-                   "first_eval_accuracy": evals[0] if evals else None,
-                   "final_reward": self.tracker.history[-1].get("reward/mean") if self.tracker.history else None,
-                   "wall_seconds": time.perf_counter() - t0, "output_dir": str(self.out)}
+        summary = {
+            "final_eval_accuracy": evals[-1] if evals else None,
+            "best_eval_accuracy": max(evals, default=None),
+            "first_eval_accuracy": evals[0] if evals else None,
+            "final_reward": self.tracker.history[-1].get("reward/mean") if self.tracker.history else None,
+            "wall_seconds": time.perf_counter() - t0,
+            "output_dir": str(self.out),
+        }
         log.info("run finished: %s", summary)
         return summary
 
@@ -145,7 +204,8 @@ class RLVRPipeline:
             gen = self.actor_infer.generate(prompts, n=algo.group_size, seed=pipe.seed * 100_003 + step)
         batch = self._assemble(prompts.repeat_interleave(algo.group_size), gen)
         metrics["perf/rollout_tokens_per_s"] = float(gen["response_mask"].sum()) / max(
-            gen.meta["generate_seconds"], 1e-9)
+            gen.meta["generate_seconds"], 1e-9
+        )
 
         # 2. rewards
         with _timer(timers, "reward"):
@@ -154,8 +214,9 @@ class RLVRPipeline:
         scores = batch["scores"].clone()
         lengths = batch["response_mask"].sum(-1)
         if algo.overlong_buffer > 0:
-            scores = scores + overlong_penalty(lengths, max_length=model.max_response_length,
-                                               buffer=algo.overlong_buffer)
+            scores = scores + overlong_penalty(
+                lengths, max_length=model.max_response_length, buffer=algo.overlong_buffer
+            )
         if algo.reward_clip is not None:
             scores = scores.clamp(-algo.reward_clip, algo.reward_clip)
         metrics.update(_reward_metrics(batch, scored, lengths, model.max_response_length))
@@ -171,16 +232,26 @@ class RLVRPipeline:
         if self.reference is not None:
             with _timer(timers, "reference"):
                 batch["ref_logprobs"] = self.reference.compute_logprobs(batch, self._temperature())["logprobs"]
-        need_old = (algo.ppo_epochs > 1 or self.mini_batches > 1 or algo.off_policy_correction is not None
-                    or (algo.kl_in_reward and self.reference is not None))
+        need_old = (
+            algo.ppo_epochs > 1
+            or self.mini_batches > 1
+            or algo.off_policy_correction is not None
+            or (algo.kl_in_reward and self.reference is not None)
+        )
         if need_old:
             with _timer(timers, "old_logprobs"):
                 batch["old_logprobs"] = self.actor_train.compute_logprobs(batch, self._temperature())["logprobs"]
             metrics["actor/train_infer_logprob_diff"] = float(
-                masked_mean((batch["old_logprobs"] - batch["behaviour_logprobs"]).abs(), mask))
+                masked_mean((batch["old_logprobs"] - batch["behaviour_logprobs"]).abs(), mask)
+            )
         if algo.off_policy_correction is not None:
-            batch["is_weights"] = off_policy_weights(batch["old_logprobs"], batch["behaviour_logprobs"], mask,
-                                                     level=algo.off_policy_correction, cap=algo.off_policy_cap)
+            batch["is_weights"] = off_policy_weights(
+                batch["old_logprobs"],
+                batch["behaviour_logprobs"],
+                mask,
+                level=algo.off_policy_correction,
+                cap=algo.off_policy_cap,
+            )
         values = None
         if self.critic is not None:
             with _timer(timers, "values"):
@@ -214,12 +285,25 @@ class RLVRPipeline:
         shuffle = pipe.seed * 7919 + step
         if self.critic is not None:
             with _timer(timers, "train_critic"):
-                metrics.update(self.critic.train(batch, self.value_objective, mini_batches=self.mini_batches,
-                                                 epochs=algo.ppo_epochs, temperature=1.0, shuffle_seed=shuffle))
+                metrics.update(
+                    self.critic.train(
+                        batch,
+                        self.value_objective,
+                        mini_batches=self.mini_batches,
+                        epochs=algo.ppo_epochs,
+                        temperature=1.0,
+                        shuffle_seed=shuffle,
+                    )
+                )
         with _timer(timers, "train_actor"):
-            train_metrics = self.actor_train.train(batch, self.policy_objective, mini_batches=self.mini_batches,
-                                                   epochs=algo.ppo_epochs, temperature=self._temperature(),
-                                                   shuffle_seed=shuffle)
+            train_metrics = self.actor_train.train(
+                batch,
+                self.policy_objective,
+                mini_batches=self.mini_batches,
+                epochs=algo.ppo_epochs,
+                temperature=self._temperature(),
+                shuffle_seed=shuffle,
+            )
         metrics.update({k if "/" in k else f"actor/{k}": v for k, v in train_metrics.items()})
         metrics["perf/train_tokens_per_s"] = float(mask.sum()) * algo.ppo_epochs / max(timers["train_actor"], 1e-9)
 
@@ -242,8 +326,9 @@ class RLVRPipeline:
     def _assemble(self, prompts: Batch, gen: Batch) -> Batch:
         return assemble(self.tokenizer, prompts, gen)
 
-    def _drop_uniform_groups(self, batch: Batch, scores: torch.Tensor, metrics: dict[str, Any]
-                             ) -> tuple[Batch, torch.Tensor]:
+    def _drop_uniform_groups(
+        self, batch: Batch, scores: torch.Tensor, metrics: dict[str, Any]
+    ) -> tuple[Batch, torch.Tensor]:
         """DAPO dynamic sampling: groups whose scores are all equal carry no group-relative signal."""
         g = self.cfg.algo.group_size
         grouped = scores.view(-1, g)
@@ -254,18 +339,37 @@ class RLVRPipeline:
 
     def _log_samples(self, step: int, batch: Batch, scored: Batch, k: int = 2) -> None:
         texts = scored["response_text"]
-        self.tracker.samples(step, [{"problem": batch["problem_id"][i], "answer": batch["answer"][i],
-                                     "response": texts[i], "score": float(batch["scores"][i])}
-                                    for i in range(min(k, len(texts)))])
+        self.tracker.samples(
+            step,
+            [
+                {
+                    "problem": batch["problem_id"][i],
+                    "answer": batch["answer"][i],
+                    "response": texts[i],
+                    "score": float(batch["scores"][i]),
+                }
+                for i in range(min(k, len(texts)))
+            ],
+        )
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out accuracy: one sample per held-out problem at the eval temperature."""
         t0 = time.perf_counter()
-        res = evaluate(self.actor_infer, self.reward, self.tokenizer, self.task, self.eval_set,
-                       max_prompt_length=self.cfg.model.max_prompt_length,
-                       temperature=self.cfg.pipeline.eval_temperature or self._temperature(),
-                       seed=self.cfg.pipeline.seed + 17)
-        return {"eval/accuracy": res["accuracy"], "eval/reward": res["reward"], "eval/seconds": time.perf_counter() - t0}
+        res = evaluate(
+            self.actor_infer,
+            self.reward,
+            self.tokenizer,
+            self.task,
+            self.eval_set,
+            max_prompt_length=self.cfg.model.max_prompt_length,
+            temperature=self.cfg.pipeline.eval_temperature or self._temperature(),
+            seed=self.cfg.pipeline.seed + 17,
+        )
+        return {
+            "eval/accuracy": res["accuracy"],
+            "eval/reward": res["reward"],
+            "eval/seconds": time.perf_counter() - t0,
+        }
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save(self, step: int) -> Path:
@@ -274,8 +378,9 @@ class RLVRPipeline:
         if self.critic is not None:
             self.critic.save(str(tmp / "critic"), self.cfg.model.tokenizer or self.model_path)
         kl_state = self.kl_ctl.state_dict() if hasattr(self.kl_ctl, "state_dict") else {"value": self.kl_ctl.value}
-        return self.ckpt.commit(tmp, step, {"sampler": self.sampler.state_dict(), "kl": kl_state,
-                                            "experiment": self.cfg.experiment})
+        return self.ckpt.commit(
+            tmp, step, {"sampler": self.sampler.state_dict(), "kl": kl_state, "experiment": self.cfg.experiment}
+        )
 
     def _restore(self, folder: Path) -> None:
         state = self.ckpt.read_state(folder)
@@ -308,13 +413,17 @@ class _timer:
 
 def _reward_metrics(batch: Batch, scored: Batch, lengths: torch.Tensor, max_len: int) -> dict[str, float]:
     s = batch["scores"]
-    out = {"reward/mean": float(s.mean()), "reward/std": float(s.std()) if len(s) > 1 else 0.0,
-           "reward/accuracy": float(batch["correct"].mean()), "reward/format": float(batch["formatted"].mean()),
-           "response/length_mean": float(lengths.float().mean()), "response/length_max": float(lengths.max()),
-           "response/clip_ratio": float(batch["truncated"].float().mean())}
+    out = {
+        "reward/mean": float(s.mean()),
+        "reward/std": float(s.std()) if len(s) > 1 else 0.0,
+        "reward/accuracy": float(batch["correct"].mean()),
+        "reward/format": float(batch["formatted"].mean()),
+        "response/length_mean": float(lengths.float().mean()),
+        "response/length_max": float(lengths.max()),
+        "response/clip_ratio": float(batch["truncated"].float().mean()),
+    }
     for k, v in scored.meta.get("reward_counters", {}).items():
         out[f"reward/{k}"] = float(v)
     if not math.isfinite(out["reward/mean"]):
         raise FloatingPointError("reward is not finite: check the reward function")
     return out
-

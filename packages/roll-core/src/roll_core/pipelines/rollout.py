@@ -13,13 +13,15 @@ from typing import Any
 from roll_core.protocol import Batch, build_sequences, pad_left
 
 
-def prompt_batch(tokenizer: Any, task: Any, problems: Sequence[Any], max_prompt_length: int,
-                 metrics: dict[str, Any]) -> Batch:
+def prompt_batch(
+    tokenizer: Any, task: Any, problems: Sequence[Any], max_prompt_length: int, metrics: dict[str, Any]
+) -> Batch:
     """Chat-templated prompt ids; `metrics["data/skipped_long_prompts"]` counts the prompts skipped."""
     ids, kept, shortest = [], [], None
     for p in problems:
-        toks = tokenizer.apply_chat_template(task.messages(p), add_generation_prompt=True, tokenize=True,
-                                             return_dict=False)
+        toks = tokenizer.apply_chat_template(
+            task.messages(p), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         toks = list(toks["input_ids"] if isinstance(toks, dict) else toks)
         shortest = len(toks) if shortest is None else min(shortest, len(toks))
         if len(toks) <= max_prompt_length:
@@ -27,8 +29,10 @@ def prompt_batch(tokenizer: Any, task: Any, problems: Sequence[Any], max_prompt_
             kept.append(p)
     metrics["data/skipped_long_prompts"] = len(problems) - len(kept)
     if not kept:
-        raise ValueError(f"every prompt exceeds model.max_prompt_length={max_prompt_length} (shortest: {shortest} "
-                         "tokens): raise model.max_prompt_length")
+        raise ValueError(
+            f"every prompt exceeds model.max_prompt_length={max_prompt_length} (shortest: {shortest} "
+            "tokens): raise model.max_prompt_length"
+        )
     return Batch(fields={"prompt_ids": ids, "answer": [p.answer for p in kept], "problem_id": [p.id for p in kept]})
 
 
@@ -43,12 +47,20 @@ def assemble(tokenizer: Any, prompts: Batch, gen: Batch) -> Batch:
     return batch
 
 
-def evaluate(infer: Any, reward: Any, tokenizer: Any, task: Any, problems: Sequence[Any], *,
-             max_prompt_length: int, temperature: float, seed: int) -> dict[str, float]:
+def evaluate(
+    infer: Any,
+    reward: Any,
+    tokenizer: Any,
+    task: Any,
+    problems: Sequence[Any],
+    *,
+    max_prompt_length: int,
+    temperature: float,
+    seed: int,
+) -> dict[str, float]:
     """Accuracy and mean reward of one sample per problem."""
     metrics: dict[str, Any] = {}
     prompts = prompt_batch(tokenizer, task, problems, max_prompt_length, metrics)
     gen = infer.generate(prompts, n=1, temperature=temperature, seed=seed)
     scored = reward.score(assemble(tokenizer, prompts, gen))
-    return {"accuracy": float(scored["correct"].mean()), "reward": float(scored["scores"].mean()),
-            "n": len(prompts)}
+    return {"accuracy": float(scored["correct"].mean()), "reward": float(scored["scores"].mean()), "n": len(prompts)}

@@ -69,7 +69,9 @@ class HFInferEngine:
         self.path = resolve_model_path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=trust_remote_code)
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.path, dtype=torch_dtype(dtype), attn_implementation=attn_implementation,
+            self.path,
+            dtype=torch_dtype(dtype),
+            attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         ).to(self.device)
         self.model.eval().requires_grad_(False)
@@ -108,8 +110,9 @@ class HFInferEngine:
         trunc = torch.cat([o[3] for o in outs])
         return Generation(resp, logp, mask, trunc, time.perf_counter() - t0)
 
-    def _generate_chunk(self, rows: list[list[int]], temperature: float, max_new: int
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _generate_chunk(
+        self, rows: list[list[int]], temperature: float, max_new: int
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         p = max(len(x) for x in rows)
         ids = torch.full((len(rows), p), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(rows), p), dtype=torch.long)
@@ -120,11 +123,19 @@ class HFInferEngine:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.generator)))
             out = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=attn.to(self.device), do_sample=True,
-                temperature=temperature, top_p=self.top_p, top_k=self.top_k or None, max_new_tokens=max_new,
-                pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
-                stop_strings=self.stop or None, tokenizer=self.tokenizer if self.stop else None,
-                return_dict_in_generate=True, output_logits=True,
+                input_ids=ids.to(self.device),
+                attention_mask=attn.to(self.device),
+                do_sample=True,
+                temperature=temperature,
+                top_p=self.top_p,
+                top_k=self.top_k or None,
+                max_new_tokens=max_new,
+                pad_token_id=self.pad_id,
+                eos_token_id=sorted(self.eos_ids),
+                stop_strings=self.stop or None,
+                tokenizer=self.tokenizer if self.stop else None,
+                return_dict_in_generate=True,
+                output_logits=True,
             )
         resp = out.sequences[:, p:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu()[:, : resp.shape[1]]  # (b, R, V) raw

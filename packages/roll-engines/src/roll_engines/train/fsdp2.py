@@ -29,8 +29,10 @@ def _init_process_group(backend: str | None = None) -> None:
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        raise RuntimeError("the fsdp2 engine runs inside a worker group (RANK/WORLD_SIZE/MASTER_ADDR are unset); "
-                           "use cluster=ray, or train_engine=hf for a single process")
+        raise RuntimeError(
+            "the fsdp2 engine runs inside a worker group (RANK/WORLD_SIZE/MASTER_ADDR are unset); "
+            "use cluster=ray, or train_engine=hf for a single process"
+        )
     if backend is None:
         from roll_hw import current_platform
 
@@ -41,8 +43,9 @@ def _init_process_group(backend: str | None = None) -> None:
 class FSDP2TrainEngine(HFTrainEngine):
     """FSDP2-sharded variant of `HFTrainEngine` (same constructor plus `reshard_after_forward`)."""
 
-    def __init__(self, model_path: str, *, reshard_after_forward: bool = True, dist_backend: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, model_path: str, *, reshard_after_forward: bool = True, dist_backend: str | None = None, **kwargs: Any
+    ) -> None:
         self.reshard_after_forward = reshard_after_forward
         _init_process_group(dist_backend)
         super().__init__(model_path, **kwargs)

@@ -109,7 +109,9 @@ class HFTrainEngine:
         if self.trainable:
             self.model.train()
             self.optimizer = torch.optim.AdamW(
-                [p for p in self.model.parameters() if p.requires_grad], lr=lr, betas=tuple(betas),
+                [p for p in self.model.parameters() if p.requires_grad],
+                lr=lr,
+                betas=tuple(betas),
                 weight_decay=weight_decay,
             )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -150,8 +152,11 @@ class HFTrainEngine:
         ids = micro["input_ids"].to(self.device)
         resp = micro["responses"].to(self.device)
         r = resp.shape[1]
-        kwargs = dict(input_ids=ids, attention_mask=micro["attention_mask"].to(self.device),
-                      position_ids=micro["position_ids"].to(self.device))
+        kwargs = dict(
+            input_ids=ids,
+            attention_mask=micro["attention_mask"].to(self.device),
+            position_ids=micro["position_ids"].to(self.device),
+        )
         if self.role == "critic":
             scores = self.model(**kwargs).logits  # (b, P+R, 1)
             return {"values": scores[:, -r - 1 : -1, 0].float()}
@@ -164,8 +169,9 @@ class HFTrainEngine:
         return out
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: Mapping[str, Tensor], temperature: float = 1.0,
-                         with_entropy: bool = False) -> dict[str, Tensor]:
+    def compute_logprobs(
+        self, batch: Mapping[str, Tensor], temperature: float = 1.0, with_entropy: bool = False
+    ) -> dict[str, Tensor]:
         """Log-probs (B, R) of the response tokens (and entropies (B, R) if asked), in row chunks."""
         return self._chunked(batch, temperature, with_entropy)
 
@@ -228,8 +234,9 @@ class HFTrainEngine:
         Returns (metric name, value) pairs, one per metric per micro-batch.
         """
         n = mini["input_ids"].shape[0]
-        micros = [{k: v[s : s + self.micro_batch_size] for k, v in mini.items()}
-                  for s in range(0, n, self.micro_batch_size)]
+        micros = [
+            {k: v[s : s + self.micro_batch_size] for k, v in mini.items()} for s in range(0, n, self.micro_batch_size)
+        ]
         local = torch.tensor([sum(loss_fn.units(m) for m in micros)], dtype=torch.float64)
         total = float(self._all_reduce_sum(local).item())
         out = []
@@ -241,8 +248,9 @@ class HFTrainEngine:
             out += [(k, float(v)) for k, v in metrics.items()]
         return out
 
-    def compute_gradients(self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float = 1.0
-                          ) -> dict[str, Tensor]:
+    def compute_gradients(
+        self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float = 1.0
+    ) -> dict[str, Tensor]:
         """Gradients of `loss_fn` over this rank's rows as one mini-batch, without an optimizer step (checks)."""
         self.model.zero_grad(set_to_none=True)
         self._accumulate({k: v for k, v in batch.items() if isinstance(v, Tensor)}, loss_fn, temperature)

@@ -5,5 +5,13 @@ from roll_envs.tasks.base import Problem, Task
 from roll_envs.tasks.countdown import CountdownReward, CountdownTask, evaluate_equation
 from roll_envs.tasks.dataset import FileTask, load_problems
 
-__all__ = ["ArithmeticTask", "CountdownReward", "CountdownTask", "FileTask", "Problem", "Task", "evaluate_equation",
-           "load_problems"]
+__all__ = [
+    "ArithmeticTask",
+    "CountdownReward",
+    "CountdownTask",
+    "FileTask",
+    "Problem",
+    "Task",
+    "evaluate_equation",
+    "load_problems",
+]

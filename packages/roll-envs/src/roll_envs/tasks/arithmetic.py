@@ -44,13 +44,16 @@ class ArithmeticTask(Task):
         self.instruction, self.system_prompt = instruction, system_prompt
         lo, hi = (0, 9) if digits == 1 else (10 ** (digits - 1), 10**digits - 1)
         space = (hi - lo + 1) ** num_terms * len(self.ops) ** (num_terms - 1)
-        self._train = self._draw(random.Random(seed), lo, hi, train_size, held_out=False, fraction=eval_fraction,
-                                 space=space)
-        self._eval = self._draw(random.Random(seed + 1_000_003), lo, hi, eval_size, held_out=True,
-                                fraction=eval_fraction, space=space)
+        self._train = self._draw(
+            random.Random(seed), lo, hi, train_size, held_out=False, fraction=eval_fraction, space=space
+        )
+        self._eval = self._draw(
+            random.Random(seed + 1_000_003), lo, hi, eval_size, held_out=True, fraction=eval_fraction, space=space
+        )
 
-    def _draw(self, rng: random.Random, lo: int, hi: int, n: int, *, held_out: bool, fraction: float,
-              space: int) -> list[Problem]:
+    def _draw(
+        self, rng: random.Random, lo: int, hi: int, n: int, *, held_out: bool, fraction: float, space: int
+    ) -> list[Problem]:
         """Draw `n` problems of one split; distinct while the split has enough distinct problems."""
         out: list[Problem] = []
         seen: set[str] = set()
@@ -69,6 +72,12 @@ class ArithmeticTask(Task):
                 continue
             seen.add(expr)
             value = eval(expr, {"__builtins__": {}})  # our own generated expression: digits and + - * only
-            out.append(Problem(id=f"{self.name}:{expr}", prompt=f"What is {expr}? {self.instruction}",
-                               answer=str(value), domain="math"))
+            out.append(
+                Problem(
+                    id=f"{self.name}:{expr}",
+                    prompt=f"What is {expr}? {self.instruction}",
+                    answer=str(value),
+                    domain="math",
+                )
+            )
         return out

@@ -17,8 +17,12 @@ from roll_envs.rewards.base import Reward, RewardResult
 from roll_envs.rewards.math import extract_boxed
 from roll_envs.tasks.base import Problem, Task, stable_fraction
 
-_BINOPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-           ast.Div: lambda a, b: a / b}
+_BINOPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+}
 
 
 def evaluate_equation(text: str) -> tuple[Fraction, list[int]]:
@@ -113,8 +117,16 @@ class CountdownTask(Task):
             if (stable_fraction(key) < fraction) != held_out:
                 continue
             listed = ", ".join(map(str, nums))
-            prompt = (f"Using the numbers [{listed}], write an equation that equals {value}. Use each number exactly "
-                      "once with + - * / and parentheses. Put the final equation in \\boxed{}.")
-            out.append(Problem(id=f"{self.name}:{key}", prompt=prompt, answer=f"{value}|{','.join(map(str, nums))}",
-                               domain="countdown"))
+            prompt = (
+                f"Using the numbers [{listed}], write an equation that equals {value}. Use each number exactly "
+                "once with + - * / and parentheses. Put the final equation in \\boxed{}."
+            )
+            out.append(
+                Problem(
+                    id=f"{self.name}:{key}",
+                    prompt=prompt,
+                    answer=f"{value}|{','.join(map(str, nums))}",
+                    domain="countdown",
+                )
+            )
         return out

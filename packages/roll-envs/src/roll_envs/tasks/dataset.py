@@ -52,7 +52,11 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
 
 
 def load_problems(
-    path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer", name: str = "data",
+    path: str | Path,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    name: str = "data",
     domain: str = "math",
 ) -> tuple[list[Problem], list[tuple[int, str]]]:
     """Read problems from a file; returns (problems, skipped) with skipped = [(row number, reason)]."""
@@ -74,15 +78,23 @@ def load_problems(
         if not isinstance(answer, str) or not answer.strip():
             skipped.append((lineno, f"missing or empty {answer_key!r}"))
             continue
-        problems.append(Problem(id=f"{name}:{path.name}:{lineno}", prompt=prompt, answer=answer.strip(),
-                                domain=str(row.get("domain", domain))))
+        problems.append(
+            Problem(
+                id=f"{name}:{path.name}:{lineno}",
+                prompt=prompt,
+                answer=answer.strip(),
+                domain=str(row.get("domain", domain)),
+            )
+        )
     skipped.sort()
     if skipped:
         shown = "; ".join(f"line {n}: {why}" for n, why in skipped[:10])
         more = f" (and {len(skipped) - 10} more)" if len(skipped) > 10 else ""
         log.warning("%s: skipped %d bad row(s): %s%s", path, len(skipped), shown, more)
     if not problems:
-        raise ValueError(f"{path}: no usable rows ({len(skipped)} skipped); expected keys {prompt_key!r}, {answer_key!r}")
+        raise ValueError(
+            f"{path}: no usable rows ({len(skipped)} skipped); expected keys {prompt_key!r}, {answer_key!r}"
+        )
     return problems, skipped
 
 
