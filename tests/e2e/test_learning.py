@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import rewards, run, tiny_overrides
+from roll_core.testing import reward_curve as rewards
+from roll_core.testing import run_pipeline as run
+from roll_core.testing import tiny_overrides
 
 
 def assert_learns(history: list[dict], margin: float = 0.25) -> None:

@@ -33,6 +33,16 @@ def test_arithmetic_answers_score_correct() -> None:
     assert res.correct == [1.0] * 20
 
 
+def test_arithmetic_worked_examples_come_from_training_split() -> None:
+    task = ArithmeticTask(MathReward(), digits=2, train_size=50, eval_size=50, examples=2)
+    msgs = task.messages(task.eval_set()[0])
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant", "user"]
+    expr, answer = msgs[1]["content"].split(" = ")[0], msgs[1]["content"].split("boxed{")[1].rstrip("}.")
+    assert eval(expr) == int(answer) and msgs[0]["content"] == f"What is {expr}? {task.instruction}"
+    assert f"What is {expr}?" not in {p.prompt.split(" Put")[0] for p in task.eval_set()}
+    assert MathReward().score([msgs[1]["content"]], [answer]).correct == [1.0]
+
+
 def test_arithmetic_bad_config() -> None:
     with pytest.raises(ValueError, match="unsupported ops"):
         ArithmeticTask(MathReward(), ops=["^"])

@@ -60,6 +60,8 @@ class ArithmeticEnvConfig:
     instruction: str = "Put the final answer in \\boxed{}."
     # Optional system message.
     system_prompt: str | None = None
+    # Worked training examples shown before each question (chat turns).
+    examples: int = 0
     reward: Any = field(default_factory=MathRewardConfig)
 
 

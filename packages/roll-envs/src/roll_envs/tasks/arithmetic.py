@@ -3,6 +3,7 @@
 A problem belongs to the held-out split when a stable hash of its expression falls below `eval_fraction`, so
 the split does not depend on the seed or on the sizes asked for; the seed only picks which problems are drawn.
 Difficulty: `digits` per operand (1: 0-9, 2: 10-99, ...), `num_terms` operands, operators from `ops`.
+`examples=k` shows k worked training problems ("2 + 3 = 5, so the answer is \\boxed{5}.") as earlier chat turns.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class ArithmeticTask(Task):
         seed: int = 0,
         instruction: str = "Put the final answer in \\boxed{}.",
         system_prompt: str | None = None,
+        examples: int = 0,
     ) -> None:
         super().__init__(reward)
         if digits < 1 or num_terms < 2:
@@ -50,6 +52,13 @@ class ArithmeticTask(Task):
         self._eval = self._draw(
             random.Random(seed + 1_000_003), lo, hi, eval_size, held_out=True, fraction=eval_fraction, space=space
         )
+        # Worked examples come from the training split, so no held-out answer is ever shown.
+        shown = self._draw(
+            random.Random(seed + 7), lo, hi, examples, held_out=False, fraction=eval_fraction, space=space
+        )
+        self.examples = [
+            (p.prompt, f"{p.id.split(':', 1)[1]} = {p.answer}, so the answer is \\boxed{{{p.answer}}}.") for p in shown
+        ]
 
     def _draw(
         self, rng: random.Random, lo: int, hi: int, n: int, *, held_out: bool, fraction: float, space: int

@@ -41,6 +41,9 @@ class Task:
         self.reward = reward
         self._train: list[Problem] = []
         self._eval: list[Problem] = []
+        # Worked examples shown before each question as (user, assistant) chat turns: small models learn the
+        # answer format from one example far more reliably than from an instruction.
+        self.examples: list[tuple[str, str]] = []
 
     def train_set(self) -> list[Problem]:
         """Training problems in a fixed order (the pipeline shuffles per epoch with its own seed)."""
@@ -51,8 +54,10 @@ class Task:
         return self._eval
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
-        """Chat messages for a problem (system prompt if any, then the user prompt)."""
+        """Chat messages for a problem: system prompt if any, worked examples, then the user prompt."""
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        for question, answer in self.examples:
+            msgs += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         return [*msgs, {"role": "user", "content": problem.prompt}]
 
     def score(self, responses: Sequence[str], problems: Sequence[Problem]) -> RewardResult:
