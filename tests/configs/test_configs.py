@@ -35,6 +35,15 @@ def test_every_yaml_starts_with_purpose_and_launch_comment(path: Path) -> None:
     assert any("roll-train" in line for line in head if line.startswith("#")), f"{path}: give a launch command"
 
 
+def _fill_missing(node: DictConfig) -> None:
+    """Presets with user-supplied paths (model=hf, env=file) leave them mandatory: fill placeholders."""
+    for key in node:
+        if OmegaConf.is_missing(node, key):
+            node[key] = f"/placeholder/{key}"
+        elif isinstance(node[key], DictConfig):
+            _fill_missing(node[key])
+
+
 def _bind_targets(node: Any, where: str) -> int:
     """Bind every `_target_` node's keys to its callable's signature; returns how many were checked."""
     count = 0
@@ -60,9 +69,7 @@ def test_option_composes_validates_and_binds(group: str, option: str) -> None:
     cfg = compose([f"{group}={option}"])
     OmegaConf.resolve(cfg)
     node = cfg[group]
-    for key in node:  # presets with user-supplied paths (model=hf, env=file) leave them mandatory: fill them
-        if OmegaConf.is_missing(node, key):
-            node[key] = f"/placeholder/{key}"
+    _fill_missing(node)
     obj = OmegaConf.to_object(node)  # runs __post_init__ invariants of this group's schema
     assert obj is not None
     _bind_targets(node, group)
@@ -71,6 +78,7 @@ def test_option_composes_validates_and_binds(group: str, option: str) -> None:
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiment_composes_to_typed_config(experiment: str) -> None:
     cfg = compose([f"experiment={experiment}"])
+    _fill_missing(cfg)
     typed = to_object(cfg)
     assert typed.experiment and typed.pipeline.max_steps > 0
     assert _bind_targets(cfg, "cfg") >= 3  # train engine, infer engine, env at least

@@ -33,8 +33,17 @@ def test_roll_train_runs_and_roll_eval_scores_the_checkpoint(seven_task: Path, t
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(ckpt / "actor" / "model")  # plain transformers loads it
-    ev = _run([str(BIN / "roll-eval"), str(ckpt), "model=tiny", "env=file", f"env.path={seven_task}",
-               "model.max_response_length=6"], tmp_path)
+    ev = _run(
+        [
+            str(BIN / "roll-eval"),
+            str(ckpt),
+            "model=tiny",
+            "env=file",
+            f"env.path={seven_task}",
+            "model.max_response_length=6",
+        ],
+        tmp_path,
+    )
     assert ev.returncode == 0, ev.stderr[-3000:]
     assert ev.stdout.startswith("accuracy ") and "held-out problems" in ev.stdout
 

@@ -7,7 +7,7 @@ log_ratio = logp - ref_logp:
 |---|---|---|
 | `k1` | log_ratio | unbiased, high variance, can be negative |
 | `k2` (`mse`) | 0.5 * log_ratio^2 | biased, low variance, >= 0 |
-| `k3` (`low_var_kl`) | exp(-log_ratio) + log_ratio - 1 | unbiased, >= 0, clamped to [-10, 10] |
+| `k3` (`low_var_kl`) | exp(-log_ratio) + log_ratio - 1 | unbiased, >= 0, clamped to [0, 10] |
 | `abs` | abs(log_ratio) | >= 0 |
 
 The caller applies the mask (zero the masked positions or aggregate with `roll_algos.losses.aggregate`).
@@ -45,7 +45,9 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
     if kind in ("k3", "low_var_kl"):
         # Clamp the exponent first: exp(20+) overflows in fp32 long before the final clamp would act.
         neg = torch.clamp(-log_ratio, min=-20.0, max=20.0)
-        return torch.clamp(torch.exp(neg) - neg - 1.0, min=-10.0, max=10.0)
+        # expm1 avoids the cancellation of exp(x) - 1 near 0; the lower clamp at 0 removes the last rounding
+        # residue (k3 >= 0 exactly in real arithmetic), the upper one is the usual low_var_kl bound.
+        return torch.clamp(torch.expm1(neg) - neg, min=0.0, max=10.0)
     if kind == "abs":
         return log_ratio.abs()
     raise ValueError(f"unknown KL kind {kind!r}; choose one of {', '.join(KL_KINDS)}")

@@ -43,6 +43,13 @@ def run_job(cfg: Any) -> dict[str, Any]:
 
 
 def _hydra_task(cfg: Any) -> float | None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        from roll_core.sweep import run_sweep_job
+
+        return run_sweep_job(cfg, run_job)
     summary = run_job(cfg)
     print(json.dumps(summary, indent=2))
     # Sweepers (Optuna) minimise or maximise this value: the final held-out accuracy.
@@ -65,6 +72,11 @@ def train_main() -> None:
     main = hydra.main(version_base=None, config_path=str(conf_dir), config_name="rlvr")(_hydra_task)
     try:
         main()
+        from roll_core.sweep import failed_jobs
+
+        if failed_jobs():
+            print(f"roll-train: {len(failed_jobs())} sweep job(s) failed: {'; '.join(failed_jobs())}", file=sys.stderr)
+            sys.exit(1)
     except ConfigError as exc:
         print(f"roll-train: invalid config:\n{exc}", file=sys.stderr)
         sys.exit(2)

@@ -180,3 +180,8 @@ def torch_dtype(name: str):  # -> torch.dtype
     if name not in table:
         raise ValueError(f"dtype {name!r} must be one of {list(table)} (resolve 'auto' with the platform first)")
     return table[name]
+
+
+def default_num_threads() -> int:
+    """torch threads for an engine process: `$ROLL_NUM_THREADS`, else every core of the machine."""
+    return int(os.environ.get("ROLL_NUM_THREADS") or os.cpu_count() or 1)

@@ -53,7 +53,7 @@ class Cluster:
         else:
             # A local instance: declare enough logical CPUs for every role's fractional share; torch threads
             # are set per worker, independently of Ray's CPU accounting.
-            kwargs["num_cpus"] = self.cfg.num_cpus or max(os.cpu_count() or 1, 4)
+            kwargs["num_cpus"] = self.cfg.num_cpus or max(os.cpu_count() or 1, 4)  # = ${roll_logical_cpus:}
             if self.cfg.resources:
                 kwargs["resources"] = dict(self.cfg.resources)
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private, loopback-only test instance
@@ -71,13 +71,11 @@ class Cluster:
         colocated = self.cfg.placement == "colocated"
         pg_name = "shared" if colocated else role
         if pg_name not in self._pgs:
-            bundle: dict[str, float] = {"CPU": self.cfg.cpus_per_worker * (len(DEVICE_ROLES) if colocated else 1)}
+            bundle: dict[str, float] = {"CPU": self.cfg.cpus_per_worker}
             if dev and key:
                 bundle[key] = dev
-            pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
-            import ray
-
-            ray.get(pg.ready(), timeout=120)
+            pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=self.cfg.strategy)
+            self._wait_ready(pg, role, bundle, world_size)
             self._pgs[pg_name] = (pg, world_size)
         pg, size = self._pgs[pg_name]
         if world_size > size:
@@ -85,13 +83,31 @@ class Cluster:
                 f"role {role} has world_size={world_size} but the colocated group has {size} bundles; "
                 "give every device role the same world_size or use cluster.placement=disaggregated"
             )
+        # Colocated roles split each bundle: a job reserves one worker's share per rank, not one per role.
         share = (1.0 / len(DEVICE_ROLES)) if colocated else 1.0
-        opts = RayOptions(num_cpus=self.cfg.cpus_per_worker, placement=(pg, list(range(world_size))))
+        opts = RayOptions(num_cpus=self.cfg.cpus_per_worker * share, placement=(pg, list(range(world_size))))
         if dev and key == "GPU":
             opts.num_gpus = dev * share
         elif dev and key:
             opts.resources = {key: dev * share}
         return opts
+
+    def _wait_ready(self, pg: Any, role: str, bundle: dict[str, float], n: int) -> None:
+        """Wait for a placement group; a cluster that cannot host it gets an error saying what was asked."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            ray.get(pg.ready(), timeout=self.cfg.placement_timeout_s)
+        except GetTimeoutError as exc:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"placement of {role} ({n} x {bundle}, strategy {self.cfg.strategy}) not ready after "
+                f"{self.cfg.placement_timeout_s}s; the cluster has {ray.available_resources()} free of "
+                f"{ray.cluster_resources()}. Lower cluster.cpus_per_worker, add nodes, or lower cluster.max_concurrent"
+            ) from exc
 
     def group(self, group_cls: type[G], role: str, world_size: int, **kwargs: Any) -> G:
         """A worker group for `role` on this cluster's backend."""

@@ -9,6 +9,7 @@ points; the root types those groups as `Any` so that any installed implementatio
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,6 +216,12 @@ class ClusterConfig:
     cpus_per_worker: float = 0.5
     # Ray namespace for this run's actors.
     namespace: str = "roll"
+    # Seconds to wait for a role's placement group before failing with what the cluster lacks.
+    placement_timeout_s: float = 600.0
+    # Sweeps: jobs of one multirun that may run at once on the Ray cluster (0: no bound; others queue).
+    max_concurrent: int = 1
+    # Placement-group strategy: PACK (fill a node first, may span nodes) | SPREAD | STRICT_PACK | STRICT_SPREAD.
+    strategy: str = "PACK"
 
     def __post_init__(self) -> None:
         _one_of("cluster.backend", self.backend, ("local", "ray"))
@@ -222,6 +229,8 @@ class ClusterConfig:
         if self.backend == "local" and self.address is not None:
             raise ValueError("cluster.address is set but cluster.backend=local: use cluster=ray to join a cluster")
         _positive("cluster.cpus_per_worker", self.cpus_per_worker, allow_zero=True)
+        _positive("cluster.max_concurrent", self.max_concurrent, allow_zero=True)
+        _one_of("cluster.strategy", self.strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
 
 
 @dataclass
@@ -284,7 +293,12 @@ class RLVRConfig:
 def register_configs() -> None:
     """Store roll-core's schemas in Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
+    if not OmegaConf.has_resolver("roll_logical_cpus"):
+        # Logical CPUs for a Ray instance started here: every role's fractional share must fit; torch threads
+        # are set per worker, so this does not oversubscribe the machine.
+        OmegaConf.register_new_resolver("roll_logical_cpus", lambda: max(os.cpu_count() or 1, 4))
     cs = ConfigStore.instance()
     cs.store(name="rlvr_schema", node=RLVRConfig)
     cs.store(group="algo", name="algo_schema", node=AlgoConfig)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from roll_core.models import resolve_model_path, torch_dtype
+from roll_core.models import default_num_threads, resolve_model_path, torch_dtype
 
 
 @dataclass
@@ -61,8 +61,8 @@ class HFInferEngine:
 
         if temperature <= 0:
             raise ValueError("temperature must be > 0 (sampling); use a small value like 1e-3 for near-greedy")
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        # Ray sets OMP_NUM_THREADS=1 in workers with fractional CPUs; torch threads are set explicitly instead.
+        torch.set_num_threads(num_threads or default_num_threads())
         self.name, self.device = name, torch.device(device)
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.max_new_tokens, self.stop, self.batch_size = max_new_tokens, list(stop or []), batch_size
@@ -140,36 +140,34 @@ class HFInferEngine:
         resp = out.sequences[:, p:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu()[:, : resp.shape[1]]  # (b, R, V) raw
         logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
-        mask = self._response_mask(resp)
-        finished = torch.zeros(len(rows), dtype=torch.bool)
-        for i in range(len(rows)):
-            length = int(mask[i].sum())
-            finished[i] = length < resp.shape[1] or (length > 0 and self._ends(resp[i, :length]))
+        mask, finished = self._response_mask(resp)
         resp = torch.where(mask.bool(), resp, self.pad_id)
         return resp, logp * mask, mask, (~finished).long()
 
-    def _ends(self, tokens: Tensor) -> bool:
-        if int(tokens[-1]) in self.eos_ids:
-            return True
-        if self.stop:
-            tail = self.tokenizer.decode(tokens[-16:].tolist())
-            return any(tail.endswith(s) for s in self.stop)
-        return False
-
-    def _response_mask(self, resp: Tensor) -> Tensor:
-        """1 up to and including the first EOS; after a stop string generate pads, which the EOS rule covers."""
+    def _response_mask(self, resp: Tensor) -> tuple[Tensor, Tensor]:
+        """(mask, finished) per row: valid tokens run up to and including the first EOS or the token that
+        completes a stop string; a row with neither is unfinished (cut by max_new_tokens) and all valid.
+        Tokens generate() appended after a row finished are padding and masked out."""
         mask = torch.ones_like(resp)
+        finished = torch.zeros(resp.shape[0], dtype=torch.bool)
         for i in range(resp.shape[0]):
             row = resp[i].tolist()
             end = next((j for j, t in enumerate(row) if t in self.eos_ids), None)
+            if end is None and self.stop:
+                end = self._stop_position(row)
             if end is not None:
                 mask[i, end + 1 :] = 0
-            elif self.stop:
-                # generate() pads with pad_id after a stop string; when pad == eos the branch above handles it.
-                pads = [j for j, t in enumerate(row) if t == self.pad_id]
-                if pads and all(t == self.pad_id for t in row[pads[0] :]):
-                    mask[i, pads[0] :] = 0
-        return mask
+                finished[i] = True
+        return mask, finished
+
+    def _stop_position(self, row: list[int]) -> int | None:
+        """Index of the token that completes the first stop string, or None."""
+        text = ""
+        for j in range(len(row)):
+            text = self.tokenizer.decode(row[: j + 1])
+            if any(text.endswith(s) for s in self.stop):
+                return j
+        return None
 
     # ---- weights ------------------------------------------------------------------------------------------
     def load_weights(self, weights: Mapping[str, Tensor]) -> int:

@@ -16,7 +16,6 @@ Contract:
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 from torch import Tensor
 
 from roll_algos.losses import entropy_from_logits, token_logprobs
-from roll_core.models import resolve_model_path, torch_dtype
+from roll_core.models import default_num_threads, resolve_model_path, torch_dtype
 
 
 class LossFn(Protocol):
@@ -91,8 +90,8 @@ class HFTrainEngine:
     ) -> None:
         if role not in ("actor", "critic", "reference"):
             raise ValueError(f"role must be actor, critic or reference, got {role!r}")
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        # Ray sets OMP_NUM_THREADS=1 in workers with fractional CPUs; torch threads are set explicitly instead.
+        torch.set_num_threads(num_threads or default_num_threads())
         self.name, self.role, self.device = name, role, torch.device(device)
         self.micro_batch_size, self.logprob_chunk_size = micro_batch_size, logprob_chunk_size
         self.max_grad_norm = max_grad_norm
@@ -325,8 +324,3 @@ class HFTrainEngine:
         missing = [k for k in missing if not (k.endswith("lm_head.weight") and "model.embed_tokens.weight" in weights)]
         if missing or unexpected:
             raise RuntimeError(f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-
-
-def default_num_threads() -> int:
-    """Threads for torch in a worker: `ROLL_NUM_THREADS` or all cores."""
-    return int(os.environ.get("ROLL_NUM_THREADS", os.cpu_count() or 1))

@@ -1,0 +1,211 @@
+"""Hydra multirun sweeps of `roll-train`: job slots, per-job status, failure isolation and the sweep summary.
+
+How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=ray`):
+- Hydra expands the overrides into jobs; the Ray launcher (hydra-ray-launcher) starts each job as a Ray task
+  that reserves no CPU (conf/hydra/launcher/ray.yaml), on the same cluster its RL roles are placed on.
+- Each job first takes a slot from a named Ray actor (`JobSlots`) holding `cluster.max_concurrent` permits,
+  so a sweep on a small machine queues instead of oversubscribing it (0 = no bound).
+- A job that raises is caught, logged and recorded in `<job dir>/job_status.json`; the other jobs go on.
+- After the last job, `SweepSummaryCallback.on_multirun_end` writes `summary.csv`, `summary.md` and
+  `rewards.png` (every job's reward curve) into the sweep folder, and `roll-train` exits non-zero if any job
+  failed.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import logging
+import math
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+log = logging.getLogger(__name__)
+STATUS_FILE = "job_status.json"
+_failed_jobs: list[str] = []
+
+
+class JobSlots:
+    """A counting semaphore as a Ray actor (created once per sweep, found by name by every job)."""
+
+    def __init__(self, permits: int) -> None:
+        self.free = permits
+
+    def try_acquire(self) -> bool:
+        if self.free > 0:
+            self.free -= 1
+            return True
+        return False
+
+    def release(self) -> None:
+        self.free += 1
+
+
+@contextmanager
+def job_slot(name: str, permits: int, poll_s: float = 1.0) -> Iterator[float]:
+    """Hold one of `permits` slots named `name` while the block runs; yields the seconds spent waiting.
+
+    Without Ray (a local multirun) or with `permits <= 0` the block runs immediately: the basic launcher already
+    runs jobs one at a time.
+    """
+    try:
+        import ray
+    except ImportError:
+        ray = None
+    if permits <= 0 or ray is None or not ray.is_initialized():
+        yield 0.0
+        return
+    actor = (
+        ray.remote(JobSlots).options(name=name, get_if_exists=True, num_cpus=0, namespace="roll-sweeps").remote(permits)
+    )
+    t0 = time.perf_counter()
+    while not ray.get(actor.try_acquire.remote()):
+        time.sleep(poll_s)
+    waited = time.perf_counter() - t0
+    try:
+        yield waited
+    finally:
+        ray.get(actor.release.remote())
+
+
+def run_sweep_job(cfg: Any, run: Any) -> float:
+    """Run one multirun job with failure isolation; returns the value a sweeper optimises (NaN on failure)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    out = Path(hc.runtime.output_dir)
+    record: dict[str, Any] = {"job": hc.job.num, "overrides": list(hc.overrides.task), "status": "running"}
+    permits = int(cfg.cluster.get("max_concurrent", 0) or 0)
+    # A stable name (str hash() is salted per process): every job of this sweep finds the same actor.
+    slots = "slots-" + hashlib.sha1(str(Path(hc.sweep.dir).resolve()).encode()).hexdigest()[:16]
+    t0 = time.perf_counter()
+    with job_slot(slots, permits) as waited:
+        record["queued_seconds"] = waited
+        t_run = time.perf_counter()
+        try:
+            summary = run(cfg)
+            record.update(status="ok", summary=summary)
+        except Exception as exc:  # one job's failure must not stop the sweep
+            log.error("sweep job %s failed: %s", hc.job.num, exc)
+            record.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        record["wall_seconds"] = time.perf_counter() - t_run
+    record["total_seconds"] = time.perf_counter() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    (out / STATUS_FILE).write_text(json.dumps(record, indent=2, default=str))
+    value = (record.get("summary") or {}).get("final_eval_accuracy")
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def _metrics(job_dir: Path) -> list[dict[str, Any]]:
+    path = job_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """Collect every job of a sweep folder and write summary.csv, summary.md and rewards.png; returns the rows."""
+    sweep_dir = Path(sweep_dir)
+    rows: list[dict[str, Any]] = []
+    curves: dict[str, list[tuple[int, float]]] = {}
+    statuses = [json.loads(p.read_text()) for p in sweep_dir.glob(f"*/{STATUS_FILE}")]
+    # Label jobs by the overrides that differ between them (the swept parameters), not the shared ones.
+    values: dict[str, set[str]] = {}
+    for st in statuses:
+        for o in st["overrides"]:
+            key, _, val = o.partition("=")
+            values.setdefault(key, set()).add(val)
+    swept = {k for k, v in values.items() if len(v) > 1 or len(statuses) == 1}
+    for status_path in sorted(
+        sweep_dir.glob(f"*/{STATUS_FILE}"),
+        key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else p.parent.name,
+    ):
+        st = json.loads(status_path.read_text())
+        hist = _metrics(status_path.parent)
+        rewards = [(h["step"], h["reward/mean"]) for h in hist if h.get("reward/mean") is not None]
+        evals = [h["eval/accuracy"] for h in hist if h.get("eval/accuracy") is not None]
+        label = " ".join(o for o in st["overrides"] if o.partition("=")[0] in swept) or f"job {st['job']}"
+        curves[label] = rewards
+        rows.append(
+            {
+                "job": st["job"],
+                "params": label,
+                "status": st["status"],
+                "final_reward": rewards[-1][1] if rewards else None,
+                "best_reward": max((r for _, r in rewards), default=None),
+                "final_eval_accuracy": evals[-1] if evals else None,
+                "best_eval_accuracy": max(evals, default=None),
+                "wall_seconds": round(st.get("wall_seconds", 0.0), 1),
+                "queued_seconds": round(st.get("queued_seconds", 0.0), 1),
+                "error": st.get("error", ""),
+                "overrides": " ".join(st["overrides"]),
+            }
+        )
+    if not rows:
+        return rows
+    with open(sweep_dir / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    header = [h for h in rows[0] if h != "overrides"]  # the CSV keeps every override; the table the swept ones
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(r[k]) for k in header) + " |")
+    (sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    _plot(curves, sweep_dir / "rewards.png")
+    return rows
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v).replace("|", "\\|").replace("\n", " ")[:120]
+
+
+def _plot(curves: dict[str, list[tuple[int, float]]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no rewards.png")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, pts in curves.items():
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward/mean")
+    ax.grid(alpha=0.3)
+    if any(curves.values()):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class SweepSummaryCallback(Callback):
+    """Hydra callback: after a multirun, summarise its jobs and remember failures for the exit code."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        rows = summarize(config.hydra.sweep.dir)
+        failed = [r["params"] for r in rows if r["status"] != "ok"]
+        _failed_jobs.extend(failed)
+        log.info("sweep summary: %d jobs, %d failed -> %s/summary.md", len(rows), len(failed), config.hydra.sweep.dir)
+        if failed:
+            log.error("failed jobs: %s", "; ".join(failed))
+
+
+def failed_jobs() -> list[str]:
+    """Overrides of the jobs that failed in this process's sweeps."""
+    return list(_failed_jobs)
