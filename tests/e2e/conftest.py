@@ -15,9 +15,9 @@ def _model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """One local Ray instance for every test that needs it (Ray takes 10-15 s to start here)."""
+    """One local Ray instance per test module that needs it (Ray takes 10-15 s to start here)."""
     ray = pytest.importorskip("ray")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(

@@ -17,22 +17,27 @@ from typing import Any, TypeVar
 
 from roll_core.cluster.group import RayOptions, WorkerGroup
 from roll_core.config.schema import ClusterConfig, HwConfig
+from roll_hw import Platform
 
 log = logging.getLogger(__name__)
 G = TypeVar("G", bound=WorkerGroup)
 DEVICE_ROLES = ("actor_train", "actor_infer", "reference", "critic")
+# Ray sets the visible-devices variable itself for these resources (its accelerator managers); for any other
+# device resource (out-of-tree platforms) roll sets the platform's variable from the bundle's place on its node.
+RAY_MANAGED_RESOURCES = ("GPU", "NPU")
 
 
 class Cluster:
     """Creates worker groups for roles on the configured backend."""
 
-    def __init__(self, cfg: ClusterConfig, hw: HwConfig) -> None:
+    def __init__(self, cfg: ClusterConfig, hw: HwConfig, platform: type[Platform] | None = None) -> None:
         from roll_hw import resolve_platform
 
         self.cfg = cfg
-        self.platform = resolve_platform(None if hw.platform == "auto" else hw.platform)
+        self.platform = platform or resolve_platform(None if hw.platform == "auto" else hw.platform)
         self.groups: list[WorkerGroup] = []
         self._pgs: dict[str, Any] = {}
+        self._node_devices: dict[str, int] = {}  # node id -> device bundles placed there by this run
         self._started_ray = False
         if cfg.backend == "ray":
             self._init_ray()
@@ -76,8 +81,8 @@ class Cluster:
                 bundle[key] = dev
             pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=self.cfg.strategy)
             self._wait_ready(pg, role, bundle, world_size)
-            self._pgs[pg_name] = (pg, world_size)
-        pg, size = self._pgs[pg_name]
+            self._pgs[pg_name] = (pg, world_size, self._bundle_envs(pg, world_size) if dev else None)
+        pg, size, envs = self._pgs[pg_name]
         if world_size > size:
             raise ValueError(
                 f"role {role} has world_size={world_size} but the colocated group has {size} bundles; "
@@ -85,12 +90,38 @@ class Cluster:
             )
         # Colocated roles split each bundle: a job reserves one worker's share per rank, not one per role.
         share = (1.0 / len(DEVICE_ROLES)) if colocated else 1.0
-        opts = RayOptions(num_cpus=self.cfg.cpus_per_worker * share, placement=(pg, list(range(world_size))))
+        opts = RayOptions(
+            num_cpus=self.cfg.cpus_per_worker * share,
+            placement=(pg, list(range(world_size))),
+            env=envs[:world_size] if envs else None,
+        )
         if dev and key == "GPU":
             opts.num_gpus = dev * share
         elif dev and key:
             opts.resources = {key: dev * share}
         return opts
+
+    def _bundle_envs(self, pg: Any, n: int) -> list[dict[str, str]] | None:
+        """Per-bundle visible-devices variables for device resources Ray does not manage itself.
+
+        A bundle's device index counts the device bundles this run has placed on that node so far: the run is
+        assumed to own the devices of the nodes it lands on (two runs sharing a node would collide).
+        """
+        if self.platform.ray_resource in RAY_MANAGED_RESOURCES or not self.platform.visible_devices_env:
+            return None
+        from ray.util.placement_group import placement_group_table
+
+        nodes = placement_group_table(pg)["bundles_to_node_id"]
+        envs = []
+        for i in range(n):
+            used = self._node_devices.get(nodes[i], 0)
+            envs.append(self.platform.visible_devices_for([used]))
+            self._node_devices[nodes[i]] = used + 1
+        return envs
+
+    def placement_report(self) -> dict[str, list[dict[str, Any]]]:
+        """Role -> per-rank facts (node id, pid, assigned resources, visible-devices variables)."""
+        return {g.name: g.call("node_info") for g in self.groups}
 
     def _wait_ready(self, pg: Any, role: str, bundle: dict[str, float], n: int) -> None:
         """Wait for a placement group; a cluster that cannot host it gets an error saying what was asked."""
@@ -130,6 +161,6 @@ class Cluster:
         if self._pgs:
             from ray.util.placement_group import remove_placement_group
 
-            for pg, _ in self._pgs.values():
+            for pg, *_ in self._pgs.values():
                 remove_placement_group(pg)
             self._pgs = {}

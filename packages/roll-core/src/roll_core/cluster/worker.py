@@ -83,7 +83,7 @@ class Worker:
                 info["resources"] = ctx.get_assigned_resources()
         except ImportError:
             pass
-        for var in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES"):
-            if var in os.environ:
-                info[var] = os.environ[var]
+        for var, value in os.environ.items():
+            if var.endswith("_VISIBLE_DEVICES"):
+                info[var] = value
         return info

@@ -11,6 +11,7 @@ resumed run on CPU reproduces the uninterrupted run's metrics.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -137,6 +138,9 @@ class RLVRPipeline:
         )
         self.value_objective = ValueObjective(clip=algo.value_clip, agg=algo.loss_agg)
         self.ckpt = CheckpointManager(self.out, keep_last=pipe.keep_last)
+        if cfg.cluster.backend == "ray":  # where every worker landed: nodes, resources, visible devices
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "placement.json").write_text(json.dumps(self.cluster.placement_report(), indent=2))
         self.start_step = 1
         latest = self.ckpt.latest() if pipe.resume else None
         from omegaconf import OmegaConf
