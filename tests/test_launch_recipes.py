@@ -13,14 +13,44 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 # The RayJob (ray.io/v1) fields the manifest may use, from KubeRay's CRD: unknown keys are typos that the
 # API server would reject or silently drop.
-RAYJOB_SPEC = {"entrypoint", "runtimeEnvYAML", "jobId", "shutdownAfterJobFinishes", "ttlSecondsAfterFinished",
-               "activeDeadlineSeconds", "rayClusterSpec", "clusterSelector", "submitterPodTemplate", "suspend",
-               "submissionMode", "entrypointNumCpus", "entrypointNumGpus", "entrypointResources"}
-CLUSTER_SPEC = {"rayVersion", "enableInTreeAutoscaling", "autoscalerOptions", "headGroupSpec", "workerGroupSpecs",
-                "headServiceAnnotations", "suspend"}
+RAYJOB_SPEC = {
+    "entrypoint",
+    "runtimeEnvYAML",
+    "jobId",
+    "shutdownAfterJobFinishes",
+    "ttlSecondsAfterFinished",
+    "activeDeadlineSeconds",
+    "rayClusterSpec",
+    "clusterSelector",
+    "submitterPodTemplate",
+    "suspend",
+    "submissionMode",
+    "entrypointNumCpus",
+    "entrypointNumGpus",
+    "entrypointResources",
+}
+CLUSTER_SPEC = {
+    "rayVersion",
+    "enableInTreeAutoscaling",
+    "autoscalerOptions",
+    "headGroupSpec",
+    "workerGroupSpecs",
+    "headServiceAnnotations",
+    "suspend",
+}
 HEAD_SPEC = {"serviceType", "headService", "enableIngress", "rayStartParams", "template"}
-WORKER_SPEC = {"groupName", "replicas", "minReplicas", "maxReplicas", "rayStartParams", "template", "numOfHosts",
-               "scaleStrategy", "suspend", "idleTimeoutSeconds"}
+WORKER_SPEC = {
+    "groupName",
+    "replicas",
+    "minReplicas",
+    "maxReplicas",
+    "rayStartParams",
+    "template",
+    "numOfHosts",
+    "scaleStrategy",
+    "suspend",
+    "idleTimeoutSeconds",
+}
 
 
 def test_kuberay_rayjob_manifest() -> None:

@@ -29,6 +29,7 @@ from hydra.experimental.callback import Callback
 
 log = logging.getLogger(__name__)
 STATUS_FILE = "job_status.json"
+SLOTS_NAMESPACE = "roll-sweeps"
 _failed_jobs: list[str] = []
 
 
@@ -62,8 +63,12 @@ def job_slot(name: str, permits: int, poll_s: float = 1.0) -> Iterator[float]:
     if permits <= 0 or ray is None or not ray.is_initialized():
         yield 0.0
         return
+    # Detached: a non-detached actor dies with the job that happened to create it, while others still queue.
+    # `SweepSummaryCallback` removes it when the sweep ends.
     actor = (
-        ray.remote(JobSlots).options(name=name, get_if_exists=True, num_cpus=0, namespace="roll-sweeps").remote(permits)
+        ray.remote(JobSlots)
+        .options(name=name, get_if_exists=True, num_cpus=0, namespace=SLOTS_NAMESPACE, lifetime="detached")
+        .remote(permits)
     )
     t0 = time.perf_counter()
     while not ray.get(actor.try_acquire.remote()):
@@ -72,7 +77,15 @@ def job_slot(name: str, permits: int, poll_s: float = 1.0) -> Iterator[float]:
     try:
         yield waited
     finally:
-        ray.get(actor.release.remote())
+        try:
+            ray.get(actor.release.remote())
+        except Exception as exc:  # the job's own result matters more than the slot bookkeeping
+            log.warning("could not release sweep slot %s: %s", name, exc)
+
+
+def slots_name(sweep_dir: str | Path) -> str:
+    """A stable name per sweep folder (str hash() is salted per process): every job finds the same actor."""
+    return "slots-" + hashlib.sha1(str(Path(sweep_dir).resolve()).encode()).hexdigest()[:16]
 
 
 def run_sweep_job(cfg: Any, run: Any) -> float:
@@ -83,8 +96,7 @@ def run_sweep_job(cfg: Any, run: Any) -> float:
     out = Path(hc.runtime.output_dir)
     record: dict[str, Any] = {"job": hc.job.num, "overrides": list(hc.overrides.task), "status": "running"}
     permits = int(cfg.cluster.get("max_concurrent", 0) or 0)
-    # A stable name (str hash() is salted per process): every job of this sweep finds the same actor.
-    slots = "slots-" + hashlib.sha1(str(Path(hc.sweep.dir).resolve()).encode()).hexdigest()[:16]
+    slots = slots_name(hc.sweep.dir)
     t0 = time.perf_counter()
     with job_slot(slots, permits) as waited:
         record["queued_seconds"] = waited
@@ -198,12 +210,25 @@ class SweepSummaryCallback(Callback):
     """Hydra callback: after a multirun, summarise its jobs and remember failures for the exit code."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        _remove_slots(config.hydra.sweep.dir)
         rows = summarize(config.hydra.sweep.dir)
         failed = [r["params"] for r in rows if r["status"] != "ok"]
         _failed_jobs.extend(failed)
         log.info("sweep summary: %d jobs, %d failed -> %s/summary.md", len(rows), len(failed), config.hydra.sweep.dir)
         if failed:
             log.error("failed jobs: %s", "; ".join(failed))
+
+
+def _remove_slots(sweep_dir: str) -> None:
+    try:
+        import ray
+    except ImportError:
+        return
+    if ray.is_initialized():
+        try:
+            ray.kill(ray.get_actor(slots_name(sweep_dir), namespace=SLOTS_NAMESPACE))
+        except ValueError:  # no slots actor: the sweep ran without max_concurrent
+            pass
 
 
 def failed_jobs() -> list[str]:
