@@ -9,10 +9,10 @@ from __future__ import annotations
 import importlib.util
 from typing import Any, ClassVar
 
-from roll_hw.interface import MemoryStats, Platform
+from roll_hw._torch_device import TorchAcceleratorPlatform
 
 
-class NpuPlatform(Platform):
+class NpuPlatform(TorchAcceleratorPlatform):
     """Ascend NPU. Devices are a Ray custom resource "NPU"; torch sees them as device type "npu"."""
 
     name: ClassVar[str] = "npu"
@@ -40,11 +40,7 @@ class NpuPlatform(Platform):
 
     @classmethod
     def is_available(cls) -> bool:
-        if cls._torch_npu() is None:
-            return False
-        import torch
-
-        return torch.npu.device_count() > 0
+        return cls._torch_npu() is not None and cls.device_count() > 0
 
     @classmethod
     def unavailable_reason(cls) -> str:
@@ -53,59 +49,10 @@ class NpuPlatform(Platform):
         return "torch_npu imports but sees no NPU (check the driver and ASCEND_RT_VISIBLE_DEVICES)"
 
     @classmethod
-    def device_count(cls) -> int:
-        cls._torch_npu()
-        import torch
-
-        return torch.npu.device_count()
-
-    @classmethod
-    def set_device(cls, index: int) -> None:
-        import torch
-
-        torch.npu.set_device(index)
-
-    @classmethod
-    def synchronize(cls) -> None:
-        import torch
-
-        torch.npu.synchronize()
-
-    @classmethod
-    def empty_cache(cls) -> None:
-        import torch
-
-        torch.npu.empty_cache()
-
-    @classmethod
-    def memory_stats(cls, index: int = 0) -> MemoryStats:
-        import torch
-
-        free, total = torch.npu.mem_get_info(index)
-        return MemoryStats(
-            total=total,
-            free=free,
-            allocated=torch.npu.memory_allocated(index),
-            reserved=torch.npu.memory_reserved(index),
-        )
-
-    @classmethod
-    def device_name(cls, index: int = 0) -> str:
-        import torch
-
-        return torch.npu.get_device_name(index)
+    def _device_module(cls) -> Any:
+        cls._torch_npu()  # registers torch.npu
+        return super()._device_module()
 
     @classmethod
     def supports_bf16(cls) -> bool:
         return True
-
-    @classmethod
-    def supports_fp16(cls) -> bool:
-        return True
-
-    @classmethod
-    def seed_everything(cls, seed: int) -> None:
-        super().seed_everything(seed)
-        import torch
-
-        torch.npu.manual_seed_all(seed)

@@ -1,0 +1,66 @@
+"""Shared code for platforms whose devices torch drives through a `torch.<device>` module (`torch.cuda` for
+NVIDIA CUDA and AMD ROCm, `torch.npu` for Ascend once torch_npu is imported).
+
+Probes call `device_count()`, which asks the driver/NVML for a count without creating a device context.
+Subclasses say which module (`_device_module`) and implement `is_available`/`unavailable_reason`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from roll_hw.interface import MemoryStats, Platform
+
+
+def torch_importable() -> bool:
+    """True when torch is installed (found without importing it)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+class TorchAcceleratorPlatform(Platform):
+    """Device methods over `torch.<device_type>` (cuda, npu): count, set, synchronize, memory, seeding."""
+
+    @classmethod
+    def _device_module(cls) -> Any:
+        """The torch submodule of this device kind (imports torch, and the vendor extension if any)."""
+        import torch
+
+        return getattr(torch, cls.device_type)
+
+    @classmethod
+    def device_count(cls) -> int:
+        return int(cls._device_module().device_count())
+
+    @classmethod
+    def set_device(cls, index: int) -> None:
+        cls._device_module().set_device(index)
+
+    @classmethod
+    def synchronize(cls) -> None:
+        cls._device_module().synchronize()
+
+    @classmethod
+    def empty_cache(cls) -> None:
+        cls._device_module().empty_cache()
+
+    @classmethod
+    def memory_stats(cls, index: int = 0) -> MemoryStats:
+        mod = cls._device_module()
+        free, total = mod.mem_get_info(index)
+        return MemoryStats(
+            total=total, free=free, allocated=mod.memory_allocated(index), reserved=mod.memory_reserved(index)
+        )
+
+    @classmethod
+    def device_name(cls, index: int = 0) -> str:
+        return str(cls._device_module().get_device_name(index))
+
+    @classmethod
+    def supports_fp16(cls) -> bool:
+        return True
+
+    @classmethod
+    def seed_everything(cls, seed: int) -> None:
+        super().seed_everything(seed)
+        cls._device_module().manual_seed_all(seed)
