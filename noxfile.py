@@ -36,7 +36,7 @@ SIBLINGS = {
 HARDWARE = ["cuda", "rocm", "npu"]
 TEST_TOOLS = ["pytest", "pytest-timeout", "hypothesis"]
 # Extras installed by `tests`: the CPU-capable engines and rewards.
-EXTRAS = {"roll-core": "[all]", "roll-engines": "[hf,fsdp]", "roll-envs": "[math]"}
+EXTRAS = {"roll-core": "[all]", "roll-engines": "[hf,fsdp]", "roll-envs": "[math,data]"}
 
 
 def constraints(hw: str = "cpu") -> list[str]:
@@ -110,6 +110,7 @@ def unit(session: nox.Session) -> None:
     unknown = sorted(set(chosen) - set(PACKAGES))
     if unknown:
         session.error(f"unknown package(s) {unknown}; choose from {PACKAGES}")
+    failed = []
     for pkg in chosen:
         venv = ROOT / ".nox" / "unit-venvs" / pkg
         if venv.exists():
@@ -119,16 +120,21 @@ def unit(session: nox.Session) -> None:
         local = [f"packages/{dep}" for dep in SIBLINGS[pkg]] + [f"packages/{pkg}[test]"]
         session.run(python, "-m", "pip", "install", "-q", *constraints(), *local, external=True)
         session.log(f"{pkg}: installed {_freeze_summary(session, python)}")
-        session.run(
-            python,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            f"packages/{pkg}/tests",
-            external=True,
-            env={"ROLL_TEST_SESSION": f"unit-{pkg}"},
-        )
+        try:
+            session.run(
+                python,
+                "-m",
+                "pytest",
+                "-p",
+                "no:cacheprovider",
+                f"packages/{pkg}/tests",
+                external=True,
+                env={"ROLL_TEST_SESSION": f"unit-{pkg}"},
+            )
+        except nox.command.CommandFailed:
+            failed.append(pkg)
+    if failed:
+        session.error(f"unit tests failed for: {', '.join(failed)}")
 
 
 def _freeze_summary(session: nox.Session, python: str) -> str:

@@ -85,3 +85,17 @@ def test_file_with_no_usable_rows(tmp_path: Path) -> None:
         load_problems(path)
     with pytest.raises(FileNotFoundError):
         load_problems(tmp_path / "missing.jsonl")
+
+
+def test_parquet_and_datasets_folder(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    rows = [{"question": f"What is {i}+2?", "solution": str(i + 2)} for i in range(30)]
+    rows[5] = {"question": None, "solution": "7"}
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    problems, skipped = load_problems(tmp_path / "d.parquet", prompt_key="question", answer_key="solution")
+    assert len(problems) == 29 and skipped == [(6, "missing or empty 'question'")]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    problems2, skipped2 = load_problems(tmp_path / "ds", prompt_key="question", answer_key="solution")
+    assert [p.prompt for p in problems2] == [p.prompt for p in problems] and skipped2 == skipped
