@@ -181,11 +181,15 @@ def main() -> None:
     if args.trl:
         results.append(spawn("trl", argv))
     print(f"\nGRPO, model={args.model}, {args.prompts} prompts x {args.group} samples, <= {args.max_new} new tokens")
-    print(f"{'framework':10} {'s/step':>8} {'samples/s':>10} {'rollout tok/s':>14} {'train tok/s':>12} {'peak GiB':>9}")
+    print(
+        f"{'framework':10} {'s/step':>8} {'samples/s':>10} {'rollout tok/s':>14} {'train tok/s':>12} "
+        f"{'peak GiB':>9} {'reward first->last':>19}"
+    )
     for r in results:
         print(
             f"{r['framework']:10} {fmt(r['step_seconds']):>8} {fmt(r['samples_per_s']):>10} "
-            f"{fmt(r['rollout_tokens_per_s']):>14} {fmt(r['train_tokens_per_s']):>12} {fmt(r['peak_rss_gib']):>9}"
+            f"{fmt(r['rollout_tokens_per_s']):>14} {fmt(r['train_tokens_per_s']):>12} {fmt(r['peak_rss_gib']):>9} "
+            f"{fmt(r['reward_first']):>10}->{fmt(r['reward_last'])}"
         )
     roll = results[0]
     if roll["phases"]:
