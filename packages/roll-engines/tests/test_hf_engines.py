@@ -136,3 +136,13 @@ def test_bad_role_and_temperature(tiny: str) -> None:
         HFTrainEngine(tiny, role="judge")
     with pytest.raises(ValueError, match="temperature must be > 0"):
         HFInferEngine(tiny, temperature=0.0)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny: str) -> None:
+    infer = HFInferEngine(tiny, max_new_tokens=8)
+    batch = _batch(infer, ["abc", "xyz"], n=2, seed=1)
+    batch["advantages"] = torch.linspace(-1, 1, 4)[:, None] * batch["response_mask"]
+    plain = HFTrainEngine(tiny).compute_gradients(batch, PolicyObjective())
+    ckpt = HFTrainEngine(tiny, gradient_checkpointing=True).compute_gradients(batch, PolicyObjective())
+    for name, g in plain.items():
+        torch.testing.assert_close(ckpt[name], g, atol=1e-6, rtol=1e-5, msg=name)

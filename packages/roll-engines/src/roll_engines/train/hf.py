@@ -100,7 +100,12 @@ class HFTrainEngine:
         torch.manual_seed(seed)  # the critic's new value head is initialised from this seed
         self.model = self._load(attn_implementation, trust_remote_code)
         if gradient_checkpointing and trainable:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers >= 5 renamed the switch; older releases only have the gradient_ name.
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = self._wrap(self.model)
         self.trainable = trainable and role != "reference"
         self.optimizer: torch.optim.Optimizer | None = None
