@@ -164,3 +164,8 @@ class Cluster:
             for pg, *_ in self._pgs.values():
                 remove_placement_group(pg)
             self._pgs = {}
+        if self._started_ray:  # a Ray instance this run started is this run's to stop
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
