@@ -24,6 +24,7 @@ from roll_algos import advantages as A
 from roll_algos.kl import AdaptiveKLController, FixedKLController, kl_estimate
 from roll_algos.losses import masked_mean, off_policy_weights, overlong_penalty
 from roll_core import registry
+from roll_core.algorithms import token_rewards_from_scores
 from roll_core.checkpoint import CheckpointManager
 from roll_core.cluster.launch import Cluster
 from roll_core.cluster.roles import InferGroup, RewardGroup, TrainGroup
@@ -263,8 +264,6 @@ class RLVRPipeline:
             batch["values"] = values
 
         # 4. token rewards (KL in reward), advantages
-        from roll_core.algorithms import token_rewards_from_scores
-
         token_rewards = token_rewards_from_scores(scores, mask)
         if self.reference is not None:
             policy_logp = batch["old_logprobs"] if "old_logprobs" in batch else batch["behaviour_logprobs"]
