@@ -47,7 +47,8 @@ def test_sweep_of_three_jobs_on_ray_writes_summary(seven_task: Path, tmp_path: P
     assert (tmp_path / "sweep" / "rewards.png").stat().st_size > 10_000
     # max_concurrent=2 with 3 jobs: the third waited for a slot about as long as a job runs
     queued = sorted(float(r["queued_seconds"]) for r in table)
-    assert queued[-1] > 0.5 * min(float(r["wall_seconds"]) for r in table) and queued[0] < 5
+    run = min(float(r["wall_seconds"]) for r in table)
+    assert queued[2] > 0.5 * run and queued[1] < queued[2] - 0.5 * run  # two started at once, one queued
 
 
 def test_failing_job_does_not_stop_the_others(seven_task: Path, tmp_path: Path) -> None:
