@@ -45,6 +45,15 @@ def _dataclass_fields(obj_type: Any) -> list[str]:
     return []
 
 
+def did_you_mean(key: str, candidates: Sequence[str], full_key: str) -> str:
+    """ "Did you mean 'parent.closest'?" for the closest candidate to `key`, or "" when none is close."""
+    close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
+    if not close:
+        return ""
+    parent = full_key.rsplit(".", 1)[0] + "." if "." in full_key else ""
+    return f"Did you mean '{parent}{close[0]}'?"
+
+
 def explain(exc: BaseException) -> str:
     """A one-paragraph message for a composition error, with a "did you mean" when a close key exists."""
     from omegaconf.errors import OmegaConfBaseException
@@ -63,15 +72,12 @@ def explain(exc: BaseException) -> str:
         if isinstance(err, OmegaConfBaseException) and getattr(err, "key", None) is not None:
             key = str(err.key)
             candidates = _dataclass_fields(getattr(err, "object_type", None))
-            close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-            full_key = getattr(err, "full_key", None) or key
-            if key in candidates:
-                pass  # the key exists: the value is what is wrong, and the message says why
-            elif close:
-                parent = full_key.rsplit(".", 1)[0] + "." if "." in full_key else ""
-                message += f"\nDid you mean '{parent}{close[0]}'?"
-            elif candidates:
-                message += f"\nValid keys here: {', '.join(candidates)}"
+            # An existing key means the value is what is wrong, and the message already says why.
+            if key not in candidates:
+                hint = did_you_mean(key, candidates, getattr(err, "full_key", None) or key)
+                message += f"\n{hint}" if hint else ""
+                if not hint and candidates:
+                    message += f"\nValid keys here: {', '.join(candidates)}"
             break
     return message
 
@@ -114,9 +120,8 @@ def check_unknown_keys(cfg: DictConfig, where: str = "") -> None:
     for key in cfg.keys():
         full = f"{where}.{key}" if where else str(key)
         if known is not None and key not in known:
-            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
-            hint = f" Did you mean '{full.rsplit('.', 1)[0] + '.' if '.' in full else ''}{close[0]}'?" if close else ""
-            raise ConfigError(f"Key '{key}' not in '{obj_type.__name__}' (full_key: {full}).{hint}")
+            hint = did_you_mean(str(key), sorted(known), full)
+            raise ConfigError(f"Key '{key}' not in '{obj_type.__name__}' (full_key: {full}). {hint}".rstrip())
         if OmegaConf.is_missing(cfg, key):
             continue
         child = cfg._get_node(key)
