@@ -86,6 +86,8 @@ class RLVRPipeline:
             "max_grad_norm": algo.max_grad_norm,
         }
         te, ie = as_dict(cfg.train_engine), as_dict(cfg.infer_engine)
+        # Sampling temperature: the trainer's log-probs must use the one the rollout was drawn at.
+        self.temperature = float(ie.get("temperature", 1.0))
         self.actor_train = self.cluster.group(
             TrainGroup,
             "actor_train",
@@ -236,7 +238,7 @@ class RLVRPipeline:
         mask = batch["response_mask"].float()
         if self.reference is not None:
             with _timer(timers, "reference"):
-                batch["ref_logprobs"] = self.reference.compute_logprobs(batch, self._temperature())["logprobs"]
+                batch["ref_logprobs"] = self.reference.compute_logprobs(batch, self.temperature)["logprobs"]
         need_old = (
             algo.ppo_epochs > 1
             or self.mini_batches > 1
@@ -245,7 +247,7 @@ class RLVRPipeline:
         )
         if need_old:
             with _timer(timers, "old_logprobs"):
-                batch["old_logprobs"] = self.actor_train.compute_logprobs(batch, self._temperature())["logprobs"]
+                batch["old_logprobs"] = self.actor_train.compute_logprobs(batch, self.temperature)["logprobs"]
             metrics["actor/train_infer_logprob_diff"] = float(
                 masked_mean((batch["old_logprobs"] - batch["behaviour_logprobs"]).abs(), mask)
             )
@@ -304,7 +306,7 @@ class RLVRPipeline:
                 self.policy_objective,
                 mini_batches=self.mini_batches,
                 epochs=algo.ppo_epochs,
-                temperature=self._temperature(),
+                temperature=self.temperature,
                 shuffle_seed=shuffle,
             )
         metrics.update({k if "/" in k else f"actor/{k}": v for k, v in train_metrics.items()})
@@ -320,9 +322,6 @@ class RLVRPipeline:
         return metrics
 
     # ---- pieces -------------------------------------------------------------------------------------------
-    def _temperature(self) -> float:
-        return float(as_dict(self.cfg.infer_engine).get("temperature", 1.0))
-
     def _prompt_batch(self, problems: list[Any], metrics: dict[str, Any]) -> Batch:
         return prompt_batch(self.tokenizer, self.task, problems, self.cfg.model.max_prompt_length, metrics)
 
@@ -365,7 +364,7 @@ class RLVRPipeline:
             self.task,
             self.eval_set,
             max_prompt_length=self.cfg.model.max_prompt_length,
-            temperature=self.cfg.pipeline.eval_temperature or self._temperature(),
+            temperature=self.cfg.pipeline.eval_temperature or self.temperature,
             seed=self.cfg.pipeline.seed + 17,
         )
         return {

@@ -162,7 +162,6 @@ class HFInferEngine:
 
     def _stop_position(self, row: list[int]) -> int | None:
         """Index of the token that completes the first stop string, or None."""
-        text = ""
         for j in range(len(row)):
             text = self.tokenizer.decode(row[: j + 1])
             if any(text.endswith(s) for s in self.stop):
