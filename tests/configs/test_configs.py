@@ -15,6 +15,7 @@ import pytest
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from roll_core.cluster.roles import WORKER_KEYS
 from roll_core.config import ConfigError, compose, to_object
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -50,7 +51,8 @@ def _bind_targets(node: Any, where: str) -> int:
     if isinstance(node, DictConfig):
         if "_target_" in node:
             target = get_object(node["_target_"])
-            kwargs = {k: v for k, v in node.items() if not str(k).startswith("_")}
+            # Worker keys (world size, weight sync, sleep, venv) configure the worker, not the engine.
+            kwargs = {k: v for k, v in node.items() if not str(k).startswith("_") and k not in WORKER_KEYS}
             try:
                 inspect.signature(target).bind_partial(**kwargs)  # run-time args (model path, lr) come later
             except TypeError as exc:

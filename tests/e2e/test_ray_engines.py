@@ -19,7 +19,7 @@ def _batch(path: str) -> Batch:
 
     infer = HFInferEngine(path, max_new_tokens=8)
     ids = [infer.tokenizer(p)["input_ids"] for p in ("abc", "What is 2+2?", "x y z")]
-    gen = infer.generate(ids, n=2, seed=5)
+    gen = infer.generate(ids, infer.defaults.replace(seed=5), n=2)
     p_ids, p_mask = pad_left([x for x in ids for _ in range(2)], infer.pad_id)
     tensors = build_sequences(p_ids, p_mask, gen.responses, gen.response_mask)
     tensors.update(
@@ -58,8 +58,8 @@ def test_fsdp2_gradients_equal_single_process(ray_cluster) -> None:
         for name, g in expected.items():
             torch.testing.assert_close(got[name], g, atol=1e-6, rtol=1e-4, msg=name)
         # full weights gather on rank 0 and equal the single engine's initial weights
-        weights = group.get_weights_handle().values()[0]
-        for k, v in single.model.state_dict().items():
+        weights = group.get_weights()
+        for k, v in single.get_weights().items():
             torch.testing.assert_close(weights[k], v)
     finally:
         group.shutdown()

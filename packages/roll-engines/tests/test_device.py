@@ -23,7 +23,7 @@ def _engines(device: str, dtype: str):
 def _check(device: str) -> None:
     infer, train = _engines(device, "float32")
     ids = [infer.tokenizer("What is 1+1?")["input_ids"]]
-    gen = infer.generate(ids, n=4, seed=0)
+    gen = infer.generate(ids, infer.defaults.replace(seed=0), n=4)
     p_ids, p_mask = pad_left(ids * 4, infer.pad_id)
     batch = build_sequences(p_ids, p_mask, gen.responses, gen.response_mask)
     batch.update(

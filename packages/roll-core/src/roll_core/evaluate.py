@@ -7,6 +7,7 @@ from typing import Any
 from roll_core.cluster.launch import Cluster
 from roll_core.cluster.roles import InferGroup, RewardGroup
 from roll_core.config.build import as_dict, build
+from roll_core.interfaces import SamplingParams
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.rollout import evaluate
 
@@ -35,7 +36,15 @@ def evaluate_model(cfg: Any, samples: int | None = None) -> dict[str, Any]:
         },
     )
     reward = cluster.group(RewardGroup, "reward", 1, env=as_dict(cfg.env), tokenizer_path=tok_path)
-    temp = cfg.pipeline.eval_temperature or ie.get("temperature", 1.0)
+    temp = ie["temperature"] if cfg.pipeline.eval_temperature is None else cfg.pipeline.eval_temperature
+    params = SamplingParams(
+        temperature=temp,
+        top_p=ie["top_p"],
+        top_k=ie["top_k"],
+        stop=tuple(ie["stop"]),
+        max_new_tokens=cfg.model.max_response_length,
+        seed=cfg.pipeline.seed + 17,
+    )
     result = evaluate(
         infer,
         reward,
@@ -43,7 +52,6 @@ def evaluate_model(cfg: Any, samples: int | None = None) -> dict[str, Any]:
         task,
         problems,
         max_prompt_length=cfg.model.max_prompt_length,
-        temperature=temp,
-        seed=cfg.pipeline.seed + 17,
+        params=params,
     )
     return {**result, "task": getattr(task, "name", type(task).__name__)}

@@ -6,7 +6,9 @@ Only engine-specific knobs live here; the model path, dtype, learning rate and s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from roll_core.config.schema import InferEngineConfig
 
 
 @dataclass
@@ -50,28 +52,22 @@ class FSDP2TrainEngineConfig(HFTrainEngineConfig):
 
 
 @dataclass
-class HFInferEngineConfig:
-    """transformers `generate` sampling engine."""
+class HFInferEngineConfig(InferEngineConfig):
+    """roll's continuous-batching decode loop over any transformers causal LM (roll_engines.infer.hf)."""
 
     _target_: str = "roll_engines.infer.hf.HFInferEngine"
     name: str = "hf"
-    world_size: int = 1
-    # Sampling temperature (> 0).
-    temperature: float = 1.0
-    top_p: float = 1.0
-    # 0 disables top-k.
-    top_k: int = 0
-    # Extra stop strings (EOS always stops).
-    stop: list[str] = field(default_factory=list)
-    # Sequences per generate() call.
-    batch_size: int = 64
+    # Most sequences decoded together (requests beyond it wait for a free slot).
+    max_num_seqs: int = 64
+    # Context limit (prompt + response tokens); null: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # torch threads of the engine process; null: all cores.
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(f"infer_engine.temperature={self.temperature} must be > 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"infer_engine.top_p={self.top_p} must be in (0, 1]")
+        super().__post_init__()
+        if self.max_num_seqs < 1:
+            raise ValueError(f"infer_engine.max_num_seqs={self.max_num_seqs} must be >= 1")
 
 
 def register_configs() -> None:

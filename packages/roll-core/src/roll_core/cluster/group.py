@@ -20,10 +20,10 @@ from roll_core.protocol import Batch
 W = TypeVar("W", bound=Worker)
 
 
-def free_port() -> int:
-    """A free TCP port on this host for a torch.distributed rendezvous."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on this host (bound on `host`) for a torch.distributed rendezvous."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -37,6 +37,15 @@ class RayOptions:
     # (placement group, bundle index per rank); None lets Ray schedule freely.
     placement: tuple[Any, list[int]] | None = None
     env: list[dict[str, str]] | None = None  # per-rank environment variables (e.g. visible devices)
+    # Python executable of another virtual environment for these actors (Ray runtime_env `py_executable`): an
+    # engine with conflicting pins (vLLM's transformers pin) runs in its own venv while other roles do not.
+    python: str | None = None
+    # Calls one actor may serve at once (threads): request-level engines serve many blocking requests.
+    max_concurrency: int = 1
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process died during a call; the message names role, rank and node."""
 
 
 class Handle:
@@ -56,7 +65,7 @@ class Handle:
 
     def result(self) -> Any:
         values = self.values()
-        if self._mode is Dispatch.RANK0:
+        if self._mode in (Dispatch.RANK0, Dispatch.ONE):
             return values[0]
         if self._mode is Dispatch.DP and values and all(isinstance(v, Batch) for v in values):
             return Batch.concat(values)
@@ -82,6 +91,7 @@ class WorkerGroup(Generic[W]):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.cls, self.world_size, self.backend, self.name = cls, world_size, backend, name or cls.__name__
+        self.nodes: list[str] = ["local"] * world_size  # node id per rank, for error messages
         rendezvous = {"master_addr": "127.0.0.1", "master_port": free_port()}
         if backend == "local":
             if world_size > 1 and kwargs.get("requires_distributed", False):
@@ -117,24 +127,66 @@ class WorkerGroup(Generic[W]):
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundles[r]
                 )
+            runtime_env: dict[str, Any] = {}
             if opts.env and opts.env[r]:
-                options["runtime_env"] = {"env_vars": dict(opts.env[r])}
+                runtime_env["env_vars"] = dict(opts.env[r])
+            if opts.python:
+                runtime_env["py_executable"] = opts.python
+            if runtime_env:
+                options["runtime_env"] = runtime_env
+            if opts.max_concurrency > 1:
+                options["max_concurrency"] = opts.max_concurrency
             actors.append(remote_cls.options(**options).remote(rank=r, world_size=world_size, **rendezvous, **kwargs))
+        try:
+            self.nodes = [str(n) for n in ray.get([a.node_id.remote() for a in actors])]
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerDiedError(f"{self.name}: a worker failed to start: {exc}") from exc
         return actors
 
     # ---- calls --------------------------------------------------------------------------------------------
     def submit(self, method: str, *args: Any, **kwargs: Any) -> Handle:
         """Start `method` on the group according to its dispatch mode; returns a Handle."""
         mode = dispatch_mode(self.cls, method)
+        if mode is Dispatch.ONE:
+            raise TypeError(f"{self.cls.__name__}.{method} goes to one rank: use submit_to(rank, ...)")
         per_rank_args = self._distribute(mode, args)
         targets = range(1) if mode is Dispatch.RANK0 else range(self.world_size)
+        return self._run(method, mode, {r: per_rank_args[r] for r in targets}, kwargs)
+
+    def submit_to(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Handle:
+        """Start `method` on one rank only (methods declared `Dispatch.ONE`)."""
+        mode = dispatch_mode(self.cls, method)
+        if mode is not Dispatch.ONE:
+            raise TypeError(f"{self.cls.__name__}.{method} is dispatched as {mode.value}, not to one rank")
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"{self.name} has ranks 0..{self.world_size - 1}, not {rank}")
+        return self._run(method, mode, {rank: args}, kwargs)
+
+    def _run(self, method: str, mode: Dispatch, args: dict[int, Sequence[Any]], kwargs: dict[str, Any]) -> Handle:
         if self.backend == "local":
-            parts = [getattr(self.workers[r], method)(*per_rank_args[r], **kwargs) for r in targets]
+            parts = [getattr(self.workers[r], method)(*a, **kwargs) for r, a in args.items()]
             return Handle(parts, mode, lambda p: p)
+        parts = [getattr(self.workers[r], method).remote(*a, **kwargs) for r, a in args.items()]
+        ranks = list(args)
+        return Handle(parts, mode, lambda p: self._get(p, ranks, method))
+
+    def _get(self, refs: list[Any], ranks: list[int], method: str) -> list[Any]:
+        """ray.get that names the role, rank and node of a worker that died."""
         import ray
 
-        parts = [getattr(self.workers[r], method).remote(*per_rank_args[r], **kwargs) for r in targets]
-        return Handle(parts, mode, ray.get)
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as exc:
+            dead = []
+            for r, ref in zip(ranks, refs):
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError:
+                    dead.append(f"rank {r} on node {self.nodes[r]}")
+                except Exception:  # noqa: S110 - only dead actors are listed
+                    pass
+            where = ", ".join(dead) or "a rank"
+            raise WorkerDiedError(f"{self.name} {where} died during {method}(): {type(exc).__name__}") from exc
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """`submit(...).result()`."""

@@ -65,15 +65,19 @@ class Cluster:
         ray.init(**kwargs)
         self._started_ray = True
 
-    def _devices_per_worker(self) -> float:
-        return 1.0 if self.platform.ray_resource else 0.0
-
-    def _placement(self, role: str, world_size: int) -> RayOptions:
+    def _placement(self, role: str, world_size: int, devices_per_worker: int = 1) -> RayOptions:
+        """Ray options placing `world_size` workers of `role`, each on `devices_per_worker` devices of one bundle
+        (an engine worker spanning N devices for tensor parallelism gets one bundle of N)."""
         from ray.util.placement_group import placement_group
 
-        dev = self._devices_per_worker()
+        dev = float(devices_per_worker) if self.platform.ray_resource else 0.0
         key = self.platform.ray_resource
         colocated = self.cfg.placement == "colocated"
+        if colocated and devices_per_worker > 1:
+            raise ValueError(
+                f"{role} spans {devices_per_worker} devices per worker (tensor parallel), but colocated placement "
+                "gives every rank one device bundle: use cluster.placement=disaggregated"
+            )
         pg_name = "shared" if colocated else role
         if pg_name not in self._pgs:
             bundle: dict[str, float] = {"CPU": self.cfg.cpus_per_worker}
@@ -111,12 +115,14 @@ class Cluster:
             return None
         from ray.util.placement_group import placement_group_table
 
-        nodes = placement_group_table(pg)["bundles_to_node_id"]
+        table = placement_group_table(pg)
+        nodes = table["bundles_to_node_id"]
         envs = []
         for i in range(n):
+            count = int(table["bundles"][i].get(self.platform.ray_resource, 1))
             used = self._node_devices.get(nodes[i], 0)
-            envs.append(self.platform.visible_devices_for([used]))
-            self._node_devices[nodes[i]] = used + 1
+            envs.append(self.platform.visible_devices_for(list(range(used, used + count))))
+            self._node_devices[nodes[i]] = used + count
         return envs
 
     def placement_report(self) -> dict[str, list[dict[str, Any]]]:
@@ -140,16 +146,37 @@ class Cluster:
                 f"{ray.cluster_resources()}. Lower cluster.cpus_per_worker, add nodes, or lower cluster.max_concurrent"
             ) from exc
 
-    def group(self, group_cls: type[G], role: str, world_size: int, **kwargs: Any) -> G:
-        """A worker group for `role` on this cluster's backend."""
+    def group(
+        self,
+        group_cls: type[G],
+        role: str,
+        world_size: int,
+        *,
+        devices_per_worker: int = 1,
+        python: str | None = None,
+        max_concurrency: int = 1,
+        **kwargs: Any,
+    ) -> G:
+        """A worker group for `role` on this cluster's backend.
+
+        `python` runs the role's actors in another virtual environment (Ray only); `max_concurrency` lets one
+        actor serve several calls at once (request-level engines); `devices_per_worker` > 1 gives each worker a
+        bundle of that many devices (tensor parallel engines).
+        """
         if self.cfg.backend == "local":
+            if python:
+                raise ValueError(
+                    f"{role} asks for its own Python environment ({python}); roles run in separate environments "
+                    "only as Ray actors: use cluster=ray"
+                )
             group = group_cls(group_cls.worker_cls, world_size, "local", name=role, **kwargs)
         else:
             opts = (
-                self._placement(role, world_size)
+                self._placement(role, world_size, devices_per_worker)
                 if role in DEVICE_ROLES
                 else RayOptions(num_cpus=min(self.cfg.cpus_per_worker, 0.25))
             )
+            opts.python, opts.max_concurrency = python, max_concurrency
             group = group_cls(group_cls.worker_cls, world_size, "ray", name=role, ray_options=opts, **kwargs)
         self.groups.append(group)
         return group

@@ -1,21 +1,37 @@
 """Role workers of the RLVR pipeline and their typed worker-group wrappers.
 
-Roles: `TrainWorker` serves actor_train, critic and reference (by the engine's `role`), `InferWorker` serves
-actor_infer, `RewardWorker` scores responses. Engines are built from their `_target_` configs, so roll-core never
-imports an engine package. Each `*Group` class exposes exactly the calls the controller makes, with types, so an
-IDE or type checker sees `actor_infer.generate(batch, n=8) -> Batch`.
+Roles: `TrainWorker` hosts a `TrainEngine` (actor_train, critic, reference, by the engine's `role`),
+`InferWorker` hosts an `InferEngine` (actor_infer), `RewardWorker` scores responses with a task's reward. Engines
+are built from their `_target_` configs, so roll-core never imports an engine package; the contracts they satisfy
+are the protocols in roll_core.interfaces. Each `*Group` class exposes exactly the calls the controller makes,
+with types: `actor_infer.generate(batch, params, n=8) -> Batch`.
+
+Engine config keys in `WORKER_KEYS` configure the worker and its placement, not the engine, and are not passed
+to the engine's constructor.
 """
 
 from __future__ import annotations
 
+import itertools
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from roll_core.cluster.group import Handle, WorkerGroup
 from roll_core.cluster.worker import Dispatch, Worker, dispatch
+from roll_core.cluster.weight_sync import Bucket, SyncGroup, buckets, bucket_nbytes, open_cuda, share_cuda
 from roll_core.config.build import build
+from roll_core.interfaces import InferEngine, Request, RequestOutput, SamplingParams, Task, TrainEngine
 from roll_core.protocol import Batch
+
+#: Engine-config keys read by workers, placement and weight sync (never passed to an engine's constructor).
+WORKER_KEYS = ("world_size", "sync_transport", "sync_bucket_mb", "sleep_level", "python", "max_concurrency")
+
+
+def engine_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The engine's own keys of an engine config (worker keys removed)."""
+    return {k: v for k, v in cfg.items() if k not in WORKER_KEYS}
 
 
 class TrainWorker(Worker):
@@ -23,7 +39,9 @@ class TrainWorker(Worker):
 
     def __init__(self, engine: dict[str, Any], runtime: dict[str, Any], **base: Any) -> None:
         super().__init__(**base)
-        self.engine = build(engine, **runtime)
+        self.engine: TrainEngine = build(engine_kwargs(engine), **runtime)
+        self._sync_group: SyncGroup | None = None
+        self._ipc: Any = None
 
     @dispatch(Dispatch.DP)
     def compute_logprobs(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch:
@@ -53,7 +71,8 @@ class TrainWorker(Worker):
 
     @dispatch(Dispatch.BROADCAST)
     def get_weights(self) -> dict[str, torch.Tensor] | None:
-        weights = self.engine.get_weights()  # collective for sharded engines: every rank must call it
+        """Full CPU weights on rank 0 (None elsewhere); collective on sharded engines."""
+        weights = {k: v.detach().to("cpu", copy=True) for k, v in self.engine.iter_weights()}
         return weights if self.rank == 0 else None
 
     @dispatch(Dispatch.BROADCAST)
@@ -64,35 +83,166 @@ class TrainWorker(Worker):
     def load(self, folder: str) -> None:
         self.engine.load(folder)
 
+    # ---- weight sync: the sending side (see roll_core.cluster.weight_sync) -------------------------------
+    def weight_buckets(self, bucket_bytes: int, changed_only: bool) -> Any:
+        """Buckets of (name, tensor) in order (in-process transport; tensors may be live parameters)."""
+        return buckets(self.engine.iter_weights(changed_only), bucket_bytes)
+
+    @dispatch(Dispatch.BROADCAST)
+    def publish_weights(self, bucket_bytes: int, changed_only: bool) -> dict[str, Any]:
+        """Object-store transport: rank 0 puts CPU buckets in Ray's object store and returns their refs."""
+        import ray
+
+        refs, nbytes, ntensors = [], 0, 0
+        for bucket in self.weight_buckets(bucket_bytes, changed_only):  # every rank iterates (collective)
+            if self.rank == 0:
+                cpu = [(k, v.detach().to("cpu", copy=True)) for k, v in bucket]
+                refs.append(ray.put(cpu))
+                nbytes += bucket_nbytes(cpu)
+                ntensors += len(cpu)
+        return {"refs": refs, "bytes": nbytes, "tensors": ntensors}
+
+    @dispatch(Dispatch.RANK0)
+    def sync_endpoint(self) -> tuple[str, int]:
+        """This node's address and a free port on it: rank 0 hosts the weight-sync rendezvous."""
+        from roll_core.cluster.group import free_port
+
+        try:
+            import ray
+
+            host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        except ImportError:
+            host = "127.0.0.1"
+        return host, free_port(host)
+
+    @dispatch(Dispatch.BROADCAST)
+    def join_sync_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+        if self.rank == 0:
+            self._sync_group = SyncGroup(host, port, 0, world_size, backend)
+
+    @dispatch(Dispatch.BROADCAST)
+    def send_weights_dist(self, bucket_bytes: int, changed_only: bool) -> dict[str, int]:
+        nbytes = ntensors = nbuckets = 0
+        for bucket in self.weight_buckets(bucket_bytes, changed_only):
+            if self.rank == 0:
+                self._sync_group.send(bucket)
+                nbytes += bucket_nbytes(bucket)
+                ntensors += len(bucket)
+                nbuckets += 1
+        if self.rank == 0:
+            self._sync_group.send(None)
+        return {"bytes": nbytes, "tensors": ntensors, "buckets": nbuckets}
+
+    @dispatch(Dispatch.BROADCAST)
+    def start_ipc_sync(self, bucket_bytes: int, changed_only: bool) -> None:
+        self._ipc = {"it": self.weight_buckets(bucket_bytes, changed_only), "keep": None}
+
+    @dispatch(Dispatch.BROADCAST)
+    def next_ipc_bucket(self) -> dict[str, Any] | None:
+        """CUDA IPC transport: the next bucket of full tensors on this rank's device, as an IPC handle."""
+        self._ipc["keep"] = None  # the receivers copied the previous bucket
+        bucket = next(self._ipc["it"], None)
+        if bucket is None:
+            self._ipc = None
+            return None
+        handle, specs, flat = share_cuda(bucket)
+        self._ipc["keep"] = flat
+        return {"handle": handle, "specs": specs, "bytes": bucket_nbytes(bucket)}
+
 
 class InferWorker(Worker):
-    """Hosts an inference engine."""
+    """Hosts an inference engine: batch generation, single requests, weight updates, sleep and wake-up."""
 
     def __init__(self, engine: dict[str, Any], runtime: dict[str, Any], **base: Any) -> None:
         super().__init__(**base)
-        self.engine = build(engine, **runtime)
+        self.engine: InferEngine = build(engine_kwargs(engine), **runtime)
+        self._sync_group: SyncGroup | None = None
 
     @dispatch(Dispatch.DP)
-    def generate(
-        self, batch: Batch, n: int, temperature: float | None = None, max_new_tokens: int | None = None, seed: int = 0
-    ) -> Batch:
-        gen = self.engine.generate(
-            batch["prompt_ids"], n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed * 1009 + self.rank
-        )
+    def generate(self, batch: Batch, params: SamplingParams, n: int) -> Batch:
+        if params.seed is not None:  # ranks sample different streams for the same row index
+            params = params.replace(seed=params.seed * 1009 + self.rank)
+        gen = self.engine.generate(batch["prompt_ids"], params, n)
         out = Batch(
             {
                 "responses": gen.responses,
                 "behaviour_logprobs": gen.logprobs,
                 "response_mask": gen.response_mask,
                 "truncated": gen.truncated,
-            }
+            },
+            {"finish_reason": gen.finish_reasons},
         )
         out.meta["generate_seconds"] = gen.seconds
         return out
 
+    def submit_local(self, request: Request) -> Future[RequestOutput]:
+        """In-process request (local backend): the engine's future, without blocking."""
+        return self.engine.submit(request)
+
+    @dispatch(Dispatch.ONE)
+    def request(self, request: Request) -> RequestOutput:
+        """One request, blocking this call's thread until it finishes (Ray actors serve many at once)."""
+        return self.engine.submit(request).result()
+
     @dispatch(Dispatch.BROADCAST)
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
-        return self.engine.load_weights(weights)
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    @dispatch(Dispatch.RANK0)
+    def max_context_length(self) -> int:
+        return self.engine.max_context_length
+
+    @dispatch(Dispatch.RANK0)
+    def check_sampling(self, params: SamplingParams) -> None:
+        self.engine.check_sampling(params)
+
+    @dispatch(Dispatch.BROADCAST)
+    def sleep(self, level: int = 1) -> None:
+        self.engine.sleep(level)
+
+    @dispatch(Dispatch.BROADCAST)
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    @dispatch(Dispatch.BROADCAST)
+    def memory_bytes(self) -> dict[str, int]:
+        return self.engine.memory_bytes()
+
+    # ---- weight sync: the receiving side ----------------------------------------------------------------------
+    @dispatch(Dispatch.BROADCAST)
+    def begin_weight_update(self) -> None:
+        self.engine.begin_weight_update()
+
+    @dispatch(Dispatch.BROADCAST)
+    def finish_weight_update(self) -> int:
+        return self.engine.finish_weight_update()
+
+    @dispatch(Dispatch.BROADCAST)
+    def receive_weights_object_store(self, refs: list[Any]) -> int:
+        import ray
+
+        nbytes = 0
+        for ref in refs:
+            bucket: Bucket = ray.get(ref)
+            nbytes += self.engine.update_weights(bucket)
+            del bucket
+        return nbytes
+
+    @dispatch(Dispatch.BROADCAST)
+    def join_sync_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+        self._sync_group = SyncGroup(host, port, 1 + self.rank, world_size, backend)
+
+    @dispatch(Dispatch.BROADCAST)
+    def receive_weights_dist(self) -> int:
+        nbytes = 0
+        while (bucket := self._sync_group.receive()) is not None:
+            nbytes += self.engine.update_weights(bucket)
+        return nbytes
+
+    @dispatch(Dispatch.BROADCAST)
+    def receive_ipc_bucket(self, shared: list[dict[str, Any]]) -> int:
+        mine = shared[self.rank]  # trainer rank r shares device r with this rank
+        return self.engine.update_weights(open_cuda(mine["handle"], mine["specs"]))
 
 
 class RewardWorker(Worker):
@@ -102,7 +252,7 @@ class RewardWorker(Worker):
         super().__init__(**base)
         from transformers import AutoTokenizer
 
-        self.task = build(env)
+        self.task: Task = build(env)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
 
     @dispatch(Dispatch.DP)
@@ -151,9 +301,9 @@ class TrainGroup(WorkerGroup[TrainWorker]):
         )
         return {k: sum(d[k] for d in per_rank) / len(per_rank) for k in per_rank[0]}
 
-    def get_weights_handle(self) -> Handle:
-        """Weights stay where they are (Ray object store) until an inference group consumes them."""
-        return self.submit("get_weights")
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """Full CPU weights (tests, tools; the pipeline syncs through roll_core.cluster.weight_sync)."""
+        return self.call("get_weights")[0]
 
     def save(self, folder: str, tokenizer_path: str | None = None) -> None:
         self.call("save", folder, tokenizer_path)
@@ -162,30 +312,118 @@ class TrainGroup(WorkerGroup[TrainWorker]):
         self.call("load", folder)
 
 
+class RequestHandle:
+    """A request in flight on one inference rank."""
+
+    def __init__(self, request_id: str, rank: int, pending: Future | Handle) -> None:
+        self.request_id, self.rank, self._pending = request_id, rank, pending
+
+    def done(self) -> bool:
+        if isinstance(self._pending, Future):
+            return self._pending.done()
+        import ray
+
+        ready, _ = ray.wait(self._pending.refs, timeout=0)
+        return bool(ready)
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        if isinstance(self._pending, Future):
+            return self._pending.result(timeout)
+        if timeout is None:
+            return self._pending.result()
+        import ray
+
+        ready, _ = ray.wait(self._pending.refs, timeout=timeout)
+        if not ready:
+            raise TimeoutError(f"request {self.request_id} not finished after {timeout}s")
+        return self._pending.result()
+
+
 class InferGroup(WorkerGroup[InferWorker]):
-    """actor_infer."""
+    """actor_infer: the batch API for RLVR and the request API for multi-turn and partial rollout."""
 
     worker_cls = InferWorker
 
-    def generate(
-        self,
-        batch: Batch,
-        n: int,
-        *,
-        temperature: float | None = None,
-        max_new_tokens: int | None = None,
-        seed: int = 0,
-    ) -> Batch:
-        handle = self.submit("generate", batch, n, temperature, max_new_tokens, seed)
-        parts = handle.values()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._inflight = [0] * self.world_size  # requests routed to each rank and not yet collected
+        self._rank_of: dict[str, int] = {}
+        self._ids = itertools.count()
+
+    def generate(self, batch: Batch, params: SamplingParams, n: int) -> Batch:
+        """n samples of every prompt in `batch["prompt_ids"]`, rows grouped per prompt, split over the ranks."""
+        parts = self.submit("generate", batch, params, n).values()
         out = Batch.concat(_pad_responses(parts))
         out.meta["generate_seconds"] = max(p.meta.get("generate_seconds", 0.0) for p in parts)
         return out
 
-    def load_weights(self, weights_handle: Handle) -> int:
-        """Load rank 0's weights from a `TrainGroup.get_weights_handle()` into every inference worker."""
-        ref = weights_handle.refs[0]
-        return int(self.call("load_weights", ref)[0])
+    def submit_request(self, request: Request, route_key: str | None = None) -> RequestHandle:
+        """Start one request on the least-loaded rank (or the rank `route_key` hashes to: a conversation's turns
+        reuse one engine's prefix cache)."""
+        if route_key is not None:
+            rank = _stable_hash(route_key) % self.world_size
+        else:
+            rank = min(range(self.world_size), key=lambda r: self._inflight[r])
+        self._inflight[rank] += 1
+        self._rank_of[request.request_id] = rank
+        if self.backend == "local":
+            fut = self.workers[rank].submit_local(request)
+            fut.add_done_callback(lambda _f, r=rank, rid=request.request_id: self._collected(r, rid))
+            return RequestHandle(request.request_id, rank, fut)
+        handle = self.submit_to(rank, "request", request)
+        return _TrackedHandle(request.request_id, rank, handle, self._collected)
+
+    def _collected(self, rank: int, request_id: str) -> None:
+        if self._rank_of.pop(request_id, None) is not None:
+            self._inflight[rank] -= 1
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request wherever it runs; True if an engine knew it."""
+        return any(self.call("abort", request_id))
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def max_context_length(self) -> int:
+        return int(self.call("max_context_length"))
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Raises UnsupportedSamplingError (naming the engine) for parameters it cannot honour."""
+        self.call("check_sampling", params)
+
+    def sleep(self, level: int = 1) -> None:
+        self.call("sleep", level)
+
+    def wake_up(self) -> None:
+        self.call("wake_up")
+
+    def memory_bytes(self) -> list[dict[str, int]]:
+        return self.call("memory_bytes")
+
+    def begin_weight_update(self) -> None:
+        self.call("begin_weight_update")
+
+    def finish_weight_update(self) -> list[int]:
+        return self.call("finish_weight_update")
+
+
+class _TrackedHandle(RequestHandle):
+    """A Ray request handle that releases its rank's in-flight count when the result is read."""
+
+    def __init__(self, request_id: str, rank: int, pending: Handle, collected: Any) -> None:
+        super().__init__(request_id, rank, pending)
+        self._collected = collected
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        out = super().result(timeout)
+        self._collected(self.rank, self.request_id)
+        return out
+
+
+def _stable_hash(key: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
 
 
 class RewardGroup(WorkerGroup[RewardWorker]):

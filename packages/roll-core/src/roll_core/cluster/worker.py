@@ -5,6 +5,7 @@ A worker is a plain class; each method that a group may call declares its dispat
 - `Dispatch.DP`: the first argument is a `Batch`, split unevenly over the data-parallel ranks; the per-rank
   `Batch` results are concatenated back in order (other results come back as a list).
 - `Dispatch.RANK0`: only rank 0 runs; its result is returned.
+- `Dispatch.ONE`: the caller names the rank (`WorkerGroup.submit_to`): request-level calls routed to one engine.
 The declaration sits next to the method, but calls go through typed group classes (roll_core.cluster.roles),
 never through methods attached at run time.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import os
+import socket
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,6 +25,7 @@ class Dispatch(enum.Enum):
     BROADCAST = "broadcast"
     DP = "dp"
     RANK0 = "rank0"
+    ONE = "one"
 
 
 def dispatch(mode: Dispatch) -> Callable[[F], F]:
@@ -69,6 +72,17 @@ class Worker:
     def ping(self) -> tuple[int, int, int]:
         """(rank, world size, pid): for tests and health checks."""
         return self.rank, self.world_size, os.getpid()
+
+    def node_id(self) -> str:
+        """Ray node id of this worker (the host name outside Ray)."""
+        try:
+            import ray
+
+            if ray.is_initialized():
+                return str(ray.get_runtime_context().get_node_id())
+        except ImportError:
+            pass
+        return socket.gethostname()
 
     @dispatch(Dispatch.BROADCAST)
     def node_info(self) -> dict[str, Any]:

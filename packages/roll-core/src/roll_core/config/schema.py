@@ -259,7 +259,7 @@ class PipelineConfig:
     resume: bool = False
     # Show a progress bar.
     progress: bool = True
-    # Sampling temperature of held-out evaluation; null: the inference engine's temperature.
+    # Sampling temperature of held-out evaluation (0: greedy); null: the inference engine's temperature.
     eval_temperature: float | None = None
     # Reward worker processes (reward scoring is CPU work; more workers overlap it).
     reward_workers: int = 1
@@ -271,6 +271,53 @@ class PipelineConfig:
         _positive("pipeline.save_every", self.save_every, allow_zero=True)
         _positive("pipeline.keep_last", self.keep_last)
         _positive("pipeline.reward_workers", self.reward_workers)
+
+
+@dataclass
+class InferEngineConfig:
+    """Keys every inference engine shares: sampling, workers, weight sync, sleep. Engines extend this schema
+    (roll_engines.config) with their own knobs; keys in roll_core.cluster.roles.WORKER_KEYS configure the worker
+    and are not passed to the engine."""
+
+    _target_: str = MISSING
+    name: str = MISSING
+    # Engine workers (data-parallel replicas); each may span several devices (tensor_parallel_size).
+    world_size: int = 1
+    # Sampling temperature (> 0 for RL: the trainer's log-probs divide by it).
+    temperature: float = 1.0
+    # Nucleus sampling mass; 1 disables. Log-probs are then those of the truncated distribution.
+    top_p: float = 1.0
+    # Top-k sampling; 0 disables.
+    top_k: int = 0
+    # Extra stop strings (EOS always stops); the completing token is kept.
+    stop: list[str] = field(default_factory=list)
+    # Weight sync: auto | inprocess | object_store | dist | cuda_ipc (roll_core.cluster.weight_sync).
+    sync_transport: str = "auto"
+    # Weight sync bucket size in MiB (one flattened buffer per bucket).
+    sync_bucket_mb: float = 256.0
+    # Colocated engines sleep while the trainer runs: 0 never, 1 free the KV cache (offload weights on devices),
+    # 2 also discard weights (the next sync sends all of them).
+    sleep_level: int = 0
+    # Python executable of the engine's own virtual environment (Ray runtime_env py_executable); null: this one.
+    python: str | None = None
+    # Concurrent calls one engine actor serves (request API); null: a default from the engine's batch size.
+    max_concurrency: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive(f"infer_engine.world_size ({self.name})", self.world_size)
+        if self.temperature <= 0:
+            raise ValueError(
+                f"infer_engine.temperature={self.temperature} must be > 0 for RL sampling "
+                "(greedy decoding is for evaluation: pipeline.eval_temperature)"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"infer_engine.top_p={self.top_p} must be in (0, 1]")
+        _positive("infer_engine.top_k", self.top_k, allow_zero=True)
+        from roll_core.cluster.weight_sync import TRANSPORTS
+
+        _one_of("infer_engine.sync_transport", self.sync_transport, TRANSPORTS)
+        _positive("infer_engine.sync_bucket_mb", self.sync_bucket_mb)
+        _one_of("infer_engine.sleep_level", self.sleep_level, (0, 1, 2))
 
 
 @dataclass

@@ -67,6 +67,11 @@ class PolicyObjective:
         )
         out = {f"actor/{k}": v for k, v in metrics.items()}
         out["actor/pg_loss"] = loss.detach()
+        if "old_logprobs" not in micro and "behaviour_logprobs" in micro:
+            # One optimizer step per batch: these log-probs are the pre-update policy's, so their gap to the
+            # engine's is the train/infer mismatch, measured for free (the pipeline measures it otherwise).
+            gap = (logp.detach() - micro["behaviour_logprobs"]).abs()
+            out["actor/train_infer_logprob_diff"] = masked_mean(gap, mask)
         if self.kl_loss_coef > 0:
             kl = kl_estimate(logp, micro["ref_logprobs"], self.kl_kind)
             kl_loss = aggregate(kl, mask, self.agg, norm_length=self.norm_length)

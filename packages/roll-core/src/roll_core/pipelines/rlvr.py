@@ -28,9 +28,11 @@ from roll_core.algorithms import token_rewards_from_scores
 from roll_core.checkpoint import CheckpointManager
 from roll_core.cluster.launch import Cluster
 from roll_core.cluster.roles import InferGroup, RewardGroup, TrainGroup
+from roll_core.cluster.weight_sync import WeightSync
 from roll_core.config.build import as_dict, build
 from roll_core.config.schema import RLVRConfig
 from roll_core.data import PromptSampler
+from roll_core.interfaces import SamplingParams, UnsupportedSamplingError
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.objectives import PolicyObjective, ValueObjective
 from roll_core.pipelines.rollout import assemble, evaluate, prompt_batch
@@ -86,8 +88,15 @@ class RLVRPipeline:
             "max_grad_norm": algo.max_grad_norm,
         }
         te, ie = as_dict(cfg.train_engine), as_dict(cfg.infer_engine)
-        # Sampling temperature: the trainer's log-probs must use the one the rollout was drawn at.
-        self.temperature = float(ie.get("temperature", 1.0))
+        # Sampling: the trainer's log-probs must use the temperature the rollout was drawn at.
+        self.sampling = SamplingParams(
+            temperature=float(ie["temperature"]),
+            top_p=float(ie["top_p"]),
+            top_k=int(ie["top_k"]),
+            stop=tuple(ie["stop"]),
+            max_new_tokens=model.max_response_length,
+        )
+        self.temperature = self.sampling.temperature
         self.actor_train = self.cluster.group(
             TrainGroup,
             "actor_train",
@@ -99,9 +108,13 @@ class RLVRPipeline:
             InferGroup,
             "actor_infer",
             ie["world_size"],
+            devices_per_worker=int(ie.get("tensor_parallel_size", 1)),
+            python=ie["python"],
+            max_concurrency=ie["max_concurrency"] or 64,
             engine=ie,
             runtime={**common, "max_new_tokens": model.max_response_length},
         )
+        self._check_infer_engine(ie)
         self.reference = None
         if algo.use_reference:
             self.reference = self.cluster.group(
@@ -140,6 +153,15 @@ class RLVRPipeline:
             entropy_coef=algo.entropy_coef,
         )
         self.value_objective = ValueObjective(clip=algo.value_clip, agg=algo.loss_agg)
+        self.weight_sync = WeightSync(
+            self.actor_train,
+            self.actor_infer,
+            transport=ie["sync_transport"],
+            bucket_mb=ie["sync_bucket_mb"],
+            placement=cfg.cluster.placement,
+            platform=self.cluster.platform,
+        )
+        self.sleep_level = int(ie["sleep_level"])
         self.ckpt = CheckpointManager(self.out, keep_last=pipe.keep_last)
         if cfg.cluster.backend == "ray":  # where every worker landed: nodes, resources, visible devices
             self.out.mkdir(parents=True, exist_ok=True)
@@ -208,8 +230,13 @@ class RLVRPipeline:
         problems = [self.train_set[i] for i in self.sampler.next(pipe.rollout_batch_size)]
         prompts = self._prompt_batch(problems, metrics)
         with _timer(timers, "generate"):
-            gen = self.actor_infer.generate(prompts, n=algo.group_size, seed=pipe.seed * 100_003 + step)
-        batch = self._assemble(prompts.repeat_interleave(algo.group_size), gen)
+            params = self.sampling.replace(seed=pipe.seed * 100_003 + step)
+            gen = self.actor_infer.generate(prompts, params, n=algo.group_size)
+        if self.sleep_level:  # the trainer gets the device (and memory) until the next weight sync
+            self.actor_infer.sleep(self.sleep_level)
+            if self.sleep_level == 2:
+                self.weight_sync.require_full()
+        batch = assemble(self.tokenizer, prompts.repeat_interleave(algo.group_size), gen, metrics)
         metrics["perf/rollout_tokens_per_s"] = float(gen["response_mask"].sum()) / max(
             gen.meta["generate_seconds"], 1e-9
         )
@@ -314,19 +341,39 @@ class RLVRPipeline:
 
         # 6. weight sync train -> infer
         with _timer(timers, "sync"):
-            metrics["sync/bytes"] = self.actor_infer.load_weights(self.actor_train.get_weights_handle())
-        metrics["sync/seconds"] = timers["sync"]
+            if self.sleep_level:
+                self.actor_infer.wake_up()
+            metrics.update(self.weight_sync.sync().metrics())
         metrics.update({f"perf/time_{k}": v for k, v in timers.items()})
         metrics["perf/step_seconds"] = time.perf_counter() - t_step
         metrics["perf/samples_per_s"] = len(batch) / metrics["perf/step_seconds"]
         return metrics
 
     # ---- pieces -------------------------------------------------------------------------------------------
+    @property
+    def eval_temperature(self) -> float:
+        t = self.cfg.pipeline.eval_temperature
+        return self.temperature if t is None else float(t)
+
+    def _check_infer_engine(self, ie: dict[str, Any]) -> None:
+        """Refuse sampling the engine cannot honour, and warn when prompt + response exceed its context."""
+        try:
+            self.actor_infer.check_sampling(self.sampling)
+        except UnsupportedSamplingError as exc:
+            raise ValueError(f"infer_engine={ie['name']}: {exc}") from exc
+        context = self.actor_infer.max_context_length()
+        need = self.cfg.model.max_prompt_length + self.cfg.model.max_response_length
+        if need > context:
+            log.warning(
+                "model.max_prompt_length + max_response_length = %d exceeds the %s engine's context of %d tokens: "
+                "long prompts get shorter responses (finish reason 'length')",
+                need,
+                ie["name"],
+                context,
+            )
+
     def _prompt_batch(self, problems: list[Any], metrics: dict[str, Any]) -> Batch:
         return prompt_batch(self.tokenizer, self.task, problems, self.cfg.model.max_prompt_length, metrics)
-
-    def _assemble(self, prompts: Batch, gen: Batch) -> Batch:
-        return assemble(self.tokenizer, prompts, gen)
 
     def _drop_uniform_groups(
         self, batch: Batch, scores: torch.Tensor, metrics: dict[str, Any]
@@ -364,8 +411,7 @@ class RLVRPipeline:
             self.task,
             self.eval_set,
             max_prompt_length=self.cfg.model.max_prompt_length,
-            temperature=self.cfg.pipeline.eval_temperature or self.temperature,
-            seed=self.cfg.pipeline.seed + 17,
+            params=self.sampling.replace(temperature=self.eval_temperature, seed=self.cfg.pipeline.seed + 17),
         )
         return {
             "eval/accuracy": res["accuracy"],
@@ -393,7 +439,7 @@ class RLVRPipeline:
         self.kl_ctl.value = state["kl"]["value"]
         self.start_step = state["step"] + 1
         self.tracker.truncate(state["step"])
-        self.actor_infer.load_weights(self.actor_train.get_weights_handle())
+        self.weight_sync.sync(full=True)
         log.info("resumed from %s at step %d", folder, self.start_step)
 
     def shutdown(self) -> None:

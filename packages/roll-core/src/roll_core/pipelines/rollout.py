@@ -7,10 +7,14 @@ question has a different answer).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
+from roll_core.interfaces import SamplingParams
 from roll_core.protocol import Batch, build_sequences, pad_left
+
+log = logging.getLogger(__name__)
 
 
 def prompt_batch(
@@ -36,13 +40,32 @@ def prompt_batch(
     return Batch(fields={"prompt_ids": ids, "answer": [p.answer for p in kept], "problem_id": [p.id for p in kept]})
 
 
-def assemble(tokenizer: Any, prompts: Batch, gen: Batch) -> Batch:
-    """Prompt rows (already repeated per sample) + generation -> the full sequence layout of roll_core.protocol."""
+def assemble(tokenizer: Any, prompts: Batch, gen: Batch, metrics: dict[str, Any] | None = None) -> Batch:
+    """Prompt rows (already repeated per sample) + generation -> the full sequence layout of roll_core.protocol.
+
+    Rows whose prompt alone fills the engine's context (finish reason `prompt_too_long`) are dropped and counted
+    in `metrics["data/skipped_context_prompts"]`.
+    """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    p_ids, p_mask = pad_left(prompts["prompt_ids"], pad)
     batch = prompts.union(gen)
+    reasons = gen["finish_reason"] if "finish_reason" in gen else ["stop"] * len(gen)
+    keep = [i for i, r in enumerate(reasons) if r != "prompt_too_long"]
+    if metrics is not None:
+        metrics["data/skipped_context_prompts"] = len(reasons) - len(keep)
+    if len(keep) < len(reasons):
+        longest = max(len(p) for p, r in zip(batch["prompt_ids"], reasons) if r == "prompt_too_long")
+        log.warning(
+            "%d sample(s) skipped: a prompt of %d tokens fills the inference engine's context; raise the engine's "
+            "context (infer_engine.max_model_len) or lower model.max_prompt_length",
+            len(reasons) - len(keep),
+            longest,
+        )
+        if not keep:
+            raise ValueError(f"every prompt fills the inference engine's context (longest {longest} tokens)")
+        batch = batch.index(keep)
+    p_ids, p_mask = pad_left(batch["prompt_ids"], pad)
     batch["prompts"] = p_ids
-    for k, v in build_sequences(p_ids, p_mask, gen["responses"], gen["response_mask"]).items():
+    for k, v in build_sequences(p_ids, p_mask, batch["responses"], batch["response_mask"]).items():
         batch[k] = v
     return batch
 
@@ -55,12 +78,11 @@ def evaluate(
     problems: Sequence[Any],
     *,
     max_prompt_length: int,
-    temperature: float,
-    seed: int,
+    params: SamplingParams,
 ) -> dict[str, float]:
-    """Accuracy and mean reward of one sample per problem."""
+    """Accuracy and mean reward of one sample per problem (sampled with `params`; temperature 0 is greedy)."""
     metrics: dict[str, Any] = {}
     prompts = prompt_batch(tokenizer, task, problems, max_prompt_length, metrics)
-    gen = infer.generate(prompts, n=1, temperature=temperature, seed=seed)
+    gen = infer.generate(prompts, params, n=1)
     scored = reward.score(assemble(tokenizer, prompts, gen))
     return {"accuracy": float(scored["correct"].mean()), "reward": float(scored["scores"].mean()), "n": len(prompts)}

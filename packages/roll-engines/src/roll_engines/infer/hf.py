@@ -1,42 +1,45 @@
-"""The `hf` inference engine: batched sampling with transformers' `generate` (KV cache) on any device.
+"""The `hf` inference engine: any transformers causal LM, continuous batching, exact sampling, on any device.
 
-Contract: `generate(prompts, n, ...)` takes token-id lists (no padding), samples `n` continuations of each, and
-returns right-padded response ids, the per-token log-probs of the sampled tokens and a response mask. Rows come
-back grouped: the n samples of prompt k are rows [k*n, (k+1)*n). Log-probs are those of the tempered model
-distribution log softmax(logits / temperature) (what the trainer recomputes), not of the top-p/top-k-truncated
-one. A response ends at the first EOS (kept, mask 1) or a stop string (kept), or at `max_new_tokens`
-(`truncated` is then 1).
+Implements `roll_core.interfaces.InferEngine` with roll's own decode loop (roll_engines.infer._batcher) instead
+of `model.generate`, so that:
+- sampling uses exactly roll's `SamplingParams` (a model's `generation_config.json` can carry a repetition penalty
+  or other processors that would change the sampled distribution; none is applied);
+- the log-prob of each sampled token is gathered per step from the processed distribution, never holding
+  (batch, response, vocab) logits;
+- stop strings cut the response at the token that completes them, even when that token overhangs the string;
+- requests join and leave the running batch between decode steps (the request API), and the n samples of a
+  prompt share one prefill.
+
+Threads: the batch API drives decode steps in the caller's thread. The request API starts one background thread
+on first use; both step under one lock, so a `generate` call and requests can share a batch. A weight sync pauses
+stepping between `begin_weight_update` and `finish_weight_update`.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
+import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from roll_core.interfaces.inference import GenerateOutput, Request, RequestOutput, SamplingParams
 from roll_core.models import default_num_threads, resolve_model_path, torch_dtype
+from roll_engines.infer._batcher import ContinuousBatcher, Running
+from roll_engines.infer._sampling import StopStrings
 
-
-@dataclass
-class Generation:
-    """Output of one `generate` call; tensors are (B*n, R) on CPU."""
-
-    responses: Tensor
-    logprobs: Tensor
-    response_mask: Tensor
-    truncated: Tensor  # (B*n,) 1 where the response hit max_new_tokens without EOS/stop
-    seconds: float
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.response_mask.sum())
+log = logging.getLogger(__name__)
 
 
 class HFInferEngine:
-    """Sampling engine over a transformers model; weights are replaced in place by `load_weights`."""
+    """Sampling engine over a transformers model; weights are replaced in place by `update_weights`."""
+
+    continuous_batching: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -50,7 +53,8 @@ class HFInferEngine:
         top_k: int = 0,
         max_new_tokens: int = 128,
         stop: Sequence[str] | None = None,
-        batch_size: int = 64,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
         attn_implementation: str = "sdpa",
         trust_remote_code: bool = False,
         world_size: int = 1,
@@ -59,13 +63,12 @@ class HFInferEngine:
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if temperature <= 0:
-            raise ValueError("temperature must be > 0 (sampling); use a small value like 1e-3 for near-greedy")
         # Ray sets OMP_NUM_THREADS=1 in workers with fractional CPUs; torch threads are set explicitly instead.
         torch.set_num_threads(num_threads or default_num_threads())
         self.name, self.device = name, torch.device(device)
-        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
-        self.max_new_tokens, self.stop, self.batch_size = max_new_tokens, list(stop or []), batch_size
+        self.defaults = SamplingParams(
+            temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, stop=tuple(stop or ())
+        )
         self.path = resolve_model_path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=trust_remote_code)
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -75,108 +78,218 @@ class HFInferEngine:
             trust_remote_code=trust_remote_code,
         ).to(self.device)
         self.model.eval().requires_grad_(False)
-        self.pad_id = self.tokenizer.pad_token_id
-        if self.pad_id is None:
-            self.pad_id = self.tokenizer.eos_token_id
+        if self.device.type == "cpu":
+            # Weights loaded from safetensors stay memory-mapped; the kernel may page them out between steps
+            # (measured: 3-10x slower generate calls). Private copies keep them resident.
+            for p in itertools.chain(self.model.parameters(), self.model.buffers()):
+                p.data = p.data.clone()
+        self._shapes = {
+            k: tuple(p.shape) for k, p in itertools.chain(self.model.named_parameters(), self.model.named_buffers())
+        }
+        self._pad_id = self.tokenizer.pad_token_id
+        if self._pad_id is None:
+            self._pad_id = self.tokenizer.eos_token_id
         eos = self.model.generation_config.eos_token_id or self.tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
+        limit = getattr(self.model.config, "max_position_embeddings", None) or 4096
+        self._max_context = min(max_model_len or limit, limit)
         self.seed = seed
+        self._seeds = torch.Generator().manual_seed(seed)  # stream of per-request seeds when a request has none
+        self._version = 0
+        self._lock = threading.RLock()
+        self._work = threading.Condition(self._lock)
+        self._paused = False
+        self._sleeping = 0
+        self._weights_valid = True
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._ids = itertools.count()
+        self.batcher = ContinuousBatcher(
+            self.model,
+            eos_ids=self.eos_ids,
+            pad_id=self._pad_id,
+            max_num_seqs=max_num_seqs,
+            max_context=self._max_context,
+            device=self.device,
+            version=lambda: self._version,
+        )
 
-    # ---- sampling -----------------------------------------------------------------------------------------
-    @torch.no_grad()
+    # ---- facts --------------------------------------------------------------------------------------------
+    @property
+    def max_context_length(self) -> int:
+        return self._max_context
+
+    @property
+    def pad_id(self) -> int:
+        return int(self._pad_id)
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Every field of SamplingParams is supported by roll's own sampler."""
+
+    # ---- batch API ----------------------------------------------------------------------------------------
     def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        n: int = 1,
-        *,
-        temperature: float | None = None,
-        max_new_tokens: int | None = None,
-        seed: int | None = None,
-    ) -> Generation:
-        """Sample `n` responses per prompt; see the module docstring for the layout."""
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None, n: int = 1
+    ) -> GenerateOutput:
+        """Sample `n` responses per prompt; row k*n + j is sample j of prompt k.
+
+        With `params.seed` set, row i samples from the stream seeded by (seed, i): results do not depend on
+        how requests were batched.
+        """
         t0 = time.perf_counter()
-        temperature = temperature or self.temperature
-        max_new = max_new_tokens or self.max_new_tokens
-        if seed is not None:
-            self.generator.manual_seed(seed)
-        rows = [list(p) for p in prompts for _ in range(n)]
-        chunks = [rows[i : i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
-        outs = [self._generate_chunk(c, temperature, max_new) for c in chunks]
-        r = max(o[0].shape[1] for o in outs)
-        resp = torch.cat([torch.nn.functional.pad(o[0], (0, r - o[0].shape[1]), value=self.pad_id) for o in outs])
-        logp = torch.cat([torch.nn.functional.pad(o[1], (0, r - o[1].shape[1])) for o in outs])
-        mask = torch.cat([torch.nn.functional.pad(o[2], (0, r - o[2].shape[1])) for o in outs])
-        trunc = torch.cat([o[3] for o in outs])
-        return Generation(resp, logp, mask, trunc, time.perf_counter() - t0)
+        params = params or self.defaults
+        futures = []
+        for k, prompt in enumerate(prompts):
+            for j in range(n):
+                row = k * n + j
+                seed = None if params.seed is None else params.seed * 1_000_003 + row
+                req = Request(f"batch-{next(self._ids)}", list(prompt), params.replace(seed=seed))
+                futures.append(self._enqueue(req))
+        self._drive(futures)
+        outputs = [f.result() for f in futures]
+        return GenerateOutput.from_requests(outputs, self.pad_id, time.perf_counter() - t0)
 
-    def _generate_chunk(
-        self, rows: list[list[int]], temperature: float, max_new: int
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        p = max(len(x) for x in rows)
-        ids = torch.full((len(rows), p), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), p), dtype=torch.long)
-        for i, x in enumerate(rows):  # left padding: generation continues from the right edge
-            ids[i, p - len(x) :] = torch.tensor(x)
-            attn[i, p - len(x) :] = 1
-        # transformers samples with torch's global RNG: fork it so engine sampling is reproducible per seed.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.generator)))
-            out = self.model.generate(
-                input_ids=ids.to(self.device),
-                attention_mask=attn.to(self.device),
-                do_sample=True,
-                temperature=temperature,
-                top_p=self.top_p,
-                top_k=self.top_k or None,
-                max_new_tokens=max_new,
-                pad_token_id=self.pad_id,
-                eos_token_id=sorted(self.eos_ids),
-                stop_strings=self.stop or None,
-                tokenizer=self.tokenizer if self.stop else None,
-                return_dict_in_generate=True,
-                output_logits=True,
+    def _drive(self, futures: list[Future]) -> None:
+        """Step in this thread until every future is done (the background thread may step too)."""
+        while not all(f.done() for f in futures):
+            with self._lock:
+                if self._paused:
+                    self._work.wait(0.05)
+                    continue
+                self._step()
+
+    def _step(self) -> None:
+        if not self._weights_valid:
+            exc = RuntimeError(
+                f"{self.name} engine: weights were discarded by sleep(level=2); sync weights before generating"
             )
-        resp = out.sequences[:, p:].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu()[:, : resp.shape[1]]  # (b, R, V) raw
-        logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
-        mask, finished = self._response_mask(resp)
-        resp = torch.where(mask.bool(), resp, self.pad_id)
-        return resp, logp * mask, mask, (~finished).long()
+            self.batcher.fail_all(exc)
+            return
+        try:
+            self.batcher.step()
+        except Exception as exc:  # a broken step must fail the requests it held, never hang their callers
+            log.exception("%s engine step failed", self.name)
+            self.batcher.fail_all(exc)
 
-    def _response_mask(self, resp: Tensor) -> tuple[Tensor, Tensor]:
-        """(mask, finished) per row: valid tokens run up to and including the first EOS or the token that
-        completes a stop string; a row with neither is unfinished (cut by max_new_tokens) and all valid.
-        Tokens generate() appended after a row finished are padding and masked out."""
-        mask = torch.ones_like(resp)
-        finished = torch.zeros(resp.shape[0], dtype=torch.bool)
-        for i in range(resp.shape[0]):
-            row = resp[i].tolist()
-            end = next((j for j, t in enumerate(row) if t in self.eos_ids), None)
-            if end is None and self.stop:
-                end = self._stop_position(row)
-            if end is not None:
-                mask[i, end + 1 :] = 0
-                finished[i] = True
-        return mask, finished
+    # ---- request API --------------------------------------------------------------------------------------
+    def submit(self, request: Request) -> Future[RequestOutput]:
+        """Queue one request; the background thread admits it into the running batch at the next step."""
+        fut = self._enqueue(request)
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"{self.name}-engine", daemon=True)
+                self._thread.start()
+            self._work.notify_all()
+        return fut
 
-    def _stop_position(self, row: list[int]) -> int | None:
-        """Index of the token that completes the first stop string, or None."""
-        for j in range(len(row)):
-            text = self.tokenizer.decode(row[: j + 1])
-            if any(text.endswith(s) for s in self.stop):
-                return j
-        return None
+    def _enqueue(self, request: Request) -> Future[RequestOutput]:
+        p = request.params
+        self.check_sampling(p)
+        seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+        fut: Future[RequestOutput] = Future()
+        seq = Running(
+            request=request,
+            future=fut,
+            generator=torch.Generator().manual_seed(seed),
+            stop=StopStrings(self.tokenizer, p.stop),
+            max_new=p.max_new_tokens,
+        )
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError(f"{self.name} engine is shut down")
+            self.batcher.add(seq)
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopped and (self._paused or not self.batcher.has_work()):
+                    self._work.wait()
+                if self._stopped:
+                    return
+                self._step()
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            return self.batcher.abort(request_id)
 
     # ---- weights ------------------------------------------------------------------------------------------
-    def load_weights(self, weights: Mapping[str, Tensor]) -> int:
-        """Copy new weights in place (names as in the trainer's state dict); returns bytes received."""
+    def begin_weight_update(self) -> None:
+        with self._lock:  # waits for a step in progress
+            self._paused = True
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+        """Copy tensors in place by name (the trainer's state-dict names); returns bytes received."""
         own = self.model.state_dict()
         nbytes = 0
-        with torch.no_grad():
-            for k, v in weights.items():
-                if k not in own:
-                    raise KeyError(f"weight {k!r} is not in the inference model {type(self.model).__name__}")
-                own[k].copy_(v)
-                nbytes += v.numel() * v.element_size()
+        with self._lock, torch.no_grad():
+            for name, value in named_tensors:
+                if name not in own:
+                    raise KeyError(f"weight {name!r} is not in the inference model {type(self.model).__name__}")
+                own[name].copy_(value)
+                nbytes += value.numel() * value.element_size()
         return nbytes
+
+    def finish_weight_update(self) -> int:
+        with self._lock:
+            self._version += 1
+            self._weights_valid = True
+            self._paused = False
+            self._work.notify_all()
+            return self._version
+
+    def load_weights(self, weights: dict[str, Tensor]) -> int:
+        """One-shot full sync (tests, notebooks): begin, update, finish."""
+        self.begin_weight_update()
+        try:
+            return self.update_weights(weights.items())
+        finally:
+            self.finish_weight_update()
+
+    # ---- memory -------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        with self._lock:
+            if self.batcher.has_work():
+                raise RuntimeError(f"{self.name} engine: cannot sleep while requests run; finish or abort them")
+            self.batcher.release()
+            if level == 2:
+                for p in itertools.chain(self.model.parameters(), self.model.buffers()):
+                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+                self._weights_valid = False
+            elif self.device.type != "cpu":
+                self.model.to("cpu")
+            self._sleeping = level
+            if self.device.type != "cpu":
+                from roll_hw import current_platform
+
+                current_platform.empty_cache()
+
+    def wake_up(self) -> None:
+        with self._lock:
+            if self._sleeping == 2:  # fresh (garbage) storage of the right shapes; the next full sync fills it
+                for name, p in itertools.chain(self.model.named_parameters(), self.model.named_buffers()):
+                    p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=self.device)
+            elif self._sleeping == 1 and self.device.type != "cpu":
+                self.model.to(self.device)
+            self._sleeping = 0
+
+    def memory_bytes(self) -> dict[str, int]:
+        weights = sum(
+            p.numel() * p.element_size()
+            for p in itertools.chain(self.model.parameters(), self.model.buffers())
+            if p.device == self.device
+        )
+        return {"weights": weights, "kv_cache": self.batcher.kv_bytes()}
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self.batcher.fail_all(RuntimeError(f"{self.name} engine shut down"))
+            self._work.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)

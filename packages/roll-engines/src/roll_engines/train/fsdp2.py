@@ -89,10 +89,9 @@ class FSDP2TrainEngine(HFTrainEngine):
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def get_weights(self) -> dict[str, Tensor]:
-        """Full CPU state dict on rank 0 (empty dict elsewhere); every rank must call."""
-        full = self._full_state_dict()
-        return full if self.dp_rank == 0 else {}
+    def _full_tensor(self, t: Tensor) -> Tensor:
+        """All-gather a sharded parameter (collective: every rank calls in the same order)."""
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
 
     def gradients(self) -> dict[str, Tensor]:
         """Full (unsharded) gradients, for tests comparing with the single-process engine; every rank calls."""

@@ -17,29 +17,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from roll_algos.losses import entropy_from_logits, token_logprobs
+from roll_core.interfaces import LossFn
 from roll_core.models import default_num_threads, resolve_model_path, torch_dtype
-
-
-class LossFn(Protocol):
-    """What `train_step` needs from a loss: a callable plus its aggregation unit count."""
-
-    needs_entropy: bool
-
-    def __call__(self, outputs: dict[str, Tensor], micro: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        """Loss of one micro-batch, aggregated within it, and detached metrics."""
-        ...
-
-    def units(self, micro: Mapping[str, Tensor]) -> float:
-        """How many aggregation units (tokens or sequences) the micro-batch holds."""
-        ...
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -281,9 +268,29 @@ class HFTrainEngine:
         return norm
 
     # ---- weights and checkpoints --------------------------------------------------------------------------
+    def iter_weights(self, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """(name, full tensor) for weight sync, in a fixed order; tied parameters once (under their first name).
+
+        Tensors may be the live parameters (no copy): receivers copy them before the next optimizer step.
+        `changed_only` skips frozen parameters and buffers. Collective on sharded engines (every rank iterates).
+        """
+        persistent = set(self.model.state_dict().keys())
+        for name, p in self.model.named_parameters():  # deduplicates shared (tied) parameters
+            if changed_only and not p.requires_grad:
+                continue
+            yield name, self._full_tensor(p.detach())
+        if changed_only:
+            return
+        for name, b in self.model.named_buffers():
+            if name in persistent:
+                yield name, self._full_tensor(b)
+
+    def _full_tensor(self, t: Tensor) -> Tensor:
+        return t
+
     def get_weights(self) -> dict[str, Tensor]:
-        """Full, unsharded CPU state dict of the model (for weight sync to inference engines)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """Full CPU copies of `iter_weights()` (tests, notebooks)."""
+        return {k: v.to("cpu", copy=True) for k, v in self.iter_weights()}
 
     def load_weights(self, weights: Mapping[str, Tensor]) -> None:
         """Load a full state dict (reference refresh, tests)."""

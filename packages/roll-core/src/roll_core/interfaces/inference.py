@@ -1,0 +1,217 @@
+"""The inference-engine contract: what a rollout engine (transformers, vLLM, SGLang, a plugin's) must offer.
+
+An `InferEngine` serves two APIs over the same weights:
+- the batch API, `generate(prompts, params, n)`: every prompt sampled `n` times, results as padded tensors (the
+  RLVR pipeline's call);
+- the request API, `submit(request) -> Future`, `abort(request_id)`: one conversation turn at a time, with
+  continuous batching inside engines that have it (multi-turn rollout and partial rollout build on it).
+
+Log-probs: for every generated token the engine reports its log-probability under the distribution that sampled
+it: `log_softmax(logits / temperature)` after top-k/top-p truncation and renormalisation (identical to the
+trainer's recomputation `log_softmax(logits / temperature)` when top_k=0 and top_p=1). Greedy requests
+(temperature 0) report `log_softmax(logits)`. No other logits processor (repetition penalty, a model's
+`generation_config.json`) may change the sampled distribution.
+
+A response ends at the first EOS / stop token (kept, mask 1), at the token that completes a stop string (kept,
+even when the token overhangs the string's end), or at `max_new_tokens` (finish reason `length`). Rows are
+grouped: the n samples of prompt k are rows [k*n, (k+1)*n).
+
+Weights arrive through `update_weights(named tensors)` in the trainer's (Hugging Face) parameter names, bucket by
+bucket; `sleep(level)` releases memory while training runs on the same device and `wake_up()` restores it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+#: Why a response ended. `prompt_too_long`: the prompt alone fills the engine's context (nothing generated).
+FINISH_REASONS = ("stop", "length", "abort", "prompt_too_long")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one response. Engines must honour every field or refuse it (`check_sampling`)."""
+
+    # Softmax temperature; 0 is greedy decoding.
+    temperature: float = 1.0
+    # Nucleus sampling mass (1 disables).
+    top_p: float = 1.0
+    # Keep only the k most likely tokens (0 disables).
+    top_k: int = 0
+    # Maximum tokens to generate.
+    max_new_tokens: int = 128
+    # Strings that end a response (the completing token is kept).
+    stop: tuple[str, ...] = ()
+    # Token ids that end a response besides the model's EOS ids.
+    stop_token_ids: tuple[int, ...] = ()
+    # Keep generating past EOS (benchmarks).
+    ignore_eos: bool = False
+    # Seed of this request's sampling noise; None: the engine's running generator.
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def replace(self, **changes: object) -> SamplingParams:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class Request:
+    """One generation request: a conversation's next turn, as token ids."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request. `token_ids` and `logprobs` have one entry per generated token."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    # One of FINISH_REASONS.
+    finish_reason: str
+    # Weight version the tokens were sampled under (incremented by every `update_weights` completion).
+    weight_version: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{self.request_id}: {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"{self.request_id}: finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
+
+
+@dataclass
+class GenerateOutput:
+    """Output of one batch `generate` call: (B*n, R) tensors on CPU plus per-row finish reasons."""
+
+    # (B*n, R) long: response token ids, right-padded with the pad id.
+    responses: Tensor
+    # (B*n, R) float32: log-prob of each sampled token (0 where the mask is 0).
+    logprobs: Tensor
+    # (B*n, R) long: 1 on generated tokens.
+    response_mask: Tensor
+    # B*n entries of FINISH_REASONS.
+    finish_reasons: list[str]
+    # Wall seconds of the call.
+    seconds: float = 0.0
+
+    @property
+    def truncated(self) -> Tensor:
+        """(B*n,) long: 1 where the response hit max_new_tokens."""
+        return torch.tensor([r == "length" for r in self.finish_reasons], dtype=torch.long)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    @staticmethod
+    def from_requests(outputs: Sequence[RequestOutput], pad_id: int, seconds: float = 0.0) -> GenerateOutput:
+        """Right-pad per-request outputs into batch tensors (row order kept)."""
+        r = max((len(o.token_ids) for o in outputs), default=0)
+        resp = torch.full((len(outputs), r), pad_id, dtype=torch.long)
+        logp = torch.zeros((len(outputs), r), dtype=torch.float32)
+        mask = torch.zeros((len(outputs), r), dtype=torch.long)
+        for i, o in enumerate(outputs):
+            k = len(o.token_ids)
+            if k:
+                resp[i, :k] = torch.tensor(o.token_ids, dtype=torch.long)
+                logp[i, :k] = torch.tensor(o.logprobs, dtype=torch.float32)
+                mask[i, :k] = 1
+        return GenerateOutput(resp, logp, mask, [o.finish_reason for o in outputs], seconds)
+
+
+class UnsupportedSamplingError(ValueError):
+    """Sampling parameters this engine cannot honour (a config error naming the engine)."""
+
+
+@runtime_checkable
+class InferEngine(Protocol):
+    """What an inference worker hosts. Engines take plain values and never a Hydra config."""
+
+    #: Registry name (`infer_engine=<name>`).
+    name: str
+    #: Whether requests submitted while others run join the running batch (continuous batching).
+    continuous_batching: ClassVar[bool]
+
+    @property
+    def max_context_length(self) -> int:
+        """Most tokens (prompt + response) one sequence may hold."""
+        ...
+
+    @property
+    def pad_id(self) -> int:
+        """Pad token id used in batch outputs."""
+        ...
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Raise `UnsupportedSamplingError` naming the engine if `params` cannot be honoured exactly."""
+        ...
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1) -> GenerateOutput:
+        """Sample `n` responses per prompt (rows grouped per prompt); see the module docstring."""
+        ...
+
+    def submit(self, request: Request) -> Future[RequestOutput]:
+        """Start one request; the future resolves when it finishes or is aborted. Never blocks on generation."""
+        ...
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a running or queued request; its future resolves with finish reason `abort` and the tokens
+        generated so far. False if the id is unknown or already finished."""
+        ...
+
+    def begin_weight_update(self) -> None:
+        """Pause generation (running requests wait, none is lost) until `finish_weight_update`."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+        """Copy one bucket of new weights (trainer's parameter names) into the engine; returns bytes received."""
+        ...
+
+    def finish_weight_update(self) -> int:
+        """Called once after all buckets of one sync: drops stale caches, resumes generation and returns the new
+        weight version."""
+        ...
+
+    def sleep(self, level: int = 1) -> None:
+        """Release memory while another role uses the device: level 1 frees the KV cache (and offloads weights on
+        devices), level 2 also discards the weights (the next sync must send all of them). No requests may run."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo `sleep` (level 2: weights are allocated but hold garbage until the next full sync)."""
+        ...
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this engine holds now: {"weights": ..., "kv_cache": ...} (device or host memory)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop background threads and processes; the engine is unusable afterwards."""
+        ...

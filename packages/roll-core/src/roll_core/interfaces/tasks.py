@@ -1,0 +1,61 @@
+"""The task and reward contract: what the `reward` role hosts and what the pipeline samples prompts from.
+
+A task is a fixed, seeded list of training problems, a disjoint held-out list, the chat messages of a problem,
+and a reward. A reward scores many decoded responses at once and counts its failures (timeouts, crashes), so a
+reward worker that silently returns zeros is visible in the metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass
+class RewardResult:
+    """Scores of one batch. `scores[i]`, `correct[i]` (0/1, strict correctness) and `formatted[i]` (0/1, the
+    answer had the required form) belong to response i; `counters` counts failures by kind."""
+
+    scores: list[float]
+    correct: list[float]
+    formatted: list[float]
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (len(self.scores) == len(self.correct) == len(self.formatted)):
+            raise ValueError("scores, correct and formatted must have one entry per response")
+
+
+@runtime_checkable
+class ProblemLike(Protocol):
+    """One prompt with its ground truth; `id` is stable across runs."""
+
+    id: str
+    prompt: str
+    answer: str
+
+
+@runtime_checkable
+class Reward(Protocol):
+    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
+        """Score `responses[i]` against ground truth `answers[i]`; never raises for a malformed response."""
+        ...
+
+
+@runtime_checkable
+class Task(Protocol):
+    name: str
+    reward: Reward
+
+    def train_set(self) -> Sequence[ProblemLike]:
+        """Training problems in a fixed order for a given config."""
+        ...
+
+    def eval_set(self) -> Sequence[ProblemLike]:
+        """Held-out problems, disjoint from `train_set()`."""
+        ...
+
+    def messages(self, problem: ProblemLike) -> list[dict[str, str]]:
+        """Chat messages of a problem (the pipeline applies the model's chat template)."""
+        ...

@@ -1,0 +1,92 @@
+"""The training-engine contract: what `actor_train`, `critic` and `reference` workers host.
+
+Data layout (roll_core.protocol): `input_ids`/`attention_mask`/`position_ids` are (B, P+R) with the prompt
+left-padded to P and the response right-padded to R; `responses` and `response_mask` are (B, R).
+
+A `TrainEngine` computes log-probs (actor, reference) or values (critic) without gradients, runs optimizer
+steps with exact gradient accumulation (`LossFn.units`), yields its full weights for inference engines, and saves
+and loads checkpoints that plain transformers reads. Sharded engines (FSDP2, Megatron) run every method on every
+rank; methods marked collective must be called on all ranks together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+
+@runtime_checkable
+class LossFn(Protocol):
+    """What `train_step` needs from a loss: a callable plus its aggregation unit count."""
+
+    needs_entropy: bool
+
+    def __call__(self, outputs: dict[str, Tensor], micro: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """Loss of one micro-batch, aggregated within it, and detached metrics."""
+        ...
+
+    def units(self, micro: Mapping[str, Tensor]) -> float:
+        """How many aggregation units (tokens or sequences) the micro-batch holds."""
+        ...
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """What a training worker hosts. Engines take plain values and never a Hydra config."""
+
+    #: Registry name (`train_engine=<name>`).
+    name: str
+    #: actor | critic | reference.
+    role: str
+
+    @property
+    def dp_rank(self) -> int: ...
+
+    @property
+    def dp_size(self) -> int: ...
+
+    def compute_logprobs(
+        self, batch: Mapping[str, Tensor], temperature: float = 1.0, with_entropy: bool = False
+    ) -> dict[str, Tensor]:
+        """{"logprobs": (B, R)} of the response tokens under log_softmax(logits / temperature) (and "entropy")."""
+        ...
+
+    def compute_values(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """{"values": (B, R)}: critic values of the states before each response token."""
+        ...
+
+    def train_step(
+        self,
+        batch: Mapping[str, Tensor],
+        loss_fn: LossFn,
+        *,
+        mini_batches: int = 1,
+        epochs: int = 1,
+        temperature: float = 1.0,
+        shuffle_seed: int | None = None,
+    ) -> dict[str, float]:
+        """`epochs` x `mini_batches` optimizer steps over this rank's rows; averaged metrics (collective)."""
+        ...
+
+    def compute_gradients(
+        self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float = 1.0
+    ) -> dict[str, Tensor]:
+        """Full gradients by parameter name of one mini-batch, without an optimizer step (collective)."""
+        ...
+
+    def iter_weights(self, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) pairs for inference engines; a tensor shared under two names (tied embeddings)
+        is yielded once. `changed_only` skips tensors that training never changes (frozen parameters, buffers).
+        Collective on sharded engines; only rank 0's pairs are meaningful."""
+        ...
+
+    def save(self, folder: str | Path, tokenizer_path: str | None = None) -> None:
+        """`folder/model` as an HF folder plus optimizer state (collective)."""
+        ...
+
+    def load(self, folder: str | Path) -> None:
+        """Restore what `save` wrote (collective)."""
+        ...

@@ -1,0 +1,266 @@
+"""Continuous batching over a transformers model with a ragged, left-aligned KV cache.
+
+Requests join and leave the running batch between decode steps:
+- admission prefills the new prompts (identical prompts once, their cache rows repeated: the n samples of a
+  GRPO group share one prefill), samples each one's first token and merges its cache rows into the running
+  cache, left-padding the shorter side with masked columns;
+- every decode step feeds each running row its last token at its own position id;
+- finished or aborted rows leave the batch, and columns no remaining row uses are trimmed.
+
+Rotary embeddings are applied before keys enter the cache, so masked padding columns change nothing: a row's
+result does not depend on which rows share its batch (up to float reassociation). Caches whose layers are not
+plain `DynamicLayer`s (sliding windows) cannot be merged; for those models requests are admitted only into an
+empty batch (static batching), which is correct but slower.
+
+Not thread-safe by itself: the engine serialises `step()` and mutations with its lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from roll_core.interfaces.inference import Request, RequestOutput
+from roll_engines.infer._sampling import StopStrings, processed_logprobs, sample_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Running:
+    """A request's state inside the batcher: its sampling stream, stop rule and what it generated so far."""
+
+    request: Request
+    future: Future
+    generator: torch.Generator
+    stop: StopStrings
+    max_new: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    aborted: bool = False
+    finish: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+
+class ContinuousBatcher:
+    """Owns the running batch of one model; `step()` admits waiting requests and decodes one token for all."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        eos_ids: set[int],
+        pad_id: int,
+        max_num_seqs: int,
+        max_context: int,
+        device: torch.device,
+        version: Callable[[], int],
+    ) -> None:
+        self.model, self.eos_ids, self.pad_id = model, eos_ids, pad_id
+        self.max_num_seqs, self.max_context, self.device = max_num_seqs, max_context, device
+        self.version = version
+        self.waiting: deque[Running] = deque()
+        self.running: list[Running] = []
+        self.cache = None  # DynamicCache of the running rows, (B, H, L, D) per layer
+        self.attn: Tensor | None = None  # (B, L) 1 on real cached tokens
+        self.mergeable = True  # False once a cache turned out to have non-plain layers
+        # transformers >= 5.x names the cache argument `cache`; older releases and remote code `past_key_values`.
+        import inspect
+
+        params = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    # ---- queue --------------------------------------------------------------------------------------------
+    def add(self, seq: Running) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> bool:
+        for seq in list(self.waiting):
+            if seq.request.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.finish = "abort"
+                self._resolve(seq)
+                return True
+        for seq in self.running:
+            if seq.request.request_id == request_id and seq.finish is None:
+                seq.aborted = True  # leaves at the next step boundary with what it generated so far
+                return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def kv_bytes(self) -> int:
+        if self.cache is None:
+            return 0
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
+
+    def release(self) -> None:
+        """Drop the KV cache (only when nothing runs)."""
+        if self.running:
+            raise RuntimeError("cannot release the KV cache while requests run")
+        self.cache, self.attn = None, None
+
+    # ---- one scheduling step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """Retire aborted rows, admit waiting requests, then decode one token for every running row."""
+        self._retire()
+        self._admit()
+        self._retire()  # a first token may already end a response
+        if not self.running:
+            return
+        last = torch.tensor([s.tokens[-1] for s in self.running], dtype=torch.long, device=self.device)
+        pos = torch.tensor([s.prompt_len + len(s.tokens) - 1 for s in self.running], device=self.device)
+        ones = torch.ones((len(self.running), 1), dtype=self.attn.dtype, device=self.device)
+        self.attn = torch.cat([self.attn, ones], dim=1)
+        out = self.model(
+            input_ids=last[:, None],
+            attention_mask=self.attn,
+            position_ids=pos[:, None],
+            use_cache=True,
+            **{self.cache_arg: self.cache},  # updated in place
+        )
+        self._sample(self.running, out.logits[:, -1])
+        self._retire()
+
+    def _sample(self, seqs: list[Running], logits: Tensor) -> None:
+        params = [s.request.params for s in seqs]
+        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+        logp = processed_logprobs(logits, temp, [p.top_k for p in params], [p.top_p for p in params])
+        tokens = sample_rows(logp, temp == 0, [s.generator for s in seqs])
+        chosen = logp.gather(-1, tokens[:, None])[:, 0].tolist()
+        for seq, tok, lp in zip(seqs, tokens.tolist(), chosen):
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            p = seq.request.params
+            if not p.ignore_eos and (tok in self.eos_ids or tok in p.stop_token_ids):
+                seq.finish = "stop"
+            elif seq.stop and seq.stop.hit(seq.tokens):
+                seq.finish = "stop"
+            elif len(seq.tokens) >= seq.max_new or seq.prompt_len + len(seq.tokens) >= self.max_context:
+                seq.finish = "length"
+
+    # ---- admission ----------------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        if not self.waiting or (self.running and not self.mergeable):
+            return
+        room = self.max_num_seqs - len(self.running)
+        new: list[Running] = []
+        while self.waiting and len(new) < room:
+            seq = self.waiting.popleft()
+            if seq.prompt_len >= self.max_context:
+                seq.finish = "prompt_too_long"
+                self._resolve(seq)
+                continue
+            new.append(seq)
+        if not new:
+            return
+        unique: dict[tuple[int, ...], int] = {}
+        for s in new:
+            unique.setdefault(tuple(s.request.prompt_ids), len(unique))
+        prompts = list(unique)
+        p = max(len(x) for x in prompts)
+        ids = torch.full((len(prompts), p), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), p), dtype=torch.long)
+        for i, x in enumerate(prompts):
+            ids[i, p - len(x) :] = torch.tensor(x, dtype=torch.long)
+            attn[i, p - len(x) :] = 1
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=attn.to(self.device),
+            position_ids=(attn.cumsum(1) - 1).clamp_min(0).to(self.device),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_arg: cache},  # filled in place
+        )
+        rows = torch.tensor([unique[tuple(s.request.prompt_ids)] for s in new], dtype=torch.long)
+        if len(prompts) != len(new) or not torch.equal(rows, torch.arange(len(new))):
+            cache.batch_select_indices(rows.to(self.device))
+        new_attn = attn[rows].to(self.device)
+        self._sample(new, out.logits[:, -1][rows.to(self.device)])
+        self._merge(new, cache, new_attn)
+
+    def _merge(self, new: list[Running], cache: object, attn: Tensor) -> None:
+        from transformers.cache_utils import DynamicLayer
+
+        plain = all(type(layer) is DynamicLayer for layer in cache.layers)
+        if not self.running:
+            self.cache, self.attn, self.running = cache, attn, list(new)
+            if not plain and self.mergeable:
+                self.mergeable = False
+                log.info("model cache has non-plain layers: requests join only an empty batch (static batching)")
+            return
+        width = max(self.attn.shape[1], attn.shape[1])
+
+        def lpad(t: Tensor, dim: int) -> Tensor:
+            extra = width - t.shape[dim]
+            if not extra:
+                return t
+            shape = list(t.shape)
+            shape[dim] = extra
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        for old_layer, new_layer in zip(self.cache.layers, cache.layers):
+            old_layer.keys = torch.cat([lpad(old_layer.keys, 2), lpad(new_layer.keys, 2)], dim=0)
+            old_layer.values = torch.cat([lpad(old_layer.values, 2), lpad(new_layer.values, 2)], dim=0)
+        self.attn = torch.cat([lpad(self.attn, 1), lpad(attn, 1)], dim=0)
+        self.running += new
+
+    # ---- retirement ---------------------------------------------------------------------------------------
+    def _retire(self) -> None:
+        for s in self.running:
+            if s.aborted and s.finish is None:
+                s.finish = "abort"
+        done = [i for i, s in enumerate(self.running) if s.finish is not None]
+        if not done:
+            return
+        for i in done:
+            self._resolve(self.running[i])
+        keep = [i for i, s in enumerate(self.running) if s.finish is None]
+        self.running = [self.running[i] for i in keep]
+        if not self.running:
+            self.cache, self.attn = None, None
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.cache.batch_select_indices(idx)
+        self.attn = self.attn[idx]
+        used = self.attn.any(dim=0).nonzero()
+        first = int(used[0]) if len(used) else 0
+        if first > 0:  # columns only finished rows used: trim them
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+            self.attn = self.attn[:, first:]
+
+    def _resolve(self, seq: Running) -> None:
+        out = RequestOutput(
+            request_id=seq.request.request_id,
+            prompt_ids=list(seq.request.prompt_ids),
+            token_ids=list(seq.tokens),
+            logprobs=list(seq.logprobs),
+            finish_reason=seq.finish or "abort",
+            weight_version=self.version(),
+        )
+        if not seq.future.done():
+            seq.future.set_result(out)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Resolve every queued and running request with `exc` (the engine is broken)."""
+        for seq in [*self.waiting, *self.running]:
+            if not seq.future.done():
+                seq.future.set_exception(exc)
+        self.waiting.clear()
+        self.running = []
+        self.cache, self.attn = None, None

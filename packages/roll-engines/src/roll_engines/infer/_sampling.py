@@ -1,0 +1,97 @@
+"""Sampling primitives shared by roll's own decode loops: processed log-probs, seeded per-row sampling, stop strings.
+
+Contract (roll_core.interfaces.inference): a token's reported log-prob is taken from the distribution that sampled
+it, `log_softmax(logits / T)` with top-k / top-p truncation applied (and renormalised); greedy rows (T = 0) report
+`log_softmax(logits)`. Nothing else touches the logits: no repetition penalty, no `generation_config.json`
+processors, so the trainer's recomputation `log_softmax(logits / T)` equals the reported value when top_k=0 and
+top_p=1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def processed_logprobs(logits: Tensor, temperature: Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> Tensor:
+    """Log-probs of the sampling distribution of each row.
+
+    Args:
+        logits: (B, V) raw next-token logits.
+        temperature: (B,) temperatures; rows with 0 are greedy and use temperature 1 here.
+        top_k: B values, 0 disables.
+        top_p: B values, 1 disables.
+
+    Returns:
+        (B, V) float32 log-probs, -inf outside the truncated support.
+    """
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(torch.float32)
+    x = logits.float() / t[:, None]
+    v = x.shape[-1]
+    for k, p in sorted(set(zip(top_k, top_p))):
+        if (k == 0 or k >= v) and p >= 1.0:
+            continue
+        rows = torch.tensor([i for i, kp in enumerate(zip(top_k, top_p)) if kp == (k, p)], dtype=torch.long)
+        sub = x[rows]
+        if 0 < k < v:
+            kth = torch.topk(sub, k, dim=-1).values[:, -1:]
+            sub = sub.masked_fill(sub < kth, float("-inf"))
+        if p < 1.0:
+            sorted_x, order = torch.sort(sub, dim=-1, descending=True)
+            probs = torch.softmax(sorted_x, dim=-1)
+            # Drop a token when the mass strictly before it already reaches p (the top token always stays).
+            drop_sorted = (probs.cumsum(-1) - probs) >= p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            sub = sub.masked_fill(drop, float("-inf"))
+        x[rows] = sub
+    return torch.log_softmax(x, dim=-1)
+
+
+def sample_rows(logp: Tensor, greedy: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
+    """One token per row: argmax for greedy rows, else a draw from exp(logp) with that row's generator.
+
+    Args:
+        logp: (B, V) processed log-probs.
+        greedy: (B,) bool.
+        generators: B CPU generators (each row's own stream: results do not depend on which rows share a batch).
+
+    Returns:
+        (B,) long token ids.
+    """
+    out = logp.argmax(-1)
+    probs = None
+    for i, g in enumerate(generators):
+        if bool(greedy[i]):
+            continue
+        if probs is None:
+            probs = logp.exp().cpu()
+        out[i] = torch.multinomial(probs[i], 1, generator=g).to(out.device)[0]
+    return out
+
+
+class StopStrings:
+    """Finds the token that completes a stop string in a growing response, even when the token overhangs it.
+
+    Only the tail of the response is decoded per token (enough tokens to hold the longest stop string), so the
+    cost per token does not grow with the response length.
+    """
+
+    def __init__(self, tokenizer: object, stops: Sequence[str], window: int | None = None) -> None:
+        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
+        # A token decodes to at least one character except specials; 8 extra tokens cover those.
+        self.window = window or (max((len(s) for s in self.stops), default=0) + 8)
+
+    def __bool__(self) -> bool:
+        return bool(self.stops)
+
+    def hit(self, tokens: Sequence[int]) -> bool:
+        """True when the last token completes (or passes through the end of) a stop string."""
+        if not self.stops or not tokens:
+            return False
+        tail = list(tokens[-self.window :])
+        text = self.tokenizer.decode(tail)
+        before = self.tokenizer.decode(tail[:-1]) if len(tail) > 1 else ""
+        # The string must end inside the new token's characters: it was not complete before this token.
+        return any(s in text and s not in before for s in self.stops)
