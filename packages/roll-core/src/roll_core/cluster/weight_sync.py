@@ -237,8 +237,8 @@ class WeightSync:
     def _sync_object_store(self, changed_only: bool) -> tuple[int, int, int]:
         published = self.train.call("publish_weights", self.bucket_bytes, changed_only)[0]
         refs, nbytes, ntensors = published["refs"], published["bytes"], published["tensors"]
-        # Refs travel inside a list so Ray does not resolve them on the way; each receiver reads one at a time.
-        self.infer.call("receive_weights_object_store", [refs])
+        # Refs nested in a list are not resolved by Ray on the way: each receiver reads one bucket at a time.
+        self.infer.call("receive_weights_object_store", refs)
         return nbytes, ntensors, len(refs)
 
     def _sync_dist(self, changed_only: bool) -> tuple[int, int, int]:
