@@ -1,0 +1,88 @@
+"""The `hf` inference engine passes the InferEngine conformance suite; unit tests of its sampling pieces."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from roll_core.interfaces import SamplingParams
+from roll_core.testing.infer_engine import InferEngineTestSuite
+from roll_engines.infer._sampling import StopStrings, processed_logprobs, sample_rows
+from roll_engines.infer.hf import HFInferEngine
+
+
+class TestHFInferEngine(InferEngineTestSuite):
+    @classmethod
+    def build_engine(cls, model_path: str, **kwargs: Any) -> HFInferEngine:
+        return HFInferEngine(model_path, max_num_seqs=8, **kwargs)
+
+
+class _WordTokenizer:
+    """Multi-character tokens, so a stop string can end inside a token."""
+
+    vocab = ["The", " answer", " is", " 4", ".\n", "Done", "e."]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.vocab[i] for i in ids)
+
+
+def test_stop_string_cut_at_an_overhanging_token() -> None:
+    stops = StopStrings(_WordTokenizer(), ["4."])
+    seq = [0, 1, 2, 3]  # "The answer is 4"
+    assert not stops.hit(seq)
+    assert stops.hit([*seq, 4])  # ".\n" completes "4." and overhangs it by a newline
+    assert not StopStrings(_WordTokenizer(), ["4."]).hit([3, 2])  # " 4", " is": no "4." anywhere
+    assert StopStrings(_WordTokenizer(), ["e"]).hit([0])  # "The" ends with e
+    assert StopStrings(_WordTokenizer(), ["e"]).hit([6])  # "e." overhangs "e"
+
+
+def test_top_k_top_p_log_probs_are_the_truncated_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
+    t = torch.tensor([1.0, 0.5])
+    lp = processed_logprobs(logits, t, [2, 0], [1.0, 0.6])
+    # Row 0: top-2 of softmax(logits): probabilities e^2/(e^2+e^1), e^1/(e^2+e^1).
+    expect0 = torch.log_softmax(torch.tensor([2.0, 1.0]), -1)
+    torch.testing.assert_close(lp[0, :2], expect0)
+    assert torch.isinf(lp[0, 2:]).all()
+    # Row 1: uniform over 4 tokens, top-p 0.6 keeps the smallest prefix of mass >= 0.6: 3 tokens (0.75).
+    assert int(torch.isfinite(lp[1]).sum()) == 3
+    torch.testing.assert_close(lp[1][torch.isfinite(lp[1])].exp().sum(), torch.tensor(1.0))
+
+
+def test_rows_sample_from_their_own_streams() -> None:
+    logp = torch.log_softmax(torch.randn(3, 50), -1)
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+    first = sample_rows(logp, torch.tensor([False, True, False]), gens)
+    assert int(first[1]) == int(logp[1].argmax())
+    gens2 = [torch.Generator().manual_seed(s) for s in (1, 3)]
+    again = sample_rows(logp[[0, 2]], torch.tensor([False, False]), gens2)  # other batch composition
+    assert again.tolist() == [int(first[0]), int(first[2])]
+
+
+def test_generation_config_processors_are_not_applied(tmp_path, model_path_tiny: str) -> None:
+    """A repetition penalty in generation_config.json must not change roll's sampling (log-probs stay exact)."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    folder = tmp_path / "penalised"
+    shutil.copytree(model_path_tiny, folder)
+    GenerationConfig(repetition_penalty=5.0, eos_token_id=2).save_pretrained(folder)
+    eng = HFInferEngine(str(folder), max_new_tokens=8)
+    plain = HFInferEngine(model_path_tiny, max_new_tokens=8)
+    params = SamplingParams(max_new_tokens=8, seed=4)
+    a, b = eng.generate([[5, 6, 7]], params, n=4), plain.generate([[5, 6, 7]], params, n=4)
+    assert torch.equal(a.responses, b.responses)
+    torch.testing.assert_close(a.logprobs, b.logprobs)
+
+
+@pytest.fixture(scope="module")
+def model_path_tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    import os
+
+    from roll_core.models import resolve_model_path
+
+    os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
+    return resolve_model_path("builtin:tiny")
