@@ -243,7 +243,7 @@ class WeightSync:
 
     def _sync_dist(self, changed_only: bool) -> tuple[int, int, int]:
         if not self._group_ready:
-            host, port = self.train.submit_rank(0, "sync_endpoint").result()
+            host, port = self.train.call("sync_endpoint")
             world = 1 + self.infer.world_size
             a = self.train.submit("join_sync_group", host, port, world, self.dist_backend)
             b = self.infer.submit("join_sync_group", host, port, world, self.dist_backend)
