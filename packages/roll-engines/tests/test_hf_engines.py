@@ -135,7 +135,7 @@ def test_lr_schedule() -> None:
 def test_bad_role_and_temperature(tiny: str) -> None:
     with pytest.raises(ValueError, match="role must be"):
         HFTrainEngine(tiny, role="judge")
-    with pytest.raises(ValueError, match="temperature=-1.0 must be >= 0"):
+    with pytest.raises(ValueError, match=r"temperature=-1\.0 must be >= 0"):
         HFInferEngine(tiny, temperature=-1.0)
 
 
@@ -147,3 +147,26 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny: str) -> None:
     ckpt = HFTrainEngine(tiny, gradient_checkpointing=True).compute_gradients(batch, PolicyObjective())
     for name, g in plain.items():
         torch.testing.assert_close(ckpt[name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_iter_weights_sends_tied_tensors_once_and_skips_frozen(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_tiny_tokenizer()
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "tied")
+    tok.save_pretrained(tmp_path / "tied")
+    eng = HFTrainEngine(str(tmp_path / "tied"))
+    names = [k for k, _ in eng.iter_weights()]
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names  # one tensor, sent once
+    assert len(names) == len(set(names)) == len(list(eng.model.parameters()))
+    eng.model.model.norm.weight.requires_grad_(False)
+    changed = [k for k, _ in eng.iter_weights(changed_only=True)]
+    assert "model.norm.weight" not in changed and len(changed) == len(names) - 1

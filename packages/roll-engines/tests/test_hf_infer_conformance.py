@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ class TestHFInferEngine(InferEngineTestSuite):
 class _WordTokenizer:
     """Multi-character tokens, so a stop string can end inside a token."""
 
-    vocab = ["The", " answer", " is", " 4", ".\n", "Done", "e."]
+    vocab: ClassVar[list[str]] = ["The", " answer", " is", " 4", ".\n", "Done", "e."]
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.vocab[i] for i in ids)

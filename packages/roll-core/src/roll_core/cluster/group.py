@@ -183,7 +183,7 @@ class WorkerGroup(Generic[W]):
                     ray.get(ref, timeout=0)
                 except ray.exceptions.RayActorError:
                     dead.append(f"rank {r} on node {self.nodes[r]}")
-                except Exception:  # noqa: S110 - only dead actors are listed
+                except Exception:
                     pass
             where = ", ".join(dead) or "a rank"
             raise WorkerDiedError(f"{self.name} {where} died during {method}(): {type(exc).__name__}") from exc

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from roll_core.cluster.group import Handle, WorkerGroup
+from roll_core.cluster.weight_sync import Bucket, SyncGroup, bucket_nbytes, buckets, open_cuda, share_cuda
 from roll_core.cluster.worker import Dispatch, Worker, dispatch
-from roll_core.cluster.weight_sync import Bucket, SyncGroup, buckets, bucket_nbytes, open_cuda, share_cuda
 from roll_core.config.build import build
 from roll_core.interfaces import InferEngine, Request, RequestOutput, SamplingParams, Task, TrainEngine
 from roll_core.protocol import Batch

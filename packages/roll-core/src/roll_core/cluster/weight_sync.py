@@ -127,7 +127,7 @@ class SyncGroup:
             return None
         header = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
         self.broadcast(header)
-        specs = pickle.loads(header.cpu().numpy().tobytes())  # noqa: S301 - bytes from our own trainer rank 0
+        specs = pickle.loads(header.cpu().numpy().tobytes())
         total = sum(
             int(torch.Size(s).numel()) * torch.empty((), dtype=getattr(torch, d)).element_size() for _, s, d in specs
         )

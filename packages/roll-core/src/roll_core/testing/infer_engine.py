@@ -99,9 +99,7 @@ class InferEngineTestSuite:
             assert (reason == "length") == (int(lengths[i]) == 10 and reason != "stop")
         assert torch.equal(out.truncated, torch.tensor([r == "length" for r in out.finish_reasons]).long())
 
-    def test_greedy_equals_transformers(
-        self, engine: InferEngine, prompts: list[list[int]], model_path: str
-    ) -> None:
+    def test_greedy_equals_transformers(self, engine: InferEngine, prompts: list[list[int]], model_path: str) -> None:
         out = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12), n=2)
         for k, prompt in enumerate(prompts):
             ref_tokens, ref_logp = reference_greedy(model_path, prompt, 12)

@@ -1,0 +1,97 @@
+"""Weight-sync building blocks without Ray: buckets, flat buffers, a gloo group between threads, transport choice."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from roll_core.cluster.group import free_port
+from roll_core.cluster.weight_sync import SyncGroup, bucket_nbytes, buckets, flatten, resolve_transport, unflatten
+
+
+def _named() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("a.weight", torch.randn(10, 10, generator=g)),  # 400 bytes
+        ("a.bias", torch.randn(10, generator=g)),  # 40
+        ("b.weight", torch.randn(30, 10, generator=g)),  # 1200: larger than a bucket of 1000, travels alone
+        ("c.half", torch.randn(4, 4, generator=g).to(torch.bfloat16)),  # 32
+        ("d.index", torch.arange(6)),  # 48, int64
+    ]
+
+
+def test_buckets_keep_order_and_bound_size() -> None:
+    named = _named()
+    got = list(buckets(named, bucket_bytes=1000))
+    assert [[k for k, _ in b] for b in got] == [["a.weight", "a.bias"], ["b.weight"], ["c.half", "d.index"]]
+    assert [bucket_nbytes(b) for b in got] == [440, 1200, 80]
+    assert [k for b in got for k, _ in b] == [k for k, _ in named]
+
+
+def test_flatten_roundtrip_mixed_dtypes() -> None:
+    named = _named()
+    flat, specs = flatten(named, "cpu")
+    assert flat.dtype == torch.uint8 and flat.numel() == bucket_nbytes(named)
+    for (k, t), (k2, t2) in zip(named, unflatten(flat.clone(), specs)):
+        assert k == k2 and t2.dtype == t.dtype and torch.equal(t, t2)
+
+
+def test_gloo_group_broadcasts_buckets_between_threads() -> None:
+    port = free_port()
+    named = _named()
+    received: dict[int, list] = {}
+
+    def receiver(rank: int) -> None:
+        group = SyncGroup("127.0.0.1", port, rank, 3, "gloo", timeout_s=60)
+        got = []
+        while (bucket := group.receive()) is not None:
+            got += [(k, t.clone()) for k, t in bucket]
+        received[rank] = got
+
+    threads = [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    sender = SyncGroup("127.0.0.1", port, 0, 3, "gloo", timeout_s=60)
+    for bucket in buckets(named, 1000):
+        sender.send(bucket)
+    sender.send(None)
+    for t in threads:
+        t.join(timeout=60)
+    for rank in (1, 2):
+        assert [k for k, _ in received[rank]] == [k for k, _ in named]
+        for (_, a), (_, b) in zip(named, received[rank]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("name", "backend", "placement", "platform", "expected"),
+    [
+        ("auto", "local", "colocated", "cpu", "inprocess"),
+        ("auto", "ray", "colocated", "cpu", "object_store"),
+        ("auto", "ray", "colocated", "cuda", "cuda_ipc"),
+        ("auto", "ray", "disaggregated", "cuda", "dist"),
+        ("auto", "ray", "colocated", "npu", "dist"),
+        ("dist", "ray", "colocated", "cpu", "dist"),
+    ],
+)
+def test_auto_transport(name: str, backend: str, placement: str, platform: str, expected: str) -> None:
+    assert resolve_transport(name, backend, placement, platform) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "backend", "placement", "platform", "message"),
+    [
+        ("dist", "local", "colocated", "cpu", "needs separate processes: use cluster=ray"),
+        ("inprocess", "ray", "colocated", "cpu", "needs cluster=local"),
+        ("cuda_ipc", "ray", "colocated", "cpu", "needs CUDA/ROCm devices"),
+        ("cuda_ipc", "ray", "disaggregated", "cuda", "needs cluster.placement=colocated"),
+        ("carrier_pigeon", "ray", "colocated", "cpu", "is not one of"),
+    ],
+)
+def test_impossible_transport_is_a_clear_error(
+    name: str, backend: str, placement: str, platform: str, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_transport(name, backend, placement, platform)
