@@ -8,25 +8,14 @@ per response (the task's strict notion of correctness, used for accuracy metrics
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
+from roll_core.interfaces import RewardResult
 
-@dataclass
-class RewardResult:
-    """Scores of one batch. `scores[i]` and `correct[i]` belong to response i."""
-
-    scores: list[float]
-    correct: list[float]
-    formatted: list[float]
-    counters: dict[str, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not (len(self.scores) == len(self.correct) == len(self.formatted)):
-            raise ValueError("scores, correct and formatted must have one entry per response")
+__all__ = ["Reward", "RewardResult"]
 
 
 class Reward:
-    """Base class of rewards."""
+    """Base class of rewards (structurally a `roll_core.interfaces.Reward`)."""
 
     def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
         """Score `responses[i]` against ground truth `answers[i]`."""

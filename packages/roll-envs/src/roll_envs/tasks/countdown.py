@@ -58,13 +58,13 @@ class CountdownReward(Reward):
         counters = {"errors": 0, "no_boxed": 0, "wrong_numbers": 0}
         scores, correct, formatted = [], [], []
         for response, answer in zip(responses, answers, strict=True):
-            target_s, nums_s = answer.split("|")
             boxed = extract_boxed(response)
             ok = False
             if boxed is None:
                 counters["no_boxed"] += 1
             else:
-                try:
+                try:  # a malformed ground truth (user data) is a counted error, never a crash
+                    target_s, nums_s = answer.split("|")
                     value, used = evaluate_equation(boxed)
                     if Counter(used) != Counter(int(n) for n in nums_s.split(",")):
                         counters["wrong_numbers"] += 1
