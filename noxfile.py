@@ -35,6 +35,8 @@ SIBLINGS = {
 }
 HARDWARE = ["cuda", "rocm", "npu"]
 TEST_TOOLS = ["pytest", "pytest-timeout", "hypothesis"]
+# Out-of-tree plugins that prove discovery (a platform, an inference engine with its config).
+TEST_PLUGINS = ["tests/plugins/roll-dummy-platform", "tests/plugins/roll-dummy-engine"]
 # Extras installed by `tests`: the CPU-capable engines and rewards.
 EXTRAS = {"roll-core": "[all]", "roll-engines": "[hf,fsdp]", "roll-envs": "[math,data]"}
 
@@ -67,8 +69,7 @@ def _ensure_venv(session: nox.Session) -> Path:
             "-q",
             *constraints(),
             *pkgs,
-            "-e",
-            "tests/plugins/roll-dummy-platform",
+            *[arg for plugin in TEST_PLUGINS for arg in ("-e", plugin)],
             *TEST_TOOLS,
             "nox",
             "ruff",
@@ -94,7 +95,7 @@ def tests(session: nox.Session) -> None:
 
 
 def _install_inputs() -> list[str]:
-    files = ["constraints/cpu.txt", "tests/plugins/roll-dummy-platform/pyproject.toml"]
+    files = ["constraints/cpu.txt", *(f"{p}/pyproject.toml" for p in TEST_PLUGINS)]
     files += [f"packages/{p}/pyproject.toml" for p in existing_packages()]
     return files
 

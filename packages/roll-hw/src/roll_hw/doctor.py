@@ -1,7 +1,8 @@
 """`roll-doctor` / `python -m roll_hw`: print what roll sees on this machine, as a table.
 
 Reports the detected platform, every known platform's probe, devices, torch version, which torch.distributed
-backends are compiled in, and which optional engines import. It never fails on a missing optional package: every
+backends are compiled in, which optional engines import, and every installed roll plugin (train and inference
+engines, environments, rewards, estimators, platforms: entry-point names only, nothing imported). It never fails on a missing optional package: every
 probe is wrapped, and the worst outcome is a row that says "no (<reason>)".
 """
 
@@ -55,6 +56,27 @@ def _dist_backends() -> str:
     return ", ".join(names) or "none"
 
 
+#: Plugin kinds roll reads (entry-point groups), listed by name without importing anything.
+PLUGIN_GROUPS: dict[str, str] = {
+    "train engines": "roll.train_engines",
+    "inference engines": "roll.infer_engines",
+    "environments / tasks": "roll.envs",
+    "rewards": "roll.rewards",
+    "advantage estimators": "roll.algorithms",
+    "platforms": "roll.platforms",
+}
+
+
+def _plugins(group: str) -> str:
+    from importlib.metadata import entry_points
+
+    found: dict[str, str] = {}
+    for ep in entry_points(group=group):
+        dist = getattr(ep, "dist", None)
+        found[ep.name] = f"{ep.name} ({dist.name})" if dist is not None else ep.name
+    return ", ".join(found[k] for k in sorted(found)) or "none installed"
+
+
 def table(rows: Iterable[tuple[str, str]], title: str) -> str:
     """Format (key, value) rows as a two-column text table under a title."""
     rows = list(rows)
@@ -88,6 +110,7 @@ def report() -> tuple[str, bool]:
             probes.append((name, f"error ({exc})"))
     sections.append(table(probes, "platform probes"))
     sections.append(table([(k, _version_of(v)) for k, v in OPTIONAL_ENGINES.items()], "optional engines"))
+    sections.append(table([(k, _plugins(g)) for k, g in PLUGIN_GROUPS.items()], "installed roll plugins"))
     return "\n\n".join(sections), current is not None
 
 

@@ -68,6 +68,7 @@ def explain(exc: BaseException) -> str:
     # its message as an unformatted template. Neither helps a user.
     lines = [ln for ln in lines if ln.strip() and not ln.startswith("To append to your config") and "$VALUE" not in ln]
     message = "\n".join(dict.fromkeys(lines))
+    message += _installed_plugins_hint(message)
     for err in chain:
         if isinstance(err, OmegaConfBaseException) and getattr(err, "key", None) is not None:
             key = str(err.key)
@@ -80,6 +81,35 @@ def explain(exc: BaseException) -> str:
                     message += f"\nValid keys here: {', '.join(candidates)}"
             break
     return message
+
+
+#: Config groups whose options are plugins, and the entry-point group that says what is installed.
+PLUGIN_GROUPS = {"infer_engine": "roll.infer_engines", "train_engine": "roll.train_engines", "env": "roll.envs"}
+
+
+def _installed_plugins_hint(message: str) -> str:
+    """For an unknown `infer_engine=x` (or train_engine, env): what is installed, and the closest name."""
+    import re
+
+    from roll_core import registry
+
+    found = re.search(r"Could not find '(\w+)/([\w.-]+)'", message)
+    if not found or found.group(1) not in PLUGIN_GROUPS:
+        return ""
+    group, name = found.groups()
+    installed = registry.describe(PLUGIN_GROUPS[group])
+    lines = [f"\nInstalled {group} plugins ({PLUGIN_GROUPS[group]} entry points):"]
+    lines += [f"\t{k}: {v}" for k, v in installed.items()] or ["\tnone"]
+    if name in installed:
+        lines.append(
+            f"'{name}' is installed but registers no config '{group}/{name}': its package must store a schema "
+            "under that name in a roll.configs entry point"
+        )
+    else:
+        close = difflib.get_close_matches(name, list(installed), n=1, cutoff=0.6)
+        if close:
+            lines.append(f"Did you mean '{group}={close[0]}'?")
+    return "\n".join(lines)
 
 
 def compose(
