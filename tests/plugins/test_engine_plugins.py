@@ -57,9 +57,7 @@ def test_doctor_lists_the_plugin() -> None:
 def test_pipeline_runs_with_the_plugin_engine(seven_task: Path, tmp_path: Path) -> None:
     from roll_core.testing import run_pipeline, tiny_overrides
 
-    summary, history = run_pipeline(
-        tiny_overrides(seven_task, tmp_path, "infer_engine=recompute", "pipeline.max_steps=2")
-    )
+    _, history = run_pipeline(tiny_overrides(seven_task, tmp_path, "infer_engine=recompute", "pipeline.max_steps=2"))
     assert [h["step"] for h in history] == [1, 2]
     assert all(h["actor/train_infer_logprob_diff"] < 1e-4 for h in history)  # the plugin samples exactly
 
