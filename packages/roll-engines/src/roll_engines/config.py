@@ -70,6 +70,43 @@ class HFInferEngineConfig(InferEngineConfig):
             raise ValueError(f"infer_engine.max_num_seqs={self.max_num_seqs} must be >= 1")
 
 
+@dataclass
+class SGLangInferEngineConfig(InferEngineConfig):
+    """SGLang's offline engine (CUDA only; roll_engines.infer.sglang). Knob names follow SGLang's."""
+
+    _target_: str = "roll_engines.infer.sglang.SGLangInferEngine"
+    name: str = "sglang"
+    # GPUs per engine worker (SGLang tp_size); the worker's bundle gets this many devices.
+    tensor_parallel_size: int = 1
+    # Fraction of GPU memory for weights + KV cache (SGLang mem_fraction_static).
+    mem_fraction_static: float = 0.8
+    # Most requests running at once (SGLang max_running_requests); null: SGLang's choice.
+    max_running_requests: int | None = None
+    # Context limit; null: the model's.
+    max_model_len: int | None = None
+    # Needed for sleep_level > 0 (torch_memory_saver).
+    enable_memory_saver: bool = True
+    # Eager mode: no CUDA graphs (faster start, slower decode).
+    disable_cuda_graph: bool = False
+    # Colocated engines release memory while the trainer runs.
+    sleep_level: int = 1
+    log_level: str = "error"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"infer_engine.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"infer_engine.mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
+        if self.sleep_level and not self.enable_memory_saver:
+            raise ValueError("infer_engine.sleep_level > 0 needs infer_engine.enable_memory_saver=true (sglang)")
+        if self.top_p < 1 or self.top_k > 0:
+            raise ValueError(
+                "infer_engine=sglang reports log-probs before top-k/top-p truncation: set top_p=1, top_k=0 "
+                "(or use infer_engine=vllm)"
+            )
+
+
 def register_configs() -> None:
     """Store engine schemas in Hydra's ConfigStore."""
     from hydra.core.config_store import ConfigStore
@@ -78,3 +115,4 @@ def register_configs() -> None:
     cs.store(group="train_engine", name="hf_schema", node=HFTrainEngineConfig)
     cs.store(group="train_engine", name="fsdp2_schema", node=FSDP2TrainEngineConfig)
     cs.store(group="infer_engine", name="hf_schema", node=HFInferEngineConfig)
+    cs.store(group="infer_engine", name="sglang_schema", node=SGLangInferEngineConfig)

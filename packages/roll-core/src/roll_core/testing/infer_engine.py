@@ -27,7 +27,14 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from roll_core.interfaces import FINISH_REASONS, GenerateOutput, InferEngine, Request, SamplingParams
+from roll_core.interfaces import (
+    FINISH_REASONS,
+    GenerateOutput,
+    InferEngine,
+    Request,
+    SamplingParams,
+    UnsupportedSamplingError,
+)
 from roll_core.testing import reference_greedy, teacher_forced_logprobs
 
 PROMPTS = ["What is 1+2?", "Hi", "abc def ghi"]
@@ -42,6 +49,8 @@ class InferEngineTestSuite:
     logprob_atol: ClassVar[float] = 1e-4
     #: Whether `sleep(level=2)` must visibly release the weights' memory.
     releases_weights: ClassVar[bool] = True
+    #: Whether the engine reports log-probs of top-k/top-p truncated distributions (else it must refuse them).
+    supports_truncation: ClassVar[bool] = True
 
     @classmethod
     def build_engine(cls, model_path: str, **kwargs: Any) -> InferEngine:
@@ -78,7 +87,13 @@ class InferEngineTestSuite:
         assert isinstance(engine, InferEngine)
         assert isinstance(engine.name, str) and engine.name
         assert engine.max_context_length > 16 and isinstance(engine.pad_id, int)
-        engine.check_sampling(SamplingParams(temperature=0.7, top_p=0.9, top_k=5, stop=("x",)))
+        engine.check_sampling(SamplingParams(temperature=0.7, stop=("x",)))
+        truncated = SamplingParams(temperature=0.7, top_p=0.9, top_k=5)
+        if self.supports_truncation:
+            engine.check_sampling(truncated)
+        else:
+            with pytest.raises(UnsupportedSamplingError, match=engine.name):
+                engine.check_sampling(truncated)
 
     def test_batch_layout_groups_and_masks(self, engine: InferEngine, prompts: list[list[int]]) -> None:
         n = 3

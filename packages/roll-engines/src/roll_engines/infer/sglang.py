@@ -1,0 +1,328 @@
+"""The `sglang` inference engine: SGLang's offline `Engine` behind roll's InferEngine contract (GPU only).
+
+Written against SGLang 0.5.x (read: 0.5.6, the release verl pins, and 0.5.23); 0.4 lacks request ids and memory
+tags and is refused. There is no CPU build of SGLang, so this adapter's tests are marked `cuda` and run in
+`nox -s device -- cuda`; on CPU machines it imports lazily and its config composes.
+
+How the contract maps:
+- One driver thread owns SGLang's event loop (`engine.loop`). Every request is an `async_generate` task on that
+  loop; between short `run_until_complete` waits the driver takes new requests, aborts and control calls (weight
+  updates, sleep), so SGLang's synchronous methods always run on a loop that is not already running.
+- Requests are sent with n=1 (the prompt repeated per sample, as verl does): SGLang replaces caller request ids
+  when n > 1, which would make abort impossible. Abort matches ids by prefix, so roll's ids get a unique suffix.
+- Log-probs: SGLang reports `log_softmax(logits / T)` before top-k/top-p truncation, which equals roll's contract
+  only without truncation; `check_sampling` therefore refuses top_p < 1 and top_k > 0 (use infer_engine=vllm).
+  Greedy requests report `log_softmax(logits)`, as the contract says.
+- Weights: `update_weights_from_tensor` per bucket, inside `begin_weight_update()`/`end_weight_update()` on 0.5.21+
+  (without them SGLang silently returns failure), then `flush_cache()`. Every (success, message) is checked.
+- Sleep: `release_memory_occupation(tags)` / `resume_memory_occupation(tags)` (needs `enable_memory_saver`);
+  level 1 releases the KV cache and CUDA graphs, level 2 the weights too.
+- `shutdown()` kills every child process of this process (SGLang's behaviour): host one engine per Ray actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from roll_core.interfaces import (
+    GenerateOutput,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    UnsupportedSamplingError,
+)
+from roll_core.models import resolve_model_path
+
+log = logging.getLogger(__name__)
+
+
+def _finish_reason(meta: dict[str, Any]) -> str:
+    kind = (meta.get("finish_reason") or {}).get("type", "abort")
+    return {"stop": "stop", "length": "length"}.get(kind, "abort")
+
+
+def to_sglang_sampling(params: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+    """roll SamplingParams -> SGLang's sampling_params dict (n is always 1)."""
+    out: dict[str, Any] = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k or -1,
+        "max_new_tokens": max_new_tokens,
+        "ignore_eos": params.ignore_eos,
+        "skip_special_tokens": False,
+        "n": 1,
+    }
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        out["sampling_seed"] = int(params.seed) % (2**31)
+    return out
+
+
+def to_request_output(request: Request, result: dict[str, Any], version: int) -> RequestOutput:
+    """SGLang's result dict -> RequestOutput (token ids and log-probs from `output_token_logprobs`)."""
+    meta = result.get("meta_info", {})
+    pairs = meta.get("output_token_logprobs") or []
+    tokens = [int(t) for _, t, *_ in pairs] if pairs else [int(t) for t in result.get("output_ids", [])]
+    logprobs = [float(lp) for lp, *_ in pairs] if pairs else [0.0] * len(tokens)
+    return RequestOutput(request.request_id, list(request.prompt_ids), tokens, logprobs, _finish_reason(meta), version)
+
+
+class SGLangInferEngine:
+    """SGLang `Engine` (tensor parallel inside it) implementing roll_core.interfaces.InferEngine."""
+
+    continuous_batching: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        name: str = "sglang",
+        dtype: str = "bfloat16",
+        device: str = "cuda",
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int = 128,
+        stop: Sequence[str] | None = None,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        mem_fraction_static: float = 0.8,
+        max_running_requests: int | None = None,
+        max_model_len: int | None = None,
+        enable_memory_saver: bool = True,
+        disable_cuda_graph: bool = False,
+        base_gpu_id: int = 0,
+        log_level: str = "error",
+        trust_remote_code: bool = False,
+        **unused: Any,
+    ) -> None:
+        try:
+            import sglang
+        except ImportError as exc:
+            raise ImportError(
+                "infer_engine=sglang needs SGLang (CUDA only): pip install 'roll-engines[sglang]' on a GPU machine"
+            ) from exc
+        version = tuple(int(x) for x in sglang.__version__.split(".")[:2] if x.isdigit())
+        if version < (0, 5):
+            raise ImportError(f"infer_engine=sglang needs sglang >= 0.5 (request ids, memory tags); found {version}")
+        if device != "cuda" and not device.startswith("cuda"):
+            raise ValueError(f"infer_engine=sglang runs on CUDA devices only, not {device!r}")
+        self.name = name
+        self.defaults = SamplingParams(
+            temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, stop=tuple(stop or ())
+        )
+        self.check_sampling(self.defaults)
+        path = resolve_model_path(model_path)
+        from transformers import AutoConfig, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self._pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        limit = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).max_position_embeddings
+        self._context = min(max_model_len or limit, limit)
+        kwargs: dict[str, Any] = {
+            "model_path": path,
+            "tp_size": tensor_parallel_size,
+            "dtype": dtype,
+            "mem_fraction_static": mem_fraction_static,
+            "random_seed": seed,
+            "enable_memory_saver": enable_memory_saver,
+            "disable_cuda_graph": disable_cuda_graph,
+            "base_gpu_id": base_gpu_id,
+            "log_level": log_level,
+            "context_length": self._context,
+            "trust_remote_code": trust_remote_code,
+        }
+        if max_running_requests:
+            kwargs["max_running_requests"] = max_running_requests
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+        self._memory_saver = enable_memory_saver
+        self.engine = sglang.Engine(**kwargs)  # on the caller's (main) thread: 0.5.6 installs signal handlers
+        self._version = 0
+        self._ids = itertools.count()
+        self._jobs: queue.Queue = queue.Queue()
+        self._tasks: dict[asyncio.Task, tuple[Request, Future, str]] = {}
+        self._rids: dict[str, str] = {}  # roll request id -> SGLang rid of the running request
+        self._slept: list[str] = []
+        self._stopped = False
+        self._driver = threading.Thread(target=self._drive, name=f"{name}-driver", daemon=True)
+        self._driver.start()
+
+    # ---- facts --------------------------------------------------------------------------------------------
+    @property
+    def max_context_length(self) -> int:
+        return int(self._context)
+
+    @property
+    def pad_id(self) -> int:
+        return int(self._pad_id)
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        if params.top_p < 1 or params.top_k > 0:
+            raise UnsupportedSamplingError(
+                f"infer_engine={self.name if hasattr(self, 'name') else 'sglang'} reports log-probs before "
+                "top-k/top-p truncation, so the trainer could not match them: use top_p=1 and top_k=0, or "
+                "infer_engine=vllm"
+            )
+
+    # ---- the driver thread --------------------------------------------------------------------------------
+    def _drive(self) -> None:
+        loop = self.engine.loop
+        while not self._stopped:
+            self._take_jobs(block=not self._tasks)
+            if self._tasks:
+                done, _ = loop.run_until_complete(
+                    asyncio.wait(list(self._tasks), timeout=0.02, return_when=asyncio.FIRST_COMPLETED)
+                )
+                for task in done:
+                    self._complete(task)
+
+    def _complete(self, task: asyncio.Task) -> None:
+        request, fut, _ = self._tasks.pop(task)
+        self._rids.pop(request.request_id, None)
+        try:
+            fut.set_result(to_request_output(request, task.result(), self._version))
+        except ValueError as exc:  # SGLang raises for a prompt it refuses (status 400)
+            if "context" in str(exc).lower() or "too long" in str(exc).lower():
+                fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [], [], "prompt_too_long"))
+            else:
+                fut.set_exception(exc)
+        except Exception as exc:
+            fut.set_exception(exc)
+
+    def _take_jobs(self, block: bool) -> None:
+        try:
+            job = self._jobs.get(timeout=0.5) if block else self._jobs.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload, fut = job
+            try:
+                if kind == "request":
+                    self._start(payload, fut)
+                else:
+                    fut.set_result(payload())  # a control call: SGLang's sync API on an idle loop
+            except Exception as exc:
+                fut.set_exception(exc)
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+
+    def _start(self, request: Request, fut: Future) -> None:
+        p = request.params
+        room = self._context - len(request.prompt_ids) - 1
+        if room < 1:
+            fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [], [], "prompt_too_long"))
+            return
+        rid = f"roll-{next(self._ids)}-{request.request_id}-"  # abort matches by prefix: make ids prefix-free
+        coro = self.engine.async_generate(
+            input_ids=list(request.prompt_ids),
+            sampling_params=to_sglang_sampling(p, min(p.max_new_tokens, room)),
+            return_logprob=True,
+            rid=rid,
+        )
+        task = self.engine.loop.create_task(coro)
+        self._tasks[task] = (request, fut, rid)
+        self._rids[request.request_id] = rid
+
+    def _control(self, fn: Callable[[], Any]) -> Any:
+        fut: Future = Future()
+        self._jobs.put(("control", fn, fut))
+        return fut.result()
+
+    # ---- batch and request API ----------------------------------------------------------------------------
+    def submit(self, request: Request) -> Future[RequestOutput]:
+        self.check_sampling(request.params)
+        fut: Future[RequestOutput] = Future()
+        self._jobs.put(("request", request, fut))
+        return fut
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None, n: int = 1
+    ) -> GenerateOutput:
+        t0 = time.perf_counter()
+        params = params or self.defaults
+        futures = []
+        for k, prompt in enumerate(prompts):
+            for j in range(n):
+                seed = None if params.seed is None else params.seed * 1_000_003 + k * n + j
+                req = Request(f"batch-{next(self._ids)}", list(prompt), params.replace(seed=seed))
+                futures.append(self.submit(req))
+        return GenerateOutput.from_requests([f.result() for f in futures], self.pad_id, time.perf_counter() - t0)
+
+    def abort(self, request_id: str) -> bool:
+        def do() -> bool:
+            rid = self._rids.get(request_id)
+            if rid is None:
+                return False
+            self.engine.tokenizer_manager.abort_request(rid=rid)
+            return True
+
+        return bool(self._control(do))
+
+    # ---- weights ------------------------------------------------------------------------------------------
+    def begin_weight_update(self) -> None:
+        if hasattr(self.engine, "begin_weight_update"):  # sglang >= 0.5.21
+            self._control(self.engine.begin_weight_update)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+        named = list(named_tensors)
+
+        def do() -> Any:
+            return self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=False)
+
+        result = self._control(do)
+        ok, message = (result[0], result[1]) if isinstance(result, tuple) else (True, "")
+        if not ok:
+            raise RuntimeError(f"{self.name}: update_weights_from_tensor failed: {message}")
+        return sum(t.numel() * t.element_size() for _, t in named)
+
+    def finish_weight_update(self) -> int:
+        def do() -> None:
+            if hasattr(self.engine, "end_weight_update"):
+                self.engine.end_weight_update()
+            self.engine.flush_cache()
+
+        self._control(do)
+        self._version += 1
+        return self._version
+
+    # ---- memory -------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        if not self._memory_saver:
+            raise RuntimeError(f"{self.name}: sleep needs enable_memory_saver=true")
+        tags = ["kv_cache", "cuda_graph"] if level == 1 else ["kv_cache", "cuda_graph", "weights"]
+        self._control(lambda: self.engine.release_memory_occupation(tags=tags))
+        self._slept = tags
+
+    def wake_up(self) -> None:
+        if self._slept:
+            tags, self._slept = self._slept, []
+            self._control(lambda: self.engine.resume_memory_occupation(tags=tags))
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Device memory in use on this engine's first GPU (SGLang's scheduler processes hold it, not this one)."""
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        return {"weights": int(total - free) if "weights" not in self._slept else 0, "kv_cache": 0}
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._jobs.put(("control", lambda: None, Future()))
+        self._driver.join(timeout=10)
+        self.engine.shutdown()
