@@ -53,7 +53,9 @@ def nodes():
     cluster.shutdown()
 
 
-def _groups(placement: str, strategy: str, sizes: dict[str, int]) -> tuple[Cluster, dict[str, list[dict]]]:
+def _groups(
+    placement: str, strategy: str, sizes: dict[str, int], devices: dict[str, int] | None = None
+) -> tuple[Cluster, dict[str, list[dict]]]:
     cluster = Cluster(
         ClusterConfig(backend="ray", placement=placement, strategy=strategy, cpus_per_worker=0.5),
         HwConfig(),
@@ -61,7 +63,8 @@ def _groups(placement: str, strategy: str, sizes: dict[str, int]) -> tuple[Clust
     )
     out = {}
     for role, n in sizes.items():
-        group = WorkerGroup(Worker, n, "ray", name=role, ray_options=cluster._placement(role, n))
+        opts = cluster._placement(role, n, (devices or {}).get(role, 1))
+        group = WorkerGroup(Worker, n, "ray", name=role, ray_options=opts)
         cluster.groups.append(group)
         out[role] = group.call("node_info")
     return cluster, out
@@ -79,6 +82,21 @@ def test_disaggregated_roles_land_on_separate_nodes_with_their_own_gpus(nodes: d
             assert all(w["resources"].get("GPU") == 1.0 for w in role)
     finally:
         cluster.shutdown()
+
+
+def test_tensor_parallel_engine_workers_get_whole_device_bundles(nodes: dict[str, str]) -> None:
+    """Two inference workers of tensor_parallel_size=2: each holds both GPUs of one node (its own bundle)."""
+    cluster, info = _groups("disaggregated", "SPREAD", {"actor_infer": 2}, devices={"actor_infer": 2})
+    try:
+        infer = info["actor_infer"]
+        assert {w["node_id"] for w in infer} == set(nodes.values())  # one TP group per 2-GPU node
+        for w in infer:
+            assert w["resources"].get("GPU") == 2.0
+            assert sorted(w["CUDA_VISIBLE_DEVICES"].split(",")) == ["0", "1"]
+    finally:
+        cluster.shutdown()
+    with pytest.raises(ValueError, match=r"use cluster\.placement=disaggregated"):
+        _groups("colocated", "PACK", {"actor_infer": 1}, devices={"actor_infer": 2})
 
 
 def test_colocated_roles_share_bundles_that_span_nodes(nodes: dict[str, str]) -> None:

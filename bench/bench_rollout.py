@@ -1,0 +1,214 @@
+"""Benchmark: rollout tokens/s of the inference engines on the quickstart model and batch, against this machine's
+compute limit measured in the same run.
+
+Workload (the quickstart's rollout): SmolLM2-135M-Instruct fp32, 4 chat-templated arithmetic prompts with one
+worked example (~95 tokens) x 8 samples, temperature 1, 48 new tokens each (EOS ignored, so every engine generates
+the same number of tokens). Each engine runs one warm-up call and `--runs` timed calls; the median counts.
+
+Engines: `generate` (transformers' `model.generate` with `output_logits`, what roll's hf engine used before: the
+baseline), `hf` (roll's continuous-batching engine), and `vllm` (vLLM's CPU build in its own venv, run as a
+subprocess with that venv's Python: `--vllm-python .venvs/vllm/bin/python`, default when that venv exists).
+
+Limit: a decoder forward costs ~2 x params FLOPs per generated token, so limit tok/s = matmul GFLOP/s / (2 x params),
+with the matmul rate measured here at a square 2048 shape (peak) and at the decode shape (32 rows x hidden into
+the vocabulary, the largest matmul of a decode step). Usage:
+
+    python bench/bench_rollout.py                 # all engines available here
+    python bench/bench_rollout.py --quick         # tiny-wide model, 1 run (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def matmul_gflops(m: int, k: int, n: int, seconds: float = 2.0) -> float:
+    import torch
+
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    for _ in range(3):
+        a @ b
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        count += 1
+    return 2 * m * k * n * count / (time.perf_counter() - t0) / 1e9
+
+
+def workload(model: str) -> tuple[str, list[list[int]]]:
+    from transformers import AutoTokenizer
+
+    from roll_core.models import resolve_model_path
+    from roll_envs.rewards.math import MathReward
+    from roll_envs.tasks import ArithmeticTask
+
+    path = resolve_model_path(model)
+    tok = AutoTokenizer.from_pretrained(path)
+    task = ArithmeticTask(MathReward(), digits=1, examples=1, train_size=100, eval_size=10, seed=0)
+    prompts = []
+    for p in task.train_set()[:4]:
+        ids = tok.apply_chat_template(task.messages(p), add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompts.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+    return path, prompts
+
+
+def time_calls(fn, runs: int) -> list[float]:
+    fn()  # warm-up (allocations, lazy init)
+    out = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def run_generate(path: str, prompts: list[list[int]], n: int, max_new: int, runs: int) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for p in model.parameters():  # resident copies, as roll's engine keeps them (see notes/cpu-engines.md)
+        p.data = p.data.clone()
+    rows = [p for p in prompts for _ in range(n)]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    attn = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+
+    def call() -> None:
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids,
+                attention_mask=attn,
+                do_sample=True,
+                temperature=1.0,
+                top_k=None,
+                top_p=1.0,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+
+    return time_calls(call, runs)
+
+
+def run_hf(path: str, prompts: list[list[int]], n: int, max_new: int, runs: int) -> list[float]:
+    from roll_core.interfaces import SamplingParams
+    from roll_engines.infer.hf import HFInferEngine
+
+    engine = HFInferEngine(path, max_num_seqs=len(prompts) * n)
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new, ignore_eos=True, seed=0)
+    return time_calls(lambda: engine.generate(prompts, params, n=n), runs)
+
+
+def run_vllm(path: str, prompts: list[list[int]], n: int, max_new: int, runs: int) -> list[float]:
+    from roll_core.interfaces import SamplingParams
+    from roll_engines.infer.vllm import VLLMInferEngine
+
+    engine = VLLMInferEngine(path, max_num_seqs=len(prompts) * n, max_model_len=512)
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new, ignore_eos=True, seed=0)
+    try:
+        return time_calls(lambda: engine.generate(prompts, params, n=n), runs)
+    finally:
+        engine.shutdown()
+
+
+ENGINES = {"generate": run_generate, "hf": run_hf, "vllm": run_vllm}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="builtin:smollm2-135m")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-new", type=int, default=48)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--engines", default="generate,hf,vllm")
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venvs" / "vllm" / "bin" / "python"))
+    ap.add_argument("--quick", action="store_true", help="tiny-wide model, one timed run")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)  # run one engine and print JSON (subprocess mode)
+    args = ap.parse_args()
+    if args.quick:
+        args.model, args.runs = "builtin:tiny-wide", 1
+    path, prompts = workload(args.model)
+    if args.worker:
+        print("RESULT " + json.dumps(ENGINES[args.worker](path, prompts, args.n, args.max_new, args.runs)))
+        return
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    from transformers import AutoModelForCausalLM
+
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    tokens = len(prompts) * args.n * args.max_new
+    peak = matmul_gflops(2048, 2048, 2048)
+    # The decode step's largest matmul: every running row's hidden state into the vocabulary.
+    decode = matmul_gflops(len(prompts) * args.n, cfg.hidden_size, cfg.vocab_size)
+    print(
+        f"CPU: {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}, "
+        f"model {args.model} ({params / 1e6:.1f} M params)"
+    )
+    print(f"matmul fp32: {peak:.1f} GFLOP/s at 2048^3, {decode:.1f} GFLOP/s at decode shape")
+    print(f"workload: {len(prompts)} prompts x {args.n} samples x {args.max_new} tokens = {tokens} tokens per call")
+    limit_peak, limit_decode = peak * 1e9 / (2 * params), decode * 1e9 / (2 * params)
+    print(f"limit: {limit_peak:.0f} tok/s at peak, {limit_decode:.0f} tok/s at the decode-shape rate\n")
+    results = {}
+    for name in args.engines.split(","):
+        if name == "vllm":
+            if not Path(args.vllm_python).exists():
+                print(f"vllm: skipped ({args.vllm_python} missing: build it with `nox -s vllm_venv`)")
+                continue
+            cmd = [
+                args.vllm_python,
+                __file__,
+                "--worker",
+                "vllm",
+                "--model",
+                args.model,
+                "--n",
+                str(args.n),
+                "--max-new",
+                str(args.max_new),
+                "--runs",
+                str(args.runs),
+            ]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                print(f"vllm: failed ({proc.returncode}): {proc.stderr[-2000:]}")
+                continue
+            times = json.loads(lines[-1].removeprefix("RESULT "))
+        else:
+            times = ENGINES[name](path, prompts, args.n, args.max_new, args.runs)
+        results[name] = tokens / statistics.median(times)
+    base = results.get("generate")
+    print(f"{'engine':<10} {'tok/s':>8} {'vs generate':>12} {'of peak limit':>14} {'of decode limit':>16}")
+    for name, rate in results.items():
+        ratio = f"{rate / base:.2f}x" if base else "-"
+        print(f"{name:<10} {rate:8.1f} {ratio:>12} {rate / limit_peak:14.1%} {rate / limit_decode:16.1%}")
+
+
+if __name__ == "__main__":
+    main()
