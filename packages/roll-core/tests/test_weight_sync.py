@@ -95,3 +95,22 @@ def test_impossible_transport_is_a_clear_error(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         resolve_transport(name, backend, placement, platform)
+
+
+def test_engine_python_resolution(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from roll_core.cluster.launch import resolve_python
+
+    assert resolve_python(None, "vllm") is None
+    assert resolve_python("auto", "torch") is None  # importable here: same environment
+    venv_python = tmp_path / "venvs" / "fancy" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.symlink_to(sys.executable)  # venv pythons are symlinks: the path must be kept, not resolved
+    monkeypatch.setenv("ROLL_VENVS_DIR", str(tmp_path / "venvs"))
+    assert resolve_python("auto", "fancy") == str(venv_python)
+    assert resolve_python(str(venv_python), "fancy") == str(venv_python)
+    with pytest.raises(ValueError, match=r"nox -s nothere_venv"):
+        resolve_python("auto", "nothere")
+    with pytest.raises(ValueError, match="no such executable"):
+        resolve_python(str(tmp_path / "missing" / "python"), "vllm")

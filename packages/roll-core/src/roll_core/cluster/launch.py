@@ -27,6 +27,38 @@ DEVICE_ROLES = ("actor_train", "actor_infer", "reference", "critic")
 RAY_MANAGED_RESOURCES = ("GPU", "NPU")
 
 
+def resolve_python(value: str | None, engine: str) -> str | None:
+    """The Python executable a role's actors run with: None (this environment), a path, or `auto`.
+
+    `auto`: this environment if it can import the engine's package (`engine`), else the engine's venv that
+    `nox -s <engine>_venv` builds at `<repo>/.venvs/<engine>` (or `$ROLL_VENVS_DIR/<engine>`).
+    """
+    import importlib.util
+    from pathlib import Path
+
+    if value is None:
+        return None
+    if value != "auto":
+        path = Path(value).expanduser().absolute()  # not resolve(): a venv's python is a symlink to the base one
+        if not path.is_file():
+            raise ValueError(f"infer_engine.python={value!r}: no such executable ({path})")
+        return str(path)
+    if importlib.util.find_spec(engine) is not None:
+        return None
+    from roll_core.config.compose import find_conf_dir
+
+    roots = [Path(os.environ["ROLL_VENVS_DIR"])] if os.environ.get("ROLL_VENVS_DIR") else []
+    roots.append(find_conf_dir().parent / ".venvs")
+    for root in roots:
+        candidate = root / engine / "bin" / "python"
+        if candidate.is_file():
+            return str(candidate)
+    raise ValueError(
+        f"infer_engine={engine}: {engine} is not importable in this environment and no venv was found at "
+        f"{roots[-1] / engine}: build it with `nox -s {engine}_venv`, or set infer_engine.python to its python"
+    )
+
+
 class Cluster:
     """Creates worker groups for roles on the configured backend."""
 

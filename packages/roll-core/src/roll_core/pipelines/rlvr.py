@@ -26,7 +26,7 @@ from roll_algos.losses import masked_mean, off_policy_weights, overlong_penalty
 from roll_core import registry
 from roll_core.algorithms import token_rewards_from_scores
 from roll_core.checkpoint import CheckpointManager
-from roll_core.cluster.launch import Cluster
+from roll_core.cluster.launch import Cluster, resolve_python
 from roll_core.cluster.roles import InferGroup, RewardGroup, TrainGroup
 from roll_core.cluster.weight_sync import WeightSync
 from roll_core.config.build import as_dict, build
@@ -109,7 +109,7 @@ class RLVRPipeline:
             "actor_infer",
             ie["world_size"],
             devices_per_worker=int(ie.get("tensor_parallel_size", 1)),
-            python=ie["python"],
+            python=resolve_python(ie["python"], ie["name"]),
             max_concurrency=ie["max_concurrency"] or 64,
             engine=ie,
             runtime={**common, "max_new_tokens": model.max_response_length},

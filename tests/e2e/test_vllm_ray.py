@@ -1,0 +1,40 @@
+"""vLLM in its own venv as the rollout engine of a GRPO run on Ray (the trainer stays in the main venv).
+
+The engine actor starts with .venvs/vllm's python (Ray runtime_env py_executable), built by `nox -s vllm_venv`
+(the tests session builds it). Skips when that venv is absent.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from roll_core.testing import reward_curve, run_pipeline, tiny_overrides
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+VLLM_PYTHON = os.environ.get("ROLL_VLLM_PYTHON") or str(Path(__file__).parents[2] / ".venvs/vllm/bin/python")
+
+
+@pytest.mark.skipif(not Path(VLLM_PYTHON).is_file(), reason=f"no vLLM venv at {VLLM_PYTHON} (nox -s vllm_venv)")
+def test_grpo_learns_with_vllm_in_its_own_venv(ray_cluster, seven_task: Path, tmp_path: Path) -> None:
+    _, history = run_pipeline(
+        tiny_overrides(
+            seven_task,
+            tmp_path,
+            "model.path=builtin:tiny-wide",  # vLLM's CPU attention needs heads of >= 32 dimensions
+            "infer_engine=vllm",
+            f"infer_engine.python={VLLM_PYTHON}",
+            "infer_engine.max_model_len=512",
+            "infer_engine.kv_cache_gb=1",
+            "cluster=ray",
+        )
+    )
+    r = reward_curve(history)
+    assert sum(r[-4:]) / 4 > sum(r[:4]) / 4 + 0.25, r
+    steps = [h for h in history if h["step"] > 0]
+    # After every sync vLLM samples from exactly the trainer's policy (processed log-probs, reloaded weights).
+    assert max(h["actor/train_infer_logprob_diff"] for h in steps) < 1e-4
+    assert all(h["sync/transport"] == "object_store" if "sync/transport" in h else True for h in steps)
+    assert [h["sync/weight_version"] for h in steps] == list(range(1, len(steps) + 1))
