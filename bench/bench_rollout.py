@@ -25,6 +25,7 @@ import os
 import platform
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -125,7 +126,7 @@ def run_vllm(path: str, prompts: list[list[int]], n: int, max_new: int, runs: in
     from roll_core.interfaces import SamplingParams
     from roll_engines.infer.vllm import VLLMInferEngine
 
-    engine = VLLMInferEngine(path, max_num_seqs=len(prompts) * n, max_model_len=512)
+    engine = VLLMInferEngine(path, max_num_seqs=len(prompts) * n, max_model_len=512, cache_root=tempfile.mkdtemp())
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new, ignore_eos=True, seed=0)
     try:
         return time_calls(lambda: engine.generate(prompts, params, n=n), runs)
@@ -146,13 +147,16 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=str(ROOT / ".venvs" / "vllm" / "bin" / "python"))
     ap.add_argument("--quick", action="store_true", help="tiny-wide model, one timed run")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # run one engine and print JSON (subprocess mode)
+    ap.add_argument("--workload", help=argparse.SUPPRESS)  # JSON file with the model path and prompts
     args = ap.parse_args()
     if args.quick:
         args.model, args.runs = "builtin:tiny-wide", 1
-    path, prompts = workload(args.model)
-    if args.worker:
-        print("RESULT " + json.dumps(ENGINES[args.worker](path, prompts, args.n, args.max_new, args.runs)))
+    if args.worker:  # in the engine's venv, which need not have roll-envs: the parent wrote the prompts
+        spec = json.loads(Path(args.workload).read_text())
+        times = ENGINES[args.worker](spec["path"], spec["prompts"], args.n, args.max_new, args.runs)
+        print("RESULT " + json.dumps(times))
         return
+    path, prompts = workload(args.model)
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -180,20 +184,10 @@ def main() -> None:
             if not Path(args.vllm_python).exists():
                 print(f"vllm: skipped ({args.vllm_python} missing: build it with `nox -s vllm_venv`)")
                 continue
-            cmd = [
-                args.vllm_python,
-                __file__,
-                "--worker",
-                "vllm",
-                "--model",
-                args.model,
-                "--n",
-                str(args.n),
-                "--max-new",
-                str(args.max_new),
-                "--runs",
-                str(args.runs),
-            ]
+            spec = Path(tempfile.mkdtemp()) / "workload.json"
+            spec.write_text(json.dumps({"path": path, "prompts": prompts}))
+            cmd = [args.vllm_python, __file__, "--worker", "vllm", "--workload", str(spec), "--n", str(args.n)]
+            cmd += ["--max-new", str(args.max_new), "--runs", str(args.runs)]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not lines:

@@ -86,3 +86,35 @@ def model_path_tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
     return resolve_model_path("builtin:tiny")
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode"])
+def test_a_failing_forward_fails_requests_instead_of_hanging(model_path_tiny: str, where: str) -> None:
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from roll_core.interfaces import Request
+
+    eng = HFInferEngine(model_path_tiny, max_new_tokens=8)
+    forward = eng.model.forward
+    calls = {"n": 0}
+
+    def broken(*args, **kwargs):
+        calls["n"] += 1
+        if where == "prefill" or calls["n"] > 2:
+            raise RuntimeError("device lost")
+        return forward(*args, **kwargs)
+
+    eng.model.forward = broken
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:  # bounded wait: a hang fails the test instead of stalling the suite
+        call = pool.submit(eng.generate, [[5, 6, 7]], SamplingParams(max_new_tokens=8, ignore_eos=True), 2)
+        with pytest.raises(RuntimeError, match="device lost"):
+            call.result(timeout=30)
+    fut = eng.submit(Request("after", [5, 6], SamplingParams(max_new_tokens=4)))
+    try:
+        with pytest.raises(RuntimeError, match="device lost"):
+            fut.result(timeout=30)
+    except FutureTimeout:
+        pytest.fail("a request hung after the engine's forward failed")
+    eng.shutdown()

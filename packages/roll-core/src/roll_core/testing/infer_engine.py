@@ -160,10 +160,15 @@ class InferEngineTestSuite:
 
     def test_request_api_concurrent_and_abort(self, engine: InferEngine, prompts: list[list[int]]) -> None:
         long = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True, seed=3)
+        # Paused (as during a weight sync) nothing advances, so the abort lands whatever the engine's speed.
+        engine.begin_weight_update()
         futures = {f"r{i}": engine.submit(Request(f"r{i}", prompts[i % 3], long)) for i in range(4)}
-        time.sleep(0.2)
-        assert engine.abort("r1") is True
-        assert engine.abort("no-such-request") is False
+        time.sleep(0.1)
+        try:
+            assert engine.abort("r1") is True
+            assert engine.abort("no-such-request") is False
+        finally:
+            engine.finish_weight_update()
         results = {rid: f.result(timeout=300) for rid, f in futures.items()}
         assert results["r1"].finish_reason == "abort" and len(results["r1"].token_ids) < 400
         assert len(results["r1"].token_ids) == len(results["r1"].logprobs)
@@ -171,6 +176,16 @@ class InferEngineTestSuite:
             assert results[rid].finish_reason == "length" and len(results[rid].token_ids) == 400
             assert results[rid].prompt_ids == prompts[int(rid[1]) % 3]
         assert engine.abort("r0") is False  # finished requests cannot be aborted
+        # A running request aborted mid-way keeps what it generated (tokens and their log-probs).
+        fut = engine.submit(Request("mid", prompts[0], long))
+        deadline = time.monotonic() + 30
+        while not fut.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+            if engine.abort("mid"):
+                break
+        out = fut.result(timeout=300)
+        assert len(out.token_ids) == len(out.logprobs)
+        assert out.finish_reason == "abort" or len(out.token_ids) == 400
 
     def test_joining_a_running_batch_changes_nothing(self, engine: InferEngine, prompts: list[list[int]]) -> None:
         greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)

@@ -25,11 +25,102 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from transformers.cache_utils import DynamicLayer
 
 from roll_core.interfaces.inference import Request, RequestOutput
 from roll_engines.infer._sampling import StopStrings, processed_logprobs, sample_rows
 
 log = logging.getLogger(__name__)
+
+
+class GrowingLayer(DynamicLayer):
+    """A plain KV-cache layer (transformers' DynamicLayer protocol) over buffers with spare sequence capacity.
+
+    transformers' DynamicLayer concatenates every new token onto the whole cache, copying all of it at every
+    decode step (measured: 30% of decode time for a 135M model at 32 rows). Here a token is written in place and
+    the buffer doubles when full, so the copy cost is amortised to O(1) per token. `keys`/`values` are views of
+    the filled part, which is what attention reads.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._k: Tensor | None = None  # (B, H, capacity, D)
+        self._v: Tensor | None = None
+        self.length = 0
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+        self.is_initialized = False
+
+    def _views(self) -> None:
+        self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+    def _reserve(self, need: int) -> None:
+        cap = self._k.shape[2]
+        if need <= cap:
+            return
+        new_cap = max(need, 2 * cap)
+        grow = [*self._k.shape[:2], new_cap - cap, self._k.shape[3]]
+        self._k = torch.cat([self._k, self._k.new_zeros(grow)], dim=2)
+        self._v = torch.cat([self._v, self._v.new_zeros(grow)], dim=2)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object):
+        n = key_states.shape[2]
+        if not self.is_initialized:
+            shape = [*key_states.shape[:2], n + 64, key_states.shape[3]]
+            self._k, self._v = key_states.new_zeros(shape), value_states.new_zeros(shape)
+            self.is_initialized = True
+        self._reserve(self.length + n)
+        self._k[:, :, self.length : self.length + n] = key_states
+        self._v[:, :, self.length : self.length + n] = value_states
+        self.length += n
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # ---- the batcher's row and column surgery ------------------------------------------------------------
+    def select_rows(self, idx: Tensor) -> None:
+        self._k, self._v = self._k[idx], self._v[idx]
+        self._views()
+
+    batch_select_indices = select_rows  # the name transformers' Cache calls
+
+    def trim_front(self, n: int) -> None:
+        """Drop the first n columns (unused by every remaining row)."""
+        self._k, self._v = self._k[:, :, n:], self._v[:, :, n:]
+        self.length -= n
+        self._views()
+
+    def append_rows(self, other: GrowingLayer, width: int) -> None:
+        """Rows of `other` below this layer's, both left-padded to `width` columns (masked padding)."""
+
+        def lpad(t: Tensor) -> Tensor:
+            extra = width - t.shape[2]
+            return t if not extra else torch.cat([t.new_zeros([*t.shape[:2], extra, t.shape[3]]), t], dim=2)
+
+        k = torch.cat([lpad(self.keys), lpad(other.keys)], dim=0)
+        v = torch.cat([lpad(self.values), lpad(other.values)], dim=0)
+        self._k, self._v, self.length = k, v, width
+        self._reserve(width + 64)
+        self._views()
+
+
+def plain_layers(cache: object) -> bool:
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
 @dataclass
@@ -102,7 +193,12 @@ class ContinuousBatcher:
     def kv_bytes(self) -> int:
         if self.cache is None:
             return 0
-        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self.cache.layers
+            for t in (getattr(layer, "_k", layer.keys), getattr(layer, "_v", layer.values))
+            if t is not None
+        )
 
     def release(self) -> None:
         """Drop the KV cache (only when nothing runs)."""
@@ -165,6 +261,15 @@ class ContinuousBatcher:
             new.append(seq)
         if not new:
             return
+        try:
+            self._prefill(new)
+        except BaseException as exc:  # the new requests are in neither queue yet: fail them here, never drop them
+            for seq in new:
+                if not seq.future.done():
+                    seq.future.set_exception(exc)
+            raise
+
+    def _prefill(self, new: list[Running]) -> None:
         unique: dict[tuple[int, ...], int] = {}
         for s in new:
             unique.setdefault(tuple(s.request.prompt_ids), len(unique))
@@ -178,6 +283,8 @@ class ContinuousBatcher:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
+        if plain_layers(cache):
+            cache.layers = [GrowingLayer() for _ in cache.layers]
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=attn.to(self.device),
@@ -194,29 +301,22 @@ class ContinuousBatcher:
         self._merge(new, cache, new_attn)
 
     def _merge(self, new: list[Running], cache: object, attn: Tensor) -> None:
-        from transformers.cache_utils import DynamicLayer
-
-        plain = all(type(layer) is DynamicLayer for layer in cache.layers)
+        growing = all(isinstance(layer, GrowingLayer) for layer in cache.layers)
         if not self.running:
             self.cache, self.attn, self.running = cache, attn, list(new)
-            if not plain and self.mergeable:
+            if not growing and self.mergeable:
                 self.mergeable = False
                 log.info("model cache has non-plain layers: requests join only an empty batch (static batching)")
             return
         width = max(self.attn.shape[1], attn.shape[1])
-
-        def lpad(t: Tensor, dim: int) -> Tensor:
-            extra = width - t.shape[dim]
-            if not extra:
-                return t
-            shape = list(t.shape)
-            shape[dim] = extra
-            return torch.cat([t.new_zeros(shape), t], dim=dim)
-
         for old_layer, new_layer in zip(self.cache.layers, cache.layers):
-            old_layer.keys = torch.cat([lpad(old_layer.keys, 2), lpad(new_layer.keys, 2)], dim=0)
-            old_layer.values = torch.cat([lpad(old_layer.values, 2), lpad(new_layer.values, 2)], dim=0)
-        self.attn = torch.cat([lpad(self.attn, 1), lpad(attn, 1)], dim=0)
+            old_layer.append_rows(new_layer, width)
+
+        def lpad(t: Tensor) -> Tensor:
+            extra = width - t.shape[1]
+            return t if not extra else torch.cat([t.new_zeros((t.shape[0], extra)), t], dim=1)
+
+        self.attn = torch.cat([lpad(self.attn), lpad(attn)], dim=0)
         self.running += new
 
     # ---- retirement ---------------------------------------------------------------------------------------
@@ -235,14 +335,17 @@ class ContinuousBatcher:
             self.cache, self.attn = None, None
             return
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.cache.batch_select_indices(idx)
         self.attn = self.attn[idx]
+        if not self.mergeable:  # a static batch of non-plain layers: transformers' own row selection
+            self.cache.batch_select_indices(idx)
+            return
         used = self.attn.any(dim=0).nonzero()
         first = int(used[0]) if len(used) else 0
-        if first > 0:  # columns only finished rows used: trim them
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-            self.attn = self.attn[:, first:]
+        for layer in self.cache.layers:
+            layer.select_rows(idx)
+            if first > 0:  # columns only finished rows used
+                layer.trim_front(first)
+        self.attn = self.attn[:, first:]
 
     def _resolve(self, seq: Running) -> None:
         out = RequestOutput(

@@ -83,9 +83,7 @@ class HFInferEngine:
             # (measured: 3-10x slower generate calls). Private copies keep them resident.
             for p in itertools.chain(self.model.parameters(), self.model.buffers()):
                 p.data = p.data.clone()
-        self._shapes = {
-            k: tuple(p.shape) for k, p in itertools.chain(self.model.named_parameters(), self.model.named_buffers())
-        }
+        self._shapes = {k: tuple(p.shape) for k, p in self.model.named_parameters()}
         self._pad_id = self.tokenizer.pad_token_id
         if self._pad_id is None:
             self._pad_id = self.tokenizer.eos_token_id
@@ -258,7 +256,8 @@ class HFInferEngine:
                 raise RuntimeError(f"{self.name} engine: cannot sleep while requests run; finish or abort them")
             self.batcher.release()
             if level == 2:
-                for p in itertools.chain(self.model.parameters(), self.model.buffers()):
+                # Parameters only: buffers are small, and non-persistent ones (rotary tables) are never synced.
+                for p in self.model.parameters():
                     p.data = torch.empty(0, dtype=p.dtype, device=self.device)
                 self._weights_valid = False
             elif self.device.type != "cpu":
@@ -271,9 +270,10 @@ class HFInferEngine:
 
     def wake_up(self) -> None:
         with self._lock:
-            if self._sleeping == 2:  # fresh (garbage) storage of the right shapes; the next full sync fills it
-                for name, p in itertools.chain(self.model.named_parameters(), self.model.named_buffers()):
-                    p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=self.device)
+            if self._sleeping == 2:  # fresh storage of the right shapes; the next full sync fills it
+                for name, p in self.model.named_parameters():
+                    # NaN, not leftover memory: a weight the sync forgot shows up at once instead of by chance.
+                    p.data = torch.full(self._shapes[name], float("nan"), dtype=p.dtype, device=self.device)
             elif self._sleeping == 1 and self.device.type != "cpu":
                 self.model.to(self.device)
             self._sleeping = 0

@@ -157,6 +157,7 @@ class SGLangInferEngine:
         self._tasks: dict[asyncio.Task, tuple[Request, Future, str]] = {}
         self._rids: dict[str, str] = {}  # roll request id -> SGLang rid of the running request
         self._slept: list[str] = []
+        self._paused = False  # between begin_weight_update and finish_weight_update the loop does not run
         self._stopped = False
         self._driver = threading.Thread(target=self._drive, name=f"{name}-driver", daemon=True)
         self._driver.start()
@@ -182,8 +183,8 @@ class SGLangInferEngine:
     def _drive(self) -> None:
         loop = self.engine.loop
         while not self._stopped:
-            self._take_jobs(block=not self._tasks)
-            if self._tasks:
+            self._take_jobs(block=not self._tasks or self._paused)
+            if self._tasks and not self._paused:
                 done, _ = loop.run_until_complete(
                     asyncio.wait(list(self._tasks), timeout=0.02, return_when=asyncio.FIRST_COMPLETED)
                 )
@@ -276,8 +277,12 @@ class SGLangInferEngine:
 
     # ---- weights ------------------------------------------------------------------------------------------
     def begin_weight_update(self) -> None:
-        if hasattr(self.engine, "begin_weight_update"):  # sglang >= 0.5.21
-            self._control(self.engine.begin_weight_update)
+        def do() -> None:
+            self._paused = True
+            if hasattr(self.engine, "begin_weight_update"):  # sglang >= 0.5.21
+                self.engine.begin_weight_update()
+
+        self._control(do)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
         named = list(named_tensors)
@@ -293,9 +298,12 @@ class SGLangInferEngine:
 
     def finish_weight_update(self) -> int:
         def do() -> None:
-            if hasattr(self.engine, "end_weight_update"):
-                self.engine.end_weight_update()
-            self.engine.flush_cache()
+            try:
+                if hasattr(self.engine, "end_weight_update"):
+                    self.engine.end_weight_update()
+                self.engine.flush_cache()
+            finally:
+                self._paused = False
 
         self._control(do)
         self._version += 1

@@ -144,6 +144,7 @@ class VLLMInferEngine:
         self._by_roll_id: dict[str, str] = {}  # roll request id -> external vLLM id
         self._staged: dict[str, Tensor] = {}
         self._slept = 0
+        self._paused = False  # between begin_weight_update and finish_weight_update: no steps
         self._warned_sleep = False
         self._stopped = False
         self._driver = threading.Thread(target=self._drive, name=f"{name}-driver", daemon=True)
@@ -180,8 +181,8 @@ class VLLMInferEngine:
     # ---- the driver thread --------------------------------------------------------------------------------
     def _drive(self) -> None:
         while not self._stopped:
-            self._take_jobs(block=not self._pending)
-            if not self._pending:
+            self._take_jobs(block=not self._pending or self._paused)
+            if not self._pending or self._paused:
                 continue
             try:
                 outputs = self.engine.step()
@@ -288,6 +289,10 @@ class VLLMInferEngine:
 
     # ---- weights ------------------------------------------------------------------------------------------
     def begin_weight_update(self) -> None:
+        def do() -> None:  # on the driver thread: no step is in progress once this runs
+            self._paused = True
+
+        self._control(do)
         self._staged = {}
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
@@ -301,9 +306,12 @@ class VLLMInferEngine:
         staged, self._staged = self._staged, {}
 
         def do() -> None:
-            if staged:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(staged.items())})
-            self.llm.reset_prefix_cache()
+            try:
+                if staged:
+                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(staged.items())})
+                self.llm.reset_prefix_cache()
+            finally:
+                self._paused = False
 
         self._control(do)
         self._version += 1
