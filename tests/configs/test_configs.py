@@ -124,3 +124,12 @@ def test_invariant_violation_says_how_to_fix() -> None:
         to_object(compose(["algo=grpo", "algo.group_size=1"]))
     with pytest.raises(ConfigError, match=r"algo.dual_clip=0.5 must be > 1"):
         to_object(compose(["algo.dual_clip=0.5"]))
+
+
+def test_engine_specific_sampling_limits_name_the_engine() -> None:
+    with pytest.raises(ConfigError, match=r"infer_engine=sglang reports log-probs before top-k/top-p truncation"):
+        to_object(compose(["infer_engine=sglang", "infer_engine.top_p=0.9"]))
+    with pytest.raises(ConfigError, match=r"infer_engine.temperature=0.0 must be > 0 for RL sampling"):
+        to_object(compose(["infer_engine=vllm", "infer_engine.temperature=0"]))
+    with pytest.raises(ConfigError, match=r"sync_transport='pigeon' is not one of"):
+        to_object(compose(["infer_engine.sync_transport=pigeon"]))

@@ -66,3 +66,11 @@ def test_resume_reproduces_the_uninterrupted_run(seven_task: Path, tmp_path: Pat
     for h in resumed:
         for k in keys:
             assert h[k] == pytest.approx(by_step[h["step"]][k], rel=1e-5, abs=1e-6), (h["step"], k)
+
+
+def test_sleeping_engine_gets_full_syncs_and_samples_the_trained_policy(seven_task: Path, tmp_path: Path) -> None:
+    """sleep_level=2 discards the engine's weights after every rollout: each sync must then send all of them."""
+    _, history = run(tiny_overrides(seven_task, tmp_path, "infer_engine.sleep_level=2", "pipeline.max_steps=4"))
+    steps = [h for h in history if h["step"] > 0]
+    assert all(h["sync/full"] == 1.0 for h in steps)
+    assert max(h["actor/train_infer_logprob_diff"] for h in steps) < 1e-4  # NaN weights would show here

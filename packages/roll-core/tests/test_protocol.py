@@ -72,3 +72,28 @@ def test_sequence_layout() -> None:
     assert seq["input_ids"].tolist() == [[5, 6, 7, 1, 2], [0, 0, 8, 3, 0]]
     assert seq["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [0, 0, 1, 1, 0]]
     assert seq["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 1, 1]]
+
+
+def test_assemble_drops_and_counts_prompts_that_fill_the_engine_context() -> None:
+    import torch
+
+    from roll_core.pipelines.rollout import assemble
+
+    class Tok:
+        pad_token_id = 0
+
+    prompts = Batch(fields={"prompt_ids": [[1, 2], [3, 4, 5], [6]], "answer": ["a", "b", "c"]})
+    gen = Batch(
+        {
+            "responses": torch.tensor([[7, 8], [0, 0], [9, 0]]),
+            "response_mask": torch.tensor([[1, 1], [0, 0], [1, 0]]),
+        },
+        {"finish_reason": ["stop", "prompt_too_long", "length"]},
+    )
+    metrics: dict = {}
+    batch = assemble(Tok(), prompts, gen, metrics)
+    assert metrics["data/skipped_context_prompts"] == 1
+    assert batch["answer"] == ["a", "c"] and batch["input_ids"].tolist() == [[1, 2, 7, 8], [0, 6, 9, 0]]
+    only_long = Batch(gen.tensors(), {"finish_reason": ["prompt_too_long"] * 3})
+    with pytest.raises(ValueError, match="every prompt fills the inference engine's context"):
+        assemble(Tok(), prompts, only_long, {})

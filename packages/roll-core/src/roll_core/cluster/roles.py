@@ -223,8 +223,8 @@ class InferWorker(Worker):
 
         nbytes = 0
         for ref in refs:
-            bucket: Bucket = ray.get(ref)
-            nbytes += self.engine.update_weights(bucket)
+            bucket: Bucket | dict[str, torch.Tensor] = ray.get(ref)
+            nbytes += self.engine.update_weights(bucket.items() if isinstance(bucket, dict) else bucket)
             del bucket
         return nbytes
 
