@@ -27,8 +27,16 @@ class HFTrainEngineConfig:
     gradient_checkpointing: bool = False
     # torch threads per worker process; null: all cores.
     num_threads: int | None = None
+    # dtype of the trained parameters and AdamW state (master weights); model.dtype is the compute dtype
+    # (autocast in hf, FSDP2's MixedPrecisionPolicy in fsdp2). float32 unless memory forces otherwise.
+    param_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.param_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"train_engine.param_dtype={self.param_dtype!r}: use float32 (master weights) or bfloat16 "
+                "(pure bf16: small updates round to nothing); float16 parameters cannot train"
+            )
         if self.micro_batch_size < 1 or self.logprob_chunk_size < 1:
             raise ValueError("train_engine.micro_batch_size and logprob_chunk_size must be >= 1")
         if self.name == "hf" and self.world_size != 1:

@@ -53,15 +53,20 @@ class FSDP2TrainEngine(HFTrainEngine):
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         layers = getattr(getattr(model, "model", model), "layers", None)
         if layers is None:
             raise TypeError(f"cannot find decoder layers (model.model.layers) in {type(model).__name__}")
+        # Sharded parameters (and AdamW state) stay in param_dtype; FSDP casts the gathered parameters to the
+        # compute dtype for forward/backward and reduces gradients in fp32.
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        kwargs = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward, "mp_policy": mp}
         for layer in layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
-        fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        self.autocast = False  # the policy does the casting
         return model
 
     @property

@@ -74,16 +74,29 @@ class HFTrainEngine:
         world_size: int = 1,
         num_threads: int | None = None,
         seed: int = 0,
+        param_dtype: str = "float32",
     ) -> None:
         if role not in ("actor", "critic", "reference"):
             raise ValueError(f"role must be actor, critic or reference, got {role!r}")
+        self.trainable = trainable and role != "reference"
         # Ray sets OMP_NUM_THREADS=1 in workers with fractional CPUs; torch threads are set explicitly instead.
         torch.set_num_threads(num_threads or default_num_threads())
         self.name, self.role, self.device = name, role, torch.device(device)
         self.micro_batch_size, self.logprob_chunk_size = micro_batch_size, logprob_chunk_size
         self.max_grad_norm = max_grad_norm
         self.path = resolve_model_path(model_path)
-        self.dtype = torch_dtype(dtype)
+        # Mixed precision: `dtype` (the run's model.dtype) is the compute dtype; trainable engines keep their
+        # parameters (and so AdamW's state) in `param_dtype`, fp32 by default: at lr 1e-6 most bf16 updates
+        # would round to nothing. A frozen reference needs no master copy and is held in the compute dtype.
+        self.compute_dtype = torch_dtype(dtype)
+        self.dtype = torch_dtype(param_dtype) if self.trainable else self.compute_dtype
+        if self.dtype == torch.float16:
+            raise ValueError("param_dtype=float16 cannot train (updates underflow): keep float32 master weights")
+        self.autocast = self.compute_dtype != self.dtype  # FSDP2 casts in its own mixed-precision policy
+        # fp16 compute needs loss scaling (its gradients underflow); bf16 has fp32's exponent range.
+        self.scaler = (
+            torch.amp.GradScaler(self.device.type) if self.trainable and self.compute_dtype == torch.float16 else None
+        )
         torch.manual_seed(seed)  # the critic's new value head is initialised from this seed
         self.model = self._load(attn_implementation, trust_remote_code)
         if gradient_checkpointing and trainable:
@@ -94,7 +107,6 @@ class HFTrainEngine:
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = self._wrap(self.model)
-        self.trainable = trainable and role != "reference"
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if self.trainable:
@@ -122,6 +134,11 @@ class HFTrainEngine:
         else:
             model = AutoModelForCausalLM.from_pretrained(self.path, **kwargs)
         model.config.use_cache = False
+        # No dropout anywhere (as peers do): the log-probs and values a step trains on must be the ones the
+        # scoring passes computed in eval mode (a token-classification head brings dropout 0.1 by default).
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
         return model.to(self.device)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -148,10 +165,12 @@ class HFTrainEngine:
             attention_mask=micro["attention_mask"].to(self.device),
             position_ids=micro["position_ids"].to(self.device),
         )
-        if self.role == "critic":
-            scores = self.model(**kwargs).logits  # (b, P+R, 1)
-            return {"values": scores[:, -r - 1 : -1, 0].float()}
-        logits = self.model(**kwargs, logits_to_keep=r + 1).logits[:, :-1]  # (b, R, V)
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast):
+            if self.role == "critic":
+                scores = self.model(**kwargs).logits  # (b, P+R, 1)
+                return {"values": scores[:, -r - 1 : -1, 0].float()}
+            logits = self.model(**kwargs, logits_to_keep=r + 1).logits[:, :-1]  # (b, R, V)
+        logits = logits.float()  # temperature and log-softmax in fp32 whatever the compute dtype
         if temperature != 1.0:
             logits = logits / temperature
         out = {"logprobs": token_logprobs(logits, resp)}
@@ -235,7 +254,8 @@ class HFTrainEngine:
             outputs = self._forward(micro, temperature, loss_fn.needs_entropy)
             loss, metrics = loss_fn(outputs, {k: v.to(self.device) for k, v in micro.items()})
             scale = loss_fn.units(micro) / total * self.dp_size if total > 0 else 0.0
-            (loss * scale).backward()
+            scaled = loss * scale
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             out += [(k, float(v)) for k, v in metrics.items()]
         return out
 
@@ -255,12 +275,17 @@ class HFTrainEngine:
 
     def _clip_and_step(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
         if self.max_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if math.isfinite(norm):
+        if self.scaler is not None:  # skips the step on inf/nan (then lowers the scale)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif math.isfinite(norm):
             self.optimizer.step()
         else:  # a non-finite gradient would poison the weights: skip the step (reported as grad_norm=inf/nan)
             self.optimizer.zero_grad(set_to_none=True)
@@ -306,6 +331,8 @@ class HFTrainEngine:
             AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(folder / "model")
         if self.optimizer is not None:
             state = {"optimizer": self._optimizer_state(), "scheduler": self.scheduler.state_dict()}
+            if self.scaler is not None:
+                state["scaler"] = self.scaler.state_dict()
             name = "engine.pt" if self.dp_size == 1 else f"engine.rank{self.dp_rank}.pt"
             torch.save(state, folder / name)
 
@@ -329,6 +356,8 @@ class HFTrainEngine:
             state = torch.load(folder / name, map_location="cpu", weights_only=False)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
+            if self.scaler is not None and "scaler" in state:
+                self.scaler.load_state_dict(state["scaler"])
 
     def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
