@@ -63,3 +63,59 @@ def test_fsdp2_gradients_equal_single_process(ray_cluster) -> None:
             torch.testing.assert_close(weights[k], v)
     finally:
         group.shutdown()
+
+
+def _fsdp2_group(path: str, ranks: int, micro: int) -> TrainGroup:
+    from roll_engines.config import FSDP2TrainEngineConfig
+
+    return TrainGroup(
+        TrainWorker,
+        ranks,
+        "ray",
+        ray_options=RayOptions(num_cpus=0.5),
+        engine=vars(FSDP2TrainEngineConfig(world_size=ranks, micro_batch_size=micro, logprob_chunk_size=micro)),
+        runtime={"model_path": path, "lr": 1e-3, "num_threads": 1, "dist_backend": "gloo"},
+    )
+
+
+def _call(handle, timeout: float = 120.0):
+    """Wait with a bound: mismatched collectives hang instead of failing."""
+    import ray
+
+    ready, _ = ray.wait(handle.refs, num_returns=len(handle.refs), timeout=timeout)
+    assert len(ready) == len(handle.refs), "FSDP2 ranks hung (mismatched collectives)"
+    return handle.values()
+
+
+def test_fsdp2_uneven_rows_balance_collectives(ray_cluster) -> None:
+    """5 rows over 2 ranks (3 + 2) in micro-batches of 2: the ranks need 2 and 1 micro-batches. Gradients equal
+    the single-process engine's; log-probs come back for every row; 3 mini-batches over 2 rows still train."""
+    from roll_engines.train.hf import HFTrainEngine
+
+    path = resolve_model_path("builtin:tiny")
+    full = _batch(path)
+    batch = full.index(list(range(5)))
+    objective = PolicyObjective(agg="token-mean")
+    single = HFTrainEngine(path, lr=1e-3, micro_batch_size=2)
+    expected = single.compute_gradients(batch.tensors(), objective)
+    expected_logp = single.compute_logprobs(batch.tensors())["logprobs"]
+    group = _fsdp2_group(path, 2, micro=2)
+    try:
+        got = _call(group.submit("compute_gradients", batch, objective))[0]
+        for name, g in expected.items():
+            torch.testing.assert_close(got[name], g, atol=1e-6, rtol=1e-4, msg=name)
+        logp = Batch.concat(_call(group.submit("compute_logprobs", batch)))["logprobs"]
+        torch.testing.assert_close(logp, expected_logp, atol=1e-5, rtol=1e-5)
+        metrics = _call(group.submit("train", batch, objective, 3, 1, 1.0, 0))  # rank 1: 2 rows, 3 mini-batches
+        assert all(torch.isfinite(torch.tensor(m["grad_norm"])) for m in metrics)
+        one_row = full.index([0])  # rank 1 gets no row at all
+        assert _call(group.submit("compute_gradients", one_row, objective))[0]
+    finally:
+        group.shutdown()
+
+
+def test_sharded_trainer_refuses_the_local_backend() -> None:
+    from roll_engines.config import FSDP2TrainEngineConfig
+
+    with pytest.raises(ValueError, match=r"one process per rank .* use cluster=ray"):
+        TrainGroup(TrainWorker, 2, "local", engine=vars(FSDP2TrainEngineConfig()), runtime={"model_path": "x"})

@@ -77,6 +77,8 @@ class WorkerGroup(Generic[W]):
 
     #: The worker class a typed subclass drives (used by roll_core.cluster.launch.Cluster).
     worker_cls: type[Worker] = Worker
+    #: Ranks are torch.distributed processes (sharded training): several ranks cannot share one process.
+    one_process_per_rank: bool = False
 
     def __init__(
         self,
@@ -94,8 +96,11 @@ class WorkerGroup(Generic[W]):
         self.nodes: list[str] = ["local"] * world_size  # node id per rank, for error messages
         rendezvous = {"master_addr": "127.0.0.1", "master_port": free_port()}
         if backend == "local":
-            if world_size > 1 and kwargs.get("requires_distributed", False):
-                raise ValueError(f"{self.name}: world_size={world_size} needs separate processes; use cluster=ray")
+            if world_size > 1 and self.one_process_per_rank:
+                raise ValueError(
+                    f"{self.name}: world_size={world_size} runs one process per rank (torch.distributed), which the "
+                    "local backend cannot give: use cluster=ray, or world_size=1"
+                )
             self.workers: list[Any] = [
                 cls(rank=r, world_size=world_size, **rendezvous, **kwargs) for r in range(world_size)
             ]

@@ -286,6 +286,7 @@ class TrainGroup(WorkerGroup[TrainWorker]):
     """actor_train, critic or reference."""
 
     worker_cls = TrainWorker
+    one_process_per_rank = True
 
     def compute_logprobs(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch:
         return self.call("compute_logprobs", batch, temperature, with_entropy)

@@ -84,9 +84,16 @@ class FSDP2TrainEngine(HFTrainEngine):
     def _all_reduce_sum(self, t: Tensor) -> Tensor:
         import torch.distributed as dist
 
-        t = t.clone()
+        t = t.to(self.device, copy=True)  # nccl/hccl reduce device tensors only
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
+        return t.cpu()
+
+    def _all_reduce_max(self, n: int) -> int:
+        import torch.distributed as dist
+
+        t = torch.tensor([n], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     # ---- full-state collectives ---------------------------------------------------------------------------
     def _full_state_dict(self) -> dict[str, Tensor]:

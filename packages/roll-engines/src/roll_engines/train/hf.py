@@ -155,6 +155,9 @@ class HFTrainEngine:
     def _all_reduce_sum(self, t: Tensor) -> Tensor:
         return t
 
+    def _all_reduce_max(self, n: int) -> int:
+        return n
+
     # ---- forward ------------------------------------------------------------------------------------------
     def _forward(self, micro: Mapping[str, Tensor], temperature: float, with_entropy: bool) -> dict[str, Tensor]:
         ids = micro["input_ids"].to(self.device)
@@ -193,13 +196,24 @@ class HFTrainEngine:
     def _chunked(self, batch: Mapping[str, Tensor], temperature: float, with_entropy: bool) -> dict[str, Tensor]:
         was_training = self.model.training
         self.model.eval()  # no dropout in scoring passes
-        n = batch["input_ids"].shape[0]
+        tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+        n = tensors["input_ids"].shape[0]
+        chunks = [
+            {k: v[s : s + self.logprob_chunk_size] for k, v in tensors.items()}
+            for s in range(0, n, self.logprob_chunk_size)
+        ]
         parts: dict[str, list[Tensor]] = {}
-        for s in range(0, n, self.logprob_chunk_size):
-            micro = {k: v[s : s + self.logprob_chunk_size] for k, v in batch.items() if isinstance(v, Tensor)}
-            for k, v in self._forward(micro, temperature, with_entropy).items():
-                parts.setdefault(k, []).append(v.cpu())
+        # Sharded forwards are collective: every rank runs as many chunks as the busiest one (padding rows).
+        for i in range(self._all_reduce_max(len(chunks))):
+            chunk = chunks[i] if i < len(chunks) else _padding_row(tensors)
+            out = self._forward(chunk, temperature, with_entropy)
+            if i < len(chunks):
+                for k, v in out.items():
+                    parts.setdefault(k, []).append(v.cpu())
         self.model.train(was_training)
+        if not parts:  # a rank with no rows
+            r = tensors["responses"].shape[1]
+            return {k: torch.zeros(0, r) for k in (("values",) if self.role == "critic" else ("logprobs",))}
         return {k: torch.cat(v) for k, v in parts.items()}
 
     # ---- training -----------------------------------------------------------------------------------------
@@ -218,19 +232,24 @@ class HFTrainEngine:
             raise RuntimeError(f"the {self.role} engine is not trainable")
         tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
         n = tensors["input_ids"].shape[0]
-        if n < mini_batches:
-            raise ValueError(f"{n} rows on rank {self.dp_rank} cannot form {mini_batches} mini-batches")
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
         t0 = time.perf_counter()
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
+            # A rank may hold fewer rows than mini-batches (uneven splits, dropped groups): its part is then empty,
+            # and it still runs every collective; a mini-batch empty on all ranks takes no optimizer step.
             for mb_rows in torch.tensor_split(order, mini_batches):
                 self.optimizer.zero_grad(set_to_none=True)
-                for k, v in self._accumulate({k: v[mb_rows] for k, v in tensors.items()}, loss_fn, temperature):
+                metrics, total = self._accumulate(
+                    {k: v[mb_rows] for k, v in tensors.items()}, loss_fn, temperature, template=tensors
+                )
+                for k, v in metrics:
                     sums[k] = sums.get(k, 0.0) + v
                     counts[k] = counts.get(k, 0) + 1
+                if total == 0:
+                    continue
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + self._clip_and_step()
                 counts["grad_norm"] = counts.get("grad_norm", 0) + 1
         out = {k: sums[k] / counts[k] for k in sums}
@@ -238,10 +257,14 @@ class HFTrainEngine:
         out["train_seconds"] = time.perf_counter() - t0
         return out
 
-    def _accumulate(self, mini: dict[str, Tensor], loss_fn: LossFn, temperature: float) -> list[tuple[str, float]]:
+    def _accumulate(
+        self, mini: dict[str, Tensor], loss_fn: LossFn, temperature: float, template: dict[str, Tensor] | None = None
+    ) -> tuple[list[tuple[str, float]], float]:
         """Backward of one mini-batch in micro-batches, each scaled so the sum is the whole mini-batch's gradient.
 
-        Returns (metric name, value) pairs, one per metric per micro-batch.
+        Every data-parallel rank runs the same number of forward/backward passes (sharded engines' collectives
+        must pair up): a rank with fewer micro-batches adds padding rows whose loss weight is 0.
+        Returns (metric name, value) pairs of the real micro-batches and the mini-batch's units over all ranks.
         """
         n = mini["input_ids"].shape[0]
         micros = [
@@ -250,14 +273,17 @@ class HFTrainEngine:
         local = torch.tensor([sum(loss_fn.units(m) for m in micros)], dtype=torch.float64)
         total = float(self._all_reduce_sum(local).item())
         out = []
-        for micro in micros:
+        for i in range(self._all_reduce_max(len(micros))):
+            real = i < len(micros)
+            micro = micros[i] if real else _padding_row(template if template is not None else mini)
             outputs = self._forward(micro, temperature, loss_fn.needs_entropy)
             loss, metrics = loss_fn(outputs, {k: v.to(self.device) for k, v in micro.items()})
-            scale = loss_fn.units(micro) / total * self.dp_size if total > 0 else 0.0
+            scale = loss_fn.units(micro) / total * self.dp_size if real and total > 0 else 0.0
             scaled = loss * scale
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            out += [(k, float(v)) for k, v in metrics.items()]
-        return out
+            if real:
+                out += [(k, float(v)) for k, v in metrics.items()]
+        return out, total
 
     def compute_gradients(
         self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float = 1.0
@@ -365,3 +391,17 @@ class HFTrainEngine:
         missing = [k for k in missing if not (k.endswith("lm_head.weight") and "model.embed_tokens.weight" in weights)]
         if missing or unexpected:
             raise RuntimeError(f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def _padding_row(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """One row that trains nothing: the batch's first row (or zeros of its shapes when it has none) with an empty
+    response mask and zero-valued training signals, attending to every position so every value stays finite."""
+    row = {
+        k: (v[:1].clone() if v.shape[0] else torch.zeros((1, *v.shape[1:]), dtype=v.dtype)) for k, v in batch.items()
+    }
+    for k, v in row.items():
+        if k == "attention_mask":
+            row[k] = torch.ones_like(v)
+        elif k not in ("input_ids", "position_ids", "responses", "prompts"):
+            row[k] = torch.zeros_like(v)
+    return row
