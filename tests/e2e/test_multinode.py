@@ -47,7 +47,9 @@ def nodes():
         node = cluster.add_node(num_cpus=2, num_gpus=2, resources={name: 1, "DUMMY": 2})
         ids[name] = node.node_id
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"ROLL_CACHE_DIR": os.environ["ROLL_CACHE_DIR"]}})
+    # The dummy platform is active in the workers only: the driver (head) never needs the workers' devices.
+    env = {"ROLL_CACHE_DIR": os.environ["ROLL_CACHE_DIR"], "ROLL_DUMMY_PLATFORM": "1"}
+    ray.init(address=cluster.address, runtime_env={"env_vars": env})
     yield ids
     ray.shutdown()
     cluster.shutdown()
@@ -114,8 +116,10 @@ def test_colocated_roles_share_bundles_that_span_nodes(nodes: dict[str, str]) ->
 def test_tiny_rlvr_run_across_simulated_nodes(
     nodes: dict[str, str], seven_task: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """FSDP2 over 2 ranks on nodes a and b (never the driver's), driven from a head where the dummy platform is not
+    available: every worker resolves its own platform and device, and rank 0 chooses the rendezvous on its node."""
     pytest.importorskip("roll_dummy_platform")
-    monkeypatch.setenv("ROLL_DUMMY_PLATFORM", "1")
+    monkeypatch.delenv("ROLL_DUMMY_PLATFORM", raising=False)  # the driver cannot use the workers' devices
     summary, history = run_pipeline(
         tiny_overrides(
             seven_task,
@@ -124,12 +128,18 @@ def test_tiny_rlvr_run_across_simulated_nodes(
             "cluster.placement=disaggregated",
             "cluster.strategy=STRICT_SPREAD",
             "hw.platform=dummy",
+            "train_engine=fsdp2",
+            "train_engine.world_size=2",
             "pipeline.max_steps=3",
             "pipeline.eval_every=3",
         )
     )
     assert [h["step"] for h in history] == [0, 1, 2, 3] and summary["final_eval_accuracy"] is not None
     placement = json.loads((tmp_path / "placement.json").read_text())
+    train = placement["actor_train"]
+    assert {w["node_id"] for w in train} == set(nodes.values())  # one rank on each worker node, none on the head
+    host, port, chosen_by = train[0]["rendezvous"]
+    assert chosen_by == train[0]["pid"] and train[1]["rendezvous"] == [host, port, chosen_by]
     devices = [(w["node_id"], w["DUMMY_VISIBLE_DEVICES"]) for r in ("actor_train", "actor_infer") for w in placement[r]]
     assert {node for node, _ in devices} <= set(nodes.values())  # DUMMY devices live on a and b, not the head
-    assert len(set(devices)) == 2 and {d for _, d in devices} <= {"0", "1"}  # each role its own device
+    assert len(set(devices)) == 3 and {d for _, d in devices} <= {"0", "1"}  # each worker its own device

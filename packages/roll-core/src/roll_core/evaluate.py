@@ -32,7 +32,8 @@ def evaluate_model(cfg: Any, samples: int | None = None) -> dict[str, Any]:
             "dtype": cfg.model.dtype,
             "seed": cfg.pipeline.seed,
             "max_new_tokens": cfg.model.max_response_length,
-            "device": cluster.platform.torch_device(),
+            "platform": cluster.platform.name,
+            "device": "auto",
         },
     )
     reward = cluster.group(RewardGroup, "reward", 1, env=as_dict(cfg.env), tokenizer_path=tok_path)

@@ -94,31 +94,25 @@ class WorkerGroup(Generic[W]):
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.cls, self.world_size, self.backend, self.name = cls, world_size, backend, name or cls.__name__
         self.nodes: list[str] = ["local"] * world_size  # node id per rank, for error messages
-        rendezvous = {"master_addr": "127.0.0.1", "master_port": free_port()}
         if backend == "local":
             if world_size > 1 and self.one_process_per_rank:
                 raise ValueError(
                     f"{self.name}: world_size={world_size} runs one process per rank (torch.distributed), which the "
                     "local backend cannot give: use cluster=ray, or world_size=1"
                 )
-            self.workers: list[Any] = [
-                cls(rank=r, world_size=world_size, **rendezvous, **kwargs) for r in range(world_size)
-            ]
+            self.workers: list[Any] = [cls(rank=r, world_size=world_size, **kwargs) for r in range(world_size)]
+            endpoint = self.workers[0].rendezvous_endpoint()
+            for w in self.workers:
+                w.setup(*endpoint)
         elif backend == "ray":
-            self.workers = self._start_ray(cls, world_size, ray_options or RayOptions(), rendezvous, kwargs)
+            self.workers = self._start_ray(cls, world_size, ray_options or RayOptions(), kwargs)
         else:
             raise ValueError(f"unknown backend {backend!r}: use 'local' or 'ray'")
 
-    def _start_ray(
-        self, cls: type, world_size: int, opts: RayOptions, rendezvous: dict[str, Any], kwargs: dict[str, Any]
-    ) -> list[Any]:
+    def _start_ray(self, cls: type, world_size: int, opts: RayOptions, kwargs: dict[str, Any]) -> list[Any]:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if world_size > 1:
-            # Rank 0's node hosts the rendezvous; with placement on one node 127.0.0.1 works, otherwise use
-            # the driver's address, which every node can reach.
-            rendezvous["master_addr"] = ray.util.get_node_ip_address()
         remote_cls = ray.remote(cls)
         actors = []
         for r in range(world_size):
@@ -141,11 +135,15 @@ class WorkerGroup(Generic[W]):
                 options["runtime_env"] = runtime_env
             if opts.max_concurrency > 1:
                 options["max_concurrency"] = opts.max_concurrency
-            actors.append(remote_cls.options(**options).remote(rank=r, world_size=world_size, **rendezvous, **kwargs))
+            actors.append(remote_cls.options(**options).remote(rank=r, world_size=world_size, **kwargs))
         try:
             self.nodes = [str(n) for n in ray.get([a.node_id.remote() for a in actors])]
         except ray.exceptions.RayActorError as exc:
             raise WorkerDiedError(f"{self.name}: a worker failed to start: {exc}") from exc
+        # Phase two: rank 0 (wherever it landed) picks the rendezvous on its own node; then every rank sets up.
+        endpoint = ray.get(actors[0].rendezvous_endpoint.remote())
+        self.workers = actors
+        self._get([a.setup.remote(*endpoint) for a in actors], list(range(world_size)), "setup")
         return actors
 
     # ---- calls --------------------------------------------------------------------------------------------

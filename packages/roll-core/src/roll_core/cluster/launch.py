@@ -63,10 +63,16 @@ class Cluster:
     """Creates worker groups for roles on the configured backend."""
 
     def __init__(self, cfg: ClusterConfig, hw: HwConfig, platform: type[Platform] | None = None) -> None:
-        from roll_hw import resolve_platform
+        from roll_hw import get_platform_class, resolve_platform
 
         self.cfg = cfg
-        self.platform = platform or resolve_platform(None if hw.platform == "auto" else hw.platform)
+        if platform is not None:
+            self.platform = platform
+        elif hw.platform != "auto" and cfg.backend == "ray":
+            # Workers check the platform where they run: the driver may be a CPU-only head of a GPU cluster.
+            self.platform = get_platform_class(hw.platform)
+        else:
+            self.platform = resolve_platform(None if hw.platform == "auto" else hw.platform)
         self.groups: list[WorkerGroup] = []
         self._pgs: dict[str, Any] = {}
         self._node_devices: dict[str, int] = {}  # node id -> device bundles placed there by this run

@@ -34,14 +34,45 @@ def engine_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in cfg.items() if k not in WORKER_KEYS}
 
 
+def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
+    """Device and dtype decided where the engine runs, not on the driver (a CPU-only head may drive GPU workers).
+
+    `runtime["platform"]` names the platform ("auto": detect here); `device="auto"` becomes its torch device and
+    `dtype="auto"` (or a dtype it cannot run fast) becomes what the platform supports.
+    """
+    from types import SimpleNamespace
+
+    from roll_hw import get_platform_class, resolve_platform
+
+    out = dict(runtime)
+    name = out.pop("platform", "auto")
+    platform = resolve_platform() if name in (None, "auto") else get_platform_class(name)
+    if not platform.is_available():
+        import socket
+
+        raise RuntimeError(
+            f"platform {platform.name!r} is not available on {socket.gethostname()}: {platform.unavailable_reason()}"
+        )
+    if out.get("device", "auto") == "auto":
+        out["device"] = platform.torch_device()
+    if "dtype" in out:
+        cfg = SimpleNamespace(dtype=out["dtype"])
+        platform.check_and_update_config(cfg)
+        out["dtype"] = cfg.dtype
+    return out
+
+
 class TrainWorker(Worker):
     """Hosts a training engine (policy, critic or frozen reference)."""
 
     def __init__(self, engine: dict[str, Any], runtime: dict[str, Any], **base: Any) -> None:
         super().__init__(**base)
-        self.engine: TrainEngine = build(engine_kwargs(engine), **runtime)
+        self._engine_cfg, self._runtime = engine, runtime
         self._sync_group: SyncGroup | None = None
         self._ipc: Any = None
+
+    def on_setup(self) -> None:
+        self.engine: TrainEngine = build(engine_kwargs(self._engine_cfg), **resolve_device(self._runtime))
 
     @dispatch(Dispatch.DP)
     def compute_logprobs(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch:
@@ -155,8 +186,11 @@ class InferWorker(Worker):
 
     def __init__(self, engine: dict[str, Any], runtime: dict[str, Any], **base: Any) -> None:
         super().__init__(**base)
-        self.engine: InferEngine = build(engine_kwargs(engine), **runtime)
+        self._engine_cfg, self._runtime = engine, runtime
         self._sync_group: SyncGroup | None = None
+
+    def on_setup(self) -> None:
+        self.engine: InferEngine = build(engine_kwargs(self._engine_cfg), **resolve_device(self._runtime))
 
     @dispatch(Dispatch.DP)
     def generate(self, batch: Batch, params: SamplingParams, n: int) -> Batch:

@@ -52,21 +52,45 @@ def dispatch_mode(cls: type, method: str) -> Dispatch:
 class Worker:
     """Base of role workers: knows its rank, the group size and the distributed rendezvous."""
 
-    def __init__(
-        self, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0, **_: Any
-    ) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1, **_: Any) -> None:
         self.rank, self.world_size = rank, world_size
+        self.rendezvous: tuple[str, int, int] | None = None  # (address, port, pid of the rank that chose them)
+
+    @dispatch(Dispatch.RANK0)
+    def rendezvous_endpoint(self) -> tuple[str, int, int]:
+        """This node's address, a port free on it and this pid: rank 0 hosts the torch.distributed store, so the
+        endpoint must be rank 0's, not the driver's (which may be another node, or a CPU-only head)."""
+        from roll_core.cluster.group import free_port
+
+        host = "127.0.0.1"
+        try:
+            import ray
+
+            if ray.is_initialized():
+                host = ray.util.get_node_ip_address()
+        except ImportError:
+            pass
+        return host, free_port("" if host != "127.0.0.1" else host), os.getpid()
+
+    @dispatch(Dispatch.BROADCAST)
+    def setup(self, master_addr: str, master_port: int, chosen_by: int = 0) -> None:
+        """Second start-up phase, once every rank exists: the rendezvous, then `on_setup()` (engines)."""
+        self.rendezvous = (master_addr, master_port, chosen_by)
         # torch.distributed reads these; set before any engine initialises a process group.
-        if world_size > 1:
+        if self.world_size > 1:
             os.environ.update(
                 {
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(world_size),
+                    "RANK": str(self.rank),
+                    "WORLD_SIZE": str(self.world_size),
                     "LOCAL_RANK": "0",
                     "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port),
                 }
             )
+        self.on_setup()
+
+    def on_setup(self) -> None:
+        """Subclasses build what needs the rendezvous (engines) here."""
 
     @dispatch(Dispatch.BROADCAST)
     def ping(self) -> tuple[int, int, int]:
@@ -87,7 +111,7 @@ class Worker:
     @dispatch(Dispatch.BROADCAST)
     def node_info(self) -> dict[str, Any]:
         """Where this worker runs: node id (Ray) and the visible-devices variables it sees."""
-        info: dict[str, Any] = {"rank": self.rank, "pid": os.getpid()}
+        info: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(), "rendezvous": self.rendezvous}
         try:
             import ray
 

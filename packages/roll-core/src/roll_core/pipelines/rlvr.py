@@ -49,8 +49,6 @@ class RLVRPipeline:
         self.cfg = cfg
         algo, model, pipe = cfg.algo, cfg.model, cfg.pipeline
         self.cluster = Cluster(cfg.cluster, cfg.hw)
-        for change in self.cluster.platform.check_and_update_config(model):
-            log.info("platform %s: %s", self.cluster.platform.name, change)
         self.cluster.platform.seed_everything(pipe.seed)
         self.out = Path(output_dir or pipe.output_dir or Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S"))
         self.model_path = resolve_model_path(model.path)
@@ -78,7 +76,9 @@ class RLVRPipeline:
             "attn_implementation": model.attn_implementation,
             "trust_remote_code": model.trust_remote_code,
             "seed": pipe.seed,
-            "device": self.cluster.platform.torch_device(),
+            # Each worker resolves its device and `dtype=auto` on its own node (roles.resolve_device).
+            "platform": self.cluster.platform.name,
+            "device": "auto",
         }
         optim = {
             "weight_decay": algo.weight_decay,
