@@ -21,6 +21,7 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(
+        address="local",  # a new instance even when another cluster runs on this machine
         num_cpus=8,
         include_dashboard=False,
         namespace="roll-tests",

@@ -94,7 +94,9 @@ class Cluster:
         if self.cfg.address:
             kwargs["address"] = self.cfg.address
         else:
-            # A local instance: declare enough logical CPUs for every role's fractional share; torch threads
+            # A new local instance (even if a `ray start` cluster runs here: cluster.address=auto joins that one).
+            kwargs["address"] = "local"
+            # Declare enough logical CPUs for every role's fractional share; torch threads
             # are set per worker, independently of Ray's CPU accounting.
             kwargs["num_cpus"] = self.cfg.num_cpus or max(os.cpu_count() or 1, 4)  # = ${roll_logical_cpus:}
             if self.cfg.resources:
