@@ -61,6 +61,9 @@ class AlgoConfig:
     ppo_epochs: int = 1
     # Samples per optimizer step; 0 means the whole rollout batch is one optimizer step.
     mini_batch_size: int = 0
+    # Optimizer steps per rollout batch (an alternative to mini_batch_size that does not depend on the batch
+    # size); 0: use mini_batch_size. With one step per batch the PPO ratio is 1 and clipping never acts.
+    num_mini_batches: int = 0
     # Global gradient-norm clip; 0 disables.
     max_grad_norm: float = 1.0
     # Policy loss variant: ppo | gspo | cispo | tis | topr | vanilla.
@@ -136,6 +139,9 @@ class AlgoConfig:
         _positive("algo.lr", self.lr)
         _positive("algo.ppo_epochs", self.ppo_epochs)
         _positive("algo.mini_batch_size", self.mini_batch_size, allow_zero=True)
+        _positive("algo.num_mini_batches", self.num_mini_batches, allow_zero=True)
+        if self.mini_batch_size and self.num_mini_batches:
+            raise ValueError("set algo.mini_batch_size or algo.num_mini_batches, not both")
         _positive("algo.max_grad_norm", self.max_grad_norm, allow_zero=True)
         _positive("algo.clip_low", self.clip_low)
         _positive("algo.clip_high", self.clip_high)

@@ -68,7 +68,10 @@ class RLVRPipeline:
         )
 
         rows = pipe.rollout_batch_size * algo.group_size
-        self.mini_batches = max(1, rows // algo.mini_batch_size) if algo.mini_batch_size else 1
+        if algo.num_mini_batches:
+            self.mini_batches = algo.num_mini_batches
+        else:
+            self.mini_batches = max(1, rows // algo.mini_batch_size) if algo.mini_batch_size else 1
         total_opt_steps = pipe.max_steps * algo.ppo_epochs * self.mini_batches
         common = {
             "model_path": self.model_path,
