@@ -119,3 +119,30 @@ def test_sharded_trainer_refuses_the_local_backend() -> None:
 
     with pytest.raises(ValueError, match=r"one process per rank .* use cluster=ray"):
         TrainGroup(TrainWorker, 2, "local", engine=vars(FSDP2TrainEngineConfig()), runtime={"model_path": "x"})
+
+
+def test_fsdp2_checkpoint_resumes_at_another_world_size(ray_cluster, tmp_path) -> None:
+    """Saved by FSDP2 on 2 ranks (optimizer state sharded through torch.distributed.checkpoint), resumed by the
+    single-process engine: the next step equals the one the 2-rank run takes."""
+    from roll_engines.train.hf import HFTrainEngine
+
+    path = resolve_model_path("builtin:tiny")
+    batch = _batch(path)
+    objective = PolicyObjective(agg="token-mean")
+    group = _fsdp2_group(path, 2, micro=3)
+    try:
+        _call(group.submit("train", batch, objective, 1, 1, 1.0, 0))
+        group.save(str(tmp_path / "ckpt"), path)
+        _call(group.submit("train", batch, objective, 1, 1, 1.0, 0))
+        two_ranks = group.get_weights()
+    finally:
+        group.shutdown()
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "optimizer").iterdir() if p.suffix == ".distcp")[:2] == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]  # one shard file per rank
+    single = HFTrainEngine(path, lr=1e-3, micro_batch_size=3)
+    single.load(tmp_path / "ckpt")
+    single.train_step(batch.tensors(), objective)
+    for name, value in single.get_weights().items():
+        torch.testing.assert_close(value, two_ranks[name], atol=1e-5, rtol=1e-4, msg=name)

@@ -15,11 +15,12 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -348,28 +349,38 @@ class HFTrainEngine:
         self.model.load_state_dict(dict(weights), strict=True)
 
     def save(self, folder: str | Path, tokenizer_path: str | None = None) -> None:
-        """Write `folder/model` (HF, safetensors, + tokenizer) and `folder/engine.pt` (optimizer, scheduler)."""
+        """Write `folder/model` (an HF folder: safetensors + tokenizer), `folder/optimizer` (a
+        torch.distributed.checkpoint of AdamW's state, keyed by parameter name, sharded by rank) and
+        `folder/engine.pt` (scheduler and grad-scaler state). Collective on sharded engines.
+
+        The optimizer checkpoint is resharded on load, so a run saved on N ranks resumes on M ranks (or on the
+        single-process `hf` engine), from a shared filesystem or from per-node copies of the folder.
+        """
         folder = Path(folder)
         self._save_model(folder / "model")
         if self.dp_rank == 0:
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(folder / "model")
-        if self.optimizer is not None:
-            state = {"optimizer": self._optimizer_state(), "scheduler": self.scheduler.state_dict()}
+        if self.optimizer is None:
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        with _single_process_dcp():
+            dcp.save(state, checkpoint_id=folder / "optimizer", no_dist=not _distributed())
+        if self.dp_rank == 0:
+            state = {"scheduler": self.scheduler.state_dict()}
             if self.scaler is not None:
                 state["scaler"] = self.scaler.state_dict()
-            name = "engine.pt" if self.dp_size == 1 else f"engine.rank{self.dp_rank}.pt"
-            torch.save(state, folder / name)
+            torch.save(state, folder / "engine.pt")
 
     def _save_model(self, folder: Path) -> None:
         self.model.save_pretrained(folder, safe_serialization=True)
 
-    def _optimizer_state(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
     def load(self, folder: str | Path) -> None:
-        """Restore weights, optimizer and scheduler written by `save`."""
+        """Restore weights, optimizer, scheduler and scaler written by `save` (at any data-parallel size)."""
         from safetensors.torch import load_file
 
         folder = Path(folder)
@@ -377,13 +388,22 @@ class HFTrainEngine:
         for f in sorted((folder / "model").glob("*.safetensors")):
             weights.update(load_file(f))
         self._load_full_weights(weights)
-        name = "engine.pt" if self.dp_size == 1 else f"engine.rank{self.dp_rank}.pt"
-        if self.optimizer is not None and (folder / name).exists():
-            state = torch.load(folder / name, map_location="cpu", weights_only=False)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            if self.scaler is not None and "scaler" in state:
-                self.scaler.load_state_dict(state["scaler"])
+        if self.optimizer is None:
+            return
+        if not (folder / "optimizer").is_dir():
+            raise FileNotFoundError(f"{folder} has no optimizer checkpoint (optimizer/): it is a weights-only folder")
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        # The template has this run's sharding; DCP reshards the saved state into it.
+        state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        with _single_process_dcp():
+            dcp.load(state, checkpoint_id=folder / "optimizer", no_dist=not _distributed())
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        small = torch.load(folder / "engine.pt", map_location="cpu", weights_only=True)
+        self.scheduler.load_state_dict(small["scheduler"])
+        if self.scaler is not None and "scaler" in small:
+            self.scaler.load_state_dict(small["scaler"])
 
     def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
@@ -391,6 +411,20 @@ class HFTrainEngine:
         missing = [k for k in missing if not (k.endswith("lm_head.weight") and "model.embed_tokens.weight" in weights)]
         if missing or unexpected:
             raise RuntimeError(f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+@contextlib.contextmanager
+def _single_process_dcp() -> Iterator[None]:
+    """DCP warns that it assumes one process whenever no process group exists, even when told so (no_dist)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _padding_row(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
