@@ -146,3 +146,42 @@ def test_fsdp2_checkpoint_resumes_at_another_world_size(ray_cluster, tmp_path) -
     single.train_step(batch.tensors(), objective)
     for name, value in single.get_weights().items():
         torch.testing.assert_close(value, two_ranks[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_fsdp2_lora_matches_single_process_and_checkpoints(ray_cluster, tmp_path) -> None:
+    pytest.importorskip("peft")
+    from roll_engines.config import FSDP2TrainEngineConfig
+    from roll_engines.train.hf import HFTrainEngine
+
+    path = resolve_model_path("builtin:tiny")
+    batch = _batch(path)
+    objective = PolicyObjective(agg="token-mean")
+    lora = {"lora_rank": 4, "lora_alpha": 8.0}
+    single = HFTrainEngine(path, lr=1e-2, micro_batch_size=3, **lora)
+    single.train_step(batch.tensors(), objective)
+    cfg = vars(FSDP2TrainEngineConfig(world_size=2, micro_batch_size=3, **lora))
+    group = TrainGroup(
+        TrainWorker,
+        2,
+        "ray",
+        ray_options=RayOptions(num_cpus=0.5),
+        engine=cfg,
+        runtime={"model_path": path, "lr": 1e-2, "num_threads": 1, "dist_backend": "gloo"},
+    )
+    try:
+        _call(group.submit("train", batch, objective, 1, 1, 1.0, 0))
+        merged = group.get_weights()
+        for name, value in single.get_weights().items():  # merged weights, HF names, after one equal step
+            torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-4, msg=name)
+        group.save(str(tmp_path / "ckpt"), path)
+        group.load(str(tmp_path / "ckpt"))
+        again = group.get_weights()
+        for name, value in merged.items():
+            torch.testing.assert_close(again[name], value, msg=name)
+    finally:
+        group.shutdown()
+    assert (tmp_path / "ckpt" / "adapter" / "adapter_model.safetensors").exists()
+    reloaded = HFTrainEngine(path, lr=1e-2, micro_batch_size=3, **lora)
+    reloaded.load(tmp_path / "ckpt")  # the 2-rank checkpoint resumes in one process
+    for name, value in merged.items():
+        torch.testing.assert_close(reloaded.get_weights()[name], value, atol=1e-6, rtol=1e-5, msg=name)

@@ -7,6 +7,7 @@ Only engine-specific knobs live here; the model path, dtype, learning rate and s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from roll_core.config.schema import InferEngineConfig
 
@@ -30,8 +31,18 @@ class HFTrainEngineConfig:
     # dtype of the trained parameters and AdamW state (master weights); model.dtype is the compute dtype
     # (autocast in hf, FSDP2's MixedPrecisionPolicy in fsdp2). float32 unless memory forces otherwise.
     param_dtype: str = "float32"
+    # LoRA rank of the policy's adapters (peft); 0 trains every weight. With LoRA the reference policy is the
+    # base model with adapters disabled (no second copy) and weight sync sends merged weights.
+    lora_rank: int = 0
+    # LoRA scaling numerator (the update is alpha / rank * B @ A).
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    # Modules that get adapters: peft names, or "all-linear" (every linear layer except the output head).
+    lora_target_modules: Any = "all-linear"
 
     def __post_init__(self) -> None:
+        if self.lora_rank < 0 or (self.lora_rank and self.lora_alpha <= 0):
+            raise ValueError("train_engine.lora_rank must be >= 0 and lora_alpha > 0")
         if self.param_dtype not in ("float32", "bfloat16"):
             raise ValueError(
                 f"train_engine.param_dtype={self.param_dtype!r}: use float32 (master weights) or bfloat16 "

@@ -75,8 +75,13 @@ class TrainWorker(Worker):
         self.engine: TrainEngine = build(engine_kwargs(self._engine_cfg), **resolve_device(self._runtime))
 
     @dispatch(Dispatch.DP)
-    def compute_logprobs(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch:
-        out = self.engine.compute_logprobs(batch.tensors(), temperature=temperature, with_entropy=with_entropy)
+    def compute_logprobs(
+        self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False, base: bool = False
+    ) -> Batch:
+        kwargs = {"base": True} if base else {}  # the LoRA base (reference) needs the engine's support
+        out = self.engine.compute_logprobs(
+            batch.tensors(), temperature=temperature, with_entropy=with_entropy, **kwargs
+        )
         return Batch(out)
 
     @dispatch(Dispatch.DP)
@@ -322,8 +327,11 @@ class TrainGroup(WorkerGroup[TrainWorker]):
     worker_cls = TrainWorker
     one_process_per_rank = True
 
-    def compute_logprobs(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch:
-        return self.call("compute_logprobs", batch, temperature, with_entropy)
+    def compute_logprobs(
+        self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False, base: bool = False
+    ) -> Batch:
+        """Log-probs of the responses; `base=True` with LoRA adapters disabled (the reference policy)."""
+        return self.call("compute_logprobs", batch, temperature, with_entropy, base)
 
     def compute_values(self, batch: Batch) -> Batch:
         return self.call("compute_values", batch)

@@ -119,7 +119,9 @@ class RLVRPipeline:
         )
         self._check_infer_engine(ie)
         self.reference = None
-        if algo.use_reference:
+        # With LoRA the reference policy is the actor's base with adapters disabled: no second model.
+        self.reference_is_base = bool(te.get("lora_rank", 0)) and algo.use_reference
+        if algo.use_reference and not self.reference_is_base:
             self.reference = self.cluster.group(
                 TrainGroup,
                 "reference",
@@ -134,7 +136,7 @@ class RLVRPipeline:
                 "critic",
                 te["world_size"],
                 engine=te,
-                runtime={**common, **optim, "role": "critic", "lr": algo.critic_lr},
+                runtime={**common, **optim, "role": "critic", "lr": algo.critic_lr, "lora_rank": 0},
             )
         self.reward = self.cluster.group(
             RewardGroup,
@@ -266,14 +268,17 @@ class RLVRPipeline:
 
         # 3. reference and old log-probs, values
         mask = batch["response_mask"].float()
-        if self.reference is not None:
+        if self.reference is not None or self.reference_is_base:
             with _timer(timers, "reference"):
-                batch["ref_logprobs"] = self.reference.compute_logprobs(batch, self.temperature)["logprobs"]
+                ref_group = self.reference or self.actor_train
+                batch["ref_logprobs"] = ref_group.compute_logprobs(
+                    batch, self.temperature, base=self.reference_is_base
+                )["logprobs"]
         need_old = (
             algo.ppo_epochs > 1
             or self.mini_batches > 1
             or algo.off_policy_correction is not None
-            or (algo.kl_in_reward and self.reference is not None)
+            or (algo.kl_in_reward and "ref_logprobs" in batch)
         )
         if need_old:
             with _timer(timers, "old_logprobs"):
@@ -297,7 +302,7 @@ class RLVRPipeline:
 
         # 4. token rewards (KL in reward), advantages
         token_rewards = token_rewards_from_scores(scores, mask)
-        if self.reference is not None:
+        if "ref_logprobs" in batch:
             policy_logp = batch["old_logprobs"] if "old_logprobs" in batch else batch["behaviour_logprobs"]
             kl = kl_estimate(policy_logp, batch["ref_logprobs"], algo.kl_kind) * mask
             metrics["actor/kl_to_ref"] = float(masked_mean(kl, mask))

@@ -56,7 +56,10 @@ class FSDP2TrainEngine(HFTrainEngine):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
-        layers = getattr(getattr(model, "model", model), "layers", None)
+        from roll_engines.train._lora import base_model
+
+        inner = base_model(model)  # the transformers model inside a LoRA wrapper
+        layers = getattr(getattr(inner, "model", inner), "layers", None)
         if layers is None:
             raise TypeError(f"cannot find decoder layers (model.model.layers) in {type(model).__name__}")
         # Sharded parameters (and AdamW state) stay in param_dtype; FSDP casts the gathered parameters to the

@@ -28,6 +28,7 @@ from torch import Tensor
 from roll_algos.losses import entropy_from_logits, token_logprobs
 from roll_core.interfaces import LossFn
 from roll_core.models import default_num_threads, resolve_model_path, torch_dtype
+from roll_engines.train._lora import adapter_state, apply_lora, is_lora, load_adapter, merged_weights, save_adapter
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -76,6 +77,10 @@ class HFTrainEngine:
         num_threads: int | None = None,
         seed: int = 0,
         param_dtype: str = "float32",
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
+        lora_dropout: float = 0.0,
+        lora_target_modules: list[str] | str = "all-linear",
     ) -> None:
         if role not in ("actor", "critic", "reference"):
             raise ValueError(f"role must be actor, critic or reference, got {role!r}")
@@ -100,6 +105,11 @@ class HFTrainEngine:
         )
         torch.manual_seed(seed)  # the critic's new value head is initialised from this seed
         self.model = self._load(attn_implementation, trust_remote_code)
+        if lora_rank > 0 and self.trainable:
+            if role != "actor":
+                raise ValueError(f"LoRA trains the policy only (role {role!r}): set lora_rank=0 for the {role}")
+            # Only the adapters train; the base with adapters disabled doubles as the reference policy.
+            self.model = apply_lora(self.model, lora_rank, lora_alpha, lora_dropout, lora_target_modules)
         if gradient_checkpointing and trainable:
             # transformers >= 5 renamed the switch; older releases only have the gradient_ name.
             enable = getattr(self.model, "activation_checkpointing_enable", None)
@@ -160,6 +170,10 @@ class HFTrainEngine:
         return n
 
     # ---- forward ------------------------------------------------------------------------------------------
+    @property
+    def lora(self) -> bool:
+        return is_lora(self.model)
+
     def _forward(self, micro: Mapping[str, Tensor], temperature: float, with_entropy: bool) -> dict[str, Tensor]:
         ids = micro["input_ids"].to(self.device)
         resp = micro["responses"].to(self.device)
@@ -184,9 +198,17 @@ class HFTrainEngine:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, batch: Mapping[str, Tensor], temperature: float = 1.0, with_entropy: bool = False
+        self, batch: Mapping[str, Tensor], temperature: float = 1.0, with_entropy: bool = False, base: bool = False
     ) -> dict[str, Tensor]:
-        """Log-probs (B, R) of the response tokens (and entropies (B, R) if asked), in row chunks."""
+        """Log-probs (B, R) of the response tokens (and entropies (B, R) if asked), in row chunks.
+
+        `base=True` scores with LoRA adapters disabled: the frozen base model, i.e. the reference policy.
+        """
+        if base and self.lora:
+            with self.model.disable_adapter():
+                return self._chunked(batch, temperature, with_entropy)
+        if base:
+            raise ValueError("base=True scores the model without its LoRA adapters: this engine has none")
         return self._chunked(batch, temperature, with_entropy)
 
     @torch.no_grad()
@@ -256,6 +278,16 @@ class HFTrainEngine:
         out = {k: sums[k] / counts[k] for k in sums}
         out["lr"] = self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
         out["train_seconds"] = time.perf_counter() - t0
+        # AdamW's state on this rank (fp32 moments of every trained parameter; LoRA shrinks it to the adapters).
+        out["optimizer_state_mb"] = (
+            sum(
+                t.numel() * t.element_size()
+                for st in self.optimizer.state.values()
+                for t in st.values()
+                if isinstance(t, Tensor)
+            )
+            / 2**20
+        )
         return out
 
     def _accumulate(
@@ -325,7 +357,12 @@ class HFTrainEngine:
 
         Tensors may be the live parameters (no copy): receivers copy them before the next optimizer step.
         `changed_only` skips frozen parameters and buffers. Collective on sharded engines (every rank iterates).
+        With LoRA the tensors are merged (W + scaling * B @ A) under the base model's names, and `changed_only`
+        sends only the adapted weights.
         """
+        if self.lora:
+            yield from merged_weights(self.model, self._full_tensor, changed_only)
+            return
         persistent = set(self.model.state_dict().keys())
         for name, p in self.model.named_parameters():  # deduplicates shared (tied) parameters
             if changed_only and not p.requires_grad:
@@ -357,7 +394,10 @@ class HFTrainEngine:
         single-process `hf` engine), from a shared filesystem or from per-node copies of the folder.
         """
         folder = Path(folder)
-        self._save_model(folder / "model")
+        if self.lora:
+            self._save_lora(folder)
+        else:
+            self._save_model(folder / "model")
         if self.dp_rank == 0:
             from transformers import AutoTokenizer
 
@@ -379,15 +419,28 @@ class HFTrainEngine:
     def _save_model(self, folder: Path) -> None:
         self.model.save_pretrained(folder, safe_serialization=True)
 
+    def _save_lora(self, folder: Path) -> None:
+        """`adapter/` (peft format) and `model/`, the merged model that plain transformers loads (collective)."""
+        from roll_engines.train._lora import base_model
+
+        merged = {k: v.detach().to("cpu", copy=True) for k, v in self.iter_weights()}
+        adapter = adapter_state(self.model, self._full_tensor)
+        if self.dp_rank == 0:
+            base_model(self.model).save_pretrained(folder / "model", state_dict=merged, safe_serialization=True)
+            save_adapter(self.model, adapter, folder / "adapter")
+
     def load(self, folder: str | Path) -> None:
         """Restore weights, optimizer, scheduler and scaler written by `save` (at any data-parallel size)."""
         from safetensors.torch import load_file
 
         folder = Path(folder)
-        weights: dict[str, Tensor] = {}
-        for f in sorted((folder / "model").glob("*.safetensors")):
-            weights.update(load_file(f))
-        self._load_full_weights(weights)
+        if self.lora:  # the base stays what model_path holds; only the adapter was trained
+            load_adapter(self.model, folder / "adapter")
+        else:
+            weights: dict[str, Tensor] = {}
+            for f in sorted((folder / "model").glob("*.safetensors")):
+                weights.update(load_file(f))
+            self._load_full_weights(weights)
         if self.optimizer is None:
             return
         if not (folder / "optimizer").is_dir():

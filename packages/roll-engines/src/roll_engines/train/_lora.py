@@ -1,0 +1,116 @@
+"""LoRA adapters (peft) for the transformers-based training engines.
+
+Contract: with `lora_rank > 0` only the adapters train (AdamW holds state for them alone); the frozen base with
+adapters disabled is the reference policy (no second model copy); weight sync and the `model/` checkpoint folder
+carry merged weights in the base model's HF names (W + scaling * B @ A), so inference engines and plain
+transformers need no LoRA support; `adapter/` holds the adapter in peft's format (PeftModel.from_pretrained).
+
+Functions take a `full` callable that turns a (possibly sharded, FSDP2 DTensor) tensor into a full one, so the
+same code serves the hf and fsdp2 engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+ADAPTER = "default"
+
+
+def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: list[str] | str) -> Any:
+    """Wrap `model` with LoRA adapters on `targets` (peft names, or "all-linear": every linear layer but the head)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise ImportError("train_engine.lora_rank > 0 needs peft: pip install 'roll-engines[lora]'") from exc
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    import warnings
+
+    with warnings.catch_warnings():  # peft 0.21 still asks transformers' deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper (with the LoRA layers injected), else the model itself."""
+    return model.get_base_model() if is_lora(model) else model
+
+
+def merged_weights(
+    model: torch.nn.Module, full: Callable[[Tensor], Tensor], changed_only: bool = False
+) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, merged full tensor) for every base parameter and persistent buffer; tied tensors once.
+
+    `changed_only`: only weights that carry an adapter (the only ones training changes).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    base = base_model(model)
+    lora_modules = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    persistent = set(base.state_dict())
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        owner = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
+        hf_name = name.replace(".base_layer.", ".")
+        if owner is not None and owner in lora_modules and name.endswith(".weight"):
+            module = lora_modules[owner]
+            a = full(module.lora_A[ADAPTER].weight.detach())
+            b = full(module.lora_B[ADAPTER].weight.detach())
+            delta = (b @ a) * module.scaling[ADAPTER]
+            if getattr(module, "fan_in_fan_out", False):
+                delta = delta.T
+            w = full(p.detach())
+            yield hf_name, (w + delta.to(w.dtype))
+        elif not changed_only:
+            yield hf_name, full(p.detach())
+    if changed_only:
+        return
+    for name, b in base.named_buffers():
+        if name in persistent:
+            yield name.replace(".base_layer.", "."), full(b)
+
+
+def adapter_state(model: torch.nn.Module, full: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
+    """The adapter's tensors in peft's saved names (full, CPU)."""
+    from peft import get_peft_model_state_dict
+
+    # The base (embeddings included) never trains: the adapter alone is saved, even when lm_head has one.
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)
+    return {k: full(v.detach()).cpu().contiguous() for k, v in state.items()}
+
+
+def save_adapter(model: torch.nn.Module, state: dict[str, Tensor], folder: Path) -> None:
+    """Write peft's adapter folder (adapter_config.json + adapter_model.safetensors)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model.peft_config[ADAPTER].save_pretrained(str(folder))
+    save_file(state, str(folder / "adapter_model.safetensors"))
+
+
+def load_adapter(model: torch.nn.Module, folder: Path) -> None:
+    """Load adapter weights written by `save_adapter` into `model` (sharded parameters included)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(str(folder / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, state)
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    if unexpected:
+        raise RuntimeError(f"adapter checkpoint mismatch: unexpected {unexpected[:5]}")
