@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from roll_core.cluster.mesh import Mesh
 from roll_core.cluster.worker import Dispatch, Worker, dispatch_mode
 from roll_core.protocol import Batch
 
@@ -51,8 +52,15 @@ class WorkerDiedError(RuntimeError):
 class Handle:
     """A pending group call; `result()` waits and assembles per the dispatch mode."""
 
-    def __init__(self, parts: list[Any], mode: Dispatch, resolve: Callable[[list[Any]], list[Any]]) -> None:
+    def __init__(
+        self,
+        parts: list[Any],
+        mode: Dispatch,
+        resolve: Callable[[list[Any]], list[Any]],
+        keep: list[int] | None = None,
+    ) -> None:
         self._parts, self._mode, self._resolve = parts, mode, resolve
+        self._keep = keep  # DP calls on a mesh: the parts that carry results (one per replica, in DP order)
 
     @property
     def refs(self) -> list[Any]:
@@ -60,8 +68,9 @@ class Handle:
         return self._parts
 
     def values(self) -> list[Any]:
-        """Per-rank results, waiting for them."""
-        return self._resolve(self._parts)
+        """Per-rank results, waiting for every rank; a DP call on a mesh returns one result per replica."""
+        values = self._resolve(self._parts)
+        return values if self._keep is None else [values[i] for i in self._keep]
 
     def result(self) -> Any:
         values = self.values()
@@ -88,11 +97,15 @@ class WorkerGroup(Generic[W]):
         *,
         name: str = "",
         ray_options: RayOptions | None = None,
+        mesh: Mesh | None = None,
         **kwargs: Any,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.cls, self.world_size, self.backend, self.name = cls, world_size, backend, name or cls.__name__
+        self.mesh = mesh or Mesh(dp=world_size)
+        if self.mesh.world_size != world_size:
+            raise ValueError(f"{self.name}: mesh {self.mesh} has {self.mesh.world_size} ranks, the group {world_size}")
         self.nodes: list[str] = ["local"] * world_size  # node id per rank, for error messages
         if backend == "local":
             if world_size > 1 and self.one_process_per_rank:
@@ -166,12 +179,15 @@ class WorkerGroup(Generic[W]):
         return self._run(method, mode, {rank: args}, kwargs)
 
     def _run(self, method: str, mode: Dispatch, args: dict[int, Sequence[Any]], kwargs: dict[str, Any]) -> Handle:
+        ranks = list(args)
+        keep = None
+        if mode is Dispatch.DP and self.mesh.dp != self.world_size:
+            keep = [ranks.index(r) for r in self.mesh.output_ranks()]
         if self.backend == "local":
             parts = [getattr(self.workers[r], method)(*a, **kwargs) for r, a in args.items()]
-            return Handle(parts, mode, lambda p: p)
+            return Handle(parts, mode, lambda p: p, keep)
         parts = [getattr(self.workers[r], method).remote(*a, **kwargs) for r, a in args.items()]
-        ranks = list(args)
-        return Handle(parts, mode, lambda p: self._get(p, ranks, method))
+        return Handle(parts, mode, lambda p: self._get(p, ranks, method), keep)
 
     def _get(self, refs: list[Any], ranks: list[int], method: str) -> list[Any]:
         """ray.get that names the role, rank and node of a worker that died."""
@@ -200,8 +216,9 @@ class WorkerGroup(Generic[W]):
             return [args] * self.world_size
         if not args or not isinstance(args[0], Batch):
             raise TypeError(f"a DP call needs a Batch as its first argument, got {type(args[0]).__name__}")
-        parts = args[0].split(self.world_size)
-        return [(parts[r], *args[1:]) for r in range(self.world_size)]
+        # Split by data-parallel rank only: the TP x PP ranks of one replica get the same rows.
+        parts = args[0].split(self.mesh.dp)
+        return [(parts[self.mesh.dp_rank(r)], *args[1:]) for r in range(self.world_size)]
 
     def shutdown(self) -> None:
         """Stop the actors (ray) or drop the instances (local)."""

@@ -27,6 +27,7 @@ from roll_core import registry
 from roll_core.algorithms import token_rewards_from_scores
 from roll_core.checkpoint import CheckpointManager
 from roll_core.cluster.launch import Cluster, resolve_python
+from roll_core.cluster.mesh import Mesh
 from roll_core.cluster.roles import InferGroup, RewardGroup, TrainGroup
 from roll_core.cluster.weight_sync import WeightSync
 from roll_core.config.build import as_dict, build
@@ -100,10 +101,15 @@ class RLVRPipeline:
             max_new_tokens=model.max_response_length,
         )
         self.temperature = self.sampling.temperature
+        # Sharded trainers (Megatron) span TP x PP ranks per replica: data splits by data-parallel rank only.
+        self.train_mesh = Mesh.for_world(
+            te["world_size"], tp=int(te.get("tensor_parallel_size", 1)), pp=int(te.get("pipeline_parallel_size", 1))
+        )
         self.actor_train = self.cluster.group(
             TrainGroup,
             "actor_train",
             te["world_size"],
+            mesh=self.train_mesh,
             engine=te,
             runtime={**common, **optim, "role": "actor", "lr": algo.lr},
         )
@@ -126,6 +132,7 @@ class RLVRPipeline:
                 TrainGroup,
                 "reference",
                 te["world_size"],
+                mesh=self.train_mesh,
                 engine=te,
                 runtime={**common, "role": "reference", "trainable": False},
             )
@@ -135,6 +142,7 @@ class RLVRPipeline:
                 TrainGroup,
                 "critic",
                 te["world_size"],
+                mesh=self.train_mesh,
                 engine=te,
                 runtime={**common, **optim, "role": "critic", "lr": algo.critic_lr, "lora_rank": 0},
             )
