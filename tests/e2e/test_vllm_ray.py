@@ -36,5 +36,4 @@ def test_grpo_learns_with_vllm_in_its_own_venv(ray_cluster, seven_task: Path, tm
     steps = [h for h in history if h["step"] > 0]
     # After every sync vLLM samples from exactly the trainer's policy (processed log-probs, reloaded weights).
     assert max(h["actor/train_infer_logprob_diff"] for h in steps) < 1e-4
-    assert all(h["sync/transport"] == "object_store" if "sync/transport" in h else True for h in steps)
     assert [h["sync/weight_version"] for h in steps] == list(range(1, len(steps) + 1))

@@ -69,7 +69,7 @@ def test_gloo_group_broadcasts_buckets_between_threads() -> None:
     ("name", "backend", "placement", "platform", "expected"),
     [
         ("auto", "local", "colocated", "cpu", "inprocess"),
-        ("auto", "ray", "colocated", "cpu", "object_store"),
+        ("auto", "ray", "colocated", "cpu", "dist"),
         ("auto", "ray", "colocated", "cuda", "cuda_ipc"),
         ("auto", "ray", "disaggregated", "cuda", "dist"),
         ("auto", "ray", "colocated", "npu", "dist"),

@@ -299,8 +299,8 @@ class InferEngineConfig:
     stop: list[str] = field(default_factory=list)
     # Weight sync: auto | inprocess | object_store | dist | cuda_ipc (roll_core.cluster.weight_sync).
     sync_transport: str = "auto"
-    # Weight sync bucket size in MiB (one flattened buffer per bucket).
-    sync_bucket_mb: float = 256.0
+    # Weight sync bucket size in MiB (one flattened buffer per bucket; 32 measured faster than 256 on CPU).
+    sync_bucket_mb: float = 32.0
     # Colocated engines sleep while the trainer runs: 0 never, 1 free the KV cache (offload weights on devices),
     # 2 also discard weights (the next sync sends all of them).
     sleep_level: int = 0
