@@ -71,6 +71,41 @@ class FSDP2TrainEngineConfig(HFTrainEngineConfig):
 
 
 @dataclass
+class MegatronTrainEngineConfig:
+    """Megatron-Core (roll_engines.train.megatron): tensor x pipeline x data parallel over world_size workers."""
+
+    _target_: str = "roll_engines.train.megatron.MegatronTrainEngine"
+    name: str = "megatron"
+    # Worker processes; data-parallel size = world_size / (tensor_parallel_size x pipeline_parallel_size).
+    world_size: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # Rows per micro-batch (pipeline schedules interleave micro-batches across stages).
+    micro_batch_size: int = 4
+    logprob_chunk_size: int = 8
+    # ZeRO-1 style: optimizer state sharded over data-parallel ranks.
+    use_distributed_optimizer: bool = True
+    # Activation recomputation: null | selective | full.
+    recompute: str | None = None
+    num_threads: int | None = None
+    # Master weights and optimizer state stay fp32 (model.dtype is the compute dtype).
+    param_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if min(self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size) < 1:
+            raise ValueError("train_engine world_size, tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if self.world_size % (self.tensor_parallel_size * self.pipeline_parallel_size):
+            raise ValueError(
+                f"train_engine.world_size={self.world_size} is not a multiple of tensor_parallel_size x "
+                f"pipeline_parallel_size = {self.tensor_parallel_size} x {self.pipeline_parallel_size}"
+            )
+        if self.recompute not in (None, "selective", "full"):
+            raise ValueError(f"train_engine.recompute={self.recompute!r}: null, selective or full")
+        if self.param_dtype != "float32":
+            raise ValueError("train_engine=megatron keeps fp32 master weights: param_dtype=float32")
+
+
+@dataclass
 class HFInferEngineConfig(InferEngineConfig):
     """roll's continuous-batching decode loop over any transformers causal LM (roll_engines.infer.hf)."""
 
@@ -171,6 +206,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(group="train_engine", name="hf_schema", node=HFTrainEngineConfig)
     cs.store(group="train_engine", name="fsdp2_schema", node=FSDP2TrainEngineConfig)
+    cs.store(group="train_engine", name="megatron_schema", node=MegatronTrainEngineConfig)
     cs.store(group="infer_engine", name="hf_schema", node=HFInferEngineConfig)
     cs.store(group="infer_engine", name="sglang_schema", node=SGLangInferEngineConfig)
     cs.store(group="infer_engine", name="vllm_schema", node=VLLMInferEngineConfig)

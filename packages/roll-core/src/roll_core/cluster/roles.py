@@ -98,7 +98,8 @@ class TrainWorker(Worker):
             mini_batches=mini_batches,
             epochs=epochs,
             temperature=temperature,
-            shuffle_seed=shuffle_seed + self.rank,
+            # One stream per data-parallel replica: the TP/PP ranks of a replica must see the same order.
+            shuffle_seed=shuffle_seed + self.engine.dp_rank,
         )
 
     @dispatch(Dispatch.DP)

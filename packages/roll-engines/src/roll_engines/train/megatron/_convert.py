@@ -1,0 +1,299 @@
+"""Hugging Face decoder <-> Megatron-Core GPTModel: config, model construction and weights, with TP/PP sharding.
+
+Families: Llama, Qwen2 (bias on q/k/v) and Qwen3 (q/k RMSNorm). Megatron's local layer spec (no Transformer
+Engine) names a stage's parameters (layer indices local to the stage):
+
+| Megatron (local spec) | HF | sharding |
+|---|---|---|
+| embedding.word_embeddings.weight | model.embed_tokens.weight | vocab rows (first stage) |
+| decoder.layers.i.input_layernorm.weight | model.layers.i.input_layernorm.weight | replicated |
+| decoder.layers.i.self_attention.linear_qkv.{weight,bias} | q_proj, k_proj, v_proj | rows, per KV group |
+| decoder.layers.i.self_attention.{q,k}_layernorm.weight | self_attn.{q,k}_norm.weight (Qwen3) | replicated |
+| decoder.layers.i.self_attention.linear_proj.weight | self_attn.o_proj.weight | columns |
+| decoder.layers.i.pre_mlp_layernorm.weight | post_attention_layernorm.weight | replicated |
+| decoder.layers.i.mlp.linear_fc1.weight | [gate_proj; up_proj] | rows, gate and up each |
+| decoder.layers.i.mlp.linear_fc2.weight | mlp.down_proj.weight | columns |
+| decoder.final_layernorm.weight | model.norm.weight | replicated (last stage) |
+| output_layer.weight | lm_head.weight | vocab rows (last stage) |
+
+QKV is interleaved per KV group (the group's q heads, then its k head, then its v head); a TP rank holds a
+contiguous block of groups, so the KV head count must be a multiple of TP. The vocabulary is padded with zero rows
+to a multiple of TP; the padded logits are masked before any softmax.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+SUPPORTED = ("llama", "qwen2", "qwen3")
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    return -(-vocab // tp) * tp
+
+
+def rope_theta(hf_config: Any) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def check_supported(hf_config: Any, tp: int, pp: int) -> None:
+    """Clear errors for what this mapping cannot express."""
+    kind = hf_config.model_type
+    if kind not in SUPPORTED:
+        raise ValueError(f"train_engine=megatron maps {', '.join(SUPPORTED)} models, not {kind!r}")
+    if hf_config.num_key_value_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide the model's {hf_config.num_key_value_heads} key/value heads"
+        )
+    if hf_config.num_hidden_layers % pp:
+        raise ValueError(f"pipeline_parallel_size={pp} must divide the model's {hf_config.num_hidden_layers} layers")
+    if pp > 1 and hf_config.tie_word_embeddings:
+        raise ValueError("tied embeddings with pipeline parallelism are not supported: set pipeline_parallel_size=1")
+
+
+def transformer_config(hf_config: Any, tp: int, pp: int, dtype: torch.dtype, recompute: str | None) -> Any:
+    """Megatron TransformerConfig of an HF decoder config, with every fused (CUDA-only) kernel off."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+
+    kwargs: dict[str, Any] = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        qk_layernorm=hf_config.model_type == "qwen3",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        cross_entropy_loss_fusion=False,
+        attention_softmax_in_fp32=True,
+        attention_backend=AttnBackend.local,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        variable_seq_lengths=True,  # the last micro-batch may hold fewer rows
+        moe_token_dispatcher_type="alltoall",  # (no experts here; the default allgather refuses variable lengths)
+    )
+    if recompute:
+        kwargs.update(recompute_granularity=recompute)
+        if recompute == "full":
+            kwargs.update(recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**kwargs)
+
+
+def build_model(hf_config: Any, config: Any) -> Any:
+    """This pipeline stage's GPTModel (vocab padded for TP; logits stay vocab-parallel)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm),
+        vocab_size=padded_vocab(hf_config.vocab_size, config.tensor_model_parallel_size),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        position_embedding_type="rope",
+        rotary_base=rope_theta(hf_config),  # GPTModel reads the argument, not config.rotary_base
+        parallel_output=True,
+    )
+
+
+# ---- HF -> Megatron -----------------------------------------------------------------------------------------
+def _dims(cfg: Any) -> tuple[int, int, int]:
+    nq, ng = cfg.num_attention_heads, cfg.num_key_value_heads
+    return nq, ng, getattr(cfg, "head_dim", None) or cfg.hidden_size // nq
+
+
+def qkv_to_mcore(q: Tensor, k: Tensor, v: Tensor, cfg: Any) -> Tensor:
+    nq, ng, d = _dims(cfg)
+    rest = q.shape[1:]
+    return torch.cat(
+        [q.reshape(ng, (nq // ng) * d, *rest), k.reshape(ng, d, *rest), v.reshape(ng, d, *rest)], dim=1
+    ).reshape(-1, *rest)
+
+
+def qkv_to_hf(qkv: Tensor, cfg: Any) -> tuple[Tensor, Tensor, Tensor]:
+    nq, ng, d = _dims(cfg)
+    rest = qkv.shape[1:]
+    q, k, v = torch.split(qkv.reshape(ng, (nq // ng + 2) * d, *rest), [(nq // ng) * d, d, d], dim=1)
+    return q.reshape(nq * d, *rest), k.reshape(ng * d, *rest), v.reshape(ng * d, *rest)
+
+
+def _pad_rows(w: Tensor, n: int) -> Tensor:
+    return w if w.shape[0] == n else torch.cat([w, w.new_zeros(n - w.shape[0], *w.shape[1:])])
+
+
+def split_dim(name: str) -> int | None:
+    """0: column/vocab parallel (rows split), 1: row parallel (columns split), None: replicated."""
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight")):
+        return 0
+    if name.endswith("output_layer.weight"):
+        return 0
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    return None
+
+
+def hf_to_mcore(hf: dict[str, Tensor], cfg: Any, vocab: int) -> dict[str, Any]:
+    """Unsharded Megatron tensors (global layer indices); fc1 stays a (gate, up) pair until sharded."""
+    out: dict[str, Any] = {
+        "embedding.word_embeddings.weight": _pad_rows(hf["model.embed_tokens.weight"], vocab),
+        "output_layer.weight": _pad_rows(hf.get("lm_head.weight", hf["model.embed_tokens.weight"]), vocab),
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+    }
+    for i in range(cfg.num_hidden_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a = h + "self_attn."
+        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        out[m + "self_attention.linear_qkv.weight"] = qkv_to_mcore(
+            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], cfg
+        )
+        if a + "q_proj.bias" in hf:
+            out[m + "self_attention.linear_qkv.bias"] = qkv_to_mcore(
+                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], cfg
+            )
+        if a + "q_norm.weight" in hf:
+            out[m + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
+        out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        out[m + "mlp.linear_fc1.weight"] = (hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"])
+        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+    return out
+
+
+def shard(full: dict[str, Any], tp_rank: int, tp: int, offset: int, layers: int, first: bool, last: bool) -> dict:
+    """One (TP rank, PP stage)'s tensors with stage-local layer indices."""
+    out = {}
+    for name, t in full.items():
+        found = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+        if found:
+            g = int(found.group(1))
+            if not offset <= g < offset + layers:
+                continue
+            name_local = f"decoder.layers.{g - offset}.{found.group(2)}"
+        elif (name.startswith("embedding.") and not first) or (
+            name.startswith(("output_layer.", "decoder.final_layernorm")) and not last
+        ):
+            continue
+        else:
+            name_local = name
+        if name.endswith("linear_fc1.weight"):
+            gate, up = t
+            out[name_local] = torch.cat([gate.chunk(tp, 0)[tp_rank], up.chunk(tp, 0)[tp_rank]])
+        else:
+            d = split_dim(name)
+            out[name_local] = t if d is None else t.chunk(tp, d)[tp_rank]
+    return out
+
+
+def load_hf(model: Any, hf: dict[str, Tensor], cfg: Any) -> None:
+    """Copy an HF state dict into this rank's stage (parallel_state tells TP rank and stage)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    full = hf_to_mcore(hf, cfg, padded_vocab(cfg.vocab_size, tp))
+    if cfg.tie_word_embeddings:
+        full.pop("output_layer.weight")
+    mine = shard(
+        full,
+        ps.get_tensor_model_parallel_rank(),
+        tp,
+        get_transformer_layer_offset(model.config),
+        len(model.decoder.layers),
+        model.pre_process,
+        model.post_process,
+    )
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    missing, unexpected = sorted(set(own) - set(mine)), sorted(set(mine) - set(own))
+    if missing or unexpected:
+        raise RuntimeError(f"HF -> Megatron mapping mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for k, v in mine.items():
+            if own[k].shape != v.shape:
+                raise RuntimeError(f"{k}: Megatron shape {tuple(own[k].shape)} vs mapped {tuple(v.shape)}")
+            own[k].copy_(v)
+
+
+# ---- Megatron -> HF -----------------------------------------------------------------------------------------
+def gather_tp(name: str, t: Tensor) -> Any:
+    """All-gather a TP shard into the full tensor (fc1 as a (gate, up) pair). Collective over the TP group."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    tp = dist.get_world_size(group)
+    d = split_dim(name)
+    parts = [t]
+    if d is not None and tp > 1:
+        parts = [torch.empty_like(t) for _ in range(tp)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+    if name.endswith("linear_fc1.weight"):
+        gates, ups = zip(*[p.chunk(2, 0) for p in parts])
+        return torch.cat(gates), torch.cat(ups)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, d)
+
+
+def to_hf(name: str, t: Any, cfg: Any, offset: int) -> dict[str, Tensor]:
+    """HF tensors of one gathered Megatron tensor (global layer index = local + offset; vocab padding dropped)."""
+    v = cfg.vocab_size
+    if name == "embedding.word_embeddings.weight":
+        return {"model.embed_tokens.weight": t[:v]}
+    if name == "output_layer.weight":
+        return {} if cfg.tie_word_embeddings else {"lm_head.weight": t[:v]}
+    if name == "decoder.final_layernorm.weight":
+        return {"model.norm.weight": t}
+    found = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if not found:
+        raise KeyError(f"no HF name for Megatron tensor {name!r}")
+    h = f"model.layers.{int(found.group(1)) + offset}."
+    rest = found.group(2)
+    simple = {
+        "input_layernorm.weight": "input_layernorm.weight",
+        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+        "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+        "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+        "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+        "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    }
+    if rest in simple:
+        return {h + simple[rest]: t}
+    if rest.startswith("self_attention.linear_qkv."):
+        kind = rest.rsplit(".", 1)[1]
+        q, k, vv = qkv_to_hf(t, cfg)
+        return {
+            h + f"self_attn.q_proj.{kind}": q,
+            h + f"self_attn.k_proj.{kind}": k,
+            h + f"self_attn.v_proj.{kind}": vv,
+        }
+    if rest == "mlp.linear_fc1.weight":
+        return {h + "mlp.gate_proj.weight": t[0], h + "mlp.up_proj.weight": t[1]}
+    raise KeyError(f"no HF name for Megatron tensor {name!r}")

@@ -1,0 +1,458 @@
+"""The `megatron` training engine: Megatron-Core's GPTModel with tensor, pipeline and data parallelism.
+
+One engine per worker process; the worker group's mesh (DP x PP x TP, roll_core.cluster.mesh) hands every rank of
+a model replica the same rows and collects results from the replica's last pipeline stage. Weights load from and
+export to Hugging Face folders (roll_engines.train.megatron._convert); training uses Megatron's
+DistributedDataParallel, its optimizer (distributed optimizer optional) and its pipeline schedules, with
+activation recomputation as config. On CPU the engine applies roll's Megatron shims around every call (_cpu).
+
+Contract (roll_core.interfaces.TrainEngine), with the same data layout and loss scaling as the `hf` engine: each
+micro-batch loss is weighted by its aggregation units over the units of the whole mini-batch across data-parallel
+ranks, so any split over micro-batches, ranks and stages gives the gradient of the unsplit batch.
+
+Not supported yet (clear errors): the critic role (no value head), an entropy bonus (entropy is reported, not
+trained), LoRA, packed sequences (Megatron's local attention has no THD path), and resuming at another parallel
+layout (the optimizer state is saved per rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from roll_core.interfaces import LossFn
+from roll_core.models import default_num_threads, resolve_model_path, torch_dtype
+from roll_engines.train.hf import lr_lambda
+from roll_engines.train.megatron import _convert as C
+
+
+class MegatronTrainEngine:
+    """Megatron-Core training engine (actor or reference) over a Llama/Qwen-family HF model."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        name: str = "megatron",
+        role: str = "actor",
+        dtype: str = "float32",
+        device: str = "cpu",
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] | list[float] = (0.9, 0.999),
+        warmup_steps: int = 0,
+        total_steps: int = 1,
+        lr_schedule: str = "constant",
+        max_grad_norm: float = 1.0,
+        micro_batch_size: int = 4,
+        logprob_chunk_size: int = 8,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        use_distributed_optimizer: bool = True,
+        recompute: str | None = None,
+        trainable: bool = True,
+        num_threads: int | None = None,
+        seed: int = 0,
+        param_dtype: str = "float32",
+        dist_backend: str | None = None,
+        world_size: int = 1,
+        **unsupported: Any,
+    ) -> None:
+        if role == "critic":
+            raise ValueError("train_engine=megatron has no value head yet: train the critic with hf or fsdp2")
+        if role not in ("actor", "reference"):
+            raise ValueError(f"role must be actor or reference, got {role!r}")
+        if unsupported.get("lora_rank"):
+            raise ValueError("train_engine=megatron does not train LoRA adapters yet: use hf or fsdp2 for LoRA")
+        torch.set_num_threads(num_threads or default_num_threads())
+        self.name, self.role, self.device = name, role, torch.device(device)
+        self.trainable = trainable and role != "reference"
+        self.micro_batch_size, self.logprob_chunk_size = micro_batch_size, logprob_chunk_size
+        self.max_grad_norm, self.base_lr = max_grad_norm, lr
+        self._lr = lr_lambda(lr_schedule, warmup_steps, total_steps)
+        self._step = 0
+        self.path = resolve_model_path(model_path)
+        from transformers import AutoConfig
+
+        self.hf_config = AutoConfig.from_pretrained(self.path)
+        C.check_supported(self.hf_config, tensor_parallel_size, pipeline_parallel_size)
+        # Master weights and optimizer state in param_dtype (fp32); Megatron computes in the compute dtype.
+        self.compute_dtype = torch_dtype(dtype)
+        with self._shims():
+            self._init_parallel(tensor_parallel_size, pipeline_parallel_size, dist_backend, seed)
+            config = C.transformer_config(
+                self.hf_config, tensor_parallel_size, pipeline_parallel_size, self.compute_dtype, recompute
+            )
+            self.model = C.build_model(self.hf_config, config).to(self.device)
+            C.load_hf(self.model, _read_hf(self.path), self.hf_config)
+            self.ddp, self.optimizer = self.model, None
+            if self.trainable:
+                self._build_optimizer(
+                    config, lr, weight_decay, betas, max_grad_norm, use_distributed_optimizer, param_dtype
+                )
+            else:
+                self.model.requires_grad_(False)
+
+    # ---- set-up -------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _shims(self) -> Iterator[None]:
+        if self.device.type == "cpu":
+            from roll_engines.train.megatron._cpu import cpu_shims
+
+            with cpu_shims():
+                yield
+        else:
+            yield
+
+    def _init_parallel(self, tp: int, pp: int, backend: str | None, seed: int) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if not dist.is_initialized():
+            if "RANK" not in os.environ:  # one process: a process group of one
+                os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+                from roll_core.cluster.group import free_port
+
+                os.environ.setdefault("MASTER_PORT", str(free_port()))
+            if backend is None:
+                from roll_hw import current_platform
+
+                backend = current_platform.dist_backend
+            dist.init_process_group(backend=backend)
+        world = dist.get_world_size()
+        if world % (tp * pp):
+            raise ValueError(f"{world} ranks cannot form tensor_parallel_size={tp} x pipeline_parallel_size={pp}")
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        if self.device.type == "cpu":
+            from roll_engines.train.megatron._cpu import seed_cpu_tracker
+
+            seed_cpu_tracker(seed)
+        else:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(seed)
+
+    def _build_optimizer(
+        self, config: Any, lr: float, wd: float, betas: Any, clip: float, distributed: bool, param_dtype: str
+    ) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        if param_dtype != "float32":
+            raise ValueError("train_engine=megatron keeps fp32 master weights (param_dtype=float32)")
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed
+        )
+        self.ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=self.model)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.ddp.no_sync
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            weight_decay=wd,
+            adam_beta1=float(betas[0]),
+            adam_beta2=float(betas[1]),
+            adam_eps=1e-8,
+            clip_grad=clip if clip > 0 else 0.0,
+            bf16=self.compute_dtype == torch.bfloat16,
+            fp16=self.compute_dtype == torch.float16,
+            params_dtype=torch.float32,
+            use_distributed_optimizer=distributed,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
+
+    # ---- parallel facts -----------------------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
+
+    @property
+    def dp_size(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size()
+
+    def _dp_sum(self, x: float) -> float:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        return float(t.item())
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    def _inputs(self, micro: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        ids = micro["input_ids"].to(self.device)
+        s = ids.shape[1]
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)
+        mask = causal[None, None] | (micro["attention_mask"].to(self.device) == 0)[:, None, None, :]
+        # RoPE is relative, so left padding needs no position shift: positions 0..s-1 give HF's log-probs.
+        pos = torch.arange(s, device=self.device)[None].expand_as(ids)
+        return ids, pos, mask
+
+    def _logprobs(self, logits: Tensor, micro: Mapping[str, Tensor], temperature: float, entropy: bool) -> dict:
+        """Vocab-parallel log-probs (B, R) of the response tokens (and their entropy, not differentiated)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+
+        resp = micro["responses"].to(self.device)
+        r = resp.shape[1]
+        x = logits[:, -r - 1 : -1].float() / temperature  # (B, R, V/tp)
+        vp = x.shape[-1]
+        start = ps.get_tensor_model_parallel_rank() * vp
+        pad = torch.arange(start, start + vp, device=x.device) >= self.hf_config.vocab_size
+        x = x.masked_fill(pad, float("-inf"))
+        nll = tensor_parallel.vocab_parallel_cross_entropy(x.transpose(0, 1).contiguous(), resp.t().contiguous())
+        out = {"logprobs": -nll.t()}
+        if entropy:
+            with torch.no_grad():
+                full = tensor_parallel.gather_from_tensor_model_parallel_region(x)[..., : self.hf_config.vocab_size]
+                out["entropy"] = torch.distributions.Categorical(logits=full).entropy()
+        return out
+
+    def _schedule(
+        self, micros: list[dict], loss: Callable[[Tensor, dict], tuple[Tensor, dict]], forward_only: bool
+    ) -> list[dict]:
+        """Run Megatron's pipeline schedule over `micros`; returns the loss functions' dicts (last stage)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[Tensor, Callable]:
+            micro = next(data_iterator)
+            output = model(*self._inputs(micro))
+            return output, lambda out: loss(out, micro)
+
+        s = micros[0]["input_ids"].shape[1]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micros),
+            model=[self.ddp],
+            num_microbatches=len(micros),
+            seq_length=s,
+            micro_batch_size=max(m["input_ids"].shape[0] for m in micros),
+            forward_only=forward_only,
+        )
+
+    @torch.no_grad()
+    def compute_logprobs(
+        self, batch: Mapping[str, Tensor], temperature: float = 1.0, with_entropy: bool = False, base: bool = False
+    ) -> dict[str, Tensor]:
+        """Log-probs (B, R) on the last pipeline stage (zeros elsewhere: the group keeps the last stage's)."""
+        from megatron.core import parallel_state as ps
+
+        tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+        n, r = tensors["input_ids"].shape[0], tensors["responses"].shape[1]
+        micros = _split(tensors, self.logprob_chunk_size) or [_padding_row(tensors)]
+
+        def loss(out: Tensor, micro: dict) -> tuple[Tensor, dict]:
+            got = self._logprobs(out, micro, temperature, with_entropy)
+            return out.sum() * 0, {k: v.cpu() for k, v in got.items()}
+
+        self.model.eval()
+        with self._shims():
+            parts = self._schedule(micros, loss, forward_only=True)
+        keys = ["logprobs", "entropy"] if with_entropy else ["logprobs"]
+        if not ps.is_pipeline_last_stage():
+            return {k: torch.zeros(n, r) for k in keys}
+        return {k: torch.cat([p[k] for p in parts])[:n] for k in keys}
+
+    def compute_values(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        raise NotImplementedError("train_engine=megatron has no value head: train the critic with hf or fsdp2")
+
+    # ---- training -----------------------------------------------------------------------------------------
+    def _backward(self, mini: dict[str, Tensor], loss_fn: LossFn, temperature: float) -> tuple[list, float]:
+        """Forward/backward of one mini-batch through the schedule; gradients of the unsplit batch (see module
+        docstring); returns (metric pairs, the mini-batch's units over data-parallel ranks)."""
+        micros = _split(mini, self.micro_batch_size)
+        total = self._dp_sum(sum(loss_fn.units(m) for m in micros))
+        real = len(micros)
+        micros = micros or [_padding_row(mini)]  # a replica with no rows still runs the schedule
+        metrics: list[tuple[str, float]] = []
+
+        def loss(out: Tensor, micro: dict) -> tuple[Tensor, dict]:
+            outputs = self._logprobs(out, micro, temperature, loss_fn.needs_entropy)
+            value, m = loss_fn(outputs, {k: v.to(self.device) for k, v in micro.items()})
+            units = loss_fn.units(micro) if real else 0.0
+            # DDP averages over data-parallel ranks and the schedule divides by the micro-batch count: undo both.
+            scale = units / total * self.dp_size * len(micros) if total > 0 else 0.0
+            if real:
+                metrics.extend((k, float(v)) for k, v in m.items())
+            return value * scale, {}
+
+        self.model.train()
+        with self._shims():
+            self._schedule(micros, loss, forward_only=False)
+        return metrics, total
+
+    def train_step(
+        self,
+        batch: Mapping[str, Tensor],
+        loss_fn: LossFn,
+        *,
+        mini_batches: int = 1,
+        epochs: int = 1,
+        temperature: float = 1.0,
+        shuffle_seed: int | None = None,
+    ) -> dict[str, float]:
+        if not self.trainable or self.optimizer is None:
+            raise RuntimeError(f"the {self.role} engine is not trainable")
+        if loss_fn.needs_entropy and getattr(loss_fn, "entropy_coef", 0.0) > 0:
+            raise ValueError("train_engine=megatron reports entropy but does not train an entropy bonus yet")
+        tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+        n = tensors["input_ids"].shape[0]
+        gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        t0 = time.perf_counter()
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
+            for rows in torch.tensor_split(order, mini_batches):
+                self.ddp.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                pairs, total = self._backward({k: v[rows] for k, v in tensors.items()}, loss_fn, temperature)
+                for k, v in pairs:
+                    sums[k] = sums.get(k, 0.0) + v
+                    counts[k] = counts.get(k, 0) + 1
+                if total == 0:
+                    continue
+                norm = self._step_optimizer()
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm
+                counts["grad_norm"] = counts.get("grad_norm", 0) + 1
+        out = {k: sums[k] / counts[k] for k in sums}
+        out["lr"] = self.base_lr * self._lr(max(self._step - 1, 0))
+        out["train_seconds"] = time.perf_counter() - t0
+        return out
+
+    def _step_optimizer(self) -> float:
+        factor = self._lr(self._step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.base_lr * factor
+        with self._shims():
+            ok, norm, _ = self.optimizer.step()
+        self._step += 1
+        norm = float(norm) if norm is not None else float("nan")
+        return norm if ok else float("inf")
+
+    def compute_gradients(
+        self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float = 1.0
+    ) -> dict[str, Tensor]:
+        """Full gradients in HF names of one mini-batch, without a step (data-parallel reduced; collective)."""
+        from megatron.core.distributed import finalize_model_grads  # noqa: F401  (run by the schedule)
+
+        self.ddp.zero_grad_buffer()
+        self._backward({k: v for k, v in batch.items() if isinstance(v, Tensor)}, loss_fn, temperature)
+        grads = dict(self._export(grads=True))
+        self.ddp.zero_grad_buffer()
+        return grads
+
+    # ---- weights ------------------------------------------------------------------------------------------
+    def _export(self, grads: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) of every weight (or main gradient), gathered over TP, and over PP as objects."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        offset = get_transformer_layer_offset(self.model.config)
+        local: dict[str, Tensor] = {}
+        with self._shims():
+            for name, p in self.model.named_parameters():
+                t = getattr(p, "main_grad", None) if grads else p.data
+                # Gradients are views of DDP's buffer, which the next zero_grad_buffer() clears: copy them.
+                t = torch.zeros_like(p) if t is None else (t.clone() if grads else t)
+                local.update(C.to_hf(name, C.gather_tp(name, t.detach().float()), self.hf_config, offset))
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            stages: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
+            dist.all_gather_object(
+                stages, {k: v.cpu() for k, v in local.items()}, group=ps.get_pipeline_model_parallel_group()
+            )
+            local = {k: v for s in stages for k, v in s.items()}
+        order = [k for k in _hf_names(self.hf_config) if k in local]
+        for k in order:
+            yield k, local[k]
+
+    def iter_weights(self, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """Full weights in HF names, in the HF model's order (collective over TP and PP ranks)."""
+        yield from self._export()
+
+    def get_weights(self) -> dict[str, Tensor]:
+        return {k: v.to("cpu", copy=True) for k, v in self._export()}
+
+    def save(self, folder: str | Path, tokenizer_path: str | None = None) -> None:
+        """`folder/model` (HF folder, written by global rank 0) and `folder/optimizer/rank*.pt` (per rank)."""
+        import torch.distributed as dist
+
+        folder = Path(folder)
+        weights = dict(self._export())
+        if dist.get_rank() == 0:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(self.hf_config)
+            skeleton.save_pretrained(folder / "model", state_dict=weights, safe_serialization=True)
+            AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(folder / "model")
+        if self.optimizer is not None:
+            (folder / "optimizer").mkdir(parents=True, exist_ok=True)
+            state = {"optimizer": self.optimizer.state_dict(), "step": self._step}
+            torch.save(state, folder / "optimizer" / f"rank{dist.get_rank()}-of-{dist.get_world_size()}.pt")
+
+    def load(self, folder: str | Path) -> None:
+        """Weights from `folder/model` (any layout); the optimizer from this rank's file (same layout only)."""
+        import torch.distributed as dist
+
+        folder = Path(folder)
+        with self._shims():
+            C.load_hf(self.model, _read_hf(str(folder / "model")), self.hf_config)
+        if self.optimizer is None:
+            return
+        own = folder / "optimizer" / f"rank{dist.get_rank()}-of-{dist.get_world_size()}.pt"
+        if not own.exists():
+            raise FileNotFoundError(
+                f"{own} missing: a Megatron optimizer state resumes only at the parallel layout that saved it"
+            )
+        state = torch.load(own, map_location="cpu", weights_only=False)  # our own file: optimizer internals
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._step = int(state["step"])
+
+
+def _read_hf(path: str) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    out: dict[str, Tensor] = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+def _hf_names(cfg: Any) -> list[str]:
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(cfg)
+    return [k for k, _ in model.named_parameters()]
+
+
+def _split(tensors: dict[str, Tensor], size: int) -> list[dict[str, Tensor]]:
+    n = tensors["input_ids"].shape[0]
+    return [{k: v[s : s + size] for k, v in tensors.items()} for s in range(0, n, size)]
+
+
+def _padding_row(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    from roll_engines.train.hf import _padding_row as hf_padding_row
+
+    return hf_padding_row(batch)
