@@ -21,3 +21,24 @@ class TestMegatronTrainEngine(TrainEngineTestSuite):
 
         kwargs.setdefault("micro_batch_size", 4)
         return MegatronTrainEngine(model_path, dist_backend="gloo", use_distributed_optimizer=False, **kwargs)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_activation_recomputation_gives_the_same_gradients(recompute: str, tmp_path_factory) -> None:
+    import os
+
+    import torch
+
+    from roll_core.models import resolve_model_path
+    from roll_core.pipelines.objectives import PolicyObjective
+    from roll_core.testing.train_engine import toy_batch
+    from roll_engines.train.megatron import MegatronTrainEngine
+
+    os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
+    path = resolve_model_path("builtin:tiny")
+    batch, objective = toy_batch(path), PolicyObjective()
+    common = {"dist_backend": "gloo", "use_distributed_optimizer": False, "micro_batch_size": 3}
+    plain = MegatronTrainEngine(path, **common).compute_gradients(batch, objective)
+    again = MegatronTrainEngine(path, recompute=recompute, **common).compute_gradients(batch, objective)
+    for name, g in plain.items():
+        torch.testing.assert_close(again[name], g, atol=1e-6, rtol=1e-5, msg=name)

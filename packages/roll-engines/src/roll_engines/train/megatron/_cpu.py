@@ -7,7 +7,9 @@ Applied explicitly, only while a Megatron engine call runs on CPU (`cpu_shims()`
 2. `torch.cuda.synchronize` does nothing (pipeline send/receive calls it).
 3. megatron's CUDA RNG tracker is replaced by one over CPU generators, seeded with megatron's own offsets
    (attention dropout forks the tracker on every forward, even at dropout 0).
-4. A TorchFunctionMode rewrites literal `device="cuda"` / `.cuda()` to the CPU (training schedules, optimizer,
+4. Activation recomputation saves and restores "CUDA" RNG states around recomputed blocks: on the CPU they are
+   the default generator's (torch.get_rng_state / set_rng_state).
+5. A TorchFunctionMode rewrites literal `device="cuda"` / `.cuda()` to the CPU (training schedules, optimizer,
    gradient clipping create tensors on "cuda" by name) and reports CPU tensors' `.type()` under the CUDA name
    that megatron's optimizer asserts. Cost: about 1 µs per torch call while active.
 """
@@ -89,13 +91,16 @@ class CudaToCpuMode(torch.overrides.TorchFunctionMode):
 
 @contextlib.contextmanager
 def cpu_shims() -> Iterator[None]:
-    """The four shims above for the duration of the block; everything is restored afterwards."""
+    """The shims above for the duration of the block; everything is restored afterwards."""
     from megatron.core.tensor_parallel import random as mrandom
 
     saved = (torch.cuda.current_device, torch.cuda.synchronize)
     saved_tracker = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    saved_rng = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, CPURNGStatesTracker):
         mrandom._CUDA_RNG_STATE_TRACKER = _TRACKER
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
@@ -106,6 +111,7 @@ def cpu_shims() -> Iterator[None]:
     finally:
         mode.__exit__(None, None, None)
         torch.cuda.current_device, torch.cuda.synchronize = saved
+        mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = saved_rng
         mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved_tracker
 
 
