@@ -246,6 +246,10 @@ def device(session: nox.Session) -> None:
         external=True,
         env={"ROLL_TEST_SESSION": f"device-{hw}"},
     )
+    if hw in ("cuda", "rocm"):  # torch addresses ROCm devices as "cuda"
+        # The checks that need only torch and transformers, with a summary table of what ran and what skipped
+        # (the same script runs on a bare accelerator machine: python tests/device/check_accelerator.py).
+        session.run(str(python), "tests/device/check_accelerator.py", "--device", "cuda", external=True)
 
 
 @nox.session(python=False)

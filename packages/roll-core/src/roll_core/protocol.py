@@ -21,6 +21,10 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
+from roll_core.sequences import build_sequences, pad_left
+
+__all__ = ["Batch", "build_sequences", "pad_left"]
+
 
 class Batch:
     """Tensors (TensorDict, batch dim 0) + per-row non-tensor fields + batch-level meta."""
@@ -172,25 +176,3 @@ class Batch:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.td = TensorDict(state["tensors"], batch_size=[state["n"]])
         self.fields, self.meta, self._n = state["fields"], state["meta"], state["n"]
-
-
-def pad_left(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Left-pad token lists to (B, P) ids and a (B, P) attention mask."""
-    p = max((len(s) for s in seqs), default=0)
-    ids = torch.full((len(seqs), p), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), p), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if len(s):
-            ids[i, p - len(s) :] = torch.as_tensor(list(s), dtype=torch.long)
-            mask[i, p - len(s) :] = 1
-    return ids, mask
-
-
-def build_sequences(
-    prompts: Tensor, prompt_mask: Tensor, responses: Tensor, response_mask: Tensor
-) -> dict[str, Tensor]:
-    """`input_ids`, `attention_mask`, `position_ids` (B, P+R) from left-padded prompts and right-padded responses."""
-    input_ids = torch.cat([prompts, responses], dim=1)
-    attention_mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp_min(0)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from roll_core.interfaces import TrainEngine
-from roll_core.protocol import build_sequences, pad_left
+from roll_core.sequences import build_sequences, pad_left
 from roll_core.testing import teacher_forced_logprobs
 
 PROMPTS = ["What is 1+2?", "Hi", "abc def ghi"]
