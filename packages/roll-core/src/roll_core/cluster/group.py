@@ -116,7 +116,7 @@ class WorkerGroup(Generic[W]):
             self.workers: list[Any] = [cls(rank=r, world_size=world_size, **kwargs) for r in range(world_size)]
             endpoint = self.workers[0].rendezvous_endpoint()
             for w in self.workers:
-                w.setup(*endpoint)
+                w.setup(*endpoint, export_env=False)
         elif backend == "ray":
             self.workers = self._start_ray(cls, world_size, ray_options or RayOptions(), kwargs)
         else:

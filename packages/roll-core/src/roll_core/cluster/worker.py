@@ -73,11 +73,15 @@ class Worker:
         return host, free_port("" if host != "127.0.0.1" else host), os.getpid()
 
     @dispatch(Dispatch.BROADCAST)
-    def setup(self, master_addr: str, master_port: int, chosen_by: int = 0) -> None:
-        """Second start-up phase, once every rank exists: the rendezvous, then `on_setup()` (engines)."""
+    def setup(self, master_addr: str, master_port: int, chosen_by: int = 0, export_env: bool = True) -> None:
+        """Second start-up phase, once every rank exists: the rendezvous, then `on_setup()` (engines).
+
+        `export_env=False` for in-process (local) groups: their ranks share the controller's environment, and
+        torch.distributed variables left there would make a later process group wait for ranks that never come.
+        """
         self.rendezvous = (master_addr, master_port, chosen_by)
         # torch.distributed reads these; set before any engine initialises a process group.
-        if self.world_size > 1:
+        if self.world_size > 1 and export_env:
             os.environ.update(
                 {
                     "RANK": str(self.rank),

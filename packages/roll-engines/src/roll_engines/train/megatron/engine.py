@@ -116,16 +116,19 @@ class MegatronTrainEngine:
         from megatron.core import parallel_state as ps
 
         if not dist.is_initialized():
-            if "RANK" not in os.environ:  # one process: a process group of one
-                os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-                from roll_core.cluster.group import free_port
-
-                os.environ.setdefault("MASTER_PORT", str(free_port()))
+            if ps.model_parallel_is_initialized():  # groups of a process group destroyed since
+                ps.destroy_model_parallel()
             if backend is None:
                 from roll_hw import current_platform
 
                 backend = current_platform.dist_backend
-            dist.init_process_group(backend=backend)
+            if "RANK" in os.environ:  # a worker group's process: the rendezvous is in the environment
+                dist.init_process_group(backend=backend)
+            else:  # one process on its own: a group of one, without touching the environment
+                from roll_core.cluster.group import free_port
+
+                url = f"tcp://127.0.0.1:{free_port()}"
+                dist.init_process_group(backend=backend, init_method=url, rank=0, world_size=1)
         world = dist.get_world_size()
         if world % (tp * pp):
             raise ValueError(f"{world} ranks cannot form tensor_parallel_size={tp} x pipeline_parallel_size={pp}")
