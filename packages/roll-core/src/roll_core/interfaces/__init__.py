@@ -3,6 +3,7 @@
 Each contract has a conformance suite in `roll_core.testing` that every implementation's tests subclass.
 """
 
+from roll_core.interfaces.agentic import Env, EnvWithInstructions
 from roll_core.interfaces.inference import (
     FINISH_REASONS,
     GenerateOutput,
@@ -17,6 +18,8 @@ from roll_core.interfaces.training import LossFn, TrainEngine
 
 __all__ = [
     "FINISH_REASONS",
+    "Env",
+    "EnvWithInstructions",
     "GenerateOutput",
     "InferEngine",
     "LossFn",

@@ -1,0 +1,45 @@
+"""The environment contract of agentic RL: text environments in the GEM / Gymnasium shape.
+
+An `Env` is one episode at a time: `reset(seed)` starts a seeded, reproducible instance and returns the first
+observation (text) and an info dict; `step(action)` takes the model's whole reply (text) and returns the next
+observation, the reward of that step, `terminated` (the episode reached a terminal state: solved or failed),
+`truncated` (stopped by a limit of the environment) and info.
+
+Info keys roll reads (all optional):
+- `invalid_action` (bool): the reply could not be parsed as an action; the environment did not change state and the
+  observation says what a valid action looks like (the episode goes on);
+- `success` (bool): the episode's goal was reached (success-rate metrics);
+- `state` (str): a canonical key of the environment state *before* the next action (GiGPO groups steps of a
+  group's trajectories that share it); defaults to the observation text;
+- `tool_calls` (int): tool calls made in this step.
+
+Contract: the same seed gives the same instance, and the environment never raises for a malformed action (a
+raising or hanging environment is the env manager's problem: it ends that trajectory and counts it). Environments
+are plain Python objects; roll's env managers may run many of them per worker and step them concurrently.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Env(Protocol):
+    """A text environment (GEM-compatible)."""
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        """Start an episode; returns (observation, info)."""
+        ...
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Apply the model's reply; returns (observation, reward, terminated, truncated, info)."""
+        ...
+
+
+@runtime_checkable
+class EnvWithInstructions(Env, Protocol):
+    """An environment that describes its rules and action format (used as the system prompt)."""
+
+    def instructions(self) -> str:
+        """Rules, the action format, and what a reply should end with."""
+        ...
