@@ -59,8 +59,7 @@ class RLVRPipeline:
             model.tokenizer or self.model_path, trust_remote_code=model.trust_remote_code
         )
         self.task = build(cfg.env)
-        self.train_set, self.eval_set = self.task.train_set(), self.task.eval_set()[: pipe.eval_size]
-        self.sampler = PromptSampler(len(self.train_set), seed=pipe.seed)
+        self._setup_data()
         self.estimator = registry.load("roll.algorithms", algo.adv_estimator)
         self.kl_ctl = (
             AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
@@ -146,13 +145,7 @@ class RLVRPipeline:
                 engine=te,
                 runtime={**common, **optim, "role": "critic", "lr": algo.critic_lr, "lora_rank": 0},
             )
-        self.reward = self.cluster.group(
-            RewardGroup,
-            "reward",
-            pipe.reward_workers,
-            env=as_dict(cfg.env),
-            tokenizer_path=model.tokenizer or self.model_path,
-        )
+        self.reward = self._setup_reward()
         self.policy_objective = PolicyObjective(
             variant=algo.policy_loss,
             agg=algo.loss_agg,
@@ -233,22 +226,31 @@ class RLVRPipeline:
         return summary
 
     def step(self, step: int) -> dict[str, Any]:
-        """One RL step; returns its metrics."""
-        algo, pipe, model = self.cfg.algo, self.cfg.pipeline, self.cfg.model
+        """One RL step: collect a scored batch, then update the policy (and critic) on it; returns its metrics."""
         timers: dict[str, float] = {}
         t_step = time.perf_counter()
         metrics: dict[str, Any] = {}
+        collected = self.collect(step, metrics, timers)
+        if collected is not None:
+            self.update(step, *collected, metrics, timers)
+        metrics.update({f"perf/time_{k}": v for k, v in timers.items()})
+        metrics["perf/step_seconds"] = time.perf_counter() - t_step
+        if collected is not None:
+            metrics["perf/samples_per_s"] = len(collected[0]) / metrics["perf/step_seconds"]
+        return metrics
 
+    def collect(
+        self, step: int, metrics: dict[str, Any], timers: dict[str, float]
+    ) -> tuple[Batch, torch.Tensor] | None:
+        """Rollout and rewards: the batch to train on and its per-sample scores (None: nothing to train on)."""
+        algo, pipe, model = self.cfg.algo, self.cfg.pipeline, self.cfg.model
         # 1. prompts and generation
         problems = [self.train_set[i] for i in self.sampler.next(pipe.rollout_batch_size)]
         prompts = self._prompt_batch(problems, metrics)
         with _timer(timers, "generate"):
             params = self.sampling.replace(seed=pipe.seed * 100_003 + step)
             gen = self.actor_infer.generate(prompts, params, n=algo.group_size)
-        if self.sleep_level:  # the trainer gets the device (and memory) until the next weight sync
-            self.actor_infer.sleep(self.sleep_level)
-            if self.sleep_level == 2:
-                self.weight_sync.require_full()
+        self._sleep_engines()
         batch = assemble(self.tokenizer, prompts.repeat_interleave(algo.group_size), gen, metrics)
         metrics["perf/rollout_tokens_per_s"] = float(gen["response_mask"].sum()) / max(
             gen.meta["generate_seconds"], 1e-9
@@ -271,9 +273,21 @@ class RLVRPipeline:
         if algo.drop_uniform_groups:
             batch, scores = self._drop_uniform_groups(batch, scores, metrics)
             if len(batch) == 0:
-                metrics["perf/step_seconds"] = time.perf_counter() - t_step
-                return metrics | {f"perf/time_{k}": v for k, v in timers.items()}
+                return None
+        return batch, scores
 
+    def _sleep_engines(self) -> None:
+        """The trainer gets the device (and memory) until the next weight sync."""
+        if self.sleep_level:
+            self.actor_infer.sleep(self.sleep_level)
+            if self.sleep_level == 2:
+                self.weight_sync.require_full()
+
+    def update(
+        self, step: int, batch: Batch, scores: torch.Tensor, metrics: dict[str, Any], timers: dict[str, float]
+    ) -> None:
+        """Reference and old log-probs, values, advantages, critic and actor updates, weight sync."""
+        algo, pipe = self.cfg.algo, self.cfg.pipeline
         # 3. reference and old log-probs, values
         mask = batch["response_mask"].float()
         if self.reference is not None or self.reference_is_base:
@@ -319,7 +333,7 @@ class RLVRPipeline:
             self.kl_ctl.update(metrics["actor/kl_to_ref"], len(batch))
             metrics["actor/kl_coef"] = self.kl_ctl.value
             self.policy_objective.kl_loss_coef = 0.0 if algo.kl_in_reward else self.kl_ctl.value
-        adv, returns = self.estimator(scores, token_rewards, mask, values, algo)
+        adv, returns = self._advantages(batch, scores, token_rewards, mask, values)
         if algo.whiten_advantages:
             adv = A.whiten(adv, mask)
         if algo.advantage_clip is not None:
@@ -360,10 +374,33 @@ class RLVRPipeline:
             if self.sleep_level:
                 self.actor_infer.wake_up()
             metrics.update(self.weight_sync.sync().metrics())
-        metrics.update({f"perf/time_{k}": v for k, v in timers.items()})
-        metrics["perf/step_seconds"] = time.perf_counter() - t_step
-        metrics["perf/samples_per_s"] = len(batch) / metrics["perf/step_seconds"]
-        return metrics
+
+    def _advantages(
+        self,
+        batch: Batch,
+        scores: torch.Tensor,
+        token_rewards: torch.Tensor,
+        mask: torch.Tensor,
+        values: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(advantages, returns or None), (B, R) each, from the configured `roll.algorithms` estimator."""
+        return self.estimator(scores, token_rewards, mask, values, self.cfg.algo)
+
+    # ---- set-up hooks (the agentic pipeline overrides them) -----------------------------------------------
+    def _setup_data(self) -> None:
+        """Training problems, held-out problems and the data sampler."""
+        self.train_set, self.eval_set = self.task.train_set(), self.task.eval_set()[: self.cfg.pipeline.eval_size]
+        self.sampler = PromptSampler(len(self.train_set), seed=self.cfg.pipeline.seed)
+
+    def _setup_reward(self) -> RewardGroup | None:
+        """The reward role: workers that decode and score responses with the task's reward."""
+        return self.cluster.group(
+            RewardGroup,
+            "reward",
+            self.cfg.pipeline.reward_workers,
+            env=as_dict(self.cfg.env),
+            tokenizer_path=self.cfg.model.tokenizer or self.model_path,
+        )
 
     # ---- pieces -------------------------------------------------------------------------------------------
     @property

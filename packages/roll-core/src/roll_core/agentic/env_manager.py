@@ -1,0 +1,81 @@
+"""Env managers: many environment instances stepped concurrently, each call under a timeout.
+
+Contract: `reset(slot, seed)` and `step(slot, action)` run the slot's environment in a thread pool and return its
+result, or raise `EnvFailure` with kind `env_error` (it raised) or `env_timeout` (it did not answer within
+`step_timeout_s`). A failed slot gets a fresh environment instance (a hung one keeps its thread, which is counted
+in `leaked_threads`; Python threads cannot be killed), so one broken episode never stops the others or the run.
+Counters (`counters()`) feed the run's metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from roll_core.interfaces import Env
+
+log = logging.getLogger(__name__)
+
+
+class EnvFailure(RuntimeError):
+    """An environment raised or hung; `kind` is `env_error` or `env_timeout`."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class EnvManager:
+    """`slots` environments built by `factory`, stepped on up to `threads` threads with a per-call timeout."""
+
+    def __init__(self, factory: Callable[[], Env], slots: int, *, step_timeout_s: float = 30.0, threads: int = 16):
+        self.factory, self.timeout = factory, step_timeout_s
+        self.envs: list[Env] = [factory() for _ in range(slots)]
+        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="roll-env")
+        self._lock = threading.Lock()
+        self._counts = {"env_errors": 0, "env_timeouts": 0, "leaked_threads": 0}
+
+    def grow(self, slots: int) -> None:
+        """Make sure at least `slots` environments exist."""
+        while len(self.envs) < slots:
+            self.envs.append(self.factory())
+
+    def _call(self, slot: int, what: str, fn: Callable[[], Any]) -> Any:
+        future = self.pool.submit(fn)
+        try:
+            return future.result(timeout=self.timeout)
+        except FutureTimeout as exc:
+            self._fail(slot, "env_timeout", "leaked_threads")
+            raise EnvFailure("env_timeout", f"environment {what} did not return within {self.timeout}s") from exc
+        except Exception as exc:
+            self._fail(slot, "env_error")
+            log.warning("environment %s raised %s: %s (episode ended, counted)", what, type(exc).__name__, exc)
+            raise EnvFailure("env_error", f"environment {what} raised {type(exc).__name__}: {exc}") from exc
+
+    def _fail(self, slot: int, kind: str, extra: str | None = None) -> None:
+        with self._lock:
+            self._counts["env_errors" if kind == "env_error" else "env_timeouts"] += 1
+            if extra:
+                self._counts[extra] += 1
+        self.envs[slot] = self.factory()  # the broken instance may hold bad state (or still run in its thread)
+
+    def reset(self, slot: int, seed: int) -> tuple[str, dict[str, Any]]:
+        env = self.envs[slot]
+        obs, info = self._call(slot, "reset", lambda: env.reset(seed=seed))
+        return str(obs), dict(info or {})
+
+    def step(self, slot: int, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        env = self.envs[slot]
+        obs, reward, terminated, truncated, info = self._call(slot, "step", lambda: env.step(action))
+        return str(obs), float(reward), bool(terminated), bool(truncated), dict(info or {})
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
