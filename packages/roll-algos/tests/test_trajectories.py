@@ -222,8 +222,8 @@ def test_gigpo_step_sign_can_differ_from_episode_sign() -> None:
 
 
 def test_gigpo_step_groups_stay_inside_their_group() -> None:
-    # Move D into group 7: now s0 has 4 members [0.5, 0.1, 0, 0.5] and s1 has 3 [1, 0.4, 1] -> D's step advantage
-    # is no longer 0. s1: mean 0.8, dev [0.2, -0.4, 0.2] (mean-only).
+    # Move D into group 7: its keys now pool with A, B, C. s1 has 3 members A1 1, B2 0.4, D1 1: mean 0.8,
+    # dev [0.2, -0.4, 0.2] (mean-only), so D's step advantage is no longer 0; s2 is unchanged ([2/15, -1/15]).
     returns = turn_discounted_returns(G_TURN_REWARDS, G_TURN_MASK, gamma=0.5)
     step = anchor_state_advantages(returns, G_TURN_MASK, T([7, 7, 7, 7]), G_KEYS, normalize_std=False)
     close(step[:, 1], [0.2, 2 / 15, -1 / 15, 0.2])

@@ -24,8 +24,6 @@ log = logging.getLogger("roll")
 
 def run_job(cfg: Any) -> dict[str, Any]:
     """Run one training job from a composed DictConfig (inside a Hydra job or not)."""
-    from roll_core.pipelines.rlvr import RLVRPipeline
-
     typed = to_object(cfg)
     output_dir = typed.pipeline.output_dir
     if output_dir is None:
@@ -35,11 +33,22 @@ def run_job(cfg: Any) -> dict[str, Any]:
             output_dir = HydraConfig.get().runtime.output_dir
         except ValueError:  # not inside a Hydra job
             output_dir = None
-    pipeline = RLVRPipeline(typed, output_dir=output_dir)
+    pipeline = pipeline_class(typed.pipeline.name)(typed, output_dir=output_dir)
     try:
         return pipeline.run()
     finally:
         pipeline.shutdown()
+
+
+def pipeline_class(name: str) -> Any:
+    """The pipeline a run's `pipeline.name` selects."""
+    if name == "agentic":
+        from roll_core.pipelines.agentic import AgenticPipeline
+
+        return AgenticPipeline
+    from roll_core.pipelines.rlvr import RLVRPipeline
+
+    return RLVRPipeline
 
 
 def _hydra_task(cfg: Any) -> float | None:

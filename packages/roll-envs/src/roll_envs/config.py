@@ -99,6 +99,42 @@ class FileEnvConfig:
     reward: Any = field(default_factory=MathRewardConfig)
 
 
+@dataclass
+class AgenticEnvConfig:
+    """A multi-turn environment (roll_envs.agentic): its name and options, seeds, and episode limits."""
+
+    _target_: str = "roll_envs.agentic.task.AgenticTask"
+    # Environment: sokoban | frozen_lake | guess_number | tool_math | gem:<id> | gym:<id>.
+    env: str = MISSING
+    # Display name (logs); null: the environment's name.
+    name: str | None = None
+    # Keyword arguments of the environment (board size, boxes, slipperiness, ...).
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Assistant turns per episode at most.
+    max_turns: int = 8
+    # Tokens of a whole trajectory (prompt, responses, observations) at most.
+    max_context_length: int = 2048
+    # Tokens one assistant turn may generate.
+    max_tokens_per_turn: int = 128
+    # Seconds an environment reset or step may take before its episode ends (counted as env_timeout).
+    step_timeout_s: float = 30.0
+    # Threads stepping environments concurrently.
+    env_threads: int = 16
+    # Held-out environment seeds (disjoint from training seeds).
+    eval_size: int = 32
+    eval_seed_offset: int = 1_000_000
+    # System prompt; null: the environment's instructions.
+    system_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if min(self.max_turns, self.max_context_length, self.max_tokens_per_turn, self.eval_size) < 1:
+            raise ValueError("env.max_turns, max_context_length, max_tokens_per_turn and eval_size must be >= 1")
+        if self.max_tokens_per_turn >= self.max_context_length:
+            raise ValueError("env.max_tokens_per_turn must be below env.max_context_length")
+        if self.step_timeout_s <= 0:
+            raise ValueError("env.step_timeout_s must be > 0")
+
+
 def register_configs() -> None:
     """Store the env schemas under the `env` group."""
     from hydra.core.config_store import ConfigStore
@@ -107,3 +143,4 @@ def register_configs() -> None:
     cs.store(group="env", name="arithmetic_schema", node=ArithmeticEnvConfig)
     cs.store(group="env", name="countdown_schema", node=CountdownEnvConfig)
     cs.store(group="env", name="file_schema", node=FileEnvConfig)
+    cs.store(group="env", name="agentic_schema", node=AgenticEnvConfig)

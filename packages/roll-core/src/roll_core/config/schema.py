@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "gigpo")
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "tis", "topr", "vanilla")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
@@ -45,7 +45,8 @@ class AlgoConfig:
 
     # Display name of the preset (grpo, ppo, ...); free text, shown in logs.
     name: str = "grpo"
-    # Advantage estimator: grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae (gae trains a critic).
+    # Advantage estimator: grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae (gae trains a critic)
+    # | gigpo (pipeline=agentic: episode- plus step-level advantages over identical environment states).
     adv_estimator: str = "grpo"
     # Samples per prompt (the GRPO group size); group estimators need >= 2.
     group_size: int = 8
@@ -132,7 +133,7 @@ class AlgoConfig:
         _one_of("algo.off_policy_correction", self.off_policy_correction, (None, "token", "sequence"))
         if self.group_size < 1:
             raise ValueError(f"algo.group_size={self.group_size} must be >= 1")
-        if self.adv_estimator in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline") and self.group_size < 2:
+        if self.adv_estimator in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "gigpo") and self.group_size < 2:
             raise ValueError(
                 f"algo.adv_estimator={self.adv_estimator} compares samples of one prompt: set algo.group_size >= 2"
             )
@@ -243,7 +244,8 @@ class ClusterConfig:
 class PipelineConfig:
     """Run control of the RLVR pipeline."""
 
-    # Pipeline kind (rlvr).
+    # Pipeline kind: rlvr (single-turn prompts, a reward role) | agentic (multi-turn episodes with an env group
+    # such as env=sokoban).
     name: str = "rlvr"
     # Training steps (one rollout batch each).
     max_steps: int = 20
@@ -271,6 +273,7 @@ class PipelineConfig:
     reward_workers: int = 1
 
     def __post_init__(self) -> None:
+        _one_of("pipeline.name", self.name, ("rlvr", "agentic"))
         _positive("pipeline.max_steps", self.max_steps)
         _positive("pipeline.rollout_batch_size", self.rollout_batch_size)
         _positive("pipeline.eval_every", self.eval_every, allow_zero=True)

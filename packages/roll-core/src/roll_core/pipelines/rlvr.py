@@ -60,7 +60,7 @@ class RLVRPipeline:
         )
         self.task = build(cfg.env)
         self._setup_data()
-        self.estimator = registry.load("roll.algorithms", algo.adv_estimator)
+        self.estimator = self._setup_estimator()
         self.kl_ctl = (
             AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
             if algo.kl_target
@@ -391,6 +391,12 @@ class RLVRPipeline:
         """Training problems, held-out problems and the data sampler."""
         self.train_set, self.eval_set = self.task.train_set(), self.task.eval_set()[: self.cfg.pipeline.eval_size]
         self.sampler = PromptSampler(len(self.train_set), seed=self.cfg.pipeline.seed)
+
+    def _setup_estimator(self) -> Any:
+        """The advantage estimator: a `roll.algorithms` plugin (grpo, rloo, gae, ... or an installed one)."""
+        if self.cfg.algo.adv_estimator == "gigpo":
+            raise ValueError("algo.adv_estimator=gigpo groups steps of multi-turn episodes: use pipeline=agentic")
+        return registry.load("roll.algorithms", self.cfg.algo.adv_estimator)
 
     def _setup_reward(self) -> RewardGroup | None:
         """The reward role: workers that decode and score responses with the task's reward."""

@@ -47,12 +47,12 @@ def tiny_overrides(data: str | Path, out: str | Path, *extra: str) -> list[str]:
 
 def run_pipeline(overrides: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Compose, build and run a pipeline in this process; returns (summary, metrics history)."""
+    from roll_core.cli import pipeline_class
     from roll_core.config import load_config
-    from roll_core.pipelines.rlvr import RLVRPipeline
     from roll_core.tracking import Tracker
 
     cfg = load_config(overrides)
-    pipeline = RLVRPipeline(cfg)
+    pipeline = pipeline_class(cfg.pipeline.name)(cfg)
     try:
         summary = pipeline.run()
     finally:

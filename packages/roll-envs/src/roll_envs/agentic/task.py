@@ -1,0 +1,71 @@
+"""An agentic task: which environment, which seeds, what the model is told, and where episodes stop.
+
+The agentic pipeline (roll_core.pipelines.agentic) builds one from the `env` config group (env=sokoban,
+env=frozen_lake, ...). Training seeds are drawn per step from [0, eval_seed_offset) and held-out seeds are
+[eval_seed_offset, eval_seed_offset + eval_size): the two never meet, so held-out success measures generalisation.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from roll_core.interfaces import Env
+
+
+class AgenticTask:
+    """Environment factory, seeds and episode limits of an agentic run."""
+
+    is_agentic = True
+
+    def __init__(
+        self,
+        env: str,
+        name: str | None = None,
+        env_kwargs: dict[str, Any] | None = None,
+        max_turns: int = 8,
+        max_context_length: int = 2048,
+        max_tokens_per_turn: int = 128,
+        step_timeout_s: float = 30.0,
+        env_threads: int = 16,
+        eval_size: int = 32,
+        eval_seed_offset: int = 1_000_000,
+        system_prompt: str | None = None,
+    ) -> None:
+        self.env, self.name = env, name or env
+        self.env_kwargs = dict(env_kwargs or {})
+        self.max_turns, self.max_context_length, self.max_tokens_per_turn = (
+            max_turns,
+            max_context_length,
+            max_tokens_per_turn,
+        )
+        self.step_timeout_s, self.env_threads = step_timeout_s, env_threads
+        self.eval_size, self.eval_seed_offset = eval_size, eval_seed_offset
+        self._system_prompt = system_prompt
+        probe = self.make_env()  # fails here, with the registry's message, for an unknown name or bad kwargs
+        self._instructions = probe.instructions() if hasattr(probe, "instructions") else ""
+
+    def make_env(self) -> Env:
+        """A new environment instance: a built-in or GEM/Gym name (roll_envs.agentic.registry), or
+        `py:<module>:<Class>` for an environment class of your own."""
+        if self.env.startswith("py:"):
+            import importlib
+
+            module, _, cls = self.env.removeprefix("py:").partition(":")
+            if not cls:
+                raise ValueError(f"env={self.env!r}: write py:<module>:<Class>")
+            return getattr(importlib.import_module(module), cls)(**self.env_kwargs)
+        from roll_envs.agentic.registry import make_env
+
+        return make_env(self.env, **self.env_kwargs)
+
+    def system_prompt(self) -> str | None:
+        """The configured system prompt, else the environment's own instructions (rules and action format)."""
+        return self._system_prompt if self._system_prompt is not None else (self._instructions or None)
+
+    def train_seeds(self, count: int, seed: int) -> list[int]:
+        """`count` distinct training seeds drawn with `seed` (every one below the held-out range)."""
+        return random.Random(seed).sample(range(self.eval_seed_offset), count)
+
+    def eval_seeds(self) -> list[int]:
+        return list(range(self.eval_seed_offset, self.eval_seed_offset + self.eval_size))
