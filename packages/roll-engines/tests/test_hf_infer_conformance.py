@@ -118,3 +118,29 @@ def test_a_failing_forward_fails_requests_instead_of_hanging(model_path_tiny: st
     except FutureTimeout:
         pytest.fail("a request hung after the engine's forward failed")
     eng.shutdown()
+
+
+def test_multi_turn_prefix_reuse_matches_full_prefill(model_path_tiny: str) -> None:
+    """A conversation's next turn reuses the previous turn's KV: same greedy tokens and log-probs as encoding the
+    whole conversation again, and only the new tokens are encoded."""
+    from roll_core.interfaces import Request
+
+    def conversation(engine: HFInferEngine) -> list:
+        greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+        ids, outs = [5, 6, 7, 8], []
+        for turn in range(3):
+            out = engine.submit(Request(f"t{turn}", ids, greedy)).result(timeout=60)
+            outs.append(out)
+            ids = ids + out.token_ids + [20 + turn, 21, 22]  # the response, then an "observation"
+        return outs
+
+    reuse = HFInferEngine(model_path_tiny)
+    plain = HFInferEngine(model_path_tiny, prefix_cache_mb=0)
+    a, b = conversation(reuse), conversation(plain)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+    assert reuse.batcher.prefixes.hits == 2 and plain.batcher.prefixes.hits == 0
+    assert reuse.batcher.prefixes.reused_tokens == (4 + 5) + (4 + 6 + 3 + 5)  # all but each turn's last token
+    reuse.load_weights(dict(reuse.model.state_dict()))  # a weight update drops the stored prefixes
+    assert not reuse.batcher.prefixes.entries

@@ -115,6 +115,8 @@ class HFInferEngineConfig(InferEngineConfig):
     max_num_seqs: int = 64
     # Context limit (prompt + response tokens); null: the model's max_position_embeddings.
     max_model_len: int | None = None
+    # MiB of finished sequences' KV kept for requests that extend them (multi-turn conversations); 0 disables.
+    prefix_cache_mb: float = 1024.0
     # torch threads of the engine process; null: all cores.
     num_threads: int | None = None
 

@@ -93,6 +93,17 @@ class GrowingLayer(DynamicLayer):
         return -1
 
     # ---- the batcher's row and column surgery ------------------------------------------------------------
+    def load(self, keys: Tensor, values: Tensor) -> None:
+        """Start from given keys and values (B, H, L, D) (a reused prefix), with spare capacity."""
+        self._k, self._v, self.length = keys, values, keys.shape[2]
+        self.is_initialized = True
+        self._reserve(self.length + 64)
+        self._views()
+
+    def row(self, i: int, last: int) -> tuple[Tensor, Tensor]:
+        """Copies of row i's last `last` columns (its real tokens: a row's columns are contiguous at the end)."""
+        return self.keys[i : i + 1, :, -last:].clone(), self.values[i : i + 1, :, -last:].clone()
+
     def select_rows(self, idx: Tensor) -> None:
         self._k, self._v = self._k[idx], self._v[idx]
         self._views()
@@ -155,6 +166,7 @@ class ContinuousBatcher:
         max_context: int,
         device: torch.device,
         version: Callable[[], int],
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.model, self.eos_ids, self.pad_id = model, eos_ids, pad_id
         self.max_num_seqs, self.max_context, self.device = max_num_seqs, max_context, device
@@ -164,6 +176,9 @@ class ContinuousBatcher:
         self.cache = None  # DynamicCache of the running rows, (B, H, L, D) per layer
         self.attn: Tensor | None = None  # (B, L) 1 on real cached tokens
         self.mergeable = True  # False once a cache turned out to have non-plain layers
+        from roll_engines.infer._prefix_cache import PrefixStore
+
+        self.prefixes = PrefixStore(prefix_cache_bytes)
         # transformers >= 5.x names the cache argument `cache`; older releases and remote code `past_key_values`.
         import inspect
 
@@ -192,8 +207,8 @@ class ContinuousBatcher:
 
     def kv_bytes(self) -> int:
         if self.cache is None:
-            return 0
-        return sum(
+            return self.prefixes.bytes
+        return self.prefixes.bytes + sum(
             t.numel() * t.element_size()
             for layer in self.cache.layers
             for t in (getattr(layer, "_k", layer.keys), getattr(layer, "_v", layer.values))
@@ -205,6 +220,7 @@ class ContinuousBatcher:
         if self.running:
             raise RuntimeError("cannot release the KV cache while requests run")
         self.cache, self.attn = None, None
+        self.prefixes.clear()
 
     # ---- one scheduling step ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -270,6 +286,17 @@ class ContinuousBatcher:
             raise
 
     def _prefill(self, new: list[Running]) -> None:
+        if self.prefixes.entries and self.mergeable:
+            misses = []
+            for seq in new:
+                hit = self.prefixes.take(seq.request.prompt_ids)
+                if hit is None:
+                    misses.append(seq)
+                else:
+                    self._prefill_from(seq, *hit)
+            new = misses
+            if not new:
+                return
         unique: dict[tuple[int, ...], int] = {}
         for s in new:
             unique.setdefault(tuple(s.request.prompt_ids), len(unique))
@@ -300,6 +327,28 @@ class ContinuousBatcher:
         self._sample(new, out.logits[:, -1][rows.to(self.device)])
         self._merge(new, cache, new_attn)
 
+    def _prefill_from(self, seq: Running, cached: int, kv: list[tuple[Tensor, Tensor]]) -> None:
+        """Encode only the tokens after a reused prefix of `cached` tokens, then join the running batch."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        cache.layers = [GrowingLayer() for _ in cache.layers]
+        for layer, (k, v) in zip(cache.layers, kv):
+            layer.load(k, v)
+        suffix = torch.tensor([seq.request.prompt_ids[cached:]], dtype=torch.long, device=self.device)
+        n = cached + suffix.shape[1]
+        attn = torch.ones((1, n), dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=suffix,
+            attention_mask=attn,
+            position_ids=torch.arange(cached, n, device=self.device)[None],
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_arg: cache},
+        )
+        self._sample([seq], out.logits[:, -1])
+        self._merge([seq], cache, attn)
+
     def _merge(self, new: list[Running], cache: object, attn: Tensor) -> None:
         growing = all(isinstance(layer, GrowingLayer) for layer in cache.layers)
         if not self.running:
@@ -328,6 +377,7 @@ class ContinuousBatcher:
         if not done:
             return
         for i in done:
+            self._keep_prefix(i, self.running[i])
             self._resolve(self.running[i])
         keep = [i for i, s in enumerate(self.running) if s.finish is None]
         self.running = [self.running[i] for i in keep]
@@ -346,6 +396,13 @@ class ContinuousBatcher:
             if first > 0:  # columns only finished rows used
                 layer.trim_front(first)
         self.attn = self.attn[:, first:]
+
+    def _keep_prefix(self, i: int, seq: Running) -> None:
+        """Store a finished row's KV (prompt + all but its last token: the last was never fed back) for reuse."""
+        if not self.prefixes.budget or not self.mergeable or seq.finish not in ("stop", "length") or not seq.tokens:
+            return
+        ids = (*seq.request.prompt_ids, *seq.tokens[:-1])
+        self.prefixes.put(ids, [layer.row(i, len(ids)) for layer in self.cache.layers])
 
     def _resolve(self, seq: Running) -> None:
         out = RequestOutput(

@@ -8,7 +8,9 @@ of `model.generate`, so that:
   (batch, response, vocab) logits;
 - stop strings cut the response at the token that completes them, even when that token overhangs the string;
 - requests join and leave the running batch between decode steps (the request API), and the n samples of a
-  prompt share one prefill.
+  prompt share one prefill;
+- a request that extends a finished sequence (a conversation's next turn) reuses that sequence's KV and encodes
+  only its new tokens (roll_engines.infer._prefix_cache; dropped at every weight update).
 
 Threads: the batch API drives decode steps in the caller's thread. The request API starts one background thread
 on first use; both step under one lock, so a `generate` call and requests can share a batch. A weight sync pauses
@@ -55,6 +57,7 @@ class HFInferEngine:
         stop: Sequence[str] | None = None,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
+        prefix_cache_mb: float = 1024.0,
         attn_implementation: str = "sdpa",
         trust_remote_code: bool = False,
         world_size: int = 1,
@@ -110,6 +113,7 @@ class HFInferEngine:
             max_context=self._max_context,
             device=self.device,
             version=lambda: self._version,
+            prefix_cache_bytes=int(prefix_cache_mb * 2**20),
         )
 
     # ---- facts --------------------------------------------------------------------------------------------
@@ -233,6 +237,7 @@ class HFInferEngine:
 
     def finish_weight_update(self) -> int:
         with self._lock:
+            self.batcher.prefixes.clear()  # cached keys/values belong to the old weights
             self._version += 1
             self._weights_valid = True
             self._paused = False
