@@ -121,6 +121,14 @@ def eval_main(argv: list[str] | None = None) -> int:
         print(f"roll-eval: invalid config:\n{exc}", file=sys.stderr)
         return 2
     result = evaluate_model(cfg, samples=args.samples)
+    if result.get("agentic"):
+        ends = ", ".join(f"{k} {v:.0%}" for k, v in sorted(result["ends"].items()))
+        print(
+            f"success rate {result['success_rate']:.4f} on {result['n']} held-out seeds of {result['task']} "
+            f"(mean reward {result['reward']:.4f}, mean turns {result['mean_turns']:.2f}, invalid actions "
+            f"{result['invalid_action_rate']:.1%} of turns, ended by: {ends}; model {model})"
+        )
+        return 0
     print(
         f"accuracy {result['accuracy']:.4f} on {result['n']} held-out problems of {result['task']} "
         f"(mean reward {result['reward']:.4f}, model {model})"

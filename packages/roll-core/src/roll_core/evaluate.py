@@ -1,4 +1,8 @@
-"""`roll-eval`'s engine: held-out accuracy of a model on a task, with the run config's inference settings."""
+"""`roll-eval`'s engine: held-out accuracy of a model on a task, with the run config's inference settings.
+
+Single-turn tasks: accuracy and mean reward over the task's eval split. Agentic tasks (env=sokoban, ...): one
+episode per held-out environment seed, reporting success rate, mean turns and the invalid-action rate.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +24,6 @@ def evaluate_model(cfg: Any, samples: int | None = None) -> dict[str, Any]:
     path = resolve_model_path(cfg.model.path)
     tok_path = cfg.model.tokenizer or path
     task = build(cfg.env)
-    problems = task.eval_set()[: samples or cfg.pipeline.eval_size]
     ie = as_dict(cfg.infer_engine)
     infer = cluster.group(
         InferGroup,
@@ -36,7 +39,6 @@ def evaluate_model(cfg: Any, samples: int | None = None) -> dict[str, Any]:
             "device": "auto",
         },
     )
-    reward = cluster.group(RewardGroup, "reward", 1, env=as_dict(cfg.env), tokenizer_path=tok_path)
     temp = ie["temperature"] if cfg.pipeline.eval_temperature is None else cfg.pipeline.eval_temperature
     params = SamplingParams(
         temperature=temp,
@@ -46,13 +48,53 @@ def evaluate_model(cfg: Any, samples: int | None = None) -> dict[str, Any]:
         max_new_tokens=cfg.model.max_response_length,
         seed=cfg.pipeline.seed + 17,
     )
+    tokenizer = AutoTokenizer.from_pretrained(tok_path)
+    if getattr(task, "is_agentic", False):
+        return _evaluate_agentic(task, infer, tokenizer, params, samples)
+    problems = task.eval_set()[: samples or cfg.pipeline.eval_size]
+    reward = cluster.group(RewardGroup, "reward", 1, env=as_dict(cfg.env), tokenizer_path=tok_path)
     result = evaluate(
         infer,
         reward,
-        AutoTokenizer.from_pretrained(tok_path),
+        tokenizer,
         task,
         problems,
         max_prompt_length=cfg.model.max_prompt_length,
         params=params,
     )
     return {**result, "task": getattr(task, "name", type(task).__name__)}
+
+
+def _evaluate_agentic(task: Any, infer: Any, tokenizer: Any, params: SamplingParams, samples: int | None) -> dict:
+    """One episode per held-out seed of an agentic task (the same rollout code as training)."""
+    from roll_core.agentic.chat import TurnTemplate
+    from roll_core.agentic.env_manager import EnvManager
+    from roll_core.agentic.rollout import AgenticRollout, EpisodeLimits
+    from roll_core.pipelines.agentic import _episode_metrics
+
+    seeds = task.eval_seeds()[:samples] if samples else task.eval_seeds()
+    envs = EnvManager(task.make_env, 0, step_timeout_s=task.step_timeout_s, threads=task.env_threads)
+    try:
+        rollout = AgenticRollout(
+            infer,
+            envs,
+            TurnTemplate(tokenizer, task.system_prompt(), task.examples() if hasattr(task, "examples") else []),
+            tokenizer,
+            EpisodeLimits(task.max_turns, task.max_context_length, task.max_tokens_per_turn),
+        )
+        trajs = rollout.run(seeds, list(range(len(seeds))), params)
+        m = _episode_metrics(trajs, None, None)
+    finally:
+        envs.close()
+    return {
+        "accuracy": m["reward/accuracy"],
+        "success_rate": m["reward/accuracy"],
+        "reward": m["reward/mean"],
+        "mean_turns": m["episode/turns_mean"],
+        "invalid_action_rate": m["episode/invalid_action_rate"],
+        "tool_calls_mean": m["episode/tool_calls_mean"],
+        "n": len(trajs),
+        "ends": {k.removeprefix("episode/end_"): v for k, v in m.items() if k.startswith("episode/end_")},
+        "task": getattr(task, "name", type(task).__name__),
+        "agentic": True,
+    }

@@ -125,6 +125,8 @@ class AgenticEnvConfig:
     eval_seed_offset: int = 1_000_000
     # System prompt; null: the environment's instructions.
     system_prompt: str | None = None
+    # Solved episodes played by the environment's expert, shown before every episode (a worked example).
+    demonstrations: int = 0
 
     def __post_init__(self) -> None:
         if min(self.max_turns, self.max_context_length, self.max_tokens_per_turn, self.eval_size) < 1:
@@ -133,6 +135,8 @@ class AgenticEnvConfig:
             raise ValueError("env.max_tokens_per_turn must be below env.max_context_length")
         if self.step_timeout_s <= 0:
             raise ValueError("env.step_timeout_s must be > 0")
+        if self.demonstrations < 0:
+            raise ValueError("env.demonstrations must be >= 0")
 
 
 def register_configs() -> None:

@@ -62,7 +62,8 @@ class AgenticPipeline(RLVRPipeline):
         self.sampler = _StepSeeds()
         task = self.task
         self.envs = EnvManager(task.make_env, 0, step_timeout_s=task.step_timeout_s, threads=task.env_threads)
-        self.turns = TurnTemplate(self.tokenizer, task.system_prompt())
+        examples = task.examples() if hasattr(task, "examples") else []
+        self.turns = TurnTemplate(self.tokenizer, task.system_prompt(), examples)
         self.limits = EpisodeLimits(task.max_turns, task.max_context_length, task.max_tokens_per_turn)
 
     def _setup_reward(self) -> None:

@@ -3,6 +3,11 @@
 The agentic pipeline (roll_core.pipelines.agentic) builds one from the `env` config group (env=sokoban,
 env=frozen_lake, ...). Training seeds are drawn per step from [0, eval_seed_offset) and held-out seeds are
 [eval_seed_offset, eval_seed_offset + eval_size): the two never meet, so held-out success measures generalisation.
+
+Demonstrations (`demonstrations: N`): N solved episodes, played by the environment's expert (`expert_reply()`) on
+seeds of their own (above the held-out range), are shown before every episode as earlier user/assistant turns.
+They are part of the prompt (never trained on) and are how a small model learns the action format from one worked
+example, like `env.examples` of the single-turn tasks.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class AgenticTask:
         eval_size: int = 32,
         eval_seed_offset: int = 1_000_000,
         system_prompt: str | None = None,
+        demonstrations: int = 0,
     ) -> None:
         self.env, self.name = env, name or env
         self.env_kwargs = dict(env_kwargs or {})
@@ -44,6 +50,39 @@ class AgenticTask:
         self._system_prompt = system_prompt
         probe = self.make_env()  # fails here, with the registry's message, for an unknown name or bad kwargs
         self._instructions = probe.instructions() if hasattr(probe, "instructions") else ""
+        self._examples = self._demonstrate(int(demonstrations))
+
+    def _demonstrate(self, count: int) -> list[dict[str, str]]:
+        """Messages of `count` expert episodes (user: observation, assistant: expert reply, ...)."""
+        if count <= 0:
+            return []
+        messages: list[dict[str, str]] = []
+        env = self.make_env()
+        if not callable(getattr(env, "expert_reply", None)):
+            raise ValueError(f"env.demonstrations needs an environment with expert_reply(); {self.env} has none")
+        seed = self.eval_seed_offset + self.eval_size + 10_000
+        tried = 0
+        while len(messages) < 1 or sum(m["role"] == "demo_end" for m in messages) < count:
+            if tried >= 20 * count:
+                raise ValueError(f"the expert of {self.env} solved fewer than {count} of {tried} episodes")
+            obs, _ = env.reset(seed=seed + tried)
+            tried += 1
+            episode: list[dict[str, str]] = []
+            for _ in range(self.max_turns):
+                reply = env.expert_reply()
+                if reply is None:
+                    break
+                episode += [{"role": "user", "content": str(obs)}, {"role": "assistant", "content": reply}]
+                obs, _, terminated, truncated, info = env.step(reply)
+                if terminated or truncated:
+                    if info.get("success"):
+                        messages += [*episode, {"role": "demo_end", "content": ""}]
+                    break
+        return [m for m in messages if m["role"] != "demo_end"]
+
+    def examples(self) -> list[dict[str, str]]:
+        """Demonstration messages shown before every episode (empty without `demonstrations`)."""
+        return list(self._examples)
 
     def make_env(self) -> Env:
         """A new environment instance: a built-in or GEM/Gym name (roll_envs.agentic.registry), or

@@ -1,0 +1,195 @@
+"""Adapters of third-party text environments to roll's `Env` contract: GEM environments by id, and any environment
+with the Gymnasium API (reset -> (obs, info), step -> 5-tuple).
+
+Both adapters return observations as `str` and a float reward, and add the info keys roll reads when the wrapped
+environment does not set them: "success" (the wrapped info's, else `terminated and reward >= success_reward`),
+"state" (the wrapped info's, else the observation) and "invalid_action" (the wrapped info's, else False).
+Exceptions raised by the wrapped environment propagate: roll's env manager ends that trajectory and counts it as an
+environment error, which keeps third-party bugs visible in the metrics instead of hiding them as truncations.
+
+GEM (`GemEnv("game:GuessTheNumber-v0-easy")`): `pip install --no-deps gem-llm` (it pins antlr4 4.13 while
+omegaconf, hence Hydra, needs 4.9), plus what `import gem` needs: numpy and reasoning-gym (gem-llm 0.1.0 pins
+reasoning-gym 0.1.23; 0.1.25 works too). GEM environments use the process-global `random` and NumPy RNGs (a seeded
+`reset` calls `random.seed`), which would both clobber the trainer's RNGs and make concurrently stepped instances
+interfere; the adapter therefore runs every GEM call under one lock with the global RNG states swapped for the
+instance's own, so each instance is reproducible from its reset seed and the caller's RNGs are untouched. The lock
+serialises GEM calls of a process (they are cheap for the game environments). `import gem` also calls
+`logging.basicConfig(INFO)`; the adapter restores the root logger's handlers and level afterwards.
+
+Verified with gem-llm 0.1.0 on Python 3.11 without network (reset/seeded reset/step of each registered id):
+- work offline: game:GuessTheNumber-v0-{easy,hard,random}, game:Mastermind-v0-{easy,hard,random},
+  game:Minesweeper-v0-{easy,hard,random}, game:FifteenPuzzle-v0-{easy,hard}, game:Sudoku-v0-{easy,hard,random},
+  game:TowerofHanoi-v0-{easy,hard,random}, game:Game2048-v0-{easy,hard,extreme-hard,random},
+  game:Sokoban-v0-{easy,hard,random}, game:Crosswords-v0-{easy,hard} (needs pandas), and the single-turn rg:<name>
+  reasoning-gym tasks (all but rg:boxnet and rg:composite);
+- fail offline: game:Wordle-v0-*, game:Hangman-v0-*, game:WordSearch-v0-* (nltk's "words" corpus is downloaded at
+  run time), math:*, code:*, qa:*, eval:* (Hugging Face datasets); game:FifteenPuzzle-v0-random and
+  game:Crosswords-v0-random fail in GEM itself (TypeError / "No words found"), as do rg:boxnet and rg:composite.
+GEM reports format errors as reward -0.1 with terminated True, which the adapter cannot tell from a failure; such
+steps have invalid_action False unless GEM says otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+GEM_INSTALL = (
+    "GemEnv needs GEM: pip install --no-deps gem-llm (it pins antlr4 4.13; omegaconf needs 4.9), then the "
+    "packages its import needs: pip install numpy reasoning-gym"
+)
+
+
+class _PrivateGlobalRNG:
+    """Swaps the process-global `random` (and NumPy's legacy global RNG, if NumPy is loaded) for an instance's own
+    states during a call, under a process-wide lock."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, seed: int | None) -> None:
+        self._py: Any = random.Random(seed).getstate()
+        self._np: Any = None  # taken over from the global state on first use (GEM seeds it in reset)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        with self._lock:
+            np = sys.modules.get("numpy")
+            saved_py = random.getstate()
+            saved_np = np.random.get_state() if np is not None else None
+            random.setstate(self._py)
+            if np is not None and self._np is not None:
+                np.random.set_state(self._np)
+            try:
+                yield
+            finally:
+                self._py = random.getstate()
+                random.setstate(saved_py)
+                np = sys.modules.get("numpy")  # the call may have imported it
+                if np is not None:
+                    self._np = np.random.get_state()
+                    if saved_np is not None:
+                        np.random.set_state(saved_np)
+
+
+class _Adapter:
+    """Common conversion of a wrapped environment's outputs to roll's conventions."""
+
+    def __init__(self, env: Any, success_reward: float, max_steps: int | None) -> None:
+        self.env, self.success_reward, self.max_steps = env, float(success_reward), max_steps
+        self._last_obs = ""
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    def _info(self, info: Any, obs: str, reward: float = 0.0, terminated: bool = False) -> dict[str, Any]:
+        out = dict(info) if isinstance(info, dict) else {}
+        out["success"] = bool(out.get("success", terminated and reward >= self.success_reward))
+        out["state"] = str(out.get("state", obs))
+        out["invalid_action"] = bool(out.get("invalid_action", False))
+        return out
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        obs, info = self._call(self.env.reset, seed=seed)
+        self._last_obs = str(obs)
+        return self._last_obs, self._info(info, self._last_obs)
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        text = action if isinstance(action, str) else str(action)
+        obs, reward, terminated, truncated, info = self._call(self.env.step, text)
+        self._last_obs, reward = str(obs), float(reward)
+        info = self._info(info, self._last_obs, reward, bool(terminated))
+        return self._last_obs, reward, bool(terminated), bool(truncated), info
+
+
+class GemEnv(_Adapter):
+    """A GEM environment by id (`gem.make(env_id, **kwargs)`), e.g. `GemEnv("game:Sudoku-v0-easy")`."""
+
+    def __init__(self, env_id: str, success_reward: float = 1.0, seed: int | None = None, **kwargs: Any) -> None:
+        self.env_id = env_id
+        self._rng = _PrivateGlobalRNG(seed)
+        gem = _import_gem()
+        with self._rng.active():  # GEM environments draw (and reset) in their constructors
+            env = gem.make(env_id, **kwargs)
+        max_turns = getattr(env, "max_turns", None)
+        super().__init__(env, success_reward, max_turns if isinstance(max_turns, int) else None)
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with self._rng.active():
+            return fn(*args, **kwargs)
+
+    # No `instructions()`: GEM puts the rules and the action format in the first observation.
+
+
+def _import_gem() -> Any:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        import gem
+    except ImportError as exc:
+        raise ImportError(f"{GEM_INSTALL} ({exc})") from exc
+    finally:
+        # `import gem` calls logging.basicConfig(level=INFO): undo it so roll's logging stays as configured.
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return gem
+
+
+class GymTextEnv(_Adapter):
+    """A Gymnasium-API environment (an instance, or an id for `gymnasium.make(env_id, **kwargs)`) as a text env.
+
+    Observations become `str(obs)` (or `obs_to_text(obs)`). The reply is passed as the action unless
+    `action_parser` is given: it maps the reply to the environment's action and returns None (or raises) for a
+    reply that is not one; such replies are invalid actions (the wrapped environment is not stepped, reward
+    `invalid_penalty`, the previous observation is repeated with what went wrong).
+    """
+
+    def __init__(
+        self,
+        env: Any,
+        action_parser: Callable[[str], Any] | None = None,
+        obs_to_text: Callable[[Any], str] = str,
+        success_reward: float = 1.0,
+        invalid_penalty: float = -0.1,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(env, str):
+            try:
+                import gymnasium
+            except ImportError as exc:
+                raise ImportError(f"GymTextEnv({env!r}) needs gymnasium: pip install gymnasium ({exc})") from exc
+            env = gymnasium.make(env, **kwargs)
+        spec = getattr(env, "spec", None)
+        limit = getattr(spec, "max_episode_steps", None)
+        super().__init__(env, success_reward, limit if isinstance(limit, int) else None)
+        self.action_parser, self.obs_to_text, self.invalid_penalty = action_parser, obs_to_text, float(invalid_penalty)
+        self._state = ""
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        obs, info = self.env.reset(seed=seed)
+        self._last_obs = self.obs_to_text(obs)
+        out = self._info(info, self._last_obs)
+        self._state = out["state"]
+        return self._last_obs, out
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        text = action if isinstance(action, str) else str(action)
+        parsed: Any = text
+        if self.action_parser is not None:
+            try:
+                parsed = self.action_parser(text)
+            except Exception:  # the parser sees raw model text: any failure means "not an action"
+                parsed = None
+            if parsed is None:
+                obs = f"Invalid action: the reply is not a valid action.\n\n{self._last_obs}"
+                info = {"success": False, "state": self._state, "invalid_action": True}
+                return obs, self.invalid_penalty, False, False, info
+        obs, reward, terminated, truncated, info = self.env.step(parsed)
+        self._last_obs, reward = self.obs_to_text(obs), float(reward)
+        out = self._info(info, self._last_obs, reward, bool(terminated))
+        self._state = out["state"]
+        return self._last_obs, reward, bool(terminated), bool(truncated), out

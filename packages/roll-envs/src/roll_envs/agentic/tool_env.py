@@ -1,0 +1,286 @@
+"""Tool use: any environment (or a question/answer task) becomes one where the model may call tools between actions.
+
+Tool-call syntax: a reply containing `<tool>NAME: ARGUMENT</tool>` (e.g. `<tool>calculator: 12*(3+4)</tool>`) is a
+tool call: the first such block is run (any later ones are ignored), the environment itself does not move, and the
+tool's output is the next observation. NAME is a tool's name; everything after the first colon up to `</tool>`
+(stripped) is the argument. Any reply without `<tool>` is passed to the wrapped environment as its action.
+Each episode allows `max_tool_calls` calls (default 4). A call over the budget, to an unknown tool, or a malformed
+`<tool>` block is an invalid action (info["invalid_action"] True, reward `invalid_penalty`, nothing changes) whose
+observation says why; it does not use the budget. The wrapper truncates after `max_steps` replies in all (default:
+the wrapped environment's limit plus the tool budget), so a model that only calls tools still ends.
+
+info["tool_calls"] is the number of tool calls *made in this step* (0 or 1; roll sums it over an episode) and
+info["tool_calls_total"] the episode's count so far. info["state"] is the wrapped environment's state plus the tool
+calls made so far (what the model knows differs after a call).
+
+`QAEnv` turns one question/answer pair, or a roll task's problems, into a one-answer environment; `ToolMathEnv` is
+a seeded multi-step arithmetic question answered with `\\boxed{N}`, with a calculator: reward 1 if correct, 0
+otherwise; the episode terminates at the first numeric answer.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from roll_envs.agentic.base import Outcome, TextEnv, echo
+from roll_envs.agentic.tools import Calculator, Tool, get_tool
+
+_CALL = re.compile(r"<tool>\s*([A-Za-z_][\w-]*)\s*:(.*?)</tool>", re.DOTALL)
+_NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
+
+
+def _same_answer(given: str, answer: str) -> bool:
+    """Numbers compare as numbers (1,000 = 1000.0), everything else as case- and space-insensitive text."""
+    g, a = given.replace(",", "").strip(), answer.replace(",", "").strip()
+    if _NUMBER.fullmatch(g) and _NUMBER.fullmatch(a):
+        return abs(float(g) - float(a)) < 1e-9
+    return " ".join(g.lower().split()) == " ".join(a.lower().split())
+
+
+class QAEnv(TextEnv):
+    """Answer a question: the first answer ends the episode with reward 1 if correct, else 0.
+
+    `problems` are (question, answer) pairs or objects with `prompt` and `answer` (roll `Problem`s); the seed picks
+    one. With `reward` (a roll `Reward`), correctness is `reward.score([reply], [answer]).correct[0]` on the whole
+    reply; otherwise the action text (last box or last line) is compared with the answer (numbers as numbers).
+    When the answer is a number, a reply without a number is invalid rather than wrong.
+    """
+
+    name: ClassVar[str] = "qa"
+
+    def __init__(
+        self,
+        problems: Sequence[Any],
+        reward: Any | None = None,
+        max_steps: int = 3,
+        invalid_penalty: float = 0.0,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__(max_steps=max_steps, invalid_penalty=invalid_penalty, seed=seed)
+        self.problems = [(p.prompt, p.answer) if hasattr(p, "prompt") else (str(p[0]), str(p[1])) for p in problems]
+        if not self.problems:
+            raise ValueError("QAEnv needs at least one (question, answer) pair")
+        self.reward = reward
+        self.question, self.answer = self.problems[0]
+        self._reply = ""
+
+    @classmethod
+    def from_task(cls, task: Any, split: str = "train", **kwargs: Any) -> QAEnv:
+        """Problems of a roll task (`train_set()` or `eval_set()`), scored by its reward."""
+        problems = task.train_set() if split == "train" else task.eval_set()
+        return cls(problems, reward=task.reward, **kwargs)
+
+    def _new_episode(self, rng: random.Random) -> None:
+        self.question, self.answer = self.problems[rng.randrange(len(self.problems))]
+
+    def _render(self) -> str:
+        return self.question
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self._reply = action if isinstance(action, str) else str(action)
+        return super().step(action)
+
+    def _parse(self, action: str) -> str | None:
+        if _NUMBER.fullmatch(self.answer.replace(",", "").strip()):
+            return action if _NUMBER.fullmatch(action.replace(",", "").strip()) else None
+        return action
+
+    def _apply(self, action: str) -> Outcome:
+        if self.reward is not None:
+            try:  # a user reward that raises must not end training: it scores as wrong
+                ok = bool(self.reward.score([self._reply], [self.answer]).correct[0])
+            except Exception:
+                ok = False
+        else:
+            ok = _same_answer(action, self.answer)
+        message = "Correct!" if ok else f"Wrong: the answer was {self.answer}."
+        return Outcome(float(ok), terminated=True, success=ok, message=message)
+
+    def _action_format(self) -> str:
+        numeric = _NUMBER.fullmatch(self.answer.replace(",", "").strip())
+        return "the final answer in \\boxed{}" + (" as a number, e.g. \\boxed{42}" if numeric else "")
+
+    def _rules(self) -> str:
+        return "Answer the question. Your first answer is final: reward 1 if it is correct, 0 otherwise."
+
+    def _example(self) -> str:
+        return "12 * 7 = 84, so the answer is \\boxed{84}."
+
+
+class ToolUseEnv:
+    """Wraps an environment so that the model can call tools between its actions; see the module docstring."""
+
+    name: ClassVar[str] = "tool_use"
+
+    def __init__(
+        self,
+        env: Any,
+        tools: Sequence[str | Tool] = ("calculator",),
+        max_tool_calls: int = 4,
+        invalid_penalty: float = -0.1,
+        max_steps: int | None = None,
+        max_output_chars: int = 2000,
+    ) -> None:
+        self.env = env
+        self.tools: dict[str, Tool] = {}
+        for t in tools:
+            tool = get_tool(t) if isinstance(t, str) else t
+            self.tools[tool.name] = tool
+        if not self.tools or max_tool_calls < 0:
+            raise ValueError("ToolUseEnv needs at least one tool and max_tool_calls >= 0")
+        self.max_tool_calls, self.invalid_penalty = max_tool_calls, float(invalid_penalty)
+        inner = getattr(env, "max_steps", None)
+        if max_steps is None:
+            max_steps = (inner if isinstance(inner, int) else 20) + max_tool_calls
+        self.max_steps, self.max_output_chars = int(max_steps), max_output_chars
+        self.steps = self.calls = 0
+        self._history: list[str] = []
+        self._inner_state = ""
+        self._last: tuple[str, bool, bool] = ("", False, False)  # observation, terminated, truncated
+
+    def instructions(self) -> str:
+        inner = self.env.instructions() if hasattr(self.env, "instructions") else ""
+        listed = "\n".join(f"- {t.name}: {t.description}" for t in self.tools.values())
+        first = next(iter(self.tools.values())).name
+        return (
+            f"{inner}\n\nTools: you may call a tool instead of acting by writing exactly <tool>NAME: ARGUMENT</tool> "
+            f"(one call per reply; the tool's output comes back as the next message). At most "
+            f"{self.max_tool_calls} tool calls per episode; tool calls are not steps of the task above, and the "
+            f"episode ends after {self.max_steps} replies in all. Available tools:\n{listed}\n"
+            f"Example tool call: <tool>{first}: {'12*(3+4)' if first in ('calculator', 'python') else 'keywords'}"
+            "</tool>"
+        ).strip()
+
+    def _state(self) -> str:
+        calls = "".join(f"\n[called {h}]" for h in self._history)
+        return self._inner_state + calls
+
+    def _info(self, info: dict[str, Any], obs: str, calls: int, invalid: bool) -> dict[str, Any]:
+        out = dict(info)
+        self._inner_state = str(info.get("state", obs))
+        out.update(
+            success=bool(info.get("success", False)),
+            invalid_action=bool(invalid or info.get("invalid_action", False)),
+            tool_calls=calls,
+            tool_calls_total=self.calls,
+        )
+        out["state"] = self._state()
+        return out
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        obs, info = self.env.reset(seed=seed)
+        self.steps = self.calls = 0
+        self._history, self._last = [], (str(obs), False, False)
+        return str(obs), self._info(info, str(obs), 0, False)
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        text = action if isinstance(action, str) else str(action)
+        obs, terminated, truncated = self._last
+        if terminated or truncated:
+            note = "The episode is over; no further actions are taken.\n\n"
+            info = self._info({"state": self._inner_state}, obs, 0, True)
+            return note + obs, 0.0, terminated, truncated, info
+        self.steps += 1
+        if "<tool>" not in text:
+            obs, reward, terminated, truncated, info = self.env.step(text)
+            obs, terminated = str(obs), bool(terminated)
+            truncated = not terminated and (bool(truncated) or self.steps >= self.max_steps)
+            self._last = (obs, terminated, truncated)
+            return obs, float(reward), terminated, truncated, self._info(info, obs, 0, False)
+        match = _CALL.search(text)
+        if match is None:
+            obs, invalid = "Invalid tool call: write exactly <tool>NAME: ARGUMENT</tool>.", True
+        elif match.group(1) not in self.tools:
+            obs = f"Invalid tool call: unknown tool {echo(match.group(1))}; available: {', '.join(self.tools)}."
+            invalid = True
+        elif self.calls >= self.max_tool_calls:
+            obs, invalid = f"Tool budget exhausted ({self.max_tool_calls} calls); give your action now.", True
+        else:
+            name, arg = match.group(1), match.group(2).strip()
+            try:
+                output = str(self.tools[name](arg))
+            except Exception as exc:  # a tool must not raise; a user tool that does is reported, not propagated
+                output = f"error: the tool failed ({type(exc).__name__})"
+            if len(output) > self.max_output_chars:
+                output = output[: self.max_output_chars] + "... [truncated]"
+            self.calls += 1
+            self._history.append(f"{name}: {arg[:200]} -> {output[:200]}")
+            left = self.max_tool_calls - self.calls
+            obs, invalid = f"<tool_output>\n{output}\n</tool_output>\n({left} tool calls left)", False
+        truncated = self.steps >= self.max_steps
+        if truncated:
+            obs += f"\nThe step limit ({self.max_steps}) is reached; the episode is over."
+        self._last = (obs, False, truncated)
+        info = self._info({"state": self._inner_state}, obs, 0 if invalid else 1, invalid)
+        return obs, self.invalid_penalty if invalid else 0.0, False, truncated, info
+
+
+class ArithmeticQAEnv(QAEnv):
+    """One seeded arithmetic question: `terms` numbers of `digits` digits joined by operators from `ops`."""
+
+    name: ClassVar[str] = "arithmetic_qa"
+
+    def __init__(
+        self,
+        terms: tuple[int, int] = (2, 3),
+        digits: tuple[int, int] = (2, 3),
+        ops: str = "+-*",
+        max_steps: int = 3,
+        invalid_penalty: float = 0.0,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__([("", "0")], max_steps=max_steps, invalid_penalty=invalid_penalty, seed=seed)
+        if min(terms) < 2 or min(digits) < 1 or not ops or set(ops) - set("+-*"):
+            raise ValueError(f"need terms >= 2, digits >= 1 and ops from '+-*', got {terms}, {digits}, {ops!r}")
+        self.terms, self.digits, self.ops = terms, digits, ops
+        self.expression = ""
+
+    def _new_episode(self, rng: random.Random) -> None:
+        n = rng.randint(*self.terms)
+        numbers = []
+        for _ in range(n):
+            d = rng.randint(*self.digits)
+            numbers.append(rng.randint(10 ** (d - 1) if d > 1 else 0, 10**d - 1))
+        expr = str(numbers[0])
+        for x in numbers[1:]:
+            expr += f" {rng.choice(self.ops)} {x}"
+        self.expression = expr
+        self.answer = str(Calculator().evaluate(expr))
+        self.question = f"What is {expr}? Give the final answer as \\boxed{{N}}."
+
+
+class ToolMathEnv(ToolUseEnv):
+    """Multi-turn arithmetic with a calculator: reward 1 for a correct `\\boxed{N}`, 0 otherwise."""
+
+    name: ClassVar[str] = "tool_math"
+
+    def __init__(
+        self,
+        terms: tuple[int, int] = (2, 3),
+        digits: tuple[int, int] = (2, 3),
+        ops: str = "+-*",
+        max_tool_calls: int = 4,
+        max_answers: int = 3,
+        tools: Sequence[str | Tool] = ("calculator",),
+        invalid_penalty: float = 0.0,
+        seed: int | None = None,
+    ) -> None:
+        inner = ArithmeticQAEnv(
+            terms=(int(terms[0]), int(terms[-1])),
+            digits=(int(digits[0]), int(digits[-1])),
+            ops=ops,
+            max_steps=max_answers,
+            invalid_penalty=invalid_penalty,
+            seed=seed,
+        )
+        super().__init__(inner, tools=tools, max_tool_calls=max_tool_calls, invalid_penalty=invalid_penalty)
+
+    def expert_reply(self) -> str:
+        """Ask the calculator first, then answer with its result."""
+        inner = self.env
+        if self.calls == 0 and "calculator" in self.tools:
+            return f"<tool>calculator: {inner.expression}</tool>"
+        return f"The calculator says {inner.answer}, so the answer is \\boxed{{{inner.answer}}}."

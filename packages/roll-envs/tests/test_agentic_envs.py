@@ -1,0 +1,525 @@
+"""Agentic environments: every built-in passes the Env conformance suite (roll_core.testing.envs), levels are
+solvable, dynamics and hints are right, tools are safe and correct, and tool use is budgeted."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from roll_core.testing.envs import MALFORMED, EnvTestSuite
+from roll_envs.agentic import (
+    Calculator,
+    FrozenLakeEnv,
+    GuessNumberEnv,
+    GymTextEnv,
+    Level,
+    PythonExpression,
+    QAEnv,
+    Retrieval,
+    SokobanEnv,
+    Tool,
+    ToolMathEnv,
+    ToolUseEnv,
+    extract_action,
+    generate_level,
+    get_tool,
+    make_env,
+    solve,
+)
+from roll_envs.agentic.frozen_lake import generate_map, shortest_path
+from roll_envs.agentic.gem_adapter import _PrivateGlobalRNG
+from roll_envs.agentic.sokoban import _push
+
+# Replies in the formats the parser accepts, so the suites exercise all of them.
+_FORMATS = ["\\boxed{{{m}}}", "I will move {m}.\n{m}", "\\boxed{{\\text{{{M}}}}}", "Let me push.\n**{L}**"]
+
+
+def _say(moves: list[str]) -> list[str]:
+    return [_FORMATS[i % 4].format(m=m, M=m.upper(), L=m[0].upper()) for i, m in enumerate(moves)]
+
+
+# ---- conformance suites -----------------------------------------------------------------------------------------
+class TestSokoban(EnvTestSuite):
+    @classmethod
+    def build_env(cls) -> SokobanEnv:
+        return SokobanEnv()
+
+    @classmethod
+    def solving_actions(cls, env: Any, seed: int) -> list[str]:
+        return _say(solve(env.current_level()))
+
+    @classmethod
+    def illegal_actions(cls, env: Any, seed: int) -> list[str]:
+        blocked = [
+            m for m in ("up", "down", "left", "right") if _push(env.level.walls, env.boxes, env.player, m) is None
+        ]
+        assert blocked, "a generated level always has a wall next to the player somewhere"
+        return [f"\\boxed{{{m}}}" for m in blocked]
+
+
+class TestSokobanTwoBoxes(TestSokoban):
+    @classmethod
+    def build_env(cls) -> SokobanEnv:
+        return SokobanEnv(width=7, height=7, num_boxes=2, max_steps=30, step_penalty=-0.01, shaping=0.1)
+
+
+class TestFrozenLake(EnvTestSuite):
+    @classmethod
+    def build_env(cls) -> FrozenLakeEnv:
+        return FrozenLakeEnv()
+
+    @classmethod
+    def solving_actions(cls, env: Any, seed: int) -> list[str]:
+        return _say(shortest_path(env.size, env.holes))
+
+    @classmethod
+    def illegal_actions(cls, env: Any, seed: int) -> list[str]:
+        return ["\\boxed{up}", "left"]  # off the board from the top-left start
+
+
+class TestFrozenLakeSlippery(TestFrozenLake):
+    expert_always_wins = False  # a slip can drop the player into a hole
+    @classmethod
+    def build_env(cls) -> FrozenLakeEnv:
+        return FrozenLakeEnv(size=5, slipperiness=0.3, max_steps=30)
+
+    @classmethod
+    def solving_actions(cls, env: Any, seed: int) -> list[str] | None:
+        return None  # slips make any fixed sequence a gamble
+
+
+class TestGuessNumber(EnvTestSuite):
+    probe_actions = ("\\boxed{10}", "\\boxed{5}", "\\boxed{15}", "\\boxed{3}", "\\boxed{8}")
+    min_distinct = 5
+
+    @classmethod
+    def build_env(cls) -> GuessNumberEnv:
+        return GuessNumberEnv()
+
+    @classmethod
+    def solving_actions(cls, env: Any, seed: int) -> list[str]:
+        lo, hi, guesses = env.low, env.high, []
+        while True:  # binary search, playing the hints the environment will give
+            mid = (lo + hi) // 2
+            guesses.append(f"\\boxed{{{mid}}}")
+            if mid == env.target:
+                return guesses
+            lo, hi = (mid + 1, hi) if env.target > mid else (lo, mid - 1)
+
+    @classmethod
+    def illegal_actions(cls, env: Any, seed: int) -> list[str]:
+        return ["\\boxed{0}", "\\boxed{21}", "-5", "\\boxed{ten}"]
+
+
+class TestToolMath(EnvTestSuite):
+    @classmethod
+    def build_env(cls) -> ToolMathEnv:
+        return ToolMathEnv()
+
+    @classmethod
+    def solving_actions(cls, env: Any, seed: int) -> list[str]:
+        return [f"<tool>calculator: {env.env.expression}</tool>", f"So the answer is \\boxed{{{env.env.answer}}}."]
+
+    @classmethod
+    def illegal_actions(cls, env: Any, seed: int) -> list[str]:
+        return ["<tool>nosuchtool: 1</tool>", "<tool>calculator 1+1</tool>", "<tool>calculator: 1+1"]
+
+    @classmethod
+    def stalling_action(cls, env: Any) -> str:
+        return "<tool>calculator: 1+1</tool>"  # the budget runs out, then the wrapper's step limit truncates
+
+
+class TestToolUseOverSokoban(TestSokoban):
+    @classmethod
+    def build_env(cls) -> ToolUseEnv:  # type: ignore[override]
+        return ToolUseEnv(SokobanEnv(), tools=["calculator", "python"], max_tool_calls=2)
+
+    @classmethod
+    def solving_actions(cls, env: Any, seed: int) -> list[str]:
+        return ["<tool>python: max(3, 4)</tool>", *super().solving_actions(env.env, seed)]
+
+    @classmethod
+    def illegal_actions(cls, env: Any, seed: int) -> list[str]:
+        return super().illegal_actions(env.env, seed)
+
+    @classmethod
+    def stalling_action(cls, env: Any) -> str:
+        return "<tool>calculator: 1</tool>"  # Sokoban's own limit would end a stream of invalid moves first
+
+
+class TestQAOverArithmeticTask(EnvTestSuite):
+    @classmethod
+    def build_env(cls) -> QAEnv:
+        from roll_envs.rewards.math import MathReward
+        from roll_envs.tasks import ArithmeticTask
+
+        return QAEnv.from_task(ArithmeticTask(MathReward(), digits=2, train_size=100, eval_size=10))
+
+    @classmethod
+    def solving_actions(cls, env: Any, seed: int) -> list[str]:
+        return [f"The answer is \\boxed{{{env.answer}}}."]
+
+
+# ---- Sokoban ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("width", "height", "boxes", "limit"), [(6, 6, 1, 20), (7, 7, 2, 30), (8, 6, 1, 20)])
+def test_sokoban_levels_are_solvable_within_the_limit(width: int, height: int, boxes: int, limit: int) -> None:
+    lengths = []
+    for seed in range(50):
+        level, known = generate_level(random.Random(seed), width, height, boxes, limit)
+        shortest = solve(level)
+        assert shortest is not None, f"seed {seed}: unsolvable level\n{level.render()}"
+        assert 0 < len(shortest) <= len(known) <= limit
+        lengths.append(len(shortest))
+        assert level.boxes != level.targets and len(level.boxes) == len(level.targets) == boxes
+    assert sum(lengths) / len(lengths) >= 3, f"levels are trivial: {lengths}"
+
+
+def test_sokoban_generation_is_deterministic() -> None:
+    for seed in range(10):
+        assert generate_level(random.Random(seed)) == generate_level(random.Random(seed))
+    assert len({generate_level(random.Random(s))[0] for s in range(20)}) >= 15
+
+
+def test_sokoban_rules_and_solver() -> None:
+    level = Level.from_text("#####\n#P_O#\n#__X#\n#####")
+    assert level.render() == "#####\n#P_O#\n#__X#\n#####"
+    assert solve(level) is None, "a box in a non-target corner can never move"
+    level = Level.from_text("######\n#PO_X#\n######")
+    assert solve(level) == ["right", "right"]
+    env = SokobanEnv(shaping=0.5, step_penalty=-0.01)
+    env.reset(seed=0)
+    env.level, env.player, env.boxes = level, level.player, level.boxes
+    _, reward, terminated, _, info = env.step("R")
+    assert reward == pytest.approx(-0.01) and not terminated and "_PO" in info["state"]
+    _, reward, terminated, _, info = env.step("\\boxed{Right}")
+    assert terminated and info["success"] and reward == pytest.approx(1 - 0.01 + 0.5)
+    with pytest.raises(ValueError, match="unknown character"):
+        Level.from_text("#P?#")
+
+
+def test_unseeded_resets_follow_the_constructor_seed() -> None:
+    a, b = SokobanEnv(seed=7), SokobanEnv(seed=7)
+    assert [a.reset()[0] for _ in range(3)] == [b.reset()[0] for _ in range(3)]
+
+
+def test_step_before_reset_is_a_programming_error() -> None:
+    with pytest.raises(RuntimeError, match="reset"):
+        SokobanEnv().step("up")
+
+
+@pytest.mark.parametrize(
+    ("reply", "action"),
+    [
+        ("thinking...\n\\boxed{up}\nmore text", "up"),
+        ("\\boxed{left} then \\boxed{ right }", "right"),
+        ("first line\n\n  down  \n\n", "down"),
+        ("\\boxed{\\text{Up}}", "Up"),
+        ("`L`.", "L"),
+        ("\\boxed{", "\\boxed{"),
+        ("", None),
+        ("\\boxed{}", None),
+    ],
+)
+def test_extract_action(reply: str, action: str | None) -> None:
+    assert extract_action(reply) == action
+
+
+# ---- FrozenLake -------------------------------------------------------------------------------------------------
+def test_frozen_lake_maps_have_a_path() -> None:
+    for seed in range(50):
+        for size, prob in [(4, 0.2), (6, 0.35)]:
+            holes = generate_map(random.Random(seed), size, prob, max_moves=20)
+            path = shortest_path(size, holes)
+            assert path is not None and len(path) <= 20
+            assert (0, 0) not in holes and (size - 1, size - 1) not in holes
+
+
+def test_frozen_lake_hole_ends_the_episode() -> None:
+    env = FrozenLakeEnv()
+    for seed in range(50):
+        env.reset(seed=seed)
+        first = next((m for m, p in [("right", (0, 1)), ("down", (1, 0))] if p in env.holes), None)
+        if first:
+            obs, reward, terminated, _, info = env.step(first)
+            assert terminated and reward == 0 and info["success"] is False and "hole" in obs
+            return
+    pytest.fail("no map with a hole next to the start in 50 seeds")
+
+
+def test_frozen_lake_slipperiness_moves_sideways() -> None:
+    sideways = trials = 0
+    for seed in range(300):
+        env = FrozenLakeEnv(slipperiness=0.3, hole_prob=0.0)
+        env.reset(seed=seed)
+        _, _, _, _, info = env.step("down")
+        trials += 1
+        sideways += env.player != (1, 0)
+        assert info["slipped"] == (env.player != (1, 0))
+    assert 0.15 < sideways / trials < 0.45, sideways / trials
+    still = FrozenLakeEnv(hole_prob=0.0)
+    for seed in range(50):
+        still.reset(seed=seed)
+        assert still.step("down")[4]["slipped"] is False and still.player == (1, 0)
+    # The map of a seed does not depend on the slipperiness.
+    assert FrozenLakeEnv(slipperiness=0.5).reset(seed=3)[0] == FrozenLakeEnv().reset(seed=3)[0]
+
+
+# ---- Guess the number -------------------------------------------------------------------------------------------
+def test_guess_number_hints_are_right() -> None:
+    env = GuessNumberEnv(low=1, high=20, max_turns=6)
+    for seed in range(30):
+        env.reset(seed=seed)
+        guess = random.Random(seed).randint(1, 20)
+        obs, reward, terminated, _, _ = env.step(f"\\boxed{{{guess}}}")
+        if guess == env.target:
+            assert terminated and reward == 1
+        elif env.target > guess:
+            assert "higher" in obs and not terminated and reward == 0
+        else:
+            assert "lower" in obs and not terminated and reward == 0
+    with pytest.raises(ValueError, match="binary search needs 5"):
+        GuessNumberEnv(low=1, high=20, max_turns=4)
+
+
+def test_guess_number_reveals_the_number_at_the_limit() -> None:
+    env = GuessNumberEnv(max_turns=5)
+    env.reset(seed=0)
+    wrong = 1 if env.target != 1 else 2
+    for _ in range(5):
+        obs, _, terminated, truncated, _ = env.step(str(wrong))
+    assert truncated and not terminated and f"The number was {env.target}" in obs
+
+
+# ---- tools ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("expr", "value"),
+    [("12*(3+4)", "84"), ("7/2", "3.5"), ("-3 // 2", "-2"), ("2**10", "1024"), ("2^3", "8"), ("10 % 4", "2"),
+     ("-(5 - 8)", "3"), ("1.5 * 4", "6"), ("(((2)))", "2"), ("123456789 * 987654321", "121932631112635269")],
+)  # fmt: skip
+def test_calculator_is_correct(expr: str, value: str) -> None:
+    assert Calculator()(expr) == value
+
+
+@pytest.mark.parametrize(
+    ("expr", "why"),
+    [
+        ("__import__('os')", "function calls are not allowed"),
+        ("2**10**10", "exponent too large"),
+        ("9**99 ** 2", "exponent too large"),
+        ("(10**90)**90", "result too large"),
+        ("x + 1", "names are not allowed"),
+        ("(1).real", "attribute access is not allowed"),
+        ("[1, 2][0]", "subscripts are not allowed"),
+        ("lambda: 1", "lambdas are not allowed"),
+        ("'a' * 3", "only numbers"),
+        ("1/0", "division by zero"),
+        ("1 +", "not an arithmetic expression"),
+        ("1" * 600, "too long"),
+        ("", "empty expression"),
+    ],
+)
+def test_calculator_refuses_with_error_text(expr: str, why: str) -> None:
+    out = Calculator()(expr)
+    assert out.startswith("error:") and why in out, out
+
+
+def test_python_tool_is_a_restricted_evaluator() -> None:
+    py = get_tool("python")
+    assert isinstance(py, PythonExpression) and isinstance(py, Tool)
+    assert py("sum([1, 2, 3]) * 2") == "12" and py("max(3, 9, 4)") == "9" and py("round(3.14159, 2)") == "3.14"
+    assert py("abs(-4) + min([5, 2])") == "6"
+    for code in ["__import__('os').system('true')", "open('/etc/passwd')", "[1] * 10**9", "print(1)", "sum([1])[0]"]:
+        assert py(code).startswith("error:"), code
+
+
+def test_retrieval_finds_the_relevant_document(tmp_path: Path) -> None:
+    docs = [
+        "Paris is the capital and largest city of France.",
+        "The mitochondrion is the powerhouse of the cell.",
+        "Mount Everest is Earth's highest mountain above sea level.",
+        "Python is a programming language; its reference implementation is CPython.",
+    ]
+    tool = Retrieval(docs, k=2)
+    assert tool("what is the capital of France?").startswith("[1] Paris is the capital")
+    assert "Everest" in tool("highest mountain").splitlines()[0]
+    assert tool("zzzz qqqq") == "no results" and tool("  ?! ").startswith("error:")
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    assert "mitochondrion" in get_tool("retrieval", path=str(path), k=1)("powerhouse cell")
+    with pytest.raises(ValueError, match="unknown tool 'shell'; available: calculator, python, retrieval"):
+        get_tool("shell")
+
+
+# ---- tool use ---------------------------------------------------------------------------------------------------
+def test_tool_budget_is_enforced() -> None:
+    def boom(arg: str) -> str:
+        raise RuntimeError("bug")
+
+    boom.name, boom.description = "boom", "always fails"  # type: ignore[attr-defined]
+    env = ToolUseEnv(GuessNumberEnv(), tools=["calculator", boom], max_tool_calls=2, max_output_chars=50)
+    env.reset(seed=0)
+    obs, reward, _, _, info = env.step("<tool>calculator: 10**40</tool>")
+    assert "1" + "0" * 40 in obs and "[truncated]" not in obs and info["tool_calls"] == 1 and reward == 0
+    obs, _, _, _, info = env.step("Let me check. <tool>boom: x</tool>")
+    assert "error: the tool failed (RuntimeError)" in obs and info["tool_calls"] == 1
+    assert info["tool_calls_total"] == 2
+    obs, reward, terminated, truncated, info = env.step("<tool>calculator: 1+1</tool>")
+    assert "budget exhausted" in obs and info["invalid_action"] and info["tool_calls"] == 0 and reward == -0.1
+    assert not terminated and not truncated
+    _, _, _, _, info = env.step(f"\\boxed{{{env.env.target}}}")
+    assert info["success"] and info["tool_calls"] == 0 and info["tool_calls_total"] == 2
+    long = ToolUseEnv(GuessNumberEnv(), tools=["python"], max_output_chars=10)
+    long.reset(seed=0)
+    assert "[truncated]" in long.step("<tool>python: 9**99</tool>")[0]
+
+
+def test_tool_math_is_solved_with_the_calculator() -> None:
+    env = ToolMathEnv()
+    for seed in range(20):
+        obs, _ = env.reset(seed=seed)
+        expression = obs.removeprefix("What is ").split("?")[0]
+        obs, reward, terminated, _, info = env.step(f"I'll compute it. <tool>calculator: {expression}</tool>")
+        assert not terminated and reward == 0 and info["tool_calls"] == 1
+        result = obs.split("<tool_output>\n")[1].split("\n")[0]
+        _, reward, terminated, _, info = env.step(f"\\boxed{{{result}}}")
+        assert terminated and reward == 1 and info["success"] and info["tool_calls_total"] == 1
+        env.reset(seed=seed)
+        _, reward, terminated, _, info = env.step(f"\\boxed{{{int(result) + 1}}}")
+        assert terminated and reward == 0 and info["success"] is False
+
+
+# ---- registry and adapters --------------------------------------------------------------------------------------
+def test_make_env() -> None:
+    assert isinstance(make_env("sokoban", width=7), SokobanEnv)
+    assert isinstance(make_env("tool_math", max_tool_calls=1), ToolMathEnv)
+    with pytest.raises(ValueError, match="unknown environment 'chess'; available: sokoban, frozen_lake"):
+        make_env("chess")
+    with pytest.raises(ValueError, match="gem:<id>"):
+        make_env("gem:")
+
+
+def test_gem_needs_its_package() -> None:
+    try:
+        import gem  # noqa: F401
+
+        pytest.skip("gem is installed")
+    except ImportError:
+        pass
+    with pytest.raises(ImportError, match="pip install --no-deps gem-llm"):
+        make_env("gem:game:GuessTheNumber-v0-easy")
+
+
+class _Corridor:
+    """A Gymnasium-API environment: walk right from 0 to 3 (actions 0 = left, 1 = right)."""
+
+    def reset(self, seed: int | None = None) -> tuple[int, dict[str, Any]]:
+        self.pos = 0
+        return self.pos, {}
+
+    def step(self, action: int) -> tuple[int, float, bool, bool, dict[str, Any]]:
+        self.pos = max(0, self.pos + (1 if action == 1 else -1))
+        return self.pos, float(self.pos == 3), self.pos == 3, False, {}
+
+
+class TestGymTextEnv(EnvTestSuite):
+    min_distinct = 1  # one fixed corridor
+
+    @classmethod
+    def build_env(cls) -> GymTextEnv:
+        return GymTextEnv(_Corridor(), action_parser={"left": 0, "right": 1}.get)
+
+    @classmethod
+    def solving_actions(cls, env: Any, seed: int) -> list[str]:
+        return ["right"] * 3
+
+
+def test_private_global_rng_leaves_the_callers_rng_alone() -> None:
+    rng = _PrivateGlobalRNG(seed=0)
+    random.seed(123)
+    expected = random.Random(123).random()
+    with rng.active():
+        random.seed(5)  # what a GEM reset does
+        inside = random.random()
+    assert random.random() == expected
+    with rng.active():
+        after = random.random()
+    assert inside == random.Random(5).random() and after != inside
+
+
+def test_demonstrations_are_solved_expert_games_outside_the_training_and_held_out_seeds() -> None:
+    from roll_envs.agentic.task import AgenticTask
+
+    task = AgenticTask("guess_number", env_kwargs={"low": 1, "high": 10, "max_turns": 4}, max_turns=4, demonstrations=1)
+    msgs = task.examples()
+    assert [m["role"] for m in msgs] == ["user", "assistant"] * (len(msgs) // 2) and msgs
+    assert msgs[0]["content"].startswith("I am thinking of an integer between 1 and 10")
+    # Replaying the demonstration's replies on a fresh instance of its seed wins: it is a real, solved game.
+    env = task.make_env()
+    seed = task.eval_seed_offset + task.eval_size + 10_000
+    obs, _ = env.reset(seed=seed)
+    assert obs == msgs[0]["content"]
+    for i, m in enumerate(msgs[1::2]):
+        obs, reward, terminated, _, info = env.step(m["content"])
+        assert not info["invalid_action"]
+        if i + 1 < len(msgs) // 2:
+            assert obs == msgs[2 * i + 2]["content"]
+    assert terminated and info["success"] and reward == 1.0
+    assert seed >= task.eval_seed_offset + task.eval_size  # never a training or held-out seed
+    assert AgenticTask("guess_number").examples() == []
+    two = AgenticTask("sokoban", demonstrations=2).examples()
+    assert sum(m["content"].startswith("#") for m in two if m["role"] == "user") >= 2  # two games' first boards
+
+
+def test_demonstrations_need_an_expert() -> None:
+    from roll_envs.agentic.task import AgenticTask
+
+    with pytest.raises(ValueError, match="expert_reply"):
+        AgenticTask("py:collections:OrderedDict", demonstrations=1)  # no expert_reply()
+
+
+class TestGemGuessTheNumber(EnvTestSuite):
+    """A real GEM environment by id (installed by the test session: gem-llm without its deps, plus the gem extra)."""
+
+    probe_actions = ("\\boxed{5}", "\\boxed{2}", "\\boxed{8}")
+    min_distinct = 4
+
+    @classmethod
+    def build_env(cls) -> Any:
+        pytest.importorskip("gem", exc_type=ImportError)
+        return make_env("gem:game:GuessTheNumber-v0-easy")
+
+    @classmethod
+    def solving_actions(cls, env: Any, seed: int) -> list[str]:
+        lo, hi, guesses = 1, 10, []
+        target = env.env.game_number if hasattr(env.env, "game_number") else None
+        if target is None:
+            return None  # type: ignore[return-value]
+        while True:
+            mid = (lo + hi) // 2
+            guesses.append(f"\\boxed{{{mid}}}")
+            if mid == target:
+                return guesses
+            lo, hi = (mid + 1, hi) if target > mid else (lo, mid - 1)
+
+    def test_malformed_and_illegal_replies_are_invalid(self) -> None:
+        """GEM's own rule differs from roll's built-ins: a reply without a boxed guess ends the episode at -0.1."""
+        env = self.build_env()
+        for reply in MALFORMED[:4]:
+            env.reset(seed=0)
+            _, reward, terminated, _, info = self.checked_step(env, reply)
+            assert terminated and reward == pytest.approx(-0.1) and not info["success"]
+
+    def test_step_limit_truncates(self) -> None:
+        env = self.build_env()
+        env.reset(seed=0)
+        wrong = [g for g in range(1, 11) if g != env.env.game_number]
+        for i, g in enumerate(wrong[:4]):
+            _, _, terminated, truncated, info = self.checked_step(env, f"\\boxed{{{g}}}")
+            assert not info["success"]
+            if terminated or truncated:
+                break
+        assert i == 3, f"GEM ended the 4-turn game after {i + 1} wrong guesses"
