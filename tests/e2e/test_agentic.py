@@ -37,7 +37,9 @@ def _overrides(tmp_path: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gigpo"])
-def test_multi_turn_rl_learns_and_trains_on_exactly_the_sampled_tokens(tmp_path: Path, estimator: str) -> None:
+def test_multi_turn_rl_learns_and_trains_on_exactly_the_sampled_tokens(
+    tmp_path: Path, estimator: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     _, history = run_pipeline(_overrides(tmp_path, f"algo.adv_estimator={estimator}"))
     steps = [h for h in history if h["step"] > 0]
     r = reward_curve(history)
@@ -47,6 +49,25 @@ def test_multi_turn_rl_learns_and_trains_on_exactly_the_sampled_tokens(tmp_path:
     assert max(h["actor/train_infer_logprob_diff"] for h in steps) < 1e-4
     assert all(h["episode/turns_mean"] > 1.5 for h in steps)  # both turns ran
     assert steps[-1]["episode/success_rate"] > steps[0]["episode/success_rate"]
+    if estimator == "grpo":  # roll-eval on the saved checkpoint: held-out success beats the initial model's
+        ckpt = max((tmp_path / "checkpoints").iterdir())
+        trained, base = _roll_eval(str(ckpt), tmp_path, capsys), _roll_eval("builtin:tiny", tmp_path, capsys)
+        assert trained["success"] >= base["success"] + 0.5 and trained["n"] == 8, (trained, base)
+        assert trained["turns"] == pytest.approx(2.0)
+
+
+def _roll_eval(model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, float]:
+    import re
+
+    from roll_core.cli import eval_main
+
+    overrides = [o for o in _overrides(tmp_path) if not o.startswith(("model=", "pipeline.output_dir"))]
+    capsys.readouterr()
+    assert eval_main([model, "model=tiny", *overrides]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"success rate ([\d.]+) on (\d+) held-out seeds of .* mean turns ([\d.]+), invalid", out)
+    assert m, out
+    return {"success": float(m.group(1)), "n": int(m.group(2)), "turns": float(m.group(3))}
 
 
 def test_failing_environments_end_their_episode_not_the_run(tmp_path: Path) -> None:

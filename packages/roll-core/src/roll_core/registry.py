@@ -6,7 +6,8 @@ Entry points say what is installed; config says what a run builds. Every group i
 |---|---|
 | `roll.platforms` | a `roll_hw.Platform` subclass |
 | `roll.train_engines` / `roll.infer_engines` | an engine class |
-| `roll.envs` / `roll.rewards` | an environment / reward class |
+| `roll.envs` / `roll.rewards` | a task (single-turn environment) / reward class |
+| `roll.agentic_envs` | a multi-turn environment class (`roll_core.interfaces.Env`), named by `env.env=<name>` |
 | `roll.algorithms` | an advantage estimator (callable) |
 | `roll.configs` | a `register_configs()` callable that stores dataclass schemas in Hydra's ConfigStore |
 
@@ -28,6 +29,7 @@ GROUPS: tuple[str, ...] = (
     "roll.train_engines",
     "roll.infer_engines",
     "roll.envs",
+    "roll.agentic_envs",
     "roll.rewards",
     "roll.algorithms",
     "roll.configs",

@@ -61,6 +61,7 @@ PLUGIN_GROUPS: dict[str, str] = {
     "train engines": "roll.train_engines",
     "inference engines": "roll.infer_engines",
     "environments / tasks": "roll.envs",
+    "agentic environments": "roll.agentic_envs",
     "rewards": "roll.rewards",
     "advantage estimators": "roll.algorithms",
     "platforms": "roll.platforms",

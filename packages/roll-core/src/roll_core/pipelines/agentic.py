@@ -51,6 +51,14 @@ class _StepSeeds:
 class AgenticPipeline(RLVRPipeline):
     """Multi-turn RL on an `env` group whose config builds a roll_envs.agentic.AgenticTask."""
 
+    PLOT_KEYS = (
+        "episode/success_rate",
+        "eval/success_rate",
+        "episode/turns_mean",
+        "episode/invalid_action_rate",
+        "reward/mean",
+    )
+
     # ---- set-up hooks -------------------------------------------------------------------------------------
     def _setup_data(self) -> None:
         if not getattr(self.task, "is_agentic", False):

@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 class RLVRPipeline:
     """Builds the roles from a config and runs `pipeline.max_steps` RL steps."""
 
+    #: Metrics drawn in curves.png (one panel each, when present).
+    PLOT_KEYS: tuple[str, ...] = ("reward/mean", "reward/accuracy", "eval/accuracy")
+
     def __init__(self, cfg: RLVRConfig, output_dir: str | Path | None = None) -> None:
         self.cfg = cfg
         algo, model, pipe = cfg.algo, cfg.model, cfg.pipeline
@@ -211,7 +214,7 @@ class RLVRPipeline:
             )
             if (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps:
                 self.save(step)
-            self.tracker.plot()
+            self.tracker.plot(self.PLOT_KEYS)
         self.tracker.close()
         evals = [h["eval/accuracy"] for h in self.tracker.history if h.get("eval/accuracy") is not None]
         summary = {
