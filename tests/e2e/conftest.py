@@ -26,7 +26,15 @@ def ray_cluster():
         include_dashboard=False,
         namespace="roll-tests",
         ignore_reinit_error=True,
-        runtime_env={"env_vars": {"ROLL_CACHE_DIR": os.environ["ROLL_CACHE_DIR"]}},
+        # Workers import test helpers the way the controller does (env.env=py:agentic_toy:<Class>).
+        runtime_env={
+            "env_vars": {
+                "ROLL_CACHE_DIR": os.environ["ROLL_CACHE_DIR"],
+                "PYTHONPATH": os.pathsep.join(
+                    p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p
+                ),
+            }
+        },
     )
     yield ray
     ray.shutdown()

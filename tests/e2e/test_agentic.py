@@ -81,3 +81,33 @@ def test_failing_environments_end_their_episode_not_the_run(tmp_path: Path) -> N
     assert errors > 0 and timeouts > 0, steps
     # every episode ended by its environment's failure, counted, and both steps still trained on nothing / finished
     assert all(h.get("episode/end_env_error", 0) + h.get("episode/end_env_timeout", 0) == 1.0 for h in steps)
+
+
+def test_env_workers_give_the_same_episodes_as_in_process_envs(tmp_path: Path) -> None:
+    """env.num_workers=2 (workers in-process on cluster=local) changes where environments run, not the run."""
+    runs = []
+    for workers in (0, 2):
+        _, history = run_pipeline(
+            _overrides(tmp_path / str(workers), f"env.num_workers={workers}", "pipeline.max_steps=2")
+        )
+        runs.append([(h["reward/mean"], h["episode/turns_mean"]) for h in history if h["step"] > 0])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_env_workers_on_ray_end_failing_episodes_and_count_them(ray_cluster, tmp_path: Path) -> None:
+    """Environments on two Ray actors: a raise or a hang on a worker ends that episode on the controller."""
+    _, history = run_pipeline(
+        _overrides(
+            tmp_path,
+            "cluster=ray",
+            "env.num_workers=2",
+            "env.env=py:agentic_toy:Flaky",
+            "env.step_timeout_s=1",
+            "pipeline.max_steps=1",
+        )
+    )
+    steps = [h for h in history if h["step"] > 0]
+    assert len(steps) == 1
+    assert steps[0]["env/env_errors"] > 0 and steps[0]["env/env_timeouts"] > 0, steps

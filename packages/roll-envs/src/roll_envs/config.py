@@ -118,8 +118,10 @@ class AgenticEnvConfig:
     max_tokens_per_turn: int = 128
     # Seconds an environment reset or step may take before its episode ends (counted as env_timeout).
     step_timeout_s: float = 30.0
-    # Threads stepping environments concurrently.
+    # Threads stepping environments concurrently (per env worker).
     env_threads: int = 16
+    # Env workers hosting the environments (roll_core.agentic.env_workers); 0: in the controller's process.
+    num_workers: int = 0
     # Held-out environment seeds (disjoint from training seeds).
     eval_size: int = 32
     eval_seed_offset: int = 1_000_000
@@ -135,6 +137,8 @@ class AgenticEnvConfig:
             raise ValueError("env.max_tokens_per_turn must be below env.max_context_length")
         if self.step_timeout_s <= 0:
             raise ValueError("env.step_timeout_s must be > 0")
+        if self.num_workers < 0:
+            raise ValueError("env.num_workers must be >= 0")
         if self.demonstrations < 0:
             raise ValueError("env.demonstrations must be >= 0")
 

@@ -69,7 +69,17 @@ class AgenticPipeline(RLVRPipeline):
         self.eval_seeds = self.task.eval_seeds()
         self.sampler = _StepSeeds()
         task = self.task
-        self.envs = EnvManager(task.make_env, 0, step_timeout_s=task.step_timeout_s, threads=task.env_threads)
+        workers = int(getattr(task, "num_workers", 0))
+        if workers > 0:  # environments on their own workers (Ray actors on cluster=ray)
+            from roll_core.agentic.env_workers import EnvGroup, RemoteEnvManager
+            from roll_core.config.build import as_dict
+
+            group = self.cluster.group(
+                EnvGroup, "env", workers, max_concurrency=max(2, task.env_threads), env=as_dict(self.cfg.env)
+            )
+            self.envs: EnvManager | RemoteEnvManager = RemoteEnvManager(group)
+        else:
+            self.envs = EnvManager(task.make_env, 0, step_timeout_s=task.step_timeout_s, threads=task.env_threads)
         examples = task.examples() if hasattr(task, "examples") else []
         self.turns = TurnTemplate(self.tokenizer, task.system_prompt(), examples)
         self.limits = EpisodeLimits(task.max_turns, task.max_context_length, task.max_tokens_per_turn)

@@ -33,6 +33,7 @@ class AgenticTask:
         max_tokens_per_turn: int = 128,
         step_timeout_s: float = 30.0,
         env_threads: int = 16,
+        num_workers: int = 0,
         eval_size: int = 32,
         eval_seed_offset: int = 1_000_000,
         system_prompt: str | None = None,
@@ -45,7 +46,7 @@ class AgenticTask:
             max_context_length,
             max_tokens_per_turn,
         )
-        self.step_timeout_s, self.env_threads = step_timeout_s, env_threads
+        self.step_timeout_s, self.env_threads, self.num_workers = step_timeout_s, env_threads, num_workers
         self.eval_size, self.eval_seed_offset = eval_size, eval_seed_offset
         self._system_prompt = system_prompt
         probe = self.make_env()  # fails here, with the registry's message, for an unknown name or bad kwargs
@@ -93,7 +94,14 @@ class AgenticTask:
             module, _, cls = self.env.removeprefix("py:").partition(":")
             if not cls:
                 raise ValueError(f"env={self.env!r}: write py:<module>:<Class>")
-            return getattr(importlib.import_module(module), cls)(**self.env_kwargs)
+            try:
+                env_cls = getattr(importlib.import_module(module), cls)
+            except (ImportError, AttributeError) as exc:
+                raise ValueError(
+                    f"env={self.env!r}: cannot load {module}.{cls} ({exc}); the module must be importable wherever "
+                    "environments run (env workers on Ray: install it or put its folder on PYTHONPATH)"
+                ) from exc
+            return env_cls(**self.env_kwargs)
         from roll_envs.agentic.registry import make_env
 
         return make_env(self.env, **self.env_kwargs)
