@@ -36,7 +36,7 @@ def _overrides(tmp_path: Path, *extra: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "gigpo"])
+@pytest.mark.parametrize("estimator", ["grpo", "gigpo", "turn_grpo"])
 def test_multi_turn_rl_learns_and_trains_on_exactly_the_sampled_tokens(
     tmp_path: Path, estimator: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

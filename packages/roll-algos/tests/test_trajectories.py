@@ -19,6 +19,7 @@ from roll_algos.trajectories import (
     gigpo_advantages,
     reinforce_pp_trajectories,
     turn_discounted_returns,
+    turn_group_advantages,
     turns_to_tokens,
 )
 
@@ -498,3 +499,22 @@ def test_fp32_matches_fp64(seed: int) -> None:
     torch.testing.assert_close(
         rpp32, reinforce_pp_trajectories(b64["episode_rewards"], b64["mask"]), atol=1e-4, rtol=1e-4
     )
+
+
+# ---------------------------------------------------------------- per-turn rewards, group-relative (turn_grpo)
+def test_turn_group_advantages_by_hand() -> None:
+    # A (group 0): rewards [0, 1], gamma 0.5 -> returns [0.5, 1]; B (group 0): one turn, reward 0 (its padding turn
+    # holds 99, never read) -> [0]; C (group 5): [0.5, 1] -> returns [1, 1], all equal -> 0.
+    # Group 0's turn returns [0.5, 1, 0]: mean 0.5, sample std 0.5 -> advantages [0, 1, -1].
+    turn_rewards = T([[0.0, 1.0], [0.0, 99.0], [0.5, 1.0]])
+    turn_mask = T([[1, 1], [1, 0], [1, 1]])
+    group_ids = T([0, 0, 5])
+    mask = T([[1, 0, 1, 1], [1, 1, 0, 0], [1, 0, 1, 0]])
+    turn_ids = T([[0, -1, 1, 1], [0, 0, -1, -1], [0, -1, 1, -1]])
+    adv = turn_group_advantages(turn_rewards, turn_mask, group_ids, turn_ids, mask, gamma=0.5, eps=0.0)
+    close(adv, [[0.0, 0.0, 1.0, 1.0], [-1.0, -1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    dr = turn_group_advantages(turn_rewards, turn_mask, group_ids, turn_ids, mask, gamma=0.5, estimator="dr_grpo")
+    close(dr, [[0.0, 0.0, 0.5, 0.5], [-0.5, -0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    # gamma = 1 and one turn per trajectory: the episode-level GRPO advantage.
+    one = turn_group_advantages(T([[1.0], [0.0]]), T([[1], [1]]), T([3, 3]), T([[0, 0]] * 2), T([[1, 1]] * 2))
+    close(one, episode_group_advantages(T([1.0, 0.0]), T([3, 3]), T([[1, 1]] * 2), estimator="grpo"))

@@ -48,6 +48,7 @@ __all__ = [
     "gigpo_advantages",
     "reinforce_pp_trajectories",
     "turn_discounted_returns",
+    "turn_group_advantages",
     "turns_to_tokens",
 ]
 
@@ -423,3 +424,36 @@ def gigpo_advantages(
     returns = turn_discounted_returns(turn_rewards, turn_valid, gamma=gamma)
     step = anchor_state_advantages(returns, turn_valid, group_ids, state_keys, eps=eps, normalize_std=normalize_std)
     return episode + step_weight * turns_to_tokens(step, turn_ids, mask)
+
+
+def turn_group_advantages(
+    turn_rewards: Tensor,
+    turn_mask: Tensor,
+    group_ids: Tensor,
+    turn_ids: Tensor,
+    mask: Tensor,
+    *,
+    gamma: float = 1.0,
+    estimator: str = "grpo",
+    eps: float = 1e-6,
+) -> Tensor:
+    """Per-turn rewards: each turn's discounted return G_k, made group-relative over every valid turn of the
+    trajectories of its group, placed on that turn's assistant tokens (`turn_grpo`).
+
+    Args:
+        turn_rewards: (B, K); turn_mask: (B, K) 0/1; group_ids: (B,); turn_ids: (B, T); mask: (B, T) 0/1.
+        gamma: discount per turn; estimator: "grpo", "dr_grpo" or "rloo" over the group's turns.
+    Returns:
+        (B, T) advantages, 0 where `mask` is 0 and for trajectories without assistant tokens.
+    """
+    _check_mask(mask)
+    _check_turns("turn_rewards", turn_rewards, turn_mask)
+    _check_group_ids(group_ids, mask)
+    present = mask.bool().any(dim=1)  # trajectories with no assistant token take no part
+    valid_turn = turn_mask.bool() & present[:, None]
+    returns = turn_discounted_returns(torch.where(valid_turn, turn_rewards, 0.0), valid_turn.float(), gamma=gamma)
+    index = group_ids[:, None].expand_as(returns)
+    per_turn = _segment_relative(
+        returns.reshape(-1), index.reshape(-1), valid_turn.reshape(-1), estimator=estimator, eps=eps
+    ).reshape(returns.shape)
+    return turns_to_tokens(per_turn, turn_ids, mask)

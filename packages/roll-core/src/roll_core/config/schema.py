@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "gigpo")
+ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "gigpo", "turn_grpo")
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "tis", "topr", "vanilla")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")

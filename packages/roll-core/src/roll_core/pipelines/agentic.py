@@ -8,8 +8,9 @@ tracking it reuses; only collection and advantages differ:
    inference engines;
 3. build the trajectory batch: the first prompt is the prompt, everything after it the response, with a loss mask
    that is 1 on generated tokens only (holes at observations);
-4. advantages from roll_algos.trajectories: episode-level grpo / rloo / dr_grpo / reinforce_pp, or gigpo
-   (episode-level plus step-level advantages over identical environment states);
+4. advantages from roll_algos.trajectories: episode-level grpo / rloo / dr_grpo / reinforce_pp, gigpo
+   (episode-level plus step-level advantages over identical environment states), or turn_grpo (per-turn rewards:
+   each turn's discounted return relative to the group's turns);
 5. the RLVR update (reference and old log-probs, KL, actor update, weight sync).
 
 Metrics: success rate, mean turns, invalid-action rate, environment errors and timeouts, why episodes ended.
@@ -35,7 +36,7 @@ from roll_core.protocol import Batch
 log = logging.getLogger(__name__)
 
 #: Estimators of agentic runs (algo.adv_estimator).
-AGENTIC_ESTIMATORS = ("grpo", "rloo", "dr_grpo", "reinforce_pp", "gigpo")
+AGENTIC_ESTIMATORS = ("grpo", "rloo", "dr_grpo", "reinforce_pp", "gigpo", "turn_grpo")
 
 
 class _StepSeeds:
@@ -141,6 +142,15 @@ class AgenticPipeline(RLVRPipeline):
                 batch["turn_mask"],
                 batch["group_ids"],
                 batch["state_keys"],
+                batch["turn_ids"],
+                mask,
+                gamma=algo.gamma,
+            )
+        elif algo.adv_estimator == "turn_grpo":  # per-turn rewards: discounted returns, relative within the group
+            adv = T.turn_group_advantages(
+                batch["turn_rewards"],
+                batch["turn_mask"],
+                batch["group_ids"],
                 batch["turn_ids"],
                 mask,
                 gamma=algo.gamma,
