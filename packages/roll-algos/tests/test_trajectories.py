@@ -325,7 +325,7 @@ def random_batch(seed: int, dtype: torch.dtype = torch.float64) -> dict:
         keys.append([rng.randint(0, 2) for _ in range(n)])
         n_turns.append(n)
     width = max(len(r) for r in ids_rows)
-    turn_ids = T([r + [-1] * (width - len(r)) for r in ids_rows])
+    turn_ids = T([r + [-1] * (width - len(r)) for r in ids_rows], dtype=torch.long)  # (B, 0) stays integer
     turn_mask = T([[int(k < n) for k in range(K)] for n in n_turns])
     turn_rewards = T([[rng.uniform(-2, 2) if k < n else NAN for k in range(K)] for n in n_turns], dtype=dtype)
     episode = T([rng.choice([0.0, 1.0, rng.uniform(-3, 3)]) if n else NAN for n in n_turns], dtype=dtype)
