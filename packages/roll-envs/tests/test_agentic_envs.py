@@ -524,3 +524,51 @@ class TestGemGuessTheNumber(EnvTestSuite):
             assert not info["success"]
             ends.append(terminated or truncated)
         assert ends == [False, False, False, True], f"GEM's 4-turn game ended at {ends}"
+
+
+SKYRL_ROWS = [
+    {
+        "prompt": f"What is {a} + {b}? End with #### ANSWER.",
+        "extras": {"reward_spec": {"ground_truth": str(a + b)}, "max_turns": 3},
+    }
+    for a, b in [(2, 3), (10, 7), (4, 4), (12, 30)]
+]
+
+
+class TestSkyRLGsm8kMultiTurn(EnvTestSuite):
+    """A real SkyRL-Gym environment (gsm8k_multi_turn: 3 turns here, per-turn rewards) over hand-made rows."""
+
+    min_distinct = 4  # one instance per row
+
+    @classmethod
+    def build_env(cls) -> Any:
+        pytest.importorskip("skyrl_gym", exc_type=ImportError)
+        return make_env("skyrl:gsm8k_multi_turn", rows=SKYRL_ROWS)
+
+    @classmethod
+    def solving_actions(cls, env: Any, seed: int) -> list[str]:
+        return ["Let me think. #### 0", f"The sum is #### {env.env.ground_truth}"]
+
+    def test_malformed_and_illegal_replies_are_invalid(self) -> None:
+        """SkyRL-Gym has no invalid actions: a malformed reply scores 0 and the episode goes on."""
+        env = self.build_env()
+        for reply in MALFORMED:
+            env.reset(seed=0)
+            _, reward, terminated, truncated, info = self.checked_step(env, reply)
+            assert reward == 0.0 and not terminated and not truncated and not info["success"]
+
+
+def test_skyrl_rows_from_a_file_and_errors(tmp_path: Path) -> None:
+    pytest.importorskip("skyrl_gym", exc_type=ImportError)
+    import json
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in SKYRL_ROWS[:2]))
+    env = make_env("skyrl:gsm8k_multi_turn", data_file=str(data))
+    assert env.reset(seed=3)[0] == SKYRL_ROWS[1]["prompt"]  # seed 3 -> row 3 % 2
+    _, reward, terminated, _, info = env.step("#### 17")
+    assert reward == 1.0 and terminated and info["success"]
+    with pytest.raises(ValueError, match=r"unknown SkyRL-Gym environment 'gsm9k'; registered: .*gsm8k"):
+        make_env("skyrl:gsm9k", rows=SKYRL_ROWS)
+    with pytest.raises(ValueError, match="exactly one of rows"):
+        make_env("skyrl:gsm8k")

@@ -3,7 +3,8 @@
 Built-ins: sokoban, frozen_lake, guess_number, tool_math (keyword arguments go to their constructors); other
 installed packages add environments through the `roll.agentic_envs` entry-point group (name = class). Prefixes:
 `gem:<id>` builds `GemEnv(<id>, **kwargs)` (needs gem-llm), `gym:<id>` builds `GymTextEnv(<id>, **kwargs)` (needs
-gymnasium); the id is everything after the first colon. An unknown name is a ValueError listing what exists.
+gymnasium), `skyrl:<id>` builds `SkyRLEnv(<id>, rows=... or data_file=...)` (needs skyrl-gym); the id is everything
+after the first colon. An unknown name is a ValueError listing what exists.
 Imports are lazy: naming one environment loads only its module.
 """
 
@@ -19,7 +20,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "guess_number": "guess_number:GuessNumberEnv",
     "tool_math": "tool_env:ToolMathEnv",
 }
-PREFIXES = {"gem": "gem_adapter:GemEnv", "gym": "gem_adapter:GymTextEnv"}
+PREFIXES = {"gem": "gem_adapter:GemEnv", "gym": "gem_adapter:GymTextEnv", "skyrl": "skyrl_adapter:SkyRLEnv"}
 
 
 def _load(target: str) -> Any:

@@ -1,0 +1,92 @@
+"""SkyRL-Gym environments (`skyrl:<id>`, e.g. `skyrl:gsm8k_multi_turn`) under roll's `Env` contract.
+
+SkyRL-Gym (`pip install roll-envs[skyrl]`) is not Gymnasium-shaped: an environment is built per dataset row
+(`skyrl_gym.make(id, env_config=..., extras=row_extras)`, the extras carrying e.g. the reward spec), started with
+`init(prompt_messages)`, and `step(text)` returns a dict of chat-message observations, reward, done and metadata.
+The adapter gives it roll's shape: `rows` (or a JSONL `data_file`) are the dataset, `{"prompt": str | messages,
+"extras": {...}}` per line; `reset(seed)` picks row `seed % len(rows)` and builds a fresh environment for it;
+observations are the new messages' contents joined; `done` is a truncation when the environment's own turn limit
+(`max_turns`) ended the episode without success, else a termination; success = terminated with reward >=
+`success_reward`. SkyRL-Gym has no invalid-action notion, so `invalid_action` is always False (its environments
+score a malformed reply 0 and go on). Stepping a finished episode returns a note and reward 0.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+SKYRL_INSTALL = "SkyRLEnv needs SkyRL-Gym: pip install 'roll-envs[skyrl]' (skyrl-gym)"
+
+
+class SkyRLEnv:
+    """One SkyRL-Gym environment id over a list of dataset rows; see the module docstring."""
+
+    def __init__(
+        self,
+        env_id: str,
+        rows: list[dict[str, Any]] | None = None,
+        data_file: str | None = None,
+        env_config: dict[str, Any] | None = None,
+        success_reward: float = 1.0,
+        seed: int | None = None,
+    ) -> None:
+        try:
+            import skyrl_gym
+        except ImportError as exc:
+            raise ImportError(SKYRL_INSTALL) from exc
+        if (rows is None) == (data_file is None):
+            raise ValueError("SkyRLEnv needs exactly one of rows=[{'prompt': ..., 'extras': {...}}] or data_file=")
+        if data_file is not None:
+            lines = Path(data_file).read_text().splitlines()
+            rows = [json.loads(line) for line in lines if line.strip()]
+        assert rows is not None
+        if not rows or any("prompt" not in r for r in rows):
+            raise ValueError("SkyRLEnv rows must be non-empty and each have a 'prompt' (and usually 'extras')")
+        if env_id not in skyrl_gym.envs.registration.registry:
+            known = ", ".join(sorted(skyrl_gym.envs.registration.registry))
+            raise ValueError(f"unknown SkyRL-Gym environment {env_id!r}; registered: {known}")
+        self.env_id, self.rows, self.env_config = env_id, rows, dict(env_config or {})
+        self.success_reward = float(success_reward)
+        self._make, self._seeds = skyrl_gym.make, random.Random(seed)
+        self.env: Any = None
+        self._done, self._last, self._turn = True, "", 0
+        self._end = (False, True)  # (terminated, truncated) of the step that ended the episode
+        probe = self._make(env_id, env_config=self.env_config, extras=dict(rows[0].get("extras", {})))
+        self.max_steps = int(getattr(probe, "max_turns", 0) or 0) or None
+
+    @staticmethod
+    def _text(messages: Any) -> str:
+        if isinstance(messages, str):
+            return messages
+        return "\n\n".join(str(m.get("content", "")) for m in messages or [] if m.get("role") != "system")
+
+    def _info(self, success: bool = False) -> dict[str, Any]:
+        return {"success": success, "state": f"{self._last}\n[turn {self._turn}]", "invalid_action": False}
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        seed = int(seed) if seed is not None else self._seeds.getrandbits(32)
+        row = self.rows[seed % len(self.rows)]
+        prompt = row["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        self.env = self._make(self.env_id, env_config=self.env_config, extras=dict(row.get("extras", {})))
+        obs, _ = self.env.init(messages)
+        self._done, self._turn, self._last = False, 0, self._text(obs)
+        return self._last, {**self._info(), "seed": seed}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self.env is None:
+            raise RuntimeError("SkyRLEnv.step() called before reset()")
+        if self._done:
+            return "The episode is over; no further actions are taken.", 0.0, *self._end, self._info()
+        out = self.env.step(action if isinstance(action, str) else str(action))
+        self._turn += 1
+        reward, done = float(out["reward"]), bool(out["done"])
+        self._last = self._text(out.get("observations")) or ("The episode is over." if done else "")
+        success = done and reward >= self.success_reward
+        limit = int(getattr(self.env, "max_turns", 0) or 0)
+        truncated = done and not success and limit > 0 and self._turn >= limit
+        self._done, self._end = done, (done and not truncated, truncated)
+        return self._last, reward, done and not truncated, truncated, self._info(success)
