@@ -27,7 +27,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-_BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
+from roll_envs.boxed import extract_boxed
+
 _TEXT_WRAP = re.compile(r"\\(?:text|textbf|mathrm|texttt)\s*\{([^{}]*)\}")
 
 #: Direction words and the single letters accepted for them (case-insensitive), as (row, column) offsets.
@@ -35,31 +36,9 @@ DIRECTIONS: dict[str, tuple[int, int]] = {"up": (-1, 0), "down": (1, 0), "left":
 _DIRECTION_ALIASES = {**{d: d for d in DIRECTIONS}, "u": "up", "d": "down", "l": "left", "r": "right"}
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) with balanced braces, stripped; None if there is none.
-
-    Same rule as `roll_envs.rewards.math.extract_boxed`, repeated here because that module's package imports torch
-    (through roll_core.interfaces) and environments must stay cheap to import in env workers.
-    """
-    start = None
-    for m in _BOX_START.finditer(text):
-        start = m.end()
-    if start is None:
-        return None
-    depth = 1
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:i].strip()
-    return None  # unbalanced: no box
-
-
 def extract_action(reply: str) -> str | None:
     """The action text of a reply (last box, else last non-empty line), normalised; None when there is none."""
-    text = last_boxed(reply)
+    text = extract_boxed(reply)
     if text is None:
         text = next((line for line in reversed(reply.splitlines()) if line.strip()), None)
         if text is None:

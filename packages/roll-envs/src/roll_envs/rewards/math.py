@@ -19,26 +19,10 @@ import re
 import threading
 from collections.abc import Sequence
 
+from roll_envs.boxed import extract_boxed
 from roll_envs.rewards.base import Reward, RewardResult
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) with balanced braces, or None."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    if not starts:
-        return None
-    start = starts[-1]
-    depth = 1
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:i].strip()
-    return None  # unbalanced: treated as no answer
 
 
 def last_number(text: str) -> str | None:
