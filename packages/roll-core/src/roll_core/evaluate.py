@@ -67,21 +67,15 @@ def evaluate_model(cfg: Any, samples: int | None = None) -> dict[str, Any]:
 
 def _evaluate_agentic(task: Any, infer: Any, tokenizer: Any, params: SamplingParams, samples: int | None) -> dict:
     """One episode per held-out seed of an agentic task (the same rollout code as training)."""
-    from roll_core.agentic.chat import TurnTemplate
     from roll_core.agentic.env_manager import EnvManager
-    from roll_core.agentic.rollout import AgenticRollout, EpisodeLimits
+    from roll_core.agentic.rollout import AgenticRollout, task_turns
     from roll_core.pipelines.agentic import _episode_metrics
 
     seeds = task.eval_seeds()[:samples] if samples else task.eval_seeds()
-    envs = EnvManager(task.make_env, 0, step_timeout_s=task.step_timeout_s, threads=task.env_threads)
+    envs = EnvManager.for_task(task)
     try:
-        rollout = AgenticRollout(
-            infer,
-            envs,
-            TurnTemplate(tokenizer, task.system_prompt(), task.examples() if hasattr(task, "examples") else []),
-            tokenizer,
-            EpisodeLimits(task.max_turns, task.max_context_length, task.max_tokens_per_turn),
-        )
+        turns, limits = task_turns(task, tokenizer)
+        rollout = AgenticRollout(infer, envs, turns, tokenizer, limits)
         trajs = rollout.run(seeds, list(range(len(seeds))), params)
         m = _episode_metrics(trajs, None, None)
     finally:

@@ -39,6 +39,11 @@ class EnvManager:
         self._lock = threading.Lock()
         self._counts = {"env_errors": 0, "env_timeouts": 0, "leaked_threads": 0}
 
+    @classmethod
+    def for_task(cls, task: Any) -> EnvManager:
+        """An empty manager over an agentic task's environments, with its step timeout and thread count."""
+        return cls(task.make_env, 0, step_timeout_s=task.step_timeout_s, threads=task.env_threads)
+
     def grow(self, slots: int) -> None:
         """Make sure at least `slots` environments exist."""
         while len(self.envs) < slots:

@@ -24,8 +24,7 @@ class EnvWorker(Worker):
 
     def __init__(self, env: dict[str, Any], **base: Any) -> None:
         super().__init__(**base)
-        task = build(env)
-        self.manager = EnvManager(task.make_env, 0, step_timeout_s=task.step_timeout_s, threads=task.env_threads)
+        self.manager = EnvManager.for_task(build(env))
 
     @dispatch(Dispatch.ONE)
     def grow(self, slots: int) -> None:

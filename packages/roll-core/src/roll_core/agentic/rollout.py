@@ -30,6 +30,13 @@ class EpisodeLimits:
     max_tokens_per_turn: int = 128
 
 
+def task_turns(task: Any, tokenizer: Any) -> tuple[TurnTemplate, EpisodeLimits]:
+    """The turn template (system prompt, demonstrations) and episode limits of an agentic task."""
+    examples = task.examples() if hasattr(task, "examples") else []
+    limits = EpisodeLimits(task.max_turns, task.max_context_length, task.max_tokens_per_turn)
+    return TurnTemplate(tokenizer, task.system_prompt(), examples), limits
+
+
 class AgenticRollout:
     """Runs episodes against an inference group (`submit_request`) and an env manager."""
 

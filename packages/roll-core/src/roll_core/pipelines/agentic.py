@@ -26,9 +26,8 @@ from typing import Any
 import torch
 
 from roll_algos import trajectories as T
-from roll_core.agentic.chat import TurnTemplate
 from roll_core.agentic.env_manager import EnvManager
-from roll_core.agentic.rollout import AgenticRollout, EpisodeLimits
+from roll_core.agentic.rollout import AgenticRollout, task_turns
 from roll_core.agentic.trajectory import Trajectory, to_tensors
 from roll_core.pipelines.rlvr import RLVRPipeline, _timer
 from roll_core.protocol import Batch
@@ -80,10 +79,8 @@ class AgenticPipeline(RLVRPipeline):
             )
             self.envs: EnvManager | RemoteEnvManager = RemoteEnvManager(group)
         else:
-            self.envs = EnvManager(task.make_env, 0, step_timeout_s=task.step_timeout_s, threads=task.env_threads)
-        examples = task.examples() if hasattr(task, "examples") else []
-        self.turns = TurnTemplate(self.tokenizer, task.system_prompt(), examples)
-        self.limits = EpisodeLimits(task.max_turns, task.max_context_length, task.max_tokens_per_turn)
+            self.envs = EnvManager.for_task(task)
+        self.turns, self.limits = task_turns(task, self.tokenizer)
 
     def _setup_reward(self) -> None:
         return None  # rewards come from the environments
