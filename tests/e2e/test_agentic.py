@@ -78,7 +78,9 @@ def test_failing_environments_end_their_episode_not_the_run(tmp_path: Path) -> N
     assert len(steps) == 2
     errors = sum(h.get("env/env_errors", 0) for h in steps)
     timeouts = sum(h.get("env/env_timeouts", 0) for h in steps)
-    assert errors > 0 and timeouts > 0, [{k: v for k, v in h.items() if k.startswith(("episode/", "env/", "data/"))} for h in steps]
+    assert errors > 0 and timeouts > 0, [
+        {k: v for k, v in h.items() if k.startswith(("episode/", "env/", "data/"))} for h in steps
+    ]
     # every episode ended by its environment's failure, counted, and both steps still trained on nothing / finished
     assert all(h.get("episode/end_env_error", 0) + h.get("episode/end_env_timeout", 0) == 1.0 for h in steps)
 
