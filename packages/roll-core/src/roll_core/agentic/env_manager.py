@@ -1,10 +1,12 @@
 """Env managers: many environment instances stepped concurrently, each call under a timeout.
 
-Contract: `reset(slot, seed)` and `step(slot, action)` run the slot's environment in a thread pool and return its
+Contract: `reset(slot, seed)` and `step(slot, action)` run the slot's environment on a worker thread and return its
 result, or raise `EnvFailure` with kind `env_error` (it raised) or `env_timeout` (it did not answer within
-`step_timeout_s`). A failed slot gets a fresh environment instance (a hung one keeps its thread, which is counted
-in `leaked_threads`; Python threads cannot be killed), so one broken episode never stops the others or the run.
-Counters (`counters()`) feed the run's metrics.
+`step_timeout_s` of starting). At most `threads` calls run at once; a call that times out gives its place back at
+once, so a hung environment never delays (or times out) the calls of healthy ones. A failed slot gets a fresh
+environment instance; a hung one keeps its thread (Python threads cannot be killed): it is a daemon thread, so it
+never blocks the process from exiting, and it is counted in `leaked_threads`. One broken episode never stops the
+others or the run. Counters (`counters()`) feed the run's metrics.
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future, wait
 from typing import Any
 
 from roll_core.interfaces import Env
@@ -30,14 +31,17 @@ class EnvFailure(RuntimeError):
 
 
 class EnvManager:
-    """`slots` environments built by `factory`, stepped on up to `threads` threads with a per-call timeout."""
+    """`slots` environments built by `factory`, at most `threads` calls at once, each under a timeout."""
 
     def __init__(self, factory: Callable[[], Env], slots: int, *, step_timeout_s: float = 30.0, threads: int = 16):
         self.factory, self.timeout = factory, step_timeout_s
         self.envs: list[Env] = [factory() for _ in range(slots)]
-        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="roll-env")
+        # Why not a ThreadPoolExecutor: a hung call would hold one of its workers for good, and calls queued behind
+        # it would spend their timeout waiting for a worker, failing healthy environments (the bug this replaced).
+        self._slots = threading.BoundedSemaphore(max(1, threads))
         self._lock = threading.Lock()
         self._counts = {"env_errors": 0, "env_timeouts": 0, "leaked_threads": 0}
+        self._closed = False
 
     @classmethod
     def for_task(cls, task: Any) -> EnvManager:
@@ -50,16 +54,29 @@ class EnvManager:
             self.envs.append(self.factory())
 
     def _call(self, slot: int, what: str, fn: Callable[[], Any]) -> Any:
-        future = self.pool.submit(fn)
-        try:
-            return future.result(timeout=self.timeout)
-        except FutureTimeout as exc:
+        if self._closed:
+            raise RuntimeError("EnvManager is closed")
+        future: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which decides
+                future.set_exception(exc)
+
+        with self._slots:  # the clock starts when the call runs, not while it waits for a place
+            threading.Thread(target=run, name=f"roll-env-{slot}-{what}", daemon=True).start()
+            done = bool(wait([future], timeout=self.timeout).done)
+        if not done:
             self._fail(slot, "env_timeout", "leaked_threads")
-            raise EnvFailure("env_timeout", f"environment {what} did not return within {self.timeout}s") from exc
-        except Exception as exc:
+            log.warning("environment %s did not return within %ss (episode ended, counted)", what, self.timeout)
+            raise EnvFailure("env_timeout", f"environment {what} did not return within {self.timeout}s")
+        exc = future.exception()
+        if exc is not None:
             self._fail(slot, "env_error")
             log.warning("environment %s raised %s: %s (episode ended, counted)", what, type(exc).__name__, exc)
             raise EnvFailure("env_error", f"environment {what} raised {type(exc).__name__}: {exc}") from exc
+        return future.result()
 
     def _fail(self, slot: int, kind: str, extra: str | None = None) -> None:
         with self._lock:
@@ -83,4 +100,5 @@ class EnvManager:
             return dict(self._counts)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self._closed = True
+
