@@ -61,7 +61,7 @@ class EnvManager:
         def run() -> None:
             try:
                 future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which decides
+            except BaseException as exc:  # handed to the caller, which decides
                 future.set_exception(exc)
 
         with self._slots:  # the clock starts when the call runs, not while it waits for a place
@@ -101,4 +101,3 @@ class EnvManager:
 
     def close(self) -> None:
         self._closed = True
-
