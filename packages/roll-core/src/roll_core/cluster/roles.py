@@ -236,6 +236,10 @@ class InferWorker(Worker):
     def check_sampling(self, params: SamplingParams) -> None:
         self.engine.check_sampling(params)
 
+    @dispatch(Dispatch.RANK0)
+    def continuous_batching(self) -> bool:
+        return bool(getattr(self.engine, "continuous_batching", False))
+
     @dispatch(Dispatch.BROADCAST)
     def sleep(self, level: int = 1) -> None:
         self.engine.sleep(level)
@@ -430,6 +434,10 @@ class InferGroup(WorkerGroup[InferWorker]):
 
     def max_context_length(self) -> int:
         return int(self.call("max_context_length"))
+
+    def continuous_batching(self) -> bool:
+        """Whether the engine merges requests submitted while others run (what asynchronous rollout needs)."""
+        return bool(self.call("continuous_batching"))
 
     def check_sampling(self, params: SamplingParams) -> None:
         """Raises UnsupportedSamplingError (naming the engine) for parameters it cannot honour."""

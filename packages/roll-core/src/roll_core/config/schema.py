@@ -111,8 +111,14 @@ class AlgoConfig:
     off_policy_cap: float = 2.0
     # DAPO soft overlong penalty buffer in tokens (0 disables); the penalty reaches -1 at the response limit.
     overlong_buffer: int = 0
-    # DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no GRPO signal).
+    # DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no GRPO signal) and sample more
+    # prompts until the batch holds rollout_batch_size informative groups (or the cap below is reached).
     drop_uniform_groups: bool = False
+    # Dynamic sampling: each refill round samples ceil(missing groups x this factor) prompts.
+    refill_oversample: float = 1.5
+    # Dynamic sampling cap: at most this many batches' worth of groups sampled per step; then the step trains on
+    # the informative groups it has (counted in data/refill_short_groups).
+    refill_max_batches: float = 4.0
 
     @property
     def use_critic(self) -> bool:
@@ -138,6 +144,11 @@ class AlgoConfig:
                 f"algo.adv_estimator={self.adv_estimator} compares samples of one prompt: set algo.group_size >= 2"
             )
         _positive("algo.lr", self.lr)
+        if self.refill_oversample < 1.0 or self.refill_max_batches < 1.0:
+            raise ValueError(
+                f"algo.refill_oversample={self.refill_oversample} and algo.refill_max_batches="
+                f"{self.refill_max_batches} must be >= 1"
+            )
         _positive("algo.ppo_epochs", self.ppo_epochs)
         _positive("algo.mini_batch_size", self.mini_batch_size, allow_zero=True)
         _positive("algo.num_mini_batches", self.num_mini_batches, allow_zero=True)
@@ -271,9 +282,28 @@ class PipelineConfig:
     eval_temperature: float | None = None
     # Reward worker processes (reward scoring is CPU work; more workers overlap it).
     reward_workers: int = 1
+    # Asynchronous training: rollout runs up to this many batches ahead of the trainer, and no trained sample is
+    # older than this many weight versions (0: the synchronous loop). Needs a continuous-batching engine that
+    # stays awake (infer_engine.sleep_level=0); off-policy correction: algo.off_policy_correction.
+    async_ratio: int = 0
+    # With async_ratio > 0: at each weight sync, running requests are aborted and resumed under the new weights
+    # with their generated prefix (and its behaviour log-probs) kept.
+    partial_rollout: bool = False
+    # With async_ratio > 0: extra groups kept in flight so a batch never waits for the longest responses; the
+    # slowest ones are carried into later batches (tail batching), within the staleness bound.
+    tail_groups: int = 0
 
     def __post_init__(self) -> None:
         _one_of("pipeline.name", self.name, ("rlvr", "agentic"))
+        _positive("pipeline.async_ratio", self.async_ratio, allow_zero=True)
+        _positive("pipeline.tail_groups", self.tail_groups, allow_zero=True)
+        if self.async_ratio == 0 and (self.partial_rollout or self.tail_groups):
+            raise ValueError(
+                "pipeline.partial_rollout and pipeline.tail_groups need asynchronous training: set "
+                "pipeline.async_ratio >= 1 (samples carried across a weight update are one version old)"
+            )
+        if self.async_ratio > 0 and self.name == "agentic":
+            raise ValueError("pipeline.async_ratio > 0 is not supported by pipeline=agentic yet: use 0")
         _positive("pipeline.max_steps", self.max_steps)
         _positive("pipeline.rollout_batch_size", self.rollout_batch_size)
         _positive("pipeline.eval_every", self.eval_every, allow_zero=True)

@@ -37,6 +37,7 @@ from roll_core.interfaces import SamplingParams, UnsupportedSamplingError
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.objectives import PolicyObjective, ValueObjective
 from roll_core.pipelines.rollout import assemble, evaluate, prompt_batch
+from roll_core.pipelines.sampling import group_rows, informative_groups, merge_scored
 from roll_core.protocol import Batch
 from roll_core.tracking import Tracker
 
@@ -171,6 +172,11 @@ class RLVRPipeline:
             platform=self.cluster.platform,
         )
         self.sleep_level = int(ie["sleep_level"])
+        self.async_rollout = None
+        if pipe.async_ratio > 0:
+            from roll_core.pipelines.async_rlvr import AsyncCollector
+
+            self.async_rollout = AsyncCollector(self)
         self.ckpt = CheckpointManager(self.out, keep_last=pipe.keep_last)
         if cfg.cluster.backend == "ray":  # where every worker landed: nodes, resources, visible devices
             self.out.mkdir(parents=True, exist_ok=True)
@@ -246,38 +252,93 @@ class RLVRPipeline:
         self, step: int, metrics: dict[str, Any], timers: dict[str, float]
     ) -> tuple[Batch, torch.Tensor] | None:
         """Rollout and rewards: the batch to train on and its per-sample scores (None: nothing to train on)."""
-        algo, pipe, model = self.cfg.algo, self.cfg.pipeline, self.cfg.model
-        # 1. prompts and generation
-        problems = [self.train_set[i] for i in self.sampler.next(pipe.rollout_batch_size)]
-        prompts = self._prompt_batch(problems, metrics)
-        with _timer(timers, "generate"):
-            params = self.sampling.replace(seed=pipe.seed * 100_003 + step)
-            gen = self.actor_infer.generate(prompts, params, n=algo.group_size)
-        self._sleep_engines()
-        batch = assemble(self.tokenizer, prompts.repeat_interleave(algo.group_size), gen, metrics)
-        metrics["perf/rollout_tokens_per_s"] = float(gen["response_mask"].sum()) / max(
-            gen.meta["generate_seconds"], 1e-9
-        )
+        if self.async_rollout is not None:  # generated ahead, in the background, by the async scheduler
+            batch = self.async_rollout.collect(step, metrics, timers)
+        else:
+            batch = self._generate_scored(step, self.cfg.pipeline.rollout_batch_size, 0, metrics, timers)
+            if self.cfg.algo.drop_uniform_groups:
+                batch = self._refill(step, batch, metrics, timers)
+            self._sleep_engines()
+        if batch is None or len(batch) == 0:
+            return None
+        return batch, self._shaped_scores(batch)
 
-        # 2. rewards
+    def _generate_scored(
+        self, step: int, n_prompts: int, round_: int, metrics: dict[str, Any], timers: dict[str, float]
+    ) -> Batch:
+        """Sample `n_prompts` prompts x group_size responses, assemble and score them; reward metrics of round 0
+        go to `metrics`."""
+        algo, pipe, model = self.cfg.algo, self.cfg.pipeline, self.cfg.model
+        problems = [self.train_set[i] for i in self.sampler.next(n_prompts)]
+        m = metrics if round_ == 0 else {}
+        prompts = self._prompt_batch(problems, m)
+        with _timer(timers, "generate"):
+            seed = pipe.seed * 100_003 + step + round_ * 10_000_019  # refill rounds draw fresh streams
+            gen = self.actor_infer.generate(prompts, self.sampling.replace(seed=seed), n=algo.group_size)
+        batch = assemble(self.tokenizer, prompts.repeat_interleave(algo.group_size), gen, m)
+        if round_ == 0:
+            metrics["perf/rollout_tokens_per_s"] = float(gen["response_mask"].sum()) / max(
+                gen.meta["generate_seconds"], 1e-9
+            )
         with _timer(timers, "reward"):
             scored = self.reward.score(batch)
         batch = batch.union(scored.select("scores", "correct", "formatted"))
+        if round_ == 0:
+            lengths = batch["response_mask"].sum(-1)
+            metrics.update(_reward_metrics(batch, scored, lengths, model.max_response_length))
+            self._log_samples(step, batch, scored)
+        return batch
+
+    def _shaped_scores(self, batch: Batch) -> torch.Tensor:
+        """(B,) scores with the overlong penalty and reward clipping applied."""
+        algo, model = self.cfg.algo, self.cfg.model
         scores = batch["scores"].clone()
-        lengths = batch["response_mask"].sum(-1)
         if algo.overlong_buffer > 0:
             scores = scores + overlong_penalty(
-                lengths, max_length=model.max_response_length, buffer=algo.overlong_buffer
+                batch["response_mask"].sum(-1), max_length=model.max_response_length, buffer=algo.overlong_buffer
             )
         if algo.reward_clip is not None:
             scores = scores.clamp(-algo.reward_clip, algo.reward_clip)
-        metrics.update(_reward_metrics(batch, scored, lengths, model.max_response_length))
-        self._log_samples(step, batch, scored)
-        if algo.drop_uniform_groups:
-            batch, scores = self._drop_uniform_groups(batch, scores, metrics)
-            if len(batch) == 0:
-                return None
-        return batch, scores
+        return scores
+
+    def _refill(self, step: int, batch: Batch, metrics: dict[str, Any], timers: dict[str, float]) -> Batch:
+        """DAPO dynamic sampling: keep the groups whose rewards differ and sample more prompts until the batch holds
+        rollout_batch_size of them, or algo.refill_max_batches batches' worth of groups were sampled."""
+        algo, pipe = self.cfg.algo, self.cfg.pipeline
+        g, want = algo.group_size, pipe.rollout_batch_size
+        cap = math.ceil(algo.refill_max_batches * want)
+        parts, kept, sampled, dropped, round_ = [], 0, 0, 0, 0
+        while True:
+            informative = informative_groups(batch["scores"], g)
+            sampled += len(informative)
+            dropped += int((~informative).sum())
+            take = informative & (informative.cumsum(0) <= want - kept)  # never more than the batch needs
+            kept += int(take.sum())
+            parts.append(batch.index(group_rows(take, g)))
+            missing = want - kept
+            if missing <= 0 or sampled >= cap:
+                break
+            round_ += 1
+            more = min(math.ceil(missing * algo.refill_oversample), cap - sampled)
+            batch = self._generate_scored(step, more, round_, metrics, timers)
+        metrics["data/dropped_groups"] = dropped
+        metrics["data/refill_rounds"] = round_
+        metrics["data/sampled_groups"] = sampled
+        metrics["data/refill_short_groups"] = max(0, want - kept)
+        if kept < want:
+            log.warning(
+                "dynamic sampling: %d of %d groups have reward variance after sampling %d groups "
+                "(algo.refill_max_batches=%s); training on %d",
+                kept,
+                want,
+                sampled,
+                algo.refill_max_batches,
+                kept,
+            )
+        parts = [p for p in parts if len(p)]
+        if len(parts) <= 1:
+            return parts[0] if parts else batch.index([])
+        return merge_scored(self.tokenizer, parts)
 
     def _sleep_engines(self) -> None:
         """The trainer gets the device (and memory) until the next weight sync."""
@@ -304,6 +365,7 @@ class RLVRPipeline:
             or self.mini_batches > 1
             or algo.off_policy_correction is not None
             or (algo.kl_in_reward and "ref_logprobs" in batch)
+            or self.async_rollout is not None  # the proximal policy of decoupled PPO: the trainer's current one
         )
         if need_old:
             with _timer(timers, "old_logprobs"):
@@ -376,7 +438,11 @@ class RLVRPipeline:
         with _timer(timers, "sync"):
             if self.sleep_level:
                 self.actor_infer.wake_up()
+            if self.async_rollout is not None:  # partial rollout aborts running requests, resumed after the sync
+                self.async_rollout.begin_update()
             metrics.update(self.weight_sync.sync().metrics())
+            if self.async_rollout is not None:
+                self.async_rollout.finish_update()
 
     def _advantages(
         self,
@@ -437,17 +503,6 @@ class RLVRPipeline:
     def _prompt_batch(self, problems: list[Any], metrics: dict[str, Any]) -> Batch:
         return prompt_batch(self.tokenizer, self.task, problems, self.cfg.model.max_prompt_length, metrics)
 
-    def _drop_uniform_groups(
-        self, batch: Batch, scores: torch.Tensor, metrics: dict[str, Any]
-    ) -> tuple[Batch, torch.Tensor]:
-        """DAPO dynamic sampling: groups whose scores are all equal carry no group-relative signal."""
-        g = self.cfg.algo.group_size
-        grouped = scores.view(-1, g)
-        keep_groups = (grouped.max(-1).values - grouped.min(-1).values) > 1e-9
-        metrics["data/dropped_groups"] = int((~keep_groups).sum())
-        rows = keep_groups.repeat_interleave(g).nonzero(as_tuple=True)[0]
-        return batch.index(rows), scores[rows]
-
     def _log_samples(self, step: int, batch: Batch, scored: Batch, k: int = 2) -> None:
         texts = scored["response_text"]
         self.tracker.samples(
@@ -505,6 +560,8 @@ class RLVRPipeline:
         log.info("resumed from %s at step %d", folder, self.start_step)
 
     def shutdown(self) -> None:
+        if self.async_rollout is not None:
+            self.async_rollout.close()
         self.cluster.shutdown()
 
 

@@ -1,0 +1,158 @@
+"""Asynchronous RLVR collection: the RLVR pipeline's `collect` when `pipeline.async_ratio > 0`.
+
+The background driver (roll_core.scheduling.driver) keeps generating groups up to `async_ratio` batches ahead of
+the trainer; `collect` takes complete groups (oldest first, within the staleness bound), scores them, drops
+groups without reward variance when dynamic sampling is on (their budget starts new groups at once), and returns
+an assembled batch with `behaviour_version` (B,) per row. The trainer then recomputes the proximal log-probs
+(`old_logprobs`) at its current version, and `algo.off_policy_correction` weighs each token by the truncated
+ratio pi_old / pi_behaviour (decoupled PPO); `update_weights` brackets the weight sync so that partial rollout can
+abort and resume requests around it.
+
+Checkpoints store the trainer and the data sampler; groups in flight at a save are not stored (a resumed run
+starts fresh groups), so an async run resumes correctly but not bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from roll_core.protocol import Batch
+from roll_core.scheduling.driver import AsyncRollout
+from roll_core.scheduling.scheduler import GroupState, RolloutScheduler
+
+log = logging.getLogger(__name__)
+
+
+class AsyncCollector:
+    """Owns the scheduler and driver of one RLVR pipeline (`pipe`: the RLVRPipeline)."""
+
+    def __init__(self, pipe: Any) -> None:
+        cfg = pipe.cfg
+        ie, p = cfg.infer_engine, cfg.pipeline
+        if not pipe.actor_infer.continuous_batching():
+            raise ValueError(
+                f"pipeline.async_ratio={p.async_ratio} needs an inference engine with continuous batching; "
+                f"infer_engine={ie.name} is synchronous-only: use pipeline.async_ratio=0"
+            )
+        if int(ie.sleep_level):
+            raise ValueError(
+                f"pipeline.async_ratio={p.async_ratio} keeps the engines generating while the trainer trains: "
+                f"set infer_engine.sleep_level=0 (it is {ie.sleep_level})"
+            )
+        if cfg.algo.off_policy_correction is None:
+            log.warning(
+                "pipeline.async_ratio=%d without algo.off_policy_correction: samples up to %d versions old are "
+                "trained with the proximal policy only (set algo.off_policy_correction=token for decoupled PPO)",
+                p.async_ratio,
+                p.async_ratio,
+            )
+        self.pipe, self.k = pipe, p.async_ratio
+        self.sched = RolloutScheduler(
+            batch_groups=p.rollout_batch_size,
+            group_size=cfg.algo.group_size,
+            max_new_tokens=cfg.model.max_response_length,
+            async_ratio=p.async_ratio,
+            tail_groups=p.tail_groups,
+            partial_rollout=p.partial_rollout,
+        )
+        self.skipped_long = 0
+        self.driver = AsyncRollout(
+            pipe.actor_infer, self.sched, self._next_group, pipe.sampling.replace(seed=p.seed * 100_003)
+        )
+
+    def _next_group(self) -> tuple[Any, list[int]]:
+        """The next training problem whose prompt fits (runs on the driver's thread; long ones are counted)."""
+        pipe = self.pipe
+        limit = pipe.cfg.model.max_prompt_length
+        for _ in range(10_000):
+            problem = pipe.train_set[pipe.sampler.next(1)[0]]
+            ids = pipe.tokenizer.apply_chat_template(
+                pipe.task.messages(problem), add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            if len(ids) <= limit:
+                return problem, ids
+            self.skipped_long += 1
+        raise ValueError(f"10000 prompts in a row exceed model.max_prompt_length={limit}: raise it")
+
+    def collect(self, step: int, metrics: dict[str, Any], timers: dict[str, float]) -> Batch | None:
+        """The next batch: rollout_batch_size groups (fewer if dynamic sampling hits its cap), scored."""
+        from roll_core.pipelines.rlvr import _reward_metrics, _timer
+        from roll_core.pipelines.sampling import generation_from_samples, informative_groups
+
+        pipe, cfg = self.pipe, self.pipe.cfg
+        algo, want = cfg.algo, cfg.pipeline.rollout_batch_size
+        g = algo.group_size
+        pad = pipe.tokenizer.pad_token_id if pipe.tokenizer.pad_token_id is not None else 0
+        cap = math.ceil(algo.refill_max_batches * want) if algo.drop_uniform_groups else want
+        kept: list[GroupState] = []
+        first: tuple[Batch, Batch] | None = None
+        cols: dict[int, dict[str, torch.Tensor]] = {}  # gid -> its rows' scores, correct, formatted
+        sampled = 0
+        with _timer(timers, "generate"):  # time the trainer waited for rollout
+            while len(kept) < want and sampled < cap:
+                groups = self.driver.take(min(want - len(kept), cap - sampled))
+                sampled += len(groups)
+                batch = self._assemble(generation_from_samples(groups, pad))
+                if len(batch) != len(groups) * g:
+                    raise ValueError(
+                        "a prompt fills the inference engine's context: lower model.max_prompt_length below the "
+                        "engine's context (infer_engine.max_model_len)"
+                    )
+                with _timer(timers, "reward"):
+                    scored = pipe.reward.score(batch)
+                batch = batch.union(scored.select("scores", "correct", "formatted"))
+                first = first or (batch, scored)
+                for i, grp in enumerate(groups):
+                    cols[grp.gid] = {k: batch[k][i * g : (i + 1) * g] for k in ("scores", "correct", "formatted")}
+                useful = (
+                    informative_groups(batch["scores"], g)
+                    if algo.drop_uniform_groups
+                    else torch.ones(len(groups), dtype=torch.bool)
+                )
+                for grp, ok in zip(groups, useful.tolist()):
+                    if ok:
+                        kept.append(grp)
+                    else:
+                        self.driver.discard(grp)
+        assert first is not None
+        b0, scored0 = first
+        metrics.update(_reward_metrics(b0, scored0, b0["response_mask"].sum(-1), cfg.model.max_response_length))
+        pipe._log_samples(step, b0, scored0)
+        metrics["data/dropped_groups"] = sampled - len(kept)
+        metrics["data/sampled_groups"] = sampled
+        metrics["data/refill_short_groups"] = max(0, want - len(kept))
+        metrics["data/skipped_long_prompts"], self.skipped_long = self.skipped_long, 0
+        if not kept:
+            return None
+        batch = self._assemble(generation_from_samples(kept, pad))
+        for k in ("scores", "correct", "formatted"):
+            batch[k] = torch.cat([cols[grp.gid][k] for grp in kept])
+        staleness = (self.sched.version - batch["behaviour_version"]).float()
+        if float(staleness.max()) > self.k:  # the scheduler's contract, checked where it matters
+            raise AssertionError(f"a sample {int(staleness.max())} versions old reached the trainer (bound {self.k})")
+        metrics["async/staleness_mean"] = float(staleness.mean())
+        metrics["async/staleness_max"] = float(staleness.max())
+        metrics.update(self.driver.stats())
+        metrics["perf/rollout_tokens_per_s"] = float(batch["response_mask"].sum()) / max(timers["generate"], 1e-9)
+        return batch
+
+    def _assemble(self, gen: Batch) -> Batch:
+        from roll_core.pipelines.rollout import assemble
+
+        prompts = gen.select("prompt_ids", "answer", "problem_id")
+        rest = [k for k in gen.keys() if k not in ("prompt_ids", "answer", "problem_id")]
+        return assemble(self.pipe.tokenizer, prompts, gen.select(*rest))
+
+    def begin_update(self) -> None:
+        self.driver.begin_update()
+
+    def finish_update(self) -> None:
+        self.driver.finish_update()
+
+    def close(self) -> None:
+        self.driver.close()

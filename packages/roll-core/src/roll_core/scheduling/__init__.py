@@ -1,0 +1,1 @@
+"""Asynchronous rollout: scheduling (pure), the driver over real engines, and a cluster simulator."""

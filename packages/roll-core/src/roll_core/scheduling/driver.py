@@ -1,0 +1,173 @@
+"""The asynchronous rollout driver: `RolloutScheduler` over a real inference group, in a background thread.
+
+Contract: after `start()`, a daemon thread keeps the scheduler's budget filled (new groups from `next_group`),
+submits every pending sample as one request (`infer.submit_request`) and records finished requests. The trainer's
+thread calls `take(n)` (blocks until n complete groups within the staleness bound exist, or `timeout_s` passes),
+and brackets every weight sync with `begin_update()` / `finish_update()`: with partial rollout the running
+requests are aborted first and their prefixes resumed under the new weights; groups that became too stale are
+aborted and never returned. A failure in the thread (engine error) is raised in the trainer's next call, never
+swallowed. `close()` aborts what runs and stops the thread.
+
+The same code runs on `cluster=local` (engines in this process: generation and training share its cores) and on
+Ray (engines in their own processes: real overlap).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from roll_core.interfaces import Request, SamplingParams
+from roll_core.scheduling.scheduler import GroupState, RolloutScheduler
+
+log = logging.getLogger(__name__)
+
+
+class AsyncRollout:
+    """Generates groups ahead of the trainer (see the module docstring)."""
+
+    def __init__(
+        self,
+        infer: Any,
+        scheduler: RolloutScheduler,
+        next_group: Callable[[], tuple[Any, list[int]]],
+        params: SamplingParams,
+        *,
+        poll_s: float = 0.002,
+        timeout_s: float = 3600.0,
+    ) -> None:
+        self.infer, self.sched, self.next_group, self.params = infer, scheduler, next_group, params
+        self.poll_s, self.timeout_s = poll_s, timeout_s
+        self._cv = threading.Condition()
+        self._handles: dict[str, Any] = {}
+        self._paused = False
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._n = 0
+        self._last: dict[str, int] = {}
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="roll-async-rollout", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        with self._cv:
+            self._stopped = True
+            running = list(self._handles)
+            self._cv.notify_all()
+        for rid in running:
+            self.infer.abort(rid)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ---- the trainer's side -------------------------------------------------------------------------------
+    def take(self, n: int) -> list[GroupState]:
+        """n complete groups within the staleness bound, oldest first (blocks until they exist)."""
+        self.start()
+        deadline = time.monotonic() + self.timeout_s
+        out: list[GroupState] = []
+        with self._cv:
+            while True:
+                self._raise()
+                out += self.sched.take(n - len(out))
+                if len(out) >= n:
+                    return out
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"async rollout: {len(out)} of {n} groups complete after {self.timeout_s}s "
+                        f"({self.sched.in_flight()} running)"
+                    )
+                self._cv.wait(0.5)
+
+    def discard(self, group: GroupState) -> None:
+        """A taken group that will not be trained on (its budget starts a new group)."""
+        with self._cv:
+            self.sched.discard(group)
+            self._cv.notify_all()
+
+    def begin_update(self) -> None:
+        """Before a weight sync: stop submitting; with partial rollout abort the running requests and wait until
+        their partial results are recorded (they resume after `finish_update`)."""
+        with self._cv:
+            self._raise()
+            self._paused = True
+            to_abort = self.sched.begin_update()
+        for rid in to_abort:
+            self.infer.abort(rid)
+        deadline = time.monotonic() + 60
+        with self._cv:
+            while any(rid in self._handles for rid in to_abort):
+                self._raise()
+                if time.monotonic() > deadline:
+                    raise TimeoutError("async rollout: aborted requests did not return within 60 s")
+                self._cv.wait(0.05)
+
+    def finish_update(self) -> None:
+        """After a weight sync: bump the version, abort groups now too stale, resume generation."""
+        with self._cv:
+            doomed = self.sched.finish_update()
+            self._paused = False
+            self._cv.notify_all()
+        for rid in doomed:
+            self.infer.abort(rid)
+
+    def stats(self) -> dict[str, float]:
+        """Counters since the previous call (groups started, stale, discarded, requests resumed) and gauges."""
+        with self._cv:
+            now = dict(self.sched.counters)
+            out = {f"async/{k}": float(v - self._last.get(k, 0)) for k, v in now.items()}
+            self._last = now
+            out["async/in_flight_groups"] = float(self.sched.in_flight())
+            out["async/complete_groups"] = float(self.sched.complete())
+            out["async/version"] = float(self.sched.version)
+            return out
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"async rollout failed: {self._error}") from self._error
+
+    # ---- the background thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    if self._stopped:
+                        return
+                    if not self._paused:
+                        self._fill()
+                    handles = list(self._handles.items())
+                progressed = False
+                for rid, h in handles:
+                    if h.done():
+                        out = h.result()
+                        with self._cv:
+                            self._handles.pop(rid, None)
+                            self.sched.on_result(rid, list(out.token_ids), list(out.logprobs), out.finish_reason)
+                            self._cv.notify_all()
+                        progressed = True
+                if not progressed:
+                    time.sleep(self.poll_s)
+        except BaseException as exc:  # surfaced in the trainer's thread by _raise
+            log.exception("async rollout thread failed")
+            with self._cv:
+                self._error = exc
+                self._cv.notify_all()
+
+    def _fill(self) -> None:
+        """Start groups up to the budget and submit every pending sample (lock held)."""
+        while self.sched.capacity() > 0:
+            payload, prompt_ids = self.next_group()
+            self.sched.start(payload, prompt_ids)
+        for sample, ids, remaining in list(self.sched.pending()):
+            rid = f"async-{self._n}"
+            self._n += 1
+            seed = None if self.params.seed is None else (self.params.seed * 1_000_003 + self._n) % 2**62
+            params = self.params.replace(max_new_tokens=max(1, remaining), seed=seed)
+            self.sched.submitted(sample, rid)
+            self._handles[rid] = self.infer.submit_request(Request(rid, ids, params))
