@@ -44,3 +44,11 @@ def ray_cluster():
 def seven_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A task a random tiny model learns within a few steps: every answer is 7."""
     return constant_answer_task(tmp_path_factory.mktemp("data") / "seven.jsonl")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(_model_cache: None) -> str:
+    """Path of the built-in tiny model (built once per session into the cache)."""
+    from roll_core.models import resolve_model_path
+
+    return resolve_model_path("builtin:tiny")

@@ -70,3 +70,10 @@ def seven_task(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
     return constant_answer_task(tmp_path_factory.mktemp("data") / "seven.jsonl")
+
+
+def test_async_training_with_a_synchronous_only_engine_is_a_config_error(seven_task: Path, tmp_path: Path) -> None:
+    from roll_core.testing import run_pipeline, tiny_overrides
+
+    with pytest.raises(ValueError, match="infer_engine=recompute is synchronous-only"):
+        run_pipeline(tiny_overrides(seven_task, tmp_path, "infer_engine=recompute", "pipeline.async_ratio=1"))

@@ -261,6 +261,7 @@ class RLVRPipeline:
             self._sleep_engines()
         if batch is None or len(batch) == 0:
             return None
+        metrics["data/trained_groups"] = len(batch) // self.cfg.algo.group_size
         return batch, self._shaped_scores(batch)
 
     def _generate_scored(
