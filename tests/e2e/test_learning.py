@@ -52,6 +52,26 @@ def test_ppo_learns_on_ray_disaggregated(ray_cluster, seven_task: Path, tmp_path
     assert_learns(history)
 
 
+@pytest.mark.ray
+def test_async_grpo_learns_on_ray_with_partial_rollout(ray_cluster, seven_task: Path, tmp_path: Path) -> None:
+    """The engine in its own actor generates the next batch while the trainer trains (real overlap); partial
+    rollout aborts and resumes what runs at each sync."""
+    _, history = run(
+        tiny_overrides(
+            seven_task,
+            tmp_path,
+            "algo=grpo",
+            "cluster=ray",
+            "cluster.placement=disaggregated",
+            "pipeline.async_ratio=1",
+            "pipeline.partial_rollout=true",
+            "algo.off_policy_correction=token",
+        )
+    )
+    assert_learns(history)
+    assert all(h["async/staleness_max"] <= 1 for h in history)
+
+
 def test_resume_reproduces_the_uninterrupted_run(seven_task: Path, tmp_path: Path) -> None:
     common = ["algo=grpo", "pipeline.max_steps=6", "algo.kl_coef=0.01", "algo.ppo_epochs=2"]
     _, full = run(tiny_overrides(seven_task, tmp_path / "full", *common, "pipeline.save_every=3"))
