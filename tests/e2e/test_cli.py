@@ -61,3 +61,45 @@ def test_roll_train_config_errors_exit_2_with_suggestion(tmp_path: Path) -> None
 def test_roll_eval_help(flag: str, tmp_path: Path) -> None:
     proc = _run([str(BIN / "roll-eval"), flag], tmp_path)
     assert proc.returncode == 0 and "held-out accuracy" in proc.stdout
+
+
+def test_ctrl_c_checkpoints_and_resume_true_finds_the_run(seven_task: Path, tmp_path: Path) -> None:
+    """SIGINT mid-run: the step finishes, a checkpoint is written and roll-train exits 130. A new launch with
+    pipeline.resume=true (a fresh Hydra folder, as every launch gets) finds that run, says so, and continues it:
+    metrics and samples hold every step once."""
+    import signal
+    import time
+
+    runs = tmp_path / "outputs"
+    overrides = [o for o in tiny_overrides(seven_task, tmp_path, "pipeline.max_steps=40") if "output_dir" not in o]
+    env = dict(os.environ, ROLL_CONF_DIR=str(Path(__file__).resolve().parents[2] / "conf"))
+    first = runs / "day" / "run1"
+    proc = subprocess.Popen(
+        [str(BIN / "roll-train"), *overrides, f"hydra.run.dir={first}"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not ((first / "metrics.jsonl").exists() and len((first / "metrics.jsonl").read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "SIGINT received: finishing this step" in out + err
+    done = [json.loads(line)["step"] for line in (first / "metrics.jsonl").read_text().splitlines()]
+    assert 2 <= done[-1] < 40 and done == list(range(1, done[-1] + 1))
+    assert (first / "checkpoints" / f"step_{done[-1]:06d}" / "state.json").exists()
+
+    second = runs / "day" / "run2"
+    proc2 = _run([str(BIN / "roll-train"), *overrides, "pipeline.max_steps=" + str(done[-1] + 2),
+                  "pipeline.resume=true", f"hydra.run.dir={second}"], tmp_path)  # fmt: skip
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    assert f"continuing the latest run of 'rlvr': {first}" in proc2.stdout + proc2.stderr
+    steps = [json.loads(line)["step"] for line in (first / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, done[-1] + 3))  # every step once, continued in the first run's folder
+    sample_steps = {json.loads(line)["step"] for line in (first / "samples.jsonl").read_text().splitlines()}
+    assert sample_steps == set(steps)

@@ -65,26 +65,32 @@ class CheckpointManager:
     def read_state(folder: Path) -> dict[str, Any]:
         state = json.loads((folder / "state.json").read_text())
         if (folder / "rng.pt").exists():
-            set_rng_state(torch.load(folder / "rng.pt", weights_only=False))
+            # weights_only: a checkpoint folder may come from elsewhere; unpickling arbitrary objects runs code.
+            set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
         return state
 
 
 def rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch RNG states of this process."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """Python, NumPy and torch RNG states of this process, as tensors, lists and numbers only (so that they load
+    with `torch.load(weights_only=True)`)."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
     except ImportError:
         pass
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))

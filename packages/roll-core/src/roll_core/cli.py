@@ -61,6 +61,8 @@ def _hydra_task(cfg: Any) -> float | None:
         return run_sweep_job(cfg, run_job)
     summary = run_job(cfg)
     print(json.dumps(summary, indent=2))
+    if summary.get("stopped_by_signal"):  # checkpoint written; 128 + N tells schedulers the run stopped early
+        sys.exit(128 + int(summary["stopped_by_signal"]))
     # Sweepers (Optuna) minimise or maximise this value: the final held-out accuracy.
     return summary.get("final_eval_accuracy")
 

@@ -46,9 +46,19 @@ class Tracker:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def truncate(self, last_step: int) -> None:
-        """Drop records after `last_step` (a resumed run re-does the steps after its checkpoint)."""
+        """Drop records after `last_step` (a resumed run re-does the steps after its checkpoint): metrics,
+        samples, and TensorBoard events (purged from `last_step + 1` on by a new writer)."""
         self.history = [h for h in self.history if h["step"] <= last_step]
         self.metrics_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+        samples = self.dir / "samples.jsonl"
+        if samples.exists():
+            keep = [line for line in samples.read_text().splitlines() if json.loads(line).get("step", 0) <= last_step]
+            samples.write_text("".join(line + "\n" for line in keep))
+        if self.writer is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer.close()
+            self.writer = SummaryWriter(str(self.dir / "tensorboard"), purge_step=last_step + 1)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         clean = {

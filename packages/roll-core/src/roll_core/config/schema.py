@@ -274,8 +274,11 @@ class PipelineConfig:
     seed: int = 42
     # Output folder; null: Hydra's run folder (or ./outputs/<timestamp> without Hydra).
     output_dir: str | None = None
-    # Continue from the latest checkpoint in output_dir.
+    # Continue from the latest checkpoint in output_dir, or else from the latest run of this experiment next to it
+    # (each launch gets a fresh Hydra folder); the log names the run and step.
     resume: bool = False
+    # Continue this run folder (or checkpoint folder .../checkpoints/step_N) instead; null: see `resume`.
+    resume_from: str | None = None
     # Show a progress bar.
     progress: bool = True
     # Sampling temperature of held-out evaluation (0: greedy); null: the inference engine's temperature.

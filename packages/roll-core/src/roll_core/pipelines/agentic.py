@@ -29,7 +29,8 @@ from roll_algos import trajectories as T
 from roll_core.agentic.env_manager import EnvManager
 from roll_core.agentic.rollout import AgenticRollout, task_turns
 from roll_core.agentic.trajectory import Trajectory, to_tensors
-from roll_core.pipelines.rlvr import RLVRPipeline, _timer
+from roll_core.pipelines.metrics import timer
+from roll_core.pipelines.rlvr import RLVRPipeline
 from roll_core.protocol import Batch
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class AgenticPipeline(RLVRPipeline):
         groups = [g for g in range(len(seeds)) for _ in range(algo.group_size)]
         params = self.sampling.replace(seed=pipe.seed * 100_003 + step)
         before = self.envs.counters()
-        with _timer(timers, "generate"):
+        with timer(timers, "generate"):
             trajs = self.rollout.run(runs, groups, params)
         self._sleep_engines()
         metrics.update(_episode_metrics(trajs, before, self.envs.counters()))

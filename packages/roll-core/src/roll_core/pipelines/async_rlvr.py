@@ -81,7 +81,7 @@ class AsyncCollector:
 
     def collect(self, step: int, metrics: dict[str, Any], timers: dict[str, float]) -> Batch | None:
         """The next batch: rollout_batch_size groups (fewer if dynamic sampling hits its cap), scored."""
-        from roll_core.pipelines.rlvr import _reward_metrics, _timer
+        from roll_core.pipelines.metrics import reward_metrics, timer
         from roll_core.pipelines.sampling import generation_from_samples, informative_groups
 
         pipe, cfg = self.pipe, self.pipe.cfg
@@ -93,7 +93,7 @@ class AsyncCollector:
         first: tuple[Batch, Batch] | None = None
         cols: dict[int, dict[str, torch.Tensor]] = {}  # gid -> its rows' scores, correct, formatted
         sampled = 0
-        with _timer(timers, "generate"):  # time the trainer waited for rollout
+        with timer(timers, "generate"):  # time the trainer waited for rollout
             while len(kept) < want and sampled < cap:
                 groups = self.driver.take(min(want - len(kept), cap - sampled))
                 sampled += len(groups)
@@ -103,7 +103,7 @@ class AsyncCollector:
                         "a prompt fills the inference engine's context: lower model.max_prompt_length below the "
                         "engine's context (infer_engine.max_model_len)"
                     )
-                with _timer(timers, "reward"):
+                with timer(timers, "reward"):
                     scored = pipe.reward.score(batch)
                 batch = batch.union(scored.select("scores", "correct", "formatted"))
                 first = first or (batch, scored)
@@ -121,7 +121,7 @@ class AsyncCollector:
                         self.driver.discard(grp)
         assert first is not None
         b0, scored0 = first
-        metrics.update(_reward_metrics(b0, scored0, b0["response_mask"].sum(-1), cfg.model.max_response_length))
+        metrics.update(reward_metrics(b0, scored0, b0["response_mask"].sum(-1), cfg.model.max_response_length))
         pipe._log_samples(step, b0, scored0)
         metrics["data/dropped_groups"] = sampled - len(kept)
         metrics["data/sampled_groups"] = sampled

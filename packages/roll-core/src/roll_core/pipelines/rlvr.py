@@ -35,8 +35,10 @@ from roll_core.config.schema import RLVRConfig
 from roll_core.data import PromptSampler
 from roll_core.interfaces import SamplingParams, UnsupportedSamplingError
 from roll_core.models import resolve_model_path
+from roll_core.pipelines.metrics import reward_metrics, timer
 from roll_core.pipelines.objectives import PolicyObjective, ValueObjective
 from roll_core.pipelines.rollout import assemble, evaluate, prompt_batch
+from roll_core.pipelines.run_control import GracefulStop, resolve_run_folder
 from roll_core.pipelines.sampling import group_rows, informative_groups, merge_scored
 from roll_core.protocol import Batch
 from roll_core.tracking import Tracker
@@ -55,7 +57,8 @@ class RLVRPipeline:
         algo, model, pipe = cfg.algo, cfg.model, cfg.pipeline
         self.cluster = Cluster(cfg.cluster, cfg.hw)
         self.cluster.platform.seed_everything(pipe.seed)
-        self.out = Path(output_dir or pipe.output_dir or Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S"))
+        out = Path(output_dir or pipe.output_dir or Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S"))
+        self.out = resolve_run_folder(out, pipe.resume, pipe.resume_from, cfg.experiment)
         self.model_path = resolve_model_path(model.path)
         from transformers import AutoTokenizer
 
@@ -178,18 +181,17 @@ class RLVRPipeline:
 
             self.async_rollout = AsyncCollector(self)
         self.ckpt = CheckpointManager(self.out, keep_last=pipe.keep_last)
+        self.cluster.checkpoints = self.ckpt  # a fault roll cannot repair names the checkpoint to resume from
         if cfg.cluster.backend == "ray":  # where every worker landed: nodes, resources, visible devices
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "placement.json").write_text(json.dumps(self.cluster.placement_report(), indent=2))
         self.start_step = 1
-        latest = self.ckpt.latest() if pipe.resume else None
+        latest = self.ckpt.latest() if (pipe.resume or pipe.resume_from) else None
         from omegaconf import OmegaConf
 
         self.tracker = Tracker(self.out, OmegaConf.to_yaml(OmegaConf.structured(cfg)), resume=latest is not None)
         if latest is not None:
             self._restore(latest)
-        elif pipe.resume:
-            log.warning("resume=true but no checkpoint under %s: starting from step 1", self.ckpt.root)
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -208,19 +210,26 @@ class RLVRPipeline:
             initial=self.start_step - 1,
             total=pipe.max_steps,
         )
-        for step in bar:
-            metrics = self.step(step)
-            if pipe.eval_every > 0 and (step % pipe.eval_every == 0 or step == pipe.max_steps):
-                metrics.update(self.evaluate(step))
-            self.tracker.log(step, metrics)
-            bar.set_postfix(
-                reward=f"{metrics['reward/mean']:.3f}",
-                acc=f"{metrics['reward/accuracy']:.2f}",
-                sec=f"{metrics['perf/step_seconds']:.1f}",
-            )
-            if (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps:
-                self.save(step)
-            self.tracker.plot(self.PLOT_KEYS)
+        with GracefulStop() as stop:
+            for step in bar:
+                metrics = self.step(step)
+                if pipe.eval_every > 0 and (step % pipe.eval_every == 0 or step == pipe.max_steps):
+                    metrics.update(self.evaluate(step))
+                self.tracker.log(step, metrics)
+                bar.set_postfix(
+                    reward=f"{metrics['reward/mean']:.3f}",
+                    acc=f"{metrics['reward/accuracy']:.2f}",
+                    sec=f"{metrics['perf/step_seconds']:.1f}",
+                )
+                saved = (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps
+                if saved:
+                    self.save(step)
+                self.tracker.plot(self.PLOT_KEYS)
+                if stop.requested:  # checked last: a signal may arrive anywhere in the step
+                    if not saved:
+                        self.save(step)
+                    log.warning("stopped after step %d: checkpoint %s; pipeline.resume=true continues", step, self.out)
+                    break
         self.tracker.close()
         evals = [h["eval/accuracy"] for h in self.tracker.history if h.get("eval/accuracy") is not None]
         summary = {
@@ -230,6 +239,7 @@ class RLVRPipeline:
             "final_reward": self.tracker.history[-1].get("reward/mean") if self.tracker.history else None,
             "wall_seconds": time.perf_counter() - t0,
             "output_dir": str(self.out),
+            "stopped_by_signal": stop.signum,
         }
         log.info("run finished: %s", summary)
         return summary
@@ -273,7 +283,7 @@ class RLVRPipeline:
         problems = [self.train_set[i] for i in self.sampler.next(n_prompts)]
         m = metrics if round_ == 0 else {}
         prompts = self._prompt_batch(problems, m)
-        with _timer(timers, "generate"):
+        with timer(timers, "generate"):
             seed = pipe.seed * 100_003 + step + round_ * 10_000_019  # refill rounds draw fresh streams
             gen = self.actor_infer.generate(prompts, self.sampling.replace(seed=seed), n=algo.group_size)
         batch = assemble(self.tokenizer, prompts.repeat_interleave(algo.group_size), gen, m)
@@ -281,12 +291,12 @@ class RLVRPipeline:
             metrics["perf/rollout_tokens_per_s"] = float(gen["response_mask"].sum()) / max(
                 gen.meta["generate_seconds"], 1e-9
             )
-        with _timer(timers, "reward"):
+        with timer(timers, "reward"):
             scored = self.reward.score(batch)
         batch = batch.union(scored.select("scores", "correct", "formatted"))
         if round_ == 0:
             lengths = batch["response_mask"].sum(-1)
-            metrics.update(_reward_metrics(batch, scored, lengths, model.max_response_length))
+            metrics.update(reward_metrics(batch, scored, lengths, model.max_response_length))
             self._log_samples(step, batch, scored)
         return batch
 
@@ -356,7 +366,7 @@ class RLVRPipeline:
         # 3. reference and old log-probs, values
         mask = batch["response_mask"].float()
         if self.reference is not None or self.reference_is_base:
-            with _timer(timers, "reference"):
+            with timer(timers, "reference"):
                 ref_group = self.reference or self.actor_train
                 batch["ref_logprobs"] = ref_group.compute_logprobs(
                     batch, self.temperature, base=self.reference_is_base
@@ -369,7 +379,7 @@ class RLVRPipeline:
             or self.async_rollout is not None  # the proximal policy of decoupled PPO: the trainer's current one
         )
         if need_old:
-            with _timer(timers, "old_logprobs"):
+            with timer(timers, "old_logprobs"):
                 batch["old_logprobs"] = self.actor_train.compute_logprobs(batch, self.temperature)["logprobs"]
             metrics["actor/train_infer_logprob_diff"] = float(
                 masked_mean((batch["old_logprobs"] - batch["behaviour_logprobs"]).abs(), mask)
@@ -384,7 +394,7 @@ class RLVRPipeline:
             )
         values = None
         if self.critic is not None:
-            with _timer(timers, "values"):
+            with timer(timers, "values"):
                 values = self.critic.compute_values(batch)["values"]
             batch["values"] = values
 
@@ -412,7 +422,7 @@ class RLVRPipeline:
         # 5. critic and actor updates
         shuffle = pipe.seed * 7919 + step
         if self.critic is not None:
-            with _timer(timers, "train_critic"):
+            with timer(timers, "train_critic"):
                 metrics.update(
                     self.critic.train(
                         batch,
@@ -423,7 +433,7 @@ class RLVRPipeline:
                         shuffle_seed=shuffle,
                     )
                 )
-        with _timer(timers, "train_actor"):
+        with timer(timers, "train_actor"):
             train_metrics = self.actor_train.train(
                 batch,
                 self.policy_objective,
@@ -436,7 +446,7 @@ class RLVRPipeline:
         metrics["perf/train_tokens_per_s"] = float(mask.sum()) * algo.ppo_epochs / max(timers["train_actor"], 1e-9)
 
         # 6. weight sync train -> infer
-        with _timer(timers, "sync"):
+        with timer(timers, "sync"):
             if self.sleep_level:
                 self.actor_infer.wake_up()
             if self.async_rollout is not None:  # partial rollout aborts running requests, resumed after the sync
@@ -564,34 +574,3 @@ class RLVRPipeline:
         if self.async_rollout is not None:
             self.async_rollout.close()
         self.cluster.shutdown()
-
-
-class _timer:
-    """Context manager adding elapsed seconds to timers[name]."""
-
-    def __init__(self, timers: dict[str, float], name: str) -> None:
-        self.timers, self.name = timers, name
-
-    def __enter__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.timers[self.name] = self.timers.get(self.name, 0.0) + time.perf_counter() - self.t0
-
-
-def _reward_metrics(batch: Batch, scored: Batch, lengths: torch.Tensor, max_len: int) -> dict[str, float]:
-    s = batch["scores"]
-    out = {
-        "reward/mean": float(s.mean()),
-        "reward/std": float(s.std()) if len(s) > 1 else 0.0,
-        "reward/accuracy": float(batch["correct"].mean()),
-        "reward/format": float(batch["formatted"].mean()),
-        "response/length_mean": float(lengths.float().mean()),
-        "response/length_max": float(lengths.max()),
-        "response/clip_ratio": float(batch["truncated"].float().mean()),
-    }
-    for k, v in scored.meta.get("reward_counters", {}).items():
-        out[f"reward/{k}"] = float(v)
-    if not math.isfinite(out["reward/mean"]):
-        raise FloatingPointError("reward is not finite: check the reward function")
-    return out

@@ -1,0 +1,42 @@
+"""Step metrics shared by the pipelines: phase timers and reward/response statistics of a scored batch."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from roll_core.protocol import Batch
+
+
+class timer:
+    """Context manager adding elapsed seconds to timers[name]."""
+
+    def __init__(self, timers: dict[str, float], name: str) -> None:
+        self.timers, self.name = timers, name
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.timers[self.name] = self.timers.get(self.name, 0.0) + time.perf_counter() - self.t0
+
+
+def reward_metrics(batch: Batch, scored: Batch, lengths: torch.Tensor, max_len: int) -> dict[str, float]:
+    s = batch["scores"]
+    out = {
+        "reward/mean": float(s.mean()),
+        "reward/std": float(s.std()) if len(s) > 1 else 0.0,
+        "reward/accuracy": float(batch["correct"].mean()),
+        "reward/format": float(batch["formatted"].mean()),
+        "response/length_mean": float(lengths.float().mean()),
+        "response/length_max": float(lengths.max()),
+        "response/clip_ratio": float(batch["truncated"].float().mean()),
+    }
+    for k, v in scored.meta.get("reward_counters", {}).items():
+        out[f"reward/{k}"] = float(v)
+    if not math.isfinite(out["reward/mean"]):
+        raise FloatingPointError("reward is not finite: check the reward function")
+    return out

@@ -1,0 +1,103 @@
+"""Run control: which folder a resumed run continues, and stopping cleanly on SIGINT/SIGTERM.
+
+Resume contract: `pipeline.resume_from=<folder>` continues that run (a run folder holding `checkpoints/`, or one
+checkpoint folder `.../checkpoints/step_N`). `pipeline.resume=true` continues the run in `output_dir` if it has a
+checkpoint; otherwise (every launch gets a fresh Hydra folder) the most recent run of the same experiment next to
+it (`outputs/*/*` for Hydra's default layout, or siblings of the folder); the log says which folder and step.
+Nothing found: a warning says so and the run starts at step 1.
+
+Stop contract: inside `GracefulStop`, the first SIGINT/SIGTERM sets `requested` (the loop finishes the step, saves
+a checkpoint and returns); a second one raises KeyboardInterrupt at once. Handlers are restored on exit, and
+nothing is installed off the main thread (signals are delivered there only).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def _latest_checkpoint(run: Path) -> Path | None:
+    found = sorted(p for p in (run / "checkpoints").glob("step_*") if p.is_dir() and (p / "state.json").exists())
+    return found[-1] if found else None
+
+
+def _experiment_of(ckpt: Path) -> str | None:
+    try:
+        return json.loads((ckpt / "state.json").read_text()).get("experiment")
+    except (OSError, ValueError):
+        return None
+
+
+def find_previous_run(out: Path, experiment: str) -> Path | None:
+    """The most recently checkpointed run of `experiment` near `out` (siblings and `../../*/*`), or None."""
+    candidates = {p for p in out.parent.glob("*") if p.is_dir()}
+    candidates |= {p for p in out.parent.parent.glob("*/*") if p.is_dir()}
+    candidates.discard(out)
+    best: tuple[float, Path] | None = None
+    for run in candidates:
+        ckpt = _latest_checkpoint(run)
+        if ckpt is None or _experiment_of(ckpt) != experiment:
+            continue
+        mtime = (ckpt / "state.json").stat().st_mtime
+        if best is None or mtime > best[0]:
+            best = (mtime, run)
+    return best[1] if best else None
+
+
+def resolve_run_folder(out: Path, resume: bool, resume_from: str | None, experiment: str) -> Path:
+    """The folder this run writes to: `out`, or the run it resumes (see the module docstring)."""
+    if resume_from:
+        folder = Path(resume_from).expanduser()
+        if (folder / "state.json").exists() and folder.parent.name == "checkpoints":
+            folder = folder.parent.parent  # a checkpoint folder: its run
+        if _latest_checkpoint(folder) is None:
+            raise ValueError(f"pipeline.resume_from={resume_from}: no complete checkpoint under {folder}/checkpoints")
+        return folder
+    if not resume or _latest_checkpoint(out) is not None:
+        return out
+    found = find_previous_run(out, experiment)
+    if found is None:
+        log.warning(
+            "pipeline.resume=true: no checkpoint of experiment %r in %s or next to it: starting from step 1",
+            experiment,
+            out,
+        )
+        return out
+    log.info("pipeline.resume=true: continuing the latest run of %r: %s", experiment, found)
+    return found
+
+
+class GracefulStop:
+    """Context manager turning the first SIGINT/SIGTERM into `requested = True` (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested, self.signum = True, signum
+        log.warning(
+            "%s received: finishing this step, saving a checkpoint and stopping (send it again to abort now)",
+            signal.Signals(signum).name,
+        )
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
