@@ -129,6 +129,16 @@ def test_bad_arguments_are_refused() -> None:
     s.start(_Problem(0), [1])
     with pytest.raises(RuntimeError, match="no capacity"):
         s.start(_Problem(1), [1])
-    rid = _fill(s, itertools.count(5))[0]
-    with pytest.raises(RuntimeError, match="partial rollout is off"):
-        s.on_result(rid, [1], [-1.0], "abort")
+    with pytest.raises(ValueError, match="was not taken"):
+        s.discard(s.groups[0])  # a live group's budget must not be freed twice
+
+
+def test_an_engine_side_abort_resumes_even_without_partial_rollout() -> None:
+    s = RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=4, async_ratio=1)
+    rid = _fill(s, itertools.count())[0]
+    assert s.on_result(rid, [1], [-1.0], "abort") is None  # e.g. the engine preempted it
+    [(sample, prompt, remaining)] = list(s.pending())
+    assert prompt == [1, 2, 3, 1] and remaining == 3
+    s.submitted(sample, "again")
+    assert s.on_result("again", [2, 3, 4], [-1.0] * 3, "length") is s.groups[0]
+    assert s.groups[0].samples[0].tokens == [1, 2, 3, 4]

@@ -22,7 +22,7 @@ Contract:
 - Partial rollout: `begin_update` names every running request; the driver aborts them, reports what they
   generated with `on_result(..., finish="abort")`, and after the update resubmits the continuation
   (`pending()` gives prompt + prefix and the remaining token budget). An aborted request's tokens are never lost
-  and never appear twice.
+  and never appear twice. An abort the engine made on its own (preemption) resumes the same way.
 """
 
 from __future__ import annotations
@@ -83,10 +83,11 @@ class GroupState:
     prompt_ids: list[int]
     start_version: int
     samples: list[SampleState] = field(default_factory=list)
+    finished: int = 0  # samples with a final finish reason (kept by the scheduler: `done` is O(1))
 
     @property
     def done(self) -> bool:
-        return all(s.finish is not None for s in self.samples)
+        return self.finished == len(self.samples)
 
     @property
     def min_version(self) -> int:
@@ -117,6 +118,8 @@ class RolloutScheduler:
         self.by_request: dict[str, SampleState] = {}
         self._gids = itertools.count()
         self._budget_used = 0  # groups started and not discarded
+        self._complete = 0  # groups in `groups` that are done (O(1) capacity checks on every driver poll)
+        self._pending: dict[tuple[int, int], SampleState] = {}  # samples needing a request, in start order
         self.counters = {"stale_groups": 0, "resumed_requests": 0, "discarded_groups": 0, "started_groups": 0}
 
     # ---- starting -----------------------------------------------------------------------------------------
@@ -125,10 +128,18 @@ class RolloutScheduler:
         run and fewer than a batch is complete: they stand in for slow groups; started when nothing is slow,
         they would only wait, age past the bound and be dropped."""
         allowed = (self.version + self.k + 1) * self.batch_groups
-        slow = any(not g.done and g.start_version < self.version for g in self.groups.values())
-        if slow and self.complete() < self.batch_groups:
+        if self.tail_groups and self._complete < self.batch_groups and self._slow():
             allowed += self.tail_groups
         return max(0, allowed - self._budget_used)
+
+    def _slow(self) -> bool:
+        """A group of an earlier version still runs (groups are in start order: stop at the current version)."""
+        for g in self.groups.values():
+            if g.start_version >= self.version:
+                return False
+            if not g.done:
+                return True
+        return False
 
     def start(self, payload: Any, prompt_ids: list[int]) -> GroupState:
         """Register a new group (its samples become `pending`)."""
@@ -137,19 +148,20 @@ class RolloutScheduler:
         g = GroupState(next(self._gids), payload, list(prompt_ids), self.version)
         g.samples = [SampleState(g, j, submitted_version=self.version) for j in range(self.group_size)]
         self.groups[g.gid] = g
+        for smp in g.samples:
+            self._pending[(g.gid, smp.index)] = smp
         self._budget_used += 1
         self.counters["started_groups"] += 1
         return g
 
     def pending(self) -> Iterator[tuple[SampleState, list[int], int]]:
         """Samples that need a request now: (sample, prompt + generated prefix, tokens still allowed)."""
-        for g in list(self.groups.values()):
-            for s in g.samples:
-                if s.finish is None and s.request_id is None:
-                    prefix = s.tokens
-                    yield s, g.prompt_ids + prefix, self.max_new - len(prefix)
+        for s in list(self._pending.values()):
+            prefix = s.tokens
+            yield s, s.group.prompt_ids + prefix, self.max_new - len(prefix)
 
     def submitted(self, sample: SampleState, request_id: str) -> None:
+        self._pending.pop((sample.group.gid, sample.index), None)
         sample.request_id, sample.submitted_version = request_id, self.version
         if sample.segments:
             self.counters["resumed_requests"] += 1
@@ -165,14 +177,17 @@ class RolloutScheduler:
         s.request_id = None
         if tokens:
             s.segments.append(Segment(list(tokens), list(logprobs), s.submitted_version))
-        if finish == "abort":
-            if not self.partial:  # an abort without partial rollout only happens to discarded groups
-                raise RuntimeError(f"request {request_id} was aborted but partial rollout is off")
-            if len(s.tokens) >= self.max_new:
-                s.finish = "length"
-            return s.group if s.group.done else None
-        s.finish = finish
-        return s.group if s.group.done else None
+        if finish == "abort" and len(s.tokens) < self.max_new:
+            # Aborted by us for a weight update, or by the engine (preemption): resume with the prefix kept.
+            self._pending[(s.group.gid, s.index)] = s
+            return None
+        s.finish = "length" if finish == "abort" else finish
+        g = s.group
+        g.finished += 1
+        if g.done:
+            self._complete += 1
+            return g
+        return None
 
     # ---- batches ------------------------------------------------------------------------------------------
     def _stale(self, g: GroupState) -> bool:
@@ -190,16 +205,22 @@ class RolloutScheduler:
                 continue
             if len(out) < limit:
                 del self.groups[g.gid]
+                self._complete -= 1
                 out.append(g)
         return out
 
     def discard(self, group: GroupState) -> None:
         """A taken group the caller will not train on (no reward variance): its budget goes to a new group."""
+        if group.gid in self.groups:
+            raise ValueError(f"group {group.gid} was not taken: only taken groups can be discarded")
         self._budget_used -= 1
         self.counters["discarded_groups"] += 1
 
     def _drop(self, g: GroupState, counter: str) -> list[str]:
-        self.groups.pop(g.gid, None)
+        if self.groups.pop(g.gid, None) is not None and g.done:
+            self._complete -= 1
+        for smp in g.samples:
+            self._pending.pop((g.gid, smp.index), None)
         self._budget_used -= 1
         self.counters[counter] += 1
         running = [s.request_id for s in g.samples if s.request_id is not None]
@@ -227,7 +248,7 @@ class RolloutScheduler:
 
     # ---- observability ------------------------------------------------------------------------------------
     def in_flight(self) -> int:
-        return sum(1 for g in self.groups.values() if not g.done)
+        return len(self.groups) - self._complete
 
     def complete(self) -> int:
-        return sum(1 for g in self.groups.values() if g.done)
+        return self._complete
