@@ -38,7 +38,7 @@ TEST_TOOLS = ["pytest", "pytest-timeout", "hypothesis"]
 # Out-of-tree plugins that prove discovery (a platform, an inference engine with its config).
 TEST_PLUGINS = ["tests/plugins/roll-dummy-platform", "tests/plugins/roll-dummy-engine"]
 # Extras installed by `tests`: the CPU-capable engines and rewards.
-EXTRAS = {"roll-core": "[all]", "roll-engines": "[hf,fsdp,lora,megatron]", "roll-envs": "[math,data,gem,skyrl]"}
+EXTRAS = {"roll-core": "[all]", "roll-engines": "[hf,fsdp,lora,megatron]", "roll-envs": "[math,data,gem,skyrl,code]"}
 # Installed without their dependencies (their pins conflict with ours): GEM pins antlr4 4.13, omegaconf needs 4.9;
 # what `import gem` needs comes from roll-envs' `gem` extra.
 NO_DEPS = ["gem-llm"]

@@ -37,6 +37,34 @@ class CountdownRewardConfig:
 
 
 @dataclass
+class CodeRewardConfig:
+    """Runs the response's last ```python block against the problem's tests in a bubblewrap sandbox."""
+
+    _target_: str = "roll_envs.rewards.code.CodeReward"
+    # all_pass: 1 only when every test passes | fraction: share of tests passed.
+    score_mode: str = "all_pass"
+    # Wall-clock seconds per test (sandbox start included; CPU seconds are capped likewise).
+    timeout_s: float = 5.0
+    # Address space per process of the program, MiB.
+    memory_mb: int = 512
+    # Processes and threads the program may run at once (fork bombs stop here).
+    max_processes: int = 8
+    # stdout + stderr bytes per test before the program is killed.
+    max_output_bytes: int = 1048576
+    # Sandboxes running at once per reward worker.
+    parallelism: int = 4
+    # Tests run per problem at most (the first ones); null: all.
+    max_tests: int | None = None
+    # Bonus for a response with a code block (0 disables).
+    format_weight: float = 0.0
+    # Interpreter inside the sandbox; null: the one running roll (standard library only).
+    python: str | None = None
+    # When no sandbox works here, run model programs as plain child processes with resource limits only (they can
+    # read your files and reach the network) instead of refusing to start. A working sandbox is always used.
+    allow_unsandboxed_execution_i_understand_the_risk: bool = False
+
+
+@dataclass
 class ArithmeticEnvConfig:
     """Procedurally generated arithmetic."""
 
@@ -100,6 +128,37 @@ class FileEnvConfig:
 
 
 @dataclass
+class CodeEnvConfig:
+    """Python programs judged by running them on tests in a sandbox: built-in problems or your JSONL/Parquet."""
+
+    _target_: str = "roll_envs.tasks.code.CodeTask"
+    name: str = "code"
+    # Your problems (rows with a prompt and tests); null: the built-in templated problems.
+    path: str | None = None
+    # Held-out rows; null: a stable-hash fraction of `path` (built-in problems: of the templates' variants).
+    eval_path: str | None = None
+    prompt_key: str = "prompt"
+    # Column of the tests: [{"input": ..., "output": ...}], {"inputs": [...], "outputs": [...]} or JSON of either.
+    tests_key: str = "tests"
+    # Built-in: seeded parameter draws per template (24 templates).
+    variants: int = 2
+    # Built-in: tests per problem (the first is shown in the prompt as the example).
+    num_tests: int = 5
+    # Fraction of the problems held out (by stable hash).
+    eval_fraction: float = 0.2
+    eval_size: int = 100
+    # Seed of the variants and tests (the held-out split does not depend on it).
+    seed: int = 0
+    # Appended to each built-in problem (file prompts are used as written).
+    instruction: str = (
+        "Write a complete Python 3 program that reads the input from standard input and prints the answer to "
+        "standard output. Put the program in a ```python code block."
+    )
+    system_prompt: str | None = None
+    reward: Any = field(default_factory=CodeRewardConfig)
+
+
+@dataclass
 class AgenticEnvConfig:
     """A multi-turn environment (roll_envs.agentic): its name and options, seeds, and episode limits."""
 
@@ -151,4 +210,5 @@ def register_configs() -> None:
     cs.store(group="env", name="arithmetic_schema", node=ArithmeticEnvConfig)
     cs.store(group="env", name="countdown_schema", node=CountdownEnvConfig)
     cs.store(group="env", name="file_schema", node=FileEnvConfig)
+    cs.store(group="env", name="code_schema", node=CodeEnvConfig)
     cs.store(group="env", name="agentic_schema", node=AgenticEnvConfig)

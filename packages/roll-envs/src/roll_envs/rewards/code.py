@@ -1,0 +1,205 @@
+"""Code reward: the model's last ```python block runs on each test's stdin in a sandbox; stdout is compared outside.
+
+Ground truth (a problem's `answer`) is JSON: `{"tests": [{"input": "...", "output": "..."}, ...]}` (`encode_tests`
+writes it, `parse_tests` reads it). A test passes when the program exits 0 and its stdout equals the expected
+output up to trailing whitespace on each line and trailing blank lines. Each test runs in a fresh sandbox
+(`roll_envs.sandbox.PythonSandbox`) and the comparison happens here, outside it: a program that exits early
+(`sys.exit(0)`, `os._exit(0)`), patches builtins or kills its parent prints nothing right and scores 0.
+
+Scoring (per response):
+- `score_mode="all_pass"`: `score` = 1 when every test passes, else 0; the first failing test stops the run.
+- `score_mode="fraction"`: `score` = passed / tests (every test runs).
+- `correct` = 1 when every test passes; `formatted` = 1 when a code block was found; `format_weight` is added to
+  the score of a response with a code block.
+
+Counters (responses, each at most once per kind): `no_code` (no fenced block), `wrong_answers`, `runtime_errors`
+(non-zero exit, exception, memory exhausted), `timeouts`, `output_limits`, `sandbox_errors` (the sandbox itself
+failed: a broken installation shows up here, not as wrong answers) and `bad_answers` (malformed ground truth).
+
+Covers: stdin/stdout programs in the interpreter's standard library. Does not cover: function-call tests,
+special judges (several right outputs), floating-point tolerance, third-party packages unless the configured
+`python` has them and `extra_ro_binds` exposes them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from roll_envs.rewards.base import Reward, RewardResult
+from roll_envs.sandbox import (
+    OK,
+    OUTPUT_LIMIT,
+    RUNTIME_ERROR,
+    SANDBOX_ERROR,
+    TIMEOUT,
+    PythonSandbox,
+    SandboxLimits,
+    SandboxUnavailableError,
+)
+
+log = logging.getLogger(__name__)
+
+SCORE_MODES = ("all_pass", "fraction")
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+_PYTHON_TAGS = {"python", "py", "python3"}
+# Sandbox status -> counter of the response.
+_COUNTER = {
+    RUNTIME_ERROR: "runtime_errors",
+    TIMEOUT: "timeouts",
+    OUTPUT_LIMIT: "output_limits",
+    SANDBOX_ERROR: "sandbox_errors",
+}
+COUNTERS = ("no_code", "wrong_answers", *_COUNTER.values(), "bad_answers")
+
+
+@dataclass(frozen=True)
+class CodeTest:
+    """One test: the program's stdin and the stdout it must print."""
+
+    input: str
+    output: str
+
+
+def extract_code(response: str) -> str | None:
+    """The last fenced block tagged python/py/python3, else the last untagged block, else None.
+
+    An unclosed fence (a truncated response) is not a program.
+    """
+    blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(response)]
+    for wanted in (_PYTHON_TAGS, {""}):
+        for tag, body in reversed(blocks):
+            if tag in wanted and body.strip():
+                return body
+    return None
+
+
+def normalize_output(text: str) -> str:
+    """Line endings unified, trailing whitespace of each line and trailing blank lines removed."""
+    lines = [line.rstrip() for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return "\n".join(lines)
+
+
+def outputs_match(got: str, expected: str) -> bool:
+    """Whether a program's stdout equals the expected output (see `normalize_output`)."""
+    return normalize_output(got) == normalize_output(expected)
+
+
+def encode_tests(tests: Sequence[CodeTest]) -> str:
+    """The ground-truth string of a problem with these tests."""
+    return json.dumps({"tests": [{"input": t.input, "output": t.output} for t in tests]}, ensure_ascii=False)
+
+
+def parse_tests(answer: str) -> list[CodeTest]:
+    """Tests from a ground-truth string; ValueError (saying what is wrong) for anything malformed."""
+    try:
+        data = json.loads(answer)
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise ValueError(f"ground truth is not JSON: {exc}") from exc
+    tests = data.get("tests") if isinstance(data, dict) else None
+    if not isinstance(tests, list) or not tests:
+        raise ValueError('ground truth must be {"tests": [{"input": ..., "output": ...}, ...]} with >= 1 test')
+    out = []
+    for i, t in enumerate(tests):
+        if not isinstance(t, dict) or not isinstance(t.get("input"), str) or not isinstance(t.get("output"), str):
+            raise ValueError(f"test {i} must be an object with string 'input' and 'output'")
+        out.append(CodeTest(t["input"], t["output"]))
+    return out
+
+
+class CodeReward(Reward):
+    """Runs the response's program against the problem's tests in a sandbox (see the module docstring).
+
+    Args:
+        score_mode: `all_pass` (1 only when every test passes) or `fraction` (share of tests passed).
+        timeout_s: wall-clock seconds per test, sandbox start included.
+        memory_mb: address space per process, MiB.
+        max_processes: processes and threads the program may run at once.
+        max_output_bytes: stdout + stderr bytes per test before the program is killed.
+        parallelism: sandboxes running at once (threads each waiting on one sandbox process).
+        max_tests: run at most this many tests per problem (the first ones); None: all.
+        format_weight: bonus for a response with a code block.
+        python: interpreter inside the sandbox; None: the one running roll (standard library only).
+        allow_unsandboxed_execution_i_understand_the_risk: when no sandbox works here, run programs in plain
+            child processes (resource limits only: they can read your files and reach the network) instead of
+            refusing to start. A working sandbox is always used.
+    """
+
+    def __init__(
+        self,
+        score_mode: str = "all_pass",
+        timeout_s: float = 5.0,
+        memory_mb: int = 512,
+        max_processes: int = 8,
+        max_output_bytes: int = 1 << 20,
+        parallelism: int = 4,
+        max_tests: int | None = None,
+        format_weight: float = 0.0,
+        python: str | None = None,
+        allow_unsandboxed_execution_i_understand_the_risk: bool = False,
+    ) -> None:
+        if score_mode not in SCORE_MODES:
+            raise ValueError(f"score_mode must be one of {SCORE_MODES}, got {score_mode!r}")
+        if parallelism < 1:
+            raise ValueError(f"parallelism must be >= 1, got {parallelism}")
+        if max_tests is not None and max_tests < 1:
+            raise ValueError(f"max_tests must be >= 1 or null, got {max_tests}")
+        self.score_mode, self.parallelism, self.max_tests = score_mode, parallelism, max_tests
+        self.format_weight = format_weight
+        limits = SandboxLimits(
+            timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes, max_output_bytes=max_output_bytes
+        )
+        try:
+            self.sandbox = PythonSandbox(limits, python=python)
+        except SandboxUnavailableError as exc:
+            if not allow_unsandboxed_execution_i_understand_the_risk:
+                raise
+            log.warning("no working sandbox (%s); falling back to unsandboxed execution as configured", exc)
+            self.sandbox = PythonSandbox(limits, python=python, unsandboxed=True)
+
+    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
+        if len(responses) != len(answers):
+            raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
+        counters = dict.fromkeys(COUNTERS, 0)
+        if not responses:
+            return RewardResult(scores=[], correct=[], formatted=[], counters=counters)
+        with ThreadPoolExecutor(max_workers=min(self.parallelism, len(responses))) as pool:
+            results = list(pool.map(self._score_one, responses, answers))
+        scores, correct, formatted = [], [], []
+        for score, ok, has_code, kinds in results:
+            scores.append(score)
+            correct.append(float(ok))
+            formatted.append(float(has_code))
+            for kind in kinds:
+                counters[kind] += 1
+        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters)
+
+    def _score_one(self, response: str, answer: str) -> tuple[float, bool, bool, set[str]]:
+        """(score, all passed, has code, counter kinds) of one response."""
+        code = extract_code(response) if isinstance(response, str) else None
+        if code is None:
+            return 0.0, False, False, {"no_code"}
+        bonus = self.format_weight
+        try:
+            tests = parse_tests(answer)
+        except ValueError:
+            return bonus, False, True, {"bad_answers"}
+        tests = tests[: self.max_tests] if self.max_tests else tests
+        passed, kinds = 0, set()
+        for test in tests:
+            res = self.sandbox.run(code, test.input)
+            if res.status == OK and outputs_match(res.stdout, test.output):
+                passed += 1
+                continue
+            kinds.add("wrong_answers" if res.status == OK else _COUNTER[res.status])
+            if self.score_mode == "all_pass":
+                break
+        all_passed = passed == len(tests)
+        score = float(all_passed) if self.score_mode == "all_pass" else passed / len(tests)
+        return score + bonus, all_passed, True, kinds

