@@ -10,6 +10,11 @@ ratios. Usage:
     python bench/bench_rlvr.py --steps 5            # roll only
     python bench/bench_rlvr.py --steps 5 --trl      # roll and TRL, with ratios
     python bench/bench_rlvr.py --quick              # 2 steps of the tiny model (CI smoke)
+    python bench/bench_rlvr.py --steps 5 --roll-extra pipeline.async_ratio=1 algo.off_policy_correction=token
+
+Useful-FLOP utilisation: (6 x params x trained tokens + 2 x params x generated tokens) / step wall time, over the
+fp32 matmul rate of this machine measured in the same run (2048^3). Trained tokens count each response once and
+each prompt once per group (what the gradient needs), so recomputing shared prompts is not "useful".
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ def roll_job(args: argparse.Namespace) -> dict:
     ]
     if args.model == "tiny":
         overrides += ["model.max_prompt_length=256"]
+    overrides += list(args.roll_extra)
     t0 = time.perf_counter()
     _, history = run_pipeline(overrides)
     wall = time.perf_counter() - t0
@@ -61,7 +67,27 @@ def roll_job(args: argparse.Namespace) -> dict:
         "reward_first": steps[0]["reward/mean"],
         "reward_last": steps[-1]["reward/mean"],
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "useful_gflop_per_step": sum(_useful_gflop(h, args) for h in timed) / n,
     }
+
+
+def _params(model: str) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from roll_core.config import load_config
+    from roll_core.models import resolve_model_path
+
+    path = resolve_model_path(load_config([f"model={model}"]).model.path)
+    with __import__("torch").device("meta"):
+        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return sum(p.numel() for p in m.parameters())  # tied embeddings once: they are the output matmul
+
+
+def _useful_gflop(h: dict, args: argparse.Namespace) -> float:
+    n = _params(args.model)
+    gen = h.get("perf/response_tokens", 0.0)
+    trained = gen + h.get("perf/prompt_tokens_per_group", 0.0) * h.get("data/trained_groups", args.prompts)
+    return (6 * n * trained + 2 * n * gen) / 1e9
 
 
 def trl_job(args: argparse.Namespace) -> dict:
@@ -168,6 +194,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=5e-6)
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer and print ratios")
     p.add_argument("--quick", action="store_true", help="2 steps of the tiny model (smoke test)")
+    p.add_argument("--roll-extra", nargs="*", default=[], help="extra roll-train overrides for roll's side")
     p.add_argument("--_job", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.quick:
@@ -179,7 +206,10 @@ def main() -> None:
     argv = [a for a in sys.argv[1:] if a != "--trl"]
     results = [spawn("roll", argv)]
     if args.trl:
-        results.append(spawn("trl", argv))
+        results.append(spawn("trl", [a for a in argv if a not in args.roll_extra and a != "--roll-extra"]))
+    from bench_rollout import cpu_name, matmul_gflops  # the same machine, measured now
+
+    peak = matmul_gflops(2048, 2048, 2048)
     print(f"\nGRPO, model={args.model}, {args.prompts} prompts x {args.group} samples, <= {args.max_new} new tokens")
     print(
         f"{'framework':10} {'s/step':>8} {'samples/s':>10} {'rollout tok/s':>14} {'train tok/s':>12} "
@@ -194,6 +224,13 @@ def main() -> None:
     roll = results[0]
     if roll["phases"]:
         print("roll seconds per phase: " + ", ".join(f"{k} {v:.2f}" for k, v in roll["phases"].items()))
+    util = roll["useful_gflop_per_step"] / roll["step_seconds"] / peak
+    print(
+        f"CPU: {cpu_name()}; fp32 matmul peak {peak:.1f} GFLOP/s (2048^3, this run); roll useful FLOPs "
+        f"{roll['useful_gflop_per_step']:.0f} GFLOP/step = {util:.1%} of peak"
+    )
+    if args.roll_extra:
+        print("roll overrides: " + " ".join(args.roll_extra))
     if len(results) == 2:
         trl = results[1]
         print(
