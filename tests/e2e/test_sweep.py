@@ -88,3 +88,29 @@ def test_optuna_sweeper_with_ray_launcher(seven_task: Path, tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "sweep" / "optimization_results.yaml").exists()
     assert len(rows(tmp_path)) == 2
+
+
+def test_a_killed_job_gives_its_slot_back(ray_cluster) -> None:
+    """A job killed while it holds a sweep slot (os._exit: no finally runs) stops renewing its lease; the slot
+    returns after lease_s, so the jobs queued behind it run instead of waiting forever."""
+    import ray
+
+    from roll_core.sweep import SLOTS_NAMESPACE, job_slot
+
+    name = f"slots-test-{os.getpid()}"
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def job_that_dies() -> None:
+        with job_slot(name, permits=1, poll_s=0.05, lease_s=2.0):
+            os._exit(1)  # SIGKILL-like: no release, no finally
+
+    with pytest.raises(ray.exceptions.RayError):
+        ray.get(job_that_dies.remote())
+    actor = ray.get_actor(name, namespace=SLOTS_NAMESPACE)
+    try:
+        assert ray.get(actor.stats.remote())["held"] == 1  # the dead job still holds the slot ...
+        with job_slot(name, permits=1, poll_s=0.05, lease_s=2.0, timeout_s=20) as waited:
+            assert waited > 0  # ... until its lease lapsed
+        assert ray.get(actor.stats.remote()) == {"held": 0, "permits": 1, "expired": 1}
+    finally:
+        ray.kill(actor)

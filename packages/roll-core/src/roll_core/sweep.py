@@ -4,7 +4,9 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
 - Hydra expands the overrides into jobs; the Ray launcher (hydra-ray-launcher) starts each job as a Ray task
   that reserves no CPU (conf/hydra/launcher/ray.yaml), on the same cluster its RL roles are placed on.
 - Each job first takes a slot from a named Ray actor (`JobSlots`) holding `cluster.max_concurrent` permits,
-  so a sweep on a small machine queues instead of oversubscribing it (0 = no bound).
+  so a sweep on a small machine queues instead of oversubscribing it (0 = no bound). A slot is a lease the job
+  renews every few seconds from a thread: a job that raises releases it at once, and one that is killed
+  (SIGKILL, OOM, a lost node) stops renewing, so its slot returns after `lease_s` and the sweep goes on.
 - A job that raises is caught, logged and recorded in `<job dir>/job_status.json`; the other jobs go on.
 - After the last job, `SweepSummaryCallback.on_multirun_end` writes `summary.csv`, `summary.md` and
   `rewards.png` (every job's reward curve) into the sweep folder, and `roll-train` exits non-zero if any job
@@ -34,25 +36,49 @@ _failed_jobs: list[str] = []
 
 
 class JobSlots:
-    """A counting semaphore as a Ray actor (created once per sweep, found by name by every job)."""
+    """A counting semaphore of leases as a Ray actor (created once per sweep, found by name by every job)."""
 
-    def __init__(self, permits: int) -> None:
-        self.free = permits
+    def __init__(self, permits: int, lease_s: float = 60.0) -> None:
+        self.permits, self.lease_s = permits, lease_s
+        self.leases: dict[str, float] = {}  # holder -> last renewal (monotonic seconds)
+        self.expired = 0
 
-    def try_acquire(self) -> bool:
-        if self.free > 0:
-            self.free -= 1
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for holder, t in list(self.leases.items()):
+            if now - t > self.lease_s:  # its job died without releasing: the slot is free again
+                del self.leases[holder]
+                self.expired += 1
+
+    def try_acquire(self, holder: str) -> bool:
+        self._expire()
+        if len(self.leases) < self.permits:
+            self.leases[holder] = time.monotonic()
             return True
         return False
 
-    def release(self) -> None:
-        self.free += 1
+    def renew(self, holder: str) -> bool:
+        if holder in self.leases:
+            self.leases[holder] = time.monotonic()
+            return True
+        return False
+
+    def release(self, holder: str) -> None:
+        self.leases.pop(holder, None)
+
+    def stats(self) -> dict[str, int]:
+        self._expire()
+        return {"held": len(self.leases), "permits": self.permits, "expired": self.expired}
 
 
 @contextmanager
-def job_slot(name: str, permits: int, poll_s: float = 1.0) -> Iterator[float]:
+def job_slot(
+    name: str, permits: int, poll_s: float = 1.0, lease_s: float = 60.0, timeout_s: float | None = None
+) -> Iterator[float]:
     """Hold one of `permits` slots named `name` while the block runs; yields the seconds spent waiting.
 
+    The slot is a lease renewed every `lease_s / 4` seconds by a daemon thread; if this process dies, the lease
+    lapses after `lease_s` and another job takes the slot. `timeout_s`: give up waiting (TimeoutError).
     Without Ray (a local multirun) or with `permits <= 0` the block runs immediately: the basic launcher already
     runs jobs one at a time.
     """
@@ -68,17 +94,35 @@ def job_slot(name: str, permits: int, poll_s: float = 1.0) -> Iterator[float]:
     actor = (
         ray.remote(JobSlots)
         .options(name=name, get_if_exists=True, num_cpus=0, namespace=SLOTS_NAMESPACE, lifetime="detached")
-        .remote(permits)
+        .remote(permits, lease_s)
     )
+    import threading
+    import uuid
+
+    holder = uuid.uuid4().hex
     t0 = time.perf_counter()
-    while not ray.get(actor.try_acquire.remote()):
+    while not ray.get(actor.try_acquire.remote(holder)):
+        if timeout_s is not None and time.perf_counter() - t0 > timeout_s:
+            raise TimeoutError(f"no free sweep slot in {name} after {timeout_s}s: {ray.get(actor.stats.remote())}")
         time.sleep(poll_s)
     waited = time.perf_counter() - t0
+    done = threading.Event()
+
+    def renew() -> None:
+        while not done.wait(lease_s / 4):
+            try:
+                if not ray.get(actor.renew.remote(holder)):
+                    log.warning("sweep slot lease %s lapsed (this job was too slow to renew it)", holder)
+            except Exception as exc:  # keep the job running; the lease may lapse and another job may start
+                log.warning("could not renew sweep slot %s: %s", name, exc)
+
+    threading.Thread(target=renew, name="roll-sweep-lease", daemon=True).start()
     try:
         yield waited
     finally:
+        done.set()
         try:
-            ray.get(actor.release.remote())
+            ray.get(actor.release.remote(holder))
         except Exception as exc:  # the job's own result matters more than the slot bookkeeping
             log.warning("could not release sweep slot %s: %s", name, exc)
 
