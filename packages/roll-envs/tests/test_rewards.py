@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
+from roll_envs.rewards.base import RewardResult
 from roll_envs.rewards.math import MathReward, extract_boxed, last_number
 from roll_envs.tasks.countdown import CountdownReward, evaluate_equation
 
@@ -54,12 +56,40 @@ def test_math_reward_counts_parse_failures_instead_of_raising() -> None:
     assert res.correct == [0.0]
 
 
-def test_math_reward_in_a_thread_counts_untimed() -> None:
-    out = {}
-    t = threading.Thread(target=lambda: out.update(r=MathReward().score([r"\boxed{\frac{1}{2}}"], ["0.5"])))
+def _score_in_thread(reward: MathReward, responses: list[str], answers: list[str]) -> tuple[RewardResult, float]:
+    out: dict[str, RewardResult] = {}
+    t0 = time.monotonic()
+    t = threading.Thread(target=lambda: out.update(r=reward.score(responses, answers)))
     t.start()
-    t.join()
-    assert out["r"].correct == [1.0] and out["r"].counters["untimed"] == 1
+    t.join(60)
+    assert "r" in out, "scoring in a thread did not finish"
+    return out["r"], time.monotonic() - t0
+
+
+def test_math_reward_verifies_off_the_main_thread() -> None:
+    """A threaded actor or an environment thread scores LaTeX answers with the same verification."""
+    res, _ = _score_in_thread(MathReward(), [r"\boxed{\frac{1}{2}}", r"\boxed{\frac{1}{3}}"], ["0.5", "0.5"])
+    assert res.correct == [1.0, 0.0]
+    assert res.counters["timeouts"] == res.counters["errors"] == 0
+
+
+def test_math_reward_timeout_works_off_the_main_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verification that hangs where SIGALRM cannot reach (here: off the main thread and outside math-verify's
+    own timeout) is cut off by the process deadline, counted, and the next answer is verified by a fresh child."""
+    import math_verify
+
+    real = math_verify.verify
+
+    def hang_on_thirds(gold, pred, **kwargs):  # inherited by the forked verifier
+        if "3" in str(pred):
+            time.sleep(30)
+        return real(gold, pred, **kwargs)
+
+    monkeypatch.setattr(math_verify, "verify", hang_on_thirds)
+    reward = MathReward(timeout_s=1)
+    res, seconds = _score_in_thread(reward, [r"\boxed{\frac{1}{3}}", r"\boxed{\frac{1}{2}}"], ["1/3", "0.5"])
+    assert res.counters["timeouts"] == 1 and res.correct == [0.0, 1.0]
+    assert seconds < 15, f"the hang was not cut off ({seconds:.1f}s)"
 
 
 def test_mismatched_lengths() -> None:

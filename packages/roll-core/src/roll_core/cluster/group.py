@@ -5,20 +5,36 @@ calls according to each method's declared dispatch mode (see roll_core.cluster.w
 `Handle` to wait on, so the controller can overlap work; `call()` waits. The `local` backend executes at submit
 time in this process (so `breakpoint()` in a worker just works); the `ray` backend places actors by the
 resources and placement groups the caller gives.
+
+Faults (Ray only; an in-process call cannot time out or die apart from the controller):
+- `call_timeout_s`: a call must finish within this many seconds of its submission, else `CallTimeoutError`
+  names the role, method, ranks and timeout.
+- A worker that died (`WorkerDiedError` names role, rank and node) or hung past the timeout is, in a group whose
+  class is `restartable` and while `max_restarts` allows, killed and re-created with the same options (the same
+  placement bundle) and set up again; the group's restart hooks restore its state (an inference engine gets the
+  trainer's weights: roll_core.cluster.weight_sync) and the call is rerun on the new worker, so its caller sees
+  the result, not the fault. Ranks that answered keep their results. `restarts` and `timeouts` count the faults.
+- A method declared `retry=False` is not rerun: the worker is restarted, then `WorkerRestartedError` asks the
+  caller to redo the protocol the call belongs to.
+- A group that may not restart (sharded trainers: their ranks share torch.distributed groups) fails with the
+  error and `death_hint()` appended (the pipeline names the checkpoint to resume from).
 """
 
 from __future__ import annotations
 
+import logging
 import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from roll_core.cluster.mesh import Mesh
-from roll_core.cluster.worker import Dispatch, Worker, dispatch_mode
+from roll_core.cluster.worker import Dispatch, Worker, dispatch_mode, retryable
 from roll_core.protocol import Batch
 
 W = TypeVar("W", bound=Worker)
+log = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -47,6 +63,18 @@ class RayOptions:
 
 class WorkerDiedError(RuntimeError):
     """A worker process died during a call; the message names role, rank and node."""
+
+
+class WorkerRestartedError(WorkerDiedError):
+    """A worker died during a `retry=False` call and was restarted: the caller must redo its protocol."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class CallTimeoutError(TimeoutError):
+    """A call did not finish within the role's call timeout; the message names role, method, ranks and timeout."""
 
 
 class Handle:
@@ -88,6 +116,8 @@ class WorkerGroup(Generic[W]):
     worker_cls: type[Worker] = Worker
     #: Ranks are torch.distributed processes (sharded training): several ranks cannot share one process.
     one_process_per_rank: bool = False
+    #: A dead or hung worker may be re-created alone (its state can be restored by the restart hooks).
+    restartable: bool = False
 
     def __init__(
         self,
@@ -98,11 +128,22 @@ class WorkerGroup(Generic[W]):
         name: str = "",
         ray_options: RayOptions | None = None,
         mesh: Mesh | None = None,
+        call_timeout_s: float | None = None,
+        max_restarts: int = 0,
+        start_timeout_s: float = 600.0,
         **kwargs: Any,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.cls, self.world_size, self.backend, self.name = cls, world_size, backend, name or cls.__name__
+        self.call_timeout_s = call_timeout_s or None
+        self.max_restarts = max_restarts if self.restartable else 0
+        self.start_timeout_s = start_timeout_s  # a restarted worker's start and set-up (an engine loads its model)
+        self.restarts = 0  # workers re-created so far
+        self.timeouts = 0  # calls (per rank) that passed their deadline
+        self._restart_hooks: list[Callable[[list[int]], None]] = []
+        #: Appended to a fatal fault's message (the pipeline names the checkpoint to resume from).
+        self.death_hint: Callable[[], str] | None = None
         self.mesh = mesh or Mesh(dp=world_size)
         if self.mesh.world_size != world_size:
             raise ValueError(f"{self.name}: mesh {self.mesh} has {self.mesh.world_size} ranks, the group {world_size}")
@@ -127,6 +168,7 @@ class WorkerGroup(Generic[W]):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         remote_cls = ray.remote(cls)
+        self._remote_cls, self._actor_kwargs, self._actor_options = remote_cls, kwargs, []
         actors = []
         for r in range(world_size):
             options: dict[str, Any] = {
@@ -148,16 +190,24 @@ class WorkerGroup(Generic[W]):
                 options["runtime_env"] = runtime_env
             if opts.max_concurrency > 1:
                 options["max_concurrency"] = opts.max_concurrency
-            actors.append(remote_cls.options(**options).remote(rank=r, world_size=world_size, **kwargs))
+            self._actor_options.append(options)
+            actors.append(self._spawn(r))
         try:
             self.nodes = [str(n) for n in ray.get([a.node_id.remote() for a in actors])]
         except ray.exceptions.RayActorError as exc:
             raise WorkerDiedError(f"{self.name}: a worker failed to start: {exc}") from exc
         # Phase two: rank 0 (wherever it landed) picks the rendezvous on its own node; then every rank sets up.
         endpoint = ray.get(actors[0].rendezvous_endpoint.remote())
+        self._endpoint = endpoint  # a restarted rank sets up with the same rendezvous
         self.workers = actors
         self._get([a.setup.remote(*endpoint) for a in actors], list(range(world_size)), "setup")
         return actors
+
+    def _spawn(self, rank: int) -> Any:
+        """A new actor for `rank`, with the options (resources, placement bundle, environment) of the first."""
+        return self._remote_cls.options(**self._actor_options[rank]).remote(
+            rank=rank, world_size=self.world_size, **self._actor_kwargs
+        )
 
     # ---- calls --------------------------------------------------------------------------------------------
     def submit(self, method: str, *args: Any, **kwargs: Any) -> Handle:
@@ -187,7 +237,137 @@ class WorkerGroup(Generic[W]):
             parts = [getattr(self.workers[r], method)(*a, **kwargs) for r, a in args.items()]
             return Handle(parts, mode, lambda p: p, keep)
         parts = [getattr(self.workers[r], method).remote(*a, **kwargs) for r, a in args.items()]
-        return Handle(parts, mode, lambda p: self._get(p, ranks, method), keep)
+        deadline = self._deadline()
+        return Handle(parts, mode, lambda p: self._collect(method, args, kwargs, p, deadline), keep)
+
+    def call_ranks(self, ranks: Sequence[int], method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run a broadcast method on some ranks only (restoring restarted workers); their results in order."""
+        mode = dispatch_mode(self.cls, method)
+        if mode not in (Dispatch.BROADCAST, Dispatch.RANK0):
+            raise TypeError(f"{self.cls.__name__}.{method} is dispatched as {mode.value}; call_ranks runs broadcasts")
+        return self._run(method, Dispatch.BROADCAST, {r: args for r in ranks}, kwargs).values()
+
+    # ---- faults (Ray) ---------------------------------------------------------------------------------------
+    def _deadline(self) -> float | None:
+        return None if self.call_timeout_s is None else time.monotonic() + self.call_timeout_s
+
+    def add_restart_hook(self, hook: Callable[[list[int]], None]) -> None:
+        """Call `hook(ranks)` after ranks were restarted, before the failed call is rerun (state restore)."""
+        self._restart_hooks.append(hook)
+
+    def _collect(
+        self,
+        method: str,
+        args: dict[int, Sequence[Any]],
+        kwargs: dict[str, Any],
+        refs: list[Any],
+        deadline: float | None,
+    ) -> list[Any]:
+        """Per-rank results of a call; dead or hung ranks are restarted and their part rerun (see module doc)."""
+        import ray
+
+        pending = dict(zip(args, refs))
+        results: dict[int, Any] = {}
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=remaining)
+            ready_set = set(ready)
+            dead, hung = [], []
+            for r, ref in pending.items():
+                if ref not in ready_set:
+                    hung.append(r)
+                    continue
+                try:
+                    results[r] = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    dead.append(r)
+            if not dead and not hung:
+                break
+            self._recover(method, dead, hung)
+            deadline = self._deadline()
+            pending = {r: getattr(self.workers[r], method).remote(*args[r], **kwargs) for r in dead + hung}
+        return [results[r] for r in args]
+
+    def _recover(self, method: str, dead: list[int], hung: list[int]) -> None:
+        """Restart dead and hung ranks if this group may, else raise the error that names them."""
+        self.timeouts += len(hung)
+        failed = dead + hung
+        allowed = self.restarts + len(failed) <= self.max_restarts
+        if not allowed:
+            budget = (
+                f"; {self.restarts} restart(s) already, cluster.max_restarts={self.max_restarts}"
+                if self.restartable
+                else ""
+            )
+            hint = f". {self.death_hint()}" if self.death_hint is not None else ""
+            if dead:
+                where = ", ".join(f"rank {r} on node {self.nodes[r]}" for r in dead)
+                raise WorkerDiedError(f"{self.name} {where} died during {method}(){budget}{hint}")
+            raise CallTimeoutError(
+                f"{self.name}.{method}() did not return within {self.call_timeout_s}s on rank(s) "
+                f"{', '.join(map(str, hung))} (cluster.call_timeout_s, or cluster.call_timeouts.{self.name})"
+                f"{budget}{hint}"
+            )
+        reason = ", ".join(
+            [f"rank {r} died during {method}()" for r in dead]
+            + [f"rank {r} hung in {method}() past {self.call_timeout_s}s" for r in hung]
+        )
+        self.restart(failed, reason)
+        if not retryable(self.cls, method):
+            raise WorkerRestartedError(f"{self.name}: {reason}; restarted, {method}() must be redone", failed)
+
+    def restart(self, ranks: list[int], reason: str = "requested") -> None:
+        """Kill and re-create `ranks` with their original options, set them up, then run the restart hooks."""
+        import ray
+
+        log.warning(
+            "%s: %s; restarting rank(s) %s (%d of cluster.max_restarts=%d used)",
+            self.name,
+            reason,
+            ranks,
+            self.restarts + len(ranks),
+            self.max_restarts,
+        )
+        for r in ranks:
+            try:
+                ray.kill(self.workers[r], no_restart=True)  # a hung worker must free its bundle for its successor
+            except Exception:
+                pass  # already gone
+        fresh = {r: self._spawn(r) for r in ranks}
+        wait = self.start_timeout_s
+        try:
+            nodes = ray.get([a.node_id.remote() for a in fresh.values()], timeout=wait)
+            ray.get([a.setup.remote(*self._endpoint) for a in fresh.values()], timeout=wait)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            raise WorkerDiedError(
+                f"{self.name}: rank(s) {ranks} could not be restarted within {wait}s ({type(exc).__name__}); "
+                f"the cluster has {ray.available_resources()} free"
+            ) from exc
+        for (r, actor), node in zip(fresh.items(), nodes):
+            self.workers[r], self.nodes[r] = actor, str(node)
+        self.restarts += len(ranks)
+        for hook in self._restart_hooks:
+            hook(list(ranks))
+
+    def check_health(self, timeout: float = 30.0) -> list[int]:
+        """Ping every rank and restart those that died (restartable groups); returns the restarted ranks. A rank
+        busy past `timeout` counts as alive (long calls are the call timeout's business)."""
+        if self.backend != "ray":
+            return []
+        import ray
+
+        refs = [w.ping.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        ready_set, dead = set(ready), []
+        for r, ref in enumerate(refs):
+            if ref in ready_set:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    dead.append(r)
+        if dead:
+            self._recover("ping", dead, [])
+        return dead
 
     def _get(self, refs: list[Any], ranks: list[int], method: str) -> list[Any]:
         """ray.get that names the role, rank and node of a worker that died."""

@@ -74,6 +74,9 @@ class Cluster:
         else:
             self.platform = resolve_platform(None if hw.platform == "auto" else hw.platform)
         self.groups: list[WorkerGroup] = []
+        #: Set by the pipeline: its CheckpointManager, so that a fatal fault names the checkpoint to resume from.
+        self.checkpoints: Any = None
+        self._fault_totals: dict[str, int] = {}  # counts already reported by fault_metrics()
         self._pgs: dict[str, Any] = {}
         self._node_devices: dict[str, int] = {}  # node id -> device bundles placed there by this run
         self._started_ray = False
@@ -217,9 +220,50 @@ class Cluster:
                 else RayOptions(num_cpus=min(self.cfg.cpus_per_worker, 0.25))
             )
             opts.python, opts.max_concurrency = python, max_concurrency
-            group = group_cls(group_cls.worker_cls, world_size, "ray", name=role, ray_options=opts, **kwargs)
+            group = group_cls(
+                group_cls.worker_cls,
+                world_size,
+                "ray",
+                name=role,
+                ray_options=opts,
+                call_timeout_s=self.cfg.timeout_for(role),
+                max_restarts=self.cfg.max_restarts,
+                start_timeout_s=self.cfg.placement_timeout_s,
+                **kwargs,
+            )
+        group.death_hint = self.resume_hint
         self.groups.append(group)
         return group
+
+    def resume_hint(self) -> str:
+        """How to continue after a fault roll cannot repair: the latest checkpoint and the overrides to resume."""
+        if self.checkpoints is None:
+            return "The run cannot continue"
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return (
+                f"The run cannot continue and no checkpoint was saved yet under {self.checkpoints.root} "
+                "(pipeline.save_every=N saves every N steps)"
+            )
+        return (
+            f"The run cannot continue; resume from the checkpoint {latest} with pipeline.resume=true "
+            f"pipeline.output_dir={self.checkpoints.root.parent}"
+        )
+
+    def fault_metrics(self) -> dict[str, float]:
+        """Faults since the previous call: `faults/restarts` (workers re-created), `faults/timeouts` (calls past
+        their deadline), and `faults/restarts_<role>` for each role that restarted."""
+        out = {"faults/restarts": 0.0, "faults/timeouts": 0.0}
+        for g in self.groups:
+            for kind in ("restarts", "timeouts"):
+                key = f"{g.name}/{kind}"
+                now = getattr(g, kind, 0)
+                delta = now - self._fault_totals.get(key, 0)
+                self._fault_totals[key] = now
+                out[f"faults/{kind}"] += delta
+                if delta and kind == "restarts":
+                    out[f"faults/restarts_{g.name}"] = float(delta)
+        return out
 
     def shutdown(self) -> None:
         for g in self.groups:

@@ -253,15 +253,16 @@ class InferWorker(Worker):
         return self.engine.memory_bytes()
 
     # ---- weight sync: the receiving side ----------------------------------------------------------------------
-    @dispatch(Dispatch.BROADCAST)
+    # retry=False: a step of a sync is meaningless alone on a restarted engine; WeightSync redoes the whole sync.
+    @dispatch(Dispatch.BROADCAST, retry=False)
     def begin_weight_update(self) -> None:
         self.engine.begin_weight_update()
 
-    @dispatch(Dispatch.BROADCAST)
+    @dispatch(Dispatch.BROADCAST, retry=False)
     def finish_weight_update(self) -> int:
         return self.engine.finish_weight_update()
 
-    @dispatch(Dispatch.BROADCAST)
+    @dispatch(Dispatch.BROADCAST, retry=False)
     def receive_weights_object_store(self, refs: list[Any]) -> int:
         import ray
 
@@ -272,32 +273,41 @@ class InferWorker(Worker):
             del bucket
         return nbytes
 
-    @dispatch(Dispatch.BROADCAST)
+    @dispatch(Dispatch.BROADCAST, retry=False)
     def join_sync_group(self, host: str, port: int, world_size: int, backend: str) -> None:
         self._sync_group = SyncGroup(host, port, 1 + self.rank, world_size, backend)
 
-    @dispatch(Dispatch.BROADCAST)
+    @dispatch(Dispatch.BROADCAST, retry=False)
     def receive_weights_dist(self) -> int:
         nbytes = 0
         while (bucket := self._sync_group.receive()) is not None:
             nbytes += self.engine.update_weights(bucket)
         return nbytes
 
-    @dispatch(Dispatch.BROADCAST)
+    @dispatch(Dispatch.BROADCAST, retry=False)
     def receive_ipc_bucket(self, shared: list[dict[str, Any]]) -> int:
         mine = shared[self.rank]  # trainer rank r shares device r with this rank
         return self.engine.update_weights(open_cuda(mine["handle"], mine["specs"]))
 
 
 class RewardWorker(Worker):
-    """Decodes responses and scores them with the task's reward."""
+    """Decodes responses and scores them with the task's reward, guarded (roll_core.cluster.reward_guard): a row
+    whose reward raises, hangs or is NaN/inf scores a fixed value and is counted; it never fails the call.
 
-    def __init__(self, env: dict[str, Any], tokenizer_path: str, **base: Any) -> None:
+    Stateless between calls: a restarted reward worker needs nothing restored.
+    """
+
+    def __init__(
+        self, env: dict[str, Any], tokenizer_path: str, guard: dict[str, Any] | None = None, **base: Any
+    ) -> None:
         super().__init__(**base)
         from transformers import AutoTokenizer
 
+        from roll_core.cluster.reward_guard import GuardedReward
+
         self.task: Task = build(env)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.reward = GuardedReward(self.task.reward, name=f"reward worker {self.rank}", **(guard or {}))
 
     @dispatch(Dispatch.DP)
     def score(self, batch: Batch) -> Batch:
@@ -305,7 +315,7 @@ class RewardWorker(Worker):
             self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
             for r, m in zip(batch["responses"], batch["response_mask"])
         ]
-        res = self.task.reward.score(texts, batch["answer"])
+        res = self.reward.score(texts, batch["answer"])
         out = Batch(
             {
                 "scores": torch.tensor(res.scores, dtype=torch.float32),
@@ -388,9 +398,14 @@ class RequestHandle:
 
 
 class InferGroup(WorkerGroup[InferWorker]):
-    """actor_infer: the batch API for RLVR and the request API for multi-turn and partial rollout."""
+    """actor_infer: the batch API for RLVR and the request API for multi-turn and partial rollout.
+
+    Restartable: an engine that died or hung is re-created and given the trainer's weights by the restart hook
+    that roll_core.cluster.weight_sync.WeightSync registers, then the failed call is rerun on it.
+    """
 
     worker_cls = InferWorker
+    restartable = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -479,9 +494,10 @@ def _stable_hash(key: str) -> int:
 
 
 class RewardGroup(WorkerGroup[RewardWorker]):
-    """reward."""
+    """reward. Restartable: reward workers hold no state, so a re-created one just reruns the failed call."""
 
     worker_cls = RewardWorker
+    restartable = True
 
     def score(self, batch: Batch) -> Batch:
         handle = self.submit("score", batch.select("responses", "response_mask", "answer"))

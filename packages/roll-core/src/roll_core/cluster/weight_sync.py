@@ -20,11 +20,18 @@ Transports:
 
 `changed_only` syncs skip what training cannot change (frozen parameters, buffers); the first sync, and the first
 after an engine discarded its weights (`sleep(level=2)`), is always full.
+
+Restarted engines (roll_core.cluster.group: a dead or hung inference worker is re-created): `WeightSync` registers
+a restart hook that gives the new engines the trainer's current weights in full through the object store
+(whatever the transport: only the new ranks receive), before the call that failed is rerun; the `dist` group,
+which lost a member, is rebuilt at the next sync. A sync during which an engine died is redone in full once the
+engine is back. A restored engine counts weight versions from its restore on (its `weight_version` restarts).
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import pickle
 import time
 from collections.abc import Iterable, Iterator
@@ -33,6 +40,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "inprocess", "object_store", "dist", "cuda_ipc")
 Bucket = list[tuple[str, Tensor]]
@@ -206,10 +215,39 @@ class WeightSync:
         self.dist_backend = platform.dist_backend
         self._group_ready = False
         self.synced_once = False
+        self.restores = 0  # restarted engines given the trainer's weights
+        if self.transport != "inprocess" and hasattr(infer, "add_restart_hook"):
+            infer.add_restart_hook(self.restore)
 
     def sync(self, full: bool | None = None) -> SyncStats:
         """One sync; `full=None` sends only changed tensors after the first sync (and always after a level-2
-        sleep, which the pipeline reports by `require_full()`)."""
+        sleep, which the pipeline reports by `require_full()`). An engine that dies during the sync is restarted
+        and the sync redone in full."""
+        restarts = getattr(self.infer, "restarts", 0)
+        try:
+            return self._sync(full)
+        except Exception as exc:
+            # An engine that died mid-sync surfaces as its own error, or as the trainer's (a broken broadcast).
+            healed = self.infer.check_health() if hasattr(self.infer, "check_health") else []
+            if not healed and getattr(self.infer, "restarts", 0) == restarts:
+                raise
+            log.warning("weight sync interrupted by a restarted inference engine (%s): redoing it in full", exc)
+            self._group_ready = False
+            return self._sync(True)
+
+    def restore(self, ranks: list[int]) -> None:
+        """Give restarted inference ranks the trainer's current weights (all of them, through the object store)."""
+        self._group_ready = False  # a `dist` group that lost a member is rebuilt at the next sync
+        published = self.train.call("publish_weights", self.bucket_bytes, False)[0]
+        self.infer.call_ranks(ranks, "begin_weight_update")
+        try:
+            self.infer.call_ranks(ranks, "receive_weights_object_store", published["refs"])
+        finally:
+            self.infer.call_ranks(ranks, "finish_weight_update")
+        self.restores += len(ranks)
+        log.warning("inference rank(s) %s restored with the trainer's weights (%d bytes)", ranks, published["bytes"])
+
+    def _sync(self, full: bool | None) -> SyncStats:
         full = (not self.synced_once) if full is None else full
         t0 = time.perf_counter()
         self.infer.begin_weight_update()

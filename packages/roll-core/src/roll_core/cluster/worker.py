@@ -6,6 +6,7 @@ A worker is a plain class; each method that a group may call declares its dispat
   `Batch` results are concatenated back in order (other results come back as a list).
 - `Dispatch.RANK0`: only rank 0 runs; its result is returned.
 - `Dispatch.ONE`: the caller names the rank (`WorkerGroup.submit_to`): request-level calls routed to one engine.
+A method may also declare `retry=False`: it is not rerun on a restarted worker (see `dispatch`).
 The declaration sits next to the method, but calls go through typed group classes (roll_core.cluster.roles),
 never through methods attached at run time.
 """
@@ -28,14 +29,25 @@ class Dispatch(enum.Enum):
     ONE = "one"
 
 
-def dispatch(mode: Dispatch) -> Callable[[F], F]:
-    """Declare how a worker-group call of this method is distributed."""
+def dispatch(mode: Dispatch, *, retry: bool = True) -> Callable[[F], F]:
+    """Declare how a worker-group call of this method is distributed.
+
+    `retry=False`: when a worker dies during this call, the group restarts it (if its role may restart) but does
+    not run the call again on the new worker; it raises `WorkerRestartedError` so that the caller redoes the whole
+    protocol the call belongs to (a weight sync: its steps are meaningless one by one on a fresh engine).
+    """
 
     def mark(fn: F) -> F:
         fn.__roll_dispatch__ = mode  # type: ignore[attr-defined]
+        fn.__roll_retry__ = retry  # type: ignore[attr-defined]
         return fn
 
     return mark
+
+
+def retryable(cls: type, method: str) -> bool:
+    """Whether a call of `cls.method` may be rerun on a restarted worker (see `dispatch`)."""
+    return bool(getattr(getattr(cls, method, None), "__roll_retry__", True))
 
 
 def dispatch_mode(cls: type, method: str) -> Dispatch:

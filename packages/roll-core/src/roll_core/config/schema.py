@@ -240,6 +240,16 @@ class ClusterConfig:
     max_concurrent: int = 1
     # Placement-group strategy: PACK (fill a node first, may span nodes) | SPREAD | STRICT_PACK | STRICT_SPREAD.
     strategy: str = "PACK"
+    # Seconds a call to a Ray worker may take, counted from its submission, before it fails with an error naming
+    # role, method and timeout (a restartable role's stuck worker is restarted instead); 0: no limit. The local
+    # backend runs calls in this process and cannot time them out.
+    call_timeout_s: float = 3600.0
+    # Per-role overrides of call_timeout_s, e.g. {reward: 600, actor_infer: 1800}; 0: no limit for that role.
+    call_timeouts: dict[str, float] = field(default_factory=dict)
+    # Worker restarts allowed per restartable role (actor_infer, reward) per run: a worker that died or hung is
+    # re-created in its placement bundle, an inference engine gets the trainer's latest weights (a full sync),
+    # and the failed call is retried on it (counted in faults/restarts). 0: a dead worker ends the run.
+    max_restarts: int = 3
 
     def __post_init__(self) -> None:
         _one_of("cluster.backend", self.backend, ("local", "ray"))
@@ -249,6 +259,15 @@ class ClusterConfig:
         _positive("cluster.cpus_per_worker", self.cpus_per_worker, allow_zero=True)
         _positive("cluster.max_concurrent", self.max_concurrent, allow_zero=True)
         _one_of("cluster.strategy", self.strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+        _positive("cluster.call_timeout_s", self.call_timeout_s, allow_zero=True)
+        for role, t in self.call_timeouts.items():
+            _positive(f"cluster.call_timeouts.{role}", t, allow_zero=True)
+        _positive("cluster.max_restarts", self.max_restarts, allow_zero=True)
+
+    def timeout_for(self, role: str) -> float | None:
+        """The call timeout of `role` in seconds (None: no limit)."""
+        t = self.call_timeouts.get(role, self.call_timeout_s)
+        return float(t) if t else None
 
 
 @dataclass
@@ -285,6 +304,17 @@ class PipelineConfig:
     eval_temperature: float | None = None
     # Reward worker processes (reward scoring is CPU work; more workers overlap it).
     reward_workers: int = 1
+    # Seconds one response may take to score before it is cut off, scored reward_error_score and counted in
+    # reward/timeouts (applies when a batch failed and is rescored row by row; roll_core.cluster.reward_guard).
+    reward_timeout_s: float = 30.0
+    # Seconds one reward worker's whole batch may take before it is rescored row by row.
+    reward_batch_timeout_s: float = 300.0
+    # Score of a response whose reward raised (reward/errors), hung (reward/timeouts) or was NaN/inf
+    # (reward/nonfinite); the run goes on.
+    reward_error_score: float = 0.0
+    # process: the reward runs in a forked child of its worker, so a hang can be cut off | inline: in the worker
+    # itself (rewards that need a CUDA context made before a fork); errors and NaN are handled, hangs are not.
+    reward_isolation: str = "process"
     # Asynchronous training: rollout runs up to this many batches ahead of the trainer, and no trained sample is
     # older than this many weight versions (0: the synchronous loop). Needs a continuous-batching engine that
     # stays awake (infer_engine.sleep_level=0); off-policy correction: algo.off_policy_correction.
@@ -313,6 +343,18 @@ class PipelineConfig:
         _positive("pipeline.save_every", self.save_every, allow_zero=True)
         _positive("pipeline.keep_last", self.keep_last)
         _positive("pipeline.reward_workers", self.reward_workers)
+        _positive("pipeline.reward_timeout_s", self.reward_timeout_s)
+        _positive("pipeline.reward_batch_timeout_s", self.reward_batch_timeout_s)
+        _one_of("pipeline.reward_isolation", self.reward_isolation, ("process", "inline"))
+
+    def reward_guard(self) -> dict[str, Any]:
+        """Keyword arguments of roll_core.cluster.reward_guard.GuardedReward."""
+        return {
+            "timeout_s": self.reward_timeout_s,
+            "batch_timeout_s": self.reward_batch_timeout_s,
+            "error_score": self.reward_error_score,
+            "isolation": self.reward_isolation,
+        }
 
 
 @dataclass

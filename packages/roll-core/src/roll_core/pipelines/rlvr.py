@@ -253,6 +253,7 @@ class RLVRPipeline:
         if collected is not None:
             self.update(step, *collected, metrics, timers)
         metrics.update({f"perf/time_{k}": v for k, v in timers.items()})
+        metrics.update(self.cluster.fault_metrics())  # workers restarted, calls timed out (this step)
         metrics["perf/step_seconds"] = time.perf_counter() - t_step
         if collected is not None:
             metrics["perf/samples_per_s"] = len(collected[0]) / metrics["perf/step_seconds"]
@@ -490,6 +491,7 @@ class RLVRPipeline:
             self.cfg.pipeline.reward_workers,
             env=as_dict(self.cfg.env),
             tokenizer_path=self.cfg.model.tokenizer or self.model_path,
+            guard=self.cfg.pipeline.reward_guard(),  # errors, NaN and hangs become counted rows
         )
 
     # ---- pieces -------------------------------------------------------------------------------------------

@@ -7,8 +7,11 @@ Scoring (per response):
   `format_weight` if a non-empty `\\boxed{...}` is present (small models copy the prompt's empty `\\boxed{}`;
   that earns nothing).
 - Parsing or verification that crashes or times out scores 0 for correctness and is counted (`reward/timeouts`,
-  `reward/errors`). math-verify's timeout uses SIGALRM, which works only in a process's main thread; in other
-  threads the timeout is skipped and counted as `reward/untimed`.
+  `reward/errors`). math-verify's timeout uses SIGALRM, which works only in a process's main thread: there it is
+  used as is (each of parse and verify within `timeout_s`). Called from any other thread (a threaded actor, an
+  agentic environment thread), verification runs in a forked child process (roll_core.isolation.ForkedWorker),
+  where SIGALRM works again, and a deadline of three times `timeout_s` kills the child if even that fails (a hang
+  in C code); a killed child is forked again for the next answer.
 
 Covers: numbers, fractions, LaTeX expressions math-verify understands. Does not cover: free-form proofs.
 """
@@ -19,6 +22,7 @@ import re
 import threading
 from collections.abc import Sequence
 
+from roll_core.isolation import CallTimeout, ChildError, ForkedWorker
 from roll_envs.boxed import extract_boxed
 from roll_envs.rewards.base import Reward, RewardResult
 
@@ -38,6 +42,15 @@ def _same_number(a: str, b: str) -> bool:
         return a.strip() == b.strip()
 
 
+def _verify_latex(boxed: str, answer: str, timeout_s: int) -> bool:
+    """math-verify's symbolic check of `boxed` against `answer`; its timeouts need the main thread (SIGALRM)."""
+    from math_verify import parse, verify
+
+    gold = parse(f"${answer}$", parsing_timeout=timeout_s, raise_on_error=True)
+    pred = parse(f"${boxed}$", parsing_timeout=timeout_s, raise_on_error=True)
+    return bool(verify(gold, pred, timeout_seconds=timeout_s, raise_on_error=True))
+
+
 class MathReward(Reward):
     """Boxed-answer correctness with optional last-number credit and a format bonus."""
 
@@ -54,22 +67,23 @@ class MathReward(Reward):
         self.last_number_weight = last_number_weight
         self.format_weight = format_weight
         self.timeout_s = timeout_s
+        # Off the main thread: verification in a forked child (see the module docstring), started on first use.
+        self._child = ForkedWorker(_verify_latex, name="math-verify")
 
     def _verify(self, boxed: str, answer: str, counters: dict[str, int]) -> bool:
-        from math_verify import parse, verify
         from math_verify.errors import TimeoutException
 
-        timeout = self.timeout_s if threading.current_thread() is threading.main_thread() else None
-        if timeout is None:
-            counters["untimed"] += 1
+        if _NUMBER.fullmatch(boxed.replace(" ", "")) and _NUMBER.fullmatch(answer.strip()):
+            return _same_number(boxed.replace(" ", ""), answer)  # fast path: plain numbers
         try:
-            if _NUMBER.fullmatch(boxed.replace(" ", "")) and _NUMBER.fullmatch(answer.strip()):
-                return _same_number(boxed.replace(" ", ""), answer)  # fast path: plain numbers
-            gold = parse(f"${answer}$", parsing_timeout=timeout, raise_on_error=True)
-            pred = parse(f"${boxed}$", parsing_timeout=timeout, raise_on_error=True)
-            return bool(verify(gold, pred, timeout_seconds=timeout, raise_on_error=True))
-        except TimeoutException:
+            if threading.current_thread() is threading.main_thread():
+                return _verify_latex(boxed, answer, self.timeout_s)
+            # Two parses and a verify, each under SIGALRM in the child; the deadline catches what SIGALRM cannot.
+            return bool(self._child.call(boxed, answer, self.timeout_s, timeout=3 * self.timeout_s + 1))
+        except (TimeoutException, CallTimeout):
             counters["timeouts"] += 1
+        except ChildError as exc:
+            counters["timeouts" if exc.kind == TimeoutException.__name__ else "errors"] += 1
         except Exception:  # a malformed model answer must not stop training; it is counted
             counters["errors"] += 1
         return False
@@ -77,7 +91,7 @@ class MathReward(Reward):
     def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
         if len(responses) != len(answers):
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
-        counters = {"timeouts": 0, "errors": 0, "untimed": 0, "no_boxed": 0}
+        counters = {"timeouts": 0, "errors": 0, "no_boxed": 0}
         scores, correct, formatted = [], [], []
         for response, answer in zip(responses, answers):
             boxed = extract_boxed(response) or None  # an empty \boxed{} (copied from the prompt) is no answer

@@ -1,0 +1,172 @@
+"""Run code that may hang in a forked child process, under a deadline: the child can be killed, a thread cannot.
+
+`ForkedWorker(fn)` forks a child on the first call; the child inherits `fn` (and everything it references) from
+the parent, so only arguments and results cross the pipe (they must pickle). The child serves one call at a time
+for as long as it lives, in its own main thread (where signal-based timeouts such as math-verify's work).
+
+Contract of `call(*args, timeout=s)`:
+- returns `fn(*args)`;
+- raises `ChildError` (with the child's exception type, message and traceback text) when `fn` raised;
+- raises `CallTimeout` when no answer came within `s` seconds: the child is killed (SIGKILL), and the next call
+  forks a fresh one from the parent as it is then;
+- raises `ChildDied` when the child died during the call (a segfault, `os._exit`, the OOM killer).
+Calls from several threads are serialised (one child, one call at a time). The child exits when the parent's end
+of the pipe closes (the parent died or `close()` was called).
+
+May assume: the parent is a POSIX process. Must not be used for `fn` that needs a CUDA context created before
+the fork, Ray calls, or threads the parent started (a forked child has none of them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import traceback
+import warnings
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import Connection, Pipe
+from typing import Any
+
+
+class CallTimeout(TimeoutError):
+    """The child did not answer in time (it was killed)."""
+
+
+class ChildDied(RuntimeError):
+    """The child process died during a call."""
+
+
+class ChildError(RuntimeError):
+    """`fn` raised in the child; `kind` is the exception's type name, `details` its formatted traceback."""
+
+    def __init__(self, kind: str, message: str, details: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind, self.details = kind, details
+
+
+def _serve(fn: Callable[..., Any], conn: Connection) -> None:
+    """The child's loop: receive arguments, answer ("ok", result) or ("err", type, message, traceback)."""
+    while True:
+        try:
+            args = conn.recv()
+        except (EOFError, OSError):  # the parent closed its end or died
+            return
+        try:
+            reply: tuple[Any, ...] = ("ok", fn(*args))
+        except BaseException as exc:  # everything fn does wrong is the caller's to count, never the child's end
+            reply = ("err", type(exc).__name__, str(exc), traceback.format_exc())
+        try:
+            conn.send(reply)
+        except Exception as exc:  # an unpicklable result: report it as fn's error rather than hang the caller
+            conn.send(("err", type(exc).__name__, f"result could not be sent to the parent: {exc}", ""))
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL and reap `pid` (no zombie is left behind)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+class ForkedWorker:
+    """`fn` served by a forked child process; see the module docstring for the contract."""
+
+    def __init__(self, fn: Callable[..., Any], name: str = "forked-worker") -> None:
+        self.fn, self.name = fn, name
+        self._lock = threading.Lock()
+        self._conn: Connection | None = None
+        self._pid: int | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._owner = os.getpid()  # the process whose child this is (a copy inherited by a fork is not ours)
+        #: Children forked so far (the first one, then one after each timeout or death).
+        self.forks = 0
+
+    def _start(self) -> None:
+        parent, child = Pipe()
+        with warnings.catch_warnings():
+            # Python >= 3.12 warns that forking a multi-threaded process may deadlock the child: a child stuck on a
+            # lock some parent thread held is exactly what the deadline below kills and counts.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: serve, then leave without running the parent's exit handlers
+            code = 0
+            try:
+                parent.close()
+                _serve(self.fn, child)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        child.close()
+        self._conn, self._pid = parent, pid
+        self.forks += 1
+        self._finalizer = weakref.finalize(self, _close, parent, pid, self._owner)
+
+    def _stop(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # closes the pipe, kills and reaps the child
+        self._conn = self._pid = self._finalizer = None
+
+    def call(self, *args: Any, timeout: float | None) -> Any:
+        """`fn(*args)` in the child, waiting at most `timeout` seconds (None: no limit)."""
+        if self._owner != os.getpid():
+            # This object was copied into a forked process (a reward forked by another ForkedWorker): the child and
+            # the lock belong to the parent. Forget them, without killing anything, and fork our own child.
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            self._lock, self._conn, self._pid, self._finalizer = threading.Lock(), None, None, None
+            self._owner = os.getpid()
+        with self._lock:
+            if self._conn is None:
+                self._start()
+            assert self._conn is not None
+            try:
+                self._conn.send(args)
+            except (BrokenPipeError, OSError) as exc:  # the child died between calls
+                self._stop()
+                raise ChildDied(f"{self.name}: the child process is gone ({exc})") from exc
+            t0 = time.monotonic()
+            try:
+                ready = self._conn.poll(timeout)
+            except (EOFError, OSError):
+                ready = True  # recv below reports the death
+            if not ready:
+                self._stop()
+                raise CallTimeout(f"{self.name}: no answer within {timeout}s (child killed)")
+            try:
+                reply = self._conn.recv()
+            except (EOFError, OSError) as exc:
+                self._stop()
+                raise ChildDied(
+                    f"{self.name}: the child process died after {time.monotonic() - t0:.1f}s of a call"
+                ) from exc
+        if reply[0] == "ok":
+            return reply[1]
+        raise ChildError(*reply[1:])
+
+    def close(self) -> None:
+        """Stop the child (a later call forks a new one)."""
+        with self._lock:
+            self._stop()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a reward shipped to a Ray actor): the function travels, the child and the lock do not."""
+        return {"fn": self.fn, "name": self.name}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["fn"], state["name"])  # type: ignore[misc]
+
+
+def _close(conn: Connection, pid: int, owner: int) -> None:
+    if os.getpid() != owner:  # a copy inherited by a forked process: the child is not this process's to kill
+        return
+    conn.close()
+    _kill(pid)

@@ -1,0 +1,116 @@
+"""The reward guard and the forked worker under it: rows whose reward raises, returns NaN/inf or hangs score the
+error value and are counted; the other rows keep their scores; nothing raises or hangs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from roll_core.cluster.reward_guard import GuardedReward
+from roll_core.interfaces import RewardResult
+from roll_core.isolation import CallTimeout, ChildDied, ChildError, ForkedWorker
+
+
+class RowFaults:
+    """Scores 1 per row, except rows "raise" (raises), "nan"/"inf" (non-finite) and "hang" (sleeps a minute)."""
+
+    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
+        scores = []
+        for r in responses:
+            if r == "raise":
+                raise ValueError("a reward bug")
+            if r == "hang":
+                time.sleep(60)
+            scores.append({"nan": float("nan"), "inf": float("inf")}.get(r, 1.0))
+        n = len(responses)
+        return RewardResult(scores=scores, correct=[1.0] * n, formatted=[1.0] * n, counters={"seen": n})
+
+
+def _guard(**kwargs) -> GuardedReward:
+    return GuardedReward(RowFaults(), **{"timeout_s": 0.5, "batch_timeout_s": 1.0, **kwargs})
+
+
+def test_healthy_batch_is_scored_in_one_call_with_zero_counters() -> None:
+    res = _guard().score(["a", "b"], ["1", "1"])
+    assert res.scores == [1.0, 1.0]
+    assert res.counters == {"seen": 2, "errors": 0, "timeouts": 0, "nonfinite": 0}
+
+
+@pytest.mark.parametrize("isolation", ["process", "inline"])
+def test_rows_that_raise_score_the_error_value_and_are_counted(
+    isolation: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    guard = _guard(isolation=isolation, error_score=-1.0)
+    with caplog.at_level(logging.WARNING):
+        res = guard.score(["a", "raise", "b", "raise"], ["1"] * 4)
+        guard.score(["raise"], ["1"])
+    assert res.scores == [1.0, -1.0, 1.0, -1.0]
+    assert res.correct == [1.0, 0.0, 1.0, 0.0]
+    assert res.counters["errors"] == 2 and res.counters["seen"] == 2  # the healthy rows' own counters are kept
+    first = [r for r in caplog.records if "counted in reward/errors" in r.getMessage()]
+    assert len(first) == 1 and "a reward bug" in first[0].getMessage()  # logged once, with the error
+
+
+def test_nonfinite_scores_are_replaced_and_counted() -> None:
+    res = _guard(isolation="inline").score(["nan", "a", "inf"], ["1"] * 3)
+    assert res.scores == [0.0, 1.0, 0.0]
+    assert res.counters["nonfinite"] == 2 and res.counters["errors"] == 0
+
+
+def test_a_hanging_row_is_cut_off_per_row_and_counted() -> None:
+    guard = _guard()
+    t0 = time.monotonic()
+    res = guard.score(["a", "hang", "b", "nan", "raise"], ["1"] * 5)
+    seconds = time.monotonic() - t0
+    assert res.scores == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert (res.counters["timeouts"], res.counters["nonfinite"], res.counters["errors"]) == (1, 1, 1)
+    assert seconds < 10, f"the hang was not cut off ({seconds:.1f}s)"
+    assert guard.score(["a"], ["1"]).scores == [1.0]  # a fresh child serves the next batch
+
+
+def test_guard_works_from_a_thread() -> None:
+    """Ray actors serving several calls at once run them in threads: the deadline does not need the main thread."""
+    out: dict[str, RewardResult] = {}
+    t = threading.Thread(target=lambda: out.update(r=_guard().score(["hang", "a"], ["1", "1"])))
+    t.start()
+    t.join(30)
+    assert out["r"].scores == [0.0, 1.0] and out["r"].counters["timeouts"] == 1
+
+
+def test_a_reward_returning_the_wrong_number_of_rows_is_rescored_row_by_row() -> None:
+    class Short(RowFaults):
+        def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
+            res = super().score(responses, answers)
+            return res if len(responses) == 1 else RewardResult([1.0], [1.0], [1.0])
+
+    res = GuardedReward(Short(), isolation="inline").score(["a", "b", "nan"], ["1"] * 3)
+    assert res.scores == [1.0, 1.0, 0.0] and res.counters["nonfinite"] == 1
+
+
+def test_forked_worker_reports_errors_timeouts_and_deaths() -> None:
+    def fn(x: str) -> int:
+        if x == "raise":
+            raise KeyError("missing")
+        if x == "hang":
+            time.sleep(60)
+        if x == "die":
+            os._exit(3)
+        return os.getpid()
+
+    worker = ForkedWorker(fn, name="test")
+    pid = worker.call("ok", timeout=10)
+    assert pid != os.getpid() and worker.call("ok", timeout=10) == pid  # one child serves call after call
+    with pytest.raises(ChildError, match="KeyError") as info:
+        worker.call("raise", timeout=10)
+    assert "missing" in info.value.details
+    with pytest.raises(CallTimeout, match=r"no answer within 0\.3s"):
+        worker.call("hang", timeout=0.3)
+    with pytest.raises(ChildDied):
+        worker.call("die", timeout=10)
+    assert worker.call("ok", timeout=10) not in (pid, os.getpid()) and worker.forks == 3
+    worker.close()

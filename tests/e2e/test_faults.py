@@ -1,0 +1,172 @@
+"""Runs that survive faults on Ray: a reward that raises, returns NaN or hangs on some rows; an inference engine or a
+reward worker killed mid-run; a worker that hangs past the call timeout; a trainer that dies (a clear error naming
+the checkpoint to resume from). One Ray instance for the module (the `ray_cluster` fixture)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from roll_core.cluster.group import CallTimeoutError, RayOptions, WorkerDiedError, WorkerGroup
+from roll_core.testing import tiny_overrides
+
+sys.path.insert(0, str(Path(__file__).parent))  # fault_helpers: env.reward._target_=fault_helpers.FaultyReward
+from fault_workers import Napper  # importable by Ray workers too (the fixture puts this folder on PYTHONPATH)
+
+pytestmark = pytest.mark.ray
+
+
+def _pipeline(overrides: list[str]) -> Any:
+    from roll_core.cli import pipeline_class
+    from roll_core.config import load_config
+
+    cfg = load_config(overrides)
+    return pipeline_class(cfg.pipeline.name)(cfg)
+
+
+def _history(pipeline: Any) -> list[dict[str, Any]]:
+    from roll_core.tracking import Tracker
+
+    return [h for h in Tracker.read_metrics(Path(pipeline.out) / "metrics.jsonl") if h["step"] > 0]
+
+
+def _total(history: list[dict[str, Any]], key: str) -> float:
+    return sum(h.get(key, 0.0) for h in history)
+
+
+def test_reward_that_raises_returns_nan_or_hangs_is_counted_and_the_run_finishes(
+    ray_cluster: Any, seven_task: Path, tmp_path: Path
+) -> None:
+    """Rows whose reward raised, was NaN or hung score 0 and are counted; the rows around them keep their scores."""
+    from fault_helpers import fault_of
+
+    pipeline = _pipeline(
+        tiny_overrides(
+            seven_task,
+            tmp_path,
+            "cluster=ray",
+            "pipeline.max_steps=2",
+            "env.reward._target_=fault_helpers.FaultyReward",
+            "pipeline.reward_batch_timeout_s=1",
+            "pipeline.reward_timeout_s=0.5",
+        )
+    )
+    try:
+        pipeline.run()
+        history = _history(pipeline)
+        assert [h["step"] for h in history] == [1, 2]
+        for key in ("reward/errors", "reward/nonfinite", "reward/timeouts"):
+            assert _total(history, key) > 0, (key, history)
+        assert all(math.isfinite(h["reward/mean"]) for h in history)
+        # The same counts, row by row, from a direct call: every faulty row scores 0, the others their reward.
+        texts = [f"the answer is {i}" for i in range(40)] + ["so 7"]
+        out = pipeline.reward.score(_text_batch(pipeline.tokenizer, texts, "7"))
+        kinds = [fault_of(out["response_text"][i]) for i in range(len(texts))]
+        counters = out.meta["reward_counters"]
+        assert counters["errors"] == kinds.count("raise") > 0
+        assert counters["nonfinite"] == kinds.count("nan") > 0
+        assert counters["timeouts"] == kinds.count("hang") > 0
+        for k, s in zip(kinds, out["scores"].tolist()):
+            assert (s == 0.0) if k != "ok" else math.isfinite(s)
+        assert kinds[-1] == "ok" and out["scores"][-1] == 1.0  # "so 7" is right (last-number credit)
+    finally:
+        pipeline.shutdown()
+
+
+def _text_batch(tokenizer: Any, texts: list[str], answer: str) -> Any:
+    import torch
+
+    from roll_core.protocol import Batch, pad_left
+
+    ids, mask = pad_left([tokenizer.encode(t, add_special_tokens=False) for t in texts], 0)
+    return Batch({"responses": ids, "response_mask": mask.to(torch.long)}, {"answer": [answer] * len(texts)})
+
+
+def test_killed_inference_and_reward_workers_are_restarted_and_the_run_completes(
+    ray_cluster: Any, seven_task: Path, tmp_path: Path
+) -> None:
+    """ray.kill of the engine during step 2's generation and of the reward worker during its scoring: each is
+    re-created, the engine gets the trained weights back, the calls are rerun, and every step completes. Then the
+    trainer dies: that is an error naming the checkpoint to resume from."""
+    import ray
+
+    pipeline = _pipeline(
+        tiny_overrides(
+            seven_task,
+            tmp_path,
+            "cluster=ray",
+            "pipeline.max_steps=2",
+            "pipeline.save_every=1",
+            # The trainer recomputes log-probs each step: a restored engine that missed the trained weights shows
+            # up as a large train/infer log-prob gap on the step it served.
+            "algo.off_policy_correction=token",
+        )
+    )
+    kills = {"generate": 2, "score": 2}  # method -> the call (= step) during which its worker is killed
+    seen: dict[str, int] = {}
+
+    def killing(group: Any) -> None:
+        submit = group.submit
+
+        def wrapped(method: str, *args: Any, **kwargs: Any) -> Any:
+            handle = submit(method, *args, **kwargs)
+            seen[method] = seen.get(method, 0) + 1
+            if kills.get(method) == seen[method]:
+                ray.kill(group.workers[0])
+            return handle
+
+        group.submit = wrapped
+
+    killing(pipeline.actor_infer)
+    killing(pipeline.reward)
+    try:
+        pipeline.run()
+        history = _history(pipeline)
+        assert [h["step"] for h in history] == [1, 2]
+        assert [h["faults/restarts"] for h in history] == [0, 2]
+        assert history[1]["faults/restarts_actor_infer"] == history[1]["faults/restarts_reward"] == 1
+        assert pipeline.weight_sync.restores == 1
+        assert max(h["actor/train_infer_logprob_diff"] for h in history) < 1e-4, history
+
+        ray.kill(pipeline.actor_train.workers[0])
+        with pytest.raises(WorkerDiedError, match=r"actor_train rank 0 .* resume from the checkpoint .*step_000002"):
+            pipeline.actor_train.get_weights()
+    finally:
+        pipeline.shutdown()
+
+
+class NapperGroup(WorkerGroup[Napper]):
+    worker_cls = Napper
+    restartable = True
+
+
+def test_hung_worker_is_restarted_then_a_timeout_past_the_budget_names_role_method_and_timeout(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
+    marker = tmp_path / "napped"
+    group = NapperGroup(
+        Napper,
+        1,
+        "ray",
+        name="napper",
+        ray_options=RayOptions(num_cpus=0.1),
+        call_timeout_s=1.5,
+        max_restarts=1,
+        marker=str(marker),
+    )
+    try:
+        pid = group.call("nap", 60.0)[0]  # the first incarnation hangs; it is killed, the restarted one answers
+        assert pid != int(marker.read_text())
+        assert group.restarts == 1 and group.timeouts == 1
+        marker.unlink()  # the next call hangs again, and the restart budget is spent
+        with pytest.raises(
+            CallTimeoutError,
+            match=r"napper\.nap\(\) did not return within 1\.5s on rank\(s\) 0 .*cluster\.max_restarts=1",
+        ):
+            group.call("nap", 60.0)
+    finally:
+        group.shutdown()
