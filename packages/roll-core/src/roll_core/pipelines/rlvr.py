@@ -475,6 +475,14 @@ class RLVRPipeline:
     def _setup_data(self) -> None:
         """Training problems, held-out problems and the data sampler."""
         self.train_set, self.eval_set = self.task.train_set(), self.task.eval_set()[: self.cfg.pipeline.eval_size]
+        if not self.train_set:
+            raise ValueError(f"env={self.cfg.env.name}: the training set is empty: check the data (env.path)")
+        if self.cfg.pipeline.eval_every > 0 and not self.eval_set:
+            raise ValueError(
+                f"pipeline.eval_every={self.cfg.pipeline.eval_every} but the held-out set of env={self.cfg.env.name} "
+                f"is empty (pipeline.eval_size={self.cfg.pipeline.eval_size}): give it held-out problems "
+                "(env.eval_size, env.eval_path) or set pipeline.eval_every=0"
+            )
         self.sampler = PromptSampler(len(self.train_set), seed=self.cfg.pipeline.seed)
 
     def _setup_estimator(self) -> Any:
