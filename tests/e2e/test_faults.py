@@ -89,9 +89,9 @@ def _text_batch(tokenizer: Any, texts: list[str], answer: str) -> Any:
 def test_killed_inference_and_reward_workers_are_restarted_and_the_run_completes(
     ray_cluster: Any, seven_task: Path, tmp_path: Path
 ) -> None:
-    """ray.kill of the engine during step 2's generation and of the reward worker during its scoring: each is
-    re-created, the engine gets the trained weights back, the calls are rerun, and every step completes. Then the
-    trainer dies: that is an error naming the checkpoint to resume from."""
+    """ray.kill of the engine during step 1's weight sync and step 2's generation, and of the reward worker during
+    step 2's scoring: each is re-created, the engine gets the trained weights back, the sync is redone and the other
+    calls rerun, and every step completes. Then the trainer dies: an error names the checkpoint to resume from."""
     import ray
 
     pipeline = _pipeline(
@@ -106,7 +106,8 @@ def test_killed_inference_and_reward_workers_are_restarted_and_the_run_completes
             "algo.off_policy_correction=token",
         )
     )
-    kills = {"generate": 2, "score": 2}  # method -> the call (= step) during which its worker is killed
+    # method -> the call (= step) during which its worker is killed
+    kills = {"receive_weights_dist": 1, "generate": 2, "score": 2}
     seen: dict[str, int] = {}
 
     def killing(group: Any) -> None:
@@ -127,9 +128,10 @@ def test_killed_inference_and_reward_workers_are_restarted_and_the_run_completes
         pipeline.run()
         history = _history(pipeline)
         assert [h["step"] for h in history] == [1, 2]
-        assert [h["faults/restarts"] for h in history] == [0, 2]
+        assert [h["faults/restarts"] for h in history] == [1, 2]
+        assert history[0]["faults/restarts_actor_infer"] == 1
         assert history[1]["faults/restarts_actor_infer"] == history[1]["faults/restarts_reward"] == 1
-        assert pipeline.weight_sync.restores == 1
+        assert pipeline.weight_sync.restores == 2
         assert max(h["actor/train_infer_logprob_diff"] for h in history) < 1e-4, history
 
         ray.kill(pipeline.actor_train.workers[0])

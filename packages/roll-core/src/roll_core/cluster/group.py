@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -140,6 +141,11 @@ class WorkerGroup(Generic[W]):
         self.max_restarts = max_restarts if self.restartable else 0
         self.start_timeout_s = start_timeout_s  # a restarted worker's start and set-up (an engine loads its model)
         self.restarts = 0  # workers re-created so far
+        # Incarnation of each rank (bumped by a restart): a call that fails on a rank another thread has already
+        # restarted is rerun there, not restarted twice. Restarts and their hooks run under `restart_lock`
+        # (re-entrant: hooks make calls); code that must not interleave with a restore takes it too (weight sync).
+        self._incarnation = [0] * world_size
+        self.restart_lock = threading.RLock()
         self.timeouts = 0  # calls (per rank) that passed their deadline
         self._restart_hooks: list[Callable[[list[int]], None]] = []
         #: Appended to a fatal fault's message (the pipeline names the checkpoint to resume from).
@@ -238,7 +244,8 @@ class WorkerGroup(Generic[W]):
             return Handle(parts, mode, lambda p: p, keep)
         parts = [getattr(self.workers[r], method).remote(*a, **kwargs) for r, a in args.items()]
         deadline = self._deadline()
-        return Handle(parts, mode, lambda p: self._collect(method, args, kwargs, p, deadline), keep)
+        born = {r: self._incarnation[r] for r in args} if self.backend == "ray" else {}
+        return Handle(parts, mode, lambda p: self._collect(method, args, kwargs, p, deadline, born), keep)
 
     def call_ranks(self, ranks: Sequence[int], method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Run a broadcast method on some ranks only (restoring restarted workers); their results in order."""
@@ -262,6 +269,7 @@ class WorkerGroup(Generic[W]):
         kwargs: dict[str, Any],
         refs: list[Any],
         deadline: float | None,
+        born: dict[int, int],
     ) -> list[Any]:
         """Per-rank results of a call; dead or hung ranks are restarted and their part rerun (see module doc)."""
         import ray
@@ -283,14 +291,26 @@ class WorkerGroup(Generic[W]):
                     dead.append(r)
             if not dead and not hung:
                 break
-            self._recover(method, dead, hung)
+            self._recover(method, dead, hung, born)
+            born = {**born, **{r: self._incarnation[r] for r in dead + hung}}
             deadline = self._deadline()
             pending = {r: getattr(self.workers[r], method).remote(*args[r], **kwargs) for r in dead + hung}
         return [results[r] for r in args]
 
-    def _recover(self, method: str, dead: list[int], hung: list[int]) -> None:
-        """Restart dead and hung ranks if this group may, else raise the error that names them."""
-        self.timeouts += len(hung)
+    def _recover(self, method: str, dead: list[int], hung: list[int], born: dict[int, int]) -> None:
+        """Restart dead and hung ranks if this group may, else raise the error that names them. Ranks that another
+        thread restarted since the call was submitted (`born`: their incarnation then) are only rerun."""
+        failed = dead + hung
+        with self.restart_lock:
+            self.timeouts += len(hung)
+            dead = [r for r in dead if self._incarnation[r] == born.get(r, 0)]
+            hung = [r for r in hung if self._incarnation[r] == born.get(r, 0)]
+            if dead or hung:
+                self._restart_or_raise(method, dead, hung)
+        if not retryable(self.cls, method):
+            raise WorkerRestartedError(f"{self.name}: rank(s) {failed} restarted; {method}() must be redone", failed)
+
+    def _restart_or_raise(self, method: str, dead: list[int], hung: list[int]) -> None:
         failed = dead + hung
         allowed = self.restarts + len(failed) <= self.max_restarts
         if not allowed:
@@ -313,11 +333,13 @@ class WorkerGroup(Generic[W]):
             + [f"rank {r} hung in {method}() past {self.call_timeout_s}s" for r in hung]
         )
         self.restart(failed, reason)
-        if not retryable(self.cls, method):
-            raise WorkerRestartedError(f"{self.name}: {reason}; restarted, {method}() must be redone", failed)
 
     def restart(self, ranks: list[int], reason: str = "requested") -> None:
         """Kill and re-create `ranks` with their original options, set them up, then run the restart hooks."""
+        with self.restart_lock:
+            self._restart(ranks, reason)
+
+    def _restart(self, ranks: list[int], reason: str) -> None:
         import ray
 
         log.warning(
@@ -345,6 +367,7 @@ class WorkerGroup(Generic[W]):
             ) from exc
         for (r, actor), node in zip(fresh.items(), nodes):
             self.workers[r], self.nodes[r] = actor, str(node)
+            self._incarnation[r] += 1
         self.restarts += len(ranks)
         for hook in self._restart_hooks:
             hook(list(ranks))
@@ -366,7 +389,7 @@ class WorkerGroup(Generic[W]):
                 except ray.exceptions.RayActorError:
                     dead.append(r)
         if dead:
-            self._recover("ping", dead, [])
+            self._recover("ping", dead, [], {r: self._incarnation[r] for r in dead})
         return dead
 
     def _get(self, refs: list[Any], ranks: list[int], method: str) -> list[Any]:

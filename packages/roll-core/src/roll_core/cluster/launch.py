@@ -245,10 +245,7 @@ class Cluster:
                 f"The run cannot continue and no checkpoint was saved yet under {self.checkpoints.root} "
                 "(pipeline.save_every=N saves every N steps)"
             )
-        return (
-            f"The run cannot continue; resume from the checkpoint {latest} with pipeline.resume=true "
-            f"pipeline.output_dir={self.checkpoints.root.parent}"
-        )
+        return f"The run cannot continue; resume from the checkpoint {latest}: pipeline.resume_from={latest}"
 
     def fault_metrics(self) -> dict[str, float]:
         """Faults since the previous call: `faults/restarts` (workers re-created), `faults/timeouts` (calls past

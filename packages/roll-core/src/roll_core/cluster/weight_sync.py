@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime
 import logging
 import pickle
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -216,6 +217,10 @@ class WeightSync:
         self._group_ready = False
         self.synced_once = False
         self.restores = 0  # restarted engines given the trainer's weights
+        # A restore may start on another thread (the asynchronous driver's request failed) while a sync runs: they
+        # take turns under the inference group's restart lock (one lock, so no lock-order deadlock), re-entrant
+        # because an engine that dies during a sync is restored inside it.
+        self._lock = getattr(infer, "restart_lock", None) or threading.RLock()
         if self.transport != "inprocess" and hasattr(infer, "add_restart_hook"):
             infer.add_restart_hook(self.restore)
 
@@ -223,28 +228,30 @@ class WeightSync:
         """One sync; `full=None` sends only changed tensors after the first sync (and always after a level-2
         sleep, which the pipeline reports by `require_full()`). An engine that dies during the sync is restarted
         and the sync redone in full."""
-        restarts = getattr(self.infer, "restarts", 0)
-        try:
-            return self._sync(full)
-        except Exception as exc:
-            # An engine that died mid-sync surfaces as its own error, or as the trainer's (a broken broadcast).
-            healed = self.infer.check_health() if hasattr(self.infer, "check_health") else []
-            if not healed and getattr(self.infer, "restarts", 0) == restarts:
-                raise
-            log.warning("weight sync interrupted by a restarted inference engine (%s): redoing it in full", exc)
-            self._group_ready = False
-            return self._sync(True)
+        with self._lock:
+            restarts = getattr(self.infer, "restarts", 0)
+            try:
+                return self._sync(full)
+            except Exception as exc:
+                # An engine that died mid-sync surfaces as its own error, or as the trainer's (a broken broadcast).
+                healed = self.infer.check_health() if hasattr(self.infer, "check_health") else []
+                if not healed and getattr(self.infer, "restarts", 0) == restarts:
+                    raise
+                log.warning("weight sync interrupted by a restarted inference engine (%s): redoing it in full", exc)
+                self._group_ready = False
+                return self._sync(True)
 
     def restore(self, ranks: list[int]) -> None:
         """Give restarted inference ranks the trainer's current weights (all of them, through the object store)."""
-        self._group_ready = False  # a `dist` group that lost a member is rebuilt at the next sync
-        published = self.train.call("publish_weights", self.bucket_bytes, False)[0]
-        self.infer.call_ranks(ranks, "begin_weight_update")
-        try:
-            self.infer.call_ranks(ranks, "receive_weights_object_store", published["refs"])
-        finally:
-            self.infer.call_ranks(ranks, "finish_weight_update")
-        self.restores += len(ranks)
+        with self._lock:
+            self._group_ready = False  # a `dist` group that lost a member is rebuilt at the next sync
+            published = self.train.call("publish_weights", self.bucket_bytes, False)[0]
+            self.infer.call_ranks(ranks, "begin_weight_update")
+            try:
+                self.infer.call_ranks(ranks, "receive_weights_object_store", published["refs"])
+            finally:
+                self.infer.call_ranks(ranks, "finish_weight_update")
+            self.restores += len(ranks)
         log.warning("inference rank(s) %s restored with the trainer's weights (%d bytes)", ranks, published["bytes"])
 
     def _sync(self, full: bool | None) -> SyncStats:
