@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -91,6 +92,11 @@ class ForkedWorker:
 
     def _start(self) -> None:
         parent, child = Pipe()
+        for stream in (sys.stdout, sys.stderr):  # buffered output would otherwise be written again by the child
+            try:
+                stream.flush()
+            except Exception:
+                pass
         with warnings.catch_warnings():
             # Python >= 3.12 warns that forking a multi-threaded process may deadlock the child: a child stuck on a
             # lock some parent thread held is exactly what the deadline below kills and counts.
@@ -100,6 +106,9 @@ class ForkedWorker:
             code = 0
             try:
                 parent.close()
+                torch = sys.modules.get("torch")
+                if torch is not None:  # as torch's DataLoader workers do: no thread pool inherited mid-state
+                    torch.set_num_threads(1)
                 _serve(self.fn, child)
             except BaseException:
                 code = 1
