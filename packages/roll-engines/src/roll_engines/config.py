@@ -20,10 +20,14 @@ class HFTrainEngineConfig:
     name: str = "hf"
     # Worker processes (data-parallel ranks); the hf engine is single-process: 1.
     world_size: int = 1
-    # Rows per forward/backward (gradient accumulation splits mini-batches into these).
+    # Rows per forward/backward (gradient accumulation splits mini-batches into these), whatever their lengths.
     micro_batch_size: int = 4
     # Rows per no-grad forward when scoring log-probs / values.
     logprob_chunk_size: int = 8
+    # Run each micro-batch packed: a prompt shared by several rows (a GRPO group) is computed once and responses
+    # follow it without padding, under a block attention mask. Same log-probs and gradients as the padded forward
+    # (up to float summation order); models that cannot take a 4D mask (e.g. flash_attention_2) fall back to it.
+    pack_sequences: bool = True
     # Recompute activations in backward to save memory.
     gradient_checkpointing: bool = False
     # torch threads per worker process; null: all cores.

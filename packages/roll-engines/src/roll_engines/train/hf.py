@@ -7,15 +7,23 @@ at positions P-1 .. P+R-2 predict the response tokens, so only the last R+1 logi
 Contract:
 - `compute_logprobs` / `compute_values` run without gradients in chunks of `logprob_chunk_size` rows.
 - `train_step(batch, loss_fn, ...)` splits the batch into `mini_batches` optimizer steps per epoch and each into
-  micro-batches of `micro_batch_size` rows for gradient accumulation. Each micro-batch loss is scaled by
-  `loss_fn.units(micro) / units of its whole mini-batch (over all data-parallel ranks)` times the data-parallel
-  size, so any split of rows over micro-batches and ranks gives the gradient of the unsplit batch.
+  micro-batches of `micro_batch_size` rows (rows, whatever their lengths) for gradient accumulation. Each
+  micro-batch loss is scaled by `loss_fn.units(micro) / units of its whole mini-batch (over all data-parallel
+  ranks)` times the data-parallel size, so any split of rows over micro-batches and ranks gives the gradient of
+  the unsplit batch.
+- `pack_sequences` (default on) runs each micro-batch / chunk packed (roll_engines.train._packing): a prompt
+  shared by several rows is computed once, responses follow it without padding under a block attention mask.
+  Rows are first grouped by prompt inside each mini-batch (and the scoring batch), so micro-batches share
+  prompts; the rows of each mini-batch, hence the gradient, stay the same (per-micro-batch metrics may average
+  differently). Models that cannot take a 4D mask use the padded forward (logged once). Outputs at response
+  positions outside the attention mask are 0 when packed.
 - Never sees a Hydra config: the worker passes plain values.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 import warnings
@@ -29,6 +37,9 @@ from roll_algos.losses import entropy_from_logits, token_logprobs
 from roll_core.interfaces import LossFn
 from roll_core.models import default_num_threads, resolve_model_path, torch_dtype
 from roll_engines.train._lora import adapter_state, apply_lora, is_lora, load_adapter, merged_weights, save_adapter
+from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
+
+log = logging.getLogger(__name__)
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -81,6 +92,7 @@ class HFTrainEngine:
         lora_alpha: float = 16.0,
         lora_dropout: float = 0.0,
         lora_target_modules: list[str] | str = "all-linear",
+        pack_sequences: bool = True,
     ) -> None:
         if role not in ("actor", "critic", "reference"):
             raise ValueError(f"role must be actor, critic or reference, got {role!r}")
@@ -118,6 +130,15 @@ class HFTrainEngine:
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = self._wrap(self.model)
+        self.pack_sequences = pack_sequences
+        reason = unsupported_reason(self.model) if pack_sequences else None
+        if reason is not None:
+            log.warning("pack_sequences: %s; using the padded forward", reason)
+            self.pack_sequences = False
+        # Weighs padding against attention when a packed micro-batch is split into rows (_packing._place).
+        self.pack_hidden_size = int(getattr(self.model.config, "hidden_size", 0) or 0)
+        # Positions fed to the model by every forward so far (padding included): what packing saves.
+        self.forward_tokens = 0
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if self.trainable:
@@ -175,7 +196,31 @@ class HFTrainEngine:
         return is_lora(self.model)
 
     def _forward(self, micro: Mapping[str, Tensor], temperature: float, with_entropy: bool) -> dict[str, Tensor]:
+        """Log-probs (b, R) (and entropies (b, R)) of the responses, or critic values (b, R), of one micro-batch."""
+        packed = (
+            pack(
+                micro["input_ids"],
+                micro["attention_mask"],
+                micro["position_ids"],
+                micro["responses"],
+                self.pack_hidden_size,
+            )
+            if self.pack_sequences
+            else None
+        )
+        if packed is not None:
+            self.forward_tokens += packed.tokens
+            autocast = torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast)
+            return packed_forward(
+                self.model,
+                packed.to(self.device),
+                critic=self.role == "critic",
+                temperature=temperature,
+                with_entropy=with_entropy,
+                autocast=autocast,
+            )
         ids = micro["input_ids"].to(self.device)
+        self.forward_tokens += ids.numel()
         resp = micro["responses"].to(self.device)
         r = resp.shape[1]
         kwargs = dict(
@@ -221,6 +266,9 @@ class HFTrainEngine:
         self.model.eval()  # no dropout in scoring passes
         tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
         n = tensors["input_ids"].shape[0]
+        order = self._prompt_order(tensors)
+        if order is not None:  # chunks of rows that share prompts; outputs are put back in batch order below
+            tensors = {k: v[order] for k, v in tensors.items()}
         chunks = [
             {k: v[s : s + self.logprob_chunk_size] for k, v in tensors.items()}
             for s in range(0, n, self.logprob_chunk_size)
@@ -237,7 +285,17 @@ class HFTrainEngine:
         if not parts:  # a rank with no rows
             r = tensors["responses"].shape[1]
             return {k: torch.zeros(0, r) for k in (("values",) if self.role == "critic" else ("logprobs",))}
-        return {k: torch.cat(v) for k, v in parts.items()}
+        out = {k: torch.cat(v) for k, v in parts.items()}
+        if order is not None:
+            out = {k: v[torch.argsort(order)] for k, v in out.items()}
+        return out
+
+    def _prompt_order(self, tensors: Mapping[str, Tensor]) -> Tensor | None:
+        """Row permutation (B,) grouping rows that share a prompt, when packing; None keeps the order."""
+        if not self.pack_sequences or tensors["input_ids"].shape[0] < 2:
+            return None
+        r = tensors["responses"].shape[1]
+        return prompt_order(tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"], r)
 
     # ---- training -----------------------------------------------------------------------------------------
     def train_step(
@@ -258,7 +316,7 @@ class HFTrainEngine:
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
-        t0 = time.perf_counter()
+        t0, tokens0 = time.perf_counter(), self.forward_tokens
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
             # A rank may hold fewer rows than mini-batches (uneven splits, dropped groups): its part is then empty,
@@ -278,6 +336,7 @@ class HFTrainEngine:
         out = {k: sums[k] / counts[k] for k in sums}
         out["lr"] = self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
         out["train_seconds"] = time.perf_counter() - t0
+        out["forward_tokens"] = self.forward_tokens - tokens0  # positions computed (padding included)
         # AdamW's state on this rank (fp32 moments of every trained parameter; LoRA shrinks it to the adapters).
         out["optimizer_state_mb"] = (
             sum(
@@ -300,6 +359,9 @@ class HFTrainEngine:
         Returns (metric name, value) pairs of the real micro-batches and the mini-batch's units over all ranks.
         """
         n = mini["input_ids"].shape[0]
+        order = self._prompt_order(mini)
+        if order is not None:  # micro-batches of rows that share prompts (the mini-batch's rows are unchanged)
+            mini = {k: v[order] for k, v in mini.items()}
         micros = [
             {k: v[s : s + self.micro_batch_size] for k, v in mini.items()} for s in range(0, n, self.micro_batch_size)
         ]

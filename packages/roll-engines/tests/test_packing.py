@@ -1,0 +1,230 @@
+"""Shared-prompt packing (roll_engines.train._packing) gives what the padded forward gives, with fewer tokens.
+
+The batch has groups of identical prompts of different lengths (left padding), right-padded responses of
+different lengths, an empty response, rows of one group not next to each other, and multi-turn rows (one
+sharing a group's prompt) with observation holes in the response mask. Tiny Llama in fp32. Tolerances:
+log-probs, entropies and values atol 1e-5 (summation-order noise is ~1e-6); gradients rtol 1e-4 / atol 1e-6;
+weights after 4 AdamW steps at lr 1e-3 atol 1e-5: AdamW's first steps move a weight by ~lr * sign(grad), so the
+rounding noise of a near-zero gradient can move it by up to ~1e-2 * lr (the padded path split into other
+micro-batches differs from itself by as much, at 1 or 2 of 95k weights); a wrong gradient moves many by ~lr.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from roll_core.models import resolve_model_path
+from roll_core.pipelines.objectives import PolicyObjective, ValueObjective
+from roll_core.sequences import pad_left
+from roll_engines.train._packing import pack, prompt_order, unsupported_reason
+from roll_engines.train.hf import HFTrainEngine
+
+LOGPROB_ATOL = 1e-5
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
+WEIGHT_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    import os
+
+    os.environ["ROLL_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    return resolve_model_path("builtin:tiny")
+
+
+def make_batch(rows: list[tuple[list[int], list[tuple[list[int], int]]]], pad_id: int = 0) -> dict[str, Tensor]:
+    """The trainer's layout from (prompt ids, [(piece ids, trained 0/1), ...]) rows, as agentic `to_tensors`
+    builds it: observation pieces (trained 0) are attended context with response_mask 0; for single-turn rows
+    this is exactly `build_sequences` (the response attention mask equals the response mask)."""
+    tokens = [[t for piece, _ in pieces for t in piece] for _, pieces in rows]
+    trained = [[m for piece, m in pieces for _ in piece] for _, pieces in rows]
+    r = max(len(t) for t in tokens)
+    responses = torch.full((len(rows), r), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((len(rows), r), dtype=torch.long)
+    present = torch.zeros((len(rows), r), dtype=torch.long)
+    for i, (t, m) in enumerate(zip(tokens, trained)):
+        responses[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        response_mask[i, : len(m)] = torch.tensor(m, dtype=torch.long)
+        present[i, : len(t)] = 1
+    prompts, prompt_mask = pad_left([p for p, _ in rows], pad_id)
+    attention_mask = torch.cat([prompt_mask, present], dim=1)
+    return {
+        "prompts": prompts,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp_min(0),
+        "responses": responses,
+        "response_mask": response_mask,
+    }
+
+
+def _mixed_batch(seed: int = 0) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(3, 99, (n,), generator=g).tolist()
+
+    pa, pb, pc, pd = toks(9), toks(4), toks(12), toks(6)
+    rows = [
+        (pa, [(toks(5), 1)]),
+        (pa, [(toks(2), 1)]),
+        (pb, [(toks(7), 1)]),
+        (pc, [(toks(3), 1)]),
+        (pb, [(toks(1), 1)]),
+        (pa, [(toks(3), 1), (toks(4), 0), (toks(2), 1)]),  # multi-turn: response, observation, response
+        (pb, [([], 1)]),  # an empty response
+        (pd, [(toks(2), 1), (toks(1), 0), (toks(3), 1), (toks(2), 0)]),  # ends on an observation
+        (pa, [(toks(6), 1)]),  # group a again, not next to the others
+    ]
+    batch = make_batch(rows)
+    mask = batch["response_mask"].float()
+    batch["advantages"] = torch.randn(mask.shape, generator=g) * mask
+    batch["ref_logprobs"] = -torch.rand(mask.shape, generator=g) * mask
+    batch["values"] = torch.randn(mask.shape, generator=g) * mask
+    batch["returns"] = torch.randn(mask.shape, generator=g) * mask
+    return batch
+
+
+def _attended(batch: dict[str, Tensor]) -> Tensor:
+    """(B, R) response positions under the attention mask: where both paths compute an output."""
+    r = batch["responses"].shape[1]
+    return batch["attention_mask"][:, -r:].bool()
+
+
+def _engines(tiny: str, rows: str = "auto", **kwargs: object) -> tuple[HFTrainEngine, HFTrainEngine]:
+    """A padded and a packed engine; `rows` forces the packed layout: "one" row per micro-batch, "many"
+    (first-fit rows of the padded width, several segments sharing a row when they fit) or the cost model's."""
+    padded = HFTrainEngine(tiny, pack_sequences=False, **kwargs)
+    packed = HFTrainEngine(tiny, pack_sequences=True, **kwargs)
+    assert packed.pack_sequences and not padded.pack_sequences
+    packed.pack_hidden_size = {"one": 10**9, "many": 0, "auto": packed.pack_hidden_size}[rows]
+    return padded, packed
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize(("chunk", "rows"), [(3, "auto"), (16, "one"), (16, "many")])
+def test_logprobs_and_entropy_equal_padded(tiny: str, attn: str, chunk: int, rows: str) -> None:
+    batch = _mixed_batch()
+    padded, packed = _engines(tiny, rows, attn_implementation=attn, logprob_chunk_size=chunk, role="reference")
+    want = padded.compute_logprobs(batch, temperature=0.7, with_entropy=True)
+    got = packed.compute_logprobs(batch, temperature=0.7, with_entropy=True)
+    m = _attended(batch)
+    for key in ("logprobs", "entropy"):
+        assert got[key].shape == want[key].shape == m.shape
+        torch.testing.assert_close(got[key][m], want[key][m], atol=LOGPROB_ATOL, rtol=0, msg=key)
+        assert (got[key][~m] == 0).all()  # nothing is computed outside the attention mask
+    assert packed.forward_tokens < padded.forward_tokens
+
+
+@pytest.mark.parametrize(("micro", "rows"), [(2, "auto"), (4, "auto"), (9, "one"), (9, "many")])
+def test_gradients_equal_padded(tiny: str, micro: int, rows: str) -> None:
+    batch = _mixed_batch(1)
+    padded, packed = _engines(tiny, rows, micro_batch_size=micro)
+    # Non-trivial ratios (clipping acts), a KL term and an entropy bonus: every output carries gradient.
+    old = padded.compute_logprobs(batch)["logprobs"].detach()
+    batch["old_logprobs"] = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2))
+    objective = PolicyObjective(agg="seq-mean-token-mean", kl_loss_coef=0.1, entropy_coef=0.01)
+    want = padded.compute_gradients(batch, objective)
+    got = packed.compute_gradients(batch, objective)
+    assert want.keys() == got.keys() and all(g.abs().sum() > 0 for g in want.values())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+
+
+def test_train_step_gives_the_same_weights(tiny: str) -> None:
+    batch = _mixed_batch(2)
+    padded, packed = _engines(tiny, lr=1e-3, micro_batch_size=5)  # several segments per packed row
+    before = padded.get_weights()
+    kwargs = dict(mini_batches=2, epochs=2, shuffle_seed=7)
+    m_pad = padded.train_step(batch, PolicyObjective(entropy_coef=0.01), **kwargs)
+    m_pack = packed.train_step(batch, PolicyObjective(entropy_coef=0.01), **kwargs)
+    assert m_pack["grad_norm"] == pytest.approx(m_pad["grad_norm"], rel=1e-4)
+    assert m_pack["forward_tokens"] < m_pad["forward_tokens"]
+    after = packed.get_weights()
+    for name, w in padded.get_weights().items():
+        assert not torch.equal(w, before[name]), f"{name} did not train"
+        torch.testing.assert_close(after[name], w, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+def test_critic_values_and_gradients_equal_padded(tiny: str) -> None:
+    batch = _mixed_batch(3)
+    padded, packed = _engines(tiny, "many", role="critic", lr=1e-3, micro_batch_size=4)
+    want, got = padded.compute_values(batch)["values"], packed.compute_values(batch)["values"]
+    m = _attended(batch)
+    torch.testing.assert_close(got[m], want[m], atol=LOGPROB_ATOL, rtol=0)
+    g_want = padded.compute_gradients(batch, ValueObjective())
+    g_got = packed.compute_gradients(batch, ValueObjective())
+    assert g_want.keys() == g_got.keys()
+    for name in g_want:
+        torch.testing.assert_close(g_got[name], g_want[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+
+
+def test_a_group_runs_as_one_sequence_with_its_prompt_once(tiny: str) -> None:
+    # The quickstart's shape, scaled down: 2 prompts x 4 samples, long prompts, short answers.
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 99, (n,), generator=g).tolist() for n in (30, 27)]
+    lens = [[5, 3, 6, 2], [4, 4, 1, 5]]
+    rows = [(prompts[k], [(torch.randint(3, 99, (n,), generator=g).tolist(), 1)]) for k in range(2) for n in lens[k]]
+    batch = make_batch(rows)
+    first = [batch[k][:4] for k in ("input_ids", "attention_mask", "position_ids", "responses")]
+    packed = pack(*first, hidden_size=64)
+    assert packed is not None and packed.input_ids.shape == (1, 30 + sum(lens[0]))
+    # Each response continues its prompt's positions: 30, 31, ...
+    assert packed.position_ids[0, 30:35].tolist() == list(range(30, 35))
+    assert packed.position_ids[0, 35:38].tolist() == list(range(30, 33))
+    a = packed.allowed[0, 0]
+    assert a[31, :30].all() and a[35, :30].all()  # both responses see the whole prompt
+    assert not a[35, 30:35].any() and not a[34, 35:].any()  # never a sibling response (before or after)
+
+    padded, engine = _engines(tiny, logprob_chunk_size=4, role="reference")
+    padded.compute_logprobs(batch)
+    engine.compute_logprobs(batch)
+    assert padded.forward_tokens == 8 * batch["input_ids"].shape[1] == 8 * (30 + 6)
+    assert engine.forward_tokens == (30 + sum(lens[0])) + (27 + sum(lens[1]))  # one row per group, no padding
+
+
+def test_prompt_order_groups_rows_stably() -> None:
+    batch = _mixed_batch()
+    r = batch["responses"].shape[1]
+    order = prompt_order(batch["input_ids"], batch["attention_mask"], batch["position_ids"], r)
+    assert order.tolist() == [0, 1, 5, 8, 2, 4, 6, 3, 7]
+
+
+def test_unpackable_micro_batches_and_models_fall_back(
+    tiny: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    batch = _mixed_batch()
+    ids, am, pos, resp = (batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses"))
+    holes = am.clone()
+    holes[0, -resp.shape[1]] = 0  # a response whose attention is not a prefix
+    assert pack(ids, holes, pos, resp, 64) is None
+    no_tokens = am.clone()
+    no_tokens[:, -resp.shape[1] :] = 0
+    assert pack(ids, no_tokens, pos, resp, 64) is None
+
+    engine = HFTrainEngine(tiny, role="reference")
+    assert unsupported_reason(engine.model) is None
+    engine.model.config._attn_implementation = "flash_attention_2"
+    assert "flash_attention_2" in unsupported_reason(engine.model)
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(
+        vocab_size=99,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    MistralForCausalLM(cfg).save_pretrained(tmp_path / "mistral")
+    with caplog.at_level(logging.WARNING, logger="roll_engines.train.hf"):
+        mistral = HFTrainEngine(str(tmp_path / "mistral"), role="reference")
+    assert not mistral.pack_sequences and "sliding-window" in caplog.text
+    out = mistral.compute_logprobs(batch)["logprobs"]
+    assert mistral.forward_tokens == ids.numel() and torch.isfinite(out).all()
