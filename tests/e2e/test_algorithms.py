@@ -32,3 +32,31 @@ def test_preset_runs_and_its_clipping_acts(preset: str, seven_task: Path, tmp_pa
     if preset in ("dapo", "gspo", "ppo"):  # presets with several optimizer steps per batch
         clipped = max(h.get("actor/clipfrac_low", 0) + h.get("actor/clipfrac_high", 0) for h in steps)
         assert clipped > 0, f"{preset} never clipped"
+
+
+def test_non_finite_losses_are_skipped_counted_and_stop_the_run(
+    seven_task: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From step 3 the loss is NaN: those optimizer steps are skipped (weights and LR kept, counted), and the run
+    stops with an explanation after pipeline.max_nonfinite_steps of them in a row."""
+    from roll_core.pipelines.objectives import PolicyObjective
+    from roll_core.testing import run_pipeline, tiny_overrides
+
+    calls = {"n": 0}
+    real = PolicyObjective.__call__
+
+    def sometimes_nan(self: PolicyObjective, outputs: dict, micro: dict) -> tuple:
+        loss, m = real(self, outputs, micro)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] > 2 else loss), m
+
+    monkeypatch.setattr(PolicyObjective, "__call__", sometimes_nan)
+    overrides = tiny_overrides(seven_task, tmp_path, "algo.warmup_steps=10", "pipeline.save_every=1")
+    with pytest.raises(FloatingPointError, match="3 steps in a row had a non-finite loss") as err:
+        run_pipeline([*overrides, "train_engine.micro_batch_size=64", "pipeline.max_nonfinite_steps=3"])
+    assert "pipeline.resume_from=" in str(err.value) and "step_000004" in str(err.value)
+    from roll_core.tracking import Tracker
+
+    h = Tracker.read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["actor/nonfinite_steps"] for r in h] == [0.0, 0.0, 1.0, 1.0]  # step 5 raised before it was logged
+    assert h[1]["actor/lr"] > h[0]["actor/lr"] and h[3]["actor/lr"] == h[2]["actor/lr"] == h[1]["actor/lr"]

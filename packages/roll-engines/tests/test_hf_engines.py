@@ -170,3 +170,28 @@ def test_iter_weights_sends_tied_tensors_once_and_skips_frozen(tmp_path: Path) -
     eng.model.model.norm.weight.requires_grad_(False)
     changed = [k for k, _ in eng.iter_weights(changed_only=True)]
     assert "model.norm.weight" not in changed and len(changed) == len(names) - 1
+
+
+def test_a_non_finite_loss_skips_the_step_without_touching_weights_or_schedule(tiny: str) -> None:
+    infer = HFInferEngine(tiny, max_new_tokens=8)
+    batch = _batch(infer, ["abc"], n=4)
+    batch["advantages"] = torch.ones_like(batch["behaviour_logprobs"]) * batch["response_mask"]
+    eng = HFTrainEngine(tiny, lr=1e-2, micro_batch_size=2, warmup_steps=5, total_steps=10, lr_schedule="cosine")
+    objective = PolicyObjective()
+
+    class NanLoss(PolicyObjective):
+        def __call__(self, outputs: dict, micro: dict) -> tuple:
+            loss, m = super().__call__(outputs, micro)
+            return loss * float("nan"), m
+
+    nan_loss = NanLoss()
+
+    before = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    lr0 = eng.scheduler.get_last_lr()[0]
+    bad = eng.train_step(batch, nan_loss, mini_batches=2)
+    assert bad["nonfinite_steps"] == 2 and bad["optimizer_steps"] == 2 and "grad_norm" not in bad
+    assert eng.scheduler.get_last_lr()[0] == lr0 and not eng.optimizer.state  # no LR step, no Adam moments
+    for k, v in eng.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    good = eng.train_step(batch, objective, mini_batches=2)
+    assert good["nonfinite_steps"] == 0 and good["grad_norm"] > 0 and eng.scheduler.get_last_lr()[0] > lr0

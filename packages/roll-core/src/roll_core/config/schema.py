@@ -315,6 +315,9 @@ class PipelineConfig:
     # process: the reward runs in a forked child of its worker, so a hang can be cut off | inline: in the worker
     # itself (rewards that need a CUDA context made before a fork); errors and NaN are handled, hangs are not.
     reward_isolation: str = "process"
+    # Stop the run after this many consecutive steps whose loss or gradient was NaN/inf (each such optimizer step
+    # is skipped, the LR schedule does not advance; counted in actor/nonfinite_steps). 0: never stop.
+    max_nonfinite_steps: int = 3
     # Asynchronous training: rollout runs up to this many batches ahead of the trainer, and no trained sample is
     # older than this many weight versions (0: the synchronous loop). Needs a continuous-batching engine that
     # stays awake (infer_engine.sleep_level=0); off-policy correction: algo.off_policy_correction.
@@ -329,6 +332,7 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         _one_of("pipeline.name", self.name, ("rlvr", "agentic"))
         _positive("pipeline.async_ratio", self.async_ratio, allow_zero=True)
+        _positive("pipeline.max_nonfinite_steps", self.max_nonfinite_steps, allow_zero=True)
         _positive("pipeline.tail_groups", self.tail_groups, allow_zero=True)
         if self.async_ratio == 0 and (self.partial_rollout or self.tail_groups):
             raise ValueError(

@@ -186,6 +186,7 @@ class RLVRPipeline:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "placement.json").write_text(json.dumps(self.cluster.placement_report(), indent=2))
         self.start_step = 1
+        self.bad_steps = 0  # consecutive steps skipped for a non-finite loss or gradient
         latest = self.ckpt.latest() if (pipe.resume or pipe.resume_from) else None
         from omegaconf import OmegaConf
 
@@ -444,6 +445,7 @@ class RLVRPipeline:
                 shuffle_seed=shuffle,
             )
         metrics.update({k if "/" in k else f"actor/{k}": v for k, v in train_metrics.items()})
+        self._check_finite(step, train_metrics)
         metrics["perf/train_tokens_per_s"] = float(mask.sum()) * algo.ppo_epochs / max(timers["train_actor"], 1e-9)
         # Token counts for FLOP accounting (bench/): generated tokens, and prompt tokens once per group.
         metrics["perf/response_tokens"] = float(mask.sum())
@@ -459,6 +461,19 @@ class RLVRPipeline:
             metrics.update(self.weight_sync.sync().metrics())
             if self.async_rollout is not None:
                 self.async_rollout.finish_update()
+
+    def _check_finite(self, step: int, train_metrics: dict[str, float]) -> None:
+        """Count RL steps whose optimizer steps were skipped for NaN/inf; stop after too many in a row."""
+        bad = train_metrics.get("nonfinite_steps", 0.0) > 0
+        self.bad_steps = self.bad_steps + 1 if bad else 0
+        limit = self.cfg.pipeline.max_nonfinite_steps
+        if bad and limit and self.bad_steps >= limit:
+            latest = self.ckpt.latest()
+            raise FloatingPointError(
+                f"step {step}: {self.bad_steps} steps in a row had a non-finite loss or gradient and were skipped "
+                f"(pipeline.max_nonfinite_steps={limit}); lower algo.lr, check the rewards and data"
+                + (f"; the last checkpoint is {latest} (pipeline.resume_from={latest})" if latest else "")
+            )
 
     def _advantages(
         self,

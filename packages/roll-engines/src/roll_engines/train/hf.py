@@ -317,6 +317,7 @@ class HFTrainEngine:
         counts: dict[str, int] = {}
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
         t0, tokens0 = time.perf_counter(), self.forward_tokens
+        skipped = steps = 0
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
             # A rank may hold fewer rows than mini-batches (uneven splits, dropped groups): its part is then empty,
@@ -331,9 +332,15 @@ class HFTrainEngine:
                     counts[k] = counts.get(k, 0) + 1
                 if total == 0:
                     continue
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + self._clip_and_step()
-                counts["grad_norm"] = counts.get("grad_norm", 0) + 1
+                norm, stepped = self._clip_and_step()
+                if stepped:
+                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm
+                    counts["grad_norm"] = counts.get("grad_norm", 0) + 1
+                skipped += int(not stepped)
+                steps += 1
         out = {k: sums[k] / counts[k] for k in sums}
+        # Optimizer steps skipped for a non-finite loss or gradient (weights, moments and LR schedule untouched).
+        out["nonfinite_steps"], out["optimizer_steps"] = float(skipped), float(steps)
         out["lr"] = self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
         out["train_seconds"] = time.perf_counter() - t0
         out["forward_tokens"] = self.forward_tokens - tokens0  # positions computed (padding included)
@@ -394,7 +401,9 @@ class HFTrainEngine:
         """Current full gradients by parameter name (CPU copies)."""
         return {name: p.grad.detach().cpu().clone() for name, p in self.model.named_parameters() if p.grad is not None}
 
-    def _clip_and_step(self) -> float:
+    def _clip_and_step(self) -> tuple[float, bool]:
+        """Clip and apply the accumulated gradient; (total norm, whether the step was taken). A non-finite norm
+        (NaN/inf loss or gradient) skips the step, and the LR schedule does not advance for a skipped step."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
@@ -403,15 +412,18 @@ class HFTrainEngine:
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        stepped = math.isfinite(norm)
         if self.scaler is not None:  # skips the step on inf/nan (then lowers the scale)
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        elif math.isfinite(norm):
+        elif stepped:
             self.optimizer.step()
-        else:  # a non-finite gradient would poison the weights: skip the step (reported as grad_norm=inf/nan)
+        if not stepped:  # a non-finite gradient would poison the weights and moments
             self.optimizer.zero_grad(set_to_none=True)
+            log.warning("%s: non-finite gradient norm (%s): optimizer step skipped", self.role, norm)
+            return norm, False
         self.scheduler.step()
-        return norm
+        return norm, True
 
     # ---- weights and checkpoints --------------------------------------------------------------------------
     def iter_weights(self, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
