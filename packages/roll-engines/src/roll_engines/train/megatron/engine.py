@@ -18,6 +18,7 @@ layout (the optimizer state is saved per rank).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -320,6 +321,7 @@ class MegatronTrainEngine:
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         t0 = time.perf_counter()
+        skipped = steps = 0
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
             for rows in torch.tensor_split(order, mini_batches):
@@ -331,23 +333,31 @@ class MegatronTrainEngine:
                     counts[k] = counts.get(k, 0) + 1
                 if total == 0:
                     continue
-                norm = self._step_optimizer()
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm
-                counts["grad_norm"] = counts.get("grad_norm", 0) + 1
+                norm, ok = self._step_optimizer()
+                if ok:
+                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm
+                    counts["grad_norm"] = counts.get("grad_norm", 0) + 1
+                skipped += int(not ok)
+                steps += 1
         out = {k: sums[k] / counts[k] for k in sums}
+        out["nonfinite_steps"], out["optimizer_steps"] = float(skipped), float(steps)
         out["lr"] = self.base_lr * self._lr(max(self._step - 1, 0))
         out["train_seconds"] = time.perf_counter() - t0
         return out
 
-    def _step_optimizer(self) -> float:
+    def _step_optimizer(self) -> tuple[float, bool]:
+        """(grad norm, stepped): Megatron's optimizer skips a step with a non-finite gradient; the LR schedule
+        then does not advance either."""
         factor = self._lr(self._step)
         for group in self.optimizer.param_groups:
             group["lr"] = self.base_lr * factor
         with self._shims():
             ok, norm, _ = self.optimizer.step()
-        self._step += 1
         norm = float(norm) if norm is not None else float("nan")
-        return norm if ok else float("inf")
+        ok = bool(ok) and math.isfinite(norm)
+        if ok:
+            self._step += 1
+        return norm, ok
 
     def compute_gradients(
         self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float = 1.0
