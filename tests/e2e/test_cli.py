@@ -103,3 +103,17 @@ def test_ctrl_c_checkpoints_and_resume_true_finds_the_run(seven_task: Path, tmp_
     assert steps == list(range(1, done[-1] + 3))  # every step once, continued in the first run's folder
     sample_steps = {json.loads(line)["step"] for line in (first / "samples.jsonl").read_text().splitlines()}
     assert sample_steps == set(steps)
+
+
+@pytest.mark.ray
+def test_a_ray_instance_roll_starts_keeps_token_auth(seven_task: Path, tmp_path: Path) -> None:
+    """roll-train cluster=ray starts a local Ray instance with Ray's token authentication on (nobody on the network
+    can submit work to it) unless the user opts out."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    env["ROLL_CONF_DIR"] = str(Path(__file__).resolve().parents[2] / "conf")
+    overrides = tiny_overrides(seven_task, tmp_path / "run", "cluster=ray", "pipeline.max_steps=1")
+    proc = subprocess.run(
+        [str(BIN / "roll-train"), *overrides], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Token authentication is enabled for this Ray cluster" in proc.stdout + proc.stderr

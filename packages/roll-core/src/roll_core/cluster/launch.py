@@ -104,7 +104,12 @@ class Cluster:
             kwargs["num_cpus"] = self.cfg.num_cpus or max(os.cpu_count() or 1, 4)  # = ${roll_logical_cpus:}
             if self.cfg.resources:
                 kwargs["resources"] = dict(self.cfg.resources)
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private, loopback-only test instance
+            # The head advertises loopback only, and Ray's token authentication (on by default for a new local
+            # instance since Ray 2.5x) stays on unless the user turns it off: cluster.ray_token_auth=false or
+            # RAY_AUTH_MODE=disabled in the environment (tests do that for their private instances).
+            kwargs["_node_ip_address"] = "127.0.0.1"
+            if not self.cfg.ray_token_auth:
+                os.environ["RAY_AUTH_MODE"] = "disabled"
         ray.init(**kwargs)
         self._started_ray = True
 
