@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from roll_algos.kl import AdaptiveKLController, FixedKLController, kl_estimate
@@ -281,9 +281,34 @@ def test_loss_is_finite_for_all_masked_rows(variant: str, agg: str) -> None:
 
 @given(a=st.floats(-30, 30, allow_nan=False), b=st.floats(-30, 30, allow_nan=False))
 @settings(max_examples=100, deadline=None)
-def test_k3_is_nonnegative(a: float, b: float) -> None:
-    assert kl_estimate(T([a]), T([b]), "k3").item() >= 0
-    assert kl_estimate(T([a]), T([b]), "k2").item() >= 0
+def test_k3_and_k2_follow_their_formulas_and_vanish_only_at_equal_logprobs(a: float, b: float) -> None:
+    """k3 = exp(-x) + x - 1 with x = log pi - log ref (clamped to [0, 10]), k2 = x^2 / 2, against fp64. A bare
+    `k3 >= 0` could not fail: the implementation clamps at 0, so a wrong sign or formula would pass it."""
+    x = torch.tensor(a, dtype=torch.float32).double() - torch.tensor(b, dtype=torch.float32).double()
+    k3, k2 = kl_estimate(T([a]), T([b]), "k3").item(), kl_estimate(T([a]), T([b]), "k2").item()
+    exact = min(math.expm1(-x.clamp(-20, 20).item()) + x.clamp(-20, 20).item(), 10.0)
+    assert k3 == pytest.approx(exact, rel=1e-4, abs=1e-6)
+    assert k2 == pytest.approx(0.5 * x.item() ** 2, rel=1e-5, abs=1e-6)
+    if abs(x.item()) > 1e-2:  # k3 ~ x^2 / 2 near 0: positive in fp32 here
+        assert k3 > 0 and k2 > 0
+    if a == b:
+        assert k3 == 0 and k2 == 0
+
+
+@given(seed=st.integers(0, 10_000), vocab=st.integers(2, 50))
+@settings(max_examples=30, deadline=None)
+def test_k1_and_k3_are_unbiased_estimates_of_the_kl(seed: int, vocab: int) -> None:
+    """Averaged over tokens sampled from pi (here: weighted by pi exactly), k1 and k3 give KL(pi || ref), which is
+    positive when the distributions differ; k3's clamps do not act for these logits."""
+    gen = torch.Generator().manual_seed(seed)
+    logp = torch.log_softmax(0.4 * torch.randn(vocab, generator=gen, dtype=torch.float64), -1)
+    ref = torch.log_softmax(0.4 * torch.randn(vocab, generator=gen, dtype=torch.float64), -1)
+    assume(float((ref - logp).max()) < 2.5)  # k3 per token stays below its clamp at 10
+    kl = float((logp.exp() * (logp - ref)).sum())
+    assert kl > 0
+    for kind in ("k1", "k3"):
+        per_token = kl_estimate(logp[None], ref[None], kind)[0]
+        assert float((logp.exp() * per_token).sum()) == pytest.approx(kl, rel=1e-9, abs=1e-12), kind
 
 
 @given(seed=st.integers(0, 10_000), variant=st.sampled_from(POLICY_LOSS_VARIANTS), agg=st.sampled_from(AGG_MODES))
