@@ -103,18 +103,38 @@ def test_training_changes_weights_and_sync_copies_them(tiny: str) -> None:
         torch.testing.assert_close(infer.model.state_dict()[k], v)
 
 
-def test_checkpoint_loads_with_plain_transformers(tiny: str, tmp_path: Path) -> None:
+def test_checkpoint_of_a_trained_engine_loads_with_plain_transformers_and_into_a_fresh_engine(
+    tiny: str, tmp_path: Path
+) -> None:
+    """Saved after a training step, so that a checkpoint of the initial weights, or a load that does nothing,
+    cannot pass: plain transformers and a fresh engine both get the trained weights, not the base model's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    eng = HFTrainEngine(tiny, lr=1e-3)
+    infer = HFInferEngine(tiny, max_new_tokens=8)
+    batch = _batch(infer, ["abc", "What is 2+2?"], n=2)
+    batch["advantages"] = torch.ones_like(batch["behaviour_logprobs"]) * batch["response_mask"]
+    eng = HFTrainEngine(tiny, lr=1e-2)
+    eng.train_step(batch, PolicyObjective())
     eng.save(tmp_path / "ckpt")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model")
-    AutoTokenizer.from_pretrained(tmp_path / "ckpt" / "model")
+    trained = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
+    base = {k: v.detach().clone() for k, v in HFTrainEngine(tiny, lr=1e-2).model.state_dict().items()}
+    changed = [k for k in trained if not torch.equal(trained[k], base[k])]
+    assert changed, "the training step changed no weight: the round trip below would prove nothing"
+
     assert list((tmp_path / "ckpt" / "model").glob("*.safetensors"))
-    for k, v in eng.model.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[k], v)
-    other = HFTrainEngine(tiny, lr=1e-3)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model")
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, trained[k], msg=k)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "ckpt" / "model")
+    assert tok("What is 2+2?")["input_ids"] == infer.tokenizer("What is 2+2?")["input_ids"]
+
+    other = HFTrainEngine(tiny, lr=1e-2)
     other.load(tmp_path / "ckpt")
+    loaded = other.model.state_dict()
+    assert loaded.keys() == trained.keys()
+    for k in trained:
+        torch.testing.assert_close(loaded[k], trained[k], atol=0, rtol=0, msg=k)
+    assert not all(torch.equal(loaded[k], base[k]) for k in changed)
 
 
 def test_critic_values_shape(tiny: str) -> None:
