@@ -1,4 +1,5 @@
-"""Plugin registry, prompt sampler, checkpoint manager, objectives' exact accumulation units."""
+"""Plugin registry, prompt sampler, checkpoint manager, objectives' units: accumulating micro-batches weighted by
+them gives the whole batch's loss and gradient."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from roll_algos.losses import AGG_MODES
 from roll_core import registry
 from roll_core.checkpoint import CheckpointManager
 from roll_core.data import PromptSampler
-from roll_core.pipelines.objectives import PolicyObjective, agg_units
+from roll_core.pipelines.objectives import PolicyObjective, ValueObjective, agg_units
 
 
 def test_registry_lists_and_loads() -> None:
@@ -66,11 +68,62 @@ def test_checkpoint_manager_atomic_and_pruned(tmp_path: Path) -> None:
     assert json.loads((m.latest() / "state.json").read_text())["step"] == 3
 
 
-def test_units_make_accumulation_exact() -> None:
+def test_units_counted_per_aggregation() -> None:
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
     assert agg_units(mask, "token-mean") == 3
     assert agg_units(mask, "seq-mean-token-mean") == 2
     assert agg_units(mask, "seq-mean-token-sum") == 3
+    assert agg_units(mask, "seq-mean-token-sum-norm") == 3
+
+
+@pytest.mark.parametrize(
+    ("objective", "agg"),
+    # The value objective takes no norm_length, so it has no seq-mean-token-sum-norm.
+    [("policy", a) for a in AGG_MODES] + [("value", a) for a in AGG_MODES if a != "seq-mean-token-sum-norm"],
+)
+def test_units_make_accumulation_exact(objective: str, agg: str) -> None:
+    """What the engines do (roll_engines.train.hf `_accumulate`): each micro-batch's loss weighted by its units over
+    the mini-batch's units. Summed over uneven micro-batches (one with an empty row, one with a row of one token),
+    that is the whole mini-batch's loss, and so is its gradient; a plain mean of the micro-batch losses is not."""
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
+    b, t = mask.shape
+    logits = torch.randn(b, t, 5, generator=gen, requires_grad=True)  # stands in for the model's parameters
+    tokens = torch.randint(0, 5, (b, t), generator=gen)
+    data = {
+        "response_mask": mask.float(),
+        "advantages": torch.randn(b, t, generator=gen),
+        "old_logprobs": torch.randn(b, t, generator=gen).clamp(max=0) - 1.0,
+        "ref_logprobs": torch.randn(b, t, generator=gen).clamp(max=0) - 1.0,
+        "values": torch.randn(b, t, generator=gen),
+        "returns": torch.randn(b, t, generator=gen),
+    }
+    if objective == "policy":
+        fn = PolicyObjective(agg=agg, norm_length=t, kl_loss_coef=0.1, entropy_coef=0.01)
+    else:
+        fn = ValueObjective(agg=agg, clip=0.2)
+
+    def loss_of(rows: slice) -> torch.Tensor:
+        lp = torch.log_softmax(logits[rows], -1)
+        outputs = {
+            "logprobs": lp.gather(-1, tokens[rows, :, None])[..., 0],
+            "entropy": -(lp.exp() * lp).sum(-1),
+            "values": logits[rows, :, 0],
+        }
+        return fn(outputs, {k: v[rows] for k, v in data.items()})[0]
+
+    whole = loss_of(slice(0, b))
+    micros = [slice(0, 3), slice(3, 4), slice(4, 6)]
+    total = fn.units(data)
+    assert total == sum(fn.units({k: v[m] for k, v in data.items()}) for m in micros)
+    accumulated = sum(loss_of(m) * fn.units({k: v[m] for k, v in data.items()}) / total for m in micros)
+    torch.testing.assert_close(accumulated, whole, rtol=1e-6, atol=1e-7)
+    (g_accumulated,) = torch.autograd.grad(accumulated, logits)
+    (g_whole,) = torch.autograd.grad(whole, logits)
+    assert g_whole.abs().sum() > 0
+    torch.testing.assert_close(g_accumulated, g_whole, rtol=1e-5, atol=1e-7)
+    naive = sum(loss_of(m) for m in micros) / len(micros)
+    assert not torch.allclose(naive, whole), "the micro-batches are too even to tell weighting apart"
 
 
 def test_policy_objective_adds_kl_and_entropy() -> None:
