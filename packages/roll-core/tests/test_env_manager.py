@@ -12,19 +12,31 @@ from roll_core.agentic.env_manager import EnvFailure, EnvManager
 
 
 class _Env:
-    """reset(seed): seed 0 hangs `hang_s`, seed 1 raises, anything else answers at once."""
+    """reset(seed): seed 0 hangs until `release` is set (at most `hang_s`, so that no thread outlives the tests
+    for long), seed 1 raises, anything else answers at once. `hanging` counts the hung calls that started."""
 
-    hang_s = 3.0
+    hang_s = 30.0
+    release = threading.Event()
+    hanging = threading.Semaphore(0)
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         if seed == 0:
-            time.sleep(self.hang_s)
+            self.hanging.release()
+            self.release.wait(self.hang_s)
         if seed == 1:
             raise ValueError("broken")
         return f"obs-{seed}", {"seed": seed}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         return action, float(len(action)), True, False, {}
+
+
+@pytest.fixture(autouse=True)
+def _release_hung_calls(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(_Env, "release", threading.Event())
+    monkeypatch.setattr(_Env, "hanging", threading.Semaphore(0))
+    yield
+    _Env.release.set()
 
 
 def test_results_errors_and_timeouts_are_told_apart_and_counted() -> None:
@@ -45,7 +57,8 @@ def test_results_errors_and_timeouts_are_told_apart_and_counted() -> None:
 
 def test_hung_environments_do_not_make_healthy_ones_time_out() -> None:
     """With every thread taken by hung calls, a healthy call still gets its full timeout once it runs (a fixed
-    thread pool queued it behind the hung ones and timed it out: 2 of ~10 e2e runs failed that way)."""
+    thread pool queued it behind the hung ones and timed it out: 2 of ~10 e2e runs failed that way), and it runs
+    while the hung calls still hang: a timed-out call gives its place back at once, not when it returns."""
     m = EnvManager(_Env, 6, step_timeout_s=0.5, threads=2)
     outcomes: dict[int, str] = {}
 
@@ -58,15 +71,17 @@ def test_hung_environments_do_not_make_healthy_ones_time_out() -> None:
     hung = [threading.Thread(target=reset, args=(s, 0)) for s in (0, 1)]
     for t in hung:
         t.start()
-    time.sleep(0.1)  # both threads now run a hanging reset
+    for _ in hung:  # both places are now taken by a hanging reset
+        assert _Env.hanging.acquire(timeout=_Env.hang_s)
     healthy = [threading.Thread(target=reset, args=(s, 10 + s)) for s in (2, 3, 4, 5)]
-    t0 = time.perf_counter()
-    for t in [*healthy]:
+    for t in healthy:
         t.start()
+    guard = time.monotonic() + _Env.hang_s / 2  # a hang guard: a call that waits for a hung one never ends here
     for t in [*hung, *healthy]:
-        t.join()
+        t.join(timeout=max(guard - time.monotonic(), 0.0))
+    # Nothing released the hung resets: the healthy ones ran in the places their timeouts gave back.
     assert outcomes == {0: "env_timeout", 1: "env_timeout", 2: "obs-12", 3: "obs-13", 4: "obs-14", 5: "obs-15"}
-    assert time.perf_counter() - t0 < _Env.hang_s  # they ran once the hung calls gave their places back
+    assert not _Env.release.is_set() and sum(t.name == "roll-env-0-reset" for t in threading.enumerate()) >= 1
     assert m.counters()["leaked_threads"] == 2
     leaked = [t for t in threading.enumerate() if t.name.startswith("roll-env-")]
     assert leaked and all(t.daemon for t in leaked)  # a hung environment never blocks the process from exiting

@@ -51,7 +51,7 @@ def test_statuses(sandbox: PythonSandbox) -> None:
 def test_a_broken_sandbox_is_a_sandbox_error_not_a_wrong_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     real = bwrap_module.bwrap_argv
     monkeypatch.setattr(bwrap_module, "bwrap_argv", lambda *a, **k: [*real(*a, **k), "--no-such-option"])
-    start = time.monotonic()
+    # Status sandbox_error, not timeout: the failure is known when bwrap exits (at once), not at the 20 s timeout.
     with pytest.raises(SandboxUnavailableError, match=r"status sandbox_error.*pip install 'roll-envs\[code\]'"):
         try:
             PythonSandbox(SandboxLimits(timeout_s=20))
@@ -59,7 +59,6 @@ def test_a_broken_sandbox_is_a_sandbox_error_not_a_wrong_answer(monkeypatch: pyt
             if "needs bubblewrap" in str(exc):
                 pytest.skip(f"no bubblewrap here: {exc}")
             raise
-    assert time.monotonic() - start < 10  # known at once, not at the timeout
 
 
 def test_command_line_exposes_only_the_interpreter_and_system_libraries(tmp_path: Path) -> None:
