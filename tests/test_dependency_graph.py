@@ -104,3 +104,103 @@ def test_hardware_and_engine_extras() -> None:
         pyproject("roll-engines")["project"]["optional-dependencies"]
     )
     assert {"gem", "code"} <= set(pyproject("roll-envs")["project"]["optional-dependencies"])
+
+
+# ---- extras: each one's requirements are used by the package's code ------------------------------------------
+# Module a distribution installs, where it is not the distribution's name with "-" as "_".
+IMPORT_OF = {"megatron-core": "megatron.core", "nvidia-ml-py": "pynvml"}
+# Requirements used without an `import` of their own in the package: (package, requirement) -> (file, text that
+# shows the use). Anything else an extra lists must be imported somewhere in the package's src/.
+USED_WITHOUT_IMPORT = {
+    ("roll-core", "gguf"): ("packages/roll-core/src/roll_core/models.py", "gguf_file="),  # transformers reads GGUF
+    ("roll-core", "accelerate"): ("packages/roll-core/src/roll_core/models.py", "gguf_file="),  # ... and needs it
+    ("roll-core", "tensorboard"): ("packages/roll-core/src/roll_core/tracking.py", "torch.utils.tensorboard"),
+    ("roll-core", "hydra-ray-launcher"): ("conf/hydra/launcher/ray.yaml", "hydra_plugins.hydra_ray_launcher"),
+    ("roll-core", "hydra-optuna-sweeper"): ("conf/experiment/sweep_optuna.yaml", "override /hydra/sweeper: optuna"),
+    # gem-llm is installed with --no-deps (its antlr4 pin conflicts with omegaconf's): the extra carries its imports.
+    ("roll-envs", "numpy"): ("packages/roll-envs/src/roll_envs/agentic/gem_adapter.py", "import gem"),
+    ("roll-envs", "reasoning-gym"): ("packages/roll-envs/src/roll_envs/agentic/gem_adapter.py", "import gem"),
+}
+# Extras with no requirements of their own name code that needs only the package's dependencies.
+EMPTY_EXTRAS = {
+    ("roll-engines", "hf"): "packages/roll-engines/src/roll_engines/train/hf.py",
+    ("roll-engines", "fsdp"): "packages/roll-engines/src/roll_engines/train/fsdp2.py",
+}
+TOOL_EXTRAS = {"test"}  # test tools, not code the package runs
+EXTRA_MENTION = re.compile(r"\b(roll-(?:hw|algos|core|engines|envs))\[([a-z0-9_,-]+)\]")
+
+
+def extras(pkg: str) -> dict[str, list[str]]:
+    return pyproject(pkg)["project"].get("optional-dependencies", {})
+
+
+def imported_modules(pkg: str) -> set[str]:
+    """Every module name imported anywhere in the package's src/ (lazy imports inside functions included)."""
+    found: set[str] = set()
+    for path in (ROOT / "packages" / pkg / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def _requirement(text: str) -> tuple[str, set[str]]:
+    from packaging.requirements import Requirement
+
+    req = Requirement(text)
+    return req.name.lower(), set(req.extras)
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_every_extra_names_code_that_uses_it(pkg: str) -> None:
+    """No placeholder extras: each requirement of an extra is imported by the package's code (or used as listed in
+    USED_WITHOUT_IMPORT), self-references name extras that exist, and an empty extra names existing code."""
+    declared = extras(pkg)
+    modules = imported_modules(pkg)
+    unused = []
+    for extra, reqs in declared.items():
+        if not reqs:
+            code = EMPTY_EXTRAS.get((pkg, extra))
+            assert code and (ROOT / code).is_file(), f"{pkg}[{extra}] is empty and names no code (EMPTY_EXTRAS)"
+            continue
+        for text in reqs:
+            name, sub = _requirement(text)
+            if name == pkg:
+                assert sub <= set(declared), f"{pkg}[{extra}] refers to missing extras {sorted(sub - set(declared))}"
+                continue
+            if extra in TOOL_EXTRAS:
+                continue
+            if (pkg, name) in USED_WITHOUT_IMPORT:
+                path, needle = USED_WITHOUT_IMPORT[(pkg, name)]
+                if needle not in (ROOT / path).read_text():
+                    unused.append(f"{extra}: {text} ({path} no longer has {needle!r})")
+                continue
+            module = IMPORT_OF.get(name, name.replace("-", "_"))
+            if not any(m == module or m.startswith(module + ".") for m in modules):
+                unused.append(f"{extra}: {text} (nothing in packages/{pkg}/src imports {module})")
+    assert not unused, f"{pkg} extras list dependencies no code of {pkg} uses: {unused}"
+    for key in [*USED_WITHOUT_IMPORT, *EMPTY_EXTRAS]:  # the tables hold no stale entries
+        if key[0] == pkg and key in EMPTY_EXTRAS:
+            assert declared.get(key[1]) == [], f"EMPTY_EXTRAS lists {pkg}[{key[1]}], which is not an empty extra"
+        elif key[0] == pkg:
+            assert any(_requirement(r)[0] == key[1] for rs in declared.values() for r in rs), f"stale entry {key}"
+
+
+def test_extras_named_in_docs_and_noxfile_exist() -> None:
+    """Every `roll-<pkg>[extra]` in the READMEs, DEVELOPERS.md, the sources and noxfile's EXTRAS is declared."""
+    files = [ROOT / "README.md", ROOT / "noxfile.py", *ROOT.glob("*.md"), *ROOT.glob("packages/*/README.md")]
+    files += [p for pkg in PACKAGES for p in (ROOT / "packages" / pkg / "src").rglob("*.py")]
+    mentions = {
+        (m[1], e, f.name) for f in set(files) for m in EXTRA_MENTION.finditer(f.read_text()) for e in m[2].split(",")
+    }
+    nox = ast.parse((ROOT / "noxfile.py").read_text())
+    for node in nox.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "EXTRAS" for t in node.targets):
+            for pkg, spec in ast.literal_eval(node.value).items():
+                mentions |= {(pkg, e, "noxfile.py EXTRAS") for e in spec.strip("[]").split(",")}
+    assert any(where == "noxfile.py EXTRAS" for _, _, where in mentions)
+    missing = sorted(m for m in mentions if m[1] not in extras(m[0]))
+    assert not missing, f"extras named but not declared: {missing}"

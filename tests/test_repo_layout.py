@@ -6,6 +6,7 @@ import importlib.util
 import re
 from pathlib import Path
 
+import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,5 +58,48 @@ def test_ci_run_uses_the_readme_test_command() -> None:
     assert m.group(1).strip() in (ROOT / ".ci/run").read_text()
 
 
-def test_cpu_constraints_pin_the_cpu_torch() -> None:
-    assert "torch==2.13.0\n" in (ROOT / "constraints/cpu.txt").read_text()
+def _pins(path: Path) -> dict[str, str]:
+    """name -> version of every exact pin (`name==version`) in a constraints file."""
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            name, version = line.split("==", 1)
+            pins[canonicalize_name(name)] = version.strip()
+    return pins
+
+
+def _requirements() -> list[tuple[str, str]]:
+    """(package, requirement) for every dependency and extra requirement of roll's packages."""
+    out = []
+    for path in sorted(ROOT.glob("packages/*/pyproject.toml")):
+        meta = tomllib.loads(path.read_text())["project"]
+        reqs = meta.get("dependencies", []) + [r for v in meta.get("optional-dependencies", {}).values() for r in v]
+        out += [(path.parent.name, r) for r in reqs]
+    return out
+
+
+def test_constraints_pin_torch_and_agree_with_the_packages() -> None:
+    """Every hardware's constraints pin torch exactly (a plain `torch` pulls a CUDA build onto CPU runners), and every
+    exact pin satisfies what roll's packages require of that distribution: a raised floor in a pyproject without a
+    new pin (or a pin below a package's range) fails here instead of in pip's resolver on a runner."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    files = sorted((ROOT / "constraints").glob("*.txt"))
+    assert {f.stem for f in files} >= {"cpu", "cuda", "rocm", "npu"}
+    requirements = _requirements()
+    assert any(canonicalize_name(Requirement(r).name) == "torch" for _, r in requirements)
+    for f in files:
+        pins = _pins(f)
+        if f.stem in ("cpu", "cuda", "rocm", "npu"):
+            assert "torch" in pins, f"constraints/{f.name} does not pin torch"
+        for pkg, text in requirements:
+            req = Requirement(text)
+            version = pins.get(canonicalize_name(req.name))
+            if version is not None:
+                assert req.specifier.contains(version, prereleases=True), (
+                    f"constraints/{f.name} pins {req.name}=={version}, but {pkg} requires {text!r}"
+                )
