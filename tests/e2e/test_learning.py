@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,19 @@ from roll_core.testing import reward_curve as rewards
 from roll_core.testing import run_pipeline as run
 from roll_core.testing import tiny_overrides
 
+sys.path.insert(0, str(Path(__file__).parent))  # shifted_reward (Ray workers get it through conftest's PYTHONPATH)
+
+# Every reward is 1 higher than the plain task's (tests/e2e/shifted_reward.py): correct estimators learn exactly
+# as without it (group baselines and whitening remove it, a critic learns it), while an estimator that forgets its
+# baseline gives every sample a positive advantage and does not learn; a critic that does not learn keeps an error
+# of about 1 instead of the rewards' own spread. Without the shift, advantages of raw 0/1 rewards learn too.
+SHIFTED = "env.reward._target_=shifted_reward.ShiftedMathReward"
+
+
+def learning(data: Path, out: Path, *extra: str) -> list[str]:
+    """`tiny_overrides` with the shifted reward."""
+    return tiny_overrides(data, out, SHIFTED, *extra)
+
 
 def assert_learns(history: list[dict], margin: float = 0.25) -> None:
     r = rewards(history)
@@ -17,29 +31,43 @@ def assert_learns(history: list[dict], margin: float = 0.25) -> None:
     assert last > first + margin, f"reward did not rise enough: first {first:.3f}, last {last:.3f}, curve {r}"
 
 
+def assert_critic_learns(history: list[dict]) -> None:
+    """The critic's value loss falls from far above to about the loss of predicting each batch's mean reward,
+    0.5 * std^2 (the returns are the outcome rewards: gamma = lam = 1, no KL in the reward). Logged losses are
+    measured before each batch's critic updates (mostly): they are held-out errors."""
+    steps = [h for h in history if h["step"] > 0]
+
+    def unexplained(hs: list[dict]) -> float:
+        return sum(h["critic/vf_loss"] for h in hs) / sum(0.5 * h["reward/std"] ** 2 + 1e-3 for h in hs)
+
+    first, last = unexplained(steps[:3]), unexplained(steps[-5:])
+    curve = [round(h["critic/vf_loss"], 3) for h in steps]
+    assert last < 1.5 and last < 0.25 * first, f"critic did not learn: {first:.2f} -> {last:.2f}, vf_loss {curve}"
+
+
 def test_grpo_learns_local(seven_task: Path, tmp_path: Path) -> None:
-    _, history = run(tiny_overrides(seven_task, tmp_path, "algo=grpo"))
+    _, history = run(learning(seven_task, tmp_path, "algo=grpo"))
     assert_learns(history)
     assert (tmp_path / "curves.png").exists() and list((tmp_path / "tensorboard").iterdir())
     assert (tmp_path / "checkpoints" / "step_000020" / "actor" / "model" / "config.json").exists()
 
 
 def test_ppo_learns_local(seven_task: Path, tmp_path: Path) -> None:
-    _, history = run(tiny_overrides(seven_task, tmp_path, "algo=ppo", "algo.group_size=8", "algo.critic_lr=3e-3"))
+    _, history = run(learning(seven_task, tmp_path, "algo=ppo", "algo.group_size=8", "algo.critic_lr=3e-3"))
     assert_learns(history)
-    assert any(h.get("critic/vf_loss") is not None for h in history)
+    assert_critic_learns(history)
 
 
 @pytest.mark.ray
 def test_grpo_learns_on_ray_colocated(ray_cluster, seven_task: Path, tmp_path: Path) -> None:
-    _, history = run(tiny_overrides(seven_task, tmp_path, "algo=grpo", "cluster=ray", "cluster.placement=colocated"))
+    _, history = run(learning(seven_task, tmp_path, "algo=grpo", "cluster=ray", "cluster.placement=colocated"))
     assert_learns(history)
 
 
 @pytest.mark.ray
 def test_ppo_learns_on_ray_disaggregated(ray_cluster, seven_task: Path, tmp_path: Path) -> None:
     _, history = run(
-        tiny_overrides(
+        learning(
             seven_task,
             tmp_path,
             "algo=ppo",
@@ -50,6 +78,7 @@ def test_ppo_learns_on_ray_disaggregated(ray_cluster, seven_task: Path, tmp_path
         )
     )
     assert_learns(history)
+    assert_critic_learns(history)
 
 
 @pytest.mark.ray
@@ -57,7 +86,7 @@ def test_async_grpo_learns_on_ray_with_partial_rollout(ray_cluster, seven_task: 
     """The engine in its own actor generates the next batch while the trainer trains (real overlap); partial
     rollout aborts and resumes what runs at each sync."""
     _, history = run(
-        tiny_overrides(
+        learning(
             seven_task,
             tmp_path,
             "algo=grpo",
@@ -102,7 +131,7 @@ def test_lora_grpo_learns_with_less_optimizer_memory(seven_task: Path, tmp_path:
     pytest.importorskip("peft")
     _, full = run(tiny_overrides(seven_task, tmp_path / "full", "algo=grpo", "pipeline.max_steps=2"))
     _, lora = run(
-        tiny_overrides(
+        learning(
             seven_task,
             tmp_path / "lora",
             "algo=grpo",
