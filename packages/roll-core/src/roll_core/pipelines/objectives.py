@@ -94,6 +94,8 @@ class ValueObjective:
 
     clip: float | None = 0.2
     agg: str = "token-mean"
+    # Token-sum normaliser of agg=seq-mean-token-sum-norm (the response length limit), as in PolicyObjective.
+    norm_length: int | None = None
     needs_entropy: bool = False
 
     def units(self, micro: Mapping[str, Tensor]) -> float:
@@ -101,7 +103,15 @@ class ValueObjective:
 
     def __call__(self, outputs: dict[str, Tensor], micro: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         mask = micro["response_mask"]
-        loss, m = value_loss(outputs["values"], micro["values"], micro["returns"], mask, clip=self.clip, agg=self.agg)
+        loss, m = value_loss(
+            outputs["values"],
+            micro["values"],
+            micro["returns"],
+            mask,
+            clip=self.clip,
+            agg=self.agg,
+            norm_length=self.norm_length,
+        )
         with torch.no_grad():
             err = masked_mean((outputs["values"] - micro["returns"]).abs(), mask)
         return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": m["vf_clipfrac"], "critic/abs_error": err}

@@ -165,7 +165,9 @@ class RLVRPipeline:
             kl_kind=algo.kl_kind,
             entropy_coef=algo.entropy_coef,
         )
-        self.value_objective = ValueObjective(clip=algo.value_clip, agg=algo.loss_agg)
+        self.value_objective = ValueObjective(
+            clip=algo.value_clip, agg=algo.loss_agg, norm_length=model.max_response_length
+        )
         self.weight_sync = WeightSync(
             self.actor_train,
             self.actor_infer,
