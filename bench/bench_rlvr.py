@@ -86,7 +86,7 @@ def _params(model: str) -> int:
 def _useful_gflop(h: dict, args: argparse.Namespace) -> float:
     n = _params(args.model)
     gen = h.get("perf/response_tokens", 0.0)
-    trained = gen + h.get("perf/prompt_tokens_per_group", 0.0) * h.get("data/trained_groups", args.prompts)
+    trained = gen + h.get("perf/unique_prompt_tokens", 0.0)
     return (6 * n * trained + 2 * n * gen) / 1e9
 
 

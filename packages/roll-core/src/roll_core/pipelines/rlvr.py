@@ -449,10 +449,11 @@ class RLVRPipeline:
         metrics.update({k if "/" in k else f"actor/{k}": v for k, v in train_metrics.items()})
         self._check_finite(step, train_metrics)
         metrics["perf/train_tokens_per_s"] = float(mask.sum()) * algo.ppo_epochs / max(timers["train_actor"], 1e-9)
-        # Token counts for FLOP accounting (bench/): generated tokens, and prompt tokens once per group.
+        # Token counts for FLOP accounting (bench/): generated tokens, and the batch's prompt tokens counted once
+        # per group (what a shared-prompt forward needs).
         metrics["perf/response_tokens"] = float(mask.sum())
         p_len = batch["input_ids"].shape[1] - batch["responses"].shape[1]
-        metrics["perf/prompt_tokens_per_group"] = float(batch["attention_mask"][:, :p_len].sum()) / algo.group_size
+        metrics["perf/unique_prompt_tokens"] = float(batch["attention_mask"][:, :p_len].sum()) / algo.group_size
 
         # 6. weight sync train -> infer
         with timer(timers, "sync"):
