@@ -12,6 +12,17 @@ from typing import Any
 from omegaconf import MISSING
 
 
+def _check_split(env: Any, *, train_size: int | None = None) -> None:
+    """Sizes and the held-out fraction of a single-turn task, named by their config keys: a negative eval_size
+    would slice the held-out list from its end (silently one problem short), an empty training set fails later."""
+    if train_size is not None and train_size < 1:
+        raise ValueError(f"env.train_size={train_size} must be >= 1")
+    if env.eval_size < 0:
+        raise ValueError(f"env.eval_size={env.eval_size} must be >= 0 (0: no held-out problems)")
+    if not 0 <= env.eval_fraction < 1:
+        raise ValueError(f"env.eval_fraction={env.eval_fraction} must be in [0, 1) (the held-out share of problems)")
+
+
 @dataclass
 class MathRewardConfig:
     """Boxed-answer math reward (math-verify)."""
@@ -92,6 +103,9 @@ class ArithmeticEnvConfig:
     examples: int = 0
     reward: Any = field(default_factory=MathRewardConfig)
 
+    def __post_init__(self) -> None:
+        _check_split(self, train_size=self.train_size)
+
 
 @dataclass
 class CountdownEnvConfig:
@@ -107,6 +121,11 @@ class CountdownEnvConfig:
     seed: int = 0
     system_prompt: str | None = None
     reward: Any = field(default_factory=CountdownRewardConfig)
+
+    def __post_init__(self) -> None:
+        _check_split(self, train_size=self.train_size)
+        if self.max_number < 1:
+            raise ValueError(f"env.max_number={self.max_number} must be >= 1 (numbers are drawn from 1..max_number)")
 
 
 @dataclass
@@ -125,6 +144,9 @@ class FileEnvConfig:
     eval_size: int = 100
     system_prompt: str | None = None
     reward: Any = field(default_factory=MathRewardConfig)
+
+    def __post_init__(self) -> None:
+        _check_split(self)
 
 
 @dataclass

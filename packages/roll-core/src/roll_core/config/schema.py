@@ -9,6 +9,7 @@ points; the root types those groups as `Any` so that any installed implementatio
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,8 +36,17 @@ def _one_of(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+    # NaN compares false with everything, so `value < 0` alone lets algo.lr=nan through to the optimizer.
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number {'>= 0' if allow_zero else '> 0'}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def _positive_or_null(name: str, value: float | None) -> None:
+    """Optional thresholds (clips, caps, targets): null disables them; 0 or less would silently zero what they bound."""
+    if value is not None:
+        _positive(name, value)
 
 
 @dataclass
@@ -144,6 +154,14 @@ class AlgoConfig:
                 f"algo.adv_estimator={self.adv_estimator} compares samples of one prompt: set algo.group_size >= 2"
             )
         _positive("algo.lr", self.lr)
+        _positive("algo.critic_lr", self.critic_lr)
+        _positive("algo.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("algo.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("algo.ratio_cap", self.ratio_cap)
+        _positive("algo.off_policy_cap", self.off_policy_cap)
+        _positive("algo.kl_horizon", self.kl_horizon)
+        for key in ("value_clip", "advantage_clip", "reward_clip", "kl_target"):
+            _positive_or_null(f"algo.{key}", getattr(self, key))
         if self.refill_oversample < 1.0 or self.refill_max_batches < 1.0:
             raise ValueError(
                 f"algo.refill_oversample={self.refill_oversample} and algo.refill_max_batches="
@@ -346,6 +364,10 @@ class PipelineConfig:
         _positive("pipeline.max_steps", self.max_steps)
         _positive("pipeline.rollout_batch_size", self.rollout_batch_size)
         _positive("pipeline.eval_every", self.eval_every, allow_zero=True)
+        # A negative size would slice the held-out list from its end (eval_size=-1 drops one problem, silently).
+        _positive("pipeline.eval_size", self.eval_size, allow_zero=True)
+        if self.eval_temperature is not None:
+            _positive("pipeline.eval_temperature", self.eval_temperature, allow_zero=True)
         _positive("pipeline.save_every", self.save_every, allow_zero=True)
         _positive("pipeline.keep_last", self.keep_last)
         _positive("pipeline.reward_workers", self.reward_workers)
@@ -395,7 +417,7 @@ class InferEngineConfig:
 
     def __post_init__(self) -> None:
         _positive(f"infer_engine.world_size ({self.name})", self.world_size)
-        if self.temperature <= 0:
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(
                 f"infer_engine.temperature={self.temperature} must be > 0 for RL sampling "
                 "(greedy decoding is for evaluation: pipeline.eval_temperature)"
@@ -425,6 +447,26 @@ class RLVRConfig:
     hw: HwConfig = field(default_factory=HwConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+    def __post_init__(self) -> None:
+        """Invariants across groups (each group checks its own): caught at composition, not steps into a run."""
+        algo, model, pipe = self.algo, self.model, self.pipeline
+        if not (isinstance(algo, AlgoConfig) and isinstance(model, ModelConfig) and isinstance(pipe, PipelineConfig)):
+            return  # a partial config (schema defaults, tools that build pieces): nothing to compare yet
+        if algo.overlong_buffer > model.max_response_length:
+            # The DAPO penalty would reach -1 before the response starts: every sample is punished alike.
+            raise ValueError(
+                f"algo.overlong_buffer={algo.overlong_buffer} exceeds model.max_response_length="
+                f"{model.max_response_length}: lower the buffer (a quarter of the response limit is usual) or 0"
+            )
+        rows = pipe.rollout_batch_size * algo.group_size
+        if algo.num_mini_batches > rows:
+            # More optimizer steps than samples: the extra steps would train on empty mini-batches.
+            raise ValueError(
+                f"algo.num_mini_batches={algo.num_mini_batches} exceeds the {rows} samples of a rollout batch "
+                f"(pipeline.rollout_batch_size={pipe.rollout_batch_size} x algo.group_size={algo.group_size}): "
+                "lower it"
+            )
 
 
 def register_configs() -> None:
