@@ -119,10 +119,11 @@ def eval_main(argv: list[str] | None = None) -> int:
         model = str(Path(model) / "actor" / "model")
     try:
         cfg = to_object(compose([*args.overrides, f"model.path={model}"]))
+        # Settings only checked against the world (a model folder, a held-out split) fail here the same way.
+        result = evaluate_model(cfg, samples=args.samples)
     except ConfigError as exc:
         print(f"roll-eval: invalid config:\n{exc}", file=sys.stderr)
         return 2
-    result = evaluate_model(cfg, samples=args.samples)
     if result.get("agentic"):
         ends = ", ".join(f"{k} {v:.0%}" for k, v in sorted(result["ends"].items()))
         print(

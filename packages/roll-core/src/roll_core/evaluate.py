@@ -11,6 +11,7 @@ from typing import Any
 from roll_core.cluster.launch import Cluster
 from roll_core.cluster.roles import InferGroup, RewardGroup
 from roll_core.config.build import as_dict, build
+from roll_core.config.compose import ConfigError
 from roll_core.interfaces import SamplingParams
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.rollout import evaluate
@@ -24,6 +25,13 @@ def evaluate_model(cfg: Any, samples: int | None = None) -> dict[str, Any]:
     path = resolve_model_path(cfg.model.path)
     tok_path = cfg.model.tokenizer or path
     task = build(cfg.env)
+    problems = [] if getattr(task, "is_agentic", False) else task.eval_set()[: samples or cfg.pipeline.eval_size]
+    if not getattr(task, "is_agentic", False) and not problems:  # said before a model is loaded
+        raise ConfigError(
+            f"env={getattr(task, 'name', type(task).__name__)} has no held-out problems to evaluate "
+            f"(pipeline.eval_size={cfg.pipeline.eval_size}, --samples={samples}): give the task held-out problems "
+            "(env.eval_size, env.eval_path) or raise pipeline.eval_size"
+        )
     ie = as_dict(cfg.infer_engine)
     infer = cluster.group(
         InferGroup,
@@ -51,7 +59,6 @@ def evaluate_model(cfg: Any, samples: int | None = None) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(tok_path)
     if getattr(task, "is_agentic", False):
         return _evaluate_agentic(task, infer, tokenizer, params, samples)
-    problems = task.eval_set()[: samples or cfg.pipeline.eval_size]
     reward = cluster.group(RewardGroup, "reward", 1, env=as_dict(cfg.env), tokenizer_path=tok_path)
     result = evaluate(
         infer,

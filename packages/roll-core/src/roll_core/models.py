@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -172,12 +173,40 @@ BUILTINS: dict[str, Callable[[Path], None]] = {
 
 def resolve_model_path(path: str) -> str:
     """A local folder for `path` ("builtin:<name>" is built or converted once and cached)."""
+    from roll_core.config.compose import ConfigError
+
     if not path.startswith("builtin:"):
+        _check_model_path(path)
         return path
     name = path.removeprefix("builtin:")
     if name not in BUILTINS:
-        raise ValueError(f"unknown builtin model {name!r}; builtins: {', '.join(BUILTINS)}")
+        raise ConfigError(f"model.path={path}: unknown builtin model {name!r}; builtins: {', '.join(BUILTINS)}")
     return str(_atomic_build(name, BUILTINS[name]))
+
+
+#: A Hugging Face hub id: `name` or `owner/name` (letters, digits, - _ .), not starting with / . or ~.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _check_model_path(path: str) -> None:
+    """Refuse a `model.path` that is neither a model folder nor a hub id, naming the key, before any worker tries
+    to load it (transformers would answer with a repo-id validation error or a tokenizer error from deep inside)."""
+    from roll_core.config.compose import ConfigError
+
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ConfigError(
+                f"model.path={path} is a folder without config.json: point model.path at a Hugging Face model "
+                "folder (config.json, weights, tokenizer), a roll checkpoint's actor/model folder, a hub id or "
+                f"builtin:<name> ({', '.join(BUILTINS)})"
+            )
+        return
+    if local.exists() or not _HUB_ID.fullmatch(path):
+        raise ConfigError(
+            f"model.path={path} does not exist (and is not a hub id like owner/name): point model.path at a Hugging "
+            f"Face model folder, a hub id or builtin:<name> ({', '.join(BUILTINS)})"
+        )
 
 
 def torch_dtype(name: str):  # -> torch.dtype

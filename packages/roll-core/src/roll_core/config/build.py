@@ -30,4 +30,15 @@ def build(cfg: Any, **runtime: Any) -> Any:
     if "_target_" not in node:
         raise ValueError(f"config has no _target_: {sorted(node)}")
     node.update(runtime)
-    return instantiate(node, _convert_="all")
+    from hydra.errors import InstantiationException
+
+    try:
+        return instantiate(node, _convert_="all")
+    except InstantiationException as exc:
+        # Hydra reports the top-level constructor's own error (a missing data file, a bad row) as its repr inside
+        # "Error in call to target ...": re-raise the original, whose type and message are what the user acts on.
+        # A nested node's error keeps Hydra's wrapper, which names the node (full_key: reward).
+        cause = exc.__cause__
+        if str(exc).startswith("Error in call to target") and "full_key:" not in str(exc) and cause is not None:
+            raise cause from cause.__cause__  # hides the wrapper, keeps the original's own cause chain
+        raise
