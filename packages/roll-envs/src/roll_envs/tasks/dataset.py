@@ -1,8 +1,8 @@
 """User data as a task: JSONL, Parquet or a Hugging Face `datasets` folder with prompt and answer columns.
 
-Bad rows (not JSON, not an object, missing or empty prompt/answer, non-text values) are skipped, counted and
-reported with their 1-based line (or row) numbers in `skipped`, and a summary is logged: never silently
-dropped, never a crash halfway through a file. An empty result after skipping is an error.
+Bad rows (not UTF-8, not JSON, not an object, missing or empty prompt/answer, non-text values, NaN answers) are
+skipped, counted and reported with their 1-based line (or row) numbers in `skipped`, and a summary is logged: never
+silently dropped, never a crash halfway through a file. An empty result after skipping is an error that says why.
 The held-out split is `eval_path` when given, else a stable-hash fraction of the rows.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,22 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
             import pyarrow.parquet as pq
         except ImportError as exc:
             raise ImportError(f"reading {path} needs `pip install pyarrow` (roll-envs[data])") from exc
-        return [(i + 1, row) for i, row in enumerate(pq.read_table(path).to_pylist())], bad
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:  # pyarrow's own message does not say which setting pointed here
+            raise ValueError(f"{path}: cannot read it as Parquet ({exc}); check the file or env.path") from exc
+        return [(i + 1, row) for i, row in enumerate(table.to_pylist())], bad
     if path.suffix in (".jsonl", ".json"):
         rows = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+        # Bytes, decoded line by line: one line that is not UTF-8 is a bad row, not a UnicodeDecodeError that ends
+        # the whole file with neither its name nor a line number.
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    bad.append((lineno, f"not UTF-8 text (byte {exc.start}: {raw[exc.start : exc.start + 1]!r})"))
+                    continue
                 if not line.strip():
                     continue
                 try:
@@ -65,18 +77,21 @@ def load_problems(
         raise FileNotFoundError(f"data file {path} does not exist")
     rows, skipped = _rows(path)
     problems = []
+    seen_keys: set[str] = set()  # keys of the bad object rows, to name the columns a wrong prompt_key missed
     for lineno, row in rows:
         if not isinstance(row, dict):
             skipped.append((lineno, f"row is {type(row).__name__}, not an object"))
             continue
         prompt, answer = row.get(prompt_key), row.get(answer_key)
-        if not isinstance(prompt, str) or not prompt.strip():
-            skipped.append((lineno, f"missing or empty {prompt_key!r}"))
-            continue
-        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-            answer = str(answer)
-        if not isinstance(answer, str) or not answer.strip():
-            skipped.append((lineno, f"missing or empty {answer_key!r}"))
+        why = _text_problem(prompt_key, prompt, numbers=False)
+        if why is None:
+            # Numbers are answers too (JSON 5 -> "5"); NaN/inf (JSON's NaN extension, a float column) are not.
+            if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+                answer = str(answer) if math.isfinite(answer) else answer
+            why = _text_problem(answer_key, answer, numbers=True)
+        if why is not None:
+            skipped.append((lineno, why))
+            seen_keys.update(row)
             continue
         problems.append(
             Problem(
@@ -92,10 +107,27 @@ def load_problems(
         more = f" (and {len(skipped) - 10} more)" if len(skipped) > 10 else ""
         log.warning("%s: skipped %d bad row(s): %s%s", path, len(skipped), shown, more)
     if not problems:
+        if not rows and not skipped:
+            raise ValueError(f"{path}: no usable rows: the file is empty; fill it or point env.path elsewhere")
+        found = f"; the rows have keys {', '.join(map(repr, sorted(seen_keys)[:20]))}" if seen_keys else ""
         raise ValueError(
-            f"{path}: no usable rows ({len(skipped)} skipped); expected keys {prompt_key!r}, {answer_key!r}"
+            f"{path}: no usable rows ({len(skipped)} skipped, first: line {skipped[0][0]}: {skipped[0][1]}); "
+            f"expected keys {prompt_key!r}, {answer_key!r}{found}: fix the rows or set env.prompt_key / "
+            "env.answer_key"
         )
     return problems, skipped
+
+
+def _text_problem(key: str, value: Any, *, numbers: bool) -> str | None:
+    """Why `value` cannot be a prompt (or answer) text, or None when it can."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return f"missing or empty {key!r}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{key!r} is {value!r}, not a number"
+    if not isinstance(value, str):
+        kind = "text or a number" if numbers else "text"
+        return f"{key!r} has type {type(value).__name__} ({str(value)[:40]}), expected {kind}"
+    return None
 
 
 class FileTask(Task):
@@ -115,6 +147,9 @@ class FileTask(Task):
     ) -> None:
         super().__init__(reward)
         self.name, self.system_prompt = name, system_prompt
+        for key, value in (("env.path", path), ("env.eval_path", eval_path)):
+            if value and not Path(value).exists():  # name the setting: the loader only knows the file
+                raise FileNotFoundError(f"data file {value} does not exist: check {key}")
         problems, skipped = load_problems(path, prompt_key=prompt_key, answer_key=answer_key, name=name)
         self.skipped = [(str(path), n, why) for n, why in skipped]
         if eval_path:
