@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from roll_core.pipelines.rollout import prompt_ids
 from roll_core.protocol import Batch
 from roll_core.scheduling.driver import AsyncRollout
 from roll_core.scheduling.scheduler import GroupState, RolloutScheduler
@@ -70,11 +71,8 @@ class AsyncCollector:
         limit = pipe.cfg.model.max_prompt_length
         for _ in range(10_000):
             problem = pipe.train_set[pipe.sampler.next(1)[0]]
-            ids = pipe.tokenizer.apply_chat_template(
-                pipe.task.messages(problem), add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-            if len(ids) <= limit:
+            ids, _ = prompt_ids(pipe.tokenizer, pipe.task, problem, limit)  # a huge row is not even tokenised
+            if ids is not None:
                 return problem, ids
             self.skipped_long += 1
         raise ValueError(f"10000 prompts in a row exceed model.max_prompt_length={limit}: raise it")

@@ -37,7 +37,7 @@ from roll_core.interfaces import SamplingParams, UnsupportedSamplingError
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.metrics import reward_metrics, timer
 from roll_core.pipelines.objectives import PolicyObjective, ValueObjective
-from roll_core.pipelines.rollout import assemble, evaluate, prompt_batch
+from roll_core.pipelines.rollout import PromptsTooLong, assemble, evaluate, prompt_batch
 from roll_core.pipelines.run_control import GracefulStop, resolve_run_folder
 from roll_core.pipelines.sampling import group_rows, informative_groups, merge_scored
 from roll_core.protocol import Batch
@@ -544,7 +544,22 @@ class RLVRPipeline:
             )
 
     def _prompt_batch(self, problems: list[Any], metrics: dict[str, Any]) -> Batch:
-        return prompt_batch(self.tokenizer, self.task, problems, self.cfg.model.max_prompt_length, metrics)
+        """Prompts of `problems`. A draw whose every prompt is too long (a few huge data rows met by a small batch)
+        draws again, as the asynchronous path does, up to one pass over the training set: a handful of bad rows
+        never ends a run; each skip counts in data/skipped_long_prompts."""
+        limit, skipped = self.cfg.model.max_prompt_length, 0
+        for _ in range(math.ceil(len(self.train_set) / max(1, len(problems))) - 1):
+            try:
+                batch = prompt_batch(self.tokenizer, self.task, problems, limit, metrics)
+            except PromptsTooLong:
+                skipped += len(problems)
+                problems = [self.train_set[i] for i in self.sampler.next(len(problems))]
+                continue
+            break
+        else:  # the last draw raises when it fits no better, naming the limit
+            batch = prompt_batch(self.tokenizer, self.task, problems, limit, metrics)
+        metrics["data/skipped_long_prompts"] += skipped
+        return batch
 
     def _log_samples(self, step: int, batch: Batch, scored: Batch, k: int = 2) -> None:
         texts = scored["response_text"]

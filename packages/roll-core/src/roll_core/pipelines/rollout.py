@@ -17,23 +17,56 @@ from roll_core.protocol import Batch, build_sequences, pad_left
 log = logging.getLogger(__name__)
 
 
+class PromptsTooLong(ValueError):
+    """Every prompt of a batch exceeds model.max_prompt_length."""
+
+
+def _max_token_chars(tokenizer: Any) -> int | None:
+    """Characters of the longest vocabulary entry (a token covers at most this many), cached on the tokenizer;
+    None when the vocabulary cannot be listed."""
+    cached = getattr(tokenizer, "_roll_max_token_chars", None)
+    if cached is None:
+        try:
+            cached = max(len(t) for t in tokenizer.get_vocab())
+            tokenizer._roll_max_token_chars = cached
+        except Exception:  # an exotic tokenizer: every prompt is tokenised
+            return None
+    return cached
+
+
+def prompt_ids(tokenizer: Any, task: Any, problem: Any, max_prompt_length: int) -> tuple[list[int] | None, int]:
+    """(ids, length) of a problem's chat-templated prompt; ids is None when it exceeds `max_prompt_length`.
+
+    A prompt whose text alone needs several times more tokens than the limit (characters / the longest vocabulary
+    entry; the factor covers normalisers that merge characters) is not tokenised: a huge data row (megabytes) is
+    skipped at once instead of costing seconds at every draw. Its length is then that lower bound."""
+    messages = task.messages(problem)
+    widest = _max_token_chars(tokenizer)
+    if widest:
+        chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        if chars // widest > 4 * max_prompt_length:
+            return None, chars // widest
+    toks = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    toks = list(toks["input_ids"] if isinstance(toks, dict) else toks)
+    return (toks if len(toks) <= max_prompt_length else None), len(toks)
+
+
 def prompt_batch(
     tokenizer: Any, task: Any, problems: Sequence[Any], max_prompt_length: int, metrics: dict[str, Any]
 ) -> Batch:
     """Chat-templated prompt ids; `metrics["data/skipped_long_prompts"]` counts the prompts skipped."""
+    if not problems:
+        raise ValueError("no problems to build prompts from")
     ids, kept, shortest = [], [], None
     for p in problems:
-        toks = tokenizer.apply_chat_template(
-            task.messages(p), add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        toks = list(toks["input_ids"] if isinstance(toks, dict) else toks)
-        shortest = len(toks) if shortest is None else min(shortest, len(toks))
-        if len(toks) <= max_prompt_length:
+        toks, length = prompt_ids(tokenizer, task, p, max_prompt_length)
+        shortest = length if shortest is None else min(shortest, length)
+        if toks is not None:
             ids.append(toks)
             kept.append(p)
     metrics["data/skipped_long_prompts"] = len(problems) - len(kept)
     if not kept:
-        raise ValueError(
+        raise PromptsTooLong(
             f"every prompt exceeds model.max_prompt_length={max_prompt_length} (shortest: {shortest} "
             "tokens): raise model.max_prompt_length"
         )
