@@ -1,17 +1,18 @@
 """Env managers: many environment instances stepped concurrently, each call under a timeout.
 
 Contract: `reset(slot, seed)` and `step(slot, action)` run the slot's environment on a worker thread and return its
-result, or raise `EnvFailure` with kind `env_error` (it raised) or `env_timeout` (it did not answer within
-`step_timeout_s` of starting). At most `threads` calls run at once; a call that times out gives its place back at
-once, so a hung environment never delays (or times out) the calls of healthy ones. A failed slot gets a fresh
-environment instance; a hung one keeps its thread (Python threads cannot be killed): it is a daemon thread, so it
-never blocks the process from exiting, and it is counted in `leaked_threads`. One broken episode never stops the
-others or the run. Counters (`counters()`) feed the run's metrics.
+result, or raise `EnvFailure` with kind `env_error` (it raised, or returned a malformed result or a non-finite
+reward) or `env_timeout` (it did not answer within `step_timeout_s` of starting). At most `threads` calls run at
+once; a call that times out gives its place back at once, so a hung environment never delays (or times out) the
+calls of healthy ones. A failed slot gets a fresh environment instance; a hung one keeps its thread (Python threads
+cannot be killed): it is a daemon thread, so it never blocks the process from exiting, and it is counted in
+`leaked_threads`. One broken episode never stops the others or the run. Counters (`counters()`) feed the run's metrics.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, wait
@@ -85,15 +86,27 @@ class EnvManager:
                 self._counts[extra] += 1
         self.envs[slot] = self.factory()  # the broken instance may hold bad state (or still run in its thread)
 
+    # The results are checked inside the call: an environment that returns the wrong shape, a reward that is not a
+    # number, or NaN, fails its episode as an env_error like one that raises, instead of the whole rollout.
     def reset(self, slot: int, seed: int) -> tuple[str, dict[str, Any]]:
         env = self.envs[slot]
-        obs, info = self._call(slot, "reset", lambda: env.reset(seed=seed))
-        return str(obs), dict(info or {})
+
+        def reset() -> tuple[str, dict[str, Any]]:
+            obs, info = env.reset(seed=seed)
+            return str(obs), dict(info or {})
+
+        return self._call(slot, "reset", reset)
 
     def step(self, slot: int, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         env = self.envs[slot]
-        obs, reward, terminated, truncated, info = self._call(slot, "step", lambda: env.step(action))
-        return str(obs), float(reward), bool(terminated), bool(truncated), dict(info or {})
+
+        def step() -> tuple[str, float, bool, bool, dict[str, Any]]:
+            obs, reward, terminated, truncated, info = env.step(action)
+            if not math.isfinite(float(reward)):
+                raise ValueError(f"step returned the reward {reward!r}; rewards must be finite numbers")
+            return str(obs), float(reward), bool(terminated), bool(truncated), dict(info or {})
+
+        return self._call(slot, "step", step)
 
     def counters(self) -> dict[str, int]:
         with self._lock:

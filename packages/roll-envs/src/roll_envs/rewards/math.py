@@ -6,9 +6,10 @@ Scoring (per response):
   ground truth (a softer signal for small models that state the right number without boxing it); plus
   `format_weight` if a non-empty `\\boxed{...}` is present (small models copy the prompt's empty `\\boxed{}`;
   that earns nothing).
-- Parsing or verification that crashes or times out scores 0 for correctness and is counted (`reward/timeouts`,
-  `reward/errors`). math-verify's timeout uses SIGALRM, which works only in a process's main thread: there it is
-  used as is (each of parse and verify within `timeout_s`). Called from any other thread (a threaded actor, an
+- Parsing or verification that crashes or times out, or a boxed answer longer than `MAX_BOXED_CHARS` (not a
+  plain number), scores 0 for correctness and is counted (`reward/timeouts`, `reward/errors`). math-verify's
+  timeout uses SIGALRM, which works only in a process's main thread: there it is used as is (each of parse and
+  verify within `timeout_s`). Called from any other thread (a threaded actor, an
   agentic environment thread), verification runs in a forked child process (roll_core.isolation.ForkedWorker),
   where SIGALRM works again, and a deadline of three times `timeout_s` kills the child if even that fails (a hang
   in C code); a killed child is forked again for the next answer.
@@ -27,6 +28,10 @@ from roll_envs.boxed import extract_boxed
 from roll_envs.rewards.base import Reward, RewardResult
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+#: Longest boxed answer verified symbolically. Longer ones (model output of thousands of nested braces or
+#: parentheses) score 0 and count in `errors` at once: math-verify would spend its whole timeout on them, and its
+#: SIGALRM timeout cannot interrupt C code (a regex over the text), so the time is not even bounded.
+MAX_BOXED_CHARS = 1000
 
 
 def last_number(text: str) -> str | None:
@@ -75,6 +80,9 @@ class MathReward(Reward):
 
         if _NUMBER.fullmatch(boxed.replace(" ", "")) and _NUMBER.fullmatch(answer.strip()):
             return _same_number(boxed.replace(" ", ""), answer)  # fast path: plain numbers
+        if len(boxed) > MAX_BOXED_CHARS:
+            counters["errors"] += 1
+            return False
         try:
             if threading.current_thread() is threading.main_thread():
                 return _verify_latex(boxed, answer, self.timeout_s)

@@ -25,13 +25,20 @@ _BINOPS = {
 }
 
 
+#: Longest equation parsed: a countdown answer is a few numbers and operators; model output of thousands of
+#: characters (1*1*...*1, deep parentheses) would only cost parse time and recursion depth.
+MAX_EQUATION_CHARS = 1000
+
+
 def evaluate_equation(text: str) -> tuple[Fraction, list[int]]:
     """Exact value of an arithmetic expression and the integers it uses; ValueError for anything else."""
     text = text.split("=")[0].replace("\\times", "*").replace("\\cdot", "*").replace("\\div", "/")
+    if len(text) > MAX_EQUATION_CHARS:
+        raise ValueError(f"equation of {len(text)} characters (more than {MAX_EQUATION_CHARS})")
     try:
         tree = ast.parse(text.strip(), mode="eval")
-    except SyntaxError as exc:
-        raise ValueError(f"not an expression: {text!r}") from exc
+    except (SyntaxError, RecursionError, MemoryError) as exc:  # deep nesting fails in the parser, not as syntax
+        raise ValueError(f"not an expression: {text[:80]!r}") from exc
     used: list[int] = []
 
     def walk(node: ast.AST) -> Fraction:
@@ -45,7 +52,10 @@ def evaluate_equation(text: str) -> tuple[Fraction, list[int]]:
             return Fraction(node.value)
         raise ValueError(f"unsupported syntax {type(node).__name__}")
 
-    return walk(tree.body), used
+    try:
+        return walk(tree.body), used
+    except (RecursionError, MemoryError) as exc:  # a tree deeper than Python's recursion limit
+        raise ValueError(f"expression too deep to evaluate: {text[:80]!r}") from exc
 
 
 class CountdownReward(Reward):
