@@ -4,7 +4,9 @@ Tool-call syntax: a reply containing `<tool>NAME: ARGUMENT</tool>` (e.g. `<tool>
 tool call: the first such block is run (any later ones are ignored), the environment itself does not move, and the
 tool's output is the next observation. NAME is a tool's name; everything after the first colon up to `</tool>`
 (stripped) is the argument. Any reply without `<tool>` is passed to the wrapped environment as its action.
-Each episode allows `max_tool_calls` calls (default 4). A call over the budget, to an unknown tool, or a malformed
+Tools are given by name (`tools=["calculator", "code"]`), as a mapping with the name and the tool's options (what a
+Hydra list entry gives: `{name: code, timeout_s: 2}`), or as built objects. Each episode allows `max_tool_calls` calls
+(default 4). A call over the budget, to an unknown tool, or a malformed
 `<tool>` block is an invalid action (info["invalid_action"] True, reward `invalid_penalty`, nothing changes) whose
 observation says why; it does not use the budget. The wrapper truncates after `max_steps` replies in all (default:
 the wrapped environment's limit plus the tool budget), so a model that only calls tools still ends.
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from roll_envs.agentic.base import Outcome, TextEnv, echo
@@ -110,6 +112,25 @@ class QAEnv(TextEnv):
         return "12 * 7 = 84, so the answer is \\boxed{84}."
 
 
+_EXAMPLES = {"calculator": "12*(3+4)", "python": "12*(3+4)", "code": "print(sum(range(10)))"}
+
+
+def _build_tool(spec: str | Mapping[str, Any] | Tool) -> Tool:
+    """A tool from its name, a mapping {"name": NAME, **constructor kwargs} (what a Hydra list entry gives), or an
+    already built tool."""
+    if isinstance(spec, str):
+        return get_tool(spec)
+    if isinstance(spec, Mapping):
+        kwargs = dict(spec)
+        name = kwargs.pop("name", None)
+        if not isinstance(name, str):
+            raise ValueError(
+                f"a tool given as a mapping needs a 'name' key (e.g. {{name: code, timeout_s: 2}}), got {spec}"
+            )
+        return get_tool(name, **kwargs)
+    return spec
+
+
 class ToolUseEnv:
     """Wraps an environment so that the model can call tools between its actions; see the module docstring."""
 
@@ -118,7 +139,7 @@ class ToolUseEnv:
     def __init__(
         self,
         env: Any,
-        tools: Sequence[str | Tool] = ("calculator",),
+        tools: Sequence[str | Mapping[str, Any] | Tool] = ("calculator",),
         max_tool_calls: int = 4,
         invalid_penalty: float = -0.1,
         max_steps: int | None = None,
@@ -127,7 +148,7 @@ class ToolUseEnv:
         self.env = env
         self.tools: dict[str, Tool] = {}
         for t in tools:
-            tool = get_tool(t) if isinstance(t, str) else t
+            tool = _build_tool(t)
             self.tools[tool.name] = tool
         if not self.tools or max_tool_calls < 0:
             raise ValueError("ToolUseEnv needs at least one tool and max_tool_calls >= 0")
@@ -150,8 +171,7 @@ class ToolUseEnv:
             f"(one call per reply; the tool's output comes back as the next message). At most "
             f"{self.max_tool_calls} tool calls per episode; tool calls are not steps of the task above, and the "
             f"episode ends after {self.max_steps} replies in all. Available tools:\n{listed}\n"
-            f"Example tool call: <tool>{first}: {'12*(3+4)' if first in ('calculator', 'python') else 'keywords'}"
-            "</tool>"
+            f"Example tool call: <tool>{first}: {_EXAMPLES.get(first, 'keywords')}</tool>"
         ).strip()
 
     def _state(self) -> str:
@@ -264,7 +284,7 @@ class ToolMathEnv(ToolUseEnv):
         ops: str = "+-*",
         max_tool_calls: int = 4,
         max_answers: int = 3,
-        tools: Sequence[str | Tool] = ("calculator",),
+        tools: Sequence[str | Mapping[str, Any] | Tool] = ("calculator",),
         invalid_penalty: float = 0.0,
         seed: int | None = None,
     ) -> None:
@@ -283,4 +303,6 @@ class ToolMathEnv(ToolUseEnv):
         inner = self.env
         if self.calls == 0 and "calculator" in self.tools:
             return f"<tool>calculator: {inner.expression}</tool>"
-        return f"The calculator says {inner.answer}, so the answer is \\boxed{{{inner.answer}}}."
+        if self.calls == 0 and "code" in self.tools:
+            return f"<tool>code: print({inner.expression})</tool>"
+        return f"The tool says {inner.answer}, so the answer is \\boxed{{{inner.answer}}}."

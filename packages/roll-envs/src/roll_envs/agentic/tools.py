@@ -9,9 +9,10 @@ Built-ins (`TOOLS`, `get_tool(name, **kwargs)`):
   bounded (|exponent| <= `max_exponent`, results of at most `max_digits` digits). `^` is read as `**`, `×`/`÷` as
   `*`/`/`. Nothing is ever passed to `eval`/`exec`.
 - `python`: the calculator's subset plus abs, min, max, round and sum over literal lists. It is NOT a Python
-  interpreter and NOT a sandbox: it never executes code. Real Python execution belongs in roll's code sandbox
-  (once it exists), never here.
+  interpreter and NOT a sandbox: it never executes code (use `code` for real Python in the sandbox).
 - `retrieval`: BM25 search over a local corpus (a list of documents or a JSONL file) returning top-k snippets.
+- `code`: runs a real Python program, only inside roll's OS sandbox (`code_tool.py`, `roll_envs.sandbox`), and
+  returns what it printed. Needs bubblewrap (`roll-envs[code]`).
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ def _minmax(fn: Callable[..., Any]) -> Callable[..., Any]:
 class PythonExpression(Calculator):
     """A restricted expression evaluator, NOT a sandbox and NOT Python: the calculator's subset plus abs, min, max,
     round and sum over literal lists. It never runs code (no exec/eval). Real Python execution will run only in
-    roll's code sandbox once it exists; this tool keeps the `python` name so prompts written for it keep working."""
+    roll's code sandbox (the `code` tool); this tool keeps the `python` name so prompts written for it keep working."""
 
     name = "python"
     description = "evaluates one arithmetic expression with abs, min, max, round, sum, e.g. sum([1, 2, 3]) * 2"
@@ -303,8 +304,20 @@ class Retrieval:
         return "\n".join(f"[{rank}] {self._snippet(self.documents[i], terms)}" for rank, (i, _) in enumerate(hits, 1))
 
 
+def _code_tool(**kwargs: Any) -> Tool:
+    # Imported on use: the sandbox probes bubblewrap when a code tool is built, not when tools are listed.
+    from roll_envs.agentic.code_tool import CodeTool
+
+    return CodeTool(**kwargs)
+
+
 #: Tool factories by name: `TOOLS[name](**kwargs)` builds one.
-TOOLS: dict[str, Callable[..., Tool]] = {"calculator": Calculator, "python": PythonExpression, "retrieval": Retrieval}
+TOOLS: dict[str, Callable[..., Tool]] = {
+    "calculator": Calculator,
+    "python": PythonExpression,
+    "retrieval": Retrieval,
+    "code": _code_tool,
+}
 
 
 def get_tool(name: str, **kwargs: Any) -> Tool:

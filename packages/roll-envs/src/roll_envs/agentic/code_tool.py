@@ -1,0 +1,126 @@
+"""`code`: a tool that runs the model's Python program in roll's OS sandbox and shows it what the program printed.
+
+Contract: `CodeTool()(program) -> str` never raises and never runs the program in the calling process. The program
+(the argument of `<tool>code: ...</tool>`, optionally inside a ```python fence) runs as a fresh
+`roll_envs.sandbox.PythonSandbox` run: no network, a read-only standard library, a private /tmp, its own PID
+namespace, rlimits, a wall clock and an output budget (see `roll_envs.sandbox`). Nothing persists between calls:
+each call is a new program, so state must be recomputed (the instructions say so).
+
+What the model reads back: the program's stdout (cut to `max_output_chars`), and on failure a line starting with
+"error:" that names the outcome (the last lines of a traceback, a timeout, an output flood, a refused sandbox),
+so a model can fix its program. Outcomes are counted per tool in `counts` (ok / runtime_error / timeout /
+output_limit / sandbox_error) for logs.
+
+Sandbox availability: the sandbox is built on first use and shared by every `CodeTool` of the process with the
+same limits (building one runs a probe program). Without a working bubblewrap the constructor raises
+`SandboxUnavailableError` with how to install one, so a run that asks for the tool fails at start rather than
+after hours of training. `allow_unsandboxed_execution_i_understand_the_risk=True` runs programs in a bare child
+process instead (loudly logged; the program can read the user's files and reach the network).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import Counter
+from typing import ClassVar
+
+from roll_envs.sandbox import OK, OUTPUT_LIMIT, SANDBOX_ERROR, TIMEOUT, PythonSandbox, SandboxLimits
+
+_FENCE = re.compile(r"^```[A-Za-z0-9_+-]*[ \t]*\n(.*?)\n?```\s*$", re.DOTALL)
+_SANDBOXES: dict[tuple[SandboxLimits, bool, str | None], PythonSandbox] = {}
+_SANDBOXES_LOCK = threading.Lock()
+
+
+def _shared_sandbox(limits: SandboxLimits, unsandboxed: bool, python: str | None) -> PythonSandbox:
+    """One probed sandbox per (limits, mode, interpreter) and process: the probe costs a sandbox start."""
+    key = (limits, unsandboxed, python)
+    with _SANDBOXES_LOCK:
+        if key not in _SANDBOXES:
+            _SANDBOXES[key] = PythonSandbox(limits=limits, unsandboxed=unsandboxed, python=python)
+        return _SANDBOXES[key]
+
+
+def strip_fence(text: str) -> str:
+    """The program inside one ```python fence, or `text` itself when it is not fenced."""
+    stripped = text.strip()
+    match = _FENCE.match(stripped)
+    return match.group(1) if match else stripped
+
+
+class CodeTool:
+    """Runs a Python program in the sandbox and returns its output; see the module docstring.
+
+    Args:
+        timeout_s: wall-clock seconds per program (sandbox start included).
+        memory_mb: address space per process of the program, MiB.
+        max_processes: processes and threads the program may have.
+        max_output_chars: characters of stdout shown to the model (the sandbox's own output budget, 64 KiB by
+            default here, kills floods long before they reach this process's memory).
+        max_code_chars: longer programs are refused without running.
+        python: interpreter inside the sandbox; None: the one running roll (standard library only).
+        allow_unsandboxed_execution_i_understand_the_risk: run without bubblewrap when none works.
+    """
+
+    name: ClassVar[str] = "code"
+    description: ClassVar[str] = (
+        "runs a Python 3 program in a fresh sandbox (standard library only, no network, no files kept between "
+        "calls) and shows what it prints, e.g. print(sum(i * i for i in range(10)))"
+    )
+
+    def __init__(
+        self,
+        timeout_s: float = 5.0,
+        memory_mb: int = 512,
+        max_processes: int = 8,
+        max_output_chars: int = 2000,
+        max_code_chars: int = 20_000,
+        python: str | None = None,
+        allow_unsandboxed_execution_i_understand_the_risk: bool = False,
+    ) -> None:
+        if max_output_chars < 1 or max_code_chars < 1:
+            raise ValueError("code tool: max_output_chars and max_code_chars must be >= 1")
+        limits = SandboxLimits(
+            timeout_s=float(timeout_s),
+            memory_mb=int(memory_mb),
+            max_processes=int(max_processes),
+            max_output_bytes=64 * 1024,
+        )
+        self.max_output_chars, self.max_code_chars = int(max_output_chars), int(max_code_chars)
+        # Built (and probed) now: a run without a sandbox must fail at start, not at the first tool call.
+        self.sandbox = _shared_sandbox(limits, bool(allow_unsandboxed_execution_i_understand_the_risk), python)
+        self.counts: Counter[str] = Counter()
+
+    def __call__(self, arg: str) -> str:
+        program = strip_fence(str(arg))
+        if not program:
+            return "error: empty program; write Python code after 'code:'"
+        if len(program) > self.max_code_chars:
+            self.counts["refused"] += 1
+            return f"error: the program is {len(program)} characters; the limit is {self.max_code_chars}"
+        result = self.sandbox.run(program + "\n")
+        self.counts[result.status] += 1
+        out = self._cut(result.stdout)
+        if result.status == OK:
+            return out if out.strip() else "(the program printed nothing; use print() to see values)"
+        return self._error(result.status, result.stderr, out)
+
+    def _cut(self, text: str) -> str:
+        if len(text) <= self.max_output_chars:
+            return text
+        return text[: self.max_output_chars] + f"... [{len(text) - self.max_output_chars} more characters]"
+
+    def _error(self, status: str, stderr: str, stdout: str) -> str:
+        limits = self.sandbox.limits
+        if status == TIMEOUT:
+            msg = f"error: the program ran longer than {limits.timeout_s:g} s and was stopped"
+        elif status == OUTPUT_LIMIT:
+            msg = "error: the program printed too much and was stopped"
+        elif status == SANDBOX_ERROR:
+            msg = "error: the sandbox failed to start the program; try again"
+        else:
+            tail = [line for line in stderr.strip().splitlines() if line.strip()][-3:]
+            msg = "error: the program failed" + (":\n" + "\n".join(tail) if tail else "")
+        if stdout.strip():
+            msg = f"{stdout}\n{msg}"
+        return msg
