@@ -45,7 +45,7 @@ def _tiny() -> str:
 
 def check_bf16_master(device: str) -> str:
     from roll_core.pipelines.objectives import PolicyObjective
-    from roll_core.testing.train_engine import toy_batch
+    from roll_core.testing.batches import toy_batch
     from roll_engines.train.hf import HFTrainEngine
 
     path = _tiny()
@@ -167,7 +167,7 @@ def check_megatron(device: str) -> str:
     except ImportError as exc:
         raise Skip(f"megatron-core not installed ({exc})") from exc
     from roll_core.pipelines.objectives import PolicyObjective
-    from roll_core.testing.train_engine import toy_batch
+    from roll_core.testing.batches import toy_batch
     from roll_engines.train.hf import HFTrainEngine
     from roll_engines.train.megatron import MegatronTrainEngine
 

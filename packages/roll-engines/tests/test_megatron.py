@@ -44,7 +44,7 @@ def test_activation_recomputation_gives_the_same_gradients(recompute: str, tmp_p
 
     from roll_core.models import resolve_model_path
     from roll_core.pipelines.objectives import PolicyObjective
-    from roll_core.testing.train_engine import toy_batch
+    from roll_core.testing.batches import toy_batch
     from roll_engines.train.megatron import MegatronTrainEngine
 
     os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))

@@ -12,7 +12,7 @@ import torch
 from roll_core.cluster.group import free_port
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.objectives import PolicyObjective
-from roll_core.testing.train_engine import toy_batch
+from roll_core.testing.batches import toy_batch
 from roll_engines.train.fsdp2 import FSDP2TrainEngine
 from roll_engines.train.hf import HFTrainEngine
 

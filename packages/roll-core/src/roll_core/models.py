@@ -173,7 +173,7 @@ BUILTINS: dict[str, Callable[[Path], None]] = {
 
 def resolve_model_path(path: str) -> str:
     """A local folder for `path` ("builtin:<name>" is built or converted once and cached)."""
-    from roll_core.config.compose import ConfigError
+    from roll_core.errors import ConfigError
 
     if not path.startswith("builtin:"):
         _check_model_path(path)
@@ -191,7 +191,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 def _check_model_path(path: str) -> None:
     """Refuse a `model.path` that is neither a model folder nor a hub id, naming the key, before any worker tries
     to load it (transformers would answer with a repo-id validation error or a tokenizer error from deep inside)."""
-    from roll_core.config.compose import ConfigError
+    from roll_core.errors import ConfigError
 
     local = Path(path).expanduser()
     if local.is_dir():

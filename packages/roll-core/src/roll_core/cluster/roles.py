@@ -140,22 +140,21 @@ class TrainWorker(Worker):
         return {"refs": refs, "bytes": nbytes, "tensors": ntensors}
 
     @dispatch(Dispatch.RANK0)
-    def sync_endpoint(self) -> tuple[str, int]:
-        """This node's address and a free port on it: rank 0 hosts the weight-sync rendezvous."""
-        from roll_core.cluster.group import free_port
-
+    def sync_endpoint(self, world_size: int) -> tuple[str, int]:
+        """This node's address and the port of the weight-sync rendezvous rank 0 now listens on."""
         try:
             import ray
 
             host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         except ImportError:
             host = "127.0.0.1"
-        return host, free_port(host)
+        self._sync_store = SyncGroup.host_store(host, world_size)
+        return host, int(self._sync_store.port)
 
     @dispatch(Dispatch.BROADCAST)
     def join_sync_group(self, host: str, port: int, world_size: int, backend: str) -> None:
         if self.rank == 0:
-            self._sync_group = SyncGroup(host, port, 0, world_size, backend)
+            self._sync_group = SyncGroup(host, port, 0, world_size, backend, store=self._sync_store)
 
     @dispatch(Dispatch.BROADCAST)
     def send_weights_dist(self, bucket_bytes: int, changed_only: bool) -> dict[str, int]:

@@ -94,11 +94,21 @@ class SyncGroup:
     independent (the pattern vLLM's StatelessProcessGroup and OpenRLHF's custom groups follow).
     """
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 600.0):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float = 600.0,
+        store: Any | None = None,
+    ):
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
+        if store is None:
+            store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
         self.rank, self.world_size, self.backend = rank, world_size, backend
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
@@ -114,6 +124,17 @@ class SyncGroup:
         else:
             raise ValueError(f"weight sync over torch.distributed supports gloo, nccl, hccl; not {backend!r}")
         self._store = store  # keep the store alive as long as the group
+
+    @staticmethod
+    def host_store(host: str, world_size: int, timeout_s: float = 600.0) -> Any:
+        """Rank 0's rendezvous store, listening on a port the OS picks (`store.port`); pass it as `store=`.
+
+        Binding before the port is announced closes the race of picking a free port, releasing it and binding it
+        again later (another process took it in between: EADDRINUSE, seen in CI)."""
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
 
     def broadcast(self, t: Tensor) -> None:
         self.pg.broadcast(t, 0).wait()
@@ -289,8 +310,8 @@ class WeightSync:
 
     def _sync_dist(self, changed_only: bool) -> tuple[int, int, int]:
         if not self._group_ready:
-            host, port = self.train.call("sync_endpoint")
             world = 1 + self.infer.world_size
+            host, port = self.train.call("sync_endpoint", world)
             a = self.train.submit("join_sync_group", host, port, world, self.dist_backend)
             b = self.infer.submit("join_sync_group", host, port, world, self.dist_backend)
             a.values(), b.values()

@@ -18,9 +18,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from roll_core.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A run config is invalid; the message names the key and, where close, the right spelling."""
+__all__ = ["ConfigError", "compose", "explain", "find_conf_dir", "load_config", "to_object"]
 
 
 def find_conf_dir() -> Path:

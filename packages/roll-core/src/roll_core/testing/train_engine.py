@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from roll_core.interfaces import TrainEngine
-from roll_core.sequences import build_sequences, pad_left
 from roll_core.testing import teacher_forced_logprobs
+from roll_core.testing.batches import PROMPTS, toy_batch
 
-PROMPTS = ["What is 1+2?", "Hi", "abc def ghi"]
+__all__ = ["PROMPTS", "TrainEngineTestSuite", "toy_batch"]
 
 
 class TrainEngineTestSuite:
@@ -144,23 +144,3 @@ class TrainEngineTestSuite:
         a, b = dict(eng.iter_weights()), dict(fresh.iter_weights())
         for k in a:
             torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5, msg=k)
-
-
-def toy_batch(model_path: str) -> dict[str, torch.Tensor]:
-    """A training batch in roll's layout: two random responses of different lengths per prompt of `PROMPTS`
-    (left-padded prompts, right-padded responses) with advantages of both signs."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_path)
-    prompts = [list(tok(p)["input_ids"]) for p in PROMPTS for _ in range(2)]
-    gen = torch.Generator().manual_seed(0)
-    lengths = [3, 7, 5, 1, 6, 4]
-    r = max(lengths)
-    responses = torch.randint(3, len(tok), (len(prompts), r), generator=gen)
-    mask = (torch.arange(r)[None, :] < torch.tensor(lengths)[:, None]).long()
-    responses = responses * mask + tok.pad_token_id * (1 - mask)
-    p_ids, p_mask = pad_left(prompts, tok.pad_token_id)
-    out = build_sequences(p_ids, p_mask, responses, mask)
-    out.update(responses=responses, response_mask=mask)
-    out["advantages"] = torch.linspace(-1, 1, len(prompts))[:, None] * mask
-    return out
