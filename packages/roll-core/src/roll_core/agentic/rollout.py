@@ -6,6 +6,8 @@ to the inference group (continuous batching merges the turns of all running epis
 the action, step the environment, and append the observation's template ids. An episode ends when the
 environment terminates or truncates, at `max_turns`, when the next turn would not fit `max_context_length`
 (prompt + everything so far + at least one new token), or when its environment fails (counted, the run goes on).
+A response cut by `max_tokens_per_turn` does not end the episode: the environment judges the cut text (usually an
+invalid action, which teaches brevity); such turns are counted (`Trajectory.cut_turns`, `episode/cut_turn_rate`).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class AgenticRollout:
             if out.finish_reason == "prompt_too_long":
                 traj.end = "max_context"
                 break
+            traj.cut_turns += int(out.finish_reason == "length")
             traj.state_keys.append(str(info.get("state", obs)))
             traj.add_response(out.token_ids, out.logprobs)
             text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)

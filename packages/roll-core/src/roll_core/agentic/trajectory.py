@@ -32,6 +32,7 @@ class Trajectory:
     state_keys: list[str] = field(default_factory=list)  # environment state before each turn's action
     invalid_actions: int = 0
     tool_calls: int = 0
+    cut_turns: int = 0  # responses stopped by the per-turn token limit (passed to the environment as they are)
     success: bool = False
     end: str = ""
     error: str = ""

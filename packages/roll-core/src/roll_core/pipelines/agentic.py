@@ -213,6 +213,7 @@ def _episode_metrics(
         "episode/turns_mean": turns / n,
         "episode/invalid_action_rate": sum(t.invalid_actions for t in trajs) / max(turns, 1),
         "episode/tool_calls_mean": sum(t.tool_calls for t in trajs) / n,
+        "episode/cut_turn_rate": sum(t.cut_turns for t in trajs) / max(turns, 1),
         "episode/length_mean": sum(t.length for t in trajs) / n,
         "response/length_mean": sum(sum(t.mask) for t in trajs) / max(turns, 1),  # generated tokens per turn
     }
