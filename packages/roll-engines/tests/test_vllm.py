@@ -11,16 +11,21 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import pytest
+import torch
 
 from roll_core.testing.infer_engine import InferEngineTestSuite
 
 pytest.importorskip("vllm", reason="vLLM runs in its own venv: nox -s vllm_venv (the tests session runs it there)")
 
+_ON_CUDA = torch.cuda.is_available()
+
 
 class TestVLLMInferEngine(InferEngineTestSuite):
     model: ClassVar[str] = "builtin:tiny-wide"
     logprob_atol: ClassVar[float] = 1e-4
-    releases_weights: ClassVar[bool] = False  # CPU: vLLM's sleep mode is CUDA-only
+    # vLLM's sleep mode is CUDA-only: on CPU sleep keeps everything; on CUDA device memory must drop.
+    releases_weights: ClassVar[bool] = _ON_CUDA
+    releases_kv_cache: ClassVar[bool] = _ON_CUDA
 
     @classmethod
     def build_engine(cls, model_path: str, **kwargs: Any):

@@ -49,6 +49,8 @@ class InferEngineTestSuite:
     logprob_atol: ClassVar[float] = 1e-4
     #: Whether `sleep(level=2)` must visibly release the weights' memory.
     releases_weights: ClassVar[bool] = True
+    #: Whether `sleep(level=1)` must visibly release the KV cache.
+    releases_kv_cache: ClassVar[bool] = True
     #: Whether the engine reports log-probs of top-k/top-p truncated distributions (else it must refuse them).
     supports_truncation: ClassVar[bool] = True
 
@@ -258,7 +260,12 @@ class InferEngineTestSuite:
 
         greedy = SamplingParams(temperature=0, max_new_tokens=10)
         before = engine.generate(prompts[:1], greedy).responses
+        awake = engine.memory_bytes()
         engine.sleep(level=1)
+        if self.releases_kv_cache:  # level 1 frees the KV cache (and prefix cache); weights may stay or move off
+            asleep = engine.memory_bytes()
+            assert asleep["kv_cache"] == 0, asleep
+            assert sum(asleep.values()) <= sum(awake.values()) - awake["kv_cache"], (awake, asleep)
         engine.wake_up()
         assert torch.equal(engine.generate(prompts[:1], greedy).responses, before)
         held = engine.memory_bytes()["weights"]

@@ -150,6 +150,7 @@ class SGLangInferEngine:
             kwargs["max_running_requests"] = max_running_requests
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
         self._memory_saver = enable_memory_saver
+        self._base_used = _device_used()  # what the device held before this engine: memory_bytes subtracts it
         self.engine = sglang.Engine(**kwargs)  # on the caller's (main) thread: 0.5.6 installs signal handlers
         self._version = 0
         self._ids = itertools.count()
@@ -323,14 +324,22 @@ class SGLangInferEngine:
             self._control(lambda: self.engine.resume_memory_occupation(tags=tags))
 
     def memory_bytes(self) -> dict[str, int]:
-        """Device memory in use on this engine's first GPU (SGLang's scheduler processes hold it, not this one)."""
-        import torch
-
-        free, total = torch.cuda.mem_get_info()
-        return {"weights": int(total - free) if "weights" not in self._slept else 0, "kv_cache": 0}
+        """Device memory this engine added on its first GPU since it started (SGLang's scheduler processes hold it,
+        not this one): measured, not assumed, so that sleep's release is observed; weights and KV cache pooled."""
+        return {"weights": max(0, _device_used() - self._base_used), "kv_cache": 0}
 
     def shutdown(self) -> None:
         self._stopped = True
         self._jobs.put(("control", lambda: None, Future()))
         self._driver.join(timeout=10)
         self.engine.shutdown()
+
+
+def _device_used() -> int:
+    """Bytes in use on the current CUDA device, all processes (0 without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)

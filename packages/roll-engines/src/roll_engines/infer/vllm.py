@@ -127,6 +127,7 @@ class VLLMInferEngine:
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
+        self._base_used = _device_used()  # what the device held before this engine: memory_bytes subtracts it
         self.llm = vllm.LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self._vllm_sampling = vllm.SamplingParams
@@ -341,11 +342,22 @@ class VLLMInferEngine:
                 p.numel() * p.element_size() for p in runner.model.parameters()
             )
             return {"weights": weights, "kv_cache": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30}
-        free, total = torch.cuda.mem_get_info()
-        return {"weights": int(total - free) if self._slept < 2 else 0, "kv_cache": 0}
+        # On CUDA vLLM's allocator pools weights and KV cache together: report what the device gained since before
+        # this engine started (under "weights"), measured, so that sleep's release is observed rather than assumed.
+        return {"weights": max(0, _device_used() - self._base_used), "kv_cache": 0}
 
     def shutdown(self) -> None:
         self._stopped = True
         self._jobs.put(("control", lambda: None, Future()))
         self._driver.join(timeout=10)
         del self.llm, self.engine
+
+
+def _device_used() -> int:
+    """Bytes in use on the current CUDA device, all processes (0 without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
