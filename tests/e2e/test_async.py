@@ -4,6 +4,7 @@ duplicated, dynamic sampling refills batches with informative groups, and bad co
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,10 @@ def test_async_grpo_learns_within_the_staleness_bound(seven_task: Path, tmp_path
     # Samples from an older policy: the trainer's proximal log-probs differ from the behaviour ones.
     assert max(h["actor/train_infer_logprob_diff"] for h in steps) > 1e-3
     assert all(h["data/trained_groups"] == 4 for h in steps)
+    # Rollout throughput counts the time between batches, not the trainer's (overlapped, near-zero) wait.
+    for prev, h in itertools.pairwise(steps):
+        between = h["perf/response_tokens"] / h["perf/rollout_tokens_per_s"]
+        assert between >= h["perf/generate_wait_seconds"] + prev["perf/time_train_actor"], (prev, h)
 
 
 def test_partial_rollout_resumes_requests_and_keeps_every_token_once(tiny_model: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -61,6 +62,7 @@ class AsyncCollector:
             partial_rollout=p.partial_rollout,
         )
         self.skipped_long = 0
+        self._last_batch_at: float | None = None  # when the previous batch was taken (rollout throughput)
         self.driver = AsyncRollout(
             pipe.actor_infer, self.sched, self._next_group, pipe.sampling.replace(seed=p.seed * 100_003)
         )
@@ -136,7 +138,13 @@ class AsyncCollector:
         metrics["async/staleness_mean"] = float(staleness.mean())
         metrics["async/staleness_max"] = float(staleness.max())
         metrics.update(self.driver.stats())
-        metrics["perf/rollout_tokens_per_s"] = float(batch["response_mask"].sum()) / max(timers["generate"], 1e-9)
+        # The trainer's wait ("generate") is not the rollout's time when generation overlaps training: rollout
+        # throughput is the batch's tokens over the time between two batches (the first batch: its own wait).
+        now = time.monotonic()
+        span = timers["generate"] if self._last_batch_at is None else now - self._last_batch_at
+        self._last_batch_at = now
+        metrics["perf/rollout_tokens_per_s"] = float(batch["response_mask"].sum()) / max(span, 1e-9)
+        metrics["perf/generate_wait_seconds"] = timers["generate"]
         return batch
 
     def _assemble(self, gen: Batch) -> Batch:
