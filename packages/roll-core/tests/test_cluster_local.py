@@ -55,3 +55,26 @@ def test_local_backend_runs_in_this_process() -> None:
 
     group = WorkerGroup(Doubler, 2, "local")
     assert {pid for _, _, pid in group.call("ping")} == {os.getpid()}
+
+
+def test_rendezvous_port_is_held_until_setup() -> None:
+    """Rank 0's rendezvous port is reserved from when it is announced until set-up has started the store on it:
+    nobody else is given it in between (a port picked, released and bound later was taken in CI: EADDRINUSE)."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    class StoreWorker(Worker):
+        def on_setup(self) -> None:  # what an engine's init_process_group does on rank 0
+            self.store = dist.TCPStore(
+                "127.0.0.1", self.rendezvous[1], 1, is_master=True, timeout=datetime.timedelta(seconds=10)
+            )
+
+    w = StoreWorker(rank=0, world_size=1)
+    host, port, _ = w.rendezvous_endpoint()
+    with socket.socket() as stranger, pytest.raises(OSError):
+        stranger.bind((host, port))
+    w.setup(host, port, export_env=False)
+    w.store.set("k", "v")
+    assert w._port_reservation is None and w.store.get("k") == b"v"

@@ -351,7 +351,7 @@ def test_retrieval_finds_the_relevant_document(tmp_path: Path) -> None:
     path = tmp_path / "corpus.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     assert "mitochondrion" in get_tool("retrieval", path=str(path), k=1)("powerhouse cell")
-    with pytest.raises(ValueError, match="unknown tool 'shell'; available: calculator, python, retrieval"):
+    with pytest.raises(ValueError, match="unknown tool 'shell'; available: calculator, code, python, retrieval"):
         get_tool("shell")
 
 

@@ -72,7 +72,7 @@ class Worker:
     def rendezvous_endpoint(self) -> tuple[str, int, int]:
         """This node's address, a port free on it and this pid: rank 0 hosts the torch.distributed store, so the
         endpoint must be rank 0's, not the driver's (which may be another node, or a CPU-only head)."""
-        from roll_core.cluster.group import free_port
+        from roll_core.cluster.group import reserve_port
 
         host = "127.0.0.1"
         try:
@@ -82,7 +82,9 @@ class Worker:
                 host = ray.util.get_node_ip_address()
         except ImportError:
             pass
-        return host, free_port("" if host != "127.0.0.1" else host), os.getpid()
+        # Held until this rank's set-up has started the store on it (see `setup`).
+        self._port_reservation = reserve_port("" if host != "127.0.0.1" else host)
+        return host, int(self._port_reservation.getsockname()[1]), os.getpid()
 
     @dispatch(Dispatch.BROADCAST)
     def setup(self, master_addr: str, master_port: int, chosen_by: int = 0, export_env: bool = True) -> None:
@@ -103,7 +105,13 @@ class Worker:
                     "MASTER_PORT": str(master_port),
                 }
             )
-        self.on_setup()
+        try:
+            self.on_setup()
+        finally:
+            reservation = getattr(self, "_port_reservation", None)
+            if reservation is not None:
+                reservation.close()
+                self._port_reservation = None
 
     def on_setup(self) -> None:
         """Subclasses build what needs the rendezvous (engines) here."""
