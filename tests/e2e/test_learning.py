@@ -125,6 +125,29 @@ def test_sleeping_engine_gets_full_syncs_and_samples_the_trained_policy(seven_ta
     assert max(h["actor/train_infer_logprob_diff"] for h in steps) < 1e-4  # NaN weights would show here
 
 
+def test_inference_dtype_is_separate_from_training(
+    seven_task: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """infer_engine.dtype=bfloat16 samples in bf16 while the trainer stays fp32 (model.dtype): the train/infer
+    log-prob gap shows the engine really runs in bf16, and training still moves the fp32 policy."""
+    from roll_hw.cpu import CpuPlatform
+
+    # Without AMX the CPU platform turns bf16 into fp32 (slow bf16 matmuls): claim fast bf16 for this run.
+    monkeypatch.setattr(CpuPlatform, "supports_bf16", classmethod(lambda cls: True))
+
+    def gap(history: list[dict]) -> float:
+        return max(h["actor/train_infer_logprob_diff"] for h in history if h["step"] > 0)
+
+    _, fp32 = run(tiny_overrides(seven_task, tmp_path / "fp32", "algo=grpo", "pipeline.max_steps=2"))
+    _, bf16 = run(
+        tiny_overrides(
+            seven_task, tmp_path / "bf16", "algo=grpo", "pipeline.max_steps=2", "infer_engine.dtype=bfloat16"
+        )
+    )
+    assert gap(fp32) < 1e-5 < 1e-4 < gap(bf16), (gap(fp32), gap(bf16))
+    assert all(h["actor/grad_norm"] > 0 for h in bf16 if h["step"] > 0)
+
+
 def test_lora_grpo_learns_with_less_optimizer_memory(seven_task: Path, tmp_path: Path) -> None:
     """LoRA adapters (lm_head included: the tiny model's answer token lives there) learn the task; AdamW holds
     state for the adapters only, and the KL reference is the base with adapters disabled."""

@@ -40,7 +40,7 @@ def evaluate_model(cfg: Any, samples: int | None = None) -> dict[str, Any]:
         engine=ie,
         runtime={
             "model_path": path,
-            "dtype": cfg.model.dtype,
+            "dtype": ie.get("dtype") or cfg.model.dtype,
             "seed": cfg.pipeline.seed,
             "max_new_tokens": cfg.model.max_response_length,
             "platform": cluster.platform.name,

@@ -13,6 +13,7 @@ to the engine's constructor.
 from __future__ import annotations
 
 import itertools
+import logging
 from concurrent.futures import Future
 from typing import Any
 
@@ -26,7 +27,8 @@ from roll_core.interfaces import InferEngine, Request, RequestOutput, SamplingPa
 from roll_core.protocol import Batch
 
 #: Engine-config keys read by workers, placement and weight sync (never passed to an engine's constructor).
-WORKER_KEYS = ("world_size", "sync_transport", "sync_bucket_mb", "sleep_level", "python", "max_concurrency")
+# `dtype` of an inference engine reaches it through the runtime keys (resolved on its node, default model.dtype).
+WORKER_KEYS = ("world_size", "sync_transport", "sync_bucket_mb", "sleep_level", "python", "max_concurrency", "dtype")
 
 
 def engine_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +59,9 @@ def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
         out["device"] = platform.torch_device()
     if "dtype" in out:
         cfg = SimpleNamespace(dtype=out["dtype"])
-        platform.check_and_update_config(cfg)
+        for change in platform.check_and_update_config(cfg):
+            if not change.startswith("dtype auto"):  # an explicit choice overridden: say so
+                logging.getLogger(__name__).warning("%s (role %s)", change, out.get("role", "?"))
         out["dtype"] = cfg.dtype
     return out
 

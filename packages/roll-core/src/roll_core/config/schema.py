@@ -414,9 +414,14 @@ class InferEngineConfig:
     python: str | None = None
     # Concurrent calls one engine actor serves (request API); null: a default from the engine's batch size.
     max_concurrency: int | None = None
+    # Weights dtype of the inference engine: null (model.dtype) | auto | float32 | bfloat16 | float16. Training
+    # keeps its own dtypes (model.dtype compute, train_engine.param_dtype master weights); synced weights are cast.
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         _positive(f"infer_engine.world_size ({self.name})", self.world_size)
+        if self.dtype is not None:
+            _one_of("infer_engine.dtype", self.dtype, DTYPES)
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(
                 f"infer_engine.temperature={self.temperature} must be > 0 for RL sampling "

@@ -127,7 +127,7 @@ class RLVRPipeline:
             python=resolve_python(ie["python"], ie["name"]),
             max_concurrency=ie["max_concurrency"] or 64,
             engine=ie,
-            runtime={**common, "max_new_tokens": model.max_response_length},
+            runtime={**common, "dtype": ie.get("dtype") or model.dtype, "max_new_tokens": model.max_response_length},
         )
         self._check_infer_engine(ie)
         self.reference = None
