@@ -57,6 +57,17 @@ def test_roll_train_config_errors_exit_2_with_suggestion(tmp_path: Path) -> None
     assert proc.returncode == 2 and "set algo.group_size >= 2" in proc.stderr
 
 
+def test_errors_found_while_building_the_run_exit_2_without_traceback(seven_task: Path, tmp_path: Path) -> None:
+    """Combinations only the pipeline can judge (they need the built task or engines) are config errors too."""
+    proc = _run([str(BIN / "roll-train"), *tiny_overrides(seven_task, tmp_path / "a", "pipeline=agentic")], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "invalid config" in proc.stderr and "pipeline=agentic needs an agentic env" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    gigpo = tiny_overrides(seven_task, tmp_path / "b", "algo.adv_estimator=gigpo")
+    proc = _run([str(BIN / "roll-train"), *gigpo], tmp_path)
+    assert proc.returncode == 2 and "use pipeline=agentic" in proc.stderr and "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("flag", ["--help"])
 def test_roll_eval_help(flag: str, tmp_path: Path) -> None:
     proc = _run([str(BIN / "roll-eval"), flag], tmp_path)

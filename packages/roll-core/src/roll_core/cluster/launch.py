@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from roll_core.cluster.group import RayOptions, WorkerGroup
 from roll_core.config.schema import ClusterConfig, HwConfig
+from roll_core.errors import ConfigError
 from roll_hw import Platform
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def resolve_python(value: str | None, engine: str) -> str | None:
     if value != "auto":
         path = Path(value).expanduser().absolute()  # not resolve(): a venv's python is a symlink to the base one
         if not path.is_file():
-            raise ValueError(f"infer_engine.python={value!r}: no such executable ({path})")
+            raise ConfigError(f"infer_engine.python={value!r}: no such executable ({path})")
         return str(path)
     if importlib.util.find_spec(engine) is not None:
         return None
@@ -53,7 +54,7 @@ def resolve_python(value: str | None, engine: str) -> str | None:
         candidate = root / engine / "bin" / "python"
         if candidate.is_file():
             return str(candidate)
-    raise ValueError(
+    raise ConfigError(
         f"infer_engine={engine}: {engine} is not importable in this environment and no venv was found at "
         f"{roots[-1] / engine}: build it with `nox -s {engine}_venv`, or set infer_engine.python to its python"
     )
@@ -122,7 +123,7 @@ class Cluster:
         key = self.platform.ray_resource
         colocated = self.cfg.placement == "colocated"
         if colocated and devices_per_worker > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"{role} spans {devices_per_worker} devices per worker (tensor parallel), but colocated placement "
                 "gives every rank one device bundle: use cluster.placement=disaggregated"
             )
@@ -136,7 +137,7 @@ class Cluster:
             self._pgs[pg_name] = (pg, world_size, self._bundle_envs(pg, world_size) if dev else None)
         pg, size, envs = self._pgs[pg_name]
         if world_size > size:
-            raise ValueError(
+            raise ConfigError(
                 f"role {role} has world_size={world_size} but the colocated group has {size} bundles; "
                 "give every device role the same world_size or use cluster.placement=disaggregated"
             )
@@ -213,7 +214,7 @@ class Cluster:
         """
         if self.cfg.backend == "local":
             if python:
-                raise ValueError(
+                raise ConfigError(
                     f"{role} asks for its own Python environment ({python}); roles run in separate environments "
                     "only as Ray actors: use cluster=ray"
                 )

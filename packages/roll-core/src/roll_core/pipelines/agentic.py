@@ -29,6 +29,7 @@ from roll_algos import trajectories as T
 from roll_core.agentic.env_manager import EnvManager
 from roll_core.agentic.rollout import AgenticRollout, task_turns
 from roll_core.agentic.trajectory import Trajectory, to_tensors
+from roll_core.errors import ConfigError
 from roll_core.pipelines.metrics import timer
 from roll_core.pipelines.rlvr import RLVRPipeline
 from roll_core.protocol import Batch
@@ -63,7 +64,7 @@ class AgenticPipeline(RLVRPipeline):
     # ---- set-up hooks -------------------------------------------------------------------------------------
     def _setup_data(self) -> None:
         if not getattr(self.task, "is_agentic", False):
-            raise ValueError(
+            raise ConfigError(
                 f"pipeline=agentic needs an agentic env (env=sokoban, frozen_lake, guess_number, tool_math, ...), "
                 f"got {type(self.task).__name__}"
             )
@@ -88,7 +89,7 @@ class AgenticPipeline(RLVRPipeline):
 
     def _setup_estimator(self) -> Any:
         if self.cfg.algo.adv_estimator not in AGENTIC_ESTIMATORS:
-            raise ValueError(
+            raise ConfigError(
                 f"algo.adv_estimator={self.cfg.algo.adv_estimator} has no trajectory form: use one of "
                 f"{', '.join(AGENTIC_ESTIMATORS)} with pipeline=agentic"
             )

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from roll_core.errors import ConfigError
 from roll_core.pipelines.rollout import prompt_ids
 from roll_core.protocol import Batch
 from roll_core.scheduling.driver import AsyncRollout
@@ -36,12 +37,12 @@ class AsyncCollector:
         cfg = pipe.cfg
         ie, p = cfg.infer_engine, cfg.pipeline
         if not pipe.actor_infer.continuous_batching():
-            raise ValueError(
+            raise ConfigError(
                 f"pipeline.async_ratio={p.async_ratio} needs an inference engine with continuous batching; "
                 f"infer_engine={ie.name} is synchronous-only: use pipeline.async_ratio=0"
             )
         if int(ie.sleep_level):
-            raise ValueError(
+            raise ConfigError(
                 f"pipeline.async_ratio={p.async_ratio} keeps the engines generating while the trainer trains: "
                 f"set infer_engine.sleep_level=0 (it is {ie.sleep_level})"
             )

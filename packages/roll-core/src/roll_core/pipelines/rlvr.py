@@ -33,6 +33,7 @@ from roll_core.cluster.weight_sync import WeightSync
 from roll_core.config.build import as_dict, build
 from roll_core.config.schema import RLVRConfig
 from roll_core.data import PromptSampler
+from roll_core.errors import ConfigError
 from roll_core.interfaces import SamplingParams, UnsupportedSamplingError
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.metrics import reward_metrics, timer
@@ -494,9 +495,9 @@ class RLVRPipeline:
         """Training problems, held-out problems and the data sampler."""
         self.train_set, self.eval_set = self.task.train_set(), self.task.eval_set()[: self.cfg.pipeline.eval_size]
         if not self.train_set:
-            raise ValueError(f"env={self.cfg.env.name}: the training set is empty: check the data (env.path)")
+            raise ConfigError(f"env={self.cfg.env.name}: the training set is empty: check the data (env.path)")
         if self.cfg.pipeline.eval_every > 0 and not self.eval_set:
-            raise ValueError(
+            raise ConfigError(
                 f"pipeline.eval_every={self.cfg.pipeline.eval_every} but the held-out set of env={self.cfg.env.name} "
                 f"is empty (pipeline.eval_size={self.cfg.pipeline.eval_size}): give it held-out problems "
                 "(env.eval_size, env.eval_path) or set pipeline.eval_every=0"
@@ -506,7 +507,7 @@ class RLVRPipeline:
     def _setup_estimator(self) -> Any:
         """The advantage estimator: a `roll.algorithms` plugin (grpo, rloo, gae, ... or an installed one)."""
         if self.cfg.algo.adv_estimator == "gigpo":
-            raise ValueError("algo.adv_estimator=gigpo groups steps of multi-turn episodes: use pipeline=agentic")
+            raise ConfigError("algo.adv_estimator=gigpo groups steps of multi-turn episodes: use pipeline=agentic")
         return registry.load("roll.algorithms", self.cfg.algo.adv_estimator)
 
     def _setup_reward(self) -> RewardGroup | None:
@@ -531,7 +532,7 @@ class RLVRPipeline:
         try:
             self.actor_infer.check_sampling(self.sampling)
         except UnsupportedSamplingError as exc:
-            raise ValueError(f"infer_engine={ie['name']}: {exc}") from exc
+            raise ConfigError(f"infer_engine={ie['name']}: {exc}") from exc
         context = self.actor_infer.max_context_length()
         need = self.cfg.model.max_prompt_length + self.cfg.model.max_response_length
         if need > context:
