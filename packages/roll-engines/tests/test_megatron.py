@@ -3,9 +3,11 @@ process; TP=2 and PP=2 against the `hf` engine run on Ray in tests/e2e/test_mega
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from roll_core.testing.train_engine import TrainEngineTestSuite
 
@@ -55,3 +57,69 @@ def test_activation_recomputation_gives_the_same_gradients(recompute: str, tmp_p
     again = MegatronTrainEngine(path, recompute=recompute, **common).compute_gradients(batch, objective)
     for name, g in plain.items():
         torch.testing.assert_close(again[name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def _tiny_family(kind: str, folder: Path) -> str:
+    """A 2-layer model of `kind` (qwen2: q/k/v biases; qwen3: q/k RMSNorm) with the builtin tiny tokenizer, its
+    biases and norm weights randomised so that a mapping that drops or misplaces them changes the outputs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3Config
+
+    from roll_core.models import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny"))
+    common = {
+        "vocab_size": len(tok),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "pad_token_id": tok.pad_token_id,
+    }
+    cfg = Qwen2Config(**common) if kind == "qwen2" else Qwen3Config(head_dim=16, **common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_qwen_families_convert_exactly(kind: str, tmp_path: Path) -> None:
+    """The Qwen2/Qwen3 mappings: log-probs equal plain transformers', and the weights exported in HF names equal the
+    HF checkpoint's, biases and q/k norms included."""
+    import os
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from roll_core.testing import teacher_forced_logprobs
+    from roll_core.testing.batches import PROMPTS, toy_batch
+    from roll_engines.train.megatron import MegatronTrainEngine
+
+    os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path / "cache"))
+    path = _tiny_family(kind, tmp_path / kind)
+    hf = load_file(str(Path(path) / "model.safetensors"))
+    assert any(k.endswith("q_proj.bias") for k in hf) == (kind == "qwen2")
+    assert any(k.endswith("q_norm.weight") for k in hf) == (kind == "qwen3")
+    eng = MegatronTrainEngine(path, dist_backend="gloo", use_distributed_optimizer=False, micro_batch_size=4)
+    exported = dict(eng.iter_weights())
+    assert exported.keys() == hf.keys()
+    for name, value in hf.items():
+        torch.testing.assert_close(exported[name], value, atol=0, rtol=0, msg=name)
+    batch, tok = toy_batch(path), AutoTokenizer.from_pretrained(path)
+    out = eng.compute_logprobs(batch, temperature=0.7)
+    mask = batch["response_mask"]
+    for i in range(len(mask)):
+        n = int(mask[i].sum())
+        tokens = batch["responses"][i, :n].tolist()
+        ref = teacher_forced_logprobs(path, list(tok(PROMPTS[i // 2])["input_ids"]), tokens, 0.7)
+        assert out["logprobs"][i, :n].tolist() == pytest.approx(ref, abs=1e-5), (kind, i)
