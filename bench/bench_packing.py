@@ -15,21 +15,10 @@ ratios measured in the same run, plus the largest log-prob gap between the two p
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import torch
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from bench_rollout import cpu_name  # one CPU-name probe for every bench script
 
 
 def loadavg() -> str:
@@ -95,7 +84,7 @@ def main() -> None:
     vocab = int(padded.model.config.vocab_size)
     batch = make_batch(args.prompts, args.group, args.prompt_len, args.answer_len, vocab)
     n_real = int(batch["attention_mask"].sum())
-    print(f"cpu: {cpu_model()} (threads: {torch.get_num_threads()}), torch {torch.__version__}; load {loadavg()}")
+    print(f"cpu: {cpu_name()} (threads: {torch.get_num_threads()}), torch {torch.__version__}; load {loadavg()}")
     print(
         f"model: {path}; batch {tuple(batch['input_ids'].shape)} = {args.prompts} prompts x {args.group}, "
         f"{n_real} real tokens, micro-batches of {args.micro} rows"

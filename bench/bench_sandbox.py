@@ -15,23 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
-from pathlib import Path
+
+from bench_rollout import cpu_name  # one CPU-name probe for every bench script
 
 from roll_envs.rewards.code import CodeReward
 from roll_envs.sandbox import PythonSandbox
 from roll_envs.tasks.code import CodeTask
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def measure(reward: CodeReward, responses: list[str], answers: list[str], expect: float) -> tuple[float, float]:
