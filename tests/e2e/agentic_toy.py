@@ -5,6 +5,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
+#: Config overrides for an agentic run of the tiny model on `SayDigit` (callers add the algorithm and run knobs).
+SAY_DIGIT_OVERRIDES = (
+    "model=tiny",
+    "pipeline=agentic",
+    "env=agentic",
+    "env.env=py:agentic_toy:SayDigit",
+    "env.max_turns=2",
+    "env.max_tokens_per_turn=6",
+    "env.max_context_length=256",
+)
+
 
 class SayDigit:
     """Two turns; each asks for the digit 7 and pays 0.5 when the reply ends with it. A random tiny model learns

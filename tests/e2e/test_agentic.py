@@ -11,17 +11,12 @@ import pytest
 from roll_core.testing import reward_curve, run_pipeline
 
 sys.path.insert(0, str(Path(__file__).parent))  # agentic_toy: env=py:agentic_toy:<Class>
+from agentic_toy import SAY_DIGIT_OVERRIDES
 
 
 def _overrides(tmp_path: Path, *extra: str) -> list[str]:
     return [
-        "model=tiny",
-        "pipeline=agentic",
-        "env=agentic",
-        "env.env=py:agentic_toy:SayDigit",
-        "env.max_turns=2",
-        "env.max_tokens_per_turn=6",
-        "env.max_context_length=256",
+        *SAY_DIGIT_OVERRIDES,
         "env.eval_size=8",
         "algo=grpo",
         "algo.group_size=8",

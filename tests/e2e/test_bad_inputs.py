@@ -35,6 +35,7 @@ import pytest
 from roll_core.testing import tiny_overrides
 
 sys.path.insert(0, str(Path(__file__).parent))  # bad_input_helpers, agentic_toy: named in configs by module
+from agentic_toy import SAY_DIGIT_OVERRIDES
 
 ERROR, COUNTED, PASSED, CRASH = "error", "counted", "passed", "crash"
 #: Exception types that mean "crashed somewhere inside", whatever their message says.
@@ -144,13 +145,7 @@ class Corpus:
 def agentic_overrides(out: Path, *extra: str) -> list[str]:
     """A two-step agentic run of the tiny model on a toy two-turn environment (tests/e2e/agentic_toy.py)."""
     return [
-        "model=tiny",
-        "pipeline=agentic",
-        "env=agentic",
-        "env.env=py:agentic_toy:SayDigit",
-        "env.max_turns=2",
-        "env.max_tokens_per_turn=6",
-        "env.max_context_length=256",
+        *SAY_DIGIT_OVERRIDES,
         "env.eval_size=2",
         "algo.group_size=2",
         "pipeline.rollout_batch_size=3",
