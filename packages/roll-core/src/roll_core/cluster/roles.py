@@ -21,7 +21,7 @@ import torch
 
 from roll_core.cluster.group import Handle, WorkerGroup
 from roll_core.cluster.weight_sync import Bucket, SyncGroup, bucket_nbytes, buckets, open_cuda, share_cuda
-from roll_core.cluster.worker import Dispatch, Worker, dispatch
+from roll_core.cluster.worker import Dispatch, Worker, dispatch, node_address
 from roll_core.config.build import build
 from roll_core.interfaces import InferEngine, Request, RequestOutput, SamplingParams, Task, TrainEngine
 from roll_core.protocol import Batch
@@ -59,9 +59,9 @@ def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
         out["device"] = platform.torch_device()
     if "dtype" in out:
         cfg = SimpleNamespace(dtype=out["dtype"])
-        for change in platform.check_and_update_config(cfg):
-            if not change.startswith("dtype auto"):  # an explicit choice overridden: say so
-                logging.getLogger(__name__).warning("%s (role %s)", change, out.get("role", "?"))
+        changes = platform.check_and_update_config(cfg)  # only dtype lines: cfg has no dist_backend
+        if out["dtype"] != "auto" and cfg.dtype != out["dtype"]:  # an explicit choice overridden: say so
+            logging.getLogger(__name__).warning("%s (role %s)", "; ".join(changes), out.get("role", "?"))
         out["dtype"] = cfg.dtype
     return out
 
@@ -73,6 +73,7 @@ class TrainWorker(Worker):
         super().__init__(**base)
         self._engine_cfg, self._runtime = engine, runtime
         self._sync_group: SyncGroup | None = None
+        self._sync_store: Any = None  # rank 0's weight-sync TCPStore, opened by sync_endpoint
         self._ipc: Any = None
 
     def on_setup(self) -> None:
@@ -146,12 +147,7 @@ class TrainWorker(Worker):
     @dispatch(Dispatch.RANK0)
     def sync_endpoint(self, world_size: int) -> tuple[str, int]:
         """This node's address and the port of the weight-sync rendezvous rank 0 now listens on."""
-        try:
-            import ray
-
-            host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        except ImportError:
-            host = "127.0.0.1"
+        host = node_address()
         self._sync_store = SyncGroup.host_store(host, world_size)
         return host, int(self._sync_store.port)
 

@@ -61,12 +61,25 @@ def dispatch_mode(cls: type, method: str) -> Dispatch:
     return mode
 
 
+def node_address() -> str:
+    """This node's address as Ray knows it (127.0.0.1 outside Ray): where a rank hosts a rendezvous."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
 class Worker:
     """Base of role workers: knows its rank, the group size and the distributed rendezvous."""
 
     def __init__(self, rank: int = 0, world_size: int = 1, **_: Any) -> None:
         self.rank, self.world_size = rank, world_size
         self.rendezvous: tuple[str, int, int] | None = None  # (address, port, pid of the rank that chose them)
+        self._port_reservation: socket.socket | None = None  # rank 0's rendezvous port, held until set-up
 
     @dispatch(Dispatch.RANK0)
     def rendezvous_endpoint(self) -> tuple[str, int, int]:
@@ -74,14 +87,7 @@ class Worker:
         endpoint must be rank 0's, not the driver's (which may be another node, or a CPU-only head)."""
         from roll_core.cluster.group import reserve_port
 
-        host = "127.0.0.1"
-        try:
-            import ray
-
-            if ray.is_initialized():
-                host = ray.util.get_node_ip_address()
-        except ImportError:
-            pass
+        host = node_address()
         # Held until this rank's set-up has started the store on it (see `setup`).
         self._port_reservation = reserve_port("" if host != "127.0.0.1" else host)
         return host, int(self._port_reservation.getsockname()[1]), os.getpid()
@@ -108,9 +114,8 @@ class Worker:
         try:
             self.on_setup()
         finally:
-            reservation = getattr(self, "_port_reservation", None)
-            if reservation is not None:
-                reservation.close()
+            if self._port_reservation is not None:
+                self._port_reservation.close()
                 self._port_reservation = None
 
     def on_setup(self) -> None:
