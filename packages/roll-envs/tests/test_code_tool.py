@@ -130,3 +130,12 @@ def test_a_hydra_config_builds_the_code_tool(tool: CodeTool) -> None:
     assert sorted(env.tools) == ["calculator", "code"] and env.tools["code"].sandbox.limits.timeout_s == 2.0
     env.reset(seed=0)
     assert env.step("<tool>code: print(6 * 7)</tool>")[0].startswith("<tool_output>\n42\n")
+
+
+def test_an_error_survives_the_environment_s_output_cut(tool: CodeTool) -> None:
+    """With default sizes, a program that floods its output still shows the model why it stopped: the tool's own
+    cut leaves room for its error line inside the environment's observation limit."""
+    env = ToolMathEnv(tools=[{"name": "code", "timeout_s": 2.0}], seed=1)
+    env.reset(seed=1)
+    obs = env.step("<tool>code: print('y' * 10_000_000)</tool>")[0]
+    assert "error: the program printed too much" in obs and "... [truncated]" not in obs

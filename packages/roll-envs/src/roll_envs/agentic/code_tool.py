@@ -56,7 +56,8 @@ class CodeTool:
         memory_mb: address space per process of the program, MiB.
         max_processes: processes and threads the program may have.
         max_output_chars: characters of stdout shown to the model (the sandbox's own output budget, 64 KiB by
-            default here, kills floods long before they reach this process's memory).
+            default here, kills floods long before they reach this process's memory). The default leaves room for
+            the error line within `ToolUseEnv`'s 2000-character observation cut, so the model always sees it.
         max_code_chars: longer programs are refused without running.
         python: interpreter inside the sandbox; None: the one running roll (standard library only).
         allow_unsandboxed_execution_i_understand_the_risk: run without bubblewrap when none works.
@@ -73,7 +74,7 @@ class CodeTool:
         timeout_s: float = 5.0,
         memory_mb: int = 512,
         max_processes: int = 8,
-        max_output_chars: int = 2000,
+        max_output_chars: int = 1500,
         max_code_chars: int = 20_000,
         python: str | None = None,
         allow_unsandboxed_execution_i_understand_the_risk: bool = False,
@@ -119,7 +120,7 @@ class CodeTool:
         elif status == SANDBOX_ERROR:
             msg = "error: the sandbox failed to start the program; try again"
         else:
-            tail = [line for line in stderr.strip().splitlines() if line.strip()][-3:]
+            tail = [line[:200] for line in stderr.strip().splitlines() if line.strip()][-3:]
             msg = "error: the program failed" + (":\n" + "\n".join(tail) if tail else "")
         if stdout.strip():
             msg = f"{stdout}\n{msg}"
