@@ -20,14 +20,13 @@ process instead (loudly logged; the program can read the user's files and reach 
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import Counter
 from typing import ClassVar
 
+from roll_envs.rewards.code import extract_code
 from roll_envs.sandbox import OK, OUTPUT_LIMIT, SANDBOX_ERROR, TIMEOUT, PythonSandbox, SandboxLimits
 
-_FENCE = re.compile(r"^```[A-Za-z0-9_+-]*[ \t]*\n(.*?)\n?```\s*$", re.DOTALL)
 _SANDBOXES: dict[tuple[SandboxLimits, bool, str | None], PythonSandbox] = {}
 _SANDBOXES_LOCK = threading.Lock()
 
@@ -42,10 +41,10 @@ def _shared_sandbox(limits: SandboxLimits, unsandboxed: bool, python: str | None
 
 
 def strip_fence(text: str) -> str:
-    """The program inside one ```python fence, or `text` itself when it is not fenced."""
-    stripped = text.strip()
-    match = _FENCE.match(stripped)
-    return match.group(1) if match else stripped
+    """The program in `text`: its last python (else untagged) fenced block, the way the code reward reads a
+    response (`extract_code`), or `text` itself when it holds no fenced block; outer whitespace stripped."""
+    code = extract_code(text)
+    return (text if code is None else code).strip()
 
 
 class CodeTool:
