@@ -1,6 +1,7 @@
 """Runs that survive faults on Ray: a reward that raises, returns NaN or hangs on some rows; an inference engine or a
 reward worker killed mid-run; a worker that hangs past the call timeout; a trainer that dies (a clear error naming
-the checkpoint to resume from). One Ray instance for the module (the `ray_cluster` fixture)."""
+the checkpoint to resume from; the run restarts from it). One Ray instance for the module (the `ray_cluster`
+fixture)."""
 
 from __future__ import annotations
 
@@ -139,6 +140,47 @@ def test_killed_inference_and_reward_workers_are_restarted_and_the_run_completes
             pipeline.actor_train.get_weights()
     finally:
         pipeline.shutdown()
+
+
+def test_killed_trainer_restarts_the_run_from_its_latest_checkpoint(
+    ray_cluster: Any, seven_task: Path, tmp_path: Path
+) -> None:
+    """ray.kill of the trainer at the start of step 3: its ranks cannot be re-created alone, so the run is rebuilt
+    from step 2's checkpoint (run_with_restarts, as roll-train runs every job) and step 3 is redone."""
+    import ray
+
+    from roll_core.cli import pipeline_class
+    from roll_core.config import load_config
+    from roll_core.pipelines.run_control import run_with_restarts
+
+    built: list[Any] = []
+    dead_seen: list[list[str]] = []
+
+    def make(cfg: Any) -> Any:
+        pipeline = pipeline_class(cfg.pipeline.name)(cfg)
+        if not built:
+            step = pipeline.step
+
+            def killing(n: int) -> dict[str, Any]:
+                if n == 3:
+                    ray.kill(pipeline.actor_train.workers[0])
+                    dead_seen.append(pipeline.cluster.dead_workers())
+                return step(n)
+
+            pipeline.step = killing
+        built.append(pipeline)
+        return pipeline
+
+    cfg = load_config(
+        tiny_overrides(seven_task, tmp_path, "cluster=ray", "pipeline.max_steps=3", "pipeline.save_every=2")
+    )
+    summary = run_with_restarts(make, cfg)
+    assert dead_seen == [["actor_train rank 0"]]  # the probe that tells a fault from a bug sees the dead rank
+    assert summary["run_restarts"] == 1 and len(built) == 2 and built[1].start_step == 3
+    history = _history(built[1])
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert [h["faults/run_restarts"] for h in history] == [0, 0, 1]
+    assert all(math.isfinite(h["actor/pg_loss"]) for h in history)
 
 
 class NapperGroup(WorkerGroup[Napper]):

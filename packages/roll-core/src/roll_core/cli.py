@@ -33,11 +33,10 @@ def run_job(cfg: Any) -> dict[str, Any]:
             output_dir = HydraConfig.get().runtime.output_dir
         except ValueError:  # not inside a Hydra job
             output_dir = None
-    pipeline = pipeline_class(typed.pipeline.name)(typed, output_dir=output_dir)
-    try:
-        return pipeline.run()
-    finally:
-        pipeline.shutdown()
+    from roll_core.pipelines.run_control import run_with_restarts
+
+    # A fault roll cannot repair in place restarts the run from its latest checkpoint (pipeline.max_run_restarts).
+    return run_with_restarts(lambda c: pipeline_class(c.pipeline.name)(c, output_dir=output_dir), typed)
 
 
 def pipeline_class(name: str) -> Any:

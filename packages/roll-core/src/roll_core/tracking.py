@@ -108,5 +108,7 @@ class Tracker:
         return path
 
     def close(self) -> None:
+        """Flush and close TensorBoard's writer (idempotent)."""
         if self.writer is not None:
             self.writer.close()
+            self.writer = None

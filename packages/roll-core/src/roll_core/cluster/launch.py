@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, TypeVar
 
 from roll_core.cluster.group import RayOptions, WorkerGroup
@@ -267,6 +268,27 @@ class Cluster:
                 if delta and kind == "restarts":
                     out[f"faults/restarts_{g.name}"] = float(delta)
         return out
+
+    def dead_workers(self, timeout_s: float = 10.0) -> list[str]:
+        """`role rank N` of every worker whose Ray actor died; [] on the local backend. Used after an error to tell
+        a fault (a dead process) from a bug, which a restart would only repeat. A worker still busy with a call
+        past `timeout_s` counts as alive."""
+        if self.cfg.backend != "ray":
+            return []
+        import ray
+
+        probes = [
+            (f"{g.name} rank {r}", w.__ray_ready__.remote()) for g in self.groups for r, w in enumerate(g.workers)
+        ]
+        deadline, dead = time.monotonic() + timeout_s, []
+        for name, ref in probes:
+            try:
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.RayActorError:
+                dead.append(name)
+            except ray.exceptions.GetTimeoutError:
+                pass
+        return dead
 
     def shutdown(self) -> None:
         for g in self.groups:

@@ -318,6 +318,10 @@ class PipelineConfig:
     resume: bool = False
     # Continue this run folder (or checkpoint folder .../checkpoints/step_N) instead; null: see `resume`.
     resume_from: str | None = None
+    # A fault roll cannot repair in place (a trainer rank died or hung, or a role ran out of cluster.max_restarts)
+    # restarts the whole run from its latest checkpoint this many times (the steps since it are redone; counted in
+    # faults/run_restarts). Without a checkpoint yet the fault ends the run (pipeline.save_every=N). 0: never.
+    max_run_restarts: int = 2
     # Show a progress bar.
     progress: bool = True
     # Sampling temperature of held-out evaluation (0: greedy); null: the inference engine's temperature.
@@ -353,6 +357,7 @@ class PipelineConfig:
         _one_of("pipeline.name", self.name, ("rlvr", "agentic"))
         _positive("pipeline.async_ratio", self.async_ratio, allow_zero=True)
         _positive("pipeline.max_nonfinite_steps", self.max_nonfinite_steps, allow_zero=True)
+        _positive("pipeline.max_run_restarts", self.max_run_restarts, allow_zero=True)
         _positive("pipeline.tail_groups", self.tail_groups, allow_zero=True)
         if self.async_ratio == 0 and (self.partial_rollout or self.tail_groups):
             raise ValueError(

@@ -52,6 +52,8 @@ class RLVRPipeline:
 
     #: Metrics drawn in curves.png (one panel each, when present).
     PLOT_KEYS: tuple[str, ...] = ("reward/mean", "reward/accuracy", "eval/accuracy")
+    #: Run restarts since the last logged step (set by run_control.run_with_restarts), logged once.
+    pending_run_restarts: int = 0
 
     def __init__(self, cfg: RLVRConfig, output_dir: str | Path | None = None) -> None:
         self.cfg = cfg
@@ -258,6 +260,8 @@ class RLVRPipeline:
             self.update(step, *collected, metrics, timers)
         metrics.update({f"perf/time_{k}": v for k, v in timers.items()})
         metrics.update(self.cluster.fault_metrics())  # workers restarted, calls timed out (this step)
+        metrics["faults/run_restarts"] = float(self.pending_run_restarts)  # this run rebuilt after a fault
+        self.pending_run_restarts = 0
         metrics["perf/step_seconds"] = time.perf_counter() - t_step
         if collected is not None:
             metrics["perf/samples_per_s"] = len(collected[0]) / metrics["perf/step_seconds"]
@@ -621,4 +625,5 @@ class RLVRPipeline:
     def shutdown(self) -> None:
         if self.async_rollout is not None:
             self.async_rollout.close()
+        self.tracker.close()  # a failed run's writer too: a restarted run reopens the same event files
         self.cluster.shutdown()

@@ -1,10 +1,18 @@
-"""Run control: which folder a resumed run continues, and stopping cleanly on SIGINT/SIGTERM.
+"""Run control: which folder a resumed run continues, restarting a run after a fault, stopping on SIGINT/SIGTERM.
 
 Resume contract: `pipeline.resume_from=<folder>` continues that run (a run folder holding `checkpoints/`, or one
 checkpoint folder `.../checkpoints/step_N`). `pipeline.resume=true` continues the run in `output_dir` if it has a
 checkpoint; otherwise (every launch gets a fresh Hydra folder) the most recent run of the same experiment next to
 it (`outputs/*/*` for Hydra's default layout, or siblings of the folder); the log says which folder and step.
 Nothing found: a warning says so and the run starts at step 1.
+
+Restart contract (`run_with_restarts`): when a run fails with a fault roll cannot repair in place (a trainer rank
+died or hung: its ranks share torch.distributed groups, so one cannot be re-created alone; or a restartable role
+used up cluster.max_restarts), every role is shut down and the run is rebuilt from its latest checkpoint, as
+`pipeline.resume_from` would, up to `pipeline.max_run_restarts` times. The steps after that checkpoint are redone
+(their logged metrics are truncated on resume), the first step after a restart reports `faults/run_restarts`, and
+the summary counts them. An error with every worker alive is a bug, not a fault: it ends the run (a restart would
+only repeat it), as does a fault before the first checkpoint (nothing to restart from: the message says so).
 
 Stop contract: inside `GracefulStop`, the first SIGINT/SIGTERM sets `requested` (the loop finishes the step, saves
 a checkpoint and returns); a second one raises KeyboardInterrupt at once. Handlers are restored on exit, and
@@ -13,10 +21,13 @@ nothing is installed off the main thread (signals are delivered there only).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import signal
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -73,6 +84,61 @@ def resolve_run_folder(out: Path, resume: bool, resume_from: str | None, experim
         return out
     log.info("pipeline.resume=true: continuing the latest run of %r: %s", experiment, found)
     return found
+
+
+def fault_of(pipeline: Any, exc: BaseException) -> str | None:
+    """Why `exc` is a fault a restart can repair (a worker died or hung), or None for any other error."""
+    from roll_core.cluster.group import CallTimeoutError, WorkerDiedError
+
+    if isinstance(exc, (WorkerDiedError, CallTimeoutError)):
+        return str(exc)
+    if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: the user's decision
+        return None
+    # A peer's death often surfaces as another rank's error (a collective whose peer vanished): look for the dead.
+    dead = pipeline.cluster.dead_workers()
+    return f"{', '.join(dead)} died ({type(exc).__name__}: {exc})" if dead else None
+
+
+def run_with_restarts(make: Callable[[Any], Any], cfg: Any) -> dict[str, Any]:
+    """Build the pipeline with `make(cfg)` and run it, restarting from the latest checkpoint after a fault (see the
+    module docstring); returns the run summary with `run_restarts`."""
+    restarts, t0 = 0, time.perf_counter()
+    while True:
+        pipeline = make(cfg)
+        pipeline.pending_run_restarts = 1 if restarts else 0
+        try:
+            summary = pipeline.run()
+        except BaseException as exc:
+            reason = fault_of(pipeline, exc)
+            if reason is None:
+                raise
+            latest = pipeline.ckpt.latest()
+            limit = cfg.pipeline.max_run_restarts
+            if latest is None or restarts >= limit:
+                why = (
+                    "no checkpoint was saved yet (pipeline.save_every=N saves every N steps)"
+                    if latest is None
+                    else f"{restarts} run restart(s) already (pipeline.max_run_restarts={limit})"
+                )
+                log.error("run not restarted after the fault: %s", why)
+                raise
+            restarts += 1
+            log.warning(
+                "run restart %d/%d after a fault (%s): resuming from %s, the steps after it are redone",
+                restarts,
+                limit,
+                reason,
+                latest,
+            )
+            cfg = dataclasses.replace(
+                cfg, pipeline=dataclasses.replace(cfg.pipeline, resume=False, resume_from=str(latest))
+            )
+            continue
+        finally:
+            pipeline.shutdown()
+        summary["run_restarts"] = restarts
+        summary["wall_seconds"] = time.perf_counter() - t0
+        return summary
 
 
 class GracefulStop:

@@ -1,0 +1,87 @@
+"""Run restarts (roll_core.pipelines.run_control.run_with_restarts) on the local backend: a fault the run cannot
+repair in place rebuilds it from its latest checkpoint and the finished run equals the uninterrupted one; a bug,
+a fault before the first checkpoint and a fault past `pipeline.max_run_restarts` end the run. The faults here are
+raised as WorkerDiedError from a step (the local backend has no processes to kill); tests/e2e/test_faults.py kills
+a real trainer actor on Ray."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from roll_core.cluster.group import WorkerDiedError
+from roll_core.config import load_config
+from roll_core.pipelines.run_control import run_with_restarts
+from roll_core.testing import run_pipeline, tiny_overrides
+from roll_core.tracking import Tracker
+
+COMMON = ["algo=grpo", "pipeline.max_steps=4", "pipeline.save_every=2", "algo.ppo_epochs=2", "algo.kl_coef=0.01"]
+
+
+def faulty(fail: Callable[[int, int], BaseException | None]) -> tuple[Callable[[Any], Any], list[Any]]:
+    """A pipeline factory whose incarnation i raises `fail(i, step)` (when not None) at the start of that step."""
+    from roll_core.cli import pipeline_class
+
+    built: list[Any] = []
+
+    def make(cfg: Any) -> Any:
+        pipeline = pipeline_class(cfg.pipeline.name)(cfg)
+        incarnation, step = len(built), pipeline.step
+
+        def failing_step(n: int) -> dict[str, Any]:
+            exc = fail(incarnation, n)
+            if exc is not None:
+                raise exc
+            return step(n)
+
+        pipeline.step = failing_step
+        built.append(pipeline)
+        return pipeline
+
+    return make, built
+
+
+def test_a_dead_trainer_restarts_the_run_from_its_checkpoint_and_nothing_is_lost(
+    seven_task: Path, tmp_path: Path
+) -> None:
+    _, full = run_pipeline(tiny_overrides(seven_task, tmp_path / "full", *COMMON))
+    make, built = faulty(lambda i, step: WorkerDiedError("actor_train rank 0 died") if (i, step) == (0, 4) else None)
+    summary = run_with_restarts(make, load_config(tiny_overrides(seven_task, tmp_path / "restarted", *COMMON)))
+    assert len(built) == 2 and built[1].start_step == 3  # resumed from step 2's checkpoint, steps 3-4 redone
+    assert summary["run_restarts"] == 1
+    history = Tracker.read_metrics(tmp_path / "restarted" / "metrics.jsonl")
+    assert [h["step"] for h in history] == [1, 2, 3, 4]  # the failed incarnation's step 3 was truncated away
+    assert [h["faults/run_restarts"] for h in history] == [0, 0, 1, 0]
+    by_step = {h["step"]: h for h in full}
+    for h in history:
+        for key in ("reward/mean", "actor/pg_loss", "actor/kl_to_ref", "response/length_mean"):
+            assert h[key] == pytest.approx(by_step[h["step"]][key], rel=1e-5, abs=1e-6), (h["step"], key)
+
+
+@pytest.mark.parametrize(
+    ("fail", "raised", "incarnations"),
+    [
+        # A bug is not a fault (every worker is alive): restarting would only repeat it.
+        (lambda i, step: ValueError("a bug") if step == 3 else None, ValueError, 1),
+        # A fault before the first checkpoint: nothing to restart from.
+        (lambda i, step: WorkerDiedError("died") if step == 1 else None, WorkerDiedError, 1),
+        # A fault in every incarnation: max_run_restarts=1 allows one restart, the second fault ends the run.
+        (lambda i, step: WorkerDiedError("died") if step == 3 else None, WorkerDiedError, 2),
+    ],
+    ids=["bug", "no_checkpoint", "budget"],
+)
+def test_errors_that_a_restart_cannot_repair_end_the_run(
+    fail: Callable[[int, int], BaseException | None],
+    raised: type[BaseException],
+    incarnations: int,
+    seven_task: Path,
+    tmp_path: Path,
+) -> None:
+    make, built = faulty(fail)
+    cfg = load_config(tiny_overrides(seven_task, tmp_path, *COMMON, "pipeline.max_run_restarts=1"))
+    with pytest.raises(raised):
+        run_with_restarts(make, cfg)
+    assert len(built) == incarnations
