@@ -1,15 +1,13 @@
-"""The `megatron` engine (Megatron-Core on CPU over gloo): the TrainEngine conformance suite at TP=PP=1 in this
-process; TP=2 and PP=2 against the `hf` engine run on Ray in tests/e2e/test_megatron_ray.py."""
+"""The `megatron` engine (Megatron-Core on CPU over gloo) beyond the TrainEngine conformance suite (which runs it at
+TP=PP=1 in-process with every installed engine, test_train_conformance.py); TP=2 and PP=2 against the `hf` engine
+run on Ray in tests/e2e/test_megatron_ray.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-
-from roll_core.testing.train_engine import TrainEngineTestSuite
 
 pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]'")
 
@@ -25,17 +23,6 @@ def _one_process_group():
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-class TestMegatronTrainEngine(TrainEngineTestSuite):
-    logprob_atol = 1e-5
-
-    @classmethod
-    def build_engine(cls, model_path: str, **kwargs: Any):
-        from roll_engines.train.megatron import MegatronTrainEngine
-
-        kwargs.setdefault("micro_batch_size", 4)
-        return MegatronTrainEngine(model_path, dist_backend="gloo", use_distributed_optimizer=False, **kwargs)
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])

@@ -7,7 +7,11 @@ seconds on a CPU.
 
 Conformance suites (subclass them in an implementation's tests, as `roll_hw.testing.PlatformTestSuite`):
 `roll_core.testing.infer_engine.InferEngineTestSuite`, `roll_core.testing.train_engine.TrainEngineTestSuite`,
-`roll_core.testing.tasks.TaskTestSuite`. They import pytest; this module does not.
+`roll_core.testing.tasks.TaskTestSuite`. They import pytest; this module does not. roll's own tests run the
+TrainEngine suite over every installed `roll.train_engines` entry point and the Task suite over every `roll.envs`
+one: an entry point's class says how to build a small test instance with a classmethod hook
+(`conformance_engine`, `conformance_task`; see those modules) and raises `CannotRunHere` from it when this machine
+cannot build one (the suite then skips with that reason).
 """
 
 from __future__ import annotations
@@ -15,6 +19,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+
+class CannotRunHere(Exception):
+    """Raised by a conformance hook (`conformance_engine`, `conformance_task`) when this environment cannot build
+    the instance (no sandbox, no device, no distributed setup); the suite skips with the message as the reason.
+    A missing optional dependency may raise ImportError instead, with the same effect."""
 
 
 def constant_answer_task(path: str | Path, rows: int = 200) -> Path:

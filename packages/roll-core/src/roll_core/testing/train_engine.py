@@ -1,20 +1,33 @@
-"""Conformance suite of `roll_core.interfaces.TrainEngine`: every training engine's tests subclass it.
-
-Usage::
-
-    from roll_core.testing.train_engine import TrainEngineTestSuite
-
-    class TestMyTrainEngine(TrainEngineTestSuite):
-        @classmethod
-        def build_engine(cls, model_path: str, **kwargs):
-            return MyTrainEngine(model_path, **kwargs)
+"""Conformance suite of `roll_core.interfaces.TrainEngine`: every training engine passes it.
 
 Checks on the built-in tiny model, against plain transformers: log-probs of left-padded batches equal a
 teacher-forced transformers forward; gradient accumulation over micro-batches is exact; a step with positive
 advantages raises the sampled tokens' log-probs; `iter_weights` yields every parameter once under its HF name
 with full shapes; a checkpoint written after training loads with plain transformers, and loading it into a fresh
 engine restores the trained weights and the optimizer (the next step equals the uninterrupted run's).
-Engines are built with `lr`, `micro_batch_size` and `role` keyword arguments.
+
+roll's tests run it over every installed `roll.train_engines` entry point (packages/roll-engines/tests/
+test_train_conformance.py), so an installed out-of-tree engine is checked as well. Engines are built with
+`build_conformance_engine(engine_class, model_path, **kwargs)`, where `kwargs` are the suite's `lr`,
+`micro_batch_size` and `role`: the class's optional classmethod hook `conformance_engine(model_path, **kwargs)`
+when it defines one, else its constructor. The hook returns one small in-process engine (one rank, CPU, fp32) and
+may set up what that needs, e.g. a torch.distributed group of one (the suite destroys a group that appeared during
+a test)::
+
+    class MyTrainEngine:
+        @classmethod
+        def conformance_engine(cls, model_path: str, **kwargs: Any) -> MyTrainEngine:
+            if not my_backend_available():  # the suite skips the engine with this reason
+                raise roll_core.testing.CannotRunHere("my engine needs my backend")
+            return cls(model_path, backend="local", **kwargs)
+
+ImportError or `CannotRunHere` from the hook or the constructor skips the engine with the message as the reason.
+To run the suite on one engine by hand, subclass it and set `engine_class` (or override `build_engine`)::
+
+    from roll_core.testing.train_engine import TrainEngineTestSuite
+
+    class TestMyTrainEngine(TrainEngineTestSuite):
+        engine_class = MyTrainEngine
 """
 
 from __future__ import annotations
@@ -26,22 +39,49 @@ import pytest
 import torch
 
 from roll_core.interfaces import TrainEngine
-from roll_core.testing import teacher_forced_logprobs
+from roll_core.testing import CannotRunHere, teacher_forced_logprobs
 from roll_core.testing.batches import PROMPTS, toy_batch
 
-__all__ = ["PROMPTS", "TrainEngineTestSuite", "toy_batch"]
+__all__ = ["PROMPTS", "TrainEngineTestSuite", "build_conformance_engine", "toy_batch"]
+
+#: Name of the optional classmethod hook `(model_path, **kwargs) -> engine` on a train engine class.
+HOOK = "conformance_engine"
+
+
+def build_conformance_engine(engine_class: type, model_path: str, **kwargs: Any) -> TrainEngine:
+    """`engine_class.conformance_engine(model_path, **kwargs)` if the class defines it, else
+    `engine_class(model_path, **kwargs)`; skips the calling test when the engine cannot be built here."""
+    build = getattr(engine_class, HOOK, engine_class)
+    try:
+        return build(model_path, **kwargs)
+    except (ImportError, CannotRunHere) as exc:
+        pytest.skip(f"train engine {engine_class.__qualname__} cannot run here: {type(exc).__name__}: {exc}")
 
 
 class TrainEngineTestSuite:
-    """Shared tests; subclasses implement `build_engine`."""
+    """Shared tests; subclasses set `engine_class` or implement `build_engine`."""
 
     model: ClassVar[str] = "builtin:tiny"
     #: Tolerance of log-probs against transformers in fp32.
     logprob_atol: ClassVar[float] = 1e-5
+    #: The engine under test (built with `build_conformance_engine`).
+    engine_class: ClassVar[type | None] = None
 
     @classmethod
     def build_engine(cls, model_path: str, **kwargs: Any) -> TrainEngine:
-        raise NotImplementedError("subclasses return an engine for model_path")
+        if cls.engine_class is None:
+            raise NotImplementedError("subclasses set engine_class or return an engine for model_path")
+        return build_conformance_engine(cls.engine_class, model_path, **kwargs)
+
+    @pytest.fixture(autouse=True)
+    def _release_process_group(self):
+        """Destroy a torch.distributed group that an engine (or its hook) created during the test."""
+        import torch.distributed as dist
+
+        had_group = dist.is_available() and dist.is_initialized()
+        yield
+        if not had_group and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
     @pytest.fixture(scope="class")
     @classmethod

@@ -50,6 +50,18 @@ class FSDP2TrainEngine(HFTrainEngine):
         _init_process_group(dist_backend)
         super().__init__(model_path, **kwargs)
 
+    @classmethod
+    def conformance_engine(cls, model_path: str, **kwargs: Any) -> FSDP2TrainEngine:
+        """One rank in this process for roll_core.testing.train_engine's suite: a gloo group of one (created here
+        unless a group exists; the suite destroys it after the test)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            from roll_core.cluster.group import free_port
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        return cls(model_path, dist_backend="gloo", **kwargs)
+
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh

@@ -101,6 +101,20 @@ class MegatronTrainEngine:
             else:
                 self.model.requires_grad_(False)
 
+    @classmethod
+    def conformance_engine(cls, model_path: str, **kwargs: Any) -> MegatronTrainEngine:
+        """TP=PP=1 in this process over gloo, with Megatron's plain optimizer, for roll_core.testing.train_engine's
+        suite. Without Megatron-Core this raises ImportError (the suite skips)."""
+        import warnings
+
+        # Megatron-Core's first import trips torch's own deprecation warnings (errors under a test run's
+        # filterwarnings=error); import it quietly here, as pytest.importorskip does. ImportError: the suite skips.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import megatron.core  # noqa: F401
+
+        return cls(model_path, dist_backend="gloo", use_distributed_optimizer=False, **kwargs)
+
     # ---- set-up -------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _shims(self) -> Iterator[None]:
