@@ -13,7 +13,7 @@ from roll_core.models import build_tiny_tokenizer, resolve_model_path
 from roll_core.pipelines.objectives import PolicyObjective
 from roll_core.protocol import build_sequences, pad_left
 from roll_engines.infer.hf import HFInferEngine
-from roll_engines.train.hf import HFTrainEngine, lr_lambda
+from roll_engines.train.hf import HFTrainEngine, adamw_kernel, lr_lambda
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,26 @@ def test_training_changes_weights_and_sync_copies_them(tiny: str) -> None:
     assert nbytes == sum(p.numel() * 4 for p in infer.model.parameters())  # tied tensors would travel once
     for k, v in eng.model.state_dict().items():
         torch.testing.assert_close(infer.model.state_dict()[k], v)
+
+
+def test_adamw_uses_the_fused_kernel_where_torch_has_one(tiny: str) -> None:
+    """CPU's default AdamW is a per-tensor loop (~15x slower than fused for a 135M model, bench/RESULTS.md); the
+    fused kernel gives the same update up to float reassociation."""
+    assert HFTrainEngine(tiny).optimizer.defaults["fused"] is True
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
+    grads = [torch.randn(4, 3) for _ in params]
+    updated = []
+    for kernel in ({}, adamw_kernel(params)):
+        ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt = torch.optim.AdamW(ps, lr=0.1, weight_decay=0.01, **kernel)
+        for _ in range(3):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            opt.step()
+        updated.append(ps)
+    for a, b in zip(*updated):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert adamw_kernel([torch.zeros(2, device="meta")]) == {}  # no fused kernel for that device: torch's default
 
 
 def test_checkpoint_of_a_trained_engine_loads_with_plain_transformers_and_into_a_fresh_engine(
