@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from roll_core.testing.tasks import TaskTestSuite
 from roll_envs.config import CodeEnvConfig, CodeRewardConfig
 from roll_envs.rewards.code import (
     COUNTERS,
@@ -238,25 +237,3 @@ def test_unsandboxed_mode_runs_in_a_child_process(
         [answer, answer],
     )
     assert res.correct == [1.0, 0.0] and res.counters["timeouts"] == 1
-
-
-class TestCodeTaskConformance(TaskTestSuite):
-    """The shared task/reward suite, with reference programs as the correct responses."""
-
-    sample = 10
-    _reward: CodeReward | None = None
-    _task: CodeTask | None = None
-
-    @classmethod
-    def build_task(cls, seed: int) -> CodeTask:
-        if cls._reward is None:
-            cls._reward = _reward_or_skip(parallelism=4)
-        task = CodeTask(cls._reward, seed=seed)
-        if seed == 0:
-            cls._task = task
-        return task
-
-    @classmethod
-    def correct_response(cls, problem: Any) -> str:
-        assert cls._task is not None
-        return fenced(cls._task.reference_solution(problem) or "")

@@ -1,6 +1,26 @@
 """Conformance suite of the task and reward contract (`roll_core.interfaces.Task` / `Reward`).
 
-Usage::
+Checks: seeded determinism, disjoint train/held-out splits, chat messages ending with the problem's prompt, a
+correct response scores as correct, and malformed responses (empty, garbage, huge, control characters, lone
+surrogates) score as incorrect with finite scores instead of raising.
+
+roll's tests run it over every installed `roll.envs` entry point (packages/roll-envs/tests/test_task_conformance.py),
+so an installed out-of-tree task is checked as well (its reward with it). Tasks have no common constructor (each
+takes its reward and its own options), so a task class says how to build a small instance with a classmethod hook,
+and may say what a correct response to one of its problems is::
+
+    class MyTask:
+        @classmethod
+        def conformance_task(cls, seed: int, workdir: Path) -> MyTask:
+            # A small instance (a few hundred problems at most); `workdir` is an empty folder for its data files.
+            # Raise roll_core.testing.CannotRunHere (or ImportError) when it cannot be built here: the suite skips.
+            return cls(MyReward(), train_size=200, eval_size=40, seed=seed)
+
+        def conformance_response(self, problem: Problem) -> str:  # optional; default: "\\\\boxed{answer}"
+            return f"\\\\boxed{{{problem.answer}}}"
+
+A task class without `conformance_task` is skipped with that reason. To run the suite on one task by hand,
+subclass it and set `task_class`, or override `build_task` (and `correct_response`)::
 
     from roll_core.testing.tasks import TaskTestSuite
 
@@ -13,30 +33,66 @@ Usage::
         def correct_response(cls, problem) -> str:  # a response the reward must count as correct
             return f"\\\\boxed{{{problem.answer}}}"
 
-Checks: seeded determinism, disjoint train/held-out splits, chat messages ending with the problem's prompt, a
-correct response scores as correct, and malformed responses (empty, garbage, huge, control characters, lone
-surrogates) score as incorrect with finite scores instead of raising.
+A task's `conformance_response`, when it has one, takes precedence over `correct_response`.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, ClassVar
 
+import pytest
+
 from roll_core.interfaces import ProblemLike, RewardResult, Task
+from roll_core.testing import CannotRunHere
+
+__all__ = ["MALFORMED", "TaskTestSuite", "build_conformance_task"]
 
 MALFORMED = ["", "\\boxed{", "}}}{{{", "x" * 100_000, "\x00\x07\x1b[31m", "\ud800 lone surrogate", "\\boxed{\\boxed{}}"]
+#: Names of the hooks on a task class: the classmethod that builds a small instance, the method that answers.
+HOOK, RESPONSE_HOOK = "conformance_task", "conformance_response"
+
+
+def build_conformance_task(task_class: type, seed: int, workdir: Path) -> Task:
+    """`task_class.conformance_task(seed, folder)` with an empty folder of its own under `workdir`; skips the
+    calling test when the class has no hook or the task cannot be built here."""
+    build = getattr(task_class, HOOK, None)
+    if build is None:
+        pytest.skip(
+            f"task {task_class.__qualname__} defines no `{HOOK}(seed, workdir)` classmethod saying how to build a "
+            "small instance (roll_core.testing.tasks)"
+        )
+    folder = workdir / f"{task_class.__module__}.{task_class.__qualname__}-{seed}"
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return build(seed, folder)
+    except (ImportError, CannotRunHere) as exc:
+        pytest.skip(f"task {task_class.__qualname__} cannot run here: {type(exc).__name__}: {exc}")
 
 
 class TaskTestSuite:
-    """Shared tests; subclasses implement `build_task` and, if the default does not fit, `correct_response`."""
+    """Shared tests; subclasses set `task_class` or implement `build_task` (and, if the default does not fit,
+    `correct_response`)."""
 
     #: Problems scored by the correctness check (keep it fast).
     sample: ClassVar[int] = 20
+    #: The task under test (built with `build_conformance_task`).
+    task_class: ClassVar[type | None] = None
+    #: Scratch folder of the class for tasks' data files (set by a fixture).
+    workdir: ClassVar[Path | None] = None
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def _workdir(cls, tmp_path_factory: pytest.TempPathFactory) -> None:
+        cls.workdir = tmp_path_factory.mktemp("task-conformance")
 
     @classmethod
     def build_task(cls, seed: int) -> Task:
-        raise NotImplementedError
+        if cls.task_class is None:
+            raise NotImplementedError("subclasses set task_class or return a task for seed")
+        assert cls.workdir is not None
+        return build_conformance_task(cls.task_class, seed, cls.workdir)
 
     @classmethod
     def correct_response(cls, problem: Any) -> str:
@@ -66,7 +122,8 @@ class TaskTestSuite:
     def test_correct_responses_score_correct(self) -> None:
         task = self.build_task(0)
         probs = list(task.eval_set()[: self.sample])
-        res = task.reward.score([self.correct_response(p) for p in probs], [p.answer for p in probs])
+        respond = getattr(task, RESPONSE_HOOK, self.correct_response)
+        res = task.reward.score([respond(p) for p in probs], [p.answer for p in probs])
         assert isinstance(res, RewardResult)
         assert res.correct == [1.0] * len(probs), res
         assert all(s > 0 for s in res.scores)

@@ -9,6 +9,7 @@ Difficulty: `digits` per operand (1: 0-9, 2: 10-99, ...), `num_terms` operands, 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from roll_envs.rewards.base import Reward
 from roll_envs.tasks.base import Problem, Task, stable_fraction
@@ -59,6 +60,13 @@ class ArithmeticTask(Task):
         self.examples = [
             (p.prompt, f"{p.id.split(':', 1)[1]} = {p.answer}, so the answer is \\boxed{{{p.answer}}}.") for p in shown
         ]
+
+    @classmethod
+    def conformance_task(cls, seed: int, workdir: Path) -> ArithmeticTask:
+        """A small instance for roll_core.testing.tasks' suite (two-digit sums, one worked example)."""
+        from roll_envs.rewards.math import MathReward
+
+        return cls(MathReward(), digits=2, train_size=200, eval_size=40, seed=seed, examples=1)
 
     def _draw(
         self, rng: random.Random, lo: int, hi: int, n: int, *, held_out: bool, fraction: float, space: int

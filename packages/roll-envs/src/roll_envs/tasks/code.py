@@ -17,6 +17,7 @@ The ground truth of a problem is `rewards.code.encode_tests(tests)`; the reward 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
@@ -160,6 +161,23 @@ class CodeTask(Task):
         """A correct program for a built-in problem (None for problems from files)."""
         return self._solutions.get(problem.id)
 
+    @classmethod
+    def conformance_task(cls, seed: int, workdir: Path) -> CodeTask:
+        """The built-in problems judged in the sandbox, for roll_core.testing.tasks' suite; raises CannotRunHere
+        where no sandbox works (the suite skips). The instances share one reward (its sandbox is probed once)."""
+        from roll_core.testing import CannotRunHere
+        from roll_envs.sandbox import SandboxUnavailableError
+
+        try:
+            reward = _conformance_reward()
+        except SandboxUnavailableError as exc:
+            raise CannotRunHere(f"no working bubblewrap sandbox here (install roll-envs[code]): {exc}") from exc
+        return cls(reward, seed=seed)
+
+    def conformance_response(self, problem: Problem) -> str:
+        """The reference program of a built-in problem in a ```python block, for roll_core.testing.tasks' suite."""
+        return f"Here is my program.\n```python\n{self.reference_solution(problem) or ''}```\nIt reads stdin."
+
     def _builtin(self, rng: random.Random, variants: int, num_tests: int) -> list[Problem]:
         problems = []
         for template in TEMPLATES:
@@ -189,3 +207,10 @@ class CodeTask(Task):
             f"{statement}\n\nExample input:\n```\n{example.input.rstrip()}\n```\nExample output:\n```\n"
             f"{example.output.rstrip()}\n```\n\n{self.instruction}"
         ).rstrip()
+
+
+@functools.cache
+def _conformance_reward() -> Reward:
+    from roll_envs.rewards.code import CodeReward
+
+    return CodeReward(parallelism=4)

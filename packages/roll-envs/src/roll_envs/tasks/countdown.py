@@ -8,10 +8,12 @@ parentheses only; anything else scores 0): no model text is ever executed. The g
 from __future__ import annotations
 
 import ast
+import itertools
 import random
 from collections import Counter
 from collections.abc import Sequence
 from fractions import Fraction
+from pathlib import Path
 
 from roll_envs.rewards.base import Reward, RewardResult
 from roll_envs.rewards.math import extract_boxed
@@ -56,6 +58,23 @@ def evaluate_equation(text: str) -> tuple[Fraction, list[int]]:
         return walk(tree.body), used
     except (RecursionError, MemoryError) as exc:  # a tree deeper than Python's recursion limit
         raise ValueError(f"expression too deep to evaluate: {text[:80]!r}") from exc
+
+
+def solve(nums: list[int], target: int) -> str | None:
+    """An equation over `nums` (each once, + - * /, left-nested, as problems are drawn) equal to `target`, or None.
+    Brute force: fine for the few numbers of a countdown problem."""
+    for order in itertools.permutations(nums):
+        for ops in itertools.product("+-*/", repeat=len(nums) - 1):
+            expr, value = str(order[0]), Fraction(order[0])
+            for op, x in zip(ops, order[1:]):
+                if op == "/" and x == 0:
+                    break
+                value = {"+": value + x, "-": value - x, "*": value * x, "/": value / x}[op]
+                expr = f"({expr} {op} {x})"
+            else:
+                if value == target:
+                    return expr
+    return None
 
 
 class CountdownReward(Reward):
@@ -110,6 +129,19 @@ class CountdownTask(Task):
         self.system_prompt = system_prompt
         self._train = self._draw(random.Random(seed), train_size, False, eval_fraction)
         self._eval = self._draw(random.Random(seed + 1_000_003), eval_size, True, eval_fraction)
+
+    @classmethod
+    def conformance_task(cls, seed: int, workdir: Path) -> CountdownTask:
+        """A small instance for roll_core.testing.tasks' suite."""
+        return cls(CountdownReward(format_weight=0.1), train_size=200, eval_size=40, seed=seed)
+
+    def conformance_response(self, problem: Problem) -> str:
+        """A correct boxed equation for `problem` (found by `solve`), for roll_core.testing.tasks' suite."""
+        target, nums = problem.answer.split("|")
+        expr = solve([int(n) for n in nums.split(",")], int(target))
+        if expr is None:
+            raise ValueError(f"countdown problem {problem.id} has no solution")
+        return f"\\boxed{{{expr}}}"
 
     def _draw(self, rng: random.Random, n: int, held_out: bool, fraction: float) -> list[Problem]:
         out: list[Problem] = []

@@ -162,3 +162,14 @@ class FileTask(Task):
         self._eval = held[:eval_size]
         if not self._train:
             raise ValueError(f"{path}: every row fell in the held-out split; lower eval_fraction or give eval_path")
+
+    @classmethod
+    def conformance_task(cls, seed: int, workdir: Path) -> FileTask:
+        """A small instance for roll_core.testing.tasks' suite: 300 sums written as JSONL to `workdir` (the
+        held-out split is by a stable hash of the prompt, so `seed` changes nothing)."""
+        from roll_envs.rewards.math import MathReward
+
+        path = workdir / "rows.jsonl"
+        rows = [{"prompt": f"What is {i} + {i}? Box it.", "answer": str(2 * i)} for i in range(300)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return cls(MathReward(), path=str(path), eval_size=30)
