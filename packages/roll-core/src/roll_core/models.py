@@ -222,3 +222,16 @@ def torch_dtype(name: str):  # -> torch.dtype
 def default_num_threads() -> int:
     """torch threads for an engine process: `$ROLL_NUM_THREADS`, else every core of the machine."""
     return int(os.environ.get("ROLL_NUM_THREADS") or os.cpu_count() or 1)
+
+
+def prepare_engine_process(device: str, num_threads: int | None = None) -> None:
+    """Process-wide settings an engine applies when it starts: torch threads (`num_threads`, else
+    `default_num_threads()`: Ray sets OMP_NUM_THREADS=1 in workers with fractional CPUs) and, on CPU, the host
+    allocator settings of roll_hw.cpu.tune_host_allocator (large tensors reused instead of page-faulted anew)."""
+    import torch
+
+    torch.set_num_threads(num_threads or default_num_threads())
+    if torch.device(device).type == "cpu":
+        from roll_hw.cpu import tune_host_allocator
+
+        tune_host_allocator()

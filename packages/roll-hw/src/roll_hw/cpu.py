@@ -1,7 +1,12 @@
-"""The CPU platform: always available, gloo collectives, host memory from /proc (no psutil needed)."""
+"""The CPU platform: always available, gloo collectives, host memory from /proc (no psutil needed).
+
+Also `tune_host_allocator()`: the glibc malloc settings CPU engine processes run with (see its docstring).
+"""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import platform as _pyplatform
 from typing import ClassVar
@@ -34,6 +39,42 @@ def _rss_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+log = logging.getLogger(__name__)
+
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_allocator_tuned: bool | None = None
+
+
+def tune_host_allocator() -> bool:
+    """Keep freed host memory for reuse instead of returning it to the OS at every free (glibc only; once per
+    process; `ROLL_MALLOC_TUNING=0` leaves malloc as it is). Returns whether the settings are in effect.
+
+    Why: glibc serves every allocation above 32 MiB with a fresh mmap and unmaps it on free, so each one is
+    zero-filled page by page by the kernel when first written. A training step allocates several vocabulary-sized
+    tensors per micro-batch (a 135M model's tied embedding gradient is 49152 x 576 fp32 = 113 MB, filled and then
+    accumulated): measured 139 ms to zero-fill and 149 ms to add one on a 2-core machine, ~1.2 s of a 7.7 s
+    training phase, mostly page faults. With mmap off (M_MMAP_MAX=0) such blocks come from the heap and are
+    reused; freed memory above 2 GiB at the heap's top is still given back (M_TRIM_THRESHOLD). Measured: the
+    same phase 5.5-6.5 s, peak RSS unchanged (4.6 -> 4.7 GB). This is what jemalloc/tcmalloc give PyTorch on CPU.
+    """
+    global _allocator_tuned
+    if _allocator_tuned is not None:
+        return _allocator_tuned
+    _allocator_tuned = False
+    if os.environ.get("ROLL_MALLOC_TUNING", "1") == "0":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # absent outside glibc (macOS, musl): nothing to tune
+    except (OSError, AttributeError):
+        return False
+    ok = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    if not ok:
+        log.warning("mallopt refused roll's allocator settings: large host tensors are page-faulted at every use")
+    _allocator_tuned = ok
+    return ok
 
 
 class CpuPlatform(Platform):

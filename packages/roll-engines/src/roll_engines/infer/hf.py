@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from roll_core.interfaces.inference import GenerateOutput, Request, RequestOutput, SamplingParams
-from roll_core.models import default_num_threads, resolve_model_path, torch_dtype
+from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.infer._batcher import ContinuousBatcher, Running
 from roll_engines.infer._sampling import StopStrings
 
@@ -66,8 +66,7 @@ class HFInferEngine:
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        # Ray sets OMP_NUM_THREADS=1 in workers with fractional CPUs; torch threads are set explicitly instead.
-        torch.set_num_threads(num_threads or default_num_threads())
+        prepare_engine_process(device, num_threads)
         self.name, self.device = name, torch.device(device)
         self.defaults = SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, stop=tuple(stop or ())

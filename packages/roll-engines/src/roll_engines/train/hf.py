@@ -35,7 +35,7 @@ from torch import Tensor
 
 from roll_algos.losses import entropy_from_logits, token_logprobs
 from roll_core.interfaces import LossFn
-from roll_core.models import default_num_threads, resolve_model_path, torch_dtype
+from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.train._lora import adapter_state, apply_lora, is_lora, load_adapter, merged_weights, save_adapter
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
 
@@ -107,8 +107,7 @@ class HFTrainEngine:
         if role not in ("actor", "critic", "reference"):
             raise ValueError(f"role must be actor, critic or reference, got {role!r}")
         self.trainable = trainable and role != "reference"
-        # Ray sets OMP_NUM_THREADS=1 in workers with fractional CPUs; torch threads are set explicitly instead.
-        torch.set_num_threads(num_threads or default_num_threads())
+        prepare_engine_process(device, num_threads)
         self.name, self.role, self.device = name, role, torch.device(device)
         self.micro_batch_size, self.logprob_chunk_size = micro_batch_size, logprob_chunk_size
         self.max_grad_norm = max_grad_norm

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from roll_core.interfaces import LossFn
-from roll_core.models import default_num_threads, resolve_model_path, torch_dtype
+from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.train.hf import lr_lambda
 from roll_engines.train.megatron import _convert as C
 
@@ -72,7 +72,7 @@ class MegatronTrainEngine:
             raise ValueError(f"role must be actor or reference, got {role!r}")
         if unsupported.get("lora_rank"):
             raise ValueError("train_engine=megatron does not train LoRA adapters yet: use hf or fsdp2 for LoRA")
-        torch.set_num_threads(num_threads or default_num_threads())
+        prepare_engine_process(device, num_threads)
         self.name, self.role, self.device = name, role, torch.device(device)
         self.trainable = trainable and role != "reference"
         self.micro_batch_size, self.logprob_chunk_size = micro_batch_size, logprob_chunk_size
