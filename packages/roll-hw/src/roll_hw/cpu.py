@@ -44,7 +44,7 @@ def _rss_bytes() -> int:
 log = logging.getLogger(__name__)
 
 # glibc mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _allocator_tuned: bool | None = None
 
 
@@ -56,9 +56,10 @@ def tune_host_allocator() -> bool:
     zero-filled page by page by the kernel when first written. A training step allocates several vocabulary-sized
     tensors per micro-batch (a 135M model's tied embedding gradient is 49152 x 576 fp32 = 113 MB, filled and then
     accumulated): measured 139 ms to zero-fill and 149 ms to add one on a 2-core machine, ~1.2 s of a 7.7 s
-    training phase, mostly page faults. With mmap off (M_MMAP_MAX=0) such blocks come from the heap and are
-    reused; freed memory above 2 GiB at the heap's top is still given back (M_TRIM_THRESHOLD). Measured: the
-    same phase 5.5-6.5 s, peak RSS unchanged (4.6 -> 4.7 GB). This is what jemalloc/tcmalloc give PyTorch on CPU.
+    training phase, mostly page faults. With mmap off (M_MMAP_MAX=0) and every thread on the main arena
+    (M_ARENA_MAX=1) such blocks come from the heap and are reused; freed memory above 2 GiB at the heap's top is
+    still given back (M_TRIM_THRESHOLD). Measured: the same phase 5.5-6.5 s, peak RSS unchanged (4.6 -> 4.7 GB).
+    This is what jemalloc/tcmalloc give PyTorch on CPU. Threads that allocated before this call keep their arena.
     """
     global _allocator_tuned
     if _allocator_tuned is not None:
@@ -70,7 +71,9 @@ def tune_host_allocator() -> bool:
         mallopt = ctypes.CDLL(None).mallopt  # absent outside glibc (macOS, musl): nothing to tune
     except (OSError, AttributeError):
         return False
-    ok = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    # One arena: a thread's own arena (64 MiB heaps) serves large blocks by mmap whatever M_MMAP_MAX says.
+    settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_ARENA_MAX, 1))
+    ok = all(mallopt(param, value) == 1 for param, value in settings)
     if not ok:
         log.warning("mallopt refused roll's allocator settings: large host tensors are page-faulted at every use")
     _allocator_tuned = ok
