@@ -87,3 +87,42 @@ def test_grpo_with_megatron_tp2_learns(ray_cluster, seven_task, tmp_path) -> Non
     r = reward_curve(history)
     assert sum(r[-4:]) / 4 > sum(r[:4]) / 4 + 0.25, r
     assert max(h["actor/train_infer_logprob_diff"] for h in history if h["step"] > 0) < 1e-4
+
+
+def test_megatron_checkpoint_resumes_at_another_layout(ray_cluster, tmp_path) -> None:
+    """Saved at TP=2 after one step, resumed at DP=2 and at PP=2 (distributed optimizer, the default): the next
+    step equals the hf engine's second step, which needs Adam's moments and step count restored (a fresh
+    optimizer's second step is another lr * g / |g| step, off by up to lr). The plain optimizer cannot read the
+    distributed one's state: a clear error says so."""
+    from roll_engines.train.hf import HFTrainEngine
+
+    path = resolve_model_path("builtin:tiny")
+    batch = Batch(toy_batch(path))
+    objective = PolicyObjective(agg="token-mean")
+    hf = HFTrainEngine(path, lr=1e-2, micro_batch_size=2)
+    for _ in range(2):
+        hf.train_step(batch.tensors(), objective)
+    expected = hf.get_weights()
+    train = {"mini_batches": 1, "epochs": 1, "temperature": 1.0, "shuffle_seed": 0}
+    saver = _group(path, 2, 1, micro_batch_size=2)
+    try:
+        saver.train(batch, objective, **train)
+        saver.save(str(tmp_path / "ckpt"), path)
+    finally:
+        saver.shutdown()
+    for tp, pp in [(1, 1), (1, 2)]:
+        group = _group(path, tp, pp, micro_batch_size=2)
+        try:
+            group.load(str(tmp_path / "ckpt"))
+            group.train(batch, objective, **train)
+            weights = group.get_weights()
+        finally:
+            group.shutdown()
+        for name, w in expected.items():
+            torch.testing.assert_close(weights[name], w, atol=2e-4, rtol=0, msg=f"tp={tp} pp={pp}: {name}")
+    plain = _group(path, 1, 1, micro_batch_size=2, use_distributed_optimizer=False)
+    try:
+        with pytest.raises(Exception, match="holds a distributed optimizer's state; this run uses a plain one"):
+            plain.load(str(tmp_path / "ckpt"))
+    finally:
+        plain.shutdown()

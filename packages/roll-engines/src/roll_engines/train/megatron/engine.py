@@ -10,9 +10,12 @@ Contract (roll_core.interfaces.TrainEngine), with the same data layout and loss 
 micro-batch loss is weighted by its aggregation units over the units of the whole mini-batch across data-parallel
 ranks, so any split over micro-batches, ranks and stages gives the gradient of the unsplit batch.
 
+Checkpoints: an HF folder for the weights and a Megatron distributed checkpoint (megatron.core.dist_checkpointing)
+for the optimizer state; both are layout-independent, so a run resumes at another TP/PP/DP layout (with the same
+`use_distributed_optimizer`: the two optimizers' states have different structures).
+
 Not supported yet (clear errors): the critic role (no value head), an entropy bonus (entropy is reported, not
-trained), LoRA, packed sequences (Megatron's local attention has no THD path), and resuming at another parallel
-layout (the optimizer state is saved per rank).
+trained), LoRA, and packed sequences (Megatron's local attention has no THD path).
 """
 
 from __future__ import annotations
@@ -418,7 +421,9 @@ class MegatronTrainEngine:
         return {k: v.to("cpu", copy=True) for k, v in self._export()}
 
     def save(self, folder: str | Path, tokenizer_path: str | None = None) -> None:
-        """`folder/model` (HF folder, written by global rank 0) and `folder/optimizer/rank*.pt` (per rank)."""
+        """`folder/model` (HF folder, written by global rank 0) and `folder/optimizer` (a Megatron distributed
+        checkpoint of the optimizer state, every parameter's moments under its global name and shape, written by
+        all ranks: collective). Both load at any TP/PP/DP layout."""
         import torch.distributed as dist
 
         folder = Path(folder)
@@ -430,28 +435,116 @@ class MegatronTrainEngine:
                 skeleton = AutoModelForCausalLM.from_config(self.hf_config)
             skeleton.save_pretrained(folder / "model", state_dict=weights, safe_serialization=True)
             AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(folder / "model")
-        if self.optimizer is not None:
-            (folder / "optimizer").mkdir(parents=True, exist_ok=True)
-            state = {"optimizer": self.optimizer.state_dict(), "step": self._step}
-            torch.save(state, folder / "optimizer" / f"rank{dist.get_rank()}-of-{dist.get_world_size()}.pt")
+        if self.optimizer is None:
+            return
+        from megatron.core import dist_checkpointing
+
+        (folder / "optimizer").mkdir(parents=True, exist_ok=True)
+        with self._shims(), _quiet_dist_checkpointing():
+            dist_checkpointing.save(self._optimizer_state(loading=False), str(folder / "optimizer"))
+
+    def _optimizer_state(self, loading: bool) -> dict[str, Any]:
+        """The optimizer's sharded state dict in a layout-independent format: the plain optimizer's is (each
+        state tensor is a ShardedTensor of its parameter); the distributed optimizer's `fully_reshardable` format
+        gathers its flat shards into per-parameter tensors too."""
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+        if loading:
+            self._prime_optimizer_state()
+        state = self.optimizer.sharded_state_dict(
+            self.model.sharded_state_dict(), is_loading=loading, metadata=metadata
+        )
+        return {"optimizer": state, "step": self._step, "kind": self._optimizer_kind()}
+
+    def _prime_optimizer_state(self) -> None:
+        """Give a fresh optimizer zero moments and step 0, as a first step would: the distributed optimizer builds
+        its loading template from its own state, and without Apex/TE it requires every parameter's `step`."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if not inner.state[p]:
+                        inner.state[p].update(
+                            exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=torch.tensor(0.0)
+                        )
+
+    def _optimizer_kind(self) -> str:
+        from megatron.core.optimizer import DistributedOptimizer
+
+        opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return "distributed" if any(isinstance(o, DistributedOptimizer) for o in opts) else "plain"
 
     def load(self, folder: str | Path) -> None:
-        """Weights from `folder/model` (any layout); the optimizer from this rank's file (same layout only)."""
-        import torch.distributed as dist
-
+        """Weights from `folder/model` and the optimizer state from `folder/optimizer`, both at any layout."""
         folder = Path(folder)
         with self._shims():
             C.load_hf(self.model, _read_hf(str(folder / "model")), self.hf_config)
         if self.optimizer is None:
             return
-        own = folder / "optimizer" / f"rank{dist.get_rank()}-of-{dist.get_world_size()}.pt"
-        if not own.exists():
+        if not (folder / "optimizer" / "metadata.json").exists():
             raise FileNotFoundError(
-                f"{own} missing: a Megatron optimizer state resumes only at the parallel layout that saved it"
+                f"{folder}/optimizer holds no Megatron distributed checkpoint (metadata.json): it is a weights-only "
+                "folder, or one saved by an older roll whose per-rank optimizer files resume only at their layout"
             )
-        state = torch.load(own, map_location="cpu", weights_only=False)  # our own file: optimizer internals
-        self.optimizer.load_state_dict(state["optimizer"])
-        self._step = int(state["step"])
+        from megatron.core import dist_checkpointing
+
+        saved = dist_checkpointing.load_common_state_dict(str(folder / "optimizer")).get("kind")
+        if saved != self._optimizer_kind():
+            raise ValueError(
+                f"{folder}/optimizer holds a {saved} optimizer's state; this run uses a {self._optimizer_kind()} "
+                "one (train_engine.use_distributed_optimizer): resume with the setting that saved it (any layout)"
+            )
+        with self._shims(), _quiet_dist_checkpointing():
+            loaded = dist_checkpointing.load(self._optimizer_state(loading=True), str(folder / "optimizer"))
+            with _torch_adam_steps_restored(self.optimizer):
+                self.optimizer.load_state_dict(loaded["optimizer"])
+        self._step = int(loaded["step"])
+
+
+@contextlib.contextmanager
+def _quiet_dist_checkpointing() -> Iterator[None]:
+    """Megatron's dist_checkpointing calls torch APIs that torch deprecates (ShardedTensor, DCP's load_state_dict):
+    their FutureWarnings are about Megatron's code, not the user's."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
+
+
+@contextlib.contextmanager
+def _torch_adam_steps_restored(optimizer: Any) -> Iterator[None]:
+    """Two bugs of Megatron-Core 0.16's distributed optimizer without Apex/TE, which keeps torch Adam's
+    per-parameter `step` in its state: on load it restores `step` from the param groups as ONE tensor shared by
+    every parameter (torch Adam then increments it once per parameter per step: wrong bias corrections, measured
+    0.34 x lr off on the next step), and it copies every state key from the resharded checkpoint, which has no
+    `step` (KeyError). Here a parameter's missing `step` is its restored one, and each gets its own copy."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if original is None:
+            continue
+
+        def set_states(model_param: Any, tensors: dict[str, Any], opt: Any = opt, original: Any = original) -> None:
+            if "step" not in tensors:
+                group, order = opt.model_param_group_index_map[model_param]
+                state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+                if "step" in state:
+                    tensors = {**tensors, "step": state["step"]}
+            original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # the class's method again
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
 
 
 def _read_hf(path: str) -> dict[str, Tensor]:
