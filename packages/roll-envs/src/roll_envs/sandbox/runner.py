@@ -13,6 +13,8 @@ Contract:
   even then the program runs in a child process with the same resource limits, a private working folder and a
   cleared environment, never in the calling process; it can then read and write whatever the user running roll
   can, and reach the network.
+- Where a cgroup can be made (roll_envs.sandbox.cgroup), each run gets its own, capping the memory and processes
+  of the whole run (`run_memory_mb`, `max_processes`); otherwise the limits are per process.
 - Thread-safe: runs share no state, so a thread pool may call `run` concurrently.
 """
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from roll_envs.sandbox import bwrap as _bwrap
+from roll_envs.sandbox.cgroup import RunCgroup
 from roll_envs.sandbox.process import OK, RunResult, SandboxLimits, run_captured
 
 log = logging.getLogger(__name__)
@@ -131,15 +134,22 @@ class PythonSandbox:
             )
             handed = (code_fd, ready_w, status_w)
             owned = [fd for fd in owned if fd not in handed]
-            return run_captured(
-                [*argv, *self._python_argv("/tmp/main.py", ready_w, uid, self.limits.rlimits())],
-                stdin_fd=stdin_fd,
-                ready_fd=ready_r,
-                pass_fds=handed,
-                timeout_s=self.limits.timeout_s,
-                max_output_bytes=self.limits.max_output_bytes,
-                status_fd=status_r,
-            )
+            argv = [*argv, *self._python_argv("/tmp/main.py", ready_w, uid, self.limits.rlimits())]
+            # The run's total memory and processes, where a cgroup can be made (bwrap and its init count too).
+            group = RunCgroup.create(self.limits.run_memory_mb * 1024 * 1024, self.limits.max_processes + 3)
+            try:
+                return run_captured(
+                    group.enter_argv(argv) if group else argv,
+                    stdin_fd=stdin_fd,
+                    ready_fd=ready_r,
+                    pass_fds=handed,
+                    timeout_s=self.limits.timeout_s,
+                    max_output_bytes=self.limits.max_output_bytes,
+                    status_fd=status_r,
+                )
+            finally:
+                if group is not None:
+                    group.close()
         finally:
             for fd in owned:
                 os.close(fd)

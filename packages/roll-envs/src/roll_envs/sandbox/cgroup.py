@@ -1,0 +1,194 @@
+"""A cgroup per sandboxed run: the total memory and process count of everything the run starts.
+
+Contract: `RunCgroup.create(memory_bytes, max_pids)` makes a fresh cgroup (v2 `memory.max` + `pids.max`, or the v1
+`memory` and `pids` hierarchies) under a `roll-sandbox` parent inside this process's own cgroup (runs never leave
+the limits that hold the trainer, e.g. a container's), or returns None where no writable cgroup exists
+(the caller then relies on per-process rlimits alone: `available()` says which, once per process).
+`enter_argv(argv)` prefixes a command with `/bin/sh` moving itself into the cgroup before it `exec`s the command,
+so bwrap and every process of the run are inside from their first instruction; the kernel then OOM-kills inside
+the run when all of its processes together exceed the memory limit, and refuses forks past `max_pids`.
+`close()` kills whatever is left in the cgroup and removes it.
+
+Why a shell prefix: Python's subprocess cannot place a child into a cgroup at spawn (no CLONE_INTO_CGROUP), and a
+`preexec_fn` is unsafe in a threaded reward worker. Swap: none on v2; not limited on v1 (memsw needs swap
+accounting).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import secrets
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ROOT = Path("/sys/fs/cgroup")
+PARENT = "roll-sandbox"
+
+
+@dataclass
+class RunCgroup:
+    """The cgroup folders of one run (one for v2; memory and pids for v1)."""
+
+    folders: tuple[Path, ...]
+
+    @classmethod
+    def create(cls, memory_bytes: int, max_pids: int) -> RunCgroup | None:
+        """A new cgroup with these limits, or None where none can be made (see `available`)."""
+        layout = _layout()
+        if layout is None:
+            return None
+        name = f"run-{os.getpid()}-{secrets.token_hex(6)}"
+        made: list[Path] = []
+        try:
+            where = parents()
+            if layout == "v2":
+                folder = where["v2"] / name
+                folder.mkdir()
+                made.append(folder)
+                (folder / "memory.max").write_text(str(memory_bytes))
+                if (folder / "memory.swap.max").exists():  # absent without swap accounting
+                    (folder / "memory.swap.max").write_text("0")
+                (folder / "pids.max").write_text(str(max_pids))
+            else:
+                memory, pids = where["memory"] / name, where["pids"] / name
+                for folder in (memory, pids):
+                    folder.mkdir()
+                    made.append(folder)
+                (memory / "memory.limit_in_bytes").write_text(str(memory_bytes))
+                (pids / "pids.max").write_text(str(max_pids))
+        except OSError as exc:
+            for folder in reversed(made):
+                _remove(folder)
+            log.warning("could not create a sandbox cgroup (%s): per-process limits only for this run", exc)
+            return None
+        return cls(tuple(made))
+
+    def enter_argv(self, argv: list[str]) -> list[str]:
+        """`argv` run by a shell that first moves itself into this cgroup (exit status 125 if it cannot)."""
+        return ["/bin/sh", "-c", _ENTER_EXEC, "sh", *map(str, self.folders), "--", *argv]
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel killed a process of this run for exceeding the memory limit."""
+        for folder in self.folders:
+            events = folder / "memory.events"
+            if events.exists():  # v2
+                fields = dict(line.split() for line in events.read_text().splitlines() if line.strip())
+                return int(fields.get("oom_kill", 0)) > 0
+            oom = folder / "memory.oom_control"
+            if oom.exists():  # v1
+                fields = dict(line.split() for line in oom.read_text().splitlines() if line.strip())
+                return int(fields.get("oom_kill", 0)) > 0
+        return False
+
+    def close(self) -> None:
+        """SIGKILL every process still in the cgroup, then remove it."""
+        for folder in self.folders:
+            for _ in range(50):  # processes forking while we kill: repeat until the cgroup is empty
+                pids = _pids(folder)
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            _remove(folder)
+
+
+# sh -c SCRIPT sh CGROUP... -- ARGV: join each cgroup, drop the arguments up to "--", exec the rest.
+_ENTER_EXEC = (
+    'while [ "$#" -gt 0 ]; do g=$1; shift; [ "$g" = -- ] && break; '
+    'echo $$ > "$g/cgroup.procs" || exit 125; done; exec "$@"'
+)
+
+
+def _pids(folder: Path) -> list[int]:
+    try:
+        return [int(p) for p in (folder / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+
+
+def _remove(folder: Path) -> None:
+    for _ in range(100):  # a killed process leaves the cgroup once reaped
+        try:
+            folder.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            import time
+
+            time.sleep(0.01)
+    log.warning("sandbox cgroup %s could not be removed", folder)
+
+
+def _own_path(controller: str | None) -> str:
+    """This process's cgroup path for a v1 `controller` (None: the v2 unified hierarchy), from /proc/self/cgroup."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return "/"
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if (controller is None and controllers == "") or (controller in controllers.split(",")):
+            return path
+    return "/"
+
+
+def parents() -> dict[str, Path]:
+    """Where run cgroups are made: `roll-sandbox` inside this process's own cgroup of each hierarchy, so that the
+    runs stay within whatever limits hold this process (a container's memory limit)."""
+    return {
+        "v2": ROOT / _own_path(None).lstrip("/") / PARENT,
+        "memory": ROOT / "memory" / _own_path("memory").lstrip("/") / PARENT,
+        "pids": ROOT / "pids" / _own_path("pids").lstrip("/") / PARENT,
+    }
+
+
+@functools.lru_cache(maxsize=1)
+def _layout() -> str | None:
+    """'v2' or 'v1' where this process can create child cgroups with memory and pids limits, else None."""
+    candidates = []
+    where = parents()
+    if (ROOT / "cgroup.controllers").exists():
+        controllers = (ROOT / "cgroup.controllers").read_text().split()
+        if {"memory", "pids"} <= set(controllers):
+            candidates.append(("v2", [where["v2"]]))
+    if (ROOT / "memory" / "memory.limit_in_bytes").exists() and (ROOT / "pids").is_dir():
+        candidates.append(("v1", [where["memory"], where["pids"]]))
+    for layout, folders in candidates:
+        try:
+            for parent in folders:
+                parent.mkdir(exist_ok=True)
+            if layout == "v2":
+                # Children get memory and pids limits only if the parent hands them down (refused when this
+                # process's own cgroup holds processes and is not the root: then there is no v2 cgroup for runs).
+                (where["v2"] / "cgroup.subtree_control").write_text("+memory +pids")
+            probe = [parent / f"probe-{os.getpid()}" for parent in folders]
+            for folder in probe:
+                folder.mkdir()
+            for folder in probe:
+                folder.rmdir()
+        except OSError as exc:
+            log.info("sandbox cgroups (%s) unavailable: %s", layout, exc)
+            continue
+        return layout
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether runs get a cgroup capping their total memory and processes (logged once)."""
+    layout = _layout()
+    if layout is None:
+        log.warning(
+            "no writable cgroup (v2 with memory+pids, or v1 memory and pids hierarchies): sandboxed runs have "
+            "per-process limits only, so one run may hold max_processes x memory_mb"
+        )
+    return layout is not None
