@@ -437,10 +437,16 @@ class WorkerGroup(Generic[W]):
         return [(parts[self.mesh.dp_rank(r)], *args[1:]) for r in range(self.world_size)]
 
     def shutdown(self) -> None:
-        """Stop the actors (ray) or drop the instances (local)."""
+        """Stop the actors (ray), or tear down and drop the instances (local: engine threads would outlive them)."""
         if self.backend == "ray":
             import ray
 
             for a in self.workers:
                 ray.kill(a)
+        else:
+            for w in self.workers:
+                try:
+                    w.teardown()
+                except Exception:  # a failed run's engine may be broken: release the others regardless
+                    log.exception("%s rank %d: teardown failed", self.name, w.rank)
         self.workers = []

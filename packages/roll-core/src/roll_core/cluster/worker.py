@@ -121,6 +121,13 @@ class Worker:
     def on_setup(self) -> None:
         """Subclasses build what needs the rendezvous (engines) here."""
 
+    def teardown(self) -> None:
+        """Release what `on_setup` built (an engine's background threads and memory) when the group shuts down.
+        The local backend calls it; a Ray worker's process ends instead. Default: the engine's `shutdown()`."""
+        shutdown = getattr(getattr(self, "engine", None), "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
     @dispatch(Dispatch.BROADCAST)
     def ping(self) -> tuple[int, int, int]:
         """(rank, world size, pid): for tests and health checks."""
