@@ -46,6 +46,30 @@ def test_activation_recomputation_gives_the_same_gradients(recompute: str, tmp_p
         torch.testing.assert_close(again[name], g, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_packed_sequences_give_the_padded_logprobs_and_gradients() -> None:
+    """Shared-prompt packing (a group's responses one after another in a row, under a block mask) equals the padded
+    layout: Megatron rotates by sequence index, so a response placed after a sibling needs its own positions
+    (it failed by 1.6e-3 in log-prob before `_rope_at`)."""
+    from roll_core.models import resolve_model_path
+    from roll_core.pipelines.objectives import PolicyObjective
+    from roll_core.testing.batches import toy_batch
+    from roll_engines.train.megatron import MegatronTrainEngine
+
+    path = resolve_model_path("builtin:tiny")
+    batch, objective = toy_batch(path), PolicyObjective(agg="token-mean")
+    engine = MegatronTrainEngine(path, dist_backend="gloo", use_distributed_optimizer=False, micro_batch_size=3)
+    results = []
+    for packed in (False, True):
+        engine.pack_sequences = packed
+        results.append((engine.compute_logprobs(batch, with_entropy=True), engine.compute_gradients(batch, objective)))
+    (padded_lp, padded_g), (packed_lp, packed_g) = results
+    mask = batch["response_mask"].bool()
+    for key in ("logprobs", "entropy"):
+        torch.testing.assert_close(packed_lp[key][mask], padded_lp[key][mask], atol=1e-5, rtol=1e-5, msg=key)
+    for name, g in padded_g.items():
+        torch.testing.assert_close(packed_g[name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def _tiny_family(kind: str, folder: Path) -> str:
     """A 2-layer model of `kind` (qwen2: q/k/v biases; qwen3: q/k RMSNorm) with the builtin tiny tokenizer, its
     biases and norm weights randomised so that a mapping that drops or misplaces them changes the outputs."""

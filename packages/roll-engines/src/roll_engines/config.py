@@ -94,6 +94,8 @@ class MegatronTrainEngineConfig:
     num_threads: int | None = None
     # Master weights and optimizer state stay fp32 (model.dtype is the compute dtype).
     param_dtype: str = "float32"
+    # Micro-batches run packed: a GRPO group's prompt once, no padding (the block mask goes to Megatron's attention).
+    pack_sequences: bool = True
 
     def __post_init__(self) -> None:
         if min(self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size) < 1:

@@ -15,12 +15,14 @@ for the optimizer state; both are layout-independent, so a run resumes at anothe
 `use_distributed_optimizer`: the two optimizers' states have different structures).
 
 Not supported yet (clear errors): the critic role (no value head), an entropy bonus (entropy is reported, not
-trained), LoRA, and packed sequences (Megatron's local attention has no THD path).
+trained) and LoRA. Packed sequences (`pack_sequences`, default on) use roll's shared-prompt packing
+(roll_engines.train._packing) with its block mask given to Megatron's attention, not the THD format.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -65,6 +67,7 @@ class MegatronTrainEngine:
         num_threads: int | None = None,
         seed: int = 0,
         param_dtype: str = "float32",
+        pack_sequences: bool = True,
         dist_backend: str | None = None,
         world_size: int = 1,
         **unsupported: Any,
@@ -79,6 +82,7 @@ class MegatronTrainEngine:
         self.name, self.role, self.device = name, role, torch.device(device)
         self.trainable = trainable and role != "reference"
         self.micro_batch_size, self.logprob_chunk_size = micro_batch_size, logprob_chunk_size
+        self.pack_sequences = pack_sequences
         self.max_grad_norm, self.base_lr = max_grad_norm, lr
         self._lr = lr_lambda(lr_schedule, warmup_steps, total_steps)
         self._step = 0
@@ -216,7 +220,32 @@ class MegatronTrainEngine:
         return float(t.item())
 
     # ---- forward ------------------------------------------------------------------------------------------
-    def _inputs(self, micro: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    def _prepare(self, micros: list[dict]) -> list[dict]:
+        """With `pack_sequences`, each micro-batch gets its packed form under "_packed" (roll_engines.train._packing:
+        a group's prompt once, no padding) where it packs; all packed ones are padded to one (rows, width), the
+        shape pipeline stages exchange. Megatron's local attention applies the block mask as given."""
+        if not self.pack_sequences:
+            return micros
+        from roll_engines.train._packing import pack
+
+        packed = [
+            pack(m["input_ids"], m["attention_mask"], m["position_ids"], m["responses"], self.hf_config.hidden_size)
+            for m in micros
+        ]
+        if any(p is None for p in packed):  # one shape for every micro-batch: all packed or none
+            return micros
+        n = max(p.input_ids.shape[0] for p in packed)
+        t = max(p.input_ids.shape[1] for p in packed)
+        return [{**m, "_packed": _pad_packed(p, n, t)} for m, p in zip(micros, packed)]
+
+    def _inputs(self, micro: Mapping[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
+        packed = micro.get("_packed")
+        if packed is not None:  # Megatron's mask is True where attention is blocked
+            return (
+                packed.input_ids.to(self.device),
+                packed.position_ids.to(self.device),
+                ~packed.allowed.to(self.device),
+            )
         ids = micro["input_ids"].to(self.device)
         s = ids.shape[1]
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)
@@ -230,19 +259,30 @@ class MegatronTrainEngine:
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
 
-        resp = micro["responses"].to(self.device)
-        r = resp.shape[1]
-        x = logits[:, -r - 1 : -1].float() / temperature  # (B, R, V/tp)
+        packed = micro.get("_packed")
+        if packed is not None:
+            # The predicting positions' logits, then one row per response token (a prompt's last position
+            # predicts the first token of each of its responses): (K, 1, V/tp) in Megatron's (s, b, v) order.
+            x = logits[packed.keep.to(logits.device)][packed.source.to(logits.device)][:, None].float() / temperature
+            targets = packed.targets.to(self.device)[:, None]
+        else:
+            resp = micro["responses"].to(self.device)
+            r = resp.shape[1]
+            x = logits[:, -r - 1 : -1].float().transpose(0, 1) / temperature  # (R, B, V/tp)
+            targets = resp.t()
         vp = x.shape[-1]
         start = ps.get_tensor_model_parallel_rank() * vp
         pad = torch.arange(start, start + vp, device=x.device) >= self.hf_config.vocab_size
-        x = x.masked_fill(pad, float("-inf"))
-        nll = tensor_parallel.vocab_parallel_cross_entropy(x.transpose(0, 1).contiguous(), resp.t().contiguous())
+        x = x.masked_fill(pad, float("-inf")).contiguous()
+        nll = tensor_parallel.vocab_parallel_cross_entropy(x, targets.contiguous())
         out = {"logprobs": -nll.t()}
         if entropy:
             with torch.no_grad():
                 full = tensor_parallel.gather_from_tensor_model_parallel_region(x)[..., : self.hf_config.vocab_size]
-                out["entropy"] = torch.distributions.Categorical(logits=full).entropy()
+                out["entropy"] = torch.distributions.Categorical(logits=full).entropy().t()
+        if packed is not None:
+            where = (packed.rows.to(self.device), packed.cols.to(self.device))
+            out = {k: v.new_zeros(packed.shape).index_put(where, v[0]) for k, v in out.items()}  # (B, R)
         return out
 
     def _schedule(
@@ -253,17 +293,20 @@ class MegatronTrainEngine:
 
         def forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[Tensor, Callable]:
             micro = next(data_iterator)
-            output = model(*self._inputs(micro))
+            ids, pos, mask = self._inputs(micro)
+            with _rope_at(self.model, pos if "_packed" in micro else None):
+                output = model(ids, pos, mask)
             return output, lambda out: loss(out, micro)
 
-        s = micros[0]["input_ids"].shape[1]
+        micros = self._prepare(micros)
+        inputs = [m["_packed"].input_ids if "_packed" in m else m["input_ids"] for m in micros]
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(micros),
             model=[self.ddp],
             num_microbatches=len(micros),
-            seq_length=s,
-            micro_batch_size=max(m["input_ids"].shape[0] for m in micros),
+            seq_length=inputs[0].shape[1],
+            micro_batch_size=max(x.shape[0] for x in inputs),
             forward_only=forward_only,
         )
 
@@ -545,6 +588,45 @@ def _torch_adam_steps_restored(optimizer: Any) -> Iterator[None]:
         for state in getattr(inner, "state", {}).values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
+
+
+@contextlib.contextmanager
+def _rope_at(model: Any, position_ids: Tensor | None) -> Iterator[None]:
+    """Rotary embeddings at `position_ids` (B, S) instead of Megatron's 0..S-1 in sequence order (its GPTModel
+    uses position ids for learned embeddings only): a packed response that follows its siblings in a row must be
+    rotated by its own positions. Rotary frequencies (S, B, 1, D) broadcast over heads like the (S, 1, 1, D) ones."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if position_ids is None or rope is None:
+        yield
+        return
+    original = rope.forward
+
+    def at_positions(max_seq_len: int, *args: Any, **kwargs: Any) -> Tensor:
+        emb = original(int(position_ids.max()) + 1, *args, **kwargs)  # (L, 1, 1, D)
+        return emb[position_ids.t().to(emb.device)][:, :, 0]  # (S, B, 1, D)
+
+    rope.forward = at_positions
+    try:
+        yield
+    finally:
+        del rope.forward  # the class's forward again
+
+
+def _pad_packed(packed: Any, n: int, t: int) -> Any:
+    """`packed` grown to n rows of t tokens: new positions see only themselves and feed no output (the keep order,
+    row-major, is unchanged, so `source` still indexes it)."""
+    rows, width = packed.input_ids.shape
+    if (rows, width) == (n, t):
+        return packed
+    ids = packed.input_ids.new_zeros((n, t))
+    ids[:rows, :width] = packed.input_ids
+    pos = packed.position_ids.new_zeros((n, t))
+    pos[:rows, :width] = packed.position_ids
+    allowed = torch.eye(t, dtype=torch.bool).expand(n, 1, t, t).clone()
+    allowed[:rows, :, :width, :width] = packed.allowed
+    keep = torch.zeros((n, t), dtype=torch.bool)
+    keep[:rows, :width] = packed.keep
+    return dataclasses.replace(packed, input_ids=ids, position_ids=pos, allowed=allowed, keep=keep)
 
 
 def _read_hf(path: str) -> dict[str, Tensor]:
