@@ -22,7 +22,6 @@ trained) and LoRA. Packed sequences (`pack_sequences`, default on) use roll's sh
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import time
@@ -37,6 +36,8 @@ from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.train.hf import lr_lambda
 from roll_engines.train.megatron import _convert as C
+from roll_engines.train.megatron._checkpoint import quiet_dist_checkpointing, torch_adam_steps_restored
+from roll_engines.train.megatron._packed import pad_packed, rope_at
 
 
 class MegatronTrainEngine:
@@ -236,7 +237,7 @@ class MegatronTrainEngine:
             return micros
         n = max(p.input_ids.shape[0] for p in packed)
         t = max(p.input_ids.shape[1] for p in packed)
-        return [{**m, "_packed": _pad_packed(p, n, t)} for m, p in zip(micros, packed)]
+        return [{**m, "_packed": pad_packed(p, n, t)} for m, p in zip(micros, packed)]
 
     def _inputs(self, micro: Mapping[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
         packed = micro.get("_packed")
@@ -294,7 +295,7 @@ class MegatronTrainEngine:
         def forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[Tensor, Callable]:
             micro = next(data_iterator)
             ids, pos, mask = self._inputs(micro)
-            with _rope_at(self.model, pos if "_packed" in micro else None):
+            with rope_at(self.model, pos if "_packed" in micro else None):
                 output = model(ids, pos, mask)
             return output, lambda out: loss(out, micro)
 
@@ -483,7 +484,7 @@ class MegatronTrainEngine:
         from megatron.core import dist_checkpointing
 
         (folder / "optimizer").mkdir(parents=True, exist_ok=True)
-        with self._shims(), _quiet_dist_checkpointing():
+        with self._shims(), quiet_dist_checkpointing():
             dist_checkpointing.save(self._optimizer_state(loading=False), str(folder / "optimizer"))
 
     def _optimizer_state(self, loading: bool) -> dict[str, Any]:
@@ -536,97 +537,11 @@ class MegatronTrainEngine:
                 f"{folder}/optimizer holds a {saved} optimizer's state; this run uses a {self._optimizer_kind()} "
                 "one (train_engine.use_distributed_optimizer): resume with the setting that saved it (any layout)"
             )
-        with self._shims(), _quiet_dist_checkpointing():
+        with self._shims(), quiet_dist_checkpointing():
             loaded = dist_checkpointing.load(self._optimizer_state(loading=True), str(folder / "optimizer"))
-            with _torch_adam_steps_restored(self.optimizer):
+            with torch_adam_steps_restored(self.optimizer):
                 self.optimizer.load_state_dict(loaded["optimizer"])
         self._step = int(loaded["step"])
-
-
-@contextlib.contextmanager
-def _quiet_dist_checkpointing() -> Iterator[None]:
-    """Megatron's dist_checkpointing calls torch APIs that torch deprecates (ShardedTensor, DCP's load_state_dict):
-    their FutureWarnings are about Megatron's code, not the user's."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        yield
-
-
-@contextlib.contextmanager
-def _torch_adam_steps_restored(optimizer: Any) -> Iterator[None]:
-    """Two bugs of Megatron-Core 0.16's distributed optimizer without Apex/TE, which keeps torch Adam's
-    per-parameter `step` in its state: on load it restores `step` from the param groups as ONE tensor shared by
-    every parameter (torch Adam then increments it once per parameter per step: wrong bias corrections, measured
-    0.34 x lr off on the next step), and it copies every state key from the resharded checkpoint, which has no
-    `step` (KeyError). Here a parameter's missing `step` is its restored one, and each gets its own copy."""
-    patched = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
-        if original is None:
-            continue
-
-        def set_states(model_param: Any, tensors: dict[str, Any], opt: Any = opt, original: Any = original) -> None:
-            if "step" not in tensors:
-                group, order = opt.model_param_group_index_map[model_param]
-                state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
-                if "step" in state:
-                    tensors = {**tensors, "step": state["step"]}
-            original(model_param, tensors)
-
-        opt._set_main_param_and_optimizer_states = set_states
-        patched.append(opt)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states  # the class's method again
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        for state in getattr(inner, "state", {}).values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-
-
-@contextlib.contextmanager
-def _rope_at(model: Any, position_ids: Tensor | None) -> Iterator[None]:
-    """Rotary embeddings at `position_ids` (B, S) instead of Megatron's 0..S-1 in sequence order (its GPTModel
-    uses position ids for learned embeddings only): a packed response that follows its siblings in a row must be
-    rotated by its own positions. Rotary frequencies (S, B, 1, D) broadcast over heads like the (S, 1, 1, D) ones."""
-    rope = getattr(model, "rotary_pos_emb", None)
-    if position_ids is None or rope is None:
-        yield
-        return
-    original = rope.forward
-
-    def at_positions(max_seq_len: int, *args: Any, **kwargs: Any) -> Tensor:
-        emb = original(int(position_ids.max()) + 1, *args, **kwargs)  # (L, 1, 1, D)
-        return emb[position_ids.t().to(emb.device)][:, :, 0]  # (S, B, 1, D)
-
-    rope.forward = at_positions
-    try:
-        yield
-    finally:
-        del rope.forward  # the class's forward again
-
-
-def _pad_packed(packed: Any, n: int, t: int) -> Any:
-    """`packed` grown to n rows of t tokens: new positions see only themselves and feed no output (the keep order,
-    row-major, is unchanged, so `source` still indexes it)."""
-    rows, width = packed.input_ids.shape
-    if (rows, width) == (n, t):
-        return packed
-    ids = packed.input_ids.new_zeros((n, t))
-    ids[:rows, :width] = packed.input_ids
-    pos = packed.position_ids.new_zeros((n, t))
-    pos[:rows, :width] = packed.position_ids
-    allowed = torch.eye(t, dtype=torch.bool).expand(n, 1, t, t).clone()
-    allowed[:rows, :, :width, :width] = packed.allowed
-    keep = torch.zeros((n, t), dtype=torch.bool)
-    keep[:rows, :width] = packed.keep
-    return dataclasses.replace(packed, input_ids=ids, position_ids=pos, allowed=allowed, keep=keep)
 
 
 def _read_hf(path: str) -> dict[str, Tensor]:

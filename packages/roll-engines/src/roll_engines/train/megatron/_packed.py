@@ -1,0 +1,51 @@
+"""Packed micro-batches in Megatron: roll's shared-prompt packing (roll_engines.train._packing) padded to one shape
+per pipeline schedule, and rotary embeddings at each packed token's own position."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@contextlib.contextmanager
+def rope_at(model: Any, position_ids: Tensor | None) -> Iterator[None]:
+    """Rotary embeddings at `position_ids` (B, S) instead of Megatron's 0..S-1 in sequence order (its GPTModel
+    uses position ids for learned embeddings only): a packed response that follows its siblings in a row must be
+    rotated by its own positions. Rotary frequencies (S, B, 1, D) broadcast over heads like the (S, 1, 1, D) ones."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if position_ids is None or rope is None:
+        yield
+        return
+    original = rope.forward
+
+    def at_positions(max_seq_len: int, *args: Any, **kwargs: Any) -> Tensor:
+        emb = original(int(position_ids.max()) + 1, *args, **kwargs)  # (L, 1, 1, D)
+        return emb[position_ids.t().to(emb.device)][:, :, 0]  # (S, B, 1, D)
+
+    rope.forward = at_positions
+    try:
+        yield
+    finally:
+        del rope.forward  # the class's forward again
+
+
+def pad_packed(packed: Any, n: int, t: int) -> Any:
+    """`packed` grown to n rows of t tokens: new positions see only themselves and feed no output (the keep order,
+    row-major, is unchanged, so `source` still indexes it)."""
+    rows, width = packed.input_ids.shape
+    if (rows, width) == (n, t):
+        return packed
+    ids = packed.input_ids.new_zeros((n, t))
+    ids[:rows, :width] = packed.input_ids
+    pos = packed.position_ids.new_zeros((n, t))
+    pos[:rows, :width] = packed.position_ids
+    allowed = torch.eye(t, dtype=torch.bool).expand(n, 1, t, t).clone()
+    allowed[:rows, :, :width, :width] = packed.allowed
+    keep = torch.zeros((n, t), dtype=torch.bool)
+    keep[:rows, :width] = packed.keep
+    return dataclasses.replace(packed, input_ids=ids, position_ids=pos, allowed=allowed, keep=keep)
