@@ -60,6 +60,8 @@ class CodeRewardConfig:
     memory_mb: int = 512
     # Processes and threads the program may run at once (fork bombs stop here).
     max_processes: int = 8
+    # Memory of all the program's processes together, MiB (enforced by a cgroup per run where one can be made).
+    run_memory_mb: int = 1024
     # stdout + stderr bytes per test before the program is killed.
     max_output_bytes: int = 1048576
     # Sandboxes running at once per reward worker.

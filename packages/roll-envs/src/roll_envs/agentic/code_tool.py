@@ -54,6 +54,7 @@ class CodeTool:
         timeout_s: wall-clock seconds per program (sandbox start included).
         memory_mb: address space per process of the program, MiB.
         max_processes: processes and threads the program may have.
+        run_memory_mb: memory of all the program's processes together, MiB (where a cgroup can be made).
         max_output_chars: characters of stdout shown to the model (the sandbox's own output budget, 64 KiB by
             default here, kills floods long before they reach this process's memory). The default leaves room for
             the error line within `ToolUseEnv`'s 2000-character observation cut, so the model always sees it.
@@ -73,6 +74,7 @@ class CodeTool:
         timeout_s: float = 5.0,
         memory_mb: int = 512,
         max_processes: int = 8,
+        run_memory_mb: int = 1024,
         max_output_chars: int = 1500,
         max_code_chars: int = 20_000,
         python: str | None = None,
@@ -85,6 +87,7 @@ class CodeTool:
             memory_mb=int(memory_mb),
             max_processes=int(max_processes),
             max_output_bytes=64 * 1024,
+            run_memory_mb=int(run_memory_mb),
         )
         self.max_output_chars, self.max_code_chars = int(max_output_chars), int(max_code_chars)
         # Built (and probed) now: a run without a sandbox must fail at start, not at the first tool call.

@@ -121,6 +121,7 @@ class CodeReward(Reward):
         timeout_s: wall-clock seconds per test, sandbox start included.
         memory_mb: address space per process, MiB.
         max_processes: processes and threads the program may run at once.
+        run_memory_mb: memory of all the program's processes together, MiB (where a cgroup can be made).
         max_output_bytes: stdout + stderr bytes per test before the program is killed.
         parallelism: sandboxes running at once (threads each waiting on one sandbox process).
         max_tests: run at most this many tests per problem (the first ones); None: all.
@@ -137,6 +138,7 @@ class CodeReward(Reward):
         timeout_s: float = 5.0,
         memory_mb: int = 512,
         max_processes: int = 8,
+        run_memory_mb: int = 1024,
         max_output_bytes: int = 1 << 20,
         parallelism: int = 4,
         max_tests: int | None = None,
@@ -153,7 +155,11 @@ class CodeReward(Reward):
         self.score_mode, self.parallelism, self.max_tests = score_mode, parallelism, max_tests
         self.format_weight = format_weight
         limits = SandboxLimits(
-            timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes, max_output_bytes=max_output_bytes
+            timeout_s=timeout_s,
+            memory_mb=memory_mb,
+            max_processes=max_processes,
+            max_output_bytes=max_output_bytes,
+            run_memory_mb=run_memory_mb,
         )
         try:
             self.sandbox = PythonSandbox(limits, python=python)
