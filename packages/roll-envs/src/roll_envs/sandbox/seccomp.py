@@ -1,0 +1,105 @@
+"""A seccomp filter for sandboxed programs: the kernel interfaces a stdin-to-stdout program never needs fail with
+EPERM.
+
+Contract: `filter_program()` returns a classic-BPF seccomp program (the raw `struct sock_filter` array bwrap's
+`--seccomp FD` loads, as libseccomp's `seccomp_export_bpf` writes it) for this machine's architecture, or None
+where roll has no syscall table for it (then runs go without a filter and the log says so once). The filter:
+- kills the process on a foreign architecture or ABI (x32 on x86-64: a way around a syscall-number filter);
+- returns EPERM for `BLOCKED`: tracing and reading other processes' memory (ptrace, process_vm_*), namespaces and
+  mounts (unshare, setns, mount, umount2, pivot_root, open_by_handle_at), the kernel keyring, eBPF, perf events,
+  userfaultfd and io_uring (frequent kernel-exploit vectors), module loading, kexec, reboot, swap, accounting and
+  quotas;
+- allows every other syscall: Python, its standard library and forked children keep working.
+bwrap installs it right before it executes the program, after its own set-up.
+
+Why hand-written BPF: libseccomp's Python bindings are not on PyPI as a wheel; a deny-list over one architecture's
+syscall numbers is a few instructions. Numbers are from the x86-64 syscall table (arch/x86/entry/syscalls).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+import struct
+
+log = logging.getLogger(__name__)
+
+# Classic BPF opcodes (linux/filter.h) and seccomp return values (linux/seccomp.h).
+_LD_W_ABS = 0x20  # BPF_LD | BPF_W | BPF_ABS
+_JEQ_K = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
+_JGE_K = 0x35  # BPF_JMP | BPF_JGE | BPF_K
+_RET_K = 0x06  # BPF_RET | BPF_K
+_RET_ALLOW = 0x7FFF0000
+_RET_KILL_PROCESS = 0x80000000
+_RET_ERRNO = 0x00050000
+_EPERM = 1
+# struct seccomp_data: int nr; __u32 arch; ...
+_NR_OFFSET, _ARCH_OFFSET = 0, 4
+
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_X32_SYSCALL_BIT = 0x40000000
+
+#: Blocked syscalls by name, with their x86-64 numbers.
+BLOCKED_X86_64 = {
+    "ptrace": 101,
+    "process_vm_readv": 310,
+    "process_vm_writev": 311,
+    "mount": 165,
+    "umount2": 166,
+    "pivot_root": 155,
+    "unshare": 272,
+    "setns": 308,
+    "open_by_handle_at": 304,
+    "name_to_handle_at": 303,
+    "keyctl": 250,
+    "add_key": 248,
+    "request_key": 249,
+    "bpf": 321,
+    "perf_event_open": 298,
+    "userfaultfd": 323,
+    "io_uring_setup": 425,
+    "io_uring_enter": 426,
+    "io_uring_register": 427,
+    "init_module": 175,
+    "finit_module": 313,
+    "delete_module": 176,
+    "kexec_load": 246,
+    "kexec_file_load": 320,
+    "reboot": 169,
+    "swapon": 167,
+    "swapoff": 168,
+    "acct": 163,
+    "quotactl": 179,
+}
+
+
+def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
+    return struct.pack("=HBBI", code, jt, jf, k)
+
+
+def _program(arch: int, blocked: list[int], abi_bit: int | None) -> bytes:
+    deny = _RET_ERRNO | _EPERM
+    prog = [
+        _insn(_LD_W_ABS, 0, 0, _ARCH_OFFSET),
+        _insn(_JEQ_K, 1, 0, arch),
+        _insn(_RET_K, 0, 0, _RET_KILL_PROCESS),
+        _insn(_LD_W_ABS, 0, 0, _NR_OFFSET),
+    ]
+    if abi_bit is not None:
+        prog += [_insn(_JGE_K, 0, 1, abi_bit), _insn(_RET_K, 0, 0, _RET_KILL_PROCESS)]
+    for i, nr in enumerate(blocked):
+        # On a match jump over the remaining comparisons and the ALLOW to the final EPERM.
+        prog.append(_insn(_JEQ_K, len(blocked) - i, 0, nr))
+    prog += [_insn(_RET_K, 0, 0, _RET_ALLOW), _insn(_RET_K, 0, 0, deny)]
+    return b"".join(prog)
+
+
+@functools.lru_cache(maxsize=1)
+def filter_program() -> bytes | None:
+    """The compiled filter for this machine, or None where roll has no syscall table for its architecture."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        return _program(_AUDIT_ARCH_X86_64, sorted(BLOCKED_X86_64.values()), _X32_SYSCALL_BIT)
+    log.warning("no seccomp syscall table for %s: sandboxed programs run without a syscall filter", machine)
+    return None
