@@ -21,6 +21,7 @@ import logging
 import os
 import secrets
 import signal
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,9 +174,14 @@ def _layout() -> str | None:
             probe = [parent / f"probe-{os.getpid()}" for parent in folders]
             for folder in probe:
                 folder.mkdir()
-            for folder in probe:
-                folder.rmdir()
-        except OSError as exc:
+            try:  # a process must be able to join them too (what every run's shell prefix does)
+                joined = subprocess.run(RunCgroup(tuple(probe)).enter_argv(["/bin/true"]), timeout=10).returncode
+            finally:
+                for folder in probe:
+                    _remove(folder)
+            if joined != 0:
+                raise OSError(f"a process could not join a new cgroup (exit status {joined})")
+        except (OSError, subprocess.SubprocessError) as exc:
             log.info("sandbox cgroups (%s) unavailable: %s", layout, exc)
             continue
         return layout
