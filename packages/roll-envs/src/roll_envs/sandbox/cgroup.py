@@ -22,6 +22,7 @@ import os
 import secrets
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,19 +74,6 @@ class RunCgroup:
         """`argv` run by a shell that first moves itself into this cgroup (exit status 125 if it cannot)."""
         return ["/bin/sh", "-c", _ENTER_EXEC, "sh", *map(str, self.folders), "--", *argv]
 
-    def oom_killed(self) -> bool:
-        """Whether the kernel killed a process of this run for exceeding the memory limit."""
-        for folder in self.folders:
-            events = folder / "memory.events"
-            if events.exists():  # v2
-                fields = dict(line.split() for line in events.read_text().splitlines() if line.strip())
-                return int(fields.get("oom_kill", 0)) > 0
-            oom = folder / "memory.oom_control"
-            if oom.exists():  # v1
-                fields = dict(line.split() for line in oom.read_text().splitlines() if line.strip())
-                return int(fields.get("oom_kill", 0)) > 0
-        return False
-
     def close(self) -> None:
         """SIGKILL every process still in the cgroup, then remove it."""
         for folder in self.folders:
@@ -123,8 +111,6 @@ def _remove(folder: Path) -> None:
         except FileNotFoundError:
             return
         except OSError:
-            import time
-
             time.sleep(0.01)
     log.warning("sandbox cgroup %s could not be removed", folder)
 
