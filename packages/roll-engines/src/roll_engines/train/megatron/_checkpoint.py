@@ -1,5 +1,6 @@
 """Megatron optimizer checkpoints on CPU and without Apex/TE: quiet dist_checkpointing calls and the workarounds that
-let Megatron-Core 0.16's distributed optimizer resume correctly (see `torch_adam_steps_restored`)."""
+let Megatron-Core 0.16's distributed optimizer resume correctly (`prime_optimizer_state`,
+`torch_adam_steps_restored`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,24 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+
+def parts(optimizer: Any) -> list[Any]:
+    """The Megatron optimizers inside `optimizer` (a ChainedOptimizer's parts, or itself)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def prime_optimizer_state(optimizer: Any) -> None:
+    """Give a fresh optimizer zero moments and step 0, as a first step would: the distributed optimizer builds
+    its loading template from its own state, and without Apex/TE it requires every parameter's `step`."""
+    for opt in parts(optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p].update(
+                        exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=torch.tensor(0.0)
+                    )
 
 
 @contextlib.contextmanager
@@ -30,7 +49,7 @@ def torch_adam_steps_restored(optimizer: Any) -> Iterator[None]:
     0.34 x lr off on the next step), and it copies every state key from the resharded checkpoint, which has no
     `step` (KeyError). Here a parameter's missing `step` is its restored one, and each gets its own copy."""
     patched = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in parts(optimizer):
         original = getattr(opt, "_set_main_param_and_optimizer_states", None)
         if original is None:
             continue
@@ -50,7 +69,7 @@ def torch_adam_steps_restored(optimizer: Any) -> Iterator[None]:
     finally:
         for opt in patched:
             del opt._set_main_param_and_optimizer_states  # the class's method again
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in parts(optimizer):
         inner = getattr(opt, "optimizer", None)
         for state in getattr(inner, "state", {}).values():
             if torch.is_tensor(state.get("step")):

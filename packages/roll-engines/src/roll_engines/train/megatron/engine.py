@@ -36,7 +36,12 @@ from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.train.hf import lr_lambda
 from roll_engines.train.megatron import _convert as C
-from roll_engines.train.megatron._checkpoint import quiet_dist_checkpointing, torch_adam_steps_restored
+from roll_engines.train.megatron._checkpoint import (
+    parts,
+    prime_optimizer_state,
+    quiet_dist_checkpointing,
+    torch_adam_steps_restored,
+)
 from roll_engines.train.megatron._packed import pad_packed, rope_at
 
 
@@ -237,16 +242,12 @@ class MegatronTrainEngine:
             return micros
         n = max(p.input_ids.shape[0] for p in packed)
         t = max(p.input_ids.shape[1] for p in packed)
-        return [{**m, "_packed": pad_packed(p, n, t)} for m, p in zip(micros, packed)]
+        return [{**m, "_packed": pad_packed(p, n, t).to(self.device)} for m, p in zip(micros, packed)]
 
     def _inputs(self, micro: Mapping[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
         packed = micro.get("_packed")
         if packed is not None:  # Megatron's mask is True where attention is blocked
-            return (
-                packed.input_ids.to(self.device),
-                packed.position_ids.to(self.device),
-                ~packed.allowed.to(self.device),
-            )
+            return packed.input_ids, packed.position_ids, ~packed.allowed
         ids = micro["input_ids"].to(self.device)
         s = ids.shape[1]
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)
@@ -264,8 +265,8 @@ class MegatronTrainEngine:
         if packed is not None:
             # The predicting positions' logits, then one row per response token (a prompt's last position
             # predicts the first token of each of its responses): (K, 1, V/tp) in Megatron's (s, b, v) order.
-            x = logits[packed.keep.to(logits.device)][packed.source.to(logits.device)][:, None].float() / temperature
-            targets = packed.targets.to(self.device)[:, None]
+            x = logits[packed.keep][packed.source][:, None].float() / temperature
+            targets = packed.targets[:, None]
         else:
             resp = micro["responses"].to(self.device)
             r = resp.shape[1]
@@ -282,8 +283,7 @@ class MegatronTrainEngine:
                 full = tensor_parallel.gather_from_tensor_model_parallel_region(x)[..., : self.hf_config.vocab_size]
                 out["entropy"] = torch.distributions.Categorical(logits=full).entropy().t()
         if packed is not None:
-            where = (packed.rows.to(self.device), packed.cols.to(self.device))
-            out = {k: v.new_zeros(packed.shape).index_put(where, v[0]) for k, v in out.items()}  # (B, R)
+            out = {k: packed.scatter(v[0]) for k, v in out.items()}  # (K,) -> (B, R)
         return out
 
     def _schedule(
@@ -493,29 +493,16 @@ class MegatronTrainEngine:
         gathers its flat shards into per-parameter tensors too."""
         metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
         if loading:
-            self._prime_optimizer_state()
+            prime_optimizer_state(self.optimizer)
         state = self.optimizer.sharded_state_dict(
             self.model.sharded_state_dict(), is_loading=loading, metadata=metadata
         )
         return {"optimizer": state, "step": self._step, "kind": self._optimizer_kind()}
 
-    def _prime_optimizer_state(self) -> None:
-        """Give a fresh optimizer zero moments and step 0, as a first step would: the distributed optimizer builds
-        its loading template from its own state, and without Apex/TE it requires every parameter's `step`."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = opt.optimizer
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    if not inner.state[p]:
-                        inner.state[p].update(
-                            exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=torch.tensor(0.0)
-                        )
-
     def _optimizer_kind(self) -> str:
         from megatron.core.optimizer import DistributedOptimizer
 
-        opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        return "distributed" if any(isinstance(o, DistributedOptimizer) for o in opts) else "plain"
+        return "distributed" if any(isinstance(o, DistributedOptimizer) for o in parts(self.optimizer)) else "plain"
 
     def load(self, folder: str | Path) -> None:
         """Weights from `folder/model` and the optimizer state from `folder/optimizer`, both at any layout."""
