@@ -10,19 +10,8 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]'")
+pytestmark = pytest.mark.usefixtures("megatron_process_group")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_process_group():
-    """The engines here share this process's group of one; leave nothing behind for other modules."""
-    yield
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])

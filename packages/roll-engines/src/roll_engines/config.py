@@ -96,8 +96,25 @@ class MegatronTrainEngineConfig:
     param_dtype: str = "float32"
     # Micro-batches run packed: a GRPO group's prompt once, no padding (the block mask goes to Megatron's attention).
     pack_sequences: bool = True
+    # LoRA rank of the policy's adapters on the tensor-parallel linear layers; 0 trains every weight. As with hf:
+    # the reference is the base with adapters disabled, weight sync sends merged weights, checkpoints add a peft
+    # `adapter/`. Megatron fuses q/k/v and gate/up, so those share one A (targets name all of a group or none).
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    # Must stay 0 (no LoRA dropout in this engine; RL fine-tuning runs without it).
+    lora_dropout: float = 0.0
+    # "all-linear" (q/k/v, o, gate/up, down), or peft projection names / Megatron layer names.
+    lora_target_modules: Any = "all-linear"
 
     def __post_init__(self) -> None:
+        if self.lora_rank < 0 or (self.lora_rank and self.lora_alpha <= 0):
+            raise ValueError("train_engine.lora_rank must be >= 0 and lora_alpha > 0")
+        if self.lora_rank and self.lora_dropout:
+            raise ValueError("train_engine=megatron trains LoRA without dropout: set train_engine.lora_dropout=0")
+        if self.lora_rank:
+            from roll_engines.train.megatron._lora import resolve_targets
+
+            resolve_targets(self.lora_target_modules)  # a bad target list fails at config time
         if min(self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size) < 1:
             raise ValueError("train_engine world_size, tensor_parallel_size and pipeline_parallel_size must be >= 1")
         if self.world_size % (self.tensor_parallel_size * self.pipeline_parallel_size):

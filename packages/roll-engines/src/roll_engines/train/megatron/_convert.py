@@ -297,3 +297,27 @@ def to_hf(name: str, t: Any, cfg: Any, offset: int) -> dict[str, Tensor]:
     if rest == "mlp.linear_fc1.weight":
         return {h + "mlp.gate_proj.weight": t[0], h + "mlp.up_proj.weight": t[1]}
     raise KeyError(f"no HF name for Megatron tensor {name!r}")
+
+
+def read_hf(path: str) -> dict[str, Tensor]:
+    """Every tensor of an HF folder's *.safetensors files."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    out: dict[str, Tensor] = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+def hf_names(cfg: Any) -> list[str]:
+    """The HF model's parameter names in its own order (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return [k for k, _ in model.named_parameters()]

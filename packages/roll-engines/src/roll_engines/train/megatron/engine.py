@@ -14,8 +14,11 @@ Checkpoints: an HF folder for the weights and a Megatron distributed checkpoint 
 for the optimizer state; both are layout-independent, so a run resumes at another TP/PP/DP layout (with the same
 `use_distributed_optimizer`: the two optimizers' states have different structures).
 
-Not supported yet (clear errors): the critic role (no value head), an entropy bonus (entropy is reported, not
-trained) and LoRA. Packed sequences (`pack_sequences`, default on) use roll's shared-prompt packing
+LoRA (`lora_rank > 0`, roll_engines.train.megatron._lora): adapters on the tensor-parallel linear layers; only they
+train, the reference is the base with adapters disabled, weights export merged, checkpoints add a peft `adapter/`.
+
+Not supported yet (clear errors): the critic role (no value head) and an entropy bonus (entropy is reported, not
+trained). Packed sequences (`pack_sequences`, default on) use roll's shared-prompt packing
 (roll_engines.train._packing) with its block mask given to Megatron's attention, not the THD format.
 """
 
@@ -36,6 +39,7 @@ from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.train.hf import lr_lambda
 from roll_engines.train.megatron import _convert as C
+from roll_engines.train.megatron import _lora as L
 from roll_engines.train.megatron._checkpoint import (
     parts,
     prime_optimizer_state,
@@ -76,14 +80,17 @@ class MegatronTrainEngine:
         pack_sequences: bool = True,
         dist_backend: str | None = None,
         world_size: int = 1,
-        **unsupported: Any,
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
+        lora_dropout: float = 0.0,
+        lora_target_modules: list[str] | str = "all-linear",
     ) -> None:
         if role == "critic":
             raise ValueError("train_engine=megatron has no value head yet: train the critic with hf or fsdp2")
         if role not in ("actor", "reference"):
             raise ValueError(f"role must be actor or reference, got {role!r}")
-        if unsupported.get("lora_rank"):
-            raise ValueError("train_engine=megatron does not train LoRA adapters yet: use hf or fsdp2 for LoRA")
+        if lora_rank and lora_dropout:
+            raise ValueError("train_engine=megatron trains LoRA without dropout: set train_engine.lora_dropout=0")
         prepare_engine_process(device, num_threads)
         self.name, self.role, self.device = name, role, torch.device(device)
         self.trainable = trainable and role != "reference"
@@ -105,7 +112,10 @@ class MegatronTrainEngine:
                 self.hf_config, tensor_parallel_size, pipeline_parallel_size, self.compute_dtype, recompute
             )
             self.model = C.build_model(self.hf_config, config).to(self.device)
-            C.load_hf(self.model, _read_hf(self.path), self.hf_config)
+            C.load_hf(self.model, C.read_hf(self.path), self.hf_config)
+            self.lora = (lora_rank, lora_alpha, lora_target_modules) if lora_rank and self.trainable else None
+            if self.lora:  # before DDP and the optimizer: they hold the trainable (adapter) parameters only
+                L.apply_lora(self.model, lora_rank, lora_alpha, lora_target_modules, seed)
             self.ddp, self.optimizer = self.model, None
             if self.trainable:
                 self._build_optimizer(
@@ -131,13 +141,19 @@ class MegatronTrainEngine:
     # ---- set-up -------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _shims(self) -> Iterator[None]:
-        if self.device.type == "cpu":
-            from roll_engines.train.megatron._cpu import cpu_shims
+        """roll's CPU shims on CPU; everywhere, torch's deprecation warnings about Megatron's own collective calls
+        (e.g. the distributed optimizer's reduce_scatter_tensor, every step) are silenced: the user cannot act."""
+        import warnings
 
-            with cpu_shims():
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+            if self.device.type == "cpu":
+                from roll_engines.train.megatron._cpu import cpu_shims
+
+                with cpu_shims():
+                    yield
+            else:
                 yield
-        else:
-            yield
 
     def _init_parallel(self, tp: int, pp: int, backend: str | None, seed: int) -> None:
         import torch.distributed as dist
@@ -315,8 +331,12 @@ class MegatronTrainEngine:
     def compute_logprobs(
         self, batch: Mapping[str, Tensor], temperature: float = 1.0, with_entropy: bool = False, base: bool = False
     ) -> dict[str, Tensor]:
-        """Log-probs (B, R) on the last pipeline stage (zeros elsewhere: the group keeps the last stage's)."""
+        """Log-probs (B, R) on the last pipeline stage (zeros elsewhere: the group keeps the last stage's).
+        `base=True` scores with the LoRA adapters disabled: the reference policy."""
         from megatron.core import parallel_state as ps
+
+        if base and not self.lora:
+            raise ValueError("base=True scores the model without its LoRA adapters: this engine has none")
 
         tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
         n, r = tensors["input_ids"].shape[0], tensors["responses"].shape[1]
@@ -327,7 +347,8 @@ class MegatronTrainEngine:
             return out.sum() * 0, {k: v.cpu() for k, v in got.items()}
 
         self.model.eval()
-        with self._shims():
+        disabled = L.adapters_disabled(self.model) if base else contextlib.nullcontext()
+        with self._shims(), disabled:
             parts = self._schedule(micros, loss, forward_only=True)
         keys = ["logprobs", "entropy"] if with_entropy else ["logprobs"]
         if not ps.is_pipeline_last_stage():
@@ -423,43 +444,60 @@ class MegatronTrainEngine:
     def compute_gradients(
         self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float = 1.0
     ) -> dict[str, Tensor]:
-        """Full gradients in HF names of one mini-batch, without a step (data-parallel reduced; collective)."""
-        from megatron.core.distributed import finalize_model_grads  # noqa: F401  (run by the schedule)
-
+        """Full gradients in HF names of one mini-batch, without a step (data-parallel reduced; collective). With
+        LoRA: the adapter's gradients in peft's names (a fused layer's shared A gradient under each projection)."""
         self.ddp.zero_grad_buffer()
         self._backward({k: v for k, v in batch.items() if isinstance(v, Tensor)}, loss_fn, temperature)
-        grads = dict(self._export(grads=True))
+        if self.lora:
+            with self._shims():
+                grads = self._all_stages(L.adapter_tensors(self.model, self.hf_config, grads=True))
+        else:
+            grads = dict(self._export(grads=True))
         self.ddp.zero_grad_buffer()
         return grads
 
     # ---- weights ------------------------------------------------------------------------------------------
-    def _export(self, grads: bool = False) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, full tensor) of every weight (or main gradient), gathered over TP, and over PP as objects."""
+    def _local(self, grads: bool, changed_only: bool) -> Iterator[tuple[str, Tensor]]:
+        """(Megatron name, this rank's tensor): weights (LoRA merged) or copies of main gradients."""
+        if self.lora and not grads:
+            yield from L.local_weights(self.model, changed_only)
+            return
+        for name, p in self.model.named_parameters():
+            t = getattr(p, "main_grad", None) if grads else p.data
+            # Gradients are views of DDP's buffer, which the next zero_grad_buffer() clears: copy them.
+            yield name, (torch.zeros_like(p) if t is None else (t.clone() if grads else t)).detach()
+
+    def _all_stages(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Every pipeline stage's `local` tensors (gathered as objects over the PP group; collective)."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return local
+        stages: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(
+            stages, {k: v.cpu() for k, v in local.items()}, group=ps.get_pipeline_model_parallel_group()
+        )
+        return {k: v for s in stages for k, v in s.items()}
+
+    def _export(self, grads: bool = False, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) of every weight (or main gradient), gathered over TP, and over PP as objects."""
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         offset = get_transformer_layer_offset(self.model.config)
         local: dict[str, Tensor] = {}
         with self._shims():
-            for name, p in self.model.named_parameters():
-                t = getattr(p, "main_grad", None) if grads else p.data
-                # Gradients are views of DDP's buffer, which the next zero_grad_buffer() clears: copy them.
-                t = torch.zeros_like(p) if t is None else (t.clone() if grads else t)
-                local.update(C.to_hf(name, C.gather_tp(name, t.detach().float()), self.hf_config, offset))
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            stages: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
-            dist.all_gather_object(
-                stages, {k: v.cpu() for k, v in local.items()}, group=ps.get_pipeline_model_parallel_group()
-            )
-            local = {k: v for s in stages for k, v in s.items()}
-        order = [k for k in _hf_names(self.hf_config) if k in local]
-        for k in order:
-            yield k, local[k]
+            for name, t in self._local(grads, changed_only):
+                local.update(C.to_hf(name, C.gather_tp(name, t.float()), self.hf_config, offset))
+        local = self._all_stages(local)
+        for k in C.hf_names(self.hf_config):
+            if k in local:
+                yield k, local[k]
 
     def iter_weights(self, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
-        """Full weights in HF names, in the HF model's order (collective over TP and PP ranks)."""
-        yield from self._export()
+        """Full weights in HF names, in the HF model's order (collective over TP and PP ranks). With LoRA the
+        weights are merged (W + alpha/r * B @ A) and `changed_only` sends only the adapted ones."""
+        yield from self._export(changed_only=changed_only and bool(self.lora))
 
     def get_weights(self) -> dict[str, Tensor]:
         return {k: v.to("cpu", copy=True) for k, v in self._export()}
@@ -467,11 +505,17 @@ class MegatronTrainEngine:
     def save(self, folder: str | Path, tokenizer_path: str | None = None) -> None:
         """`folder/model` (HF folder, written by global rank 0) and `folder/optimizer` (a Megatron distributed
         checkpoint of the optimizer state, every parameter's moments under its global name and shape, written by
-        all ranks: collective). Both load at any TP/PP/DP layout."""
+        all ranks: collective). Both load at any TP/PP/DP layout. With LoRA, `model` is merged and `adapter` is a
+        peft adapter folder (the trained state; resume reads it, over the base of `model_path`)."""
         import torch.distributed as dist
 
         folder = Path(folder)
         weights = dict(self._export())
+        if self.lora:
+            with self._shims():
+                adapter = self._all_stages(L.adapter_tensors(self.model, self.hf_config))
+            if dist.get_rank() == 0:
+                L.save_adapter(folder / "adapter", adapter, L.adapter_config(*self.lora, self.path))
         if dist.get_rank() == 0:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -505,10 +549,14 @@ class MegatronTrainEngine:
         return "distributed" if any(isinstance(o, DistributedOptimizer) for o in parts(self.optimizer)) else "plain"
 
     def load(self, folder: str | Path) -> None:
-        """Weights from `folder/model` and the optimizer state from `folder/optimizer`, both at any layout."""
+        """Weights from `folder/model` (with LoRA: the adapter from `folder/adapter`; the base stays what
+        `model_path` holds) and the optimizer state from `folder/optimizer`, both at any layout."""
         folder = Path(folder)
         with self._shims():
-            C.load_hf(self.model, _read_hf(str(folder / "model")), self.hf_config)
+            if self.lora:
+                L.load_adapter(self.model, self.hf_config, folder / "adapter", self.lora[0], self.lora[1])
+            else:
+                C.load_hf(self.model, C.read_hf(str(folder / "model")), self.hf_config)
         if self.optimizer is None:
             return
         if not (folder / "optimizer" / "metadata.json").exists():
@@ -529,26 +577,6 @@ class MegatronTrainEngine:
             with torch_adam_steps_restored(self.optimizer):
                 self.optimizer.load_state_dict(loaded["optimizer"])
         self._step = int(loaded["step"])
-
-
-def _read_hf(path: str) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors weights")
-    out: dict[str, Tensor] = {}
-    for f in files:
-        out.update(load_file(f))
-    return out
-
-
-def _hf_names(cfg: Any) -> list[str]:
-    with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_config(cfg)
-    return [k for k, _ in model.named_parameters()]
 
 
 def _split(tensors: dict[str, Tensor], size: int) -> list[dict[str, Tensor]]:

@@ -1,0 +1,288 @@
+"""LoRA adapters on Megatron-Core's tensor-parallel linear layers (the `megatron` engine's `lora_rank > 0`).
+
+Contract (the same as roll_engines.train._lora for the transformers engines): only adapters train; the base with
+adapters disabled is the reference policy; weight sync and `model/` carry merged weights (W + alpha/r * B @ A) in
+HF names; `adapter/` holds a peft adapter folder that `PeftModel.from_pretrained` loads on the HF model.
+
+Tensor parallelism (no sequence parallelism), y = W x + s * B A x with r the rank:
+
+| layer | W shard | A | B | between A and B |
+|---|---|---|---|---|
+| column parallel (linear_qkv, linear_fc1) | rows | (r, in) replicated | (out/tp, r) rows | copy_to_tensor_model_parallel_region |
+| row parallel (linear_proj, linear_fc2) | columns | (r, in/tp) columns | (out, r) replicated | reduce_from_tensor_model_parallel_region |
+
+The copy all-reduces dA's upstream gradient in backward (each rank's B shard sees only its rows); the reduce sums
+the partial A x of the column shards in forward. Each rank's merged shard is then W_shard + s * B_local @ A_local,
+which the engine gathers and names like the base weight.
+
+Megatron fuses q/k/v (and gate/up) in one layer, so one A serves the three (two) HF projections: targets list all
+of a fused group or none, and the exported peft adapter repeats A for each, with B split like the fused weight.
+A starts as peft's (uniform in +-1/sqrt(in)), drawn from the full matrix with a per-layer seed, so every TP/PP
+layout starts from the same adapter; B starts at zero (the adapted model starts as the base).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from roll_engines.train.megatron import _convert as C
+
+# Megatron layer -> (its parent in a TransformerLayer, the HF projections it fuses, parallel kind).
+LAYERS = {
+    "linear_qkv": ("self_attention", ("q_proj", "k_proj", "v_proj"), "column"),
+    "linear_proj": ("self_attention", ("o_proj",), "row"),
+    "linear_fc1": ("mlp", ("gate_proj", "up_proj"), "column"),
+    "linear_fc2": ("mlp", ("down_proj",), "row"),
+}
+PEFT = "base_model.model."
+
+
+def resolve_targets(targets: list[str] | str) -> list[str]:
+    """Megatron layers for peft-style `targets` ("all-linear", HF projection names, or Megatron layer names)."""
+    if targets == "all-linear":
+        return list(LAYERS)
+    names = [targets] if isinstance(targets, str) else [str(t) for t in targets]
+    known = {n for layer, (_, hf, _) in LAYERS.items() for n in (layer, *hf)}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ValueError(
+            f"train_engine.lora_target_modules: {unknown} are not adaptable by train_engine=megatron; use "
+            f"'all-linear' or names from {sorted(known)}"
+        )
+    chosen = []
+    for layer, (_, hf, _) in LAYERS.items():
+        hit = [n for n in names if n in hf]
+        if layer in names or hit:
+            if layer not in names and set(hit) != set(hf):
+                raise ValueError(
+                    f"train_engine=megatron fuses {'/'.join(hf)} into one layer ({layer}) that shares one LoRA A: "
+                    f"target all of {list(hf)} or none (got {hit})"
+                )
+            chosen.append(layer)
+    if not chosen:
+        raise ValueError("train_engine.lora_target_modules selects no layer")
+    return chosen
+
+
+class LoRAParallelLinear(torch.nn.Module):
+    """A Megatron Column/RowParallelLinear plus a LoRA branch (see the module docstring's table)."""
+
+    def __init__(self, base: torch.nn.Module, parallel: str, a: Tensor, b: Tensor, scaling: float) -> None:
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        super().__init__()
+        self.base, self.parallel, self.scaling, self.enabled = base, parallel, scaling, True
+        self.lora_a = torch.nn.Parameter(a)  # (r, in) column / (r, in/tp) row
+        self.lora_b = torch.nn.Parameter(b)  # (out/tp, r) column / (out, r) row
+        # The sharded one counts once per TP rank in Megatron's grad norm; a replicated one on TP rank 0 only.
+        if parallel == "column":
+            set_tensor_model_parallel_attributes(self.lora_b, True, 0, 1)
+        else:
+            set_tensor_model_parallel_attributes(self.lora_a, True, 1, 1)
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """x: (s, b, in) (column) or (s, b, in/tp) (row) -> ((s, b, out/tp) or (s, b, out), bias)."""
+        from megatron.core.tensor_parallel import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        out, bias = self.base(x, *args, **kwargs)
+        if not self.enabled:
+            return out, bias
+        h = F.linear(x, self.lora_a)
+        if self.parallel == "column":
+            h = copy_to_tensor_model_parallel_region(h)
+        else:
+            h = reduce_from_tensor_model_parallel_region(h)
+        return out + F.linear(h, self.lora_b) * self.scaling, bias
+
+    def merged_weight(self) -> Tensor:
+        """This rank's shard of W + s * B @ A (the base weight's shard shape)."""
+        w = self.base.weight.detach()
+        return w + (self.lora_b.detach().float() @ self.lora_a.detach().float() * self.scaling).to(w.dtype)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """The base layer's entries (under `base.`) and the adapters, TP-sharded as in the table: the optimizer's
+        distributed checkpoint maps each parameter's moments through these."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        out = self.base.sharded_state_dict(f"{prefix}base.", sharded_offsets, metadata)
+        axis = {"lora_b": 0} if self.parallel == "column" else {"lora_a": 1}
+        own = {"lora_a": self.lora_a, "lora_b": self.lora_b}
+        out.update(make_sharded_tensors_for_checkpoint(own, prefix, axis, sharded_offsets))
+        return out
+
+
+def apply_lora(model: Any, rank: int, alpha: float, targets: list[str] | str, seed: int) -> None:
+    """Freeze `model` (this stage's GPTModel) and wrap the targeted layers of every transformer layer."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    layers = resolve_targets(targets)
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    offset = get_transformer_layer_offset(model.config)
+    model.requires_grad_(False)
+    for i, layer in enumerate(model.decoder.layers):
+        for name in layers:
+            parent_name, _, parallel = LAYERS[name]
+            parent = getattr(layer, parent_name)
+            base = getattr(parent, name)
+            w = base.weight
+            fan_in = w.shape[1] * (tp if parallel == "row" else 1)
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{i + offset}:{name}".encode()))
+            a = torch.empty(rank, fan_in).uniform_(-(fan_in**-0.5), fan_in**-0.5, generator=gen)
+            if parallel == "row":
+                a = a.chunk(tp, 1)[tp_rank].contiguous()
+            a, b = a.to(w.device, w.dtype), torch.zeros(w.shape[0], rank, device=w.device, dtype=w.dtype)
+            setattr(parent, name, LoRAParallelLinear(base, parallel, a, b, alpha / rank))
+
+
+def wrappers(model: Any) -> list[tuple[str, LoRAParallelLinear]]:
+    """(module name, wrapper) of every LoRA layer in `model` (stage-local layer indices)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRAParallelLinear)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: Any) -> Iterator[None]:
+    """The base model (the reference policy) inside the block."""
+    layers = [m for _, m in wrappers(model)]
+    for m in layers:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enabled = True
+
+
+def local_weights(model: Any, changed_only: bool) -> Iterator[tuple[str, Tensor]]:
+    """(Megatron name, this rank's tensor) of the model with adapters merged; `changed_only`: adapted ones only."""
+    owners = dict(wrappers(model))
+    for name, p in model.named_parameters():
+        if name.rsplit(".", 1)[-1] in ("lora_a", "lora_b"):
+            continue
+        owner, _, kind = name.rpartition(".base.")
+        if owner in owners:
+            yield f"{owner}.{kind}", owners[owner].merged_weight() if kind == "weight" else p.detach()
+        elif not changed_only:
+            yield name, p.detach()
+
+
+def adapter_tensors(model: Any, hf_config: Any, grads: bool = False) -> dict[str, Tensor]:
+    """The adapter in peft's saved names (or its main gradients), full tensors gathered over TP: this stage's
+    layers (collective over the TP group)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(model.config)
+    out: dict[str, Tensor] = {}
+    for prefix, m in wrappers(model):
+
+        def value(p: Tensor) -> Tensor:
+            g = getattr(p, "main_grad", None) if grads else p.detach()
+            return (torch.zeros_like(p) if g is None else g.clone()).float()
+
+        a, b = value(m.lora_a), value(m.lora_b)
+        weight = f"{prefix}.weight"  # the base weight's name: its TP split and HF mapping apply to B (or A)
+        if m.parallel == "column":
+            for hf_name, part in C.to_hf(weight, C.gather_tp(weight, b), hf_config, offset).items():
+                module = PEFT + hf_name.removesuffix(".weight")
+                # A copy per projection: peft holds one A each (and safetensors refuses shared storage).
+                out[f"{module}.lora_A.weight"], out[f"{module}.lora_B.weight"] = a.cpu().clone(), part.cpu()
+        else:
+            ((hf_name, a_full),) = C.to_hf(weight, C.gather_tp(weight, a), hf_config, offset).items()
+            module = PEFT + hf_name.removesuffix(".weight")
+            out[f"{module}.lora_A.weight"], out[f"{module}.lora_B.weight"] = a_full.cpu(), b.cpu()
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def adapter_config(rank: int, alpha: float, targets: list[str] | str, base_path: str) -> dict[str, Any]:
+    """peft's adapter_config.json for the exported adapter (LoraConfig's fields; peft fills the rest)."""
+    modules = sorted(n for layer in resolve_targets(targets) for n in LAYERS[layer][1])
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "base_model_name_or_path": base_path,
+    }
+
+
+def save_adapter(folder: Path, state: dict[str, Tensor], config: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    save_file(state, str(folder / "adapter_model.safetensors"))
+
+
+def load_adapter(model: Any, hf_config: Any, folder: Path, rank: int, alpha: float) -> None:
+    """Copy a peft adapter folder (ours, or any whose fused projections share A) into this rank's wrappers."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from safetensors.torch import load_file
+
+    saved = json.loads((folder / "adapter_config.json").read_text())
+    if (saved.get("r"), float(saved.get("lora_alpha", 0))) != (rank, float(alpha)):
+        raise ValueError(
+            f"{folder}: adapter r={saved.get('r')}, lora_alpha={saved.get('lora_alpha')}; this run has "
+            f"lora_rank={rank}, lora_alpha={alpha}"
+        )
+    state = load_file(str(folder / "adapter_model.safetensors"))
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    offset = get_transformer_layer_offset(model.config)
+
+    def get(key: str) -> Tensor:
+        if key not in state:
+            raise KeyError(f"{folder}: the adapter has no {key} (it adapts other layers than this run's targets)")
+        return state[key]
+
+    for prefix, m in wrappers(model):
+        layer = int(prefix.split(".")[2]) + offset
+        parent, hf, _ = LAYERS[prefix.rsplit(".", 1)[1]]
+        kind = "self_attn" if parent == "self_attention" else "mlp"
+        modules = [f"{PEFT}model.layers.{layer}.{kind}.{n}" for n in hf]
+        a_parts = [get(f"{mod}.lora_A.weight") for mod in modules]
+        b_parts = [get(f"{mod}.lora_B.weight") for mod in modules]
+        if any(not torch.equal(a_parts[0], x) for x in a_parts[1:]):
+            raise ValueError(f"{folder}: {hf} have different LoRA A matrices; Megatron's fused {prefix} shares one")
+        if m.parallel == "row":
+            a, b = a_parts[0].chunk(tp, 1)[tp_rank], b_parts[0]
+        elif len(b_parts) == 3:
+            a, b = a_parts[0], C.qkv_to_mcore(*b_parts, hf_config).chunk(tp, 0)[tp_rank]
+        else:
+            a, b = a_parts[0], torch.cat([x.chunk(tp, 0)[tp_rank] for x in b_parts])
+        with torch.no_grad():
+            for p, v in ((m.lora_a, a), (m.lora_b, b)):
+                if p.shape != v.shape:
+                    raise RuntimeError(f"{prefix}: adapter shape {tuple(v.shape)} vs this layer's {tuple(p.shape)}")
+                p.copy_(v)
+
+
+def fused_gradients(peft_grads: dict[str, Tensor]) -> dict[str, Tensor]:
+    """peft's per-projection adapter gradients (saved names, at an adapter whose fused projections share A) as
+    this engine reports them: a fused layer's A gradient is the sum over its projections, under each of them."""
+    out = dict(peft_grads)
+    for _, hf, _ in LAYERS.values():
+        for name in peft_grads:
+            if name.endswith(f".{hf[0]}.lora_A.weight") and len(hf) > 1:
+                names = [name.replace(f".{hf[0]}.", f".{p}.") for p in hf]
+                total = sum(peft_grads[n] for n in names)
+                out.update({n: total for n in names})
+    return out
