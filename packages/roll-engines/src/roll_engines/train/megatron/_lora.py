@@ -76,11 +76,14 @@ def resolve_targets(targets: list[str] | str) -> list[str]:
 class LoRAParallelLinear(torch.nn.Module):
     """A Megatron Column/RowParallelLinear plus a LoRA branch (see the module docstring's table)."""
 
-    def __init__(self, base: torch.nn.Module, parallel: str, a: Tensor, b: Tensor, scaling: float) -> None:
+    def __init__(
+        self, base: torch.nn.Module, parallel: str, a: Tensor, b: Tensor, scaling: float, glu: bool = False
+    ) -> None:
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         super().__init__()
         self.base, self.parallel, self.scaling, self.enabled = base, parallel, scaling, True
+        self.glu = glu  # a gated MLP's linear_fc1: each TP shard holds [gate_i; up_i], not a slice of [gate; up]
         self.lora_a = torch.nn.Parameter(a)  # (r, in) column / (r, in/tp) row
         self.lora_b = torch.nn.Parameter(b)  # (out/tp, r) column / (out, r) row
         # The sharded one counts once per TP rank in Megatron's grad norm; a replicated one on TP rank 0 only.
@@ -122,6 +125,16 @@ class LoRAParallelLinear(torch.nn.Module):
         axis = {"lora_b": 0} if self.parallel == "column" else {"lora_a": 1}
         own = {"lora_a": self.lora_a, "lora_b": self.lora_b}
         out.update(make_sharded_tensors_for_checkpoint(own, prefix, axis, sharded_offsets))
+        if self.glu:
+            # MLP.sharded_state_dict re-splits `linear_fc1.weight` into gate and up so that a checkpoint reshards
+            # across TP sizes; it does not see our `base.` prefix, so do the same here for the base and for B,
+            # whose rows follow the weight's.
+            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+            singleton = (metadata or {}).get("singleton_local_shards", False)
+            for key in (f"{prefix}base.weight", f"{prefix}base.bias", f"{prefix}lora_b"):
+                if key in out:
+                    out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets, singleton)
         return out
 
 
@@ -146,7 +159,8 @@ def apply_lora(model: Any, rank: int, alpha: float, targets: list[str] | str, se
             if parallel == "row":
                 a = a.chunk(tp, 1)[tp_rank].contiguous()
             a, b = a.to(w.device, w.dtype), torch.zeros(w.shape[0], rank, device=w.device, dtype=w.dtype)
-            setattr(parent, name, LoRAParallelLinear(base, parallel, a, b, alpha / rank))
+            glu = name == "linear_fc1" and model.config.gated_linear_unit
+            setattr(parent, name, LoRAParallelLinear(base, parallel, a, b, alpha / rank, glu))
 
 
 def wrappers(model: Any) -> list[tuple[str, LoRAParallelLinear]]:
