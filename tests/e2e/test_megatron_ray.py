@@ -129,9 +129,10 @@ def test_megatron_checkpoint_resumes_at_another_layout(ray_cluster, tmp_path) ->
 
 
 def test_megatron_lora_tp2_equals_peft_and_resumes_at_pp2(ray_cluster, tmp_path) -> None:
-    """LoRA at TP=2 (A replicated and B row-sharded on q/k/v and gate/up; A column-sharded and B replicated on o and
-    down) after one step: log-probs, base log-probs and gradients equal peft's on the HF model with the exported
-    adapter loaded. Resumed at PP=2 from that checkpoint, the next step equals TP=2's next step."""
+    """LoRA at TP=2 (A replicated and B row-sharded on q/k/v, gate/up and the vocab-parallel lm_head; A
+    column-sharded and B replicated on o and down) after one step: log-probs, base log-probs and gradients equal
+    peft's on the HF model with the exported adapter loaded. Resumed at PP=2 from that checkpoint, the next step
+    equals TP=2's next step."""
     pytest.importorskip("peft")
     from roll_engines.train._lora import load_adapter
     from roll_engines.train.hf import HFTrainEngine
@@ -140,7 +141,8 @@ def test_megatron_lora_tp2_equals_peft_and_resumes_at_pp2(ray_cluster, tmp_path)
     path = resolve_model_path("builtin:tiny")
     batch = Batch(toy_batch(path))
     objective = PolicyObjective(agg="token-mean")
-    lora = {"lora_rank": 4, "lora_alpha": 8.0}
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    lora = {"lora_rank": 4, "lora_alpha": 8.0, "lora_target_modules": targets}
     train = {"mini_batches": 1, "epochs": 1, "temperature": 1.0, "shuffle_seed": 0}
     mask = batch["response_mask"]
     tp2 = _group(path, 2, 1, micro_batch_size=2, **lora)

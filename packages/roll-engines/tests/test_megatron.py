@@ -13,7 +13,6 @@ pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]
 pytestmark = pytest.mark.usefixtures("megatron_process_group")
 
 
-
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_activation_recomputation_gives_the_same_gradients(recompute: str, tmp_path_factory) -> None:
     import os

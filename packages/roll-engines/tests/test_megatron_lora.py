@@ -16,6 +16,8 @@ pytest.importorskip("peft")
 pytestmark = pytest.mark.usefixtures("megatron_process_group")
 
 LORA = {"lora_rank": 4, "lora_alpha": 8.0}
+# Every decoder projection and the output layer (peft's "all-linear" leaves lm_head out).
+WITH_HEAD = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +46,11 @@ def _randomise_adapters(engine, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
 
 
-def _hf_lora(path: str, adapter: Path):
+def _hf_lora(path: str, adapter: Path, targets: list[str] | str = "all-linear"):
     from roll_engines.train._lora import load_adapter
     from roll_engines.train.hf import HFTrainEngine
 
-    hf = HFTrainEngine(path, lr=1e-2, micro_batch_size=3, **LORA)
+    hf = HFTrainEngine(path, lr=1e-2, micro_batch_size=3, lora_target_modules=targets, **LORA)
     load_adapter(hf.model, adapter)
     return hf
 
@@ -56,15 +58,14 @@ def _hf_lora(path: str, adapter: Path):
 def _optimizer_elements(engine) -> int:
     from roll_engines.train.megatron._checkpoint import parts
 
-    return sum(
-        t.numel() for opt in parts(engine.optimizer) for s in opt.optimizer.state.values() for t in s.values()
-    )
+    return sum(t.numel() for opt in parts(engine.optimizer) for s in opt.optimizer.state.values() for t in s.values())
 
 
-def test_adapted_model_gradients_and_adapter_equal_peft_on_hf(path: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("targets", ["all-linear", WITH_HEAD], ids=["all-linear", "with-lm_head"])
+def test_adapted_model_gradients_and_adapter_equal_peft_on_hf(path: str, tmp_path: Path, targets) -> None:
     """Log-probs, base log-probs and gradients equal peft's on the HF model with the exported adapter loaded; the
     merged `model/` equals peft's merge. A fused q/k/v (gate/up) layer shares one A, so its gradient is the sum of
-    peft's per-projection A gradients (all equal A here)."""
+    peft's per-projection A gradients (all equal A here). lm_head's B covers Megatron's padded vocabulary."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -73,10 +74,10 @@ def test_adapted_model_gradients_and_adapter_equal_peft_on_hf(path: str, tmp_pat
     from roll_engines.train.megatron._lora import fused_gradients
 
     batch, objective = toy_batch(path), PolicyObjective(agg="token-mean")
-    mega = _megatron(path, **LORA)
+    mega = _megatron(path, lora_target_modules=targets, **LORA)
     _randomise_adapters(mega)
     mega.save(tmp_path / "ckpt", path)
-    hf = _hf_lora(path, tmp_path / "ckpt" / "adapter")
+    hf = _hf_lora(path, tmp_path / "ckpt" / "adapter", targets)
     mask = batch["response_mask"].bool()
     for base in (False, True):
         got, want = mega.compute_logprobs(batch, base=base), hf.compute_logprobs(batch, base=base)
@@ -86,8 +87,11 @@ def test_adapted_model_gradients_and_adapter_equal_peft_on_hf(path: str, tmp_pat
     assert (adapted - base_lp).abs().max() > 1e-2  # the adapters do act
 
     grads = mega.compute_gradients(batch, objective)
-    hf_grads = fused_gradients({k.replace(".default", ""): v for k, v in hf.compute_gradients(batch, objective).items()})
-    assert set(grads) == set(hf_grads) and len(grads) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+    hf_grads = fused_gradients(
+        {k.replace(".default", ""): v for k, v in hf.compute_gradients(batch, objective).items()}
+    )
+    projections = 7 * 2 + (targets == WITH_HEAD)  # 7 in each of 2 layers (and lm_head)
+    assert set(grads) == set(hf_grads) and len(grads) == 2 * projections  # A and B of each
     for name, g in grads.items():
         assert g.abs().max() > 0, name
         torch.testing.assert_close(g, hf_grads[name], atol=1e-6, rtol=1e-4, msg=name)
@@ -151,17 +155,32 @@ def test_lora_config_errors(path: str, tmp_path: Path) -> None:
     from roll_engines.train.megatron._lora import resolve_targets
 
     assert resolve_targets(["o_proj", "down_proj"]) == ["linear_proj", "linear_fc2"]
+    assert resolve_targets("all-linear") == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert resolve_targets(["lm_head", "o_proj"]) == ["linear_proj", "output_layer"]
     assert resolve_targets(["q_proj", "k_proj", "v_proj", "linear_fc1"]) == ["linear_qkv", "linear_fc1"]
     with pytest.raises(ValueError, match="shares one LoRA A: target all of"):
         MegatronTrainEngineConfig(lora_rank=4, lora_target_modules=["q_proj", "v_proj"])
     with pytest.raises(ValueError, match="not adaptable"):
-        MegatronTrainEngineConfig(lora_rank=4, lora_target_modules=["lm_head"])
+        MegatronTrainEngineConfig(lora_rank=4, lora_target_modules=["embed_tokens"])
     with pytest.raises(ValueError, match="without dropout"):
         MegatronTrainEngineConfig(lora_rank=4, lora_dropout=0.1)
     engine = _megatron(path, **LORA)
     engine.save(tmp_path / "ckpt", path)
     other = _megatron(path, lora_rank=8, lora_alpha=8.0)
-    with pytest.raises(ValueError, match="adapter r=4, lora_alpha=8.0; this run has lora_rank=8"):
+    with pytest.raises(ValueError, match=r"adapter r=4, lora_alpha=8\.0; this run has lora_rank=8"):
         other.load(tmp_path / "ckpt")
     with pytest.raises(ValueError, match="this engine has none"):
         _megatron(path).compute_logprobs({}, base=True)
+
+
+def test_lm_head_of_a_tied_model_is_refused(path: str, tmp_path: Path) -> None:
+    """A merged lm_head of a model whose lm_head is its input embedding would change the embeddings too."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.tie_word_embeddings = True
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "tied")
+    AutoTokenizer.from_pretrained(path).save_pretrained(tmp_path / "tied")
+    with pytest.raises(ValueError, match="ties to its input embeddings"):
+        _megatron(str(tmp_path / "tied"), lora_target_modules=WITH_HEAD, **LORA)
+    _megatron(str(tmp_path / "tied"), **LORA)  # the decoder's projections alone are fine

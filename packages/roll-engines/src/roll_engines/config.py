@@ -103,7 +103,8 @@ class MegatronTrainEngineConfig:
     lora_alpha: float = 16.0
     # Must stay 0 (no LoRA dropout in this engine; RL fine-tuning runs without it).
     lora_dropout: float = 0.0
-    # "all-linear" (q/k/v, o, gate/up, down), or peft projection names / Megatron layer names.
+    # "all-linear" (q/k/v, o, gate/up, down; as in peft, not lm_head), or peft projection names (lm_head included:
+    # an untied output layer) / Megatron layer names.
     lora_target_modules: Any = "all-linear"
 
     def __post_init__(self) -> None:

@@ -1,6 +1,6 @@
 """Megatron optimizer checkpoints on CPU and without Apex/TE: quiet dist_checkpointing calls and the workarounds that
 let Megatron-Core 0.16's distributed optimizer resume correctly (`prime_optimizer_state`,
-`torch_adam_steps_restored`)."""
+`torch_adam_steps_restored`), and the size of an optimizer's state (`optimizer_state_bytes`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,17 @@ import torch
 def parts(optimizer: Any) -> list[Any]:
     """The Megatron optimizers inside `optimizer` (a ChainedOptimizer's parts, or itself)."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes of the tensors in the torch optimizers' states (Adam's moments and steps) inside `optimizer`."""
+    return sum(
+        t.numel() * t.element_size()
+        for opt in parts(optimizer)
+        for state in opt.optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def prime_optimizer_state(optimizer: Any) -> None:

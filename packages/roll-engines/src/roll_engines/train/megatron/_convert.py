@@ -147,7 +147,7 @@ def qkv_to_hf(qkv: Tensor, cfg: Any) -> tuple[Tensor, Tensor, Tensor]:
     return q.reshape(nq * d, *rest), k.reshape(ng * d, *rest), v.reshape(ng * d, *rest)
 
 
-def _pad_rows(w: Tensor, n: int) -> Tensor:
+def pad_rows(w: Tensor, n: int) -> Tensor:
     return w if w.shape[0] == n else torch.cat([w, w.new_zeros(n - w.shape[0], *w.shape[1:])])
 
 
@@ -165,8 +165,8 @@ def split_dim(name: str) -> int | None:
 def hf_to_mcore(hf: dict[str, Tensor], cfg: Any, vocab: int) -> dict[str, Any]:
     """Unsharded Megatron tensors (global layer indices); fc1 stays a (gate, up) pair until sharded."""
     out: dict[str, Any] = {
-        "embedding.word_embeddings.weight": _pad_rows(hf["model.embed_tokens.weight"], vocab),
-        "output_layer.weight": _pad_rows(hf.get("lm_head.weight", hf["model.embed_tokens.weight"]), vocab),
+        "embedding.word_embeddings.weight": pad_rows(hf["model.embed_tokens.weight"], vocab),
+        "output_layer.weight": pad_rows(hf.get("lm_head.weight", hf["model.embed_tokens.weight"]), vocab),
         "decoder.final_layernorm.weight": hf["model.norm.weight"],
     }
     for i in range(cfg.num_hidden_layers):

@@ -6,14 +6,22 @@ HF names; `adapter/` holds a peft adapter folder that `PeftModel.from_pretrained
 
 Tensor parallelism (no sequence parallelism), y = W x + s * B A x with r the rank:
 
-| layer | W shard | A | B | between A and B |
+| layer (parallel kind) | W shard | A | B | between A and B (tp region) |
 |---|---|---|---|---|
-| column parallel (linear_qkv, linear_fc1) | rows | (r, in) replicated | (out/tp, r) rows | copy_to_tensor_model_parallel_region |
-| row parallel (linear_proj, linear_fc2) | columns | (r, in/tp) columns | (out, r) replicated | reduce_from_tensor_model_parallel_region |
+| linear_qkv, linear_fc1 (column) | rows | (r, in) replicated | (out/tp, r) rows | copy_to_ |
+| linear_proj, linear_fc2 (row) | columns | (r, in/tp) columns | (out, r) replicated | reduce_from_ |
+| output_layer = lm_head (vocab, last stage) | vocab rows | (r, hidden) replicated | (vocab/tp, r) rows | copy_to_ |
 
 The copy all-reduces dA's upstream gradient in backward (each rank's B shard sees only its rows); the reduce sums
 the partial A x of the column shards in forward. Each rank's merged shard is then W_shard + s * B_local @ A_local,
 which the engine gathers and names like the base weight.
+
+`lm_head` is adapted only when named (peft's "all-linear" leaves the output layer out too), and only untied: with
+tied embeddings a merged lm_head would change the input embeddings as well. Its B rows cover the padded vocabulary;
+the padding rows get no gradient (their logits are masked) and are dropped on export.
+
+Checkpoints: the base layer's entries keep their own keys (Megatron's MLP and LanguageModule post-process them by
+name: the swiglu split of linear_fc1, the output layer's padded shape); the adapters are `<layer>.lora_a/lora_b`.
 
 Megatron fuses q/k/v (and gate/up) in one layer, so one A serves the three (two) HF projections: targets list all
 of a fused group or none, and the exported peft adapter repeats A for each, with B split like the fused weight.
@@ -36,20 +44,23 @@ from torch import Tensor
 
 from roll_engines.train.megatron import _convert as C
 
-# Megatron layer -> (its parent in a TransformerLayer, the HF projections it fuses, parallel kind).
+# Megatron layer -> (its parent in a TransformerLayer, or None: the GPTModel itself; the HF projections it fuses;
+# parallel kind).
 LAYERS = {
     "linear_qkv": ("self_attention", ("q_proj", "k_proj", "v_proj"), "column"),
     "linear_proj": ("self_attention", ("o_proj",), "row"),
     "linear_fc1": ("mlp", ("gate_proj", "up_proj"), "column"),
     "linear_fc2": ("mlp", ("down_proj",), "row"),
+    "output_layer": (None, ("lm_head",), "column"),
 }
 PEFT = "base_model.model."
 
 
 def resolve_targets(targets: list[str] | str) -> list[str]:
-    """Megatron layers for peft-style `targets` ("all-linear", HF projection names, or Megatron layer names)."""
+    """Megatron layers for peft-style `targets` ("all-linear": every decoder projection, not lm_head; HF projection
+    names; or Megatron layer names)."""
     if targets == "all-linear":
-        return list(LAYERS)
+        return [layer for layer, (parent, _, _) in LAYERS.items() if parent is not None]
     names = [targets] if isinstance(targets, str) else [str(t) for t in targets]
     known = {n for layer, (_, hf, _) in LAYERS.items() for n in (layer, *hf)}
     unknown = sorted(set(names) - known)
@@ -77,13 +88,21 @@ class LoRAParallelLinear(torch.nn.Module):
     """A Megatron Column/RowParallelLinear plus a LoRA branch (see the module docstring's table)."""
 
     def __init__(
-        self, base: torch.nn.Module, parallel: str, a: Tensor, b: Tensor, scaling: float, glu: bool = False
+        self,
+        base: torch.nn.Module,
+        parallel: str,
+        a: Tensor,
+        b: Tensor,
+        scaling: float,
+        glu: bool = False,
+        vocab: bool = False,
     ) -> None:
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         super().__init__()
         self.base, self.parallel, self.scaling, self.enabled = base, parallel, scaling, True
         self.glu = glu  # a gated MLP's linear_fc1: each TP shard holds [gate_i; up_i], not a slice of [gate; up]
+        self.vocab = vocab  # the output layer: rows are the vocabulary padded to a multiple of TP
         self.lora_a = torch.nn.Parameter(a)  # (r, in) column / (r, in/tp) row
         self.lora_b = torch.nn.Parameter(b)  # (out/tp, r) column / (out, r) row
         # The sharded one counts once per TP rank in Megatron's grad norm; a replicated one on TP rank 0 only.
@@ -107,7 +126,12 @@ class LoRAParallelLinear(torch.nn.Module):
             h = copy_to_tensor_model_parallel_region(h)
         else:
             h = reduce_from_tensor_model_parallel_region(h)
-        return out + F.linear(h, self.lora_b) * self.scaling, bias
+        delta = F.linear(h, self.lora_b) * self.scaling
+        if self.parallel == "column" and (kwargs.get("runtime_gather_output") or self.base.gather_output):
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+            delta = gather_from_tensor_model_parallel_region(delta)  # the base gathered its output shards too
+        return out + delta, bias
 
     def merged_weight(self) -> Tensor:
         """This rank's shard of W + s * B @ A (the base weight's shard shape)."""
@@ -117,24 +141,26 @@ class LoRAParallelLinear(torch.nn.Module):
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict[str, Any]:
-        """The base layer's entries (under `base.`) and the adapters, TP-sharded as in the table: the optimizer's
-        distributed checkpoint maps each parameter's moments through these."""
+        """The base layer's entries under the base layer's own keys (the optimizer's distributed checkpoint maps
+        each parameter's moments through these by identity, not by name) and the adapters, TP-sharded as in the
+        table."""
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        out = self.base.sharded_state_dict(f"{prefix}base.", sharded_offsets, metadata)
+        out = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
         axis = {"lora_b": 0} if self.parallel == "column" else {"lora_a": 1}
         own = {"lora_a": self.lora_a, "lora_b": self.lora_b}
         out.update(make_sharded_tensors_for_checkpoint(own, prefix, axis, sharded_offsets))
         if self.glu:
-            # MLP.sharded_state_dict re-splits `linear_fc1.weight` into gate and up so that a checkpoint reshards
-            # across TP sizes; it does not see our `base.` prefix, so do the same here for the base and for B,
-            # whose rows follow the weight's.
+            # B's rows follow the weight's ([gate_i; up_i] per TP shard): split it into gate and up as MLP's
+            # sharded_state_dict does for `linear_fc1.weight`, so that the checkpoint reshards across TP sizes.
             from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
             singleton = (metadata or {}).get("singleton_local_shards", False)
-            for key in (f"{prefix}base.weight", f"{prefix}base.bias", f"{prefix}lora_b"):
-                if key in out:
-                    out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets, singleton)
+            out[f"{prefix}lora_b"] = apply_swiglu_sharded_factory(out[f"{prefix}lora_b"], sharded_offsets, singleton)
+        if self.vocab:
+            # The output layer's rows are the vocabulary padded to a multiple of TP (LanguageModule lets its weight
+            # load at another padding): B's rows follow, so a checkpoint loads at another TP size.
+            out[f"{prefix}lora_b"].allow_shape_mismatch = True
         return out
 
 
@@ -146,21 +172,32 @@ def apply_lora(model: Any, rank: int, alpha: float, targets: list[str] | str, se
     layers = resolve_targets(targets)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     offset = get_transformer_layer_offset(model.config)
+
+    def wrap(parent: torch.nn.Module, name: str, key: str) -> None:
+        base, parallel = getattr(parent, name), LAYERS[name][2]
+        w = base.weight
+        fan_in = w.shape[1] * (tp if parallel == "row" else 1)
+        # Seeded by the layer's global identity, so every TP/PP layout draws the same A.
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{key}".encode()))
+        a = torch.empty(rank, fan_in).uniform_(-(fan_in**-0.5), fan_in**-0.5, generator=gen)
+        if parallel == "row":
+            a = a.chunk(tp, 1)[tp_rank].contiguous()
+        a, b = a.to(w.device, w.dtype), torch.zeros(w.shape[0], rank, device=w.device, dtype=w.dtype)
+        glu = name == "linear_fc1" and model.config.gated_linear_unit
+        setattr(parent, name, LoRAParallelLinear(base, parallel, a, b, alpha / rank, glu, name == "output_layer"))
+
+    if "output_layer" in layers and model.share_embeddings_and_output_weights:
+        raise ValueError(
+            "train_engine.lora_target_modules names lm_head, which this model ties to its input embeddings: a merged "
+            "lm_head would change the embeddings too; leave lm_head out"
+        )
     model.requires_grad_(False)
     for i, layer in enumerate(model.decoder.layers):
         for name in layers:
-            parent_name, _, parallel = LAYERS[name]
-            parent = getattr(layer, parent_name)
-            base = getattr(parent, name)
-            w = base.weight
-            fan_in = w.shape[1] * (tp if parallel == "row" else 1)
-            gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{i + offset}:{name}".encode()))
-            a = torch.empty(rank, fan_in).uniform_(-(fan_in**-0.5), fan_in**-0.5, generator=gen)
-            if parallel == "row":
-                a = a.chunk(tp, 1)[tp_rank].contiguous()
-            a, b = a.to(w.device, w.dtype), torch.zeros(w.shape[0], rank, device=w.device, dtype=w.dtype)
-            glu = name == "linear_fc1" and model.config.gated_linear_unit
-            setattr(parent, name, LoRAParallelLinear(base, parallel, a, b, alpha / rank, glu))
+            if LAYERS[name][0] is not None:
+                wrap(getattr(layer, LAYERS[name][0]), name, f"{i + offset}:{name}")
+    if "output_layer" in layers and model.post_process:
+        wrap(model, "output_layer", "output_layer")
 
 
 def wrappers(model: Any) -> list[tuple[str, LoRAParallelLinear]]:
@@ -268,15 +305,20 @@ def load_adapter(model: Any, hf_config: Any, folder: Path, rank: int, alpha: flo
         return state[key]
 
     for prefix, m in wrappers(model):
-        layer = int(prefix.split(".")[2]) + offset
-        parent, hf, _ = LAYERS[prefix.rsplit(".", 1)[1]]
-        kind = "self_attn" if parent == "self_attention" else "mlp"
-        modules = [f"{PEFT}model.layers.{layer}.{kind}.{n}" for n in hf]
+        parent, hf, _ = LAYERS[prefix.rsplit(".", 1)[-1]]
+        if parent is None:  # the output layer: B's rows padded to the vocabulary Megatron holds
+            modules = [f"{PEFT}{hf[0]}"]
+        else:
+            kind = "self_attn" if parent == "self_attention" else "mlp"
+            modules = [f"{PEFT}model.layers.{int(prefix.split('.')[2]) + offset}.{kind}.{n}" for n in hf]
         a_parts = [get(f"{mod}.lora_A.weight") for mod in modules]
         b_parts = [get(f"{mod}.lora_B.weight") for mod in modules]
         if any(not torch.equal(a_parts[0], x) for x in a_parts[1:]):
             raise ValueError(f"{folder}: {hf} have different LoRA A matrices; Megatron's fused {prefix} shares one")
-        if m.parallel == "row":
+        if parent is None:
+            vocab = C.padded_vocab(hf_config.vocab_size, tp)
+            a, b = a_parts[0], C.pad_rows(b_parts[0], vocab).chunk(tp, 0)[tp_rank]
+        elif m.parallel == "row":
             a, b = a_parts[0].chunk(tp, 1)[tp_rank], b_parts[0]
         elif len(b_parts) == 3:
             a, b = a_parts[0], C.qkv_to_mcore(*b_parts, hf_config).chunk(tp, 0)[tp_rank]

@@ -41,6 +41,7 @@ from roll_engines.train.hf import lr_lambda
 from roll_engines.train.megatron import _convert as C
 from roll_engines.train.megatron import _lora as L
 from roll_engines.train.megatron._checkpoint import (
+    optimizer_state_bytes,
     parts,
     prime_optimizer_state,
     quiet_dist_checkpointing,
@@ -84,7 +85,14 @@ class MegatronTrainEngine:
         lora_alpha: float = 16.0,
         lora_dropout: float = 0.0,
         lora_target_modules: list[str] | str = "all-linear",
+        attn_implementation: str = "sdpa",  # every engine gets model.attn_implementation: Megatron has its own
+        trust_remote_code: bool = False,
     ) -> None:
+        if trust_remote_code:
+            raise ValueError(
+                "train_engine=megatron maps transformers' own Llama/Qwen2/Qwen3 code to Megatron layers; a model with "
+                "remote code (model.trust_remote_code=true) cannot be converted: use train_engine=hf or fsdp2"
+            )
         if role == "critic":
             raise ValueError("train_engine=megatron has no value head yet: train the critic with hf or fsdp2")
         if role not in ("actor", "reference"):
@@ -142,11 +150,13 @@ class MegatronTrainEngine:
     @contextlib.contextmanager
     def _shims(self) -> Iterator[None]:
         """roll's CPU shims on CPU; everywhere, torch's deprecation warnings about Megatron's own collective calls
-        (e.g. the distributed optimizer's reduce_scatter_tensor, every step) are silenced: the user cannot act."""
+        (e.g. the distributed optimizer's reduce_scatter_tensor, every step) and about the TorchScript modules
+        that importing megatron.core loads (torch.fx -> torch.utils.mkldnn) are silenced: the user cannot act."""
         import warnings
 
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+            warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
+            warnings.filterwarnings("ignore", r"`torch\.jit\.script_method` is deprecated", DeprecationWarning)
             if self.device.type == "cpu":
                 from roll_engines.train.megatron._cpu import cpu_shims
 
@@ -154,6 +164,20 @@ class MegatronTrainEngine:
                     yield
             else:
                 yield
+
+    _owns_process_group = False  # a group of one this engine started (cluster=local), which shutdown() ends
+
+    def shutdown(self) -> None:
+        """End the process group of one that this engine started, with Megatron's parallel state (a local run's
+        teardown; a worker group's process group is its process's and ends with it)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if self._owns_process_group and dist.is_initialized():
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            dist.destroy_process_group()
+        self._owns_process_group = False
 
     def _init_parallel(self, tp: int, pp: int, backend: str | None, seed: int) -> None:
         import torch.distributed as dist
@@ -173,6 +197,7 @@ class MegatronTrainEngine:
 
                 url = f"tcp://127.0.0.1:{free_port()}"
                 dist.init_process_group(backend=backend, init_method=url, rank=0, world_size=1)
+                self._owns_process_group = True
         world = dist.get_world_size()
         if world % (tp * pp):
             raise ValueError(f"{world} ranks cannot form tensor_parallel_size={tp} x pipeline_parallel_size={pp}")
@@ -425,6 +450,8 @@ class MegatronTrainEngine:
         out["nonfinite_steps"], out["optimizer_steps"] = float(skipped), float(steps)
         out["lr"] = self.base_lr * self._lr(max(self._step - 1, 0))
         out["train_seconds"] = time.perf_counter() - t0
+        # Adam's state on this rank (its shard of it with the distributed optimizer; LoRA shrinks it to the adapters).
+        out["optimizer_state_mb"] = optimizer_state_bytes(self.optimizer) / 2**20
         return out
 
     def _step_optimizer(self) -> tuple[float, bool]:
