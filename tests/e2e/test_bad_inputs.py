@@ -565,6 +565,23 @@ CASES: list[Case] = [
         compose("train_engine.micro_batch_size=0"),
         r"train_engine\.micro_batch_size .* must be >= 1",
     ),
+    E(
+        "cfg/megatron-context-parallel",
+        compose("train_engine=megatron", "train_engine.context_parallel_size=2"),
+        r"context_parallel_size=2: .*only in Transformer Engine's attention",
+    ),
+    E(
+        "cfg/megatron-expert-parallel",
+        compose("train_engine=megatron", "train_engine.expert_model_parallel_size=2"),
+        r"expert_model_parallel_size=2: .*no experts to shard",
+    ),
+    E(
+        "cfg/megatron-lora-splits-fused-qkv",
+        compose(
+            "train_engine=megatron", "train_engine.lora_rank=4", "train_engine.lora_target_modules=[q_proj,v_proj]"
+        ),
+        r"fuses q_proj/k_proj/v_proj into one layer \(linear_qkv\) that shares one LoRA A",
+    ),
     E("cfg/sleep-level-3", compose("infer_engine.sleep_level=3"), r"infer_engine\.sleep_level=3 is not one of 0, 1, 2"),
     E(
         "cfg/backend-unknown",

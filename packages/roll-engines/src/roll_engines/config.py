@@ -84,6 +84,11 @@ class MegatronTrainEngineConfig:
     world_size: int = 1
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Named as in Megatron so that a config from ROLL or verl fails with the reason, not an unknown key: 1 only
+    # (context parallelism runs in Transformer Engine's attention, not the local spec roll builds; expert
+    # parallelism needs MoE layers, and roll maps dense models).
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
     # Rows per micro-batch (pipeline schedules interleave micro-batches across stages).
     micro_batch_size: int = 4
     logprob_chunk_size: int = 8
@@ -116,6 +121,9 @@ class MegatronTrainEngineConfig:
             from roll_engines.train.megatron._lora import resolve_targets
 
             resolve_targets(self.lora_target_modules)  # a bad target list fails at config time
+        from roll_engines.train.megatron._convert import check_parallelism
+
+        check_parallelism(self.context_parallel_size, self.expert_model_parallel_size)
         if min(self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size) < 1:
             raise ValueError("train_engine world_size, tensor_parallel_size and pipeline_parallel_size must be >= 1")
         if self.world_size % (self.tensor_parallel_size * self.pipeline_parallel_size):

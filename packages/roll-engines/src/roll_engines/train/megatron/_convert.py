@@ -57,6 +57,21 @@ def check_supported(hf_config: Any, tp: int, pp: int) -> None:
         raise ValueError("tied embeddings with pipeline parallelism are not supported: set pipeline_parallel_size=1")
 
 
+def check_parallelism(context_parallel_size: int, expert_model_parallel_size: int) -> None:
+    """Clear errors for the Megatron parallelisms this engine does not build (see the config's comment)."""
+    if context_parallel_size != 1:
+        raise ValueError(
+            f"train_engine.context_parallel_size={context_parallel_size}: Megatron-Core splits attention over "
+            "context-parallel ranks only in Transformer Engine's attention, and train_engine=megatron builds the "
+            "local layer spec (no TE); use 1 and shorten sequences with model.max_response_length or packing"
+        )
+    if expert_model_parallel_size != 1:
+        raise ValueError(
+            f"train_engine.expert_model_parallel_size={expert_model_parallel_size}: train_engine=megatron maps "
+            f"dense {', '.join(SUPPORTED)} models, which have no experts to shard; use 1"
+        )
+
+
 def transformer_config(hf_config: Any, tp: int, pp: int, dtype: torch.dtype, recompute: str | None) -> Any:
     """Megatron TransformerConfig of an HF decoder config, with every fused (CUDA-only) kernel off."""
     import torch.nn.functional as F

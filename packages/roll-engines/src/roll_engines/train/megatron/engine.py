@@ -87,7 +87,10 @@ class MegatronTrainEngine:
         lora_target_modules: list[str] | str = "all-linear",
         attn_implementation: str = "sdpa",  # every engine gets model.attn_implementation: Megatron has its own
         trust_remote_code: bool = False,
+        context_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
     ) -> None:
+        C.check_parallelism(context_parallel_size, expert_model_parallel_size)
         if trust_remote_code:
             raise ValueError(
                 "train_engine=megatron maps transformers' own Llama/Qwen2/Qwen3 code to Megatron layers; a model with "
