@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -48,6 +47,7 @@ from roll_engines.train.megatron._checkpoint import (
     torch_adam_steps_restored,
 )
 from roll_engines.train.megatron._packed import pad_packed, rope_at
+from roll_engines.train.megatron._parallel import end_parallel, init_parallel
 
 
 class MegatronTrainEngine:
@@ -118,7 +118,9 @@ class MegatronTrainEngine:
         # Master weights and optimizer state in param_dtype (fp32); Megatron computes in the compute dtype.
         self.compute_dtype = torch_dtype(dtype)
         with self._shims():
-            self._init_parallel(tensor_parallel_size, pipeline_parallel_size, dist_backend, seed)
+            self._owns_process_group = init_parallel(
+                self.device, tensor_parallel_size, pipeline_parallel_size, dist_backend, seed
+            )
             config = C.transformer_config(
                 self.hf_config, tensor_parallel_size, pipeline_parallel_size, self.compute_dtype, recompute
             )
@@ -168,52 +170,14 @@ class MegatronTrainEngine:
             else:
                 yield
 
-    _owns_process_group = False  # a group of one this engine started (cluster=local), which shutdown() ends
+    _owns_process_group = False  # a group of one this engine started (cluster=local)
 
     def shutdown(self) -> None:
-        """End the process group of one that this engine started, with Megatron's parallel state (a local run's
-        teardown; a worker group's process group is its process's and ends with it)."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        if self._owns_process_group and dist.is_initialized():
-            if ps.model_parallel_is_initialized():
-                ps.destroy_model_parallel()
-            dist.destroy_process_group()
-        self._owns_process_group = False
-
-    def _init_parallel(self, tp: int, pp: int, backend: str | None, seed: int) -> None:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        if not dist.is_initialized():
-            if ps.model_parallel_is_initialized():  # groups of a process group destroyed since
-                ps.destroy_model_parallel()
-            if backend is None:
-                from roll_hw import current_platform
-
-                backend = current_platform.dist_backend
-            if "RANK" in os.environ:  # a worker group's process: the rendezvous is in the environment
-                dist.init_process_group(backend=backend)
-            else:  # one process on its own: a group of one, without touching the environment
-                from roll_core.cluster.group import free_port
-
-                url = f"tcp://127.0.0.1:{free_port()}"
-                dist.init_process_group(backend=backend, init_method=url, rank=0, world_size=1)
-                self._owns_process_group = True
-        world = dist.get_world_size()
-        if world % (tp * pp):
-            raise ValueError(f"{world} ranks cannot form tensor_parallel_size={tp} x pipeline_parallel_size={pp}")
-        if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        if self.device.type == "cpu":
-            from roll_engines.train.megatron._cpu import seed_cpu_tracker
-
-            seed_cpu_tracker(seed)
-        else:
-            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-            model_parallel_cuda_manual_seed(seed)
+        """End the process group of one that this engine started (a local run's teardown; a worker group's
+        process group is its process's and ends with it)."""
+        if self._owns_process_group:
+            end_parallel()
+            self._owns_process_group = False
 
     def _build_optimizer(
         self, config: Any, lr: float, wd: float, betas: Any, clip: float, distributed: bool, param_dtype: str
