@@ -573,7 +573,7 @@ CASES: list[Case] = [
     E(
         "cfg/megatron-expert-parallel",
         compose("train_engine=megatron", "train_engine.expert_model_parallel_size=2"),
-        r"expert_model_parallel_size=2: .*no experts to shard",
+        r"expert_model_parallel_size=2 must divide the data-parallel size .* = 1",
     ),
     E(
         "cfg/megatron-lora-splits-fused-qkv",

@@ -84,11 +84,12 @@ class MegatronTrainEngineConfig:
     world_size: int = 1
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # Named as in Megatron so that a config from ROLL or verl fails with the reason, not an unknown key: 1 only
-    # (context parallelism runs in Transformer Engine's attention, not the local spec roll builds; expert
-    # parallelism needs MoE layers, and roll maps dense models).
-    context_parallel_size: int = 1
+    # Experts of a MoE model (Qwen3-MoE) sharded over this many data-parallel ranks; must divide the data-parallel
+    # size and the expert count. Dense models: 1.
     expert_model_parallel_size: int = 1
+    # Named as in Megatron so that a config from ROLL or verl fails with the reason, not an unknown key: 1 only
+    # (context parallelism runs in Transformer Engine's attention, not the local spec roll builds).
+    context_parallel_size: int = 1
     # Rows per micro-batch (pipeline schedules interleave micro-batches across stages).
     micro_batch_size: int = 4
     logprob_chunk_size: int = 8
@@ -121,15 +122,30 @@ class MegatronTrainEngineConfig:
             from roll_engines.train.megatron._lora import resolve_targets
 
             resolve_targets(self.lora_target_modules)  # a bad target list fails at config time
-        from roll_engines.train.megatron._convert import check_parallelism
+        from roll_engines.train.megatron._convert import check_context_parallel
 
-        check_parallelism(self.context_parallel_size, self.expert_model_parallel_size)
-        if min(self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size) < 1:
-            raise ValueError("train_engine world_size, tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        check_context_parallel(self.context_parallel_size)
+        sizes = (
+            self.world_size,
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.expert_model_parallel_size,
+        )
+        if min(sizes) < 1:
+            raise ValueError(
+                "train_engine world_size, tensor_parallel_size, pipeline_parallel_size and expert_model_parallel_size "
+                "must be >= 1"
+            )
         if self.world_size % (self.tensor_parallel_size * self.pipeline_parallel_size):
             raise ValueError(
                 f"train_engine.world_size={self.world_size} is not a multiple of tensor_parallel_size x "
                 f"pipeline_parallel_size = {self.tensor_parallel_size} x {self.pipeline_parallel_size}"
+            )
+        dp = self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
+        if dp % self.expert_model_parallel_size:
+            raise ValueError(
+                f"train_engine.expert_model_parallel_size={self.expert_model_parallel_size} must divide the "
+                f"data-parallel size world_size / (tensor_parallel_size x pipeline_parallel_size) = {dp}"
             )
         if self.recompute not in (None, "selective", "full"):
             raise ValueError(f"train_engine.recompute={self.recompute!r}: null, selective or full")

@@ -15,6 +15,15 @@ Engine) names a stage's parameters (layer indices local to the stage):
 | decoder.layers.i.mlp.linear_fc2.weight | mlp.down_proj.weight | columns |
 | decoder.final_layernorm.weight | model.norm.weight | replicated (last stage) |
 | output_layer.weight | lm_head.weight | vocab rows (last stage) |
+| decoder.layers.i.mlp.router.weight | mlp.gate.weight (Qwen3-MoE) | replicated |
+| decoder.layers.i.mlp.experts.local_experts.j.linear_fc{1,2}.weight | mlp.experts.{gate_up,down}_proj[e] | EP, TP |
+
+Qwen3-MoE (every layer sparse) uses Megatron's MoE layer with its SequentialMLP experts: expert parallel rank p holds
+experts p * E/ep ... (p + 1) * E/ep - 1 as local experts 0.., each TP-split like the dense MLP (expert TP = TP). HF
+checkpoints store each expert (`mlp.experts.e.{gate,up,down}_proj.weight`), transformers' model fuses them
+(`mlp.experts.gate_up_proj` (E, 2I, H), `down_proj` (E, H, I)): weights load from either and export fused, in the
+model's own names. The router is Qwen3's: softmax, top-k, renormalised when `norm_topk_prob` (Megatron's top-k then
+softmax), else not (Megatron's pre-softmax); no auxiliary loss (the RL objective alone is trained).
 
 QKV is interleaved per KV group (the group's q heads, then its k head, then its v head); a TP rank holds a
 contiguous block of groups, so the KV head count must be a multiple of TP. The vocabulary is padded with zero rows
@@ -30,7 +39,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
+_EXPERT = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
+
+
+def is_moe(hf_config: Any) -> bool:
+    return hf_config.model_type == "qwen3_moe"
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
@@ -42,11 +56,20 @@ def rope_theta(hf_config: Any) -> float:
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-def check_supported(hf_config: Any, tp: int, pp: int) -> None:
+def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1) -> None:
     """Clear errors for what this mapping cannot express."""
     kind = hf_config.model_type
     if kind not in SUPPORTED:
         raise ValueError(f"train_engine=megatron maps {', '.join(SUPPORTED)} models, not {kind!r}")
+    if is_moe(hf_config):
+        if hf_config.decoder_sparse_step != 1 or list(hf_config.mlp_only_layers or []):
+            raise ValueError("train_engine=megatron maps Qwen3-MoE models whose every layer is sparse")
+        if hf_config.num_experts % ep:
+            raise ValueError(f"expert_model_parallel_size={ep} must divide the model's {hf_config.num_experts} experts")
+    elif ep != 1:
+        raise ValueError(
+            f"train_engine.expert_model_parallel_size={ep}: this {kind} model is dense (no experts to shard); use 1"
+        )
     if hf_config.num_key_value_heads % tp:
         raise ValueError(
             f"tensor_parallel_size={tp} must divide the model's {hf_config.num_key_value_heads} key/value heads"
@@ -57,22 +80,17 @@ def check_supported(hf_config: Any, tp: int, pp: int) -> None:
         raise ValueError("tied embeddings with pipeline parallelism are not supported: set pipeline_parallel_size=1")
 
 
-def check_parallelism(context_parallel_size: int, expert_model_parallel_size: int) -> None:
-    """Clear errors for the Megatron parallelisms this engine does not build (see the config's comment)."""
+def check_context_parallel(context_parallel_size: int) -> None:
+    """Context parallelism is config a ROLL/verl user will try: say why it is not built (see the config)."""
     if context_parallel_size != 1:
         raise ValueError(
             f"train_engine.context_parallel_size={context_parallel_size}: Megatron-Core splits attention over "
             "context-parallel ranks only in Transformer Engine's attention, and train_engine=megatron builds the "
             "local layer spec (no TE); use 1 and shorten sequences with model.max_response_length or packing"
         )
-    if expert_model_parallel_size != 1:
-        raise ValueError(
-            f"train_engine.expert_model_parallel_size={expert_model_parallel_size}: train_engine=megatron maps "
-            f"dense {', '.join(SUPPORTED)} models, which have no experts to shard; use 1"
-        )
 
 
-def transformer_config(hf_config: Any, tp: int, pp: int, dtype: torch.dtype, recompute: str | None) -> Any:
+def transformer_config(hf_config: Any, tp: int, pp: int, dtype: torch.dtype, recompute: str | None, ep: int = 1) -> Any:
     """Megatron TransformerConfig of an HF decoder config, with every fused (CUDA-only) kernel off."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -91,7 +109,7 @@ def transformer_config(hf_config: Any, tp: int, pp: int, dtype: torch.dtype, rec
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-        qk_layernorm=hf_config.model_type == "qwen3",
+        qk_layernorm=hf_config.model_type in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         gradient_accumulation_fusion=False,
@@ -112,8 +130,19 @@ def transformer_config(hf_config: Any, tp: int, pp: int, dtype: torch.dtype, rec
         pipeline_model_parallel_size=pp,
         sequence_parallel=False,
         variable_seq_lengths=True,  # the last micro-batch may hold fewer rows
-        moe_token_dispatcher_type="alltoall",  # (no experts here; the default allgather refuses variable lengths)
+        moe_token_dispatcher_type="alltoall",  # the default allgather refuses variable lengths
     )
+    if is_moe(hf_config):
+        kwargs.update(
+            num_moe_experts=hf_config.num_experts,
+            moe_router_topk=hf_config.num_experts_per_tok,
+            moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+            moe_router_pre_softmax=not hf_config.norm_topk_prob,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+            expert_model_parallel_size=ep,
+        )
     if recompute:
         kwargs.update(recompute_granularity=recompute)
         if recompute == "full":
@@ -127,9 +156,22 @@ def build_model(hf_config: Any, config: Any) -> Any:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    if config.num_moe_experts:
+        from megatron.core.transformer.moe import moe_utils
+
+        # Megatron-Core 0.16 bug: without Transformer Engine, its router's gating function tests a
+        # `te_general_gemm` that only the TE import defines (NameError on every MoE forward). None is what it
+        # means by "absent".
+        if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts,
+            moe_grouped_gemm=False,
+            normalization="RMSNorm",
+            qk_layernorm=config.qk_layernorm,
+        ),
         vocab_size=padded_vocab(hf_config.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -200,15 +242,44 @@ def hf_to_mcore(hf: dict[str, Tensor], cfg: Any, vocab: int) -> dict[str, Any]:
             out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
         out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        if is_moe(cfg):
+            out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
+            for e, (gate, up, down) in enumerate(_experts(hf, h + "mlp.experts.", cfg.num_experts)):
+                out[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (gate, up)
+                out[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = down
+            continue
         out[m + "mlp.linear_fc1.weight"] = (hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"])
         out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
     return out
 
 
-def shard(full: dict[str, Any], tp_rank: int, tp: int, offset: int, layers: int, first: bool, last: bool) -> dict:
-    """One (TP rank, PP stage)'s tensors with stage-local layer indices."""
+def _experts(hf: dict[str, Tensor], prefix: str, n: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """(gate, up, down) of each expert, from a checkpoint's per-expert tensors or the model's fused ones."""
+    if prefix + "gate_up_proj" in hf:
+        gate_up, down = hf[prefix + "gate_up_proj"], hf[prefix + "down_proj"]  # (E, 2I, H), (E, H, I)
+        return [(*gate_up[e].chunk(2, 0), down[e]) for e in range(n)]
+    return [tuple(hf[f"{prefix}{e}.{k}_proj.weight"] for k in ("gate", "up", "down")) for e in range(n)]  # type: ignore[misc]
+
+
+def shard(
+    full: dict[str, Any],
+    tp_rank: int,
+    tp: int,
+    offset: int,
+    layers: int,
+    first: bool,
+    last: bool,
+    experts: range = range(0),
+) -> dict:
+    """One (TP rank, PP stage, EP rank)'s tensors with stage-local layer and expert indices (`experts`: the global
+    indices of this EP rank's experts)."""
     out = {}
     for name, t in full.items():
+        expert = _EXPERT.match(name)
+        if expert:
+            if int(expert.group(2)) not in experts:
+                continue
+            name = f"{expert.group(1)}{int(expert.group(2)) - experts.start}{expert.group(3)}"
         found = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
         if found:
             g = int(found.group(1))
@@ -247,6 +318,7 @@ def load_hf(model: Any, hf: dict[str, Tensor], cfg: Any) -> None:
         len(model.decoder.layers),
         model.pre_process,
         model.post_process,
+        local_experts(cfg),
     )
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     missing, unexpected = sorted(set(own) - set(mine)), sorted(set(mine) - set(own))
@@ -259,12 +331,24 @@ def load_hf(model: Any, hf: dict[str, Tensor], cfg: Any) -> None:
             own[k].copy_(v)
 
 
-# ---- Megatron -> HF -----------------------------------------------------------------------------------------
-def gather_tp(name: str, t: Tensor) -> Any:
-    """All-gather a TP shard into the full tensor (fc1 as a (gate, up) pair). Collective over the TP group."""
+def local_experts(cfg: Any) -> range:
+    """Global indices of this expert-parallel rank's experts (empty for a dense model)."""
     from megatron.core import parallel_state as ps
 
-    group = ps.get_tensor_model_parallel_group()
+    if not is_moe(cfg):
+        return range(0)
+    n = cfg.num_experts // ps.get_expert_model_parallel_world_size()
+    return range(ps.get_expert_model_parallel_rank() * n, (ps.get_expert_model_parallel_rank() + 1) * n)
+
+
+# ---- Megatron -> HF -----------------------------------------------------------------------------------------
+def gather_tp(name: str, t: Tensor) -> Any:
+    """All-gather a TP shard into the full tensor (fc1 as a (gate, up) pair). Collective over the TP group (the
+    expert TP group for an expert's weights)."""
+    from megatron.core import parallel_state as ps
+
+    expert = _EXPERT.match(name) is not None
+    group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
     tp = dist.get_world_size(group)
     d = split_dim(name)
     parts = [t]
@@ -311,7 +395,30 @@ def to_hf(name: str, t: Any, cfg: Any, offset: int) -> dict[str, Tensor]:
         }
     if rest == "mlp.linear_fc1.weight":
         return {h + "mlp.gate_proj.weight": t[0], h + "mlp.up_proj.weight": t[1]}
+    if rest == "mlp.router.weight":
+        return {h + "mlp.gate.weight": t}
+    expert = re.match(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc(\d)\.weight", rest)
+    if expert:  # checkpoint (per-expert) names at the expert's global index; fuse_experts() joins them
+        e = int(expert.group(1)) + local_experts(cfg).start
+        if expert.group(2) == "1":
+            return {h + f"mlp.experts.{e}.gate_proj.weight": t[0], h + f"mlp.experts.{e}.up_proj.weight": t[1]}
+        return {h + f"mlp.experts.{e}.down_proj.weight": t}
     raise KeyError(f"no HF name for Megatron tensor {name!r}")
+
+
+def fuse_experts(hf: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
+    """Per-expert tensors (every expert's, gathered over EP) as transformers' fused `gate_up_proj`/`down_proj`."""
+    if not is_moe(cfg):
+        return hf
+    out = {k: v for k, v in hf.items() if ".mlp.experts." not in k}
+    for i in range(cfg.num_hidden_layers):
+        prefix = f"model.layers.{i}.mlp.experts."
+        if f"{prefix}0.down_proj.weight" not in hf:  # a layer of another pipeline stage
+            continue
+        experts = _experts(hf, prefix, cfg.num_experts)
+        out[prefix + "gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in experts])
+        out[prefix + "down_proj"] = torch.stack([d for _, _, d in experts])
+    return out
 
 
 def read_hf(path: str) -> dict[str, Tensor]:

@@ -12,6 +12,9 @@ Applied explicitly, only while a Megatron engine call runs on CPU (`cpu_shims()`
 5. A TorchFunctionMode rewrites literal `device="cuda"` / `.cuda()` to the CPU (training schedules, optimizer,
    gradient clipping create tensors on "cuda" by name) and reports CPU tensors' `.type()` under the CUDA name
    that megatron's optimizer asserts. Cost: about 1 µs per torch call while active.
+6. `torch.cuda.Stream`, `current_stream` and `stream` are streams that order nothing (the MoE all-to-all token
+   dispatcher copies its split sizes to the host on a side stream and waits for an event of it): CPU work is
+   already in program order.
 """
 
 from __future__ import annotations
@@ -66,6 +69,22 @@ class CPURNGStatesTracker:
             torch.set_rng_state(saved)
 
 
+class _HostStream:
+    """A CUDA stream stand-in: CPU work runs in program order, so waiting, events and syncs are no-ops."""
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _HostStream:
+        return self  # the "event" only needs .synchronize()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
 def _is_cuda(device: Any) -> bool:
     if isinstance(device, str):
         return device.startswith("cuda")
@@ -95,10 +114,14 @@ def cpu_shims() -> Iterator[None]:
     from megatron.core.tensor_parallel import random as mrandom
 
     saved = (torch.cuda.current_device, torch.cuda.synchronize)
+    saved_streams = (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream)
     saved_tracker = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
     saved_rng = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    torch.cuda.Stream = lambda *args, **kwargs: _HOST_STREAM  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()  # type: ignore[assignment]
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, CPURNGStatesTracker):
@@ -111,6 +134,7 @@ def cpu_shims() -> Iterator[None]:
     finally:
         mode.__exit__(None, None, None)
         torch.cuda.current_device, torch.cuda.synchronize = saved
+        torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream = saved_streams  # type: ignore[misc]
         mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = saved_rng
         mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved_tracker
 

@@ -194,8 +194,15 @@ def apply_lora(model: Any, rank: int, alpha: float, targets: list[str] | str, se
     model.requires_grad_(False)
     for i, layer in enumerate(model.decoder.layers):
         for name in layers:
-            if LAYERS[name][0] is not None:
-                wrap(getattr(layer, LAYERS[name][0]), name, f"{i + offset}:{name}")
+            parent = LAYERS[name][0]
+            if parent is None:
+                continue
+            if not hasattr(getattr(layer, parent), name):  # a MoE layer: experts instead of one MLP
+                raise ValueError(
+                    f"train_engine=megatron adapts no MoE experts ({name}): set train_engine.lora_target_modules to "
+                    "attention projections and/or lm_head, e.g. [q_proj,k_proj,v_proj,o_proj]"
+                )
+            wrap(getattr(layer, parent), name, f"{i + offset}:{name}")
     if "output_layer" in layers and model.post_process:
         wrap(model, "output_layer", "output_layer")
 

@@ -91,7 +91,7 @@ class MegatronTrainEngine:
         context_parallel_size: int = 1,
         expert_model_parallel_size: int = 1,
     ) -> None:
-        C.check_parallelism(context_parallel_size, expert_model_parallel_size)
+        C.check_context_parallel(context_parallel_size)
         if trust_remote_code:
             raise ValueError(
                 "train_engine=megatron maps transformers' own Llama/Qwen2/Qwen3 code to Megatron layers; a model with "
@@ -115,15 +115,17 @@ class MegatronTrainEngine:
         from transformers import AutoConfig
 
         self.hf_config = AutoConfig.from_pretrained(self.path)
-        C.check_supported(self.hf_config, tensor_parallel_size, pipeline_parallel_size)
+        ep = expert_model_parallel_size
+        C.check_supported(self.hf_config, tensor_parallel_size, pipeline_parallel_size, ep)
+        self.balance_micro_batches = ep > 1  # expert all-to-alls in every forward: every DP rank runs as many
         # Master weights and optimizer state in param_dtype (fp32); Megatron computes in the compute dtype.
         self.compute_dtype = torch_dtype(dtype)
         with self._shims():
             self._owns_process_group = init_parallel(
-                self.device, tensor_parallel_size, pipeline_parallel_size, dist_backend, seed
+                self.device, tensor_parallel_size, pipeline_parallel_size, dist_backend, seed, ep
             )
             config = C.transformer_config(
-                self.hf_config, tensor_parallel_size, pipeline_parallel_size, self.compute_dtype, recompute
+                self.hf_config, tensor_parallel_size, pipeline_parallel_size, self.compute_dtype, recompute, ep
             )
             self.model = C.build_model(self.hf_config, config).to(self.device)
             C.load_hf(self.model, C.read_hf(self.path), self.hf_config)
@@ -333,7 +335,7 @@ class MegatronTrainEngine:
 
         tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
         n, r = tensors["input_ids"].shape[0], tensors["responses"].shape[1]
-        micros = _split(tensors, self.logprob_chunk_size) or [_padding_row(tensors)]
+        micros, _ = self._balanced(_split(tensors, self.logprob_chunk_size), tensors)
 
         def loss(out: Tensor, micro: dict) -> tuple[Tensor, dict]:
             got = self._logprobs(out, micro, temperature, with_entropy)
@@ -351,23 +353,38 @@ class MegatronTrainEngine:
     def compute_values(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         raise NotImplementedError("train_engine=megatron has no value head: train the critic with hf or fsdp2")
 
+    def _balanced(self, micros: list[dict], batch: Mapping[str, Tensor]) -> tuple[list[dict], int]:
+        """`micros` (each numbered by an "_index" tensor) followed by rows that train nothing (`_padding_row`), so
+        that a replica with no rows still runs the schedule and, with expert parallelism (whose all-to-alls run in
+        every forward), every data-parallel rank runs as many micro-batches; returns (micro-batches, real ones)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        real, n = len(micros), max(len(micros), 1)
+        if self.balance_micro_batches:
+            t = torch.tensor([n], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+            n = int(t.item())
+        micros = micros + [_padding_row(batch) for _ in range(n - real)]
+        return [{**m, "_index": torch.tensor(i)} for i, m in enumerate(micros)], real
+
     # ---- training -----------------------------------------------------------------------------------------
     def _backward(self, mini: dict[str, Tensor], loss_fn: LossFn, temperature: float) -> tuple[list, float]:
         """Forward/backward of one mini-batch through the schedule; gradients of the unsplit batch (see module
         docstring); returns (metric pairs, the mini-batch's units over data-parallel ranks)."""
         micros = _split(mini, self.micro_batch_size)
         total = self._dp_sum(sum(loss_fn.units(m) for m in micros))
-        real = len(micros)
-        micros = micros or [_padding_row(mini)]  # a replica with no rows still runs the schedule
+        micros, real = self._balanced(micros, mini)
         metrics: list[tuple[str, float]] = []
 
         def loss(out: Tensor, micro: dict) -> tuple[Tensor, dict]:
+            pad = int(micro["_index"]) >= real  # a padding micro-batch: trains nothing, reports nothing
             outputs = self._logprobs(out, micro, temperature, loss_fn.needs_entropy)
             value, m = loss_fn(outputs, {k: v.to(self.device) for k, v in micro.items()})
-            units = loss_fn.units(micro) if real else 0.0
+            units = 0.0 if pad else loss_fn.units(micro)
             # DDP averages over data-parallel ranks and the schedule divides by the micro-batch count: undo both.
             scale = units / total * self.dp_size * len(micros) if total > 0 else 0.0
-            if real:
+            if not pad:
                 metrics.extend((k, float(v)) for k, v in m.items())
             return value * scale, {}
 
@@ -475,8 +492,22 @@ class MegatronTrainEngine:
         )
         return {k: v for s in stages for k, v in s.items()}
 
+    def _all_experts(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
+        """`local` with every expert-parallel rank's experts (gathered as objects over the EP group; collective)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        n = ps.get_expert_model_parallel_world_size()
+        if n == 1:
+            return local
+        ranks: list[Any] = [None] * n
+        mine = {k: v.cpu() for k, v in local.items() if ".mlp.experts." in k}
+        dist.all_gather_object(ranks, mine, group=ps.get_expert_model_parallel_group())
+        return {**local, **{k: v for r in ranks for k, v in r.items()}}
+
     def _export(self, grads: bool = False, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, full tensor) of every weight (or main gradient), gathered over TP, and over PP as objects."""
+        """(HF name, full tensor) of every weight (or main gradient), gathered over TP, and over PP and EP as
+        objects; a MoE model's experts in transformers' fused tensors."""
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         offset = get_transformer_layer_offset(self.model.config)
@@ -484,7 +515,7 @@ class MegatronTrainEngine:
         with self._shims():
             for name, t in self._local(grads, changed_only):
                 local.update(C.to_hf(name, C.gather_tp(name, t.float()), self.hf_config, offset))
-        local = self._all_stages(local)
+        local = C.fuse_experts(self._all_experts(self._all_stages(local)), self.hf_config)
         for k in self._hf_order:
             if k in local:
                 yield k, local[k]
