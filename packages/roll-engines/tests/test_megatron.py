@@ -58,39 +58,6 @@ def test_packed_sequences_give_the_padded_logprobs_and_gradients() -> None:
         torch.testing.assert_close(packed_g[name], g, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def _tiny_family(kind: str, folder: Path) -> str:
-    """A 2-layer model of `kind` (qwen2: q/k/v biases; qwen3: q/k RMSNorm) with the builtin tiny tokenizer, its
-    biases and norm weights randomised so that a mapping that drops or misplaces them changes the outputs."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3Config
-
-    from roll_core.models import resolve_model_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny"))
-    common = {
-        "vocab_size": len(tok),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": False,
-        "pad_token_id": tok.pad_token_id,
-    }
-    cfg = Qwen2Config(**common) if kind == "qwen2" else Qwen3Config(head_dim=16, **common)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.5)
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
-
-
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
 def test_qwen_families_convert_exactly(kind: str, tmp_path: Path) -> None:
     """The Qwen2/Qwen3 mappings: log-probs equal plain transformers', and the weights exported in HF names equal the
@@ -105,7 +72,9 @@ def test_qwen_families_convert_exactly(kind: str, tmp_path: Path) -> None:
     from roll_engines.train.megatron import MegatronTrainEngine
 
     os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path / "cache"))
-    path = _tiny_family(kind, tmp_path / kind)
+    from roll_core.testing.models import tiny_model
+
+    path = tiny_model(kind, tmp_path / kind)
     hf = load_file(str(Path(path) / "model.safetensors"))
     assert any(k.endswith("q_proj.bias") for k in hf) == (kind == "qwen2")
     assert any(k.endswith("q_norm.weight") for k in hf) == (kind == "qwen3")

@@ -14,45 +14,12 @@ pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]
 pytestmark = pytest.mark.usefixtures("megatron_process_group")
 
 
-def tiny_moe(folder: Path, norm_topk_prob: bool = True) -> str:
-    """A 2-layer Qwen3-MoE (4 experts, top-2) with the builtin tiny tokenizer; router weights scaled up so that
-    routing is decided by clear margins (a near tie could route differently under float noise)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
-
-    from roll_core.models import resolve_model_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny"))
-    cfg = Qwen3MoeConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=norm_topk_prob,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 1.0)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
-
-
 @pytest.fixture(scope="module", params=[True, False], ids=["norm-topk", "no-norm-topk"])
 def moe_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
-    return tiny_moe(tmp_path_factory.mktemp("moe"), norm_topk_prob=request.param)
+    from roll_core.testing.models import tiny_model
+
+    return tiny_model("qwen3_moe", tmp_path_factory.mktemp("moe"), norm_topk_prob=request.param)
 
 
 def _megatron(path: str, **kw):
@@ -120,6 +87,8 @@ def test_moe_config_errors(moe_path: str) -> None:
 
     with pytest.raises(ValueError, match="this llama model is dense"):
         _megatron(resolve_model_path("builtin:tiny"), expert_model_parallel_size=2)
+    with pytest.raises(ValueError, match="only with sequence parallelism"):
+        _megatron(moe_path, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="must divide the model's 4 experts"):
         _megatron(moe_path, expert_model_parallel_size=3)
     with pytest.raises(ValueError, match="adapts no MoE experts"):

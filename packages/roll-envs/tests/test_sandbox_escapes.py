@@ -11,6 +11,7 @@ Skips, with the reason, where bubblewrap cannot run (install roll-envs[code]).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import socket
@@ -401,10 +402,16 @@ def test_escape_is_contained_and_scores_zero(
     evidence = ""
     if case in EVIDENCE:
         evidence, needles = EVIDENCE[case]
-        run = reward.sandbox.run(program, "")
+        # The same program again, to read what it saw: with a roomier time limit, since this run shows evidence,
+        # not containment (on a loaded machine a 2 s run was once cut before it printed anything).
+        roomy = dataclasses.replace(reward.sandbox, limits=dataclasses.replace(reward.sandbox.limits, timeout_s=20.0))
+        run = roomy.run(program, "")
         text = run.stdout + run.stderr
         missing = [line for line in needles(host) if line not in text]
-        assert not missing, f"{case}: expected {missing} in the program's output, got {text[-2000:]!r}"
+        assert not missing, (
+            f"{case}: expected {missing} in the program's output, got {text[-2000:]!r} "
+            f"(status {run.status}, {run.seconds:.1f} s)"
+        )
     ROWS.append((case, outcome, seconds, processes.peak, evidence))
 
     assert res.scores == [0.0] and res.correct == [0.0], f"{case} scored {res.scores}"

@@ -19,7 +19,8 @@ Engine) names a stage's parameters (layer indices local to the stage):
 | decoder.layers.i.mlp.experts.local_experts.j.linear_fc{1,2}.weight | mlp.experts.{gate_up,down}_proj[e] | EP, TP |
 
 Qwen3-MoE (every layer sparse) uses Megatron's MoE layer with its SequentialMLP experts: expert parallel rank p holds
-experts p * E/ep ... (p + 1) * E/ep - 1 as local experts 0.., each TP-split like the dense MLP (expert TP = TP). HF
+experts p * E/ep ... (p + 1) * E/ep - 1 as local experts 0.. (TP stays 1: Megatron trains MoE under TP only with
+sequence parallelism, not built here; the expert names' TP handling is the dense MLP's all the same). HF
 checkpoints store each expert (`mlp.experts.e.{gate,up,down}_proj.weight`), transformers' model fuses them
 (`mlp.experts.gate_up_proj` (E, 2I, H), `down_proj` (E, H, I)): weights load from either and export fused, in the
 model's own names. The router is Qwen3's: softmax, top-k, renormalised when `norm_topk_prob` (Megatron's top-k then
@@ -64,6 +65,12 @@ def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1) -> None:
     if is_moe(hf_config):
         if hf_config.decoder_sparse_step != 1 or list(hf_config.mlp_only_layers or []):
             raise ValueError("train_engine=megatron maps Qwen3-MoE models whose every layer is sparse")
+        if tp > 1:
+            raise ValueError(
+                "tensor_parallel_size > 1 with a MoE model: Megatron-Core trains MoE layers under tensor parallelism "
+                "only with sequence parallelism, which train_engine=megatron does not build; shard the experts with "
+                "expert_model_parallel_size instead (and pipeline_parallel_size for depth)"
+            )
         if hf_config.num_experts % ep:
             raise ValueError(f"expert_model_parallel_size={ep} must divide the model's {hf_config.num_experts} experts")
     elif ep != 1:

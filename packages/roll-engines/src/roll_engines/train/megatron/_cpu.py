@@ -15,6 +15,8 @@ Applied explicitly, only while a Megatron engine call runs on CPU (`cpu_shims()`
 6. `torch.cuda.Stream`, `current_stream` and `stream` are streams that order nothing (the MoE all-to-all token
    dispatcher copies its split sizes to the host on a side stream and waits for an event of it): CPU work is
    already in program order.
+7. The dispatcher's "device to host" copy of its all-to-all split sizes makes NumPy arrays of CUDA tensors only;
+   CPU tensors stay tensors, which `all_to_all_single` does not take as split sizes: they become arrays too.
 """
 
 from __future__ import annotations
@@ -85,6 +87,13 @@ class _HostStream:
 _HOST_STREAM = _HostStream()
 
 
+def _to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's maybe_move_tensor_to_cpu for tensors already on the host (shim 7)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.detach().numpy()
+    return tensor
+
+
 def _is_cuda(device: Any) -> bool:
     if isinstance(device, str):
         return device.startswith("cuda")
@@ -115,6 +124,9 @@ def cpu_shims() -> Iterator[None]:
 
     saved = (torch.cuda.current_device, torch.cuda.synchronize)
     saved_streams = (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream)
+    from megatron.core.transformer.moe import token_dispatcher
+
+    saved_to_host = token_dispatcher.maybe_move_tensor_to_cpu
     saved_tracker = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
     saved_rng = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
@@ -122,6 +134,7 @@ def cpu_shims() -> Iterator[None]:
     torch.cuda.Stream = lambda *args, **kwargs: _HOST_STREAM  # type: ignore[assignment,misc]
     torch.cuda.current_stream = lambda device=None: _HOST_STREAM  # type: ignore[assignment]
     torch.cuda.stream = lambda stream: contextlib.nullcontext()  # type: ignore[assignment]
+    token_dispatcher.maybe_move_tensor_to_cpu = _to_host
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, CPURNGStatesTracker):
@@ -135,6 +148,7 @@ def cpu_shims() -> Iterator[None]:
         mode.__exit__(None, None, None)
         torch.cuda.current_device, torch.cuda.synchronize = saved
         torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream = saved_streams  # type: ignore[misc]
+        token_dispatcher.maybe_move_tensor_to_cpu = saved_to_host
         mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = saved_rng
         mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved_tracker
 

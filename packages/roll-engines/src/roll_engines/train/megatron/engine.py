@@ -576,9 +576,13 @@ class MegatronTrainEngine:
         return {"optimizer": state, "step": self._step, "kind": self._optimizer_kind()}
 
     def _optimizer_kind(self) -> str:
+        """What the optimizer state's structure depends on: the distributed optimizer or not, and (MoE) whether
+        the experts have an optimizer of their own, as Megatron builds it for expert parallelism > 1."""
+        from megatron.core import parallel_state as ps
         from megatron.core.optimizer import DistributedOptimizer
 
-        return "distributed" if any(isinstance(o, DistributedOptimizer) for o in parts(self.optimizer)) else "plain"
+        kind = "distributed" if any(isinstance(o, DistributedOptimizer) for o in parts(self.optimizer)) else "plain"
+        return kind + (" (experts apart)" if ps.get_expert_model_parallel_world_size() > 1 else "")
 
     def load(self, folder: str | Path) -> None:
         """Weights from `folder/model` (with LoRA: the adapter from `folder/adapter`; the base stays what
@@ -602,7 +606,8 @@ class MegatronTrainEngine:
         if saved != self._optimizer_kind():
             raise ValueError(
                 f"{folder}/optimizer holds a {saved} optimizer's state; this run uses a {self._optimizer_kind()} "
-                "one (train_engine.use_distributed_optimizer): resume with the setting that saved it (any layout)"
+                "one (train_engine.use_distributed_optimizer; an expert optimizer exists at "
+                "expert_model_parallel_size > 1): resume with the settings that saved it (any TP/PP/DP layout)"
             )
         with self._shims(), quiet_dist_checkpointing():
             loaded = dist_checkpointing.load(self._optimizer_state(loading=True), str(folder / "optimizer"))

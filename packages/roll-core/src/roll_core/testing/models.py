@@ -1,0 +1,61 @@
+"""Small real models of the transformers families engines map by hand (Qwen2, Qwen3, Qwen3-MoE), built from a
+config with the builtin tiny tokenizer and saved as an HF folder: for conversion and parallelism tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+KINDS = ("qwen2", "qwen3", "qwen3_moe")
+
+
+def tiny_model(kind: str, folder: str | Path, norm_topk_prob: bool = True) -> str:
+    """A 2-layer `kind` model saved in `folder` (returned as a str). The weights a wrong mapping would drop or
+    misplace are made to matter: qwen2's q/k/v biases and qwen3's q/k norm weights are randomised; qwen3_moe
+    (4 experts, top-2, `norm_topk_prob`) gets router weights large enough that routing is decided by clear
+    margins (a near tie could route differently under float noise)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    from roll_core.models import resolve_model_path
+
+    if kind not in KINDS:
+        raise ValueError(f"tiny_model builds {KINDS}, not {kind!r}")
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny"))
+    common = {
+        "vocab_size": len(tok),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "pad_token_id": tok.pad_token_id,
+    }
+    if kind == "qwen2":
+        cfg = Qwen2Config(**common)
+    elif kind == "qwen3":
+        cfg = Qwen3Config(head_dim=16, **common)
+    else:
+        cfg = Qwen3MoeConfig(
+            head_dim=16,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=norm_topk_prob,
+            **common,
+        )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
