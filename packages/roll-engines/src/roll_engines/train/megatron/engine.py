@@ -1,4 +1,4 @@
-"""The `megatron` training engine: Megatron-Core's GPTModel with tensor, pipeline and data parallelism.
+"""The `megatron` training engine: Megatron-Core's GPTModel with tensor, pipeline, data and (MoE) expert parallelism.
 
 One engine per worker process; the worker group's mesh (DP x PP x TP, roll_core.cluster.mesh) hands every rank of
 a model replica the same rows and collects results from the replica's last pipeline stage. Weights load from and
@@ -12,7 +12,12 @@ ranks, so any split over micro-batches, ranks and stages gives the gradient of t
 
 Checkpoints: an HF folder for the weights and a Megatron distributed checkpoint (megatron.core.dist_checkpointing)
 for the optimizer state; both are layout-independent, so a run resumes at another TP/PP/DP layout (with the same
-`use_distributed_optimizer`: the two optimizers' states have different structures).
+`use_distributed_optimizer`, and for MoE expert parallelism on the same side of 1: Megatron gives experts an
+optimizer of their own at EP > 1; the states' structures differ).
+
+MoE (Qwen3-MoE, `expert_model_parallel_size`): experts sharded over data-parallel ranks, their tokens exchanged by
+all-to-all in every forward, so every data-parallel rank runs as many micro-batches (`_balanced` pads with rows
+that train nothing).
 
 LoRA (`lora_rank > 0`, roll_engines.train.megatron._lora): adapters on the tensor-parallel linear layers; only they
 train, the reference is the base with adapters disabled, weights export merged, checkpoints add a peft `adapter/`.
