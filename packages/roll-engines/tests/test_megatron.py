@@ -65,29 +65,14 @@ def test_qwen_families_convert_exactly(kind: str, tmp_path: Path) -> None:
     import os
 
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
-    from roll_core.testing import teacher_forced_logprobs
-    from roll_core.testing.batches import PROMPTS, toy_batch
+    from roll_core.testing.models import assert_matches_transformers, tiny_model
     from roll_engines.train.megatron import MegatronTrainEngine
 
     os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path / "cache"))
-    from roll_core.testing.models import tiny_model
-
     path = tiny_model(kind, tmp_path / kind)
     hf = load_file(str(Path(path) / "model.safetensors"))
     assert any(k.endswith("q_proj.bias") for k in hf) == (kind == "qwen2")
     assert any(k.endswith("q_norm.weight") for k in hf) == (kind == "qwen3")
     eng = MegatronTrainEngine(path, dist_backend="gloo", use_distributed_optimizer=False, micro_batch_size=4)
-    exported = dict(eng.iter_weights())
-    assert exported.keys() == hf.keys()
-    for name, value in hf.items():
-        torch.testing.assert_close(exported[name], value, atol=0, rtol=0, msg=name)
-    batch, tok = toy_batch(path), AutoTokenizer.from_pretrained(path)
-    out = eng.compute_logprobs(batch, temperature=0.7)
-    mask = batch["response_mask"]
-    for i in range(len(mask)):
-        n = int(mask[i].sum())
-        tokens = batch["responses"][i, :n].tolist()
-        ref = teacher_forced_logprobs(path, list(tok(PROMPTS[i // 2])["input_ids"]), tokens, 0.7)
-        assert out["logprobs"][i, :n].tolist() == pytest.approx(ref, abs=1e-5), (kind, i)
+    assert_matches_transformers(eng, path, hf)

@@ -30,26 +30,13 @@ def _megatron(path: str, **kw):
 
 
 def test_moe_maps_exactly_and_gives_transformers_logprobs(moe_path: str) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from roll_core.testing import teacher_forced_logprobs
-    from roll_core.testing.batches import PROMPTS, toy_batch
+    from roll_core.testing.models import assert_matches_transformers
 
     hf = AutoModelForCausalLM.from_pretrained(moe_path).state_dict()
     assert "model.layers.0.mlp.experts.gate_up_proj" in hf  # transformers' fused experts
-    eng = _megatron(moe_path)
-    exported = dict(eng.iter_weights())
-    assert exported.keys() == hf.keys()
-    for name, value in hf.items():
-        torch.testing.assert_close(exported[name], value, atol=0, rtol=0, msg=name)
-    batch, tok = toy_batch(moe_path), AutoTokenizer.from_pretrained(moe_path)
-    out = eng.compute_logprobs(batch, temperature=0.7)
-    mask = batch["response_mask"]
-    for i in range(len(mask)):
-        n = int(mask[i].sum())
-        tokens = batch["responses"][i, :n].tolist()
-        ref = teacher_forced_logprobs(moe_path, list(tok(PROMPTS[i // 2])["input_ids"]), tokens, 0.7)
-        assert out["logprobs"][i, :n].tolist() == pytest.approx(ref, abs=1e-5), i
+    assert_matches_transformers(_megatron(moe_path), moe_path, hf)
 
 
 def test_moe_gradients_step_and_checkpoint_equal_hf(moe_path: str, tmp_path: Path) -> None:

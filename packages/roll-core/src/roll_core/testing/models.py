@@ -1,9 +1,11 @@
 """Small real models of the transformers families engines map by hand (Qwen2, Qwen3, Qwen3-MoE), built from a
-config with the builtin tiny tokenizer and saved as an HF folder: for conversion and parallelism tests."""
+config with the builtin tiny tokenizer and saved as an HF folder, and the check that an engine maps one exactly:
+for conversion and parallelism tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,3 +61,26 @@ def tiny_model(kind: str, folder: str | Path, norm_topk_prob: bool = True) -> st
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
+
+
+def assert_matches_transformers(engine: Any, path: str, state: dict[str, torch.Tensor]) -> None:
+    """A training engine built from `path` exports exactly `state` (name -> tensor, in the names its weights
+    sync under) and gives transformers' teacher-forced log-probs of `toy_batch` at temperature 0.7 (within 1e-5)."""
+    import pytest
+    from transformers import AutoTokenizer
+
+    from roll_core.testing import teacher_forced_logprobs
+    from roll_core.testing.batches import PROMPTS, toy_batch
+
+    exported = dict(engine.iter_weights())
+    assert exported.keys() == state.keys()
+    for name, value in state.items():
+        torch.testing.assert_close(exported[name], value, atol=0, rtol=0, msg=name)
+    batch, tok = toy_batch(path), AutoTokenizer.from_pretrained(path)
+    out = engine.compute_logprobs(batch, temperature=0.7)
+    mask = batch["response_mask"]
+    for i in range(len(mask)):
+        n = int(mask[i].sum())
+        tokens = batch["responses"][i, :n].tolist()
+        ref = teacher_forced_logprobs(path, list(tok(PROMPTS[i // 2])["input_ids"]), tokens, 0.7)
+        assert out["logprobs"][i, :n].tolist() == pytest.approx(ref, abs=1e-5), (path, i)
