@@ -404,10 +404,11 @@ def to_hf(name: str, t: Any, cfg: Any, offset: int) -> dict[str, Tensor]:
         return {h + "mlp.gate_proj.weight": t[0], h + "mlp.up_proj.weight": t[1]}
     if rest == "mlp.router.weight":
         return {h + "mlp.gate.weight": t}
-    expert = re.match(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc(\d)\.weight", rest)
-    if expert:  # checkpoint (per-expert) names at the expert's global index; fuse_experts() joins them
-        e = int(expert.group(1)) + local_experts(cfg).start
-        if expert.group(2) == "1":
+    expert = _EXPERT.match(name)
+    if expert and expert.group(3) in (".linear_fc1.weight", ".linear_fc2.weight"):
+        # Checkpoint (per-expert) names at the expert's global index; fuse_experts() joins them.
+        e = int(expert.group(2)) + local_experts(cfg).start
+        if expert.group(3) == ".linear_fc1.weight":
             return {h + f"mlp.experts.{e}.gate_proj.weight": t[0], h + f"mlp.experts.{e}.up_proj.weight": t[1]}
         return {h + f"mlp.experts.{e}.down_proj.weight": t}
     raise KeyError(f"no HF name for Megatron tensor {name!r}")
