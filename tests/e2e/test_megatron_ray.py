@@ -33,6 +33,29 @@ def _group(path: str, tp: int, pp: int, **kw) -> TrainGroup:
     )
 
 
+def _equals_hf(group: TrainGroup, hf, batch: Batch, objective, gradients: bool = True) -> dict[str, torch.Tensor]:
+    """`group`'s log-probs, gradients (unless `gradients` is False) and one step equal the hf engine's (which takes
+    the same step); returns the group's weights after it."""
+    expected_logp = hf.compute_logprobs(batch.tensors())["logprobs"]
+    mask = batch["response_mask"]  # padding positions hold no log-prob (engines differ there by design)
+    logp = group.compute_logprobs(batch)["logprobs"]
+    torch.testing.assert_close(logp * mask, expected_logp * mask, atol=1e-5, rtol=1e-5)
+    if gradients:
+        expected_grads = hf.compute_gradients(batch.tensors(), objective)
+        grads = group.call("compute_gradients", batch, objective)[0]
+        assert set(grads) == set(expected_grads)
+        for name, g in expected_grads.items():
+            torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)
+    group.train(batch, objective, mini_batches=1, epochs=1, temperature=1.0, shuffle_seed=0)
+    hf.train_step(batch.tensors(), objective)
+    weights = group.get_weights()
+    # Adam's first step is lr * g / (|g| + eps): near-zero gradients amplify float noise, so compare at 2% of
+    # the step size (lr 1e-2; a wrong update is off by up to 2 x lr).
+    for name, w in hf.get_weights().items():
+        torch.testing.assert_close(weights[name], w, atol=2e-4, rtol=0, msg=name)
+    return weights
+
+
 @pytest.mark.parametrize(("tp", "pp", "distributed_optimizer"), [(2, 1, False), (1, 2, False), (1, 1, True)])
 def test_megatron_parallel_equals_hf(ray_cluster, tmp_path, tp: int, pp: int, distributed_optimizer: bool) -> None:
     """TP=2, PP=2, and DP=2 with the distributed optimizer (optimizer state sharded over the two replicas)."""
@@ -42,25 +65,10 @@ def test_megatron_parallel_equals_hf(ray_cluster, tmp_path, tp: int, pp: int, di
     batch = Batch(toy_batch(path))
     objective = PolicyObjective(agg="token-mean")
     hf = HFTrainEngine(path, lr=1e-2, micro_batch_size=2)
-    expected_logp = hf.compute_logprobs(batch.tensors())["logprobs"]
-    expected_grads = hf.compute_gradients(batch.tensors(), objective)
     group = _group(path, tp, pp, micro_batch_size=2, use_distributed_optimizer=distributed_optimizer)
     try:
-        logp = group.compute_logprobs(batch)["logprobs"]
-        mask = batch["response_mask"]  # padding positions hold no log-prob (engines differ there by design)
-        torch.testing.assert_close(logp * mask, expected_logp * mask, atol=1e-5, rtol=1e-5)
-        if not distributed_optimizer:  # with it, each replica holds reduced gradients for its shard only
-            grads = group.call("compute_gradients", batch, objective)[0]
-            assert set(grads) == set(expected_grads)
-            for name, g in expected_grads.items():
-                torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)
-        group.train(batch, objective, mini_batches=1, epochs=1, temperature=1.0, shuffle_seed=0)
-        hf.train_step(batch.tensors(), objective)
-        weights = group.get_weights()
-        # Adam's first step is lr * g / (|g| + eps): near-zero gradients amplify float noise, so compare at 2% of
-        # the step size (lr 1e-2; a wrong update is off by up to 2 x lr).
-        for name, w in hf.get_weights().items():
-            torch.testing.assert_close(weights[name], w, atol=2e-4, rtol=0, msg=name)
+        # With the distributed optimizer each replica holds reduced gradients for its shard only.
+        weights = _equals_hf(group, hf, batch, objective, gradients=not distributed_optimizer)
         group.save(str(tmp_path / "ckpt"), path)
     finally:
         group.shutdown()
@@ -201,22 +209,9 @@ def test_megatron_moe_parallel_equals_hf_and_resumes(ray_cluster, tmp_path, save
         return _group(path, tp, pp, expert_model_parallel_size=ep, **plain)
 
     hf = HFTrainEngine(path, lr=1e-2, micro_batch_size=2)
-    expected_logp = hf.compute_logprobs(batch.tensors())["logprobs"]
-    expected_grads = hf.compute_gradients(batch.tensors(), objective)
     first = group(*saved)
     try:
-        mask = batch["response_mask"]
-        logp = first.compute_logprobs(batch)["logprobs"]
-        torch.testing.assert_close(logp * mask, expected_logp * mask, atol=1e-5, rtol=1e-5)
-        grads = first.call("compute_gradients", batch, objective)[0]
-        assert set(grads) == set(expected_grads)
-        for name, g in expected_grads.items():
-            torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)
-        first.train(batch, objective, **train)
-        hf.train_step(batch.tensors(), objective)
-        weights = first.get_weights()
-        for name, w in hf.get_weights().items():
-            torch.testing.assert_close(weights[name], w, atol=2e-4, rtol=0, msg=name)
+        _equals_hf(first, hf, batch, objective)
         first.save(str(tmp_path / "ckpt"), path)
     finally:
         first.shutdown()
