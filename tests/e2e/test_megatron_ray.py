@@ -56,6 +56,16 @@ def _equals_hf(group: TrainGroup, hf, batch: Batch, objective, gradients: bool =
     return weights
 
 
+def _resumed_step(group: TrainGroup, folder, batch: Batch, objective) -> dict[str, torch.Tensor]:
+    """Load the checkpoint in `folder` into `group`, take one step and shut the group down; returns its weights."""
+    try:
+        group.load(str(folder))
+        group.train(batch, objective, mini_batches=1, epochs=1, temperature=1.0, shuffle_seed=0)
+        return group.get_weights()
+    finally:
+        group.shutdown()
+
+
 @pytest.mark.parametrize(("tp", "pp", "distributed_optimizer"), [(2, 1, False), (1, 2, False), (1, 1, True)])
 def test_megatron_parallel_equals_hf(ray_cluster, tmp_path, tp: int, pp: int, distributed_optimizer: bool) -> None:
     """TP=2, PP=2, and DP=2 with the distributed optimizer (optimizer state sharded over the two replicas)."""
@@ -119,13 +129,7 @@ def test_megatron_checkpoint_resumes_at_another_layout(ray_cluster, tmp_path) ->
     finally:
         saver.shutdown()
     for tp, pp in [(1, 1), (1, 2)]:
-        group = _group(path, tp, pp, micro_batch_size=2)
-        try:
-            group.load(str(tmp_path / "ckpt"))
-            group.train(batch, objective, **train)
-            weights = group.get_weights()
-        finally:
-            group.shutdown()
+        weights = _resumed_step(_group(path, tp, pp, micro_batch_size=2), tmp_path / "ckpt", batch, objective)
         for name, w in expected.items():
             torch.testing.assert_close(weights[name], w, atol=2e-4, rtol=0, msg=f"tp={tp} pp={pp}: {name}")
     plain = _group(path, 1, 1, micro_batch_size=2, use_distributed_optimizer=False)
@@ -175,13 +179,7 @@ def test_megatron_lora_tp2_equals_peft_and_resumes_at_pp2(ray_cluster, tmp_path)
     assert set(grads) == set(hf_grads)
     for name, g in hf_grads.items():
         torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)
-    pp2 = _group(path, 1, 2, micro_batch_size=2, **lora)
-    try:
-        pp2.load(str(tmp_path / "ckpt"))
-        pp2.train(batch, objective, **train)
-        weights = pp2.get_weights()
-    finally:
-        pp2.shutdown()
+    weights = _resumed_step(_group(path, 1, 2, micro_batch_size=2, **lora), tmp_path / "ckpt", batch, objective)
     for name, w in expected.items():
         torch.testing.assert_close(weights[name], w, atol=2e-4, rtol=0, msg=name)
 
@@ -202,7 +200,6 @@ def test_megatron_moe_parallel_equals_hf_and_resumes(ray_cluster, tmp_path, save
     path = tiny_model("qwen3_moe", tmp_path / "moe")
     batch = Batch({k: v[:5] for k, v in toy_batch(path).items()})  # 5 rows: 3 and 2 per replica
     objective = PolicyObjective(agg="token-mean")
-    train = {"mini_batches": 1, "epochs": 1, "temperature": 1.0, "shuffle_seed": 0}
     plain = {"micro_batch_size": 2, "use_distributed_optimizer": False}
 
     def group(tp: int, pp: int, ep: int) -> TrainGroup:
@@ -216,13 +213,7 @@ def test_megatron_moe_parallel_equals_hf_and_resumes(ray_cluster, tmp_path, save
     finally:
         first.shutdown()
     hf.train_step(batch.tensors(), objective)
-    second = group(*resumed)
-    try:
-        second.load(str(tmp_path / "ckpt"))
-        second.train(batch, objective, **train)
-        weights = second.get_weights()
-    finally:
-        second.shutdown()
+    weights = _resumed_step(group(*resumed), tmp_path / "ckpt", batch, objective)
     for name, w in hf.get_weights().items():
         torch.testing.assert_close(weights[name], w, atol=2e-4, rtol=0, msg=f"resumed: {name}")
     if saved[2] > 1:
