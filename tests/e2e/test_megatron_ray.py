@@ -185,10 +185,15 @@ def test_megatron_lora_tp2_equals_peft_and_resumes_at_pp2(ray_cluster, tmp_path)
 
 
 @pytest.mark.parametrize(
-    ("saved", "resumed"), [((1, 1, 2), (1, 1, 2)), ((1, 2, 1), (1, 1, 1))], ids=["ep2", "pp2-to-dp2"]
+    ("kind", "saved", "resumed"),
+    [("qwen3_moe", (1, 1, 2), (1, 1, 2)), ("qwen3_moe", (1, 2, 1), (1, 1, 1)), ("qwen2_moe", (1, 1, 2), (1, 1, 2))],
+    ids=["ep2", "pp2-to-dp2", "qwen2-shared-ep2"],
 )
-def test_megatron_moe_parallel_equals_hf_and_resumes(ray_cluster, tmp_path, saved: tuple, resumed: tuple) -> None:
-    """Qwen3-MoE at (TP, PP, EP) = `saved`: with EP=2 its 4 experts live 2 per data-parallel rank and tokens cross
+def test_megatron_moe_parallel_equals_hf_and_resumes(
+    ray_cluster, tmp_path, kind: str, saved: tuple, resumed: tuple
+) -> None:
+    """A MoE model (Qwen3-MoE; Qwen2-MoE, whose gated shared expert is data-parallel like the dense weights) at
+    (TP, PP, EP) = `saved`: with EP=2 its 4 experts live 2 per data-parallel rank and tokens cross
     ranks by all-to-all (the replicas hold 3 and 2 rows, so the lighter one runs a padding micro-batch to match);
     with PP=2 each stage holds one MoE layer. Log-probs, gradients and a step equal the hf engine's.
     Resumed at `resumed` from that checkpoint, the next step equals hf's second step (Adam's moments and steps
@@ -197,7 +202,7 @@ def test_megatron_moe_parallel_equals_hf_and_resumes(ray_cluster, tmp_path, save
     from roll_core.testing.models import tiny_model
     from roll_engines.train.hf import HFTrainEngine
 
-    path = tiny_model("qwen3_moe", tmp_path / "moe")
+    path = tiny_model(kind, tmp_path / "moe")
     batch = Batch({k: v[:5] for k, v in toy_batch(path).items()})  # 5 rows: 3 and 2 per replica
     objective = PolicyObjective(agg="token-mean")
     plain = {"micro_batch_size": 2, "use_distributed_optimizer": False}

@@ -1,6 +1,7 @@
-"""Qwen3-MoE on the `megatron` engine (TP=PP=EP=1 in-process over gloo; EP=2 on Ray in tests/e2e/test_megatron_ray.py):
-its experts and router map exactly to transformers' model, log-probs equal transformers', gradients and a step equal
-the hf engine's, and a checkpoint is an HF folder transformers loads."""
+"""Qwen3-MoE and Qwen2-MoE on the `megatron` engine (TP=PP=EP=1 in-process over gloo; EP=2 on Ray in
+tests/e2e/test_megatron_ray.py): their experts, router and (Qwen2-MoE) gated shared expert map exactly to
+transformers' model, log-probs equal transformers', gradients and a step equal the hf engine's, and a checkpoint is
+an HF folder transformers loads."""
 
 from __future__ import annotations
 
@@ -14,12 +15,23 @@ pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]
 pytestmark = pytest.mark.usefixtures("megatron_process_group")
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["norm-topk", "no-norm-topk"])
+@pytest.fixture(
+    scope="module",
+    params=[("qwen3_moe", True), ("qwen3_moe", False), ("qwen2_moe", False)],
+    ids=["qwen3-norm-topk", "qwen3-no-norm-topk", "qwen2-shared-expert"],
+)
 def moe_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
     from roll_core.testing.models import tiny_model
 
-    return tiny_model("qwen3_moe", tmp_path_factory.mktemp("moe"), norm_topk_prob=request.param)
+    kind, norm_topk_prob = request.param
+    return tiny_model(kind, tmp_path_factory.mktemp("moe"), norm_topk_prob=norm_topk_prob)
+
+
+def moe_path_kind(path: str) -> str:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path).model_type
 
 
 def _megatron(path: str, **kw):
@@ -53,6 +65,9 @@ def test_moe_gradients_step_and_checkpoint_equal_hf(moe_path: str, tmp_path: Pat
     assert set(grads) == set(expected)
     routed = [n for n in grads if "experts" in n or n.endswith("mlp.gate.weight")]
     assert len(routed) == 2 * 3 and all(grads[n].abs().max() > 0 for n in routed)  # experts and router learn
+    shared = [n for n in grads if ".shared_expert" in n]
+    assert len(shared) == (2 * 4 if "qwen2" in moe_path_kind(moe_path) else 0)  # gate, up, down, gate weight
+    assert all(grads[n].abs().max() > 0 for n in shared)
     for name, g in expected.items():
         torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)
     hf.train_step(batch, objective)
@@ -80,3 +95,20 @@ def test_moe_config_errors(moe_path: str) -> None:
         _megatron(moe_path, expert_model_parallel_size=3)
     with pytest.raises(ValueError, match="adapts no MoE experts"):
         _megatron(moe_path, lora_rank=4)  # all-linear names the MLP
+
+
+def test_layouts_the_mapping_cannot_express_are_refused() -> None:
+    """Qwen2-MoE checkpoints with dense layers between sparse ones, and sliding-window attention, have no Megatron
+    local-spec equivalent: refused with the setting that caused it (not mapped into a silently different model)."""
+    from transformers import Qwen2Config, Qwen2MoeConfig
+
+    from roll_engines.train.megatron._convert import check_supported
+
+    small = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "hidden_size": 64}
+    check_supported(Qwen2MoeConfig(num_experts=4, **small), 1, 1, ep=2)  # every layer sparse: fine
+    with pytest.raises(ValueError, match="decoder_sparse_step=2"):
+        check_supported(Qwen2MoeConfig(num_experts=4, decoder_sparse_step=2, **small), 1, 1)
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[1\]"):
+        check_supported(Qwen2MoeConfig(num_experts=4, mlp_only_layers=[1], **small), 1, 1)
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        check_supported(Qwen2Config(use_sliding_window=True, **small), 1, 1)

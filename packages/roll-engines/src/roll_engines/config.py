@@ -84,8 +84,8 @@ class MegatronTrainEngineConfig:
     world_size: int = 1
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # Experts of a MoE model (Qwen3-MoE) sharded over this many data-parallel ranks; must divide the data-parallel
-    # size and the expert count. Dense models: 1.
+    # Experts of a MoE model (Qwen3-MoE, Qwen2-MoE) sharded over this many data-parallel ranks; must divide the
+    # data-parallel size and the expert count. Dense models: 1.
     expert_model_parallel_size: int = 1
     # Named as in Megatron so that a config from ROLL or verl fails with the reason, not an unknown key: 1 only
     # (context parallelism runs in Transformer Engine's attention, not the local spec roll builds).

@@ -1,4 +1,4 @@
-"""Small real models of the transformers families engines map by hand (Qwen2, Qwen3, Qwen3-MoE), built from a
+"""Small real models of the transformers families engines map by hand (Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE), built from a
 config with the builtin tiny tokenizer and saved as an HF folder, and the check that an engine maps one exactly:
 for conversion and parallelism tests."""
 
@@ -9,15 +9,23 @@ from typing import Any
 
 import torch
 
-KINDS = ("qwen2", "qwen3", "qwen3_moe")
+KINDS = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 
 
 def tiny_model(kind: str, folder: str | Path, norm_topk_prob: bool = True) -> str:
     """A 2-layer `kind` model saved in `folder` (returned as a str). The weights a wrong mapping would drop or
     misplace are made to matter: qwen2's q/k/v biases and qwen3's q/k norm weights are randomised; qwen3_moe
-    (4 experts, top-2, `norm_topk_prob`) gets router weights large enough that routing is decided by clear
-    margins (a near tie could route differently under float noise)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    and qwen2_moe (4 experts, top-2, `norm_topk_prob`) get router weights large enough that routing is decided by
+    clear margins (a near tie could route differently under float noise); qwen2_moe's shared expert gate is
+    spread so that its sigmoid differs from token to token (a dropped or constant gate shows)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     from roll_core.models import resolve_model_path
 
@@ -39,10 +47,19 @@ def tiny_model(kind: str, folder: str | Path, norm_topk_prob: bool = True) -> st
         cfg = Qwen2Config(**common)
     elif kind == "qwen3":
         cfg = Qwen3Config(head_dim=16, **common)
-    else:
+    elif kind == "qwen3_moe":
         cfg = Qwen3MoeConfig(
             head_dim=16,
             moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=norm_topk_prob,
+            **common,
+        )
+    else:
+        cfg = Qwen2MoeConfig(
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
             num_experts=4,
             num_experts_per_tok=2,
             norm_topk_prob=norm_topk_prob,
@@ -56,7 +73,7 @@ def tiny_model(kind: str, folder: str | Path, norm_topk_prob: bool = True) -> st
                 p.normal_(0.0, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "mlp.shared_expert_gate.weight")):
                 p.normal_(0.0, 1.0)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)

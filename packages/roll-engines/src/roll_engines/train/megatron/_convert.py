@@ -1,6 +1,7 @@
 """Hugging Face decoder <-> Megatron-Core GPTModel: config, model construction and weights, with TP/PP sharding.
 
-Families: Llama, Qwen2 (bias on q/k/v) and Qwen3 (q/k RMSNorm). Megatron's local layer spec (no Transformer
+Families: Llama, Qwen2 (bias on q/k/v), Qwen3 (q/k RMSNorm), Qwen3-MoE and Qwen2-MoE (routed plus gated shared
+experts). Megatron's local layer spec (no Transformer
 Engine) names a stage's parameters (layer indices local to the stage):
 
 | Megatron (local spec) | HF | sharding |
@@ -17,6 +18,9 @@ Engine) names a stage's parameters (layer indices local to the stage):
 | output_layer.weight | lm_head.weight | vocab rows (last stage) |
 | decoder.layers.i.mlp.router.weight | mlp.gate.weight (Qwen3-MoE) | replicated |
 | decoder.layers.i.mlp.experts.local_experts.j.linear_fc{1,2}.weight | mlp.experts.{gate_up,down}_proj[e] | EP, TP |
+| decoder.layers.i.mlp.shared_experts.linear_fc1.weight | [shared_expert.gate_proj; up_proj] (Qwen2-MoE) | as fc1 |
+| decoder.layers.i.mlp.shared_experts.linear_fc2.weight | mlp.shared_expert.down_proj.weight | as fc2 |
+| decoder.layers.i.mlp.shared_experts.gate_weight | mlp.shared_expert_gate.weight (1, H) | replicated |
 
 Qwen3-MoE (every layer sparse) uses Megatron's MoE layer with its SequentialMLP experts: expert parallel rank p holds
 experts p * E/ep ... (p + 1) * E/ep - 1 as local experts 0.. (TP stays 1: Megatron trains MoE under TP only with
@@ -24,7 +28,9 @@ sequence parallelism, not built here; the expert names' TP handling is the dense
 checkpoints store each expert (`mlp.experts.e.{gate,up,down}_proj.weight`), transformers' model fuses them
 (`mlp.experts.gate_up_proj` (E, 2I, H), `down_proj` (E, H, I)): weights load from either and export fused, in the
 model's own names. The router is Qwen3's: softmax, top-k, renormalised when `norm_topk_prob` (Megatron's top-k then
-softmax), else not (Megatron's pre-softmax); no auxiliary loss (the RL objective alone is trained).
+softmax), else not (Megatron's pre-softmax); no auxiliary loss (the RL objective alone is trained). Qwen2-MoE
+routes the same way and adds, in every sparse layer, a shared expert that sees every token, scaled by
+sigmoid(shared_expert_gate(x)): Megatron's SharedExpertMLP with `moe_shared_expert_gate` computes exactly that.
 
 QKV is interleaved per KV group (the group's q heads, then its k head, then its v head); a TP rank holds a
 contiguous block of groups, so the KV head count must be a multiple of TP. The vocabulary is padded with zero rows
@@ -40,12 +46,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+MOE = ("qwen3_moe", "qwen2_moe")
 _EXPERT = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
 
 
 def is_moe(hf_config: Any) -> bool:
-    return hf_config.model_type == "qwen3_moe"
+    return hf_config.model_type in MOE
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
@@ -64,7 +71,11 @@ def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1) -> None:
         raise ValueError(f"train_engine=megatron maps {', '.join(SUPPORTED)} models, not {kind!r}")
     if is_moe(hf_config):
         if hf_config.decoder_sparse_step != 1 or list(hf_config.mlp_only_layers or []):
-            raise ValueError("train_engine=megatron maps Qwen3-MoE models whose every layer is sparse")
+            raise ValueError(
+                f"train_engine=megatron maps {kind} models whose every layer is sparse (decoder_sparse_step=1, no "
+                f"mlp_only_layers), not decoder_sparse_step={hf_config.decoder_sparse_step}, "
+                f"mlp_only_layers={list(hf_config.mlp_only_layers or [])}"
+            )
         if tp > 1:
             raise ValueError(
                 "tensor_parallel_size > 1 with a MoE model: Megatron-Core trains MoE layers under tensor parallelism "
@@ -76,6 +87,11 @@ def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1) -> None:
     elif ep != 1:
         raise ValueError(
             f"train_engine.expert_model_parallel_size={ep}: this {kind} model is dense (no experts to shard); use 1"
+        )
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError(
+            f"this {kind} model uses sliding-window attention (use_sliding_window=true), which the Megatron local "
+            "layer spec does not build: train it with train_engine=hf or fsdp2"
         )
     if hf_config.num_key_value_heads % tp:
         raise ValueError(
@@ -115,7 +131,9 @@ def transformer_config(hf_config: Any, tp: int, pp: int, dtype: torch.dtype, rec
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        add_qkv_bias=hf_config.model_type == "qwen2"
+        or bool(getattr(hf_config, "attention_bias", False))
+        or (hf_config.model_type == "qwen2_moe" and bool(hf_config.qkv_bias)),
         qk_layernorm=hf_config.model_type in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -150,6 +168,11 @@ def transformer_config(hf_config: Any, tp: int, pp: int, dtype: torch.dtype, rec
             moe_grouped_gemm=False,
             expert_model_parallel_size=ep,
         )
+        if hf_config.model_type == "qwen2_moe":
+            kwargs.update(
+                moe_shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
+                moe_shared_expert_gate=True,
+            )
     if recompute:
         kwargs.update(recompute_granularity=recompute)
         if recompute == "full":
@@ -254,6 +277,12 @@ def hf_to_mcore(hf: dict[str, Tensor], cfg: Any, vocab: int) -> dict[str, Any]:
             for e, (gate, up, down) in enumerate(_experts(hf, h + "mlp.experts.", cfg.num_experts)):
                 out[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (gate, up)
                 out[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = down
+            if h + "mlp.shared_expert_gate.weight" in hf:
+                se = h + "mlp.shared_expert."
+                fc1 = (hf[se + "gate_proj.weight"], hf[se + "up_proj.weight"])
+                out[m + "mlp.shared_experts.linear_fc1.weight"] = fc1
+                out[m + "mlp.shared_experts.linear_fc2.weight"] = hf[se + "down_proj.weight"]
+                out[m + "mlp.shared_experts.gate_weight"] = hf[h + "mlp.shared_expert_gate.weight"]
             continue
         out[m + "mlp.linear_fc1.weight"] = (hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"])
         out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
@@ -404,6 +433,12 @@ def to_hf(name: str, t: Any, cfg: Any, offset: int) -> dict[str, Tensor]:
         return {h + "mlp.gate_proj.weight": t[0], h + "mlp.up_proj.weight": t[1]}
     if rest == "mlp.router.weight":
         return {h + "mlp.gate.weight": t}
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        return {h + "mlp.shared_expert.gate_proj.weight": t[0], h + "mlp.shared_expert.up_proj.weight": t[1]}
+    if rest == "mlp.shared_experts.linear_fc2.weight":
+        return {h + "mlp.shared_expert.down_proj.weight": t}
+    if rest == "mlp.shared_experts.gate_weight":
+        return {h + "mlp.shared_expert_gate.weight": t}
     expert = _EXPERT.match(name)
     if expert and expert.group(3) in (".linear_fc1.weight", ".linear_fc2.weight"):
         # Checkpoint (per-expert) names at the expert's global index; fuse_experts() joins them.

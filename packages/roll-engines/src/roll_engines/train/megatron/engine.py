@@ -15,9 +15,9 @@ for the optimizer state; both are layout-independent, so a run resumes at anothe
 `use_distributed_optimizer`, and for MoE expert parallelism on the same side of 1: Megatron gives experts an
 optimizer of their own at EP > 1; the states' structures differ).
 
-MoE (Qwen3-MoE, `expert_model_parallel_size`): experts sharded over data-parallel ranks, their tokens exchanged by
-all-to-all in every forward, so every data-parallel rank runs as many micro-batches (`_balanced` pads with rows
-that train nothing).
+MoE (Qwen3-MoE, Qwen2-MoE with its gated shared expert; `expert_model_parallel_size`): experts sharded over
+data-parallel ranks, their tokens exchanged by all-to-all in every forward, so every data-parallel rank runs as
+many micro-batches (`_balanced` pads with rows that train nothing).
 
 LoRA (`lora_rank > 0`, roll_engines.train.megatron._lora): adapters on the tensor-parallel linear layers; only they
 train, the reference is the base with adapters disabled, weights export merged, checkpoints add a peft `adapter/`.
