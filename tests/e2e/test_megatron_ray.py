@@ -66,16 +66,31 @@ def _resumed_step(group: TrainGroup, folder, batch: Batch, objective) -> dict[st
         group.shutdown()
 
 
-@pytest.mark.parametrize(("tp", "pp", "distributed_optimizer"), [(2, 1, False), (1, 2, False), (1, 1, True)])
-def test_megatron_parallel_equals_hf(ray_cluster, tmp_path, tp: int, pp: int, distributed_optimizer: bool) -> None:
-    """TP=2, PP=2, and DP=2 with the distributed optimizer (optimizer state sharded over the two replicas)."""
+@pytest.mark.parametrize(
+    ("kind", "tp", "pp", "distributed_optimizer", "extra"),
+    [
+        ("llama", 2, 1, False, {}),
+        ("llama", 1, 2, False, {}),
+        ("llama", 1, 1, True, {}),
+        ("qwen3", 2, 1, False, {"sequence_parallel": True}),
+        ("qwen2", 2, 1, True, {"sequence_parallel": True, "pack_sequences": False}),
+    ],
+    ids=["tp2", "pp2", "dp2-distributed-optimizer", "qwen3-tp2-sp", "qwen2-tp2-sp-unpacked"],
+)
+def test_megatron_parallel_equals_hf(
+    ray_cluster, tmp_path, kind: str, tp: int, pp: int, distributed_optimizer: bool, extra: dict
+) -> None:
+    """TP=2, PP=2, and DP=2 with the distributed optimizer (optimizer state sharded over the two replicas); with
+    sequence parallelism (each TP rank's norms and residuals hold half of every sequence; odd widths padded), packed
+    and unpacked, on models whose q/k norms (Qwen3) and q/k/v biases (Qwen2) would show a missed gradient reduction."""
+    from roll_core.testing.models import tiny_model
     from roll_engines.train.hf import HFTrainEngine
 
-    path = resolve_model_path("builtin:tiny")
+    path = resolve_model_path("builtin:tiny") if kind == "llama" else tiny_model(kind, tmp_path / kind)
     batch = Batch(toy_batch(path))
     objective = PolicyObjective(agg="token-mean")
     hf = HFTrainEngine(path, lr=1e-2, micro_batch_size=2)
-    group = _group(path, tp, pp, micro_batch_size=2, use_distributed_optimizer=distributed_optimizer)
+    group = _group(path, tp, pp, micro_batch_size=2, use_distributed_optimizer=distributed_optimizer, **extra)
     try:
         # With the distributed optimizer each replica holds reduced gradients for its shard only.
         weights = _equals_hf(group, hf, batch, objective, gradients=not distributed_optimizer)
@@ -88,6 +103,8 @@ def test_megatron_parallel_equals_hf(ray_cluster, tmp_path, tp: int, pp: int, di
 
 
 def test_grpo_with_megatron_tp2_learns(ray_cluster, seven_task, tmp_path) -> None:
+    """GRPO through roll-train's config at TP=2 with sequence parallelism (the key composes and reaches the
+    workers): the reward rises and the synced weights give the trainer's log-probs."""
     from roll_core.testing import reward_curve, run_pipeline, tiny_overrides
 
     _, history = run_pipeline(
@@ -97,6 +114,7 @@ def test_grpo_with_megatron_tp2_learns(ray_cluster, seven_task, tmp_path) -> Non
             "train_engine=megatron",
             "train_engine.world_size=2",
             "train_engine.tensor_parallel_size=2",
+            "train_engine.sequence_parallel=true",
             "train_engine.micro_batch_size=16",
             "cluster=ray",
             "cluster.placement=disaggregated",
@@ -140,11 +158,13 @@ def test_megatron_checkpoint_resumes_at_another_layout(ray_cluster, tmp_path) ->
         plain.shutdown()
 
 
-def test_megatron_lora_tp2_equals_peft_and_resumes_at_pp2(ray_cluster, tmp_path) -> None:
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_megatron_lora_tp2_equals_peft_and_resumes_at_pp2(ray_cluster, tmp_path, sequence_parallel: bool) -> None:
     """LoRA at TP=2 (A replicated and B row-sharded on q/k/v, gate/up and the vocab-parallel lm_head; A
     column-sharded and B replicated on o and down) after one step: log-probs, base log-probs and gradients equal
     peft's on the HF model with the exported adapter loaded. Resumed at PP=2 from that checkpoint, the next step
-    equals TP=2's next step."""
+    equals TP=2's next step. With sequence parallelism the adapters gather and reduce-scatter over the sequence
+    shards as their base layers do."""
     pytest.importorskip("peft")
     from roll_engines.train._lora import load_adapter
     from roll_engines.train.hf import HFTrainEngine
@@ -157,7 +177,7 @@ def test_megatron_lora_tp2_equals_peft_and_resumes_at_pp2(ray_cluster, tmp_path)
     lora = {"lora_rank": 4, "lora_alpha": 8.0, "lora_target_modules": targets}
     train = {"mini_batches": 1, "epochs": 1, "temperature": 1.0, "shuffle_seed": 0}
     mask = batch["response_mask"]
-    tp2 = _group(path, 2, 1, micro_batch_size=2, **lora)
+    tp2 = _group(path, 2, 1, micro_batch_size=2, sequence_parallel=sequence_parallel, **lora)
     try:
         tp2.train(batch, objective, **train)  # B leaves zero: every adapter tensor now shapes the output
         tp2.save(str(tmp_path / "ckpt"), path)
@@ -186,14 +206,20 @@ def test_megatron_lora_tp2_equals_peft_and_resumes_at_pp2(ray_cluster, tmp_path)
 
 @pytest.mark.parametrize(
     ("kind", "saved", "resumed"),
-    [("qwen3_moe", (1, 1, 2), (1, 1, 2)), ("qwen3_moe", (1, 2, 1), (1, 1, 1)), ("qwen2_moe", (1, 1, 2), (1, 1, 2))],
-    ids=["ep2", "pp2-to-dp2", "qwen2-shared-ep2"],
+    [
+        ("qwen3_moe", (1, 1, 2), (1, 1, 2)),
+        ("qwen3_moe", (1, 2, 1), (1, 1, 1)),
+        ("qwen2_moe", (1, 1, 2), (1, 1, 2)),
+        ("qwen2_moe", (2, 1, 1), (1, 1, 1)),
+    ],
+    ids=["ep2", "pp2-to-dp2", "qwen2-shared-ep2", "qwen2-tp2-sp-to-dp2"],
 )
 def test_megatron_moe_parallel_equals_hf_and_resumes(
     ray_cluster, tmp_path, kind: str, saved: tuple, resumed: tuple
 ) -> None:
     """A MoE model (Qwen3-MoE; Qwen2-MoE, whose gated shared expert is data-parallel like the dense weights) at
-    (TP, PP, EP) = `saved`: with EP=2 its 4 experts live 2 per data-parallel rank and tokens cross
+    (TP, PP, EP) = `saved` (sequence parallel at TP=2: each expert's and the shared expert's weights split over TP,
+    tokens gathered from the sequence shards): with EP=2 its 4 experts live 2 per data-parallel rank and tokens cross
     ranks by all-to-all (the replicas hold 3 and 2 rows, so the lighter one runs a padding micro-batch to match);
     with PP=2 each stage holds one MoE layer. Log-probs, gradients and a step equal the hf engine's.
     Resumed at `resumed` from that checkpoint, the next step equals hf's second step (Adam's moments and steps
@@ -208,7 +234,7 @@ def test_megatron_moe_parallel_equals_hf_and_resumes(
     plain = {"micro_batch_size": 2, "use_distributed_optimizer": False}
 
     def group(tp: int, pp: int, ep: int) -> TrainGroup:
-        return _group(path, tp, pp, expert_model_parallel_size=ep, **plain)
+        return _group(path, tp, pp, expert_model_parallel_size=ep, sequence_parallel=tp > 1, **plain)
 
     hf = HFTrainEngine(path, lr=1e-2, micro_batch_size=2)
     first = group(*saved)

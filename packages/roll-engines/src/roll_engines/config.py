@@ -87,6 +87,9 @@ class MegatronTrainEngineConfig:
     # Experts of a MoE model (Qwen3-MoE, Qwen2-MoE) sharded over this many data-parallel ranks; must divide the
     # data-parallel size and the expert count. Dense models: 1.
     expert_model_parallel_size: int = 1
+    # Megatron's sequence parallelism (TP > 1): norms, residuals and dropout hold 1/TP of each sequence, which cuts
+    # activation memory by about TP; required for MoE models at TP > 1. Sequences are padded to a multiple of TP.
+    sequence_parallel: bool = False
     # Named as in Megatron so that a config from ROLL or verl fails with the reason, not an unknown key: 1 only
     # (context parallelism runs in Transformer Engine's attention, not the local spec roll builds).
     context_parallel_size: int = 1

@@ -23,14 +23,19 @@ Engine) names a stage's parameters (layer indices local to the stage):
 | decoder.layers.i.mlp.shared_experts.gate_weight | mlp.shared_expert_gate.weight (1, H) | replicated |
 
 Qwen3-MoE (every layer sparse) uses Megatron's MoE layer with its SequentialMLP experts: expert parallel rank p holds
-experts p * E/ep ... (p + 1) * E/ep - 1 as local experts 0.. (TP stays 1: Megatron trains MoE under TP only with
-sequence parallelism, not built here; the expert names' TP handling is the dense MLP's all the same). HF
+experts p * E/ep ... (p + 1) * E/ep - 1 as local experts 0.. (under TP, which Megatron trains MoE with only under
+sequence parallelism, each expert is split over TP like the dense MLP, and so is the shared expert). HF
 checkpoints store each expert (`mlp.experts.e.{gate,up,down}_proj.weight`), transformers' model fuses them
 (`mlp.experts.gate_up_proj` (E, 2I, H), `down_proj` (E, H, I)): weights load from either and export fused, in the
 model's own names. The router is Qwen3's: softmax, top-k, renormalised when `norm_topk_prob` (Megatron's top-k then
 softmax), else not (Megatron's pre-softmax); no auxiliary loss (the RL objective alone is trained). Qwen2-MoE
 routes the same way and adds, in every sparse layer, a shared expert that sees every token, scaled by
 sigmoid(shared_expert_gate(x)): Megatron's SharedExpertMLP with `moe_shared_expert_gate` computes exactly that.
+
+Sequence parallelism (`sequence_parallel`, TP > 1): Megatron keeps activations between its tensor-parallel regions
+(norms, residuals, dropout) split along the sequence over the TP ranks; its torch norm refuses that, so the layer
+spec here uses `RMSNorm`, torch's RMSNorm whose weight is marked `sequence_parallel` (each TP rank then sees other
+tokens, and Megatron all-reduces marked gradients over TP). Sequences are padded to a multiple of TP by the engine.
 
 QKV is interleaved per KV group (the group's q heads, then its k head, then its v head); a TP rank holds a
 contiguous block of groups, so the KV head count must be a multiple of TP. The vocabulary is padded with zero rows
@@ -64,7 +69,7 @@ def rope_theta(hf_config: Any) -> float:
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1) -> None:
+def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1, sequence_parallel: bool = False) -> None:
     """Clear errors for what this mapping cannot express."""
     kind = hf_config.model_type
     if kind not in SUPPORTED:
@@ -76,11 +81,11 @@ def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1) -> None:
                 f"mlp_only_layers), not decoder_sparse_step={hf_config.decoder_sparse_step}, "
                 f"mlp_only_layers={list(hf_config.mlp_only_layers or [])}"
             )
-        if tp > 1:
+        if tp > 1 and not sequence_parallel:
             raise ValueError(
                 "tensor_parallel_size > 1 with a MoE model: Megatron-Core trains MoE layers under tensor parallelism "
-                "only with sequence parallelism, which train_engine=megatron does not build; shard the experts with "
-                "expert_model_parallel_size instead (and pipeline_parallel_size for depth)"
+                "only with sequence parallelism: set train_engine.sequence_parallel=true (or shard the experts with "
+                "expert_model_parallel_size and the depth with pipeline_parallel_size instead)"
             )
         if hf_config.num_experts % ep:
             raise ValueError(f"expert_model_parallel_size={ep} must divide the model's {hf_config.num_experts} experts")
@@ -113,7 +118,15 @@ def check_context_parallel(context_parallel_size: int) -> None:
         )
 
 
-def transformer_config(hf_config: Any, tp: int, pp: int, dtype: torch.dtype, recompute: str | None, ep: int = 1) -> Any:
+def transformer_config(
+    hf_config: Any,
+    tp: int,
+    pp: int,
+    dtype: torch.dtype,
+    recompute: str | None,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+) -> Any:
     """Megatron TransformerConfig of an HF decoder config, with every fused (CUDA-only) kernel off."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -153,7 +166,7 @@ def transformer_config(hf_config: Any, tp: int, pp: int, dtype: torch.dtype, rec
         pipeline_dtype=dtype,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel and tp > 1,  # nothing to split at TP=1
         variable_seq_lengths=True,  # the last micro-batch may hold fewer rows
         moe_token_dispatcher_type="alltoall",  # the default allgather refuses variable lengths
     )
@@ -180,11 +193,46 @@ def transformer_config(hf_config: Any, tp: int, pp: int, dtype: torch.dtype, rec
     return TransformerConfig(**kwargs)
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """Megatron's local-spec norm (torch's RMSNorm) that also runs under sequence parallelism: its weight is marked
+    `sequence_parallel`, so Megatron all-reduces its gradient over TP (each TP rank normalises other tokens)."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+def _layer_spec(config: Any) -> Any:
+    """The local layer spec with `RMSNorm` for every norm, as block submodules (the block's final norm too)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    def swap(spec: Any) -> Any:
+        if spec is WrappedTorchNorm:
+            return RMSNorm
+        if isinstance(spec, ModuleSpec):
+            return dataclasses.replace(spec, submodules=swap(spec.submodules))
+        if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+            return dataclasses.replace(spec, **{f.name: swap(getattr(spec, f.name)) for f in dataclasses.fields(spec)})
+        return spec
+
+    layer = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        qk_layernorm=config.qk_layernorm,
+    )
+    return TransformerBlockSubmodules(layer_specs=[swap(layer)] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+
+
 def build_model(hf_config: Any, config: Any) -> Any:
     """This pipeline stage's GPTModel (vocab padded for TP; logits stay vocab-parallel)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if config.num_moe_experts:
         from megatron.core.transformer.moe import moe_utils
@@ -196,12 +244,7 @@ def build_model(hf_config: Any, config: Any) -> Any:
             moe_utils.te_general_gemm = None
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            num_experts=config.num_moe_experts,
-            moe_grouped_gemm=False,
-            normalization="RMSNorm",
-            qk_layernorm=config.qk_layernorm,
-        ),
+        transformer_layer_spec=_layer_spec(config),
         vocab_size=padded_vocab(hf_config.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),

@@ -4,7 +4,7 @@ Contract (the same as roll_engines.train._lora for the transformers engines): on
 adapters disabled is the reference policy; weight sync and `model/` carry merged weights (W + alpha/r * B @ A) in
 HF names; `adapter/` holds a peft adapter folder that `PeftModel.from_pretrained` loads on the HF model.
 
-Tensor parallelism (no sequence parallelism), y = W x + s * B A x with r the rank:
+Tensor parallelism, y = W x + s * B A x with r the rank:
 
 | layer (parallel kind) | W shard | A | B | between A and B (tp region) |
 |---|---|---|---|---|
@@ -13,8 +13,12 @@ Tensor parallelism (no sequence parallelism), y = W x + s * B A x with r the ran
 | output_layer = lm_head (vocab, last stage) | vocab rows | (r, hidden) replicated | (vocab/tp, r) rows | copy_to_ |
 
 The copy all-reduces dA's upstream gradient in backward (each rank's B shard sees only its rows); the reduce sums
-the partial A x of the column shards in forward. Each rank's merged shard is then W_shard + s * B_local @ A_local,
-which the engine gathers and names like the base weight.
+the partial A x of the column shards in forward. Under sequence parallelism a column layer's input holds 1/TP of
+the sequence and a row layer's output must too: the copy becomes gather_from_sequence_parallel_region (forward
+all-gather, backward reduce-scatter) and the reduce becomes reduce_scatter_to_sequence_parallel_region, the same
+collectives the base layer runs; the replicated factor (column A, row B) then sees one sequence shard per rank, so
+it is marked `sequence_parallel` and Megatron sums its gradient over TP. Each rank's merged shard is then
+W_shard + s * B_local @ A_local, which the engine gathers and names like the base weight.
 
 `lm_head` is adapted only when named (peft's "all-linear" leaves the output layer out too), and only untied: with
 tied embeddings a merged lm_head would change the input embeddings as well. Its B rows cover the padded vocabulary;
@@ -110,20 +114,34 @@ class LoRAParallelLinear(torch.nn.Module):
             set_tensor_model_parallel_attributes(self.lora_b, True, 0, 1)
         else:
             set_tensor_model_parallel_attributes(self.lora_a, True, 1, 1)
+        # Under sequence parallelism the replicated one (column A, row B) sees only this rank's sequence shard, so
+        # its gradient is partial: marked, Megatron sums it over TP (as it does for the norms).
+        replicated = self.lora_a if parallel == "column" else self.lora_b
+        replicated.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-        """x: (s, b, in) (column) or (s, b, in/tp) (row) -> ((s, b, out/tp) or (s, b, out), bias)."""
+        """x: (s, b, in) (column) or (s, b, in/tp) (row) -> ((s, b, out/tp) or (s, b, out), bias); under sequence
+        parallelism a column layer's x and a row layer's output hold s/tp positions."""
         from megatron.core.tensor_parallel import (
             copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
             reduce_from_tensor_model_parallel_region,
+            reduce_scatter_to_sequence_parallel_region,
         )
 
         out, bias = self.base(x, *args, **kwargs)
         if not self.enabled:
             return out, bias
         h = F.linear(x, self.lora_a)
+        sequence_parallel = bool(getattr(self.base, "sequence_parallel", False))
         if self.parallel == "column":
-            h = copy_to_tensor_model_parallel_region(h)
+            h = (
+                gather_from_sequence_parallel_region(h)
+                if sequence_parallel
+                else copy_to_tensor_model_parallel_region(h)
+            )
+        elif sequence_parallel:
+            h = reduce_scatter_to_sequence_parallel_region(h)
         else:
             h = reduce_from_tensor_model_parallel_region(h)
         delta = F.linear(h, self.lora_b) * self.scaling

@@ -1,5 +1,6 @@
-"""Packed micro-batches in Megatron: roll's shared-prompt packing (roll_engines.train._packing) padded to one shape
-per pipeline schedule, and rotary embeddings at each packed token's own position."""
+"""Micro-batch shapes in Megatron: roll's shared-prompt packing (roll_engines.train._packing) padded to one shape
+per pipeline schedule, rotary embeddings at each packed token's own position, and unpacked rows left-padded to a
+width that sequence parallelism can split."""
 
 from __future__ import annotations
 
@@ -49,3 +50,18 @@ def pad_packed(packed: Any, n: int, t: int) -> Any:
     keep = torch.zeros((n, t), dtype=torch.bool)
     keep[:rows, :width] = packed.keep
     return dataclasses.replace(packed, input_ids=ids, position_ids=pos, allowed=allowed, keep=keep)
+
+
+def left_pad(micro: dict, k: int) -> dict:
+    """`micro` with its prompt-side tensors left-padded to a width that is a multiple of `k` (masked positions:
+    attention_mask 0; RoPE is relative, and responses are read from the right, so log-probs do not change)."""
+    s = micro["input_ids"].shape[1]
+    extra = -s % k
+    if not extra:
+        return micro
+    out = dict(micro)
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        if key in micro:
+            t = micro[key]
+            out[key] = torch.cat([t.new_zeros(t.shape[0], extra), t], dim=1)
+    return out

@@ -1,4 +1,5 @@
-"""The `megatron` training engine: Megatron-Core's GPTModel with tensor, pipeline, data and (MoE) expert parallelism.
+"""The `megatron` training engine: Megatron-Core's GPTModel with tensor (and sequence), pipeline, data and (MoE)
+expert parallelism.
 
 One engine per worker process; the worker group's mesh (DP x PP x TP, roll_core.cluster.mesh) hands every rank of
 a model replica the same rows and collects results from the replica's last pipeline stage. Weights load from and
@@ -52,7 +53,7 @@ from roll_engines.train.megatron._checkpoint import (
     quiet_dist_checkpointing,
     torch_adam_steps_restored,
 )
-from roll_engines.train.megatron._packed import pad_packed, rope_at
+from roll_engines.train.megatron._packed import left_pad, pad_packed, rope_at
 from roll_engines.train.megatron._parallel import end_parallel, init_parallel
 
 
@@ -95,6 +96,7 @@ class MegatronTrainEngine:
         trust_remote_code: bool = False,
         context_parallel_size: int = 1,
         expert_model_parallel_size: int = 1,
+        sequence_parallel: bool = False,
     ) -> None:
         C.check_context_parallel(context_parallel_size)
         if trust_remote_code:
@@ -121,7 +123,9 @@ class MegatronTrainEngine:
 
         self.hf_config = AutoConfig.from_pretrained(self.path)
         ep = expert_model_parallel_size
-        C.check_supported(self.hf_config, tensor_parallel_size, pipeline_parallel_size, ep)
+        C.check_supported(self.hf_config, tensor_parallel_size, pipeline_parallel_size, ep, sequence_parallel)
+        # Sequence parallelism splits every sequence over the TP ranks: lengths are padded to a multiple of TP.
+        self._seq_multiple = tensor_parallel_size if sequence_parallel else 1
         self.balance_micro_batches = ep > 1  # expert all-to-alls in every forward: every DP rank runs as many
         # Master weights and optimizer state in param_dtype (fp32); Megatron computes in the compute dtype.
         self.compute_dtype = torch_dtype(dtype)
@@ -130,7 +134,13 @@ class MegatronTrainEngine:
                 self.device, tensor_parallel_size, pipeline_parallel_size, dist_backend, seed, ep
             )
             config = C.transformer_config(
-                self.hf_config, tensor_parallel_size, pipeline_parallel_size, self.compute_dtype, recompute, ep
+                self.hf_config,
+                tensor_parallel_size,
+                pipeline_parallel_size,
+                self.compute_dtype,
+                recompute,
+                ep,
+                sequence_parallel,
             )
             self.model = C.build_model(self.hf_config, config).to(self.device)
             C.load_hf(self.model, C.read_hf(self.path), self.hf_config)
@@ -245,19 +255,21 @@ class MegatronTrainEngine:
     def _prepare(self, micros: list[dict]) -> list[dict]:
         """With `pack_sequences`, each micro-batch gets its packed form under "_packed" (roll_engines.train._packing:
         a group's prompt once, no padding) where it packs; all packed ones are padded to one (rows, width), the
-        shape pipeline stages exchange. Megatron's local attention applies the block mask as given."""
-        if not self.pack_sequences:
-            return micros
-        from roll_engines.train._packing import pack
+        shape pipeline stages exchange. Megatron's local attention applies the block mask as given. Under sequence
+        parallelism every width is padded to a multiple of TP (unpacked rows on the left, as masked positions)."""
+        k = self._seq_multiple
+        packed = []
+        if self.pack_sequences:
+            from roll_engines.train._packing import pack
 
-        packed = [
-            pack(m["input_ids"], m["attention_mask"], m["position_ids"], m["responses"], self.hf_config.hidden_size)
-            for m in micros
-        ]
-        if any(p is None for p in packed):  # one shape for every micro-batch: all packed or none
-            return micros
+            packed = [
+                pack(m["input_ids"], m["attention_mask"], m["position_ids"], m["responses"], self.hf_config.hidden_size)
+                for m in micros
+            ]
+        if not packed or any(p is None for p in packed):  # one shape for every micro-batch: all packed or none
+            return micros if k == 1 else [left_pad(m, k) for m in micros]
         n = max(p.input_ids.shape[0] for p in packed)
-        t = max(p.input_ids.shape[1] for p in packed)
+        t = -(-max(p.input_ids.shape[1] for p in packed) // k) * k
         return [{**m, "_packed": pad_packed(p, n, t).to(self.device)} for m, p in zip(micros, packed)]
 
     def _inputs(self, micro: Mapping[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
