@@ -568,7 +568,12 @@ CASES: list[Case] = [
     E(
         "cfg/megatron-context-parallel",
         compose("train_engine=megatron", "train_engine.context_parallel_size=2"),
-        r"context_parallel_size=2: .*only in Transformer Engine's attention",
+        r"world_size=1 is not a multiple of .* x context_parallel_size = 1 x 1 x 2",
+    ),
+    E(
+        "cfg/megatron-context-parallel-0",
+        compose("train_engine=megatron", "train_engine.context_parallel_size=0"),
+        r"context_parallel_size must be >= 1",
     ),
     E(
         "cfg/megatron-expert-parallel",

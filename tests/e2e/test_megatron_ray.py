@@ -27,7 +27,7 @@ def _group(path: str, tp: int, pp: int, **kw) -> TrainGroup:
         2,
         "ray",
         ray_options=RayOptions(num_cpus=0.5),
-        mesh=Mesh.for_world(2, tp=tp, pp=pp),
+        mesh=Mesh.for_world(2, tp=tp, pp=pp, cp=cfg.context_parallel_size),
         engine=vars(cfg),
         runtime={"model_path": path, "lr": 1e-2, "num_threads": 1, "dist_backend": "gloo"},
     )
@@ -74,8 +74,18 @@ def _resumed_step(group: TrainGroup, folder, batch: Batch, objective) -> dict[st
         ("llama", 1, 1, True, {}),
         ("qwen3", 2, 1, False, {"sequence_parallel": True}),
         ("qwen2", 2, 1, True, {"sequence_parallel": True, "pack_sequences": False}),
+        ("qwen3", 1, 1, False, {"context_parallel_size": 2}),
+        ("qwen2", 1, 1, True, {"context_parallel_size": 2, "pack_sequences": False}),
     ],
-    ids=["tp2", "pp2", "dp2-distributed-optimizer", "qwen3-tp2-sp", "qwen2-tp2-sp-unpacked"],
+    ids=[
+        "tp2",
+        "pp2",
+        "dp2-distributed-optimizer",
+        "qwen3-tp2-sp",
+        "qwen2-tp2-sp-unpacked",
+        "qwen3-cp2",
+        "qwen2-cp2-unpacked",
+    ],
 )
 def test_megatron_parallel_equals_hf(
     ray_cluster, tmp_path, kind: str, tp: int, pp: int, distributed_optimizer: bool, extra: dict
@@ -102,9 +112,18 @@ def test_megatron_parallel_equals_hf(
         torch.testing.assert_close(w, weights[name], msg=name)
 
 
-def test_grpo_with_megatron_tp2_learns(ray_cluster, seven_task, tmp_path) -> None:
-    """GRPO through roll-train's config at TP=2 with sequence parallelism (the key composes and reaches the
-    workers): the reward rises and the synced weights give the trainer's log-probs."""
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("train_engine.tensor_parallel_size=2", "train_engine.sequence_parallel=true"),
+        ("train_engine.context_parallel_size=2",),
+    ],
+    ids=["tp2-sp", "cp2"],
+)
+def test_grpo_with_megatron_tp2_learns(ray_cluster, seven_task, tmp_path, layout: tuple) -> None:
+    """GRPO through roll-train's config at TP=2 with sequence parallelism, and at CP=2 (the keys compose, the
+    pipeline's mesh sends both ranks the same rows): the reward rises and the synced weights give the trainer's
+    log-probs."""
     from roll_core.testing import reward_curve, run_pipeline, tiny_overrides
 
     _, history = run_pipeline(
@@ -113,8 +132,7 @@ def test_grpo_with_megatron_tp2_learns(ray_cluster, seven_task, tmp_path) -> Non
             tmp_path,
             "train_engine=megatron",
             "train_engine.world_size=2",
-            "train_engine.tensor_parallel_size=2",
-            "train_engine.sequence_parallel=true",
+            *layout,
             "train_engine.micro_batch_size=16",
             "cluster=ray",
             "cluster.placement=disaggregated",
@@ -126,7 +144,8 @@ def test_grpo_with_megatron_tp2_learns(ray_cluster, seven_task, tmp_path) -> Non
 
 
 def test_megatron_checkpoint_resumes_at_another_layout(ray_cluster, tmp_path) -> None:
-    """Saved at TP=2 after one step, resumed at DP=2 and at PP=2 (distributed optimizer, the default): the next
+    """Saved at TP=2 after one step, resumed at DP=2, at PP=2 and at CP=2 (distributed optimizer, the default, its
+    state then sharded over DP x CP = 2 ranks): the next
     step equals the hf engine's second step, which needs Adam's moments and step count restored (a fresh
     optimizer's second step is another lr * g / |g| step, off by up to lr). The plain optimizer cannot read the
     distributed one's state: a clear error says so."""
@@ -146,10 +165,11 @@ def test_megatron_checkpoint_resumes_at_another_layout(ray_cluster, tmp_path) ->
         saver.save(str(tmp_path / "ckpt"), path)
     finally:
         saver.shutdown()
-    for tp, pp in [(1, 1), (1, 2)]:
-        weights = _resumed_step(_group(path, tp, pp, micro_batch_size=2), tmp_path / "ckpt", batch, objective)
+    for tp, pp, cp in [(1, 1, 1), (1, 2, 1), (1, 1, 2)]:
+        group = _group(path, tp, pp, micro_batch_size=2, context_parallel_size=cp)
+        weights = _resumed_step(group, tmp_path / "ckpt", batch, objective)
         for name, w in expected.items():
-            torch.testing.assert_close(weights[name], w, atol=2e-4, rtol=0, msg=f"tp={tp} pp={pp}: {name}")
+            torch.testing.assert_close(weights[name], w, atol=2e-4, rtol=0, msg=f"tp={tp} pp={pp} cp={cp}: {name}")
     plain = _group(path, 1, 1, micro_batch_size=2, use_distributed_optimizer=False)
     try:
         with pytest.raises(Exception, match="holds a distributed optimizer's state; this run uses a plain one"):

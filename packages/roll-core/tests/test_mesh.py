@@ -28,14 +28,14 @@ class Recorder(Worker):
 def test_mesh_coordinates_follow_megatron_order() -> None:
     mesh = Mesh(dp=2, tp=2, pp=2)  # ranks: tp fastest, then dp, then pp
     assert [mesh.coords(r) for r in range(8)] == [
-        (0, 0, 0),
-        (0, 0, 1),
-        (1, 0, 0),
-        (1, 0, 1),
-        (0, 1, 0),
-        (0, 1, 1),
-        (1, 1, 0),
-        (1, 1, 1),
+        (0, 0, 0, 0),
+        (0, 0, 0, 1),
+        (1, 0, 0, 0),
+        (1, 0, 0, 1),
+        (0, 1, 0, 0),
+        (0, 1, 0, 1),
+        (1, 1, 0, 0),
+        (1, 1, 0, 1),
     ]
     assert mesh.output_ranks() == [4, 6]  # tp 0 of the last stage, replica 0 then 1
     assert Mesh.for_world(8, tp=2) == Mesh(dp=4, tp=2, pp=1)
@@ -43,9 +43,27 @@ def test_mesh_coordinates_follow_megatron_order() -> None:
         Mesh.for_world(6, tp=4)
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_dp_calls_split_by_replica_and_gather_from_output_ranks(tp: int, pp: int) -> None:
-    mesh = Mesh(dp=2, tp=tp, pp=pp)
+def test_context_parallel_ranks_sit_between_tensor_and_data_parallel() -> None:
+    mesh = Mesh.for_world(8, tp=2, cp=2)  # Megatron's tp-cp-dp-pp order: (dp, pp, cp, tp)
+    assert mesh == Mesh(dp=2, tp=2, pp=1, cp=2)
+    assert [mesh.coords(r) for r in range(8)] == [
+        (0, 0, 0, 0),
+        (0, 0, 0, 1),
+        (0, 0, 1, 0),
+        (0, 0, 1, 1),
+        (1, 0, 0, 0),
+        (1, 0, 0, 1),
+        (1, 0, 1, 0),
+        (1, 0, 1, 1),
+    ]
+    assert mesh.output_ranks() == [0, 4]  # tp 0 and cp 0 of each replica
+    with pytest.raises(ValueError, match="context_parallel_size = 2 x 1 x 3"):
+        Mesh.for_world(8, tp=2, cp=3)
+
+
+@pytest.mark.parametrize(("tp", "pp", "cp"), [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)])
+def test_dp_calls_split_by_replica_and_gather_from_output_ranks(tp: int, pp: int, cp: int) -> None:
+    mesh = Mesh(dp=2, tp=tp, pp=pp, cp=cp)
     group = WorkerGroup(Recorder, mesh.world_size, "local", mesh=mesh)
     batch = Batch({"x": torch.arange(5)})  # uneven: replica 0 gets 3 rows, replica 1 gets 2
     handle = group.submit("echo", batch)

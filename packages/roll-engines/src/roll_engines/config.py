@@ -90,8 +90,8 @@ class MegatronTrainEngineConfig:
     # Megatron's sequence parallelism (TP > 1): norms, residuals and dropout hold 1/TP of each sequence, which cuts
     # activation memory by about TP; required for MoE models at TP > 1. Sequences are padded to a multiple of TP.
     sequence_parallel: bool = False
-    # Named as in Megatron so that a config from ROLL or verl fails with the reason, not an unknown key: 1 only
-    # (context parallelism runs in Transformer Engine's attention, not the local spec roll builds).
+    # Context parallelism: each of this many ranks holds 1/CP of every sequence (attention all-gathers keys and
+    # values; roll_engines.train.megatron._context), for sequences too long for one rank's activations. Dense models.
     context_parallel_size: int = 1
     # Rows per micro-batch (pipeline schedules interleave micro-batches across stages).
     micro_batch_size: int = 4
@@ -125,30 +125,31 @@ class MegatronTrainEngineConfig:
             from roll_engines.train.megatron._lora import resolve_targets
 
             resolve_targets(self.lora_target_modules)  # a bad target list fails at config time
-        from roll_engines.train.megatron._convert import check_context_parallel
-
-        check_context_parallel(self.context_parallel_size)
         sizes = (
             self.world_size,
             self.tensor_parallel_size,
             self.pipeline_parallel_size,
             self.expert_model_parallel_size,
+            self.context_parallel_size,
         )
         if min(sizes) < 1:
             raise ValueError(
-                "train_engine world_size, tensor_parallel_size, pipeline_parallel_size and expert_model_parallel_size "
-                "must be >= 1"
+                "train_engine world_size, tensor_parallel_size, pipeline_parallel_size, expert_model_parallel_size "
+                "and context_parallel_size must be >= 1"
             )
-        if self.world_size % (self.tensor_parallel_size * self.pipeline_parallel_size):
+        model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
+        if self.world_size % model_parallel:
             raise ValueError(
                 f"train_engine.world_size={self.world_size} is not a multiple of tensor_parallel_size x "
-                f"pipeline_parallel_size = {self.tensor_parallel_size} x {self.pipeline_parallel_size}"
+                f"pipeline_parallel_size x context_parallel_size = {self.tensor_parallel_size} x "
+                f"{self.pipeline_parallel_size} x {self.context_parallel_size}"
             )
-        dp = self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
+        dp = self.world_size // model_parallel
         if dp % self.expert_model_parallel_size:
             raise ValueError(
                 f"train_engine.expert_model_parallel_size={self.expert_model_parallel_size} must divide the "
-                f"data-parallel size world_size / (tensor_parallel_size x pipeline_parallel_size) = {dp}"
+                f"data-parallel size world_size / (tensor_parallel_size x pipeline_parallel_size x "
+                f"context_parallel_size) = {dp}"
             )
         if self.recompute not in (None, "selective", "full"):
             raise ValueError(f"train_engine.recompute={self.recompute!r}: null, selective or full")

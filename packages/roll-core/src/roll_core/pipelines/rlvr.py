@@ -110,9 +110,12 @@ class RLVRPipeline:
             max_new_tokens=model.max_response_length,
         )
         self.temperature = self.sampling.temperature
-        # Sharded trainers (Megatron) span TP x PP ranks per replica: data splits by data-parallel rank only.
+        # Sharded trainers (Megatron) span TP x CP x PP ranks per replica: data splits by data-parallel rank only.
         self.train_mesh = Mesh.for_world(
-            te["world_size"], tp=int(te.get("tensor_parallel_size", 1)), pp=int(te.get("pipeline_parallel_size", 1))
+            te["world_size"],
+            tp=int(te.get("tensor_parallel_size", 1)),
+            pp=int(te.get("pipeline_parallel_size", 1)),
+            cp=int(te.get("context_parallel_size", 1)),
         )
         self.actor_train = self.cluster.group(
             TrainGroup,

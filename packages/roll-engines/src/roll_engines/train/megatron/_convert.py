@@ -36,6 +36,7 @@ Sequence parallelism (`sequence_parallel`, TP > 1): Megatron keeps activations b
 (norms, residuals, dropout) split along the sequence over the TP ranks; its torch norm refuses that, so the layer
 spec here uses `RMSNorm`, torch's RMSNorm whose weight is marked `sequence_parallel` (each TP rank then sees other
 tokens, and Megatron all-reduces marked gradients over TP). Sequences are padded to a multiple of TP by the engine.
+Context parallelism swaps the spec's attention for roll's all-gather one (_context).
 
 QKV is interleaved per KV group (the group's q heads, then its k head, then its v head); a TP rank holds a
 contiguous block of groups, so the KV head count must be a multiple of TP. The vocabulary is padded with zero rows
@@ -69,7 +70,9 @@ def rope_theta(hf_config: Any) -> float:
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1, sequence_parallel: bool = False) -> None:
+def check_supported(
+    hf_config: Any, tp: int, pp: int, ep: int = 1, sequence_parallel: bool = False, cp: int = 1
+) -> None:
     """Clear errors for what this mapping cannot express."""
     kind = hf_config.model_type
     if kind not in SUPPORTED:
@@ -86,6 +89,11 @@ def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1, sequence_para
                 "tensor_parallel_size > 1 with a MoE model: Megatron-Core trains MoE layers under tensor parallelism "
                 "only with sequence parallelism: set train_engine.sequence_parallel=true (or shard the experts with "
                 "expert_model_parallel_size and the depth with pipeline_parallel_size instead)"
+            )
+        if cp > 1:
+            raise ValueError(
+                f"context_parallel_size={cp} with a MoE model: roll's context parallelism (all-gathered keys and "
+                "values on the local spec) is built for dense models; use context_parallel_size=1"
             )
         if hf_config.num_experts % ep:
             raise ValueError(f"expert_model_parallel_size={ep} must divide the model's {hf_config.num_experts} experts")
@@ -108,16 +116,6 @@ def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1, sequence_para
         raise ValueError("tied embeddings with pipeline parallelism are not supported: set pipeline_parallel_size=1")
 
 
-def check_context_parallel(context_parallel_size: int) -> None:
-    """Context parallelism is config a ROLL/verl user will try: say why it is not built (see the config)."""
-    if context_parallel_size != 1:
-        raise ValueError(
-            f"train_engine.context_parallel_size={context_parallel_size}: Megatron-Core splits attention over "
-            "context-parallel ranks only in Transformer Engine's attention, and train_engine=megatron builds the "
-            "local layer spec (no TE); use 1 and shorten sequences with model.max_response_length or packing"
-        )
-
-
 def transformer_config(
     hf_config: Any,
     tp: int,
@@ -126,6 +124,7 @@ def transformer_config(
     recompute: str | None,
     ep: int = 1,
     sequence_parallel: bool = False,
+    cp: int = 1,
 ) -> Any:
     """Megatron TransformerConfig of an HF decoder config, with every fused (CUDA-only) kernel off."""
     import torch.nn.functional as F
@@ -166,6 +165,7 @@ def transformer_config(
         pipeline_dtype=dtype,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         sequence_parallel=sequence_parallel and tp > 1,  # nothing to split at TP=1
         variable_seq_lengths=True,  # the last micro-batch may hold fewer rows
         moe_token_dispatcher_type="alltoall",  # the default allgather refuses variable lengths
@@ -203,7 +203,8 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 def _layer_spec(config: Any) -> Any:
-    """The local layer spec with `RMSNorm` for every norm, as block submodules (the block's final norm too)."""
+    """The local layer spec with `RMSNorm` for every norm, as block submodules (the block's final norm too), and
+    under context parallelism roll's all-gather attention (roll_engines.train.megatron._context)."""
     import dataclasses
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -214,6 +215,11 @@ def _layer_spec(config: Any) -> Any:
     def swap(spec: Any) -> Any:
         if spec is WrappedTorchNorm:
             return RMSNorm
+        if config.context_parallel_size > 1:
+            from roll_engines.train.megatron._context import swap_attention
+
+            if swap_attention(spec) is not spec:
+                return swap_attention(spec)
         if isinstance(spec, ModuleSpec):
             return dataclasses.replace(spec, submodules=swap(spec.submodules))
         if dataclasses.is_dataclass(spec) and not isinstance(spec, type):

@@ -25,7 +25,8 @@ def rope_at(model: Any, position_ids: Tensor | None) -> Iterator[None]:
     original = rope.forward
 
     def at_positions(max_seq_len: int, *args: Any, **kwargs: Any) -> Tensor:
-        emb = original(int(position_ids.max()) + 1, *args, **kwargs)  # (L, 1, 1, D)
+        # packed_seq: the whole table (under context parallelism Megatron would slice it for its own CP split).
+        emb = original(int(position_ids.max()) + 1, *args, **{**kwargs, "packed_seq": True})  # (L, 1, 1, D)
         return emb[position_ids.t().to(emb.device)][:, :, 0]  # (S, B, 1, D)
 
     rope.forward = at_positions

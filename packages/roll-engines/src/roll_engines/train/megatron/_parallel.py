@@ -12,9 +12,11 @@ import os
 import torch
 
 
-def init_parallel(device: torch.device, tp: int, pp: int, backend: str | None, seed: int, ep: int = 1) -> bool:
-    """Join or start the process group, build Megatron's TP x PP (x EP) groups over it and seed its RNG tracker; returns
-    whether this call started a group of one (then the caller ends it with `end_parallel`)."""
+def init_parallel(
+    device: torch.device, tp: int, pp: int, backend: str | None, seed: int, ep: int = 1, cp: int = 1
+) -> bool:
+    """Join or start the process group, build Megatron's TP x CP x PP (x EP) groups over it and seed its RNG
+    tracker; returns whether this call started a group of one (then the caller ends it with `end_parallel`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -35,14 +37,17 @@ def init_parallel(device: torch.device, tp: int, pp: int, backend: str | None, s
             dist.init_process_group(backend=backend, init_method=url, rank=0, world_size=1)
             started = True
     world = dist.get_world_size()
-    if world % (tp * pp) or (world // (tp * pp)) % ep:
+    if world % (tp * pp * cp) or (world // (tp * pp * cp)) % ep:
         raise ValueError(
-            f"{world} ranks cannot form tensor_parallel_size={tp} x pipeline_parallel_size={pp} with "
-            f"expert_model_parallel_size={ep} dividing the data-parallel size"
+            f"{world} ranks cannot form tensor_parallel_size={tp} x pipeline_parallel_size={pp} x "
+            f"context_parallel_size={cp} with expert_model_parallel_size={ep} dividing the data-parallel size"
         )
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+            expert_model_parallel_size=ep,
         )
     if device.type == "cpu":
         from roll_engines.train.megatron._cpu import seed_cpu_tracker

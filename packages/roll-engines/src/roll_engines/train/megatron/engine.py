@@ -98,7 +98,8 @@ class MegatronTrainEngine:
         expert_model_parallel_size: int = 1,
         sequence_parallel: bool = False,
     ) -> None:
-        C.check_context_parallel(context_parallel_size)
+        if context_parallel_size < 1:
+            raise ValueError(f"context_parallel_size={context_parallel_size} must be >= 1")
         if trust_remote_code:
             raise ValueError(
                 "train_engine=megatron maps transformers' own Llama/Qwen2/Qwen3 code to Megatron layers; a model with "
@@ -123,15 +124,18 @@ class MegatronTrainEngine:
 
         self.hf_config = AutoConfig.from_pretrained(self.path)
         ep = expert_model_parallel_size
-        C.check_supported(self.hf_config, tensor_parallel_size, pipeline_parallel_size, ep, sequence_parallel)
-        # Sequence parallelism splits every sequence over the TP ranks: lengths are padded to a multiple of TP.
-        self._seq_multiple = tensor_parallel_size if sequence_parallel else 1
+        cp = context_parallel_size
+        C.check_supported(self.hf_config, tensor_parallel_size, pipeline_parallel_size, ep, sequence_parallel, cp)
+        # Context parallelism splits every sequence over the CP ranks, and sequence parallelism each slice over the
+        # TP ranks: lengths are padded to a multiple of both.
+        self._seq_multiple = (tensor_parallel_size if sequence_parallel else 1) * cp
+        self.cp_size = cp
         self.balance_micro_batches = ep > 1  # expert all-to-alls in every forward: every DP rank runs as many
         # Master weights and optimizer state in param_dtype (fp32); Megatron computes in the compute dtype.
         self.compute_dtype = torch_dtype(dtype)
         with self._shims():
             self._owns_process_group = init_parallel(
-                self.device, tensor_parallel_size, pipeline_parallel_size, dist_backend, seed, ep
+                self.device, tensor_parallel_size, pipeline_parallel_size, dist_backend, seed, ep, cp
             )
             config = C.transformer_config(
                 self.hf_config,
@@ -141,6 +145,7 @@ class MegatronTrainEngine:
                 recompute,
                 ep,
                 sequence_parallel,
+                cp,
             )
             self.model = C.build_model(self.hf_config, config).to(self.device)
             C.load_hf(self.model, C.read_hf(self.path), self.hf_config)
@@ -323,8 +328,14 @@ class MegatronTrainEngine:
         def forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[Tensor, Callable]:
             micro = next(data_iterator)
             ids, pos, mask = self._inputs(micro)
-            with rope_at(self.model, pos if "_packed" in micro else None):
+            if self.cp_size > 1:  # this CP rank's slice of every sequence, at its own positions
+                from roll_engines.train.megatron._context import gather_logits, local_slice
+
+                ids, pos, mask = local_slice(ids, pos, mask)
+            with rope_at(self.model, pos if "_packed" in micro or self.cp_size > 1 else None):
                 output = model(ids, pos, mask)
+            if self.cp_size > 1 and self.model.post_process:
+                output = gather_logits(output)  # the whole sequence's logits on every CP rank
             return output, lambda out: loss(out, micro)
 
         micros = self._prepare(micros)
@@ -400,6 +411,9 @@ class MegatronTrainEngine:
             value, m = loss_fn(outputs, {k: v.to(self.device) for k, v in micro.items()})
             units = 0.0 if pad else loss_fn.units(micro)
             # DDP averages over data-parallel ranks and the schedule divides by the micro-batch count: undo both.
+            # (Under CP, DDP averages over DP x CP too, and the schedule multiplies the loss by CP, as every CP rank
+            # holds a share of the tokens; here every CP rank computes this same whole loss, the gradient of its own
+            # tokens, so the two cancel.)
             scale = units / total * self.dp_size * len(micros) if total > 0 else 0.0
             if not pad:
                 metrics.extend((k, float(v)) for k, v in m.items())
