@@ -1,6 +1,6 @@
 """Micro-batch shapes in Megatron: roll's shared-prompt packing (roll_engines.train._packing) padded to one shape
 per pipeline schedule, rotary embeddings at each packed token's own position, and unpacked rows left-padded to a
-width that sequence parallelism can split."""
+width that sequence and context parallelism can split; the model inputs (ids, positions, mask) of each."""
 
 from __future__ import annotations
 
@@ -66,3 +66,36 @@ def left_pad(micro: dict, k: int) -> dict:
             t = micro[key]
             out[key] = torch.cat([t.new_zeros(t.shape[0], extra), t], dim=1)
     return out
+
+
+def prepare(micros: list[dict], pack_sequences: bool, multiple: int, hidden_size: int, device: Any) -> list[dict]:
+    """With `pack_sequences`, each micro-batch gets its packed form under "_packed" (roll_engines.train._packing:
+    a group's prompt once, no padding) where it packs; all packed ones are padded to one (rows, width), the shape
+    pipeline stages exchange. Megatron's local attention applies the block mask as given. Every width is padded to
+    a multiple of `multiple` (CP x TP under sequence parallelism; unpacked rows on the left, as masked positions)."""
+    packed = []
+    if pack_sequences:
+        from roll_engines.train._packing import pack
+
+        packed = [
+            pack(m["input_ids"], m["attention_mask"], m["position_ids"], m["responses"], hidden_size) for m in micros
+        ]
+    if not packed or any(p is None for p in packed):  # one shape for every micro-batch: all packed or none
+        return micros if multiple == 1 else [left_pad(m, multiple) for m in micros]
+    n = max(p.input_ids.shape[0] for p in packed)
+    t = -(-max(p.input_ids.shape[1] for p in packed) // multiple) * multiple
+    return [{**m, "_packed": pad_packed(p, n, t).to(device)} for m, p in zip(micros, packed)]
+
+
+def model_inputs(micro: dict, device: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """(input ids (B, S), position ids (B, S), attention mask (B, 1, S, S), True where blocked) of a micro-batch."""
+    packed = micro.get("_packed")
+    if packed is not None:  # Megatron's mask is True where attention is blocked
+        return packed.input_ids, packed.position_ids, ~packed.allowed
+    ids = micro["input_ids"].to(device)
+    s = ids.shape[1]
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)
+    mask = causal[None, None] | (micro["attention_mask"].to(device) == 0)[:, None, None, :]
+    # RoPE is relative, so left padding needs no position shift: positions 0..s-1 give HF's log-probs.
+    pos = torch.arange(s, device=device)[None].expand_as(ids)
+    return ids, pos, mask

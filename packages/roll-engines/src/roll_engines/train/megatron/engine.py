@@ -1,7 +1,7 @@
-"""The `megatron` training engine: Megatron-Core's GPTModel with tensor (and sequence), pipeline, data and (MoE)
-expert parallelism.
+"""The `megatron` training engine: Megatron-Core's GPTModel with tensor (and sequence), context, pipeline, data and
+(MoE) expert parallelism.
 
-One engine per worker process; the worker group's mesh (DP x PP x TP, roll_core.cluster.mesh) hands every rank of
+One engine per worker process; the worker group's mesh (DP x PP x CP x TP, roll_core.cluster.mesh) hands every rank of
 a model replica the same rows and collects results from the replica's last pipeline stage. Weights load from and
 export to Hugging Face folders (roll_engines.train.megatron._convert); training uses Megatron's
 DistributedDataParallel, its optimizer (distributed optimizer optional) and its pipeline schedules, with
@@ -19,6 +19,9 @@ optimizer of their own at EP > 1; the states' structures differ).
 MoE (Qwen3-MoE, Qwen2-MoE with its gated shared expert; `expert_model_parallel_size`): experts sharded over
 data-parallel ranks, their tokens exchanged by all-to-all in every forward, so every data-parallel rank runs as
 many micro-batches (`_balanced` pads with rows that train nothing).
+
+Sequence parallelism (`sequence_parallel`, TP > 1) and context parallelism (`context_parallel_size`, all-gather
+attention on the local spec: roll_engines.train.megatron._context) pad every width to a multiple of what they split.
 
 LoRA (`lora_rank > 0`, roll_engines.train.megatron._lora): adapters on the tensor-parallel linear layers; only they
 train, the reference is the base with adapters disabled, weights export merged, checkpoints add a peft `adapter/`.
@@ -53,7 +56,7 @@ from roll_engines.train.megatron._checkpoint import (
     quiet_dist_checkpointing,
     torch_adam_steps_restored,
 )
-from roll_engines.train.megatron._packed import left_pad, pad_packed, rope_at
+from roll_engines.train.megatron._packed import model_inputs, prepare, rope_at
 from roll_engines.train.megatron._parallel import end_parallel, init_parallel
 
 
@@ -257,38 +260,6 @@ class MegatronTrainEngine:
         return float(t.item())
 
     # ---- forward ------------------------------------------------------------------------------------------
-    def _prepare(self, micros: list[dict]) -> list[dict]:
-        """With `pack_sequences`, each micro-batch gets its packed form under "_packed" (roll_engines.train._packing:
-        a group's prompt once, no padding) where it packs; all packed ones are padded to one (rows, width), the
-        shape pipeline stages exchange. Megatron's local attention applies the block mask as given. Under sequence
-        parallelism every width is padded to a multiple of TP (unpacked rows on the left, as masked positions)."""
-        k = self._seq_multiple
-        packed = []
-        if self.pack_sequences:
-            from roll_engines.train._packing import pack
-
-            packed = [
-                pack(m["input_ids"], m["attention_mask"], m["position_ids"], m["responses"], self.hf_config.hidden_size)
-                for m in micros
-            ]
-        if not packed or any(p is None for p in packed):  # one shape for every micro-batch: all packed or none
-            return micros if k == 1 else [left_pad(m, k) for m in micros]
-        n = max(p.input_ids.shape[0] for p in packed)
-        t = -(-max(p.input_ids.shape[1] for p in packed) // k) * k
-        return [{**m, "_packed": pad_packed(p, n, t).to(self.device)} for m, p in zip(micros, packed)]
-
-    def _inputs(self, micro: Mapping[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
-        packed = micro.get("_packed")
-        if packed is not None:  # Megatron's mask is True where attention is blocked
-            return packed.input_ids, packed.position_ids, ~packed.allowed
-        ids = micro["input_ids"].to(self.device)
-        s = ids.shape[1]
-        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)
-        mask = causal[None, None] | (micro["attention_mask"].to(self.device) == 0)[:, None, None, :]
-        # RoPE is relative, so left padding needs no position shift: positions 0..s-1 give HF's log-probs.
-        pos = torch.arange(s, device=self.device)[None].expand_as(ids)
-        return ids, pos, mask
-
     def _logprobs(self, logits: Tensor, micro: Mapping[str, Tensor], temperature: float, entropy: bool) -> dict:
         """Vocab-parallel log-probs (B, R) of the response tokens (and their entropy, not differentiated)."""
         from megatron.core import parallel_state as ps
@@ -327,7 +298,7 @@ class MegatronTrainEngine:
 
         def forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[Tensor, Callable]:
             micro = next(data_iterator)
-            ids, pos, mask = self._inputs(micro)
+            ids, pos, mask = model_inputs(micro, self.device)
             if self.cp_size > 1:  # this CP rank's slice of every sequence, at its own positions
                 from roll_engines.train.megatron._context import gather_logits, local_slice
 
@@ -338,7 +309,7 @@ class MegatronTrainEngine:
                 output = gather_logits(output)  # the whole sequence's logits on every CP rank
             return output, lambda out: loss(out, micro)
 
-        micros = self._prepare(micros)
+        micros = prepare(micros, self.pack_sequences, self._seq_multiple, self.hf_config.hidden_size, self.device)
         inputs = [m["_packed"].input_ids if "_packed" in m else m["input_ids"] for m in micros]
         return get_forward_backward_func()(
             forward_step_func=forward_step,
