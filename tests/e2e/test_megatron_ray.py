@@ -18,16 +18,16 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def _group(path: str, tp: int, pp: int, **kw) -> TrainGroup:
+def _group(path: str, tp: int, pp: int, world_size: int = 2, **kw) -> TrainGroup:
     from roll_engines.config import MegatronTrainEngineConfig
 
-    cfg = MegatronTrainEngineConfig(world_size=2, tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw)
+    cfg = MegatronTrainEngineConfig(world_size=world_size, tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw)
     return TrainGroup(
         TrainWorker,
-        2,
+        world_size,
         "ray",
         ray_options=RayOptions(num_cpus=0.5),
-        mesh=Mesh.for_world(2, tp=tp, pp=pp, cp=cfg.context_parallel_size),
+        mesh=Mesh.for_world(world_size, tp=tp, pp=pp, cp=cfg.context_parallel_size),
         engine=vars(cfg),
         runtime={"model_path": path, "lr": 1e-2, "num_threads": 1, "dist_backend": "gloo"},
     )
@@ -76,6 +76,8 @@ def _resumed_step(group: TrainGroup, folder, batch: Batch, objective) -> dict[st
         ("qwen2", 2, 1, True, {"sequence_parallel": True, "pack_sequences": False}),
         ("qwen3", 1, 1, False, {"context_parallel_size": 2}),
         ("qwen2", 1, 1, True, {"context_parallel_size": 2, "pack_sequences": False}),
+        ("qwen3", 2, 1, False, {"context_parallel_size": 2, "sequence_parallel": True, "world_size": 4}),
+        ("qwen3", 1, 2, True, {"context_parallel_size": 2, "world_size": 4}),
     ],
     ids=[
         "tp2",
@@ -85,6 +87,8 @@ def _resumed_step(group: TrainGroup, folder, batch: Batch, objective) -> dict[st
         "qwen2-tp2-sp-unpacked",
         "qwen3-cp2",
         "qwen2-cp2-unpacked",
+        "qwen3-tp2-sp-cp2",
+        "qwen3-pp2-cp2",
     ],
 )
 def test_megatron_parallel_equals_hf(
