@@ -94,7 +94,8 @@ def _resumed_step(group: TrainGroup, folder, batch: Batch, objective) -> dict[st
 def test_megatron_parallel_equals_hf(
     ray_cluster, tmp_path, kind: str, tp: int, pp: int, distributed_optimizer: bool, extra: dict
 ) -> None:
-    """TP=2, PP=2, and DP=2 with the distributed optimizer (optimizer state sharded over the two replicas); with
+    """TP=2, PP=2, and DP=2 with the distributed optimizer (optimizer state sharded over the two replicas), with an
+    entropy bonus trained; with
     sequence parallelism (each TP rank's norms and residuals hold half of every sequence; odd widths padded), packed
     and unpacked, on models whose q/k norms (Qwen3) and q/k/v biases (Qwen2) would show a missed gradient reduction."""
     from roll_core.testing.models import tiny_model
@@ -102,7 +103,8 @@ def test_megatron_parallel_equals_hf(
 
     path = resolve_model_path("builtin:tiny") if kind == "llama" else tiny_model(kind, tmp_path / kind)
     batch = Batch(toy_batch(path))
-    objective = PolicyObjective(agg="token-mean")
+    # An entropy bonus: under TP its entropies come from sums all-reduced over the vocabulary shards.
+    objective = PolicyObjective(agg="token-mean", entropy_coef=0.5)
     hf = HFTrainEngine(path, lr=1e-2, micro_batch_size=2)
     group = _group(path, tp, pp, micro_batch_size=2, use_distributed_optimizer=distributed_optimizer, **extra)
     try:

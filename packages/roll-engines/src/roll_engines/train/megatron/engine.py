@@ -26,9 +26,9 @@ attention on the local spec: roll_engines.train.megatron._context) pad every wid
 LoRA (`lora_rank > 0`, roll_engines.train.megatron._lora): adapters on the tensor-parallel linear layers; only they
 train, the reference is the base with adapters disabled, weights export merged, checkpoints add a peft `adapter/`.
 
-Not supported yet (clear errors): the critic role (no value head) and an entropy bonus (entropy is reported, not
-trained). Packed sequences (`pack_sequences`, default on) use roll's shared-prompt packing
-(roll_engines.train._packing) with its block mask given to Megatron's attention, not the THD format.
+Not supported yet (a clear error): the critic role (no value head). Packed sequences (`pack_sequences`, default
+on) use roll's shared-prompt packing (roll_engines.train._packing) with its block mask given to Megatron's
+attention, not the THD format. The entropy bonus trains through vocab-parallel entropies (_vocab).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from roll_engines.train.megatron._checkpoint import (
 )
 from roll_engines.train.megatron._packed import model_inputs, prepare, rope_at
 from roll_engines.train.megatron._parallel import end_parallel, init_parallel
+from roll_engines.train.megatron._vocab import response_logprobs
 
 
 class MegatronTrainEngine:
@@ -261,34 +262,8 @@ class MegatronTrainEngine:
 
     # ---- forward ------------------------------------------------------------------------------------------
     def _logprobs(self, logits: Tensor, micro: Mapping[str, Tensor], temperature: float, entropy: bool) -> dict:
-        """Vocab-parallel log-probs (B, R) of the response tokens (and their entropy, not differentiated)."""
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
-
-        packed = micro.get("_packed")
-        if packed is not None:
-            # The predicting positions' logits, then one row per response token (a prompt's last position
-            # predicts the first token of each of its responses): (K, 1, V/tp) in Megatron's (s, b, v) order.
-            x = logits[packed.keep][packed.source][:, None].float() / temperature
-            targets = packed.targets[:, None]
-        else:
-            resp = micro["responses"].to(self.device)
-            r = resp.shape[1]
-            x = logits[:, -r - 1 : -1].float().transpose(0, 1) / temperature  # (R, B, V/tp)
-            targets = resp.t()
-        vp = x.shape[-1]
-        start = ps.get_tensor_model_parallel_rank() * vp
-        pad = torch.arange(start, start + vp, device=x.device) >= self.hf_config.vocab_size
-        x = x.masked_fill(pad, float("-inf")).contiguous()
-        nll = tensor_parallel.vocab_parallel_cross_entropy(x, targets.contiguous())
-        out = {"logprobs": -nll.t()}
-        if entropy:
-            with torch.no_grad():
-                full = tensor_parallel.gather_from_tensor_model_parallel_region(x)[..., : self.hf_config.vocab_size]
-                out["entropy"] = torch.distributions.Categorical(logits=full).entropy().t()
-        if packed is not None:
-            out = {k: packed.scatter(v[0]) for k, v in out.items()}  # (K,) -> (B, R)
-        return out
+        """Log-probs (B, R) of the response tokens (and their entropies) from vocab-parallel logits (_vocab)."""
+        return response_logprobs(logits, micro, temperature, entropy, self.hf_config.vocab_size)
 
     def _schedule(
         self, micros: list[dict], loss: Callable[[Tensor, dict], tuple[Tensor, dict]], forward_only: bool
@@ -407,8 +382,6 @@ class MegatronTrainEngine:
     ) -> dict[str, float]:
         if not self.trainable or self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine is not trainable")
-        if loss_fn.needs_entropy and getattr(loss_fn, "entropy_coef", 0.0) > 0:
-            raise ValueError("train_engine=megatron reports entropy but does not train an entropy bonus yet")
         tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
         n = tensors["input_ids"].shape[0]
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
