@@ -196,3 +196,16 @@ def test_megatron_moe_grpo_run_syncs_its_experts(seven_task: Path, tmp_path: Pat
     assert len(steps) == 4 and any(h["actor/grad_norm"] > 0 for h in steps[:-1]), steps
     gaps = [h["actor/train_infer_logprob_diff"] for h in steps]
     assert max(gaps) < 1e-5, gaps
+
+
+def test_ppo_learns_with_a_megatron_actor_and_critic(seven_task: Path, tmp_path: Path) -> None:
+    """algo=ppo on train_engine=megatron: the critic is Megatron's GPTModel with a value head (it was refused
+    before); the policy learns and the critic's value error falls as with hf."""
+    pytest.importorskip("megatron.core")
+    _, history = run(
+        learning(seven_task, tmp_path, "algo=ppo", "algo.group_size=8", "algo.critic_lr=3e-3", "train_engine=megatron")
+    )
+    assert_learns(history)
+    assert_critic_learns(history)
+    critic = tmp_path / "checkpoints" / "step_000020" / "critic" / "model" / "config.json"
+    assert "ForTokenClassification" in critic.read_text()

@@ -18,7 +18,7 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def _group(path: str, tp: int, pp: int, world_size: int = 2, **kw) -> TrainGroup:
+def _group(path: str, tp: int, pp: int, world_size: int = 2, role: str = "actor", **kw) -> TrainGroup:
     from roll_engines.config import MegatronTrainEngineConfig
 
     cfg = MegatronTrainEngineConfig(world_size=world_size, tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw)
@@ -29,7 +29,7 @@ def _group(path: str, tp: int, pp: int, world_size: int = 2, **kw) -> TrainGroup
         ray_options=RayOptions(num_cpus=0.5),
         mesh=Mesh.for_world(world_size, tp=tp, pp=pp, cp=cfg.context_parallel_size),
         engine=vars(cfg),
-        runtime={"model_path": path, "lr": 1e-2, "num_threads": 1, "dist_backend": "gloo"},
+        runtime={"model_path": path, "lr": 1e-2, "num_threads": 1, "dist_backend": "gloo", "role": role},
     )
 
 
@@ -282,3 +282,48 @@ def test_megatron_moe_parallel_equals_hf_and_resumes(
                 dense_experts.load(str(tmp_path / "ckpt"))
         finally:
             dense_experts.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "extra"), [(2, 1, {"sequence_parallel": True}), (1, 2, {})], ids=["tp2-sp", "pp2"]
+)
+def test_megatron_critic_parallel_equals_hf(ray_cluster, tmp_path, tp: int, pp: int, extra: dict) -> None:
+    """The critic (value head replicated over TP; under sequence parallelism it gathers the sequence shards first)
+    at TP=2 and PP=2: values, value-loss gradients and a step equal the hf critic's."""
+    from roll_core.pipelines.objectives import ValueObjective
+    from roll_core.testing.models import tiny_model
+    from roll_engines.train.hf import HFTrainEngine
+
+    lm = tiny_model("qwen2", tmp_path / "lm")
+    start = HFTrainEngine(lm, role="critic")
+    with torch.no_grad():
+        start.model.score.weight.normal_(0.0, 0.5)  # a head whose values matter
+    start.save(tmp_path / "critic")
+    path = str(tmp_path / "critic" / "model")
+    tensors = toy_batch(path)
+    g = torch.Generator().manual_seed(3)
+    shape = tensors["response_mask"].shape
+    batch = Batch(
+        {**tensors, "values": torch.randn(shape, generator=g) * 0.1, "returns": torch.randn(shape, generator=g)}
+    )
+    objective = ValueObjective(clip=0.2)
+    hf = HFTrainEngine(path, role="critic", lr=1e-2, micro_batch_size=2)
+    group = _group(path, tp, pp, micro_batch_size=2, use_distributed_optimizer=False, role="critic", **extra)
+    try:
+        mask = batch["response_mask"]
+        values = group.compute_values(batch)["values"]
+        torch.testing.assert_close(
+            values * mask, hf.compute_values(batch.tensors())["values"] * mask, atol=1e-5, rtol=1e-5
+        )
+        expected = hf.compute_gradients(batch.tensors(), objective)
+        grads = group.call("compute_gradients", batch, objective)[0]
+        assert set(grads) == set(expected)
+        for name, want in expected.items():
+            torch.testing.assert_close(grads[name], want, atol=1e-6, rtol=1e-4, msg=name)
+        group.train(batch, objective, mini_batches=1, epochs=1, temperature=1.0, shuffle_seed=0)
+        hf.train_step(batch.tensors(), objective)
+        weights = group.get_weights()
+        for name, w in hf.get_weights().items():  # 5% of lr, as in test_megatron_critic.py
+            torch.testing.assert_close(weights[name], w, atol=5e-4, rtol=0, msg=name)
+    finally:
+        group.shutdown()

@@ -235,7 +235,7 @@ def _layer_spec(config: Any) -> Any:
     return TransformerBlockSubmodules(layer_specs=[swap(layer)] * get_num_layers_to_build(config), layer_norm=RMSNorm)
 
 
-def build_model(hf_config: Any, config: Any) -> Any:
+def build_model(hf_config: Any, config: Any, critic: bool = False) -> Any:
     """This pipeline stage's GPTModel (vocab padded for TP; logits stay vocab-parallel)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -255,7 +255,8 @@ def build_model(hf_config: Any, config: Any) -> Any:
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        # The critic's output layer is its own value head (_critic), never the embeddings.
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) and not critic,
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),  # GPTModel reads the argument, not config.rotary_base
         parallel_output=True,
@@ -386,14 +387,15 @@ def shard(
     return out
 
 
-def load_hf(model: Any, hf: dict[str, Tensor], cfg: Any) -> None:
-    """Copy an HF state dict into this rank's stage (parallel_state tells TP rank and stage)."""
+def load_hf(model: Any, hf: dict[str, Tensor], cfg: Any, head: dict[str, Tensor] | None = None) -> None:
+    """Copy an HF state dict into this rank's stage (parallel_state tells TP rank and stage); `head`: a critic's
+    value-head tensors (replicated), which replace the output layer."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     tp = ps.get_tensor_model_parallel_world_size()
     full = hf_to_mcore(hf, cfg, padded_vocab(cfg.vocab_size, tp))
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings or head is not None:
         full.pop("output_layer.weight")
     mine = shard(
         full,
@@ -405,6 +407,8 @@ def load_hf(model: Any, hf: dict[str, Tensor], cfg: Any) -> None:
         model.post_process,
         local_experts(cfg),
     )
+    if head is not None and model.post_process:
+        mine.update(head)
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     missing, unexpected = sorted(set(own) - set(mine)), sorted(set(mine) - set(own))
     if missing or unexpected:
@@ -528,10 +532,10 @@ def read_hf(path: str) -> dict[str, Tensor]:
     return out
 
 
-def hf_names(cfg: Any) -> list[str]:
-    """The HF model's parameter names in its own order (built on the meta device)."""
-    from transformers import AutoModelForCausalLM
+def hf_names(cfg: Any, critic: bool = False) -> list[str]:
+    """The HF model's parameter names in its own order (built on the meta device; the critic's token classifier)."""
+    from roll_engines.train.megatron._critic import hf_class, hf_config
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = hf_class(critic).from_config(hf_config(cfg, critic))
     return [k for k, _ in model.named_parameters()]

@@ -26,9 +26,10 @@ attention on the local spec: roll_engines.train.megatron._context) pad every wid
 LoRA (`lora_rank > 0`, roll_engines.train.megatron._lora): adapters on the tensor-parallel linear layers; only they
 train, the reference is the base with adapters disabled, weights export merged, checkpoints add a peft `adapter/`.
 
-Not supported yet (a clear error): the critic role (no value head). Packed sequences (`pack_sequences`, default
-on) use roll's shared-prompt packing (roll_engines.train._packing) with its block mask given to Megatron's
-attention, not the THD format. The entropy bonus trains through vocab-parallel entropies (_vocab).
+The critic role (algo=ppo): the GPTModel's output layer is a value head, exchanged with HF as a token classifier
+(_critic). Packed sequences (`pack_sequences`, default on) use roll's shared-prompt packing
+(roll_engines.train._packing) with its block mask given to Megatron's attention, not the THD format. The entropy
+bonus trains through vocab-parallel entropies (_vocab).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.train.hf import lr_lambda
 from roll_engines.train.megatron import _convert as C
+from roll_engines.train.megatron import _critic as V
 from roll_engines.train.megatron import _lora as L
 from roll_engines.train.megatron._checkpoint import (
     optimizer_state_bytes,
@@ -62,7 +64,7 @@ from roll_engines.train.megatron._vocab import response_logprobs
 
 
 class MegatronTrainEngine:
-    """Megatron-Core training engine (actor or reference) over a Llama/Qwen-family HF model."""
+    """Megatron-Core training engine (actor, reference or critic) over a Llama/Qwen-family HF model."""
 
     def __init__(
         self,
@@ -109,10 +111,10 @@ class MegatronTrainEngine:
                 "train_engine=megatron maps transformers' own Llama/Qwen2/Qwen3 code to Megatron layers; a model with "
                 "remote code (model.trust_remote_code=true) cannot be converted: use train_engine=hf or fsdp2"
             )
-        if role == "critic":
-            raise ValueError("train_engine=megatron has no value head yet: train the critic with hf or fsdp2")
-        if role not in ("actor", "reference"):
-            raise ValueError(f"role must be actor or reference, got {role!r}")
+        if role not in ("actor", "reference", "critic"):
+            raise ValueError(f"role must be actor, critic or reference, got {role!r}")
+        if role == "critic" and lora_rank:
+            raise ValueError("LoRA trains the policy only (role 'critic'): set lora_rank=0 for the critic")
         if lora_rank and lora_dropout:
             raise ValueError("train_engine=megatron trains LoRA without dropout: set train_engine.lora_dropout=0")
         prepare_engine_process(device, num_threads)
@@ -151,8 +153,13 @@ class MegatronTrainEngine:
                 sequence_parallel,
                 cp,
             )
-            self.model = C.build_model(self.hf_config, config).to(self.device)
-            C.load_hf(self.model, C.read_hf(self.path), self.hf_config)
+            self.critic = role == "critic"  # a value head instead of the output layer (_critic)
+            self.model = C.build_model(self.hf_config, config, self.critic)
+            if self.critic:
+                V.attach(self.model)
+            self.model.to(self.device)
+            self._seed = seed
+            C.load_hf(self.model, *self._weights(self.path))
             self.lora = (lora_rank, lora_alpha, lora_target_modules) if lora_rank and self.trainable else None
             if self.lora:  # before DDP and the optimizer: they hold the trainable (adapter) parameters only
                 L.apply_lora(self.model, lora_rank, lora_alpha, lora_target_modules, seed)
@@ -261,8 +268,16 @@ class MegatronTrainEngine:
         return float(t.item())
 
     # ---- forward ------------------------------------------------------------------------------------------
+    def _weights(self, path: str) -> tuple[dict[str, Tensor], Any, dict[str, Tensor] | None]:
+        """(HF tensors of the folder at `path`, the HF config, the critic's value head or None): load_hf's input."""
+        hf = C.read_hf(path)
+        return hf, self.hf_config, V.head_tensors(hf, self.hf_config, self._seed) if self.critic else None
+
     def _logprobs(self, logits: Tensor, micro: Mapping[str, Tensor], temperature: float, entropy: bool) -> dict:
-        """Log-probs (B, R) of the response tokens (and their entropies) from vocab-parallel logits (_vocab)."""
+        """Log-probs (B, R) of the response tokens (and their entropies) from vocab-parallel logits (_vocab); the
+        critic's values (B, R) from its value head."""
+        if self.critic:
+            return V.response_values(logits, micro)
         return response_logprobs(logits, micro, temperature, entropy, self.hf_config.vocab_size)
 
     def _schedule(
@@ -319,13 +334,16 @@ class MegatronTrainEngine:
         disabled = L.adapters_disabled(self.model) if base else contextlib.nullcontext()
         with self._shims(), disabled:
             parts = self._schedule(micros, loss, forward_only=True)
-        keys = ["logprobs", "entropy"] if with_entropy else ["logprobs"]
+        keys = ["values"] if self.critic else ["logprobs", "entropy"] if with_entropy else ["logprobs"]
         if not ps.is_pipeline_last_stage():
             return {k: torch.zeros(n, r) for k in keys}
         return {k: torch.cat([p[k] for p in parts])[:n] for k in keys}
 
     def compute_values(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        raise NotImplementedError("train_engine=megatron has no value head: train the critic with hf or fsdp2")
+        """The critic's values (B, R) at the response positions (last pipeline stage; zeros elsewhere)."""
+        if not self.critic:
+            raise ValueError(f"compute_values needs the critic role, not {self.role!r}")
+        return self.compute_logprobs(batch)
 
     def _balanced(self, micros: list[dict], batch: Mapping[str, Tensor]) -> tuple[list[dict], int]:
         """`micros` (each numbered by an "_index" tensor) followed by rows that train nothing (`_padding_row`), so
@@ -489,6 +507,9 @@ class MegatronTrainEngine:
         local: dict[str, Tensor] = {}
         with self._shims():
             for name, t in self._local(grads, changed_only):
+                if self.critic and name.startswith("output_layer."):  # the replicated value head
+                    local.update(V.to_hf(name, t.float()))
+                    continue
                 local.update(C.to_hf(name, C.gather_tp(name, t.float()), self.hf_config, offset))
         local = C.fuse_experts(self._all_experts(self._all_stages(local)), self.hf_config)
         for k in self._hf_order:
@@ -499,7 +520,7 @@ class MegatronTrainEngine:
     def _hf_order(self) -> list[str]:
         """The HF model's parameter names in its own order (built once: a meta model of a Qwen2-7B config takes
         1.9 s here, which every weight sync and save paid)."""
-        return C.hf_names(self.hf_config)
+        return C.hf_names(self.hf_config, self.critic)
 
     def iter_weights(self, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
         """Full weights in HF names, in the HF model's order (collective over TP and PP ranks). With LoRA the
@@ -524,10 +545,10 @@ class MegatronTrainEngine:
             if dist.get_rank() == 0:
                 L.save_adapter(folder / "adapter", adapter, L.adapter_config(*self.lora, self.path))
         if dist.get_rank() == 0:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoTokenizer
 
             with torch.device("meta"):
-                skeleton = AutoModelForCausalLM.from_config(self.hf_config)
+                skeleton = V.hf_class(self.critic).from_config(V.hf_config(self.hf_config, self.critic))
             skeleton.save_pretrained(folder / "model", state_dict=weights, safe_serialization=True)
             AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(folder / "model")
         if self.optimizer is None:
@@ -567,7 +588,7 @@ class MegatronTrainEngine:
             if self.lora:
                 L.load_adapter(self.model, self.hf_config, folder / "adapter", self.lora[0], self.lora[1])
             else:
-                C.load_hf(self.model, C.read_hf(str(folder / "model")), self.hf_config)
+                C.load_hf(self.model, *self._weights(str(folder / "model")))
         if self.optimizer is None:
             return
         if not (folder / "optimizer" / "metadata.json").exists():
