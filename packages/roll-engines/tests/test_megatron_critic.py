@@ -14,31 +14,12 @@ pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]
 pytestmark = pytest.mark.usefixtures("megatron_process_group")
 
 
-def critic_batch(path: str) -> dict[str, torch.Tensor]:
-    """toy_batch plus the old values and returns a value loss reads (seeded, spread so that clipping acts)."""
-    from roll_core.testing.batches import toy_batch
-
-    batch = toy_batch(path)
-    g = torch.Generator().manual_seed(3)
-    shape = batch["response_mask"].shape
-    return {**batch, "values": torch.randn(shape, generator=g) * 0.1, "returns": torch.randn(shape, generator=g)}
-
-
 @pytest.fixture(scope="module")
 def critic_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A critic checkpoint (token classifier with a trained-looking head) written by the hf critic."""
     os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
-    from roll_core.testing.models import tiny_model
-    from roll_engines.train.hf import HFTrainEngine
+    from roll_core.testing.models import tiny_critic
 
-    lm = tiny_model("qwen2", tmp_path_factory.mktemp("lm"))
-    hf = HFTrainEngine(lm, role="critic", seed=5)
-    with torch.no_grad():
-        hf.model.score.weight.normal_(0.0, 0.5)
-        hf.model.score.bias.fill_(0.3)
-    folder = tmp_path_factory.mktemp("critic")
-    hf.save(folder)
-    return str(folder / "model")
+    return tiny_critic(tmp_path_factory.mktemp("critic"))
 
 
 def _megatron(path: str, **kw):
@@ -53,6 +34,7 @@ def test_critic_values_gradients_and_step_equal_hf(critic_path: str, packed: boo
     from transformers import AutoModelForTokenClassification
 
     from roll_core.pipelines.objectives import ValueObjective
+    from roll_core.testing.batches import critic_batch
     from roll_engines.train.hf import HFTrainEngine
 
     batch, objective = critic_batch(critic_path), ValueObjective(clip=0.2)
@@ -84,6 +66,7 @@ def test_critic_values_gradients_and_step_equal_hf(critic_path: str, packed: boo
 
 def test_critic_from_a_causal_lm_gets_a_new_seeded_head(tmp_path: Path) -> None:
     """From a causal LM folder (no score.*): a head of transformers' initial scale, the same for the same seed."""
+    from roll_core.testing.batches import critic_batch
     from roll_core.testing.models import tiny_model
 
     lm = tiny_model("qwen3", tmp_path / "lm")

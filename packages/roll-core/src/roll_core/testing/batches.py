@@ -28,3 +28,12 @@ def toy_batch(model_path: str) -> dict[str, torch.Tensor]:
     out.update(responses=responses, response_mask=mask)
     out["advantages"] = torch.linspace(-1, 1, len(prompts))[:, None] * mask
     return out
+
+
+def critic_batch(model_path: str) -> dict[str, torch.Tensor]:
+    """`toy_batch` plus the old values (B, R) and returns (B, R) a value loss reads (seeded; the returns spread
+    beyond the old values' clip range, so value clipping acts)."""
+    batch = toy_batch(model_path)
+    g = torch.Generator().manual_seed(3)
+    shape = batch["response_mask"].shape
+    return {**batch, "values": torch.randn(shape, generator=g) * 0.1, "returns": torch.randn(shape, generator=g)}

@@ -101,3 +101,21 @@ def assert_matches_transformers(engine: Any, path: str, state: dict[str, torch.T
         tokens = batch["responses"][i, :n].tolist()
         ref = teacher_forced_logprobs(path, list(tok(PROMPTS[i // 2])["input_ids"]), tokens, 0.7)
         assert out["logprobs"][i, :n].tolist() == pytest.approx(ref, abs=1e-5), (path, i)
+
+
+def tiny_critic(folder: str | Path) -> str:
+    """A qwen2 `tiny_model` as a critic checkpoint: transformers' token classifier with one label (what the hf
+    critic trains and saves), its value head spread (N(0, 0.5), bias 0.3) so that values differ clearly by token;
+    saved in `folder/critic` (returned as a str)."""
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    folder = Path(folder)
+    lm = tiny_model("qwen2", folder / "lm")
+    torch.manual_seed(5)
+    critic = AutoModelForTokenClassification.from_pretrained(lm, num_labels=1)
+    with torch.no_grad():
+        critic.score.weight.normal_(0.0, 0.5)
+        critic.score.bias.fill_(0.3)
+    critic.save_pretrained(folder / "critic")
+    AutoTokenizer.from_pretrained(lm).save_pretrained(folder / "critic")
+    return str(folder / "critic")
