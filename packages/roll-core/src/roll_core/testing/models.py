@@ -47,24 +47,17 @@ def tiny_model(kind: str, folder: str | Path, norm_topk_prob: bool = True) -> st
         cfg = Qwen2Config(**common)
     elif kind == "qwen3":
         cfg = Qwen3Config(head_dim=16, **common)
-    elif kind == "qwen3_moe":
-        cfg = Qwen3MoeConfig(
-            head_dim=16,
-            moe_intermediate_size=32,
-            num_experts=4,
-            num_experts_per_tok=2,
-            norm_topk_prob=norm_topk_prob,
-            **common,
-        )
     else:
-        cfg = Qwen2MoeConfig(
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-            num_experts=4,
-            num_experts_per_tok=2,
-            norm_topk_prob=norm_topk_prob,
-            **common,
-        )
+        moe = {
+            "moe_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": norm_topk_prob,
+        }
+        if kind == "qwen3_moe":
+            cfg = Qwen3MoeConfig(head_dim=16, **moe, **common)
+        else:
+            cfg = Qwen2MoeConfig(shared_expert_intermediate_size=48, **moe, **common)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
