@@ -68,8 +68,3 @@ def gather_logits(logits: Tensor) -> Tensor:
         logits.transpose(0, 1).contiguous(), False, ps.get_context_parallel_group()
     )
     return whole.transpose(0, 1)
-
-
-def swap_attention(spec: Any) -> Any:
-    """`spec`'s local DotProductAttention replaced by ContextParallelAttention (for a spec walk)."""
-    return ContextParallelAttention if spec is DotProductAttention else spec

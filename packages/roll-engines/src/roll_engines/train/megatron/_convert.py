@@ -212,14 +212,17 @@ def _layer_spec(config: Any) -> Any:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    def swap(spec: Any) -> Any:
-        if spec is WrappedTorchNorm:
-            return RMSNorm
-        if config.context_parallel_size > 1:
-            from roll_engines.train.megatron._context import swap_attention
+    replace: dict[type, type] = {WrappedTorchNorm: RMSNorm}
+    if config.context_parallel_size > 1:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-            if swap_attention(spec) is not spec:
-                return swap_attention(spec)
+        from roll_engines.train.megatron._context import ContextParallelAttention
+
+        replace[DotProductAttention] = ContextParallelAttention
+
+    def swap(spec: Any) -> Any:
+        if isinstance(spec, type) and spec in replace:
+            return replace[spec]
         if isinstance(spec, ModuleSpec):
             return dataclasses.replace(spec, submodules=swap(spec.submodules))
         if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
