@@ -533,12 +533,3 @@ def read_hf(path: str) -> dict[str, Tensor]:
     for f in files:
         out.update(load_file(f))
     return out
-
-
-def hf_names(cfg: Any, critic: bool = False) -> list[str]:
-    """The HF model's parameter names in its own order (built on the meta device; the critic's token classifier)."""
-    from roll_engines.train.megatron._critic import hf_class, hf_config
-
-    with torch.device("meta"):
-        model = hf_class(critic).from_config(hf_config(cfg, critic))
-    return [k for k, _ in model.named_parameters()]

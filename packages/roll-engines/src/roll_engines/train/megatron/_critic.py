@@ -73,19 +73,15 @@ def response_values(values: Tensor, micro: Mapping[str, Any]) -> dict[str, Tenso
     return {"values": values[:, -r - 1 : -1, 0].float()}
 
 
-def hf_class(critic: bool) -> Any:
-    """The transformers class whose checkpoints this engine reads and writes."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
-    return AutoModelForTokenClassification if critic else AutoModelForCausalLM
-
-
-def hf_config(cfg: Any, critic: bool) -> Any:
-    """`cfg` as the config of the HF model written: a one-label token classifier for the critic."""
-    if not critic:
-        return cfg
+def hf_skeleton(cfg: Any, critic: bool) -> Any:
+    """The HF model whose checkpoints the engine reads and writes, on the meta device (its parameter order and
+    `save_pretrained`): the causal LM, or for the critic a one-label token classifier of the same config."""
     import copy
 
-    out = copy.deepcopy(cfg)
-    out.num_labels = 1
-    return out
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if critic:
+        cfg = copy.deepcopy(cfg)
+        cfg.num_labels = 1
+    with torch.device("meta"):
+        return (AutoModelForTokenClassification if critic else AutoModelForCausalLM).from_config(cfg)
