@@ -116,8 +116,9 @@ class LoRAParallelLinear(torch.nn.Module):
             set_tensor_model_parallel_attributes(self.lora_a, True, 1, 1)
         # Under sequence parallelism the replicated one (column A, row B) sees only this rank's sequence shard, so
         # its gradient is partial: marked, Megatron sums it over TP (as it does for the norms).
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
         replicated = self.lora_a if parallel == "column" else self.lora_b
-        replicated.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
+        replicated.sequence_parallel = self.sequence_parallel
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         """x: (s, b, in) (column) or (s, b, in/tp) (row) -> ((s, b, out/tp) or (s, b, out), bias); under sequence
@@ -133,14 +134,13 @@ class LoRAParallelLinear(torch.nn.Module):
         if not self.enabled:
             return out, bias
         h = F.linear(x, self.lora_a)
-        sequence_parallel = bool(getattr(self.base, "sequence_parallel", False))
         if self.parallel == "column":
             h = (
                 gather_from_sequence_parallel_region(h)
-                if sequence_parallel
+                if self.sequence_parallel
                 else copy_to_tensor_model_parallel_region(h)
             )
-        elif sequence_parallel:
+        elif self.sequence_parallel:
             h = reduce_scatter_to_sequence_parallel_region(h)
         else:
             h = reduce_from_tensor_model_parallel_region(h)
