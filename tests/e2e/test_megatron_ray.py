@@ -130,7 +130,7 @@ def test_megatron_parallel_equals_hf(
     ],
     ids=["tp2-sp", "cp2"],
 )
-def test_grpo_with_megatron_tp2_learns(ray_cluster, seven_task, tmp_path, layout: tuple) -> None:
+def test_grpo_with_megatron_tp2_sp_and_cp2_learns(ray_cluster, seven_task, tmp_path, layout: tuple) -> None:
     """GRPO through roll-train's config at TP=2 with sequence parallelism, and at CP=2 (the keys compose, the
     pipeline's mesh sends both ranks the same rows): the reward rises and the synced weights give the trainer's
     log-probs."""
