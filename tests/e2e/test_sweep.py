@@ -39,6 +39,7 @@ def test_sweep_of_three_jobs_on_ray_writes_summary(seven_task: Path, tmp_path: P
         "hydra/launcher=ray",
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "sweep: started a local Ray instance on loopback" in proc.stdout + proc.stderr
     table = rows(tmp_path)
     assert [r["status"] for r in table] == ["ok", "ok", "ok"]
     assert sorted(r["params"] for r in table) == ["algo.lr=0.001", "algo.lr=0.003", "algo.lr=0.01"]

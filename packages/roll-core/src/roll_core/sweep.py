@@ -251,7 +251,11 @@ def _plot(curves: dict[str, list[tuple[int, float]]], path: Path) -> None:
 
 
 class SweepSummaryCallback(Callback):
-    """Hydra callback: after a multirun, summarise its jobs and remember failures for the exit code."""
+    """Hydra callback: before a multirun on the Ray launcher, start its local Ray instance on loopback; after it,
+    summarise its jobs and remember failures for the exit code."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        start_sweep_ray(config.hydra.launcher)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         _remove_slots(config.hydra.sweep.dir)
@@ -261,6 +265,30 @@ class SweepSummaryCallback(Callback):
         log.info("sweep summary: %d jobs, %d failed -> %s/summary.md", len(rows), len(failed), config.hydra.sweep.dir)
         if failed:
             log.error("failed jobs: %s", "; ".join(failed))
+
+
+def start_sweep_ray(launcher: Any) -> bool:
+    """Start the Ray launcher's local instance (`hydra.launcher.ray.init` without an address) the way `Cluster`
+    starts one: listening on loopback only (`loopback_only`). The launcher then finds Ray running and uses it.
+    Returns whether it started one; another launcher, an `init.address` to join, or a running Ray: nothing."""
+    from omegaconf import OmegaConf
+
+    if not str(launcher.get("_target_", "")).endswith(".ray_launcher.RayLauncher"):
+        return False
+    init = OmegaConf.to_container(launcher.ray.init, resolve=True)
+    assert isinstance(init, dict)
+    if init.pop("address", None):
+        return False
+    import ray
+
+    if ray.is_initialized():
+        return False
+    from roll_core.cluster.launch import loopback_only
+
+    with loopback_only():
+        ray.init(address="local", _node_ip_address="127.0.0.1", **init)
+    log.info("sweep: started a local Ray instance on loopback (hydra.launcher.ray.init.address=auto joins a cluster)")
+    return True
 
 
 def _remove_slots(sweep_dir: str) -> None:

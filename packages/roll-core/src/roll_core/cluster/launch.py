@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from roll_core.cluster.group import RayOptions, WorkerGroup
@@ -61,6 +63,33 @@ def resolve_python(value: str | None, engine: str) -> str | None:
     )
 
 
+@contextmanager
+def loopback_only() -> Iterator[None]:
+    """While a new local Ray instance starts: every server it opens listens on 127.0.0.1 only.
+
+    `ray.init(_node_ip_address="127.0.0.1")` is not enough on Linux: Ray replaces a loopback address by the
+    machine's routable one, and its GCS, raylet and workers listen on every interface unless their node address
+    is exactly 127.0.0.1. Ray's single-machine mode (its default on macOS and Windows,
+    `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`) keeps loopback. The processes it starts inherit the variable; the
+    driver read Ray's constant at import, so it is set there for the call too, and both are put back after, so
+    a later `ray.init(address=...)` in this process behaves as Ray's default.
+    """
+    from ray._private import ray_constants
+
+    var = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    old_env, old_const = os.environ.get(var), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[var] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = old_const
+        if old_env is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old_env
+
+
 class Cluster:
     """Creates worker groups for roles on the configured backend."""
 
@@ -97,22 +126,22 @@ class Cluster:
             "ignore_reinit_error": True,
         }
         if self.cfg.address:
-            kwargs["address"] = self.cfg.address
-        else:
-            # A new local instance (even if a `ray start` cluster runs here: cluster.address=auto joins that one).
-            kwargs["address"] = "local"
-            # Declare enough logical CPUs for every role's fractional share; torch threads
-            # are set per worker, independently of Ray's CPU accounting.
-            kwargs["num_cpus"] = self.cfg.num_cpus or max(os.cpu_count() or 1, 4)  # = ${roll_logical_cpus:}
-            if self.cfg.resources:
-                kwargs["resources"] = dict(self.cfg.resources)
-            # The head advertises loopback only, and Ray's token authentication (on by default for a new local
-            # instance since Ray 2.5x) stays on unless the user turns it off: cluster.ray_token_auth=false or
-            # RAY_AUTH_MODE=disabled in the environment (tests do that for their private instances).
-            kwargs["_node_ip_address"] = "127.0.0.1"
-            if not self.cfg.ray_token_auth:
-                os.environ["RAY_AUTH_MODE"] = "disabled"
-        ray.init(**kwargs)
+            ray.init(address=self.cfg.address, **kwargs)
+            self._started_ray = True
+            return
+        # A new local instance (even if a `ray start` cluster runs here: cluster.address=auto joins that one).
+        # Declare enough logical CPUs for every role's fractional share; torch threads are set per worker,
+        # independently of Ray's CPU accounting.
+        kwargs["num_cpus"] = self.cfg.num_cpus or max(os.cpu_count() or 1, 4)  # = ${roll_logical_cpus:}
+        if self.cfg.resources:
+            kwargs["resources"] = dict(self.cfg.resources)
+        # Ray's token authentication (on by default for a new local instance since Ray 2.5x) stays on unless the
+        # user turns it off: cluster.ray_token_auth=false or RAY_AUTH_MODE=disabled in the environment (tests do
+        # that for their private instances).
+        if not self.cfg.ray_token_auth:
+            os.environ["RAY_AUTH_MODE"] = "disabled"
+        with loopback_only():
+            ray.init(address="local", _node_ip_address="127.0.0.1", **kwargs)
         self._started_ray = True
 
     def _placement(self, role: str, world_size: int, devices_per_worker: int = 1) -> RayOptions:
