@@ -33,23 +33,20 @@ def _group(path: str, tp: int, pp: int, world_size: int = 2, role: str = "actor"
     )
 
 
-def _equals_hf(
-    group: TrainGroup, hf, batch: Batch, objective, gradients: bool = True, critic: bool = False
-) -> dict[str, torch.Tensor]:
-    """`group`'s log-probs (a critic's values), gradients (unless `gradients` is False) and one step equal the hf
-    engine's (which takes the same step); returns the group's weights after it."""
+def _equals_hf(group: TrainGroup, hf, batch: Batch, objective, critic: bool = False) -> dict[str, torch.Tensor]:
+    """`group`'s log-probs (a critic's values), gradients and one step equal the hf engine's (which takes the same
+    step); returns the group's weights after it."""
     key = "values" if critic else "logprobs"
     score = "compute_values" if critic else "compute_logprobs"
     expected = getattr(hf, score)(batch.tensors())[key]
     mask = batch["response_mask"]  # padding positions hold no log-prob (engines differ there by design)
     got = getattr(group, score)(batch)[key]
     torch.testing.assert_close(got * mask, expected * mask, atol=1e-5, rtol=1e-5)
-    if gradients:
-        expected_grads = hf.compute_gradients(batch.tensors(), objective)
-        grads = group.call("compute_gradients", batch, objective)[0]
-        assert set(grads) == set(expected_grads)
-        for name, g in expected_grads.items():
-            torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)
+    expected_grads = hf.compute_gradients(batch.tensors(), objective)
+    grads = group.call("compute_gradients", batch, objective)[0]
+    assert set(grads) == set(expected_grads)
+    for name, g in expected_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)
     group.train(batch, objective, mini_batches=1, epochs=1, temperature=1.0, shuffle_seed=0)
     hf.train_step(batch.tensors(), objective)
     weights = group.get_weights()
@@ -112,8 +109,9 @@ def test_megatron_parallel_equals_hf(
     hf = HFTrainEngine(path, lr=1e-2, micro_batch_size=2)
     group = _group(path, tp, pp, micro_batch_size=2, use_distributed_optimizer=distributed_optimizer, **extra)
     try:
-        # With the distributed optimizer each replica holds reduced gradients for its shard only.
-        weights = _equals_hf(group, hf, batch, objective, gradients=not distributed_optimizer)
+        # The distributed optimizer reduce-scatters gradients when it trains; compute_gradients still gives them
+        # whole (its backward all-reduces), so they are compared under it too.
+        weights = _equals_hf(group, hf, batch, objective)
         group.save(str(tmp_path / "ckpt"), path)
     finally:
         group.shutdown()
@@ -188,13 +186,18 @@ def test_megatron_checkpoint_resumes_at_another_layout(ray_cluster, tmp_path) ->
         plain.shutdown()
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
-def test_megatron_lora_tp2_equals_peft_and_resumes_at_pp2(ray_cluster, tmp_path, sequence_parallel: bool) -> None:
+@pytest.mark.parametrize(
+    "tp, layout",
+    [(2, {}), (2, {"sequence_parallel": True}), (1, {"context_parallel_size": 2})],
+    ids=["tp2", "tp2-sp", "cp2"],
+)
+def test_megatron_lora_parallel_equals_peft_and_resumes_at_pp2(ray_cluster, tmp_path, tp: int, layout: dict) -> None:
     """LoRA at TP=2 (A replicated and B row-sharded on q/k/v, gate/up and the vocab-parallel lm_head; A
     column-sharded and B replicated on o and down) after one step: log-probs, base log-probs and gradients equal
     peft's on the HF model with the exported adapter loaded. Resumed at PP=2 from that checkpoint, the next step
-    equals TP=2's next step. With sequence parallelism the adapters gather and reduce-scatter over the sequence
-    shards as their base layers do."""
+    equals that layout's next step. With sequence parallelism the adapters gather and reduce-scatter over the
+    sequence shards as their base layers do; at CP=2 each rank's adapters see half of every sequence, and their
+    gradients are averaged over CP like every other parameter's."""
     pytest.importorskip("peft")
     from roll_engines.train._lora import load_adapter
     from roll_engines.train.hf import HFTrainEngine
@@ -207,7 +210,7 @@ def test_megatron_lora_tp2_equals_peft_and_resumes_at_pp2(ray_cluster, tmp_path,
     lora = {"lora_rank": 4, "lora_alpha": 8.0, "lora_target_modules": targets}
     train = {"mini_batches": 1, "epochs": 1, "temperature": 1.0, "shuffle_seed": 0}
     mask = batch["response_mask"]
-    tp2 = _group(path, 2, 1, micro_batch_size=2, sequence_parallel=sequence_parallel, **lora)
+    tp2 = _group(path, tp, 1, micro_batch_size=2, **layout, **lora)
     try:
         tp2.train(batch, objective, **train)  # B leaves zero: every adapter tensor now shapes the output
         tp2.save(str(tmp_path / "ckpt"), path)

@@ -281,7 +281,11 @@ class MegatronTrainEngine:
         return response_logprobs(logits, micro, temperature, entropy, self.hf_config.vocab_size)
 
     def _schedule(
-        self, micros: list[dict], loss: Callable[[Tensor, dict], tuple[Tensor, dict]], forward_only: bool
+        self,
+        micros: list[dict],
+        loss: Callable[[Tensor, dict], tuple[Tensor, dict]],
+        forward_only: bool,
+        force_all_reduce: bool = False,
     ) -> list[dict]:
         """Run Megatron's pipeline schedule over `micros`; returns the loss functions' dicts (last stage)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -309,6 +313,7 @@ class MegatronTrainEngine:
             seq_length=inputs[0].shape[1],
             micro_batch_size=max(x.shape[0] for x in inputs),
             forward_only=forward_only,
+            force_all_reduce=force_all_reduce,
         )
 
     @torch.no_grad()
@@ -361,9 +366,12 @@ class MegatronTrainEngine:
         return [{**m, "_index": torch.tensor(i)} for i, m in enumerate(micros)], real
 
     # ---- training -----------------------------------------------------------------------------------------
-    def _backward(self, mini: dict[str, Tensor], loss_fn: LossFn, temperature: float) -> tuple[list, float]:
+    def _backward(
+        self, mini: dict[str, Tensor], loss_fn: LossFn, temperature: float, force_all_reduce: bool = False
+    ) -> tuple[list, float]:
         """Forward/backward of one mini-batch through the schedule; gradients of the unsplit batch (see module
-        docstring); returns (metric pairs, the mini-batch's units over data-parallel ranks)."""
+        docstring); returns (metric pairs, the mini-batch's units over data-parallel ranks). `force_all_reduce`:
+        whole gradients on every rank even under the distributed optimizer (whose reduction is a reduce-scatter)."""
         micros = _split(mini, self.micro_batch_size)
         total = self._dp_sum(sum(loss_fn.units(m) for m in micros))
         micros, real = self._balanced(micros, mini)
@@ -385,7 +393,7 @@ class MegatronTrainEngine:
 
         self.model.train()
         with self._shims():
-            self._schedule(micros, loss, forward_only=False)
+            self._schedule(micros, loss, forward_only=False, force_all_reduce=force_all_reduce)
         return metrics, total
 
     def train_step(
@@ -452,7 +460,10 @@ class MegatronTrainEngine:
         """Full gradients in HF names of one mini-batch, without a step (data-parallel reduced; collective). With
         LoRA: the adapter's gradients in peft's names (a fused layer's shared A gradient under each projection)."""
         self.ddp.zero_grad_buffer()
-        self._backward({k: v for k, v in batch.items() if isinstance(v, Tensor)}, loss_fn, temperature)
+        # The distributed optimizer's reduction is a reduce-scatter: each rank's gradients are whole only in the
+        # shard it updates. Here every rank needs them whole, so this backward's reduction is an all-reduce.
+        tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+        self._backward(tensors, loss_fn, temperature, force_all_reduce=True)
         if self.lora:
             with self._shims():
                 grads = self._all_stages(L.adapter_tensors(self.model, self.hf_config, grads=True))
