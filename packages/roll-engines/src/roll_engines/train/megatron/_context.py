@@ -13,9 +13,11 @@ keys and values are whole during one layer's attention. Compute per rank is bala
 zig-zag split, because the full (S/CP) x S score matrix is computed under the mask (masked blocks are not
 skipped, unlike TE's ring attention).
 
-The last stage all-gathers its logits over CP (backward: each rank takes its own slice's gradient), so log-probs
-and losses are the unsplit model's on every CP rank, and each rank's parameter gradients are those of its own
-tokens; Megatron's data-parallel reduction runs over DP x CP and sums them.
+The last stage keeps its logits per CP rank: each rank scores the response tokens its slice predicts and one sum
+over CP (backward: identity) gives every rank all of them (_vocab.response_logprobs), so the (S, V) logits are never
+gathered. A critic's values, one per position, are all-gathered instead (`gather_logits`). Either way log-probs,
+values and losses are the unsplit model's on every CP rank, and each rank's parameter gradients are those of its
+own tokens; Megatron's data-parallel reduction runs over DP x CP and sums them.
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ def local_slice(ids: Tensor, pos: Tensor, mask: Tensor) -> tuple[Tensor, Tensor,
 
 
 def gather_logits(logits: Tensor) -> Tensor:
-    """(b, S/CP, v) logits of this rank's slice -> (b, S, v), identical on every CP rank; the backward hands each
-    rank the gradient of its own slice."""
+    """(b, S/CP, v) outputs of this rank's slice (a critic's values, v = 1) -> (b, S, v), identical on every CP
+    rank; the backward hands each rank the gradient of its own slice."""
     if ps.get_context_parallel_world_size() == 1:
         return logits
     whole = gather_from_sequence_parallel_region(

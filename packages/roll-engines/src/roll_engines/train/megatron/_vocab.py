@@ -39,30 +39,47 @@ def response_logprobs(
     logits: Tensor, micro: Mapping[str, Any], temperature: float, entropy: bool, vocab_size: int
 ) -> dict[str, Tensor]:
     """Log-probs (B, R) of a micro-batch's response tokens (and their entropies (B, R), differentiable) from the
-    last stage's logits (B, S, V/tp): padded rows, or the packed layout of micro["_packed"]."""
+    last stage's logits (B, S/CP, V/tp): padded rows, or the packed layout of micro["_packed"].
+
+    Under context parallelism each CP rank holds the logits of its contiguous slice of every sequence: it scores
+    the response tokens predicted from its slice, and one sum over CP (backward: identity, each rank's logits only
+    feed its own tokens) gives every rank all of them. That moves K floats per output instead of all-gathering
+    the (B, S, V/tp) logits, which at a 150k vocabulary would be the largest tensor of the step."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
+    b, n = logits.shape[:2]
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    s = n * cp
+    grid = torch.arange(b * s, device=logits.device).view(b, s)  # each position's flat index in the whole batch
     packed = micro.get("_packed")
     if packed is not None:
-        # The predicting positions' logits, then one row per response token (a prompt's last position
-        # predicts the first token of each of its responses): (K, 1, V/tp) in Megatron's (s, b, v) order.
-        x = logits[packed.keep][packed.source][:, None].float() / temperature
-        targets = packed.targets[:, None]
+        # The predicting positions, then one row per response token (a prompt's last position predicts the first
+        # token of each of its responses).
+        rows, targets = grid[packed.keep][packed.source], packed.targets
+        shape = None
     else:
         resp = micro["responses"].to(logits.device)
         r = resp.shape[1]
-        x = logits[:, -r - 1 : -1].float().transpose(0, 1) / temperature  # (R, B, V/tp)
-        targets = resp.t()
+        rows, targets = grid[:, -r - 1 : -1].reshape(-1), resp.reshape(-1)  # (B * R,)
+        shape = (b, r)
+    pos = rows % s
+    mine = torch.nonzero(pos // n == cp_rank).squeeze(-1)  # the rows this CP rank's slice predicts
+    local = (rows[mine] // s) * n + pos[mine] - cp_rank * n
+    x = logits.reshape(b * n, -1)[local][:, None].float() / temperature  # (k, 1, V/tp): Megatron's (s, b, v)
     vp = x.shape[-1]
     start = ps.get_tensor_model_parallel_rank() * vp
     pad = torch.arange(start, start + vp, device=x.device) >= vocab_size
     nll = tensor_parallel.vocab_parallel_cross_entropy(
-        x.masked_fill(pad, float("-inf")).contiguous(), targets.contiguous()
+        x.masked_fill(pad, float("-inf")).contiguous(), targets[mine][:, None].contiguous()
     )
-    out = {"logprobs": -nll.t()}
+    parts = {"logprobs": -nll[:, 0]}
     if entropy:
-        out["entropy"] = vocab_parallel_entropy(x, pad).t()
-    if packed is not None:
-        out = {k: packed.scatter(v[0]) for k, v in out.items()}  # (K,) -> (B, R)
+        parts["entropy"] = vocab_parallel_entropy(x, pad)[:, 0]
+    out = {}
+    for key, v in parts.items():
+        whole = v.new_zeros(rows.shape[0]).index_put((mine,), v)  # (K,), zeros where another CP rank predicts
+        if cp > 1:
+            whole = tensor_parallel.reduce_from_tensor_model_parallel_region(whole, ps.get_context_parallel_group())
+        out[key] = packed.scatter(whole) if packed is not None else whole.view(shape)
     return out

@@ -299,8 +299,9 @@ class MegatronTrainEngine:
                 ids, pos, mask = local_slice(ids, pos, mask)
             with rope_at(self.model, pos if "_packed" in micro or self.cp_size > 1 else None):
                 output = model(ids, pos, mask)
-            if self.cp_size > 1 and self.model.post_process:
-                output = gather_logits(output)  # the whole sequence's logits on every CP rank
+            if self.cp_size > 1 and self.model.post_process and self.critic:
+                output = gather_logits(output)  # the whole sequence's values on every CP rank (one per position)
+            # (An actor's logits stay per CP rank: response_logprobs scores each rank's slice and sums over CP.)
             return output, lambda out: loss(out, micro)
 
         micros = prepare(micros, self.pack_sequences, self._seq_multiple, self.hf_config.hidden_size, self.device)
