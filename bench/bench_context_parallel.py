@@ -11,8 +11,8 @@ measures on every rank:
   when the backward starts, so this is the activation part of the peak memory. The attention scores, (S/CP) x S
   per head and layer, are what CP shrinks; keys and values are whole during each layer's attention;
 - peak memory growth: the process's resident-set high-water mark during the call (reset just before it through
-  `/proc/self/clear_refs`, after `malloc_trim`) minus its resident set before it. Unlike the saved activations this includes what
-  lives only briefly (logits, their softmax, communication buffers); Linux only;
+  `/proc/self/clear_refs`, after `malloc_trim`) minus its resident set before it. Unlike the saved activations
+  this includes what lives only briefly (logits, their softmax, communication buffers); Linux only;
 - wall seconds of the call (1 torch thread per process, so CP=2 uses 2 cores where CP=1 uses 1).
 
 It prints CP=1/CP=2 ratios and checks that the two layouts' gradients agree. Usage:

@@ -102,3 +102,36 @@ def test_entropy_bonus_trains_like_hf(packed: bool) -> None:
     assert max((plain[n] - g).abs().max() for n, g in expected.items()) > 1e-3  # the bonus changes the gradient
     for name, g in expected.items():
         torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_vocabulary_projection_runs_on_response_positions_only(packed: bool) -> None:
+    """The output layer computes one row per response token (padded: B x R per micro-batch; packed: one per token
+    it scores), not one per position: the prompt's logits would be the step's largest tensors and are never used.
+    The log-probs are still the hf engine's."""
+    from roll_core.models import resolve_model_path
+    from roll_core.testing.batches import toy_batch
+    from roll_engines.train.hf import HFTrainEngine
+    from roll_engines.train.megatron import MegatronTrainEngine
+
+    path = resolve_model_path("builtin:tiny")
+    batch = toy_batch(path)
+    engine = MegatronTrainEngine(
+        path, dist_backend="gloo", use_distributed_optimizer=False, logprob_chunk_size=3, pack_sequences=packed
+    )
+    rows: list[int] = []
+    hook = engine.model.output_layer.register_forward_hook(lambda m, args, out: rows.append(out[0].shape[0]))
+    try:
+        got = engine.compute_logprobs(batch)["logprobs"]
+    finally:
+        hook.remove()
+    b, r = batch["responses"].shape
+    assert len(rows) == -(-b // 3)
+    if packed:
+        assert sum(rows) == int(batch["response_mask"].sum())  # each packed response token once
+    else:
+        assert sum(rows) == b * r
+    assert sum(rows) < batch["input_ids"].numel() / 2  # not the prompt positions
+    want = HFTrainEngine(path, role="reference").compute_logprobs(batch)["logprobs"]
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-5)

@@ -13,8 +13,8 @@ keys and values are whole during one layer's attention. Compute per rank is bala
 zig-zag split, because the full (S/CP) x S score matrix is computed under the mask (masked blocks are not
 skipped, unlike TE's ring attention).
 
-The last stage keeps its logits per CP rank: each rank scores the response tokens its slice predicts and one sum
-over CP (backward: identity) gives every rank all of them (_vocab.response_logprobs), so the (S, V) logits are never
+The last stage computes logits per CP rank, for the response tokens its slice predicts only, and one sum over CP
+(backward: identity) gives every rank all of their log-probs (_vocab.response_logprobs), so no logits are
 gathered. A critic's values, one per position, are all-gathered instead (`gather_logits`). Either way log-probs,
 values and losses are the unsplit model's on every CP rank, and each rank's parameter gradients are those of its
 own tokens; Megatron's data-parallel reduction runs over DP x CP and sums them.

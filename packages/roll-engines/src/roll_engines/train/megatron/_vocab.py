@@ -7,11 +7,19 @@ without gradient (H does not depend on it), Z and sum e x are all-reduced by red
 whose backward is the identity, which is right because every TP rank computes the same H from the same sums. So the
 entropy is differentiable (the entropy bonus trains) and costs two (..., 1) all-reduces instead of a (..., V) gather.
 Padding rows of the vocabulary are masked out of both.
+
+The output layer runs on the response tokens' predicting positions only (`logits_at`), as the hf engine's does: an
+RL sequence is mostly prompt, and the (S, V/TP) logits of every position would be the largest tensors of the step
+(S = 8192 at a 152k vocabulary: 5 GB in fp32 per sequence, and as much again for their gradient). Under sequence
+parallelism each TP rank holds S/TP positions and the output layer all-gathers its input over TP, so every rank
+passes the same number of rows (its own, padded) and the logits of a token are found at its shard's block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -35,51 +43,101 @@ def vocab_parallel_entropy(x: Tensor, pad: Tensor) -> Tensor:
     return torch.log(z) + m.squeeze(-1) - ex / z
 
 
-def response_logprobs(
-    logits: Tensor, micro: Mapping[str, Any], temperature: float, entropy: bool, vocab_size: int
-) -> dict[str, Tensor]:
-    """Log-probs (B, R) of a micro-batch's response tokens (and their entropies (B, R), differentiable) from the
-    last stage's logits (B, S/CP, V/tp): padded rows, or the packed layout of micro["_packed"].
+@dataclasses.dataclass
+class ResponseRows:
+    """Where a micro-batch's K response tokens are predicted, as one rank sees it (`response_rows`)."""
 
-    Under context parallelism each CP rank holds the logits of its contiguous slice of every sequence: it scores
-    the response tokens predicted from its slice, and one sum over CP (backward: identity, each rank's logits only
-    feed its own tokens) gives every rank all of them. That moves K floats per output instead of all-gathering
-    the (B, S, V/tp) logits, which at a 150k vocabulary would be the largest tensor of the step."""
+    mine: Tensor  # (k,) the tokens this CP rank's slice predicts, as indices into the K
+    targets: Tensor  # (k,) their token ids
+    picked: Tensor  # (c,) rows of this rank's output-layer input (s, b, H) to compute, flat s * b_size + b
+    at: Tensor  # (k,) row of each of `mine` in the output layer's (shards * c) output rows
+    total: int  # K
+    shape: tuple[int, int] | None  # (B, R) of a padded micro-batch; None when packed (packed.scatter places them)
+
+
+def response_rows(micro: Mapping[str, Any], b: int, n: int, sequence_parallel: bool, device: Any) -> ResponseRows:
+    """The response positions of a micro-batch of b rows of S = n * CP tokens (padded rows, or the packed layout
+    of micro["_packed"]) that this rank's output layer must compute: its CP slice's n positions per row, and under
+    sequence parallelism its TP shard's n / TP of them (every TP rank of the slice gets as many rows, padded)."""
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
-    b, n = logits.shape[:2]
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     s = n * cp
-    grid = torch.arange(b * s, device=logits.device).view(b, s)  # each position's flat index in the whole batch
+    grid = torch.arange(b * s, device=device).view(b, s)  # each position's flat index in the whole batch
     packed = micro.get("_packed")
     if packed is not None:
         # The predicting positions, then one row per response token (a prompt's last position predicts the first
         # token of each of its responses).
-        rows, targets = grid[packed.keep][packed.source], packed.targets
+        rows, targets = grid[packed.keep][packed.source], packed.targets.to(device)
         shape = None
     else:
-        resp = micro["responses"].to(logits.device)
+        resp = micro["responses"].to(device)
         r = resp.shape[1]
         rows, targets = grid[:, -r - 1 : -1].reshape(-1), resp.reshape(-1)  # (B * R,)
         shape = (b, r)
     pos = rows % s
-    mine = torch.nonzero(pos // n == cp_rank).squeeze(-1)  # the rows this CP rank's slice predicts
-    local = (rows[mine] // s) * n + pos[mine] - cp_rank * n
-    x = logits.reshape(b * n, -1)[local][:, None].float() / temperature  # (k, 1, V/tp): Megatron's (s, b, v)
+    mine = torch.nonzero(pos // n == cp_rank).squeeze(-1)
+    local, row = pos[mine] - cp_rank * n, rows[mine] // s  # position in this slice, batch row
+    sp = sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
+    shards = ps.get_tensor_model_parallel_world_size() if sp else 1
+    m = n // shards
+    shard = local // m
+    counts = torch.bincount(shard, minlength=shards)
+    c = max(int(counts.max()) if len(mine) else 0, 1)  # >= 1: an all-gather of nothing is not portable
+    order = torch.argsort(shard, stable=True)
+    within = torch.empty_like(order)
+    within[order] = torch.arange(len(order), device=device) - (torch.cumsum(counts, 0) - counts)[shard[order]]
+    own = shard == (ps.get_tensor_model_parallel_rank() if sp else 0)
+    picked = torch.zeros(c, dtype=torch.long, device=device)  # padding rows compute position 0 and are never read
+    picked[within[own]] = (local[own] % m) * b + row[own]
+    return ResponseRows(mine, targets[mine], picked, shard * c + within, len(rows), shape)
+
+
+@contextlib.contextmanager
+def logits_at(model: Any, plan: ResponseRows) -> Iterator[None]:
+    """Within it, `model`'s output layer (last stage) computes the rows `plan.picked` of its input only: Megatron's
+    GPTModel then returns (1, shards * c, V/tp) logits instead of (b, n, V/tp). The layer's own forward runs on
+    the rows (its collectives, LoRA adapters, tied weights and gradients as usual)."""
+    layer = model.output_layer
+    original = layer.forward
+
+    def on_rows(hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
+        flat = hidden.reshape(-1, hidden.shape[-1])  # (s * b, H), sequence-major as Megatron holds it
+        return original(flat[plan.picked][:, None], *args, **kwargs)  # (c, 1, H)
+
+    layer.forward = on_rows
+    try:
+        yield
+    finally:
+        del layer.forward  # the class's forward again
+
+
+def response_logprobs(
+    logits: Tensor, micro: Mapping[str, Any], plan: ResponseRows, temperature: float, entropy: bool, vocab_size: int
+) -> dict[str, Tensor]:
+    """Log-probs (B, R) of a micro-batch's response tokens (and their entropies (B, R), differentiable) from the
+    last stage's logits (1, shards * c, V/tp) at the rows of `plan` (`logits_at`).
+
+    Under context parallelism each CP rank computed the logits of the response tokens its slice predicts: one sum
+    over CP (backward: identity, each rank's logits only feed its own tokens) gives every rank all of them. That
+    moves K floats per output instead of all-gathering logits."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    x = logits[0, plan.at][:, None].float() / temperature  # (k, 1, V/tp): Megatron's (s, b, v)
     vp = x.shape[-1]
     start = ps.get_tensor_model_parallel_rank() * vp
     pad = torch.arange(start, start + vp, device=x.device) >= vocab_size
     nll = tensor_parallel.vocab_parallel_cross_entropy(
-        x.masked_fill(pad, float("-inf")).contiguous(), targets[mine][:, None].contiguous()
+        x.masked_fill(pad, float("-inf")).contiguous(), plan.targets[:, None].contiguous()
     )
     parts = {"logprobs": -nll[:, 0]}
     if entropy:
         parts["entropy"] = vocab_parallel_entropy(x, pad)[:, 0]
     out = {}
     for key, v in parts.items():
-        whole = v.new_zeros(rows.shape[0]).index_put((mine,), v)  # (K,), zeros where another CP rank predicts
-        if cp > 1:
+        whole = v.new_zeros(plan.total).index_put((plan.mine,), v)  # (K,), zeros where another CP rank predicts
+        if ps.get_context_parallel_world_size() > 1:
             whole = tensor_parallel.reduce_from_tensor_model_parallel_region(whole, ps.get_context_parallel_group())
-        out[key] = packed.scatter(whole) if packed is not None else whole.view(shape)
+        out[key] = micro["_packed"].scatter(whole) if plan.shape is None else whole.view(plan.shape)
     return out

@@ -29,7 +29,8 @@ train, the reference is the base with adapters disabled, weights export merged, 
 The critic role (algo=ppo): the GPTModel's output layer is a value head, exchanged with HF as a token classifier
 (_critic). Packed sequences (`pack_sequences`, default on) use roll's shared-prompt packing
 (roll_engines.train._packing) with its block mask given to Megatron's attention, not the THD format. The entropy
-bonus trains through vocab-parallel entropies (_vocab).
+bonus trains through vocab-parallel entropies (_vocab), and the vocabulary projection runs on the positions that
+predict response tokens only (_vocab.logits_at).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from roll_engines.train.megatron._checkpoint import (
 )
 from roll_engines.train.megatron._packed import model_inputs, prepare, rope_at
 from roll_engines.train.megatron._parallel import end_parallel, init_parallel
-from roll_engines.train.megatron._vocab import response_logprobs
+from roll_engines.train.megatron._vocab import logits_at, response_logprobs, response_rows
 
 
 class MegatronTrainEngine:
@@ -278,7 +279,7 @@ class MegatronTrainEngine:
         critic's values (B, R) from its value head."""
         if self.critic:
             return V.response_values(logits, micro)
-        return response_logprobs(logits, micro, temperature, entropy, self.hf_config.vocab_size)
+        return response_logprobs(logits, micro, micro["_rows"], temperature, entropy, self.hf_config.vocab_size)
 
     def _schedule(
         self,
@@ -297,7 +298,12 @@ class MegatronTrainEngine:
                 from roll_engines.train.megatron._context import gather_logits, local_slice
 
                 ids, pos, mask = local_slice(ids, pos, mask)
-            with rope_at(self.model, pos if "_packed" in micro or self.cp_size > 1 else None):
+            rows = contextlib.nullcontext()
+            if self.model.post_process and not self.critic:  # the vocabulary projection of response tokens only
+                sp = self.model.config.sequence_parallel
+                plan = response_rows(micro, ids.shape[0], ids.shape[1], sp, ids.device)
+                micro, rows = {**micro, "_rows": plan}, logits_at(self.model, plan)
+            with rope_at(self.model, pos if "_packed" in micro or self.cp_size > 1 else None), rows:
                 output = model(ids, pos, mask)
             if self.cp_size > 1 and self.model.post_process and self.critic:
                 output = gather_logits(output)  # the whole sequence's values on every CP rank (one per position)
@@ -381,7 +387,7 @@ class MegatronTrainEngine:
         def loss(out: Tensor, micro: dict) -> tuple[Tensor, dict]:
             pad = int(micro["_index"]) >= real  # a padding micro-batch: trains nothing, reports nothing
             outputs = self._logprobs(out, micro, temperature, loss_fn.needs_entropy)
-            value, m = loss_fn(outputs, {k: v.to(self.device) for k, v in micro.items()})
+            value, m = loss_fn(outputs, {k: v.to(self.device) for k, v in micro.items() if k != "_rows"})
             units = 0.0 if pad else loss_fn.units(micro)
             # DDP averages over data-parallel ranks and the schedule divides by the micro-batch count: undo both.
             # (Under CP, DDP averages over DP x CP too, and the schedule multiplies the loss by CP, as every CP rank
