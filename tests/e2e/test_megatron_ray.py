@@ -292,6 +292,41 @@ def test_megatron_moe_parallel_equals_hf_and_resumes(
 
 
 @pytest.mark.parametrize(
+    ("kind", "world", "tp", "ep"),
+    [("qwen3_moe", 2, 1, 1), ("qwen2_moe", 4, 1, 2), ("qwen3_moe", 4, 2, 1)],
+    ids=["qwen3-cp2", "qwen2-shared-cp2-ep2", "qwen3-tp2-sp-cp2"],
+)
+def test_megatron_moe_context_parallel_equals_hf(ray_cluster, tmp_path, kind: str, world: int, tp: int, ep: int):
+    """MoE under context parallelism: the experts are per token, so each CP rank routes its own slice's tokens;
+    Megatron reduces the experts' gradients over its expert data-parallel group, which spans DP x CP like the dense
+    weights' reduction. With EP=2 (4 ranks: CP=2 x DP=2) the tokens of each CP slice cross the two replicas by
+    all-to-all; at TP=2 the experts are split over TP under sequence parallelism. Log-probs, gradients (an entropy
+    bonus trained) and a step equal the hf engine's."""
+    from roll_core.testing.models import tiny_model
+    from roll_engines.train.hf import HFTrainEngine
+
+    path = tiny_model(kind, tmp_path / "moe")
+    batch = Batch({k: v[:5] for k, v in toy_batch(path).items()})  # 5 rows: at EP=2 the replicas hold 3 and 2
+    objective = PolicyObjective(agg="token-mean", entropy_coef=0.5)
+    hf = HFTrainEngine(path, lr=1e-2, micro_batch_size=2)
+    group = _group(
+        path,
+        tp,
+        1,
+        world_size=world,
+        micro_batch_size=2,
+        use_distributed_optimizer=False,
+        context_parallel_size=2,
+        expert_model_parallel_size=ep,
+        sequence_parallel=tp > 1,
+    )
+    try:
+        _equals_hf(group, hf, batch, objective)
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.parametrize(
     ("tp", "pp", "extra"),
     [(2, 1, {"sequence_parallel": True}), (1, 2, {}), (1, 1, {"context_parallel_size": 2})],
     ids=["tp2-sp", "pp2", "cp2"],

@@ -91,7 +91,7 @@ class MegatronTrainEngineConfig:
     # activation memory by about TP; required for MoE models at TP > 1. Sequences are padded to a multiple of TP.
     sequence_parallel: bool = False
     # Context parallelism: each of this many ranks holds 1/CP of every sequence (attention all-gathers keys and
-    # values; roll_engines.train.megatron._context), for sequences too long for one rank's activations. Dense models.
+    # values; roll_engines.train.megatron._context), for sequences too long for one rank's activations (dense and MoE).
     context_parallel_size: int = 1
     # Rows per micro-batch (pipeline schedules interleave micro-batches across stages).
     micro_batch_size: int = 4

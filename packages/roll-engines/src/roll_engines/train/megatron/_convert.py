@@ -70,9 +70,7 @@ def rope_theta(hf_config: Any) -> float:
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-def check_supported(
-    hf_config: Any, tp: int, pp: int, ep: int = 1, sequence_parallel: bool = False, cp: int = 1
-) -> None:
+def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1, sequence_parallel: bool = False) -> None:
     """Clear errors for what this mapping cannot express."""
     kind = hf_config.model_type
     if kind not in SUPPORTED:
@@ -89,11 +87,6 @@ def check_supported(
                 "tensor_parallel_size > 1 with a MoE model: Megatron-Core trains MoE layers under tensor parallelism "
                 "only with sequence parallelism: set train_engine.sequence_parallel=true (or shard the experts with "
                 "expert_model_parallel_size and the depth with pipeline_parallel_size instead)"
-            )
-        if cp > 1:
-            raise ValueError(
-                f"context_parallel_size={cp} with a MoE model: roll's context parallelism (all-gathered keys and "
-                "values on the local spec) is built for dense models; use context_parallel_size=1"
             )
         if hf_config.num_experts % ep:
             raise ValueError(f"expert_model_parallel_size={ep} must divide the model's {hf_config.num_experts} experts")

@@ -132,7 +132,7 @@ class MegatronTrainEngine:
         self.hf_config = AutoConfig.from_pretrained(self.path)
         ep = expert_model_parallel_size
         cp = context_parallel_size
-        C.check_supported(self.hf_config, tensor_parallel_size, pipeline_parallel_size, ep, sequence_parallel, cp)
+        C.check_supported(self.hf_config, tensor_parallel_size, pipeline_parallel_size, ep, sequence_parallel)
         # Context parallelism splits every sequence over the CP ranks, and sequence parallelism each slice over the
         # TP ranks: lengths are padded to a multiple of both.
         self._seq_multiple = (tensor_parallel_size if sequence_parallel else 1) * cp
