@@ -83,7 +83,7 @@ def response_rows(micro: Mapping[str, Any], b: int, n: int, sequence_parallel: b
     m = n // shards
     shard = local // m
     counts = torch.bincount(shard, minlength=shards)
-    c = max(int(counts.max()) if len(mine) else 0, 1)  # >= 1: an all-gather of nothing is not portable
+    c = max(int(counts.max()), 1)  # >= 1: an all-gather of nothing is not portable
     order = torch.argsort(shard, stable=True)
     within = torch.empty_like(order)
     within[order] = torch.arange(len(order), device=device) - (torch.cumsum(counts, 0) - counts)[shard[order]]
