@@ -38,6 +38,9 @@ class TorchCudaLikePlatform(TorchAcceleratorPlatform):
 
     @classmethod
     def supports_bf16(cls) -> bool:
+        """Native bf16 on the current device. Not `torch.cuda.is_bf16_supported()` with its default: that is also
+        true where bf16 is only emulated (V100, T4), which runs slower than fp32 and which vLLM refuses, so
+        `dtype=auto` would pick a dtype the engines cannot use. CUDA and ROCm refine this rule."""
         import torch
 
-        return bool(torch.cuda.is_bf16_supported())
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))

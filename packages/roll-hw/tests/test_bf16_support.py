@@ -1,0 +1,78 @@
+"""Native bf16 decides `dtype=auto`: emulated bf16 (V100, T4; `torch.cuda.is_bf16_supported()` says yes) must not.
+
+torch's device queries are monkeypatched, so these run on any machine (no GPU needed).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from roll_hw.cuda import CudaPlatform
+from roll_hw.rocm import RocmPlatform, rocm_arch_has_bf16
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture
+def cuda_device(monkeypatch: pytest.MonkeyPatch):
+    """Pretend the current CUDA device has a given compute capability; torch's own bf16 answer says yes, as it
+    does on every CUDA device from sm_53 on when emulation counts."""
+
+    def set_capability(major: int, minor: int) -> None:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, minor))
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    return set_capability
+
+
+@pytest.mark.parametrize(("capability", "native"), [((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_cuda_bf16_needs_compute_capability_8(cuda_device, capability: tuple[int, int], native: bool) -> None:
+    cuda_device(*capability)
+    assert CudaPlatform.supports_bf16() is native
+
+
+def test_auto_dtype_on_v100_is_float32_and_bf16_is_downgraded(cuda_device) -> None:
+    cuda_device(7, 0)
+    cfg = SimpleNamespace(dtype="auto")
+    CudaPlatform.check_and_update_config(cfg)
+    assert cfg.dtype == "float32"  # the platform rule: bf16 where native, else fp32 (fp16 would need loss scaling)
+    explicit = SimpleNamespace(dtype="bfloat16")
+    changes = CudaPlatform.check_and_update_config(explicit)
+    assert explicit.dtype == "float32" and any("bfloat16 -> float32" in c for c in changes)
+
+
+def test_auto_dtype_on_a100_is_bfloat16(cuda_device) -> None:
+    cuda_device(8, 0)
+    cfg = SimpleNamespace(dtype="auto")
+    CudaPlatform.check_and_update_config(cfg)
+    assert cfg.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("arch", "native"),
+    [
+        ("gfx906:sramecc+:xnack-", False),  # MI50 / MI60: no bf16 matrix instructions
+        ("gfx908:sramecc+:xnack-", True),  # MI100
+        ("gfx90a:sramecc+:xnack-", True),  # MI200
+        ("gfx942:sramecc+:xnack-", True),  # MI300
+        ("gfx950", True),  # MI350
+        ("gfx90c", False),  # Vega APU
+        ("gfx1030", False),  # RDNA2
+        ("gfx1100", True),  # RDNA3 (WMMA)
+        ("", False),
+    ],
+)
+def test_rocm_bf16_by_architecture(monkeypatch: pytest.MonkeyPatch, arch: str, native: bool) -> None:
+    assert rocm_arch_has_bf16(arch) is native
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(gcnArchName=arch))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # ROCm: always
+    # gfx906 and gfx90a both report capability 9.0: the capability cannot decide on ROCm.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert RocmPlatform.supports_bf16() is native
+    cfg = SimpleNamespace(dtype="auto")
+    RocmPlatform.check_and_update_config(cfg)
+    assert cfg.dtype == ("bfloat16" if native else "float32")
