@@ -5,17 +5,23 @@ nox -s unit                  # each package alone in a fresh venv with only its 
 nox -s unit -- roll-algos    # one package
 nox -s configs               # compose every config and experiment, bind every _target_
 nox -s lint                  # ruff
-nox -s device -- cuda        # tests marked for one hardware (cuda | rocm | npu); skips where absent
+nox -s bare_venv             # .venvs/bare: torch + transformers only (the device checks' bare machine)
+nox -s device -- cuda        # one accelerator's checks (cuda | rocm | npu | cpu); fails where it is absent
 nox -s quickstart            # the main job (short GRPO run)
 nox -s bench                 # benchmarks in bench/
 """
 
 from __future__ import annotations
 
+import glob
+import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import nox
 
@@ -139,10 +145,43 @@ def tests(session: nox.Session) -> None:
     tests inside its own venv (.venvs/vllm, built here), whose e2e tests also run from the main venv."""
     python = _ensure_venv(session)
     vllm = _ensure_engine_venv(session, "vllm") if not session.posargs else engine_python("vllm")
-    env = {"ROLL_TEST_SESSION": "tests", "ROLL_VLLM_PYTHON": str(vllm)}
+    bare = _ensure_bare_venv(session)  # for tests/test_device_checks_script.py: a lent GPU machine's Python
+    env = {"ROLL_TEST_SESSION": "tests", "ROLL_VLLM_PYTHON": str(vllm), "ROLL_BARE_PYTHON": str(bare)}
     session.run(str(python), "-m", "pytest", *(session.posargs or _test_paths()), external=True, env=env)
     if not session.posargs:
         session.run(str(vllm), "-m", "pytest", *VLLM_TESTS, external=True, env={**env, "ROLL_TEST_SESSION": "vllm"})
+
+
+# ---- the bare venv: what a lent accelerator machine has (torch and transformers, no registry) -----------------
+# tests/test_device_checks_script.py runs `nox -s device -- cpu` offline with its Python: every import of the
+# device checks must work there (a tensordict import slipped through a test that only hid modules).
+BARE_VENV = {"constraints": "constraints/cpu.txt", "packages": ["torch", "transformers"]}
+
+
+def bare_python() -> Path:
+    return ROOT / ".venvs" / "bare" / "bin" / "python"
+
+
+def _ensure_bare_venv(session: nox.Session) -> Path:
+    """Build .venvs/bare (torch and transformers, pinned by constraints/cpu.txt; ~1.5 min, once) and return its
+    python; a stamp of its inputs skips rebuilding."""
+    python = bare_python()
+    stamp = python.parent.parent / ".roll-installed"
+    signature = (ROOT / BARE_VENV["constraints"]).read_text() + repr(BARE_VENV["packages"])
+    if stamp.exists() and stamp.read_text() == signature and python.exists():
+        return python
+    if not python.exists():
+        session.run(sys.executable, "-m", "venv", str(python.parent.parent), external=True)
+    pins = ["-c", str(ROOT / BARE_VENV["constraints"])]
+    session.run(str(python), "-m", "pip", "install", "-q", *pins, *BARE_VENV["packages"], external=True)
+    stamp.write_text(signature)
+    return python
+
+
+@nox.session(python=False)
+def bare_venv(session: nox.Session) -> None:
+    """Build .venvs/bare (torch + transformers only: a bare accelerator machine's Python); `nox -s tests` builds it."""
+    print(_ensure_bare_venv(session))
 
 
 # Tests that import vLLM: they run inside .venvs/vllm (and skip in the main venv, which has no vLLM). vLLM's import
@@ -224,36 +263,217 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
+# ---- device checks: `nox -s device -- cuda` --------------------------------------------------------------------
+DEVICES = [*HARDWARE, "cpu"]  # cpu runs the same path without an accelerator (CI's smoke test of this session)
+DEVICE_SCRIPT = "tests/device/check_accelerator.py"
+# What a registry-built device venv adds to roll's packages, so the checks that need an engine run instead of
+# skipping. The script's --require turns a skip for a missing one into a failure (a broken install must not pass).
+DEVICE_ENGINES: dict[str, dict[str, Any]] = {
+    "cuda": {"extras": "[megatron,vllm]", "require": ["megatron-core", "vllm"]},
+    "rocm": {"extras": "", "require": []},  # vLLM and Megatron-Core on ROCm come from AMD's builds, not PyPI
+    "npu": {"extras": "", "require": []},
+    "cpu": {"extras": "[megatron]", "require": ["megatron-core"]},
+}
+# Bounds on one check of the script and one hw-marked test: a hang fails that one and the run goes on. On one GPU
+# the checks and the tests take a few minutes (the session's budget is 8, the device venv's one-time build aside).
+DEVICE_CHECK_TIMEOUT_S = 300
+DEVICE_PYTEST_TIMEOUT_S = 240
+# What pytest needs in a machine's own Python to collect the hw-marked tests from the source folders (bare path).
+BARE_PYTEST_NEEDS = ["pytest", "pytest_timeout", "tensordict", "omegaconf", "hydra"]
+# A small package the device venv installs anyway: downloading it (pinned by constraints/<hw>.txt) tells whether
+# a package registry answers.
+REGISTRY_PROBE_PACKAGE = "pytest-timeout"
+
+
+def _src_pythonpath() -> str:
+    return os.pathsep.join(str(ROOT / "packages" / p / "src") for p in existing_packages())
+
+
+def _python_can_import(python: str, modules: list[str]) -> list[str]:
+    """The modules of `modules` that `python` cannot import (all of them when it does not run)."""
+    code = "import importlib.util, sys\nprint(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))"
+    try:
+        out = subprocess.run([python, "-c", code, *modules], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return list(modules)
+    return out.stdout.split() if out.returncode == 0 else list(modules)
+
+
+def _registry_reachable(python: str, hw: str) -> bool:
+    """A bounded probe: can `python`'s pip download one small pinned package? (No answer in 60 s: no.)"""
+    with tempfile.TemporaryDirectory(prefix="roll-registry-probe-") as tmp:
+        cmd = [python, "-m", "pip", "download", "-q", "--no-deps", "--no-cache-dir", "--retries", "0"]
+        cmd += ["--timeout", "5", "-d", tmp, *constraints(hw), REGISTRY_PROBE_PACKAGE]
+        try:
+            return subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+
+
+def _device_absent(python: str, hw: str) -> str | None:
+    """Why `python` (with roll-hw from source) sees no `hw` device; None when it sees one."""
+    probe = (
+        "import sys\n"
+        "from roll_hw.detect import get_platform_class\n"
+        f"cls = get_platform_class({hw!r})\n"
+        "sys.exit(0) if cls.is_available() else print(cls.unavailable_reason())\n"
+        "sys.exit(3)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "packages" / "roll-hw" / "src")}
+    try:
+        out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=300, env=env)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"the probe did not finish ({exc})"
+    if out.returncode == 0:
+        return None
+    lines = (out.stdout.strip() or out.stderr.strip()).splitlines()
+    return lines[-1] if lines else f"the probe exited {out.returncode}"
+
+
+def _device_nodes_absent(hw: str) -> str | None:
+    """Before downloading gigabytes: does the kernel show this kind of device at all? (None: it may be there.)"""
+    if hw == "cuda" and not (
+        glob.glob("/dev/nvidia[0-9]*") or shutil.which("nvidia-smi") or os.path.exists("/dev/dxg")
+    ):
+        return "no /dev/nvidia* device and no nvidia-smi (no NVIDIA driver or GPU visible)"
+    if hw == "rocm" and not os.path.exists("/dev/kfd"):
+        return "no /dev/kfd (no AMD GPU driver visible)"
+    if hw == "npu" and not glob.glob("/dev/davinci[0-9]*"):
+        return "no /dev/davinci* device (no Ascend driver visible)"
+    return None
+
+
+def _device_venv_inputs(hw: str) -> list[str]:
+    pyprojects = [f"packages/{p}/pyproject.toml" for p in ("roll-hw", "roll-algos", "roll-core", "roll-engines")]
+    return [f"constraints/{hw}.txt", *pyprojects]
+
+
+def _ensure_device_venv(session: nox.Session, hw: str, base_python: str) -> Path:
+    """Build .venvs/device-<hw> (pinned by constraints/<hw>.txt) once; a stamp of its inputs skips rebuilding."""
+    venv = ROOT / ".venvs" / f"device-{hw}"
+    python = venv / "bin" / "python"
+    torch_index = os.environ.get("ROLL_DEVICE_TORCH_INDEX", "")
+    engines = DEVICE_ENGINES[hw]
+    signature = "".join((ROOT / f).read_text() for f in _device_venv_inputs(hw)) + repr((engines, torch_index))
+    stamp = venv / ".roll-installed"
+    if stamp.exists() and stamp.read_text() == signature and python.exists():
+        return python
+    if not python.exists():
+        session.run(base_python, "-m", "venv", str(venv), external=True)
+    pip = [str(python), "-m", "pip", "install", "-q", *constraints(hw)]
+    # torch first, alone: on ROCm and Ascend it comes from the vendor's index (ROLL_DEVICE_TORCH_INDEX).
+    session.run(*pip, *(["--index-url", torch_index] if torch_index else []), "torch", external=True)
+    local = ["-e", f"packages/roll-hw[{hw}]", "-e", "packages/roll-algos", "-e", "packages/roll-core"]
+    local += ["-e", f"packages/roll-engines{engines['extras']}"]
+    session.run(*pip, *local, *TEST_TOOLS, external=True)
+    stamp.write_text(signature)
+    return python
+
+
+def _hw_test_files(hw: str) -> list[str]:
+    """Test files that mark tests for `hw` (pytest collects only these: fast, and no CPU-only test's imports)."""
+    mark = re.compile(rf"\bmark\.{hw}\b")
+    files = []
+    for folder in _test_paths():
+        for path in sorted((ROOT / folder).rglob("test_*.py")):
+            if mark.search(path.read_text(errors="replace")):
+                files.append(str(path.relative_to(ROOT)))
+    return files
+
+
 @nox.session(python=False)
 def device(session: nox.Session) -> None:
-    """Tests marked for one hardware kind: `nox -s device -- cuda|rocm|npu`. Skips cleanly where it is absent."""
-    if len(session.posargs) < 1 or session.posargs[0] not in HARDWARE:
-        session.error(f"usage: nox -s device -- {{{'|'.join(HARDWARE)}}} [pytest args]")
-    hw, extra = session.posargs[0], session.posargs[1:]
-    python = ROOT / ".venv" / "bin" / "python"
-    if not python.exists():
-        session.error("run `nox -s tests` once first (it builds .venv)")
-    probe = (
-        "import sys; from roll_hw.detect import get_platform_class as g; "
-        f"sys.exit(0 if g('{hw}').is_available() else 3)"
+    """The checks of one accelerator: `nox -s device -- cuda|rocm|npu|cpu [--offline|--online] [--only=a,b] [pytest
+    args]`. Fails (never skips) when the device is absent. Runs tests/device/check_accelerator.py first, then
+    `pytest -m <hw>` over the test files that mark tests for it.
+
+    Where a package registry answers (a quick bounded probe; `--online`/ROLL_DEVICE_OFFLINE=0 forces it), it builds
+    .venvs/device-<hw> pinned by constraints/<hw>.txt with roll's packages and the engines the checks need (cuda:
+    vLLM, Megatron-Core), and a check that skips for a missing engine fails. Where none answers (`--offline` or
+    ROLL_DEVICE_OFFLINE=1 forces it) it runs with the machine's own Python (ROLL_DEVICE_PYTHON, else the one running
+    nox): the script, which needs only torch and transformers, and pytest if that Python can collect the tests."""
+    args = list(session.posargs)
+    if not args or args[0] not in DEVICES:
+        session.error(
+            f"usage: nox -s device -- {{{'|'.join(DEVICES)}}} [--offline|--online] [--only=a,b] [pytest args]"
+        )
+    hw, rest = args[0], args[1:]
+    offline_env = os.environ.get("ROLL_DEVICE_OFFLINE", "").strip().lower()
+    offline: bool | None = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(
+        offline_env
     )
-    if subprocess.run([str(python), "-c", probe]).returncode != 0:
-        session.skip(f"no {hw} device on this machine (roll-doctor shows why); {hw} tests run on {hw} runners")
-    session.run(
-        str(python),
-        "-m",
-        "pytest",
-        "-m",
-        hw,
-        *_test_paths(),
-        *extra,
-        external=True,
-        env={"ROLL_TEST_SESSION": f"device-{hw}"},
-    )
-    if hw in ("cuda", "rocm"):  # torch addresses ROCm devices as "cuda"
-        # The checks that need only torch and transformers, with a summary table of what ran and what skipped
-        # (the same script runs on a bare accelerator machine: python tests/device/check_accelerator.py).
-        session.run(str(python), "tests/device/check_accelerator.py", "--device", "cuda", external=True)
+    only: list[str] = []
+    extra = []
+    for arg in rest:
+        if arg in ("--offline", "--online"):
+            offline = arg == "--offline"
+        elif arg.startswith("--only="):
+            only += [s.strip() for s in arg.split("=", 1)[1].split(",") if s.strip()]
+        else:
+            extra.append(arg)
+    base_python = os.environ.get("ROLL_DEVICE_PYTHON") or sys.executable
+    if not (ROOT / "constraints" / f"{hw}.txt").is_file():
+        session.error(f"constraints/{hw}.txt is missing: the device venv for {hw} has no pins")
+    if offline is None:
+        offline = not _registry_reachable(base_python, hw)
+        session.log(f"package registry {'unreachable' if offline else 'reachable'} (pip download probe)")
+    env = {"ROLL_TEST_SESSION": f"device-{hw}"}
+    require: list[str] = []
+    if offline:
+        python = base_python
+        session.log(f"no package registry: running with the machine's own Python ({python})")
+        missing = _python_can_import(python, ["torch", "transformers"])
+        if missing:
+            session.error(
+                f"{python} lacks {', '.join(missing)} and no package registry is reachable to install them: the "
+                f"checks need torch and transformers (set ROLL_DEVICE_PYTHON to a Python that has them)"
+            )
+        # roll's packages from their source folders: the machine's Python has none of them installed.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_src_pythonpath(), os.environ.get("PYTHONPATH")) if p)
+    else:
+        absent = _device_nodes_absent(hw)
+        if absent:
+            session.error(f"no {hw} device on this machine: {absent}; {hw} checks run on {hw} machines")
+        python = str(_ensure_device_venv(session, hw, base_python))
+        require = DEVICE_ENGINES[hw]["require"]
+    absent = _device_absent(python, hw)
+    if absent:
+        session.error(f"no {hw} device on this machine: {absent} (python: {python}); {hw} checks run on {hw} machines")
+
+    failures = []
+    # 1. The standalone checks (torch + transformers only), with their table. torch addresses ROCm GPUs as cuda.
+    if hw in ("cuda", "rocm", "cpu"):
+        script = [python, DEVICE_SCRIPT, "--device", "cpu" if hw == "cpu" else "cuda"]
+        script += ["--check-timeout", str(DEVICE_CHECK_TIMEOUT_S)]
+        script += [*(["--only", *only] if only else []), *(["--require", *require] if require else [])]
+        try:
+            session.run(*script, external=True, env=env)
+        except nox.command.CommandFailed:
+            failures.append(f"{DEVICE_SCRIPT} (its table above says which check)")
+    else:
+        session.log(f"{DEVICE_SCRIPT} has no {hw} checks (cuda and cpu): only the {hw}-marked tests run")
+
+    # 2. The tests marked for this hardware.
+    files = _hw_test_files(hw) if hw != "cpu" else []
+    if hw == "cpu":
+        session.log("no pytest step for cpu: the CPU tests run in `nox -s tests`")
+    elif not files:
+        session.log(f"no test file marks tests for {hw}")
+    else:
+        lacking = _python_can_import(python, BARE_PYTEST_NEEDS) if offline else []
+        if lacking:
+            msg = f"{python} cannot collect the {hw}-marked tests (lacks {', '.join(lacking)}; no registry to add them)"
+            if hw not in ("cuda", "rocm", "cpu"):
+                session.error(f"{msg}: nothing was checked")
+            session.warn(f"{msg}: only {DEVICE_SCRIPT} ran")
+        else:
+            pytest = [python, "-m", "pytest", "-m", hw, f"--timeout={DEVICE_PYTEST_TIMEOUT_S}", *files, *extra]
+            try:
+                session.run(*pytest, external=True, env=env)
+            except nox.command.CommandFailed:
+                failures.append(f"pytest -m {hw}")
+    if failures:
+        session.error(f"{hw} device checks failed: {'; '.join(failures)}")
 
 
 @nox.session(python=False)

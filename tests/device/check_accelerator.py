@@ -1,13 +1,18 @@
 """Accelerator checks that need only torch and transformers: no Ray, no Hydra, no package registry.
 
-    python tests/device/check_accelerator.py --device cuda        # what `nox -s device -- cuda` also runs
+    python tests/device/check_accelerator.py --device cuda        # what `nox -s device -- cuda` runs first
     python tests/device/check_accelerator.py --device cpu         # the same code path on the CPU (CI smoke)
+    python tests/device/check_accelerator.py --device cuda --only bf16 GRPO --require megatron-core vllm
 
 Runs from a source checkout (the packages' src folders are put on sys.path), each check in isolation, and prints
-a table of what ran, what was skipped (and why) and what failed; exits 1 if anything failed. Checks:
+a table of what ran, what was skipped (and why) and what failed, then `N passed, N failed, N skipped`. Exit
+status: 0 when nothing failed; 1 when a check failed; 2 when the run could not check what was asked (the
+requested device is absent, or `--only` matched no check). A check whose package is missing skips, unless that
+package is named in `--require` (the caller installed it: a skip would hide a broken install), then it fails.
+Checks:
 1. bf16 training step with fp32 master weights (hf engine) tracks an fp32 step;
-2. weight sync from a trainer process to an inference engine in another process: CUDA IPC (one device) and an
-   NCCL broadcast group (two devices);
+2. weight sync from a trainer process to an inference engine in another process: CUDA IPC (one device) and a
+   torch.distributed broadcast group (NCCL over two devices; on `--device cpu` the same code over gloo);
 3. Megatron-Core TP=1: one step equals the hf engine's (when megatron-core is installed);
 4. vLLM: greedy generate equals the hf engine's, then a weight update changes it accordingly (when vllm is
    installed);
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -34,6 +40,23 @@ import torch  # noqa: E402
 
 class Skip(Exception):
     """A check that cannot run here (missing hardware or package)."""
+
+
+class MissingPackage(Skip):
+    """A check whose package is not installed: a skip, or a failure when the package is in `--require`."""
+
+    def __init__(self, package: str, exc: ImportError):
+        super().__init__(f"{package} not installed ({exc})")
+        self.package = package
+
+
+def _require_module(module: str, package: str) -> None:
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingPackage(package, exc) from exc
 
 
 def _tiny() -> str:
@@ -102,16 +125,20 @@ def check_cuda_ipc(device: str) -> str:
     q_in, q_out = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_ipc_receiver, args=(q_in, q_out, path))
     proc.start()
-    n = 0
-    for bucket in buckets(train.iter_weights(), 64 * 1024):
-        handle, specs, keep = share_cuda(bucket)
-        q_in.put({"handle": handle, "specs": specs})
-        assert q_out.get(timeout=300) == "copied"
-        del keep
-        n += 1
-    q_in.put(None)
-    got = q_out.get(timeout=300)
-    proc.join(timeout=60)
+    try:
+        n = 0
+        for bucket in buckets(train.iter_weights(), 64 * 1024):
+            handle, specs, keep = share_cuda(bucket)
+            q_in.put({"handle": handle, "specs": specs})
+            assert q_out.get(timeout=300) == "copied"
+            del keep
+            n += 1
+        q_in.put(None)
+        got = q_out.get(timeout=300)
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
     ref = HFInferEngine(path, device="cuda")
     ref.load_weights(dict(train.iter_weights()))
     expected = ref.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=8)).responses[0].tolist()
@@ -119,53 +146,77 @@ def check_cuda_ipc(device: str) -> str:
     return f"{n} buckets through CUDA IPC; the engine generates with the trainer's weights"
 
 
-def _nccl_rank(rank: int, port: int, path: str, result) -> None:
+def _broadcast_rank(rank: int, port: int, path: str, result, backend: str) -> None:  # a child process
     for pkg in ("roll-hw", "roll-algos", "roll-core", "roll-engines"):
         sys.path.insert(0, str(ROOT / "packages" / pkg / "src"))
-    torch.cuda.set_device(rank)
-    from roll_core.cluster.weight_sync import SyncGroup, buckets
+    try:
+        device = "cpu"
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = f"cuda:{rank}"
+        from roll_core.cluster.weight_sync import SyncGroup, buckets
 
-    group = SyncGroup("127.0.0.1", port, rank, 2, "nccl", timeout_s=120)
-    if rank == 0:
-        from roll_engines.train.hf import HFTrainEngine
+        group = SyncGroup("127.0.0.1", port, rank, 2, backend, timeout_s=120)
+        if rank == 0:
+            from roll_engines.train.hf import HFTrainEngine
 
-        train = HFTrainEngine(path, device="cuda:0")
-        for bucket in buckets(train.iter_weights(), 64 * 1024):
-            group.send(bucket)
-        group.send(None)
-        result.put(("sender", sum(v.double().sum().item() for _, v in train.iter_weights())))
-    else:
-        total = 0.0
-        while (bucket := group.receive()) is not None:
-            total += sum(v.double().sum().item() for _, v in bucket)
-        result.put(("receiver", total))
+            train = HFTrainEngine(path, device=device)
+            for bucket in buckets(train.iter_weights(), 64 * 1024):
+                group.send(bucket)
+            group.send(None)
+            result.put(("sender", sum(v.double().sum().item() for _, v in train.iter_weights())))
+        else:
+            total = 0.0
+            while (bucket := group.receive()) is not None:
+                total += sum(v.double().sum().item() for _, v in bucket)
+            result.put(("receiver", total))
+    except BaseException as exc:  # the parent reports it instead of waiting out its timeout
+        result.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+        raise
 
 
 def check_nccl_broadcast(device: str) -> str:
-    if device != "cuda" or torch.cuda.device_count() < 2:
+    """Rank 0 (a trainer) broadcasts its weights in buckets to rank 1 (an engine) in another process: over NCCL
+    with two CUDA devices; on the CPU the same code over gloo (so a bare machine exercises it too)."""
+    if device == "cpu":
+        backend = "gloo"
+    elif device == "cuda" and torch.cuda.device_count() >= 2:
+        backend = "nccl"
+    else:
         raise Skip("an NCCL broadcast group needs two CUDA devices (NCCL refuses two ranks on one device)")
+    import queue
+
     import torch.multiprocessing as mp
 
-    from roll_core.cluster.group import free_port
+    from roll_core.cluster.ports import free_port
 
     path, port = _tiny(), free_port()
     ctx = mp.get_context("spawn")
     result = ctx.Queue()
-    procs = [ctx.Process(target=_nccl_rank, args=(r, port, path, result)) for r in (0, 1)]
+    procs = [ctx.Process(target=_broadcast_rank, args=(r, port, path, result, backend)) for r in (0, 1)]
     for p in procs:
         p.start()
-    sums = dict(result.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    try:
+        sums = {}
+        for _ in procs:
+            try:
+                role, value = result.get(timeout=300)
+            except queue.Empty:
+                raise TimeoutError("no answer from a rank within 300 s") from None
+            if role == "error":
+                raise RuntimeError(value)
+            sums[role] = value
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
     assert abs(sums["sender"] - sums["receiver"]) < 1e-3, sums
-    return "trainer rank 0 -> engine rank 1 over NCCL: every tensor arrived"
+    return f"trainer rank 0 -> engine rank 1 over {backend.upper()}: every tensor arrived"
 
 
 def check_megatron(device: str) -> str:
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError as exc:
-        raise Skip(f"megatron-core not installed ({exc})") from exc
+    _require_module("megatron.core", "megatron-core")
     from roll_core.pipelines.objectives import PolicyObjective
     from roll_core.testing.batches import toy_batch
     from roll_engines.train.hf import HFTrainEngine
@@ -185,10 +236,7 @@ def check_megatron(device: str) -> str:
 
 
 def check_vllm(device: str) -> str:
-    try:
-        import vllm  # noqa: F401
-    except ImportError as exc:
-        raise Skip(f"vllm not installed ({exc})") from exc
+    _require_module("vllm", "vllm")
     from roll_core.interfaces import SamplingParams
     from roll_engines.infer.hf import HFInferEngine
     from roll_engines.infer.vllm import VLLMInferEngine
@@ -259,29 +307,75 @@ CHECKS: dict[str, Callable[[str], str]] = {
 }
 
 
+def device_missing(device: str) -> str | None:
+    """Why the requested device is absent (None when it is there)."""
+    if device == "cpu":
+        return None
+    if device == "cuda":
+        if torch.cuda.is_available():
+            return None
+        build = torch.version.cuda or getattr(torch.version, "hip", None)
+        if not build:
+            return f"no cuda device: torch {torch.__version__} is a CPU-only build"
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f"; CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
+        return f"no cuda device: torch {torch.__version__} (built for {build}) sees none (check the driver{where})"
+    return f"unknown device {device!r} (choose cuda or cpu; torch addresses ROCm GPUs as cuda)"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", nargs="*", help="names (substrings) of checks to run")
+    ap.add_argument(
+        "--require",
+        nargs="*",
+        default=[],
+        metavar="PACKAGE",
+        help="packages the caller installed (megatron-core, vllm): a check missing one fails instead of skipping",
+    )
+    ap.add_argument("--check-timeout", type=int, default=600, metavar="S", help="a check running longer fails")
     args = ap.parse_args()
-    rows, failed = [], 0
-    for name, fn in CHECKS.items():
-        if args.only and not any(s.lower() in name.lower() for s in args.only):
-            continue
+    missing = device_missing(args.device)
+    if missing:
+        print(f"check_accelerator: {missing}; nothing was checked", file=sys.stderr)
+        return 2
+    chosen = {n: f for n, f in CHECKS.items() if not args.only or any(s.lower() in n.lower() for s in args.only)}
+    if not chosen:
+        print(f"check_accelerator: --only {args.only} matches none of {list(CHECKS)}", file=sys.stderr)
+        return 2
+    required = {r.lower() for r in args.require}
+    rows = []
+
+    def too_long(signum, frame):  # a hung check fails and the others still run (SIGALRM: the main thread)
+        raise TimeoutError(f"no result within {args.check_timeout} s")
+
+    signal.signal(signal.SIGALRM, too_long)
+    for name, fn in chosen.items():
         t0 = time.perf_counter()
+        signal.alarm(args.check_timeout)
         try:
             status, detail = "ok", fn(args.device)
+        except MissingPackage as exc:
+            if exc.package.lower() in required:
+                status, detail = "FAILED", f"{exc} although it was installed for this run"
+            else:
+                status, detail = "skipped", str(exc)
         except Skip as exc:
             status, detail = "skipped", str(exc)
         except Exception as exc:  # report and go on: one table of everything
-            status, detail, failed = "FAILED", f"{type(exc).__name__}: {exc}", failed + 1
+            status, detail = "FAILED", f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
+        finally:
+            signal.alarm(0)
         rows.append((name, status, time.perf_counter() - t0, detail))
     name_w = max(len(r[0]) for r in rows)
     print(f"\naccelerator checks on {args.device} (torch {torch.__version__}):")
     for name, status, seconds, detail in rows:
         print(f"  {name:<{name_w}}  {status:<7} {seconds:6.1f}s  {detail}")
-    return 1 if failed else 0
+    counts = {s: sum(r[1] == s for r in rows) for s in ("ok", "FAILED", "skipped")}
+    print(f"{counts['ok']} passed, {counts['FAILED']} failed, {counts['skipped']} skipped")
+    return 1 if counts["FAILED"] else 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from roll_core.cluster.group import free_port
+from roll_core.cluster.ports import free_port
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.objectives import PolicyObjective
 from roll_core.testing.batches import toy_batch

@@ -23,7 +23,6 @@ Faults (Ray only; an in-process call cannot time out or die apart from the contr
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,31 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from roll_core.cluster.mesh import Mesh
+from roll_core.cluster.ports import free_port, reserve_port  # noqa: F401  (re-exported: old imports work)
 from roll_core.cluster.worker import Dispatch, Worker, dispatch_mode, retryable
 from roll_core.protocol import Batch
 
 W = TypeVar("W", bound=Worker)
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A free TCP port on this host (bound on `host`) for a torch.distributed rendezvous.
-
-    The port is free when this returns, not when it is used: prefer `reserve_port` where the user binds later."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def reserve_port(host: str = "127.0.0.1") -> socket.socket:
-    """A socket bound (not listening) to a free port of `host`, with SO_REUSEADDR: while it is open no other
-    process is given that port, yet torch.distributed's TCPStore (which also sets SO_REUSEADDR) can listen on it.
-    Close it once the store listens. Without it, a port picked by `free_port` can be taken between the pick and
-    the store's bind (EADDRINUSE)."""
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((host, 0))
-    return s
 
 
 @dataclass

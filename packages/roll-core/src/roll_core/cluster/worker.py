@@ -85,7 +85,7 @@ class Worker:
     def rendezvous_endpoint(self) -> tuple[str, int, int]:
         """This node's address, a port free on it and this pid: rank 0 hosts the torch.distributed store, so the
         endpoint must be rank 0's, not the driver's (which may be another node, or a CPU-only head)."""
-        from roll_core.cluster.group import reserve_port
+        from roll_core.cluster.ports import reserve_port
 
         host = node_address()
         # Held until this rank's set-up has started the store on it (see `setup`).

@@ -57,7 +57,7 @@ class FSDP2TrainEngine(HFTrainEngine):
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            from roll_core.cluster.group import free_port
+            from roll_core.cluster.ports import free_port
 
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         return cls(model_path, dist_backend="gloo", **kwargs)

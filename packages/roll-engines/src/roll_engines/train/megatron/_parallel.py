@@ -31,7 +31,7 @@ def init_parallel(
         if "RANK" in os.environ:  # a worker group's process: the rendezvous is in the environment
             dist.init_process_group(backend=backend)
         else:  # one process on its own: a group of one, without touching the environment
-            from roll_core.cluster.group import free_port
+            from roll_core.cluster.ports import free_port
 
             url = f"tcp://127.0.0.1:{free_port()}"
             dist.init_process_group(backend=backend, init_method=url, rank=0, world_size=1)
