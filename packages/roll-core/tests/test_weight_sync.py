@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from roll_core.cluster.group import free_port
+from roll_core.cluster.ports import free_port
 from roll_core.cluster.weight_sync import SyncGroup, bucket_nbytes, buckets, flatten, resolve_transport, unflatten
 
 
