@@ -88,6 +88,9 @@ def test_auto_transport(name: str, backend: str, placement: str, platform: str, 
         ("cuda_ipc", "ray", "colocated", "cpu", "needs CUDA/ROCm devices"),
         ("cuda_ipc", "ray", "disaggregated", "cuda", "needs cluster.placement=colocated"),
         ("carrier_pigeon", "ray", "colocated", "cpu", "is not one of"),
+        # NCCL refuses two ranks on one GPU, and colocated trainer rank 0 shares its GPU with inference rank 0.
+        ("dist", "ray", "colocated", "cuda", "use sync_transport=cuda_ipc"),
+        ("dist", "ray", "colocated", "rocm", "use sync_transport=cuda_ipc"),
     ],
 )
 def test_impossible_transport_is_a_clear_error(

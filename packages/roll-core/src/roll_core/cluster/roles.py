@@ -8,12 +8,19 @@ with types: `actor_infer.generate(batch, params, n=8) -> Batch`.
 
 Engine config keys in `WORKER_KEYS` configure the worker and its placement, not the engine, and are not passed
 to the engine's constructor.
+
+Engines are built on the process's main thread. A Ray actor that serves several calls at once (`max_concurrency`,
+the request API) runs its methods on pool threads, but its constructor on the main thread; engines that install
+signal handlers or start event loops (SGLang before 0.5.10 calls `signal.signal`, which raises off the main
+thread) are therefore built in the inference worker's `__init__`. Training engines need the rendezvous first and
+are built in `setup`, on the main thread too (their actors serve one call at a time). `engine_thread()` reports it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from concurrent.futures import Future
 from typing import Any
 
@@ -34,6 +41,16 @@ WORKER_KEYS = ("world_size", "sync_transport", "sync_bucket_mb", "sleep_level", 
 def engine_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     """The engine's own keys of an engine config (worker keys removed)."""
     return {k: v for k, v in cfg.items() if k not in WORKER_KEYS}
+
+
+def build_engine(worker: Worker, cfg: dict[str, Any], runtime: dict[str, Any]) -> Any:
+    """Build an engine from its config on this worker, recording the thread it was built on (`engine_thread`)."""
+    resolved = resolve_device(runtime)
+    engine = build(engine_kwargs(cfg), **resolved)
+    worker.engine_dtype = str(getattr(engine, "dtype", None) or resolved.get("dtype") or "").removeprefix("torch.")
+    current = threading.current_thread()
+    worker.engine_thread_name = (current.name, current is threading.main_thread())
+    return engine
 
 
 def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
@@ -77,7 +94,12 @@ class TrainWorker(Worker):
         self._ipc: Any = None
 
     def on_setup(self) -> None:
-        self.engine: TrainEngine = build(engine_kwargs(self._engine_cfg), **resolve_device(self._runtime))
+        self.engine: TrainEngine = build_engine(self, self._engine_cfg, self._runtime)
+
+    @dispatch(Dispatch.BROADCAST)
+    def engine_thread(self) -> tuple[str, bool]:
+        """(name of the thread the engine was built on, whether it is the main thread)."""
+        return self.engine_thread_name
 
     @dispatch(Dispatch.DP)
     def compute_logprobs(
@@ -126,17 +148,23 @@ class TrainWorker(Worker):
         self.engine.load(folder)
 
     # ---- weight sync: the sending side (see roll_core.cluster.weight_sync) -------------------------------
-    def weight_buckets(self, bucket_bytes: int, changed_only: bool) -> Any:
-        """Buckets of (name, tensor) in order (in-process transport; tensors may be live parameters)."""
-        return buckets(self.engine.iter_weights(changed_only), bucket_bytes)
+    def weight_buckets(self, bucket_bytes: int, changed_only: bool, dtype: str | None = None) -> Any:
+        """Buckets of (name, tensor) in order, floating tensors cast to the inference engines' `dtype` first (the
+        buckets, and so every transport, carry what the engines hold: half the bytes of fp32 for bf16 engines).
+        Tensors may be live parameters when no cast is needed (in-process transport)."""
+        named = self.engine.iter_weights(changed_only)
+        if dtype:
+            target = getattr(torch, dtype)
+            named = ((k, v.to(target) if v.is_floating_point() else v) for k, v in named)
+        return buckets(named, bucket_bytes)
 
     @dispatch(Dispatch.BROADCAST)
-    def publish_weights(self, bucket_bytes: int, changed_only: bool) -> dict[str, Any]:
+    def publish_weights(self, bucket_bytes: int, changed_only: bool, dtype: str | None = None) -> dict[str, Any]:
         """Object-store transport: rank 0 puts CPU buckets in Ray's object store and returns their refs."""
         import ray
 
         refs, nbytes, ntensors = [], 0, 0
-        for bucket in self.weight_buckets(bucket_bytes, changed_only):  # every rank iterates (collective)
+        for bucket in self.weight_buckets(bucket_bytes, changed_only, dtype):  # every rank iterates (collective)
             if self.rank == 0:
                 cpu = [(k, v.detach().to("cpu", copy=True)) for k, v in bucket]
                 refs.append(ray.put(cpu))
@@ -157,9 +185,9 @@ class TrainWorker(Worker):
             self._sync_group = SyncGroup(host, port, 0, world_size, backend, store=self._sync_store)
 
     @dispatch(Dispatch.BROADCAST)
-    def send_weights_dist(self, bucket_bytes: int, changed_only: bool) -> dict[str, int]:
+    def send_weights_dist(self, bucket_bytes: int, changed_only: bool, dtype: str | None = None) -> dict[str, int]:
         nbytes = ntensors = nbuckets = 0
-        for bucket in self.weight_buckets(bucket_bytes, changed_only):
+        for bucket in self.weight_buckets(bucket_bytes, changed_only, dtype):
             if self.rank == 0:
                 self._sync_group.send(bucket)
                 nbytes += bucket_nbytes(bucket)
@@ -170,8 +198,8 @@ class TrainWorker(Worker):
         return {"bytes": nbytes, "tensors": ntensors, "buckets": nbuckets}
 
     @dispatch(Dispatch.BROADCAST)
-    def start_ipc_sync(self, bucket_bytes: int, changed_only: bool) -> None:
-        self._ipc = {"it": self.weight_buckets(bucket_bytes, changed_only), "keep": None}
+    def start_ipc_sync(self, bucket_bytes: int, changed_only: bool, dtype: str | None = None) -> None:
+        self._ipc = {"it": self.weight_buckets(bucket_bytes, changed_only, dtype), "keep": None}
 
     @dispatch(Dispatch.BROADCAST)
     def next_ipc_bucket(self) -> dict[str, Any] | None:
@@ -193,9 +221,13 @@ class InferWorker(Worker):
         super().__init__(**base)
         self._engine_cfg, self._runtime = engine, runtime
         self._sync_group: SyncGroup | None = None
+        # In the constructor: the actor's main thread, even when it serves calls on a pool (module docstring).
+        self.engine: InferEngine = build_engine(self, engine, runtime)
 
-    def on_setup(self) -> None:
-        self.engine: InferEngine = build(engine_kwargs(self._engine_cfg), **resolve_device(self._runtime))
+    @dispatch(Dispatch.BROADCAST)
+    def engine_thread(self) -> tuple[str, bool]:
+        """(name of the thread the engine was built on, whether it is the main thread)."""
+        return self.engine_thread_name
 
     @dispatch(Dispatch.DP)
     def generate(self, batch: Batch, params: SamplingParams, n: int) -> Batch:
@@ -286,7 +318,17 @@ class InferWorker(Worker):
     @dispatch(Dispatch.BROADCAST, retry=False)
     def receive_ipc_bucket(self, shared: list[dict[str, Any]]) -> int:
         mine = shared[self.rank]  # trainer rank r shares device r with this rank
-        return self.engine.update_weights(open_cuda(mine["handle"], mine["specs"]))
+        bucket = open_cuda(mine["handle"], mine["specs"])
+        nbytes = self.engine.update_weights(bucket)
+        # The engine's copies out of the sender's buffer are asynchronous: they must have landed before this call
+        # returns, because the sender drops (and the allocator reuses) that buffer as soon as it does.
+        torch.cuda.synchronize(bucket[0][1].device)
+        return nbytes
+
+    @dispatch(Dispatch.RANK0)
+    def weight_dtype(self) -> str:
+        """The dtype of the engine's weights (what synced tensors are cast to before they travel)."""
+        return self.engine_dtype
 
 
 class RewardWorker(Worker):

@@ -15,8 +15,13 @@ Transports:
   buffer and broadcast (gloo on CPU, nccl/hccl on devices), preceded by a small pickled header.
 - `cuda_ipc`: colocated roles on one GPU; trainer rank r shares each bucket's device buffer with inference rank r
   through CUDA IPC handles (no copy through host memory).
-- `auto`: inprocess on the local backend; on Ray cuda_ipc for colocated CUDA roles, else dist (on CPU too:
-  measured faster than the object store, bench/RESULTS.md).
+- `auto`: inprocess on the local backend; on Ray cuda_ipc for colocated CUDA roles (every engine takes it: each
+  copies what it receives into memory it owns), else dist (on CPU too: measured faster than the object store,
+  bench/RESULTS.md). `dist` is refused for colocated CUDA roles
+  (NCCL refuses two ranks on one GPU).
+
+The trainer casts floating tensors to the inference engines' dtype before bucketing (`weight_dtype`), so fp32
+master weights never travel and no receiver stages a wider copy than it keeps.
 
 `changed_only` syncs skip what training cannot change (frozen parameters, buffers); the first sync, and the first
 after an engine discarded its weights (`sleep(level=2)`), is always full.
@@ -219,6 +224,11 @@ def resolve_transport(name: str, backend: str, placement: str, platform_name: st
         raise ValueError(f"sync_transport=cuda_ipc needs CUDA/ROCm devices; this run is on {platform_name}")
     if name == "cuda_ipc" and placement != "colocated":
         raise ValueError("sync_transport=cuda_ipc shares device memory: it needs cluster.placement=colocated")
+    if name == "dist" and placement == "colocated" and platform_name in ("cuda", "rocm"):
+        raise ValueError(
+            "sync_transport=dist puts the trainer's rank 0 and inference rank 0 in one NCCL group, and colocated they "
+            "share a GPU, which NCCL refuses: use sync_transport=cuda_ipc (or auto), or cluster.placement=disaggregated"
+        )
     if name != "auto":
         return name
     if platform_name in ("cuda", "rocm") and placement == "colocated":
@@ -235,6 +245,8 @@ class WeightSync:
         self.transport = resolve_transport(transport, train.backend, placement, platform.name)
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.dist_backend = platform.dist_backend
+        # What the engines hold: the trainer casts before bucketing, so fp32 master weights never travel.
+        self.dtype: str | None = infer.call("weight_dtype") or None
         self._group_ready = False
         self.synced_once = False
         self.restores = 0  # restarted engines given the trainer's weights
@@ -266,7 +278,7 @@ class WeightSync:
         """Give restarted inference ranks the trainer's current weights (all of them, through the object store)."""
         with self._lock:
             self._group_ready = False  # a `dist` group that lost a member is rebuilt at the next sync
-            published = self.train.call("publish_weights", self.bucket_bytes, False)[0]
+            published = self.train.call("publish_weights", self.bucket_bytes, False, self.dtype)[0]
             self.infer.call_ranks(ranks, "begin_weight_update")
             try:
                 self.infer.call_ranks(ranks, "receive_weights_object_store", published["refs"])
@@ -293,7 +305,7 @@ class WeightSync:
     # ---- transports ---------------------------------------------------------------------------------------
     def _sync_inprocess(self, changed_only: bool) -> tuple[int, int, int]:
         nbytes = ntensors = nbuckets = 0
-        for bucket in self.train.workers[0].weight_buckets(self.bucket_bytes, changed_only):
+        for bucket in self.train.workers[0].weight_buckets(self.bucket_bytes, changed_only, self.dtype):
             for w in self.infer.workers:
                 w.engine.update_weights(bucket)
             nbytes += bucket_nbytes(bucket)
@@ -302,7 +314,7 @@ class WeightSync:
         return nbytes, ntensors, nbuckets
 
     def _sync_object_store(self, changed_only: bool) -> tuple[int, int, int]:
-        published = self.train.call("publish_weights", self.bucket_bytes, changed_only)[0]
+        published = self.train.call("publish_weights", self.bucket_bytes, changed_only, self.dtype)[0]
         refs, nbytes, ntensors = published["refs"], published["bytes"], published["tensors"]
         # Refs nested in a list are not resolved by Ray on the way: each receiver reads one bucket at a time.
         self.infer.call("receive_weights_object_store", refs)
@@ -316,14 +328,14 @@ class WeightSync:
             b = self.infer.submit("join_sync_group", host, port, world, self.dist_backend)
             a.values(), b.values()
             self._group_ready = True
-        sent = self.train.submit("send_weights_dist", self.bucket_bytes, changed_only)
+        sent = self.train.submit("send_weights_dist", self.bucket_bytes, changed_only, self.dtype)
         got = self.infer.submit("receive_weights_dist")
         stats = sent.values()[0]
         got.values()
         return stats["bytes"], stats["tensors"], stats["buckets"]
 
     def _sync_cuda_ipc(self, changed_only: bool) -> tuple[int, int, int]:
-        self.train.call("start_ipc_sync", self.bucket_bytes, changed_only)
+        self.train.call("start_ipc_sync", self.bucket_bytes, changed_only, self.dtype)
         nbytes = ntensors = nbuckets = 0
         while True:
             shared = self.train.call("next_ipc_bucket")  # one entry per train rank (same device as infer rank r)

@@ -80,7 +80,9 @@ def _cpu_env(kv_cache_gb: int, threads: int | None, cache_root: str | None, tens
     # One core range per tensor-parallel rank ("|"-separated, vLLM's format); ranks never share a core.
     per = max(1, n // tensor_parallel_size)
     binds = "|".join(f"{r * per}-{r * per + per - 1}" for r in range(tensor_parallel_size))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binds)
+    given = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if len(given.split("|")) != tensor_parallel_size or given == "auto":  # unset, or set for another TP size
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binds
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if cache_root:
         os.environ.setdefault("VLLM_CACHE_ROOT", cache_root)
@@ -116,7 +118,8 @@ class VLLMInferEngine:
         trust_remote_code: bool = False,
         **unused: Any,
     ) -> None:
-        self.on_cpu = torch.device(device).type == "cpu"
+        self.device = torch.device(device)
+        self.on_cpu = self.device.type == "cpu"
         if self.on_cpu:
             _cpu_env(kv_cache_gb, num_threads, cache_root, tensor_parallel_size)
         try:
