@@ -145,7 +145,10 @@ def tests(session: nox.Session) -> None:
     tests inside its own venv (.venvs/vllm, built here), whose e2e tests also run from the main venv."""
     python = _ensure_venv(session)
     vllm = _ensure_engine_venv(session, "vllm") if not session.posargs else engine_python("vllm")
-    bare = _ensure_bare_venv(session)  # for tests/test_device_checks_script.py: a lent GPU machine's Python
+    # .venvs/bare for tests/test_device_checks_script.py (a lent GPU machine's Python): built unless the posargs
+    # pick tests that do not include it.
+    wants_bare = not session.posargs or any("device" in a or a.rstrip("/") == "tests" for a in session.posargs)
+    bare = _ensure_bare_venv(session) if wants_bare else bare_python()
     env = {"ROLL_TEST_SESSION": "tests", "ROLL_VLLM_PYTHON": str(vllm), "ROLL_BARE_PYTHON": str(bare)}
     session.run(str(python), "-m", "pytest", *(session.posargs or _test_paths()), external=True, env=env)
     if not session.posargs:
