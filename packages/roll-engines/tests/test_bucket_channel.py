@@ -1,0 +1,140 @@
+"""Weight buckets crossing into another process (roll_engines.infer._bucket_channel), and the trainer's cast to the
+engines' dtype before bucketing (roll_core.cluster.weight_sync): what vLLM's worker processes receive on every GPU
+run, exercised here with host shared memory (the CPU transport; the CUDA IPC buffer is the device-marked twin)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from roll_engines.infer._bucket_channel import BucketSender, ChannelError, layout, receive_buckets
+
+
+def _receiver(address: str, authkey: bytes, out, stop_after: int | None) -> None:
+    got = []
+    for i, (name, t) in enumerate(receive_buckets(address, authkey)):
+        got.append((name, str(t.dtype), t.double().tolist()))  # plain data: the queue outlives nothing shared
+        if stop_after is not None and i + 1 == stop_after:
+            os._exit(3)  # a worker process that dies mid-sync
+    out.put(got)
+
+
+def _named(n: int = 7) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    named = [(f"layer{i}.weight", torch.randn(64, 33 + i, generator=g)) for i in range(n)]
+    return [*named, ("position_ids", torch.arange(10))]  # integer tensors keep their dtype
+
+
+def test_buckets_cross_processes_in_the_engines_dtype() -> None:
+    ctx = mp.get_context("spawn")
+    named = _named()
+    parts = [named[:3], named[3:5], named[5:]]
+    sender = BucketSender(1, "cpu", torch.bfloat16, timeout_s=120)
+    out = ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(sender.address, sender.authkey, out, None))
+    proc.start()
+    try:
+        sent = [sender.send(p) for p in parts]
+        path = sender._shm_path
+        assert path is not None and os.path.exists(path)
+    finally:
+        sender.close()
+    got = out.get(timeout=120)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    assert [n for n, _, _ in got] == [n for n, _ in named]
+    for (_, dtype, values), (_, ref) in zip(got, named):
+        expected = ref.to(torch.bfloat16) if ref.is_floating_point() else ref
+        assert dtype == str(expected.dtype)
+        assert torch.equal(torch.tensor(values, dtype=torch.float64), expected.double())
+    # Each bucket crossed in bf16 (half of fp32's bytes for the float tensors) through one reused buffer that holds
+    # the largest bucket, not the model; the buffer is gone once the sync closed.
+    assert sent == [sum(t.numel() * (2 if t.is_floating_point() else 8) for _, t in p) for p in parts]
+    assert sender.dtypes == {"bfloat16", "int64"}
+    assert sender.peak_buffer_bytes == max(layout(p, torch.bfloat16)[1] for p in parts)
+    assert sender.peak_buffer_bytes < sum(t.numel() * t.element_size() for _, t in named) / 2
+    assert not os.path.exists(path)
+
+
+def test_a_receiver_that_dies_fails_the_sync_instead_of_hanging() -> None:
+    ctx = mp.get_context("spawn")
+    named = _named()
+    sender = BucketSender(1, "cpu", None, timeout_s=120)
+    out = ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(sender.address, sender.authkey, out, 2))
+    proc.start()
+    try:
+        with pytest.raises(ChannelError, match=r"closed its connection|stopped"):
+            for i in range(0, len(named), 2):
+                sender.send(named[i : i + 2])
+    finally:
+        sender.close(ok=False)
+        proc.join(timeout=60)
+    assert proc.exitcode == 3
+
+
+def test_a_failed_loader_call_stops_the_sender() -> None:
+    """The workers' RPC failed before any of them connected: the sender raises instead of waiting forever."""
+
+    def dead() -> bool:
+        raise RuntimeError("roll_load_weights raised in the worker")
+
+    sender = BucketSender(2, "cpu", None, alive=dead, timeout_s=120)
+    try:
+        with pytest.raises(RuntimeError, match="raised in the worker"):
+            sender.send(_named(2))
+    finally:
+        sender.close(ok=False)
+
+
+def test_weight_sync_casts_to_the_engines_dtype_before_bucketing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 inference engine receives bf16 buckets (the trainer's fp32 master weights never travel), and the
+    engine then holds exactly the cast trainer weights."""
+    from roll_core.cluster.roles import InferGroup, InferWorker, TrainGroup, TrainWorker
+    from roll_core.cluster.weight_sync import WeightSync
+    from roll_core.models import resolve_model_path
+    from roll_engines.config import HFInferEngineConfig, HFTrainEngineConfig
+    from roll_hw.cpu import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "supports_bf16", classmethod(lambda cls: True))  # whatever this CPU has
+    path = resolve_model_path("builtin:tiny")
+    train = TrainGroup(
+        TrainWorker, 1, "local", engine=vars(HFTrainEngineConfig()), runtime={"model_path": path, "lr": 1e-3}
+    )
+    infer = InferGroup(
+        InferWorker,
+        1,
+        "local",
+        engine=vars(HFInferEngineConfig()),
+        runtime={"model_path": path, "max_new_tokens": 4, "dtype": "bfloat16"},
+    )
+    try:
+        engine = infer.workers[0].engine
+        seen: list[torch.dtype] = []
+        original = engine.update_weights
+
+        def record(bucket):
+            bucket = list(bucket)
+            seen.extend(t.dtype for _, t in bucket)
+            return original(bucket)
+
+        engine.update_weights = record
+        sync = WeightSync(train, infer, transport="auto", bucket_mb=0.05, placement="colocated", platform=CpuPlatform)
+        assert sync.dtype == "bfloat16"
+        stats = sync.sync()
+        weights = train.get_weights()
+        floats = [v for v in weights.values() if v.is_floating_point()]
+        assert seen and set(seen) == {torch.bfloat16}
+        assert stats.bytes == sum(v.numel() * 2 for v in floats) + sum(
+            v.numel() * v.element_size() for v in weights.values() if not v.is_floating_point()
+        )
+        held = dict(engine.model.named_parameters())
+        for name, p in held.items():
+            if name in weights:
+                assert torch.equal(p.detach(), weights[name].to(torch.bfloat16)), name
+    finally:
+        train.shutdown()
+        infer.shutdown()
