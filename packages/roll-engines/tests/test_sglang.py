@@ -26,7 +26,13 @@ class TestSGLangInferEngine(InferEngineTestSuite):
         from roll_engines.infer.sglang import SGLangInferEngine
 
         return SGLangInferEngine(
-            model_path, dtype="float32", mem_fraction_static=0.3, disable_cuda_graph=True, **kwargs
+            # deterministic: SGLang honours per-request seeds only then (the suite checks seeded reproducibility)
+            model_path,
+            dtype="float32",
+            mem_fraction_static=0.3,
+            disable_cuda_graph=True,
+            deterministic=True,
+            **kwargs,
         )
 
 
