@@ -49,3 +49,52 @@ def test_hf_engines_on_rocm() -> None:
 @pytest.mark.npu
 def test_hf_engines_on_npu() -> None:
     _check("npu")
+
+
+def _fsdp2_rank(rank: int, port: int, path: str, out) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    from roll_engines.train.fsdp2 import FSDP2TrainEngine
+
+    torch.cuda.reset_peak_memory_stats()
+    engine = FSDP2TrainEngine(path, device=f"cuda:{rank}", dist_backend="nccl", lr=1e-3)
+    out.put((rank, torch.cuda.max_memory_allocated(), sorted(engine.loaded_on)))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.gpus(2)
+def test_fsdp2_never_holds_the_full_model_on_a_gpu() -> None:
+    """Each rank's GPU holds its shards plus one unsharded layer while the engine loads, not the whole model (the
+    model stays in host memory until `fully_shard` moves each unit)."""
+    import torch.multiprocessing as mp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from roll_core.cluster.ports import free_port
+
+    path = resolve_model_path("builtin:tiny")
+    config = AutoConfig.from_pretrained(path)
+    config.num_hidden_layers = 16  # many units: one layer is a small part of the model
+    folder = resolve_model_path("builtin:tiny") + "-16-layers"
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(path).save_pretrained(folder)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_fsdp2_rank, args=(r, port, folder, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    peaks = [out.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    for rank, peak, loaded_on in peaks:
+        assert loaded_on == ["cpu"], loaded_on
+        assert peak < 0.75 * full, (rank, peak, full)

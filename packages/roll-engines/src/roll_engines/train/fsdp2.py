@@ -7,6 +7,10 @@ unit, then the root. FSDP averages gradients over ranks; the base engine's loss 
 micro-batch over the units of the whole mini-batch, times N) makes the result equal to the single-process
 gradient of the whole batch.
 
+Loading: every rank reads the checkpoint into host memory and shards it layer by layer onto its device; the full
+model is never on a device (torchtitan goes further with meta-device init and rank-0 broadcast, which would also
+spare the host copies: not done here).
+
 Collectives: `get_weights`, `save` and `load` gather or scatter full tensors and must be called on every rank
 (the worker group's broadcast dispatch does that); only rank 0 returns or writes the full model.
 """
@@ -61,6 +65,13 @@ class FSDP2TrainEngine(HFTrainEngine):
 
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         return cls(model_path, dist_backend="gloo", **kwargs)
+
+    def _place(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Leave the loaded model in host memory: `fully_shard` moves each unit's parameters to the device as it
+        shards them (FSDP2's `_move_states_to_device`), so a GPU holds its shards plus one unsharded layer at a
+        time, never the whole model (moving it first put the full model on every rank's GPU before sharding)."""
+        self.loaded_on = {p.device.type for p in model.parameters()}  # tests: where the full model lived
+        return model
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         import torch.distributed as dist

@@ -178,6 +178,10 @@ class HFTrainEngine:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
+        return self._place(model)
+
+    def _place(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Put the loaded model on the engine's device (sharded engines defer this to their sharding)."""
         return model.to(self.device)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
