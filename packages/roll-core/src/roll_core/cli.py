@@ -3,8 +3,9 @@
 `roll-train` is `@hydra.main` over the conf/ folder found by `find_conf_dir()`, so every Hydra override, `-m`
 multirun and launcher plugin works: `roll-train experiment=quickstart`, `roll-train algo=ppo algo.lr=1e-6`.
 Config errors (unknown keys, wrong types, failed invariants) print one explained message and exit 2 instead
-of a traceback; any other error propagates with its full traceback. The job's return value is the run summary
-(final and best held-out accuracy), which Hydra sweepers optimise.
+of a traceback, and so does a missing optional dependency of the chosen components (one line naming the pip
+extra, checked before anything is built); any other error propagates with its full traceback. The job's return
+value is the run summary (final and best held-out accuracy), which Hydra sweepers optimise.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 from typing import Any
 
 from roll_core.config.compose import ConfigError, explain, find_conf_dir, to_object
+from roll_core.errors import MissingExtraError, check_installed
 from roll_core.registry import register_all_configs
 
 log = logging.getLogger("roll")
@@ -25,6 +27,7 @@ log = logging.getLogger("roll")
 def run_job(cfg: Any) -> dict[str, Any]:
     """Run one training job from a composed DictConfig (inside a Hydra job or not)."""
     typed = to_object(cfg)
+    check_installed(typed)  # a missing optional package is one line now, not a traceback from a worker later
     output_dir = typed.pipeline.output_dir
     if output_dir is None:
         try:
@@ -90,6 +93,9 @@ def train_main() -> None:
     except ConfigError as exc:
         print(f"roll-train: invalid config:\n{exc}", file=sys.stderr)
         sys.exit(2)
+    except MissingExtraError as exc:
+        print(f"roll-train: {exc}", file=sys.stderr)
+        sys.exit(2)
     except Exception as exc:
         from hydra.errors import ConfigCompositionException, OverrideParseException
         from omegaconf.errors import OmegaConfBaseException
@@ -118,10 +124,14 @@ def eval_main(argv: list[str] | None = None) -> int:
         model = str(Path(model) / "actor" / "model")
     try:
         cfg = to_object(compose([*args.overrides, f"model.path={model}"]))
+        check_installed(cfg)
         # Settings only checked against the world (a model folder, a held-out split) fail here the same way.
         result = evaluate_model(cfg, samples=args.samples)
     except ConfigError as exc:
         print(f"roll-eval: invalid config:\n{exc}", file=sys.stderr)
+        return 2
+    except MissingExtraError as exc:
+        print(f"roll-eval: {exc}", file=sys.stderr)
         return 2
     if result.get("agentic"):
         ends = ", ".join(f"{k} {v:.0%}" for k, v in sorted(result["ends"].items()))

@@ -116,6 +116,10 @@ def _package_file(package: str, filename: str) -> Path:
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Load a GGUF checkpoint with transformers (dequantised to fp32) and save it as a plain HF folder."""
     import torch
+
+    from roll_core.errors import GGUF
+
+    GGUF.require()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to a Hugging Face folder (once; 1-2 minutes)", gguf.name)

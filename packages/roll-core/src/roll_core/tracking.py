@@ -33,6 +33,9 @@ class Tracker:
         self.history: list[dict[str, Any]] = self.read_metrics(self.metrics_path) if resume else []
         self.writer = None
         if tensorboard:
+            from roll_core.errors import TENSORBOARD
+
+            TENSORBOARD.require()  # torch.utils.tensorboard's own error names neither the package nor the extra
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.dir / "tensorboard"))

@@ -6,10 +6,45 @@ Only engine-specific knobs live here; the model path, dtype, learning rate and s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from roll_core.config.schema import InferEngineConfig
+from roll_core.errors import Extra
+
+# Optional dependencies of the engines (roll_core.errors.Extra): the schemas' check_installed() and the import
+# sites use these, so a missing one is the same single line at config time and at build time.
+PEFT = Extra("peft", "train_engine.lora_rank > 0", "peft", "roll-engines[lora]")
+MEGATRON = Extra("megatron.core", "train_engine=megatron", "megatron-core", "roll-engines[megatron]")
+VLLM = Extra(
+    "vllm",
+    "infer_engine=vllm",
+    "vLLM",
+    "roll-engines[vllm]",
+    " on CUDA; on CPU build its venv with `nox -s vllm_venv` (infer_engine.python=auto finds it)",
+)
+SGLANG = Extra("sglang", "infer_engine=sglang", "SGLang", "roll-engines[sglang]", " (CUDA GPUs only)")
+
+#: SGLang's mem_fraction_static when null: a colocated engine leaves room for the trainer's models (see the field).
+SGLANG_MEM_FRACTION_COLOCATED = 0.5
+SGLANG_MEM_FRACTION_DISAGGREGATED = 0.8
+
+
+def _check_engine_python(cfg: InferEngineConfig, extra: Extra) -> None:
+    """An inference engine's package must import where the engine runs: here, or in its `python` venv."""
+    if cfg.python is None:
+        extra.require()
+        return
+    from roll_core.cluster.launch import resolve_python
+    from roll_core.errors import ConfigError
+
+    try:
+        resolve_python(cfg.python, cfg.name)  # auto: here if importable, else <repo>/.venvs/<name>
+    except ConfigError as exc:
+        if cfg.python == "auto":
+            raise extra.error() from exc
+        raise
 
 
 @dataclass
@@ -56,6 +91,11 @@ class HFTrainEngineConfig:
             raise ValueError("train_engine.micro_batch_size and logprob_chunk_size must be >= 1")
         if self.name == "hf" and self.world_size != 1:
             raise ValueError("train_engine=hf is single-process: use train_engine=fsdp2 for world_size > 1")
+
+    def check_installed(self) -> None:
+        """Optional packages this engine needs (roll_core.errors.check_installed)."""
+        if self.lora_rank:
+            PEFT.require()
 
 
 @dataclass
@@ -156,6 +196,10 @@ class MegatronTrainEngineConfig:
         if self.param_dtype != "float32":
             raise ValueError("train_engine=megatron keeps fp32 master weights: param_dtype=float32")
 
+    def check_installed(self) -> None:
+        """Optional packages this engine needs (roll_core.errors.check_installed); LoRA is Megatron's own."""
+        MEGATRON.require()
+
 
 @dataclass
 class HFInferEngineConfig(InferEngineConfig):
@@ -163,19 +207,12 @@ class HFInferEngineConfig(InferEngineConfig):
 
     _target_: str = "roll_engines.infer.hf.HFInferEngine"
     name: str = "hf"
-    # Most sequences decoded together (requests beyond it wait for a free slot).
+    # Most sequences decoded together (InferEngineConfig; roll's decode loop needs a number).
     max_num_seqs: int = 64
-    # Context limit (prompt + response tokens); null: the model's max_position_embeddings.
-    max_model_len: int | None = None
     # MiB of finished sequences' KV kept for requests that extend them (multi-turn conversations); 0 disables.
     prefix_cache_mb: float = 1024.0
     # torch threads of the engine process; null: all cores.
     num_threads: int | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.max_num_seqs < 1:
-            raise ValueError(f"infer_engine.max_num_seqs={self.max_num_seqs} must be >= 1")
 
 
 @dataclass
@@ -193,18 +230,17 @@ class VLLMInferEngineConfig(InferEngineConfig):
     gpu_memory_utilization: float = 0.5
     # KV cache size in GiB (CPU backend: VLLM_CPU_KVCACHE_SPACE).
     kv_cache_gb: int = 2
-    # Most sequences decoded together.
+    # Most sequences decoded together (InferEngineConfig; vLLM's max_num_seqs).
     max_num_seqs: int = 64
-    # Context limit (prompt + response); null: the model's.
-    max_model_len: int | None = None
     # No CUDA graphs / torch.compile: fast start (on 2 CPU cores compile costs ~2 min for ~10% speed).
     enforce_eager: bool = True
     # Reuse KV of shared prompt prefixes (reset after every weight sync).
     enable_prefix_caching: bool = True
     # torch/OpenMP threads of the engine on CPU; null: all cores.
     num_threads: int | None = None
-    # Colocated GPU engines sleep while the trainer runs (vLLM's sleep mode does not exist on CPU).
-    sleep_level: int = 0
+    # Colocated GPU engines sleep while the trainer runs (vLLM's sleep mode does not exist on CPU). null: 1 when
+    # colocated on an accelerator in a synchronous run, else 0 (roll_core.config.schema.resolve_sleep_level).
+    sleep_level: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -212,37 +248,44 @@ class VLLMInferEngineConfig(InferEngineConfig):
             raise ValueError(f"infer_engine.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if not 0 < self.gpu_memory_utilization < 1:
             raise ValueError(f"infer_engine.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1)")
-        if self.kv_cache_gb <= 0 or self.max_num_seqs < 1:
-            raise ValueError("infer_engine.kv_cache_gb must be > 0 and infer_engine.max_num_seqs >= 1")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"infer_engine.kv_cache_gb={self.kv_cache_gb} must be > 0")
+
+    def check_installed(self) -> None:
+        """vLLM in this environment or in its own venv (roll_core.errors.check_installed)."""
+        _check_engine_python(self, VLLM)
 
 
 @dataclass
 class SGLangInferEngineConfig(InferEngineConfig):
-    """SGLang's offline engine (CUDA only; roll_engines.infer.sglang). Knob names follow SGLang's."""
+    """SGLang's offline engine (CUDA only; roll_engines.infer.sglang). Knob names follow SGLang's, except the knobs
+    every engine shares (InferEngineConfig): max_num_seqs is SGLang's max_running_requests (null: SGLang's choice),
+    max_model_len its context_length."""
 
     _target_: str = "roll_engines.infer.sglang.SGLangInferEngine"
     name: str = "sglang"
     # GPUs per engine worker (SGLang tp_size); the worker's bundle gets this many devices.
     tensor_parallel_size: int = 1
-    # Fraction of GPU memory for weights + KV cache (SGLang mem_fraction_static).
-    mem_fraction_static: float = 0.8
-    # Most requests running at once (SGLang max_running_requests); null: SGLang's choice.
-    max_running_requests: int | None = None
-    # Context limit; null: the model's.
-    max_model_len: int | None = None
+    # Fraction of GPU memory for weights + KV cache (SGLang mem_fraction_static). null: 0.5 colocated, 0.8
+    # disaggregated. SGLang claims this fraction of the whole device when it starts, which under colocation is
+    # before the trainer, reference and critic are built on the same GPU; sleeping frees it only between rollouts.
+    mem_fraction_static: float | None = None
     # Needed for sleep_level > 0 (torch_memory_saver).
     enable_memory_saver: bool = True
     # Eager mode: no CUDA graphs (faster start, slower decode).
     disable_cuda_graph: bool = False
-    # Colocated engines release memory while the trainer runs.
-    sleep_level: int = 1
+    # Colocated engines release memory while the trainer runs. null: 1 when colocated in a synchronous run, else 0
+    # (0 as well without enable_memory_saver).
+    sleep_level: int | None = None
     log_level: str = "error"
 
     def __post_init__(self) -> None:
+        if self.sleep_level is None and not self.enable_memory_saver:
+            self.sleep_level = 0  # releasing memory needs torch_memory_saver
         super().__post_init__()
         if self.tensor_parallel_size < 1:
             raise ValueError(f"infer_engine.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
-        if not 0 < self.mem_fraction_static < 1:
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"infer_engine.mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
         if self.sleep_level and not self.enable_memory_saver:
             raise ValueError("infer_engine.sleep_level > 0 needs infer_engine.enable_memory_saver=true (sglang)")
@@ -251,6 +294,23 @@ class SGLangInferEngineConfig(InferEngineConfig):
                 "infer_engine=sglang reports log-probs before top-k/top-p truncation: set top_p=1, top_k=0 "
                 "(or use infer_engine=vllm)"
             )
+
+    def check_installed(self) -> None:
+        """SGLang in this environment or in the engine's `python` venv (roll_core.errors.check_installed)."""
+        _check_engine_python(self, SGLANG)
+
+    def resolve_run_defaults(self, *, colocated: bool, accelerator: Callable[[], bool], async_rollout: bool) -> None:
+        """mem_fraction_static and sleep_level from the placement (null fields only; SGLang runs on GPUs only)."""
+        self.mem_fraction_static = resolve_mem_fraction_static(self.mem_fraction_static, colocated=colocated)
+        # Always on a GPU, wherever the driver runs (a CPU-only head may drive GPU workers).
+        super().resolve_run_defaults(colocated=colocated, accelerator=lambda: True, async_rollout=async_rollout)
+
+
+def resolve_mem_fraction_static(value: float | None, *, colocated: bool) -> float:
+    """SGLang's `mem_fraction_static`, null resolved by placement (an explicit value is kept)."""
+    if value is not None:
+        return float(value)
+    return SGLANG_MEM_FRACTION_COLOCATED if colocated else SGLANG_MEM_FRACTION_DISAGGREGATED
 
 
 def register_configs() -> None:

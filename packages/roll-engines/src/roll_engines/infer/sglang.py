@@ -100,8 +100,8 @@ class SGLangInferEngine:
         stop: Sequence[str] | None = None,
         seed: int = 0,
         tensor_parallel_size: int = 1,
-        mem_fraction_static: float = 0.8,
-        max_running_requests: int | None = None,
+        mem_fraction_static: float | None = None,
+        max_num_seqs: int | None = None,
         max_model_len: int | None = None,
         enable_memory_saver: bool = True,
         disable_cuda_graph: bool = False,
@@ -110,12 +110,11 @@ class SGLangInferEngine:
         trust_remote_code: bool = False,
         **unused: Any,
     ) -> None:
-        try:
-            import sglang
-        except ImportError as exc:
-            raise ImportError(
-                "infer_engine=sglang needs SGLang (CUDA only): pip install 'roll-engines[sglang]' on a GPU machine"
-            ) from exc
+        from roll_engines.config import SGLANG
+
+        SGLANG.require()
+        import sglang
+
         version = tuple(int(x) for x in sglang.__version__.split(".")[:2] if x.isdigit())
         if version < (0, 5):
             raise ImportError(f"infer_engine=sglang needs sglang >= 0.5 (request ids, memory tags); found {version}")
@@ -137,7 +136,8 @@ class SGLangInferEngine:
             "model_path": path,
             "tp_size": tensor_parallel_size,
             "dtype": dtype,
-            "mem_fraction_static": mem_fraction_static,
+            # null outside a run config (which resolves it by placement): SGLang's usual disaggregated share.
+            "mem_fraction_static": 0.8 if mem_fraction_static is None else mem_fraction_static,
             "random_seed": seed,
             "enable_memory_saver": enable_memory_saver,
             "disable_cuda_graph": disable_cuda_graph,
@@ -146,8 +146,8 @@ class SGLangInferEngine:
             "context_length": self._context,
             "trust_remote_code": trust_remote_code,
         }
-        if max_running_requests:
-            kwargs["max_running_requests"] = max_running_requests
+        if max_num_seqs:  # roll's engine-neutral name (infer_engine.max_num_seqs); null: SGLang's choice
+            kwargs["max_running_requests"] = max_num_seqs
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
         self._memory_saver = enable_memory_saver
         self._base_used = _device_used()  # what the device held before this engine: memory_bytes subtracts it

@@ -23,10 +23,11 @@ ADAPTER = "default"
 
 def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: list[str] | str) -> Any:
     """Wrap `model` with LoRA adapters on `targets` (peft names, or "all-linear": every linear layer but the head)."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as exc:
-        raise ImportError("train_engine.lora_rank > 0 needs peft: pip install 'roll-engines[lora]'") from exc
+    from roll_engines.config import PEFT
+
+    PEFT.require()
+    from peft import LoraConfig, get_peft_model
+
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,

@@ -39,11 +39,6 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-GEM_INSTALL = (
-    "GemEnv needs GEM: pip install --no-deps gem-llm (it pins antlr4 4.13; omegaconf needs 4.9), then the "
-    "packages its import needs: pip install numpy reasoning-gym"
-)
-
 
 class _PrivateGlobalRNG:
     """Swaps the process-global `random` (and NumPy's legacy global RNG, if NumPy is loaded) for an instance's own
@@ -128,10 +123,10 @@ class GemEnv(_Adapter):
 def _import_gem() -> Any:
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    from roll_envs.config import GEM
+
     try:
-        import gem
-    except ImportError as exc:
-        raise ImportError(f"{GEM_INSTALL} ({exc})") from exc
+        gem = GEM.load()
     finally:
         # `import gem` calls logging.basicConfig(level=INFO): undo it so roll's logging stays as configured.
         root.handlers[:] = handlers
@@ -158,10 +153,9 @@ class GymTextEnv(_Adapter):
         **kwargs: Any,
     ) -> None:
         if isinstance(env, str):
-            try:
-                import gymnasium
-            except ImportError as exc:
-                raise ImportError(f"GymTextEnv({env!r}) needs gymnasium: pip install gymnasium ({exc})") from exc
+            from roll_envs.config import GYMNASIUM
+
+            gymnasium = GYMNASIUM.load()
             env = gymnasium.make(env, **kwargs)
         spec = getattr(env, "spec", None)
         limit = getattr(spec, "max_episode_steps", None)

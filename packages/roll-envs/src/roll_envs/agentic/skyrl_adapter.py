@@ -18,8 +18,6 @@ import random
 from pathlib import Path
 from typing import Any
 
-SKYRL_INSTALL = "SkyRLEnv needs SkyRL-Gym: pip install 'roll-envs[skyrl]' (skyrl-gym)"
-
 
 class SkyRLEnv:
     """One SkyRL-Gym environment id over a list of dataset rows; see the module docstring."""
@@ -33,10 +31,11 @@ class SkyRLEnv:
         success_reward: float = 1.0,
         seed: int | None = None,
     ) -> None:
-        try:
-            import skyrl_gym
-        except ImportError as exc:
-            raise ImportError(SKYRL_INSTALL) from exc
+        from roll_envs.config import SKYRL
+
+        SKYRL.require()
+        import skyrl_gym
+
         if (rows is None) == (data_file is None):
             raise ValueError("SkyRLEnv needs exactly one of rows=[{'prompt': ..., 'extras': {...}}] or data_file=")
         if data_file is not None:

@@ -68,6 +68,10 @@ class MathReward(Reward):
     ) -> None:
         if timeout_s < 1:
             raise ValueError(f"timeout_s must be >= 1 second (SIGALRM granularity), got {timeout_s}")
+        from roll_envs.config import MATH_VERIFY
+
+        # Every score imports math-verify; without it each would count as a reward error and score 0, silently.
+        MATH_VERIFY.require()
         self.correct_weight = correct_weight
         self.last_number_weight = last_number_weight
         self.format_weight = format_weight

@@ -24,19 +24,21 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
     """(row number, row) pairs and (row number, reason) for rows that could not even be read."""
     bad: list[tuple[int, str]] = []
     if path.is_dir():
-        try:
-            import datasets
-        except ImportError as exc:
-            raise ImportError(f"{path} is a folder: reading HF datasets folders needs `pip install datasets`") from exc
+        from roll_envs.config import DATASETS
+
+        DATASETS.require()
+        import datasets
+
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
         return [(i + 1, row) for i, row in enumerate(ds)], bad
     if path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as exc:
-            raise ImportError(f"reading {path} needs `pip install pyarrow` (roll-envs[data])") from exc
+        from roll_envs.config import PYARROW
+
+        PYARROW.require()
+        import pyarrow.parquet as pq
+
         try:
             table = pq.read_table(path)
         except Exception as exc:  # pyarrow's own message does not say which setting pointed here

@@ -105,6 +105,9 @@ class MegatronTrainEngine:
         expert_model_parallel_size: int = 1,
         sequence_parallel: bool = False,
     ) -> None:
+        from roll_engines.config import MEGATRON
+
+        MEGATRON.require()  # one line naming the extra, not a ModuleNotFoundError from the first layer built
         if context_parallel_size < 1:
             raise ValueError(f"context_parallel_size={context_parallel_size} must be >= 1")
         if trust_remote_code:

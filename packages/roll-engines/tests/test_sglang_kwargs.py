@@ -1,0 +1,76 @@
+"""The `sglang` engine maps roll's engine-neutral knobs to SGLang's own names (runs on CPU: SGLang is faked).
+
+`infer_engine.max_num_seqs` is SGLang's `max_running_requests`, `max_model_len` its `context_length`; a null
+`mem_fraction_static` (a config built outside a run, which would resolve it by placement) is SGLang's usual 0.8.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+from typing import Any, ClassVar
+
+import pytest
+
+
+class _FakeEngine:
+    """Records the keyword arguments SGLang's `Engine` would get; enough of it for the adapter to start/stop."""
+
+    last: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, **kwargs: Any) -> None:
+        type(self).last = kwargs
+        self.loop = asyncio.new_event_loop()
+
+    def shutdown(self) -> None:
+        self.loop.close()
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch: pytest.MonkeyPatch) -> type[_FakeEngine]:
+    module = types.ModuleType("sglang")
+    module.__version__ = "0.5.6"
+    module.Engine = _FakeEngine
+    monkeypatch.setitem(sys.modules, "sglang", module)
+    return _FakeEngine
+
+
+def _build(**kwargs: Any) -> dict[str, Any]:
+    from roll_core.models import resolve_model_path
+    from roll_engines.infer.sglang import SGLangInferEngine
+
+    engine = SGLangInferEngine(resolve_model_path("builtin:tiny"), device="cuda", **kwargs)
+    try:
+        return dict(_FakeEngine.last)
+    finally:
+        engine.shutdown()
+
+
+def test_max_num_seqs_is_max_running_requests(fake_sglang) -> None:
+    sent = _build(max_num_seqs=48, max_model_len=200, mem_fraction_static=0.5)
+    assert sent["max_running_requests"] == 48
+    assert sent["context_length"] == 200
+    assert sent["mem_fraction_static"] == 0.5
+    assert "max_num_seqs" not in sent and "max_model_len" not in sent
+
+
+def test_null_knobs_leave_sglang_its_defaults(fake_sglang) -> None:
+    sent = _build(max_num_seqs=None, mem_fraction_static=None)
+    assert "max_running_requests" not in sent  # SGLang sizes its running batch from memory
+    assert sent["mem_fraction_static"] == 0.8
+
+
+def test_config_keys_reach_the_constructor(fake_sglang) -> None:
+    """Every key of the sglang schema that is not a worker key is a constructor argument (no silent **unused)."""
+    import dataclasses
+    import inspect
+
+    from roll_core.cluster.roles import WORKER_KEYS
+    from roll_engines.config import SGLangInferEngineConfig
+    from roll_engines.infer.sglang import SGLangInferEngine
+
+    params = set(inspect.signature(SGLangInferEngine).parameters)
+    keys = {f.name for f in dataclasses.fields(SGLangInferEngineConfig) if not f.name.startswith("_")}
+    keys -= set(WORKER_KEYS)
+    assert keys <= params, f"sglang schema keys the constructor only swallows: {sorted(keys - params)}"
