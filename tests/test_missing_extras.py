@@ -232,3 +232,12 @@ def test_cli_prints_one_line_naming_the_extra(tmp_path: Path, blocked: str, over
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == line, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_roll_eval_needs_neither_ray_nor_tensorboard_nor_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """roll-eval scores with the inference engine in this process and writes no TensorBoard events."""
+    typed = to_object(compose(["cluster=ray", "train_engine=megatron"]))
+    _block(monkeypatch, "ray", "tensorboard", "megatron")
+    check_installed(typed, training=False)
+    with pytest.raises(MissingExtraError, match="roll-core"):
+        check_installed(typed)

@@ -124,7 +124,7 @@ def eval_main(argv: list[str] | None = None) -> int:
         model = str(Path(model) / "actor" / "model")
     try:
         cfg = to_object(compose([*args.overrides, f"model.path={model}"]))
-        check_installed(cfg)
+        check_installed(cfg, training=False)
         # Settings only checked against the world (a model folder, a held-out split) fail here the same way.
         result = evaluate_model(cfg, samples=args.samples)
     except ConfigError as exc:

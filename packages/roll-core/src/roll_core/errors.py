@@ -86,20 +86,23 @@ TENSORBOARD = Extra("tensorboard", "run tracking (TensorBoard logs)", "tensorboa
 GGUF = Extra("gguf", "converting a GGUF model (model.path=builtin:smollm2-135m ...)", "gguf", "roll-core[gguf]")
 
 
-def check_installed(cfg: Any) -> None:
+def check_installed(cfg: Any, *, training: bool = True) -> None:
     """Raise `MissingExtraError` for the first optional dependency the typed run config `cfg` needs and this
     environment lacks: roll-core's (Ray, TensorBoard) and each group's, through the `check_installed()` method
     of its schema (nested schemas, such as an env's reward, included).
 
     Components that run in another Python environment (`infer_engine.python`) check themselves. On a cluster
     joined by address the workers may have what the driver lacks: only the driver's own needs are checked.
+    `training=False` (roll-eval, in-process) leaves out what only a training run uses (Ray, TensorBoard, the
+    train engine).
     """
     cluster = getattr(cfg, "cluster", None)
-    if getattr(cluster, "backend", "local") == "ray":
-        RAY.require()
-    TENSORBOARD.require()  # every pipeline writes TensorBoard events (roll_core.tracking)
-    if getattr(cluster, "address", None) is not None:
-        return
+    if training:
+        TENSORBOARD.require()  # every training pipeline writes TensorBoard events (roll_core.tracking)
+        if getattr(cluster, "backend", "local") == "ray":
+            RAY.require()
+        if getattr(cluster, "address", None) is not None:
+            return
     seen: set[int] = set()
 
     def visit(node: Any) -> None:
@@ -113,4 +116,5 @@ def check_installed(cfg: Any) -> None:
             visit(getattr(node, f.name, None))
 
     for f in dataclasses.fields(cfg):
-        visit(getattr(cfg, f.name, None))
+        if training or f.name != "train_engine":
+            visit(getattr(cfg, f.name, None))
