@@ -278,6 +278,9 @@ class SGLangInferEngineConfig(InferEngineConfig):
     # (0 as well without enable_memory_saver).
     sleep_level: int | None = None
     log_level: str = "error"
+    # SGLang applies per-request seeds (roll's seeded sampling) only in its deterministic mode, which uses its slower
+    # pytorch sampler; false: seeds are ignored and the engine says so once.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.sleep_level is None and not self.enable_memory_saver:
