@@ -15,6 +15,7 @@ tensor of the model in the adapter's process (its bytes), kept until the next sy
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -109,14 +110,16 @@ def main() -> None:
     args = ap.parse_args()
     if args._child:
         folder, bucket_mb, runs = args._child
-        print("RESULT", _one_layout(folder, float(bucket_mb), int(runs)), flush=True)
+        print("RESULT", json.dumps(_one_layout(folder, float(bucket_mb), int(runs))), flush=True)
         return
     layers, runs = (4, 1) if args.quick else (12, args.runs)
     folder = tempfile.mkdtemp(prefix="roll-vllm-sync-")
     os.environ.setdefault("ROLL_CACHE_DIR", os.path.join(folder, "cache"))
     _model(os.path.join(folder, "model"), layers)
-    print(f"CPU: {cpu_name()} ({os.cpu_count()} cores); {layers}-layer Qwen2 (hidden 768), fp32, "
-          f"{args.bucket_mb:g} MiB buckets, {runs} runs")
+    print(
+        f"CPU: {cpu_name()} ({os.cpu_count()} cores); {layers}-layer Qwen2 (hidden 768), fp32, "
+        f"{args.bucket_mb:g} MiB buckets, {runs} runs"
+    )
     rows = []
     for mp in ("0", "1"):
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": mp}
@@ -125,9 +128,10 @@ def main() -> None:
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             raise SystemExit(f"layout MP={mp} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        rows.append(eval(line[len("RESULT ") :]))  # a dict literal we printed ourselves
+        rows.append(json.loads(line[len("RESULT ") :]))
     model = rows[0]["model_bytes"]
-    print(f"\n{'engine core':<16} {'sync s':>7} {'GB/s':>6} {'staging MB':>11} {'RSS +MB':>8} {'before: staged MB':>18}")
+    head = f"{'engine core':<16} {'sync s':>7} {'GB/s':>6} {'staging MB':>11} {'RSS +MB':>8}"
+    print(f"\n{head} {'before: staged MB':>18}")
     for r in rows:
         where = "own process" if r["out_of_process"] else "in-process"
         print(
