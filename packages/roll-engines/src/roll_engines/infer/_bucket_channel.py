@@ -211,7 +211,9 @@ def receive_buckets(address: str, authkey: bytes) -> Iterator[tuple[str, Tensor]
         while (msg := conn.recv()) is not None:
             try:
                 buffer = _open(msg["buffer"], cache)
-                owned = [(name, t.clone()) for name, t in views(buffer, msg["specs"])]
+                # Onto this worker's own device (under TP the buffer lives on the adapter's device, not every rank's).
+                here = torch.device("cuda", torch.cuda.current_device()) if buffer.is_cuda else buffer.device
+                owned = [(name, t.to(here, copy=True)) for name, t in views(buffer, msg["specs"])]
                 if buffer.is_cuda:
                     torch.cuda.current_stream(buffer.device).synchronize()
                 del buffer
