@@ -150,7 +150,9 @@ def tests(session: nox.Session) -> None:
     wants_bare = not session.posargs or any("device" in a or a.rstrip("/") == "tests" for a in session.posargs)
     bare = _ensure_bare_venv(session) if wants_bare else bare_python()
     env = {"ROLL_TEST_SESSION": "tests", "ROLL_VLLM_PYTHON": str(vllm), "ROLL_BARE_PYTHON": str(bare)}
-    session.run(str(python), "-m", "pytest", *(session.posargs or _test_paths()), external=True, env=env)
+    # The slowest tests in every CI log: the README test command must stay under 40 minutes on 2 cores.
+    durations = [] if session.posargs else ["--durations=25"]
+    session.run(str(python), "-m", "pytest", *durations, *(session.posargs or _test_paths()), external=True, env=env)
     if not session.posargs:
         session.run(str(vllm), "-m", "pytest", *VLLM_TESTS, external=True, env={**env, "ROLL_TEST_SESSION": "vllm"})
 
