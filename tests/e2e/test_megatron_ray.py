@@ -9,6 +9,7 @@ import torch
 from roll_core.cluster.group import RayOptions
 from roll_core.cluster.mesh import Mesh
 from roll_core.cluster.roles import TrainGroup, TrainWorker
+from roll_core.cluster.worker import Dispatch, dispatch
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.objectives import PolicyObjective
 from roll_core.protocol import Batch
@@ -18,12 +19,14 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def _group(path: str, tp: int, pp: int, world_size: int = 2, role: str = "actor", **kw) -> TrainGroup:
+def _group(
+    path: str, tp: int, pp: int, world_size: int = 2, role: str = "actor", worker: type = TrainWorker, **kw
+) -> TrainGroup:
     from roll_engines.config import MegatronTrainEngineConfig
 
     cfg = MegatronTrainEngineConfig(world_size=world_size, tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw)
     return TrainGroup(
-        TrainWorker,
+        worker,
         world_size,
         "ray",
         ray_options=RayOptions(num_cpus=0.5),
@@ -347,3 +350,64 @@ def test_megatron_critic_parallel_equals_hf(ray_cluster, tmp_path, tp: int, pp: 
         _equals_hf(group, hf, Batch(critic_batch(path)), ValueObjective(clip=0.2), critic=True)
     finally:
         group.shutdown()
+
+
+def _export_probe() -> type:
+    """A TrainWorker whose `stream_weights` consumes its engine's `iter_weights` as weight sync does (keeping no
+    tensor) and measures, at every yield, the bytes of the tensors alive that the export made (storages no tensor
+    had before it; as packages/roll-engines/tests/test_megatron_export.py does in process). Defined in a function:
+    Ray then pickles the class by value (a worker cannot import a test module)."""
+    import gc
+
+    class ExportProbe(TrainWorker):
+        @dispatch(Dispatch.BROADCAST)
+        def stream_weights(self) -> dict:
+            """{"peak": bytes, "layer": the largest layer's bytes, "names": in the order streamed}."""
+
+            def storages(tensors: list) -> dict[int, int]:
+                return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if not t.is_meta}
+
+            known = set(storages([o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]))
+            peak, names, groups = 0, [], {}
+            for name, t in self.engine.iter_weights():
+                names.append(name)
+                key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
+                groups[key] = groups.get(key, 0) + t.numel() * t.element_size()
+                del t
+                live = storages([o for o in gc.get_objects() if type(o) is torch.Tensor])
+                peak = max(peak, sum(n for ptr, n in live.items() if ptr not in known))
+            return {"peak": peak, "layer": max(groups.values()), "names": names}
+
+    return ExportProbe
+
+
+@pytest.mark.parametrize(("kind", "pp", "ep"), [("llama", 2, 1), ("qwen3_moe", 1, 2)], ids=["pp2", "ep2"])
+def test_megatron_weights_stream_a_layer_at_a_time(ray_cluster, tmp_path, kind: str, pp: int, ep: int) -> None:
+    """Weight sync's `iter_weights` at PP=2 (each stage's tensors broadcast over the pipeline group piece by piece)
+    and at EP=2 (one MoE layer's experts all-gathered and fused at a time): no rank ever holds more than one layer
+    of exported tensors (the export that gathered whole stages and experts first held the whole model on every
+    rank: 4.3 layers of this 4-layer model, 1.8 of the MoE's 2), every rank streams the same names in the same
+    order, and the weights are the checkpoint's."""
+    from transformers import AutoModelForCausalLM
+
+    from roll_core.models import build_tiny_model
+    from roll_core.testing.models import tiny_model
+
+    if kind == "llama":
+        path = str(tmp_path / "tiny4")
+        build_tiny_model(tmp_path / "tiny4", layers=4)  # two layers per stage
+    else:
+        path = tiny_model(kind, tmp_path / kind)
+    group = _group(path, 1, pp, worker=_export_probe(), expert_model_parallel_size=ep, use_distributed_optimizer=False)
+    try:
+        ranks = group.call("stream_weights")
+        weights = group.get_weights()
+    finally:
+        group.shutdown()
+    for r in ranks:
+        assert 0 < r["peak"] <= r["layer"], (r["peak"], r["layer"])
+        assert r["names"] == ranks[0]["names"]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert sorted(weights) == sorted(n for n, _ in hf.named_parameters())
+    for name, w in hf.named_parameters():
+        torch.testing.assert_close(weights[name], w.detach(), atol=0, rtol=0, msg=name)

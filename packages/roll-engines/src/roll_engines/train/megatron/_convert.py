@@ -61,6 +61,11 @@ def is_moe(hf_config: Any) -> bool:
     return hf_config.model_type in MOE
 
 
+def is_expert(name: str) -> bool:
+    """Whether a Megatron parameter is one of a MoE layer's routed experts' (`...local_experts.j....`)."""
+    return _EXPERT.match(name) is not None
+
+
 def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
@@ -188,10 +193,13 @@ def transformer_config(
 
 class RMSNorm(torch.nn.RMSNorm):
     """Megatron's local-spec norm (torch's RMSNorm) that also runs under sequence parallelism: its weight is marked
-    `sequence_parallel`, so Megatron all-reduces its gradient over TP (each TP rank normalises other tokens)."""
+    `sequence_parallel`, so Megatron all-reduces its gradient over TP (each TP rank normalises other tokens). Its
+    weight is in the model's dtype like every other parameter (Megatron's own torch norm stays fp32 and leaves the
+    casting to Float16Module, which this engine does not use): a bf16 model is bf16 throughout, its fp32 masters
+    in the optimizer."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
-        super().__init__(hidden_size, eps=eps)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
@@ -490,27 +498,12 @@ def to_hf(name: str, t: Any, cfg: Any, offset: int) -> dict[str, Tensor]:
         return {h + "mlp.shared_expert_gate.weight": t}
     expert = _EXPERT.match(name)
     if expert and expert.group(3) in (".linear_fc1.weight", ".linear_fc2.weight"):
-        # Checkpoint (per-expert) names at the expert's global index; fuse_experts() joins them.
+        # Checkpoint (per-expert) names at the expert's global index; _export.fuse_layer joins them.
         e = int(expert.group(2)) + local_experts(cfg).start
         if expert.group(3) == ".linear_fc1.weight":
             return {h + f"mlp.experts.{e}.gate_proj.weight": t[0], h + f"mlp.experts.{e}.up_proj.weight": t[1]}
         return {h + f"mlp.experts.{e}.down_proj.weight": t}
     raise KeyError(f"no HF name for Megatron tensor {name!r}")
-
-
-def fuse_experts(hf: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
-    """Per-expert tensors (every expert's, gathered over EP) as transformers' fused `gate_up_proj`/`down_proj`."""
-    if not is_moe(cfg):
-        return hf
-    out = {k: v for k, v in hf.items() if ".mlp.experts." not in k}
-    for i in range(cfg.num_hidden_layers):
-        prefix = f"model.layers.{i}.mlp.experts."
-        if f"{prefix}0.down_proj.weight" not in hf:  # a layer of another pipeline stage
-            continue
-        experts = _experts(hf, prefix, cfg.num_experts)
-        out[prefix + "gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in experts])
-        out[prefix + "down_proj"] = torch.stack([d for _, _, d in experts])
-    return out
 
 
 def read_hf(path: str) -> dict[str, Tensor]:

@@ -27,10 +27,10 @@ from torch import Tensor
 class ValueHead(torch.nn.Module):
     """hidden (S, B, H) -> values (S, B, 1), called as Megatron calls its output layer (returns (output, bias))."""
 
-    def __init__(self, hidden: int, sequence_parallel: bool) -> None:
+    def __init__(self, hidden: int, sequence_parallel: bool, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden))
-        self.bias = torch.nn.Parameter(torch.zeros(1))
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype))  # the model's dtype, as its input's
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
         self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
@@ -44,7 +44,8 @@ class ValueHead(torch.nn.Module):
 def attach(model: Any) -> None:
     """Replace the last stage's output layer by a ValueHead (other stages have none)."""
     if model.post_process:
-        model.output_layer = ValueHead(model.config.hidden_size, bool(model.config.sequence_parallel))
+        config = model.config
+        model.output_layer = ValueHead(config.hidden_size, bool(config.sequence_parallel), config.params_dtype)
 
 
 def head_tensors(hf: Mapping[str, Tensor], cfg: Any, seed: int) -> dict[str, Tensor]:

@@ -3,9 +3,10 @@
 
 One engine per worker process; the worker group's mesh (DP x PP x CP x TP, roll_core.cluster.mesh) hands every rank of
 a model replica the same rows and collects results from the replica's last pipeline stage. Weights load from and
-export to Hugging Face folders (roll_engines.train.megatron._convert); training uses Megatron's
-DistributedDataParallel, its optimizer (distributed optimizer optional) and its pipeline schedules, with
-activation recomputation as config. On CPU the engine applies roll's Megatron shims around every call (_cpu).
+export to Hugging Face folders (roll_engines.train.megatron._convert) and stream out, at most a layer at a time, for
+weight sync (_export); training uses Megatron's DistributedDataParallel, its optimizer (distributed optimizer
+optional) and its pipeline schedules, with activation recomputation as config. On CPU the engine applies roll's
+Megatron shims around every call (_cpu).
 
 Contract (roll_core.interfaces.TrainEngine), with the same data layout and loss scaling as the `hf` engine: each
 micro-batch loss is weighted by its aggregation units over the units of the whole mini-batch across data-parallel
@@ -51,6 +52,7 @@ from roll_core.models import prepare_engine_process, resolve_model_path, torch_d
 from roll_engines.train.hf import lr_lambda
 from roll_engines.train.megatron import _convert as C
 from roll_engines.train.megatron import _critic as V
+from roll_engines.train.megatron import _export as X
 from roll_engines.train.megatron import _lora as L
 from roll_engines.train.megatron._checkpoint import (
     optimizer_state_bytes,
@@ -476,66 +478,25 @@ class MegatronTrainEngine:
         self._backward(tensors, loss_fn, temperature, force_all_reduce=True)
         if self.lora:
             with self._shims():
-                grads = self._all_stages(L.adapter_tensors(self.model, self.hf_config, grads=True))
+                grads = X.all_stages(L.adapter_tensors(self.model, self.hf_config, grads=True))
         else:
-            grads = dict(self._export(grads=True))
+            grads = dict(self._export(grads=True, dtype=torch.float32))
         self.ddp.zero_grad_buffer()
         return grads
 
     # ---- weights ------------------------------------------------------------------------------------------
-    def _local(self, grads: bool, changed_only: bool) -> Iterator[tuple[str, Tensor]]:
-        """(Megatron name, this rank's tensor): weights (LoRA merged) or copies of main gradients."""
-        if self.lora and not grads:
-            yield from L.local_weights(self.model, changed_only)
-            return
-        for name, p in self.model.named_parameters():
-            t = getattr(p, "main_grad", None) if grads else p.data
-            # Gradients are views of DDP's buffer, which the next zero_grad_buffer() clears: copy them.
-            yield name, (torch.zeros_like(p) if t is None else (t.clone() if grads else t)).detach()
-
-    def _all_stages(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Every pipeline stage's `local` tensors (gathered as objects over the PP group; collective)."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        if ps.get_pipeline_model_parallel_world_size() == 1:
-            return local
-        stages: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
-        dist.all_gather_object(
-            stages, {k: v.cpu() for k, v in local.items()}, group=ps.get_pipeline_model_parallel_group()
-        )
-        return {k: v for s in stages for k, v in s.items()}
-
-    def _all_experts(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
-        """`local` with every expert-parallel rank's experts (gathered as objects over the EP group; collective)."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        n = ps.get_expert_model_parallel_world_size()
-        if n == 1:
-            return local
-        ranks: list[Any] = [None] * n
-        mine = {k: v.cpu() for k, v in local.items() if ".mlp.experts." in k}
-        dist.all_gather_object(ranks, mine, group=ps.get_expert_model_parallel_group())
-        return {**local, **{k: v for r in ranks for k, v in r.items()}}
-
-    def _export(self, grads: bool = False, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, full tensor) of every weight (or main gradient), gathered over TP, and over PP and EP as
-        objects; a MoE model's experts in transformers' fused tensors."""
+    def _export(
+        self, grads: bool = False, changed_only: bool = False, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) of every weight (or main gradient), streamed piece by piece (_export): gathered
+        over TP, a MoE layer's experts over EP and fused as transformers holds them, each stage's pieces broadcast
+        over PP; in `dtype`, else the parameters' own. Collective; the same pairs in the same order on every rank."""
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         offset = get_transformer_layer_offset(self.model.config)
-        local: dict[str, Tensor] = {}
-        with self._shims():
-            for name, t in self._local(grads, changed_only):
-                if self.critic and name.startswith("output_layer."):  # the replicated value head
-                    local.update(V.to_hf(name, t.float()))
-                    continue
-                local.update(C.to_hf(name, C.gather_tp(name, t.float()), self.hf_config, offset))
-        local = C.fuse_experts(self._all_experts(self._all_stages(local)), self.hf_config)
-        for k in self._hf_order:
-            if k in local:
-                yield k, local[k]
+        local = X.local_tensors(self.model, bool(self.lora), grads, changed_only)
+        pieces = X.stage_pieces(local, self.hf_config, self.critic, offset, dtype)
+        yield from X.pairs(X.over_stages(pieces, self.device), self._shims)
 
     @functools.cached_property
     def _hf_skeleton(self) -> Any:
@@ -543,18 +504,15 @@ class MegatronTrainEngine:
         every weight sync and save paid)."""
         return V.hf_skeleton(self.hf_config, self.critic)
 
-    @functools.cached_property
-    def _hf_order(self) -> list[str]:
-        """The HF model's parameter names in its own order."""
-        return [k for k, _ in self._hf_skeleton.named_parameters()]
-
     def iter_weights(self, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
-        """Full weights in HF names, in the HF model's order (collective over TP and PP ranks). With LoRA the
-        weights are merged (W + alpha/r * B @ A) and `changed_only` sends only the adapted ones."""
+        """Full weights in HF names, streamed in the Megatron model's order, layer by layer, in the parameters' dtype
+        (a bf16 model's are bf16; collective over TP, PP and EP ranks, at most one layer in flight: _export). With
+        LoRA the weights are merged (W + alpha/r * B @ A) and `changed_only` sends only the adapted ones."""
         yield from self._export(changed_only=changed_only and bool(self.lora))
 
     def get_weights(self) -> dict[str, Tensor]:
-        return {k: v.to("cpu", copy=True) for k, v in self._export()}
+        """Every weight in HF names, fp32 CPU copies (as `save` writes them)."""
+        return {k: v.to("cpu", copy=True) for k, v in self._export(dtype=torch.float32)}
 
     def save(self, folder: str | Path, tokenizer_path: str | None = None) -> None:
         """`folder/model` (HF folder, written by global rank 0) and `folder/optimizer` (a Megatron distributed
@@ -564,10 +522,13 @@ class MegatronTrainEngine:
         import torch.distributed as dist
 
         folder = Path(folder)
-        weights = dict(self._export())
+        weights = {}  # every rank streams the export (collective); rank 0 writes it
+        for k, v in self._export(dtype=torch.float32):
+            if dist.get_rank() == 0:
+                weights[k] = v
         if self.lora:
             with self._shims():
-                adapter = self._all_stages(L.adapter_tensors(self.model, self.hf_config))
+                adapter = X.all_stages(L.adapter_tensors(self.model, self.hf_config))
             if dist.get_rank() == 0:
                 L.save_adapter(folder / "adapter", adapter, L.adapter_config(*self.lora, self.path))
         if dist.get_rank() == 0:

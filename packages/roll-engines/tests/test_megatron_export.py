@@ -1,0 +1,149 @@
+"""The `megatron` engine's weight export (roll_engines.train.megatron._export) in process at TP=PP=EP=1: weight sync
+streams it, so `iter_weights` holds at most about one layer beyond the model's own tensors, in the parameters'
+dtype (a bf16 model's weights leave as bf16). PP=2 and EP=2 stream on Ray (tests/e2e/test_megatron_ray.py). And
+Megatron in bf16 compute: a step tracks the fp32 step, its master weights stay fp32."""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]'")
+pytestmark = pytest.mark.usefixtures("megatron_process_group")
+
+
+def stream(pairs: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, dict[str, tuple[torch.Tensor, torch.dtype]]]:
+    """Consume `pairs` (an export), keeping none of them: (the peak bytes, over the yields, of the tensors alive
+    that the export made, i.e. of storages that no tensor had before it started; the yielded tensors' CPU fp32
+    copies by name)."""
+
+    def storages(tensors: list[torch.Tensor]) -> dict[int, int]:
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if not t.is_meta}
+
+    # type(), not isinstance (which trips deprecated proxies); before: every tensor (parameters too), then plain
+    # ones only (what an export makes): the fastest test over the process's half a million objects.
+    known = set(storages([o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]))
+    peak, got = 0, {}
+    for name, t in pairs:
+        copy = t.detach().to("cpu", torch.float32, copy=True)
+        known.add(copy.untyped_storage().data_ptr())  # the test's, not the export's
+        got[name] = copy, t.dtype
+        del t, copy
+        live = storages([o for o in gc.get_objects() if type(o) is torch.Tensor])
+        peak = max(peak, sum(n for ptr, n in live.items() if ptr not in known))
+    return peak, got
+
+
+def layer_bytes(weights: dict[str, tuple[torch.Tensor, torch.dtype]]) -> int:
+    """Bytes of the largest layer (`model.layers.i.*`, in the exported dtype), or of the largest tensor outside."""
+    groups: dict[str, int] = {}
+    for name, (t, dtype) in weights.items():
+        key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
+        groups[key] = groups.get(key, 0) + t.numel() * dtype.itemsize
+    return max(groups.values())
+
+
+@pytest.fixture(scope="module")
+def three_layers(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from roll_core.models import build_tiny_model
+
+    os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
+    folder = tmp_path_factory.mktemp("tiny4")
+    build_tiny_model(folder, layers=3)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype"),
+    [("llama", "float32"), ("llama", "bfloat16"), ("qwen3_moe", "float32"), ("critic", "bfloat16")],
+    ids=["fp32", "bf16", "moe", "critic-bf16"],
+)
+def test_iter_weights_streams_one_layer_at_a_time(three_layers: str, tmp_path: Path, kind: str, dtype: str) -> None:
+    """Over the whole export, the tensors it made and still holds at a yield never exceed one layer's bytes (a
+    3-layer model: the export that gathered every tensor first held 2.1 layers at its first yield, and 6.6 bf16
+    layers in bf16, the whole model upcast to fp32); a MoE layer's experts leave fused, a critic's value head
+    last. The streamed tensors are the HF model's, in the parameters' dtype (bf16: no fp32 copy), and equal the
+    checkpoint's."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from roll_core.testing.models import tiny_critic, tiny_model
+    from roll_engines.train.megatron import MegatronTrainEngine
+
+    if kind == "llama":
+        path = three_layers
+    else:
+        path = tiny_critic(tmp_path) if kind == "critic" else tiny_model(kind, tmp_path / kind)
+    role = "critic" if kind == "critic" else "actor"
+    engine = MegatronTrainEngine(path, role=role, dtype=dtype, dist_backend="gloo", use_distributed_optimizer=False)
+    peak, got = stream(engine.iter_weights())
+    assert 0 < peak <= layer_bytes(got), (peak, layer_bytes(got))
+    want = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    assert {d for _, d in got.values()} == {want}
+    hf_class = AutoModelForTokenClassification if kind == "critic" else AutoModelForCausalLM
+    hf = dict(hf_class.from_pretrained(path, dtype=torch.float32).named_parameters())
+    assert got.keys() == hf.keys()
+    for name, w in hf.items():
+        torch.testing.assert_close(got[name][0], w.detach().to(want).float(), atol=0, rtol=0, msg=name)
+    # get_weights (tests, tools) still gives fp32 copies of the same weights.
+    for name, w in engine.get_weights().items():
+        assert w.dtype == torch.float32 and torch.equal(w, got[name][0]), name
+
+
+def test_bf16_compute_tracks_fp32_and_keeps_fp32_masters(tmp_path: Path) -> None:
+    """Megatron with bf16 compute (model.dtype=bfloat16; the model's parameters bf16, Megatron's optimizer holding
+    fp32 masters) on CPU: four steps land within 15% of the fp32 run's update from it (6% here), its masters are
+    fp32, and weight sync gets bf16 tensors. The checkpoint is bf16-exact: Megatron builds the masters from the
+    bf16 model, so an fp32 checkpoint's rounding (2^-9 of each weight) would dwarf lr-1e-5 updates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from roll_core.models import resolve_model_path
+    from roll_core.pipelines.objectives import PolicyObjective
+    from roll_core.testing.batches import toy_batch
+    from roll_engines.train.megatron import MegatronTrainEngine
+    from roll_engines.train.megatron._checkpoint import parts
+
+    os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path / "cache"))
+    source, path = resolve_model_path("builtin:tiny"), str(tmp_path / "bf16-exact")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16())
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(source).save_pretrained(path)
+    batch = toy_batch(path)
+
+    def masters(engine: MegatronTrainEngine) -> dict[str, torch.Tensor]:
+        """The optimizer's fp32 weights by Megatron name (a bf16 parameter's master; an fp32 parameter itself)."""
+        main = {}
+        for opt in parts(engine.optimizer):
+            groups = zip(getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", []))
+            for model_group, main_group in groups:
+                main.update({id(p): m for p, m in zip(model_group, main_group)})
+        return {n: main.get(id(p), p).detach().clone() for n, p in engine.model.named_parameters()}
+
+    def run(dtype: str) -> tuple[MegatronTrainEngine, dict, dict]:
+        engine = MegatronTrainEngine(
+            path, dtype=dtype, lr=1e-5, micro_batch_size=6, dist_backend="gloo", use_distributed_optimizer=False
+        )
+        before = masters(engine)
+        for _ in range(4):
+            engine.train_step(batch, PolicyObjective())
+        return engine, before, masters(engine)
+
+    _, w0, ref = run("float32")
+    mixed_engine, start, mixed = run("bfloat16")
+    assert all(torch.equal(start[k], w0[k]) for k in w0)  # both runs start from the same weights
+    assert {p.dtype for p in mixed_engine.model.parameters()} == {torch.bfloat16}
+    assert {m.dtype for m in mixed.values()} == {torch.float32}, "master weights must stay fp32"
+    assert {v.dtype for _, v in mixed_engine.iter_weights()} == {torch.bfloat16}
+
+    def dist(a: dict, b: dict) -> float:
+        return float(sum(((a[k].float() - b[k].float()) ** 2).sum() for k in a).sqrt())
+
+    ratio = dist(mixed, ref) / dist(ref, w0)
+    assert ratio < 0.15, f"the bf16-compute run is {ratio:.0%} of the update away from fp32"
