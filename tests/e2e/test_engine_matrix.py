@@ -34,6 +34,14 @@ MATRIX = list(itertools.product(EXPERIMENTS, INFER, TRAIN))
 COVERED = {
     ("quickstart", "hf", "megatron"): "tests/e2e/test_learning.py runs rlvr on train_engine=megatron, cluster=local",
     ("agentic_sokoban", "hf", "megatron"): "same pipeline and engines as agentic_quickstart-hf-megatron here",
+    # The README runs these experiments' first steps with the default engines (hf x hf), evaluation included.
+    ("quickstart", "hf", "hf"): "test_readme_commands.py runs `roll-train experiment=quickstart`",
+    (
+        "agentic_quickstart",
+        "hf",
+        "hf",
+    ): "test_readme_commands.py runs `roll-train experiment=agentic_quickstart`",
+    ("agentic_sokoban", "hf", "hf"): "test_readme_commands.py runs `roll-train experiment=agentic_sokoban`",
 }
 RAY_EXPERIMENTS = (
     "cluster=ray experiment: the quickstart's pipeline on Ray, run by tests/e2e/test_sweep.py (sweep_tiny), "
