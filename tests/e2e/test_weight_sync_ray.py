@@ -86,6 +86,8 @@ def test_sync_makes_engines_sample_from_the_trained_policy(
             train, infer, transport=transport, bucket_mb=0.05, placement="disaggregated", platform=CpuPlatform
         )
         stats = sync.sync()
+        if transport == "dist" and train_engine == "hf":  # engines are built on the main thread (see below)
+            _assert_engines_built_on_the_main_thread(train, infer)
         fresh = _rollout(infer, path, seed=3)
         assert _gap(train, fresh) < 1e-4
         n_params = sum(v.numel() for v in train.get_weights().values())
@@ -100,23 +102,17 @@ def test_sync_makes_engines_sample_from_the_trained_policy(
         infer.shutdown()
 
 
-def test_engines_are_built_on_the_main_thread(ray_cluster) -> None:
+def _assert_engines_built_on_the_main_thread(train: TrainGroup, infer: InferGroup) -> None:
     """An inference actor serves requests on a thread pool (max_concurrency=8), yet its engine is built on the
     process's main thread (SGLang before 0.5.10 installs signal handlers in its constructor, which raises
     elsewhere); training engines too."""
-    path = resolve_model_path("builtin:tiny")
-    train, infer = _groups(path, "hf", 1)
-    try:
-        for group in (train, infer):
-            built = group.call("engine_thread")
-            assert built and all(on_main for _, on_main in built), (group.name, built)
-        # ...while the actor's calls run on pool threads: the constructor is where the main thread is.
-        import threading
+    import threading
 
-        import ray
+    import ray
 
-        where = ray.get(infer.workers[0].__ray_call__.remote(lambda self: threading.current_thread().name))
-        assert where != "MainThread"
-    finally:
-        train.shutdown()
-        infer.shutdown()
+    for group in (train, infer):
+        built = group.call("engine_thread")
+        assert built and all(on_main for _, on_main in built), (group.name, built)
+    # ...while the actor's calls run on pool threads: the constructor is where the main thread is.
+    where = ray.get(infer.workers[0].__ray_call__.remote(lambda self: threading.current_thread().name))
+    assert where != "MainThread"
