@@ -17,6 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from roll_core.cluster.roles import WORKER_KEYS
 from roll_core.config import ConfigError, compose, to_object
+from roll_core.testing import fill_missing
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
@@ -34,15 +35,6 @@ def test_every_yaml_starts_with_purpose_and_launch_comment(path: Path) -> None:
     head = path.read_text().splitlines()[:3]
     assert head[0].startswith("#") and len(head[0]) > 10, f"{path}: first line must say what it is for"
     assert any("roll-train" in line for line in head if line.startswith("#")), f"{path}: give a launch command"
-
-
-def _fill_missing(node: DictConfig) -> None:
-    """Presets with user-supplied paths (model=hf, env=file) leave them mandatory: fill placeholders."""
-    for key in node:
-        if OmegaConf.is_missing(node, key):
-            node[key] = f"/placeholder/{key}"
-        elif isinstance(node[key], DictConfig):
-            _fill_missing(node[key])
 
 
 def _bind_targets(node: Any, where: str) -> int:
@@ -71,7 +63,7 @@ def test_option_composes_validates_and_binds(group: str, option: str) -> None:
     cfg = compose([f"{group}={option}"])
     OmegaConf.resolve(cfg)
     node = cfg[group]
-    _fill_missing(node)
+    fill_missing(node)
     obj = OmegaConf.to_object(node)  # runs __post_init__ invariants of this group's schema
     assert obj is not None
     _bind_targets(node, group)
@@ -80,7 +72,7 @@ def test_option_composes_validates_and_binds(group: str, option: str) -> None:
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiment_composes_to_typed_config(experiment: str) -> None:
     cfg = compose([f"experiment={experiment}"])
-    _fill_missing(cfg)
+    fill_missing(cfg)
     typed = to_object(cfg)
     assert typed.experiment and typed.pipeline.max_steps > 0
     assert _bind_targets(cfg, "cfg") >= 3  # train engine, infer engine, env at least

@@ -15,10 +15,11 @@ import re
 from pathlib import Path
 
 import pytest
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from roll_core.config import ConfigError, compose, to_object
 from roll_core.config.schema import InferEngineConfig
+from roll_core.testing import fill_missing
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
@@ -29,15 +30,6 @@ MATRIX = list(itertools.product(EXPERIMENTS, INFER, TRAIN))
 #: (experiment, infer_engine, train_engine) that cannot compose, and the error naming the key. None today: every
 #: experiment sets only shared knobs. Add an entry only for a setting an engine refuses (e.g. SGLang and top_p < 1).
 INCOMPATIBLE: dict[tuple[str, str, str], str] = {}
-
-
-def _fill_missing(node: DictConfig) -> None:
-    """Experiments with user-supplied paths (env=file's env.path) leave them mandatory: fill placeholders."""
-    for key in node:
-        if OmegaConf.is_missing(node, key):
-            node[key] = f"/placeholder/{key}"
-        elif isinstance(node[key], DictConfig):
-            _fill_missing(node[key])
 
 
 def test_matrix_covers_every_option() -> None:
@@ -52,11 +44,11 @@ def test_experiment_composes_with_every_engine(experiment: str, infer: str, trai
     if expected is not None:
         with pytest.raises(ConfigError, match=expected):
             cfg = compose(overrides)
-            _fill_missing(cfg)
+            fill_missing(cfg)
             to_object(cfg)
         return
     cfg = compose(overrides)
-    _fill_missing(cfg)
+    fill_missing(cfg)
     typed = to_object(cfg)  # every group's __post_init__ and the cross-group invariants
     assert typed.infer_engine.name == infer and typed.train_engine.name == train
     assert isinstance(typed.infer_engine, InferEngineConfig)
@@ -91,7 +83,7 @@ def test_engine_that_refuses_a_sampling_setting_names_the_key(experiment: str) -
     time with a message naming the keys, not inside the engine."""
     with pytest.raises(ConfigError, match=r"infer_engine=sglang .* set top_p=1, top_k=0"):
         cfg = compose([f"experiment={experiment}", "infer_engine=sglang", "infer_engine.top_p=0.9"])
-        _fill_missing(cfg)
+        fill_missing(cfg)
         to_object(cfg)
     with pytest.raises(ConfigError, match=re.escape("infer_engine.max_num_seqs=0 must be >= 1")):
         to_object(compose(["infer_engine=sglang", "infer_engine.max_num_seqs=0"]))

@@ -27,6 +27,18 @@ class CannotRunHere(Exception):
     A missing optional dependency may raise ImportError instead, with the same effect."""
 
 
+def fill_missing(node: Any) -> None:
+    """Fill a composed config's mandatory values (`???`: model=hf's model.path, env=file's env.path) with
+    placeholder paths, in place, so that presets with user-supplied paths can be validated in tests."""
+    from omegaconf import DictConfig, OmegaConf
+
+    for key in node:
+        if OmegaConf.is_missing(node, key):
+            node[key] = f"/placeholder/{key}"
+        elif isinstance(node[key], DictConfig):
+            fill_missing(node[key])
+
+
 def constant_answer_task(path: str | Path, rows: int = 200) -> Path:
     """Write `rows` prompts whose answer is 7 to `path` (JSONL) and return the path."""
     path = Path(path)
