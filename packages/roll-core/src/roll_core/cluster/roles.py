@@ -43,6 +43,15 @@ def engine_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in cfg.items() if k not in WORKER_KEYS}
 
 
+class EngineWorker(Worker):
+    """A worker hosting one engine built by `build_engine` (training or inference)."""
+
+    @dispatch(Dispatch.BROADCAST)
+    def engine_thread(self) -> tuple[str, bool]:
+        """(name of the thread the engine was built on, whether it is the main thread)."""
+        return self.engine_thread_name
+
+
 def build_engine(worker: Worker, cfg: dict[str, Any], runtime: dict[str, Any]) -> Any:
     """Build an engine from its config on this worker, recording the thread it was built on (`engine_thread`)."""
     resolved = resolve_device(runtime)
@@ -83,7 +92,7 @@ def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class TrainWorker(Worker):
+class TrainWorker(EngineWorker):
     """Hosts a training engine (policy, critic or frozen reference)."""
 
     def __init__(self, engine: dict[str, Any], runtime: dict[str, Any], **base: Any) -> None:
@@ -95,11 +104,6 @@ class TrainWorker(Worker):
 
     def on_setup(self) -> None:
         self.engine: TrainEngine = build_engine(self, self._engine_cfg, self._runtime)
-
-    @dispatch(Dispatch.BROADCAST)
-    def engine_thread(self) -> tuple[str, bool]:
-        """(name of the thread the engine was built on, whether it is the main thread)."""
-        return self.engine_thread_name
 
     @dispatch(Dispatch.DP)
     def compute_logprobs(
@@ -214,7 +218,7 @@ class TrainWorker(Worker):
         return {"handle": handle, "specs": specs, "bytes": bucket_nbytes(bucket)}
 
 
-class InferWorker(Worker):
+class InferWorker(EngineWorker):
     """Hosts an inference engine: batch generation, single requests, weight updates, sleep and wake-up."""
 
     def __init__(self, engine: dict[str, Any], runtime: dict[str, Any], **base: Any) -> None:
@@ -223,11 +227,6 @@ class InferWorker(Worker):
         self._sync_group: SyncGroup | None = None
         # In the constructor: the actor's main thread, even when it serves calls on a pool (module docstring).
         self.engine: InferEngine = build_engine(self, engine, runtime)
-
-    @dispatch(Dispatch.BROADCAST)
-    def engine_thread(self) -> tuple[str, bool]:
-        """(name of the thread the engine was built on, whether it is the main thread)."""
-        return self.engine_thread_name
 
     @dispatch(Dispatch.DP)
     def generate(self, batch: Batch, params: SamplingParams, n: int) -> Batch:

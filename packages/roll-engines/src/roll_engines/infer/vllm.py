@@ -76,9 +76,9 @@ def _cpu_env(kv_cache_gb: int, threads: int | None, cache_root: str | None, tens
     # One process: the engine core in this process uses every core (by default one is left to a scheduler process).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     n = threads or os.cpu_count() or 1
-    os.environ["OMP_NUM_THREADS"] = str(max(1, n // tensor_parallel_size))  # Ray sets 1 with fractional CPUs
+    per = max(1, n // tensor_parallel_size)  # cores per tensor-parallel rank
+    os.environ["OMP_NUM_THREADS"] = str(per)  # Ray sets 1 in workers with fractional CPUs
     # One core range per tensor-parallel rank ("|"-separated, vLLM's format); ranks never share a core.
-    per = max(1, n // tensor_parallel_size)
     binds = "|".join(f"{r * per}-{r * per + per - 1}" for r in range(tensor_parallel_size))
     given = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
     if len(given.split("|")) != tensor_parallel_size or given == "auto":  # unset, or set for another TP size
@@ -173,7 +173,8 @@ class VLLMInferEngine:
         self._pending: dict[str, _Pending] = {}  # our external vLLM request id -> state
         self._internal: dict[str, str] = {}  # vLLM's internal id (external id + random suffix) -> external id
         self._by_roll_id: dict[str, str] = {}  # roll request id -> external vLLM id
-        self._dtype: torch.dtype = self.engine.model_config.dtype
+        # The dtype of the engine's weights: synced tensors are cast to it before they cross processes.
+        self.dtype: torch.dtype = self.engine.model_config.dtype
         self._receivers = int(self.engine.vllm_config.parallel_config.world_size)  # worker processes (TP x PP)
         self._sender: BucketSender | None = None
         self._loading: Future | None = None  # the workers' roll_load_weights RPC of the sync in progress
@@ -326,11 +327,6 @@ class VLLMInferEngine:
         return bool(self._control(do))
 
     # ---- weights ------------------------------------------------------------------------------------------
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of the engine's weights: synced tensors are cast to it before they cross processes."""
-        return self._dtype
-
     def begin_weight_update(self) -> None:
         def do() -> None:  # on the driver thread: no step is in progress once this runs
             self._paused = True
@@ -339,7 +335,7 @@ class VLLMInferEngine:
         if self._sender is not None:  # a sync that never finished (its caller failed): drop it
             self._sender.close(ok=False)
         device = "cpu" if self.on_cpu else f"cuda:{torch.cuda.current_device()}"
-        self._sender = BucketSender(self._receivers, device, self._dtype, alive=self._loading_alive)
+        self._sender = BucketSender(self._receivers, device, self.dtype, alive=self._loading_alive)
         self._loading = None
 
     def _loading_alive(self) -> bool:
