@@ -16,7 +16,7 @@ from roll_core.agentic.env_manager import EnvManager
 from roll_core.agentic.rollout import AgenticRollout, EpisodeLimits
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.models import build_tiny_tokenizer
-from roll_core.pipelines.agentic import _episode_metrics
+from roll_core.pipelines.collectors.episodes import episode_metrics as _episode_metrics
 
 
 class Corridor:

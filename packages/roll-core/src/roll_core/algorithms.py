@@ -1,72 +1,146 @@
-"""Advantage estimators as the pipeline uses them, registered under the `roll.algorithms` entry-point group.
+"""Advantage estimators, one registry (`roll.algorithms`) for outcome and trajectory estimators.
 
-Each estimator maps (sequence scores, token rewards, mask, values, algo config) to per-token advantages and, for
-value-based estimators, returns. Sequence scores are outcome rewards (B,); token rewards are (B, R) with the
-outcome on the last valid token minus any KL penalty (when `algo.kl_in_reward`). Out-of-tree estimators register
-a function with this signature under `roll.algorithms` and are selected by `algo.adv_estimator=<name>`.
+Contract: an estimator maps `AdvantageInputs` and the algo config to per-token advantages (B, R) and, for
+value-based estimators, returns (B, R). Outcome batches (single-turn RLVR) hold `group_size` consecutive rows per
+prompt; trajectory batches (agentic) carry `group_ids` (B,) (episodes of one environment seed; groups may be
+short when an environment failed) and `turns` (per-turn rewards, masks, ids, state keys). An estimator that needs
+turns sets `needs_turns = True`; one that has no trajectory form sets `trajectories = False`; both are checked
+when a run is built, not at its first step. Out-of-tree estimators register a function with this signature under
+`roll.algorithms` and are selected by `algo.adv_estimator=<name>`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torch import Tensor
 
-from roll_algos import advantages as A
+from roll_algos import advantages as adv_ops
+from roll_algos import trajectories as traj_ops
+
+
+@dataclass
+class AdvantageInputs:
+    """What an estimator reads. Shapes: B rows, R response tokens."""
+
+    #: (B,) outcome per row (the episode reward for trajectories).
+    scores: Tensor
+    #: (B, R) outcome on the last valid token minus any KL penalty (algo.kl_in_reward).
+    token_rewards: Tensor
+    #: (B, R) 0/1 tokens trained on (with holes at observations for trajectories).
+    mask: Tensor
+    #: (B, R) critic values, or None without a critic.
+    values: Tensor | None = None
+    #: (B,) long group of each trajectory; None for outcome batches (consecutive groups of algo.group_size).
+    group_ids: Tensor | None = None
+    #: Trajectory turns: turn_rewards (B, T), turn_mask (B, T), turn_ids (B, R), state_keys (B lists of T).
+    turns: Mapping[str, Any] | None = None
 
 
 class AdvantageEstimator(Protocol):
-    def __call__(
-        self, scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
-    ) -> tuple[Tensor, Tensor | None]: ...
+    def __call__(self, x: AdvantageInputs, algo: Any) -> tuple[Tensor, Tensor | None]: ...
 
 
-def grpo(
-    scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
-) -> tuple[Tensor, Tensor | None]:
+Estimator = Callable[[AdvantageInputs, Any], tuple[Tensor, Tensor | None]]
+
+
+def _kind(*, trajectories: bool = True, needs_turns: bool = False) -> Callable[[Estimator], Estimator]:
+    def mark(fn: Estimator) -> Estimator:
+        fn.trajectories = trajectories  # type: ignore[attr-defined]
+        fn.needs_turns = needs_turns  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def _group_relative(x: AdvantageInputs, algo: Any, name: str) -> Tensor:
+    if x.group_ids is not None:
+        return traj_ops.episode_group_advantages(x.scores, x.group_ids, x.mask, estimator=name)
+    if name == "rloo":
+        seq = adv_ops.leave_one_out(x.scores, algo.group_size)
+    else:
+        seq = adv_ops.group_normalized(x.scores, algo.group_size, std_normalize=name == "grpo")
+    return adv_ops.broadcast_to_tokens(seq, x.mask)
+
+
+@_kind()
+def grpo(x: AdvantageInputs, algo: Any) -> tuple[Tensor, Tensor | None]:
     """(r - group mean) / group std on every token."""
-    return A.broadcast_to_tokens(A.group_normalized(scores, algo.group_size), mask), None
+    return _group_relative(x, algo, "grpo"), None
 
 
-def dr_grpo(
-    scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
-) -> tuple[Tensor, Tensor | None]:
+@_kind()
+def dr_grpo(x: AdvantageInputs, algo: Any) -> tuple[Tensor, Tensor | None]:
     """r - group mean on every token (no std normalisation)."""
-    return A.broadcast_to_tokens(A.group_normalized(scores, algo.group_size, std_normalize=False), mask), None
+    return _group_relative(x, algo, "dr_grpo"), None
 
 
-def rloo(
-    scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
-) -> tuple[Tensor, Tensor | None]:
+@_kind()
+def rloo(x: AdvantageInputs, algo: Any) -> tuple[Tensor, Tensor | None]:
     """Leave-one-out baseline on every token."""
-    return A.broadcast_to_tokens(A.leave_one_out(scores, algo.group_size), mask), None
+    return _group_relative(x, algo, "rloo"), None
 
 
-def reinforce_pp(
-    scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
-) -> tuple[Tensor, Tensor | None]:
-    """Discounted return of the token rewards, whitened over the batch."""
-    returns = A.discounted_returns(token_rewards, mask, gamma=algo.gamma)
-    return A.whiten(returns, mask), None
+@_kind()
+def reinforce_pp(x: AdvantageInputs, algo: Any) -> tuple[Tensor, Tensor | None]:
+    """Outcome: the discounted return of the token rewards, whitened over the batch's tokens. Trajectories: the
+    episode rewards whitened over the batch's trajectories (each counts once)."""
+    if x.group_ids is not None:
+        return traj_ops.reinforce_pp_trajectories(x.scores, x.mask), None
+    returns = adv_ops.discounted_returns(x.token_rewards, x.mask, gamma=algo.gamma)
+    return adv_ops.whiten(returns, x.mask), None
 
 
-def reinforce_pp_baseline(
-    scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
-) -> tuple[Tensor, Tensor | None]:
+@_kind(trajectories=False)
+def reinforce_pp_baseline(x: AdvantageInputs, algo: Any) -> tuple[Tensor, Tensor | None]:
     """Subtract each group's mean outcome from the token rewards, then as reinforce_pp."""
-    baseline = scores - A.group_normalized(scores, algo.group_size, std_normalize=False)  # = group mean
-    last = _last_token_mask(mask)
-    shifted = token_rewards - baseline[:, None] * last
-    return reinforce_pp(scores, shifted, mask, values, algo)
+    baseline = x.scores - adv_ops.group_normalized(x.scores, algo.group_size, std_normalize=False)  # = group mean
+    shifted = x.token_rewards - baseline[:, None] * _last_token_mask(x.mask)
+    returns = adv_ops.discounted_returns(shifted, x.mask, gamma=algo.gamma)
+    return adv_ops.whiten(returns, x.mask), None
 
 
-def gae(
-    scores: Tensor, token_rewards: Tensor, mask: Tensor, values: Tensor | None, algo: Any
-) -> tuple[Tensor, Tensor | None]:
+@_kind(trajectories=False)
+def gae(x: AdvantageInputs, algo: Any) -> tuple[Tensor, Tensor | None]:
     """GAE with the critic's values; returns are the critic's targets."""
-    if values is None:
+    if x.values is None:
         raise ValueError("adv_estimator=gae needs critic values")
-    return A.gae(token_rewards, values, mask, gamma=algo.gamma, lam=algo.lam)
+    return adv_ops.gae(x.token_rewards, x.values, x.mask, gamma=algo.gamma, lam=algo.lam)
+
+
+@_kind(needs_turns=True)
+def gigpo(x: AdvantageInputs, algo: Any) -> tuple[Tensor, Tensor | None]:
+    """GiGPO: episode-level group advantage plus a step-level one over identical environment states."""
+    t = _turns(x)
+    adv = traj_ops.gigpo_advantages(
+        x.scores,
+        t["turn_rewards"],
+        t["turn_mask"],
+        x.group_ids,
+        t["state_keys"],
+        t["turn_ids"],
+        x.mask,
+        gamma=algo.gamma,
+    )
+    return adv, None
+
+
+@_kind(needs_turns=True)
+def turn_grpo(x: AdvantageInputs, algo: Any) -> tuple[Tensor, Tensor | None]:
+    """Per-turn rewards: each turn's discounted return relative to the group's turns."""
+    t = _turns(x)
+    adv = traj_ops.turn_group_advantages(
+        t["turn_rewards"], t["turn_mask"], x.group_ids, t["turn_ids"], x.mask, gamma=algo.gamma
+    )
+    return adv, None
+
+
+def _turns(x: AdvantageInputs) -> Mapping[str, Any]:
+    if x.turns is None or x.group_ids is None:
+        raise ValueError("this estimator groups the turns of multi-turn episodes: use pipeline=agentic")
+    return x.turns
 
 
 def _last_token_mask(mask: Tensor) -> Tensor:
@@ -81,3 +155,29 @@ def _last_token_mask(mask: Tensor) -> Tensor:
 def token_rewards_from_scores(scores: Tensor, mask: Tensor) -> Tensor:
     """Outcome reward on the last valid token of each row, 0 elsewhere. (B,), (B, R) -> (B, R)."""
     return _last_token_mask(mask).to(scores.dtype) * scores[:, None]
+
+
+def load_estimator(name: str, *, trajectories: bool) -> Estimator:
+    """The `roll.algorithms` estimator `name`, checked against the batches it will see (a ConfigError if not)."""
+    from roll_core import registry
+    from roll_core.errors import ConfigError
+
+    est = registry.load("roll.algorithms", name)
+    if getattr(est, "needs_turns", False) and not trajectories:
+        raise ConfigError(f"algo.adv_estimator={name} groups steps of multi-turn episodes: use pipeline=agentic")
+    if trajectories and not getattr(est, "trajectories", True):
+        names = [n for n in registry.available("roll.algorithms") if _supports_trajectories(n)]
+        raise ConfigError(
+            f"algo.adv_estimator={name} has no trajectory form: use one of {', '.join(sorted(names))} with "
+            "pipeline=agentic"
+        )
+    return est
+
+
+def _supports_trajectories(name: str) -> bool:
+    from roll_core import registry
+
+    try:
+        return bool(getattr(registry.load("roll.algorithms", name), "trajectories", True))
+    except Exception:  # a broken out-of-tree plugin is reported when it is chosen, not while listing
+        return False

@@ -1,7 +1,8 @@
 """Command-line entry points: `roll-train` (a Hydra app) and `roll-eval`.
 
-`roll-train` is `@hydra.main` over the conf/ folder found by `find_conf_dir()`, so every Hydra override, `-m`
-multirun and launcher plugin works: `roll-train experiment=quickstart`, `roll-train algo=ppo algo.lr=1e-6`.
+`roll-train` is `@hydra.main` over the config groups the installed packages ship, with the user's conf folder
+searched first (roll_core.config.search_path), so every Hydra override, `-m` multirun and launcher plugin works:
+`roll-train experiment=quickstart`, `roll-train algo=ppo algo.lr=1e-6`.
 Config errors (unknown keys, wrong types, failed invariants) print one explained message and exit 2 instead
 of a traceback, and so does a missing optional dependency of the chosen components (one line naming the pip
 extra, checked before anything is built); any other error propagates with its full traceback. The job's return
@@ -17,7 +18,8 @@ import os
 import sys
 from typing import Any
 
-from roll_core.config.compose import ConfigError, explain, find_conf_dir, to_object
+from roll_core.config.compose import ConfigError, explain, to_object
+from roll_core.config.search_path import primary_config_path
 from roll_core.errors import MissingExtraError, check_installed
 from roll_core.registry import register_all_configs
 
@@ -43,14 +45,10 @@ def run_job(cfg: Any) -> dict[str, Any]:
 
 
 def pipeline_class(name: str) -> Any:
-    """The pipeline a run's `pipeline.name` selects."""
-    if name == "agentic":
-        from roll_core.pipelines.agentic import AgenticPipeline
+    """The pipeline class of every `pipeline.name`: one loop; the name picks its collector (`roll.collectors`)."""
+    from roll_core.pipelines.loop import Pipeline
 
-        return AgenticPipeline
-    from roll_core.pipelines.rlvr import RLVRPipeline
-
-    return RLVRPipeline
+    return Pipeline
 
 
 def _hydra_task(cfg: Any) -> float | None:
@@ -70,19 +68,19 @@ def _hydra_task(cfg: Any) -> float | None:
 
 
 def train_main() -> None:
-    """`roll-train`: compose conf/rlvr.yaml with the command-line overrides and run the pipeline."""
+    """`roll-train`: compose the primary config `rlvr` with the command-line overrides and run the pipeline."""
     import hydra
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    register_all_configs()
+    register_all_configs()  # each package's schemas and config folder (roll_core.config.search_path)
     try:
-        conf_dir = find_conf_dir()
+        conf_path = primary_config_path()
     except ConfigError as exc:
         print(f"roll-train: {exc}", file=sys.stderr)
         sys.exit(2)
     # Let composition errors reach us so that we can explain them (key suggestions) instead of Hydra's dump.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    main = hydra.main(version_base=None, config_path=str(conf_dir), config_name="rlvr")(_hydra_task)
+    main = hydra.main(version_base=None, config_path=conf_path, config_name="rlvr")(_hydra_task)
     try:
         main()
         from roll_core.sweep import failed_jobs

@@ -13,6 +13,7 @@ from roll_core.cluster.roles import InferGroup, RewardGroup
 from roll_core.config.build import as_dict, build
 from roll_core.config.compose import ConfigError
 from roll_core.interfaces import SamplingParams
+from roll_core.interfaces.tasks import AgenticTask
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.rollout import evaluate
 
@@ -25,8 +26,9 @@ def evaluate_model(cfg: Any, samples: int | None = None) -> dict[str, Any]:
     path = resolve_model_path(cfg.model.path)
     tok_path = cfg.model.tokenizer or path
     task = build(cfg.env)
-    problems = [] if getattr(task, "is_agentic", False) else task.eval_set()[: samples or cfg.pipeline.eval_size]
-    if not getattr(task, "is_agentic", False) and not problems:  # said before a model is loaded
+    agentic = isinstance(task, AgenticTask)
+    problems = [] if agentic else task.eval_set()[: samples or cfg.pipeline.eval_size]
+    if not agentic and not problems:  # said before a model is loaded
         raise ConfigError(
             f"env={getattr(task, 'name', type(task).__name__)} has no held-out problems to evaluate "
             f"(pipeline.eval_size={cfg.pipeline.eval_size}, --samples={samples}): give the task held-out problems "
@@ -57,7 +59,7 @@ def evaluate_model(cfg: Any, samples: int | None = None) -> dict[str, Any]:
         seed=cfg.pipeline.seed + 17,
     )
     tokenizer = AutoTokenizer.from_pretrained(tok_path)
-    if getattr(task, "is_agentic", False):
+    if agentic:
         return _evaluate_agentic(task, infer, tokenizer, params, samples)
     reward = cluster.group(RewardGroup, "reward", 1, env=as_dict(cfg.env), tokenizer_path=tok_path)
     result = evaluate(
@@ -76,7 +78,7 @@ def _evaluate_agentic(task: Any, infer: Any, tokenizer: Any, params: SamplingPar
     """One episode per held-out seed of an agentic task (the same rollout code as training)."""
     from roll_core.agentic.env_manager import EnvManager
     from roll_core.agentic.rollout import AgenticRollout, task_turns
-    from roll_core.pipelines.agentic import _episode_metrics
+    from roll_core.pipelines.collectors.episodes import episode_metrics
 
     seeds = task.eval_seeds()[:samples] if samples else task.eval_seeds()
     envs = EnvManager.for_task(task)
@@ -84,7 +86,7 @@ def _evaluate_agentic(task: Any, infer: Any, tokenizer: Any, params: SamplingPar
         turns, limits = task_turns(task, tokenizer)
         rollout = AgenticRollout(infer, envs, turns, tokenizer, limits)
         trajs = rollout.run(seeds, list(range(len(seeds))), params)
-        m = _episode_metrics(trajs, None, None)
+        m = episode_metrics(trajs, None, None)
     finally:
         envs.close()
     return {

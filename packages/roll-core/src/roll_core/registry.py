@@ -2,14 +2,20 @@
 
 Entry points say what is installed; config says what a run builds. Every group is `roll.<kind>`:
 
-| group | an entry point loads to |
-|---|---|
-| `roll.platforms` | a `roll_hw.Platform` subclass |
-| `roll.train_engines` / `roll.infer_engines` | an engine class |
-| `roll.envs` / `roll.rewards` | a task (single-turn environment) / reward class |
-| `roll.agentic_envs` | a multi-turn environment class (`roll_core.interfaces.Env`), named by `env.env=<name>` |
-| `roll.algorithms` | an advantage estimator (callable) |
-| `roll.configs` | a `register_configs()` callable that stores dataclass schemas in Hydra's ConfigStore |
+| group | an entry point loads to | read by |
+|---|---|---|
+| `roll.platforms` | a `roll_hw.Platform` subclass | `roll_hw.detect` (its own reader: roll-hw cannot import this) |
+| `roll.train_engines` / `roll.infer_engines` | an engine class | conformance suites, the unknown-option hint |
+| `roll.envs` | a task (single-turn environment) class | the task conformance suite, the unknown-option hint |
+| `roll.rewards` | a reward class (`score(responses, answers)`) | the unknown-`_target_` error of `config.build` |
+| `roll.agentic_envs` | a multi-turn environment class, named by `env.env=<name>` | `roll_envs.agentic.make_env` |
+| `roll.algorithms` | an advantage estimator (callable) | the pipeline (`algo.adv_estimator`), config checks |
+| `roll.collectors` | a collector factory, named by `pipeline.name` | the CLI |
+| `roll.configs` | a `register_configs()` that stores dataclass schemas in Hydra's ConfigStore | the CLI, `compose` |
+
+Built-ins are declared in their package's pyproject.toml exactly as out-of-tree plugins are; `roll-doctor` lists
+every group, and tests/plugins/test_entry_points.py loads every entry point and checks it against the config
+node that names it.
 
 Contract: listing a group imports nothing (entry-point metadata only); `load` imports one object and caches it;
 calling anything twice is cheap and idempotent, because every Ray worker process loads plugins again. An unknown
@@ -32,6 +38,7 @@ GROUPS: tuple[str, ...] = (
     "roll.agentic_envs",
     "roll.rewards",
     "roll.algorithms",
+    "roll.collectors",
     "roll.configs",
 )
 

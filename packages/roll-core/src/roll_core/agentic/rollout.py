@@ -8,11 +8,18 @@ environment terminates or truncates, at `max_turns`, when the next turn would no
 (prompt + everything so far + at least one new token), or when its environment fails (counted, the run goes on).
 A response cut by `max_tokens_per_turn` does not end the episode: the environment judges the cut text (usually an
 invalid action, which teaches brevity); such turns are counted (`Trajectory.cut_turns`, `episode/cut_turn_rate`).
+
+Asynchronous collection passes a `TurnGate`: every turn request enters the gate (blocking while a weight sync
+runs) and records the weight version it was sampled under (`Trajectory.versions`). With partial rollout the gate
+aborts the turns in flight when a sync begins; such a turn keeps its generated tokens and behaviour log-probs and
+is resumed under the new weights (prompt + everything so far + the partial turn), within the turn's token budget,
+so an episode never loses a turn to a sync. Without partial rollout a sync waits for the running turns.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +28,7 @@ from roll_core.agentic.chat import TurnTemplate
 from roll_core.agentic.env_manager import EnvFailure, EnvManager
 from roll_core.agentic.trajectory import Trajectory
 from roll_core.interfaces import Request, SamplingParams
+from roll_core.seeds import Purpose, derive_seed
 
 
 @dataclass
@@ -34,9 +42,73 @@ class EpisodeLimits:
 
 def task_turns(task: Any, tokenizer: Any) -> tuple[TurnTemplate, EpisodeLimits]:
     """The turn template (system prompt, demonstrations) and episode limits of an agentic task."""
-    examples = task.examples() if hasattr(task, "examples") else []
+    examples = task.examples()
     limits = EpisodeLimits(task.max_turns, task.max_context_length, task.max_tokens_per_turn)
     return TurnTemplate(tokenizer, task.system_prompt(), examples), limits
+
+
+class GateClosed(RuntimeError):
+    """The collector shut down while an episode waited to submit a turn."""
+
+
+class TurnGate:
+    """Admission of turn requests around weight syncs (see the module docstring). Thread-safe."""
+
+    def __init__(self, infer: Any, *, partial_rollout: bool) -> None:
+        self.infer, self.partial_rollout = infer, partial_rollout
+        self.version = 0
+        self._cv = threading.Condition()
+        self._paused = self._closed = False
+        self._running: set[str] = set()
+        self._aborted: set[str] = set()
+
+    def enter(self, request_id: str) -> int:
+        """Wait while a sync runs, then register `request_id` as running; returns the current weight version."""
+        with self._cv:
+            while self._paused and not self._closed:
+                self._cv.wait()
+            if self._closed:
+                raise GateClosed("the collector is closed")
+            self._running.add(request_id)
+            return self.version
+
+    def leave(self, request_id: str) -> bool:
+        """The request returned; True when the gate aborted it for a sync (resume it after the sync)."""
+        with self._cv:
+            self._running.discard(request_id)
+            self._cv.notify_all()
+            aborted = request_id in self._aborted
+            self._aborted.discard(request_id)
+            return aborted and not self._closed
+
+    def begin_update(self, timeout_s: float = 600.0) -> None:
+        """Stop admitting turns; abort running ones (partial rollout) or let them finish; wait until none runs."""
+        with self._cv:
+            self._paused = True
+            running = list(self._running) if self.partial_rollout else []
+            self._aborted.update(running)
+        for rid in running:
+            self.infer.abort(rid)
+        with self._cv:
+            if not self._cv.wait_for(lambda: not self._running, timeout=timeout_s):
+                raise TimeoutError(
+                    f"{len(self._running)} turn request(s) still running {timeout_s}s into a weight sync"
+                )
+
+    def finish_update(self, version: int) -> None:
+        """The engines hold weight version `version`: admit turns again."""
+        with self._cv:
+            self.version, self._paused = version, False
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Refuse new turns and abort the running ones (their episodes end with `abort`)."""
+        with self._cv:
+            self._closed = True
+            running = list(self._running)
+            self._cv.notify_all()
+        for rid in running:
+            self.infer.abort(rid)
 
 
 class AgenticRollout:
@@ -49,21 +121,61 @@ class AgenticRollout:
         template: TurnTemplate,
         tokenizer: Any,
         limits: EpisodeLimits,
+        gate: TurnGate | None = None,
     ) -> None:
         self.infer, self.envs, self.template, self.tokenizer, self.limits = infer, envs, template, tokenizer, limits
+        self.gate = gate
         self._ids = itertools.count()
 
-    def run(self, seeds: list[int], groups: list[int], params: SamplingParams) -> list[Trajectory]:
-        """One episode per (seed, group) pair, all concurrently; trajectories in the input order."""
-        self.envs.grow(len(seeds))
+    def run(
+        self, seeds: list[int], groups: list[int], params: SamplingParams, *, first_slot: int = 0
+    ) -> list[Trajectory]:
+        """One episode per (seed, group) pair, all concurrently, on environment slots from `first_slot` on;
+        trajectories in the input order."""
+        self.envs.grow(first_slot + len(seeds))
         with ThreadPoolExecutor(max_workers=max(1, len(seeds)), thread_name_prefix="roll-episode") as pool:
             futures = [
-                pool.submit(self._episode, slot, seed, group, params)
-                for slot, (seed, group) in enumerate(zip(seeds, groups))
+                pool.submit(self.episode, first_slot + i, seed, group, params, i)
+                for i, (seed, group) in enumerate(zip(seeds, groups))
             ]
             return [f.result() for f in futures]
 
-    def _episode(self, slot: int, seed: int, group: int, params: SamplingParams) -> Trajectory:
+    def _generate(self, rid: str, key: str, context: list[int], params: SamplingParams, traj: Trajectory) -> Any:
+        """One turn's response (token ids, log-probs, finish reason), resumed after a sync abort (with a gate)."""
+        if self.gate is None:
+            out = self.infer.submit_request(Request(rid, context, params), route_key=key).result()
+            return out.token_ids, out.logprobs, out.finish_reason
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        version: int | None = None
+        for attempt in itertools.count():
+            budget = params.max_new_tokens - len(tokens)
+            sub = f"{rid}-{attempt}" if attempt else rid
+            seed = None if params.seed is None else derive_seed(params.seed, Purpose.EPISODE_TURN, attempt)
+            v = self.gate.enter(sub)
+            version = v if version is None else min(version, v)
+            try:
+                req = Request(sub, context + tokens, params.replace(max_new_tokens=budget, seed=seed))
+                out = self.infer.submit_request(req, route_key=key).result()
+            finally:
+                resume = self.gate.leave(sub)
+            tokens += list(out.token_ids)
+            logprobs += list(out.logprobs)
+            if out.finish_reason == "abort" and resume and len(tokens) < params.max_new_tokens:
+                traj.resumed_turns += 1
+                continue
+            traj.versions.append(version)
+            return tokens, logprobs, out.finish_reason
+        raise AssertionError("unreachable")
+
+    def episode(self, slot: int, seed: int, group: int, params: SamplingParams, index: int | None = None) -> Trajectory:
+        """One episode on environment slot `slot`; `index` keys its sampling seeds (the slot when None)."""
+        try:
+            return self._episode(slot, seed, group, params, slot if index is None else index)
+        except GateClosed:
+            return Trajectory(env_seed=seed, group=group, prompt_ids=[], end="abort", error="collector closed")
+
+    def _episode(self, slot: int, seed: int, group: int, params: SamplingParams, index: int) -> Trajectory:
         lim = self.limits
         try:
             obs, info = self.envs.reset(slot, seed)
@@ -76,22 +188,18 @@ class AgenticRollout:
             if room < 1:
                 traj.end = "max_context"
                 break
-            sample_seed = None if params.seed is None else (params.seed * 1_000_003 + slot * 1009 + turn) % 2**31
-            request = Request(
-                f"{key}-turn-{turn}",
-                traj.context(),
-                params.replace(max_new_tokens=min(lim.max_tokens_per_turn, room), seed=sample_seed),
-            )
-            out = self.infer.submit_request(request, route_key=key).result()
-            if out.finish_reason == "prompt_too_long":
+            sample_seed = None if params.seed is None else derive_seed(params.seed, Purpose.EPISODE_TURN, index, turn)
+            turn_params = params.replace(max_new_tokens=min(lim.max_tokens_per_turn, room), seed=sample_seed)
+            token_ids, logprobs, finish = self._generate(f"{key}-turn-{turn}", key, traj.context(), turn_params, traj)
+            if finish == "prompt_too_long":
                 traj.end = "max_context"
                 break
-            traj.cut_turns += int(out.finish_reason == "length")
+            traj.cut_turns += int(finish == "length")
             traj.state_keys.append(str(info.get("state", obs)))
-            traj.add_response(out.token_ids, out.logprobs)
-            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            traj.add_response(token_ids, logprobs)
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
             traj.texts.append(text)
-            if out.finish_reason == "abort":
+            if finish == "abort":
                 traj.turn_rewards.append(0.0)
                 traj.end = "abort"
                 break
@@ -108,7 +216,7 @@ class AgenticRollout:
                 traj.success = bool(info.get("success", False))
                 traj.end = "terminated" if terminated else "truncated"
                 break
-            obs_ids = self.template.observation(obs, out.token_ids)
+            obs_ids = self.template.observation(obs, token_ids)
             if traj.length + len(obs_ids) >= lim.max_context_length:
                 traj.end = "max_context"
                 break

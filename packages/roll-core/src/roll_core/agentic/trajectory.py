@@ -37,6 +37,14 @@ class Trajectory:
     end: str = ""
     error: str = ""
     texts: list[str] = field(default_factory=list)  # decoded responses, for logs
+    # Weight version each turn's oldest token was sampled under (asynchronous collection; 0 when synchronous).
+    versions: list[int] = field(default_factory=list)
+    resumed_turns: int = 0  # turns aborted at a weight sync and resumed under the new weights (partial rollout)
+
+    @property
+    def min_version(self) -> int:
+        """The oldest weight version any of its tokens was sampled under."""
+        return min(self.versions, default=0)
 
     @property
     def turns(self) -> int:

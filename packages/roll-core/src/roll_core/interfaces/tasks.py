@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass
@@ -58,4 +58,40 @@ class Task(Protocol):
 
     def messages(self, problem: ProblemLike) -> list[dict[str, str]]:
         """Chat messages of a problem (the pipeline applies the model's chat template)."""
+        ...
+
+
+@runtime_checkable
+class AgenticTask(Protocol):
+    """What `pipeline=agentic` needs of an `env` group: an environment factory, seeds, limits and prompts
+    (roll_envs.agentic.AgenticTask is the built-in implementation)."""
+
+    name: str
+    # Episode limits: turns, tokens of the whole context, tokens of one response.
+    max_turns: int
+    max_context_length: int
+    max_tokens_per_turn: int
+    # Environment calls: timeout of one reset/step, calls at once, and environment workers (0: in the controller).
+    step_timeout_s: float
+    env_threads: int
+    num_workers: int
+
+    def make_env(self) -> Any:
+        """A fresh environment (roll_core.interfaces.Env)."""
+        ...
+
+    def system_prompt(self) -> str | None:
+        """The system message of every episode (None: none)."""
+        ...
+
+    def examples(self) -> list[dict[str, str]]:
+        """Demonstration messages placed before the first observation (may be empty)."""
+        ...
+
+    def train_seeds(self, count: int, seed: int) -> list[int]:
+        """`count` distinct training environment seeds drawn with `seed`."""
+        ...
+
+    def eval_seeds(self) -> list[int]:
+        """The held-out environment seeds."""
         ...

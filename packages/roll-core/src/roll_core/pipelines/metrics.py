@@ -1,4 +1,5 @@
-"""Step metrics shared by the pipelines: phase timers and reward/response statistics of a scored batch."""
+"""Step metrics shared by the pipelines: a step's log (metrics and phase timers) and reward/response statistics
+of a scored batch."""
 
 from __future__ import annotations
 
@@ -22,6 +23,18 @@ class timer:
 
     def __exit__(self, *exc: Any) -> None:
         self.timers[self.name] = self.timers.get(self.name, 0.0) + time.perf_counter() - self.t0
+
+
+class StepLog(dict):  # type: ignore[type-arg]
+    """One step's metrics (a dict of name -> value) and its phase timers (`timers`: seconds per phase)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timers: dict[str, float] = {}
+
+    def timer(self, name: str) -> timer:
+        """Context manager adding the block's seconds to `timers[name]`."""
+        return timer(self.timers, name)
 
 
 def reward_metrics(batch: Batch, scored: Batch, lengths: torch.Tensor, max_len: int) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """An agentic task: which environment, which seeds, what the model is told, and where episodes stop.
 
-The agentic pipeline (roll_core.pipelines.agentic) builds one from the `env` config group (env=sokoban,
+The agentic pipeline (roll_core.pipelines.collectors.episodes) builds one from the `env` config group (env=sokoban,
 env=frozen_lake, ...). Training seeds are drawn per step from [0, eval_seed_offset) and held-out seeds are
 [eval_seed_offset, eval_seed_offset + eval_size): the two never meet, so held-out success measures generalisation.
 

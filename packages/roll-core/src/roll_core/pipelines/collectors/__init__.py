@@ -1,0 +1,134 @@
+"""Collectors: where a pipeline's batches come from. The loop asks, the trainer trains; nothing else differs.
+
+Contract of a `Collector` (every implementation, in-tree or a `roll.collectors` plugin):
+- `next(step, log)` returns the next scored batch (`Collected`: the batch in roll_core.protocol's layout with
+  `behaviour_logprobs`, and per-row scores (B,)), or None when the step has nothing to train on. Its metrics and
+  timers go to `log`. A batch generated under older weights carries `behaviour_version` (B,) long, never more
+  than `pipeline.async_ratio` versions old; a trajectory batch carries `group_ids` and the turn tensors.
+- `begin_sync()` / `finish_sync(version)` bracket every weight sync: stop submitting (pause, or abort requests in
+  flight with partial rollout, to resume them under the new weights), then learn the new version and go on.
+- `evaluate(step)` returns held-out metrics (`eval/accuracy` is what summaries and sweeps read).
+- `state_dict()` / `load_state_dict(state)` hold what a resumed run needs to continue (the data position).
+- `close()` stops background work. `plot_keys` names the metrics drawn in curves.png.
+
+A collector is built by a factory registered under `roll.collectors` and named by `pipeline.name`:
+`factory(ctx: CollectorContext) -> Collector`. The built-ins: `rlvr` (prompts; asynchronous with
+`pipeline.async_ratio > 0`) and `agentic` (episodes; asynchronous likewise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from roll_core.cluster.launch import Cluster
+from roll_core.config.schema import RLVRConfig
+from roll_core.pipelines.metrics import StepLog
+from roll_core.pipelines.wiring import Roles
+from roll_core.protocol import Batch
+from roll_core.tracking import Tracker
+
+
+@dataclass
+class Collected:
+    """A scored batch to train on."""
+
+    batch: Batch
+    #: (B,) float: each row's score (the outcome reward; the episode reward for trajectories).
+    scores: torch.Tensor
+
+
+@dataclass
+class CollectorContext:
+    """What a collector may use: the run's config, cluster (for its own roles), training-side roles, tokenizer,
+    task (built from `env`), tracker (samples), and the resolved model path."""
+
+    cfg: RLVRConfig
+    cluster: Cluster
+    roles: Roles
+    tokenizer: Any
+    task: Any
+    tracker: Tracker
+    model_path: str
+
+
+@runtime_checkable
+class Collector(Protocol):
+    """Where batches come from (see the module docstring)."""
+
+    plot_keys: tuple[str, ...]
+    #: True when batches are trajectories (group ids and turns): the estimator must have a trajectory form.
+    trajectories: bool
+
+    def next(self, step: int, log: StepLog) -> Collected | None: ...
+
+    def begin_sync(self) -> None: ...
+
+    def finish_sync(self, version: int) -> None: ...
+
+    def evaluate(self, step: int) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class CollectorFactory(Protocol):
+    """What a `roll.collectors` entry point loads to."""
+
+    #: True when its batches are trajectories (checked against the estimator before anything is built).
+    trajectories: bool
+
+    def check(self, cfg: RLVRConfig, task: Any) -> None:
+        """Raise ConfigError for a task or settings the collector cannot use: before any model loads."""
+        ...
+
+    def __call__(self, ctx: CollectorContext) -> Collector: ...
+
+
+class _Prompts:
+    """`pipeline=rlvr`: prompts of a single-turn task, scored by its reward (asynchronous when async_ratio > 0)."""
+
+    trajectories = False
+
+    def check(self, cfg: RLVRConfig, task: Any) -> None:
+        from roll_core.pipelines.collectors.prompts import check_task
+
+        check_task(cfg, task)
+
+    def __call__(self, ctx: CollectorContext) -> Collector:
+        if ctx.cfg.pipeline.async_ratio > 0:
+            from roll_core.pipelines.collectors.prompts_async import AsyncPromptCollector
+
+            return AsyncPromptCollector(ctx)
+        from roll_core.pipelines.collectors.prompts import PromptCollector
+
+        return PromptCollector(ctx)
+
+
+class _Episodes:
+    """`pipeline=agentic`: multi-turn episodes against environments (asynchronous when async_ratio > 0)."""
+
+    trajectories = True
+
+    def check(self, cfg: RLVRConfig, task: Any) -> None:
+        from roll_core.pipelines.collectors.episodes import check_task
+
+        check_task(cfg, task)
+
+    def __call__(self, ctx: CollectorContext) -> Collector:
+        if ctx.cfg.pipeline.async_ratio > 0:
+            from roll_core.pipelines.collectors.episodes_async import AsyncEpisodeCollector
+
+            return AsyncEpisodeCollector(ctx)
+        from roll_core.pipelines.collectors.episodes import EpisodeCollector
+
+        return EpisodeCollector(ctx)
+
+
+prompts = _Prompts()
+episodes = _Episodes()

@@ -1,0 +1,193 @@
+"""The episodes collector (`pipeline=agentic`, synchronous): multi-turn episodes against environments.
+
+A step draws `pipeline.rollout_batch_size` training seeds (from the run seed and the step only: nothing to
+checkpoint but the step); every seed runs `algo.group_size` episodes (a group shares its environment seed, so
+group-relative estimators compare like with like), all concurrently, token-in-token-out
+(roll_core.agentic.rollout), each turn one request to the inference engines. The batch is trajectories: the first
+prompt is the prompt, everything after it the response, with a loss mask that is 1 on generated tokens only, plus
+`group_ids` and the turn tensors the trajectory estimators read (roll_core.algorithms). Episodes whose environment
+failed at reset give nothing to train on (counted in data/dropped_episodes).
+
+Metrics: success rate, mean turns, invalid-action rate, environment errors and timeouts, why episodes ended.
+Evaluation: one episode per held-out seed (greedy unless pipeline.eval_temperature says otherwise).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+from roll_core.agentic.env_manager import EnvManager
+from roll_core.agentic.rollout import AgenticRollout, TurnGate, task_turns
+from roll_core.agentic.trajectory import Trajectory, to_tensors
+from roll_core.config.build import as_dict
+from roll_core.errors import ConfigError
+from roll_core.interfaces.tasks import AgenticTask
+from roll_core.pipelines.collectors import Collected, CollectorContext
+from roll_core.pipelines.metrics import StepLog
+from roll_core.protocol import Batch
+from roll_core.seeds import Purpose, derive_seed
+
+
+def check_task(cfg: Any, task: Any) -> None:
+    """An agentic task (roll_core.interfaces.tasks.AgenticTask)."""
+    if not isinstance(task, AgenticTask):
+        raise ConfigError(
+            "pipeline=agentic needs an agentic env (env=sokoban, frozen_lake, guess_number, tool_math, ...), "
+            f"got {type(task).__name__}"
+        )
+
+
+class EpisodeCollector:
+    """Scored trajectory batches of multi-turn episodes (see the module docstring)."""
+
+    plot_keys: tuple[str, ...] = (
+        "episode/success_rate",
+        "eval/success_rate",
+        "episode/turns_mean",
+        "episode/invalid_action_rate",
+        "reward/mean",
+    )
+    trajectories = True
+
+    def __init__(self, ctx: CollectorContext, gate: TurnGate | None = None) -> None:
+        cfg, task = ctx.cfg, ctx.task
+        check_task(cfg, task)
+        self.cfg, self.ctx, self.task, self.tokenizer = cfg, ctx, task, ctx.tokenizer
+        self.sampling = ctx.roles.sampling
+        self.eval_seeds = task.eval_seeds()
+        if task.num_workers > 0:  # environments on their own workers (Ray actors on cluster=ray)
+            from roll_core.agentic.env_workers import EnvGroup, RemoteEnvManager
+
+            group = ctx.cluster.group(
+                EnvGroup, "env", task.num_workers, max_concurrency=max(2, task.env_threads), env=as_dict(cfg.env)
+            )
+            self.envs: EnvManager | RemoteEnvManager = RemoteEnvManager(group)
+        else:
+            self.envs = EnvManager.for_task(task)
+        turns, limits = task_turns(task, self.tokenizer)
+        self.rollout = AgenticRollout(ctx.roles.actor_infer, self.envs, turns, self.tokenizer, limits, gate)
+        self._counters = self.envs.counters()
+
+    # ---- the collector contract ---------------------------------------------------------------------------
+    def next(self, step: int, out: StepLog) -> Collected | None:
+        """rollout_batch_size seeds x group_size episodes under the current weights."""
+        algo, pipe = self.cfg.algo, self.cfg.pipeline
+        seeds = self.train_seeds(step)
+        runs = [s for s in seeds for _ in range(algo.group_size)]
+        groups = [g for g in range(len(seeds)) for _ in range(algo.group_size)]
+        params = self.sampling.replace(seed=derive_seed(pipe.seed, Purpose.ROLLOUT, step))
+        with out.timer("generate"):
+            trajs = self.rollout.run(runs, groups, params)
+        collected = self.collected(step, trajs, out)
+        if collected is not None:
+            out["perf/rollout_tokens_per_s"] = float(collected.batch["response_mask"].sum()) / max(
+                out.timers["generate"], 1e-9
+            )
+        return collected
+
+    def begin_sync(self) -> None:
+        return None  # no episode runs between two steps
+
+    def finish_sync(self, version: int) -> None:
+        return None
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """One episode per held-out seed at the eval temperature (0: greedy)."""
+        t0 = time.perf_counter()
+        t = self.cfg.pipeline.eval_temperature
+        params = self.sampling.replace(
+            temperature=self.sampling.temperature if t is None else float(t),
+            seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL),
+        )
+        trajs = self.rollout.run(self.eval_seeds, list(range(len(self.eval_seeds))), params, first_slot=self.eval_slot)
+        m = episode_metrics(trajs, None, None)
+        return {
+            "eval/accuracy": m["reward/accuracy"],  # = success rate (the summary and sweeps read it)
+            "eval/success_rate": m["reward/accuracy"],
+            "eval/reward": m["reward/mean"],
+            "eval/mean_turns": m["episode/turns_mean"],
+            "eval/invalid_action_rate": m["episode/invalid_action_rate"],
+            "eval/seconds": time.perf_counter() - t0,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # training seeds follow from (run seed, step)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+    def close(self) -> None:
+        self.envs.close()
+
+    # ---- pieces -------------------------------------------------------------------------------------------
+    #: First environment slot of evaluation episodes (background episodes of an asynchronous collector use the
+    #: slots below it).
+    eval_slot = 0
+
+    def train_seeds(self, step: int) -> list[int]:
+        """The environment seeds of step `step`'s groups (from the run seed and the step only)."""
+        seed = derive_seed(self.cfg.pipeline.seed, Purpose.EPISODE_SEEDS, step)
+        return self.task.train_seeds(self.cfg.pipeline.rollout_batch_size, seed)
+
+    def collected(self, step: int, trajs: list[Trajectory], out: StepLog) -> Collected | None:
+        """Metrics, samples and the trajectory batch of finished episodes (None: nothing to train on)."""
+        now = self.envs.counters()
+        out.update(episode_metrics(trajs, self._counters, now))
+        self._counters = now
+        self._log_episodes(step, trajs)
+        kept = [t for t in trajs if t.turns > 0]  # an environment that failed at reset gives nothing to train on
+        out["data/dropped_episodes"] = len(trajs) - len(kept)
+        if not kept:
+            return None
+        tensors = to_tensors(kept, self.tokenizer.pad_token_id or 0)
+        batch = Batch(tensors, {"state_keys": tensors.pop("state_keys"), "env_seed": [t.env_seed for t in kept]})
+        out["data/trained_groups"] = len({t.group for t in kept})
+        return Collected(batch, batch["episode_rewards"].clone())
+
+    def _log_episodes(self, step: int, trajs: list[Trajectory], k: int = 2) -> None:
+        self.ctx.tracker.samples(
+            step,
+            [
+                {
+                    "env_seed": t.env_seed,
+                    "turns": t.turns,
+                    "success": t.success,
+                    "end": t.end,
+                    "reward": t.reward,
+                    "responses": t.texts,
+                }
+                for t in trajs[:k]
+            ],
+        )
+
+
+def episode_metrics(
+    trajs: list[Trajectory], before: dict[str, int] | None, after: dict[str, int] | None
+) -> dict[str, float]:
+    """Success rate, turns, invalid actions, tool calls, lengths and end reasons of finished episodes; with
+    `before`/`after` environment counters, their change (env/<counter>)."""
+    n = max(len(trajs), 1)
+    turns = sum(t.turns for t in trajs)
+    rewards = [t.reward for t in trajs] or [0.0]
+    mean = sum(rewards) / len(rewards)
+    std = (sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) ** 0.5 if len(trajs) > 1 else 0.0
+    out = {
+        "reward/mean": mean,
+        "reward/std": std,
+        "reward/accuracy": sum(t.success for t in trajs) / n,
+        "episode/success_rate": sum(t.success for t in trajs) / n,
+        "episode/turns_mean": turns / n,
+        "episode/invalid_action_rate": sum(t.invalid_actions for t in trajs) / max(turns, 1),
+        "episode/tool_calls_mean": sum(t.tool_calls for t in trajs) / n,
+        "episode/cut_turn_rate": sum(t.cut_turns for t in trajs) / max(turns, 1),
+        "episode/length_mean": sum(t.length for t in trajs) / n,
+        "response/length_mean": sum(sum(t.mask) for t in trajs) / max(turns, 1),  # generated tokens per turn
+    }
+    for reason, count in Counter(t.end for t in trajs).items():
+        out[f"episode/end_{reason}"] = count / n
+    if before is not None and after is not None:
+        for k in after:
+            out[f"env/{k}"] = float(after[k] - before.get(k, 0))
+    return out

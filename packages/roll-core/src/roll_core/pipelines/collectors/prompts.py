@@ -1,0 +1,241 @@
+"""The prompts collector (`pipeline=rlvr`, synchronous): sample prompts, generate `group_size` responses each under
+the current weights, score them with the task's reward, and shape the scores.
+
+Contract: a step draws `pipeline.rollout_batch_size` prompts from the task's training set (a `PromptSampler`
+whose position is checkpointed, so a resumed run draws what the uninterrupted run would); prompts longer than
+`model.max_prompt_length` are skipped and counted, never truncated; with `algo.drop_uniform_groups` (DAPO dynamic
+sampling) groups without reward variance are filtered out and more prompts are drawn until the batch is full or
+`algo.refill_max_batches` batches' worth were sampled. Scores get the overlong penalty and reward clipping.
+Evaluation: one sample per held-out problem at the eval temperature.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from roll_algos.losses import overlong_penalty
+from roll_core.cluster.roles import RewardGroup
+from roll_core.config.build import as_dict
+from roll_core.data import PromptSampler
+from roll_core.errors import ConfigError
+from roll_core.pipelines.collectors import Collected, CollectorContext
+from roll_core.pipelines.metrics import StepLog, reward_metrics
+from roll_core.pipelines.rollout import PromptsTooLong, assemble, evaluate, prompt_batch
+from roll_core.pipelines.sampling import group_rows, informative_groups, merge_scored
+from roll_core.protocol import Batch
+from roll_core.seeds import Purpose, derive_seed
+
+log = logging.getLogger(__name__)
+
+
+def check_task(cfg: Any, task: Any) -> None:
+    """A single-turn task with training problems, and held-out ones when the run evaluates."""
+    from roll_core.interfaces.tasks import AgenticTask
+
+    if isinstance(task, AgenticTask):
+        raise ConfigError(f"env={cfg.env.name} is a multi-turn environment: use pipeline=agentic")
+    if not task.train_set():
+        raise ConfigError(f"env={cfg.env.name}: the training set is empty: check the data (env.path)")
+    if cfg.pipeline.eval_every > 0 and not task.eval_set()[: cfg.pipeline.eval_size]:
+        raise ConfigError(
+            f"pipeline.eval_every={cfg.pipeline.eval_every} but the held-out set of env={cfg.env.name} is empty "
+            f"(pipeline.eval_size={cfg.pipeline.eval_size}): give it held-out problems (env.eval_size, "
+            "env.eval_path) or set pipeline.eval_every=0"
+        )
+
+
+class PromptCollector:
+    """Scored batches of prompts x responses, generated under the current weights (see the module docstring)."""
+
+    plot_keys: tuple[str, ...] = ("reward/mean", "reward/accuracy", "eval/accuracy")
+    trajectories = False
+
+    def __init__(self, ctx: CollectorContext) -> None:
+        cfg = ctx.cfg
+        self.cfg, self.ctx = cfg, ctx
+        self.tokenizer, self.task, self.infer = ctx.tokenizer, ctx.task, ctx.roles.actor_infer
+        self.sampling = ctx.roles.sampling
+        check_task(cfg, self.task)
+        self.train_set, self.eval_set = self.task.train_set(), self.task.eval_set()[: cfg.pipeline.eval_size]
+        self.sampler = PromptSampler(len(self.train_set), seed=cfg.pipeline.seed)
+        # The reward role: workers that decode and score responses with the task's reward.
+        self.reward = ctx.cluster.group(
+            RewardGroup,
+            "reward",
+            cfg.pipeline.reward_workers,
+            env=as_dict(cfg.env),
+            tokenizer_path=cfg.model.tokenizer or ctx.model_path,
+            guard=cfg.pipeline.reward_guard(),  # errors, NaN and hangs become counted rows
+        )
+
+    # ---- the collector contract ---------------------------------------------------------------------------
+    def next(self, step: int, out: StepLog) -> Collected | None:
+        """rollout_batch_size prompts x group_size responses, scored (refilled with dynamic sampling)."""
+        batch = self._generate_scored(step, self.cfg.pipeline.rollout_batch_size, 0, out)
+        if self.cfg.algo.drop_uniform_groups:
+            batch = self._keep_informative(step, batch, out)
+        return self._collected(batch, out)
+
+    def begin_sync(self) -> None:
+        return None  # nothing runs between two steps
+
+    def finish_sync(self, version: int) -> None:
+        return None
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out accuracy: one sample per held-out problem at the eval temperature."""
+        t0 = time.perf_counter()
+        res = evaluate(
+            self.infer,
+            self.reward,
+            self.tokenizer,
+            self.task,
+            self.eval_set,
+            max_prompt_length=self.cfg.model.max_prompt_length,
+            params=self.sampling.replace(
+                temperature=self.eval_temperature, seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL)
+            ),
+        )
+        return {
+            "eval/accuracy": res["accuracy"],
+            "eval/reward": res["reward"],
+            "eval/seconds": time.perf_counter() - t0,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+    def close(self) -> None:
+        return None
+
+    # ---- pieces -------------------------------------------------------------------------------------------
+    @property
+    def eval_temperature(self) -> float:
+        t = self.cfg.pipeline.eval_temperature
+        return self.sampling.temperature if t is None else float(t)
+
+    def _collected(self, batch: Batch | None, out: StepLog) -> Collected | None:
+        if batch is None or len(batch) == 0:
+            return None
+        out["data/trained_groups"] = len(batch) // self.cfg.algo.group_size
+        return Collected(batch, self.shaped_scores(batch))
+
+    def shaped_scores(self, batch: Batch) -> torch.Tensor:
+        """(B,) scores with the overlong penalty and reward clipping applied."""
+        algo, model = self.cfg.algo, self.cfg.model
+        scores = batch["scores"].clone()
+        if algo.overlong_buffer > 0:
+            scores = scores + overlong_penalty(
+                batch["response_mask"].sum(-1), max_length=model.max_response_length, buffer=algo.overlong_buffer
+            )
+        if algo.reward_clip is not None:
+            scores = scores.clamp(-algo.reward_clip, algo.reward_clip)
+        return scores
+
+    def _generate_scored(self, step: int, n_prompts: int, round_: int, out: StepLog) -> Batch:
+        """Sample `n_prompts` prompts x group_size responses, assemble and score them; the reward metrics of the
+        first round go to `out`, later rounds only add their timers."""
+        algo, model = self.cfg.algo, self.cfg.model
+        first = round_ == 0
+        problems = [self.train_set[i] for i in self.sampler.next(n_prompts)]
+        counts: dict[str, Any] = {"data/skipped_long_prompts": 0}
+        prompts = self._prompt_batch(problems, counts)
+        with out.timer("generate"):
+            seed = derive_seed(self.cfg.pipeline.seed, Purpose.ROLLOUT, step, round_)  # refills draw fresh streams
+            gen = self.infer.generate(prompts, self.sampling.replace(seed=seed), n=algo.group_size)
+        batch = assemble(self.tokenizer, prompts.repeat_interleave(algo.group_size), gen, counts)
+        with out.timer("reward"):
+            scored = self.reward.score(batch)
+        batch = batch.union(scored.select("scores", "correct", "formatted"))
+        for k, v in counts.items():  # skips of every round count
+            out[k] = out.get(k, 0) + v
+        if first:
+            out["perf/rollout_tokens_per_s"] = float(gen["response_mask"].sum()) / max(
+                gen.meta["generate_seconds"], 1e-9
+            )
+            out.update(reward_metrics(batch, scored, batch["response_mask"].sum(-1), model.max_response_length))
+            self.log_samples(step, batch, scored)
+        return batch
+
+    def _keep_informative(self, step: int, batch: Batch, out: StepLog) -> Batch:
+        """DAPO dynamic sampling, a filter on the drawn groups: keep the groups whose rewards differ and draw more
+        prompts until the batch holds rollout_batch_size of them, or algo.refill_max_batches batches' worth of
+        groups were sampled."""
+        algo, pipe = self.cfg.algo, self.cfg.pipeline
+        g, want = algo.group_size, pipe.rollout_batch_size
+        cap = math.ceil(algo.refill_max_batches * want)
+        parts: list[Batch] = []
+        kept = sampled = dropped = round_ = 0
+        while True:
+            informative = informative_groups(batch["scores"], g)
+            sampled += len(informative)
+            dropped += int((~informative).sum())
+            take = informative & (informative.cumsum(0) <= want - kept)  # never more than the batch needs
+            kept += int(take.sum())
+            parts.append(batch.index(group_rows(take, g)))
+            missing = want - kept
+            if missing <= 0 or sampled >= cap:
+                break
+            round_ += 1
+            more = min(math.ceil(missing * algo.refill_oversample), cap - sampled)
+            batch = self._generate_scored(step, more, round_, out)
+        out["data/dropped_groups"] = dropped
+        out["data/refill_rounds"] = round_
+        out["data/sampled_groups"] = sampled
+        out["data/refill_short_groups"] = max(0, want - kept)
+        if kept < want:
+            log.warning(
+                "dynamic sampling: %d of %d groups have reward variance after sampling %d groups "
+                "(algo.refill_max_batches=%s); training on %d",
+                kept,
+                want,
+                sampled,
+                algo.refill_max_batches,
+                kept,
+            )
+        parts = [p for p in parts if len(p)]
+        if len(parts) <= 1:
+            return parts[0] if parts else batch.index([])
+        return merge_scored(self.tokenizer, parts)
+
+    def _prompt_batch(self, problems: list[Any], counts: dict[str, Any]) -> Batch:
+        """Prompts of `problems`. A draw whose every prompt is too long (a few huge data rows met by a small batch)
+        draws again, as the asynchronous collector does, up to one pass over the training set: a handful of bad
+        rows never ends a run; each skip counts in data/skipped_long_prompts."""
+        limit, skipped = self.cfg.model.max_prompt_length, 0
+        for _ in range(math.ceil(len(self.train_set) / max(1, len(problems))) - 1):
+            try:
+                batch = prompt_batch(self.tokenizer, self.task, problems, limit, counts)
+            except PromptsTooLong:
+                skipped += len(problems)
+                problems = [self.train_set[i] for i in self.sampler.next(len(problems))]
+                continue
+            break
+        else:  # the last draw raises when it fits no better, naming the limit
+            batch = prompt_batch(self.tokenizer, self.task, problems, limit, counts)
+        counts["data/skipped_long_prompts"] += skipped
+        return batch
+
+    def log_samples(self, step: int, batch: Batch, scored: Batch, k: int = 2) -> None:
+        """A few responses of the step, with their problem, answer and score, to the tracker's samples file."""
+        texts = scored["response_text"]
+        self.ctx.tracker.samples(
+            step,
+            [
+                {
+                    "problem": batch["problem_id"][i],
+                    "answer": batch["answer"][i],
+                    "response": texts[i],
+                    "score": float(batch["scores"][i]),
+                }
+                for i in range(min(k, len(texts)))
+            ],
+        )

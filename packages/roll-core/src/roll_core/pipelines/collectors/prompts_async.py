@@ -1,0 +1,171 @@
+"""The asynchronous prompts collector (`pipeline=rlvr pipeline.async_ratio=k`): generation runs ahead of the
+trainer, in the background, by at most k weight versions.
+
+The background driver (roll_core.scheduling.driver) keeps generating groups within the scheduler's budget;
+`next` takes complete groups (oldest first, within the staleness bound), scores them, drops groups without
+reward variance when dynamic sampling is on (their budget starts new groups at once), and returns an assembled
+batch with `behaviour_version` (B,) per row. The trainer then recomputes the proximal log-probs (`old_logprobs`)
+at its current version, and `algo.off_policy_correction` weighs each token by the truncated ratio
+pi_old / pi_behaviour (decoupled PPO); `begin_sync` / `finish_sync` bracket the weight sync so that partial
+rollout can abort and resume requests around it.
+
+Checkpoints store the data sampler; groups in flight at a save are not stored (a resumed run starts fresh
+groups), so an async run resumes correctly but not bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from roll_core.errors import ConfigError
+from roll_core.pipelines.collectors import Collected, CollectorContext
+from roll_core.pipelines.collectors.prompts import PromptCollector
+from roll_core.pipelines.metrics import StepLog, reward_metrics
+from roll_core.pipelines.rollout import assemble, prompt_ids
+from roll_core.pipelines.sampling import generation_from_samples, informative_groups
+from roll_core.protocol import Batch
+from roll_core.scheduling.driver import AsyncRollout
+from roll_core.scheduling.scheduler import GroupState, RolloutScheduler
+from roll_core.seeds import Purpose, derive_seed
+
+log = logging.getLogger(__name__)
+
+
+def check_async(ctx: CollectorContext) -> None:
+    """Refuse settings an asynchronous collector cannot honour; warn when off-policy samples go uncorrected."""
+    cfg = ctx.cfg
+    ie, k = cfg.infer_engine, cfg.pipeline.async_ratio
+    if not ctx.roles.actor_infer.continuous_batching():
+        raise ConfigError(
+            f"pipeline.async_ratio={k} needs an inference engine with continuous batching; "
+            f"infer_engine={ie.name} is synchronous-only: use pipeline.async_ratio=0"
+        )
+    if int(ie.sleep_level):
+        raise ConfigError(
+            f"pipeline.async_ratio={k} keeps the engines generating while the trainer trains: "
+            f"set infer_engine.sleep_level=0 (it is {ie.sleep_level})"
+        )
+    if cfg.algo.off_policy_correction is None:
+        log.warning(
+            "pipeline.async_ratio=%d without algo.off_policy_correction: samples up to %d versions old are trained "
+            "with the proximal policy only (set algo.off_policy_correction=token for decoupled PPO)",
+            k,
+            k,
+        )
+
+
+class AsyncPromptCollector(PromptCollector):
+    """Prompts generated ahead of the trainer (see the module docstring); data, reward and evaluation as in the
+    synchronous collector."""
+
+    def __init__(self, ctx: CollectorContext) -> None:
+        super().__init__(ctx)
+        check_async(ctx)
+        p = self.cfg.pipeline
+        self.k = p.async_ratio
+        self.sched = RolloutScheduler(
+            batch_groups=p.rollout_batch_size,
+            group_size=self.cfg.algo.group_size,
+            max_new_tokens=self.cfg.model.max_response_length,
+            async_ratio=p.async_ratio,
+            tail_groups=p.tail_groups,
+            partial_rollout=p.partial_rollout,
+        )
+        self.skipped_long = 0
+        self._last_batch_at: float | None = None  # when the previous batch was taken (rollout throughput)
+        seed = derive_seed(p.seed, Purpose.ASYNC_ROLLOUT)
+        self.driver = AsyncRollout(self.infer, self.sched, self._next_group, self.sampling.replace(seed=seed))
+
+    def _next_group(self) -> tuple[Any, list[int]]:
+        """The next training problem whose prompt fits (runs on the driver's thread; long ones are counted)."""
+        limit = self.cfg.model.max_prompt_length
+        for _ in range(10_000):
+            problem = self.train_set[self.sampler.next(1)[0]]
+            ids, _ = prompt_ids(self.tokenizer, self.task, problem, limit)  # a huge row is not even tokenised
+            if ids is not None:
+                return problem, ids
+            self.skipped_long += 1
+        raise ValueError(f"10000 prompts in a row exceed model.max_prompt_length={limit}: raise it")
+
+    def next(self, step: int, out: StepLog) -> Collected | None:
+        """The next batch: rollout_batch_size groups (fewer if dynamic sampling hits its cap), scored."""
+        algo, want = self.cfg.algo, self.cfg.pipeline.rollout_batch_size
+        g = algo.group_size
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        cap = math.ceil(algo.refill_max_batches * want) if algo.drop_uniform_groups else want
+        kept: list[GroupState] = []
+        first: tuple[Batch, Batch] | None = None
+        cols: dict[int, dict[str, torch.Tensor]] = {}  # gid -> its rows' scores, correct, formatted
+        sampled = 0
+        with out.timer("generate"):  # time the trainer waited for rollout
+            while len(kept) < want and sampled < cap:
+                groups = self.driver.take(min(want - len(kept), cap - sampled))
+                sampled += len(groups)
+                batch = self._assemble(generation_from_samples(groups, pad))
+                if len(batch) != len(groups) * g:
+                    raise ValueError(
+                        "a prompt fills the inference engine's context: lower model.max_prompt_length below the "
+                        "engine's context (infer_engine.max_model_len)"
+                    )
+                with out.timer("reward"):
+                    scored = self.reward.score(batch)
+                batch = batch.union(scored.select("scores", "correct", "formatted"))
+                first = first or (batch, scored)
+                for i, grp in enumerate(groups):
+                    cols[grp.gid] = {k: batch[k][i * g : (i + 1) * g] for k in ("scores", "correct", "formatted")}
+                useful = (
+                    informative_groups(batch["scores"], g)
+                    if algo.drop_uniform_groups
+                    else torch.ones(len(groups), dtype=torch.bool)
+                )
+                for grp, ok in zip(groups, useful.tolist()):
+                    if ok:
+                        kept.append(grp)
+                    else:
+                        self.driver.discard(grp)
+        assert first is not None
+        b0, scored0 = first
+        out.update(reward_metrics(b0, scored0, b0["response_mask"].sum(-1), self.cfg.model.max_response_length))
+        self.log_samples(step, b0, scored0)
+        out["data/dropped_groups"] = sampled - len(kept)
+        out["data/sampled_groups"] = sampled
+        out["data/refill_short_groups"] = max(0, want - len(kept))
+        out["data/skipped_long_prompts"], self.skipped_long = self.skipped_long, 0
+        if not kept:
+            return None
+        batch = self._assemble(generation_from_samples(kept, pad))
+        for k in ("scores", "correct", "formatted"):
+            batch[k] = torch.cat([cols[grp.gid][k] for grp in kept])
+        staleness = (self.sched.version - batch["behaviour_version"]).float()
+        if float(staleness.max()) > self.k:  # the scheduler's contract, checked where it matters
+            raise AssertionError(f"a sample {int(staleness.max())} versions old reached the trainer (bound {self.k})")
+        out["async/staleness_mean"] = float(staleness.mean())
+        out["async/staleness_max"] = float(staleness.max())
+        out.update(self.driver.stats())
+        # The trainer's wait ("generate") is not the rollout's time when generation overlaps training: rollout
+        # throughput is the batch's tokens over the time between two batches (the first batch: its own wait).
+        now = time.monotonic()
+        span = out.timers["generate"] if self._last_batch_at is None else now - self._last_batch_at
+        self._last_batch_at = now
+        out["perf/rollout_tokens_per_s"] = float(batch["response_mask"].sum()) / max(span, 1e-9)
+        out["perf/generate_wait_seconds"] = out.timers["generate"]
+        return self._collected(batch, out)
+
+    def _assemble(self, gen: Batch) -> Batch:
+        prompts = gen.select("prompt_ids", "answer", "problem_id")
+        rest = [k for k in gen.keys() if k not in ("prompt_ids", "answer", "problem_id")]
+        return assemble(self.tokenizer, prompts, gen.select(*rest))
+
+    def begin_sync(self) -> None:
+        self.driver.begin_update()
+
+    def finish_sync(self, version: int) -> None:
+        self.driver.finish_update()
+
+    def close(self) -> None:
+        self.driver.close()

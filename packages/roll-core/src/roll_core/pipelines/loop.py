@@ -1,0 +1,204 @@
+"""One loop for every pipeline: next batch, update, sync, log, checkpoint.
+
+`Pipeline(cfg)` wires a run: its folder, cluster, tokenizer, task, the training-side roles (`build_roles`), the
+collector that `pipeline.name` names (a `roll.collectors` entry point: `rlvr`, `agentic`, or a plugin) and the
+`Trainer`. `run()` trains for the remaining steps and returns the summary. A pipeline kind is a collector (and,
+later, an objective), never a subclass of this class and never an `if async` in the loop: asynchronous
+collection is the collector's business.
+
+Checkpoints: never written from inside a streak of non-finite steps (their weights may hold the blow-up); the
+stop after `pipeline.max_nonfinite_steps` names the last checkpoint saved before the streak. Determinism:
+sampling seeds derive from (seed, purpose, step) and the collector's data position is checkpointed, so a resumed
+synchronous run on CPU reproduces the uninterrupted run's metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from roll_core import registry
+from roll_core.algorithms import load_estimator
+from roll_core.checkpoint import CheckpointManager
+from roll_core.cluster.launch import Cluster
+from roll_core.config.build import build
+from roll_core.config.schema import RLVRConfig
+from roll_core.models import resolve_model_path
+from roll_core.pipelines.collectors import Collector, CollectorContext, CollectorFactory
+from roll_core.pipelines.metrics import StepLog
+from roll_core.pipelines.run_control import GracefulStop, resolve_run_folder
+from roll_core.pipelines.trainer import Trainer
+from roll_core.pipelines.wiring import build_roles
+from roll_core.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+class Pipeline:
+    """A run: roles, a collector, a trainer, and the loop between them (see the module docstring)."""
+
+    #: Run restarts since the last logged step (set by run_control.run_with_restarts), logged once.
+    pending_run_restarts: int = 0
+
+    def __init__(self, cfg: RLVRConfig, output_dir: str | Path | None = None) -> None:
+        pipe = cfg.pipeline
+        self.cfg = cfg
+        factory: CollectorFactory = registry.load("roll.collectors", pipe.name)
+        self.cluster = Cluster(cfg.cluster, cfg.hw)
+        self.cluster.platform.seed_everything(pipe.seed)
+        out = Path(output_dir or pipe.output_dir or Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S"))
+        self.out = resolve_run_folder(out, pipe.resume, pipe.resume_from, cfg.experiment)
+        self.model_path = resolve_model_path(cfg.model.path)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            cfg.model.tokenizer or self.model_path, trust_remote_code=cfg.model.trust_remote_code
+        )
+        self.task = build(cfg.env)
+        # Said before any model loads: a task the collector cannot use, an estimator without the batch's form.
+        factory.check(cfg, self.task)
+        load_estimator(cfg.algo.adv_estimator, trajectories=factory.trajectories)
+
+        self.ckpt = CheckpointManager(self.out, keep_last=pipe.keep_last)
+        self.cluster.checkpoints = self.ckpt  # a fault roll cannot repair names the checkpoint to resume from
+        latest = self.ckpt.latest() if (pipe.resume or pipe.resume_from) else None
+        from omegaconf import OmegaConf
+
+        self.tracker = Tracker(self.out, OmegaConf.to_yaml(OmegaConf.structured(cfg)), resume=latest is not None)
+        self.roles = build_roles(cfg, self.cluster, self.model_path)
+        ctx = CollectorContext(cfg, self.cluster, self.roles, self.tokenizer, self.task, self.tracker, self.model_path)
+        self.collector: Collector = factory(ctx)
+        self.trainer = Trainer(
+            cfg,
+            self.roles,
+            trajectories=factory.trajectories,
+            placement=cfg.cluster.placement,
+            platform=self.cluster.platform,
+        )
+        if cfg.cluster.backend == "ray":  # where every worker landed: nodes, resources, visible devices
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "placement.json").write_text(json.dumps(self.cluster.placement_report(), indent=2))
+        self.start_step = 1
+        self.healthy_checkpoint: Path | None = None  # the latest checkpoint saved outside a non-finite streak
+        if latest is not None:
+            self._restore(latest)
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Train for the remaining steps; returns a summary (final and best held-out accuracy, wall time)."""
+        pipe = self.cfg.pipeline
+        from tqdm.auto import tqdm
+
+        t0 = time.perf_counter()
+        if self.start_step == 1 and pipe.eval_every > 0:
+            self.tracker.log(0, self.collector.evaluate(0))
+        steps = range(self.start_step, pipe.max_steps + 1)
+        bar = tqdm(steps, desc=self.cfg.experiment, unit="step", disable=not pipe.progress, initial=self.start_step - 1)
+        bar.total = pipe.max_steps
+        with GracefulStop() as stop:
+            for step in bar:
+                out = self.step(step)
+                if pipe.eval_every > 0 and (step % pipe.eval_every == 0 or step == pipe.max_steps):
+                    out.update(self.collector.evaluate(step))
+                self.tracker.log(step, out)
+                bar.set_postfix(
+                    reward=f"{out['reward/mean']:.3f}",
+                    acc=f"{out['reward/accuracy']:.2f}",
+                    sec=f"{out['perf/step_seconds']:.1f}",
+                )
+                due = (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps
+                if due or stop.requested:
+                    self.checkpoint(step)
+                self.tracker.plot(self.collector.plot_keys)
+                if stop.requested:  # checked last: a signal may arrive anywhere in the step
+                    log.warning("stopped after step %d: checkpoint %s; pipeline.resume=true continues", step, self.out)
+                    break
+        self.tracker.close()
+        return self.summary(time.perf_counter() - t0, stop.signum)
+
+    def step(self, step: int) -> StepLog:
+        """One RL step: the collector's next scored batch, the update, the weight sync; returns its metrics."""
+        out, t0 = StepLog(), time.perf_counter()
+        collected = self.collector.next(step, out)  # None: nothing to train on this step
+        if collected is not None:
+            self.trainer.update(step, collected.batch, collected.scores, out)
+            self.trainer.sync_weights(self.collector, out)
+            self._check_finite(step)
+        out.update({f"perf/time_{k}": v for k, v in out.timers.items()})
+        out.update(self.cluster.fault_metrics())  # workers restarted, calls timed out (this step)
+        out["faults/run_restarts"] = float(self.pending_run_restarts)  # this run rebuilt after a fault
+        self.pending_run_restarts = 0
+        out["perf/step_seconds"] = time.perf_counter() - t0
+        if collected is not None:
+            out["perf/samples_per_s"] = len(collected.batch) / out["perf/step_seconds"]
+        return out
+
+    def summary(self, wall_seconds: float, signum: int | None) -> dict[str, Any]:
+        """Final, best and first held-out accuracy, the last reward, wall time, folder, the stopping signal."""
+        history = self.tracker.history
+        evals = [h["eval/accuracy"] for h in history if h.get("eval/accuracy") is not None]
+        summary = {
+            "final_eval_accuracy": evals[-1] if evals else None,
+            "best_eval_accuracy": max(evals, default=None),
+            "first_eval_accuracy": evals[0] if evals else None,
+            "final_reward": history[-1].get("reward/mean") if history else None,
+            "wall_seconds": wall_seconds,
+            "output_dir": str(self.out),
+            "stopped_by_signal": signum,
+        }
+        log.info("run finished: %s", summary)
+        return summary
+
+    def _check_finite(self, step: int) -> None:
+        """Stop after pipeline.max_nonfinite_steps steps in a row whose optimizer steps were all skipped."""
+        bad, limit = self.trainer.bad_steps, self.cfg.pipeline.max_nonfinite_steps
+        if not (bad and limit and bad >= limit):
+            return
+        healthy = self.healthy_checkpoint
+        raise FloatingPointError(
+            f"step {step}: {bad} steps in a row had a non-finite loss or gradient and were skipped "
+            f"(pipeline.max_nonfinite_steps={limit}); lower algo.lr, check the rewards and data"
+            + (
+                f"; the last checkpoint saved before them is {healthy} (pipeline.resume_from={healthy})"
+                if healthy
+                else "; no checkpoint was saved before them"
+            )
+        )
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def checkpoint(self, step: int) -> Path | None:
+        """Save step `step`, unless it ends inside a non-finite streak (its weights may hold the blow-up)."""
+        if self.trainer.bad_steps:
+            log.warning("step %d: no checkpoint inside a streak of %d non-finite steps", step, self.trainer.bad_steps)
+            return None
+        self.healthy_checkpoint = self.save(step)
+        return self.healthy_checkpoint
+
+    def save(self, step: int) -> Path:
+        """Write the trainer's and the collector's state as checkpoint `step`."""
+        tmp = self.ckpt.staging(step)
+        trainer = self.trainer.save(tmp, self.cfg.model.tokenizer or self.model_path)
+        state = {"trainer": trainer, "collector": self.collector.state_dict(), "experiment": self.cfg.experiment}
+        return self.ckpt.commit(tmp, step, state)
+
+    def _restore(self, folder: Path) -> None:
+        state = self.ckpt.read_state(folder)
+        if "trainer" not in state:  # a checkpoint of roll before the collectors: the same state, flat
+            state = {**state, "trainer": {"kl": state["kl"]}, "collector": {"sampler": state.get("sampler", {})}}
+        self.trainer.restore(folder, state["trainer"])
+        if state["collector"] or self.collector.state_dict():
+            self.collector.load_state_dict(state["collector"])
+        self.start_step = state["step"] + 1
+        self.healthy_checkpoint = folder
+        self.tracker.truncate(state["step"])
+        log.info("resumed from %s at step %d", folder, self.start_step)
+
+    def shutdown(self) -> None:
+        if getattr(self, "collector", None) is not None:
+            self.collector.close()
+        if getattr(self, "tracker", None) is not None:
+            self.tracker.close()  # a failed run's writer too: a restarted run reopens the same event files
+        self.cluster.shutdown()

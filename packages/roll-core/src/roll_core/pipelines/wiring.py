@@ -1,0 +1,134 @@
+"""Where a run's roles are wired: every worker group of the training side, built from the typed config.
+
+`build_roles(cfg, cluster, model_path)` is the one place that turns `train_engine`, `infer_engine`, `model` and
+`algo` into worker groups: the trainable actor, the inference engines, the reference policy and the critic. A
+collector adds the roles that feed it (reward workers, environment workers) through the same cluster; nothing
+else builds a group. May assume `cfg` passed its schema checks; must not start generation or training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from roll_core.cluster.launch import Cluster, resolve_python
+from roll_core.cluster.mesh import Mesh
+from roll_core.cluster.roles import InferGroup, TrainGroup
+from roll_core.config.build import as_dict
+from roll_core.config.schema import RLVRConfig
+from roll_core.errors import ConfigError
+from roll_core.interfaces import SamplingParams, UnsupportedSamplingError
+
+
+@dataclass
+class Roles:
+    """The worker groups of a run's training side (reference and critic only when the algorithm needs them)."""
+
+    actor_train: TrainGroup
+    actor_infer: InferGroup
+    reference: TrainGroup | None
+    critic: TrainGroup | None
+    #: With LoRA the reference policy is the actor's base with adapters disabled: no second model.
+    reference_is_base: bool
+    #: Rollout sampling; the trainer's log-probs use its temperature.
+    sampling: SamplingParams
+    #: Optimizer steps of one RL step: ppo_epochs x mini-batches.
+    mini_batches: int
+
+
+def sampling_params(cfg: RLVRConfig) -> SamplingParams:
+    """The rollout's sampling settings (infer_engine's temperature, top-p/k, stops; the model's response limit)."""
+    ie = as_dict(cfg.infer_engine)
+    return SamplingParams(
+        temperature=float(ie["temperature"]),
+        top_p=float(ie["top_p"]),
+        top_k=int(ie["top_k"]),
+        stop=tuple(ie["stop"]),
+        max_new_tokens=cfg.model.max_response_length,
+    )
+
+
+def mini_batches(cfg: RLVRConfig) -> int:
+    """Mini-batches per epoch of an update: algo.num_mini_batches, or rows / algo.mini_batch_size, or 1."""
+    algo = cfg.algo
+    if algo.num_mini_batches:
+        return algo.num_mini_batches
+    rows = cfg.pipeline.rollout_batch_size * algo.group_size
+    return max(1, rows // algo.mini_batch_size) if algo.mini_batch_size else 1
+
+
+def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str) -> Roles:
+    """Every training-side worker group of `cfg` on `cluster` (see the module docstring)."""
+    algo, model, pipe = cfg.algo, cfg.model, cfg.pipeline
+    te, ie = as_dict(cfg.train_engine), as_dict(cfg.infer_engine)
+    n_mini = mini_batches(cfg)
+    common = {
+        "model_path": model_path,
+        "dtype": model.dtype,
+        "attn_implementation": model.attn_implementation,
+        "trust_remote_code": model.trust_remote_code,
+        "seed": pipe.seed,
+        # Each worker resolves its device and `dtype=auto` on its own node (roles.resolve_device).
+        "platform": cluster.platform.name,
+        "device": "auto",
+    }
+    optim = {
+        "weight_decay": algo.weight_decay,
+        "warmup_steps": algo.warmup_steps,
+        "total_steps": pipe.max_steps * algo.ppo_epochs * n_mini,
+        "lr_schedule": algo.lr_schedule,
+        "max_grad_norm": algo.max_grad_norm,
+    }
+    # Sharded trainers (Megatron) span TP x CP x PP ranks per replica: data splits by data-parallel rank only.
+    mesh = Mesh.for_world(
+        te["world_size"],
+        tp=int(te.get("tensor_parallel_size", 1)),
+        pp=int(te.get("pipeline_parallel_size", 1)),
+        cp=int(te.get("context_parallel_size", 1)),
+    )
+
+    def train_group(role: str, runtime: dict[str, Any]) -> TrainGroup:
+        return cluster.group(TrainGroup, role, te["world_size"], mesh=mesh, engine=te, runtime={**common, **runtime})
+
+    actor_train = train_group("actor_train", {**optim, "role": "actor", "lr": algo.lr})
+    actor_infer = cluster.group(
+        InferGroup,
+        "actor_infer",
+        ie["world_size"],
+        devices_per_worker=int(ie.get("tensor_parallel_size", 1)),
+        python=resolve_python(ie["python"], ie["name"]),
+        max_concurrency=ie["max_concurrency"] or 64,
+        engine=ie,
+        runtime={**common, "dtype": ie.get("dtype") or model.dtype, "max_new_tokens": model.max_response_length},
+    )
+    sampling = sampling_params(cfg)
+    _check_infer_engine(cfg, actor_infer, sampling)
+    reference_is_base = bool(te.get("lora_rank", 0)) and algo.use_reference
+    reference = None
+    if algo.use_reference and not reference_is_base:
+        reference = train_group("reference", {"role": "reference", "trainable": False})
+    critic = None
+    if algo.use_critic:
+        critic = train_group("critic", {**optim, "role": "critic", "lr": algo.critic_lr, "lora_rank": 0})
+    return Roles(actor_train, actor_infer, reference, critic, reference_is_base, sampling, n_mini)
+
+
+def _check_infer_engine(cfg: RLVRConfig, infer: InferGroup, sampling: SamplingParams) -> None:
+    """Refuse sampling the engine cannot honour, and warn when prompt + response exceed its context."""
+    import logging
+
+    name = as_dict(cfg.infer_engine)["name"]
+    try:
+        infer.check_sampling(sampling)
+    except UnsupportedSamplingError as exc:
+        raise ConfigError(f"infer_engine={name}: {exc}") from exc
+    context = infer.max_context_length()
+    need = cfg.model.max_prompt_length + cfg.model.max_response_length
+    if need > context:
+        logging.getLogger(__name__).warning(
+            "model.max_prompt_length + max_response_length = %d exceeds the %s engine's context of %d tokens: "
+            "long prompts get shorter responses (finish reason 'length')",
+            need,
+            name,
+            context,
+        )
