@@ -397,8 +397,11 @@ def test_tool_math_is_solved_with_the_calculator() -> None:
 def test_make_env() -> None:
     assert isinstance(make_env("sokoban", width=7), SokobanEnv)
     assert isinstance(make_env("tool_math", max_tool_calls=1), ToolMathEnv)
-    with pytest.raises(ValueError, match="unknown environment 'chess'; available: sokoban, frozen_lake"):
+    # Names are the installed roll.agentic_envs entry points (roll-envs' own included), sorted, then the prefixes.
+    with pytest.raises(ValueError, match=r"unknown environment 'chess'; available: .*frozen_lake, .*sokoban, .*gem:"):
         make_env("chess")
+    with pytest.raises(ValueError, match="Did you mean 'sokoban'"):
+        make_env("sokobn")
     with pytest.raises(ValueError, match="gem:<id>"):
         make_env("gem:")
 

@@ -54,6 +54,44 @@ def test_auto_detection_matches_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_platform() is (plugins_active[0] if plugins_active else expected)
 
 
+def test_builtins_are_roll_hw_entry_points_in_probe_order() -> None:
+    from importlib.metadata import entry_points
+
+    declared = {ep.name: ep.value for ep in entry_points(group="roll.platforms") if ep.dist.name == "roll-hw"}
+    assert roll_hw.detect.builtin_names() == ["cuda", "rocm", "npu", "cpu"]  # pyproject lists cpu first
+    assert set(declared) == set(roll_hw.detect.builtin_names())
+    for name, cls in zip(("cuda", "rocm", "npu", "cpu"), (CudaPlatform, RocmPlatform, NpuPlatform, CpuPlatform)):
+        assert roll_hw.detect.get_platform_class(name) is cls and cls.name == name
+
+
+def test_source_checkout_reads_the_pyproject(monkeypatch: pytest.MonkeyPatch) -> None:
+    """roll-hw on PYTHONPATH without being installed (the bare device machine) has no entry-point metadata."""
+    from importlib.metadata import PackageNotFoundError
+
+    from roll_hw import detect
+
+    def not_installed(name: str) -> None:
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr(detect, "entry_points", lambda group: [])
+    monkeypatch.setattr(detect, "distribution", not_installed)
+    monkeypatch.delenv("ROLL_PLATFORM", raising=False)
+    detect.clear_cache()
+    try:
+        assert detect.builtin_names() == ["cuda", "rocm", "npu", "cpu"]
+        assert detect.get_platform_class("npu") is NpuPlatform
+        assert detect.resolve_platform() is next(
+            p for p in (CudaPlatform, RocmPlatform, NpuPlatform, CpuPlatform) if p.is_available()
+        )
+        monkeypatch.setattr(detect, "_source_entry_points", lambda: [])  # neither metadata nor a pyproject
+        detect.clear_cache()
+        with pytest.raises(PlatformUnavailableError, match=r"roll-hw declares no roll.platforms entry points"):
+            detect.resolve_platform()
+    finally:
+        monkeypatch.undo()
+        detect.clear_cache()
+
+
 def test_forced_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROLL_PLATFORM", "cpu")
     assert resolve_platform() is CpuPlatform

@@ -1,22 +1,30 @@
 """Which platform this process runs on.
 
+Every platform, built-in or not, is declared under the entry-point group `roll.platforms` (roll-hw declares cpu,
+cuda, rocm and npu in its own pyproject.toml exactly as an out-of-tree plugin declares its own); this module is
+the only reader of that group. roll-hw may not import roll-core, so it reads the group itself, in the manner of
+`roll_core.registry` (metadata only until a platform is asked for; the result is cached per process).
+
 Resolution order (first match wins):
 1. `ROLL_PLATFORM=<name>` forces a platform by name, built-in or plugin; if its probe fails, a
    `PlatformUnavailableError` says why and what to install (never a silent fall-back to CPU).
-2. Out-of-tree platforms registered under the entry-point group `roll.platforms` by any distribution other
-   than roll-hw whose probe says available. Exactly one may be active: two active plugins are an error.
-3. Built-ins probed in order: cuda, rocm, npu, then cpu (always available).
+2. Out-of-tree platforms (entry points of any distribution other than roll-hw) whose probe says available.
+   Exactly one may be active: two active plugins are an error. A plugin that takes a built-in's name replaces it.
+3. roll-hw's own platforms, probed in `PROBE_ORDER` (accelerators first; cpu, always available, last).
 
-Entry points are read with `importlib.metadata` (no pkg_resources); a plugin that fails to import is reported
-with its group, name and cause rather than being skipped.
+roll-hw run from its source folder without being installed (the device checks on a bare machine put `src/` on
+PYTHONPATH) has no entry-point metadata: its declarations are then read from the pyproject.toml beside the
+source, so the one list stays the pyproject's. A plugin that fails to import is reported with its group, name and
+cause rather than being skipped.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from functools import lru_cache
-from importlib import import_module
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, PackageNotFoundError, distribution, entry_points
+from pathlib import Path
 
 from roll_hw.interface import Platform, PlatformUnavailableError
 
@@ -24,59 +32,91 @@ GROUP = "roll.platforms"
 ENV_VAR = "ROLL_PLATFORM"
 _BUILTIN_DIST = "roll-hw"
 
-#: Built-in platforms by name, as import paths so that listing them imports nothing heavy.
-BUILTINS: dict[str, str] = {
-    "cuda": "roll_hw.cuda:CudaPlatform",
-    "rocm": "roll_hw.rocm:RocmPlatform",
-    "npu": "roll_hw.npu:NpuPlatform",
-    "cpu": "roll_hw.cpu:CpuPlatform",
-}
+#: The order roll-hw's own platforms are probed in: a CUDA or ROCm build of torch also runs on the CPU, so the
+#: CPU, always available, comes last. A roll-hw platform missing here is probed before the CPU.
+PROBE_ORDER: tuple[str, ...] = ("cuda", "rocm", "npu", "cpu")
 
 
 class PlatformPluginError(RuntimeError):
-    """An out-of-tree platform failed to load or is ambiguous."""
+    """A platform entry point failed to load, is not a Platform, or more than one plugin is active."""
 
 
-def _load_path(path: str) -> type[Platform]:
-    module, _, attr = path.partition(":")
-    return getattr(import_module(module), attr)
+def _source_entry_points() -> list[EntryPoint]:
+    """roll-hw's `roll.platforms` section read from its pyproject.toml (source checkout, not installed)."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    if not pyproject.is_file():
+        return []
+    # A line reader, not tomllib: Python 3.10 (supported) has no tomllib, and the section is `name = "module:attr"`.
+    out, inside = [], False
+    for line in pyproject.read_text().splitlines():
+        if line.startswith("["):
+            inside = line.strip() == f'[project.entry-points."{GROUP}"]'
+            continue
+        found = re.match(r'\s*([\w.-]+)\s*=\s*"([^"]+)"', line) if inside else None
+        if found:
+            out.append(EntryPoint(name=found.group(1), value=found.group(2), group=GROUP))
+    return out
 
 
-def _check_platform_class(obj: object, where: str) -> type[Platform]:
+@lru_cache(maxsize=1)
+def _declared() -> tuple[dict[str, EntryPoint], dict[str, EntryPoint]]:
+    """(roll-hw's own entry points in probe order, out-of-tree entry points), by name; imports nothing."""
+    own: dict[str, EntryPoint] = {}
+    plugins: dict[str, EntryPoint] = {}
+    for ep in entry_points(group=GROUP):
+        dist = getattr(ep, "dist", None)
+        (own if dist is not None and dist.name == _BUILTIN_DIST else plugins)[ep.name] = ep
+    if not own:
+        try:
+            distribution(_BUILTIN_DIST)
+        except PackageNotFoundError:  # running from the source folder
+            own = {ep.name: ep for ep in _source_entry_points()}
+    if "cpu" not in own:
+        raise PlatformUnavailableError(
+            f"roll-hw declares no {GROUP} entry points here (not even cpu): reinstall it (pip install roll-hw, "
+            "or pip install -e packages/roll-hw in the repository)"
+        )
+    rank = {name: i for i, name in enumerate(PROBE_ORDER)}
+    ordered = sorted(own, key=lambda n: rank.get(n, rank["cpu"] - 0.5))
+    return {n: own[n] for n in ordered}, plugins
+
+
+def _load(ep: EntryPoint) -> type[Platform]:
+    where = f"entry point {GROUP}:{ep.name} ({ep.value})"
+    try:
+        obj = ep.load()
+    except Exception as exc:
+        raise PlatformPluginError(f"failed to load {where}: {type(exc).__name__}: {exc}") from exc
     if not (isinstance(obj, type) and issubclass(obj, Platform)):
         raise PlatformPluginError(f"{where} is {obj!r}, not a subclass of roll_hw.Platform")
     return obj
 
 
+def builtin_names() -> list[str]:
+    """roll-hw's own platform names, in probe order. Imports nothing."""
+    return list(_declared()[0])
+
+
 @lru_cache(maxsize=1)
 def plugin_platforms() -> dict[str, type[Platform]]:
-    """Out-of-tree platforms from the `roll.platforms` entry-point group, by entry-point name."""
-    found: dict[str, type[Platform]] = {}
-    for ep in entry_points(group=GROUP):
-        dist = getattr(ep, "dist", None)
-        if dist is not None and dist.name == _BUILTIN_DIST:
-            continue
-        where = f"entry point {GROUP}:{ep.name} ({ep.value})"
-        try:
-            obj = ep.load()
-        except Exception as exc:
-            raise PlatformPluginError(f"failed to load {where}: {type(exc).__name__}: {exc}") from exc
-        found[ep.name] = _check_platform_class(obj, where)
-    return found
+    """Out-of-tree platforms (`roll.platforms` entry points of other distributions), by entry-point name."""
+    return {name: _load(ep) for name, ep in _declared()[1].items()}
 
 
 def platform_names() -> list[str]:
-    """Every known platform name: built-ins first, then plugins."""
-    return list(BUILTINS) + [n for n in plugin_platforms() if n not in BUILTINS]
+    """Every known platform name: roll-hw's own first (probe order), then plugins."""
+    own, plugins = _declared()
+    return list(own) + [n for n in plugins if n not in own]
 
 
 def get_platform_class(name: str) -> type[Platform]:
-    """The platform class registered as `name` (built-in or plugin); no availability check."""
+    """The platform class registered as `name` (a plugin wins over a built-in of that name); no availability check."""
     plugins = plugin_platforms()
     if name in plugins:
         return plugins[name]
-    if name in BUILTINS:
-        return _load_path(BUILTINS[name])
+    own = _declared()[0]
+    if name in own:
+        return _load(own[name])
     raise PlatformUnavailableError(f"unknown platform {name!r}; installed platforms: {', '.join(platform_names())}")
 
 
@@ -100,8 +140,14 @@ def resolve_platform(name: str | None = None) -> type[Platform]:
         raise PlatformPluginError(f"more than one out-of-tree platform is active ({names}); set {ENV_VAR} to choose")
     if active:
         return active[0]
-    for path in BUILTINS.values():
-        cls = _load_path(path)
+    for builtin in builtin_names():
+        cls = get_platform_class(builtin)
         if cls.is_available():
             return cls
     raise AssertionError("unreachable: the cpu platform is always available")
+
+
+def clear_cache() -> None:
+    """Forget the declared entry points and loaded plugins (tests that install plugins at run time)."""
+    _declared.cache_clear()
+    plugin_platforms.cache_clear()

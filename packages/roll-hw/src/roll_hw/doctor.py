@@ -64,6 +64,7 @@ PLUGIN_GROUPS: dict[str, str] = {
     "agentic environments": "roll.agentic_envs",
     "rewards": "roll.rewards",
     "advantage estimators": "roll.algorithms",
+    "collectors (pipelines)": "roll.collectors",
     "platforms": "roll.platforms",
 }
 

@@ -41,4 +41,26 @@ def build(cfg: Any, **runtime: Any) -> Any:
         cause = exc.__cause__
         if str(exc).startswith("Error in call to target") and "full_key:" not in str(exc) and cause is not None:
             raise cause from cause.__cause__  # hides the wrapper, keeps the original's own cause chain
+        hint = _installed_hint(str(exc))
+        if hint:
+            raise InstantiationException(f"{exc}\n{hint}") from exc
         raise
+
+
+#: Nested `_target_` nodes whose implementations are plugins: node key -> entry-point group.
+NESTED_PLUGIN_GROUPS = {"reward": "roll.rewards"}
+
+
+def _installed_hint(message: str) -> str:
+    """For a nested `_target_` that cannot be found (`env.reward._target_=my.Rewrd`): the installed ones."""
+    import re
+
+    found = re.search(r"Error locating target '([^']*)'.*full_key: (\w+)", message, re.S)
+    if not found or found.group(2) not in NESTED_PLUGIN_GROUPS:
+        return ""
+    from roll_core import registry
+
+    group = NESTED_PLUGIN_GROUPS[found.group(2)]
+    installed = {name: ep.replace(":", ".", 1) for name, ep in registry.describe(group).items()}
+    rows = [f"\t{name}: {target}" for name, target in installed.items()] or ["\tnone"]
+    return "\n".join([f"Installed {found.group(2)} classes ({group} entry points), as _target_:", *rows])
