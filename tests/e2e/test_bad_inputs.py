@@ -630,11 +630,6 @@ CASES: list[Case] = [
         r"need asynchronous training: set pipeline\.async_ratio >= 1",
     ),
     E(
-        "cfg/async-agentic",
-        compose("pipeline=agentic", "pipeline.async_ratio=1"),
-        r"pipeline\.async_ratio > 0 is not supported by pipeline=agentic yet: use 0",
-    ),
-    E(
         "cfg/kl-in-reward-with-grpo",
         compose("algo.kl_in_reward=true", "algo.kl_coef=0.1"),
         r"algo\.kl_in_reward=true needs a token-reward estimator .* not grpo",

@@ -18,6 +18,8 @@ import time
 from collections import Counter
 from typing import Any
 
+import torch
+
 from roll_core.agentic.env_manager import EnvManager
 from roll_core.agentic.rollout import AgenticRollout, TurnGate, task_turns
 from roll_core.agentic.trajectory import Trajectory, to_tensors
@@ -143,8 +145,15 @@ class EpisodeCollector:
             return None
         tensors = to_tensors(kept, self.tokenizer.pad_token_id or 0)
         batch = Batch(tensors, {"state_keys": tensors.pop("state_keys"), "env_seed": [t.env_seed for t in kept]})
+        versions = self.behaviour_versions(kept)
+        if versions is not None:  # generated ahead of the trainer: the trainer recomputes the proximal log-probs
+            batch["behaviour_version"] = versions
         out["data/trained_groups"] = len({t.group for t in kept})
         return Collected(batch, batch["episode_rewards"].clone())
+
+    def behaviour_versions(self, kept: list[Trajectory]) -> torch.Tensor | None:
+        """(B,) long weight version of each kept episode's oldest token; None: all under the current weights."""
+        return None
 
     def _log_episodes(self, step: int, trajs: list[Trajectory], k: int = 2) -> None:
         self.ctx.tracker.samples(

@@ -1,0 +1,174 @@
+"""The asynchronous episodes collector (`pipeline=agentic pipeline.async_ratio=k`): episodes run ahead of the
+trainer, in the background, at most k weight versions old, and nothing generated is thrown away.
+
+Contract:
+- Admission controls staleness: at most (version + k + 1) x rollout_batch_size groups are ever started (a group:
+  `group_size` episodes of one environment seed), so generation runs at most k batches ahead.
+- Batches are taken in start order: batch n is groups [nB, (n+1)B), and `next` waits for the oldest groups
+  instead of skipping to newer complete ones. With the admission rule, a group started at version u is trained at
+  a version <= u + k: no sample is ever too old, none is dropped for staleness, and long episodes are not
+  selected against (dropping stale work trains on the short ones). Every row carries `behaviour_version`, the
+  oldest weight version of its tokens; `next` checks the bound.
+- Around a weight sync the `TurnGate` stops admitting turns; with `pipeline.partial_rollout` the turns in flight
+  are aborted and resumed under the new weights (an episode keeps its earlier turns' tokens and behaviour
+  log-probs, and the partial turn's), otherwise the sync waits for them.
+- Group i belongs to step `first_step + i // B` and uses that step's environment seeds, as the synchronous
+  collector would. Checkpoints hold nothing more (episodes in flight at a save are not stored: a resumed run
+  starts fresh ones), so an async run resumes correctly but not bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from roll_core.agentic.rollout import TurnGate
+from roll_core.agentic.trajectory import Trajectory
+from roll_core.errors import ConfigError
+from roll_core.pipelines.collectors import Collected, CollectorContext
+from roll_core.pipelines.collectors.episodes import EpisodeCollector
+from roll_core.pipelines.collectors.prompts_async import check_async
+from roll_core.pipelines.metrics import StepLog
+from roll_core.seeds import Purpose, derive_seed
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEpisodeCollector(EpisodeCollector):
+    """Episodes generated ahead of the trainer (see the module docstring)."""
+
+    def __init__(self, ctx: CollectorContext, *, timeout_s: float = 3600.0) -> None:
+        p = ctx.cfg.pipeline
+        if p.tail_groups:
+            raise ConfigError("pipeline.tail_groups is not supported by pipeline=agentic: set it to 0")
+        check_async(ctx)
+        super().__init__(ctx, gate=TurnGate(ctx.roles.actor_infer, partial_rollout=p.partial_rollout))
+        self.gate: TurnGate = self.rollout.gate  # type: ignore[assignment]
+        self.k, self.groups_per_batch, self.group_size = p.async_ratio, p.rollout_batch_size, ctx.cfg.algo.group_size
+        self.timeout_s = timeout_s
+        slots = (self.k + 1) * self.groups_per_batch * self.group_size  # episodes in flight at most
+        self.eval_slot = slots
+        self.envs.grow(slots + len(self.eval_seeds))
+        self._free_slots = list(range(slots))
+        self._pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="roll-async-episode")
+        self._cv = threading.Condition()
+        self._version = 0  # weight syncs since this collector started
+        self._started = 0  # groups started
+        self._taken = 0  # groups handed to the trainer
+        self._results: dict[int, list[Trajectory | None]] = {}
+        self._first_step: int | None = None
+        self._seeds: dict[int, list[int]] = {}  # step -> its environment seeds
+        self._error: BaseException | None = None
+        self._closed = False
+        self._last_batch_at: float | None = None
+        self._resumed_seen = 0
+
+    # ---- the collector contract ---------------------------------------------------------------------------
+    def next(self, step: int, out: StepLog) -> Collected | None:
+        """The oldest rollout_batch_size groups, waiting for them to finish (see the module docstring)."""
+        with out.timer("generate"), self._cv:  # time the trainer waited for rollout
+            if self._first_step is None:
+                self._first_step = step
+            self._fill()
+            wanted = range(self._taken, self._taken + self.groups_per_batch)
+            deadline = time.monotonic() + self.timeout_s
+            while not all(self._complete(i) for i in wanted):
+                self._raise()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"async episodes: batch not complete after {self.timeout_s}s")
+                self._cv.wait(0.5)
+            trajs = [t for i in wanted for t in self._results.pop(i)]  # type: ignore[misc]
+            self._taken += self.groups_per_batch
+            in_flight = self._started - self._taken
+            self._fill()
+        collected = self.collected(step, trajs, out)
+        out["async/in_flight_groups"] = float(in_flight)
+        out["async/version"] = float(self._version)
+        resumed = sum(t.resumed_turns for t in trajs)
+        out["async/resumed_turns"] = float(resumed)
+        now = time.monotonic()
+        span = out.timers["generate"] if self._last_batch_at is None else now - self._last_batch_at
+        self._last_batch_at = now
+        out["perf/generate_wait_seconds"] = out.timers["generate"]
+        if collected is None:
+            return None
+        batch = collected.batch
+        out["perf/rollout_tokens_per_s"] = float(batch["response_mask"].sum()) / max(span, 1e-9)
+        staleness = (self._version - batch["behaviour_version"]).float()
+        if float(staleness.max()) > self.k:  # the admission rule's guarantee, checked where it matters
+            raise AssertionError(f"an episode {int(staleness.max())} versions old reached the trainer (bound {self.k})")
+        out["async/staleness_mean"] = float(staleness.mean())
+        out["async/staleness_max"] = float(staleness.max())
+        return collected
+
+    def begin_sync(self) -> None:
+        self._raise()
+        self.gate.begin_update()
+
+    def finish_sync(self, version: int) -> None:
+        with self._cv:
+            self._version += 1
+            self.gate.finish_update(self._version)
+            self._fill()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+        self.gate.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        super().close()
+
+    # ---- background episodes ------------------------------------------------------------------------------
+    def behaviour_versions(self, kept: list[Trajectory]) -> torch.Tensor:
+        return torch.tensor([t.min_version for t in kept], dtype=torch.long)
+
+    def _complete(self, group: int) -> bool:
+        got = self._results.get(group)
+        return got is not None and all(t is not None for t in got)
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"async episodes failed: {self._error}") from self._error
+
+    def _fill(self) -> None:
+        """Start groups while the admission budget and free environment slots allow (lock held)."""
+        budget = (self._version + self.k + 1) * self.groups_per_batch
+        while (
+            not self._closed
+            and self._first_step is not None
+            and self._started < budget
+            and len(self._free_slots) >= self.group_size
+        ):
+            group = self._started
+            self._started += 1
+            step = self._first_step + group // self.groups_per_batch
+            if step not in self._seeds:
+                self._seeds = {s: v for s, v in self._seeds.items() if s >= step - 1}
+                self._seeds[step] = self.train_seeds(step)
+            env_seed = self._seeds[step][group % self.groups_per_batch]
+            params = self.sampling.replace(seed=derive_seed(self.cfg.pipeline.seed, Purpose.ROLLOUT, step))
+            self._results[group] = [None] * self.group_size
+            for j in range(self.group_size):
+                slot = self._free_slots.pop()
+                index = (group % self.groups_per_batch) * self.group_size + j  # as the synchronous collector's
+                self._pool.submit(self._episode, group, j, slot, env_seed, params, index)
+
+    def _episode(self, group: int, j: int, slot: int, env_seed: int, params: Any, index: int) -> None:
+        try:
+            traj = self.rollout.episode(slot, env_seed, group % self.groups_per_batch, params, index)
+        except BaseException as exc:  # surfaced in the trainer's thread by _raise
+            log.exception("async episode failed")
+            with self._cv:
+                self._error = exc
+                self._cv.notify_all()
+            return
+        with self._cv:
+            self._free_slots.append(slot)
+            self._results[group][j] = traj
+            self._fill()
+            self._cv.notify_all()
