@@ -17,18 +17,27 @@ from typing import Any
 
 from omegaconf import MISSING
 
-ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "gigpo", "turn_grpo")
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "tis", "topr", "vanilla")
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def _estimators() -> tuple[str, ...]:
-    """Built-in estimators plus any installed under the `roll.algorithms` entry-point group."""
+def algo_choices() -> dict[str, tuple[str, ...]]:
+    """The names `algo.*` accepts, from where they are implemented (defined once, never copied here).
+
+    Estimators are the installed `roll.algorithms` entry points (roll-core's outcome and trajectory estimators and
+    any plugin's); policy losses, loss aggregations and KL kinds are roll-algos' own lists. Strings, not Enums:
+    OmegaConf matches an Enum field by member name, and `token-mean` or `seq-mean-token-sum` cannot be one.
+    roll_algos is imported here, on first validation, because it imports torch, which composing must not.
+    """
+    from roll_algos.kl import KL_KINDS
+    from roll_algos.losses import AGG_MODES, POLICY_LOSS_VARIANTS
     from roll_core.registry import available
 
-    return tuple(dict.fromkeys((*ADV_ESTIMATORS, *available("roll.algorithms"))))
+    return {
+        "adv_estimator": tuple(available("roll.algorithms")),
+        "policy_loss": POLICY_LOSS_VARIANTS,
+        "loss_agg": AGG_MODES,
+        "kl_kind": KL_KINDS,
+    }
 
 
 def _one_of(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
@@ -56,8 +65,8 @@ class AlgoConfig:
 
     # Display name of the preset (grpo, ppo, ...); free text, shown in logs.
     name: str = "grpo"
-    # Advantage estimator: grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae (gae trains a critic)
-    # | gigpo (pipeline=agentic: episode- plus step-level advantages over identical environment states).
+    # Advantage estimator (a roll.algorithms entry point): grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline
+    # | gae (trains a critic) | gigpo, turn_grpo (pipeline=agentic: step-level advantages over environment states).
     adv_estimator: str = "grpo"
     # Samples per prompt (the GRPO group size); group estimators need >= 2.
     group_size: int = 8
@@ -92,7 +101,7 @@ class AlgoConfig:
     ratio_cap: float = 2.0
     # KL-to-reference coefficient; 0 disables the reference model entirely.
     kl_coef: float = 0.0
-    # KL estimator: k1 | k2 | k3 (= low_var_kl) | abs.
+    # KL estimator: k1 | k2 (= mse) | k3 (= low_var_kl) | abs.
     kl_kind: str = "k3"
     # Where KL acts: false adds coef*KL to the loss; true subtracts it from the token reward.
     kl_in_reward: bool = False
@@ -142,10 +151,8 @@ class AlgoConfig:
         return self.kl_coef > 0 or self.kl_target is not None
 
     def __post_init__(self) -> None:
-        _one_of("algo.adv_estimator", self.adv_estimator, _estimators())
-        _one_of("algo.policy_loss", self.policy_loss, POLICY_LOSSES)
-        _one_of("algo.loss_agg", self.loss_agg, LOSS_AGGS)
-        _one_of("algo.kl_kind", self.kl_kind, KL_KINDS)
+        for key, allowed in algo_choices().items():
+            _one_of(f"algo.{key}", getattr(self, key), allowed)
         _one_of("algo.lr_schedule", self.lr_schedule, ("constant", "cosine", "linear"))
         _one_of("algo.off_policy_correction", self.off_policy_correction, (None, "token", "sequence"))
         if self.group_size < 1:
@@ -355,7 +362,9 @@ class PipelineConfig:
     tail_groups: int = 0
 
     def __post_init__(self) -> None:
-        _one_of("pipeline.name", self.name, ("rlvr", "agentic"))
+        from roll_core import registry  # the installed collectors: rlvr, agentic, plugins
+
+        _one_of("pipeline.name", self.name, tuple(registry.available("roll.collectors")))
         _positive("pipeline.async_ratio", self.async_ratio, allow_zero=True)
         _positive("pipeline.max_nonfinite_steps", self.max_nonfinite_steps, allow_zero=True)
         _positive("pipeline.max_run_restarts", self.max_run_restarts, allow_zero=True)
@@ -365,8 +374,6 @@ class PipelineConfig:
                 "pipeline.partial_rollout and pipeline.tail_groups need asynchronous training: set "
                 "pipeline.async_ratio >= 1 (samples carried across a weight update are one version old)"
             )
-        if self.async_ratio > 0 and self.name == "agentic":
-            raise ValueError("pipeline.async_ratio > 0 is not supported by pipeline=agentic yet: use 0")
         _positive("pipeline.max_steps", self.max_steps)
         _positive("pipeline.rollout_batch_size", self.rollout_batch_size)
         _positive("pipeline.eval_every", self.eval_every, allow_zero=True)
@@ -535,9 +542,14 @@ class RLVRConfig:
 
 
 def register_configs() -> None:
-    """Store roll-core's schemas in Hydra's ConfigStore (idempotent)."""
+    """Store roll-core's schemas in Hydra's ConfigStore and put its packaged YAML (`roll_core/conf`: the primary
+    config and the core groups) on roll's config search path (idempotent)."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
+
+    from roll_core.config.search_path import PRIMARY_PACKAGE, add_config_package
+
+    add_config_package(PRIMARY_PACKAGE)
 
     if not OmegaConf.has_resolver("roll_logical_cpus"):
         # Logical CPUs for a Ray instance started here: every role's fractional share must fit; torch threads
