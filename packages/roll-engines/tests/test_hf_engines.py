@@ -229,9 +229,37 @@ def test_a_non_finite_loss_skips_the_step_without_touching_weights_or_schedule(t
     before = {k: v.clone() for k, v in eng.model.state_dict().items()}
     lr0 = eng.scheduler.get_last_lr()[0]
     bad = eng.train_step(batch, nan_loss, mini_batches=2)
-    assert bad["nonfinite_steps"] == 2 and bad["optimizer_steps"] == 2 and "grad_norm" not in bad
+    assert bad["nonfinite_steps"] == 2 and bad["optimizer_steps"] == 0 and "grad_norm" not in bad
     assert eng.scheduler.get_last_lr()[0] == lr0 and not eng.optimizer.state  # no LR step, no Adam moments
     for k, v in eng.model.state_dict().items():
         assert torch.equal(v, before[k]), k
     good = eng.train_step(batch, objective, mini_batches=2)
     assert good["nonfinite_steps"] == 0 and good["grad_norm"] > 0 and eng.scheduler.get_last_lr()[0] > lr0
+    assert good["optimizer_steps"] == 2
+
+
+def test_a_loaded_optimizer_takes_the_configured_lr_and_keeps_its_moments_and_position(
+    tiny: str, tmp_path: Path
+) -> None:
+    """Resuming with a changed lr / weight decay: the checkpoint brings Adam's moments and the schedule's position,
+    the run's config brings the rates (before, the saved lr and weight decay came back and the new ones were
+    silently ignored)."""
+    infer = HFInferEngine(tiny, max_new_tokens=8)
+    batch = _batch(infer, ["abc"], n=2)
+    batch["advantages"] = torch.ones_like(batch["behaviour_logprobs"]) * batch["response_mask"]
+    schedule = dict(warmup_steps=4, total_steps=10, lr_schedule="cosine")
+    saved = HFTrainEngine(tiny, lr=1e-2, weight_decay=0.1, **schedule)
+    saved.train_step(batch, PolicyObjective(), mini_batches=2)  # two optimizer steps: warm-up at 2/4 next
+    saved.save(tmp_path / "ckpt")
+    assert saved.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 3 / 4)
+
+    resumed = HFTrainEngine(tiny, lr=1e-4, weight_decay=0.0, betas=(0.8, 0.9), **schedule)
+    resumed.load(tmp_path / "ckpt")
+    group = resumed.optimizer.param_groups[0]
+    assert resumed.scheduler.last_epoch == 2  # the position is the checkpoint's
+    assert group["lr"] == pytest.approx(1e-4 * 3 / 4) and resumed.scheduler.get_last_lr() == [group["lr"]]
+    assert group["weight_decay"] == 0.0 and tuple(group["betas"]) == (0.8, 0.9)
+    moments = {n: s["exp_avg"] for n, s in zip(range(len(group["params"])), resumed.optimizer.state.values())}
+    assert moments and all(float(m.abs().sum()) > 0 for m in moments.values())  # Adam's state came back
+    out = resumed.train_step(batch, PolicyObjective())
+    assert out["optimizer_steps"] == 1 and resumed.scheduler.get_last_lr()[0] == pytest.approx(1e-4 * 4 / 4)

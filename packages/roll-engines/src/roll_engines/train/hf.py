@@ -38,6 +38,7 @@ from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.train._lora import adapter_state, apply_lora, is_lora, load_adapter, merged_weights, save_adapter
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
+from roll_engines.train._settings import reapply, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -348,9 +349,10 @@ class HFTrainEngine:
                     sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm
                     counts["grad_norm"] = counts.get("grad_norm", 0) + 1
                 skipped += int(not stepped)
-                steps += 1
+                steps += int(stepped)
         out = {k: sums[k] / counts[k] for k in sums}
-        # Optimizer steps skipped for a non-finite loss or gradient (weights, moments and LR schedule untouched).
+        # Optimizer steps taken, and those skipped for a non-finite loss or gradient (weights, moments and LR
+        # schedule untouched): a skipped step is not an optimizer step.
         out["nonfinite_steps"], out["optimizer_steps"] = float(skipped), float(steps)
         out["lr"] = self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
         out["train_seconds"] = time.perf_counter() - t0
@@ -515,7 +517,9 @@ class HFTrainEngine:
             save_adapter(self.model, adapter, folder / "adapter")
 
     def load(self, folder: str | Path) -> None:
-        """Restore weights, optimizer, scheduler and scaler written by `save` (at any data-parallel size)."""
+        """Restore weights, optimizer, scheduler and scaler written by `save` (at any data-parallel size). The
+        optimizer's hyperparameters and base LR stay this engine's configured ones (roll_engines.train._settings);
+        Adam's moments and the schedule's position come from the checkpoint."""
         from safetensors.torch import load_file
 
         folder = Path(folder)
@@ -533,6 +537,7 @@ class HFTrainEngine:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+        configured = snapshot(self.optimizer)  # this run's lr, weight decay, betas: the checkpoint's would win
         # The template has this run's sharding; DCP reshards the saved state into it.
         state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
         with _single_process_dcp():
@@ -540,6 +545,8 @@ class HFTrainEngine:
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         small = torch.load(folder / "engine.pt", map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(small["scheduler"])
+        # The configured settings take effect at the saved schedule position (a resume with a changed algo.lr).
+        reapply(self.optimizer, configured, self.scheduler)
         if self.scaler is not None and "scaler" in small:
             self.scaler.load_state_dict(small["scaler"])
 

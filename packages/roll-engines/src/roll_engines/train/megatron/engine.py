@@ -49,6 +49,7 @@ from torch import Tensor
 
 from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
+from roll_engines.train._settings import reapply, snapshot
 from roll_engines.train.hf import lr_lambda
 from roll_engines.train.megatron import _convert as C
 from roll_engines.train.megatron import _critic as V
@@ -443,7 +444,7 @@ class MegatronTrainEngine:
                     sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm
                     counts["grad_norm"] = counts.get("grad_norm", 0) + 1
                 skipped += int(not ok)
-                steps += 1
+                steps += int(ok)  # a skipped step is not an optimizer step
         out = {k: sums[k] / counts[k] for k in sums}
         out["nonfinite_steps"], out["optimizer_steps"] = float(skipped), float(steps)
         out["lr"] = self.base_lr * self._lr(max(self._step - 1, 0))
@@ -590,10 +591,13 @@ class MegatronTrainEngine:
                 "one (train_engine.use_distributed_optimizer; an expert optimizer exists at "
                 "expert_model_parallel_size > 1): resume with the settings that saved it (any TP/PP/DP layout)"
             )
+        configured = snapshot(self.optimizer)  # this run's weight decay and betas: the checkpoint's would win
         with self._shims(), quiet_dist_checkpointing():
             loaded = dist_checkpointing.load(self._optimizer_state(loading=True), str(folder / "optimizer"))
             with torch_adam_steps_restored(self.optimizer):
                 self.optimizer.load_state_dict(loaded["optimizer"])
+        # The LR is set from this run's base_lr and schedule before every step; the position is the saved one.
+        reapply(self.optimizer, configured)
         self._step = int(loaded["step"])
 
 

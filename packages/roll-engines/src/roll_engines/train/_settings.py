@@ -1,0 +1,51 @@
+"""Configured optimizer settings survive a checkpoint load: a resumed run trains with the settings it was started
+with now, at the schedule position the checkpoint reached.
+
+`torch.optim.Optimizer.load_state_dict` restores every param group's hyperparameters as they were saved (lr,
+weight decay, betas, eps), and `LambdaLR.load_state_dict` restores the base LRs; so a run resumed with a changed
+`algo.lr` or `algo.weight_decay` silently kept the saved ones while its config.yaml said otherwise. An engine takes
+`snapshot(optimizer)` before loading and calls `reapply(...)` after: the configured hyperparameters go back into the
+param groups, the scheduler's base LRs become the configured ones, and the current LR is recomputed from the
+scheduler's own multiplier (built from this run's `lr_schedule`, `warmup_steps`, `total_steps`) at the restored
+step count. Adam's moments and step counts, and the scheduler's position, are kept.
+
+Covers torch optimizers and Megatron's (whose `param_groups` are the wrapped torch optimizer's). Does not cover
+settings that change the optimizer's structure (a different optimizer class, LoRA on or off): those are refused by
+roll_core.config.resume before anything loads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Param-group entries that come from the run's config (lr through `initial_lr`, which LambdaLR sets to the
+#: configured lr when it is built); `lr` itself is recomputed from the schedule.
+CONFIGURED_KEYS = ("initial_lr", "weight_decay", "betas", "eps")
+
+
+def snapshot(optimizer: Any) -> list[dict[str, Any]]:
+    """The configured hyperparameters of each param group, taken before a checkpoint overwrites them."""
+    return [{k: group[k] for k in CONFIGURED_KEYS if k in group} for group in optimizer.param_groups]
+
+
+def reapply(optimizer: Any, configured: list[dict[str, Any]], scheduler: Any = None) -> list[float]:
+    """Put `configured` (from `snapshot`) back into the loaded optimizer; with a LambdaLR `scheduler`, make its
+    base LRs the configured ones and set each group's LR to base x multiplier(restored step). Returns the LRs now
+    in effect, one per param group."""
+    groups = optimizer.param_groups
+    if len(groups) != len(configured):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(groups)} param groups, this engine built {len(configured)}: "
+            "it was saved by a differently configured engine (LoRA, critic or engine kind)"
+        )
+    for group, conf in zip(groups, configured):
+        group.update(conf)
+    if scheduler is None:
+        return [float(g["lr"]) for g in groups]
+    bases = [float(g.get("initial_lr", g["lr"])) for g in groups]
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(bases, scheduler.lr_lambdas)]
+    for group, lr in zip(groups, lrs):
+        group["lr"] = lr
+    # Through the scheduler's own state format, so get_last_lr() and the next step() agree with the groups.
+    scheduler.load_state_dict({**scheduler.state_dict(), "base_lrs": bases, "_last_lr": lrs})
+    return lrs
