@@ -1,13 +1,13 @@
 """Compose every config option and experiment on CPU; bind every `_target_` to its constructor without building.
 
 Nothing here builds a model, starts Ray or touches a device: it is the torchtune validation trick. A config that
-fails here would fail at the start of a real run, so these tests are the cheap guard for `conf/`.
+fails here would fail at the start of a real run, so these tests are the cheap guard for every config folder: the
+ones the installed packages ship and the repository's `conf/` (roll_core.config.search_path).
 """
 
 from __future__ import annotations
 
 import inspect
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,21 +17,24 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from roll_core.cluster.roles import WORKER_KEYS
 from roll_core.config import ConfigError, compose, to_object
+from roll_core.config.search_path import config_dirs, group_options
 from roll_core.testing import fill_missing
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
-OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
-EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
+CONF_DIRS = config_dirs()  # the repository's conf/, then roll_core/conf, roll_engines/conf, roll_envs/conf
+_FOLDERS = {p.name for d in CONF_DIRS for p in d.iterdir() if p.is_dir() and p.name[0] not in "_."}
+GROUPS = sorted(_FOLDERS - {"experiment"})
+OPTIONS = [(g, o) for g in GROUPS for o in group_options(g)]
+EXPERIMENTS = sorted(group_options("experiment"))
+YAMLS = [(d, p) for d in CONF_DIRS for p in sorted(d.rglob("*.yaml"))]
 
 
 def test_every_group_has_options() -> None:
     for group in ("algo", "train_engine", "infer_engine", "env", "model", "hw", "cluster", "pipeline"):
-        assert group in GROUPS and list((CONF / group).glob("*.yaml")), f"conf/{group}/ is empty"
+        assert group in GROUPS and group_options(group), f"no installed package ships options for {group}/"
 
 
-@pytest.mark.parametrize("path", sorted(CONF.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONF)))
-def test_every_yaml_starts_with_purpose_and_launch_comment(path: Path) -> None:
+@pytest.mark.parametrize(("folder", "path"), YAMLS, ids=[f"{d.parent.name}/{p.relative_to(d)}" for d, p in YAMLS])
+def test_every_yaml_starts_with_purpose_and_launch_comment(folder: Path, path: Path) -> None:
     head = path.read_text().splitlines()[:3]
     assert head[0].startswith("#") and len(head[0]) > 10, f"{path}: first line must say what it is for"
     assert any("roll-train" in line for line in head if line.startswith("#")), f"{path}: give a launch command"
@@ -102,8 +105,8 @@ def test_forced_append_of_unknown_key_still_fails() -> None:
 
 
 def test_misspelled_key_in_yaml_names_file_key_and_suggestion(tmp_path: Path) -> None:
-    conf = tmp_path / "conf"
-    shutil.copytree(CONF, conf)
+    conf = tmp_path / "conf"  # a user's folder: layered over the packaged groups
+    (conf / "algo").mkdir(parents=True)
     (conf / "algo" / "typo.yaml").write_text(
         "# a preset with a typo\n# roll-train algo=typo\ndefaults:\n  - algo_schema\n  - _self_\ngroup_sise: 4\n"
     )

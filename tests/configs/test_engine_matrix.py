@@ -12,19 +12,19 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from roll_core.config import ConfigError, compose, to_object
 from roll_core.config.schema import InferEngineConfig
+from roll_core.config.search_path import group_options
 from roll_core.testing import fill_missing
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
-EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
-INFER = sorted(f.stem for f in (CONF / "infer_engine").glob("*.yaml"))
-TRAIN = sorted(f.stem for f in (CONF / "train_engine").glob("*.yaml"))
+EXPERIMENT_FILES = group_options("experiment")  # the packaged experiments and the repository's conf/experiment
+EXPERIMENTS = sorted(EXPERIMENT_FILES)
+INFER = sorted(group_options("infer_engine"))
+TRAIN = sorted(group_options("train_engine"))
 MATRIX = list(itertools.product(EXPERIMENTS, INFER, TRAIN))
 
 #: (experiment, infer_engine, train_engine) that cannot compose, and the error naming the key. None today: every
@@ -53,7 +53,7 @@ def test_experiment_composes_with_every_engine(experiment: str, infer: str, trai
     assert typed.infer_engine.name == infer and typed.train_engine.name == train
     assert isinstance(typed.infer_engine, InferEngineConfig)
     # Shared knobs keep the experiment's value whatever the engine (quickstart: 64 sequences at once).
-    experiment_ie = OmegaConf.load(CONF / "experiment" / f"{experiment}.yaml").get("infer_engine") or {}
+    experiment_ie = OmegaConf.load(EXPERIMENT_FILES[experiment]).get("infer_engine") or {}
     for key, value in experiment_ie.items():
         assert getattr(typed.infer_engine, key) == value, f"infer_engine.{key} of experiment={experiment} lost"
 
@@ -62,7 +62,7 @@ def test_experiment_infer_keys_are_shared_by_every_engine() -> None:
     """What an experiment may set under infer_engine: keys of the engine-neutral base schema only."""
     shared = {f.name for f in dataclasses.fields(InferEngineConfig) if not f.name.startswith("_")}
     for experiment in EXPERIMENTS:
-        keys = set((OmegaConf.load(CONF / "experiment" / f"{experiment}.yaml").get("infer_engine") or {}).keys())
+        keys = set((OmegaConf.load(EXPERIMENT_FILES[experiment]).get("infer_engine") or {}).keys())
         assert keys <= shared, f"experiment={experiment} sets engine-specific infer_engine keys {keys - shared}"
 
 

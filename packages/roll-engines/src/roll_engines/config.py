@@ -317,8 +317,13 @@ def resolve_mem_fraction_static(value: float | None, *, colocated: bool) -> floa
 
 
 def register_configs() -> None:
-    """Store engine schemas in Hydra's ConfigStore."""
+    """Store engine schemas in Hydra's ConfigStore; put `roll_engines/conf` (train_engine/, infer_engine/) on roll's
+    config search path."""
     from hydra.core.config_store import ConfigStore
+
+    from roll_core.config.search_path import add_config_package
+
+    add_config_package("roll_engines.conf")
 
     cs = ConfigStore.instance()
     cs.store(group="train_engine", name="hf_schema", node=HFTrainEngineConfig)

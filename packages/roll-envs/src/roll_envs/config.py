@@ -292,8 +292,12 @@ class AgenticEnvConfig:
 
 
 def register_configs() -> None:
-    """Store the env schemas under the `env` group."""
+    """Store the env schemas under the `env` group; put `roll_envs/conf` (env/) on roll's config search path."""
     from hydra.core.config_store import ConfigStore
+
+    from roll_core.config.search_path import add_config_package
+
+    add_config_package("roll_envs.conf")
 
     cs = ConfigStore.instance()
     cs.store(group="env", name="arithmetic_schema", node=ArithmeticEnvConfig)

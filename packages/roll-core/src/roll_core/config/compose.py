@@ -1,8 +1,8 @@
 """Compose, validate and materialise run configs; turn Hydra/OmegaConf errors into actionable messages.
 
-- `find_conf_dir()` locates the user-facing YAML tree (`$ROLL_CONF_DIR`, then `./conf`, then the repository's
-  `conf/` next to an editable install, then the copy packaged inside roll-core).
-- `compose(overrides)` composes a primary config (Hydra compose API) without building anything.
+- `compose(overrides)` composes a primary config (Hydra compose API) without building anything, over the config
+  groups the installed packages ship and the user's conf folder layered on top (roll_core.config.search_path).
+- `find_conf_dir()` is the folder searched first: the user's conf folder, else roll-core's packaged configs.
 - `to_object(cfg)` turns the DictConfig into dataclasses once, at the entry point, running every `__post_init__`.
 - `explain(exc)` walks an exception chain for the OmegaConf error that names a key and adds "did you mean".
 """
@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import difflib
-import os
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -18,25 +18,31 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from roll_core.config.search_path import (
+    PRIMARY_PACKAGE,
+    group_options,
+    package_dir,
+    primary_config_path,
+    user_conf_dir,
+)
 from roll_core.errors import ConfigError
 
 __all__ = ["ConfigError", "compose", "explain", "find_conf_dir", "load_config", "to_object"]
 
 
 def find_conf_dir() -> Path:
-    """The folder holding `rlvr.yaml` and the config groups."""
-    candidates: list[Path] = []
-    if os.environ.get("ROLL_CONF_DIR"):
-        candidates.append(Path(os.environ["ROLL_CONF_DIR"]))
-    candidates.append(Path.cwd() / "conf")
-    here = Path(__file__).resolve()
-    candidates += [parent / "conf" for parent in here.parents]
-    candidates.append(here.parent.parent / "_conf")
-    for cand in candidates:
-        if (cand / "rlvr.yaml").is_file():
-            return cand
-    tried = "\n  ".join(str(c) for c in candidates[:3] + candidates[-1:])
-    raise ConfigError(f"cannot find roll's conf/ folder (looked for rlvr.yaml in):\n  {tried}\nset ROLL_CONF_DIR")
+    """The config folder Hydra searches first: the user's (`search_path.user_conf_dir()`), else roll-core's own.
+
+    Raises:
+        ConfigError: `$ROLL_CONF_DIR` is not a folder, or roll-core's packaged configs are missing (a broken install).
+    """
+    user = user_conf_dir()
+    if user is not None:
+        return user
+    packaged = package_dir(PRIMARY_PACKAGE)
+    if packaged is None:
+        raise ConfigError(f"roll-core's packaged configs ({PRIMARY_PACKAGE}) are missing: reinstall roll-core")
+    return packaged
 
 
 def _dataclass_fields(obj_type: Any) -> list[str]:
@@ -85,6 +91,12 @@ def explain(exc: BaseException) -> str:
 
 #: Config groups whose options are plugins, and the entry-point group that says what is installed.
 PLUGIN_GROUPS = {"infer_engine": "roll.infer_engines", "train_engine": "roll.train_engines", "env": "roll.envs"}
+#: The package that ships each plugin group's YAML, and what to install for the default option.
+GROUP_PACKAGES = {
+    "infer_engine": ("roll_engines", "roll-engines[hf]"),
+    "train_engine": ("roll_engines", "roll-engines[hf]"),
+    "env": ("roll_envs", "roll-envs[math]"),
+}
 
 
 def _installed_plugins_hint(message: str) -> str:
@@ -97,13 +109,19 @@ def _installed_plugins_hint(message: str) -> str:
     if not found or found.group(1) not in PLUGIN_GROUPS:
         return ""
     group, name = found.groups()
+    module, requirement = GROUP_PACKAGES[group]
+    if not group_options(group) and importlib.util.find_spec(module) is None:
+        # No installed package ships this group at all: the package is missing, not the option.
+        return f"\nThe '{group}' config group ships with {module.replace('_', '-')}, which is not installed: " + (
+            f"pip install '{requirement}'"
+        )
     installed = registry.describe(PLUGIN_GROUPS[group])
     lines = [f"\nInstalled {group} plugins ({PLUGIN_GROUPS[group]} entry points):"]
     lines += [f"\t{k}: {v}" for k, v in installed.items()] or ["\tnone"]
     if name in installed:
         lines.append(
-            f"'{name}' is installed but registers no config '{group}/{name}': its package must store a schema "
-            "under that name in a roll.configs entry point"
+            f"'{name}' is installed but registers no config '{group}/{name}': its package's roll.configs entry point "
+            f"must register a config folder holding {group}/{name}.yaml or store a schema under that name"
         )
     else:
         close = difflib.get_close_matches(name, list(installed), n=1, cutoff=0.6)
@@ -119,22 +137,28 @@ def compose(
 ) -> DictConfig:
     """Compose `config_name` with Hydra overrides; raises `ConfigError` with an explained message.
 
+    Searches `conf_dir` (default: the user's conf folder, if any) first, then every installed package's configs.
+
     Args:
         overrides: Hydra override strings, e.g. ["algo=ppo", "algo.lr=1e-6"].
-        config_name: primary config in the conf folder.
-        conf_dir: the conf folder; default `find_conf_dir()`.
+        config_name: primary config (roll-core ships `rlvr`).
+        conf_dir: a folder layered over the packaged configs; default `search_path.user_conf_dir()`.
     """
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import initialize_config_dir, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
     from roll_core.registry import register_all_configs
 
-    register_all_configs()
-    conf = Path(conf_dir) if conf_dir is not None else find_conf_dir()
+    register_all_configs()  # each package registers its config folder (and schemas) here
+    primary = str(Path(conf_dir).resolve()) if conf_dir is not None else primary_config_path()
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(conf.resolve()), version_base=None):
+        if primary.startswith("pkg://"):
+            init = initialize_config_module(config_module=primary.removeprefix("pkg://"), version_base=None)
+        else:
+            init = initialize_config_dir(config_dir=primary, version_base=None)
+        with init:
             return hydra_compose(config_name=config_name, overrides=list(overrides))
     except Exception as exc:
         raise ConfigError(explain(exc)) from exc
