@@ -115,7 +115,10 @@ USED_WITHOUT_IMPORT = {
     ("roll-core", "gguf"): ("packages/roll-core/src/roll_core/models.py", "gguf_file="),  # transformers reads GGUF
     ("roll-core", "accelerate"): ("packages/roll-core/src/roll_core/models.py", "gguf_file="),  # ... and needs it
     ("roll-core", "tensorboard"): ("packages/roll-core/src/roll_core/tracking.py", "torch.utils.tensorboard"),
-    ("roll-core", "hydra-ray-launcher"): ("conf/hydra/launcher/ray.yaml", "hydra_plugins.hydra_ray_launcher"),
+    ("roll-core", "hydra-ray-launcher"): (
+        "packages/roll-core/src/roll_core/conf/hydra/launcher/ray.yaml",
+        "hydra_plugins.hydra_ray_launcher",
+    ),
     ("roll-core", "hydra-optuna-sweeper"): ("conf/experiment/sweep_optuna.yaml", "override /hydra/sweeper: optuna"),
     # gem-llm is installed with --no-deps (its antlr4 pin conflicts with omegaconf's): the extra carries its imports.
     ("roll-envs", "numpy"): ("packages/roll-envs/src/roll_envs/agentic/gem_adapter.py", "import gem"),

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from roll_core.config.search_path import group_options
 from roll_core.testing import run_pipeline, tiny_overrides
 
-CONF = Path(__file__).resolve().parents[2] / "conf" / "algo"
-PRESETS = sorted(p.stem for p in CONF.glob("*.yaml"))
+PRESETS = sorted(group_options("algo"))  # roll-core's packaged algo/ (and any the repository's conf/ adds)
 # The tiny model answers in <= 6 tokens: DAPO's overlong buffer must fit in that.
 FIT = {"dapo": ["algo.overlong_buffer=2"]}
 

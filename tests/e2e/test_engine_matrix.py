@@ -21,13 +21,13 @@ import pytest
 
 from roll_core.cluster.launch import resolve_python
 from roll_core.config import ConfigError, compose, to_object
+from roll_core.config.search_path import group_options
 from roll_core.errors import MissingExtraError, check_installed
 from roll_core.testing import run_pipeline
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
-EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
-INFER = sorted(f.stem for f in (CONF / "infer_engine").glob("*.yaml"))
-TRAIN = sorted(f.stem for f in (CONF / "train_engine").glob("*.yaml"))
+EXPERIMENTS = sorted(group_options("experiment"))  # packaged and the repository's conf/experiment
+INFER = sorted(group_options("infer_engine"))
+TRAIN = sorted(group_options("train_engine"))
 MATRIX = list(itertools.product(EXPERIMENTS, INFER, TRAIN))
 
 #: Shapes another test runs already: (experiment, infer, train) -> where.

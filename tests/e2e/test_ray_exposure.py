@@ -61,7 +61,7 @@ PROBE = textwrap.dedent(
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
 
-LAUNCHER = Path(__file__).resolve().parents[2] / "conf" / "hydra" / "launcher" / "ray.yaml"
+LAUNCHER = Path(__file__).resolve().parents[2] / "packages/roll-core/src/roll_core/conf/hydra/launcher/ray.yaml"
 
 
 def _probe(how: str) -> dict:
