@@ -1,8 +1,9 @@
 """Checkpoints: atomic, complete, the last K kept; the policy folder loads with plain transformers.
 
 Layout: `<out>/checkpoints/step_000010/` holding `actor/model/` (HF `save_pretrained`: safetensors + config +
-tokenizer), `actor/engine.pt` (optimizer, LR scheduler), `critic/` (PPO), and `state.json` (step, sampler
-position, KL controller, RNG states). A checkpoint is written into `step_000010.tmp/` and renamed when complete,
+tokenizer), `actor/engine.pt` (optimizer, LR scheduler), `critic/` (PPO), `state.json` (step, sampler
+position, KL controller, RNG states) and `config.yaml` (the run config it was saved with, which a resumed run is
+compared with: roll_core.config.resume). A checkpoint is written into `step_000010.tmp/` and renamed when complete,
 so a crash mid-save never leaves a folder that `latest()` would pick.
 """
 
@@ -11,20 +12,30 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+#: The run config a checkpoint was saved with, inside its folder.
+CONFIG = "config.yaml"
+
 
 class CheckpointManager:
-    """Creates, lists, prunes and finds checkpoints under `<out>/checkpoints`."""
+    """Creates, lists, prunes and finds checkpoints under `<out>/checkpoints`.
 
-    def __init__(self, out_dir: str | Path, keep_last: int = 2) -> None:
+    `config` (a plain nested dict, roll_core.config.resume.config_dict) is recorded in every checkpoint as
+    `config.yaml`; without it, the run folder's `config.yaml` (the one roll_core.tracking.Tracker writes: the
+    config in effect) is copied, when there is one.
+    """
+
+    def __init__(self, out_dir: str | Path, keep_last: int = 2, config: Mapping[str, Any] | None = None) -> None:
         if keep_last < 1:
             raise ValueError("keep_last must be >= 1")
         self.root = Path(out_dir) / "checkpoints"
         self.keep_last = keep_last
+        self.config = config
 
     def staging(self, step: int) -> Path:
         """An empty temporary folder to write step `step` into."""
@@ -38,6 +49,7 @@ class CheckpointManager:
         """Write state.json, rename the staging folder into place, prune old checkpoints."""
         state = {**state, "step": step, "rng": rng_state()}
         torch.save(state.pop("rng"), tmp / "rng.pt")
+        self._write_config(tmp)
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
         final = self.root / f"step_{step:06d}"
         if final.exists():
@@ -60,6 +72,25 @@ class CheckpointManager:
     def latest(self) -> Path | None:
         found = self.list()
         return found[-1] if found else None
+
+    def _write_config(self, tmp: Path) -> None:
+        if self.config is not None:
+            import yaml
+
+            (tmp / CONFIG).write_text(yaml.safe_dump(dict(self.config), sort_keys=False))
+        elif (self.root.parent / CONFIG).is_file():
+            shutil.copyfile(self.root.parent / CONFIG, tmp / CONFIG)
+
+    @staticmethod
+    def read_config(folder: Path) -> dict[str, Any] | None:
+        """The run config checkpoint `folder` was saved with (a plain nested dict), or None when it records none."""
+        path = Path(folder) / CONFIG
+        if not path.is_file():
+            return None
+        import yaml
+
+        loaded = yaml.safe_load(path.read_text())
+        return loaded if isinstance(loaded, dict) else None
 
     @staticmethod
     def read_state(folder: Path) -> dict[str, Any]:

@@ -1,0 +1,177 @@
+"""What a resumed run may change: compare the config a checkpoint was saved with against the run's config.
+
+A checkpoint records the config it was saved with (`config.yaml` in its folder, roll_core.checkpoint). On resume
+the loop calls `check_checkpoint(folder, cfg)` (or `check_resume(saved, current)` with two plain dicts) before it
+writes the run's config.yaml or loads anything:
+
+- a key that may change (learning rate and optimizer settings, max_steps, save/eval cadence, logging, timeouts,
+  engine layouts, inference settings, ...) is returned as a line "key: old -> new" for the log, and takes effect:
+  the train engines re-apply the configured optimizer settings after loading (roll_engines.train._settings);
+- a key that cannot change within a run (the model, tokenizer, group size, advantage estimator, seed, the task and
+  its data, the train engine's kind and LoRA shape) raises `ConfigError` listing each with its saved and new value
+  and how to proceed (set them back, or start a new run).
+
+So config.yaml, rewritten by the resumed run, records what is in effect. Train engine layouts (world size, TP/PP/DP)
+may change: the engines reshard their checkpoints (tests/e2e/test_megatron_ray.py, test_ray_engines.py); an
+optimizer structure the engine cannot reshard is refused by the engine's `load` with its own message.
+
+May assume: both configs are plain nested dicts of the same schema family (YAML scalars, lists, dicts). Keys only
+one side has (a field added by an upgrade, another group's option) are reported as changes, refused only when the
+key is fixed and present on both sides (a changed group shows up as a changed fixed `_target_` or name).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from roll_core.errors import ConfigError
+
+#: Keys that cannot change within a run (fnmatch patterns over dotted keys): the checkpoint's weights, sampler
+#: position and advantage statistics are meaningless under other values.
+FIXED = (
+    "model.path",
+    "model.tokenizer",
+    "model.trust_remote_code",
+    "algo.name",
+    "algo.adv_estimator",  # PPO's critic exists (and is checkpointed) only for the estimators that need it
+    "algo.group_size",
+    "pipeline.name",
+    "pipeline.seed",
+    "env.*",  # the task, its data and split: the sampler's position indexes this problem list
+    "train_engine._target_",
+    "train_engine.name",
+    "train_engine.lora_rank",
+    "train_engine.lora_alpha",
+    "train_engine.lora_target_modules",
+    "train_engine.use_distributed_optimizer",
+)
+
+#: Exceptions to FIXED: settings under a fixed prefix that only change how the task runs, not what it is.
+CHANGEABLE = (
+    "env.reward.*",  # reward weights and limits (its class is fixed: see below)
+    "env.eval_size",
+    "env.step_timeout_s",
+    "env.env_threads",
+    "env.num_workers",
+)
+#: Fixed again inside CHANGEABLE.
+FIXED_AGAIN = ("env.reward._target_",)
+
+#: Keys never compared: they say how this launch finds the run, not how the run trains.
+IGNORED = ("defaults", "pipeline.resume", "pipeline.resume_from")
+
+
+def is_fixed(key: str) -> bool:
+    """Whether `key` (dotted) cannot change when a run is resumed."""
+    if _matches(key, FIXED_AGAIN):
+        return True
+    if _matches(key, CHANGEABLE):
+        return False
+    return _matches(key, FIXED)
+
+
+def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], where: str = "the checkpoint") -> list[str]:
+    """Compare the config a checkpoint was saved with (`saved`) with this run's (`current`).
+
+    Args:
+        saved: the checkpoint's config as a plain nested dict (`CheckpointManager.read_config`).
+        current: this run's config, the same form (`config_dict(cfg)`).
+        where: the checkpoint, named in the error.
+
+    Returns:
+        One line "key: old -> new" per changed key that may change (sorted by key), for the log.
+
+    Raises:
+        ConfigError: some keys that cannot change within a run differ; the message lists each with both values.
+    """
+    old, new = _flatten(saved), _flatten(current)
+    lines, refused = [], []
+    for key in sorted(old.keys() | new.keys()):
+        if _matches(key, IGNORED):
+            continue
+        a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
+        if _same(a, b):
+            continue
+        line = f"{key}: {_show(a)} -> {_show(b)}"
+        if is_fixed(key) and a is not _ABSENT and b is not _ABSENT:
+            refused.append(line)
+        else:
+            lines.append(line)
+    if refused:
+        shown = "\n  ".join(refused)
+        raise ConfigError(
+            f"cannot resume from {where}: these settings differ from the ones it was saved with and cannot change "
+            f"within a run (saved -> now):\n  {shown}\nSet them back to the saved values to continue the run, or "
+            "start a new run with them (pipeline.resume=false and another pipeline.output_dir, or "
+            "model.path=<checkpoint>/actor/model to start from its weights)"
+        )
+    return lines
+
+
+def check_checkpoint(folder: str | Path, current: Any) -> list[str]:
+    """`check_resume` against the config recorded in checkpoint `folder`; `current` is the typed run config (or a
+    plain dict). A checkpoint that records no config (saved by an older roll) is not compared: one line says so."""
+    from roll_core.checkpoint import CheckpointManager
+
+    saved = CheckpointManager.read_config(Path(folder))
+    if saved is None:
+        return [f"{folder} records no config (saved by an older roll): the settings were not compared"]
+    return check_resume(saved, config_dict(current), where=str(folder))
+
+
+def config_dict(cfg: Any) -> dict[str, Any]:
+    """A typed run config (dataclasses), DictConfig or mapping as the plain nested dict a checkpoint records."""
+    import dataclasses
+
+    from omegaconf import DictConfig, OmegaConf
+
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        cfg = OmegaConf.structured(cfg)
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    return dict(cfg)
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+_ABSENT: Any = _Absent()
+
+
+def _matches(key: str, patterns: tuple[str, ...]) -> bool:
+    return any(key == p or fnmatch.fnmatchcase(key, p) for p in patterns)
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of the leaves (lists are leaves); an empty dict is a leaf too (so `{}` vs absent shows)."""
+    if isinstance(node, Mapping) and node:
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: node} if prefix else {}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)  # YAML may write 1e-4 back as 0.0001 or an int field as 1.0
+    return a == b
+
+
+def _show(value: Any) -> str:
+    if value is _ABSENT:
+        return "(absent)"
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return repr(value)

@@ -1,0 +1,101 @@
+"""Resuming with changed settings: changeable keys are reported (and take effect), fixed ones are refused with both
+values (roll_core.config.resume), against the config each checkpoint records (roll_core.checkpoint)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from roll_core.checkpoint import CheckpointManager
+from roll_core.config import ConfigError, load_config
+from roll_core.config.resume import check_checkpoint, check_resume, config_dict, is_fixed
+
+SAVED = {
+    "experiment": "quickstart",
+    "model": {"path": "builtin:tiny", "tokenizer": None, "dtype": "float32"},
+    "algo": {"lr": 1e-4, "group_size": 8, "weight_decay": 0.0, "betas": [0.9, 0.999]},
+    "env": {"_target_": "roll_envs.tasks.arithmetic.ArithmeticTask", "digits": 1, "eval_size": 100,
+            "reward": {"_target_": "roll_envs.rewards.math.MathReward", "format_weight": 0.0}},
+    "train_engine": {"name": "hf", "world_size": 1, "lora_rank": 0},
+    "pipeline": {"max_steps": 10, "seed": 42, "resume": False, "resume_from": None, "save_every": 5},
+}  # fmt: skip
+
+
+def _changed(**paths: object) -> dict:
+    cfg = copy.deepcopy(SAVED)
+    for dotted, value in paths.items():
+        *parents, leaf = dotted.split("__")
+        node = cfg
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return cfg
+
+
+def test_changeable_settings_are_listed_with_old_and_new_values() -> None:
+    now = _changed(
+        algo__lr=1e-6,
+        pipeline__max_steps=20,
+        pipeline__resume=True,  # how this launch finds the run: never a change
+        train_engine__world_size=2,  # engines reshard their checkpoints
+        env__reward__format_weight=0.1,
+        env__eval_size=50,
+    )
+    assert check_resume(SAVED, now) == [
+        "algo.lr: 0.0001 -> 1e-06",
+        "env.eval_size: 100 -> 50",
+        "env.reward.format_weight: 0.0 -> 0.1",
+        "pipeline.max_steps: 10 -> 20",
+        "train_engine.world_size: 1 -> 2",
+    ]
+    assert check_resume(SAVED, copy.deepcopy(SAVED)) == []
+    # A YAML round trip may write 1e-4 as 0.0001 or an int as a float: the same value is no change.
+    assert check_resume(SAVED, _changed(algo__lr=0.0001, pipeline__max_steps=10.0)) == []
+
+
+def test_fixed_settings_are_refused_each_with_both_values_and_the_way_out() -> None:
+    now = _changed(model__path="other/model", algo__group_size=4, pipeline__seed=1, algo__lr=1e-6)
+    with pytest.raises(ConfigError) as err:
+        check_resume(SAVED, now, where="run/checkpoints/step_000005")
+    msg = str(err.value)
+    assert "run/checkpoints/step_000005" in msg
+    for line in ('model.path: "builtin:tiny" -> "other/model"', "algo.group_size: 8 -> 4", "pipeline.seed: 42 -> 1"):
+        assert line in msg
+    assert "algo.lr" not in msg  # changeable keys are not part of the refusal
+    assert "Set them back" in msg and "pipeline.resume=false" in msg
+    with pytest.raises(ConfigError, match=r"env\.reward\._target_: .*-> \"my\.Reward\""):
+        check_resume(SAVED, _changed(env__reward___target_="my.Reward"))
+    with pytest.raises(ConfigError, match=r"env\.digits: 1 -> 2"):
+        check_resume(SAVED, _changed(env__digits=2))
+
+
+def test_keys_only_one_side_has_are_reported_not_refused() -> None:
+    now = _changed()
+    now["pipeline"]["max_reward_failure_steps"] = 3  # a field added by an upgrade
+    del now["env"]["reward"]["format_weight"]
+    assert check_resume(SAVED, now) == [
+        "env.reward.format_weight: 0.0 -> (absent)",
+        "pipeline.max_reward_failure_steps: (absent) -> 3",
+    ]
+    assert is_fixed("env.path") and is_fixed("model.path") and not is_fixed("env.reward.timeout_s")
+    assert not is_fixed("algo.lr") and not is_fixed("infer_engine.max_num_seqs")
+
+
+def test_a_checkpoint_records_its_config_and_a_resumed_config_is_checked_against_it(tmp_path: Path) -> None:
+    cfg = load_config(["model=tiny", "algo.lr=1e-4"])
+    mgr = CheckpointManager(tmp_path, keep_last=1, config=config_dict(cfg))
+    folder = mgr.commit(mgr.staging(3), 3, {"sampler": {}})
+    assert CheckpointManager.read_config(folder) == config_dict(cfg)
+
+    assert check_checkpoint(folder, load_config(["model=tiny", "algo.lr=1e-6"])) == ["algo.lr: 0.0001 -> 1e-06"]
+    with pytest.raises(ConfigError, match=r"algo\.group_size: 8 -> 4"):
+        check_checkpoint(folder, load_config(["model=tiny", "algo.lr=1e-4", "algo.group_size=4"]))
+
+    # Without an explicit config the run folder's config.yaml (the Tracker's, the config in effect) is recorded.
+    (tmp_path / "config.yaml").write_text("algo:\n  lr: 0.001\n")
+    folder = CheckpointManager(tmp_path, keep_last=1).commit(mgr.staging(4), 4, {})
+    assert CheckpointManager.read_config(folder) == {"algo": {"lr": 0.001}}
+    (folder / "config.yaml").unlink()
+    assert "records no config" in check_checkpoint(folder, cfg)[0]
