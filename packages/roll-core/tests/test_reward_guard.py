@@ -11,7 +11,12 @@ from collections.abc import Sequence
 
 import pytest
 
-from roll_core.cluster.reward_guard import GuardedReward
+from roll_core.cluster.reward_guard import (
+    GuardedReward,
+    RewardFailureBudget,
+    RewardFailureError,
+    all_rows_failed,
+)
 from roll_core.interfaces import RewardResult
 from roll_core.isolation import CallTimeout, ChildDied, ChildError, ForkedWorker
 
@@ -38,7 +43,12 @@ def _guard(**kwargs) -> GuardedReward:
 def test_healthy_batch_is_scored_in_one_call_with_zero_counters() -> None:
     res = _guard().score(["a", "b"], ["1", "1"])
     assert res.scores == [1.0, 1.0]
-    assert res.counters == {"seen": 2, "errors": 0, "timeouts": 0, "nonfinite": 0}
+    assert res.counters == {
+        "seen": 2,
+        **dict.fromkeys(("errors", "timeouts", "nonfinite", "failed_rows", "failed_errors", "failed_timeouts"), 0),
+        "failed_nonfinite": 0,
+        "rows": 2,
+    }
 
 
 @pytest.mark.parametrize("isolation", ["process", "inline"])
@@ -114,3 +124,76 @@ def test_forked_worker_reports_errors_timeouts_and_deaths() -> None:
         worker.call("die", timeout=10)
     assert worker.call("ok", timeout=10) not in (pid, os.getpid()) and worker.forks == 3
     worker.close()
+
+
+class AlwaysFails:
+    """A reward broken for every row: raises, hangs, or returns NaN, whatever the batch."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
+        if self.how == "raise":
+            raise KeyError("answer_field")
+        if self.how == "hang":
+            time.sleep(60)
+        n = len(responses)
+        return RewardResult(scores=[float("nan")] * n, correct=[0.0] * n, formatted=[0.0] * n, counters={"rows": 99})
+
+
+@pytest.mark.parametrize("how", ["raise", "nan"])
+def test_a_reward_failing_on_every_row_reports_all_rows_failed_and_why(how: str) -> None:
+    guard = GuardedReward(AlwaysFails(how), timeout_s=5, batch_timeout_s=5)
+    res = guard.score(["a", "b", "c"], ["1"] * 3)
+    kind = {"raise": "failed_errors", "nan": "failed_nonfinite"}[how]
+    assert res.counters["rows"] == 3 and res.counters["failed_rows"] == 3 and res.counters[kind] == 3
+    assert all_rows_failed(res.counters)  # the reward's own "rows" counter (99) never replaces the guard's
+    why = {"raise": "KeyError: 'answer_field'", "nan": "the reward returned nan"}[how]
+    assert guard.last_failure == f"row 0: {why}"
+    healthy = _guard().score(["a", "raise"], ["1", "1"])
+    assert healthy.counters["failed_rows"] == 1 and not all_rows_failed(healthy.counters)
+
+
+def test_a_reward_that_always_hangs_is_given_up_after_a_few_rows_not_waited_on_row_by_row() -> None:
+    """Before: batch_timeout_s + rows x timeout_s per call (37 minutes for 64 rows with the defaults)."""
+    guard = GuardedReward(AlwaysFails("hang"), timeout_s=0.3, batch_timeout_s=0.5, hung_after=2)
+    t0 = time.monotonic()
+    res = guard.score([f"r{i}" for i in range(30)], ["1"] * 30)
+    seconds = time.monotonic() - t0
+    assert res.scores == [0.0] * 30 and res.counters["failed_timeouts"] == res.counters["timeouts"] == 30
+    assert all_rows_failed(res.counters)
+    # 0.5 s batch + 2 rows x 0.3 s, plus forks on a loaded machine; waiting on every row would take 9.5 s.
+    assert seconds < 4.5, f"{seconds:.1f}s: the hanging rows were each waited on"
+    assert guard.last_failure == "row 0: no answer within 0.3s"
+
+
+def test_the_failure_budget_stops_after_n_steps_whose_rows_all_failed_and_totals_them() -> None:
+    broken = GuardedReward(AlwaysFails("raise"), isolation="inline")
+    budget = RewardFailureBudget(max_steps=2)
+    failing = broken.score(["a", "b"], ["1", "1"]).counters
+    budget.update(1, failing)
+    budget.update(2, _guard(isolation="inline").score(["a", "raise"], ["1", "1"]).counters)  # a healthy row: resets
+    budget.update(3, failing)
+    with pytest.raises(RewardFailureError) as err:
+        budget.update(4, failing, broken.last_failure)
+    msg = str(err.value)
+    assert "step 4: the reward failed on every row for 2 steps in a row" in msg
+    assert "pipeline.max_reward_failure_steps=2" in msg and "2 raised, 0 timed out, 0 were NaN/inf" in msg
+    assert "first failure: row 0: KeyError: 'answer_field'" in msg
+    assert budget.summary() == {
+        "reward_rows": 8,
+        "reward_failed_rows": 7,
+        "reward_failed_errors": 7,
+        "reward_failed_timeouts": 0,
+        "reward_failed_nonfinite": 0,
+        "reward_all_failed_steps": 3,
+    }
+    resumed = RewardFailureBudget(max_steps=2)
+    resumed.load_state_dict(budget.state_dict())
+    assert resumed.summary() == budget.summary() and resumed.streak == 2
+    never = RewardFailureBudget(max_steps=0)
+    for step in range(10):
+        never.update(step, failing)  # 0: never stops, still counts
+    assert never.summary()["reward_all_failed_steps"] == 10
+    with pytest.raises(ValueError, match="max_reward_failure_steps=-1"):
+        RewardFailureBudget(max_steps=-1)

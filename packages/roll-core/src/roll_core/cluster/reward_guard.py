@@ -4,10 +4,19 @@
 1. scores the whole batch in one call (the reward sees the batch it was written for), within `batch_timeout_s`;
 2. if that call raised, hung, died or returned the wrong number of rows, rescores row by row, each row within
    `timeout_s`: a row that raises scores `error_score` and counts in `errors`, a row that hangs is cut off, scores
-   `error_score` and counts in `timeouts`; the other rows keep their own scores;
+   `error_score` and counts in `timeouts`; the other rows keep their own scores. The row-by-row pass is bounded
+   too: it stops after `hung_after` row timeouts in a row (the reward is taken to be hung), and once it has taken
+   batch_timeout_s + hung_after x timeout_s; the rows it did not reach score `error_score` and count in
+   `timeouts`. So a reward that always hangs costs batch_timeout_s + hung_after x timeout_s per call (6.5 minutes
+   with the defaults) instead of batch_timeout_s + rows x timeout_s (37 minutes for 64 rows), and any reward at
+   most 2 x batch_timeout_s + hung_after x timeout_s;
 3. replaces a NaN/inf score with `error_score` (counted in `nonfinite`), and NaN/inf `correct`/`formatted` with 0.
 The counters are added to the reward's own (`RewardResult.counters`), which the pipeline logs as `reward/<name>`
 (a math reward's own `errors`/`timeouts` for malformed answers add to the same keys: rows whose scoring failed).
+Apart from those, the guard reports what it had to replace, whatever the reward counts itself (FAILURE_COUNTERS):
+`rows` scored, `failed_rows` replaced by `error_score`, split by cause into `failed_errors`, `failed_timeouts` and
+`failed_nonfinite`. `all_rows_failed(counters)` says a call (or a step's sum of calls) learned nothing, and
+`RewardFailureBudget` stops a run after `pipeline.max_reward_failure_steps` such steps in a row.
 The first failure of each kind is logged once per worker with its traceback; later ones are only counted.
 
 Isolation: `process` (default) runs the reward in a forked child (roll_core.isolation.ForkedWorker), so a hang is
@@ -20,7 +29,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from roll_core.interfaces import Reward, RewardResult
@@ -31,6 +41,8 @@ log = logging.getLogger(__name__)
 ISOLATIONS = ("process", "inline")
 #: Counters every guarded result carries (0 when nothing failed), so the metrics are continuous.
 GUARD_COUNTERS = ("errors", "timeouts", "nonfinite")
+#: What the guard itself replaced, never mixed with the reward's own counters (also carried at 0).
+FAILURE_COUNTERS = ("rows", "failed_rows", "failed_errors", "failed_timeouts", "failed_nonfinite")
 
 
 class GuardedReward:
@@ -45,15 +57,24 @@ class GuardedReward:
         error_score: float = 0.0,
         isolation: str = "process",
         name: str = "reward",
+        hung_after: int = 3,
     ) -> None:
         if isolation not in ISOLATIONS:
             raise ValueError(f"reward isolation {isolation!r} is not one of {', '.join(ISOLATIONS)}")
         if timeout_s <= 0 or batch_timeout_s <= 0:
             raise ValueError(f"reward timeouts must be > 0, got {timeout_s} (row) and {batch_timeout_s} (batch)")
+        if hung_after < 1:
+            raise ValueError(f"hung_after must be >= 1, got {hung_after}")
+        if not math.isfinite(error_score):
+            raise ValueError(f"the reward error score must be a finite number, got {error_score}")
         self.reward, self.name = reward, name
         self.timeout_s, self.batch_timeout_s, self.error_score = timeout_s, batch_timeout_s, error_score
+        # Row timeouts in a row after which the reward is taken to be hung and the rest of the batch is not tried.
+        self.hung_after = hung_after
         self._child = ForkedWorker(reward.score, name=name) if isolation == "process" else None
         self._logged: set[str] = set()
+        #: The first failure of the latest `score()` call, as one line (None: nothing failed).
+        self.last_failure: str | None = None
 
     def _call(self, responses: list[str], answers: list[str], timeout: float) -> RewardResult:
         if self._child is None:
@@ -63,7 +84,9 @@ class GuardedReward:
     def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
         """Scores of every row; never raises for anything the wrapped reward does."""
         responses, answers = list(responses), list(answers)
-        counters = dict.fromkeys(GUARD_COUNTERS, 0)
+        counters = dict.fromkeys(GUARD_COUNTERS + FAILURE_COUNTERS, 0)
+        counters["rows"] = len(responses)
+        self.last_failure = None
         failure: Exception | None = None
         try:
             res = self._call(responses, answers, self.batch_timeout_s)
@@ -85,12 +108,39 @@ class GuardedReward:
     def _row_by_row(self, responses: list[str], answers: list[str], counters: dict[str, int]) -> RewardResult:
         scores, correct, formatted = [], [], []
         own: dict[str, int] = {}
+        # A reward that hangs on every row (or every other one) must not cost rows x timeout_s: see the docstring.
+        deadline = time.monotonic() + self.batch_timeout_s + self.hung_after * self.timeout_s
+        hung = 0  # row timeouts in a row
         for i, (response, answer) in enumerate(zip(responses, answers)):
+            left = deadline - time.monotonic()
+            if hung >= self.hung_after or left <= 0:
+                rest = len(responses) - i
+                why = f"{hung} rows in a row timed out" if hung >= self.hung_after else "the batch's time is up"
+                counters["timeouts"] += rest
+                counters["failed_timeouts"] += rest
+                self._note(f"row {i}: not tried ({why})")
+                self._log_once(
+                    "gave_up",
+                    "%s: %s; the remaining %d row(s) of the batch are not tried: scored %s, counted in "
+                    "reward/timeouts (logged once)",
+                    self.name,
+                    why,
+                    rest,
+                    self.error_score,
+                )
+                scores += [self.error_score] * rest
+                correct += [0.0] * rest
+                formatted += [0.0] * rest
+                break
             try:
-                one = self._call([response], [answer], self.timeout_s)
+                one = self._call([response], [answer], min(self.timeout_s, left))
                 _check_rows(one, 1)
+                hung = 0
             except CallTimeout:
+                hung += 1
                 counters["timeouts"] += 1
+                counters["failed_timeouts"] += 1
+                self._note(f"row {i}: no answer within {min(self.timeout_s, left):.3g}s")
                 self._log_once(
                     "timeout",
                     "%s did not score row %d within %ss: cut off, scored %s, counted in reward/timeouts (logged once)",
@@ -101,7 +151,10 @@ class GuardedReward:
                 )
                 one = _constant(self.error_score)
             except Exception as exc:  # raised, died, or a malformed result: the row fails, the batch goes on
+                hung = 0
                 counters["errors"] += 1
+                counters["failed_errors"] += 1
+                self._note(f"row {i}: {_describe(exc)}")
                 self._log_once(
                     "error",
                     "%s failed on row %d: %s; scored %s, counted in reward/errors (logged once)%s",
@@ -127,6 +180,8 @@ class GuardedReward:
                 scores.append(float(s))
                 continue
             counters["nonfinite"] += 1
+            counters["failed_nonfinite"] += 1
+            self._note(f"row {i}: the reward returned {s!r}")
             self._log_once(
                 "nonfinite",
                 "%s returned %r for row %d: scored %s, counted in reward/nonfinite (logged once)",
@@ -136,7 +191,9 @@ class GuardedReward:
                 self.error_score,
             )
             scores.append(self.error_score)
-        merged = dict(res.counters)
+        counters["failed_rows"] = counters["failed_errors"] + counters["failed_timeouts"] + counters["failed_nonfinite"]
+        # FAILURE_COUNTERS are the guard's alone: a reward's own counter of the same name is dropped.
+        merged = {k: v for k, v in res.counters.items() if k not in FAILURE_COUNTERS}
         for k, v in counters.items():
             merged[k] = merged.get(k, 0) + v
         return RewardResult(
@@ -145,6 +202,10 @@ class GuardedReward:
             formatted=[float(f) if _finite(f) else 0.0 for f in res.formatted],
             counters=merged,
         )
+
+    def _note(self, failure: str) -> None:
+        if self.last_failure is None:
+            self.last_failure = failure
 
     def _log_once(self, kind: str, msg: str, *args: Any, exc_info: bool = False) -> None:
         if kind not in self._logged:
@@ -155,6 +216,76 @@ class GuardedReward:
         """Stop the child process (if any)."""
         if self._child is not None:
             self._child.close()
+
+
+def all_rows_failed(counters: Mapping[str, float]) -> bool:
+    """Whether every row of a call (or of a step's summed calls) had its score replaced: the reward raised, hung or
+    returned NaN/inf on all of them, so the batch carries no learning signal. False for an empty batch."""
+    rows = counters.get("rows", 0)
+    return rows > 0 and counters.get("failed_rows", 0) >= rows
+
+
+class RewardFailureError(RuntimeError):
+    """The reward failed on every row for `pipeline.max_reward_failure_steps` steps in a row: the run stops."""
+
+
+class RewardFailureBudget:
+    """Stops a run whose reward keeps failing on every row, and totals reward failures for the run summary.
+
+    The loop calls `update(step, scored.meta["reward_counters"], scored.meta.get("reward_failure"))` once per
+    training step (not for evaluation), `summary()` for the run summary, and `state_dict()` / `load_state_dict()`
+    with its checkpoint. `max_steps=0` never stops (the totals are still kept).
+    """
+
+    def __init__(self, max_steps: int = 3) -> None:
+        if max_steps < 0:
+            raise ValueError(f"pipeline.max_reward_failure_steps={max_steps} must be >= 0 (0: never stop)")
+        self.max_steps = max_steps
+        self.streak = 0  # steps in a row whose rows all failed
+        self.totals = dict.fromkeys(FAILURE_COUNTERS, 0)
+        self.failed_steps = 0
+
+    def update(self, step: int, counters: Mapping[str, float], failure: str | None = None) -> None:
+        """Count step `step`'s reward counters; raise `RewardFailureError` when the budget is spent.
+
+        Args:
+            step: the training step (named in the message).
+            counters: the step's summed reward counters (FAILURE_COUNTERS; other keys are ignored).
+            failure: one line describing a failure of the step, e.g. the first error (quoted in the message).
+        """
+        for k in FAILURE_COUNTERS:
+            self.totals[k] += int(counters.get(k, 0))
+        if not all_rows_failed(counters):
+            self.streak = 0
+            return
+        self.streak += 1
+        self.failed_steps += 1
+        if self.max_steps and self.streak >= self.max_steps:
+            rows = int(counters.get("rows", 0))
+            causes = ", ".join(
+                f"{int(counters.get(f'failed_{k}', 0))} {label}"
+                for k, label in (("errors", "raised"), ("timeouts", "timed out"), ("nonfinite", "were NaN/inf"))
+            )
+            raise RewardFailureError(
+                f"step {step}: the reward failed on every row for {self.streak} steps in a row "
+                f"(pipeline.max_reward_failure_steps={self.max_steps}); the last step's {rows} rows: {causes}"
+                + (f"; first failure: {failure}" if failure else "")
+                + ". Nothing was learned from them: fix the reward (run it on a few rows by hand), or raise "
+                "pipeline.reward_timeout_s / pipeline.reward_batch_timeout_s if it is only slow"
+            )
+
+    def summary(self) -> dict[str, int]:
+        """Run totals: `reward_rows`, `reward_failed_rows`, `reward_failed_errors`, `reward_failed_timeouts`,
+        `reward_failed_nonfinite`, and `reward_all_failed_steps` (steps whose rows all failed)."""
+        return {f"reward_{k}": v for k, v in self.totals.items()} | {"reward_all_failed_steps": self.failed_steps}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"streak": self.streak, "totals": dict(self.totals), "failed_steps": self.failed_steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.streak = int(state.get("streak", 0))
+        self.totals = {k: int(state.get("totals", {}).get(k, 0)) for k in FAILURE_COUNTERS}
+        self.failed_steps = int(state.get("failed_steps", 0))
 
 
 def _check_rows(res: Any, n: int) -> None:

@@ -365,6 +365,7 @@ class RewardWorker(Worker):
             {"response_text": texts},
         )
         out.meta["reward_counters"] = res.counters
+        out.meta["reward_failure"] = self.reward.last_failure
         return out
 
 
@@ -540,10 +541,18 @@ class RewardGroup(WorkerGroup[RewardWorker]):
     restartable = True
 
     def score(self, batch: Batch) -> Batch:
+        """Scores of every row. `meta["reward_counters"]`: the workers' summed counters (the guard's FAILURE_COUNTERS
+        among them); `meta["reward_all_failed"]`: every row's score was replaced (the reward raised, hung or was
+        NaN/inf on all); `meta["reward_failure"]`: the first failure as one line, or None."""
+        from roll_core.cluster.reward_guard import all_rows_failed
+
         handle = self.submit("score", batch.select("responses", "response_mask", "answer"))
         parts = handle.values()
         out = Batch.concat(parts)
         out.meta["reward_counters"] = _sum_counters(parts)
+        out.meta["reward_all_failed"] = all_rows_failed(out.meta["reward_counters"])
+        failures = [p.meta["reward_failure"] for p in parts if p.meta.get("reward_failure")]
+        out.meta["reward_failure"] = failures[0] if failures else None
         return out
 
 

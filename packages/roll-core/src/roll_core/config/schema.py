@@ -339,7 +339,9 @@ class PipelineConfig:
     # Seconds one response may take to score before it is cut off, scored reward_error_score and counted in
     # reward/timeouts (applies when a batch failed and is rescored row by row; roll_core.cluster.reward_guard).
     reward_timeout_s: float = 30.0
-    # Seconds one reward worker's whole batch may take before it is rescored row by row.
+    # Seconds one reward worker's whole batch may take before it is rescored row by row (that pass stops after 3 row
+    # timeouts in a row, and after this plus 3 x reward_timeout_s: a reward that always hangs is not waited on row by
+    # row).
     reward_batch_timeout_s: float = 300.0
     # Score of a response whose reward raised (reward/errors), hung (reward/timeouts) or was NaN/inf
     # (reward/nonfinite); the run goes on.
@@ -350,6 +352,9 @@ class PipelineConfig:
     # Stop the run after this many consecutive steps whose loss or gradient was NaN/inf (each such optimizer step
     # is skipped, the LR schedule does not advance; counted in actor/nonfinite_steps). 0: never stop.
     max_nonfinite_steps: int = 3
+    # Stop the run after this many consecutive steps whose reward failed on every row (raised, timed out or NaN/inf:
+    # nothing to learn from; counted in reward/failed_rows, totals in the run summary). 0: never stop.
+    max_reward_failure_steps: int = 3
     # Asynchronous training: rollout runs up to this many batches ahead of the trainer, and no trained sample is
     # older than this many weight versions (0: the synchronous loop). Needs a continuous-batching engine that
     # stays awake (infer_engine.sleep_level=0); off-policy correction: algo.off_policy_correction.
@@ -367,6 +372,7 @@ class PipelineConfig:
         _one_of("pipeline.name", self.name, tuple(registry.available("roll.collectors")))
         _positive("pipeline.async_ratio", self.async_ratio, allow_zero=True)
         _positive("pipeline.max_nonfinite_steps", self.max_nonfinite_steps, allow_zero=True)
+        _positive("pipeline.max_reward_failure_steps", self.max_reward_failure_steps, allow_zero=True)
         _positive("pipeline.max_run_restarts", self.max_run_restarts, allow_zero=True)
         _positive("pipeline.tail_groups", self.tail_groups, allow_zero=True)
         if self.async_ratio == 0 and (self.partial_rollout or self.tail_groups):
