@@ -1,6 +1,9 @@
 """Model provisioning: turn a `model.path` into a local Hugging Face folder that `from_pretrained` loads.
 
-- Any HF folder or hub id passes through unchanged (the hub must be reachable for ids).
+- Any HF folder or hub id passes through unchanged. A hub id must be in the local Hugging Face cache or the hub
+  must be reachable: offline (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE) or with the hub unreachable, an id that is
+  not cached is one ConfigError naming the fix, up front (transformers would retry for ~50 s, then raise deep in a
+  worker).
 - `builtin:tiny` builds a tiny Llama-shaped model from a config, with a character-level tokenizer built locally
   and a chat template; weights are seeded, so every worker process builds byte-identical weights.
   `builtin:tiny-wide` is the same with attention heads of 64 dimensions, for kernels that need them.
@@ -15,6 +18,7 @@ carries the quantizer marker; it is cleared before `save_pretrained` so the fold
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -211,6 +215,74 @@ def _check_model_path(path: str) -> None:
             f"model.path={path} does not exist (and is not a hub id like owner/name): point model.path at a Hugging "
             f"Face model folder, a hub id or builtin:<name> ({', '.join(BUILTINS)})"
         )
+    _check_hub_id(path)
+
+
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _check_hub_id(repo_id: str) -> None:
+    """A hub id that is not in the local cache needs the hub: refuse it at once when the hub is off or unreachable."""
+    from roll_core.errors import ConfigError
+
+    if _in_hub_cache(repo_id):
+        return
+    fix = (
+        f"download it where there is network (`hf download {repo_id}`) and point model.path at that folder, or "
+        "copy a Hugging Face cache that holds it here (HF_HOME)"
+    )
+    offline = [v for v in _OFFLINE_VARS if os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")]
+    if offline:
+        raise ConfigError(
+            f"model.path={repo_id} is a hub id, this machine is offline ({offline[0]}=1) and the model is not in the "
+            f"local Hugging Face cache: {fix}; or unset {offline[0]} if the hub is reachable"
+        )
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    why = _unreachable(endpoint)
+    if why is not None:
+        raise ConfigError(
+            f"model.path={repo_id} is a hub id that is not in the local Hugging Face cache, and the hub ({endpoint}) "
+            f"cannot be reached ({why}): {fix}"
+        )
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # an id the hub library refuses: transformers will say why
+        return False
+    return isinstance(found, str)
+
+
+@functools.lru_cache(maxsize=8)
+def _unreachable(endpoint: str, timeout_s: float = 5.0) -> str | None:
+    """Why a TCP connection to `endpoint` fails within `timeout_s` (name lookup included), or None when it works
+    or cannot be told (a proxy is configured: only it knows). Cached: one probe per process and endpoint."""
+    if any(os.environ.get(v) for v in _PROXY_VARS):
+        return None
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    url = urlsplit(endpoint)
+    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+    result: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            result.append(None)
+        except OSError as exc:
+            result.append(f"{type(exc).__name__}: {exc}")
+
+    # In a thread: a name lookup has no timeout of its own and can hang on a machine without a resolver.
+    t = threading.Thread(target=probe, daemon=True, name="roll-hub-probe")
+    t.start()
+    t.join(timeout_s)
+    return result[0] if result else f"no answer within {timeout_s:g} s"
 
 
 def torch_dtype(name: str):  # -> torch.dtype

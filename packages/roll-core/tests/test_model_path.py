@@ -1,0 +1,50 @@
+"""model.path checked up front: a hub id that is not cached fails at once, with the fix, when the machine is offline
+or the hub cannot be reached (transformers retried for ~50 s and raised from inside a worker)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from roll_core.config import ConfigError
+from roll_core.models import _unreachable, resolve_model_path
+
+MADE_UP = "roll-tests/no-such-model-4f1c"
+
+
+@pytest.fixture(autouse=True)
+def _empty_hub_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    _unreachable.cache_clear()
+
+
+def test_offline_hub_id_not_in_the_cache_is_one_config_error_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        resolve_model_path(MADE_UP)
+    assert time.monotonic() - t0 < 1.0
+    msg = str(err.value)
+    assert f"model.path={MADE_UP}" in msg and "offline (HF_HUB_OFFLINE=1)" in msg
+    assert f"hf download {MADE_UP}" in msg and "unset HF_HUB_OFFLINE" in msg
+
+
+def test_a_cached_hub_id_passes_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snapshot = tmp_path / "hub" / "models--roll-tests--cached" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--roll-tests--cached" / "refs").mkdir()
+    (tmp_path / "hub" / "models--roll-tests--cached" / "refs" / "main").write_text("abc")
+    assert resolve_model_path("roll-tests/cached") == "roll-tests/cached"
+
+
+def test_an_unreachable_hub_is_one_config_error_naming_the_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens, refused at once
+    with pytest.raises(ConfigError, match=r"the hub \(http://127\.0\.0\.1:9\) cannot be reached \(ConnectionRefused"):
+        resolve_model_path(MADE_UP)
