@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from roll_core.config.schema import InferEngineConfig
+from roll_core.config.schema import InferEngineConfig, TrainEngineConfig
 from roll_core.errors import Extra
 
 # Optional dependencies of the engines (roll_core.errors.Extra): the schemas' check_installed() and the import
@@ -48,47 +48,25 @@ def _check_engine_python(cfg: InferEngineConfig, extra: Extra) -> None:
 
 
 @dataclass
-class HFTrainEngineConfig:
-    """Single-process transformers training engine."""
+class HFTrainEngineConfig(TrainEngineConfig):
+    """Single-process transformers training engine (shared keys: roll_core.config.schema.TrainEngineConfig)."""
 
     _target_: str = "roll_engines.train.hf.HFTrainEngine"
     name: str = "hf"
     # Worker processes (data-parallel ranks); the hf engine is single-process: 1.
     world_size: int = 1
-    # Rows per forward/backward (gradient accumulation splits mini-batches into these), whatever their lengths.
-    micro_batch_size: int = 4
-    # Rows per no-grad forward when scoring log-probs / values.
-    logprob_chunk_size: int = 8
-    # Run each micro-batch packed: a prompt shared by several rows (a GRPO group) is computed once and responses
-    # follow it without padding, under a block attention mask. Same log-probs and gradients as the padded forward
-    # (up to float summation order); models that cannot take a 4D mask (e.g. flash_attention_2) fall back to it.
-    pack_sequences: bool = True
     # Recompute activations in backward to save memory.
     gradient_checkpointing: bool = False
-    # torch threads per worker process; null: all cores.
-    num_threads: int | None = None
-    # dtype of the trained parameters and AdamW state (master weights); model.dtype is the compute dtype
-    # (autocast in hf, FSDP2's MixedPrecisionPolicy in fsdp2). float32 unless memory forces otherwise.
-    param_dtype: str = "float32"
-    # LoRA rank of the policy's adapters (peft); 0 trains every weight. With LoRA the reference policy is the
-    # base model with adapters disabled (no second copy) and weight sync sends merged weights.
-    lora_rank: int = 0
-    # LoRA scaling numerator (the update is alpha / rank * B @ A).
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
     # Modules that get adapters: peft names, or "all-linear" (every linear layer except the output head).
     lora_target_modules: Any = "all-linear"
 
     def __post_init__(self) -> None:
-        if self.lora_rank < 0 or (self.lora_rank and self.lora_alpha <= 0):
-            raise ValueError("train_engine.lora_rank must be >= 0 and lora_alpha > 0")
+        super().__post_init__()
         if self.param_dtype not in ("float32", "bfloat16"):
             raise ValueError(
                 f"train_engine.param_dtype={self.param_dtype!r}: use float32 (master weights) or bfloat16 "
                 "(pure bf16: small updates round to nothing); float16 parameters cannot train"
             )
-        if self.micro_batch_size < 1 or self.logprob_chunk_size < 1:
-            raise ValueError("train_engine.micro_batch_size and logprob_chunk_size must be >= 1")
         if self.name == "hf" and self.world_size != 1:
             raise ValueError("train_engine=hf is single-process: use train_engine=fsdp2 for world_size > 1")
 
@@ -108,14 +86,9 @@ class FSDP2TrainEngineConfig(HFTrainEngineConfig):
     # Free gathered parameters after forward (saves memory, costs an all-gather in backward).
     reshard_after_forward: bool = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.world_size < 1:
-            raise ValueError("train_engine.world_size must be >= 1")
-
 
 @dataclass
-class MegatronTrainEngineConfig:
+class MegatronTrainEngineConfig(TrainEngineConfig):
     """Megatron-Core (roll_engines.train.megatron): tensor x pipeline x data parallel over world_size workers."""
 
     _target_: str = "roll_engines.train.megatron.MegatronTrainEngine"
@@ -135,12 +108,10 @@ class MegatronTrainEngineConfig:
     context_parallel_size: int = 1
     # Rows per micro-batch (pipeline schedules interleave micro-batches across stages).
     micro_batch_size: int = 4
-    logprob_chunk_size: int = 8
     # ZeRO-1 style: optimizer state sharded over data-parallel ranks.
     use_distributed_optimizer: bool = True
     # Activation recomputation: null | selective | full.
     recompute: str | None = None
-    num_threads: int | None = None
     # Master weights and optimizer state stay fp32 (model.dtype is the compute dtype).
     param_dtype: str = "float32"
     # Micro-batches run packed: a GRPO group's prompt once, no padding (the block mask goes to Megatron's attention).
@@ -149,7 +120,6 @@ class MegatronTrainEngineConfig:
     # the reference is the base with adapters disabled, weight sync sends merged weights, checkpoints add a peft
     # `adapter/`. Megatron fuses q/k/v and gate/up, so those share one A (targets name all of a group or none).
     lora_rank: int = 0
-    lora_alpha: float = 16.0
     # Must stay 0 (no LoRA dropout in this engine; RL fine-tuning runs without it).
     lora_dropout: float = 0.0
     # "all-linear" (q/k/v, o, gate/up, down; as in peft, not lm_head), or peft projection names (lm_head included:
@@ -157,8 +127,7 @@ class MegatronTrainEngineConfig:
     lora_target_modules: Any = "all-linear"
 
     def __post_init__(self) -> None:
-        if self.lora_rank < 0 or (self.lora_rank and self.lora_alpha <= 0):
-            raise ValueError("train_engine.lora_rank must be >= 0 and lora_alpha > 0")
+        super().__post_init__()
         if self.lora_rank and self.lora_dropout:
             raise ValueError("train_engine=megatron trains LoRA without dropout: set train_engine.lora_dropout=0")
         if self.lora_rank:
@@ -199,6 +168,10 @@ class MegatronTrainEngineConfig:
     def check_installed(self) -> None:
         """Optional packages this engine needs (roll_core.errors.check_installed); LoRA is Megatron's own."""
         MEGATRON.require()
+
+    def parallel_sizes(self) -> dict[str, int]:
+        """TP, PP and CP of one replica: data splits over the remaining data-parallel ranks."""
+        return {"tp": self.tensor_parallel_size, "pp": self.pipeline_parallel_size, "cp": self.context_parallel_size}
 
 
 @dataclass
@@ -255,6 +228,10 @@ class VLLMInferEngineConfig(InferEngineConfig):
         """vLLM in this environment or in its own venv (roll_core.errors.check_installed)."""
         _check_engine_python(self, VLLM)
 
+    def devices_per_worker(self) -> int:
+        """One device per tensor-parallel rank of the engine."""
+        return self.tensor_parallel_size
+
 
 @dataclass
 class SGLangInferEngineConfig(InferEngineConfig):
@@ -301,6 +278,10 @@ class SGLangInferEngineConfig(InferEngineConfig):
     def check_installed(self) -> None:
         """SGLang in this environment or in the engine's `python` venv (roll_core.errors.check_installed)."""
         _check_engine_python(self, SGLANG)
+
+    def devices_per_worker(self) -> int:
+        """One device per tensor-parallel rank of the engine."""
+        return self.tensor_parallel_size
 
     def resolve_run_defaults(self, *, colocated: bool, accelerator: Callable[[], bool], async_rollout: bool) -> None:
         """mem_fraction_static and sleep_level from the placement (null fields only; SGLang runs on GPUs only)."""

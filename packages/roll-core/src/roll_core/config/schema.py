@@ -4,7 +4,8 @@ Contract: each schema is a dataclass registered in Hydra's ConfigStore by `regis
 `conf/` extends these schemas, so an unknown key or a wrong type fails at composition with the key's name.
 Invariants live in `__post_init__` and say how to fix the value. Engine and environment schemas live in the
 packages that implement them (roll-engines, roll-envs) and register through their own `roll.configs` entry
-points; the root types those groups as `Any` so that any installed implementation's schema can fill them.
+points; the root types the engine groups by their shared bases (`TrainEngineConfig`, `InferEngineConfig`), which
+any installed engine's schema extends, and the env group as `Any`.
 """
 
 from __future__ import annotations
@@ -405,6 +406,55 @@ class PipelineConfig:
 
 
 @dataclass
+class TrainEngineConfig:
+    """Keys every training engine shares: workers, micro-batching, master-weight dtype, LoRA. Engines extend this
+    schema (roll_engines.config) with their own knobs; the pipeline reads these fields, typed, and passes the
+    config's keys (less roll_core.cluster.roles.WORKER_KEYS) with the run's keys (roll_core.interfaces.
+    TrainEngineRuntime) to the engine's constructor. Model-parallel sizes are engine knobs (only sharded engines
+    have them); the pipeline reads them through `parallel_sizes()`."""
+
+    _target_: str = MISSING
+    name: str = MISSING
+    # Worker processes (ranks) of each training role; the data-parallel size is world_size / model-parallel size.
+    world_size: int = 1
+    # Rows per forward/backward (gradient accumulation splits mini-batches into these), whatever their lengths.
+    micro_batch_size: int = 4
+    # Rows per no-grad forward when scoring log-probs / values.
+    logprob_chunk_size: int = 8
+    # Run micro-batches packed: a prompt shared by several rows (a GRPO group) computed once, responses follow it
+    # without padding under a block attention mask (same log-probs and gradients up to float summation order);
+    # models that cannot take a 4D mask (e.g. flash_attention_2) fall back to the padded forward.
+    pack_sequences: bool = True
+    # torch threads per worker process; null: all cores.
+    num_threads: int | None = None
+    # dtype of the trained parameters and optimizer state (master weights); model.dtype is the compute dtype.
+    param_dtype: str = "float32"
+    # LoRA rank of the policy's adapters; 0 trains every weight. With LoRA the reference policy is the base model
+    # with adapters disabled (no second copy) and weight sync sends merged weights.
+    lora_rank: int = 0
+    # LoRA scaling numerator (the update is alpha / rank * B @ A).
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    # Modules that get adapters: "all-linear" (every linear layer except the output head) or the engine's names.
+    lora_target_modules: Any = "all-linear"
+
+    def __post_init__(self) -> None:
+        _positive(f"train_engine.world_size ({self.name})", self.world_size)
+        if self.micro_batch_size < 1 or self.logprob_chunk_size < 1:
+            raise ValueError("train_engine.micro_batch_size and logprob_chunk_size must be >= 1")
+        if self.lora_rank < 0 or (self.lora_rank and self.lora_alpha <= 0):
+            raise ValueError("train_engine.lora_rank must be >= 0 and lora_alpha > 0")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"train_engine.num_threads={self.num_threads} must be >= 1 (or null: all cores)")
+
+    def parallel_sizes(self) -> dict[str, int]:
+        """Model-parallel sizes of one replica (`tp`, `pp`, `cp`; roll_core.cluster.mesh.Mesh.for_world): data is
+        split by data-parallel rank only. 1 each for engines that do not shard the model; sharded engines
+        override it from their own knobs."""
+        return {"tp": 1, "pp": 1, "cp": 1}
+
+
+@dataclass
 class InferEngineConfig:
     """Keys every inference engine shares: sampling, workers, weight sync, sleep. Engines extend this schema
     (roll_engines.config) with their own knobs; keys in roll_core.cluster.roles.WORKER_KEYS configure the worker
@@ -466,6 +516,10 @@ class InferEngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"infer_engine.max_model_len={self.max_model_len} must be >= 1 (or null: the model's)")
 
+    def devices_per_worker(self) -> int:
+        """Devices one engine worker spans (its placement bundle): 1, or the engine's tensor-parallel size."""
+        return 1
+
     def resolve_run_defaults(self, *, colocated: bool, accelerator: Callable[[], bool], async_rollout: bool) -> None:
         """Fill the null defaults that depend on the run (placement, device, async) in place; engines extend it.
 
@@ -504,15 +558,16 @@ def _platform_is_accelerator(hw: Any) -> bool:
 
 @dataclass
 class RLVRConfig:
-    """Root of an RLVR run. Engine and env groups are typed `Any`: their schemas come from their packages."""
+    """Root of an RLVR run. Engine groups are typed by their shared bases and env as `Any`: the schemas that fill
+    them come from their packages."""
 
     defaults: list[Any] = field(default_factory=list)
     # Experiment name (used in output paths and trackers).
     experiment: str = "rlvr"
     model: ModelConfig = MISSING
     algo: AlgoConfig = MISSING
-    train_engine: Any = MISSING
-    infer_engine: Any = MISSING
+    train_engine: TrainEngineConfig = MISSING
+    infer_engine: InferEngineConfig = MISSING
     env: Any = MISSING
     hw: HwConfig = field(default_factory=HwConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -38,12 +38,12 @@ class Roles:
 
 def sampling_params(cfg: RLVRConfig) -> SamplingParams:
     """The rollout's sampling settings (infer_engine's temperature, top-p/k, stops; the model's response limit)."""
-    ie = as_dict(cfg.infer_engine)
+    ie = cfg.infer_engine
     return SamplingParams(
-        temperature=float(ie["temperature"]),
-        top_p=float(ie["top_p"]),
-        top_k=int(ie["top_k"]),
-        stop=tuple(ie["stop"]),
+        temperature=float(ie.temperature),
+        top_p=float(ie.top_p),
+        top_k=int(ie.top_k),
+        stop=tuple(ie.stop),
         max_new_tokens=cfg.model.max_response_length,
     )
 
@@ -60,7 +60,7 @@ def mini_batches(cfg: RLVRConfig) -> int:
 def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str) -> Roles:
     """Every training-side worker group of `cfg` on `cluster` (see the module docstring)."""
     algo, model, pipe = cfg.algo, cfg.model, cfg.pipeline
-    te, ie = as_dict(cfg.train_engine), as_dict(cfg.infer_engine)
+    te, ie = cfg.train_engine, cfg.infer_engine
     n_mini = mini_batches(cfg)
     common = {
         "model_path": model_path,
@@ -80,30 +80,26 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str) -> Roles:
         "max_grad_norm": algo.max_grad_norm,
     }
     # Sharded trainers (Megatron) span TP x CP x PP ranks per replica: data splits by data-parallel rank only.
-    mesh = Mesh.for_world(
-        te["world_size"],
-        tp=int(te.get("tensor_parallel_size", 1)),
-        pp=int(te.get("pipeline_parallel_size", 1)),
-        cp=int(te.get("context_parallel_size", 1)),
-    )
+    mesh = Mesh.for_world(te.world_size, **te.parallel_sizes())
+    engine = as_dict(te)  # workers build the engine from its keys (roll_core.cluster.roles.build_engine)
 
     def train_group(role: str, runtime: dict[str, Any]) -> TrainGroup:
-        return cluster.group(TrainGroup, role, te["world_size"], mesh=mesh, engine=te, runtime={**common, **runtime})
+        return cluster.group(TrainGroup, role, te.world_size, mesh=mesh, engine=engine, runtime={**common, **runtime})
 
     actor_train = train_group("actor_train", {**optim, "role": "actor", "lr": algo.lr})
     actor_infer = cluster.group(
         InferGroup,
         "actor_infer",
-        ie["world_size"],
-        devices_per_worker=int(ie.get("tensor_parallel_size", 1)),
-        python=resolve_python(ie["python"], ie["name"]),
-        max_concurrency=ie["max_concurrency"] or 64,
-        engine=ie,
-        runtime={**common, "dtype": ie.get("dtype") or model.dtype, "max_new_tokens": model.max_response_length},
+        ie.world_size,
+        devices_per_worker=ie.devices_per_worker(),
+        python=resolve_python(ie.python, ie.name),
+        max_concurrency=ie.max_concurrency or 64,
+        engine=as_dict(ie),
+        runtime={**common, "dtype": ie.dtype or model.dtype, "max_new_tokens": model.max_response_length},
     )
     sampling = sampling_params(cfg)
     _check_infer_engine(cfg, actor_infer, sampling)
-    reference_is_base = bool(te.get("lora_rank", 0)) and algo.use_reference
+    reference_is_base = bool(te.lora_rank) and algo.use_reference
     reference = None
     if algo.use_reference and not reference_is_base:
         reference = train_group("reference", {"role": "reference", "trainable": False})
@@ -117,7 +113,7 @@ def _check_infer_engine(cfg: RLVRConfig, infer: InferGroup, sampling: SamplingPa
     """Refuse sampling the engine cannot honour, and warn when prompt + response exceed its context."""
     import logging
 
-    name = as_dict(cfg.infer_engine)["name"]
+    name = cfg.infer_engine.name
     try:
         infer.check_sampling(sampling)
     except UnsupportedSamplingError as exc:
