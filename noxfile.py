@@ -6,6 +6,7 @@ nox -s unit -- roll-algos    # one package
 nox -s configs               # compose every config and experiment, bind every _target_
 nox -s lint                  # ruff
 nox -s bare_venv             # .venvs/bare: torch + transformers only (the device checks' bare machine)
+nox -s wheel_venv            # .venvs/wheel: roll's third-party dependencies, for the wheel-install test
 nox -s device -- cuda        # one accelerator's checks (cuda | rocm | npu | cpu); fails where it is absent
 nox -s quickstart            # the main job (short GRPO run)
 nox -s bench                 # benchmarks in bench/
@@ -149,7 +150,10 @@ def tests(session: nox.Session) -> None:
     # pick tests that do not include it.
     wants_bare = not session.posargs or any("device" in a or a.rstrip("/") == "tests" for a in session.posargs)
     bare = _ensure_bare_venv(session) if wants_bare else bare_python()
+    # .venvs/wheel for tests/e2e/test_wheel_install.py (built on .venvs/bare), on the same condition.
+    wheel = _ensure_wheel_venv(session) if wants_bare or "wheel" in " ".join(session.posargs) else wheel_python()
     env = {"ROLL_TEST_SESSION": "tests", "ROLL_VLLM_PYTHON": str(vllm), "ROLL_BARE_PYTHON": str(bare)}
+    env["ROLL_WHEEL_PYTHON"] = str(wheel)
     # The slowest tests in every CI log: the README test command must stay under 40 minutes on 2 cores.
     durations = [] if session.posargs else ["--durations=25"]
     session.run(str(python), "-m", "pytest", *durations, *(session.posargs or _test_paths()), external=True, env=env)
@@ -187,6 +191,59 @@ def _ensure_bare_venv(session: nox.Session) -> Path:
 def bare_venv(session: nox.Session) -> None:
     """Build .venvs/bare (torch + transformers only: a bare accelerator machine's Python); `nox -s tests` builds it."""
     print(_ensure_bare_venv(session))
+
+
+# ---- the wheel venv: roll's third-party dependencies without roll (tests/e2e/test_wheel_install.py) --------------
+# The test builds wheels of the five packages, installs them (not editable) into a new venv that sees this one's
+# packages, and runs roll-train from a folder outside the repository. torch and transformers come from .venvs/bare
+# through a .pth file (no second copy of torch); the extras are the README's "trainer on CPU" row minus Ray and the
+# sweepers (a one-step local run needs neither); hatchling builds the wheels offline.
+WHEEL_VENV = {
+    "requirements": [
+        "packages/roll-hw",
+        "packages/roll-algos",
+        "packages/roll-core[track]",
+        "packages/roll-engines[hf]",
+        "packages/roll-envs[math]",
+    ],
+    "tools": ["hatchling"],
+}
+
+
+def wheel_python() -> Path:
+    return ROOT / ".venvs" / "wheel" / "bin" / "python"
+
+
+def _ensure_wheel_venv(session: nox.Session) -> Path:
+    """Build .venvs/wheel (over .venvs/bare; ~1 min from pip's cache, once) and return its python; a stamp of its
+    inputs skips rebuilding. roll's own packages are installed for their dependencies, then removed."""
+    bare = _ensure_bare_venv(session)
+    python = wheel_python()
+    venv = python.parent.parent
+    stamp = venv / ".roll-installed"
+    inputs = ["constraints/cpu.txt", *(f"packages/{p}/pyproject.toml" for p in PACKAGES)]
+    signature = "".join((ROOT / f).read_text() for f in inputs) + repr(WHEEL_VENV) + str(bare)
+    if stamp.exists() and stamp.read_text() == signature and python.exists():
+        return python
+    if venv.exists():
+        shutil.rmtree(venv)
+    session.run(str(bare), "-m", "venv", str(venv), external=True)
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    bare_site = subprocess.run([str(bare), "-c", purelib], capture_output=True, text=True, check=True).stdout.strip()
+    own_site = subprocess.run([str(python), "-c", purelib], capture_output=True, text=True, check=True).stdout.strip()
+    (Path(own_site) / "_roll_bare.pth").write_text(bare_site + "\n")
+    pip = [str(python), "-m", "pip", "install", "-q", *constraints()]
+    session.run(*pip, *WHEEL_VENV["requirements"], *WHEEL_VENV["tools"], external=True)
+    session.run(str(python), "-m", "pip", "uninstall", "-q", "-y", *PACKAGES, external=True)
+    stamp.write_text(signature)
+    return python
+
+
+@nox.session(python=False)
+def wheel_venv(session: nox.Session) -> None:
+    """Build .venvs/wheel (roll's dependencies over .venvs/bare, no roll) for the wheel-install test; `nox -s tests`
+    builds it."""
+    print(_ensure_wheel_venv(session))
 
 
 # Tests that import vLLM: they run inside .venvs/vllm (and skip in the main venv, which has no vLLM). vLLM's import
