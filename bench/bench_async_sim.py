@@ -1,13 +1,13 @@
-"""Benchmark (simulated): samples/s of synchronous vs asynchronous RL training from 8 to 1024 accelerators.
+"""Benchmark (simulated): synchronous vs asynchronous RL training from 8 to 1024 accelerators, RLVR and agentic.
 
-Drives the real `RolloutScheduler` with simulated engines and a simulated trainer
-(`roll_core.scheduling.simulate`: the module docstring states the model). Sync (k=0) is colocated; async modes
-are disaggregated, with the train share of the devices picked per mode as the fastest of {1/8, 1/4, 3/8, 1/2} on a
-`--split-devices` cluster and then used at every scale. Throughput and utilization are measured after `--warmup`
-training steps. Every run asserts the staleness bound and that every trained token was generated exactly once.
+Drives the real `RolloutScheduler` with simulated engines, environments and trainer (`bench/async_sim`: its module
+docstrings state the model). Sync (k=0) is colocated; async modes are disaggregated, with the train share of the
+devices picked per mode as the one with the most trained tokens/s among {1/8, 1/4, 3/8, 1/2} on a
+`--split-devices` cluster, then used at every scale. Rates and utilization are measured after `--warmup` training
+steps. Every run asserts the staleness bound and that every trained token was generated exactly once.
 
     python bench/bench_async_sim.py                       # RLVR preset, 8..1024 devices
-    python bench/bench_async_sim.py --workload agentic
+    python bench/bench_async_sim.py --workload agentic    # multi-turn episodes with environment latency
     python bench/bench_async_sim.py --devices 8 32 --steps 8 --warmup 2   # quick look
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from roll_core.scheduling.simulate import MODES, PRESETS, Hardware, best_split, length_stats, simulate
+from async_sim import MODES, PRESETS, Hardware, best_split, length_stats, simulate
 
 PUBLISHED = (
     "Published (ROLL Flash, arXiv 2510.11345, 'Part II: ROLL Flash - Accelerating RLVR and Agentic Training with "
@@ -34,16 +34,23 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--token-unit", type=int, default=16)
     ap.add_argument("--split-devices", type=int, default=32)
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     args = ap.parse_args()
     t_start = time.perf_counter()
     w, hw = PRESETS[args.workload], Hardware()
     kw = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed, "token_unit": args.token_unit}
     st = length_stats(w)
+    turns = (
+        f"; {st['turns_mean']:.1f} turns, {st['generated_mean']:.0f} generated tokens and {st['env_s_mean']:.1f} s "
+        f"of environment steps per episode (median step {w.env_latency_s:g} s)"
+        if w.max_turns > 1
+        else ""
+    )
     print(
         f"workload {w.name}: prompt ~{w.prompt_tokens} tokens, group {w.group_size}, "
         f"{w.groups_per_device:g} groups/device/batch; response tokens mean {st['mean']:.0f}, p50 {st['p50']:.0f}, "
         f"p90 {st['p90']:.0f}, p99 {st['p99']:.0f}, cap {w.max_new_tokens} ({st['at_cap']:.1%} hit it), "
-        f"mean group max {st['group_max_mean']:.0f}"
+        f"mean group max {st['group_max_mean']:.0f}{turns}"
     )
     print(
         f"hardware: {hw.params / 1e9:.0f}B params, {hw.flops_per_device / 1e12:.0f} TFLOP/s effective, decode "
@@ -51,41 +58,32 @@ def main() -> None:
         f"prefill {1 / hw.prefill_s_per_token:.0f} tok/s, weight sync {hw.weight_sync_s:.0f} s; "
         f"{args.steps} steps, measured after {args.warmup}"
     )
-    async_modes = [m for m in MODES if m != "sync"]
+    async_modes = [m for m in args.modes if m != "sync"]
     splits = {}
     for m in async_modes:
         splits[m], rates = best_split(w, m, args.split_devices, **kw)
-        print(f"split {m}: train share {splits[m]:.3f} ({', '.join(f'{f:.3f}: {r:.3f}/s' for f, r in rates.items())})")
+        print(f"split {m}: train share {splits[m]:.3f} ({', '.join(f'{f:.3f}: {r:.0f}' for f, r in rates.items())})")
     results = {}
     for n in args.devices:
         results[n, "sync"] = simulate(n, w, "sync", **kw)
         for m in async_modes:
             results[n, m] = simulate(n, w, m, train_fraction=splits[m], **kw)
 
-    print(f"\n### {w.name}: samples/s (x sync) and device utilization")
-    print("| devices | " + " | ".join(MODES) + " |")
-    print("|---|" + "---|" * len(MODES))
-    for n in args.devices:
-        base = results[n, "sync"].samples_per_s
-        cells = []
-        for m in MODES:
-            r = results[n, m]
-            ratio = "" if m == "sync" else f" ({r.samples_per_s / base:.2f}x)"
-            cells.append(f"{r.samples_per_s:.2f}{ratio}, util {r.util:.0%}")
-        print(f"| {n} | " + " | ".join(cells) + " |")
-
     print(
-        "\n| devices | mode | train/infer devices | trained tokens/s (x sync) | mean trained length "
-        "| util infer/train | staleness mean/max | stale groups | wasted tokens | resumed requests |"
+        f"\n### {w.name}\n| devices | mode | train/infer | trained tokens/s (x sync) | samples/s (x sync) "
+        "| wasted tokens | mean trained length (vs sync) | staleness mean/max (admission max) | token staleness "
+        "| util infer/train | resumed requests |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (n, m), r in results.items():
-        base = results[n, "sync"].tokens_per_s
+        base = results[n, "sync"]
         print(
-            f"| {n} | {m} | {r.train_devices}/{r.infer_devices} | {r.tokens_per_s:.0f} ({r.tokens_per_s / base:.2f}x) "
-            f"| {r.trained_mean_len:.0f} | {r.util_infer:.0%}/{r.util_train:.0%} "
-            f"| {r.mean_staleness:.2f}/{r.max_staleness} | {r.stale_groups} | {r.wasted_token_frac:.1%} "
-            f"| {r.resumed_requests} |"
+            f"| {n} | {m} | {r.train_devices}/{r.infer_devices} "
+            f"| {r.tokens_per_s:.0f} ({r.tokens_per_s / base.tokens_per_s:.2f}x) "
+            f"| {r.samples_per_s:.2f} ({r.samples_per_s / base.samples_per_s:.2f}x) | {r.wasted_token_frac:.1%} "
+            f"| {r.trained_mean_len:.0f} ({r.trained_mean_len / base.trained_mean_len - 1:+.1%}) "
+            f"| {r.mean_staleness:.2f}/{r.max_staleness} ({r.max_admission_staleness}) | {r.token_staleness:.2f} "
+            f"| {r.util_infer:.0%}/{r.util_train:.0%} | {r.resumed_requests} |"
         )
     print(f"\n{PUBLISHED}")
     print(f"wall {time.perf_counter() - t_start:.1f} s")

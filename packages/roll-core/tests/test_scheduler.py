@@ -1,5 +1,6 @@
 """RolloutScheduler: the budget keeps rollout at most k batches ahead, no trained group is older than k versions,
-partial rollout loses and duplicates no token, and tail groups only stand in for slow ones."""
+the default order waits for the oldest group instead of dropping it, partial rollout loses and duplicates no token,
+episodes keep every turn and observation, and tail groups only stand in for slow ones (order "ready")."""
 
 from __future__ import annotations
 
@@ -48,8 +49,23 @@ def test_the_budget_runs_at_most_k_batches_ahead_and_batches_are_never_staler_th
     assert s.counters["stale_groups"] == 0
 
 
-def test_a_slow_group_past_the_bound_is_aborted_and_never_taken() -> None:
+def test_in_start_order_a_slow_group_is_waited_for_and_trained_within_the_bound() -> None:
     s = RolloutScheduler(batch_groups=2, group_size=2, max_new_tokens=8, async_ratio=1)
+    ids = itertools.count()
+    rids = _fill(s, ids)  # 4 groups at version 0
+    slow = rids[:2]  # group 0 stays running
+    _finish(s, rids[2:])
+    assert s.take(2) == []  # groups 1-3 are complete, but group 0 is the oldest: wait for it
+    _finish(s, slow)
+    assert [g.gid for g in s.take(2)] == [0, 1]
+    assert s.finish_update() == []  # version 1
+    _fill(s, ids)  # groups 4-5, admitted at version 1
+    assert [(g.gid, s.version - g.min_version) for g in s.take(2)] == [(2, 1), (3, 1)]
+    assert s.counters["stale_groups"] == 0 and s.counters["stale_tokens"] == 0
+
+
+def test_a_slow_group_past_the_bound_is_aborted_and_never_taken_in_ready_order() -> None:
+    s = RolloutScheduler(batch_groups=2, group_size=2, max_new_tokens=8, async_ratio=1, order="ready")
     ids = itertools.count()
     rids = _fill(s, ids)  # 4 groups at version 0
     slow = rids[:2]  # group 0 stays running
@@ -61,6 +77,7 @@ def test_a_slow_group_past_the_bound_is_aborted_and_never_taken() -> None:
     assert [g.gid for g in s.take(2)] == [3, 4]
     doomed = s.finish_update()  # version 2: group 0 (version 0) can never be trained on
     assert sorted(doomed) == sorted(slow) and 0 not in s.groups and s.counters["stale_groups"] == 1
+    assert s.counters["stale_tokens"] == 0  # it had generated nothing yet
     assert s.on_result(slow[0], [9], [-1.0], "stop") is None  # its late result is ignored
     rids = _fill(s, ids)  # its budget went to a fresh group (plus a batch for the new version)
     assert len(s.groups) == 4 and len(rids) == 3 * 2
@@ -125,6 +142,11 @@ def test_tail_groups_start_only_while_groups_of_an_earlier_version_run() -> None
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="async_ratio"):
         RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=1, async_ratio=-1)
+    with pytest.raises(ValueError, match="order='start' waits"):
+        RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=1, tail_groups=1, order="start")
+    with pytest.raises(ValueError, match="expected one of"):
+        RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=1, order="fifo")
+    assert RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=1, tail_groups=1).order == "ready"
     s = RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=1, async_ratio=0)
     s.start(_Problem(0), [1])
     with pytest.raises(RuntimeError, match="no capacity"):
@@ -142,3 +164,50 @@ def test_an_engine_side_abort_resumes_even_without_partial_rollout() -> None:
     s.submitted(sample, "again")
     assert s.on_result("again", [2, 3, 4], [-1.0] * 3, "length") is s.groups[0]
     assert s.groups[0].samples[0].tokens == [1, 2, 3, 4]
+
+
+def test_an_episode_keeps_its_turns_and_observations_across_an_aborted_turn() -> None:
+    """Turn 1 ends, the environment observes, turn 2 is aborted at a weight update and resumed under the new
+    weights; the episode keeps turn 1, the observation (masked) and the partial turn 2."""
+    s = RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=20, async_ratio=1, partial_rollout=True)
+    rid, other = _fill(s, itertools.count())  # groups 0 and 1 (k=1)
+    _finish(s, [other])
+    assert s.on_result(rid, [10, 11], [-0.1, -0.2], "stop", final=False) is None
+    smp = s.groups[0].samples[0]
+    assert smp.awaiting_env and not list(s.pending())  # the environment answers next, no request yet
+    assert s.observe(smp, [90, 91, 92], done=False) is None
+    [(_, prompt, remaining)] = list(s.pending())
+    assert prompt == [1, 2, 3, 10, 11, 90, 91, 92] and remaining == 15
+    s.submitted(smp, "turn2")
+    assert s.begin_update() == ["turn2"]  # group 1 is complete: nothing else runs
+    s.on_result("turn2", [12], [-0.3], "abort", final=False)  # aborted mid-turn: resumed, not handed to the env
+    s.finish_update()
+    [(_, prompt, _)] = list(s.pending())
+    assert prompt[-1] == 12 and not smp.awaiting_env
+    s.submitted(smp, "turn2b")
+    s.on_result("turn2b", [13], [-0.4], "stop", final=False)
+    assert s.observe(smp, [], done=True) is s.groups[0]
+    assert smp.tokens == [10, 11, 90, 91, 92, 12, 13] and smp.mask == [1, 1, 0, 0, 0, 1, 1]
+    assert smp.logprobs == [-0.1, -0.2, 0.0, 0.0, 0.0, -0.3, -0.4]
+    assert (smp.min_version, smp.max_version, smp.finish) == (0, 1, "stop")  # observations carry no version
+    assert s.counters["resumed_requests"] == 1  # turn 2's continuation; turn 2 itself was a new request
+    with pytest.raises(ValueError, match="not waiting for the environment"):
+        s.observe(smp, [1], done=True)
+
+
+def test_an_observation_that_fills_the_budget_ends_the_episode_as_length() -> None:
+    s = RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=4, async_ratio=0)
+    [rid] = _fill(s, itertools.count())
+    s.on_result(rid, [1, 2], [-1.0, -1.0], "stop", final=False)
+    smp = s.groups[0].samples[0]
+    assert s.observe(smp, [7, 7], done=False) is s.groups[0] and smp.finish == "length"
+
+
+def test_the_environment_answer_for_a_dropped_group_is_ignored() -> None:
+    s = RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=8, async_ratio=0, order="ready")
+    [rid] = _fill(s, itertools.count())
+    s.on_result(rid, [1, 2, 3], [-1.0] * 3, "stop", final=False)
+    smp = s.groups[0].samples[0]
+    s.finish_update()  # version 1: the episode (version 0) is stale for k=0
+    assert 0 not in s.groups and s.counters["stale_tokens"] == 3
+    assert s.observe(smp, [5], done=True) is None

@@ -1,1 +1,2 @@
-"""Asynchronous rollout: scheduling (pure), the driver over real engines, and a cluster simulator."""
+"""Asynchronous rollout: scheduling (pure) and the driver over real engines (the cluster simulator that drives the
+scheduler at scale lives in bench/async_sim)."""
