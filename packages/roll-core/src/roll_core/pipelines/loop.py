@@ -69,7 +69,17 @@ class Pipeline:
 
         self.tracker = Tracker(self.out, OmegaConf.to_yaml(OmegaConf.structured(cfg)), resume=latest is not None)
         self.roles = build_roles(cfg, self.cluster, self.model_path)
-        ctx = CollectorContext(cfg, self.cluster, self.roles, self.tokenizer, self.task, self.tracker, self.model_path)
+        roles = self.roles
+        ctx = CollectorContext(
+            cfg,
+            self.cluster,
+            roles.actor_infer,
+            roles.sampling,
+            self.tokenizer,
+            self.task,
+            self.model_path,
+            self.tracker,
+        )
         self.collector: Collector = factory(ctx)
         self.trainer = Trainer(
             cfg,

@@ -8,16 +8,17 @@ else builds a group. May assume `cfg` passed its schema checks; must not start g
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 from roll_core.cluster.launch import Cluster, resolve_python
 from roll_core.cluster.mesh import Mesh
 from roll_core.cluster.roles import InferGroup, TrainGroup
 from roll_core.config.build import as_dict
-from roll_core.config.schema import RLVRConfig
+from roll_core.config.schema import RLVRConfig, TrainEngineConfig
 from roll_core.errors import ConfigError
 from roll_core.interfaces import SamplingParams, UnsupportedSamplingError
+from roll_core.interfaces.runtime import InferEngineRuntime, TrainEngineRuntime
 
 
 @dataclass
@@ -62,17 +63,16 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str) -> Roles:
     algo, model, pipe = cfg.algo, cfg.model, cfg.pipeline
     te, ie = cfg.train_engine, cfg.infer_engine
     n_mini = mini_batches(cfg)
+    # Each worker resolves its device and `dtype=auto` on its own node (roles.resolve_device).
+    placement = {"platform": cluster.platform.name, "device": "auto"}
     common = {
         "model_path": model_path,
-        "dtype": model.dtype,
         "attn_implementation": model.attn_implementation,
         "trust_remote_code": model.trust_remote_code,
         "seed": pipe.seed,
-        # Each worker resolves its device and `dtype=auto` on its own node (roles.resolve_device).
-        "platform": cluster.platform.name,
-        "device": "auto",
+        **placement,
     }
-    optim = {
+    schedule = {
         "weight_decay": algo.weight_decay,
         "warmup_steps": algo.warmup_steps,
         "total_steps": pipe.max_steps * algo.ppo_epochs * n_mini,
@@ -81,12 +81,14 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str) -> Roles:
     }
     # Sharded trainers (Megatron) span TP x CP x PP ranks per replica: data splits by data-parallel rank only.
     mesh = Mesh.for_world(te.world_size, **te.parallel_sizes())
-    engine = as_dict(te)  # workers build the engine from its keys (roll_core.cluster.roles.build_engine)
 
-    def train_group(role: str, runtime: dict[str, Any]) -> TrainGroup:
-        return cluster.group(TrainGroup, role, te.world_size, mesh=mesh, engine=engine, runtime={**common, **runtime})
+    def train_group(role: str, runtime: TrainEngineRuntime, engine: TrainEngineConfig = te) -> TrainGroup:
+        # Workers build the engine from its config's keys and the runtime (roll_core.interfaces.runtime).
+        return cluster.group(TrainGroup, role, te.world_size, mesh=mesh, engine=as_dict(engine), runtime=runtime)
 
-    actor_train = train_group("actor_train", {**optim, "role": "actor", "lr": algo.lr})
+    actor_train = train_group(
+        "actor_train", TrainEngineRuntime(**common, dtype=model.dtype, role="actor", lr=algo.lr, **schedule)
+    )
     actor_infer = cluster.group(
         InferGroup,
         "actor_infer",
@@ -95,17 +97,24 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str) -> Roles:
         python=resolve_python(ie.python, ie.name),
         max_concurrency=ie.max_concurrency or 64,
         engine=as_dict(ie),
-        runtime={**common, "dtype": ie.dtype or model.dtype, "max_new_tokens": model.max_response_length},
+        runtime=InferEngineRuntime(**common, dtype=ie.dtype or model.dtype, max_new_tokens=model.max_response_length),
     )
     sampling = sampling_params(cfg)
     _check_infer_engine(cfg, actor_infer, sampling)
     reference_is_base = bool(te.lora_rank) and algo.use_reference
     reference = None
     if algo.use_reference and not reference_is_base:
-        reference = train_group("reference", {"role": "reference", "trainable": False})
+        reference = train_group(
+            "reference", TrainEngineRuntime(**common, dtype=model.dtype, role="reference", trainable=False)
+        )
     critic = None
     if algo.use_critic:
-        critic = train_group("critic", {**optim, "role": "critic", "lr": algo.critic_lr, "lora_rank": 0})
+        critic = train_group(
+            "critic",
+            TrainEngineRuntime(**common, dtype=model.dtype, role="critic", lr=algo.critic_lr, **schedule),
+            # LoRA adapts the policy only: the critic trains every weight of its own copy.
+            engine=dataclasses.replace(te, lora_rank=0),
+        )
     return Roles(actor_train, actor_infer, reference, critic, reference_is_base, sampling, n_mini)
 
 

@@ -24,9 +24,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from roll_core.cluster.launch import Cluster
+from roll_core.cluster.roles import InferGroup
 from roll_core.config.schema import RLVRConfig
+from roll_core.interfaces import SamplingParams
 from roll_core.pipelines.metrics import StepLog
-from roll_core.pipelines.wiring import Roles
 from roll_core.protocol import Batch
 from roll_core.tracking import Tracker
 
@@ -42,16 +43,23 @@ class Collected:
 
 @dataclass
 class CollectorContext:
-    """What a collector may use: the run's config, cluster (for its own roles), training-side roles, tokenizer,
-    task (built from `env`), tracker (samples), and the resolved model path."""
+    """What a collector may use: the run's config, cluster (for its own roles: reward workers, environment
+    workers), the inference engines and rollout sampling, tokenizer, task (built from `env`), the resolved model
+    path, and the tracker for sample logs (None when only evaluating: `roll-eval`)."""
 
     cfg: RLVRConfig
     cluster: Cluster
-    roles: Roles
+    infer: InferGroup
+    sampling: SamplingParams
     tokenizer: Any
     task: Any
-    tracker: Tracker
     model_path: str
+    tracker: Tracker | None = None
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A few of the step's samples to the run's samples log (nowhere without a tracker)."""
+        if self.tracker is not None:
+            self.tracker.samples(step, rows)
 
 
 @runtime_checkable
@@ -130,5 +138,6 @@ class _Episodes:
         return EpisodeCollector(ctx)
 
 
-prompts = _Prompts()
-episodes = _Episodes()
+# Not named `prompts` / `episodes`: importing the submodules of those names would replace them on this package.
+prompt_collectors = _Prompts()
+episode_collectors = _Episodes()

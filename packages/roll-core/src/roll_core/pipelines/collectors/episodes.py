@@ -57,7 +57,7 @@ class EpisodeCollector:
         cfg, task = ctx.cfg, ctx.task
         check_task(cfg, task)
         self.cfg, self.ctx, self.task, self.tokenizer = cfg, ctx, task, ctx.tokenizer
-        self.sampling = ctx.roles.sampling
+        self.sampling = ctx.sampling
         self.eval_seeds = task.eval_seeds()
         if task.num_workers > 0:  # environments on their own workers (Ray actors on cluster=ray)
             from roll_core.agentic.env_workers import EnvGroup, RemoteEnvManager
@@ -69,7 +69,7 @@ class EpisodeCollector:
         else:
             self.envs = EnvManager.for_task(task)
         turns, limits = task_turns(task, self.tokenizer)
-        self.rollout = AgenticRollout(ctx.roles.actor_infer, self.envs, turns, self.tokenizer, limits, gate)
+        self.rollout = AgenticRollout(ctx.infer, self.envs, turns, self.tokenizer, limits, gate)
         self._counters = self.envs.counters()
 
     # ---- the collector contract ---------------------------------------------------------------------------
@@ -111,6 +111,9 @@ class EpisodeCollector:
             "eval/reward": m["reward/mean"],
             "eval/mean_turns": m["episode/turns_mean"],
             "eval/invalid_action_rate": m["episode/invalid_action_rate"],
+            "eval/tool_calls_mean": m["episode/tool_calls_mean"],
+            "eval/n": float(len(trajs)),
+            **{f"eval/end_{k.removeprefix('episode/end_')}": v for k, v in m.items() if k.startswith("episode/end_")},
             "eval/seconds": time.perf_counter() - t0,
         }
 
@@ -156,7 +159,7 @@ class EpisodeCollector:
         return None
 
     def _log_episodes(self, step: int, trajs: list[Trajectory], k: int = 2) -> None:
-        self.ctx.tracker.samples(
+        self.ctx.samples(
             step,
             [
                 {

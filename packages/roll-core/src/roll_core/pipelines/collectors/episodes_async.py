@@ -47,7 +47,7 @@ class AsyncEpisodeCollector(EpisodeCollector):
         if p.tail_groups:
             raise ConfigError("pipeline.tail_groups is not supported by pipeline=agentic: set it to 0")
         check_async(ctx)
-        super().__init__(ctx, gate=TurnGate(ctx.roles.actor_infer, partial_rollout=p.partial_rollout))
+        super().__init__(ctx, gate=TurnGate(ctx.infer, partial_rollout=p.partial_rollout))
         self.gate: TurnGate = self.rollout.gate  # type: ignore[assignment]
         self.k, self.groups_per_batch, self.group_size = p.async_ratio, p.rollout_batch_size, ctx.cfg.algo.group_size
         self.timeout_s = timeout_s

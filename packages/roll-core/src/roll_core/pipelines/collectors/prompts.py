@@ -58,8 +58,8 @@ class PromptCollector:
     def __init__(self, ctx: CollectorContext) -> None:
         cfg = ctx.cfg
         self.cfg, self.ctx = cfg, ctx
-        self.tokenizer, self.task, self.infer = ctx.tokenizer, ctx.task, ctx.roles.actor_infer
-        self.sampling = ctx.roles.sampling
+        self.tokenizer, self.task, self.infer = ctx.tokenizer, ctx.task, ctx.infer
+        self.sampling = ctx.sampling
         check_task(cfg, self.task)
         self.train_set, self.eval_set = self.task.train_set(), self.task.eval_set()[: cfg.pipeline.eval_size]
         self.sampler = PromptSampler(len(self.train_set), seed=cfg.pipeline.seed)
@@ -104,6 +104,7 @@ class PromptCollector:
         return {
             "eval/accuracy": res["accuracy"],
             "eval/reward": res["reward"],
+            "eval/n": float(res["n"]),
             "eval/seconds": time.perf_counter() - t0,
         }
 
@@ -227,7 +228,7 @@ class PromptCollector:
     def log_samples(self, step: int, batch: Batch, scored: Batch, k: int = 2) -> None:
         """A few responses of the step, with their problem, answer and score, to the tracker's samples file."""
         texts = scored["response_text"]
-        self.ctx.tracker.samples(
+        self.ctx.samples(
             step,
             [
                 {

@@ -40,7 +40,7 @@ def check_async(ctx: CollectorContext) -> None:
     """Refuse settings an asynchronous collector cannot honour; warn when off-policy samples go uncorrected."""
     cfg = ctx.cfg
     ie, k = cfg.infer_engine, cfg.pipeline.async_ratio
-    if not ctx.roles.actor_infer.continuous_batching():
+    if not ctx.infer.continuous_batching():
         raise ConfigError(
             f"pipeline.async_ratio={k} needs an inference engine with continuous batching; "
             f"infer_engine={ie.name} is synchronous-only: use pipeline.async_ratio=0"
