@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from roll_core.seeds import Purpose, derive_seed
+
 
 class PromptSampler:
     """Draws indices into a list of `size` items, epoch by epoch, without replacement within an epoch."""
@@ -23,7 +25,7 @@ class PromptSampler:
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(self.size))
         if self.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            random.Random(derive_seed(self.seed, Purpose.DATA_ORDER, epoch)).shuffle(order)
         return order
 
     def next(self, k: int) -> list[int]:

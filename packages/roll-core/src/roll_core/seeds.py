@@ -25,6 +25,8 @@ class Purpose(str, Enum):
     ENGINE_ROW = "engine_row"  # one row of a batched generate call (ids: row)
     WORKER = "worker"  # one inference worker's share of a call (ids: rank)
     HELD_OUT = "held_out"  # a task's held-out split
+    REPLICA_SHUFFLE = "replica_shuffle"  # one data-parallel replica's mini-batch order (seed: SHUFFLE's; ids: dp rank)
+    WORKED_EXAMPLES = "worked_examples"  # the solved training problems a task shows before each question
 
 
 def derive_seed(seed: int, purpose: Purpose | str, *ids: int) -> int:

@@ -32,6 +32,7 @@ from roll_core.cluster.worker import Dispatch, Worker, dispatch, node_address
 from roll_core.config.build import build
 from roll_core.interfaces import InferEngine, Request, RequestOutput, SamplingParams, Task, TrainEngine
 from roll_core.protocol import Batch
+from roll_core.seeds import Purpose, derive_seed
 
 #: Engine-config keys read by workers, placement and weight sync (never passed to an engine's constructor).
 # `dtype` of an inference engine reaches it through the runtime keys (resolved on its node, default model.dtype).
@@ -130,7 +131,7 @@ class TrainWorker(EngineWorker):
             epochs=epochs,
             temperature=temperature,
             # One stream per data-parallel replica: the TP/PP ranks of a replica must see the same order.
-            shuffle_seed=shuffle_seed + self.engine.dp_rank,
+            shuffle_seed=derive_seed(shuffle_seed, Purpose.REPLICA_SHUFFLE, self.engine.dp_rank),
         )
 
     @dispatch(Dispatch.DP)
@@ -231,7 +232,7 @@ class InferWorker(EngineWorker):
     @dispatch(Dispatch.DP)
     def generate(self, batch: Batch, params: SamplingParams, n: int) -> Batch:
         if params.seed is not None:  # ranks sample different streams for the same row index
-            params = params.replace(seed=params.seed * 1009 + self.rank)
+            params = params.replace(seed=derive_seed(params.seed, Purpose.WORKER, self.rank))
         gen = self.engine.generate(batch["prompt_ids"], params, n)
         out = Batch(
             {

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from roll_core.interfaces.inference import GenerateOutput, Request, RequestOutput, SamplingParams
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
+from roll_core.seeds import Purpose, derive_seed
 from roll_engines.infer._batcher import ContinuousBatcher, Running
 from roll_engines.infer._sampling import StopStrings
 
@@ -146,7 +147,7 @@ class HFInferEngine:
         for k, prompt in enumerate(prompts):
             for j in range(n):
                 row = k * n + j
-                seed = None if params.seed is None else params.seed * 1_000_003 + row
+                seed = None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, row)
                 req = Request(f"batch-{next(self._ids)}", list(prompt), params.replace(seed=seed))
                 futures.append(self._enqueue(req))
         self._drive(futures)

@@ -47,6 +47,7 @@ from roll_core.interfaces import (
     UnsupportedSamplingError,
 )
 from roll_core.models import resolve_model_path
+from roll_core.seeds import Purpose, derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +278,7 @@ class SGLangInferEngine:
         futures = []
         for k, prompt in enumerate(prompts):
             for j in range(n):
-                seed = None if params.seed is None else params.seed * 1_000_003 + k * n + j
+                seed = None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, k * n + j)
                 req = Request(f"batch-{next(self._ids)}", list(prompt), params.replace(seed=seed))
                 futures.append(self.submit(req))
         return GenerateOutput.from_requests([f.result() for f in futures], self.pad_id, time.perf_counter() - t0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from roll_core.seeds import Purpose, derive_seed
 from roll_envs.rewards.base import Reward
 from roll_envs.tasks.base import Problem, Task, stable_fraction
 
@@ -50,13 +51,11 @@ class ArithmeticTask(Task):
         self._train = self._draw(
             random.Random(seed), lo, hi, train_size, held_out=False, fraction=eval_fraction, space=space
         )
-        self._eval = self._draw(
-            random.Random(seed + 1_000_003), lo, hi, eval_size, held_out=True, fraction=eval_fraction, space=space
-        )
+        held_out_rng = random.Random(derive_seed(seed, Purpose.HELD_OUT))
+        self._eval = self._draw(held_out_rng, lo, hi, eval_size, held_out=True, fraction=eval_fraction, space=space)
         # Worked examples come from the training split, so no held-out answer is ever shown.
-        shown = self._draw(
-            random.Random(seed + 7), lo, hi, examples, held_out=False, fraction=eval_fraction, space=space
-        )
+        examples_rng = random.Random(derive_seed(seed, Purpose.WORKED_EXAMPLES))
+        shown = self._draw(examples_rng, lo, hi, examples, held_out=False, fraction=eval_fraction, space=space)
         self.examples = [
             (p.prompt, f"{p.id.split(':', 1)[1]} = {p.answer}, so the answer is \\boxed{{{p.answer}}}.") for p in shown
         ]

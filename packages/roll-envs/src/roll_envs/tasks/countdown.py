@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
 
+from roll_core.seeds import Purpose, derive_seed
 from roll_envs.rewards.base import Reward, RewardResult
 from roll_envs.rewards.math import extract_boxed
 from roll_envs.tasks.base import Problem, Task, stable_fraction
@@ -128,7 +129,7 @@ class CountdownTask(Task):
         self.name, self.num_numbers, self.max_number = name, num_numbers, max_number
         self.system_prompt = system_prompt
         self._train = self._draw(random.Random(seed), train_size, False, eval_fraction)
-        self._eval = self._draw(random.Random(seed + 1_000_003), eval_size, True, eval_fraction)
+        self._eval = self._draw(random.Random(derive_seed(seed, Purpose.HELD_OUT)), eval_size, True, eval_fraction)
 
     @classmethod
     def conformance_task(cls, seed: int, workdir: Path) -> CountdownTask:
