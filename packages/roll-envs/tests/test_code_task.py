@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from roll_core.errors import ConfigError
 from roll_envs.config import CodeEnvConfig, CodeRewardConfig
 from roll_envs.rewards.code import (
     COUNTERS,
@@ -130,7 +131,7 @@ def test_loader_eval_path_parquet_and_no_usable_rows(tmp_path: Path) -> None:
     assert len(task.train_set()) == 6 and len(task.eval_set()) == 1
     with pytest.raises(ValueError, match="no usable rows"):
         load_code_problems(tmp_path / "held.jsonl")  # default keys: prompt, tests
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ConfigError, match="does not exist"):
         load_code_problems(tmp_path / "missing.jsonl")
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")

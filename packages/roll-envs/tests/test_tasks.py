@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from roll_core.errors import ConfigError
 from roll_envs.rewards.math import MathReward
 from roll_envs.tasks import ArithmeticTask, CountdownReward, CountdownTask, FileTask, load_problems
 
@@ -74,17 +75,33 @@ def test_file_task_reports_bad_rows(tmp_path: Path, caplog: pytest.LogCaptureFix
         (12, "missing or empty 'prompt'"),
     ]
     assert "skipped 4 bad row(s)" in caplog.text and "line 4" in caplog.text
+    assert task.skipped_rows == {str(path): 4}  # what the loop puts in the metrics and the run summary
+    assert ArithmeticTask(MathReward(), train_size=10, eval_size=5).skipped_rows == {}
     assert len(task.train_set()) + len(task.eval_set()) == 36
     assert not {p.id for p in task.train_set()} & {p.id for p in task.eval_set()}
 
 
-def test_file_with_no_usable_rows(tmp_path: Path) -> None:
+def test_data_files_that_cannot_be_used_are_config_errors_naming_the_setting(tmp_path: Path) -> None:
+    """roll-train turns a ConfigError into one message and exit status 2 (a traceback and exit 1 before)."""
     path = tmp_path / "bad.jsonl"
     path.write_text('{"q": 1}\n')
-    with pytest.raises(ValueError, match="no usable rows"):
+    with pytest.raises(ConfigError, match="no usable rows"):
         load_problems(path)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ConfigError, match="does not exist"):
         load_problems(tmp_path / "missing.jsonl")
+    with pytest.raises(ConfigError, match=r"does not exist: check env\.path"):
+        FileTask(MathReward(), path=str(tmp_path / "missing.jsonl"))
+    (tmp_path / "rows.csv").write_text("prompt,answer\n")
+    with pytest.raises(ConfigError, match=r"unsupported data file .*rows\.csv"):
+        load_problems(tmp_path / "rows.csv")
+    (tmp_path / "garbled.parquet").write_bytes(b"PAR1 not really")
+    pytest.importorskip("pyarrow")
+    with pytest.raises(ConfigError, match=r"garbled\.parquet: cannot read it as Parquet .*env\.path"):
+        load_problems(tmp_path / "garbled.parquet")
+    (tmp_path / "folder").mkdir()
+    pytest.importorskip("datasets")
+    with pytest.raises(ConfigError, match=r"folder: cannot read it as a datasets folder .*env\.path"):
+        load_problems(tmp_path / "folder")
 
 
 def test_parquet_and_datasets_folder(tmp_path: Path) -> None:

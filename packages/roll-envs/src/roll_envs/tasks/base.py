@@ -44,6 +44,16 @@ class Task:
         # Worked examples shown before each question as (user, assistant) chat turns: small models learn the
         # answer format from one example far more reliably than from an instruction.
         self.examples: list[tuple[str, str]] = []
+        # Bad rows skipped while loading data files: (file, row number, reason); generated tasks have none.
+        self.skipped: list[tuple[str, int, str]] = []
+
+    @property
+    def skipped_rows(self) -> dict[str, int]:
+        """Bad rows skipped per data file ({} when none): for the run's metrics and summary."""
+        out: dict[str, int] = {}
+        for file, _, _ in self.skipped:
+            out[file] = out.get(file, 0) + 1
+        return out
 
     def train_set(self) -> list[Problem]:
         """Training problems in a fixed order (the pipeline shuffles per epoch with its own seed)."""

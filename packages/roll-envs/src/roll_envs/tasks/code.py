@@ -24,6 +24,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from roll_core.errors import ConfigError
 from roll_envs.rewards.base import Reward
 from roll_envs.rewards.code import CodeTest, encode_tests
 from roll_envs.tasks._code_problems import TEMPLATES, param_key, reference_program
@@ -70,7 +71,7 @@ def load_code_problems(
     """Read code problems from a file or folder; returns (problems, skipped) with skipped = [(row number, reason)]."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"data file {path} does not exist")
+        raise ConfigError(f"data file {path} does not exist: check env.path / env.eval_path")
     rows, skipped = _rows(path)
     problems = []
     for lineno, row in rows:
@@ -98,8 +99,9 @@ def load_code_problems(
         more = f" (and {len(skipped) - 10} more)" if len(skipped) > 10 else ""
         log.warning("%s: skipped %d bad row(s): %s%s", path, len(skipped), shown, more)
     if not problems:
-        raise ValueError(
-            f"{path}: no usable rows ({len(skipped)} skipped); expected keys {prompt_key!r}, {tests_key!r}"
+        raise ConfigError(
+            f"{path}: no usable rows ({len(skipped)} skipped); expected keys {prompt_key!r}, {tests_key!r}: fix the "
+            "rows or set env.prompt_key / env.tests_key"
         )
     return problems, skipped
 
@@ -131,7 +133,6 @@ class CodeTask(Task):
         if not 0 < eval_fraction < 1:
             raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
         self.name, self.system_prompt, self.instruction = name, system_prompt, instruction
-        self.skipped: list[tuple[str, int, str]] = []
         self._solutions: dict[str, str] = {}
         if path is None:
             if eval_path is not None:

@@ -1,9 +1,11 @@
 """User data as a task: JSONL, Parquet or a Hugging Face `datasets` folder with prompt and answer columns.
 
 Bad rows (not UTF-8, not JSON, not an object, missing or empty prompt/answer, non-text values, NaN answers) are
-skipped, counted and reported with their 1-based line (or row) numbers in `skipped`, and a summary is logged: never
-silently dropped, never a crash halfway through a file. An empty result after skipping is an error that says why.
-The held-out split is `eval_path` when given, else a stable-hash fraction of the rows.
+skipped, counted and reported with their 1-based line (or row) numbers in `skipped` (per file in `skipped_rows`,
+which the loop puts in the metrics and the run summary), and a summary is logged: never silently dropped, never a
+crash halfway through a file. A file that is missing, unreadable as a whole, of an unknown kind, or left empty after
+skipping is a `ConfigError` naming the setting (env.path / env.eval_path), so roll-train ends with one message and
+exit status 2, not a traceback. The held-out split is `eval_path` when given, else a stable-hash fraction of the rows.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from roll_core.errors import ConfigError
 from roll_envs.rewards.base import Reward
 from roll_envs.tasks.base import Problem, Task, stable_fraction
 
@@ -29,7 +32,12 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
         DATASETS.require()
         import datasets
 
-        ds = datasets.load_from_disk(str(path))
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception as exc:  # a folder that is not a saved dataset: its message does not name the setting
+            raise ConfigError(
+                f"{path}: cannot read it as a datasets folder ({exc}); check the folder or env.path"
+            ) from exc
         if isinstance(ds, datasets.DatasetDict):
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
         return [(i + 1, row) for i, row in enumerate(ds)], bad
@@ -42,7 +50,7 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
         try:
             table = pq.read_table(path)
         except Exception as exc:  # pyarrow's own message does not say which setting pointed here
-            raise ValueError(f"{path}: cannot read it as Parquet ({exc}); check the file or env.path") from exc
+            raise ConfigError(f"{path}: cannot read it as Parquet ({exc}); check the file or env.path") from exc
         return [(i + 1, row) for i, row in enumerate(table.to_pylist())], bad
     if path.suffix in (".jsonl", ".json"):
         rows = []
@@ -62,7 +70,9 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
                 except json.JSONDecodeError as exc:
                     bad.append((lineno, f"invalid JSON ({exc.msg})"))
         return rows, bad
-    raise ValueError(f"unsupported data file {path}: use .jsonl, .parquet or a datasets folder")
+    raise ConfigError(
+        f"unsupported data file {path} (env.path / env.eval_path): use .jsonl, .parquet or a datasets folder"
+    )
 
 
 def load_problems(
@@ -76,7 +86,7 @@ def load_problems(
     """Read problems from a file; returns (problems, skipped) with skipped = [(row number, reason)]."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"data file {path} does not exist")
+        raise ConfigError(f"data file {path} does not exist")
     rows, skipped = _rows(path)
     problems = []
     seen_keys: set[str] = set()  # keys of the bad object rows, to name the columns a wrong prompt_key missed
@@ -110,9 +120,9 @@ def load_problems(
         log.warning("%s: skipped %d bad row(s): %s%s", path, len(skipped), shown, more)
     if not problems:
         if not rows and not skipped:
-            raise ValueError(f"{path}: no usable rows: the file is empty; fill it or point env.path elsewhere")
+            raise ConfigError(f"{path}: no usable rows: the file is empty; fill it or point env.path elsewhere")
         found = f"; the rows have keys {', '.join(map(repr, sorted(seen_keys)[:20]))}" if seen_keys else ""
-        raise ValueError(
+        raise ConfigError(
             f"{path}: no usable rows ({len(skipped)} skipped, first: line {skipped[0][0]}: {skipped[0][1]}); "
             f"expected keys {prompt_key!r}, {answer_key!r}{found}: fix the rows or set env.prompt_key / "
             "env.answer_key"
@@ -151,7 +161,7 @@ class FileTask(Task):
         self.name, self.system_prompt = name, system_prompt
         for key, value in (("env.path", path), ("env.eval_path", eval_path)):
             if value and not Path(value).exists():  # name the setting: the loader only knows the file
-                raise FileNotFoundError(f"data file {value} does not exist: check {key}")
+                raise ConfigError(f"data file {value} does not exist: check {key}")
         problems, skipped = load_problems(path, prompt_key=prompt_key, answer_key=answer_key, name=name)
         self.skipped = [(str(path), n, why) for n, why in skipped]
         if eval_path:
@@ -163,7 +173,9 @@ class FileTask(Task):
             held = [p for p in problems if stable_fraction(p.prompt) < eval_fraction]
         self._eval = held[:eval_size]
         if not self._train:
-            raise ValueError(f"{path}: every row fell in the held-out split; lower eval_fraction or give eval_path")
+            raise ConfigError(
+                f"{path}: every row fell in the held-out split; lower env.eval_fraction or give env.eval_path"
+            )
 
     @classmethod
     def conformance_task(cls, seed: int, workdir: Path) -> FileTask:
