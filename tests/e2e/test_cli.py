@@ -27,6 +27,8 @@ def test_roll_train_runs_and_roll_eval_scores_the_checkpoint(seven_task: Path, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout[proc.stdout.rindex("\n{") + 1 :])  # the printed summary is last
     assert summary["output_dir"] == str(out) and summary["final_eval_accuracy"] is not None
+    # pipeline.output_dir is Hydra's run folder too: no stray outputs/<date>/<time>/ in the working directory.
+    assert not (tmp_path / "outputs").exists() and (out / ".hydra" / "overrides.yaml").is_file()
     for f in ("metrics.jsonl", "config.yaml", "curves.png", "samples.jsonl"):
         assert (out / f).exists(), f
     ckpt = out / "checkpoints" / "step_000004"
@@ -66,6 +68,7 @@ def test_errors_found_while_building_the_run_exit_2_without_traceback(seven_task
     gigpo = tiny_overrides(seven_task, tmp_path / "b", "algo.adv_estimator=gigpo")
     proc = _run([str(BIN / "roll-train"), *gigpo], tmp_path)
     assert proc.returncode == 2 and "use pipeline=agentic" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "outputs").exists()  # the runs named their folders (pipeline.output_dir)
 
 
 @pytest.mark.parametrize("flag", ["--help"])

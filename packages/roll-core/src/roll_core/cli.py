@@ -67,6 +67,26 @@ def _hydra_task(cfg: Any) -> float | None:
     return summary.get("final_eval_accuracy")
 
 
+def run_dir_overrides(args: list[str]) -> list[str]:
+    """`args` plus `hydra.run.dir=<dir>` when the command line sets `pipeline.output_dir=<dir>`, so that Hydra's run
+    folder (its .hydra/ record and job log) is the run's own folder instead of a stray outputs/<date>/<time>/ in
+    the working directory. Left alone: an explicit hydra.run.dir, output_dir null, and multirun (each sweep job
+    has its own folder under hydra.sweep.dir)."""
+    if any(
+        a in ("-m", "--multirun") or a.startswith(("hydra.run.dir=", "+hydra.run.dir=", "++hydra.run.dir="))
+        for a in args
+    ):
+        return list(args)
+    value = None
+    for a in args:
+        key, sep, v = a.partition("=")
+        if sep and key.lstrip("+") == "pipeline.output_dir":
+            value = v
+    if value is None or value.strip() in ("", "null", "~"):
+        return list(args)
+    return [*args, f"hydra.run.dir={value}"]
+
+
 def train_main() -> None:
     """`roll-train`: compose the primary config `rlvr` with the command-line overrides and run the pipeline."""
     import hydra
@@ -80,6 +100,7 @@ def train_main() -> None:
         sys.exit(2)
     # Let composition errors reach us so that we can explain them (key suggestions) instead of Hydra's dump.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    sys.argv[1:] = run_dir_overrides(sys.argv[1:])
     main = hydra.main(version_base=None, config_path=conf_path, config_name="rlvr")(_hydra_task)
     try:
         main()
