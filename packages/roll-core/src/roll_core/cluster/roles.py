@@ -31,6 +31,7 @@ from roll_core.cluster.weight_sync import Bucket, SyncGroup, bucket_nbytes, buck
 from roll_core.cluster.worker import Dispatch, Worker, dispatch, node_address
 from roll_core.config.build import build
 from roll_core.interfaces import InferEngine, Request, RequestOutput, SamplingParams, Task, TrainEngine
+from roll_core.interfaces.runtime import InferEngineRuntime, TrainEngineRuntime, check_engine_kwargs
 from roll_core.protocol import Batch
 from roll_core.seeds import Purpose, derive_seed
 
@@ -53,10 +54,16 @@ class EngineWorker(Worker):
         return self.engine_thread_name
 
 
-def build_engine(worker: Worker, cfg: dict[str, Any], runtime: dict[str, Any]) -> Any:
-    """Build an engine from its config on this worker, recording the thread it was built on (`engine_thread`)."""
-    resolved = resolve_device(runtime)
-    engine = build(engine_kwargs(cfg), **resolved)
+def build_engine(worker: Worker, cfg: dict[str, Any], runtime: TrainEngineRuntime | InferEngineRuntime) -> Any:
+    """Build an engine from its config and the run's values (roll_core.interfaces.runtime) on this worker,
+    recording the thread it was built on (`engine_thread`). A key the engine's constructor does not take is a
+    TypeError naming it, raised before anything is loaded."""
+    from hydra.utils import get_object
+
+    resolved = resolve_device(dict(runtime))
+    own = engine_kwargs(cfg)
+    check_engine_kwargs(get_object(own["_target_"]), {k: v for k, v in own.items() if k != "_target_"}, resolved)
+    engine = build(own, **resolved)
     worker.engine_dtype = str(getattr(engine, "dtype", None) or resolved.get("dtype") or "").removeprefix("torch.")
     current = threading.current_thread()
     worker.engine_thread_name = (current.name, current is threading.main_thread())
@@ -96,7 +103,7 @@ def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
 class TrainWorker(EngineWorker):
     """Hosts a training engine (policy, critic or frozen reference)."""
 
-    def __init__(self, engine: dict[str, Any], runtime: dict[str, Any], **base: Any) -> None:
+    def __init__(self, engine: dict[str, Any], runtime: TrainEngineRuntime, **base: Any) -> None:
         super().__init__(**base)
         self._engine_cfg, self._runtime = engine, runtime
         self._sync_group: SyncGroup | None = None
@@ -222,7 +229,7 @@ class TrainWorker(EngineWorker):
 class InferWorker(EngineWorker):
     """Hosts an inference engine: batch generation, single requests, weight updates, sleep and wake-up."""
 
-    def __init__(self, engine: dict[str, Any], runtime: dict[str, Any], **base: Any) -> None:
+    def __init__(self, engine: dict[str, Any], runtime: InferEngineRuntime, **base: Any) -> None:
         super().__init__(**base)
         self._engine_cfg, self._runtime = engine, runtime
         self._sync_group: SyncGroup | None = None

@@ -114,7 +114,9 @@ class SGLangInferEngine:
         log_level: str = "error",
         trust_remote_code: bool = False,
         deterministic: bool = False,
-        **unused: Any,
+        # Every engine gets model.attn_implementation (roll_core.interfaces.runtime); this one picks its own
+        # attention backend, so the value is not used.
+        attn_implementation: str = "sdpa",
     ) -> None:
         from roll_engines.config import SGLANG
 

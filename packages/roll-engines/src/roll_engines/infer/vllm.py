@@ -117,7 +117,9 @@ class VLLMInferEngine:
         num_threads: int | None = None,
         cache_root: str | None = None,
         trust_remote_code: bool = False,
-        **unused: Any,
+        # Every engine gets model.attn_implementation (roll_core.interfaces.runtime); this one picks its own
+        # attention backend, so the value is not used.
+        attn_implementation: str = "sdpa",
     ) -> None:
         self.device = torch.device(device)
         self.on_cpu = self.device.type == "cpu"

@@ -1,0 +1,126 @@
+"""The engine constructor contract: what a worker passes to an engine's constructor besides the engine's own config.
+
+An engine is built as `Engine(**config_keys, **runtime)` (roll_core.cluster.roles.build_engine):
+- `config_keys` are the fields of its `train_engine` / `infer_engine` schema (roll_core.config.schema.
+  TrainEngineConfig / InferEngineConfig and the engine's subclass), less the keys the worker reads itself
+  (roll_core.cluster.roles.WORKER_KEYS);
+- `runtime` are the run's values that live in other config groups (model path and dtype, seed, the optimizer
+  schedule of this role), typed below. Roles build them in one place (roll_core.pipelines.wiring.build_roles).
+
+Contract: an engine constructor accepts every key of its runtime type (it may ignore one it has no use for, e.g.
+`attn_implementation` in an engine with its own attention, but says so in a comment) and every field of its
+config schema, and names no catch-all `**kwargs`: a key it does not know is an error at build time
+(`check_engine_kwargs`), never silently dropped. The roles' runtime (build_roles) shares no key with the engine
+config; tools and tests may pass further constructor keys (`dist_backend`) or override a config key (on a clash
+the runtime wins, roll_core.config.build.build).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypedDict
+
+
+class EngineRuntime(TypedDict):
+    """Run values every engine receives."""
+
+    #: Local folder of the model (roll_core.models.resolve_model_path also takes hub ids and `builtin:` names).
+    model_path: str
+    #: Compute dtype of the weights (model.dtype, or infer_engine.dtype for inference), resolved on the engine's node.
+    dtype: str
+    #: transformers attention implementation (model.attn_implementation); engines with their own kernels ignore it.
+    attn_implementation: str
+    #: Passed to transformers' from_pretrained (model.trust_remote_code).
+    trust_remote_code: bool
+    #: pipeline.seed: initialisation of new heads, engine-internal sampling streams.
+    seed: int
+    #: torch device string ("cpu", "cuda:0"); the driver sends "auto", resolved where the engine runs.
+    device: str
+
+
+class _Placement(TypedDict, total=False):
+    #: Platform name for resolving `device` and `dtype` on the engine's node (roll_core.cluster.roles.
+    #: resolve_device); read and removed by the worker, never passed to the engine.
+    platform: str
+
+
+class _TrainRole(EngineRuntime):
+    role: Literal["actor", "critic", "reference"]
+
+
+class TrainEngineRuntime(_TrainRole, _Placement, total=False):
+    """Run values of a training engine: its role and, for trainable roles, the optimizer schedule (from `algo`)."""
+
+    #: False for a frozen role (the reference policy): no optimizer, weights in the compute dtype.
+    trainable: bool
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+    #: Optimizer steps of the run (the LR schedule's horizon).
+    total_steps: int
+    lr_schedule: str
+    max_grad_norm: float
+
+
+class _InferLimits(EngineRuntime):
+    #: Default response limit (model.max_response_length); SamplingParams may lower it per call.
+    max_new_tokens: int
+
+
+class InferEngineRuntime(_InferLimits, _Placement, total=False):
+    """Run values of an inference engine."""
+
+
+def _keys(t: Any) -> frozenset[str]:
+    return frozenset(t.__required_keys__ | t.__optional_keys__)
+
+
+#: Keys of each runtime type, for run-time checks (Python does not check TypedDicts).
+TRAIN_RUNTIME_KEYS = _keys(TrainEngineRuntime)
+INFER_RUNTIME_KEYS = _keys(InferEngineRuntime)
+
+
+def accepted_keys(target: Callable[..., Any]) -> frozenset[str] | None:
+    """The keyword arguments `target` takes, or None when it ends in a catch-all `**kwargs`.
+
+    A class's constructor with `**kwargs` is read as forwarding them to its base class's constructor (FSDP2's
+    engine over hf's), whose names are then accepted too, along the MRO; a catch-all at the end of that chain (or
+    in a plain function) swallows unknown keys and yields None.
+    """
+    var = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    chain: list[Callable[..., Any]] = [target]
+    if isinstance(target, type):
+        chain = [vars(c)["__init__"] for c in target.__mro__ if c is not object and "__init__" in vars(c)]
+    names: set[str] = set()
+    for fn in chain:
+        params = inspect.signature(fn).parameters
+        names |= {n for n, p in params.items() if p.kind not in var and n != "self"}
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return frozenset(names)
+    return None
+
+
+def check_engine_kwargs(target: Callable[..., Any], config: Mapping[str, Any], runtime: Mapping[str, Any]) -> None:
+    """Raise TypeError naming the engine and the keys when `target(**config, **runtime)` would break the contract
+    (module docstring): a constructor that swallows unknown keys (`accepted_keys`), or a key it does not take.
+    Nothing is built.
+
+    Args:
+        target: the engine class (or factory).
+        config: the engine config's keys passed to it (worker keys and `_target_` removed).
+        runtime: the runtime keys passed to it (`platform` removed).
+    """
+    name = getattr(target, "__qualname__", repr(target))
+    accepted = accepted_keys(target)
+    if accepted is None:
+        raise TypeError(
+            f"{name} takes **kwargs: an engine constructor names every key it accepts (unknown keys are errors)"
+        )
+    for source, keys in (("config", config), ("runtime", runtime)):
+        unknown = sorted(k for k in keys if k not in accepted)
+        if unknown:
+            raise TypeError(
+                f"{name} does not accept the {source} key(s) {unknown}"
+                + (": remove them from the engine's config" if source == "config" else "")
+            )
