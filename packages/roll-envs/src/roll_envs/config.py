@@ -1,18 +1,28 @@
 """Config schemas of roll-envs' tasks and rewards, registered in Hydra's ConfigStore under `env/`.
 
 Each schema's `_target_` names the class it builds; its fields bind to that class's constructor (checked by
-tests/configs). The `reward` field is itself a `_target_` node so any installed reward can be swapped in.
+tests/configs).
+
+A task's reward is its own node, `env.reward`, chosen in the `env/reward` group: `math`, `countdown`, `code` (typed:
+an unknown key is an error) or `custom` (untyped: `_target_` and the reward's own keyword arguments). Each env
+option picks its default (`- reward: math` in its defaults list); `env/reward=code` swaps it. A reward class of
+your own: `env/reward=custom env.reward._target_=my_pkg.MyReward +env.reward.threshold=0.5`. Setting only
+`env.reward._target_=my_pkg.MyReward` on a built-in node also works for a class that takes that node's keys (a
+subclass of the built-in reward); a key it does not take is dropped when it still has the built-in's default, and
+refused, naming `env/reward=custom`, when it was set.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING
 
-from roll_core.errors import Extra
+from roll_core.errors import ConfigError, Extra
 
 # Optional dependencies of the tasks and rewards (roll_core.errors.Extra), shared by the schemas' check_installed()
 # (run before anything is built) and the import sites.
@@ -127,6 +137,94 @@ class CodeRewardConfig:
             raise BWRAP.error() from exc
 
 
+#: The env/reward group's typed options (name -> schema); `custom` is the untyped node.
+REWARD_SCHEMAS: dict[str, type] = {
+    "math": MathRewardConfig,
+    "countdown": CountdownRewardConfig,
+    "code": CodeRewardConfig,
+}
+
+
+def reward_node(node: Any, default: type) -> Any:
+    """Check `env.reward` against the class its `_target_` names (see the module docstring); returns the node to
+    build: unchanged, or for a built-in node whose `_target_` was replaced, a dict of the keys the class takes.
+    A schema built in Python without a reward gets `default()` (composed configs always have one: Hydra refuses a
+    missing node before this runs).
+
+    A `_target_` that cannot be imported here is left for the build to report (with the installed rewards)."""
+    if isinstance(node, str) and node == MISSING:
+        return default()
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        schema = type(node)
+        values = {f.name: getattr(node, f.name) for f in dataclasses.fields(node)}
+        target = values.pop("_target_")
+        if target == schema._target_:  # the built-in reward itself: its schema already refused unknown keys
+            return node
+        params = _parameters(target)
+        if params is None:
+            return node
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        defaults = {f.name: f.default for f in dataclasses.fields(schema) if f.default is not dataclasses.MISSING}
+        kept, refused = {}, []
+        for key, value in values.items():
+            if takes_any or key in params:
+                kept[key] = value
+            elif key not in defaults or value != defaults[key]:
+                refused.append(f"env.reward.{key}={value!r}")
+        if refused:
+            raise ConfigError(
+                f"env.reward._target_={target} does not take {', '.join(refused)} (keys of the built-in reward it "
+                f"replaces, {schema.__name__}): drop them, or give the reward its own node: env/reward=custom "
+                f"env.reward._target_={target} +env.reward.<option>=<value>"
+            )
+        _check_required(target, params, kept)
+        return node if len(kept) == len(values) else {"_target_": target, **kept}
+    if isinstance(node, dict):
+        target = node.get("_target_")
+        if not isinstance(target, str) or not target:
+            raise ConfigError("env/reward=custom needs the reward's class: env.reward._target_=my_pkg.MyReward")
+        params = _parameters(target)
+        if params is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return node
+        unknown = sorted(k for k in node if k != "_target_" and k not in params)
+        if unknown:
+            takes = [k for k, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+            raise ConfigError(
+                f"{target} does not take {', '.join(f'env.reward.{k}' for k in unknown)}; it takes: "
+                f"{', '.join(takes) or 'no arguments'}"
+            )
+        _check_required(target, params, node)
+    return node
+
+
+def _check_required(target: str, params: dict[str, inspect.Parameter], given: Any) -> None:
+    """Refuse a reward config that leaves out an argument the class requires, naming how to give it."""
+    needed = [
+        k
+        for k, p in params.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and k not in given
+    ]
+    if needed:
+        sets = " ".join(f"+env.reward.{k}=<value>" for k in needed)
+        raise ConfigError(
+            f"{target} needs {', '.join(needed)}: env/reward=custom env.reward._target_={target} {sets} (a reward "
+            "of your own takes its own node)"
+        )
+
+
+def _parameters(target: str) -> dict[str, inspect.Parameter] | None:
+    """The keyword parameters of the class or function `target` names, or None when it cannot be imported here."""
+    try:
+        from hydra.utils import get_object
+
+        obj = get_object(target)
+        return dict(inspect.signature(obj).parameters)
+    except Exception:
+        return None
+
+
 @dataclass
 class ArithmeticEnvConfig:
     """Procedurally generated arithmetic."""
@@ -153,10 +251,12 @@ class ArithmeticEnvConfig:
     system_prompt: str | None = None
     # Worked training examples shown before each question (chat turns).
     examples: int = 0
-    reward: Any = field(default_factory=MathRewardConfig)
+    # The reward: a node of the env/reward group (this option's default is in its YAML's defaults list).
+    reward: Any = MISSING
 
     def __post_init__(self) -> None:
         _check_split(self, train_size=self.train_size)
+        self.reward = reward_node(self.reward, MathRewardConfig)
 
 
 @dataclass
@@ -172,10 +272,12 @@ class CountdownEnvConfig:
     eval_fraction: float = 0.2
     seed: int = 0
     system_prompt: str | None = None
-    reward: Any = field(default_factory=CountdownRewardConfig)
+    # The reward: a node of the env/reward group (this option's default is in its YAML's defaults list).
+    reward: Any = MISSING
 
     def __post_init__(self) -> None:
         _check_split(self, train_size=self.train_size)
+        self.reward = reward_node(self.reward, CountdownRewardConfig)
         if self.max_number < 1:
             raise ValueError(f"env.max_number={self.max_number} must be >= 1 (numbers are drawn from 1..max_number)")
 
@@ -195,10 +297,12 @@ class FileEnvConfig:
     eval_fraction: float = 0.1
     eval_size: int = 100
     system_prompt: str | None = None
-    reward: Any = field(default_factory=MathRewardConfig)
+    # The reward: a node of the env/reward group (this option's default is in its YAML's defaults list).
+    reward: Any = MISSING
 
     def __post_init__(self) -> None:
         _check_split(self)
+        self.reward = reward_node(self.reward, MathRewardConfig)
 
     def check_installed(self) -> None:
         _check_data_file(self.path)
@@ -233,7 +337,11 @@ class CodeEnvConfig:
         "standard output. Put the program in a ```python code block."
     )
     system_prompt: str | None = None
-    reward: Any = field(default_factory=CodeRewardConfig)
+    # The reward: a node of the env/reward group (this option's default is in its YAML's defaults list).
+    reward: Any = MISSING
+
+    def __post_init__(self) -> None:
+        self.reward = reward_node(self.reward, CodeRewardConfig)
 
     def check_installed(self) -> None:
         _check_data_file(self.path)
@@ -305,3 +413,7 @@ def register_configs() -> None:
     cs.store(group="env", name="file_schema", node=FileEnvConfig)
     cs.store(group="env", name="code_schema", node=CodeEnvConfig)
     cs.store(group="env", name="agentic_schema", node=AgenticEnvConfig)
+    # env.reward: each reward's own node (the module docstring); `custom` takes any class and its own keys.
+    for name, schema in REWARD_SCHEMAS.items():
+        cs.store(group="env/reward", name=name, node=schema)
+    cs.store(group="env/reward", name="custom", node={"_target_": MISSING})
