@@ -16,8 +16,7 @@ BIN = Path(sys.executable).parent
 
 
 def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, ROLL_CONF_DIR=str(Path(__file__).resolve().parents[2] / "conf"))
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
 def test_roll_train_runs_and_roll_eval_scores_the_checkpoint(seven_task: Path, tmp_path: Path) -> None:
@@ -86,7 +85,7 @@ def test_ctrl_c_checkpoints_and_resume_true_finds_the_run(seven_task: Path, tmp_
 
     runs = tmp_path / "outputs"
     overrides = [o for o in tiny_overrides(seven_task, tmp_path, "pipeline.max_steps=40") if "output_dir" not in o]
-    env = dict(os.environ, ROLL_CONF_DIR=str(Path(__file__).resolve().parents[2] / "conf"))
+    env = dict(os.environ)
     first = runs / "day" / "run1"
     proc = subprocess.Popen(
         [str(BIN / "roll-train"), *overrides, f"hydra.run.dir={first}"],
@@ -124,7 +123,6 @@ def test_a_ray_instance_roll_starts_keeps_token_auth(seven_task: Path, tmp_path:
     """roll-train cluster=ray starts a local Ray instance with Ray's token authentication on (nobody on the network
     can submit work to it) unless the user opts out."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
-    env["ROLL_CONF_DIR"] = str(Path(__file__).resolve().parents[2] / "conf")
     overrides = tiny_overrides(seven_task, tmp_path / "run", "cluster=ray", "pipeline.max_steps=1")
     proc = subprocess.run(
         [str(BIN / "roll-train"), *overrides], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600

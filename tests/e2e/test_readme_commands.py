@@ -281,7 +281,7 @@ def _model_installed(path: str) -> bool:
 
 
 def _cli_env() -> dict[str, str]:
-    return dict(os.environ, ROLL_CONF_DIR=str(CONF), RAY_AUTH_MODE="disabled", HYDRA_FULL_ERROR="1")
+    return dict(os.environ, RAY_AUTH_MODE="disabled", HYDRA_FULL_ERROR="1")
 
 
 def _tail(proc: subprocess.CompletedProcess) -> str:

@@ -13,11 +13,10 @@ import pytest
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="install roll-core[sweep]")
 BIN = Path(sys.executable).parent
-CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, ROLL_CONF_DIR=str(CONF), RAY_AUTH_MODE="disabled")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")  # configs: the packages' and the repository's conf/
     cmd = [str(BIN / "roll-train"), "-m", *overrides, f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
 
