@@ -118,8 +118,8 @@ def register_all_configs() -> list[str]:
         return []
     import warnings
 
-    # conf/hydra/launcher/ray.yaml deliberately extends the Ray launcher's schema of the same name (so that the
-    # documented `hydra/launcher=ray` gets roll's defaults); Hydra warns about that pattern on every compose.
+    # roll_core/conf/hydra/launcher/ray.yaml deliberately extends the Ray launcher's schema of the same name (so that
+    # the documented `hydra/launcher=ray` gets roll's defaults); Hydra warns about that pattern on every compose.
     warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
     names = available("roll.configs")
     for name in names:

@@ -2,7 +2,7 @@
 
 How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=ray`):
 - Hydra expands the overrides into jobs; the Ray launcher (hydra-ray-launcher) starts each job as a Ray task
-  that reserves no CPU (conf/hydra/launcher/ray.yaml), on the same cluster its RL roles are placed on.
+  that reserves no CPU (roll_core/conf/hydra/launcher/ray.yaml), on the same cluster its RL roles are placed on.
 - Each job first takes a slot from a named Ray actor (`JobSlots`) holding `cluster.max_concurrent` permits,
   so a sweep on a small machine queues instead of oversubscribing it (0 = no bound). A slot is a lease the job
   renews every few seconds from a thread: a job that raises releases it at once, and one that is killed

@@ -1,7 +1,7 @@
 """Structured-config schemas owned by roll-core: algorithm, model, hardware, cluster, pipeline and the root.
 
 Contract: each schema is a dataclass registered in Hydra's ConfigStore by `register_configs()`; the YAML under
-`conf/` extends these schemas, so an unknown key or a wrong type fails at composition with the key's name.
+`roll_core/conf` extends these schemas, so an unknown key or a wrong type fails at composition with the key's name.
 Invariants live in `__post_init__` and say how to fix the value. Engine and environment schemas live in the
 packages that implement them (roll-engines, roll-envs) and register through their own `roll.configs` entry
 points; the root types the engine groups by their shared bases (`TrainEngineConfig`, `InferEngineConfig`), which
