@@ -72,9 +72,9 @@ def main() -> None:
             if backend == "ray":  # the old path: one whole state dict through the object store
 
                 def whole() -> None:
-                    ref = train.submit("get_weights").refs[0]
+                    ref = train.submit(TrainWorker.get_weights).refs[0]
                     infer.begin_weight_update()
-                    infer.call("receive_weights_object_store", [ref])
+                    infer.call(InferWorker.receive_weights_object_store, [ref])
                     infer.finish_weight_update()
 
                 # The whole dict arrives as one "bucket" holding every tensor.

@@ -33,7 +33,7 @@ def test_dead_engine_names_role_rank_and_node(ray_cluster) -> None:
     try:
         prompts = Batch(fields={"prompt_ids": [[5, 6, 7]] * 4})
         long = SamplingParams(max_new_tokens=100_000, ignore_eos=True, seed=0)
-        handle = group.submit("generate", prompts, long, 2)
+        handle = group.submit(InferWorker.generate, prompts, long, 2)
         time.sleep(0.2)  # generation of 4 x 2 x 509 tokens is under way
         ray.kill(group.workers[1])
         with pytest.raises(WorkerDiedError, match=r"actor_infer rank 1 on node [0-9a-f]+ died during generate"):

@@ -114,10 +114,11 @@ def test_killed_inference_and_reward_workers_are_restarted_and_the_run_completes
     def killing(group: Any) -> None:
         submit = group.submit
 
-        def wrapped(method: str, *args: Any, **kwargs: Any) -> Any:
+        def wrapped(method: Any, *args: Any, **kwargs: Any) -> Any:
             handle = submit(method, *args, **kwargs)
-            seen[method] = seen.get(method, 0) + 1
-            if kills.get(method) == seen[method]:
+            name = method.__name__  # calls name the worker method (roll_core.cluster.group)
+            seen[name] = seen.get(name, 0) + 1
+            if kills.get(name) == seen[name]:
                 ray.kill(group.workers[0])
             return handle
 
@@ -203,7 +204,7 @@ def test_hung_worker_is_restarted_then_a_timeout_past_the_budget_names_role_meth
         marker=str(marker),
     )
     try:
-        pid = group.call("nap", 60.0)[0]  # the first incarnation hangs; it is killed, the restarted one answers
+        pid = group.call(Napper.nap, 60.0)[0]  # the first incarnation hangs; it is killed, the restarted one answers
         assert pid != int(marker.read_text())
         assert group.restarts == 1 and group.timeouts == 1
         marker.unlink()  # the next call hangs again, and the restart budget is spent
@@ -211,6 +212,6 @@ def test_hung_worker_is_restarted_then_a_timeout_past_the_budget_names_role_meth
             CallTimeoutError,
             match=r"napper\.nap\(\) did not return within 1\.5s on rank\(s\) 0 .*cluster\.max_restarts=1",
         ):
-            group.call("nap", 60.0)
+            group.call(Napper.nap, 60.0)
     finally:
         group.shutdown()

@@ -46,7 +46,7 @@ def _equals_hf(group: TrainGroup, hf, batch: Batch, objective, critic: bool = Fa
     got = getattr(group, score)(batch)[key]
     torch.testing.assert_close(got * mask, expected * mask, atol=1e-5, rtol=1e-5)
     expected_grads = hf.compute_gradients(batch.tensors(), objective)
-    grads = group.call("compute_gradients", batch, objective)[0]
+    grads = group.call(TrainWorker.compute_gradients, batch, objective)[0]
     assert set(grads) == set(expected_grads)
     for name, g in expected_grads.items():
         torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)
@@ -218,7 +218,7 @@ def test_megatron_lora_parallel_equals_peft_and_resumes_at_pp2(ray_cluster, tmp_
         tp2.train(batch, objective, **train)  # B leaves zero: every adapter tensor now shapes the output
         tp2.save(str(tmp_path / "ckpt"), path)
         logp = {base: tp2.compute_logprobs(batch, base=base)["logprobs"] for base in (False, True)}
-        grads = tp2.call("compute_gradients", batch, objective)[0]
+        grads = tp2.call(TrainWorker.compute_gradients, batch, objective)[0]
         tp2.train(batch, objective, **train)
         expected = tp2.get_weights()
     finally:
@@ -403,7 +403,7 @@ def test_megatron_weights_stream_a_layer_at_a_time(ray_cluster, tmp_path, kind: 
         path = tiny_model(kind, tmp_path / kind)
     group = _group(path, 1, pp, worker=_export_probe(), expert_model_parallel_size=ep, use_distributed_optimizer=False)
     try:
-        ranks = group.call("stream_weights")
+        ranks = group.call(group.cls.stream_weights)
         weights = group.get_weights()
     finally:
         group.shutdown()

@@ -68,7 +68,7 @@ def _groups(
         opts = cluster._placement(role, n, (devices or {}).get(role, 1))
         group = WorkerGroup(Worker, n, "ray", name=role, ray_options=opts)
         cluster.groups.append(group)
-        out[role] = group.call("node_info")
+        out[role] = group.call(Worker.node_info)
     return cluster, out
 
 

@@ -73,7 +73,7 @@ def test_role_on_a_lost_node_is_restarted_on_another_and_the_call_rerun(two_node
         lost = next(n for n in nodes.values() if n.node_id == before)
         cluster.remove_node(lost, allow_graceful=False)
         _wait_until_dead(lost.node_id)
-        rank, _, _ = group.call("ping")[0]  # the worker died with its node: restarted elsewhere, ping rerun
+        rank, _, _ = group.call(Worker.ping)[0]  # the worker died with its node: restarted elsewhere, ping rerun
         assert rank == 0 and group.restarts == 1
         assert group.nodes[0] != before and group.nodes[0] in {n.node_id for n in nodes.values()}
         assert roll.fault_metrics()["faults/restarts_actor_infer"] == 1

@@ -50,10 +50,10 @@ def test_fsdp2_gradients_equal_single_process(ray_cluster) -> None:
         runtime={"model_path": path, "lr": 1e-3, "num_threads": 1, "dist_backend": "gloo"},
     )
     try:
-        assert [r[:2] for r in group.call("ping")] == [(0, 2), (1, 2)]
-        pids = {r[2] for r in group.call("ping")}
+        assert [r[:2] for r in group.call(TrainWorker.ping)] == [(0, 2), (1, 2)]
+        pids = {r[2] for r in group.call(TrainWorker.ping)}
         assert len(pids) == 2  # two processes
-        got = group.call("compute_gradients", batch, objective)[0]  # uneven split: 3 + 3 rows
+        got = group.call(TrainWorker.compute_gradients, batch, objective)[0]  # uneven split: 3 + 3 rows
         assert set(got) == set(expected)
         for name, g in expected.items():
             torch.testing.assert_close(got[name], g, atol=1e-6, rtol=1e-4, msg=name)
@@ -101,15 +101,16 @@ def test_fsdp2_uneven_rows_balance_collectives(ray_cluster) -> None:
     expected_logp = single.compute_logprobs(batch.tensors())["logprobs"]
     group = _fsdp2_group(path, 2, micro=2)
     try:
-        got = _call(group.submit("compute_gradients", batch, objective))[0]
+        got = _call(group.submit(TrainWorker.compute_gradients, batch, objective))[0]
         for name, g in expected.items():
             torch.testing.assert_close(got[name], g, atol=1e-6, rtol=1e-4, msg=name)
-        logp = Batch.concat(_call(group.submit("compute_logprobs", batch)))["logprobs"]
+        logp = Batch.concat(_call(group.submit(TrainWorker.compute_logprobs, batch)))["logprobs"]
         torch.testing.assert_close(logp, expected_logp, atol=1e-5, rtol=1e-5)
-        metrics = _call(group.submit("train", batch, objective, 3, 1, 1.0, 0))  # rank 1: 2 rows, 3 mini-batches
+        # Rank 1: 2 rows, 3 mini-batches.
+        metrics = _call(group.submit(TrainWorker.train, batch, objective, 3, 1, 1.0, 0))
         assert all(torch.isfinite(torch.tensor(m["grad_norm"])) for m in metrics)
         one_row = full.index([0])  # rank 1 gets no row at all
-        assert _call(group.submit("compute_gradients", one_row, objective))[0]
+        assert _call(group.submit(TrainWorker.compute_gradients, one_row, objective))[0]
     finally:
         group.shutdown()
 
@@ -131,9 +132,9 @@ def test_fsdp2_checkpoint_resumes_at_another_world_size(ray_cluster, tmp_path) -
     objective = PolicyObjective(agg="token-mean")
     group = _fsdp2_group(path, 2, micro=3)
     try:
-        _call(group.submit("train", batch, objective, 1, 1, 1.0, 0))
+        _call(group.submit(TrainWorker.train, batch, objective, 1, 1, 1.0, 0))
         group.save(str(tmp_path / "ckpt"), path)
-        _call(group.submit("train", batch, objective, 1, 1, 1.0, 0))
+        _call(group.submit(TrainWorker.train, batch, objective, 1, 1, 1.0, 0))
         two_ranks = group.get_weights()
     finally:
         group.shutdown()
@@ -169,7 +170,7 @@ def test_fsdp2_lora_matches_single_process_and_checkpoints(ray_cluster, tmp_path
         runtime={"model_path": path, "lr": 1e-2, "num_threads": 1, "dist_backend": "gloo"},
     )
     try:
-        _call(group.submit("train", batch, objective, 1, 1, 1.0, 0))
+        _call(group.submit(TrainWorker.train, batch, objective, 1, 1, 1.0, 0))
         merged = group.get_weights()
         for name, value in single.get_weights().items():  # merged weights, HF names, after one equal step
             torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-4, msg=name)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from roll_core.cluster.group import RayOptions
-from roll_core.cluster.roles import InferGroup, InferWorker, TrainGroup, TrainWorker
+from roll_core.cluster.roles import EngineWorker, InferGroup, InferWorker, TrainGroup, TrainWorker
 from roll_core.cluster.weight_sync import WeightSync
 from roll_core.interfaces import SamplingParams
 from roll_core.models import resolve_model_path
@@ -111,7 +111,7 @@ def _assert_engines_built_on_the_main_thread(train: TrainGroup, infer: InferGrou
     import ray
 
     for group in (train, infer):
-        built = group.call("engine_thread")
+        built = group.call(EngineWorker.engine_thread)
         assert built and all(on_main for _, on_main in built), (group.name, built)
     # ...while the actor's calls run on pool threads: the constructor is where the main thread is.
     where = ray.get(infer.workers[0].__ray_call__.remote(lambda self: threading.current_thread().name))

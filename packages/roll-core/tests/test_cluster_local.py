@@ -29,23 +29,28 @@ class Doubler(Worker):
 
 def test_dp_split_is_uneven_and_ordered() -> None:
     group = WorkerGroup(Doubler, 3, "local", factor=10)
-    out = group.call("double", Batch({"x": torch.arange(7).float()}))
+    out = group.call(Doubler.double, Batch({"x": torch.arange(7).float()}))
     assert out["x"].tolist() == [0, 10, 20, 30, 40, 50, 60]
     assert out["rank"].tolist() == [0, 0, 0, 1, 1, 2, 2]
 
 
 def test_broadcast_and_rank0() -> None:
     group = WorkerGroup(Doubler, 2, "local")
-    assert [r[:2] for r in group.call("ping")] == [(0, 2), (1, 2)]
-    assert group.call("who") == 0
+    assert [r[:2] for r in group.call(Doubler.ping)] == [(0, 2), (1, 2)]
+    assert group.call(Doubler.who) == 0
 
 
 def test_undeclared_method_and_bad_args() -> None:
     group = WorkerGroup(Doubler, 1, "local")
     with pytest.raises(TypeError, match="decorate it with @dispatch"):
-        group.call("undeclared")
+        group.call(Doubler.undeclared)
     with pytest.raises(TypeError, match="needs a Batch"):
-        group.call("double", [1, 2])
+        group.call(Doubler.double, [1, 2])
+    # Calls name the method (type-checked), never a string, and only the group's own worker class's methods.
+    with pytest.raises(TypeError, match=r"pass the worker method \(Doubler\.double\), not its name"):
+        group.call("double", Batch({"x": torch.arange(2)}))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="is not a method of Doubler"):
+        group.call(Batch.concat, [])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown backend"):
         WorkerGroup(Doubler, 1, "mpi")
 
@@ -54,7 +59,7 @@ def test_local_backend_runs_in_this_process() -> None:
     import os
 
     group = WorkerGroup(Doubler, 2, "local")
-    assert {pid for _, _, pid in group.call("ping")} == {os.getpid()}
+    assert {pid for _, _, pid in group.call(Doubler.ping)} == {os.getpid()}
 
 
 def test_rendezvous_port_is_held_until_setup() -> None:

@@ -66,12 +66,12 @@ def test_dp_calls_split_by_replica_and_gather_from_output_ranks(tp: int, pp: int
     mesh = Mesh(dp=2, tp=tp, pp=pp, cp=cp)
     group = WorkerGroup(Recorder, mesh.world_size, "local", mesh=mesh)
     batch = Batch({"x": torch.arange(5)})  # uneven: replica 0 gets 3 rows, replica 1 gets 2
-    handle = group.submit("echo", batch)
+    handle = group.submit(Recorder.echo, batch)
     per_replica = handle.values()
     assert len(per_replica) == 2
     assert [p["rank"].unique().tolist() for p in per_replica] == [[r] for r in mesh.output_ranks()]
     assert torch.equal(handle.result()["x"], batch["x"])  # every row once, in order
-    assert len(group.call("rank_env")) == mesh.world_size  # broadcasts still reach every rank
+    assert len(group.call(Recorder.rank_env)) == mesh.world_size  # broadcasts still reach every rank
 
 
 def test_mesh_must_cover_the_group() -> None:

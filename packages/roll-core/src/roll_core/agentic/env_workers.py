@@ -70,7 +70,9 @@ class RemoteEnvManager:
         return slot % self.n, slot // self.n
 
     def grow(self, slots: int) -> None:
-        handles = [self.group.submit_to(r, "grow", -(-(slots - r) // self.n)) for r in range(min(self.n, slots))]
+        handles = [
+            self.group.submit_to(r, EnvWorker.grow, -(-(slots - r) // self.n)) for r in range(min(self.n, slots))
+        ]
         for h in handles:
             h.result()
 
@@ -84,18 +86,18 @@ class RemoteEnvManager:
 
     def reset(self, slot: int, seed: int) -> tuple[str, dict[str, Any]]:
         rank, local = self._where(slot)
-        return self._unwrap(self.group.submit_to(rank, "reset", local, seed).result())
+        return self._unwrap(self.group.submit_to(rank, EnvWorker.reset, local, seed).result())
 
     def step(self, slot: int, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         rank, local = self._where(slot)
-        return self._unwrap(self.group.submit_to(rank, "step", local, action).result())
+        return self._unwrap(self.group.submit_to(rank, EnvWorker.step, local, action).result())
 
     def counters(self) -> dict[str, int]:
         total: dict[str, int] = {}
-        for part in self.group.call("counters"):
+        for part in self.group.call(EnvWorker.counters):
             for k, v in part.items():
                 total[k] = total.get(k, 0) + v
         return total
 
     def close(self) -> None:
-        self.group.call("close")
+        self.group.call(EnvWorker.close)

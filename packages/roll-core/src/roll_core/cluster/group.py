@@ -1,8 +1,10 @@
 """Worker groups over two backends with one code path: `local` (in-process) and `ray` (actors).
 
 `WorkerGroup(cls, world_size, backend, **kwargs)` creates `world_size` instances of a worker class and runs
-calls according to each method's declared dispatch mode (see roll_core.cluster.worker). `submit()` returns a
-`Handle` to wait on, so the controller can overlap work; `call()` waits. The `local` backend executes at submit
+calls according to each method's declared dispatch mode (see roll_core.cluster.worker). A call names the worker
+method itself, never its name as a string: `group.call(TrainWorker.compute_values, batch)`, so a type checker sees
+the method and checks its arguments (`Method`: a worker method with the worker's type first). `submit()` returns
+a `Handle` to wait on, so the controller can overlap work; `call()` waits. The `local` backend executes at submit
 time in this process (so `breakpoint()` in a worker just works); the `ray` backend places actors by the
 resources and placement groups the caller gives.
 
@@ -27,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 from roll_core.cluster.mesh import Mesh
 from roll_core.cluster.ports import free_port, reserve_port  # noqa: F401  (re-exported: old imports work)
@@ -35,6 +37,10 @@ from roll_core.cluster.worker import Dispatch, Worker, dispatch_mode, retryable
 from roll_core.protocol import Batch
 
 W = TypeVar("W", bound=Worker)
+P = ParamSpec("P")
+R = TypeVar("R")
+#: A worker method as the controller names it: `TrainWorker.compute_values` (unbound, the worker first).
+Method = Callable[Concatenate[W, P], R]
 log = logging.getLogger(__name__)
 
 
@@ -71,8 +77,9 @@ class CallTimeoutError(TimeoutError):
     """A call did not finish within the role's call timeout; the message names role, method, ranks and timeout."""
 
 
-class Handle:
-    """A pending group call; `result()` waits and assembles per the dispatch mode."""
+class Handle(Generic[R]):
+    """A pending group call of a method returning `R` on each rank; `values()` waits for the per-rank results,
+    `result()` waits and assembles them per the dispatch mode."""
 
     def __init__(
         self,
@@ -89,7 +96,7 @@ class Handle:
         """Raw per-rank results or Ray object refs (to pass results on without a round trip)."""
         return self._parts
 
-    def values(self) -> list[Any]:
+    def values(self) -> list[R]:
         """Per-rank results, waiting for every rank; a DP call on a mesh returns one result per replica."""
         values = self._resolve(self._parts)
         return values if self._keep is None else [values[i] for i in self._keep]
@@ -209,23 +216,38 @@ class WorkerGroup(Generic[W]):
         )
 
     # ---- calls --------------------------------------------------------------------------------------------
-    def submit(self, method: str, *args: Any, **kwargs: Any) -> Handle:
-        """Start `method` on the group according to its dispatch mode; returns a Handle."""
-        mode = dispatch_mode(self.cls, method)
+    def _method_name(self, method: Callable[..., Any]) -> str:
+        """The name of a worker method of this group's class (a string or another class's method is an error)."""
+        if isinstance(method, str):
+            raise TypeError(
+                f"{self.name}: pass the worker method ({self.cls.__name__}.{method}), not its name: a type checker "
+                "sees a method, not a string"
+            )
+        name = getattr(method, "__name__", None)
+        owner = next((c for c in self.cls.__mro__ if name is not None and vars(c).get(name) is method), None)
+        if owner is None:
+            raise TypeError(f"{self.name}: {method!r} is not a method of {self.cls.__name__} (or of its bases)")
+        return name
+
+    def submit(self, method: Method[W, P, R], *args: P.args, **kwargs: P.kwargs) -> Handle[R]:
+        """Start `method` (a method of the group's worker class) according to its dispatch mode; returns a Handle."""
+        name = self._method_name(method)
+        mode = dispatch_mode(self.cls, name)
         if mode is Dispatch.ONE:
-            raise TypeError(f"{self.cls.__name__}.{method} goes to one rank: use submit_to(rank, ...)")
+            raise TypeError(f"{self.cls.__name__}.{name} goes to one rank: use submit_to(rank, ...)")
         per_rank_args = self._distribute(mode, args)
         targets = range(1) if mode is Dispatch.RANK0 else range(self.world_size)
-        return self._run(method, mode, {r: per_rank_args[r] for r in targets}, kwargs)
+        return self._run(name, mode, {r: per_rank_args[r] for r in targets}, kwargs)
 
-    def submit_to(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Handle:
+    def submit_to(self, rank: int, method: Method[W, P, R], *args: P.args, **kwargs: P.kwargs) -> Handle[R]:
         """Start `method` on one rank only (methods declared `Dispatch.ONE`)."""
-        mode = dispatch_mode(self.cls, method)
+        name = self._method_name(method)
+        mode = dispatch_mode(self.cls, name)
         if mode is not Dispatch.ONE:
-            raise TypeError(f"{self.cls.__name__}.{method} is dispatched as {mode.value}, not to one rank")
+            raise TypeError(f"{self.cls.__name__}.{name} is dispatched as {mode.value}, not to one rank")
         if not 0 <= rank < self.world_size:
             raise IndexError(f"{self.name} has ranks 0..{self.world_size - 1}, not {rank}")
-        return self._run(method, mode, {rank: args}, kwargs)
+        return self._run(name, mode, {rank: args}, kwargs)
 
     def _run(self, method: str, mode: Dispatch, args: dict[int, Sequence[Any]], kwargs: dict[str, Any]) -> Handle:
         ranks = list(args)
@@ -240,12 +262,13 @@ class WorkerGroup(Generic[W]):
         born = {r: self._incarnation[r] for r in args} if self.backend == "ray" else {}
         return Handle(parts, mode, lambda p: self._collect(method, args, kwargs, p, deadline, born), keep)
 
-    def call_ranks(self, ranks: Sequence[int], method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_ranks(self, ranks: Sequence[int], method: Method[W, P, R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run a broadcast method on some ranks only (restoring restarted workers); their results in order."""
-        mode = dispatch_mode(self.cls, method)
+        name = self._method_name(method)
+        mode = dispatch_mode(self.cls, name)
         if mode not in (Dispatch.BROADCAST, Dispatch.RANK0):
-            raise TypeError(f"{self.cls.__name__}.{method} is dispatched as {mode.value}; call_ranks runs broadcasts")
-        return self._run(method, Dispatch.BROADCAST, {r: args for r in ranks}, kwargs).values()
+            raise TypeError(f"{self.cls.__name__}.{name} is dispatched as {mode.value}; call_ranks runs broadcasts")
+        return self._run(name, Dispatch.BROADCAST, {r: args for r in ranks}, kwargs).values()
 
     # ---- faults (Ray) ---------------------------------------------------------------------------------------
     def _deadline(self) -> float | None:
@@ -403,8 +426,9 @@ class WorkerGroup(Generic[W]):
             where = ", ".join(dead) or "a rank"
             raise WorkerDiedError(f"{self.name} {where} died during {method}(): {type(exc).__name__}") from exc
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """`submit(...).result()`."""
+    def call(self, method: Method[W, P, R], *args: P.args, **kwargs: P.kwargs) -> Any:
+        """`submit(...).result()`: per the dispatch mode, rank 0's `R` (RANK0), the concatenated Batch (DP) or the
+        list of per-rank results (BROADCAST, DP of other types)."""
         return self.submit(method, *args, **kwargs).result()
 
     def _distribute(self, mode: Dispatch, args: Sequence[Any]) -> list[Sequence[Any]]:

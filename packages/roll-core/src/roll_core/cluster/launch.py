@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from roll_core.cluster.group import RayOptions, WorkerGroup
+from roll_core.cluster.worker import Worker
 from roll_core.config.schema import ClusterConfig, HwConfig
 from roll_core.errors import ConfigError
 from roll_hw import Platform
@@ -208,7 +209,7 @@ class Cluster:
 
     def placement_report(self) -> dict[str, list[dict[str, Any]]]:
         """Role -> per-rank facts (node id, pid, assigned resources, visible-devices variables)."""
-        return {g.name: g.call("node_info") for g in self.groups}
+        return {g.name: g.call(Worker.node_info) for g in self.groups}
 
     def _wait_ready(self, pg: Any, role: str, bundle: dict[str, float], n: int) -> None:
         """Wait for a placement group; a cluster that cannot host it gets an error saying what was asked."""

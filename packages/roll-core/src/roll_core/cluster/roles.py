@@ -4,7 +4,8 @@ Roles: `TrainWorker` hosts a `TrainEngine` (actor_train, critic, reference, by t
 `InferWorker` hosts an `InferEngine` (actor_infer), `RewardWorker` scores responses with a task's reward. Engines
 are built from their `_target_` configs, so roll-core never imports an engine package; the contracts they satisfy
 are the protocols in roll_core.interfaces. Each `*Group` class exposes exactly the calls the controller makes,
-with types: `actor_infer.generate(batch, params, n=8) -> Batch`.
+with types: `actor_infer.generate(batch, params, n=8) -> Batch`; each runs the worker method it names
+(`self.call(InferWorker.generate, ...)`, roll_core.cluster.group), never a method name as a string.
 
 Engine config keys in `WORKER_KEYS` configure the worker and its placement, not the engine, and are not passed
 to the engine's constructor.
@@ -26,8 +27,8 @@ from typing import Any
 
 import torch
 
+from roll_core.cluster.buckets import Bucket, SyncGroup, bucket_nbytes, buckets, open_cuda, share_cuda
 from roll_core.cluster.group import Handle, WorkerGroup
-from roll_core.cluster.weight_sync import Bucket, SyncGroup, bucket_nbytes, buckets, open_cuda, share_cuda
 from roll_core.cluster.worker import Dispatch, Worker, dispatch, node_address
 from roll_core.config.build import build
 from roll_core.interfaces import InferEngine, Request, RequestOutput, SamplingParams, Task, TrainEngine
@@ -160,10 +161,12 @@ class TrainWorker(EngineWorker):
         self.engine.load(folder)
 
     # ---- weight sync: the sending side (see roll_core.cluster.weight_sync) -------------------------------
+    @dispatch(Dispatch.RANK0)
     def weight_buckets(self, bucket_bytes: int, changed_only: bool, dtype: str | None = None) -> Any:
         """Buckets of (name, tensor) in order, floating tensors cast to the inference engines' `dtype` first (the
         buckets, and so every transport, carry what the engines hold: half the bytes of fp32 for bf16 engines).
-        Tensors may be live parameters when no cast is needed (in-process transport)."""
+        Tensors may be live parameters when no cast is needed. A generator: called through the group only on the
+        local backend (the in-process transport); the other transports call it on the worker."""
         named = self.engine.iter_weights(changed_only)
         if dtype:
             target = getattr(torch, dtype)
@@ -301,6 +304,11 @@ class InferWorker(EngineWorker):
         return self.engine.finish_weight_update()
 
     @dispatch(Dispatch.BROADCAST, retry=False)
+    def receive_bucket(self, bucket: Bucket) -> int:
+        """In-process transport: one bucket of the trainer's tensors (live parameters, never kept)."""
+        return self.engine.update_weights(bucket)
+
+    @dispatch(Dispatch.BROADCAST, retry=False)
     def receive_weights_object_store(self, refs: list[Any]) -> int:
         import ray
 
@@ -395,28 +403,28 @@ class TrainGroup(WorkerGroup[TrainWorker]):
         self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False, base: bool = False
     ) -> Batch:
         """Log-probs of the responses; `base=True` with LoRA adapters disabled (the reference policy)."""
-        return self.call("compute_logprobs", batch, temperature, with_entropy, base)
+        return self.call(TrainWorker.compute_logprobs, batch, temperature, with_entropy, base)
 
     def compute_values(self, batch: Batch) -> Batch:
-        return self.call("compute_values", batch)
+        return self.call(TrainWorker.compute_values, batch)
 
     def train(
         self, batch: Batch, loss_fn: Any, *, mini_batches: int, epochs: int, temperature: float, shuffle_seed: int
     ) -> dict[str, float]:
         per_rank: list[dict[str, float]] = self.call(
-            "train", batch, loss_fn, mini_batches, epochs, temperature, shuffle_seed
+            TrainWorker.train, batch, loss_fn, mini_batches, epochs, temperature, shuffle_seed
         )
         return {k: sum(d[k] for d in per_rank) / len(per_rank) for k in per_rank[0]}
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """Full CPU weights (tests, tools; the pipeline syncs through roll_core.cluster.weight_sync)."""
-        return self.call("get_weights")[0]
+        return self.call(TrainWorker.get_weights)[0]
 
     def save(self, folder: str, tokenizer_path: str | None = None) -> None:
-        self.call("save", folder, tokenizer_path)
+        self.call(TrainWorker.save, folder, tokenizer_path)
 
     def load(self, folder: str) -> None:
-        self.call("load", folder)
+        self.call(TrainWorker.load, folder)
 
 
 class RequestHandle:
@@ -464,7 +472,7 @@ class InferGroup(WorkerGroup[InferWorker]):
 
     def generate(self, batch: Batch, params: SamplingParams, n: int) -> Batch:
         """n samples of every prompt in `batch["prompt_ids"]`, rows grouped per prompt, split over the ranks."""
-        parts = self.submit("generate", batch, params, n).values()
+        parts = self.submit(InferWorker.generate, batch, params, n).values()
         out = Batch.concat(_pad_responses(parts))
         out.meta["generate_seconds"] = max(p.meta.get("generate_seconds", 0.0) for p in parts)
         return out
@@ -482,7 +490,7 @@ class InferGroup(WorkerGroup[InferWorker]):
             fut = self.workers[rank].submit_local(request)
             fut.add_done_callback(lambda _f, r=rank, rid=request.request_id: self._collected(r, rid))
             return RequestHandle(request.request_id, rank, fut)
-        handle = self.submit_to(rank, "request", request)
+        handle = self.submit_to(rank, InferWorker.request, request)
         return _TrackedHandle(request.request_id, rank, handle, self._collected)
 
     def _collected(self, rank: int, request_id: str) -> None:
@@ -491,36 +499,36 @@ class InferGroup(WorkerGroup[InferWorker]):
 
     def abort(self, request_id: str) -> bool:
         """Abort a request wherever it runs; True if an engine knew it."""
-        return any(self.call("abort", request_id))
+        return any(self.call(InferWorker.abort, request_id))
 
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 
     def max_context_length(self) -> int:
-        return int(self.call("max_context_length"))
+        return int(self.call(InferWorker.max_context_length))
 
     def continuous_batching(self) -> bool:
         """Whether the engine merges requests submitted while others run (what asynchronous rollout needs)."""
-        return bool(self.call("continuous_batching"))
+        return bool(self.call(InferWorker.continuous_batching))
 
     def check_sampling(self, params: SamplingParams) -> None:
         """Raises UnsupportedSamplingError (naming the engine) for parameters it cannot honour."""
-        self.call("check_sampling", params)
+        self.call(InferWorker.check_sampling, params)
 
     def sleep(self, level: int = 1) -> None:
-        self.call("sleep", level)
+        self.call(InferWorker.sleep, level)
 
     def wake_up(self) -> None:
-        self.call("wake_up")
+        self.call(InferWorker.wake_up)
 
     def memory_bytes(self) -> list[dict[str, int]]:
-        return self.call("memory_bytes")
+        return self.call(InferWorker.memory_bytes)
 
     def begin_weight_update(self) -> None:
-        self.call("begin_weight_update")
+        self.call(InferWorker.begin_weight_update)
 
     def finish_weight_update(self) -> list[int]:
-        return self.call("finish_weight_update")
+        return self.call(InferWorker.finish_weight_update)
 
 
 class _TrackedHandle(RequestHandle):
@@ -554,7 +562,7 @@ class RewardGroup(WorkerGroup[RewardWorker]):
         NaN/inf on all); `meta["reward_failure"]`: the first failure as one line, or None."""
         from roll_core.cluster.reward_guard import all_rows_failed
 
-        handle = self.submit("score", batch.select("responses", "response_mask", "answer"))
+        handle = self.submit(RewardWorker.score, batch.select("responses", "response_mask", "answer"))
         parts = handle.values()
         out = Batch.concat(parts)
         out.meta["reward_counters"] = _sum_counters(parts)

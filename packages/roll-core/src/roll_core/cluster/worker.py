@@ -7,8 +7,9 @@ A worker is a plain class; each method that a group may call declares its dispat
 - `Dispatch.RANK0`: only rank 0 runs; its result is returned.
 - `Dispatch.ONE`: the caller names the rank (`WorkerGroup.submit_to`): request-level calls routed to one engine.
 A method may also declare `retry=False`: it is not rerun on a restarted worker (see `dispatch`).
-The declaration sits next to the method, but calls go through typed group classes (roll_core.cluster.roles),
-never through methods attached at run time.
+The declaration sits next to the method; the controller names the method itself when it calls a group
+(`group.call(TrainWorker.compute_values, batch)`, roll_core.cluster.group), never its name as a string, and
+through typed group classes (roll_core.cluster.roles), never methods attached at run time.
 """
 
 from __future__ import annotations

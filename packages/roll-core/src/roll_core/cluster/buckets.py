@@ -1,0 +1,155 @@
+"""Weight buckets and the means of moving them between processes: the pieces both sides of a weight sync use.
+
+A bucket is an ordered list of (HF name, tensor) of at most a size bound (a single larger tensor travels alone).
+`flatten`/`unflatten` turn a bucket into one uint8 buffer and back (the `dist` and `cuda_ipc` transports move one
+buffer per bucket); `SyncGroup` is a torch.distributed group of the trainer's rank 0 and the inference workers
+outside any default group; `share_cuda`/`open_cuda` pass a device buffer to another process on the same GPU.
+The trainer's workers send and the inference workers receive with these (roll_core.cluster.roles); the controller
+side, one class per transport, is roll_core.cluster.weight_sync. No Ray and no worker classes here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+Bucket = list[tuple[str, Tensor]]
+
+
+def buckets(named: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Group (name, tensor) pairs in order into buckets of at most `bucket_bytes` (an oversized tensor alone)."""
+    current: Bucket = []
+    size = 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if current and size + n > bucket_bytes:
+            yield current
+            current, size = [], 0
+        current.append((name, t))
+        size += n
+    if current:
+        yield current
+
+
+def bucket_nbytes(bucket: Bucket) -> int:
+    return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
+# ---- flat buffers (dist and cuda_ipc) -----------------------------------------------------------------------
+def flatten(bucket: Bucket, device: torch.device | str) -> tuple[Tensor, list[tuple[str, tuple[int, ...], str]]]:
+    """One uint8 buffer holding every tensor's bytes, and the (name, shape, dtype) list to cut it again."""
+    specs = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8).to(device) for _, t in bucket]
+    return (torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)), specs
+
+
+def unflatten(buffer: Tensor, specs: list[tuple[str, tuple[int, ...], str]]) -> Bucket:
+    """Inverse of `flatten` (views into `buffer`)."""
+    out, offset = [], 0
+    for name, shape, dtype in specs:
+        dt = getattr(torch, dtype)
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
+        out.append((name, buffer[offset : offset + n].view(dt).view(shape)))
+        offset += n
+    return out
+
+
+# ---- a process group outside the default one -----------------------------------------------------------------
+class SyncGroup:
+    """A stateless torch.distributed group (rank 0 = trainer) used only for weight broadcasts.
+
+    It never touches the default process group, so FSDP's group on the trainer and an engine's own groups stay
+    independent (the pattern vLLM's StatelessProcessGroup and OpenRLHF's custom groups follow).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float = 600.0,
+        store: Any | None = None,
+    ):
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if store is None:
+            store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            self.device = torch.device("cpu")
+        elif backend == "nccl":
+            self.pg = dist.ProcessGroupNCCL(store, rank, world_size)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        elif backend == "hccl":  # pragma: no cover - Ascend only
+            import torch_npu
+
+            self.pg = torch_npu._C._distributed_c10d.ProcessGroupHCCL(store, rank, world_size, timeout)
+            self.device = torch.device("npu", torch.npu.current_device())
+        else:
+            raise ValueError(f"weight sync over torch.distributed supports gloo, nccl, hccl; not {backend!r}")
+        self._store = store  # keep the store alive as long as the group
+
+    @staticmethod
+    def host_store(host: str, world_size: int, timeout_s: float = 600.0) -> Any:
+        """Rank 0's rendezvous store, listening on a port the OS picks (`store.port`); pass it as `store=`.
+
+        Binding before the port is announced closes the race of picking a free port, releasing it and binding it
+        again later (another process took it in between: EADDRINUSE, seen in CI)."""
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
+
+    def broadcast(self, t: Tensor) -> None:
+        self.pg.broadcast(t, 0).wait()
+
+    def send(self, bucket: Bucket | None) -> None:
+        """Rank 0: header (pickled specs; length 0 ends the sync) then the flat buffer."""
+        if bucket is None:
+            self.broadcast(torch.zeros(1, dtype=torch.int64, device=self.device))
+            return
+        flat, specs = flatten(bucket, self.device)
+        header = torch.frombuffer(bytearray(pickle.dumps(specs)), dtype=torch.uint8).to(self.device)
+        self.broadcast(torch.tensor([header.numel()], dtype=torch.int64, device=self.device))
+        self.broadcast(header)
+        self.broadcast(flat)
+
+    def receive(self) -> Bucket | None:
+        """Ranks > 0: the next bucket, or None at the end of a sync."""
+        n = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.broadcast(n)
+        if int(n.item()) == 0:
+            return None
+        header = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
+        self.broadcast(header)
+        specs = pickle.loads(header.cpu().numpy().tobytes())
+        total = sum(
+            int(torch.Size(s).numel()) * torch.empty((), dtype=getattr(torch, d)).element_size() for _, s, d in specs
+        )
+        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        self.broadcast(flat)
+        return unflatten(flat, specs)
+
+
+# ---- CUDA IPC ------------------------------------------------------------------------------------------------
+def share_cuda(bucket: Bucket) -> tuple[Any, list[tuple[str, tuple[int, ...], str]], Tensor]:
+    """(IPC handle of one flat device buffer, specs, the buffer to keep alive until the receiver copied it)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    flat, specs = flatten(bucket, bucket[0][1].device)
+    return reduce_tensor(flat), specs, flat
+
+
+def open_cuda(handle: Any, specs: list[tuple[str, tuple[int, ...], str]]) -> Bucket:
+    """Rebuild a shared bucket in the receiving process (same device, other process)."""
+    rebuild, args = handle
+    return unflatten(rebuild(*args), specs)
