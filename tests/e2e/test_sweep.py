@@ -66,7 +66,7 @@ def test_failing_job_does_not_stop_the_others(seven_task: Path, tmp_path: Path) 
     assert "1 sweep job(s) failed" in proc.stderr and "missing.jsonl" in proc.stderr
     status = {r["params"].removeprefix("env.path="): r for r in rows(tmp_path)}
     assert status[str(seven_task)]["status"] == "ok"
-    assert status[str(missing)]["status"] == "failed" and "FileNotFoundError" in status[str(missing)]["error"]
+    assert status[str(missing)]["status"] == "failed" and "ConfigError" in status[str(missing)]["error"]
 
 
 def test_optuna_sweeper_with_ray_launcher(seven_task: Path, tmp_path: Path) -> None:
