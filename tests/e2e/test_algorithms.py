@@ -45,8 +45,9 @@ def test_preset_runs_and_its_clipping_acts(preset: str, seven_task: Path, tmp_pa
 def test_non_finite_losses_are_skipped_counted_and_stop_the_run(
     seven_task: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """From step 3 the loss is NaN: those optimizer steps are skipped (weights and LR kept, counted), and the run
-    stops with an explanation after pipeline.max_nonfinite_steps of them in a row."""
+    """From step 3 the loss is NaN: those optimizer steps are skipped (weights and LR kept, counted), no checkpoint
+    is written inside the streak, and the run stops with an explanation naming the last healthy checkpoint after
+    pipeline.max_nonfinite_steps of them in a row."""
     from roll_core.pipelines.objectives import PolicyObjective
     from roll_core.testing import run_pipeline, tiny_overrides
 
@@ -62,7 +63,10 @@ def test_non_finite_losses_are_skipped_counted_and_stop_the_run(
     overrides = tiny_overrides(seven_task, tmp_path, "algo.warmup_steps=10", "pipeline.save_every=1")
     with pytest.raises(FloatingPointError, match="3 steps in a row had a non-finite loss") as err:
         run_pipeline([*overrides, "train_engine.micro_batch_size=64", "pipeline.max_nonfinite_steps=3"])
-    assert "pipeline.resume_from=" in str(err.value) and "step_000004" in str(err.value)
+    # The message names the last checkpoint saved before the streak; none was written inside it (its weights could
+    # hold the blow-up, and resuming from it would fail again).
+    assert "pipeline.resume_from=" in str(err.value) and "step_000002" in str(err.value)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     from roll_core.tracking import Tracker
 
     h = Tracker.read_metrics(tmp_path / "metrics.jsonl")

@@ -240,7 +240,7 @@ def shared_evals(c: Corpus) -> Seen:
     run.finished()
     evals = [h["step"] for h in run.history if "eval/accuracy" in h]
     assert evals == [3, 6, 7], evals  # (and step 0, logged before training)
-    assert len(run.pipeline.eval_set) == 1
+    assert len(run.pipeline.collector.eval_set) == 1
     return Seen(text=f"evaluated at steps {evals}")
 
 

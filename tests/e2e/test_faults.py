@@ -65,7 +65,7 @@ def test_reward_that_raises_returns_nan_or_hangs_is_counted_and_the_run_finishes
         assert all(math.isfinite(h["reward/mean"]) for h in history)
         # The same counts, row by row, from a direct call: every faulty row scores 0, the others their reward.
         texts = [f"the answer is {i}" for i in range(40)] + ["so 7"]
-        out = pipeline.reward.score(_text_batch(pipeline.tokenizer, texts, "7"))
+        out = pipeline.collector.reward.score(_text_batch(pipeline.tokenizer, texts, "7"))
         kinds = [fault_of(out["response_text"][i]) for i in range(len(texts))]
         counters = out.meta["reward_counters"]
         assert counters["errors"] == kinds.count("raise") > 0
@@ -124,8 +124,8 @@ def test_killed_inference_and_reward_workers_are_restarted_and_the_run_completes
 
         group.submit = wrapped
 
-    killing(pipeline.actor_infer)
-    killing(pipeline.reward)
+    killing(pipeline.roles.actor_infer)
+    killing(pipeline.collector.reward)
     try:
         pipeline.run()
         history = _history(pipeline)
@@ -133,12 +133,12 @@ def test_killed_inference_and_reward_workers_are_restarted_and_the_run_completes
         assert [h["faults/restarts"] for h in history] == [1, 2]
         assert history[0]["faults/restarts_actor_infer"] == 1
         assert history[1]["faults/restarts_actor_infer"] == history[1]["faults/restarts_reward"] == 1
-        assert pipeline.weight_sync.restores == 2
+        assert pipeline.trainer.weight_sync.restores == 2
         assert max(h["actor/train_infer_logprob_diff"] for h in history) < 1e-4, history
 
-        ray.kill(pipeline.actor_train.workers[0])
+        ray.kill(pipeline.roles.actor_train.workers[0])
         with pytest.raises(WorkerDiedError, match=r"actor_train rank 0 .* resume from the checkpoint .*step_000002"):
-            pipeline.actor_train.get_weights()
+            pipeline.roles.actor_train.get_weights()
     finally:
         pipeline.shutdown()
 
@@ -164,7 +164,7 @@ def test_killed_trainer_restarts_the_run_from_its_latest_checkpoint(
 
             def killing(n: int) -> dict[str, Any]:
                 if n == 3:
-                    ray.kill(pipeline.actor_train.workers[0])
+                    ray.kill(pipeline.roles.actor_train.workers[0])
                     dead_seen.append(pipeline.cluster.dead_workers())
                 return step(n)
 

@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Any
 
+from roll_core.cluster.reward_guard import RewardFailureError
 from roll_core.config.compose import ConfigError, explain, to_object
 from roll_core.config.search_path import primary_config_path
 from roll_core.errors import MissingExtraError, check_installed
@@ -115,6 +116,9 @@ def train_main() -> None:
     except MissingExtraError as exc:
         print(f"roll-train: {exc}", file=sys.stderr)
         sys.exit(2)
+    except RewardFailureError as exc:  # the run's reward failed on every row for too long: one message, no trace
+        print(f"roll-train: run stopped: {exc}", file=sys.stderr)
+        sys.exit(1)
     except Exception as exc:
         from hydra.errors import ConfigCompositionException, OverrideParseException
         from omegaconf.errors import OmegaConfBaseException

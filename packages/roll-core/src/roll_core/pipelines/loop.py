@@ -25,6 +25,7 @@ from roll_core.algorithms import load_estimator
 from roll_core.checkpoint import CheckpointManager
 from roll_core.cluster.launch import Cluster
 from roll_core.config.build import build
+from roll_core.config.resume import check_checkpoint, config_dict
 from roll_core.config.schema import RLVRConfig
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.collectors import Collector, CollectorContext, CollectorFactory
@@ -62,9 +63,14 @@ class Pipeline:
         factory.check(cfg, self.task)
         load_estimator(cfg.algo.adv_estimator, trajectories=factory.trajectories)
 
-        self.ckpt = CheckpointManager(self.out, keep_last=pipe.keep_last)
+        # Checkpoints record the config they were saved with: a resumed run's changed settings take effect (and are
+        # logged) or are refused before anything is built, and config.yaml then says what is in effect.
+        self.ckpt = CheckpointManager(self.out, keep_last=pipe.keep_last, config=config_dict(cfg))
         self.cluster.checkpoints = self.ckpt  # a fault roll cannot repair names the checkpoint to resume from
         latest = self.ckpt.latest() if (pipe.resume or pipe.resume_from) else None
+        if latest is not None:
+            for line in check_checkpoint(latest, cfg):
+                log.info("changed on resume: %s", line)
         from omegaconf import OmegaConf
 
         self.tracker = Tracker(self.out, OmegaConf.to_yaml(OmegaConf.structured(cfg)), resume=latest is not None)
@@ -158,6 +164,7 @@ class Pipeline:
             "wall_seconds": wall_seconds,
             "output_dir": str(self.out),
             "stopped_by_signal": signum,
+            **self.collector.summary(),
         }
         log.info("run finished: %s", summary)
         return summary

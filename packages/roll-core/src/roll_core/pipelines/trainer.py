@@ -223,6 +223,7 @@ class Trainer:
         self.roles.actor_train.load(str(folder / "actor"))
         if self.roles.critic is not None:
             self.roles.critic.load(str(folder / "critic"))
-        self.kl_ctl.value = state["kl"]["value"]
+        if self.cfg.algo.kl_target:  # an adaptive coefficient continues; a fixed one is the config's (may change)
+            self.kl_ctl.value = state["kl"]["value"]
         self.version = int(state.get("version", 0))
         self.weight_sync.sync(full=True)

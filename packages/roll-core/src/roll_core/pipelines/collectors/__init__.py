@@ -9,6 +9,7 @@ Contract of a `Collector` (every implementation, in-tree or a `roll.collectors` 
   flight with partial rollout, to resume them under the new weights), then learn the new version and go on.
 - `evaluate(step)` returns held-out metrics (`eval/accuracy` is what summaries and sweeps read).
 - `state_dict()` / `load_state_dict(state)` hold what a resumed run needs to continue (the data position).
+- `summary()` adds run totals to the run summary (reward failures, skipped data rows).
 - `close()` stops background work. `plot_keys` names the metrics drawn in curves.png.
 
 A collector is built by a factory registered under `roll.collectors` and named by `pipeline.name`:
@@ -81,6 +82,8 @@ class Collector(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def summary(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
 

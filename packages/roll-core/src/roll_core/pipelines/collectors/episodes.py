@@ -123,6 +123,9 @@ class EpisodeCollector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
 
+    def summary(self) -> dict[str, Any]:
+        return {}  # environment failures are per-step metrics (env/*)
+
     def close(self) -> None:
         self.envs.close()
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from roll_algos.losses import overlong_penalty
+from roll_core.cluster.reward_guard import RewardFailureBudget
 from roll_core.cluster.roles import RewardGroup
 from roll_core.config.build import as_dict
 from roll_core.data import PromptSampler
@@ -63,6 +64,11 @@ class PromptCollector:
         check_task(cfg, self.task)
         self.train_set, self.eval_set = self.task.train_set(), self.task.eval_set()[: cfg.pipeline.eval_size]
         self.sampler = PromptSampler(len(self.train_set), seed=cfg.pipeline.seed)
+        # A reward failing on every row for pipeline.max_reward_failure_steps steps stops the run; totals go to
+        # the summary.
+        self.reward_budget = RewardFailureBudget(cfg.pipeline.max_reward_failure_steps)
+        self._step_counters: dict[str, float] = {}
+        self._step_failure: str | None = None
         # The reward role: workers that decode and score responses with the task's reward.
         self.reward = ctx.cluster.group(
             RewardGroup,
@@ -79,6 +85,7 @@ class PromptCollector:
         batch = self._generate_scored(step, self.cfg.pipeline.rollout_batch_size, 0, out)
         if self.cfg.algo.drop_uniform_groups:
             batch = self._keep_informative(step, batch, out)
+        self.end_reward_step(step)
         return self._collected(batch, out)
 
     def begin_sync(self) -> None:
@@ -109,10 +116,17 @@ class PromptCollector:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict()}
+        return {"sampler": self.sampler.state_dict(), "reward_budget": self.reward_budget.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])
+        if "reward_budget" in state:
+            self.reward_budget.load_state_dict(state["reward_budget"])
+
+    def summary(self) -> dict[str, Any]:
+        """Reward failures of the run (rows, failed rows by cause, steps whose rows all failed) and the data rows
+        skipped when the task loaded its files."""
+        return {**self.reward_budget.summary(), "skipped_rows": dict(getattr(self.task, "skipped_rows", {}) or {})}
 
     def close(self) -> None:
         return None
@@ -127,6 +141,7 @@ class PromptCollector:
         if batch is None or len(batch) == 0:
             return None
         out["data/trained_groups"] = len(batch) // self.cfg.algo.group_size
+        out["data/skipped_rows"] = float(sum((getattr(self.task, "skipped_rows", {}) or {}).values()))
         return Collected(batch, self.shaped_scores(batch))
 
     def shaped_scores(self, batch: Batch) -> torch.Tensor:
@@ -153,8 +168,7 @@ class PromptCollector:
             seed = derive_seed(self.cfg.pipeline.seed, Purpose.ROLLOUT, step, round_)  # refills draw fresh streams
             gen = self.infer.generate(prompts, self.sampling.replace(seed=seed), n=algo.group_size)
         batch = assemble(self.tokenizer, prompts.repeat_interleave(algo.group_size), gen, counts)
-        with out.timer("reward"):
-            scored = self.reward.score(batch)
+        scored = self.score(batch, out)
         batch = batch.union(scored.select("scores", "correct", "formatted"))
         for k, v in counts.items():  # skips of every round count
             out[k] = out.get(k, 0) + v
@@ -165,6 +179,21 @@ class PromptCollector:
             out.update(reward_metrics(batch, scored, batch["response_mask"].sum(-1), model.max_response_length))
             self.log_samples(step, batch, scored)
         return batch
+
+    def score(self, batch: Batch, out: StepLog) -> Batch:
+        """The reward role's scores of `batch`; its failure counters add up for the step's failure budget."""
+        with out.timer("reward"):
+            scored = self.reward.score(batch)
+        for k, v in scored.meta.get("reward_counters", {}).items():
+            self._step_counters[k] = self._step_counters.get(k, 0) + v
+        self._step_failure = self._step_failure or scored.meta.get("reward_failure")
+        return scored
+
+    def end_reward_step(self, step: int) -> None:
+        """Charge the step's reward failures to the budget (raises RewardFailureError when it is spent)."""
+        counters, failure = self._step_counters, self._step_failure
+        self._step_counters, self._step_failure = {}, None
+        self.reward_budget.update(step, counters, failure)
 
     def _keep_informative(self, step: int, batch: Batch, out: StepLog) -> Batch:
         """DAPO dynamic sampling, a filter on the drawn groups: keep the groups whose rewards differ and draw more

@@ -112,8 +112,7 @@ class AsyncPromptCollector(PromptCollector):
                         "a prompt fills the inference engine's context: lower model.max_prompt_length below the "
                         "engine's context (infer_engine.max_model_len)"
                     )
-                with out.timer("reward"):
-                    scored = self.reward.score(batch)
+                scored = self.score(batch, out)
                 batch = batch.union(scored.select("scores", "correct", "formatted"))
                 first = first or (batch, scored)
                 for i, grp in enumerate(groups):
@@ -129,6 +128,7 @@ class AsyncPromptCollector(PromptCollector):
                     else:
                         self.driver.discard(grp)
         assert first is not None
+        self.end_reward_step(step)
         b0, scored0 = first
         out.update(reward_metrics(b0, scored0, b0["response_mask"].sum(-1), self.cfg.model.max_response_length))
         self.log_samples(step, b0, scored0)

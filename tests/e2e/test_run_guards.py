@@ -1,0 +1,58 @@
+"""What the loop guards, end to end on the tiny model: a reward that fails on every row stops the run with one
+message, failures and skipped data rows reach the summary, and a setting changed on resume takes effect (or is
+refused) with config.yaml recording what is in effect."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from roll_core.testing import run_pipeline, tiny_overrides
+
+sys.path.insert(0, str(Path(__file__).parent))  # bad_input_helpers: a reward that fails on chosen answers
+
+FAULTY = "env.reward._target_=bad_input_helpers.AnswerFaultReward"
+
+
+def _rows(path: Path, answers: list[str], bad_lines: int = 0) -> Path:
+    rows = [json.dumps({"prompt": f"Q{i}: say 7", "answer": a}) for i, a in enumerate(answers)]
+    path.write_text("\n".join(rows + ["{not json"] * bad_lines) + "\n")
+    return path
+
+
+def test_a_reward_failing_on_every_row_stops_the_run(tmp_path: Path) -> None:
+    from roll_core.cluster.reward_guard import RewardFailureError
+
+    data = _rows(tmp_path / "raise.jsonl", ["raise"] * 64)
+    overrides = tiny_overrides(data, tmp_path / "out", FAULTY, "pipeline.max_reward_failure_steps=2")
+    with pytest.raises(RewardFailureError, match=r"step 2: the reward failed on every row for 2 steps in a row") as e:
+        run_pipeline([*overrides, "pipeline.max_steps=5"])
+    assert "raised" in str(e.value) and "a reward bug" in str(e.value)
+
+
+def test_reward_failures_and_skipped_rows_reach_the_summary(tmp_path: Path) -> None:
+    data = _rows(tmp_path / "mixed.jsonl", ["7", "nan"] * 40, bad_lines=3)
+    summary, history = run_pipeline(tiny_overrides(data, tmp_path / "out", FAULTY, "pipeline.max_steps=2"))
+    assert summary["reward_rows"] == 2 * 4 * 8  # steps x prompts x group size
+    assert 0 < summary["reward_failed_nonfinite"] == summary["reward_failed_rows"] < summary["reward_rows"]
+    assert summary["reward_all_failed_steps"] == 0
+    assert summary["skipped_rows"] == {str(data): 3}
+    assert all(h["data/skipped_rows"] == 3 for h in history if h["step"] > 0)
+
+
+def test_a_changed_lr_on_resume_takes_effect_and_a_fixed_setting_is_refused(tmp_path: Path) -> None:
+    from roll_core.errors import ConfigError
+
+    data = _rows(tmp_path / "seven.jsonl", ["7"] * 64)
+    base = tiny_overrides(data, tmp_path / "out", "algo.warmup_steps=0", "algo.lr_schedule=constant")
+    _, first = run_pipeline([*base, "pipeline.max_steps=2", "algo.lr=1e-3"])
+    assert first[-1]["actor/lr"] == pytest.approx(1e-3)
+    _, resumed = run_pipeline([*base, "pipeline.max_steps=3", "algo.lr=1e-4", "pipeline.resume=true"])
+    assert [h["step"] for h in resumed if h["step"] > 0] == [1, 2, 3]
+    assert resumed[-1]["actor/lr"] == pytest.approx(1e-4)  # the optimizer's rate is the new setting
+    assert "lr: 0.0001" in (tmp_path / "out" / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"algo\.group_size"):
+        run_pipeline([*base, "pipeline.max_steps=4", "algo.group_size=4", "pipeline.resume=true"])
