@@ -363,8 +363,9 @@ class PipelineConfig:
     # With async_ratio > 0: at each weight sync, running requests are aborted and resumed under the new weights
     # with their generated prefix (and its behaviour log-probs) kept.
     partial_rollout: bool = False
-    # With async_ratio > 0: extra groups kept in flight so a batch never waits for the longest responses; the
-    # slowest ones are carried into later batches (tail batching), within the staleness bound.
+    # With async_ratio > 0 (pipeline=rlvr): extra groups kept in flight so a batch never waits for the longest
+    # responses; the slowest ones are carried into later batches (tail batching), and groups that become older than
+    # the bound are dropped (wasted tokens, a bias toward short responses; 0 keeps start order: nothing dropped).
     tail_groups: int = 0
 
     def __post_init__(self) -> None:
