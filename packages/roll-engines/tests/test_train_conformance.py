@@ -13,6 +13,10 @@ from roll_core.testing.train_engine import TrainEngineTestSuite
 IN_TREE = {"hf", "fsdp2", "megatron"}
 
 
+# torch's FSDP2 warns when a wrapped root returns a view: the critic's score head (a Linear on (N, T, H)) does, under
+# `fsdp2 role=critic`. A false alarm here (roll does no in-place op on the values), but it should be silenced in the
+# engine, not here: reported (issue 23, conformance suites).
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor:UserWarning")
 class TestEveryInstalledTrainEngine(TrainEngineTestSuite):
     @pytest.fixture(scope="class", autouse=True, params=registry.available("roll.train_engines"))
     @classmethod

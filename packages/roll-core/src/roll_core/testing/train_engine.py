@@ -5,6 +5,12 @@ teacher-forced transformers forward; gradient accumulation over micro-batches is
 advantages raises the sampled tokens' log-probs; `iter_weights` yields every parameter once under its HF name
 with full shapes; a checkpoint written after training loads with plain transformers, and loading it into a fresh
 engine restores the trained weights and the optimizer (the next step equals the uninterrupted run's).
+Critic role (`role="critic"`): `compute_values` gives finite (B, R) values that padding after the response
+(mask 0) does not change, and a value-loss step moves them towards the returns. Base-model log-probs
+(`compute_logprobs(..., base=True)`, the reference policy of a LoRA run, `lora_rank=4`): equal to the log-probs
+before any training, unchanged by training while the adapted policy moves away from them; an engine without LoRA
+refuses `base=True` with a ValueError. An engine without a critic role or without LoRA says so on its suite
+subclass (`no_critic` / `no_lora`: the reason) and those checks skip with it.
 
 roll's tests run it over every installed `roll.train_engines` entry point (packages/roll-engines/tests/
 test_train_conformance.py), so an installed out-of-tree engine is checked as well. Engines are built with
@@ -66,6 +72,10 @@ class TrainEngineTestSuite:
     logprob_atol: ClassVar[float] = 1e-5
     #: The engine under test (built with `build_conformance_engine`).
     engine_class: ClassVar[type | None] = None
+    #: Why the engine has no critic role (`compute_values`), or None: the critic checks run.
+    no_critic: ClassVar[str | None] = None
+    #: Why the engine cannot train LoRA adapters (`lora_rank`, `compute_logprobs(base=True)`), or None.
+    no_lora: ClassVar[str | None] = None
 
     @classmethod
     def build_engine(cls, model_path: str, **kwargs: Any) -> TrainEngine:
@@ -184,3 +194,61 @@ class TrainEngineTestSuite:
         a, b = dict(eng.iter_weights()), dict(fresh.iter_weights())
         for k in a:
             torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5, msg=k)
+
+    def test_compute_values_of_a_critic(self, model_path: str) -> None:
+        from roll_core.pipelines.objectives import ValueObjective
+        from roll_core.testing.batches import critic_batch
+
+        if self.no_critic:
+            pytest.skip(f"no critic role: {self.no_critic}")
+        batch = critic_batch(model_path)
+        mask = batch["response_mask"].bool()
+        # lr 1e-3: AdamW's first step moves every weight by ~lr, and at 1e-2 the tiny critic overshoots.
+        eng = self.build_engine(model_path, lr=1e-3, micro_batch_size=3, role="critic")
+        assert isinstance(eng, TrainEngine) and eng.role == "critic"
+        values = eng.compute_values(self._tensors(batch))["values"]
+        assert values.shape == mask.shape, f"values {tuple(values.shape)} for a (B, R) = {tuple(mask.shape)} batch"
+        assert torch.isfinite(values).all()
+        # The value of a response token is read at the state before it: tokens after the response (mask 0)
+        # come later in the sequence and must not change it.
+        repadded = self._tensors(batch)
+        junk = torch.full_like(batch["responses"], 5)
+        repadded["responses"] = torch.where(mask, batch["responses"], junk)
+        p = batch["input_ids"].shape[1] - mask.shape[1]
+        repadded["input_ids"] = batch["input_ids"].clone()
+        repadded["input_ids"][:, p:] = repadded["responses"]
+        again = eng.compute_values(repadded)["values"]
+        torch.testing.assert_close(again[mask], values[mask], atol=1e-5, rtol=1e-4)
+        # A value-loss step moves the values towards the returns (the squared error it minimises falls).
+        error = ((values - batch["returns"]) ** 2)[mask].mean()
+        metrics = eng.train_step(self._tensors(batch), ValueObjective(clip=None))
+        after = eng.compute_values(self._tensors(batch))["values"]
+        assert metrics["grad_norm"] > 0
+        after_error = ((after - batch["returns"]) ** 2)[mask].mean()
+        assert after_error < 0.95 * error, f"a value-loss step took the squared error from {error} to {after_error}"
+
+    def test_base_logprobs_are_the_model_before_its_lora_adapters(
+        self, model_path: str, batch: dict[str, torch.Tensor]
+    ) -> None:
+        from roll_core.pipelines.objectives import PolicyObjective
+
+        if self.no_lora:
+            pytest.skip(f"no LoRA: {self.no_lora}")
+        plain = self.build_engine(model_path, lr=1e-3, role="reference")
+        with pytest.raises(ValueError, match="LoRA"):
+            plain.compute_logprobs(self._tensors(batch), base=True)
+        reference = plain.compute_logprobs(self._tensors(batch))["logprobs"]
+        tensors = self._tensors(batch)
+        tensors["advantages"] = batch["response_mask"].float()
+        m = batch["response_mask"].bool()
+        eng = self.build_engine(model_path, lr=5e-2, micro_batch_size=3, lora_rank=4, lora_alpha=16.0)
+        base = eng.compute_logprobs(tensors, base=True)["logprobs"]
+        adapted = eng.compute_logprobs(tensors)["logprobs"]
+        torch.testing.assert_close(base[m], reference[m], atol=self.logprob_atol, rtol=0)
+        # Adapters start as the identity (B = 0): before training the adapted policy is the base model.
+        torch.testing.assert_close(adapted[m], reference[m], atol=self.logprob_atol, rtol=0)
+        eng.train_step(tensors, PolicyObjective())
+        base_after = eng.compute_logprobs(tensors, base=True)["logprobs"]
+        adapted_after = eng.compute_logprobs(tensors)["logprobs"]
+        torch.testing.assert_close(base_after[m], reference[m], atol=self.logprob_atol, rtol=0)
+        assert adapted_after[m].sum() > base_after[m].sum(), "training the adapters did not move the policy"
