@@ -1,0 +1,67 @@
+"""The reward conformance suite (roll_core.testing.rewards) over roll-envs' rewards: `math`, `countdown` and `code`
+(the sandboxed one skips with the reason where no bubblewrap sandbox works; two cases, one test each, to keep it
+to a few sandbox runs). A test keeps the list honest: every in-tree `roll.rewards` entry point has a subclass."""
+
+from __future__ import annotations
+
+from roll_core import registry
+from roll_core.testing import CannotRunHere
+from roll_core.testing.rewards import Case, RewardTestSuite
+from roll_envs.rewards.code import CodeReward, CodeTest, encode_tests
+from roll_envs.rewards.math import MathReward
+from roll_envs.tasks.countdown import CountdownReward
+
+IN_TREE = {"math": MathReward, "countdown": CountdownReward, "code": CodeReward}
+
+
+class TestMathReward(RewardTestSuite):
+    reward_class = MathReward
+    cases = (
+        Case("So the sum is \\boxed{12}.", "12", correct=True),
+        Case("\\boxed{\\frac{24}{2}}", "12", correct=True),
+        Case("\\boxed{\\frac{1}{2}}", "0.5", correct=True),
+        Case("\\boxed{13}", "12", correct=False),
+        Case("3 + 9 = 12", "12", correct=False),
+    )
+
+
+class TestMathRewardWithPartialCredit(TestMathReward):
+    """Weights change scores, never the contract (an unboxed right number earns credit but is not correct)."""
+
+    @classmethod
+    def build_reward(cls) -> MathReward:
+        return MathReward(last_number_weight=0.5, format_weight=0.1)
+
+
+class TestCountdownReward(RewardTestSuite):
+    reward_class = CountdownReward
+    cases = (
+        Case("\\boxed{(1 + 2) * 3}", "9|1,2,3", correct=True),
+        Case("\\boxed{3 * (2 + 1)}", "9|3,2,1", correct=True),
+        Case("\\boxed{9}", "9|1,2,3", correct=False),  # the numbers were not used
+        Case("\\boxed{1 + 2 + 3}", "9|1,2,3", correct=False),
+    )
+
+
+class TestCodeReward(RewardTestSuite):
+    cases = (
+        Case("```python\nprint(int(input()) * 2)\n```", encode_tests([CodeTest("21\n", "42\n")]), correct=True),
+        Case("```python\nprint(int(input()) + 2)\n```", encode_tests([CodeTest("21\n", "42\n")]), correct=False),
+    )
+
+    @classmethod
+    def build_reward(cls) -> CodeReward:
+        from roll_envs.sandbox import SandboxUnavailableError
+
+        try:
+            return CodeReward(parallelism=2)
+        except SandboxUnavailableError as exc:
+            raise CannotRunHere(f"no working bubblewrap sandbox here (install roll-envs[code]): {exc}") from exc
+
+
+def test_every_in_tree_reward_has_a_suite() -> None:
+    """The subclasses above cover each in-tree `roll.rewards` entry point (a new reward needs its own)."""
+    installed = set(registry.available("roll.rewards"))
+    assert set(IN_TREE) <= installed
+    for name, cls in IN_TREE.items():
+        assert registry.load("roll.rewards", name) is cls, name
