@@ -34,6 +34,24 @@ subclass it and set `task_class`, or override `build_task` (and `correct_respons
             return f"\\\\boxed{{{problem.answer}}}"
 
 A task's `conformance_response`, when it has one, takes precedence over `correct_response`.
+
+`AgenticTaskTestSuite` checks the agentic task contract (`roll_core.interfaces.tasks.AgenticTask`, what
+`pipeline=agentic` builds from the `env` group): the protocol, with episode limits and worker settings in range;
+`train_seeds(count, seed)` gives `count` distinct ints, the same for a seed and different across seeds, never a
+held-out one; `eval_seeds()` is a fixed list of distinct ints; `make_env()` gives a new `Env` each call, whose
+`reset(seed)` is reproducible (across instances and after steps); `system_prompt()` is non-empty text or None;
+`examples()` is a list of chat messages (a copy: changing it changes nothing). roll-envs' tests run it over its
+`AgenticTask` for every installed agentic environment (packages/roll-envs/tests/test_agentic_task_conformance.py)::
+
+    from roll_core.testing.tasks import AgenticTaskTestSuite
+
+    class TestMyAgenticTask(AgenticTaskTestSuite):
+        @classmethod
+        def build_agentic_task(cls):
+            return MyAgenticTask(max_turns=4, train_seed_range=100)
+
+Build the task with a small training-seed space where it has one (a few times `draw_count`): drawing 64 of a
+million seeds would rarely hit a held-out one even when the split is wrong.
 """
 
 from __future__ import annotations
@@ -44,10 +62,11 @@ from typing import Any, ClassVar
 
 import pytest
 
-from roll_core.interfaces import ProblemLike, RewardResult, Task
+from roll_core.interfaces import Env, ProblemLike, RewardResult, Task
+from roll_core.interfaces.tasks import AgenticTask
 from roll_core.testing import CannotRunHere
 
-__all__ = ["MALFORMED", "TaskTestSuite", "build_conformance_task"]
+__all__ = ["MALFORMED", "AgenticTaskTestSuite", "TaskTestSuite", "build_conformance_task"]
 
 MALFORMED = ["", "\\boxed{", "}}}{{{", "x" * 100_000, "\x00\x07\x1b[31m", "\ud800 lone surrogate", "\\boxed{\\boxed{}}"]
 #: Names of the hooks on a task class: the classmethod that builds a small instance, the method that answers.
@@ -135,3 +154,73 @@ class TaskTestSuite:
         assert len(res.scores) == len(MALFORMED)
         assert all(math.isfinite(s) for s in res.scores)
         assert res.correct[:-1] == [0.0] * (len(MALFORMED) - 1)  # the last one may parse as an empty box
+
+
+class AgenticTaskTestSuite:
+    """Shared tests of an agentic task; subclasses implement `build_agentic_task`."""
+
+    #: Draw seeds the seed checks use, and how many training seeds each draws.
+    draw_seeds: ClassVar[tuple[int, ...]] = (0, 1, 2)
+    draw_count: ClassVar[int] = 64
+    #: Replies stepped after a reset, whose observations must repeat too (hidden targets show only in replies).
+    probe_actions: ClassVar[tuple[str, ...]] = ("", "\\boxed{1}", "\\boxed{50}", "1")
+
+    @classmethod
+    def build_agentic_task(cls) -> AgenticTask:
+        raise NotImplementedError("subclasses return a small agentic task")
+
+    def test_satisfies_protocol(self) -> None:
+        task = self.build_agentic_task()
+        assert isinstance(task, AgenticTask), f"{type(task).__name__} lacks members of roll's AgenticTask protocol"
+        assert isinstance(task.name, str) and task.name, f"name {task.name!r}"
+        for limit in ("max_turns", "max_context_length", "max_tokens_per_turn", "env_threads"):
+            value = getattr(task, limit)
+            assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"{limit}={value!r}"
+        assert task.max_tokens_per_turn <= task.max_context_length, "one turn cannot exceed the whole context"
+        assert isinstance(task.num_workers, int) and task.num_workers >= 0, f"num_workers={task.num_workers!r}"
+        assert isinstance(task.step_timeout_s, (int, float)) and task.step_timeout_s > 0
+
+    def test_train_seeds_are_seeded_and_never_held_out(self) -> None:
+        task = self.build_agentic_task()
+        held_out = task.eval_seeds()
+        assert held_out and all(isinstance(s, int) for s in held_out), f"eval_seeds() gave {held_out[:5]!r}"
+        assert len(set(held_out)) == len(held_out), "eval_seeds() repeats a seed"
+        assert task.eval_seeds() == held_out, "eval_seeds() changed between calls"
+        draws = []
+        for seed in self.draw_seeds:
+            seeds = task.train_seeds(self.draw_count, seed)
+            assert len(seeds) == self.draw_count and len(set(seeds)) == self.draw_count, f"seed {seed}: {seeds[:5]}"
+            assert all(isinstance(s, int) for s in seeds)
+            assert seeds == task.train_seeds(self.draw_count, seed), f"train_seeds(..., {seed}) is not seeded"
+            clash = sorted(set(seeds) & set(held_out))
+            assert not clash, f"train_seeds(..., {seed}) drew held-out seeds {clash[:5]}"
+            draws.append(seeds)
+        assert len({tuple(d) for d in draws}) == len(draws), "different draw seeds gave the same training seeds"
+
+    def test_make_env_resets_reproducibly(self) -> None:
+        task = self.build_agentic_task()
+        a, b = task.make_env(), task.make_env()
+        assert a is not b, "make_env() must return a new environment each call"
+        assert isinstance(a, Env), f"make_env() gave {type(a).__name__}, not an Env"
+
+        def episode(env: Env, seed: int) -> tuple[str, ...]:
+            obs, info = env.reset(seed=seed)
+            assert isinstance(obs, str) and obs.strip() and isinstance(info, dict), f"reset gave {obs!r:.80}, {info}"
+            return (obs, *(str(env.step(action)[0]) for action in self.probe_actions))
+
+        for seed in (task.train_seeds(1, 0)[0], task.eval_seeds()[0]):
+            first = episode(a, seed)
+            assert episode(b, seed) == first, f"seed {seed}: two environments differ"
+            assert episode(a, seed) == first, f"seed {seed}: a second reset of one environment differs"
+
+    def test_prompts(self) -> None:
+        task = self.build_agentic_task()
+        system = task.system_prompt()
+        assert system is None or (isinstance(system, str) and system.strip()), f"system_prompt() gave {system!r}"
+        examples = task.examples()
+        assert isinstance(examples, list), f"examples() gave {type(examples).__name__}"
+        for m in examples:
+            assert isinstance(m, dict) and m.get("role") in ("system", "user", "assistant"), m
+            assert isinstance(m.get("content"), str), m
+        examples.append({"role": "user", "content": "changed"})
+        assert task.examples() == examples[:-1], "examples() must return a copy"
