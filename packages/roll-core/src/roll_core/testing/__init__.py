@@ -6,12 +6,15 @@ learns to end its reply with 7 within a few steps of GRPO or PPO, which makes "r
 seconds on a CPU.
 
 Conformance suites (subclass them in an implementation's tests, as `roll_hw.testing.PlatformTestSuite`):
-`roll_core.testing.infer_engine.InferEngineTestSuite`, `roll_core.testing.train_engine.TrainEngineTestSuite`,
-`roll_core.testing.tasks.TaskTestSuite`. They import pytest; this module does not. roll's own tests run the
-TrainEngine suite over every installed `roll.train_engines` entry point and the Task suite over every `roll.envs`
-one: an entry point's class says how to build a small test instance with a classmethod hook
-(`conformance_engine`, `conformance_task`; see those modules) and raises `CannotRunHere` from it when this machine
-cannot build one (the suite then skips with that reason).
+`roll_core.testing.infer_engine.InferEngineTestSuite`, `roll_core.testing.train_engine.TrainEngineTestSuite`
+(critic values and LoRA base log-probs included), `roll_core.testing.tasks.TaskTestSuite` and
+`AgenticTaskTestSuite`, `roll_core.testing.envs.EnvTestSuite`, `roll_core.testing.rewards.RewardTestSuite`,
+`roll_core.testing.estimators.EstimatorTestSuite`; the losses' suite is roll-algos' own
+(`roll_algos.testing.PolicyLossTestSuite`). They import pytest; this module does not. roll's own tests run the
+TrainEngine suite over every installed `roll.train_engines` entry point, the Task suite over every `roll.envs`
+one and the estimator suite over every `roll.algorithms` one: an entry point's class says how to build a small
+test instance with a classmethod hook (`conformance_engine`, `conformance_task`; see those modules) and raises
+`CannotRunHere` from it when this machine cannot build one (the suite then skips with that reason).
 """
 
 from __future__ import annotations
