@@ -197,6 +197,9 @@ class SharedRun:
                 "pipeline.eval_every=3",
                 "pipeline.reward_batch_timeout_s=1",
                 "pipeline.reward_timeout_s=0.5",
+                # Steps whose one prompt is a fault row fail on every row, several in a row: this run counts them
+                # (the failure budget that stops such a run is tested in test_run_guards.py).
+                "pipeline.max_reward_failure_steps=0",
                 data=data,
             )
         finally:
@@ -823,12 +826,12 @@ CASES: list[Case] = [
     E(
         "data/unsupported-format",
         file_task(lambda c: c.write("a.csv", "prompt,answer\nx,7\n")),
-        r"unsupported data file .*a\.csv: use \.jsonl, \.parquet",
+        r"unsupported data file .*a\.csv \(env\.path / env\.eval_path\): use \.jsonl, \.parquet",
     ),
     E(
         "data/every-row-held-out",
         file_task(lambda c: c.jsonl("a.jsonl", GOOD7[:3]), eval_fraction=0.999),
-        r"a\.jsonl: every row fell in the held-out split; lower eval_fraction or give eval_path",
+        r"a\.jsonl: every row fell in the held-out split; lower env\.eval_fraction or give env\.eval_path",
     ),
     C(
         "data/huge-prompt-10MB",

@@ -145,7 +145,8 @@ def test_inference_dtype_is_separate_from_training(
         )
     )
     assert gap(fp32) < 1e-5 < 1e-4 < gap(bf16), (gap(fp32), gap(bf16))
-    assert all(h["actor/grad_norm"] > 0 for h in bf16 if h["step"] > 0)
+    # (A step whose groups each share one reward has no GRPO gradient: at least one step trains.)
+    assert any(h["actor/grad_norm"] > 0 for h in bf16 if h["step"] > 0)
 
 
 @pytest.mark.parametrize(("engine", "state_ratio"), [("hf", 0.5), ("megatron", 0.25)])

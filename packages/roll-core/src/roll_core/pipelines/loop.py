@@ -126,10 +126,12 @@ class Pipeline:
                     sec=f"{out['perf/step_seconds']:.1f}",
                 )
                 due = (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps
-                if due or stop.requested:
+                if due:
                     self.checkpoint(step)
                 self.tracker.plot(self.collector.plot_keys)
                 if stop.requested:  # checked last: a signal may arrive anywhere in the step
+                    if not due:
+                        self.checkpoint(step)
                     log.warning("stopped after step %d: checkpoint %s; pipeline.resume=true continues", step, self.out)
                     break
         self.tracker.close()
