@@ -49,9 +49,11 @@ class TrainEngine(Protocol):
     def dp_size(self) -> int: ...
 
     def compute_logprobs(
-        self, batch: Mapping[str, Tensor], temperature: float = 1.0, with_entropy: bool = False
+        self, batch: Mapping[str, Tensor], temperature: float = 1.0, with_entropy: bool = False, base: bool = False
     ) -> dict[str, Tensor]:
-        """{"logprobs": (B, R)} of the response tokens under log_softmax(logits / temperature) (and "entropy")."""
+        """{"logprobs": (B, R)} of the response tokens under log_softmax(logits / temperature) (and "entropy").
+        `base=True` scores with LoRA adapters disabled (the frozen base: the reference policy of a LoRA run); an
+        engine without adapters raises ValueError."""
         ...
 
     def compute_values(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -88,5 +90,9 @@ class TrainEngine(Protocol):
         ...
 
     def load(self, folder: str | Path) -> None:
-        """Restore what `save` wrote (collective)."""
+        """Restore what `save` wrote (collective); optimizer settings (lr, weight decay) stay the configured ones."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release what the engine holds beyond its Python objects (process groups, threads); idempotent."""
         ...

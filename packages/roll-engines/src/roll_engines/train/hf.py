@@ -472,6 +472,10 @@ class HFTrainEngine:
         """Load a full state dict (reference refresh, tests)."""
         self.model.load_state_dict(dict(weights), strict=True)
 
+    def shutdown(self) -> None:
+        """Nothing beyond Python objects to release (megatron tears down its parallel state and overrides this)."""
+        return None
+
     def save(self, folder: str | Path, tokenizer_path: str | None = None) -> None:
         """Write `folder/model` (an HF folder: safetensors + tokenizer), `folder/optimizer` (a
         torch.distributed.checkpoint of AdamW's state, keyed by parameter name, sharded by rank) and
