@@ -9,30 +9,61 @@ Aggregation modes (`aggregate`), with m the mask and L the per-token loss:
 - `seq-mean-token-mean`: mean over sequences with >= 1 valid token of (sum_t L*m / sum_t m)
 - `seq-mean-token-sum`: mean over all B sequences of sum_t L*m
 - `seq-mean-token-sum-norm` (Dr.GRPO): sum(L*m) / (B * norm_length)
+
+Policy losses are a plugin kind. Each variant is one function of the `PolicyLoss` protocol (sanitised tensors and
+`PolicyLossSettings` in, per-token loss, ratio and metrics out) declared by name under the entry-point group
+`roll.losses`: roll-algos declares its own (`ppo_loss` as `ppo`, ...) in its pyproject.toml exactly as a plugin
+package declares its. `policy_loss(variant=name)` is the one dispatcher: it looks the name up among the installed
+entry points (`get_policy_loss`, cached per process), sanitises and checks the inputs, calls the variant, and
+aggregates and reports the shared metrics, so a built-in and an out-of-tree loss take the same path and get the
+same masking, aggregation and metrics. Callers hold the name, never the function: a name pickles to a Ray worker
+and is resolved there. `POLICY_LOSS_VARIANTS` is the installed names (read from the entry points on first use), so
+the names `algo.policy_loss` accepts are defined once, in the pyproject.toml that declares them.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
+from roll_algos import _plugins
+from roll_algos._plugins import PolicyLossPluginError
+
 __all__ = [
     "AGG_MODES",
     "POLICY_LOSS_VARIANTS",
+    "PolicyLoss",
+    "PolicyLossPluginError",
+    "PolicyLossSettings",
+    "PolicyLossTerms",
     "aggregate",
+    "bounded_log_ratio",
+    "cispo_loss",
+    "clear_policy_loss_cache",
     "entropy_from_logits",
+    "get_policy_loss",
+    "gspo_loss",
     "masked_mean",
     "off_policy_weights",
     "overlong_penalty",
     "policy_loss",
+    "policy_loss_names",
+    "ppo_loss",
+    "tis_loss",
     "token_logprobs",
+    "topr_loss",
     "value_loss",
+    "vanilla_loss",
 ]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-POLICY_LOSS_VARIANTS = ("ppo", "gspo", "cispo", "tis", "topr", "vanilla")
+#: The installed policy-loss names (`policy_loss_names()`), computed on first access by the module `__getattr__`
+#: below: reading entry-point metadata costs ~50 ms, which importing this module must not.
+POLICY_LOSS_VARIANTS: tuple[str, ...]
 # Bound on |log ratio| before exp: beyond this the ratio is clipped anyway, and exp would overflow in fp32.
 _MAX_LOG_RATIO = 20.0
 
@@ -85,6 +116,161 @@ def _seq_mean(x: Tensor, valid: Tensor) -> Tensor:
     return torch.where(valid, x, 0.0).sum(-1) / valid.sum(-1).clamp_min(1)
 
 
+def bounded_log_ratio(logp: Tensor, old_logp: Tensor) -> Tensor:
+    """log r = logp - old_logp, clamped to +-20 so that exp(log r) stays finite in fp32. (B, T) -> (B, T)."""
+    return torch.clamp(logp - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+
+
+# ---------------------------------------------------------------- the policy-loss plugin contract
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """The settings every policy loss receives; a variant reads those it uses and ignores the rest."""
+
+    #: PPO clip range below 1: ratios under 1 - clip_low are clipped (and cispo's weight floor).
+    clip_low: float = 0.2
+    #: PPO clip range above 1 (clip_high > clip_low is DAPO clip-higher; cispo's weight ceiling).
+    clip_high: float = 0.2
+    #: Dual clip c > 1: bounds the loss of negative-advantage tokens at c|A| (None: off).
+    dual_clip: float | None = None
+    #: Truncation of the importance ratio (tis).
+    ratio_cap: float = 2.0
+    #: (B,) bool, rows with positive reward (topr); None: rows whose masked mean advantage is > 0.
+    positive: Tensor | None = None
+
+
+class PolicyLossTerms(NamedTuple):
+    """What a policy loss returns; `policy_loss` aggregates `loss` and reports `ratio`'s masked mean and max."""
+
+    #: (B, T) per-token loss; only valid positions are read.
+    loss: Tensor
+    #: (B, T) the importance ratio the loss used (per token, or a row's sequence ratio on each of its tokens).
+    ratio: Tensor
+    #: Variant-specific detached 0-dim metrics (e.g. `clipfrac_low`); the dispatcher reports 0 for the three
+    #: clip fractions a variant leaves out, so every variant logs the same keys.
+    metrics: dict[str, Tensor]
+
+
+class PolicyLoss(Protocol):
+    """One policy-loss variant: the per-token loss of sanitised inputs.
+
+    May assume: `logp`, `old_logp`, `advantages` are (B, T) and hold 0 (never NaN) at masked positions; `old_logp`
+    and `advantages` are detached; `mask` is a (B, T) bool tensor. Must not: aggregate (the dispatcher does, with
+    `agg`), or let a masked position reach the loss's gradient. Register it under `[project.entry-points.
+    "roll.losses"]` as `<name> = "module:function"`; `policy_loss(variant=<name>)` and `algo.policy_loss=<name>`
+    then select it. `roll_algos.testing.PolicyLossTestSuite` with `variants = ("<name>",)` checks the contract.
+    """
+
+    def __call__(
+        self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, settings: PolicyLossSettings
+    ) -> PolicyLossTerms: ...
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, mask: Tensor, s: PolicyLossSettings) -> PolicyLossTerms:
+    """max(-A r, -A clip(r, 1-clip_low, 1+clip_high)), with the dual clip for A < 0 when set."""
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - s.clip_low, 1.0 + s.clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    metrics = {
+        "clipfrac_low": masked_mean(((ratio < 1.0 - s.clip_low) & (adv < 0)).to(ratio.dtype), mask),
+        "clipfrac_high": masked_mean(((ratio > 1.0 + s.clip_high) & (adv > 0)).to(ratio.dtype), mask),
+    }
+    if s.dual_clip is not None:
+        if s.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {s.dual_clip}")
+        bound = -adv * s.dual_clip  # positive where adv < 0
+        dual_active = (adv < 0) & (loss > bound)
+        loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
+        metrics["clipfrac_dual"] = masked_mean(dual_active.to(ratio.dtype), mask)
+    return PolicyLossTerms(loss, ratio, {k: v.detach() for k, v in metrics.items()})
+
+
+def ppo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, settings: PolicyLossSettings
+) -> PolicyLossTerms:
+    """`ppo`: max(-A r, -A clip(r, 1-clip_low, 1+clip_high)), r = exp(logp - old_logp); dual clip when set."""
+    ratio = torch.exp(bounded_log_ratio(logp, old_logp))
+    return _clipped_surrogate(ratio, advantages, mask, settings)
+
+
+def gspo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, settings: PolicyLossSettings
+) -> PolicyLossTerms:
+    """`gspo`: as `ppo` with the sequence ratio exp(masked mean_t log r) per row, gradient through the mean."""
+    seq_log_ratio = _seq_mean(bounded_log_ratio(logp, old_logp), mask)
+    ratio = torch.exp(seq_log_ratio)[:, None].expand_as(logp)
+    return _clipped_surrogate(ratio, advantages, mask, settings)
+
+
+def _weighted(logp: Tensor, advantages: Tensor, ratio: Tensor, weight: Tensor) -> PolicyLossTerms:
+    """-sg(weight) A logp: the REINFORCE family, weighted by a stop-gradient function of the ratio."""
+    return PolicyLossTerms(-weight.detach() * advantages * logp, ratio, {})
+
+
+def cispo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, settings: PolicyLossSettings
+) -> PolicyLossTerms:
+    """`cispo`: -sg(clip(r, 1-clip_low, 1+clip_high)) A logp."""
+    ratio = torch.exp(bounded_log_ratio(logp, old_logp))
+    weight = torch.clamp(ratio, 1.0 - settings.clip_low, 1.0 + settings.clip_high)
+    return _weighted(logp, advantages, ratio, weight)
+
+
+def tis_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, settings: PolicyLossSettings
+) -> PolicyLossTerms:
+    """`tis`: -sg(min(r, ratio_cap)) A logp (truncated importance sampling)."""
+    ratio = torch.exp(bounded_log_ratio(logp, old_logp))
+    return _weighted(logp, advantages, ratio, torch.clamp(ratio, 0.0, settings.ratio_cap))
+
+
+def topr_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, settings: PolicyLossSettings
+) -> PolicyLossTerms:
+    """`topr`: rows with positive reward: -A logp; others: -sg(clip(r, 0, 1)) A logp."""
+    ratio = torch.exp(bounded_log_ratio(logp, old_logp))
+    positive = settings.positive if settings.positive is not None else _seq_mean(advantages, mask) > 0
+    weight = torch.where(positive[:, None], torch.ones_like(ratio), torch.clamp(ratio, 0.0, 1.0))
+    return _weighted(logp, advantages, ratio, weight)
+
+
+def vanilla_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, settings: PolicyLossSettings
+) -> PolicyLossTerms:
+    """`vanilla`: -A logp (REINFORCE; the ratio is reported, not used)."""
+    ratio = torch.exp(bounded_log_ratio(logp, old_logp))
+    return _weighted(logp, advantages, ratio, torch.ones_like(ratio))
+
+
+def policy_loss_names() -> tuple[str, ...]:
+    """Every installed policy-loss name (`roll.losses` entry points): roll-algos' own, then plugins', each sorted."""
+    return _plugins.names()
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The `PolicyLoss` installed as `name` (imported on first use, then cached per process).
+
+    Raises:
+        ValueError: no installed distribution declares `name`; the message lists the installed names.
+        PolicyLossPluginError: the entry point fails to import, is not callable, or two distributions declare it.
+    """
+    installed = policy_loss_names()
+    if name not in installed:
+        raise ValueError(f"unknown policy loss {name!r}; choose one of {', '.join(installed)}")
+    return _plugins.load(name)  # type: ignore[return-value]
+
+
+def clear_policy_loss_cache() -> None:
+    """Forget the installed names and loaded losses (a test that installs a loss plugin at run time)."""
+    _plugins.clear_cache()
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    # PEP 562: `POLICY_LOSS_VARIANTS` is read from entry-point metadata on first access, not at import.
+    if name == "POLICY_LOSS_VARIANTS":
+        return _plugins.declared().own
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -100,27 +286,32 @@ def policy_loss(
     ratio_cap: float = 2.0,
     positive: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Policy-gradient loss of the PPO family.
+    """Policy-gradient loss of the PPO family: the installed variant `variant`, aggregated with `agg`.
 
-    Variants (r = exp(logp - old_logp), A the advantage, sg = stop-gradient):
-    - `ppo`: max(-A r, -A clip(r, 1-clip_low, 1+clip_high)); clip_high > clip_low is DAPO clip-higher;
-      `dual_clip=c` (c > 1) bounds the loss of negative-advantage tokens at c|A|.
-    - `gspo`: like `ppo` but with the sequence ratio exp(masked mean of log r), gradient through the mean.
-    - `cispo`: -sg(clip(r, 1-clip_low, 1+clip_high)) A logp.
-    - `tis`: -sg(min(r, ratio_cap)) A logp (truncated importance sampling).
-    - `topr`: rows with positive reward: -A logp; others: -sg(clip(r, 0, 1)) A logp.
-    - `vanilla`: -A logp.
+    roll-algos' variants (r = exp(logp - old_logp), A the advantage, sg = stop-gradient), one `PolicyLoss` each:
+    - `ppo` (`ppo_loss`): max(-A r, -A clip(r, 1-clip_low, 1+clip_high)); clip_high > clip_low is DAPO
+      clip-higher; `dual_clip=c` (c > 1) bounds the loss of negative-advantage tokens at c|A|.
+    - `gspo` (`gspo_loss`): like `ppo` but with the sequence ratio exp(masked mean of log r), gradient through the
+      mean.
+    - `cispo` (`cispo_loss`): -sg(clip(r, 1-clip_low, 1+clip_high)) A logp.
+    - `tis` (`tis_loss`): -sg(min(r, ratio_cap)) A logp (truncated importance sampling).
+    - `topr` (`topr_loss`): rows with positive reward: -A logp; others: -sg(clip(r, 0, 1)) A logp.
+    - `vanilla` (`vanilla_loss`): -A logp.
+    Any other name installed under the `roll.losses` entry-point group is called the same way.
 
     Args:
         logp: (B, T) log-probs of the sampled tokens under the current policy (with grad).
         old_logp: (B, T) log-probs under the policy that produced the rollout (no grad needed).
         advantages: (B, T) per-token, or (B,) per sequence (broadcast to the valid tokens).
         mask: (B, T) 0/1.
+        variant: an installed policy-loss name (`policy_loss_names()`).
         positive: (B,) bool, rows with positive reward for `topr`; default: masked mean advantage > 0.
     Returns:
         (loss, metrics): a 0-dim loss aggregated with `agg`; metrics are detached 0-dim tensors:
-        `clipfrac_low`, `clipfrac_high`, `clipfrac_dual`, `approx_kl` (k3 between old and new, masked mean),
-        `ratio_mean`, `ratio_max`.
+        `clipfrac_low`, `clipfrac_high`, `clipfrac_dual` (0 where the variant does not clip), the variant's own,
+        `approx_kl` (k3 between old and new, masked mean), `ratio_mean`, `ratio_max`.
+    Raises:
+        ValueError: unknown `variant` or `agg` (the message lists the choices), or mismatched shapes.
     """
     valid = _valid(mask, logp)
     if advantages.dim() == 1:
@@ -130,58 +321,27 @@ def policy_loss(
             f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and advantages "
             f"{tuple(advantages.shape)} must all be (B, T)"
         )
+    loss_fn = get_policy_loss(variant)
     logp = torch.where(valid, logp, 0.0)
     old_logp = torch.where(valid, old_logp.detach(), 0.0)
     adv = torch.where(valid, advantages.detach(), 0.0)
-    log_ratio = torch.clamp(logp - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-
+    settings = PolicyLossSettings(clip_low, clip_high, dual_clip, ratio_cap, positive)
+    terms = loss_fn(logp, old_logp, adv, valid, settings)
+    if terms.loss.shape != logp.shape or terms.ratio.shape != logp.shape:
+        raise ValueError(
+            f"policy loss {variant!r} returned loss {tuple(terms.loss.shape)} and ratio {tuple(terms.ratio.shape)}; "
+            f"both must be (B, T) = {tuple(logp.shape)}"
+        )
+    total = aggregate(terms.loss, mask, agg, norm_length=norm_length)
     zeros = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    clip_lo_frac, clip_hi_frac, dual_frac = zeros, zeros, zeros
-    if variant in ("ppo", "gspo"):
-        if variant == "gspo":
-            seq_log_ratio = _seq_mean(log_ratio, valid)
-            ratio = torch.exp(seq_log_ratio)[:, None].expand_as(logp)
-        else:
-            ratio = torch.exp(log_ratio)
-        unclipped = -adv * ratio
-        clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-        loss = torch.maximum(unclipped, clipped)
-        clip_lo_frac = masked_mean(((ratio < 1.0 - clip_low) & (adv < 0)).to(logp.dtype), mask)
-        clip_hi_frac = masked_mean(((ratio > 1.0 + clip_high) & (adv > 0)).to(logp.dtype), mask)
-        if dual_clip is not None:
-            if dual_clip <= 1.0:
-                raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-            bound = -adv * dual_clip  # positive where adv < 0
-            dual_active = (adv < 0) & (loss > bound)
-            loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
-            dual_frac = masked_mean(dual_active.to(logp.dtype), mask)
-    else:
-        ratio = torch.exp(log_ratio)
-        if variant == "vanilla":
-            weight = torch.ones_like(ratio)
-        elif variant == "cispo":
-            weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-        elif variant == "tis":
-            weight = torch.clamp(ratio, 0.0, ratio_cap)
-        elif variant == "topr":
-            if positive is None:
-                positive = _seq_mean(adv, valid) > 0
-            weight = torch.where(positive[:, None], torch.ones_like(ratio), torch.clamp(ratio, 0.0, 1.0))
-        else:
-            raise ValueError(f"unknown policy loss {variant!r}; choose one of {', '.join(POLICY_LOSS_VARIANTS)}")
-        loss = -weight.detach() * adv * logp
-    total = aggregate(loss, mask, agg, norm_length=norm_length)
+    metrics = {"clipfrac_low": zeros, "clipfrac_high": zeros, "clipfrac_dual": zeros}
+    metrics.update({k: v.detach() for k, v in terms.metrics.items()})
     with torch.no_grad():
-        approx_kl = masked_mean(torch.exp(-log_ratio) + log_ratio - 1.0, mask)
-        ratio_valid = torch.where(valid, ratio, 0.0)
-        metrics = {
-            "clipfrac_low": clip_lo_frac.detach(),
-            "clipfrac_high": clip_hi_frac.detach(),
-            "clipfrac_dual": dual_frac.detach(),
-            "approx_kl": approx_kl,
-            "ratio_mean": masked_mean(ratio.detach(), mask),
-            "ratio_max": ratio_valid.max() if valid.any() else zeros,
-        }
+        log_ratio = bounded_log_ratio(logp, old_logp)
+        ratio_valid = torch.where(valid, terms.ratio, 0.0)
+        metrics["approx_kl"] = masked_mean(torch.exp(-log_ratio) + log_ratio - 1.0, mask)
+        metrics["ratio_mean"] = masked_mean(terms.ratio.detach(), mask)
+        metrics["ratio_max"] = ratio_valid.max() if valid.any() else zeros
     return total, metrics
 
 

@@ -1,5 +1,6 @@
 """Conformance suite of roll-algos' loss contract: every policy-loss variant under every aggregation mode, and every
-KL estimator, by the names roll-algos exports (`losses.POLICY_LOSS_VARIANTS`, `losses.AGG_MODES`, `kl.KL_KINDS`).
+KL estimator, by the names roll-algos exports (`losses.POLICY_LOSS_VARIANTS`, roll-algos' own `roll.losses` entry
+points; `losses.AGG_MODES`; `kl.KL_KINDS`).
 
 Policy loss, for each variant x aggregation (`policy_loss(logp, old_logp, advantages, mask, variant=, agg=)`) on a
 batch with a hole in the mask, an empty row, and NaN on the masked positions of every input:
@@ -16,20 +17,26 @@ KL estimator, for each kind (`kl_estimate(logp, ref_logp, kind)`): (B, T), finit
 Unknown names (variant, aggregation, KL kind) are a ValueError that lists the choices.
 
 roll-algos' tests run it (packages/roll-algos/tests/test_loss_conformance.py). It imports pytest (roll-algos' `test`
-extra), so only tests import this module. A package that adds a variant or wraps `policy_loss` runs the suite over
-its own function and names::
+extra), so only tests import this module. A package that adds a loss declares its `PolicyLoss` under
+`[project.entry-points."roll.losses"]` and runs the suite over its names through the same dispatcher::
 
     from roll_algos.testing import PolicyLossTestSuite
 
     class TestMyLoss(PolicyLossTestSuite):
         variants = ("my_variant",)
-        policy_loss = staticmethod(my_policy_loss)  # same signature as roll_algos.losses.policy_loss
-        kl_kinds = ()  # the KL cases run over `kl_estimate` (default roll_algos.kl.kl_estimate) and these kinds
+        kl_kinds = ("k3",)  # the KL cases run over `kl_estimate` (default roll_algos.kl.kl_estimate) and these kinds
+
+`installed_loss_plugin` installs a loss plugin into a folder for the length of a test (a real distribution that
+`importlib.metadata` finds on `sys.path`, as pip would leave it), for tests of the plugin path itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import importlib
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -38,10 +45,10 @@ from torch import Tensor
 
 from roll_algos.kl import KL_KINDS
 from roll_algos.kl import kl_estimate as _kl_estimate
-from roll_algos.losses import AGG_MODES, POLICY_LOSS_VARIANTS
+from roll_algos.losses import AGG_MODES, POLICY_LOSS_VARIANTS, clear_policy_loss_cache
 from roll_algos.losses import policy_loss as _policy_loss
 
-__all__ = ["PolicyLossTestSuite", "loss_batch"]
+__all__ = ["PolicyLossTestSuite", "installed_loss_plugin", "loss_batch"]
 
 #: `norm_length` passed to every call (seq-mean-token-sum-norm needs one; the others ignore it).
 NORM_LENGTH = 6
@@ -146,3 +153,30 @@ class PolicyLossTestSuite:
             assert (kl >= 0).all(), f"{kl_kind} is negative: {kl.min()}"
         (grad,) = torch.autograd.grad(kl.sum(), logp)
         assert torch.isfinite(grad).all()
+
+
+@contextmanager
+def installed_loss_plugin(
+    folder: Path, *, dist: str, module: str, source: str, entries: Mapping[str, str]
+) -> Iterator[None]:
+    """Install a `roll.losses` plugin into `folder` while the block runs, and remove it after.
+
+    Writes `<module>.py` with `source` and a `<dist>-0.1.dist-info` declaring `entries` (name -> "module:attr")
+    under `roll.losses`, puts `folder` first on `sys.path` and clears roll-algos' loss cache, so
+    `policy_loss(variant=<name>)` finds it exactly as it finds a pip-installed package. Callers that also read the
+    group through another cache (`roll_core.registry`) clear that one themselves.
+    """
+    (folder / f"{module}.py").write_text(source)
+    info = folder / f"{dist.replace('-', '_')}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[roll.losses]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()))
+    sys.path.insert(0, str(folder))
+    importlib.invalidate_caches()  # the module file is new: a cached directory listing would miss it
+    clear_policy_loss_cache()
+    try:
+        yield
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop(module, None)
+        clear_policy_loss_cache()
