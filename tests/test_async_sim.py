@@ -1,6 +1,6 @@
-"""The cluster simulator (bench/async_sim) drives the real RolloutScheduler: the default take order trains every
-generated token at its true length within the staleness bound, the old order drops long groups, episodes keep
-every turn and observation, and the simulator's own checks catch a broken scheduler."""
+"""The cluster simulator (bench/async_sim) drives the real RolloutScheduler: the default take order (and order
+"deadline") trains every generated token at its true length within the staleness bound, the old order drops long
+groups, episodes keep every turn and observation, and the simulator's own checks catch a broken scheduler."""
 
 from __future__ import annotations
 
@@ -59,13 +59,15 @@ def test_length_distributions():
 
 @pytest.mark.parametrize("workload", ["rlvr", "agentic"])
 def test_in_order_async_wastes_nothing_and_keeps_lengths_at_a_speed_up(workload):
-    """The issue's goal at k=1: < 5 % waste, mean trained length within 5 % of sync, faster than sync."""
+    """The issue's goal at k=1: < 5 % waste, mean trained length within 5 % of sync, faster than sync; in start
+    order and in deadline order (which trains the same groups, the first k + 1 batches reordered)."""
     sync = simulate(32, workload, "sync", **FAST)
-    k1 = simulate(32, workload, "k1", train_fraction=0.5, **FAST)
-    assert k1.wasted_token_frac == 0 and k1.stale_groups == 0
-    assert k1.trained_mean_len == sync.trained_mean_len  # the same groups, in the same order, at full length
-    assert k1.tokens_per_s > 1.5 * sync.tokens_per_s and k1.util_infer > sync.util_infer
-    assert k1.max_staleness == k1.max_admission_staleness == 1  # it runs ahead, within the bound
+    for mode in ("k1", "k1 deadline"):
+        k1 = simulate(32, workload, mode, train_fraction=0.5, **FAST)
+        assert k1.wasted_token_frac == 0 and k1.stale_groups == 0
+        assert k1.trained_mean_len == sync.trained_mean_len  # the same groups, at full length
+        assert k1.tokens_per_s > 1.5 * sync.tokens_per_s and k1.util_infer > sync.util_infer
+        assert k1.max_staleness == k1.max_admission_staleness == 1  # it runs ahead, within the bound
 
 
 def test_the_old_order_drops_long_groups():
@@ -75,12 +77,14 @@ def test_the_old_order_drops_long_groups():
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
-@pytest.mark.parametrize("order", ["start", "ready"])
+@pytest.mark.parametrize("order", ["start", "deadline", "ready"])
 def test_staleness_bound_never_exceeded(k, order):
     r = simulate(32, "rlvr", Mode(f"k{k}", k, partial=True, order=order), **FAST)
     assert r.max_staleness <= k and r.max_true_staleness <= k  # also asserted per batch inside the simulator
     if k and order == "ready":
         assert r.max_staleness == k and r.stale_groups > 0  # the bound is reached and the filter is exercised
+    if order == "deadline":
+        assert r.stale_groups == 0 and r.wasted_token_frac == 0 and r.max_admission_staleness == k
 
 
 def test_sync_trains_only_the_current_version():
@@ -113,7 +117,7 @@ def test_a_scheduler_without_the_staleness_filter_is_caught():
         sim.run()
 
 
-@pytest.mark.parametrize("mode", ["k1", "k1 ready"])
+@pytest.mark.parametrize("mode", ["k1", "k1 deadline", "k1 ready"])
 def test_a_bumped_budget_is_caught(mode):
     sim = Simulation(32, "rlvr", mode, **FAST)
     sim.sched.k = 2  # runs (and filters) one batch further ahead than the driver's k=1

@@ -100,6 +100,8 @@ MODES: dict[str, Mode] = {
         Mode("k1", 1),
         Mode("k2", 2),
         Mode("k1+partial", 1, partial=True),
+        Mode("k1 deadline", 1, order="deadline"),  # due groups waited for, the rest skips ahead; nothing dropped
+        Mode("k2 deadline", 2, order="deadline"),
         Mode("k1 ready", 1, order="ready"),  # the policy before 2026-12: skip ahead, drop what goes stale
         Mode("k1 ready+tail", 1, order="ready", tail_fraction=0.25),
     )

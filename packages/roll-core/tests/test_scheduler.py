@@ -1,5 +1,6 @@
 """RolloutScheduler: the budget keeps rollout at most k batches ahead, no trained group is older than k versions,
-the default order waits for the oldest group instead of dropping it, partial rollout loses and duplicates no token,
+the default order waits for the oldest group instead of dropping it, order "deadline" waits only for due groups and
+trains every group by its deadline (reserving slots when k >= 2), partial rollout loses and duplicates no token,
 episodes keep every turn and observation, and tail groups only stand in for slow ones (order "ready")."""
 
 from __future__ import annotations
@@ -211,3 +212,91 @@ def test_the_environment_answer_for_a_dropped_group_is_ignored() -> None:
     s.finish_update()  # version 1: the episode (version 0) is stale for k=0
     assert 0 not in s.groups and s.counters["stale_tokens"] == 3
     assert s.observe(smp, [5], done=True) is None
+
+
+# ---- order "deadline" -----------------------------------------------------------------------------------------
+def test_deadline_order_waits_for_due_groups_only_and_fills_with_complete_ones() -> None:
+    s = RolloutScheduler(batch_groups=2, group_size=1, max_new_tokens=4, async_ratio=1, order="deadline")
+    ids = itertools.count()
+    rids = _fill(s, ids)  # groups 0-3 at version 0 (deadline 1)
+    _finish(s, rids[1:])  # group 0 stays running
+    assert s.due() == 0 and [g.gid for g in s.take(2)] == [1, 2]  # nothing is due yet: skip the slow group
+    s.finish_update()  # version 1: groups 0 and 3 are due
+    new = _fill(s, ids)  # groups 4-5 (deadline 2)
+    _finish(s, new)
+    assert s.due() == 2
+    assert [g.gid for g in s.take(2)] == [3]  # the other slot is group 0's: complete groups 4-5 may not take it
+    assert s.take(1) == []  # still waiting for group 0, however many others are complete
+    _finish(s, rids[:1])
+    [g0] = s.take(1)
+    assert g0.gid == 0 and s.version - g0.start_version == 1 and s.due() == 0
+    assert s.counters["stale_groups"] == 0
+
+
+def test_deadline_order_reserves_slots_for_the_next_deadlines_when_k_is_2() -> None:
+    """Taking only the due groups first is not enough for k >= 2: with B = 1, batches 0 and 1 could take the fast
+    groups 2 and 3 while groups 0 and 1 (deadline 2) run, and two groups would be due in the one slot of batch 2."""
+    s = RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=4, async_ratio=2, order="deadline")
+    ids = itertools.count()
+    rids = _fill(s, ids)  # groups 0-2 at version 0 (deadline 2)
+    _finish(s, rids[2:])
+    assert [g.gid for g in s.take(1)] == [2]
+    s.finish_update()
+    _finish(s, _fill(s, ids))  # group 3 (deadline 3) completes at once
+    assert s.take(1) == []  # batch 1's slot is kept for group 0 or 1: batch 2 alone cannot hold both
+    _finish(s, rids[1:2])
+    assert [g.gid for g in s.take(1)] == [1]
+    s.finish_update()
+    _fill(s, ids)
+    assert s.due() == 1  # group 0 only: it fits
+    _finish(s, rids[:1])
+    assert [g.gid for g in s.take(1)] == [0] and s.counters["stale_groups"] == 0
+
+
+@pytest.mark.parametrize("discards", [False, True])
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("batch_groups", [1, 3])
+def test_deadline_order_trains_every_group_by_its_deadline_in_batches_of_exactly_b(
+    k: int, batch_groups: int, discards: bool
+) -> None:
+    """Random completion order (and dynamic-sampling discards): at most B groups are ever due, every batch holds
+    exactly B groups and every due one, nothing goes stale, the budget holds; and from batch k + 1 on, a batch is
+    exactly the groups admitted k versions earlier (the budget leaves no other choice: see the module docstring)."""
+    import random
+
+    rng = random.Random(k * 10 + batch_groups + 100 * discards)
+    b = batch_groups
+    s = RolloutScheduler(batch_groups=b, group_size=1, max_new_tokens=4, async_ratio=k, order="deadline")
+    ids = itertools.count()
+    running: list[str] = []
+    trained = 0
+    for _ in range(12):
+        assert s.due() <= b
+        batch = []
+        for _ in range(1000):
+            if len(batch) == b:
+                break
+            running += _fill(s, ids)
+            assert trained + len(s.groups) + len(batch) <= (s.version + k + 1) * b  # the budget
+            if running and rng.random() < 0.7:
+                _finish(s, [running.pop(rng.randrange(len(running)))])
+            got = s.take(b - len(batch))
+            assert len(got) <= b - len(batch)
+            for g in got:
+                if discards and rng.random() < 0.15:  # no reward variance: its slot and budget go to a new group
+                    s.discard(g)
+                else:
+                    batch.append(g)
+        assert len(batch) == b, "the batch never filled"
+        assert s.due() == 0  # every due group is in this batch
+        assert all(s.version - g.start_version <= k for g in batch)
+        if s.version > k and not discards:
+            assert {g.start_version for g in batch} == {s.version - k}
+        trained += len(batch)
+        s.finish_update()
+    assert s.counters["stale_groups"] == 0 and s.counters["stale_tokens"] == 0
+
+
+def test_deadline_order_refuses_tail_groups() -> None:
+    with pytest.raises(ValueError, match="order='deadline' waits"):
+        RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=1, tail_groups=1, order="deadline")

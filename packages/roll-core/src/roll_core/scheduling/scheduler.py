@@ -19,6 +19,29 @@ Contract:
 - Budget (admission control): with async ratio k and B groups per batch, at most (version + k + 1) * B groups are
   ever started (minus those discarded), so the rollout runs at most k batches ahead of the trainer. k = 0 is the
   synchronous loop: one batch, generated under the current weights.
+- Order `"deadline"`: a group admitted at version u has the *deadline* u + k (the last batch that may train it).
+  `take` at trainer version V returns every complete *due* group (deadline <= V) and fills the rest of the batch
+  with complete groups in start order, so a batch waits for its due groups only, not for every group ahead of the
+  fastest ones; slow groups are deferred to a later batch, never dropped. Why no due group can miss its batch:
+  the groups admitted at version <= V - k number at most (V - k + k + 1) B = (V + 1) B, and V batches of B were
+  trained before V; for k = 1 every trained group was admitted at <= V - 1, so at most B are due at V and the
+  batch (exactly B rows of groups) holds them all. For k >= 2 a batch may have spent slots on groups of later
+  deadlines (k = 2, B = 1: batches 0 and 1 take fast groups 2 and 3 while groups 0 and 1, deadline 2, run: two
+  due at version 2). So `take` also keeps, for each W in [V, V + k - 1], enough of this batch's slots for the
+  groups of deadline <= W that the next W - V batches cannot hold: r_W = n_W - (W - V) B slots, n_W the untaken
+  groups of deadline <= W. By induction r_W <= B before every batch (trained batches hold B groups; new
+  admissions at version V + 1 only add deadlines >= V + 1 + k, and all of those number at most (k + 1) B), so
+  r_V, the due groups, fit, and every admitted group is trained by its deadline, at full length. `limit` is the
+  batch's free slots: calling `take` again for the same batch (after waiting, or after `discard`) keeps the
+  reservation, since a taken group lowers both n_W (or the slots left for later deadlines) and the limit.
+  A batch shorter than B (dynamic sampling at its refill cap, the end of a run) can leave a due group behind: the
+  staleness filter below then drops it (counted), as in any order.
+  What it cannot do: beat order "start" after the first k + 1 batches. The budget (kept full, no discards)
+  admits (k + 1) B groups at version 0 and B at each later version, and batches 0..W hold (W + 1) B groups; a
+  policy that trains every group by its deadline must fit the (W + 1) B groups of deadline <= W (W >= k) into
+  exactly those slots, so batch V > k is exactly the B groups admitted at V - k, in any such order. Only the order
+  of the first k + 1 batches is free (here: the fastest groups first), and the step time is bound by the slowest
+  group of a version either way; a faster step needs drops (order "ready") or a looser bound (a larger k).
 - Order `"start"` (the default): `take` returns groups strictly in start order and waits for the oldest one rather
   than skipping ahead. With the budget this trains a group admitted at version v by version v + k at the latest
   (the groups ahead of it fill at most k + 1 batches), so nothing goes stale, no generated token is thrown away and
@@ -28,11 +51,11 @@ Contract:
   first and carries running ones into later batches; a group that outlives k versions is dropped (counted). Faster
   per sample, but it drops the long groups: 30-40 % of generated tokens in the simulator, trained responses ~20 %
   shorter than generated ones.
-- Staleness bound, in both orders: a batch taken at trainer version v holds only groups whose every token was
+- Staleness bound, in every order: a batch taken at trainer version v holds only groups whose every token was
   sampled at version >= v - k. Older groups are never trained on: completed ones are dropped at `take`, running
   ones are aborted at `finish_update` (counted in `stale_groups`, their tokens in `stale_tokens`), and their budget
-  goes to fresh groups. In order "start" this is a safety net that triggers only if the trainer takes fewer than B
-  groups per version.
+  goes to fresh groups. In orders "start" and "deadline" this is a safety net that triggers only if the trainer
+  takes fewer than B groups per version.
 - Tail groups (order "ready" only): while groups of an earlier version run and fewer than B are complete,
   `tail_groups` more may start.
 - Partial rollout: `begin_update` names every running request; the driver aborts them, reports what they
@@ -52,7 +75,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-ORDERS = ("start", "ready")
+ORDERS = ("start", "deadline", "ready")
 
 
 @dataclass
@@ -136,7 +159,7 @@ class RolloutScheduler:
         async_ratio: k, how many batches the rollout may run ahead of the trainer (0: synchronous).
         tail_groups: extra groups that stand in for slow ones (order "ready" only).
         partial_rollout: abort running requests at `begin_update` and resume them under the new weights.
-        order: "start" (default; "ready" when tail_groups > 0): see the module docstring.
+        order: "start" (default; "ready" when tail_groups > 0), "deadline" or "ready": see the module docstring.
     """
 
     def __init__(
@@ -157,9 +180,9 @@ class RolloutScheduler:
         order = order if order is not None else ("ready" if tail_groups else "start")
         if order not in ORDERS:
             raise ValueError(f"order={order!r}: expected one of {ORDERS}")
-        if order == "start" and tail_groups:
+        if order != "ready" and tail_groups:
             raise ValueError(
-                f"tail_groups={tail_groups} stand in for slow groups, which order='start' waits for instead: "
+                f"tail_groups={tail_groups} stand in for slow groups, which order={order!r} waits for instead: "
                 "use order='ready' (which drops groups that go stale) or tail_groups=0"
             )
         self.batch_groups, self.group_size, self.max_new = batch_groups, group_size, max_new_tokens
@@ -282,9 +305,13 @@ class RolloutScheduler:
 
     def take(self, limit: int) -> list[GroupState]:
         """Up to `limit` complete groups within the staleness bound. Order "start": the leading complete groups in
-        start order (it stops at the oldest running one); order "ready": complete groups oldest first, skipping
-        running ones. Stale complete groups met on the way are dropped (counted). The caller trains on what it
-        gets, or `discard`s groups it does not want (dynamic sampling)."""
+        start order (it stops at the oldest running one); order "deadline": every complete due group, then complete
+        groups in start order while the slots reserved for running groups of near deadlines allow; order "ready":
+        complete groups oldest first, skipping running ones. Stale complete groups met on the way are dropped
+        (counted). The caller trains on what it gets, or `discard`s groups it does not want (dynamic sampling);
+        with order "deadline" `limit` must be the batch's free slots (see the module docstring)."""
+        if self.order == "deadline":
+            return self._take_by_deadline(limit)
         in_order = self.order == "start"
         out: list[GroupState] = []
         for g in list(self.groups.values()):
@@ -295,10 +322,45 @@ class RolloutScheduler:
                 if in_order:  # wait for the oldest group (order "ready" goes on to drop stale complete ones)
                     break
                 continue
-            del self.groups[g.gid]
-            self._complete -= 1
-            out.append(g)
+            self._hand_over(g, out)
         return out
+
+    def _take_by_deadline(self, limit: int) -> list[GroupState]:
+        """Order "deadline" (module docstring): `free[j]` is how many of this batch's slots groups of deadline
+        > version + j may still use; start order is deadline order (admission versions never decrease)."""
+        k, v, b = self.k, self.version, self.batch_groups
+        live = []
+        for g in list(self.groups.values()):
+            if g.done and self._stale(g):  # only if a batch was short of B (safety net)
+                self._drop(g)
+            else:
+                live.append(g)
+        free = []
+        for j in range(k):
+            n_due_by = sum(1 for g in live if g.start_version + k <= v + j)
+            free.append(limit - max(0, n_due_by - j * b))
+        out: list[GroupState] = []
+        for g in live:
+            if len(out) >= limit:
+                break
+            if not g.done:
+                continue
+            later = range(min(k, g.start_version + k - v))  # the reservations this group's slot would cut into
+            if all(free[j] >= 1 for j in later):
+                for j in later:
+                    free[j] -= 1
+                self._hand_over(g, out)
+        return out
+
+    def _hand_over(self, g: GroupState, out: list[GroupState]) -> None:
+        del self.groups[g.gid]
+        self._complete -= 1
+        out.append(g)
+
+    def due(self) -> int:
+        """Groups not yet taken whose deadline (admission version + k) has come: order "deadline" must train
+        them in the batch taken at this version."""
+        return sum(1 for g in self.groups.values() if g.start_version + self.k <= self.version)
 
     def discard(self, group: GroupState) -> None:
         """A taken group the caller will not train on (no reward variance): its budget goes to a new group."""
