@@ -12,6 +12,7 @@ or an engine: each entry point is imported, and each config option is composed, 
 | roll.agentic_envs | `make_env(<name>)` builds that class; `env=<x>` options with `env: <name>` name installed ones |
 | roll.rewards | some env option's `reward._target_` names each of roll-envs' rewards; a typo'd target lists them |
 | roll.algorithms | `algo.adv_estimator` accepts each; every `algo=<x>` option names an installed one |
+| roll.losses | roll-algos' dispatcher loads the same object; `algo.policy_loss` accepts exactly the installed names |
 | roll.collectors | `pipeline=<name>` composes with `pipeline.name: <name>` |
 | roll.configs | a callable (the CLI and `compose` call them all) |
 """
@@ -91,7 +92,7 @@ def test_declared_groups_are_read() -> None:
     assert {g for g, _ in DECLARED} <= set(registry.GROUPS), "a roll package declares a group nothing reads"
     # roll-doctor lists every plugin kind (roll.configs are schemas, not plugins a user picks).
     assert set(PLUGIN_GROUPS.values()) == set(registry.GROUPS) - {"roll.configs"}
-    in_tree = {"roll-hw", "roll-core", "roll-engines", "roll-envs"}
+    in_tree = {"roll-hw", "roll-algos", "roll-core", "roll-engines", "roll-envs"}
     for group in registry.GROUPS:
         assert {DECLARED[k] for k in DECLARED if k[0] == group} & in_tree, f"no built-in declares {group}"
 
@@ -179,3 +180,17 @@ def test_estimators_agree_with_algo_options(options: dict[tuple[str, str], DictC
     assert set(algo_choices()["adv_estimator"]) == set(_names("roll.algorithms"))
     presets = {node.adv_estimator for (group, _), node in options.items() if group == "algo"}
     assert presets and presets <= set(_names("roll.algorithms"))
+
+
+def test_losses_agree_with_the_dispatcher_and_algo_policy_loss(options: dict[tuple[str, str], DictConfig]) -> None:
+    from roll_algos.losses import POLICY_LOSS_VARIANTS, get_policy_loss
+    from roll_core.config.schema import AlgoConfig, algo_choices
+
+    names = _names("roll.losses")
+    assert set(POLICY_LOSS_VARIANTS) <= set(names), "a built-in loss is not a roll.losses entry point"
+    assert set(algo_choices()["policy_loss"]) == set(names)
+    for name in names:
+        assert get_policy_loss(name) is registry.load("roll.losses", name), f"two readers disagree on {name}"
+        assert AlgoConfig(policy_loss=name).policy_loss == name
+    presets = {node.policy_loss for (group, _), node in options.items() if group == "algo"}
+    assert presets and presets <= set(names), "an algo=<x> option names a loss that is not installed"

@@ -10,8 +10,12 @@ Entry points say what is installed; config says what a run builds. Every group i
 | `roll.rewards` | a reward class (`score(responses, answers)`) | the unknown-`_target_` error of `config.build` |
 | `roll.agentic_envs` | a multi-turn environment class, named by `env.env=<name>` | `roll_envs.agentic.make_env` |
 | `roll.algorithms` | an advantage estimator (callable) | the pipeline (`algo.adv_estimator`), config checks |
+| `roll.losses` | a policy loss (`roll_algos.losses.PolicyLoss`), named by `algo.policy_loss` | `roll_algos` (*) |
 | `roll.collectors` | a collector factory, named by `pipeline.name` | the CLI |
 | `roll.configs` | a `register_configs()` that stores dataclass schemas in Hydra's ConfigStore | the CLI, `compose` |
+
+(*) roll-algos may not import roll-core, so it reads `roll.losses` itself, as roll-hw reads `roll.platforms`; config
+checks and `roll-doctor` list the group from here.
 
 Built-ins are declared in their package's pyproject.toml exactly as out-of-tree plugins are; `roll-doctor` lists
 every group, and tests/plugins/test_entry_points.py loads every entry point and checks it against the config
@@ -38,6 +42,7 @@ GROUPS: tuple[str, ...] = (
     "roll.agentic_envs",
     "roll.rewards",
     "roll.algorithms",
+    "roll.losses",
     "roll.collectors",
     "roll.configs",
 )

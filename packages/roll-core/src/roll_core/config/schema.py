@@ -25,17 +25,19 @@ def algo_choices() -> dict[str, tuple[str, ...]]:
     """The names `algo.*` accepts, from where they are implemented (defined once, never copied here).
 
     Estimators are the installed `roll.algorithms` entry points (roll-core's outcome and trajectory estimators and
-    any plugin's); policy losses, loss aggregations and KL kinds are roll-algos' own lists. Strings, not Enums:
-    OmegaConf matches an Enum field by member name, and `token-mean` or `seq-mean-token-sum` cannot be one.
+    any plugin's); policy losses the installed `roll.losses` entry points as roll-algos' dispatcher reads them
+    (roll-algos' own and any plugin's: exactly the names `policy_loss(variant=)` runs); loss aggregations and KL
+    kinds are roll-algos' own lists. Strings, not Enums: OmegaConf matches an Enum field by member name, and
+    `token-mean` or `seq-mean-token-sum` cannot be one.
     roll_algos is imported here, on first validation, because it imports torch, which composing must not.
     """
     from roll_algos.kl import KL_KINDS
-    from roll_algos.losses import AGG_MODES, POLICY_LOSS_VARIANTS
+    from roll_algos.losses import AGG_MODES, policy_loss_names
     from roll_core.registry import available
 
     return {
         "adv_estimator": tuple(available("roll.algorithms")),
-        "policy_loss": POLICY_LOSS_VARIANTS,
+        "policy_loss": policy_loss_names(),
         "loss_agg": AGG_MODES,
         "kl_kind": KL_KINDS,
     }

@@ -30,6 +30,8 @@ def agg_units(mask: Tensor, agg: str) -> float:
 class PolicyObjective:
     """Policy-gradient loss + KL-to-reference loss + entropy bonus."""
 
+    # An installed `roll.losses` name, resolved by `policy_loss` where the call runs: the name pickles to a Ray
+    # worker and is looked up there (its entry points are installed too), never a function shipped from the driver.
     variant: str = "ppo"
     agg: str = "token-mean"
     clip_low: float = 0.2
