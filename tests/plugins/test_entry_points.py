@@ -14,6 +14,7 @@ or an engine: each entry point is imported, and each config option is composed, 
 | roll.algorithms | `algo.adv_estimator` accepts each; every `algo=<x>` option names an installed one |
 | roll.losses | roll-algos' dispatcher loads the same object; `algo.policy_loss` accepts exactly the installed names |
 | roll.collectors | `pipeline=<name>` composes with `pipeline.name: <name>` |
+| roll.trackers | a `TrackerBackend` class; `pipeline.trackers` accepts every name, and its default is installed |
 | roll.configs | a callable (the CLI and `compose` call them all) |
 """
 
@@ -180,6 +181,18 @@ def test_estimators_agree_with_algo_options(options: dict[tuple[str, str], DictC
     assert set(algo_choices()["adv_estimator"]) == set(_names("roll.algorithms"))
     presets = {node.adv_estimator for (group, _), node in options.items() if group == "algo"}
     assert presets and presets <= set(_names("roll.algorithms"))
+
+
+def test_trackers_are_backends_that_pipeline_trackers_names() -> None:
+    from roll_core.config import load_config
+    from roll_core.interfaces.tracking import TrackerBackend
+
+    names = _names("roll.trackers")
+    for name in names:
+        cls = registry.load("roll.trackers", name)
+        assert isinstance(cls, type) and issubclass(cls, TrackerBackend), f"roll.trackers:{name} is {cls!r}"
+    assert load_config([f"pipeline.trackers=[{','.join(names)}]"]).pipeline.trackers == names
+    assert set(load_config([]).pipeline.trackers) <= set(names), "the default pipeline.trackers is not installed"
 
 
 def test_losses_agree_with_the_dispatcher_and_algo_policy_loss(options: dict[tuple[str, str], DictConfig]) -> None:

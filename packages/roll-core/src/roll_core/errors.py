@@ -98,7 +98,9 @@ def check_installed(cfg: Any, *, training: bool = True) -> None:
     """
     cluster = getattr(cfg, "cluster", None)
     if training:
-        TENSORBOARD.require()  # every training pipeline writes TensorBoard events (roll_core.tracking)
+        # The built-in tracker (roll_core.tracking); a plugin tracker raises its own extra when the Tracker opens it.
+        if "tensorboard" in getattr(getattr(cfg, "pipeline", None), "trackers", ("tensorboard",)):
+            TENSORBOARD.require()
         if getattr(cluster, "backend", "local") == "ray":
             RAY.require()
         if getattr(cluster, "address", None) is not None:

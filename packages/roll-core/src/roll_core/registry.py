@@ -12,6 +12,7 @@ Entry points say what is installed; config says what a run builds. Every group i
 | `roll.algorithms` | an advantage estimator (callable) | the pipeline (`algo.adv_estimator`), config checks |
 | `roll.losses` | a policy loss (`roll_algos.losses.PolicyLoss`), named by `algo.policy_loss` | `roll_algos` (*) |
 | `roll.collectors` | a collector factory, named by `pipeline.name` | the CLI |
+| `roll.trackers` | a metrics sink (`interfaces.tracking.TrackerBackend`), named in `pipeline.trackers` | `Tracker` |
 | `roll.configs` | a `register_configs()` that stores dataclass schemas in Hydra's ConfigStore | the CLI, `compose` |
 
 (*) roll-algos may not import roll-core, so it reads `roll.losses` itself, as roll-hw reads `roll.platforms`; config
@@ -44,6 +45,7 @@ GROUPS: tuple[str, ...] = (
     "roll.algorithms",
     "roll.losses",
     "roll.collectors",
+    "roll.trackers",
     "roll.configs",
 )
 

@@ -1,9 +1,13 @@
-"""Run tracking: metrics JSONL, TensorBoard events, the resolved config, sample completions and curve plots.
+"""Run tracking: metrics JSONL, the resolved config, sample completions and curve plots, plus tracker plugins.
 
-Everything lands in the run's output folder: `metrics.jsonl` (one JSON object per step), `tensorboard/`
-(event files), `config.yaml`, `samples.jsonl` (a few decoded completions per step) and `curves.png`
-(reward, accuracy and held-out accuracy against step). Writing never raises into the training loop for a plot
-failure; a metric that is not a finite number is logged as null in JSONL and skipped in TensorBoard.
+Everything of the core lands in the run's output folder: `metrics.jsonl` (one JSON object per step; the loop, the
+summary and the tests read it), `config.yaml`, `samples.jsonl` (a few decoded completions per step) and `curves.png`
+(reward, accuracy and held-out accuracy against step). Other sinks are backends (`TrackerBackend`,
+roll_core.interfaces.tracking) named in `pipeline.trackers` and loaded from the `roll.trackers` entry-point group:
+roll-core's own `tensorboard` (event files under `tensorboard/`) is registered exactly as an out-of-tree plugin.
+
+Writing never raises into the training loop for a plot failure; a metric that is not a finite number is logged as
+null in JSONL and left out of what backends receive. A backend's own errors propagate (see its contract).
 """
 
 from __future__ import annotations
@@ -11,34 +15,121 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from roll_core.interfaces.tracking import SampleTrackerBackend, TrackerBackend
+
 log = logging.getLogger(__name__)
+
+#: Backends a Tracker opens when none are named (pipeline.trackers' default).
+DEFAULT_TRACKERS: tuple[str, ...] = ("tensorboard",)
+
+
+class TensorBoardTracker:
+    """`pipeline.trackers=[tensorboard]`: event files under `<run>/tensorboard/` (needs the `roll-core[track]` extra).
+
+    A resumed run's `truncate(last_step)` opens a new writer with `purge_step=last_step + 1`, so TensorBoard drops
+    the events of the steps the run redoes.
+    """
+
+    def __init__(self, *, run_dir: Path, config: dict[str, Any], name: str, resume: bool) -> None:
+        from roll_core.errors import TENSORBOARD
+
+        TENSORBOARD.require()  # torch.utils.tensorboard's own error names neither the package nor the extra
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.dir = Path(run_dir) / "tensorboard"
+        self.writer: SummaryWriter | None = SummaryWriter(str(self.dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Add each metric as a scalar at `step` and flush (a crash loses no logged step)."""
+        if self.writer is None:
+            raise RuntimeError("TensorBoardTracker.log after close()")
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def truncate(self, last_step: int) -> None:
+        """Purge the events after `last_step` (a new writer over the same folder)."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        if self.writer is not None:
+            self.writer.close()
+        self.writer = SummaryWriter(str(self.dir), purge_step=last_step + 1)
+
+    def close(self) -> None:
+        """Flush and close the writer (idempotent)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def open_backends(
+    names: Sequence[str], run_dir: Path, config: dict[str, Any], name: str, resume: bool
+) -> list[TrackerBackend]:
+    """Build the `roll.trackers` backends `names` names, in order; closes the built ones if a later one fails.
+
+    Raises:
+        ValueError: a name is given twice.
+        roll_core.registry.PluginNotFoundError: a name is not installed (the message lists what is).
+        roll_core.errors.MissingExtraError: a backend's optional dependency is missing (one line naming the extra).
+    """
+    from roll_core import registry
+
+    if isinstance(names, str):  # "tensorboard" would iterate as letters
+        raise TypeError(f"trackers must be a list of names, not the string {names!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"trackers {list(names)} name a backend twice")
+    backends: list[TrackerBackend] = []
+    try:
+        for tracker in names:
+            cls = registry.load("roll.trackers", tracker)
+            backends.append(cls(run_dir=run_dir, config=config, name=name, resume=resume))
+    except BaseException:
+        for backend in backends:
+            backend.close()
+        raise
+    return backends
 
 
 class Tracker:
-    """Writes metrics to JSONL and TensorBoard; plots curves on demand."""
+    """Writes metrics.jsonl, config.yaml and samples.jsonl, plots curves, and forwards to the tracker backends."""
 
     def __init__(
-        self, out_dir: str | Path, config_yaml: str | None = None, tensorboard: bool = True, resume: bool = False
+        self,
+        out_dir: str | Path,
+        config_yaml: str | None = None,
+        trackers: Sequence[str] = DEFAULT_TRACKERS,
+        resume: bool = False,
+        name: str | None = None,
     ) -> None:
+        """Open the run folder's files and the backends.
+
+        Args:
+            out_dir: the run folder (created if missing).
+            config_yaml: the resolved config; written to config.yaml and given to backends as containers.
+            trackers: `roll.trackers` entry-point names (pipeline.trackers); `()` writes only the core files.
+            resume: keep metrics.jsonl's records (a later `truncate` drops the steps the run redoes); otherwise an
+                earlier metrics.jsonl in the folder is removed.
+            name: the experiment name backends see; default: the config's `experiment`, else the folder's name.
+        """
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        config: dict[str, Any] = {}
         if config_yaml is not None:
             (self.dir / "config.yaml").write_text(config_yaml)
+            from omegaconf import OmegaConf
+
+            parsed = OmegaConf.to_container(OmegaConf.create(config_yaml))
+            config = parsed if isinstance(parsed, dict) else {}
         self.metrics_path = self.dir / "metrics.jsonl"
         if not resume and self.metrics_path.exists():
             self.metrics_path.unlink()
         self.history: list[dict[str, Any]] = self.read_metrics(self.metrics_path) if resume else []
-        self.writer = None
-        if tensorboard:
-            from roll_core.errors import TENSORBOARD
-
-            TENSORBOARD.require()  # torch.utils.tensorboard's own error names neither the package nor the extra
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.dir / "tensorboard"))
+        run_name = name or str(config.get("experiment") or self.dir.name)
+        self.backends: list[TrackerBackend] = open_backends(trackers, self.dir, config, run_name, resume)
 
     @staticmethod
     def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -50,20 +141,18 @@ class Tracker:
 
     def truncate(self, last_step: int) -> None:
         """Drop records after `last_step` (a resumed run re-does the steps after its checkpoint): metrics,
-        samples, and TensorBoard events (purged from `last_step + 1` on by a new writer)."""
+        samples, and each backend's (`TrackerBackend.truncate`)."""
         self.history = [h for h in self.history if h["step"] <= last_step]
         self.metrics_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
         samples = self.dir / "samples.jsonl"
         if samples.exists():
             keep = [line for line in samples.read_text().splitlines() if json.loads(line).get("step", 0) <= last_step]
             samples.write_text("".join(line + "\n" for line in keep))
-        if self.writer is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer.close()
-            self.writer = SummaryWriter(str(self.dir / "tensorboard"), purge_step=last_step + 1)
+        for backend in self.backends:
+            backend.truncate(last_step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append `step`'s numeric metrics to metrics.jsonl (NaN/inf as null) and pass the finite ones to backends."""
         clean = {
             k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None)
             for k, v in metrics.items()
@@ -73,16 +162,18 @@ class Tracker:
         self.history.append(record)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for k, v in clean.items():
-                if v is not None:
-                    self.writer.add_scalar(k, v, step)
-            self.writer.flush()
+        finite = {k: v for k, v in clean.items() if v is not None}
+        for backend in self.backends:
+            backend.log(step, finite)
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Append decoded completions to samples.jsonl and pass them to backends that record samples."""
         with open(self.dir / "samples.jsonl", "a") as f:
             for row in rows:
                 f.write(json.dumps({"step": step, **row}) + "\n")
+        for backend in self.backends:
+            if isinstance(backend, SampleTrackerBackend):
+                backend.samples(step, rows)
 
     def plot(self, keys: tuple[str, ...] = ("reward/mean", "reward/accuracy", "eval/accuracy")) -> Path | None:
         """Write curves.png with one panel per key present in the history."""
@@ -111,7 +202,14 @@ class Tracker:
         return path
 
     def close(self) -> None:
-        """Flush and close TensorBoard's writer (idempotent)."""
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        """Close every backend once (idempotent: a failed run's cleanup may call it again); all are closed even
+        when one raises, and the first error is raised after."""
+        backends, self.backends = self.backends, []
+        error: BaseException | None = None
+        for backend in backends:
+            try:
+                backend.close()
+            except BaseException as exc:  # the others still close; the first error is re-raised below
+                error = error or exc
+        if error is not None:
+            raise error

@@ -2,9 +2,9 @@
 
 Reports the detected platform, every known platform's probe, devices, torch version, which torch.distributed
 backends are compiled in, which optional engines import, and every installed roll plugin (train and inference
-engines, environments, rewards, estimators, policy losses, collectors, platforms: entry-point names only, nothing
-imported). It never fails on a missing optional package: every probe is wrapped, and the worst outcome is a row
-that says "no (<reason>)".
+engines, environments, rewards, estimators, policy losses, collectors, trackers, platforms: entry-point names only,
+nothing imported). It never fails on a missing optional package: every probe is wrapped, and the worst outcome is
+a row that says "no (<reason>)".
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ PLUGIN_GROUPS: dict[str, str] = {
     "advantage estimators": "roll.algorithms",
     "policy losses": "roll.losses",
     "collectors (pipelines)": "roll.collectors",
+    "trackers (metrics sinks)": "roll.trackers",
     "platforms": "roll.platforms",
 }
 

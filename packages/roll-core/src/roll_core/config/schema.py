@@ -335,6 +335,8 @@ class PipelineConfig:
     max_run_restarts: int = 2
     # Show a progress bar.
     progress: bool = True
+    # Metrics sinks besides metrics.jsonl (`roll.trackers` entry points, e.g. tensorboard); []: none.
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     # Sampling temperature of held-out evaluation (0: greedy); null: the inference engine's temperature.
     eval_temperature: float | None = None
     # Reward worker processes (reward scoring is CPU work; more workers overlap it).
@@ -374,6 +376,14 @@ class PipelineConfig:
         from roll_core import registry  # the installed collectors: rlvr, agentic, plugins
 
         _one_of("pipeline.name", self.name, tuple(registry.available("roll.collectors")))
+        for tracker in self.trackers:
+            try:  # registry.load's error lists the installed trackers and suggests a close name
+                registry.load("roll.trackers", tracker)
+                continue
+            except registry.PluginError as exc:
+                problem = str(exc)
+            # Raised outside the handler: a chained cause would repeat the message in the config error.
+            raise ValueError(f"pipeline.trackers={list(self.trackers)!r}: {problem}")
         _positive("pipeline.async_ratio", self.async_ratio, allow_zero=True)
         _positive("pipeline.max_nonfinite_steps", self.max_nonfinite_steps, allow_zero=True)
         _positive("pipeline.max_reward_failure_steps", self.max_reward_failure_steps, allow_zero=True)

@@ -73,7 +73,9 @@ class Pipeline:
                 log.info("changed on resume: %s", line)
         from omegaconf import OmegaConf
 
-        self.tracker = Tracker(self.out, OmegaConf.to_yaml(OmegaConf.structured(cfg)), resume=latest is not None)
+        self.tracker = Tracker(
+            self.out, OmegaConf.to_yaml(OmegaConf.structured(cfg)), pipe.trackers, resume=latest is not None
+        )
         self.roles = build_roles(cfg, self.cluster, self.model_path)
         roles = self.roles
         ctx = CollectorContext(

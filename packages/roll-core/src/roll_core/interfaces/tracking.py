@@ -1,0 +1,56 @@
+"""The tracker contract: where a run's metrics go besides its own `metrics.jsonl` (TensorBoard, W&B, MLflow, ...).
+
+A backend is a class registered under the `roll.trackers` entry-point group and named in `pipeline.trackers`
+(roll-core's own `tensorboard` is declared exactly as an out-of-tree plugin is). `roll_core.tracking.Tracker`
+builds each named backend once per run with keyword arguments `run_dir`, `config`, `name` and `resume`, then calls:
+
+- `log(step, metrics)` once per logged step, steps increasing except after `truncate`; `metrics` holds only finite
+  numbers (a NaN/inf metric is null in metrics.jsonl and left out here), step 0 is the evaluation before training;
+- `truncate(last_step)` when a resumed run restarts after its checkpoint at `last_step`: records of later steps
+  must go (they are logged again, possibly with other values);
+- `samples(step, rows)` with a few decoded completions (dicts of JSON values), only on backends that define it
+  (`SampleTrackerBackend`);
+- `close()` at the end of the run, also of a failed one; it may be called twice.
+
+A backend may assume it is the only writer of its own state (a folder under `run_dir`, a remote run); it must not
+write metrics.jsonl, config.yaml, samples.jsonl or curves.png (the Tracker's). Its errors propagate into the
+training loop: a backend that talks to a server handles its own network failures. A missing optional dependency
+is raised at construction as one line naming the pip extra (`roll_core.errors.Extra.require`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class TrackerBackend(Protocol):
+    """A metrics sink named in `pipeline.trackers` (see the module docstring for the call order)."""
+
+    def __init__(self, *, run_dir: Path, config: dict[str, Any], name: str, resume: bool) -> None:
+        """Open the sink.
+
+        Args:
+            run_dir: the run's output folder (exists); a backend keeps local files under its own subfolder.
+            config: the resolved run config as plain containers (what config.yaml says).
+            name: the experiment name (`experiment`), e.g. a run name for a remote service.
+            resume: the run continues an earlier one in the same folder; `truncate` follows before any `log`.
+        """
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record the finite metrics of `step`."""
+
+    def truncate(self, last_step: int) -> None:
+        """Forget every record of a step after `last_step` (a resumed run redoes them)."""
+
+    def close(self) -> None:
+        """Flush and release the sink (idempotent)."""
+
+
+@runtime_checkable
+class SampleTrackerBackend(TrackerBackend, Protocol):
+    """A backend that also records decoded completions."""
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Record a few completions of `step` (each row a dict of JSON values: prompt, response, reward, ...)."""

@@ -1,0 +1,105 @@
+"""Tracker: metrics.jsonl is the core, every other sink is a `roll.trackers` backend named in `pipeline.trackers`.
+
+Drives `Tracker` directly (no model, no pipeline): the built-in TensorBoard backend logs finite metrics and purges
+the steps a resumed run redoes; `pipeline.trackers=[]` writes no TensorBoard folder; a tracker name that is not
+installed is a config error listing the installed ones; without TensorBoard in `pipeline.trackers` the run needs no
+`roll-core[track]`. The out-of-tree side (a plugin receiving every call) is
+tests/plugins/test_tracker_plugins.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+from roll_core import registry
+from roll_core.config import ConfigError, load_config
+from roll_core.tracking import Tracker
+
+
+def _scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """What TensorBoard shows: (step, value) per tag, after its own purge of events a restarted writer redid."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_backend_logs_finite_metrics_and_purges_the_redone_steps(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("tensorboard", reason="the roll-core[track] extra")
+    tracker = Tracker(tmp_path, "experiment: demo\n")  # the default: pipeline.trackers=[tensorboard]
+    for step in range(4):
+        tracker.log(step, {"loss": step / 2, "grad_norm": float("nan") if step == 1 else 1.0, "note": "text"})
+    tracker.close()
+    tracker.close()  # idempotent: a failed run's cleanup closes again
+    assert _scalars(tmp_path / "tensorboard") == {
+        "loss": [(0, 0.0), (1, 0.5), (2, 1.0), (3, 1.5)],
+        "grad_norm": [(0, 1.0), (2, 1.0), (3, 1.0)],  # NaN is skipped here, null in metrics.jsonl
+    }
+
+    resumed = Tracker(tmp_path, "experiment: demo\n", resume=True)
+    resumed.truncate(1)  # the checkpoint was at step 1: steps 2 and 3 are redone, with other values
+    resumed.log(2, {"loss": 9.0, "grad_norm": 2.0})
+    resumed.close()
+    with caplog.at_level(logging.WARNING):  # TensorBoard logs its purge of the stale events
+        shown = _scalars(tmp_path / "tensorboard")
+    assert shown == {"loss": [(0, 0.0), (1, 0.5), (2, 9.0)], "grad_norm": [(0, 1.0), (2, 2.0)]}
+    assert Tracker.read_metrics(tmp_path / "metrics.jsonl") == [
+        {"step": 0, "loss": 0.0, "grad_norm": 1.0},
+        {"step": 1, "loss": 0.5, "grad_norm": None},
+        {"step": 2, "loss": 9.0, "grad_norm": 2.0},
+    ]
+
+
+def test_no_trackers_writes_only_the_core_files(tmp_path: Path) -> None:
+    cfg = load_config(["pipeline.trackers=[]"])
+    assert cfg.pipeline.trackers == []
+    assert load_config([]).pipeline.trackers == ["tensorboard"]  # the default
+    tracker = Tracker(tmp_path, "experiment: demo\n", cfg.pipeline.trackers)
+    tracker.log(1, {"reward/mean": 0.25})
+    tracker.samples(1, [{"response": "4", "reward": 1.0}])
+    tracker.truncate(1)
+    tracker.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "metrics.jsonl", "samples.jsonl"]
+    assert Tracker.read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "reward/mean": 0.25}]
+
+
+def test_without_trackers_tensorboard_is_not_needed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from roll_core.errors import MissingExtraError, check_installed
+
+    off, default = load_config(["pipeline.trackers=[]"]), load_config([])
+    for name in [m for m in sys.modules if m == "tensorboard" or m.startswith("tensorboard.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if roll-core[track] were not installed
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    check_installed(off)  # the run's early check asks only for what its trackers need
+    Tracker(tmp_path, trackers=off.pipeline.trackers).close()
+    with pytest.raises(MissingExtraError, match=r"pip install 'roll-core\[track\]'"):
+        check_installed(default)
+    with pytest.raises(MissingExtraError, match=r"pip install 'roll-core\[track\]'"):
+        Tracker(tmp_path, trackers=default.pipeline.trackers)
+
+
+def test_unknown_tracker_is_a_config_error_naming_the_installed_ones(tmp_path: Path) -> None:
+    installed = registry.available("roll.trackers")
+    assert "tensorboard" in installed
+    with pytest.raises(ConfigError) as err:
+        load_config(["pipeline.trackers=[tensorbord]"])
+    message = str(err.value)
+    assert "pipeline.trackers=['tensorbord']" in message and "Did you mean 'tensorboard'?" in message
+    assert f"installed: {', '.join(installed)}." in message
+    assert message.count("no plugin 'tensorbord'") == 1  # said once, not once per chained exception
+
+    # Built directly (a script, not a config), the registry's own error; nothing is written for backends.
+    with pytest.raises(registry.PluginNotFoundError, match=r"installed: .*tensorboard"):
+        Tracker(tmp_path, trackers=["tensorbord"])
+    with pytest.raises(TypeError, match="list of names, not the string 'tensorboard'"):
+        Tracker(tmp_path, trackers="tensorboard")
+    with pytest.raises(ValueError, match="name a backend twice"):
+        Tracker(tmp_path, trackers=["tensorboard", "tensorboard"])
+    assert not (tmp_path / "tensorboard").exists()
