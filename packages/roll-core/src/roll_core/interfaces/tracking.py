@@ -15,7 +15,9 @@ builds each named backend once per run with keyword arguments `run_dir`, `config
 A backend may assume it is the only writer of its own state (a folder under `run_dir`, a remote run); it must not
 write metrics.jsonl, config.yaml, samples.jsonl or curves.png (the Tracker's). Its errors propagate into the
 training loop: a backend that talks to a server handles its own network failures. A missing optional dependency
-is raised at construction as one line naming the pip extra (`roll_core.errors.Extra.require`).
+is raised at construction as one line naming the pip extra (`roll_core.errors.Extra.require`). The config check of
+`pipeline.trackers` imports the backend's module (`registry.load`), so heavy imports (wandb, mlflow) belong in
+`__init__`, not at module level.
 """
 
 from __future__ import annotations
