@@ -87,6 +87,18 @@ def test_staleness_bound_never_exceeded(k, order):
         assert r.stale_groups == 0 and r.wasted_token_frac == 0 and r.max_admission_staleness == k
 
 
+def test_rates_are_measured_over_whole_cycles_of_k_plus_1_steps():
+    """At k = 2 one step in three waits for a version's slowest group (at 128 devices: ~185 s, then two of ~22 s):
+    a window of 8 steps would hold 2 or 3 of them depending on the phase. The window is cut to whole cycles."""
+    sim = Simulation(16, "rlvr", "k2", steps=9, warmup=1)
+    r = sim.run()
+    assert sim.measured_until() == 7  # 6 steps = 2 cycles; steps 8-9 are not measured
+    times = [sim.marks[i][0] for i in range(10)]
+    assert r.samples_per_s == pytest.approx(6 * sim.B * sim.w.group_size / (times[7] - times[1]))
+    assert r.tokens_per_s == pytest.approx(sum(sim.batch_units[1:7]) * sim.unit / (times[7] - times[1]))
+    assert Simulation(16, "rlvr", "k1", steps=8, warmup=2).measured_until() == 8
+
+
 def test_sync_trains_only_the_current_version():
     r = simulate(32, "agentic", "sync", **FAST)
     assert (r.max_staleness, r.max_true_staleness, r.stale_groups, r.resumed_requests) == (0, 0, 0, 0)

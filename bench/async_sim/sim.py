@@ -51,7 +51,8 @@ _ENGINE, _TRAIN_DONE, _SYNC_DONE, _ENV = 0, 1, 2, 3
 
 @dataclass
 class SimResult:
-    """Metrics of one run; rates and utilization over the training steps after `warmup` (steady state)."""
+    """Metrics of one run; rates and utilization over the training steps after `warmup` (steady state), in whole
+    cycles of k + 1 steps (`Simulation.measured_until`)."""
 
     mode: str
     devices: int
@@ -345,9 +346,10 @@ class Simulation:
 
     def _result(self) -> SimResult:
         self._check_conservation()
-        (t0, e0, tr0), (t1, e1, tr1) = self.marks[self.warmup], self.marks[self.steps]
+        end = self.measured_until()
+        (t0, e0, tr0), (t1, e1, tr1) = self.marks[self.warmup], self.marks[end]
         window = t1 - t0
-        n_steps = self.steps - self.warmup
+        n_steps = end - self.warmup
         eng_dev_s, train_dev_s = e1 - e0, (tr1 - tr0) * self.n_train
         c = dict(self.sched.counters)
         n_samples = self.steps * self.B * self.w.group_size
@@ -359,7 +361,7 @@ class Simulation:
             batch_groups=self.B,
             steps=self.steps,
             samples_per_s=n_steps * self.B * self.w.group_size / window,
-            tokens_per_s=sum(self.batch_units[self.warmup :]) * self.unit / window,
+            tokens_per_s=sum(self.batch_units[self.warmup : end]) * self.unit / window,
             util=(eng_dev_s + train_dev_s) / (self.devices * window),
             util_infer=eng_dev_s / (self.n_infer * window),
             util_train=train_dev_s / (self.n_train * window),
@@ -377,6 +379,16 @@ class Simulation:
             events=self.events,
             counters=c,
         )
+
+    def measured_until(self) -> int:
+        """The last step of the measured window: whole cycles of k + 1 steps after `warmup`. With the admission
+        budget, the groups admitted at one version are trained together k versions later, so step times repeat
+        with period k + 1 (one step waits for that version's slowest group, the k others are short): a window
+        of 8 steps at k = 2 held 2 or 3 long steps depending on the phase, which overstated one order's rate by
+        ~20 % (bench/RESULTS.md, 2026-12-03 later)."""
+        period = self.mode.async_ratio + 1
+        measured = self.steps - self.warmup
+        return self.steps - (measured % period if measured >= period else 0)
 
     def _check_conservation(self) -> None:
         """Every generated token an engine reported is trained, in a dropped group, or still held: none lost or
