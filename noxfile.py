@@ -156,9 +156,21 @@ def tests(session: nox.Session) -> None:
     env["ROLL_WHEEL_PYTHON"] = str(wheel)
     # The slowest tests in every CI log: the README test command must stay under 40 minutes on 2 cores.
     durations = [] if session.posargs else ["--durations=25"]
-    session.run(str(python), "-m", "pytest", *durations, *(session.posargs or _test_paths()), external=True, env=env)
+    # Parallel-layout variants beyond the core set (each axis stays here once) run in `nox -s full_matrix`.
+    core = [] if session.posargs else ["-m", "not full_matrix"]
+    session.run(
+        str(python), "-m", "pytest", *durations, *core, *(session.posargs or _test_paths()), external=True, env=env
+    )
     if not session.posargs:
         session.run(str(vllm), "-m", "pytest", *VLLM_TESTS, external=True, env={**env, "ROLL_TEST_SESSION": "vllm"})
+
+
+@nox.session(python=False)
+def full_matrix(session: nox.Session) -> None:
+    """The parallel-layout variants `nox -s tests` leaves out (Megatron TP/PP/CP/EP/SP combinations, LoRA, MoE and
+    critic layouts beyond one per axis; ~4 min on 2 cores): `nox -s full_matrix`."""
+    python = _ensure_venv(session)
+    session.run(str(python), "-m", "pytest", "-m", "full_matrix", *(session.posargs or ["tests/e2e"]), external=True)
 
 
 # ---- the bare venv: what a lent accelerator machine has (torch and transformers, no registry) -----------------
