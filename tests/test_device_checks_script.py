@@ -23,7 +23,7 @@ NOT_ON_DEVICE_MACHINES = ["tensordict", "ray", "hydra", "omegaconf", "pytest", "
 # skipped on CPU, like NCCL with one GPU or CUDA IPC, would otherwise never import its modules here).
 CHECK_IMPORTS = [
     "roll_core.cluster.ports",
-    "roll_core.cluster.weight_sync",
+    "roll_core.cluster.buckets",
     "roll_core.interfaces",
     "roll_core.models",
     "roll_core.pipelines.objectives",

@@ -93,7 +93,7 @@ def check_bf16_master(device: str) -> str:
 def _ipc_receiver(queue_in, queue_out, path: str) -> None:  # a child process: the inference engine
     for pkg in ("roll-hw", "roll-algos", "roll-core", "roll-engines"):
         sys.path.insert(0, str(ROOT / "packages" / pkg / "src"))
-    from roll_core.cluster.weight_sync import open_cuda
+    from roll_core.cluster.buckets import open_cuda
     from roll_core.interfaces import SamplingParams
     from roll_engines.infer.hf import HFInferEngine
 
@@ -111,7 +111,7 @@ def check_cuda_ipc(device: str) -> str:
         raise Skip("CUDA IPC needs a CUDA device")
     import torch.multiprocessing as mp
 
-    from roll_core.cluster.weight_sync import buckets, share_cuda
+    from roll_core.cluster.buckets import buckets, share_cuda
     from roll_core.interfaces import SamplingParams
     from roll_engines.infer.hf import HFInferEngine
     from roll_engines.train.hf import HFTrainEngine
@@ -154,7 +154,7 @@ def _broadcast_rank(rank: int, port: int, path: str, result, backend: str) -> No
         if backend == "nccl":
             torch.cuda.set_device(rank)
             device = f"cuda:{rank}"
-        from roll_core.cluster.weight_sync import SyncGroup, buckets
+        from roll_core.cluster.buckets import SyncGroup, buckets
 
         group = SyncGroup("127.0.0.1", port, rank, 2, backend, timeout_s=120)
         if rank == 0:

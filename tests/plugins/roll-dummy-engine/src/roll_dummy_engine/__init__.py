@@ -55,7 +55,12 @@ class RecomputeInferEngine:
         seed: int = 0,
         dtype: str = "float32",
         device: str = "cpu",
-        **_: object,
+        # Every key roll passes, named (an engine constructor must not swallow unknown keys): batching and
+        # context limits it does not have, and transformers loading options it does not need.
+        max_num_seqs: int = 1,
+        max_model_len: int | None = None,
+        attn_implementation: str = "eager",
+        trust_remote_code: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
