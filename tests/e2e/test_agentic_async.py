@@ -9,12 +9,14 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from roll_core.testing import reward_curve, run_pipeline
+from roll_core.testing.infer_engine import RequestsOf
 
 sys.path.insert(0, str(Path(__file__).parent))  # agentic_toy: env=py:agentic_toy:<Class>
 from agentic_toy import SAY_DIGIT_OVERRIDES, SayDigit
@@ -39,12 +41,7 @@ def test_a_turn_aborted_at_a_sync_resumes_and_keeps_every_token_once(tiny_model:
     engine = HFInferEngine(tiny_model, max_new_tokens=budget)
     weights = {k: v.clone() for k, v in engine.model.state_dict().items()}
 
-    class Infer:  # the InferGroup request API over one in-process engine
-        def submit_request(self, request: Any, route_key: str | None = None) -> Any:
-            return engine.submit(request)
-
-        def abort(self, request_id: str) -> bool:
-            return engine.abort(request_id)
+    Infer = partial(RequestsOf, engine)  # the InferGroup request API over one in-process engine
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     gate = TurnGate(Infer(), partial_rollout=True)

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import itertools
 import time
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from roll_core.interfaces import SamplingParams
 from roll_core.testing import reward_curve, run_pipeline, tiny_overrides
+from roll_core.testing.infer_engine import RequestsOf
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -52,12 +53,7 @@ def test_partial_rollout_resumes_requests_and_keeps_every_token_once(tiny_model:
     engine = HFInferEngine(tiny_model, max_new_tokens=300)
     weights = {k: v.clone() for k, v in engine.model.state_dict().items()}
 
-    class Infer:  # the InferGroup request API over one in-process engine
-        def submit_request(self, request: Any, route_key: str | None = None) -> Any:
-            return engine.submit(request)
-
-        def abort(self, request_id: str) -> bool:
-            return engine.abort(request_id)
+    Infer = partial(RequestsOf, engine)  # the InferGroup request API over one in-process engine
 
     class Problem:
         id, answer = "p", "7"

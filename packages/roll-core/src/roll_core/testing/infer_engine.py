@@ -40,6 +40,20 @@ from roll_core.testing import reference_greedy, teacher_forced_logprobs
 PROMPTS = ["What is 1+2?", "Hi", "abc def ghi"]
 
 
+class RequestsOf:
+    """The InferGroup request API (`submit_request`, `abort`) over one in-process engine: what the async driver and
+    the agentic rollout call, without worker groups."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def submit_request(self, request: Any, route_key: str | None = None) -> Any:
+        return self.engine.submit(request)
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+
 class InferEngineTestSuite:
     """Shared tests; subclasses implement `build_engine`."""
 
