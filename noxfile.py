@@ -42,10 +42,16 @@ SIBLINGS = {
 }
 HARDWARE = ["cuda", "rocm", "npu"]
 TEST_TOOLS = ["pytest", "pytest-timeout", "hypothesis"]
+# Clients the tests drive roll's servers with, as users do (the `openai` package against roll's endpoint).
+TEST_CLIENTS = ["openai"]
 # Out-of-tree plugins that prove discovery (a platform, an inference engine with its config).
 TEST_PLUGINS = ["tests/plugins/roll-dummy-platform", "tests/plugins/roll-dummy-engine"]
 # Extras installed by `tests`: the CPU-capable engines and rewards.
-EXTRAS = {"roll-core": "[all]", "roll-engines": "[hf,fsdp,lora,megatron]", "roll-envs": "[math,data,gem,skyrl,code]"}
+EXTRAS = {
+    "roll-core": "[all]",
+    "roll-engines": "[hf,fsdp,lora,megatron,structured]",
+    "roll-envs": "[math,data,gem,skyrl,code,remote]",
+}
 # Installed without their dependencies (their pins conflict with ours): GEM pins antlr4 4.13, omegaconf needs 4.9;
 # what `import gem` needs comes from roll-envs' `gem` extra.
 NO_DEPS = ["gem-llm"]
@@ -81,6 +87,7 @@ def _ensure_venv(session: nox.Session) -> Path:
             *pkgs,
             *[arg for plugin in TEST_PLUGINS for arg in ("-e", plugin)],
             *TEST_TOOLS,
+            *TEST_CLIENTS,
             "nox",
             "ruff",
             "pyyaml",

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from roll_core.interfaces import Reward, RewardResult
+from roll_core.interfaces.tasks import reward_kwargs
 from roll_core.isolation import CallTimeout, ChildDied, ChildError, ForkedWorker
 
 log = logging.getLogger(__name__)
@@ -71,25 +72,41 @@ class GuardedReward:
         self.timeout_s, self.batch_timeout_s, self.error_score = timeout_s, batch_timeout_s, error_score
         # Row timeouts in a row after which the reward is taken to be hung and the rest of the batch is not tried.
         self.hung_after = hung_after
-        self._child = ForkedWorker(reward.score, name=name) if isolation == "process" else None
+        self._child = ForkedWorker(self._score_inline, name=name) if isolation == "process" else None
         self._logged: set[str] = set()
         #: The first failure of the latest `score()` call, as one line (None: nothing failed).
         self.last_failure: str | None = None
 
-    def _call(self, responses: list[str], answers: list[str], timeout: float) -> RewardResult:
-        if self._child is None:
-            return self.reward.score(responses, answers)
-        return self._child.call(responses, answers, timeout=timeout)
+    def _score_inline(self, responses: list[str], answers: list[str], context: dict[str, Any]) -> RewardResult:
+        return self.reward.score(responses, answers, **reward_kwargs(self.reward, **context))
 
-    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
-        """Scores of every row; never raises for anything the wrapped reward does."""
+    def _call(self, responses: list[str], answers: list[str], context: dict[str, Any], timeout: float) -> RewardResult:
+        if self._child is None:
+            return self._score_inline(responses, answers, context)
+        return self._child.call(responses, answers, context, timeout=timeout)
+
+    def score(
+        self,
+        responses: Sequence[str],
+        answers: Sequence[str],
+        *,
+        prompts: Sequence[str] | None = None,
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> RewardResult:
+        """Scores of every row; never raises for anything the wrapped reward does. `prompts` / `metadata` reach the
+        reward when its `score` declares them (roll_core.interfaces.tasks.reward_kwargs)."""
         responses, answers = list(responses), list(answers)
+        context: dict[str, Any] = {"prompts": None if prompts is None else list(prompts)}
+        context["metadata"] = None if metadata is None else [dict(m) for m in metadata]
+        for key, rows in context.items():
+            if rows is not None and len(rows) != len(responses):
+                raise ValueError(f"{len(responses)} responses but {len(rows)} {key}")
         counters = dict.fromkeys(GUARD_COUNTERS + FAILURE_COUNTERS, 0)
         counters["rows"] = len(responses)
         self.last_failure = None
         failure: Exception | None = None
         try:
-            res = self._call(responses, answers, self.batch_timeout_s)
+            res = self._call(responses, answers, context, self.batch_timeout_s)
             _check_rows(res, len(responses))
         except Exception as exc:
             failure = exc
@@ -102,10 +119,12 @@ class GuardedReward:
                 _describe(failure),
                 self.timeout_s,
             )
-            res = self._row_by_row(responses, answers, counters)
+            res = self._row_by_row(responses, answers, context, counters)
         return self._sanitise(res, counters)
 
-    def _row_by_row(self, responses: list[str], answers: list[str], counters: dict[str, int]) -> RewardResult:
+    def _row_by_row(
+        self, responses: list[str], answers: list[str], context: dict[str, Any], counters: dict[str, int]
+    ) -> RewardResult:
         scores, correct, formatted = [], [], []
         own: dict[str, int] = {}
         # A reward that hangs on every row (or every other one) must not cost rows x timeout_s: see the docstring.
@@ -133,7 +152,8 @@ class GuardedReward:
                 formatted += [0.0] * rest
                 break
             try:
-                one = self._call([response], [answer], min(self.timeout_s, left))
+                row = {k: None if v is None else [v[i]] for k, v in context.items()}
+                one = self._call([response], [answer], row, min(self.timeout_s, left))
                 _check_rows(one, 1)
                 hung = 0
             except CallTimeout:

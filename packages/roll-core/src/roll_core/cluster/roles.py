@@ -371,7 +371,14 @@ class RewardWorker(Worker):
             self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
             for r, m in zip(batch["responses"], batch["response_mask"])
         ]
-        res = self.reward.score(texts, batch["answer"])
+        # The prompt's text and the row's metadata reach rewards that declare them (judges, remote verifiers,
+        # instruction following, multi-domain routing).
+        res = self.reward.score(
+            texts,
+            batch["answer"],
+            prompts=batch["prompt_text"] if "prompt_text" in batch else None,
+            metadata=batch["metadata"] if "metadata" in batch else None,
+        )
         out = Batch(
             {
                 "scores": torch.tensor(res.scores, dtype=torch.float32),
@@ -562,7 +569,8 @@ class RewardGroup(WorkerGroup[RewardWorker]):
         NaN/inf on all); `meta["reward_failure"]`: the first failure as one line, or None."""
         from roll_core.cluster.reward_guard import all_rows_failed
 
-        handle = self.submit(RewardWorker.score, batch.select("responses", "response_mask", "answer"))
+        context = [k for k in ("prompt_text", "metadata") if k in batch]
+        handle = self.submit(RewardWorker.score, batch.select("responses", "response_mask", "answer", *context))
         parts = handle.values()
         out = Batch.concat(parts)
         out.meta["reward_counters"] = _sum_counters(parts)

@@ -3,6 +3,11 @@
 A task is a fixed, seeded list of training problems, a disjoint held-out list, the chat messages of a problem,
 and a reward. A reward scores many decoded responses at once and counts its failures (timeouts, crashes), so a
 reward worker that silently returns zeros is visible in the metrics.
+
+Context: besides responses and answers, a reward may take `prompts` (the problem's prompt text, the user message
+before any chat template) and `metadata` (the row's metadata: its `domain` and every other column of its data
+row) as keyword arguments. The reward role passes each only to a `score` that declares it (`reward_kwargs`), so a
+reward written for `score(responses, answers)` keeps working.
 """
 
 from __future__ import annotations
@@ -39,8 +44,31 @@ class ProblemLike(Protocol):
 @runtime_checkable
 class Reward(Protocol):
     def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
-        """Score `responses[i]` against ground truth `answers[i]`; never raises for a malformed response."""
+        """Score `responses[i]` against ground truth `answers[i]`; never raises for a malformed response.
+
+        May also declare keyword arguments `prompts: Sequence[str]` (prompt i's text) and
+        `metadata: Sequence[Mapping[str, Any]]` (row i's metadata, incl. its `domain`): see the module docstring."""
         ...
+
+
+#: The context keyword arguments a reward's `score` may declare.
+CONTEXT_ARGS = ("prompts", "metadata")
+
+
+def reward_kwargs(reward: Any, **context: Any) -> dict[str, Any]:
+    """The subset of `context` (prompts=..., metadata=...) that `reward.score` declares (all of it when `score`
+    takes **kwargs); None values are left out."""
+    import inspect
+
+    unknown = set(context) - set(CONTEXT_ARGS)
+    if unknown:
+        raise TypeError(f"unknown reward context {sorted(unknown)}; known: {', '.join(CONTEXT_ARGS)}")
+    try:
+        params = inspect.signature(reward.score).parameters
+    except (TypeError, ValueError):  # a builtin or C-implemented score: give it nothing extra
+        return {}
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return {k: v for k, v in context.items() if v is not None and (takes_all or k in params)}
 
 
 @runtime_checkable

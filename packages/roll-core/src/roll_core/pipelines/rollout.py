@@ -1,8 +1,9 @@
 """Rollout helpers shared by the RLVR pipeline and `roll-eval`: prompt batches, sequence assembly, evaluation.
 
-A prompt batch holds the chat-templated token ids of each problem (`prompt_ids`), its ground truth (`answer`)
-and id (`problem_id`). Prompts longer than the limit are skipped and counted, never truncated (a truncated
-question has a different answer).
+A prompt batch holds the chat-templated token ids of each problem (`prompt_ids`), its ground truth (`answer`),
+id (`problem_id`), prompt text (`prompt_text`, the user message) and metadata (`metadata`: the problem's
+`metadata` with its `domain`), which reach rewards that declare them. Prompts longer than the limit are skipped
+and counted, never truncated (a truncated question has a different answer).
 """
 
 from __future__ import annotations
@@ -70,7 +71,30 @@ def prompt_batch(
             f"every prompt exceeds model.max_prompt_length={max_prompt_length} (shortest: {shortest} "
             "tokens): raise model.max_prompt_length"
         )
-    return Batch(fields={"prompt_ids": ids, "answer": [p.answer for p in kept], "problem_id": [p.id for p in kept]})
+    return Batch(fields={"prompt_ids": ids, **problem_fields(kept)})
+
+
+#: The per-row fields a problem contributes to a batch (besides its prompt ids).
+PROBLEM_FIELDS = ("answer", "problem_id", "prompt_text", "metadata")
+
+
+def problem_metadata(problem: Any) -> dict[str, Any]:
+    """`{**problem.metadata, "domain": problem.domain}` (each part only when the problem has it)."""
+    meta = dict(getattr(problem, "metadata", None) or {})
+    domain = getattr(problem, "domain", None)
+    if domain is not None:
+        meta["domain"] = domain
+    return meta
+
+
+def problem_fields(problems: Sequence[Any]) -> dict[str, list[Any]]:
+    """The PROBLEM_FIELDS of `problems`, one entry per problem."""
+    return {
+        "answer": [p.answer for p in problems],
+        "problem_id": [p.id for p in problems],
+        "prompt_text": [p.prompt for p in problems],
+        "metadata": [problem_metadata(p) for p in problems],
+    }
 
 
 def assemble(tokenizer: Any, prompts: Batch, gen: Batch, metrics: dict[str, Any] | None = None) -> Batch:

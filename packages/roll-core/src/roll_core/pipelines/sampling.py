@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from roll_core.pipelines.rollout import PROBLEM_FIELDS, problem_fields
 from roll_core.protocol import Batch
 
 GEN_TENSORS = ("responses", "behaviour_logprobs", "response_mask")
@@ -77,8 +78,7 @@ def generation_from_samples(groups: Sequence[Any], pad_id: int) -> Batch:
         },
         {
             "prompt_ids": [list(s.group.prompt_ids) for s in samples],
-            "answer": [s.group.payload.answer for s in samples],
-            "problem_id": [s.group.payload.id for s in samples],
+            **problem_fields([s.group.payload for s in samples]),
             "finish_reason": finish,
         },
     )
@@ -89,7 +89,7 @@ def merge_scored(tokenizer: Any, parts: Sequence[Batch]) -> Batch:
     kept), as if the rows had been generated in one call."""
     from roll_core.pipelines.rollout import assemble
 
-    prompt_fields = ("prompt_ids", "answer", "problem_id")
+    prompt_fields = ("prompt_ids", *(k for k in PROBLEM_FIELDS if all(k in p for p in parts)))
     gen_keys = (*GEN_TENSORS, "truncated", "finish_reason", *SCORE_TENSORS)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     merged = concat_generations([p.select(*prompt_fields, *(k for k in gen_keys if k in p)) for p in parts], pad)

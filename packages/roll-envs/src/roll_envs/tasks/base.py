@@ -9,20 +9,25 @@ task's reward and returns a `RewardResult` with counted failures.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from roll_envs.rewards.base import Reward, RewardResult
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One prompt with its ground truth. `id` is stable across runs (used for dedup and held-out splits)."""
+    """One prompt with its ground truth. `id` is stable across runs (used for dedup and held-out splits).
+    `domain` routes the row in a multi-domain run and names its metrics; `metadata` is everything else a reward may
+    need (a data row's other columns, a generated problem's constraints): rewards that declare `metadata` get
+    `{**metadata, "domain": domain}`."""
 
     id: str
     prompt: str
     answer: str
     domain: str = "math"
+    metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
 def stable_fraction(key: str) -> float:

@@ -111,6 +111,8 @@ def load_problems(
                 prompt=prompt,
                 answer=answer.strip(),
                 domain=str(row.get("domain", domain)),
+                # The row's other columns reach rewards that declare `metadata` (constraints, test cases, tags).
+                metadata={k: v for k, v in row.items() if k not in (prompt_key, answer_key, "domain")},
             )
         )
     skipped.sort()

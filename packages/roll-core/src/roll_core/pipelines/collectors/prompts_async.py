@@ -26,7 +26,7 @@ from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors.prompts import PromptCollector
 from roll_core.pipelines.metrics import StepLog, reward_metrics
-from roll_core.pipelines.rollout import assemble, prompt_ids
+from roll_core.pipelines.rollout import PROBLEM_FIELDS, assemble, prompt_ids
 from roll_core.pipelines.sampling import generation_from_samples, informative_groups
 from roll_core.protocol import Batch
 from roll_core.scheduling.driver import AsyncRollout
@@ -157,8 +157,9 @@ class AsyncPromptCollector(PromptCollector):
         return self._collected(batch, out)
 
     def _assemble(self, gen: Batch) -> Batch:
-        prompts = gen.select("prompt_ids", "answer", "problem_id")
-        rest = [k for k in gen.keys() if k not in ("prompt_ids", "answer", "problem_id")]
+        own = ("prompt_ids", *PROBLEM_FIELDS)
+        prompts = gen.select(*own)
+        rest = [k for k in gen.keys() if k not in own]
         return assemble(self.tokenizer, prompts, gen.select(*rest))
 
     def begin_sync(self) -> None:
