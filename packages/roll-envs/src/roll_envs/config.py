@@ -154,6 +154,7 @@ SCHEMAS_BESIDE_CODE: dict[str, dict[str, str]] = {
     "env": {
         "instruct_schema": "roll_envs.tasks.instruct:InstructEnvConfig",
         "multi_schema": "roll_envs.tasks.multi:MultiEnvConfig",
+        "openai_agent_schema": "roll_envs.agentic.openai_agent:OpenAIAgentEnvConfig",
     },
 }
 
