@@ -10,7 +10,10 @@ Log-probs: for every generated token the engine reports its log-probability unde
 it: `log_softmax(logits / temperature)` after top-k/top-p truncation and renormalisation (identical to the
 trainer's recomputation `log_softmax(logits / temperature)` when top_k=0 and top_p=1). Greedy requests
 (temperature 0) report `log_softmax(logits)`. No other logits processor (repetition penalty, a model's
-`generation_config.json`) may change the sampled distribution.
+`generation_config.json`) may change the sampled distribution. Structured outputs (`SamplingParams.structured`)
+are the one exception, and they are part of the policy: the engine masks the tokens the constraint forbids at each
+step (EOS only where the constraint is complete) and reports log-probs of the masked, renormalised distribution;
+the trainer must replay the same constraint over the response tokens to recompute the same distribution.
 
 A response ends at the first EOS / stop token (kept, mask 1), at the token that completes a stop string (kept,
 even when the token overhangs the string's end), or at `max_new_tokens` (finish reason `length`). Rows are
@@ -23,16 +26,103 @@ bucket; `sleep(level)` releases memory while training runs on the same device an
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 #: Why a response ended. `prompt_too_long`: the prompt alone fills the engine's context (nothing generated).
 FINISH_REASONS = ("stop", "length", "abort", "prompt_too_long")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the response text: it must match a regex, or be JSON valid under a JSON schema.
+
+    Exactly one of `json_schema` / `regex` is set. A schema may be given as a dict or its JSON text (an OpenAI
+    `response_format={"type": "json_schema", "json_schema": {"schema": ...}}` carries the dict). Property order
+    matters (the generated JSON follows it), so the canonical text keeps the schema's key order.
+    """
+
+    # A JSON schema (dict, or its JSON text): the response is one JSON value valid under it.
+    json_schema: dict[str, Any] | str | None = None
+    # A regular expression the whole response must match (outlines-core syntax, close to Python's `re`).
+    regex: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.json_schema is None) == (self.regex is None):
+            raise ValueError("StructuredOutput: set exactly one of json_schema / regex")
+        if self.regex is not None:
+            if not isinstance(self.regex, str) or not self.regex:
+                raise ValueError(f"StructuredOutput.regex must be a non-empty string, got {self.regex!r}")
+            try:
+                re.compile(self.regex)
+            except re.error as e:
+                raise ValueError(f"StructuredOutput.regex {self.regex!r} is not a valid regex: {e}") from None
+        else:
+            schema = self.json_schema
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"StructuredOutput.json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError(
+                    "StructuredOutput.json_schema must be a JSON object (a dict or its text), "
+                    f"got {type(schema).__name__}"
+                )
+            try:
+                json.dumps(schema)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"StructuredOutput.json_schema is not JSON-serialisable: {e}") from None
+
+    @property
+    def kind(self) -> str:
+        """`"json_schema"` or `"regex"`."""
+        return "regex" if self.regex is not None else "json_schema"
+
+    @property
+    def schema_text(self) -> str | None:
+        """The JSON schema as compact JSON text (key order kept), or None for a regex constraint."""
+        if self.json_schema is None:
+            return None
+        schema = json.loads(self.json_schema) if isinstance(self.json_schema, str) else self.json_schema
+        return json.dumps(schema, separators=(",", ":"))
+
+    @property
+    def schema_dict(self) -> dict[str, Any] | None:
+        """The JSON schema as a dict, or None for a regex constraint."""
+        text = self.schema_text
+        return None if text is None else json.loads(text)
+
+    def key(self) -> tuple[str, str]:
+        """A hashable identity (kind, canonical text): equal constraints compile to the same guide."""
+        return (self.kind, self.regex if self.regex is not None else self.schema_text)  # type: ignore[return-value]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StructuredOutput) and self.key() == other.key()
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    def to_dict(self) -> dict[str, str]:
+        """Plain form for a batch's per-row field and for configs: {"json_schema": text} or {"regex": text}."""
+        return {self.kind: self.key()[1]}
+
+    @staticmethod
+    def from_dict(d: StructuredOutput | dict[str, Any] | None) -> StructuredOutput | None:
+        """Inverse of `to_dict` (None and StructuredOutput pass through); unknown keys are an error."""
+        if d is None or isinstance(d, StructuredOutput):
+            return d
+        unknown = set(d) - {"json_schema", "regex"}
+        if unknown:
+            raise ValueError(f"StructuredOutput: unknown keys {sorted(unknown)} (expected json_schema or regex)")
+        return StructuredOutput(json_schema=d.get("json_schema"), regex=d.get("regex"))
 
 
 @dataclass(frozen=True)
@@ -55,6 +145,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # Seed of this request's sampling noise; None: the engine's running generator.
     seed: int | None = None
+    # Constrained decoding (JSON schema / regex); None: unconstrained. Engines without support refuse it.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -67,6 +159,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            object.__setattr__(self, "structured", StructuredOutput.from_dict(self.structured))
 
     @property
     def greedy(self) -> bool:
