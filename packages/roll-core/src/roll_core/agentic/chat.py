@@ -1,72 +1,178 @@
 """Token-in-token-out chat: the token ids a conversation adds per turn, without ever re-tokenising earlier turns.
 
-Re-tokenising a decoded conversation does not give back the ids the model produced (BPE is not a bijection), and the
-trainer's log-probs would then be those of other tokens. A trajectory is therefore built by appending: the initial
-prompt's ids, each generated response's ids exactly as sampled, and for each observation the ids of only the new
-text the chat template adds: the end of the assistant turn the model did not generate itself (for ChatML, the
-newline after `<|im_end|>`), the user turn holding the observation, and the next assistant header.
+Re-tokenising a decoded conversation does not give back the ids the model produced (BPE is not a bijection), and
+chat templates rewrite history: Qwen3 and DeepSeek-R1 drop the `<think>` blocks of earlier assistant turns, Llama 3
+and Gemma 3 trim each turn's content, Phi-3 appends an end-of-text token when no generation prompt follows. The
+trainer's log-probs of a re-rendered conversation would then be those of other tokens. A trajectory is therefore
+built by appending, never by re-rendering:
 
-The new text is found by rendering the template twice with placeholder contents and taking the difference, so any
-template works, including ones that insert a default system prompt at the start (SmolLM2, Qwen).
+    initial_messages(messages)          the first prompt's ids, ending with the generation header
+    + sampled ids, exactly as sampled   (the loss mask covers exactly these)
+    + continuation(new_messages)        what closes that assistant turn and that the model did not generate
+                                        (ChatML, Phi-3: the newline after the end-of-turn token; DeepSeek: nothing),
+                                        then the new user / tool / system messages, then the next generation header
+    + sampled ids + continuation(...) ...
+
+The continuation is found by rendering the template with a placeholder assistant turn followed by the new messages
+and taking the text after the placeholder, so any template works (default system prompts, tool schemas in the
+system turn, history rewriting before the placeholder: none of it reaches the text after it). Messages a template
+cannot render after an assistant turn (Gemma 3 has no tool or mid-conversation system role; DeepSeek moves a system
+message to the start) are a ValueError naming the roles.
+
+EOS and stop tokens. roll's engines (hf, vLLM, SGLang) return the token they stopped on as the last sampled id: the
+eos / `stop_token_ids` token is in `token_ids` (and was sampled, so it is trained on). When the sampled ids end with
+one of `turn_end_ids` and the text after the placeholder starts with that token's text, the continuation starts
+after it; otherwise (a response cut off at `max_new_tokens`, stopped by a stop string, stopped on an eos the
+template does not use as its turn end, or an engine that drops the stop token) the continuation carries the
+template's whole closing, end-of-turn token included, so the next turn's context is the template's; those ids are
+observation ids (loss mask 0). `turn_end_ids` are the tokenizer's eos ids plus the template's end-of-turn token when
+it is a special token (Gemma 3 ends turns with `<end_of_turn>` while its tokenizer's eos is `<eos>`):
+`stop_token_ids` lists the latter for SamplingParams, so that an engine whose model config lacks them still stops.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 _ASSISTANT = "\u2063ROLL-ASSISTANT\u2063"
 _USER = "\u2063ROLL-USER\u2063"
+_FIRST_USER = "x"  # the placeholder conversation's first query (templates that need one before an assistant turn)
+_AFTER_ASSISTANT = ("user", "tool", "system")
 
 
 class TurnTemplate:
-    """Token ids of the initial prompt and of each observation turn for one tokenizer and chat template."""
+    """Token ids of the initial prompt and of each turn appended after a sampled response, for one tokenizer and
+    chat template. `system_prompt` and `examples` (user/assistant messages) are put before every conversation;
+    `chat_template_kwargs` go to every rendering (e.g. `{"enable_thinking": False}` for Qwen3)."""
 
-    def __init__(self, tokenizer: Any, system_prompt: str | None = None, examples: list[dict[str, str]] | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        system_prompt: str | None = None,
+        examples: list[dict[str, str]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ):
         self.tokenizer = tokenizer
-        self.prefix: list[dict[str, str]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        self.prefix: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.prefix += list(examples or [])
-        base = self._render([{"role": "user", "content": "x"}, {"role": "assistant", "content": _ASSISTANT}], False)
-        full = self._render(
-            [
-                {"role": "user", "content": "x"},
-                {"role": "assistant", "content": _ASSISTANT},
-                {"role": "user", "content": _USER},
-            ],
-            True,
-        )
-        if not full.startswith(base) or _ASSISTANT not in base:
-            raise ValueError("the chat template does not render a conversation as a prefix of its continuation")
-        # After the assistant's content: what closes the turn (e.g. "<|im_end|>\n"); then the next user turn.
-        self.closing = base[base.index(_ASSISTANT) + len(_ASSISTANT) :]
-        self.user_turn = full[len(base) :]
-        if _USER not in self.user_turn:
-            raise ValueError("the chat template drops user turns after the first assistant turn")
+        self.template_kwargs = dict(chat_template_kwargs or {})
         eos = tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.eos_ids: set[int] = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
         self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+        try:
+            after = self._after_assistant([{"role": "user", "content": _USER}], None)
+        except ValueError as exc:
+            raise ValueError(f"the chat template cannot render a user turn after an assistant turn: {exc}") from exc
+        if _USER not in after:
+            raise ValueError("the chat template drops user turns after the first assistant turn")
+        # What closes an assistant turn; its first token ends the turn when it is a special token.
+        self.closing = after[: after.index(_USER)]
+        closing_ids = self.encode(self.closing)
+        self._stop_ids: list[int] = []
+        if closing_ids and self._is_special(closing_ids[0]):
+            self._stop_ids.append(closing_ids[0])
+        self.turn_end_ids: set[int] = self.eos_ids | set(self._stop_ids)
+        self._turn_end_text = self.tokenizer.decode(closing_ids[:1]) if self._stop_ids else ""
 
-    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    # ---- rendering ----------------------------------------------------------------------------------------
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool, tools: list[dict] | None) -> str:
+        kwargs = dict(self.template_kwargs)
+        if tools:
+            kwargs["tools"] = tools
         return self.tokenizer.apply_chat_template(
-            self.prefix + messages, tokenize=False, add_generation_prompt=generation_prompt
+            self.prefix + messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
         )
+
+    def _is_special(self, token_id: int) -> bool:
+        if token_id in set(self.tokenizer.all_special_ids):
+            return True
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}).get(token_id)
+        return bool(added is not None and getattr(added, "special", False))
+
+    def _after_assistant(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> str:
+        """The text a template renders after an assistant turn's content when `messages` follow it, up to and
+        including the next generation header."""
+        for m in messages:
+            if m.get("role") not in _AFTER_ASSISTANT:
+                raise ValueError(
+                    f"a continuation holds {', '.join(_AFTER_ASSISTANT)} messages, not {m.get('role')!r}: an "
+                    "assistant turn that was not sampled starts a new trajectory (initial_messages)"
+                )
+        convo = [{"role": "user", "content": _FIRST_USER}, {"role": "assistant", "content": _ASSISTANT}, *messages]
+        try:
+            full = self._render(convo, True, tools)
+        except Exception as exc:  # jinja's raise_exception, TemplateError, a KeyError in the template ...
+            roles = ", ".join(str(m.get("role")) for m in messages)
+            raise ValueError(f"the chat template cannot render [{roles}] after an assistant turn: {exc}") from exc
+        if full.count(_ASSISTANT) != 1:
+            raise ValueError("the chat template does not render an assistant turn's content once, verbatim")
+        after = full[full.index(_ASSISTANT) + len(_ASSISTANT) :]
+        for m in messages:  # a template that moves or drops a message would leave the model a different context
+            content = m.get("content")
+            if isinstance(content, str) and content.strip() not in after:
+                raise ValueError(
+                    f"the chat template does not render a {m['role']!r} message where it follows an assistant turn "
+                    "(it moves or drops it)"
+                )
+        return after
 
     def encode(self, text: str) -> list[int]:
+        """Ids of `text` with no special tokens added (bos) beyond the ones it spells."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def initial(self, observation: str) -> list[int]:
-        """Ids of the conversation up to the first assistant turn (system prompt, examples, first observation)."""
+    # ---- the API ------------------------------------------------------------------------------------------
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The template's end-of-turn token when it is not the tokenizer's eos (put it in SamplingParams)."""
+        return [i for i in self._stop_ids if i not in self.eos_ids]
+
+    def initial_messages(self, messages: Sequence[Mapping[str, Any]], tools: list[dict] | None = None) -> list[int]:
+        """Ids of a first prompt: the prefix (system prompt, examples), `messages`, and the generation header."""
+        if not messages:
+            raise ValueError("initial_messages needs at least one message")
+        if messages[-1].get("role") == "assistant":
+            raise ValueError("the last message of a prompt is an assistant turn: the model would start another one")
+        kwargs = dict(self.template_kwargs)
+        if tools:
+            kwargs["tools"] = tools
         ids = self.tokenizer.apply_chat_template(
-            [*self.prefix, {"role": "user", "content": observation}],
+            self.prefix + [dict(m) for m in messages],
             tokenize=True,
             add_generation_prompt=True,
             return_dict=False,
+            **kwargs,
         )
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+    def continuation(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict] | None = None,
+        response_ids: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Ids appended after a sampled assistant turn (kept as sampled): the rest of that turn's closing the model
+        did not generate, then `messages` (user / tool / system, several at once), then the next generation header.
+
+        `response_ids` are the sampled ids: when they end with a turn-end token (see the module docstring) that
+        the closing starts with, the closing continues after it; otherwise the whole closing is added. Without
+        `response_ids` the turn is taken to have ended on the template's end-of-turn token (the usual stop)."""
+        after = self._after_assistant([dict(m) for m in messages], tools)
+        if response_ids is None:
+            sampled_end = self._turn_end_text
+        elif response_ids and int(response_ids[-1]) in self.turn_end_ids:
+            sampled_end = self.tokenizer.decode([int(response_ids[-1])])
+        else:
+            sampled_end = ""
+        if sampled_end and after.startswith(sampled_end):
+            after = after[len(sampled_end) :]
+        return self.encode(after)
+
+    def initial(self, observation: str) -> list[int]:
+        """Ids of the conversation up to the first assistant turn (system prompt, examples, first observation)."""
+        return self.initial_messages([{"role": "user", "content": observation}])
 
     def observation(self, observation: str, response_ids: list[int]) -> list[int]:
         """Ids appended after a response: the rest of its turn's closing, then the observation's user turn and
         the next assistant header. A response cut off before its end-of-turn token gets the whole closing."""
-        closing = self.closing
-        if response_ids and response_ids[-1] in self.eos_ids and closing.startswith(self.eos_text):
-            closing = closing[len(self.eos_text) :]
-        return self.encode(closing + self.user_turn.replace(_USER, observation))
+        return self.continuation([{"role": "user", "content": observation}], response_ids=response_ids)
