@@ -125,6 +125,39 @@ class StructuredOutput:
         return StructuredOutput(json_schema=d.get("json_schema"), regex=d.get("regex"))
 
 
+#: The batch key of the per-row constraint the trainer replays: a (B, K) uint8 tensor, row i the UTF-8 bytes of
+#: `json.dumps(constraint.to_dict())` right-padded with 0, all zeros for an unconstrained row (see
+#: `structured_rows`). A tensor, not a per-row field, because train workers hand engines `batch.tensors()` only,
+#: and a tensor follows every row split, shuffle and chunk of the batch for free.
+STRUCTURED_KEY = "structured"
+
+
+def structured_rows(constraints: Sequence[StructuredOutput | dict[str, Any] | None], width: int = 0) -> Tensor:
+    """The (B, K) uint8 batch encoding of one constraint per row (None: unconstrained); K = the longest row's
+    byte length, or `width` if larger (to concatenate with another batch's encoding of that width)."""
+    rows = [
+        json.dumps(c.to_dict()).encode() if c is not None else b"" for c in map(StructuredOutput.from_dict, constraints)
+    ]
+    out = torch.zeros((len(rows), max([width, *map(len, rows)])), dtype=torch.uint8)
+    for i, raw in enumerate(rows):
+        if raw:
+            out[i, : len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return out
+
+
+def structured_from_rows(encoded: Tensor) -> list[StructuredOutput | None]:
+    """Inverse of `structured_rows`: one constraint (or None) per row of a (B, K) uint8 tensor."""
+    if encoded.dim() != 2 or encoded.dtype != torch.uint8:
+        raise ValueError(
+            f"batch[{STRUCTURED_KEY!r}] must be a (B, K) uint8 tensor, got {encoded.dtype} {tuple(encoded.shape)}"
+        )
+    out: list[StructuredOutput | None] = []
+    for row in encoded.cpu():
+        raw = bytes(row.numpy().tobytes()).rstrip(b"\0")
+        out.append(StructuredOutput.from_dict(json.loads(raw)) if raw else None)
+    return out
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one response. Engines must honour every field or refuse it (`check_sampling`)."""
