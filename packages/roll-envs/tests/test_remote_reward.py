@@ -1,0 +1,254 @@
+"""The remote reward (roll_envs.rewards.remote) against real HTTP servers on 127.0.0.1: the reference verifier
+(roll_envs.rewards.serve) started from its command line and serving the math reward, and a scripted server that
+misbehaves on purpose (503s, 429 with Retry-After, slow replies, non-JSON, wrong row counts, NaN, 400), records
+the requests in flight and echoes what arrived. Also: through GuardedReward's forked child, off the main thread,
+inside a running event loop, and composed from the config (`env/reward=remote`)."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+pytest.importorskip("aiohttp", reason="pip install 'roll-envs[remote]'")
+from aiohttp import web
+
+from roll_core.cluster.reward_guard import GuardedReward
+from roll_core.errors import ConfigError
+from roll_envs.rewards.remote import COUNTERS, RemoteReward
+from roll_envs.rewards.serve import RunningServer, build_reward
+
+#: Math rows: boxed right, LaTeX right (math-verify's symbolic path), unboxed right number, wrong, nothing.
+RESPONSES = ["so \\boxed{12}", "\\boxed{\\frac{1}{2}}", "the answer is 7", "\\boxed{13}", "no idea"]
+ANSWERS = ["12", "0.5", "7", "12", "3"]
+
+
+class Script:
+    """State of the scripted server: tries per route, requests in flight, what arrived."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.in_flight = self.max_in_flight = 0
+        self.rows: list[dict[str, Any]] = []
+        self.auth: list[str | None] = []
+        self.extra: list[str | None] = []
+
+    def app(self) -> web.Application:
+        async def handle(request: web.Request) -> web.Response:
+            route = request.match_info["route"]
+            n = self.calls[route] = self.calls.get(route, 0) + 1
+            rows = (await request.json())["rows"]
+            ok = {
+                "rows": [
+                    {"score": float(len(r["response"])), "correct": int(r["response"] == r["answer"])} for r in rows
+                ]
+            }
+            if route == "flaky" and n <= 2:
+                return web.Response(status=503, text="warming up")
+            if route == "busy" and n == 1:
+                return web.Response(status=429, text="slow down", headers={"Retry-After": "0.3"})
+            if route == "slow":
+                await asyncio.sleep(2.0)
+            if route == "notjson":
+                return web.Response(text="<html>oops</html>")
+            if route == "short":
+                return web.json_response({"rows": ok["rows"][:-1]})
+            if route == "badrows":  # NaN, a string, no score, correct=2, then one good row
+                bad = [{"score": math.nan}, {"score": "x"}, {"correct": 1}, {"score": 1.0, "correct": 2}]
+                return web.Response(text=json.dumps({"rows": [*bad, {"score": 0.25}]}))
+            if route == "refused":
+                return web.Response(status=400, text="unknown field")
+            if route == "list":
+                return web.json_response([0.5, 1.0][: len(rows)])
+            if route == "echo":
+                self.rows += rows
+                self.auth.append(request.headers.get("Authorization"))
+                self.extra.append(request.headers.get("X-Run"))
+                self.in_flight += 1
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+                await asyncio.sleep(0.1)
+                self.in_flight -= 1
+                ok["counters"] = {"service_cache_hits": len(rows)}
+            return web.json_response(ok)
+
+        app = web.Application()
+        app.add_routes([web.post("/{route}", handle)])
+        return app
+
+
+@pytest.fixture(scope="module")
+def server() -> Any:
+    script = Script()
+    running = RunningServer(script.app(), "127.0.0.1", 0)
+    yield script, f"http://127.0.0.1:{running.port}"
+    running.stop()
+
+
+def _remote(url: str, **kw: Any) -> RemoteReward:
+    return RemoteReward(url, **{"backoff_s": 0.01, "timeout_s": 5.0, **kw})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """The server child gets SIGTERM if the test process dies (Linux prctl PR_SET_PDEATHSIG)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
+def test_the_reference_server_scores_like_the_reward_it_serves() -> None:
+    """`python -m roll_envs.rewards.serve --reward math`: the same scores as MathReward's own, its counters
+    forwarded; a malformed request gets 400 with a message; /health answers."""
+    from roll_envs.rewards.math import MathReward
+
+    cmd = [sys.executable, "-m", "roll_envs.rewards.serve", "--reward", "math", "--port", "0"]
+    cmd += ["-o", "last_number_weight=0.5", "-o", "format_weight=0.1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+    try:
+        line = proc.stdout.readline()
+        assert "serving reward 'math' at http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() else "")
+        url = line.split(" at ")[1].strip()
+        remote = _remote(url, batch_size=2).score(RESPONSES, ANSWERS, prompts=["p"] * 5, metadata=[{}] * 5)
+        own = MathReward(last_number_weight=0.5, format_weight=0.1).score(RESPONSES, ANSWERS)
+        assert remote.scores == pytest.approx(own.scores) and remote.scores == pytest.approx([1.1, 1.1, 0.5, 0.1, 0.0])
+        assert (remote.correct, remote.formatted) == (own.correct, own.formatted)
+        assert remote.counters["no_boxed"] == own.counters["no_boxed"] == 2  # the service's own counters
+        assert all(remote.counters[k] == 0 for k in COUNTERS)
+
+        bad = urllib.request.Request(url, data=b'{"rows": [{"answer": "1"}]}', method="POST")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(bad, timeout=10)
+        assert err.value.code == 400 and 'row 0: \\"response\\" must be a string' in err.value.read().decode()
+        health = json.loads(urllib.request.urlopen(url.replace("/score", "/health"), timeout=10).read())
+        assert health == {"status": "ok", "reward": "math"}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_build_reward_checks_options_against_the_schema() -> None:
+    with pytest.raises(ConfigError, match=r"correct_weigth.*its options .*correct_weight"):
+        build_reward("math", {"correct_weigth": 2})
+    with pytest.raises(ConfigError, match=r"no such reward; installed: .*math"):
+        build_reward("maths")
+    assert build_reward("countdown", {"format_weight": "0.5"}).format_weight == 0.5  # typed by the schema
+
+
+def test_retries_then_scores(server: Any) -> None:
+    """503 twice then OK: right scores, two retries counted; 429 with Retry-After: the wait is honoured."""
+    script, base = server
+    res = _remote(f"{base}/flaky").score(["ab", "c"], ["ab", "x"])
+    assert (res.scores, res.correct) == ([2.0, 1.0], [1.0, 0.0])
+    assert res.counters == {"remote_timeouts": 0, "remote_errors": 0, "remote_malformed": 0, "remote_retries": 2}
+    assert script.calls["flaky"] == 3
+    start = time.monotonic()
+    res = _remote(f"{base}/busy").score(["abc"], ["abc"])
+    assert res.scores == [3.0] and res.counters["remote_retries"] == 1
+    assert time.monotonic() - start >= 0.3  # Retry-After: 0.3, not backoff_s=0.01
+
+
+def test_failures_are_counted_rows(server: Any) -> None:
+    script, base = server
+    rows = (["a", "bb", "ccc"], ["a", "x", "y"])
+    # Slower than timeout_s on both tries: every row a timeout, scored error_score.
+    res = _remote(f"{base}/slow", timeout_s=0.3, max_retries=1, error_score=-1.0).score(*rows)
+    assert (res.scores, res.correct, res.formatted) == ([-1.0] * 3, [0.0] * 3, [0.0] * 3)
+    assert (res.counters["remote_timeouts"], res.counters["remote_retries"], script.calls["slow"]) == (3, 1, 2)
+    # Not JSON; one row short: the whole request's rows are malformed, not retried.
+    for route in ("notjson", "short"):
+        res = _remote(f"{base}/{route}", batch_size=2).score(*rows)
+        assert res.scores == [0.0] * 3 and res.counters["remote_malformed"] == 3, route
+        assert res.counters["remote_retries"] == 0 and script.calls[route] == 2, route  # two requests, once each
+    # Bad rows are malformed one by one; the good row keeps its score (correct from correct_threshold).
+    res = _remote(f"{base}/badrows", correct_threshold=0.2).score(["r"] * 5, ["a"] * 5)
+    assert (res.scores, res.correct) == ([0.0, 0.0, 0.0, 0.0, 0.25], [0, 0, 0, 0, 1.0])
+    assert res.counters["remote_malformed"] == 4
+    # 400: an error, never retried.
+    reward = _remote(f"{base}/refused", max_retries=3)
+    res = reward.score(*rows)
+    assert res.counters["remote_errors"] == 3 and res.counters["remote_retries"] == 0 and script.calls["refused"] == 1
+    assert "HTTP 400" in reward.last_failure and "unknown field" in reward.last_failure
+    # A bare list of numbers is a reply too.
+    assert _remote(f"{base}/list").score(["a", "b"], ["", ""]).scores == [0.5, 1.0]
+
+
+def test_a_dead_service_fails_every_row_after_its_retries() -> None:
+    res = _remote(f"http://127.0.0.1:{_free_port()}/score", max_retries=2, batch_size=2).score(["a"] * 3, ["a"] * 3)
+    assert res.scores == [0.0] * 3 and res.counters["remote_errors"] == 3
+    assert res.counters["remote_retries"] == 4  # two requests, two retries each
+
+
+def test_concurrency_limit_and_context_arrive(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most max_concurrency requests in flight (and that many used); prompts, metadata, the API key from the
+    named environment variable and extra headers reach the service; the service's counters are added."""
+    script, base = server
+    monkeypatch.setenv("VERIFIER_KEY", "s3cret")
+    script.rows.clear()
+    n = 10
+    reward = _remote(
+        f"{base}/echo", batch_size=1, max_concurrency=3, api_key_env="VERIFIER_KEY", headers={"X-Run": "7"}
+    )
+    meta = [{"domain": "math", "i": i} for i in range(n)]
+    res = reward.score([f"r{i}" for i in range(n)], ["r0"] * n, prompts=[f"p{i}" for i in range(n)], metadata=meta)
+    assert script.max_in_flight == 3
+    assert res.scores == [2.0] * n and res.correct == [1.0] + [0.0] * (n - 1)
+    assert res.counters["service_cache_hits"] == n
+    arrived = sorted(script.rows, key=lambda r: r["metadata"]["i"])
+    assert [(r["prompt"], r["metadata"]) for r in arrived] == [(f"p{i}", meta[i]) for i in range(n)]
+    assert set(script.auth) == {"Bearer s3cret"} and set(script.extra) == {"7"}
+    monkeypatch.delenv("VERIFIER_KEY")
+    with pytest.raises(ConfigError, match="VERIFIER_KEY is not set"):
+        _remote(f"{base}/echo", api_key_env="VERIFIER_KEY")
+
+
+def test_in_a_forked_child_off_the_main_thread_and_inside_an_event_loop(server: Any) -> None:
+    """GuardedReward's process isolation (a forked child), a worker thread, and a thread whose loop is running."""
+    script, base = server
+    reward = _remote(f"{base}/echo", batch_size=2)
+    responses, answers, prompts = ["a", "bb", "ccc"], ["a", "b", "ccc"], ["x", "y", "z"]
+    guarded = GuardedReward(reward, isolation="process", timeout_s=10, batch_timeout_s=20)
+    script.rows.clear()
+    res = guarded.score(responses, answers, prompts=prompts, metadata=[{"k": 1}] * 3)
+    assert (res.scores, res.correct, res.counters["failed_rows"]) == ([1.0, 2.0, 3.0], [1.0, 0.0, 1.0], 0)
+    assert guarded._child is not None and guarded._child._pid not in (None, os.getpid())
+    assert sorted(r["prompt"] for r in script.rows) == prompts
+
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: out.update(res=reward.score(responses, answers)))
+    thread.start()
+    thread.join(30)
+    assert out["res"].scores == [1.0, 2.0, 3.0]
+
+    async def inside_a_loop() -> Any:
+        return reward.score(responses, answers)
+
+    assert asyncio.run(inside_a_loop()).scores == [1.0, 2.0, 3.0]
+
+
+def test_the_config_composes() -> None:
+    from roll_core.config import load_config
+    from roll_core.config.build import build
+
+    base = ["model=tiny", "env=arithmetic", "env.train_size=20", "env.eval_size=5", "env/reward=remote"]
+    cfg = load_config([*base, "env.reward.url=http://127.0.0.1:9/score", "env.reward.max_concurrency=2"])
+    reward = build(cfg.env).reward
+    assert isinstance(reward, RemoteReward)
+    assert (reward.url, reward.max_concurrency, reward.batch_size) == ("http://127.0.0.1:9/score", 2, 16)
+    with pytest.raises(ConfigError, match="urll"):
+        load_config([*base, "env.reward.urll=http://x"])
