@@ -9,6 +9,9 @@ of `model.generate`, so that:
 - stop strings cut the response at the token that completes them, even when that token overhangs the string;
 - requests join and leave the running batch between decode steps (the request API), and the n samples of a
   prompt share one prefill;
+- structured outputs (`SamplingParams.structured`, roll_engines.structured): each constrained row's logits are
+  masked to the tokens its JSON schema / regex allows before sampling (EOS only where the text is a complete
+  match), so the reported log-probs are those of the constrained distribution the trainer replays;
 - a request that extends a finished sequence (a conversation's next turn) reuses that sequence's KV and encodes
   only its new tokens (roll_engines.infer._prefix_cache; dropped at every weight update).
 
@@ -25,18 +28,47 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from roll_core.interfaces.inference import GenerateOutput, Request, RequestOutput, SamplingParams
+from roll_core.interfaces.inference import GenerateOutput, Request, RequestOutput, SamplingParams, StructuredOutput
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_core.seeds import Purpose, derive_seed
 from roll_engines.infer._batcher import ContinuousBatcher, Running
 from roll_engines.infer._sampling import StopStrings
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Constrained(Running):
+    """A running request under a structured-output constraint: its matcher walks the generated tokens."""
+
+    matcher: Any = None
+
+
+class _ConstrainedBatcher(ContinuousBatcher):
+    """The continuous batcher with structured outputs: a logits processor masks each constrained row to the tokens
+    its matcher allows before the shared sampler runs (so processed log-probs are of the masked distribution), then
+    advances the matcher over the sampled token. Unconstrained rows are untouched."""
+
+    def _sample(self, seqs: list[Running], logits: Tensor) -> None:
+        from roll_engines.structured import mask_logits
+
+        rows = [i for i, s in enumerate(seqs) if getattr(s, "matcher", None) is not None]
+        if rows:
+            logits = mask_logits(logits, rows, [seqs[i].matcher.allowed() for i in rows])
+        super()._sample(seqs, logits)
+        for i in rows:
+            seq = seqs[i]
+            token = seq.tokens[-1]
+            seq.matcher.advance(token)
+            # The constraint's EOS ends a complete match even where the model's EOS set lacks it.
+            if seq.finish is None and not seq.request.params.ignore_eos and token == seq.matcher.vocab.eos_id:
+                seq.finish = "stop"
 
 
 class HFInferEngine:
@@ -105,7 +137,7 @@ class HFInferEngine:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._ids = itertools.count()
-        self.batcher = ContinuousBatcher(
+        self.batcher = _ConstrainedBatcher(
             self.model,
             eos_ids=self.eos_ids,
             pad_id=self._pad_id,
@@ -130,7 +162,12 @@ class HFInferEngine:
         return self._version
 
     def check_sampling(self, params: SamplingParams) -> None:
-        """Every field of SamplingParams is supported by roll's own sampler."""
+        """Every field of SamplingParams is supported by roll's own sampler (structured outputs need the
+        `roll-engines[structured]` extra: outlines-core)."""
+        if params.structured is not None:
+            from roll_engines.structured import STRUCTURED
+
+            STRUCTURED.require()
 
     # ---- batch API ----------------------------------------------------------------------------------------
     def generate(
@@ -192,18 +229,25 @@ class HFInferEngine:
         self.check_sampling(p)
         seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
         fut: Future[RequestOutput] = Future()
-        seq = Running(
+        seq = (_Constrained if p.structured is not None else Running)(
             request=request,
             future=fut,
             generator=torch.Generator().manual_seed(seed),
             stop=StopStrings(self.tokenizer, p.stop),
             max_new=p.max_new_tokens,
         )
+        if p.structured is not None:  # compiled here (cached): a bad schema fails the caller, not the batch
+            seq.matcher = self._matcher(p.structured)
         with self._lock:
             if self._stopped:
                 raise RuntimeError(f"{self.name} engine is shut down")
             self.batcher.add(seq)
         return fut
+
+    def _matcher(self, constraint: StructuredOutput) -> Any:
+        from roll_engines.structured import Matcher
+
+        return Matcher(constraint, self.tokenizer)
 
     def _loop(self) -> None:
         while True:

@@ -1,0 +1,251 @@
+"""Structured outputs: the allowed-token masks of a JSON schema / regex constraint (outlines-core), for sampling
+and for the trainer's replay.
+
+Contract:
+- A constraint (roll_core.interfaces.inference.StructuredOutput) becomes one regex: a regex as given, a JSON schema
+  through outlines-core's `build_regex_from_schema`. The vLLM and SGLang adapters send that same regex, so every
+  engine constrains the same language.
+- The token vocabulary is reduced exactly as vLLM's outlines backend does (token -> the bytes it decodes to; special
+  tokens and EOS left out; EOS is allowed where the regex is complete), built once per tokenizer and cached; a
+  compiled index is cached per (tokenizer, regex).
+- `Matcher` walks one sequence: `allowed()` is the set of ids allowed next, `advance(token)` moves on (False when
+  the token is not allowed: the matcher is then dead and allows everything, so callers count it, never crash).
+- The constrained distribution at a step is softmax over the allowed ids of the logits (after temperature), the
+  others masked (`mask_logits`). Sampling masks before top-k/top-p, so the engine's processed log-probs are those
+  of the constrained distribution; `replay_mask` gives the trainer the same masks from the response tokens.
+- Masked entries get the most negative finite float rather than -inf: softmax gives them exactly 0, and an entropy
+  (p * logit summed) stays finite (0 * -inf would be NaN).
+
+outlines-core is optional (`roll-engines[structured]`); a missing one is one line naming the extra.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from roll_core.errors import Extra
+from roll_core.interfaces.inference import StructuredOutput
+
+log = logging.getLogger(__name__)
+
+STRUCTURED = Extra(
+    "outlines_core",
+    "SamplingParams.structured (JSON schema / regex outputs)",
+    "outlines-core",
+    "roll-engines[structured]",
+)
+
+#: Engines that constrain decoding (roll's own names); others refuse a request that carries `structured`.
+INFER_ENGINES = ("hf", "vllm", "sglang")
+#: Training engines whose log-probs replay the constraint (fsdp2 shares the hf engine's forward).
+TRAIN_ENGINES = ("hf", "fsdp2")
+
+
+def refusal(engine: str) -> str:
+    """The error text of an inference engine that cannot constrain decoding."""
+    return (
+        f"infer_engine={engine} cannot constrain decoding (SamplingParams.structured: JSON schema / regex): "
+        f"use infer_engine={' or '.join(INFER_ENGINES)}"
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _regex(kind: str, text: str) -> str:
+    if kind == "regex":
+        return text
+    oc = STRUCTURED.load()
+    try:
+        return oc.json_schema.build_regex_from_schema(text)
+    except Exception as exc:  # outlines-core raises ValueError or its own errors for unsupported schemas
+        raise ValueError(f"StructuredOutput.json_schema cannot be compiled: {exc}") from None
+
+
+def to_regex(constraint: StructuredOutput) -> str:
+    """The regex a constraint stands for (a JSON schema through outlines-core); cached."""
+    return _regex(*constraint.key())
+
+
+# ---- vocabulary ------------------------------------------------------------------------------------------------
+
+
+class TokenVocabulary:
+    """outlines-core's Vocabulary of one tokenizer, and the facts masks need (EOS id, ids the tokenizer knows)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        oc = STRUCTURED.load()
+        self.eos_id = tokenizer.eos_token_id
+        if self.eos_id is None:
+            raise ValueError("structured outputs need a tokenizer with an EOS token (eos_token_id is None)")
+        self.tokens = _token_bytes(tokenizer)
+        self.inner = oc.Vocabulary(int(self.eos_id), self.tokens)
+        self.indexes: OrderedDict[str, Any] = OrderedDict()  # regex -> compiled Index (LRU)
+        self.lock = threading.Lock()
+
+    def index(self, regex: str) -> Any:
+        """The compiled outlines-core Index of `regex` over this vocabulary (cached, 64 most recent)."""
+        with self.lock:
+            if regex in self.indexes:
+                self.indexes.move_to_end(regex)
+                return self.indexes[regex]
+        oc = STRUCTURED.load()
+        try:
+            idx = oc.Index(regex, self.inner)
+        except Exception as exc:
+            raise ValueError(f"structured output regex {regex[:200]!r} cannot be compiled: {exc}") from None
+        with self.lock:
+            self.indexes[regex] = idx
+            while len(self.indexes) > 64:
+                self.indexes.popitem(last=False)
+        return idx
+
+
+_VOCABS: weakref.WeakKeyDictionary[Any, TokenVocabulary] = weakref.WeakKeyDictionary()
+_VOCABS_LOCK = threading.Lock()
+
+
+def vocabulary(tokenizer: Any) -> TokenVocabulary:
+    """The TokenVocabulary of `tokenizer`, built once per tokenizer object (seconds for a 150k vocabulary)."""
+    with _VOCABS_LOCK:
+        vocab = _VOCABS.get(tokenizer)
+        if vocab is None:
+            vocab = _VOCABS[tokenizer] = TokenVocabulary(tokenizer)
+        return vocab
+
+
+def _token_bytes(tokenizer: Any) -> dict[bytes, list[int]]:
+    """token bytes -> ids, reduced as vLLM's outlines backend (`_reduced_vocabulary`) does, so that the sets of
+    allowed tokens agree with vLLM's: a token is the bytes of `convert_tokens_to_string([token])` (a leading space
+    for SentencePiece's word marker); tokens decoding to invalid UTF-8 map back to raw bytes (Llama's `<0xXX>`
+    byte tokens, GPT-2's byte-to-unicode alphabet); special tokens, EOS and tokens decoding to nothing are left out."""
+    import re
+
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    unicode_to_bytes = {v: k for k, v in bytes_to_unicode().items()}
+    byte_token = re.compile(r"^<0x[0-9A-F]{2}>$")
+    replacement = re.compile(r"^.{0,6}\ufffd+.{0,6}$")
+    specials = set(tokenizer.all_special_tokens)
+    eos = tokenizer.eos_token_id
+    out: dict[bytes, list[int]] = {}
+    for token, idx in tokenizer.get_vocab().items():
+        if token in specials or idx == eos:
+            continue
+        text = tokenizer.convert_tokens_to_string([token])
+        if isinstance(token, str) and (token.startswith("\u2581") or token == "<0x20>"):
+            text = " " + text  # HF's Llama tokenizers drop the space of a lone word-start token
+        if not text:
+            continue
+        if isinstance(token, (bytes, bytearray)):
+            raw = bytes(text)
+        elif (text == "\ufffd" and token != "\ufffd") or ("\ufffd" in text and not replacement.match(text)):
+            if byte_token.match(token):
+                raw = bytes([int(token[3:5], 16)])
+            else:
+                vals = [unicode_to_bytes.get(c) for c in token]
+                if None in vals:
+                    log.warning("structured outputs: token %r (%d) has no byte form; it is never allowed", token, idx)
+                    continue
+                raw = bytes(vals)
+        else:
+            raw = text.encode("utf-8")
+        out.setdefault(raw, []).append(idx)
+    return out
+
+
+# ---- one sequence ----------------------------------------------------------------------------------------------
+
+
+class Matcher:
+    """The constraint's state along one sequence: allowed ids next, advanced token by token."""
+
+    def __init__(self, constraint: StructuredOutput, tokenizer: Any) -> None:
+        self.vocab = vocabulary(tokenizer)
+        self.index = self.vocab.index(to_regex(constraint))
+        self.state = self.index.get_initial_state()
+        self.dead = False  # a token outside the allowed set was fed: no constraint any more
+
+    def allowed(self) -> list[int]:
+        """Token ids allowed next (EOS only where the text so far is a complete match)."""
+        return list(self.index.get_allowed_tokens(self.state))
+
+    @property
+    def final(self) -> bool:
+        """The text so far matches the whole constraint (EOS is allowed)."""
+        return bool(self.index.is_final_state(self.state))
+
+    def advance(self, token: int) -> bool:
+        """Move past `token`; False (and dead from then on) when it was not allowed. EOS keeps the state."""
+        if self.dead:
+            return False
+        if token == self.vocab.eos_id and self.final:
+            return True
+        nxt = self.index.get_next_state(self.state, int(token))
+        if nxt is None:
+            self.dead = True
+            return False
+        self.state = nxt
+        return True
+
+
+def _allowed_tensor(ids: Sequence[int], vocab_size: int, device: torch.device) -> Tensor:
+    return torch.tensor([i for i in ids if i < vocab_size], dtype=torch.long, device=device)
+
+
+def mask_logits(logits: Tensor, rows: Sequence[int], allowed: Sequence[Sequence[int]]) -> Tensor:
+    """`logits` with every id outside `allowed[j]` masked in row `rows[j]` (a copy; other rows unchanged).
+
+    Args:
+        logits: (B, V) float logits (after temperature, if any).
+        rows: row indices to constrain.
+        allowed: per constrained row, the allowed token ids (ids >= V are ignored).
+
+    Returns:
+        (B, V) logits; masked entries hold the dtype's most negative finite value.
+    """
+    if not rows:
+        return logits
+    out = logits.clone()
+    low = torch.finfo(out.dtype).min
+    for r, ids in zip(rows, allowed):
+        keep = torch.zeros(out.shape[-1], dtype=torch.bool, device=out.device)
+        keep[_allowed_tensor(ids, out.shape[-1], out.device)] = True
+        out[r].masked_fill_(~keep, low)
+    return out
+
+
+def replay_mask(
+    constraint: StructuredOutput, tokenizer: Any, tokens: Sequence[int], vocab_size: int
+) -> tuple[Tensor, int]:
+    """The disallowed-token masks a sampler applied while generating `tokens` under `constraint`.
+
+    Args:
+        constraint: the row's constraint.
+        tokens: the response tokens (n,), without padding.
+        vocab_size: V, the model's logits width.
+
+    Returns:
+        ((k, V) bool, True where disallowed, for the first k positions; k) where k = n when every token was allowed,
+        else the position of the first disallowed token (that token and what follows are left unmasked: the
+        response was not sampled under this constraint, and -inf log-probs would poison the loss).
+    """
+    m = Matcher(constraint, tokenizer)
+    rows = []
+    for tok in tokens:
+        keep = torch.zeros(vocab_size, dtype=torch.bool)
+        ids = m.allowed()
+        keep[_allowed_tensor(ids, vocab_size, keep.device)] = True
+        if not (0 <= int(tok) < vocab_size and bool(keep[int(tok)])):
+            break
+        rows.append(~keep)
+        m.advance(int(tok))
+    k = len(rows)
+    return (torch.stack(rows) if rows else torch.zeros((0, vocab_size), dtype=torch.bool)), k
