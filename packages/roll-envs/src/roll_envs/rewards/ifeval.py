@@ -1,0 +1,401 @@
+"""Instruction following with verifiable constraints (IFEval-style): constraint checkers and their reward.
+
+A constraint is data, a dict with a `type` and that type's arguments (an unknown type or key is an error)::
+
+    {"type": "word_count", "max": 20}             # count | min | max (inclusive; count excludes min/max)
+    {"type": "sentence_count", "min": 2, "max": 3}
+    {"type": "paragraphs", "count": 2}
+    {"type": "bullets", "count": 3}
+    {"type": "keywords", "include": ["ocean"], "min_count": 1}   # each word or phrase, min_count times at least
+    {"type": "forbidden", "words": ["very"]}
+    {"type": "json", "keys": ["answer"]}
+    {"type": "case", "mode": "lower"}             # lower | upper
+    {"type": "starts_with", "phrase": "Sure"}
+    {"type": "ends_with", "phrase": "That is all"}
+    {"type": "no_commas"}
+    {"type": "quotation"}
+
+Definitions (what each checker counts; tests/test_ifeval.py checks each by hand):
+- A *word* is a maximal run of Unicode letters and digits, in which a single apostrophe (' or ’) or hyphen between
+  two such characters, or a `.` or `,` between two digits, joins the parts: "don't", "well-known", "3.14" and
+  "1,000" are one word each; "e.g." is two ("e", "g"); `_` and punctuation separate words. A script written without
+  spaces (Chinese) counts each unbroken run as one word.
+- A *sentence* ends at a run of `.`, `!`, `?`, `…`, `。`, `！` or `？` (closing quotes or brackets may follow) that
+  is followed by whitespace or the end of the text, and at every line break; only pieces with at least one word
+  count. So "Hi. How are you?" is 2, "3.14 is pi." is 1, every bullet line is its own sentence, and an
+  abbreviation ("Dr. Smith") ends a sentence: no abbreviation list.
+- A *paragraph* is a piece of the text between blank lines (lines empty or whitespace only) holding a word.
+- A *bullet* is a line whose first non-blank character is `-` or `*`, followed by a space or tab and then text that
+  is not only dashes and asterisks: "- milk" and "  * eggs" (nested bullets count too) are bullets; "**bold**",
+  "-5 degrees", "---" and "- - -" are not; numbered items are not.
+- *keywords* / *forbidden*: a whole-word (or whole-phrase) match, case-insensitive: "very" is not in "everything".
+- *json*: the response, stripped of surrounding whitespace and optionally of one enclosing ```json (or ```) fence,
+  parses as a JSON object holding every listed key at its top level; nothing may precede or follow it.
+- *case*: lower means no uppercase letter and at least one lowercase one; upper the reverse (text without any
+  cased letter, e.g. digits only or Chinese, satisfies neither).
+- *starts_with* / *ends_with*: the response, stripped of surrounding whitespace, begins (ends) with the phrase,
+  case-insensitive, and the match is whole words ("Sure" is not met by "Surely"). For ends_with, trailing `.`,
+  `!` and `?` are ignored on both sides ("that is all." ends with "That is all").
+- *no_commas*: no `,` and no fullwidth `，`.
+- *quotation*: the stripped response starts and ends with a double quote (" or “ ”) and holds a word inside.
+
+`InstructionReward.score` reads row i's constraints from `metadata[i]["constraints"]` (a list, or its JSON text)
+when given, else from `answers[i]` (the list as JSON). Scores: the fraction of the row's constraints met (1 or 0
+with `all_or_nothing`); `correct` = 1 when all are met; `formatted` = 1 when the response is not blank. A blank
+response meets no constraint (a forbidden word is trivially absent from nothing). Rows whose constraints are
+missing or invalid score 0 and are counted (`bad_constraints`, with the first reason logged), never raised on;
+`unmet_<type>` counts the unmet constraints of each type present in the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from roll_envs.rewards.base import Reward, RewardResult
+
+log = logging.getLogger(__name__)
+
+_WORD = re.compile(r"[^\W_]+(?:(?:['’-]|(?<=\d)[.,](?=\d))[^\W_]+)*")
+# A sentence end: terminal punctuation (and closing quotes/brackets) before whitespace or the end; or a line break.
+_SENTENCE_END = re.compile(r"[.!?…。！？]+[\"'”’)\]]*(?=\s|$)|\n")
+_BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
+_BULLET = re.compile(r"[ \t]*[-*][ \t]+(.*)")
+_FENCE = re.compile(r"```(?:json|JSON)?[ \t]*\n(.*?)\n?[ \t]*```", re.S)
+_TRAILING_STOPS = ".!?"
+
+
+def words(text: str) -> list[str]:
+    """The words of `text` (see the module docstring)."""
+    return _WORD.findall(text)
+
+
+def sentences(text: str) -> list[str]:
+    """The sentences of `text` that hold a word, stripped, without their ending punctuation (module docstring)."""
+    return [s.strip() for s in _SENTENCE_END.split(text) if _WORD.search(s)]
+
+
+def paragraphs(text: str) -> list[str]:
+    """The paragraphs of `text` (pieces between blank lines) that hold a word, stripped."""
+    return [p.strip() for p in _BLANK_LINE.split(text) if _WORD.search(p)]
+
+
+def bullets(text: str) -> list[str]:
+    """The text of each markdown bullet line (`-` or `*`, see the module docstring)."""
+    out = []
+    for line in text.splitlines():
+        m = _BULLET.fullmatch(line)
+        if m and m.group(1).strip(" \t-*"):
+            out.append(m.group(1).strip())
+    return out
+
+
+def count_phrase(text: str, phrase: str) -> int:
+    """Whole-word, case-insensitive occurrences of `phrase` in `text` (non-overlapping)."""
+    return len(re.findall(rf"(?<![^\W_]){re.escape(phrase)}(?![^\W_])", text, re.IGNORECASE))
+
+
+def json_object(text: str) -> dict[str, Any] | None:
+    """The JSON object that the whole of `text` is (optionally in one ```json fence), or None."""
+    body = text.strip()
+    fenced = _FENCE.fullmatch(body)
+    if fenced:
+        body = fenced.group(1)
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser's recursion limit
+        return None
+    return value if isinstance(value, dict) else None
+
+
+# --- argument checks (a constraint from data is validated before it is checked) --------------------------------
+
+
+def _int(c: Mapping[str, Any], key: str, low: int = 0) -> int:
+    value = c[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{key!r} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _text(c: Mapping[str, Any], key: str) -> str:
+    value = c[key]
+    if not isinstance(value, str) or not _WORD.search(value):
+        raise ValueError(f"{key!r} must be text holding a word, got {value!r}")
+    return value
+
+
+def _texts(c: Mapping[str, Any], key: str, *, allow_empty: bool = False) -> list[str]:
+    value = c[key]
+    if not isinstance(value, list) or (not value and not allow_empty):
+        raise ValueError(f"{key!r} must be a {'' if allow_empty else 'non-empty '}list of texts, got {value!r}")
+    for v in value:
+        if not isinstance(v, str) or not v.strip():
+            raise ValueError(f"{key!r} must hold non-empty texts, got {v!r}")
+    return value
+
+
+def bounds(c: Mapping[str, Any]) -> tuple[int, int | None]:
+    """(min, max) of a counting constraint (`count`, or `min` and/or `max`); max None: no upper bound."""
+    if "count" in c:
+        if "min" in c or "max" in c:
+            raise ValueError("give either 'count' or 'min'/'max', not both")
+        n = _int(c, "count")
+        return n, n
+    if "min" not in c and "max" not in c:
+        raise ValueError("needs 'count', 'min' or 'max'")
+    lo = _int(c, "min") if "min" in c else 0
+    hi = _int(c, "max") if "max" in c else None
+    if hi is not None and hi < lo:
+        raise ValueError(f"'min' {lo} is above 'max' {hi}")
+    return lo, hi
+
+
+def _in_bounds(n: int, c: Mapping[str, Any]) -> bool:
+    lo, hi = bounds(c)
+    return n >= lo and (hi is None or n <= hi)
+
+
+def _bounds_words(c: Mapping[str, Any], unit: str) -> str:
+    lo, hi = bounds(c)
+
+    def n(k: int) -> str:
+        return f"{k} {unit}" if k == 1 else f"{k} {unit}s"
+
+    if lo == hi:
+        return f"exactly {n(lo)}"
+    if hi is None:
+        return f"at least {n(lo)}"
+    return f"at most {n(hi)}" if lo == 0 else f"between {lo} and {n(hi)}"
+
+
+def _mode(c: Mapping[str, Any]) -> None:
+    if c["mode"] not in ("lower", "upper"):
+        raise ValueError(f"'mode' must be 'lower' or 'upper', got {c['mode']!r}")
+
+
+def _keywords(c: Mapping[str, Any]) -> None:
+    _texts(c, "include")
+    if "min_count" in c:
+        _int(c, "min_count", low=1)
+
+
+def _starts(response: str, phrase: str) -> bool:
+    text, phrase = response.strip().casefold(), phrase.strip().casefold()
+    if not phrase or not text.startswith(phrase):
+        return False
+    n = len(phrase)  # whole words: the phrase may not end inside a word of the text ("Sure" vs "Surely")
+    return n == len(text) or not (text[n - 1].isalnum() and text[n].isalnum())
+
+
+def _ends(response: str, phrase: str) -> bool:
+    text = response.strip().rstrip(_TRAILING_STOPS).rstrip().casefold()
+    phrase = phrase.strip().rstrip(_TRAILING_STOPS).rstrip().casefold()
+    if not phrase or not text.endswith(phrase):
+        return False
+    start = len(text) - len(phrase)
+    return start == 0 or not (text[start - 1].isalnum() and text[start].isalnum())
+
+
+def _case(response: str, mode: str) -> bool:
+    upper = any(ch.isupper() for ch in response)
+    lower = any(ch.islower() for ch in response)
+    return (lower and not upper) if mode == "lower" else (upper and not lower)
+
+
+def _quoted(response: str) -> bool:
+    text = response.strip()
+    return len(text) >= 2 and (text[0], text[-1]) in (('"', '"'), ("“", "”")) and bool(_WORD.search(text[1:-1]))
+
+
+def _quote_list(items: Sequence[str]) -> str:
+    quoted = [f'"{w}"' for w in items]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
+
+
+def _describe_keywords(c: Mapping[str, Any]) -> str:
+    n = c.get("min_count", 1)
+    many = len(c["include"]) > 1
+    what = f"the {'words' if many else 'word'} {_quote_list(c['include'])}"
+    return f"Use {what} at least {n} times{' each' if many else ''}." if n > 1 else f"Include {what}."
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One constraint type: its keys (required, optional), argument check, checker and plain-words description."""
+
+    required: frozenset[str]
+    optional: frozenset[str]
+    validate: Callable[[Mapping[str, Any]], Any]
+    check: Callable[[Mapping[str, Any], str], bool]
+    describe: Callable[[Mapping[str, Any]], str]
+
+
+_BOUND_KEYS = frozenset({"count", "min", "max"})
+_NONE: frozenset[str] = frozenset()
+
+#: Every constraint type (name -> Kind).
+KINDS: dict[str, Kind] = {
+    "word_count": Kind(
+        _NONE, _BOUND_KEYS, bounds, lambda c, r: _in_bounds(len(words(r)), c),
+        lambda c: f"Answer in {_bounds_words(c, 'word')}.",
+    ),
+    "sentence_count": Kind(
+        _NONE, _BOUND_KEYS, bounds, lambda c, r: _in_bounds(len(sentences(r)), c),
+        lambda c: f"Write {_bounds_words(c, 'sentence')}.",
+    ),
+    "paragraphs": Kind(
+        _NONE, _BOUND_KEYS, bounds, lambda c, r: _in_bounds(len(paragraphs(r)), c),
+        lambda c: f"Write {_bounds_words(c, 'paragraph')}, separated by blank lines.",
+    ),
+    "bullets": Kind(
+        _NONE, _BOUND_KEYS, bounds, lambda c, r: _in_bounds(len(bullets(r)), c),
+        lambda c: f'Format your answer as {_bounds_words(c, "bullet point")} (lines starting with "- ").',
+    ),
+    "keywords": Kind(
+        frozenset({"include"}), frozenset({"min_count"}), _keywords,
+        lambda c, r: all(count_phrase(r, w) >= c.get("min_count", 1) for w in c["include"]),
+        _describe_keywords,
+    ),
+    "forbidden": Kind(
+        frozenset({"words"}), _NONE, lambda c: _texts(c, "words"),
+        lambda c, r: not any(count_phrase(r, w) for w in c["words"]),
+        lambda c: f"Do not use the {'words' if len(c['words']) > 1 else 'word'} {_quote_list(c['words'])}.",
+    ),
+    "json": Kind(
+        _NONE, frozenset({"keys"}), lambda c: _texts(c, "keys", allow_empty=True) if "keys" in c else None,
+        lambda c, r: (obj := json_object(r)) is not None and all(k in obj for k in c.get("keys", ())),
+        lambda c: "Give your whole answer as a JSON object"
+        + (f" with the {'keys' if len(c['keys']) > 1 else 'key'} {_quote_list(c['keys'])}." if c.get("keys") else "."),
+    ),
+    "case": Kind(
+        frozenset({"mode"}), _NONE, _mode, lambda c, r: _case(r, c["mode"]),
+        lambda c: f"Write your whole answer in {'lowercase' if c['mode'] == 'lower' else 'capital'} letters only.",
+    ),
+    "starts_with": Kind(
+        frozenset({"phrase"}), _NONE, lambda c: _text(c, "phrase"), lambda c, r: _starts(r, c["phrase"]),
+        lambda c: f'Start your answer with the {"word" if len(words(c["phrase"])) == 1 else "phrase"} "{c["phrase"]}".',
+    ),
+    "ends_with": Kind(
+        frozenset({"phrase"}), _NONE, lambda c: _text(c, "phrase"), lambda c, r: _ends(r, c["phrase"]),
+        lambda c: f'End your answer with the {"word" if len(words(c["phrase"])) == 1 else "phrase"} "{c["phrase"]}".',
+    ),
+    "no_commas": Kind(
+        _NONE, _NONE, lambda c: None, lambda c, r: "," not in r and "，" not in r,
+        lambda c: "Do not use any commas.",
+    ),
+    "quotation": Kind(
+        _NONE, _NONE, lambda c: None, lambda c, r: _quoted(r),
+        lambda c: "Wrap your whole answer in double quotation marks.",
+    ),
+}  # fmt: skip
+
+
+def validate_constraint(c: Any) -> dict[str, Any]:
+    """`c` as a checked constraint dict; ValueError naming what is wrong (unknown type or key, bad argument)."""
+    if not isinstance(c, Mapping):
+        raise ValueError(f"a constraint must be an object with a 'type', got {type(c).__name__} {str(c)[:60]!r}")
+    kind_name = c.get("type")
+    kind = KINDS.get(kind_name) if isinstance(kind_name, str) else None
+    if kind is None:
+        raise ValueError(f"unknown constraint type {kind_name!r}; known: {', '.join(KINDS)}")
+    keys = set(c) - {"type"}
+    missing = sorted(kind.required - keys)
+    unknown = sorted(keys - kind.required - kind.optional)
+    if missing or unknown:
+        takes = sorted(kind.required | kind.optional)
+        problem = f"lacks {missing}" if missing else f"does not take {unknown}"
+        raise ValueError(f"constraint {kind_name!r} {problem}; it takes {takes or 'no arguments'}")
+    try:
+        kind.validate(c)
+    except ValueError as exc:
+        raise ValueError(f"constraint {kind_name!r}: {exc}") from None
+    return dict(c)
+
+
+def parse_constraints(value: Any) -> list[dict[str, Any]]:
+    """A row's constraints (a list of constraint dicts, or that list as JSON text), validated; ValueError else."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            raise ValueError(f"constraints are not JSON: {value[:60]!r}") from None
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"constraints must be a non-empty list, got {str(value)[:60]!r}")
+    return [validate_constraint(c) for c in value]
+
+
+def check(constraint: Mapping[str, Any], response: str) -> bool:
+    """Whether `response` meets one validated constraint (a blank response meets none)."""
+    return bool(response.strip()) and KINDS[constraint["type"]].check(constraint, response)
+
+
+def describe(constraint: Mapping[str, Any]) -> str:
+    """One validated constraint in plain words, as a prompt states it ("Answer in at most 20 words.")."""
+    return KINDS[constraint["type"]].describe(constraint)
+
+
+class InstructionReward(Reward):
+    """Fraction of a row's constraints a response meets (see the module docstring)."""
+
+    def __init__(self, all_or_nothing: bool = False) -> None:
+        self.all_or_nothing = all_or_nothing
+
+    def score(
+        self,
+        responses: Sequence[str],
+        answers: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> RewardResult:
+        """Score `responses[i]` against row i's constraints (`metadata[i]["constraints"]`, else `answers[i]`)."""
+        if len(responses) != len(answers) or (metadata is not None and len(metadata) != len(responses)):
+            raise ValueError(
+                f"{len(responses)} responses, {len(answers)} answers"
+                + ("" if metadata is None else f", {len(metadata)} metadata rows")
+            )
+        counters = {"bad_constraints": 0, "empty_response": 0, "check_errors": 0}
+        scores, correct, formatted = [], [], []
+        for i, (response, answer) in enumerate(zip(responses, answers)):
+            meta = metadata[i] if metadata is not None else None
+            source = meta["constraints"] if isinstance(meta, Mapping) and "constraints" in meta else answer
+            nonblank = bool(response.strip())
+            formatted.append(float(nonblank))
+            try:
+                constraints = parse_constraints(source)
+            except ValueError as exc:
+                if not counters["bad_constraints"]:
+                    log.warning("ifeval reward: row %d has bad constraints (scored 0): %s", i, exc)
+                counters["bad_constraints"] += 1
+                scores.append(0.0)
+                correct.append(0.0)
+                continue
+            met = 0
+            for c in constraints:
+                key = f"unmet_{c['type']}"
+                counters.setdefault(key, 0)
+                try:
+                    ok = check(c, response)
+                except Exception as exc:  # a checker bug must cost one row, never the run
+                    log.warning("ifeval reward: checking %s raised %s: %s", c, type(exc).__name__, exc)
+                    counters["check_errors"] += 1
+                    ok = False
+                met += ok
+                counters[key] += not ok
+            counters["empty_response"] += not nonblank
+            all_met = met == len(constraints)
+            scores.append(float(all_met) if self.all_or_nothing else met / len(constraints))
+            correct.append(float(all_met))
+        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters)
+
+
+@dataclass
+class InstructionRewardConfig:
+    """IFEval-style constraints (word/sentence/bullet counts, keywords, JSON, case, ...) read from each row."""
+
+    _target_: str = "roll_envs.rewards.ifeval.InstructionReward"
+    # 1 only when every constraint of the row is met (else the fraction met).
+    all_or_nothing: bool = False
