@@ -2,13 +2,17 @@
 
 The permutation of epoch e depends only on (seed, e), so restoring (epoch, position) after a crash continues with
 exactly the prompts the uninterrupted run would have seen. An epoch boundary inside a request wraps around.
+`DomainSampler` mixes several domains (slices of one training list) by fixed per-batch counts or random weights;
+each domain keeps its own epoch order, and its state (each domain's position, draws made) resumes exactly too.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from typing import Any
 
+from roll_core.errors import ConfigError
 from roll_core.seeds import Purpose, derive_seed
 
 
@@ -52,3 +56,93 @@ class PromptSampler:
             )
         self.epoch, self.position = state["epoch"], state["position"]
         self._perm = self._permutation(self.epoch)
+
+
+class DomainSampler:
+    """Indices into a training list made of one slice per domain, mixed per draw.
+
+    `counts` (fixed prompts per domain per `batch_size` prompts: the domains follow a fixed cycle of `batch_size`
+    slots holding each domain `counts[d]` times, spread evenly, and every draw takes the next slots, so any
+    `batch_size` prompts in a row, however they are drawn (a whole batch, a dynamic-sampling refill, one prompt at a
+    time by the asynchronous collector), hold exactly `counts`) or `weights` (each prompt's domain drawn at random
+    with these shares, from a stream seeded by the draw's number). Exactly one of them is non-empty. Within a
+    domain, prompts come in that domain's own epoch order (a `PromptSampler`). Indices come out grouped by domain.
+    """
+
+    def __init__(
+        self,
+        slices: Mapping[str, range],
+        *,
+        weights: Mapping[str, float],
+        counts: Mapping[str, int],
+        batch_size: int,
+        seed: int = 0,
+    ) -> None:
+        if bool(weights) == bool(counts):
+            raise ValueError("give the domains' weights or their counts (exactly one)")
+        if counts and sum(counts.values()) != batch_size:
+            raise ConfigError(
+                f"env.counts={dict(counts)} sums to {sum(counts.values())}; it must equal "
+                f"pipeline.rollout_batch_size={batch_size} (prompts per batch)"
+            )
+        self.domains = list(slices)
+        self.slices = dict(slices)
+        self.weights, self.counts, self.batch_size, self.seed = dict(weights), dict(counts), batch_size, seed
+        self.samplers = {
+            d: PromptSampler(len(self.slices[d]), seed=derive_seed(seed, Purpose.DOMAIN_ORDER, i))
+            for i, d in enumerate(self.domains)
+        }
+        self.draws = 0  # draws made (weights) or slots of the cycle taken (counts)
+        self.cycle = self._cycle() if counts else []
+
+    def _cycle(self) -> list[str]:
+        """`batch_size` slots, domain d in `counts[d]` of them, each slot going to the domain furthest behind its
+        share (ties: domain order): [a, b, a, b, a, a] for counts a=4, b=2."""
+        given = dict.fromkeys(self.domains, 0)
+        out = []
+        for j in range(self.batch_size):
+            d = max(self.domains, key=lambda d: self.counts.get(d, 0) * (j + 1) / self.batch_size - given[d])
+            given[d] += 1
+            out.append(d)
+        return out
+
+    def split(self, k: int) -> dict[str, int]:
+        """Prompts per domain in a draw of `k` (advances the cycle or the random stream)."""
+        if self.counts:
+            picked = [self.cycle[(self.draws + j) % self.batch_size] for j in range(k)]
+            self.draws += k
+            return {d: picked.count(d) for d in self.domains}
+        rng = random.Random(derive_seed(self.seed, Purpose.DOMAIN_MIX, self.draws))
+        self.draws += 1
+        picked = rng.choices(self.domains, weights=[self.weights.get(d, 0.0) for d in self.domains], k=k)
+        return {d: picked.count(d) for d in self.domains}
+
+    def next(self, k: int) -> list[int]:
+        """The next k indices into the whole training list."""
+        out: list[int] = []
+        for d, n in self.split(k).items():
+            if n:
+                out += [self.slices[d][i] for i in self.samplers[d].next(n)]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"draws": self.draws, "domains": {d: s.state_dict() for d, s in self.samplers.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "domains" not in state or sorted(state["domains"]) != sorted(self.domains):
+            raise ValueError(
+                f"sampler state is for domains {sorted(state.get('domains', {})) or 'of a single-domain run'}; "
+                f"this run has {sorted(self.domains)}"
+            )
+        for d, s in state["domains"].items():
+            self.samplers[d].load_state_dict(s)
+        self.draws = state["draws"]
+
+
+def make_sampler(task: Any, *, batch_size: int, seed: int) -> PromptSampler | DomainSampler:
+    """A `DomainSampler` for a multi-domain task (one with `domain_slices()` and `mixture()`), else a
+    `PromptSampler` over the task's training set."""
+    if hasattr(task, "domain_slices") and hasattr(task, "mixture"):
+        weights, counts = task.mixture()
+        return DomainSampler(task.domain_slices(), weights=weights, counts=counts, batch_size=batch_size, seed=seed)
+    return PromptSampler(len(task.train_set()), seed=seed)

@@ -27,6 +27,8 @@ class Purpose(str, Enum):
     HELD_OUT = "held_out"  # a task's held-out split
     REPLICA_SHUFFLE = "replica_shuffle"  # one data-parallel replica's mini-batch order (seed: SHUFFLE's; ids: dp rank)
     WORKED_EXAMPLES = "worked_examples"  # the solved training problems a task shows before each question
+    DOMAIN_ORDER = "domain_order"  # one domain's prompt order in a multi-domain run (ids: domain's position)
+    DOMAIN_MIX = "domain_mix"  # which domain each prompt of a draw comes from (ids: draw number)
 
 
 def derive_seed(seed: int, purpose: Purpose | str, *ids: int) -> int:

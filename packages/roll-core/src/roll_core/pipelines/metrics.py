@@ -53,3 +53,31 @@ def reward_metrics(batch: Batch, scored: Batch, lengths: torch.Tensor, max_len: 
     if not math.isfinite(out["reward/mean"]):
         raise FloatingPointError("reward is not finite: check the reward function")
     return out
+
+
+def row_domains(batch: Batch) -> list[str] | None:
+    """Each row's domain (from its `metadata`), or None when the batch carries none."""
+    if "metadata" not in batch:
+        return None
+    domains = [m.get("domain") for m in batch["metadata"]]
+    return None if any(d is None for d in domains) else [str(d) for d in domains]
+
+
+def domain_metrics(batch: Batch, lengths: torch.Tensor, max_len: int, domains: list[str]) -> dict[str, float]:
+    """Per-domain reward, accuracy, format rate, response length, truncation and share of rows:
+    `domain/<d>/<name>`, for each of `domains` that has rows in `batch` (a multi-domain run)."""
+    rows = row_domains(batch)
+    if rows is None:
+        return {}
+    out: dict[str, float] = {}
+    for d in domains:
+        idx = torch.tensor([i for i, r in enumerate(rows) if r == d], dtype=torch.long)
+        if len(idx) == 0:
+            continue
+        out[f"domain/{d}/reward"] = float(batch["scores"][idx].mean())
+        out[f"domain/{d}/accuracy"] = float(batch["correct"][idx].mean())
+        out[f"domain/{d}/format"] = float(batch["formatted"][idx].mean())
+        out[f"domain/{d}/length_mean"] = float(lengths[idx].float().mean())
+        out[f"domain/{d}/clip_ratio"] = float(batch["truncated"][idx].float().mean())
+        out[f"domain/{d}/share"] = len(idx) / len(rows)
+    return out

@@ -137,9 +137,26 @@ def evaluate(
     max_prompt_length: int,
     params: SamplingParams,
 ) -> dict[str, float]:
-    """Accuracy and mean reward of one sample per problem (sampled with `params`; temperature 0 is greedy)."""
+    """Accuracy and mean reward of one sample per problem (sampled with `params`; temperature 0 is greedy); with
+    several domains (a multi-domain task) also `by_domain`: {domain: {"accuracy", "reward", "n"}}."""
     metrics: dict[str, Any] = {}
     prompts = prompt_batch(tokenizer, task, problems, max_prompt_length, metrics)
     gen = infer.generate(prompts, params, n=1)
-    scored = reward.score(assemble(tokenizer, prompts, gen))
-    return {"accuracy": float(scored["correct"].mean()), "reward": float(scored["scores"].mean()), "n": len(prompts)}
+    batch = assemble(tokenizer, prompts, gen)
+    scored = reward.score(batch)
+    out: dict[str, Any] = {
+        "accuracy": float(scored["correct"].mean()),
+        "reward": float(scored["scores"].mean()),
+        "n": len(prompts),
+    }
+    domains = [m.get("domain") for m in batch["metadata"]] if "metadata" in batch else []
+    if len(set(domains)) > 1 or len(getattr(task, "domains", ())) > 1:
+        out["by_domain"] = {}
+        for d in dict.fromkeys(domains):
+            idx = [i for i, x in enumerate(domains) if x == d]
+            out["by_domain"][str(d)] = {
+                "accuracy": float(scored["correct"][idx].mean()),
+                "reward": float(scored["scores"][idx].mean()),
+                "n": len(idx),
+            }
+    return out

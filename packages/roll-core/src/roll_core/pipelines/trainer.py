@@ -133,6 +133,8 @@ class Trainer:
             adv = adv_ops.whiten(adv, mask)
         if algo.advantage_clip is not None:
             adv = adv.clamp(-algo.advantage_clip, algo.advantage_clip)
+        if "advantage_scale" in batch:  # a multi-domain run's per-domain scale, (B,) over each row's tokens
+            adv = adv * batch["advantage_scale"].to(adv.dtype).unsqueeze(-1)
         batch["advantages"] = adv * mask
         out["actor/advantage_abs_mean"] = float(masked_mean(adv.abs(), mask))
         if returns is not None:

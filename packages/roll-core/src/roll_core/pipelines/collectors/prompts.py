@@ -7,6 +7,11 @@ whose position is checkpointed, so a resumed run draws what the uninterrupted ru
 sampling) groups without reward variance are filtered out and more prompts are drawn until the batch is full or
 `algo.refill_max_batches` batches' worth were sampled. Scores get the overlong penalty and reward clipping.
 Evaluation: one sample per held-out problem at the eval temperature.
+Multi-domain tasks (roll_envs.tasks.multi): prompts are mixed by the task's counts or weights
+(roll_core.data.DomainSampler), metrics and evaluation are also reported per domain (`domain/<d>/...`,
+`eval/<d>/accuracy`), and rows carry `advantage_scale` (the trainer multiplies their advantages) when a domain's
+scale is not 1. A reward model (`reward_model=hf`) scores after the task's reward and adds to or replaces its
+scores (roll_core.pipelines.reward_model).
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ from roll_algos.losses import overlong_penalty
 from roll_core.cluster.reward_guard import RewardFailureBudget
 from roll_core.cluster.roles import RewardGroup
 from roll_core.config.build import as_dict
-from roll_core.data import PromptSampler
+from roll_core.data import make_sampler
 from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import Collected, CollectorContext
-from roll_core.pipelines.metrics import StepLog, reward_metrics
+from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
 from roll_core.pipelines.rollout import PromptsTooLong, assemble, evaluate, prompt_batch
 from roll_core.pipelines.sampling import group_rows, informative_groups, merge_scored
 from roll_core.protocol import Batch
@@ -63,7 +68,17 @@ class PromptCollector:
         self.sampling = ctx.sampling
         check_task(cfg, self.task)
         self.train_set, self.eval_set = self.task.train_set(), self.task.eval_set()[: cfg.pipeline.eval_size]
-        self.sampler = PromptSampler(len(self.train_set), seed=cfg.pipeline.seed)
+        self.sampler = make_sampler(self.task, batch_size=cfg.pipeline.rollout_batch_size, seed=cfg.pipeline.seed)
+        # A multi-domain task: metrics, curves and evaluation per domain too.
+        self.domains: list[str] = list(getattr(self.task, "domains", ()) or ())
+        if len(self.domains) > 1:
+            self.plot_keys = (
+                *type(self).plot_keys,
+                *(f"domain/{d}/accuracy" for d in self.domains),
+                *(f"eval/{d}/accuracy" for d in self.domains),
+            )
+        scale = getattr(self.task, "advantage_scale", None) or {}
+        self.advantage_scale = scale if any(v != 1.0 for v in scale.values()) else None
         # A reward failing on every row for pipeline.max_reward_failure_steps steps stops the run; totals go to
         # the summary.
         self.reward_budget = RewardFailureBudget(cfg.pipeline.max_reward_failure_steps)
@@ -78,6 +93,13 @@ class PromptCollector:
             tokenizer_path=cfg.model.tokenizer or ctx.model_path,
             guard=cfg.pipeline.reward_guard(),  # errors, NaN and hangs become counted rows
         )
+        # The reward model role (reward_model=hf): scores after the task's reward, adds to or replaces its scores.
+        self.reward_model = None
+        if getattr(cfg, "reward_model", None) is not None:
+            from roll_core.pipelines.reward_model import build_reward_model
+
+            self.reward_model = build_reward_model(ctx)
+        self.scoring = _Scoring(self.reward, self.reward_model)
 
     # ---- the collector contract ---------------------------------------------------------------------------
     def next(self, step: int, out: StepLog) -> Collected | None:
@@ -99,7 +121,7 @@ class PromptCollector:
         t0 = time.perf_counter()
         res = evaluate(
             self.infer,
-            self.reward,
+            self.scoring,
             self.tokenizer,
             self.task,
             self.eval_set,
@@ -108,12 +130,15 @@ class PromptCollector:
                 temperature=self.eval_temperature, seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL)
             ),
         )
-        return {
+        out = {
             "eval/accuracy": res["accuracy"],
             "eval/reward": res["reward"],
             "eval/n": float(res["n"]),
             "eval/seconds": time.perf_counter() - t0,
         }
+        for d, m in res.get("by_domain", {}).items():
+            out[f"eval/{d}/accuracy"], out[f"eval/{d}/reward"], out[f"eval/{d}/n"] = m["accuracy"], m["reward"], m["n"]
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict(), "reward_budget": self.reward_budget.state_dict()}
@@ -129,7 +154,8 @@ class PromptCollector:
         return {**self.reward_budget.summary(), "skipped_rows": dict(getattr(self.task, "skipped_rows", {}) or {})}
 
     def close(self) -> None:
-        return None
+        if self.reward_model is not None:
+            self.reward_model.close()
 
     # ---- pieces -------------------------------------------------------------------------------------------
     @property
@@ -142,6 +168,10 @@ class PromptCollector:
             return None
         out["data/trained_groups"] = len(batch) // self.cfg.algo.group_size
         out["data/skipped_rows"] = float(sum((getattr(self.task, "skipped_rows", {}) or {}).values()))
+        if self.advantage_scale is not None:  # per-domain advantage scale: (B,), the trainer multiplies
+            batch["advantage_scale"] = torch.tensor(
+                [self.advantage_scale[m["domain"]] for m in batch["metadata"]], dtype=torch.float32
+            )
         return Collected(batch, self.shaped_scores(batch))
 
     def shaped_scores(self, batch: Batch) -> torch.Tensor:
@@ -176,7 +206,10 @@ class PromptCollector:
             out["perf/rollout_tokens_per_s"] = float(gen["response_mask"].sum()) / max(
                 gen.meta["generate_seconds"], 1e-9
             )
-            out.update(reward_metrics(batch, scored, batch["response_mask"].sum(-1), model.max_response_length))
+            lengths = batch["response_mask"].sum(-1)
+            out.update(reward_metrics(batch, scored, lengths, model.max_response_length))
+            if len(self.domains) > 1:
+                out.update(domain_metrics(batch, lengths, model.max_response_length, self.domains))
             self.log_samples(step, batch, scored)
         return batch
 
@@ -184,6 +217,9 @@ class PromptCollector:
         """The reward role's scores of `batch`; its failure counters add up for the step's failure budget."""
         with out.timer("reward"):
             scored = self.reward.score(batch)
+        if self.reward_model is not None:
+            with out.timer("reward_model"):
+                self.reward_model.apply(batch, scored, out)
         for k, v in scored.meta.get("reward_counters", {}).items():
             self._step_counters[k] = self._step_counters.get(k, 0) + v
         self._step_failure = self._step_failure or scored.meta.get("reward_failure")
@@ -262,6 +298,7 @@ class PromptCollector:
             [
                 {
                     "problem": batch["problem_id"][i],
+                    **({"domain": batch["metadata"][i].get("domain")} if len(self.domains) > 1 else {}),
                     "answer": batch["answer"][i],
                     "response": texts[i],
                     "score": float(batch["scores"][i]),
@@ -269,3 +306,17 @@ class PromptCollector:
                 for i in range(min(k, len(texts)))
             ],
         )
+
+
+class _Scoring:
+    """What evaluation scores with: the reward role, then the reward model when there is one (no step metrics, no
+    running-statistics update: `apply(..., out=None)`)."""
+
+    def __init__(self, reward: RewardGroup, reward_model: Any) -> None:
+        self.reward, self.reward_model = reward, reward_model
+
+    def score(self, batch: Batch) -> Batch:
+        scored = self.reward.score(batch)
+        if self.reward_model is not None:
+            self.reward_model.apply(batch, scored, None)
+        return scored

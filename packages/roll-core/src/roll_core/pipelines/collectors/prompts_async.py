@@ -25,7 +25,7 @@ import torch
 from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors.prompts import PromptCollector
-from roll_core.pipelines.metrics import StepLog, reward_metrics
+from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
 from roll_core.pipelines.rollout import PROBLEM_FIELDS, assemble, prompt_ids
 from roll_core.pipelines.sampling import generation_from_samples, informative_groups
 from roll_core.protocol import Batch
@@ -130,7 +130,10 @@ class AsyncPromptCollector(PromptCollector):
         assert first is not None
         self.end_reward_step(step)
         b0, scored0 = first
-        out.update(reward_metrics(b0, scored0, b0["response_mask"].sum(-1), self.cfg.model.max_response_length))
+        lengths = b0["response_mask"].sum(-1)
+        out.update(reward_metrics(b0, scored0, lengths, self.cfg.model.max_response_length))
+        if len(self.domains) > 1:
+            out.update(domain_metrics(b0, lengths, self.cfg.model.max_response_length, self.domains))
         self.log_samples(step, b0, scored0)
         out["data/dropped_groups"] = sampled - len(kept)
         out["data/sampled_groups"] = sampled

@@ -1,0 +1,83 @@
+"""DomainSampler: fixed per-batch counts hold for any run of batch_size draws, weights give their shares, and a
+resumed sampler continues exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from roll_core.data import DomainSampler, PromptSampler, make_sampler
+from roll_core.errors import ConfigError
+
+SLICES = {"math": range(0, 50), "code": range(50, 60), "ifeval": range(60, 90)}
+
+
+def _domain(i: int) -> str:
+    return next(d for d, r in SLICES.items() if i in r)
+
+
+def _counts(indices: list[int]) -> dict[str, int]:
+    return {d: sum(_domain(i) == d for i in indices) for d in SLICES}
+
+
+def test_counts_hold_for_every_batch_however_it_is_drawn() -> None:
+    counts = {"math": 4, "code": 1, "ifeval": 3}
+    s = DomainSampler(SLICES, weights={}, counts=counts, batch_size=8, seed=3)
+    assert _counts(s.next(8)) == counts
+    # A refill of 3 then 5 (8 slots in a row), a whole batch, one prompt at a time (the asynchronous collector):
+    # every 8 consecutive slots hold exactly the counts, however the draws cut them.
+    assert _counts(s.next(3) + s.next(5)) == counts
+    assert _counts(s.next(8)) == counts
+    assert _counts([s.next(1)[0] for _ in range(8)]) == counts
+    assert _counts(s.next(2) + s.next(6)) == counts
+    # Within a domain, an epoch is a permutation of that domain's slice.
+    many = DomainSampler(SLICES, weights={}, counts=counts, batch_size=8, seed=0).next(80)
+    code = [i for i in many if i in SLICES["code"]]
+    assert sorted(code) == list(SLICES["code"])
+
+
+def test_weights_give_their_shares_and_zero_weight_never_draws() -> None:
+    s = DomainSampler(SLICES, weights={"math": 0.6, "code": 0.0, "ifeval": 0.4}, counts={}, batch_size=8, seed=1)
+    drawn = [i for _ in range(250) for i in s.next(8)]
+    c = _counts(drawn)
+    assert c["code"] == 0
+    assert abs(c["math"] / len(drawn) - 0.6) < 0.03, c
+
+
+def test_resumed_sampler_continues_exactly() -> None:
+    mixtures = (
+        {"weights": {}, "counts": {"math": 2, "code": 1, "ifeval": 1}},
+        {"weights": {"math": 1.0, "code": 1.0, "ifeval": 2.0}, "counts": {}},
+    )
+    for kw in mixtures:
+        a = DomainSampler(SLICES, batch_size=4, seed=7, **kw)
+        a.next(4), a.next(3)
+        b = DomainSampler(SLICES, batch_size=4, seed=7, **kw)
+        b.load_state_dict(a.state_dict())
+        assert [b.next(4) for _ in range(20)] == [a.next(4) for _ in range(20)]
+
+
+def test_bad_mixtures_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="sums to 5; it must equal pipeline.rollout_batch_size=8"):
+        DomainSampler(SLICES, weights={}, counts={"math": 3, "code": 1, "ifeval": 1}, batch_size=8)
+    with pytest.raises(ValueError, match="exactly one"):
+        DomainSampler(SLICES, weights={"math": 1.0}, counts={"math": 8}, batch_size=8)
+    s = DomainSampler(SLICES, weights={"math": 1.0}, counts={}, batch_size=8)
+    with pytest.raises(ValueError, match="single-domain run"):
+        s.load_state_dict(PromptSampler(10).state_dict())
+
+
+def test_make_sampler_picks_by_task() -> None:
+    class One:
+        def train_set(self) -> list[int]:
+            return list(range(5))
+
+    class Many(One):
+        def domain_slices(self) -> dict[str, range]:
+            return {"a": range(0, 2), "b": range(2, 5)}
+
+        def mixture(self) -> tuple[dict[str, float], dict[str, int]]:
+            return {}, {"a": 1, "b": 1}
+
+    assert isinstance(make_sampler(One(), batch_size=2, seed=0), PromptSampler)
+    many = make_sampler(Many(), batch_size=2, seed=0)
+    assert isinstance(many, DomainSampler) and sorted(_i < 2 for _i in many.next(2)) == [False, True]

@@ -1,0 +1,259 @@
+"""Multi-domain RLVR: several tasks in one run, each with its own reward, mixed by weights or fixed batch counts.
+
+`env=multi` composes any single-turn tasks under `env.tasks.<domain>` (each a whole env node: `arithmetic`,
+`code`, `instruct`, `file`, ...). Contract:
+- Routing (`route`): `task` (default): every problem of sub-task `t` has domain `t`; `column`: a problem keeps its
+  own domain (a data file's `domain` column), so one file can hold several domains; its reward is
+  `env.rewards.<domain>` when given, else the reward of the sub-task named like the domain. A domain without a
+  reward is a ConfigError when the task loads (naming the domains and the rows' counts), never a silent 0.
+- Each problem is served as a `DomainProblem` (id prefixed `<domain>/`) with the sub-task's own chat messages (its
+  system prompt and worked examples) and metadata.
+- `reward` is a `DomainReward`: each row is scored by the reward of its domain (rows grouped per domain, one call
+  per domain, prompts/metadata passed to rewards that declare them); a row whose domain has no reward (a row
+  from outside this task) scores 0 and counts in `unknown_domain`. The sub-rewards' counters add up.
+- Sampling (`roll_core.data.DomainSampler`, built by the prompts collectors from `domain_slices()` and
+  `mixture()`): `counts` gives each domain a fixed number of prompts per batch (summing to
+  `pipeline.rollout_batch_size`); otherwise `weights` (default: equal) draws each prompt's domain at random, seeded
+  and checkpointed. Every domain keeps its own epoch order.
+- `advantage_scale[d]` multiplies the advantages of domain d's rows (default 1: group-normalised as always).
+- The held-out set interleaves the domains (round robin) so `pipeline.eval_size` keeps them balanced; evaluation
+  and step metrics are reported per domain (`domain/<d>/...`, `eval/<d>/accuracy`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from roll_core.errors import ConfigError
+from roll_core.interfaces.tasks import reward_kwargs
+from roll_envs.rewards.base import Reward, RewardResult
+
+
+@dataclass(frozen=True)
+class DomainProblem:
+    """A sub-task's problem served by a multi-domain task; `source` is the sub-task's own problem."""
+
+    id: str
+    prompt: str
+    answer: str
+    domain: str
+    metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    source: Any = field(default=None, compare=False, hash=False)
+
+
+class DomainReward(Reward):
+    """Routes each row to the reward of its `metadata["domain"]` (see the module docstring)."""
+
+    def __init__(self, rewards: Mapping[str, Any]) -> None:
+        if not rewards:
+            raise ValueError("a multi-domain reward needs at least one domain")
+        self.rewards = dict(rewards)
+
+    def score(
+        self,
+        responses: Sequence[str],
+        answers: Sequence[str],
+        prompts: Sequence[str] | None = None,
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> RewardResult:
+        n = len(responses)
+        if len(answers) != n:
+            raise ValueError(f"{n} responses but {len(answers)} answers")
+        if metadata is None or len(metadata) != n:
+            raise ValueError("a multi-domain reward needs each row's metadata (its domain)")
+        scores, correct, formatted = [0.0] * n, [0.0] * n, [0.0] * n
+        counters: dict[str, int] = {"unknown_domain": 0}
+        rows: dict[str, list[int]] = {}
+        for i, meta in enumerate(metadata):
+            domain = meta.get("domain")
+            if domain in self.rewards:
+                rows.setdefault(domain, []).append(i)
+            else:
+                counters["unknown_domain"] += 1
+        for domain, idx in rows.items():
+            reward = self.rewards[domain]
+            context = {
+                "prompts": None if prompts is None else [prompts[i] for i in idx],
+                "metadata": [metadata[i] for i in idx],
+            }
+            res = reward.score(
+                [responses[i] for i in idx], [answers[i] for i in idx], **reward_kwargs(reward, **context)
+            )
+            if len(res.scores) != len(idx):
+                raise ValueError(f"the reward of domain {domain!r} returned {len(res.scores)} scores for {len(idx)}")
+            for j, i in enumerate(idx):
+                scores[i], correct[i], formatted[i] = res.scores[j], res.correct[j], res.formatted[j]
+            for k, v in res.counters.items():
+                counters[k] = counters.get(k, 0) + v
+        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters)
+
+
+class MultiTask:
+    """Several single-turn tasks as one (see the module docstring)."""
+
+    def __init__(
+        self,
+        tasks: Mapping[str, Any],
+        name: str = "multi",
+        weights: Mapping[str, float] | None = None,
+        counts: Mapping[str, int] | None = None,
+        advantage_scale: Mapping[str, float] | None = None,
+        route: str = "task",
+        rewards: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not tasks:
+            raise ConfigError("env=multi needs at least one task: env.tasks.<domain>=<env option>")
+        if route not in ("task", "column"):
+            raise ConfigError(f"env.route={route!r}: use task (a domain per sub-task) or column (the rows' domain)")
+        self.name, self.route = name, route
+        self.tasks = dict(tasks)
+        for t, task in self.tasks.items():
+            if not hasattr(task, "train_set") or not hasattr(task, "messages"):
+                raise ConfigError(f"env.tasks.{t} is not a single-turn task (a multi-turn env cannot be a domain)")
+        # (sub-task, problem) pairs -> domain problems; the sub-task stays reachable for its chat messages.
+        self._owner: dict[str, str] = {}
+        train = [self._wrap(t, p) for t in self.tasks for p in self.tasks[t].train_set()]
+        held = [[self._wrap(t, p) for p in self.tasks[t].eval_set()] for t in self.tasks]
+        self.domains = list(dict.fromkeys(p.domain for p in train))
+        own_rewards = {t: task.reward for t, task in self.tasks.items()}
+        extra = dict(rewards or {})
+        found = {**own_rewards, **extra}
+        missing = [d for d in self.domains if d not in found]
+        if missing:
+            rows = {d: sum(p.domain == d for p in train) for d in missing}
+            raise ConfigError(
+                f"env=multi: rows of domain(s) {rows} have no reward: give each one "
+                f"(+env/reward@env.rewards.<domain>=<reward>) or name a sub-task like the domain"
+            )
+        self.reward = DomainReward({d: found[d] for d in self.domains})
+        # Training problems grouped by domain (stable), so each domain is one slice for the sampler.
+        self._train = sorted(train, key=lambda p: self.domains.index(p.domain))
+        self.weights, self.counts = _mixture(self.domains, weights or {}, counts or {})
+        scale = dict(advantage_scale or {})
+        _check_known("advantage_scale", scale, self.domains)
+        for d, s in scale.items():
+            if not math.isfinite(s) or s < 0:
+                raise ConfigError(f"env.advantage_scale.{d}={s} must be a finite number >= 0")
+        self.advantage_scale = {d: float(scale.get(d, 1.0)) for d in self.domains}
+        for t in self.tasks:
+            if not self.tasks[t].train_set():
+                raise ConfigError(f"env.tasks.{t}: the training set is empty")
+        per_domain = [[p for ps in held for p in ps if p.domain == d] for d in self.domains]
+        # Round robin, so that pipeline.eval_size (a prefix) keeps every domain.
+        self._eval = [p for row in itertools.zip_longest(*per_domain) for p in row if p is not None]
+
+    def _wrap(self, task: str, p: Any) -> DomainProblem:
+        domain = str(getattr(p, "domain", task)) if self.route == "column" else task
+        wrapped = DomainProblem(
+            id=f"{domain}/{p.id}",
+            prompt=p.prompt,
+            answer=p.answer,
+            domain=domain,
+            metadata=dict(getattr(p, "metadata", None) or {}),
+            source=p,
+        )
+        self._owner[wrapped.id] = task
+        return wrapped
+
+    # ---- the Task contract ----------------------------------------------------------------------------------
+    def train_set(self) -> list[DomainProblem]:
+        """Every domain's training problems, domain after domain (the sampler mixes them)."""
+        return self._train
+
+    def eval_set(self) -> list[DomainProblem]:
+        """Every domain's held-out problems, interleaved."""
+        return self._eval
+
+    def messages(self, problem: DomainProblem) -> list[dict[str, str]]:
+        """The sub-task's own chat messages (its system prompt and worked examples)."""
+        return self.tasks[self._owner[problem.id]].messages(problem.source)
+
+    @property
+    def skipped_rows(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for task in self.tasks.values():
+            for file, n in (getattr(task, "skipped_rows", None) or {}).items():
+                out[file] = out.get(file, 0) + n
+        return out
+
+    # ---- what the prompts collectors read ----------------------------------------------------------------
+    def domain_slices(self) -> dict[str, range]:
+        """Each domain's positions in `train_set()`."""
+        out, start = {}, 0
+        for d in self.domains:
+            n = sum(p.domain == d for p in self._train)
+            out[d] = range(start, start + n)
+            start += n
+        return out
+
+    def mixture(self) -> tuple[dict[str, float], dict[str, int]]:
+        """(weights, counts): exactly one is non-empty; counts are prompts per batch."""
+        return dict(self.weights), dict(self.counts)
+
+
+def _check_known(key: str, values: Mapping[str, Any], domains: list[str]) -> None:
+    unknown = sorted(set(values) - set(domains))
+    if unknown:
+        raise ConfigError(f"env.{key} names {unknown}, which are not domains of this run ({domains})")
+
+
+def _mixture(
+    domains: list[str], weights: Mapping[str, float], counts: Mapping[str, int]
+) -> tuple[dict[str, float], dict[str, int]]:
+    if weights and counts:
+        raise ConfigError("give env.weights (random shares) or env.counts (fixed prompts per batch), not both")
+    if counts:
+        _check_known("counts", counts, domains)
+        missing = [d for d in domains if d not in counts]
+        if missing:
+            raise ConfigError(f"env.counts must give every domain a count; missing: {missing}")
+        if any(int(c) < 0 for c in counts.values()) or sum(counts.values()) < 1:
+            raise ConfigError(f"env.counts={dict(counts)} must be >= 0 with at least one prompt per batch")
+        return {}, {d: int(counts[d]) for d in domains}
+    _check_known("weights", weights, domains)
+    w = {d: float(weights.get(d, 1.0 if not weights else 0.0)) for d in domains}
+    if any(not math.isfinite(v) or v < 0 for v in w.values()) or sum(w.values()) <= 0:
+        raise ConfigError(f"env.weights={dict(weights)} must be finite, >= 0 and not all 0")
+    total = sum(w.values())
+    return {d: v / total for d, v in w.items()}, {}
+
+
+@dataclass
+class MultiEnvConfig:
+    """Several single-turn tasks in one run (roll_envs.tasks.multi)."""
+
+    _target_: str = "roll_envs.tasks.multi.MultiTask"
+    name: str = "multi"
+    # Domain name -> a whole env node (env.tasks.math=arithmetic's options, with its own reward).
+    tasks: dict[str, Any] = field(default_factory=dict)
+    # Random share of each domain per prompt (normalised; {}: equal). Exclusive with counts.
+    weights: dict[str, float] = field(default_factory=dict)
+    # Fixed prompts per batch per domain (ROLL's domain_batch_size); must sum to pipeline.rollout_batch_size.
+    counts: dict[str, int] = field(default_factory=dict)
+    # Multiplies the advantages of a domain's rows (default 1).
+    advantage_scale: dict[str, float] = field(default_factory=dict)
+    # task: a domain per sub-task; column: each row's own `domain` (one data file holding several domains).
+    route: str = "task"
+    # Rewards of domains that are not sub-task names (route=column): +env/reward@env.rewards.<domain>=<reward>.
+    rewards: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.weights and self.counts:
+            raise ValueError("give env.weights (random shares) or env.counts (fixed prompts per batch), not both")
+        if self.route not in ("task", "column"):
+            raise ValueError(f"env.route={self.route!r}: use task (a domain per sub-task) or column (the rows' domain)")
+        if self.route == "task":  # with column routing the domains are known only once the rows are read
+            for key in ("weights", "counts", "advantage_scale"):
+                unknown = sorted(set(getattr(self, key)) - set(self.tasks)) if self.tasks else []
+                if unknown:
+                    raise ValueError(f"env.{key} names {unknown}, which are not in env.tasks ({sorted(self.tasks)})")
+
+    def check_installed(self) -> None:
+        for node in self.tasks.values():
+            check = getattr(node, "check_installed", None)
+            if callable(check):
+                check()

@@ -1,0 +1,133 @@
+"""Multi-domain tasks: each row scored by its domain's reward (with prompts and metadata where declared), routing
+by sub-task or by a data column, mixtures checked, held-out set balanced, each sub-task's own chat messages."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from roll_core.cluster.reward_guard import GuardedReward
+from roll_core.errors import ConfigError
+from roll_envs.rewards.base import Reward, RewardResult
+from roll_envs.rewards.math import MathReward
+from roll_envs.tasks.arithmetic import ArithmeticTask
+from roll_envs.tasks.dataset import FileTask
+from roll_envs.tasks.multi import DomainReward, MultiTask
+
+
+class Echo(Reward):
+    """Scores `base` + the row's metadata["bonus"]; records what it was given."""
+
+    def __init__(self, base: float) -> None:
+        self.base, self.calls = base, []
+
+    def score(
+        self,
+        responses: Sequence[str],
+        answers: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> RewardResult:
+        self.calls.append((list(responses), [dict(m) for m in metadata or []]))
+        s = [self.base + float(m.get("bonus", 0)) for m in metadata or [{}] * len(responses)]
+        return RewardResult(s, [1.0] * len(s), [1.0] * len(s), {"errors": 1})
+
+
+class Plain(Reward):
+    """An old-style reward: `score(responses, answers)` only."""
+
+    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
+        s = [float(r == a) for r, a in zip(responses, answers)]
+        return RewardResult(s, s, [1.0] * len(s), {"errors": 2})
+
+
+def test_rows_go_to_their_domains_reward_with_their_context() -> None:
+    a, b = Echo(10.0), Plain()
+    reward = DomainReward({"a": a, "b": b})
+    meta = [{"domain": "a", "bonus": 1}, {"domain": "b"}, {"domain": "a"}, {"domain": "zzz"}]
+    res = reward.score(["r0", "x", "r2", "r3"], ["", "x", "", ""], prompts=["p0", "p1", "p2", "p3"], metadata=meta)
+    assert res.scores == [11.0, 1.0, 10.0, 0.0]
+    assert res.correct == [1.0, 1.0, 1.0, 0.0]
+    assert res.counters == {"unknown_domain": 1, "errors": 3}  # each domain's counters add up
+    assert a.calls == [(["r0", "r2"], [{"domain": "a", "bonus": 1}, {"domain": "a"}])]
+    # Through the reward role's guard (a forked child): the context crosses the process boundary.
+    guarded = GuardedReward(DomainReward({"a": Echo(1.0)}), name="multi")
+    try:
+        out = guarded.score(["r"], [""], prompts=["p"], metadata=[{"domain": "a", "bonus": 2}])
+    finally:
+        guarded.close()
+    assert out.scores == [3.0] and out.counters["failed_rows"] == 0
+
+
+def test_a_row_without_metadata_is_an_error_not_a_silent_zero() -> None:
+    with pytest.raises(ValueError, match="needs each row's metadata"):
+        DomainReward({"a": Plain()}).score(["x"], ["x"])
+
+
+def _arith(name: str, seed: int, **kw: Any) -> ArithmeticTask:
+    return ArithmeticTask(MathReward(), name=name, train_size=30, eval_size=6, seed=seed, **kw)
+
+
+def test_route_by_task_mixture_and_held_out_balance() -> None:
+    task = MultiTask(
+        {"add": _arith("add", 0), "mul": _arith("mul", 1, ops=["*"], system_prompt="Multiply.")},
+        counts={"add": 3, "mul": 1},
+        advantage_scale={"mul": 0.5},
+    )
+    assert task.domains == ["add", "mul"]
+    assert {p.domain for p in task.train_set()[:30]} == {"add"}
+    assert task.domain_slices() == {"add": range(0, 30), "mul": range(30, 60)}
+    assert task.mixture() == ({}, {"add": 3, "mul": 1})
+    assert task.advantage_scale == {"add": 1.0, "mul": 0.5}
+    assert [p.domain for p in task.eval_set()[:4]] == ["add", "mul", "add", "mul"]
+    mul = task.train_set()[30]
+    assert mul.id.startswith("mul/") and "*" in mul.prompt
+    # Each sub-task's own messages: the multiplication task's system prompt, none for addition.
+    assert task.messages(mul)[0] == {"role": "system", "content": "Multiply."}
+    assert task.messages(task.train_set()[0])[0]["role"] == "user"
+    weights = MultiTask({"add": _arith("add", 0), "mul": _arith("mul", 1)}, weights={"add": 3, "mul": 1})
+    assert weights.mixture() == ({"add": 0.75, "mul": 0.25}, {})
+
+
+def test_route_by_column_reads_each_rows_domain(tmp_path: Path) -> None:
+    rows = [{"prompt": f"q{i}", "answer": str(i), "domain": "easy" if i % 3 else "hard", "level": i} for i in range(60)]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hard = Echo(5.0)
+    task = MultiTask({"data": FileTask(Plain(), path=str(path))}, route="column", rewards={"easy": Plain(), "hard": hard})
+    assert sorted(task.domains) == ["easy", "hard"]
+    p = next(p for p in task.train_set() if p.domain == "hard")
+    assert p.metadata["level"] % 3 == 0  # the row's other columns are its metadata
+    res = task.reward.score(["x"], ["y"], metadata=[{**p.metadata, "domain": "hard"}])
+    assert res.scores == [5.0]
+    with pytest.raises(ConfigError, match=r"domain\(s\) \{'hard': \d+\} have no reward"):
+        MultiTask({"data": FileTask(Plain(), path=str(path))}, route="column", rewards={"easy": Plain()})
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"counts": {"add": 1}}, "missing: \\['mul'\\]"),
+        ({"counts": {"add": 1, "mul": 1}, "weights": {"add": 1.0}}, "not both"),
+        ({"weights": {"nope": 1.0}}, "names \\['nope'\\]"),
+        ({"weights": {"add": 0.0, "mul": 0.0}}, "not all 0"),
+        ({"advantage_scale": {"add": -1.0}}, "must be a finite number >= 0"),
+        ({"route": "tag"}, "env.route='tag'"),
+    ],
+)
+def test_bad_multi_configs_are_config_errors(kw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        MultiTask({"add": _arith("add", 0), "mul": _arith("mul", 1)}, **kw)
+
+
+def test_env_multi_composes_with_its_subtasks_typed() -> None:
+    from roll_core.config import load_config
+
+    cfg = load_config(["env=multi", "+env.counts.arithmetic=2", "+env.counts.countdown=2"])
+    assert sorted(cfg.env.tasks) == ["arithmetic", "countdown"]
+    assert type(cfg.env.tasks["arithmetic"]).__name__ == "ArithmeticEnvConfig"
+    with pytest.raises(ConfigError, match="digitz"):  # a sub-task's unknown key is an error, as for env=arithmetic
+        load_config(["env=multi", "env.tasks.arithmetic.digitz=2"])
