@@ -50,7 +50,8 @@ def test_multi_domain_run_reports_every_domain(tmp_path: Path) -> None:
         assert abs(mixed - h["reward/mean"]) < 1e-5
     evals = [h for h in history if "eval/accuracy" in h]
     assert evals and all(h["eval/seven/n"] == 8 and h["eval/three/n"] == 8 for h in evals)
-    assert abs(evals[-1]["eval/accuracy"] - (evals[-1]["eval/seven/accuracy"] + evals[-1]["eval/three/accuracy"]) / 2) < 1e-6
+    last = evals[-1]
+    assert abs(last["eval/accuracy"] - (last["eval/seven/accuracy"] + last["eval/three/accuracy"]) / 2) < 1e-6
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert all(s["domain"] in ("seven", "three") for s in samples)
     assert (tmp_path / "run" / "curves.png").stat().st_size > 0
@@ -70,6 +71,6 @@ def test_advantage_scale_zero_silences_a_domain(tmp_path: Path) -> None:
             "+env.advantage_scale.three=0",
         )
     )[1]
-    first = [h for h in plain if h["step"] == 1][0]
+    first = next(h for h in plain if h["step"] == 1)
     assert first["actor/advantage_abs_mean"] > 0  # the same rollouts (same seed) carry a signal unscaled
-    assert [h for h in scaled if h["step"] == 1][0]["actor/advantage_abs_mean"] == 0.0
+    assert next(h for h in scaled if h["step"] == 1)["actor/advantage_abs_mean"] == 0.0

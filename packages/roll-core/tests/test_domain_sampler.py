@@ -57,7 +57,7 @@ def test_resumed_sampler_continues_exactly() -> None:
 
 
 def test_bad_mixtures_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match="sums to 5; it must equal pipeline.rollout_batch_size=8"):
+    with pytest.raises(ConfigError, match=r"sums to 5; it must equal pipeline\.rollout_batch_size=8"):
         DomainSampler(SLICES, weights={}, counts={"math": 3, "code": 1, "ifeval": 1}, batch_size=8)
     with pytest.raises(ValueError, match="exactly one"):
         DomainSampler(SLICES, weights={"math": 1.0}, counts={"math": 8}, batch_size=8)

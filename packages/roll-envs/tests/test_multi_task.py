@@ -97,7 +97,8 @@ def test_route_by_column_reads_each_rows_domain(tmp_path: Path) -> None:
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     hard = Echo(5.0)
-    task = MultiTask({"data": FileTask(Plain(), path=str(path))}, route="column", rewards={"easy": Plain(), "hard": hard})
+    rewards = {"easy": Plain(), "hard": hard}
+    task = MultiTask({"data": FileTask(Plain(), path=str(path))}, route="column", rewards=rewards)
     assert sorted(task.domains) == ["easy", "hard"]
     p = next(p for p in task.train_set() if p.domain == "hard")
     assert p.metadata["level"] % 3 == 0  # the row's other columns are its metadata
