@@ -18,6 +18,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from roll_core.config.reward_model import RewardModelConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -585,6 +587,8 @@ class RLVRConfig:
     hw: HwConfig = field(default_factory=HwConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    # A reward model scoring (prompt, response) rows (roll_core.config.reward_model); none by default.
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
     def __post_init__(self) -> None:
         """Invariants across groups (each group checks its own): caught at composition, not steps into a run."""
@@ -636,3 +640,4 @@ def register_configs() -> None:
     cs.store(group="hw", name="hw_schema", node=HwConfig)
     cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
     cs.store(group="pipeline", name="pipeline_schema", node=PipelineConfig)
+    cs.store(group="reward_model", name="reward_model_schema", node=RewardModelConfig)

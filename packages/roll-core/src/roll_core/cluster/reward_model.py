@@ -1,0 +1,227 @@
+"""The `reward_model` role: a transformers sequence-classification model scoring (prompt, response) rows.
+
+`RewardModelWorker` loads `AutoModelForSequenceClassification` (one label) on its device and scores rows in
+forward passes of `batch_size` rows; `RewardModelGroup` is the typed group the controller calls
+(`reward_model.score(batch) -> Batch`). A row is the prompt text and the response text, formatted by `format_row`
+(the tokenizer's chat template, or a `{prompt}`/`{response}` text template) and cut to `max_length` tokens
+(`truncation_side`); the result carries `rm_scores` (B,) float32, the model's logit as it comes (normalisation and
+mixing with the task reward are the controller's: roll_core.pipelines.reward_model), and `rm_truncated` (B,) bool.
+
+Sleep: with `offload` the weights live in host memory and move to the device only for a scoring call, the way an
+inference engine's `sleep(1)` frees the device for the trainer (roll_engines' hf engine); `sleep()`/`wake_up()`
+do the same on demand. Stateless between calls, so a restarted worker needs nothing restored (`restartable`).
+
+May assume the model passed `check_reward_model` (the driver checks it before building the role); must not
+change rows' order, and never raises for odd text (empty responses, characters outside the vocabulary).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from roll_core.cluster.group import WorkerGroup
+from roll_core.cluster.worker import Dispatch, Worker, dispatch
+from roll_core.config.reward_model import CHAT_TEMPLATE
+from roll_core.errors import ConfigError
+from roll_core.protocol import Batch
+
+log = logging.getLogger(__name__)
+
+
+def check_reward_model(path: str, *, trust_remote_code: bool = False, tokenizer: str | None = None) -> str:
+    """Refuse, as a ConfigError naming `reward_model.path`, a model that is missing or is not a sequence
+    classifier with exactly one label; returns the local folder (or hub id) to load. Reads configs only."""
+    from transformers import AutoConfig
+
+    from roll_core.models import resolve_model_path
+
+    try:
+        resolved = resolve_model_path(path)
+    except ConfigError as exc:  # its message names model.path; this is the reward model's
+        raise ConfigError(str(exc).replace("model.path", "reward_model.path")) from None
+    try:
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise ConfigError(f"reward_model.path={path}: cannot read its config ({type(exc).__name__}: {exc})") from None
+    archs = list(getattr(config, "architectures", None) or [])
+    # Loading a causal LM (or a bare config) as a classifier would give it a fresh random head: silent noise.
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ConfigError(
+            f"reward_model.path={path} holds {', '.join(archs) or 'a model of unknown architecture'}, not a sequence "
+            "classifier: a reward model is an ...ForSequenceClassification checkpoint with num_labels=1"
+        )
+    if int(getattr(config, "num_labels", 0)) != 1:
+        raise ConfigError(
+            f"reward_model.path={path} is a classifier with {config.num_labels} labels; a reward model has one "
+            "(num_labels=1: its logit is the score)"
+        )
+    if getattr(config, "pad_token_id", None) is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer or resolved, trust_remote_code=trust_remote_code)
+        if tok.pad_token_id is None:
+            raise ConfigError(
+                f"reward_model.path={path}: neither its config nor its tokenizer has a pad token, so a batch's "
+                "last tokens cannot be found: set pad_token_id in its config.json"
+            )
+    return resolved
+
+
+def format_row(tokenizer: Any, template: str, prompt: str, response: str) -> list[int]:
+    """Token ids of one (prompt, response) row: the chat template over a user and an assistant turn
+    (`template="chat"`), or `template.format(prompt=..., response=...)` tokenised with the tokenizer's specials."""
+    if template == CHAT_TEMPLATE:
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return list(tokenizer(template.format(prompt=prompt, response=response))["input_ids"])
+
+
+def truncate(ids: list[int], max_length: int, side: str) -> tuple[list[int], bool]:
+    """`ids` cut to `max_length` tokens from the `side` end ("left": keep the last tokens); (ids, was_cut)."""
+    if len(ids) <= max_length:
+        return ids, False
+    return (ids[-max_length:] if side == "left" else ids[:max_length]), True
+
+
+class RewardModelWorker(Worker):
+    """Hosts one copy of the reward model (see the module docstring)."""
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str | None = None,
+        template: str = CHAT_TEMPLATE,
+        batch_size: int = 16,
+        max_length: int = 1024,
+        truncation_side: str = "left",
+        dtype: str = "float32",
+        attn_implementation: str = "sdpa",
+        trust_remote_code: bool = False,
+        offload: bool = False,
+        platform: str = "auto",
+        **base: Any,
+    ) -> None:
+        super().__init__(**base)
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from roll_core.cluster.roles import resolve_device
+
+        resolved = resolve_device({"platform": platform, "device": "auto", "dtype": dtype, "role": "reward_model"})
+        self.device = torch.device(resolved["device"])
+        self.template, self.batch_size, self.max_length = template, batch_size, max_length
+        self.truncation_side, self.offload = truncation_side, offload
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust_remote_code)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path,
+            dtype=getattr(torch, resolved["dtype"]),
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
+        if model.config.pad_token_id is None:  # check_reward_model made sure the tokenizer has one
+            model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.pad_id = int(model.config.pad_token_id)
+        model.requires_grad_(False)
+        self.model = model.eval()
+        self._asleep = False
+        # Offloaded weights start (and stay, between calls) in host memory.
+        if offload:
+            self._asleep = True
+        else:
+            self.model.to(self.device)
+
+    # ---- scoring ------------------------------------------------------------------------------------------
+    def tokenize(self, prompts: Sequence[str], responses: Sequence[str]) -> tuple[list[list[int]], list[bool]]:
+        """Model input ids of each row, cut to `max_length`, and whether each was cut."""
+        rows = [
+            truncate(format_row(self.tokenizer, self.template, p, r), self.max_length, self.truncation_side)
+            for p, r in zip(prompts, responses)
+        ]
+        return [ids for ids, _ in rows], [cut for _, cut in rows]
+
+    @torch.inference_mode()
+    def forward(self, rows: list[list[int]]) -> torch.Tensor:
+        """(B,) float32 scores of token-id rows, `batch_size` rows per pass. Rows are right-padded (positions
+        stay those of an unpadded forward) and grouped by length (less padding); the result is in input order."""
+        out = torch.empty(len(rows), dtype=torch.float32)
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+        for s in range(0, len(order), self.batch_size):
+            idx = order[s : s + self.batch_size]
+            width = max(len(rows[i]) for i in idx)
+            ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for j, i in enumerate(idx):
+                ids[j, : len(rows[i])] = torch.tensor(rows[i], dtype=torch.long)
+                mask[j, : len(rows[i])] = 1
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            out[torch.tensor(idx)] = logits[:, 0].float().cpu()
+        return out
+
+    @dispatch(Dispatch.DP)
+    def score(self, batch: Batch) -> Batch:
+        """`rm_scores` (B,) float32 and `rm_truncated` (B,) bool of `batch["prompt_text"]` x
+        `batch["response_text"]`."""
+        rows, cut = self.tokenize(batch["prompt_text"], batch["response_text"])
+        if not rows:
+            return Batch({"rm_scores": torch.empty(0), "rm_truncated": torch.empty(0, dtype=torch.bool)})
+        woke = self._asleep
+        if woke:
+            self.wake_up()
+        try:
+            scores = self.forward(rows)
+        finally:
+            if woke and self.offload:
+                self.sleep()
+        return Batch({"rm_scores": scores, "rm_truncated": torch.tensor(cut, dtype=torch.bool)})
+
+    # ---- memory ------------------------------------------------------------------------------------------
+    @dispatch(Dispatch.BROADCAST)
+    def sleep(self) -> None:
+        """Weights to host memory; the device's cache is released (a no-op on CPU)."""
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            from roll_hw import current_platform
+
+            current_platform.empty_cache()
+        self._asleep = True
+
+    @dispatch(Dispatch.BROADCAST)
+    def wake_up(self) -> None:
+        """Weights back on the device."""
+        self.model.to(self.device)
+        self._asleep = False
+
+    @dispatch(Dispatch.BROADCAST)
+    def memory_bytes(self) -> dict[str, Any]:
+        """Bytes of weights on the device (0 while asleep off-CPU), the device and whether the worker sleeps."""
+        on_device = sum(
+            p.numel() * p.element_size()
+            for p in list(self.model.parameters()) + list(self.model.buffers())
+            if p.device.type == self.device.type
+        )
+        return {"weights": on_device, "device": str(self.device), "asleep": self._asleep}
+
+
+class RewardModelGroup(WorkerGroup[RewardModelWorker]):
+    """reward_model. Restartable: workers hold no state between calls, so a re-created one reruns the call."""
+
+    worker_cls = RewardModelWorker
+    restartable = True
+
+    def score(self, batch: Batch) -> Batch:
+        """Scores of every row of `batch` (fields `prompt_text`, `response_text`), split over the workers:
+        `rm_scores` (B,) float32 (the model's logit) and `rm_truncated` (B,) bool."""
+        return Batch.concat(self.submit(RewardModelWorker.score, batch.select("prompt_text", "response_text")).values())
+
+    def sleep(self) -> None:
+        self.call(RewardModelWorker.sleep)
+
+    def wake_up(self) -> None:
+        self.call(RewardModelWorker.wake_up)
+
+    def memory_bytes(self) -> list[dict[str, Any]]:
+        return self.call(RewardModelWorker.memory_bytes)

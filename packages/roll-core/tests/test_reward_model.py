@@ -1,0 +1,233 @@
+"""The reward-model role: scores equal a direct transformers forward (batched, padded, truncated), normalisation and
+mixing by hand, running statistics through a state_dict round trip, and the checks that refuse a wrong model."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from roll_core.config import load_config
+from roll_core.errors import ConfigError
+from roll_core.pipelines.metrics import StepLog
+from roll_core.pipelines.reward_model import RewardModelScoring, RunningStats, build_reward_model
+from roll_core.protocol import Batch
+
+
+def _tiny_classifier(folder: Path, num_labels: int = 1, causal: bool = False) -> str:
+    """A seeded 2-layer Llama sequence classifier (or causal LM) with the builtin tiny tokenizer, saved in `folder`;
+    its head is spread so that scores differ clearly between inputs."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    from roll_core.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        num_labels=num_labels,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg) if causal else LlamaForSequenceClassification(cfg)
+    if not causal:
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, 1.0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def rm_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _tiny_classifier(tmp_path_factory.mktemp("rm"))
+
+
+def _scoring(path: str, *overrides: str) -> RewardModelScoring:
+    """The run's reward-model scoring as a collector builds it (local backend, CPU)."""
+    from roll_core.cluster.launch import Cluster
+
+    cfg = load_config(["reward_model=hf", f"reward_model.path={path}", *overrides])
+    scoring = build_reward_model(SimpleNamespace(cfg=cfg, cluster=Cluster(cfg.cluster, cfg.hw)))
+    assert scoring is not None
+    return scoring
+
+
+class Fixed:
+    """A scorer returning given raw scores (the normalisation arithmetic is checked by hand against it)."""
+
+    def __init__(self, *batches: list[float]) -> None:
+        self.batches = list(batches)
+
+    def score(self, batch: Batch) -> Batch:
+        raw = torch.tensor(self.batches.pop(0), dtype=torch.float32)
+        assert len(raw) == len(batch)
+        return Batch({"rm_scores": raw, "rm_truncated": torch.zeros(len(raw), dtype=torch.bool)})
+
+
+def _rows(task: list[float]) -> tuple[Batch, Batch]:
+    n = len(task)
+    batch = Batch(fields={"prompt_text": [f"p{i}" for i in range(n)]})
+    scored = Batch({"scores": torch.tensor(task)}, {"response_text": [f"r{i}" for i in range(n)]})
+    return batch, scored
+
+
+def _cfg(**kw: object):
+    from roll_core.config.reward_model import RewardModelConfig
+
+    return RewardModelConfig(name="hf", path="/unused", **kw)
+
+
+def test_scores_equal_a_direct_transformers_forward(rm_path: str) -> None:
+    """7 rows of different lengths, 3 per forward pass, right-padded: each score is the classifier's logit of the
+    chat-templated (prompt, response) alone; a row longer than max_length is cut from the left and counted."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    prompts = ["What is 2+2?", "Say hi", "x", "A much longer prompt about many things " * 3, "q", "Name a colour", ""]
+    responses = ["4", "hi there!", "", "ok", "a" * 40, "red", "nothing"]
+    scoring = _scoring(rm_path, "reward_model.batch_size=3", "reward_model.max_length=60")
+    batch, scored = _rows([0.0] * 7)
+    batch["prompt_text"], scored["response_text"] = prompts, responses
+    out = StepLog()
+    scoring.apply(batch, scored, out)
+
+    tok = AutoTokenizer.from_pretrained(rm_path)
+    model = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
+    want, cut = [], 0
+    for p, r in zip(prompts, responses):
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": p}, {"role": "assistant", "content": r}], tokenize=True, return_dict=False
+        )
+        cut += len(ids) > 60
+        with torch.no_grad():
+            want.append(float(model(torch.tensor([ids[-60:]])).logits[0, 0]))
+    assert cut == 2  # the long prompt, and the 40-character response
+    assert scored["scores"].dtype == torch.float32
+    torch.testing.assert_close(scored["scores"], torch.tensor(want), atol=1e-5, rtol=1e-5)
+    assert torch.tensor(want).std() > 0.05, want  # the rows score differently: a row mix-up would show
+    assert out["reward_model/truncated"] == 2.0 and out["reward_model/nonfinite"] == 0.0
+    assert out["reward_model/raw_mean"] == pytest.approx(sum(want) / 7, abs=1e-5)
+
+
+def test_text_template_and_offload(rm_path: str) -> None:
+    """A {prompt}/{response} template is what the model reads; offloaded weights are back in host memory (asleep)
+    after each call and the scores do not change."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    scoring = _scoring(rm_path, "reward_model.template='Q: {prompt} A: {response}'", "reward_model.offload=true")
+    group = scoring.scorer
+    assert all(m["asleep"] for m in group.memory_bytes())
+    batch, scored = _rows([0.0, 0.0])
+    scoring.apply(batch, scored, StepLog())
+    assert all(m["asleep"] for m in group.memory_bytes())
+    tok = AutoTokenizer.from_pretrained(rm_path)
+    model = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
+    with torch.no_grad():
+        want = [float(model(torch.tensor([tok(f"Q: p{i} A: r{i}")["input_ids"]])).logits[0, 0]) for i in range(2)]
+    torch.testing.assert_close(scored["scores"], torch.tensor(want), atol=1e-5, rtol=1e-5)
+
+
+def test_batch_zscore_and_add_with_weight_by_hand() -> None:
+    raw = [1.0, 2.0, 3.0, 6.0]
+    mean, var = 3.0, (4 + 1 + 0 + 9) / 4  # population variance 3.5
+    z = [(x - mean) / math.sqrt(var + 1e-6) for x in raw]
+    scoring = RewardModelScoring(_cfg(normalize="batch", mode="add", weight=0.5), Fixed(raw))
+    batch, scored = _rows([1.0, 0.0, 1.0, 0.0])
+    out = StepLog()
+    scoring.apply(batch, scored, out)
+    assert scored["scores"].tolist() == pytest.approx([t + 0.5 * v for t, v in zip([1, 0, 1, 0], z)], abs=1e-6)
+    assert out["reward_model/raw_mean"] == pytest.approx(3.0)
+    assert out["reward_model/raw_std"] == pytest.approx(math.sqrt(3.5), abs=1e-6)
+    assert out["reward_model/score_mean"] == pytest.approx(0.0, abs=1e-6)
+    assert out["reward_model/score_std"] == pytest.approx(1.0, abs=1e-5)
+    # replace: the model's raw score as it is (normalize=none), the task's score gone.
+    scoring = RewardModelScoring(_cfg(), Fixed(raw))
+    batch, scored = _rows([1.0, 0.0, 1.0, 0.0])
+    scoring.apply(batch, scored, StepLog())
+    assert scored["scores"].tolist() == raw
+
+
+def test_running_statistics_and_their_state_dict_round_trip() -> None:
+    """The running mean/variance equal those of every score so far; a scoring restored from a state_dict scores the
+    next batch exactly as the uninterrupted one; evaluation (out=None) reads the statistics without updating."""
+    a, b, c = [0.0, 4.0], [1.0, 2.0, 3.0], [10.0, -2.0]
+    seen = torch.tensor(a + b)
+    first = RewardModelScoring(_cfg(normalize="running"), Fixed(a, b, [5.0, 5.0], c))
+    for part in (a, b):
+        batch, scored = _rows([0.0] * len(part))
+        out = StepLog()
+        first.apply(batch, scored, out)
+    assert first.stats.count == 5
+    assert first.stats.mean == pytest.approx(float(seen.mean()))
+    assert first.stats.var == pytest.approx(float(seen.var(unbiased=False)))
+    assert out["reward_model/running_std"] == pytest.approx(float(seen.std(unbiased=False)))
+    # The second batch was normalised by the statistics of both batches (updated first).
+    want_b = [(x - float(seen.mean())) / math.sqrt(float(seen.var(unbiased=False)) + 1e-6) for x in b]
+    assert scored["scores"].tolist() == pytest.approx(want_b, abs=1e-6)
+
+    batch, scored = _rows([0.0, 0.0])
+    first.apply(batch, scored, None)  # evaluation: no update
+    assert first.stats.count == 5
+
+    state = first.state_dict()
+    second = RewardModelScoring(_cfg(normalize="running"), Fixed(c))
+    second.load_state_dict(state)
+    outs = []
+    for s in (first, second):
+        batch, scored = _rows([0.0, 0.0])
+        s.apply(batch, scored, StepLog())
+        outs.append(scored["scores"].tolist())
+    assert outs[0] == outs[1]
+    allv = torch.tensor(a + b + c)
+    assert second.stats.mean == pytest.approx(float(allv.mean()))
+    assert second.stats.var == pytest.approx(float(allv.var(unbiased=False)))
+
+
+def test_running_stats_of_uneven_batches_match_torch() -> None:
+    torch.manual_seed(1)
+    parts = [torch.randn(n) * 3 + 7 for n in (1, 5, 2, 9)]
+    stats = RunningStats()
+    for p in parts:
+        stats.update(p)
+    allv = torch.cat(parts).double()
+    assert stats.mean == pytest.approx(float(allv.mean()))
+    assert stats.var == pytest.approx(float(allv.var(unbiased=False)))
+
+
+def test_non_finite_scores_are_counted_and_neutral() -> None:
+    scoring = RewardModelScoring(_cfg(normalize="batch"), Fixed([1.0, float("nan"), 3.0, float("inf")]))
+    batch, scored = _rows([0.0] * 4)
+    out = StepLog()
+    scoring.apply(batch, scored, out)
+    assert out["reward_model/nonfinite"] == 2.0 and scoring.summary()["nonfinite"] == 2
+    assert scored["scores"].tolist() == pytest.approx([-1.0, 0.0, 1.0, 0.0], abs=1e-5)
+
+
+def test_wrong_models_are_config_errors(tmp_path: Path, rm_path: str) -> None:
+    causal = _tiny_classifier(tmp_path / "lm", causal=True)
+    with pytest.raises(ConfigError, match="LlamaForCausalLM, not a sequence classifier"):
+        _scoring(causal)
+    two = _tiny_classifier(tmp_path / "two", num_labels=2)
+    with pytest.raises(ConfigError, match="2 labels"):
+        _scoring(two)
+    with pytest.raises(ConfigError, match=r"reward_model\.path=/no/such/rm does not exist"):
+        _scoring("/no/such/rm")
+    from transformers import AutoTokenizer
+
+    bare = tmp_path / "bare"
+    _tiny_classifier(bare)
+    tok = AutoTokenizer.from_pretrained(bare)
+    tok.chat_template = None
+    tok.save_pretrained(bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(ConfigError, match="has no chat template"):
+        _scoring(str(bare))
+    assert build_reward_model(SimpleNamespace(cfg=load_config([]), cluster=None)) is None
