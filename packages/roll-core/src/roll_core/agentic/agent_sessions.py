@@ -1,0 +1,415 @@
+"""Per-episode token state behind the OpenAI-compatible endpoint: what an agent program's requests sampled, exactly.
+
+An agent program sees chat messages; the trainer needs token ids. A session (one per episode, one id in the URL)
+keeps both, token-in-token-out (roll_core.agentic.chat): the ids of the first request's messages up to the
+generation header (the prompt), then per turn the ids the engine sampled with their behaviour log-probs (loss
+mask 1), and between turns only the ids the chat template adds for the new messages (the end of the assistant turn
+the model did not generate, the tool results or user messages, the next generation header; loss mask 0). Earlier
+assistant messages are never re-tokenised: a request must repeat the session's conversation so far (the previous
+request's messages and the assistant reply the session returned), matched by role, text and tool calls, and only
+the messages after it are new.
+
+A request that does not extend the conversation (the agent edited, dropped or summarised earlier messages, or
+added an assistant message the model did not sample, which cannot be appended token-in-token-out) is a history
+rewrite, counted in `rewrites`. With `on_rewrite="restart"` (default) the session starts its trajectory
+again from the rewritten conversation: the whole rewritten history becomes the prompt (mask 0, rendered by the
+template) and the turns sampled before it are dropped from training (counted in `dropped_turns`), so every trained
+token was sampled in exactly the context the trainer sees. With `on_rewrite="refuse"` the request gets HTTP 400
+(code `history_rewritten`) and the session is unchanged.
+
+Limits (`SessionLimits`) stop a session, never the run: a request past `max_turns`, or one whose context leaves
+no room to generate within `max_context_length`, gets HTTP 400 (`max_turns_exceeded` /
+`context_length_exceeded`) and ends the trajectory there (`end`). A turn whose request constrained decoding
+(`response_format`) is kept as context with loss mask 0 (counted in `constrained_turns`): the trainer recomputes
+log-probs without per-turn constraints, so training on it would use the wrong distribution.
+
+Thread-safety: one request per session at a time (a second concurrent one gets HTTP 409); sessions are independent.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from roll_core.agentic.trajectory import Trajectory
+from roll_core.interfaces import Request, SamplingParams
+from roll_core.seeds import Purpose, derive_seed
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+ON_REWRITE = ("restart", "refuse")
+
+
+class SessionError(Exception):
+    """A request the session refuses: HTTP `status` with an OpenAI error `code` (the server's error JSON)."""
+
+    def __init__(self, status: int, code: str, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.kind = status, code, message, kind
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Where an episode stops regardless of the agent program."""
+
+    max_turns: int = 8
+    max_tokens_per_turn: int = 128
+    max_context_length: int = 2048
+
+
+@dataclass
+class ParsedReply:
+    """What a tool-call parser made of a response's text: the message content and OpenAI `tool_calls`."""
+
+    content: str | None
+    #: [{"name": str, "arguments": str (JSON text)}] in order.
+    calls: list[dict[str, str]] = field(default_factory=list)
+    #: Tool-call blocks that did not parse (left in the content as text).
+    invalid: int = 0
+
+
+@dataclass
+class ChatTurn:
+    """One chat-completions request, validated by the server."""
+
+    #: Normalised messages (see `normalise_message`).
+    messages: list[dict[str, Any]]
+    #: The request's `tools` (OpenAI format), None when absent.
+    tools: list[dict[str, Any]] | None = None
+    #: The request's max_tokens / max_completion_tokens (None: the session's per-turn limit).
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    #: A constraint from `response_format` (roll_core.interfaces.StructuredOutput), None when absent.
+    structured: Any = None
+    #: False with tool_choice="none": tool-call syntax stays in the content.
+    parse_tools: bool = True
+
+
+@dataclass
+class Reply:
+    """The assistant message a turn produced and what the response JSON reports."""
+
+    message: dict[str, Any]
+    finish_reason: str  # OpenAI's: stop | length | tool_calls
+    prompt_tokens: int
+    completion_tokens: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def normalise_message(raw: Any, index: int) -> dict[str, Any]:
+    """An OpenAI chat message as {"role", "content": str | None, ["tool_calls"], ["tool_call_id"], ["name"]};
+    content parts of type text are joined. Raises SessionError (400) naming the message for anything else."""
+    if not isinstance(raw, dict):
+        raise SessionError(400, "invalid_message", f"messages[{index}] must be an object, got {type(raw).__name__}")
+    role = raw.get("role")
+    if role not in ROLES:
+        raise SessionError(400, "invalid_message", f"messages[{index}].role={role!r} is not one of {ROLES}")
+    content = raw.get("content")
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise SessionError(
+                    400, "invalid_message", f"messages[{index}].content[{k}]: only text parts are supported"
+                )
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise SessionError(400, "invalid_message", f"messages[{index}].content must be a string, a list or null")
+    msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+    calls = raw.get("tool_calls")
+    if calls:
+        if role != "assistant" or not isinstance(calls, list):
+            raise SessionError(400, "invalid_message", f"messages[{index}].tool_calls belongs to assistant messages")
+        msg["tool_calls"] = [_normalise_call(c, index, k) for k, c in enumerate(calls)]
+    for key in ("tool_call_id", "name"):
+        if raw.get(key) is not None:
+            msg[key] = str(raw[key])
+    return msg
+
+
+def _normalise_call(call: Any, index: int, k: int) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise SessionError(400, "invalid_message", f"messages[{index}].tool_calls[{k}] needs function.name")
+    args = fn.get("arguments", "")
+    if not isinstance(args, str):
+        args = json.dumps(args)
+    return {"id": str(call.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def _key(msg: dict[str, Any]) -> tuple[Any, ...]:
+    """What must be equal for a repeated message to be the same message (text as sent, arguments as JSON values)."""
+    calls = tuple(
+        (c["id"], c["function"]["name"], _json_value(c["function"]["arguments"])) for c in msg.get("tool_calls", [])
+    )
+    return (msg["role"], msg.get("content") or "", calls, msg.get("tool_call_id"), msg.get("name"))
+
+
+def _json_value(text: str) -> str:
+    try:
+        return json.dumps(json.loads(text), sort_keys=True)
+    except (TypeError, ValueError):
+        return text
+
+
+def template_message(msg: dict[str, Any]) -> dict[str, Any]:
+    """A normalised message as chat templates take it (tool-call arguments as objects, content a string)."""
+    out = {k: v for k, v in msg.items() if k != "tool_calls"}
+    out["content"] = msg.get("content") or ""
+    if msg.get("tool_calls"):
+        calls = []
+        for c in msg["tool_calls"]:
+            try:
+                args = json.loads(c["function"]["arguments"])
+            except (TypeError, ValueError):
+                args = c["function"]["arguments"]
+            calls.append({"id": c["id"], "type": "function", "function": {**c["function"], "arguments": args}})
+        out["tool_calls"] = calls
+    return out
+
+
+class AgentSession:
+    """One episode's conversation and trajectory (see the module docstring)."""
+
+    def __init__(
+        self,
+        sid: str,
+        params: SamplingParams,
+        limits: SessionLimits,
+        template: Any,
+        *,
+        group: int = 0,
+        index: int = 0,
+        on_rewrite: str = "restart",
+    ) -> None:
+        if on_rewrite not in ON_REWRITE:
+            raise ValueError(f"on_rewrite={on_rewrite!r} must be one of {ON_REWRITE}")
+        self.sid, self.params, self.limits, self.template = sid, params, limits, template
+        self.index, self.on_rewrite = index, on_rewrite
+        self.traj = Trajectory(env_seed=index, group=group, prompt_ids=[])
+        self.messages: list[dict[str, Any]] = []  # the conversation so far, as the agent must repeat it
+        self.tools_key: str | None = None
+        self.last_ids: list[int] = []  # the last sampled response (its closing depends on whether it ended in EOS)
+        self.reward: float | None = None
+        self.requests = 0  # turns sampled, across restarts (what max_turns counts)
+        self.rewrites = self.dropped_turns = self.constrained_turns = self.invalid_tool_calls = 0
+        self.closed = False
+        self.request_id: str | None = None  # the engine request in flight
+        self.lock = threading.Lock()
+
+    # ---- one turn -----------------------------------------------------------------------------------------
+    def context_for(self, turn: ChatTurn) -> tuple[list[int], list[int], bool]:
+        """(context ids for the engine, ids to append to the trajectory first, whether this restarts it);
+        raises SessionError for a request the session refuses (see the module docstring)."""
+        tools_key = json.dumps(turn.tools, sort_keys=True) if turn.tools else None
+        n = len(self.messages)
+        extends = (
+            n > 0
+            and len(turn.messages) > n
+            and tools_key == self.tools_key
+            and all(_key(a) == _key(b) for a, b in zip(self.messages, turn.messages[:n]))
+        )
+        new = turn.messages[n:]
+        # An assistant message the model did not sample cannot be appended token-in-token-out: a fresh trajectory.
+        if extends and all(m["role"] != "assistant" for m in new):
+            try:
+                added = list(
+                    self.template.continuation(
+                        [template_message(m) for m in new], tools=turn.tools, response_ids=self.last_ids
+                    )
+                )
+            except ValueError as exc:
+                raise SessionError(400, "invalid_message", f"session {self.sid}: {exc}") from exc
+            return self.traj.context() + added, added, False
+        if n > 0:  # a request that does not repeat the conversation so far (or adds an unsampled assistant turn)
+            self.rewrites += 1
+            if self.on_rewrite == "refuse":
+                raise SessionError(
+                    400,
+                    "history_rewritten",
+                    f"session {self.sid}: the messages do not extend the conversation so far (the first "
+                    f"{n} messages must repeat the previous request's messages and the assistant reply, unchanged)",
+                )
+        if not turn.messages:
+            raise SessionError(400, "invalid_message", "messages must not be empty")
+        try:
+            prompt = self.template.initial_messages([template_message(m) for m in turn.messages], tools=turn.tools)
+        except ValueError as exc:
+            raise SessionError(400, "invalid_message", f"session {self.sid}: {exc}") from exc
+        return list(prompt), [], n > 0
+
+    def record(
+        self,
+        turn: ChatTurn,
+        context: list[int],
+        added: list[int],
+        restart: bool,
+        token_ids: list[int],
+        logprobs: list[float],
+        finish: str,
+        message: dict[str, Any],
+    ) -> None:
+        """Append one sampled turn (after `added`, or as the first turn of a fresh trajectory)."""
+        if restart or not self.messages:
+            self.dropped_turns += self.traj.turns
+            self.traj = Trajectory(env_seed=self.traj.env_seed, group=self.traj.group, prompt_ids=list(context))
+        else:
+            self.traj.add_observation(added)
+        if turn.structured is not None:  # context only: the trainer cannot replay a per-turn constraint
+            self.constrained_turns += 1
+            self.traj.add_observation(list(token_ids))
+        else:
+            self.traj.add_response(list(token_ids), list(logprobs))
+        self.traj.turn_rewards.append(0.0)
+        self.traj.cut_turns += int(finish == "length")
+        self.traj.tool_calls += len(message.get("tool_calls", []))
+        self.traj.texts.append(message.get("content") or "")
+        self.traj.versions.append(0)
+        self.messages = [*turn.messages, message]
+        self.tools_key = json.dumps(turn.tools, sort_keys=True) if turn.tools else None
+        self.last_ids = list(token_ids)
+        self.requests += 1
+
+    def set_reward(self, value: Any) -> float:
+        """The reward the agent program reports (a finite number; the last report wins)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+            raise SessionError(400, "invalid_reward", f"reward must be a finite number, got {value!r}")
+        self.reward = float(value)
+        return self.reward
+
+    def finish(self, reward: float, end: str) -> Trajectory:
+        """The trajectory with the episode's reward on its last turn (every other turn 0)."""
+        traj = self.traj
+        if traj.turns:
+            traj.turn_rewards[-1] = float(reward)
+        traj.end = traj.end or end
+        return traj
+
+
+class AgentSessions:
+    """The sessions of a run and the one path from a chat request to an engine request and back (thread-safe).
+
+    `infer` is the inference group's request API (`submit_request`, `abort`); `template` builds token ids from
+    messages (`initial_messages(messages, tools=)`, `continuation(messages, tools=, response_ids=)`, `stop_token_ids`:
+    roll_core.agentic.chat.TurnTemplate);
+    `parse` turns a response's text into content and tool calls (roll_core.agentic.openai_server.PARSERS);
+    `decode` is the tokenizer's decode.
+    """
+
+    def __init__(
+        self,
+        infer: Any,
+        template: Any,
+        decode: Callable[[list[int]], str],
+        parse: Callable[[str], ParsedReply],
+        *,
+        on_rewrite: str = "restart",
+    ) -> None:
+        self.infer, self.template, self.decode, self.parse = infer, template, decode, parse
+        self.on_rewrite = on_rewrite
+        self._sessions: dict[str, AgentSession] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+
+    def open(self, sid: str, params: SamplingParams, limits: SessionLimits, *, group: int = 0, index: int = 0) -> None:
+        """Start session `sid` (one episode)."""
+        with self._lock:
+            if sid in self._sessions:
+                raise ValueError(f"session {sid} already exists")
+            self._sessions[sid] = AgentSession(
+                sid, params, limits, self.template, group=group, index=index, on_rewrite=self.on_rewrite
+            )
+
+    def get(self, sid: str) -> AgentSession:
+        with self._lock:
+            session = self._sessions.get(sid)
+        if session is None:
+            raise SessionError(
+                404, "session_not_found", f"no session {sid!r} (sessions are opened by roll per episode)"
+            )
+        return session
+
+    def close(self, sid: str) -> AgentSession:
+        """Stop session `sid`: later requests get HTTP 410, a request in flight is aborted; returns it."""
+        with self._lock:
+            session = self._sessions.pop(sid)
+        session.closed = True
+        rid = session.request_id
+        if rid is not None:
+            self.infer.abort(rid)
+        return session
+
+    def chat(self, sid: str, turn: ChatTurn) -> Reply:
+        """Sample the next assistant turn of session `sid` (blocking; call it off the event loop)."""
+        session = self.get(sid)
+        if not session.lock.acquire(blocking=False):
+            raise SessionError(409, "session_busy", f"session {sid}: another request of this session is running")
+        try:
+            return self._chat(session, turn)
+        finally:
+            session.lock.release()
+
+    def _chat(self, s: AgentSession, turn: ChatTurn) -> Reply:
+        if s.closed:
+            raise SessionError(410, "session_closed", f"session {s.sid} has ended (episode timeout or shutdown)")
+        lim = s.limits
+        if s.requests >= lim.max_turns:
+            s.traj.end = "max_turns"
+            raise SessionError(
+                400, "max_turns_exceeded", f"session {s.sid}: the episode's {lim.max_turns} turns are used"
+            )
+        context, added, restart = s.context_for(turn)
+        room = lim.max_context_length - len(context)
+        if room < 1:
+            s.traj.end = "max_context"
+            raise SessionError(
+                400,
+                "context_length_exceeded",
+                f"session {s.sid}: {len(context)} context tokens leave no room within {lim.max_context_length}",
+            )
+        budget = min(lim.max_tokens_per_turn, room, turn.max_tokens or lim.max_tokens_per_turn)
+        base = s.params
+        seed = None if base.seed is None else derive_seed(base.seed, Purpose.EPISODE_TURN, s.index, s.requests)
+        changes: dict[str, Any] = {
+            "max_new_tokens": budget,
+            "seed": seed,
+            "stop": tuple(base.stop) + turn.stop,
+            # A template whose turns end on a special token that is not the eos (Gemma 3): stop there too.
+            "stop_token_ids": tuple(base.stop_token_ids) + tuple(getattr(self.template, "stop_token_ids", ())),
+        }
+        if turn.structured is not None:
+            changes["structured"] = turn.structured
+        rid = f"{s.sid}-{next(self._ids)}"
+        s.request_id = rid
+        try:
+            out = self.infer.submit_request(Request(rid, context, base.replace(**changes)), route_key=s.sid).result()
+        finally:
+            s.request_id = None
+        if out.finish_reason == "prompt_too_long":
+            s.traj.end = "max_context"
+            raise SessionError(400, "context_length_exceeded", f"session {s.sid}: the engine's context is full")
+        if out.finish_reason == "abort" or s.closed:
+            s.traj.end = "abort"
+            raise SessionError(410, "session_closed", f"session {s.sid} ended while its request ran")
+        text = self.decode(list(out.token_ids))
+        parsed = self.parse(text) if turn.parse_tools else ParsedReply(text)
+        s.invalid_tool_calls += parsed.invalid
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.calls:
+            message["tool_calls"] = [
+                {"id": f"call_{s.requests}_{k}", "type": "function", "function": dict(c)}
+                for k, c in enumerate(parsed.calls)
+            ]
+        s.record(turn, context, added, restart, list(out.token_ids), list(out.logprobs), out.finish_reason, message)
+        finish = "tool_calls" if parsed.calls else ("length" if out.finish_reason == "length" else "stop")
+        return Reply(message, finish, len(context), len(out.token_ids), list(out.token_ids), list(out.logprobs))
+
+    def sessions(self) -> Sequence[str]:
+        with self._lock:
+            return list(self._sessions)

@@ -1,0 +1,377 @@
+"""An OpenAI-compatible chat-completions endpoint in front of roll's rollout engines, one session per episode.
+
+Routes (aiohttp, bound to 127.0.0.1 unless told otherwise; port 0 picks a free one):
+
+    POST /sessions/{sid}/v1/chat/completions   the next assistant turn of episode `sid`
+    GET  /sessions/{sid}/v1/models             the served model (also GET /v1/models)
+    POST /sessions/{sid}/reward                {"reward": <number>}: the episode's reward (the last report wins)
+
+An agent program uses `openai.OpenAI(base_url=server.base_url(sid), api_key=...)` unmodified (the key is not
+checked: the server only listens locally and sessions are opened by roll). Token state, history matching and
+limits are the session's (roll_core.agentic.agent_sessions); this module validates requests and speaks the wire
+format:
+
+- Errors are OpenAI's error JSON, `{"error": {"message", "type", "param", "code"}}`, with 400 for a request the
+  endpoint refuses, 404 for an unknown session, 409 for a second concurrent request of one session, 410 for a
+  session that ended (the episode timed out), 500 for a bug (logged). A refusal never stops the run.
+- Sampling follows the run (infer_engine.temperature, top_p, top_k): the trainer's ratio assumes that distribution,
+  so a request's temperature / top_p / seed are ignored; what would change the distribution the trainer replays
+  (presence / frequency penalties, logit_bias, logprobs, n > 1, tool_choice other than auto / none) is refused.
+- `max_tokens` / `max_completion_tokens` and `stop` are honoured within the session's limits.
+- `response_format` json_object / json_schema becomes a decoding constraint (roll_core.interfaces.StructuredOutput)
+  when the engine supports one (`check_sampling`), else 400 `unsupported_response_format`.
+- Tool calls: the request's `tools` go to the chat template; the response text is parsed by the model family's
+  tool-call parser (`PARSERS`: `hermes` for Qwen / Hermes `<tool_call>{json}</tool_call>`, `none`, or a
+  `module:Class` of your own) into OpenAI `tool_calls` (finish_reason `tool_calls`). A block that does not parse is
+  left in the content and counted on the session.
+- `stream=true` is answered as server-sent events in OpenAI's chunk format (the whole turn is generated first,
+  then sent as a role/content chunk, a tool-calls chunk and a final chunk, then `data: [DONE]`; with
+  `stream_options.include_usage` a usage chunk precedes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from roll_core.agentic.agent_sessions import (
+    AgentSessions,
+    ChatTurn,
+    ParsedReply,
+    Reply,
+    SessionError,
+    normalise_message,
+)
+from roll_core.errors import Extra
+
+log = logging.getLogger(__name__)
+
+AIOHTTP = Extra("aiohttp", "pipeline=agent (the OpenAI-compatible endpoint)", "aiohttp", "roll-core[agents]")
+
+
+# ---- tool-call parsers (one per model family) -------------------------------------------------------------------
+class HermesToolParser:
+    """Qwen2.5 / Qwen3 / Hermes tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks."""
+
+    pattern = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def __call__(self, text: str) -> ParsedReply:
+        calls: list[dict[str, str]] = []
+        invalid = 0
+        kept: list[str] = []
+        last = 0
+        for m in self.pattern.finditer(text):
+            call = _call_of(m.group(1))
+            if call is None:
+                invalid += 1
+                continue  # left in the content below
+            kept.append(text[last : m.start()])
+            last = m.end()
+            calls.append(call)
+        rest = text[last:]
+        invalid += rest.count("<tool_call>") - rest.count("</tool_call>") if "<tool_call>" in rest else 0
+        content = ("".join(kept) + rest).strip() if calls else text
+        return ParsedReply(content if content or not calls else None, calls, max(invalid, 0))
+
+
+def _call_of(body: str) -> dict[str, str] | None:
+    """{"name", "arguments" (JSON text)} of one tool-call block, None when it is not one."""
+    try:
+        obj = json.loads(body.strip())
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            json.loads(args)
+        except ValueError:
+            return None
+        return {"name": obj["name"], "arguments": args}
+    return {"name": obj["name"], "arguments": json.dumps(args)}
+
+
+class NoToolParser:
+    """Tool calls stay text (models without a tool-call syntax)."""
+
+    def __call__(self, text: str) -> ParsedReply:
+        return ParsedReply(text)
+
+
+PARSERS: dict[str, type] = {"hermes": HermesToolParser, "qwen": HermesToolParser, "none": NoToolParser}
+
+
+def tool_parser(name: str) -> Callable[[str], ParsedReply]:
+    """The parser of a model family by name (`PARSERS`), or `module:Class` (a class called with no arguments whose
+    instances map text to roll_core.agentic.agent_sessions.ParsedReply)."""
+    if name in PARSERS:
+        return PARSERS[name]()
+    module, _, cls = name.partition(":")
+    if not cls:
+        raise ValueError(f"tool parser {name!r}: one of {sorted(PARSERS)} or module:Class")
+    return getattr(importlib.import_module(module), cls)()
+
+
+# ---- request validation ---------------------------------------------------------------------------------------
+_REFUSED = {
+    "logprobs": "log-probs in responses",
+    "top_logprobs": "log-probs in responses",
+    "logit_bias": "logit_bias (it changes the sampled distribution the trainer replays)",
+    "presence_penalty": "presence_penalty (it changes the sampled distribution the trainer replays)",
+    "frequency_penalty": "frequency_penalty (it changes the sampled distribution the trainer replays)",
+}
+
+
+def chat_turn(body: Any) -> ChatTurn:
+    """A chat-completions body as a ChatTurn; raises SessionError (400) naming the field it refuses."""
+    if not isinstance(body, dict):
+        raise SessionError(400, "invalid_json", "the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise SessionError(400, "invalid_message", "messages must be a non-empty list")
+    for key, what in _REFUSED.items():
+        if body.get(key):
+            raise SessionError(400, "unsupported_parameter", f"{key}: this endpoint does not support {what}")
+    if body.get("n") not in (None, 1):
+        raise SessionError(400, "unsupported_parameter", "n: one choice per request (one episode, one trajectory)")
+    tools = body.get("tools")
+    if tools is not None:
+        ok = isinstance(tools, list) and all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict) for t in tools
+        )
+        if not ok:
+            raise SessionError(400, "invalid_tools", 'tools must be a list of {"type": "function", "function": {...}}')
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise SessionError(400, "unsupported_parameter", f"tool_choice={choice!r}: only auto and none are supported")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise SessionError(400, "invalid_parameter", f"max_tokens={max_tokens!r} must be a positive integer")
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if not all(isinstance(s, str) and s for s in stops):
+        raise SessionError(400, "invalid_parameter", "stop must be a string or a list of non-empty strings")
+    return ChatTurn(
+        messages=[normalise_message(m, i) for i, m in enumerate(messages)],
+        tools=tools or None,
+        max_tokens=max_tokens,
+        stop=stops,
+        structured=_structured(body.get("response_format")),
+        parse_tools=choice != "none",
+    )
+
+
+def _structured(fmt: Any) -> Any:
+    """The decoding constraint of a response_format (None for text or none)."""
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    from roll_core.interfaces.inference import StructuredOutput
+
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    try:
+        if kind == "json_object":
+            return StructuredOutput(json_schema={"type": "object"})
+        if kind == "json_schema" and isinstance(fmt.get("json_schema"), dict):
+            return StructuredOutput(json_schema=fmt["json_schema"].get("schema", {}))
+    except ValueError as exc:
+        raise SessionError(400, "invalid_response_format", str(exc)) from exc
+    raise SessionError(400, "invalid_response_format", f"response_format={fmt!r}: text, json_object or json_schema")
+
+
+def _error(status: int, code: str, message: str, kind: str = "invalid_request_error") -> Any:
+    from aiohttp import web
+
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return web.json_response(body, status=status)
+
+
+# ---- the server -------------------------------------------------------------------------------------------------
+class OpenAIServer:
+    """The endpoint on its own event loop thread (see the module docstring). `start()` returns the root URL."""
+
+    def __init__(
+        self,
+        sessions: AgentSessions,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model_name: str = "roll",
+        max_workers: int = 256,
+    ) -> None:
+        AIOHTTP.require()
+        self.sessions, self.host, self.port, self.model_name = sessions, host, port, model_name
+        # Engine requests block until their turn is generated: one thread per running request.
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="roll-openai")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: Any = None
+        self._checked: dict[Any, SessionError | None] = {}
+        self.url = ""
+        self._ids = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def start(self) -> str:
+        """Bind and serve in a background thread; returns the root URL (http://host:port)."""
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def serve() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self._bind())
+            except BaseException as exc:  # a taken port: reported by start()
+                failure.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self._runner.cleanup())
+            loop.close()
+
+        self._thread = threading.Thread(target=serve, name="roll-openai-server", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            raise failure[0]
+        return self.url
+
+    async def _bind(self) -> None:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
+        app.router.add_get("/sessions/{sid}/v1/models", self._models)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/sessions/{sid}/reward", self._reward)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # port 0: the one bound
+        self.url = f"http://{self.host}:{port}"
+
+    def close(self) -> None:
+        """Stop serving (requests in flight are cut) and the worker threads."""
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def base_url(self, sid: str) -> str:
+        """What an agent's `openai.OpenAI(base_url=...)` takes for session `sid`."""
+        return f"{self.url}/sessions/{sid}/v1"
+
+    def reward_url(self, sid: str) -> str:
+        return f"{self.url}/sessions/{sid}/reward"
+
+    # ---- handlers -----------------------------------------------------------------------------------------
+    async def _models(self, request: Any) -> Any:
+        from aiohttp import web
+
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "roll"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _reward(self, request: Any) -> Any:
+        from aiohttp import web
+
+        sid = request.match_info["sid"]
+        try:
+            body = await _json(request)
+            session = self.sessions.get(sid)
+            value = session.set_reward(body.get("reward") if isinstance(body, dict) else None)
+        except SessionError as exc:
+            return _error(exc.status, exc.code, exc.message, exc.kind)
+        return web.json_response({"session": sid, "reward": value})
+
+    async def _chat(self, request: Any) -> Any:
+        sid = request.match_info["sid"]
+        loop = asyncio.get_running_loop()
+        try:
+            body = await _json(request)
+            turn = chat_turn(body)
+            if turn.structured is not None:
+                await loop.run_in_executor(self._pool, self._check_structured, turn.structured)
+            reply = await loop.run_in_executor(self._pool, self.sessions.chat, sid, turn)
+        except SessionError as exc:
+            return _error(exc.status, exc.code, exc.message, exc.kind)
+        except Exception as exc:  # a bug, never the agent's fault: logged, the episode goes on or fails
+            log.exception("session %s: chat request failed", sid)
+            return _error(500, "internal_error", f"{type(exc).__name__}: {exc}", "server_error")
+        self._ids += 1
+        cid = f"chatcmpl-{sid}-{self._ids}"
+        if body.get("stream"):
+            return await self._stream(request, cid, reply, body)
+        from aiohttp import web
+
+        return web.json_response(
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [
+                    {"index": 0, "message": reply.message, "finish_reason": reply.finish_reason, "logprobs": None}
+                ],
+                "usage": _usage(reply),
+            }
+        )
+
+    def _check_structured(self, structured: Any) -> None:
+        """Refuse a constraint the engine cannot decode (asked once per distinct constraint)."""
+        key = structured.key()
+        if key not in self._checked:
+            from roll_core.interfaces import SamplingParams, UnsupportedSamplingError
+
+            try:
+                self.sessions.infer.check_sampling(SamplingParams(structured=structured))
+                self._checked[key] = None
+            except (UnsupportedSamplingError, ValueError, TypeError) as exc:
+                self._checked[key] = SessionError(400, "unsupported_response_format", f"response_format: {exc}")
+        if self._checked[key] is not None:
+            raise self._checked[key]
+
+    async def _stream(self, request: Any, cid: str, reply: Reply, body: dict[str, Any]) -> Any:
+        from aiohttp import web
+
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        base = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
+        msg = reply.message
+        deltas: list[dict[str, Any]] = [{"role": "assistant", "content": msg.get("content") or ""}]
+        if msg.get("tool_calls"):
+            deltas.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]})
+        chunks = [{**base, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+        chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": reply.finish_reason}]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append({**base, "choices": [], "usage": _usage(reply)})
+        for chunk in chunks:
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def _json(request: Any) -> Any:
+    try:
+        return await request.json()
+    except ValueError as exc:
+        raise SessionError(400, "invalid_json", f"the request body is not JSON: {exc}") from exc
+
+
+def _usage(reply: Reply) -> dict[str, int]:
+    return {
+        "prompt_tokens": reply.prompt_tokens,
+        "completion_tokens": reply.completion_tokens,
+        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+    }

@@ -1,0 +1,278 @@
+"""The OpenAI-compatible endpoint through the real `openai` client: plain and multi-turn chats whose trajectory is
+exactly the ids the engine sampled (the hf engine on the tiny model), streaming, tool calls in the OpenAI format,
+errors in OpenAI's error shape, and history rewrites counted and handled.
+
+Tool calls use a scripted request engine (it answers with the tokens of a given text): a random tiny model does
+not write tool-call syntax; the learning run in tests/e2e/test_openai_agent.py uses the real engine."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import Future
+from typing import Any
+
+import openai
+import pytest
+
+from roll_core.agentic.agent_sessions import AgentSessions, SessionLimits
+from roll_core.agentic.chat import TurnTemplate
+from roll_core.agentic.openai_server import HermesToolParser, OpenAIServer, tool_parser
+from roll_core.interfaces import Request, RequestOutput, SamplingParams, UnsupportedSamplingError
+from roll_core.models import build_tiny_tokenizer
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+        },
+    }
+]
+
+
+class Recorder:
+    """The InferGroup request API over an engine, keeping every request and its output."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, []
+
+    def submit_request(self, request: Request, route_key: str | None = None) -> Any:
+        fut = self.inner.submit_request(request, route_key)
+        self.calls.append((request, fut))
+        return fut
+
+    def abort(self, request_id: str) -> bool:
+        return self.inner.abort(request_id)
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        self.inner.check_sampling(params)
+
+
+class ScriptedEngine:
+    """Answers each request with the tokens of the next scripted text (log-prob -0.25 each); refuses constraints."""
+
+    def __init__(self, tokenizer: Any, texts: list[str]) -> None:
+        self.tokenizer, self.texts = tokenizer, list(texts)
+
+    def submit_request(self, request: Request, route_key: str | None = None) -> Future:
+        ids = self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        fut: Future = Future()
+        fut.set_result(RequestOutput(request.request_id, request.prompt_ids, ids, [-0.25] * len(ids), "stop"))
+        return fut
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        if params.structured is not None:
+            raise UnsupportedSamplingError("scripted: no structured outputs")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def hf_engine() -> Any:
+    from roll_core.models import resolve_model_path
+    from roll_core.testing.infer_engine import RequestsOf
+    from roll_engines.infer.hf import HFInferEngine
+
+    engine = HFInferEngine(resolve_model_path("builtin:tiny"), max_new_tokens=16, seed=0)
+    yield RequestsOf(engine)
+    engine.shutdown()
+
+
+def _serve(infer: Any, tokenizer: Any, **kwargs: Any) -> tuple[AgentSessions, OpenAIServer]:
+    sessions = AgentSessions(
+        infer,
+        TurnTemplate(tokenizer),
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        HermesToolParser(),
+        **kwargs,
+    )
+    server = OpenAIServer(sessions)
+    server.start()
+    return sessions, server
+
+
+def _post(url: str, body: bytes) -> tuple[int, Any]:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _client(server: OpenAIServer, sid: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url(sid), api_key="unused", max_retries=0)
+
+
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)
+
+
+def test_multi_turn_chat_records_exactly_the_sampled_ids(hf_engine: Any, tokenizer: Any) -> None:
+    infer = Recorder(hf_engine)
+    sessions, server = _serve(infer, tokenizer)
+    try:
+        sessions.open("ep0", PARAMS, SessionLimits(max_turns=4, max_tokens_per_turn=8, max_context_length=512))
+        client = _client(server, "ep0")
+        assert [m.id for m in client.models.list().data] == ["roll"]
+        messages: list[Any] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say 7"}]
+        first = client.chat.completions.create(model="anything", messages=messages, max_tokens=6)
+        messages += [first.choices[0].message, {"role": "user", "content": "Again"}]  # the client's own object
+        second = client.chat.completions.create(model="anything", messages=messages)
+        messages += [second.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Last"}]
+        chunks = list(client.chat.completions.create(model="m", messages=messages, stream=True))
+        assert _post(server.reward_url("ep0"), b'{"reward": 0.75}') == (200, {"session": "ep0", "reward": 0.75})
+        session = sessions.close("ep0")
+    finally:
+        server.close()
+    outs = [f.result() for _, f in infer.calls]
+    assert len(outs) == 3 and all(o.finish_reason in ("stop", "length") for o in outs)
+    assert len(outs[0].token_ids) <= 6 and len(outs[1].token_ids) <= 8  # max_tokens, then the session's limit
+    for reply, out in zip((first, second), outs):
+        assert reply.choices[0].message.content == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        assert reply.usage.completion_tokens == len(out.token_ids)
+        assert reply.usage.prompt_tokens == len(out.prompt_ids)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == tokenizer.decode(outs[2].token_ids, skip_special_tokens=True)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    traj = session.traj
+    # The prompt is the template's rendering of the first request; each later engine request saw exactly the
+    # trajectory so far, and the trajectory holds each turn's sampled ids and log-probs, mask 1 on them only.
+    first_prompt = tokenizer.apply_chat_template(
+        messages[:2], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert traj.prompt_ids == list(first_prompt) == outs[0].prompt_ids
+    starts = []
+    for k, out in enumerate(outs):
+        start = len(out.prompt_ids) - len(traj.prompt_ids)
+        starts.append(start)
+        assert out.prompt_ids == traj.prompt_ids + traj.tokens[:start]
+        n = len(out.token_ids)
+        assert traj.tokens[start : start + n] == out.token_ids
+        assert traj.logprobs[start : start + n] == out.logprobs
+        assert traj.mask[start : start + n] == [1] * n and traj.turn_ids[start : start + n] == [k] * n
+    assert sum(traj.mask) == sum(len(o.token_ids) for o in outs)  # template ids between turns have mask 0
+    between = tokenizer.decode(traj.tokens[starts[0] + len(outs[0].token_ids) : starts[1]])
+    assert between.endswith("<|user|>Again\n<|assistant|>")
+    assert session.reward == 0.75 and session.rewrites == 0 and traj.turns == 3
+
+
+def test_tool_calls_in_the_openai_format(tokenizer: Any) -> None:
+    script = [
+        'Let me add. <tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>',
+        "The sum is 7.",
+        "<tool_call>{not json}</tool_call>",
+    ]
+    sessions, server = _serve(ScriptedEngine(tokenizer, script), tokenizer)
+    try:
+        sessions.open("t", PARAMS, SessionLimits(max_context_length=1024))
+        client = _client(server, "t")
+        messages: list[Any] = [{"role": "user", "content": "What is 3+4?"}]
+        r1 = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        msg = r1.choices[0].message
+        assert r1.choices[0].finish_reason == "tool_calls" and msg.content == "Let me add."
+        (call,) = msg.tool_calls
+        assert call.type == "function" and call.function.name == "add"
+        assert json.loads(call.function.arguments) == {"a": 3, "b": 4}
+        messages += [msg, {"role": "tool", "tool_call_id": call.id, "content": "7"}]
+        r2 = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        assert r2.choices[0].message.content == "The sum is 7." and r2.choices[0].message.tool_calls is None
+        messages += [r2.choices[0].message, {"role": "user", "content": "Once more"}]
+        r3 = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        assert r3.choices[0].finish_reason == "stop" and r3.choices[0].message.content == script[2]
+        session = sessions.close("t")
+    finally:
+        server.close()
+    assert session.rewrites == 0 and session.traj.turns == 3  # the echoed tool-call message matched the sampled one
+    assert session.traj.tool_calls == 1 and session.invalid_tool_calls == 1
+    assert tokenizer.decode(session.traj.tokens).count("<|tool|>7\n") == 1  # the tool result went in as context
+
+
+def test_parsers() -> None:
+    parse = tool_parser("hermes")
+    two = parse(
+        '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>\n<tool_call>{"name": "g"}</tool_call>'
+    )
+    assert two.content is None and [c["name"] for c in two.calls] == ["f", "g"] and two.invalid == 0
+    assert json.loads(two.calls[0]["arguments"]) == {"x": 1} and json.loads(two.calls[1]["arguments"]) == {}
+    cut = parse('ok <tool_call>{"name": "f", "argu')  # cut off by max_tokens
+    assert cut.content == 'ok <tool_call>{"name": "f", "argu' and cut.calls == [] and cut.invalid == 1
+    assert tool_parser("none")("<tool_call>{}</tool_call>").calls == []
+    with pytest.raises(ValueError, match="module:Class"):
+        tool_parser("mistral")
+
+
+def test_errors_are_openai_errors_and_end_nothing_but_the_request(tokenizer: Any) -> None:
+    sessions, server = _serve(ScriptedEngine(tokenizer, ["a", "b", "c", "d"]), tokenizer)
+    try:
+        sessions.open("e", PARAMS, SessionLimits(max_turns=1, max_context_length=1024))
+        client = _client(server, "e")
+        hi = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.NotFoundError) as nf:
+            _client(server, "nope").chat.completions.create(model="m", messages=hi)
+        assert nf.value.code == "session_not_found"
+        for bad, code in [
+            ({"n": 2}, "unsupported_parameter"),
+            ({"presence_penalty": 0.5}, "unsupported_parameter"),
+            ({"tool_choice": "required", "tools": TOOLS}, "unsupported_parameter"),
+            ({"response_format": {"type": "json_object"}}, "unsupported_response_format"),
+            ({"max_tokens": 0}, "invalid_parameter"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as exc:
+                client.chat.completions.create(model="m", messages=hi, **bad)
+            assert exc.value.code == code, (bad, exc.value)
+        with pytest.raises(openai.BadRequestError, match="role"):
+            client.chat.completions.create(model="m", messages=[{"role": "robot", "content": "x"}])
+        r = client.chat.completions.create(model="m", messages=hi)  # the session still works after refusals
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model="m", messages=[*hi, r.choices[0].message, *hi])
+        assert exc.value.code == "max_turns_exceeded"
+        status, body = _post(server.reward_url("e"), b'{"reward": "high"}')
+        assert status == 400 and body["error"]["code"] == "invalid_reward"
+        status, body = _post(server.base_url("e") + "/chat/completions", b"{")
+        assert status == 400 and body["error"]["code"] == "invalid_json"
+        sessions.open("gone", PARAMS, SessionLimits())
+        sessions.get("gone").closed = True  # as after an episode timeout, before the collector drops it
+        with pytest.raises(openai.APIStatusError) as gone:
+            _client(server, "gone").chat.completions.create(model="m", messages=hi)
+        assert gone.value.status_code == 410 and gone.value.code == "session_closed"
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("policy", ["restart", "refuse"])
+def test_history_rewrites_are_counted_and_handled(tokenizer: Any, policy: str) -> None:
+    sessions, server = _serve(ScriptedEngine(tokenizer, ["one", "two", "three"]), tokenizer, on_rewrite=policy)
+    try:
+        sessions.open("h", PARAMS, SessionLimits(max_context_length=1024))
+        client = _client(server, "h")
+        r1 = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        edited = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "ONE"}]  # not what was sampled
+        messages = [*edited, {"role": "user", "content": "b"}]
+        if policy == "refuse":
+            with pytest.raises(openai.BadRequestError) as exc:
+                client.chat.completions.create(model="m", messages=messages)
+            assert exc.value.code == "history_rewritten"
+            messages = [{"role": "user", "content": "a"}, r1.choices[0].message, {"role": "user", "content": "b"}]
+        client.chat.completions.create(model="m", messages=messages)
+        session = sessions.close("h")
+    finally:
+        server.close()
+    assert session.rewrites == 1
+    traj = session.traj
+    if policy == "restart":  # the rewritten history is the new prompt; the turn sampled before it is not trained
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert traj.prompt_ids == list(prompt) and traj.turns == 1 and session.dropped_turns == 1
+        assert tokenizer.decode([t for t, m in zip(traj.tokens, traj.mask) if m]) == "two</s>"
+    else:  # refused: the session went on from the unchanged conversation
+        assert traj.turns == 2 and session.dropped_turns == 0
+        assert tokenizer.decode([t for t, m in zip(traj.tokens, traj.mask) if m]) == "one</s>two</s>"
