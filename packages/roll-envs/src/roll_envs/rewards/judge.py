@@ -1,0 +1,512 @@
+"""A generative judge (LLM-as-a-judge): a chat model reads the prompt, the policy's response and the reference
+answer through a template, and its reply is parsed into a score.
+
+Template: a string with `{prompt}` (the problem's prompt text), `{response}` (the policy's response), `{answer}`
+(the reference answer) and `{metadata[key]}` (any column of the row's metadata, e.g. `{metadata[domain]}`), sent as
+the user message after an optional system prompt. Literal braces are written `{{` and `}}` (Python's str.format).
+Built-in templates by name (`TEMPLATES`): `correctness` (0-10 agreement with the reference answer, "Score: N"),
+`helpfulness` (1-10 quality without a reference, "[[N]]") and `verdict` (yes/no agreement with the reference,
+"Verdict: yes"); any other string is your own template.
+
+Parsing the judge's reply (after dropping a `<think>...</think>` block: only the final text counts):
+- `score` mode: the last match of `score_pattern` (default: `Score: 7`, `Rating: 7.5`, `[[7]]`) must lie in
+  `score_range` [lo, hi]; the reward is (x - lo) / (hi - lo), in [0, 1].
+- `verdict` mode: `labels` map verdict words to rewards ({"yes": 1, "no": 0}). The verdict is the last marked label
+  (`[[yes]]`, `Verdict: yes`, `Answer: yes`); else the reply's first word when it is a label; else the only label
+  the reply names. Labels match whole words, case-insensitively.
+A reply that does not parse (or a score out of range) is an invalid verdict: counted in `judge_invalid`, scored
+`invalid_score`, correct 0. `correct` is 1 when the reward >= `correct_threshold` (built-in templates have one:
+correctness 0.7, verdict 1; null on your own template: correct is always 0). `formatted` is 1 where the judge gave
+a valid verdict.
+
+Backends (roll_envs.rewards.judge_backends): `openai`, any OpenAI-compatible chat-completions server (vLLM, SGLang,
+a hosted API, roll's own endpoint) over aiohttp, with a concurrency limit, per-request timeouts and retries on
+429/5xx; `engine`, a rollout engine of the reward worker's own (any installed `roll.infer_engines` plugin, built
+lazily on the first score, greedy by default). A GPU judge engine needs the reward role's isolation=inline: the
+default runs rewards in a forked child, where a CUDA context created before the fork does not work.
+
+Failures never end the run: a request that times out counts in `judge_timeouts`, one that fails (HTTP error after
+retries, a malformed reply, an engine error) in `judge_errors`, a row whose metadata lacks a key the template names
+in `judge_render_errors`; each such row scores `invalid_score`. `judge_retries` counts retried requests. When no row
+of a batch got a reply at all (the judge is down), `score` raises `JudgeUnavailableError`: the reward worker's guard
+(roll_core.cluster.reward_guard) then counts the rows as failed, and the run's reward failure budget stops a run
+whose judge stays down instead of training on constant scores.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from roll_core.errors import ConfigError, Extra
+from roll_envs.rewards.base import Reward, RewardResult
+
+log = logging.getLogger(__name__)
+
+AIOHTTP = Extra("aiohttp", "env.reward.backend=openai (an LLM judge over HTTP)", "aiohttp", "roll-envs[remote]")
+
+MODES = ("score", "verdict")
+BACKENDS = ("openai", "engine")
+#: Counters every result carries (0 when nothing happened), so the metrics are continuous.
+COUNTERS = ("judge_invalid", "judge_timeouts", "judge_errors", "judge_render_errors", "judge_retries")
+#: Fields a template may name.
+TEMPLATE_FIELDS = ("prompt", "response", "answer", "metadata")
+
+_NUM = r"([-+]?\d+(?:\.\d+)?)"
+#: `Score: 7`, `score = 7.5`, `Rating: **8**/10`, `Score: [[7]]`, `[[7]]` (the number is the first group that matched).
+DEFAULT_SCORE_PATTERN = rf"(?i)\b(?:score|rating)\b\s*(?:is|[:=])?\s*[*_]*\s*(?:\[\[\s*)?{_NUM}|\[\[\s*{_NUM}\s*\]\]"
+
+
+@dataclass(frozen=True)
+class JudgeTemplate:
+    """A built-in judge: its messages, how its reply is parsed, and its notion of correct."""
+
+    system: str | None
+    user: str
+    mode: str
+    score_range: tuple[float, float] | None = None
+    labels: Mapping[str, float] | None = None
+    correct_threshold: float | None = None
+
+
+TEMPLATES: dict[str, JudgeTemplate] = {
+    "correctness": JudgeTemplate(
+        system="You are a strict grader. You compare a response with a reference answer and rate its correctness.",
+        user=(
+            "[Question]\n{prompt}\n\n[Reference answer]\n{answer}\n\n[Response]\n{response}\n\n"
+            "Rate how correct the response is compared with the reference answer, from 0 (wrong or no answer) to 10 "
+            "(correct and equivalent to the reference). Explain briefly, then end with your rating in the form "
+            '"Score: <0-10>".'
+        ),
+        mode="score",
+        score_range=(0.0, 10.0),
+        correct_threshold=0.7,
+    ),
+    "helpfulness": JudgeTemplate(
+        system="You are an impartial judge of the quality of AI assistants' responses.",
+        user=(
+            "[User question]\n{prompt}\n\n[Assistant response]\n{response}\n\n"
+            "Evaluate the helpfulness, relevance, accuracy, depth and clarity of the response to the user question. "
+            "Begin with a short explanation, be as objective as possible, then rate the response on a scale of 1 to "
+            '10 strictly in this format: "Rating: [[<1-10>]]".'
+        ),
+        mode="score",
+        score_range=(1.0, 10.0),
+    ),
+    "verdict": JudgeTemplate(
+        system="You are a strict grader. You decide whether a response reaches the reference answer.",
+        user=(
+            "[Question]\n{prompt}\n\n[Reference answer]\n{answer}\n\n[Response]\n{response}\n\n"
+            "Does the response give an answer equivalent to the reference answer? Reply with one line: "
+            '"Verdict: yes" or "Verdict: no".'
+        ),
+        mode="verdict",
+        labels={"yes": 1.0, "no": 0.0},
+        correct_threshold=1.0,
+    ),
+}
+
+
+class JudgeUnavailableError(RuntimeError):
+    """No row of a batch got a reply from the judge (every request timed out or failed)."""
+
+
+# ---- parsing ------------------------------------------------------------------------------------------------------
+_THINK_END = "</think>"
+
+
+def final_text(reply: str) -> str | None:
+    """The reply without its reasoning: the text after the last `</think>`; None when a `<think>` block was
+    opened and never closed (a reply cut off while reasoning has no verdict)."""
+    if _THINK_END in reply:
+        return reply.rsplit(_THINK_END, 1)[1]
+    if "<think>" in reply:
+        return None
+    return reply
+
+
+class ScoreParser:
+    """`score` mode: the last number `pattern` captures, in [lo, hi], mapped to [0, 1]."""
+
+    def __init__(self, lo: float, hi: float, pattern: str | None = None) -> None:
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+            raise ConfigError(f"env.reward.score_range=[{lo}, {hi}] must be two finite numbers, low < high")
+        source = pattern or DEFAULT_SCORE_PATTERN
+        try:
+            self.pattern = re.compile(source)
+        except re.error as exc:
+            raise ConfigError(f"env.reward.score_pattern={source!r} is not a regular expression: {exc}") from None
+        if self.pattern.groups < 1:
+            raise ConfigError(f"env.reward.score_pattern={source!r} needs a capture group around the number")
+        self.lo, self.hi = lo, hi
+
+    def __call__(self, reply: str) -> float | None:
+        """The reward in [0, 1], or None for an invalid verdict (no match, not a number, out of range)."""
+        text = final_text(reply)
+        if text is None:
+            return None
+        matches = list(self.pattern.finditer(text))
+        if not matches:
+            return None
+        raw = next((g for g in matches[-1].groups() if g is not None), None)
+        try:
+            x = float(raw)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None
+        if not (math.isfinite(x) and self.lo <= x <= self.hi):
+            return None
+        return (x - self.lo) / (self.hi - self.lo)
+
+
+class VerdictParser:
+    """`verdict` mode: the judge's label (module docstring) mapped to its reward."""
+
+    def __init__(self, labels: Mapping[str, float]) -> None:
+        if not labels:
+            raise ConfigError("env.reward.labels must map at least one verdict label to a reward")
+        self.values: dict[str, float] = {}
+        for label, value in labels.items():
+            key = str(label).strip().lower()
+            if not key:
+                raise ConfigError("env.reward.labels: a verdict label is empty")
+            if key in self.values:
+                raise ConfigError(f"env.reward.labels: {label!r} appears twice (labels are case-insensitive)")
+            if not math.isfinite(float(value)):
+                raise ConfigError(f"env.reward.labels: the reward of {label!r} must be finite, got {value}")
+            self.values[key] = float(value)
+        # Longest first, so that "not correct" wins over "correct" at the same position.
+        alts = "|".join(re.escape(k) for k in sorted(self.values, key=len, reverse=True))
+        self.marked = re.compile(
+            rf"(?i)\[\[\s*({alts})\s*\]\]|\b(?:verdict|answer|judgement|judgment)\s*[:=]\s*[*_\"']*\s*({alts})(?!\w)"
+        )
+        self.word = re.compile(rf"(?i)(?<!\w)({alts})(?!\w)")
+
+    def __call__(self, reply: str) -> float | None:
+        """The label's reward, or None for an invalid verdict (no label, or several without a marked one)."""
+        text = final_text(reply)
+        if text is None:
+            return None
+        marked = list(self.marked.finditer(text))
+        if marked:
+            label = next(g for g in marked[-1].groups() if g is not None)
+            return self.values[label.lower()]
+        found = list(self.word.finditer(text))
+        if not found:
+            return None
+        first = found[0]
+        if not text[: first.start()].strip(" \t\n*_\"'`#>-"):  # the reply opens with a label ("Yes. Because ...")
+            return self.values[first.group(1).lower()]
+        named = {m.group(1).lower() for m in found}
+        return self.values[named.pop()] if len(named) == 1 else None
+
+
+# ---- templates ----------------------------------------------------------------------------------------------------
+def check_template(template: str) -> set[str]:
+    """The fields `template` names; ConfigError for a field other than TEMPLATE_FIELDS, attribute access or a
+    positional `{}`, and for unbalanced braces."""
+    names: set[str] = set()
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ConfigError(f"env.reward.template: {exc} (write a literal brace as {{{{ or }}}})") from None
+    for _, name, _, _ in parsed:
+        if name is None:
+            continue
+        root = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if root not in TEMPLATE_FIELDS or "." in name or (root == "metadata" and name == "metadata"):
+            raise ConfigError(
+                f"env.reward.template names {{{name}}}; a template takes {{prompt}}, {{response}}, {{answer}} and "
+                "{metadata[<column>]} (a literal brace is written {{ or }})"
+            )
+        names.add(root)
+    return names
+
+
+@dataclass(frozen=True)
+class JudgeSpec:
+    """A resolved judge: messages, parser and threshold (from a built-in template or your own string)."""
+
+    system: str | None
+    user: str
+    mode: str
+    parser: ScoreParser | VerdictParser
+    correct_threshold: float | None
+    fields: frozenset[str]
+
+    @staticmethod
+    def resolve(
+        template: str,
+        system_prompt: str | None,
+        mode: str | None,
+        score_range: Sequence[float] | None,
+        score_pattern: str | None,
+        labels: Mapping[str, float] | None,
+        correct_threshold: float | None,
+    ) -> JudgeSpec:
+        """Fill what the config leaves null from the built-in template named `template` (if any)."""
+        base = TEMPLATES.get(template)
+        if base is None and "{" not in template:
+            raise ConfigError(
+                f"env.reward.template={template!r} is neither a built-in template ({', '.join(TEMPLATES)}) nor a "
+                "template string naming {response}"
+            )
+        user = base.user if base else template
+        fields = frozenset(check_template(user))
+        if "response" not in fields:
+            raise ConfigError("env.reward.template must name {response} (the response being judged)")
+        mode = mode or (base.mode if base else ("verdict" if labels else "score"))
+        if mode not in MODES:
+            raise ConfigError(f"env.reward.mode={mode!r} is not one of {', '.join(MODES)}")
+        if mode == "score":
+            rng = score_range if score_range is not None else (base.score_range if base else None) or (0.0, 10.0)
+            if len(rng) != 2:
+                raise ConfigError(f"env.reward.score_range={list(rng)} must be [low, high]")
+            parser: ScoreParser | VerdictParser = ScoreParser(float(rng[0]), float(rng[1]), score_pattern)
+        else:
+            chosen = labels if labels is not None else (base.labels if base else None) or {"yes": 1.0, "no": 0.0}
+            parser = VerdictParser(chosen)
+        threshold = correct_threshold
+        if threshold is None and base is not None and base.mode == mode:
+            threshold = base.correct_threshold
+        if threshold is not None and not math.isfinite(threshold):
+            raise ConfigError(f"env.reward.correct_threshold={threshold} must be a finite number (or null)")
+        system = system_prompt if system_prompt is not None else (base.system if base else None)
+        return JudgeSpec(system or None, user, mode, parser, threshold, fields)
+
+    def messages(self, prompt: str, response: str, answer: str, metadata: Mapping[str, Any]) -> list[dict[str, str]]:
+        """The judge's chat messages for one row; KeyError when the template names a metadata key the row lacks."""
+        user = self.user.format(prompt=prompt, response=response, answer=answer, metadata=_Strict(metadata))
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return [*head, {"role": "user", "content": user}]
+
+
+class _Strict(dict):
+    """Row metadata for str.format: a missing key is a KeyError naming it (never an empty string)."""
+
+    def __missing__(self, key: str) -> Any:
+        raise KeyError(f"metadata[{key}]")
+
+
+# ---- the reward ---------------------------------------------------------------------------------------------------
+@dataclass
+class JudgeRewardConfig:
+    """A generative judge scoring each response with a chat model (roll_envs.rewards.judge)."""
+
+    _target_: str = "roll_envs.rewards.judge.JudgeReward"
+    # openai: an OpenAI-compatible chat-completions server at base_url | engine: a rollout engine of the reward
+    # worker's own serving `model` (GPU: set the reward role's isolation=inline).
+    backend: str = "openai"
+    # A built-in template (correctness | helpfulness | verdict) or your own string with {prompt} {response}
+    # {answer} {metadata[<column>]}.
+    template: str = "correctness"
+    # System message; null: the built-in template's (your own template: none).
+    system_prompt: str | None = None
+    # score | verdict; null: the built-in template's (your own: verdict when labels are set, else score).
+    mode: str | None = None
+    # score mode: [low, high] of the judge's scale, mapped to [0, 1]; null: the template's (else [0, 10]).
+    score_range: list[float] | None = None
+    # score mode: regex whose first matching group is the score (the last match counts); null: Score: N or [[N]].
+    score_pattern: str | None = None
+    # verdict mode: label -> reward; null: the template's (else {yes: 1, no: 0}).
+    labels: dict[str, float] | None = None
+    # Reward of a row without a valid verdict (invalid reply, timeout, error).
+    invalid_score: float = 0.0
+    # correct = reward >= this; null: the built-in template's (correctness 0.7, verdict 1; own template: never).
+    correct_threshold: float | None = None
+    # The judge model: openai: the `model` of each request; engine: a folder, hub id or builtin:<name>.
+    model: str | None = None
+    # openai: the server's base URL, e.g. http://127.0.0.1:8000/v1 (requests go to <base_url>/chat/completions).
+    base_url: str | None = None
+    # openai: name of the environment variable holding the API key (sent as a Bearer token); null: no key.
+    api_key_env: str | None = None
+    # openai: requests in flight at once (per reward worker).
+    concurrency: int = 8
+    # Seconds one request may take (engine: the whole batch's generation) before it counts as a timeout.
+    timeout_s: float = 60.0
+    # openai: seconds one score() call may take; rows not judged by then count as timeouts (keep it below the
+    # reward guard's batch timeout, 300 s by default).
+    batch_timeout_s: float = 240.0
+    # openai: retries of a request answered 429 or 5xx, or whose connection failed (timeouts are not retried).
+    max_retries: int = 3
+    # openai: seconds before the first retry, doubled for each next one (a Retry-After header wins, up to 60 s).
+    retry_backoff_s: float = 1.0
+    # Tokens the judge may generate per reply.
+    max_tokens: int = 512
+    # Sampling temperature of the judge (0: greedy).
+    temperature: float = 0.0
+    # openai: extra JSON fields of every request (e.g. {top_p: 1, seed: 0}).
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    # Keyword arguments of the judge's chat template (e.g. {enable_thinking: false}); openai: sent as
+    # chat_template_kwargs (vLLM and SGLang servers read it).
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # engine: the infer-engine config ({name: hf, max_num_seqs: 16}; dtype, device, seed, attn_implementation and
+    # trust_remote_code also go here).
+    engine: dict[str, Any] = field(default_factory=lambda: {"name": "hf"})
+
+    def __post_init__(self) -> None:
+        _check_settings(self.__dict__)
+        JudgeSpec.resolve(
+            self.template,
+            self.system_prompt,
+            self.mode,
+            self.score_range,
+            self.score_pattern,
+            self.labels,
+            self.correct_threshold,
+        )
+
+    def check_installed(self) -> None:
+        if self.backend == "openai":
+            AIOHTTP.require()
+
+
+def _check_settings(s: Mapping[str, Any]) -> None:
+    """ConfigErrors for the backend settings (shared by the schema and the reward's constructor)."""
+    if s["backend"] not in BACKENDS:
+        raise ConfigError(f"env.reward.backend={s['backend']!r} is not one of {', '.join(BACKENDS)}")
+    if s["backend"] == "openai" and not s["base_url"]:
+        raise ConfigError("env.reward.backend=openai needs env.reward.base_url (e.g. http://127.0.0.1:8000/v1)")
+    if s["backend"] == "engine" and not s["model"]:
+        raise ConfigError("env.reward.backend=engine needs env.reward.model (a folder, hub id or builtin:<name>)")
+    for key in ("concurrency", "max_tokens"):
+        if s[key] < 1:
+            raise ConfigError(f"env.reward.{key}={s[key]} must be >= 1")
+    for key in ("timeout_s", "batch_timeout_s"):
+        if not (math.isfinite(s[key]) and s[key] > 0):
+            raise ConfigError(f"env.reward.{key}={s[key]} must be > 0")
+    if s["max_retries"] < 0 or not (math.isfinite(s["retry_backoff_s"]) and s["retry_backoff_s"] >= 0):
+        raise ConfigError("env.reward.max_retries and env.reward.retry_backoff_s must be >= 0")
+    if not (math.isfinite(s["temperature"]) and s["temperature"] >= 0):
+        raise ConfigError(f"env.reward.temperature={s['temperature']} must be >= 0 (0: greedy)")
+    if not math.isfinite(s["invalid_score"]):
+        raise ConfigError(f"env.reward.invalid_score={s['invalid_score']} must be a finite number")
+
+
+class JudgeReward(Reward):
+    """Scores responses with a judge model's parsed verdicts (module docstring). Starts nothing until `score`."""
+
+    def __init__(
+        self,
+        backend: str = "openai",
+        template: str = "correctness",
+        system_prompt: str | None = None,
+        mode: str | None = None,
+        score_range: Sequence[float] | None = None,
+        score_pattern: str | None = None,
+        labels: Mapping[str, float] | None = None,
+        invalid_score: float = 0.0,
+        correct_threshold: float | None = None,
+        model: str | None = None,
+        base_url: str | None = None,
+        api_key_env: str | None = None,
+        concurrency: int = 8,
+        timeout_s: float = 60.0,
+        batch_timeout_s: float = 240.0,
+        max_retries: int = 3,
+        retry_backoff_s: float = 1.0,
+        max_tokens: int = 512,
+        temperature: float = 0.0,
+        extra_body: Mapping[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        engine: Mapping[str, Any] | None = None,
+    ) -> None:
+        _check_settings(locals())
+        self.spec = JudgeSpec.resolve(
+            template, system_prompt, mode, score_range, score_pattern, labels, correct_threshold
+        )
+        self.invalid_score = float(invalid_score)
+        from roll_envs.rewards import judge_backends as jb
+
+        self.backend: jb.Backend
+        if backend == "openai":
+            self.backend = jb.OpenAIBackend(
+                base_url=str(base_url),
+                model=model,
+                api_key_env=api_key_env,
+                concurrency=concurrency,
+                timeout_s=timeout_s,
+                batch_timeout_s=batch_timeout_s,
+                max_retries=max_retries,
+                retry_backoff_s=retry_backoff_s,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                extra_body=dict(extra_body or {}),
+                chat_template_kwargs=dict(chat_template_kwargs or {}),
+            )
+        else:
+            self.backend = jb.EngineBackend(
+                model=str(model),
+                engine=dict(engine or {"name": "hf"}),
+                max_tokens=max_tokens,
+                temperature=temperature,
+                timeout_s=timeout_s,
+                chat_template_kwargs=dict(chat_template_kwargs or {}),
+            )
+        self._logged: set[str] = set()
+
+    def score(
+        self,
+        responses: Sequence[str],
+        answers: Sequence[str],
+        prompts: Sequence[str] | None = None,
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> RewardResult:
+        """Judge `responses[i]` to `prompts[i]` against `answers[i]` (with row i's `metadata`); see the module
+        docstring for the scores, counters and the one case that raises (no reply at all)."""
+        n = len(responses)
+        for name, rows in (("answers", answers), ("prompts", prompts), ("metadata", metadata)):
+            if rows is not None and len(rows) != n:
+                raise ValueError(f"{n} responses but {len(rows)} {name}")
+        if prompts is None and "prompt" in self.spec.fields:
+            raise ValueError("the judge's template names {prompt}: pass prompts= (the reward role does)")
+        counters = dict.fromkeys(COUNTERS, 0)
+        conversations, rows = [], []
+        for i in range(n):
+            meta = metadata[i] if metadata is not None else {}
+            try:
+                prompt = prompts[i] if prompts is not None else ""
+                conversations.append(self.spec.messages(str(prompt), str(responses[i]), str(answers[i]), meta))
+                rows.append(i)
+            except (KeyError, IndexError) as exc:
+                counters["judge_render_errors"] += 1
+                self._log_once("render", "judge template cannot be filled for a row (%s); row scored invalid", exc)
+        replies = self.backend.complete(conversations) if conversations else []
+        verdicts: list[float | None] = [None] * n
+        for i, reply in zip(rows, replies):
+            counters["judge_retries"] += reply.retries
+            if reply.kind == "timeout":
+                counters["judge_timeouts"] += 1
+                self._log_once("timeout", "judge request timed out (%s)", reply.detail)
+            elif reply.kind == "error":
+                counters["judge_errors"] += 1
+                self._log_once("error", "judge request failed: %s", reply.detail)
+            else:
+                verdicts[i] = self.spec.parser(reply.text)
+                if verdicts[i] is None:
+                    counters["judge_invalid"] += 1
+                    self._log_once("invalid", "judge reply has no valid verdict: %r", reply.text[-300:])
+        if replies and all(r.kind != "ok" for r in replies):
+            raise JudgeUnavailableError(
+                f"no reply from the judge for any of {len(replies)} rows "
+                f"({counters['judge_timeouts']} timeouts, {counters['judge_errors']} errors); first: "
+                f"{replies[0].kind}: {replies[0].detail}"
+            )
+        threshold = self.spec.correct_threshold
+        scores = [self.invalid_score if v is None else v for v in verdicts]
+        correct = [float(v is not None and threshold is not None and v >= threshold) for v in verdicts]
+        formatted = [float(v is not None) for v in verdicts]
+        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters)
+
+    def close(self) -> None:
+        """Stop the judge engine (engine backend) started in this process."""
+        self.backend.close()
+
+    def _log_once(self, kind: str, msg: str, *args: Any) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning(msg + " (logged once; counted as judge_*)", *args)

@@ -1,0 +1,323 @@
+"""Where a generative judge's replies come from (roll_envs.rewards.judge): an OpenAI-compatible HTTP server, or a
+rollout engine of the reward worker's own.
+
+Contract of a backend: `complete(conversations)` returns one `Reply` per conversation (chat messages), in order,
+and never raises for a request that fails: a timeout is a `timeout` reply, anything else that went wrong (HTTP
+errors after retries, a malformed body, an engine error, a prompt longer than the judge's context) an `error`
+reply with a one-line detail. Nothing starts (no connection, no model load) before the first `complete`.
+
+- `OpenAIBackend`: POST <base_url>/chat/completions with aiohttp (the `roll-envs[remote]` extra), at most
+  `concurrency` requests in flight, each within `timeout_s` (not retried: a slow judge stays slow), 429 / 5xx and
+  connection failures retried `max_retries` times with exponential backoff (a Retry-After header wins, up to 60 s);
+  the whole call ends after `batch_timeout_s`, the rows still open becoming timeouts. Each call runs its own event
+  loop (asyncio.run), so the backend works in any thread and in a forked child.
+- `EngineBackend`: an inference engine built from an infer-engine config through roll-core's plugin registry
+  (`roll.infer_engines` entry points: roll-envs never imports roll-engines) on the first call, in the process that
+  calls (an engine inherited across a fork has no threads; it is built again there). Prompts are the judge model's
+  chat template; every row is submitted at once through the request API and rows not finished within `timeout_s`
+  are aborted (timeouts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from roll_core.errors import ConfigError
+from roll_core.interfaces.runtime import check_engine_kwargs
+
+Messages = list[dict[str, str]]
+
+#: Longest wait a Retry-After header may ask for.
+MAX_RETRY_AFTER_S = 60.0
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One judge request's outcome: `kind` ok (with `text`), timeout or error (with `detail`)."""
+
+    kind: str
+    text: str = ""
+    detail: str = ""
+    retries: int = 0
+
+
+class Backend(Protocol):
+    def complete(self, conversations: Sequence[Messages]) -> list[Reply]:
+        """One reply per conversation, in order; never raises for a failed request (module docstring)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the backend started (nothing when nothing was started)."""
+        ...
+
+
+# ---- OpenAI-compatible HTTP ---------------------------------------------------------------------------------------
+class OpenAIBackend:
+    """Chat completions from an OpenAI-compatible server (module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        model: str | None,
+        api_key_env: str | None,
+        concurrency: int,
+        timeout_s: float,
+        batch_timeout_s: float,
+        max_retries: int,
+        retry_backoff_s: float,
+        max_tokens: int,
+        temperature: float,
+        extra_body: Mapping[str, Any],
+        chat_template_kwargs: Mapping[str, Any],
+    ) -> None:
+        from roll_envs.rewards.judge import AIOHTTP
+
+        AIOHTTP.require()
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.headers = {"Content-Type": "application/json"}
+        if api_key_env:
+            key = os.environ.get(api_key_env)
+            if not key:
+                raise ConfigError(f"env.reward.api_key_env={api_key_env}: that environment variable is not set here")
+            self.headers["Authorization"] = f"Bearer {key}"
+        # Servers that serve one model accept any name; hosted APIs need the real one.
+        self.body: dict[str, Any] = {"model": model or "judge", "max_tokens": max_tokens, "temperature": temperature}
+        if chat_template_kwargs:
+            self.body["chat_template_kwargs"] = dict(chat_template_kwargs)
+        self.body.update(extra_body)
+        self.concurrency, self.timeout_s, self.batch_timeout_s = concurrency, timeout_s, batch_timeout_s
+        self.max_retries, self.retry_backoff_s = max_retries, retry_backoff_s
+
+    def complete(self, conversations: Sequence[Messages]) -> list[Reply]:
+        """One reply per conversation (module docstring)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the usual case: no loop in this thread
+            return asyncio.run(self._all(list(conversations)))
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:  # called from async code: a loop of its own on another thread
+            return pool.submit(asyncio.run, self._all(list(conversations))).result()
+
+    def close(self) -> None:
+        """Nothing stays open between calls."""
+
+    async def _all(self, conversations: list[Messages]) -> list[Reply]:
+        import aiohttp
+
+        limit = asyncio.Semaphore(self.concurrency)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        connector = aiohttp.TCPConnector(limit=self.concurrency)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=self.headers) as session:
+            tasks = [asyncio.create_task(self._one(session, limit, c)) for c in conversations]
+            done, pending = await asyncio.wait(tasks, timeout=self.batch_timeout_s) if tasks else (set(), set())
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        out = []
+        for task in tasks:
+            if task not in done:
+                out.append(Reply("timeout", detail=f"not judged within batch_timeout_s={self.batch_timeout_s}"))
+            elif task.exception() is not None:  # a bug below; the row is still only counted
+                out.append(Reply("error", detail=f"{type(task.exception()).__name__}: {task.exception()}"))
+            else:
+                out.append(task.result())
+        return out
+
+    async def _one(self, session: Any, limit: asyncio.Semaphore, messages: Messages) -> Reply:
+        import aiohttp
+
+        body = {**self.body, "messages": messages}
+        retries, last = 0, ""
+        async with limit:
+            for attempt in range(self.max_retries + 1):
+                delay = self.retry_backoff_s * 2**attempt
+                try:
+                    async with session.post(self.url, json=body) as resp:
+                        text = await resp.text(errors="replace")
+                        if resp.status == 200:
+                            return _chat_reply(text, retries)
+                        last = f"HTTP {resp.status}: {text[:200]}"
+                        if resp.status != 429 and resp.status < 500:  # the request itself is wrong: retrying won't help
+                            return Reply("error", detail=last, retries=retries)
+                        delay = _retry_after(resp.headers.get("Retry-After"), delay)
+                except asyncio.TimeoutError:
+                    return Reply("timeout", detail=f"no reply within timeout_s={self.timeout_s}", retries=retries)
+                except aiohttp.ClientError as exc:
+                    last = f"{type(exc).__name__}: {exc}"
+                if attempt < self.max_retries:
+                    retries += 1
+                    await asyncio.sleep(delay)
+        return Reply("error", detail=f"{last} (after {retries} retries)", retries=retries)
+
+
+def _retry_after(header: str | None, default: float) -> float:
+    """Seconds a Retry-After header asks for (numeric form), capped; `default` without one."""
+    try:
+        return min(max(float(header), 0.0), MAX_RETRY_AFTER_S) if header else default
+    except ValueError:  # the HTTP-date form: use our own backoff
+        return default
+
+
+def _chat_reply(text: str, retries: int) -> Reply:
+    """The assistant text of a chat-completions body, or an error reply naming what is malformed."""
+    try:
+        content = json.loads(text)["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return Reply("error", detail=f"malformed chat-completions reply: {text[:200]!r}", retries=retries)
+    if isinstance(content, list):  # content parts: keep the text ones
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not isinstance(content, str):
+        return Reply("error", detail=f"reply without text content: {text[:200]!r}", retries=retries)
+    return Reply("ok", text=content, retries=retries)
+
+
+# ---- a rollout engine of the reward worker's own ------------------------------------------------------------------
+#: Keys of an engine config that go to the engine as run values (InferEngineRuntime) with their defaults here.
+RUNTIME_DEFAULTS: dict[str, Any] = {
+    "dtype": "auto",
+    "device": "auto",
+    "platform": "auto",
+    "seed": 0,
+    "attn_implementation": "sdpa",
+    "trust_remote_code": False,
+}
+#: Keys of a role's engine config that configure workers and weight sync, which a judge has none of.
+NOT_FOR_A_JUDGE = ("world_size", "sync_transport", "sync_bucket_mb", "sleep_level", "python", "max_concurrency")
+
+
+class EngineBackend:
+    """Replies from an inference engine built in this process on first use (module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        engine: Mapping[str, Any],
+        max_tokens: int,
+        temperature: float,
+        timeout_s: float,
+        chat_template_kwargs: Mapping[str, Any],
+    ) -> None:
+        from roll_core import registry
+
+        cfg = dict(engine)
+        name = cfg.pop("name", None)
+        target = cfg.pop("_target_", None)
+        if target is None:
+            installed = registry.available("roll.infer_engines")  # entry-point metadata only: imports nothing
+            if name not in installed:
+                raise ConfigError(
+                    f"env.reward.engine.name={name!r} is not an installed inference engine; installed: "
+                    f"{', '.join(installed) or 'none'} (or give env.reward.engine._target_)"
+                )
+        refused = sorted(k for k in cfg if k in NOT_FOR_A_JUDGE)
+        if refused:
+            raise ConfigError(f"env.reward.engine: {', '.join(refused)} configure a role's workers, not a judge's")
+        self.runtime = {k: cfg.pop(k, v) for k, v in RUNTIME_DEFAULTS.items()}
+        self.runtime.update(model_path=model, max_new_tokens=max_tokens)
+        self.name, self.target = name, target
+        # An engine's keys are checked against its constructor now (importing its class starts nothing).
+        cls = self._cls()
+        self.own = {**cfg, **({"name": name} if name and "name" in _accepted(cls) else {})}
+        try:
+            check_engine_kwargs(cls, self.own, {k: v for k, v in self.runtime.items() if k != "platform"})
+        except TypeError as exc:
+            raise ConfigError(f"env.reward.engine: {exc}") from None
+        self.model, self.timeout_s = model, timeout_s
+        self.chat_template_kwargs = dict(chat_template_kwargs)
+        self.params: Any = None  # SamplingParams, made with the engine (the interfaces import torch)
+        self.temperature, self.max_tokens = temperature, max_tokens
+        self._engine: Any = None
+        self._tokenizer: Any = None
+        self._pid: int | None = None
+        self._ids = 0
+
+    def _cls(self) -> Any:
+        from roll_core import registry
+
+        if self.target is not None:
+            from hydra.utils import get_object
+
+            return get_object(self.target)
+        return registry.load("roll.infer_engines", self.name)
+
+    def start(self) -> None:
+        """Build the engine and the judge model's tokenizer here (once per process; see the module docstring)."""
+        if self._engine is not None and self._pid == os.getpid():
+            return
+        from transformers import AutoTokenizer
+
+        from roll_core.cluster.roles import resolve_device
+        from roll_core.interfaces import SamplingParams
+        from roll_core.models import resolve_model_path
+
+        cls = self._cls()
+        runtime = resolve_device(dict(self.runtime))
+        path = resolve_model_path(self.model)
+        self._tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=self.runtime["trust_remote_code"])
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise ConfigError(f"env.reward.model={self.model}: the judge model's tokenizer has no chat template")
+        self._engine = cls(**self.own, **{**runtime, "model_path": path})
+        self._pid = os.getpid()
+        self.params = SamplingParams(temperature=self.temperature, max_new_tokens=self.max_tokens)
+
+    def complete(self, conversations: Sequence[Messages]) -> list[Reply]:
+        """One reply per conversation; rows still decoding after `timeout_s` are aborted (timeouts)."""
+        from concurrent.futures import wait
+
+        from roll_core.interfaces import Request
+
+        self.start()
+        engine, limit = self._engine, self._engine.max_context_length
+        replies: list[Reply | None] = [None] * len(conversations)
+        futures: dict[int, Any] = {}
+        ids: dict[int, str] = {}
+        for i, messages in enumerate(conversations):
+            try:
+                toks = self._tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False, **self.chat_template_kwargs
+                )
+                toks = list(toks["input_ids"] if isinstance(toks, dict) else toks)
+                if len(toks) >= limit:
+                    replies[i] = Reply("error", detail=f"judge prompt of {len(toks)} tokens fills the context {limit}")
+                    continue
+                self._ids += 1
+                ids[i] = f"judge-{os.getpid()}-{self._ids}"
+                futures[i] = engine.submit(Request(ids[i], toks, self.params))
+            except Exception as exc:  # one bad row must not cost the batch
+                replies[i] = Reply("error", detail=f"{type(exc).__name__}: {exc}")
+        wait(list(futures.values()), timeout=self.timeout_s)
+        for i, fut in futures.items():
+            if not fut.done():
+                engine.abort(ids[i])
+                replies[i] = Reply("timeout", detail=f"not generated within timeout_s={self.timeout_s}")
+                continue
+            try:
+                out = fut.result()
+            except Exception as exc:
+                replies[i] = Reply("error", detail=f"{type(exc).__name__}: {exc}")
+                continue
+            if out.finish_reason in ("abort", "prompt_too_long"):
+                replies[i] = Reply("error", detail=f"judge request ended: {out.finish_reason}")
+            else:
+                replies[i] = Reply("ok", text=self._tokenizer.decode(out.token_ids, skip_special_tokens=True))
+        return [r if r is not None else Reply("error", detail="no reply") for r in replies]
+
+    def close(self) -> None:
+        """Shut the engine down when this process started it (an inherited one belongs to the parent)."""
+        if self._engine is not None and self._pid == os.getpid():
+            self._engine.shutdown()
+        self._engine = None
+
+
+def _accepted(cls: Any) -> frozenset[str]:
+    from roll_core.interfaces.runtime import accepted_keys
+
+    return accepted_keys(cls) or frozenset()

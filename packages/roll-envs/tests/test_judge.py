@@ -1,0 +1,310 @@
+"""The generative judge reward: its parsers by hand, the OpenAI backend against a real chat-completions server on
+127.0.0.1 (rendered prompts, scores, invalid verdicts, timeouts, HTTP errors, retries, the concurrency limit), the
+engine backend on a tiny random model through the hf engine plugin, the reward inside the reward guard's forked
+child, and the `env/reward=judge` config node."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from roll_core.errors import ConfigError
+from roll_envs.rewards.judge import (
+    COUNTERS,
+    JudgeReward,
+    JudgeUnavailableError,
+    ScoreParser,
+    VerdictParser,
+    check_template,
+)
+
+pytest.importorskip("aiohttp")
+
+
+# ---- parsers ------------------------------------------------------------------------------------------------------
+def test_score_parser_takes_the_last_score_in_range() -> None:
+    p = ScoreParser(0, 10)
+    assert p("The response is right. Score: 7") == pytest.approx(0.7)
+    assert p("Score: 3 at first; on reflection, Score: 8") == pytest.approx(0.8)  # several scores: the last
+    assert p("Step 1 gives 12, step 2 gives 40.\nScore: 9 (of 10)") == pytest.approx(0.9)  # other numbers ignored
+    assert p("Rating: **9**/10") == pytest.approx(0.9)
+    assert p("final: [[ 6 ]]") == pytest.approx(0.6)
+    assert p("score = 7.5") == pytest.approx(0.75)
+    assert p("<think>Score: 2 maybe</think>Score: 6") == pytest.approx(0.6)  # reasoning does not count
+    for invalid in ("Score: 11", "Score: -1", "I would give it a 7", "", "<think>Score: 2, still thinking", "[[x]]"):
+        assert p(invalid) is None, invalid
+    one_to_ten = ScoreParser(1, 10)
+    assert (one_to_ten("[[1]]"), one_to_ten("[[10]]"), one_to_ten("[[0]]")) == (0.0, 1.0, None)
+    assert ScoreParser(0, 10, r"(\d+)\s*/\s*10")("that is 8 / 10") == pytest.approx(0.8)  # a pattern of your own
+    with pytest.raises(ConfigError, match="capture group"):
+        ScoreParser(0, 10, r"\d+")
+    with pytest.raises(ConfigError, match="not a regular expression"):
+        ScoreParser(0, 10, r"(\d+")
+    with pytest.raises(ConfigError, match="low < high"):
+        ScoreParser(10, 0)
+
+
+def test_verdict_parser_reads_marked_then_leading_then_single_labels() -> None:
+    p = VerdictParser({"yes": 1.0, "no": 0.0})
+    assert p("The numbers agree.\nVerdict: yes") == 1.0
+    assert p("It says no to x and yes to y. [[no]]") == 0.0  # a marked label wins over the others
+    assert p("Verdict: no. Yes, I am sure.") == 0.0
+    assert p("YES. It matches, no errors.") == 1.0  # the reply opens with a label
+    assert p("The response is wrong, so no.") == 0.0  # the only label named
+    assert p("<think>yes?</think>\n**No**") == 0.0
+    for invalid in ("I am not sure", "nothing known", "it could be yes, it could be no", "", "<think>yes"):
+        assert p(invalid) is None, invalid
+    graded = VerdictParser({"correct": 1.0, "not correct": -1.0, "Partially": 0.5})
+    assert graded("This is not correct.") == -1.0  # the longer label at the same place
+    assert graded("Verdict: partially") == 0.5
+    with pytest.raises(ConfigError, match="twice"):
+        VerdictParser({"Yes": 1, "yes": 0})
+
+
+def test_templates_name_only_known_fields() -> None:
+    assert check_template("Q {prompt} A {response} R {answer} D {metadata[domain]} {{literal}}") == {
+        "prompt",
+        "response",
+        "answer",
+        "metadata",
+    }
+    for bad in ("{foo} {response}", "{prompt.upper} {response}", "{} {response}", "{response", "{metadata}"):
+        with pytest.raises(ConfigError):
+            check_template(bad)
+    with pytest.raises(ConfigError, match="must name"):
+        JudgeReward(base_url="http://127.0.0.1:9/v1", template="Rate {prompt}")
+    with pytest.raises(ConfigError, match="neither a built-in"):
+        JudgeReward(base_url="http://127.0.0.1:9/v1", template="corectness")
+    with pytest.raises(ConfigError, match=r"needs env\.reward\.base_url"):
+        JudgeReward()
+
+
+# ---- a real OpenAI-compatible server ------------------------------------------------------------------------------
+class ChatServer:
+    """A chat-completions server on 127.0.0.1, run by a daemon thread: the reply to a request is scripted by the
+    first key of `script` found in its last message, as ("reply", text) | ("slow", seconds) | ("status", code,
+    times: then Score: 10) | ("garbage",). Records every body and header, and the most requests open at once."""
+
+    def __init__(self, script: dict[str, tuple], delay_s: float = 0.0) -> None:
+        from aiohttp import web
+
+        self.script, self.delay_s = script, delay_s
+        self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.open = self.peak = 0
+        self.attempts: collections.Counter[str] = collections.Counter()
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.handle)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.1)  # a slow handler is cut off at stop
+        self.loop = asyncio.new_event_loop()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.SockSite(self.runner, sock).start())
+        threading.Thread(target=self.loop.run_forever, daemon=True, name="chat-server").start()
+
+    async def handle(self, request: Any) -> Any:
+        from aiohttp import web
+
+        body = await request.json()
+        self.bodies.append(body)
+        self.headers.append(dict(request.headers))
+        self.open += 1
+        self.peak = max(self.peak, self.open)
+        try:
+            await asyncio.sleep(self.delay_s)
+            last = body["messages"][-1]["content"]
+            key = next((k for k in self.script if k in last), None)
+            action = self.script.get(key, ("reply", "Score: 5"))
+            self.attempts[key] += 1
+            text = action[1] if action[0] == "reply" else "Score: 10"
+            if action[0] == "slow":
+                await asyncio.sleep(action[1])
+            elif action[0] == "status" and self.attempts[key] <= action[2]:
+                return web.Response(status=action[1], text="overloaded")
+            elif action[0] == "garbage":
+                return web.Response(text='{"choices": [', content_type="application/json")
+            message = {"role": "assistant", "content": text}
+            return web.json_response({"object": "chat.completion", "choices": [{"index": 0, "message": message}]})
+        finally:
+            self.open -= 1
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture
+def server() -> Iterator[ChatServer]:
+    srv = ChatServer(
+        {
+            "good": ("reply", "Both say 4. Score: 9"),
+            "meh": ("reply", "<think>Score: 10?</think>Partly right. Score: 3"),
+            "babble": ("reply", "I like this response a lot!"),
+            "slow": ("slow", 3.0),
+            "broken": ("status", 500, 99),
+            "denied": ("status", 401, 99),
+            "garbage": ("garbage",),
+            "flaky": ("status", 503, 1),
+        }
+    )
+    yield srv
+    srv.stop()
+
+
+def _reward(url: str, **kw: Any) -> JudgeReward:
+    args: dict[str, Any] = {
+        "base_url": url,
+        "model": "judge-7b",
+        "template": "Q: {prompt}\nRef: {answer}\nDomain: {metadata[domain]}\nA: {response}",
+        "system_prompt": "You grade.",
+        "timeout_s": 0.5,
+        "max_retries": 2,
+        "retry_backoff_s": 0.01,
+        "invalid_score": -1.0,
+        "correct_threshold": 0.7,
+        "max_tokens": 64,
+    }
+    return JudgeReward(**{**args, **kw})
+
+
+def test_openai_backend_scores_counts_and_sends_the_rendered_prompt(
+    server: ChatServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("JUDGE_KEY", "sekret")
+    reward = _reward(server.url, api_key_env="JUDGE_KEY", extra_body={"seed": 0})
+    responses = ["good", "meh", "babble", "slow", "broken", "denied", "garbage", "flaky", "good"]
+    meta: list[dict[str, Any]] = [{"domain": "math"}] * 8 + [{"source": "no domain"}]
+    res = reward.score(responses, ["4"] * 9, prompts=["What is 2+2?"] * 9, metadata=meta)
+    assert res.scores == pytest.approx([0.9, 0.3, -1, -1, -1, -1, -1, 1.0, -1])
+    assert res.correct == [1, 0, 0, 0, 0, 0, 0, 1, 0]
+    assert res.formatted == [1, 1, 0, 0, 0, 0, 0, 1, 0]
+    # broken: 2 retries then an error; denied (401): no retry; flaky: one 503 then a reply.
+    assert res.counters == {
+        "judge_invalid": 1,
+        "judge_timeouts": 1,
+        "judge_errors": 3,
+        "judge_render_errors": 1,
+        "judge_retries": 3,
+    }
+    assert server.attempts["broken"] == 3 and server.attempts["denied"] == 1 and server.attempts["flaky"] == 2
+    first = next(b for b in server.bodies if "A: good" in b["messages"][-1]["content"])
+    assert first == {
+        "model": "judge-7b",
+        "max_tokens": 64,
+        "temperature": 0.0,
+        "seed": 0,
+        "messages": [
+            {"role": "system", "content": "You grade."},
+            {"role": "user", "content": "Q: What is 2+2?\nRef: 4\nDomain: math\nA: good"},
+        ],
+    }
+    assert len(server.bodies) == 8 + 3  # 8 rows (the one without a domain was not sent) and 3 retries
+    assert {h["Authorization"] for h in server.headers} == {"Bearer sekret"}
+
+
+def test_openai_backend_limits_concurrency_and_the_batch_time(server: ChatServer) -> None:
+    server.delay_s = 0.1
+    t0 = time.perf_counter()
+    res = _reward(server.url, concurrency=2).score(["good"] * 6, ["4"] * 6, ["q"] * 6, [{"domain": "d"}] * 6)
+    assert time.perf_counter() - t0 >= 0.3  # 6 requests of 0.1 s, 2 at a time
+    assert server.peak == 2 and res.scores == pytest.approx([0.9] * 6)
+    # A deadline on the whole call: the slow row is cut off there, the fast one keeps its score.
+    server.delay_s = 0.0
+    cut = _reward(server.url, template="verdict", timeout_s=5, batch_timeout_s=0.3, labels={"yes": 1, "no": 0})
+    server.script["good"] = ("reply", "Verdict: yes")
+    res = cut.score(["good", "slow"], ["4", "4"], ["q", "q"])
+    assert res.scores == [1.0, -1.0] and res.correct == [1.0, 0.0]
+    assert (res.counters["judge_timeouts"], res.counters["judge_errors"]) == (1, 0)
+
+
+def test_a_judge_that_answers_no_row_raises_for_the_guard(server: ChatServer) -> None:
+    with pytest.raises(JudgeUnavailableError, match="any of 2 rows"):
+        _reward(server.url).score(["broken", "slow"], ["4", "4"], ["q", "q"], [{"domain": "d"}] * 2)
+    dead = _reward("http://127.0.0.1:9/v1", max_retries=0)  # nothing listens on port 9
+    with pytest.raises(JudgeUnavailableError, match="errors"):
+        dead.score(["a"], ["4"], ["q"], [{"domain": "d"}])
+
+
+def test_in_the_reward_guards_forked_child(server: ChatServer) -> None:
+    from roll_core.cluster.reward_guard import GuardedReward
+
+    guarded = GuardedReward(_reward(server.url), isolation="process", timeout_s=5, batch_timeout_s=10)
+    try:
+        res = guarded.score(["good", "babble"], ["4", "4"], prompts=["q", "q"], metadata=[{"domain": "d"}] * 2)
+        assert res.scores == pytest.approx([0.9, -1.0])
+        assert res.counters["judge_invalid"] == 1 and res.counters["failed_rows"] == 0
+        assert guarded._child is not None and guarded._child._pid is not None  # it ran in the child
+    finally:
+        guarded.close()
+    down = GuardedReward(_reward("http://127.0.0.1:9/v1", max_retries=0), isolation="process", error_score=-5)
+    try:
+        res = down.score(["a", "b"], ["4", "4"], prompts=["q", "q"], metadata=[{"domain": "d"}] * 2)
+        assert res.scores == [-5, -5] and res.counters["failed_errors"] == 2  # the run's failure budget sees it
+    finally:
+        down.close()
+
+
+# ---- a rollout engine of its own ----------------------------------------------------------------------------------
+def test_engine_backend_on_a_tiny_random_model(tmp_path: Path) -> None:
+    from roll_core.testing.models import tiny_model
+
+    path = tiny_model("qwen2", tmp_path / "judge")  # 256 positions, a character tokenizer
+    engine = {"name": "hf", "max_num_seqs": 4, "num_threads": 1, "device": "cpu", "dtype": "float32"}
+    reward = JudgeReward(
+        backend="engine", model=path, template="{response}|Score:", engine=engine, max_tokens=6, invalid_score=-1
+    )
+    assert reward.backend._engine is None  # nothing starts before the first score
+    responses = ["4", "four", "2+2=4", "x" * 300]  # the last one does not fit the judge's context
+    res = reward.score(responses, ["4"] * 4)
+    try:
+        assert reward.backend._engine is not None
+        assert all(math.isfinite(s) for s in res.scores) and len(res.scores) == 4
+        assert res.counters["judge_errors"] == 1 and res.scores[3] == -1.0
+        # A random model's six characters are no verdict: every judged row is counted invalid.
+        assert res.counters["judge_invalid"] == 3 and res.scores[:3] == [-1.0] * 3
+        replies = reward.backend.complete([[{"role": "user", "content": "4|Score:"}]] * 2)
+        assert [r.kind for r in replies] == ["ok", "ok"]
+        assert replies[0].text == replies[1].text and 0 < len(replies[0].text) <= 6  # greedy, max_tokens
+    finally:
+        reward.close()
+    assert set(res.counters) == set(COUNTERS)
+
+
+def test_engine_config_errors_before_anything_starts(tmp_path: Path) -> None:
+    kw: dict[str, Any] = {"backend": "engine", "model": str(tmp_path)}
+    with pytest.raises(ConfigError, match=r"not an installed inference engine; installed: .*hf"):
+        JudgeReward(**kw, engine={"name": "hff"})
+    with pytest.raises(ConfigError, match="world_size configure a role's workers"):
+        JudgeReward(**kw, engine={"name": "hf", "world_size": 2})
+    with pytest.raises(ConfigError, match="max_num_seq"):
+        JudgeReward(**kw, engine={"name": "hf", "max_num_seq": 2})
+    with pytest.raises(ConfigError, match=r"needs env\.reward\.model"):
+        JudgeReward(backend="engine")
+
+
+# ---- config ------------------------------------------------------------------------------------------------------
+def test_env_reward_judge_composes_and_builds() -> None:
+    from roll_core.config import load_config
+    from roll_core.config.build import build
+    from roll_envs.rewards.judge import JudgeRewardConfig
+
+    base = ["model=tiny", "env=arithmetic", "env.train_size=20", "env.eval_size=5", "env/reward=judge"]
+    cfg = load_config([*base, "env.reward.base_url=http://127.0.0.1:9/v1", "env.reward.template=verdict"])
+    assert isinstance(cfg.env.reward, JudgeRewardConfig) and cfg.env.reward.timeout_s == 60.0
+    reward = build(cfg.env).reward
+    assert isinstance(reward, JudgeReward) and reward.spec.mode == "verdict" and reward.spec.correct_threshold == 1
+    with pytest.raises(ConfigError, match="base_url"):
+        JudgeRewardConfig()  # the schema's own checks (run by load_config)
+    with pytest.raises(Exception, match="templat"):
+        load_config([*base, "env.reward.base_url=http://x/v1", "env.reward.templat=verdict"])
