@@ -20,10 +20,11 @@ Definitions (what each checker counts; tests/test_ifeval.py checks each by hand)
   two such characters, or a `.` or `,` between two digits, joins the parts: "don't", "well-known", "3.14" and
   "1,000" are one word each; "e.g." is two ("e", "g"); `_` and punctuation separate words. A script written without
   spaces (Chinese) counts each unbroken run as one word.
-- A *sentence* ends at a run of `.`, `!`, `?`, `…`, `。`, `！` or `？` (closing quotes or brackets may follow) that
-  is followed by whitespace or the end of the text, and at every line break; only pieces with at least one word
-  count. So "Hi. How are you?" is 2, "3.14 is pi." is 1, every bullet line is its own sentence, and an
-  abbreviation ("Dr. Smith") ends a sentence: no abbreviation list.
+- A *sentence* ends at a run of `.`, `!`, `?` or `…` (closing quotes or brackets may follow) that is followed by
+  whitespace or the end of the text, at a run of `。`, `！` or `？` wherever it is (those scripts put no space
+  after them), and at every line break; only pieces with at least one word count. So "Hi. How are you?" is 2,
+  "3.14 is pi." is 1, every bullet line is its own sentence, and an abbreviation ("Dr. Smith") ends a sentence:
+  there is no abbreviation list.
 - A *paragraph* is a piece of the text between blank lines (lines empty or whitespace only) holding a word.
 - A *bullet* is a line whose first non-blank character is `-` or `*`, followed by a space or tab and then text that
   is not only dashes and asterisks: "- milk" and "  * eggs" (nested bullets count too) are bullets; "**bold**",
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 
 _WORD = re.compile(r"[^\W_]+(?:(?:['’-]|(?<=\d)[.,](?=\d))[^\W_]+)*")
 # A sentence end: terminal punctuation (and closing quotes/brackets) before whitespace or the end; or a line break.
-_SENTENCE_END = re.compile(r"[.!?…。！？]+[\"'”’)\]]*(?=\s|$)|\n")
+_SENTENCE_END = re.compile(r"[.!?…]+[\"'”’)\]]*(?=\s|$)|[。！？]+[\"'”’)\]」』]*|\n")
 _BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
 _BULLET = re.compile(r"[ \t]*[-*][ \t]+(.*)")
 _FENCE = re.compile(r"```(?:json|JSON)?[ \t]*\n(.*?)\n?[ \t]*```", re.S)
