@@ -16,8 +16,9 @@ def _overrides(tmp: Path, seven: Path, out: str, *extra: str) -> list[str]:
     return [
         *base,
         "env=multi",
-        "~env@env.tasks.arithmetic",
-        "~env@env.tasks.countdown",
+        "~env@env.tasks.math",
+        "~env@env.tasks.code",
+        "~env@env.tasks.instruct",
         "+env@env.tasks.seven=file",
         f"env.tasks.seven.path={seven}",
         "env.tasks.seven.eval_size=8",

@@ -127,8 +127,14 @@ def test_bad_multi_configs_are_config_errors(kw: dict[str, Any], message: str) -
 def test_env_multi_composes_with_its_subtasks_typed() -> None:
     from roll_core.config import load_config
 
-    cfg = load_config(["env=multi", "+env.counts.arithmetic=2", "+env.counts.countdown=2"])
-    assert sorted(cfg.env.tasks) == ["arithmetic", "countdown"]
-    assert type(cfg.env.tasks["arithmetic"]).__name__ == "ArithmeticEnvConfig"
+    cfg = load_config(["env=multi", "+env.counts.math=2", "+env.counts.code=1", "+env.counts.instruct=1"])
+    assert list(cfg.env.tasks) == ["math", "code", "instruct"]
+    assert [type(t).__name__ for t in cfg.env.tasks.values()] == [
+        "ArithmeticEnvConfig",
+        "CodeEnvConfig",
+        "InstructEnvConfig",
+    ]
     with pytest.raises(ConfigError, match="digitz"):  # a sub-task's unknown key is an error, as for env=arithmetic
-        load_config(["env=multi", "env.tasks.arithmetic.digitz=2"])
+        load_config(["env=multi", "env.tasks.math.digitz=2"])
+    cfg = load_config(["experiment=multi_domain"])
+    assert cfg.env.counts == {"math": 2, "code": 1, "instruct": 1} and cfg.pipeline.rollout_batch_size == 4

@@ -29,7 +29,7 @@ from aiohttp import web
 from roll_core.cluster.reward_guard import GuardedReward
 from roll_core.errors import ConfigError
 from roll_envs.rewards.remote import COUNTERS, RemoteReward
-from roll_envs.rewards.serve import RunningServer, build_reward
+from roll_envs.rewards.serve import RunningServer, build_reward, serve_in_thread
 
 #: Math rows: boxed right, LaTeX right (math-verify's symbolic path), unboxed right number, wrong, nothing.
 RESPONSES = ["so \\boxed{12}", "\\boxed{\\frac{1}{2}}", "the answer is 7", "\\boxed{13}", "no idea"]
@@ -252,3 +252,21 @@ def test_the_config_composes() -> None:
     assert (reward.url, reward.max_concurrency, reward.batch_size) == ("http://127.0.0.1:9/score", 2, 16)
     with pytest.raises(ConfigError, match="urll"):
         load_config([*base, "env.reward.urll=http://x"])
+
+
+class _Contextual:
+    """Scores 1 when the response repeats the prompt and the metadata's `domain` is "math"."""
+
+    def score(self, responses, answers, prompts=None, metadata=None):
+        from roll_core.interfaces import RewardResult
+
+        ok = [float(r == p and m.get("domain") == "math") for r, p, m in zip(responses, prompts, metadata)]
+        return RewardResult(scores=ok, correct=ok, formatted=[1.0] * len(ok))
+
+
+def test_the_server_gives_prompts_and_metadata_to_a_reward_that_declares_them() -> None:
+    with serve_in_thread(_Contextual()) as served:
+        res = _remote(served.url).score(
+            ["p1", "p2", "x"], ["", "", ""], prompts=["p1", "p2", "p3"], metadata=[{"domain": "math"}, {}, {}]
+        )
+    assert (res.scores, res.formatted) == ([1.0, 0.0, 0.0], [1.0] * 3)

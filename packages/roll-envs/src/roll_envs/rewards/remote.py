@@ -192,8 +192,9 @@ class RemoteReward(Reward):
 
         results: list[Any] = [None] * len(rows)
         limit = asyncio.Semaphore(self.max_concurrency)
-        # Connections as many as requests in flight; the session lives for this call only (see the docstring).
-        connector = aiohttp.TCPConnector(limit=self.max_concurrency)
+        # The semaphore alone bounds the requests in flight: a connector limit would make a request wait for a
+        # connection inside its own timeout. The session lives for this call only (see the module docstring).
+        connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, headers=self.headers) as session:
 
             async def one(start: int) -> None:
