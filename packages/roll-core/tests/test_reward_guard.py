@@ -197,3 +197,49 @@ def test_the_failure_budget_stops_after_n_steps_whose_rows_all_failed_and_totals
     assert never.summary()["reward_all_failed_steps"] == 10
     with pytest.raises(ValueError, match="max_reward_failure_steps=-1"):
         RewardFailureBudget(max_steps=-1)
+
+
+class _Contextual:
+    """Scores len(prompt) + metadata["bonus"]; fails on a row whose metadata says so (to force row-by-row)."""
+
+    def score(
+        self,
+        responses: Sequence[str],
+        answers: Sequence[str],
+        prompts: Sequence[str] | None = None,
+        metadata: Sequence[dict] | None = None,
+    ) -> RewardResult:
+        assert prompts is not None and metadata is not None, "context not passed"
+        if len(responses) > 1 and any(m.get("fail_batch") for m in metadata):
+            raise RuntimeError("batch call fails")
+        s = [len(p) + m["bonus"] for p, m in zip(prompts, metadata)]
+        return RewardResult(s, [1.0] * len(s), [1.0] * len(s))
+
+
+class _Kwargs:
+    def score(self, responses: Sequence[str], answers: Sequence[str], **context: object) -> RewardResult:
+        return RewardResult([float(len(context))] * len(responses), [0.0] * len(responses), [0.0] * len(responses))
+
+
+@pytest.mark.parametrize("isolation", ["process", "inline"])
+def test_prompts_and_metadata_reach_rewards_that_declare_them(isolation: str) -> None:
+    from roll_core.interfaces.tasks import reward_kwargs
+
+    meta = [{"bonus": 1.0}, {"bonus": 2.0, "fail_batch": True}]
+    guard = GuardedReward(_Contextual(), isolation=isolation)
+    try:
+        # The batch call fails, the row-by-row pass gives each row its own prompt and metadata.
+        res = guard.score(["a", "b"], ["x", "y"], prompts=["pp", "qqq"], metadata=meta)
+        assert res.scores == [3.0, 5.0] and res.counters["failed_rows"] == 0
+    finally:
+        guard.close()
+    # A reward written for score(responses, answers) gets neither; **kwargs gets both; None is never passed.
+    plain = GuardedReward(RowFaults(), isolation="inline")
+    assert plain.score(["1"], ["1"], prompts=["p"], metadata=[{}]).counters["failed_rows"] == 0
+    assert reward_kwargs(RowFaults(), prompts=["p"], metadata=[{}]) == {}
+    assert reward_kwargs(_Kwargs(), prompts=["p"], metadata=None) == {"prompts": ["p"]}
+    assert GuardedReward(_Kwargs(), isolation="inline").score(["r"], ["a"], prompts=["p"], metadata=[{}]).scores == [
+        2.0
+    ]
+    with pytest.raises(ValueError, match="2 responses but 1 prompts"):
+        guard.score(["a", "b"], ["x", "y"], prompts=["p"])
