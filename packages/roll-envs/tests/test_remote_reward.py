@@ -19,6 +19,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,6 +30,7 @@ from aiohttp import web
 
 from roll_core.cluster.reward_guard import GuardedReward
 from roll_core.errors import ConfigError
+from roll_core.testing.rewards import Case, RewardTestSuite
 from roll_envs.rewards.remote import COUNTERS, RemoteReward
 from roll_envs.rewards.serve import RunningServer, build_reward, serve_in_thread
 
@@ -112,20 +115,22 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
-def test_the_reference_server_scores_like_the_reward_it_serves() -> None:
+def test_the_reference_server_scores_like_the_reward_it_serves(tmp_path: Path) -> None:
     """`python -m roll_envs.rewards.serve --reward math`: the same scores as MathReward's own, its counters
     forwarded; a malformed request gets 400 with a message; /health answers."""
     from roll_envs.rewards.math import MathReward
 
     cmd = [sys.executable, "-m", "roll_envs.rewards.serve", "--reward", "math", "--port", "0"]
     cmd += ["-o", "last_number_weight=0.5", "-o", "format_weight=0.1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+    log = tmp_path / "server.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, preexec_fn=_die_with_parent)
     try:
+        own = MathReward(last_number_weight=0.5, format_weight=0.1).score(RESPONSES, ANSWERS)  # while it starts
         line = proc.stdout.readline()
-        assert "serving reward 'math' at http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() else "")
+        assert "serving reward 'math' at http://127.0.0.1:" in line, (line, log.read_text())
         url = line.split(" at ")[1].strip()
         remote = _remote(url, batch_size=2).score(RESPONSES, ANSWERS, prompts=["p"] * 5, metadata=[{}] * 5)
-        own = MathReward(last_number_weight=0.5, format_weight=0.1).score(RESPONSES, ANSWERS)
         assert remote.scores == pytest.approx(own.scores) and remote.scores == pytest.approx([1.1, 1.1, 0.5, 0.1, 0.0])
         assert (remote.correct, remote.formatted) == (own.correct, own.formatted)
         assert remote.counters["no_boxed"] == own.counters["no_boxed"] == 2  # the service's own counters
@@ -270,3 +275,25 @@ def test_the_server_gives_prompts_and_metadata_to_a_reward_that_declares_them() 
             ["p1", "p2", "x"], ["", "", ""], prompts=["p1", "p2", "p3"], metadata=[{"domain": "math"}, {}, {}]
         )
     assert (res.scores, res.formatted) == ([1.0, 0.0, 0.0], [1.0] * 3)
+
+
+@cache
+def _served_countdown() -> RunningServer:
+    """The countdown reward served from this process for the conformance suite (one server for its tests)."""
+    from roll_envs.tasks.countdown import CountdownReward
+
+    return serve_in_thread(CountdownReward())
+
+
+class TestRemoteRewardConformance(RewardTestSuite):
+    """The reward contract holds through the protocol (malformed responses, lone surrogates, 100k characters)."""
+
+    cases = (
+        Case("\\boxed{(1 + 2) * 3}", "9|1,2,3", correct=True),
+        Case("\\boxed{9}", "9|1,2,3", correct=False),
+        Case("\\boxed{1 + 2 + 3}", "9|1,2,3", correct=False),
+    )
+
+    @classmethod
+    def build_reward(cls) -> RemoteReward:
+        return _remote(_served_countdown().url)
