@@ -141,17 +141,25 @@ class PromptCollector:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict(), "reward_budget": self.reward_budget.state_dict()}
+        state = {"sampler": self.sampler.state_dict(), "reward_budget": self.reward_budget.state_dict()}
+        if self.reward_model is not None:  # its running statistics (normalize=running) resume too
+            state["reward_model"] = self.reward_model.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])
         if "reward_budget" in state:
             self.reward_budget.load_state_dict(state["reward_budget"])
+        if self.reward_model is not None and "reward_model" in state:
+            self.reward_model.load_state_dict(state["reward_model"])
 
     def summary(self) -> dict[str, Any]:
         """Reward failures of the run (rows, failed rows by cause, steps whose rows all failed) and the data rows
         skipped when the task loaded its files."""
-        return {**self.reward_budget.summary(), "skipped_rows": dict(getattr(self.task, "skipped_rows", {}) or {})}
+        out = {**self.reward_budget.summary(), "skipped_rows": dict(getattr(self.task, "skipped_rows", {}) or {})}
+        if self.reward_model is not None:
+            out["reward_model"] = self.reward_model.summary()
+        return out
 
     def close(self) -> None:
         if self.reward_model is not None:
