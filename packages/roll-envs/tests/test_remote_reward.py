@@ -79,7 +79,7 @@ class Script:
             if route == "echo":
                 self.rows += rows
                 self.auth.append(request.headers.get("Authorization"))
-                self.extra.append(request.headers.get("X-Run"))
+                self.extra.append(f"{request.headers.get('X-Run')} {request.content_type}")
                 self.in_flight += 1
                 self.max_in_flight = max(self.max_in_flight, self.in_flight)
                 await asyncio.sleep(0.1)
@@ -216,10 +216,12 @@ def test_concurrency_limit_and_context_arrive(server: Any, monkeypatch: pytest.M
     assert res.counters["service_cache_hits"] == n
     arrived = sorted(script.rows, key=lambda r: r["metadata"]["i"])
     assert [(r["prompt"], r["metadata"]) for r in arrived] == [(f"p{i}", meta[i]) for i in range(n)]
-    assert set(script.auth) == {"Bearer s3cret"} and set(script.extra) == {"7"}
+    assert set(script.auth) == {"Bearer s3cret"} and set(script.extra) == {"7 application/json"}
     monkeypatch.delenv("VERIFIER_KEY")
     with pytest.raises(ConfigError, match="VERIFIER_KEY is not set"):
         _remote(f"{base}/echo", api_key_env="VERIFIER_KEY")
+    with pytest.raises(ConfigError, match="do not put the API key"):
+        _remote(f"{base}/echo", headers={"authorization": "Bearer s3cret"})
 
 
 def test_in_a_forked_child_off_the_main_thread_and_inside_an_event_loop(server: Any) -> None:

@@ -135,6 +135,12 @@ class RemoteReward(Reward):
         self.timeout_s, self.max_retries = float(timeout_s), max_retries
         self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
         self.error_score, self.correct_threshold = float(error_score), float(correct_threshold)
+        if any(k.lower() == "authorization" for k in headers or {}):
+            # A key written in the config lands in logs, checkpoints and trackers' config dumps.
+            raise ConfigError(
+                "env.reward.headers: do not put the API key (Authorization) in the config; export it and name the "
+                "variable: env.reward.api_key_env=MY_VERIFIER_KEY"
+            )
         self.headers = {"Content-Type": "application/json", **dict(headers or {})}
         if api_key_env is not None:
             key = os.environ.get(api_key_env)
