@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from roll_core.errors import Extra
-from roll_core.interfaces.inference import StructuredOutput
+from roll_core.interfaces.inference import STRUCTURED_ENGINES, STRUCTURED_KEY, StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +45,21 @@ STRUCTURED = Extra(
 )
 
 #: Engines that constrain decoding (roll's own names); others refuse a request that carries `structured`.
-INFER_ENGINES = ("hf", "vllm", "sglang")
+INFER_ENGINES = STRUCTURED_ENGINES
 #: Training engines whose log-probs replay the constraint (fsdp2 shares the hf engine's forward).
 TRAIN_ENGINES = ("hf", "fsdp2")
 
 
-def refusal(engine: str) -> str:
-    """The error text of an inference engine that cannot constrain decoding."""
-    return (
-        f"infer_engine={engine} cannot constrain decoding (SamplingParams.structured: JSON schema / regex): "
-        f"use infer_engine={' or '.join(INFER_ENGINES)}"
-    )
+def refuse_constrained_batch(batch: Any, engine: str) -> None:
+    """Raise for a batch with constrained rows on a training engine that cannot replay constraints: its log-probs
+    would be of the unconstrained policy, a different one from the sampler's."""
+    encoded = batch.get(STRUCTURED_KEY) if hasattr(batch, "get") else None
+    if encoded is not None and bool(encoded.any()):
+        raise ValueError(
+            f"train_engine={engine} cannot compute log-probs under structured-output constraints (the batch's "
+            f"{STRUCTURED_KEY!r} rows): use train_engine={' or '.join(TRAIN_ENGINES)}, or sample without "
+            "SamplingParams.structured"
+        )
 
 
 @functools.lru_cache(maxsize=256)

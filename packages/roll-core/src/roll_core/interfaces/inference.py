@@ -277,6 +277,22 @@ class UnsupportedSamplingError(ValueError):
     """Sampling parameters this engine cannot honour (a config error naming the engine)."""
 
 
+#: roll's inference engines that constrain decoding (engines declare it with `structured_outputs = True`).
+STRUCTURED_ENGINES = ("hf", "vllm", "sglang")
+
+
+def check_structured(engine: object, params: SamplingParams) -> None:
+    """Refuse a constrained request on an engine that does not declare `structured_outputs = True` (a plugin's
+    engine that predates structured outputs would otherwise ignore the constraint silently). Callers that route
+    requests to an engine (the infer worker) call it next to `engine.check_sampling`."""
+    if params.structured is not None and not getattr(engine, "structured_outputs", False):
+        name = getattr(engine, "name", type(engine).__name__)
+        raise UnsupportedSamplingError(
+            f"infer_engine={name} cannot constrain decoding (SamplingParams.structured: a JSON schema or regex): "
+            f"use infer_engine={', '.join(STRUCTURED_ENGINES)}"
+        )
+
+
 @runtime_checkable
 class InferEngine(Protocol):
     """What an inference worker hosts. Engines take plain values and never a Hydra config."""
@@ -285,6 +301,8 @@ class InferEngine(Protocol):
     name: str
     #: Whether requests submitted while others run join the running batch (continuous batching).
     continuous_batching: ClassVar[bool]
+    # Optional: `structured_outputs: ClassVar[bool] = True` where `SamplingParams.structured` is honoured (masked
+    # decoding, log-probs of the masked distribution); see `check_structured`.
 
     @property
     def max_context_length(self) -> int:

@@ -75,6 +75,8 @@ class HFInferEngine:
     """Sampling engine over a transformers model; weights are replaced in place by `update_weights`."""
 
     continuous_batching: ClassVar[bool] = True
+    #: SamplingParams.structured is honoured (roll_core.interfaces.inference.check_structured).
+    structured_outputs: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -19,6 +19,11 @@ How the contract maps:
   its scheduler processes, and torch refuses to re-share a tensor received from another process, as the cuda_ipc
   transport's are), inside `begin_weight_update()`/`end_weight_update()` on 0.5.21+
   (without them SGLang silently returns failure), then `flush_cache()`. Every (success, message) is checked.
+- Structured outputs: `SamplingParams.structured` becomes SGLang's `regex` sampling parameter, the regex
+  roll_engines.structured derives (a JSON schema through outlines-core), so every engine constrains the same
+  language. SGLang applies the grammar's vocabulary mask to the logits before its sampler; that its reported
+  log-probs are those of the masked distribution, and that its masks equal outlines-core's (exact in principle with
+  `grammar_backend="outlines"`), is NOT verified here (no SGLang on CPU): check on a GPU before trusting ratios.
 - Sleep: `release_memory_occupation(tags)` / `resume_memory_occupation(tags)` (needs `enable_memory_saver`);
   level 1 releases the KV cache and CUDA graphs, level 2 the weights too.
 - `shutdown()` kills every child process of this process (SGLang's behaviour): host one engine per Ray actor.
@@ -74,6 +79,10 @@ def to_sglang_sampling(params: SamplingParams, max_new_tokens: int) -> dict[str,
         out["stop_token_ids"] = list(params.stop_token_ids)
     if params.seed is not None:
         out["sampling_seed"] = int(params.seed) % (2**31)
+    if params.structured is not None:
+        from roll_engines.structured import to_regex
+
+        out["regex"] = to_regex(params.structured)
     return out
 
 
@@ -90,6 +99,8 @@ class SGLangInferEngine:
     """SGLang `Engine` (tensor parallel inside it) implementing roll_core.interfaces.InferEngine."""
 
     continuous_batching: ClassVar[bool] = True
+    #: SamplingParams.structured is honoured (roll_core.interfaces.inference.check_structured).
+    structured_outputs: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -114,6 +125,9 @@ class SGLangInferEngine:
         log_level: str = "error",
         trust_remote_code: bool = False,
         deterministic: bool = False,
+        # SGLang's grammar backend for structured outputs (None: SGLang's default, xgrammar); "outlines" makes its
+        # masks those the trainer replays (needs the `outlines` package in SGLang's environment).
+        grammar_backend: str | None = None,
         # Every engine gets model.attn_implementation (roll_core.interfaces.runtime); this one picks its own
         # attention backend, so the value is not used.
         attn_implementation: str = "sdpa",
@@ -154,6 +168,8 @@ class SGLangInferEngine:
             "context_length": self._context,
             "trust_remote_code": trust_remote_code,
         }
+        if grammar_backend:
+            kwargs["grammar_backend"] = grammar_backend
         if deterministic:  # SGLang honours per-request seeds only in deterministic mode (its pytorch sampler)
             kwargs["enable_deterministic_inference"] = True
         self._deterministic = deterministic
@@ -185,6 +201,10 @@ class SGLangInferEngine:
         return int(self._pad_id)
 
     def check_sampling(self, params: SamplingParams) -> None:
+        if params.structured is not None:  # a bad schema fails here, naming itself, not inside SGLang
+            from roll_engines.structured import to_regex
+
+            to_regex(params.structured)
         if params.top_p < 1 or params.top_k > 0:
             raise UnsupportedSamplingError(
                 f"infer_engine={self.name if hasattr(self, 'name') else 'sglang'} reports log-probs before "

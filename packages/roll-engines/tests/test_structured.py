@@ -1,0 +1,217 @@
+"""Structured outputs (JSON schema / regex constrained decoding) on the built-in tiny random model.
+
+A random model is the best adversary: left alone it writes noise, so every sample matching its constraint shows the
+mask works. The log-prob checks are the trainer's side: the sampler's reported log-probs are log_softmax of the
+masked logits of a teacher-forced forward, and the hf train engine, given the batch's `structured` rows, recomputes
+exactly those (and without them, different ones: the unconstrained policy).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+
+from roll_core.errors import MissingExtraError
+from roll_core.interfaces.inference import (
+    STRUCTURED_KEY,
+    SamplingParams,
+    StructuredOutput,
+    UnsupportedSamplingError,
+    check_structured,
+    structured_from_rows,
+    structured_rows,
+)
+from roll_core.models import resolve_model_path
+from roll_core.sequences import build_sequences, pad_left
+
+REGEX = StructuredOutput(regex=r"[a-c]{2,4}(x|yz)")
+SCHEMA = StructuredOutput(
+    json_schema={
+        "type": "object",
+        "properties": {"s": {"type": "string", "maxLength": 2}, "k": {"enum": [1, 22, False]}},
+        "required": ["s", "k"],
+    }
+)
+T = 0.9
+
+
+@pytest.fixture(scope="module")
+def tiny() -> str:
+    return resolve_model_path("builtin:tiny")
+
+
+@pytest.fixture(scope="module")
+def infer(tiny: str) -> Any:
+    from roll_engines.infer.hf import HFInferEngine
+
+    engine = HFInferEngine(tiny, max_new_tokens=48, num_threads=1)  # 2 shared CPU cores: threads only contend
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def samples(infer: Any) -> list[dict[str, Any]]:
+    """Rows sampled at T: 2 prompts x 3 under the regex, under the schema and unconstrained (8 tokens)."""
+    prompts = [infer.tokenizer("hello")["input_ids"], infer.tokenizer("{name}")["input_ids"]]
+    rows = []
+    for c, max_new in ((REGEX, 48), (SCHEMA, 48), (None, 8)):
+        out = infer.generate(prompts, SamplingParams(temperature=T, max_new_tokens=max_new, seed=3, structured=c), 3)
+        for i in range(len(out.finish_reasons)):
+            n = int(out.response_mask[i].sum())
+            rows.append(
+                {
+                    "prompt": list(prompts[i // 3]),
+                    "tokens": out.responses[i, :n].tolist(),
+                    "logprobs": out.logprobs[i, :n],
+                    "finish": out.finish_reasons[i],
+                    "constraint": c,
+                }
+            )
+    return rows
+
+
+def _batch(rows: list[dict[str, Any]], pad: int) -> dict[str, torch.Tensor]:
+    r = max(len(x["tokens"]) for x in rows)
+    resp = torch.full((len(rows), r), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), r), dtype=torch.long)
+    logp = torch.zeros((len(rows), r))
+    for i, x in enumerate(rows):
+        n = len(x["tokens"])
+        resp[i, :n], mask[i, :n], logp[i, :n] = torch.tensor(x["tokens"]), 1, x["logprobs"]
+    p_ids, p_mask = pad_left([x["prompt"] for x in rows], pad)
+    batch = build_sequences(p_ids, p_mask, resp, mask)
+    batch.update(responses=resp, response_mask=mask, behaviour_logprobs=logp)
+    batch[STRUCTURED_KEY] = structured_rows([x["constraint"] for x in rows])
+    return batch
+
+
+def test_structured_output_is_validated_and_round_trips() -> None:
+    for bad, match in (
+        ({}, "exactly one"),
+        ({"regex": "a", "json_schema": {}}, "exactly one"),
+        ({"regex": "(a"}, "not a valid regex"),
+        ({"json_schema": "{nope"}, "not valid JSON"),
+        ({"json_schema": [1]}, "JSON object"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            StructuredOutput(**bad)
+    with pytest.raises(ValueError, match="unknown keys"):
+        StructuredOutput.from_dict({"grammar": "x"})
+    # A dict and its text are the same constraint; a SamplingParams accepts the plain form.
+    assert StructuredOutput(json_schema=SCHEMA.schema_text) == SCHEMA
+    assert SamplingParams(structured={"regex": "a+"}).structured == StructuredOutput(regex="a+")
+    encoded = structured_rows([None, REGEX, SCHEMA], width=300)
+    assert encoded.shape == (3, 300) and encoded.dtype == torch.uint8 and not encoded[0].any()
+    assert structured_from_rows(encoded) == [None, REGEX, SCHEMA]
+
+
+def test_every_sample_matches_its_constraint(samples: list[dict[str, Any]], infer: Any) -> None:
+    tok = infer.tokenizer
+    for row in samples:
+        if row["constraint"] is None:
+            continue
+        assert row["finish"] == "stop" and row["tokens"][-1] == tok.eos_token_id, row
+        text = tok.decode(row["tokens"][:-1])
+        if row["constraint"] is REGEX:
+            assert re.fullmatch(REGEX.regex, text), text
+        else:
+            jsonschema.validate(json.loads(text), SCHEMA.schema_dict)
+    # Unconstrained, the same model writes noise: the constraint is what made the samples match.
+    free = [tok.decode(r["tokens"]) for r in samples if r["constraint"] is None]
+    assert not any(re.fullmatch(REGEX.regex, t) for t in free)
+    # Greedy decoding is constrained too.
+    out = infer.generate([tok("x")["input_ids"]], SamplingParams(temperature=0, max_new_tokens=48, structured=REGEX))
+    assert re.fullmatch(REGEX.regex, tok.decode(out.responses[0, :-1].tolist()))
+
+
+def test_behaviour_logprobs_are_of_the_masked_distribution(samples: list[dict[str, Any]], infer: Any) -> None:
+    """Teacher-forced forward, logits / T masked by walking outlines-core's index directly: log_softmax of that
+    gives the reported log-prob of every sampled token; the unmasked log_softmax does not."""
+    from roll_engines.structured import to_regex, vocabulary
+
+    model, tok = infer.model, infer.tokenizer  # the sampler's weights, fp32, in eval mode
+    gap = 0.0
+    for row in samples:
+        if row["constraint"] is None:
+            continue
+        prompt, tokens = row["prompt"], row["tokens"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1] / T
+        index = vocabulary(tok).index(to_regex(row["constraint"]))
+        state, masked = index.get_initial_state(), logits.clone()
+        for t, token in enumerate(tokens):
+            keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
+            keep[list(index.get_allowed_tokens(state))] = True
+            masked[t, ~keep] = float("-inf")
+            if token != tok.eos_token_id:
+                state = index.get_next_state(state, token)
+        ids = torch.tensor(tokens)[:, None]
+        want = torch.log_softmax(masked, -1).gather(-1, ids)[:, 0]
+        torch.testing.assert_close(row["logprobs"], want, atol=1e-4, rtol=1e-4)
+        gap = max(gap, float((torch.log_softmax(logits, -1).gather(-1, ids)[:, 0] - want).abs().max()))
+    assert gap > 0.5, "masking must change the log-probs (else this test checks nothing)"
+
+
+def test_train_engine_replays_the_constraint(samples: list[dict[str, Any]], tiny: str, infer: Any) -> None:
+    from roll_engines.train.hf import HFTrainEngine
+
+    # Chunks of 5 rows mix constrained and unconstrained rows.
+    train = HFTrainEngine(tiny, role="reference", trainable=False, logprob_chunk_size=5, num_threads=1)
+    batch = _batch(samples, infer.pad_id)
+    mask = batch["response_mask"].bool()
+    out = train.compute_logprobs(batch, temperature=T, with_entropy=True)
+    torch.testing.assert_close(out["logprobs"][mask], batch["behaviour_logprobs"][mask], atol=2e-4, rtol=1e-4)
+    assert torch.isfinite(out["entropy"]).all() and train.structured_rejected_rows == 0
+    constrained = torch.tensor([s["constraint"] is not None for s in samples])
+    # Constrained entropies are those of the masked distribution: far below the ~log(V) of a random model's.
+    assert (
+        out["entropy"][constrained][mask[constrained]].mean() < out["entropy"][~constrained][mask[~constrained]].mean()
+    )
+    plain = train.compute_logprobs({k: v for k, v in batch.items() if k != STRUCTURED_KEY}, temperature=T)
+    diff = (plain["logprobs"] - batch["behaviour_logprobs"]).abs() * mask
+    assert diff[constrained].max() > 0.5, "without the constraint the trainer scores another policy"
+    assert diff[~constrained].max() < 2e-4
+    # A token the constraint never allowed: masking stops there (counted), log-probs stay finite.
+    bad = {k: v.clone() for k, v in batch.items()}
+    bad["responses"][0, 1] = infer.tokenizer.convert_tokens_to_ids("Z")
+    got = train.compute_logprobs(bad, temperature=T)["logprobs"]
+    assert torch.isfinite(got).all() and train.structured_rejected_rows == 1
+    torch.testing.assert_close(got[0, 0], batch["behaviour_logprobs"][0, 0], atol=2e-4, rtol=1e-4)
+
+
+def test_engines_without_support_refuse(tiny: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from roll_engines.infer.hf import HFInferEngine
+    from roll_engines.infer.sglang import SGLangInferEngine, to_sglang_sampling
+    from roll_engines.infer.vllm import VLLMInferEngine
+    from roll_engines.structured import refuse_constrained_batch, to_regex
+    from roll_engines.train.hf import HFTrainEngine
+    from roll_engines.train.megatron.engine import MegatronTrainEngine
+
+    params = SamplingParams(structured=SCHEMA)
+
+    class PluginEngine:  # an engine that predates structured outputs
+        name = "myengine"
+
+    with pytest.raises(UnsupportedSamplingError, match=r"infer_engine=myengine cannot constrain.*hf, vllm, sglang"):
+        check_structured(PluginEngine(), params)
+    check_structured(PluginEngine(), SamplingParams())
+    for cls in (HFInferEngine, VLLMInferEngine, SGLangInferEngine):
+        assert cls.structured_outputs
+    assert HFTrainEngine.structured_logprobs and not MegatronTrainEngine.structured_logprobs
+    with pytest.raises(ValueError, match="train_engine=megatron cannot compute log-probs under structured"):
+        refuse_constrained_batch({STRUCTURED_KEY: structured_rows([None, REGEX])}, "megatron")
+    refuse_constrained_batch({STRUCTURED_KEY: structured_rows([None, None])}, "megatron")
+    # SGLang gets the same regex every engine constrains with (SGLang itself is GPU-only: not run here).
+    sent = to_sglang_sampling(params, 16)
+    assert sent["regex"] == to_regex(SCHEMA) and "json_schema" not in sent
+    with pytest.raises(ValueError, match="cannot be compiled"):
+        to_regex(StructuredOutput(json_schema={"type": "object", "properties": {"a": {"$ref": "#/nope"}}}))
+    # Without outlines-core: one line naming the extra.
+    monkeypatch.setitem(__import__("sys").modules, "outlines_core", None)
+    with pytest.raises(MissingExtraError, match=r"roll-engines\[structured\]"):
+        HFInferEngine.check_sampling(None, params)
