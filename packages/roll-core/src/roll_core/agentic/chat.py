@@ -66,7 +66,8 @@ class TurnTemplate:
             raise ValueError(f"the chat template cannot render a user turn after an assistant turn: {exc}") from exc
         if _USER not in after:
             raise ValueError("the chat template drops user turns after the first assistant turn")
-        # What closes an assistant turn; its first token ends the turn when it is a special token.
+        # The text between an assistant turn's content and the next user message's content (the turn's closing
+        # and the user header, e.g. "<|im_end|>\n<|im_start|>user\n"); its first token ends the turn when special.
         self.closing = after[: after.index(_USER)]
         closing_ids = self.encode(self.closing)
         self._stop_ids: list[int] = []
