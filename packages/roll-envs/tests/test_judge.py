@@ -256,16 +256,14 @@ def test_in_the_reward_guards_forked_child(server: ChatServer) -> None:
 
 
 # ---- a rollout engine of its own ----------------------------------------------------------------------------------
-def test_engine_backend_on_a_tiny_random_model(tmp_path: Path) -> None:
-    from roll_core.testing.models import tiny_model
-
-    path = tiny_model("qwen2", tmp_path / "judge")  # 256 positions, a character tokenizer
+def test_engine_backend_on_a_tiny_random_model() -> None:
+    path = "builtin:tiny"  # a random 2-layer Llama (512 positions), a character tokenizer, built once per machine
     engine = {"name": "hf", "max_num_seqs": 4, "num_threads": 1, "device": "cpu", "dtype": "float32"}
     reward = JudgeReward(
         backend="engine", model=path, template="{response}|Score:", engine=engine, max_tokens=6, invalid_score=-1
     )
     assert reward.backend._engine is None  # nothing starts before the first score
-    responses = ["4", "four", "2+2=4", "x" * 300]  # the last one does not fit the judge's context
+    responses = ["4", "four", "2+2=4", "x" * 600]  # the last one does not fit the judge's context
     res = reward.score(responses, ["4"] * 4)
     try:
         assert reward.backend._engine is not None
