@@ -151,7 +151,14 @@ def vllm_venv(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Every CPU test: all packages in one venv (.venv), device-marked tests skipped; then the vLLM engine's
     tests inside its own venv (.venvs/vllm, built here), whose e2e tests also run from the main venv."""
+    # The other venvs (vLLM's, the bare one, the wheel one) build in a second process while the main venv installs:
+    # pip spends much of an install waiting on downloads, so two installs overlap well even on 2 cores.
+    side = None
+    if not session.posargs:
+        side = subprocess.Popen([sys.executable, "-m", "nox", "-s", "vllm_venv", "bare_venv", "wheel_venv"], cwd=ROOT)
     python = _ensure_venv(session)
+    if side is not None and side.wait() != 0:
+        session.error("building .venvs/vllm, .venvs/bare or .venvs/wheel failed (its output is above)")
     vllm = _ensure_engine_venv(session, "vllm") if not session.posargs else engine_python("vllm")
     # .venvs/bare for tests/test_device_checks_script.py (a lent GPU machine's Python): built unless the posargs
     # pick tests that do not include it.
