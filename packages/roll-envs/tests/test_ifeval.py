@@ -327,3 +327,17 @@ def test_held_out_split_is_a_hash_of_the_problem() -> None:
         request = p.prompt.split(". ")[0] + "."
         key = request + json.dumps(p.metadata["constraints"], sort_keys=True)
         assert stable_fraction(key) < 0.3
+
+
+def test_the_conformance_instance_is_never_met_by_garbage(tmp_path: Path) -> None:
+    """The task suite scores malformed responses against one held-out problem: the conformance instance draws only
+    types garbage cannot meet, on every problem (with all types, "x" * 100000 meets "at most 20 words")."""
+    from roll_core.testing.tasks import MALFORMED
+
+    task = InstructTask.conformance_task(0, tmp_path)
+    problems = task.eval_set()
+    for response in MALFORMED:
+        assert InstructionReward().score([response] * len(problems), [p.answer for p in problems]).correct == [
+            0.0
+        ] * len(problems), response[:30]
+    assert check({"type": "word_count", "max": 20}, MALFORMED[3])
