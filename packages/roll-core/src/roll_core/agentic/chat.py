@@ -32,8 +32,11 @@ it is a special token (Gemma 3 ends turns with `<end_of_turn>` while its tokeniz
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _ASSISTANT = "\u2063ROLL-ASSISTANT\u2063"
 _USER = "\u2063ROLL-USER\u2063"
@@ -70,6 +73,14 @@ class TurnTemplate:
         # and the user header, e.g. "<|im_end|>\n<|im_start|>user\n"); its first token ends the turn when special.
         self.closing = after[: after.index(_USER)]
         closing_ids = self.encode(self.closing)
+        if tokenizer.decode(closing_ids, clean_up_tokenization_spaces=False) != self.closing:
+            # e.g. a SentencePiece tokenizer that prefixes a space to every encoded string: each continuation would
+            # carry a token the template does not have (the trajectory stays self-consistent, but drifts from it)
+            log.warning(
+                "the tokenizer does not encode the chat template's turn boundary %r back to itself: continuations "
+                "may differ from the template's rendering",
+                self.closing,
+            )
         self._stop_ids: list[int] = []
         if closing_ids and self._is_special(closing_ids[0]):
             self._stop_ids.append(closing_ids[0])
