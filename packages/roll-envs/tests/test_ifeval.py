@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from roll_core.errors import ConfigError
+from roll_core.interfaces.tasks import reward_kwargs
 from roll_core.testing.rewards import Case, RewardTestSuite
 from roll_envs.rewards.ifeval import (
     KINDS,
@@ -92,7 +93,8 @@ CASES = [
     (C({"type": "keywords", "include": ["ocean"]}), "Oceanic waves.", False),  # whole words only
     (C({"type": "keywords", "include": ["sea", "sky"]}), "The sea.", False),  # every one of them
     (C({"type": "keywords", "include": ["sea"], "min_count": 2}), "sea, Sea!", True),
-    (C({"type": "keywords", "include": ["ice cream"]}), "I like ice  cream and ice cream.", True),
+    (C({"type": "keywords", "include": ["ice cream"], "min_count": 2}), "ice  cream, ice\ncream", True),
+    (C({"type": "keywords", "include": ["ice cream"]}), "icecream", False),
     (C({"type": "keywords", "include": ["café"]}), "Un CAFÉ noir.", True),
     (C({"type": "forbidden", "words": ["very"]}), "Everything is fine.", True),  # not a whole word
     (C({"type": "forbidden", "words": ["very"]}), "It is Very good.", False),
@@ -205,6 +207,8 @@ def test_reward_reads_metadata_before_the_answer() -> None:
     upper = [{"type": "case", "mode": "upper"}]
     metadata = [{"constraints": upper, "domain": "instruct"}, {"domain": "instruct"}, {"constraints": "[oops"}]
     answers = [json.dumps(FOUR), json.dumps(upper), json.dumps(upper)]  # row 1 falls back to its answer
+    # What the reward role passes: metadata (declared), never prompts (not declared).
+    assert list(reward_kwargs(reward, prompts=["p"] * 3, metadata=metadata)) == ["metadata"]
     res = reward.score(["LOUD", "LOUD", "LOUD"], answers, metadata=metadata)
     assert res.scores == [1.0, 1.0, 0.0] and res.counters["bad_constraints"] == 1
     with pytest.raises(ValueError, match="2 metadata rows"):

@@ -29,7 +29,8 @@ Definitions (what each checker counts; tests/test_ifeval.py checks each by hand)
 - A *bullet* is a line whose first non-blank character is `-` or `*`, followed by a space or tab and then text that
   is not only dashes and asterisks: "- milk" and "  * eggs" (nested bullets count too) are bullets; "**bold**",
   "-5 degrees", "---" and "- - -" are not; numbered items are not.
-- *keywords* / *forbidden*: a whole-word (or whole-phrase) match, case-insensitive: "very" is not in "everything".
+- *keywords* / *forbidden*: a whole-word (or whole-phrase) match, case-insensitive: "very" is not in "everything";
+  a space in a phrase matches any run of whitespace, line breaks included.
 - *json*: the response, stripped of surrounding whitespace and optionally of one enclosing ```json (or ```) fence,
   parses as a JSON object holding every listed key at its top level; nothing may precede or follow it.
 - *case*: lower means no uppercase letter and at least one lowercase one; upper the reverse (text without any
@@ -96,8 +97,10 @@ def bullets(text: str) -> list[str]:
 
 
 def count_phrase(text: str, phrase: str) -> int:
-    """Whole-word, case-insensitive occurrences of `phrase` in `text` (non-overlapping)."""
-    return len(re.findall(rf"(?<![^\W_]){re.escape(phrase)}(?![^\W_])", text, re.IGNORECASE))
+    """Whole-word, case-insensitive occurrences of `phrase` in `text` (non-overlapping; any run of whitespace in
+    the text matches a space of the phrase)."""
+    body = r"\s+".join(re.escape(part) for part in phrase.split())
+    return len(re.findall(rf"(?<![^\W_]){body}(?![^\W_])", text, re.IGNORECASE))
 
 
 def json_object(text: str) -> dict[str, Any] | None:
