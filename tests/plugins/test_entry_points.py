@@ -150,13 +150,15 @@ def test_agentic_envs_agree_with_make_env_and_env_options(options: dict[tuple[st
 
 def test_rewards_agree_with_env_reward_nodes(options: dict[tuple[str, str], DictConfig]) -> None:
     nodes = [node.reward for (group, _), node in options.items() if group == "env" and "reward" in node]
-    built = {get_object(node._target_) for node in nodes}
+    from roll_envs.config import REWARD_SCHEMAS  # the env/reward=<name> options (registered by the composes above)
+
+    built = {get_object(node._target_) for node in nodes} | {get_object(s._target_) for s in REWARD_SCHEMAS.values()}
     installed = {registry.load("roll.rewards", name) for name in _names("roll.rewards")}
     for name in _names("roll.rewards"):
         cls = registry.load("roll.rewards", name)
         assert callable(getattr(cls, "score", None)), f"roll.rewards:{name} has no score()"
         if DECLARED[("roll.rewards", name)] == "roll-envs":
-            assert cls in built, f"roll.rewards:{name} is the reward of no env option"
+            assert cls in built, f"roll.rewards:{name} is the reward of no env option and no env/reward option"
     assert built <= installed, "an env option's reward is not declared under roll.rewards"
 
 

@@ -10,7 +10,7 @@ import pytest
 from roll_core import registry
 from roll_core.testing.tasks import HOOK, TaskTestSuite
 
-IN_TREE = {"arithmetic", "countdown", "file", "code"}
+IN_TREE = {"arithmetic", "countdown", "file", "code", "instruct"}
 
 
 class TestEveryInstalledTask(TaskTestSuite):

@@ -189,7 +189,11 @@ class AgenticRollout:
                 traj.end = "max_context"
                 break
             sample_seed = None if params.seed is None else derive_seed(params.seed, Purpose.EPISODE_TURN, index, turn)
-            turn_params = params.replace(max_new_tokens=min(lim.max_tokens_per_turn, room), seed=sample_seed)
+            # The template's end-of-turn token stops a turn even where the model's eos is another token (Gemma 3).
+            stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.template.stop_token_ids)))
+            turn_params = params.replace(
+                max_new_tokens=min(lim.max_tokens_per_turn, room), seed=sample_seed, stop_token_ids=stops
+            )
             token_ids, logprobs, finish = self._generate(f"{key}-turn-{turn}", key, traj.context(), turn_params, traj)
             if finish == "prompt_too_long":
                 traj.end = "max_context"
