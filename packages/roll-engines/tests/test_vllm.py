@@ -104,6 +104,78 @@ class TestVLLMInferEngine(InferEngineTestSuite):
         b = engine.generate(prompts, params)
         assert a.responses.shape == (32, 4) and torch.equal(a.responses, b.responses)
 
+    def test_structured_outputs_match_and_report_the_constrained_logprobs(self, engine: Any, model_path: str) -> None:
+        """Under a JSON schema and a regex (vLLM's outlines backend, the regex roll derives) every sample matches,
+        and vLLM's processed log-probs are those of the masked distribution: the hf trainer replaying the
+        constraint recomputes them (and without it, other values: the unconstrained policy)."""
+        import json
+        import re
+
+        import jsonschema
+        from transformers import AutoTokenizer
+
+        from roll_core.interfaces.inference import STRUCTURED_KEY, SamplingParams, StructuredOutput, structured_rows
+        from roll_core.sequences import build_sequences, pad_left
+        from roll_engines.train.hf import HFTrainEngine
+
+        schema = {
+            "type": "object",
+            "properties": {"s": {"type": "string", "maxLength": 2}, "k": {"enum": [1, 22, False]}},
+            "required": ["s", "k"],
+        }
+        tok = AutoTokenizer.from_pretrained(model_path)
+        prompts = [list(tok("hello")["input_ids"]), list(tok("{name}")["input_ids"])]
+        rows: list[tuple[list[int], list[int], list[float], Any]] = []
+        for c in (StructuredOutput(json_schema=schema), StructuredOutput(regex=r"[a-c]{2,4}(x|yz)")):
+            out = engine.generate(prompts, SamplingParams(temperature=0.9, max_new_tokens=48, seed=5, structured=c), 3)
+            for i, reason in enumerate(out.finish_reasons):
+                n = int(out.response_mask[i].sum())
+                tokens = out.responses[i, :n].tolist()
+                assert reason == "stop" and tokens[-1] == tok.eos_token_id, (reason, tok.decode(tokens))
+                text = tok.decode(tokens[:-1])
+                if c.regex is not None:
+                    assert re.fullmatch(c.regex, text), text
+                else:
+                    jsonschema.validate(json.loads(text), schema)
+                rows.append((prompts[i // 3], tokens, out.logprobs[i, :n].tolist(), c))
+        r = max(len(t) for _, t, _, _ in rows)
+        resp = torch.full((len(rows), r), tok.pad_token_id, dtype=torch.long)
+        mask, behaviour = torch.zeros_like(resp), torch.zeros((len(rows), r))
+        for i, (_, t, lp, _) in enumerate(rows):
+            resp[i, : len(t)], mask[i, : len(t)], behaviour[i, : len(t)] = torch.tensor(t), 1, torch.tensor(lp)
+        p_ids, p_mask = pad_left([p for p, _, _, _ in rows], tok.pad_token_id)
+        batch = build_sequences(p_ids, p_mask, resp, mask)
+        batch.update(responses=resp, response_mask=mask, **{STRUCTURED_KEY: structured_rows([c for *_, c in rows])})
+        train = HFTrainEngine(model_path, role="reference", trainable=False)
+        got = train.compute_logprobs(batch, temperature=0.9)["logprobs"]
+        m = mask.bool()
+        torch.testing.assert_close(got[m], behaviour[m], atol=self.logprob_atol, rtol=1e-4)
+        batch.pop(STRUCTURED_KEY)
+        plain = train.compute_logprobs(batch, temperature=0.9)["logprobs"]
+        assert (plain[m] - behaviour[m]).abs().max() > 0.5, "vLLM's log-probs must be of the masked distribution"
+
+
+def test_structured_vocabulary_equals_vllms(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """roll's token -> bytes reduction equals vLLM's outlines backend's (the allowed sets then agree), on the
+    character-level tiny tokenizer and on a byte-level BPE one (GPT-2's alphabet, tokens of partial UTF-8)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from vllm.v1.structured_output.utils import _reduced_vocabulary
+
+    from roll_core.models import resolve_model_path
+    from roll_engines.structured import _token_bytes
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    text = ['héllo wörld {"a": 1}', "日本語のテキスト", "naïve café 123"] * 20
+    bpe.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, special_tokens=["<eos>"]))
+    byte_level = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    for tok in (AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny")), byte_level):
+        ours = {k: sorted(v) for k, v in _token_bytes(tok).items()}
+        assert ours == {k: sorted(v) for k, v in _reduced_vocabulary(tok).items()}
+    assert any(len(k) == 1 and k[0] >= 0x80 for k in ours), "the BPE vocabulary must hold partial UTF-8 tokens"
+
 
 class _TensorParallelHost:
     """A Ray actor holding a TP=2 engine in one placement-group bundle, as roll's InferWorker does."""
