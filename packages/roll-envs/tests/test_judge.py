@@ -111,7 +111,8 @@ class ChatServer:
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
         self.loop.run_until_complete(self.runner.setup())
         self.loop.run_until_complete(web.SockSite(self.runner, sock).start())
-        threading.Thread(target=self.loop.run_forever, daemon=True, name="chat-server").start()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="chat-server")
+        self.thread.start()
 
     async def handle(self, request: Any) -> Any:
         from aiohttp import web
@@ -139,9 +140,18 @@ class ChatServer:
         finally:
             self.open -= 1
 
+    async def _shutdown(self) -> None:
+        await self.runner.cleanup()
+        open_handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]  # a slow reply's
+        for task in open_handlers:
+            task.cancel()
+        await asyncio.gather(*open_handlers, return_exceptions=True)
+
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(5)
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
 
 
 @pytest.fixture
