@@ -1,0 +1,320 @@
+"""The agent-program collector (`pipeline=agent`, synchronous): any program that speaks the OpenAI chat API is an
+agentic rollout.
+
+The collector serves roll's inference engines behind an OpenAI-compatible endpoint on 127.0.0.1
+(roll_core.agentic.openai_server) for the whole run. A step draws `pipeline.rollout_batch_size` task rows (from
+the run seed and the step only) and runs the task's agent program `algo.group_size` times on each, all
+concurrently, every episode with a session of its own (`base_url = .../sessions/<id>/v1`). The program reports
+its episode's reward by returning it or by POSTing it to the session's reward URL (a returned number wins). The
+sessions record the exact ids the engine sampled per turn, token-in-token-out (roll_core.agentic.agent_sessions),
+so the batch is trajectories like `pipeline=agentic`'s: the first prompt is the prompt, everything after it the
+response with a loss mask of 1 on sampled tokens only, the behaviour log-probs, `group_ids` (one group per task
+row) and the turn tensors; the episode's reward sits on its last turn.
+
+Failures end the episode, never the run: a program that raises (`error`), outlives `env.episode_timeout_s`
+(`timeout`: its session is closed, its request in flight aborted, its next request refused) or reports no reward
+(`no_reward`) is counted in agent/failed_<kind> and, per `env.on_failure`, scored `env.failure_reward` (`score`)
+or dropped (`drop`). An episode without a sampled turn gives nothing to train on (data/dropped_episodes).
+
+Metrics: reward, success rate (reward >= env.success_reward), turns, generated tokens, tool calls, failures by
+kind, history rewrites and the turns they dropped, invalid tool-call blocks. Evaluation: one episode per held-out
+row (greedy unless pipeline.eval_temperature says otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from roll_core.agentic.agent_sessions import AgentSession, AgentSessions, SessionLimits
+from roll_core.agentic.trajectory import Trajectory, to_tensors
+from roll_core.errors import ConfigError
+from roll_core.interfaces import SamplingParams
+from roll_core.pipelines.collectors import Collected, Collector, CollectorContext
+from roll_core.pipelines.metrics import StepLog
+from roll_core.protocol import Batch
+from roll_core.seeds import Purpose, derive_seed
+
+log = logging.getLogger(__name__)
+
+FAILURES = ("error", "timeout", "no_reward")
+
+
+@runtime_checkable
+class AgentProgramTask(Protocol):
+    """What `pipeline=agent` needs from its env (roll_envs.agentic.openai_agent.OpenAIAgentTask is one)."""
+
+    is_agent_program: bool
+    name: str
+    max_turns: int
+    max_tokens_per_turn: int
+    max_context_length: int
+    episode_timeout_s: float
+    #: Tool-call parser of the model family (roll_core.agentic.openai_server.PARSERS, or module:Class).
+    tool_parser: str
+    #: restart | refuse (roll_core.agentic.agent_sessions).
+    on_rewrite: str
+    #: score | drop: what a failed episode becomes.
+    on_failure: str
+    failure_reward: float
+    success_reward: float
+    model_name: str
+    chat_template_kwargs: dict[str, Any]
+
+    def train_rows(self, count: int, seed: int) -> list[dict[str, Any]]:
+        """`count` training task rows drawn with `seed`."""
+        ...
+
+    def eval_rows(self) -> list[dict[str, Any]]:
+        """The held-out task rows."""
+        ...
+
+    def run_episode(self, base_url: str, reward_url: str, row: dict[str, Any]) -> float | None:
+        """Run the agent program on one row against `base_url`; its reward or None (reported to `reward_url`, or
+        none). Raises when the program fails; TimeoutError when it outlived the episode timeout."""
+        ...
+
+
+def check_task(cfg: Any, task: Any) -> None:
+    """An agent-program task, and a synchronous run."""
+    if not getattr(task, "is_agent_program", False) or not isinstance(task, AgentProgramTask):
+        raise ConfigError(f"pipeline=agent needs an agent-program env (env=openai_agent), got {type(task).__name__}")
+    if cfg.pipeline.async_ratio > 0:
+        raise ConfigError("pipeline=agent is synchronous: set pipeline.async_ratio=0")
+    if task.on_failure not in ("score", "drop"):
+        raise ConfigError(f"env.on_failure={task.on_failure!r} must be score or drop")
+
+
+@dataclass
+class Episode:
+    """One finished episode: its trajectory (reward on the last turn), reward, and failure kind (None: none)."""
+
+    row: dict[str, Any]
+    traj: Trajectory
+    reward: float
+    failure: str | None
+    session: AgentSession
+    error: str = ""
+
+
+class AgentCollector:
+    """Scored trajectory batches of agent-program episodes (see the module docstring)."""
+
+    plot_keys: tuple[str, ...] = (
+        "reward/mean",
+        "episode/success_rate",
+        "eval/success_rate",
+        "episode/turns_mean",
+        "agent/failed_episodes",
+    )
+    trajectories = True
+
+    def __init__(self, ctx: CollectorContext) -> None:
+        from roll_core.agentic.chat import TurnTemplate
+        from roll_core.agentic.openai_server import OpenAIServer, tool_parser
+
+        check_task(ctx.cfg, ctx.task)
+        self.cfg, self.ctx, self.task, self.tokenizer = ctx.cfg, ctx, ctx.task, ctx.tokenizer
+        task = self.task
+        self.limits = SessionLimits(task.max_turns, task.max_tokens_per_turn, task.max_context_length)
+        template = TurnTemplate(self.tokenizer, chat_template_kwargs=task.chat_template_kwargs)
+        self.sessions = AgentSessions(
+            ctx.infer,
+            template,
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            tool_parser(task.tool_parser),
+            on_rewrite=task.on_rewrite,
+        )
+        self.server = OpenAIServer(self.sessions, model_name=task.model_name)
+        self.server.start()
+        self._episodes = 0  # session ids are unique for the run
+
+    # ---- the collector contract ---------------------------------------------------------------------------
+    def next(self, step: int, out: StepLog) -> Collected | None:
+        """rollout_batch_size task rows x group_size episodes under the current weights."""
+        algo, pipe = self.cfg.algo, self.cfg.pipeline
+        rows = self.task.train_rows(pipe.rollout_batch_size, derive_seed(pipe.seed, Purpose.EPISODE_SEEDS, step))
+        runs = [(row, g) for g, row in enumerate(rows) for _ in range(algo.group_size)]
+        params = self.ctx.sampling.replace(seed=derive_seed(pipe.seed, Purpose.ROLLOUT, step))
+        with out.timer("generate"):
+            episodes = self.run(runs, params)
+        out.update(agent_metrics(episodes))
+        self._log_samples(step, episodes)
+        drop = self.task.on_failure == "drop"
+        kept = [e.traj for e in episodes if e.traj.turns > 0 and not (drop and e.failure)]
+        out["data/dropped_episodes"] = len(episodes) - len(kept)
+        if not kept:
+            return None
+        tensors = to_tensors(kept, self.tokenizer.pad_token_id or 0)
+        batch = Batch(tensors, {"state_keys": tensors.pop("state_keys"), "env_seed": [t.env_seed for t in kept]})
+        out["data/trained_groups"] = len({t.group for t in kept})
+        out["perf/rollout_tokens_per_s"] = float(batch["response_mask"].sum()) / max(out.timers["generate"], 1e-9)
+        return Collected(batch, batch["episode_rewards"].clone())
+
+    def begin_sync(self) -> None:
+        return None  # no episode runs between two steps
+
+    def finish_sync(self, version: int) -> None:
+        return None
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """One episode per held-out row at the eval temperature (0: greedy)."""
+        t0 = time.perf_counter()
+        rows = self.task.eval_rows()
+        t = self.cfg.pipeline.eval_temperature
+        params = self.ctx.sampling.replace(
+            temperature=self.ctx.sampling.temperature if t is None else float(t),
+            seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL),
+        )
+        m = agent_metrics(self.run([(row, i) for i, row in enumerate(rows)], params))
+        return {
+            "eval/accuracy": m["episode/success_rate"],  # the summary and sweeps read it
+            "eval/success_rate": m["episode/success_rate"],
+            "eval/reward": m["reward/mean"],
+            "eval/mean_turns": m["episode/turns_mean"],
+            "eval/failed_episodes": m["agent/failed_episodes"],
+            "eval/n": float(len(rows)),
+            "eval/seconds": time.perf_counter() - t0,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # training rows follow from (run seed, step)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        self.server.close()
+
+    # ---- episodes -----------------------------------------------------------------------------------------
+    def run(self, runs: list[tuple[dict[str, Any], int]], params: SamplingParams) -> list[Episode]:
+        """One episode per (row, group) pair, all concurrently; episodes in the input order."""
+        first = self._episodes
+        self._episodes += len(runs)
+        with ThreadPoolExecutor(max_workers=max(1, len(runs)), thread_name_prefix="roll-agent-episode") as pool:
+            futures = [
+                pool.submit(self.episode, f"ep{first + i}", row, group, i, params)
+                for i, (row, group) in enumerate(runs)
+            ]
+            return [f.result() for f in futures]
+
+    def episode(self, sid: str, row: dict[str, Any], group: int, index: int, params: SamplingParams) -> Episode:
+        """Run the program once on session `sid`; its failure, if any, is counted, never raised."""
+        self.sessions.open(sid, params, self.limits, group=group, index=index)
+        result: dict[str, Any] = {}
+
+        def program() -> None:
+            try:
+                result["reward"] = self.task.run_episode(self.server.base_url(sid), self.server.reward_url(sid), row)
+            except BaseException as exc:  # the program's own failure: the episode's, never the run's
+                result["error"] = exc
+
+        # A daemon thread: a program stuck outside its requests cannot keep the run from ending.
+        thread = threading.Thread(target=program, name=f"roll-agent-{sid}", daemon=True)
+        thread.start()
+        thread.join(self.task.episode_timeout_s)
+        timed_out = thread.is_alive()
+        session = self.sessions.close(sid)  # aborts a request in flight; later requests get HTTP 410
+        if timed_out:
+            thread.join(5.0)  # its pending request now fails: give the program a moment to return
+        reward, failure, error = _outcome(result, session, timed_out)
+        if failure is not None:
+            log.warning("episode %s failed (%s): %s", sid, failure, error or "no reward reported")
+            reward = self.task.failure_reward
+        traj = session.finish(reward, _END[failure])
+        traj.success = failure is None and reward >= self.task.success_reward
+        return Episode(row, traj, reward, failure, session, error)
+
+    def _log_samples(self, step: int, episodes: list[Episode], k: int = 2) -> None:
+        self.ctx.samples(
+            step,
+            [
+                {
+                    "task": e.row,
+                    "turns": e.traj.turns,
+                    "reward": e.reward,
+                    "failure": e.failure,
+                    "end": e.traj.end,
+                    "responses": e.traj.texts,
+                }
+                for e in episodes[:k]
+            ],
+        )
+
+
+_END = {None: "terminated", "error": "env_error", "timeout": "env_timeout", "no_reward": "terminated"}
+
+
+def _outcome(result: dict[str, Any], session: AgentSession, timed_out: bool) -> tuple[float, str | None, str]:
+    """(reward, failure kind or None, error text) of a finished program run."""
+    if timed_out:
+        return 0.0, "timeout", "the program outlived env.episode_timeout_s"
+    exc = result.get("error")
+    if isinstance(exc, TimeoutError):
+        return 0.0, "timeout", str(exc)
+    if exc is not None:
+        return 0.0, "error", f"{type(exc).__name__}: {exc}"
+    value = result.get("reward")
+    if value is None:
+        value = session.reward
+    if value is None:
+        return 0.0, "no_reward", ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        return 0.0, "error", f"the program returned {value!r}, not a finite number"
+    return float(value), None, ""
+
+
+def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Reward, success, turns, tokens, tool calls and failures of finished episodes (failed ones with their
+    failure reward)."""
+    n = max(len(episodes), 1)
+    rewards = [e.reward for e in episodes] or [0.0]
+    mean = sum(rewards) / len(rewards)
+    std = (sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) ** 0.5 if len(rewards) > 1 else 0.0
+    turns = sum(e.session.requests for e in episodes)
+    failures = Counter(e.failure for e in episodes if e.failure)
+    out = {
+        "reward/mean": mean,
+        "reward/std": std,
+        "reward/accuracy": sum(e.traj.success for e in episodes) / n,
+        "episode/success_rate": sum(e.traj.success for e in episodes) / n,
+        "episode/turns_mean": turns / n,
+        "episode/tokens_mean": sum(sum(e.traj.mask) for e in episodes) / n,  # trained (sampled) tokens
+        "episode/tool_calls_mean": sum(e.traj.tool_calls for e in episodes) / n,
+        "episode/cut_turn_rate": sum(e.traj.cut_turns for e in episodes) / max(turns, 1),
+        "response/length_mean": sum(sum(e.traj.mask) for e in episodes) / max(turns, 1),
+        "agent/failed_episodes": float(sum(failures.values())),
+        "agent/history_rewrites": float(sum(e.session.rewrites for e in episodes)),
+        "agent/dropped_turns": float(sum(e.session.dropped_turns for e in episodes)),
+        "agent/invalid_tool_calls": float(sum(e.session.invalid_tool_calls for e in episodes)),
+        "agent/constrained_turns": float(sum(e.session.constrained_turns for e in episodes)),
+    }
+    for kind in FAILURES:
+        out[f"agent/failed_{kind}"] = float(failures.get(kind, 0))
+    for reason, count in Counter(e.traj.end for e in episodes).items():
+        out[f"episode/end_{reason}"] = count / n
+    return out
+
+
+class _Agents:
+    """`pipeline=agent`: episodes of an agent program against the OpenAI-compatible endpoint."""
+
+    trajectories = True
+
+    def check(self, cfg: Any, task: Any) -> None:
+        check_task(cfg, task)
+
+    def __call__(self, ctx: CollectorContext) -> Collector:
+        return AgentCollector(ctx)
+
+
+agent_collectors = _Agents()

@@ -1,0 +1,265 @@
+"""Any program that speaks the OpenAI chat API as an agentic task (`pipeline=agent env=openai_agent`).
+
+The program is either
+- a function, `env.program=my_pkg.agent:run`, called per episode as `run(client: openai.OpenAI, task: dict)` with
+  a client whose base URL is the episode's session on roll's endpoint (roll_core.agentic.openai_server); it returns
+  the episode's reward (a number), or None after reporting it with `report_reward(client, value)`; or
+- a command line, `env.command=[python,agent.py]`, run per episode as a subprocess with OPENAI_BASE_URL,
+  OPENAI_API_KEY, ROLL_REWARD_URL and ROLL_TASK (the row as JSON, also on its stdin) in its environment; it
+  reports its reward by printing a number as its last line of output or by POSTing {"reward": x} to
+  ROLL_REWARD_URL. A non-zero exit status is a failed episode (its stderr's tail is logged).
+
+Task rows (each a JSON object handed to the program as it is) come from a data file (`env.path`: JSONL/JSON lines,
+Parquet, a datasets folder) or a generator (`env.generator=module:function`, called with `env.generator_kwargs`,
+returning a list of dicts). The held-out rows are `env.eval_path`'s, else a stable-hash fraction of the rows
+(`env.eval_fraction`, at most `env.eval_size`). Limits: turns, tokens per turn, context, and the episode's wall time
+(`episode_timeout_s`); what happens on history rewrites and failed episodes is the collector's
+(roll_core.pipelines.collectors.agents).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import threading
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from roll_core.errors import ConfigError, Extra
+
+OPENAI = Extra("openai", "env.program=<module:function> (the program gets an openai.OpenAI client)", "openai", "openai")
+
+
+@dataclass
+class OpenAIAgentEnvConfig:
+    """An agent program against roll's OpenAI-compatible endpoint (pipeline=agent)."""
+
+    _target_: str = "roll_envs.agentic.openai_agent.OpenAIAgentTask"
+    name: str = "openai_agent"
+    # The program as module:function, called fn(client: openai.OpenAI, task: dict) -> float | None.
+    program: str | None = None
+    # Or a command line run per episode (OPENAI_BASE_URL, OPENAI_API_KEY, ROLL_REWARD_URL, ROLL_TASK set).
+    command: list[str] | None = None
+    # Task rows: a data file (JSONL / Parquet / datasets folder) ...
+    path: str | None = None
+    # ... or module:function returning a list of dicts (called with generator_kwargs).
+    generator: str | None = None
+    generator_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Held-out rows; null: a stable-hash fraction of the rows.
+    eval_path: str | None = None
+    eval_fraction: float = 0.2
+    eval_size: int = 32
+    # Assistant turns (requests) per episode at most.
+    max_turns: int = 8
+    # Tokens one assistant turn may generate (a request's max_tokens may only lower it).
+    max_tokens_per_turn: int = 128
+    # Tokens of a whole trajectory at most.
+    max_context_length: int = 2048
+    # Wall seconds an episode may take; then its session closes and it counts as failed (timeout).
+    episode_timeout_s: float = 120.0
+    # Tool-call syntax of the model family: hermes (Qwen, Hermes) | none | module:Class.
+    tool_parser: str = "hermes"
+    # A request that rewrites earlier messages: restart (the trajectory starts again from it) | refuse (HTTP 400).
+    on_rewrite: str = "restart"
+    # A failed episode (raised, timed out, no reward): score (trained with failure_reward) | drop.
+    on_failure: str = "score"
+    failure_reward: float = 0.0
+    # An episode whose reward is at least this counts as a success (episode/success_rate, eval/accuracy).
+    success_reward: float = 1.0
+    # The API key the program is given (the endpoint listens on 127.0.0.1 only and checks none).
+    api_key: str = "roll"
+    # The model name the endpoint reports (any name is accepted in requests).
+    model_name: str = "roll"
+    # Keyword arguments of every chat-template rendering (e.g. {enable_thinking: false} for Qwen3).
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Neither given is refused when the task is built (a preset leaves both to the command line).
+        if self.program is not None and self.command is not None:
+            raise ValueError("give the agent as env.program=module:function or env.command=[...], not both")
+        if self.path is not None and self.generator is not None:
+            raise ValueError("give the task rows as env.path=<file> or env.generator=module:function, not both")
+        if min(self.max_turns, self.max_tokens_per_turn, self.max_context_length) < 1:
+            raise ValueError("env.max_turns, max_tokens_per_turn and max_context_length must be >= 1")
+        if self.max_tokens_per_turn >= self.max_context_length:
+            raise ValueError("env.max_tokens_per_turn must be below env.max_context_length")
+        if self.episode_timeout_s <= 0:
+            raise ValueError("env.episode_timeout_s must be > 0")
+        if self.on_rewrite not in ("restart", "refuse"):
+            raise ValueError(f"env.on_rewrite={self.on_rewrite!r} must be restart or refuse")
+        if self.on_failure not in ("score", "drop"):
+            raise ValueError(f"env.on_failure={self.on_failure!r} must be score or drop")
+        if self.eval_size < 0 or not 0 <= self.eval_fraction < 1:
+            raise ValueError("env.eval_size must be >= 0 and env.eval_fraction in [0, 1)")
+
+    def check_installed(self) -> None:
+        from roll_core.agentic.openai_server import AIOHTTP
+
+        AIOHTTP.require()
+        if self.program is not None:
+            OPENAI.require()
+
+
+def report_reward(client: Any, reward: float) -> None:
+    """POST the episode's reward to its session (for programs that do not return it)."""
+    url = str(client.base_url).rstrip("/").removesuffix("/v1") + "/reward"
+    request = urllib.request.Request(
+        url, data=json.dumps({"reward": reward}).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30):
+        pass
+
+
+def _load(ref: str, key: str) -> Any:
+    import importlib
+
+    module, _, name = ref.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{key}={ref!r}: cannot load {module}.{name} ({exc})") from exc
+
+
+class OpenAIAgentTask:
+    """Task rows, the agent program, and episode limits of `pipeline=agent` (see the module docstring)."""
+
+    is_agent_program = True
+
+    def __init__(
+        self,
+        name: str = "openai_agent",
+        program: str | None = None,
+        command: list[str] | None = None,
+        path: str | None = None,
+        generator: str | None = None,
+        generator_kwargs: dict[str, Any] | None = None,
+        eval_path: str | None = None,
+        eval_fraction: float = 0.2,
+        eval_size: int = 32,
+        max_turns: int = 8,
+        max_tokens_per_turn: int = 128,
+        max_context_length: int = 2048,
+        episode_timeout_s: float = 120.0,
+        tool_parser: str = "hermes",
+        on_rewrite: str = "restart",
+        on_failure: str = "score",
+        failure_reward: float = 0.0,
+        success_reward: float = 1.0,
+        api_key: str = "roll",
+        model_name: str = "roll",
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if not program and not command:
+            raise ConfigError("pipeline=agent needs the agent: env.program=module:function or env.command=[...]")
+        if program and ":" not in program:
+            raise ConfigError(f"env.program={program!r}: write module:function")
+        if not path and not generator:
+            raise ConfigError("env=openai_agent needs task rows: env.path=<file> or env.generator=module:function")
+        self.name = name
+        self.program = _load(program, "env.program") if program else None
+        self._http: Any = None
+        self._lock = threading.Lock()
+        if self.program is not None:
+            OPENAI.require()
+            import openai  # noqa: F401  # imported once here, not by the first step's episode threads at once
+        self.command = list(command or [])
+        self.max_turns, self.max_tokens_per_turn, self.max_context_length = (
+            max_turns,
+            max_tokens_per_turn,
+            max_context_length,
+        )
+        self.episode_timeout_s, self.tool_parser, self.on_rewrite = episode_timeout_s, tool_parser, on_rewrite
+        self.on_failure, self.failure_reward, self.success_reward = on_failure, failure_reward, success_reward
+        self.api_key, self.model_name = api_key, model_name
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        if generator:
+            rows = _load(generator, "env.generator")(**(generator_kwargs or {}))
+            source = f"env.generator={generator}"
+        else:
+            rows, source = _file_rows(str(path), "env.path"), f"env.path={path}"
+        if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+            raise ConfigError(f"{source} must give a non-empty list of task rows (JSON objects)")
+        if eval_path:
+            self._train, held = rows, _file_rows(eval_path, "env.eval_path")
+        else:
+            from roll_envs.tasks.base import stable_fraction
+
+            keyed = [(stable_fraction(json.dumps(r, sort_keys=True, default=str)), r) for r in rows]
+            self._train = [r for f, r in keyed if f >= eval_fraction]
+            held = [r for f, r in keyed if f < eval_fraction]
+        self._eval = held[:eval_size]
+        if not self._train:
+            raise ConfigError(f"{source}: every row fell in the held-out split; lower env.eval_fraction")
+
+    def train_rows(self, count: int, seed: int) -> list[dict[str, Any]]:
+        """`count` training rows drawn with `seed` (distinct while the split has that many)."""
+        rng = random.Random(seed)
+        if count <= len(self._train):
+            return rng.sample(self._train, count)
+        return [rng.choice(self._train) for _ in range(count)]
+
+    def eval_rows(self) -> list[dict[str, Any]]:
+        return list(self._eval)
+
+    def run_episode(self, base_url: str, reward_url: str, row: dict[str, Any]) -> float | None:
+        """Run the program once on `row` against the session at `base_url` (see the module docstring)."""
+        if self.program is not None:
+            import openai
+
+            client = openai.OpenAI(
+                base_url=base_url,
+                api_key=self.api_key,
+                max_retries=0,
+                timeout=self.episode_timeout_s,
+                http_client=self._http_client(),
+            )
+            return self.program(client, row)  # not closed: the HTTP connection pool is shared
+        return self._run_command(base_url, reward_url, row)
+
+    def _http_client(self) -> Any:
+        """One HTTP client (connection pool, TLS setup) for every episode's openai client: making one per episode
+        costs more than the tiny model's turns."""
+        with self._lock:
+            if self._http is None:
+                import openai
+
+                self._http = openai.DefaultHttpxClient()
+            return self._http
+
+    def _run_command(self, base_url: str, reward_url: str, row: dict[str, Any]) -> float | None:
+        text = json.dumps(row)
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": self.api_key,
+            "ROLL_REWARD_URL": reward_url,
+            "ROLL_TASK": text,
+        }
+        try:
+            done = subprocess.run(
+                self.command, input=text, env=env, capture_output=True, text=True, timeout=self.episode_timeout_s
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise TimeoutError(f"{self.command[0]} outlived env.episode_timeout_s={self.episode_timeout_s}") from exc
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(self.command)} exited {done.returncode}: {done.stderr[-500:]}")
+        lines = [line.strip() for line in done.stdout.splitlines() if line.strip()]
+        try:
+            return float(lines[-1]) if lines else None
+        except ValueError:
+            return None  # no number printed: the reward was POSTed, or there is none (counted by the collector)
+
+
+def _file_rows(path: str, key: str) -> list[dict[str, Any]]:
+    from roll_envs.tasks.dataset import _rows
+
+    if not Path(path).exists():
+        raise ConfigError(f"{key}={path}: no such file or folder")
+    rows, bad = _rows(Path(path))
+    if bad:
+        raise ConfigError(f"{key}={path}: unreadable rows {bad[:5]}")
+    return [r for _, r in rows]

@@ -1,0 +1,217 @@
+"""`pipeline=agent`: an agent program written against the `openai` package (openai_agent_toy) runs unmodified
+against roll's OpenAI-compatible endpoint and learns on the tiny model; every turn the trainer trained on is exactly
+what the engine sampled in exactly the context the engine saw (tokens and behaviour log-probs)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from roll_core.testing import reward_curve
+
+sys.path.insert(0, str(Path(__file__).parent))  # openai_agent_toy: env.program=openai_agent_toy:run
+
+
+def _overrides(tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "model=tiny",
+        "pipeline=agent",
+        "env=openai_agent",
+        "env.program=openai_agent_toy:run",
+        "env.generator=openai_agent_toy:tasks",
+        "env.max_turns=4",
+        "env.max_tokens_per_turn=6",
+        "env.max_context_length=256",
+        "env.eval_size=8",
+        "env.episode_timeout_s=60",
+        "algo=grpo",
+        "algo.group_size=8",
+        "algo.lr=1e-2",
+        "pipeline.rollout_batch_size=4",
+        "pipeline.max_steps=20",
+        "pipeline.eval_every=20",
+        "pipeline.progress=false",
+        f"pipeline.output_dir={tmp_path}",
+        "train_engine.micro_batch_size=16",
+        *extra,
+    ]
+
+
+def _run(overrides: list[str]) -> tuple[list[dict[str, Any]], list[list[Any]], list[dict[str, torch.Tensor]]]:
+    """Run in this process, recording each step's engine requests (with their outputs) and trained batch."""
+    from roll_core.cli import pipeline_class
+    from roll_core.config import load_config
+    from roll_core.tracking import Tracker
+
+    cfg = load_config(overrides)
+    pipeline = pipeline_class(cfg.pipeline.name)(cfg)
+    requests: list[tuple[Any, Any]] = []
+    steps: list[list[tuple[Any, Any]]] = []
+    batches: list[dict[str, torch.Tensor]] = []
+    infer, trainer = pipeline.roles.actor_infer, pipeline.trainer
+    submit, update = infer.submit_request, trainer.update
+
+    def recorded_submit(request: Any, route_key: str | None = None) -> Any:
+        handle = submit(request, route_key=route_key)
+        requests.append((request, handle))
+        return handle
+
+    def recorded_update(step: int, batch: Any, scores: Any, out: Any) -> None:
+        keys = ("prompts", "attention_mask", "responses", "response_mask", "behaviour_logprobs", "turn_ids")
+        batches.append({k: batch[k].clone() for k in keys})
+        steps.append(list(requests))  # this step's engine requests (the weights changed since the last step)
+        requests.clear()
+        update(step, batch, scores, out)
+
+    infer.submit_request, trainer.update = recorded_submit, recorded_update
+    try:
+        pipeline.run()
+    finally:
+        pipeline.shutdown()
+    return Tracker.read_metrics(Path(pipeline.out) / "metrics.jsonl"), steps, batches
+
+
+def test_an_openai_agent_program_learns_and_trains_on_exactly_the_sampled_turns(tmp_path: Path) -> None:
+    history, requests, batches = _run(_overrides(tmp_path))
+    steps = [h for h in history if h["step"] > 0 and "reward/mean" in h]
+    evals = [h for h in history if "eval/accuracy" in h]
+    r = reward_curve(history)
+    assert len(r) == 20 and sum(r[-4:]) / 4 > sum(r[:4]) / 4 + 0.2, r
+    assert all(h["episode/turns_mean"] >= 2 for h in steps)  # both judged turns ran (tool calls add turns)
+    assert all(h["agent/failed_episodes"] == 0 and h["agent/history_rewrites"] == 0 for h in steps), steps[0]
+    assert max(h["actor/train_infer_logprob_diff"] for h in steps) < 1e-4
+    assert steps[-1]["episode/success_rate"] > steps[0]["episode/success_rate"]
+    # held-out rows before and after training (greedy): every episode ran, and the trained agent does better
+    assert [h["step"] for h in evals] == [0, 20] and all(h["eval/n"] == 8 for h in evals)
+    assert evals[0]["eval/failed_episodes"] == evals[1]["eval/failed_episodes"] == 0
+    assert evals[1]["eval/reward"] > evals[0]["eval/reward"], evals
+
+    # Every trained turn, read back from the batches the trainer got, is one engine request's output: the
+    # engine's context was the row's prompt and everything before the turn, its tokens and log-probs are the
+    # trained ones, and nothing else carries loss mask 1.
+    assert len(batches) == len(requests) == 20
+    turns = 0
+    for batch, step_requests in zip(batches, requests):
+        # (context, tokens) -> the log-probs the engine reported for them this step (the episodes of a group share
+        # their first context and may sample the same tokens)
+        sampled: dict[tuple[Any, Any], list[torch.Tensor]] = {}
+        for req, handle in step_requests:
+            out = handle.result()
+            sampled.setdefault((tuple(req.prompt_ids), tuple(out.token_ids)), []).append(torch.tensor(out.logprobs))
+        p = batch["prompts"].shape[1]
+        for i in range(batch["responses"].shape[0]):
+            prompt = batch["prompts"][i][batch["attention_mask"][i, :p].bool()].tolist()
+            ids, mask, tids = batch["responses"][i], batch["response_mask"][i], batch["turn_ids"][i]
+            for k in range(int(tids.max()) + 1):
+                where = (tids == k).nonzero()[:, 0]
+                start, n = int(where[0]), len(where)
+                assert where.tolist() == list(range(start, start + n)) and mask[where].eq(1).all()
+                key = (tuple(prompt + ids[:start].tolist()), tuple(ids[start : start + n].tolist()))
+                assert key in sampled, f"row {i} turn {k}: not an engine output in its context"
+                assert any(torch.equal(batch["behaviour_logprobs"][i, where], lp) for lp in sampled[key])
+                turns += 1
+            assert int(mask.sum()) == int((tids >= 0).sum())
+    assert turns >= 2 * sum(len(b["responses"]) for b in batches) == 2 * 20 * 32
+
+
+class _Scripted:
+    """The request API answering "ok" (6 tokens of it, then EOS); a prompt ending in "hang" waits for an abort."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.hung = tokenizer, {}
+
+    def submit_request(self, request: Any, route_key: str | None = None) -> Any:
+        from concurrent.futures import Future
+
+        from roll_core.interfaces import RequestOutput
+
+        fut: Future = Future()
+        if self.tokenizer.decode(request.prompt_ids).endswith("hang\n<|assistant|>"):
+            self.hung[request.request_id] = (request, fut)
+            return fut
+        ids = self.tokenizer("ok", add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        fut.set_result(RequestOutput(request.request_id, request.prompt_ids, ids, [-0.5] * len(ids), "stop"))
+        return fut
+
+    def abort(self, request_id: str) -> bool:
+        from roll_core.interfaces import RequestOutput
+
+        if request_id not in self.hung:
+            return False
+        request, fut = self.hung.pop(request_id)
+        fut.set_result(RequestOutput(request_id, request.prompt_ids, [], [], "abort"))
+        return True
+
+
+def _collector(task: Any, group_size: int, batch: int) -> Any:
+    from types import SimpleNamespace
+
+    from roll_core.interfaces import SamplingParams
+    from roll_core.models import build_tiny_tokenizer
+    from roll_core.pipelines.collectors import CollectorContext
+    from roll_core.pipelines.collectors.agents import agent_collectors
+
+    tok = build_tiny_tokenizer()
+    pipe = SimpleNamespace(seed=0, rollout_batch_size=batch, async_ratio=0, eval_temperature=0.0)
+    cfg = SimpleNamespace(pipeline=pipe, algo=SimpleNamespace(group_size=group_size))
+    ctx = CollectorContext(cfg, None, _Scripted(tok), SamplingParams(max_new_tokens=8), tok, task, "tiny")
+    agent_collectors.check(cfg, task)
+    return agent_collectors(ctx)
+
+
+def test_failing_agents_are_counted_and_scored_or_dropped_never_the_run() -> None:
+    from roll_core.pipelines.metrics import StepLog
+    from roll_envs.agentic.openai_agent import OpenAIAgentTask
+
+    for policy in ("score", "drop"):
+        task = OpenAIAgentTask(
+            program="openai_agent_toy:flaky",
+            generator="openai_agent_toy:tasks",
+            generator_kwargs={"n": 4},
+            eval_fraction=0.0,
+            episode_timeout_s=1.0,
+            on_failure=policy,
+            failure_reward=-1.0,
+        )
+        collector = _collector(task, group_size=1, batch=4)
+        try:
+            out = StepLog()
+            collected = collector.next(1, out)
+        finally:
+            collector.close()
+        assert {k: out[f"agent/failed_{k}"] for k in ("error", "timeout", "no_reward")} == {
+            "error": 1.0,
+            "timeout": 1.0,
+            "no_reward": 1.0,
+        }
+        assert (
+            out["agent/failed_episodes"] == 3 and out["agent/history_rewrites"] == 1 and out["agent/dropped_turns"] == 1
+        )
+        assert out["reward/mean"] == (-1.0 * 3 + 1.0) / 4 and out["episode/success_rate"] == 0.25
+        rewards = sorted(collected.scores.tolist())
+        # The raising and the timed-out agents sampled no turn: nothing to train on either way; "score" trains the
+        # episode without a reward with the failure reward, "drop" drops it.
+        assert rewards == ([-1.0, 1.0] if policy == "score" else [1.0]), rewards
+        assert out["data/dropped_episodes"] == (2 if policy == "score" else 3)
+
+
+def test_a_command_line_agent_runs_as_a_subprocess() -> None:
+    from openai_agent_toy import COMMAND
+
+    from roll_core.pipelines.metrics import StepLog
+    from roll_envs.agentic.openai_agent import OpenAIAgentTask
+
+    task = OpenAIAgentTask(
+        command=[sys.executable, "-c", COMMAND], generator="openai_agent_toy:tasks", generator_kwargs={"n": 8}
+    )
+    collector = _collector(task, group_size=2, batch=1)
+    try:
+        out = StepLog()
+        collected = collector.next(1, out)
+    finally:
+        collector.close()
+    assert out["agent/failed_episodes"] == 0 and collected.scores.tolist() == [0.25, 0.25]
+    assert collected.batch["group_ids"].tolist() == [0, 0] and out["episode/turns_mean"] == 1.0
