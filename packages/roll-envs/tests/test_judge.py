@@ -308,10 +308,12 @@ def test_env_reward_judge_composes_and_builds() -> None:
     from roll_envs.rewards.judge import JudgeRewardConfig
 
     base = ["model=tiny", "env=arithmetic", "env.train_size=20", "env.eval_size=5", "env/reward=judge"]
-    cfg = load_config([*base, "env.reward.base_url=http://127.0.0.1:9/v1", "env.reward.template=verdict"])
+    labels = ["+env.reward.labels.good=1", "+env.reward.labels.bad=0"]
+    cfg = load_config([*base, "env.reward.base_url=http://127.0.0.1:9/v1", "env.reward.template=verdict", *labels])
     assert isinstance(cfg.env.reward, JudgeRewardConfig) and cfg.env.reward.timeout_s == 60.0
     reward = build(cfg.env).reward
     assert isinstance(reward, JudgeReward) and reward.spec.mode == "verdict" and reward.spec.correct_threshold == 1
+    assert reward.spec.parser.values == {"good": 1.0, "bad": 0.0}
     with pytest.raises(ConfigError, match="base_url"):
         JudgeRewardConfig()  # the schema's own checks (run by load_config)
     with pytest.raises(Exception, match="templat"):

@@ -268,7 +268,7 @@ class JudgeSpec:
                 raise ConfigError(f"env.reward.score_range={list(rng)} must be [low, high]")
             parser: ScoreParser | VerdictParser = ScoreParser(float(rng[0]), float(rng[1]), score_pattern)
         else:
-            chosen = labels if labels is not None else (base.labels if base else None) or {"yes": 1.0, "no": 0.0}
+            chosen = labels or (base.labels if base else None) or {"yes": 1.0, "no": 0.0}
             parser = VerdictParser(chosen)
         threshold = correct_threshold
         if threshold is None and base is not None and base.mode == mode:
@@ -304,16 +304,16 @@ class JudgeRewardConfig:
     # A built-in template (correctness | helpfulness | verdict) or your own string with {prompt} {response}
     # {answer} {metadata[<column>]}.
     template: str = "correctness"
-    # System message; null: the built-in template's (your own template: none).
+    # System message; null: the built-in template's (your own template: none); "": none.
     system_prompt: str | None = None
-    # score | verdict; null: the built-in template's (your own: verdict when labels are set, else score).
+    # score | verdict; null: the built-in template's (your own template: verdict when labels are set, else score).
     mode: str | None = None
     # score mode: [low, high] of the judge's scale, mapped to [0, 1]; null: the template's (else [0, 10]).
     score_range: list[float] | None = None
     # score mode: regex whose first matching group is the score (the last match counts); null: Score: N or [[N]].
     score_pattern: str | None = None
-    # verdict mode: label -> reward; null: the template's (else {yes: 1, no: 0}).
-    labels: dict[str, float] | None = None
+    # verdict mode: label -> reward (add each: +env.reward.labels.good=1); empty: the template's (else yes 1, no 0).
+    labels: dict[str, float] = field(default_factory=dict)
     # Reward of a row without a valid verdict (invalid reply, timeout, error).
     invalid_score: float = 0.0
     # correct = reward >= this; null: the built-in template's (correctness 0.7, verdict 1; own template: never).
@@ -339,13 +339,13 @@ class JudgeRewardConfig:
     max_tokens: int = 512
     # Sampling temperature of the judge (0: greedy).
     temperature: float = 0.0
-    # openai: extra JSON fields of every request (e.g. {top_p: 1, seed: 0}).
+    # openai: extra JSON fields of every request (e.g. +env.reward.extra_body.seed=0).
     extra_body: dict[str, Any] = field(default_factory=dict)
     # Keyword arguments of the judge's chat template (e.g. {enable_thinking: false}); openai: sent as
     # chat_template_kwargs (vLLM and SGLang servers read it).
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # engine: the infer-engine config ({name: hf, max_num_seqs: 16}; dtype, device, seed, attn_implementation and
-    # trust_remote_code also go here).
+    # trust_remote_code also go here). Add a key with +env.reward.engine.max_num_seqs=16.
     engine: dict[str, Any] = field(default_factory=lambda: {"name": "hf"})
 
     def __post_init__(self) -> None:

@@ -21,8 +21,10 @@ reply with a one-line detail. Nothing starts (no connection, no model load) befo
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -237,7 +239,8 @@ class EngineBackend:
         self._engine: Any = None
         self._tokenizer: Any = None
         self._pid: int | None = None
-        self._ids = 0
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # two threads scoring at once build one engine
 
     def _cls(self) -> Any:
         from roll_core import registry
@@ -250,8 +253,11 @@ class EngineBackend:
 
     def start(self) -> None:
         """Build the engine and the judge model's tokenizer here (once per process; see the module docstring)."""
-        if self._engine is not None and self._pid == os.getpid():
-            return
+        with self._lock:
+            if self._engine is None or self._pid != os.getpid():
+                self._start()
+
+    def _start(self) -> None:
         from transformers import AutoTokenizer
 
         from roll_core.interfaces import SamplingParams
@@ -287,8 +293,7 @@ class EngineBackend:
                 if len(toks) >= limit:
                     replies[i] = Reply("error", detail=f"judge prompt of {len(toks)} tokens fills the context {limit}")
                     continue
-                self._ids += 1
-                ids[i] = f"judge-{os.getpid()}-{self._ids}"
+                ids[i] = f"judge-{os.getpid()}-{next(self._ids)}"
                 futures[i] = engine.submit(Request(ids[i], toks, self.params))
             except Exception as exc:  # one bad row must not cost the batch
                 replies[i] = Reply("error", detail=f"{type(exc).__name__}: {exc}")
