@@ -31,8 +31,8 @@ def _overrides(tmp_path: Path, *extra: str) -> list[str]:
         "algo.group_size=8",
         "algo.lr=1e-2",
         "pipeline.rollout_batch_size=4",
-        "pipeline.max_steps=20",
-        "pipeline.eval_every=20",
+        "pipeline.max_steps=12",
+        "pipeline.eval_every=12",
         "pipeline.progress=false",
         f"pipeline.output_dir={tmp_path}",
         "train_engine.micro_batch_size=16",
@@ -79,20 +79,20 @@ def test_an_openai_agent_program_learns_and_trains_on_exactly_the_sampled_turns(
     steps = [h for h in history if h["step"] > 0 and "reward/mean" in h]
     evals = [h for h in history if "eval/accuracy" in h]
     r = reward_curve(history)
-    assert len(r) == 20 and sum(r[-4:]) / 4 > sum(r[:4]) / 4 + 0.2, r
+    assert len(r) == 12 and sum(r[-4:]) / 4 > sum(r[:4]) / 4 + 0.2, r
     assert all(h["episode/turns_mean"] >= 2 for h in steps)  # both judged turns ran (tool calls add turns)
     assert all(h["agent/failed_episodes"] == 0 and h["agent/history_rewrites"] == 0 for h in steps), steps[0]
     assert max(h["actor/train_infer_logprob_diff"] for h in steps) < 1e-4
     assert steps[-1]["episode/success_rate"] > steps[0]["episode/success_rate"]
     # held-out rows before and after training (greedy): every episode ran, and the trained agent does better
-    assert [h["step"] for h in evals] == [0, 20] and all(h["eval/n"] == 8 for h in evals)
+    assert [h["step"] for h in evals] == [0, 12] and all(h["eval/n"] == 8 for h in evals)
     assert evals[0]["eval/failed_episodes"] == evals[1]["eval/failed_episodes"] == 0
     assert evals[1]["eval/reward"] > evals[0]["eval/reward"], evals
 
     # Every trained turn, read back from the batches the trainer got, is one engine request's output: the
     # engine's context was the row's prompt and everything before the turn, its tokens and log-probs are the
     # trained ones, and nothing else carries loss mask 1.
-    assert len(batches) == len(requests) == 20
+    assert len(batches) == len(requests) == 12
     turns = 0
     for batch, step_requests in zip(batches, requests):
         # (context, tokens) -> the log-probs the engine reported for them this step (the episodes of a group share
@@ -114,7 +114,7 @@ def test_an_openai_agent_program_learns_and_trains_on_exactly_the_sampled_turns(
                 assert any(torch.equal(batch["behaviour_logprobs"][i, where], lp) for lp in sampled[key])
                 turns += 1
             assert int(mask.sum()) == int((tids >= 0).sum())
-    assert turns >= 2 * sum(len(b["responses"]) for b in batches) == 2 * 20 * 32
+    assert turns >= 2 * sum(len(b["responses"]) for b in batches) == 2 * 12 * 32
 
 
 class _Scripted:
