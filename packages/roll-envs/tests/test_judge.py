@@ -11,13 +11,14 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from roll_core.errors import ConfigError
+from roll_core.testing.rewards import Case, RewardTestSuite
 from roll_envs.rewards.judge import (
     COUNTERS,
     JudgeReward,
@@ -92,12 +93,16 @@ def test_templates_name_only_known_fields() -> None:
 class ChatServer:
     """A chat-completions server on 127.0.0.1, run by a daemon thread: the reply to a request is scripted by the
     first key of `script` found in its last message, as ("reply", text) | ("slow", seconds) | ("status", code,
-    times: then Score: 10) | ("garbage",). Records every body and header, and the most requests open at once."""
+    times: then Score: 10) | ("garbage",); without a key, `judge(last message)`. Records every body and header,
+    and the most requests open at once."""
 
-    def __init__(self, script: dict[str, tuple], delay_s: float = 0.0) -> None:
+    def __init__(
+        self, script: dict[str, tuple], delay_s: float = 0.0, judge: Callable[[str], str] | None = None
+    ) -> None:
         from aiohttp import web
 
         self.script, self.delay_s = script, delay_s
+        self.judge = judge or (lambda _: "Score: 5")  # the reply when no script key matches
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.open = self.peak = 0
@@ -126,7 +131,7 @@ class ChatServer:
             await asyncio.sleep(self.delay_s)
             last = body["messages"][-1]["content"]
             key = next((k for k in self.script if k in last), None)
-            action = self.script.get(key, ("reply", "Score: 5"))
+            action = self.script.get(key, ("reply", self.judge(last)))
             self.attempts[key] += 1
             text = action[1] if action[0] == "reply" else "Score: 10"
             if action[0] == "slow":
@@ -263,6 +268,36 @@ def test_in_the_reward_guards_forked_child(server: ChatServer) -> None:
         assert res.scores == [-5, -5] and res.counters["failed_errors"] == 2  # the run's failure budget sees it
     finally:
         down.close()
+
+
+class TestJudgeReward(RewardTestSuite):
+    """The reward contract (roll_core.testing.rewards) over a judge server that gives 10 when the response equals
+    the reference answer and 0 otherwise; malformed responses travel to it and back as JSON."""
+
+    cases = (Case("4", "4", correct=True), Case(" 4\n", "4", correct=True), Case("5", "4", correct=False))
+
+    @classmethod
+    def build_reward(cls) -> JudgeReward:
+        global _REFEREE
+        if _REFEREE is None:
+            _REFEREE = ChatServer({}, judge=_referee)
+        template = "Ref: {answer}\nA: {response}"
+        return JudgeReward(base_url=_REFEREE.url, template=template, timeout_s=10, correct_threshold=1.0)
+
+
+_REFEREE: ChatServer | None = None
+
+
+def _referee(message: str) -> str:
+    answer, _, response = message.removeprefix("Ref: ").partition("\nA: ")
+    return f"Score: {10 if response.strip() == answer.strip() else 0}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_referee() -> Iterator[None]:
+    yield
+    if _REFEREE is not None:
+        _REFEREE.stop()
 
 
 # ---- a rollout engine of its own ----------------------------------------------------------------------------------
