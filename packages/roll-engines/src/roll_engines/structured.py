@@ -8,8 +8,9 @@ Contract:
 - The token vocabulary is reduced exactly as vLLM's outlines backend does (token -> the bytes it decodes to; special
   tokens and EOS left out; EOS is allowed where the regex is complete), built once per tokenizer and cached; a
   compiled index is cached per (tokenizer, regex).
-- `Matcher` walks one sequence: `allowed()` is the set of ids allowed next, `advance(token)` moves on (False when
-  the token is not allowed: the matcher is then dead and allows everything, so callers count it, never crash).
+- `Matcher` walks one sequence: `keep(V)` is the (V,) bool mask of ids allowed next, `advance(token)` moves on
+  (False when the token was not allowed: callers count it, never crash). Masks are cached per (regex, state), so
+  a long response in a JSON string (one state, ~all tokens allowed) costs one mask, not one per token.
 - The constrained distribution at a step is softmax over the allowed ids of the logits (after temperature), the
   others masked (`mask_logits`). Sampling masks before top-k/top-p, so the engine's processed log-probs are those
   of the constrained distribution; `replay_mask` gives the trainer the same masks from the response tokens.
@@ -92,7 +93,25 @@ class TokenVocabulary:
         self.tokens = _token_bytes(tokenizer)
         self.inner = oc.Vocabulary(int(self.eos_id), self.tokens)
         self.indexes: OrderedDict[str, Any] = OrderedDict()  # regex -> compiled Index (LRU)
+        self.masks: OrderedDict[tuple[str, int, int], Tensor] = OrderedDict()  # (regex, state, V) -> keep (LRU)
         self.lock = threading.Lock()
+
+    def keep(self, regex: str, index: Any, state: int, vocab_size: int) -> Tensor:
+        """(V,) bool CPU mask of the ids `index` allows in `state` (ids >= V dropped); cached, 1024 most recent."""
+        key = (regex, state, vocab_size)
+        with self.lock:
+            mask = self.masks.get(key)
+            if mask is not None:
+                self.masks.move_to_end(key)
+                return mask
+        ids = torch.tensor(list(index.get_allowed_tokens(state)), dtype=torch.long)
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[ids[ids < vocab_size]] = True
+        with self.lock:
+            self.masks[key] = mask
+            while len(self.masks) > 1024:
+                self.masks.popitem(last=False)
+        return mask
 
     def index(self, regex: str) -> Any:
         """The compiled outlines-core Index of `regex` over this vocabulary (cached, 64 most recent)."""
@@ -173,13 +192,18 @@ class Matcher:
 
     def __init__(self, constraint: StructuredOutput, tokenizer: Any) -> None:
         self.vocab = vocabulary(tokenizer)
-        self.index = self.vocab.index(to_regex(constraint))
+        self.regex = to_regex(constraint)
+        self.index = self.vocab.index(self.regex)
         self.state = self.index.get_initial_state()
-        self.dead = False  # a token outside the allowed set was fed: no constraint any more
+        self.dead = False  # a token outside the allowed set was fed: the walk stopped there
 
     def allowed(self) -> list[int]:
         """Token ids allowed next (EOS only where the text so far is a complete match)."""
         return list(self.index.get_allowed_tokens(self.state))
+
+    def keep(self, vocab_size: int) -> Tensor:
+        """(V,) bool CPU mask of `allowed()` (shared, cached: do not modify)."""
+        return self.vocab.keep(self.regex, self.index, self.state, vocab_size)
 
     @property
     def final(self) -> bool:
@@ -200,30 +224,22 @@ class Matcher:
         return True
 
 
-def _allowed_tensor(ids: Sequence[int], vocab_size: int, device: torch.device) -> Tensor:
-    return torch.tensor([i for i in ids if i < vocab_size], dtype=torch.long, device=device)
-
-
-def mask_logits(logits: Tensor, rows: Sequence[int], allowed: Sequence[Sequence[int]]) -> Tensor:
-    """`logits` with every id outside `allowed[j]` masked in row `rows[j]` (a copy; other rows unchanged).
+def mask_logits(logits: Tensor, rows: Sequence[int], keeps: Sequence[Tensor]) -> Tensor:
+    """`logits` with every id outside `keeps[j]` masked in row `rows[j]` (a copy; other rows unchanged).
 
     Args:
         logits: (B, V) float logits (after temperature, if any).
         rows: row indices to constrain.
-        allowed: per constrained row, the allowed token ids (ids >= V are ignored).
+        keeps: per constrained row, a (V,) bool mask of the allowed ids (`Matcher.keep`).
 
     Returns:
         (B, V) logits; masked entries hold the dtype's most negative finite value.
     """
     if not rows:
         return logits
-    out = logits.clone()
-    low = torch.finfo(out.dtype).min
-    for r, ids in zip(rows, allowed):
-        keep = torch.zeros(out.shape[-1], dtype=torch.bool, device=out.device)
-        keep[_allowed_tensor(ids, out.shape[-1], out.device)] = True
-        out[r].masked_fill_(~keep, low)
-    return out
+    keep = torch.ones(logits.shape, dtype=torch.bool)
+    keep[list(rows)] = torch.stack(list(keeps))
+    return logits.masked_fill(~keep.to(logits.device), torch.finfo(logits.dtype).min)
 
 
 def replay_mask(
@@ -244,9 +260,7 @@ def replay_mask(
     m = Matcher(constraint, tokenizer)
     rows = []
     for tok in tokens:
-        keep = torch.zeros(vocab_size, dtype=torch.bool)
-        ids = m.allowed()
-        keep[_allowed_tensor(ids, vocab_size, keep.device)] = True
+        keep = m.keep(vocab_size)
         if not (0 <= int(tok) < vocab_size and bool(keep[int(tok)])):
             break
         rows.append(~keep)

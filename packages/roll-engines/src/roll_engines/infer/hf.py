@@ -60,7 +60,7 @@ class _ConstrainedBatcher(ContinuousBatcher):
 
         rows = [i for i, s in enumerate(seqs) if getattr(s, "matcher", None) is not None]
         if rows:
-            logits = mask_logits(logits, rows, [seqs[i].matcher.allowed() for i in rows])
+            logits = mask_logits(logits, rows, [seqs[i].matcher.keep(logits.shape[-1]) for i in rows])
         super()._sample(seqs, logits)
         for i in rows:
             seq = seqs[i]
