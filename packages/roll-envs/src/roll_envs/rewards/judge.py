@@ -22,8 +22,10 @@ a valid verdict.
 Backends (roll_envs.rewards.judge_backends): `openai`, any OpenAI-compatible chat-completions server (vLLM, SGLang,
 a hosted API, roll's own endpoint) over aiohttp, with a concurrency limit, per-request timeouts and retries on
 429/5xx; `engine`, a rollout engine of the reward worker's own (any installed `roll.infer_engines` plugin, built
-lazily on the first score, greedy by default). A GPU judge engine needs the reward role's isolation=inline: the
-default runs rewards in a forked child, where a CUDA context created before the fork does not work.
+lazily on the first score, greedy by default). A GPU judge engine needs `pipeline.reward_isolation=inline`: the
+default runs rewards in a forked child, where CUDA fails once the worker has initialised it before the fork, and a
+child cut off by the guard takes its engine with it (the next child loads the model again). On CPU the default
+works: the engine is built in the child, the worker itself never loads it.
 
 Failures never end the run: a request that times out counts in `judge_timeouts`, one that fails (HTTP error after
 retries, a malformed reply, an engine error) in `judge_errors`, a row whose metadata lacks a key the template names
@@ -299,7 +301,7 @@ class JudgeRewardConfig:
 
     _target_: str = "roll_envs.rewards.judge.JudgeReward"
     # openai: an OpenAI-compatible chat-completions server at base_url | engine: a rollout engine of the reward
-    # worker's own serving `model` (GPU: set the reward role's isolation=inline).
+    # worker's own serving `model` (on a GPU: pipeline.reward_isolation=inline).
     backend: str = "openai"
     # A built-in template (correctness | helpfulness | verdict) or your own string with {prompt} {response}
     # {answer} {metadata[<column>]}.
@@ -328,8 +330,8 @@ class JudgeRewardConfig:
     concurrency: int = 8
     # Seconds one request may take (engine: the whole batch's generation) before it counts as a timeout.
     timeout_s: float = 60.0
-    # openai: seconds one score() call may take; rows not judged by then count as timeouts (keep it below the
-    # reward guard's batch timeout, 300 s by default).
+    # openai: seconds one score() call may take; rows not judged by then count as timeouts (keep it below
+    # pipeline.reward_batch_timeout_s, 300 s by default).
     batch_timeout_s: float = 240.0
     # openai: retries of a request answered 429 or 5xx, or whose connection failed (timeouts are not retried).
     max_retries: int = 3
