@@ -9,6 +9,7 @@ import asyncio
 import collections
 import math
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -87,6 +88,18 @@ def test_templates_name_only_known_fields() -> None:
         JudgeReward(base_url="http://127.0.0.1:9/v1", template="corectness")
     with pytest.raises(ConfigError, match=r"needs env\.reward\.base_url"):
         JudgeReward()
+
+
+def test_without_aiohttp_the_openai_backend_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from roll_core.errors import MissingExtraError
+    from roll_envs.rewards.judge import JudgeRewardConfig
+
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # `import aiohttp` fails as if it were not installed
+    with pytest.raises(MissingExtraError, match=r"roll-envs\[remote\]"):
+        JudgeRewardConfig(base_url="http://127.0.0.1:9/v1").check_installed()
+    with pytest.raises(MissingExtraError, match=r"roll-envs\[remote\]"):
+        JudgeReward(base_url="http://127.0.0.1:9/v1")
+    JudgeRewardConfig(backend="engine", model="builtin:tiny").check_installed()  # the engine backend needs none
 
 
 # ---- a real OpenAI-compatible server ------------------------------------------------------------------------------
