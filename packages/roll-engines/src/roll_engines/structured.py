@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from roll_core.errors import Extra
-from roll_core.interfaces.inference import STRUCTURED_ENGINES, STRUCTURED_KEY, StructuredOutput
+from roll_core.interfaces.inference import STRUCTURED_ENGINES, STRUCTURED_KEY, StructuredOutput, structured_from_rows
 
 log = logging.getLogger(__name__)
 
@@ -267,3 +267,30 @@ def replay_mask(
         m.advance(int(tok))
     k = len(rows)
     return (torch.stack(rows) if rows else torch.zeros((0, vocab_size), dtype=torch.bool)), k
+
+
+def constrain_logits(
+    logits: Tensor, encoded: Tensor, responses: Tensor, response_mask: Tensor | None, tokenizer: Any
+) -> tuple[Tensor, int]:
+    """A training forward's logits masked, in each constrained row, as the sampler masked them.
+
+    Args:
+        logits: (b, R, V) float logits (after temperature) predicting the response tokens.
+        encoded: (b, K) uint8, the batch's `structured` rows (roll_core.interfaces.inference.structured_rows).
+        responses: (b, R) response token ids; response_mask: (b, R) 1 on real tokens (None: all R are real).
+
+    Returns:
+        ((b, R, V) logits, masked entries at the dtype's most negative finite value; unconstrained rows, padding and
+        positions from a token its constraint never allowed are unchanged), number of rows with such a token.
+    """
+    b, r, v = logits.shape
+    full = torch.zeros((b, r, v), dtype=torch.bool)
+    rejected = 0
+    for i, c in enumerate(structured_from_rows(encoded)):
+        if c is None:
+            continue
+        n = int(response_mask[i].sum()) if response_mask is not None else r
+        rows, k = replay_mask(c, tokenizer, responses[i, :n].tolist(), v)
+        full[i, :k] = rows
+        rejected += int(k < n)
+    return logits.masked_fill(full.to(logits.device), torch.finfo(logits.dtype).min), rejected

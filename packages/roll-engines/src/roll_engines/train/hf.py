@@ -44,7 +44,7 @@ from torch import Tensor
 
 from roll_algos.losses import entropy_from_logits, token_logprobs
 from roll_core.interfaces import LossFn
-from roll_core.interfaces.inference import STRUCTURED_KEY, structured_from_rows
+from roll_core.interfaces.inference import STRUCTURED_KEY
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.train._lora import adapter_state, apply_lora, is_lora, load_adapter, merged_weights, save_adapter
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
@@ -275,35 +275,25 @@ class HFTrainEngine:
         return out
 
     def _constrain(self, logits: Tensor, micro: Mapping[str, Tensor]) -> Tensor:
-        """(b, R, V) logits masked, in each constrained row, to the tokens its constraint allowed at each response
-        position (the sampler's logits processor, replayed over the response); other rows and padding unchanged."""
-        from roll_engines.structured import replay_mask
+        """(b, R, V) logits masked as the sampler masked them, row by row (roll_engines.structured)."""
+        from roll_engines.structured import constrain_logits
 
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self._trust_remote_code)
-        constraints = structured_from_rows(micro[STRUCTURED_KEY])
-        resp = micro["responses"]
-        mask = micro.get("response_mask")
-        b, r, v = logits.shape
-        full = torch.zeros((b, r, v), dtype=torch.bool)
-        for i, c in enumerate(constraints):
-            if c is None:
-                continue
-            n = int(mask[i].sum()) if mask is not None else r
-            rows, k = replay_mask(c, self._tokenizer, resp[i, :n].tolist(), v)
-            full[i, :k] = rows
-            if k < n:
-                self.structured_rejected_rows += 1
-                log.warning(
-                    "structured outputs: response token %d of a row is outside its constraint (%s); its log-probs "
-                    "from there are unconstrained (%d such rows so far)",
-                    k,
-                    c.kind,
-                    self.structured_rejected_rows,
-                )
-        return logits.masked_fill(full.to(logits.device), torch.finfo(logits.dtype).min)
+        logits, rejected = constrain_logits(
+            logits, micro[STRUCTURED_KEY], micro["responses"], micro.get("response_mask"), self._tokenizer
+        )
+        if rejected:
+            self.structured_rejected_rows += rejected
+            log.warning(
+                "structured outputs: %d row(s) hold a response token outside their constraint; their log-probs are "
+                "unconstrained from that token on (%d such rows so far)",
+                rejected,
+                self.structured_rejected_rows,
+            )
+        return logits
 
     @torch.no_grad()
     def compute_logprobs(
