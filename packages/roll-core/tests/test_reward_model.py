@@ -3,6 +3,7 @@ mixing by hand, running statistics through a state_dict round trip, and the chec
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,11 +52,19 @@ def rm_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _tiny_classifier(tmp_path_factory.mktemp("rm"))
 
 
-def _scoring(path: str, *overrides: str) -> RewardModelScoring:
+@pytest.fixture(scope="module")
+def run_cfg():
+    """The default run config, composed once (reward_model=hf's composition is the end-to-end test's)."""
+    return load_config([])
+
+
+def _scoring(run_cfg, path: str, **fields: object) -> RewardModelScoring:
     """The run's reward-model scoring as a collector builds it (local backend, CPU)."""
     from roll_core.cluster.launch import Cluster
+    from roll_core.config.reward_model import RewardModelConfig
 
-    cfg = load_config(["reward_model=hf", f"reward_model.path={path}", *overrides])
+    cfg = copy.deepcopy(run_cfg)
+    cfg.reward_model = RewardModelConfig(name="hf", path=path, **fields)
     scoring = build_reward_model(SimpleNamespace(cfg=cfg, cluster=Cluster(cfg.cluster, cfg.hw)))
     assert scoring is not None
     return scoring
@@ -86,14 +95,14 @@ def _cfg(**kw: object):
     return RewardModelConfig(name="hf", path="/unused", **kw)
 
 
-def test_scores_equal_a_direct_transformers_forward(rm_path: str) -> None:
+def test_scores_equal_a_direct_transformers_forward(run_cfg, rm_path: str) -> None:
     """7 rows of different lengths, 3 per forward pass, right-padded: each score is the classifier's logit of the
     chat-templated (prompt, response) alone; a row longer than max_length is cut from the left and counted."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     prompts = ["What is 2+2?", "Say hi", "x", "A much longer prompt about many things " * 3, "q", "Name a colour", ""]
     responses = ["4", "hi there!", "", "ok", "a" * 40, "red", "nothing"]
-    scoring = _scoring(rm_path, "reward_model.batch_size=3", "reward_model.max_length=60")
+    scoring = _scoring(run_cfg, rm_path, batch_size=3, max_length=60)
     batch, scored = _rows([0.0] * 7)
     batch["prompt_text"], scored["response_text"] = prompts, responses
     out = StepLog()
@@ -117,12 +126,12 @@ def test_scores_equal_a_direct_transformers_forward(rm_path: str) -> None:
     assert out["reward_model/raw_mean"] == pytest.approx(sum(want) / 7, abs=1e-5)
 
 
-def test_text_template_and_offload(rm_path: str) -> None:
+def test_text_template_and_offload(run_cfg, rm_path: str) -> None:
     """A {prompt}/{response} template is what the model reads; offloaded weights are back in host memory (asleep)
     after each call and the scores do not change."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    scoring = _scoring(rm_path, "reward_model.template='Q: {prompt} A: {response}'", "reward_model.offload=true")
+    scoring = _scoring(run_cfg, rm_path, template="Q: {prompt} A: {response}", offload=True)
     group = scoring.scorer
     assert all(m["asleep"] for m in group.memory_bytes())
     batch, scored = _rows([0.0, 0.0])
@@ -211,15 +220,15 @@ def test_non_finite_scores_are_counted_and_neutral() -> None:
     assert scored["scores"].tolist() == pytest.approx([-1.0, 0.0, 1.0, 0.0], abs=1e-5)
 
 
-def test_wrong_models_are_config_errors(tmp_path: Path, rm_path: str) -> None:
+def test_wrong_models_are_config_errors(run_cfg, tmp_path: Path) -> None:
     causal = _tiny_classifier(tmp_path / "lm", causal=True)
     with pytest.raises(ConfigError, match="LlamaForCausalLM, not a sequence classifier"):
-        _scoring(causal)
+        _scoring(run_cfg, causal)
     two = _tiny_classifier(tmp_path / "two", num_labels=2)
     with pytest.raises(ConfigError, match="2 labels"):
-        _scoring(two)
+        _scoring(run_cfg, two)
     with pytest.raises(ConfigError, match=r"reward_model\.path=/no/such/rm does not exist"):
-        _scoring("/no/such/rm")
+        _scoring(run_cfg, "/no/such/rm")
     from transformers import AutoTokenizer
 
     bare = tmp_path / "bare"
@@ -229,5 +238,5 @@ def test_wrong_models_are_config_errors(tmp_path: Path, rm_path: str) -> None:
     tok.save_pretrained(bare)
     (bare / "chat_template.jinja").unlink(missing_ok=True)
     with pytest.raises(ConfigError, match="has no chat template"):
-        _scoring(str(bare))
-    assert build_reward_model(SimpleNamespace(cfg=load_config([]), cluster=None)) is None
+        _scoring(run_cfg, str(bare))
+    assert build_reward_model(SimpleNamespace(cfg=run_cfg, cluster=None)) is None  # reward_model=none
