@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from omegaconf import MISSING
+
 NAMES = ("none", "hf")
 NORMALIZE = ("none", "batch", "running")
 MODES = ("replace", "add")
@@ -35,8 +37,9 @@ class RewardModelConfig:
 
     # none: no reward model | hf: a transformers AutoModelForSequenceClassification with one label.
     name: str = "none"
-    # HF folder or hub id of the reward model (name=hf).
-    path: str | None = None
+    # HF folder or hub id of the reward model (name=hf). Mandatory in the schema, so that `reward_model=hf` without
+    # it is a missing value at composition; reward_model/none.yaml sets null (a Python-built default keeps "???").
+    path: str | None = MISSING
     # Tokenizer folder or id; null: `path`.
     tokenizer: str | None = None
     # How a row becomes the model's input: "chat" (the tokenizer's chat template over a user turn holding the prompt
@@ -75,7 +78,8 @@ class RewardModelConfig:
     def __post_init__(self) -> None:
         _check("name", self.name in NAMES, f"{self.name!r} is not one of {', '.join(NAMES)}")
         if self.name == "hf":
-            _check("path", bool(self.path), "reward_model=hf needs the model: reward_model.path=<folder or hub id>")
+            has_path = self.path not in (None, "", MISSING)
+            _check("path", has_path, "reward_model=hf needs the model: reward_model.path=<folder or hub id>")
         _check("normalize", self.normalize in NORMALIZE, f"{self.normalize!r} is not one of {', '.join(NORMALIZE)}")
         _check("mode", self.mode in MODES, f"{self.mode!r} is not one of {', '.join(MODES)}")
         _check("placement", self.placement in PLACEMENTS, f"{self.placement!r} is not null, colocated or disaggregated")
