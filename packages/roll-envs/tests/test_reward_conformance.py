@@ -9,18 +9,20 @@ from roll_core.testing import CannotRunHere
 from roll_core.testing.rewards import Case, RewardTestSuite
 from roll_envs.rewards.code import CodeReward, CodeTest, encode_tests
 from roll_envs.rewards.ifeval import InstructionReward
+from roll_envs.rewards.judge import JudgeReward
 from roll_envs.rewards.math import MathReward
 from roll_envs.rewards.remote import RemoteReward
 from roll_envs.tasks.countdown import CountdownReward
 
 # ifeval's suite is TestInstructionReward in test_ifeval.py; remote's runs through the HTTP protocol in
-# test_remote_reward.py.
+# test_remote_reward.py; judge's is TestJudgeReward in test_judge.py (a referee judge server on 127.0.0.1).
 IN_TREE = {
     "math": MathReward,
     "countdown": CountdownReward,
     "code": CodeReward,
     "ifeval": InstructionReward,
     "remote": RemoteReward,
+    "judge": JudgeReward,
 }
 
 
