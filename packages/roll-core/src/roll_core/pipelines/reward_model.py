@@ -139,8 +139,9 @@ class RewardModelScoring:
         out[prefix + "raw_std"] = float(ok.std(unbiased=False)) if len(ok) else 0.0
         out[prefix + "score_mean"] = float(norm.mean()) if len(norm) else float("nan")
         out[prefix + "score_std"] = float(norm.std(unbiased=False)) if len(norm) else 0.0
-        out[prefix + "truncated"] = float(cut.sum())
-        out[prefix + "nonfinite"] = float(bad)
+        # Counts add up over the calls of one step (dynamic sampling scores several rounds); means are the last's.
+        out[prefix + "truncated"] = out.get(prefix + "truncated", 0.0) + float(cut.sum())
+        out[prefix + "nonfinite"] = out.get(prefix + "nonfinite", 0.0) + float(bad)
         if self.cfg.normalize == "running":
             out[prefix + "running_mean"] = self.stats.mean
             out[prefix + "running_std"] = math.sqrt(self.stats.var)
