@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: The groups each package ships (ARCHITECTURE.md: configs ship inside the packages).
 SHIPPED = {
-    "roll_core.conf": {"algo", "cluster", "experiment", "hw", "hydra", "model", "pipeline"},
+    "roll_core.conf": {"algo", "cluster", "experiment", "hw", "hydra", "model", "pipeline", "reward_model"},
     "roll_engines.conf": {"infer_engine", "train_engine"},
     "roll_envs.conf": {"env"},
 }

@@ -258,6 +258,9 @@ class SGLangInferEngineConfig(InferEngineConfig):
     # SGLang applies per-request seeds (roll's seeded sampling) only in its deterministic mode, which uses its slower
     # pytorch sampler; false: seeds are ignored and the engine says so once.
     deterministic: bool = False
+    # Structured outputs' grammar backend (SGLang's grammar_backend: xgrammar | outlines | llguidance); null:
+    # SGLang's default. `outlines` builds the same masks the trainer replays (roll_engines.structured).
+    grammar_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.sleep_level is None and not self.enable_memory_saver:

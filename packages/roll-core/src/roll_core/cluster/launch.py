@@ -26,7 +26,7 @@ from roll_hw import Platform
 
 log = logging.getLogger(__name__)
 G = TypeVar("G", bound=WorkerGroup)
-DEVICE_ROLES = ("actor_train", "actor_infer", "reference", "critic")
+DEVICE_ROLES = ("actor_train", "actor_infer", "reference", "critic", "reward_model")
 # Ray sets the visible-devices variable itself for these resources (its accelerator managers); for any other
 # device resource (out-of-tree platforms) roll sets the platform's variable from the bundle's place on its node.
 RAY_MANAGED_RESOURCES = ("GPU", "NPU")
@@ -147,14 +147,16 @@ class Cluster:
             ray.init(address="local", _node_ip_address="127.0.0.1", **kwargs)
         self._started_ray = True
 
-    def _placement(self, role: str, world_size: int, devices_per_worker: int = 1) -> RayOptions:
+    def _placement(
+        self, role: str, world_size: int, devices_per_worker: int = 1, placement: str | None = None
+    ) -> RayOptions:
         """Ray options placing `world_size` workers of `role`, each on `devices_per_worker` devices of one bundle
         (an engine worker spanning N devices for tensor parallelism gets one bundle of N)."""
         from ray.util.placement_group import placement_group
 
         dev = float(devices_per_worker) if self.platform.ray_resource else 0.0
         key = self.platform.ray_resource
-        colocated = self.cfg.placement == "colocated"
+        colocated = (placement or self.cfg.placement) == "colocated"
         if colocated and devices_per_worker > 1:
             raise ConfigError(
                 f"{role} spans {devices_per_worker} devices per worker (tensor parallel), but colocated placement "
@@ -237,13 +239,15 @@ class Cluster:
         devices_per_worker: int = 1,
         python: str | None = None,
         max_concurrency: int = 1,
+        placement: str | None = None,
         **kwargs: Any,
     ) -> G:
         """A worker group for `role` on this cluster's backend.
 
         `python` runs the role's actors in another virtual environment (Ray only); `max_concurrency` lets one
         actor serve several calls at once (request-level engines); `devices_per_worker` > 1 gives each worker a
-        bundle of that many devices (tensor parallel engines).
+        bundle of that many devices (tensor parallel engines); `placement` (colocated | disaggregated) is a role's own
+        choice over `cluster.placement` (reward_model.placement).
         """
         if self.cfg.backend == "local":
             if python:
@@ -254,7 +258,7 @@ class Cluster:
             group = group_cls(group_cls.worker_cls, world_size, "local", name=role, **kwargs)
         else:
             opts = (
-                self._placement(role, world_size, devices_per_worker)
+                self._placement(role, world_size, devices_per_worker, placement)
                 if role in DEVICE_ROLES
                 else RayOptions(num_cpus=min(self.cfg.cpus_per_worker, 0.25))
             )

@@ -38,7 +38,16 @@ from roll_core.seeds import Purpose, derive_seed
 
 #: Engine-config keys read by workers, placement and weight sync (never passed to an engine's constructor).
 # `dtype` of an inference engine reaches it through the runtime keys (resolved on its node, default model.dtype).
-WORKER_KEYS = ("world_size", "sync_transport", "sync_bucket_mb", "sleep_level", "python", "max_concurrency", "dtype")
+WORKER_KEYS = (
+    "world_size",
+    "sync_transport",
+    "sync_bucket_mb",
+    "sleep_level",
+    "python",
+    "max_concurrency",
+    "dtype",
+    "structured",  # a sampling setting (SamplingParams.structured), not the engine's
+)
 
 
 def engine_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -275,6 +284,9 @@ class InferWorker(EngineWorker):
 
     @dispatch(Dispatch.RANK0)
     def check_sampling(self, params: SamplingParams) -> None:
+        from roll_core.interfaces.inference import check_structured
+
+        check_structured(self.engine, params)  # an engine that cannot constrain decoding must not ignore it
         self.engine.check_sampling(params)
 
     @dispatch(Dispatch.RANK0)

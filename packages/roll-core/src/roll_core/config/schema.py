@@ -487,6 +487,10 @@ class InferEngineConfig:
     top_k: int = 0
     # Extra stop strings (EOS always stops); the completing token is kept.
     stop: list[str] = field(default_factory=list)
+    # Structured outputs: every rollout constrained by {json_schema: <schema>} or {regex: <pattern>} (hf, vLLM,
+    # SGLang); the trainer recomputes log-probs of the same constrained distribution (hf, fsdp2 train engines).
+    # {}: unconstrained. Launch: +infer_engine.structured.regex='[0-9]+'
+    structured: dict[str, Any] = field(default_factory=dict)
     # Most sequences decoded together; requests beyond it wait for a free slot (vLLM max_num_seqs, SGLang
     # max_running_requests). null: the engine's own choice (engines that need a number set their default).
     max_num_seqs: int | None = None
@@ -517,6 +521,13 @@ class InferEngineConfig:
                 f"infer_engine.temperature={self.temperature} must be > 0 for RL sampling "
                 "(greedy decoding is for evaluation: pipeline.eval_temperature)"
             )
+        if self.structured:
+            from roll_core.interfaces.inference import StructuredOutput
+
+            try:
+                StructuredOutput.from_dict(dict(self.structured))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"infer_engine.structured: {exc}") from exc
         if not 0 < self.top_p <= 1:
             raise ValueError(f"infer_engine.top_p={self.top_p} must be in (0, 1]")
         _positive("infer_engine.top_k", self.top_k, allow_zero=True)

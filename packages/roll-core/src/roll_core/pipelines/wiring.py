@@ -46,6 +46,7 @@ def sampling_params(cfg: RLVRConfig) -> SamplingParams:
         top_k=int(ie.top_k),
         stop=tuple(ie.stop),
         max_new_tokens=cfg.model.max_response_length,
+        structured=dict(ie.structured) or None,
     )
 
 
@@ -62,6 +63,14 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str) -> Roles:
     """Every training-side worker group of `cfg` on `cluster` (see the module docstring)."""
     algo, model, pipe = cfg.algo, cfg.model, cfg.pipeline
     te, ie = cfg.train_engine, cfg.infer_engine
+    if ie.structured:  # the trainer must score the same constrained distribution the rollout sampled
+        from hydra.utils import get_object
+
+        if not getattr(get_object(te._target_), "structured_logprobs", False):
+            raise ConfigError(
+                f"infer_engine.structured needs a train engine that recomputes constrained log-probs (hf, fsdp2); "
+                f"train_engine={te.name} cannot: the PPO ratio would compare two different policies"
+            )
     n_mini = mini_batches(cfg)
     # Each worker resolves its device and `dtype=auto` on its own node (roles.resolve_device).
     placement = {"platform": cluster.platform.name, "device": "auto"}

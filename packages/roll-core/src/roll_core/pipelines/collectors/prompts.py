@@ -176,6 +176,10 @@ class PromptCollector:
             return None
         out["data/trained_groups"] = len(batch) // self.cfg.algo.group_size
         out["data/skipped_rows"] = float(sum((getattr(self.task, "skipped_rows", {}) or {}).values()))
+        if self.sampling.structured is not None:  # the trainer replays the constraint over each response
+            from roll_core.interfaces.inference import STRUCTURED_KEY, structured_rows
+
+            batch[STRUCTURED_KEY] = structured_rows([self.sampling.structured] * len(batch))
         if self.advantage_scale is not None:  # per-domain advantage scale: (B,), the trainer multiplies
             batch["advantage_scale"] = torch.tensor(
                 [self.advantage_scale[m["domain"]] for m in batch["metadata"]], dtype=torch.float32
