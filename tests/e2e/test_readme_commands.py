@@ -224,7 +224,17 @@ RUN_ELSEWHERE = {
     "roll-train algo=grpo algo.lr=2e-6 pipeline.max_steps=50": (
         "the default config's GRPO pipeline runs as `roll-train experiment=quickstart` here"
     ),
+    "roll-train experiment=multi_domain": (
+        "env=multi's run (counts, per-domain metrics, eval and advantage scale) runs on the tiny model in "
+        "test_multi_domain.py; this experiment's 3-domain evaluation is minutes (its curves: bench/RESULTS.md)"
+    ),
 }
+#: Where commands naming the user's own model, server or program (a placeholder such as <rm>) run with real stand-ins.
+USERS_OWN = (
+    "reward_model=hf: tests/e2e/test_reward_model.py (an RM trained in the test); env/reward=judge: "
+    "packages/roll-envs/tests/test_judge.py (a judge server and an engine judge); env/reward=remote: "
+    "packages/roll-envs/tests/test_remote_reward.py (roll's verifier server)"
+)
 
 
 def plan(cmd: Command) -> Plan:
@@ -259,6 +269,9 @@ def plan(cmd: Command) -> Plan:
         )
     if cmd.text in RUN_ELSEWHERE:
         return Plan("compose", RUN_ELSEWHERE[cmd.text])
+    own = {m for a in cmd.args for m in PLACEHOLDER.findall(a)} - KNOWN_PLACEHOLDERS
+    if own:
+        return Plan("compose", f"names the user's own {', '.join(sorted(own))}; run with stand-ins in: {USERS_OWN}")
     if cmd.multirun and "experiment=sweep_tiny" in cmd.overrides:
         # 33 s here; the README test command must stay under 40 minutes on 2 cores.
         return Plan("compose", "tests/e2e/test_sweep.py runs experiment=sweep_tiny sweeps on the Ray launcher")
