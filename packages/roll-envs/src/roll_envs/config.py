@@ -437,12 +437,7 @@ def register_configs() -> None:
     # env.reward: each reward's own node (the module docstring); `custom` takes any class and its own keys.
     for group, options in SCHEMAS_BESIDE_CODE.items():
         for name, ref in options.items():
-            try:
-                schema = _schema(ref)
-            except ModuleNotFoundError as exc:  # TODO(L): remove once every module above exists
-                if exc.name != ref.partition(":")[0]:
-                    raise
-                continue
+            schema = _schema(ref)
             if group == "env/reward":
                 REWARD_SCHEMAS.setdefault(name, schema)
             else:
