@@ -224,6 +224,9 @@ RUN_ELSEWHERE = {
     "roll-train algo=grpo algo.lr=2e-6 pipeline.max_steps=50": (
         "the default config's GRPO pipeline runs as `roll-train experiment=quickstart` here"
     ),
+    "roll-train experiment=quickstart infer_engine=vllm cluster=ray": (
+        "GRPO with vLLM in its own venv on Ray learns in test_vllm_ray.py (CI time: the same path twice)"
+    ),
     "roll-train experiment=multi_domain": (
         "env=multi's run (counts, per-domain metrics, eval and advantage scale) runs on the tiny model in "
         "test_multi_domain.py; this experiment's 3-domain evaluation is minutes (its curves: bench/RESULTS.md)"

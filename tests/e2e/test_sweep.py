@@ -69,6 +69,7 @@ def test_failing_job_does_not_stop_the_others(seven_task: Path, tmp_path: Path) 
     assert status[str(missing)]["status"] == "failed" and "ConfigError" in status[str(missing)]["error"]
 
 
+@pytest.mark.full_matrix  # CI time: the Ray launcher runs in the sweeps above; `nox -s full_matrix` runs this
 def test_optuna_sweeper_with_ray_launcher(seven_task: Path, tmp_path: Path) -> None:
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     proc = sweep(
