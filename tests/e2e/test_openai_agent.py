@@ -180,6 +180,8 @@ def test_failing_agents_are_counted_and_scored_or_dropped_never_the_run() -> Non
         try:
             out = StepLog()
             collected = collector.next(1, out)
+            # the timed-out episode's session is closed and its turn in flight aborted (nothing left running)
+            assert not collector.sessions.sessions() and not collector.ctx.infer.hung
         finally:
             collector.close()
         assert {k: out[f"agent/failed_{k}"] for k in ("error", "timeout", "no_reward")} == {
