@@ -164,6 +164,7 @@ def test_multi_turn_chat_records_exactly_the_sampled_ids(hf_engine: Any, tokeniz
     between = tokenizer.decode(traj.tokens[starts[0] + len(outs[0].token_ids) : starts[1]])
     assert between.endswith("<|user|>Again\n<|assistant|>")
     assert session.reward == 0.75 and session.rewrites == 0 and traj.turns == 3
+    assert len(set(traj.state_keys)) == 3  # one state per turn (the conversation sent), for step-level estimators
 
 
 def test_tool_calls_in_the_openai_format(tokenizer: Any) -> None:

@@ -28,6 +28,7 @@ Thread-safety: one request per session at a time (a second concurrent one gets H
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -267,6 +268,9 @@ class AgentSession:
         else:
             self.traj.add_response(list(token_ids), list(logprobs))
         self.traj.turn_rewards.append(0.0)
+        # The state the turn acted in, for step-level estimators (GiGPO): the conversation the agent sent.
+        state = json.dumps([turn.messages, turn.tools], sort_keys=True, default=str)
+        self.traj.state_keys.append(hashlib.blake2b(state.encode(), digest_size=8).hexdigest())
         self.traj.cut_turns += int(finish == "length")
         self.traj.tool_calls += len(message.get("tool_calls", []))
         self.traj.texts.append(message.get("content") or "")
