@@ -277,3 +277,27 @@ def test_history_rewrites_are_counted_and_handled(tokenizer: Any, policy: str) -
     else:  # refused: the session went on from the unchanged conversation
         assert traj.turns == 2 and session.dropped_turns == 0
         assert tokenizer.decode([t for t, m in zip(traj.tokens, traj.mask) if m]) == "one</s>two</s>"
+
+
+def test_response_format_constrains_the_turn_and_keeps_it_out_of_the_loss(hf_engine: Any, tokenizer: Any) -> None:
+    """json_schema on the hf engine: the reply is valid JSON of the schema; the trainer cannot replay a per-turn
+    constraint inside a trajectory, so the turn is context (mask 0), counted."""
+    infer = Recorder(hf_engine)
+    infer.check_sampling = hf_engine.engine.check_sampling  # type: ignore[method-assign]  # RequestsOf has none
+    sessions, server = _serve(infer, tokenizer)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    try:
+        sessions.open("j", PARAMS, SessionLimits(max_tokens_per_turn=24, max_context_length=512))
+        fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+        r = _client(server, "j").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "n?"}], response_format=fmt
+        )
+        session = sessions.close("j")
+    finally:
+        server.close()
+    if r.choices[0].finish_reason == "stop":  # complete (a cut reply is a valid prefix only)
+        assert isinstance(json.loads(r.choices[0].message.content)["n"], int)
+    else:
+        assert r.choices[0].message.content.startswith('{"n":')
+    assert session.constrained_turns == 1 and session.traj.turns == 1 and sum(session.traj.mask) == 0
+    assert len(session.traj.tokens) == r.usage.completion_tokens

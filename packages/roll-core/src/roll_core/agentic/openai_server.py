@@ -334,7 +334,10 @@ class OpenAIServer:
             from roll_core.interfaces import SamplingParams, UnsupportedSamplingError
 
             try:
-                self.sessions.infer.check_sampling(SamplingParams(structured=structured))
+                check = getattr(self.sessions.infer, "check_sampling", None)
+                if check is None:
+                    raise UnsupportedSamplingError("the inference group cannot say whether it constrains decoding")
+                check(SamplingParams(structured=structured))
                 self._checked[key] = None
             except (UnsupportedSamplingError, ValueError, TypeError) as exc:
                 self._checked[key] = SessionError(400, "unsupported_response_format", f"response_format: {exc}")
