@@ -50,7 +50,7 @@ TEST_PLUGINS = ["tests/plugins/roll-dummy-platform", "tests/plugins/roll-dummy-e
 EXTRAS = {
     "roll-core": "[all]",
     "roll-engines": "[hf,fsdp,lora,megatron,structured]",
-    "roll-envs": "[math,data,gem,skyrl,code,remote]",
+    "roll-envs": "[math,data,gem,skyrl,code,remote,agents]",
 }
 # Installed without their dependencies (their pins conflict with ours): GEM pins antlr4 4.13, omegaconf needs 4.9;
 # what `import gem` needs comes from roll-envs' `gem` extra.

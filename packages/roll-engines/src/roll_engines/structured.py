@@ -63,11 +63,19 @@ def refuse_constrained_batch(batch: Any, engine: str) -> None:
         )
 
 
+def _outlines_core() -> Any:
+    """outlines-core, or one line naming roll-engines[structured] when it is missing."""
+    STRUCTURED.require()
+    import outlines_core
+
+    return outlines_core
+
+
 @functools.lru_cache(maxsize=256)
 def _regex(kind: str, text: str) -> str:
     if kind == "regex":
         return text
-    oc = STRUCTURED.load()
+    oc = _outlines_core()
     try:
         return oc.json_schema.build_regex_from_schema(text)
     except Exception as exc:  # outlines-core raises ValueError or its own errors for unsupported schemas
@@ -86,7 +94,7 @@ class TokenVocabulary:
     """outlines-core's Vocabulary of one tokenizer, and the facts masks need (EOS id, ids the tokenizer knows)."""
 
     def __init__(self, tokenizer: Any) -> None:
-        oc = STRUCTURED.load()
+        oc = _outlines_core()
         self.eos_id = tokenizer.eos_token_id
         if self.eos_id is None:
             raise ValueError("structured outputs need a tokenizer with an EOS token (eos_token_id is None)")
@@ -119,7 +127,7 @@ class TokenVocabulary:
             if regex in self.indexes:
                 self.indexes.move_to_end(regex)
                 return self.indexes[regex]
-        oc = STRUCTURED.load()
+        oc = _outlines_core()
         try:
             idx = oc.Index(regex, self.inner)
         except Exception as exc:

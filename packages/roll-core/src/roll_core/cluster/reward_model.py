@@ -109,7 +109,7 @@ class RewardModelWorker(Worker):
         super().__init__(**base)
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from roll_core.cluster.roles import resolve_device
+        from roll_core.devices import resolve_device
 
         resolved = resolve_device({"platform": platform, "device": "auto", "dtype": dtype, "role": "reward_model"})
         self.device = torch.device(resolved["device"])

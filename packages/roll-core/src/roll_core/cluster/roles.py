@@ -20,7 +20,6 @@ are built in `setup`, on the main thread too (their actors serve one call at a t
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -31,6 +30,7 @@ from roll_core.cluster.buckets import Bucket, SyncGroup, bucket_nbytes, buckets,
 from roll_core.cluster.group import Handle, WorkerGroup
 from roll_core.cluster.worker import Dispatch, Worker, dispatch, node_address
 from roll_core.config.build import build
+from roll_core.devices import resolve_device
 from roll_core.interfaces import InferEngine, Request, RequestOutput, SamplingParams, Task, TrainEngine
 from roll_core.interfaces.runtime import InferEngineRuntime, TrainEngineRuntime, check_engine_kwargs
 from roll_core.protocol import Batch
@@ -78,36 +78,6 @@ def build_engine(worker: Worker, cfg: dict[str, Any], runtime: TrainEngineRuntim
     current = threading.current_thread()
     worker.engine_thread_name = (current.name, current is threading.main_thread())
     return engine
-
-
-def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
-    """Device and dtype decided where the engine runs, not on the driver (a CPU-only head may drive GPU workers).
-
-    `runtime["platform"]` names the platform ("auto": detect here); `device="auto"` becomes its torch device and
-    `dtype="auto"` (or a dtype it cannot run fast) becomes what the platform supports.
-    """
-    from types import SimpleNamespace
-
-    from roll_hw import get_platform_class, resolve_platform
-
-    out = dict(runtime)
-    name = out.pop("platform", "auto")
-    platform = resolve_platform() if name in (None, "auto") else get_platform_class(name)
-    if not platform.is_available():
-        import socket
-
-        raise RuntimeError(
-            f"platform {platform.name!r} is not available on {socket.gethostname()}: {platform.unavailable_reason()}"
-        )
-    if out.get("device", "auto") == "auto":
-        out["device"] = platform.torch_device()
-    if "dtype" in out:
-        cfg = SimpleNamespace(dtype=out["dtype"])
-        changes = platform.check_and_update_config(cfg)  # only dtype lines: cfg has no dist_backend
-        if out["dtype"] != "auto" and cfg.dtype != out["dtype"]:  # an explicit choice overridden: say so
-            logging.getLogger(__name__).warning("%s (role %s)", "; ".join(changes), out.get("role", "?"))
-        out["dtype"] = cfg.dtype
-    return out
 
 
 class TrainWorker(EngineWorker):

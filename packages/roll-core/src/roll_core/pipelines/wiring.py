@@ -72,7 +72,7 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str) -> Roles:
                 f"train_engine={te.name} cannot: the PPO ratio would compare two different policies"
             )
     n_mini = mini_batches(cfg)
-    # Each worker resolves its device and `dtype=auto` on its own node (roles.resolve_device).
+    # Each worker resolves its device and `dtype=auto` on its own node (roll_core.devices.resolve_device).
     placement = {"platform": cluster.platform.name, "device": "auto"}
     common = {
         "model_path": model_path,

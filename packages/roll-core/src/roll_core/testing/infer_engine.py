@@ -53,6 +53,13 @@ class RequestsOf:
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
 
+    def check_sampling(self, params: Any) -> None:
+        """What InferGroup.check_sampling does on a worker: structured outputs refused where unsupported first."""
+        from roll_core.interfaces.inference import check_structured
+
+        check_structured(self.engine, params)
+        self.engine.check_sampling(params)
+
 
 class InferEngineTestSuite:
     """Shared tests; subclasses implement `build_engine`."""

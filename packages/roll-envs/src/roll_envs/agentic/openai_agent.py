@@ -31,7 +31,9 @@ from typing import Any
 
 from roll_core.errors import ConfigError, Extra
 
-OPENAI = Extra("openai", "env.program=<module:function> (the program gets an openai.OpenAI client)", "openai", "openai")
+OPENAI = Extra(
+    "openai", "env.program=<module:function> (the program gets an openai.OpenAI client)", "openai", "roll-envs[agents]"
+)
 
 
 @dataclass

@@ -264,7 +264,9 @@ class EngineBackend:
         from roll_core.models import resolve_model_path
 
         cls = self._cls()
-        runtime = _resolve_device(dict(self.runtime))
+        from roll_core.devices import resolve_device  # light: not the cluster's roles (seconds of import)
+
+        runtime = resolve_device({"dtype": "auto", **self.runtime})
         path = resolve_model_path(self.model)
         self._tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=self.runtime["trust_remote_code"])
         if not getattr(self._tokenizer, "chat_template", None):
@@ -325,25 +327,3 @@ def _accepted(cls: Any) -> frozenset[str]:
     from roll_core.interfaces.runtime import accepted_keys
 
     return accepted_keys(cls) or frozenset()
-
-
-def _resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
-    """`device="auto"` / `dtype="auto"` resolved on this process's platform, as roll_core.cluster.roles.resolve_device
-    does for a role's engine (that module is not imported here: it pulls in tensordict and torch._dynamo, seconds
-    of import in a reward worker that needs neither)."""
-    from types import SimpleNamespace
-
-    from roll_hw import get_platform_class, resolve_platform
-
-    out = dict(runtime)
-    name = out.pop("platform", "auto")
-    platform = resolve_platform() if name in (None, "auto") else get_platform_class(name)
-    if not platform.is_available():
-        why = platform.unavailable_reason()
-        raise RuntimeError(f"judge engine: platform {platform.name!r} is not available here: {why}")
-    if out.get("device", "auto") == "auto":
-        out["device"] = platform.torch_device()
-    cfg = SimpleNamespace(dtype=out.get("dtype", "auto"))
-    platform.check_and_update_config(cfg)  # only dtype lines: cfg has no dist_backend
-    out["dtype"] = cfg.dtype
-    return out
