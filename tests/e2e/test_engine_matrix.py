@@ -42,6 +42,9 @@ COVERED = {
         "hf",
     ): "test_readme_commands.py runs `roll-train experiment=agentic_quickstart`",
     ("agentic_sokoban", "hf", "hf"): "test_readme_commands.py runs `roll-train experiment=agentic_sokoban`",
+    # env=multi feeds the same prompts collector and engines as the quickstart (a per-domain sampler and reward).
+    ("multi_domain", "hf", "hf"): "tests/e2e/test_multi_domain.py runs env=multi on hf x hf (shares, metrics, eval)",
+    ("multi_domain", "hf", "megatron"): "the quickstart's collector on train_engine=megatron runs in test_learning.py",
 }
 RAY_EXPERIMENTS = (
     "cluster=ray experiment: the quickstart's pipeline on Ray, run by tests/e2e/test_sweep.py (sweep_tiny), "
@@ -79,8 +82,11 @@ def _overrides(experiment: str, infer: str, train: str, model: str, data: Path, 
     ]
     if pipeline == "agentic":
         sizes += ["env.demonstrations=0", "env.max_turns=2", "env.max_tokens_per_turn=8", "env.system_prompt=Solve it."]
-    if compose(base).env.get("_target_", "").endswith("FileTask"):
+    env = compose(base).env
+    if env.get("_target_", "").endswith("FileTask"):
         sizes.append(f"env.path={data}")
+    if env.get("counts"):  # fixed prompts per domain: the batch is their sum (a smaller one is a ConfigError)
+        sizes.append(f"pipeline.rollout_batch_size={sum(env.counts.values())}")
     return base + sizes
 
 
