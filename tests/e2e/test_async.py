@@ -55,8 +55,8 @@ def test_partial_rollout_resumes_requests_and_keeps_every_token_once(tiny_model:
 
     Infer = partial(RequestsOf, engine)  # the InferGroup request API over one in-process engine
 
-    class Problem:
-        id, answer = "p", "7"
+    class Problem:  # a roll_core.interfaces.ProblemLike
+        id, prompt, answer = "p", "say 7", "7"
 
     sched = RolloutScheduler(batch_groups=2, group_size=2, max_new_tokens=300, async_ratio=1, partial_rollout=True)
     prompts = iter([[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16, 17, 18]] * 4)
