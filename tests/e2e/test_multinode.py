@@ -16,7 +16,7 @@ from typing import ClassVar
 import pytest
 
 from roll_core.cluster.group import WorkerGroup
-from roll_core.cluster.launch import Cluster
+from roll_core.cluster.launch import DEVICE_ROLES, Cluster
 from roll_core.cluster.worker import Worker
 from roll_core.config.schema import ClusterConfig, HwConfig
 from roll_core.testing import run_pipeline, tiny_overrides
@@ -108,7 +108,8 @@ def test_colocated_roles_share_bundles_that_span_nodes(nodes: dict[str, str]) ->
         assert {w["node_id"] for w in train} == set(nodes.values())  # 4 one-GPU bundles over two 2-GPU nodes
         for t, i in zip(train, infer):  # rank r of every role time-shares bundle r: same node, same GPU
             assert (t["node_id"], t["CUDA_VISIBLE_DEVICES"]) == (i["node_id"], i["CUDA_VISIBLE_DEVICES"])
-            assert t["resources"]["GPU"] == pytest.approx(0.25)
+            # Each device role (actor_train, actor_infer, reference, critic, reward_model) takes a fifth of a GPU.
+            assert t["resources"]["GPU"] == pytest.approx(1 / len(DEVICE_ROLES)) == pytest.approx(0.2)
     finally:
         cluster.shutdown()
 
