@@ -30,6 +30,26 @@ class Problem:
     metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
+def held_out_split(
+    problems: list[Any], held: list[Any] | None, *, eval_fraction: float, eval_size: int, path: str | None
+) -> tuple[list[Any], list[Any]]:
+    """(train, held-out) of a file-backed task: with `held` (the rows of env.eval_path) every row of `problems`
+    trains; without, prompts whose stable hash falls below `eval_fraction` are held out. The held-out list is cut
+    to `eval_size`. A ConfigError when nothing is left to train on."""
+    from roll_core.errors import ConfigError
+
+    if held is None:
+        train = [p for p in problems if stable_fraction(p.prompt) >= eval_fraction]
+        held = [p for p in problems if stable_fraction(p.prompt) < eval_fraction]
+    else:
+        train = problems
+    if not train:
+        raise ConfigError(
+            f"{path}: every row fell in the held-out split; lower env.eval_fraction or give env.eval_path"
+        )
+    return train, held[:eval_size]
+
+
 def stable_fraction(key: str) -> float:
     """A number in [0, 1) derived from `key` alone (same on every machine and Python run)."""
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()

@@ -18,7 +18,7 @@ from typing import Any
 
 from roll_core.errors import ConfigError
 from roll_envs.rewards.base import Reward
-from roll_envs.tasks.base import Problem, Task, stable_fraction
+from roll_envs.tasks.base import Problem, Task, held_out_split
 
 log = logging.getLogger(__name__)
 
@@ -166,18 +166,13 @@ class FileTask(Task):
                 raise ConfigError(f"data file {value} does not exist: check {key}")
         problems, skipped = load_problems(path, prompt_key=prompt_key, answer_key=answer_key, name=name)
         self.skipped = [(str(path), n, why) for n, why in skipped]
+        held = None
         if eval_path:
             held, eval_skipped = load_problems(eval_path, prompt_key=prompt_key, answer_key=answer_key, name=name)
             self.skipped += [(str(eval_path), n, why) for n, why in eval_skipped]
-            self._train = problems
-        else:
-            self._train = [p for p in problems if stable_fraction(p.prompt) >= eval_fraction]
-            held = [p for p in problems if stable_fraction(p.prompt) < eval_fraction]
-        self._eval = held[:eval_size]
-        if not self._train:
-            raise ConfigError(
-                f"{path}: every row fell in the held-out split; lower env.eval_fraction or give env.eval_path"
-            )
+        self._train, self._eval = held_out_split(
+            problems, held, eval_fraction=eval_fraction, eval_size=eval_size, path=path
+        )
 
     @classmethod
     def conformance_task(cls, seed: int, workdir: Path) -> FileTask:

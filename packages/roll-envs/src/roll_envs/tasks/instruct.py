@@ -34,7 +34,7 @@ from roll_core.errors import ConfigError
 from roll_core.seeds import Purpose, derive_seed
 from roll_envs.rewards.base import Reward
 from roll_envs.rewards.ifeval import KINDS, bounds, check, describe, parse_constraints, words
-from roll_envs.tasks.base import Problem, Task, stable_fraction
+from roll_envs.tasks.base import Problem, Task, held_out_split, stable_fraction
 
 #: Short open requests a small model can answer in a few words or sentences.
 REQUESTS = [
@@ -256,16 +256,10 @@ class InstructTask(Task):
             if value and not Path(value).exists():
                 raise ConfigError(f"data file {value} does not exist: check {key}")
         problems = self._load(path, prompt_key, constraints_key)
-        if eval_path:
-            self._train, held = problems, self._load(eval_path, prompt_key, constraints_key)
-        else:
-            self._train = [p for p in problems if stable_fraction(p.prompt) >= eval_fraction]
-            held = [p for p in problems if stable_fraction(p.prompt) < eval_fraction]
-        self._eval = held[:eval_size]
-        if not self._train:
-            raise ConfigError(
-                f"{path}: every row fell in the held-out split; lower env.eval_fraction or give env.eval_path"
-            )
+        held = self._load(eval_path, prompt_key, constraints_key) if eval_path else None
+        self._train, self._eval = held_out_split(
+            problems, held, eval_fraction=eval_fraction, eval_size=eval_size, path=path
+        )
 
     def _load(self, path: str, prompt_key: str, constraints_key: str) -> list[Problem]:
         """Problems of one file; unreadable rows and rows without a prompt go to `skipped`."""
