@@ -95,9 +95,12 @@ class TrainWorker(EngineWorker):
 
     @dispatch(Dispatch.DP)
     def compute_logprobs(
-        self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False, base: bool = False
+        self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False, base: bool = False, topk: int = 0
     ) -> Batch:
-        kwargs = {"base": True} if base else {}  # the LoRA base (reference) needs the engine's support
+        # Passed only when asked: the LoRA base (reference) and top-k (a teacher) need the engine's support.
+        kwargs: dict[str, Any] = {"base": True} if base else {}
+        if topk:
+            kwargs["topk"] = topk
         out = self.engine.compute_logprobs(
             batch.tensors(), temperature=temperature, with_entropy=with_entropy, **kwargs
         )
@@ -389,10 +392,11 @@ class TrainGroup(WorkerGroup[TrainWorker]):
     one_process_per_rank = True
 
     def compute_logprobs(
-        self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False, base: bool = False
+        self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False, base: bool = False, topk: int = 0
     ) -> Batch:
-        """Log-probs of the responses; `base=True` with LoRA adapters disabled (the reference policy)."""
-        return self.call(TrainWorker.compute_logprobs, batch, temperature, with_entropy, base)
+        """Log-probs of the responses; `base=True` with LoRA adapters disabled (the reference policy); `topk=K`
+        adds "topk_ids" and "topk_logprobs" (B, R, K) (a distillation teacher's targets)."""
+        return self.call(TrainWorker.compute_logprobs, batch, temperature, with_entropy, base, topk)
 
     def compute_values(self, batch: Batch) -> Batch:
         return self.call(TrainWorker.compute_values, batch)

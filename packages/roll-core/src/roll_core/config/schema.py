@@ -434,6 +434,10 @@ class TrainEngineConfig:
     world_size: int = 1
     # Rows per forward/backward (gradient accumulation splits mini-batches into these), whatever their lengths.
     micro_batch_size: int = 4
+    # Token budget per micro-batch (verl's dynamic batch size): 0 cuts micro_batch_size rows; N > 0 cuts micro-batches
+    # of at most N attended tokens (attention_mask sum; a longer row alone; a prompt's rows together when packing),
+    # so short rows share a pass and long ones do not run out of memory. Gradients are the same either way.
+    micro_batch_tokens: int = 0
     # Rows per no-grad forward when scoring log-probs / values.
     logprob_chunk_size: int = 8
     # Run micro-batches packed: a prompt shared by several rows (a GRPO group) computed once, responses follow it
@@ -457,6 +461,8 @@ class TrainEngineConfig:
         _positive(f"train_engine.world_size ({self.name})", self.world_size)
         if self.micro_batch_size < 1 or self.logprob_chunk_size < 1:
             raise ValueError("train_engine.micro_batch_size and logprob_chunk_size must be >= 1")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"train_engine.micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0: off)")
         if self.lora_rank < 0 or (self.lora_rank and self.lora_alpha <= 0):
             raise ValueError("train_engine.lora_rank must be >= 0 and lora_alpha > 0")
         if self.num_threads is not None and self.num_threads < 1:

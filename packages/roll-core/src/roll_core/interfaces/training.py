@@ -20,7 +20,15 @@ from torch import Tensor
 
 @runtime_checkable
 class LossFn(Protocol):
-    """What `train_step` needs from a loss: a callable plus its aggregation unit count."""
+    """What `train_step` needs from a loss: a callable plus its aggregation unit count.
+
+    `outputs` holds "logprobs" (b, R) of the sampled response tokens under log_softmax(logits / temperature), and
+    "entropy" (b, R) when `needs_entropy`. A loss may also declare `gather_ids_key: str | None` (read with getattr,
+    default None): when it names a (b, R, K) integer tensor of token ids in the micro-batch, the engine adds
+    `outputs["gathered_logprobs"]` (b, R, K), log_softmax(logits / temperature) at those ids, fp32 and
+    differentiable (a distillation student read at its teacher's top-k ids). Every built-in engine does, padded and
+    packed, LoRA included; positions outside the response are meaningless (packed: 0), as for "logprobs".
+    """
 
     needs_entropy: bool
 
@@ -49,11 +57,19 @@ class TrainEngine(Protocol):
     def dp_size(self) -> int: ...
 
     def compute_logprobs(
-        self, batch: Mapping[str, Tensor], temperature: float = 1.0, with_entropy: bool = False, base: bool = False
+        self,
+        batch: Mapping[str, Tensor],
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        base: bool = False,
+        topk: int = 0,
     ) -> dict[str, Tensor]:
         """{"logprobs": (B, R)} of the response tokens under log_softmax(logits / temperature) (and "entropy").
         `base=True` scores with LoRA adapters disabled (the frozen base: the reference policy of a LoRA run); an
-        engine without adapters raises ValueError."""
+        engine without adapters raises ValueError. `topk=K > 0` adds "topk_ids" (B, R, K) long and "topk_logprobs"
+        (B, R, K) fp32: the K largest log_softmax(logits / temperature) values at each response position and their
+        token ids, sorted descending (a distillation teacher's targets). Callers pass `topk` only when > 0, so an
+        engine without top-k keeps working where nothing asks for it."""
         ...
 
     def compute_values(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -70,7 +86,9 @@ class TrainEngine(Protocol):
         temperature: float = 1.0,
         shuffle_seed: int | None = None,
     ) -> dict[str, float]:
-        """`epochs` x `mini_batches` optimizer steps over this rank's rows; averaged metrics (collective)."""
+        """`epochs` x `mini_batches` optimizer steps over this rank's rows; averaged metrics (collective). Each
+        mini-batch is cut into micro-batches of `micro_batch_size` rows, or of at most `micro_batch_tokens`
+        attended tokens when the engine was built with that budget > 0; the gradient is the same either way."""
         ...
 
     def compute_gradients(

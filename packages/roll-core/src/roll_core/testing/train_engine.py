@@ -9,8 +9,11 @@ Critic role (`role="critic"`): `compute_values` gives finite (B, R) values that 
 (mask 0) does not change, and a value-loss step moves them towards the returns. Base-model log-probs
 (`compute_logprobs(..., base=True)`, the reference policy of a LoRA run, `lora_rank=4`): equal to the log-probs
 before any training, unchanged by training while the adapted policy moves away from them; an engine without LoRA
-refuses `base=True` with a ValueError. An engine without a critic role or without LoRA says so on its suite
-subclass (`no_critic` / `no_lora`: the reason) and those checks skip with it.
+refuses `base=True` with a ValueError. Top-k scoring (`compute_logprobs(..., topk=K)`, a distillation teacher's
+targets) equals torch.topk of transformers' full log-softmax; a loss declaring `gather_ids_key` receives
+`gathered_logprobs`, the log-softmax at its (b, R, K) ids, equal to transformers' and with the same gradients as
+that loss computed through transformers (temperature 0.7 throughout). An engine without a critic role or without
+LoRA says so on its suite subclass (`no_critic` / `no_lora`: the reason) and those checks skip with it.
 
 roll's tests run it over every installed `roll.train_engines` entry point (packages/roll-engines/tests/
 test_train_conformance.py), so an installed out-of-tree engine is checked as well. Engines are built with
@@ -48,10 +51,64 @@ from roll_core.interfaces import TrainEngine
 from roll_core.testing import CannotRunHere, teacher_forced_logprobs
 from roll_core.testing.batches import PROMPTS, toy_batch
 
-__all__ = ["PROMPTS", "TrainEngineTestSuite", "build_conformance_engine", "toy_batch"]
+__all__ = ["PROMPTS", "GatherLoss", "TrainEngineTestSuite", "build_conformance_engine", "toy_batch"]
+
+#: Temperature of the top-k and gather checks (not 1, so an engine that forgets it fails).
+TEMPERATURE = 0.7
 
 #: Name of the optional classmethod hook `(model_path, **kwargs) -> engine` on a train engine class.
 HOOK = "conformance_engine"
+
+
+class GatherLoss:
+    """A loss over `gathered_logprobs` (the engine's log-probs at the micro-batch's "teacher_ids" (b, R, K)):
+    -sum_k w_k * logp(id_k), averaged over response tokens (a forward-KL distillation loss with weights
+    "teacher_w"). Records, per micro-batch, its "row" indices and the gathered log-probs (detached, CPU)."""
+
+    needs_entropy = False
+    gather_ids_key = "teacher_ids"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def units(self, micro: Any) -> float:
+        return float(micro["response_mask"].sum())
+
+    def __call__(self, outputs: dict[str, torch.Tensor], micro: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        got = outputs["gathered_logprobs"]
+        mask = micro["response_mask"].to(got.device).float()
+        self.seen.append((micro["row"].cpu(), got.detach().cpu()))
+        per_token = -(got * micro["teacher_w"].to(got.device)).sum(-1)  # (b, R)
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+        return loss, {"distill_loss": loss.detach()}
+
+
+def gather_batch(batch: dict[str, torch.Tensor], k: int = 3, seed: int = 5) -> dict[str, torch.Tensor]:
+    """`batch` plus random "teacher_ids" (B, R, k) within the vocabulary of its tokens, weights "teacher_w"
+    (B, R, k) and each row's index "row" (B,)."""
+    g = torch.Generator().manual_seed(seed)
+    b, r = batch["responses"].shape
+    vocab = int(batch["input_ids"].max()) + 1
+    return {
+        **batch,
+        "teacher_ids": torch.randint(0, vocab, (b, r, k), generator=g),
+        "teacher_w": torch.rand((b, r, k), generator=g),
+        "row": torch.arange(b),
+    }
+
+
+def reference_log_softmax(model: Any, batch: dict[str, torch.Tensor], temperature: float) -> list[torch.Tensor]:
+    """Per row, log_softmax(logits / temperature) (n_i, V) at the positions predicting its n_i response tokens,
+    from a forward of `model` (transformers) on the row's attended prompt and response tokens alone."""
+    out = []
+    p = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+    for i in range(batch["input_ids"].shape[0]):
+        prompt = batch["input_ids"][i, :p][batch["attention_mask"][i, :p].bool()]
+        n = int(batch["response_mask"][i].sum())
+        ids = torch.cat([prompt, batch["responses"][i, :n]])[None]
+        logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + n].float()
+        out.append(torch.log_softmax(logits / temperature, -1))
+    return out
 
 
 def build_conformance_engine(engine_class: type, model_path: str, **kwargs: Any) -> TrainEngine:
@@ -252,3 +309,58 @@ class TrainEngineTestSuite:
         adapted_after = eng.compute_logprobs(tensors)["logprobs"]
         torch.testing.assert_close(base_after[m], reference[m], atol=self.logprob_atol, rtol=0)
         assert adapted_after[m].sum() > base_after[m].sum(), "training the adapters did not move the policy"
+
+    def test_topk_logprobs_equal_transformers(self, model_path: str, batch: dict[str, torch.Tensor]) -> None:
+        from transformers import AutoModelForCausalLM
+
+        k = 5
+        eng = self.build_engine(model_path, lr=1e-3, role="reference")
+        out = eng.compute_logprobs(self._tensors(batch), temperature=TEMPERATURE, topk=k)
+        b, r = batch["responses"].shape
+        assert out["topk_ids"].shape == out["topk_logprobs"].shape == (b, r, k)
+        assert out["topk_ids"].dtype == torch.long and out["topk_logprobs"].dtype == torch.float32
+        plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            full = reference_log_softmax(plain, batch, TEMPERATURE)
+        for i, logp in enumerate(full):
+            n = logp.shape[0]
+            want = torch.topk(logp, k, dim=-1)
+            torch.testing.assert_close(out["topk_logprobs"][i, :n], want.values, atol=self.logprob_atol, rtol=0)
+            # Ids agree wherever the k-th and (k+1)-th values are apart (ties may order either way).
+            assert torch.equal(out["topk_ids"][i, :n].sort(-1).values, want.indices.sort(-1).values), i
+            # The sampled token's log-prob is still returned, and is the full log-softmax's.
+            sampled = logp.gather(-1, batch["responses"][i, :n, None])[:, 0]
+            torch.testing.assert_close(out["logprobs"][i, :n], sampled, atol=self.logprob_atol, rtol=0)
+
+    def test_gathered_logprobs_and_their_gradients_equal_transformers(
+        self, model_path: str, batch: dict[str, torch.Tensor]
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        tensors = gather_batch(self._tensors(batch))
+        loss = GatherLoss()
+        # Micro-batches of 4 rows: a split (exact accumulation) and, on packing engines, a shared prompt.
+        grads = self.build_engine(model_path, lr=1e-3, micro_batch_size=4).compute_gradients(
+            tensors, loss, temperature=TEMPERATURE
+        )
+        plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        full = reference_log_softmax(plain, tensors, TEMPERATURE)
+        seen = {int(row): got[j] for rows, got in loss.seen for j, row in enumerate(rows)}
+        assert sorted(seen) == list(range(len(full))), "every row scored once"
+        total = (
+            -sum(
+                (logp.gather(-1, tensors["teacher_ids"][i, : len(logp)]) * tensors["teacher_w"][i, : len(logp)]).sum()
+                for i, logp in enumerate(full)
+            )
+            / tensors["response_mask"].sum()
+        )
+        for i, logp in enumerate(full):
+            n = logp.shape[0]
+            want = logp.gather(-1, tensors["teacher_ids"][i, :n]).detach()
+            torch.testing.assert_close(seen[i][:n], want, atol=self.logprob_atol, rtol=0, msg=f"row {i}")
+        total.backward()
+        expected = {name: p.grad for name, p in plain.named_parameters() if p.grad is not None}
+        common = [name for name in grads if name in expected]
+        assert common and any(expected[n].abs().sum() > 0 for n in common)
+        for name in common:
+            torch.testing.assert_close(grads[name], expected[name], atol=1e-6, rtol=1e-4, msg=name)

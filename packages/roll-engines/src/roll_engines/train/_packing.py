@@ -88,8 +88,9 @@ class PackedBatch:
         return self.allowed
 
     def scatter(self, values: Tensor) -> Tensor:
-        """(K,) per-response-token values -> (B, R), 0 where no response token is attended (keeps the graph)."""
-        out = values.new_zeros(self.shape)
+        """(K, ...) per-response-token values -> (B, R, ...), 0 where no response token is attended (keeps the
+        graph)."""
+        out = values.new_zeros((*self.shape, *values.shape[1:]))
         return out.index_put((self.rows, self.cols), values)
 
 
@@ -301,6 +302,8 @@ def packed_forward(
     temperature: float = 1.0,
     with_entropy: bool = False,
     autocast: contextlib.AbstractContextManager | None = None,
+    topk: int = 0,
+    gather_ids: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Run `model` on a packed micro-batch (on the model's device) and scatter its outputs back to (B, R).
 
@@ -309,8 +312,11 @@ def packed_forward(
         packed: from `pack`, already on the model's device.
         critic: return `values` (B, R) instead of `logprobs` (B, R) (and `entropy` (B, R) if `with_entropy`).
         autocast: the compute-dtype context the model runs under (None: none).
+        topk: K > 0 adds `topk_ids` (B, R, K) long and `topk_logprobs` (B, R, K) (roll_engines.train._logits).
+        gather_ids: (B, R, K') token ids: adds `gathered_logprobs` (B, R, K'), the log-probs at those ids.
     """
     from roll_algos.losses import entropy_from_logits
+    from roll_engines.train._logits import GATHERED, topk_of
     from roll_engines.train._lora import base_model
 
     attn = base_model(model).config._attn_implementation
@@ -331,7 +337,13 @@ def packed_forward(
     # log softmax(logits)[target] as in roll_algos.losses.token_logprobs, but a prompt's last position predicts
     # the first token of each of its responses: index its logsumexp instead of copying its (V,) logits G times.
     picked = logits[packed.source, packed.targets]
-    out = {"logprobs": packed.scatter(picked - torch.logsumexp(logits, dim=-1)[packed.source])}
+    lse = torch.logsumexp(logits, dim=-1)  # (U,)
+    out = {"logprobs": packed.scatter(picked - lse[packed.source])}
     if with_entropy:
         out["entropy"] = packed.scatter(entropy_from_logits(logits)[packed.source])
+    if topk > 0:  # per predicting position (U, K), then copied to each response token it predicts
+        out.update({k: packed.scatter(v[packed.source]) for k, v in topk_of(logits, lse, topk).items()})
+    if gather_ids is not None:
+        ids = gather_ids.to(logits.device).long()[packed.rows, packed.cols]  # (tokens, K')
+        out[GATHERED] = packed.scatter(logits[packed.source[:, None], ids] - lse[packed.source, None])
     return out

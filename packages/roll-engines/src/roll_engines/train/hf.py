@@ -6,11 +6,14 @@ at positions P-1 .. P+R-2 predict the response tokens, so only the last R+1 logi
 
 Contract:
 - `compute_logprobs` / `compute_values` run without gradients in chunks of `logprob_chunk_size` rows.
+- `compute_logprobs(..., topk=K)` adds each response position's top-K log-probs and their ids (a distillation
+  teacher's targets); a loss with `gather_ids_key` gets `gathered_logprobs`, the log-probs at the (b, R, K) ids
+  its micro-batch holds under that key, differentiable (roll_engines.train._logits).
 - `train_step(batch, loss_fn, ...)` splits the batch into `mini_batches` optimizer steps per epoch and each into
-  micro-batches of `micro_batch_size` rows (rows, whatever their lengths) for gradient accumulation. Each
-  micro-batch loss is scaled by `loss_fn.units(micro) / units of its whole mini-batch (over all data-parallel
-  ranks)` times the data-parallel size, so any split of rows over micro-batches and ranks gives the gradient of
-  the unsplit batch.
+  micro-batches of `micro_batch_size` rows (rows, whatever their lengths), or with `micro_batch_tokens > 0` of at
+  most that many attended tokens (roll_engines.train._micro), for gradient accumulation. Each micro-batch loss is
+  scaled by `loss_fn.units(micro) / units of its whole mini-batch (over all data-parallel ranks)` times the
+  data-parallel size, so any split of rows over micro-batches and ranks gives the gradient of the unsplit batch.
 - `pack_sequences` (default on) runs each micro-batch / chunk packed (roll_engines.train._packing): a prompt
   shared by several rows is computed once, responses follow it without padding under a block attention mask.
   Rows are first grouped by prompt inside each mini-batch (and the scoring batch), so micro-batches share
@@ -30,55 +33,30 @@ Contract:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from roll_algos.losses import entropy_from_logits, token_logprobs
 from roll_core.interfaces import LossFn
 from roll_core.interfaces.inference import STRUCTURED_KEY
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
+from roll_engines.train._logits import check_topk, empty_outputs, gather_ids_of, response_outputs
 from roll_engines.train._lora import adapter_state, apply_lora, is_lora, load_adapter, merged_weights, save_adapter
+from roll_engines.train._micro import check_micro_batch_tokens, micro_rows
+from roll_engines.train._micro import padding_row as _padding_row
+from roll_engines.train._optim import adamw_kernel, load_optimizer, lr_lambda, save_optimizer
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
 from roll_engines.train._settings import reapply, snapshot
 
 log = logging.getLogger(__name__)
 
-
-def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
-    """Multiplier of the base LR at optimizer step `s`: linear warm-up, then constant, cosine or linear decay."""
-
-    def fn(step: int) -> float:
-        if warmup_steps > 0 and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant" or total_steps <= warmup_steps:
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        if schedule == "linear":
-            return 1.0 - progress
-        raise ValueError(f"unknown lr schedule {schedule!r}")
-
-    return fn
-
-
-def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
-    """AdamW's fused kernel where torch has one for the parameters' device (CPU, CUDA, XPU, MPS), else its default.
-
-    On CPU torch's default is the per-tensor loop: measured 0.58 s per step for a 135M-parameter fp32 model on a
-    2-core machine, 0.14 s with `foreach`, 0.037 s fused (same update up to float reassociation)."""
-    devices = {p.device.type for p in params}
-    fusable = bool(params) and devices <= {"cpu", "cuda", "xpu", "mps"} and all(p.is_floating_point() for p in params)
-    return {"fused": True} if fusable else {}  # FSDP2's DTensor parameters too (tested on CPU over gloo)
+__all__ = ["HFTrainEngine", "adamw_kernel", "lr_lambda"]  # the optimizer helpers' old home (roll_engines.train._optim)
 
 
 class HFTrainEngine:
@@ -103,6 +81,7 @@ class HFTrainEngine:
         lr_schedule: str = "constant",
         max_grad_norm: float = 1.0,
         micro_batch_size: int = 4,
+        micro_batch_tokens: int = 0,
         logprob_chunk_size: int = 8,
         gradient_checkpointing: bool = False,
         attn_implementation: str = "sdpa",
@@ -124,6 +103,7 @@ class HFTrainEngine:
         prepare_engine_process(device, num_threads)
         self.name, self.role, self.device = name, role, torch.device(device)
         self.micro_batch_size, self.logprob_chunk_size = micro_batch_size, logprob_chunk_size
+        self.micro_batch_tokens = check_micro_batch_tokens(micro_batch_tokens)
         self.max_grad_norm = max_grad_norm
         self.path = resolve_model_path(model_path)
         self._trust_remote_code = trust_remote_code
@@ -166,6 +146,8 @@ class HFTrainEngine:
         self.pack_hidden_size = int(getattr(self.model.config, "hidden_size", 0) or 0)
         # Positions fed to the model by every forward so far (padding included): what packing saves.
         self.forward_tokens = 0
+        # Training forward/backward passes so far (padding micro-batches included): what a token budget sets.
+        self.micro_batches_run = 0
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if self.trainable:
@@ -224,8 +206,16 @@ class HFTrainEngine:
     def lora(self) -> bool:
         return is_lora(self.model)
 
-    def _forward(self, micro: Mapping[str, Tensor], temperature: float, with_entropy: bool) -> dict[str, Tensor]:
-        """Log-probs (b, R) (and entropies (b, R)) of the responses, or critic values (b, R), of one micro-batch."""
+    def _forward(
+        self,
+        micro: Mapping[str, Tensor],
+        temperature: float,
+        with_entropy: bool,
+        topk: int = 0,
+        gather_ids: Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        """Log-probs (b, R) (and entropies (b, R), top-k (b, R, K), log-probs at `gather_ids` (b, R, K')) of the
+        responses, or critic values (b, R), of one micro-batch (roll_engines.train._logits)."""
         structured = micro.get(STRUCTURED_KEY)
         constrained = structured is not None and self.role != "critic" and bool(structured.any())
         packed = (
@@ -249,6 +239,8 @@ class HFTrainEngine:
                 temperature=temperature,
                 with_entropy=with_entropy,
                 autocast=autocast,
+                topk=topk,
+                gather_ids=gather_ids,
             )
         ids = micro["input_ids"].to(self.device)
         self.forward_tokens += ids.numel()
@@ -269,10 +261,7 @@ class HFTrainEngine:
             logits = logits / temperature
         if constrained:
             logits = self._constrain(logits, micro)
-        out = {"logprobs": token_logprobs(logits, resp)}
-        if with_entropy:
-            out["entropy"] = entropy_from_logits(logits)
-        return out
+        return response_outputs(logits, resp, with_entropy=with_entropy, topk=topk, gather_ids=gather_ids)
 
     def _constrain(self, logits: Tensor, micro: Mapping[str, Tensor]) -> Tensor:
         """(b, R, V) logits masked as the sampler masked them, row by row (roll_engines.structured)."""
@@ -297,25 +286,37 @@ class HFTrainEngine:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, batch: Mapping[str, Tensor], temperature: float = 1.0, with_entropy: bool = False, base: bool = False
+        self,
+        batch: Mapping[str, Tensor],
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        base: bool = False,
+        topk: int = 0,
     ) -> dict[str, Tensor]:
         """Log-probs (B, R) of the response tokens (and entropies (B, R) if asked), in row chunks.
 
         `base=True` scores with LoRA adapters disabled: the frozen base model, i.e. the reference policy.
+        `topk=K > 0` adds "topk_ids" (B, R, K) long and "topk_logprobs" (B, R, K) fp32: the top-K of
+        log_softmax(logits / temperature) at each response position, sorted descending.
         """
+        if self.role == "critic" and topk:
+            raise ValueError("topk scores a policy's vocabulary: the critic has none")
         if base and self.lora:
             with self.model.disable_adapter():
-                return self._chunked(batch, temperature, with_entropy)
+                return self._chunked(batch, temperature, with_entropy, topk)
         if base:
             raise ValueError("base=True scores the model without its LoRA adapters: this engine has none")
-        return self._chunked(batch, temperature, with_entropy)
+        return self._chunked(batch, temperature, with_entropy, topk)
 
     @torch.no_grad()
     def compute_values(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Critic values (B, R) of the states before each response token."""
         return self._chunked(batch, 1.0, False)
 
-    def _chunked(self, batch: Mapping[str, Tensor], temperature: float, with_entropy: bool) -> dict[str, Tensor]:
+    def _chunked(
+        self, batch: Mapping[str, Tensor], temperature: float, with_entropy: bool, topk: int = 0
+    ) -> dict[str, Tensor]:
+        check_topk(topk, int(getattr(self.model.config, "vocab_size", None) or topk))
         was_training = self.model.training
         self.model.eval()  # no dropout in scoring passes
         tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
@@ -331,14 +332,15 @@ class HFTrainEngine:
         # Sharded forwards are collective: every rank runs as many chunks as the busiest one (padding rows).
         for i in range(self._all_reduce_max(len(chunks))):
             chunk = chunks[i] if i < len(chunks) else _padding_row(tensors)
-            out = self._forward(chunk, temperature, with_entropy)
+            out = self._forward(chunk, temperature, with_entropy, topk)
             if i < len(chunks):
                 for k, v in out.items():
                     parts.setdefault(k, []).append(v.cpu())
         self.model.train(was_training)
         if not parts:  # a rank with no rows
             r = tensors["responses"].shape[1]
-            return {k: torch.zeros(0, r) for k in (("values",) if self.role == "critic" else ("logprobs",))}
+            keys = ["values"] if self.role == "critic" else ["logprobs", "entropy"] if with_entropy else ["logprobs"]
+            return empty_outputs(keys, r, topk)
         out = {k: torch.cat(v) for k, v in parts.items()}
         if order is not None:
             out = {k: v[torch.argsort(order)] for k, v in out.items()}
@@ -370,7 +372,7 @@ class HFTrainEngine:
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
-        t0, tokens0 = time.perf_counter(), self.forward_tokens
+        t0, tokens0, micros0 = time.perf_counter(), self.forward_tokens, self.micro_batches_run
         skipped = steps = 0
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
@@ -399,6 +401,7 @@ class HFTrainEngine:
         out["lr"] = self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
         out["train_seconds"] = time.perf_counter() - t0
         out["forward_tokens"] = self.forward_tokens - tokens0  # positions computed (padding included)
+        out["micro_batches"] = float(self.micro_batches_run - micros0)  # forward/backward passes, padding included
         # AdamW's state on this rank (fp32 moments of every trained parameter; LoRA shrinks it to the adapters).
         out["optimizer_state_mb"] = (
             sum(
@@ -420,20 +423,19 @@ class HFTrainEngine:
         must pair up): a rank with fewer micro-batches adds padding rows whose loss weight is 0.
         Returns (metric name, value) pairs of the real micro-batches and the mini-batch's units over all ranks.
         """
-        n = mini["input_ids"].shape[0]
         order = self._prompt_order(mini)
         if order is not None:  # micro-batches of rows that share prompts (the mini-batch's rows are unchanged)
             mini = {k: v[order] for k, v in mini.items()}
-        micros = [
-            {k: v[s : s + self.micro_batch_size] for k, v in mini.items()} for s in range(0, n, self.micro_batch_size)
-        ]
+        rows = micro_rows(mini, self.micro_batch_size, self.micro_batch_tokens, grouped=order is not None)
+        micros = [{k: v[r] for k, v in mini.items()} for r in rows]
         local = torch.tensor([sum(loss_fn.units(m) for m in micros)], dtype=torch.float64)
         total = float(self._all_reduce_sum(local).item())
         out = []
         for i in range(self._all_reduce_max(len(micros))):
             real = i < len(micros)
             micro = micros[i] if real else _padding_row(template if template is not None else mini)
-            outputs = self._forward(micro, temperature, loss_fn.needs_entropy)
+            outputs = self._forward(micro, temperature, loss_fn.needs_entropy, 0, gather_ids_of(loss_fn, micro))
+            self.micro_batches_run += 1
             loss, metrics = loss_fn(outputs, {k: v.to(self.device) for k, v in micro.items()})
             scale = loss_fn.units(micro) / total * self.dp_size if real and total > 0 else 0.0
             scaled = loss * scale
@@ -537,12 +539,7 @@ class HFTrainEngine:
             AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(folder / "model")
         if self.optimizer is None:
             return
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
-        with _single_process_dcp():
-            dcp.save(state, checkpoint_id=folder / "optimizer", no_dist=not _distributed())
+        save_optimizer(self.model, self.optimizer, folder / "optimizer")
         if self.dp_rank == 0:
             state = {"scheduler": self.scheduler.state_dict()}
             if self.scaler is not None:
@@ -580,15 +577,8 @@ class HFTrainEngine:
             return
         if not (folder / "optimizer").is_dir():
             raise FileNotFoundError(f"{folder} has no optimizer checkpoint (optimizer/): it is a weights-only folder")
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
         configured = snapshot(self.optimizer)  # this run's lr, weight decay, betas: the checkpoint's would win
-        # The template has this run's sharding; DCP reshards the saved state into it.
-        state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
-        with _single_process_dcp():
-            dcp.load(state, checkpoint_id=folder / "optimizer", no_dist=not _distributed())
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        load_optimizer(self.model, self.optimizer, folder / "optimizer")
         small = torch.load(folder / "engine.pt", map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(small["scheduler"])
         # The configured settings take effect at the saved schedule position (a resume with a changed algo.lr).
@@ -602,31 +592,3 @@ class HFTrainEngine:
         missing = [k for k in missing if not (k.endswith("lm_head.weight") and "model.embed_tokens.weight" in weights)]
         if missing or unexpected:
             raise RuntimeError(f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-
-
-@contextlib.contextmanager
-def _single_process_dcp() -> Iterator[None]:
-    """DCP warns that it assumes one process whenever no process group exists, even when told so (no_dist)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
-        yield
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def _padding_row(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """One row that trains nothing: the batch's first row (or zeros of its shapes when it has none) with an empty
-    response mask and zero-valued training signals, attending to every position so every value stays finite."""
-    row = {
-        k: (v[:1].clone() if v.shape[0] else torch.zeros((1, *v.shape[1:]), dtype=v.dtype)) for k, v in batch.items()
-    }
-    for k, v in row.items():
-        if k == "attention_mask":
-            row[k] = torch.ones_like(v)
-        elif k not in ("input_ids", "position_ids", "responses", "prompts"):
-            row[k] = torch.zeros_like(v)
-    return row

@@ -8,6 +8,12 @@ whose backward is the identity, which is right because every TP rank computes th
 entropy is differentiable (the entropy bonus trains) and costs two (..., 1) all-reduces instead of a (..., V) gather.
 Padding rows of the vocabulary are masked out of both.
 
+Top-k log-probs (a distillation teacher's, no gradient): each TP rank takes the top-k of its shard, shifted by the
+global log-sum-exp (max all-reduced, then the sum of exponentials), the (TP, k) candidates are all-gathered and
+merged into the global top-k: k floats and ids per rank instead of the vocabulary. Log-probs at given ids (a student's
+at its teacher's top-k ids, differentiable): each rank reads the ids its shard holds (0 elsewhere) and one sum over
+TP gives all of them, with the same differentiable log-sum-exp as the entropy.
+
 The output layer runs on the response tokens' predicting positions only (`logits_at`), as the hf engine's does: an
 RL sequence is mostly prompt, and the (S, V/TP) logits of every position would be the largest tensors of the step
 (S = 8192 at a 152k vocabulary: 5 GB in fp32 per sequence, and as much again for their gradient). Under sequence
@@ -25,6 +31,60 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+
+def _global_max(x: Tensor) -> Tensor:
+    """(..., 1) max over the whole vocabulary of the TP-sharded `x` (..., V/tp), without gradient."""
+    from megatron.core import parallel_state as ps
+
+    m = x.detach().max(dim=-1, keepdim=True).values
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    return m
+
+
+def vocab_parallel_lse(x: Tensor) -> Tensor:
+    """log sum_v exp(x_v) (...) over the whole vocabulary; x: (..., V/tp) fp32 with padding rows at -inf.
+    Differentiable (the sum is reduced with an identity backward: every rank holds the same total)."""
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    m = _global_max(x)
+    return torch.log(reduce_from_tensor_model_parallel_region(torch.exp(x - m).sum(dim=-1))) + m.squeeze(-1)
+
+
+def vocab_parallel_topk(x: Tensor, k: int, start: int) -> tuple[Tensor, Tensor]:
+    """(ids (n, k) long, log-probs (n, k) fp32) of the global top-k, sorted descending; x: (n, V/tp) fp32 logits
+    of this TP rank (padding rows at -inf), its shard starting at vocabulary id `start`. Collective over TP."""
+    from megatron.core import parallel_state as ps
+
+    lse = vocab_parallel_lse(x)
+    local = min(k, x.shape[-1])
+    values, ids = torch.topk(x, local, dim=-1, sorted=True)
+    values, ids = values - lse[:, None], ids + start
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        group = ps.get_tensor_model_parallel_group()
+        all_values = [torch.empty_like(values) for _ in range(tp)]
+        all_ids = [torch.empty_like(ids) for _ in range(tp)]
+        dist.all_gather(all_values, values.contiguous(), group=group)
+        dist.all_gather(all_ids, ids.contiguous(), group=group)
+        values, ids = torch.cat(all_values, dim=-1), torch.cat(all_ids, dim=-1)  # (n, tp * local) candidates
+    values, at = torch.topk(values, k, dim=-1, sorted=True)
+    return torch.gather(ids, -1, at), values
+
+
+def vocab_parallel_gather(x: Tensor, ids: Tensor, start: int, vocab_size: int) -> Tensor:
+    """Log-probs (n, K) at token `ids` (n, K) over the whole vocabulary; x: (n, V/tp) fp32 logits of this TP rank
+    (padding rows at -inf), its shard starting at `start`. Differentiable in x; collective over TP."""
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    ids = ids.to(x.device).long()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"gather ids must be token ids in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
+    local = ids - start
+    mine = (local >= 0) & (local < x.shape[-1])
+    picked = torch.gather(x, -1, local.clamp(0, x.shape[-1] - 1)).masked_fill(~mine, 0.0)
+    return reduce_from_tensor_model_parallel_region(picked) - vocab_parallel_lse(x)[:, None]
 
 
 def vocab_parallel_entropy(x: Tensor, pad: Tensor) -> Tensor:
@@ -113,10 +173,19 @@ def logits_at(model: Any, plan: ResponseRows) -> Iterator[None]:
 
 
 def response_logprobs(
-    logits: Tensor, micro: Mapping[str, Any], plan: ResponseRows, temperature: float, entropy: bool, vocab_size: int
+    logits: Tensor,
+    micro: Mapping[str, Any],
+    plan: ResponseRows,
+    temperature: float,
+    entropy: bool,
+    vocab_size: int,
+    topk: int = 0,
+    gather_ids: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Log-probs (B, R) of a micro-batch's response tokens (and their entropies (B, R), differentiable) from the
-    last stage's logits (1, shards * c, V/tp) at the rows of `plan` (`logits_at`).
+    last stage's logits (1, shards * c, V/tp) at the rows of `plan` (`logits_at`). `topk=K` adds "topk_ids" and
+    "topk_logprobs" (B, R, K); `gather_ids` (B, R, K') adds "gathered_logprobs" (B, R, K'), the log-probs at those
+    ids (roll_engines.train._logits has the same outputs of the hf engine).
 
     Under context parallelism each CP rank computed the logits of the response tokens its slice predicts: one sum
     over CP (backward: identity, each rank's logits only feed its own tokens) gives every rank all of them. That
@@ -134,10 +203,24 @@ def response_logprobs(
     parts = {"logprobs": -nll[:, 0]}
     if entropy:
         parts["entropy"] = vocab_parallel_entropy(x, pad)[:, 0]
+    masked = x[:, 0].masked_fill(pad, float("-inf"))  # (k, V/tp)
+    if topk > 0:
+        if topk > vocab_size:
+            raise ValueError(f"topk={topk} must be between 0 (off) and the vocabulary size {vocab_size}")
+        parts["topk_ids"], parts["topk_logprobs"] = vocab_parallel_topk(masked, topk, start)
+    if gather_ids is not None:
+        ids = gather_ids[micro["_packed"].rows, micro["_packed"].cols] if plan.shape is None else gather_ids
+        ids = ids.to(x.device).reshape(plan.total, -1)[plan.mine]  # (k, K') ids of the tokens this rank predicts
+        parts["gathered_logprobs"] = vocab_parallel_gather(masked, ids, start, vocab_size)
     out = {}
     for key, v in parts.items():
-        whole = v.new_zeros(plan.total).index_put((plan.mine,), v)  # (K,), zeros where another CP rank predicts
+        # (K, ...), zeros where another CP rank predicts
+        whole = v.new_zeros((plan.total, *v.shape[1:])).index_put((plan.mine,), v)
         if ps.get_context_parallel_world_size() > 1:
-            whole = tensor_parallel.reduce_from_tensor_model_parallel_region(whole, ps.get_context_parallel_group())
-        out[key] = micro["_packed"].scatter(whole) if plan.shape is None else whole.view(plan.shape)
+            if whole.is_floating_point():
+                group = ps.get_context_parallel_group()
+                whole = tensor_parallel.reduce_from_tensor_model_parallel_region(whole, group)
+            else:  # ids: no gradient
+                dist.all_reduce(whole, group=ps.get_context_parallel_group())
+        out[key] = micro["_packed"].scatter(whole) if plan.shape is None else whole.view(*plan.shape, *whole.shape[1:])
     return out

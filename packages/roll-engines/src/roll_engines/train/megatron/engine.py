@@ -50,8 +50,11 @@ from torch import Tensor
 from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.structured import refuse_constrained_batch
+from roll_engines.train._logits import empty_outputs, gather_ids_of
+from roll_engines.train._micro import check_micro_batch_tokens, micro_rows
+from roll_engines.train._optim import lr_lambda
+from roll_engines.train._packing import prompt_order
 from roll_engines.train._settings import reapply, snapshot
-from roll_engines.train.hf import lr_lambda
 from roll_engines.train.megatron import _convert as C
 from roll_engines.train.megatron import _critic as V
 from roll_engines.train.megatron import _export as X
@@ -90,6 +93,7 @@ class MegatronTrainEngine:
         lr_schedule: str = "constant",
         max_grad_norm: float = 1.0,
         micro_batch_size: int = 4,
+        micro_batch_tokens: int = 0,
         logprob_chunk_size: int = 8,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
@@ -132,6 +136,13 @@ class MegatronTrainEngine:
         self.name, self.role, self.device = name, role, torch.device(device)
         self.trainable = trainable and role != "reference"
         self.micro_batch_size, self.logprob_chunk_size = micro_batch_size, logprob_chunk_size
+        self.micro_batch_tokens = check_micro_batch_tokens(micro_batch_tokens)
+        if self.micro_batch_tokens and pipeline_parallel_size > 1:
+            # Pipeline stages exchange one activation shape per schedule; budgeted micro-batches differ in rows.
+            raise ValueError(
+                "train_engine.micro_batch_tokens > 0 needs pipeline_parallel_size=1 on train_engine=megatron: set "
+                "train_engine.micro_batch_tokens=0 (micro_batch_size rows per micro-batch)"
+            )
         self.pack_sequences = pack_sequences
         self.max_grad_norm, self.base_lr = max_grad_norm, lr
         self._lr = lr_lambda(lr_schedule, warmup_steps, total_steps)
@@ -284,12 +295,21 @@ class MegatronTrainEngine:
         hf = C.read_hf(path)
         return hf, self.hf_config, V.head_tensors(hf, self.hf_config, self._seed) if self.critic else None
 
-    def _logprobs(self, logits: Tensor, micro: Mapping[str, Tensor], temperature: float, entropy: bool) -> dict:
-        """Log-probs (B, R) of the response tokens (and their entropies) from vocab-parallel logits (_vocab); the
-        critic's values (B, R) from its value head."""
+    def _logprobs(
+        self,
+        logits: Tensor,
+        micro: Mapping[str, Tensor],
+        temperature: float,
+        entropy: bool,
+        topk: int = 0,
+        gather_ids: Tensor | None = None,
+    ) -> dict:
+        """Log-probs (B, R) of the response tokens (and their entropies, top-k, log-probs at `gather_ids`) from
+        vocab-parallel logits (_vocab); the critic's values (B, R) from its value head."""
         if self.critic:
             return V.response_values(logits, micro)
-        return response_logprobs(logits, micro, micro["_rows"], temperature, entropy, self.hf_config.vocab_size)
+        vocab = self.hf_config.vocab_size
+        return response_logprobs(logits, micro, micro["_rows"], temperature, entropy, vocab, topk, gather_ids)
 
     def _schedule(
         self,
@@ -335,12 +355,20 @@ class MegatronTrainEngine:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, batch: Mapping[str, Tensor], temperature: float = 1.0, with_entropy: bool = False, base: bool = False
+        self,
+        batch: Mapping[str, Tensor],
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        base: bool = False,
+        topk: int = 0,
     ) -> dict[str, Tensor]:
         """Log-probs (B, R) on the last pipeline stage (zeros elsewhere: the group keeps the last stage's).
-        `base=True` scores with the LoRA adapters disabled: the reference policy."""
+        `base=True` scores with the LoRA adapters disabled: the reference policy. `topk=K` adds "topk_ids" and
+        "topk_logprobs" (B, R, K), merged over the TP shards of the vocabulary (_vocab.vocab_parallel_topk)."""
         from megatron.core import parallel_state as ps
 
+        if topk and self.critic:
+            raise ValueError("topk scores a policy's vocabulary: the critic has none")
         if base and not self.lora:
             raise ValueError("base=True scores the model without its LoRA adapters: this engine has none")
         refuse_constrained_batch(batch, "megatron")
@@ -350,7 +378,7 @@ class MegatronTrainEngine:
         micros, _ = self._balanced(_split(tensors, self.logprob_chunk_size), tensors)
 
         def loss(out: Tensor, micro: dict) -> tuple[Tensor, dict]:
-            got = self._logprobs(out, micro, temperature, with_entropy)
+            got = self._logprobs(out, micro, temperature, with_entropy, topk)
             return out.sum() * 0, {k: v.cpu() for k, v in got.items()}
 
         self.model.eval()
@@ -358,8 +386,9 @@ class MegatronTrainEngine:
         with self._shims(), disabled:
             parts = self._schedule(micros, loss, forward_only=True)
         keys = ["values"] if self.critic else ["logprobs", "entropy"] if with_entropy else ["logprobs"]
-        if not ps.is_pipeline_last_stage():
-            return {k: torch.zeros(n, r) for k in keys}
+        if not ps.is_pipeline_last_stage():  # zeros of the last stage's shapes and dtypes
+            return {k: torch.zeros((n, *v.shape[1:]), dtype=v.dtype) for k, v in empty_outputs(keys, r, topk).items()}
+        keys += ["topk_ids", "topk_logprobs"] if topk else []
         return {k: torch.cat([p[k] for p in parts])[:n] for k in keys}
 
     def compute_values(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -390,14 +419,23 @@ class MegatronTrainEngine:
         """Forward/backward of one mini-batch through the schedule; gradients of the unsplit batch (see module
         docstring); returns (metric pairs, the mini-batch's units over data-parallel ranks). `force_all_reduce`:
         whole gradients on every rank even under the distributed optimizer (whose reduction is a reduce-scatter)."""
-        micros = _split(mini, self.micro_batch_size)
+        grouped = bool(self.micro_batch_tokens) and self.pack_sequences and mini["input_ids"].shape[0] > 1
+        if grouped:  # rows sharing a prompt next to each other, so a budgeted micro-batch keeps them together
+            r = mini["responses"].shape[1]
+            order = prompt_order(mini["input_ids"], mini["attention_mask"], mini["position_ids"], r)
+            mini = {k: v[order] for k, v in mini.items()}
+        micros = [
+            {k: v[rows] for k, v in mini.items()}
+            for rows in micro_rows(mini, self.micro_batch_size, self.micro_batch_tokens, grouped)
+        ]
         total = self._dp_sum(sum(loss_fn.units(m) for m in micros))
         micros, real = self._balanced(micros, mini)
         metrics: list[tuple[str, float]] = []
 
         def loss(out: Tensor, micro: dict) -> tuple[Tensor, dict]:
             pad = int(micro["_index"]) >= real  # a padding micro-batch: trains nothing, reports nothing
-            outputs = self._logprobs(out, micro, temperature, loss_fn.needs_entropy)
+            gather_ids = gather_ids_of(loss_fn, micro)
+            outputs = self._logprobs(out, micro, temperature, loss_fn.needs_entropy, gather_ids=gather_ids)
             value, m = loss_fn(outputs, {k: v.to(self.device) for k, v in micro.items() if k != "_rows"})
             units = 0.0 if pad else loss_fn.units(micro)
             # DDP averages over data-parallel ranks and the schedule divides by the micro-batch count: undo both.
@@ -614,6 +652,6 @@ def _split(tensors: dict[str, Tensor], size: int) -> list[dict[str, Tensor]]:
 
 
 def _padding_row(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    from roll_engines.train.hf import _padding_row as hf_padding_row
+    from roll_engines.train._micro import padding_row
 
-    return hf_padding_row(batch)
+    return padding_row(batch)

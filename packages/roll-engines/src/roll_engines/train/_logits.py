@@ -1,0 +1,99 @@
+"""What the `hf`/`fsdp2` engines read off a micro-batch's response logits: log-probs of the sampled tokens,
+entropies, the top-k log-probs (a distillation teacher's targets) and log-probs at given token ids (a student's
+at its teacher's top-k ids).
+
+Contract: every function takes fp32 logits already divided by the temperature (and masked, for a constrained
+row), so each output is a function of log_softmax(logits / temperature). One log-sum-exp per position serves all
+outputs. Outputs keep the autograd graph (training needs `logprobs`, `entropy`, `gathered_logprobs`); the top-k
+is for scoring passes only (no-grad callers).
+
+- `logprobs` (..,): log softmax at the sampled token, as roll_algos.losses.token_logprobs computes it.
+- `topk_ids` (.., K) long and `topk_logprobs` (.., K) fp32: torch.topk of the log-softmax, sorted descending
+  (ties in the order torch.topk breaks them).
+- `gathered_logprobs` (.., K) fp32: log softmax at the ids of the micro-batch's `loss_fn.gather_ids_key` tensor
+  (b, R, K) long, differentiable. An id outside [0, V) raises (torch's index check), never a silent wrong value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from roll_algos.losses import entropy_from_logits
+
+#: Output keys of the top-k scoring (`compute_logprobs(..., topk=K)`) and of the training-side gather.
+TOPK_IDS, TOPK_LOGPROBS, GATHERED = "topk_ids", "topk_logprobs", "gathered_logprobs"
+
+
+def gather_ids_of(loss_fn: Any, micro: Mapping[str, Tensor]) -> Tensor | None:
+    """The (b, R, K) long ids a loss asks log-probs at (`loss_fn.gather_ids_key`), or None when it asks none.
+
+    A loss that declares a key the micro-batch lacks gets None (its own call then sees no `gathered_logprobs`
+    and says so); a key holding anything but a (b, R, K) integer tensor matching `responses` is a ValueError."""
+    key = getattr(loss_fn, "gather_ids_key", None)
+    if key is None or key not in micro:
+        return None
+    ids = micro[key]
+    resp = micro["responses"]
+    if ids.dim() != 3 or ids.shape[:2] != resp.shape or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(
+            f"loss_fn.gather_ids_key={key!r} must name a (B, R, K) integer tensor of token ids matching responses "
+            f"{tuple(resp.shape)}; got {ids.dtype} {tuple(ids.shape)}"
+        )
+    return ids
+
+
+def check_topk(topk: int, vocab: int) -> None:
+    """`topk` must be within [0, vocabulary size] (0: no top-k)."""
+    if topk < 0 or topk > vocab:
+        raise ValueError(f"topk={topk} must be between 0 (off) and the vocabulary size {vocab}")
+
+
+def topk_of(logits: Tensor, lse: Tensor, k: int) -> dict[str, Tensor]:
+    """Top-k log-probs of fp32 `logits` (.., V) with their log-sum-exp `lse` (..): {"topk_ids" (.., k) long,
+    "topk_logprobs" (.., k) fp32}, sorted descending."""
+    check_topk(k, logits.shape[-1])
+    values, ids = torch.topk(logits, k, dim=-1, sorted=True)  # log_softmax is monotone: top-k of the logits
+    return {TOPK_IDS: ids, TOPK_LOGPROBS: values - lse.unsqueeze(-1)}
+
+
+def response_outputs(
+    logits: Tensor,
+    responses: Tensor,
+    *,
+    with_entropy: bool = False,
+    topk: int = 0,
+    gather_ids: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """Outputs of a padded micro-batch from its response logits.
+
+    Args:
+        logits: (b, R, V) fp32, divided by the temperature; position c predicts response token c.
+        responses: (b, R) sampled token ids.
+        with_entropy: add "entropy" (b, R).
+        topk: K > 0 adds "topk_ids" (b, R, K) and "topk_logprobs" (b, R, K).
+        gather_ids: (b, R, K') ids: adds "gathered_logprobs" (b, R, K').
+    Returns:
+        {"logprobs": (b, R), ...} fp32 (ids long).
+    """
+    lse = torch.logsumexp(logits, dim=-1)  # (b, R)
+    out = {"logprobs": torch.gather(logits, -1, responses.unsqueeze(-1)).squeeze(-1) - lse}
+    if with_entropy:
+        out["entropy"] = entropy_from_logits(logits)
+    if topk > 0:
+        out.update(topk_of(logits, lse, topk))
+    if gather_ids is not None:
+        out[GATHERED] = torch.gather(logits, -1, gather_ids.to(logits.device).long()) - lse.unsqueeze(-1)
+    return out
+
+
+def empty_outputs(keys: list[str], r: int, topk: int) -> dict[str, Tensor]:
+    """Outputs of a rank with no rows: (0, R) per key, (0, R, K) for the top-k keys."""
+    out = {k: torch.zeros(0, r) for k in keys}
+    if topk > 0:
+        out[TOPK_IDS] = torch.zeros(0, r, topk, dtype=torch.long)
+        out[TOPK_LOGPROBS] = torch.zeros(0, r, topk)
+    return out

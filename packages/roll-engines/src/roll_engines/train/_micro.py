@@ -1,0 +1,112 @@
+"""How a mini-batch's rows are cut into micro-batches for gradient accumulation (hf, fsdp2, megatron engines).
+
+Two modes:
+- rows (`micro_batch_tokens=0`, the default): consecutive runs of `micro_batch_size` rows, whatever their lengths.
+- token budget (`micro_batch_tokens=N > 0`, verl's dynamic batch size): micro-batches whose real token count (the
+  sum of their rows' `attention_mask`) stays <= N; a row longer than N is alone in its micro-batch. Rows are
+  placed first-fit-decreasing (fewest micro-batches for the budget). Given `groups` (rows sharing a prompt, when
+  the engine packs sequences), a group that fits the budget stays in one micro-batch, so its prompt is computed
+  once; a larger group is cut into consecutive runs that fit. The count is of attended tokens in the padded
+  layout, an upper bound of what a packed forward computes (a shared prompt counts once per row).
+
+Contract: every row of the mini-batch lands in exactly one micro-batch and each micro-batch lists its rows in
+increasing order, so the per-micro-batch losses, scaled by `loss_fn.units(micro) / units of the mini-batch`, add
+up to the mini-batch's loss whatever the cut (exact gradient accumulation). The cut is deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from roll_engines.train._packing import _first_fit, _prompt_keys
+
+
+def check_micro_batch_tokens(micro_batch_tokens: int) -> int:
+    """`micro_batch_tokens` as an int >= 0 (0: off), else a ValueError naming the option."""
+    if isinstance(micro_batch_tokens, bool) or not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 0:
+        raise ValueError(
+            f"train_engine.micro_batch_tokens={micro_batch_tokens!r} must be an int >= 0 (0: micro-batches of "
+            "micro_batch_size rows; N: micro-batches of at most N attended tokens)"
+        )
+    return micro_batch_tokens
+
+
+def prompt_groups(keys: list[bytes]) -> list[list[int]]:
+    """Runs of consecutive equal keys (rows already in prompt order, roll_engines.train._packing.prompt_order)."""
+    groups: list[list[int]] = []
+    for i, k in enumerate(keys):
+        if groups and keys[groups[-1][0]] == k:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def token_budget_rows(attention_mask: Tensor, budget: int, groups: list[list[int]] | None = None) -> list[list[int]]:
+    """Row indices of each micro-batch of at most `budget` attended tokens (see the module docstring).
+
+    Args:
+        attention_mask: (B, S) of the mini-batch's rows.
+        budget: > 0 tokens per micro-batch.
+        groups: lists of row indices kept together when they fit (rows sharing a prompt), covering every row once;
+            None: every row on its own.
+    Returns:
+        Micro-batches as sorted row-index lists, ordered by their first row; [] for an empty mini-batch.
+    """
+    if budget <= 0:
+        raise ValueError(f"a token budget must be > 0, got {budget}")
+    lengths = [int(x) for x in attention_mask.sum(1).tolist()]
+    units = groups if groups is not None else [[i] for i in range(len(lengths))]
+    pieces: list[list[int]] = []
+    for unit in units:
+        if sum(lengths[i] for i in unit) <= budget:
+            pieces.append(list(unit))
+            continue
+        run: list[int] = []  # a group over budget: consecutive runs of its rows that fit (a long row alone)
+        used = 0
+        for i in unit:
+            if run and used + lengths[i] > budget:
+                pieces.append(run)
+                run, used = [], 0
+            run.append(i)
+            used += lengths[i]
+        pieces.append(run)
+    bins = _first_fit([sum(lengths[i] for i in p) for p in pieces], budget)
+    micros = [sorted(i for j in b for i in pieces[j]) for b in bins]
+    return sorted(micros, key=lambda rows: rows[0])
+
+
+def micro_rows(mini: Mapping[str, Tensor], size: int, budget: int, grouped: bool) -> list[Tensor]:
+    """Row indices (into `mini`, padded layout) of each micro-batch: runs of `size` rows when `budget` is 0, else
+    micro-batches of at most `budget` attended tokens, rows sharing a prompt together when `grouped` (rows already
+    in prompt order: the engine packs sequences)."""
+    n = mini["input_ids"].shape[0]
+    if not budget:
+        return [torch.tensor(rows, dtype=torch.long) for rows in row_micros(n, size)]
+    groups = None
+    if grouped:
+        p = mini["input_ids"].shape[1] - mini["responses"].shape[1]
+        groups = prompt_groups(_prompt_keys(mini["input_ids"], mini["attention_mask"], mini["position_ids"], p))
+    return [torch.tensor(rows, dtype=torch.long) for rows in token_budget_rows(mini["attention_mask"], budget, groups)]
+
+
+def row_micros(n: int, size: int) -> list[list[int]]:
+    """Consecutive runs of `size` rows (the last may be shorter)."""
+    return [list(range(s, min(s + size, n))) for s in range(0, n, size)]
+
+
+def padding_row(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """One row that trains nothing: the batch's first row (or zeros of its shapes when it has none) with an empty
+    response mask and zero-valued training signals, attending to every position so every value stays finite."""
+    row = {
+        k: (v[:1].clone() if v.shape[0] else torch.zeros((1, *v.shape[1:]), dtype=v.dtype)) for k, v in batch.items()
+    }
+    for k, v in row.items():
+        if k == "attention_mask":
+            row[k] = torch.ones_like(v)
+        elif k not in ("input_ids", "position_ids", "responses", "prompts"):
+            row[k] = torch.zeros_like(v)
+    return row
