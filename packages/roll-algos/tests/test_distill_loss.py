@@ -117,6 +117,17 @@ def test_identical_distributions_give_zero_and_half_precision_is_upcast() -> Non
     assert kl16.dtype == torch.float32
 
 
+def test_topk_mass_rounded_above_one_counts_as_one() -> None:
+    # A half-precision student can report top-k mass 0.7 + 0.31 = 1.01: its tail is taken as 0 (not -0.01, which
+    # would add -0.01 * (log TAIL_EPS - log 0.1) of spurious KL), and the reported mass is 1.
+    student = logs([[[0.7, 0.31]]])
+    teacher = logs([[[0.6, 0.3]]])
+    _, kl, m = topk_distill_loss(student, teacher, torch.ones(1, 1), kind="reverse")
+    expected = 0.7 * math.log(0.7 / 0.6) + 0.31 * math.log(0.31 / 0.3)
+    assert abs(kl.item() - expected) < 1e-9
+    assert m["student_topk_mass"].item() == pytest.approx(1.0)
+
+
 def test_topk_errors() -> None:
     x = torch.zeros(2, 3, 4)
     with pytest.raises(ValueError, match="unknown distillation KL kind"):
