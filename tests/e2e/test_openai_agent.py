@@ -59,12 +59,13 @@ def _run(overrides: list[str]) -> tuple[list[dict[str, Any]], list[list[Any]], l
         requests.append((request, handle))
         return handle
 
-    def recorded_update(step: int, batch: Any, scores: Any, out: Any) -> None:
+    def recorded_update(step: int, collected: Any, out: Any) -> None:
+        batch = collected.batch
         keys = ("prompts", "attention_mask", "responses", "response_mask", "behaviour_logprobs", "turn_ids")
         batches.append({k: batch[k].clone() for k in keys})
         steps.append(list(requests))  # this step's engine requests (the weights changed since the last step)
         requests.clear()
-        update(step, batch, scores, out)
+        update(step, collected, out)
 
     infer.submit_request, trainer.update = recorded_submit, recorded_update
     try:

@@ -45,6 +45,7 @@ GROUPS: tuple[str, ...] = (
     "roll.algorithms",
     "roll.losses",
     "roll.collectors",
+    "roll.objectives",
     "roll.trackers",
     "roll.configs",
 )

@@ -67,6 +67,7 @@ PLUGIN_GROUPS: dict[str, str] = {
     "advantage estimators": "roll.algorithms",
     "policy losses": "roll.losses",
     "collectors (pipelines)": "roll.collectors",
+    "objectives (updates)": "roll.objectives",
     "trackers (metrics sinks)": "roll.trackers",
     "platforms": "roll.platforms",
 }

@@ -27,6 +27,14 @@ from roll_hw import Platform
 log = logging.getLogger(__name__)
 G = TypeVar("G", bound=WorkerGroup)
 DEVICE_ROLES = ("actor_train", "actor_infer", "reference", "critic", "reward_model")
+
+
+def is_device_role(role: str) -> bool:
+    """A role whose workers hold a model on the devices: the DEVICE_ROLES and distillation teachers (`teacher_*`,
+    which take the reference policy's share when colocated: a distillation run has no reference)."""
+    return role in DEVICE_ROLES or role.startswith("teacher_")
+
+
 # Ray sets the visible-devices variable itself for these resources (its accelerator managers); for any other
 # device resource (out-of-tree platforms) roll sets the platform's variable from the bundle's place on its node.
 RAY_MANAGED_RESOURCES = ("GPU", "NPU")
@@ -259,7 +267,7 @@ class Cluster:
         else:
             opts = (
                 self._placement(role, world_size, devices_per_worker, placement)
-                if role in DEVICE_ROLES
+                if is_device_role(role)
                 else RayOptions(num_cpus=min(self.cfg.cpus_per_worker, 0.25))
             )
             opts.python, opts.max_concurrency = python, max_concurrency

@@ -18,6 +18,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from roll_core.config.posttrain import DistillConfig, DPOConfig, RolloutConfig, SFTConfig
 from roll_core.config.reward_model import RewardModelConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -606,6 +607,11 @@ class RLVRConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     # A reward model scoring (prompt, response) rows (roll_core.config.reward_model); none by default.
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    # Post-training beside RL (roll_core.config.posttrain), each read only by its pipeline.
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:
         """Invariants across groups (each group checks its own): caught at composition, not steps into a run."""

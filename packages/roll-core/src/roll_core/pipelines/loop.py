@@ -1,10 +1,12 @@
 """One loop for every pipeline: next batch, update, sync, log, checkpoint.
 
-`Pipeline(cfg)` wires a run: its folder, cluster, tokenizer, task, the training-side roles (`build_roles`), the
-collector that `pipeline.name` names (a `roll.collectors` entry point: `rlvr`, `agentic`, or a plugin) and the
-`Trainer`. `run()` trains for the remaining steps and returns the summary. A pipeline kind is a collector (and,
-later, an objective), never a subclass of this class and never an `if async` in the loop: asynchronous
-collection is the collector's business.
+`Pipeline(cfg)` wires a run: its folder, cluster, tokenizer, task, the collector that `pipeline.name` names (a
+`roll.collectors` entry point: `rlvr`, `agentic`, `sft`, `dpo`, `distill`, `rollout`, ... or a plugin), the
+objective that collector names (`roll.objectives`: `rl`, `sft`, `dpo`, ...), the training-side roles that
+objective needs (`build_roles`) and the `Trainer`. `run()` trains for the remaining steps and returns the summary.
+A pipeline kind is a collector and an objective, never a subclass of this class and never an `if async` in the
+loop: asynchronous collection is the collector's business. Collectors that do not sample from the policy every
+step (`on_policy = False`: files of SFT or preference rows) get the new weights only before they evaluate.
 
 Checkpoints: never written from inside a streak of non-finite steps (their weights may hold the blow-up); the
 stop after `pipeline.max_nonfinite_steps` names the last checkpoint saved before the streak. Determinism:
@@ -30,6 +32,7 @@ from roll_core.config.schema import RLVRConfig
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.collectors import Collector, CollectorContext, CollectorFactory
 from roll_core.pipelines.metrics import StepLog
+from roll_core.pipelines.objectives import load_objective
 from roll_core.pipelines.run_control import GracefulStop, resolve_run_folder
 from roll_core.pipelines.trainer import Trainer
 from roll_core.pipelines.wiring import build_roles
@@ -61,7 +64,10 @@ class Pipeline:
         self.task = build(cfg.env)
         # Said before any model loads: a task the collector cannot use, an estimator without the batch's form.
         factory.check(cfg, self.task)
-        load_estimator(cfg.algo.adv_estimator, trajectories=factory.trajectories)
+        objective = load_objective(getattr(factory, "objective", "rl"))
+        needs = objective.needs(cfg)
+        if getattr(factory, "objective", "rl") == "rl":
+            load_estimator(cfg.algo.adv_estimator, trajectories=factory.trajectories)
 
         # Checkpoints record the config they were saved with: a resumed run's changed settings take effect (and are
         # logged) or are refused before anything is built, and config.yaml then says what is in effect.
@@ -76,7 +82,7 @@ class Pipeline:
         self.tracker = Tracker(
             self.out, OmegaConf.to_yaml(OmegaConf.structured(cfg)), pipe.trackers, resume=latest is not None
         )
-        self.roles = build_roles(cfg, self.cluster, self.model_path)
+        self.roles = build_roles(cfg, self.cluster, self.model_path, needs)
         roles = self.roles
         ctx = CollectorContext(
             cfg,
@@ -87,12 +93,13 @@ class Pipeline:
             self.task,
             self.model_path,
             self.tracker,
+            train=roles.actor_train,
         )
         self.collector: Collector = factory(ctx)
         self.trainer = Trainer(
             cfg,
             self.roles,
-            trajectories=factory.trajectories,
+            objective(cfg, self.roles, trajectories=factory.trajectories),
             placement=cfg.cluster.placement,
             platform=self.cluster.platform,
         )
@@ -120,13 +127,11 @@ class Pipeline:
             for step in bar:
                 out = self.step(step)
                 if pipe.eval_every > 0 and (step % pipe.eval_every == 0 or step == pipe.max_steps):
+                    if self.trainer.stale:  # an off-policy collector evaluates the weights trained so far
+                        self.trainer.sync_weights(self.collector, out)
                     out.update(self.collector.evaluate(step))
                 self.tracker.log(step, out)
-                bar.set_postfix(
-                    reward=f"{out['reward/mean']:.3f}",
-                    acc=f"{out['reward/accuracy']:.2f}",
-                    sec=f"{out['perf/step_seconds']:.1f}",
-                )
+                bar.set_postfix(progress_fields(out))
                 due = (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps
                 if due:
                     self.checkpoint(step)
@@ -140,12 +145,13 @@ class Pipeline:
         return self.summary(time.perf_counter() - t0, stop.signum)
 
     def step(self, step: int) -> StepLog:
-        """One RL step: the collector's next scored batch, the update, the weight sync; returns its metrics."""
+        """One step: the collector's next scored batch, the update, the weight sync; returns its metrics."""
         out, t0 = StepLog(), time.perf_counter()
         collected = self.collector.next(step, out)  # None: nothing to train on this step
         if collected is not None:
-            self.trainer.update(step, collected.batch, collected.scores, out)
-            self.trainer.sync_weights(self.collector, out)
+            self.trainer.update(step, collected, out)
+            if getattr(self.collector, "on_policy", True):  # the next batch samples from the new weights
+                self.trainer.sync_weights(self.collector, out)
             self._check_finite(step)
         out.update({f"perf/time_{k}": v for k, v in out.timers.items()})
         out.update(self.cluster.fault_metrics())  # workers restarted, calls timed out (this step)
@@ -223,3 +229,21 @@ class Pipeline:
         if getattr(self, "tracker", None) is not None:
             self.tracker.close()  # a failed run's writer too: a restarted run reopens the same event files
         self.cluster.shutdown()
+
+
+#: Step metrics shown on the progress bar, in order, when the step has them (RL, SFT, DPO, distillation).
+PROGRESS_FIELDS = (
+    ("reward/mean", "reward", "{:.3f}"),
+    ("reward/accuracy", "acc", "{:.2f}"),
+    ("sft/loss", "loss", "{:.3f}"),
+    ("dpo/loss", "loss", "{:.3f}"),
+    ("dpo/reward_accuracy", "pref_acc", "{:.2f}"),
+    ("distill/kl", "kl", "{:.3f}"),
+    ("rollout/rows", "rows", "{:.0f}"),
+    ("perf/step_seconds", "sec", "{:.1f}"),
+)
+
+
+def progress_fields(out: dict[str, Any]) -> dict[str, str]:
+    """The progress bar's postfix: the PROGRESS_FIELDS the step logged."""
+    return {short: fmt.format(out[key]) for key, short, fmt in PROGRESS_FIELDS if out.get(key) is not None}

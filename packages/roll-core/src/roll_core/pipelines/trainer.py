@@ -1,14 +1,14 @@
-"""The training side of every RL pipeline: from a scored batch to new weights in the inference engines.
+"""The training side of every pipeline: from a collected batch to new weights in the inference engines.
 
-`Trainer.update(step, collected, log)` runs, top to bottom: reference and old log-probs, values, token rewards
-(KL in reward), advantages (one `roll.algorithms` estimator for outcome and trajectory batches), critic and actor
-updates. `Trainer.sync_weights(collector, log)` wakes sleeping engines, lets the collector pause or abort its
-requests, pushes the weights and tells the collector the new version.
+`Trainer.update(step, collected, log)` hands engines that share devices with training to it (they sleep) and
+runs the pipeline's objective (roll_core.pipelines.objectives: RL, SFT, DPO, distillation; none for rollout-only
+runs), then counts the streak of non-finite steps. `Trainer.sync_weights(collector, log)` wakes sleeping engines,
+lets the collector pause or abort its requests, pushes the weights and tells the collector the new version;
+`stale` says whether the engines hold older weights than the actor (collectors that do not generate from the
+policy every step sync only before they evaluate).
 
-May assume the batch has the layout of roll_core.protocol plus `behaviour_logprobs`; a batch generated under
-older weights carries `behaviour_version` (B,), and then the proximal log-probs are recomputed (decoupled PPO).
 Must not generate or score: that is the collector's side. Owns the train-side checkpoint state (actor, critic,
-KL controller) and the streak of non-finite steps.
+objective) and the streak of non-finite steps.
 """
 
 from __future__ import annotations
@@ -17,24 +17,14 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
-from roll_algos import advantages as adv_ops
-from roll_algos.kl import AdaptiveKLController, FixedKLController, kl_estimate
-from roll_algos.losses import masked_mean, off_policy_weights
-from roll_core.algorithms import AdvantageInputs, load_estimator, token_rewards_from_scores
 from roll_core.cluster.weight_sync import WeightSync
 from roll_core.config.schema import RLVRConfig
+from roll_core.pipelines.collectors import Collected
 from roll_core.pipelines.metrics import StepLog
-from roll_core.pipelines.objectives import PolicyObjective, ValueObjective
+from roll_core.pipelines.objectives import Objective
 from roll_core.pipelines.wiring import Roles
-from roll_core.protocol import Batch
-from roll_core.seeds import Purpose, derive_seed
 
 log = logging.getLogger(__name__)
-
-#: Batch keys of trajectory batches that estimators read as turns.
-TURN_KEYS = ("turn_rewards", "turn_mask", "turn_ids", "state_keys")
 
 
 class SyncListener(Protocol):
@@ -46,186 +36,86 @@ class SyncListener(Protocol):
 
 
 class Trainer:
-    """Roles of the training side, the update and the weight sync (see the module docstring)."""
+    """Roles of the training side, the objective's update and the weight sync (see the module docstring)."""
 
-    def __init__(self, cfg: RLVRConfig, roles: Roles, *, trajectories: bool, placement: str, platform: Any) -> None:
-        algo, ie = cfg.algo, cfg.infer_engine
-        self.cfg, self.roles = cfg, roles
-        self.estimator = load_estimator(algo.adv_estimator, trajectories=trajectories)
-        self.kl_ctl = (
-            AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
-            if algo.kl_target
-            else FixedKLController(algo.kl_coef)
+    def __init__(self, cfg: RLVRConfig, roles: Roles, objective: Objective, *, placement: str, platform: Any) -> None:
+        ie = cfg.infer_engine
+        self.cfg, self.roles, self.objective = cfg, roles, objective
+        # Rollout-only runs train nothing: no actor, nothing to push.
+        self.weight_sync = (
+            WeightSync(
+                roles.actor_train,
+                roles.actor_infer,
+                transport=ie.sync_transport,
+                bucket_mb=ie.sync_bucket_mb,
+                placement=placement,
+                platform=platform,
+            )
+            if roles.actor_train is not None
+            else None
         )
-        self.policy_objective = PolicyObjective(
-            variant=algo.policy_loss,
-            agg=algo.loss_agg,
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
-            dual_clip=algo.dual_clip,
-            ratio_cap=algo.ratio_cap,
-            norm_length=cfg.model.max_response_length,
-            kl_loss_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
-            kl_kind=algo.kl_kind,
-            entropy_coef=algo.entropy_coef,
-        )
-        self.value_objective = ValueObjective(
-            clip=algo.value_clip, agg=algo.loss_agg, norm_length=cfg.model.max_response_length
-        )
-        self.weight_sync = WeightSync(
-            roles.actor_train,
-            roles.actor_infer,
-            transport=ie.sync_transport,
-            bucket_mb=ie.sync_bucket_mb,
-            placement=placement,
-            platform=platform,
-        )
-        self.sleep_level = int(ie.sleep_level)
-        self.temperature = roles.sampling.temperature
+        self.sleep_level = int(ie.sleep_level) if roles.actor_train is not None else 0
         self.version = 0  # weight updates pushed to the engines
+        self.stale = False  # the actor changed since the last push
+        self.asleep = False  # the engines sleep (sleep_level > 0) from an update to the next sync
         self.bad_steps = 0  # consecutive steps whose optimizer steps were all skipped for NaN/inf
 
+    @property
+    def trains(self) -> bool:
+        """False for rollout-only runs (no actor)."""
+        return self.roles.actor_train is not None
+
     # ---- the update ---------------------------------------------------------------------------------------
-    def update(self, step: int, batch: Batch, scores: torch.Tensor, out: StepLog) -> None:
-        """Train the policy (and critic) on `batch` with per-row `scores` (B,); metrics go to `out`."""
-        algo, roles = self.cfg.algo, self.roles
+    def update(self, step: int, collected: Collected, out: StepLog) -> None:
+        """Run the objective on `collected`; metrics go to `out`."""
+        if not self.trains:
+            self.objective.update(step, collected, out)
+            return
         self._give_devices_to_training()
-        mask = batch["response_mask"].float()
-        # 1. reference and old log-probs, values
-        if roles.reference is not None or roles.reference_is_base:
-            with out.timer("reference"):
-                ref = roles.reference or roles.actor_train
-                batch["ref_logprobs"] = ref.compute_logprobs(batch, self.temperature, base=roles.reference_is_base)[
-                    "logprobs"
-                ]
-        if self._need_old_logprobs(batch):
-            with out.timer("old_logprobs"):
-                batch["old_logprobs"] = roles.actor_train.compute_logprobs(batch, self.temperature)["logprobs"]
-            out["actor/train_infer_logprob_diff"] = float(
-                masked_mean((batch["old_logprobs"] - batch["behaviour_logprobs"]).abs(), mask)
-            )
-        if algo.off_policy_correction is not None:
-            batch["is_weights"] = off_policy_weights(
-                batch["old_logprobs"],
-                batch["behaviour_logprobs"],
-                mask,
-                level=algo.off_policy_correction,
-                cap=algo.off_policy_cap,
-            )
-        values = None
-        if roles.critic is not None:
-            with out.timer("values"):
-                values = batch["values"] = roles.critic.compute_values(batch)["values"]
-
-        # 2. token rewards (KL in reward), advantages
-        token_rewards = token_rewards_from_scores(scores, mask)
-        if "ref_logprobs" in batch:
-            policy_logp = batch["old_logprobs"] if "old_logprobs" in batch else batch["behaviour_logprobs"]
-            kl = kl_estimate(policy_logp, batch["ref_logprobs"], algo.kl_kind) * mask
-            out["actor/kl_to_ref"] = float(masked_mean(kl, mask))
-            if algo.kl_in_reward:
-                token_rewards = token_rewards - self.kl_ctl.value * kl
-            self.kl_ctl.update(out["actor/kl_to_ref"], len(batch))
-            out["actor/kl_coef"] = self.kl_ctl.value
-            self.policy_objective.kl_loss_coef = 0.0 if algo.kl_in_reward else self.kl_ctl.value
-        adv, returns = self.estimator(self._advantage_inputs(batch, scores, token_rewards, mask, values), algo)
-        if algo.whiten_advantages:
-            adv = adv_ops.whiten(adv, mask)
-        if algo.advantage_clip is not None:
-            adv = adv.clamp(-algo.advantage_clip, algo.advantage_clip)
-        if "advantage_scale" in batch:  # a multi-domain run's per-domain scale, (B,) over each row's tokens
-            adv = adv * batch["advantage_scale"].to(adv.dtype).unsqueeze(-1)
-        batch["advantages"] = adv * mask
-        out["actor/advantage_abs_mean"] = float(masked_mean(adv.abs(), mask))
-        if returns is not None:
-            batch["returns"] = returns
-
-        # 3. critic and actor updates (one mini-batch order per step, shared by both)
-        shuffle = derive_seed(self.cfg.pipeline.seed, Purpose.SHUFFLE, step)
-        epochs, n_mini = algo.ppo_epochs, roles.mini_batches
-        if roles.critic is not None:
-            with out.timer("train_critic"):
-                out.update(
-                    roles.critic.train(
-                        batch,
-                        self.value_objective,
-                        mini_batches=n_mini,
-                        epochs=epochs,
-                        temperature=1.0,
-                        shuffle_seed=shuffle,
-                    )
-                )
-        with out.timer("train_actor"):
-            train_metrics = roles.actor_train.train(
-                batch,
-                self.policy_objective,
-                mini_batches=n_mini,
-                epochs=epochs,
-                temperature=self.temperature,
-                shuffle_seed=shuffle,
-            )
-        out.update({k if "/" in k else f"actor/{k}": v for k, v in train_metrics.items()})
-        self.bad_steps = self.bad_steps + 1 if train_metrics.get("nonfinite_steps", 0.0) > 0 else 0
-        out["perf/train_tokens_per_s"] = float(mask.sum()) * epochs / max(out.timers["train_actor"], 1e-9)
-        # Token counts for FLOP accounting (bench/): generated tokens, and the batch's prompt tokens counted once
-        # per group (what a shared-prompt forward needs).
-        out["perf/response_tokens"] = float(mask.sum())
-        p_len = batch["input_ids"].shape[1] - batch["responses"].shape[1]
-        out["perf/unique_prompt_tokens"] = float(batch["attention_mask"][:, :p_len].sum()) / algo.group_size
-
-    def _need_old_logprobs(self, batch: Batch) -> bool:
-        """The proximal policy's log-probs are needed whenever the behaviour policy may differ from it."""
-        algo = self.cfg.algo
-        return (
-            algo.ppo_epochs > 1
-            or self.roles.mini_batches > 1
-            or algo.off_policy_correction is not None
-            or (algo.kl_in_reward and "ref_logprobs" in batch)
-            or "behaviour_version" in batch  # generated ahead, under older weights (asynchronous collectors)
-        )
-
-    @staticmethod
-    def _advantage_inputs(
-        batch: Batch, scores: torch.Tensor, token_rewards: torch.Tensor, mask: torch.Tensor, values: Any
-    ) -> AdvantageInputs:
-        if "group_ids" not in batch:  # an outcome batch: consecutive groups of algo.group_size rows
-            return AdvantageInputs(scores, token_rewards, mask, values)
-        turns = {k: batch[k] for k in TURN_KEYS if k in batch}
-        return AdvantageInputs(scores, token_rewards, mask, values, batch["group_ids"], turns)
+        self.objective.update(step, collected, out)
+        self.stale = True
+        self.bad_steps = self.bad_steps + 1 if out.get("actor/nonfinite_steps", 0.0) > 0 else 0
 
     # ---- engines around the update ------------------------------------------------------------------------
     def _give_devices_to_training(self) -> None:
         """Engines that share devices with training sleep until the next weight sync."""
-        if self.sleep_level:
+        if self.sleep_level and not self.asleep:  # objectives that skip syncs update several times between wakes
             self.roles.actor_infer.sleep(self.sleep_level)
+            self.asleep = True
             if self.sleep_level == 2:  # the weights were dropped: the next sync sends all of them
                 self.weight_sync.require_full()
 
     def sync_weights(self, collector: SyncListener, out: StepLog) -> None:
         """Push the trained weights to the engines; the collector pauses (or aborts) its requests around it."""
+        if self.weight_sync is None:
+            return
         with out.timer("sync"):
-            if self.sleep_level:
+            if self.asleep:
                 self.roles.actor_infer.wake_up()
+                self.asleep = False
             collector.begin_sync()
             out.update(self.weight_sync.sync().metrics())
             self.version += 1
+            self.stale = False
             collector.finish_sync(self.version)
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save(self, folder: Path, tokenizer_path: str) -> dict[str, Any]:
         """Write the actor (and critic) under `folder`; returns the trainer's state for state.json."""
-        self.roles.actor_train.save(str(folder / "actor"), tokenizer_path)
+        if self.roles.actor_train is not None:
+            self.roles.actor_train.save(str(folder / "actor"), tokenizer_path)
         if self.roles.critic is not None:
             self.roles.critic.save(str(folder / "critic"), tokenizer_path)
-        kl = self.kl_ctl.state_dict() if hasattr(self.kl_ctl, "state_dict") else {"value": self.kl_ctl.value}
-        return {"kl": kl, "version": self.version}
+        # The RL objective's state sits at the top level ("kl"), where checkpoints before objectives kept it.
+        return {**self.objective.state_dict(), "version": self.version}
 
     def restore(self, folder: Path, state: dict[str, Any]) -> None:
         """Load what `save` wrote and push every weight to the engines."""
-        self.roles.actor_train.load(str(folder / "actor"))
+        if self.roles.actor_train is not None:
+            self.roles.actor_train.load(str(folder / "actor"))
         if self.roles.critic is not None:
             self.roles.critic.load(str(folder / "critic"))
-        if self.cfg.algo.kl_target:  # an adaptive coefficient continues; a fixed one is the config's (may change)
-            self.kl_ctl.value = state["kl"]["value"]
+        self.objective.load_state_dict(state)
         self.version = int(state.get("version", 0))
-        self.weight_sync.sync(full=True)
+        if self.weight_sync is not None:
+            self.weight_sync.sync(full=True)

@@ -1,7 +1,8 @@
 """Where a run's roles are wired: every worker group of the training side, built from the typed config.
 
-`build_roles(cfg, cluster, model_path)` is the one place that turns `train_engine`, `infer_engine`, `model` and
-`algo` into worker groups: the trainable actor, the inference engines, the reference policy and the critic. A
+`build_roles(cfg, cluster, model_path, needs)` is the one place that turns `train_engine`, `infer_engine`, `model`
+and `algo` into worker groups: the trainable actor, the inference engines, the reference policy, the critic and
+the teachers, as the pipeline's objective needs them (`RoleNeeds`: a rollout-only run has no actor). A
 collector adds the roles that feed it (reward workers, environment workers) through the same cluster; nothing
 else builds a group. May assume `cfg` passed its schema checks; must not start generation or training.
 """
@@ -9,7 +10,7 @@ else builds a group. May assume `cfg` passed its schema checks; must not start g
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from roll_core.cluster.launch import Cluster, resolve_python
 from roll_core.cluster.mesh import Mesh
@@ -19,13 +20,15 @@ from roll_core.config.schema import RLVRConfig, TrainEngineConfig
 from roll_core.errors import ConfigError
 from roll_core.interfaces import SamplingParams, UnsupportedSamplingError
 from roll_core.interfaces.runtime import InferEngineRuntime, TrainEngineRuntime
+from roll_core.pipelines.objectives import RoleNeeds
 
 
 @dataclass
 class Roles:
     """The worker groups of a run's training side (reference and critic only when the algorithm needs them)."""
 
-    actor_train: TrainGroup
+    #: None in rollout-only runs (nothing trains).
+    actor_train: TrainGroup | None
     actor_infer: InferGroup
     reference: TrainGroup | None
     critic: TrainGroup | None
@@ -35,6 +38,8 @@ class Roles:
     sampling: SamplingParams
     #: Optimizer steps of one RL step: ppo_epochs x mini-batches.
     mini_batches: int
+    #: Frozen teachers by name (distillation), each scoring tokens with `compute_logprobs`.
+    teachers: dict[str, TrainGroup] = field(default_factory=dict)
 
 
 def sampling_params(cfg: RLVRConfig) -> SamplingParams:
@@ -59,9 +64,13 @@ def mini_batches(cfg: RLVRConfig) -> int:
     return max(1, rows // algo.mini_batch_size) if algo.mini_batch_size else 1
 
 
-def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str) -> Roles:
-    """Every training-side worker group of `cfg` on `cluster` (see the module docstring)."""
+def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleNeeds | None = None) -> Roles:
+    """Every training-side worker group of `cfg` on `cluster` that `needs` asks for (RL's roles when None)."""
+    from roll_core.models import resolve_model_path
+
     algo, model, pipe = cfg.algo, cfg.model, cfg.pipeline
+    if needs is None:
+        needs = RoleNeeds(train=True, reference=algo.use_reference, critic=algo.use_critic)
     te, ie = cfg.train_engine, cfg.infer_engine
     if ie.structured:  # the trainer must score the same constrained distribution the rollout sampled
         from hydra.utils import get_object
@@ -95,8 +104,12 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str) -> Roles:
         # Workers build the engine from its config's keys and the runtime (roll_core.interfaces.runtime).
         return cluster.group(TrainGroup, role, te.world_size, mesh=mesh, engine=as_dict(engine), runtime=runtime)
 
-    actor_train = train_group(
-        "actor_train", TrainEngineRuntime(**common, dtype=model.dtype, role="actor", lr=algo.lr, **schedule)
+    actor_train = (
+        train_group(
+            "actor_train", TrainEngineRuntime(**common, dtype=model.dtype, role="actor", lr=algo.lr, **schedule)
+        )
+        if needs.train
+        else None
     )
     actor_infer = cluster.group(
         InferGroup,
@@ -110,21 +123,38 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str) -> Roles:
     )
     sampling = sampling_params(cfg)
     _check_infer_engine(cfg, actor_infer, sampling)
-    reference_is_base = bool(te.lora_rank) and algo.use_reference
+    reference_is_base = bool(te.lora_rank) and needs.reference and needs.train
     reference = None
-    if algo.use_reference and not reference_is_base:
+    if needs.reference and not reference_is_base:
         reference = train_group(
             "reference", TrainEngineRuntime(**common, dtype=model.dtype, role="reference", trainable=False)
         )
     critic = None
-    if algo.use_critic:
+    if needs.critic:
         critic = train_group(
             "critic",
             TrainEngineRuntime(**common, dtype=model.dtype, role="critic", lr=algo.critic_lr, **schedule),
             # LoRA adapts the policy only: the critic trains every weight of its own copy.
             engine=dataclasses.replace(te, lora_rank=0),
         )
-    return Roles(actor_train, actor_infer, reference, critic, reference_is_base, sampling, n_mini)
+    teachers = {
+        name: cluster.group(
+            TrainGroup,
+            f"teacher_{name}",
+            te.world_size,
+            mesh=mesh,
+            # A teacher only scores tokens: its own copy of the engine, never adapters.
+            engine=as_dict(dataclasses.replace(te, lora_rank=0)),
+            runtime=TrainEngineRuntime(
+                **{**common, "model_path": resolve_model_path(path)},
+                dtype=model.dtype,
+                role="reference",
+                trainable=False,
+            ),
+        )
+        for name, path in needs.teachers.items()
+    }
+    return Roles(actor_train, actor_infer, reference, critic, reference_is_base, sampling, n_mini, teachers)
 
 
 def _check_infer_engine(cfg: RLVRConfig, infer: InferGroup, sampling: SamplingParams) -> None:

@@ -11,6 +11,11 @@ Contract of a `Collector` (every implementation, in-tree or a `roll.collectors` 
 - `state_dict()` / `load_state_dict(state)` hold what a resumed run needs to continue (the data position).
 - `summary()` adds run totals to the run summary (reward failures, skipped data rows).
 - `close()` stops background work. `plot_keys` names the metrics drawn in curves.png.
+- `on_policy` (optional, default True): the collector samples from the current policy every step, so the weights
+  are pushed to the engines after every update; False (files of rows) pushes them only before `evaluate`.
+
+A collector factory may name its objective (`objective`, a `roll.objectives` entry point; `rl` when absent): the
+update the Trainer runs on its batches (roll_core.pipelines.objectives).
 
 A collector is built by a factory registered under `roll.collectors` and named by `pipeline.name`:
 `factory(ctx: CollectorContext) -> Collector`. The built-ins: `rlvr` (prompts; asynchronous with
@@ -25,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from roll_core.cluster.launch import Cluster
-from roll_core.cluster.roles import InferGroup
+from roll_core.cluster.roles import InferGroup, TrainGroup
 from roll_core.config.schema import RLVRConfig
 from roll_core.interfaces import SamplingParams
 from roll_core.pipelines.metrics import StepLog
@@ -56,6 +61,9 @@ class CollectorContext:
     task: Any
     model_path: str
     tracker: Tracker | None = None
+    #: The actor's train group (None in rollout-only runs and in `roll-eval`): a collector may score held-out
+    #: rows with it (an SFT run's evaluation loss).
+    train: TrainGroup | None = None
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """A few of the step's samples to the run's samples log (nowhere without a tracker)."""

@@ -1,0 +1,126 @@
+"""Schemas of the post-training pipelines beside RL: `sft`, `dpo`, `distill` and `rollout` (top-level nodes of the
+run config, each read only by its pipeline; the rows they read are configured by `data`, roll_core.posttrain).
+
+Contract: like roll_core.config.schema, typed dataclasses with defaults (an unknown key fails at composition) whose
+`__post_init__` checks each value and says how to fix it. Optimizer settings (lr, warmup, schedule, weight decay,
+gradient clipping, mini-batches) stay in `algo`: one place whatever the objective; the `pipeline=<kind>` groups
+set values that suit each kind.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def _finite_nonneg(name: str, value: float) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning (`pipeline=sft`): the negative log-likelihood of the loss-masked response tokens."""
+
+    # How token losses are averaged: token-mean (every target token weighs the same, TRL's default) or per row.
+    loss_agg: str = "token-mean"
+
+    def __post_init__(self) -> None:
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"sft.loss_agg={self.loss_agg!r} is not one of {', '.join(LOSS_AGGS)}")
+
+
+@dataclass
+class DPOConfig:
+    """Preference optimisation (`pipeline=dpo`) on (prompt, chosen, rejected) pairs."""
+
+    # sigmoid (DPO), ipo, hinge (SLiC), simpo (no reference model): roll_algos.preference.
+    loss: str = "sigmoid"
+    # Strength of the implicit KL to the reference (DPO's beta).
+    beta: float = 0.1
+    # Conservative DPO: the probability that a pair's preference label is flipped (sigmoid only).
+    label_smoothing: float = 0.0
+    # SimPO's target reward margin (gamma).
+    simpo_gamma: float = 0.5
+    # Adds this times the chosen responses' token-mean NLL (RPO): keeps the likelihood of chosen answers up.
+    sft_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        _finite_nonneg("dpo.beta", self.beta)
+        if self.beta == 0:
+            raise ValueError("dpo.beta=0 removes the preference signal: 0.1 is usual")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"dpo.label_smoothing={self.label_smoothing} must lie in [0, 0.5)")
+        _finite_nonneg("dpo.simpo_gamma", self.simpo_gamma)
+        _finite_nonneg("dpo.sft_weight", self.sft_weight)
+
+    @property
+    def uses_reference(self) -> bool:
+        """SimPO is reference-free; the other losses compare with the reference policy."""
+        return self.loss != "simpo"
+
+
+@dataclass
+class DistillConfig:
+    """Distillation from one or several teachers: on-policy (`pipeline=distill`: the student samples, teachers
+    score its tokens) or offline (`pipeline=distill_offline`: teacher top-k log-probs stored with the rows or
+    computed by a teacher role)."""
+
+    # The teacher's model (an HF path, a folder or a `model=` preset's path); null: the student's own base model
+    # (context distillation: the teacher sees `teacher_prompt`, the student does not).
+    teacher: str | None = None
+    # Several teachers routed by the row's domain (metadata `domain`): {domain: model path}. Rows of a domain
+    # without a teacher go to `teacher` (an error when that is not set either).
+    teachers: dict[str, str] = field(default_factory=dict)
+    # The teacher's user message, a format string over the row: {prompt} (the student's user message) and the
+    # row's metadata fields, e.g. "Worked example:\n{example}\n\n{prompt}". Null: the student's prompt.
+    teacher_prompt: str | None = None
+    # On-policy: each sampled token's advantage is -coef x (student log-prob - teacher log-prob).
+    coef: float = 1.0
+    # On-policy: adds this times the task reward's group-normalised advantage (0: pure distillation).
+    task_reward_weight: float = 0.0
+    # Offline: forward KL(teacher || student) or reverse KL(student || teacher) on the teacher's top-k ids + tail.
+    kind: str = "forward"
+    # Offline: top-k ids a teacher role computes for rows that carry none.
+    topk: int = 20
+    # Offline: keep the mass outside the top-k as one bucket (false: renormalise over the k ids).
+    tail: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("forward", "reverse"):
+            raise ValueError(f"distill.kind={self.kind!r} is not one of 'forward', 'reverse'")
+        if self.topk < 1:
+            raise ValueError(f"distill.topk={self.topk} must be >= 1")
+        _finite_nonneg("distill.coef", self.coef)
+        _finite_nonneg("distill.task_reward_weight", self.task_reward_weight)
+
+    def teacher_paths(self, student: str) -> dict[str, str]:
+        """Teacher name -> model path: `default` (teacher, or the student's model), and one per routed domain."""
+        paths = {"default": self.teacher or student}
+        paths.update({f"domain_{d}": p for d, p in self.teachers.items()})
+        return paths
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout-only generation (`pipeline=rollout`): sample and score a task's prompts, write the rows."""
+
+    # Where rows go: a .jsonl or .parquet path; null: <run folder>/rollout.jsonl.
+    output: str | None = None
+    # Responses per prompt.
+    samples_per_prompt: int = 4
+    # Prompts to generate for (null: every training prompt of the task once).
+    max_prompts: int | None = None
+    # This job's shard of the prompts (shard i of num_shards takes every num_shards-th prompt from i).
+    shard: int = 0
+    num_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"rollout.samples_per_prompt={self.samples_per_prompt} must be >= 1")
+        if self.num_shards < 1 or not 0 <= self.shard < self.num_shards:
+            raise ValueError(f"rollout.shard={self.shard} must lie in [0, rollout.num_shards={self.num_shards})")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ValueError(f"rollout.max_prompts={self.max_prompts} must be >= 1 or null")

@@ -1,0 +1,189 @@
+"""The RL objective (`roll.objectives` `rl`): GRPO, PPO and the other estimators' update of a scored batch.
+
+`update` runs, top to bottom: reference and old log-probs, values, token rewards (KL in reward), advantages (one
+`roll.algorithms` estimator for outcome and trajectory batches), critic and actor updates.
+
+May assume the batch has the layout of roll_core.protocol plus `behaviour_logprobs`; a batch generated under
+older weights carries `behaviour_version` (B,), and then the proximal log-probs are recomputed (decoupled PPO).
+Its state is the KL controller (an adaptive coefficient continues on resume).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from roll_algos import advantages as adv_ops
+from roll_algos.kl import AdaptiveKLController, FixedKLController, kl_estimate
+from roll_algos.losses import masked_mean, off_policy_weights
+from roll_core.algorithms import AdvantageInputs, load_estimator, token_rewards_from_scores
+from roll_core.config.schema import RLVRConfig
+from roll_core.pipelines.collectors import Collected
+from roll_core.pipelines.losses import PolicyObjective, ValueObjective
+from roll_core.pipelines.metrics import StepLog
+from roll_core.pipelines.objectives import RoleNeeds
+from roll_core.pipelines.wiring import Roles
+from roll_core.protocol import Batch
+from roll_core.seeds import Purpose, derive_seed
+
+#: Batch keys of trajectory batches that estimators read as turns.
+TURN_KEYS = ("turn_rewards", "turn_mask", "turn_ids", "state_keys")
+
+
+class RLObjective:
+    """Policy-gradient update of a scored batch (see the module docstring)."""
+
+    def __init__(self, cfg: RLVRConfig, roles: Roles, *, trajectories: bool) -> None:
+        algo = cfg.algo
+        self.cfg, self.roles = cfg, roles
+        self.estimator = load_estimator(algo.adv_estimator, trajectories=trajectories)
+        self.kl_ctl = (
+            AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
+            if algo.kl_target
+            else FixedKLController(algo.kl_coef)
+        )
+        self.policy_objective = PolicyObjective(
+            variant=algo.policy_loss,
+            agg=algo.loss_agg,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            dual_clip=algo.dual_clip,
+            ratio_cap=algo.ratio_cap,
+            norm_length=cfg.model.max_response_length,
+            kl_loss_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
+            kl_kind=algo.kl_kind,
+            entropy_coef=algo.entropy_coef,
+        )
+        self.value_objective = ValueObjective(
+            clip=algo.value_clip, agg=algo.loss_agg, norm_length=cfg.model.max_response_length
+        )
+        self.temperature = roles.sampling.temperature
+
+    def update(self, step: int, collected: Collected, out: StepLog) -> None:
+        """Train the policy (and critic) on the batch with its per-row scores (B,); metrics go to `out`."""
+        batch, scores = collected.batch, collected.scores
+        algo, roles = self.cfg.algo, self.roles
+        assert roles.actor_train is not None
+        mask = batch["response_mask"].float()
+        # 1. reference and old log-probs, values
+        if roles.reference is not None or roles.reference_is_base:
+            with out.timer("reference"):
+                ref = roles.reference or roles.actor_train
+                batch["ref_logprobs"] = ref.compute_logprobs(batch, self.temperature, base=roles.reference_is_base)[
+                    "logprobs"
+                ]
+        if self._need_old_logprobs(batch):
+            with out.timer("old_logprobs"):
+                batch["old_logprobs"] = roles.actor_train.compute_logprobs(batch, self.temperature)["logprobs"]
+            out["actor/train_infer_logprob_diff"] = float(
+                masked_mean((batch["old_logprobs"] - batch["behaviour_logprobs"]).abs(), mask)
+            )
+        if algo.off_policy_correction is not None:
+            batch["is_weights"] = off_policy_weights(
+                batch["old_logprobs"],
+                batch["behaviour_logprobs"],
+                mask,
+                level=algo.off_policy_correction,
+                cap=algo.off_policy_cap,
+            )
+        values = None
+        if roles.critic is not None:
+            with out.timer("values"):
+                values = batch["values"] = roles.critic.compute_values(batch)["values"]
+
+        # 2. token rewards (KL in reward), advantages
+        token_rewards = token_rewards_from_scores(scores, mask)
+        if "ref_logprobs" in batch:
+            policy_logp = batch["old_logprobs"] if "old_logprobs" in batch else batch["behaviour_logprobs"]
+            kl = kl_estimate(policy_logp, batch["ref_logprobs"], algo.kl_kind) * mask
+            out["actor/kl_to_ref"] = float(masked_mean(kl, mask))
+            if algo.kl_in_reward:
+                token_rewards = token_rewards - self.kl_ctl.value * kl
+            self.kl_ctl.update(out["actor/kl_to_ref"], len(batch))
+            out["actor/kl_coef"] = self.kl_ctl.value
+            self.policy_objective.kl_loss_coef = 0.0 if algo.kl_in_reward else self.kl_ctl.value
+        adv, returns = self.estimator(self._advantage_inputs(batch, scores, token_rewards, mask, values), algo)
+        if algo.whiten_advantages:
+            adv = adv_ops.whiten(adv, mask)
+        if algo.advantage_clip is not None:
+            adv = adv.clamp(-algo.advantage_clip, algo.advantage_clip)
+        if "advantage_scale" in batch:  # a multi-domain run's per-domain scale, (B,) over each row's tokens
+            adv = adv * batch["advantage_scale"].to(adv.dtype).unsqueeze(-1)
+        batch["advantages"] = adv * mask
+        out["actor/advantage_abs_mean"] = float(masked_mean(adv.abs(), mask))
+        if returns is not None:
+            batch["returns"] = returns
+
+        # 3. critic and actor updates (one mini-batch order per step, shared by both)
+        shuffle = derive_seed(self.cfg.pipeline.seed, Purpose.SHUFFLE, step)
+        epochs, n_mini = algo.ppo_epochs, roles.mini_batches
+        if roles.critic is not None:
+            with out.timer("train_critic"):
+                out.update(
+                    roles.critic.train(
+                        batch,
+                        self.value_objective,
+                        mini_batches=n_mini,
+                        epochs=epochs,
+                        temperature=1.0,
+                        shuffle_seed=shuffle,
+                    )
+                )
+        with out.timer("train_actor"):
+            train_metrics = roles.actor_train.train(
+                batch,
+                self.policy_objective,
+                mini_batches=n_mini,
+                epochs=epochs,
+                temperature=self.temperature,
+                shuffle_seed=shuffle,
+            )
+        out.update({k if "/" in k else f"actor/{k}": v for k, v in train_metrics.items()})
+        out["perf/train_tokens_per_s"] = float(mask.sum()) * epochs / max(out.timers["train_actor"], 1e-9)
+        # Token counts for FLOP accounting (bench/): generated tokens, and the batch's prompt tokens counted once
+        # per group (what a shared-prompt forward needs).
+        out["perf/response_tokens"] = float(mask.sum())
+        p_len = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+        out["perf/unique_prompt_tokens"] = float(batch["attention_mask"][:, :p_len].sum()) / algo.group_size
+
+    def _need_old_logprobs(self, batch: Batch) -> bool:
+        """The proximal policy's log-probs are needed whenever the behaviour policy may differ from it."""
+        algo = self.cfg.algo
+        return (
+            algo.ppo_epochs > 1
+            or self.roles.mini_batches > 1
+            or algo.off_policy_correction is not None
+            or (algo.kl_in_reward and "ref_logprobs" in batch)
+            or "behaviour_version" in batch  # generated ahead, under older weights (asynchronous collectors)
+        )
+
+    @staticmethod
+    def _advantage_inputs(
+        batch: Batch, scores: torch.Tensor, token_rewards: torch.Tensor, mask: torch.Tensor, values: Any
+    ) -> AdvantageInputs:
+        if "group_ids" not in batch:  # an outcome batch: consecutive groups of algo.group_size rows
+            return AdvantageInputs(scores, token_rewards, mask, values)
+        turns = {k: batch[k] for k in TURN_KEYS if k in batch}
+        return AdvantageInputs(scores, token_rewards, mask, values, batch["group_ids"], turns)
+
+    def state_dict(self) -> dict[str, Any]:
+        kl = self.kl_ctl.state_dict() if hasattr(self.kl_ctl, "state_dict") else {"value": self.kl_ctl.value}
+        return {"kl": kl}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.cfg.algo.kl_target and "kl" in state:  # an adaptive coefficient continues; a fixed one is the config's
+            self.kl_ctl.value = state["kl"]["value"]
+
+
+class _RL:
+    """`roll.objectives` `rl`: the actor (and critic, reference) of `algo`."""
+
+    def needs(self, cfg: RLVRConfig) -> RoleNeeds:
+        return RoleNeeds(train=True, reference=cfg.algo.use_reference, critic=cfg.algo.use_critic)
+
+    def __call__(self, cfg: RLVRConfig, roles: Roles, *, trajectories: bool) -> RLObjective:
+        return RLObjective(cfg, roles, trajectories=trajectories)
+
+
+rl_objective = _RL()
