@@ -136,6 +136,12 @@ class Pipeline:
                 if due:
                     self.checkpoint(step)
                 self.tracker.plot(self.collector.plot_keys)
+                if getattr(self.collector, "exhausted", False) and step < pipe.max_steps:
+                    # A collector with a finite job (rollout-only: every prompt generated) ends the run early.
+                    if not due:
+                        self.checkpoint(step)
+                    log.info("step %d: the collector has nothing left to do; the run ends", step)
+                    break
                 if stop.requested:  # checked last: a signal may arrive anywhere in the step
                     if not due:
                         self.checkpoint(step)

@@ -13,6 +13,8 @@ Contract of a `Collector` (every implementation, in-tree or a `roll.collectors` 
 - `close()` stops background work. `plot_keys` names the metrics drawn in curves.png.
 - `on_policy` (optional, default True): the collector samples from the current policy every step, so the weights
   are pushed to the engines after every update; False (files of rows) pushes them only before `evaluate`.
+- `exhausted` (optional, default False): True once a collector with a finite job (rollout-only) has done it;
+  the loop then checkpoints and ends the run before `pipeline.max_steps`.
 
 A collector factory may name its objective (`objective`, a `roll.objectives` entry point; `rl` when absent): the
 update the Trainer runs on its batches (roll_core.pipelines.objectives).
