@@ -1,0 +1,104 @@
+"""Offline distillation rows: an SFT row (prompt/completion text or ids, or messages) plus the teacher's top-k.
+
+`teacher_topk_ids` and `teacher_topk_logprobs` hold one list of K per response token (every position of the
+response region, masked context tokens of a multi-turn row included), the teacher's log-probabilities of its K
+most likely next tokens there. A row is a counted skip unless: both lists have one entry per response token; every
+entry has the same K (and the same K as the file's first good row: batches are (B, R, K)); ids are integers in the
+student's vocabulary, distinct within a position; log-probs are finite and <= 1e-6 (log-softmax rounding may land
+a hair above 0); each position's top-k mass sum(exp) <= 1 + 1e-4. A row carrying a `tokenizer` fingerprint that
+differs from the student tokenizer's is an error naming both: the teacher's ids would index another vocabulary.
+The lists are cut with the response when it is truncated (`TokenRow.aligned`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from roll_core.errors import ConfigError
+from roll_core.posttrain.rows import RawRow, SkipRow
+from roll_core.posttrain.tokenize import SFTTokenizer, TokenRow, need, tokenizer_fingerprint
+
+TEACHER_IDS = "teacher_topk_ids"
+TEACHER_LOGPROBS = "teacher_topk_logprobs"
+LOGPROB_TOLERANCE = 1e-6
+MASS_TOLERANCE = 1e-4
+
+
+class DistillParser:
+    """Distillation rows of one SFT form to TokenRows whose `aligned` holds the teacher's top-k lists."""
+
+    def __init__(self, sft: SFTTokenizer) -> None:
+        self.sft = sft
+        self.k: int | None = None  # set by the first good row
+        self.fingerprint = tokenizer_fingerprint(sft.tokenizer)
+
+    def parse(self, raw: RawRow, form: str) -> TokenRow:
+        cfg = self.sft.cfg
+        teacher_tok = raw.row.get(cfg.tokenizer_key)
+        if teacher_tok is not None and teacher_tok != self.fingerprint:
+            raise ConfigError(
+                f"{raw.where}: the teacher's tokenizer {teacher_tok} is not the student's {self.fingerprint} "
+                f"(column {cfg.tokenizer_key!r}): distill with a teacher that shares the student's tokenizer"
+            )
+        row = self.sft.tokens(raw.row, form)
+        row.where = raw.where
+        ids = need(raw.row, cfg.teacher_ids_key)
+        lps = need(raw.row, cfg.teacher_logprobs_key)
+        ids_t, lps_t = self.check(ids, lps, len(row.response_ids))
+        row.aligned = {TEACHER_IDS: ids_t.tolist(), TEACHER_LOGPROBS: lps_t.tolist()}
+        row = self.sft.limit(row)
+        if self.k is None:
+            self.k = int(ids_t.shape[1])
+        return row
+
+    def check(self, ids: Any, lps: Any, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(R, K) long ids and float64 log-probs, validated (see the module doc), or a SkipRow."""
+        cfg = self.sft.cfg
+        for value, key in ((ids, cfg.teacher_ids_key), (lps, cfg.teacher_logprobs_key)):
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, (list, tuple)) for v in value):
+                raise SkipRow("wrong_type", f"{key!r} must be a list (one per response token) of lists of K")
+            if len(value) != n:
+                raise SkipRow("teacher_length", f"{key!r} has {len(value)} positions, the response has {n} tokens")
+        ks = {len(v) for v in ids} | {len(v) for v in lps}
+        if len(ks) != 1 or 0 in ks:
+            raise SkipRow("teacher_k", f"top-k lists of unequal or zero length {sorted(ks)}")
+        k = ks.pop()
+        if self.k is not None and k != self.k:
+            raise SkipRow("teacher_k", f"K={k} differs from the file's K={self.k}")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for v in ids for x in v):
+            raise SkipRow("wrong_type", f"{cfg.teacher_ids_key!r} must hold integer token ids")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for v in lps for x in v):
+            raise SkipRow("wrong_type", f"{cfg.teacher_logprobs_key!r} must hold numbers")
+        ids_t = torch.tensor(ids, dtype=torch.long).reshape(n, k)
+        lps_t = torch.tensor(lps, dtype=torch.float64).reshape(n, k)
+        vocab = self.sft.vocab
+        if n and (ids_t.min() < 0 or ids_t.max() >= vocab):
+            raise SkipRow("bad_token_id", f"teacher ids outside the student's vocabulary [0, {vocab})")
+        if n and k > 1 and (ids_t.sort(dim=1).values.diff(dim=1) == 0).any():
+            raise SkipRow("teacher_duplicate_ids", "a position lists one token id twice")
+        if not torch.isfinite(lps_t).all():
+            raise SkipRow("teacher_nonfinite", "a teacher log-prob is NaN or infinite")
+        if n and lps_t.max() > LOGPROB_TOLERANCE:
+            raise SkipRow("teacher_positive_logprob", f"a teacher log-prob is {lps_t.max().item():.3g} > 0")
+        mass = lps_t.exp().sum(dim=1)
+        if n and mass.max() > 1 + MASS_TOLERANCE:
+            pos = int(mass.argmax())
+            raise SkipRow("teacher_mass", f"top-k mass {mass[pos].item():.6f} > 1 at response position {pos}")
+        return ids_t, lps_t
+
+
+def teacher_tensors(rows: list[TokenRow], width: int, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """(B, R, K) `teacher_topk_ids` (long) and `teacher_topk_logprobs` (float32), aligned with `responses` of
+    width R; 0 wherever `mask` (B, R) is 0 (context and padding)."""
+    k = max((len(r.aligned[TEACHER_IDS][0]) for r in rows if r.aligned.get(TEACHER_IDS)), default=1)
+    ids = torch.zeros((len(rows), width, k), dtype=torch.long)
+    lps = torch.zeros((len(rows), width, k), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        n = len(r.response_ids)
+        if n:
+            ids[i, :n] = torch.tensor(r.aligned[TEACHER_IDS], dtype=torch.long)
+            lps[i, :n] = torch.tensor(r.aligned[TEACHER_LOGPROBS], dtype=torch.float32)
+    keep = mask.bool()[:, :, None]
+    return {TEACHER_IDS: torch.where(keep, ids, 0), TEACHER_LOGPROBS: torch.where(keep, lps, 0.0)}

@@ -1,0 +1,248 @@
+"""Row files to rows: JSONL, JSON, Parquet, CSV and `datasets` folders, with every bad row a counted skip.
+
+Contract:
+- `read_rows(paths, setting)` reads each path (a file, a glob, or a folder saved by `datasets.save_to_disk`) in
+  order and returns `RawRow`s (where = "file:row", the row as a dict). Local only: a path that does not exist is a
+  `ConfigError` naming the setting (roll never downloads from a hub). An unknown file kind, an unreadable file, or
+  a file with no rows at all is a `ConfigError` too. A row that cannot be read (not UTF-8, not JSON, not an
+  object) is recorded in `Skips` under a short reason code with its location and detail.
+- `Skips` counts skipped rows per reason (`counts`, the `skipped: dict[str, int]` runs log) and keeps the first
+  few details; `check_any(kept, setting)` raises a `ConfigError` naming the first reason when nothing was kept.
+- `stable_fraction(key)` and `held_out(...)`: a deterministic held-out split by a stable hash of each row's
+  prompt (the same on every machine), rows sharing a prompt on one side.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from roll_core.errors import ConfigError
+from roll_core.posttrain.config import DATASETS, PYARROW
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RawRow:
+    """One row of a data file: `where` ("file.jsonl:12", 1-based line or row number) and its columns."""
+
+    where: str
+    row: dict[str, Any]
+    file: str = ""  # the file it came from (format detection is per file)
+
+
+class SkipRow(Exception):
+    """Raised by row parsers: the row is skipped under `reason` (a short code) with a human-readable `detail`."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+@dataclass
+class Skips:
+    """Skipped rows: a count per reason code and the first few (where, reason, detail) for the error and the log."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: list[tuple[str, str, str]] = field(default_factory=list)
+    keep: int = 10
+
+    def add(self, where: str, reason: str, detail: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        if len(self.examples) < self.keep:
+            self.examples.append((where, reason, detail))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def merge(self, other: Skips) -> None:
+        for reason, n in other.counts.items():
+            self.counts[reason] = self.counts.get(reason, 0) + n
+        self.examples += other.examples[: max(0, self.keep - len(self.examples))]
+
+    def first(self) -> str:
+        """The first skipped row, as "where: reason: detail"."""
+        where, reason, detail = self.examples[0]
+        return f"{where}: {reason}: {detail}"
+
+    def log_summary(self, what: str) -> None:
+        """One warning listing the counts and the first rows (nothing when no row was skipped)."""
+        if self.total:
+            shown = "; ".join(f"{w}: {d}" for w, _, d in self.examples)
+            log.warning("%s: skipped %d row(s) %s; first: %s", what, self.total, dict(self.counts), shown)
+
+    def check_any(self, kept: int, setting: str) -> None:
+        """A ConfigError naming the first skip reason when every row was skipped."""
+        if kept == 0 and self.total:
+            raise ConfigError(
+                f"{setting}: no usable rows ({self.total} skipped {dict(self.counts)}; first: {self.first()}): fix "
+                "the rows, or set data.format and the data.*_key column names"
+            )
+
+
+def apply(rows: Sequence[RawRow], parse: Callable[[RawRow], T], skips: Skips) -> list[T]:
+    """`parse` each row; a `SkipRow` it raises is recorded in `skips` and the row left out."""
+    out = []
+    for raw in rows:
+        try:
+            out.append(parse(raw))
+        except SkipRow as skip:
+            skips.add(raw.where, skip.reason, skip.detail)
+    return out
+
+
+# ---- reading ----------------------------------------------------------------------------------------------------
+def expand(paths: Sequence[str], setting: str) -> list[Path]:
+    """Paths and globs to existing files or folders, in order (a glob's matches sorted)."""
+    if not paths:
+        raise ConfigError(f"{setting} is not set: give a data file, a glob or a list of them")
+    out: list[Path] = []
+    for p in paths:
+        if glob.has_magic(p):
+            matches = sorted(glob.glob(p))
+            if not matches:
+                raise ConfigError(f"{setting}: no file matches {p!r}")
+            out += [Path(m) for m in matches]
+        elif Path(p).exists():
+            out.append(Path(p))
+        else:
+            raise ConfigError(
+                f"{setting}: {p} does not exist (roll reads local files only; save a hub data set with "
+                "datasets' save_to_disk, or as Parquet/JSONL, first)"
+            )
+    return out
+
+
+def read_rows(paths: Sequence[str], setting: str, skips: Skips) -> list[RawRow]:
+    """Every row of every file in `paths` (concatenated in order); unreadable rows go to `skips` as `unreadable`."""
+    rows: list[RawRow] = []
+    for path in expand(paths, setting):
+        before = skips.total
+        got = _read_file(path, setting, skips)
+        if not got and skips.total == before:
+            raise ConfigError(f"{setting}: {path} holds no rows (empty file)")
+        rows += got
+    return rows
+
+
+def _read_file(path: Path, setting: str, skips: Skips) -> list[RawRow]:
+    name = path.name
+    if path.is_dir():
+        return [RawRow(f"{name}:{i + 1}", r, str(path)) for i, r in enumerate(_read_datasets(path, setting))]
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        PYARROW.require()
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:  # pyarrow's message does not name the setting
+            raise ConfigError(f"{setting}: cannot read {path} as Parquet ({exc})") from exc
+        return [RawRow(f"{name}:{i + 1}", r, str(path)) for i, r in enumerate(table.to_pylist())]
+    if suffix in (".jsonl", ".json"):
+        return _read_json(path, setting, skips)
+    if suffix == ".csv":
+        try:
+            with open(path, newline="", encoding="utf-8") as f:
+                # line numbers count the header as line 1
+                return [RawRow(f"{name}:{i + 2}", dict(r), str(path)) for i, r in enumerate(csv.DictReader(f))]
+        except (UnicodeDecodeError, csv.Error) as exc:
+            raise ConfigError(f"{setting}: cannot read {path} as CSV ({exc})") from exc
+    raise ConfigError(
+        f"{setting}: unsupported data file {path}: use .jsonl, .json, .parquet, .csv or a folder written by "
+        "datasets' save_to_disk"
+    )
+
+
+def _read_datasets(path: Path, setting: str) -> list[dict[str, Any]]:
+    DATASETS.require()
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:  # a folder that is not a saved dataset
+        raise ConfigError(
+            f"{setting}: cannot read {path} as a folder written by datasets' save_to_disk ({exc})"
+        ) from exc
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds and len(ds) != 1:
+            raise ConfigError(f"{setting}: {path} holds splits {list(ds)} and none is 'train': point at one split")
+        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    return [dict(r) for r in ds]
+
+
+def _read_json(path: Path, setting: str, skips: Skips) -> list[RawRow]:
+    data = path.read_bytes()
+    name = path.name
+    if data.lstrip()[:1] == b"[":  # a JSON list of objects (one document); anything else is JSON lines
+        try:
+            items = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{setting}: cannot read {path} as a JSON list ({exc})") from exc
+        numbered = list(enumerate(items, start=1))
+    else:
+        numbered = []
+        # line by line: one bad line is a skipped row, not the end of the file
+        for lineno, raw in enumerate(data.splitlines(), start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                skips.add(f"{name}:{lineno}", "unreadable", f"not UTF-8 text (byte {exc.start})")
+                continue
+            if not line.strip():
+                continue
+            try:
+                numbered.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                skips.add(f"{name}:{lineno}", "unreadable", f"invalid JSON ({exc.msg})")
+    out = []
+    for n, item in numbered:
+        if isinstance(item, dict):
+            out.append(RawRow(f"{name}:{n}", item, str(path)))
+        else:
+            skips.add(f"{name}:{n}", "unreadable", f"row is {type(item).__name__}, not an object")
+    return out
+
+
+# ---- held-out split ---------------------------------------------------------------------------------------------
+def stable_fraction(key: str) -> float:
+    """A number in [0, 1) derived from `key` alone (same on every machine and Python run)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def held_out(items: Sequence[T], keys: Sequence[str], size: int, setting: str) -> tuple[list[T], list[T]]:
+    """(train, held-out): whole prompt groups (items with equal `keys`) in the order of their stable hash are held
+    out until at least `size` items are (so it may exceed `size` by part of one group); order kept on both sides.
+    A ConfigError when nothing is left to train on."""
+    if size <= 0:
+        return list(items), []
+    groups: dict[str, int] = {}
+    for k in keys:
+        groups[k] = groups.get(k, 0) + 1
+    held_keys: set[str] = set()
+    n = 0
+    for k in sorted(groups, key=lambda k: (stable_fraction(k), k)):
+        if n >= size:
+            break
+        held_keys.add(k)
+        n += groups[k]
+    train = [it for it, k in zip(items, keys, strict=True) if k not in held_keys]
+    held = [it for it, k in zip(items, keys, strict=True) if k in held_keys]
+    if not train:
+        raise ConfigError(
+            f"{setting}: every row fell in the held-out split ({len(held)} rows, data.eval_size={size}): lower "
+            "data.eval_size or give data.eval_path"
+        )
+    return train, held

@@ -1,0 +1,215 @@
+"""What the file-fed collectors call: `load_rows(kind, data, tokenizer, ...)` -> train and held-out `RowSource`s.
+
+Kinds: `sft` (messages, prompt/completion, token rows; rollout rows read as token rows, filtered by
+`data.min_score`), `preference` (explicit pairs or pairs built from rollout rows), `distill` (SFT rows plus the
+teacher's top-k). Files are read in order (`data.path` may be a list or a glob), each file's row form detected
+from its columns unless `data.format` names it; bad rows are counted skips (`RowSource.skipped`, reason -> count,
+logged once with the first rows); a file set where every row is bad is a ConfigError naming the first reason.
+The held-out split is `data.eval_path` when given, else `data.eval_size` rows of `data.path` chosen by a stable
+hash of their prompt (deterministic, a prompt's rows on one side).
+
+`RowSource.batch(indices)` gives a `Batch` in roll_core.protocol's layout: `prompts` (B, P) left-padded,
+`responses` / `response_mask` (B, R) right-padded (the mask is the loss mask and may have holes: multi-turn
+context), `input_ids` / `attention_mask` / `position_ids` (B, P+R) with attention on every real token (context
+tokens inside the response included) and positions counting them. Preference batches hold 2N rows, pair i's chosen
+at row 2i and its rejected at 2i+1, with `pair_index` (2N,) long and `is_chosen` (2N,) bool. Distillation batches
+add `teacher_topk_ids` (B, R, K) long and `teacher_topk_logprobs` (B, R, K) float32, 0 where `response_mask` is 0.
+Every batch has the field `where` ("file:row" per row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from roll_core.errors import ConfigError
+from roll_core.posttrain.config import DataConfig
+from roll_core.posttrain.distill import DistillParser, teacher_tensors
+from roll_core.posttrain.pairs import PREFERENCE_FORMATS, Pair, _score, build_pairs, parse_preference
+from roll_core.posttrain.rows import RawRow, SkipRow, Skips, apply, held_out, read_rows
+from roll_core.posttrain.tokenize import SFT_FORMATS, SFTTokenizer, TokenRow, detect_format
+from roll_core.protocol import Batch
+from roll_core.sequences import pad_left
+
+KINDS = ("sft", "preference", "distill")
+
+
+def token_batch(rows: Sequence[TokenRow], pad_id: int) -> dict[str, torch.Tensor]:
+    """The protocol's tensors for token rows: `prompts` (B, P), `responses`/`response_mask` (B, R),
+    `input_ids`/`attention_mask`/`position_ids` (B, P+R) (see the module doc)."""
+    b = len(rows)
+    r = max((len(t.response_ids) for t in rows), default=0)
+    responses = torch.full((b, r), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, r), dtype=torch.long)
+    for i, t in enumerate(rows):
+        n = len(t.response_ids)
+        if n:
+            responses[i, :n] = torch.tensor(t.response_ids, dtype=torch.long)
+            mask[i, :n] = torch.tensor(t.mask, dtype=torch.long)
+    prompts, prompt_mask = pad_left([t.prompt_ids for t in rows], pad_id)
+    # Attention by position, not by the loss mask: context tokens inside the response are real input, and a
+    # template token may share the pad id (SmolLM2's <|im_end|>).
+    lengths = torch.tensor([len(t.response_ids) for t in rows], dtype=torch.long)
+    present = (torch.arange(r)[None, :] < lengths[:, None]).long()
+    attention = torch.cat([prompt_mask, present], dim=1)
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": mask,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention,
+        "position_ids": (attention.cumsum(1) - 1).clamp_min(0),
+    }
+
+
+class RowSource:
+    """Tokenised examples of one kind (TokenRows, or Pairs for `preference`) and their batches.
+
+    `skipped` (reason -> rows), `truncated` (responses cut to max_response_length) and `stats` (kind-specific
+    counts, e.g. `prompts_without_pair`) describe how the files were read, for the run's metrics."""
+
+    def __init__(
+        self,
+        kind: str,
+        items: Sequence[TokenRow | Pair],
+        pad_id: int,
+        *,
+        skipped: dict[str, int] | None = None,
+        truncated: int = 0,
+        stats: dict[str, int] | None = None,
+    ) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r} is not one of {', '.join(KINDS)}")
+        self.kind, self.items, self.pad_id = kind, list(items), pad_id
+        self.skipped = dict(skipped or {})
+        self.truncated = truncated
+        self.stats = dict(stats or {})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def lengths(self) -> list[int]:
+        """Real tokens (prompt + response) of each example; a pair counts both of its rows."""
+
+        def n(t: TokenRow) -> int:
+            return len(t.prompt_ids) + len(t.response_ids)
+
+        return [n(x.chosen) + n(x.rejected) if isinstance(x, Pair) else n(x) for x in self.items]
+
+    def batch(self, indices: Sequence[int]) -> Batch:
+        """The examples at `indices` (in that order) as one Batch (a preference batch has 2 rows per pair)."""
+        items = [self.items[int(i)] for i in indices]
+        if self.kind == "preference":
+            rows = [t for p in items for t in (p.chosen, p.rejected)]
+        else:
+            rows = items
+        tensors = token_batch(rows, self.pad_id)
+        if self.kind == "preference":
+            tensors["pair_index"] = torch.arange(len(items), dtype=torch.long).repeat_interleave(2)
+            tensors["is_chosen"] = torch.tensor([True, False] * len(items), dtype=torch.bool)
+        elif self.kind == "distill":
+            tensors.update(teacher_tensors(rows, tensors["responses"].shape[1], tensors["response_mask"]))
+        return Batch(tensors, {"where": [t.where for t in rows]})
+
+
+@dataclass
+class PostTrainData:
+    """The training rows and the held-out rows (None without `data.eval_path` or `data.eval_size`)."""
+
+    train: RowSource
+    eval: RowSource | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def pad_id_of(tokenizer: Any) -> int:
+    """The tokenizer's pad id, else its eos id (padding is never attended nor trained)."""
+    for pid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if pid is not None:
+            return int(pid[0] if isinstance(pid, list) else pid)
+    raise ConfigError("the tokenizer has neither a pad nor an eos token to pad batches with")
+
+
+def load_rows(
+    kind: str,
+    data: DataConfig,
+    tokenizer: Any,
+    *,
+    max_prompt_length: int,
+    max_response_length: int,
+    seed: int = 0,
+) -> PostTrainData:
+    """Read `data.path` (and `data.eval_path`) as rows of `kind` (sft | preference | distill) for `tokenizer`,
+    with the model's length limits; `seed` orders the pairs built from rollout rows."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not one of {', '.join(KINDS)}")
+    pad = pad_id_of(tokenizer)
+
+    def load(paths: list[str], setting: str) -> RowSource:
+        sft = SFTTokenizer(
+            tokenizer, data, max_prompt_length=max_prompt_length, max_response_length=max_response_length
+        )
+        skips = Skips()
+        stats: dict[str, int] = {}
+        items = _parse(kind, read_rows(paths, setting, skips), sft, setting, skips, stats, seed)
+        skips.log_summary(setting)
+        skips.check_any(len(items), setting)
+        if not items:
+            what = "pairs (every prompt's samples score alike)" if kind == "preference" else "rows"
+            raise ConfigError(f"{setting}: no usable {what}")
+        return RowSource(kind, items, pad, skipped=skips.counts, truncated=sft.truncated, stats=stats)
+
+    train = load(data.paths, "data.path")
+    if data.eval_paths:
+        return PostTrainData(train, load(data.eval_paths, "data.eval_path"))
+    if data.eval_size:
+        keys = [x.key for x in train.items]
+        kept, held = held_out(train.items, keys, data.eval_size, "data.path")
+        ev = RowSource(kind, held, pad, stats={"held_out": len(held)})
+        train.items = kept
+        return PostTrainData(train, ev)
+    return PostTrainData(train)
+
+
+def _parse(
+    kind: str,
+    rows: list[RawRow],
+    sft: SFTTokenizer,
+    setting: str,
+    skips: Skips,
+    stats: dict[str, int],
+    seed: int,
+) -> list[Any]:
+    """Rows to examples, file by file (each file's form detected from its own columns)."""
+    by_file: dict[str, list[RawRow]] = {}
+    for raw in rows:
+        by_file.setdefault(raw.file, []).append(raw)
+    allowed = PREFERENCE_FORMATS if kind == "preference" else SFT_FORMATS
+    distill = DistillParser(sft) if kind == "distill" else None
+    out: list[Any] = []
+    rollout: list[RawRow] = []  # pairs may join samples from several files (a sharded rollout)
+    for file_rows in by_file.values():
+        form = detect_format(file_rows, sft.cfg, allowed, setting)
+        if form == "rollout":
+            rollout += file_rows
+        elif form == "preference":
+            out += apply(file_rows, lambda raw: parse_preference(raw, sft), skips)
+        elif distill is not None:
+            out += apply(file_rows, lambda raw, f=form: distill.parse(raw, f), skips)
+        else:
+            out += apply(file_rows, lambda raw, f=form: _sft_row(raw, f, sft), skips)
+    if rollout:
+        out += build_pairs(rollout, sft, seed=seed, skips=skips, stats=stats)
+    return out
+
+
+def _sft_row(raw: RawRow, form: str, sft: SFTTokenizer) -> TokenRow:
+    """An SFT row; with `data.min_score`, a token row is kept only when its score reaches it."""
+    cfg = sft.cfg
+    if form == "tokens" and cfg.min_score is not None:
+        score = _score(raw.row, cfg)
+        if score < cfg.min_score:
+            raise SkipRow("below_min_score", f"score {score} < data.min_score={cfg.min_score}")
+    return sft.parse(raw, form)

@@ -1,0 +1,350 @@
+"""SFT rows to token rows: a prompt, a response region and its loss mask, as a sampled trajectory would hold them.
+
+Row forms (`detect_format` picks one per file from its columns, or `data.format` names it):
+- `messages`: `{"messages": [{"role", "content"}, ...]}` (optional `tools` column). Every assistant message is
+  trained unless it has `"train": false`; system / user / tool messages are context.
+- `prompt_completion`: `{"prompt": str | messages, "completion": str | messages}` (TRL's standard and
+  conversational forms). Text with `data.chat_template=true` becomes a user message and an assistant message;
+  with false, the prompt's ids (the tokenizer's special tokens added, e.g. bos) then the completion's ids and eos.
+  Message lists always go through the chat template; only the completion's assistant messages are trained.
+- `tokens`: `{"prompt_ids": [...], "response_ids": [...], "response_mask"?: [...]}` (rollout-only output): no
+  re-tokenisation; the ids must be in the vocabulary.
+
+Chat layout (the same an agentic RL trajectory has, so SFT trains exactly what sampling produces): the prompt is
+`TurnTemplate.initial_messages` of the messages before the first trained assistant turn; each assistant turn is
+its rendered text (the template's rendering of that turn as the conversation's last message, minus the turn's
+closing: Qwen3's `<think>` block kept, Llama 3's trimming applied) encoded on its own, plus the end-of-turn token
+(the template's end-of-turn special token, else the tokenizer's eos: what sampling stops on and the model must
+learn to emit); between turns, `TurnTemplate.continuation` (the rest of the closing, the next messages, the next
+generation header) with mask 0. Mask 1 covers exactly the trained assistant turns' ids and their end-of-turn
+tokens; untrained assistant turns after the first trained one are context (mask 0); messages after the last
+trained turn are dropped.
+
+Length: a prompt longer than `max_prompt_length` is skipped (`prompt_too_long`); a response region longer than
+`max_response_length` is cut (`truncated`), or skipped (`response_too_long`) when `data.truncate=false`.
+
+`tokenizer_fingerprint(tokenizer)` hashes the vocabulary and tokenisation model, the special tokens and the chat
+template, so a teacher's and a student's tokenizers can be compared by a string.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from roll_core.agentic.chat import TurnTemplate
+from roll_core.errors import ConfigError
+from roll_core.posttrain.config import DataConfig
+from roll_core.posttrain.rows import RawRow, SkipRow
+
+log = logging.getLogger(__name__)
+
+_PLACEHOLDER = "\u2063ROLL-SFT-ASSISTANT\u2063"
+SFT_FORMATS = ("messages", "prompt_completion", "tokens")
+
+
+@dataclass
+class TokenRow:
+    """One tokenised example: `prompt_ids`, `response_ids` and the 0/1 loss `mask` over them, where it came from,
+    `key` (its prompt, for the held-out split and pairing), and `aligned` lists (one item per response token, e.g.
+    a teacher's top-k) that are cut with the response."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    mask: list[int]
+    where: str = ""
+    key: str = ""
+    aligned: dict[str, list[Any]] = field(default_factory=dict)
+
+
+# ---- format detection -------------------------------------------------------------------------------------------
+def row_format(row: Mapping[str, Any], cfg: DataConfig) -> str | None:
+    """The form a row's columns spell (None when none): preference and rollout before the SFT forms, since a
+    rollout row has prompt_ids and response_ids too."""
+    if cfg.chosen_key in row and cfg.rejected_key in row:
+        return "preference"
+    if cfg.prompt_ids_key in row and cfg.response_ids_key in row:
+        return "rollout" if (cfg.reward_key in row or cfg.correct_key in row) else "tokens"
+    if cfg.messages_key in row:
+        return "messages"
+    if cfg.prompt_key in row and cfg.completion_key in row:
+        return "prompt_completion"
+    return None
+
+
+def detect_format(rows: Sequence[RawRow], cfg: DataConfig, allowed: Sequence[str], setting: str) -> str:
+    """The form of one file's rows: `data.format` when set, else the most common form among its first 100 rows
+    (a few bad rows do not decide it). A ConfigError naming the columns when no row has an allowed form."""
+    if cfg.format != "auto":
+        if cfg.format not in allowed:
+            raise ConfigError(f"data.format={cfg.format!r} cannot feed this pipeline; it reads {', '.join(allowed)}")
+        return cfg.format
+    votes: dict[str, int] = {}
+    for raw in rows[:100]:
+        form = row_format(raw.row, cfg)
+        if form == "rollout" and "rollout" not in allowed and "tokens" in allowed:
+            form = "tokens"  # rollout-only output is also SFT / distillation token rows
+        if form in allowed:
+            votes[form] = votes.get(form, 0) + 1
+    if not votes:
+        keys = sorted({k for r in rows[:100] for k in r.row})[:20]
+        raise ConfigError(
+            f"{setting}: cannot tell the row form of {rows[0].file if rows else 'the file'} from its columns "
+            f"{keys}; expected one of {', '.join(allowed)} (set data.format, or the data.*_key column names)"
+        )
+    return max(votes, key=lambda f: votes[f])
+
+
+# ---- value checks -----------------------------------------------------------------------------------------------
+def need(row: Mapping[str, Any], key: str) -> Any:
+    """row[key], or a `missing_field` skip."""
+    value = row.get(key)
+    if value is None:
+        raise SkipRow("missing_field", f"no {key!r} (the row has {sorted(row)[:10]})")
+    return value
+
+
+def check_ids(value: Any, key: str, vocab: int, *, allow_empty: bool = False) -> list[int]:
+    """A list of token ids in [0, vocab), or a skip (`wrong_type`, `bad_token_id`, `empty`)."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise SkipRow("wrong_type", f"{key!r} must be a list of integer token ids, got {str(value)[:60]}")
+    if not value and not allow_empty:
+        raise SkipRow("empty", f"{key!r} is empty")
+    bad = [x for x in value if not 0 <= x < vocab]
+    if bad:
+        raise SkipRow("bad_token_id", f"{key!r} holds id {bad[0]} outside the vocabulary [0, {vocab})")
+    return [int(x) for x in value]
+
+
+def _check_messages(value: Any, key: str) -> list[dict[str, Any]]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise SkipRow("wrong_type", f"{key!r} must be a non-empty list of messages, got {str(value)[:60]}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise SkipRow("wrong_type", f"{key!r}[{i}] is not a message with a 'role' ({str(m)[:60]})")
+        content = m.get("content")
+        if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
+            raise SkipRow("wrong_type", f"{key!r}[{i}] content is {type(content).__name__}, expected text")
+        # Parquet / datasets give every message every column of the struct (None where absent): drop those.
+        out.append({k: v for k, v in m.items() if v is not None or k == "content"})
+    return out
+
+
+def _text(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise SkipRow("wrong_type", f"{key!r} must be non-empty text or a list of messages, got {str(value)[:60]}")
+    return value
+
+
+# ---- chat rendering ---------------------------------------------------------------------------------------------
+class ChatEncoder:
+    """Chat rows to (prompt ids, response ids, mask) through one tokenizer's chat template (see module doc)."""
+
+    def __init__(self, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                "the tokenizer has no chat template: chat rows need one (give a tokenizer with a template, or "
+                "prompt/completion text rows with data.chat_template=false)"
+            )
+        self.tokenizer = tokenizer
+        self.kwargs = dict(chat_template_kwargs or {})
+        self.turns = TurnTemplate(tokenizer, chat_template_kwargs=self.kwargs)
+        closing = self.turns.encode(self.turns.closing)
+        if closing and closing[0] in self.turns.turn_end_ids:
+            self.end_id = closing[0]  # ChatML's <|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn> ...
+        elif tokenizer.eos_token_id is not None:
+            self.end_id = int(tokenizer.eos_token_id)  # a template without an end-of-turn token: sampling stops on eos
+        else:
+            raise ConfigError("the tokenizer has neither an end-of-turn token in its chat template nor an eos token")
+        last = self._render([{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}], False)
+        # What a template writes after the last assistant turn's content (e.g. "<|im_end|>\n"; Phi-3 adds eos).
+        self.final_closing = last[last.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
+
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool, tools: Any = None) -> str:
+        kwargs = dict(self.kwargs)
+        if tools:
+            kwargs["tools"] = tools
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
+        )
+
+    def assistant_ids(self, history: list[dict[str, Any]], message: dict[str, Any], tools: Any = None) -> list[int]:
+        """Ids of one assistant turn as the model would generate it after `history`: the template's rendering of
+        the turn (as the conversation's last message) without its closing, then the end-of-turn id."""
+        before = self._render(history, True, tools)
+        full = self._render([*history, message], False, tools)
+        if not full.startswith(before) or not full.endswith(self.final_closing):
+            raise SkipRow(
+                "template_mismatch",
+                "the chat template renders the conversation before this assistant turn differently with the turn "
+                "after it, so the turn's text cannot be isolated",
+            )
+        text = full[len(before) : len(full) - len(self.final_closing)]
+        if not text:
+            raise SkipRow("empty", "an assistant turn renders to no text")
+        return [*self.turns.encode(text), self.end_id]
+
+    def encode(
+        self, messages: list[dict[str, Any]], trained: list[bool], tools: Any = None
+    ) -> tuple[list[int], list[int], list[int]]:
+        """(prompt ids, response ids, mask) of a conversation; `trained[i]` says whether assistant message i is
+        trained (ignored for other roles)."""
+        idx = [i for i, m in enumerate(messages) if m["role"] == "assistant" and trained[i]]
+        if not idx:
+            raise SkipRow("no_assistant_turn", "no assistant message to train on")
+        first, last = idx[0], idx[-1]
+        if first == 0:
+            raise SkipRow("no_prompt", "the conversation starts with the assistant turn to train: it has no prompt")
+        clean = [{k: v for k, v in m.items() if k != "train"} for m in messages]
+        try:
+            prompt = self.turns.initial_messages(clean[:first], tools)
+            response: list[int] = []
+            mask: list[int] = []
+            previous: list[int] = []
+            i = first
+            while i <= last:
+                if clean[i]["role"] == "assistant":
+                    ids = self.assistant_ids(clean[:i], clean[i], tools)
+                    response += ids
+                    mask += [int(trained[i])] * len(ids)
+                    previous = ids
+                    i += 1
+                    continue
+                j = i
+                while clean[j]["role"] != "assistant":
+                    j += 1
+                ids = self.turns.continuation(clean[i:j], tools, response_ids=previous)
+                response += ids
+                mask += [0] * len(ids)
+                i = j
+        except SkipRow:
+            raise
+        except Exception as exc:  # jinja errors, TurnTemplate's ValueErrors (roles a template cannot continue)
+            raise SkipRow("template_error", f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+        return prompt, response, mask
+
+
+# ---- SFT rows ---------------------------------------------------------------------------------------------------
+class SFTTokenizer:
+    """SFT (and distillation) rows of one form to `TokenRow`s, with the length limits applied."""
+
+    def __init__(self, tokenizer: Any, cfg: DataConfig, *, max_prompt_length: int, max_response_length: int) -> None:
+        self.tokenizer, self.cfg = tokenizer, cfg
+        self.max_prompt, self.max_response = max_prompt_length, max_response_length
+        self.vocab = len(tokenizer)
+        self._chat: ChatEncoder | None = None
+        self.truncated = 0
+
+    @property
+    def chat(self) -> ChatEncoder:
+        if self._chat is None:
+            self._chat = ChatEncoder(self.tokenizer, self.cfg.chat_template_kwargs)
+        return self._chat
+
+    def parse(self, raw: RawRow, form: str) -> TokenRow:
+        """One row of form `form` to a TokenRow within the length limits (SkipRow otherwise)."""
+        row = self.tokens(raw.row, form)
+        row.where = raw.where
+        return self.limit(row)
+
+    def tokens(self, row: Mapping[str, Any], form: str) -> TokenRow:
+        """The row's ids and mask before length limits."""
+        cfg = self.cfg
+        if form == "tokens":
+            prompt = check_ids(need(row, cfg.prompt_ids_key), cfg.prompt_ids_key, self.vocab)
+            response = check_ids(need(row, cfg.response_ids_key), cfg.response_ids_key, self.vocab)
+            mask = [1] * len(response)
+            if row.get(cfg.response_mask_key) is not None:
+                mask = row[cfg.response_mask_key]
+                if not isinstance(mask, (list, tuple)) or len(mask) != len(response) or set(mask) - {0, 1}:
+                    raise SkipRow(
+                        "bad_mask", f"{cfg.response_mask_key!r} must be 0/1, one per response id ({len(response)})"
+                    )
+                mask = [int(m) for m in mask]
+            return TokenRow(prompt, response, mask, key=json.dumps(prompt))
+        if form == "messages":
+            messages = _check_messages(need(row, cfg.messages_key), cfg.messages_key)
+            trained = [m.get("train", True) is not False for m in messages]
+            return self._chat_row(messages, trained, row.get("tools"))
+        if form == "prompt_completion":
+            prompt, completion = need(row, cfg.prompt_key), need(row, cfg.completion_key)
+            if isinstance(prompt, str) and isinstance(completion, str) and not cfg.chat_template:
+                return self._raw_text(_text(prompt, cfg.prompt_key), _text(completion, cfg.completion_key))
+            p = self.as_messages(prompt, cfg.prompt_key, "user")
+            c = self.as_messages(completion, cfg.completion_key, "assistant")
+            trained = [False] * len(p) + [m.get("train", True) is not False for m in c]
+            return self._chat_row(p + c, trained, row.get("tools"))
+        raise ValueError(f"not an SFT row form: {form!r} (one of {', '.join(SFT_FORMATS)})")
+
+    def as_messages(self, value: Any, key: str, role: str) -> list[dict[str, Any]]:
+        """Text as one message of `role`, or a message list checked."""
+        if isinstance(value, str):
+            return [{"role": role, "content": _text(value, key)}]
+        return _check_messages(value, key)
+
+    def _chat_row(self, messages: list[dict[str, Any]], trained: list[bool], tools: Any) -> TokenRow:
+        prompt, response, mask = self.chat.encode(messages, trained, tools)
+        return TokenRow(prompt, response, mask, key=json.dumps(prompt))
+
+    def _raw_text(self, prompt: str, completion: str) -> TokenRow:
+        tok = self.tokenizer
+        if tok.eos_token_id is None:
+            raise ConfigError("data.chat_template=false needs a tokenizer with an eos token to end each completion")
+        prompt_ids = list(tok(prompt, add_special_tokens=True)["input_ids"])
+        response = [*tok(completion, add_special_tokens=False)["input_ids"], int(tok.eos_token_id)]
+        return TokenRow(prompt_ids, response, [1] * len(response), key=json.dumps(prompt_ids))
+
+    def limit(self, row: TokenRow) -> TokenRow:
+        """The length limits: a long prompt is skipped, a long response cut (counted) or skipped."""
+        if len(row.prompt_ids) > self.max_prompt:
+            raise SkipRow(
+                "prompt_too_long", f"{len(row.prompt_ids)} prompt tokens > max_prompt_length={self.max_prompt}"
+            )
+        if not row.prompt_ids:
+            raise SkipRow("empty", "the prompt has no tokens (the first response token would have no context)")
+        if len(row.response_ids) > self.max_response:
+            if not self.cfg.truncate:
+                raise SkipRow(
+                    "response_too_long",
+                    f"{len(row.response_ids)} response tokens > max_response_length={self.max_response} "
+                    "(data.truncate=false)",
+                )
+            n = self.max_response
+            row.response_ids, row.mask = row.response_ids[:n], row.mask[:n]
+            row.aligned = {k: v[:n] for k, v in row.aligned.items()}
+            self.truncated += 1
+        if not any(row.mask):
+            raise SkipRow("no_trained_tokens", "no response token has loss mask 1")
+        return row
+
+
+# ---- tokenizer identity -----------------------------------------------------------------------------------------
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of what decides tokenisation: the vocabulary and tokenisation model (a fast tokenizer's whole
+    pipeline: normalizer, pre-tokenizer, merges), the added tokens and which are special, the special-token roles,
+    and the chat template. Equal fingerprints: the tokenizers turn any text and conversation into the same ids."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec: Any = json.loads(backend.to_str())
+        for runtime in ("truncation", "padding"):  # set per call by transformers, not part of the tokenizer
+            spec.pop(runtime, None)
+    else:
+        spec = sorted(tokenizer.get_vocab().items())
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    roles = {
+        name: getattr(tokenizer, name, None)
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
+    }
+    parts = {
+        "model": spec,
+        "added": sorted((int(i), str(t), bool(getattr(t, "special", False))) for i, t in added.items()),
+        "roles": {k: str(v) if v is not None else None for k, v in roles.items()},
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return "sha256:" + hashlib.sha256(blob).hexdigest()[:32]

@@ -1,0 +1,371 @@
+"""Post-training rows (roll_core.posttrain): files to batches for SFT, preference pairs and offline distillation.
+
+Real tokenizers of the chat-template families (roll_core.testing.chat_templates: character-level, so the expected
+ids are spelt out by hand), real files (JSONL, JSON, CSV, Parquet, a datasets folder). Masks are checked by
+decoding exactly the tokens under them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from roll_core.errors import ConfigError
+from roll_core.posttrain.config import DataConfig
+from roll_core.posttrain.source import load_rows
+from roll_core.posttrain.tokenize import tokenizer_fingerprint
+from roll_core.testing.chat_templates import family_tokenizer
+
+END = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>", "tiny": "</s>"}
+TOKS = {name: family_tokenizer(name) for name in ("chatml", "llama3", "qwen3", "tiny")}
+
+
+def write_jsonl(path: Path, rows: list) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def load(kind: str, tok, *, max_prompt: int = 400, max_response: int = 400, seed: int = 0, **data):
+    return load_rows(
+        kind, DataConfig(**data), tok, max_prompt_length=max_prompt, max_response_length=max_response, seed=seed
+    )
+
+
+def masked_segments(tok, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """Decoded runs of consecutive mask-1 tokens."""
+    segs, cur = [], []
+    for t, m in zip(ids.tolist(), mask.tolist(), strict=True):
+        if m:
+            cur.append(t)
+        elif cur:
+            segs.append(cur)
+            cur = []
+    if cur:
+        segs.append(cur)
+    return [tok.decode(s) for s in segs]
+
+
+def check_layout(batch, pad_id: int) -> None:
+    """roll_core.protocol's layout: prompt left-padded, response right-padded, attention on every real token."""
+    p = batch["prompts"].shape[1]
+    assert torch.equal(batch["input_ids"], torch.cat([batch["prompts"], batch["responses"]], 1))
+    att = batch["attention_mask"]
+    for i in range(len(batch)):
+        prompt_att, resp_att = att[i, :p], att[i, p:]
+        n_p, n_r = int(prompt_att.sum()), int(resp_att.sum())
+        assert prompt_att[p - n_p :].all() and resp_att[:n_r].all()  # left-/right-aligned
+        assert (batch["response_mask"][i, n_r:] == 0).all()
+        assert (batch["responses"][i, n_r:] == pad_id).all()
+        real = batch["position_ids"][i][att[i].bool()]
+        assert real.tolist() == list(range(n_p + n_r))
+
+
+# ---- SFT: chat rows ---------------------------------------------------------------------------------------------
+THINK = {"qwen3": ("<think>\nadd them\n</think>\n\n", "<think>\nsix\n</think>\n\n")}
+
+
+@pytest.mark.parametrize("family", ["chatml", "llama3", "qwen3"])
+def test_chat_rows_train_exactly_the_assistant_turns(tmp_path, family):
+    tok = TOKS[family]
+    t1, t3 = THINK.get(family, ("", ""))
+    a1, a2, a3 = t1 + "It is 4.", "I will not say.", t3 + "6"
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": a1},
+        {"role": "user", "content": "And 5+5?"},
+        {"role": "assistant", "content": a2, "train": False},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": a3},
+        {"role": "user", "content": "trailing question, nothing to train after it"},
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
+    src = load("sft", tok, path=path).train
+    batch = src.batch([0])
+    end = END[family]
+    # exactly the trained assistant turns, each with the end-of-turn token the model must learn to emit
+    assert masked_segments(tok, batch["responses"][0], batch["response_mask"][0]) == [a1 + end, a3 + end]
+    prompt = tok.decode(batch["prompts"][0])
+    assert prompt.endswith(tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)[-40:])
+    assert "What is 2+2?" in prompt and a1 not in prompt
+    response = tok.decode(batch["responses"][0][batch["attention_mask"][0, batch["prompts"].shape[1] :].bool()])
+    assert "And 5+5?" in response and a2 in response and "And 3+3?" in response  # context (mask 0), attended
+    assert "trailing" not in response and response.endswith(a3 + end)
+    check_layout(batch, src.pad_id)
+
+
+def test_prompt_completion_forms(tmp_path):
+    tok = TOKS["chatml"]
+    rows = [
+        {"prompt": "2+2?", "completion": "4"},
+        {
+            "prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "3+3?"}],
+            "completion": [{"role": "assistant", "content": "6"}],
+        },
+    ]
+    path = write_jsonl(tmp_path / "pc.jsonl", rows)
+    b = load("sft", tok, path=path).train.batch([0, 1])
+    assert tok.decode(b["prompts"][0][b["attention_mask"][0, : b["prompts"].shape[1]].bool()]) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert masked_segments(tok, b["responses"][0], b["response_mask"][0]) == ["4<|im_end|>"]
+    assert tok.decode(b["prompts"][1]).endswith(
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n3+3?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert masked_segments(tok, b["responses"][1], b["response_mask"][1]) == ["6<|im_end|>"]
+    # raw text: no template, the completion ends with eos; one id per character (the tiny tokenizer)
+    raw = load("sft", TOKS["tiny"], path=path, chat_template=False)
+    assert len(raw.train) == 2 and raw.train.skipped == {}  # the message-list row still goes through the template
+    b = raw.train.batch([0])
+    assert b["prompts"][0].tolist() == TOKS["tiny"]("2+2?", add_special_tokens=False)["input_ids"]
+    assert b["responses"][0].tolist() == [TOKS["tiny"].convert_tokens_to_ids("4"), TOKS["tiny"].eos_token_id]
+    assert b["response_mask"][0].tolist() == [1, 1]
+
+
+def test_token_rows_min_score_and_bad_ids(tmp_path):
+    tok = TOKS["tiny"]
+    v = len(tok)
+    rows = [
+        {"prompt_ids": [5, 6], "response_ids": [7, 8, 9], "response_mask": [1, 0, 1], "reward": 1.0},
+        {"prompt_ids": [5, 6], "response_ids": [7], "reward": 0.0},  # below min_score
+        {"prompt_ids": [5, v], "response_ids": [7], "reward": 1.0},  # id outside the vocabulary
+        {"prompt_ids": [5], "response_ids": [7, 8], "response_mask": [1, 2], "reward": 1.0},
+        {"prompt_ids": "5 6", "response_ids": [7], "reward": 1.0},
+        {"prompt_ids": [5], "response_ids": [7, 8], "response_mask": [0, 0], "reward": 1.0},
+    ]
+    src = load("sft", tok, path=write_jsonl(tmp_path / "t.jsonl", rows), min_score=0.5).train
+    assert len(src) == 1
+    assert src.skipped == {
+        "below_min_score": 1,
+        "bad_token_id": 1,
+        "bad_mask": 1,
+        "wrong_type": 1,
+        "no_trained_tokens": 1,
+    }
+    b = src.batch([0])
+    assert b["prompts"].tolist() == [[5, 6]] and b["responses"].tolist() == [[7, 8, 9]]
+    assert b["response_mask"].tolist() == [[1, 0, 1]] and b["attention_mask"].tolist() == [[1] * 5]
+
+
+def test_length_limits_truncation_and_skips(tmp_path):
+    tok = TOKS["tiny"]
+    rows = [
+        {"prompt_ids": [5] * 3, "response_ids": [7] * 4},
+        {"prompt_ids": [5] * 3, "response_ids": [7] * 9},  # cut to 5
+        {"prompt_ids": [5] * 8, "response_ids": [7]},  # prompt too long: skipped
+        {"prompt_ids": [5]},  # no response_ids
+        '{"prompt_ids": [5], "response_ids": ',  # not JSON
+        "[1, 2]",  # not an object
+    ]
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    src = load("sft", tok, path=path, max_prompt=4, max_response=5).train
+    assert len(src) == 2 and src.truncated == 1
+    assert src.skipped == {"prompt_too_long": 1, "missing_field": 1, "unreadable": 2}
+    b = src.batch([1, 0])
+    assert b["responses"].shape == (2, 5) and b["response_mask"].sum(1).tolist() == [5, 4]
+    strict = load("sft", tok, path=path, max_prompt=4, max_response=5, truncate=False).train
+    assert len(strict) == 1 and strict.truncated == 0 and strict.skipped["response_too_long"] == 1
+
+
+def test_file_errors(tmp_path):
+    tok = TOKS["tiny"]
+    with pytest.raises(ConfigError, match=r"does not exist.*local files only"):
+        load("sft", tok, path=str(tmp_path / "nope.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="holds no rows"):
+        load("sft", tok, path=str(tmp_path / "empty.jsonl"))
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(ConfigError, match="unsupported data file"):
+        load("sft", tok, path=str(tmp_path / "x.txt"))
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt_ids": [5], "response_ids": "x"}] * 2)
+    with pytest.raises(ConfigError, match=r"no usable rows .*first: bad.jsonl:1: wrong_type"):
+        load("sft", tok, path=bad)
+    cols = write_jsonl(tmp_path / "cols.jsonl", [{"question": "q", "answer": "a"}])
+    with pytest.raises(ConfigError, match=r"cannot tell the row form.*'answer', 'question'"):
+        load("sft", tok, path=cols)
+    with pytest.raises(ValueError, match=r"data.format"):
+        DataConfig(format="sharegpt")
+    with pytest.raises(ValueError, match=r"data.path"):
+        DataConfig(path=[1, 2])
+
+
+def test_parquet_datasets_json_csv_lists_and_globs_agree(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    datasets = pytest.importorskip("datasets")
+    tok = TOKS["chatml"]
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(3)
+    ]
+    want = load("sft", tok, path=write_jsonl(tmp_path / "rows.jsonl", rows)).train.batch([0, 1, 2])
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    for path in ("rows.parquet", "ds", "rows.json"):
+        got = load("sft", tok, path=str(tmp_path / path)).train.batch([0, 1, 2])
+        for key in ("input_ids", "attention_mask", "response_mask", "position_ids"):
+            assert torch.equal(got[key], want[key]), (path, key)
+    # a list of paths is concatenated in order; a glob expands sorted
+    both = load("sft", tok, path=[str(tmp_path / "rows.parquet"), str(tmp_path / "rows.jsonl")]).train
+    assert len(both) == 6 and both.batch([3])["where"] == ["rows.jsonl:1"]
+    assert len(load("sft", tok, path=str(tmp_path / "rows.j*")).train) == 6
+    (tmp_path / "pc.csv").write_text('prompt,completion\n"2+2?",4\n')
+    b = load("sft", tok, path=str(tmp_path / "pc.csv")).train.batch([0])
+    assert masked_segments(tok, b["responses"][0], b["response_mask"][0]) == ["4<|im_end|>"]
+
+
+def test_held_out_split_is_stable_and_keeps_prompts_together(tmp_path):
+    tok = TOKS["tiny"]
+    rows = [{"prompt_ids": [5 + i % 10], "response_ids": [7, 8 + i]} for i in range(40)]  # 10 prompts x 4
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    a = load("sft", tok, path=path, eval_size=6)
+    b = load("sft", tok, path=path, eval_size=6)
+    held = [tuple(r.prompt_ids) for r in a.eval.items]
+    assert len(held) == 8 and held == [tuple(r.prompt_ids) for r in b.eval.items]  # two whole prompts
+    assert not set(held) & {tuple(r.prompt_ids) for r in a.train.items} and len(a.train) == 32
+    ev = write_jsonl(tmp_path / "ev.jsonl", rows[:3])
+    c = load("sft", tok, path=path, eval_path=ev)
+    assert len(c.train) == 40 and len(c.eval) == 3
+    with pytest.raises(ConfigError, match="every row fell in the held-out split"):
+        load("sft", tok, path=path, eval_size=40)
+
+
+# ---- preference pairs -------------------------------------------------------------------------------------------
+def test_preference_rows_explicit_and_implicit_prompt(tmp_path):
+    tok = TOKS["chatml"]
+    user = {"role": "user", "content": "2+2?"}
+    rows = [
+        {"prompt": "2+2?", "chosen": "4", "rejected": "5"},
+        {
+            "chosen": [user, {"role": "assistant", "content": "four"}],
+            "rejected": [user, {"role": "assistant", "content": "five"}],
+        },
+        {
+            "chosen": [user, {"role": "assistant", "content": "x"}],
+            "rejected": [user, {"role": "assistant", "content": "x"}],
+        },
+        {"prompt": "2+2?", "chosen": "4"},
+    ]
+    src = load("preference", tok, path=write_jsonl(tmp_path / "p.jsonl", rows)).train
+    assert len(src) == 2 and src.skipped == {"same_response": 1, "missing_field": 1}
+    b = src.batch([1, 0])
+    assert b["pair_index"].tolist() == [0, 0, 1, 1] and b["is_chosen"].tolist() == [True, False, True, False]
+    got = [masked_segments(tok, b["responses"][i], b["response_mask"][i]) for i in range(4)]
+    assert got == [["four<|im_end|>"], ["five<|im_end|>"], ["4<|im_end|>"], ["5<|im_end|>"]]
+    assert torch.equal(b["prompts"][0], b["prompts"][1]) and torch.equal(b["prompts"][2], b["prompts"][3])
+    assert tok.decode(b["prompts"][0]).endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+    check_layout(b, src.pad_id)
+
+
+def test_pairs_from_rollout_rows(tmp_path):
+    tok = TOKS["tiny"]
+    rows = []
+    for pid in range(4):
+        # prompt 0: 2 correct, 2 incorrect; prompt 1: 1 correct, 3 incorrect; prompt 2: all incorrect; 3: all correct
+        correct = {0: [1, 0, 1, 0], 1: [0, 0, 1, 0], 2: [0, 0, 0, 0], 3: [1, 1, 1, 1]}[pid]
+        for s, c in enumerate(correct):
+            rows.append(
+                {"prompt_id": pid, "prompt_ids": [5, 5 + pid], "response_ids": [10 + s], "correct": c, "reward": 0.0}
+            )
+    path = write_jsonl(tmp_path / "rollout.jsonl", rows)
+    src = load("preference", tok, path=path, pairs_per_prompt=2, seed=3).train
+    assert src.stats == {"prompts": 4, "prompts_without_pair": 2, "pairs": 4}
+    got = set()
+    for p in src.items:
+        c, r = p.chosen, p.rejected
+        assert c.prompt_ids == r.prompt_ids
+        pid = c.prompt_ids[1] - 5
+        sample = {(row["prompt_id"], row["response_ids"][0]): row["correct"] for row in rows}
+        assert sample[(pid, c.response_ids[0])] == 1 and sample[(pid, r.response_ids[0])] == 0
+        got.add((pid, c.response_ids[0], r.response_ids[0]))
+    # prompt 0: two disjoint pairs (fresh samples first); prompt 1: its one correct sample against two others
+    p0 = sorted(x for x in got if x[0] == 0)
+    assert len(p0) == 2 and {p0[0][1], p0[1][1]} == {10, 12} and {p0[0][2], p0[1][2]} == {11, 13}
+    assert len([x for x in got if x[0] == 1]) == 2 and all(x[1] == 12 for x in got if x[0] == 1)
+
+    def pairs(seed, file):
+        items = load("preference", tok, path=file, pairs_per_prompt=1, seed=seed).train.items
+        return sorted((p.chosen.prompt_ids[1], p.chosen.response_ids[0], p.rejected.response_ids[0]) for p in items)
+
+    shuffled = write_jsonl(tmp_path / "shuffled.jsonl", rows[8:] + rows[:8])  # prompt order in the file
+    assert pairs(3, path) == pairs(3, path) == pairs(3, shuffled)
+    assert len({tuple(pairs(s, path)) for s in range(8)}) > 1  # the seed chooses among the candidates
+    b = src.batch([0, 1])
+    assert b["input_ids"].shape == (4, 3) and b["pair_index"].tolist() == [0, 0, 1, 1]
+
+
+# ---- distillation rows ------------------------------------------------------------------------------------------
+def _teacher(n: int, k: int = 2, lp: tuple = (-0.5, -1.5)) -> tuple[list, list]:
+    return [[3 + j for j in range(k)] for _ in range(n)], [list(lp[:k]) for _ in range(n)]
+
+
+def test_distill_rows_validated_and_batched(tmp_path):
+    tok = TOKS["tiny"]
+    good_ids, good_lps = _teacher(3)
+    base = {"prompt_ids": [5, 6], "response_ids": [7, 8, 9], "response_mask": [1, 0, 1]}
+    rows = [
+        {**base, "teacher_topk_ids": good_ids, "teacher_topk_logprobs": good_lps},
+        {**base, "teacher_topk_ids": good_ids[:2], "teacher_topk_logprobs": good_lps[:2]},  # 2 positions for 3
+        {**base, "teacher_topk_ids": good_ids, "teacher_topk_logprobs": [[0.5, -1.0]] * 3},  # log-prob > 0
+        {**base, "teacher_topk_ids": good_ids, "teacher_topk_logprobs": [[-0.1, -0.2]] * 3},  # mass 1.72
+        {**base, "teacher_topk_ids": good_ids, "teacher_topk_logprobs": [[float("nan"), -1.0]] * 3},
+        {**base, "teacher_topk_ids": [[3, 3]] * 3, "teacher_topk_logprobs": good_lps},  # duplicate id
+        {**base, "teacher_topk_ids": [[3, 4, 5]] * 3, "teacher_topk_logprobs": [[-1.0, -2.0, -3.0]] * 3},  # K=3
+        {**base, "teacher_topk_ids": [[3], [4, 5], [6, 7]], "teacher_topk_logprobs": good_lps},  # ragged
+        {**base, "teacher_topk_ids": good_ids},  # no log-probs
+        {
+            "prompt_ids": [5],
+            "response_ids": [7, 8, 9, 10, 11],
+            "teacher_topk_ids": _teacher(5)[0],
+            "teacher_topk_logprobs": [[-0.1 * (j + 1), -3.0] for j in range(5)],
+        },  # cut to 4 with its response
+    ]
+    src = load("distill", tok, path=write_jsonl(tmp_path / "d.jsonl", rows), max_response=4).train
+    assert src.skipped == {
+        "teacher_length": 1,
+        "teacher_positive_logprob": 1,
+        "teacher_mass": 1,
+        "teacher_nonfinite": 1,
+        "teacher_duplicate_ids": 1,
+        "teacher_k": 2,
+        "missing_field": 1,
+    }
+    assert len(src) == 2 and src.truncated == 1
+    b = src.batch([0, 1])
+    ids, lps = b["teacher_topk_ids"], b["teacher_topk_logprobs"]
+    assert ids.shape == (2, 4, 2) and ids.dtype == torch.long and lps.dtype == torch.float32
+    assert ids[0].tolist() == [[3, 4], [0, 0], [3, 4], [0, 0]]  # masked context token and padding are 0
+    assert lps[0].tolist() == [[-0.5, -1.5], [0.0, 0.0], [-0.5, -1.5], [0.0, 0.0]]
+    assert torch.allclose(lps[1], torch.tensor([[-0.1 * (j + 1), -3.0] for j in range(4)]))
+
+
+def test_distill_tokenizer_column_and_fingerprint(tmp_path):
+    chatml, qwen3 = TOKS["chatml"], TOKS["qwen3"]
+    assert tokenizer_fingerprint(chatml) == tokenizer_fingerprint(family_tokenizer("chatml"))
+    assert tokenizer_fingerprint(chatml) != tokenizer_fingerprint(qwen3)
+    other = family_tokenizer("chatml")
+    other.chat_template = other.chat_template.replace("helpful", "useful")
+    assert tokenizer_fingerprint(other) != tokenizer_fingerprint(chatml)
+    added = family_tokenizer("chatml")
+    added.add_tokens(["<extra>"])
+    assert tokenizer_fingerprint(added) != tokenizer_fingerprint(chatml)
+    # padding set on the backend by a call does not change the fingerprint
+    chatml(["a", "abc"], padding=True)
+    assert tokenizer_fingerprint(chatml) == tokenizer_fingerprint(family_tokenizer("chatml"))
+    ids, lps = _teacher(2)
+    row = {"prompt": "hi", "completion": "4", "teacher_topk_ids": ids, "teacher_topk_logprobs": lps}
+    ok = write_jsonl(tmp_path / "ok.jsonl", [{**row, "tokenizer": tokenizer_fingerprint(chatml)}])
+    b = load("distill", chatml, path=ok).train.batch([0])  # "4<|im_end|>": two response tokens
+    assert b["teacher_topk_ids"].shape == (1, 2, 2)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{**row, "tokenizer": tokenizer_fingerprint(qwen3)}])
+    with pytest.raises(
+        ConfigError,
+        match=rf"{tokenizer_fingerprint(qwen3)} is not the student's "
+        rf"{tokenizer_fingerprint(chatml)}",
+    ):
+        load("distill", chatml, path=bad)
