@@ -183,6 +183,15 @@ def test_file_errors(tmp_path):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt_ids": [5], "response_ids": "x"}] * 2)
     with pytest.raises(ConfigError, match=r"no usable rows .*first: bad.jsonl:1: wrong_type"):
         load("sft", tok, path=bad)
+    good = write_jsonl(tmp_path / "good.jsonl", [{"prompt_ids": [5], "response_ids": [6]}])
+    with pytest.raises(ConfigError, match=r"bad.jsonl\): no usable rows"):  # one bad file beside a good one
+        load("sft", tok, path=[good, bad])
+    garbage = write_jsonl(tmp_path / "garbage.jsonl", ["{oops", "[1]"])
+    with pytest.raises(ConfigError, match=r"no usable rows \(2 skipped .*unreadable: invalid JSON"):
+        load("sft", tok, path=garbage)
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "q"}]}])
+    with pytest.raises(ConfigError, match=r"data.min_score filters rollout \(token\) rows"):
+        load("sft", tok, path=chat, min_score=1.0)
     cols = write_jsonl(tmp_path / "cols.jsonl", [{"question": "q", "answer": "a"}])
     with pytest.raises(ConfigError, match=r"cannot tell the row form.*'answer', 'question'"):
         load("sft", tok, path=cols)
@@ -202,10 +211,13 @@ def test_parquet_datasets_json_csv_lists_and_globs_agree(tmp_path):
         {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
         for i in range(3)
     ]
+    # a context assistant turn: Parquet and datasets give every other message `train: None` (the struct's column)
+    rows[2]["messages"][1:1] = [{"role": "assistant", "content": "ctx", "train": False}, rows[2]["messages"][0]]
     want = load("sft", tok, path=write_jsonl(tmp_path / "rows.jsonl", rows)).train.batch([0, 1, 2])
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
     (tmp_path / "rows.json").write_text(json.dumps(rows))
+    assert masked_segments(tok, want["responses"][2], want["response_mask"][2]) == ["a2<|im_end|>"]
     for path in ("rows.parquet", "ds", "rows.json"):
         got = load("sft", tok, path=str(tmp_path / path)).train.batch([0, 1, 2])
         for key in ("input_ids", "attention_mask", "response_mask", "position_ids"):

@@ -5,7 +5,8 @@ Contract:
   order and returns `RawRow`s (where = "file:row", the row as a dict). Local only: a path that does not exist is a
   `ConfigError` naming the setting (roll never downloads from a hub). An unknown file kind, an unreadable file, or
   a file with no rows at all is a `ConfigError` too. A row that cannot be read (not UTF-8, not JSON, not an
-  object) is recorded in `Skips` under a short reason code with its location and detail.
+  object) is recorded in `Skips` under a short reason code with its location and detail; a file where every row
+  is bad is a `ConfigError` naming the first reason.
 - `Skips` counts skipped rows per reason (`counts`, the `skipped: dict[str, int]` runs log) and keeps the first
   few details; `check_any(kept, setting)` raises a `ConfigError` naming the first reason when nothing was kept.
 - `stable_fraction(key)` and `held_out(...)`: a deterministic held-out split by a stable hash of each row's
@@ -128,10 +129,12 @@ def read_rows(paths: Sequence[str], setting: str, skips: Skips) -> list[RawRow]:
     """Every row of every file in `paths` (concatenated in order); unreadable rows go to `skips` as `unreadable`."""
     rows: list[RawRow] = []
     for path in expand(paths, setting):
-        before = skips.total
-        got = _read_file(path, setting, skips)
-        if not got and skips.total == before:
+        own = Skips()
+        got = _read_file(path, setting, own)
+        if not got and not own.total:
             raise ConfigError(f"{setting}: {path} holds no rows (empty file)")
+        own.check_any(len(got), f"{setting} ({path})")
+        skips.merge(own)
         rows += got
     return rows
 

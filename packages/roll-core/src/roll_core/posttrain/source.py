@@ -4,7 +4,7 @@ Kinds: `sft` (messages, prompt/completion, token rows; rollout rows read as toke
 `data.min_score`), `preference` (explicit pairs or pairs built from rollout rows), `distill` (SFT rows plus the
 teacher's top-k). Files are read in order (`data.path` may be a list or a glob), each file's row form detected
 from its columns unless `data.format` names it; bad rows are counted skips (`RowSource.skipped`, reason -> count,
-logged once with the first rows); a file set where every row is bad is a ConfigError naming the first reason.
+logged once with the first rows); a file where every row is bad is a ConfigError naming the first reason.
 The held-out split is `data.eval_path` when given, else `data.eval_size` rows of `data.path` chosen by a stable
 hash of their prompt (deterministic, a prompt's rows on one side).
 
@@ -20,7 +20,7 @@ Every batch has the field `where` ("file:row" per row).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -121,7 +121,6 @@ class PostTrainData:
 
     train: RowSource
     eval: RowSource | None = None
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 def pad_id_of(tokenizer: Any) -> int:
@@ -190,16 +189,23 @@ def _parse(
     distill = DistillParser(sft) if kind == "distill" else None
     out: list[Any] = []
     rollout: list[RawRow] = []  # pairs may join samples from several files (a sharded rollout)
-    for file_rows in by_file.values():
+    for file, file_rows in by_file.items():
         form = detect_format(file_rows, sft.cfg, allowed, setting)
+        if kind == "sft" and sft.cfg.min_score is not None and form != "tokens":
+            raise ConfigError(f"data.min_score filters rollout (token) rows by score; {file} holds {form} rows")
         if form == "rollout":
             rollout += file_rows
-        elif form == "preference":
-            out += apply(file_rows, lambda raw: parse_preference(raw, sft), skips)
+            continue
+        own = Skips()
+        if form == "preference":
+            got = apply(file_rows, lambda raw: parse_preference(raw, sft), own)
         elif distill is not None:
-            out += apply(file_rows, lambda raw, f=form: distill.parse(raw, f), skips)
+            got = apply(file_rows, lambda raw, f=form: distill.parse(raw, f), own)
         else:
-            out += apply(file_rows, lambda raw, f=form: _sft_row(raw, f, sft), skips)
+            got = apply(file_rows, lambda raw, f=form: _sft_row(raw, f, sft), own)
+        own.check_any(len(got), f"{setting} ({file})")  # one bad file is an error even beside good ones
+        skips.merge(own)
+        out += got
     if rollout:
         out += build_pairs(rollout, sft, seed=seed, skips=skips, stats=stats)
     return out
