@@ -77,7 +77,8 @@ class GatherLoss:
     def __call__(self, outputs: dict[str, torch.Tensor], micro: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         got = outputs["gathered_logprobs"]
         mask = micro["response_mask"].to(got.device).float()
-        self.seen.append((micro["row"].cpu(), got.detach().cpu()))
+        real = micro["response_mask"].sum(-1).cpu() > 0  # padding rows (an engine's filler) score nothing
+        self.seen.append((micro["row"].cpu()[real], got.detach().cpu()[real]))
         per_token = -(got * micro["teacher_w"].to(got.device)).sum(-1)  # (b, R)
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
         return loss, {"distill_loss": loss.detach()}
