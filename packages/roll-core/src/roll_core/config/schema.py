@@ -20,6 +20,7 @@ from omegaconf import MISSING
 
 from roll_core.config.posttrain import DistillConfig, DPOConfig, RolloutConfig, SFTConfig
 from roll_core.config.reward_model import RewardModelConfig
+from roll_core.posttrain.config import DataConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -607,7 +608,9 @@ class RLVRConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     # A reward model scoring (prompt, response) rows (roll_core.config.reward_model); none by default.
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
-    # Post-training beside RL (roll_core.config.posttrain), each read only by its pipeline.
+    # Post-training beside RL (roll_core.config.posttrain), each read only by its pipeline; `data`: the row files
+    # of the file-fed ones (sft, dpo, distill_offline; roll_core.posttrain.config).
+    data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
