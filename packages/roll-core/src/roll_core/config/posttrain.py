@@ -26,10 +26,17 @@ class SFTConfig:
 
     # How token losses are averaged: token-mean (every target token weighs the same, TRL's default) or per row.
     loss_agg: str = "token-mean"
+    # At each evaluation, also the run's `env` task's held-out accuracy by generation (eval/accuracy, as an RL
+    # run reports it) when the task has held-out problems; false: only the held-out rows' NLL (eval/sft_loss).
+    eval_task: bool = True
 
     def __post_init__(self) -> None:
         if self.loss_agg not in LOSS_AGGS:
             raise ValueError(f"sft.loss_agg={self.loss_agg!r} is not one of {', '.join(LOSS_AGGS)}")
+
+
+#: The preference losses of roll_algos.preference (not imported here: config modules stay free of torch).
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
 
 
 @dataclass
@@ -40,19 +47,26 @@ class DPOConfig:
     loss: str = "sigmoid"
     # Strength of the implicit KL to the reference (DPO's beta).
     beta: float = 0.1
-    # Conservative DPO: the probability that a pair's preference label is flipped (sigmoid only).
+    # Conservative DPO: the probability that a pair's preference label is flipped (sigmoid and simpo only).
     label_smoothing: float = 0.0
-    # SimPO's target reward margin (gamma).
+    # SimPO's target reward margin (gamma); read by loss=simpo only.
     simpo_gamma: float = 0.5
     # Adds this times the chosen responses' token-mean NLL (RPO): keeps the likelihood of chosen answers up.
     sft_weight: float = 0.0
+    # Each evaluation also samples the env task's held-out problems (eval/accuracy) beside scoring the held-out
+    # pairs (eval/dpo_accuracy, eval/dpo_loss); false: the pairs only (no reward workers are started).
+    generate_eval: bool = True
 
     def __post_init__(self) -> None:
+        if self.loss not in DPO_LOSSES:
+            raise ValueError(f"dpo.loss={self.loss!r} is not one of {', '.join(DPO_LOSSES)}")
         _finite_nonneg("dpo.beta", self.beta)
         if self.beta == 0:
             raise ValueError("dpo.beta=0 removes the preference signal: 0.1 is usual")
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"dpo.label_smoothing={self.label_smoothing} must lie in [0, 0.5)")
+        if self.label_smoothing and self.loss not in ("sigmoid", "simpo"):
+            raise ValueError(f"dpo.label_smoothing applies to loss=sigmoid or simpo, not loss={self.loss}: set it to 0")
         _finite_nonneg("dpo.simpo_gamma", self.simpo_gamma)
         _finite_nonneg("dpo.sft_weight", self.sft_weight)
 
@@ -87,6 +101,9 @@ class DistillConfig:
     topk: int = 20
     # Offline: keep the mass outside the top-k as one bucket (false: renormalise over the k ids).
     tail: bool = True
+    # Offline: each evaluation also samples the env task's held-out problems (eval/accuracy) beside the held-out
+    # rows' KL (eval/distill_kl); false: the rows only (no reward workers are started).
+    eval_task: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in ("forward", "reverse"):
@@ -105,13 +122,16 @@ class DistillConfig:
 
 @dataclass
 class RolloutConfig:
-    """Rollout-only generation (`pipeline=rollout`): sample and score a task's prompts, write the rows."""
+    """Rollout-only generation (`pipeline=rollout`): sample and score a task's prompts, write the rows
+    (roll_core.pipelines.collectors.rollout_only; the layouts: roll_core.posttrain.writer)."""
 
-    # Where rows go: a .jsonl or .parquet path; null: <run folder>/rollout.jsonl.
+    # Where rows go: a .jsonl file or a .parquet folder (one part file per step); `{shard}` in the path becomes
+    # rollout.shard (needed with num_shards > 1: each shard writes its own output). Null: <run folder>/rollout.jsonl.
     output: str | None = None
     # Responses per prompt.
     samples_per_prompt: int = 4
-    # Prompts to generate for (null: every training prompt of the task once).
+    # Prompts to generate for, the first ones of the task's training set (null: every training prompt once).
+    # Applied before sharding: the shards of a capped run partition the same prompts.
     max_prompts: int | None = None
     # This job's shard of the prompts (shard i of num_shards takes every num_shards-th prompt from i).
     shard: int = 0
@@ -124,3 +144,25 @@ class RolloutConfig:
             raise ValueError(f"rollout.shard={self.shard} must lie in [0, rollout.num_shards={self.num_shards})")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ValueError(f"rollout.max_prompts={self.max_prompts} must be >= 1 or null")
+        if self.output is not None:
+            if not self.output.lower().endswith((".jsonl", ".parquet")):
+                raise ValueError(
+                    f"rollout.output={self.output!r}: name a .jsonl file or a .parquet folder (rows.jsonl, rows.parquet)"
+                )
+            if self.num_shards > 1 and "{shard}" not in self.output:
+                # Two shards writing one file would interleave their rows and cut each other's on resume.
+                raise ValueError(
+                    f"rollout.output={self.output!r} with rollout.num_shards={self.num_shards}: put {{shard}} in the "
+                    "path (rows-{shard}.jsonl) so that each shard writes its own output"
+                )
+
+    def output_path(self) -> str | None:
+        """`output` with `{shard}` filled in (None when unset)."""
+        return None if self.output is None else self.output.replace("{shard}", str(self.shard))
+
+    def check_installed(self) -> None:
+        """Parquet output needs pyarrow (roll-core[data])."""
+        if self.output is not None and self.output.lower().endswith(".parquet"):
+            from roll_core.posttrain.config import PYARROW
+
+            PYARROW.require()

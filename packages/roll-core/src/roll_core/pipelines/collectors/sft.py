@@ -1,0 +1,246 @@
+"""The SFT collector (`pipeline=sft`): batches of rows from files, for the `sft` objective.
+
+Contract:
+- Rows come from `data` (roll_core.posttrain `load_rows("sft", ...)`: chat messages, prompt/completion, token rows
+  from a rollout-only output; `data.min_score` keeps only rollout samples that scored at least that: SFT on correct
+  samples). Bad rows are counted skips (`data/skipped_rows`, the run summary's `skipped_rows`); no usable row, an
+  empty file, a missing file are ConfigErrors before training starts.
+- A step is `pipeline.rollout_batch_size` training rows drawn epoch by epoch in a seeded shuffle (a
+  `PromptSampler`: the permutation of epoch e depends only on (pipeline.seed, e)); the state is the data position,
+  so a resumed run draws exactly the rows of the uninterrupted run. Packing and token-budget micro-batches are the
+  train engine's (`train_engine.pack_sequences`, `train_engine.micro_batch_tokens`).
+- `on_policy = False`: nothing is sampled while training; the loop pushes the weights to the inference engines
+  only before `evaluate`.
+- `evaluate(step)`: `eval/sft_loss` (token-mean NLL of every held-out row, `data.eval_size` / `data.eval_path`,
+  scored by the actor's train group without gradient) and, when `sft.eval_task` and the run's `env` task has
+  held-out problems, the task's generation accuracy (`eval/accuracy`, `eval/reward`, `eval/n`: one sample per
+  held-out problem at `pipeline.eval_temperature`, up to `pipeline.eval_size` problems, scored by a reward role
+  built on first use), the same evaluation an RL run reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from roll_core.cluster.roles import RewardGroup
+from roll_core.config.build import as_dict
+from roll_core.config.schema import RLVRConfig
+from roll_core.data import PromptSampler
+from roll_core.errors import ConfigError
+from roll_core.pipelines.collectors import Collected, CollectorContext
+from roll_core.pipelines.metrics import StepLog
+from roll_core.pipelines.rollout import evaluate
+from roll_core.posttrain.source import PostTrainData, RowSource, load_rows
+from roll_core.seeds import Purpose, derive_seed
+
+log = logging.getLogger(__name__)
+
+
+def _single_turn(task: Any) -> bool:
+    from roll_core.interfaces.tasks import AgenticTask
+
+    return not isinstance(task, AgenticTask)
+
+
+def check(cfg: RLVRConfig, task: Any) -> None:
+    """ConfigError for settings an SFT run cannot use, before any model loads."""
+    if not cfg.data.paths:
+        raise ConfigError("pipeline=sft reads rows from files: set data.path (a .jsonl/.json/.parquet/.csv file)")
+    cfg.data.check_installed()
+    if cfg.pipeline.async_ratio:
+        raise ConfigError(
+            f"pipeline.async_ratio={cfg.pipeline.async_ratio}: SFT generates nothing while training; set it to 0"
+        )
+    if cfg.sft.eval_task and cfg.pipeline.eval_every > 0 and not _single_turn(task):
+        raise ConfigError(
+            f"env={cfg.env.name} is a multi-turn environment: an SFT run evaluates single-turn tasks only; set "
+            "sft.eval_task=false (eval/sft_loss only) or a single-turn env"
+        )
+
+
+def read_rows(cfg: RLVRConfig, tokenizer: Any) -> PostTrainData:
+    """The training and held-out rows of `data`, tokenised for the model's length limits."""
+    return load_rows(
+        "sft",
+        cfg.data,
+        tokenizer,
+        max_prompt_length=cfg.model.max_prompt_length,
+        max_response_length=cfg.model.max_response_length,
+        seed=cfg.pipeline.seed,
+    )
+
+
+class SFTCollector:
+    """Batches of SFT rows drawn by epoch (see the module docstring)."""
+
+    plot_keys: tuple[str, ...] = ("sft/loss", "eval/sft_loss", "eval/accuracy")
+    trajectories = False
+    on_policy = False
+
+    def __init__(self, ctx: CollectorContext, data: PostTrainData | None = None) -> None:
+        cfg = ctx.cfg
+        self.cfg, self.ctx = cfg, ctx
+        data = data or read_rows(cfg, ctx.tokenizer)
+        self.train: RowSource = data.train
+        self.held_out: RowSource | None = data.eval
+        self.sampler = PromptSampler(len(self.train), seed=cfg.pipeline.seed)
+        problems = ctx.task.eval_set() if cfg.sft.eval_task and _single_turn(ctx.task) else []
+        self.eval_problems = list(problems)[: cfg.pipeline.eval_size]
+        self.reward: RewardGroup | None = None  # built on the first accuracy evaluation
+        if cfg.pipeline.eval_every > 0 and self.held_out is None and not self.eval_problems:
+            log.warning(
+                "pipeline.eval_every=%d but nothing to evaluate: no held-out rows (data.eval_size, data.eval_path) "
+                "and no held-out problems of env=%s (or sft.eval_task=false)",
+                cfg.pipeline.eval_every,
+                cfg.env.name,
+            )
+        log.info(
+            "sft: %d training rows, %d held-out rows, %d held-out problems of env=%s; skipped %s, truncated %d",
+            len(self.train),
+            len(self.held_out or ()),
+            len(self.eval_problems),
+            cfg.env.name,
+            self.train.skipped,
+            self.train.truncated,
+        )
+
+    # ---- the collector contract ---------------------------------------------------------------------------
+    def next(self, step: int, out: StepLog) -> Collected:
+        """The next `pipeline.rollout_batch_size` rows (scores: 0; the SFT objective does not read them)."""
+        with out.timer("data"):
+            batch = self.train.batch(self.sampler.next(self.cfg.pipeline.rollout_batch_size))
+        out["data/epoch"] = self.sampler.epoch + self.sampler.position / len(self.train)
+        out["data/rows"] = float(len(batch))
+        out["data/skipped_rows"] = float(sum(self.train.skipped.values()))
+        out["data/truncated_rows"] = float(self.train.truncated)
+        lengths = batch["response_mask"].sum(-1).float()
+        out["response/length_mean"] = float(lengths.mean())
+        return Collected(batch, torch.zeros(len(batch)))
+
+    def begin_sync(self) -> None:
+        return None  # nothing runs between two steps
+
+    def finish_sync(self, version: int) -> None:
+        return None
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out NLL (`eval/sft_loss`) and the env task's held-out accuracy (see the module docstring)."""
+        t0 = time.perf_counter()
+        out: dict[str, float] = {}
+        if self.held_out is not None and self.ctx.train is not None:
+            out["eval/sft_loss"] = self.held_out_nll()
+            out["eval/sft_ppl"] = math.exp(min(out["eval/sft_loss"], 80.0))
+        if self.eval_problems:
+            res = evaluate(
+                self.ctx.infer,
+                self._reward(),
+                self.ctx.tokenizer,
+                self.ctx.task,
+                self.eval_problems,
+                max_prompt_length=self.cfg.model.max_prompt_length,
+                params=self.ctx.sampling.replace(
+                    temperature=self.eval_temperature, seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL)
+                ),
+            )
+            out.update({"eval/accuracy": res["accuracy"], "eval/reward": res["reward"], "eval/n": float(res["n"])})
+            for d, m in res.get("by_domain", {}).items():
+                out[f"eval/{d}/accuracy"], out[f"eval/{d}/reward"], out[f"eval/{d}/n"] = (
+                    m["accuracy"],
+                    m["reward"],
+                    m["n"],
+                )
+        if out:
+            out["eval/seconds"] = time.perf_counter() - t0
+        return out
+
+    def held_out_nll(self) -> float:
+        """Token-mean NLL of every held-out row under the actor (no gradient), in chunks of rollout_batch_size."""
+        assert self.held_out is not None and self.ctx.train is not None
+        total, tokens = 0.0, 0.0
+        n, size = len(self.held_out), max(self.cfg.pipeline.rollout_batch_size, 1)
+        for start in range(0, n, size):
+            batch = self.held_out.batch(range(start, min(start + size, n)))
+            logp = self.ctx.train.compute_logprobs(batch, temperature=1.0)["logprobs"]
+            mask = batch["response_mask"].to(torch.bool)
+            total += float(-torch.where(mask, logp.float(), 0.0).sum())
+            tokens += float(mask.sum())
+        return total / tokens if tokens else math.nan
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # A resumed run over changed files would draw other rows: the sampler refuses another size or seed.
+        self.sampler.load_state_dict(state["sampler"])
+
+    def summary(self) -> dict[str, Any]:
+        """How the files were read: rows skipped by reason, responses truncated, rows trained and held out."""
+        skipped = dict(self.train.skipped)
+        for k, v in (self.held_out.skipped if self.held_out is not None else {}).items():
+            skipped[k] = skipped.get(k, 0) + v
+        return {
+            "skipped_rows": skipped,
+            "truncated_rows": self.train.truncated + (self.held_out.truncated if self.held_out is not None else 0),
+            "train_rows": len(self.train),
+            "held_out_rows": len(self.held_out or ()),
+        }
+
+    def close(self) -> None:
+        return None
+
+    # ---- pieces -------------------------------------------------------------------------------------------
+    @property
+    def eval_temperature(self) -> float:
+        t = self.cfg.pipeline.eval_temperature
+        return self.ctx.sampling.temperature if t is None else float(t)
+
+    def _reward(self) -> RewardGroup:
+        """The env task's reward role (built once, on the first accuracy evaluation)."""
+        if self.reward is None:
+            cfg = self.cfg
+            self.reward = self.ctx.cluster.group(
+                RewardGroup,
+                "reward",
+                cfg.pipeline.reward_workers,
+                env=as_dict(cfg.env),
+                tokenizer_path=cfg.model.tokenizer or self.ctx.model_path,
+                guard=cfg.pipeline.reward_guard(),
+            )
+        return self.reward
+
+
+class _SFT:
+    """`pipeline=sft`: rows from files, trained by the `sft` objective.
+
+    `check` reads and tokenises the rows (bad data is an error before any model loads) and hands them to the
+    collector built next for the same config (read again when none was checked: `roll-eval`, tools)."""
+
+    trajectories = False
+    objective = "sft"
+
+    def __init__(self) -> None:
+        self._checked: tuple[RLVRConfig, PostTrainData] | None = None
+
+    def check(self, cfg: RLVRConfig, task: Any) -> None:
+        check(cfg, task)
+        from transformers import AutoTokenizer
+
+        from roll_core.models import resolve_model_path
+
+        model = cfg.model  # the tokenizer the pipeline loads (roll_core.pipelines.loop.Pipeline)
+        tokenizer = AutoTokenizer.from_pretrained(
+            model.tokenizer or resolve_model_path(model.path), trust_remote_code=model.trust_remote_code
+        )
+        self._checked = (cfg, read_rows(cfg, tokenizer))
+
+    def __call__(self, ctx: CollectorContext) -> SFTCollector:
+        checked, self._checked = self._checked, None  # held only from check to this build
+        return SFTCollector(ctx, checked[1] if checked is not None and checked[0] is ctx.cfg else None)
+
+
+sft_collectors = _SFT()
