@@ -89,11 +89,14 @@ class DistillConfig:
     # without a teacher go to `teacher` (an error when that is not set either).
     teachers: dict[str, str] = field(default_factory=dict)
     # The teacher's user message, a format string over the row: {prompt} (the student's user message) and the
-    # row's metadata fields, e.g. "Worked example:\n{example}\n\n{prompt}". Null: the student's prompt.
+    # row's metadata fields, e.g. "Worked example:\n{example}\n\n{prompt}" (literal braces doubled: {{ }}); the
+    # teacher sees the task's system prompt and worked examples, then this message, chat-templated. Null: the
+    # student's prompt. A row whose metadata lacks a named field is skipped and counted.
     teacher_prompt: str | None = None
-    # On-policy: each sampled token's advantage is -coef x (student log-prob - teacher log-prob).
+    # On-policy: each sampled token's advantage is -coef x (student log-prob - teacher log-prob); > 0.
     coef: float = 1.0
-    # On-policy: adds this times the task reward's group-normalised advantage (0: pure distillation).
+    # On-policy: adds this times the task reward's advantage (algo.adv_estimator, group-normalised with grpo)
+    # to every token (0: pure distillation).
     task_reward_weight: float = 0.0
     # Offline: forward KL(teacher || student) or reverse KL(student || teacher) on the teacher's top-k ids + tail.
     kind: str = "forward"
@@ -111,13 +114,48 @@ class DistillConfig:
         if self.topk < 1:
             raise ValueError(f"distill.topk={self.topk} must be >= 1")
         _finite_nonneg("distill.coef", self.coef)
+        if self.coef == 0:
+            raise ValueError("distill.coef=0 removes the teacher's signal (for reward-only training use pipeline=rlvr)")
         _finite_nonneg("distill.task_reward_weight", self.task_reward_weight)
+        if self.teacher_prompt is not None:
+            teacher_prompt_fields(self.teacher_prompt)  # a malformed format string fails here, not at step 1
+        for d, path in self.teachers.items():
+            if not d or not path:
+                raise ValueError(f"distill.teachers: {d!r}: {path!r} needs a domain name and a model path")
 
     def teacher_paths(self, student: str) -> dict[str, str]:
-        """Teacher name -> model path: `default` (teacher, or the student's model), and one per routed domain."""
-        paths = {"default": self.teacher or student}
+        """Teacher name -> model path: `default` (`teacher`; the student's model when no teacher is set at all:
+        context distillation), and `domain_<d>` per routed domain. With routed teachers and no `teacher` there is
+        no default: rows of other domains are an error (roll_core.pipelines.collectors.distill checks the task)."""
+        paths = {}
+        if self.teacher is not None or not self.teachers:
+            paths["default"] = self.teacher or student
         paths.update({f"domain_{d}": p for d, p in self.teachers.items()})
         return paths
+
+
+def teacher_prompt_fields(template: str) -> list[str]:
+    """The field names of a `distill.teacher_prompt` format string (`prompt` and metadata keys), in order.
+
+    Only plain names: attribute or index access ({x.y}, {x[0]}) and conversions would reach into the row's
+    values, so they are refused, as are unbalanced braces."""
+    import string
+
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"distill.teacher_prompt={template!r}: {exc} (write literal braces as {{{{ and }}}})") from exc
+    names = []
+    for _, name, spec, conv in parsed:
+        if name is None:
+            continue
+        if not name.isidentifier() or spec or conv:
+            raise ValueError(
+                f"distill.teacher_prompt={template!r}: field {{{name}{'!' + conv if conv else ''}"
+                f"{':' + spec if spec else ''}}} must be a plain name such as {{prompt}} or {{example}}"
+            )
+        names.append(name)
+    return names
 
 
 @dataclass
@@ -147,7 +185,8 @@ class RolloutConfig:
         if self.output is not None:
             if not self.output.lower().endswith((".jsonl", ".parquet")):
                 raise ValueError(
-                    f"rollout.output={self.output!r}: name a .jsonl file or a .parquet folder (rows.jsonl, rows.parquet)"
+                    f"rollout.output={self.output!r}: name a .jsonl file or a .parquet folder "
+                    "(rows.jsonl, rows.parquet)"
                 )
             if self.num_shards > 1 and "{shard}" not in self.output:
                 # Two shards writing one file would interleave their rows and cut each other's on resume.
