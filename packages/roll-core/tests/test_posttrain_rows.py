@@ -304,11 +304,23 @@ def test_pairs_from_rollout_rows(tmp_path):
         items = load("preference", tok, path=file, pairs_per_prompt=1, seed=seed).train.items
         return sorted((p.chosen.prompt_ids[1], p.chosen.response_ids[0], p.rejected.response_ids[0]) for p in items)
 
+    for seed in range(6):  # samples not yet in a pair come first: prompt 0's two pairs never share a sample
+        again = load("preference", tok, path=path, pairs_per_prompt=2, seed=seed).train.items
+        p0 = [(p.chosen.response_ids[0], p.rejected.response_ids[0]) for p in again if p.chosen.prompt_ids[1] == 5]
+        assert len(p0) == 2 and len({x for pair in p0 for x in pair}) == 4
     shuffled = write_jsonl(tmp_path / "shuffled.jsonl", rows[8:] + rows[:8])  # prompt order in the file
     assert pairs(3, path) == pairs(3, path) == pairs(3, shuffled)
     assert len({tuple(pairs(s, path)) for s in range(8)}) > 1  # the seed chooses among the candidates
     b = src.batch([0, 1])
     assert b["input_ids"].shape == (4, 3) and b["pair_index"].tolist() == [0, 0, 1, 1]
+    # rollout-only's Parquet layout: a folder of parts, one table; a prompt's samples may sit in different parts
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "rows.parquet").mkdir()
+    for part, chunk in enumerate((rows[:6], rows[6:])):
+        pq.write_table(pa.Table.from_pylist(chunk), tmp_path / "rows.parquet" / f"part-{part:07d}.parquet")
+    assert pairs(3, str(tmp_path / "rows.parquet")) == pairs(3, path)
 
 
 # ---- distillation rows ------------------------------------------------------------------------------------------

@@ -39,8 +39,9 @@ class DataConfig:
     """Row files for sft / dpo / distill_offline, their form and column names, and what to do with long rows."""
 
     # Data files or folders: a path, a glob (data/*.parquet) or a list of them, read in order and concatenated.
-    # .jsonl, .json (a list of objects, or JSON lines), .parquet, .csv (text columns only), or a folder written by
-    # datasets' save_to_disk. Local only: nothing is downloaded.
+    # .jsonl, .json (a list of objects, or JSON lines), .parquet, .csv (text columns only), a folder of Parquet
+    # parts (rollout-only's rows.parquet/), or a folder written by datasets' save_to_disk. Local only: nothing is
+    # downloaded.
     path: Any = None
     # Held-out rows (same forms as `path`); null: `eval_size` rows of `path` held out by a stable hash of their
     # prompt (rows sharing a prompt stay on one side).
@@ -118,4 +119,4 @@ class DataConfig:
                 if name.endswith(".parquet"):
                     PYARROW.require()
                 elif Path(name).is_dir():
-                    DATASETS.require()
+                    (PYARROW if any(Path(name).glob("*.parquet")) else DATASETS).require()

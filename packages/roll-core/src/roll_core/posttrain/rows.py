@@ -1,10 +1,11 @@
 """Row files to rows: JSONL, JSON, Parquet, CSV and `datasets` folders, with every bad row a counted skip.
 
 Contract:
-- `read_rows(paths, setting)` reads each path (a file, a glob, or a folder saved by `datasets.save_to_disk`) in
-  order and returns `RawRow`s (where = "file:row", the row as a dict). Local only: a path that does not exist is a
-  `ConfigError` naming the setting (roll never downloads from a hub). An unknown file kind, an unreadable file, or
-  a file with no rows at all is a `ConfigError` too. A row that cannot be read (not UTF-8, not JSON, not an
+- `read_rows(paths, setting)` reads each path (a file, a glob, a folder of Parquet parts such as rollout-only's
+  `rows.parquet/`, or a folder saved by `datasets.save_to_disk`) in order and returns `RawRow`s (where =
+  "file:row", the row as a dict). Local only: a path that does not exist is a `ConfigError` naming the setting
+  (roll never downloads from a hub). An unknown file kind, an unreadable file, or a file with no rows at all is a
+  `ConfigError` too. A row that cannot be read (not UTF-8, not JSON, not an
   object) is recorded in `Skips` under a short reason code with its location and detail; a file where every row
   is bad is a `ConfigError` naming the first reason.
 - `Skips` counts skipped rows per reason (`counts`, the `skipped: dict[str, int]` runs log) and keeps the first
@@ -115,6 +116,8 @@ def expand(paths: Sequence[str], setting: str) -> list[Path]:
             if not matches:
                 raise ConfigError(f"{setting}: no file matches {p!r}")
             out += [Path(m) for m in matches]
+        elif Path(p).is_dir() and _parquet_parts(Path(p)):
+            out += _parquet_parts(Path(p))  # a folder of Parquet parts (rollout-only output): one table
         elif Path(p).exists():
             out.append(Path(p))
         else:
@@ -123,6 +126,13 @@ def expand(paths: Sequence[str], setting: str) -> list[Path]:
                 "datasets' save_to_disk, or as Parquet/JSONL, first)"
             )
     return out
+
+
+def _parquet_parts(folder: Path) -> list[Path]:
+    """The sorted *.parquet files of a folder that is not a `datasets` save (which has its own json manifest)."""
+    if (folder / "dataset_info.json").exists() or (folder / "dataset_dict.json").exists():
+        return []
+    return sorted(folder.glob("*.parquet"))
 
 
 def read_rows(paths: Sequence[str], setting: str, skips: Skips) -> list[RawRow]:
