@@ -18,8 +18,16 @@ from roll_core.posttrain.source import load_rows
 from roll_core.posttrain.tokenize import tokenizer_fingerprint
 from roll_core.testing.chat_templates import family_tokenizer
 
-END = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>", "tiny": "</s>"}
-TOKS = {name: family_tokenizer(name) for name in ("chatml", "llama3", "qwen3", "tiny")}
+# The token each family's model ends a turn with (tiny: the tokenizer's eos, which its template does not spell).
+END = {
+    "chatml": "<|im_end|>",
+    "llama3": "<|eot_id|>",
+    "qwen3": "<|im_end|>",
+    "gemma3": "<end_of_turn>",
+    "phi3": "<|end|>",
+    "tiny": "</s>",
+}
+TOKS = {name: family_tokenizer(name) for name in END}
 
 
 def write_jsonl(path: Path, rows: list) -> str:
@@ -66,7 +74,7 @@ def check_layout(batch, pad_id: int) -> None:
 THINK = {"qwen3": ("<think>\nadd them\n</think>\n\n", "<think>\nsix\n</think>\n\n")}
 
 
-@pytest.mark.parametrize("family", ["chatml", "llama3", "qwen3"])
+@pytest.mark.parametrize("family", list(END))
 def test_chat_rows_train_exactly_the_assistant_turns(tmp_path, family):
     tok = TOKS[family]
     t1, t3 = THINK.get(family, ("", ""))
@@ -94,6 +102,20 @@ def test_chat_rows_train_exactly_the_assistant_turns(tmp_path, family):
     assert "And 5+5?" in response and a2 in response and "And 3+3?" in response  # context (mask 0), attended
     assert "trailing" not in response and response.endswith(a3 + end)
     check_layout(batch, src.pad_id)
+
+
+def test_qwen3_thinking_as_the_template_renders_it(tmp_path):
+    tok = TOKS["qwen3"]
+    rows = [{"messages": [{"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]}]
+    path = write_jsonl(tmp_path / "q.jsonl", rows)
+    # Qwen3 renders a last turn without reasoning with an empty think block: what the model writes when it does
+    # not think (its generation header stops at "assistant\n")
+    b = load("sft", tok, path=path).train.batch([0])
+    assert masked_segments(tok, b["responses"][0], b["response_mask"][0]) == ["<think>\n\n</think>\n\n6<|im_end|>"]
+    # enable_thinking=false puts the empty block in the prompt: the model learns the answer alone
+    b = load("sft", tok, path=path, chat_template_kwargs={"enable_thinking": False}).train.batch([0])
+    assert tok.decode(b["prompts"][0]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert masked_segments(tok, b["responses"][0], b["response_mask"][0]) == ["6<|im_end|>"]
 
 
 def test_prompt_completion_forms(tmp_path):

@@ -55,7 +55,8 @@ class DataConfig:
     # (the completion is the assistant turn, ended by its end-of-turn token); false concatenates the raw text
     # (the prompt with the tokenizer's bos, the completion followed by eos).
     chat_template: bool = True
-    # Passed to every chat-template rendering, e.g. {enable_thinking: false} for Qwen3.
+    # Passed to every chat-template rendering, e.g. {enable_thinking: false} for Qwen3
+    # (on the command line: +data.chat_template_kwargs.enable_thinking=false).
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # A response longer than model.max_response_length is cut to it (counted as truncated); false skips the row.
     # A prompt longer than model.max_prompt_length is always skipped (counted).
