@@ -7,7 +7,7 @@ entry has the same K (and the same K as the file's first good row: batches are (
 student's vocabulary, distinct within a position; log-probs are finite and <= 1e-6 (log-softmax rounding may land
 a hair above 0); each position's top-k mass sum(exp) <= 1 + 1e-4. A row carrying a `tokenizer` fingerprint that
 differs from the student tokenizer's is an error naming both: the teacher's ids would index another vocabulary.
-The lists are cut with the response when it is truncated (`TokenRow.aligned`).
+They are kept as (R, K) int32 / float32 tensors in `TokenRow.aligned`, cut with the response when it is truncated.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class DistillParser:
         ids = need(raw.row, cfg.teacher_ids_key)
         lps = need(raw.row, cfg.teacher_logprobs_key)
         ids_t, lps_t = self.check(ids, lps, len(row.response_ids))
-        row.aligned = {TEACHER_IDS: ids_t.tolist(), TEACHER_LOGPROBS: lps_t.tolist()}
+        # compact tensors, not Python lists: a file of long responses with K=20 would otherwise take gigabytes
+        row.aligned = {TEACHER_IDS: ids_t.to(torch.int32), TEACHER_LOGPROBS: lps_t.to(torch.float32)}
         row = self.sft.limit(row)
         if self.k is None:
             self.k = int(ids_t.shape[1])
@@ -92,13 +93,13 @@ class DistillParser:
 def teacher_tensors(rows: list[TokenRow], width: int, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """(B, R, K) `teacher_topk_ids` (long) and `teacher_topk_logprobs` (float32), aligned with `responses` of
     width R; 0 wherever `mask` (B, R) is 0 (context and padding)."""
-    k = max((len(r.aligned[TEACHER_IDS][0]) for r in rows if r.aligned.get(TEACHER_IDS)), default=1)
+    k = max((int(r.aligned[TEACHER_IDS].shape[1]) for r in rows if TEACHER_IDS in r.aligned), default=1)
     ids = torch.zeros((len(rows), width, k), dtype=torch.long)
     lps = torch.zeros((len(rows), width, k), dtype=torch.float32)
     for i, r in enumerate(rows):
         n = len(r.response_ids)
         if n:
-            ids[i, :n] = torch.tensor(r.aligned[TEACHER_IDS], dtype=torch.long)
-            lps[i, :n] = torch.tensor(r.aligned[TEACHER_LOGPROBS], dtype=torch.float32)
+            ids[i, :n] = r.aligned[TEACHER_IDS]
+            lps[i, :n] = r.aligned[TEACHER_LOGPROBS]
     keep = mask.bool()[:, :, None]
     return {TEACHER_IDS: torch.where(keep, ids, 0), TEACHER_LOGPROBS: torch.where(keep, lps, 0.0)}

@@ -28,7 +28,7 @@ from typing import Any
 
 from roll_core.posttrain.config import DataConfig
 from roll_core.posttrain.rows import RawRow, SkipRow, Skips
-from roll_core.posttrain.tokenize import SFTTokenizer, TokenRow, _check_messages, _text, need
+from roll_core.posttrain.tokenize import SFTTokenizer, TokenRow, check_messages, check_text, need
 
 PREFERENCE_FORMATS = ("preference", "rollout")
 
@@ -58,12 +58,12 @@ def parse_preference(raw: RawRow, sft: SFTTokenizer) -> Pair:
     sides = []
     for value, key in ((chosen, cfg.chosen_key), (rejected, cfg.rejected_key)):
         if isinstance(prompt, str) and isinstance(value, str) and not cfg.chat_template:
-            tokens = sft._raw_text(_text(prompt, cfg.prompt_key), _text(value, key))
+            tokens = sft.raw_text(check_text(prompt, cfg.prompt_key), check_text(value, key))
         else:
             p = sft.as_messages(prompt, cfg.prompt_key, "user")
             c = sft.as_messages(value, key, "assistant")
             trained = [False] * len(p) + [m.get("train", True) is not False for m in c]
-            tokens = sft._chat_row(p + c, trained, row.get("tools"))
+            tokens = sft.chat_row(p + c, trained, row.get("tools"))
         tokens.where = f"{raw.where}:{key}"
         sides.append(sft.limit(tokens))
     if sides[0].prompt_ids != sides[1].prompt_ids:  # a template that renders the prompt after reading the answer
@@ -73,8 +73,8 @@ def parse_preference(raw: RawRow, sft: SFTTokenizer) -> Pair:
 
 def _implicit_prompt(chosen: Any, rejected: Any, cfg: DataConfig) -> tuple[list, list, list]:
     """(prompt, chosen rest, rejected rest) from two message lists sharing their first messages."""
-    c = _check_messages(chosen, cfg.chosen_key)
-    r = _check_messages(rejected, cfg.rejected_key)
+    c = check_messages(chosen, cfg.chosen_key)
+    r = check_messages(rejected, cfg.rejected_key)
     n = 0
     while n < min(len(c), len(r)) and c[n] == r[n]:
         n += 1
@@ -93,7 +93,7 @@ class _Sample:
     group: str
 
 
-def _score(row: Mapping[str, Any], cfg: DataConfig) -> float:
+def score_of(row: Mapping[str, Any], cfg: DataConfig) -> float:
     correct = row.get(cfg.correct_key)
     if correct is not None:
         if isinstance(correct, bool) or (isinstance(correct, (int, float)) and correct in (0, 1)):
@@ -133,7 +133,7 @@ def build_pairs(
         try:
             tokens = sft.tokens(raw.row, "tokens")
             tokens.where = raw.where
-            sample = _Sample(sft.limit(tokens), _score(raw.row, cfg), _group(raw.row, tokens, cfg))
+            sample = _Sample(sft.limit(tokens), score_of(raw.row, cfg), _group(raw.row, tokens, cfg))
             first = groups.get(sample.group)
             if first and first[0].tokens.prompt_ids != tokens.prompt_ids:
                 raise SkipRow("prompt_mismatch", f"{sample.group}: prompt_ids differ from the prompt's first row's")

@@ -28,7 +28,7 @@ import torch
 from roll_core.errors import ConfigError
 from roll_core.posttrain.config import DataConfig
 from roll_core.posttrain.distill import DistillParser, teacher_tensors
-from roll_core.posttrain.pairs import PREFERENCE_FORMATS, Pair, _score, build_pairs, parse_preference
+from roll_core.posttrain.pairs import PREFERENCE_FORMATS, Pair, build_pairs, parse_preference, score_of
 from roll_core.posttrain.rows import RawRow, SkipRow, Skips, apply, held_out, read_rows
 from roll_core.posttrain.tokenize import SFT_FORMATS, SFTTokenizer, TokenRow, detect_format
 from roll_core.protocol import Batch
@@ -215,7 +215,7 @@ def _sft_row(raw: RawRow, form: str, sft: SFTTokenizer) -> TokenRow:
     """An SFT row; with `data.min_score`, a token row is kept only when its score reaches it."""
     cfg = sft.cfg
     if form == "tokens" and cfg.min_score is not None:
-        score = _score(raw.row, cfg)
+        score = score_of(raw.row, cfg)
         if score < cfg.min_score:
             raise SkipRow("below_min_score", f"score {score} < data.min_score={cfg.min_score}")
     return sft.parse(raw, form)

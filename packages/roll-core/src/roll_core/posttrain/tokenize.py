@@ -50,8 +50,8 @@ SFT_FORMATS = ("messages", "prompt_completion", "tokens")
 @dataclass
 class TokenRow:
     """One tokenised example: `prompt_ids`, `response_ids` and the 0/1 loss `mask` over them, where it came from,
-    `key` (its prompt, for the held-out split and pairing), and `aligned` lists (one item per response token, e.g.
-    a teacher's top-k) that are cut with the response."""
+    `key` (its prompt, for the held-out split and pairing), and `aligned` sequences (first dimension: one item per
+    response token, e.g. a teacher's top-k as an (R, K) tensor) that are cut with the response."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -120,7 +120,7 @@ def check_ids(value: Any, key: str, vocab: int, *, allow_empty: bool = False) ->
     return [int(x) for x in value]
 
 
-def _check_messages(value: Any, key: str) -> list[dict[str, Any]]:
+def check_messages(value: Any, key: str) -> list[dict[str, Any]]:
     if not isinstance(value, (list, tuple)) or not value:
         raise SkipRow("wrong_type", f"{key!r} must be a non-empty list of messages, got {str(value)[:60]}")
     out = []
@@ -135,7 +135,7 @@ def _check_messages(value: Any, key: str) -> list[dict[str, Any]]:
     return out
 
 
-def _text(value: Any, key: str) -> str:
+def check_text(value: Any, key: str) -> str:
     if not isinstance(value, str) or not value:
         raise SkipRow("wrong_type", f"{key!r} must be non-empty text or a list of messages, got {str(value)[:60]}")
     return value
@@ -268,30 +268,32 @@ class SFTTokenizer:
                 mask = [int(m) for m in mask]
             return TokenRow(prompt, response, mask, key=json.dumps(prompt))
         if form == "messages":
-            messages = _check_messages(need(row, cfg.messages_key), cfg.messages_key)
+            messages = check_messages(need(row, cfg.messages_key), cfg.messages_key)
             trained = [m.get("train", True) is not False for m in messages]
-            return self._chat_row(messages, trained, row.get("tools"))
+            return self.chat_row(messages, trained, row.get("tools"))
         if form == "prompt_completion":
             prompt, completion = need(row, cfg.prompt_key), need(row, cfg.completion_key)
             if isinstance(prompt, str) and isinstance(completion, str) and not cfg.chat_template:
-                return self._raw_text(_text(prompt, cfg.prompt_key), _text(completion, cfg.completion_key))
+                return self.raw_text(check_text(prompt, cfg.prompt_key), check_text(completion, cfg.completion_key))
             p = self.as_messages(prompt, cfg.prompt_key, "user")
             c = self.as_messages(completion, cfg.completion_key, "assistant")
             trained = [False] * len(p) + [m.get("train", True) is not False for m in c]
-            return self._chat_row(p + c, trained, row.get("tools"))
+            return self.chat_row(p + c, trained, row.get("tools"))
         raise ValueError(f"not an SFT row form: {form!r} (one of {', '.join(SFT_FORMATS)})")
 
     def as_messages(self, value: Any, key: str, role: str) -> list[dict[str, Any]]:
         """Text as one message of `role`, or a message list checked."""
         if isinstance(value, str):
-            return [{"role": role, "content": _text(value, key)}]
-        return _check_messages(value, key)
+            return [{"role": role, "content": check_text(value, key)}]
+        return check_messages(value, key)
 
-    def _chat_row(self, messages: list[dict[str, Any]], trained: list[bool], tools: Any) -> TokenRow:
+    def chat_row(self, messages: list[dict[str, Any]], trained: list[bool], tools: Any) -> TokenRow:
+        """A conversation through the chat template (`trained[i]`: assistant message i is trained)."""
         prompt, response, mask = self.chat.encode(messages, trained, tools)
         return TokenRow(prompt, response, mask, key=json.dumps(prompt))
 
-    def _raw_text(self, prompt: str, completion: str) -> TokenRow:
+    def raw_text(self, prompt: str, completion: str) -> TokenRow:
+        """Text without a template: the prompt's ids (special tokens added), the completion's ids, then eos."""
         tok = self.tokenizer
         if tok.eos_token_id is None:
             raise ConfigError("data.chat_template=false needs a tokenizer with an eos token to end each completion")
