@@ -248,7 +248,7 @@ def test_parquet_datasets_json_csv_lists_and_globs_agree(tmp_path):
     both = load("sft", tok, path=[str(tmp_path / "rows.parquet"), str(tmp_path / "rows.jsonl")]).train
     assert len(both) == 6 and both.batch([3])["where"] == ["rows.jsonl:1"]
     assert len(load("sft", tok, path=str(tmp_path / "rows.j*")).train) == 6
-    (tmp_path / "pc.csv").write_text('prompt,completion\n"2+2?",4\n')
+    (tmp_path / "pc.csv").write_bytes(b'\xef\xbb\xbfprompt,completion\n"2+2?",4\n')  # with a byte-order mark
     b = load("sft", tok, path=str(tmp_path / "pc.csv")).train.batch([0])
     assert masked_segments(tok, b["responses"][0], b["response_mask"][0]) == ["4<|im_end|>"]
 

@@ -167,7 +167,7 @@ def _read_file(path: Path, setting: str, skips: Skips) -> list[RawRow]:
         return _read_json(path, setting, skips)
     if suffix == ".csv":
         try:
-            with open(path, newline="", encoding="utf-8") as f:
+            with open(path, newline="", encoding="utf-8-sig") as f:
                 # line numbers count the header as line 1
                 return [RawRow(f"{name}:{i + 2}", dict(r), str(path)) for i, r in enumerate(csv.DictReader(f))]
         except (UnicodeDecodeError, csv.Error) as exc:
@@ -196,7 +196,7 @@ def _read_datasets(path: Path, setting: str) -> list[dict[str, Any]]:
 
 
 def _read_json(path: Path, setting: str, skips: Skips) -> list[RawRow]:
-    data = path.read_bytes()
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Windows editors)
     name = path.name
     if data.lstrip()[:1] == b"[":  # a JSON list of objects (one document); anything else is JSON lines
         try:
