@@ -163,8 +163,9 @@ class RolloutConfig:
     """Rollout-only generation (`pipeline=rollout`): sample and score a task's prompts, write the rows
     (roll_core.pipelines.collectors.rollout_only; the layouts: roll_core.posttrain.writer)."""
 
-    # Where rows go: a .jsonl file or a .parquet folder (one part file per step); `{shard}` in the path becomes
-    # rollout.shard (needed with num_shards > 1: each shard writes its own output). Null: <run folder>/rollout.jsonl.
+    # Where rows go: a .jsonl file or a .parquet folder (one part file per step; roll_core.posttrain.writer).
+    # With num_shards > 1 each shard writes its own: rows.jsonl -> rows.shard-<i>-of-<n>.jsonl.
+    # Null: <run folder>/rollout.jsonl.
     output: str | None = None
     # Responses per prompt.
     samples_per_prompt: int = 4
@@ -188,16 +189,13 @@ class RolloutConfig:
                     f"rollout.output={self.output!r}: name a .jsonl file or a .parquet folder "
                     "(rows.jsonl, rows.parquet)"
                 )
-            if self.num_shards > 1 and "{shard}" not in self.output:
-                # Two shards writing one file would interleave their rows and cut each other's on resume.
-                raise ValueError(
-                    f"rollout.output={self.output!r} with rollout.num_shards={self.num_shards}: put {{shard}} in the "
-                    "path (rows-{shard}.jsonl) so that each shard writes its own output"
-                )
 
     def output_path(self) -> str | None:
-        """`output` with `{shard}` filled in (None when unset)."""
-        return None if self.output is None else self.output.replace("{shard}", str(self.shard))
+        """`output` as this shard writes it (rows.shard-<i>-of-<n>.jsonl with num_shards > 1); None when unset."""
+        if self.output is None or self.num_shards == 1:
+            return self.output
+        stem, dot, suffix = self.output.rpartition(".")
+        return f"{stem}.shard-{self.shard}-of-{self.num_shards}{dot}{suffix}"
 
     def check_installed(self) -> None:
         """Parquet output needs pyarrow (roll-core[data])."""
