@@ -10,8 +10,8 @@ off (`roles.reference_is_base`), computed ONCE per row id and cached for the run
 score nothing (`dpo/reference_rows` counts the rows scored in a step). SimPO needs none. The cache is not
 checkpointed: a resumed run recomputes it, to the same numbers (the reference never changes).
 
-Update: the step's pairs are shuffled (seed, step) into mini-batches of whole pairs (algo.num_mini_batches, or
-2N rows / algo.mini_batch_size, else 1), `algo.ppo_epochs` passes; for each mini-batch:
+Update: the step's pairs are shuffled (seed, step) into mini-batches of whole pairs (`roles.mini_batches`: see
+`mini_batches_of`), `algo.ppo_epochs` passes; for each mini-batch:
 1. the policy's summed log-probs c_i, r_i of its pairs (compute_logprobs, no gradient);
 2. row weights w = dL/dc_i, dL/dr_i of L = mean_i loss_i (roll_algos.preference.preference_row_weights); RPO adds
    sft_weight x NLL with NLL = -(sum of the chosen rows' token log-probs) / T_c (T_c: the mini-batch's chosen
@@ -103,17 +103,11 @@ def check_pair_batch(batch: Batch) -> int:
     return n // 2
 
 
-def mini_batches_of(cfg: RLVRConfig, pairs: int) -> int:
-    """Optimizer steps per pass over a step's `pairs` pairs: algo.num_mini_batches, else 2 x pairs rows /
-    algo.mini_batch_size, else 1 (a mini-batch holds whole pairs: at most `pairs` of them)."""
-    algo = cfg.algo
-    if algo.num_mini_batches:
-        n = algo.num_mini_batches
-    elif algo.mini_batch_size:
-        n = max(1, 2 * pairs // algo.mini_batch_size)
-    else:
-        n = 1
-    return min(n, pairs)
+def mini_batches_of(roles: Roles, pairs: int) -> int:
+    """Optimizer steps per pass over a step's `pairs` pairs: `roles.mini_batches` (algo.num_mini_batches, or
+    rollout_batch_size x group_size rows / algo.mini_batch_size: algo=dpo's group_size 2 makes those the pairs'
+    rows; the LR schedule counts the same steps), at most `pairs` (a mini-batch holds whole pairs)."""
+    return max(1, min(roles.mini_batches, pairs))
 
 
 class DPOObjective:
@@ -162,7 +156,7 @@ class DPOObjective:
             with out.timer("reference"):
                 ref, scored = self.reference_logps(batch)
             out["dpo/reference_rows"] = float(scored)
-        n_mini = mini_batches_of(self.cfg, n_pairs)
+        n_mini = mini_batches_of(self.roles, n_pairs)
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.pipeline.seed, Purpose.SHUFFLE, step))
         dpo_sums: dict[str, float] = {}
         train_sums: dict[str, float] = {}
@@ -171,18 +165,14 @@ class DPOObjective:
             order = torch.randperm(n_pairs, generator=gen)
             for pairs in torch.tensor_split(order, n_mini):
                 rows = torch.stack([2 * pairs, 2 * pairs + 1], dim=1).flatten()
-                mini = batch.index(rows)
                 with out.timer("policy_logprobs"):
-                    logp = actor.compute_logprobs(mini, 1.0)["logprobs"]
-                weights, metrics = self.row_weights(mini, logp, None if ref is None else ref[rows])
+                    mini, loss_fn, metrics = self.surrogate(batch.index(rows), None if ref is None else ref[rows])
                 for k, v in metrics.items():
                     dpo_sums[k] = dpo_sums.get(k, 0.0) + v * len(pairs)
-                mini[WEIGHT_KEY] = weights
-                mini[ROW_KEY] = torch.ones(len(mini), dtype=torch.float32)
                 with out.timer("train_actor"):
                     got = actor.train(
                         mini,
-                        RowWeightedLogprob(rows=float(len(mini))),
+                        loss_fn,
                         mini_batches=1,
                         epochs=1,
                         temperature=1.0,
@@ -199,6 +189,17 @@ class DPOObjective:
         tokens = float(batch["response_mask"].sum())
         out["perf/response_tokens"] = tokens
         out["perf/train_tokens_per_s"] = tokens * epochs / max(out.timers.get("train_actor", 0.0), 1e-9)
+
+    def surrogate(self, mini: Batch, ref: Tensor | None) -> tuple[Batch, RowWeightedLogprob, dict[str, float]]:
+        """One optimizer step's inputs for a mini-batch of whole pairs (2n rows, interleaved) and its reference
+        log-probs (2n,) (None: simpo): the mini-batch with `dpo_weight` and `dpo_row` added, the loss whose
+        gradient is the preference loss's at the current weights, and the mini-batch's metrics (pre-update)."""
+        assert self.roles.actor_train is not None
+        logp = self.roles.actor_train.compute_logprobs(mini, 1.0)["logprobs"]
+        weights, metrics = self.row_weights(mini, logp, ref)
+        mini[WEIGHT_KEY] = weights
+        mini[ROW_KEY] = torch.ones(len(mini), dtype=torch.float32)
+        return mini, RowWeightedLogprob(rows=float(len(mini))), metrics
 
     def row_weights(self, mini: Batch, logp: Tensor, ref: Tensor | None) -> tuple[Tensor, dict[str, float]]:
         """(2n,) surrogate weights of a mini-batch's rows (pairs interleaved) from the policy's log-probs (2n, R)
