@@ -121,12 +121,16 @@ def test_megatron_tp2_topk_and_gathered_logprobs_equal_hf(path: str, tmp_path: P
     from roll_core.cluster.ports import free_port
 
     out = tmp_path / "tp2.pt"
-    # Forked, not spawned: the ranks inherit this process's imports (torch, transformers, Megatron: ~10 s each on
-    # two cores). Safe here: no process group exists in this process, and the ranks run one torch thread each.
-    import megatron.core  # noqa: F401
+    # From a fork server that imported torch, transformers and Megatron once (two spawned ranks import them each:
+    # ~50 s on two loaded cores, ~10 s this way). Not plain fork: this process may hold state of earlier Megatron
+    # engines (process groups since destroyed) that a forked rank crashes on.
+    import multiprocessing
 
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["torch", "transformers", "megatron.core", "roll_engines.train.megatron", "roll_core.testing.train_engine"]
+    )
     ranks = mp.start_processes(
-        _megatron_tp2_rank, args=(free_port(), path, str(out)), nprocs=2, join=False, start_method="fork"
+        _megatron_tp2_rank, args=(free_port(), path, str(out)), nprocs=2, join=False, start_method="forkserver"
     )
     deadline = time.monotonic() + 180
     while not ranks.join(timeout=2):  # raises what a rank raised

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from roll_engines.train._packing import _first_fit, _prompt_keys
+from roll_engines.train._packing import _first_fit, _prompt_keys, prompt_order
 
 
 def check_micro_batch_tokens(micro_batch_tokens: int) -> int:
@@ -91,6 +91,20 @@ def micro_rows(mini: Mapping[str, Tensor], size: int, budget: int, grouped: bool
         p = mini["input_ids"].shape[1] - mini["responses"].shape[1]
         groups = prompt_groups(_prompt_keys(mini["input_ids"], mini["attention_mask"], mini["position_ids"], p))
     return [torch.tensor(rows, dtype=torch.long) for rows in token_budget_rows(mini["attention_mask"], budget, groups)]
+
+
+def micro_batches(
+    mini: Mapping[str, Tensor], size: int, budget: int = 0, group_prompts: bool = False
+) -> list[dict[str, Tensor]]:
+    """`mini` (padded layout) cut into micro-batches by `micro_rows`; with a budget and `group_prompts` (the engine
+    packs sequences) its rows are first put in prompt order (_packing.prompt_order) so a prompt's rows can stay
+    together. The rows of the mini-batch are unchanged, so is its gradient."""
+    grouped = bool(budget) and group_prompts and mini["input_ids"].shape[0] > 1
+    if grouped:
+        r = mini["responses"].shape[1]
+        order = prompt_order(mini["input_ids"], mini["attention_mask"], mini["position_ids"], r)
+        mini = {k: v[order] for k, v in mini.items()}
+    return [{k: v[rows] for k, v in mini.items()} for rows in micro_rows(mini, size, budget, grouped)]
 
 
 def row_micros(n: int, size: int) -> list[list[int]]:

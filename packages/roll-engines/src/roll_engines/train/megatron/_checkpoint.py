@@ -1,11 +1,15 @@
-"""Megatron optimizer checkpoints on CPU and without Apex/TE: quiet dist_checkpointing calls and the workarounds that
-let Megatron-Core 0.16's distributed optimizer resume correctly (`prime_optimizer_state`,
-`torch_adam_steps_restored`), and the size of an optimizer's state (`optimizer_state_bytes`)."""
+"""Megatron optimizer checkpoints: `save_optimizer` / `load_optimizer` write and read a Megatron distributed
+checkpoint of the optimizer state in a layout-independent format (a run resumes at any TP/PP/DP layout, with the same
+kind of optimizer: `optimizer_kind`); on CPU and without Apex/TE: quiet dist_checkpointing calls and the workarounds
+that let Megatron-Core 0.16's distributed optimizer resume correctly (`prime_optimizer_state`,
+`torch_adam_steps_restored`), and the size of an optimizer's state (`optimizer_state_bytes`). Callers run these
+under the engine's CPU shims."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,3 +89,63 @@ def torch_adam_steps_restored(optimizer: Any) -> Iterator[None]:
         for state in getattr(inner, "state", {}).values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
+
+
+def optimizer_kind(optimizer: Any) -> str:
+    """What the optimizer state's structure depends on: the distributed optimizer or not, and (MoE) whether the
+    experts have an optimizer of their own, as Megatron builds it for expert parallelism > 1."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import DistributedOptimizer
+
+    kind = "distributed" if any(isinstance(o, DistributedOptimizer) for o in parts(optimizer)) else "plain"
+    return kind + (" (experts apart)" if ps.get_expert_model_parallel_world_size() > 1 else "")
+
+
+def optimizer_state(model: Any, optimizer: Any, step: int, loading: bool) -> dict[str, Any]:
+    """The optimizer's sharded state dict in a layout-independent format: the plain optimizer's is (each state
+    tensor is a ShardedTensor of its parameter); the distributed optimizer's `fully_reshardable` format gathers its
+    flat shards into per-parameter tensors too."""
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+    if loading:
+        prime_optimizer_state(optimizer)
+    state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=loading, metadata=metadata)
+    return {"optimizer": state, "step": step, "kind": optimizer_kind(optimizer)}
+
+
+def save_optimizer(folder: Path, model: Any, optimizer: Any, step: int) -> None:
+    """Write the optimizer state and the schedule's `step` to `folder` (collective: every rank writes its part)."""
+    from megatron.core import dist_checkpointing
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with quiet_dist_checkpointing():
+        dist_checkpointing.save(optimizer_state(model, optimizer, step, loading=False), str(folder))
+
+
+def load_optimizer(folder: Path, model: Any, optimizer: Any) -> int:
+    """Load what `save_optimizer` wrote into `optimizer` (collective) and return the saved step. The optimizer's
+    configured hyperparameters stay this run's (roll_engines.train._settings); a checkpoint of another optimizer
+    kind, or a folder without one, is refused with what to do."""
+    from megatron.core import dist_checkpointing
+
+    from roll_engines.train._settings import reapply, snapshot
+
+    if not (folder / "metadata.json").exists():
+        raise FileNotFoundError(
+            f"{folder} holds no Megatron distributed checkpoint (metadata.json): it is a weights-only "
+            "folder, or one saved by an older roll whose per-rank optimizer files resume only at their layout"
+        )
+    saved = dist_checkpointing.load_common_state_dict(str(folder)).get("kind")
+    if saved != optimizer_kind(optimizer):
+        raise ValueError(
+            f"{folder} holds a {saved} optimizer's state; this run uses a {optimizer_kind(optimizer)} "
+            "one (train_engine.use_distributed_optimizer; an expert optimizer exists at "
+            "expert_model_parallel_size > 1): resume with the settings that saved it (any TP/PP/DP layout)"
+        )
+    configured = snapshot(optimizer)  # this run's weight decay and betas: the checkpoint's would win
+    with quiet_dist_checkpointing():
+        loaded = dist_checkpointing.load(optimizer_state(model, optimizer, 0, loading=True), str(folder))
+        with torch_adam_steps_restored(optimizer):
+            optimizer.load_state_dict(loaded["optimizer"])
+    # The LR is set from this run's base_lr and schedule before every step; the position is the saved one.
+    reapply(optimizer, configured)
+    return int(loaded["step"])

@@ -51,21 +51,13 @@ from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.structured import refuse_constrained_batch
 from roll_engines.train._logits import empty_outputs, gather_ids_of
-from roll_engines.train._micro import check_micro_batch_tokens, micro_rows
+from roll_engines.train._micro import check_micro_batch_tokens, micro_batches, padding_row
 from roll_engines.train._optim import lr_lambda
-from roll_engines.train._packing import prompt_order
-from roll_engines.train._settings import reapply, snapshot
 from roll_engines.train.megatron import _convert as C
 from roll_engines.train.megatron import _critic as V
 from roll_engines.train.megatron import _export as X
 from roll_engines.train.megatron import _lora as L
-from roll_engines.train.megatron._checkpoint import (
-    optimizer_state_bytes,
-    parts,
-    prime_optimizer_state,
-    quiet_dist_checkpointing,
-    torch_adam_steps_restored,
-)
+from roll_engines.train.megatron._checkpoint import load_optimizer, optimizer_state_bytes, save_optimizer
 from roll_engines.train.megatron._packed import model_inputs, prepare, rope_at
 from roll_engines.train.megatron._parallel import end_parallel, init_parallel
 from roll_engines.train.megatron._vocab import logits_at, response_logprobs, response_rows
@@ -375,7 +367,7 @@ class MegatronTrainEngine:
 
         tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
         n, r = tensors["input_ids"].shape[0], tensors["responses"].shape[1]
-        micros, _ = self._balanced(_split(tensors, self.logprob_chunk_size), tensors)
+        micros, _ = self._balanced(micro_batches(tensors, self.logprob_chunk_size), tensors)
 
         def loss(out: Tensor, micro: dict) -> tuple[Tensor, dict]:
             got = self._logprobs(out, micro, temperature, with_entropy, topk)
@@ -419,15 +411,7 @@ class MegatronTrainEngine:
         """Forward/backward of one mini-batch through the schedule; gradients of the unsplit batch (see module
         docstring); returns (metric pairs, the mini-batch's units over data-parallel ranks). `force_all_reduce`:
         whole gradients on every rank even under the distributed optimizer (whose reduction is a reduce-scatter)."""
-        grouped = bool(self.micro_batch_tokens) and self.pack_sequences and mini["input_ids"].shape[0] > 1
-        if grouped:  # rows sharing a prompt next to each other, so a budgeted micro-batch keeps them together
-            r = mini["responses"].shape[1]
-            order = prompt_order(mini["input_ids"], mini["attention_mask"], mini["position_ids"], r)
-            mini = {k: v[order] for k, v in mini.items()}
-        micros = [
-            {k: v[rows] for k, v in mini.items()}
-            for rows in micro_rows(mini, self.micro_batch_size, self.micro_batch_tokens, grouped)
-        ]
+        micros = micro_batches(mini, self.micro_batch_size, self.micro_batch_tokens, self.pack_sequences)
         total = self._dp_sum(sum(loss_fn.units(m) for m in micros))
         micros, real = self._balanced(micros, mini)
         metrics: list[tuple[str, float]] = []
@@ -584,32 +568,8 @@ class MegatronTrainEngine:
             AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(folder / "model")
         if self.optimizer is None:
             return
-        from megatron.core import dist_checkpointing
-
-        (folder / "optimizer").mkdir(parents=True, exist_ok=True)
-        with self._shims(), quiet_dist_checkpointing():
-            dist_checkpointing.save(self._optimizer_state(loading=False), str(folder / "optimizer"))
-
-    def _optimizer_state(self, loading: bool) -> dict[str, Any]:
-        """The optimizer's sharded state dict in a layout-independent format: the plain optimizer's is (each
-        state tensor is a ShardedTensor of its parameter); the distributed optimizer's `fully_reshardable` format
-        gathers its flat shards into per-parameter tensors too."""
-        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
-        if loading:
-            prime_optimizer_state(self.optimizer)
-        state = self.optimizer.sharded_state_dict(
-            self.model.sharded_state_dict(), is_loading=loading, metadata=metadata
-        )
-        return {"optimizer": state, "step": self._step, "kind": self._optimizer_kind()}
-
-    def _optimizer_kind(self) -> str:
-        """What the optimizer state's structure depends on: the distributed optimizer or not, and (MoE) whether
-        the experts have an optimizer of their own, as Megatron builds it for expert parallelism > 1."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.optimizer import DistributedOptimizer
-
-        kind = "distributed" if any(isinstance(o, DistributedOptimizer) for o in parts(self.optimizer)) else "plain"
-        return kind + (" (experts apart)" if ps.get_expert_model_parallel_world_size() > 1 else "")
+        with self._shims():
+            save_optimizer(folder / "optimizer", self.model, self.optimizer, self._step)
 
     def load(self, folder: str | Path) -> None:
         """Weights from `folder/model` (with LoRA: the adapter from `folder/adapter`; the base stays what
@@ -622,36 +582,9 @@ class MegatronTrainEngine:
                 C.load_hf(self.model, *self._weights(str(folder / "model")))
         if self.optimizer is None:
             return
-        if not (folder / "optimizer" / "metadata.json").exists():
-            raise FileNotFoundError(
-                f"{folder}/optimizer holds no Megatron distributed checkpoint (metadata.json): it is a weights-only "
-                "folder, or one saved by an older roll whose per-rank optimizer files resume only at their layout"
-            )
-        from megatron.core import dist_checkpointing
-
-        saved = dist_checkpointing.load_common_state_dict(str(folder / "optimizer")).get("kind")
-        if saved != self._optimizer_kind():
-            raise ValueError(
-                f"{folder}/optimizer holds a {saved} optimizer's state; this run uses a {self._optimizer_kind()} "
-                "one (train_engine.use_distributed_optimizer; an expert optimizer exists at "
-                "expert_model_parallel_size > 1): resume with the settings that saved it (any TP/PP/DP layout)"
-            )
-        configured = snapshot(self.optimizer)  # this run's weight decay and betas: the checkpoint's would win
-        with self._shims(), quiet_dist_checkpointing():
-            loaded = dist_checkpointing.load(self._optimizer_state(loading=True), str(folder / "optimizer"))
-            with torch_adam_steps_restored(self.optimizer):
-                self.optimizer.load_state_dict(loaded["optimizer"])
-        # The LR is set from this run's base_lr and schedule before every step; the position is the saved one.
-        reapply(self.optimizer, configured)
-        self._step = int(loaded["step"])
-
-
-def _split(tensors: dict[str, Tensor], size: int) -> list[dict[str, Tensor]]:
-    n = tensors["input_ids"].shape[0]
-    return [{k: v[s : s + size] for k, v in tensors.items()} for s in range(0, n, size)]
+        with self._shims():
+            self._step = load_optimizer(folder / "optimizer", self.model, self.optimizer)
 
 
 def _padding_row(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    from roll_engines.train._micro import padding_row
-
     return padding_row(batch)
