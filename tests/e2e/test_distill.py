@@ -262,14 +262,35 @@ def test_unusable_teachers_are_refused_before_any_model_loads(
     ],
 )
 def test_distill_composes_with_every_train_engine(
-    engine: tuple[str, ...], digit_teacher: str, seven_task: Path, tmp_path: Path
+    engine: tuple[str, ...],
+    digit_teacher: str,
+    seven_task: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """One step per engine (hf runs above): the teacher scores on the same engine kind, adapters off."""
+    """One step per engine (hf runs above): the teacher scores on its own copy of the engine, adapters off. fsdp2
+    runs as one rank in this process (its multi-rank runs on Ray are tests/e2e/test_multinode.py's)."""
+    import torch.distributed as dist
+
+    from roll_core.cluster.ports import free_port
+
     if "megatron" in engine[0]:
         pytest.importorskip("megatron.core")
-    _, history = run_pipeline(
-        _distill(seven_task, tmp_path, f"distill.teacher={digit_teacher}", "pipeline.max_steps=1", *engine)
-    )
+    if "fsdp2" in engine[0]:
+        for k, v in {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+        }.items():
+            monkeypatch.setenv(k, v)
+    try:
+        _, history = run_pipeline(
+            _distill(seven_task, tmp_path, f"distill.teacher={digit_teacher}", "pipeline.max_steps=1", *engine)
+        )
+    finally:
+        if "fsdp2" in engine[0] and dist.is_initialized():
+            dist.destroy_process_group()
     (step,) = [h for h in history if h["step"] == 1]
     assert step["distill/reverse_kl"] > 3.0 and step["distill/default/rows"] == 8
     assert step["actor/grad_norm"] > 0 and step["actor/nonfinite_steps"] == 0
