@@ -165,6 +165,15 @@ def test_a_fresh_run_refuses_an_output_holding_rows(full, tmp_path: Path) -> Non
         pipeline_class(cfg.pipeline.name)(cfg)
 
 
+def test_prompts_too_long_are_counted_skips_and_the_shard_still_ends(tmp_path: Path) -> None:
+    _, summary, history = run(overrides(tmp_path, "model.max_prompt_length=8", "rollout.max_prompts=4"))
+    steps = [h for h in history if h["step"] > 0]
+    assert [h["data/skipped_long_prompts"] for h in steps] == [3.0, 1.0]  # never cut: skipped and counted
+    assert [h["rollout/rows"] for h in steps] == [0.0, 0.0]
+    assert summary["rollout"]["skipped_prompts"] == 4 and summary["rollout"]["prompts_done"] == 4
+    assert not (tmp_path / "rollout.jsonl").exists()
+
+
 def _row(i: int) -> dict[str, Any]:
     return {
         "prompt_id": f"p{i}",
@@ -220,3 +229,31 @@ def test_writer_refuses_an_output_shorter_than_its_checkpoint(tmp_path: Path) ->
     path.write_text(json.dumps(_row(5)) + "\n" + "x" * 2000)  # replaced by a file of another shape
     with pytest.raises(ConfigError, match="is not a line end"):
         RolloutWriter(path).restore(state)
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.parquet"])
+def test_sft_and_dpo_readers_take_the_output(tmp_path: Path, tiny_model: str, name: str) -> None:
+    """What H3's readers (roll_core.posttrain.source) build from a rollout output: SFT token rows of the correct
+    samples (data.min_score=1) and preference pairs (correct over incorrect) grouped by prompt_id."""
+    from transformers import AutoTokenizer
+
+    from roll_core.posttrain.config import DataConfig
+    from roll_core.posttrain.source import load_rows
+
+    path = tmp_path / name
+    w = RolloutWriter(path)
+    w.start(resume=False)
+    rows = []
+    for i in range(4):  # prompt p<k>: samples 0 and 1, sample 0 correct for p0 and p1 only
+        r = {**_row(i), "prompt_id": f"p{i // 2}", "sample": i % 2, "prompt_ids": [5, 6, 7 + i // 2]}
+        rows.append({**r, "response_ids": [8, 9 + i], "correct": i in (0, 2), "response_logprobs": [-1.0, -2.0]})
+    w.write(1, rows[:2])
+    w.write(2, rows[2:])
+    data_path = str(path) if name.endswith(".jsonl") else f"{path}/*.parquet"
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    limits = {"max_prompt_length": 16, "max_response_length": 8}
+    sft = load_rows("sft", DataConfig(path=data_path, min_score=1.0), tok, **limits).train
+    assert [(t.prompt_ids, t.response_ids) for t in sft.items] == [([5, 6, 7], [8, 9]), ([5, 6, 8], [8, 11])]
+    pairs = load_rows("preference", DataConfig(path=data_path), tok, **limits).train
+    got = [(p.chosen.prompt_ids, p.chosen.response_ids, p.rejected.response_ids) for p in pairs.items]
+    assert got == [([5, 6, 7], [8, 9], [8, 10]), ([5, 6, 8], [8, 11], [8, 12])]
