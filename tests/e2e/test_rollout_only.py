@@ -145,7 +145,7 @@ def test_stopped_and_resumed_run_writes_the_uninterrupted_rows(full, tmp_path: P
     shutil.rmtree(out / "checkpoints" / "step_000002")
     assert len(read_rollout(out / "rollout.jsonl")) == 12
     pipeline, _, history = run(overrides(out, "pipeline.save_every=1", "pipeline.resume=true"))
-    assert pipeline.start_step == 2
+    assert pipeline.start_step == 2 and pipeline.collector.total_steps == 3
     assert (out / "rollout.jsonl").read_bytes() == path.read_bytes()  # step 2's rows dropped, then written again
     assert [h["step"] for h in history if h["step"] > 0] == [1, 2, 3]
     by_step = {h["step"]: h for h in full_history}

@@ -86,6 +86,7 @@ class RolloutCollector:
         if not (cfg.pipeline.resume or cfg.pipeline.resume_from) and holds_rows(self.output):
             self.writer.start(resume=False)  # raises, naming the output: said before any generation
         self.done = 0  # prompts of the shard taken (generated or skipped)
+        self.steps = 0  # steps that took prompts
         self.skipped = 0  # prompts skipped (too long for the limit or the engine's context)
 
     # ---- progress -------------------------------------------------------------------------------------------
@@ -101,8 +102,9 @@ class RolloutCollector:
 
     @property
     def total_steps(self) -> int:
-        """Steps the whole shard takes (the progress bar's length)."""
-        return math.ceil(self.total / self.cfg.pipeline.rollout_batch_size)
+        """Steps the whole shard takes (the progress bar's length): those taken and those the rest needs (a
+        resumed run may change pipeline.rollout_batch_size)."""
+        return self.steps + math.ceil((self.total - self.done) / self.cfg.pipeline.rollout_batch_size)
 
     # ---- the collector contract -----------------------------------------------------------------------------
     def next(self, step: int, out: StepLog) -> None:
@@ -115,6 +117,7 @@ class RolloutCollector:
             rows = self._rows(step, problems, out)
             self.writer.write(step, rows)
             self.done += len(problems)
+            self.steps += 1
         out["rollout/step_rows"] = float(len(rows))
         out["rollout/rows"] = float(self.writer.rows)
         out["rollout/prompts_done"] = float(self.done)
@@ -134,6 +137,7 @@ class RolloutCollector:
     def state_dict(self) -> dict[str, Any]:
         return {
             "prompts_done": self.done,
+            "steps": self.steps,
             "skipped_prompts": self.skipped,
             "prompts_total": self.total,
             "fingerprint": self.fingerprint,
@@ -157,7 +161,7 @@ class RolloutCollector:
                 "with the same task or start a new run"
             )
         self.writer.restore(state["writer"])
-        self.done, self.skipped = int(state["prompts_done"]), int(state["skipped_prompts"])
+        self.done, self.steps, self.skipped = (int(state[k]) for k in ("prompts_done", "steps", "skipped_prompts"))
         self.scoring.load_state_dict(state["scoring"])
 
     def summary(self) -> dict[str, Any]:
