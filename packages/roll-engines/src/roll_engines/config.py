@@ -128,6 +128,11 @@ class MegatronTrainEngineConfig(TrainEngineConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.micro_batch_tokens and self.pipeline_parallel_size > 1:
+            # Pipeline stages exchange one tensor shape per schedule: micro-batches of varying rows cannot pass.
+            raise ValueError(
+                "train_engine.micro_batch_tokens > 0 needs pipeline_parallel_size=1 on train_engine=megatron"
+            )
         if self.lora_rank and self.lora_dropout:
             raise ValueError("train_engine=megatron trains LoRA without dropout: set train_engine.lora_dropout=0")
         if self.lora_rank:
