@@ -256,6 +256,13 @@ def test_bad_data_is_a_clear_error_before_models_load(data: dict[str, Path], tmp
     )
     msg = _pipeline_error(data, tmp_path, f"data.path={bad}")
     assert "no usable rows" in msg and "no_assistant_turn" in msg, msg
+    # Rollout-only output filtered to correct samples (data.min_score): none reaches it.
+    rollout = tmp_path / "rollout.jsonl"
+    rollout.write_text(
+        "".join(json.dumps({"prompt_ids": [5, 6], "response_ids": [7, 2], "reward": r}) + "\n" for r in (0.0, 0.5))
+    )
+    msg = _pipeline_error(data, tmp_path, f"data.path={rollout}", "data.min_score=1")
+    assert "no usable rows" in msg and "below_min_score" in msg, msg
     assert "set data.path" in _pipeline_error(data, tmp_path, "data.path=null")
     # RL settings SFT would silently ignore are refused.
     assert "algo.ppo_epochs=1" in _pipeline_error(data, tmp_path, "algo.ppo_epochs=2")

@@ -6,9 +6,10 @@ with `roll_algos.sft.sft_loss` over `response_mask` (1 on the trained assistant 
 masked context inside a multi-turn response never carry loss) at temperature 1 (the model's own distribution).
 
 Metrics: `sft/loss` (token-mean NLL of the batch's trained tokens, each micro-batch under the weights it was
-trained with: exact across micro-batches whatever `sft.loss_agg` is), `sft/ppl` (its exp), `sft/tokens` (trained
-tokens in the batch), and the actor's train metrics under `actor/` (`actor/nonfinite_steps` drives the run's
-non-finite stop). The objective holds no state (the data position is the collector's).
+trained with, whatever `sft.loss_agg` is: exact over a rank's micro-batches; data-parallel ranks' means are
+averaged), `sft/ppl` (its exp), `sft/tokens` (trained tokens in the batch), and the actor's train metrics under
+`actor/` (`actor/nonfinite_steps` drives the run's non-finite stop). The objective holds no state (the data
+position is the collector's).
 """
 
 from __future__ import annotations
