@@ -249,7 +249,7 @@ def test_sft_and_dpo_readers_take_the_output(tmp_path: Path, tiny_model: str, na
         rows.append({**r, "response_ids": [8, 9 + i], "correct": i in (0, 2), "response_logprobs": [-1.0, -2.0]})
     w.write(1, rows[:2])
     w.write(2, rows[2:])
-    data_path = str(path) if name.endswith(".jsonl") else f"{path}/*.parquet"
+    data_path = str(path)  # the JSONL file, or the Parquet folder (its parts read as one table)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     limits = {"max_prompt_length": 16, "max_response_length": 8}
     sft = load_rows("sft", DataConfig(path=data_path, min_score=1.0), tok, **limits).train

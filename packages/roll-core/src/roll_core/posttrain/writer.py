@@ -7,12 +7,12 @@ Layouts (chosen by the suffix of `rollout.output`):
   rows written after the checkpoint are dropped and written again (a resumed run's file equals an uninterrupted
   run's, same seed).
 - `rows.parquet`: a folder of that name holding one file per step, `part-<step:07d>.parquet` (the layout pyarrow's
-  `pq.read_table(folder)`, pandas, Spark and DuckDB read as one table; roll's `data.path` takes the glob
-  `rows.parquet/*.parquet`). A part is written under a temporary name and renamed: it is whole or absent. The
-  state lists the parts: on resume the parts of later steps are deleted.
+  `pq.read_table(folder)`, pandas, Spark, DuckDB and roll's `data.path=rows.parquet` read as one table). A part
+  is written under a temporary name and renamed: it is whole or absent. The state lists the parts: on resume the
+  parts of later steps are deleted.
 
-Row fields (ROW_FIELDS; H3's readers, roll_core.posttrain, take `prompt_ids`, `response_ids`, `reward`, `correct`
-and group a prompt's samples by `prompt_id`): prompt_id (text), prompt (the user message), answer (the task's
+Row fields (ROW_FIELDS; the SFT and DPO readers, roll_core.posttrain, take `prompt_ids`, `response_ids`, `reward`,
+`correct` and group a prompt's samples by `prompt_id`): prompt_id (text), prompt (the user message), answer (the task's
 ground truth), prompt_ids (the chat-templated prompt), response (decoded, special tokens skipped), response_ids
 (the generated tokens, end-of-sequence token included when generated), response_logprobs (behaviour log-probs of
 response_ids at the sampling temperature), reward (the task reward's score, plus the reward model's when one is
