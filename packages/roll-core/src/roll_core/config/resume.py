@@ -48,6 +48,18 @@ FIXED = (
     "train_engine.lora_alpha",
     "train_engine.lora_target_modules",
     "train_engine.use_distributed_optimizer",
+    # Post-training: the rows a file-fed run indexes, the shard a rollout-only run writes, the teachers it scores with.
+    "data.path",
+    "data.eval_path",
+    "data.eval_size",
+    "data.format",
+    "rollout.shard",
+    "rollout.num_shards",
+    "rollout.max_prompts",
+    "rollout.samples_per_prompt",
+    "rollout.output",
+    "distill.teacher",
+    "distill.teachers",
 )
 
 #: Exceptions to FIXED: settings under a fixed prefix that only change how the task runs, not what it is.

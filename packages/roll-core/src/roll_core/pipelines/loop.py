@@ -122,7 +122,8 @@ class Pipeline:
             self.tracker.log(0, self.collector.evaluate(0))
         steps = range(self.start_step, pipe.max_steps + 1)
         bar = tqdm(steps, desc=self.cfg.experiment, unit="step", disable=not pipe.progress, initial=self.start_step - 1)
-        bar.total = pipe.max_steps
+        # A collector with a finite job (rollout-only) knows how many steps it needs.
+        bar.total = min(pipe.max_steps, getattr(self.collector, "total_steps", None) or pipe.max_steps)
         with GracefulStop() as stop:
             for step in bar:
                 out = self.step(step)

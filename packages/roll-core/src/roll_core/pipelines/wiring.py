@@ -72,7 +72,7 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
     if needs is None:
         needs = RoleNeeds(train=True, reference=algo.use_reference, critic=algo.use_critic)
     te, ie = cfg.train_engine, cfg.infer_engine
-    if ie.structured:  # the trainer must score the same constrained distribution the rollout sampled
+    if ie.structured and needs.train:  # the trainer must score the same constrained distribution the rollout sampled
         from hydra.utils import get_object
 
         if not getattr(get_object(te._target_), "structured_logprobs", False):
