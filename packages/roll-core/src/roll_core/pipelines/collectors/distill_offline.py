@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 
 #: What a scoring pass reads (the teacher's and the student's `compute_logprobs`).
 SCORE_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
-#: Rows x response tokens x vocabulary of one full-vocabulary evaluation call (~256 MB of fp32 log-probs).
-EVAL_ELEMENTS = 1 << 26
+#: Rows x response tokens x vocabulary of one full-vocabulary evaluation call (32M: ~400 MB of sorted log-probs
+#: and ids, on the worker and back; SmolLM2's 49k vocabulary at 512 response tokens is one row a call).
+EVAL_ELEMENTS = 1 << 25
 
 
 def _tokenizer(path: str, cfg: RLVRConfig) -> Any:
