@@ -255,3 +255,55 @@ def test_every_train_engine_trains_dpo(
     if not lora:  # the same step as hf's
         for k in ("dpo/loss", "dpo/reward_margin", "dpo/chosen_logp"):
             assert steps[2][k] == pytest.approx(hf[2][k], rel=1e-3), k
+
+
+def test_bad_settings_and_data_are_clear_errors_before_models_load(data: dict[str, Path], tmp_path: Path) -> None:
+    """The factory's check (run before any model loads) and the config schema refuse what DPO cannot use."""
+    from roll_core.config.build import build
+    from roll_core.errors import ConfigError
+    from roll_core.pipelines.collectors.dpo import dpo_collectors
+    from roll_core.pipelines.objectives.dpo import check_pair_batch
+
+    base = load_config(dpo_overrides(data, tmp_path, "pipeline.eval_every=0"))
+    task = build(base.env)
+
+    def check(data_: dict[str, Any] | None = None, **sections: dict[str, Any]) -> None:
+        """The factory's and the objective's checks of `base` with some fields replaced."""
+        cfg = dataclasses.replace(base, data=dataclasses.replace(base.data, **(data_ or {})))
+        for name, fields in sections.items():
+            cfg = dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **fields)})
+        dpo_collectors.check(cfg, task)
+        dpo_objective.needs(cfg)
+
+    check()  # the good data passes
+    with pytest.raises(ConfigError, match=r"set data\.path="):
+        check({"path": None})
+    with pytest.raises(ConfigError, match=r"data\.format='messages' cannot feed pipeline=dpo"):
+        check({"format": "messages"})
+    with pytest.raises(ConfigError, match="nothing to evaluate"):
+        check({"eval_path": None}, pipeline={"eval_every": 2}, dpo={"generate_eval": False})
+    with pytest.raises(ConfigError, match="a mini-batch holds whole pairs"):
+        check(algo={"num_mini_batches": BATCH + 1})
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"prompt": f"Q{i}", "chosen": "1"}) + "\n" for i in range(4)))
+    with pytest.raises(ConfigError, match="cannot tell the row form"):
+        check({"path": str(bad)})
+    for setting, match in (("dpo.loss=kto", "dpo.loss='kto'"), ("dpo.loss=ipo dpo.label_smoothing=0.1", "applies")):
+        with pytest.raises((ConfigError, ValueError), match=match):
+            load_config(dpo_overrides(data, tmp_path, *setting.split()))
+    # A batch that is not chosen/rejected pairs is refused by the objective, never trained on.
+    from transformers import AutoTokenizer
+
+    from roll_core.models import resolve_model_path
+
+    pairs = load_rows(
+        "preference",
+        base.data,
+        AutoTokenizer.from_pretrained(resolve_model_path(base.model.path)),
+        max_prompt_length=64,
+        max_response_length=6,
+    ).train.batch([0, 1])
+    pairs["row_id"] = torch.arange(4)
+    assert check_pair_batch(pairs) == 2
+    with pytest.raises(ValueError, match="chosen at even rows"):
+        check_pair_batch(pairs.index([1, 0, 2, 3]))

@@ -34,7 +34,7 @@ from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.metrics import StepLog
 from roll_core.pipelines.objectives.dpo import summed
 from roll_core.pipelines.rollout import evaluate
-from roll_core.posttrain.source import RowSource, load_rows
+from roll_core.posttrain.source import PostTrainData, RowSource, load_rows
 from roll_core.protocol import Batch
 from roll_core.seeds import Purpose, derive_seed
 
@@ -75,6 +75,18 @@ def check(cfg: RLVRConfig, task: Any) -> None:
         )
 
 
+def read_pairs(cfg: RLVRConfig, tokenizer: Any) -> PostTrainData:
+    """The training and held-out pairs of `data`, tokenised for the model's length limits."""
+    return load_rows(
+        "preference",
+        cfg.data,
+        tokenizer,
+        max_prompt_length=cfg.model.max_prompt_length,
+        max_response_length=cfg.model.max_response_length,
+        seed=cfg.pipeline.seed,
+    )
+
+
 class DPOCollector:
     """Preference pairs from files, step by step (see the module docstring)."""
 
@@ -82,18 +94,11 @@ class DPOCollector:
     trajectories = False
     on_policy = False
 
-    def __init__(self, ctx: CollectorContext) -> None:
+    def __init__(self, ctx: CollectorContext, data: PostTrainData | None = None) -> None:
         cfg = ctx.cfg
         check(cfg, ctx.task)
         self.cfg, self.ctx = cfg, ctx
-        data = load_rows(
-            "preference",
-            cfg.data,
-            ctx.tokenizer,
-            max_prompt_length=cfg.model.max_prompt_length,
-            max_response_length=cfg.model.max_response_length,
-            seed=cfg.pipeline.seed,
-        )
+        data = data if data is not None else read_pairs(cfg, ctx.tokenizer)
         self.train_pairs: RowSource = data.train
         self.eval_pairs: RowSource | None = data.eval if ctx.train is not None else None
         log.info(
@@ -216,16 +221,32 @@ class DPOCollector:
 
 
 class _DPOFactory:
-    """`pipeline=dpo`: preference pairs from files, trained by the `dpo` objective."""
+    """`pipeline=dpo`: preference pairs from files, trained by the `dpo` objective.
+
+    `check` reads and tokenises the pairs (bad data is an error before any model loads) and hands them to the
+    collector built next for the same config (read again when none was checked: `roll-eval`, tools)."""
 
     trajectories = False
     objective = "dpo"
 
+    def __init__(self) -> None:
+        self._checked: tuple[RLVRConfig, PostTrainData] | None = None
+
     def check(self, cfg: RLVRConfig, task: Any) -> None:
         check(cfg, task)
+        from transformers import AutoTokenizer
+
+        from roll_core.models import resolve_model_path
+
+        model = cfg.model  # the tokenizer the pipeline loads (roll_core.pipelines.loop.Pipeline)
+        tokenizer = AutoTokenizer.from_pretrained(
+            model.tokenizer or resolve_model_path(model.path), trust_remote_code=model.trust_remote_code
+        )
+        self._checked = (cfg, read_pairs(cfg, tokenizer))
 
     def __call__(self, ctx: CollectorContext) -> DPOCollector:
-        return DPOCollector(ctx)
+        checked, self._checked = self._checked, None  # held only from check to this build
+        return DPOCollector(ctx, checked[1] if checked is not None and checked[0] is ctx.cfg else None)
 
 
 dpo_collectors = _DPOFactory()
