@@ -94,6 +94,7 @@ class Pipeline:
             self.model_path,
             self.tracker,
             train=roles.actor_train,
+            teachers=roles.teachers,
         )
         self.collector: Collector = factory(ctx)
         self.trainer = Trainer(

@@ -26,7 +26,7 @@ A collector is built by a factory registered under `roll.collectors` and named b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -66,6 +66,8 @@ class CollectorContext:
     #: The actor's train group (None in rollout-only runs and in `roll-eval`): a collector may score held-out
     #: rows with it (an SFT run's evaluation loss).
     train: TrainGroup | None = None
+    #: Frozen teachers by name (the objective's RoleNeeds.teachers): a collector may score rows with them.
+    teachers: dict[str, TrainGroup] = field(default_factory=dict)
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """A few of the step's samples to the run's samples log (nowhere without a tracker)."""

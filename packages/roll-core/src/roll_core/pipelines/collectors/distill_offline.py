@@ -281,16 +281,12 @@ class _TaskEval:
 
 def _teacher_group(ctx: CollectorContext) -> Any:
     """The teacher role build_roles built from the objective's RoleNeeds (`teacher_default`)."""
-    teachers = getattr(ctx, "teachers", None)  # CollectorContext.teachers, where the loop passes the roles'
-    if teachers:
-        return teachers[TEACHER]
-    for group in getattr(ctx.cluster, "groups", []):  # else the cluster's group of that name
-        if group.name == f"teacher_{TEACHER}":
-            return group
-    raise RuntimeError(
-        f"distill.teacher={ctx.cfg.distill.teacher} is set but no teacher_{TEACHER} role was built: the "
-        "distill_offline objective's RoleNeeds names it"
-    )
+    if TEACHER not in ctx.teachers:
+        raise RuntimeError(
+            f"distill.teacher={ctx.cfg.distill.teacher} is set but no teacher_{TEACHER} role was built: the "
+            "distill_offline objective's RoleNeeds names it"
+        )
+    return ctx.teachers[TEACHER]
 
 
 def _vocab_size(model_path: str, cfg: RLVRConfig) -> int:
