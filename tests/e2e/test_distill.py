@@ -11,6 +11,7 @@ loads, and the objective composes with every train engine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -138,6 +139,8 @@ def test_routed_teachers_score_their_rows_and_advantages_are_their_log_ratios(
     from transformers import AutoTokenizer
 
     from roll_core.cli import pipeline_class
+    from roll_core.pipelines.collectors import Collected
+    from roll_core.pipelines.metrics import StepLog
 
     cfg = load_config(_two_domains(tmp_path, digit_teacher))
     pipe = pipeline_class("distill")(cfg)
@@ -156,6 +159,10 @@ def test_routed_teachers_score_their_rows_and_advantages_are_their_log_ratios(
         nxt = pipe.collector.next
         pipe.collector.next = lambda step, log: collected.append(nxt(step, log)) or collected[-1]
         out = pipe.step(1)
+        # The task reward's weight: the same rows (behaviour and teacher log-probs unchanged) with chosen scores.
+        again = collected[0].batch.index(list(range(8)))
+        pipe.trainer.objective.distill = dataclasses.replace(cfg.distill, task_reward_weight=0.3)
+        pipe.trainer.objective.update(2, Collected(again, torch.tensor([1.0, 0, 0, 0, 0, 0, 1, 1])), StepLog())
     finally:
         pipe.shutdown()
     batch = collected[0].batch
@@ -184,6 +191,9 @@ def test_routed_teachers_score_their_rows_and_advantages_are_their_log_ratios(
     assert torch.allclose(batch["behaviour_logprobs"] * mask, student_p, atol=1e-4)
     expected = -0.5 * (student_p - teacher_p) * mask
     assert torch.allclose(batch["advantages"], expected, atol=2e-4), (batch["advantages"] - expected).abs().max()
+    # GRPO by hand: (r - group mean) / unbiased group std: [1, 0, 0, 0] -> 1.5, -0.5 x3; [0, 0, 1, 1] -> -+sqrt(3)/2.
+    grpo = torch.tensor([1.5, -0.5, -0.5, -0.5, -(3**0.5) / 2, -(3**0.5) / 2, 3**0.5 / 2, 3**0.5 / 2])
+    assert torch.allclose(again["advantages"], expected + 0.3 * grpo[:, None] * mask, atol=2e-4)
     gap = (student_p - teacher_p) * mask
     assert out["distill/reverse_kl"] == pytest.approx(float(gap.sum() / mask.sum()), abs=1e-4)
     seven = torch.tensor([d == "seven" for d in domains])
