@@ -53,6 +53,7 @@ FIXED = (
     "data.eval_path",
     "data.eval_size",
     "data.format",
+    "data.min_score",
     "rollout.shard",
     "rollout.num_shards",
     "rollout.max_prompts",
