@@ -144,7 +144,7 @@ def test_dpo_step_has_the_true_dpo_gradient(data: dict[str, Path], tmp_path: Pat
         want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         assert set(got) == set(want), d
         for name, g in want.items():
-            torch.testing.assert_close(got[name], g, atol=2e-6, rtol=1e-4, msg=f"{d.loss} {name}")
+            torch.testing.assert_close(got[name], g, atol=2e-6, rtol=1e-4, msg=f"{d} {name}")
 
     # update(): one optimizer step (algo=dpo's single mini-batch), metrics = the true loss at the initial weights.
     d = variants[1]
