@@ -228,6 +228,33 @@ def test_reverse_kl_falls_and_a_resumed_run_equals_the_uninterrupted_one(
             assert h[k] == pytest.approx(by_step[h["step"]][k], rel=1e-5, abs=1e-6), (h["step"], k)
 
 
+def test_context_teacher_shown_the_students_prompt_is_the_student(
+    digit_teacher: str, seven_task: Path, tmp_path: Path
+) -> None:
+    """distill.teacher null: the teacher is the student's starting model (here the digit model: it answers 7 now
+    and then, so accuracies are not all 0). Shown the student's own prompt it is the student at step 1 (reverse KL
+    0 to float noise), and its step-0 held-out accuracy is the student's, sample for sample."""
+    _, history = run_pipeline(
+        _distill(
+            seven_task,
+            tmp_path,
+            f"model.path={digit_teacher}",
+            "distill.teacher_prompt='{prompt}'",
+            "pipeline.max_steps=1",
+            "pipeline.eval_every=1",
+            "pipeline.eval_size=16",
+            "model.max_response_length=1",  # one digit: 7 is correct
+        )
+    )
+    first = next(h for h in history if h["step"] == 0)
+    assert first["eval/teacher_n"] == first["eval/n"] == 16 and first["eval/reward"] > 0
+    assert first["eval/teacher_accuracy"] == first["eval/accuracy"]
+    assert first["eval/teacher_reward"] == first["eval/reward"]
+    step = next(h for h in history if h["step"] == 1)
+    assert abs(step["distill/reverse_kl"]) < 1e-4 and "eval/teacher_accuracy" not in step
+    assert step["distill/teacher_logp"] < -1.0  # a random student: far from certain of its tokens
+
+
 def test_unusable_teachers_are_refused_before_any_model_loads(
     digit_teacher: str, tmp_path: Path, seven_task: Path
 ) -> None:

@@ -9,6 +9,8 @@ prompt: the task's chat messages for the row's problem (system prompt, worked ex
 tokenizer and left-padded (`teacher_prompts`, `teacher_prompt_mask`: (B, Pt)); the response tokens stay the
 student's. A problem whose metadata lacks a field the template names is skipped with all its samples (counted in
 `data/skipped_teacher_prompt_rows`, totalled in the summary), never formatted with a hole.
+Evaluation: the task's held-out accuracy, as RL reports it; at step 0 of context distillation (every teacher is
+the student's own model) also the teacher's, with its prompt (`eval/teacher_accuracy`): the engines then hold it.
 
 Checked before any model loads (`check`): a teacher exists (the student's own model with a teacher prompt is
 context distillation; with neither the teacher would be the student itself), every domain of the task's training
@@ -63,7 +65,53 @@ class DistillCollector:
         self.inner.finish_sync(version)
 
     def evaluate(self, step: int) -> dict[str, float]:
-        return self.inner.evaluate(step)
+        """The task's held-out accuracy (as RL reports it); at step 0 of context distillation also the teacher's
+        (`eval/teacher_accuracy`): the engines then hold the student's base weights, which are the teacher's."""
+        out = self.inner.evaluate(step)
+        if step == 0 and self.context_teacher:
+            out.update(self.evaluate_teacher())
+        return out
+
+    @property
+    def context_teacher(self) -> bool:
+        """Every teacher is the student's own starting model, shown the teacher prompt."""
+        cfg = self.ctx.cfg
+        paths = set(cfg.distill.teacher_paths(cfg.model.path).values())
+        return self.template is not None and paths == {cfg.model.path}
+
+    def evaluate_teacher(self) -> dict[str, float]:
+        """Held-out accuracy of the teacher's prompts (problems lacking a template field are left out), sampled
+        as `evaluate` samples the student's."""
+        from roll_core.pipelines.rollout import evaluate
+        from roll_core.seeds import Purpose, derive_seed
+
+        assert self.template is not None
+        inner, cfg = self.inner, self.ctx.cfg
+        texts: dict[int, str] = {}  # by the problem object's identity: held-out ids need not be unique
+        for p in inner.eval_set:
+            values = {**(getattr(p, "metadata", None) or {}), "prompt": p.prompt}
+            if all(f in values for f in self.fields):
+                texts[id(p)] = self.template.format(**values)
+        problems = [p for p in inner.eval_set if id(p) in texts]
+        if not problems:
+            return {}
+        view = _TeacherView(self.ctx.task, texts)
+        res = evaluate(
+            inner.infer,
+            inner.scoring,
+            self.ctx.tokenizer,
+            view,
+            problems,
+            max_prompt_length=2**31,  # the teacher's prompts are longer by design; the model's context decides
+            params=inner.sampling.replace(
+                temperature=inner.eval_temperature, seed=derive_seed(cfg.pipeline.seed, Purpose.EVAL)
+            ),
+        )
+        return {
+            "eval/teacher_accuracy": res["accuracy"],
+            "eval/teacher_reward": res["reward"],
+            "eval/teacher_n": res["n"],
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.inner.state_dict(), "distill_skipped_rows": self.skipped_rows}
@@ -148,6 +196,21 @@ class DistillCollector:
             return self._problems[(problem_id, prompt)]
         except KeyError:
             raise RuntimeError(f"problem {problem_id!r} of the batch is not in the task's problems") from None
+
+
+class _TeacherView:
+    """The task as the teacher sees it: its messages end with the teacher's user message (texts by problem object)."""
+
+    def __init__(self, task: Any, texts: dict[int, str]) -> None:
+        self.task, self.texts = task, texts
+
+    def messages(self, problem: Any) -> list[dict[str, Any]]:
+        return teacher_messages(self.task, problem, self.texts[id(problem)])
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "task":
+            raise AttributeError(name)
+        return getattr(self.task, name)
 
 
 def teacher_messages(task: Any, problem: Any, text: str) -> list[dict[str, Any]]:
