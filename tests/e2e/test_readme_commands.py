@@ -227,16 +227,29 @@ RUN_ELSEWHERE = {
     "roll-train experiment=quickstart infer_engine=vllm cluster=ray": (
         "GRPO with vLLM in its own venv on Ray learns in test_vllm_ray.py (CI time: the same path twice)"
     ),
+    "roll-train pipeline=rollout env=arithmetic rollout.samples_per_prompt=8 rollout.output=rows.jsonl": (
+        "pipeline=rollout on the tiny model (rows, shards, resume, Parquet) runs in test_rollout_only.py"
+    ),
+    "roll-train experiment=context_distill": (
+        "pipeline=distill with a teacher prompt (the same model shown more context) runs in test_distill.py; "
+        "this experiment on SmolLM2-135M: bench/RESULTS.md (python bench/posttrain_chain.py)"
+    ),
     "roll-train experiment=multi_domain": (
         "env=multi's run (counts, per-domain metrics, eval and advantage scale) runs on the tiny model in "
         "test_multi_domain.py; this experiment's 3-domain evaluation is minutes (its curves: bench/RESULTS.md)"
     ),
 }
+#: Where the post-training pipelines run on rows made by the tests (README commands name the user's own files).
+POSTTRAIN_TESTS = (
+    "pipeline=sft: tests/e2e/test_sft.py; pipeline=dpo: tests/e2e/test_dpo.py; pipeline=distill_offline: "
+    "tests/e2e/test_distill_offline.py; rows of pipeline=rollout read by them: tests/e2e/test_rollout_only.py"
+)
 #: Where commands naming the user's own model, server or program (a placeholder such as <rm>) run with real stand-ins.
 USERS_OWN = (
     "reward_model=hf: tests/e2e/test_reward_model.py (an RM trained in the test); env/reward=judge: "
     "packages/roll-envs/tests/test_judge.py (a judge server and an engine judge); env/reward=remote: "
-    "packages/roll-envs/tests/test_remote_reward.py (roll's verifier server)"
+    "packages/roll-envs/tests/test_remote_reward.py (roll's verifier server); distill.teacher: "
+    "tests/e2e/test_distill.py and test_distill_offline.py (teachers trained in the tests)"
 )
 
 
@@ -258,6 +271,9 @@ def plan(cmd: Command) -> Plan:
     env_path = next((a.split("=", 1)[1] for a in cmd.overrides if a.startswith("env.path=")), None)
     if env_path and not PLACEHOLDER.search(env_path):
         return Plan("compose", f"env.path={env_path} is the user's own data file")
+    data_path = next((a.split("=", 1)[1] for a in cmd.overrides if a.startswith("data.path=")), None)
+    if data_path:
+        return Plan("compose", f"data.path={data_path} is the user's own rows; {POSTTRAIN_TESTS}")
     if cfg.env.name == "code" and (problem := _sandbox_problem()):
         return Plan("compose", f"env=code needs a working bubblewrap sandbox: {problem}")
     if cfg.train_engine.name == "megatron":
