@@ -255,6 +255,26 @@ def test_context_teacher_shown_the_students_prompt_is_the_student(
     assert step["distill/teacher_logp"] < -1.0  # a random student: far from certain of its tokens
 
 
+def test_rows_without_a_template_field_are_skipped_with_their_group_and_counted(tmp_path: Path) -> None:
+    data = tmp_path / "half.jsonl"  # every other problem has an `example` column
+    rows = [{"prompt": f"Q{i}: say 7", "answer": "7", **({"example": "7"} if i % 2 else {})} for i in range(40)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary, history = run_pipeline(
+        _distill(
+            data,
+            tmp_path / "run",
+            "distill.teacher_prompt='{example} {prompt}'",
+            "pipeline.rollout_batch_size=4",
+            "pipeline.max_steps=2",
+        )
+    )
+    steps = [h for h in history if h["step"] > 0]
+    skipped = [h["data/skipped_teacher_prompt_rows"] for h in steps]
+    for h, n in zip(steps, skipped):
+        assert n % 4 == 0 and n + h.get("distill/default/rows", 0) == 16  # whole groups of 4, the rest trained
+    assert sum(skipped) > 0 and summary["skipped_teacher_prompt_rows"] == sum(skipped)
+
+
 def test_unusable_teachers_are_refused_before_any_model_loads(
     digit_teacher: str, tmp_path: Path, seven_task: Path
 ) -> None:
