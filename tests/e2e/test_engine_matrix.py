@@ -45,6 +45,7 @@ COVERED = {
     # env=multi feeds the same prompts collector and engines as the quickstart (a per-domain sampler and reward).
     ("multi_domain", "hf", "hf"): "tests/e2e/test_multi_domain.py runs env=multi on hf x hf (shares, metrics, eval)",
     ("multi_domain", "hf", "megatron"): "the quickstart's collector on train_engine=megatron runs in test_learning.py",
+    ("context_distill", "hf", "megatron"): "pipeline=distill on train_engine=megatron runs in test_distill.py",
 }
 RAY_EXPERIMENTS = (
     "cluster=ray experiment: the quickstart's pipeline on Ray, run by tests/e2e/test_sweep.py (sweep_tiny), "

@@ -247,6 +247,7 @@ PROGRESS_FIELDS = (
     ("dpo/loss", "loss", "{:.3f}"),
     ("dpo/reward_accuracy", "pref_acc", "{:.2f}"),
     ("distill/kl", "kl", "{:.3f}"),
+    ("distill/reverse_kl", "rkl", "{:.3f}"),
     ("rollout/rows", "rows", "{:.0f}"),
     ("perf/step_seconds", "sec", "{:.1f}"),
 )
