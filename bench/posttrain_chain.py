@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["experiment=quickstart", "pipeline.progress=false", "pipeline.eval_size=64"]
+COMMON = ["experiment=quickstart", "pipeline.progress=false", "pipeline.eval_size=64", "pipeline.eval_temperature=0.0"]
 
 
 def cpu_model() -> str:
