@@ -31,6 +31,7 @@ from roll_core.config.schema import RLVRConfig
 from roll_core.data import PromptSampler
 from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import Collected, CollectorContext
+from roll_core.pipelines.collectors.file_rows import FileRowsFactory
 from roll_core.pipelines.metrics import StepLog
 from roll_core.pipelines.objectives.dpo import summed
 from roll_core.pipelines.rollout import evaluate
@@ -220,33 +221,5 @@ class DPOCollector:
         return None
 
 
-class _DPOFactory:
-    """`pipeline=dpo`: preference pairs from files, trained by the `dpo` objective.
-
-    `check` reads and tokenises the pairs (bad data is an error before any model loads) and hands them to the
-    collector built next for the same config (read again when none was checked: `roll-eval`, tools)."""
-
-    trajectories = False
-    objective = "dpo"
-
-    def __init__(self) -> None:
-        self._checked: tuple[RLVRConfig, PostTrainData] | None = None
-
-    def check(self, cfg: RLVRConfig, task: Any) -> None:
-        check(cfg, task)
-        from transformers import AutoTokenizer
-
-        from roll_core.models import resolve_model_path
-
-        model = cfg.model  # the tokenizer the pipeline loads (roll_core.pipelines.loop.Pipeline)
-        tokenizer = AutoTokenizer.from_pretrained(
-            model.tokenizer or resolve_model_path(model.path), trust_remote_code=model.trust_remote_code
-        )
-        self._checked = (cfg, read_pairs(cfg, tokenizer))
-
-    def __call__(self, ctx: CollectorContext) -> DPOCollector:
-        checked, self._checked = self._checked, None  # held only from check to this build
-        return DPOCollector(ctx, checked[1] if checked is not None and checked[0] is ctx.cfg else None)
-
-
-dpo_collectors = _DPOFactory()
+#: `pipeline=dpo`: preference pairs from files, trained by the `dpo` objective.
+dpo_collectors = FileRowsFactory("dpo", check, read_pairs, DPOCollector)

@@ -33,6 +33,7 @@ from roll_core.config.schema import RLVRConfig
 from roll_core.data import PromptSampler
 from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import Collected, CollectorContext
+from roll_core.pipelines.collectors.file_rows import FileRowsFactory
 from roll_core.pipelines.metrics import StepLog
 from roll_core.pipelines.rollout import evaluate
 from roll_core.posttrain.source import PostTrainData, RowSource, load_rows
@@ -214,33 +215,5 @@ class SFTCollector:
         return self.reward
 
 
-class _SFT:
-    """`pipeline=sft`: rows from files, trained by the `sft` objective.
-
-    `check` reads and tokenises the rows (bad data is an error before any model loads) and hands them to the
-    collector built next for the same config (read again when none was checked: `roll-eval`, tools)."""
-
-    trajectories = False
-    objective = "sft"
-
-    def __init__(self) -> None:
-        self._checked: tuple[RLVRConfig, PostTrainData] | None = None
-
-    def check(self, cfg: RLVRConfig, task: Any) -> None:
-        check(cfg, task)
-        from transformers import AutoTokenizer
-
-        from roll_core.models import resolve_model_path
-
-        model = cfg.model  # the tokenizer the pipeline loads (roll_core.pipelines.loop.Pipeline)
-        tokenizer = AutoTokenizer.from_pretrained(
-            model.tokenizer or resolve_model_path(model.path), trust_remote_code=model.trust_remote_code
-        )
-        self._checked = (cfg, read_rows(cfg, tokenizer))
-
-    def __call__(self, ctx: CollectorContext) -> SFTCollector:
-        checked, self._checked = self._checked, None  # held only from check to this build
-        return SFTCollector(ctx, checked[1] if checked is not None and checked[0] is ctx.cfg else None)
-
-
-sft_collectors = _SFT()
+#: `pipeline=sft`: rows from files, trained by the `sft` objective.
+sft_collectors = FileRowsFactory("sft", check, read_rows, SFTCollector)

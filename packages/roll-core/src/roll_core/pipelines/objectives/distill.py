@@ -31,7 +31,7 @@ import torch
 from roll_algos import advantages as adv_ops
 from roll_algos.distill import on_policy_distill_advantages, reverse_kl_per_token
 from roll_algos.kl import kl_estimate
-from roll_algos.losses import masked_mean, off_policy_weights
+from roll_algos.losses import masked_mean
 from roll_core.algorithms import token_rewards_from_scores
 from roll_core.config.schema import RLVRConfig
 from roll_core.errors import ConfigError
@@ -98,26 +98,7 @@ class DistillObjective(RLObjective):
         assert roles.actor_train is not None
         mask = batch["response_mask"].float()
         # 1. the student's log-probs (behaviour, or recomputed old ones), the reference's, the teachers'
-        if roles.reference is not None or roles.reference_is_base:
-            with out.timer("reference"):
-                ref = roles.reference or roles.actor_train
-                batch["ref_logprobs"] = ref.compute_logprobs(batch, self.temperature, base=roles.reference_is_base)[
-                    "logprobs"
-                ]
-        if self._need_old_logprobs(batch):
-            with out.timer("old_logprobs"):
-                batch["old_logprobs"] = roles.actor_train.compute_logprobs(batch, self.temperature)["logprobs"]
-            out["actor/train_infer_logprob_diff"] = float(
-                masked_mean((batch["old_logprobs"] - batch["behaviour_logprobs"]).abs(), mask)
-            )
-        if algo.off_policy_correction is not None:
-            batch["is_weights"] = off_policy_weights(
-                batch["old_logprobs"],
-                batch["behaviour_logprobs"],
-                mask,
-                level=algo.off_policy_correction,
-                cap=algo.off_policy_cap,
-            )
+        self.score_policies(batch, mask, out)
         student = batch["old_logprobs"] if "old_logprobs" in batch else batch["behaviour_logprobs"]
         with out.timer("teacher"):
             teacher = batch["teacher_logprobs"] = self.teacher_logprobs(batch, student, out)

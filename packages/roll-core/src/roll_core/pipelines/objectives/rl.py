@@ -67,26 +67,7 @@ class RLObjective:
         assert roles.actor_train is not None
         mask = batch["response_mask"].float()
         # 1. reference and old log-probs, values
-        if roles.reference is not None or roles.reference_is_base:
-            with out.timer("reference"):
-                ref = roles.reference or roles.actor_train
-                batch["ref_logprobs"] = ref.compute_logprobs(batch, self.temperature, base=roles.reference_is_base)[
-                    "logprobs"
-                ]
-        if self._need_old_logprobs(batch):
-            with out.timer("old_logprobs"):
-                batch["old_logprobs"] = roles.actor_train.compute_logprobs(batch, self.temperature)["logprobs"]
-            out["actor/train_infer_logprob_diff"] = float(
-                masked_mean((batch["old_logprobs"] - batch["behaviour_logprobs"]).abs(), mask)
-            )
-        if algo.off_policy_correction is not None:
-            batch["is_weights"] = off_policy_weights(
-                batch["old_logprobs"],
-                batch["behaviour_logprobs"],
-                mask,
-                level=algo.off_policy_correction,
-                cap=algo.off_policy_cap,
-            )
+        self.score_policies(batch, mask, out)
         values = None
         if roles.critic is not None:
             with out.timer("values"):
@@ -146,6 +127,33 @@ class RLObjective:
         out["perf/response_tokens"] = float(mask.sum())
         p_len = batch["input_ids"].shape[1] - batch["responses"].shape[1]
         out["perf/unique_prompt_tokens"] = float(batch["attention_mask"][:, :p_len].sum()) / algo.group_size
+
+    def score_policies(self, batch: Batch, mask: torch.Tensor, out: StepLog) -> None:
+        """Adds `ref_logprobs` (B, R) when there is a reference, `old_logprobs` (B, R) when the proximal policy may
+        differ from the behaviour one (and their gap to the engine's), and `is_weights` under an off-policy
+        correction; `mask` (B, R) float is the response mask."""
+        algo, roles = self.cfg.algo, self.roles
+        assert roles.actor_train is not None
+        if roles.reference is not None or roles.reference_is_base:
+            with out.timer("reference"):
+                ref = roles.reference or roles.actor_train
+                batch["ref_logprobs"] = ref.compute_logprobs(batch, self.temperature, base=roles.reference_is_base)[
+                    "logprobs"
+                ]
+        if self._need_old_logprobs(batch):
+            with out.timer("old_logprobs"):
+                batch["old_logprobs"] = roles.actor_train.compute_logprobs(batch, self.temperature)["logprobs"]
+            out["actor/train_infer_logprob_diff"] = float(
+                masked_mean((batch["old_logprobs"] - batch["behaviour_logprobs"]).abs(), mask)
+            )
+        if algo.off_policy_correction is not None:
+            batch["is_weights"] = off_policy_weights(
+                batch["old_logprobs"],
+                batch["behaviour_logprobs"],
+                mask,
+                level=algo.off_policy_correction,
+                cap=algo.off_policy_cap,
+            )
 
     def _need_old_logprobs(self, batch: Batch) -> bool:
         """The proximal policy's log-probs are needed whenever the behaviour policy may differ from it."""
