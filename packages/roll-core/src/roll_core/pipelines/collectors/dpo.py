@@ -33,7 +33,7 @@ from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors.file_rows import FileRowsFactory
 from roll_core.pipelines.metrics import StepLog
-from roll_core.pipelines.objectives.dpo import summed
+from roll_core.pipelines.objectives.dpo import pair_arguments, summed
 from roll_core.pipelines.rollout import evaluate
 from roll_core.posttrain.source import PostTrainData, RowSource, load_rows
 from roll_core.protocol import Batch
@@ -181,18 +181,7 @@ class DPOCollector:
         seq = summed(self.ctx.train.compute_logprobs(batch, 1.0)["logprobs"], mask)
         lengths = mask.sum(-1).float()
         ref = self.eval_ref
-        loss, m = preference_loss(
-            seq[0::2],
-            seq[1::2],
-            None if ref is None else ref[0::2],
-            None if ref is None else ref[1::2],
-            variant=d.loss,
-            beta=d.beta,
-            label_smoothing=d.label_smoothing,
-            simpo_gamma=d.simpo_gamma if d.loss == "simpo" else 0.0,
-            chosen_len=lengths[0::2],
-            rejected_len=lengths[1::2],
-        )
+        loss, m = preference_loss(**pair_arguments(d, seq, ref, lengths))
         return {
             "eval/dpo_accuracy": float(m["reward_accuracy"]),
             "eval/dpo_loss": float(loss.mean()),

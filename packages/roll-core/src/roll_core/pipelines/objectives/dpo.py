@@ -208,18 +208,7 @@ class DPOObjective:
         mask = mini["response_mask"]
         seq = summed(logp, mask)
         lengths = mask.sum(-1).to(torch.float32)
-        w_c, w_r, _, m = preference_row_weights(
-            seq[0::2],
-            seq[1::2],
-            None if ref is None else ref[0::2],
-            None if ref is None else ref[1::2],
-            variant=d.loss,
-            beta=d.beta,
-            label_smoothing=d.label_smoothing,
-            simpo_gamma=d.simpo_gamma if d.loss == "simpo" else 0.0,
-            chosen_len=lengths[0::2],
-            rejected_len=lengths[1::2],
-        )
+        w_c, w_r, _, m = preference_row_weights(**pair_arguments(d, seq, ref, lengths))
         weights = torch.stack([w_c, w_r], dim=1).flatten().to(torch.float32)
         chosen_tokens = float(lengths[0::2].sum())
         nll = -float(seq[0::2].sum()) / chosen_tokens
@@ -238,6 +227,23 @@ class DPOObjective:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+def pair_arguments(d: Any, seq: Tensor, ref: Tensor | None, lengths: Tensor) -> dict[str, Any]:
+    """roll_algos.preference's arguments for interleaved pair rows (chosen at even rows): summed policy log-probs
+    `seq` (2n,), the reference's (2n,) or None (simpo), response lengths (2n,), and the `dpo` config `d`."""
+    return {
+        "chosen_logp": seq[0::2],
+        "rejected_logp": seq[1::2],
+        "ref_chosen": None if ref is None else ref[0::2],
+        "ref_rejected": None if ref is None else ref[1::2],
+        "variant": d.loss,
+        "beta": d.beta,
+        "label_smoothing": d.label_smoothing,
+        "simpo_gamma": d.simpo_gamma if d.loss == "simpo" else 0.0,
+        "chosen_len": lengths[0::2],
+        "rejected_len": lengths[1::2],
+    }
 
 
 def summed(logp: Tensor, mask: Tensor) -> Tensor:
