@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +166,14 @@ def test_killed_trainer_restarts_the_run_from_its_latest_checkpoint(
             def killing(n: int) -> dict[str, Any]:
                 if n == 3:
                     ray.kill(pipeline.roles.actor_train.workers[0])
-                    dead_seen.append(pipeline.cluster.dead_workers())
+                    # ray.kill is asynchronous: an idle actor may still answer a probe sent right after it, so wait
+                    # (bounded) for the probe to see the death, as it does after the error a dead rank raises.
+                    deadline, dead = time.monotonic() + 30.0, []
+                    while not dead and time.monotonic() < deadline:
+                        dead = pipeline.cluster.dead_workers()
+                        if not dead:
+                            time.sleep(0.2)
+                    dead_seen.append(dead)
                 return step(n)
 
             pipeline.step = killing
