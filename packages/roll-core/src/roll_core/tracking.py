@@ -4,7 +4,9 @@ Everything of the core lands in the run's output folder: `metrics.jsonl` (one JS
 summary and the tests read it), `config.yaml`, `samples.jsonl` (a few decoded completions per step) and `curves.png`
 (reward, accuracy and held-out accuracy against step). Other sinks are backends (`TrackerBackend`,
 roll_core.interfaces.tracking) named in `pipeline.trackers` and loaded from the `roll.trackers` entry-point group:
-roll-core's own `tensorboard` (event files under `tensorboard/`) is registered exactly as an out-of-tree plugin.
+roll-core's own backends (roll_core.trackers: `tensorboard`, `jsonl`, `wandb`) are registered exactly as out-of-tree
+plugins are. Several run at once (`pipeline.trackers=[tensorboard,wandb]`); each reads its options from the config's
+`tracking` node (roll_core.config.tracking), and the run's name in them is `tracking.run_name`, else `experiment`.
 
 Writing never raises into the training loop for a plot failure; a metric that is not a finite number is logged as
 null in JSONL and left out of what backends receive. A backend's own errors propagate (see its contract).
@@ -20,50 +22,23 @@ from pathlib import Path
 from typing import Any
 
 from roll_core.interfaces.tracking import SampleTrackerBackend, TrackerBackend
+from roll_core.trackers.jsonl import JsonlTracker
+from roll_core.trackers.tensorboard import TensorBoardTracker
+
+__all__ = [
+    "DEFAULT_TRACKERS",
+    "JsonlTracker",
+    "SampleTrackerBackend",
+    "TensorBoardTracker",
+    "Tracker",
+    "TrackerBackend",
+    "open_backends",
+]
 
 log = logging.getLogger(__name__)
 
 #: Backends a Tracker opens when none are named (pipeline.trackers' default).
 DEFAULT_TRACKERS: tuple[str, ...] = ("tensorboard",)
-
-
-class TensorBoardTracker:
-    """`pipeline.trackers=[tensorboard]`: event files under `<run>/tensorboard/` (needs the `roll-core[track]` extra).
-
-    A resumed run's `truncate(last_step)` opens a new writer with `purge_step=last_step + 1`, so TensorBoard drops
-    the events of the steps the run redoes.
-    """
-
-    def __init__(self, *, run_dir: Path, config: dict[str, Any], name: str, resume: bool) -> None:
-        from roll_core.errors import TENSORBOARD
-
-        TENSORBOARD.require()  # torch.utils.tensorboard's own error names neither the package nor the extra
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.dir = Path(run_dir) / "tensorboard"
-        self.writer: SummaryWriter | None = SummaryWriter(str(self.dir))
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Add each metric as a scalar at `step` and flush (a crash loses no logged step)."""
-        if self.writer is None:
-            raise RuntimeError("TensorBoardTracker.log after close()")
-        for k, v in metrics.items():
-            self.writer.add_scalar(k, v, step)
-        self.writer.flush()
-
-    def truncate(self, last_step: int) -> None:
-        """Purge the events after `last_step` (a new writer over the same folder)."""
-        from torch.utils.tensorboard import SummaryWriter
-
-        if self.writer is not None:
-            self.writer.close()
-        self.writer = SummaryWriter(str(self.dir), purge_step=last_step + 1)
-
-    def close(self) -> None:
-        """Flush and close the writer (idempotent)."""
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
 
 
 def open_backends(
@@ -113,7 +88,8 @@ class Tracker:
             trackers: `roll.trackers` entry-point names (pipeline.trackers); `()` writes only the core files.
             resume: keep metrics.jsonl's records (a later `truncate` drops the steps the run redoes); otherwise an
                 earlier metrics.jsonl in the folder is removed.
-            name: the experiment name backends see; default: the config's `experiment`, else the folder's name.
+            name: the run name backends see; default: the config's `tracking.run_name`, else its `experiment`, else
+                the folder's name.
         """
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +104,9 @@ class Tracker:
         if not resume and self.metrics_path.exists():
             self.metrics_path.unlink()
         self.history: list[dict[str, Any]] = self.read_metrics(self.metrics_path) if resume else []
-        run_name = name or str(config.get("experiment") or self.dir.name)
+        from roll_core.config.tracking import tracking_config
+
+        run_name = name or tracking_config(config).run_name or str(config.get("experiment") or self.dir.name)
         self.backends: list[TrackerBackend] = open_backends(trackers, self.dir, config, run_name, resume)
 
     @staticmethod

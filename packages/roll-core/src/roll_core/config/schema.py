@@ -20,6 +20,7 @@ from omegaconf import MISSING
 
 from roll_core.config.posttrain import DistillConfig, DPOConfig, RolloutConfig, SFTConfig
 from roll_core.config.reward_model import RewardModelConfig
+from roll_core.config.tracking import TrackingConfig
 from roll_core.posttrain.config import DataConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -339,7 +340,8 @@ class PipelineConfig:
     max_run_restarts: int = 2
     # Show a progress bar.
     progress: bool = True
-    # Metrics sinks besides metrics.jsonl (`roll.trackers` entry points, e.g. tensorboard); []: none.
+    # Metrics sinks besides metrics.jsonl, all written at once (`roll.trackers` entry points: tensorboard, wandb, jsonl,
+    # plugins); [] or [jsonl]: only the run folder's files. Each one's options: the `tracking` node.
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     # Sampling temperature of held-out evaluation (0: greedy); null: the inference engine's temperature.
     eval_temperature: float | None = None
@@ -615,6 +617,9 @@ class RLVRConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    # Tracker options (roll_core.config.tracking): run name, sweep group, each backend's settings; which backends
+    # run is pipeline.trackers.
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         """Invariants across groups (each group checks its own): caught at composition, not steps into a run."""

@@ -1,8 +1,10 @@
 """The tracker contract: where a run's metrics go besides its own `metrics.jsonl` (TensorBoard, W&B, MLflow, ...).
 
 A backend is a class registered under the `roll.trackers` entry-point group and named in `pipeline.trackers`
-(roll-core's own `tensorboard` is declared exactly as an out-of-tree plugin is). `roll_core.tracking.Tracker`
-builds each named backend once per run with keyword arguments `run_dir`, `config`, `name` and `resume`, then calls:
+(roll-core's own `tensorboard`, `jsonl` and `wandb` in roll_core.trackers are declared exactly as an out-of-tree
+plugin is). Several run side by side: `pipeline.trackers=[tensorboard,wandb]` is the one way to pick them.
+`roll_core.tracking.Tracker` builds each named backend once per run with keyword arguments `run_dir`, `config`,
+`name` and `resume` (the constructor below), then calls:
 
 - `log(step, metrics)` once per logged step, steps increasing except after `truncate`; `metrics` holds only finite
   numbers (a NaN/inf metric is null in metrics.jsonl and left out here), step 0 is the evaluation before training;
@@ -17,7 +19,15 @@ write metrics.jsonl, config.yaml, samples.jsonl or curves.png (the Tracker's). I
 training loop: a backend that talks to a server handles its own network failures. A missing optional dependency
 is raised at construction as one line naming the pip extra (`roll_core.errors.Extra.require`). The config check of
 `pipeline.trackers` imports the backend's module (`registry.load`), so heavy imports (wandb, mlflow) belong in
-`__init__`, not at module level.
+`__init__`, not at module level. A class attribute `extra` (that `Extra`, or None) lets roll-doctor say whether the
+backend's package is installed without building it.
+
+Options: the backend gets the whole resolved config and reads its own node with
+`roll_core.config.tracking.backend_options(config, "<name>")` (typed `tracking.wandb`, `tracking.mlflow`,
+`tracking.swanlab`; a plugin's free-form `tracking.plugins.<name>` dict). Grouping: `tracking_config(config).group`
+is the group of related runs (a Hydra sweep sets it: every job of one sweep shares it, each has its own `name`);
+a backend maps it onto its service's notion (W&B group, MLflow experiment, SwanLab group). Every backend passes the
+conformance suite roll_core.testing.trackers.TrackerTestSuite.
 """
 
 from __future__ import annotations
@@ -36,7 +46,8 @@ class TrackerBackend(Protocol):
         Args:
             run_dir: the run's output folder (exists); a backend keeps local files under its own subfolder.
             config: the resolved run config as plain containers (what config.yaml says).
-            name: the experiment name (`experiment`), e.g. a run name for a remote service.
+            name: the run's name (`tracking.run_name`, else `experiment`; a sweep job's is distinct per job), e.g.
+                the run name of a remote service.
             resume: the run continues an earlier one in the same folder; `truncate` follows before any `log`.
         """
 

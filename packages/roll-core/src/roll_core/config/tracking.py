@@ -1,0 +1,144 @@
+"""Config schema of the `tracking` node: run naming and grouping, and each tracker backend's own options.
+
+Which backends a run writes to is `pipeline.trackers` (a list: `pipeline.trackers=[tensorboard,wandb]`, the one way
+to pick several); how each one writes is its node here: `tracking.wandb.project=demo`, `tracking.mlflow.tracking_uri
+=http://...`. An option of a backend that is not in `pipeline.trackers` is accepted and unused. Unknown keys are
+errors like everywhere else; an out-of-tree backend reads its options from `tracking.plugins.<its name>` (free-form).
+
+Backends receive the whole resolved config (the `config` keyword of `TrackerBackend`) and read their node with
+`backend_options(config, "wandb")`, which validates it again: a backend built by a script, without a composed
+config, gets the defaults.
+
+Deliberately free of imports from roll_core.config.schema, which imports this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from roll_core.errors import Extra
+
+#: The optional packages of the service backends (each backend class points at its own as `extra`).
+WANDB = Extra("wandb", "pipeline.trackers=[wandb]", "wandb", "roll-core[wandb]")
+MLFLOW = Extra("mlflow", "pipeline.trackers=[mlflow]", "mlflow", "roll-core[mlflow]")
+SWANLAB = Extra("swanlab", "pipeline.trackers=[swanlab]", "swanlab", "roll-core[swanlab]")
+
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+SWANLAB_MODES = ("auto", "cloud", "local", "offline", "disabled")
+
+
+def _check(name: str, ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"tracking.{name}: {message}")
+
+
+@dataclass
+class WandbConfig:
+    """`pipeline.trackers=[wandb]`: Weights & Biases (the `roll-core[wandb]` extra)."""
+
+    # W&B project; null: "roll".
+    project: str | None = None
+    # W&B entity (user or team); null: the API key's default entity.
+    entity: str | None = None
+    # auto: WANDB_MODE when set, else online when an API key is found (WANDB_API_KEY or a login in ~/.netrc), else
+    # offline (files under <run>/wandb, upload later with `wandb sync <run>/wandb/offline-run-*`) | online |
+    # offline | disabled (nothing written).
+    mode: str = "auto"
+    # W&B group; null: tracking.group (a sweep's jobs share one).
+    group: str | None = None
+    # W&B tags.
+    tags: list[str] = field(default_factory=list)
+    # W&B job type (e.g. train, eval); null: none.
+    job_type: str | None = None
+    # Free-text notes shown with the run.
+    notes: str | None = None
+    # Folder W&B writes under (it adds wandb/); null: the run's folder, so files land in <run>/wandb.
+    dir: str | None = None
+    # Log sample completions as a W&B table ("samples": prompt, response, reward, ... per step).
+    log_samples: bool = True
+
+    def __post_init__(self) -> None:
+        _check("wandb.mode", self.mode in WANDB_MODES, f"{self.mode!r} is not one of {', '.join(WANDB_MODES)}")
+
+
+@dataclass
+class MlflowConfig:
+    """`pipeline.trackers=[mlflow]`: MLflow (the `roll-core[mlflow]` extra)."""
+
+    # MLflow tracking URI; null: MLFLOW_TRACKING_URI when set, else a file store under <run>/mlruns.
+    tracking_uri: str | None = None
+    # MLflow experiment name; null: tracking.group (a sweep), else the run's `experiment`.
+    experiment: str | None = None
+    # Tags set on the MLflow run.
+    tags: dict[str, str] = field(default_factory=dict)
+    # Log sample completions as an MLflow table artifact.
+    log_samples: bool = True
+
+
+@dataclass
+class SwanlabConfig:
+    """`pipeline.trackers=[swanlab]`: SwanLab (the `roll-core[swanlab]` extra)."""
+
+    # SwanLab project; null: "roll".
+    project: str | None = None
+    # SwanLab workspace (user or organisation); null: the logged-in user's.
+    workspace: str | None = None
+    # auto: SWANLAB_MODE when set, else cloud when logged in, else local | cloud | local | offline | disabled.
+    mode: str = "auto"
+    # SwanLab group; null: tracking.group (a sweep's jobs share one).
+    group: str | None = None
+    # SwanLab tags.
+    tags: list[str] = field(default_factory=list)
+    # Folder SwanLab writes its logs under; null: <run>/swanlog.
+    logdir: str | None = None
+    # Log sample completions as SwanLab text.
+    log_samples: bool = True
+
+    def __post_init__(self) -> None:
+        _check("swanlab.mode", self.mode in SWANLAB_MODES, f"{self.mode!r} is not one of {', '.join(SWANLAB_MODES)}")
+
+
+@dataclass
+class TrackingConfig:
+    """Run naming and grouping shared by every tracker backend, and each backend's options."""
+
+    # Name of the run in trackers; null: the `experiment` (a sweep job: "<experiment>-<job number>[<overrides>]").
+    run_name: str | None = None
+    # Group of related runs (W&B group, MLflow experiment, SwanLab group); null: none. A Hydra multirun sets it to
+    # "<experiment>-<sweep folder name>" unless given.
+    group: str | None = None
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    swanlab: SwanlabConfig = field(default_factory=SwanlabConfig)
+    # Options of out-of-tree tracker backends, keyed by their `roll.trackers` name (free-form; the backend checks).
+    plugins: dict[str, Any] = field(default_factory=dict)
+
+
+def tracking_config(config: Mapping[str, Any] | None) -> TrackingConfig:
+    """The typed `tracking` node of a resolved run config given as plain containers (what backends receive).
+
+    A config without the node (a script's `Tracker(dir)`) gets the defaults; a wrong key or value raises
+    ValueError naming it, as at composition.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    node = (config or {}).get("tracking") or {}
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(TrackingConfig), node)
+        typed = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise ValueError(f"tracking: {str(exc).splitlines()[0]}") from None
+    assert isinstance(typed, TrackingConfig)
+    return typed
+
+
+def backend_options(config: Mapping[str, Any] | None, name: str) -> Any:
+    """The options node of backend `name` (`tracking.<name>`, or `tracking.plugins.<name>` for an out-of-tree one:
+    then a plain dict, `{}` when absent)."""
+    typed = tracking_config(config)
+    if name in ("wandb", "mlflow", "swanlab"):
+        return getattr(typed, name)
+    return dict(typed.plugins.get(name) or {})

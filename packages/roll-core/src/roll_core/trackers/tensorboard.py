@@ -1,0 +1,49 @@
+"""`pipeline.trackers=[tensorboard]` (the default): scalar event files under `<run>/tensorboard/`.
+
+Needs the `roll-core[track]` extra. A resumed run's `truncate(last_step)` opens a new writer with
+`purge_step=last_step + 1`, so TensorBoard drops the events of the steps the run redoes. Samples are not recorded
+(samples.jsonl holds them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from roll_core.errors import TENSORBOARD
+
+
+class TensorBoardTracker:
+    """Event files under `<run>/tensorboard/`; redone steps purged on resume."""
+
+    #: What this backend needs installed (roll-doctor and `check_installed` read it).
+    extra = TENSORBOARD
+
+    def __init__(self, *, run_dir: Path, config: dict[str, Any], name: str, resume: bool) -> None:
+        TENSORBOARD.require()  # torch.utils.tensorboard's own error names neither the package nor the extra
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.dir = Path(run_dir) / "tensorboard"
+        self.writer: SummaryWriter | None = SummaryWriter(str(self.dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Add each metric as a scalar at `step` and flush (a crash loses no logged step)."""
+        if self.writer is None:
+            raise RuntimeError("TensorBoardTracker.log after close()")
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def truncate(self, last_step: int) -> None:
+        """Purge the events after `last_step` (a new writer over the same folder)."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        if self.writer is not None:
+            self.writer.close()
+        self.writer = SummaryWriter(str(self.dir), purge_step=last_step + 1)
+
+    def close(self) -> None:
+        """Flush and close the writer (idempotent)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

@@ -1,0 +1,192 @@
+"""`pipeline.trackers=[wandb]`: a Weights & Biases run per roll run (the `roll-core[wandb]` extra).
+
+Options: `tracking.wandb` (roll_core.config.tracking.WandbConfig). The run is `wandb.init(project, entity, name=the
+run name, group=tracking.wandb.group or tracking.group, config=the resolved config, dir=<run>)`, so W&B's files
+land in `<run>/wandb/`. Mode `auto` (the default) is online only when W&B can authenticate (WANDB_API_KEY, or a
+`wandb login` in ~/.netrc) or WANDB_MODE says otherwise; else offline: nothing leaves the machine, and
+`wandb sync <run>/wandb/offline-run-*` uploads later. Metrics are logged at the trainer's step (W&B's own step);
+samples as a `samples` table (step, prompt, response, reward, ...) at their step.
+
+Resume. `<run>/wandb/roll-run.json` records the W&B run id and the last step W&B holds. W&B history cannot be
+deleted (its "rewind" is a private preview), so `truncate(last_step)` on a resumed run does one of two things:
+- W&B holds nothing after `last_step` (the checkpoint was at the last logged step, as after a preemption):
+  the same W&B run id is resumed (`resume="allow"`) and continues; nothing is lost or duplicated.
+- W&B holds steps after `last_step` (a crash between checkpoints; the run redoes them, with other values): the
+  same id would keep the stale values and W&B would drop the redone ones (its steps only increase), so a new
+  W&B run is started (same name and group, tag `resumed`, config `roll_resumed_from=<old id>`) that replays steps
+  0..last_step from metrics.jsonl and samples.jsonl, then continues. The old run stays in W&B, as it was.
+The same happens when a resumed run adds wandb to its trackers (no earlier W&B run): the history is replayed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import netrc
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from roll_core.config.tracking import WANDB, backend_options, tracking_config
+
+log = logging.getLogger(__name__)
+#: The run folder's record of its W&B run: {"id": ..., "last_step": ...}.
+STATE_FILE = "roll-run.json"
+#: Where samples go in W&B.
+SAMPLES_KEY = "samples"
+
+
+def has_api_key() -> bool:
+    """Whether W&B could authenticate here: WANDB_API_KEY, or a ~/.netrc entry for the W&B host (`wandb login`)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def resolve_mode(mode: str) -> str:
+    """`tracking.wandb.mode` as W&B takes it: `auto` is WANDB_MODE when set, else online with an API key, else
+    offline (a run without credentials never tries the network)."""
+    if mode != "auto":
+        return mode
+    return os.environ.get("WANDB_MODE") or ("online" if has_api_key() else "offline")
+
+
+def _cell(value: Any) -> Any:
+    """A table cell: scalars as they are, anything else as its JSON text."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return json.dumps(value)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class WandbTracker:
+    """A W&B run (see the module docstring for modes and resume)."""
+
+    extra = WANDB
+
+    def __init__(self, *, run_dir: Path, config: dict[str, Any], name: str, resume: bool) -> None:
+        WANDB.require()
+        import wandb
+
+        self._wandb = wandb
+        self.options = backend_options(config, "wandb")
+        self.group = self.options.group or tracking_config(config).group
+        self.config, self.name = config, name
+        self.run_dir = Path(run_dir)
+        self.state_path = self.run_dir / "wandb" / STATE_FILE
+        self.mode = resolve_mode(self.options.mode)
+        self.run: Any = None
+        self.last_step = -1  # the last step the current W&B run holds
+        if not resume:
+            self._start()
+        # On resume, the first truncate (or log) decides: continue the recorded W&B run or start a new one.
+
+    def _start(self, *, resume_id: str | None = None, resumed_from: str | None = None) -> None:
+        wandb = self._wandb
+        config = dict(self.config)
+        tags = list(self.options.tags)
+        if resumed_from is not None:
+            config["roll_resumed_from"] = resumed_from
+            tags.append("resumed")
+        self.run = wandb.init(
+            project=self.options.project or os.environ.get("WANDB_PROJECT") or "roll",
+            entity=self.options.entity,
+            name=self.name,
+            group=self.group,
+            tags=tags,
+            job_type=self.options.job_type,
+            notes=self.options.notes,
+            config=config,
+            dir=self.options.dir or str(self.run_dir),
+            mode=self.mode,
+            id=resume_id,
+            resume="allow" if resume_id else None,
+            reinit="create_new",  # several roll runs in one process (tests, notebooks) each get their own
+        )
+        if self.mode == "offline" and resume_id is None:
+            log.info("W&B is offline (no API key): upload later with `wandb sync %s`", Path(self.run.dir).parent)
+        self._save_state()
+
+    def _save_state(self) -> None:
+        if self.run is None or self.mode == "disabled":
+            return
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"id": self.run.id, "last_step": self.last_step}))
+        tmp.replace(self.state_path)  # a crash mid-write keeps the previous record
+
+    def _replay(self, last_step: int) -> None:
+        """Log what the run folder's own files hold up to `last_step` into the fresh W&B run."""
+        samples: dict[int, list[dict[str, Any]]] = {}
+        for row in _read_jsonl(self.run_dir / "samples.jsonl"):
+            step = int(row.pop("step", 0))
+            samples.setdefault(step, []).append(row)
+        for record in _read_jsonl(self.run_dir / "metrics.jsonl"):
+            step = int(record["step"])
+            if step > last_step:
+                continue
+            metrics = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+            self.log(step, {k: v for k, v in metrics.items() if math.isfinite(v)})
+            if step in samples:
+                self.samples(step, samples.pop(step))
+
+    def truncate(self, last_step: int) -> None:
+        """Continue the recorded W&B run when it holds nothing after `last_step`, else start a new one replaying
+        steps 0..last_step (W&B cannot delete steps; see the module docstring)."""
+        if self.run is not None:
+            if self.last_step <= last_step:
+                return
+            old = self.run.id
+            self.run.finish()
+            self.run, self.last_step = None, -1
+            self._start(resumed_from=old)
+            self._replay(last_step)
+            return
+        state = json.loads(self.state_path.read_text()) if self.state_path.exists() else None
+        if state is not None and int(state["last_step"]) <= last_step:
+            self._start(resume_id=str(state["id"]))
+            self.last_step = int(state["last_step"])
+            return
+        self._start(resumed_from=None if state is None else str(state["id"]))
+        self._replay(last_step)
+
+    def _ensure_run(self, step: int) -> None:
+        if self.run is None:  # a resumed run logged without truncating first: keep what precedes this step
+            self.truncate(step - 1)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Log the metrics at W&B step `step`."""
+        self._ensure_run(step)
+        self.run.log(dict(metrics), step=step)
+        self.last_step = max(self.last_step, step)
+        self._save_state()
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Log the rows as the `samples` table at `step` (columns: step, then every key in the rows' order)."""
+        if not self.options.log_samples or not rows:
+            return
+        self._ensure_run(step)
+        columns = ["step", *dict.fromkeys(k for row in rows for k in row if k != "step")]
+        data = [[step, *(_cell(row.get(c)) for c in columns[1:])] for row in rows]
+        self.run.log({SAMPLES_KEY: self._wandb.Table(columns=columns, data=data)}, step=step)
+        self.last_step = max(self.last_step, step)
+        self._save_state()
+
+    def close(self) -> None:
+        """Finish the W&B run (idempotent)."""
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
