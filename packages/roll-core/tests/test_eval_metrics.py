@@ -1,0 +1,174 @@
+"""roll_core.eval_metrics: pass@k against hand-worked values and exact enumeration, majority vote's ties, the
+summaries and breakdowns of sample records, and the k / n checks."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from fractions import Fraction
+
+import pytest
+
+from roll_core.eval_metrics import (
+    UNKNOWN,
+    breakdown,
+    difficulty_of,
+    majority_vote,
+    mean_pass_at_k,
+    parse_ks,
+    pass_at_k,
+    summarize,
+)
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "k", "expected"),
+    [
+        (4, 1, 1, 0.25),  # c/n
+        (4, 1, 2, 0.5),  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+        (4, 2, 2, 5 / 6),  # 1 - C(2,2)/C(4,2) = 1 - 1/6
+        (4, 1, 4, 1.0),  # every 4-subset holds the correct one
+        (10, 3, 5, 11 / 12),  # 1 - C(7,5)/C(10,5) = 1 - 21/252
+        (8, 0, 4, 0.0),
+        (5, 5, 1, 1.0),
+        (1, 1, 1, 1.0),
+    ],
+)
+def test_pass_at_k_hand_worked_values(n: int, c: int, k: int, expected: float) -> None:
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_is_the_fraction_of_k_subsets_with_a_correct_sample() -> None:
+    """Exact enumeration: over every k-subset of n samples of which c are correct."""
+    for n in range(1, 9):
+        for c in range(n + 1):
+            outcomes = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(outcomes, k))
+                exact = Fraction(sum(any(s) for s in subsets), len(subsets))
+                assert pass_at_k(n, c, k) == pytest.approx(float(exact), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_is_unbiased_over_every_outcome_of_n_samples() -> None:
+    """E over all 2^n correctness patterns of n samples (each correct with probability p) of the estimate equals
+    the true pass@k, 1 - (1 - p)^k; the naive plug-in 1 - (1 - c/n)^k is biased (checked to differ)."""
+    n, p = 6, Fraction(3, 10)
+    for k in range(1, n + 1):
+        expected_estimate = Fraction(0)
+        expected_naive = Fraction(0)
+        for pattern in itertools.product((0, 1), repeat=n):
+            c = sum(pattern)
+            prob = p**c * (1 - p) ** (n - c)
+            expected_estimate += prob * Fraction(pass_at_k(n, c, k))
+            expected_naive += prob * (1 - (1 - Fraction(c, n)) ** k)
+        truth = 1 - (1 - p) ** k
+        assert float(expected_estimate) == pytest.approx(float(truth), abs=1e-12), k
+        if 1 < k < n:
+            assert abs(float(expected_naive - truth)) > 1e-3, k
+
+
+def test_pass_at_k_is_stable_for_large_n() -> None:
+    # C(1000, 100) has 140 digits; the product form stays exact to float precision.
+    n, c, k = 1000, 3, 100
+    exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+    assert pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-12)
+    assert mean_pass_at_k([(4, 1), (4, 2)], 2) == pytest.approx((0.5 + 5 / 6) / 2)
+
+
+def test_pass_at_k_refuses_k_above_n_and_bad_counts() -> None:
+    with pytest.raises(ValueError, match="pass@5 needs at least 5 samples"):
+        pass_at_k(4, 1, 5)
+    with pytest.raises(ValueError, match="within"):
+        pass_at_k(4, 5, 1)
+    with pytest.raises(ValueError):
+        pass_at_k(0, 0, 1)
+    with pytest.raises(ValueError, match="of no problems"):
+        mean_pass_at_k([], 1)
+
+
+def test_parse_ks() -> None:
+    assert parse_ks("1,4,8", 8) == [1, 4, 8]
+    assert parse_ks("4, 1,4", 4) == [1, 4]
+    assert parse_ks(None, 8) == [1, 2, 4, 8]
+    assert parse_ks(None, 6) == [1, 2, 4, 6]
+    assert parse_ks(None, 1) == [1]
+    with pytest.raises(ValueError, match=r"1 <= k <= n.*--n 4.*8 is out of range"):
+        parse_ks("1,8", 4)
+    with pytest.raises(ValueError, match="comma-separated"):
+        parse_ks("1;4", 4)
+
+
+def test_majority_vote_counts_and_breaks_ties_by_first_appearance() -> None:
+    assert majority_vote(["3", "5", "5", "3", "5"]) == ("5", 1)
+    assert majority_vote(["3", "5", "5", "3"]) == ("3", 0)  # 2-2 tie: "3" appeared first
+    assert majority_vote([None, "5", "3", "3", "5"]) == ("5", 1)  # tie: "5" first; None does not vote
+    assert majority_vote([None, " 4", "4 ", None]) == ("4", 1)  # whitespace does not split votes
+    assert majority_vote([None, None, ""]) == (None, -1)
+    assert majority_vote([]) == (None, -1)
+
+
+def _rows(spec: list[list[tuple[str | None, int]]], **fields: object) -> list[dict]:
+    """Sample records of problems given as [(extracted answer, correct), ...] per problem."""
+    out = []
+    for i, samples in enumerate(spec):
+        for j, (extracted, correct) in enumerate(samples):
+            out.append(
+                {
+                    "index": i,
+                    "sample": j,
+                    "extracted": extracted,
+                    "correct": float(correct),
+                    "reward": float(correct) + 0.5,
+                    "formatted": float(extracted is not None),
+                    "length": 10 * (j + 1),
+                    "finish_reason": "length" if j == 0 else "stop",
+                    **{k: (v[i] if isinstance(v, list) else v) for k, v in fields.items()},
+                }
+            )
+    return out
+
+
+def test_summarize_by_hand() -> None:
+    rows = _rows(
+        [
+            [("1", 0), ("2", 1), ("2", 1), ("1", 0)],  # c=2; tie 1-1 vs 2-2 -> "1" first -> maj wrong
+            [("5", 1), ("3", 0), ("5", 1), (None, 0)],  # c=2; "5" wins -> right
+            [(None, 0), ("9", 0), ("9", 0), ("8", 0)],  # c=0
+        ],
+        domain=["a", "a", "b"],
+    )
+    rows.reverse()  # record order does not matter: samples are ordered by their index
+    m = summarize(rows, [1, 2, 4])
+    assert m["problems"] == 3 and m["samples"] == 12
+    assert m["accuracy"] == pytest.approx(4 / 12)
+    assert m["pass@1"] == pytest.approx(4 / 12)
+    assert m["pass@2"] == pytest.approx((5 / 6 + 5 / 6 + 0) / 3)
+    assert m["pass@4"] == pytest.approx(2 / 3)
+    assert m["maj"] == pytest.approx(1 / 3)
+    assert m["reward"] == pytest.approx(4 / 12 + 0.5)
+    assert m["length_mean"] == pytest.approx(25.0)
+    assert m["truncation_rate"] == pytest.approx(0.25)
+    assert m["format_rate"] == pytest.approx(10 / 12)
+    by = breakdown(rows, "domain", [1, 2])
+    assert list(by) == ["b", "a"]  # first-seen order (the records were reversed)
+    assert by["a"]["accuracy"] == pytest.approx(0.5) and by["a"]["maj"] == pytest.approx(0.5)
+    assert by["b"]["pass@2"] == 0.0 and by["b"]["problems"] == 1
+    assert list(breakdown(rows, "difficulty", [1])) == [UNKNOWN]
+
+
+def test_summarize_without_extracted_answers_and_short_problems() -> None:
+    rows = [{k: v for k, v in r.items() if k != "extracted"} for r in _rows([[("1", 1), ("2", 0)]])]
+    assert summarize(rows, [1])["maj"] is None
+    # A problem that lost a sample (the engine's context): pass@k above its count is not reported.
+    rows = _rows([[("1", 1), ("2", 0)], [("1", 1)]])
+    m = summarize(rows, [1, 2])
+    assert m["pass@1"] == pytest.approx(0.75) and m["pass@2"] is None
+    with pytest.raises(ValueError):
+        summarize([], [1])
+
+
+def test_difficulty_of() -> None:
+    assert difficulty_of({"difficulty": "hard", "level": 3}) == "hard"
+    assert difficulty_of({"level": 3}) == "3"
+    assert difficulty_of({"difficulty": " "}) == UNKNOWN
+    assert difficulty_of(None) == UNKNOWN
