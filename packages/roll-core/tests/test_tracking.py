@@ -3,20 +3,24 @@
 Drives `Tracker` directly (no model, no pipeline): the built-in TensorBoard backend logs finite metrics and purges
 the steps a resumed run redoes; `pipeline.trackers=[]` writes no TensorBoard folder; a tracker name that is not
 installed is a config error listing the installed ones; without TensorBoard in `pipeline.trackers` the run needs no
-`roll-core[track]`. The out-of-tree side (a plugin receiving every call) is
-tests/plugins/test_tracker_plugins.py.
+`roll-core[track]`. The conformance suite (roll_core.testing.trackers) runs for `tensorboard` and `jsonl`; `jsonl`
+writes nothing besides the core files. W&B: test_tracking_wandb.py. The out-of-tree side (a plugin receiving every
+call) is tests/plugins/test_tracker_plugins.py.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from roll_core import registry
 from roll_core.config import ConfigError, load_config
+from roll_core.testing.trackers import TrackerTestSuite
 from roll_core.tracking import Tracker
 
 
@@ -27,6 +31,41 @@ def _scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(folder))
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+class TestTensorBoardConformance(TrackerTestSuite):
+    tracker = "tensorboard"
+
+    def read_back(self, run_dir: Path) -> dict[int, dict[str, float]]:
+        pytest.importorskip("tensorboard", reason="the roll-core[track] extra")
+        shown: dict[int, dict[str, float]] = {}
+        for tag, points in _scalars(run_dir / "tensorboard").items():
+            for step, value in points:
+                shown.setdefault(step, {})[tag] = value
+        return shown
+
+
+class TestJsonlConformance(TrackerTestSuite):
+    tracker = "jsonl"
+
+    def read_back(self, run_dir: Path) -> dict[int, dict[str, float]]:
+        """The backend's record is the core's metrics.jsonl (nulls are the NaNs no backend receives)."""
+        records = Tracker.read_metrics(run_dir / "metrics.jsonl")
+        return {r["step"]: {k: v for k, v in r.items() if k != "step" and v is not None} for r in records}
+
+    def read_samples(self, run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+        rows: dict[int, list[dict[str, Any]]] = {}
+        for line in (run_dir / "samples.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            rows.setdefault(row.pop("step"), []).append(row)
+        return rows
+
+    def test_writes_only_the_core_files(self, tmp_path: Path) -> None:
+        tracker = Tracker(tmp_path, "experiment: demo\n", ["jsonl"])
+        tracker.log(1, {"loss": 1.0})
+        tracker.samples(1, [{"response": "7"}])
+        tracker.close()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "metrics.jsonl", "samples.jsonl"]
 
 
 def test_tensorboard_backend_logs_finite_metrics_and_purges_the_redone_steps(

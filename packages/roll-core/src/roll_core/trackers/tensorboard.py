@@ -7,6 +7,7 @@ Needs the `roll-core[track]` extra. A resumed run's `truncate(last_step)` opens 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ class TensorBoardTracker:
 
         if self.writer is not None:
             self.writer.close()
+        _wait_for_a_later_second(self.dir)
         self.writer = SummaryWriter(str(self.dir), purge_step=last_step + 1)
 
     def close(self) -> None:
@@ -47,3 +49,21 @@ class TensorBoardTracker:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def _wait_for_a_later_second(folder: Path) -> None:
+    """Sleep until the clock is past the newest event file's second.
+
+    TensorBoard reads a folder's event files in name order (`events.out.tfevents.<second>.<host>.<pid>.<counter>`):
+    a purging writer opened in the same second as the previous file by the same process (a resume in a test or a
+    notebook) could sort first, when its counter has more digits, and its purge would then be read before the
+    events it drops.
+    """
+    newest = 0
+    for path in folder.glob("events.out.tfevents.*"):
+        try:
+            newest = max(newest, int(path.name.split(".")[3]))
+        except (IndexError, ValueError):  # not a name TensorBoard wrote
+            continue
+    while time.time() < newest + 1:
+        time.sleep(0.05)
