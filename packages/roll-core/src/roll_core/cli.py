@@ -130,44 +130,116 @@ def train_main() -> None:
 
 
 def eval_main(argv: list[str] | None = None) -> int:
-    """`roll-eval MODEL [overrides...]`: held-out accuracy of a model folder, hub id or checkpoint."""
+    """`roll-eval MODEL [MODEL ...] [overrides...]`: held-out accuracy of models, checkpoints or a run's every
+    checkpoint, with pass@k and majority vote over --n responses per problem, per-domain and per-difficulty
+    breakdowns, samples.jsonl, a comparison table and plot, and report.md in --out."""
     parser = argparse.ArgumentParser(prog="roll-eval", description=eval_main.__doc__)
-    parser.add_argument("model", help="HF folder, hub id, builtin:<name>, or a roll checkpoint folder")
-    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. env=arithmetic env.digits=2")
+    parser.add_argument(
+        "targets",
+        nargs="+",
+        metavar="MODEL_OR_OVERRIDE",
+        help="models (HF folder, hub id, builtin:<name>, roll checkpoint folder, or a run folder: all its "
+        "checkpoints in step order), then config overrides (key=value, e.g. env=arithmetic env.digits=2)",
+    )
     parser.add_argument("--samples", type=int, default=None, help="held-out problems to evaluate")
-    args = parser.parse_args(argv)
+    parser.add_argument("--n", type=int, default=1, help="responses per problem (> 1 needs a temperature > 0)")
+    parser.add_argument("--k", default=None, help="pass@k values, e.g. 1,4,8 (each <= --n; default 1,2,4.. n)")
+    parser.add_argument("--data", default=None, help="a benchmark file (JSONL/Parquet): every row is held out")
+    parser.add_argument("--out", default=None, help="output folder (default outputs/eval/<date>_<time>)")
+    args = parser.parse_intermixed_args(argv)  # options may sit between the models and the overrides
     logging.basicConfig(level=logging.WARNING)
+    return run_eval(args, list(sys.argv if argv is None else ["roll-eval", *argv]))
+
+
+def _is_override(arg: str) -> bool:
+    """A Hydra override (key=value, +key=value, ~key) rather than a model."""
+    return "=" in arg or arg.startswith("~")
+
+
+def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
+    """roll-eval's body (eval_main parses): models, evaluation, outputs; returns the exit status."""
+    import time
     from pathlib import Path
 
     from roll_core.config.compose import compose
-    from roll_core.evaluate import evaluate_model
+    from roll_core.eval_compare import expand_targets, table, write_outputs
+    from roll_core.eval_metrics import parse_ks
+    from roll_core.evaluate import check_sampling, eval_temperature, evaluate_model
+    from roll_core.report import write_eval_report
 
-    model = args.model
-    if (Path(model) / "actor" / "model" / "config.json").is_file():  # a roll checkpoint folder
-        model = str(Path(model) / "actor" / "model")
+    models = [a for a in args.targets if not _is_override(a)]
+    overrides = [a for a in args.targets if _is_override(a)]
+    if args.data:  # a benchmark file: the file task, every row held out (training rows are not used)
+        overrides = [
+            "env=file",
+            f"env.path={args.data}",
+            f"env.eval_path={args.data}",
+            "env.eval_size=100000000",
+            *([] if args.samples else ["pipeline.eval_size=100000000"]),
+            *overrides,
+        ]
     try:
-        cfg = to_object(compose([*args.overrides, f"model.path={model}"]))
-        check_installed(cfg, training=False)
-        # Settings only checked against the world (a model folder, a held-out split) fail here the same way.
-        result = evaluate_model(cfg, samples=args.samples)
+        ks = parse_ks(args.k, args.n)
+        targets = expand_targets(models)
+        configs = []
+        for t in targets:  # every config checked before the first engine starts
+            cfg = to_object(compose([*overrides, f"model.path={t.model}"]))
+            check_installed(cfg, training=False)
+            check_sampling(cfg, args.n)
+            configs.append(cfg)
+        results = []
+        for t, cfg in zip(targets, configs):
+            if len(targets) > 1:
+                print(f"evaluating {t.label} ({t.model}) ...", file=sys.stderr, flush=True)
+            # Settings only checked against the world (a model folder, a held-out split) fail here the same way.
+            results.append((t, evaluate_model(cfg, samples=args.samples, n=args.n, ks=ks)))
     except ConfigError as exc:
         print(f"roll-eval: invalid config:\n{exc}", file=sys.stderr)
         return 2
     except MissingExtraError as exc:
         print(f"roll-eval: {exc}", file=sys.stderr)
         return 2
-    if result.get("agentic"):
-        ends = ", ".join(f"{k} {v:.0%}" for k, v in sorted(result["ends"].items()))
-        print(
-            f"success rate {result['success_rate']:.4f} on {result['n']} held-out seeds of {result['task']} "
-            f"(mean reward {result['reward']:.4f}, mean turns {result['mean_turns']:.2f}, invalid actions "
-            f"{result['invalid_action_rate']:.1%} of turns, ended by: {ends}; model {model})"
-        )
+    except ValueError as exc:  # --k / --n out of range
+        print(f"roll-eval: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out or Path("outputs") / "eval" / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    first_cfg = configs[0]
+    settings = {
+        "experiment": first_cfg.experiment,
+        "task": results[0][1]["task"],
+        "temperature": eval_temperature(first_cfg),
+        "seed": first_cfg.pipeline.seed,
+        "ks": ks,
+        "n": args.n,
+    }
+    if any(r.get("agentic") for _, r in results):
+        (out / "results.json").write_text(json.dumps([{"label": t.label, **r} for t, r in results], indent=2))
+        for t, result in results:
+            ends = ", ".join(f"{k} {v:.0%}" for k, v in sorted(result["ends"].items()))
+            print(
+                f"success rate {result['success_rate']:.4f} on {result['n']} held-out seeds of {result['task']} "
+                f"(mean reward {result['reward']:.4f}, mean turns {result['mean_turns']:.2f}, invalid actions "
+                f"{result['invalid_action_rate']:.1%} of turns, ended by: {ends}; model {t.model})"
+            )
         return 0
-    print(
-        f"accuracy {result['accuracy']:.4f} on {result['n']} held-out problems of {result['task']} "
-        f"(mean reward {result['reward']:.4f}, model {model})"
-    )
+    files = write_outputs(out, results, ks, args.n, settings)
+    files["report"] = write_eval_report(out, results, settings=settings, files=files, argv=argv)
+    if len(results) == 1:  # the one-model line scripts (and the README tests) parse comes first
+        t, result = results[0]
+        print(
+            f"accuracy {result['accuracy']:.4f} on {result['n']} held-out problems of {result['task']} "
+            f"(mean reward {result['reward']:.4f}, model {t.model})"
+        )
+        m = result["metrics"]
+        extra = [f"pass@{k} {m[f'pass@{k}']:.4f}" for k in ks if m.get(f"pass@{k}") is not None and args.n > 1]
+        if m.get("maj") is not None:
+            extra.append(f"maj@{args.n} {m['maj']:.4f}")
+        extra += [f"mean length {m['length_mean']:.1f}", f"truncated {m['truncation_rate']:.1%}"]
+        print(", ".join(extra))
+    else:
+        print(table(results, ks, args.n))
+    print(f"wrote {out}/ (report.md, comparison.md, comparison.csv, samples.jsonl)")
     return 0
 
 

@@ -1,14 +1,30 @@
-"""`roll-eval`'s engine: held-out metrics of a model with the run config's inference settings, through the same
-collector evaluation a training run logs (`Collector.evaluate`).
+"""`roll-eval`'s engine: held-out metrics of one model with the run config's inference settings.
 
-Single-turn tasks: accuracy and mean reward over the task's eval split. Agentic tasks (env=sokoban, ...): one
-episode per held-out environment seed, reporting success rate, mean turns and the invalid-action rate. Runs in
-this process (no Ray), one inference worker.
+Single-turn tasks: `n` responses per held-out problem (one greedy or sampled response by default; n > 1 needs a
+sampling temperature > 0), scored by the same reward role (and reward model) a training run's evaluation uses
+(the `rlvr` prompts collector's scoring), whatever `pipeline.name` says: evaluation of a single-turn task is the
+same for every pipeline kind. Every response is one record (`rows`: problem index and id, domain, difficulty,
+response, ground truth, extracted answer, reward, correctness, format flag, length, finish reason), and the
+metrics are computed from those records by roll_core.eval_metrics (pass@k, maj@n, lengths, truncation, format,
+per-domain and per-difficulty). With n=1 the accuracy is the one a training run logs as `eval/accuracy`: the same
+prompts, sampling parameters and seed (derived from `pipeline.seed`, so every model of a comparison sees the same
+problems and seeds).
+
+Majority vote needs each response's extracted answer: the task's `extract_answer(response) -> str | None`, else
+its reward's (the math reward's: the last non-empty \\boxed{}). A task with neither reports maj@n as None and says
+so once in the log. Problems whose prompt exceeds `model.max_prompt_length` are skipped, counted
+(`skipped_problems`) and logged, never truncated.
+
+Agentic tasks (env=sokoban, ...): one episode per held-out environment seed, through the agentic collector's
+evaluation, reporting success rate, mean turns and the invalid-action rate (n must be 1). Runs in this process
+(no Ray), one inference worker per model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from roll_core import registry
@@ -16,19 +32,54 @@ from roll_core.cluster.launch import Cluster
 from roll_core.cluster.roles import InferGroup
 from roll_core.config.build import as_dict, build
 from roll_core.config.compose import ConfigError
+from roll_core.eval_metrics import breakdown, difficulty_of, summarize
 from roll_core.interfaces.tasks import AgenticTask
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.collectors import CollectorContext
 from roll_core.pipelines.wiring import sampling_params
 
+log = logging.getLogger(__name__)
 
-def evaluate_model(cfg: Any, samples: int | None = None) -> dict[str, Any]:
-    """Evaluate `cfg.model` on `cfg.env`'s held-out split; `samples` caps the held-out problems (or seeds)."""
+
+def eval_temperature(cfg: Any) -> float:
+    """The temperature held-out sampling uses: pipeline.eval_temperature, else the inference engine's."""
+    t = cfg.pipeline.eval_temperature
+    return float(cfg.infer_engine.temperature if t is None else t)
+
+
+def check_sampling(cfg: Any, n: int) -> None:
+    """Refuse n < 1, and n > 1 responses per problem at temperature 0 (greedy: n copies of one response)."""
+    if n < 1:
+        raise ConfigError(f"--n {n}: sample at least one response per problem")
+    if n > 1 and eval_temperature(cfg) <= 0:
+        raise ConfigError(
+            f"--n {n} samples {n} responses per problem, but the evaluation temperature is 0 (greedy: {n} copies "
+            "of one response, so pass@k and maj@n would say nothing): set pipeline.eval_temperature=0.7 (or any "
+            "value > 0), or use --n 1"
+        )
+
+
+def answer_extractor(task: Any) -> Callable[[str], str | None] | None:
+    """The task's `extract_answer`, else its reward's, else None (majority vote is then not reported)."""
+    for owner in (task, getattr(task, "reward", None)):
+        fn = getattr(owner, "extract_answer", None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequence[int] = (1,)) -> dict[str, Any]:
+    """Evaluate `cfg.model` on `cfg.env`'s held-out split; `samples` caps the held-out problems (or seeds), `n` is
+    the responses per problem and `ks` the pass@k values (each <= n). See the module docstring for the result."""
     from transformers import AutoTokenizer
 
+    check_sampling(cfg, n)
     task = build(cfg.env)
     agentic = isinstance(task, AgenticTask)
-    name = "agentic" if agentic and cfg.pipeline.name == "rlvr" else cfg.pipeline.name  # roll-eval M env=sokoban
+    if agentic and n > 1:
+        raise ConfigError(f"--n {n}: several responses per problem are for single-turn tasks; env={cfg.env.name}")
+    # A single-turn task is scored by the prompts collector whatever pipeline trained the model (sft, dpo, ...).
+    name = ("agentic" if cfg.pipeline.name == "rlvr" else cfg.pipeline.name) if agentic else "rlvr"
     if not agentic and not task.eval_set()[: samples or cfg.pipeline.eval_size]:  # said before a model is loaded
         raise ConfigError(
             f"env={getattr(task, 'name', type(task).__name__)} has no held-out problems to evaluate "
@@ -59,27 +110,112 @@ def evaluate_model(cfg: Any, samples: int | None = None) -> dict[str, Any]:
         },
     )
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or path)
-    collector = factory(CollectorContext(cfg, cluster, infer, sampling_params(cfg), tokenizer, task, path))
+    collector = factory(CollectorContext(cfg, cluster, infer, sampling_params(cfg, tokenizer), tokenizer, task, path))
+    task_name = getattr(task, "name", type(task).__name__)
     try:
-        if agentic and samples:
-            collector.eval_seeds = collector.eval_seeds[:samples]  # type: ignore[attr-defined]
-        m = collector.evaluate(0)
+        if agentic:
+            if samples:
+                collector.eval_seeds = collector.eval_seeds[:samples]  # type: ignore[attr-defined]
+            m = collector.evaluate(0)
+        else:
+            rows, skipped, counters = sample_rows(collector, task, n)
     finally:
         collector.close()
         cluster.shutdown()
-    out: dict[str, Any] = {
-        "accuracy": m["eval/accuracy"],
-        "reward": m["eval/reward"],
-        "n": int(m["eval/n"]),
-        "task": getattr(task, "name", type(task).__name__),
-    }
     if agentic:
-        out.update(
-            success_rate=m["eval/success_rate"],
-            mean_turns=m["eval/mean_turns"],
-            invalid_action_rate=m["eval/invalid_action_rate"],
-            tool_calls_mean=m["eval/tool_calls_mean"],
-            ends={k.removeprefix("eval/end_"): v for k, v in m.items() if k.startswith("eval/end_")},
-            agentic=True,
-        )
-    return out
+        return {
+            "accuracy": m["eval/accuracy"],
+            "reward": m["eval/reward"],
+            "n": int(m["eval/n"]),
+            "task": task_name,
+            "success_rate": m["eval/success_rate"],
+            "mean_turns": m["eval/mean_turns"],
+            "invalid_action_rate": m["eval/invalid_action_rate"],
+            "tool_calls_mean": m["eval/tool_calls_mean"],
+            "ends": {k.removeprefix("eval/end_"): v for k, v in m.items() if k.startswith("eval/end_")},
+            "agentic": True,
+        }
+    overall = summarize(rows, ks)
+    return {
+        "accuracy": overall["accuracy"],
+        "reward": overall["reward"],
+        "n": overall["problems"],
+        "task": task_name,
+        "samples_per_problem": n,
+        "ks": list(ks),
+        "temperature": eval_temperature(cfg),
+        "metrics": overall,
+        "by_domain": breakdown(rows, "domain", ks),
+        "by_difficulty": breakdown(rows, "difficulty", ks),
+        "skipped_problems": skipped,
+        "reward_counters": counters,
+        "rows": rows,
+    }
+
+
+def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]], int, dict[str, int]]:
+    """(one record per response, problems skipped for their prompt length, the reward's failure counters) of `n`
+    responses to each of the prompts collector's held-out problems, sampled as its `evaluate` samples."""
+    from roll_core.pipelines.rollout import assemble, problem_fields, prompt_ids
+    from roll_core.protocol import Batch
+    from roll_core.seeds import Purpose, derive_seed
+
+    cfg, tokenizer = collector.cfg, collector.tokenizer
+    limit = cfg.model.max_prompt_length
+    ids, kept = [], []
+    for i, problem in enumerate(collector.eval_set):
+        toks, length = prompt_ids(tokenizer, task, problem, limit)
+        if toks is None:
+            log.warning("problem %s skipped: %d prompt tokens > model.max_prompt_length=%d", problem.id, length, limit)
+            continue
+        ids.append(toks)
+        kept.append((i, problem))
+    skipped = len(collector.eval_set) - len(kept)
+    if not kept:
+        raise ConfigError(f"every held-out prompt exceeds model.max_prompt_length={limit}: raise it")
+    prompts = Batch(fields={"prompt_ids": ids, **problem_fields([p for _, p in kept])})
+    prompts["eval_index"] = [i for i, _ in kept]
+    params = collector.sampling.replace(
+        temperature=collector.eval_temperature, seed=derive_seed(cfg.pipeline.seed, Purpose.EVAL)
+    )
+    gen = collector.infer.generate(prompts, params, n=n)
+    repeated = prompts.repeat_interleave(n)  # a problem's n responses are contiguous, in sample order
+    repeated["eval_sample"] = [j for _ in kept for j in range(n)]
+    batch = assemble(tokenizer, repeated, gen)  # drops (and logs) rows whose prompt fills the engine's context
+    scored = collector.scoring.score(batch)
+    extract = answer_extractor(task)
+    if extract is None:
+        log.warning("%s names no extract_answer (task or reward): maj@n is not reported", type(task).__name__)
+    lengths = batch["response_mask"].sum(-1).tolist()
+    reasons = batch["finish_reason"] if "finish_reason" in batch else ["stop"] * len(batch)
+    extract_errors = 0
+    rows: list[dict[str, Any]] = []
+    for r, text in enumerate(scored["response_text"]):
+        meta = batch["metadata"][r]
+        row = {
+            "index": batch["eval_index"][r],
+            "problem": batch["problem_id"][r],
+            "domain": meta.get("domain"),
+            "difficulty": difficulty_of(meta),
+            "sample": batch["eval_sample"][r],
+            "response": text,
+            "answer": batch["answer"][r],
+            "reward": float(scored["scores"][r]),
+            "correct": float(scored["correct"][r]),
+            "formatted": float(scored["formatted"][r]),
+            "length": int(lengths[r]),
+            "finish_reason": reasons[r],
+        }
+        if extract is not None:
+            try:
+                row["extracted"] = extract(text)
+            except Exception as exc:  # a response the extractor chokes on has no answer; counted, never fatal
+                extract_errors += 1
+                row["extracted"] = None
+                log.debug("extract_answer failed on a response: %s", exc)
+        rows.append(row)
+    counters = {k: int(v) for k, v in scored.meta.get("reward_counters", {}).items()}
+    if extract_errors:
+        counters["extract_errors"] = extract_errors
+        log.warning("extract_answer raised on %d response(s): they count as no answer in maj@n", extract_errors)
+    return rows, skipped, counters

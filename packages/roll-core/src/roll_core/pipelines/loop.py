@@ -114,7 +114,26 @@ class Pipeline:
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        """Train for the remaining steps; returns a summary (final and best held-out accuracy, wall time)."""
+        """Train for the remaining steps; returns a summary (final and best held-out accuracy, wall time). The run
+        folder's report.md is written at the end, also when the run fails (roll_core.report)."""
+        t0 = time.perf_counter()
+        try:
+            summary = self._run_steps()
+        except BaseException as exc:
+            self.report(f"failed: {type(exc).__name__}: {str(exc)[:300]}", time.perf_counter() - t0)
+            raise
+        signum = summary.get("stopped_by_signal")
+        status = f"stopped by signal {signum} (checkpoint written)" if signum else "finished"
+        self.report(status, summary["wall_seconds"])
+        return summary
+
+    def report(self, status: str, wall_seconds: float) -> None:
+        """Write the run folder's report.md (never raises)."""
+        from roll_core.report import write_run_report
+
+        write_run_report(self.out, self.cfg, status=status, wall_seconds=wall_seconds, checkpoints=self.ckpt.list())
+
+    def _run_steps(self) -> dict[str, Any]:
         pipe = self.cfg.pipeline
         from tqdm.auto import tqdm
 

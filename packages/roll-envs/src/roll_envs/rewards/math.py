@@ -100,6 +100,11 @@ class MathReward(Reward):
             counters["errors"] += 1
         return False
 
+    def extract_answer(self, response: str) -> str | None:
+        """The answer this reward grades: the last non-empty \\boxed{} (None without one); roll-eval's majority
+        vote counts these."""
+        return extract_boxed(response) or None
+
     def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
         if len(responses) != len(answers):
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")

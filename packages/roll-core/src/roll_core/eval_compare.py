@@ -1,0 +1,253 @@
+"""What `roll-eval` evaluates and what it writes: the models of one call, and their comparison files.
+
+Targets: each model argument is a Hugging Face folder, a hub id, `builtin:<name>`, a roll checkpoint folder
+(`.../checkpoints/step_000012`: its `actor/model`), a run folder (every checkpoint under its `checkpoints/`, in
+step order) or a `checkpoints/` folder itself. Labels are the checkpoint's `step_N` (prefixed with the run's folder
+name when the call names several runs) or the model's name; repeated labels get `#2`, `#3`.
+
+Outputs, in the `--out` folder (one engine start per model, written after all models ran):
+- `samples.jsonl`: one record per response (model label and step, problem, domain, difficulty, sample index,
+  response, ground truth, extracted answer, reward, correct, formatted, length, finish reason), for audits and
+  recomputation.
+- `comparison.csv`: one row per (model, breakdown, group): `all/all`, `domain/<d>`, `difficulty/<d>`, with every
+  metric of roll_core.eval_metrics.summarize; `comparison.json`: the same per model, with the call's settings;
+  `comparison.md`: the overall table and the per-domain / per-difficulty accuracy tables.
+- `comparison.png` (needs matplotlib, roll-core[track]): accuracy, maj@n and pass@k against the checkpoint step
+  (or the model's position when not every model is a checkpoint), and pass@k against k per model.
+- `report.md`: what ran (roll_core.report.write_eval_report).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from roll_core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_STEP = re.compile(r"step_(\d+)$")
+
+
+@dataclass(frozen=True)
+class EvalTarget:
+    """One model of a `roll-eval` call: its label, what `model.path` gets, and its checkpoint step (or None)."""
+
+    label: str
+    model: str
+    step: int | None = None
+    source: str = ""
+
+
+def _checkpoint_model(folder: Path) -> Path | None:
+    """The policy folder of a roll checkpoint folder, or None when `folder` is not one."""
+    model = folder / "actor" / "model"
+    return model if (model / "config.json").is_file() else None
+
+
+def _checkpoints_under(folder: Path) -> list[Path]:
+    """Complete checkpoints (`step_N` with a policy) under a run folder or a `checkpoints/` folder, step order."""
+    root = folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
+    found = [p for p in root.glob("step_*") if p.is_dir() and _STEP.search(p.name) and _checkpoint_model(p)]
+    return sorted(found, key=lambda p: int(_STEP.search(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def expand_targets(models: list[str]) -> list[EvalTarget]:
+    """The models of `roll-eval A B C` (see the module docstring); a run folder without checkpoints is an error."""
+    if not models:
+        raise ConfigError("roll-eval needs a model: a model folder, hub id, builtin:<name>, checkpoint or run folder")
+    raw: list[tuple[str, str, int | None, str]] = []  # (run name, model path, step, source)
+    for arg in models:
+        path = Path(arg).expanduser()
+        if path.is_dir() and _checkpoint_model(path) is not None:
+            m = _STEP.search(path.name)
+            raw.append((path.parent.parent.name, str(_checkpoint_model(path)), int(m.group(1)) if m else None, arg))
+        elif path.is_dir() and not (path / "config.json").is_file():
+            found = _checkpoints_under(path)
+            if not found:
+                raise ConfigError(
+                    f"{arg}: neither a model folder (config.json), a roll checkpoint (actor/model) nor a run folder "
+                    "with checkpoints/step_*: nothing to evaluate there"
+                )
+            name = path.name if path.name != "checkpoints" else path.parent.name
+            for ckpt in found:
+                step = int(_STEP.search(ckpt.name).group(1))  # type: ignore[union-attr]
+                raw.append((name, str(_checkpoint_model(ckpt)), step, str(ckpt)))
+        else:
+            raw.append(("", arg, None, arg))
+    runs = {r for r, _, s, _ in raw if s is not None}
+    targets, seen = [], {}
+    for run, model, step, source in raw:
+        if step is not None:
+            label = f"{run}/step_{step}" if len(runs) > 1 else f"step_{step}"
+        else:
+            label = model.rstrip("/").rsplit("/", 1)[-1] if Path(model).is_dir() else model
+        seen[label] = seen.get(label, 0) + 1
+        if seen[label] > 1:
+            label = f"{label}#{seen[label]}"
+        targets.append(EvalTarget(label, model, step, source))
+    return targets
+
+
+def x_axis(targets: list[EvalTarget]) -> tuple[str, list[float]]:
+    """(axis name, positions) of the comparison plot: checkpoint steps when every target is a checkpoint of one
+    run (several runs' steps would interleave), else the model's position in the call."""
+    steps = [t.step for t in targets]
+    one_run = len({t.label.rsplit("/", 1)[0] for t in targets if "/" in t.label}) <= 1
+    if all(s is not None for s in steps) and one_run and len(set(steps)) == len(steps):
+        return "checkpoint step", [float(s) for s in steps]  # type: ignore[arg-type]
+    return "model", [float(i) for i in range(len(targets))]
+
+
+METRIC_COLUMNS = ("accuracy", "maj", "reward", "length_mean", "truncation_rate", "format_rate", "problems", "samples")
+
+
+def metric_names(ks: list[int]) -> list[str]:
+    """The columns of a results table, pass@k after accuracy."""
+    return ["accuracy", *(f"pass@{k}" for k in ks), *METRIC_COLUMNS[1:]]
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def table(results: list[tuple[EvalTarget, dict[str, Any]]], ks: list[int], n: int) -> str:
+    """The overall metrics of every model as a Markdown table (maj is maj@n)."""
+    names = metric_names(ks)
+    head = ["model", "step", *(f"maj@{n}" if c == "maj" else c for c in names)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for target, res in results:
+        m = res["metrics"]
+        lines.append("| " + " | ".join([target.label, _fmt(target.step), *(_fmt(m.get(c)) for c in names)]) + " |")
+    return "\n".join(lines)
+
+
+def breakdown_table(results: list[tuple[EvalTarget, dict[str, Any]]], key: str, metric: str) -> str:
+    """`metric` per group of `key` (by_domain / by_difficulty) and model, groups as rows."""
+    groups: list[str] = []
+    for _, res in results:
+        groups += [g for g in res[key] if g not in groups]
+    head = [key.removeprefix("by_"), *(t.label for t, _ in results)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in groups:
+        cells = []
+        for _, res in results:
+            m = res[key].get(g)
+            cells.append(f"{_fmt(m.get(metric))} (n={m['problems']})" if m else "-")
+        lines.append("| " + " | ".join([g, *cells]) + " |")
+    return "\n".join(lines)
+
+
+def write_outputs(
+    out: Path, results: list[tuple[EvalTarget, dict[str, Any]]], ks: list[int], n: int, settings: dict[str, Any]
+) -> dict[str, Path]:
+    """Write samples.jsonl, comparison.{csv,json,md} and comparison.png (when matplotlib is installed) into `out`;
+    returns the written paths by name."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"samples": out / "samples.jsonl", "csv": out / "comparison.csv", "json": out / "comparison.json"}
+    with open(paths["samples"], "w") as f:
+        for target, res in results:
+            for row in res["rows"]:
+                f.write(json.dumps({"model": target.label, "step": target.step, **row}) + "\n")
+    names = metric_names(ks)
+    with open(paths["csv"], "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["model", "step", "path", "breakdown", "group", *names])
+        for target, res in results:
+            step = "" if target.step is None else target.step
+            groups = [("all", {"all": res["metrics"]}), ("domain", res["by_domain"])]
+            for kind, by in [*groups, ("difficulty", res["by_difficulty"])]:
+                for g, m in by.items():
+                    cells = ["" if m.get(c) is None else m[c] for c in names]
+                    writer.writerow([target.label, step, target.model, kind, g, *cells])
+    payload = {
+        **settings,
+        "ks": ks,
+        "n": n,
+        "models": [
+            {
+                "label": t.label,
+                "step": t.step,
+                "model": t.model,
+                "source": t.source,
+                "task": r["task"],
+                "metrics": r["metrics"],
+                "by_domain": r["by_domain"],
+                "by_difficulty": r["by_difficulty"],
+                "skipped_problems": r["skipped_problems"],
+                "reward_counters": r["reward_counters"],
+            }
+            for t, r in results
+        ],
+    }
+    paths["json"].write_text(json.dumps(payload, indent=2))
+    md = [
+        "# roll-eval comparison",
+        "",
+        table(results, ks, n),
+        "",
+        "## Accuracy per domain",
+        "",
+        breakdown_table(results, "by_domain", "accuracy"),
+        "",
+        "## Accuracy per difficulty",
+        "",
+        breakdown_table(results, "by_difficulty", "accuracy"),
+        "",
+    ]
+    paths["md"] = out / "comparison.md"
+    paths["md"].write_text("\n".join(md))
+    png = plot(out / "comparison.png", results, ks, n)
+    if png is not None:
+        paths["png"] = png
+    return paths
+
+
+def plot(path: Path, results: list[tuple[EvalTarget, dict[str, Any]]], ks: list[int], n: int) -> Path | None:
+    """comparison.png (see the module docstring); None, with one log line naming the extra, without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed (pip install roll-core[track]): no comparison.png")
+        return None
+    targets = [t for t, _ in results]
+    axis, xs = x_axis(targets)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    series = [("accuracy", "accuracy"), *((f"pass@{k}", f"pass@{k}") for k in ks if k > 1), ("maj", f"maj@{n}")]
+    for key, name in series:
+        pts = [(x, r["metrics"][key]) for x, (_, r) in zip(xs, results) if r["metrics"].get(key) is not None]
+        if pts:
+            left.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    left.set_xlabel(axis)
+    if axis == "model":
+        left.set_xticks(xs, [t.label for t in targets], rotation=20, ha="right", fontsize=8)
+    left.set_ylim(-0.02, 1.02)
+    left.set_title("held-out metrics")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    for target, res in results:
+        pts = [(k, res["metrics"][f"pass@{k}"]) for k in ks if res["metrics"].get(f"pass@{k}") is not None]
+        right.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=target.label)
+    right.set_xscale("log", base=2)
+    right.set_xticks(ks, [str(k) for k in ks])
+    right.set_xlabel("k")
+    right.set_ylim(-0.02, 1.02)
+    right.set_title("pass@k")
+    right.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

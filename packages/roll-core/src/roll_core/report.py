@@ -1,0 +1,227 @@
+"""`report.md`: a short human summary in every run's output folder (roll-train's and roll-eval's).
+
+A training run's report (`write_run_report`, called by the loop when a run ends: finished, stopped by a signal, or
+failed with an exception) holds: the status; a config summary (experiment, model, pipeline, algorithm and its key
+hyper-parameters, engines, placement, batch and step counts, evaluation settings, seed); `curves.png` embedded when
+the run drew it; the first, last and best value of the headline metrics read back from the run's `metrics.jsonl`
+(training reward and accuracy, held-out accuracy per evaluation, losses of SFT / DPO / distillation), wall time;
+the checkpoints on disk; and the exact commands to resume the run and to evaluate its checkpoints. The commands
+repeat the launch's overrides when they are known (Hydra's `.hydra/overrides.yaml` in the run folder, or the
+running Hydra job's); otherwise they say so. Writing a report never raises into the run: a failure is one warning.
+
+roll-eval's report (`write_eval_report`) holds the call's settings, the comparison table, the per-domain and
+per-difficulty accuracy, comparison.png and the files it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shlex
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: Headline metrics of a run's report: (metrics.jsonl key, what it is, True when higher is better).
+HEADLINE = (
+    ("reward/mean", "train reward", True),
+    ("reward/accuracy", "train accuracy", True),
+    ("eval/accuracy", "held-out accuracy", True),
+    ("eval/reward", "held-out reward", True),
+    ("eval/success_rate", "held-out success rate", True),
+    ("sft/loss", "SFT loss", False),
+    ("eval/sft_loss", "held-out SFT loss", False),
+    ("dpo/loss", "DPO loss", False),
+    ("dpo/reward_accuracy", "DPO preference accuracy", True),
+    ("distill/kl", "distillation KL", False),
+)
+
+
+def read_history(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl ([] when absent); unreadable lines are skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "step" in rec:
+            out.append(rec)
+    return out
+
+
+def headline(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each HEADLINE metric the history holds (plus each `eval/<domain>/accuracy`): its first, last and best
+    value with their steps."""
+    keys = [(k, what, up) for k, what, up in HEADLINE]
+    domains = sorted({k for h in history for k in h if k.startswith("eval/") and k.endswith("/accuracy")})
+    keys += [(k, f"held-out accuracy, {k.split('/')[1]}", True) for k in domains if k.count("/") == 2]
+    rows = []
+    for key, what, up in keys:
+        pts = [(h["step"], h[key]) for h in history if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])]
+        if not pts:
+            continue
+        best = max(pts, key=lambda p: p[1]) if up else min(pts, key=lambda p: p[1])
+        rows.append({"key": key, "what": what, "first": pts[0], "last": pts[-1], "best": best, "count": len(pts)})
+    return rows
+
+
+def launch_overrides(out: Path) -> list[str] | None:
+    """The overrides the run was launched with: the run folder's .hydra/overrides.yaml, else the running Hydra
+    job's; None when neither is known (a run built in Python)."""
+    recorded = out / ".hydra" / "overrides.yaml"
+    if recorded.is_file():
+        import yaml
+
+        loaded = yaml.safe_load(recorded.read_text())
+        if isinstance(loaded, list):
+            return [str(x) for x in loaded]
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task)
+    except Exception:  # not inside a Hydra job
+        return None
+
+
+def _drop(overrides: list[str], *keys: str) -> list[str]:
+    """`overrides` without those setting one of `keys` (or a key under one ending in '.')."""
+    kept = []
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys):
+            kept.append(o)
+    return kept
+
+
+def commands(out: Path, overrides: list[str] | None, latest: Path | None, experiment: str) -> dict[str, str]:
+    """Resume and evaluation command lines for the run in `out` (see the module docstring)."""
+    base = overrides if overrides is not None else ([f"experiment={experiment}"] if experiment != "rlvr" else [])
+    resume = _drop(base, "pipeline.resume", "pipeline.resume_from", "hydra.")
+    evaluate = _drop(base, "pipeline.resume", "pipeline.resume_from", "pipeline.output_dir", "hydra.")
+    q = shlex.join
+    out_cmd = {"resume": q(["roll-train", *resume, f"pipeline.resume_from={out}"])}
+    if latest is not None:
+        out_cmd["eval"] = q(["roll-eval", str(latest), *evaluate])
+        out_cmd["compare"] = q(["roll-eval", str(out), *evaluate, "--n", "4", "pipeline.eval_temperature=0.7"])
+    return out_cmd
+
+
+def _value(v: Any) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
+
+
+def config_rows(cfg: Any) -> list[tuple[str, str]]:
+    """(setting, value) lines of the config summary."""
+    a, p, m = cfg.algo, cfg.pipeline, cfg.model
+    g = getattr
+    temp = p.eval_temperature if p.eval_temperature is not None else f"{cfg.infer_engine.temperature} (engine's)"
+    return [
+        ("experiment", cfg.experiment),
+        ("model", f"{m.path} ({m.dtype}; prompt <= {m.max_prompt_length}, response <= {m.max_response_length})"),
+        ("pipeline", p.name),
+        (
+            "algorithm",
+            f"{g(a, 'name', '?')}: advantages {g(a, 'adv_estimator', '?')}, lr {g(a, 'lr', '?')}, group size "
+            f"{g(a, 'group_size', '?')}, KL coef {g(a, 'kl_coef', '?')}, loss {g(a, 'loss_agg', '?')}",
+        ),
+        ("engines", f"train {g(cfg.train_engine, 'name', '?')}, inference {g(cfg.infer_engine, 'name', '?')}"),
+        ("placement", f"{cfg.cluster.placement} on {cfg.cluster.backend} (hw {cfg.hw.platform})"),
+        ("batch", f"{p.rollout_batch_size} prompts x {g(a, 'group_size', '?')} responses per step"),
+        ("steps", f"{p.max_steps} (checkpoint every {p.save_every or 'run end'}, keep {p.keep_last})"),
+        ("evaluation", f"every {p.eval_every} steps on {p.eval_size} held-out problems, temperature {temp}"),
+        ("seed", str(p.seed)),
+    ]
+
+
+def write_run_report(
+    out: str | Path,
+    cfg: Any,
+    *,
+    status: str,
+    wall_seconds: float | None,
+    checkpoints: list[Path],
+) -> Path | None:
+    """Write `<out>/report.md` for a training run (see the module docstring); None (and a warning) on failure."""
+    out = Path(out)
+    try:
+        history = read_history(out / "metrics.jsonl")
+        steps = [h["step"] for h in history if h["step"] > 0]
+        lines = [f"# Run report: {cfg.experiment}", "", f"- status: {status}"]
+        lines += [f"- steps done: {max(steps) if steps else 0} of {cfg.pipeline.max_steps}"]
+        lines += [f"- wall time: {_duration(wall_seconds)}", f"- folder: `{out.resolve()}`", "", "## Config", ""]
+        lines += ["| setting | value |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in config_rows(cfg)]
+        lines += ["", "Full config: [config.yaml](config.yaml); metrics: [metrics.jsonl](metrics.jsonl).", ""]
+        if (out / "curves.png").is_file():
+            lines += ["## Curves", "", "![curves](curves.png)", ""]
+        rows = headline(history)
+        lines += ["## Numbers", ""]
+        if rows:
+            lines += ["| metric | first (step) | last (step) | best (step) | points |", "|---|---|---|---|---|"]
+            for r in rows:
+                cells = [f"{_value(r[c][1])} ({r[c][0]})" for c in ("first", "last", "best")]
+                lines.append(f"| {r['what']} (`{r['key']}`) | " + " | ".join(cells) + f" | {r['count']} |")
+        else:
+            lines.append("No metrics were logged.")
+        lines += ["", "## Checkpoints", ""]
+        lines += [f"- `{c.resolve()}`" for c in checkpoints] or ["None saved."]
+        latest = checkpoints[-1].resolve() if checkpoints else None
+        overrides = launch_overrides(out)
+        cmds = commands(out.resolve(), overrides, latest, cfg.experiment)
+        lines += ["", "## Commands", ""]
+        if overrides is None:
+            lines += ["(The launch's overrides are not recorded: add the ones the run used.)", ""]
+        lines += ["Resume:", "", "```bash", cmds["resume"], "```", ""]
+        if "eval" in cmds:
+            lines += ["Evaluate the latest checkpoint:", "", "```bash", cmds["eval"], "```", ""]
+            lines += ["Compare every checkpoint (pass@k, maj@n):", "", "```bash", cmds["compare"], "```", ""]
+        path = out / "report.md"
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines))
+        return path
+    except Exception as exc:  # a report is a convenience: it never turns a finished run into a failed one
+        log.warning("could not write %s/report.md: %s", out, exc)
+        return None
+
+
+def write_eval_report(
+    out: Path,
+    results: list[tuple[Any, dict[str, Any]]],
+    *,
+    settings: dict[str, Any],
+    files: dict[str, Path],
+    argv: list[str],
+) -> Path:
+    """Write `<out>/report.md` for a roll-eval call: settings, comparison table, breakdowns, plot, files."""
+    from roll_core.eval_compare import breakdown_table, table
+
+    ks, n = settings["ks"], settings["n"]
+    lines = ["# Evaluation report", "", f"- command: `{shlex.join(argv)}`"]
+    lines += [f"- {k}: {v}" for k, v in settings.items() if k not in ("ks", "n", "argv")]
+    lines += [f"- responses per problem (n): {n}; pass@k for k in {', '.join(map(str, ks))}; maj@{n}", ""]
+    skipped = {t.label: r["skipped_problems"] for t, r in results if r.get("skipped_problems")}
+    if skipped:
+        lines += [f"- problems skipped (prompt longer than model.max_prompt_length): {skipped}", ""]
+    lines += ["## Results", "", table(results, ks, n), ""]
+    lines += ["## Accuracy per domain", "", breakdown_table(results, "by_domain", "accuracy"), ""]
+    lines += ["## Accuracy per difficulty", "", breakdown_table(results, "by_difficulty", "accuracy"), ""]
+    if "png" in files:
+        lines += ["## Plot", "", f"![comparison]({files['png'].name})", ""]
+    lines += ["## Files", ""]
+    lines += [f"- [{p.name}]({p.name})" for p in files.values()]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
