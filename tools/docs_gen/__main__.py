@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from docs_gen import generate_pages  # noqa: E402
+from docs_gen import generate_pages
 
 
 def main() -> None:

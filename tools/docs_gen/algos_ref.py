@@ -62,7 +62,7 @@ def _blocks(doc: str) -> list[tuple[str, list[str]]]:
             i += 1
             while i < len(lines) and (lines[i].startswith(" ") or not lines[i].strip()):
                 text = lines[i].strip()
-                if text and lines[i].startswith("    ") and not lines[i].startswith("     ") or not items:
+                if (text and lines[i].startswith("    ") and not lines[i].startswith("     ")) or not items:
                     if text:
                         items.append(text)
                 elif text:

@@ -139,8 +139,10 @@ def _right_side_end(text: str, start: int) -> int:
                 return i
             if c == "." and (i + 1 == len(text) or text[i + 1] in " \n"):
                 return i
-            if c == "," and re.match(r", (?:[a-z]{3,}|[A-Z][a-z]+) ", text[i:]) and not re.match(
-                r", (?:exp|log|min|max|sum|mean|std|clip|sqrt|eps|beta|gamma|sigma)\b", text[i:]
+            if (
+                c == ","
+                and re.match(r", (?:[a-z]{3,}|[A-Z][a-z]+) ", text[i:])
+                and not re.match(r", (?:exp|log|min|max|sum|mean|std|clip|sqrt|eps|beta|gamma|sigma)\b", text[i:])
             ):
                 return i
         i += 1

@@ -206,7 +206,9 @@ def group_page(group: Group, root_key: str | None, links: dict[type, str]) -> st
     elif group.name.startswith("hydra/"):
         lines.append(f"Hydra's own `{group.name}` group, with roll's options: `roll-train {group.name}=<name>`.\n")
     else:
-        lines.append(f"Choose an option with `roll-train {group.name}=<name>`; set one key with `{key}.<option>=<value>`.\n")
+        lines.append(
+            f"Choose an option with `roll-train {group.name}=<name>`; set one key with `{key}.<option>=<value>`.\n"
+        )
     if group.options:
         lines += ["## Options", ""]
         rows = [[code(n), label, cell(yaml_summary(p)) or "&nbsp;"] for n, (p, label) in group.options.items()]
@@ -284,8 +286,9 @@ def _relative(links: dict[type, str], page: str) -> dict[type, str]:
     return {cls: target.removeprefix(own[:-1]) if target.startswith(own) else target for cls, target in links.items()}
 
 
-def index_page(root: type, root_fields: list, groups: dict[str, Group], node_keys: dict[str, type],
-               orphans: bool) -> str:
+def index_page(
+    root: type, root_fields: list, groups: dict[str, Group], node_keys: dict[str, type], orphans: bool
+) -> str:
     """The entry page: the root's keys, each linked to its page, and every group."""
     primary = ROOT / "packages" / "roll-core" / "src" / "roll_core" / "conf" / "rlvr.yaml"
     lines = ["# Configuration reference", ""]
@@ -312,8 +315,7 @@ def index_page(root: type, root_fields: list, groups: dict[str, Group], node_key
     lines.append(table(["Key", "Kind", "Default", "Description"], rows))
     lines += ["## Groups", ""]
     rows = [
-        [f"[`{g.name}`]({slug(g.name)}.md)", ", ".join(code(o) for o in g.options) or "&nbsp;"]
-        for g in groups.values()
+        [f"[`{g.name}`]({slug(g.name)}.md)", ", ".join(code(o) for o in g.options) or "&nbsp;"] for g in groups.values()
     ]
     lines.append(table(["Group", "Options"], rows))
     if orphans:

@@ -13,10 +13,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from docs_gen import generate_pages  # noqa: E402
-from docs_gen.katex import ASSETS, katex_dist  # noqa: E402
-from mkdocs.exceptions import PluginError  # noqa: E402
-from mkdocs.structure.files import File, Files  # noqa: E402
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File, Files
+
+from docs_gen import generate_pages
+from docs_gen.katex import ASSETS, katex_dist
 
 CONFIG_INDEX = "reference/config/index.md"
 _PAGES: dict[str, str] = {}
