@@ -10,6 +10,7 @@ nox -s wheel_venv            # .venvs/wheel: roll's third-party dependencies, fo
 nox -s device -- cuda        # one accelerator's checks (cuda | rocm | npu | cpu); fails where it is absent
 nox -s quickstart            # the main job (short GRPO run)
 nox -s bench                 # benchmarks in bench/
+nox -s docs                  # the documentation site: generated reference, `mkdocs build --strict` into site/
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ HARDWARE = ["cuda", "rocm", "npu"]
 TEST_TOOLS = ["pytest", "pytest-timeout", "hypothesis"]
 # Clients the tests drive roll's servers with, as users do (the `openai` package against roll's endpoint).
 TEST_CLIENTS = ["openai"]
+# The documentation tool chain, pinned (mkdocs, material, playwright for tests/docs): in .venv, so the site's test
+# runs in `nox -s tests`. tests/docs renders the site in Debian's Chromium (_ensure_chromium).
+DOCS_REQUIREMENTS = "tools/docs_gen/requirements.txt"
 # Out-of-tree plugins that prove discovery (a platform, an inference engine with its config).
 TEST_PLUGINS = ["tests/plugins/roll-dummy-platform", "tests/plugins/roll-dummy-engine"]
 # Extras installed by `tests`: the CPU-capable engines and rewards.
@@ -88,6 +92,8 @@ def _ensure_venv(session: nox.Session) -> Path:
             *[arg for plugin in TEST_PLUGINS for arg in ("-e", plugin)],
             *TEST_TOOLS,
             *TEST_CLIENTS,
+            "-r",
+            str(ROOT / DOCS_REQUIREMENTS),
             "nox",
             "ruff",
             "pyyaml",
@@ -157,6 +163,7 @@ def tests(session: nox.Session) -> None:
     if not session.posargs:
         side = subprocess.Popen([sys.executable, "-m", "nox", "-s", "vllm_venv", "bare_venv", "wheel_venv"], cwd=ROOT)
     python = _ensure_venv(session)
+    _ensure_chromium(session)
     if side is not None and side.wait() != 0:
         session.error("building .venvs/vllm, .venvs/bare or .venvs/wheel failed (its output is above)")
     vllm = _ensure_engine_venv(session, "vllm") if not session.posargs else engine_python("vllm")
@@ -286,7 +293,7 @@ VLLM_TESTS = [
 
 
 def _install_inputs() -> list[str]:
-    files = ["constraints/cpu.txt", *(f"{p}/pyproject.toml" for p in TEST_PLUGINS)]
+    files = ["constraints/cpu.txt", DOCS_REQUIREMENTS, *(f"{p}/pyproject.toml" for p in TEST_PLUGINS)]
     files += [f"packages/{p}/pyproject.toml" for p in existing_packages()]
     return files
 
@@ -350,6 +357,36 @@ def lint(session: nox.Session) -> None:
     session.install("ruff")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+# ---- the documentation site: `nox -s docs` -------------------------------------------------------------------
+CHROMIUM = "/usr/bin/chromium"
+
+
+def _ensure_chromium(session: nox.Session) -> None:
+    """Debian's Chromium for tests/docs/test_site.py: installed with apt when missing and running as root (CI;
+    ~30 s), else a note (the test then fails under `nox -s tests`, skips elsewhere)."""
+    if os.path.exists(CHROMIUM):
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        session.warn(f"{CHROMIUM} is missing: `apt-get install chromium` (as root) for tests/docs/test_site.py")
+        return
+    apt = {"DEBIAN_FRONTEND": "noninteractive"}
+    session.run("apt-get", "update", "-q", external=True, env=apt)
+    session.run("apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium", external=True, env=apt)
+
+
+@nox.session(python=False)
+def docs(session: nox.Session) -> None:
+    """The documentation site: the reference pages are generated from the code during `mkdocs build --strict`
+    (mkdocs.yml's hook, tools/docs_gen; KaTeX vendored from npm) into site/. `-- serve` serves it instead."""
+    python = _ensure_venv(session)
+    env = {"NO_MKDOCS_2_WARNING": "1"}  # Material's banner about MkDocs 2: not ours to act on
+    if session.posargs[:1] == ["serve"]:
+        session.run(str(python), "-m", "mkdocs", "serve", *session.posargs[1:], external=True, env=env)
+        return
+    site = str(ROOT / "site")
+    session.run(str(python), "-m", "mkdocs", "build", "--strict", "--site-dir", site, external=True, env=env)
 
 
 # ---- device checks: `nox -s device -- cuda` --------------------------------------------------------------------
