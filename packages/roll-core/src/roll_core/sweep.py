@@ -8,6 +8,9 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
   renews every few seconds from a thread: a job that raises releases it at once, and one that is killed
   (SIGKILL, OOM, a lost node) stops renewing, so its slot returns after `lease_s` and the sweep goes on.
 - A job that raises is caught, logged and recorded in `<job dir>/job_status.json`; the other jobs go on.
+- Trackers see one sweep as one group: each job's `tracking.group` (unless given) is "<experiment>-<sweep folder>"
+  (W&B group, MLflow experiment, SwanLab group) and its `tracking.run_name` (unless given) is
+  "<experiment>-<job number>", so the jobs are distinct runs of one group (`sweep_tracking`).
 - After the last job, `SweepSummaryCallback.on_multirun_end` writes `summary.csv`, `summary.md` and
   `rewards.png` (every job's reward curve) into the sweep folder, and `roll-train` exits non-zero if any job
   failed.
@@ -20,6 +23,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import time
 import traceback
 from collections.abc import Iterator
@@ -138,6 +142,7 @@ def run_sweep_job(cfg: Any, run: Any) -> float:
 
     hc = HydraConfig.get()
     out = Path(hc.runtime.output_dir)
+    sweep_tracking(cfg, hc.sweep.dir, hc.job.num)
     record: dict[str, Any] = {"job": hc.job.num, "overrides": list(hc.overrides.task), "status": "running"}
     permits = int(cfg.cluster.get("max_concurrent", 0) or 0)
     slots = slots_name(hc.sweep.dir)
@@ -157,6 +162,29 @@ def run_sweep_job(cfg: Any, run: Any) -> float:
     (out / STATUS_FILE).write_text(json.dumps(record, indent=2, default=str))
     value = (record.get("summary") or {}).get("final_eval_accuracy")
     return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def sweep_group(experiment: str, sweep_dir: str | Path) -> str:
+    """The tracker group of a sweep: "<experiment>-<sweep folder name>", with the date folder of Hydra's default
+    layout (multirun/<date>/<time>) kept in it, so two days' sweeps started at the same time are two groups."""
+    path = Path(sweep_dir)
+    label = path.name
+    if re.fullmatch(r"\d{4}-\d{2}-\d{2}", path.parent.name):
+        label = f"{path.parent.name}_{label}"
+    return f"{experiment}-{label}"
+
+
+def sweep_tracking(cfg: Any, sweep_dir: str | Path, job_num: int) -> None:
+    """Set a sweep job's `tracking.group` (the sweep's, shared) and `tracking.run_name` (the job's own) on its
+    composed config, in place, unless the command line set them; config.yaml then records both."""
+    tracking = cfg.get("tracking") if hasattr(cfg, "get") else None
+    if tracking is None:  # a config without the node (another primary config): nothing to name
+        return
+    experiment = str(cfg.get("experiment") or "sweep")
+    if tracking.get("group") is None:
+        tracking.group = sweep_group(experiment, sweep_dir)
+    if tracking.get("run_name") is None:
+        tracking.run_name = f"{experiment}-{job_num}"
 
 
 def _metrics(job_dir: Path) -> list[dict[str, Any]]:

@@ -1,0 +1,200 @@
+"""W&B tracking, offline (no network, no account): what a run writes is read back from W&B's own run files.
+
+W&B's offline run file (`<run>/wandb/offline-run-*/run-<id>.wandb`) is a LevelDB-style log of W&B's protobuf
+`Record` messages (`wandb.proto.wandb_internal_pb2`), the file `wandb sync` uploads; W&B's Python SDK no longer
+ships a reader for it (its datastore moved into the wandb-core binary), so `_records` below decodes the framing
+(32 KiB blocks of CRC-checked chunks after a 7-byte header) and W&B's own protobufs decode the records. Covered:
+the conformance suite (roll_core.testing.trackers), a tiny run with `pipeline.trackers=[tensorboard,wandb]`
+(every metric of metrics.jsonl at its step, the resolved config, the sample tables), a Hydra multirun whose jobs
+share one W&B group with distinct names, and the one-line error without the package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import yaml
+
+from roll_core.testing.trackers import TrackerTestSuite
+from roll_core.tracking import Tracker
+
+HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)  # ident, magic, version
+BLOCK = 32 * 1024
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def _records(path: Path) -> Iterator[Any]:
+    """W&B's protobuf records of one offline run file, in order (CRC of each chunk checked)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[: len(HEADER)] == HEADER, f"{path} is not a W&B run file"
+    pos, pending = len(HEADER), b""
+    while pos + 7 <= len(data):
+        if BLOCK - pos % BLOCK < 7:  # a block's tail too short for a chunk header is padding
+            pos += BLOCK - pos % BLOCK
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if (crc, length, kind) == (0, 0, 0):
+            break
+        chunk = data[pos + 7 : pos + 7 + length]
+        assert zlib.crc32(bytes([kind]) + chunk) == crc, f"{path}: bad chunk at byte {pos}"
+        pos += 7 + length
+        pending = chunk if kind in (FULL, FIRST) else pending + chunk
+        if kind in (FULL, LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def _finished(file: Path, timeout_s: float = 60.0) -> list[Any]:
+    """The records of a finished run file. `run.finish()` returns before W&B's service process has flushed an
+    offline run to disk, so wait for the run's `exit` record."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = list(_records(file))
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, f"{file}: no exit record after {timeout_s}s"
+        time.sleep(0.1)
+
+
+def _runs(run_dir: Path) -> list[dict[str, Any]]:
+    """Every offline W&B run under `<run>/wandb`, oldest first: id, name, group, config, history, tables."""
+    runs = []
+    for file in (run_dir / "wandb").glob("offline-run-*/run-*.wandb"):
+        run: dict[str, Any] = {"history": {}, "tables": {}, "config": {}}
+        for record in _finished(file):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                run.update(id=record.run.run_id, name=record.run.display_name, group=record.run.run_group)
+                run["time"] = record.run.start_time.ToNanoseconds()
+                run["tags"] = list(record.run.tags)
+                run["config"] = {i.key: json.loads(i.value_json) for i in record.run.config.update}
+                run["config"].pop("_wandb", None)
+            elif kind == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                step = items["_step"]
+                if "samples/path" in items:
+                    table = json.loads((file.parent / "files" / items["samples/path"]).read_text())
+                    run["tables"][step] = [dict(zip(table["columns"], row)) for row in table["data"]]
+                metrics = {k: v for k, v in items.items() if not k.startswith(("_", "samples/"))}
+                run["history"].setdefault(step, {}).update(metrics)
+        runs.append(run)
+    return sorted(runs, key=lambda r: r["time"])
+
+
+def _current(run_dir: Path) -> list[dict[str, Any]]:
+    """The offline files of the W&B run the run folder records (a resumed W&B run has one per attempt)."""
+    state = json.loads((run_dir / "wandb" / "roll-run.json").read_text())
+    return [r for r in _runs(run_dir) if r["id"] == state["id"]]
+
+
+class TestWandbConformance(TrackerTestSuite):
+    tracker = "wandb"
+    run_config: ClassVar[dict[str, Any]] = {"tracking": {"wandb": {"mode": "offline", "project": "conformance"}}}
+
+    def read_back(self, run_dir: Path) -> dict[int, dict[str, float]]:
+        shown: dict[int, dict[str, float]] = {}
+        for run in _current(run_dir):
+            for step, metrics in run["history"].items():
+                if metrics:
+                    shown.setdefault(step, {}).update(metrics)
+        return shown
+
+    def read_samples(self, run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+        tables: dict[int, list[dict[str, Any]]] = {}
+        for run in _current(run_dir):
+            for step, rows in run["tables"].items():
+                assert all(row.pop("step") == step for row in rows)
+                tables[step] = rows
+        return tables
+
+    def read_config(self, run_dir: Path) -> dict[str, Any]:
+        return _current(run_dir)[0]["config"]
+
+
+@pytest.fixture(autouse=True)
+def _no_account(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No credentials reach these tests, so `mode=auto` must choose offline; W&B's own settings stay in tmp."""
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+
+
+def test_auto_mode_is_online_only_with_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from roll_core.trackers.wandb import resolve_mode
+
+    assert resolve_mode("auto") == "offline"  # no key, no login: W&B never tries the network
+    assert resolve_mode("online") == "online" and resolve_mode("disabled") == "disabled"
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # what `wandb login` writes
+    assert resolve_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # W&B's own switch wins
+    assert resolve_mode("auto") == "disabled"
+
+
+def test_sweep_of_tiny_runs_with_tensorboard_and_wandb(tmp_path: Path) -> None:
+    """Two jobs of a local multirun (Hydra's basic launcher), each a 2-step tiny run with both trackers: W&B holds
+    every metric of the job's metrics.jsonl at its step, the resolved config and the sample tables; the jobs are
+    one group with distinct names."""
+    pytest.importorskip("wandb", reason="the roll-core[wandb] extra")
+    from roll_core.testing import constant_answer_task, tiny_overrides
+
+    data = constant_answer_task(tmp_path / "seven.jsonl")
+    sweep = tmp_path / "sweep"
+    overrides = [o for o in tiny_overrides(data, "unused") if not o.startswith("pipeline.output_dir=")]
+    overrides += ["pipeline.max_steps=2", "pipeline.trackers=[tensorboard,wandb]", "algo.lr=1e-3,3e-3"]
+    cmd = [str(Path(sys.executable).parent / "roll-train"), "-m", *overrides, f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    runs = []
+    for job in ("0", "1"):
+        (run,) = _runs(sweep / job)
+        runs.append(run)
+        assert run["config"] == yaml.safe_load((sweep / job / "config.yaml").read_text())  # all of it, resolved
+        history = Tracker.read_metrics(sweep / job / "metrics.jsonl")
+        assert [h["step"] for h in history] == [1, 2] and set(run["history"]) == {1, 2}
+        for record in history:  # every finite metric of metrics.jsonl, at its step
+            logged = {k: v for k, v in record.items() if k != "step" and v is not None}
+            assert run["history"][record["step"]] == pytest.approx(logged), record["step"]
+        samples: dict[int, list[dict[str, Any]]] = {}
+        for line in (sweep / job / "samples.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            samples.setdefault(row["step"], []).append(row)
+        assert samples and run["tables"] == samples  # one table per step, row for row
+        assert (sweep / job / "tensorboard").is_dir()  # both backends at once
+    assert runs[0]["group"] == runs[1]["group"] == "rlvr-sweep"  # <experiment>-<sweep folder>
+    assert [r["name"] for r in runs] == ["rlvr-0", "rlvr-1"]
+    assert [r["config"]["algo"]["lr"] for r in runs] == [1e-3, 3e-3]
+    assert all(r["config"]["tracking"]["group"] == "rlvr-sweep" for r in runs)  # config.yaml says it too
+
+
+def test_sweep_group_keeps_the_date_of_hydras_default_folders() -> None:
+    from roll_core.sweep import sweep_group
+
+    assert sweep_group("rlvr", "multirun/2026-12-03/21-44-00") == "rlvr-2026-12-03_21-44-00"
+    assert sweep_group("lr_scan", "/data/sweeps/lr") == "lr_scan-lr"
+
+
+def test_without_wandb_the_error_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from roll_core.errors import MissingExtraError
+
+    for name in [m for m in sys.modules if m == "wandb" or m.startswith("wandb.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(MissingExtraError) as err:
+        Tracker(tmp_path, "experiment: demo\n", ["tensorboard", "wandb"])
+    assert str(err.value) == "pipeline.trackers=[wandb] needs wandb: pip install 'roll-core[wandb]'"
