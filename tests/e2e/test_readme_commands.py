@@ -24,178 +24,38 @@ every job of its sweep, Optuna's search space included), so an unknown key or a 
 
 from __future__ import annotations
 
-import functools
-import itertools
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from roll_core.testing import constant_answer_task
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))  # doc_commands: shared with tests/docs/test_pages_commands.py
+from doc_commands import (
+    PLACEHOLDER,
+    ROOT,
+    Command,
+    _compose_with_hydra,
+    _is_ray_launcher,
+    first_job,
+    jobs,
+    readme_commands,
+    smallest_sweep,
+)
+
 README = ROOT / "README.md"
-CONF = ROOT / "conf"
 BIN = Path(sys.executable).parent
 VLLM_PYTHON = os.environ.get("ROLL_VLLM_PYTHON") or str(ROOT / ".venvs/vllm/bin/python")
 TINY = ("builtin:tiny", "builtin:tiny-wide")
-# Placeholders README commands may show, and what stands in for them (roll-eval's checkpoint: see Runner.eval).
-PLACEHOLDER = re.compile(r"<[^<>\s]+>")
+# Placeholders README commands may show that the runs fill (roll-eval's checkpoint: see Runner.eval).
 KNOWN_PLACEHOLDERS = {"<jsonl>", "<checkpoint>", "<date>", "<time>"}
-
-
-# ---- reading the commands out of README.md --------------------------------------------------------------------
-@dataclass(frozen=True)
-class Command:
-    prog: str  # roll-train | roll-eval
-    args: tuple[str, ...]
-    line: int  # README line it starts on
-    how: str = ""  # how it was found, when not plainly
-
-    @property
-    def text(self) -> str:
-        return " ".join((self.prog, *self.args))
-
-    @property
-    def where(self) -> str:
-        return f"README.md:{self.line}{f', {self.how}' if self.how else ''}"
-
-    @property
-    def multirun(self) -> bool:
-        return self.prog == "roll-train" and bool({"-m", "--multirun"} & set(self.args))
-
-    @property
-    def overrides(self) -> list[str]:
-        """Hydra overrides (roll-eval: those after its positional model argument)."""
-        args = [a for a in self.args if a not in ("-m", "--multirun")]
-        return args[1:] if self.prog == "roll-eval" else args
-
-
-_FENCE = re.compile(r"^```[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
-_SPAN = re.compile(r"(?<!`)`([^`\n]+(?:\n[^`\n]+)*)`(?!`)")  # a code span may wrap (not over a blank line)
-_PROG = re.compile(r"(?:(?<=\s)|(?<=^)|(?<=:))(?:\S*/)?(roll-(?:train|eval))(?=\s|$)")
-_NOX_QUICKSTART = re.compile(r"\bnox\s+-s\s+quickstart\b(?:\s+--\s+([^&;|]*))?")
-
-
-def _commands_in(code: str, line: int) -> list[Command]:
-    """The commands of one code span or code-block line. A command ends at a shell comment, `&&`, `;` or `|`."""
-    found: list[Command] = []
-    for m in _PROG.finditer(code):
-        rest = code[m.end() :]
-        comment = re.search(r"(?:^|\s)#\s*", rest)
-        args_text, note = (rest[: comment.start()], rest[comment.end() :]) if comment else (rest, "")
-        args = tuple(shlex.split(re.split(r"&&|;|\|", args_text)[0]))
-        found.append(Command(m.group(1), args, line))
-        if note.startswith("+"):
-            found.append(Command(m.group(1), args + tuple(shlex.split(note[1:])), line, "with its '# +' comment"))
-    # noxfile.py's quickstart session runs `roll-train experiment=quickstart`, unless its posargs name an experiment.
-    for m in _NOX_QUICKSTART.finditer(code.split("#", 1)[0]):
-        posargs = tuple(shlex.split(m.group(1) or ""))
-        default = () if any(a.startswith("experiment=") for a in posargs) else ("experiment=quickstart",)
-        found.append(Command("roll-train", default + posargs, line, "what `nox -s quickstart` runs"))
-    return found
-
-
-def readme_commands(text: str) -> list[Command]:
-    """Every command markdown `text` shows, once each, in order of first appearance."""
-    found: list[Command] = []
-    prose = text
-    for block in _FENCE.finditer(text):
-        first = text.count("\n", 0, block.start(1)) + 1
-        for i, code in enumerate(block.group(1).splitlines()):
-            found += _commands_in(code, first + i)
-        # Blank the block out of the prose (same offsets and newlines, so spans keep their line numbers).
-        prose = prose[: block.start()] + re.sub(r"[^\n]", " ", block.group(0)) + prose[block.end() :]
-    for span in _SPAN.finditer(prose):
-        found += _commands_in(" ".join(span.group(1).split()), text.count("\n", 0, span.start()) + 1)
-    unique: dict[tuple[str, tuple[str, ...]], Command] = {}
-    for cmd in sorted(found, key=lambda c: c.line):
-        unique.setdefault((cmd.prog, cmd.args), cmd)
-    return list(unique.values())
-
-
 COMMANDS = readme_commands(README.read_text())
-
-
-# ---- composing ------------------------------------------------------------------------------------------------
-def _sweep_values(override: Any) -> list[str]:
-    """The values a (sweep) override takes; an interval: its two ends."""
-    from hydra.core.override_parser.types import IntervalSweep
-
-    if not override.is_sweep_override():
-        return [override.get_value_element_as_str()]
-    value = override.value()
-    if isinstance(value, IntervalSweep):
-        return [str(value.start), str(value.end)]
-    return list(override.sweep_string_iterator())
-
-
-def _axes(overrides: list[str]) -> list[list[str]]:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    return [[f"{o.get_key_element()}={v}" for v in _sweep_values(o)] for o in parsed]
-
-
-def smallest_sweep(overrides: list[str]) -> list[str]:
-    """Every swept parameter at its first value."""
-    return [axis[0] for axis in _axes(overrides)]
-
-
-def stand_ins(cmd: Command) -> list[str]:
-    """The command's overrides with stand-ins a composition accepts for its placeholders (nothing reads them)."""
-    overrides = [PLACEHOLDER.sub("placeholder", a) for a in cmd.overrides if a != "..."]
-    return [*overrides, "model.path=/placeholder/checkpoint"] if cmd.prog == "roll-eval" else overrides
-
-
-def _compose_with_hydra(overrides: list[str]) -> Any:
-    """The composed config with its `hydra` node (launcher, sweeper) kept."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from roll_core.registry import register_all_configs
-
-    register_all_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF), version_base=None):
-            return compose(config_name="rlvr", overrides=overrides, return_hydra_config=True)
-    finally:
-        GlobalHydra.instance().clear()
-
-
-@functools.cache
-def first_job(cmd: Command) -> Any:
-    """The composed config (`hydra` node included) of the command's first job; None when it does not compose
-    (test_readme_command_composes says why)."""
-    try:
-        return _compose_with_hydra(smallest_sweep(stand_ins(cmd)))
-    except Exception:
-        return None
-
-
-def jobs(cmd: Command) -> list[list[str]]:
-    """The overrides of every job of a multirun (an Optuna sweep: every choice and both ends of every interval
-    of `hydra.sweeper.params`); a single run's overrides."""
-    overrides = stand_ins(cmd)
-    if not cmd.multirun:
-        return [overrides]
-    combos = [list(job) for job in itertools.product(*_axes(overrides))]
-    cfg = first_job(cmd)
-    params = (cfg.hydra.sweeper.get("params") or {}) if cfg is not None else {}
-    space = list(itertools.product(*_axes([f"{k}={v}" for k, v in params.items()])))
-    return [job + list(point) for job in combos for point in space]
-
-
-def _is_ray_launcher(cfg: Any) -> bool:
-    return str(cfg.hydra.launcher.get("_target_", "")).endswith(".RayLauncher")
 
 
 # ---- what each command needs ----------------------------------------------------------------------------------
