@@ -10,6 +10,7 @@ call) is tests/plugins/test_tracker_plugins.py.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import sys
@@ -142,3 +143,17 @@ def test_unknown_tracker_is_a_config_error_naming_the_installed_ones(tmp_path: P
     with pytest.raises(ValueError, match="name a backend twice"):
         Tracker(tmp_path, trackers=["tensorboard", "tensorboard"])
     assert not (tmp_path / "tensorboard").exists()
+
+
+def test_doctor_lists_each_tracker_and_whether_its_package_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from roll_hw.doctor import tracker_rows
+
+    rows = dict(tracker_rows())
+    assert rows["jsonl"] == "ready"  # nothing to install
+    assert set(registry.available("roll.trackers")) <= set(rows)
+    if importlib.util.find_spec("wandb") is not None:
+        assert rows["wandb"].startswith("ready (wandb ")  # with the installed version
+    for name in [m for m in sys.modules if m == "wandb" or m.startswith("wandb.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if roll-core[wandb] were not installed
+    assert dict(tracker_rows())["wandb"] == "no: pip install 'roll-core[wandb]'"

@@ -3,8 +3,9 @@
 Reports the detected platform, every known platform's probe, devices, torch version, which torch.distributed
 backends are compiled in, which optional engines import, and every installed roll plugin (train and inference
 engines, environments, rewards, estimators, policy losses, collectors, trackers, platforms: entry-point names only,
-nothing imported). It never fails on a missing optional package: every probe is wrapped, and the worst outcome is
-a row that says "no (<reason>)".
+nothing imported), and each tracker backend with whether its package is installed (its module is imported for
+its `extra` attribute; the service's package is not). It never fails on a missing optional package: every probe
+is wrapped, and the worst outcome is a row that says "no (<reason>)".
 """
 
 from __future__ import annotations
@@ -83,6 +84,31 @@ def _plugins(group: str) -> str:
     return ", ".join(found[k] for k in sorted(found)) or "none installed"
 
 
+def tracker_rows() -> list[tuple[str, str]]:
+    """One row per `roll.trackers` backend: "ready (<package> <version>)", "ready" (nothing to install), or
+    "no: pip install '<extra>'". Reads the backend class's `extra` attribute (roll_core.interfaces.tracking); the
+    service's package itself is found, not imported."""
+    from importlib.metadata import PackageNotFoundError, entry_points, version
+
+    rows = []
+    for ep in sorted(entry_points(group="roll.trackers"), key=lambda e: e.name):
+        try:
+            extra = getattr(ep.load(), "extra", None)
+            if extra is None:
+                status = "ready"
+            elif not extra.installed():
+                status = f"no: pip install '{extra.extra}'"
+            else:
+                try:
+                    status = f"ready ({extra.dist} {version(extra.dist)})"
+                except PackageNotFoundError:  # importable without distribution metadata (a source checkout)
+                    status = f"ready ({extra.dist})"
+        except Exception as exc:  # a broken plugin must not crash the doctor
+            status = f"error ({type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''})"
+        rows.append((ep.name, status))
+    return rows or [("(none)", "no roll.trackers installed")]
+
+
 def table(rows: Iterable[tuple[str, str]], title: str) -> str:
     """Format (key, value) rows as a two-column text table under a title."""
     rows = list(rows)
@@ -117,6 +143,7 @@ def report() -> tuple[str, bool]:
     sections.append(table(probes, "platform probes"))
     sections.append(table([(k, _version_of(v)) for k, v in OPTIONAL_ENGINES.items()], "optional engines"))
     sections.append(table([(k, _plugins(g)) for k, g in PLUGIN_GROUPS.items()], "installed roll plugins"))
+    sections.append(table(tracker_rows(), "trackers (pipeline.trackers=[...])"))
     return "\n\n".join(sections), current is not None
 
 
