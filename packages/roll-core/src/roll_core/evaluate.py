@@ -164,7 +164,7 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
     limit = cfg.model.max_prompt_length
     ids, kept = [], []
     for i, problem in enumerate(collector.eval_set):
-        toks, length = prompt_ids(tokenizer, task, problem, limit)
+        toks, length = prompt_ids(tokenizer, task, problem, limit, cfg.model.chat_template_kwargs)
         if toks is None:
             log.warning("problem %s skipped: %d prompt tokens > model.max_prompt_length=%d", problem.id, length, limit)
             continue

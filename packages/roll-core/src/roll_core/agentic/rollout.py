@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -40,11 +41,14 @@ class EpisodeLimits:
     max_tokens_per_turn: int = 128
 
 
-def task_turns(task: Any, tokenizer: Any) -> tuple[TurnTemplate, EpisodeLimits]:
-    """The turn template (system prompt, demonstrations) and episode limits of an agentic task."""
+def task_turns(
+    task: Any, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None
+) -> tuple[TurnTemplate, EpisodeLimits]:
+    """The turn template (system prompt, demonstrations; `chat_template_kwargs`: model.chat_template_kwargs) and
+    episode limits of an agentic task."""
     examples = task.examples()
     limits = EpisodeLimits(task.max_turns, task.max_context_length, task.max_tokens_per_turn)
-    return TurnTemplate(tokenizer, task.system_prompt(), examples), limits
+    return TurnTemplate(tokenizer, task.system_prompt(), examples, chat_template_kwargs), limits
 
 
 class GateClosed(RuntimeError):

@@ -18,6 +18,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from roll_core.config.generation import GenerationConfig, check_stop_tokens
 from roll_core.config.posttrain import DistillConfig, DPOConfig, RolloutConfig, SFTConfig
 from roll_core.config.reward_model import RewardModelConfig
 from roll_core.config.tracking import TrackingConfig
@@ -227,8 +228,16 @@ class ModelConfig:
     max_prompt_length: int = 256
     # Maximum generated tokens per sample.
     max_response_length: int = 128
+    # The family's published sampling defaults; infer_engine.temperature/top_p/top_k default to them
+    # (roll_core.config.generation). Presets set them from the model card.
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    # End-of-turn tokens every infer engine stops on besides the checkpoint's eos, e.g. ['<|eot_id|>'].
+    stop_tokens: list[str] = field(default_factory=list)
+    # Passed to every chat-template rendering of the policy's prompts, e.g. {enable_thinking: false} for Qwen3.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_stop_tokens(self.stop_tokens)
         _one_of("model.dtype", self.dtype, DTYPES)
         _positive("model.max_prompt_length", self.max_prompt_length)
         _positive("model.max_response_length", self.max_response_length)

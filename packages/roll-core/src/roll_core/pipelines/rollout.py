@@ -9,7 +9,7 @@ and counted, never truncated (a truncated question has a different answer).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from roll_core.interfaces import SamplingParams
@@ -35,8 +35,11 @@ def _max_token_chars(tokenizer: Any) -> int | None:
     return cached
 
 
-def prompt_ids(tokenizer: Any, task: Any, problem: Any, max_prompt_length: int) -> tuple[list[int] | None, int]:
+def prompt_ids(
+    tokenizer: Any, task: Any, problem: Any, max_prompt_length: int, template_kwargs: Mapping[str, Any] | None = None
+) -> tuple[list[int] | None, int]:
     """(ids, length) of a problem's chat-templated prompt; ids is None when it exceeds `max_prompt_length`.
+    `template_kwargs` go to the chat template (model.chat_template_kwargs, e.g. {"enable_thinking": False}).
 
     A prompt whose text alone needs several times more tokens than the limit (characters / the longest vocabulary
     entry; the factor covers normalisers that merge characters) is not tokenised: a huge data row (megabytes) is
@@ -47,20 +50,28 @@ def prompt_ids(tokenizer: Any, task: Any, problem: Any, max_prompt_length: int) 
         chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         if chars // widest > 4 * max_prompt_length:
             return None, chars // widest
-    toks = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    toks = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False, **dict(template_kwargs or {})
+    )
     toks = list(toks["input_ids"] if isinstance(toks, dict) else toks)
     return (toks if len(toks) <= max_prompt_length else None), len(toks)
 
 
 def prompt_batch(
-    tokenizer: Any, task: Any, problems: Sequence[Any], max_prompt_length: int, metrics: dict[str, Any]
+    tokenizer: Any,
+    task: Any,
+    problems: Sequence[Any],
+    max_prompt_length: int,
+    metrics: dict[str, Any],
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> Batch:
-    """Chat-templated prompt ids; `metrics["data/skipped_long_prompts"]` counts the prompts skipped."""
+    """Chat-templated prompt ids (`template_kwargs`: prompt_ids'); `metrics["data/skipped_long_prompts"]` counts the
+    prompts skipped."""
     if not problems:
         raise ValueError("no problems to build prompts from")
     ids, kept, shortest = [], [], None
     for p in problems:
-        toks, length = prompt_ids(tokenizer, task, p, max_prompt_length)
+        toks, length = prompt_ids(tokenizer, task, p, max_prompt_length, template_kwargs)
         shortest = length if shortest is None else min(shortest, length)
         if toks is not None:
             ids.append(toks)
@@ -136,11 +147,12 @@ def evaluate(
     *,
     max_prompt_length: int,
     params: SamplingParams,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[str, float]:
     """Accuracy and mean reward of one sample per problem (sampled with `params`; temperature 0 is greedy); with
     several domains (a multi-domain task) also `by_domain`: {domain: {"accuracy", "reward", "n"}}."""
     metrics: dict[str, Any] = {}
-    prompts = prompt_batch(tokenizer, task, problems, max_prompt_length, metrics)
+    prompts = prompt_batch(tokenizer, task, problems, max_prompt_length, metrics, template_kwargs)
     gen = infer.generate(prompts, params, n=1)
     batch = assemble(tokenizer, prompts, gen)
     scored = reward.score(batch)

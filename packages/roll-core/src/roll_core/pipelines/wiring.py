@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from roll_core.cluster.launch import Cluster, resolve_python
 from roll_core.cluster.mesh import Mesh
 from roll_core.cluster.roles import InferGroup, TrainGroup
 from roll_core.config.build import as_dict
+from roll_core.config.generation import stop_token_ids
 from roll_core.config.schema import RLVRConfig, TrainEngineConfig
 from roll_core.errors import ConfigError
 from roll_core.interfaces import SamplingParams, UnsupportedSamplingError
@@ -42,15 +44,28 @@ class Roles:
     teachers: dict[str, TrainGroup] = field(default_factory=dict)
 
 
-def sampling_params(cfg: RLVRConfig) -> SamplingParams:
-    """The rollout's sampling settings (infer_engine's temperature, top-p/k, stops; the model's response limit)."""
-    ie = cfg.infer_engine
+def sampling_params(cfg: RLVRConfig, tokenizer: Any = None) -> SamplingParams:
+    """The rollout's sampling settings (infer_engine's temperature, top-p/k, stops; the model's response limit and
+    stop tokens, looked up in `tokenizer`, loaded from model.tokenizer / model.path when not given)."""
+    ie, model = cfg.infer_engine, cfg.model
+    stop_ids: tuple[int, ...] = ()
+    if model.stop_tokens:
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from roll_core.models import resolve_model_path
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                model.tokenizer or resolve_model_path(model.path), trust_remote_code=model.trust_remote_code
+            )
+        stop_ids = stop_token_ids(tokenizer, model.stop_tokens)
     return SamplingParams(
         temperature=float(ie.temperature),
         top_p=float(ie.top_p),
         top_k=int(ie.top_k),
         stop=tuple(ie.stop),
-        max_new_tokens=cfg.model.max_response_length,
+        stop_token_ids=stop_ids,
+        max_new_tokens=model.max_response_length,
         structured=dict(ie.structured) or None,
     )
 

@@ -1,6 +1,7 @@
-"""Small real models of the transformers families engines map by hand (Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE), built from a
-config with the builtin tiny tokenizer and saved as an HF folder, and the check that an engine maps one exactly:
-for conversion and parallelism tests."""
+"""Small real models of the transformers families roll meets (Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Llama, Gemma3 text),
+built from a config with the builtin tiny tokenizer (or a chat family's tiny tokenizer: its template and special
+tokens, so that stop tokens are real tokens) and saved as an HF folder, and the check that an engine maps one
+exactly: for conversion, parallelism and model-preset tests."""
 
 from __future__ import annotations
 
@@ -9,18 +10,31 @@ from typing import Any
 
 import torch
 
-KINDS = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+KINDS = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "llama", "gemma3")
+#: Special tokens a family's real tokenizer has beyond the chat-template family's tiny one (stop tokens of presets).
+_EXTRA_SPECIALS = {"llama3": ("<|eom_id|>", "<|end_of_text|>")}
 
 
-def tiny_model(kind: str, folder: str | Path, norm_topk_prob: bool = True) -> str:
+def tiny_model(
+    kind: str, folder: str | Path, norm_topk_prob: bool = True, family: str | None = None, head_dim: int = 16
+) -> str:
     """A 2-layer `kind` model saved in `folder` (returned as a str). The weights a wrong mapping would drop or
     misplace are made to matter: qwen2's q/k/v biases and qwen3's q/k norm weights are randomised; qwen3_moe
     and qwen2_moe (4 experts, top-2, `norm_topk_prob`) get router weights large enough that routing is decided by
     clear margins (a near tie could route differently under float noise); qwen2_moe's shared expert gate is
-    spread so that its sigmoid differs from token to token (a dropped or constant gate shows)."""
+    spread so that its sigmoid differs from token to token (a dropped or constant gate shows). gemma3 (the text
+    model, Gemma3ForCausalLM) alternates a sliding-window layer (window 8, shorter than test prompts) with a global
+    one, and gets randomised norms (Gemma's (1 + w) RMSNorm and q/k norms).
+
+    `family` (a roll_core.testing.chat_templates family, e.g. "qwen3", "llama3", "gemma3"): the tokenizer is that
+    family's tiny one (template, special tokens, eos/bos; llama3 also gets <|eom_id|> and <|end_of_text|>), saved
+    with the model; None: the builtin tiny tokenizer. `head_dim`: 4 heads (2 KV heads) of this width make the
+    hidden size (vLLM's CPU attention needs >= 32)."""
     from transformers import (
         AutoModelForCausalLM,
         AutoTokenizer,
+        Gemma3TextConfig,
+        LlamaConfig,
         Qwen2Config,
         Qwen2MoeConfig,
         Qwen3Config,
@@ -31,11 +45,18 @@ def tiny_model(kind: str, folder: str | Path, norm_topk_prob: bool = True) -> st
 
     if kind not in KINDS:
         raise ValueError(f"tiny_model builds {KINDS}, not {kind!r}")
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny"))
+    if family is None:
+        tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny"))
+    else:
+        from roll_core.testing.chat_templates import family_tokenizer
+
+        tok = family_tokenizer(family)
+        if family in _EXTRA_SPECIALS:
+            tok.add_special_tokens({"additional_special_tokens": list(_EXTRA_SPECIALS[family])})
     common = {
         "vocab_size": len(tok),
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": 4 * head_dim,
+        "intermediate_size": 8 * head_dim,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
@@ -45,8 +66,20 @@ def tiny_model(kind: str, folder: str | Path, norm_topk_prob: bool = True) -> st
     }
     if kind == "qwen2":
         cfg = Qwen2Config(**common)
+    elif kind == "llama":
+        cfg = LlamaConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **common)
+    elif kind == "gemma3":
+        cfg = Gemma3TextConfig(
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            **common,
+        )
     elif kind == "qwen3":
-        cfg = Qwen3Config(head_dim=16, **common)
+        cfg = Qwen3Config(head_dim=head_dim, **common)
     else:
         moe = {
             "moe_intermediate_size": 32,
@@ -55,7 +88,7 @@ def tiny_model(kind: str, folder: str | Path, norm_topk_prob: bool = True) -> st
             "norm_topk_prob": norm_topk_prob,
         }
         if kind == "qwen3_moe":
-            cfg = Qwen3MoeConfig(head_dim=16, **moe, **common)
+            cfg = Qwen3MoeConfig(head_dim=head_dim, **moe, **common)
         else:
             cfg = Qwen2MoeConfig(shared_expert_intermediate_size=48, **moe, **common)
     torch.manual_seed(0)
@@ -66,6 +99,8 @@ def tiny_model(kind: str, folder: str | Path, norm_topk_prob: bool = True) -> st
                 p.normal_(0.0, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
+            elif kind == "gemma3" and name.endswith("norm.weight"):  # zeros at init: (1 + w) would hide a dropped w
+                p.uniform_(-0.5, 0.5)
             elif name.endswith(("mlp.gate.weight", "mlp.shared_expert_gate.weight")):
                 p.normal_(0.0, 1.0)
     model.save_pretrained(folder)
@@ -112,3 +147,44 @@ def tiny_critic(folder: str | Path) -> str:
     critic.save_pretrained(folder / "critic")
     AutoTokenizer.from_pretrained(lm).save_pretrained(folder / "critic")
     return str(folder / "critic")
+
+
+#: The architecture and chat family of each model preset (conf/model/<preset>.yaml) whose tiny stand-in tests build.
+PRESET_MODELS = {
+    "qwen2_5": ("qwen2", "qwen2.5"),
+    "qwen3": ("qwen3", "qwen3"),
+    "qwen3_nothink": ("qwen3", "qwen3"),
+    "qwen3_moe": ("qwen3_moe", "qwen3"),
+    "llama3": ("llama", "llama3"),
+    "gemma3": ("gemma3", "gemma3"),
+}
+
+
+def emit_token_greedily(path: str, prompt: list[int], token: str, steps: int = 12) -> list[int]:
+    """Edit the model saved at `path` so that greedy decoding after `prompt` emits `token` (a special token of its
+    tokenizer) at a chosen step, and return the greedy tokens up to and including it (plain transformers, no stop).
+
+    The step is the last k whose greedy token t is new in the continuation (0 when a tiny model repeats one
+    token), before `token` itself would be emitted: `token`'s output-embedding row becomes 1.01 x t's, so its
+    logit beats t's where t wins (t's winning logit is positive) and stays below the winner elsewhere (checked:
+    the returned prefix is what the edited model decodes). Stop-token tests then see a token the model really
+    samples, not one injected by the test."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from roll_core.testing import reference_greedy
+
+    tok = AutoTokenizer.from_pretrained(path)
+    stop = tok.convert_tokens_to_ids(token)
+    greedy, _ = reference_greedy(path, prompt, steps)
+    # before the model emits `token` by itself (its row changes: what follows it would too)
+    natural = greedy.index(stop) if stop in greedy else len(greedy)
+    k = max(i for i in range(natural) if greedy[i] not in greedy[:i])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[stop] = head[greedy[k]] * 1.01
+    model.save_pretrained(path)
+    edited, _ = reference_greedy(path, prompt, k + 1)
+    if edited != [*greedy[:k], stop]:
+        raise AssertionError(f"the edited model decodes {edited}, not {greedy[:k]} + {stop}")
+    return edited

@@ -123,7 +123,9 @@ class AgentCollector:
         self.cfg, self.ctx, self.task, self.tokenizer = ctx.cfg, ctx, ctx.task, ctx.tokenizer
         task = self.task
         self.limits = SessionLimits(task.max_turns, task.max_tokens_per_turn, task.max_context_length)
-        template = TurnTemplate(self.tokenizer, chat_template_kwargs=task.chat_template_kwargs)
+        # The model preset's kwargs (model.chat_template_kwargs), then the task's own on top.
+        kwargs = {**self.cfg.model.chat_template_kwargs, **task.chat_template_kwargs}
+        template = TurnTemplate(self.tokenizer, chat_template_kwargs=kwargs)
         self.sessions = AgentSessions(
             ctx.infer,
             template,

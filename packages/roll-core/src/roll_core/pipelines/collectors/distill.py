@@ -103,6 +103,7 @@ class DistillCollector:
             view,
             problems,
             max_prompt_length=2**31,  # the teacher's prompts are longer by design; the model's context decides
+            template_kwargs=cfg.model.chat_template_kwargs,
             params=inner.sampling.replace(
                 temperature=inner.eval_temperature, seed=derive_seed(cfg.pipeline.seed, Purpose.EVAL)
             ),
@@ -183,7 +184,11 @@ class DistillCollector:
         assert self.template is not None
         messages = teacher_messages(self.ctx.task, self._problem(problem_id, prompt), self.template.format(**values))
         toks = self.ctx.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            **self.ctx.cfg.model.chat_template_kwargs,
         )
         return list(toks["input_ids"] if isinstance(toks, dict) else toks)
 

@@ -275,6 +275,7 @@ class _TaskEval:
             self.problems,
             max_prompt_length=cfg.model.max_prompt_length,
             params=params,
+            template_kwargs=cfg.model.chat_template_kwargs,
         )
         return {"eval/accuracy": res["accuracy"], "eval/reward": res["reward"], "eval/n": float(res["n"])}
 

@@ -165,6 +165,7 @@ class DPOCollector:
                 self.ctx.task,
                 self.eval_set,
                 max_prompt_length=self.cfg.model.max_prompt_length,
+                template_kwargs=self.cfg.model.chat_template_kwargs,
                 params=sampling.replace(
                     temperature=sampling.temperature if t is None else float(t),
                     seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL),

@@ -68,7 +68,7 @@ class EpisodeCollector:
             self.envs: EnvManager | RemoteEnvManager = RemoteEnvManager(group)
         else:
             self.envs = EnvManager.for_task(task)
-        turns, limits = task_turns(task, self.tokenizer)
+        turns, limits = task_turns(task, self.tokenizer, cfg.model.chat_template_kwargs)
         self.rollout = AgenticRollout(ctx.infer, self.envs, turns, self.tokenizer, limits, gate)
         self._counters = self.envs.counters()
 

@@ -126,6 +126,7 @@ class PromptCollector:
             self.task,
             self.eval_set,
             max_prompt_length=self.cfg.model.max_prompt_length,
+            template_kwargs=self.cfg.model.chat_template_kwargs,
             params=self.sampling.replace(
                 temperature=self.eval_temperature, seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL)
             ),
@@ -288,17 +289,17 @@ class PromptCollector:
         """Prompts of `problems`. A draw whose every prompt is too long (a few huge data rows met by a small batch)
         draws again, as the asynchronous collector does, up to one pass over the training set: a handful of bad
         rows never ends a run; each skip counts in data/skipped_long_prompts."""
-        limit, skipped = self.cfg.model.max_prompt_length, 0
+        limit, skipped, kwargs = self.cfg.model.max_prompt_length, 0, self.cfg.model.chat_template_kwargs
         for _ in range(math.ceil(len(self.train_set) / max(1, len(problems))) - 1):
             try:
-                batch = prompt_batch(self.tokenizer, self.task, problems, limit, counts)
+                batch = prompt_batch(self.tokenizer, self.task, problems, limit, counts, kwargs)
             except PromptsTooLong:
                 skipped += len(problems)
                 problems = [self.train_set[i] for i in self.sampler.next(len(problems))]
                 continue
             break
         else:  # the last draw raises when it fits no better, naming the limit
-            batch = prompt_batch(self.tokenizer, self.task, problems, limit, counts)
+            batch = prompt_batch(self.tokenizer, self.task, problems, limit, counts, kwargs)
         counts["data/skipped_long_prompts"] += skipped
         return batch
 

@@ -86,7 +86,8 @@ class AsyncPromptCollector(PromptCollector):
         limit = self.cfg.model.max_prompt_length
         for _ in range(10_000):
             problem = self.train_set[self.sampler.next(1)[0]]
-            ids, _ = prompt_ids(self.tokenizer, self.task, problem, limit)  # a huge row is not even tokenised
+            # a huge row is not even tokenised
+            ids, _ = prompt_ids(self.tokenizer, self.task, problem, limit, self.cfg.model.chat_template_kwargs)
             if ids is not None:
                 return problem, ids
             self.skipped_long += 1

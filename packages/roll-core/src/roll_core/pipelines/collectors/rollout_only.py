@@ -197,7 +197,14 @@ class RolloutCollector:
         counts: dict[str, Any] = {"data/skipped_long_prompts": 0}
         batch: Batch | None = None
         try:
-            prompts = prompt_batch(self.tokenizer, self.task, problems, self.cfg.model.max_prompt_length, counts)
+            prompts = prompt_batch(
+                self.tokenizer,
+                self.task,
+                problems,
+                self.cfg.model.max_prompt_length,
+                counts,
+                self.cfg.model.chat_template_kwargs,
+            )
         except PromptsTooLong:  # every prompt of the step: skipped and counted, the shard goes on
             counts["data/skipped_long_prompts"] = len(problems)
             prompts = None

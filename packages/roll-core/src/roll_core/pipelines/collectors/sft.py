@@ -144,6 +144,7 @@ class SFTCollector:
                 self.ctx.task,
                 self.eval_problems,
                 max_prompt_length=self.cfg.model.max_prompt_length,
+                template_kwargs=self.cfg.model.chat_template_kwargs,
                 params=self.ctx.sampling.replace(
                     temperature=self.eval_temperature, seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL)
                 ),
