@@ -170,14 +170,11 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     models = [a for a in args.targets if not _is_override(a)]
     overrides = [a for a in args.targets if _is_override(a)]
     if args.data:  # a benchmark file: the file task, every row held out (training rows are not used)
-        overrides = [
-            "env=file",
-            f"env.path={args.data}",
-            f"env.eval_path={args.data}",
-            "env.eval_size=100000000",
-            *([] if args.samples else ["pipeline.eval_size=100000000"]),
-            *overrides,
-        ]
+        given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+        # After the user's overrides (the last value of a key wins); sizes only where the user set none.
+        overrides = [*overrides, "env=file", f"env.path={args.data}", f"env.eval_path={args.data}"]
+        overrides += [] if "env.eval_size" in given else ["env.eval_size=100000000"]
+        overrides += [] if args.samples or "pipeline.eval_size" in given else ["pipeline.eval_size=100000000"]
     try:
         ks = parse_ks(args.k, args.n)
         targets = expand_targets(models)
