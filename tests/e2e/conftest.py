@@ -1,8 +1,11 @@
-"""Shared fixtures of the end-to-end tests: one Ray instance per session, a tiny learnable task, a run helper."""
+"""Shared fixtures of the end-to-end tests: one Ray instance shared by the modules that need one, a tiny learnable
+task, a run helper."""
 
 from __future__ import annotations
 
 import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,11 +18,11 @@ def _model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray instance per test module that needs it (Ray takes 10-15 s to start here)."""
-    ray = pytest.importorskip("ray")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+# The local Ray instance the test modules share (a start costs 10-15 s on 2 cores and a dozen modules use one).
+_SHARED_RAY: dict[str, str] = {}
+
+
+def _start_shared_ray(ray) -> None:
     ray.init(
         address="local",  # a new instance even when another cluster runs on this machine
         num_cpus=8,
@@ -36,8 +39,59 @@ def ray_cluster():
             }
         },
     )
+    _SHARED_RAY["address"] = ray.get_runtime_context().gcs_address
+
+
+def _is_shared_ray_up(ray) -> bool:
+    return ray.is_initialized() and ray.get_runtime_context().gcs_address == _SHARED_RAY.get("address")
+
+
+def _ray_leftovers(ray, wait_s: float = 10.0) -> list[str]:
+    """What a module left in the shared instance: live actors, placement groups, CPUs still held. Kills and removals
+    are asynchronous, so this waits (bounded) for them to settle; an empty list means the instance is as new."""
+    from ray._private import state
+    from ray.util.placement_group import placement_group_table
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        actors = state.actors().values()
+        left = [f"actor {a.get('Name') or a.get('ActorClassName')}" for a in actors if a["State"] != "DEAD"]
+        left += [f"placement group {g}" for g, t in placement_group_table().items() if t["state"] != "REMOVED"]
+        free, total = ray.available_resources().get("CPU", 0.0), ray.cluster_resources().get("CPU", 0.0)
+        if free < total:
+            left.append(f"{total - free:g} of {total:g} CPUs held")
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def _shared_ray_session():
+    """Stops the shared instance at the end of the session (if it is still the one running)."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and _is_shared_ray_up(ray):
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(_shared_ray_session):
+    """A local Ray instance for the test modules that need one, shared between them: the first starts it, later
+    ones reuse it as long as each module leaves it as it found it (no actor, placement group or CPU left). After
+    a module that leaves something behind it is stopped, and the next module starts a new one; a module that
+    replaces it (tests/e2e/test_multinode*.py start their own cluster) makes the next module start a new one too."""
+    ray = pytest.importorskip("ray")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    if not _is_shared_ray_up(ray):
+        if ray.is_initialized():  # some other instance: this module gets the shared one, as it always has
+            ray.shutdown()
+        _start_shared_ray(ray)
     yield ray
-    ray.shutdown()
+    if _is_shared_ray_up(ray):
+        left = _ray_leftovers(ray)
+        if left:  # not clean: the next module gets a new instance, as if each module had its own
+            print(f"\nshared Ray instance stopped: the module left {', '.join(left)}", file=sys.__stderr__)
+            ray.shutdown()
 
 
 @pytest.fixture(scope="session")
