@@ -89,12 +89,14 @@ class WandbTracker:
         self.state_path = self.run_dir / "wandb" / STATE_FILE
         self.mode = resolve_mode(self.options.mode)
         self.run: Any = None
+        self.closed = False
         self.last_step = -1  # the last step the current W&B run holds
         if not resume:
             self._start()
         # On resume, the first truncate (or log) decides: continue the recorded W&B run or start a new one.
 
-    def _start(self, *, resume_id: str | None = None, resumed_from: str | None = None) -> None:
+    def _start(self, *, resume_id: str | None = None, holds: int = -1, resumed_from: str | None = None) -> None:
+        """Open a W&B run: a new one, or the recorded `resume_id` holding steps up to `holds`."""
         wandb = self._wandb
         config = dict(self.config)
         tags = list(self.options.tags)
@@ -118,6 +120,7 @@ class WandbTracker:
         )
         if self.mode == "offline" and resume_id is None:
             log.info("W&B is offline (no API key): upload later with `wandb sync %s`", Path(self.run.dir).parent)
+        self.last_step = holds
         self._save_state()
 
     def _save_state(self) -> None:
@@ -146,24 +149,20 @@ class WandbTracker:
     def truncate(self, last_step: int) -> None:
         """Continue the recorded W&B run when it holds nothing after `last_step`, else start a new one replaying
         steps 0..last_step (W&B cannot delete steps; see the module docstring)."""
-        if self.run is not None:
+        if self.run is not None:  # truncating a live run: the same decision, from the record it keeps current
             if self.last_step <= last_step:
                 return
-            old = self.run.id
-            self.run.finish()
-            self.run, self.last_step = None, -1
-            self._start(resumed_from=old)
-            self._replay(last_step)
-            return
+            self._finish()
         state = json.loads(self.state_path.read_text()) if self.state_path.exists() else None
         if state is not None and int(state["last_step"]) <= last_step:
-            self._start(resume_id=str(state["id"]))
-            self.last_step = int(state["last_step"])
+            self._start(resume_id=str(state["id"]), holds=int(state["last_step"]))
             return
         self._start(resumed_from=None if state is None else str(state["id"]))
         self._replay(last_step)
 
     def _ensure_run(self, step: int) -> None:
+        if self.closed:
+            raise RuntimeError("WandbTracker used after close()")
         if self.run is None:  # a resumed run logged without truncating first: keep what precedes this step
             self.truncate(step - 1)
 
@@ -185,8 +184,12 @@ class WandbTracker:
         self.last_step = max(self.last_step, step)
         self._save_state()
 
-    def close(self) -> None:
-        """Finish the W&B run (idempotent)."""
+    def _finish(self) -> None:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+    def close(self) -> None:
+        """Finish the W&B run (idempotent)."""
+        self._finish()
+        self.closed = True
