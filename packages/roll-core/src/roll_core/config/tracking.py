@@ -67,14 +67,27 @@ class WandbConfig:
 class MlflowConfig:
     """`pipeline.trackers=[mlflow]`: MLflow (the `roll-core[mlflow]` extra)."""
 
-    # MLflow tracking URI; null: MLFLOW_TRACKING_URI when set, else a file store under <run>/mlruns.
+    # MLflow tracking URI (http://host:5000, sqlite:///path.db, databricks); null: MLFLOW_TRACKING_URI when set,
+    # else a SQLite store in the run folder (sqlite:///<run>/mlflow/mlflow.db, artifacts in <run>/mlflow/artifacts).
     tracking_uri: str | None = None
     # MLflow experiment name; null: tracking.group (a sweep), else the run's `experiment`.
     experiment: str | None = None
     # Tags set on the MLflow run.
     tags: dict[str, str] = field(default_factory=dict)
-    # Log sample completions as an MLflow table artifact.
+    # Log sample completions as MLflow table artifacts (samples/step_<step>.json).
     log_samples: bool = True
+    # Seconds one HTTP request to the server may take (MLFLOW_HTTP_REQUEST_TIMEOUT, when set, wins).
+    timeout_s: int = 15
+    # MLflow's own retries of one failed request (MLFLOW_HTTP_REQUEST_MAX_RETRIES, when set, wins).
+    retries: int = 2
+    # After a failed send, seconds before the buffered points are sent again (doubles per failure, up to 300);
+    # training goes on meanwhile (roll_core.trackers.mlflow).
+    retry_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _check("mlflow.timeout_s", self.timeout_s >= 1, f"must be at least 1, got {self.timeout_s}")
+        _check("mlflow.retries", self.retries >= 0, f"must be >= 0, got {self.retries}")
+        _check("mlflow.retry_interval_s", self.retry_interval_s >= 0, f"must be >= 0, got {self.retry_interval_s}")
 
 
 @dataclass

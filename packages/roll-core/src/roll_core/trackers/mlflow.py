@@ -1,0 +1,480 @@
+"""`pipeline.trackers=[mlflow]`: an MLflow run per roll run (the `roll-core[mlflow]` extra).
+
+Options: `tracking.mlflow` (roll_core.config.tracking.MlflowConfig).
+- Where: `tracking.mlflow.tracking_uri`, else MLFLOW_TRACKING_URI, else a SQLite store in the run folder
+  (`sqlite:///<run>/mlflow/mlflow.db`, artifacts in `<run>/mlflow/artifacts`; view it with
+  `mlflow ui --backend-store-uri sqlite:///<run>/mlflow/mlflow.db`).
+- Experiment: `tracking.mlflow.experiment`, else `tracking.group` (a sweep's jobs share one), else `experiment`.
+  The run's name is the run name (`tracking.run_name`, else `experiment`).
+- Params: the resolved config flattened to dotted keys (`algo.lr`; lists as JSON text). MLflow caps a param value
+  at 6000 characters: a longer one is cut and ends with PARAM_CUT_NOTE; the whole config is always the run's
+  `config.yaml` artifact.
+- Metrics: at their step, keys as logged (`reward/mean`; a character MLflow refuses becomes `_`).
+- Samples: one table artifact per step, `samples/step_000002.json` (MLflow's table format, `{"columns", "data"}`,
+  listed in the run's `mlflow.loggedArtifacts` tag as `mlflow.log_table` does, so the UI shows it as a table).
+
+Resume. `<run>/mlflow/run.json` records the tracking URI, the MLflow run id and the last step logged to it. MLflow
+cannot delete metric points (a point logged again at the same step is a second point, not a replacement), so
+`truncate(last_step)` does one of two things:
+- the MLflow run holds nothing after `last_step` (a preemption right after a checkpoint): the same run continues;
+- it holds later steps (a crash between checkpoints; the run redoes them with other values): a new MLflow run
+  (same experiment and name, tag `roll.resumed_from=<old id>`) replays steps 0..last_step from the run folder's
+  metrics.jsonl and samples.jsonl, then continues; the old run gets tag `roll.superseded_by=<new id>` and is
+  moved to MLflow's deleted runs (kept, and restorable with `mlflow runs restore --run-id <id>`).
+Either way the MLflow run that run.json names shows exactly the history of metrics.jsonl.
+
+Network failures. The tracking server is needed when the run starts (a wrong URI fails there, with its message).
+Later, a send that fails for a network reason (connection refused, timeout, a 5xx) never raises into training:
+the points stay buffered, in order, and are sent with the next log once `retry_interval_s` has passed (doubling to
+5 minutes while the server stays away); every failed send is counted in the metric FAILURES_METRIC (logged with
+the data once the server is back) and warned about once per outage. `close()` tries once more; what still cannot
+be sent is written to `<run>/mlflow/unsent.json` (an error names it) and sent when the run resumes in the same
+folder. A refusal that is not a network problem (an invalid value) raises: resending would not help. MLflow's
+own HTTP retries are bounded by `tracking.mlflow.timeout_s` and `tracking.mlflow.retries` (unless the
+MLFLOW_HTTP_REQUEST_* environment variables say otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import posixpath
+import re
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from roll_core.config.tracking import MLFLOW, backend_options, tracking_config
+
+log = logging.getLogger(__name__)
+#: The run folder's record of its MLflow run: {"tracking_uri", "run_id", "last_step"}.
+STATE_FILE = "run.json"
+#: What could not be sent by `close()`: sent when the run resumes.
+UNSENT_FILE = "unsent.json"
+#: Metric counting the failed sends of this run (logged once the server answers again).
+FAILURES_METRIC = "tracking/mlflow_send_failures"
+#: How a param value longer than MLflow's limit ends.
+PARAM_CUT_NOTE = " ...[cut: the config.yaml artifact holds the whole value]"
+# MLflow's limits (mlflow.utils.validation): param value length, key length, entities per log_batch call.
+MAX_PARAM_VALUE = 6000
+MAX_KEY = 250
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_TAGS_PER_BATCH = 100
+# MLflow error codes that mean "this request is wrong", not "the server is away": resending would not help.
+PERMANENT_ERRORS = frozenset(
+    {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "PERMISSION_DENIED"}
+)
+MAX_RETRY_INTERVAL_S = 300.0
+LOGGED_ARTIFACTS_TAG = "mlflow.loggedArtifacts"  # what mlflow.log_table maintains for the UI's table views
+_BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")
+
+
+def mlflow_key(key: str) -> str:
+    """`key` as MLflow accepts it for a metric or param: characters it refuses become `_`, at most 250 long."""
+    clean = _BAD_KEY_CHARS.sub("_", key)[:MAX_KEY]
+    if posixpath.normpath(clean) != clean:  # MLflow refuses names that a path would rewrite ("a//b", "a/", "./a")
+        clean = "/".join(part or "_" for part in clean.split("/")).replace("/./", "/_/").lstrip(".") or "_"
+    return clean
+
+
+def _value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """The config as MLflow params: nested keys joined with dots, leaves as text (lists as JSON text), keys made
+    valid (`mlflow_key`), values over MLflow's 6000 characters cut with PARAM_CUT_NOTE at the end."""
+    params: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            params.update(flatten_config(value, f"{name}."))
+            continue
+        text = _value(dict(value) if isinstance(value, Mapping) else value)
+        if len(text) > MAX_PARAM_VALUE:
+            text = text[: MAX_PARAM_VALUE - len(PARAM_CUT_NOTE)] + PARAM_CUT_NOTE
+        params[mlflow_key(name)] = text
+    return params
+
+
+def is_network_error(exc: BaseException) -> bool:
+    """Whether a failed MLflow call may succeed when sent again (the server was unreachable, timed out or failed
+    with a 5xx), as opposed to a request MLflow refuses."""
+    code = getattr(exc, "error_code", None)
+    return code not in PERMANENT_ERRORS
+
+
+def table(step: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sample rows as MLflow's table artifact format (pandas' "split" orient): columns step, then each row key."""
+    columns = ["step", *dict.fromkeys(k for row in rows for k in row if k != "step")]
+    return {"columns": columns, "data": [[step, *(row.get(c) for c in columns[1:])] for row in rows]}
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MlflowTracker:
+    """An MLflow run (see the module docstring for the store, resume and network failures)."""
+
+    extra = MLFLOW
+
+    def __init__(self, *, run_dir: Path, config: dict[str, Any], name: str, resume: bool) -> None:
+        MLFLOW.require()
+        from mlflow.tracking import MlflowClient
+
+        self.options = backend_options(config, "mlflow")
+        self.config, self.name = config, name
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / "mlflow"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.uri = self.options.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or self._local_uri()
+        self.experiment = (
+            self.options.experiment or tracking_config(config).group or str(config.get("experiment") or name)
+        )
+        self.client = MlflowClient(tracking_uri=self.uri)
+        self.run_id: str | None = None
+        self.last_step = -1  # the last step logged to the current MLflow run (sent or buffered)
+        # The buffer: what is not yet accepted by the server, in the order it was logged.
+        self.pending_params: dict[str, str] = {}
+        self.pending_tags: dict[str, str] = {}
+        self.pending_metrics: list[tuple[str, float, int, int]] = []  # key, value, timestamp ms, step
+        self.pending_artifacts: dict[str, str] = {}  # artifact path -> text
+        self.tables: list[dict[str, str]] = []  # the run's table artifacts (LOGGED_ARTIFACTS_TAG)
+        self.failures = 0  # failed sends of this run (FAILURES_METRIC)
+        self.outage_failures = 0  # failed sends since the last success
+        self.retry_at = 0.0
+        self._reported_failures = 0
+        self._renamed: set[str] = set()
+        if not resume:
+            self._start()
+        # On resume, the first truncate (or log) decides: continue the recorded run or start a new one.
+
+    # ---- the MLflow side -------------------------------------------------------------------------------------
+    def _local_uri(self) -> str:
+        return f"sqlite:///{(self.dir / 'mlflow.db').resolve()}"
+
+    @contextmanager
+    def _http(self) -> Iterator[None]:
+        """Around every MLflow call: bound MLflow's own HTTP retries (its defaults retry for minutes; variables the
+        user set are left alone), and keep the deprecation notices of MLflow's SQL store (SQLAlchemy 2.1 deprecates
+        what it uses) out of the run's log, where a user can do nothing about them."""
+        settings = {
+            "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(self.options.timeout_s))),
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(self.options.retries),
+            "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+        }
+        added = [k for k in settings if k not in os.environ]
+        os.environ.update({k: settings[k] for k in added})
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                yield
+        finally:
+            for k in added:
+                os.environ.pop(k, None)
+
+    def _experiment_id(self) -> str:
+        """The experiment's id, created when missing (a local store keeps its artifacts in the run folder)."""
+        from mlflow.exceptions import MlflowException
+
+        found = self.client.get_experiment_by_name(self.experiment)
+        if found is None:
+            local = not self.uri.startswith(("http://", "https://", "databricks"))
+            location = (self.dir / "artifacts").resolve().as_uri() if local else None
+            try:
+                return self.client.create_experiment(self.experiment, artifact_location=location)
+            except MlflowException:  # another job of the sweep created it meanwhile
+                found = self.client.get_experiment_by_name(self.experiment)
+                if found is None:
+                    raise
+        if found.lifecycle_stage == "deleted":
+            log.warning("MLflow experiment %r was deleted: restoring it for this run", self.experiment)
+            self.client.restore_experiment(found.experiment_id)
+        return str(found.experiment_id)
+
+    def _start(self, *, resumed_from: str | None = None) -> None:
+        """Create the MLflow run (the server must answer: a wrong URI fails here, before training)."""
+        tags = {**self.options.tags, "roll.run_dir": str(self.run_dir.resolve())}
+        if resumed_from is not None:
+            tags["roll.resumed_from"] = resumed_from
+        try:
+            with self._http():
+                run = self.client.create_run(self._experiment_id(), run_name=self.name, tags=tags)
+        except Exception as exc:
+            raise RuntimeError(f"MLflow at {self.uri}: cannot start the run ({exc})") from exc
+        self.run_id, self.last_step, self.tables = run.info.run_id, -1, []
+        self.pending_params = flatten_config(self.config)
+        self.pending_artifacts["config.yaml"] = self._config_text()
+        self._save_state()
+        self._flush(final=True)
+
+    def _config_text(self) -> str:
+        config_file = self.run_dir / "config.yaml"
+        if config_file.exists():
+            return config_file.read_text()
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_yaml(OmegaConf.create(self.config))
+
+    def _continue(self, run_id: str) -> bool:
+        """Continue the recorded run; False when the store no longer has it (deleted or another store)."""
+        try:
+            with self._http():
+                run = self.client.get_run(run_id)
+        except Exception as exc:
+            if is_network_error(exc):
+                raise RuntimeError(f"MLflow at {self.uri}: cannot reach the run {run_id} ({exc})") from exc
+            return False
+        if run.info.lifecycle_stage == "deleted":
+            return False
+        self.run_id = run_id
+        self.tables = json.loads(run.data.tags.get(LOGGED_ARTIFACTS_TAG, "[]"))
+        # Params cannot change in MLflow: a resumed run with another config keeps the first values (config.yaml,
+        # logged again, is the resumed run's).
+        new = flatten_config(self.config)
+        changed = sorted(k for k, v in new.items() if k in run.data.params and run.data.params[k] != v)
+        if changed:
+            log.warning("MLflow params keep their first values; changed on resume: %s", ", ".join(changed[:10]))
+        self.pending_params = {k: v for k, v in new.items() if k not in run.data.params}
+        self.pending_artifacts["config.yaml"] = self._config_text()
+        self._load_unsent()
+        return True
+
+    def _supersede(self, old: str, new: str) -> None:
+        """Tag the abandoned run and move it to MLflow's deleted runs (restorable); a failure only warns."""
+        try:
+            with self._http():
+                self.client.set_tag(old, "roll.superseded_by", new)
+                self.client.set_terminated(old, "KILLED")
+                self.client.delete_run(old)
+        except Exception as exc:  # the new run is complete without this: never fail the resume for it
+            log.warning("MLflow: could not mark the superseded run %s (%s)", old, exc)
+
+    def _replay(self, last_step: int) -> None:
+        """Log what the run folder's own files hold up to `last_step` into the fresh run."""
+        samples: dict[int, list[dict[str, Any]]] = {}
+        for row in _read_jsonl(self.run_dir / "samples.jsonl"):
+            step = int(row.pop("step", 0))
+            if step <= last_step:
+                samples.setdefault(step, []).append(row)
+        for record in _read_jsonl(self.run_dir / "metrics.jsonl"):
+            step = int(record["step"])
+            if step <= last_step:
+                metrics = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+                self._add_metrics(step, {k: v for k, v in metrics.items() if math.isfinite(v)})
+        for step, rows in sorted(samples.items()):
+            self._add_samples(step, rows)
+        self._flush(final=True)
+
+    # ---- state and buffer files ------------------------------------------------------------------------------
+    def _save_state(self) -> None:
+        state = {"tracking_uri": self.uri, "run_id": self.run_id, "last_step": self.last_step}
+        tmp = self.dir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self.dir / STATE_FILE)  # a crash mid-write keeps the previous record
+
+    def _pending(self) -> bool:
+        return bool(self.pending_params or self.pending_tags or self.pending_metrics or self.pending_artifacts)
+
+    def _save_unsent(self) -> None:
+        unsent = {
+            "run_id": self.run_id,
+            "params": self.pending_params,
+            "tags": self.pending_tags,
+            "metrics": self.pending_metrics,
+            "artifacts": self.pending_artifacts,
+        }
+        tmp = self.dir / (UNSENT_FILE + ".tmp")
+        tmp.write_text(json.dumps(unsent))
+        tmp.replace(self.dir / UNSENT_FILE)
+
+    def _load_unsent(self) -> None:
+        path = self.dir / UNSENT_FILE
+        if not path.exists():
+            return
+        unsent = json.loads(path.read_text())
+        if unsent.get("run_id") != self.run_id:
+            return
+        self.pending_params = {**unsent["params"], **self.pending_params}
+        self.pending_tags = {**unsent["tags"], **self.pending_tags}
+        self.pending_metrics = [tuple(m) for m in unsent["metrics"]] + self.pending_metrics  # type: ignore[misc]
+        self.pending_artifacts = {**unsent["artifacts"], **self.pending_artifacts}
+        log.info("MLflow: %d metric points of an earlier attempt are sent now", len(unsent["metrics"]))
+
+    # ---- sending ---------------------------------------------------------------------------------------------
+    def _send(self) -> None:
+        """Send the buffer; each part leaves it once the server accepted it (a failure keeps the rest)."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        assert self.run_id is not None
+        while self.pending_params:
+            chunk = list(self.pending_params.items())[:MAX_PARAMS_TAGS_PER_BATCH]
+            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in chunk])
+            for k, _ in chunk:
+                del self.pending_params[k]
+        while self.pending_tags:
+            chunk = list(self.pending_tags.items())[:MAX_PARAMS_TAGS_PER_BATCH]
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in chunk])
+            for k, _ in chunk:
+                del self.pending_tags[k]
+        while self.pending_metrics:
+            chunk = self.pending_metrics[:MAX_METRICS_PER_BATCH]
+            self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for k, v, ts, step in chunk])
+            del self.pending_metrics[: len(chunk)]
+        while self.pending_artifacts:
+            path, text = next(iter(self.pending_artifacts.items()))
+            self.client.log_text(self.run_id, text, path)
+            del self.pending_artifacts[path]
+
+    def _flush(self, *, final: bool = False) -> bool:
+        """Send what is buffered unless a recent failure says to wait (`final`: try now); True when all is sent."""
+        if not self._pending() or (not final and time.monotonic() < self.retry_at):
+            return not self._pending()
+        try:
+            with self._http():
+                self._send()
+        except Exception as exc:
+            if not is_network_error(exc):
+                raise
+            self.failures += 1
+            self.outage_failures += 1
+            wait = min(self.options.retry_interval_s * 2 ** (self.outage_failures - 1), MAX_RETRY_INTERVAL_S)
+            self.retry_at = time.monotonic() + wait
+            if self.outage_failures == 1:
+                log.warning(
+                    "MLflow at %s is not answering (%s): %d metric points buffered, resent after %.0f s; training "
+                    "goes on",
+                    self.uri,
+                    str(exc).splitlines()[0][:300],
+                    len(self.pending_metrics),
+                    wait,
+                )
+            return False
+        if self.outage_failures:
+            log.warning("MLflow at %s answers again: the buffered points are sent", self.uri)
+            self.outage_failures, self.retry_at = 0, 0.0
+        (self.dir / UNSENT_FILE).unlink(missing_ok=True)
+        return True
+
+    def _timestamp(self) -> int:
+        return int(time.time() * 1000)
+
+    def _add_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        ts = self._timestamp()
+        for key, value in metrics.items():
+            name = mlflow_key(key)
+            if name != key and key not in self._renamed:
+                self._renamed.add(key)
+                log.info("MLflow: metric %r is logged as %r (characters MLflow refuses)", key, name)
+            self.pending_metrics.append((name, float(value), ts, step))
+        self.last_step = max(self.last_step, step)
+
+    def _add_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        path = f"samples/step_{step:06d}.json"
+        self.pending_artifacts[path] = json.dumps(table(step, rows), ensure_ascii=False)
+        entry = {"path": path, "type": "table"}
+        if entry not in self.tables:
+            self.tables.append(entry)
+            self.pending_tags[LOGGED_ARTIFACTS_TAG] = json.dumps(self.tables)
+        self.last_step = max(self.last_step, step)
+
+    # ---- the TrackerBackend calls ------------------------------------------------------------------------------
+    def truncate(self, last_step: int) -> None:
+        """Continue the recorded run when it holds nothing after `last_step`, else start a new one replaying steps
+        0..last_step (MLflow cannot delete points; see the module docstring)."""
+        if self.run_id is not None:
+            if self.last_step <= last_step:
+                self.pending_metrics = [m for m in self.pending_metrics if m[3] <= last_step]
+                return
+            old = self.run_id
+            self.pending_metrics, self.pending_artifacts, self.pending_tags = [], {}, {}
+            self._start(resumed_from=old)
+            self._supersede(old, str(self.run_id))
+            self._replay(last_step)
+            return
+        path = self.dir / STATE_FILE
+        state = json.loads(path.read_text()) if path.exists() else None
+        same_store = state is not None and state.get("tracking_uri") == self.uri
+        if same_store and int(state["last_step"]) <= last_step and self._continue(str(state["run_id"])):
+            self.last_step = int(state["last_step"])
+            self._save_state()
+            self._flush(final=True)
+            return
+        self._start(resumed_from=str(state["run_id"]) if same_store else None)
+        if same_store:
+            self._supersede(str(state["run_id"]), str(self.run_id))
+        self._replay(last_step)
+
+    def _ensure_run(self, step: int) -> None:
+        if self.run_id is None:  # a resumed run logged without truncating first: keep what precedes this step
+            self.truncate(step - 1)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Buffer the metrics at `step` and send the buffer (a network failure keeps it for later)."""
+        self._ensure_run(step)
+        self._add_metrics(step, metrics)
+        if self.failures != self._reported_failures:  # counted now, sent with the data once the server is back
+            self.pending_metrics.append((FAILURES_METRIC, float(self.failures), self._timestamp(), step))
+            self._reported_failures = self.failures
+        self._save_state()
+        self._flush()
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Log the rows as the table artifact `samples/step_<step>.json`."""
+        if not self.options.log_samples or not rows:
+            return
+        self._ensure_run(step)
+        self._add_samples(step, rows)
+        self._save_state()
+        self._flush()
+
+    def close(self) -> None:
+        """Send what is buffered and end the run (FAILED when closed while an exception propagates); what cannot
+        be sent goes to `<run>/mlflow/unsent.json` for the next attempt (idempotent)."""
+        if self.run_id is None:
+            return
+        failed = sys.exc_info()[0] is not None
+        if self.failures != self._reported_failures:
+            self.pending_metrics.append((FAILURES_METRIC, float(self.failures), self._timestamp(), self.last_step))
+            self._reported_failures = self.failures
+        if self._flush(final=True):
+            try:
+                with self._http():
+                    self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+            except Exception as exc:
+                log.warning("MLflow: could not mark run %s as ended (%s)", self.run_id, exc)
+        else:
+            self._save_unsent()
+            log.error(
+                "MLflow at %s did not answer: %d metric points of run %s are in %s, sent when this run resumes "
+                "(metrics.jsonl holds them too)",
+                self.uri,
+                len(self.pending_metrics),
+                self.run_id,
+                self.dir / UNSENT_FILE,
+            )
+        self.run_id = None
+
+
+def read_run(client: Any, run_id: str) -> dict[int, dict[str, float]]:
+    """{step: {metric: value}} of an MLflow run through its client (for a step logged twice, the later point),
+    FAILURES_METRIC left out: what the run's charts show."""
+    run = client.get_run(run_id)
+    shown: dict[int, dict[str, tuple[int, float]]] = {}
+    for key in run.data.metrics:
+        if key == FAILURES_METRIC:
+            continue
+        for point in client.get_metric_history(run_id, key):
+            seen = shown.setdefault(point.step, {}).get(key)
+            if seen is None or point.timestamp >= seen[0]:
+                shown[point.step][key] = (point.timestamp, point.value)
+    return {step: {k: v for k, (_, v) in metrics.items()} for step, metrics in shown.items()}

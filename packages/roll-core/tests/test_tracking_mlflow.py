@@ -1,0 +1,276 @@
+"""MLflow tracking against a real tracking server that the tests start (`mlflow server`, SQLite store, 127.0.0.1).
+
+Everything is read back through MLflow's own client (`MlflowClient`): runs, params, metric histories, artifacts.
+Covered: the conformance suite (roll_core.testing.trackers) against the server; a tiny roll run with
+`pipeline.trackers=[mlflow]` (experiment, run name, the flattened config as params, every metric of metrics.jsonl
+at its step, the sample tables, config.yaml); a resume that redoes steps (a new run replays the kept steps, the
+old one is retired); the server stopped mid-run (training goes on, points are buffered, counted and sent once it
+is back, through `unsent.json` across a restart); the default SQLite store in the run folder; params over MLflow's
+length limit; the one-line error without the package. The server is started once per module (`--workers 1`) and
+killed at the end, also on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from roll_core.testing.trackers import FIRST_ATTEMPT, TrackerTestSuite, assert_steps
+from roll_core.tracking import Tracker
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MlflowServer:
+    """`mlflow server` on 127.0.0.1 with a SQLite store and served artifacts under `root`; restartable on its port."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.port = root, _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start_s = 0.0
+
+    def start(self, timeout_s: float = 90.0) -> None:
+        cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += ["--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}", "--workers", "1"]
+        cmd += ["--artifacts-destination", str(self.root / "artifacts")]
+        # No job runner (it needs huey and is not what is tested); no user's tracking settings.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
+        began = time.monotonic()
+        with open(self.root / "server.log", "ab") as out:  # the server's own process group: stop() ends both
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() - began > timeout_s:
+                self.stop()
+                log = (self.root / "server.log").read_text()[-3000:]
+                pytest.fail(f"mlflow server did not answer on {self.url} within {timeout_s}s:\n{log}")
+            time.sleep(0.1)
+        self.start_s = time.monotonic() - began
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:  # the server and its uvicorn worker, at once: a server that goes away, not one that shuts down
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+        self.proc = None
+
+    def client(self) -> Any:
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(tracking_uri=self.url)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    pytest.importorskip("flask", reason="`mlflow server` needs Flask (roll-core's test extra)")
+    srv = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    try:
+        srv.start()
+        print(f"mlflow server started in {srv.start_s:.1f}s")
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_user_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in [v for v in os.environ if v.startswith("MLFLOW_")]:
+        monkeypatch.delenv(var)
+
+
+def _run_id(run_dir: Path) -> str:
+    return str(json.loads((run_dir / "mlflow" / "run.json").read_text())["run_id"])
+
+
+def _tables(client: Any, run_id: str, dst: Path) -> dict[int, list[dict[str, Any]]]:
+    """The run's sample tables by step, as MLflow's artifact store holds them."""
+    if not client.list_artifacts(run_id, "samples"):
+        return {}
+    folder = Path(client.download_artifacts(run_id, "samples", str(dst)))
+    tables = {}
+    for file in sorted(folder.glob("step_*.json")):
+        table = json.loads(file.read_text())
+        rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+        step = int(file.stem.removeprefix("step_"))
+        assert all(row.pop("step") == step for row in rows)
+        tables[step] = rows
+    return tables
+
+
+def _config_artifact(client: Any, run_id: str, dst: Path) -> str:
+    return Path(client.download_artifacts(run_id, "config.yaml", str(dst))).read_text()
+
+
+class TestMlflowConformance(TrackerTestSuite):
+    tracker = "mlflow"
+
+    @pytest.fixture(autouse=True)
+    def _uri(self, server: MlflowServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        self.server, self.downloads = server, tmp_path / "downloads"
+        options = {"tracking_uri": server.url, "experiment": "conformance", "retries": 0}
+        monkeypatch.setattr(type(self), "run_config", {"tracking": {"mlflow": options}})
+
+    def read_back(self, run_dir: Path) -> dict[int, dict[str, float]]:
+        from roll_core.trackers.mlflow import read_run
+
+        return read_run(self.server.client(), _run_id(run_dir))
+
+    def read_samples(self, run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+        return _tables(self.server.client(), _run_id(run_dir), self.downloads / "samples")
+
+    def read_config(self, run_dir: Path) -> dict[str, Any]:
+        return yaml.safe_load(_config_artifact(self.server.client(), _run_id(run_dir), self.downloads / "config"))
+
+    def test_redone_steps_start_a_new_run_and_retire_the_old(self, tmp_path: Path) -> None:
+        from roll_core.trackers.mlflow import read_run
+
+        self._first_attempt(tmp_path, range(4))
+        first = _run_id(tmp_path)
+        resumed = self.build(tmp_path, resume=True)
+        resumed.truncate(1)
+        resumed.log(2, {"loss": 9.0})
+        resumed.close()
+        client, second = self.server.client(), _run_id(tmp_path)
+        old, new = client.get_run(first), client.get_run(second)
+        assert second != first and new.info.run_name == old.info.run_name == "conformance"
+        assert new.info.experiment_id == old.info.experiment_id
+        assert new.data.tags["roll.resumed_from"] == first and old.data.tags["roll.superseded_by"] == second
+        assert old.info.lifecycle_stage == "deleted" and old.info.status == "KILLED"  # restorable, not shown
+        assert new.info.status == "FINISHED"
+        assert_steps(read_run(client, first), FIRST_ATTEMPT)  # the retired run keeps what it had
+        # The new run's history is plain: one point per logged step (nothing for a reader to filter).
+        assert [(p.step, p.value) for p in client.get_metric_history(second, "loss")] == [(1, 1.5), (2, 9.0)]
+
+
+def test_tiny_run_reads_back_through_the_mlflow_client(server: MlflowServer, tmp_path: Path) -> None:
+    from roll_core.testing import constant_answer_task, run_pipeline, tiny_overrides
+    from roll_core.trackers.mlflow import flatten_config, read_run
+
+    out = tmp_path / "run"
+    overrides = ["pipeline.max_steps=2", "pipeline.trackers=[mlflow]", f"tracking.mlflow.tracking_uri={server.url}"]
+    overrides += ["+tracking.mlflow.tags.team=rl"]
+    _, history = run_pipeline(tiny_overrides(constant_answer_task(tmp_path / "seven.jsonl"), out, *overrides))
+
+    client, run_id = server.client(), _run_id(out)
+    run = client.get_run(run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "rlvr"  # no group: the experiment name
+    assert (run.info.run_name, run.info.status, run.data.tags["team"]) == ("rlvr", "FINISHED", "rl")
+    config_text = (out / "config.yaml").read_text()
+    assert _config_artifact(client, run_id, tmp_path / "dl") == config_text  # the whole resolved config
+    params = flatten_config(yaml.safe_load(config_text))
+    assert run.data.params == params and params["algo.lr"] == "0.003" and params["pipeline.max_steps"] == "2"
+
+    assert [h["step"] for h in history][-2:] == [1, 2]
+    assert_steps(read_run(client, run_id), {h["step"]: {k: v for k, v in h.items() if k != "step"} for h in history})
+    for key in run.data.metrics:  # each history as MLflow stores it: one point per step, no duplicates
+        points = [(p.step, p.value) for p in client.get_metric_history(run_id, key)]
+        assert points == [(h["step"], pytest.approx(h[key])) for h in history if h.get(key) is not None], key
+    samples: dict[int, list[dict[str, Any]]] = {}
+    for line in (out / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        samples.setdefault(row.pop("step"), []).append(row)
+    assert samples and _tables(client, run_id, tmp_path / "dl") == samples
+    shown = json.loads(run.data.tags["mlflow.loggedArtifacts"])  # the UI lists them as tables
+    assert shown == [{"path": f"samples/step_{s:06d}.json", "type": "table"} for s in sorted(samples)]
+
+
+def test_a_stopped_server_loses_nothing(server: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from roll_core.trackers.mlflow import FAILURES_METRIC, UNSENT_FILE, read_run
+
+    options = {"tracking_uri": server.url, "retries": 0, "retry_interval_s": 0}
+    config = yaml.safe_dump({"experiment": "outage", "tracking": {"mlflow": options}})
+    tracker = Tracker(tmp_path, config, ["mlflow"])
+    tracker.log(0, {"loss": 1.0})
+    run_id = _run_id(tmp_path)
+    server.stop()
+    with caplog.at_level(logging.WARNING, logger="roll_core.trackers.mlflow"):
+        tracker.log(1, {"loss": 0.5})  # no exception: training goes on
+        tracker.samples(1, [{"prompt": "Q", "response": "7", "reward": 1.0}])
+        tracker.log(2, {"loss": 0.25})
+        tracker.close()
+    backend_warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(backend_warnings) == 1 and "is not answering" in backend_warnings[0]  # once per outage
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and UNSENT_FILE in errors[0]
+    unsent = json.loads((tmp_path / "mlflow" / UNSENT_FILE).read_text())
+    assert unsent["run_id"] == run_id and sorted({m[3] for m in unsent["metrics"]}) == [1, 2]
+
+    server.start()  # the same store on the same port: the run resumes in its folder
+    resumed = Tracker(tmp_path, config, ["mlflow"], resume=True)
+    resumed.truncate(2)
+    resumed.log(3, {"loss": 0.125})
+    resumed.close()
+    assert _run_id(tmp_path) == run_id and not (tmp_path / "mlflow" / UNSENT_FILE).exists()
+    client = server.client()
+    assert read_run(client, run_id) == {0: {"loss": 1.0}, 1: {"loss": 0.5}, 2: {"loss": 0.25}, 3: {"loss": 0.125}}
+    assert [m.value for m in client.get_metric_history(run_id, FAILURES_METRIC)] == [2.0, 3.0]
+    assert _tables(client, run_id, tmp_path / "dl") == {1: [{"prompt": "Q", "response": "7", "reward": 1.0}]}
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+# Reading the SQLite store here: MLflow's SQL store uses what SQLAlchemy 2.1 deprecates (the backend hides it).
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_default_store_is_sqlite_in_the_run_folder(tmp_path: Path) -> None:
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+
+    from roll_core.trackers.mlflow import read_run
+
+    tracker = Tracker(tmp_path, "experiment: local\ntracking:\n  group: g1\n", ["mlflow"])
+    tracker.log(0, {"eval/accuracy": 0.5, "odd key=1": 2.0})
+    tracker.samples(0, [{"prompt": "p", "response": "r", "reward": 0.0}])
+    tracker.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}")
+    run = client.get_run(_run_id(tmp_path))
+    assert client.get_experiment(run.info.experiment_id).name == "g1"  # tracking.group names the experiment
+    assert read_run(client, run.info.run_id) == {0: {"eval/accuracy": 0.5, "odd key_1": 2.0}}
+    assert (tmp_path / "mlflow" / "artifacts").is_dir() and not Path("mlruns").exists()
+    assert sorted(a.path for a in client.list_artifacts(run.info.run_id)) == ["config.yaml", "samples"]
+
+
+def test_params_are_flat_valid_and_cut_at_mlflows_limit() -> None:
+    from roll_core.trackers.mlflow import MAX_PARAM_VALUE, PARAM_CUT_NOTE, flatten_config
+
+    params = flatten_config({"a": {"b": 1e-6, "c": [1, 2], "d": None, "e": {}}, "x y=z": "s", "long": "v" * 7000})
+    assert params["a.b"] == "1e-06" and params["a.c"] == "[1, 2]" and params["a.d"] == "null" and params["a.e"] == "{}"
+    assert params["x y_z"] == "s"
+    assert len(params["long"]) == MAX_PARAM_VALUE and params["long"].endswith(PARAM_CUT_NOTE)
+
+
+def test_without_mlflow_the_error_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from roll_core.errors import MissingExtraError
+
+    for name in [m for m in sys.modules if m == "mlflow" or m.startswith("mlflow.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(MissingExtraError) as err:
+        Tracker(tmp_path, "experiment: demo\n", ["mlflow"])
+    assert str(err.value) == "pipeline.trackers=[mlflow] needs mlflow: pip install 'roll-core[mlflow]'"
