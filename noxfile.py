@@ -294,6 +294,7 @@ VLLM_TESTS = [
     "-W",
     "ignore::FutureWarning",
     "packages/roll-engines/tests/test_vllm.py",
+    "packages/roll-engines/tests/test_vllm_presets.py",
 ]
 
 

@@ -130,7 +130,7 @@ def test_preset_runs_through_every_engine(preset: str, tmp_path: Path) -> None:
     assert (params.temperature, params.top_p, params.top_k) == MODEL_CARD[preset]
     stop = NOT_EOS_STOP[preset]
     assert stop in cfg.model.stop_tokens and tok.convert_tokens_to_ids(stop) != tok.eos_token_id
-    expected = emit_token_greedily(path, prompts[0], stop)
+    expected = emit_token_greedily(path, prompts[0], stop, stop_ids=(*params.stop_token_ids, tok.eos_token_id))
 
     infer = HFInferEngine(path, dtype="float32", device="cpu", seed=0, max_new_tokens=24)
     greedy = infer.generate(prompts[:1], params.replace(temperature=0, max_new_tokens=24))

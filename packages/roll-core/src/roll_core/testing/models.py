@@ -5,6 +5,7 @@ exactly: for conversion, parallelism and model-preset tests."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -160,15 +161,17 @@ PRESET_MODELS = {
 }
 
 
-def emit_token_greedily(path: str, prompt: list[int], token: str, steps: int = 12) -> list[int]:
+def emit_token_greedily(
+    path: str, prompt: list[int], token: str, steps: int = 12, stop_ids: Iterable[int] = ()
+) -> list[int]:
     """Edit the model saved at `path` so that greedy decoding after `prompt` emits `token` (a special token of its
     tokenizer) at a chosen step, and return the greedy tokens up to and including it (plain transformers, no stop).
 
     The step is the last k whose greedy token t is new in the continuation (0 when a tiny model repeats one
-    token), before `token` itself would be emitted: `token`'s output-embedding row becomes 1.01 x t's, so its
-    logit beats t's where t wins (t's winning logit is positive) and stays below the winner elsewhere (checked:
-    the returned prefix is what the edited model decodes). Stop-token tests then see a token the model really
-    samples, not one injected by the test."""
+    token), before `token` or one of `stop_ids` (the other ids engines stop on) would be emitted: `token`'s
+    output-embedding row becomes 1.01 x t's, so its logit beats t's where t wins (t's winning logit is positive)
+    and stays below the winner elsewhere (checked: the returned prefix is what the edited model decodes).
+    Stop-token tests then see a token the model really samples, not one injected by the test."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from roll_core.testing import reference_greedy
@@ -177,7 +180,8 @@ def emit_token_greedily(path: str, prompt: list[int], token: str, steps: int = 1
     stop = tok.convert_tokens_to_ids(token)
     greedy, _ = reference_greedy(path, prompt, steps)
     # before the model emits `token` by itself (its row changes: what follows it would too)
-    natural = greedy.index(stop) if stop in greedy else len(greedy)
+    ends = {stop, *stop_ids}
+    natural = next((i for i, t in enumerate(greedy) if t in ends), len(greedy))
     k = max(i for i in range(natural) if greedy[i] not in greedy[:i])
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
