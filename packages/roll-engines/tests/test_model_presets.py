@@ -158,3 +158,22 @@ def test_preset_runs_through_every_engine(preset: str, tmp_path: Path) -> None:
     for name, lp in scores.items():
         torch.testing.assert_close(lp[mask], scores["hf"][mask], atol=1e-5, rtol=0, msg=name)
         torch.testing.assert_close(lp[mask], gen.logprobs[mask], atol=1e-4, rtol=0, msg=f"{name} vs hf infer")
+
+
+def test_preset_settings_are_checked(tmp_path: Path) -> None:
+    """A stop token the tokenizer lacks, a non-positive preset temperature and SGLang under a truncating preset
+    are errors that say what to change, not runs that never stop or score the wrong distribution."""
+    from roll_core.errors import ConfigError
+    from roll_core.pipelines.wiring import sampling_params
+
+    data = constant_answer_task(tmp_path / "data.jsonl", rows=2)
+    cfg = _compose("gemma3", "builtin:tiny", data)  # the tiny tokenizer has no <end_of_turn>
+    with pytest.raises(ValueError, match=r"model.stop_tokens: '<end_of_turn>' is not a token of the tokenizer"):
+        sampling_params(cfg)
+    with pytest.raises((ConfigError, ValueError), match=r"model.generation.temperature=0.0 must be > 0"):
+        _compose("qwen3", "builtin:tiny", data, "model.generation.temperature=0")
+    with pytest.raises((ConfigError, ValueError), match=r"infer_engine=sglang reports log-probs before top-k/top-p"):
+        to_object(compose(["model=qwen3", "infer_engine=sglang", "env=file", f"env.path={data}"]))
+    full = ["infer_engine.top_p=1", "infer_engine.top_k=0"]  # the fix the error names
+    ok = to_object(compose(["model=qwen3", "infer_engine=sglang", *full, "env=file", f"env.path={data}"]))
+    assert (ok.infer_engine.temperature, ok.infer_engine.top_p, ok.infer_engine.top_k) == (0.6, 1.0, 0)
