@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from roll_core.cluster.reward_guard import RewardFailureError
@@ -151,6 +152,15 @@ def eval_main(argv: list[str] | None = None) -> int:
     return run_eval(args, list(sys.argv if argv is None else ["roll-eval", *argv]))
 
 
+def _fresh_folder(base: Path) -> Path:
+    """`base`, or `base_2`, `base_3`, ... when it exists (two calls in one second keep their own outputs)."""
+    path, i = base, 1
+    while path.exists():
+        i += 1
+        path = base.with_name(f"{base.name}_{i}")
+    return path
+
+
 def _is_override(arg: str) -> bool:
     """A Hydra override (key=value, +key=value, ~key) rather than a model."""
     return "=" in arg or arg.startswith("~")
@@ -159,7 +169,6 @@ def _is_override(arg: str) -> bool:
 def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     """roll-eval's body (eval_main parses): models, evaluation, outputs; returns the exit status."""
     import time
-    from pathlib import Path
 
     from roll_core.config.compose import compose
     from roll_core.eval_compare import expand_targets, table, write_outputs
@@ -199,7 +208,7 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     except ValueError as exc:  # --k / --n out of range
         print(f"roll-eval: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out or Path("outputs") / "eval" / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    out = Path(args.out) if args.out else _fresh_folder(Path("outputs") / "eval" / time.strftime("%Y-%m-%d_%H-%M-%S"))
     out.mkdir(parents=True, exist_ok=True)
     first_cfg = configs[0]
     settings = {
@@ -212,6 +221,7 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     }
     if any(r.get("agentic") for _, r in results):
         (out / "results.json").write_text(json.dumps([{"label": t.label, **r} for t, r in results], indent=2))
+        write_eval_report(out, results, settings=settings, files={"json": out / "results.json"}, argv=argv)
         for t, result in results:
             ends = ", ".join(f"{k} {v:.0%}" for k, v in sorted(result["ends"].items()))
             print(

@@ -211,6 +211,15 @@ def write_eval_report(
     ks, n = settings["ks"], settings["n"]
     lines = ["# Evaluation report", "", f"- command: `{shlex.join(argv)}`"]
     lines += [f"- {k}: {v}" for k, v in settings.items() if k not in ("ks", "n", "argv")]
+    if any(r.get("agentic") for _, r in results):  # episodes: success, turns, invalid actions
+        cols = ("success_rate", "reward", "mean_turns", "invalid_action_rate", "n")
+        lines += ["", "## Results", "", "| model | step | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
+        for t, r in results:
+            cells = [f"{r[c]:.4f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
+            lines.append(f"| {t.label} | {'-' if t.step is None else t.step} | " + " | ".join(cells) + " |")
+        lines += ["", "## Files", "", *(f"- [{p.name}]({p.name})" for p in files.values())]
+        (out / "report.md").write_text("\n".join(lines) + "\n")
+        return out / "report.md"
     lines += [f"- responses per problem (n): {n}; pass@k for k in {', '.join(map(str, ks))}; maj@{n}", ""]
     skipped = {t.label: r["skipped_problems"] for t, r in results if r.get("skipped_problems")}
     if skipped:

@@ -1,0 +1,101 @@
+"""roll_core.report on a run folder laid out as a run leaves it: numbers from metrics.jsonl, the curves link,
+checkpoints, the resume / eval commands built from Hydra's recorded overrides, a failed run's status, and the
+never-raise contract. (A real run's report and roll-eval's are in tests/e2e/test_eval_compare.py.)"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from roll_core.config import load_config
+from roll_core.report import commands, headline, write_run_report
+
+
+def _run_folder(root: Path, *, overrides: list[str] | None) -> tuple[Path, list[Path]]:
+    out = root / "run"
+    out.mkdir()
+    history = [
+        {"step": 0, "eval/accuracy": 0.25, "eval/reward": 0.3, "eval/math/accuracy": 0.2},
+        {"step": 1, "reward/mean": 0.5, "reward/accuracy": 0.4, "sft/loss": 2.0},
+        {"step": 2, "reward/mean": 0.9, "reward/accuracy": None, "sft/loss": 1.5, "eval/accuracy": 0.75},
+        {"step": 3, "reward/mean": 0.7, "reward/accuracy": 0.6, "sft/loss": 1.7, "eval/accuracy": 0.5},
+    ]
+    lines = [json.dumps(h) for h in history]
+    (out / "metrics.jsonl").write_text("\n".join([*lines[:2], "{not json", *lines[2:]]) + "\n")
+    (out / "curves.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"0" * 2000)
+    ckpts = []
+    for step in (2, 3):
+        c = out / "checkpoints" / f"step_{step:06d}"
+        (c / "actor" / "model").mkdir(parents=True)
+        ckpts.append(c)
+    if overrides is not None:
+        (out / ".hydra").mkdir()
+        (out / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    return out, ckpts
+
+
+def test_headline_first_last_best_with_direction() -> None:
+    rows = {
+        r["key"]: r
+        for r in headline(
+            [
+                {"step": 1, "reward/mean": 0.5, "sft/loss": 2.0},
+                {"step": 2, "reward/mean": 0.9, "sft/loss": 1.5},
+                {"step": 3, "reward/mean": 0.7, "sft/loss": float("nan")},
+            ]
+        )
+    }
+    assert rows["reward/mean"]["first"] == (1, 0.5) and rows["reward/mean"]["last"] == (3, 0.7)
+    assert rows["reward/mean"]["best"] == (2, 0.9)
+    assert rows["sft/loss"]["best"] == (2, 1.5) and rows["sft/loss"]["last"] == (2, 1.5)  # NaN is no value
+    assert "eval/accuracy" not in rows
+
+
+def test_run_report_numbers_curves_checkpoints_and_commands(tmp_path: Path) -> None:
+    launched = ["experiment=quickstart", "algo.lr=1e-5", "pipeline.output_dir=/x/run", "pipeline.resume=true"]
+    out, ckpts = _run_folder(tmp_path, overrides=launched)
+    cfg = load_config(["experiment=quickstart", "model=tiny"])
+    path = write_run_report(out, cfg, status="finished", wall_seconds=3725.0, checkpoints=ckpts)
+    text = path.read_text()
+    assert "- status: finished" in text and "- steps done: 3 of 12" in text and "- wall time: 1h 02m 05s" in text
+    assert "| held-out accuracy (`eval/accuracy`) | 0.2500 (0) | 0.5000 (3) | 0.7500 (2) | 3 |" in text
+    assert "| train accuracy (`reward/accuracy`) | 0.4000 (1) | 0.6000 (3) | 0.6000 (3) | 2 |" in text
+    assert "| SFT loss (`sft/loss`) | 2.0000 (1) | 1.7000 (3) | 1.5000 (2) | 3 |" in text  # lower is better
+    assert "| held-out accuracy, math (`eval/math/accuracy`) | 0.2000 (0)" in text
+    assert "![curves](curves.png)" in text
+    assert f"- `{ckpts[0].resolve()}`" in text and f"- `{ckpts[1].resolve()}`" in text
+    assert "| algorithm | grpo: advantages grpo, lr 5e-06, group size 8" in text
+    assert "| engines | train hf, inference hf |" in text
+    cmds = commands(out.resolve(), launched, ckpts[-1].resolve(), "quickstart")
+    assert shlex.split(cmds["resume"]) == [
+        "roll-train",
+        "experiment=quickstart",
+        "algo.lr=1e-5",
+        "pipeline.output_dir=/x/run",
+        f"pipeline.resume_from={out.resolve()}",
+    ]
+    assert shlex.split(cmds["eval"]) == ["roll-eval", str(ckpts[-1].resolve()), "experiment=quickstart", "algo.lr=1e-5"]
+    assert shlex.split(cmds["compare"])[:2] == ["roll-eval", str(out.resolve())]
+    assert cmds["resume"] in text and cmds["eval"] in text and cmds["compare"] in text
+    assert "not recorded" not in text
+
+
+def test_failed_run_without_curves_checkpoints_or_overrides(tmp_path: Path) -> None:
+    out, _ = _run_folder(tmp_path, overrides=None)
+    (out / "curves.png").unlink()
+    cfg = load_config(["model=tiny"])
+    text = write_run_report(out, cfg, status="failed: ValueError: boom", wall_seconds=None, checkpoints=[]).read_text()
+    assert "- status: failed: ValueError: boom" in text and "- wall time: unknown" in text
+    assert "curves.png" not in text and "None saved." in text
+    assert "The launch's overrides are not recorded" in text and "Evaluate the latest" not in text
+    assert f"roll-train pipeline.resume_from={out.resolve()}" in text
+
+
+def test_report_never_raises(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert write_run_report(blocker / "run", object(), status="finished", wall_seconds=1.0, checkpoints=[]) is None
+    assert "could not write" in caplog.text
