@@ -98,16 +98,20 @@ class SwanlabConfig:
     project: str | None = None
     # SwanLab workspace (user or organisation); null: the logged-in user's.
     workspace: str | None = None
-    # auto: SWANLAB_MODE when set, else cloud when logged in, else local | cloud | local | offline | disabled.
+    # auto: SWANLAB_MODE when set, else cloud when logged in (SWANLAB_API_KEY or `swanlab login`), else local |
+    # cloud | local (files under the logdir, no network; `swanlab watch <logdir>`) | offline (the backup file only;
+    # `swanlab sync` uploads it) | disabled.
     mode: str = "auto"
-    # SwanLab group; null: tracking.group (a sweep's jobs share one).
+    # SwanLab group (SwanLab 0.6 has none: it becomes a tag); null: tracking.group (a sweep's jobs share one).
     group: str | None = None
     # SwanLab tags.
     tags: list[str] = field(default_factory=list)
     # Folder SwanLab writes its logs under; null: <run>/swanlog.
     logdir: str | None = None
-    # Log sample completions as SwanLab text.
+    # Log sample completions as SwanLab text (a `samples` column: each row as JSON, its reward as caption).
     log_samples: bool = True
+    # SwanLab's hardware monitor (CPU, memory, GPU charts; a thread polling every few seconds).
+    hardware_monitor: bool = True
 
     def __post_init__(self) -> None:
         _check("swanlab.mode", self.mode in SWANLAB_MODES, f"{self.mode!r} is not one of {', '.join(SWANLAB_MODES)}")

@@ -1,0 +1,233 @@
+"""`pipeline.trackers=[swanlab]`: a SwanLab experiment per roll run (the `roll-core[swanlab]` extra).
+
+Options: `tracking.swanlab` (roll_core.config.tracking.SwanlabConfig). The experiment is `swanlab.init(project,
+workspace, experiment_name=the run name, tags, config=the resolved config, logdir=<run>/swanlog, mode)`. Mode `auto`
+(the default) is SWANLAB_MODE when set, else `cloud` when SwanLab can authenticate (SWANLAB_API_KEY, or a `swanlab
+login`), else `local`: files under `<run>/swanlog` only, no network and no login; view them with
+`swanlab watch <run>/swanlog`. `offline` writes the same backup file without the dashboard's database (upload later
+with `swanlab sync <run>/swanlog/run-*`). SwanLab 0.6 has no run groups: `tracking.swanlab.group` (else
+`tracking.group`, a sweep's) becomes a tag. Metrics are logged at their step; samples as a `samples` text column at
+their step, one text per row (the row as JSON, its reward as caption). The console is not captured (SwanLab's log
+proxy is off) and the hardware monitor follows `tracking.swanlab.hardware_monitor`.
+
+Resume. SwanLab 0.6 cannot reopen an experiment and ignores a step logged twice, so a resumed run (`truncate`) is a
+new experiment (same project and name, tag `resumed`) that replays steps 0..last_step from the run folder's
+metrics.jsonl and samples.jsonl, then continues; the earlier attempt's experiment stays as it was. The same happens
+in one process when `truncate` drops steps the open experiment already holds. `<run>/swanlog/roll-run.json` names the
+current experiment's folder.
+
+SwanLab keeps one experiment per process (a module-level run): opening this backend while another SwanLab run is
+open in the process is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from roll_core.config.tracking import SWANLAB, backend_options, tracking_config
+from roll_core.errors import Extra
+
+log = logging.getLogger(__name__)
+#: The run folder's record of its current SwanLab experiment: {"run_dir": ..., "last_step": ...}.
+STATE_FILE = "roll-run.json"
+#: The text column of the sample completions.
+SAMPLES_KEY = "samples"
+#: Local mode's dashboard package (swanlab[dashboard], in roll-core[swanlab]).
+SWANBOARD = Extra("swanboard", "tracking.swanlab.mode=local", "swanboard", "roll-core[swanlab]")
+
+
+def _import_swanlab() -> ModuleType:
+    SWANLAB.require()
+    with warnings.catch_warnings():  # swankit's enums warn about Python 3.13 at import; nothing a user can change
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import swanlab
+
+    return swanlab
+
+
+def has_api_key() -> bool:
+    """Whether SwanLab could authenticate here (SWANLAB_API_KEY, or a `swanlab login`)."""
+    if os.environ.get("SWANLAB_API_KEY"):
+        return True
+    from swanlab.error import KeyFileError
+    from swanlab.package import get_key
+
+    try:
+        get_key()
+    except (KeyFileError, OSError, ValueError):
+        return False
+    return True
+
+
+def resolve_mode(mode: str) -> str:
+    """`tracking.swanlab.mode` as SwanLab takes it: `auto` is SWANLAB_MODE when set, else cloud when logged in,
+    else local (a run without credentials never asks for a login or uses the network)."""
+    if mode != "auto":
+        return mode
+    return os.environ.get("SWANLAB_MODE") or ("cloud" if has_api_key() else "local")
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class SwanlabTracker:
+    """A SwanLab experiment (see the module docstring for modes and resume)."""
+
+    extra = SWANLAB
+
+    def __init__(self, *, run_dir: Path, config: dict[str, Any], name: str, resume: bool) -> None:
+        self._swanlab = _import_swanlab()
+        self.options = backend_options(config, "swanlab")
+        self.mode = resolve_mode(self.options.mode)
+        if self.mode == "local":
+            SWANBOARD.require()
+        group = self.options.group or tracking_config(config).group
+        self.tags = [*self.options.tags, *([group] if group else [])]
+        self.config, self.name = config, name
+        self.run_dir = Path(run_dir)
+        self.logdir = Path(self.options.logdir) if self.options.logdir else self.run_dir / "swanlog"
+        self.run: Any = None
+        self.last_step = -1  # the last step the open experiment holds
+        if not resume:
+            self._start()
+        # On resume, the first truncate (or log) starts the experiment that replays the kept steps.
+
+    def _start(self, *, resumed: bool = False) -> None:
+        from swanlab.data.run.main import SwanLabRun
+
+        if SwanLabRun.is_started():
+            raise RuntimeError("a SwanLab run is already open in this process (SwanLab keeps one per process)")
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        settings = self._swanlab.Settings(
+            hardware_monitor=self.options.hardware_monitor,
+            requirements_collect=False,  # a pip freeze per run: slow, and the run folder's config says what ran
+            log_proxy_type="none",  # roll's console stays roll's (SwanLab would re-route stdout and stderr)
+        )
+        self.run = self._swanlab.init(
+            project=self.options.project or os.environ.get("SWANLAB_PROJ_NAME") or "roll",
+            workspace=self.options.workspace,
+            experiment_name=self.name,
+            tags=[*self.tags, *(["resumed"] if resumed else [])],
+            config=self.config,
+            logdir=str(self.logdir),
+            mode=self.mode,
+            settings=settings,
+        )
+        self.last_step = -1
+        self._save_state()
+
+    def _save_state(self) -> None:
+        if self.run is None or self.mode == "disabled":
+            return
+        state = {"run_dir": str(Path(self.run.public.run_dir).resolve()), "last_step": self.last_step}
+        tmp = self.logdir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self.logdir / STATE_FILE)  # a crash mid-write keeps the previous record
+
+    def _replay(self, last_step: int) -> None:
+        """Log what the run folder's own files hold up to `last_step` into the fresh experiment."""
+        samples: dict[int, list[dict[str, Any]]] = {}
+        for row in _read_jsonl(self.run_dir / "samples.jsonl"):
+            step = int(row.pop("step", 0))
+            samples.setdefault(step, []).append(row)
+        for record in _read_jsonl(self.run_dir / "metrics.jsonl"):
+            step = int(record["step"])
+            if step > last_step:
+                continue
+            metrics = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+            self.log(step, {k: v for k, v in metrics.items() if math.isfinite(v)})
+            if step in samples:
+                self.samples(step, samples.pop(step))
+
+    def truncate(self, last_step: int) -> None:
+        """Keep the open experiment when it holds nothing after `last_step`; else (and on resume) a new experiment
+        replays steps 0..last_step (see the module docstring)."""
+        if self.run is not None:
+            if self.last_step <= last_step:
+                return
+            self._finish()
+        self._start(resumed=True)
+        self._replay(last_step)
+
+    def _ensure_run(self, step: int) -> None:
+        if self.run is None:  # a resumed run logged without truncating first: keep what precedes this step
+            self.truncate(step - 1)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Log the metrics at SwanLab step `step`."""
+        self._ensure_run(step)
+        if metrics:
+            self.run.log(dict(metrics), step=step)
+        self.last_step = max(self.last_step, step)
+        self._save_state()
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Log the rows as the `samples` text column at `step`: each row as JSON, its reward as caption."""
+        if not self.options.log_samples or not rows:
+            return
+        self._ensure_run(step)
+        texts = [
+            self._swanlab.Text(json.dumps(row, ensure_ascii=False), caption=f"reward {row.get('reward')}")
+            for row in rows
+        ]
+        self.run.log({SAMPLES_KEY: texts}, step=step)
+        self.last_step = max(self.last_step, step)
+        self._save_state()
+
+    def _finish(self) -> None:
+        run, self.run = self.run, None
+        run.finish()
+
+    def close(self) -> None:
+        """Finish the experiment (idempotent)."""
+        if self.run is not None:
+            self._finish()
+
+
+def read_local_run(run_dir: str | Path) -> dict[str, Any]:
+    """A SwanLab experiment folder (`<logdir>/run-*`) read with SwanLab's own reader of its backup file (what
+    `swanlab sync` uploads: swanlab.log.backup): {"project", "name", "tags", "config", "history": {step: {key:
+    value}}, "samples": {step: [row, ...]}, "success"}."""
+    import yaml
+
+    _import_swanlab()
+    from swanlab.log.backup import BackupHandler
+    from swanlab.log.backup.datastore import DataStore
+    from swanlab.log.backup.models import ModelsParser
+
+    run_dir = Path(run_dir)
+    store = DataStore()
+    store.open_for_scan(str(run_dir / BackupHandler.BACKUP_FILE))
+    with ModelsParser() as parser:
+        for record in store:
+            if record is not None:
+                parser.parse_record(record)
+        _, project, experiment, _, runtime, _, scalars, medias, footer = parser.get_parsed()
+    history: dict[int, dict[str, float]] = {}
+    for scalar in scalars:
+        history.setdefault(scalar.step, {})[scalar.key] = scalar.metric["data"]
+    samples: dict[int, list[dict[str, Any]]] = {}
+    for media in medias:
+        if media.key == SAMPLES_KEY:
+            samples.setdefault(media.step, []).extend(json.loads(text) for text in media.metric["data"])
+    config_file = run_dir / "files" / (runtime.config_filename or "config.yaml")
+    wrapped = yaml.safe_load(config_file.read_text()) if config_file.exists() else {}
+    return {
+        "project": project.name,
+        "name": experiment.name,
+        "tags": list(experiment.tags or []),
+        "config": {k: v["value"] for k, v in (wrapped or {}).items()},  # SwanLab stores {desc, sort, value}
+        "history": history,
+        "samples": samples,
+        "success": bool(footer and footer.success),
+    }

@@ -1,0 +1,96 @@
+"""SwanLab tracking in local mode (no network, no login): what a run writes is read back from SwanLab's own files.
+
+The reader is SwanLab's own: the backup file of each experiment (`<run>/swanlog/run-*/backup.swanlab`, the file
+`swanlab sync` uploads) parsed by `swanlab.log.backup` (DataStore + ModelsParser), wrapped by
+`roll_core.trackers.swanlab.read_local_run`; the config is SwanLab's `files/config.yaml`. The local dashboard's
+database (`runs.swanlab`, what `swanlab watch` serves) is checked to list the experiment. Covered: the conformance
+suite (roll_core.testing.trackers), a tiny run with `pipeline.trackers=[swanlab]` (every metric of metrics.jsonl at
+its step, the resolved config, the samples), `mode=auto` choosing local without credentials, and the one-line error
+without the package.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import yaml
+
+from roll_core.testing.trackers import TrackerTestSuite, assert_steps
+from roll_core.tracking import Tracker
+
+
+def _current(run_dir: Path) -> dict[str, Any]:
+    """The experiment the run folder records (a resumed run has one per attempt), read with SwanLab's reader."""
+    from roll_core.trackers.swanlab import STATE_FILE, read_local_run
+
+    state = json.loads((run_dir / "swanlog" / STATE_FILE).read_text())
+    return read_local_run(state["run_dir"])
+
+
+@pytest.fixture(autouse=True)
+def _no_account(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No credentials reach these tests, so `mode=auto` must choose local; SwanLab's own settings stay in tmp."""
+    for var in ("SWANLAB_API_KEY", "SWANLAB_MODE", "SWANLAB_LOG_DIR", "SWANLAB_PROJ_NAME", "SWANLAB_EXP_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SWANLAB_SAVE_DIR", str(tmp_path / "swanlab-home"))  # where a `swanlab login` would be
+
+
+class TestSwanlabConformance(TrackerTestSuite):
+    tracker = "swanlab"
+    run_config: ClassVar[dict[str, Any]] = {
+        "tracking": {"swanlab": {"project": "conformance", "hardware_monitor": False}}
+    }
+
+    def read_back(self, run_dir: Path) -> dict[int, dict[str, float]]:
+        return _current(run_dir)["history"]
+
+    def read_samples(self, run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+        return _current(run_dir)["samples"]
+
+    def read_config(self, run_dir: Path) -> dict[str, Any]:
+        return _current(run_dir)["config"]
+
+
+def test_tiny_run_in_local_mode(tmp_path: Path) -> None:
+    pytest.importorskip("swanlab", reason="the roll-core[swanlab] extra")
+    from roll_core.testing import constant_answer_task, run_pipeline, tiny_overrides
+    from roll_core.trackers.swanlab import resolve_mode
+
+    assert resolve_mode("auto") == "local"  # no API key here: SwanLab never asks for a login
+    out = tmp_path / "run"
+    overrides = ["pipeline.max_steps=2", "pipeline.trackers=[swanlab]", "tracking.swanlab.tags=[tiny]"]
+    overrides += ["tracking.swanlab.hardware_monitor=false", "tracking.group=g1"]
+    _, history = run_pipeline(tiny_overrides(constant_answer_task(tmp_path / "seven.jsonl"), out, *overrides))
+
+    run = _current(out)
+    assert (run["project"], run["name"], run["tags"], run["success"]) == ("roll", "rlvr", ["tiny", "g1"], True)
+    assert run["config"] == yaml.safe_load((out / "config.yaml").read_text())  # the resolved config, all of it
+    assert [h["step"] for h in history][-2:] == [1, 2]
+    assert_steps(run["history"], {h["step"]: {k: v for k, v in h.items() if k != "step"} for h in history})
+    samples: dict[int, list[dict[str, Any]]] = {}
+    for line in (out / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        samples.setdefault(row.pop("step"), []).append(row)
+    assert samples and run["samples"] == samples  # row for row, at their steps
+    # The local dashboard (`swanlab watch <run>/swanlog`) lists the experiment and its charts.
+    with sqlite3.connect(out / "swanlog" / "runs.swanlab") as db:
+        assert db.execute("select name from experiment").fetchall() == [("rlvr",)]
+        tags = {name for (name,) in db.execute("select name from tag")}
+    assert {"reward/mean", "samples"} <= tags
+    assert not list(out.glob("swanlog/run-*/console/*.log"))  # the console stays roll's
+
+
+def test_without_swanlab_the_error_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from roll_core.errors import MissingExtraError
+
+    for name in [m for m in sys.modules if m == "swanlab" or m.startswith("swanlab.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "swanlab", None)
+    with pytest.raises(MissingExtraError) as err:
+        Tracker(tmp_path, "experiment: demo\n", ["swanlab"])
+    assert str(err.value) == "pipeline.trackers=[swanlab] needs swanlab: pip install 'roll-core[swanlab]'"
