@@ -70,7 +70,8 @@ def test_checker_reports_what_is_broken(site: Path, tmp_path: Path) -> None:
     html = html.replace(
         "</article>",
         '<p><a href="no-such-page.html">gone</a> <a href="reference/plugins.html#no-such-anchor">anchor</a>'
-        '<img src="assets/no-such-image.png" alt="x"></p><script>notDefinedAnywhere();</script></article>',
+        '<img src="assets/no-such-image.png" alt="x"></p><script>notDefinedAnywhere();</script>'
+        '<script src="https://cdn.example.com/katex.min.js"></script></article>',
         1,
     )
     index.write_text(html)
@@ -91,5 +92,6 @@ def test_checker_reports_what_is_broken(site: Path, tmp_path: Path) -> None:
     assert "no #no-such-anchor" in report, report
     assert "image did not load" in report and "no-such-image.png" in report, report
     assert "notDefinedAnywhere" in report, report
+    assert "index.html: request outside the site: https://cdn.example.com/katex.min.js" in report, report
     assert "reference/algorithms.html: math did not render" in report, report
     assert "recipes/post-training.html: the main content is empty" in report, report
