@@ -58,6 +58,9 @@ def test_ppo_learns_local(seven_task: Path, tmp_path: Path) -> None:
     assert_critic_learns(history)
 
 
+# CI time: GRPO learns in-process (test_grpo_learns_local), learning on Ray runs below (PPO disaggregated, async
+# GRPO), and GRPO on Ray colocated syncs exactly (test_faults.py, test_sweep.py): `nox -s full_matrix` runs this.
+@pytest.mark.full_matrix
 @pytest.mark.ray
 def test_grpo_learns_on_ray_colocated(ray_cluster, seven_task: Path, tmp_path: Path) -> None:
     _, history = run(learning(seven_task, tmp_path, "algo=grpo", "cluster=ray", "cluster.placement=colocated"))
