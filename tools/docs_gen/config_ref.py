@@ -187,9 +187,12 @@ def schema_section(cls: type, level: int, links: dict[type, str]) -> str:
         else:
             type_cell = code(f.type)
             default_cell = code(f.default)
-        allowed = ", ".join(code(v) if not v.startswith("`") else v for v in f.allowed)
-        rows.append([code(f.name), type_cell, default_cell, allowed, cell(doc_text) or "&nbsp;"])
-    lines.append(table(["Option", "Type", "Default", "Allowed", "Description"], rows))
+        description = cell(doc_text)
+        if f.allowed:  # what __post_init__ accepts, as computed in this build
+            allowed = ", ".join(code(v) if not v.startswith("`") else v for v in f.allowed)
+            description = f"{description}<br>**Allowed:** {allowed}" if description else f"**Allowed:** {allowed}"
+        rows.append([code(f.name), type_cell, default_cell, description or "&nbsp;"])
+    lines.append(table(["Option", "Type", "Default", "Description"], rows))
     return "\n".join(lines)
 
 
