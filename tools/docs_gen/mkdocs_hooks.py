@@ -17,7 +17,7 @@ from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
 from docs_gen import generate_pages
-from docs_gen.katex import ASSETS, katex_dist
+from docs_gen.katex import ASSETS, KatexUnavailable, katex_dist
 
 CONFIG_INDEX = "reference/config/index.md"
 _PAGES: dict[str, str] = {}
@@ -39,7 +39,10 @@ def _expand_nav(nav: list, pages: list[str]) -> bool:
 
 def on_config(config):
     _PAGES.clear()
-    _PAGES.update(generate_pages())
+    try:
+        _PAGES.update(generate_pages())
+    except KatexUnavailable as exc:  # one line saying what to install, not a traceback
+        raise PluginError(str(exc)) from None
     if config.nav:
         _expand_nav(config.nav, sorted(p for p in _PAGES if p.startswith("reference/config/")))
     return config
@@ -50,7 +53,10 @@ def on_files(files: Files, config) -> Files:
         if files.get_file_from_path(path) is not None:
             raise PluginError(f"docs/{path} is generated at build time: delete the committed file")
         files.append(File.generated(config, path, content=text))
-    dist = katex_dist()
+    try:
+        dist = katex_dist()
+    except KatexUnavailable as exc:
+        raise PluginError(str(exc)) from None
     for asset in ASSETS:
         source = dist / asset
         for item in sorted(source.rglob("*")) if source.is_dir() else [source]:
