@@ -48,9 +48,19 @@ class Command:
 
     @property
     def overrides(self) -> list[str]:
-        """Hydra overrides (roll-eval: those after its positional model argument)."""
+        """Hydra overrides (roll-eval: its key=value arguments, not its models nor its own `--option value`s)."""
         args = [a for a in self.args if a not in ("-m", "--multirun")]
-        return args[1:] if self.prog == "roll-eval" else args
+        if self.prog != "roll-eval":
+            return args
+        out, value = [], False
+        for a in args:
+            if value:  # the value of the option before it
+                value = False
+            elif a.startswith("-"):
+                value = "=" not in a  # `--n 4` (not `--n=4`): its value comes next
+            elif "=" in a or a.startswith("~"):
+                out.append(a)
+        return out
 
 
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
