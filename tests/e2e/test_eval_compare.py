@@ -165,8 +165,11 @@ def test_compare_every_checkpoint_of_the_run(run: Path, capsys: pytest.CaptureFi
     assert {r["difficulty"] for r in rows} == {"easy", "medium", "hard", "unknown"}
     for r in rows:  # auditable: each record names its problem, holds the response and its reward's view
         assert r["problem"] == f"data:bench.jsonl:{r['index'] + 1}" and r["answer"] == "7"
-        assert isinstance(r["response"], str) and r["length"] > 0
+        assert isinstance(r["response"], str) and 0 < r["length"] <= 6  # model.max_response_length=6
+        assert r["finish_reason"] in ("stop", "length") and (r["finish_reason"] == "stop" or r["length"] == 6)
         assert r["extracted"] == (re.findall(r"\d", r["response"]) or [None])[-1]
+        assert r["correct"] == float(r["extracted"] == "7") and r["formatted"] == float(r["extracted"] is not None)
+        assert r["reward"] == pytest.approx(r["correct"] + 0.1 * r["formatted"])
 
     table = list(csv.DictReader((out / "comparison.csv").open()))
     payload = json.loads((out / "comparison.json").read_text())
