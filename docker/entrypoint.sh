@@ -14,6 +14,8 @@
 #                            healthy while it runs
 #   help                     this text
 # Any other command is exec'd as given (`bash`, `python -c ...`, `ray status`).
+# RAY_START_ARGS: extra `ray start` options (space-separated) for every Ray node a container starts: ray-head,
+# ray-worker and the node of ray-job (e.g. --node-ip-address=..., --object-store-memory=...).
 set -euo pipefail
 
 RAY_PORT=${RAY_PORT:-6379}
@@ -46,6 +48,9 @@ else
   unset RAY_AUTH_TOKEN
 fi
 
+# Word-split on purpose: several options in one variable.
+read -r -a RAY_START_EXTRA <<<"${RAY_START_ARGS:-}"
+
 need_address() {
   [ -n "${RAY_ADDRESS:-}" ] || die "$1 needs RAY_ADDRESS=<head host>:<port> (the head's GCS, e.g. ray-head:6379)"
 }
@@ -68,18 +73,18 @@ run() {
     ray-head)
       echo ray-head >"$ROLE_FILE"
       exec ray start --head --port="$RAY_PORT" --dashboard-host=0.0.0.0 --dashboard-port="$RAY_DASHBOARD_PORT" \
-        --block "$@"
+        --block "${RAY_START_EXTRA[@]}" "$@"
       ;;
     ray-worker)
       need_address ray-worker
       echo ray-worker >"$ROLE_FILE"
-      exec ray start --address="$RAY_ADDRESS" --block "$@"
+      exec ray start --address="$RAY_ADDRESS" --block "${RAY_START_EXTRA[@]}" "$@"
       ;;
     ray-job)
       need_address ray-job
       [ "$#" -gt 0 ] || die "ray-job needs a subcommand to run on the cluster (train, eval, quickstart, ...)"
       case "$1" in ray-head | ray-worker | ray-job) die "ray-job runs a job, not another Ray node ($1)" ;; esac
-      ray start --address="$RAY_ADDRESS" --num-cpus=0 --num-gpus=0
+      ray start --address="$RAY_ADDRESS" --num-cpus=0 --num-gpus=0 "${RAY_START_EXTRA[@]}"
       # Not exec: the node this container added leaves the cluster when the job ends, whatever its status.
       local status=0
       (run "$@") || status=$?

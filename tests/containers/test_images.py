@@ -282,6 +282,21 @@ def test_entrypoint_starts_ray_nodes(entry) -> None:
     rc, calls, _ = entry("ray-worker", "--num-cpus=2", RAY_ADDRESS="ray-head:6379")
     assert rc == 0 and calls == [["ray", "start", "--address=ray-head:6379", "--block", "--num-cpus=2"]]
     assert entry.role_file.read_text().strip() == "ray-worker"
+    # RAY_START_ARGS reaches every node's `ray start`, before the subcommand's own arguments.
+    extra = {"RAY_ADDRESS": "h:1", "RAY_START_ARGS": "--node-ip-address=10.0.0.2  --object-store-memory=1000000"}
+    opts = ["--node-ip-address=10.0.0.2", "--object-store-memory=1000000"]
+    assert entry("ray-worker", "--num-cpus=1", **extra)[1] == [
+        ["ray", "start", "--address=h:1", "--block", *opts, "--num-cpus=1"]
+    ]
+    assert entry("ray-head", **extra)[1][0][-2:] == opts
+    assert entry("ray-job", "doctor", **extra)[1][0] == [
+        "ray",
+        "start",
+        "--address=h:1",
+        "--num-cpus=0",
+        "--num-gpus=0",
+        *opts,
+    ]
     # A worker without the head's address is a clear error, and starts nothing.
     rc, calls, text = entry("ray-worker")
     assert rc == 2 and calls == [] and "RAY_ADDRESS" in text
