@@ -98,9 +98,13 @@ def check_installed(cfg: Any, *, training: bool = True) -> None:
     """
     cluster = getattr(cfg, "cluster", None)
     if training:
-        # The built-in tracker (roll_core.tracking); a plugin tracker raises its own extra when the Tracker opens it.
-        if "tensorboard" in getattr(getattr(cfg, "pipeline", None), "trackers", ("tensorboard",)):
-            TENSORBOARD.require()
+        # Each tracker's package (its class's `extra`, roll_core.interfaces.tracking), before anything is built.
+        from roll_core import registry
+
+        for name in getattr(getattr(cfg, "pipeline", None), "trackers", ("tensorboard",)):
+            extra = getattr(registry.load("roll.trackers", name), "extra", None)
+            if extra is not None:
+                extra.require()
         if getattr(cluster, "backend", "local") == "ray":
             RAY.require()
         if getattr(cluster, "address", None) is not None:
