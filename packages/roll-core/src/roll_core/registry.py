@@ -12,6 +12,7 @@ Entry points say what is installed; config says what a run builds. Every group i
 | `roll.algorithms` | an advantage estimator (callable) | the pipeline (`algo.adv_estimator`), config checks |
 | `roll.losses` | a policy loss (`roll_algos.losses.PolicyLoss`), named by `algo.policy_loss` | `roll_algos` (*) |
 | `roll.collectors` | a collector factory, named by `pipeline.name` | the CLI |
+| `roll.objectives` | an objective factory (the trainer's update), named by a collector's `objective` | the Trainer |
 | `roll.trackers` | a metrics sink (`interfaces.tracking.TrackerBackend`), named in `pipeline.trackers` | `Tracker` |
 | `roll.configs` | a `register_configs()` that stores dataclass schemas in Hydra's ConfigStore | the CLI, `compose` |
 
