@@ -219,10 +219,16 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
         "ks": ks,
         "n": args.n,
     }
-    if any(r.get("agentic") for _, r in results):
+    if any("rows" not in r for _, r in results):  # episodes (agentic, agent programs): aggregate metrics only
         (out / "results.json").write_text(json.dumps([{"label": t.label, **r} for t, r in results], indent=2))
         write_eval_report(out, results, settings=settings, files={"json": out / "results.json"}, argv=argv)
         for t, result in results:
+            if not result.get("agentic"):
+                print(
+                    f"accuracy {result['accuracy']:.4f} on {result['n']} held-out problems of {result['task']} "
+                    f"(mean reward {result['reward']:.4f}, model {t.model})"
+                )
+                continue
             ends = ", ".join(f"{k} {v:.0%}" for k, v in sorted(result["ends"].items()))
             print(
                 f"success rate {result['success_rate']:.4f} on {result['n']} held-out seeds of {result['task']} "

@@ -16,8 +16,9 @@ so once in the log. Problems whose prompt exceeds `model.max_prompt_length` are 
 (`skipped_problems`) and logged, never truncated.
 
 Agentic tasks (env=sokoban, ...): one episode per held-out environment seed, through the agentic collector's
-evaluation, reporting success rate, mean turns and the invalid-action rate (n must be 1). Runs in this process
-(no Ray), one inference worker per model.
+evaluation, reporting success rate, mean turns and the invalid-action rate (n must be 1); agent programs
+(pipeline=agent) through theirs (accuracy and reward). Runs in this process (no Ray), one inference worker per
+model.
 """
 
 from __future__ import annotations
@@ -76,10 +77,11 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
     check_sampling(cfg, n)
     task = build(cfg.env)
     agentic = isinstance(task, AgenticTask)
-    if agentic and n > 1:
+    episodes = agentic or bool(getattr(task, "is_agent_program", False))  # scored per episode by its collector
+    if episodes and n > 1:
         raise ConfigError(f"--n {n}: several responses per problem are for single-turn tasks; env={cfg.env.name}")
     # A single-turn task is scored by the prompts collector whatever pipeline trained the model (sft, dpo, ...).
-    name = ("agentic" if cfg.pipeline.name == "rlvr" else cfg.pipeline.name) if agentic else "rlvr"
+    name = ("agentic" if agentic and cfg.pipeline.name == "rlvr" else cfg.pipeline.name) if episodes else "rlvr"
     if not agentic and not task.eval_set()[: samples or cfg.pipeline.eval_size]:  # said before a model is loaded
         raise ConfigError(
             f"env={getattr(task, 'name', type(task).__name__)} has no held-out problems to evaluate "
@@ -113,8 +115,8 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
     collector = factory(CollectorContext(cfg, cluster, infer, sampling_params(cfg, tokenizer), tokenizer, task, path))
     task_name = getattr(task, "name", type(task).__name__)
     try:
-        if agentic:
-            if samples:
+        if episodes:
+            if agentic and samples:
                 collector.eval_seeds = collector.eval_seeds[:samples]  # type: ignore[attr-defined]
             m = collector.evaluate(0)
         else:
@@ -122,6 +124,8 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
     finally:
         collector.close()
         cluster.shutdown()
+    if episodes and not agentic:  # an agent program: its collector's held-out accuracy and reward
+        return {"accuracy": m["eval/accuracy"], "reward": m["eval/reward"], "n": int(m["eval/n"]), "task": task_name}
     if agentic:
         return {
             "accuracy": m["eval/accuracy"],

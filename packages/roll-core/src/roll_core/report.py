@@ -211,8 +211,9 @@ def write_eval_report(
     ks, n = settings["ks"], settings["n"]
     lines = ["# Evaluation report", "", f"- command: `{shlex.join(argv)}`"]
     lines += [f"- {k}: {v}" for k, v in settings.items() if k not in ("ks", "n", "argv")]
-    if any(r.get("agentic") for _, r in results):  # episodes: success, turns, invalid actions
-        cols = ("success_rate", "reward", "mean_turns", "invalid_action_rate", "n")
+    if any("rows" not in r for _, r in results):  # episodes: success, turns, invalid actions (what they report)
+        names = ("success_rate", "accuracy", "reward", "mean_turns", "invalid_action_rate", "n")
+        cols = [c for c in names if all(c in r for _, r in results)]
         lines += ["", "## Results", "", "| model | step | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
         for t, r in results:
             cells = [f"{r[c]:.4f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
