@@ -31,6 +31,9 @@ import yaml
 from roll_core.testing.trackers import FIRST_ATTEMPT, TrackerTestSuite, assert_steps
 from roll_core.tracking import Tracker
 
+#: A smaller tiny run than tiny_overrides' (what is tested is the tracking, not the learning).
+SMALLER = ["algo.group_size=2", "pipeline.rollout_batch_size=2", "env.eval_size=2", "pipeline.eval_size=2"]
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -80,6 +83,15 @@ class MlflowServer:
             pass
         self.proc.wait(timeout=30)
         self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the server hangs (connections are accepted by the kernel, nothing answers)."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGCONT)
 
     def client(self) -> Any:
         from mlflow.tracking import MlflowClient
@@ -176,7 +188,7 @@ def test_tiny_run_reads_back_through_the_mlflow_client(server: MlflowServer, tmp
 
     out = tmp_path / "run"
     overrides = ["pipeline.max_steps=2", "pipeline.trackers=[mlflow]", f"tracking.mlflow.tracking_uri={server.url}"]
-    overrides += ["+tracking.mlflow.tags.team=rl"]
+    overrides += ["+tracking.mlflow.tags.team=rl", *SMALLER]
     _, history = run_pipeline(tiny_overrides(constant_answer_task(tmp_path / "seven.jsonl"), out, *overrides))
 
     client, run_id = server.client(), _run_id(out)
@@ -202,36 +214,39 @@ def test_tiny_run_reads_back_through_the_mlflow_client(server: MlflowServer, tmp
     assert shown == [{"path": f"samples/step_{s:06d}.json", "type": "table"} for s in sorted(samples)]
 
 
-def test_a_stopped_server_loses_nothing(server: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_hung_server_loses_nothing(server: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from roll_core.trackers.mlflow import FAILURES_METRIC, UNSENT_FILE, read_run
 
-    options = {"tracking_uri": server.url, "retries": 0, "retry_interval_s": 0}
+    options = {"tracking_uri": server.url, "timeout_s": 1, "retries": 0, "retry_interval_s": 60}
     config = yaml.safe_dump({"experiment": "outage", "tracking": {"mlflow": options}})
     tracker = Tracker(tmp_path, config, ["mlflow"])
     tracker.log(0, {"loss": 1.0})
     run_id = _run_id(tmp_path)
-    server.stop()
-    with caplog.at_level(logging.WARNING, logger="roll_core.trackers.mlflow"):
-        tracker.log(1, {"loss": 0.5})  # no exception: training goes on
-        tracker.samples(1, [{"prompt": "Q", "response": "7", "reward": 1.0}])
-        tracker.log(2, {"loss": 0.25})
-        tracker.close()
-    backend_warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(backend_warnings) == 1 and "is not answering" in backend_warnings[0]  # once per outage
-    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1 and UNSENT_FILE in errors[0]
+    server.pause()  # SIGSTOP: the server stops answering, requests time out
+    try:
+        with caplog.at_level(logging.WARNING, logger="roll_core.trackers.mlflow"):
+            tracker.log(1, {"loss": 0.5})  # no exception: training goes on
+            tracker.samples(1, [{"prompt": "Q", "response": "7", "reward": 1.0}])  # buffered: not resent yet
+            tracker.log(2, {"loss": 0.25})
+            tracker.close()  # one more try, then unsent.json
+    finally:
+        server.resume()
+    ours = [r for r in caplog.records if r.name == "roll_core.trackers.mlflow"]
+    assert tracker.backends == [] and len(ours) == 2
+    warning, error = ours
+    assert warning.levelno == logging.WARNING and "is not answering" in warning.getMessage()  # once per outage
+    assert error.levelno == logging.ERROR and UNSENT_FILE in error.getMessage()
     unsent = json.loads((tmp_path / "mlflow" / UNSENT_FILE).read_text())
     assert unsent["run_id"] == run_id and sorted({m[3] for m in unsent["metrics"]}) == [1, 2]
 
-    server.start()  # the same store on the same port: the run resumes in its folder
-    resumed = Tracker(tmp_path, config, ["mlflow"], resume=True)
+    resumed = Tracker(tmp_path, config, ["mlflow"], resume=True)  # the server answers again: what waited is sent
     resumed.truncate(2)
     resumed.log(3, {"loss": 0.125})
     resumed.close()
     assert _run_id(tmp_path) == run_id and not (tmp_path / "mlflow" / UNSENT_FILE).exists()
     client = server.client()
     assert read_run(client, run_id) == {0: {"loss": 1.0}, 1: {"loss": 0.5}, 2: {"loss": 0.25}, 3: {"loss": 0.125}}
-    assert [m.value for m in client.get_metric_history(run_id, FAILURES_METRIC)] == [2.0, 3.0]
+    assert [m.value for m in client.get_metric_history(run_id, FAILURES_METRIC)] == [1.0, 2.0]  # failed sends
     assert _tables(client, run_id, tmp_path / "dl") == {1: [{"prompt": "Q", "response": "7", "reward": 1.0}]}
     assert client.get_run(run_id).info.status == "FINISHED"
 
@@ -274,3 +289,27 @@ def test_without_mlflow_the_error_names_the_extra(tmp_path: Path, monkeypatch: p
     with pytest.raises(MissingExtraError) as err:
         Tracker(tmp_path, "experiment: demo\n", ["mlflow"])
     assert str(err.value) == "pipeline.trackers=[mlflow] needs mlflow: pip install 'roll-core[mlflow]'"
+
+
+def test_a_server_gone_for_good_leaves_the_points_in_unsent_json(
+    server: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Last in this module: it kills the module's server (connection refused from then on)."""
+    from roll_core.trackers.mlflow import UNSENT_FILE
+
+    options = {"tracking_uri": server.url, "retries": 0, "retry_interval_s": 0}
+    tracker = Tracker(tmp_path, yaml.safe_dump({"experiment": "gone", "tracking": {"mlflow": options}}), ["mlflow"])
+    tracker.log(0, {"loss": 1.0})
+    server.stop()  # SIGKILL of the server and its worker
+    with caplog.at_level(logging.WARNING, logger="roll_core.trackers.mlflow"):
+        tracker.log(1, {"loss": 0.5})
+        tracker.log(2, {"loss": 0.25})
+        tracker.close()
+    assert [r.levelno for r in caplog.records if r.name == "roll_core.trackers.mlflow"] == [
+        logging.WARNING,
+        logging.ERROR,
+    ]
+    unsent = json.loads((tmp_path / "mlflow" / UNSENT_FILE).read_text())
+    later = [(key, step, value) for key, value, _, step in unsent["metrics"]]
+    count = "tracking/mlflow_send_failures"  # 1 when step 2 was logged; 3 after close's own try
+    assert later == [("loss", 1, 0.5), ("loss", 2, 0.25), (count, 2, 1.0), (count, 2, 3.0)]

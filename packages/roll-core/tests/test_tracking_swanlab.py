@@ -65,6 +65,8 @@ def test_tiny_run_in_local_mode(tmp_path: Path) -> None:
     out = tmp_path / "run"
     overrides = ["pipeline.max_steps=2", "pipeline.trackers=[swanlab]", "tracking.swanlab.tags=[tiny]"]
     overrides += ["tracking.swanlab.hardware_monitor=false", "tracking.group=g1"]
+    # A smaller tiny run than tiny_overrides' (what is tested is the tracking, not the learning).
+    overrides += ["algo.group_size=2", "pipeline.rollout_batch_size=2", "env.eval_size=2", "pipeline.eval_size=2"]
     _, history = run_pipeline(tiny_overrides(constant_answer_task(tmp_path / "seven.jsonl"), out, *overrides))
 
     run = _current(out)

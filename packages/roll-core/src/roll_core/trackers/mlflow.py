@@ -443,10 +443,12 @@ class MlflowTracker:
         if self.run_id is None:
             return
         failed = sys.exc_info()[0] is not None
-        if self.failures != self._reported_failures:
+        sent = self._flush(final=True)
+        if self.failures != self._reported_failures:  # the count of failed sends goes with the last data
             self.pending_metrics.append((FAILURES_METRIC, float(self.failures), self._timestamp(), self.last_step))
             self._reported_failures = self.failures
-        if self._flush(final=True):
+            sent = sent and self._flush(final=True)
+        if sent:
             try:
                 with self._http():
                     self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
