@@ -57,6 +57,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     overrides = [o for o in tiny_overrides(data, out) if not o.startswith("env.reward.")]
     overrides += [*REWARD, f"env.eval_path={bench}", "pipeline.max_steps=2", "pipeline.save_every=1"]
     overrides += ["pipeline.eval_every=2", "pipeline.trackers=[]", "pipeline.eval_temperature=1.0"]
+    overrides += ["pipeline.rollout_batch_size=2", "algo.group_size=4", "train_engine.micro_batch_size=8"]  # CI time
     env = dict(
         os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
     )
