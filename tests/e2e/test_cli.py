@@ -118,6 +118,9 @@ def test_ctrl_c_checkpoints_and_resume_true_finds_the_run(seven_task: Path, tmp_
     assert sample_steps == set(steps)
 
 
+# CI time (31-41 s): tests/e2e/test_ray_exposure.py starts the same instance (`Cluster` with RAY_AUTH_MODE removed,
+# as roll-train cluster=ray does) and checks token auth is on while a worker runs; `nox -s full_matrix` runs this.
+@pytest.mark.full_matrix
 @pytest.mark.ray
 def test_a_ray_instance_roll_starts_keeps_token_auth(seven_task: Path, tmp_path: Path) -> None:
     """roll-train cluster=ray starts a local Ray instance with Ray's token authentication on (nobody on the network
