@@ -30,3 +30,10 @@ class LastDigitReward(Reward):
         return RewardResult(
             scores=[c + 0.1 * f for c, f in zip(correct, formatted)], correct=correct, formatted=formatted
         )
+
+
+class BrokenReward(LastDigitReward):
+    """Raises on every batch: a run scored by it stops after pipeline.max_reward_failure_steps steps."""
+
+    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
+        raise RuntimeError("the reward service is down")

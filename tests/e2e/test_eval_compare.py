@@ -9,6 +9,7 @@ the answer, which a random tiny model hits now and then and learns within steps)
 - the report's comparison command (the run folder: every checkpoint in step order, --n 4) with --k 1,2,4 writes a
   table, csv, json, plot and samples.jsonl whose numbers equal a recomputation from samples.jsonl done here with
   the textbook formula (math.comb), per model, per domain and per difficulty;
+- a run that fails (a reward that always raises) still leaves a report.md whose status names the error;
 - roll-eval's argument errors (k > n, n > 1 at temperature 0, a folder without checkpoints) exit 2 before any
   model loads.
 """
@@ -201,6 +202,22 @@ def test_compare_every_checkpoint_of_the_run(run: Path, capsys: pytest.CaptureFi
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (out / "report.md").read_text()
     assert "![comparison](comparison.png)" in report and "maj@4" in report
+
+
+def test_a_failed_run_writes_its_report(tmp_path: Path) -> None:
+    """The loop writes report.md when the run raises: the status names the error; the numbers logged before it stay."""
+    from roll_core.cluster.reward_guard import RewardFailureError
+    from roll_core.testing import run_pipeline
+
+    out = tmp_path / "failed"
+    overrides = [o for o in tiny_overrides(_bench(tmp_path / "rows.jsonl", 40), out) if not o.startswith("env.reward.")]
+    overrides += ["env/reward=custom", "env.reward._target_=digit_reward.BrokenReward", "pipeline.max_steps=3"]
+    overrides += ["pipeline.max_reward_failure_steps=1", "pipeline.trackers=[]", "pipeline.rollout_batch_size=2"]
+    with pytest.raises(RewardFailureError):
+        run_pipeline(overrides)
+    report = (out / "report.md").read_text()
+    assert "- status: failed: RewardFailureError: " in report and "the reward service is down" in report, report
+    assert "- steps done: 0 of 3" in report and "None saved." in report
 
 
 @pytest.mark.parametrize(
