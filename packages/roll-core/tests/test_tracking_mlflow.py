@@ -217,11 +217,12 @@ def test_tiny_run_reads_back_through_the_mlflow_client(server: MlflowServer, tmp
 def test_a_hung_server_loses_nothing(server: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from roll_core.trackers.mlflow import FAILURES_METRIC, UNSENT_FILE, read_run
 
-    options = {"tracking_uri": server.url, "timeout_s": 1, "retries": 0, "retry_interval_s": 60}
+    options = {"tracking_uri": server.url, "retries": 0, "retry_interval_s": 60}
     config = yaml.safe_dump({"experiment": "outage", "tracking": {"mlflow": options}})
     tracker = Tracker(tmp_path, config, ["mlflow"])
     tracker.log(0, {"loss": 1.0})
     run_id = _run_id(tmp_path)
+    tracker.backends[0].options.timeout_s = 1  # (tracking.mlflow.timeout_s) short for the hang, not before it
     server.pause()  # SIGSTOP: the server stops answering, requests time out
     try:
         with caplog.at_level(logging.WARNING, logger="roll_core.trackers.mlflow"):
