@@ -69,7 +69,13 @@ def _gap(train: TrainGroup, batch: Batch) -> float:
 
 @pytest.mark.parametrize(
     ("train_engine", "train_ranks", "transport"),
-    [("hf", 1, "object_store"), ("hf", 1, "dist"), ("fsdp2", 2, "dist"), ("fsdp2", 2, "object_store")],
+    [
+        # CI time (~25 s): the object store carries fsdp2's weights below and hf's engine syncs by dist; full_matrix.
+        pytest.param("hf", 1, "object_store", marks=pytest.mark.full_matrix),
+        ("hf", 1, "dist"),
+        ("fsdp2", 2, "dist"),
+        ("fsdp2", 2, "object_store"),
+    ],
 )
 def test_sync_makes_engines_sample_from_the_trained_policy(
     ray_cluster, train_engine: str, train_ranks: int, transport: str
