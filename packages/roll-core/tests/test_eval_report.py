@@ -78,7 +78,9 @@ def test_run_report_numbers_curves_checkpoints_and_commands(tmp_path: Path) -> N
         f"pipeline.resume_from={out.resolve()}",
     ]
     assert shlex.split(cmds["eval"]) == ["roll-eval", str(ckpts[-1].resolve()), "experiment=quickstart", "algo.lr=1e-5"]
-    assert shlex.split(cmds["compare"])[:2] == ["roll-eval", str(out.resolve())]
+    assert shlex.split(cmds["compare"])[:2] == ["roll-eval", str(out.resolve())] and "--n" in cmds["compare"]
+    agentic = commands(out.resolve(), launched, ckpts[-1].resolve(), "quickstart", episodes=True)
+    assert "--n" not in agentic["compare"]  # one episode per seed: roll-eval refuses --n > 1 there
     assert cmds["resume"] in text and cmds["eval"] in text and cmds["compare"] in text
     assert "not recorded" not in text
 
@@ -99,3 +101,42 @@ def test_report_never_raises(tmp_path: Path, caplog: pytest.LogCaptureFixture) -
     blocker.write_text("")
     assert write_run_report(blocker / "run", object(), status="finished", wall_seconds=1.0, checkpoints=[]) is None
     assert "could not write" in caplog.text
+
+
+def _checkpoint(run: Path, step: int) -> Path:
+    folder = run / "checkpoints" / f"step_{step:06d}"
+    (folder / "actor" / "model").mkdir(parents=True)
+    (folder / "actor" / "model" / "config.json").write_text("{}")
+    return folder
+
+
+def test_eval_targets_labels_and_plot_axis(tmp_path: Path) -> None:
+    from roll_core.errors import ConfigError
+    from roll_core.eval_compare import expand_targets, x_axis
+
+    a, b = tmp_path / "run-a", tmp_path / "run-b"
+    for step in (10, 2):
+        _checkpoint(a, step)
+    (a / "checkpoints" / "step_000012.tmp").mkdir()  # a save in progress is no checkpoint
+    _checkpoint(b, 4)
+    hf = tmp_path / "base-model"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+
+    one_run = expand_targets([str(a)])
+    assert [(t.label, t.step, t.run) for t in one_run] == [("step_2", 2, "run-a"), ("step_10", 10, "run-a")]
+    assert one_run[0].model == str(a / "checkpoints" / "step_000002" / "actor" / "model")
+    assert x_axis(one_run) == ("checkpoint step", [2.0, 10.0])
+    assert [t.label for t in expand_targets([str(a / "checkpoints")])] == ["step_2", "step_10"]
+
+    mixed = expand_targets([str(hf), str(a / "checkpoints" / "step_000010"), str(b), "builtin:tiny", str(hf)])
+    assert [t.label for t in mixed] == ["base-model", "run-a/step_10", "run-b/step_4", "builtin:tiny", "base-model#2"]
+    assert x_axis(mixed) == ("model", [0.0, 1.0, 2.0, 3.0, 4.0])
+    assert x_axis(expand_targets([str(a), str(b)]))[0] == "model"  # two runs' steps would interleave
+
+    empty = tmp_path / "empty-run"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="nothing to evaluate there"):
+        expand_targets([str(empty)])
+    with pytest.raises(ConfigError, match="needs a model"):
+        expand_targets([])

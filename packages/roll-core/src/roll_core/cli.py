@@ -186,6 +186,10 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
         overrides += [] if args.samples or "pipeline.eval_size" in given else ["pipeline.eval_size=100000000"]
     try:
         ks = parse_ks(args.k, args.n)
+    except ValueError as exc:  # --k out of [1, --n]
+        print(f"roll-eval: {exc}", file=sys.stderr)
+        return 2
+    try:
         targets = expand_targets(models)
         configs = []
         for t in targets:  # every config checked before the first engine starts
@@ -203,9 +207,6 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"roll-eval: invalid config:\n{exc}", file=sys.stderr)
         return 2
     except MissingExtraError as exc:
-        print(f"roll-eval: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:  # --k / --n out of range
         print(f"roll-eval: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else _fresh_folder(Path("outputs") / "eval" / time.strftime("%Y-%m-%d_%H-%M-%S"))

@@ -42,6 +42,8 @@ class EvalTarget:
     model: str
     step: int | None = None
     source: str = ""
+    #: The run folder's name of a checkpoint ("" for other models).
+    run: str = ""
 
 
 def _checkpoint_model(folder: Path) -> Path | None:
@@ -90,7 +92,7 @@ def expand_targets(models: list[str]) -> list[EvalTarget]:
         seen[label] = seen.get(label, 0) + 1
         if seen[label] > 1:
             label = f"{label}#{seen[label]}"
-        targets.append(EvalTarget(label, model, step, source))
+        targets.append(EvalTarget(label, model, step, source, run if step is not None else ""))
     return targets
 
 
@@ -98,7 +100,7 @@ def x_axis(targets: list[EvalTarget]) -> tuple[str, list[float]]:
     """(axis name, positions) of the comparison plot: checkpoint steps when every target is a checkpoint of one
     run (several runs' steps would interleave), else the model's position in the call."""
     steps = [t.step for t in targets]
-    one_run = len({t.label.rsplit("/", 1)[0] for t in targets if "/" in t.label}) <= 1
+    one_run = len({t.run for t in targets}) == 1
     if all(s is not None for s in steps) and one_run and len(set(steps)) == len(steps):
         return "checkpoint step", [float(s) for s in steps]  # type: ignore[arg-type]
     return "model", [float(i) for i in range(len(targets))]

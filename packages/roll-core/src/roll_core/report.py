@@ -98,8 +98,11 @@ def _drop(overrides: list[str], *keys: str) -> list[str]:
     return kept
 
 
-def commands(out: Path, overrides: list[str] | None, latest: Path | None, experiment: str) -> dict[str, str]:
-    """Resume and evaluation command lines for the run in `out` (see the module docstring)."""
+def commands(
+    out: Path, overrides: list[str] | None, latest: Path | None, experiment: str, *, episodes: bool = False
+) -> dict[str, str]:
+    """Resume and evaluation command lines for the run in `out` (see the module docstring); `episodes`: an agentic
+    run, whose comparison samples one episode per seed (no --n)."""
     base = overrides if overrides is not None else ([f"experiment={experiment}"] if experiment != "rlvr" else [])
     resume = _drop(base, "pipeline.resume", "pipeline.resume_from", "hydra.")
     evaluate = _drop(base, "pipeline.resume", "pipeline.resume_from", "pipeline.output_dir", "hydra.")
@@ -107,7 +110,8 @@ def commands(out: Path, overrides: list[str] | None, latest: Path | None, experi
     out_cmd = {"resume": q(["roll-train", *resume, f"pipeline.resume_from={out}"])}
     if latest is not None:
         out_cmd["eval"] = q(["roll-eval", str(latest), *evaluate])
-        out_cmd["compare"] = q(["roll-eval", str(out), *evaluate, "--n", "4", "pipeline.eval_temperature=0.7"])
+        sampled = [] if episodes else ["--n", "4", "pipeline.eval_temperature=0.7"]
+        out_cmd["compare"] = q(["roll-eval", str(out), *evaluate, *sampled])
     return out_cmd
 
 
@@ -180,14 +184,16 @@ def write_run_report(
         lines += [f"- `{c.resolve()}`" for c in checkpoints] or ["None saved."]
         latest = checkpoints[-1].resolve() if checkpoints else None
         overrides = launch_overrides(out)
-        cmds = commands(out.resolve(), overrides, latest, cfg.experiment)
+        episodes = cfg.pipeline.name in ("agentic", "agent")
+        cmds = commands(out.resolve(), overrides, latest, cfg.experiment, episodes=episodes)
         lines += ["", "## Commands", ""]
         if overrides is None:
             lines += ["(The launch's overrides are not recorded: add the ones the run used.)", ""]
         lines += ["Resume:", "", "```bash", cmds["resume"], "```", ""]
         if "eval" in cmds:
             lines += ["Evaluate the latest checkpoint:", "", "```bash", cmds["eval"], "```", ""]
-            lines += ["Compare every checkpoint (pass@k, maj@n):", "", "```bash", cmds["compare"], "```", ""]
+            what = "" if episodes else " (pass@k, maj@n)"
+            lines += [f"Compare every checkpoint{what}:", "", "```bash", cmds["compare"], "```", ""]
         path = out / "report.md"
         out.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines))
