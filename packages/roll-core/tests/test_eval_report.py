@@ -18,7 +18,7 @@ def _run_folder(root: Path, *, overrides: list[str] | None) -> tuple[Path, list[
     out = root / "run"
     out.mkdir()
     history = [
-        {"step": 0, "eval/accuracy": 0.25, "eval/reward": 0.3, "eval/math/accuracy": 0.2},
+        {"step": 0, "eval/accuracy": 0.25, "eval/reward": 0.3, "eval/math/accuracy": 0.2, "eval/n": 16.0},
         {"step": 1, "reward/mean": 0.5, "reward/accuracy": 0.4, "sft/loss": 2.0},
         {"step": 2, "reward/mean": 0.9, "reward/accuracy": None, "sft/loss": 1.5, "eval/accuracy": 0.75},
         {"step": 3, "reward/mean": 0.7, "reward/accuracy": 0.6, "sft/loss": 1.7, "eval/accuracy": 0.5},
@@ -69,6 +69,7 @@ def test_run_report_numbers_curves_checkpoints_and_commands(tmp_path: Path) -> N
     assert f"- `{ckpts[0].resolve()}`" in text and f"- `{ckpts[1].resolve()}`" in text
     assert "| algorithm | grpo: advantages grpo, lr 5e-06, group size 8" in text
     assert "| engines | train hf, inference hf |" in text
+    assert "| evaluation | every 4 steps on 16 held-out problems (pipeline.eval_size 64), temperature" in text
     cmds = commands(out.resolve(), launched, ckpts[-1].resolve(), "quickstart")
     assert shlex.split(cmds["resume"]) == [
         "roll-train",

@@ -127,8 +127,9 @@ def _duration(seconds: float | None) -> str:
     return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
 
 
-def config_rows(cfg: Any) -> list[tuple[str, str]]:
-    """(setting, value) lines of the config summary."""
+def config_rows(cfg: Any, eval_n: float | None = None) -> list[tuple[str, str]]:
+    """(setting, value) lines of the config summary; `eval_n`: the held-out problems an evaluation scored (the
+    task's held-out split may be smaller than pipeline.eval_size)."""
     a, p, m = cfg.algo, cfg.pipeline, cfg.model
     g = getattr
     temp = p.eval_temperature if p.eval_temperature is not None else f"{cfg.infer_engine.temperature} (engine's)"
@@ -145,7 +146,11 @@ def config_rows(cfg: Any) -> list[tuple[str, str]]:
         ("placement", f"{cfg.cluster.placement} on {cfg.cluster.backend} (hw {cfg.hw.platform})"),
         ("batch", f"{p.rollout_batch_size} prompts x {g(a, 'group_size', '?')} responses per step"),
         ("steps", f"{p.max_steps} (checkpoint every {p.save_every or 'run end'}, keep {p.keep_last})"),
-        ("evaluation", f"every {p.eval_every} steps on {p.eval_size} held-out problems, temperature {temp}"),
+        (
+            "evaluation",
+            f"every {p.eval_every} steps on {int(eval_n) if eval_n else p.eval_size} held-out problems "
+            f"(pipeline.eval_size {p.eval_size}), temperature {temp}",
+        ),
         ("seed", str(p.seed)),
     ]
 
@@ -167,7 +172,8 @@ def write_run_report(
         lines += [f"- steps done: {max(steps) if steps else 0} of {cfg.pipeline.max_steps}"]
         lines += [f"- wall time: {_duration(wall_seconds)}", f"- folder: `{out.resolve()}`", "", "## Config", ""]
         lines += ["| setting | value |", "|---|---|"]
-        lines += [f"| {k} | {v} |" for k, v in config_rows(cfg)]
+        eval_n = next((h["eval/n"] for h in reversed(history) if isinstance(h.get("eval/n"), (int, float))), None)
+        lines += [f"| {k} | {v} |" for k, v in config_rows(cfg, eval_n)]
         lines += ["", "Full config: [config.yaml](config.yaml); metrics: [metrics.jsonl](metrics.jsonl).", ""]
         if (out / "curves.png").is_file():
             lines += ["## Curves", "", "![curves](curves.png)", ""]
