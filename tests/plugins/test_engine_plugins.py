@@ -4,8 +4,6 @@ over every installed inference engine, and an unknown engine name lists what is 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +46,8 @@ def test_unknown_engine_lists_installed_ones() -> None:
         compose(["infer_engine=recomptue"])
 
 
-def test_doctor_lists_the_plugin() -> None:
-    out = subprocess.run([sys.executable, "-m", "roll_hw"], capture_output=True, text=True, check=False).stdout
-    line = next(ln for ln in out.splitlines() if ln.startswith("inference engines"))
+def test_doctor_lists_the_plugin(doctor_output: str) -> None:
+    line = next(ln for ln in doctor_output.splitlines() if ln.startswith("inference engines"))
     assert "recompute (roll-dummy-engine)" in line and "hf (roll-engines)" in line
 
 

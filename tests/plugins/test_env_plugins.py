@@ -4,8 +4,6 @@ conformance suite runs over every installed agentic environment (built-ins inclu
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -54,7 +52,6 @@ def test_plugin_env_is_named_like_a_builtin() -> None:
         make_env("dummy_ecko")
 
 
-def test_doctor_lists_agentic_envs() -> None:
-    out = subprocess.run([sys.executable, "-m", "roll_hw"], capture_output=True, text=True, check=False).stdout
-    line = next(ln for ln in out.splitlines() if ln.startswith("agentic environments"))
+def test_doctor_lists_agentic_envs(doctor_output: str) -> None:
+    line = next(ln for ln in doctor_output.splitlines() if ln.startswith("agentic environments"))
     assert "dummy_echo (roll-dummy-engine)" in line and "sokoban (roll-envs)" in line
