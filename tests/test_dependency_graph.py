@@ -108,18 +108,27 @@ def test_hardware_and_engine_extras() -> None:
 
 # ---- extras: each one's requirements are used by the package's code ------------------------------------------
 # Module a distribution installs, where it is not the distribution's name with "-" as "_".
-IMPORT_OF = {"megatron-core": "megatron.core", "nvidia-ml-py": "pynvml"}
+IMPORT_OF = {"megatron-core": "megatron.core", "nvidia-ml-py": "pynvml", "mlflow-skinny": "mlflow"}
 # Requirements used without an `import` of their own in the package: (package, requirement) -> (file, text that
 # shows the use). Anything else an extra lists must be imported somewhere in the package's src/.
 USED_WITHOUT_IMPORT = {
     ("roll-core", "gguf"): ("packages/roll-core/src/roll_core/models.py", "gguf_file="),  # transformers reads GGUF
     ("roll-core", "accelerate"): ("packages/roll-core/src/roll_core/models.py", "gguf_file="),  # ... and needs it
-    ("roll-core", "tensorboard"): ("packages/roll-core/src/roll_core/tracking.py", "torch.utils.tensorboard"),
+    ("roll-core", "tensorboard"): (
+        "packages/roll-core/src/roll_core/trackers/tensorboard.py",
+        "torch.utils.tensorboard",
+    ),
     ("roll-core", "hydra-ray-launcher"): (
         "packages/roll-core/src/roll_core/conf/hydra/launcher/ray.yaml",
         "hydra_plugins.hydra_ray_launcher",
     ),
     ("roll-core", "hydra-optuna-sweeper"): ("conf/experiment/sweep_optuna.yaml", "override /hydra/sweeper: optuna"),
+    # MLflow's SQL store (the default store in the run folder) runs on SQLAlchemy and Alembic; mlflow-skinny omits them.
+    ("roll-core", "sqlalchemy"): ("packages/roll-core/src/roll_core/trackers/mlflow.py", "sqlite:///"),
+    ("roll-core", "alembic"): ("packages/roll-core/src/roll_core/trackers/mlflow.py", "sqlite:///"),
+    # SwanLab's local mode (swanboard) needs peewee 3; pynvml 12 keeps swanlab's `import pynvml` from warning.
+    ("roll-core", "peewee"): ("packages/roll-core/src/roll_core/trackers/swanlab.py", "SWANBOARD.require()"),
+    ("roll-core", "pynvml"): ("packages/roll-core/src/roll_core/trackers/swanlab.py", "import swanlab"),
     # gem-llm is installed with --no-deps (its antlr4 pin conflicts with omegaconf's): the extra carries its imports.
     ("roll-envs", "numpy"): ("packages/roll-envs/src/roll_envs/agentic/gem_adapter.py", "import gem"),
     ("roll-envs", "reasoning-gym"): ("packages/roll-envs/src/roll_envs/agentic/gem_adapter.py", "import gem"),
