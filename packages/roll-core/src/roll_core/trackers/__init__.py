@@ -5,6 +5,8 @@
 | `tensorboard` (default) | `trackers.tensorboard` | `<run>/tensorboard/` event files | `roll-core[track]` |
 | `jsonl` | `trackers.jsonl` | nothing beyond the core files (metrics.jsonl, samples.jsonl) | none |
 | `wandb` | `trackers.wandb` | a W&B run (offline files under `<run>/wandb` without an API key) | `roll-core[wandb]` |
+| `mlflow` | `trackers.mlflow` | an MLflow run (a server, or SQLite in `<run>/mlflow`) | `roll-core[mlflow]` |
+| `swanlab` | `trackers.swanlab` | a SwanLab experiment (local mode: `<run>/swanlog`) | `roll-core[swanlab]` |
 
 Several run at once: `pipeline.trackers=[tensorboard,wandb]`; options: the `tracking` config node
 (roll_core.config.tracking). The contract is roll_core.interfaces.tracking; the conformance suite every backend
