@@ -94,6 +94,23 @@ RUN_ELSEWHERE = {
         "pipeline=distill with a teacher prompt (the same model shown more context) runs in test_distill.py; "
         "this experiment on SmolLM2-135M: bench/RESULTS.md (python bench/posttrain_chain.py)"
     ),
+    "roll-train model=qwen3 model.path=Qwen/Qwen3-8B": (
+        "a hub model (nothing is downloaded in tests); every preset runs on a tiny random model of its architecture "
+        "through each engine in packages/roll-engines/tests/test_model_presets.py and test_vllm_presets.py"
+    ),
+    "roll-train experiment=quickstart pipeline.trackers=[tensorboard,wandb] tracking.wandb.project=demo": (
+        "runs with W&B offline, read back from its run files, in packages/roll-core/tests/test_tracking_wandb.py"
+    ),
+    "roll-train experiment=quickstart pipeline.trackers=[mlflow] tracking.mlflow.tracking_uri=http://127.0.0.1:5000": (
+        "runs against a real `mlflow server` on 127.0.0.1 in packages/roll-core/tests/test_tracking_mlflow.py"
+    ),
+    "roll-train experiment=quickstart pipeline.trackers=[swanlab]": (
+        "SwanLab local mode, read back with its own reader: packages/roll-core/tests/test_tracking_swanlab.py"
+    ),
+    "roll-eval outputs/<date>/<time> experiment=quickstart --n 4 --k 1,2,4 pipeline.eval_temperature=0.7": (
+        "comparing a run's checkpoints with --n/--k runs in tests/e2e/test_eval_compare.py (numbers recomputed from "
+        "samples.jsonl)"
+    ),
     "roll-train experiment=multi_domain": (
         "env=multi's run (counts, per-domain metrics, eval and advantage scale) runs on the tiny model in "
         "test_multi_domain.py; this experiment's 3-domain evaluation is minutes (its curves: bench/RESULTS.md)"
