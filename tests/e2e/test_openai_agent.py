@@ -157,7 +157,8 @@ def _collector(task: Any, group_size: int, batch: int) -> Any:
 
     tok = build_tiny_tokenizer()
     pipe = SimpleNamespace(seed=0, rollout_batch_size=batch, async_ratio=0, eval_temperature=0.0)
-    cfg = SimpleNamespace(pipeline=pipe, algo=SimpleNamespace(group_size=group_size))
+    model = SimpleNamespace(chat_template_kwargs={})
+    cfg = SimpleNamespace(pipeline=pipe, algo=SimpleNamespace(group_size=group_size), model=model)
     ctx = CollectorContext(cfg, None, _Scripted(tok), SamplingParams(max_new_tokens=8), tok, task, "tiny")
     agent_collectors.check(cfg, task)
     return agent_collectors(ctx)
