@@ -20,6 +20,7 @@ roll's sources, so a reworded error cannot leave a stale entry behind.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sys
@@ -104,6 +105,11 @@ def recipe_folder(page: Path, tmp: Path) -> Iterator[Path | None]:
     if (folder / "conf").is_dir():
         os.environ["ROLL_CONF_DIR"] = str(folder / "conf")
     sys.path.insert(0, str(folder))
+    # Another test may have imported a module of the same name (packages/roll-envs/tests/test_reward_node.py writes
+    # its own my_rewards.py): the page's file must be the one imported.
+    for stem in {Path(rel).stem for rel in files if rel.endswith(".py") and "/" not in rel}:
+        sys.modules.pop(stem, None)
+    importlib.invalidate_caches()
     try:
         yield folder
     finally:

@@ -135,6 +135,8 @@ def plan(cmd: Command) -> Plan:
     cfg = first_job(cmd)
     if cmd.prog == "roll-train" and not cmd.overrides:
         return Plan("compose", "names the CLI without arguments (its defaults run in `roll-train algo=grpo ...`)")
+    if cmd.prog == "roll-eval" and not cmd.args:
+        return Plan("compose", "names the CLI without arguments (its README commands with a model run here)")
     if "..." in cmd.args:
         return Plan("compose", "elided with '...'")
     if cfg is None:
