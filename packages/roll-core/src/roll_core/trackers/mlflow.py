@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import posixpath
 import re
@@ -51,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from roll_core.config.tracking import MLFLOW, backend_options, tracking_config
+from roll_core.trackers.replay import kept_metrics, kept_samples
 
 log = logging.getLogger(__name__)
 #: The run folder's record of its MLflow run: {"tracking_uri", "run_id", "last_step"}.
@@ -114,12 +114,6 @@ def table(step: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Sample rows as MLflow's table artifact format (pandas' "split" orient): columns step, then each row key."""
     columns = ["step", *dict.fromkeys(k for row in rows for k in row if k != "step")]
     return {"columns": columns, "data": [[step, *(row.get(c) for c in columns[1:])] for row in rows]}
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class MlflowTracker:
@@ -261,16 +255,9 @@ class MlflowTracker:
 
     def _replay(self, last_step: int) -> None:
         """Log what the run folder's own files hold up to `last_step` into the fresh run."""
-        samples: dict[int, list[dict[str, Any]]] = {}
-        for row in _read_jsonl(self.run_dir / "samples.jsonl"):
-            step = int(row.pop("step", 0))
-            if step <= last_step:
-                samples.setdefault(step, []).append(row)
-        for record in _read_jsonl(self.run_dir / "metrics.jsonl"):
-            step = int(record["step"])
-            if step <= last_step:
-                metrics = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
-                self._add_metrics(step, {k: v for k, v in metrics.items() if math.isfinite(v)})
+        samples = kept_samples(self.run_dir, last_step)
+        for step, metrics in kept_metrics(self.run_dir, last_step):
+            self._add_metrics(step, metrics)
         for step, rows in sorted(samples.items()):
             self._add_samples(step, rows)
         self._flush(final=True)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import warnings
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 
 from roll_core.config.tracking import SWANLAB, backend_options, tracking_config
 from roll_core.errors import Extra
+from roll_core.trackers.replay import kept_metrics, kept_samples
 
 log = logging.getLogger(__name__)
 #: The run folder's record of its current SwanLab experiment: {"run_dir": ..., "last_step": ...}.
@@ -72,12 +72,6 @@ def resolve_mode(mode: str) -> str:
     if mode != "auto":
         return mode
     return os.environ.get("SWANLAB_MODE") or ("cloud" if has_api_key() else "local")
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class SwanlabTracker:
@@ -136,16 +130,9 @@ class SwanlabTracker:
 
     def _replay(self, last_step: int) -> None:
         """Log what the run folder's own files hold up to `last_step` into the fresh experiment."""
-        samples: dict[int, list[dict[str, Any]]] = {}
-        for row in _read_jsonl(self.run_dir / "samples.jsonl"):
-            step = int(row.pop("step", 0))
-            samples.setdefault(step, []).append(row)
-        for record in _read_jsonl(self.run_dir / "metrics.jsonl"):
-            step = int(record["step"])
-            if step > last_step:
-                continue
-            metrics = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
-            self.log(step, {k: v for k, v in metrics.items() if math.isfinite(v)})
+        samples = kept_samples(self.run_dir, last_step)
+        for step, metrics in kept_metrics(self.run_dir, last_step):
+            self.log(step, metrics)
             if step in samples:
                 self.samples(step, samples.pop(step))
 

@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from roll_core.config.tracking import WANDB, backend_options, tracking_config
+from roll_core.trackers.replay import kept_metrics, kept_samples
 
 log = logging.getLogger(__name__)
 #: The run folder's record of its W&B run: {"id": ..., "last_step": ...}.
@@ -64,12 +65,6 @@ def _cell(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     return json.dumps(value)
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class WandbTracker:
@@ -133,16 +128,9 @@ class WandbTracker:
 
     def _replay(self, last_step: int) -> None:
         """Log what the run folder's own files hold up to `last_step` into the fresh W&B run."""
-        samples: dict[int, list[dict[str, Any]]] = {}
-        for row in _read_jsonl(self.run_dir / "samples.jsonl"):
-            step = int(row.pop("step", 0))
-            samples.setdefault(step, []).append(row)
-        for record in _read_jsonl(self.run_dir / "metrics.jsonl"):
-            step = int(record["step"])
-            if step > last_step:
-                continue
-            metrics = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
-            self.log(step, {k: v for k, v in metrics.items() if math.isfinite(v)})
+        samples = kept_samples(self.run_dir, last_step)
+        for step, metrics in kept_metrics(self.run_dir, last_step):
+            self.log(step, metrics)
             if step in samples:
                 self.samples(step, samples.pop(step))
 
