@@ -53,10 +53,28 @@ def test_a_turn_aborted_at_a_sync_resumes_and_keeps_every_token_once(tiny_model:
     try:
         worker.start()
         deadline = time.monotonic() + 60
-        while not any(len(s.tokens) >= 5 for s in engine.batcher.running):  # the first turns are under way
+
+        def mid_turn() -> list[Any]:
+            return [s for s in engine.batcher.running if len(s.tokens) >= 5 and s.finish is None]
+
+        while True:  # catch the first turns under way, with the engine held at a step boundary
+            assert time.monotonic() < deadline
+            if mid_turn():
+                # Held, no turn can finish before the sync's aborts reach it: on a loaded machine the turns
+                # would otherwise end between this check and the aborts, and nothing would be resumed.
+                engine.begin_weight_update()
+                if mid_turn():
+                    break
+                engine.finish_weight_update()
+            time.sleep(0.01)
+        sync = threading.Thread(target=gate.begin_update)
+        sync.start()
+        while not all(s.aborted for s in mid_turn()):  # the gate's aborts reached the held engine
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        gate.begin_update()
+        engine.finish_weight_update()  # let the engine retire the aborted turns: begin_update returns
+        sync.join(60)
+        assert not sync.is_alive()
         engine.load_weights(weights)  # same weights, new version: the resumed tokens must continue the prefix
         gate.finish_update(1)
         worker.join(120)
