@@ -108,7 +108,7 @@ def test_hardware_and_engine_extras() -> None:
 
 # ---- extras: each one's requirements are used by the package's code ------------------------------------------
 # Module a distribution installs, where it is not the distribution's name with "-" as "_".
-IMPORT_OF = {"megatron-core": "megatron.core", "nvidia-ml-py": "pynvml", "mlflow-skinny": "mlflow"}
+IMPORT_OF = {"megatron-core": "megatron.core", "nvidia-ml-py": "pynvml", "mlflow-skinny": "mlflow", "pillow": "PIL"}
 # Requirements used without an `import` of their own in the package: (package, requirement) -> (file, text that
 # shows the use). Anything else an extra lists must be imported somewhere in the package's src/.
 USED_WITHOUT_IMPORT = {

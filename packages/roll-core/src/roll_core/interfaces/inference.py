@@ -211,6 +211,9 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    # The pictures of a vision-language prompt (roll_core.multimodal.MMInputs); their placeholder tokens are
+    # already expanded in `prompt_ids`. None for text.
+    mm: Any = None
 
 
 @dataclass
