@@ -7,6 +7,9 @@ once; a call that times out gives its place back at once, so a hung environment 
 calls of healthy ones. A failed slot gets a fresh environment instance; a hung one keeps its thread (Python threads
 cannot be killed): it is a daemon thread, so it never blocks the process from exiting, and it is counted in
 `leaked_threads`. One broken episode never stops the others or the run. Counters (`counters()`) feed the run's metrics.
+
+Observations are returned in normal form (roll_core.agentic.observation): text, or `{"text", "images"}` with RGB
+PIL pictures; a malformed observation (or a picture that does not load) fails its episode as an `env_error`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import Any
 
+from roll_core.agentic.observation import Observation, normalize
 from roll_core.interfaces import Env
 
 log = logging.getLogger(__name__)
@@ -88,23 +92,23 @@ class EnvManager:
 
     # The results are checked inside the call: an environment that returns the wrong shape, a reward that is not a
     # number, or NaN, fails its episode as an env_error like one that raises, instead of the whole rollout.
-    def reset(self, slot: int, seed: int) -> tuple[str, dict[str, Any]]:
+    def reset(self, slot: int, seed: int) -> tuple[Observation, dict[str, Any]]:
         env = self.envs[slot]
 
-        def reset() -> tuple[str, dict[str, Any]]:
+        def reset() -> tuple[Observation, dict[str, Any]]:
             obs, info = env.reset(seed=seed)
-            return str(obs), dict(info or {})
+            return normalize(obs), dict(info or {})
 
         return self._call(slot, "reset", reset)
 
-    def step(self, slot: int, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    def step(self, slot: int, action: str) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
         env = self.envs[slot]
 
-        def step() -> tuple[str, float, bool, bool, dict[str, Any]]:
+        def step() -> tuple[Observation, float, bool, bool, dict[str, Any]]:
             obs, reward, terminated, truncated, info = env.step(action)
             if not math.isfinite(float(reward)):
                 raise ValueError(f"step returned the reward {reward!r}; rewards must be finite numbers")
-            return str(obs), float(reward), bool(terminated), bool(truncated), dict(info or {})
+            return normalize(obs), float(reward), bool(terminated), bool(truncated), dict(info or {})
 
         return self._call(slot, "step", step)
 

@@ -26,6 +26,9 @@ sequence ends terminated with success on its last step only and a positive total
 (`env.max_steps`, when the environment has one) truncates; stepping a finished episode does not raise; and
 `instructions()`, when provided, is non-empty text; `expert_reply()`, when provided, wins every seed's episode
 (`expert_always_wins = False` for environments where luck decides, e.g. slippery ice).
+
+Observations may be text or text with pictures (`{"text": str, "images": [...]}`, roll_core.agentic.observation):
+the checks read the text part, pictures must load, and instances are told apart by text and picture digests.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from roll_core.agentic.observation import images_of, normalize, text_of
 from roll_core.interfaces import Env, EnvWithInstructions
 
 MALFORMED = [
@@ -94,28 +98,42 @@ class EnvTestSuite:
         if "tool_calls" in info:
             assert isinstance(info["tool_calls"], int) and info["tool_calls"] >= 0
 
-    def checked_step(self, env: Env, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    @staticmethod
+    def observation_text(obs: Any) -> str:
+        """The text of an observation (text, or text with pictures that must load); asserts its form."""
+        assert isinstance(obs, (str, dict)), f"observation must be a str or a text+images dict, got {type(obs)}"
+        text = text_of(normalize(obs))  # raises on a malformed dict or a picture that does not load
+        text.encode("utf-8")  # a tokenizer must be able to read it (no lone surrogates echoed back)
+        return text
+
+    @classmethod
+    def observation_key(cls, obs: Any) -> tuple[str, ...]:
+        """Text and picture digests: what tells two observations apart."""
+        from roll_core.multimodal import digest
+
+        norm = normalize(obs)
+        return (text_of(norm), *(digest(im) for im in images_of(norm)))
+
+    def checked_step(self, env: Env, action: str) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         out = env.step(action)
         assert isinstance(out, tuple) and len(out) == 5, "step must return (obs, reward, terminated, truncated, info)"
         obs, reward, terminated, truncated, info = out
-        assert isinstance(obs, str), f"observation must be a str, got {type(obs).__name__}"
-        obs.encode("utf-8")  # a tokenizer must be able to read it (no lone surrogates echoed back)
+        self.observation_text(obs)
         assert isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward)
         assert isinstance(terminated, bool) and isinstance(truncated, bool)
         self.check_info(info)
         return out
 
-    def fingerprint(self, env: Env, seed: int) -> tuple[str, ...]:
+    def fingerprint(self, env: Env, seed: int) -> tuple[tuple[str, ...], ...]:
         obs, _ = env.reset(seed=seed)
-        return (obs, *(env.step(a)[0] for a in self.probe_actions))
+        return tuple(self.observation_key(o) for o in (obs, *(env.step(a)[0] for a in self.probe_actions)))
 
     # ---- the contract -------------------------------------------------------------------------------------
     def test_satisfies_protocol(self) -> None:
         env = self.build_env()
         assert isinstance(env, Env)
         obs, info = env.reset(seed=self.seeds[0])
-        assert isinstance(obs, str) and obs.strip(), "the first observation must be non-empty text"
-        obs.encode("utf-8")
+        assert self.observation_text(obs).strip(), "the first observation must have non-empty text"
         self.check_info(info)
         assert info["success"] is False and info["invalid_action"] is False
 
@@ -143,7 +161,7 @@ class EnvTestSuite:
             assert not terminated and not info["success"], f"{shown} ended the episode"
             assert info["state"] == info0["state"], f"{shown} changed the state"
             assert reward <= 0, f"{shown} was rewarded {reward}"
-            assert obs.strip(), "an invalid action's observation must say what a valid action looks like"
+            assert self.observation_text(obs).strip(), "an invalid action's observation must say what a valid action is"
             penalty = getattr(env, "invalid_penalty", None)
             if penalty is not None:
                 assert reward == pytest.approx(penalty)

@@ -1,0 +1,53 @@
+"""What an environment observation may be, and its normal form.
+
+An environment returns, from `reset` and `step`, either text (`str`) or text with pictures:
+`{"text": str, "images": [picture, ...]}`, each picture anything `roll_core.multimodal.load_image` reads (a PIL
+image, an (H, W, 3) uint8 array, encoded bytes, a path). `normalize` turns either into the form the rollout works
+with: a `str` for text (also a dict whose `images` list is empty), else a dict whose `images` are RGB PIL images.
+Anything else (a missing or non-text `text`, `images` that is not a list, a picture that does not load) is a
+`ValueError` raised inside the environment call, so the env manager ends that one episode as an `env_error` and
+counts it, like an environment that raises.
+
+The pictures of a turn go into its user message where the text has `<image>` markers, else before the text
+(`roll_core.multimodal.as_content`), and reach the model through the turn template (roll_core.agentic.chat).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+#: An observation as environments may return it, and as `normalize` returns it.
+Observation = str | dict[str, Any]
+
+
+def normalize(obs: Any) -> Observation:
+    """`obs` as text, or as `{"text": str, "images": [RGB PIL images]}` when it holds pictures."""
+    if isinstance(obs, str):
+        return obs
+    if not isinstance(obs, Mapping):
+        return str(obs)  # numbers, GEM's non-str observations: their text, as before pictures existed
+    unknown = set(obs) - {"text", "images"}
+    if unknown:
+        raise ValueError(f"an observation dict holds 'text' and 'images'; got also {sorted(unknown)}")
+    text = obs.get("text", "")
+    if not isinstance(text, str):
+        raise ValueError(f"an observation's 'text' must be a str, got {type(text).__name__}")
+    images = obs.get("images") or []
+    if not isinstance(images, (list, tuple)):
+        raise ValueError(f"an observation's 'images' must be a list of pictures, got {type(images).__name__}")
+    if not images:
+        return text
+    from roll_core.multimodal import load_image
+
+    return {"text": text, "images": [load_image(im) for im in images]}
+
+
+def text_of(obs: Observation) -> str:
+    """The observation's text (the whole observation when it is text)."""
+    return obs if isinstance(obs, str) else str(obs.get("text", ""))
+
+
+def images_of(obs: Observation) -> list[Any]:
+    """The observation's pictures (none for text)."""
+    return [] if isinstance(obs, str) else list(obs.get("images") or [])
