@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "NORM_TYPES",
     "batch_normalized",
     "broadcast_to_tokens",
     "discounted_returns",
@@ -23,8 +24,12 @@ __all__ = [
     "group_baseline_batch_normalized",
     "group_normalized",
     "leave_one_out",
+    "reward_normalized",
     "whiten",
 ]
+
+#: Choices of `reward_normalized`'s mean and std (ROLL's `norm_mean_type` / `norm_std_type`).
+NORM_TYPES = ("group", "batch", "none")
 
 
 def _grouped(scores: Tensor, group_size: int) -> Tensor:
@@ -55,6 +60,48 @@ def group_normalized(scores: Tensor, group_size: int, *, std_normalize: bool = T
         return torch.zeros_like(scores)
     std = g.std(dim=-1, keepdim=True, unbiased=True)
     # All-equal groups: exactly 0 rather than round-off / eps.
+    adv = torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
+    return adv.reshape(-1)
+
+
+def reward_normalized(
+    scores: Tensor, group_size: int, *, mean_type: str = "group", std_type: str = "group", eps: float = 1e-6
+) -> Tensor:
+    """(r - mean) / (std + eps) with the mean and the std each taken over the group, the batch, or not at all.
+
+    ROLL's `norm_mean_type` / `norm_std_type` choices (`NORM_TYPES`): `mean_type` group subtracts each group's mean,
+    batch the batch's mean, none nothing; `std_type` group divides by each group's std, batch by the std of all the
+    batch's rewards, none by nothing. Stds are unbiased (N-1) and always of the raw rewards. group/group is GRPO
+    (`group_normalized`), group/none Dr.GRPO, group/batch Lite PPO ("Tricks or Traps? A Deep Dive into RL for LLM
+    Reasoning": group mean, batch std). Where the divisor is 0 or undefined (all rewards equal, a group or batch of
+    one) the advantage is 0, as `group_normalized`'s.
+
+    Args:
+        scores: (B,) sequence rewards, groups contiguous.
+        group_size: G, samples per prompt (read when either type is group).
+        mean_type, std_type: one of `NORM_TYPES`.
+    Returns:
+        (B,) advantages.
+    Raises:
+        ValueError: an unknown type, or a batch that does not split into groups of `group_size`.
+    """
+    for name, kind in (("mean_type", mean_type), ("std_type", std_type)):
+        if kind not in NORM_TYPES:
+            raise ValueError(f"{name}={kind!r} is not one of {', '.join(NORM_TYPES)}")
+    g = _grouped(scores, group_size)  # (num_groups, G); checks the shape even for batch/none
+    if mean_type == "group":
+        centered = g - g.mean(dim=-1, keepdim=True)
+    elif mean_type == "batch":
+        centered = g - scores.mean()
+    else:
+        centered = g
+    if std_type == "none":
+        return centered.reshape(-1)
+    if std_type == "group":
+        std = g.std(dim=-1, keepdim=True, unbiased=True) if group_size > 1 else torch.zeros_like(g[:, :1])
+    else:
+        std = scores.std(unbiased=True) if scores.numel() > 1 else torch.zeros((), dtype=scores.dtype)
+    std = torch.nan_to_num(std, nan=0.0).expand_as(centered)
     adv = torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
     return adv.reshape(-1)
 
