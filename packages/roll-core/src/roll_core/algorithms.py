@@ -60,8 +60,10 @@ def _group_relative(x: AdvantageInputs, algo: Any, name: str) -> Tensor:
         return traj_ops.episode_group_advantages(x.scores, x.group_ids, x.mask, estimator=name)
     if name == "rloo":
         seq = adv_ops.leave_one_out(x.scores, algo.group_size)
-    else:
-        seq = adv_ops.group_normalized(x.scores, algo.group_size, std_normalize=name == "grpo")
+    else:  # algo.norm_mean_type / norm_std_type, where set, replace the estimator's own (lite_ppo: group / batch)
+        mean_type = getattr(algo, "norm_mean_type", None) or "group"
+        std_type = getattr(algo, "norm_std_type", None) or ("group" if name == "grpo" else "none")
+        seq = adv_ops.reward_normalized(x.scores, algo.group_size, mean_type=mean_type, std_type=std_type)
     return adv_ops.broadcast_to_tokens(seq, x.mask)
 
 

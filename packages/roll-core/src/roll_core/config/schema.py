@@ -134,10 +134,25 @@ class AlgoConfig:
     advantage_clip: float | None = None
     # Clip sequence rewards to [-x, x]; null disables.
     reward_clip: float | None = None
-    # Truncated importance weights between training and inference log-probs: null | token | sequence.
+    # Correction for the gap between the inference engine's log-probs and the trainer's, r = pi_old / pi_behaviour:
+    # null | token | sequence (truncated IS: weights min(r, off_policy_cap)) | token_mask | sequence_mask (masked IS:
+    # drop tokens / whole sequences whose ratio leaves [correction_low, correction_high]) | icepop (IcePop: weight r
+    # inside the band, 0 outside) | geo_mask (drop sequences whose geometric-mean ratio leaves the band).
     off_policy_correction: str | None = None
-    # Cap of the off-policy correction weights.
+    # Cap of the truncated IS weights (token, sequence).
     off_policy_cap: float = 2.0
+    # Lower end of the band [low, high] of ratios the masking corrections accept; null: the correction's default
+    # (token_mask and sequence_mask 0.5, icepop 0.5, geo_mask 0.999). Needs 0 < low <= 1 <= high.
+    correction_low: float | None = None
+    # Upper end of that band; null: the correction's default (token_mask and sequence_mask 2, icepop 5, geo_mask
+    # 1.001).
+    correction_high: float | None = None
+    # Mean subtracted by the grpo and dr_grpo estimators (ROLL's norm_mean_type): group | batch | none; null: the
+    # estimator's own (group). Lite PPO: group.
+    norm_mean_type: str | None = None
+    # Std the grpo and dr_grpo estimators divide by (ROLL's norm_std_type): group | batch | none; null: the
+    # estimator's own (grpo group, dr_grpo none). Lite PPO: batch.
+    norm_std_type: str | None = None
     # DAPO soft overlong penalty buffer in tokens (0 disables); the penalty reaches -1 at the response limit.
     overlong_buffer: int = 0
     # DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no GRPO signal) and sample more
@@ -159,11 +174,40 @@ class AlgoConfig:
         """True when a reference model is needed (only when KL is on: a silent default must not switch it on)."""
         return self.kl_coef > 0 or self.kl_target is not None
 
+    def _check_correction(self) -> None:
+        from roll_algos.corrections import CORRECTIONS, resolve_bounds
+
+        _one_of("algo.off_policy_correction", self.off_policy_correction, (None, "token", "sequence", *CORRECTIONS))
+        bounds_set = self.correction_low is not None or self.correction_high is not None
+        if self.off_policy_correction in CORRECTIONS:
+            try:
+                resolve_bounds(self.off_policy_correction, self.correction_low, self.correction_high)
+            except ValueError as e:
+                raise ValueError(f"algo.correction_low/correction_high: {e}") from None
+        elif bounds_set:
+            raise ValueError(
+                f"algo.correction_low/correction_high bound the masking corrections ({', '.join(CORRECTIONS)}), "
+                f"not algo.off_policy_correction={self.off_policy_correction}: set one of those, or leave the bounds "
+                "null (truncated IS is capped by algo.off_policy_cap)"
+            )
+
+    def _check_normalisation(self) -> None:
+        from roll_algos.advantages import NORM_TYPES
+
+        for key in ("norm_mean_type", "norm_std_type"):
+            _one_of(f"algo.{key}", getattr(self, key), (None, *NORM_TYPES))
+        if (self.norm_mean_type or self.norm_std_type) and self.adv_estimator not in ("grpo", "dr_grpo"):
+            raise ValueError(
+                f"algo.norm_mean_type/norm_std_type choose the reward normalisation of the grpo and dr_grpo "
+                f"estimators; algo.adv_estimator={self.adv_estimator} normalises its own way: leave them null"
+            )
+
     def __post_init__(self) -> None:
         for key, allowed in algo_choices().items():
             _one_of(f"algo.{key}", getattr(self, key), allowed)
         _one_of("algo.lr_schedule", self.lr_schedule, ("constant", "cosine", "linear"))
-        _one_of("algo.off_policy_correction", self.off_policy_correction, (None, "token", "sequence"))
+        self._check_correction()
+        self._check_normalisation()
         if self.group_size < 1:
             raise ValueError(f"algo.group_size={self.group_size} must be >= 1")
         if self.adv_estimator in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "gigpo") and self.group_size < 2:

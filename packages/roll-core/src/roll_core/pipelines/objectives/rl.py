@@ -15,10 +15,12 @@ from typing import Any
 import torch
 
 from roll_algos import advantages as adv_ops
+from roll_algos.corrections import CORRECTIONS, correction_weights, ratio_stats
 from roll_algos.kl import AdaptiveKLController, FixedKLController, kl_estimate
 from roll_algos.losses import masked_mean, off_policy_weights
 from roll_core.algorithms import AdvantageInputs, load_estimator, token_rewards_from_scores
 from roll_core.config.schema import RLVRConfig
+from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import Collected
 from roll_core.pipelines.losses import PolicyObjective, ValueObjective
 from roll_core.pipelines.metrics import StepLog
@@ -38,6 +40,11 @@ class RLObjective:
         algo = cfg.algo
         self.cfg, self.roles = cfg, roles
         self.estimator = load_estimator(algo.adv_estimator, trajectories=trajectories)
+        if trajectories and (algo.norm_mean_type or algo.norm_std_type):
+            raise ConfigError(
+                "algo.norm_mean_type/norm_std_type normalise outcome batches of consecutive groups (pipeline=rlvr); "
+                "trajectory groups are normalised per group by the estimator: leave them null"
+            )
         self.kl_ctl = (
             AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
             if algo.kl_target
@@ -130,8 +137,10 @@ class RLObjective:
 
     def score_policies(self, batch: Batch, mask: torch.Tensor, out: StepLog) -> None:
         """Adds `ref_logprobs` (B, R) when there is a reference, `old_logprobs` (B, R) when the proximal policy may
-        differ from the behaviour one (and their gap to the engine's), and `is_weights` under an off-policy
-        correction; `mask` (B, R) float is the response mask."""
+        differ from the behaviour one (and their gap to the engine's: its mean and `actor/correction/ratio_*`), and
+        `is_weights` (B, R) under an off-policy correction, which scale each token's advantage: truncated IS weights,
+        or a roll_algos.corrections mask (its `actor/correction/masked_fraction` ... logged); `mask` (B, R) float is
+        the response mask."""
         algo, roles = self.cfg.algo, self.roles
         assert roles.actor_train is not None
         if roles.reference is not None or roles.reference_is_base:
@@ -146,7 +155,21 @@ class RLObjective:
             out["actor/train_infer_logprob_diff"] = float(
                 masked_mean((batch["old_logprobs"] - batch["behaviour_logprobs"]).abs(), mask)
             )
-        if algo.off_policy_correction is not None:
+            # The ratio's distribution every step: what a masking band should be chosen from.
+            stats = ratio_stats(batch["old_logprobs"], batch["behaviour_logprobs"], mask)
+            out.update({f"actor/correction/{k}": float(v) for k, v in stats.items()})
+        if algo.off_policy_correction in CORRECTIONS:
+            corr = correction_weights(
+                algo.off_policy_correction,
+                batch["old_logprobs"],
+                batch["behaviour_logprobs"],
+                mask,
+                low=algo.correction_low,
+                high=algo.correction_high,
+            )
+            batch["is_weights"] = corr.weights
+            out.update({f"actor/correction/{k}": float(v) for k, v in corr.stats.items()})
+        elif algo.off_policy_correction is not None:
             batch["is_weights"] = off_policy_weights(
                 batch["old_logprobs"],
                 batch["behaviour_logprobs"],
