@@ -83,3 +83,91 @@ def test_the_env_manager_keeps_pictures_and_fails_malformed_ones_as_env_errors()
     with pytest.raises(EnvFailure, match="list of pictures"):
         broken.step(0, "x")
     assert broken.counters()["env_errors"] == 2
+
+
+# ---- observations with pictures through the turn template and the trajectory -----------------------------------
+@pytest.fixture(scope="module")
+def vision() -> Any:
+    from roll_core.models import resolve_model_path
+    from roll_core.multimodal import VisionProcessor
+
+    return VisionProcessor(resolve_model_path("builtin:tiny-qwen2.5-vl"))
+
+
+def _blocks(ids: list[int], tok: Any) -> list[int]:
+    """Placeholder run lengths between each <|vision_start|> and <|vision_end|> (asserting nothing else is there)."""
+    start, end, pad = (tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+    runs, i = [], 0
+    while i < len(ids):
+        if ids[i] == start:
+            j = ids.index(end, i)
+            assert set(ids[i + 1 : j]) == {pad}, "a picture block holds only placeholders"
+            runs.append(j - i - 1)
+            i = j
+        else:
+            assert ids[i] != pad, "a placeholder outside a picture block"
+        i += 1
+    return runs
+
+
+def test_a_three_turn_conversation_holds_each_picture_once_in_order(vision: Any) -> None:
+    """initial_turn + two observation turns: every picture is one expanded placeholder block in the context, in
+    observation order; the trajectory's MMInputs merge the turns' pictures in that order; to_tensors hands the
+    trainer one MMInputs per row (no PIL pictures) whose feature count matches the row's placeholders."""
+    from roll_core.agentic.chat import TurnTemplate
+    from roll_core.agentic.trajectory import Trajectory, to_tensors
+    from roll_core.multimodal import check_tokens, merge
+
+    tok = vision.tokenizer
+    template = TurnTemplate(tok, "Walk to the goal.", vision=vision)
+    trajs = []
+    for seed, cell in ((1, 28), (2, 14)):  # 16 and 4 picture tokens per picture
+        env = VisualFrozenLakeEnv(cell_px=cell)
+        obs, _ = env.reset(seed=seed)
+        digests = [digest(obs["images"][0])]
+        ids, mm = template.initial_turn(obs)
+        traj = Trajectory(env_seed=seed, group=0, prompt_ids=ids, mm=mm)
+        for move in (shortest_path(env.size, env.holes) or [])[:2]:  # two safe moves: three states
+            reply = tok(f"\\boxed{{{move}}}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            traj.add_response(reply, [-0.5] * len(reply))
+            traj.turn_rewards.append(0.0)
+            obs, *_ = env.step(f"\\boxed{{{move}}}")
+            digests.append(digest(obs["images"][0]))
+            obs_ids, obs_mm = template.observation_turn(obs, reply)
+            assert obs_mm.num_images == 1 and _blocks(obs_ids, tok) == obs_mm.tokens_per_image
+            traj.add_observation(obs_ids, obs_mm)
+        per_picture = (cell * 4 // 28) ** 2
+        assert _blocks(traj.context(), tok) == [per_picture] * 3
+        assert traj.mm.digests == digests and len(set(digests)) == 3
+        assert traj.mm.tokens_per_image == [per_picture] * 3
+        check_tokens(traj.context(), traj.mm, vision.image_token_id)
+        assert traj.length == len(traj.context())  # the context limits count picture tokens
+        trajs.append(traj)
+    batch = to_tensors(trajs, tok.pad_token_id)
+    rows = batch["mm_inputs"]
+    assert [m.digests for m in rows] == [t.mm.digests for t in trajs] and all(m.images is None for m in rows)
+    for i, m in enumerate(rows):
+        check_tokens(batch["input_ids"][i][batch["attention_mask"][i].bool()], m, vision.image_token_id)
+    both = merge(rows)  # the forward of the batch: rows' pictures in row order
+    assert both.tensors["image_grid_thw"].shape == (6, 3)
+    assert both.tensors["pixel_values"].shape[0] == int(both.tensors["image_grid_thw"].prod(-1).sum())
+
+
+def test_pictures_need_a_vision_model_and_placeholders_typed_in_text_are_caught(vision: Any) -> None:
+    from transformers import AutoTokenizer
+
+    from roll_core.agentic.chat import TurnTemplate
+    from roll_core.models import resolve_model_path
+
+    obs, _ = VisualFrozenLakeEnv().reset(seed=0)
+    text_model = TurnTemplate(AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny")))
+    with pytest.raises(ValueError, match="not a vision-language model"):
+        text_model.initial_turn(obs)
+    assert text_model.initial_turn("a text observation")[1] is None  # text stays text
+    template = TurnTemplate(vision.tokenizer, vision=vision)
+    with pytest.raises(ValueError, match="placeholder"):
+        template.initial_turn({"text": "look <|image_pad|>", "images": obs["images"]})
+    with pytest.raises(ValueError, match="placeholder"):
+        template.observation_turn("a typed <|image_pad|>", [vision.tokenizer.eos_token_id])
+    ids, mm = template.initial_turn("no picture yet")
+    assert mm is None and vision.image_token_id not in ids

@@ -28,6 +28,14 @@ template's whole closing, end-of-turn token included, so the next turn's context
 observation ids (loss mask 0). `turn_end_ids` are the tokenizer's eos ids plus the template's end-of-turn token when
 it is a special token (Gemma 3 ends turns with `<end_of_turn>` while its tokenizer's eos is `<eos>`):
 `stop_token_ids` lists the latter for SamplingParams, so that an engine whose model config lacks them still stops.
+
+Pictures. An observation may carry pictures (roll_core.agentic.observation). With a `vision` processor
+(roll_core.multimodal.VisionProcessor, for a vision-language model) `initial_turn` / `observation_turn` render the
+user message as a content list (`as_content`: the pictures where the text's `<image>` markers stand, else first)
+with the processor's chat template, tokenise, and expand each picture's single placeholder into as many placeholder
+tokens as the picture has features; they return the ids and that turn's `MMInputs`. The ids of every turn are
+checked against its pictures (`check_tokens`): a placeholder typed in an observation's text is an error, not a
+shifted batch. Without `vision`, an observation with pictures is a ValueError (a text model cannot see them).
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from roll_core.agentic.observation import Observation, images_of, text_of
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +57,8 @@ _AFTER_ASSISTANT = ("user", "tool", "system")
 class TurnTemplate:
     """Token ids of the initial prompt and of each turn appended after a sampled response, for one tokenizer and
     chat template. `system_prompt` and `examples` (user/assistant messages) are put before every conversation;
-    `chat_template_kwargs` go to every rendering (e.g. `{"enable_thinking": False}` for Qwen3)."""
+    `chat_template_kwargs` go to every rendering (e.g. `{"enable_thinking": False}` for Qwen3). `vision` (a
+    `roll_core.multimodal.VisionProcessor`) renders observations with pictures (see the module docstring)."""
 
     def __init__(
         self,
@@ -55,8 +66,12 @@ class TurnTemplate:
         system_prompt: str | None = None,
         examples: list[dict[str, str]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        vision: Any = None,
     ):
         self.tokenizer = tokenizer
+        self.vision = vision
+        # A vision model's processor may have its own template (the one that knows picture items).
+        self.chat_template: str | None = vision.chat_template if vision is not None else None
         self.prefix: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.prefix += list(examples or [])
         self.template_kwargs = dict(chat_template_kwargs or {})
@@ -92,6 +107,8 @@ class TurnTemplate:
         kwargs = dict(self.template_kwargs)
         if tools:
             kwargs["tools"] = tools
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
         return self.tokenizer.apply_chat_template(
             self.prefix + messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
         )
@@ -122,7 +139,8 @@ class TurnTemplate:
         after = full[full.index(_ASSISTANT) + len(_ASSISTANT) :]
         for m in messages:  # a template that moves or drops a message would leave the model a different context
             content = m.get("content")
-            if isinstance(content, str) and content.strip() not in after:
+            texts = [content] if isinstance(content, str) else [c.get("text", "") for c in content or []]
+            if any(t.strip() not in after for t in texts if isinstance(t, str)):
                 raise ValueError(
                     f"the chat template does not render a {m['role']!r} message where it follows an assistant turn "
                     "(it moves or drops it)"
@@ -148,6 +166,8 @@ class TurnTemplate:
         kwargs = dict(self.template_kwargs)
         if tools:
             kwargs["tools"] = tools
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
         ids = self.tokenizer.apply_chat_template(
             self.prefix + [dict(m) for m in messages],
             tokenize=True,
@@ -182,9 +202,48 @@ class TurnTemplate:
 
     def initial(self, observation: str) -> list[int]:
         """Ids of the conversation up to the first assistant turn (system prompt, examples, first observation)."""
-        return self.initial_messages([{"role": "user", "content": observation}])
+        ids, _ = self.initial_turn(observation)
+        return ids
 
     def observation(self, observation: str, response_ids: list[int]) -> list[int]:
         """Ids appended after a response: the rest of its turn's closing, then the observation's user turn and
         the next assistant header. A response cut off before its end-of-turn token gets the whole closing."""
-        return self.continuation([{"role": "user", "content": observation}], response_ids=response_ids)
+        ids, _ = self.observation_turn(observation, response_ids)
+        return ids
+
+    # ---- observations with pictures -----------------------------------------------------------------------
+    def initial_turn(self, observation: Observation) -> tuple[list[int], Any]:
+        """(ids, MMInputs | None) of the conversation up to the first assistant turn (see `initial`); the
+        pictures' placeholders are expanded in the ids."""
+        message, images = self._user_message(observation)
+        return self._with_pictures(self.initial_messages([message]), images, "the first observation")
+
+    def observation_turn(self, observation: Observation, response_ids: Sequence[int]) -> tuple[list[int], Any]:
+        """(ids, MMInputs | None) appended after a response (see `observation`): this turn's pictures only."""
+        message, images = self._user_message(observation)
+        ids = self.continuation([message], response_ids=response_ids)
+        return self._with_pictures(ids, images, "an observation")
+
+    def _user_message(self, observation: Observation) -> tuple[dict[str, Any], list[Any]]:
+        text, images = text_of(observation), images_of(observation)
+        if not images:
+            return {"role": "user", "content": text}, []
+        if self.vision is None:
+            raise ValueError(
+                f"an observation holds {len(images)} picture(s) but the model is not a vision-language model: "
+                "use one (model.path=builtin:tiny-qwen2.5-vl, a Qwen2-VL / Qwen2.5-VL / Qwen3-VL folder) or an "
+                "environment whose observations are text"
+            )
+        from roll_core.multimodal import as_content
+
+        return {"role": "user", "content": as_content(text, len(images))}, images
+
+    def _with_pictures(self, ids: list[int], images: list[Any], where: str) -> tuple[list[int], Any]:
+        if self.vision is None:
+            return ids, None
+        from roll_core.multimodal import check_tokens
+
+        mm = self.vision.process_images(images) if images else None
+        ids = self.vision.expand(ids, mm)
+        check_tokens(ids, mm, self.vision.image_token_id, where)
+        return ids, mm

@@ -14,6 +14,11 @@ runs) and records the weight version it was sampled under (`Trajectory.versions`
 aborts the turns in flight when a sync begins; such a turn keeps its generated tokens and behaviour log-probs and
 is resumed under the new weights (prompt + everything so far + the partial turn), within the turn's token budget,
 so an episode never loses a turn to a sync. Without partial rollout a sync waits for the running turns.
+
+Observations with pictures (vision-language policies): the turn template renders each observation's pictures
+(expanded placeholders, roll_core.agentic.chat) and the trajectory keeps their `MMInputs`; every turn's request
+carries all the pictures of the conversation so far (`Request.mm`), in placeholder order. Picture tokens count
+against `max_context_length` like any other token.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 
 from roll_core.agentic.chat import TurnTemplate
 from roll_core.agentic.env_manager import EnvFailure, EnvManager
+from roll_core.agentic.observation import text_of
 from roll_core.agentic.trajectory import Trajectory
 from roll_core.interfaces import Request, SamplingParams
 from roll_core.seeds import Purpose, derive_seed
@@ -42,13 +48,13 @@ class EpisodeLimits:
 
 
 def task_turns(
-    task: Any, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None
+    task: Any, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None, vision: Any = None
 ) -> tuple[TurnTemplate, EpisodeLimits]:
-    """The turn template (system prompt, demonstrations; `chat_template_kwargs`: model.chat_template_kwargs) and
-    episode limits of an agentic task."""
+    """The turn template (system prompt, demonstrations; `chat_template_kwargs`: model.chat_template_kwargs;
+    `vision`: the VisionProcessor of a vision-language model) and episode limits of an agentic task."""
     examples = task.examples()
     limits = EpisodeLimits(task.max_turns, task.max_context_length, task.max_tokens_per_turn)
-    return TurnTemplate(tokenizer, task.system_prompt(), examples, chat_template_kwargs), limits
+    return TurnTemplate(tokenizer, task.system_prompt(), examples, chat_template_kwargs, vision), limits
 
 
 class GateClosed(RuntimeError):
@@ -147,7 +153,7 @@ class AgenticRollout:
     def _generate(self, rid: str, key: str, context: list[int], params: SamplingParams, traj: Trajectory) -> Any:
         """One turn's response (token ids, log-probs, finish reason), resumed after a sync abort (with a gate)."""
         if self.gate is None:
-            out = self.infer.submit_request(Request(rid, context, params), route_key=key).result()
+            out = self.infer.submit_request(Request(rid, context, params, mm=traj.mm), route_key=key).result()
             return out.token_ids, out.logprobs, out.finish_reason
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -159,7 +165,7 @@ class AgenticRollout:
             v = self.gate.enter(sub)
             version = v if version is None else min(version, v)
             try:
-                req = Request(sub, context + tokens, params.replace(max_new_tokens=budget, seed=seed))
+                req = Request(sub, context + tokens, params.replace(max_new_tokens=budget, seed=seed), mm=traj.mm)
                 out = self.infer.submit_request(req, route_key=key).result()
             finally:
                 resume = self.gate.leave(sub)
@@ -185,7 +191,8 @@ class AgenticRollout:
             obs, info = self.envs.reset(slot, seed)
         except EnvFailure as exc:
             return Trajectory(env_seed=seed, group=group, prompt_ids=[], end=exc.kind, error=str(exc))
-        traj = Trajectory(env_seed=seed, group=group, prompt_ids=self.template.initial(obs))
+        prompt_ids, mm = self.template.initial_turn(obs)
+        traj = Trajectory(env_seed=seed, group=group, prompt_ids=prompt_ids, mm=mm)
         key = f"episode-{next(self._ids)}"
         for turn in range(lim.max_turns):
             room = lim.max_context_length - traj.length
@@ -203,7 +210,7 @@ class AgenticRollout:
                 traj.end = "max_context"
                 break
             traj.cut_turns += int(finish == "length")
-            traj.state_keys.append(str(info.get("state", obs)))
+            traj.state_keys.append(str(info.get("state", text_of(obs))))
             traj.add_response(token_ids, logprobs)
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
             traj.texts.append(text)
@@ -224,11 +231,11 @@ class AgenticRollout:
                 traj.success = bool(info.get("success", False))
                 traj.end = "terminated" if terminated else "truncated"
                 break
-            obs_ids = self.template.observation(obs, token_ids)
-            if traj.length + len(obs_ids) >= lim.max_context_length:
+            obs_ids, obs_mm = self.template.observation_turn(obs, token_ids)
+            if traj.length + len(obs_ids) >= lim.max_context_length:  # picture tokens included
                 traj.end = "max_context"
                 break
-            traj.add_observation(obs_ids)
+            traj.add_observation(obs_ids, obs_mm)
         else:
             traj.end = "max_turns"
         return traj

@@ -4,6 +4,12 @@ One trajectory: the initial prompt's ids, then alternately a response (generated
 behaviour log-probs the engine reported) and an observation turn (template and environment text, mask 0). The
 trainer sees the initial prompt as `prompts` (left-padded) and everything after it as `responses` (right-padded)
 with a `response_mask` that has holes; `turn_ids` gives each assistant token its turn index (-1 elsewhere).
+
+Pictures: `mm` is the `MMInputs` of every picture the trajectory holds (the first prompt's, then each observation's,
+in the order their placeholder tokens appear in `context()`), None for text. It is what each turn's request carries
+(`Request.mm`: the turn's prompt holds every earlier picture) and, per row, the batch field `mm_inputs` of
+`to_tensors` (without the PIL pictures: the trainer takes the tensors). Picture tokens are ids like any other:
+`length` and the context limits count them.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from roll_core.multimodal.inputs import MMInputs, merge
 
 #: Why an episode ended.
 END_REASONS = ("terminated", "truncated", "max_turns", "max_context", "env_error", "env_timeout", "abort")
@@ -40,6 +48,7 @@ class Trajectory:
     # Weight version each turn's oldest token was sampled under (asynchronous collection; 0 when synchronous).
     versions: list[int] = field(default_factory=list)
     resumed_turns: int = 0  # turns aborted at a weight sync and resumed under the new weights (partial rollout)
+    mm: MMInputs | None = field(default=None, repr=False)  # every picture so far, in placeholder order
 
     @property
     def min_version(self) -> int:
@@ -65,7 +74,10 @@ class Trajectory:
         self.logprobs += list(logprobs)
         self.turn_ids += [turn] * len(ids)
 
-    def add_observation(self, ids: list[int]) -> None:
+    def add_observation(self, ids: list[int], mm: MMInputs | None = None) -> None:
+        """Append an observation turn's ids and (after the earlier ones) its pictures."""
+        if mm is not None:
+            self.mm = merge([self.mm, mm])
         self.tokens += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -80,7 +92,9 @@ def to_tensors(trajectories: list[Trajectory], pad_id: int) -> dict[str, Any]:
     """The trainer's layout (roll_core.protocol) plus turn structure:
 
     `prompts` (B, P) left-padded, `responses`/`response_mask`/`behaviour_logprobs`/`turn_ids` (B, R) right-padded,
-    `turn_rewards`/`turn_mask` (B, K), `episode_rewards` (B,), `group_ids` (B,), and `state_keys` (B lists).
+    `turn_rewards`/`turn_mask` (B, K), `episode_rewards` (B,), `group_ids` (B,), and `state_keys` (B lists);
+    `mm_inputs` (B entries: each trajectory's `MMInputs` without PIL pictures, or None) when any trajectory has
+    pictures.
     """
     from roll_core.sequences import build_sequences, pad_left
 
@@ -123,4 +137,6 @@ def to_tensors(trajectories: list[Trajectory], pad_id: int) -> dict[str, Any]:
         group_ids=torch.tensor([t.group for t in trajectories], dtype=torch.long),
     )
     out["state_keys"] = [list(t.state_keys) for t in trajectories]
+    if any(t.mm is not None for t in trajectories):
+        out["mm_inputs"] = [t.mm.without_images() if t.mm is not None else None for t in trajectories]
     return out

@@ -67,6 +67,10 @@ class AgenticTask:
             if tried >= 20 * count:
                 raise ValueError(f"the expert of {self.env} solved fewer than {count} of {tried} episodes")
             obs, _ = env.reset(seed=seed + tried)
+            if not isinstance(obs, str) and (obs.get("images") if isinstance(obs, dict) else None):
+                # Demonstrations are text turns before every prompt; their pictures would be a second prompt
+                # prefix of pictures in every request (not supported: say so rather than drop the pictures).
+                raise ValueError(f"env.demonstrations: {self.env}'s observations hold pictures; use demonstrations: 0")
             tried += 1
             episode: list[dict[str, str]] = []
             for _ in range(self.max_turns):

@@ -8,6 +8,10 @@ prompt is the prompt, everything after it the response, with a loss mask that is
 `group_ids` and the turn tensors the trajectory estimators read (roll_core.algorithms). Episodes whose environment
 failed at reset give nothing to train on (counted in data/dropped_episodes).
 
+Vision-language models (`model.path` a Qwen-VL family folder or builtin:tiny-qwen2.5-vl): observations may carry
+pictures (env=visual_frozen_lake); the turn template renders them with the model's `VisionProcessor` and the batch
+carries each trajectory's pictures in the per-row field `mm_inputs` (roll_core.agentic.trajectory).
+
 Metrics: success rate, mean turns, invalid-action rate, environment errors and timeouts, why episodes ended.
 Evaluation: one episode per held-out seed (greedy unless pipeline.eval_temperature says otherwise).
 """
@@ -41,6 +45,15 @@ def check_task(cfg: Any, task: Any) -> None:
         )
 
 
+def vision_processor(ctx: CollectorContext) -> Any:
+    """The model's `VisionProcessor` when it is a vision-language model (pictures in observations), else None."""
+    from roll_core.multimodal import VisionProcessor, is_vision_model
+
+    if not ctx.model_path or not is_vision_model(ctx.model_path):
+        return None
+    return VisionProcessor(ctx.model_path, ctx.tokenizer)
+
+
 class EpisodeCollector:
     """Scored trajectory batches of multi-turn episodes (see the module docstring)."""
 
@@ -68,7 +81,7 @@ class EpisodeCollector:
             self.envs: EnvManager | RemoteEnvManager = RemoteEnvManager(group)
         else:
             self.envs = EnvManager.for_task(task)
-        turns, limits = task_turns(task, self.tokenizer, cfg.model.chat_template_kwargs)
+        turns, limits = task_turns(task, self.tokenizer, cfg.model.chat_template_kwargs, vision_processor(ctx))
         self.rollout = AgenticRollout(ctx.infer, self.envs, turns, self.tokenizer, limits, gate)
         self._counters = self.envs.counters()
 
@@ -150,7 +163,10 @@ class EpisodeCollector:
         if not kept:
             return None
         tensors = to_tensors(kept, self.tokenizer.pad_token_id or 0)
-        batch = Batch(tensors, {"state_keys": tensors.pop("state_keys"), "env_seed": [t.env_seed for t in kept]})
+        fields = {"state_keys": tensors.pop("state_keys"), "env_seed": [t.env_seed for t in kept]}
+        if "mm_inputs" in tensors:
+            fields["mm_inputs"] = tensors.pop("mm_inputs")
+        batch = Batch(tensors, fields)
         versions = self.behaviour_versions(kept)
         if versions is not None:  # generated ahead of the trainer: the trainer recomputes the proximal log-probs
             batch["behaviour_version"] = versions
