@@ -4,6 +4,9 @@ An `Env` is one episode at a time: `reset(seed)` starts a seeded, reproducible i
 observation (text) and an info dict; `step(action)` takes the model's whole reply (text) and returns the next
 observation, the reward of that step, `terminated` (the episode reached a terminal state: solved or failed),
 `truncated` (stopped by a limit of the environment) and info.
+An observation is text, or text with pictures for vision-language policies: `{"text": str, "images": [...]}`
+(PIL images, uint8 arrays, bytes or paths; `<image>` markers in the text place them, else they come first; see
+roll_core.agentic.observation and roll_envs' `visual_frozen_lake`).
 
 Info keys roll reads (all optional):
 - `invalid_action` (bool): the reply could not be parsed as an action; the environment did not change state and the
