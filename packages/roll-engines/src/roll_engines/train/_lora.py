@@ -96,6 +96,22 @@ def adapter_state(model: torch.nn.Module, full: Callable[[Tensor], Tensor]) -> d
     return {k: full(v.detach()).cpu().contiguous() for k, v in state.items()}
 
 
+def save_lora(
+    model: torch.nn.Module,
+    weights: Iterator[tuple[str, Tensor]],
+    full: Callable[[Tensor], Tensor],
+    writer: bool,
+    folder: Path,
+) -> None:
+    """`folder/model` (the merged `weights` in HF names, which plain transformers loads: a vision-language model's
+    included) and `folder/adapter` (peft format); collective on sharded engines, only the `writer` rank writes."""
+    merged = {k: v.detach().to("cpu", copy=True) for k, v in weights}
+    adapter = adapter_state(model, full)
+    if writer:
+        base_model(model).save_pretrained(folder / "model", state_dict=merged, safe_serialization=True)
+        save_adapter(model, adapter, folder / "adapter")
+
+
 def save_adapter(model: torch.nn.Module, state: dict[str, Tensor], folder: Path) -> None:
     """Write peft's adapter folder (adapter_config.json + adapter_model.safetensors)."""
     from safetensors.torch import save_file

@@ -17,6 +17,7 @@ up to the mini-batch's loss whatever the cut (exact gradient accumulation). The 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -89,7 +90,10 @@ def micro_rows(mini: Mapping[str, Tensor], size: int, budget: int, grouped: bool
     groups = None
     if grouped:
         p = mini["input_ids"].shape[1] - mini["responses"].shape[1]
-        groups = prompt_groups(_prompt_keys(mini["input_ids"], mini["attention_mask"], mini["position_ids"], p))
+        from roll_engines.train._vision import picture_keys
+
+        keys = _prompt_keys(mini["input_ids"], mini["attention_mask"], mini["position_ids"], p, picture_keys(mini))
+        groups = prompt_groups(keys)
     return [torch.tensor(rows, dtype=torch.long) for rows in token_budget_rows(mini["attention_mask"], budget, groups)]
 
 
@@ -112,13 +116,20 @@ def row_micros(n: int, size: int) -> list[list[int]]:
     return [list(range(s, min(s + size, n))) for s in range(0, n, size)]
 
 
-def padding_row(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def padding_row(batch: Mapping[str, Any]) -> dict[str, Any]:
     """One row that trains nothing: the batch's first row (or zeros of its shapes when it has none) with an empty
-    response mask and zero-valued training signals, attending to every position so every value stays finite."""
+    response mask and zero-valued training signals, attending to every position so every value stays finite.
+    A per-row list (the rows' pictures, `mm_inputs`) keeps the first row's entry (its ids hold those pictures'
+    placeholders), or None."""
     row = {
-        k: (v[:1].clone() if v.shape[0] else torch.zeros((1, *v.shape[1:]), dtype=v.dtype)) for k, v in batch.items()
+        k: (v[:1].clone() if v.shape[0] else torch.zeros((1, *v.shape[1:]), dtype=v.dtype))
+        for k, v in batch.items()
+        if isinstance(v, Tensor)
     }
+    row.update({k: list(v[:1]) if len(v) else [None] for k, v in batch.items() if k not in row})
     for k, v in row.items():
+        if not isinstance(v, Tensor):
+            continue
         if k == "attention_mask":
             row[k] = torch.ones_like(v)
         elif k not in ("input_ids", "position_ids", "responses", "prompts"):

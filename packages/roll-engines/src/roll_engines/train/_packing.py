@@ -24,6 +24,10 @@ Contract:
   and for a micro-batch with no response token, and the caller runs the padded path.
 - Results equal the padded path at every attended response position (up to float summation order); positions
   outside the attention mask are 0 (the padded path leaves meaningless values there that every loss masks).
+- Vision-language rows (`pictures`, roll_engines.train._vision.MicroPictures): a segment's key adds the row's
+  prompt pictures' digests (equal prompt ids with other pictures are other prompts); the packed row takes each
+  segment's prompt pictures once, then its members' response pictures, in packed order (`PackedBatch.mm`); mrope
+  positions (3, B, P+R) are gathered per section exactly as 1D positions are.
 - Must not be used for models whose attention ignores a custom 4D mask: `unsupported_reason` says why a model
   cannot take it (attention implementation other than sdpa/eager, sliding-window or ALiBi attention, modeling
   code outside transformers' mask utilities); the engine then keeps the padded path.
@@ -33,10 +37,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from roll_engines.train._vision import MicroPictures
 
 #: Attention implementations that apply a custom 4D mask as given (transformers' masking_utils passes 4D masks
 #: through untouched; flash-attention kernels take no dense mask).
@@ -49,13 +57,14 @@ class PackedBatch:
 
     Attributes:
         input_ids: (N, T) token ids; padding at row ends repeats the row's last id (its outputs are unused).
-        position_ids: (N, T) the batch's position ids of each token; padding 0.
+        position_ids: (N, T) the batch's position ids of each token ((3, N, T) for mrope); padding 0.
         allowed: (N, 1, T, T) bool, True where query token q may attend key token k.
         keep: (N, T) bool, the positions whose outputs are needed (each predicts at least one response token).
         source: (K,) index of each response token's predicting position among the `keep` positions (row-major).
         rows, cols: (K,) where each response token sits in the (B, R) output.
         targets: (K,) the response token ids.
         shape: (B, R) of the output.
+        mm: the pictures' processor tensors in the packed placeholder order ({} without pictures).
     """
 
     input_ids: Tensor
@@ -67,6 +76,7 @@ class PackedBatch:
     cols: Tensor
     targets: Tensor
     shape: tuple[int, int]
+    mm: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -76,6 +86,7 @@ class PackedBatch:
     def to(self, device: torch.device) -> PackedBatch:
         """Every tensor on `device`."""
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        moved["mm"] = {k: v.to(device) for k, v in self.mm.items()}
         return PackedBatch(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in moved.items()})
 
     def attention_mask(self, attn_implementation: str) -> Tensor:
@@ -94,18 +105,32 @@ class PackedBatch:
         return out.index_put((self.rows, self.cols), values)
 
 
-def _prompt_keys(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_width: int) -> list[bytes]:
-    """A key per row equal for rows whose attended prompt tokens and their positions are identical."""
+def _prompt_keys(
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    prompt_width: int,
+    extra: list[bytes] | None = None,
+) -> list[bytes]:
+    """A key per row equal for rows whose attended prompt tokens and their positions (1D (B, L) or mrope
+    (3, B, L)) are identical, and whose `extra` keys (their prompt pictures' digests) are equal."""
     keys = []
-    for ids, am, pos in zip(
-        input_ids[:, :prompt_width], attention_mask[:, :prompt_width], position_ids[:, :prompt_width]
-    ):
+    pos3 = position_ids if position_ids.dim() == 3 else position_ids[None]
+    for i, (ids, am) in enumerate(zip(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])):
         m = am.bool()
-        keys.append(ids[m].cpu().numpy().tobytes() + b"|" + pos[m].cpu().numpy().tobytes())
+        pos = pos3[:, i, :prompt_width][:, m]
+        key = ids[m].cpu().numpy().tobytes() + b"|" + pos.cpu().numpy().tobytes()
+        keys.append(key + b"|" + extra[i] if extra is not None else key)
     return keys
 
 
-def prompt_order(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, response_width: int) -> Tensor:
+def prompt_order(
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    response_width: int,
+    extra: list[bytes] | None = None,
+) -> Tensor:
     """A stable permutation (B,) that puts rows sharing a prompt next to each other, groups in first-seen order.
 
     Micro-batches are cut from consecutive rows, so grouping first lets a shuffled mini-batch still share its
@@ -114,8 +139,9 @@ def prompt_order(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
     Args:
         input_ids, attention_mask, position_ids: (B, P+R) padded layout.
         response_width: R.
+        extra: per-row keys the prompt must also agree on (the rows' pictures, _vision.picture_keys).
     """
-    keys = _prompt_keys(input_ids, attention_mask, position_ids, input_ids.shape[1] - response_width)
+    keys = _prompt_keys(input_ids, attention_mask, position_ids, input_ids.shape[1] - response_width, extra)
     first: dict[bytes, int] = {}
     for i, k in enumerate(keys):
         first.setdefault(k, i)
@@ -160,7 +186,12 @@ def _place(lengths: list[int], width: int, hidden_size: int) -> list[list[int]]:
 
 
 def pack(
-    input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, responses: Tensor, hidden_size: int
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    responses: Tensor,
+    hidden_size: int,
+    pictures: MicroPictures | None = None,
 ) -> PackedBatch | None:
     """Pack one micro-batch (see the module docstring); None when it does not meet the contract.
 
@@ -170,11 +201,15 @@ def pack(
         responses: (B, R) response token ids.
         hidden_size: the model's hidden size, to weigh padding against attention when splitting into rows
             (0 favours short rows; a huge value, one row).
+        pictures: the micro-batch's pictures (vision-language rows); position_ids are then (3, B, P+R) for an
+            mrope family.
     Returns:
         The packed micro-batch on the CPU, or None (no response token; a non-prefix response mask; a row with a
         response whose last prompt column is not attended).
     """
     ids, am, pos = (t.detach().cpu() for t in (input_ids, attention_mask, position_ids))
+    flat = pos.dim() == 2
+    pos = pos[None] if flat else pos  # (S, B, P+R): S = 1, or 3 mrope sections
     b, r = responses.shape
     p = ids.shape[1] - r
     resp_am = am[:, p:].bool()
@@ -187,7 +222,7 @@ def pack(
         return None
 
     # Segments: one per distinct prompt (first-seen order), holding the rows that continue it.
-    keys = _prompt_keys(ids, am, pos, p)
+    keys = _prompt_keys(ids, am, pos, p, pictures.keys if pictures is not None else None)
     groups: dict[bytes, list[int]] = {}
     for i in range(b):
         if int(lengths[i]) > 0:  # a row without response tokens needs no computation
@@ -203,26 +238,28 @@ def pack(
     n, t = len(rows_of), max(fill)
 
     out_ids = torch.zeros((n, t), dtype=ids.dtype)
-    out_pos = torch.zeros((n, t), dtype=pos.dtype)
+    out_pos = torch.zeros((pos.shape[0], n, t), dtype=pos.dtype)
     # Per token: its segment (pads get a unique negative id, so they attend only to themselves) and its
     # response row (-1 for prompt tokens, which every response of the segment sees).
     seg = -1 - torch.arange(n * t).view(n, t)
     owner = torch.full((n, t), -1, dtype=torch.long)
     src_flat, rows, cols, targets = [], [], [], []
+    order: list[tuple[int, list[int]]] = []  # (prompt row, member rows) per segment in packed order: pictures
     for row, members_of_row in enumerate(rows_of):
         at = 0
         for j in members_of_row:
             _, members, pm = segments[j]
+            order.append((members[0], members))
             plen = int(pm.sum())
             out_ids[row, at : at + plen] = ids[members[0], :p][pm]
-            out_pos[row, at : at + plen] = pos[members[0], :p][pm]
+            out_pos[:, row, at : at + plen] = pos[:, members[0], :p][:, pm]
             seg[row, at : at + plen] = j
             prompt_last = row * t + at + plen - 1
             at += plen
             for i in members:
                 m = int(lengths[i])
                 out_ids[row, at : at + m] = ids[i, p : p + m]
-                out_pos[row, at : at + m] = pos[i, p : p + m]
+                out_pos[:, row, at : at + m] = pos[:, i, p : p + m]
                 seg[row, at : at + m] = j
                 owner[row, at : at + m] = i
                 # Response token c is predicted by the token before it: the prompt's last one for c = 0.
@@ -245,7 +282,7 @@ def pack(
     keep[uniq] = True
     return PackedBatch(
         input_ids=out_ids,
-        position_ids=out_pos,
+        position_ids=out_pos[0] if flat else out_pos,
         allowed=allowed,
         keep=keep.view(n, t),
         source=inverse,
@@ -253,6 +290,7 @@ def pack(
         cols=torch.tensor(cols, dtype=torch.long),
         targets=torch.tensor(targets, dtype=responses.dtype),
         shape=(b, r),
+        mm=pictures.packed(order) if pictures is not None else {},
     )
 
 
@@ -274,12 +312,15 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     attn = getattr(config, "_attn_implementation", None)
     if attn not in SUPPORTED_ATTENTION:
         return f"attn_implementation={attn!r} takes no custom 4D mask (packing needs one of {SUPPORTED_ATTENTION})"
-    layer_types = getattr(config, "layer_types", None) or []
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM's decoder settings
+    layer_types = getattr(text, "layer_types", None) or []
     if any(lt != "full_attention" for lt in layer_types) or (
-        getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+        getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
     ):
         return "the model uses sliding-window attention, which a custom 4D mask would drop"
     backbone = getattr(inner, "base_model", inner)
+    # A vision-language model's decoder (and its masks) is its language model's (LLaVA wraps any causal LM).
+    backbone = getattr(backbone, "language_model", backbone)
     modeling = sys.modules.get(type(backbone).__module__)
     if not type(backbone).__module__.startswith("transformers.models.") or modeling is None:
         return f"{type(backbone).__name__} is not a transformers model (remote code may ignore a 4D mask)"
@@ -324,6 +365,7 @@ def packed_forward(
         input_ids=packed.input_ids,
         attention_mask=packed.attention_mask(attn),
         position_ids=packed.position_ids,
+        **packed.mm,  # pictures in the packed placeholder order (vision-language models)
     )
     with autocast if autocast is not None else contextlib.nullcontext():
         if critic:

@@ -7,6 +7,10 @@ unit, then the root. FSDP averages gradients over ranks; the base engine's loss 
 micro-batch over the units of the whole mini-batch, times N) makes the result equal to the single-process
 gradient of the whole batch.
 
+Vision-language models (roll_engines.train._vision): the language model's decoder layers are the units, the
+vision tower shards with the root; every rank reduce-scatters the tower's gradients (zeros when its micro-batch
+had no picture), so ranks holding pictures and ranks without stay paired.
+
 Loading: every rank reads the checkpoint into host memory and shards it layer by layer onto its device; the full
 model is never on a device (torchtitan goes further with meta-device init and rank-0 broadcast, which would also
 spare the host copies: not done here).
@@ -82,9 +86,12 @@ class FSDP2TrainEngine(HFTrainEngine):
         from roll_engines.train._lora import base_model
 
         inner = base_model(model)  # the transformers model inside a LoRA wrapper
-        layers = getattr(getattr(inner, "model", inner), "layers", None)
+        backbone = getattr(inner, "model", inner)
+        backbone = getattr(backbone, "language_model", backbone)  # a vision-language model's decoder
+        layers = getattr(backbone, "layers", None)
         if layers is None:
-            raise TypeError(f"cannot find decoder layers (model.model.layers) in {type(model).__name__}")
+            where = "model.model[.language_model].layers"
+            raise TypeError(f"cannot find decoder layers ({where}) in {type(model).__name__}")
         # Sharded parameters (and AdamW state) stay in param_dtype; FSDP casts the gathered parameters to the
         # compute dtype for forward/backward and reduces gradients in fp32.
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
@@ -92,6 +99,10 @@ class FSDP2TrainEngine(HFTrainEngine):
         for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
+        if self.vision is not None:
+            # The vision tower lives in the root unit; a rank whose micro-batch has no picture leaves its gradients
+            # None, and every rank must reduce-scatter the same tensors (zeros for it) or the collective mismatches.
+            model.set_reduce_scatter_unused_params(True)
         self.autocast = False  # the policy does the casting
         return model
 

@@ -1,4 +1,5 @@
-"""The `hf` training engine: one process, any `AutoModelForCausalLM` (or a value model for the critic).
+"""The `hf` training engine: one process, any `AutoModelForCausalLM` (or a value model for the critic), or a
+vision-language model (`AutoModelForImageTextToText`) fed the batch's `mm_inputs` (roll_engines.train._vision).
 
 Data layout (roll_core.protocol): `input_ids`/`attention_mask`/`position_ids` are (B, P+R) with the prompt
 left-padded to P and the response right-padded to R; `responses` and `response_mask` are (B, R). The logits
@@ -47,12 +48,22 @@ from roll_core.interfaces import LossFn
 from roll_core.interfaces.inference import STRUCTURED_KEY
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.train._logits import check_topk, empty_outputs, gather_ids_of, response_outputs
-from roll_engines.train._lora import adapter_state, apply_lora, is_lora, load_adapter, merged_weights, save_adapter
+from roll_engines.train._lora import apply_lora, base_model, is_lora, load_adapter, merged_weights, save_lora
 from roll_engines.train._micro import check_micro_batch_tokens, micro_rows
 from roll_engines.train._micro import padding_row as _padding_row
 from roll_engines.train._optim import adamw_kernel, load_optimizer, lr_lambda, save_optimizer
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
 from roll_engines.train._settings import reapply, snapshot
+from roll_engines.train._vision import (
+    Vision,
+    checked_batch,
+    hidden_size,
+    model_class,
+    picture_keys,
+    take,
+    tensors_of,
+    vocab_size,
+)
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +134,7 @@ class HFTrainEngine:
             torch.amp.GradScaler(self.device.type) if self.trainable and self.compute_dtype == torch.float16 else None
         )
         torch.manual_seed(seed)  # the critic's new value head is initialised from this seed
+        self.vision = Vision.of(self.path)  # None for a text model
         self.model = self._load(attn_implementation, trust_remote_code)
         if lora_rank > 0 and self.trainable:
             if role != "actor":
@@ -143,7 +155,7 @@ class HFTrainEngine:
             log.warning("pack_sequences: %s; using the padded forward", reason)
             self.pack_sequences = False
         # Weighs padding against attention when a packed micro-batch is split into rows (_packing._place).
-        self.pack_hidden_size = int(getattr(self.model.config, "hidden_size", 0) or 0)
+        self.pack_hidden_size = hidden_size(self.model.config)
         # Positions fed to the model by every forward so far (padding included): what packing saves.
         self.forward_tokens = 0
         # Training forward/backward passes so far (padding micro-batches included): what a token budget sets.
@@ -165,13 +177,10 @@ class HFTrainEngine:
 
     # ---- construction hooks (FSDP2 overrides) -------------------------------------------------------------
     def _load(self, attn_implementation: str, trust_remote_code: bool) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
         kwargs = dict(dtype=self.dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
         if self.role == "critic":
-            model = AutoModelForTokenClassification.from_pretrained(self.path, num_labels=1, **kwargs)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(self.path, **kwargs)
+            kwargs["num_labels"] = 1
+        model = model_class(self.vision, self.role).from_pretrained(self.path, **kwargs)
         model.config.use_cache = False
         # No dropout anywhere (as peers do): the log-probs and values a step trains on must be the ones the
         # scoring passes computed in eval mode (a token-classification head brings dropout 0.1 by default).
@@ -206,6 +215,10 @@ class HFTrainEngine:
     def lora(self) -> bool:
         return is_lora(self.model)
 
+    def _inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """The batch's tensors and pictures, each row's placeholders checked against its pictures first."""
+        return checked_batch(batch, self.vision, self.path)
+
     def _forward(
         self,
         micro: Mapping[str, Tensor],
@@ -218,13 +231,12 @@ class HFTrainEngine:
         responses, or critic values (b, R), of one micro-batch (roll_engines.train._logits)."""
         structured = micro.get(STRUCTURED_KEY)
         constrained = structured is not None and self.role != "critic" and bool(structured.any())
+        # Pictures (merged in row order) and mrope positions (3, b, L) of a vision-language micro-batch.
+        pics = self.vision.micro(base_model(self.model), micro) if self.vision is not None else None
+        positions = micro["position_ids"] if pics is None or pics.positions is None else pics.positions
         packed = (
             pack(
-                micro["input_ids"],
-                micro["attention_mask"],
-                micro["position_ids"],
-                micro["responses"],
-                self.pack_hidden_size,
+                micro["input_ids"], micro["attention_mask"], positions, micro["responses"], self.pack_hidden_size, pics
             )
             if self.pack_sequences and not constrained
             else None
@@ -249,7 +261,8 @@ class HFTrainEngine:
         kwargs = dict(
             input_ids=ids,
             attention_mask=micro["attention_mask"].to(self.device),
-            position_ids=micro["position_ids"].to(self.device),
+            position_ids=positions.to(self.device),
+            **{k: v.to(self.device) for k, v in (pics.tensors if pics is not None else {}).items()},
         )
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast):
             if self.role == "critic":
@@ -316,18 +329,15 @@ class HFTrainEngine:
     def _chunked(
         self, batch: Mapping[str, Tensor], temperature: float, with_entropy: bool, topk: int = 0
     ) -> dict[str, Tensor]:
-        check_topk(topk, int(getattr(self.model.config, "vocab_size", None) or topk))
+        check_topk(topk, int(vocab_size(self.model.config) or topk))
+        tensors = self._inputs(batch)
         was_training = self.model.training
         self.model.eval()  # no dropout in scoring passes
-        tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
         n = tensors["input_ids"].shape[0]
         order = self._prompt_order(tensors)
         if order is not None:  # chunks of rows that share prompts; outputs are put back in batch order below
-            tensors = {k: v[order] for k, v in tensors.items()}
-        chunks = [
-            {k: v[s : s + self.logprob_chunk_size] for k, v in tensors.items()}
-            for s in range(0, n, self.logprob_chunk_size)
-        ]
+            tensors = take(tensors, order)
+        chunks = [take(tensors, slice(s, s + self.logprob_chunk_size)) for s in range(0, n, self.logprob_chunk_size)]
         parts: dict[str, list[Tensor]] = {}
         # Sharded forwards are collective: every rank runs as many chunks as the busiest one (padding rows).
         for i in range(self._all_reduce_max(len(chunks))):
@@ -346,12 +356,14 @@ class HFTrainEngine:
             out = {k: v[torch.argsort(order)] for k, v in out.items()}
         return out
 
-    def _prompt_order(self, tensors: Mapping[str, Tensor]) -> Tensor | None:
-        """Row permutation (B,) grouping rows that share a prompt, when packing; None keeps the order."""
+    def _prompt_order(self, tensors: Mapping[str, Any]) -> Tensor | None:
+        """Row permutation (B,) grouping rows that share a prompt (ids and pictures), when packing; None keeps the
+        order."""
         if not self.pack_sequences or tensors["input_ids"].shape[0] < 2:
             return None
         r = tensors["responses"].shape[1]
-        return prompt_order(tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"], r)
+        ids, am, pos = tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"]
+        return prompt_order(ids, am, pos, r, picture_keys(tensors))
 
     # ---- training -----------------------------------------------------------------------------------------
     def train_step(
@@ -367,7 +379,7 @@ class HFTrainEngine:
         """`epochs` passes of `mini_batches` optimizer steps over this rank's rows; returns averaged metrics."""
         if not self.trainable or self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine is not trainable")
-        tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+        tensors = self._inputs(batch)
         n = tensors["input_ids"].shape[0]
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
@@ -380,9 +392,7 @@ class HFTrainEngine:
             # and it still runs every collective; a mini-batch empty on all ranks takes no optimizer step.
             for mb_rows in torch.tensor_split(order, mini_batches):
                 self.optimizer.zero_grad(set_to_none=True)
-                metrics, total = self._accumulate(
-                    {k: v[mb_rows] for k, v in tensors.items()}, loss_fn, temperature, template=tensors
-                )
+                metrics, total = self._accumulate(take(tensors, mb_rows), loss_fn, temperature, template=tensors)
                 for k, v in metrics:
                     sums[k] = sums.get(k, 0.0) + v
                     counts[k] = counts.get(k, 0) + 1
@@ -415,7 +425,7 @@ class HFTrainEngine:
         return out
 
     def _accumulate(
-        self, mini: dict[str, Tensor], loss_fn: LossFn, temperature: float, template: dict[str, Tensor] | None = None
+        self, mini: dict[str, Any], loss_fn: LossFn, temperature: float, template: dict[str, Any] | None = None
     ) -> tuple[list[tuple[str, float]], float]:
         """Backward of one mini-batch in micro-batches, each scaled so the sum is the whole mini-batch's gradient.
 
@@ -425,9 +435,9 @@ class HFTrainEngine:
         """
         order = self._prompt_order(mini)
         if order is not None:  # micro-batches of rows that share prompts (the mini-batch's rows are unchanged)
-            mini = {k: v[order] for k, v in mini.items()}
+            mini = take(mini, order)
         rows = micro_rows(mini, self.micro_batch_size, self.micro_batch_tokens, grouped=order is not None)
-        micros = [{k: v[r] for k, v in mini.items()} for r in rows]
+        micros = [take(mini, r) for r in rows]
         local = torch.tensor([sum(loss_fn.units(m) for m in micros)], dtype=torch.float64)
         total = float(self._all_reduce_sum(local).item())
         out = []
@@ -436,7 +446,7 @@ class HFTrainEngine:
             micro = micros[i] if real else _padding_row(template if template is not None else mini)
             outputs = self._forward(micro, temperature, loss_fn.needs_entropy, 0, gather_ids_of(loss_fn, micro))
             self.micro_batches_run += 1
-            loss, metrics = loss_fn(outputs, {k: v.to(self.device) for k, v in micro.items()})
+            loss, metrics = loss_fn(outputs, {k: v.to(self.device) for k, v in tensors_of(micro).items()})
             scale = loss_fn.units(micro) / total * self.dp_size if real and total > 0 else 0.0
             scaled = loss * scale
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
@@ -449,7 +459,7 @@ class HFTrainEngine:
     ) -> dict[str, Tensor]:
         """Gradients of `loss_fn` over this rank's rows as one mini-batch, without an optimizer step (checks)."""
         self.model.zero_grad(set_to_none=True)
-        self._accumulate({k: v for k, v in batch.items() if isinstance(v, Tensor)}, loss_fn, temperature)
+        self._accumulate(self._inputs(batch), loss_fn, temperature)
         grads = self.gradients()
         self.model.zero_grad(set_to_none=True)
         return grads
@@ -551,13 +561,7 @@ class HFTrainEngine:
 
     def _save_lora(self, folder: Path) -> None:
         """`adapter/` (peft format) and `model/`, the merged model that plain transformers loads (collective)."""
-        from roll_engines.train._lora import base_model
-
-        merged = {k: v.detach().to("cpu", copy=True) for k, v in self.iter_weights()}
-        adapter = adapter_state(self.model, self._full_tensor)
-        if self.dp_rank == 0:
-            base_model(self.model).save_pretrained(folder / "model", state_dict=merged, safe_serialization=True)
-            save_adapter(self.model, adapter, folder / "adapter")
+        save_lora(self.model, self.iter_weights(), self._full_tensor, self.dp_rank == 0, folder)
 
     def load(self, folder: str | Path) -> None:
         """Restore weights, optimizer, scheduler and scaler written by `save` (at any data-parallel size). The

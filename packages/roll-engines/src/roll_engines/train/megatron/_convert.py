@@ -78,6 +78,15 @@ def rope_theta(hf_config: Any) -> float:
 def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1, sequence_parallel: bool = False) -> None:
     """Clear errors for what this mapping cannot express."""
     kind = hf_config.model_type
+    from roll_core.multimodal import FAMILIES
+
+    if kind in FAMILIES:
+        from roll_core.errors import ConfigError
+
+        raise ConfigError(
+            f"train_engine=megatron cannot train the vision-language model {kind!r}: roll maps no vision tower (nor "
+            "its picture positions) to Megatron layers; train it with train_engine=hf or train_engine=fsdp2"
+        )
     if kind not in SUPPORTED:
         raise ValueError(f"train_engine=megatron maps {', '.join(SUPPORTED)} models, not {kind!r}")
     if is_moe(hf_config):
