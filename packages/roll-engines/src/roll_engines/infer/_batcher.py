@@ -12,6 +12,10 @@ result does not depend on which rows share its batch (up to float reassociation)
 plain `DynamicLayer`s (sliding windows) cannot be merged; for those models requests are admitted only into an
 empty batch (static batching), which is correct but slower.
 
+Vision-language models (`vision`, roll_engines.infer._vision): a prompt's pictures go in at its prefill, prompts
+are equal only with equal pictures (ids and digests), positions are explicit (3D for mrope families) and each row
+decodes from its own `rope_delta`.
+
 Not thread-safe by itself: the engine serialises `step()` and mutations with its lock.
 """
 
@@ -29,6 +33,7 @@ from transformers.cache_utils import DynamicLayer
 
 from roll_core.interfaces.inference import Request, RequestOutput
 from roll_engines.infer._sampling import StopStrings, processed_logprobs, sample_rows
+from roll_engines.infer._vision import VisionInputs, mm_key, pictures
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +152,8 @@ class Running:
     logprobs: list[float] = field(default_factory=list)
     aborted: bool = False
     finish: str | None = None
+    # Decode position of response token j is prompt_len + j + rope_delta (mrope: the prompt's max position + 1 - len).
+    rope_delta: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -167,8 +174,10 @@ class ContinuousBatcher:
         device: torch.device,
         version: Callable[[], int],
         prefix_cache_bytes: int = 0,
+        vision: VisionInputs | None = None,
     ) -> None:
         self.model, self.eos_ids, self.pad_id = model, eos_ids, pad_id
+        self.vision = vision
         self.max_num_seqs, self.max_context, self.device = max_num_seqs, max_context, device
         self.version = version
         self.waiting: deque[Running] = deque()
@@ -232,13 +241,13 @@ class ContinuousBatcher:
         if not self.running:
             return
         last = torch.tensor([s.tokens[-1] for s in self.running], dtype=torch.long, device=self.device)
-        pos = torch.tensor([s.prompt_len + len(s.tokens) - 1 for s in self.running], device=self.device)
+        pos = torch.tensor([s.prompt_len + len(s.tokens) - 1 + s.rope_delta for s in self.running], device=self.device)
         ones = torch.ones((len(self.running), 1), dtype=self.attn.dtype, device=self.device)
         self.attn = torch.cat([self.attn, ones], dim=1)
         out = self.model(
             input_ids=last[:, None],
             attention_mask=self.attn,
-            position_ids=pos[:, None],
+            position_ids=self.vision.decode_positions(pos) if self.vision is not None else pos[:, None],
             use_cache=True,
             **{self.cache_arg: self.cache},  # updated in place
         )
@@ -289,7 +298,7 @@ class ContinuousBatcher:
         if self.prefixes.entries and self.mergeable:
             misses = []
             for seq in new:
-                hit = self.prefixes.take(seq.request.prompt_ids)
+                hit = self.prefixes.take(seq.request.prompt_ids, mm_key(seq.request))
                 if hit is None:
                     misses.append(seq)
                 else:
@@ -297,10 +306,13 @@ class ContinuousBatcher:
             new = misses
             if not new:
                 return
-        unique: dict[tuple[int, ...], int] = {}
+        # Equal prompts (the n samples of a group) are prefilled once; pictures are part of the prompt.
+        unique: dict[tuple[tuple[int, ...], tuple[str, ...]], int] = {}
+        firsts: list[Running] = []
         for s in new:
-            unique.setdefault(tuple(s.request.prompt_ids), len(unique))
-        prompts = list(unique)
+            if unique.setdefault((tuple(s.request.prompt_ids), mm_key(s.request)), len(unique)) == len(firsts):
+                firsts.append(s)
+        prompts = [x for x, _ in unique]
         p = max(len(x) for x in prompts)
         ids = torch.full((len(prompts), p), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(prompts), p), dtype=torch.long)
@@ -312,23 +324,31 @@ class ContinuousBatcher:
         cache = DynamicCache(config=self.model.config)
         if plain_layers(cache):
             cache.layers = [GrowingLayer() for _ in cache.layers]
+        if self.vision is not None:  # the prompts' pictures and explicit (3D for mrope) positions
+            extra, deltas = self.vision.prefill(ids, attn, [pictures(s.request) for s in firsts], self.device)
+        else:
+            extra, deltas = {"position_ids": (attn.cumsum(1) - 1).clamp_min(0).to(self.device)}, [0] * len(prompts)
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=attn.to(self.device),
-            position_ids=(attn.cumsum(1) - 1).clamp_min(0).to(self.device),
             use_cache=True,
             logits_to_keep=1,
+            **extra,
             **{self.cache_arg: cache},  # filled in place
         )
-        rows = torch.tensor([unique[tuple(s.request.prompt_ids)] for s in new], dtype=torch.long)
+        keys = [unique[(tuple(s.request.prompt_ids), mm_key(s.request))] for s in new]
+        for s, k in zip(new, keys):
+            s.rope_delta = deltas[k]
+        rows = torch.tensor(keys, dtype=torch.long)
         if len(prompts) != len(new) or not torch.equal(rows, torch.arange(len(new))):
             cache.batch_select_indices(rows.to(self.device))
         new_attn = attn[rows].to(self.device)
         self._sample(new, out.logits[:, -1][rows.to(self.device)])
         self._merge(new, cache, new_attn)
 
-    def _prefill_from(self, seq: Running, cached: int, kv: list[tuple[Tensor, Tensor]]) -> None:
-        """Encode only the tokens after a reused prefix of `cached` tokens, then join the running batch."""
+    def _prefill_from(self, seq: Running, cached: int, kv: list[tuple[Tensor, Tensor]], cached_pictures: int) -> None:
+        """Encode only the tokens after a reused prefix of `cached` tokens (holding the prompt's first
+        `cached_pictures` pictures), then join the running batch."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
@@ -338,10 +358,14 @@ class ContinuousBatcher:
         suffix = torch.tensor([seq.request.prompt_ids[cached:]], dtype=torch.long, device=self.device)
         n = cached + suffix.shape[1]
         attn = torch.ones((1, n), dtype=torch.long, device=self.device)
+        if self.vision is not None:
+            extra, seq.rope_delta = self.vision.suffix(seq.request, cached, cached_pictures, self.device)
+        else:
+            extra = {"position_ids": torch.arange(cached, n, device=self.device)[None]}
         out = self.model(
             input_ids=suffix,
             attention_mask=attn,
-            position_ids=torch.arange(cached, n, device=self.device)[None],
+            **extra,
             use_cache=True,
             logits_to_keep=1,
             **{self.cache_arg: cache},
@@ -402,7 +426,9 @@ class ContinuousBatcher:
         if not self.prefixes.budget or not self.mergeable or seq.finish not in ("stop", "length") or not seq.tokens:
             return
         ids = (*seq.request.prompt_ids, *seq.tokens[:-1])
-        self.prefixes.put(ids, [layer.row(i, len(ids)) for layer in self.cache.layers])
+        if self.vision is not None and self.vision.image_token_id in ids[seq.prompt_len :]:
+            return  # a generated placeholder has no picture behind it: the key would not say what the KV holds
+        self.prefixes.put(ids, [layer.row(i, len(ids)) for layer in self.cache.layers], mm_key(seq.request))
 
     def _resolve(self, seq: Running) -> None:
         out = RequestOutput(

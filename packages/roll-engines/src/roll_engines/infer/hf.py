@@ -13,7 +13,11 @@ of `model.generate`, so that:
   masked to the tokens its JSON schema / regex allows before sampling (EOS only where the text is a complete
   match), so the reported log-probs are those of the constrained distribution the trainer replays;
 - a request that extends a finished sequence (a conversation's next turn) reuses that sequence's KV and encodes
-  only its new tokens (roll_engines.infer._prefix_cache; dropped at every weight update).
+  only its new tokens (roll_engines.infer._prefix_cache; dropped at every weight update);
+- vision-language models (`roll_core.multimodal.is_vision_model`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) load with
+  `AutoModelForImageTextToText`; a request's pictures (`Request.mm`, or `generate(..., mm=)`) go in at its prefill
+  with explicit 3D rotary positions, and equal ids with other pictures never share a prefill or a cached prefix
+  (roll_engines.infer._vision). Placeholder / feature mismatches are a ValueError to the caller.
 
 Threads: the batch API drives decode steps in the caller's thread. The request API starts one background thread
 on first use; both step under one lock, so a `generate` call and requests can share a batch. A weight sync pauses
@@ -39,6 +43,7 @@ from roll_core.models import prepare_engine_process, resolve_model_path, torch_d
 from roll_core.seeds import Purpose, derive_seed
 from roll_engines.infer._batcher import ContinuousBatcher, Running
 from roll_engines.infer._sampling import StopStrings
+from roll_engines.infer._vision import VisionInputs, refuse_pictures
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +104,9 @@ class HFInferEngine:
         num_threads: int | None = None,
         seed: int = 0,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+        from roll_core.multimodal import is_vision_model
 
         prepare_engine_process(device, num_threads)
         self.name, self.device = name, torch.device(device)
@@ -108,7 +115,9 @@ class HFInferEngine:
         )
         self.path = resolve_model_path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=trust_remote_code)
-        self.model = AutoModelForCausalLM.from_pretrained(
+        vision = is_vision_model(self.path)
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        self.model = auto.from_pretrained(
             self.path,
             dtype=torch_dtype(dtype),
             attn_implementation=attn_implementation,
@@ -126,7 +135,8 @@ class HFInferEngine:
             self._pad_id = self.tokenizer.eos_token_id
         eos = self.model.generation_config.eos_token_id or self.tokenizer.eos_token_id
         self.eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
-        limit = getattr(self.model.config, "max_position_embeddings", None) or 4096
+        self.vision = VisionInputs(self.model, self.path, self.tokenizer) if vision else None
+        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or 4096
         self._max_context = min(max_model_len or limit, limit)
         self.seed = seed
         self._seeds = torch.Generator().manual_seed(seed)  # stream of per-request seeds when a request has none
@@ -148,6 +158,7 @@ class HFInferEngine:
             device=self.device,
             version=lambda: self._version,
             prefix_cache_bytes=int(prefix_cache_mb * 2**20),
+            vision=self.vision,
         )
 
     # ---- facts --------------------------------------------------------------------------------------------
@@ -173,22 +184,32 @@ class HFInferEngine:
 
     # ---- batch API ----------------------------------------------------------------------------------------
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None, n: int = 1
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+        n: int = 1,
+        mm: Sequence[Any] | None = None,
     ) -> GenerateOutput:
         """Sample `n` responses per prompt; row k*n + j is sample j of prompt k.
 
         With `params.seed` set, row i samples from the stream seeded by (seed, i): results do not depend on
-        how requests were batched.
+        how requests were batched. `mm`: one `MMInputs` (or None) per prompt, the pictures of a vision-language
+        prompt (a prompt batch's `mm_inputs` field). Every prompt is checked before any starts: a bad one raises
+        ValueError naming it and nothing runs.
         """
         t0 = time.perf_counter()
         params = params or self.defaults
-        futures = []
+        if mm is not None and len(mm) != len(prompts):
+            raise ValueError(f"{self.name} engine: {len(mm)} mm entries for {len(prompts)} prompts (one per prompt)")
+        seqs = []
         for k, prompt in enumerate(prompts):
             for j in range(n):
                 row = k * n + j
                 seed = None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, row)
                 req = Request(f"batch-{next(self._ids)}", list(prompt), params.replace(seed=seed))
-                futures.append(self._enqueue(req))
+                req.mm = mm[k] if mm is not None else None  # the n samples share one object: one prefill
+                seqs.append(self._prepare(req))
+        futures = [self._add(seq) for seq in seqs]
         self._drive(futures)
         outputs = [f.result() for f in futures]
         return GenerateOutput.from_requests(outputs, self.pad_id, time.perf_counter() - t0)
@@ -227,8 +248,16 @@ class HFInferEngine:
         return fut
 
     def _enqueue(self, request: Request) -> Future[RequestOutput]:
+        return self._add(self._prepare(request))
+
+    def _prepare(self, request: Request) -> Running:
+        """The queue entry of a request; raises (to the caller, before it joins any batch) what is wrong with it."""
         p = request.params
         self.check_sampling(p)
+        if self.vision is not None:
+            self.vision.check(request, self.name)
+        else:
+            refuse_pictures(request, self.name, self.path)
         seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
         fut: Future[RequestOutput] = Future()
         seq = (_Constrained if p.structured is not None else Running)(
@@ -240,6 +269,10 @@ class HFInferEngine:
         )
         if p.structured is not None:  # compiled here (cached): a bad schema fails the caller, not the batch
             seq.matcher = self._matcher(p.structured)
+        return seq
+
+    def _add(self, seq: Running) -> Future[RequestOutput]:
+        fut = seq.future
         with self._lock:
             if self._stopped:
                 raise RuntimeError(f"{self.name} engine is shut down")
