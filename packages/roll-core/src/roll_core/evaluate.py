@@ -160,25 +160,33 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
 def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]], int, dict[str, int]]:
     """(one record per response, problems skipped for their prompt length, the reward's failure counters) of `n`
     responses to each of the prompts collector's held-out problems, sampled as its `evaluate` samples."""
-    from roll_core.pipelines.rollout import assemble, problem_fields, prompt_ids
+    from roll_core.pipelines.rollout import BadPictures, assemble, encode_prompt, problem_fields
     from roll_core.protocol import Batch
     from roll_core.seeds import Purpose, derive_seed
 
     cfg, tokenizer = collector.cfg, collector.tokenizer
     limit = cfg.model.max_prompt_length
-    ids, kept = [], []
+    processor = getattr(collector, "processor", None)  # a vision-language model's (the prompts collector's)
+    ids, mms, kept = [], [], []
     for i, problem in enumerate(collector.eval_set):
-        toks, length = prompt_ids(tokenizer, task, problem, limit, cfg.model.chat_template_kwargs)
+        try:
+            toks, length, mm = encode_prompt(tokenizer, task, problem, limit, cfg.model.chat_template_kwargs, processor)
+        except BadPictures as exc:
+            log.warning("problem %s skipped: its pictures: %s", problem.id, exc)
+            continue
         if toks is None:
             log.warning("problem %s skipped: %d prompt tokens > model.max_prompt_length=%d", problem.id, length, limit)
             continue
         ids.append(toks)
+        mms.append(mm)
         kept.append((i, problem))
     skipped = len(collector.eval_set) - len(kept)
     if not kept:
         raise ConfigError(f"every held-out prompt exceeds model.max_prompt_length={limit}: raise it")
     prompts = Batch(fields={"prompt_ids": ids, **problem_fields([p for _, p in kept])})
     prompts["eval_index"] = [i for i, _ in kept]
+    if processor is not None:
+        prompts["mm_inputs"] = mms
     params = collector.sampling.replace(
         temperature=collector.eval_temperature, seed=derive_seed(cfg.pipeline.seed, Purpose.EVAL)
     )

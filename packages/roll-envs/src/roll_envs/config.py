@@ -150,10 +150,12 @@ SCHEMAS_BESIDE_CODE: dict[str, dict[str, str]] = {
         "ifeval": "roll_envs.rewards.ifeval:InstructionRewardConfig",
         "remote": "roll_envs.rewards.remote:RemoteRewardConfig",
         "judge": "roll_envs.rewards.judge:JudgeRewardConfig",
+        "visual": "roll_envs.tasks.visual:VisualRewardConfig",
     },
     "env": {
         "instruct_schema": "roll_envs.tasks.instruct:InstructEnvConfig",
         "multi_schema": "roll_envs.tasks.multi:MultiEnvConfig",
+        "visual_schema": "roll_envs.tasks.visual:VisualEnvConfig",
         "openai_agent_schema": "roll_envs.agentic.openai_agent:OpenAIAgentEnvConfig",
     },
 }
@@ -314,7 +316,10 @@ class FileEnvConfig:
     # Held-out data; null: a stable-hash fraction of `path`.
     eval_path: str | None = None
     prompt_key: str = "prompt"
+    # Dots read a nested column (verl's prepared rows: reward_model.ground_truth).
     answer_key: str = "answer"
+    # Column of each row's pictures (paths relative to the file, bytes, {bytes, path} dicts; `image` also read).
+    images_key: str = "images"
     eval_fraction: float = 0.1
     eval_size: int = 100
     system_prompt: str | None = None

@@ -102,20 +102,20 @@ class TrainWorker(EngineWorker):
         if topk:
             kwargs["topk"] = topk
         out = self.engine.compute_logprobs(
-            batch.tensors(), temperature=temperature, with_entropy=with_entropy, **kwargs
+            engine_inputs(batch), temperature=temperature, with_entropy=with_entropy, **kwargs
         )
         return Batch(out)
 
     @dispatch(Dispatch.DP)
     def compute_values(self, batch: Batch) -> Batch:
-        return Batch(self.engine.compute_values(batch.tensors()))
+        return Batch(self.engine.compute_values(engine_inputs(batch)))
 
     @dispatch(Dispatch.DP)
     def train(
         self, batch: Batch, loss_fn: Any, mini_batches: int, epochs: int, temperature: float, shuffle_seed: int
     ) -> dict[str, float]:
         return self.engine.train_step(
-            batch.tensors(),
+            engine_inputs(batch),
             loss_fn,
             mini_batches=mini_batches,
             epochs=epochs,
@@ -126,7 +126,7 @@ class TrainWorker(EngineWorker):
 
     @dispatch(Dispatch.DP)
     def compute_gradients(self, batch: Batch, loss_fn: Any, temperature: float = 1.0) -> dict[str, torch.Tensor]:
-        return self.engine.compute_gradients(batch.tensors(), loss_fn, temperature)
+        return self.engine.compute_gradients(engine_inputs(batch), loss_fn, temperature)
 
     @dispatch(Dispatch.BROADCAST)
     def get_weights(self) -> dict[str, torch.Tensor] | None:
@@ -211,6 +211,16 @@ class TrainWorker(EngineWorker):
         return {"handle": handle, "specs": specs, "bytes": bucket_nbytes(bucket)}
 
 
+def engine_inputs(batch: Batch) -> dict[str, Any]:
+    """What a train engine takes: the batch's tensors, plus its per-row pictures (`mm_inputs`: one
+    roll_core.multimodal.MMInputs or None per row) when a row has some."""
+    out: dict[str, Any] = batch.tensors()
+    mm = batch["mm_inputs"] if "mm_inputs" in batch else None
+    if mm is not None and any(m is not None for m in mm):
+        out["mm_inputs"] = list(mm)
+    return out
+
+
 class InferWorker(EngineWorker):
     """Hosts an inference engine: batch generation, single requests, weight updates, sleep and wake-up."""
 
@@ -225,7 +235,11 @@ class InferWorker(EngineWorker):
     def generate(self, batch: Batch, params: SamplingParams, n: int) -> Batch:
         if params.seed is not None:  # ranks sample different streams for the same row index
             params = params.replace(seed=derive_seed(params.seed, Purpose.WORKER, self.rank))
-        gen = self.engine.generate(batch["prompt_ids"], params, n)
+        mm = batch["mm_inputs"] if "mm_inputs" in batch else None
+        if mm is not None and any(m is not None for m in mm):  # a vision-language prompt's pictures (Request.mm)
+            gen = self.engine.generate(batch["prompt_ids"], params, n, mm=mm)
+        else:
+            gen = self.engine.generate(batch["prompt_ids"], params, n)
         out = Batch(
             {
                 "responses": gen.responses,

@@ -4,6 +4,14 @@ A prompt batch holds the chat-templated token ids of each problem (`prompt_ids`)
 id (`problem_id`), prompt text (`prompt_text`, the user message) and metadata (`metadata`: the problem's
 `metadata` with its `domain`), which reach rewards that declare them. Prompts longer than the limit are skipped
 and counted, never truncated (a truncated question has a different answer).
+
+Pictures (vision-language models, roll_core.multimodal): with a `VisionProcessor` (`vision_processor(model path)`,
+None for a text model) a problem's `images` are placed in its user message (`<image>` markers, or first) and the
+prompt is encoded by the processor: `prompt_ids` hold the expanded picture tokens (model.max_prompt_length counts
+them) and the batch gets the per-row field `mm_inputs` (an `MMInputs`, or None for a row without pictures), which
+`generate` hands to the inference engines and `assemble` carries into the training batch. A row whose pictures
+cannot be read or placed is skipped and counted (`data/skipped_bad_images`), never sent half-built; a problem with
+pictures given to a text model is an error naming model.path and the problem (`check_pictures`).
 """
 
 from __future__ import annotations
@@ -19,7 +27,50 @@ log = logging.getLogger(__name__)
 
 
 class PromptsTooLong(ValueError):
-    """Every prompt of a batch exceeds model.max_prompt_length."""
+    """Every prompt of a batch was skipped: longer than model.max_prompt_length (or pictures unreadable)."""
+
+
+class BadPictures(ValueError):
+    """A problem's pictures cannot be read, or do not match its prompt's `<image>` markers (a counted skip)."""
+
+
+def vision_processor(model_path: str, tokenizer: Any = None) -> Any:
+    """The `VisionProcessor` of a vision-language model folder (its tokenizer: `tokenizer` when given), None for a
+    text model."""
+    from roll_core.multimodal import VisionProcessor, is_vision_model
+
+    return VisionProcessor(model_path, tokenizer) if is_vision_model(model_path) else None
+
+
+def check_pictures(processor: Any, problems: Sequence[Any], model_path: str) -> None:
+    """ConfigError when a problem has pictures but the model is a text model (processor None)."""
+    if processor is not None:
+        return
+    for p in problems:
+        n = len(getattr(p, "images", None) or ())
+        if n:
+            from roll_core.errors import ConfigError
+
+            raise ConfigError(
+                f"problem {p.id} has {n} picture(s) but model.path={model_path} is a text model (not a "
+                "vision-language family roll feeds pictures to: roll_core.multimodal.FAMILIES): use a "
+                "vision-language model, or data without an images column"
+            )
+
+
+def _vision_messages(messages: list[dict[str, Any]], n_images: int) -> list[dict[str, Any]]:
+    """The task's messages with the pictures placed in the last user message (the problem's prompt)."""
+    from roll_core.multimodal import as_content
+
+    out = [dict(m) for m in messages]
+    last = max((i for i, m in enumerate(out) if m.get("role") == "user"), default=None)
+    if last is None:
+        raise BadPictures("the task's messages have no user message to put the pictures in")
+    try:
+        out[last]["content"] = as_content(out[last]["content"], n_images)
+    except ValueError as exc:
+        raise BadPictures(str(exc)) from None
+    return out
 
 
 def _max_token_chars(tokenizer: Any) -> int | None:
@@ -38,23 +89,53 @@ def _max_token_chars(tokenizer: Any) -> int | None:
 def prompt_ids(
     tokenizer: Any, task: Any, problem: Any, max_prompt_length: int, template_kwargs: Mapping[str, Any] | None = None
 ) -> tuple[list[int] | None, int]:
-    """(ids, length) of a problem's chat-templated prompt; ids is None when it exceeds `max_prompt_length`.
-    `template_kwargs` go to the chat template (model.chat_template_kwargs, e.g. {"enable_thinking": False}).
+    """(ids, length) of a text problem's chat-templated prompt (`encode_prompt` without pictures)."""
+    ids, length, _ = encode_prompt(tokenizer, task, problem, max_prompt_length, template_kwargs)
+    return ids, length
+
+
+def encode_prompt(
+    tokenizer: Any,
+    task: Any,
+    problem: Any,
+    max_prompt_length: int,
+    template_kwargs: Mapping[str, Any] | None = None,
+    processor: Any = None,
+) -> tuple[list[int] | None, int, Any]:
+    """(ids, length, MMInputs | None) of a problem's chat-templated prompt; ids is None when it exceeds
+    `max_prompt_length` (picture tokens count). `template_kwargs` go to the chat template
+    (model.chat_template_kwargs, e.g. {"enable_thinking": False}); `processor` (a VisionProcessor) encodes the
+    prompts of a vision-language model, with the problem's pictures. Raises BadPictures for pictures that cannot
+    be read or placed, ValueError for pictures without a processor.
 
     A prompt whose text alone needs several times more tokens than the limit (characters / the longest vocabulary
     entry; the factor covers normalisers that merge characters) is not tokenised: a huge data row (megabytes) is
     skipped at once instead of costing seconds at every draw. Its length is then that lower bound."""
     messages = task.messages(problem)
+    images = list(getattr(problem, "images", None) or ())
+    if images and processor is None:
+        raise ValueError(
+            f"problem {problem.id} has {len(images)} picture(s) but {getattr(tokenizer, 'name_or_path', 'the model')} "
+            "is a text model"
+        )
     widest = _max_token_chars(tokenizer)
     if widest:
         chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         if chars // widest > 4 * max_prompt_length:
-            return None, chars // widest
+            return None, chars // widest, None
+    if processor is not None:
+        if images:
+            messages = _vision_messages(messages, len(images))
+        try:
+            toks, mm = processor.encode_messages(messages, images, **dict(template_kwargs or {}))
+        except ValueError as exc:  # unreadable picture, placeholder/feature count mismatch: the row is bad
+            raise BadPictures(str(exc)) from None
+        return (toks if len(toks) <= max_prompt_length else None), len(toks), mm
     toks = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False, **dict(template_kwargs or {})
     )
     toks = list(toks["input_ids"] if isinstance(toks, dict) else toks)
-    return (toks if len(toks) <= max_prompt_length else None), len(toks)
+    return (toks if len(toks) <= max_prompt_length else None), len(toks), None
 
 
 def prompt_batch(
@@ -64,25 +145,41 @@ def prompt_batch(
     max_prompt_length: int,
     metrics: dict[str, Any],
     template_kwargs: Mapping[str, Any] | None = None,
+    processor: Any = None,
 ) -> Batch:
-    """Chat-templated prompt ids (`template_kwargs`: prompt_ids'); `metrics["data/skipped_long_prompts"]` counts the
-    prompts skipped."""
+    """Chat-templated prompt ids (`template_kwargs`, `processor`: encode_prompt's), and with a processor the
+    `mm_inputs` field; `metrics["data/skipped_long_prompts"]` counts the prompts skipped for their length,
+    `metrics["data/skipped_bad_images"]` those whose pictures could not be read or placed."""
     if not problems:
         raise ValueError("no problems to build prompts from")
-    ids, kept, shortest = [], [], None
+    ids, mms, kept, shortest, bad = [], [], [], None, 0
     for p in problems:
-        toks, length = prompt_ids(tokenizer, task, p, max_prompt_length, template_kwargs)
+        try:
+            toks, length, mm = encode_prompt(tokenizer, task, p, max_prompt_length, template_kwargs, processor)
+        except BadPictures as exc:
+            bad += 1
+            log.warning("problem %s skipped: its pictures: %s", p.id, exc)
+            continue
         shortest = length if shortest is None else min(shortest, length)
         if toks is not None:
             ids.append(toks)
+            mms.append(mm)
             kept.append(p)
-    metrics["data/skipped_long_prompts"] = len(problems) - len(kept)
+    metrics["data/skipped_long_prompts"] = len(problems) - len(kept) - bad
+    if processor is not None or bad:  # (text runs keep their metric keys)
+        metrics["data/skipped_bad_images"] = metrics.get("data/skipped_bad_images", 0) + bad
     if not kept:
+        if shortest is None:
+            raise PromptsTooLong(f"the pictures of all {bad} prompt(s) could not be read or placed (logged above)")
+        why = f" ({bad} more with unreadable pictures)" if bad else ""
         raise PromptsTooLong(
             f"every prompt exceeds model.max_prompt_length={max_prompt_length} (shortest: {shortest} "
-            "tokens): raise model.max_prompt_length"
+            f"tokens){why}: raise model.max_prompt_length"
         )
-    return Batch(fields={"prompt_ids": ids, **problem_fields(kept)})
+    fields: dict[str, list[Any]] = {"prompt_ids": ids, **problem_fields(kept)}
+    if processor is not None:
+        fields["mm_inputs"] = mms
+    return Batch(fields=fields)
 
 
 #: The per-row fields a problem contributes to a batch (besides its prompt ids).
@@ -148,11 +245,12 @@ def evaluate(
     max_prompt_length: int,
     params: SamplingParams,
     template_kwargs: Mapping[str, Any] | None = None,
+    processor: Any = None,
 ) -> dict[str, float]:
     """Accuracy and mean reward of one sample per problem (sampled with `params`; temperature 0 is greedy); with
     several domains (a multi-domain task) also `by_domain`: {domain: {"accuracy", "reward", "n"}}."""
     metrics: dict[str, Any] = {}
-    prompts = prompt_batch(tokenizer, task, problems, max_prompt_length, metrics, template_kwargs)
+    prompts = prompt_batch(tokenizer, task, problems, max_prompt_length, metrics, template_kwargs, processor)
     gen = infer.generate(prompts, params, n=1)
     batch = assemble(tokenizer, prompts, gen)
     scored = reward.score(batch)

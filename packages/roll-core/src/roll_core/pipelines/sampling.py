@@ -68,6 +68,8 @@ def generation_from_samples(groups: Sequence[Any], pad_id: int) -> Batch:
             logp[i, : len(toks)] = torch.tensor(s.logprobs, dtype=torch.float32)
             mask[i, : len(toks)] = 1
     finish = [s.finish or "abort" for s in samples]
+    # A vision-language prompt's pictures ride with each of its rows (one shared object per group).
+    pictures = {"mm_inputs": [s.group.mm for s in samples]} if any(s.group.mm is not None for s in samples) else {}
     return Batch(
         {
             "responses": resp,
@@ -79,6 +81,7 @@ def generation_from_samples(groups: Sequence[Any], pad_id: int) -> Batch:
         {
             "prompt_ids": [list(s.group.prompt_ids) for s in samples],
             **problem_fields([s.group.payload for s in samples]),
+            **pictures,
             "finish_reason": finish,
         },
     )
@@ -89,7 +92,7 @@ def merge_scored(tokenizer: Any, parts: Sequence[Batch]) -> Batch:
     kept), as if the rows had been generated in one call."""
     from roll_core.pipelines.rollout import assemble
 
-    prompt_fields = ("prompt_ids", *(k for k in PROBLEM_FIELDS if all(k in p for p in parts)))
+    prompt_fields = ("prompt_ids", *(k for k in (*PROBLEM_FIELDS, "mm_inputs") if all(k in p for p in parts)))
     gen_keys = (*GEN_TENSORS, "truncated", "finish_reason", *SCORE_TENSORS)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     merged = concat_generations([p.select(*prompt_fields, *(k for k in gen_keys if k in p)) for p in parts], pad)

@@ -1,7 +1,8 @@
 """The asynchronous rollout driver: `RolloutScheduler` over a real inference group, in a background thread.
 
-Contract: after `start()`, a daemon thread keeps the scheduler's budget filled (new groups from `next_group`),
-submits every pending sample as one request (`infer.submit_request`) and records finished requests. The trainer's
+Contract: after `start()`, a daemon thread keeps the scheduler's budget filled (new groups from `next_group`:
+(payload, prompt ids) or (payload, prompt ids, the prompt's pictures as MMInputs)), submits every pending sample
+as one request (`infer.submit_request`, with the group's pictures) and records finished requests. The trainer's
 thread calls `take(n)` (blocks until n complete groups within the staleness bound exist, or `timeout_s` passes),
 and brackets every weight sync with `begin_update()` / `finish_update()`: with partial rollout the running
 requests are aborted first and their prefixes resumed under the new weights; groups that became too stale are
@@ -33,7 +34,7 @@ class AsyncRollout:
         self,
         infer: Any,
         scheduler: RolloutScheduler,
-        next_group: Callable[[], tuple[Any, list[int]]],
+        next_group: Callable[[], tuple[Any, ...]],
         params: SamplingParams,
         *,
         poll_s: float = 0.002,
@@ -162,12 +163,12 @@ class AsyncRollout:
     def _fill(self) -> None:
         """Start groups up to the budget and submit every pending sample (lock held)."""
         while self.sched.capacity() > 0:
-            payload, prompt_ids = self.next_group()
-            self.sched.start(payload, prompt_ids)
+            payload, prompt_ids, *mm = self.next_group()
+            self.sched.start(payload, prompt_ids, mm[0] if mm else None)
         for sample, ids, remaining in list(self.sched.pending()):
             rid = f"async-{self._n}"
             self._n += 1
             seed = None if self.params.seed is None else (self.params.seed * 1_000_003 + self._n) % 2**62
             params = self.params.replace(max_new_tokens=max(1, remaining), seed=seed)
             self.sched.submitted(sample, rid)
-            self._handles[rid] = self.infer.submit_request(Request(rid, ids, params))
+            self._handles[rid] = self.infer.submit_request(Request(rid, ids, params, mm=sample.group.mm))

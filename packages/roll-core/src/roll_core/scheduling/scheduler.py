@@ -139,6 +139,7 @@ class GroupState:
     start_version: int
     samples: list[SampleState] = field(default_factory=list)
     finished: int = 0  # samples with a final finish reason (kept by the scheduler: `done` is O(1))
+    mm: Any = None  # the prompt's pictures (roll_core.multimodal.MMInputs) for a vision-language model
 
     @property
     def done(self) -> bool:
@@ -221,11 +222,11 @@ class RolloutScheduler:
                 return True
         return False
 
-    def start(self, payload: Any, prompt_ids: list[int]) -> GroupState:
-        """Register a new group (its samples become `pending`)."""
+    def start(self, payload: Any, prompt_ids: list[int], mm: Any = None) -> GroupState:
+        """Register a new group (its samples become `pending`); `mm`: its prompt's pictures, if any."""
         if self.capacity() < 1:
             raise RuntimeError("no capacity: the rollout would run more than async_ratio batches ahead")
-        g = GroupState(next(self._gids), payload, list(prompt_ids), self.version)
+        g = GroupState(next(self._gids), payload, list(prompt_ids), self.version, mm=mm)
         g.samples = [SampleState(g, j, submitted_version=self.version) for j in range(self.group_size)]
         self.groups[g.gid] = g
         for smp in g.samples:

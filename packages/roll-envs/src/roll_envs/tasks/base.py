@@ -3,7 +3,9 @@
 Contract: `train_set()` and `eval_set()` are deterministic for a given config (same seed, same problems, same
 order) and never share a problem, so held-out accuracy measures generalisation, not memorisation. A problem's
 `prompt` is the user message; the pipeline applies the model's chat template. `score()` delegates to the
-task's reward and returns a `RewardResult` with counted failures.
+task's reward and returns a `RewardResult` with counted failures. A problem may carry pictures (`images`: anything
+roll_core.multimodal.load_image takes); its prompt then places them with `<image>` markers (or they come first),
+and the pipeline feeds them to a vision-language model (a text model given pictures is an error).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from roll_envs.rewards.base import Reward, RewardResult
@@ -21,13 +24,15 @@ class Problem:
     """One prompt with its ground truth. `id` is stable across runs (used for dedup and held-out splits).
     `domain` routes the row in a multi-domain run and names its metrics; `metadata` is everything else a reward may
     need (a data row's other columns, a generated problem's constraints): rewards that declare `metadata` get
-    `{**metadata, "domain": domain}`."""
+    `{**metadata, "domain": domain}`. `images`: the problem's pictures in prompt order (paths, bytes,
+    `{"bytes", "path"}` dicts, PIL images or arrays; see roll_core.multimodal.load_image), empty for text."""
 
     id: str
     prompt: str
     answer: str
     domain: str = "math"
     metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    images: Sequence[Any] = field(default_factory=tuple, compare=False, hash=False, repr=False)
 
 
 def held_out_split(
@@ -39,8 +44,8 @@ def held_out_split(
     from roll_core.errors import ConfigError
 
     if held is None:
-        train = [p for p in problems if stable_fraction(p.prompt) >= eval_fraction]
-        held = [p for p in problems if stable_fraction(p.prompt) < eval_fraction]
+        train = [p for p in problems if stable_fraction(split_key(p)) >= eval_fraction]
+        held = [p for p in problems if stable_fraction(split_key(p)) < eval_fraction]
     else:
         train = problems
     if not train:
@@ -48,6 +53,29 @@ def held_out_split(
             f"{path}: every row fell in the held-out split; lower env.eval_fraction or give env.eval_path"
         )
     return train, held[:eval_size]
+
+
+def split_key(problem: Any) -> str:
+    """What decides a file row's split: its prompt, and for rows with pictures the pictures too (rows asking the
+    same question about different pictures are different problems; the same question about the same picture is
+    one problem and never lands in both splits)."""
+    images = getattr(problem, "images", None) or ()
+    if not images:
+        return problem.prompt
+    return problem.prompt + "\x00" + "\x00".join(image_key(im) for im in images)
+
+
+def image_key(image: Any) -> str:
+    """A stable text id of a picture as a row holds it, without decoding it: the hash of its bytes, its path, or
+    its pixels (PIL images, arrays)."""
+    if isinstance(image, dict):
+        image = image.get("bytes") if image.get("bytes") is not None else image.get("path")
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return hashlib.blake2b(bytes(image), digest_size=8).hexdigest()
+    if isinstance(image, (str, Path)):
+        return str(image)
+    data = image.tobytes() if hasattr(image, "tobytes") else repr(image).encode()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
 def stable_fraction(key: str) -> float:

@@ -6,6 +6,16 @@ which the loop puts in the metrics and the run summary), and a summary is logged
 crash halfway through a file. A file that is missing, unreadable as a whole, of an unknown kind, or left empty after
 skipping is a `ConfigError` naming the setting (env.path / env.eval_path), so roll-train ends with one message and
 exit status 2, not a traceback. The held-out split is `eval_path` when given, else a stable-hash fraction of the rows.
+
+Pictures (vision-language data): the `images_key` column (default `images`; a lone `image` column too) holds a
+row's pictures: a list, or one value, of paths (relative to the data file's folder), encoded bytes,
+`{"bytes", "path"}` dicts (what `datasets` writes to Parquet) or PIL images (a `datasets` folder's Image feature).
+The prompt places them with `<image>` markers (the common VLM RL row format, e.g. Geometry3K: `problem` text with
+`<image>`, `images`, `answer`); without markers they come first. A row whose pictures cannot be read (missing file,
+bytes that are no picture) or whose markers disagree with its picture count is a bad row like the others: skipped,
+counted, reported. Pictures are checked by their headers here (cheap) and decoded when their prompt is built.
+A prompt may also be a list of chat messages (verl's prepared rows): its last user message is the prompt; an
+`answer_key` with dots reads a nested column (`reward_model.ground_truth`).
 """
 
 from __future__ import annotations
@@ -82,6 +92,7 @@ def load_problems(
     answer_key: str = "answer",
     name: str = "data",
     domain: str = "math",
+    images_key: str = "images",
 ) -> tuple[list[Problem], list[tuple[int, str]]]:
     """Read problems from a file; returns (problems, skipped) with skipped = [(row number, reason)]."""
     path = Path(path)
@@ -90,17 +101,21 @@ def load_problems(
     rows, skipped = _rows(path)
     problems = []
     seen_keys: set[str] = set()  # keys of the bad object rows, to name the columns a wrong prompt_key missed
+    pictures = _image_keys(images_key)
     for lineno, row in rows:
         if not isinstance(row, dict):
             skipped.append((lineno, f"row is {type(row).__name__}, not an object"))
             continue
-        prompt, answer = row.get(prompt_key), row.get(answer_key)
+        prompt, answer = _chat_prompt(row.get(prompt_key)), _nested(row, answer_key)
         why = _text_problem(prompt_key, prompt, numbers=False)
         if why is None:
             # Numbers are answers too (JSON 5 -> "5"); NaN/inf (JSON's NaN extension, a float column) are not.
             if isinstance(answer, (int, float)) and not isinstance(answer, bool):
                 answer = str(answer) if math.isfinite(answer) else answer
             why = _text_problem(answer_key, answer, numbers=True)
+        images: list[Any] = []
+        if why is None:
+            images, why = _row_images(row, images_key, prompt, path.parent)
         if why is not None:
             skipped.append((lineno, why))
             seen_keys.update(row)
@@ -112,7 +127,9 @@ def load_problems(
                 answer=answer.strip(),
                 domain=str(row.get("domain", domain)),
                 # The row's other columns reach rewards that declare `metadata` (constraints, test cases, tags).
-                metadata={k: v for k, v in row.items() if k not in (prompt_key, answer_key, "domain")},
+                # (Not the pictures: metadata travels to the reward workers with every batch.)
+                metadata={k: v for k, v in row.items() if k not in (prompt_key, answer_key, "domain", *pictures)},
+                images=images,
             )
         )
     skipped.sort()
@@ -130,6 +147,91 @@ def load_problems(
             "env.answer_key"
         )
     return problems, skipped
+
+
+def _chat_prompt(value: Any) -> Any:
+    """A prompt given as chat messages (verl's prepared rows: [{"role": "user", "content": ...}]) -> the last user
+    message's text; anything else unchanged (checked by _text_problem)."""
+    if isinstance(value, (list, tuple)) and value and all(isinstance(m, dict) for m in value):
+        users = [m.get("content") for m in value if m.get("role") == "user"]
+        return users[-1] if users else None
+    return value
+
+
+def _nested(row: dict[str, Any], key: str) -> Any:
+    """row[key], or for a dotted key missing as a whole the nested value (`reward_model.ground_truth`)."""
+    if key in row or "." not in key:
+        return row.get(key)
+    value: Any = row
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _image_keys(images_key: str) -> tuple[str, ...]:
+    """Columns read as pictures: `images_key`, and the singular `image` when the default is used."""
+    return (images_key, "image") if images_key == "images" else (images_key,)
+
+
+def _row_images(row: dict[str, Any], images_key: str, prompt: str, base: Path) -> tuple[list[Any], str | None]:
+    """(the row's pictures, ready for load_image without a base folder; why the row is bad or None)."""
+    from roll_core.multimodal import IMAGE_MARKER
+
+    value = next((row[k] for k in _image_keys(images_key) if row.get(k) is not None), None)
+    if value is None:
+        values: list[Any] = []
+    elif isinstance(value, (list, tuple)) or (hasattr(value, "tolist") and getattr(value, "ndim", 0) == 1):
+        values = list(value)  # (a 1-D numpy object array: how pandas hands a list column over)
+    else:
+        values = [value]
+    markers = prompt.count(IMAGE_MARKER)
+    if markers and markers != len(values):
+        return [], f"the prompt has {markers} {IMAGE_MARKER} marker(s) but the row has {len(values)} picture(s)"
+    out = []
+    for j, v in enumerate(values):
+        try:
+            out.append(_checked_image(v, base))
+        except ValueError as exc:
+            return [], f"picture {j} of {images_key!r}: {exc}"
+    return out, None
+
+
+def _checked_image(value: Any, base: Path) -> Any:
+    """`value` with a relative path made absolute, after reading its header (PIL's `verify`: no full decode); a
+    ValueError says why it is no picture."""
+    from roll_core.multimodal import PILLOW, load_image
+
+    PILLOW.require()
+    import io
+
+    from PIL import Image
+
+    if isinstance(value, dict):
+        if value.get("bytes") is None and value.get("path"):
+            return _checked_image(value["path"], base)
+        if value.get("bytes") is None:
+            raise ValueError(f"an image dict needs 'bytes' or 'path'; got keys {sorted(value)}")
+        _checked_image(value["bytes"], base)
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        try:
+            with Image.open(io.BytesIO(bytes(value))) as im:
+                im.verify()
+        except Exception as exc:  # PIL raises many kinds for bad data
+            raise ValueError(f"{len(value)} bytes are not a readable picture ({exc})") from None
+        return bytes(value)
+    if isinstance(value, (str, Path)):
+        p = Path(value).expanduser()
+        p = p if p.is_absolute() else base / p
+        if not p.is_file():
+            raise ValueError(f"image file {str(value)!r} does not exist (looked at {p})")
+        try:
+            with Image.open(p) as im:
+                im.verify()
+        except Exception as exc:
+            raise ValueError(f"image file {p} is not a readable picture ({exc})") from None
+        return str(p)
+    return load_image(value)  # PIL images and arrays: cheap to check whole
 
 
 def _text_problem(key: str, value: Any, *, numbers: bool) -> str | None:
@@ -158,17 +260,19 @@ class FileTask(Task):
         eval_fraction: float = 0.1,
         eval_size: int = 100,
         system_prompt: str | None = None,
+        images_key: str = "images",
     ) -> None:
         super().__init__(reward)
         self.name, self.system_prompt = name, system_prompt
         for key, value in (("env.path", path), ("env.eval_path", eval_path)):
             if value and not Path(value).exists():  # name the setting: the loader only knows the file
                 raise ConfigError(f"data file {value} does not exist: check {key}")
-        problems, skipped = load_problems(path, prompt_key=prompt_key, answer_key=answer_key, name=name)
+        keys = dict(prompt_key=prompt_key, answer_key=answer_key, name=name, images_key=images_key)
+        problems, skipped = load_problems(path, **keys)
         self.skipped = [(str(path), n, why) for n, why in skipped]
         held = None
         if eval_path:
-            held, eval_skipped = load_problems(eval_path, prompt_key=prompt_key, answer_key=answer_key, name=name)
+            held, eval_skipped = load_problems(eval_path, **keys)
             self.skipped += [(str(eval_path), n, why) for n, why in eval_skipped]
         self._train, self._eval = held_out_split(
             problems, held, eval_fraction=eval_fraction, eval_size=eval_size, path=path

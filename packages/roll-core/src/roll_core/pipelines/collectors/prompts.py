@@ -12,6 +12,9 @@ Multi-domain tasks (roll_envs.tasks.multi): prompts are mixed by the task's coun
 `eval/<d>/accuracy`), and rows carry `advantage_scale` (the trainer multiplies their advantages) when a domain's
 scale is not 1. A reward model (`reward_model=hf`) scores after the task's reward and adds to or replaces its
 scores (roll_core.pipelines.reward_model).
+Vision-language models: prompts are encoded with the model's `VisionProcessor` (the problems' pictures placed in
+their prompts, roll_core.pipelines.rollout); the batch's `mm_inputs` reach the engines and, without the PIL
+pictures (the tensors suffice), the trainer. Problems with pictures and a text model: a ConfigError at start.
 """
 
 from __future__ import annotations
@@ -31,7 +34,14 @@ from roll_core.data import make_sampler
 from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
-from roll_core.pipelines.rollout import PromptsTooLong, assemble, evaluate, prompt_batch
+from roll_core.pipelines.rollout import (
+    PromptsTooLong,
+    assemble,
+    check_pictures,
+    evaluate,
+    prompt_batch,
+    vision_processor,
+)
 from roll_core.pipelines.sampling import group_rows, informative_groups, merge_scored
 from roll_core.protocol import Batch
 from roll_core.seeds import Purpose, derive_seed
@@ -68,6 +78,9 @@ class PromptCollector:
         self.sampling = ctx.sampling
         check_task(cfg, self.task)
         self.train_set, self.eval_set = self.task.train_set(), self.task.eval_set()[: cfg.pipeline.eval_size]
+        # A vision-language model's prompt processor (None for text); pictures for a text model end the run here.
+        self.processor = vision_processor(ctx.model_path, self.tokenizer)
+        check_pictures(self.processor, [*self.train_set, *self.eval_set], cfg.model.path)
         self.sampler = make_sampler(self.task, batch_size=cfg.pipeline.rollout_batch_size, seed=cfg.pipeline.seed)
         # A multi-domain task: metrics, curves and evaluation per domain too.
         self.domains: list[str] = list(getattr(self.task, "domains", ()) or ())
@@ -127,6 +140,7 @@ class PromptCollector:
             self.eval_set,
             max_prompt_length=self.cfg.model.max_prompt_length,
             template_kwargs=self.cfg.model.chat_template_kwargs,
+            processor=self.processor,
             params=self.sampling.replace(
                 temperature=self.eval_temperature, seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL)
             ),
@@ -177,6 +191,8 @@ class PromptCollector:
             return None
         out["data/trained_groups"] = len(batch) // self.cfg.algo.group_size
         out["data/skipped_rows"] = float(sum((getattr(self.task, "skipped_rows", {}) or {}).values()))
+        if "mm_inputs" in batch:  # the trainer takes the tensors; the PIL pictures were for the engines
+            batch["mm_inputs"] = without_images(batch["mm_inputs"])
         if self.sampling.structured is not None:  # the trainer replays the constraint over each response
             from roll_core.interfaces.inference import STRUCTURED_KEY, structured_rows
 
@@ -292,14 +308,14 @@ class PromptCollector:
         limit, skipped, kwargs = self.cfg.model.max_prompt_length, 0, self.cfg.model.chat_template_kwargs
         for _ in range(math.ceil(len(self.train_set) / max(1, len(problems))) - 1):
             try:
-                batch = prompt_batch(self.tokenizer, self.task, problems, limit, counts, kwargs)
+                batch = prompt_batch(self.tokenizer, self.task, problems, limit, counts, kwargs, self.processor)
             except PromptsTooLong:
                 skipped += len(problems)
                 problems = [self.train_set[i] for i in self.sampler.next(len(problems))]
                 continue
             break
         else:  # the last draw raises when it fits no better, naming the limit
-            batch = prompt_batch(self.tokenizer, self.task, problems, limit, counts, kwargs)
+            batch = prompt_batch(self.tokenizer, self.task, problems, limit, counts, kwargs, self.processor)
         counts["data/skipped_long_prompts"] += skipped
         return batch
 
@@ -319,6 +335,12 @@ class PromptCollector:
                 for i in range(min(k, len(texts)))
             ],
         )
+
+
+def without_images(rows: list[Any]) -> list[Any]:
+    """Each row's MMInputs without its PIL pictures; rows that shared one object (a group) still share one."""
+    done: dict[int, Any] = {}
+    return [None if m is None else done.setdefault(id(m), m.without_images()) for m in rows]
 
 
 class _Scoring:

@@ -26,7 +26,7 @@ from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors.prompts import PromptCollector
 from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
-from roll_core.pipelines.rollout import PROBLEM_FIELDS, assemble, prompt_ids
+from roll_core.pipelines.rollout import PROBLEM_FIELDS, BadPictures, assemble, encode_prompt
 from roll_core.pipelines.sampling import generation_from_samples, informative_groups
 from roll_core.protocol import Batch
 from roll_core.scheduling.driver import AsyncRollout
@@ -77,19 +77,27 @@ class AsyncPromptCollector(PromptCollector):
             partial_rollout=p.partial_rollout,
         )
         self.skipped_long = 0
+        self.skipped_bad_images = 0
         self._last_batch_at: float | None = None  # when the previous batch was taken (rollout throughput)
         seed = derive_seed(p.seed, Purpose.ASYNC_ROLLOUT)
         self.driver = AsyncRollout(self.infer, self.sched, self._next_group, self.sampling.replace(seed=seed))
 
-    def _next_group(self) -> tuple[Any, list[int]]:
-        """The next training problem whose prompt fits (runs on the driver's thread; long ones are counted)."""
+    def _next_group(self) -> tuple[Any, list[int], Any]:
+        """The next training problem whose prompt fits, its ids and pictures (runs on the driver's thread; long
+        ones and ones with unreadable pictures are counted)."""
         limit = self.cfg.model.max_prompt_length
         for _ in range(10_000):
             problem = self.train_set[self.sampler.next(1)[0]]
-            # a huge row is not even tokenised
-            ids, _ = prompt_ids(self.tokenizer, self.task, problem, limit, self.cfg.model.chat_template_kwargs)
+            try:  # a huge row is not even tokenised
+                ids, _, mm = encode_prompt(
+                    self.tokenizer, self.task, problem, limit, self.cfg.model.chat_template_kwargs, self.processor
+                )
+            except BadPictures as exc:
+                log.warning("problem %s skipped: its pictures: %s", problem.id, exc)
+                self.skipped_bad_images += 1
+                continue
             if ids is not None:
-                return problem, ids
+                return problem, ids, mm
             self.skipped_long += 1
         raise ValueError(f"10000 prompts in a row exceed model.max_prompt_length={limit}: raise it")
 
@@ -140,6 +148,8 @@ class AsyncPromptCollector(PromptCollector):
         out["data/sampled_groups"] = sampled
         out["data/refill_short_groups"] = max(0, want - len(kept))
         out["data/skipped_long_prompts"], self.skipped_long = self.skipped_long, 0
+        if self.processor is not None:
+            out["data/skipped_bad_images"], self.skipped_bad_images = self.skipped_bad_images, 0
         if not kept:
             return None
         batch = self._assemble(generation_from_samples(kept, pad))
@@ -161,7 +171,7 @@ class AsyncPromptCollector(PromptCollector):
         return self._collected(batch, out)
 
     def _assemble(self, gen: Batch) -> Batch:
-        own = ("prompt_ids", *PROBLEM_FIELDS)
+        own = ("prompt_ids", *PROBLEM_FIELDS, *(["mm_inputs"] if "mm_inputs" in gen else []))
         prompts = gen.select(*own)
         rest = [k for k in gen.keys() if k not in own]
         return assemble(self.tokenizer, prompts, gen.select(*rest))
