@@ -184,11 +184,18 @@ def _tiny_qwen2_vl(out: Path) -> None:
     build_tiny_qwen_vl(out, family="qwen2_vl")
 
 
+def _tiny_llava(out: Path) -> None:
+    from roll_core.multimodal.tiny import build_tiny_llava
+
+    build_tiny_llava(out)
+
+
 BUILTINS: dict[str, Callable[[Path], None]] = {
     "tiny": build_tiny_model,
     "tiny-wide": build_tiny_wide_model,
     "tiny-qwen2.5-vl": _tiny_qwen2_5_vl,
     "tiny-qwen2-vl": _tiny_qwen2_vl,
+    "tiny-llava": _tiny_llava,
     "smollm2-135m": _smollm2,
     "qwen2.5-coder-0.5b": _qwen_coder,
 }

@@ -52,10 +52,18 @@ def _qwen_tokens(out: Mapping[str, Tensor], i: int, config: Any) -> int:
     return int(out["image_grid_thw"][i].prod()) // (merge * merge)
 
 
+def _llava_tokens(out: Mapping[str, Tensor], i: int, config: Any) -> int:
+    # One token per vision patch of the (resized, cropped) picture; the "default" strategy drops the CLS token.
+    h, w = out["pixel_values"].shape[-2:]
+    patch = int(config.vision_config.patch_size)
+    return (h // patch) * (w // patch) + (0 if config.vision_feature_select_strategy == "default" else 1)
+
+
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family("<|image_pad|>", _qwen_tokens, mrope=True),
     "qwen2_5_vl": Family("<|image_pad|>", _qwen_tokens, mrope=True),
     "qwen3_vl": Family("<|image_pad|>", _qwen_tokens, mrope=True),
+    "llava": Family("<image>", _llava_tokens, mrope=False),
 }
 
 

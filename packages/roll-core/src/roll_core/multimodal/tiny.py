@@ -82,3 +82,53 @@ def build_tiny_qwen_vl(out: Path, *, family: str = "qwen2_5_vl", hidden: int = 6
     model.save_pretrained(out)
     tok.save_pretrained(out)
     images.save_pretrained(out)
+
+
+#: The tiny LLaVA chat template: `{"type": "image"}` items become LLaVA's `<image>` placeholder.
+TINY_LLAVA_CHAT_TEMPLATE = TINY_VL_CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+
+
+def build_tiny_llava(out: Path, *, hidden: int = 64, seed: int = 0) -> None:
+    """Save a seeded tiny LLaVA (CLIP vision tower, 2-layer Llama decoder, 1D positions), its tokenizer, CLIP image
+    processor (pictures resized and cropped to 28x28: 4 picture tokens each) and chat template to `out`."""
+    import torch
+    from transformers import AutoModelForImageTextToText, CLIPVisionConfig, LlamaConfig, LlavaConfig
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from roll_core.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.chat_template = TINY_LLAVA_CHAT_TEMPLATE
+    text = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",  # the CLS token dropped: (28 / 14)^2 = 4 tokens per picture
+        projector_hidden_act="gelu",
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config)
+    images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    images.save_pretrained(out)

@@ -4,6 +4,7 @@ Contract: with `lora_rank > 0` only the adapters train (AdamW holds state for th
 adapters disabled is the reference policy (no second model copy); weight sync and the `model/` checkpoint folder
 carry merged weights in the base model's HF names (W + scaling * B @ A), so inference engines and plain
 transformers need no LoRA support; `adapter/` holds the adapter in peft's format (PeftModel.from_pretrained).
+On a vision-language model, "all-linear" adapts the language model's linear layers only.
 
 Functions take a `full` callable that turns a (possibly sharded, FSDP2 DTensor) tensor into a full one, so the
 same code serves the hf and fsdp2 engines.
@@ -19,6 +20,8 @@ import torch
 from torch import Tensor
 
 ADAPTER = "default"
+#: Module names of a vision-language model's vision side (Qwen-VL `visual`, LLaVA `vision_tower` and projector).
+VISION_MODULES = r".*\b(visual|vision_tower|multi_modal_projector)\b.*"
 
 
 def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: list[str] | str) -> Any:
@@ -28,11 +31,15 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, 
     PEFT.require()
     from peft import LoraConfig, get_peft_model
 
+    # A vision-language model's "all-linear" is its language model's: the vision tower and projector stay frozen
+    # (as peers train VLM policies), and the merged weights change only the decoder.
+    vision = targets == "all-linear" and getattr(model.config, "vision_config", None) is not None
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,
         lora_dropout=dropout,
         target_modules=targets,
+        exclude_modules=VISION_MODULES if vision else None,
         bias="none",
         task_type="CAUSAL_LM",
     )

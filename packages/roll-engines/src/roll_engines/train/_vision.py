@@ -224,6 +224,22 @@ def model_class(vision: Vision | None, role: str) -> Any:
     return AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM
 
 
+def own_names(model: torch.nn.Module, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A checkpoint's `weights` under the model's own parameter names.
+
+    transformers' `save_pretrained` writes a vision-language model in its original hub layout (Qwen2.5-VL's
+    `visual.*` and `model.layers.*`, LLaVA's `language_model.model.*`), which `from_pretrained` renames on load,
+    while the model's `state_dict` (what weight sync sends) uses the new names (`model.visual.*`,
+    `model.language_model.*`). The renaming is transformers' own save-time one, matched by tensor identity.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    own = model.state_dict()
+    by_id = {id(t): name for name, t in own.items()}
+    rename = {saved: by_id[id(t)] for saved, t in revert_weight_conversion(model, dict(own)).items() if id(t) in by_id}
+    return {rename.get(k, k): v for k, v in weights.items()}
+
+
 def hidden_size(config: Any) -> int:
     """The language model's hidden size (a vision-language config keeps it in its text config)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

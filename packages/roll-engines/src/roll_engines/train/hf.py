@@ -59,6 +59,7 @@ from roll_engines.train._vision import (
     checked_batch,
     hidden_size,
     model_class,
+    own_names,
     picture_keys,
     take,
     tensors_of,
@@ -576,7 +577,7 @@ class HFTrainEngine:
             weights: dict[str, Tensor] = {}
             for f in sorted((folder / "model").glob("*.safetensors")):
                 weights.update(load_file(f))
-            self._load_full_weights(weights)
+            self._load_full_weights(own_names(base_model(self.model), weights) if self.vision else weights)
         if self.optimizer is None:
             return
         if not (folder / "optimizer").is_dir():
