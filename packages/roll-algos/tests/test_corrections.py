@@ -139,3 +139,10 @@ def test_a_masked_token_gets_no_gradient_and_a_kept_one_its_weight() -> None:
     expected = -w / 9
     assert torch.allclose(logp.grad, expected * mask, atol=1e-6)
     assert logp.grad[0, 2] == 0 and logp.grad[0, 1] == pytest.approx(-3 / 9)  # r=0.25 dropped, r=3 weighted 3
+
+
+def test_bounds_are_inclusive() -> None:
+    # Ratios exactly 0.5 and 2 (log-probs log 0.5 and log 2 against 0) sit on token_mask's default band: kept.
+    old = torch.tensor([[math.log(0.5), math.log(2.0), math.log(2.5)]])
+    c = token_mask(old, torch.zeros(1, 3), torch.ones(1, 3), low=0.5, high=2.0)
+    assert c.weights.tolist() == [[1, 1, 0]]

@@ -69,6 +69,8 @@ class PolicyObjective:
         )
         out = {f"actor/{k}": v for k, v in metrics.items()}
         out["actor/pg_loss"] = loss.detach()
+        if "is_weights" in micro:  # what the correction's weights were where the loss used them (masked: 0)
+            out["actor/correction/weight_mean"] = masked_mean(micro["is_weights"], mask)
         if "old_logprobs" not in micro and "behaviour_logprobs" in micro:
             # One optimizer step per batch: these log-probs are the pre-update policy's, so their gap to the
             # engine's is the train/infer mismatch, measured for free (the pipeline measures it otherwise).
