@@ -12,6 +12,7 @@ Each correction below turns r into a detached (B, T) weight to multiply into the
   (masked, not clipped).
 - `geo_mask` (geometric-mean sequence masking): 1 on every token of a row whose geometric-mean ratio
   exp(mean_t log r_t) lies in [low, high], else 0. Length-normalised, so it needs bounds close to 1.
+
 Bounds are inclusive. `DEFAULT_BOUNDS` holds the papers' and their reference implementations' values (verl's
 rollout rejection sampling 0.5..2 for token and sequence masks and 0.999..1.001 for the geometric mean; IcePop's
 a = 0.5, b = 5). Masked tokens keep their place in the loss's normaliser, as in IcePop's 1/sum_i |y_i|: masking
