@@ -41,7 +41,8 @@ def _path(name: str) -> str:
 
 
 def _prompts(vp: VisionProcessor) -> list[tuple[list[int], MMInputs]]:
-    """Four prompts: two with different pictures (B has two), and two with EQUAL text but different pictures."""
+    """Four prompts: two with different pictures (B has two), and two with EQUAL text but different pictures; then
+    a text-only prompt (mm None)."""
 
     def enc(text: str, colours: list[tuple[int, int, int]], size=(56, 56)) -> tuple[list[int], MMInputs]:
         pics = [Image.new("RGB", size, c) for c in colours]
@@ -52,6 +53,7 @@ def _prompts(vp: VisionProcessor) -> list[tuple[list[int], MMInputs]]:
         enc("what is <image> next to <image>?", [(0, 200, 0), (0, 0, 9)], size=(84, 56)),
         enc("same <image>", [(1, 2, 3)]),
         enc("same <image>", [(250, 240, 3)]),
+        enc("no picture", []),
     ]
 
 
@@ -259,15 +261,18 @@ def test_megatron_refuses_a_vision_model_naming_the_engines_that_train_it() -> N
 
 
 # ---- fsdp2: two gloo ranks -------------------------------------------------------------------------------------
+FSDP_ROWS = [*ROWS, 4, 4]  # two text-only rows at the end (rank 1's)
+
+
 def _fsdp2_rank(rank: int, port: int, path: str, out: str) -> None:
-    """One of two fsdp2 ranks: log-probs and gradients of its half of the batch (rank 0 holds 6 rows, rank 1 4:
-    their micro-batch counts and pictures differ)."""
+    """One of two fsdp2 ranks: log-probs and gradients of its half of the batch. Rank 1's last micro-batch is the
+    two text-only rows while rank 0's has pictures: the vision tower's gradients are None on rank 1 only."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     from roll_engines.train.fsdp2 import FSDP2TrainEngine
 
-    batch = _batch(VisionProcessor(path))
-    rows = torch.arange(6) if rank == 0 else torch.arange(6, len(ROWS))
+    batch = _batch(VisionProcessor(path), FSDP_ROWS)
+    rows = torch.arange(6) if rank == 0 else torch.arange(6, len(FSDP_ROWS))
     part = {k: (v[rows] if isinstance(v, torch.Tensor) else [v[i] for i in rows.tolist()]) for k, v in batch.items()}
     eng = FSDP2TrainEngine(path, dist_backend="gloo", lr=1e-3, micro_batch_size=2, num_threads=1)
     scored = eng.compute_logprobs(part)
@@ -302,7 +307,7 @@ def test_fsdp2_two_ranks_equal_hf_on_a_multimodal_batch(tmp_path: Path) -> None:
             for p in ranks.processes:
                 p.kill()
             pytest.fail("the two fsdp2 ranks did not finish in 180 s")
-    batch = _batch(VisionProcessor(path))
+    batch = _batch(VisionProcessor(path), FSDP_ROWS)
     hf = HFTrainEngine(path, lr=1e-3, micro_batch_size=4)
     want = hf.compute_logprobs(batch)["logprobs"]
     got = torch.cat([torch.load(f"{out}.{r}")["logprobs"] for r in (0, 1)])
