@@ -74,3 +74,11 @@ def test_the_estimators_read_the_normalisation_choices() -> None:
     assert first(grpo(x, ns("batch", "none"))) == 0.5  # 1 - 0.5
     adv, _ = grpo(x, ns("group", "batch"))
     assert torch.equal(adv[:, 0], adv[:, 1])  # on every token of the row
+
+
+def test_trajectory_batches_refuse_the_normalisation_choices() -> None:
+    from roll_core.pipelines.objectives.rl import RLObjective
+
+    cfg = to_object(compose(["algo.norm_std_type=batch"]))
+    with pytest.raises(ConfigError, match=r"outcome batches of consecutive groups \(pipeline=rlvr\)"):
+        RLObjective(cfg, None, trajectories=True)  # type: ignore[arg-type]  (refused before any role is read)
