@@ -171,3 +171,10 @@ def test_pictures_need_a_vision_model_and_placeholders_typed_in_text_are_caught(
         template.observation_turn("a typed <|image_pad|>", [vision.tokenizer.eos_token_id])
     ids, mm = template.initial_turn("no picture yet")
     assert mm is None and vision.image_token_id not in ids
+
+
+def test_demonstrations_with_pictures_are_refused() -> None:
+    from roll_envs.agentic.task import AgenticTask
+
+    with pytest.raises(ValueError, match="hold pictures"):
+        AgenticTask("visual_frozen_lake", demonstrations=1)

@@ -36,6 +36,8 @@ with the processor's chat template, tokenise, and expand each picture's single p
 tokens as the picture has features; they return the ids and that turn's `MMInputs`. The ids of every turn are
 checked against its pictures (`check_tokens`): a placeholder typed in an observation's text is an error, not a
 shifted batch. Without `vision`, an observation with pictures is a ValueError (a text model cannot see them).
+`picture_token_id` is the placeholder token a policy must not sample (the rollout stops a turn on it; see
+roll_core.agentic.rollout).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class TurnTemplate:
         self.vision = vision
         # A vision model's processor may have its own template (the one that knows picture items).
         self.chat_template: str | None = vision.chat_template if vision is not None else None
+        self.picture_token_id: int | None = int(vision.image_token_id) if vision is not None else None
         self.prefix: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.prefix += list(examples or [])
         self.template_kwargs = dict(chat_template_kwargs or {})

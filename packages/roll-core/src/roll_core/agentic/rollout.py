@@ -18,7 +18,11 @@ so an episode never loses a turn to a sync. Without partial rollout a sync waits
 Observations with pictures (vision-language policies): the turn template renders each observation's pictures
 (expanded placeholders, roll_core.agentic.chat) and the trajectory keeps their `MMInputs`; every turn's request
 carries all the pictures of the conversation so far (`Request.mm`), in placeholder order. Picture tokens count
-against `max_context_length` like any other token.
+against `max_context_length` like any other token. A policy may sample the picture placeholder token itself (a
+random model often does): such a turn cannot be trained on or sent back (the model would need a picture for that
+token), so the placeholder is a stop token of every turn and a turn that sampled it is cut from the trajectory,
+which ends there (`end="image_token"`, counted in episode/end_image_token; a first turn leaves nothing to train
+on: the episode is dropped, counted in data/dropped_episodes).
 """
 
 from __future__ import annotations
@@ -201,13 +205,20 @@ class AgenticRollout:
                 break
             sample_seed = None if params.seed is None else derive_seed(params.seed, Purpose.EPISODE_TURN, index, turn)
             # The template's end-of-turn token stops a turn even where the model's eos is another token (Gemma 3).
-            stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.template.stop_token_ids)))
+            stops = (*params.stop_token_ids, *self.template.stop_token_ids)
+            if self.template.picture_token_id is not None:
+                stops = (*stops, self.template.picture_token_id)
+            stops = tuple(dict.fromkeys(stops))
             turn_params = params.replace(
                 max_new_tokens=min(lim.max_tokens_per_turn, room), seed=sample_seed, stop_token_ids=stops
             )
             token_ids, logprobs, finish = self._generate(f"{key}-turn-{turn}", key, traj.context(), turn_params, traj)
             if finish == "prompt_too_long":
                 traj.end = "max_context"
+                break
+            if self.template.picture_token_id is not None and self.template.picture_token_id in token_ids:
+                del traj.versions[traj.turns :]  # the cut turn's weight version (gate runs)
+                traj.end = "image_token"
                 break
             traj.cut_turns += int(finish == "length")
             traj.state_keys.append(str(info.get("state", text_of(obs))))

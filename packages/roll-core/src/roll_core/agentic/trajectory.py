@@ -22,7 +22,16 @@ import torch
 from roll_core.multimodal.inputs import MMInputs, merge
 
 #: Why an episode ended.
-END_REASONS = ("terminated", "truncated", "max_turns", "max_context", "env_error", "env_timeout", "abort")
+END_REASONS = (
+    "terminated",
+    "truncated",
+    "max_turns",
+    "max_context",
+    "env_error",
+    "env_timeout",
+    "abort",
+    "image_token",  # the policy sampled a picture placeholder token; that turn is cut (roll_core.agentic.rollout)
+)
 
 
 @dataclass
