@@ -5,8 +5,9 @@ checkpoints round-trip; the hf infer engine's sampling log-probs equal the train
 equals hf; placeholder/feature mismatches and unsupported combinations are clear errors.
 
 Families: Qwen2.5-VL (3D mrope positions from the model's get_rope_index) and LLaVA (CLIP tower, 1D positions),
-both tiny random models built from configs. fp32 throughout; log-prob tolerance 1e-5 (summation-order noise is
-~1e-6), sampler vs trainer 2e-4 as for text models (KV-cached decode vs one forward).
+Qwen3-VL and Qwen2-VL in the full matrix; tiny random models built from configs. fp32 throughout; log-prob
+tolerance 1e-5 (summation-order noise is ~1e-6), sampler vs trainer 2e-4 as for text models (KV-cached decode vs
+one forward).
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from roll_core.pipelines.objectives import PolicyObjective
 from roll_core.sequences import build_sequences, pad_left
 from roll_engines.train.hf import HFTrainEngine
 
-FAMILIES = ["tiny-qwen2.5-vl", "tiny-llava"]
+#: CI runs Qwen2.5-VL and LLaVA; Qwen3-VL (interleaved mrope, deepstack) and Qwen2-VL run in `nox -s full_matrix`.
+FAMILIES = [
+    "tiny-qwen2.5-vl",
+    "tiny-llava",
+    pytest.param("tiny-qwen3-vl", marks=pytest.mark.full_matrix),
+    pytest.param("tiny-qwen2-vl", marks=pytest.mark.full_matrix),
+]
 ATOL = 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
 
@@ -253,7 +260,7 @@ def test_megatron_refuses_a_vision_model_naming_the_engines_that_train_it() -> N
     from roll_core.errors import ConfigError
     from roll_engines.train.megatron._convert import check_supported
 
-    for family in FAMILIES:
+    for family in ("tiny-qwen2.5-vl", "tiny-llava"):
         with pytest.raises(
             ConfigError, match=r"train_engine=megatron cannot train the vision-language model .*hf.*fsdp2"
         ):

@@ -184,6 +184,12 @@ def _tiny_qwen2_vl(out: Path) -> None:
     build_tiny_qwen_vl(out, family="qwen2_vl")
 
 
+def _tiny_qwen3_vl(out: Path) -> None:
+    from roll_core.multimodal.tiny import build_tiny_qwen3_vl
+
+    build_tiny_qwen3_vl(out)
+
+
 def _tiny_llava(out: Path) -> None:
     from roll_core.multimodal.tiny import build_tiny_llava
 
@@ -195,6 +201,7 @@ BUILTINS: dict[str, Callable[[Path], None]] = {
     "tiny-wide": build_tiny_wide_model,
     "tiny-qwen2.5-vl": _tiny_qwen2_5_vl,
     "tiny-qwen2-vl": _tiny_qwen2_vl,
+    "tiny-qwen3-vl": _tiny_qwen3_vl,
     "tiny-llava": _tiny_llava,
     "smollm2-135m": _smollm2,
     "qwen2.5-coder-0.5b": _qwen_coder,

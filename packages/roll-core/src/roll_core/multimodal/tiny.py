@@ -1,7 +1,8 @@
-"""Tiny random vision-language models built from configs (`model.path=builtin:tiny-qwen2.5-vl`), for tests and
-the CPU quickstart: the tiny character-level tokenizer plus the family's picture tokens, the family's image
-processor with small pictures (4 to 16 picture tokens each) and a chat template that places pictures where the
-messages put them. Weights are seeded: every worker builds byte-identical models."""
+"""Tiny random vision-language models built from configs (`model.path=builtin:tiny-qwen2.5-vl`, `tiny-qwen2-vl`,
+`tiny-qwen3-vl`, `tiny-llava`), for tests and the CPU quickstart: the tiny character-level tokenizer plus the
+family's picture tokens, the family's image processor with small pictures (4 to 16 picture tokens each) and a chat
+template that places pictures where the messages put them. Weights are seeded: every worker builds byte-identical
+models."""
 
 from __future__ import annotations
 
@@ -129,6 +130,56 @@ def build_tiny_llava(out: Path, *, hidden: int = 64, seed: int = 0) -> None:
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config)
     images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    images.save_pretrained(out)
+
+
+def build_tiny_qwen3_vl(out: Path, *, hidden: int = 64, seed: int = 0) -> None:
+    """Save a seeded tiny Qwen3-VL (interleaved mrope, deepstack features from vision layer 1, 16-pixel patches),
+    its tokenizer, image processor (4 to 16 picture tokens per picture) and chat template to `out`."""
+    import torch
+    from transformers import AutoModelForImageTextToText, Qwen3VLConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as Images
+
+    from roll_core.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": QWEN_VISION_TOKENS})
+    tok.chat_template = TINY_VL_CHAT_TEMPLATE
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VISION_TOKENS}
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    vision = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden, patch_size=16,
+        spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[1],
+    )  # fmt: skip
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config)
+    images = Images(min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 16, patch_size=16, merge_size=2, temporal_patch_size=2)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     images.save_pretrained(out)
