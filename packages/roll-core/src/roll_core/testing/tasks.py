@@ -203,10 +203,15 @@ class AgenticTaskTestSuite:
         assert a is not b, "make_env() must return a new environment each call"
         assert isinstance(a, Env), f"make_env() gave {type(a).__name__}, not an Env"
 
-        def episode(env: Env, seed: int) -> tuple[str, ...]:
+        def episode(env: Env, seed: int) -> tuple[tuple[str, ...], ...]:
+            # Observations are text or text with pictures (roll_core.agentic.observation): compare text and digests.
+            from roll_core.testing.envs import EnvTestSuite
+
             obs, info = env.reset(seed=seed)
-            assert isinstance(obs, str) and obs.strip() and isinstance(info, dict), f"reset gave {obs!r:.80}, {info}"
-            return (obs, *(str(env.step(action)[0]) for action in self.probe_actions))
+            key = EnvTestSuite.observation_key(obs)
+            assert key[0].strip() and isinstance(info, dict), f"reset gave {obs!r:.80}, {info}"
+            steps = (EnvTestSuite.observation_key(env.step(action)[0]) for action in self.probe_actions)
+            return (key, *steps)
 
         for seed in (task.train_seeds(1, 0)[0], task.eval_seeds()[0]):
             first = episode(a, seed)
