@@ -87,6 +87,22 @@ class FSDP2TrainEngineConfig(HFTrainEngineConfig):
     reshard_after_forward: bool = True
 
 
+def check_overlap(grad_reduce: bool, param_gather: bool, distributed_optimizer: bool) -> None:
+    """Refuse the overlap settings Megatron does not run: the parameter all-gather exists only under the distributed
+    optimizer (megatron.core would silently not overlap), and Megatron-LM requires the gradient overlap with it
+    (the all-gathers are scheduled against the reduce-scatters of the same buckets)."""
+    if param_gather and not distributed_optimizer:
+        raise ValueError(
+            "train_engine.overlap_param_gather=true needs train_engine.use_distributed_optimizer=true (without it "
+            "every rank holds all parameters and there is no all-gather to overlap)"
+        )
+    if param_gather and not grad_reduce:
+        raise ValueError(
+            "train_engine.overlap_param_gather=true needs train_engine.overlap_grad_reduce=true (Megatron-LM "
+            "overlaps the parameter all-gather only together with the gradient reduce-scatter)"
+        )
+
+
 @dataclass
 class MegatronTrainEngineConfig(TrainEngineConfig):
     """Megatron-Core (roll_engines.train.megatron): tensor x pipeline x data parallel over world_size workers."""
@@ -110,6 +126,12 @@ class MegatronTrainEngineConfig(TrainEngineConfig):
     micro_batch_size: int = 4
     # ZeRO-1 style: optimizer state sharded over data-parallel ranks.
     use_distributed_optimizer: bool = True
+    # Start each gradient bucket's data-parallel reduction during the backward, as soon as the bucket's gradients
+    # are complete (Megatron's overlap_grad_reduce), instead of all reductions after the last micro-batch.
+    overlap_grad_reduce: bool = False
+    # Leave each bucket's parameter all-gather after a distributed-optimizer step to the next forward, overlapped
+    # with its compute (needs use_distributed_optimizer and overlap_grad_reduce; weight sync waits for it).
+    overlap_param_gather: bool = False
     # Activation recomputation: null | selective | full.
     recompute: str | None = None
     # Master weights and optimizer state stay fp32 (model.dtype is the compute dtype).
@@ -135,6 +157,7 @@ class MegatronTrainEngineConfig(TrainEngineConfig):
             )
         if self.lora_rank and self.lora_dropout:
             raise ValueError("train_engine=megatron trains LoRA without dropout: set train_engine.lora_dropout=0")
+        check_overlap(self.overlap_grad_reduce, self.overlap_param_gather, self.use_distributed_optimizer)
         if self.lora_rank:
             from roll_engines.train.megatron._lora import resolve_targets
 

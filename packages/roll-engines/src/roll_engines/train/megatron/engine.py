@@ -107,8 +107,10 @@ class MegatronTrainEngine:
         context_parallel_size: int = 1,
         expert_model_parallel_size: int = 1,
         sequence_parallel: bool = False,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
     ) -> None:
-        from roll_engines.config import MEGATRON
+        from roll_engines.config import MEGATRON, check_overlap
 
         MEGATRON.require()  # one line naming the extra, not a ModuleNotFoundError from the first layer built
         if context_parallel_size < 1:
@@ -124,6 +126,7 @@ class MegatronTrainEngine:
             raise ValueError("LoRA trains the policy only (role 'critic'): set lora_rank=0 for the critic")
         if lora_rank and lora_dropout:
             raise ValueError("train_engine=megatron trains LoRA without dropout: set train_engine.lora_dropout=0")
+        check_overlap(overlap_grad_reduce, overlap_param_gather, use_distributed_optimizer)
         prepare_engine_process(device, num_threads)
         self.name, self.role, self.device = name, role, torch.device(device)
         self.trainable = trainable and role != "reference"
@@ -178,6 +181,7 @@ class MegatronTrainEngine:
             if self.lora:  # before DDP and the optimizer: they hold the trainable (adapter) parameters only
                 L.apply_lora(self.model, lora_rank, lora_alpha, lora_target_modules, seed)
             self.ddp, self.optimizer = self.model, None
+            self.overlap = (overlap_grad_reduce, overlap_param_gather)
             if self.trainable:
                 self._build_optimizer(
                     config, lr, weight_decay, betas, max_grad_norm, use_distributed_optimizer, param_dtype
@@ -239,12 +243,22 @@ class MegatronTrainEngine:
 
         if param_dtype != "float32":
             raise ValueError("train_engine=megatron keeps fp32 master weights (param_dtype=float32)")
+        overlap_grad, overlap_param = self.overlap
+        # Overlap (megatron.core's async collectives; no CUDA stream with one optimizer instance, so gloo runs them
+        # too): each gradient bucket's reduction starts in the backward as soon as the bucket's last gradient is
+        # accumulated (the last micro-batch's backward), and each bucket's parameter all-gather after a
+        # distributed-optimizer step waits for the next forward to reach it (_gather_params when read otherwise).
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=overlap_grad,
+            overlap_param_gather=overlap_param,
+            use_distributed_optimizer=distributed,
         )
         self.ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=self.model)
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = self.ddp.no_sync
+        if overlap_grad:  # the pipeline schedules start a stage's reductions after its last backward
+            config.grad_sync_func = self.ddp.start_grad_sync
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=lr,
@@ -432,8 +446,14 @@ class MegatronTrainEngine:
             return value * scale, {}
 
         self.model.train()
-        with self._shims():
-            self._schedule(micros, loss, forward_only=False, force_all_reduce=force_all_reduce)
+        # With overlap_grad_reduce the reductions start in backward hooks, which read this flag, not the
+        # schedule's argument (that reaches only the non-overlapped path in finalize_model_grads).
+        self.ddp.force_all_reduce = force_all_reduce
+        try:
+            with self._shims():
+                self._schedule(micros, loss, forward_only=False, force_all_reduce=force_all_reduce)
+        finally:
+            self.ddp.force_all_reduce = False
         return metrics, total
 
     def train_step(
@@ -481,6 +501,17 @@ class MegatronTrainEngine:
         out["optimizer_state_mb"] = optimizer_state_bytes(self.optimizer) / 2**20
         return out
 
+    def _gather_params(self) -> None:
+        """Finish the parameter all-gather that overlap_param_gather left to the next forward (collective): the
+        weights are read outside a forward (export, weight sync, save) or overwritten (load) right after a step."""
+        if not (self.optimizer is not None and self.overlap[1]):
+            return
+        with self._shims():
+            for group in self.ddp.bucket_groups + self.ddp.expert_parallel_bucket_groups:
+                # Not dispatched: gather now; dispatched by a forward and still in flight: wait for it.
+                if not group.param_gather_dispatched or group.param_gather_handle is not None:
+                    group.start_param_sync(force_sync=True)
+
     def _step_optimizer(self) -> tuple[float, bool]:
         """(grad norm, stepped): Megatron's optimizer skips a step with a non-finite gradient; the LR schedule
         then does not advance either."""
@@ -501,6 +532,10 @@ class MegatronTrainEngine:
         """Full gradients in HF names of one mini-batch, without a step (data-parallel reduced; collective). With
         LoRA: the adapter's gradients in peft's names (a fused layer's shared A gradient under each projection)."""
         self.ddp.zero_grad_buffer()
+        if self.optimizer is not None:
+            # Megatron's plain optimizer leaves each param.grad aliasing its main_grad after a step: autograd would
+            # accumulate into that alias and the DDP hook add it again (wrong gradients after any train_step).
+            self.optimizer.zero_grad()
         # The distributed optimizer's reduction is a reduce-scatter: each rank's gradients are whole only in the
         # shard it updates. Here every rank needs them whole, so this backward's reduction is an all-reduce.
         refuse_constrained_batch(batch, "megatron")
@@ -523,6 +558,7 @@ class MegatronTrainEngine:
         over PP; in `dtype`, else the parameters' own. Collective; the same pairs in the same order on every rank."""
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+        self._gather_params()
         offset = get_transformer_layer_offset(self.model.config)
         local = X.local_tensors(self.model, bool(self.lora), grads, changed_only)
         pieces = X.stage_pieces(local, self.hf_config, self.critic, offset, dtype)
@@ -575,6 +611,7 @@ class MegatronTrainEngine:
         """Weights from `folder/model` (with LoRA: the adapter from `folder/adapter`; the base stays what
         `model_path` holds) and the optimizer state from `folder/optimizer`, both at any layout."""
         folder = Path(folder)
+        self._gather_params()  # no pending all-gather of the old weights may land on the loaded ones
         with self._shims():
             if self.lora:
                 L.load_adapter(self.model, self.hf_config, folder / "adapter", self.lora[0], self.lora[1])
