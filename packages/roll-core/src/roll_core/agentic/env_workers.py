@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from roll_core.agentic.env_manager import EnvFailure, EnvManager
+from roll_core.agentic.observation import Observation
 from roll_core.cluster.group import WorkerGroup
 from roll_core.cluster.worker import Dispatch, Worker, dispatch
 from roll_core.config.build import build
@@ -84,11 +85,11 @@ class RemoteEnvManager:
             raise EnvFailure(kind, message)
         return value
 
-    def reset(self, slot: int, seed: int) -> tuple[str, dict[str, Any]]:
+    def reset(self, slot: int, seed: int) -> tuple[Observation, dict[str, Any]]:
         rank, local = self._where(slot)
         return self._unwrap(self.group.submit_to(rank, EnvWorker.reset, local, seed).result())
 
-    def step(self, slot: int, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    def step(self, slot: int, action: str) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
         rank, local = self._where(slot)
         return self._unwrap(self.group.submit_to(rank, EnvWorker.step, local, action).result())
 
