@@ -62,6 +62,9 @@ def test_the_map_is_in_the_picture_and_not_in_the_text() -> None:
             want = COLOURS["P" if kind == "P" else kind if kind in "HG" else "S" if (r, c) == (0, 0) else "F"]
             assert pic.getpixel((c * 10 + 5, r * 10 + 5)) == want, (r, c, kind)
     assert "picture" in env.instructions() and "dark blue" in env.instructions()
+    for reply in ("<image>", "<image><image> up"):  # quoted back in the invalid-action message, defused
+        obs, *_ = env.step(reply)
+        assert obs["text"].count("<image>") == 1 and obs["text"].endswith("The lake: <image>"), obs["text"]
 
 
 def test_the_env_manager_keeps_pictures_and_fails_malformed_ones_as_env_errors() -> None:

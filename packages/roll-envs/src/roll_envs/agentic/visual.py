@@ -3,10 +3,11 @@
 The game is `FrozenLakeEnv`'s (seeded solvable maps, moves, slipperiness, rewards, step limit, expert): only the
 observation differs. Every observation is `{"text": str, "images": [one RGB picture of the lake]}`: the text says
 what the last move did (or why it was invalid) and never spells the map, so the map reaches the model only through
-the picture, which stands where the text's `<image>` marker is. The picture is a `size * cell_px` square: one
-`cell_px` square per cell (ice light blue, holes dark blue, goal gold, start pale grey), the player a red square
-inset in its cell, 1-pixel grey grid lines. With the default `cell_px=28`, one cell is one 2x2 block of 14-pixel
-patches: one picture token per cell for the Qwen-VL families (a 4x4 lake is 16 tokens).
+the picture, which stands where the text's one `<image>` marker is (an `<image>` quoted from the model's reply is
+defused). The picture is a `size * cell_px` square: one `cell_px` square per cell (ice light blue, holes dark blue,
+goal gold, start pale grey), the player a red square inset in its cell, 1-pixel grey grid lines. With the default
+`cell_px=28`, one cell is one 2x2 block of 14-pixel patches: one picture token per cell for the Qwen-VL families (a
+4x4 lake is 16 tokens).
 
 Rendering is deterministic: the same state gives the same pixels (and `roll_core.multimodal.digest`), different
 states different ones. `info["state"]` is FrozenLake's text key of the state (GiGPO groups by it). Needs Pillow
@@ -29,6 +30,10 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "grid": (128, 128, 128),
 }
 LEGEND = "In the picture you are red, holes are dark blue, the goal is gold, safe ice is light blue."
+#: roll_core.multimodal.IMAGE_MARKER (not imported: these modules stay free of torch).
+IMAGE_MARKER = "<image>"
+#: Where the picture goes while the observation text is built (replaced by the marker at the end).
+_SLOT = "\x00picture\x00"
 
 
 class VisualFrozenLakeEnv(FrozenLakeEnv):
@@ -44,7 +49,7 @@ class VisualFrozenLakeEnv(FrozenLakeEnv):
 
     # The text part: short, without the map (the picture carries it, where the `<image>` marker stands).
     def _render(self) -> str:
-        return "The lake: <image>"
+        return f"The lake: {_SLOT}"
 
     def _rules(self) -> str:
         return f"{super()._rules()} You see the lake as a picture. {LEGEND}"
@@ -71,6 +76,9 @@ class VisualFrozenLakeEnv(FrozenLakeEnv):
         return img
 
     def _with_picture(self, text: str) -> dict[str, Any]:
+        # Invalid-action messages quote the model's reply: an `<image>` it typed must not become a second marker
+        # (a picture count mismatch) or move the picture.
+        text = text.replace(IMAGE_MARKER, "<image >").replace(_SLOT, IMAGE_MARKER)
         return {"text": text, "images": [self.picture()]}
 
     def reset(self, seed: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[override]
