@@ -51,7 +51,8 @@ def _wide_tiny_vl(out: Path) -> str:
     build_tiny_qwen_vl(out, hidden=256)
     cfg = json.loads((out / "config.json").read_text())
     # The rotary sections split head_dim / 2 = 32 frequencies over (time, height, width), Qwen's 1:1.5:1.5.
-    cfg["text_config"]["rope_parameters"]["mrope_section"] = [8, 12, 12]
+    rope = cfg["text_config"].get("rope_parameters") or cfg["text_config"]["rope_scaling"]  # transformers 5 / 4
+    rope["mrope_section"] = [8, 12, 12]
     (out / "config.json").write_text(json.dumps(cfg))
     return str(out)
 

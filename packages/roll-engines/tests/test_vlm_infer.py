@@ -28,21 +28,44 @@ from roll_engines.infer.hf import HFInferEngine
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def vl_path() -> str:
-    return resolve_model_path("builtin:tiny-qwen2.5-vl")
+Loaded = tuple[str, VisionProcessor, HFInferEngine]
 
 
 @pytest.fixture(scope="module")
-def vp(vl_path: str) -> VisionProcessor:
-    return VisionProcessor(vl_path)
+def loaded() -> Iterator[dict[str, Loaded]]:
+    """One engine per family for the whole module (built on first use)."""
+    cache: dict[str, Loaded] = {}
+    yield cache
+    for _, _, eng in cache.values():
+        eng.shutdown()
 
 
-@pytest.fixture(scope="module")
-def engine(vl_path: str) -> Iterator[HFInferEngine]:
-    eng = HFInferEngine(vl_path, max_num_seqs=8)
-    yield eng
-    eng.shutdown()
+def _load(cache: dict[str, Loaded], name: str) -> Loaded:
+    if name not in cache:
+        path = resolve_model_path(f"builtin:{name}")
+        cache[name] = (path, VisionProcessor(path), HFInferEngine(path, max_num_seqs=8))
+    return cache[name]
+
+
+@pytest.fixture(params=["tiny-qwen2.5-vl", "tiny-llava"])
+def family(request: pytest.FixtureRequest, loaded: dict[str, Loaded]) -> Loaded:
+    """Qwen2.5-VL (3D mrope positions, patch-level pixel rows) and LLaVA (1D positions, one pixel row a picture)."""
+    return _load(loaded, request.param)
+
+
+@pytest.fixture
+def vl_path(loaded: dict[str, Loaded]) -> str:
+    return _load(loaded, "tiny-qwen2.5-vl")[0]
+
+
+@pytest.fixture
+def vp(loaded: dict[str, Loaded]) -> VisionProcessor:
+    return _load(loaded, "tiny-qwen2.5-vl")[1]
+
+
+@pytest.fixture
+def engine(loaded: dict[str, Loaded]) -> HFInferEngine:
+    return _load(loaded, "tiny-qwen2.5-vl")[2]
 
 
 def picture(colour: tuple[int, int, int], size: tuple[int, int] = (60, 40), seed: int = 0) -> Any:
@@ -60,7 +83,8 @@ def prompt(vp: VisionProcessor, text: str, images: list[Any]) -> tuple[list[int]
 def teacher_forced(model: Any, ids: list[int], response: list[int], mm: MMInputs | None, image_token: int) -> Tensor:
     """log p(response | prompt) from one transformers forward over prompt + response: picture features scattered
     into the prompt's placeholders, positions from the model's get_rope_index. A sampled placeholder token in the
-    response is a text token (no picture behind it), as in the engine's decode."""
+    response is a text token (no picture behind it), as in the engine's decode. Qwen2-VL / Qwen2.5-VL only (Qwen3-VL
+    adds deepstack features at inner layers, LLaVA has no get_rope_index)."""
     inner = model.model
     full = torch.tensor([ids + response])
     attn = torch.ones_like(full)
@@ -104,7 +128,8 @@ def _drive(engine: HFInferEngine, futures: list) -> None:
         engine.batcher.step()
 
 
-def test_requests_joining_mid_decode_equal_each_alone(engine: HFInferEngine, vp: VisionProcessor) -> None:
+def test_requests_joining_mid_decode_equal_each_alone(family: Loaded) -> None:
+    _, vp, engine = family
     red, blue = picture((200, 10, 10)), picture((10, 10, 200), seed=5)
     a = prompt(vp, "hi <image> ?", [red])
     c = prompt(vp, "hi <image> ?", [blue])  # the same ids as a, another picture
@@ -132,7 +157,8 @@ def test_requests_joining_mid_decode_equal_each_alone(engine: HFInferEngine, vp:
     assert futs["a"].result().logprobs != pytest.approx(futs["c"].result().logprobs, abs=1e-4)
 
 
-def test_prefix_cache_reuses_only_the_same_pictures(engine: HFInferEngine, vl_path: str, vp: VisionProcessor) -> None:
+def test_prefix_cache_reuses_only_the_same_pictures(family: Loaded) -> None:
+    vl_path, vp, engine = family
     red, green, blue = picture((200, 10, 10), seed=8), picture((10, 200, 10), seed=9), picture((10, 10, 200))
     plain = HFInferEngine(vl_path, prefix_cache_mb=0)
     first, first_mm = prompt(vp, "look: <image>", [red])
