@@ -122,3 +122,50 @@ def test_visual_agentic_training_runs(tmp_path: Path) -> None:
     assert len(steps) == 2 and all(h["data/dropped_episodes"] == 0 for h in steps)
     assert all(h["episode/turns_mean"] > 1 for h in steps)
     assert max(h["actor/train_infer_logprob_diff"] for h in steps) < 1e-4
+
+
+def test_a_turn_that_samples_a_picture_placeholder_is_cut_and_ends_the_episode() -> None:
+    """A policy that samples the picture placeholder token (weights set so that it always does): the token stops
+    the turn at once (it is a stop token of every turn), the turn is cut (its ids could be neither trained on nor
+    sent back without a picture) and the episode ends with `image_token`, nothing sent to the environment."""
+    from roll_core.agentic.chat import TurnTemplate
+    from roll_core.agentic.env_manager import EnvManager
+    from roll_core.agentic.rollout import AgenticRollout, EpisodeLimits
+    from roll_core.interfaces import SamplingParams
+    from roll_core.models import resolve_model_path
+    from roll_core.multimodal import VisionProcessor
+    from roll_engines.infer.hf import HFInferEngine
+    from roll_envs.agentic.visual import VisualFrozenLakeEnv
+
+    path = resolve_model_path(VLM)
+    vision = VisionProcessor(path)
+    engine = HFInferEngine(path, max_new_tokens=6)
+    # Layers add nothing, every text embedding has +1 in dimension 0, the final norm keeps only that dimension
+    # and only the placeholder's output row reads it: the placeholder's logit is large and positive everywhere.
+    weights = {}
+    for name, w in engine.model.state_dict().items():
+        if "language_model" in name and name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = torch.zeros_like(w)
+        elif name.endswith("language_model.embed_tokens.weight"):
+            weights[name] = torch.cat([torch.ones_like(w[:, :1]), w[:, 1:]], dim=1)
+        elif name.endswith("language_model.norm.weight"):
+            weights[name] = torch.nn.functional.one_hot(torch.tensor(0), w.numel()).to(w.dtype)
+        elif name == "lm_head.weight":
+            weights[name] = torch.zeros_like(w)
+            weights[name][vision.image_token_id, 0] = 50.0
+    assert len(weights) == 3 + 2 * 2  # two layers
+    engine.load_weights(weights)
+    infer = Recorded(engine)
+    envs = EnvManager(VisualFrozenLakeEnv, 0)
+    rollout = AgenticRollout(
+        infer, envs, TurnTemplate(vision.tokenizer, vision=vision), vision.tokenizer, EpisodeLimits(3)
+    )
+    try:
+        (traj,) = rollout.run([4], [0], SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))
+    finally:
+        engine.shutdown()
+        envs.close()
+    (request,) = infer.requests
+    assert vision.image_token_id in request.params.stop_token_ids
+    assert traj.end == "image_token" and traj.turns == 0 and traj.tokens == [] and traj.versions == []
+    assert traj.mm.num_images == 1 and traj.state_keys == []
