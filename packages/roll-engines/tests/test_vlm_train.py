@@ -141,6 +141,55 @@ def test_packed_logprobs_equal_padded_and_each_row_alone(family: str) -> None:
         assert packed.model.model.rope_deltas is None and padded.model.model.rope_deltas is None
 
 
+def test_agentic_rows_with_pictures_in_their_responses_pack_exactly() -> None:
+    """Multi-turn rows whose responses hold observation pictures (agentic: the row's MMInputs is every turn's, in
+    order): two rows share prompt A (one prompt computation) but see different observation pictures, a third
+    continues prompt B. Packed = padded = each row alone."""
+    from transformers import AutoModelForImageTextToText
+
+    path = _path("tiny-qwen2.5-vl")
+    vp = VisionProcessor(path)
+    prompts = _prompts(vp)
+
+    def observation(colour: tuple[int, int, int]) -> tuple[list[int], MMInputs]:
+        content = as_content("you see <image>", 1)
+        return vp.encode_messages([{"role": "user", "content": content}], [Image.new("RGB", (56, 84), colour)])
+
+    rows = []  # (prompt, response pieces [(ids, trained)], the row's pictures in placeholder order)
+    for p, colour in ((0, (9, 9, 200)), (0, (200, 9, 9)), (1, (9, 200, 9))):
+        ids, mm = prompts[p]
+        obs_ids, obs_mm = observation(colour)
+        rows.append((ids, [([40, 41], 1), (obs_ids, 0), ([42, 43, 44], 1)], mm.extend(obs_mm)))
+    pad = vp.tokenizer.pad_token_id
+    p_ids, p_mask = pad_left([r[0] for r in rows], pad)
+    tokens = [[t for piece, _ in r[1] for t in piece] for r in rows]
+    width = max(map(len, tokens))
+    responses = torch.full((len(rows), width), pad)
+    response_mask, present = torch.zeros_like(responses), torch.zeros_like(responses)
+    for i, r in enumerate(rows):
+        responses[i, : len(tokens[i])] = torch.tensor(tokens[i])
+        response_mask[i, : len(tokens[i])] = torch.tensor([m for piece, m in r[1] for _ in piece])
+        present[i, : len(tokens[i])] = 1
+    batch: dict[str, Any] = build_sequences(p_ids, p_mask, responses, present)
+    batch.update(responses=responses, response_mask=response_mask, mm_inputs=[r[2] for r in rows])
+    packed = HFTrainEngine(path, role="reference")
+    padded = HFTrainEngine(path, role="reference", pack_sequences=False)
+    seen = _count_pictures(packed)
+    got, want = packed.compute_logprobs(batch)["logprobs"], padded.compute_logprobs(batch)["logprobs"]
+    attended = present.bool()
+    torch.testing.assert_close(got[attended], want[attended], atol=ATOL, rtol=0)
+    assert seen == [1 + 1 + 1 + 2 + 1]  # prompt A once, its rows' two observations, prompt B, its observation
+    plain = AutoModelForImageTextToText.from_pretrained(path).eval()
+    for i, r in enumerate(rows):
+        ids = torch.tensor([r[0] + tokens[i]])
+        with torch.no_grad():
+            logits = plain(input_ids=ids, mm_token_type_ids=(ids == vp.image_token_id).int(), **r[2].tensors).logits
+        plain.model.rope_deltas = None
+        n = len(tokens[i])
+        logp = torch.log_softmax(logits[0, -n - 1 : -1].float(), -1).gather(-1, ids[0, -n:, None])[:, 0]
+        torch.testing.assert_close(got[i, :n], logp, atol=ATOL, rtol=0, msg=f"row {i}")
+
+
 def test_training_micro_batches_keep_pictures_with_their_rows() -> None:
     """Gradients of the packed engine (micro-batches of 3 rows, or a token budget; rows grouped by prompt) equal the
     padded engine's in one micro-batch; the vision tower is trained (pictures reach the policy gradient); a step
