@@ -228,6 +228,9 @@ class RequestOutput:
     finish_reason: str
     # Weight version the tokens were sampled under (incremented by every `update_weights` completion).
     weight_version: int = 0
+    # MoE engines asked to record routing (infer_engine.return_routing): (len(prompt_ids) + len(token_ids),
+    # num_moe_layers, top_k) int16 expert ids per position, -1 where none was computed (roll_core.routing).
+    routed_experts: Tensor | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
@@ -250,6 +253,8 @@ class GenerateOutput:
     finish_reasons: list[str]
     # Wall seconds of the call.
     seconds: float = 0.0
+    # Per row, RequestOutput.routed_experts (engines recording MoE routing), else None.
+    routed_experts: list[Tensor] | None = None
 
     @property
     def truncated(self) -> Tensor:
@@ -273,7 +278,9 @@ class GenerateOutput:
                 resp[i, :k] = torch.tensor(o.token_ids, dtype=torch.long)
                 logp[i, :k] = torch.tensor(o.logprobs, dtype=torch.float32)
                 mask[i, :k] = 1
-        return GenerateOutput(resp, logp, mask, [o.finish_reason for o in outputs], seconds)
+        routing = [o.routed_experts for o in outputs]
+        routed = routing if outputs and all(r is not None for r in routing) else None
+        return GenerateOutput(resp, logp, mask, [o.finish_reason for o in outputs], seconds, routed)
 
 
 class UnsupportedSamplingError(ValueError):

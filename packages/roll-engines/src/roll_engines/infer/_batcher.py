@@ -32,6 +32,7 @@ from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
 from roll_core.interfaces.inference import Request, RequestOutput
+from roll_engines.infer._routing import RoutingRecorder
 from roll_engines.infer._sampling import StopStrings, processed_logprobs, sample_rows
 from roll_engines.infer._vision import VisionInputs, mm_key, pictures
 
@@ -154,6 +155,8 @@ class Running:
     finish: str | None = None
     # Decode position of response token j is prompt_len + j + rope_delta (mrope: the prompt's max position + 1 - len).
     rope_delta: int = 0
+    # Per forward that computed this request's positions, their experts (roll_engines.infer._routing; recording on).
+    routing: list[Tensor] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
@@ -175,8 +178,10 @@ class ContinuousBatcher:
         version: Callable[[], int],
         prefix_cache_bytes: int = 0,
         vision: VisionInputs | None = None,
+        routing: RoutingRecorder | None = None,
     ) -> None:
         self.model, self.eos_ids, self.pad_id = model, eos_ids, pad_id
+        self.routing = routing  # records each forward's MoE experts per request (return_routing)
         self.vision = vision
         self.max_num_seqs, self.max_context, self.device = max_num_seqs, max_context, device
         self.version = version
@@ -251,6 +256,8 @@ class ContinuousBatcher:
             use_cache=True,
             **{self.cache_arg: self.cache},  # updated in place
         )
+        if self.routing is not None:
+            self.routing.decode(self.running)
         self._sample(self.running, out.logits[:, -1])
         self._retire()
 
@@ -337,6 +344,8 @@ class ContinuousBatcher:
             **{self.cache_arg: cache},  # filled in place
         )
         keys = [unique[(tuple(s.request.prompt_ids), mm_key(s.request))] for s in new]
+        if self.routing is not None:
+            self.routing.prefill(new, keys, attn)
         for s, k in zip(new, keys):
             s.rope_delta = deltas[k]
         rows = torch.tensor(keys, dtype=torch.long)
@@ -438,6 +447,7 @@ class ContinuousBatcher:
             logprobs=list(seq.logprobs),
             finish_reason=seq.finish or "abort",
             weight_version=self.version(),
+            routed_experts=self.routing.result(seq) if self.routing is not None else None,
         )
         if not seq.future.done():
             seq.future.set_result(out)

@@ -18,6 +18,9 @@ of `model.generate`, so that:
   `AutoModelForImageTextToText`; a request's pictures (`Request.mm`, or `generate(..., mm=)`) go in at its prefill
   with explicit 3D rotary positions, and equal ids with other pictures never share a prefill or a cached prefix
   (roll_engines.infer._vision). Placeholder / feature mismatches are a ValueError to the caller.
+- `return_routing=True` (MoE models): each output carries the top-k experts every MoE layer chose at every prompt
+  and generated position (`RequestOutput.routed_experts`, roll_engines.infer._routing), for the trainer's
+  routed-expert replay; the prefix cache is off then.
 
 Threads: the batch API drives decode steps in the caller's thread. The request API starts one background thread
 on first use; both step under one lock, so a `generate` call and requests can share a batch. A weight sync pauses
@@ -42,6 +45,7 @@ from roll_core.interfaces.inference import GenerateOutput, Request, RequestOutpu
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_core.seeds import Purpose, derive_seed
 from roll_engines.infer._batcher import ContinuousBatcher, Running
+from roll_engines.infer._routing import RoutingRecorder
 from roll_engines.infer._sampling import StopStrings
 from roll_engines.infer._vision import VisionInputs, refuse_pictures
 
@@ -103,6 +107,7 @@ class HFInferEngine:
         world_size: int = 1,
         num_threads: int | None = None,
         seed: int = 0,
+        return_routing: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -149,6 +154,11 @@ class HFInferEngine:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._ids = itertools.count()
+        # MoE routed-expert replay: every RequestOutput carries its positions' experts (roll_engines.infer._routing).
+        # A reused prefix's routing is not kept, so the prefix cache is off while recording.
+        routing = RoutingRecorder(self.model) if return_routing else None
+        if routing is not None:
+            prefix_cache_mb = 0.0
         self.batcher = _ConstrainedBatcher(
             self.model,
             eos_ids=self.eos_ids,
@@ -159,6 +169,7 @@ class HFInferEngine:
             version=lambda: self._version,
             prefix_cache_bytes=int(prefix_cache_mb * 2**20),
             vision=self.vision,
+            routing=routing,
         )
 
     # ---- facts --------------------------------------------------------------------------------------------

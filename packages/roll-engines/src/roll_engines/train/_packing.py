@@ -65,6 +65,8 @@ class PackedBatch:
         targets: (K,) the response token ids.
         shape: (B, R) of the output.
         mm: the pictures' processor tensors in the packed placeholder order ({} without pictures).
+        origin: (N, T) long, each packed token's index in the micro-batch's flattened (B * (P+R)) padded layout
+            (a shared prompt's tokens: its first row's); -1 for padding (per-position inputs: routed-expert replay).
     """
 
     input_ids: Tensor
@@ -77,6 +79,7 @@ class PackedBatch:
     targets: Tensor
     shape: tuple[int, int]
     mm: dict[str, Tensor] = field(default_factory=dict)
+    origin: Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -243,6 +246,8 @@ def pack(
     # response row (-1 for prompt tokens, which every response of the segment sees).
     seg = -1 - torch.arange(n * t).view(n, t)
     owner = torch.full((n, t), -1, dtype=torch.long)
+    origin = torch.full((n, t), -1, dtype=torch.long)
+    width = ids.shape[1]
     src_flat, rows, cols, targets = [], [], [], []
     order: list[tuple[int, list[int]]] = []  # (prompt row, member rows) per segment in packed order: pictures
     for row, members_of_row in enumerate(rows_of):
@@ -253,6 +258,7 @@ def pack(
             plen = int(pm.sum())
             out_ids[row, at : at + plen] = ids[members[0], :p][pm]
             out_pos[:, row, at : at + plen] = pos[:, members[0], :p][:, pm]
+            origin[row, at : at + plen] = members[0] * width + pm.nonzero()[:, 0]
             seg[row, at : at + plen] = j
             prompt_last = row * t + at + plen - 1
             at += plen
@@ -262,6 +268,7 @@ def pack(
                 out_pos[:, row, at : at + m] = pos[:, i, p : p + m]
                 seg[row, at : at + m] = j
                 owner[row, at : at + m] = i
+                origin[row, at : at + m] = i * width + p + torch.arange(m)
                 # Response token c is predicted by the token before it: the prompt's last one for c = 0.
                 src_flat += [prompt_last, *range(row * t + at, row * t + at + m - 1)]
                 rows += [i] * m
@@ -291,6 +298,7 @@ def pack(
         targets=torch.tensor(targets, dtype=responses.dtype),
         shape=(b, r),
         mm=pictures.packed(order) if pictures is not None else {},
+        origin=origin,
     )
 
 

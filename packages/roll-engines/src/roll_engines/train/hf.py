@@ -29,6 +29,8 @@ Contract:
   Micro-batches holding a constrained row run the padded forward (the mask needs each position's full logits). A
   response token the constraint never allowed ends its row's masking there (counted in
   `structured_rejected_rows`, logged): such a row was not sampled under its constraint.
+- `routing_replay=True` (MoE models): every forward's MoE layers use the batch's `routed_experts` (roll_core.routing,
+  the rollout engine's expert choices) instead of their routers' top-k (roll_engines.train._routing).
 - Never sees a Hydra config: the worker passes plain values.
 """
 
@@ -53,6 +55,7 @@ from roll_engines.train._micro import check_micro_batch_tokens, micro_rows
 from roll_engines.train._micro import padding_row as _padding_row
 from roll_engines.train._optim import adamw_kernel, load_optimizer, lr_lambda, save_optimizer
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
+from roll_engines.train._routing import RoutingReplay
 from roll_engines.train._settings import reapply, snapshot
 from roll_engines.train._vision import (
     Vision,
@@ -108,6 +111,7 @@ class HFTrainEngine:
         lora_dropout: float = 0.0,
         lora_target_modules: list[str] | str = "all-linear",
         pack_sequences: bool = True,
+        routing_replay: bool = False,
     ) -> None:
         if role not in ("actor", "critic", "reference"):
             raise ValueError(f"role must be actor, critic or reference, got {role!r}")
@@ -150,6 +154,8 @@ class HFTrainEngine:
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = self._wrap(self.model)
+        # MoE layers compute with the batch's `routed_experts` (the rollout's choices; roll_engines.train._routing).
+        self.routing = RoutingReplay.of(self.model, role) if routing_replay else None
         self.pack_sequences = pack_sequences
         reason = unsupported_reason(self.model) if pack_sequences else None
         if reason is not None:
@@ -242,6 +248,8 @@ class HFTrainEngine:
             if self.pack_sequences and not constrained
             else None
         )
+        if self.routing is not None:
+            self.routing.prepare(micro, packed)
         if packed is not None:
             self.forward_tokens += packed.tokens
             autocast = torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast)

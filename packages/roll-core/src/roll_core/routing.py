@@ -1,0 +1,49 @@
+"""Routed-expert replay's batch field: the experts a MoE rollout engine chose, laid out like `input_ids`.
+
+An inference engine that records routing returns, per request, a (prompt_len + response_len, num_moe_layers,
+top_k) int16 tensor of expert ids (`RequestOutput.routed_experts`; -1 where it computed none). The training
+engines read the batch field `routed_experts`, (B, P+R, num_moe_layers, top_k) int16 aligned with `input_ids` in
+the padded layout of roll_core.protocol (prompts left-padded to P, responses right-padded to R), and compute each
+MoE layer with exactly those experts (train_engine.routing_replay). Padding and unrecorded positions hold
+UNROUTED (-1): the trainer routes those itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+#: The batch field (B, P+R, num_moe_layers, top_k) int16.
+ROUTED_EXPERTS = "routed_experts"
+#: A position whose experts the engine did not record.
+UNROUTED = -1
+
+
+def routing_layout(
+    rows: Sequence[Tensor], prompt_lens: Sequence[int], prompt_width: int, response_width: int
+) -> Tensor:
+    """Per-request routing -> the batch field (B, P+R, layers, top_k) int16 aligned with `input_ids`.
+
+    Args:
+        rows: per row, (prompt_len + generated, layers, top_k) expert ids (RequestOutput.routed_experts).
+        prompt_lens: per row, its prompt's length (the first prompt_len entries of its routing).
+        prompt_width, response_width: P and R of the padded layout (a response longer than R is cut there).
+    Raises:
+        ValueError: rows of different layer counts or top-k, or a prompt longer than P.
+    """
+    if len(rows) != len(prompt_lens):
+        raise ValueError(f"routing_layout: {len(rows)} routings for {len(prompt_lens)} prompts")
+    shapes = {tuple(r.shape[1:]) for r in rows}
+    if len(shapes) > 1:
+        raise ValueError(f"routing_layout: rows disagree on (layers, top_k): {sorted(shapes)}")
+    tail = shapes.pop() if shapes else (0, 0)
+    out = torch.full((len(rows), prompt_width + response_width, *tail), UNROUTED, dtype=torch.int16)
+    for i, (r, plen) in enumerate(zip(rows, prompt_lens)):
+        if plen > prompt_width:
+            raise ValueError(f"routing_layout: row {i}'s prompt has {plen} tokens, more than P={prompt_width}")
+        out[i, prompt_width - plen : prompt_width] = r[:plen]
+        resp = r[plen : plen + response_width]
+        out[i, prompt_width : prompt_width + resp.shape[0]] = resp
+    return out

@@ -1,0 +1,205 @@
+"""Routed-expert replay (roll_engines.infer._routing, roll_engines.train._routing, roll_core.routing) on a tiny
+random Qwen3-MoE (2 MoE layers, 4 experts, top-2), no Ray:
+
+(a) a routing forced to differ from the router's (each expert id e -> 3 - e) is what the trainer computes with:
+    its log-probs equal a forward whose routers are patched to choose those experts, packed and padded, and
+    differ from the unpatched forward; the gradient reaches the router weights;
+(b) the fp32 infer engine's recorded routing is the trainer's own routing at every prompt and response position,
+    so replay is a no-op: log-probs with and without replay are equal (and equal the behaviour log-probs);
+(c) a bf16 rollout engine against the fp32 trainer, routers scaled down so that routing decisions are near ties:
+    the mean |train - infer| log-prob gap over response tokens is smaller with replay than without.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from roll_core.interfaces.inference import SamplingParams
+from roll_core.routing import ROUTED_EXPERTS, UNROUTED, routing_layout
+from roll_core.sequences import build_sequences, pad_left
+from roll_core.testing.models import tiny_model
+from roll_engines.infer._routing import RoutingRecorder
+from roll_engines.infer.hf import HFInferEngine
+from roll_engines.train.hf import HFTrainEngine
+
+PROMPTS = [[5, 9, 14, 3, 22, 7], [31, 8, 2], [12, 40, 41, 17, 6]]
+N = 2  # samples per prompt (one shared prefill, as a GRPO group)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return tiny_model("qwen3_moe", tmp_path_factory.mktemp("moe"))
+
+
+@pytest.fixture(scope="module")
+def near_ties(tiny, tmp_path_factory) -> str:
+    """The tiny model with near-tie routers: every expert's router row is one shared row v plus 0.02 x noise, so
+    logits are v.h (large, rounded in bf16) plus small expert-specific margins, and bf16 rounding flips some
+    top-2 choices (about 10% of (position, layer) pairs); experts' outputs scaled up 3x so a flip shows."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                shared = torch.randn(1, p.shape[1], generator=gen)
+                p.copy_(shared + 0.02 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("experts.down_proj"):
+                p.mul_(3.0)
+    out = tmp_path_factory.mktemp("moe_ties")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(out)
+    return str(out)
+
+
+def rollout(path: str, dtype: str = "float32", max_new: int = 10) -> dict:
+    """Sample N responses per prompt with routing recorded; the batch in the trainer's padded layout."""
+    engine = HFInferEngine(path, dtype=dtype, return_routing=True, max_new_tokens=max_new, temperature=1.0)
+    try:
+        out = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=3), n=N)
+    finally:
+        engine.shutdown()
+    prompts = [p for p in PROMPTS for _ in range(N)]
+    ids, mask = pad_left(prompts, engine.pad_id)
+    batch = build_sequences(ids, mask, out.responses, out.response_mask)
+    batch.update(responses=out.responses, response_mask=out.response_mask)
+    p, r = ids.shape[1], out.responses.shape[1]
+    batch[ROUTED_EXPERTS] = routing_layout(out.routed_experts, [len(x) for x in prompts], p, r)
+    return {"batch": batch, "behaviour": out.logprobs, "rows": out.routed_experts}
+
+
+def own_routing(path: str, batch: dict) -> torch.Tensor:
+    """The fp32 model's own top-k per position of `batch` (padded forward), (B, P+R, layers, k) int16."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rec = RoutingRecorder(model)
+    with torch.no_grad():
+        model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")})
+    return rec._take(tuple(batch["input_ids"].shape))
+
+
+def patched_logprobs(path: str, batch: dict, forced: torch.Tensor) -> torch.Tensor:
+    """Response log-probs of a plain padded forward whose routers choose `forced` (B, P+R, layers, k) experts,
+    the weights being softmax(logits) at them, renormalised (written independently of the replay hook)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    routers = RoutingRecorder(model).routers
+    for layer, router in enumerate(routers):
+
+        def forward(hidden, layer=layer, router=router):
+            logits = F.linear(hidden, router.weight)
+            idx = forced[:, :, layer].reshape(-1, router.top_k).long()
+            w = logits.softmax(-1).gather(-1, idx)
+            return logits, w / w.sum(-1, keepdim=True), idx
+
+        router.forward = forward
+    r = batch["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}).logits
+    logp = logits[:, -r - 1 : -1].log_softmax(-1).gather(-1, batch["responses"][..., None])[..., 0]
+    return logp * batch["response_mask"]
+
+
+def trainer_logprobs(path: str, batch: dict, replay: bool, pack: bool = True) -> torch.Tensor:
+    engine = HFTrainEngine(path, role="actor", routing_replay=replay, pack_sequences=pack, logprob_chunk_size=4)
+    return engine.compute_logprobs(batch)["logprobs"] * batch["response_mask"]
+
+
+def test_recorded_routing_layout(tiny):
+    """Each request's routing covers prompt + response; only the never-fed last token is unrouted, and the
+    batch field is aligned with input_ids."""
+    ro = rollout(tiny)
+    batch, rows = ro["batch"], ro["rows"]
+    prompts = [p for p in PROMPTS for _ in range(N)]
+    p = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+    for i, (row, prompt) in enumerate(zip(rows, prompts)):
+        n = int(batch["response_mask"][i].sum())
+        assert row.shape == (len(prompt) + n, 2, 2) and row.dtype == torch.int16
+        assert (row[:-1] >= 0).all() and (row[-1] == UNROUTED).all()
+        field = batch[ROUTED_EXPERTS][i]
+        assert (field[: p - len(prompt)] == UNROUTED).all()  # left padding
+        assert torch.equal(field[p - len(prompt) : p + n], row)
+    # The N samples of a prompt share one prefill: equal prompt routing.
+    assert torch.equal(rows[0][: len(PROMPTS[0])], rows[1][: len(PROMPTS[0])])
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
+def test_forced_routing_is_what_the_trainer_computes_with(tiny, pack):
+    batch = rollout(tiny, max_new=6)["batch"]
+    own = own_routing(tiny, batch)
+    forced = (3 - own.long()).to(torch.int16)  # other experts everywhere (4 experts, top-2: the other pair)
+    batch[ROUTED_EXPERTS] = forced
+    mask = batch["response_mask"].bool()
+    replayed = trainer_logprobs(tiny, batch, replay=True, pack=pack)
+    expected = patched_logprobs(tiny, batch, forced)
+    plain = trainer_logprobs(tiny, batch, replay=False, pack=pack)
+    torch.testing.assert_close(replayed[mask], expected[mask], atol=2e-5, rtol=1e-5)
+    assert (replayed - plain)[mask].abs().mean() > 3e-3  # the forced experts change the policy (100x atol)
+
+
+def test_replay_gradient_reaches_the_router(tiny):
+    """The replayed experts' weights are the trainer's router probabilities: the loss has a router gradient."""
+    batch = rollout(tiny, max_new=4)["batch"]
+    engine = HFTrainEngine(tiny, role="actor", routing_replay=True, micro_batch_size=8)
+    logp = engine._forward(engine._inputs(batch), 1.0, False)["logprobs"]
+    (logp * batch["response_mask"]).sum().backward()
+    grads = [r.weight.grad for r in engine.routing.routers]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+    assert engine.routing.replayed > 0
+
+
+def test_fp32_rollout_routing_equals_the_trainers_own(tiny):
+    ro = rollout(tiny)
+    batch = ro["batch"]
+    field, own = batch[ROUTED_EXPERTS], own_routing(tiny, batch)
+    recorded = field >= 0
+    assert recorded.any()
+    # Top-k order may differ only between exactly equal probabilities: compare sets.
+    assert torch.equal(field.sort(-1).values[recorded], own.sort(-1).values[recorded])
+    mask = batch["response_mask"].bool()
+    with_replay = trainer_logprobs(tiny, batch, replay=True)
+    without = trainer_logprobs(tiny, batch, replay=False)
+    torch.testing.assert_close(with_replay[mask], without[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(with_replay[mask], ro["behaviour"][mask], atol=1e-4, rtol=1e-4)
+
+
+def test_replay_shrinks_the_bf16_rollout_gap(near_ties, capsys):
+    ro = rollout(near_ties, dtype="bfloat16", max_new=16)
+    batch, behaviour = ro["batch"], ro["behaviour"]
+    mask = batch["response_mask"].bool()
+    own = own_routing(near_ties, batch)
+    recorded = batch[ROUTED_EXPERTS] >= 0
+    flipped = (batch[ROUTED_EXPERTS].sort(-1).values != own.sort(-1).values).any(-1)[recorded.all(-1)]
+    gap_replay = (trainer_logprobs(near_ties, batch, replay=True) - behaviour)[mask].abs().mean().item()
+    gap_plain = (trainer_logprobs(near_ties, batch, replay=False) - behaviour)[mask].abs().mean().item()
+    with capsys.disabled():
+        print(
+            f"\nbf16 rollout / fp32 trainer, {int(mask.sum())} response tokens, {flipped.float().mean():.1%} of "
+            f"(position, layer) routings differ: mean |diff| without replay {gap_plain:.5f}, with {gap_replay:.5f}"
+        )
+    assert flipped.any()  # the near ties do flip under bf16
+    assert gap_replay < 0.5 * gap_plain  # measured: 0.0046 without replay, 0.0009 with
+
+
+def test_bad_routing_is_refused(tiny):
+    batch = rollout(tiny, max_new=3)["batch"]
+    engine = HFTrainEngine(tiny, role="actor", routing_replay=True)
+    with pytest.raises(ValueError, match=r"infer_engine\.return_routing"):
+        engine.compute_logprobs({k: v for k, v in batch.items() if k != ROUTED_EXPERTS})
+    with pytest.raises(ValueError, match="expert ids outside"):
+        engine.compute_logprobs({**batch, ROUTED_EXPERTS: batch[ROUTED_EXPERTS] + 4})
+    with pytest.raises(ValueError, match="MoE layers, top_k"):
+        engine.compute_logprobs({**batch, ROUTED_EXPERTS: batch[ROUTED_EXPERTS][..., :1]})
+
+
+def test_dense_model_is_refused(tmp_path):
+    dense = tiny_model("qwen3", tmp_path)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        HFInferEngine(dense, return_routing=True)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        HFTrainEngine(dense, role="actor", routing_replay=True)
