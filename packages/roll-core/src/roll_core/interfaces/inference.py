@@ -328,8 +328,12 @@ class InferEngine(Protocol):
         """Raise `UnsupportedSamplingError` naming the engine if `params` cannot be honoured exactly."""
         ...
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1) -> GenerateOutput:
-        """Sample `n` responses per prompt (rows grouped per prompt); see the module docstring."""
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1, mm: Sequence[Any] | None = None
+    ) -> GenerateOutput:
+        """Sample `n` responses per prompt (rows grouped per prompt); see the module docstring. `mm`: one
+        `roll_core.multimodal.MMInputs` or None per prompt (placeholders already expanded in the ids); only engines
+        serving vision-language models take it, and callers pass it only when a prompt has pictures."""
         ...
 
     def submit(self, request: Request) -> Future[RequestOutput]:

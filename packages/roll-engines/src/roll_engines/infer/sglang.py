@@ -288,13 +288,19 @@ class SGLangInferEngine:
     # ---- batch and request API ----------------------------------------------------------------------------
     def submit(self, request: Request) -> Future[RequestOutput]:
         self.check_sampling(request.params)
+        _refuse_pictures(self.name, [request.mm], f"request {request.request_id!r}")
         fut: Future[RequestOutput] = Future()
         self._jobs.put(("request", request, fut))
         return fut
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None, n: int = 1
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+        n: int = 1,
+        mm: Sequence[Any] | None = None,
     ) -> GenerateOutput:
+        _refuse_pictures(self.name, mm or [], "a prompt")
         t0 = time.perf_counter()
         params = params or self.defaults
         futures = []
@@ -388,3 +394,12 @@ def _device_used() -> int:
         return 0
     free, total = torch.cuda.mem_get_info()
     return int(total - free)
+
+
+def _refuse_pictures(name: str, mm: Sequence[Any], what: str) -> None:
+    """The SGLang adapter sends token ids only: pictures would be dropped silently, so they are refused."""
+    if any(m is not None and m.num_images for m in mm):
+        raise ValueError(
+            f"{name} engine: {what} carries pictures; the sglang adapter does not send them: use infer_engine=hf "
+            "(CPU or GPU) or infer_engine=vllm (GPU) for vision-language models"
+        )
