@@ -20,6 +20,12 @@ TINY_VL_CHAT_TEMPLATE = (
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
+def mrope_section(head_dim: int) -> list[int]:
+    """Rotary pairs per (temporal, height, width) section for a head of `head_dim`: Qwen2-VL's 16:24:24 split of
+    its 128-wide heads, scaled (they must sum to head_dim / 2): [2, 3, 3] at 16, [8, 12, 12] at 64."""
+    return [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]
+
+
 def build_tiny_qwen_vl(out: Path, *, family: str = "qwen2_5_vl", hidden: int = 64, seed: int = 0) -> None:
     """Save a seeded tiny Qwen2-VL / Qwen2.5-VL model, its tokenizer, image processor and chat template to `out`."""
     import torch
@@ -39,7 +45,7 @@ def build_tiny_qwen_vl(out: Path, *, family: str = "qwen2_5_vl", hidden: int = 6
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=2048,
-        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        rope_scaling={"type": "mrope", "mrope_section": mrope_section(hidden // 4)},
         tie_word_embeddings=False,
         pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id,
@@ -157,7 +163,7 @@ def build_tiny_qwen3_vl(out: Path, *, hidden: int = 64, seed: int = 0) -> None:
         num_key_value_heads=2,
         head_dim=hidden // 4,
         max_position_embeddings=2048,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section(hidden // 4)},
         tie_word_embeddings=False,
         pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id,
