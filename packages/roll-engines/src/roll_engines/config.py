@@ -59,6 +59,10 @@ class HFTrainEngineConfig(TrainEngineConfig):
     gradient_checkpointing: bool = False
     # Modules that get adapters: peft names, or "all-linear" (every linear layer except the output head).
     lora_target_modules: Any = "all-linear"
+    # MoE routed-expert replay: every MoE layer computes with the experts the rollout engine chose (the batch's
+    # `routed_experts`, recorded with infer_engine.return_routing=true) instead of its router's top-k; the gate
+    # weights stay the trainer's router probabilities at those experts (Megatron-LM's router replay, verl's R3).
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -212,6 +216,9 @@ class HFInferEngineConfig(InferEngineConfig):
     max_num_seqs: int = 64
     # MiB of finished sequences' KV kept for requests that extend them (multi-turn conversations); 0 disables.
     prefix_cache_mb: float = 1024.0
+    # MoE models: record each MoE layer's top-k experts at every prompt and generated position, for the trainer's
+    # routed-expert replay (train_engine.routing_replay); the prefix cache is off while recording.
+    return_routing: bool = False
     # torch threads of the engine process; null: all cores.
     num_threads: int | None = None
 
