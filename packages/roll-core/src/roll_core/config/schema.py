@@ -687,6 +687,17 @@ class RLVRConfig:
                 accelerator=lambda: _platform_is_accelerator(self.hw),
                 async_rollout=pipe.async_ratio > 0,
             )
+        if getattr(self.train_engine, "routing_replay", False):
+            if not getattr(self.infer_engine, "return_routing", False):
+                raise ValueError(
+                    "train_engine.routing_replay=true replays the experts the rollout engine chose: set "
+                    "infer_engine.return_routing=true (infer_engine=hf records them)"
+                )
+            if pipe.async_ratio > 0:
+                raise ValueError(
+                    "train_engine.routing_replay=true needs the synchronous pipeline (pipeline.async_ratio=0): "
+                    "asynchronous rollouts do not carry the engine's routing"
+                )
         if algo.overlong_buffer > model.max_response_length:
             # The DAPO penalty would reach -1 before the response starts: every sample is punished alike.
             raise ValueError(
