@@ -5,7 +5,8 @@ top_k) int16 tensor of expert ids (`RequestOutput.routed_experts`; -1 where it c
 engines read the batch field `routed_experts`, (B, P+R, num_moe_layers, top_k) int16 aligned with `input_ids` in
 the padded layout of roll_core.protocol (prompts left-padded to P, responses right-padded to R), and compute each
 MoE layer with exactly those experts (train_engine.routing_replay). Padding and unrecorded positions hold
-UNROUTED (-1): the trainer routes those itself.
+UNROUTED (-1): the trainer routes those itself. The synchronous pipeline carries it: the infer worker puts each
+request's routing in the generation's ROUTING_ROWS field and `assemble` lays it out next to `input_ids`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from torch import Tensor
 
 #: The batch field (B, P+R, num_moe_layers, top_k) int16.
 ROUTED_EXPERTS = "routed_experts"
+#: A generation's per-row field before assembly: each request's ragged routing (prompt + response positions);
+#: `roll_core.pipelines.rollout.assemble` lays it out as ROUTED_EXPERTS once the prompt width is known.
+ROUTING_ROWS = "routed_experts_rows"
 #: A position whose experts the engine did not record.
 UNROUTED = -1
 

@@ -249,6 +249,10 @@ class InferWorker(EngineWorker):
             },
             {"finish_reason": gen.finish_reasons},
         )
+        if getattr(gen, "routed_experts", None) is not None:  # MoE routing per row; `assemble` lays it out
+            from roll_core.routing import ROUTING_ROWS
+
+            out[ROUTING_ROWS] = gen.routed_experts
         out.meta["generate_seconds"] = gen.seconds
         return out
 

@@ -232,6 +232,11 @@ def assemble(tokenizer: Any, prompts: Batch, gen: Batch, metrics: dict[str, Any]
     batch["prompts"] = p_ids
     for k, v in build_sequences(p_ids, p_mask, batch["responses"], batch["response_mask"]).items():
         batch[k] = v
+    from roll_core.routing import ROUTED_EXPERTS, ROUTING_ROWS, routing_layout
+
+    if ROUTING_ROWS in batch:  # the engine's MoE routing, aligned with input_ids (routed-expert replay)
+        lens = [len(p) for p in batch["prompt_ids"]]
+        batch[ROUTED_EXPERTS] = routing_layout(batch[ROUTING_ROWS], lens, p_ids.shape[1], batch["responses"].shape[1])
     return batch
 
 

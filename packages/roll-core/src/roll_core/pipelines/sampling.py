@@ -93,7 +93,7 @@ def merge_scored(tokenizer: Any, parts: Sequence[Batch]) -> Batch:
     from roll_core.pipelines.rollout import assemble
 
     prompt_fields = ("prompt_ids", *(k for k in (*PROBLEM_FIELDS, "mm_inputs") if all(k in p for p in parts)))
-    gen_keys = (*GEN_TENSORS, "truncated", "finish_reason", *SCORE_TENSORS)
+    gen_keys = (*GEN_TENSORS, "truncated", "finish_reason", *SCORE_TENSORS, "routed_experts_rows")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     merged = concat_generations([p.select(*prompt_fields, *(k for k in gen_keys if k in p)) for p in parts], pad)
     return assemble(tokenizer, merged.select(*prompt_fields), merged.select(*(k for k in gen_keys if k in merged)))
