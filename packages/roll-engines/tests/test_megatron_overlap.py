@@ -88,10 +88,11 @@ def test_overlap_trains_the_same_weights_on_two_ranks(tmp_path: Path) -> None:
     os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path / "cache"))
     path = resolve_model_path("builtin:tiny")
     out = tmp_path / "overlap.pt"
-    # A fork server that imported torch and Megatron once (as test_topk_logprobs' TP=2 test): two spawned ranks
-    # would import them each.
+    # A fork server that imported torch and Megatron once. The same preload list as test_topk_logprobs.py's TP=2
+    # test: one pytest process has one fork server, so whichever test starts it, the other's ranks fork at no
+    # import cost (the ranks' own work is ~1 s each; the imports are most of this test's time when it starts it).
     multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["torch", "transformers", "megatron.core", "roll_engines.train.megatron"]
+        ["torch", "transformers", "megatron.core", "roll_engines.train.megatron", "roll_core.testing.train_engine"]
     )
     ranks = mp.start_processes(
         _rank, args=(free_port(), path, str(out)), nprocs=2, join=False, start_method="forkserver"
