@@ -49,6 +49,7 @@ from torch import Tensor
 from roll_core.interfaces import LossFn
 from roll_core.interfaces.inference import STRUCTURED_KEY
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
+from roll_engines.train import _vision as V  # vision-language models: pictures travel with their rows
 from roll_engines.train._logits import check_topk, empty_outputs, gather_ids_of, response_outputs
 from roll_engines.train._lora import apply_lora, base_model, is_lora, load_adapter, merged_weights, save_lora
 from roll_engines.train._micro import check_micro_batch_tokens, micro_rows
@@ -57,17 +58,6 @@ from roll_engines.train._optim import adamw_kernel, load_optimizer, lr_lambda, s
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
 from roll_engines.train._routing import RoutingReplay
 from roll_engines.train._settings import reapply, snapshot
-from roll_engines.train._vision import (
-    Vision,
-    checked_batch,
-    hidden_size,
-    model_class,
-    own_names,
-    picture_keys,
-    take,
-    tensors_of,
-    vocab_size,
-)
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +69,8 @@ class HFTrainEngine:
 
     #: Log-probs replay a batch's structured-output constraints (`structured`); engines without it refuse them.
     structured_logprobs: ClassVar[bool] = True
+    #: Trains vision-language models from batches with `mm_inputs` (roll_engines.train._vision).
+    vision_models: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -139,7 +131,7 @@ class HFTrainEngine:
             torch.amp.GradScaler(self.device.type) if self.trainable and self.compute_dtype == torch.float16 else None
         )
         torch.manual_seed(seed)  # the critic's new value head is initialised from this seed
-        self.vision = Vision.of(self.path)  # None for a text model
+        self.vision = V.Vision.of(self.path)  # None for a text model
         self.model = self._load(attn_implementation, trust_remote_code)
         if lora_rank > 0 and self.trainable:
             if role != "actor":
@@ -162,7 +154,7 @@ class HFTrainEngine:
             log.warning("pack_sequences: %s; using the padded forward", reason)
             self.pack_sequences = False
         # Weighs padding against attention when a packed micro-batch is split into rows (_packing._place).
-        self.pack_hidden_size = hidden_size(self.model.config)
+        self.pack_hidden_size = V.hidden_size(self.model.config)
         # Positions fed to the model by every forward so far (padding included): what packing saves.
         self.forward_tokens = 0
         # Training forward/backward passes so far (padding micro-batches included): what a token budget sets.
@@ -187,7 +179,7 @@ class HFTrainEngine:
         kwargs = dict(dtype=self.dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
         if self.role == "critic":
             kwargs["num_labels"] = 1
-        model = model_class(self.vision, self.role).from_pretrained(self.path, **kwargs)
+        model = V.model_class(self.vision, self.role).from_pretrained(self.path, **kwargs)
         model.config.use_cache = False
         # No dropout anywhere (as peers do): the log-probs and values a step trains on must be the ones the
         # scoring passes computed in eval mode (a token-classification head brings dropout 0.1 by default).
@@ -221,10 +213,6 @@ class HFTrainEngine:
     @property
     def lora(self) -> bool:
         return is_lora(self.model)
-
-    def _inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """The batch's tensors and pictures, each row's placeholders checked against its pictures first."""
-        return checked_batch(batch, self.vision, self.path)
 
     def _forward(
         self,
@@ -338,15 +326,15 @@ class HFTrainEngine:
     def _chunked(
         self, batch: Mapping[str, Tensor], temperature: float, with_entropy: bool, topk: int = 0
     ) -> dict[str, Tensor]:
-        check_topk(topk, int(vocab_size(self.model.config) or topk))
-        tensors = self._inputs(batch)
+        check_topk(topk, int(V.vocab_size(self.model.config) or topk))
+        tensors = V.checked_batch(batch, self.vision, self.path)
         was_training = self.model.training
         self.model.eval()  # no dropout in scoring passes
         n = tensors["input_ids"].shape[0]
         order = self._prompt_order(tensors)
         if order is not None:  # chunks of rows that share prompts; outputs are put back in batch order below
-            tensors = take(tensors, order)
-        chunks = [take(tensors, slice(s, s + self.logprob_chunk_size)) for s in range(0, n, self.logprob_chunk_size)]
+            tensors = V.take(tensors, order)
+        chunks = [V.take(tensors, slice(s, s + self.logprob_chunk_size)) for s in range(0, n, self.logprob_chunk_size)]
         parts: dict[str, list[Tensor]] = {}
         # Sharded forwards are collective: every rank runs as many chunks as the busiest one (padding rows).
         for i in range(self._all_reduce_max(len(chunks))):
@@ -372,7 +360,7 @@ class HFTrainEngine:
             return None
         r = tensors["responses"].shape[1]
         ids, am, pos = tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"]
-        return prompt_order(ids, am, pos, r, picture_keys(tensors))
+        return prompt_order(ids, am, pos, r, V.picture_keys(tensors))
 
     # ---- training -----------------------------------------------------------------------------------------
     def train_step(
@@ -388,7 +376,7 @@ class HFTrainEngine:
         """`epochs` passes of `mini_batches` optimizer steps over this rank's rows; returns averaged metrics."""
         if not self.trainable or self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine is not trainable")
-        tensors = self._inputs(batch)
+        tensors = V.checked_batch(batch, self.vision, self.path)
         n = tensors["input_ids"].shape[0]
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
@@ -401,7 +389,7 @@ class HFTrainEngine:
             # and it still runs every collective; a mini-batch empty on all ranks takes no optimizer step.
             for mb_rows in torch.tensor_split(order, mini_batches):
                 self.optimizer.zero_grad(set_to_none=True)
-                metrics, total = self._accumulate(take(tensors, mb_rows), loss_fn, temperature, template=tensors)
+                metrics, total = self._accumulate(V.take(tensors, mb_rows), loss_fn, temperature, template=tensors)
                 for k, v in metrics:
                     sums[k] = sums.get(k, 0.0) + v
                     counts[k] = counts.get(k, 0) + 1
@@ -444,9 +432,9 @@ class HFTrainEngine:
         """
         order = self._prompt_order(mini)
         if order is not None:  # micro-batches of rows that share prompts (the mini-batch's rows are unchanged)
-            mini = take(mini, order)
+            mini = V.take(mini, order)
         rows = micro_rows(mini, self.micro_batch_size, self.micro_batch_tokens, grouped=order is not None)
-        micros = [take(mini, r) for r in rows]
+        micros = [V.take(mini, r) for r in rows]
         local = torch.tensor([sum(loss_fn.units(m) for m in micros)], dtype=torch.float64)
         total = float(self._all_reduce_sum(local).item())
         out = []
@@ -455,7 +443,7 @@ class HFTrainEngine:
             micro = micros[i] if real else _padding_row(template if template is not None else mini)
             outputs = self._forward(micro, temperature, loss_fn.needs_entropy, 0, gather_ids_of(loss_fn, micro))
             self.micro_batches_run += 1
-            loss, metrics = loss_fn(outputs, {k: v.to(self.device) for k, v in tensors_of(micro).items()})
+            loss, metrics = loss_fn(outputs, {k: v.to(self.device) for k, v in V.tensors_of(micro).items()})
             scale = loss_fn.units(micro) / total * self.dp_size if real and total > 0 else 0.0
             scaled = loss * scale
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
@@ -468,7 +456,7 @@ class HFTrainEngine:
     ) -> dict[str, Tensor]:
         """Gradients of `loss_fn` over this rank's rows as one mini-batch, without an optimizer step (checks)."""
         self.model.zero_grad(set_to_none=True)
-        self._accumulate(self._inputs(batch), loss_fn, temperature)
+        self._accumulate(V.checked_batch(batch, self.vision, self.path), loss_fn, temperature)
         grads = self.gradients()
         self.model.zero_grad(set_to_none=True)
         return grads
@@ -585,7 +573,7 @@ class HFTrainEngine:
             weights: dict[str, Tensor] = {}
             for f in sorted((folder / "model").glob("*.safetensors")):
                 weights.update(load_file(f))
-            self._load_full_weights(own_names(base_model(self.model), weights) if self.vision else weights)
+            self._load_full_weights(V.own_names(base_model(self.model), weights) if self.vision else weights)
         if self.optimizer is None:
             return
         if not (folder / "optimizer").is_dir():
