@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from roll_core.cluster.reward_guard import RewardFailureError
 from roll_core.config.compose import ConfigError, explain, to_object
 from roll_core.config.search_path import primary_config_path
 from roll_core.errors import MissingExtraError, check_installed
@@ -117,9 +116,6 @@ def train_main() -> None:
     except MissingExtraError as exc:
         print(f"roll-train: {exc}", file=sys.stderr)
         sys.exit(2)
-    except RewardFailureError as exc:  # the run's reward failed on every row for too long: one message, no trace
-        print(f"roll-train: run stopped: {exc}", file=sys.stderr)
-        sys.exit(1)
     except Exception as exc:
         from hydra.errors import ConfigCompositionException, OverrideParseException
         from omegaconf.errors import OmegaConfBaseException
@@ -127,7 +123,18 @@ def train_main() -> None:
         if isinstance(exc, (ConfigCompositionException, OverrideParseException, OmegaConfBaseException)):
             print(f"roll-train: invalid config:\n{explain(exc)}", file=sys.stderr)
             sys.exit(2)
+        if _is_reward_failure(exc):  # the run's reward failed on every row for too long: one message, no trace
+            print(f"roll-train: run stopped: {exc}", file=sys.stderr)
+            sys.exit(1)
         raise
+
+
+def _is_reward_failure(exc: BaseException) -> bool:
+    """Whether `exc` is roll_core.cluster.reward_guard's RewardFailureError. Looked up among the loaded modules, not
+    imported: importing the reward guard imports torch (~2 s), which a run that fails before its pipeline starts
+    (a config error, `--help`) never needs; a RewardFailureError can only come from a loaded module."""
+    guard = sys.modules.get("roll_core.cluster.reward_guard")
+    return guard is not None and isinstance(exc, guard.RewardFailureError)
 
 
 def eval_main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,12 @@
 """`roll-doctor` / `python -m roll_hw`: print what roll sees on this machine, as a table.
 
 Reports the detected platform, every known platform's probe, devices, torch version, which torch.distributed
-backends are compiled in, which optional engines import, and every installed roll plugin (train and inference
-engines, environments, rewards, estimators, policy losses, collectors, trackers, platforms: entry-point names only,
-nothing imported), and each tracker backend with whether its package is installed (its module is imported for
-its `extra` attribute; the service's package is not). It never fails on a missing optional package: every probe
-is wrapped, and the worst outcome is a row that says "no (<reason>)".
+backends are compiled in, which optional engines are installed and their versions (from the package metadata, not
+imported: Megatron-Core alone takes seconds and warns about Transformer Engine on import), every installed roll
+plugin (train and inference engines, environments, rewards, estimators, policy losses, collectors, trackers,
+platforms: entry-point names only, nothing imported), and each tracker backend with whether its package is
+installed (its module is imported for its `extra` attribute; the service's package is not). It never fails on a
+missing optional package: every probe is wrapped, and the worst outcome is a row that says "no (<reason>)".
 """
 
 from __future__ import annotations
@@ -30,11 +31,20 @@ OPTIONAL_ENGINES: dict[str, str] = {
 }
 
 
-def _version_of(module_name: str) -> str:
-    """Import a module and return its version, or "no (reason)"."""
+def _version_of(module_name: str, dist: str | None = None) -> str:
+    """The version of an installed module, or "no (reason)". With `dist` (its distribution's name) the version is
+    read from the package metadata and the module is not imported; without metadata (a source checkout) or
+    `dist`, the module is imported and asked."""
     try:
         if importlib.util.find_spec(module_name.split(".")[0]) is None:
             return "no (not installed)"
+        if dist is not None:
+            from importlib.metadata import PackageNotFoundError, version
+
+            try:
+                return version(dist)
+            except PackageNotFoundError:
+                pass
         mod = importlib.import_module(module_name)
     except Exception as exc:  # a broken optional install must not crash the doctor
         return f"no ({type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''})"
@@ -141,7 +151,9 @@ def report() -> tuple[str, bool]:
         except Exception as exc:
             probes.append((name, f"error ({exc})"))
     sections.append(table(probes, "platform probes"))
-    sections.append(table([(k, _version_of(v)) for k, v in OPTIONAL_ENGINES.items()], "optional engines"))
+    # Display names are the distributions' names (torch_npu's is torch-npu).
+    engines = [(k, _version_of(v, k.replace("_", "-"))) for k, v in OPTIONAL_ENGINES.items()]
+    sections.append(table(engines, "optional engines"))
     sections.append(table([(k, _plugins(g)) for k, g in PLUGIN_GROUPS.items()], "installed roll plugins"))
     sections.append(table(tracker_rows(), "trackers (pipeline.trackers=[...])"))
     return "\n\n".join(sections), current is not None
