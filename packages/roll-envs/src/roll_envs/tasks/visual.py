@@ -3,7 +3,7 @@ vision-language policies.
 
 Kinds (`env.kind`), each with a small answer space listed in the prompt (so chance is 1 / choices):
 - `colour`: the picture is a grid of cells in `num_colours` colours; which colour covers most of it
-  (the dominant colour has more cells than all the others together, so the answer is never a tie);
+  (the dominant colour has `dominance` of the cells, more than all the others together: never a tie);
 - `count`: how many shapes (1 to `max_count`) are on a white picture;
 - `position`: where the one shape is: left, right, top or bottom;
 - `shape`: which shape it is: circle, square or triangle.
@@ -69,6 +69,7 @@ class VisualTask(Task):
         max_count: int = 4,
         size: int = 56,
         grid: int = 4,
+        dominance: float = 0.75,
         blank: bool = False,
         train_size: int = 1000,
         eval_size: int = 100,
@@ -76,7 +77,8 @@ class VisualTask(Task):
         system_prompt: str | None = None,
     ) -> None:
         super().__init__(reward)
-        check_options(kind, num_colours, max_count, size, grid)
+        check_options(kind, num_colours, max_count, size, grid, dominance)
+        self.dominance = dominance
         self.name, self.kind, self.system_prompt = name, kind, system_prompt
         self.num_colours, self.max_count, self.size, self.grid, self.blank = num_colours, max_count, size, grid, blank
         self.choices = choices_of(kind, num_colours, max_count)
@@ -101,7 +103,7 @@ class VisualTask(Task):
             answer, picture = DRAW[self.kind](self, own)
             if self.blank:
                 picture = new_picture(self.size)
-            prompt = f"<image>Picture {number}: {QUESTIONS[self.kind]} Answer with one of: {', '.join(self.choices)}."
+            prompt = f"Picture {number}: {QUESTIONS[self.kind]} Answer with one of: {', '.join(self.choices)}. <image>"
             out.append(
                 Problem(
                     id=f"{self.name}:{self.kind}:{number}",
@@ -120,7 +122,7 @@ class VisualTask(Task):
         answer = rng.choice(names)
         cells = self.grid * self.grid
         # The dominant colour holds more cells than all the others together: never a tie, whatever the draw.
-        major = cells // 2 + 1
+        major = max(cells // 2 + 1, round(self.dominance * cells))
         others = [c for c in names if c != answer]
         colours = [answer] * major + [rng.choice(others) for _ in range(cells - major)]
         rng.shuffle(colours)
@@ -177,8 +179,10 @@ DRAW = {
 }
 
 
-def check_options(kind: str, num_colours: int, max_count: int, size: int, grid: int) -> None:
+def check_options(kind: str, num_colours: int, max_count: int, size: int, grid: int, dominance: float) -> None:
     """ValueError naming the env key of an option out of range."""
+    if not 0.5 < dominance <= 1:
+        raise ValueError(f"env.dominance={dominance} must be in (0.5, 1] (the dominant colour's share of the cells)")
     if kind not in KINDS:
         raise ValueError(f"env.kind={kind!r}: choose from {', '.join(KINDS)}")
     if not 2 <= num_colours <= len(COLOURS):
@@ -296,6 +300,8 @@ class VisualEnvConfig:
     size: int = 56
     # Cells per side (colour cells; count places one shape per cell).
     grid: int = 4
+    # colour: the dominant colour's share of the cells (above 0.5: never a tie; the rest in the other colours).
+    dominance: float = 0.75
     # Empty pictures with the same answers: the control (nothing to see, reward stays at chance).
     blank: bool = False
     train_size: int = 1000
@@ -311,7 +317,7 @@ class VisualEnvConfig:
 
         if self.train_size < 1 or self.eval_size < 0:
             raise ValueError(f"env.train_size={self.train_size} must be >= 1 and env.eval_size >= 0")
-        check_options(self.kind, self.num_colours, self.max_count, self.size, self.grid)
+        check_options(self.kind, self.num_colours, self.max_count, self.size, self.grid, self.dominance)
         self.reward = reward_node(self.reward, VisualRewardConfig)
 
     def check_installed(self) -> None:
