@@ -1,7 +1,7 @@
 """Routed-expert replay (roll_engines.infer._routing, roll_engines.train._routing, roll_core.routing) on a tiny
 random Qwen3-MoE (2 MoE layers, 4 experts, top-2), no Ray:
 
-(a) a routing forced to differ from the router's (each expert id e -> 3 - e) is what the trainer computes with:
+(a) a routing forced to differ from the router's (each expert id e -> (e + 1) % 4) is what the trainer computes with:
     its log-probs equal a forward whose routers are patched to choose those experts, packed and padded, and
     differ from the unpatched forward; the gradient reaches the router weights;
 (b) the fp32 infer engine's recorded routing is the trainer's own routing at every prompt and response position,
@@ -55,6 +55,12 @@ def near_ties(tiny, tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.fixture(scope="module")
+def fp32(tiny) -> dict:
+    """One fp32 rollout with routing, shared by the tests (each copies the batch before changing it)."""
+    return rollout(tiny)
+
+
 def rollout(path: str, dtype: str = "float32", max_new: int = 10) -> dict:
     """Sample N responses per prompt with routing recorded; the batch in the trainer's padded layout."""
     engine = HFInferEngine(path, dtype=dtype, return_routing=True, max_new_tokens=max_new, temperature=1.0)
@@ -68,7 +74,7 @@ def rollout(path: str, dtype: str = "float32", max_new: int = 10) -> dict:
     batch.update(responses=out.responses, response_mask=out.response_mask)
     p, r = ids.shape[1], out.responses.shape[1]
     batch[ROUTED_EXPERTS] = routing_layout(out.routed_experts, [len(x) for x in prompts], p, r)
-    return {"batch": batch, "behaviour": out.logprobs, "rows": out.routed_experts}
+    return {"batch": batch, "behaviour": out.logprobs, "rows": out.routed_experts, "path": path}
 
 
 def own_routing(path: str, batch: dict) -> torch.Tensor:
@@ -105,15 +111,20 @@ def patched_logprobs(path: str, batch: dict, forced: torch.Tensor) -> torch.Tens
     return logp * batch["response_mask"]
 
 
-def trainer_logprobs(path: str, batch: dict, replay: bool, pack: bool = True) -> torch.Tensor:
+def trainer_logprobs(
+    path: str, batch: dict, replay: bool, pack: bool = True, stats: dict | None = None
+) -> torch.Tensor:
     engine = HFTrainEngine(path, role="actor", routing_replay=replay, pack_sequences=pack, logprob_chunk_size=4)
-    return engine.compute_logprobs(batch)["logprobs"] * batch["response_mask"]
+    out = engine.compute_logprobs(batch)["logprobs"] * batch["response_mask"]
+    if stats is not None:
+        stats["changed"] = engine.routing.changed_fraction()
+    return out
 
 
-def test_recorded_routing_layout(tiny):
+def test_recorded_routing_layout(fp32):
     """Each request's routing covers prompt + response; only the never-fed last token is unrouted, and the
     batch field is aligned with input_ids."""
-    ro = rollout(tiny)
+    ro = fp32
     batch, rows = ro["batch"], ro["rows"]
     prompts = [p for p in PROMPTS for _ in range(N)]
     p = batch["input_ids"].shape[1] - batch["responses"].shape[1]
@@ -129,32 +140,67 @@ def test_recorded_routing_layout(tiny):
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
-def test_forced_routing_is_what_the_trainer_computes_with(tiny, pack):
-    batch = rollout(tiny, max_new=6)["batch"]
+def test_forced_routing_is_what_the_trainer_computes_with(tiny, fp32, pack):
+    batch = dict(fp32["batch"])
     own = own_routing(tiny, batch)
-    forced = (3 - own.long()).to(torch.int16)  # other experts everywhere (4 experts, top-2: the other pair)
+    # Each expert e -> (e + 1) % 4: a top-2 set never maps to itself, so every routing differs from the router's.
+    forced = ((own.long() + 1) % 4).to(torch.int16)
     batch[ROUTED_EXPERTS] = forced
     mask = batch["response_mask"].bool()
-    replayed = trainer_logprobs(tiny, batch, replay=True, pack=pack)
+    stats: dict = {}
+    replayed = trainer_logprobs(tiny, batch, replay=True, pack=pack, stats=stats)
+    assert stats["changed"] == 1.0
     expected = patched_logprobs(tiny, batch, forced)
     plain = trainer_logprobs(tiny, batch, replay=False, pack=pack)
     torch.testing.assert_close(replayed[mask], expected[mask], atol=2e-5, rtol=1e-5)
     assert (replayed - plain)[mask].abs().mean() > 3e-3  # the forced experts change the policy (100x atol)
 
 
-def test_replay_gradient_reaches_the_router(tiny):
+def test_replay_gradient_reaches_the_router(tiny, fp32):
     """The replayed experts' weights are the trainer's router probabilities: the loss has a router gradient."""
-    batch = rollout(tiny, max_new=4)["batch"]
+    batch = fp32["batch"]
     engine = HFTrainEngine(tiny, role="actor", routing_replay=True, micro_batch_size=8)
-    logp = engine._forward(engine._inputs(batch), 1.0, False)["logprobs"]
+    logp = engine._forward(batch, 1.0, False)["logprobs"]
     (logp * batch["response_mask"]).sum().backward()
     grads = [r.weight.grad for r in engine.routing.routers]
     assert all(g is not None and g.abs().sum() > 0 for g in grads)
     assert engine.routing.replayed > 0
+    assert engine.routing.changed_fraction() == 0.0  # fp32 rollout: the trainer's own choices everywhere
 
 
-def test_fp32_rollout_routing_equals_the_trainers_own(tiny):
-    ro = rollout(tiny)
+def test_assemble_lays_out_the_engines_routing(fp32):
+    """The synchronous pipeline's path: a generation's per-row routing (ROUTING_ROWS) becomes routed_experts
+    aligned with input_ids in `assemble`, and survives merge_scored (rounds of other widths)."""
+    from transformers import AutoTokenizer
+
+    from roll_core.pipelines.rollout import assemble
+    from roll_core.pipelines.sampling import merge_scored
+    from roll_core.protocol import Batch
+    from roll_core.routing import ROUTING_ROWS
+
+    batch = fp32["batch"]
+    tok = AutoTokenizer.from_pretrained(fp32["path"])
+    prompts = [p for p in PROMPTS for _ in range(N)]
+    gen = Batch(
+        {k: batch[k] for k in ("responses", "response_mask")} | {"behaviour_logprobs": fp32["behaviour"]},
+        {"finish_reason": ["stop"] * len(prompts), ROUTING_ROWS: fp32["rows"]},
+    )
+    out = assemble(tok, Batch({}, {"prompt_ids": prompts}), gen)
+    assert torch.equal(out["input_ids"], batch["input_ids"])
+    assert torch.equal(out[ROUTED_EXPERTS], batch[ROUTED_EXPERTS])
+    short = assemble(tok, Batch({}, {"prompt_ids": prompts[:2]}), gen.index(slice(0, 2)))
+    short_gen = Batch(
+        {k: short[k][:, :3] for k in ("responses", "response_mask", "behaviour_logprobs")},
+        {"finish_reason": ["length"] * 2, ROUTING_ROWS: [r[: len(prompts[0]) + 3] for r in fp32["rows"][:2]]},
+    )
+    short = assemble(tok, Batch({}, {"prompt_ids": prompts[:2]}), short_gen)
+    merged = merge_scored(tok, [out, short])
+    assert merged[ROUTED_EXPERTS].shape[:2] == merged["input_ids"].shape
+    assert torch.equal(merged[ROUTED_EXPERTS][: len(prompts)], out[ROUTED_EXPERTS])
+
+
+def test_fp32_rollout_routing_equals_the_trainers_own(tiny, fp32):
+    ro = fp32
     batch = ro["batch"]
     field, own = batch[ROUTED_EXPERTS], own_routing(tiny, batch)
     recorded = field >= 0
@@ -186,8 +232,8 @@ def test_replay_shrinks_the_bf16_rollout_gap(near_ties, capsys):
     assert gap_replay < 0.5 * gap_plain  # measured: 0.0046 without replay, 0.0009 with
 
 
-def test_bad_routing_is_refused(tiny):
-    batch = rollout(tiny, max_new=3)["batch"]
+def test_bad_routing_is_refused(tiny, fp32):
+    batch = fp32["batch"]
     engine = HFTrainEngine(tiny, role="actor", routing_replay=True)
     with pytest.raises(ValueError, match=r"infer_engine\.return_routing"):
         engine.compute_logprobs({k: v for k, v in batch.items() if k != ROUTED_EXPERTS})

@@ -82,6 +82,13 @@ class RoutingReplay:
         device = next(iter(self.routers[0].parameters())).device
         self.current = flat.to(device)
 
+    def changed_fraction(self) -> float:
+        """Of the (position, MoE layer) pairs replayed since the last call, the fraction whose replayed experts
+        differ from the trainer's own top-k (0 when none were replayed); resets the counts."""
+        frac = self.changed / self.replayed if self.replayed else 0.0
+        self.replayed = self.changed = 0
+        return frac
+
     def _hook(self, layer: int):
         def hook(module: torch.nn.Module, args: tuple, output: tuple) -> tuple | None:
             if self.current is None:

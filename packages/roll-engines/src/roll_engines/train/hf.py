@@ -409,6 +409,8 @@ class HFTrainEngine:
         out["train_seconds"] = time.perf_counter() - t0
         out["forward_tokens"] = self.forward_tokens - tokens0  # positions computed (padding included)
         out["micro_batches"] = float(self.micro_batches_run - micros0)  # forward/backward passes, padding included
+        if self.routing is not None:  # (position, MoE layer) pairs whose replayed experts differ from the trainer's own
+            out["routing_replay_changed_fraction"] = self.routing.changed_fraction()
         # AdamW's state on this rank (fp32 moments of every trained parameter; LoRA shrinks it to the adapters).
         out["optimizer_state_mb"] = (
             sum(
