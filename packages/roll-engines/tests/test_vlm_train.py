@@ -192,8 +192,7 @@ def test_agentic_rows_with_pictures_in_their_responses_pack_exactly() -> None:
 
 def test_training_micro_batches_keep_pictures_with_their_rows() -> None:
     """Gradients of the packed engine (micro-batches of 3 rows, or a token budget; rows grouped by prompt) equal the
-    padded engine's in one micro-batch; the vision tower is trained (pictures reach the policy gradient); a step
-    changes the log-probs."""
+    padded engine's in one micro-batch; the vision tower is trained (pictures reach the policy gradient)."""
     path = _path("tiny-qwen2.5-vl")
     batch = _batch(VisionProcessor(path))
     loss = PolicyObjective()
@@ -208,11 +207,6 @@ def test_training_micro_batches_keep_pictures_with_their_rows() -> None:
             torch.testing.assert_close(got[name], want[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
     assert budget.micro_batches_run > 2
     assert max(float(g.abs().max()) for n, g in got.items() if ".visual." in n) > 0
-    before = packed.compute_logprobs(batch)["logprobs"]
-    metrics = packed.train_step(batch, loss, mini_batches=2)
-    assert metrics["optimizer_steps"] == 2
-    after = packed.compute_logprobs(batch)["logprobs"]
-    assert (after - before)[batch["response_mask"].bool()].abs().max() > 1e-4
 
 
 def test_a_placeholder_feature_mismatch_is_a_clear_error_before_the_forward() -> None:
@@ -249,8 +243,10 @@ def test_checkpoint_reloads_in_transformers_with_the_same_logprobs(tmp_path: Pat
     vp = VisionProcessor(path)
     batch = _batch(vp)
     eng = HFTrainEngine(path, lr=1e-2, micro_batch_size=5)
-    eng.train_step(batch, PolicyObjective())
+    initial = eng.compute_logprobs(batch)["logprobs"]
+    assert eng.train_step(batch, PolicyObjective(), mini_batches=2)["optimizer_steps"] == 2
     trained = eng.compute_logprobs(batch)["logprobs"]
+    assert (trained - initial)[batch["response_mask"].bool()].abs().max() > 1e-3  # the steps moved the policy
     eng.save(tmp_path / "ckpt", tokenizer_path=path)
     # The weight-sync names are the checkpoint's, which transformers loads as the model's own.
     reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "ckpt" / "model").eval()
