@@ -7,7 +7,7 @@ per row, the pictures whose placeholder tokens are in that row's ids). The engin
 holds its own rows' pictures.
 
 Contract:
-- `Vision.of(path)` is None for a text model; for a model folder `roll_core.multimodal.is_vision_model` accepts it
+- `Vision.of(path)` is None for a text model; for a folder that `roll_core.multimodal.is_vision_model` accepts, it
   holds the placeholder token id and whether the family takes 3D (mrope) rotary positions. Such a model loads
   with `AutoModelForImageTextToText` (`model_class`); a critic of a vision model is refused (transformers has no
   token-classification head for these families).
@@ -22,6 +22,8 @@ Contract:
   pictures (agentic observations) and a prompt key: two rows share a packed prompt only if their prompt ids AND
   their prompt pictures' digests are equal (for single-turn rows the prompt pictures are all of the row's,
   `mm.key()`).
+- Weight names: sync sends the model's own names (`model.visual.*`, `model.language_model.*`); checkpoints are
+  written by `save_pretrained` in the family's hub layout and read back through `own_names`.
 """
 
 from __future__ import annotations
