@@ -249,3 +249,19 @@ def test_dense_model_is_refused(tmp_path):
         HFInferEngine(dense, return_routing=True)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         HFTrainEngine(dense, role="actor", routing_replay=True)
+
+
+def test_config_refusals():
+    """Replay needs the engine's record and the synchronous pipeline; Megatron has no replay (unknown key)."""
+    from roll_core.config.compose import load_config
+    from roll_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"set infer_engine\.return_routing=true"):
+        load_config(["experiment=quickstart", "train_engine.routing_replay=true"])
+    on = ["experiment=quickstart", "train_engine.routing_replay=true", "infer_engine.return_routing=true"]
+    with pytest.raises(ConfigError, match="synchronous pipeline"):
+        load_config([*on, "pipeline.async_ratio=1"])
+    with pytest.raises(ConfigError, match="routing_replay"):
+        load_config(["experiment=quickstart", "train_engine=megatron", "train_engine.routing_replay=true"])
+    cfg = load_config(on)
+    assert cfg.train_engine.routing_replay and cfg.infer_engine.return_routing

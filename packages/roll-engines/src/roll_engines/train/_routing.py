@@ -63,7 +63,8 @@ class RoutingReplay:
         if routing is None:
             raise ValueError(
                 f"train_engine.routing_replay=true but the batch has no {ROUTED_EXPERTS!r}: the rollout engine must "
-                "record them (infer_engine.return_routing=true)"
+                "record them (infer_engine.return_routing=true) and the batch carry them (the synchronous RLVR "
+                "pipeline does; agentic trajectories do not yet)"
             )
         ids = micro["input_ids"]
         want = (*ids.shape, len(self.routers), self.top_k)
