@@ -151,10 +151,11 @@ def load_problems(
 
 def _chat_prompt(value: Any) -> Any:
     """A prompt given as chat messages (verl's prepared rows: [{"role": "user", "content": ...}]) -> the last user
-    message's text; anything else unchanged (checked by _text_problem)."""
+    message's text; anything else (a list without a user text) unchanged, for _text_problem to name."""
     if isinstance(value, (list, tuple)) and value and all(isinstance(m, dict) for m in value):
         users = [m.get("content") for m in value if m.get("role") == "user"]
-        return users[-1] if users else None
+        if users and isinstance(users[-1], str):
+            return users[-1]
     return value
 
 
