@@ -5,7 +5,10 @@ that ran the job; each side runs in its own subprocess so the numbers do not mix
 `GRPOTrainer` (use_cpu=True, bf16=False, use_vllm=False, loss_type="dapo" = token-mean like roll's default, no
 KL term like roll's quickstart) trains the same model on the same prompts (same worked example, same reward),
 with the same group size, completion length, temperature and learning rate, and the script prints roll/TRL
-ratios. Usage:
+ratios. TRL runs at its best settings for a CPU: gradient checkpointing off (GRPOConfig's default is on, which
+recomputes every forward in the backward, ~30 % of its step here; the model fits in memory without it), one
+micro-batch per step, torch's fused AdamW (its default), and the same host-allocator setting roll's processes get
+(`roll_hw.cpu.tune_host_allocator`: a process-wide malloc option, not a roll feature). Usage:
 
     python bench/bench_rlvr.py --steps 5            # roll only
     python bench/bench_rlvr.py --steps 5 --trl      # roll and TRL, with ratios
@@ -98,7 +101,9 @@ def trl_job(args: argparse.Namespace) -> dict:
     from roll_core.config import load_config
     from roll_core.config.build import build
     from roll_core.models import resolve_model_path
+    from roll_hw.cpu import tune_host_allocator
 
+    tune_host_allocator()  # the same malloc settings as roll's engine processes: compare frameworks, not allocators
     cfg = load_config(["experiment=quickstart", f"model={args.model}"])
     task = build(cfg.env)
     path = resolve_model_path(cfg.model.path)
@@ -132,6 +137,7 @@ def trl_job(args: argparse.Namespace) -> dict:
         learning_rate=args.lr,
         beta=0.0,
         loss_type="dapo",
+        gradient_checkpointing=False,  # TRL's default (True) recomputes activations: ~30 % slower on CPU
         max_steps=args.steps,
         logging_steps=1,
         report_to=[],
@@ -177,7 +183,9 @@ def spawn(kind: str, argv: list[str]) -> dict:
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
         raise SystemExit(f"{kind} job failed (exit {proc.returncode})")
-    return json.loads(lines[-1][6:])
+    result = json.loads(lines[-1][6:])
+    print(f"{kind} done: " + json.dumps(result), flush=True)  # kept if a later job fails or is stopped
+    return result
 
 
 def fmt(x: float | None, unit: str = "") -> str:
