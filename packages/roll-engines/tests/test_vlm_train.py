@@ -254,6 +254,13 @@ def test_checkpoint_reloads_in_transformers_with_the_same_logprobs(tmp_path: Pat
     mask = batch["response_mask"].bool()
     for i, row in enumerate(_plain_logprobs(reloaded, vp, batch)):
         torch.testing.assert_close(trained[i][mask[i]], row, atol=ATOL, rtol=0, msg=f"row {i}")
+    # The checkpoint holds its pictures' processor (roll-eval and serving load the folder as the original).
+    saved = VisionProcessor(tmp_path / "ckpt" / "model")
+    msgs = [{"role": "user", "content": as_content("x <image>", 1)}]
+    pic = Image.new("RGB", (84, 56), (10, 200, 30))
+    (ids_a, mm_a), (ids_b, mm_b) = vp.encode_messages(msgs, [pic]), saved.encode_messages(msgs, [pic])
+    assert ids_a == ids_b and mm_a is not None and mm_b is not None
+    torch.testing.assert_close(mm_a.tensors, mm_b.tensors, atol=0, rtol=0)
     fresh = HFTrainEngine(path, lr=1e-2)
     fresh.load(tmp_path / "ckpt")
     torch.testing.assert_close(fresh.compute_logprobs(batch)["logprobs"], trained, atol=0, rtol=0)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -251,3 +252,17 @@ def hidden_size(config: Any) -> int:
 def vocab_size(config: Any) -> int | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "vocab_size", None)
+
+
+def save_processor(vision: Vision | None, path: str, folder: Path) -> None:
+    """A vision model's checkpoint also holds its image processor (and the processor's chat template), so the
+    folder loads in `roll-eval`, transformers and serving engines like the original."""
+    if vision is None:
+        return
+    from transformers import AutoImageProcessor
+
+    AutoImageProcessor.from_pretrained(path).save_pretrained(folder)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        src = Path(path) / name
+        if src.is_file() and not (folder / name).exists():
+            (folder / name).write_bytes(src.read_bytes())

@@ -546,6 +546,7 @@ class HFTrainEngine:
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(folder / "model")
+            V.save_processor(self.vision, self.path, folder / "model")
         if self.optimizer is None:
             return
         save_optimizer(self.model, self.optimizer, folder / "optimizer")
