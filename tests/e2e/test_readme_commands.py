@@ -111,6 +111,16 @@ RUN_ELSEWHERE = {
         "comparing a run's checkpoints with --n/--k runs in tests/e2e/test_eval_compare.py (numbers recomputed from "
         "samples.jsonl)"
     ),
+    "roll-train experiment=vlm_quickstart": (
+        "the VLM experiment's learning run (10 steps, accuracy above chance) runs in tests/e2e/test_vlm.py"
+    ),
+    "roll-train experiment=vlm_quickstart env.blank=true": (
+        "the blank-picture control (stays at chance) runs in tests/e2e/test_vlm.py"
+    ),
+    "roll-train experiment=vlm_agentic": "a 2-step run of this experiment is in tests/e2e/test_vlm_agentic.py",
+    "roll-train experiment=quickstart algo=lite_ppo": (
+        "every algo preset (lite_ppo included) runs its first steps in the preset test (test_algorithms)"
+    ),
     "roll-train experiment=multi_domain": (
         "env=multi's run (counts, per-domain metrics, eval and advantage scale) runs on the tiny model in "
         "test_multi_domain.py; this experiment's 3-domain evaluation is minutes (its curves: bench/RESULTS.md)"
