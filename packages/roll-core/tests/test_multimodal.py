@@ -175,3 +175,28 @@ def test_mrope_positions_are_the_models_own_on_a_padded_batch(vlm: tuple[str, Vi
     # a response token's 3 sections are equal and continue the prompt's largest position
     b0 = pos[:, 0, width_p : width_p + 3]
     assert (b0 == b0[0]).all() and int(b0[0, 0]) == int(pos[:, 0, :width_p].max()) + 1
+
+
+def test_a_sampled_picture_placeholder_cuts_the_response_before_it(vlm: tuple[str, VisionProcessor]) -> None:
+    """RLVR on a VLM: a response that samples `<|image_pad|>` ends before it (no picture stands behind it, the
+    trainer could not match it to features); rows without one and text batches are untouched."""
+    from roll_core.pipelines.rollout import assemble
+    from roll_core.protocol import Batch
+
+    _, vp = vlm
+    ids, mm = vp.encode_messages(
+        [{"role": "user", "content": as_content("c? <image>", 1)}], [Image.new("RGB", (56, 56))]
+    )
+    img, a, b = vp.image_token_id, 40, 41
+    responses = torch.tensor([[a, b, img, a, b], [a, b, a, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    gen = Batch({"responses": responses, "response_mask": mask}, {"finish_reason": ["length", "stop"]})
+    metrics: dict[str, float] = {}
+    out = assemble(vp.tokenizer, Batch(fields={"prompt_ids": [ids, ids], "mm_inputs": [mm, mm]}), gen, metrics)
+    pad = vp.tokenizer.pad_token_id
+    assert out["responses"].tolist() == [[a, b, pad, pad, pad], [a, b, a, 0, 0]]
+    assert out["response_mask"].tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert metrics["data/picture_token_cuts"] == 1
+    assert int((out["input_ids"][0] == img).sum()) == mm.num_tokens  # only the prompt's placeholders are left
+    text = assemble(vp.tokenizer, Batch(fields={"prompt_ids": [ids, ids]}), gen, {})  # no mm_inputs: untouched
+    assert torch.equal(text["responses"], responses)

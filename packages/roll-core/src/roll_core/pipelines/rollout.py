@@ -20,6 +20,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from roll_core.interfaces import SamplingParams
 from roll_core.protocol import Batch, build_sequences, pad_left
 
@@ -228,6 +230,7 @@ def assemble(tokenizer: Any, prompts: Batch, gen: Batch, metrics: dict[str, Any]
         if not keep:
             raise ValueError(f"every prompt fills the inference engine's context (longest {longest} tokens)")
         batch = batch.index(keep)
+    cut_picture_tokens(tokenizer, batch, pad, metrics)
     p_ids, p_mask = pad_left(batch["prompt_ids"], pad)
     batch["prompts"] = p_ids
     for k, v in build_sequences(p_ids, p_mask, batch["responses"], batch["response_mask"]).items():
@@ -238,6 +241,36 @@ def assemble(tokenizer: Any, prompts: Batch, gen: Batch, metrics: dict[str, Any]
         lens = [len(p) for p in batch["prompt_ids"]]
         batch[ROUTED_EXPERTS] = routing_layout(batch[ROUTING_ROWS], lens, p_ids.shape[1], batch["responses"].shape[1])
     return batch
+
+
+def cut_picture_tokens(tokenizer: Any, batch: Batch, pad: int, metrics: dict[str, Any] | None = None) -> None:
+    """A vision-language batch's responses end before any picture placeholder the policy sampled itself.
+
+    Such a token has no picture behind it: the trainer could not match it to features, and re-feeding it would
+    change what it means. Its response is cut before it (the tokens after it are masked and set to `pad`), as an
+    agentic turn is; the reward sees the text before the cut. `metrics["data/picture_token_cuts"]` counts the rows.
+    Text batches (no `mm_inputs` field) are left as they are.
+    """
+    if "mm_inputs" not in batch or "responses" not in batch:
+        return
+    from roll_core.multimodal import FAMILIES
+
+    unk = getattr(tokenizer, "unk_token_id", None)
+    names = {f.image_token for f in FAMILIES.values()} | {"<|video_pad|>", "<|vision_start|>", "<|vision_end|>"}
+    ids = {i for i in (tokenizer.convert_tokens_to_ids(n) for n in sorted(names)) if isinstance(i, int) and i != unk}
+    if not ids:
+        return
+    resp, mask = batch["responses"], batch["response_mask"]
+    hit = torch.isin(resp, torch.tensor(sorted(ids), dtype=resp.dtype)) & mask.bool()
+    rows = hit.any(dim=1)
+    if metrics is not None:
+        metrics["data/picture_token_cuts"] = int(rows.sum())
+    if not bool(rows.any()):
+        return
+    after = hit.long().cumsum(dim=1) > 0  # the first sampled placeholder and everything after it
+    resp, mask = resp.masked_fill(after, pad), mask.masked_fill(after, 0)
+    batch["responses"], batch["response_mask"] = resp, mask
+    log.warning("%d response(s) sampled a picture placeholder token and were cut before it", int(rows.sum()))
 
 
 def evaluate(
