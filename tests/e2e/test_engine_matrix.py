@@ -23,6 +23,8 @@ from roll_core.cluster.launch import resolve_python
 from roll_core.config import ConfigError, compose, to_object
 from roll_core.config.search_path import group_options
 from roll_core.errors import MissingExtraError, check_installed
+from roll_core.models import resolve_model_path
+from roll_core.multimodal.processor import is_vision_model
 from roll_core.testing import run_pipeline
 
 EXPERIMENTS = sorted(group_options("experiment"))  # packaged and the repository's conf/experiment
@@ -46,6 +48,8 @@ COVERED = {
     ("multi_domain", "hf", "hf"): "tests/e2e/test_multi_domain.py runs env=multi on hf x hf (shares, metrics, eval)",
     ("multi_domain", "hf", "megatron"): "the quickstart's collector on train_engine=megatron runs in test_learning.py",
     ("context_distill", "hf", "megatron"): "pipeline=distill on train_engine=megatron runs in test_distill.py",
+    ("vlm_quickstart", "hf", "hf"): "tests/e2e/test_vlm.py runs experiment=vlm_quickstart (learning and blank control)",
+    ("vlm_agentic", "hf", "hf"): "tests/e2e/test_vlm_agentic.py runs experiment=vlm_agentic",
 }
 RAY_EXPERIMENTS = (
     "cluster=ray experiment: the quickstart's pipeline on Ray, run by tests/e2e/test_sweep.py (sweep_tiny), "
@@ -67,10 +71,12 @@ def long_tiny_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -
 
 def _overrides(experiment: str, infer: str, train: str, model: str, data: Path, out: Path) -> list[str]:
     base = [f"experiment={experiment}", f"infer_engine={infer}", f"train_engine={train}"]
-    pipeline = compose(base).pipeline.name
-    sizes = [
-        "model=tiny",
-        f"model.path={model}",
+    composed = compose(base)
+    pipeline = composed.pipeline.name
+    # A vision-language experiment keeps its own (tiny) VLM: the text model cannot read its pictures.
+    vision = is_vision_model(resolve_model_path(composed.model.path))
+    sizes = [] if vision else ["model=tiny", f"model.path={model}"]
+    sizes += [
         "model.max_prompt_length=512",
         "model.max_response_length=8",
         "algo.group_size=2",
@@ -83,7 +89,7 @@ def _overrides(experiment: str, infer: str, train: str, model: str, data: Path, 
     ]
     if pipeline == "agentic":
         sizes += ["env.demonstrations=0", "env.max_turns=2", "env.max_tokens_per_turn=8", "env.system_prompt=Solve it."]
-    env = compose(base).env
+    env = composed.env
     if env.get("_target_", "").endswith("FileTask"):
         sizes.append(f"env.path={data}")
     if env.get("counts"):  # fixed prompts per domain: the batch is their sum (a smaller one is a ConfigError)
@@ -105,6 +111,10 @@ def test_tiny_step(
         pytest.skip(RAY_EXPERIMENTS)
     if (experiment, infer, train) in COVERED:
         pytest.skip(f"covered: {COVERED[experiment, infer, train]}")
+    if train == "megatron" and is_vision_model(resolve_model_path(typed.model.path)):
+        with pytest.raises(ConfigError, match=r"train_engine=megatron cannot train the vision-language model"):
+            run_pipeline(overrides)
+        return
     if typed.train_engine.world_size > 1:  # train_engine=fsdp2: one process per rank
         with pytest.raises(ValueError, match=r"local backend cannot give: use cluster=ray"):
             run_pipeline(overrides)

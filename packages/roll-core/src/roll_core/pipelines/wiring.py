@@ -79,6 +79,21 @@ def mini_batches(cfg: RLVRConfig) -> int:
     return max(1, rows // algo.mini_batch_size) if algo.mini_batch_size else 1
 
 
+def _refuse_vision(te: TrainEngineConfig, model_path: str) -> None:
+    """A vision-language model on a train engine that cannot feed it pictures is a config error, raised before
+    any worker starts (the engine itself would only refuse once its actors had loaded the model)."""
+    from hydra.utils import get_object
+
+    from roll_core.multimodal.processor import is_vision_model
+
+    if getattr(get_object(te._target_), "vision_models", True) or not is_vision_model(model_path):
+        return
+    raise ConfigError(
+        f"train_engine={te.name} cannot train the vision-language model at model.path={model_path}: use "
+        "train_engine=hf or train_engine=fsdp2 (they feed pictures to the vision tower)"
+    )
+
+
 def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleNeeds | None = None) -> Roles:
     """Every training-side worker group of `cfg` on `cluster` that `needs` asks for (RL's roles when None)."""
     from roll_core.models import resolve_model_path
@@ -87,6 +102,7 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
     if needs is None:
         needs = RoleNeeds(train=True, reference=algo.use_reference, critic=algo.use_critic)
     te, ie = cfg.train_engine, cfg.infer_engine
+    _refuse_vision(te, model_path)
     if ie.structured and needs.train:  # the trainer must score the same constrained distribution the rollout sampled
         from hydra.utils import get_object
 

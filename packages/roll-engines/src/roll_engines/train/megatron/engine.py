@@ -68,6 +68,8 @@ class MegatronTrainEngine:
 
     #: Structured-output constraints are not replayed here (vocab-parallel logits): constrained batches are refused.
     structured_logprobs: ClassVar[bool] = False
+    #: No vision tower is mapped to Megatron here: a vision-language model is refused when the roles are built.
+    vision_models: ClassVar[bool] = False
 
     def __init__(
         self,
