@@ -134,8 +134,8 @@ def test_inference_dtype_is_separate_from_training(
     log-prob gap shows the engine really runs in bf16, and training still moves the fp32 policy."""
     from roll_hw.cpu import CpuPlatform
 
-    # Without AMX the CPU platform turns bf16 into fp32 (slow bf16 matmuls): claim fast bf16 for this run.
-    monkeypatch.setattr(CpuPlatform, "supports_bf16", classmethod(lambda cls: True))
+    # Without native bf16 (AMX or AVX512-BF16) the CPU platform turns bf16 into fp32: claim it for this run.
+    monkeypatch.setattr(CpuPlatform, "runs_bf16", classmethod(lambda cls: True))
 
     def gap(history: list[dict]) -> float:
         return max(h["actor/train_infer_logprob_diff"] for h in history if h["step"] > 0)

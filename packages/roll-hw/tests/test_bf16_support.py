@@ -76,3 +76,43 @@ def test_rocm_bf16_by_architecture(monkeypatch: pytest.MonkeyPatch, arch: str, n
     cfg = SimpleNamespace(dtype="auto")
     RocmPlatform.check_and_update_config(cfg)
     assert cfg.dtype == ("bfloat16" if native else "float32")
+
+
+@pytest.mark.parametrize(
+    ("flags", "kind", "auto", "explicit"),
+    [
+        ({"avx2", "fma"}, None, "float32", "float32"),  # AVX2 only: bf16 is emulated, an explicit request too
+        ({"avx512f", "avx512_bf16"}, "avx512_bf16", "float32", "bfloat16"),  # Zen 4: native dot products
+        ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "amx_bf16", "bfloat16", "bfloat16"),  # Sapphire Rapids
+    ],
+    ids=["avx2", "avx512_bf16", "amx"],
+)
+def test_cpu_bf16_follows_the_instructions(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], kind: str | None, auto: str, explicit: str
+) -> None:
+    """`dtype=auto` is bf16 only with AMX (training is fast there); an explicit bf16 runs wherever the CPU computes
+    bf16 natively (AVX512-BF16 included: low-precision rollout) and becomes fp32 where it would be emulated."""
+    from roll_hw import cpu
+    from roll_hw.cpu import CpuPlatform
+
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: flags)
+    assert cpu.cpu_bf16_instructions() == kind
+    cfg = SimpleNamespace(dtype="auto")
+    CpuPlatform.check_and_update_config(cfg)
+    assert cfg.dtype == auto
+    asked = SimpleNamespace(dtype="bfloat16")
+    changes = CpuPlatform.check_and_update_config(asked)
+    assert asked.dtype == explicit
+    assert bool(changes) is (explicit == "float32")  # a downgrade is said, an honoured request is not
+    assert ("emulated" in CpuPlatform.bf16_note()) is (kind is None)
+
+
+def test_cpu_flags_are_read_from_cpuinfo() -> None:
+    """The probe reads this machine's flags (every x86-64 Linux CPU lists sse2)."""
+    import platform
+
+    from roll_hw import cpu
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        pytest.skip("reads /proc/cpuinfo flags of an x86-64 Linux machine")
+    assert "sse2" in cpu._cpu_flags()

@@ -76,8 +76,31 @@ def tune_host_allocator() -> bool:
     return ok
 
 
+def _cpu_flags() -> set[str]:
+    """The first processor's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_bf16_instructions() -> str | None:
+    """Which native bf16 instructions this CPU has: "amx_bf16" (AMX tiles: bf16 training is fast),
+    "avx512_bf16" (bf16 dot products: bf16 inference runs natively) or None (bf16 is emulated, ~200x slower)."""
+    flags = _cpu_flags()
+    for kind in ("amx_bf16", "avx512_bf16"):
+        if kind in flags:
+            return kind
+    return None
+
+
 class CpuPlatform(Platform):
-    """Plain host CPU. bf16 is reported unsupported because on CPUs without AMX it is ~200x slower than fp32."""
+    """Plain host CPU. `dtype=auto` is bf16 only with AMX; an explicit bf16 runs where the CPU has native bf16
+    instructions (AMX or AVX512-BF16) and becomes fp32 where it would be emulated (~200x slower than fp32)."""
 
     name: ClassVar[str] = "cpu"
     device_type: ClassVar[str] = "cpu"
@@ -121,9 +144,20 @@ class CpuPlatform(Platform):
 
     @classmethod
     def supports_bf16(cls) -> bool:
-        # AMX (Sapphire Rapids+) is the only CPU path where bf16 training beats fp32.
-        try:
-            with open("/proc/cpuinfo") as f:
-                return "amx_bf16" in f.read()
-        except OSError:
-            return False
+        # AMX (Sapphire Rapids+) is the only CPU path where bf16 *training* beats fp32: `dtype=auto` picks bf16
+        # only there. AVX512-BF16 (Zen 4, Cooper Lake) computes bf16 dot products natively too, so an explicit
+        # bf16 request is honoured there (runs_bf16); see bench/RESULTS.md for what it buys.
+        return cpu_bf16_instructions() == "amx_bf16"
+
+    @classmethod
+    def runs_bf16(cls) -> bool:
+        return cpu_bf16_instructions() is not None
+
+    @classmethod
+    def bf16_note(cls) -> str:
+        kind = cpu_bf16_instructions()
+        return {
+            "amx_bf16": "native (AMX tiles)",
+            "avx512_bf16": "native dot products (AVX512-BF16, no AMX): honoured when asked, fp32 by default",
+            None: "emulated (no AMX or AVX512-BF16: ~200x slower than fp32): bf16 becomes fp32",
+        }[kind]

@@ -100,6 +100,17 @@ class Platform:
         return False
 
     @classmethod
+    def runs_bf16(cls) -> bool:
+        """True when an explicit bf16 request runs natively (it may still be slower to train in than fp32):
+        such a request is honoured; `dtype=auto` follows `supports_bf16`."""
+        return cls.supports_bf16()
+
+    @classmethod
+    def bf16_note(cls) -> str:
+        """One line on this platform's bf16 (for `roll-doctor` and benchmark headers)."""
+        return "native" if cls.supports_bf16() else "not fast: bf16 becomes fp32"
+
+    @classmethod
     def supports_fp16(cls) -> bool:
         """True when fp16 matmuls are fast enough to train in."""
         return False
@@ -133,7 +144,7 @@ class Platform:
         """
         changes: list[str] = []
         dtype = getattr(cfg, "dtype", None)
-        if dtype in ("bfloat16", "bf16") and not cls.supports_bf16():
+        if dtype in ("bfloat16", "bf16") and not cls.runs_bf16():
             cfg.dtype = "float32"
             changes.append(f"dtype bfloat16 -> float32: {cls.name} has no fast bf16")
         elif dtype in ("float16", "fp16") and not cls.supports_fp16():
@@ -177,6 +188,7 @@ class Platform:
             out["devices"] = str(cls.device_count())
             out["device name"] = cls.device_name(0)
             out["bf16 / fp16"] = f"{cls.supports_bf16()} / {cls.supports_fp16()}"
+            out["bf16"] = cls.bf16_note()
             try:
                 mem = cls.memory_stats(0)
                 out["memory (free/total)"] = f"{mem.free / 2**30:.1f} / {mem.total / 2**30:.1f} GiB"
