@@ -43,6 +43,21 @@ def test_shrink_returns_the_running_requests_and_rehomes_their_samples():
     assert pool.assign("new") == 2 and pool.counters["shrunk_requests"] == 4
 
 
+def test_expand_with_rebalance_moves_the_newest_requests_of_loaded_engines():
+    plain = EnginePool(range(4), active=[0, 1])
+    pool2 = EnginePool(range(4), active=[0, 1])
+    for i in range(8):
+        plain.assign(f"r{i}", key=i)
+        pool2.assign(f"r{i}", key=i)  # r0, r2, r4, r6 on 0; the odd ones on 1
+    assert plain.expand([2, 3]) == []
+    moved = pool2.expand([2, 3], rebalance=True)
+    assert sorted(moved) == ["r4", "r5", "r6", "r7"]  # down to the mean load of 2, the newest first
+    for rid in moved:
+        pool2.release(rid)
+        pool2.assign(rid + "-moved", key=int(rid[1:]))  # its home on 0 or 1 is forgotten
+    assert [pool2.load(e) for e in range(4)] == [2, 2, 2, 2] and pool2.counters["moved_requests"] == 4
+
+
 def test_errors():
     pool = EnginePool([0, 1], active=[0])
     assert pool.assign("a") == 0 and pool.assign("b") == 0  # engine 1 is not active
@@ -63,20 +78,23 @@ def test_errors():
         EnginePool([0, 0])
 
 
-def _partial_gpu_run(seed: int, steps: int = 12) -> dict[str, int]:
-    """Asynchronous rollout (k = 1, partial rollout) on 2 inference engines plus 2 engines of the training devices
-    that join while the trainer waits and leave when it trains; every request advances 0-6 tokens per tick; an
-    abort's result arrives one tick later (the engine generates one more step meanwhile). Checks every trained
-    sample (its tokens are exactly its response positions) and that no request lands on a removed engine."""
+def _partial_gpu_run(seed: int, partial_rollout: bool, steps: int = 12) -> dict[str, int]:
+    """Asynchronous rollout (k = 1) on 2 inference engines plus 2 engines of the training devices that join while
+    the trainer waits (taking over requests of the loaded engines) and leave when it trains; every request advances
+    0-6 tokens per tick; an abort's result arrives one tick later (the engine generates one more step meanwhile).
+    Checks every trained sample (its tokens are exactly its response positions) and that no request lands on a
+    removed engine."""
     rng = random.Random(seed)
-    s = RolloutScheduler(batch_groups=3, group_size=4, max_new_tokens=48, async_ratio=1, partial_rollout=True)
+    s = RolloutScheduler(
+        batch_groups=3, group_size=4, max_new_tokens=48, async_ratio=1, partial_rollout=partial_rollout
+    )
     lent = ["t0", "t1"]
     pool = EnginePool(["i0", "i1", *lent])
     target: dict[tuple[int, int], int] = {}
     running: dict[str, list] = {}  # rid -> [sample, offset, generated]
     aborting: dict[str, list] = {}  # aborted, result not yet collected
     rids = itertools.count()
-    stats = {"steps": 0, "shrunk": 0, "trained_tokens": 0}
+    stats = {"steps": 0, "shrunk": 0, "moved": 0, "trained_tokens": 0}
     batch: list = []
     training = 0  # ticks left of the current train step
 
@@ -120,7 +138,9 @@ def _partial_gpu_run(seed: int, steps: int = 12) -> dict[str, int]:
                     collect(rid, r, "abort")
                 s.finish_update()
                 assert pool.draining(lent) == []
-                pool.expand(lent)
+                for rid in pool.expand(lent, rebalance=True):  # move requests onto the rejoined engines
+                    aborting[rid] = running.pop(rid)
+                    stats["moved"] += 1
             continue
         batch += s.take(s.batch_groups - len(batch))
         if len(batch) < s.batch_groups:
@@ -143,7 +163,11 @@ def _partial_gpu_run(seed: int, steps: int = 12) -> dict[str, int]:
     raise AssertionError(f"no progress: {stats}, {len(running)} running")
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_partial_gpu_rollout_loses_and_duplicates_no_token(seed: int):
-    stats = _partial_gpu_run(seed)
+@pytest.mark.parametrize("partial_rollout", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_partial_gpu_rollout_loses_and_duplicates_no_token(seed: int, partial_rollout: bool):
+    stats = _partial_gpu_run(seed, partial_rollout)
     assert stats["steps"] == 12 and stats["shrunk"] > 0  # requests were taken off the training devices
+    # requests running across the update are moved onto the rejoined engines (with partial rollout all were
+    # aborted at the update and resume on the least-loaded engines anyway)
+    assert (stats["moved"] > 0) != partial_rollout

@@ -23,7 +23,11 @@ Contract:
   duplicated (the sample is pending again only once its partial result is recorded; a request id placed twice is
   refused). The devices may be freed once `draining(engines)` is empty.
 - `expand(engines)` activates engines (their weights must be the current version); an engine that still drains
-  requests from an earlier shrink cannot rejoin (the offload/reload of one device must not overlap).
+  requests from an earlier shrink cannot rejoin (the offload/reload of one device must not overlap). New engines
+  start empty while the others may be full, so with `rebalance=True` it also returns requests to move: the most
+  recently placed ones (queued or with the least generated, the cheapest to move) of every engine above the mean
+  load, down to it. The driver aborts and reports them like a shrink's; their homes are forgotten, so the
+  continuations go to the least-loaded engines, the new ones. Moving costs a prefill of the moved context.
 """
 
 from __future__ import annotations
@@ -50,11 +54,12 @@ class EnginePool:
             raise ValueError(f"engines must be a non-empty list without repeats, got {self.engines}")
         self._order = {e: i for i, e in enumerate(self.engines)}
         self._load = dict.fromkeys(self.engines, 0)
-        self._placed: dict[str, Hashable] = {}  # request id -> engine, until released
+        self._placed: dict[str, Hashable] = {}  # request id -> engine, until released (in placement order)
+        self._key_of: dict[str, Hashable] = {}  # request id -> its routing key
         self._home: dict[Hashable, Hashable] = {}  # key -> engine (sticky routing)
         self._active: set[Hashable] = set()
         self._heap: list[tuple[int, int, Hashable]] = []  # (load, order, engine); stale entries skipped lazily
-        self.counters = {"assigned": 0, "shrunk_requests": 0, "shrinks": 0, "expands": 0}
+        self.counters = {"assigned": 0, "shrunk_requests": 0, "moved_requests": 0, "shrinks": 0, "expands": 0}
         self._activate(self.engines if active is None else self._known(active))
 
     # ---- state --------------------------------------------------------------------------------------------
@@ -86,6 +91,8 @@ class EnginePool:
             if key is not None:
                 self._home[key] = eng
         self._placed[request_id] = eng
+        if key is not None:
+            self._key_of[request_id] = key
         self._load[eng] += 1
         self._push(eng)
         self.counters["assigned"] += 1
@@ -96,6 +103,7 @@ class EnginePool:
         eng = self._placed.pop(request_id, None)
         if eng is None:
             raise KeyError(f"request {request_id} is not placed (released twice, or never assigned)")
+        self._key_of.pop(request_id, None)
         self._load[eng] -= 1
         self._push(eng)
         return eng
@@ -120,14 +128,31 @@ class EnginePool:
         self.counters["shrunk_requests"] += len(running)
         return running
 
-    def expand(self, engines: Iterable[Hashable]) -> None:
-        """Route to `engines` again (their weights are the current version)."""
+    def expand(self, engines: Iterable[Hashable], *, rebalance: bool = False) -> list[str]:
+        """Route to `engines` again (their weights are the current version). With `rebalance`, returns the
+        requests to move onto them (abort and report each: its sample resumes on a least-loaded engine)."""
         new = self._known(engines)
         bad = [e for e in new if e in self._active or self._load[e]]
         if bad:
             raise ValueError(f"engines {bad} are active or still drain requests: they cannot join (again) yet")
+        old = self.active
         self._activate(new)
         self.counters["expands"] += 1
+        if not rebalance or not old:
+            return []
+        keep = -(-sum(self._load[e] for e in old) // len(self._active))  # ceil of the mean load after the expand
+        excess = {e: self._load[e] - keep for e in old if self._load[e] > keep}
+        moved: list[str] = []
+        for rid in reversed(self._placed):  # the most recently placed first
+            e = self._placed[rid]
+            if excess.get(e, 0) > 0:
+                excess[e] -= 1
+                moved.append(rid)
+                key = self._key_of.get(rid)
+                if key is not None and self._home.get(key) == e:
+                    del self._home[key]
+        self.counters["moved_requests"] += len(moved)
+        return moved
 
     # ---- internals ----------------------------------------------------------------------------------------
     def _known(self, engines: Iterable[Hashable]) -> list[Hashable]:
