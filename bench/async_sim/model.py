@@ -80,17 +80,24 @@ class Hardware:
     max_running: int = 128
     engine_devices: int = 1  # tensor-parallel size of one engine
     weight_sync_s: float = 5.0
+    # Partial-GPU mode (ROLL's partial_gpu_mode): the training devices lend themselves to the rollout while the
+    # trainer waits. Lending offloads the train states to host memory and wakes an engine at the current weights;
+    # reclaiming offloads the engine and reloads the train states. ROLL documents "several seconds" per transition.
+    lend_s: float = 5.0
+    reclaim_s: float = 5.0
 
 
 @dataclass(frozen=True)
 class Mode:
-    """A scheduling policy: async ratio k, partial rollout, the scheduler's take order, tail groups (fraction of B)."""
+    """A scheduling policy: async ratio k, partial rollout, the scheduler's take order, tail groups (fraction of B),
+    and partial-GPU mode (the training devices serve rollout while the trainer would idle; `async_sim.sim`)."""
 
     name: str
     async_ratio: int
     partial: bool = False
     order: str = "start"
     tail_fraction: float = 0.0
+    partial_gpu: bool = False
 
 
 MODES: dict[str, Mode] = {
@@ -104,6 +111,8 @@ MODES: dict[str, Mode] = {
         Mode("k2 deadline", 2, order="deadline"),
         Mode("k1 ready", 1, order="ready"),  # the policy before 2026-12: skip ahead, drop what goes stale
         Mode("k1 ready+tail", 1, order="ready", tail_fraction=0.25),
+        Mode("k1 partial-gpu", 1, partial_gpu=True),  # ROLL's partial_gpu_mode on top of plain disaggregation
+        Mode("k2 partial-gpu", 2, partial_gpu=True),
     )
 }
 

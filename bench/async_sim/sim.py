@@ -20,6 +20,15 @@ deterministic for a seed). Workloads and costs: `async_sim.model`.
   books the oldest). With partial rollout it is aborted at `begin_update`, its prefix reported, and resumed after.
 - An episode's turn ends, the environment step takes its latency (engines keep serving other requests), then the
   observation is appended and the next turn is submitted.
+- Partial-GPU mode (ROLL's partial_gpu_mode; `Mode.partial_gpu`, async only): each training device group of an
+  engine's size also holds an engine. Whenever the trainer would idle (from the start, and after a weight sync that
+  left no batch ready) those engines are lent to the rollout: after `Hardware.lend_s` (train states offloaded,
+  engine woken at the current weights) they join the routing pool (`roll_core.scheduling.pool.EnginePool`) and
+  take over the newest requests of the engines above the mean load (`expand(rebalance=True)`: aborted, prefix kept,
+  resumed there with a prefill of the context). When a batch is complete the pool shrinks: their requests are
+  aborted and resumed on the inference engines (prefix kept, context prefilled again, their cached prefixes lost),
+  and training starts `Hardware.reclaim_s` later (engine offloaded, train states reloaded; a lend still under way
+  is finished first). No token is lost or generated twice: the same checks as in every mode.
 
 Omitted: chunked prefill, KV growth with context length (b is an average) and KV memory limits (the prefix cache
 is unbounded), preemption, network contention, stragglers/failures, reward latency, and any effect of staleness on
@@ -42,11 +51,12 @@ from dataclasses import dataclass, field
 
 from async_sim.engine import Engine, Req
 from async_sim.model import MODES, PRESETS, Hardware, Mode, Turn, Workload, sample_group
+from roll_core.scheduling.pool import EnginePool
 from roll_core.scheduling.scheduler import GroupState, RolloutScheduler, SampleState
 
 SPLITS = (1 / 8, 1 / 4, 3 / 8, 1 / 2)
 DEFAULT_TRAIN_FRACTION = 3 / 8
-_ENGINE, _TRAIN_DONE, _SYNC_DONE, _ENV = 0, 1, 2, 3
+_ENGINE, _TRAIN_DONE, _SYNC_DONE, _ENV, _LENT = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -78,6 +88,10 @@ class SimResult:
     sim_time: float
     events: int
     counters: dict[str, int] = field(default_factory=dict)
+    util_lent: float = 0.0  # partial-GPU: share of the training devices' time spent generating
+    lent_token_frac: float = 0.0  # partial-GPU: share of generated tokens that the training devices generated
+    lends: int = 0  # partial-GPU: times the training devices joined the rollout
+    moved_requests: int = 0  # partial-GPU: requests aborted and resumed elsewhere when the pool grew or shrank
 
 
 class SimulationError(AssertionError):
@@ -124,6 +138,11 @@ class Simulation:
         self.B = batch_groups or max(1, round(self.w.groups_per_device * devices))
         k = self.mode.async_ratio
         self.colocated = k == 0
+        if self.mode.partial_gpu and self.colocated:
+            raise ValueError(
+                f"mode {self.mode.name!r}: partial-GPU mode lends training devices of a disaggregated "
+                "(async_ratio >= 1) cluster; a colocated one has none to lend"
+            )
         tp = self.hw.engine_devices
         if self.colocated:
             self.n_train, self.n_infer = devices, devices
@@ -143,25 +162,34 @@ class Simulation:
             partial_rollout=self.mode.partial,
             order=self.mode.order,
         )
-        self.engines = [Engine(i, self.hw, token_unit) for i in range(self.n_infer // tp)]
+        n_lent = self.n_train // tp if self.mode.partial_gpu else 0
+        self.n_engines_infer = self.n_infer // tp
+        self.engines = [Engine(i, self.hw, token_unit) for i in range(self.n_engines_infer + n_lent)]
+        self.lent = self.engines[self.n_engines_infer :]  # engines of the training devices (partial-GPU)
+        if self.mode.partial_gpu and not self.lent:
+            raise ValueError(f"{self.n_train} training devices cannot hold an engine of {tp}")
+        self.pool = EnginePool(range(len(self.engines)), active=range(self.n_engines_infer))
+        self.lent_state = "idle"  # idle (training or syncing) -> waking -> serving -> idle
+        self.lent_epoch = 0  # bumped when a lend is cancelled (its wake-up event is ignored)
+        self.lent_ready = 0.0
+        self.lends = self.moved = 0
         self.heap: list[tuple[float, int, int, object]] = []
         self.seq = itertools.count()
         self.rids = itertools.count()
         self.now = 0.0
         self.req_engine: dict[str, Engine] = {}
-        self.home: dict[tuple[int, int], Engine] = {}  # sticky routing: a sample's engine
         self.true_min: dict[tuple[int, int], int] = {}  # oldest engine version of any token of a sample
         self.buffer: list[GroupState] = []
         self.trainer_busy = False
         self.syncing = False  # between begin_update and finish_update: the driver submits nothing
         self.step = 0
         self.train_busy = 0.0  # seconds the trainer computed
-        self.units = {"generated": 0, "ignored": 0, "trained": 0, "trained_generated": 0}
+        self.units = {"generated": 0, "ignored": 0, "trained": 0, "trained_generated": 0, "lent_generated": 0}
         self.staleness: list[int] = []
         self.token_age = [0, 0]  # sum of (version - token version) over trained generated units, and their count
         self.batch_units: list[int] = []  # trained response units per step
         self.max_true = self.max_admission = 0
-        self.marks = {0: (0.0, 0.0, 0.0)}  # step -> (time, engine busy device-s, train busy s)
+        self.marks = {0: (0.0, 0.0, 0.0, 0.0)}  # step -> (time, engine busy dev-s, lent engines' busy dev-s, train s)
         self.events = 0
 
     def _push(self, t: float, kind: int, arg: object) -> None:
@@ -175,7 +203,8 @@ class Simulation:
 
     # ---- the driver (what driver.py does over real engines) -----------------------------------------------
     def _fill(self) -> None:
-        """Start groups up to the budget; submit every pending sample (sticky, else to the least-loaded engine)."""
+        """Start groups up to the budget; submit every pending sample (sticky, else to the least-loaded engine: the
+        pool's routing)."""
         if self.syncing:
             return
         s = self.sched
@@ -183,7 +212,6 @@ class Simulation:
             prompt, plans = sample_group(self.w, self.rng, self.unit)
             s.start(plans, [0] * prompt)
         _check(s.capacity() == 0, "capacity() did not drop by one per start")
-        loads: list[tuple[int, int]] | None = None  # built only when a sample has no engine yet
         touched = set()
         for sample, ids, budget in list(s.pending()):
             g = sample.group
@@ -197,14 +225,7 @@ class Simulation:
             rid = f"r{next(self.rids)}"
             final = last and plan[i][3] == 0.0  # no environment step after this turn
             req = Req(rid, sample, offset, end, len(ids), finish, final=final, key=key)
-            eng = self.home.get(key)
-            if eng is None:
-                if loads is None:
-                    loads = [(e.load(), e.idx) for e in self.engines]
-                    heapq.heapify(loads)
-                load, j = heapq.heappop(loads)
-                heapq.heappush(loads, (load + 1, j))
-                eng = self.home[key] = self.engines[j]
+            eng = self.engines[self.pool.assign(rid, key)]  # type: ignore[index]
             s.submitted(sample, rid)
             eng.submit(req, self.now)
             self.req_engine[rid] = eng
@@ -215,7 +236,10 @@ class Simulation:
     def _report(self, req: Req, gen: int, finish: str) -> GroupState | None:
         """Hand an engine result to the scheduler (tokens are response positions offset..offset+gen)."""
         self.req_engine.pop(req.rid, None)
+        eng = self.engines[self.pool.release(req.rid)]  # type: ignore[index]
         self.units["generated"] += gen
+        if eng.idx >= self.n_engines_infer:
+            self.units["lent_generated"] += gen
         if gen >= req.end - req.offset:
             finish = req.finish  # it was complete when the abort came
         smp: SampleState = req.sample  # type: ignore[assignment]
@@ -230,8 +254,8 @@ class Simulation:
             plan = smp.group.payload[smp.index]
             self._push(self.now + plan[_turn_at(plan, req.offset)][3], _ENV, (smp, req.offset))
         elif smp.finish is not None:
-            self.home.pop(key, None)
-            self.req_engine.get(req.rid, self.engines[0]).forget(key)
+            self.pool.forget(key)
+            eng.forget(key)
         return group
 
     def _on_env(self, smp: SampleState, offset: int) -> None:
@@ -283,13 +307,67 @@ class Simulation:
         self.batch_units.append(self.units["trained"] - units_before)
         self.buffer = []
         self.trainer_busy = True
+        start = self._reclaim() if self.lent else self.now
         dur = 6 * self.hw.params * tokens * unit / (self.n_train * self.hw.flops_per_device)
         self.train_busy += dur
-        self._push(self.now + dur, _TRAIN_DONE, None)
+        self._push(start + dur, _TRAIN_DONE, None)
+
+    # ---- partial-GPU mode: the training devices serve rollout while the trainer would idle ----------------
+    def _lend(self) -> None:
+        """The trainer waits for a batch: wake the training devices' engines (they join after `lend_s`)."""
+        if not self.lent or self.trainer_busy or self.lent_state != "idle":
+            return
+        self.lent_state = "waking"
+        self.lent_epoch += 1
+        self.lent_ready = self.now + self.hw.lend_s
+        self._push(self.lent_ready, _LENT, self.lent_epoch)
+
+    def _on_lent(self, epoch: int) -> None:
+        """The lent engines are up at the current weights: they join the pool and take over requests of the
+        loaded engines (aborted, prefix kept, resumed on them)."""
+        if epoch != self.lent_epoch or self.lent_state != "waking":
+            return  # cancelled: the batch was ready before the engines woke
+        self.lent_state = "serving"
+        self.lends += 1
+        for e in self.lent:
+            e.version = self.sched.version
+            e.pause(self.now, self.now)  # idle until now
+        self._abort_and_resume(self.pool.expand([e.idx for e in self.lent], rebalance=True))
+
+    def _reclaim(self) -> float:
+        """A batch is ready: take the training devices back (their requests are aborted and resume on the inference
+        engines); returns when training can start."""
+        ready = self.now
+        if self.lent_state == "waking":  # finish the wake-up under way, then offload again
+            self.lent_epoch += 1
+            ready = self.lent_ready
+        elif self.lent_state == "serving":
+            self._abort_and_resume(self.pool.shrink([e.idx for e in self.lent]))
+            _check(not self.pool.draining([e.idx for e in self.lent]), "a lent engine still holds requests")
+            for e in self.lent:
+                _check(not e.load(), f"lent engine {e.idx} still runs requests after the shrink")
+                e.cache.clear()  # offloaded: its prefix cache is gone
+        else:
+            return self.now  # not lent (the batch was ready right after the weight sync)
+        self.lent_state = "idle"
+        return max(ready, self.now) + self.hw.reclaim_s
+
+    def _abort_and_resume(self, rids: list[str]) -> None:
+        """Abort requests (the pool moves them): their partial output is reported, the samples resume elsewhere."""
+        touched = {}
+        for rid in rids:
+            eng = self.req_engine[rid]
+            req, gen = eng.abort(rid, self.now)
+            self._report(req, gen, "abort")
+            touched[eng.idx] = eng
+        self.moved += len(rids)
+        for eng in touched.values():
+            self._kick(eng)
+        self._fill()
 
     def _on_train_done(self) -> None:
         self.step += 1
-        self.marks[self.step] = (self.now, self._engine_busy(self.now), self.train_busy)
+        self.marks[self.step] = (self.now, *self._engine_busy(self.now), self.train_busy)
         if self.step == self.steps:
             return
         self.syncing = True
@@ -313,13 +391,20 @@ class Simulation:
         self.syncing = self.trainer_busy = False
         self._fill()
         self._try_take()
+        self._lend()  # no batch ready: the training devices would idle
 
-    def _engine_busy(self, t: float) -> float:
-        return sum(e.busy_until(t) for e in self.engines) * self.hw.engine_devices
+    def _engine_busy(self, t: float) -> tuple[float, float]:
+        """Busy device-seconds of the inference engines and of the lent engines (training devices) until t."""
+        tp, n = self.hw.engine_devices, self.n_engines_infer
+        return (
+            sum(e.busy_until(t) for e in self.engines[:n]) * tp,
+            sum(e.busy_until(t) for e in self.engines[n:]) * tp,
+        )
 
     # ---- running ------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
         self._fill()
+        self._lend()
         while self.step < self.steps:
             if not self.heap:
                 raise RuntimeError(f"deadlock at t={self.now:.1f}s: {self.sched.counters}")
@@ -340,6 +425,8 @@ class Simulation:
                 self._on_env(*arg)  # type: ignore[misc]
             elif kind == _TRAIN_DONE:
                 self._on_train_done()
+            elif kind == _LENT:
+                self._on_lent(arg)  # type: ignore[arg-type]
             else:
                 self._on_sync_done()
         return self._result()
@@ -347,10 +434,10 @@ class Simulation:
     def _result(self) -> SimResult:
         self._check_conservation()
         end = self.measured_until()
-        (t0, e0, tr0), (t1, e1, tr1) = self.marks[self.warmup], self.marks[end]
+        (t0, e0, l0, tr0), (t1, e1, l1, tr1) = self.marks[self.warmup], self.marks[end]
         window = t1 - t0
         n_steps = end - self.warmup
-        eng_dev_s, train_dev_s = e1 - e0, (tr1 - tr0) * self.n_train
+        eng_dev_s, lent_dev_s, train_dev_s = e1 - e0, l1 - l0, (tr1 - tr0) * self.n_train
         c = dict(self.sched.counters)
         n_samples = self.steps * self.B * self.w.group_size
         return SimResult(
@@ -362,7 +449,7 @@ class Simulation:
             steps=self.steps,
             samples_per_s=n_steps * self.B * self.w.group_size / window,
             tokens_per_s=sum(self.batch_units[self.warmup : end]) * self.unit / window,
-            util=(eng_dev_s + train_dev_s) / (self.devices * window),
+            util=(eng_dev_s + lent_dev_s + train_dev_s) / (self.devices * window),
             util_infer=eng_dev_s / (self.n_infer * window),
             util_train=train_dev_s / (self.n_train * window),
             mean_staleness=sum(self.staleness) / len(self.staleness),
@@ -378,6 +465,10 @@ class Simulation:
             sim_time=self.now,
             events=self.events,
             counters=c,
+            util_lent=lent_dev_s / (self.n_train * window),
+            lent_token_frac=self.units["lent_generated"] / max(1, self.units["generated"]),
+            lends=self.lends,
+            moved_requests=self.moved,
         )
 
     def measured_until(self) -> int:
@@ -414,8 +505,13 @@ def simulate(devices: int, workload: Workload | str = "rlvr", mode: Mode | str =
 
 
 def best_split(
-    workload: Workload | str, mode: Mode | str, devices: int = 32, **kw: object
+    workload: Workload | str,
+    mode: Mode | str,
+    devices: int = 32,
+    splits: tuple[float, ...] = SPLITS,
+    **kw: object,
 ) -> tuple[float, dict[float, float]]:
-    """The train fraction of SPLITS with the most trained tokens/s on a `devices` cluster, and that rate of each."""
-    rates = {f: simulate(devices, workload, mode, train_fraction=f, **kw).tokens_per_s for f in SPLITS}
+    """The train fraction of `splits` with the most trained tokens/s on a `devices` cluster, and that rate of each
+    (partial-GPU modes can use larger train shares than {1/8 .. 1/2}: their training devices also generate)."""
+    rates = {f: simulate(devices, workload, mode, train_fraction=f, **kw).tokens_per_s for f in splits}
     return max(rates, key=lambda f: rates[f]), rates
