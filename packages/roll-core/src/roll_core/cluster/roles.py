@@ -111,6 +111,14 @@ class TrainWorker(EngineWorker):
         return Batch(self.engine.compute_values(engine_inputs(batch)))
 
     @dispatch(Dispatch.DP)
+    def compute_attention_credit(self, batch: Batch, **kwargs: Any) -> Batch:
+        """Per-token WAAD and FAI of the policy's attention (algo.attention_credit; hf and fsdp2 engines)."""
+        fn = getattr(self.engine, "compute_attention_credit", None)
+        if fn is None:
+            raise ValueError(f"train engine {self.engine.name!r} cannot read attention maps (algo.attention_credit)")
+        return Batch(fn(engine_inputs(batch), **kwargs))
+
+    @dispatch(Dispatch.DP)
     def train(
         self, batch: Batch, loss_fn: Any, mini_batches: int, epochs: int, temperature: float, shuffle_seed: int
     ) -> dict[str, float]:
@@ -418,6 +426,10 @@ class TrainGroup(WorkerGroup[TrainWorker]):
 
     def compute_values(self, batch: Batch) -> Batch:
         return self.call(TrainWorker.compute_values, batch)
+
+    def compute_attention_credit(self, batch: Batch, **kwargs: Any) -> Batch:
+        """{"waad", "fai"} (B, R) of the policy's attention over the responses (roll_algos.attention_credit)."""
+        return self.call(TrainWorker.compute_attention_credit, batch, **kwargs)
 
     def train(
         self, batch: Batch, loss_fn: Any, *, mini_batches: int, epochs: int, temperature: float, shuffle_seed: int

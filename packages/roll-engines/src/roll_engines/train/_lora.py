@@ -4,6 +4,8 @@ Contract: with `lora_rank > 0` only the adapters train (AdamW holds state for th
 adapters disabled is the reference policy (no second model copy); weight sync and the `model/` checkpoint folder
 carry merged weights in the base model's HF names (W + scaling * B @ A), so inference engines and plain
 transformers need no LoRA support; `adapter/` holds the adapter in peft's format (PeftModel.from_pretrained).
+An inference engine that serves adapters itself (vLLM, `infer_engine.lora_sync=adapter`) is synced with
+`adapter_weights` instead: the adapter alone, in peft's saved names, with the scaling folded into B.
 On a vision-language model, "all-linear" adapts the language model's linear layers only.
 
 Functions take a `full` callable that turns a (possibly sharded, FSDP2 DTensor) tensor into a full one, so the
@@ -92,6 +94,27 @@ def merged_weights(
     for name, b in base.named_buffers():
         if name in persistent:
             yield name.replace(".base_layer.", "."), full(b)
+
+
+def adapter_weights(model: torch.nn.Module, full: Callable[[Tensor], Tensor]) -> Iterator[tuple[str, Tensor]]:
+    """(peft saved name, full tensor) of every adapter matrix: `<module>.lora_A.weight` [r, in] and
+    `<module>.lora_B.weight` [out, r] with B already multiplied by the layer's scaling (alpha / r), so a receiver
+    serves the adapter with scaling 1 (lora_alpha = r) and needs no other setting. Collective on sharded engines.
+
+    Raises ValueError for layers an adapter-serving engine cannot take (embedding adapters)."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, m in model.named_modules():
+        if not isinstance(m, LoraLayer):
+            continue
+        if ADAPTER in getattr(m, "lora_embedding_A", {}):
+            raise ValueError(f"{name} has an embedding adapter: adapter weight sync serves linear layers only")
+        if ADAPTER not in m.lora_A:
+            continue
+        a = full(m.lora_A[ADAPTER].weight.detach())
+        b = full(m.lora_B[ADAPTER].weight.detach())
+        yield f"{name}.lora_A.weight", a
+        yield f"{name}.lora_B.weight", b * m.scaling[ADAPTER]
 
 
 def adapter_state(model: torch.nn.Module, full: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:

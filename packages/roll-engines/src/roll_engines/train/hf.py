@@ -51,7 +51,15 @@ from roll_core.interfaces.inference import STRUCTURED_KEY
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.train import _vision as V  # vision-language models: pictures travel with their rows
 from roll_engines.train._logits import check_topk, empty_outputs, gather_ids_of, response_outputs
-from roll_engines.train._lora import apply_lora, base_model, is_lora, load_adapter, merged_weights, save_lora
+from roll_engines.train._lora import (
+    adapter_weights,
+    apply_lora,
+    base_model,
+    is_lora,
+    load_adapter,
+    merged_weights,
+    save_lora,
+)
 from roll_engines.train._micro import check_micro_batch_tokens, micro_rows
 from roll_engines.train._micro import padding_row as _padding_row
 from roll_engines.train._optim import adamw_kernel, load_optimizer, lr_lambda, save_optimizer
@@ -71,6 +79,8 @@ class HFTrainEngine:
     structured_logprobs: ClassVar[bool] = True
     #: Trains vision-language models from batches with `mm_inputs` (roll_engines.train._vision).
     vision_models: ClassVar[bool] = True
+    #: With LoRA, `iter_adapter` exports the adapter alone (infer_engine.lora_sync=adapter).
+    adapter_sync: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -588,6 +598,14 @@ class HFTrainEngine:
         for name, b in self.model.named_buffers():
             if name in persistent:
                 yield name, self._full_tensor(b)
+
+    def iter_adapter(self) -> Iterator[tuple[str, Tensor]]:
+        """The LoRA adapter alone for an inference engine that serves adapters (infer_engine.lora_sync=adapter):
+        (peft saved name, full tensor), B scaled by alpha / r (roll_engines.train._lora.adapter_weights).
+        Collective on sharded engines (every rank iterates)."""
+        if not self.lora:
+            raise ValueError(f"{self.name} engine: adapter weight sync needs LoRA (train_engine.lora_rank > 0)")
+        yield from adapter_weights(self.model, self._full_tensor)
 
     def _full_tensor(self, t: Tensor) -> Tensor:
         return t

@@ -98,6 +98,10 @@ class RLObjective:
             adv = adv.clamp(-algo.advantage_clip, algo.advantage_clip)
         if "advantage_scale" in batch:  # a multi-domain run's per-domain scale, (B,) over each row's tokens
             adv = adv * batch["advantage_scale"].to(adv.dtype).unsqueeze(-1)
+        if algo.attention_credit is not None:  # the actor's own attention picks the tokens whose credit is scaled
+            from roll_core.pipelines.objectives.attention_credit import apply_attention_credit
+
+            adv = apply_attention_credit(batch, adv, mask, algo, roles.actor_train, out)
         batch["advantages"] = adv * mask
         out["actor/advantage_abs_mean"] = float(masked_mean(adv.abs(), mask))
         if returns is not None:

@@ -1,0 +1,129 @@
+"""LoRA adapter sync without vLLM (infer_engine.lora_sync=adapter): the trainer's adapter export, the receiving side's
+peft folder, and the ConfigErrors where it cannot work. vLLM serving the adapter: test_vllm_lora.py (its venv)."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from roll_core.config.lora_sync import adapter_rank, refused_targets
+from roll_core.errors import ConfigError
+from roll_core.models import resolve_model_path
+from roll_core.pipelines.objectives import PolicyObjective
+from roll_core.testing.train_engine import toy_batch
+from roll_engines import config as C
+from roll_engines.infer._adapters import AdapterSync, refuse_adapters, vllm_max_rank
+from roll_engines.train.hf import HFTrainEngine
+
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> HFTrainEngine:
+    os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
+    path = resolve_model_path("builtin:tiny")
+    # alpha / r = 4: a receiver that missed the scaling would be 4x off.
+    eng = HFTrainEngine(path, lr=1e-2, micro_batch_size=6, lora_rank=4, lora_alpha=16.0)
+    eng.train_step(toy_batch(path), PolicyObjective())
+    return eng
+
+
+def test_the_adapter_alone_in_peft_names_reproduces_the_merged_weights(trained: HFTrainEngine) -> None:
+    from peft import get_peft_model_state_dict
+
+    adapter = dict(trained.iter_adapter())
+    assert set(adapter) == set(get_peft_model_state_dict(trained.model)), "peft's saved names, nothing else"
+    merged = dict(trained.iter_weights(changed_only=True))
+    base = dict(HFTrainEngine(trained.path, role="reference", trainable=False).iter_weights())
+    assert len(merged) == len(adapter) // 2 > 0
+    for name, w in merged.items():
+        module = "base_model.model." + name.removesuffix(".weight")
+        a, b = adapter[f"{module}.lora_A.weight"], adapter[f"{module}.lora_B.weight"]
+        assert a.shape[0] == b.shape[1] == 4
+        # B carries the scaling: base + B @ A (scaling 1) is the merged weight.
+        torch.testing.assert_close(base[name] + b @ a, w, atol=1e-6, rtol=1e-5)
+    assert sum(v.numel() for v in adapter.values()) < 0.2 * sum(v.numel() for v in merged.values())
+
+
+def test_the_receiver_writes_a_peft_folder_with_scaling_one(trained: HFTrainEngine, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    sync = AdapterSync("vllm", 4, torch.float32)
+    try:
+        sync.begin()
+        named = list(trained.iter_adapter())
+        nbytes = sum(sync.receive(named[i : i + 5]) for i in range(0, len(named), 5))  # buckets
+        folder = sync.finish(1)
+        assert folder is not None and folder.parent == sync.root and str(sync.root).startswith("/dev/shm")
+        config = json.loads((folder / "adapter_config.json").read_text())
+        assert config["r"] == config["lora_alpha"] == 4
+        assert sync.last == {"bytes": nbytes, "tensors": len(named), "rank": 4}
+        # Plain peft loads the folder onto the base and computes what the trainer's policy computes.
+        with warnings.catch_warnings():  # peft 0.21 still asks transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained.path), str(folder))
+        ids = torch.tensor([[3, 5, 7, 9, 11]])
+        with torch.no_grad():
+            torch.testing.assert_close(peft(ids).logits, trained.model(ids).logits, atol=1e-5, rtol=1e-5)
+        # Superseded and unused: removed and deleted; the current one stays.
+        sync.begin()
+        sync.receive(named)
+        sync.finish(2)
+        sync.current, removed = 2, []
+        assert sync.retire({1}, removed.append) == [] and folder.exists()  # a running request still uses 1
+        assert sync.retire(set(), removed.append) == [1] and removed == [1] and not folder.exists()
+    finally:
+        sync.close()
+    assert not sync.root.exists()
+
+
+def test_the_receiver_refuses_merged_weights_and_wrong_ranks(trained: HFTrainEngine) -> None:
+    sync = AdapterSync("vllm", 2, torch.float32)
+    try:
+        sync.begin()
+        with pytest.raises(ValueError, match=r"model.embed_tokens.weight.*merged weights"):
+            sync.receive([("model.embed_tokens.weight", torch.zeros(3, 3))])
+        sync.begin()
+        sync.receive(trained.iter_adapter())
+        with pytest.raises(ValueError, match=r"ranks \[4\]; this engine serves one rank <= 2"):
+            sync.finish(1)
+        sync.begin()
+        sync.receive([("m.q_proj.lora_A.weight", torch.zeros(2, 8))])
+        with pytest.raises(ValueError, match=r"adapter of m\.q_proj is incomplete"):
+            sync.finish(1)
+        assert sync.folders == {}
+    finally:
+        sync.close()
+    assert vllm_max_rank(4) == 8 and vllm_max_rank(16) == 16
+    with pytest.raises(ValueError, match="infer_engine=hf cannot serve LoRA adapters"):
+        refuse_adapters("hf", 4)
+
+
+def _engines(lora: int = 4, targets="all-linear", infer=C.VLLMInferEngineConfig, train=C.HFTrainEngineConfig, **ie):
+    return train(lora_rank=lora, lora_target_modules=targets), infer(lora_sync="adapter", **ie)
+
+
+def test_config_errors_where_adapter_sync_cannot_work() -> None:
+    assert adapter_rank(*_engines()) == 4
+    assert adapter_rank(C.HFTrainEngineConfig(lora_rank=4), C.VLLMInferEngineConfig()) == 0  # merged: the default
+    cases = {
+        "set train_engine.lora_rank > 0": _engines(lora=0),
+        "infer_engine=hf cannot serve LoRA adapters": _engines(infer=C.HFInferEngineConfig),
+        "infer_engine=sglang cannot serve LoRA adapters": _engines(infer=C.SGLangInferEngineConfig),
+        "train_engine=megatron cannot export": _engines(train=C.MegatronTrainEngineConfig),
+        r"names \['lm_head'\]": _engines(targets=["q_proj", "lm_head"]),
+        r"names \['embed_tokens'\]": _engines(targets=r".*\.(embed_tokens|v_proj)"),
+        "sleep_level=2 discards": _engines(sleep_level=2),
+    }
+    for message, (te, ie) in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            adapter_rank(te, ie)
+    assert refused_targets(["q_proj", "v_proj"]) == [] and refused_targets("all-linear") == []
+    with pytest.raises(ValueError, match=r"infer_engine\.lora_sync"):
+        C.VLLMInferEngineConfig(lora_sync="both")
