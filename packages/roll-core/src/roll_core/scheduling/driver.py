@@ -11,6 +11,13 @@ swallowed. `close()` aborts what runs and stops the thread.
 
 The same code runs on `cluster=local` (engines in this process: generation and training share its cores) and on
 Ray (engines in their own processes: real overlap).
+
+Partial-GPU mode (ROLL's partial_gpu_mode): with an `EnginePool` (roll_core.scheduling.pool) the driver places every
+request on an engine itself (`infer.submit_request(request, rank=engine)`) and the set of engines can change while
+requests run: `shrink(engines)` (before the trainer takes those devices back) aborts their requests and waits until
+the partial results are recorded, so the samples resume on the engines that stay with their prefixes kept;
+`expand(engines)` (their engines woken at the current weights) routes to them again and moves the newest requests of
+the loaded engines onto them.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from roll_core.interfaces import Request, SamplingParams
+from roll_core.scheduling.pool import EnginePool
 from roll_core.scheduling.scheduler import GroupState, RolloutScheduler
 
 log = logging.getLogger(__name__)
@@ -39,9 +47,11 @@ class AsyncRollout:
         *,
         poll_s: float = 0.002,
         timeout_s: float = 3600.0,
+        pool: EnginePool | None = None,
     ) -> None:
         self.infer, self.sched, self.next_group, self.params = infer, scheduler, next_group, params
         self.poll_s, self.timeout_s = poll_s, timeout_s
+        self.pool = pool  # None: the infer group routes each request itself
         self._cv = threading.Condition()
         self._handles: dict[str, Any] = {}
         self._paused = False
@@ -118,6 +128,43 @@ class AsyncRollout:
         for rid in doomed:
             self.infer.abort(rid)
 
+    # ---- partial-GPU mode: engines that leave and rejoin ---------------------------------------------------------
+    def shrink(self, engines: list[Any], timeout_s: float = 60.0) -> int:
+        """Take `engines` out of the rollout (their devices are about to train): no new request goes there, their
+        running requests are aborted and this waits until the partial results are recorded (those samples resume
+        on the other engines). Returns how many requests were moved."""
+        pool = self._need_pool()
+        with self._cv:
+            self._raise()
+            moved = pool.shrink(engines)
+        for rid in moved:
+            self.infer.abort(rid)
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while any(rid in self._handles for rid in moved) or pool.draining(engines):
+                self._raise()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"async rollout: requests of engines {engines} did not return in {timeout_s} s")
+                self._cv.wait(0.05)
+        return len(moved)
+
+    def expand(self, engines: list[Any], *, rebalance: bool = True) -> int:
+        """Route to `engines` again (woken at the current weights); with `rebalance`, the newest requests of the
+        engines above the mean load are aborted and resume on them. Returns how many requests were moved."""
+        pool = self._need_pool()
+        with self._cv:
+            self._raise()
+            moved = pool.expand(engines, rebalance=rebalance)
+            self._cv.notify_all()
+        for rid in moved:
+            self.infer.abort(rid)
+        return len(moved)
+
+    def _need_pool(self) -> EnginePool:
+        if self.pool is None:
+            raise RuntimeError("shrink/expand need the driver built with pool=EnginePool(...) (partial-GPU mode)")
+        return self.pool
+
     def stats(self) -> dict[str, float]:
         """Counters since the previous call (groups started, stale, discarded, requests resumed) and gauges."""
         with self._cv:
@@ -149,7 +196,12 @@ class AsyncRollout:
                         out = h.result()
                         with self._cv:
                             self._handles.pop(rid, None)
+                            sample = self.sched.by_request.get(rid)
                             self.sched.on_result(rid, list(out.token_ids), list(out.logprobs), out.finish_reason)
+                            if self.pool is not None:
+                                self.pool.release(rid)
+                                if sample is not None and sample.finish is not None:
+                                    self.pool.forget((sample.group.gid, sample.index))
                             self._cv.notify_all()
                         progressed = True
                 if not progressed:
@@ -165,10 +217,17 @@ class AsyncRollout:
         while self.sched.capacity() > 0:
             payload, prompt_ids, *mm = self.next_group()
             self.sched.start(payload, prompt_ids, mm[0] if mm else None)
+        if self.pool is not None and not self.pool.active:
+            return  # every engine is shrunk away: the samples wait for an expand
         for sample, ids, remaining in list(self.sched.pending()):
             rid = f"async-{self._n}"
             self._n += 1
             seed = None if self.params.seed is None else (self.params.seed * 1_000_003 + self._n) % 2**62
             params = self.params.replace(max_new_tokens=max(1, remaining), seed=seed)
             self.sched.submitted(sample, rid)
-            self._handles[rid] = self.infer.submit_request(Request(rid, ids, params, mm=sample.group.mm))
+            request = Request(rid, ids, params, mm=sample.group.mm)
+            if self.pool is None:
+                self._handles[rid] = self.infer.submit_request(request)
+            else:
+                engine = self.pool.assign(rid, key=(sample.group.gid, sample.index))
+                self._handles[rid] = self.infer.submit_request(request, rank=engine)
