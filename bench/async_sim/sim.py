@@ -28,7 +28,9 @@ deterministic for a seed). Workloads and costs: `async_sim.model`.
   resumed there with a prefill of the context). When a batch is complete the pool shrinks: their requests are
   aborted and resumed on the inference engines (prefix kept, context prefilled again, their cached prefixes lost),
   and training starts `Hardware.reclaim_s` later (engine offloaded, train states reloaded; a lend still under way
-  is finished first). No token is lost or generated twice: the same checks as in every mode.
+  is finished first). No token is lost or generated twice: the same checks as in every mode. Assumed: a lent
+  engine is as fast and holds as many requests as an inference one (the train states wait in host memory), and
+  the devices are lent whenever the trainer waits, however short the wait (as ROLL does after every weight sync).
 
 Omitted: chunked prefill, KV growth with context length (b is an average) and KV memory limits (the prefix cache
 is unbounded), preemption, network contention, stragglers/failures, reward latency, and any effect of staleness on
