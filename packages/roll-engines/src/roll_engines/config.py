@@ -107,6 +107,17 @@ def check_overlap(grad_reduce: bool, param_gather: bool, distributed_optimizer: 
         )
 
 
+def check_routing_replay(routing_replay: bool, recompute: str | None, pipeline_parallel_size: int) -> None:
+    """Refuse the Megatron layout routing replay cannot follow: full recomputation re-runs the routers in the backward,
+    which under pipeline parallelism (1F1B) comes after later micro-batches' forwards have set their routing."""
+    if routing_replay and recompute == "full" and pipeline_parallel_size > 1:
+        raise ValueError(
+            "train_engine.routing_replay=true on train_engine=megatron runs with recompute=null or selective at any "
+            "layout, or recompute=full with pipeline_parallel_size=1; not recompute=full with "
+            f"pipeline_parallel_size={pipeline_parallel_size}"
+        )
+
+
 @dataclass
 class MegatronTrainEngineConfig(TrainEngineConfig):
     """Megatron-Core (roll_engines.train.megatron): tensor x pipeline x data parallel over world_size workers."""
@@ -151,9 +162,14 @@ class MegatronTrainEngineConfig(TrainEngineConfig):
     # "all-linear" (q/k/v, o, gate/up, down; as in peft, not lm_head), or peft projection names (lm_head included:
     # an untied output layer) / Megatron layer names.
     lora_target_modules: Any = "all-linear"
+    # MoE routed-expert replay, as train_engine=hf's: every MoE layer computes with the batch's `routed_experts`
+    # (through megatron-core's router replay hook; roll_engines.train.megatron._routing), at any TP/SP/CP/EP/PP
+    # layout except recompute=full with pipeline_parallel_size > 1.
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_routing_replay(self.routing_replay, self.recompute, self.pipeline_parallel_size)
         if self.micro_batch_tokens and self.pipeline_parallel_size > 1:
             # Pipeline stages exchange one tensor shape per schedule: micro-batches of varying rows cannot pass.
             raise ValueError(

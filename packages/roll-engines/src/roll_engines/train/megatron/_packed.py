@@ -50,7 +50,11 @@ def pad_packed(packed: Any, n: int, t: int) -> Any:
     allowed[:rows, :, :width, :width] = packed.allowed
     keep = torch.zeros((n, t), dtype=torch.bool)
     keep[:rows, :width] = packed.keep
-    return dataclasses.replace(packed, input_ids=ids, position_ids=pos, allowed=allowed, keep=keep)
+    origin = None  # the new positions come from no batch position (routed-expert replay: UNROUTED)
+    if packed.origin is not None:
+        origin = torch.full((n, t), -1, dtype=packed.origin.dtype)
+        origin[:rows, :width] = packed.origin
+    return dataclasses.replace(packed, input_ids=ids, position_ids=pos, allowed=allowed, keep=keep, origin=origin)
 
 
 def left_pad(micro: dict, k: int) -> dict:

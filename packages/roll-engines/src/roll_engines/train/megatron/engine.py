@@ -24,6 +24,9 @@ many micro-batches (`_balanced` pads with rows that train nothing).
 Sequence parallelism (`sequence_parallel`, TP > 1) and context parallelism (`context_parallel_size`, all-gather
 attention on the local spec: roll_engines.train.megatron._context) pad every width to a multiple of what they split.
 
+Routed-expert replay (`routing_replay`, MoE models; roll_engines.train.megatron._routing): every forward's routers use
+the batch's `routed_experts` (the rollout engine's choices) mapped to Megatron's [s, b] token order, per micro-batch.
+
 LoRA (`lora_rank > 0`, roll_engines.train.megatron._lora): adapters on the tensor-parallel linear layers; only they
 train, the reference is the base with adapters disabled, weights export merged, checkpoints add a peft `adapter/`.
 
@@ -49,6 +52,7 @@ from torch import Tensor
 
 from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
+from roll_core.routing import ROUTED_EXPERTS, UNROUTED
 from roll_engines.structured import refuse_constrained_batch
 from roll_engines.train._logits import empty_outputs, gather_ids_of
 from roll_engines.train._micro import check_micro_batch_tokens, micro_batches, padding_row
@@ -60,6 +64,7 @@ from roll_engines.train.megatron import _lora as L
 from roll_engines.train.megatron._checkpoint import load_optimizer, optimizer_state_bytes, save_optimizer
 from roll_engines.train.megatron._packed import model_inputs, prepare, rope_at
 from roll_engines.train.megatron._parallel import end_parallel, init_parallel
+from roll_engines.train.megatron._routing import MegatronRoutingReplay
 from roll_engines.train.megatron._vocab import logits_at, response_logprobs, response_rows
 
 
@@ -111,8 +116,9 @@ class MegatronTrainEngine:
         sequence_parallel: bool = False,
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
+        routing_replay: bool = False,
     ) -> None:
-        from roll_engines.config import MEGATRON, check_overlap
+        from roll_engines.config import MEGATRON, check_overlap, check_routing_replay
 
         MEGATRON.require()  # one line naming the extra, not a ModuleNotFoundError from the first layer built
         if context_parallel_size < 1:
@@ -129,6 +135,7 @@ class MegatronTrainEngine:
         if lora_rank and lora_dropout:
             raise ValueError("train_engine=megatron trains LoRA without dropout: set train_engine.lora_dropout=0")
         check_overlap(overlap_grad_reduce, overlap_param_gather, use_distributed_optimizer)
+        check_routing_replay(routing_replay, recompute, pipeline_parallel_size)
         prepare_engine_process(device, num_threads)
         self.name, self.role, self.device = name, role, torch.device(device)
         self.trainable = trainable and role != "reference"
@@ -182,6 +189,8 @@ class MegatronTrainEngine:
             self.lora = (lora_rank, lora_alpha, lora_target_modules) if lora_rank and self.trainable else None
             if self.lora:  # before DDP and the optimizer: they hold the trainable (adapter) parameters only
                 L.apply_lora(self.model, lora_rank, lora_alpha, lora_target_modules, seed)
+            # MoE layers compute with the batch's `routed_experts` (the rollout's choices; _routing).
+            self.routing = MegatronRoutingReplay.of(self.model, self.hf_config, role) if routing_replay else None
             self.ddp, self.optimizer = self.model, None
             self.overlap = (overlap_grad_reduce, overlap_param_gather)
             if self.trainable:
@@ -332,6 +341,8 @@ class MegatronTrainEngine:
         def forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[Tensor, Callable]:
             micro = next(data_iterator)
             ids, pos, mask = model_inputs(micro, self.device)
+            if self.routing is not None:  # before the CP slice: it slices the routing as it slices the inputs
+                self._prepare_routing(micro, ids.shape[1])
             if self.cp_size > 1:  # this CP rank's slice of every sequence, at its own positions
                 from roll_engines.train.megatron._context import gather_logits, local_slice
 
@@ -350,16 +361,31 @@ class MegatronTrainEngine:
 
         micros = prepare(micros, self.pack_sequences, self._seq_multiple, self.hf_config.hidden_size, self.device)
         inputs = [m["_packed"].input_ids if "_packed" in m else m["input_ids"] for m in micros]
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micros),
-            model=[self.ddp],
-            num_microbatches=len(micros),
-            seq_length=inputs[0].shape[1],
-            micro_batch_size=max(x.shape[0] for x in inputs),
-            forward_only=forward_only,
-            force_all_reduce=force_all_reduce,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micros),
+                model=[self.ddp],
+                num_microbatches=len(micros),
+                seq_length=inputs[0].shape[1],
+                micro_batch_size=max(x.shape[0] for x in inputs),
+                forward_only=forward_only,
+                force_all_reduce=force_all_reduce,
+            )
+        finally:
+            if self.routing is not None:
+                self.routing.clear()
+
+    def _prepare_routing(self, micro: Mapping[str, Tensor], width: int) -> None:
+        """Hand the routers `micro`'s replayed experts in Megatron's token order for this rank's CP and (under
+        sequence parallelism) TP slice of the sequence (_routing.megatron_token_order)."""
+        from megatron.core import parallel_state as ps
+
+        cp = (ps.get_context_parallel_world_size(), ps.get_context_parallel_rank())
+        sp = (1, 0)
+        if self.model.config.sequence_parallel:
+            sp = (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank())
+        self.routing.prepare(micro, width, cp, sp)
 
     @torch.no_grad()
     def compute_logprobs(
@@ -382,6 +408,8 @@ class MegatronTrainEngine:
         refuse_constrained_batch(batch, "megatron")
 
         tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+        if self.routing is not None:
+            self.routing.check(tensors)
         n, r = tensors["input_ids"].shape[0], tensors["responses"].shape[1]
         micros, _ = self._balanced(micro_batches(tensors, self.logprob_chunk_size), tensors)
 
@@ -427,6 +455,8 @@ class MegatronTrainEngine:
         """Forward/backward of one mini-batch through the schedule; gradients of the unsplit batch (see module
         docstring); returns (metric pairs, the mini-batch's units over data-parallel ranks). `force_all_reduce`:
         whole gradients on every rank even under the distributed optimizer (whose reduction is a reduce-scatter)."""
+        if self.routing is not None:
+            self.routing.check(mini)
         micros = micro_batches(mini, self.micro_batch_size, self.micro_batch_tokens, self.pack_sequences)
         total = self._dp_sum(sum(loss_fn.units(m) for m in micros))
         micros, real = self._balanced(micros, mini)
@@ -498,6 +528,8 @@ class MegatronTrainEngine:
         out = {k: sums[k] / counts[k] for k in sums}
         out["nonfinite_steps"], out["optimizer_steps"] = float(skipped), float(steps)
         out["lr"] = self.base_lr * self._lr(max(self._step - 1, 0))
+        if self.routing is not None:  # (position, MoE layer) pairs whose replayed experts differ from the trainer's own
+            out["routing_replay_changed_fraction"] = self.routing.changed_fraction()
         out["train_seconds"] = time.perf_counter() - t0
         # Adam's state on this rank (its shard of it with the distributed optimizer; LoRA shrinks it to the adapters).
         out["optimizer_state_mb"] = optimizer_state_bytes(self.optimizer) / 2**20
@@ -626,4 +658,7 @@ class MegatronTrainEngine:
 
 
 def _padding_row(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    return padding_row(batch)
+    row = padding_row(batch)
+    if ROUTED_EXPERTS in row:  # a row that trains nothing routes by itself (padding_row's zeros would be expert 0)
+        row[ROUTED_EXPERTS] = torch.full_like(row[ROUTED_EXPERTS], UNROUTED)
+    return row
