@@ -92,3 +92,35 @@ def test_bad_requests_are_refused(path: str, eager) -> None:
     with pytest.raises(ValueError, match="window=0 must be >= 1"):  # raised inside the capturing forward
         eng.compute_attention_credit(batch, window=0)
     assert eng.model.config._attn_implementation == "sdpa"  # restored after an error too
+
+
+def test_the_objective_scales_the_advantages_of_the_boosted_tokens(path: str, eager) -> None:
+    """roll_core's hook with this engine as the actor: the advantages that reach the loss are the estimator's times
+    gamma on the strategy's tokens, and the fraction boosted and the mean weight are logged."""
+    from types import SimpleNamespace
+
+    from roll_core.pipelines.metrics import StepLog
+    from roll_core.pipelines.objectives.attention_credit import apply_attention_credit
+
+    batch, _ = eager
+    mask = batch["response_mask"].float()
+    algo = SimpleNamespace(  # the AlgoConfig fields the hook reads
+        attention_credit="anchor",
+        attention_credit_layers=[-1],
+        attention_credit_window=10,
+        attention_credit_heads=0.5,
+        attention_credit_chunk_rows=4,
+        attention_credit_ratio=0.34,
+        attention_credit_gamma=3.0,
+        attention_credit_coupling=1,
+    )
+    eng, out = HFTrainEngine(path, logprob_chunk_size=4), StepLog()
+    adv = batch["advantages"]
+    got = apply_attention_credit(batch, adv, mask, algo, eng, out)
+    scores = eng.compute_attention_credit(batch, layers=[-1], head_fraction=0.5, chunk_rows=4)
+    boosted = AC.anchor_tokens(scores["fai"], mask, 0.34)
+    # Responses of 3 7 5 1 6 4 tokens: ceil(.34 n) = 2 3 2 1 3 2 anchors, 13 of 26 tokens.
+    assert boosted.sum(-1).tolist() == [2, 3, 2, 1, 3, 2]
+    torch.testing.assert_close(got, torch.where(boosted, 3 * adv, adv))
+    assert out["actor/attention_credit/boosted_fraction"] == pytest.approx(13 / 26)
+    assert out["actor/attention_credit/weight_mean"] == pytest.approx(1 + 2 * 13 / 26)
