@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,6 +65,7 @@ class AdapterSync:
         self.root = Path(tempfile.mkdtemp(prefix=f"roll-lora-{engine_name}-", dir=_shared_memory()))
         self._parts: dict[str, Tensor] | None = None
         self.folders: dict[int, Path] = {}  # adapter id -> its folder, while vLLM may still load it
+        self.requests: dict[int, Any] = {}  # adapter id -> its vLLM LoRARequest (what requests carry)
         self.current: int = 0  # id of the adapter new requests use (0: the base, before the first sync)
         self.last: dict[str, int] = {}  # what the last sync brought: bytes, tensors, rank
 
@@ -134,12 +136,31 @@ class AdapterSync:
         }
         return folder
 
+    def load(self, adapter_id: int, add_lora: Callable[[Any], object]) -> bool:
+        """Finish the sync (`finish`) and load its adapter through `add_lora` (vLLM's: every worker reads the
+        folder now, so a bad adapter fails this call and leaves the current one serving); it becomes `current`.
+        False when the sync brought no adapter."""
+        folder = self.finish(adapter_id)
+        if folder is None:
+            return False
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"{self.name}-v{adapter_id}", adapter_id, str(folder))
+        try:
+            add_lora(request)
+        except BaseException:
+            shutil.rmtree(self.folders.pop(adapter_id), ignore_errors=True)
+            raise
+        self.requests[adapter_id], self.current = request, adapter_id
+        return True
+
     def retire(self, in_use: set[int], remove: Callable[[int], object]) -> list[int]:
         """Remove (`remove(id)`: the engine's remove_lora) and delete every superseded adapter no request uses."""
         done = []
         for adapter_id in [i for i in self.folders if i != self.current and i not in in_use]:
             remove(adapter_id)
             shutil.rmtree(self.folders.pop(adapter_id), ignore_errors=True)
+            self.requests.pop(adapter_id, None)
             done.append(adapter_id)
         return done
 

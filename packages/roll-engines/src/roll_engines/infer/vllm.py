@@ -234,7 +234,6 @@ class VLLMInferEngine:
         # The dtype of the engine's weights: synced tensors are cast to it before they cross processes.
         self.dtype: torch.dtype = self.engine.model_config.dtype
         self._adapters = AdapterSync(name, lora_rank, self.dtype) if lora_rank else None
-        self._lora_requests: dict[int, Any] = {}  # adapter id -> vLLM LoRARequest
         self._receivers = int(self.engine.vllm_config.parallel_config.world_size)  # worker processes (TP x PP)
         self._sender: BucketSender | None = None
         self._loading: Future | None = None  # the workers' roll_load_weights RPC of the sync in progress
@@ -348,8 +347,7 @@ class VLLMInferEngine:
         """Remove superseded adapters that no running request uses (driver thread)."""
         if self._adapters is not None and len(self._adapters.folders) > 1:
             in_use = {p.adapter for p in self._pending.values()}
-            for adapter_id in self._adapters.retire(in_use, self.engine.remove_lora):
-                self._lora_requests.pop(adapter_id, None)
+            self._adapters.retire(in_use, self.engine.remove_lora)
 
     def _fail_expansion(self, rid: str, state: _Pending, theirs: list[int]) -> None:
         self.engine.abort_request([rid])
@@ -414,7 +412,8 @@ class VLLMInferEngine:
             prompt["prompt_token_ids"] = collapse_placeholders(request.prompt_ids, mm, self._image_token_id)
             prompt["multi_modal_data"] = {"image": list(mm.images)}
         adapter = self._adapters.current if self._adapters is not None else 0
-        internal = self.engine.add_request(rid, prompt, params, lora_request=self._lora_requests.get(adapter))
+        lora = self._adapters.requests.get(adapter) if self._adapters is not None else None
+        internal = self.engine.add_request(rid, prompt, params, lora_request=lora)
         self._pending[rid] = _Pending(request, fut, check_prompt=mm is not None, adapter=adapter, version=self._version)
         self._internal[internal] = rid  # outputs may carry either id
         self._by_roll_id[request.request_id] = rid
@@ -535,28 +534,19 @@ class VLLMInferEngine:
     def _finish_adapter_update(self) -> int:
         """Load the synced adapter as a new LoRA adapter (id = the new weight version) on the driver thread; new
         requests use it, superseded adapters go once unused. A sync that brought no adapter keeps the current one."""
-        adapters = self._adapters
+        adapters, new_id = self._adapters, self._version + 1
         assert adapters is not None
-        new_id = self._version + 1
-        t0 = time.perf_counter()
 
         def do() -> None:
             try:
-                folder = adapters.finish(new_id)
-                if folder is not None:
-                    from vllm.lora.request import LoRARequest
-
-                    request = LoRARequest(f"{self.name}-v{new_id}", new_id, str(folder))
-                    self.engine.add_lora(request)  # every worker loads it now: a bad adapter fails this sync
-                    self._lora_requests[new_id] = request
-                    adapters.current = new_id
+                if adapters.load(new_id, self.engine.add_lora):
                     self._retire_adapters()
                 self.llm.reset_prefix_cache()
             finally:
                 self._paused = False
 
         self._control(do)
-        self.last_sync = {**adapters.last, "seconds_loading": time.perf_counter() - t0}
+        self.last_sync = dict(adapters.last)
         self._version = new_id
         return self._version
 
