@@ -104,13 +104,14 @@ def test_replaying_the_routers_own_choice_changes_nothing(tiny: str, batch: dict
 
 
 def test_forced_routing_gradients_equal_hf(tiny: str, batch: dict) -> None:
-    """The training path (full recomputation re-runs the routers in the backward) under a forced routing."""
+    """The training path (full recomputation re-runs the routers in the backward) under a forced routing (a packed
+    micro-batch of this batch is one row, where a transposed token order would go unseen: padded here)."""
     from roll_core.pipelines.objectives import PolicyObjective
     from roll_engines.train.hf import HFTrainEngine
 
     objective = PolicyObjective(agg="token-mean")
     expected = HFTrainEngine(tiny, routing_replay=True, micro_batch_size=3).compute_gradients(forced(batch), objective)
-    engine = _megatron(tiny, recompute="full")
+    engine = _megatron(tiny, recompute="full", pack_sequences=False)  # padded: (b, s) -> [s, b] is no identity
     grads = engine.compute_gradients(forced(batch), objective)
     assert engine.routing.changed_fraction() > 0.95
     routers = [n for n in grads if n.endswith("mlp.gate.weight")]
