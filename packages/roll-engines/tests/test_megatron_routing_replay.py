@@ -12,6 +12,7 @@ gloo, on the tiny random Qwen3-MoE (2 MoE layers, 4 experts, top-2) and roll's t
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -147,3 +148,140 @@ def test_dense_model_and_layouts_are_refused(tmp_path) -> None:
     assert load_config([*on, *pipeline, "train_engine.recompute=selective"]).train_engine.routing_replay
     with pytest.raises(ConfigError, match="recompute=full with pipeline_parallel_size=1"):
         load_config([*on, *pipeline, "train_engine.recompute=full"])
+
+
+@pytest.fixture(scope="module")
+def near_ties(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model with near-tie routers (as test_routing_replay.py's): each expert's router row is one shared
+    row plus 0.02 x noise, so bf16 rounding flips some top-2 choices; experts' outputs 3x so that a flip shows."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(1, p.shape[1], generator=gen) + 0.02 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("experts.down_proj"):
+                p.mul_(3.0)
+    out = tmp_path_factory.mktemp("moe_ties")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(out)
+    return str(out)
+
+
+def test_replay_shrinks_the_bf16_rollout_gap(near_ties: str, capsys: pytest.CaptureFixture) -> None:
+    """A bf16 hf rollout recording its routing against the fp32 Megatron trainer: the mean |train - infer|
+    log-prob gap over response tokens is smaller with replay than with the trainer's own routing."""
+    from roll_core.interfaces.inference import SamplingParams
+    from roll_core.routing import routing_layout
+    from roll_core.sequences import build_sequences, pad_left
+    from roll_engines.infer.hf import HFInferEngine
+
+    prompts = [[5, 9, 14, 3, 22, 7], [31, 8, 2], [12, 40, 41, 17, 6]]
+    infer = HFInferEngine(near_ties, dtype="bfloat16", return_routing=True, max_new_tokens=16, temperature=1.0)
+    try:
+        out = infer.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, seed=3), n=2)
+    finally:
+        infer.shutdown()
+    rows = [p for p in prompts for _ in range(2)]
+    ids, mask = pad_left(rows, infer.pad_id)
+    batch = build_sequences(ids, mask, out.responses, out.response_mask)
+    batch.update(responses=out.responses, response_mask=out.response_mask)
+    widths = (ids.shape[1], out.responses.shape[1])
+    batch[ROUTED_EXPERTS] = routing_layout(out.routed_experts, [len(x) for x in rows], *widths)
+    engine = _megatron(near_ties)
+    resp = batch["response_mask"].bool()
+    gap_replay = (engine.compute_logprobs(batch)["logprobs"] - out.logprobs)[resp].abs().mean().item()
+    changed = engine.routing.changed_fraction()
+    gap_plain = (engine.compute_logprobs(unrouted(batch))["logprobs"] - out.logprobs)[resp].abs().mean().item()
+    with capsys.disabled():
+        print(
+            f"\nmegatron, bf16 rollout / fp32 trainer, {int(resp.sum())} response tokens, {changed:.1%} of replayed "
+            f"(position, layer) routings differ from the trainer's: mean |diff| without replay {gap_plain:.5f}, "
+            f"with {gap_replay:.5f}"
+        )
+    assert changed > 0  # the near ties do flip under bf16
+    assert gap_replay < 0.5 * gap_plain
+
+
+def _rank(rank: int, world: int, port: int, path: str, data: str, out: str, kw: dict) -> None:
+    """One gloo rank of a multi-rank layout: per layout (packed, padded), the counts of replaying the router's own
+    choice and the log-probs and counts of the forced routing, saved per rank."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    import torch.distributed as dist
+
+    from roll_engines.train.megatron import MegatronTrainEngine
+
+    batches = torch.load(data, weights_only=False)
+    engine = MegatronTrainEngine(
+        path,
+        dist_backend="gloo",
+        num_threads=1,
+        world_size=world,
+        micro_batch_size=3,
+        logprob_chunk_size=4,
+        routing_replay=True,
+        use_distributed_optimizer=False,
+        **kw,
+    )
+    results = {}
+    for pack in (True, False):
+        engine.pack_sequences = pack
+        engine.compute_logprobs(batches["own"])
+        own = (engine.routing.replayed, engine.routing.changed_fraction())
+        got = engine.compute_logprobs(batches["forced"])["logprobs"]
+        results[pack] = {"own": own, "forced": (got, engine.routing.changed_fraction())}
+    torch.save(results, f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # CP=2 x TP=2 with sequence parallelism: each rank's router sees a quarter of every sequence ([s/4, b]),
+        # widths padded to a multiple of 4 (left padding of unpacked rows).
+        {"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True},
+        # EP=2 over DP=2 with TP=2 + SP: routers before the all-to-all, global expert ids.
+        pytest.param(
+            {"expert_model_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True},
+            marks=pytest.mark.full_matrix,
+        ),
+    ],
+    ids=["cp2-tp2-sp", "ep2-tp2-sp"],
+)
+def test_parallel_layouts_replay_each_ranks_tokens(tiny: str, batch: dict, tmp_path, layout: dict) -> None:
+    """Four gloo ranks: every rank's routers get exactly their own tokens' recorded experts (replaying the router's
+    own choice changes none on any rank), and the forced routing gives the hf engine's log-probs on every rank."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    from roll_core.cluster.ports import free_port
+    from roll_engines.train.hf import HFTrainEngine
+
+    data, out = tmp_path / "batches.pt", tmp_path / "out"
+    torch.save({"own": batch, "forced": forced(batch)}, data)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["torch", "transformers", "megatron.core", "roll_engines.train.megatron", "roll_core.testing.train_engine"]
+    )
+    ranks = mp.start_processes(
+        _rank, args=(4, free_port(), tiny, str(data), str(out), layout), nprocs=4, join=False, start_method="forkserver"
+    )
+    deadline = time.monotonic() + 240
+    while not ranks.join(timeout=1):  # raises what a rank raised
+        if time.monotonic() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail("the four Megatron ranks did not finish in 240 s")
+    want = HFTrainEngine(tiny, role="actor", routing_replay=True).compute_logprobs(forced(batch))["logprobs"]
+    mask = batch["response_mask"].bool()
+    for rank in range(4):
+        for pack, got in torch.load(f"{out}.{rank}", weights_only=False).items():
+            replayed, changed = got["own"]
+            assert replayed > 0 and changed == 0.0, (rank, pack, got["own"])
+            logprobs, changed = got["forced"]
+            assert changed > 0.9, (rank, pack)
+            torch.testing.assert_close(logprobs[mask], want[mask], atol=1e-5, rtol=0, msg=f"rank {rank} pack={pack}")
