@@ -11,15 +11,16 @@ import pytest
 import torch
 
 from roll_algos import attention_credit as AC
-from roll_core.models import resolve_model_path
 from roll_core.testing.batches import toy_batch
+from roll_core.testing.models import tiny_model
 from roll_engines.train.hf import HFTrainEngine
 
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Qwen2 with grouped-query attention (4 query heads over 2 key heads) and random q/k/v biases."""
     os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
-    return resolve_model_path("builtin:tiny")
+    return tiny_model("qwen2", tmp_path_factory.mktemp("qwen2"))
 
 
 @pytest.fixture(scope="module")
