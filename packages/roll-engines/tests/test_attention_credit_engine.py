@@ -125,3 +125,25 @@ def test_the_objective_scales_the_advantages_of_the_boosted_tokens(path: str, ea
     torch.testing.assert_close(got, torch.where(boosted, 3 * adv, adv))
     assert out["actor/attention_credit/boosted_fraction"] == pytest.approx(13 / 26)
     assert out["actor/attention_credit/weight_mean"] == pytest.approx(1 + 2 * 13 / 26)
+
+
+def test_fsdp2_reads_the_same_scores_as_hf(path: str, eager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fsdp2 engine (one gloo rank) inherits the method: sharded weights, same WAAD / FAI."""
+    import torch.distributed as dist
+
+    from roll_core.cluster.ports import free_port
+    from roll_engines.train.fsdp2 import FSDP2TrainEngine
+
+    batch, _ = eager
+    kw = dict(layers=[0, 1], window=4, head_fraction=0.25, chunk_rows=5)
+    want = HFTrainEngine(path, logprob_chunk_size=4).compute_attention_credit(batch, **kw)
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    try:
+        eng = FSDP2TrainEngine(path, dist_backend="gloo", logprob_chunk_size=4)
+        got = eng.compute_attention_credit(batch, **kw)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    for k in ("waad", "fai"):
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0)
