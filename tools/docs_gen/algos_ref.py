@@ -18,7 +18,7 @@ from docs_gen.ascii_math import find_formulas
 from docs_gen.katex import check_tex
 from docs_gen.markdown import inline, slug
 
-MODULES = ("advantages", "losses", "corrections", "kl", "preference", "distill", "sft", "trajectories")
+MODULES = ("advantages", "losses", "corrections", "asyppo", "kl", "preference", "distill", "sft", "trajectories")
 SECTIONS = ("Args", "Arguments", "Returns", "Raises", "Yields", "Example", "Examples", "Note")
 _MATH = "\x00MATH{}\x00"
 

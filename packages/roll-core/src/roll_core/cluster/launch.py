@@ -30,9 +30,10 @@ DEVICE_ROLES = ("actor_train", "actor_infer", "reference", "critic", "reward_mod
 
 
 def is_device_role(role: str) -> bool:
-    """A role whose workers hold a model on the devices: the DEVICE_ROLES and distillation teachers (`teacher_*`,
-    which take the reference policy's share when colocated: a distillation run has no reference)."""
-    return role in DEVICE_ROLES or role.startswith("teacher_")
+    """A role whose workers hold a model on the devices: the DEVICE_ROLES, distillation teachers (`teacher_*`,
+    which take the reference policy's share when colocated: a distillation run has no reference) and AsyPPO's
+    further critics (`critic_1`, ...: algo.num_critics)."""
+    return role in DEVICE_ROLES or role.startswith(("teacher_", "critic_"))
 
 
 # Ray sets the visible-devices variable itself for these resources (its accelerator managers); for any other

@@ -128,6 +128,19 @@ class AlgoConfig:
     critic_lr: float = 1e-5
     # PPO value clip; null disables.
     value_clip: float | None = 0.2
+    # Critics of the gae estimator; > 1 is AsyPPO's ensemble of mini-critics (algo=asyppo): critic m trains on its
+    # own share of every prompt's responses (group_size / num_critics each, dealt round-robin) and GAE uses the
+    # critics' mean value.
+    num_critics: int = 1
+    # The critics' model (HF folder, hub id, builtin:<name>); null: the policy's model. It reads the policy's token
+    # ids, so it must share the policy's tokenizer (AsyPPO: a smaller model of the policy's family).
+    critic_model_path: str | None = None
+    # AsyPPO advantage masking: the share of a batch's response tokens where the critics agree most (lowest std of
+    # their values) whose advantage is set to 0; needs num_critics >= 2. 0 disables.
+    critic_agree_fraction: float = 0.0
+    # AsyPPO entropy filtering: the share of a batch's response tokens where the critics disagree most (highest std)
+    # left out of the entropy bonus; needs num_critics >= 2 and entropy_coef > 0. 0 disables.
+    critic_disagree_fraction: float = 0.0
     # Whiten advantages over the batch after estimation (masked).
     whiten_advantages: bool = False
     # Clip advantages to [-x, x]; null disables.
@@ -234,6 +247,34 @@ class AlgoConfig:
                 f"{self.attention_credit_coupling} >= 0"
             )
 
+    def _check_critics(self) -> None:
+        if self.num_critics < 1:
+            raise ValueError(f"algo.num_critics={self.num_critics} must be >= 1")
+        if not self.use_critic and (self.num_critics > 1 or self.critic_model_path is not None):
+            raise ValueError(
+                f"algo.num_critics / algo.critic_model_path configure the critics of adv_estimator=gae; "
+                f"algo.adv_estimator={self.adv_estimator} trains none: leave them at 1 / null"
+            )
+        if self.num_critics > 1 and self.group_size % self.num_critics:
+            raise ValueError(
+                f"algo.num_critics={self.num_critics} critics each train on an equal share of every prompt's "
+                f"responses: algo.group_size={self.group_size} must be a multiple of num_critics"
+            )
+        for key in ("critic_agree_fraction", "critic_disagree_fraction"):
+            value = getattr(self, key)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"algo.{key}={value} must lie in [0, 1)")
+            if value > 0 and self.num_critics < 2:
+                raise ValueError(
+                    f"algo.{key}={value} ranks tokens by the disagreement of several critics: set algo.num_critics "
+                    ">= 2 (algo=asyppo), or leave it 0"
+                )
+        if self.critic_disagree_fraction > 0 and self.entropy_coef == 0:
+            raise ValueError(
+                f"algo.critic_disagree_fraction={self.critic_disagree_fraction} filters the entropy bonus, which "
+                "algo.entropy_coef=0 turns off: set entropy_coef > 0 (algo=asyppo: 0.001), or leave the fraction 0"
+            )
+
     def _check_normalisation(self) -> None:
         from roll_algos.advantages import NORM_TYPES
 
@@ -251,6 +292,7 @@ class AlgoConfig:
         _one_of("algo.lr_schedule", self.lr_schedule, ("constant", "cosine", "linear"))
         self._check_correction()
         self._check_normalisation()
+        self._check_critics()
         self._check_attention_credit()
         if self.group_size < 1:
             raise ValueError(f"algo.group_size={self.group_size} must be >= 1")

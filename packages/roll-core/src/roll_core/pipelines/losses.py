@@ -28,7 +28,8 @@ def agg_units(mask: Tensor, agg: str) -> float:
 
 @dataclass
 class PolicyObjective:
-    """Policy-gradient loss + KL-to-reference loss + entropy bonus."""
+    """Policy-gradient loss + KL-to-reference loss + entropy bonus (over the tokens of `entropy_mask` (B, R) when the
+    micro-batch has one: AsyPPO's filter; `actor/entropy` is always the mean over every response token)."""
 
     # An installed `roll.losses` name, resolved by `policy_loss` where the call runs: the name pickles to a Ray
     # worker and is looked up there (its entry points are installed too), never a function shipped from the driver.
@@ -83,9 +84,10 @@ class PolicyObjective:
             out["actor/kl_loss"] = kl_loss.detach()
         if "entropy" in outputs:
             ent = outputs["entropy"]
-            ent_agg = aggregate(
-                ent if self.entropy_coef > 0 else ent.detach(), mask, self.agg, norm_length=self.norm_length
-            )
+            bonus = ent if self.entropy_coef > 0 else ent.detach()
+            if "entropy_mask" in micro:  # AsyPPO: tokens left out of the bonus count 0 (the denominator is unchanged)
+                bonus = bonus * micro["entropy_mask"]
+            ent_agg = aggregate(bonus, mask, self.agg, norm_length=self.norm_length)
             if self.entropy_coef > 0:
                 loss = loss - self.entropy_coef * ent_agg
             out["actor/entropy"] = masked_mean(ent.detach(), mask)

@@ -104,17 +104,22 @@ class Trainer:
         """Write the actor (and critic) under `folder`; returns the trainer's state for state.json."""
         if self.roles.actor_train is not None:
             self.roles.actor_train.save(str(folder / "actor"), tokenizer_path)
-        if self.roles.critic is not None:
-            self.roles.critic.save(str(folder / "critic"), tokenizer_path)
+        for name, critic in self._critics():
+            critic.save(str(folder / name), tokenizer_path)
         # The RL objective's state sits at the top level ("kl"), where checkpoints before objectives kept it.
         return {**self.objective.state_dict(), "version": self.version}
+
+    def _critics(self) -> list[tuple[str, Any]]:
+        """(checkpoint folder, group) of every critic: `critic`, then AsyPPO's further ones `critic_1`, ..."""
+        groups = self.roles.critics or ([self.roles.critic] if self.roles.critic is not None else [])
+        return [("critic" if m == 0 else f"critic_{m}", g) for m, g in enumerate(groups)]
 
     def restore(self, folder: Path, state: dict[str, Any]) -> None:
         """Load what `save` wrote and push every weight to the engines."""
         if self.roles.actor_train is not None:
             self.roles.actor_train.load(str(folder / "actor"))
-        if self.roles.critic is not None:
-            self.roles.critic.load(str(folder / "critic"))
+        for name, critic in self._critics():
+            critic.load(str(folder / name))
         self.objective.load_state_dict(state)
         self.version = int(state.get("version", 0))
         if self.weight_sync is not None:

@@ -1,7 +1,7 @@
 """Where a run's roles are wired: every worker group of the training side, built from the typed config.
 
 `build_roles(cfg, cluster, model_path, needs)` is the one place that turns `train_engine`, `infer_engine`, `model`
-and `algo` into worker groups: the trainable actor, the inference engines, the reference policy, the critic and
+and `algo` into worker groups: the trainable actor, the inference engines, the reference policy, the critic(s) and
 the teachers, as the pipeline's objective needs them (`RoleNeeds`: a rollout-only run has no actor). A
 collector adds the roles that feed it (reward workers, environment workers) through the same cluster; nothing
 else builds a group. May assume `cfg` passed its schema checks; must not start generation or training.
@@ -43,6 +43,8 @@ class Roles:
     mini_batches: int
     #: Frozen teachers by name (distillation), each scoring tokens with `compute_logprobs`.
     teachers: dict[str, TrainGroup] = field(default_factory=dict)
+    #: Every critic (algo.num_critics; AsyPPO's mini-critics), `critic` first; [] without a critic.
+    critics: list[TrainGroup] = field(default_factory=list)
 
 
 def sampling_params(cfg: RLVRConfig, tokenizer: Any = None) -> SamplingParams:
@@ -166,14 +168,23 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
         reference = train_group(
             "reference", TrainEngineRuntime(**common, dtype=model.dtype, role="reference", trainable=False)
         )
-    critic = None
+    critics = []
     if needs.critic:
-        critic = train_group(
-            "critic",
-            TrainEngineRuntime(**common, dtype=model.dtype, role="critic", lr=algo.critic_lr, **schedule),
-            # LoRA adapts the policy only: the critic trains every weight of its own copy.
-            engine=dataclasses.replace(te, lora_rank=0),
-        )
+        # algo.critic_model_path: AsyPPO's mini-critics may be smaller models than the policy (same tokenizer).
+        critic_common = {**common, "model_path": resolve_model_path(algo.critic_model_path or model_path)}
+        if algo.critic_model_path:
+            tokenizer = resolve_model_path(model.tokenizer) if model.tokenizer else model_path
+            _check_critic_vocabulary(critic_common["model_path"], tokenizer, model.trust_remote_code)
+        critics = [
+            train_group(
+                "critic" if m == 0 else f"critic_{m}",
+                TrainEngineRuntime(**critic_common, dtype=model.dtype, role="critic", lr=algo.critic_lr, **schedule),
+                # LoRA adapts the policy only: the critic trains every weight of its own copy.
+                engine=dataclasses.replace(te, lora_rank=0),
+            )
+            for m in range(algo.num_critics)
+        ]
+    critic = critics[0] if critics else None
     teachers = {
         name: cluster.group(
             TrainGroup,
@@ -191,7 +202,24 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
         )
         for name, path in needs.teachers.items()
     }
-    return Roles(actor_train, actor_infer, reference, critic, reference_is_base, sampling, n_mini, teachers)
+    return Roles(actor_train, actor_infer, reference, critic, reference_is_base, sampling, n_mini, teachers, critics)
+
+
+def _check_critic_vocabulary(critic_path: str, tokenizer_path: str, trust_remote_code: bool) -> None:
+    """The critics read the policy's token ids: a critic model whose embedding has fewer rows than the policy's
+    tokenizer has tokens was made for another tokenizer; a ConfigError before any worker starts. (Larger is fine:
+    checkpoints of one family pad their embeddings differently, e.g. Qwen2.5-7B's 152064 rows, 0.5B's 151936.)"""
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(critic_path, trust_remote_code=trust_remote_code)
+    rows = getattr(cfg.get_text_config(), "vocab_size", None)
+    tokens = len(AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code))
+    if rows is not None and rows < tokens:
+        raise ConfigError(
+            f"algo.critic_model_path={critic_path} embeds {rows} tokens, the policy's tokenizer has {tokens}: the "
+            "critics read the policy's token ids, so use a model with the policy's tokenizer (e.g. a smaller model "
+            "of the same family)"
+        )
 
 
 def _check_infer_engine(cfg: RLVRConfig, infer: InferGroup, sampling: SamplingParams) -> None:

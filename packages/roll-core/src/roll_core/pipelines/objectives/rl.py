@@ -1,7 +1,9 @@
 """The RL objective (`roll.objectives` `rl`): GRPO, PPO and the other estimators' update of a scored batch.
 
 `update` runs, top to bottom: reference and old log-probs, values, token rewards (KL in reward), advantages (one
-`roll.algorithms` estimator for outcome and trajectory batches), critic and actor updates.
+`roll.algorithms` estimator for outcome and trajectory batches), critic and actor updates. Several critics
+(algo.num_critics, AsyPPO) are roll_core.pipelines.objectives.critics' ensemble: mean values, per-shard training,
+and the masks their disagreement puts on the advantages and the entropy bonus.
 
 May assume the batch has the layout of roll_core.protocol plus `behaviour_logprobs`; a batch generated under
 older weights carries `behaviour_version` (B,), and then the proximal log-probs are recomputed (decoupled PPO).
@@ -25,6 +27,7 @@ from roll_core.pipelines.collectors import Collected
 from roll_core.pipelines.losses import PolicyObjective, ValueObjective
 from roll_core.pipelines.metrics import StepLog
 from roll_core.pipelines.objectives import RoleNeeds
+from roll_core.pipelines.objectives.critics import Critics
 from roll_core.pipelines.wiring import Roles
 from roll_core.protocol import Batch
 from roll_core.seeds import Purpose, derive_seed
@@ -66,6 +69,8 @@ class RLObjective:
             clip=algo.value_clip, agg=algo.loss_agg, norm_length=cfg.model.max_response_length
         )
         self.temperature = roles.sampling.temperature
+        groups = roles.critics or ([roles.critic] if roles.critic is not None else [])
+        self.critics = Critics(groups, algo) if groups else None
 
     def update(self, step: int, collected: Collected, out: StepLog) -> None:
         """Train the policy (and critic) on the batch with its per-row scores (B,); metrics go to `out`."""
@@ -76,9 +81,9 @@ class RLObjective:
         # 1. reference and old log-probs, values
         self.score_policies(batch, mask, out)
         values = None
-        if roles.critic is not None:
+        if self.critics is not None:
             with out.timer("values"):
-                values = batch["values"] = roles.critic.compute_values(batch)["values"]
+                values = batch["values"] = self.critics.values(batch, mask, out)
 
         # 2. token rewards (KL in reward), advantages
         token_rewards = token_rewards_from_scores(scores, mask)
@@ -102,6 +107,8 @@ class RLObjective:
             from roll_core.pipelines.objectives.attention_credit import apply_attention_credit
 
             adv = apply_attention_credit(batch, adv, mask, algo, roles.actor_train, out)
+        if self.critics is not None:  # AsyPPO: the agreeing critics' tokens lose their advantage
+            adv = self.critics.mask_policy_update(batch, adv)
         batch["advantages"] = adv * mask
         out["actor/advantage_abs_mean"] = float(masked_mean(adv.abs(), mask))
         if returns is not None:
@@ -110,17 +117,16 @@ class RLObjective:
         # 3. critic and actor updates (one mini-batch order per step, shared by both)
         shuffle = derive_seed(self.cfg.pipeline.seed, Purpose.SHUFFLE, step)
         epochs, n_mini = algo.ppo_epochs, roles.mini_batches
-        if roles.critic is not None:
+        if self.critics is not None:
             with out.timer("train_critic"):
-                out.update(
-                    roles.critic.train(
-                        batch,
-                        self.value_objective,
-                        mini_batches=n_mini,
-                        epochs=epochs,
-                        temperature=1.0,
-                        shuffle_seed=shuffle,
-                    )
+                self.critics.train(
+                    batch,
+                    self.value_objective,
+                    out,
+                    mini_batches=n_mini,
+                    epochs=epochs,
+                    temperature=1.0,
+                    shuffle_seed=shuffle,
                 )
         with out.timer("train_actor"):
             train_metrics = roles.actor_train.train(
