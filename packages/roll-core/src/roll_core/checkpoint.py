@@ -1,10 +1,10 @@
 """Checkpoints: atomic, complete, the last K kept; the policy folder loads with plain transformers.
 
 Layout: `<out>/checkpoints/step_000010/` holding `actor/model/` (HF `save_pretrained`: safetensors + config +
-tokenizer), `actor/engine.pt` (optimizer, LR scheduler), `critic/` (PPO), `state.json` (step, sampler
-position, KL controller, RNG states) and `config.yaml` (the run config it was saved with, which a resumed run is
-compared with: roll_core.config.resume). A checkpoint is written into `step_000010.tmp/` and renamed when complete,
-so a crash mid-save never leaves a folder that `latest()` would pick.
+tokenizer), `actor/engine.pt` (optimizer, LR scheduler), `critic/` (PPO; AsyPPO adds `critic_1/`, ...),
+`state.json` (step, sampler position, KL controller, RNG states) and `config.yaml` (the run config it was saved with,
+which a resumed run is compared with: roll_core.config.resume). A checkpoint is written into `step_000010.tmp/`
+and renamed when complete, so a crash mid-save never leaves a folder that `latest()` would pick.
 """
 
 from __future__ import annotations
