@@ -91,3 +91,14 @@ def test_a_resumed_run_restores_every_critic(seven_task: Path, tmp_path: Path) -
     # Step 3's values come from both restored critics: a critic left at its initial weights would change them.
     for k in ("critic/ensemble_std_mean", "critic_0/vf_loss", "critic_1/vf_loss", "reward/mean", "actor/pg_loss"):
         assert resumed[-1][k] == pytest.approx(full[-1][k], rel=1e-5, abs=1e-7), k
+
+
+# On Ray the further critics are device roles of their own (critic_1 shares the colocated bundle).
+@pytest.mark.full_matrix
+@pytest.mark.ray
+def test_mini_critics_on_ray_colocated(ray_cluster, seven_task: Path, tmp_path: Path) -> None:
+    steps = asyppo_run(
+        seven_task, tmp_path / "run", 2, "algo.critic_lr=1e-2", "cluster=ray", "cluster.placement=colocated"
+    )
+    assert [h["critic_1/rows"] for h in steps] == [16.0, 16.0]
+    assert steps[0]["critic/ensemble_std_mean"] == 0.0 < steps[1]["critic/ensemble_std_mean"]
