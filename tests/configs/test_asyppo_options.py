@@ -101,3 +101,18 @@ def test_the_entropy_bonus_leaves_out_the_filtered_tokens_only() -> None:
     assert float(metrics["actor/entropy"]) == pytest.approx(2.0)
     loss.backward()
     assert ent.grad[0].tolist() == pytest.approx([-0.5 / 3, 0.0, -0.5 / 3, 0.0])
+
+
+def test_ray_colocated_runs_refuse_more_device_roles_than_a_bundle_fits() -> None:
+    from roll_core.pipelines.objectives import RoleNeeds
+    from roll_core.pipelines.wiring import _check_colocated_share
+
+    def check(*overrides: str) -> None:
+        cfg = to_object(compose(["algo=asyppo", "cluster=ray", *overrides]))
+        _check_colocated_share(cfg, RoleNeeds(critic=True, reference=True), reference_built=cfg.algo.kl_coef > 0)
+
+    check("algo.kl_coef=0.01")  # actor_train, actor_infer, reference, critic, critic_1: five fit
+    check("algo.num_critics=3", "algo.group_size=6")  # no reference: actor_train, actor_infer and three critics
+    with pytest.raises(ConfigError, match=r"fits 5 device roles per device, this run has 7 \(.*critic_3\)"):
+        check("algo.num_critics=4", "algo.kl_coef=0.01")
+    check("algo.num_critics=4", "algo.kl_coef=0.01", "cluster.placement=disaggregated")

@@ -168,6 +168,7 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
         reference = train_group(
             "reference", TrainEngineRuntime(**common, dtype=model.dtype, role="reference", trainable=False)
         )
+    _check_colocated_share(cfg, needs, reference_built=needs.reference and not reference_is_base)
     critics = []
     if needs.critic:
         # algo.critic_model_path: AsyPPO's mini-critics may be smaller models than the policy (same tokenizer).
@@ -203,6 +204,30 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
         for name, path in needs.teachers.items()
     }
     return Roles(actor_train, actor_infer, reference, critic, reference_is_base, sampling, n_mini, teachers, critics)
+
+
+def _check_colocated_share(cfg: RLVRConfig, needs: RoleNeeds, *, reference_built: bool) -> None:
+    """On Ray, colocated device roles each reserve 1 / len(DEVICE_ROLES) of every device bundle, so at most that
+    many fit: AsyPPO's further critics take slots of their own, a ConfigError here rather than a placement that
+    never comes."""
+    from roll_core.cluster.launch import DEVICE_ROLES
+
+    if cfg.cluster.backend != "ray" or cfg.cluster.placement != "colocated" or not needs.critic:
+        return
+    rm = cfg.reward_model
+    rm_here = rm is not None and rm.enabled and (rm.placement or cfg.cluster.placement) == "colocated"
+    roles = [
+        *(["actor_train"] if needs.train else []),
+        "actor_infer",
+        *(["reference"] if reference_built else []),
+        *["critic" if m == 0 else f"critic_{m}" for m in range(cfg.algo.num_critics)],
+        *(["reward_model"] if rm_here else []),
+    ]
+    if len(roles) > len(DEVICE_ROLES):
+        raise ConfigError(
+            f"cluster.placement=colocated fits {len(DEVICE_ROLES)} device roles per device, this run has "
+            f"{len(roles)} ({', '.join(roles)}): use cluster.placement=disaggregated, or fewer algo.num_critics"
+        )
 
 
 def _check_critic_vocabulary(critic_path: str, tokenizer_path: str, trust_remote_code: bool) -> None:
