@@ -73,10 +73,12 @@ def test_an_engine_leaves_and_rejoins_while_requests_run(tiny_model: str) -> Non
         moved_in = driver.expand([1], rebalance=True)  # the trainer waits: engine 1 joins and takes requests over
         assert moved_in > 0
         _wait(lambda: any(len(s.tokens) >= 5 for s in on(1)), "engine 1 to generate")
+        resumed_before = sched.counters["resumed_requests"]
         moved_out = driver.shrink([1])  # the trainer takes its device back: its requests resume on engine 0
         infer.offloaded.add(1)
         assert moved_out > 0 and pool.active == [0] and not on(1)
         groups = driver.take(2) + driver.take(2)
+        assert sched.counters["resumed_requests"] > resumed_before  # aborted mid-way, not waited out
     finally:
         driver.close()
         for e in engines:
