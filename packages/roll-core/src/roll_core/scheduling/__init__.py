@@ -1,2 +1,2 @@
-"""Asynchronous rollout: scheduling (pure) and the driver over real engines (the cluster simulator that drives the
-scheduler at scale lives in bench/async_sim)."""
+"""Asynchronous rollout: scheduling (pure), routing over engines that leave and rejoin (`pool`: partial-GPU mode) and
+the driver over real engines (the cluster simulator that drives them at scale lives in bench/async_sim)."""
