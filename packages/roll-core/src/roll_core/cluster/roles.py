@@ -47,6 +47,7 @@ WORKER_KEYS = (
     "max_concurrency",
     "dtype",
     "structured",  # a sampling setting (SamplingParams.structured), not the engine's
+    "lora_sync",  # the engine gets the adapter rank it serves (runtime `lora_rank`) instead
 )
 
 
@@ -89,6 +90,9 @@ class TrainWorker(EngineWorker):
         self._sync_group: SyncGroup | None = None
         self._sync_store: Any = None  # rank 0's weight-sync TCPStore, opened by sync_endpoint
         self._ipc: Any = None
+        # What weight sync sends: "merged" (iter_weights) or "adapter" (iter_adapter: the inference engines serve the
+        # LoRA adapter themselves, infer_engine.lora_sync=adapter); set once by WeightSync.
+        self.weight_format = "merged"
 
     def on_setup(self) -> None:
         self.engine: TrainEngine = build_engine(self, self._engine_cfg, self._runtime)
@@ -157,11 +161,21 @@ class TrainWorker(EngineWorker):
         buckets, and so every transport, carry what the engines hold: half the bytes of fp32 for bf16 engines).
         Tensors may be live parameters when no cast is needed. A generator: called through the group only on the
         local backend (the in-process transport); the other transports call it on the worker."""
-        named = self.engine.iter_weights(changed_only)
+        # Adapter sync sends the adapter at every sync: the engines loaded the (frozen) base themselves.
+        named = (
+            self.engine.iter_adapter() if self.weight_format == "adapter" else self.engine.iter_weights(changed_only)
+        )
         if dtype:
             target = getattr(torch, dtype)
             named = ((k, v.to(target) if v.is_floating_point() else v) for k, v in named)
         return buckets(named, bucket_bytes)
+
+    @dispatch(Dispatch.BROADCAST)
+    def set_weight_format(self, weight_format: str) -> None:
+        """What `weight_buckets` yields from now on: "merged" weights or the LoRA "adapter" alone."""
+        if weight_format == "adapter" and not callable(getattr(self.engine, "iter_adapter", None)):
+            raise ValueError(f"train engine {type(self.engine).__name__} cannot export a LoRA adapter alone")
+        self.weight_format = weight_format
 
     @dispatch(Dispatch.BROADCAST)
     def publish_weights(self, bucket_bytes: int, changed_only: bool, dtype: str | None = None) -> dict[str, Any]:
@@ -350,6 +364,11 @@ class InferWorker(EngineWorker):
         # returns, because the sender drops (and the allocator reuses) that buffer as soon as it does.
         torch.cuda.synchronize(bucket[0][1].device)
         return nbytes
+
+    @dispatch(Dispatch.RANK0)
+    def weight_format(self) -> str:
+        """What the engine takes at a sync: "merged" weights, or the LoRA "adapter" alone (it serves adapters)."""
+        return str(getattr(self.engine, "weight_format", "merged"))
 
     @dispatch(Dispatch.RANK0)
     def weight_dtype(self) -> str:

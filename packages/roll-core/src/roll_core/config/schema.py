@@ -660,6 +660,10 @@ class InferEngineConfig:
     # Weights dtype of the inference engine: null (model.dtype) | auto | float32 | bfloat16 | float16. Training
     # keeps its own dtypes (model.dtype compute, train_engine.param_dtype master weights); synced weights are cast.
     dtype: str | None = None
+    # LoRA runs (train_engine.lora_rank > 0): what a weight sync sends. merged: W + scaling * B @ A under the base's
+    # names (every engine). adapter: the adapter alone, served by the engine as a LoRA adapter on the base it loaded
+    # once (infer_engine=vllm; bench/RESULTS.md compares the two).
+    lora_sync: str = "merged"
 
     def __post_init__(self) -> None:
         _positive(f"infer_engine.world_size ({self.name})", self.world_size)
@@ -683,6 +687,7 @@ class InferEngineConfig:
         from roll_core.cluster.weight_sync import TRANSPORTS
 
         _one_of("infer_engine.sync_transport", self.sync_transport, TRANSPORTS)
+        _one_of("infer_engine.lora_sync", self.lora_sync, ("merged", "adapter"))
         _positive("infer_engine.sync_bucket_mb", self.sync_bucket_mb)
         if self.sleep_level is not None:  # null: resolved with the run (resolve_sleep_level)
             _one_of("infer_engine.sleep_level", self.sleep_level, (0, 1, 2))
