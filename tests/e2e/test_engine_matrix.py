@@ -74,7 +74,9 @@ def _overrides(experiment: str, infer: str, train: str, model: str, data: Path, 
     composed = compose(base)
     pipeline = composed.pipeline.name
     # A vision-language experiment keeps its own (tiny) VLM: the text model cannot read its pictures.
-    vision = is_vision_model(resolve_model_path(composed.model.path))
+    # Only roll's built-in tiny VLMs are resolved here: other presets may name a package CI does not install.
+    path = str(composed.model.path)
+    vision = path.startswith("builtin:tiny-") and is_vision_model(resolve_model_path(path))
     sizes = [] if vision else ["model=tiny", f"model.path={model}"]
     sizes += [
         "model.max_prompt_length=512",
