@@ -230,6 +230,7 @@ def check_megatron(device: str) -> str:
     mg.train_step(batch, PolicyObjective())
     hf.train_step(batch, PolicyObjective())
     a, b = mg.get_weights(), hf.get_weights()
+    mg.shutdown()  # a local run's teardown: the process group of one ends (NCCL warns at exit otherwise)
     worst = max(float((a[k].cpu() - b[k].cpu()).abs().max()) for k in b)
     assert worst < 2e-4, f"Megatron step differs from hf by {worst}"
     return f"TP=1 step equals the hf engine's (max |dw| {worst:.1e})"
