@@ -137,3 +137,22 @@ def _cuda_here() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_gpu_runs_script_on_cpu(tmp_path: Path) -> None:
+    """tests/device/gpu_runs.py (roll-train's path on a lent machine) on the CPU: fsdp2 under cluster=local starts
+    a process group of one and learns; the resume run equals the uninterrupted one; rows are written as JSON."""
+    import json
+
+    rows_file = tmp_path / "runs.json"
+    cmd = [sys.executable, str(ROOT / "tests/device/gpu_runs.py"), "--hw", "cpu", "--dtypes", "float32"]
+    cmd += ["--only", "fsdp2", "resume", "--json", str(rows_file)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(rows_file.read_text())
+    assert [r["run"] for r in rows] == ["fsdp2/float32", "resume (hf/float32)"]
+    assert all(r["status"] == "ok" for r in rows), rows
+    first, last = (float(x) for x in re.search(r"reward ([\d.]+) -> ([\d.]+)", rows[0]["detail"]).groups())
+    assert last - first >= 0.2
+    assert "max |dw| 0.0e+00" in rows[1]["detail"]
+    assert "2 passed, 0 failed" in proc.stdout

@@ -31,21 +31,27 @@ from torch import Tensor
 from roll_engines.train.hf import HFTrainEngine
 
 
-def _init_process_group(backend: str | None = None) -> None:
+def _init_process_group(backend: str | None = None) -> bool:
+    """Join the worker group's process group, or start a group of one for a process on its own (cluster=local on
+    one device: FSDP2 over a mesh of one, the same code as N ranks); returns whether this call started it."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        return
-    if "RANK" not in os.environ:
-        raise RuntimeError(
-            "the fsdp2 engine runs inside a worker group (RANK/WORLD_SIZE/MASTER_ADDR are unset); "
-            "use cluster=ray, or train_engine=hf for a single process"
-        )
+        return False
     if backend is None:
         from roll_hw import current_platform
 
         backend = current_platform.dist_backend
-    dist.init_process_group(backend=backend)
+    if "RANK" in os.environ:  # a worker group's process: the rendezvous is in the environment
+        dist.init_process_group(backend=backend)
+        return False
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise RuntimeError("WORLD_SIZE is set without RANK: the fsdp2 engine cannot tell which rank it is")
+    from roll_core.cluster.ports import free_port
+
+    # The environment stays untouched: a group of one needs no rendezvous variables.
+    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    return True
 
 
 class FSDP2TrainEngine(HFTrainEngine):
@@ -55,8 +61,18 @@ class FSDP2TrainEngine(HFTrainEngine):
         self, model_path: str, *, reshard_after_forward: bool = True, dist_backend: str | None = None, **kwargs: Any
     ) -> None:
         self.reshard_after_forward = reshard_after_forward
-        _init_process_group(dist_backend)
+        self._owns_process_group = _init_process_group(dist_backend)
         super().__init__(model_path, **kwargs)
+
+    def shutdown(self) -> None:
+        """End the process group of one that this engine started (a local run's teardown; a worker group's process
+        group is its process's and ends with it)."""
+        if self._owns_process_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self._owns_process_group = False
 
     @classmethod
     def conformance_engine(cls, model_path: str, **kwargs: Any) -> FSDP2TrainEngine:
