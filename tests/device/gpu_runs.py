@@ -44,7 +44,7 @@ def learning_run(hw: str, engine: str, dtype: str, data: Path, out: Path) -> str
 
     overrides = tiny_overrides(data, out, f"hw={hw}", f"model.dtype={dtype}", *ENGINES[engine])
     t0 = time.perf_counter()
-    summary, history = _run(overrides)
+    _, history = _run(overrides)
     wall = time.perf_counter() - t0
     rewards = reward_curve(history)
     gaps = [h["actor/train_infer_logprob_diff"] for h in history if "actor/train_infer_logprob_diff" in h]
@@ -59,8 +59,9 @@ def learning_run(hw: str, engine: str, dtype: str, data: Path, out: Path) -> str
 def resume_run(hw: str, data: Path, root: Path) -> str:
     """Stopped at step 4 and resumed to 8 equals an uninterrupted 8-step run (hf engine, fp32)."""
     import torch
-    from roll_core.testing import tiny_overrides
     from safetensors.torch import load_file
+
+    from roll_core.testing import tiny_overrides
 
     common = ["pipeline.save_every=4", f"hw={hw}"]
     whole, part = root / "whole", root / "part"
@@ -106,7 +107,7 @@ def main() -> int:
         t0 = time.perf_counter()
         try:
             status, detail = "ok", fn()
-        except Exception as exc:  # noqa: BLE001 - one run's failure must not hide the others'
+        except Exception as exc:  # one run's failure must not hide the others'
             traceback.print_exc()
             status, detail = "FAILED", f"{type(exc).__name__}: {str(exc)[:200]}"
         rows.append({"run": name, "status": status, "seconds": round(time.perf_counter() - t0, 1), "detail": detail})

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -62,6 +61,7 @@ from roll_engines.train.megatron import _critic as V
 from roll_engines.train.megatron import _export as X
 from roll_engines.train.megatron import _lora as L
 from roll_engines.train.megatron._checkpoint import load_optimizer, optimizer_state_bytes, save_optimizer
+from roll_engines.train.megatron._optimizer import build_optimizer, finish_param_gather, optimizer_step
 from roll_engines.train.megatron._packed import model_inputs, prepare, rope_at
 from roll_engines.train.megatron._parallel import end_parallel, init_parallel
 from roll_engines.train.megatron._routing import MegatronRoutingReplay
@@ -194,8 +194,18 @@ class MegatronTrainEngine:
             self.ddp, self.optimizer = self.model, None
             self.overlap = (overlap_grad_reduce, overlap_param_gather)
             if self.trainable:
-                self._build_optimizer(
-                    config, lr, weight_decay, betas, max_grad_norm, use_distributed_optimizer, param_dtype
+                if param_dtype != "float32":
+                    raise ValueError("train_engine=megatron keeps fp32 master weights (param_dtype=float32)")
+                self.ddp, self.optimizer = build_optimizer(
+                    self.model,
+                    config,
+                    lr,
+                    weight_decay,
+                    betas,
+                    max_grad_norm,
+                    use_distributed_optimizer,
+                    self.compute_dtype,
+                    self.overlap,
                 )
             else:
                 self.model.requires_grad_(False)
@@ -241,49 +251,6 @@ class MegatronTrainEngine:
         if self._owns_process_group:
             end_parallel()
             self._owns_process_group = False
-
-    def _build_optimizer(
-        self, config: Any, lr: float, wd: float, betas: Any, clip: float, distributed: bool, param_dtype: str
-    ) -> None:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        if param_dtype != "float32":
-            raise ValueError("train_engine=megatron keeps fp32 master weights (param_dtype=float32)")
-        overlap_grad, overlap_param = self.overlap
-        # Overlap (megatron.core's async collectives; no CUDA stream with one optimizer instance, so gloo runs them
-        # too): each gradient bucket's reduction starts in the backward as soon as the bucket's last gradient is
-        # accumulated (the last micro-batch's backward), and each bucket's parameter all-gather after a
-        # distributed-optimizer step waits for the next forward to reach it (_gather_params when read otherwise).
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=overlap_grad,
-            overlap_param_gather=overlap_param,
-            use_distributed_optimizer=distributed,
-        )
-        self.ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=self.model)
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = self.ddp.no_sync
-        if overlap_grad:  # the pipeline schedules start a stage's reductions after its last backward
-            config.grad_sync_func = self.ddp.start_grad_sync
-        opt_config = OptimizerConfig(
-            optimizer="adam",
-            lr=lr,
-            weight_decay=wd,
-            adam_beta1=float(betas[0]),
-            adam_beta2=float(betas[1]),
-            adam_eps=1e-8,
-            clip_grad=clip if clip > 0 else 0.0,
-            bf16=self.compute_dtype == torch.bfloat16,
-            fp16=self.compute_dtype == torch.float16,
-            params_dtype=torch.float32,
-            use_distributed_optimizer=distributed,
-        )
-        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
 
     # ---- parallel facts -----------------------------------------------------------------------------------
     @property
@@ -538,24 +505,15 @@ class MegatronTrainEngine:
     def _gather_params(self) -> None:
         """Finish the parameter all-gather that overlap_param_gather left to the next forward (collective): the
         weights are read outside a forward (export, weight sync, save) or overwritten (load) right after a step."""
-        if not (self.optimizer is not None and self.overlap[1]):
-            return
-        with self._shims():
-            for group in self.ddp.bucket_groups + self.ddp.expert_parallel_bucket_groups:
-                # Not dispatched: gather now; dispatched by a forward and still in flight: wait for it.
-                if not group.param_gather_dispatched or group.param_gather_handle is not None:
-                    group.start_param_sync(force_sync=True)
+        if self.optimizer is not None and self.overlap[1]:
+            with self._shims():
+                finish_param_gather(self.ddp)
 
     def _step_optimizer(self) -> tuple[float, bool]:
         """(grad norm, stepped): Megatron's optimizer skips a step with a non-finite gradient; the LR schedule
         then does not advance either."""
-        factor = self._lr(self._step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.base_lr * factor
         with self._shims():
-            ok, norm, _ = self.optimizer.step()
-        norm = float(norm) if norm is not None else float("nan")
-        ok = bool(ok) and math.isfinite(norm)
+            norm, ok = optimizer_step(self.optimizer, self.base_lr * self._lr(self._step))
         if ok:
             self._step += 1
         return norm, ok

@@ -1,0 +1,87 @@
+"""Megatron's DistributedDataParallel and optimizer for the `megatron` engine, with the collectives' overlap options.
+
+Contract: `build_optimizer` wraps the engine's GPTModel in megatron.core's DistributedDataParallel (gradients
+reduced in fp32; the distributed optimizer optional) and returns it with megatron.core's Adam over fp32 master
+weights (bf16/fp16 compute when the engine computes in them). It also sets the model config's hooks the pipeline
+schedules call: `finalize_model_grads`, `no_sync`, and with `overlap_grad_reduce` the per-stage `grad_sync_func`.
+`optimizer_step` steps at a learning rate and reports whether it stepped; `finish_param_gather` completes the
+all-gathers that `overlap_param_gather` leaves to the next forward (before the weights are read or overwritten).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    config: Any,
+    lr: float,
+    weight_decay: float,
+    betas: Any,
+    clip: float,
+    distributed: bool,
+    compute_dtype: torch.dtype,
+    overlap: tuple[bool, bool],
+) -> tuple[Any, Any]:
+    """(DistributedDataParallel, MegatronOptimizer) for `model`; `overlap` is (overlap_grad_reduce,
+    overlap_param_gather), `clip` the max gradient norm (<= 0: none), `config` the model's TransformerConfig."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    overlap_grad, overlap_param = overlap
+    # Overlap (megatron.core's async collectives; no CUDA stream with one optimizer instance, so gloo runs them
+    # too): each gradient bucket's reduction starts in the backward as soon as the bucket's last gradient is
+    # accumulated (the last micro-batch's backward), and each bucket's parameter all-gather after a
+    # distributed-optimizer step waits for the next forward to reach it (the engine's _gather_params when the
+    # weights are read otherwise).
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad,
+        overlap_param_gather=overlap_param,
+        use_distributed_optimizer=distributed,
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    if overlap_grad:  # the pipeline schedules start a stage's reductions after its last backward
+        config.grad_sync_func = ddp.start_grad_sync
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        adam_beta1=float(betas[0]),
+        adam_beta2=float(betas[1]),
+        adam_eps=1e-8,
+        clip_grad=clip if clip > 0 else 0.0,
+        bf16=compute_dtype == torch.bfloat16,
+        fp16=compute_dtype == torch.float16,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=distributed,
+    )
+    return ddp, get_megatron_optimizer(opt_config, [ddp])
+
+
+def optimizer_step(optimizer: Any, lr: float) -> tuple[float, bool]:
+    """Set every parameter group's learning rate to `lr` and step; returns (grad norm, stepped). Megatron's
+    optimizer skips a step with a non-finite gradient (the caller's LR schedule then does not advance either)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    ok, norm, _ = optimizer.step()
+    norm = float(norm) if norm is not None else float("nan")
+    return norm, bool(ok) and math.isfinite(norm)
+
+
+def finish_param_gather(ddp: Any) -> None:
+    """Finish the parameter all-gathers that overlap_param_gather left to the next forward (collective)."""
+    for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+        # Not dispatched: gather now; dispatched by a forward and still in flight: wait for it.
+        if not group.param_gather_dispatched or group.param_gather_handle is not None:
+            group.start_param_sync(force_sync=True)
