@@ -299,6 +299,7 @@ VLLM_TESTS = [
     "packages/roll-engines/tests/test_vllm_presets.py",
     "packages/roll-engines/tests/test_vllm_vlm.py",
     "packages/roll-engines/tests/test_vllm_lora.py",
+    "packages/roll-engines/tests/test_vllm_routing.py",
 ]
 
 

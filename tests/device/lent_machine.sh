@@ -30,7 +30,8 @@ for s in $steps; do
     check) step check 230 python3 tests/device/check_accelerator.py --device cuda --check-timeout 150 --require megatron-core ;;
     pytest) step pytest 150 env ROLL_TEST_SESSION=device-cuda python3 -m pytest -m cuda -p no:cacheprovider --timeout=120 -rA -q \
       packages/roll-engines/tests/test_device.py packages/roll-engines/tests/test_vllm_fp8.py \
-      packages/roll-engines/tests/test_vllm_vlm.py packages/roll-engines/tests/test_sglang.py tests/e2e/test_weight_sync_cuda.py ;;
+      packages/roll-engines/tests/test_vllm_vlm.py packages/roll-engines/tests/test_vllm_routing.py packages/roll-engines/tests/test_sglang.py \
+      tests/e2e/test_weight_sync_cuda.py ;;
     runs) step runs 300 python3 tests/device/gpu_runs.py --hw cuda --json "$OUT/runs.json" ;;
     *) echo "unknown step $s (check, pytest, runs)"; exit 2 ;;
   esac

@@ -273,9 +273,18 @@ class VLLMInferEngineConfig(InferEngineConfig):
     # sync, the trainer keeps its dtype): null | fp8 | fp8_per_tensor | fp8_per_block. CUDA GPUs only (vLLM-CPU
     # has no FP8 kernels); pair it with an off-policy correction (docs/concepts/rollout-agreement.md).
     quantization: str | None = None
+    # MoE models: record each MoE layer's top-k experts at every prompt and generated position, for the trainer's
+    # routed-expert replay (train_engine.routing_replay), through vLLM's enable_return_routed_experts. CUDA GPUs
+    # only (vLLM-CPU cannot record); the prefix cache stays on (vLLM keeps cached blocks' routing).
+    return_routing: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.return_routing and not self.enable_prefix_caching:
+            raise ValueError(
+                "infer_engine.return_routing=true needs infer_engine.enable_prefix_caching=true on infer_engine=vllm: "
+                "vLLM keeps routing per cached KV block and refuses to record without the prefix cache"
+            )
         if self.quantization is not None and self.quantization not in VLLM_QUANTIZATION:
             raise ValueError(
                 f"infer_engine.quantization={self.quantization!r} must be null or one of {sorted(VLLM_QUANTIZATION)}"
@@ -294,6 +303,15 @@ class VLLMInferEngineConfig(InferEngineConfig):
     def devices_per_worker(self) -> int:
         """One device per tensor-parallel rank of the engine."""
         return self.tensor_parallel_size
+
+    def resolve_run_defaults(self, *, colocated: bool, accelerator: Callable[[], bool], async_rollout: bool) -> None:
+        """InferEngineConfig's defaults; routing is refused here, at composition, on a CPU run (vLLM-CPU cannot
+        record it: roll_engines.infer._vllm_routing) rather than in the engine's worker."""
+        if self.return_routing and not accelerator():
+            from roll_engines.infer._vllm_routing import refuse
+
+            refuse(on_cpu=True, enable_prefix_caching=self.enable_prefix_caching)
+        super().resolve_run_defaults(colocated=colocated, accelerator=accelerator, async_rollout=async_rollout)
 
 
 @dataclass

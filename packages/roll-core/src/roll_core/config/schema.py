@@ -782,7 +782,7 @@ class RLVRConfig:
             if not getattr(self.infer_engine, "return_routing", False):
                 raise ValueError(
                     "train_engine.routing_replay=true replays the experts the rollout engine chose: set "
-                    "infer_engine.return_routing=true (infer_engine=hf records them)"
+                    "infer_engine.return_routing=true (infer_engine=hf records them; infer_engine=vllm on CUDA GPUs)"
                 )
             if pipe.async_ratio > 0:
                 raise ValueError(

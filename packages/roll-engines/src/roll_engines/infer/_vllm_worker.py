@@ -44,3 +44,14 @@ class RollWorkerExtension:
         if measured:
             return measured
         return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+
+    def roll_moe_layers(self) -> list[int]:
+        """Decoder-layer numbers of the model's MoE layers, ascending: the columns of vLLM's routed-experts rows
+        that hold routing (a dense layer's column is never written; roll_engines.infer._vllm_routing)."""
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCaptureSource
+
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        # The modules vLLM binds its capturer to (bind_routed_experts_capturer), by the same tests.
+        sources = (MoERunner, RoutedExpertsCaptureSource)
+        return sorted({int(m.layer_id) for m in model.modules() if isinstance(m, sources)})

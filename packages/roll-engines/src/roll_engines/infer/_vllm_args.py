@@ -1,0 +1,108 @@
+"""How the `vllm` engine's knobs become vLLM's engine arguments and environment (roll_engines.infer.vllm).
+
+Contract: `cpu_env` sets what vLLM's CPU backend reads at import, so it must run before `vllm` is imported (it only
+sets variables, a value the user exported is kept where that is safe); `engine_args` returns the keyword arguments
+of `vllm.LLM` for one engine and imports nothing from vLLM, so it can be checked without starting one. Refusals of
+combinations vLLM cannot serve (FP8 or routing on CPU, a vision model without torchvision) happen in the engine's
+constructor, before these are called. Values are the ones measured in roll's notes/cpu-engines.md and the module
+docstring of roll_engines.infer.vllm.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from roll_engines.infer._adapters import vllm_max_rank
+
+#: roll's methods inside vLLM's worker processes (roll_engines.infer._vllm_worker).
+WORKER_EXTENSION = "roll_engines.infer._vllm_worker.RollWorkerExtension"
+
+
+def cpu_env(kv_cache_gb: int, threads: int | None, cache_root: str | None, tensor_parallel_size: int = 1) -> None:
+    """Environment vLLM's CPU backend reads at import (measured settings of roll's notes/cpu-engines.md)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))  # vLLM parses an int (GiB)
+    # One process: the engine core in this process uses every core (by default one is left to a scheduler process).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    n = threads or os.cpu_count() or 1
+    per = max(1, n // tensor_parallel_size)  # cores per tensor-parallel rank
+    os.environ["OMP_NUM_THREADS"] = str(per)  # Ray sets 1 in workers with fractional CPUs
+    # One core range per tensor-parallel rank ("|"-separated, vLLM's format); ranks never share a core.
+    binds = "|".join(f"{r * per}-{r * per + per - 1}" for r in range(tensor_parallel_size))
+    given = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if len(given.split("|")) != tensor_parallel_size or given == "auto":  # unset, or set for another TP size
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binds
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if cache_root:
+        os.environ.setdefault("VLLM_CACHE_ROOT", cache_root)
+
+
+def engine_args(
+    path: str,
+    *,
+    on_cpu: bool,
+    dtype: str,
+    seed: int,
+    tensor_parallel_size: int,
+    max_num_seqs: int,
+    max_model_len: int | None,
+    enforce_eager: bool,
+    enable_prefix_caching: bool,
+    trust_remote_code: bool,
+    gpu_memory_utilization: float,
+    quantization: str | None = None,
+    vision: bool = False,
+    lora_rank: int = 0,
+    return_routing: bool = False,
+) -> dict[str, Any]:
+    """Keyword arguments of `vllm.LLM` for a roll engine (the knobs are VLLMInferEngine's, same names).
+
+    `vision`: the model is a vision-language model (pictures only, no video profiling). `return_routing`: vLLM
+    records every MoE layer's experts (roll_engines.infer._vllm_routing), which it does only with prefix caching
+    on: the caller has refused `enable_prefix_caching=False` with it.
+    """
+    kwargs: dict[str, Any] = {
+        "model": path,
+        "dtype": dtype,
+        "seed": seed,
+        "tensor_parallel_size": tensor_parallel_size,
+        "max_num_seqs": max_num_seqs,
+        "enforce_eager": enforce_eager,
+        "enable_prefix_caching": enable_prefix_caching,
+        "logprobs_mode": "processed_logprobs",
+        # The backend whose masks the trainer replays exactly (roll_engines.structured; engine module docstring).
+        "structured_outputs_config": {"backend": "outlines"},
+        "trust_remote_code": trust_remote_code,
+        "worker_extension_cls": WORKER_EXTENSION,
+        # Chosen, not left to vLLM: inside a placement group it picks Ray, which refuses a multi-device bundle.
+        "distributed_executor_backend": "uni" if tensor_parallel_size == 1 else "mp",
+    }
+    if max_model_len:
+        kwargs["max_model_len"] = max_model_len
+    if quantization:  # online: each weight sync's reload re-quantizes layer by layer (vLLM's layerwise reload)
+        kwargs["quantization"] = quantization
+    if vision:
+        kwargs["limit_mm_per_prompt"] = {"video": 0}  # roll sends pictures only: no video profiling at start
+    if on_cpu:
+        # vLLM-CPU 0.32 rewinds the seeded generator of a request whose sampled token it discards (a prompt
+        # prefilled in chunks), and a CPU generator has no offset to rewind: RuntimeError at the first large
+        # batch. Whole-prompt prefill never discards, so per-request seeds keep working. GPUs keep chunking.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(4096, max_model_len or model_context(path, trust_remote_code))
+    else:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = True
+    if lora_rank:
+        # Two adapters at once: the current one and a superseded one that a running request still uses.
+        kwargs.update(enable_lora=True, max_lora_rank=vllm_max_rank(lora_rank), max_loras=2, max_cpu_loras=4)
+    if return_routing:
+        kwargs["enable_return_routed_experts"] = True  # vLLM's AuxOutputConfig flag
+    return kwargs
+
+
+def model_context(path: str, trust_remote_code: bool) -> int:
+    """The model's own context limit (vLLM's default max_model_len)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 4096)
