@@ -15,6 +15,7 @@ the vocabulary, the largest matmul of a decode step). Usage:
 
     python bench/bench_rollout.py                 # all engines available here
     python bench/bench_rollout.py --quick         # tiny-wide model, 1 run (smoke test)
+    python bench/bench_rollout.py --dtype bfloat16   # bf16 engines, limits from bf16 matmul rates
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def matmul_gflops(m: int, k: int, n: int, seconds: float = 2.0) -> float:
+def matmul_gflops(m: int, k: int, n: int, seconds: float = 2.0, dtype: str = "float32") -> float:
     import torch
 
-    a, b = torch.randn(m, k), torch.randn(k, n)
+    a, b = torch.randn(m, k, dtype=getattr(torch, dtype)), torch.randn(k, n, dtype=getattr(torch, dtype))
     for _ in range(3):
         a @ b
     count, t0 = 0, time.perf_counter()
@@ -82,11 +83,11 @@ def time_calls(fn, runs: int) -> list[float]:
     return out
 
 
-def run_generate(path: str, prompts: list[list[int]], n: int, max_new: int, runs: int) -> list[float]:
+def run_generate(path: str, prompts: list[list[int]], n: int, max_new: int, runs: int, dtype: str) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     for p in model.parameters():  # resident copies, as roll's engine keeps them (see notes/cpu-engines.md)
         p.data = p.data.clone()
     rows = [p for p in prompts for _ in range(n)]
@@ -113,20 +114,22 @@ def run_generate(path: str, prompts: list[list[int]], n: int, max_new: int, runs
     return time_calls(call, runs)
 
 
-def run_hf(path: str, prompts: list[list[int]], n: int, max_new: int, runs: int) -> list[float]:
+def run_hf(path: str, prompts: list[list[int]], n: int, max_new: int, runs: int, dtype: str) -> list[float]:
     from roll_core.interfaces import SamplingParams
     from roll_engines.infer.hf import HFInferEngine
 
-    engine = HFInferEngine(path, max_num_seqs=len(prompts) * n)
+    engine = HFInferEngine(path, max_num_seqs=len(prompts) * n, dtype=dtype)
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new, ignore_eos=True, seed=0)
     return time_calls(lambda: engine.generate(prompts, params, n=n), runs)
 
 
-def run_vllm(path: str, prompts: list[list[int]], n: int, max_new: int, runs: int) -> list[float]:
+def run_vllm(path: str, prompts: list[list[int]], n: int, max_new: int, runs: int, dtype: str) -> list[float]:
     from roll_core.interfaces import SamplingParams
     from roll_engines.infer.vllm import VLLMInferEngine
 
-    engine = VLLMInferEngine(path, max_num_seqs=len(prompts) * n, max_model_len=512, cache_root=tempfile.mkdtemp())
+    engine = VLLMInferEngine(
+        path, max_num_seqs=len(prompts) * n, max_model_len=512, cache_root=tempfile.mkdtemp(), dtype=dtype
+    )
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new, ignore_eos=True, seed=0)
     try:
         return time_calls(lambda: engine.generate(prompts, params, n=n), runs)
@@ -146,6 +149,8 @@ def main() -> None:
     ap.add_argument("--engines", default="generate,hf,vllm")
     ap.add_argument("--vllm-python", default=str(ROOT / ".venvs" / "vllm" / "bin" / "python"))
     ap.add_argument("--quick", action="store_true", help="tiny-wide model, one timed run")
+    # bfloat16: the engines' weights and the limits' matmul rates in bf16 (native on AMX / AVX512-BF16 CPUs only).
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # run one engine and print JSON (subprocess mode)
     ap.add_argument("--workload", help=argparse.SUPPRESS)  # JSON file with the model path and prompts
     args = ap.parse_args()
@@ -153,7 +158,7 @@ def main() -> None:
         args.model, args.runs = "builtin:tiny-wide", 1
     if args.worker:  # in the engine's venv, which need not have roll-envs: the parent wrote the prompts
         spec = json.loads(Path(args.workload).read_text())
-        times = ENGINES[args.worker](spec["path"], spec["prompts"], args.n, args.max_new, args.runs)
+        times = ENGINES[args.worker](spec["path"], spec["prompts"], args.n, args.max_new, args.runs, args.dtype)
         print("RESULT " + json.dumps(times))
         return
     path, prompts = workload(args.model)
@@ -167,14 +172,19 @@ def main() -> None:
 
     params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
     tokens = len(prompts) * args.n * args.max_new
-    peak = matmul_gflops(2048, 2048, 2048)
+    peak = matmul_gflops(2048, 2048, 2048, dtype=args.dtype)
     # The decode step's largest matmul: every running row's hidden state into the vocabulary.
-    decode = matmul_gflops(len(prompts) * args.n, cfg.hidden_size, cfg.vocab_size)
+    decode = matmul_gflops(len(prompts) * args.n, cfg.hidden_size, cfg.vocab_size, dtype=args.dtype)
     print(
         f"CPU: {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}, "
         f"model {args.model} ({params / 1e6:.1f} M params)"
     )
-    print(f"matmul fp32: {peak:.1f} GFLOP/s at 2048^3, {decode:.1f} GFLOP/s at decode shape")
+    if args.dtype != "float32":
+        from roll_hw.cpu import cpu_bf16_instructions
+
+        fp32 = matmul_gflops(2048, 2048, 2048)
+        print(f"bf16 instructions: {cpu_bf16_instructions() or 'none (emulated)'}; fp32 peak {fp32:.1f} GFLOP/s")
+    print(f"matmul {args.dtype}: {peak:.1f} GFLOP/s at 2048^3, {decode:.1f} GFLOP/s at decode shape")
     print(f"workload: {len(prompts)} prompts x {args.n} samples x {args.max_new} tokens = {tokens} tokens per call")
     limit_peak, limit_decode = peak * 1e9 / (2 * params), decode * 1e9 / (2 * params)
     print(f"limit: {limit_peak:.0f} tok/s at peak, {limit_decode:.0f} tok/s at the decode-shape rate\n")
@@ -187,7 +197,7 @@ def main() -> None:
             spec = Path(tempfile.mkdtemp()) / "workload.json"
             spec.write_text(json.dumps({"path": path, "prompts": prompts}))
             cmd = [args.vllm_python, __file__, "--worker", "vllm", "--workload", str(spec), "--n", str(args.n)]
-            cmd += ["--max-new", str(args.max_new), "--runs", str(args.runs)]
+            cmd += ["--max-new", str(args.max_new), "--runs", str(args.runs), "--dtype", args.dtype]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not lines:
@@ -195,7 +205,7 @@ def main() -> None:
                 continue
             times = json.loads(lines[-1].removeprefix("RESULT "))
         else:
-            times = ENGINES[name](path, prompts, args.n, args.max_new, args.runs)
+            times = ENGINES[name](path, prompts, args.n, args.max_new, args.runs, args.dtype)
         results[name] = tokens / statistics.median(times)
     base = results.get("generate")
     print(f"{'engine':<10} {'tok/s':>8} {'vs generate':>12} {'of peak limit':>14} {'of decode limit':>16}")
