@@ -31,3 +31,20 @@ def test_policy_objective_multiplies_the_correction_into_each_tokens_loss() -> N
     (plain,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(plain, -mask / 5)
     assert "actor/correction/weight_mean" not in metrics
+
+
+def test_heavy_masking_is_named_once_with_the_band_to_widen() -> None:
+    from roll_core.pipelines.metrics import HEAVY_MASKING, heavy_masking_warning
+
+    step = {
+        "actor/correction/masked_fraction": 0.9468,
+        "actor/correction/ratio_p5": 0.9195,
+        "actor/correction/ratio_p95": 1.0467,
+    }
+    line = heavy_masking_warning(step, "geo_mask")
+    assert line is not None and "geo_mask masked 95%" in line and "0.9195..1.0467" in line
+    assert "algo.correction_low" in line and "icepop" in line
+    assert heavy_masking_warning({**step, "actor/correction/masked_fraction": HEAVY_MASKING}, "geo_mask") is None
+    assert heavy_masking_warning({"actor/correction/masked_fraction": 0.6}, "token_mask").endswith("or use icepop")
+    assert heavy_masking_warning({"actor/train_infer_logprob_diff": 0.1}, None) is None  # no masking correction
+    assert heavy_masking_warning({"actor/correction/masked_fraction": float("nan")}, "icepop") is None

@@ -31,7 +31,7 @@ from roll_core.config.resume import check_checkpoint, config_dict
 from roll_core.config.schema import RLVRConfig
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.collectors import Collector, CollectorContext, CollectorFactory
-from roll_core.pipelines.metrics import StepLog
+from roll_core.pipelines.metrics import StepLog, heavy_masking_warning
 from roll_core.pipelines.objectives import load_objective
 from roll_core.pipelines.run_control import GracefulStop, resolve_run_folder
 from roll_core.pipelines.trainer import Trainer
@@ -180,6 +180,10 @@ class Pipeline:
             if getattr(self.collector, "on_policy", True):  # the next batch samples from the new weights
                 self.trainer.sync_weights(self.collector, out)
             self._check_finite(step)
+            warning = heavy_masking_warning(out, getattr(self.cfg.algo, "off_policy_correction", None))
+            if warning and not getattr(self, "_warned_masking", False):  # once per run: the metric shows every step
+                self._warned_masking = True
+                log.warning("step %d: %s", step, warning)
         out.update({f"perf/time_{k}": v for k, v in out.timers.items()})
         out.update(self.cluster.fault_metrics())  # workers restarted, calls timed out (this step)
         out["faults/run_restarts"] = float(self.pending_run_restarts)  # this run rebuilt after a fault

@@ -81,3 +81,22 @@ def domain_metrics(batch: Batch, lengths: torch.Tensor, max_len: int, domains: l
         out[f"domain/{d}/clip_ratio"] = float(batch["truncated"][idx].float().mean())
         out[f"domain/{d}/share"] = len(idx) / len(rows)
     return out
+
+
+#: A masking correction dropping more than this fraction of the response tokens trains on too little to learn from.
+HEAVY_MASKING = 0.5
+
+
+def heavy_masking_warning(out: dict[str, float], correction: str | None) -> str | None:
+    """The line to log when a step's masking correction (`actor/correction/masked_fraction`) dropped more than
+    HEAVY_MASKING of the tokens, naming the band to widen; None otherwise. Measured: geo_mask's default band
+    (0.999..1.001) drops ~95 % of a bf16 CPU rollout's sequences and the reward falls (bench/RESULTS.md)."""
+    frac = out.get("actor/correction/masked_fraction")
+    if frac is None or not frac > HEAVY_MASKING:
+        return None
+    p5, p95 = out.get("actor/correction/ratio_p5"), out.get("actor/correction/ratio_p95")
+    spread = f" (ratio p5..p95 {p5:.4f}..{p95:.4f})" if p5 is not None and p95 is not None else ""
+    return (
+        f"algo.off_policy_correction={correction} masked {frac:.0%} of the response tokens{spread}: the update "
+        "trains on few tokens; widen the band (algo.correction_low / algo.correction_high) or use icepop"
+    )
