@@ -13,6 +13,7 @@ micro-batch per step, torch's fused AdamW (its default), and the same host-alloc
     python bench/bench_rlvr.py --steps 5            # roll only
     python bench/bench_rlvr.py --steps 5 --trl      # roll and TRL, with ratios
     python bench/bench_rlvr.py --quick              # 2 steps of the tiny model (CI smoke)
+    python bench/bench_rlvr.py --steps 5 --trl --bf16   # both in bf16 (CPUs with AMX or AVX512-BF16)
     python bench/bench_rlvr.py --steps 5 --roll-extra pipeline.async_ratio=1 algo.off_policy_correction=token
 
 Useful-FLOP utilisation: (6 x params x trained tokens + 2 x params x generated tokens) / step wall time, over the
@@ -51,6 +52,8 @@ def roll_job(args: argparse.Namespace) -> dict:
     ]
     if args.model == "tiny":
         overrides += ["model.max_prompt_length=256"]
+    if args.bf16:  # bf16 compute in the trainer (fp32 master weights) and a bf16 rollout engine
+        overrides += ["model.dtype=bfloat16", "infer_engine.dtype=bfloat16"]
     overrides += list(args.roll_extra)
     t0 = time.perf_counter()
     _, history = run_pipeline(overrides)
@@ -127,7 +130,7 @@ def trl_job(args: argparse.Namespace) -> dict:
     conf = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
         use_cpu=True,
-        bf16=False,
+        bf16=args.bf16,  # accelerate's CPU autocast to bf16 over fp32 weights, as roll's bf16 compute
         use_vllm=False,
         num_generations=args.group,
         per_device_train_batch_size=batch,
@@ -202,6 +205,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=5e-6)
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer and print ratios")
     p.add_argument("--quick", action="store_true", help="2 steps of the tiny model (smoke test)")
+    p.add_argument(
+        "--bf16", action="store_true", help="both sides compute in bf16 (fp32 masters): for CPUs with native bf16"
+    )
     p.add_argument("--roll-extra", nargs="*", default=[], help="extra roll-train overrides for roll's side")
     p.add_argument("--_job", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -217,7 +223,7 @@ def main() -> None:
         results.append(spawn("trl", [a for a in argv if a not in args.roll_extra and a != "--roll-extra"]))
     from bench_rollout import cpu_name, matmul_gflops  # the same machine, measured now
 
-    peak = matmul_gflops(2048, 2048, 2048)
+    peak = matmul_gflops(2048, 2048, 2048, dtype="bfloat16" if args.bf16 else "float32")
     print(f"\nGRPO, model={args.model}, {args.prompts} prompts x {args.group} samples, <= {args.max_new} new tokens")
     print(
         f"{'framework':10} {'s/step':>8} {'samples/s':>10} {'rollout tok/s':>14} {'train tok/s':>12} "
@@ -234,7 +240,8 @@ def main() -> None:
         print("roll seconds per phase: " + ", ".join(f"{k} {v:.2f}" for k, v in roll["phases"].items()))
     util = roll["useful_gflop_per_step"] / roll["step_seconds"] / peak
     print(
-        f"CPU: {cpu_name()}; fp32 matmul peak {peak:.1f} GFLOP/s (2048^3, this run); roll useful FLOPs "
+        f"CPU: {cpu_name()}; {'bf16' if args.bf16 else 'fp32'} matmul peak {peak:.1f} GFLOP/s (2048^3, this run); "
+        f"roll useful FLOPs "
         f"{roll['useful_gflop_per_step']:.0f} GFLOP/step = {util:.1%} of peak"
     )
     if args.roll_extra:
