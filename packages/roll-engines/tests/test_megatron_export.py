@@ -23,7 +23,18 @@ def stream(pairs: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, dict[str, tu
     copies by name)."""
 
     def storages(tensors: list[torch.Tensor]) -> dict[int, int]:
-        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if not t.is_meta}
+        out = {}
+        for t in tensors:
+            if t.is_meta:
+                continue
+            try:
+                s = t.untyped_storage()
+                out[s.data_ptr()] = s.nbytes()
+            except RuntimeError:
+                # A tensor left by an earlier test in this process whose storage was invalidated (its memory is
+                # gone): it holds no bytes and is not the export's.
+                continue
+        return out
 
     # type(), not isinstance (which trips deprecated proxies); before: every tensor (parameters too), then plain
     # ones only (what an export makes): the fastest test over the process's half a million objects.
