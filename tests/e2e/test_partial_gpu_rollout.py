@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import torch
 
 from roll_core.interfaces import SamplingParams
@@ -41,6 +42,9 @@ def _wait(cond: Any, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.005)
 
 
+# Flaky in CI (1 of 3 clean-clone runs on 2026-12-04: "timed out waiting for engine 1 to generate" after 60 s while
+# the machine was loaded): out of the CI set until the race is found; `nox -s full_matrix` still runs it.
+@pytest.mark.full_matrix
 def test_an_engine_leaves_and_rejoins_while_requests_run(tiny_model: str) -> None:
     from roll_core.pipelines.sampling import generation_from_samples
     from roll_core.protocol import build_sequences, pad_left
