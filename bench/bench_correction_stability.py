@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _cells import emit, run_cell
 
 DEFAULT_SET = ["infer_engine.dtype=bfloat16", "pipeline.async_ratio=3", "algo.lr=1e-2"]
 
@@ -80,7 +81,7 @@ def main() -> None:
     extra = DEFAULT_SET if args.set is None else args.set
     if args.run:
         seed, correction = args.run.split(":")
-        print("RESULT " + json.dumps(one_run(args.steps, int(seed), correction, extra)))
+        emit(one_run(args.steps, int(seed), correction, extra))
         return
     print(f"tiny model, constant-answer task, {args.steps} steps; overrides: {' '.join(extra)}\n")
     print(
@@ -100,12 +101,10 @@ def main() -> None:
                 "--set",
                 *extra,
             ]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                print(f"{correction:<14} {seed:>4} failed ({proc.returncode}): {proc.stderr[-1500:]}")
+            curves, why = run_cell(cmd)
+            if curves is None:
+                print(f"{correction:<14} {seed:>4} {why}")
                 continue
-            curves = json.loads(lines[-1].removeprefix("RESULT "))
             s = summarise(curves)
             drifting[correction] += s["drift"]
             runs.append({"correction": correction, "seed": seed, **curves, **s})

@@ -25,10 +25,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from _cells import emit, run_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,7 +160,7 @@ def main() -> None:
     if args.worker:  # in the engine's venv, which need not have roll-envs: the parent wrote the prompts
         spec = json.loads(Path(args.workload).read_text())
         times = ENGINES[args.worker](spec["path"], spec["prompts"], args.n, args.max_new, args.runs, args.dtype)
-        print("RESULT " + json.dumps(times))
+        emit(times)
         return
     path, prompts = workload(args.model)
     import torch
@@ -198,12 +199,10 @@ def main() -> None:
             spec.write_text(json.dumps({"path": path, "prompts": prompts}))
             cmd = [args.vllm_python, __file__, "--worker", "vllm", "--workload", str(spec), "--n", str(args.n)]
             cmd += ["--max-new", str(args.max_new), "--runs", str(args.runs), "--dtype", args.dtype]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                print(f"vllm: failed ({proc.returncode}): {proc.stderr[-2000:]}")
+            times, why = run_cell(cmd, tail=2000)
+            if times is None:
+                print(f"vllm: {why}")
                 continue
-            times = json.loads(lines[-1].removeprefix("RESULT "))
         else:
             times = ENGINES[name](path, prompts, args.n, args.max_new, args.runs, args.dtype)
         results[name] = tokens / statistics.median(times)

@@ -22,14 +22,14 @@ into fp32 and the script says so. FP8 rollout is vLLM's on GPUs (tests/device).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _cells import emit, run_cell
 
 CORRECTIONS = ("none", "token", "token_mask", "sequence_mask", "icepop", "geo_mask")
 
@@ -99,7 +99,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.cell:
         dtype, correction = args.cell.split(":")
-        print("RESULT " + json.dumps(cell(args, dtype, correction)))
+        emit(cell(args, dtype, correction))
         return
 
     import torch
@@ -128,12 +128,10 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--cell", f"{dtype}:{correction}", "--model", args.model]
             cmd += ["--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group)]
             cmd += ["--max-new", str(args.max_new)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                print(f"{dtype:<9} {correction:<14} failed ({proc.returncode}): {proc.stderr[-1500:]}")
+            r, why = run_cell(cmd)
+            if r is None:
+                print(f"{dtype:<9} {correction:<14} {why}")
                 continue
-            r = json.loads(lines[-1].removeprefix("RESULT "))
             rows.append(r)
             print(
                 f"{dtype:<9} {correction:<14} {fmt(r['gap_mean'], '9.2e')} {fmt(r['gap_last'], '9.2e')} "

@@ -78,14 +78,12 @@ def rollout(path: str, dtype: str = "float32", max_new: int = 10) -> dict:
 
 
 def own_routing(path: str, batch: dict) -> torch.Tensor:
-    """The fp32 model's own top-k per position of `batch` (padded forward), (B, P+R, layers, k) int16."""
+    """The fp32 hf model's own top-k at every position of `batch` (padded forward), (B, P+R, layers, k) int16."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    rec = RoutingRecorder(model)
-    with torch.no_grad():
-        model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")})
-    return rec._take(tuple(batch["input_ids"].shape))
+    from roll_engines.infer._routing import model_routing
+
+    return model_routing(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), batch)
 
 
 def patched_logprobs(path: str, batch: dict, forced: torch.Tensor) -> torch.Tensor:

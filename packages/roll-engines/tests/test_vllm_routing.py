@@ -206,13 +206,9 @@ def _own_routing(path: str, batch: dict) -> torch.Tensor:
     """The fp32 hf model's own top-k at every position of `batch` (padded forward), (B, P+R, layers, k) int16."""
     from transformers import AutoModelForCausalLM
 
-    from roll_engines.infer._routing import RoutingRecorder
+    from roll_engines.infer._routing import model_routing
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    rec = RoutingRecorder(model)
-    with torch.no_grad():
-        model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")})
-    return rec._take(tuple(batch["input_ids"].shape))
+    return model_routing(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), batch)
 
 
 def _trainer(path: str, batch: dict) -> tuple[torch.Tensor, float]:

@@ -16,6 +16,8 @@ Contract:
   routing was computed for it): its row is -1, which the trainer reads as "route it yourself" (its output predicts
   nothing the trainer scores).
 - Reused prefixes (the engine's prefix cache) hold no routing: the engine disables that cache while recording.
+- `model_routing(model, batch)` is the reference: the experts `model`'s own routers choose at every position of a
+  padded batch in one forward (what a replayed trainer would compute without replay).
 """
 
 from __future__ import annotations
@@ -61,8 +63,13 @@ class RoutingRecorder:
         self.routers = require_routers(model, "infer_engine.return_routing")
         self.top_k = int(self.routers[0].top_k)
         self._last: list[Tensor | None] = [None] * len(self.routers)
-        for i, router in enumerate(self.routers):
-            router.register_forward_hook(self._hook(i))
+        self._handles = [router.register_forward_hook(self._hook(i)) for i, router in enumerate(self.routers)]
+
+    def remove(self) -> None:
+        """Detach the hooks (the model then routes without recording)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _hook(self, layer: int):
         def hook(module: torch.nn.Module, args: tuple, output: tuple) -> None:
@@ -100,3 +107,15 @@ class RoutingRecorder:
         done = torch.cat(seq.routing) if seq.routing else out[:0]
         out[: min(n, done.shape[0])] = done[:n]
         return out
+
+
+@torch.no_grad()
+def model_routing(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """The experts `model`'s own routers choose in one padded forward of `batch` (input_ids, attention_mask,
+    position_ids, each (B, T)): (B, T, num_moe_layers, top_k) int16 on the CPU. The hooks it adds are removed."""
+    recorder = RoutingRecorder(model)
+    try:
+        model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")})
+        return recorder._take(tuple(batch["input_ids"].shape))
+    finally:
+        recorder.remove()
