@@ -235,6 +235,10 @@ class HFInferEngineConfig(InferEngineConfig):
     # MoE models: record each MoE layer's top-k experts at every prompt and generated position, for the trainer's
     # routed-expert replay (train_engine.routing_replay); the prefix cache is off while recording.
     return_routing: bool = False
+    # The numerics of vLLM's FP8 rollout (infer_engine=vllm quantization=fp8, CUDA only) on any device: the linear
+    # layers' weights (at load and after every sync) and inputs rounded through e4m3 with per-tensor scales, the LM
+    # head and embeddings kept. Measures the train/infer gap and the corrections; no faster than without.
+    emulate_fp8: bool = False
     # torch threads of the engine process; null: all cores.
     num_threads: int | None = None
 

@@ -18,6 +18,9 @@ of `model.generate`, so that:
   `AutoModelForImageTextToText`; a request's pictures (`Request.mm`, or `generate(..., mm=)`) go in at its prefill
   with explicit 3D rotary positions, and equal ids with other pictures never share a prefill or a cached prefix
   (roll_engines.infer._vision). Placeholder / feature mismatches are a ValueError to the caller.
+- `emulate_fp8=True`: the numerics of vLLM's online FP8 rollout (per-tensor e4m3 weights and inputs of the linear
+  layers, roll_engines.infer._fp8_emulation), re-applied after every weight sync, to measure the train/infer gap and
+  the corrections on a CPU; not faster.
 - `return_routing=True` (MoE models): each output carries the top-k experts every MoE layer chose at every prompt
   and generated position (`RequestOutput.routed_experts`, roll_engines.infer._routing), for the trainer's
   routed-expert replay; the prefix cache is off then.
@@ -46,6 +49,7 @@ from roll_core.models import prepare_engine_process, resolve_model_path, torch_d
 from roll_core.seeds import Purpose, derive_seed
 from roll_engines.infer._adapters import refuse_adapters
 from roll_engines.infer._batcher import ContinuousBatcher, Running
+from roll_engines.infer._fp8_emulation import FP8Emulation
 from roll_engines.infer._routing import RoutingRecorder
 from roll_engines.infer._sampling import StopStrings
 from roll_engines.infer._vision import VisionInputs, refuse_pictures
@@ -109,6 +113,7 @@ class HFInferEngine:
         num_threads: int | None = None,
         seed: int = 0,
         return_routing: bool = False,
+        emulate_fp8: bool = False,
         # Every engine gets the runtime's LoRA rank; this one serves no adapters (infer_engine.lora_sync=merged only).
         lora_rank: int = 0,
     ) -> None:
@@ -161,6 +166,8 @@ class HFInferEngine:
         # MoE routed-expert replay: every RequestOutput carries its positions' experts (roll_engines.infer._routing).
         # A reused prefix's routing is not kept, so the prefix cache is off while recording.
         routing = RoutingRecorder(self.model) if return_routing else None
+        # vLLM's FP8 rollout numerics (weights rounded at load and after every sync; inputs per call), not its speed.
+        self.fp8 = FP8Emulation(self.model) if emulate_fp8 else None
         if routing is not None:
             prefix_cache_mb = 0.0
         self.batcher = _ConstrainedBatcher(
@@ -332,6 +339,8 @@ class HFInferEngine:
     def finish_weight_update(self) -> int:
         with self._lock:
             self.batcher.prefixes.clear()  # cached keys/values belong to the old weights
+            if self.fp8 is not None:  # the trainer sent full precision: hold the rounded copy vLLM would
+                self.fp8.round_weights()
             self._version += 1
             self._weights_valid = True
             self._paused = False
