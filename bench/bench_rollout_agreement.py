@@ -12,11 +12,14 @@ Runs the quickstart configuration (GRPO, hf engines, cluster=local, fp32 trainer
 
 Precisions: `float32` and `bfloat16` rollout (`infer_engine.dtype`). On a CPU bf16 runs natively with AMX or
 AVX512-BF16 (roll_hw.cpu.cpu_bf16_instructions; the header says which); elsewhere the platform turns the request
-into fp32 and the script says so. FP8 rollout is vLLM's on GPUs (tests/device).
+into fp32 and the script says so. `fp8e`: vLLM's FP8 rollout numerics emulated by the hf engine
+(`infer_engine.emulate_fp8=true`: per-tensor e4m3 weights and inputs of the linear layers, computed in fp32): its
+gap and what each correction does with it, not FP8's speed (vLLM's FP8 kernels are CUDA's: tests/device).
 
     python bench/bench_rollout_agreement.py                            # SmolLM2-135M, 6 steps per cell
     python bench/bench_rollout_agreement.py --model tiny --steps 3     # quick look
     python bench/bench_rollout_agreement.py --corrections none icepop --dtypes bfloat16 --steps 20
+    python bench/bench_rollout_agreement.py --dtypes fp8e                 # the emulated FP8 rollout's rows
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def cell(args: argparse.Namespace, dtype: str, correction: str) -> dict:
         f"pipeline.rollout_batch_size={args.prompts}",
         f"algo.group_size={args.group}",
         f"model.max_response_length={args.max_new}",
-        f"infer_engine.dtype={dtype}",
+        *(["infer_engine.emulate_fp8=true"] if dtype == "fp8e" else [f"infer_engine.dtype={dtype}"]),
         "pipeline.eval_every=0",
         "pipeline.progress=false",
         f"pipeline.output_dir={out}",
@@ -93,7 +96,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=48)
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "fp8e"], default=["float32", "bfloat16"])
     ap.add_argument("--corrections", nargs="+", choices=CORRECTIONS, default=list(CORRECTIONS))
     ap.add_argument("--cell", help=argparse.SUPPRESS)  # "dtype:correction": run one cell, print JSON
     args = ap.parse_args()
