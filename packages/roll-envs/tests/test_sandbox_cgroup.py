@@ -52,10 +52,42 @@ def _runs_left() -> list[str]:
 def test_memory_spread_over_processes_is_capped_for_the_whole_run(
     sandbox: PythonSandbox, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    before = set(_runs_left())  # other processes' runs (a concurrent test session) are theirs
     statuses = _children(sandbox)
     # 512 MiB for the run: at most one 300 MiB child can hold its block; the kernel kills the others (SIGKILL).
     assert sum(s == 0 for s in statuses) <= 1 and sum(s == 9 for s in statuses) >= 5, statuses
-    assert _runs_left() == []  # each run's cgroup is removed with it
+    assert set(_runs_left()) <= before  # each run's cgroup is removed with it
     # The same program without the cgroup: per-process limits alone let every child hold its block.
     monkeypatch.setattr(runner.RunCgroup, "create", classmethod(lambda cls, *a: None))
     assert _children(sandbox) == [0] * 6
+
+
+def test_runs_of_a_process_that_is_gone_are_swept_with_what_runs_in_them(sandbox: PythonSandbox) -> None:
+    """A trainer killed mid-run leaves its run cgroups (and the processes in them); the next process's first run
+    removes them. A live process's runs are left alone."""
+    import subprocess
+    import time
+
+    gone = subprocess.Popen(["/bin/true"])
+    gone.wait()
+    dead = cgroup.RunCgroup.create(64 << 20, 4)
+    live = cgroup.RunCgroup.create(64 << 20, 4)
+    assert dead is not None and live is not None
+    # Rename them as if another process had made them: one whose pid is gone, one whose pid (1) runs.
+    dead_folders = tuple(f.rename(f.parent / f"run-{gone.pid}-0123456789ab") for f in dead.folders)
+    live_folders = tuple(f.rename(f.parent / "run-1-ba9876543210") for f in live.folders)
+    orphan = subprocess.Popen(cgroup.RunCgroup(dead_folders).enter_argv(["sleep", "60"]))
+    deadline = time.monotonic() + 10
+    while not all(cgroup._pids(f) for f in dead_folders):
+        assert time.monotonic() < deadline and orphan.poll() is None
+        time.sleep(0.01)
+    try:
+        assert cgroup.sweep_stale.__wrapped__() == len(dead_folders)
+        assert orphan.wait(timeout=10) == -9  # killed with its cgroup
+        assert not any(f.exists() for f in dead_folders) and all(f.exists() for f in live_folders)
+    finally:
+        cgroup.RunCgroup(live_folders).close()
+        cgroup.RunCgroup(dead_folders).close()
+        if orphan.poll() is None:
+            orphan.kill()
+    assert not any(f.exists() for f in live_folders)

@@ -7,7 +7,9 @@ the limits that hold the trainer, e.g. a container's), or returns None where no 
 `enter_argv(argv)` prefixes a command with `/bin/sh` moving itself into the cgroup before it `exec`s the command,
 so bwrap and every process of the run are inside from their first instruction; the kernel then OOM-kills inside
 the run when all of its processes together exceed the memory limit, and refuses forks past `max_pids`.
-`close()` kills whatever is left in the cgroup and removes it.
+`close()` kills whatever is left in the cgroup and removes it. A run cgroup is named `run-<creator pid>-<random>`:
+the first `create` of a process sweeps the runs of creators that are gone (a trainer killed before it closed
+them), killing what still runs there, so a crash leaks neither cgroups nor sandboxed processes.
 
 Why a shell prefix: Python's subprocess cannot place a child into a cgroup at spawn (no CLONE_INTO_CGROUP), and a
 `preexec_fn` is unsafe in a threaded reward worker. Swap: none on v2; not limited on v1 (memsw needs swap
@@ -44,6 +46,7 @@ class RunCgroup:
         layout = _layout()
         if layout is None:
             return None
+        sweep_stale()
         name = f"run-{os.getpid()}-{secrets.token_hex(6)}"
         made: list[Path] = []
         try:
@@ -87,6 +90,39 @@ class RunCgroup:
                     except ProcessLookupError:
                         pass
             _remove(folder)
+
+
+@functools.lru_cache(maxsize=1)
+def sweep_stale() -> int:
+    """Once per process: remove the run cgroups whose creating process is gone, killing what still runs in them
+    (their results have no reader). Returns how many were removed."""
+    removed = 0
+    for parent in {p for p in parents().values() if p.is_dir()}:
+        for folder in parent.iterdir():
+            pid = _creator(folder.name)
+            if pid is None or pid == os.getpid() or _alive(pid):
+                continue
+            RunCgroup((folder,)).close()
+            removed += not folder.exists()
+    if removed:
+        log.info("removed %d sandbox run cgroups left by processes that are gone", removed)
+    return removed
+
+
+def _creator(name: str) -> int | None:
+    """The pid in a run cgroup's name `run-<pid>-<hex>`, None for any other name."""
+    parts = name.split("-")
+    return int(parts[1]) if len(parts) == 3 and parts[0] == "run" and parts[1].isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 # sh -c SCRIPT sh CGROUP... -- ARGV: join each cgroup, drop the arguments up to "--", exec the rest.
