@@ -20,6 +20,7 @@ from roll_core.testing.infer_engine import RequestsOf
 
 sys.path.insert(0, str(Path(__file__).parent))  # agentic_toy: env=py:agentic_toy:<Class>
 from agentic_toy import SAY_DIGIT_OVERRIDES, SayDigit
+from engine_holds import EngineHold
 
 
 def test_a_turn_aborted_at_a_sync_resumes_and_keeps_every_token_once(tiny_model: str) -> None:
@@ -50,29 +51,22 @@ def test_a_turn_aborted_at_a_sync_resumes_and_keeps_every_token_once(tiny_model:
     params = SamplingParams(max_new_tokens=budget, ignore_eos=True, seed=3)
     result: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: result.update(trajs=rollout.run([1, 1, 2, 2], [0, 0, 1, 1], params)))
+    hold = EngineHold(engine, tokens=5)  # the engine pauses (as a weight update does) once a first turn is under way
     try:
         worker.start()
         deadline = time.monotonic() + 60
+        hold.wait("the first turns to get under way")  # held: no turn can finish before the sync's aborts reach it
 
         def mid_turn() -> list[Any]:
-            return [s for s in engine.batcher.running if len(s.tokens) >= 5 and s.finish is None]
+            return hold.running(5)
 
-        while True:  # catch the first turns under way, with the engine held at a step boundary
-            assert time.monotonic() < deadline
-            if mid_turn():
-                # Held, no turn can finish before the sync's aborts reach it: on a loaded machine the turns
-                # would otherwise end between this check and the aborts, and nothing would be resumed.
-                engine.begin_weight_update()
-                if mid_turn():
-                    break
-                engine.finish_weight_update()
-            time.sleep(0.01)
+        assert mid_turn()
         sync = threading.Thread(target=gate.begin_update)
         sync.start()
         while not all(s.aborted for s in mid_turn()):  # the gate's aborts reached the held engine
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        engine.finish_weight_update()  # let the engine retire the aborted turns: begin_update returns
+        engine.finish_weight_update()  # ends the hold: the engine retires the aborted turns, begin_update returns
         sync.join(60)
         assert not sync.is_alive()
         engine.load_weights(weights)  # same weights, new version: the resumed tokens must continue the prefix

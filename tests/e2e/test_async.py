@@ -5,6 +5,8 @@ duplicated, dynamic sampling refills batches with informative groups, and bad co
 from __future__ import annotations
 
 import itertools
+import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -15,6 +17,9 @@ import torch
 from roll_core.interfaces import SamplingParams
 from roll_core.testing import reward_curve, run_pipeline, tiny_overrides
 from roll_core.testing.infer_engine import RequestsOf
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_holds import EngineHold
 
 
 # k=1 learns on Ray with partial rollout in test_learning.py; k=2 here runs the same bound further ahead. CI time:
@@ -65,13 +70,21 @@ def test_partial_rollout_resumes_requests_and_keeps_every_token_once(tiny_model:
     driver = AsyncRollout(
         Infer(), sched, lambda: (Problem(), next(prompts)), SamplingParams(max_new_tokens=300, ignore_eos=True, seed=3)
     )
+    hold = EngineHold(engine, tokens=5)  # the engine pauses (as a weight update does) once generation is under way
     driver.start()
     try:
+        hold.wait("generation to get under way")  # held: no request can finish before the update's aborts
+        under_way = hold.running(5)
+        assert under_way
+        sync = threading.Thread(target=driver.begin_update)
+        sync.start()
         deadline = time.monotonic() + 60
-        while not any(len(s.tokens) >= 5 for s in engine.batcher.running):  # generation is under way
+        while not all(s.aborted for s in under_way):  # the update's aborts reached the held engine
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        driver.begin_update()
+        hold.release()  # the engine retires the aborted requests: begin_update returns
+        sync.join(60)
+        assert not sync.is_alive()
         engine.load_weights(weights)  # same weights, new version: the resumed tokens must continue the prefix
         driver.finish_update()
         groups = driver.take(2) + driver.take(2)

@@ -6,43 +6,19 @@ the context of what follows)."""
 
 from __future__ import annotations
 
-import threading
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from roll_core.interfaces import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_holds import EngineHold
+
 N_TOKENS = 200
-
-
-class _Hold:
-    """Pauses an engine (as a weight update does) after the first step that leaves one of its requests with at least
-    `tokens` generated tokens, until one of its requests is aborted. The test then acts on an engine that surely
-    runs requests: on a loaded machine the tiny model could finish its requests between two polls of the test,
-    after which nothing new arrives (the async window is full until `take`), which once hung this test (CI,
-    2026-12-04: "timed out waiting for engine 1 to generate")."""
-
-    def __init__(self, engine: Any, tokens: int) -> None:
-        self.engine, self.reached = engine, threading.Event()
-        step = engine._step
-
-        def held() -> None:  # the engine thread, under the engine's lock
-            step()
-            if not self.reached.is_set() and any(len(s.tokens) >= tokens for s in engine.batcher.running):
-                engine._paused = True
-                self.reached.set()
-
-        engine._step = held
-
-    def wait(self, what: str, timeout: float = 120.0) -> None:
-        assert self.reached.wait(timeout), f"timed out waiting for {what}"
-
-    def release(self) -> None:
-        with self.engine._lock:
-            self.engine._paused = False
-            self.engine._work.notify_all()
 
 
 class _Engines:
@@ -50,7 +26,7 @@ class _Engines:
 
     def __init__(self, engines: list[Any]) -> None:
         self.engines = engines
-        self.holds: dict[int, _Hold] = {}
+        self.holds: dict[int, EngineHold] = {}
         self.placed: dict[str, int] = {}
         self.offloaded: set[int] = set()  # engines whose device the trainer holds: a request there is a bug
 
@@ -87,7 +63,9 @@ def test_an_engine_leaves_and_rejoins_while_requests_run(tiny_model: str) -> Non
 
     engines = [HFInferEngine(tiny_model, max_new_tokens=N_TOKENS) for _ in range(2)]
     infer = _Engines(engines)
-    infer.holds = {0: _Hold(engines[0], tokens=3), 1: _Hold(engines[1], tokens=5)}
+    # Each engine pauses once it runs a request with enough tokens, until one of its requests is aborted: the
+    # expand and the shrink then always find requests running there (engine_holds.py says why polling raced).
+    infer.holds = {0: EngineHold(engines[0], tokens=3), 1: EngineHold(engines[1], tokens=5)}
 
     class Problem:  # a roll_core.interfaces.ProblemLike
         id, prompt, answer = "p", "say 7", "7"
