@@ -6,8 +6,10 @@ worked example (~95 tokens) x 8 samples, temperature 1, 48 new tokens each (EOS 
 the same number of tokens). Each engine runs one warm-up call and `--runs` timed calls; the median counts.
 
 Engines: `generate` (transformers' `model.generate` with `output_logits`, what roll's hf engine used before: the
-baseline), `hf` (roll's continuous-batching engine), and `vllm` (vLLM's CPU build in its own venv, run as a
-subprocess with that venv's Python: `--vllm-python .venvs/vllm/bin/python`, default when that venv exists).
+baseline), `hf` (roll's continuous-batching engine), `vllm` (vLLM's CPU build in its own venv, run as a
+subprocess with that venv's Python: `--vllm-python .venvs/vllm/bin/python`, default when that venv exists; eager,
+roll's default) and `vllm-compiled` (the same with `enforce_eager=False`: vLLM compiles the model with
+torch.compile at start-up, ~2 minutes on 2 cores; ask for it with `--engines vllm,vllm-compiled`).
 
 Limit: a decoder forward costs ~2 x params FLOPs per generated token, so limit tok/s = matmul GFLOP/s / (2 x params),
 with the matmul rate measured here at a square 2048 shape (peak) and at the decode shape (32 rows x hidden into
@@ -124,12 +126,19 @@ def run_hf(path: str, prompts: list[list[int]], n: int, max_new: int, runs: int,
     return time_calls(lambda: engine.generate(prompts, params, n=n), runs)
 
 
-def run_vllm(path: str, prompts: list[list[int]], n: int, max_new: int, runs: int, dtype: str) -> list[float]:
+def run_vllm(
+    path: str, prompts: list[list[int]], n: int, max_new: int, runs: int, dtype: str, compiled: bool = False
+) -> list[float]:
     from roll_core.interfaces import SamplingParams
     from roll_engines.infer.vllm import VLLMInferEngine
 
     engine = VLLMInferEngine(
-        path, max_num_seqs=len(prompts) * n, max_model_len=512, cache_root=tempfile.mkdtemp(), dtype=dtype
+        path,
+        max_num_seqs=len(prompts) * n,
+        max_model_len=512,
+        cache_root=tempfile.mkdtemp(),
+        dtype=dtype,
+        enforce_eager=not compiled,  # compiled: vLLM's torch.compile of the model (inductor on CPU)
     )
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new, ignore_eos=True, seed=0)
     try:
@@ -138,7 +147,11 @@ def run_vllm(path: str, prompts: list[list[int]], n: int, max_new: int, runs: in
         engine.shutdown()
 
 
-ENGINES = {"generate": run_generate, "hf": run_hf, "vllm": run_vllm}
+def run_vllm_compiled(path: str, prompts: list[list[int]], n: int, max_new: int, runs: int, dtype: str) -> list[float]:
+    return run_vllm(path, prompts, n, max_new, runs, dtype, compiled=True)
+
+
+ENGINES = {"generate": run_generate, "hf": run_hf, "vllm": run_vllm, "vllm-compiled": run_vllm_compiled}
 
 
 def main() -> None:
@@ -191,13 +204,13 @@ def main() -> None:
     print(f"limit: {limit_peak:.0f} tok/s at peak, {limit_decode:.0f} tok/s at the decode-shape rate\n")
     results = {}
     for name in args.engines.split(","):
-        if name == "vllm":
+        if name.startswith("vllm"):
             if not Path(args.vllm_python).exists():
                 print(f"vllm: skipped ({args.vllm_python} missing: build it with `nox -s vllm_venv`)")
                 continue
             spec = Path(tempfile.mkdtemp()) / "workload.json"
             spec.write_text(json.dumps({"path": path, "prompts": prompts}))
-            cmd = [args.vllm_python, __file__, "--worker", "vllm", "--workload", str(spec), "--n", str(args.n)]
+            cmd = [args.vllm_python, __file__, "--worker", name, "--workload", str(spec), "--n", str(args.n)]
             cmd += ["--max-new", str(args.max_new), "--runs", str(args.runs), "--dtype", args.dtype]
             times, why = run_cell(cmd, tail=2000)
             if times is None:

@@ -9,7 +9,7 @@ import torch
 
 from roll_core.interfaces import SamplingParams
 from roll_core.testing.infer_engine import InferEngineTestSuite
-from roll_engines.infer._sampling import StopStrings, processed_logprobs, sample_rows
+from roll_engines.infer._sampling import StopStrings, inverse_cdf, processed_logprobs, sample_rows
 from roll_engines.infer.hf import HFInferEngine
 
 
@@ -59,6 +59,58 @@ def test_rows_sample_from_their_own_streams() -> None:
     gens2 = [torch.Generator().manual_seed(s) for s in (1, 3)]
     again = sample_rows(logp[[0, 2]], torch.tensor([False, False]), gens2)  # other batch composition
     assert again.tolist() == [int(first[0]), int(first[2])]
+
+
+def test_two_level_inverse_cdf_draws_what_one_float64_cumsum_draws() -> None:
+    """The blocked draw equals the plain float64 inverse CDF, token for token, on a vocabulary that is not a
+    multiple of the block, with zero-mass tokens (also a whole zero block, and a row whose last block is empty)
+    and uniforms at 0, just below 1 and exactly on token boundaries."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(6, 1000, generator=g) ** 4
+    probs[0, ::3] = 0.0
+    probs[1, 256:512] = 0.0  # a whole block of zero mass
+    probs[2, 700:] = 0.0  # the last blocks empty: the top draw must land on token 699
+    probs[3, :999] = 0.0  # one token
+    cdf = probs.double().cumsum(-1)
+    us = [0.0, 1.0 - 2**-53, 0.5, 0.123456, 0.9999, *torch.rand(40, generator=g, dtype=torch.float64).tolist()]
+    for u in us:
+        uu = torch.full((6,), u, dtype=torch.float64)
+        want = torch.searchsorted(cdf, (uu * cdf[:, -1])[:, None], right=True)[:, 0]
+        want = torch.minimum(want, (cdf < cdf[:, -1:]).sum(-1))
+        got = inverse_cdf(probs, uu)
+        assert got.tolist() == want.tolist(), u
+        assert bool((probs.gather(-1, got[:, None]) > 0).all())
+    assert int(inverse_cdf(probs[2:3], torch.tensor([1.0 - 2**-53], dtype=torch.float64))) == 699
+    assert int(inverse_cdf(probs[3:4], torch.tensor([0.0], dtype=torch.float64))) == 999
+    # Tokens whose mass vanishes against the mass before them (1 + 2**-58 rounds to 1 in float64, so one cumsum
+    # over the vocabulary never draws them) keep their share here: in-block sums are taken before the offset.
+    row = torch.zeros(1, 512)
+    row[0, 0], row[0, 256:511] = 1.0, 2.0**-58
+    got = int(inverse_cdf(row, torch.tensor([1.0 - 2**-51], dtype=torch.float64)))
+    assert 256 <= got < 511, got
+    # A block whose float32 sum exceeds its exact total (255 x 0.1: by ~3e-6): a target in that sliver lands on
+    # the block's last token of positive mass, not on the zero-mass token after it.
+    row = torch.tensor([[0.1] * 255 + [0.0]])
+    f32, exact = row.sum().double().item(), row.double().sum().item()
+    assert f32 > exact
+    sliver = torch.tensor([(exact + (f32 - exact) / 2) / f32], dtype=torch.float64)
+    assert int(inverse_cdf(row, sliver)) == 254
+    # Exactly on a boundary (target == cdf[i]) the draw is token i + 1, as with right=True.
+    row = torch.tensor([[0.25, 0.25, 0.25, 0.25]])
+    assert int(inverse_cdf(row, torch.tensor([0.5], dtype=torch.float64), block=2)) == 2
+
+
+def test_sampled_frequencies_follow_the_distribution() -> None:
+    """Many draws from a known distribution with 300 tokens (two blocks): frequencies within 4 sigma."""
+    p = torch.zeros(300)
+    p[[3, 100, 260, 299]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logp = p.log()[None].expand(4000, -1).contiguous()
+    gens = [torch.Generator().manual_seed(i) for i in range(4000)]
+    drawn = sample_rows(logp, torch.zeros(4000, dtype=torch.bool), gens)
+    counts = torch.bincount(drawn, minlength=300).double() / 4000
+    assert set(drawn.unique().tolist()) <= {3, 100, 260, 299}
+    sigma = (p.double() * (1 - p.double()) / 4000).sqrt()
+    assert bool(((counts - p.double()).abs() <= 4 * sigma + 1e-12).all()), counts[[3, 100, 260, 299]]
 
 
 def test_generation_config_processors_are_not_applied(tmp_path, model_path_tiny: str) -> None:
