@@ -5,22 +5,12 @@ more than an unquantized engine's while the trainer's log-probs of the same toke
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from roll_core.models import resolve_model_path
 from roll_core.protocol import build_sequences, pad_left
 from roll_engines.infer._fp8_emulation import E4M3_MAX, fp8_round
 from roll_engines.infer.hf import HFInferEngine
 from roll_engines.train.hf import HFTrainEngine
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    import os
-
-    os.environ["ROLL_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    return resolve_model_path("builtin:tiny")
 
 
 def test_fp8_round_by_hand() -> None:

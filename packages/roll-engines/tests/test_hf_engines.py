@@ -16,14 +16,6 @@ from roll_engines.infer.hf import HFInferEngine
 from roll_engines.train.hf import HFTrainEngine, adamw_kernel, lr_lambda
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    import os
-
-    os.environ["ROLL_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    return resolve_model_path("builtin:tiny")
-
-
 def _batch(infer: HFInferEngine, prompts: list[str], n: int, seed: int = 0) -> dict[str, torch.Tensor]:
     ids = [infer.tokenizer(p)["input_ids"] for p in prompts]
     gen = infer.generate(ids, infer.defaults.replace(seed=seed), n=n)

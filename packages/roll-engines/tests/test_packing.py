@@ -18,7 +18,6 @@ import pytest
 import torch
 from torch import Tensor
 
-from roll_core.models import resolve_model_path
 from roll_core.pipelines.objectives import PolicyObjective, ValueObjective
 from roll_core.sequences import pad_left
 from roll_engines.train._packing import pack, prompt_order, unsupported_reason
@@ -27,14 +26,6 @@ from roll_engines.train.hf import HFTrainEngine
 LOGPROB_ATOL = 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
 WEIGHT_ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    import os
-
-    os.environ["ROLL_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    return resolve_model_path("builtin:tiny")
 
 
 def make_batch(rows: list[tuple[list[int], list[tuple[list[int], int]]]], pad_id: int = 0) -> dict[str, Tensor]:

@@ -77,15 +77,6 @@ def rollout(path: str, dtype: str = "float32", max_new: int = 10) -> dict:
     return {"batch": batch, "behaviour": out.logprobs, "rows": out.routed_experts, "path": path}
 
 
-def own_routing(path: str, batch: dict) -> torch.Tensor:
-    """The fp32 hf model's own top-k at every position of `batch` (padded forward), (B, P+R, layers, k) int16."""
-    from transformers import AutoModelForCausalLM
-
-    from roll_engines.infer._routing import model_routing
-
-    return model_routing(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), batch)
-
-
 def patched_logprobs(path: str, batch: dict, forced: torch.Tensor) -> torch.Tensor:
     """Response log-probs of a plain padded forward whose routers choose `forced` (B, P+R, layers, k) experts,
     the weights being softmax(logits) at them, renormalised (written independently of the replay hook)."""
@@ -138,7 +129,7 @@ def test_recorded_routing_layout(fp32):
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
-def test_forced_routing_is_what_the_trainer_computes_with(tiny, fp32, pack):
+def test_forced_routing_is_what_the_trainer_computes_with(tiny, fp32, pack, own_routing):
     batch = dict(fp32["batch"])
     own = own_routing(tiny, batch)
     # Each expert e -> (e + 1) % 4: a top-2 set never maps to itself, so every routing differs from the router's.
@@ -197,7 +188,7 @@ def test_assemble_lays_out_the_engines_routing(fp32):
     assert torch.equal(merged[ROUTED_EXPERTS][: len(prompts)], out[ROUTED_EXPERTS])
 
 
-def test_fp32_rollout_routing_equals_the_trainers_own(tiny, fp32):
+def test_fp32_rollout_routing_equals_the_trainers_own(tiny, fp32, own_routing):
     ro = fp32
     batch = ro["batch"]
     field, own = batch[ROUTED_EXPERTS], own_routing(tiny, batch)
@@ -212,7 +203,7 @@ def test_fp32_rollout_routing_equals_the_trainers_own(tiny, fp32):
     torch.testing.assert_close(with_replay[mask], ro["behaviour"][mask], atol=1e-4, rtol=1e-4)
 
 
-def test_replay_shrinks_the_bf16_rollout_gap(near_ties, capsys):
+def test_replay_shrinks_the_bf16_rollout_gap(near_ties, capsys, own_routing):
     ro = rollout(near_ties, dtype="bfloat16", max_new=16)
     batch, behaviour = ro["batch"], ro["behaviour"]
     mask = batch["response_mask"].bool()

@@ -22,6 +22,7 @@ replayed choices changed, mean log-prob gap 0.029); with vLLM itself they have n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -202,15 +203,6 @@ def rollout(tiny: str) -> dict[str, Any]:
     return {"batch": batch, "behaviour": out.logprobs, "out": out, "again": again, "prompts": prompts}
 
 
-def _own_routing(path: str, batch: dict) -> torch.Tensor:
-    """The fp32 hf model's own top-k at every position of `batch` (padded forward), (B, P+R, layers, k) int16."""
-    from transformers import AutoModelForCausalLM
-
-    from roll_engines.infer._routing import model_routing
-
-    return model_routing(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), batch)
-
-
 def _trainer(path: str, batch: dict) -> tuple[torch.Tensor, float]:
     """The hf train engine's response log-probs replaying batch[ROUTED_EXPERTS], and the fraction of replayed
     (position, layer) choices that differ from its own router's."""
@@ -222,13 +214,15 @@ def _trainer(path: str, batch: dict) -> tuple[torch.Tensor, float]:
 
 
 @pytest.mark.cuda
-def test_a_recorded_routing_has_rolls_shape_and_equals_the_trainers_own(tiny: str, rollout: dict) -> None:
+def test_a_recorded_routing_has_rolls_shape_and_equals_the_trainers_own(
+    tiny: str, rollout: dict, own_routing: Callable[[str, dict], torch.Tensor]
+) -> None:
     out, batch = rollout["out"], rollout["batch"]
     for i, (row, prompt) in enumerate(zip(out.routed_experts, rollout["prompts"])):
         n = int(out.response_mask[i].sum())
         assert row.shape == (len(prompt) + n, 2, 2) and row.dtype == torch.int16
         assert (row[:-1] >= 0).all() and (row[:-1] < 4).all() and (row[-1] == UNROUTED).all()
-    field, own = batch[ROUTED_EXPERTS], _own_routing(tiny, batch)
+    field, own = batch[ROUTED_EXPERTS], own_routing(tiny, batch)
     recorded = (field >= 0).all(-1)  # (B, P+R, layers)
     # Every real position but each row's last token: prompt and response.
     assert int(recorded[..., 0].sum()) == int(batch["attention_mask"].sum()) - len(rollout["prompts"])
