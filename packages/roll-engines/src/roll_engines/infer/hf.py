@@ -52,6 +52,7 @@ from roll_engines.infer._batcher import ContinuousBatcher, Running
 from roll_engines.infer._fp8_emulation import FP8Emulation
 from roll_engines.infer._routing import RoutingRecorder
 from roll_engines.infer._sampling import StopStrings
+from roll_engines.infer._skinny_linear import use_skinny_linears
 from roll_engines.infer._vision import VisionInputs, refuse_pictures
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,8 @@ class HFInferEngine:
             # (measured: 3-10x slower generate calls). Private copies keep them resident.
             for p in itertools.chain(self.model.parameters(), self.model.buffers()):
                 p.data = p.data.clone()
+            # Decode steps' few rows through the faster operand order (roll_engines.infer._skinny_linear).
+            use_skinny_linears(self.model)
         self._shapes = {k: tuple(p.shape) for k, p in self.model.named_parameters()}
         self._pad_id = self.tokenizer.pad_token_id
         if self._pad_id is None:
