@@ -9,7 +9,7 @@ Engines: `generate` (transformers' `model.generate` with `output_logits`, what r
 baseline), `hf` (roll's continuous-batching engine), `vllm` (vLLM's CPU build in its own venv, run as a
 subprocess with that venv's Python: `--vllm-python .venvs/vllm/bin/python`, default when that venv exists; eager,
 roll's default) and `vllm-compiled` (the same with `enforce_eager=False`: vLLM compiles the model with
-torch.compile at start-up, ~2 minutes on 2 cores; ask for it with `--engines vllm,vllm-compiled`).
+torch.compile at start-up, 1-2 minutes on 2 cores; ask for it with `--engines vllm,vllm-compiled`).
 
 Limit: a decoder forward costs ~2 x params FLOPs per generated token, so limit tok/s = matmul GFLOP/s / (2 x params),
 with the matmul rate measured here at a square 2048 shape (peak) and at the decode shape (32 rows x hidden into
@@ -206,7 +206,7 @@ def main() -> None:
     for name in args.engines.split(","):
         if name.startswith("vllm"):
             if not Path(args.vllm_python).exists():
-                print(f"vllm: skipped ({args.vllm_python} missing: build it with `nox -s vllm_venv`)")
+                print(f"{name}: skipped ({args.vllm_python} missing: build it with `nox -s vllm_venv`)")
                 continue
             spec = Path(tempfile.mkdtemp()) / "workload.json"
             spec.write_text(json.dumps({"path": path, "prompts": prompts}))
@@ -214,16 +214,16 @@ def main() -> None:
             cmd += ["--max-new", str(args.max_new), "--runs", str(args.runs), "--dtype", args.dtype]
             times, why = run_cell(cmd, tail=2000)
             if times is None:
-                print(f"vllm: {why}")
+                print(f"{name}: {why}")
                 continue
         else:
             times = ENGINES[name](path, prompts, args.n, args.max_new, args.runs, args.dtype)
         results[name] = tokens / statistics.median(times)
     base = results.get("generate")
-    print(f"{'engine':<10} {'tok/s':>8} {'vs generate':>12} {'of peak limit':>14} {'of decode limit':>16}")
+    print(f"{'engine':<14} {'tok/s':>8} {'vs generate':>12} {'of peak limit':>14} {'of decode limit':>16}")
     for name, rate in results.items():
         ratio = f"{rate / base:.2f}x" if base else "-"
-        print(f"{name:<10} {rate:8.1f} {ratio:>12} {rate / limit_peak:14.1%} {rate / limit_decode:16.1%}")
+        print(f"{name:<14} {rate:8.1f} {ratio:>12} {rate / limit_peak:14.1%} {rate / limit_decode:16.1%}")
 
 
 if __name__ == "__main__":

@@ -100,6 +100,10 @@ def test_two_level_inverse_cdf_draws_what_one_float64_cumsum_draws() -> None:
     assert int(inverse_cdf(row, torch.tensor([0.5], dtype=torch.float64), block=2)) == 2
 
 
+def test_an_empty_batch_samples_nothing() -> None:
+    assert sample_rows(torch.zeros(0, 7), torch.zeros(0, dtype=torch.bool), []).shape == (0,)
+
+
 def test_sampled_frequencies_follow_the_distribution() -> None:
     """Many draws from a known distribution with 300 tokens (two blocks): frequencies within 4 sigma."""
     p = torch.zeros(300)

@@ -66,10 +66,22 @@ def test_only_plain_float32_cpu_linears_switch() -> None:
     assert "forward" in model[0].__dict__ and "forward" not in model[1].__dict__ and "forward" not in model[2].__dict__
 
 
+def test_a_switched_model_pickles() -> None:
+    import pickle
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    assert use_skinny_linears(model) == 2
+    again = pickle.loads(pickle.dumps(model))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), model(x))
+    assert again[0].forward.func is skinny_forward and again[0].forward.args[0] is again[0]
+
+
 def test_the_hf_engine_runs_them_and_generates_the_same(tiny: str) -> None:
     engine = HFInferEngine(tiny, max_new_tokens=24, num_threads=1)
     linears = [m for m in engine.model.modules() if type(m) is torch.nn.Linear]
-    assert linears and all(m.forward.__func__ is skinny_forward for m in linears)
+    assert linears and all(m.forward.func is skinny_forward for m in linears)
     params = SamplingParams(max_new_tokens=24, seed=3, temperature=1.0)
     prompts = [[5, 6, 7, 8], [9, 10]]
     skinny = engine.generate(prompts, params, n=5)

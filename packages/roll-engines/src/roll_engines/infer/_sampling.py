@@ -53,8 +53,8 @@ def sample_rows(logp: Tensor, greedy: Tensor, generators: Sequence[torch.Generat
     """One token per row: argmax for greedy rows, else a draw from exp(logp) with that row's generator.
 
     Sampling is by inverse CDF: one uniform number per row from the row's own generator, located in the row's
-    cumulative distribution (sums in float64, so rounding cannot move a draw across a token of non-negligible
-    mass). One draw per row costs far less than `torch.multinomial`'s pass of exponential noise over the
+    cumulative distribution (`inverse_cdf`: cumulated in float64, so rounding cannot move a draw across a token of
+    non-negligible mass). One draw per row costs far less than `torch.multinomial`'s pass of exponential noise over the
     vocabulary.
 
     Args:
@@ -66,7 +66,7 @@ def sample_rows(logp: Tensor, greedy: Tensor, generators: Sequence[torch.Generat
         (B,) long token ids.
     """
     rows = [i for i in range(len(generators)) if not bool(greedy[i])]
-    if len(rows) == len(generators):  # no greedy row: skip the argmax pass over the vocabulary
+    if rows and len(rows) == len(generators):  # no greedy row: skip the argmax pass over the vocabulary
         sub, out = logp, None
     else:
         out = logp.argmax(-1)
@@ -87,8 +87,8 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = 256) -> Tensor:
     Two levels, both cumulated in float64: the block that holds the draw (cumulative sums of `block`-token block
     sums), then the token inside that one block. Same draw as one float64 cumsum over the whole vocabulary except
     within ~6e-8 of a block's mass from a block boundary (its float32 sum's rounding), but the float64 pass covers
-    V / block values instead of V: at 32 rows of a 49152-token vocabulary that pass (exp, cast and cumsum in
-    float64 over the vocabulary) was ~10 % of a decode step.
+    V / block values instead of V (at 32 rows of a 49152-token vocabulary the one-level pass was ~10 % of a
+    profiled decode step; measured paired, this draw makes decode 1.02x faster). Public for its tests.
 
     Args:
         probs: (R, V) float32 unnormalised probabilities, >= 0 (zeros are never drawn).
@@ -102,7 +102,7 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = 256) -> Tensor:
     nb = -(-v // block)
     if nb * block != v:  # zero mass past the vocabulary, never drawn
         probs = torch.nn.functional.pad(probs, (0, nb * block - v))
-    blocks = probs.view(r, nb, block)
+    blocks = probs.reshape(r, nb, block)
     # Block sums in float32 (a cast of the whole (R, V) to float64 would cost as much as the old pass), each
     # within ~6e-8 of its block's mass; cumulated in float64.
     csum = blocks.sum(-1).double().cumsum(-1)  # (R, nb)
@@ -111,10 +111,13 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = 256) -> Tensor:
     # A draw at the very top lands past the last block (and token): clamp to the last one with mass.
     b = torch.minimum(torch.searchsorted(csum, target, right=True), (csum < total).sum(-1, keepdim=True))
     before = torch.where(b > 0, csum.gather(-1, (b - 1).clamp(min=0)), torch.zeros_like(target))
-    inner = before + blocks[torch.arange(r, device=probs.device), b[:, 0]].double().cumsum(-1)  # (R, block)
+    chosen = blocks[torch.arange(r, device=probs.device), b[:, 0]]  # (R, block)
+    inner = before + chosen.double().cumsum(-1)
     # The block's float32 sum may exceed its exact (float64) in-block total: a target in that sliver lands on the
     # block's last token of positive mass rather than past it.
-    j = torch.minimum(torch.searchsorted(inner, target, right=True), (inner < inner[:, -1:]).sum(-1, keepdim=True))
+    idx = torch.arange(block, device=probs.device)
+    last = torch.where(chosen > 0, idx, torch.zeros_like(idx)).amax(-1, keepdim=True)
+    j = torch.minimum(torch.searchsorted(inner, target, right=True), last)
     return (b * block + j)[:, 0]
 
 
