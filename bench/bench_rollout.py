@@ -23,6 +23,7 @@ the vocabulary, the largest matmul of a decode step). Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -147,11 +148,12 @@ def run_vllm(
         engine.shutdown()
 
 
-def run_vllm_compiled(path: str, prompts: list[list[int]], n: int, max_new: int, runs: int, dtype: str) -> list[float]:
-    return run_vllm(path, prompts, n, max_new, runs, dtype, compiled=True)
-
-
-ENGINES = {"generate": run_generate, "hf": run_hf, "vllm": run_vllm, "vllm-compiled": run_vllm_compiled}
+ENGINES = {
+    "generate": run_generate,
+    "hf": run_hf,
+    "vllm": run_vllm,
+    "vllm-compiled": functools.partial(run_vllm, compiled=True),
+}
 
 
 def main() -> None:

@@ -117,40 +117,30 @@ def test_sampled_frequencies_follow_the_distribution() -> None:
     assert bool(((counts - p.double()).abs() <= 4 * sigma + 1e-12).all()), counts[[3, 100, 260, 299]]
 
 
-def test_generation_config_processors_are_not_applied(tmp_path, model_path_tiny: str) -> None:
+def test_generation_config_processors_are_not_applied(tmp_path, tiny: str) -> None:
     """A repetition penalty in generation_config.json must not change roll's sampling (log-probs stay exact)."""
     import shutil
 
     from transformers import GenerationConfig
 
     folder = tmp_path / "penalised"
-    shutil.copytree(model_path_tiny, folder)
+    shutil.copytree(tiny, folder)
     GenerationConfig(repetition_penalty=5.0, eos_token_id=2).save_pretrained(folder)
     eng = HFInferEngine(str(folder), max_new_tokens=8)
-    plain = HFInferEngine(model_path_tiny, max_new_tokens=8)
+    plain = HFInferEngine(tiny, max_new_tokens=8)
     params = SamplingParams(max_new_tokens=8, seed=4)
     a, b = eng.generate([[5, 6, 7]], params, n=4), plain.generate([[5, 6, 7]], params, n=4)
     assert torch.equal(a.responses, b.responses)
     torch.testing.assert_close(a.logprobs, b.logprobs)
 
 
-@pytest.fixture(scope="module")
-def model_path_tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    import os
-
-    from roll_core.models import resolve_model_path
-
-    os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
-    return resolve_model_path("builtin:tiny")
-
-
 @pytest.mark.parametrize("where", ["prefill", "decode"])
-def test_a_failing_forward_fails_requests_instead_of_hanging(model_path_tiny: str, where: str) -> None:
+def test_a_failing_forward_fails_requests_instead_of_hanging(tiny: str, where: str) -> None:
     from concurrent.futures import TimeoutError as FutureTimeout
 
     from roll_core.interfaces import Request
 
-    eng = HFInferEngine(model_path_tiny, max_new_tokens=8)
+    eng = HFInferEngine(tiny, max_new_tokens=8)
     forward = eng.model.forward
     calls = {"n": 0}
 
@@ -176,7 +166,7 @@ def test_a_failing_forward_fails_requests_instead_of_hanging(model_path_tiny: st
     eng.shutdown()
 
 
-def test_multi_turn_prefix_reuse_matches_full_prefill(model_path_tiny: str) -> None:
+def test_multi_turn_prefix_reuse_matches_full_prefill(tiny: str) -> None:
     """A conversation's next turn reuses the previous turn's KV: same greedy tokens and log-probs as encoding the
     whole conversation again, and only the new tokens are encoded."""
     from roll_core.interfaces import Request
@@ -190,8 +180,8 @@ def test_multi_turn_prefix_reuse_matches_full_prefill(model_path_tiny: str) -> N
             ids = ids + out.token_ids + [20 + turn, 21, 22]  # the response, then an "observation"
         return outs
 
-    reuse = HFInferEngine(model_path_tiny)
-    plain = HFInferEngine(model_path_tiny, prefix_cache_mb=0)
+    reuse = HFInferEngine(tiny)
+    plain = HFInferEngine(tiny, prefix_cache_mb=0)
     a, b = conversation(reuse), conversation(plain)
     for x, y in zip(a, b):
         assert x.token_ids == y.token_ids

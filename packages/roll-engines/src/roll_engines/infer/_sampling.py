@@ -66,18 +66,16 @@ def sample_rows(logp: Tensor, greedy: Tensor, generators: Sequence[torch.Generat
         (B,) long token ids.
     """
     rows = [i for i in range(len(generators)) if not bool(greedy[i])]
-    if rows and len(rows) == len(generators):  # no greedy row: skip the argmax pass over the vocabulary
-        sub, out = logp, None
-    else:
-        out = logp.argmax(-1)
-        if not rows:
-            return out
-        sub = logp[torch.tensor(rows, dtype=torch.long, device=logp.device)]
+    every = bool(rows) and len(rows) == len(generators)  # no greedy row: no argmax pass over the vocabulary
+    out = None if every else logp.argmax(-1)
+    if not rows:
+        return out
+    idx = None if every else torch.tensor(rows, dtype=torch.long, device=logp.device)
     u = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64) for i in rows]).to(logp.device)
-    drawn = inverse_cdf(sub.float().exp(), u)
-    if out is None:
+    drawn = inverse_cdf((logp if every else logp[idx]).float().exp(), u)
+    if every:
         return drawn
-    out[torch.tensor(rows, dtype=torch.long, device=logp.device)] = drawn
+    out[idx] = drawn
     return out
 
 

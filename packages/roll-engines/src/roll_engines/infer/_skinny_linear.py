@@ -3,15 +3,15 @@
 Contract: `use_skinny_linears(model)` gives every plain `torch.nn.Linear` of a float32 CPU model a forward that,
 for inputs of at most `MAX_ROWS` rows (a decode step, a batch's tail) outside autograd, computes
 `torch.mm(W, x^T)^T` (over zero rows added up to 2, or up to a multiple of 8 above 8 rows, the row counts this
-kernel runs fastest at) and returns it contiguous; anything else
-(prefill, training, other dtypes) is `F.linear` as before. Same products and sums, so outputs equal `F.linear`'s
+kernel runs fastest at) and returns it contiguous; anything else (prefill, training, other dtypes) is `F.linear`
+as before. Same products and sums, so outputs equal `F.linear`'s
 up to float reassociation; hooks, weight syncs (which replace or write `weight`) and `requires_grad` are untouched.
 
 Why: PyTorch's CPU `F.linear` (x @ W^T) reaches ~11 GB/s of weight streaming at 2-8 rows on this project's CPUs,
 the other operand order ~37 GB/s (a single row, ~17 GB/s either way, runs fastest as two; odd counts above 8
-run slower than the next multiple of 8). Measured per layer
-of SmolLM2-135M, fp32, 2 cores, cold weights (linear time / this time): 2-3.6x at 2-4 rows, 1.1-1.2x at 16, ~1.05-
-1.1x at 32, below 1 from 64 rows (hence MAX_ROWS), and below 1 in bf16 at every row count (hence fp32 only).
+run slower than the next multiple of 8). Measured per layer of SmolLM2-135M, fp32, 2 cores, cold weights (linear
+time / this time): 2-3.6x at 2-4 rows, 1.1-1.2x at 16, ~1.05-1.1x at 32, below 1 from 64 rows (hence MAX_ROWS),
+and below 1 in bf16 at every row count (hence fp32 only).
 The rows of a batch's tail, where most requests have finished, are where decode spends much of its time.
 """
 
