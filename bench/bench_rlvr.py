@@ -221,9 +221,9 @@ def main() -> None:
     results = [spawn("roll", argv)]
     if args.trl:
         results.append(spawn("trl", [a for a in argv if a not in args.roll_extra and a != "--roll-extra"]))
-    from bench_rollout import cpu_name, matmul_gflops  # the same machine, measured now
+    from bench_rollout import best_matmul_gflops, cpu_name  # the same machine, measured now
 
-    peak = matmul_gflops(2048, 2048, 2048, dtype="bfloat16" if args.bf16 else "float32")
+    peak, peaks = best_matmul_gflops(2048, 2048, 2048, dtype="bfloat16" if args.bf16 else "float32")
     print(f"\nGRPO, model={args.model}, {args.prompts} prompts x {args.group} samples, <= {args.max_new} new tokens")
     print(
         f"{'framework':10} {'s/step':>8} {'samples/s':>10} {'rollout tok/s':>14} {'train tok/s':>12} "
@@ -240,7 +240,8 @@ def main() -> None:
         print("roll seconds per phase: " + ", ".join(f"{k} {v:.2f}" for k, v in roll["phases"].items()))
     util = roll["useful_gflop_per_step"] / roll["step_seconds"] / peak
     print(
-        f"CPU: {cpu_name()}; {'bf16' if args.bf16 else 'fp32'} matmul peak {peak:.1f} GFLOP/s (2048^3, this run); "
+        f"CPU: {cpu_name()}; {'bf16' if args.bf16 else 'fp32'} matmul peak {peak:.1f} GFLOP/s (2048^3, this run, "
+        f"the faster of {', '.join(f'{k} {v:.1f}' for k, v in peaks.items())}); "
         f"roll useful FLOPs "
         f"{roll['useful_gflop_per_step']:.0f} GFLOP/step = {util:.1%} of peak"
     )

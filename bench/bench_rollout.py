@@ -13,7 +13,8 @@ torch.compile at start-up, 1-2 minutes on 2 cores; ask for it with `--engines vl
 
 Limit: a decoder forward costs ~2 x params FLOPs per generated token, so limit tok/s = matmul GFLOP/s / (2 x params),
 with the matmul rate measured here at a square 2048 shape (peak) and at the decode shape (32 rows x hidden into
-the vocabulary, the largest matmul of a decode step). Usage:
+the vocabulary, the largest matmul of a decode step), each the faster of torch's matmul (MKL in fp32) and oneDNN's
+inner product (twice MKL's fp32 rate on AMD CPUs with AVX-512). Usage:
 
     python bench/bench_rollout.py                 # all engines available here
     python bench/bench_rollout.py --quick         # tiny-wide model, 1 run (smoke test)
@@ -47,17 +48,44 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def matmul_gflops(m: int, k: int, n: int, seconds: float = 2.0, dtype: str = "float32") -> float:
+def matmul_gflops(
+    m: int, k: int, n: int, seconds: float = 2.0, dtype: str = "float32", library: str = "torch"
+) -> float:
+    """GFLOP/s of an (m, k) x (k, n) product: `torch` (torch's matmul: MKL for fp32 on CPU) or `onednn` (oneDNN's
+    inner product, what roll's CPU engines use for fp32 where roll_hw.cpu.fp32_linear_library() says so)."""
     import torch
 
-    a, b = torch.randn(m, k, dtype=getattr(torch, dtype)), torch.randn(k, n, dtype=getattr(torch, dtype))
+    a = torch.randn(m, k, dtype=getattr(torch, dtype))
+    if library == "onednn":
+        w = torch.randn(n, k, dtype=a.dtype)
+        op = torch.ops.mkldnn._linear_pointwise
+
+        def product():
+            return op(a, w, None, "none", [], "")
+    else:
+        b = torch.randn(k, n, dtype=a.dtype)
+
+        def product():
+            return a @ b
+
     for _ in range(3):
-        a @ b
+        product()
     count, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        a @ b
+        product()
         count += 1
     return 2 * m * k * n * count / (time.perf_counter() - t0) / 1e9
+
+
+def best_matmul_gflops(m: int, k: int, n: int, dtype: str = "float32") -> tuple[float, dict[str, float]]:
+    """The machine's matmul rate at this shape: the faster of torch's matmul and oneDNN's inner product (on AMD
+    CPUs MKL's fp32 kernels reach about half of what oneDNN does), with both rates."""
+    import torch
+
+    rates = {"torch": matmul_gflops(m, k, n, dtype=dtype)}
+    if getattr(torch.ops.mkldnn, "_linear_pointwise", None) is not None and torch.backends.mkldnn.is_available():
+        rates["onednn"] = matmul_gflops(m, k, n, dtype=dtype, library="onednn")
+    return max(rates.values()), rates
 
 
 def workload(model: str) -> tuple[str, list[list[int]]]:
@@ -188,9 +216,9 @@ def main() -> None:
 
     params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
     tokens = len(prompts) * args.n * args.max_new
-    peak = matmul_gflops(2048, 2048, 2048, dtype=args.dtype)
+    peak, peaks = best_matmul_gflops(2048, 2048, 2048, dtype=args.dtype)
     # The decode step's largest matmul: every running row's hidden state into the vocabulary.
-    decode = matmul_gflops(len(prompts) * args.n, cfg.hidden_size, cfg.vocab_size, dtype=args.dtype)
+    decode, decodes = best_matmul_gflops(len(prompts) * args.n, cfg.hidden_size, cfg.vocab_size, dtype=args.dtype)
     print(
         f"CPU: {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}, "
         f"model {args.model} ({params / 1e6:.1f} M params)"
@@ -198,9 +226,13 @@ def main() -> None:
     if args.dtype != "float32":
         from roll_hw.cpu import cpu_bf16_instructions
 
-        fp32 = matmul_gflops(2048, 2048, 2048)
+        fp32 = best_matmul_gflops(2048, 2048, 2048)[0]
         print(f"bf16 instructions: {cpu_bf16_instructions() or 'none (emulated)'}; fp32 peak {fp32:.1f} GFLOP/s")
-    print(f"matmul {args.dtype}: {peak:.1f} GFLOP/s at 2048^3, {decode:.1f} GFLOP/s at decode shape")
+    print(
+        f"matmul {args.dtype}: {peak:.1f} GFLOP/s at 2048^3, {decode:.1f} GFLOP/s at decode shape (the faster library)"
+    )
+    for lib in peaks:
+        print(f"  {lib:>6}: {peaks[lib]:.1f} GFLOP/s at 2048^3, {decodes[lib]:.1f} at decode shape")
     print(f"workload: {len(prompts)} prompts x {args.n} samples x {args.max_new} tokens = {tokens} tokens per call")
     limit_peak, limit_decode = peak * 1e9 / (2 * params), decode * 1e9 / (2 * params)
     print(f"limit: {limit_peak:.0f} tok/s at peak, {limit_decode:.0f} tok/s at the decode-shape rate\n")

@@ -47,6 +47,7 @@ from torch import Tensor
 from roll_core.interfaces.inference import GenerateOutput, Request, RequestOutput, SamplingParams, StructuredOutput
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_core.seeds import Purpose, derive_seed
+from roll_engines._onednn_linear import SKINNY_ROWS, use_onednn_linears
 from roll_engines.infer._adapters import refuse_adapters
 from roll_engines.infer._batcher import ContinuousBatcher, Running
 from roll_engines.infer._fp8_emulation import FP8Emulation
@@ -54,6 +55,7 @@ from roll_engines.infer._routing import RoutingRecorder
 from roll_engines.infer._sampling import StopStrings
 from roll_engines.infer._skinny_linear import use_skinny_linears
 from roll_engines.infer._vision import VisionInputs, refuse_pictures
+from roll_hw.cpu import fp32_linear_library
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +146,10 @@ class HFInferEngine:
             # (measured: 3-10x slower generate calls). Private copies keep them resident.
             for p in itertools.chain(self.model.parameters(), self.model.buffers()):
                 p.data = p.data.clone()
-            # Decode steps' few rows through the faster operand order (roll_engines.infer._skinny_linear).
-            use_skinny_linears(self.model)
+            # fp32 linears through oneDNN where MKL is the slower library (roll_engines._onednn_linear), a decode
+            # step's last few rows (memory-bound) through the skinny operand order (roll_engines.infer._skinny_linear).
+            if not (fp32_linear_library() == "onednn" and use_onednn_linears(self.model, skinny_rows=SKINNY_ROWS)):
+                use_skinny_linears(self.model)
         self._shapes = {k: tuple(p.shape) for k, p in self.model.named_parameters()}
         self._pad_id = self.tokenizer.pad_token_id
         if self._pad_id is None:

@@ -49,6 +49,7 @@ from torch import Tensor
 from roll_core.interfaces import LossFn
 from roll_core.interfaces.inference import STRUCTURED_KEY
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
+from roll_engines._onednn_linear import use_onednn_linears
 from roll_engines.train import _vision as V  # vision-language models: pictures travel with their rows
 from roll_engines.train._logits import check_topk, empty_outputs, gather_ids_of, response_outputs
 from roll_engines.train._lora import (
@@ -66,6 +67,7 @@ from roll_engines.train._optim import adamw_kernel, load_optimizer, lr_lambda, s
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
 from roll_engines.train._routing import RoutingReplay
 from roll_engines.train._settings import reapply, snapshot
+from roll_hw.cpu import fp32_linear_library
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +157,9 @@ class HFTrainEngine:
                 enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.device.type == "cpu" and fp32_linear_library() == "onednn":
+            # fp32 linears through oneDNN, both passes (roll_engines._onednn_linear): on AMD CPUs MKL runs AVX2.
+            use_onednn_linears(self.model)
         self.model = self._wrap(self.model)
         # MoE layers compute with the batch's `routed_experts` (the rollout's choices; roll_engines.train._routing).
         self.routing = RoutingReplay.of(self.model, role) if routing_replay else None

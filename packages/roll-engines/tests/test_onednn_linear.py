@@ -1,0 +1,179 @@
+"""oneDNN fp32 linears (roll_engines._onednn_linear): forward and all three gradients equal F.linear's, the kernel
+really runs (a counting spy), everything outside its cover falls back to F.linear, the infer engine's last rows go
+to the skinny product, and both hf engines switch their linears when roll_hw picks oneDNN and keep computing
+what the MKL path computes (log-probs, gradients, generations)."""
+
+from __future__ import annotations
+
+import functools
+import pickle
+
+import pytest
+import torch
+
+import roll_engines._onednn_linear as O
+from roll_core.interfaces import SamplingParams
+from roll_core.pipelines.objectives import PolicyObjective
+from roll_core.protocol import build_sequences, pad_left
+from roll_engines.infer._skinny_linear import skinny_forward
+from roll_engines.infer.hf import HFInferEngine
+from roll_engines.train.hf import HFTrainEngine
+
+pytestmark = pytest.mark.skipif(O.onednn_linear_op() is None, reason="this torch has no oneDNN inner product")
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Counts every oneDNN product (forward and backward) by the shapes it multiplies."""
+    seen: list[tuple] = []
+    real = O._FWD
+
+    def spy(x, w, b, *rest):
+        seen.append((tuple(x.shape), tuple(w.shape)))
+        return real(x, w, b, *rest)
+
+    monkeypatch.setattr(O, "_FWD", spy)
+    return seen
+
+
+def _pair(n_in: int, n_out: int, bias: bool, skinny_rows: int = 0) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(n_in, n_out, bias=bias)
+    ref = torch.nn.Linear(n_in, n_out, bias=bias)
+    ref.load_state_dict(lin.state_dict())
+    assert O.use_onednn_linears(lin, skinny_rows=skinny_rows) == 1
+    return lin, ref
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 48), (5, 48), (3, 7, 48), (70, 48), (2, 33, 48)])
+def test_forward_and_gradients_equal_f_linear(shape: tuple, bias: bool, calls: list) -> None:
+    lin, ref = _pair(48, 80, bias)
+    x = torch.randn(*shape, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y, y_ref = lin(x), ref(x_ref)
+    assert y.shape == (*shape[:-1], 80)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+    if bias:
+        torch.testing.assert_close(lin.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
+    rows = x.numel() // 48
+    # forward, dX = dY W (W^T laid out as the kernel's weight), dW = dY^T X: three oneDNN products
+    assert calls == [(shape, (80, 48)), ((rows, 80), (48, 80)), ((80, rows), (48, rows))]
+
+
+def test_only_the_gradients_asked_for(calls: list) -> None:
+    lin, _ = _pair(16, 8, True)
+    lin.weight.requires_grad_(False)  # a frozen base (LoRA): no dW product
+    x = torch.randn(4, 16, requires_grad=True)
+    lin(x).sum().backward()
+    assert lin.weight.grad is None and lin.bias.grad is not None and x.grad is not None
+    assert len(calls) == 2
+    calls.clear()
+    lin.weight.requires_grad_(True)
+    lin(torch.randn(4, 16)).sum().backward()  # the input needs none: dW only
+    assert len(calls) == 2 and lin.weight.grad is not None
+
+
+def test_strided_inputs(calls: list) -> None:
+    lin, ref = _pair(48, 80, True)
+    base = torch.randn(6, 96)
+    x = base[:, ::2]
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), ref(x), rtol=1e-5, atol=1e-5)
+        xt = torch.randn(5, 3, 48).transpose(0, 1)
+        torch.testing.assert_close(lin(xt), ref(xt), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2
+
+
+def test_outside_the_cover_f_linear_runs(calls: list) -> None:
+    lin, ref = _pair(16, 8, True)
+    with torch.no_grad():
+        assert lin(torch.randn(0, 16)).shape == (0, 8)
+        v = torch.randn(16)  # 1-D
+        torch.testing.assert_close(lin(v), ref(v))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert lin(torch.randn(4, 16)).dtype == torch.bfloat16
+        lin.double()  # switched while fp32, then cast
+        assert lin(torch.randn(4, 16, dtype=torch.float64)).dtype == torch.float64
+        lin.float()
+        lin.weight = torch.nn.Parameter(lin.weight.detach().t().contiguous().t())  # a transposed view
+        x = torch.randn(4, 16)
+        torch.testing.assert_close(lin(x), ref(x))
+    assert calls == []
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).to(torch.bfloat16))
+
+    class Sub(torch.nn.Linear):
+        pass
+
+    model.append(Sub(4, 4))
+    assert O.use_onednn_linears(model) == 1 and "forward" in model[0].__dict__
+    assert "forward" not in model[1].__dict__ and "forward" not in model[2].__dict__
+
+
+def test_no_grad_rows_up_to_skinny_rows_take_the_skinny_product(calls: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    import roll_engines.infer._skinny_linear as S
+
+    skinny: list[int] = []
+    real = S.skinny_forward
+    monkeypatch.setattr(S, "skinny_forward", lambda m, x: skinny.append(x.shape[0]) or real(m, x))
+    lin, ref = _pair(48, 80, False, skinny_rows=4)
+    with torch.no_grad():
+        for rows in (1, 4, 5, 32):
+            x = torch.randn(rows, 1, 48)
+            torch.testing.assert_close(lin(x), ref(x), rtol=1e-5, atol=1e-5)
+    assert skinny == [1, 4] and [c[0][0] for c in calls] == [5, 32]
+
+
+def test_a_switched_model_pickles() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    assert O.use_onednn_linears(model, skinny_rows=4) == 2
+    again = pickle.loads(pickle.dumps(model))
+    assert again[0].forward.func is O.onednn_forward and again[0].forward.args[0] is again[0]
+    x = torch.randn(9, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), model(x))
+
+
+def _switched(model: torch.nn.Module) -> list[bool]:
+    return [
+        isinstance(m.forward, functools.partial) and m.forward.func is O.onednn_forward
+        for m in model.modules()
+        if type(m) is torch.nn.Linear
+    ]
+
+
+def test_the_hf_engines_switch_and_compute_what_mkl_computes(tiny: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLL_CPU_LINEAR", "mkl")
+    infer_mkl = HFInferEngine(tiny, max_new_tokens=12, num_threads=1)
+    train_mkl = HFTrainEngine(tiny, micro_batch_size=3, num_threads=1)
+    assert not any(_switched(infer_mkl.model)) and not any(_switched(train_mkl.model))
+    assert all(m.forward.func is skinny_forward for m in infer_mkl.model.modules() if type(m) is torch.nn.Linear)
+    monkeypatch.setenv("ROLL_CPU_LINEAR", "onednn")
+    infer = HFInferEngine(tiny, max_new_tokens=12, num_threads=1)
+    train = HFTrainEngine(tiny, micro_batch_size=3, num_threads=1)
+    assert all(_switched(infer.model)) and all(_switched(train.model)) and _switched(train.model)
+
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    params = SamplingParams(max_new_tokens=12, seed=3, temperature=1.0)
+    gen, gen_mkl = infer.generate(prompts, params, n=3), infer_mkl.generate(prompts, params, n=3)
+    assert torch.equal(gen.responses, gen_mkl.responses)
+    torch.testing.assert_close(gen.logprobs, gen_mkl.logprobs, rtol=0, atol=1e-4)
+
+    p_ids, p_mask = pad_left([p for p in prompts for _ in range(3)], infer.pad_id)
+    batch = build_sequences(p_ids, p_mask, gen.responses, gen.response_mask)
+    batch.update(responses=gen.responses, response_mask=gen.response_mask, behaviour_logprobs=gen.logprobs)
+    batch["advantages"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(1))
+    batch["advantages"] *= batch["response_mask"]
+    mask = batch["response_mask"]
+    lp = train.compute_logprobs(batch, temperature=1.0)["logprobs"]
+    torch.testing.assert_close(lp * mask, gen.logprobs, rtol=1e-4, atol=2e-4)  # trainer agrees with the sampler
+    grads = train.compute_gradients(batch, PolicyObjective())
+    grads_mkl = train_mkl.compute_gradients(batch, PolicyObjective())
+    assert grads.keys() == grads_mkl.keys() and any(g.abs().sum() > 0 for g in grads.values())
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_mkl[name], rtol=1e-4, atol=1e-6, msg=name)

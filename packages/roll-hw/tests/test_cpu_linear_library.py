@@ -1,0 +1,57 @@
+"""`roll_hw.cpu.fp32_linear_library()`: oneDNN on AMD CPUs with AVX-512 (MKL runs AVX2 there), MKL elsewhere,
+`ROLL_CPU_LINEAR` overrides, anything else in it is an error. The CPU is faked through /proc/cpuinfo's readers."""
+
+from __future__ import annotations
+
+import pytest
+
+from roll_hw import cpu
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("ROLL_CPU_LINEAR", raising=False)
+
+    def set_cpu(vendor: str, flags: set[str]) -> None:
+        monkeypatch.setattr(cpu, "cpu_vendor", lambda: vendor)
+        monkeypatch.setattr(cpu, "_cpu_flags", lambda: flags)
+
+    return set_cpu
+
+
+@pytest.mark.parametrize(
+    "vendor, flags, want",
+    [
+        ("AuthenticAMD", {"avx2", "avx512f"}, "onednn"),
+        ("AuthenticAMD", {"avx2"}, "mkl"),  # Zen 2/3: not measured
+        ("GenuineIntel", {"avx2", "avx512f", "amx_bf16"}, "mkl"),
+        ("", set(), "mkl"),
+    ],
+)
+def test_auto_follows_the_cpu(fake_cpu, monkeypatch: pytest.MonkeyPatch, vendor: str, flags: set, want: str) -> None:
+    fake_cpu(vendor, flags)
+    assert cpu.fp32_linear_library() == want
+    monkeypatch.setenv("ROLL_CPU_LINEAR", "auto")
+    assert cpu.fp32_linear_library() == want
+
+
+def test_the_variable_overrides_and_is_checked(fake_cpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cpu("GenuineIntel", {"avx512f"})
+    monkeypatch.setenv("ROLL_CPU_LINEAR", "oneDNN")
+    assert cpu.fp32_linear_library() == "onednn"
+    fake_cpu("AuthenticAMD", {"avx512f"})
+    monkeypatch.setenv("ROLL_CPU_LINEAR", "mkl")
+    assert cpu.fp32_linear_library() == "mkl"
+    monkeypatch.setenv("ROLL_CPU_LINEAR", "openblas")
+    with pytest.raises(ValueError, match="ROLL_CPU_LINEAR='openblas': expected onednn, mkl or auto"):
+        cpu.fp32_linear_library()
+
+
+def test_the_vendor_is_read_from_proc_cpuinfo() -> None:
+    vendor = cpu.cpu_vendor()
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        assert vendor == ""
+        return
+    assert (vendor and f": {vendor}" in text) or "vendor_id" not in text
