@@ -66,6 +66,20 @@ def test_forward_and_gradients_equal_f_linear(shape: tuple, bias: bool, calls: l
     assert calls == [(shape, (80, 48)), ((rows, 80), (48, 80)), ((80, rows), (48, rows))]
 
 
+def test_a_large_output_gradient_is_not_transposed(calls: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(O, "TRANSPOSE_LIMIT", 20 * 80 - 1)  # 20 rows x 80 outputs: one past the limit
+    lin, ref = _pair(48, 80, False)
+    # the input needs no gradient: forward and dW through oneDNN at 19 rows, the forward only at 20 (dW: MKL)
+    for rows, products in ((19, 2), (20, 1)):
+        calls.clear()
+        lin.weight.grad = ref.weight.grad = None
+        x = torch.randn(rows, 48)
+        lin(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+        assert len(calls) == products
+
+
 def test_only_the_gradients_asked_for(calls: list) -> None:
     lin, _ = _pair(16, 8, True)
     lin.weight.requires_grad_(False)  # a frozen base (LoRA): no dW product

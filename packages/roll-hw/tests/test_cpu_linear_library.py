@@ -55,3 +55,10 @@ def test_the_vendor_is_read_from_proc_cpuinfo() -> None:
         assert vendor == ""
         return
     assert (vendor and f": {vendor}" in text) or "vendor_id" not in text
+
+
+def test_the_doctor_names_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLL_CPU_LINEAR", "onednn")
+    assert cpu.CpuPlatform.describe()["fp32 linears (roll engines)"].startswith("onednn (")
+    monkeypatch.setenv("ROLL_CPU_LINEAR", "fast")
+    assert "expected onednn, mkl or auto" in cpu.CpuPlatform.describe()["fp32 linears (roll engines)"]

@@ -3,7 +3,8 @@
 Contract: `use_onednn_linears(model)` gives every plain `torch.nn.Linear` of a float32 CPU model a forward that
 computes y = x W^T + b with oneDNN's fp32 inner product (`torch.ops.mkldnn._linear_pointwise`, weights as they are:
 nothing is repacked or copied, so weight syncs that write or replace `weight` need nothing), forward and backward
-(`OneDNNLinear`: dX = dY W, dW = dY^T X, db = sum dY, each through the same kernel). Anything it does not cover
+(`OneDNNLinear`: dX = dY W, dW = dY^T X, db = sum dY, each through the same kernel, dW through MKL where dY is
+larger than `TRANSPOSE_LIMIT`). Anything it does not cover
 takes `F.linear` as before: other dtypes or devices, autocast, tensor subclasses (FSDP2's DTensor), a
 non-contiguous weight, an empty or 1-D input, or a torch without the op. `skinny_rows=k` sends no-grad inputs of at
 most k rows (a decode step's last rows, memory-bound) to the infer engine's skinny product instead. Outputs equal
@@ -28,6 +29,11 @@ _FWD = None  # torch.ops.mkldnn._linear_pointwise, looked up once
 #: Rows up to which the infer engine's no-grad products take the skinny operand order instead (memory-bound:
 #: the 30 layers of SmolLM2-135M at 2 rows 14.0 ms skinny vs 19.4 oneDNN, 4 rows 14.6 vs 18.4, 8 rows 28.2 vs 20.5).
 SKINNY_ROWS = 4
+
+#: Largest output gradient (elements) whose transposed copy dW's oneDNN product may make (64 MiB in fp32); above it
+#: dW is MKL's (no copy). Measured at 2048 x 49152 (SmolLM2's vocabulary), dW 244 GFLOP/s oneDNN with the copies
+#: against 205 MKL: the copy would cost peak memory for a small gain.
+TRANSPOSE_LIMIT = 1 << 24
 
 
 def onednn_linear_op():
@@ -66,8 +72,14 @@ class OneDNNLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = _mm(gy2, w.t().contiguous()).reshape(x.shape)  # dY (m, out) @ W (out, in)
         if ctx.needs_input_grad[1]:
-            # dY^T (out, m) @ X (m, in): both operands laid out with m innermost, as the kernel reads them.
-            gw = _mm(gy2.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous())
+            x2 = x.reshape(-1, x.shape[-1])
+            if gy2.numel() > TRANSPOSE_LIMIT:
+                # dY^T laid out for oneDNN would be a second copy of a vocabulary-wide gradient (a micro-batch of
+                # 4096 tokens x 49152 words: 800 MB): MKL reads the transposed operand in place.
+                gw = torch.mm(gy2.t(), x2)
+            else:
+                # dY^T (out, m) @ X (m, in): both operands laid out with m innermost, as the kernel reads them.
+                gw = _mm(gy2.t().contiguous(), x2.t().contiguous())
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = gy2.sum(0)
         return gx, gw, gb

@@ -184,6 +184,17 @@ class CpuPlatform(Platform):
         return cpu_bf16_instructions() is not None
 
     @classmethod
+    def describe(cls) -> dict[str, str]:
+        out = super().describe()
+        try:
+            lib = fp32_linear_library()
+        except ValueError as exc:  # a bad ROLL_CPU_LINEAR: the doctor says so rather than crash
+            lib = f"error ({exc})"
+        vendor = cpu_vendor() or "unknown vendor"
+        out["fp32 linears (roll engines)"] = f"{lib} ({vendor}; ROLL_CPU_LINEAR overrides)"
+        return out
+
+    @classmethod
     def bf16_note(cls) -> str:
         kind = cpu_bf16_instructions()
         return {
