@@ -12,7 +12,8 @@ most k rows (a decode step's last rows, memory-bound) to the infer engine's skin
 
 Why: torch's CPU fp32 matmul is MKL's, which runs its AVX2 kernels on AMD CPUs. Measured on an AMD EPYC (Zen 4
 family, avx512f, 2 cores), fp32, GFLOP/s MKL -> oneDNN: 2048^3 209 -> 483; a training micro-batch's shapes
-(2048 rows, SmolLM2-135M) forward 213 -> 451, dX 212 -> 415, dW 209 -> 305 (transposed copies included); a
+(2048 rows, SmolLM2-135M) forward 213 -> 451, dX 212 -> 415, dW 209 -> 305 (with transposed copies; the
+kernel takes the transposed views themselves, 1.2-1.3x faster again at 1200 rows); a
 decode step's 32 rows, all 30 layers: 52 -> 31 ms. Where MKL is the better library (Intel) roll_hw.cpu
 `fp32_linear_library()` says "mkl" and nothing is switched.
 """
@@ -30,9 +31,9 @@ _FWD = None  # torch.ops.mkldnn._linear_pointwise, looked up once
 #: the 30 layers of SmolLM2-135M at 2 rows 14.0 ms skinny vs 19.4 oneDNN, 4 rows 14.6 vs 18.4, 8 rows 28.2 vs 20.5).
 SKINNY_ROWS = 4
 
-#: Largest output gradient (elements) whose transposed copy dW's oneDNN product may make (64 MiB in fp32); above it
-#: dW is MKL's (no copy). Measured at 2048 x 49152 (SmolLM2's vocabulary), dW 244 GFLOP/s oneDNN with the copies
-#: against 205 MKL: the copy would cost peak memory for a small gain.
+#: Largest output gradient (elements) whose dW goes through oneDNN (64 MiB in fp32); above it dW is MKL's, which
+#: reads the transposed operand in place. Measured at 1200 x 49152 (SmolLM2's vocabulary): dW 308 ms oneDNN vs 348
+#: MKL, a small gain for a possible gradient-sized temporary; at the layers' shapes oneDNN is 1.8x.
 TRANSPOSE_LIMIT = 1 << 24
 
 
@@ -70,16 +71,16 @@ class OneDNNLinear(torch.autograd.Function):
         gy2 = gy.reshape(-1, gy.shape[-1])
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = _mm(gy2, w.t().contiguous()).reshape(x.shape)  # dY (m, out) @ W (out, in)
+            # dY (m, out) @ W (out, in); oneDNN reads the transposed view as it is (copying it first: 1.2-1.3x slower)
+            gx = _mm(gy2, w.t()).reshape(x.shape)
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])
             if gy2.numel() > TRANSPOSE_LIMIT:
-                # dY^T laid out for oneDNN would be a second copy of a vocabulary-wide gradient (a micro-batch of
-                # 4096 tokens x 49152 words: 800 MB): MKL reads the transposed operand in place.
+                # A vocabulary-wide dY (a micro-batch of 4096 tokens x 49152 words: 800 MB): MKL reads it transposed
+                # in place, where oneDNN may lay out a copy, for ~1.1x at this shape.
                 gw = torch.mm(gy2.t(), x2)
             else:
-                # dY^T (out, m) @ X (m, in): both operands laid out with m innermost, as the kernel reads them.
-                gw = _mm(gy2.t().contiguous(), x2.t().contiguous())
+                gw = _mm(gy2.t(), x2.t())  # dY^T (out, m) @ X (m, in), transposed views as they are
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = gy2.sum(0)
         return gx, gw, gb
