@@ -198,6 +198,9 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # run one engine and print JSON (subprocess mode)
     ap.add_argument("--workload", help=argparse.SUPPRESS)  # JSON file with the model path and prompts
     args = ap.parse_args()
+    from roll_hw.cpu import bound_onednn_caches
+
+    bound_onednn_caches()  # as the engines' processes run: before this one's first oneDNN product (the peak below)
     if args.quick:
         args.model, args.runs = "builtin:tiny-wide", 1
     if args.worker:  # in the engine's venv, which need not have roll-envs: the parent wrote the prompts

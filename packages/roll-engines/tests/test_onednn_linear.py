@@ -6,7 +6,10 @@ what the MKL path computes (log-probs, gradients, generations)."""
 from __future__ import annotations
 
 import functools
+import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -191,3 +194,38 @@ def test_the_hf_engines_switch_and_compute_what_mkl_computes(tiny: str, monkeypa
     assert grads.keys() == grads_mkl.keys() and any(g.abs().sum() > 0 for g in grads.values())
     for name in grads:
         torch.testing.assert_close(grads[name], grads_mkl[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+_GROWTH = """
+import random, sys, torch
+from roll_hw.cpu import bound_onednn_caches
+if sys.argv[1] == "bound":
+    bound_onednn_caches()
+from roll_engines._onednn_linear import OneDNNLinear, onednn_linear_op
+onednn_linear_op()
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+w = torch.randn(1536, 576, requires_grad=True)
+random.seed(0)
+OneDNNLinear.apply(torch.randn(64, 576), w, None).sum().backward()
+before = rss()
+for _ in range(150):  # micro-batches of new token counts: a new shape for every product
+    x = torch.randn(random.randint(500, 3000), 576, requires_grad=True)
+    OneDNNLinear.apply(x, w, None).sum().backward()
+print(rss() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from /proc")
+def test_bounded_caches_keep_memory_flat_over_new_shapes() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    env["ROLL_MALLOC_TUNING"] = "0"
+
+    def growth(mode: str) -> int:
+        run = subprocess.run([sys.executable, "-c", _GROWTH, mode], env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return int(run.stdout.split()[-1])
+
+    bound, default = growth("bound"), growth("default")
+    # default capacities keep every shape's buffers (~1 GB here); 32 entries keep a few hundred MB at most
+    assert bound < 400 * 2**20 and default > 2 * bound, (bound, default)

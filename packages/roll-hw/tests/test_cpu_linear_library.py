@@ -62,3 +62,13 @@ def test_the_doctor_names_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu.CpuPlatform.describe()["fp32 linears (roll engines)"].startswith("onednn (")
     monkeypatch.setenv("ROLL_CPU_LINEAR", "fast")
     assert "expected onednn, mkl or auto" in cpu.CpuPlatform.describe()["fp32 linears (roll engines)"]
+
+
+def test_onednn_caches_are_bounded_unless_the_user_sized_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "500")
+    assert cpu.bound_onednn_caches() == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(cpu.ONEDNN_CACHE_ENTRIES)}
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "32" and os.environ["LRU_CACHE_CAPACITY"] == "500"
+    assert cpu.bound_onednn_caches() == {}  # both set now

@@ -332,11 +332,13 @@ def default_num_threads() -> int:
 def prepare_engine_process(device: str, num_threads: int | None = None) -> None:
     """Process-wide settings an engine applies when it starts: torch threads (`num_threads`, else
     `default_num_threads()`: Ray sets OMP_NUM_THREADS=1 in workers with fractional CPUs) and, on CPU, the host
-    allocator settings of roll_hw.cpu.tune_host_allocator (large tensors reused instead of page-faulted anew)."""
+    allocator settings of roll_hw.cpu.tune_host_allocator (large tensors reused instead of page-faulted anew) and
+    roll_hw.cpu.bound_onednn_caches (oneDNN's per-shape caches capped)."""
     import torch
 
     torch.set_num_threads(num_threads or default_num_threads())
     if torch.device(device).type == "cpu":
-        from roll_hw.cpu import tune_host_allocator
+        from roll_hw.cpu import bound_onednn_caches, tune_host_allocator
 
         tune_host_allocator()
+        bound_onednn_caches()

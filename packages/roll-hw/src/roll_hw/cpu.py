@@ -1,7 +1,8 @@
 """The CPU platform: always available, gloo collectives, host memory from /proc (no psutil needed).
 
 Also `tune_host_allocator()`: the glibc malloc settings CPU engine processes run with (see its docstring), and
-`fp32_linear_library()`: which matmul library the CPU engines' fp32 linears use (oneDNN or MKL; see its docstring).
+`fp32_linear_library()`: which matmul library the CPU engines' fp32 linears use (oneDNN or MKL; see its docstring),
+and `bound_onednn_caches()`: the oneDNN cache sizes engine processes run with.
 """
 
 from __future__ import annotations
@@ -75,6 +76,29 @@ def tune_host_allocator() -> bool:
     if not ok:
         log.warning("mallopt refused roll's allocator settings: large host tensors are page-faulted at every use")
     return ok
+
+
+#: Entries oneDNN's primitive cache and ideep's operator cache (PyTorch's oneDNN layer) keep, each (default 1024).
+ONEDNN_CACHE_ENTRIES = 32
+
+
+def bound_onednn_caches() -> dict[str, str]:
+    """Cap the two caches oneDNN products fill at `ONEDNN_CACHE_ENTRIES` entries each, through the variables both
+    read when the process runs its first oneDNN operation (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`,
+    `LRU_CACHE_CAPACITY`); a value already set is kept. Returns the variables set now (empty: nothing changed).
+    Engines call it as they start (roll_core.models.prepare_engine_process); after a process's first oneDNN
+    operation it changes nothing.
+
+    Why: each entry keeps buffers sized by its shape (measured 0.7 MB at 16 rows to ~10 MB at 3000 rows of a
+    SmolLM2 layer), and every training micro-batch's token count and every prefill is a new shape, so the default
+    1024 entries grew the quickstart's peak RSS from 4.5 to 6.9 GiB over 12 GRPO steps with oneDNN linears. A
+    step's working set is ~20 entries (a shape per layer kind and product; the 30 layers share them): with 32,
+    4.8 GiB and 1.15x faster steps (fewer fresh pages)."""
+    set_now = {}
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        if var not in os.environ:
+            os.environ[var] = set_now[var] = str(ONEDNN_CACHE_ENTRIES)
+    return set_now
 
 
 def _cpu_flags() -> set[str]:
