@@ -16,6 +16,9 @@ family, avx512f, 2 cores), fp32, GFLOP/s MKL -> oneDNN: 2048^3 209 -> 483; a tra
 kernel takes the transposed views themselves, 1.2-1.3x faster again at 1200 rows); a
 decode step's 32 rows, all 30 layers: 52 -> 31 ms. Where MKL is the better library (Intel) roll_hw.cpu
 `fp32_linear_library()` says "mkl" and nothing is switched.
+
+oneDNN caches what it builds per product shape; engine processes cap those caches (roll_hw.cpu
+`bound_onednn_caches`), since every micro-batch and prefill brings new shapes.
 """
 
 from __future__ import annotations
