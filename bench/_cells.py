@@ -19,9 +19,10 @@ def emit(result: Any) -> None:
     print(PREFIX + json.dumps(result), flush=True)
 
 
-def run_cell(cmd: list[str], tail: int = 1500) -> tuple[Any, str]:
-    """Run `cmd` (a Python command line ending in a cell's arguments); (its result, "") or (None, why it failed)."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+def run_cell(cmd: list[str], tail: int = 1500, env: dict[str, str] | None = None) -> tuple[Any, str]:
+    """Run `cmd` (a Python command line ending in a cell's arguments; `env`: its environment, else this one's);
+    (its result, "") or (None, why it failed)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(PREFIX)]
     if proc.returncode or not lines:
         return None, f"failed ({proc.returncode}): {proc.stderr[-tail:]}"

@@ -80,11 +80,12 @@ def matmul_gflops(
 def best_matmul_gflops(m: int, k: int, n: int, dtype: str = "float32") -> tuple[float, dict[str, float]]:
     """The machine's matmul rate at this shape: the faster of torch's matmul and oneDNN's inner product (on AMD
     CPUs MKL's fp32 kernels reach about half of what oneDNN does), with both rates."""
-    import torch
 
     rates = {"torch": matmul_gflops(m, k, n, dtype=dtype)}
-    if getattr(torch.ops.mkldnn, "_linear_pointwise", None) is not None and torch.backends.mkldnn.is_available():
+    try:
         rates["onednn"] = matmul_gflops(m, k, n, dtype=dtype, library="onednn")
+    except (AttributeError, RuntimeError) as exc:  # a torch without the op, or a dtype oneDNN lacks on this CPU
+        print(f"oneDNN matmul not measured: {exc}")
     return max(rates.values()), rates
 
 
@@ -198,9 +199,6 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # run one engine and print JSON (subprocess mode)
     ap.add_argument("--workload", help=argparse.SUPPRESS)  # JSON file with the model path and prompts
     args = ap.parse_args()
-    from roll_hw.cpu import bound_onednn_caches
-
-    bound_onednn_caches()  # as the engines' processes run: before this one's first oneDNN product (the peak below)
     if args.quick:
         args.model, args.runs = "builtin:tiny-wide", 1
     if args.worker:  # in the engine's venv, which need not have roll-envs: the parent wrote the prompts
@@ -208,6 +206,12 @@ def main() -> None:
         times = ENGINES[args.worker](spec["path"], spec["prompts"], args.n, args.max_new, args.runs, args.dtype)
         emit(times)
         return
+    from roll_hw.cpu import bound_onednn_caches
+
+    # As roll's engine processes run, set before this process's first oneDNN product (the peak below); vLLM's
+    # cells get the environment without it (roll's vLLM engine does not set it in vLLM's processes).
+    capped = bound_onednn_caches()
+    vllm_env = {k: v for k, v in os.environ.items() if k not in capped}
     path, prompts = workload(args.model)
     import torch
 
@@ -249,7 +253,7 @@ def main() -> None:
             spec.write_text(json.dumps({"path": path, "prompts": prompts}))
             cmd = [args.vllm_python, __file__, "--worker", name, "--workload", str(spec), "--n", str(args.n)]
             cmd += ["--max-new", str(args.max_new), "--runs", str(args.runs), "--dtype", args.dtype]
-            times, why = run_cell(cmd, tail=2000)
+            times, why = run_cell(cmd, tail=2000, env=vllm_env)
             if times is None:
                 print(f"{name}: {why}")
                 continue

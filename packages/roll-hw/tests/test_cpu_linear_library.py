@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from roll_hw import cpu
 
 
 @pytest.fixture
-def fake_cpu(monkeypatch: pytest.MonkeyPatch):
+def fake_cpu(monkeypatch: pytest.MonkeyPatch) -> Callable[[str, set[str]], None]:
     monkeypatch.delenv("ROLL_CPU_LINEAR", raising=False)
 
     def set_cpu(vendor: str, flags: set[str]) -> None:
@@ -67,7 +69,8 @@ def test_the_doctor_names_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_onednn_caches_are_bounded_unless_the_user_sized_them(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "-")  # recorded, so what the call sets is undone after
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "500")
     assert cpu.bound_onednn_caches() == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(cpu.ONEDNN_CACHE_ENTRIES)}
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "32" and os.environ["LRU_CACHE_CAPACITY"] == "500"

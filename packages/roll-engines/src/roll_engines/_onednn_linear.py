@@ -3,17 +3,18 @@
 Contract: `use_onednn_linears(model)` gives every plain `torch.nn.Linear` of a float32 CPU model a forward that
 computes y = x W^T + b with oneDNN's fp32 inner product (`torch.ops.mkldnn._linear_pointwise`, weights as they are:
 nothing is repacked or copied, so weight syncs that write or replace `weight` need nothing), forward and backward
-(`OneDNNLinear`: dX = dY W, dW = dY^T X, db = sum dY, each through the same kernel, dW through MKL where dY is
-larger than `TRANSPOSE_LIMIT`). Anything it does not cover
-takes `F.linear` as before: other dtypes or devices, autocast, tensor subclasses (FSDP2's DTensor), a
-non-contiguous weight, an empty or 1-D input, or a torch without the op. `skinny_rows=k` sends no-grad inputs of at
-most k rows (a decode step's last rows, memory-bound) to the infer engine's skinny product instead. Outputs equal
-`F.linear`'s up to float reassociation (relative ~1e-6).
+(`OneDNNLinear`: dX = dY W and dW = dY^T X through the same kernel, dW through MKL where dY is larger than
+`TRANSPOSE_LIMIT`, db = dY summed; no second derivative: `create_graph` through it raises). Anything it does not
+cover takes `F.linear` as before: other dtypes or devices, autocast, tensor subclasses (FSDP2's DTensor outside
+forward), a non-contiguous weight or bias, an empty or 1-D input, `torch.backends.mkldnn.enabled = False`, or a
+torch without the op. `skinny_rows=k` sends no-grad inputs of at most k rows (a decode step's last rows,
+memory-bound) to the infer engine's skinny product instead. Outputs equal `F.linear`'s up to float reassociation
+(relative ~1e-6). A switched model pickles and runs where it is unpickled.
 
 Why: torch's CPU fp32 matmul is MKL's, which runs its AVX2 kernels on AMD CPUs. Measured on an AMD EPYC (Zen 4
 family, avx512f, 2 cores), fp32, GFLOP/s MKL -> oneDNN: 2048^3 209 -> 483; a training micro-batch's shapes
-(2048 rows, SmolLM2-135M) forward 213 -> 451, dX 212 -> 415, dW 209 -> 305 (with transposed copies; the
-kernel takes the transposed views themselves, 1.2-1.3x faster again at 1200 rows); a
+(2048 rows, SmolLM2-135M) forward 213 -> 451, dX 212 -> 415, dW 209 -> 305 (with transposed copies; passing
+W^T and X^T as views is 1.2-1.3x faster again at 1200 rows); a
 decode step's 32 rows, all 30 layers: 52 -> 31 ms. Where MKL is the better library (Intel) roll_hw.cpu
 `fp32_linear_library()` says "mkl" and nothing is switched.
 
@@ -24,6 +25,7 @@ oneDNN caches what it builds per product shape; engine processes cap those cache
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -35,12 +37,12 @@ _FWD = None  # torch.ops.mkldnn._linear_pointwise, looked up once
 SKINNY_ROWS = 4
 
 #: Largest output gradient (elements) whose dW goes through oneDNN (64 MiB in fp32); above it dW is MKL's, which
-#: reads the transposed operand in place. Measured at 1200 x 49152 (SmolLM2's vocabulary): dW 308 ms oneDNN vs 348
-#: MKL, a small gain for a possible gradient-sized temporary; at the layers' shapes oneDNN is 1.8x.
+#: reads dY transposed in place where oneDNN's call copies it. Measured at 1200 x 49152 (SmolLM2's vocabulary): dW
+#: 308 ms oneDNN vs 348 MKL, a small gain for a dY-sized copy; at the layers' shapes oneDNN is 1.8x.
 TRANSPOSE_LIMIT = 1 << 24
 
 
-def onednn_linear_op():
+def onednn_linear_op() -> Callable[..., Tensor] | None:
     """oneDNN's fp32 inner product `(x, w, b, "none", [], "") -> x w^T + b`, or None where this torch lacks it."""
     global _FWD
     if _FWD is None:
@@ -54,9 +56,9 @@ def onednn_linear_op():
     return _FWD or None
 
 
-def _mm(a: Tensor, b_t: Tensor) -> Tensor:
-    """a (m, k) @ b_t (n, k)^T -> (m, n) through oneDNN."""
-    return _FWD(a, b_t, None, "none", [], "")
+def _op() -> Callable[..., Tensor]:
+    # _FWD is filled by use_onednn_linears; a switched model unpickled in a fresh process looks it up here.
+    return _FWD or onednn_linear_op()
 
 
 class OneDNNLinear(torch.autograd.Function):
@@ -64,50 +66,62 @@ class OneDNNLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, w)
+        # Only what the asked-for gradients read: dX needs W, dW needs X (a frozen LoRA base keeps no X).
+        ctx.save_for_backward(x if w.requires_grad else None, w if x.requires_grad else None)
         ctx.has_bias = b is not None
-        return _FWD(x, w, b, "none", [], "")
+        return _op()(x, w, b, "none", [], "")
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward's products have no derivative: refuse, never 0
     def backward(ctx, gy: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         x, w = ctx.saved_tensors
+        op = _op()
         gy2 = gy.reshape(-1, gy.shape[-1])
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            # dY (m, out) @ W (out, in); oneDNN reads the transposed view as it is (copying it first: 1.2-1.3x slower)
-            gx = _mm(gy2, w.t()).reshape(x.shape)
+            # dY (m, out) @ W (out, in): the kernel's weight operand is W^T, read as a view (a laid-out copy of it
+            # first: 1.2-1.3x slower).
+            gx = op(gy2, w.t(), None, "none", [], "").reshape(*gy.shape[:-1], w.shape[1])
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])
             if gy2.numel() > TRANSPOSE_LIMIT:
-                # A vocabulary-wide dY (a micro-batch of 4096 tokens x 49152 words: 800 MB): MKL reads it transposed
-                # in place, where oneDNN may lay out a copy, for ~1.1x at this shape.
+                # A vocabulary-wide dY (a micro-batch of 4096 tokens x 49152 words: 800 MB): torch's `_linear_pointwise`
+                # lays the kernel's first operand out contiguously, a dY-sized copy; MKL reads dY^T in place, ~1.1x
+                # slower at this shape.
                 gw = torch.mm(gy2.t(), x2)
             else:
-                gw = _mm(gy2.t(), x2.t())  # dY^T (out, m) @ X (m, in), transposed views as they are
+                # dY^T (out, m) @ X (m, in): dY^T is laid out by torch (contiguous), X^T is read as a view.
+                gw = op(gy2.t(), x2.t(), None, "none", [], "")
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = gy2.sum(0)
         return gx, gw, gb
 
 
-def _covered(x: Tensor, w: Tensor) -> bool:
-    """Whether oneDNN computes this product: plain fp32 CPU tensors, a contiguous weight, a non-empty 2-D+ input."""
+def _plain_fp32(t: Tensor) -> bool:
+    return type(t) in (torch.nn.Parameter, Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def _covered(x: Tensor, w: Tensor, b: Tensor | None) -> bool:
+    """Whether oneDNN computes this product: plain contiguous fp32 CPU weight and bias (the kernel reads them as
+    dense), a plain fp32 CPU input of 2+ dimensions and some rows, no autocast, oneDNN enabled."""
     return (
         x.dim() >= 2
         and x.numel() > 0
-        and type(w) in (torch.nn.Parameter, Tensor)
         and type(x) is Tensor
-        and x.dtype == torch.float32
-        and w.dtype == torch.float32
-        and x.device.type == "cpu"
+        and _plain_fp32(x)
+        and _plain_fp32(w)
         and w.is_contiguous()
+        and (b is None or (_plain_fp32(b) and b.is_contiguous()))
         and not torch.is_autocast_enabled("cpu")
+        and torch.backends.mkldnn.enabled
     )
 
 
 def onednn_forward(self: torch.nn.Linear, x: Tensor, skinny_rows: int = 0) -> Tensor:
     """nn.Linear.forward: x (..., in) -> (..., out), through oneDNN where `_covered`, else `F.linear`."""
     w, b = self.weight, self.bias
-    if not _covered(x, w):
+    op = _op()
+    if op is None or not _covered(x, w, b):
         return torch.nn.functional.linear(x, w, b)
     grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
     if grad:
@@ -116,7 +130,7 @@ def onednn_forward(self: torch.nn.Linear, x: Tensor, skinny_rows: int = 0) -> Te
         from roll_engines.infer._skinny_linear import skinny_forward
 
         return skinny_forward(self, x)
-    return _FWD(x, w, b, "none", [], "")
+    return op(x, w, b, "none", [], "")
 
 
 def use_onednn_linears(model: torch.nn.Module, skinny_rows: int = 0) -> int:
