@@ -155,9 +155,52 @@ def test_no_grad_rows_up_to_skinny_rows_take_the_skinny_product(calls: list, mon
     assert skinny == [1, 4] and [c[0][0] for c in calls] == [5, 32]
 
 
+def test_prepacked_weights_follow_every_write_and_replacement(calls: list) -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 80)
+    assert O.use_onednn_linears(lin, skinny_rows=4, prepack=True) == 1
+    x = torch.randn(3, 7, 48)
+
+    def check() -> None:
+        with torch.no_grad():
+            want = torch.nn.functional.linear(x, lin.weight, lin.bias)
+            torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+
+    check()
+    packed = O._PACKED[lin][1]
+    assert packed.is_mkldnn and calls[-1][1] == (80, 48)
+    check()
+    assert O._PACKED[lin][1] is packed  # reused while the weight is unchanged
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(80, 48))  # a weight sync writes in place
+    check()
+    assert O._PACKED[lin][1] is not packed
+    lin.weight = torch.nn.Parameter(torch.randn(80, 48))  # or replaces the parameter
+    check()
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    check()
+    y = lin(x.requires_grad_(True))  # autograd never reads the packed copy
+    y.sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+    assert "_PACKED" not in str(lin.state_dict().keys())
+
+
+def test_prepacking_stops_at_its_size_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(O, "PREPACK_MAX_BYTES", 48 * 80 * 4 - 1)
+    lin = torch.nn.Linear(48, 80)
+    O.use_onednn_linears(lin, prepack=True)
+    assert lin.forward.keywords["prepack"] is False
+    monkeypatch.setattr(O, "PREPACK_MAX_BYTES", 48 * 80 * 4)
+    O.use_onednn_linears(lin, prepack=True)
+    assert lin.forward.keywords["prepack"] is True
+
+
 def test_a_switched_model_pickles() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    assert O.use_onednn_linears(model, skinny_rows=4) == 2
+    assert O.use_onednn_linears(model, skinny_rows=4, prepack=True) == 2
+    with torch.no_grad():
+        model(torch.randn(9, 8))  # packed copies exist; they stay out of the pickle
     again = pickle.loads(pickle.dumps(model))
     assert again[0].forward.func is O.onednn_forward and again[0].forward.args[0] is again[0]
     x = torch.randn(9, 8)
@@ -210,6 +253,9 @@ def test_the_hf_engines_switch_and_compute_what_mkl_computes(tiny: str, monkeypa
     train = HFTrainEngine(tiny, micro_batch_size=3, num_threads=1)
     for model in (infer.model, train.model):
         assert _switched(model) and all(_switched(model))
+    prepacked = {m.forward.keywords["prepack"] for m in infer.model.modules() if type(m) is torch.nn.Linear}
+    assert prepacked == {True}  # the rollout's weights are packed; the trainer's change every step
+    assert {m.forward.keywords["prepack"] for m in train.model.modules() if type(m) is torch.nn.Linear} == {False}
 
     prompts = [[5, 6, 7, 8], [9, 10]]
     params = SamplingParams(max_new_tokens=12, seed=3, temperature=1.0)

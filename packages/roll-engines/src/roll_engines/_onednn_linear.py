@@ -8,8 +8,9 @@ nothing is repacked or copied, so weight syncs that write or replace `weight` ne
 cover takes `F.linear` as before: other dtypes or devices, autocast, tensor subclasses (FSDP2's DTensor outside
 forward), a non-contiguous weight or bias, an empty or 1-D input, `torch.backends.mkldnn.enabled = False`, or a
 torch without the op. `skinny_rows=k` sends no-grad inputs of at most k rows (a decode step's last rows,
-memory-bound) to the infer engine's skinny product instead. Outputs equal `F.linear`'s up to float reassociation
-(relative ~1e-6). A switched model pickles and runs where it is unpickled.
+memory-bound) to the infer engine's skinny product instead; `prepack=True` runs the other no-grad products on
+blocked copies of the weights, packed again after a weight is written or replaced. Outputs equal `F.linear`'s up to
+float reassociation (relative ~1e-6). A switched model pickles and runs where it is unpickled.
 
 Why: torch's CPU fp32 matmul is MKL's, which runs its AVX2 kernels on AMD CPUs. Measured on an AMD EPYC (Zen 4
 family, avx512f, 2 cores), fp32, GFLOP/s MKL -> oneDNN: 2048^3 209 -> 483; a training micro-batch's shapes
@@ -25,6 +26,7 @@ oneDNN caches what it builds per product shape; engine processes cap those cache
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -40,6 +42,10 @@ SKINNY_ROWS = 4
 #: reads dY transposed in place where oneDNN's call copies it. Measured at 1200 x 49152 (SmolLM2's vocabulary): dW
 #: 308 ms oneDNN vs 348 MKL, a small gain for a dY-sized copy; at the layers' shapes oneDNN is 1.8x.
 TRANSPOSE_LIMIT = 1 << 24
+
+#: Largest total of fp32 linear weights an inference model gets prepacked copies of (the copies double that memory).
+#: Measured (SmolLM2-135M, 0.54 GB): the quickstart rollout 1.23x with packed weights, paired, with EOS and without.
+PREPACK_MAX_BYTES = 2 << 30
 
 
 def onednn_linear_op() -> Callable[..., Tensor] | None:
@@ -117,7 +123,23 @@ def _covered(x: Tensor, w: Tensor, b: Tensor | None) -> bool:
     )
 
 
-def onednn_forward(self: torch.nn.Linear, x: Tensor, skinny_rows: int = 0) -> Tensor:
+#: A module's weight laid out in oneDNN's blocked format for no-grad products, with the (data_ptr, _version) of
+#: the weight it was packed from: a weight written in place (a sync's `copy_`) or replaced is packed anew at its
+#: next use. Kept outside the module (not in its state, not pickled); an entry goes with its module.
+_PACKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, int], Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _packed(module: torch.nn.Module, w: Tensor) -> Tensor:
+    key = (w.data_ptr(), w._version)
+    hit = _PACKED.get(module)
+    if hit is None or hit[0] != key:
+        hit = None
+        _PACKED.pop(module, None)  # the stale copy goes first: never two copies of a weight at once
+        hit = _PACKED[module] = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+    return hit[1]
+
+
+def onednn_forward(self: torch.nn.Linear, x: Tensor, skinny_rows: int = 0, prepack: bool = False) -> Tensor:
     """nn.Linear.forward: x (..., in) -> (..., out), through oneDNN where `_covered`, else `F.linear`."""
     w, b = self.weight, self.bias
     op = _op()
@@ -130,19 +152,26 @@ def onednn_forward(self: torch.nn.Linear, x: Tensor, skinny_rows: int = 0) -> Te
         from roll_engines.infer._skinny_linear import skinny_forward
 
         return skinny_forward(self, x)
-    return op(x, w, b, "none", [], "")
+    return op(x, _packed(self, w) if prepack else w, b, "none", [], "")
 
 
-def use_onednn_linears(model: torch.nn.Module, skinny_rows: int = 0) -> int:
+def use_onednn_linears(model: torch.nn.Module, skinny_rows: int = 0, prepack: bool = False) -> int:
     """Switch the plain nn.Linear layers of a model whose weights are fp32 on CPU to `onednn_forward`; returns how
-    many were switched (0 where this torch has no oneDNN inner product)."""
+    many were switched (0 where this torch has no oneDNN inner product). `prepack=True` (an inference engine's
+    weights, which change only at syncs) runs no-grad products on a blocked copy of each weight (`_PACKED`), if the
+    switched weights total at most `PREPACK_MAX_BYTES`."""
     if onednn_linear_op() is None:
         return 0
-    n = 0
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if type(module) is torch.nn.Linear and w is not None and w.device.type == "cpu" and w.dtype == torch.float32:
-            # a partial pickles; a bound method does not
-            module.forward = functools.partial(onednn_forward, module, skinny_rows=skinny_rows)
-            n += 1
-    return n
+    linears = [
+        m
+        for m in model.modules()
+        if type(m) is torch.nn.Linear
+        and getattr(m, "weight", None) is not None
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.float32
+    ]
+    prepack = prepack and sum(m.weight.numel() * 4 for m in linears) <= PREPACK_MAX_BYTES
+    for module in linears:
+        # a partial pickles; a bound method does not
+        module.forward = functools.partial(onednn_forward, module, skinny_rows=skinny_rows, prepack=prepack)
+    return len(linears)
