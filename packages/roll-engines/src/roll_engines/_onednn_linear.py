@@ -32,6 +32,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from roll_engines.infer import _skinny_linear as _skinny
+from roll_engines.infer._skinny_linear import fp32_cpu_linears
+
 _FWD = None  # torch.ops.mkldnn._linear_pointwise, looked up once
 
 #: Rows up to which the infer engine's no-grad products take the skinny operand order instead (memory-bound:
@@ -133,8 +136,9 @@ def _packed(module: torch.nn.Module, w: Tensor) -> Tensor:
     key = (w.data_ptr(), w._version)
     hit = _PACKED.get(module)
     if hit is None or hit[0] != key:
+        # The stale copy goes first, both its references (this local and the dict's): never two copies at once.
         hit = None
-        _PACKED.pop(module, None)  # the stale copy goes first: never two copies of a weight at once
+        _PACKED.pop(module, None)
         hit = _PACKED[module] = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
     return hit[1]
 
@@ -149,9 +153,7 @@ def onednn_forward(self: torch.nn.Linear, x: Tensor, skinny_rows: int = 0, prepa
     if grad:
         return OneDNNLinear.apply(x, w, b)
     if skinny_rows and x.numel() // x.shape[-1] <= skinny_rows:
-        from roll_engines.infer._skinny_linear import skinny_forward
-
-        return skinny_forward(self, x)
+        return _skinny.skinny_forward(self, x)
     return op(x, _packed(self, w) if prepack else w, b, "none", [], "")
 
 
@@ -162,14 +164,7 @@ def use_onednn_linears(model: torch.nn.Module, skinny_rows: int = 0, prepack: bo
     switched weights total at most `PREPACK_MAX_BYTES`."""
     if onednn_linear_op() is None:
         return 0
-    linears = [
-        m
-        for m in model.modules()
-        if type(m) is torch.nn.Linear
-        and getattr(m, "weight", None) is not None
-        and m.weight.device.type == "cpu"
-        and m.weight.dtype == torch.float32
-    ]
+    linears = fp32_cpu_linears(model)
     prepack = prepack and sum(m.weight.numel() * 4 for m in linears) <= PREPACK_MAX_BYTES
     for module in linears:
         # a partial pickles; a bound method does not

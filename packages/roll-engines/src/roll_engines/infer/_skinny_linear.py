@@ -49,12 +49,22 @@ def skinny_forward(self: torch.nn.Linear, x: Tensor) -> Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def fp32_cpu_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The plain nn.Linear layers (not subclasses) of `model` whose weight is float32 on CPU: what a CPU kernel
+    switch (this module's, roll_engines._onednn_linear's) may take over."""
+    return [
+        m
+        for m in model.modules()
+        if type(m) is torch.nn.Linear
+        and m.weight is not None
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.float32
+    ]
+
+
 def use_skinny_linears(model: torch.nn.Module) -> int:
     """Switch the plain nn.Linear layers of a float32 model on CPU; returns how many were switched."""
-    n = 0
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if type(module) is torch.nn.Linear and w is not None and w.device.type == "cpu" and w.dtype == torch.float32:
-            module.forward = functools.partial(skinny_forward, module)  # a partial pickles; a bound method not
-            n += 1
-    return n
+    linears = fp32_cpu_linears(model)
+    for module in linears:
+        module.forward = functools.partial(skinny_forward, module)  # a partial pickles; a bound method not
+    return len(linears)
