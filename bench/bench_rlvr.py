@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,10 @@ def roll_job(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     _, history = run_pipeline(overrides)
     wall = time.perf_counter() - t0
+    # The final checkpoint (~1.6 GiB for SmolLM2) is not part of the measurement; left in the temp folder, every run
+    # would leak it. The report, curves and metrics stay.
+    shutil.rmtree(Path(out, "checkpoints"), ignore_errors=True)
+    print(f"roll run folder (checkpoints removed): {out}", file=sys.stderr)
     steps = [h for h in history if h["step"] > 0]
     timed = steps[1:] or steps  # the first step includes one-time warm-up
     phases = sorted({k for h in timed for k in h if k.startswith("perf/time_")})
