@@ -14,7 +14,14 @@ torch.compile at start-up, 1-2 minutes on 2 cores; ask for it with `--engines vl
 Limit: a decoder forward costs ~2 x params FLOPs per generated token, so limit tok/s = matmul GFLOP/s / (2 x params),
 with the matmul rate measured here at a square 2048 shape (peak) and at the decode shape (32 rows x hidden into
 the vocabulary, the largest matmul of a decode step), each the faster of torch's matmul (MKL in fp32) and oneDNN's
-inner product (twice MKL's fp32 rate on AMD CPUs with AVX-512). Usage:
+inner product (twice MKL's fp32 rate on AMD CPUs with AVX-512).
+
+Ceiling: how fast decode could go if a step were its linear layers and nothing else. The bench loads the model,
+gives it the hf engine's own kernels (roll_hw.cpu.fp32_linear_library(): oneDNN with prepacked weights, or MKL
+with the skinny product) and times every nn.Linear of the model once per step, in model order, on (rows,
+in_features) inputs: the weights of a real model do not fit in the caches, so each step streams them from memory
+as a decode step does. No attention, KV cache, sampling or Python; an engine cannot beat it at that row count.
+Usage:
 
     python bench/bench_rollout.py                 # all engines available here
     python bench/bench_rollout.py --quick         # tiny-wide model, 1 run (smoke test)
@@ -87,6 +94,38 @@ def best_matmul_gflops(m: int, k: int, n: int, dtype: str = "float32") -> tuple[
     except (AttributeError, RuntimeError) as exc:  # a torch without the op, or a dtype oneDNN lacks on this CPU
         print(f"oneDNN matmul not measured: {exc}")
     return max(rates.values()), rates
+
+
+def linear_ceiling(path: str, rows: int, dtype: str, seconds: float = 2.0) -> float:
+    """Generated tokens/s at `rows` rows in flight if a decode step cost only its linear layers (the module
+    docstring's ceiling), with the hf engine's CPU kernels for this machine."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from roll_engines._onednn_linear import SKINNY_ROWS, use_onednn_linears
+    from roll_engines.infer._skinny_linear import use_skinny_linears
+    from roll_hw.cpu import fp32_linear_library
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    if dtype == "float32" and not (
+        fp32_linear_library() == "onednn" and use_onednn_linears(model, skinny_rows=SKINNY_ROWS, prepack=True)
+    ):
+        use_skinny_linears(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=model.dtype) for m in linears}
+
+    def step() -> None:
+        for m in linears:
+            m(inputs[m.in_features])
+
+    with torch.no_grad():
+        for _ in range(2):
+            step()
+        count, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            step()
+            count += 1
+        return rows * count / (time.perf_counter() - t0)
 
 
 def workload(model: str) -> tuple[str, list[list[int]]]:
@@ -242,7 +281,13 @@ def main() -> None:
         print(f"  {lib:>6}: {peaks[lib]:.1f} GFLOP/s at 2048^3, {decodes[lib]:.1f} at decode shape")
     print(f"workload: {len(prompts)} prompts x {args.n} samples x {args.max_new} tokens = {tokens} tokens per call")
     limit_peak, limit_decode = peak * 1e9 / (2 * params), decode * 1e9 / (2 * params)
-    print(f"limit: {limit_peak:.0f} tok/s at peak, {limit_decode:.0f} tok/s at the decode-shape rate\n")
+    print(f"limit: {limit_peak:.0f} tok/s at peak, {limit_decode:.0f} tok/s at the decode-shape rate")
+    rows = len(prompts) * args.n
+    ceiling = linear_ceiling(path, rows, args.dtype)
+    print(
+        f"ceiling: {ceiling:.0f} tok/s = {ceiling / limit_peak:.1%} of the peak limit: the linear layers alone at "
+        f"{rows} rows, weights streamed from memory (the engine's kernels; no attention, sampling or Python)\n"
+    )
     results = {}
     for name in args.engines.split(","):
         if name.startswith("vllm"):
@@ -261,10 +306,16 @@ def main() -> None:
             times = ENGINES[name](path, prompts, args.n, args.max_new, args.runs, args.dtype)
         results[name] = tokens / statistics.median(times)
     base = results.get("generate")
-    print(f"{'engine':<14} {'tok/s':>8} {'vs generate':>12} {'of peak limit':>14} {'of decode limit':>16}")
+    print(
+        f"{'engine':<14} {'tok/s':>8} {'vs generate':>12} {'of peak limit':>14} {'of decode limit':>16} "
+        f"{'of ceiling':>11}"
+    )
     for name, rate in results.items():
         ratio = f"{rate / base:.2f}x" if base else "-"
-        print(f"{name:<14} {rate:8.1f} {ratio:>12} {rate / limit_peak:14.1%} {rate / limit_decode:16.1%}")
+        print(
+            f"{name:<14} {rate:8.1f} {ratio:>12} {rate / limit_peak:14.1%} {rate / limit_decode:16.1%} "
+            f"{rate / ceiling:11.1%}"
+        )
 
 
 if __name__ == "__main__":
