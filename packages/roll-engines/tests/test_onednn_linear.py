@@ -1,7 +1,8 @@
 """oneDNN fp32 linears (roll_engines._onednn_linear): forward and all three gradients equal F.linear's, the kernel
 really runs (a counting spy), everything outside its cover falls back to F.linear, the infer engine's last rows go
 to the skinny product, and both hf engines switch their linears when roll_hw picks oneDNN and keep computing
-what the MKL path computes (log-probs, gradients, generations)."""
+what the MKL path computes (log-probs, gradients, generations); bf16 inference layers run on prepacked weights that
+follow every weight write, in the engine too."""
 
 from __future__ import annotations
 
@@ -310,3 +311,63 @@ def test_bounded_caches_keep_memory_flat_over_new_shapes() -> None:
     bound, default = growth("bound"), growth("default")
     # the default capacities keep every shape's buffers; 8 entries keep a few
     assert default > 3 * max(bound, 16 * 2**20), (bound, default)
+
+
+def _native_bf16() -> bool:
+    from roll_hw.cpu import cpu_bf16_instructions
+
+    return cpu_bf16_instructions() is not None
+
+
+@pytest.mark.skipif(not _native_bf16(), reason="bf16 is emulated on this CPU (no AMX or AVX512-BF16)")
+def test_bf16_inference_linears_run_on_packed_weights_and_follow_writes(calls: list) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 80), torch.nn.ReLU(), torch.nn.Linear(80, 8, bias=False))
+    assert O.use_packed_bf16_linears(model) == 0  # fp32 layers are not this switch's
+    model = model.to(torch.bfloat16)
+    assert O.use_packed_bf16_linears(model) == 2
+    lin = model[0]
+    x = torch.randn(5, 48).to(torch.bfloat16)
+
+    def check() -> None:
+        with torch.no_grad():
+            want = torch.nn.functional.linear(x, lin.weight, lin.bias)
+            got = lin(x)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want)  # bf16 tolerances; equal in every case measured
+
+    check()
+    assert calls[-1] == ((5, 48), (80, 48)) and O._PACKED[lin][1].is_mkldnn
+    packed = O._PACKED[lin][1]
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(80, 48))  # a weight sync
+    check()
+    assert O._PACKED[lin][1] is not packed
+    n = len(calls)
+    w = lin.weight.detach().clone().requires_grad_(True)
+    lin.weight = torch.nn.Parameter(w)  # a trainable weight: autograd through F.linear, not the packed copy
+    y = lin(x)
+    y.float().sum().backward()
+    assert len(calls) == n and lin.weight.grad is not None
+    with torch.no_grad():  # outside the cover (fp32 input): F.linear's dtype error, as an unswitched layer gives
+        with pytest.raises(RuntimeError):
+            lin(x.float())
+
+
+def test_the_hf_infer_engine_packs_bf16_weights_where_the_cpu_runs_bf16(tiny: str) -> None:
+    eng = HFInferEngine(tiny, dtype="bfloat16", max_new_tokens=8, num_threads=1)
+    switched = {getattr(m.forward, "func", None) for m in eng.model.modules() if type(m) is torch.nn.Linear}
+    assert switched == ({O.packed_bf16_forward} if _native_bf16() else {None})
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    params = SamplingParams(max_new_tokens=8, seed=3, temperature=1.0)
+    before = eng.generate(prompts, params, n=2)
+    # A weight update (what a sync writes) must reach the packed copies: the engine then samples as an engine
+    # loaded with the new weights does.
+    new = {k: v * 1.5 for k, v in eng.model.state_dict().items()}
+    eng.load_weights(new)
+    after = eng.generate(prompts, params, n=2)
+    fresh = HFInferEngine(tiny, dtype="bfloat16", max_new_tokens=8, num_threads=1)
+    fresh.model.load_state_dict(new)
+    want = fresh.generate(prompts, params, n=2)
+    assert torch.equal(after.responses, want.responses) and torch.equal(after.logprobs, want.logprobs)
+    assert not torch.equal(before.logprobs, after.logprobs)

@@ -49,16 +49,16 @@ def skinny_forward(self: torch.nn.Linear, x: Tensor) -> Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def fp32_cpu_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    """The plain nn.Linear layers (not subclasses) of `model` whose weight is float32 on CPU: what a CPU kernel
-    switch (this module's, roll_engines._onednn_linear's) may take over."""
+def fp32_cpu_linears(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> list[torch.nn.Linear]:
+    """The plain nn.Linear layers (not subclasses) of `model` whose weight is `dtype` (float32 unless asked) on CPU:
+    what a CPU kernel switch (this module's, roll_engines._onednn_linear's) may take over."""
     return [
         m
         for m in model.modules()
         if type(m) is torch.nn.Linear
         and m.weight is not None
         and m.weight.device.type == "cpu"
-        and m.weight.dtype == torch.float32
+        and m.weight.dtype == dtype
     ]
 
 
