@@ -102,15 +102,10 @@ def linear_ceiling(path: str, rows: int, dtype: str, seconds: float = 2.0) -> fl
     import torch
     from transformers import AutoModelForCausalLM
 
-    from roll_engines._onednn_linear import SKINNY_ROWS, use_onednn_linears
-    from roll_engines.infer._skinny_linear import use_skinny_linears
-    from roll_hw.cpu import fp32_linear_library
+    from roll_engines.infer.hf import use_cpu_kernels
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    if dtype == "float32" and not (
-        fp32_linear_library() == "onednn" and use_onednn_linears(model, skinny_rows=SKINNY_ROWS, prepack=True)
-    ):
-        use_skinny_linears(model)
+    use_cpu_kernels(model)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=model.dtype) for m in linears}
 

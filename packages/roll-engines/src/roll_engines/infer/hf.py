@@ -61,6 +61,25 @@ from roll_hw.cpu import cpu_bf16_instructions, fp32_linear_library
 log = logging.getLogger(__name__)
 
 
+def use_cpu_kernels(model: torch.nn.Module, *, vision: bool = False) -> None:
+    """Give a CPU inference model the engine's kernels (bench/bench_rollout.py's ceiling uses the same).
+
+    fp32 linears through oneDNN where MKL is the slower library (roll_engines._onednn_linear), a decode step's last
+    few rows (memory-bound) through the skinny operand order (roll_engines.infer._skinny_linear); weights change
+    only at syncs, so oneDNN's blocked copies of them (1.23x on the quickstart rollout). bf16 where the CPU computes
+    it natively: products on prepacked weights as well (1.7-2.4x per product). bf16/fp16 decode steps without a
+    mask: grouped query heads as rows of their key/value head (roll_engines.infer._decode_attention; 1.35-1.7x on
+    the bf16 quickstart rollout).
+    """
+    onednn = fp32_linear_library() == "onednn"
+    if not (onednn and use_onednn_linears(model, skinny_rows=SKINNY_ROWS, prepack=True)):
+        use_skinny_linears(model)
+    if model.dtype == torch.bfloat16 and cpu_bf16_instructions() is not None:
+        use_packed_bf16_linears(model)
+    if model.dtype in (torch.bfloat16, torch.float16) and not vision:
+        use_decode_attention(model)
+
+
 @dataclass
 class _Constrained(Running):
     """A running request under a structured-output constraint: its matcher walks the generated tokens."""
@@ -147,19 +166,7 @@ class HFInferEngine:
             # (measured: 3-10x slower generate calls). Private copies keep them resident.
             for p in itertools.chain(self.model.parameters(), self.model.buffers()):
                 p.data = p.data.clone()
-            # fp32 linears through oneDNN where MKL is the slower library (roll_engines._onednn_linear), a decode
-            # step's last few rows (memory-bound) through the skinny operand order (roll_engines.infer._skinny_linear).
-            # Weights change only at syncs: oneDNN's blocked copies of them (1.23x on the quickstart rollout).
-            onednn = fp32_linear_library() == "onednn"
-            if not (onednn and use_onednn_linears(self.model, skinny_rows=SKINNY_ROWS, prepack=True)):
-                use_skinny_linears(self.model)
-            # bf16 where the CPU computes it natively: products on prepacked weights (1.7-2.4x per product).
-            if self.model.dtype == torch.bfloat16 and cpu_bf16_instructions() is not None:
-                use_packed_bf16_linears(self.model)
-            # bf16/fp16 decode steps without a mask: grouped query heads as rows of their key/value head (1.35-1.7x
-            # on the bf16 quickstart rollout; roll_engines.infer._decode_attention).
-            if self.model.dtype in (torch.bfloat16, torch.float16) and not vision:
-                use_decode_attention(self.model)
+            use_cpu_kernels(self.model, vision=vision)
         self._shapes = {k: tuple(p.shape) for k, p in self.model.named_parameters()}
         self._pad_id = self.tokenizer.pad_token_id
         if self._pad_id is None:
