@@ -25,7 +25,8 @@ def fake_cpu(monkeypatch: pytest.MonkeyPatch) -> Callable[[str, set[str]], None]
     "vendor, flags, want",
     [
         ("AuthenticAMD", {"avx2", "avx512f"}, "onednn"),
-        ("AuthenticAMD", {"avx2"}, "mkl"),  # Zen 2/3: not measured
+        ("AuthenticAMD", {"avx2"}, "onednn"),  # Zen 2/3: emulated on Zen 4 with both libraries held to AVX2
+        ("AuthenticAMD", {"sse4_2"}, "mkl"),  # older AMD: not measured
         ("GenuineIntel", {"avx2", "avx512f", "amx_bf16"}, "mkl"),
         ("", set(), "mkl"),
     ],
