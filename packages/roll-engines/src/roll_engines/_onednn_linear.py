@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from roll_engines.infer import _skinny_linear as _skinny
-from roll_engines.infer._skinny_linear import fp32_cpu_linears
+from roll_engines.infer._skinny_linear import cpu_linears
 
 _FWD = None  # torch.ops.mkldnn._linear_pointwise, looked up once
 
@@ -170,7 +170,7 @@ def use_onednn_linears(model: torch.nn.Module, skinny_rows: int = 0, prepack: bo
     switched weights total at most `PREPACK_MAX_BYTES`."""
     if onednn_linear_op() is None:
         return 0
-    linears = fp32_cpu_linears(model)
+    linears = cpu_linears(model)
     prepack = prepack and sum(m.weight.numel() * 4 for m in linears) <= PREPACK_MAX_BYTES
     for module in linears:
         # a partial pickles; a bound method does not
@@ -194,7 +194,7 @@ def use_packed_bf16_linears(model: torch.nn.Module) -> int:
     inference engine's: the packed copies are renewed after a weight changes, as in fp32); returns how many were
     switched (0 where this torch has no oneDNN inner product, or the weights exceed `PREPACK_MAX_BYTES`). Call it
     only where the CPU computes bf16 natively (roll_hw.cpu.cpu_bf16_instructions())."""
-    linears = fp32_cpu_linears(model, torch.bfloat16)
+    linears = cpu_linears(model, torch.bfloat16)
     if onednn_linear_op() is None or sum(m.weight.numel() * 2 for m in linears) > PREPACK_MAX_BYTES:
         return 0
     for module in linears:

@@ -11,8 +11,9 @@ blocking of the same fp32 accumulation). In fp32 the stacked layout was not fast
 keeps `sdpa`'s own path.
 
 Contract: `DECODE_SDPA` is an attention implementation registered in transformers' AttentionInterface (and its
-mask function is `sdpa`'s, so masks are what `sdpa` gets). `decode_sdpa_forward` computes exactly what
-`sdpa_attention_forward` computes; it takes the stacked layout only for a single query token, grouped heads, no
+mask function is `sdpa`'s, so masks are what `sdpa` gets). `decode_sdpa_forward` computes what
+`sdpa_attention_forward` computes (on the stacked path up to bf16/fp16 rounding, elsewhere bit for bit: it is the
+same call); it takes the stacked layout only for a single query token, grouped heads, no
 mask, no position bias, no dropout and a bf16 or fp16 CPU tensor, and hands everything else to
 `sdpa_attention_forward`.
 `use_decode_attention(model)` switches a loaded model from `sdpa` to it (True) or leaves it (False: another

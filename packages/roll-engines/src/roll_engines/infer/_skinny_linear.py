@@ -49,7 +49,7 @@ def skinny_forward(self: torch.nn.Linear, x: Tensor) -> Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def fp32_cpu_linears(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> list[torch.nn.Linear]:
+def cpu_linears(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> list[torch.nn.Linear]:
     """The plain nn.Linear layers (not subclasses) of `model` whose weight is `dtype` (float32 unless asked) on CPU:
     what a CPU kernel switch (this module's, roll_engines._onednn_linear's) may take over."""
     return [
@@ -64,7 +64,7 @@ def fp32_cpu_linears(model: torch.nn.Module, dtype: torch.dtype = torch.float32)
 
 def use_skinny_linears(model: torch.nn.Module) -> int:
     """Switch the plain nn.Linear layers of a float32 model on CPU; returns how many were switched."""
-    linears = fp32_cpu_linears(model)
+    linears = cpu_linears(model)
     for module in linears:
         module.forward = functools.partial(skinny_forward, module)  # a partial pickles; a bound method not
     return len(linears)
