@@ -371,3 +371,23 @@ def test_the_hf_infer_engine_packs_bf16_weights_where_the_cpu_runs_bf16(tiny: st
     want = fresh.generate(prompts, params, n=2)
     assert torch.equal(after.responses, want.responses) and torch.equal(after.logprobs, want.logprobs)
     assert not torch.equal(before.logprobs, after.logprobs)
+
+
+def test_packed_copies_count_as_weights_and_go_when_the_engine_sleeps(
+    tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ROLL_CPU_LINEAR", "onednn")
+    eng = HFInferEngine(tiny, max_new_tokens=6, num_threads=1)
+    params = sum(p.numel() * 4 for p in eng.model.parameters())
+    linears = sum(m.weight.numel() * 4 for m in eng.model.modules() if type(m) is torch.nn.Linear)
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    before = eng.generate([[5, 6, 7, 8, 9]], greedy).responses  # 5 rows > SKINNY_ROWS: the prefill packs
+    assert O.packed_bytes(eng.model) > 0
+    assert eng.memory_bytes()["weights"] >= params + O.packed_bytes(eng.model)
+    assert O.packed_bytes(eng.model) <= linears
+    state = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    eng.sleep(level=2)
+    assert O.packed_bytes(eng.model) == 0 and eng.memory_bytes()["weights"] < params / 10
+    eng.wake_up()
+    eng.load_weights(state)
+    assert torch.equal(eng.generate([[5, 6, 7, 8, 9]], greedy).responses, before)

@@ -149,6 +149,18 @@ def _packed(module: torch.nn.Module, w: Tensor) -> Tensor:
     return hit[1]
 
 
+def packed_bytes(model: torch.nn.Module) -> int:
+    """Bytes held by the prepacked copies of `model`'s layers (a second copy of each packed weight)."""
+    return sum(hit[1].numel() * hit[1].element_size() for m in model.modules() if (hit := _PACKED.get(m)) is not None)
+
+
+def drop_packed(model: torch.nn.Module) -> None:
+    """Free the prepacked copies of `model`'s layers (an engine asleep at level 2: its weights are gone too); the
+    next product packs its weight anew."""
+    for m in model.modules():
+        _PACKED.pop(m, None)
+
+
 def onednn_forward(self: torch.nn.Linear, x: Tensor, skinny_rows: int = 0, prepack: bool = False) -> Tensor:
     """nn.Linear.forward: x (..., in) -> (..., out), through oneDNN where `_covered`, else `F.linear`."""
     w, b = self.weight, self.bias

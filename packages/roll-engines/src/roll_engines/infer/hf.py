@@ -47,7 +47,13 @@ from torch import Tensor
 from roll_core.interfaces.inference import GenerateOutput, Request, RequestOutput, SamplingParams, StructuredOutput
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_core.seeds import Purpose, derive_seed
-from roll_engines._onednn_linear import SKINNY_ROWS, use_onednn_linears, use_packed_bf16_linears
+from roll_engines._onednn_linear import (
+    SKINNY_ROWS,
+    drop_packed,
+    packed_bytes,
+    use_onednn_linears,
+    use_packed_bf16_linears,
+)
 from roll_engines.infer._adapters import refuse_adapters
 from roll_engines.infer._batcher import ContinuousBatcher, Running
 from roll_engines.infer._decode_attention import use_decode_attention
@@ -391,6 +397,7 @@ class HFInferEngine:
                 # Parameters only: buffers are small, and non-persistent ones (rotary tables) are never synced.
                 for p in self.model.parameters():
                     p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+                drop_packed(self.model)  # the CPU kernels' blocked copies of the weights go with them
                 self._weights_valid = False
             elif self.device.type != "cpu":
                 self.model.to("cpu")
@@ -416,6 +423,8 @@ class HFInferEngine:
             for p in itertools.chain(self.model.parameters(), self.model.buffers())
             if p.device == self.device
         )
+        if self.device.type == "cpu":
+            weights += packed_bytes(self.model)  # the CPU kernels' blocked copies (roll_engines._onednn_linear)
         return {"weights": weights, "kv_cache": self.batcher.kv_bytes()}
 
     def shutdown(self) -> None:
