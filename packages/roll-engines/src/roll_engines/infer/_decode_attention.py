@@ -69,9 +69,9 @@ def use_decode_attention(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
         return False
-    _register()
     try:
+        _register()  # a transformers without these registries keeps `sdpa`
         model.set_attn_implementation(DECODE_SDPA)
-    except (ValueError, ImportError):  # a model class that takes only its built-in implementations
+    except (ValueError, ImportError, AttributeError):  # or a model class that takes only its own implementations
         return False
     return model.config._attn_implementation == DECODE_SDPA
