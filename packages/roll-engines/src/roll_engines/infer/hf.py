@@ -24,6 +24,10 @@ of `model.generate`, so that:
 - `return_routing=True` (MoE models): each output carries the top-k experts every MoE layer chose at every prompt
   and generated position (`RequestOutput.routed_experts`, roll_engines.infer._routing), for the trainer's
   routed-expert replay; the prefix cache is off then.
+- on CPU, `use_cpu_kernels` picks the kernels: fp32 linears through oneDNN or MKL, prepacked weights (fp32, and
+  bf16 where the CPU computes it natively), the skinny product for a batch's last rows, and the decode-step
+  attention layout for bf16/fp16 (roll_engines.infer._decode_attention). Prepacked copies count in
+  `memory_bytes()` and go at `sleep(level=2)`.
 
 Threads: the batch API drives decode steps in the caller's thread. The request API starts one background thread
 on first use; both step under one lock, so a `generate` call and requests can share a batch. A weight sync pauses
