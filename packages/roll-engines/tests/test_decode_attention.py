@@ -49,7 +49,7 @@ def test_each_query_head_reads_its_own_key_value_head():
 
 @pytest.mark.parametrize(
     "case",
-    ["float32", "prefill", "mask", "no_groups", "dropout"],
+    ["float32", "prefill", "mask", "no_groups", "dropout", "expanded_keys", "value_dim", "softcap"],
 )
 def test_other_calls_are_sdpa_exactly(case):
     dtype = torch.float32 if case == "float32" else torch.bfloat16
@@ -58,9 +58,18 @@ def test_other_calls_are_sdpa_exactly(case):
     if case == "mask":
         mask = torch.ones(5, 1, 1, 37, dtype=torch.bool)
         mask[1, ..., :9] = False
+    if case == "expanded_keys":  # grouped module, keys already repeated to every query head
+        k, v = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
+    if case == "value_dim":  # value heads wider than query/key heads
+        v = torch.cat([v, v], dim=-1)
     kw = {"scaling": 0.25, "dropout": 0.0}
     if case == "dropout":  # dropout goes to SDPA as given: seed both calls the same way
         kw["dropout"] = 0.5
+    if case == "softcap":  # sdpa refuses it; so must this path
+        kw["softcap"] = 30.0
+        with pytest.raises(ValueError, match="softcap"):
+            decode_sdpa_forward(module, q, k, v, mask, **kw)
+        return
     torch.manual_seed(1)
     ours, _ = decode_sdpa_forward(module, q, k, v, mask, **kw)
     torch.manual_seed(1)
@@ -109,7 +118,13 @@ def test_engine_decodes_bf16_through_it(gqa_model, monkeypatch):
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def spy(query, key, value, *args, **kw):
-        stacked.append(query.shape[1] == key.shape[1] and query.shape[2] == 2 and not kw.get("enable_gqa"))
+        # the stacked layout with no mask: transformers' own masked path stacks too, but passes its mask
+        stacked.append(
+            query.shape[1] == key.shape[1]
+            and query.shape[2] == 2
+            and not kw.get("enable_gqa")
+            and kw.get("attn_mask") is None
+        )
         return sdpa(query, key, value, *args, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
@@ -117,7 +132,7 @@ def test_engine_decodes_bf16_through_it(gqa_model, monkeypatch):
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3, ignore_eos=True)
     out = eng.generate(prompts, params, n=2)
     monkeypatch.undo()
-    assert sum(stacked) >= 11 * 2  # every decode step of both layers took the stacked layout
+    assert sum(stacked) == 11 * 2  # every decode step (11 after the prefill's token) of both layers
     # The sampled tokens' log-probs are the model's own: a teacher-forced bf16 forward with transformers' sdpa.
     ref_model = AutoModelForCausalLM.from_pretrained(gqa_model, dtype=torch.bfloat16, attn_implementation="sdpa")
     for row in range(4):
@@ -129,10 +144,17 @@ def test_engine_decodes_bf16_through_it(gqa_model, monkeypatch):
         assert torch.allclose(out.logprobs[row], want, atol=5e-2), (out.logprobs[row] - want).abs().max()
 
 
-def test_use_decode_attention_leaves_other_implementations(gqa_model):
+def test_use_decode_attention_leaves_other_implementations(gqa_model, monkeypatch):
     from transformers import AutoModelForCausalLM
+
+    import roll_engines.infer._decode_attention as DA
 
     eager = AutoModelForCausalLM.from_pretrained(gqa_model, attn_implementation="eager")
     assert not use_decode_attention(eager) and eager.config._attn_implementation == "eager"
     plain = AutoModelForCausalLM.from_pretrained(gqa_model, attn_implementation="sdpa")
+    assert not DA._branches_on_name(plain)  # Llama's modeling code never compares the name
     assert use_decode_attention(plain) and plain.config._attn_implementation == DECODE_SDPA
+    # Modeling code that branches on the implementation's name (`in ("eager", "sdpa")`) keeps sdpa.
+    monkeypatch.setattr(DA.inspect, "getsource", lambda mod: 'if config._attn_implementation in ("eager", "sdpa"):')
+    other = AutoModelForCausalLM.from_pretrained(gqa_model, attn_implementation="sdpa")
+    assert not use_decode_attention(other) and other.config._attn_implementation == "sdpa"

@@ -386,8 +386,21 @@ def test_packed_copies_count_as_weights_and_go_when_the_engine_sleeps(
     assert eng.memory_bytes()["weights"] >= params + O.packed_bytes(eng.model)
     assert O.packed_bytes(eng.model) <= linears
     state = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    eng.load_weights(state)  # a sync: the copies are dropped, packed afresh at the next product
+    assert O.packed_bytes(eng.model) == 0
+    assert torch.equal(eng.generate([[5, 6, 7, 8, 9]], greedy).responses, before)
+    assert O.packed_bytes(eng.model) > 0
     eng.sleep(level=2)
     assert O.packed_bytes(eng.model) == 0 and eng.memory_bytes()["weights"] < params / 10
     eng.wake_up()
     eng.load_weights(state)
     assert torch.equal(eng.generate([[5, 6, 7, 8, 9]], greedy).responses, before)
+
+
+def test_shutdown_frees_the_packed_copies(tiny: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLL_CPU_LINEAR", "onednn")
+    eng = HFInferEngine(tiny, max_new_tokens=4, num_threads=1)
+    eng.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_new_tokens=4))
+    assert O.packed_bytes(eng.model) > 0
+    eng.shutdown()
+    assert O.packed_bytes(eng.model) == 0

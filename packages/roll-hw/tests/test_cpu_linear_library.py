@@ -14,25 +14,29 @@ from roll_hw import cpu
 def fake_cpu(monkeypatch: pytest.MonkeyPatch) -> Callable[[str, set[str]], None]:
     monkeypatch.delenv("ROLL_CPU_LINEAR", raising=False)
 
-    def set_cpu(vendor: str, flags: set[str]) -> None:
+    def set_cpu(vendor: str, flags: set[str], family: int = 25) -> None:
         monkeypatch.setattr(cpu, "cpu_vendor", lambda: vendor)
         monkeypatch.setattr(cpu, "_cpu_flags", lambda: flags)
+        monkeypatch.setattr(cpu, "cpu_family", lambda: family)
 
     return set_cpu
 
 
 @pytest.mark.parametrize(
-    "vendor, flags, want",
+    "vendor, flags, family, want",
     [
-        ("AuthenticAMD", {"avx2", "avx512f"}, "onednn"),
-        ("AuthenticAMD", {"avx2"}, "onednn"),  # Zen 2/3: emulated on Zen 4 with both libraries held to AVX2
-        ("AuthenticAMD", {"sse4_2"}, "mkl"),  # older AMD: not measured
-        ("GenuineIntel", {"avx2", "avx512f", "amx_bf16"}, "mkl"),
-        ("", set(), "mkl"),
+        ("AuthenticAMD", {"avx2", "avx512f"}, 25, "onednn"),
+        ("AuthenticAMD", {"avx2"}, 23, "onednn"),  # Zen 1-3: emulated on Zen 4 with both libraries held to AVX2
+        ("AuthenticAMD", {"avx2"}, 21, "mkl"),  # Excavator: pre-Zen, not measured
+        ("AuthenticAMD", {"sse4_2"}, 25, "mkl"),
+        ("GenuineIntel", {"avx2", "avx512f", "amx_bf16"}, 6, "mkl"),
+        ("", set(), 0, "mkl"),
     ],
 )
-def test_auto_follows_the_cpu(fake_cpu, monkeypatch: pytest.MonkeyPatch, vendor: str, flags: set, want: str) -> None:
-    fake_cpu(vendor, flags)
+def test_auto_follows_the_cpu(
+    fake_cpu, monkeypatch: pytest.MonkeyPatch, vendor: str, flags: set, family: int, want: str
+) -> None:
+    fake_cpu(vendor, flags, family)
     assert cpu.fp32_linear_library() == want
     monkeypatch.setenv("ROLL_CPU_LINEAR", "auto")
     assert cpu.fp32_linear_library() == want

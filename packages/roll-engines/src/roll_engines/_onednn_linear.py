@@ -22,7 +22,8 @@ decode step's 32 rows, all 30 layers: 52 -> 31 ms. Where MKL is the better libra
 bf16 inference: `use_packed_bf16_linears(model)` gives the plain nn.Linear layers of a bf16 CPU model a forward
 that runs no-grad products on the prepacked weights as well (torch's own bf16 CPU matmul is oneDNN's too, on the
 weights as they are): measured on AVX512-BF16 (Zen 4), SmolLM2 shapes with weights from memory, 41-99 us per
-product at 1-32 rows against torch's 97-173 (1.7-2.4x), outputs equal to `F.linear`'s in every case compared.
+product at 1-32 rows against torch's 97-173 (1.7-2.4x); outputs equal to `F.linear`'s for the contiguous inputs
+compared (a strided input may differ by one bf16 rounding).
 Anything needing a gradient, or outside the same cover in bf16, takes `F.linear`.
 
 oneDNN caches what it builds per product shape; engine processes cap those caches (roll_hw.cpu
@@ -52,7 +53,8 @@ SKINNY_ROWS = 4
 #: 308 ms oneDNN vs 348 MKL, a small gain for a dY-sized copy; at the layers' shapes oneDNN is 1.8x.
 TRANSPOSE_LIMIT = 1 << 24
 
-#: Largest total of fp32 linear weights an inference model gets prepacked copies of (the copies double that memory).
+#: Largest total of linear weights (fp32, or bf16 for `use_packed_bf16_linears`) an inference model gets prepacked
+#: copies of (the copies double that memory).
 #: Measured (SmolLM2-135M, 0.54 GB): the quickstart rollout 1.23x with packed weights, paired, with EOS and without.
 PREPACK_MAX_BYTES = 2 << 30
 

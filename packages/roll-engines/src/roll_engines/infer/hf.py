@@ -375,6 +375,9 @@ class HFInferEngine:
             self.batcher.prefixes.clear()  # cached keys/values belong to the old weights
             if self.fp8 is not None:  # the trainer sent full precision: hold the rounded copy vLLM would
                 self.fp8.round_weights()
+            # The blocked copies follow writes through the parameters; a write they cannot see (into `p.data`)
+            # would leave them stale. Every copy is due anyway after a sync: pack afresh.
+            drop_packed(self.model)
             self._version += 1
             self._weights_valid = True
             self._paused = False
@@ -414,6 +417,7 @@ class HFInferEngine:
     def wake_up(self) -> None:
         with self._lock:
             if self._sleeping == 2:  # fresh storage of the right shapes; the next full sync fills it
+                drop_packed(self.model)
                 for name, p in self.model.named_parameters():
                     # NaN, not leftover memory: a weight the sync forgot shows up at once instead of by chance.
                     p.data = torch.full(self._shapes[name], float("nan"), dtype=p.dtype, device=self.device)
@@ -435,6 +439,9 @@ class HFInferEngine:
         with self._lock:
             self._stopped = True
             self.batcher.fail_all(RuntimeError(f"{self.name} engine shut down"))
+            # The switched forwards refer back to their modules (a cycle): without this the blocked copies would
+            # live until the cyclic collector runs.
+            drop_packed(self.model)
             self._work.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
