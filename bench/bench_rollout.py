@@ -75,13 +75,18 @@ def matmul_gflops(
         def product():
             return a @ b
 
-    for _ in range(3):
-        product()
+    return 2 * m * k * n * calls_per_second(product, seconds, warmup=3) / 1e9
+
+
+def calls_per_second(fn, seconds: float, warmup: int) -> float:
+    """How often `fn()` runs per second, over `seconds` after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
     count, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        product()
+        fn()
         count += 1
-    return 2 * m * k * n * count / (time.perf_counter() - t0) / 1e9
+    return count / (time.perf_counter() - t0)
 
 
 def best_matmul_gflops(m: int, k: int, n: int, dtype: str = "float32") -> tuple[float, dict[str, float]]:
@@ -117,13 +122,7 @@ def linear_ceiling(path: str, rows: int, dtype: str, seconds: float = 2.0) -> fl
             m(inputs[m.in_features])
 
     with torch.no_grad():
-        for _ in range(2):
-            step()
-        count, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            step()
-            count += 1
-        rate = rows * count / (time.perf_counter() - t0)
+        rate = rows * calls_per_second(step, seconds, warmup=2)
     drop_packed(model)  # free the blocked copies now, not when the collector breaks the forwards' cycle
     return rate
 

@@ -82,28 +82,10 @@ def test_other_calls_are_sdpa_exactly(case):
 @pytest.fixture(scope="module")
 def gqa_model(tmp_path_factory) -> str:
     """A seeded tiny Llama with grouped-query attention (4 query heads over 2 key/value heads)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from roll_core.models import build_tiny_tokenizer
+    from roll_core.models import build_tiny_model
 
     out = tmp_path_factory.mktemp("gqa")
-    tok = build_tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(out)
-    tok.save_pretrained(out)
+    build_tiny_model(out, hidden=64, layers=2, heads=4, kv_heads=2)
     return str(out)
 
 

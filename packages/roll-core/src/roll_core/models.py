@@ -80,8 +80,11 @@ def build_tiny_tokenizer():  # -> PreTrainedTokenizerFast
     return fast
 
 
-def build_tiny_model(out: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0) -> None:
-    """Save a seeded tiny LlamaForCausalLM and its tokenizer to `out`."""
+def build_tiny_model(
+    out: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int | None = None, seed: int = 0
+) -> None:
+    """Save a seeded tiny LlamaForCausalLM and its tokenizer to `out` (`kv_heads` < `heads`: grouped-query
+    attention; default one key/value head per query head)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -92,7 +95,7 @@ def build_tiny_model(out: Path, *, hidden: int = 64, layers: int = 2, heads: int
         intermediate_size=hidden * 2,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=heads,
+        num_key_value_heads=kv_heads or heads,
         max_position_embeddings=512,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,

@@ -417,7 +417,6 @@ class HFInferEngine:
     def wake_up(self) -> None:
         with self._lock:
             if self._sleeping == 2:  # fresh storage of the right shapes; the next full sync fills it
-                drop_packed(self.model)
                 for name, p in self.model.named_parameters():
                     # NaN, not leftover memory: a weight the sync forgot shows up at once instead of by chance.
                     p.data = torch.full(self._shapes[name], float("nan"), dtype=p.dtype, device=self.device)
