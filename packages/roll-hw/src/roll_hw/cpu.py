@@ -101,41 +101,33 @@ def bound_onednn_caches() -> dict[str, str]:
     return set_now
 
 
-def _cpu_flags() -> set[str]:
-    """The first processor's feature flags from /proc/cpuinfo (empty where there is none)."""
+def _cpuinfo(key: str) -> str | None:
+    """The value of the first processor's `key` line in /proc/cpuinfo (None where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def _cpu_flags() -> set[str]:
+    """The first processor's feature flags from /proc/cpuinfo (empty where there is none)."""
+    return set((_cpuinfo("flags") or "").split())
 
 
 def cpu_vendor() -> str:
     """The first processor's vendor id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...; "" where unknown)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo("vendor_id") or ""
 
 
 def cpu_family() -> int:
     """The first processor's family number from /proc/cpuinfo (AMD Zen 1/2: 23, Zen 3/4: 25, Zen 5: 26; 0 where
     unknown)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("cpu family"):
-                    return int(line.split(":", 1)[1].strip())
-    except (OSError, ValueError):
-        pass
-    return 0
+    value = _cpuinfo("cpu family") or ""
+    return int(value) if value.isdigit() else 0
 
 
 def fp32_linear_library() -> str:
