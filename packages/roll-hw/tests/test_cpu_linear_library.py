@@ -26,7 +26,7 @@ def fake_cpu(monkeypatch: pytest.MonkeyPatch) -> Callable[[str, set[str]], None]
     "vendor, flags, family, want",
     [
         ("AuthenticAMD", {"avx2", "avx512f"}, 25, "onednn"),
-        ("AuthenticAMD", {"avx2"}, 23, "onednn"),  # Zen 1-3: emulated on Zen 4 with both libraries held to AVX2
+        ("AuthenticAMD", {"avx2"}, 23, "onednn"),  # Zen 1-3: emulated on a Zen 5 held to AVX2 in every library
         ("AuthenticAMD", {"avx2"}, 21, "mkl"),  # Excavator: pre-Zen, not measured
         ("AuthenticAMD", {"sse4_2"}, 25, "mkl"),
         ("GenuineIntel", {"avx2", "avx512f", "amx_bf16"}, 6, "mkl"),

@@ -21,9 +21,9 @@ decode step's 32 rows, all 30 layers: 52 -> 31 ms. Where MKL is the better libra
 
 bf16 inference: `use_packed_bf16_linears(model)` gives the plain nn.Linear layers of a bf16 CPU model a forward
 that runs no-grad products on the prepacked weights as well (torch's own bf16 CPU matmul is oneDNN's too, on the
-weights as they are): measured on AVX512-BF16 (Zen 4), SmolLM2 shapes with weights from memory, 41-99 us per
-product at 1-32 rows against torch's 97-173 (1.7-2.4x); outputs equal to `F.linear`'s for the contiguous inputs
-compared (a strided input may differ by one bf16 rounding).
+weights as they are): measured on AVX512-BF16 (an AMD EPYC, Zen 5), SmolLM2 shapes with weights from memory,
+41-99 us per product at 1-32 rows against torch's 97-173 (1.7-2.4x); outputs equal to `F.linear`'s for the
+contiguous inputs compared (a strided input may differ by one bf16 rounding).
 Anything needing a gradient, or outside the same cover in bf16, takes `F.linear`.
 
 oneDNN caches what it builds per product shape; engine processes cap those caches (roll_hw.cpu

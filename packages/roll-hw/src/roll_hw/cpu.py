@@ -138,7 +138,7 @@ def fp32_linear_library() -> str:
     Why: torch's CPU fp32 matmul is MKL's, and MKL runs its AVX2 kernels on AMD CPUs. Measured on an AMD EPYC
     (Zen 4 family, 2 cores, avx512f): MKL ~210 GFLOP/s at 2048^3, oneDNN ~480 in fp32 (same precision: relative
     error ~1e-6 either way); at a training micro-batch's shapes 1.4-2.1x, at a decode step's 32 rows 1.7x. AMD CPUs
-    with AVX2 only (Zen 1-3) were emulated on the same EPYC with both libraries held to AVX2
+    with AVX2 only (Zen 1-3) were emulated on an AMD EPYC of cpu family 26 (Zen 5) with both libraries held to AVX2
     (`ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2`): oneDNN still won, the
     quickstart rollout 1.45x and the GRPO step 1.09x. On Intel CPUs MKL picks its best kernels itself and stays.
     The choice is read from the CPU, never timed, so a run's numerics do not depend on the machine's load."""
