@@ -157,3 +157,48 @@ def test_doctor_lists_each_tracker_and_whether_its_package_is_installed(monkeypa
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if roll-core[wandb] were not installed
     assert dict(tracker_rows())["wandb"] == "no: pip install 'roll-core[wandb]'"
+
+
+def test_curves_show_the_agreement_metrics_beside_the_collectors_in_rows_of_four(tmp_path: Path) -> None:
+    """curves.png: a panel per key a run logged (absent keys none), four a row, the log-prob gap on a log axis; the
+    pipeline loop asks for the collector's keys and the trainer's agreement metrics."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from roll_core.pipelines import loop
+    from roll_core.tracking import AGREEMENT_PLOT_KEYS, curve_figure
+
+    assert "AGREEMENT_PLOT_KEYS" in Path(loop.__file__).read_text()
+    history = [
+        {
+            "step": s,
+            "reward/mean": 0.1 * s,
+            "eval/accuracy": 0.5,
+            "a": 1.0,
+            "b": 2.0,
+            "actor/train_infer_logprob_diff": 10.0**-s,
+            "actor/correction/masked_fraction": 0.01 * s,
+        }
+        for s in (1, 2, 3)
+    ]
+    keys = ("reward/mean", "reward/accuracy", "eval/accuracy", "a", "b", *AGREEMENT_PLOT_KEYS)
+    fig = curve_figure(history, keys)
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    titles = [ax.get_title() for ax in visible]
+    assert titles == ["reward/mean", "eval/accuracy", "a", "b", *AGREEMENT_PLOT_KEYS]  # no reward/accuracy panel
+    assert len(fig.axes) == 8 and len(visible) == 6  # two rows of four, the last two cells hidden
+    scales = {ax.get_title(): ax.get_yscale() for ax in visible}
+    assert scales["actor/train_infer_logprob_diff"] == "log" and scales["actor/correction/masked_fraction"] == "linear"
+    gap = next(ax for ax in visible if ax.get_title() == "actor/train_infer_logprob_diff")
+    assert list(gap.lines[0].get_ydata()) == [0.1, 0.01, 0.001]
+    plt.close(fig)
+    # A zero gap (identical numerics) keeps a linear axis; nothing logged draws nothing.
+    flat = curve_figure([{"step": 1, "actor/train_infer_logprob_diff": 0.0}], AGREEMENT_PLOT_KEYS)
+    assert [ax.get_yscale() for ax in flat.axes] == ["linear"]
+    plt.close(flat)
+    assert curve_figure(history, ("missing",)) is None
+    tracker = Tracker(tmp_path, trackers=())
+    for h in history:
+        tracker.log(h["step"], {k: v for k, v in h.items() if k != "step"})
+    assert tracker.plot(keys).stat().st_size > 1000
+    tracker.close()

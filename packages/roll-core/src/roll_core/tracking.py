@@ -2,7 +2,8 @@
 
 Everything of the core lands in the run's output folder: `metrics.jsonl` (one JSON object per step; the loop, the
 summary and the tests read it), `config.yaml`, `samples.jsonl` (a few decoded completions per step) and `curves.png`
-(reward, accuracy and held-out accuracy against step). Other sinks are backends (`TrackerBackend`,
+(the collector's metrics, e.g. reward, accuracy and held-out accuracy, and the trainer's `AGREEMENT_PLOT_KEYS`
+where a run logs them, against step; at most four panels a row). Other sinks are backends (`TrackerBackend`,
 roll_core.interfaces.tracking) named in `pipeline.trackers` and loaded from the `roll.trackers` entry-point group:
 roll-core's own backends (roll_core.trackers: `tensorboard`, `jsonl`, `wandb`) are registered exactly as out-of-tree
 plugins are. Several run at once (`pipeline.trackers=[tensorboard,wandb]`); each reads its options from the config's
@@ -26,6 +27,7 @@ from roll_core.trackers.jsonl import JsonlTracker
 from roll_core.trackers.tensorboard import TensorBoardTracker
 
 __all__ = [
+    "AGREEMENT_PLOT_KEYS",
     "DEFAULT_TRACKERS",
     "JsonlTracker",
     "SampleTrackerBackend",
@@ -36,6 +38,17 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: The trainer's rollout/training agreement metrics, drawn in curves.png beside the collector's wherever a run
+#: logs them (docs/concepts/rollout-agreement.md): a gap that grows, or a correction masking more and more tokens,
+#: is what comes before a run drifts, and is seen here without a tracker backend.
+AGREEMENT_PLOT_KEYS: tuple[str, ...] = ("actor/train_infer_logprob_diff", "actor/correction/masked_fraction")
+
+#: Panels drawn on a log scale (when every value is positive): the gap spans 1e-6 (fp32) to 1e-1 (FP8).
+_LOG_SCALE = frozenset({"actor/train_infer_logprob_diff"})
+
+#: Panels per row of curves.png.
+_PANELS_PER_ROW = 4
 
 #: Backends a Tracker opens when none are named (pipeline.trackers' default).
 DEFAULT_TRACKERS: tuple[str, ...] = ("tensorboard",)
@@ -154,7 +167,7 @@ class Tracker:
                 backend.samples(step, rows)
 
     def plot(self, keys: tuple[str, ...] = ("reward/mean", "reward/accuracy", "eval/accuracy")) -> Path | None:
-        """Write curves.png with one panel per key present in the history."""
+        """Write curves.png with one panel per key present in the history (rows of `_PANELS_PER_ROW`)."""
         try:
             import matplotlib
 
@@ -163,17 +176,9 @@ class Tracker:
         except ImportError:
             log.warning("matplotlib is not installed: no curves.png")
             return None
-        present = [k for k in keys if any(h.get(k) is not None for h in self.history)]
-        if not present:
+        fig = curve_figure(self.history, keys)
+        if fig is None:
             return None
-        fig, axes = plt.subplots(1, len(present), figsize=(4.5 * len(present), 3.4), squeeze=False)
-        for ax, key in zip(axes[0], present):
-            pts = [(h["step"], h[key]) for h in self.history if h.get(key) is not None]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3)
-            ax.set_title(key)
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
-        fig.tight_layout()
         path = self.dir / "curves.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -191,3 +196,29 @@ class Tracker:
                 error = error or exc
         if error is not None:
             raise error
+
+
+def curve_figure(history: Sequence[dict[str, Any]], keys: Sequence[str]):  # -> matplotlib Figure | None
+    """The figure of curves.png: one panel per key with a value in `history` (in `keys`' order), value against
+    step, `_PANELS_PER_ROW` panels a row, `_LOG_SCALE` keys on a log axis where every value is positive; None when
+    no key has a value. Needs matplotlib (the caller checks)."""
+    import matplotlib.pyplot as plt
+
+    present = [k for k in keys if any(h.get(k) is not None for h in history)]
+    if not present:
+        return None
+    cols = min(len(present), _PANELS_PER_ROW)
+    rows = -(-len(present) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(present) :]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, present):
+        pts = [(h["step"], h[key]) for h in history if h.get(key) is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3)
+        if key in _LOG_SCALE and all(p[1] > 0 for p in pts):
+            ax.set_yscale("log")
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

@@ -36,7 +36,7 @@ from roll_core.pipelines.objectives import load_objective
 from roll_core.pipelines.run_control import GracefulStop, resolve_run_folder
 from roll_core.pipelines.trainer import Trainer
 from roll_core.pipelines.wiring import build_roles
-from roll_core.tracking import Tracker
+from roll_core.tracking import AGREEMENT_PLOT_KEYS, Tracker
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class Pipeline:
                 due = (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps
                 if due:
                     self.checkpoint(step)
-                self.tracker.plot(self.collector.plot_keys)
+                self.tracker.plot((*self.collector.plot_keys, *AGREEMENT_PLOT_KEYS))
                 if getattr(self.collector, "exhausted", False) and step < pipe.max_steps:
                     # A collector with a finite job (rollout-only: every prompt generated) ends the run early.
                     if not due:
