@@ -203,6 +203,25 @@ def test_fp32_rollout_routing_equals_the_trainers_own(tiny, fp32, own_routing):
     torch.testing.assert_close(with_replay[mask], ro["behaviour"][mask], atol=1e-4, rtol=1e-4)
 
 
+def test_padding_passes_route_by_themselves(tiny, fp32, own_routing, monkeypatch):
+    """A data-parallel rank with fewer micro-batches than its peers runs padding rows; they replay nothing (all
+    UNROUTED), so with the batch's routing equal to the trainer's own, the changed fraction stays 0 with padding
+    passes as without (expert 0 everywhere counted ~20 % changed)."""
+    from roll_core.pipelines.objectives import PolicyObjective
+    from roll_engines.train._micro import padding_row
+
+    batch = dict(fp32["batch"])
+    batch[ROUTED_EXPERTS] = own_routing(tiny, batch)
+    assert torch.equal(padding_row(batch)[ROUTED_EXPERTS], torch.full_like(batch[ROUTED_EXPERTS][:1], UNROUTED))
+    engine = HFTrainEngine(tiny, role="actor", routing_replay=True, pack_sequences=False, logprob_chunk_size=4)
+    monkeypatch.setattr(engine, "_all_reduce_max", lambda n: n + 1)  # one padding pass after the real ones
+    engine.compute_logprobs(batch)
+    assert engine.routing.changed_fraction() == 0.0
+    batch["advantages"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(0))
+    out = engine.train_step(batch, PolicyObjective(), mini_batches=1)
+    assert out["routing_replay_changed_fraction"] == 0.0
+
+
 def test_replay_shrinks_the_bf16_rollout_gap(near_ties, capsys, own_routing):
     ro = rollout(near_ties, dtype="bfloat16", max_new=16)
     batch, behaviour = ro["batch"], ro["behaviour"]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from roll_core.routing import ROUTED_EXPERTS, UNROUTED
 from roll_engines.train._packing import _first_fit, _prompt_keys, prompt_order
 
 
@@ -119,8 +120,10 @@ def row_micros(n: int, size: int) -> list[list[int]]:
 def padding_row(batch: Mapping[str, Any]) -> dict[str, Any]:
     """One row that trains nothing: the batch's first row (or zeros of its shapes when it has none) with an empty
     response mask and zero-valued training signals, attending to every position so every value stays finite.
-    A per-row list (the rows' pictures, `mm_inputs`) keeps the first row's entry (its ids hold those pictures'
-    placeholders), or None."""
+    Its replayed routing (`routed_experts`) is UNROUTED everywhere: the row routes by itself, and is not counted as
+    a replayed position (zeros would replay expert 0 at every position and layer, and count as changed routings in
+    `actor/routing_replay_changed_fraction`). A per-row list (the rows' pictures, `mm_inputs`) keeps the first row's
+    entry (its ids hold those pictures' placeholders), or None."""
     row = {
         k: (v[:1].clone() if v.shape[0] else torch.zeros((1, *v.shape[1:]), dtype=v.dtype))
         for k, v in batch.items()
@@ -132,6 +135,8 @@ def padding_row(batch: Mapping[str, Any]) -> dict[str, Any]:
             continue
         if k == "attention_mask":
             row[k] = torch.ones_like(v)
+        elif k == ROUTED_EXPERTS:
+            row[k] = torch.full_like(v, UNROUTED)
         elif k not in ("input_ids", "position_ids", "responses", "prompts"):
             row[k] = torch.zeros_like(v)
     return row

@@ -51,7 +51,6 @@ from torch import Tensor
 
 from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
-from roll_core.routing import ROUTED_EXPERTS, UNROUTED
 from roll_engines.structured import refuse_constrained_batch
 from roll_engines.train._logits import empty_outputs, gather_ids_of
 from roll_engines.train._micro import check_micro_batch_tokens, micro_batches, padding_row
@@ -401,7 +400,7 @@ class MegatronTrainEngine:
         return self.compute_logprobs(batch)
 
     def _balanced(self, micros: list[dict], batch: Mapping[str, Tensor]) -> tuple[list[dict], int]:
-        """`micros` (each numbered by an "_index" tensor) followed by rows that train nothing (`_padding_row`), so
+        """`micros` (each numbered by an "_index" tensor) followed by rows that train nothing (`padding_row`), so
         that a replica with no rows still runs the schedule and, with expert parallelism (whose all-to-alls run in
         every forward), every data-parallel rank runs as many micro-batches; returns (micro-batches, real ones)."""
         import torch.distributed as dist
@@ -412,7 +411,7 @@ class MegatronTrainEngine:
             t = torch.tensor([n], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
             n = int(t.item())
-        micros = micros + [_padding_row(batch) for _ in range(n - real)]
+        micros = micros + [padding_row(batch) for _ in range(n - real)]
         return [{**m, "_index": torch.tensor(i)} for i, m in enumerate(micros)], real
 
     # ---- training -----------------------------------------------------------------------------------------
@@ -613,10 +612,3 @@ class MegatronTrainEngine:
             return
         with self._shims():
             self._step = load_optimizer(folder / "optimizer", self.model, self.optimizer)
-
-
-def _padding_row(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    row = padding_row(batch)
-    if ROUTED_EXPERTS in row:  # a row that trains nothing routes by itself (padding_row's zeros would be expert 0)
-        row[ROUTED_EXPERTS] = torch.full_like(row[ROUTED_EXPERTS], UNROUTED)
-    return row
