@@ -83,3 +83,15 @@ def test_rendezvous_port_is_held_until_setup() -> None:
     w.setup(host, port, export_env=False)
     w.store.set("k", "v")
     assert w._port_reservation is None and w.store.get("k") == b"v"
+
+
+def test_train_metrics_merge_weighs_ranks_by_rows_and_an_empty_rank_by_nothing() -> None:
+    """TrainGroup.train's merge: a rank given no rows (a batch smaller than the data-parallel size) returns no loss
+    metrics (packages/roll-engines/tests/test_train_hf.py runs a real one); the merge neither fails on it nor lets
+    it weigh; uneven ranks weigh by their rows."""
+    from roll_core.cluster.roles import merge_rank_metrics
+
+    both = merge_rank_metrics([{"loss": 1.0, "lr": 0.1}, {"loss": 4.0, "lr": 0.1}], [3, 1])
+    assert both == {"loss": 1.75, "lr": 0.1}
+    assert merge_rank_metrics([{"loss": 2.0, "g": 5.0}, {"g": 5.0}], [2, 0]) == {"loss": 2.0, "g": 5.0}
+    assert merge_rank_metrics([{"g": 2.0}, {"g": 4.0}], [0, 0]) == {"g": 3.0}  # an empty batch: alike

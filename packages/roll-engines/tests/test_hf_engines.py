@@ -78,6 +78,20 @@ def test_gradient_accumulation_is_exact(tiny: str, agg: str) -> None:
         torch.testing.assert_close(whole[name], split[name], atol=1e-6, rtol=1e-4, msg=name)
 
 
+def test_a_rank_given_no_rows_merges_into_the_step_metrics(tiny: str) -> None:
+    """A data-parallel rank given no rows (a batch smaller than the rank count) trains nothing and reports no loss
+    metrics; TrainGroup.train's merge (roll_core.cluster.roles.merge_rank_metrics) gives the rows' rank's."""
+    from roll_core.cluster.roles import merge_rank_metrics
+
+    infer = HFInferEngine(tiny, max_new_tokens=8)
+    batch = _batch(infer, ["abc"], n=2)
+    batch["advantages"] = torch.ones_like(batch["behaviour_logprobs"]) * batch["response_mask"]
+    full = HFTrainEngine(tiny, lr=1e-2).train_step(batch, PolicyObjective())
+    empty = HFTrainEngine(tiny, lr=1e-2).train_step({k: v[:0] for k, v in batch.items()}, PolicyObjective())
+    assert "actor/pg_loss" in full and set(empty) < set(full)
+    assert merge_rank_metrics([full, empty], [2, 0]) == full
+
+
 def test_training_changes_weights_and_sync_copies_them(tiny: str) -> None:
     infer = HFInferEngine(tiny, max_new_tokens=8)
     batch = _batch(infer, ["abc"], n=4)

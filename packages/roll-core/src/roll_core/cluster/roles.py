@@ -430,6 +430,19 @@ def _sum_counters(parts: list[Batch]) -> dict[str, int]:
     return total
 
 
+def merge_rank_metrics(per_rank: list[dict[str, float]], rows: list[int]) -> dict[str, float]:
+    """One step's metrics from every rank's: each key's mean over the ranks that report it, weighted by the rows
+    each rank trained (`rows`, one per entry of `per_rank`). A rank given no rows (a batch smaller than the
+    data-parallel size) reports no loss metrics and weighs nothing; where no reporting rank had rows (an empty
+    batch), the reporting ranks weigh alike."""
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for d in per_rank for k in d):
+        pairs = [(d[key], n) for d, n in zip(per_rank, rows, strict=True) if key in d]
+        total = sum(n for _, n in pairs)
+        out[key] = sum(v * n for v, n in pairs) / total if total else sum(v for v, _ in pairs) / len(pairs)
+    return out
+
+
 class TrainGroup(WorkerGroup[TrainWorker]):
     """actor_train, critic or reference."""
 
@@ -456,7 +469,8 @@ class TrainGroup(WorkerGroup[TrainWorker]):
         per_rank: list[dict[str, float]] = self.call(
             TrainWorker.train, batch, loss_fn, mini_batches, epochs, temperature, shuffle_seed
         )
-        return {k: sum(d[k] for d in per_rank) / len(per_rank) for k in per_rank[0]}
+        sizes = Batch.split_sizes(len(batch), self.mesh.dp)
+        return merge_rank_metrics(per_rank, [sizes[self.mesh.dp_rank(r)] for r in range(len(per_rank))])
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """Full CPU weights (tests, tools; the pipeline syncs through roll_core.cluster.weight_sync)."""
