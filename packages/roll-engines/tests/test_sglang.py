@@ -44,3 +44,19 @@ def test_refuses_truncated_sampling_without_starting() -> None:
     engine.name = "sglang"
     with pytest.raises(UnsupportedSamplingError, match="top-k/top-p"):
         engine.check_sampling(SamplingParams(top_p=0.9))
+
+
+def test_generated_tokens_without_logprobs_are_an_error_not_zeros() -> None:
+    """A result with generated ids but no `output_token_logprobs` fails its request (0.0 would claim probability
+    1 and skew every off-policy ratio); the log-probs come with their tokens otherwise; nothing generated is fine."""
+    from roll_core.interfaces import Request, SamplingParams
+    from roll_engines.infer.sglang import to_request_output
+
+    req = Request("r1", [1, 2, 3], SamplingParams())
+    with pytest.raises(ValueError, match="2 generated tokens without their log-probs"):
+        to_request_output(req, {"output_ids": [7, 8], "meta_info": {"finish_reason": {"type": "stop"}}}, 0)
+    meta = {"output_token_logprobs": [(-0.5, 7, None), (-1.25, 8, None)], "finish_reason": {"type": "length"}}
+    out = to_request_output(req, {"output_ids": [7, 8], "meta_info": meta}, 3)
+    assert (out.token_ids, out.logprobs, out.weight_version) == ([7, 8], [-0.5, -1.25], 3)
+    empty = to_request_output(req, {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}}}, 0)
+    assert empty.token_ids == [] and empty.logprobs == []

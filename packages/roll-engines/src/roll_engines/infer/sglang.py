@@ -88,11 +88,19 @@ def to_sglang_sampling(params: SamplingParams, max_new_tokens: int) -> dict[str,
 
 
 def to_request_output(request: Request, result: dict[str, Any], version: int) -> RequestOutput:
-    """SGLang's result dict -> RequestOutput (token ids and log-probs from `output_token_logprobs`)."""
+    """SGLang's result dict -> RequestOutput (token ids and log-probs from `output_token_logprobs`).
+
+    Raises ValueError for generated tokens without their log-probs: made-up behaviour log-probs (0.0 would say
+    probability 1) would silently skew every off-policy ratio and the train/infer gap."""
     meta = result.get("meta_info", {})
     pairs = meta.get("output_token_logprobs") or []
-    tokens = [int(t) for _, t, *_ in pairs] if pairs else [int(t) for t in result.get("output_ids", [])]
-    logprobs = [float(lp) for lp, *_ in pairs] if pairs else [0.0] * len(tokens)
+    if not pairs and result.get("output_ids"):
+        raise ValueError(
+            f"request {request.request_id}: SGLang returned {len(result['output_ids'])} generated tokens without "
+            "their log-probs (meta_info.output_token_logprobs is missing); roll needs them as the behaviour log-probs"
+        )
+    tokens = [int(t) for _, t, *_ in pairs]
+    logprobs = [float(lp) for lp, *_ in pairs]
     return RequestOutput(request.request_id, list(request.prompt_ids), tokens, logprobs, _finish_reason(meta), version)
 
 
