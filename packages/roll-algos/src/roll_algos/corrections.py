@@ -230,7 +230,7 @@ def ratio_stats(old_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> dict[
         old_logp, behaviour_logp, mask: (B, T), as in `token_mask`.
     Returns:
         0-dim detached fp32 tensors: `ratio_p5`, `ratio_p50`, `ratio_p95`, `ratio_max`, `ratio_min`,
-        `abs_log_ratio_mean` (mean |log r|).
+        `abs_log_ratio_mean` (mean |log r|, log r clamped to +-20 as `_log_ratio` does).
     """
     lr, valid = _log_ratio(old_logp, behaviour_logp, mask)
     r = torch.exp(lr[valid])
