@@ -2,8 +2,10 @@
 trainer, in the background, at most k weight versions old, and nothing generated is thrown away.
 
 Contract:
-- Admission controls staleness: at most (version + k + 1) x rollout_batch_size groups are ever started (a group:
-  `group_size` episodes of one environment seed), so generation runs at most k batches ahead.
+- Admission controls staleness: at most (version + skipped + k + 1) x rollout_batch_size groups are ever started
+  (a group: `group_size` episodes of one environment seed; `skipped`: batches handed out with nothing to train on,
+  after which the trainer does not sync), so generation runs at most k batches ahead. Without `skipped` each such
+  batch would shrink the lead for good, and k + 1 of them would leave `next` waiting for groups never started.
 - Batches are taken in start order: batch n is groups [nB, (n+1)B), and `next` waits for the oldest groups
   instead of skipping to newer complete ones. With the admission rule, a group started at version u is trained at
   a version <= u + k: no sample is ever too old, none is dropped for staleness, and long episodes are not
@@ -60,6 +62,7 @@ class AsyncEpisodeCollector(EpisodeCollector):
         self._version = 0  # weight syncs since this collector started
         self._started = 0  # groups started
         self._taken = 0  # groups handed to the trainer
+        self._skipped = 0  # batches handed out with nothing to train on (no weight sync followed them)
         self._results: dict[int, list[Trajectory | None]] = {}
         self._first_step: int | None = None
         self._seeds: dict[int, list[int]] = {}  # step -> its environment seeds
@@ -96,6 +99,9 @@ class AsyncEpisodeCollector(EpisodeCollector):
         self._last_batch_at = now
         out["perf/generate_wait_seconds"] = out.timers["generate"]
         if collected is None:
+            with self._cv:  # no sync follows: the batch's place in the admission budget is given back here
+                self._skipped += 1
+                self._fill()
             return None
         batch = collected.batch
         out["perf/rollout_tokens_per_s"] = float(batch["response_mask"].sum()) / max(span, 1e-9)
@@ -137,7 +143,7 @@ class AsyncEpisodeCollector(EpisodeCollector):
 
     def _fill(self) -> None:
         """Start groups while the admission budget and free environment slots allow (lock held)."""
-        budget = (self._version + self.k + 1) * self.groups_per_batch
+        budget = (self._version + self._skipped + self.k + 1) * self.groups_per_batch
         while (
             not self._closed
             and self._first_step is not None
