@@ -98,3 +98,21 @@ def test_sglang_run_config_resolves_memory_defaults(
 def test_hf_engine_keeps_its_explicit_default() -> None:
     typed = to_object(compose(["hw=cuda"]))
     assert typed.infer_engine.name == "hf" and typed.infer_engine.sleep_level == 0
+
+
+@pytest.mark.parametrize("pipeline", ["dpo", "distill_offline", "rollout", "sft"])
+@pytest.mark.parametrize("setting", ["pipeline.async_ratio=2", "pipeline.partial_rollout=true"])
+def test_synchronous_pipelines_refuse_asynchronous_settings(pipeline: str, setting: str) -> None:
+    """Pipelines that generate nothing while training refuse async_ratio / partial_rollout before any model loads
+    (they were read by nothing, while async_ratio still kept a colocated engine awake)."""
+    from roll_core import registry
+    from roll_core.config import ConfigError, load_config
+    from roll_core.config.build import build
+
+    extra = ["pipeline.async_ratio=1"] if setting.startswith("pipeline.partial") else []
+    cfg = load_config([f"pipeline={pipeline}", setting, *extra, "data.path=/tmp/rows.jsonl"])
+    with pytest.raises(ConfigError, match="async_ratio"):
+        registry.load("roll.collectors", pipeline).check(cfg, None)
+    # rlvr runs asynchronously with the same settings: its check says nothing about them
+    rlvr = load_config(["pipeline=rlvr", setting, *extra])
+    registry.load("roll.collectors", "rlvr").check(rlvr, build(rlvr.env))

@@ -34,6 +34,7 @@ import torch
 from roll_core.cluster.launch import Cluster
 from roll_core.cluster.roles import InferGroup, TrainGroup
 from roll_core.config.schema import RLVRConfig
+from roll_core.errors import ConfigError
 from roll_core.interfaces import SamplingParams
 from roll_core.pipelines.metrics import StepLog
 from roll_core.protocol import Batch
@@ -111,6 +112,17 @@ class CollectorFactory(Protocol):
         ...
 
     def __call__(self, ctx: CollectorContext) -> Collector: ...
+
+
+def refuse_async(cfg: Any, pipeline: str, why: str) -> None:
+    """ConfigError for `pipeline.async_ratio` > 0 or `pipeline.partial_rollout` in a synchronous pipeline (nothing
+    would read them; async_ratio would still keep a colocated engine awake: sleep_level 0)."""
+    p = cfg.pipeline
+    if p.async_ratio or p.partial_rollout:
+        raise ConfigError(
+            f"pipeline.async_ratio={p.async_ratio}, pipeline.partial_rollout={p.partial_rollout}: pipeline={pipeline} "
+            f"{why}; set pipeline.async_ratio=0 (and pipeline.partial_rollout=false)"
+        )
 
 
 class _Prompts:

@@ -309,6 +309,9 @@ class _OfflineDistill:
     on_policy = False
 
     def check(self, cfg: RLVRConfig, task: Any) -> None:
+        from roll_core.pipelines.collectors import refuse_async
+
+        refuse_async(cfg, "distill_offline", "trains on stored rows and generates nothing while training")
         check_offline_distill(cfg)
         if not cfg.data.paths:
             raise ConfigError(

@@ -53,7 +53,9 @@ def _generates(cfg: RLVRConfig, task: Any) -> bool:
 def check(cfg: RLVRConfig, task: Any) -> None:
     """Data files given, a pair form, something to evaluate when the run evaluates (before any model loads)."""
     from roll_core.interfaces.tasks import AgenticTask
+    from roll_core.pipelines.collectors import refuse_async
 
+    refuse_async(cfg, "dpo", "trains on pairs it does not generate while training")
     data = getattr(cfg, "data", None)
     if data is None or not data.paths:
         raise ConfigError(

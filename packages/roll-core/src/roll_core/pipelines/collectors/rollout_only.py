@@ -283,6 +283,9 @@ class _RolloutOnly:
 
     def check(self, cfg: Any, task: Any) -> None:
         """A single-turn task with training prompts; an output that names a layout and holds no other run's rows."""
+        from roll_core.pipelines.collectors import refuse_async
+
+        refuse_async(cfg, "rollout", "trains nothing, so there is no trainer to run ahead of")
         check_task(cfg, task)
         path = cfg.rollout.output_path()
         if path is not None:
