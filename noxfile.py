@@ -300,6 +300,7 @@ VLLM_TESTS = [
     "packages/roll-engines/tests/test_vllm_vlm.py",
     "packages/roll-engines/tests/test_vllm_lora.py",
     "packages/roll-engines/tests/test_vllm_routing.py",
+    "packages/roll-engines/tests/test_vllm_sync_layouts.py",
 ]
 
 

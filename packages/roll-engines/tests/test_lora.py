@@ -96,3 +96,17 @@ def test_checkpoint_has_merged_model_and_peft_adapter(path: str, tmp_path: Path)
 def test_lora_is_for_the_policy(path: str) -> None:
     with pytest.raises(ValueError, match="LoRA trains the policy only"):
         HFTrainEngine(path, role="critic", **LORA)
+
+
+def test_changed_only_sync_sends_whole_modules_of_the_adapted_layers(path: str) -> None:
+    """Adapters on q_proj and v_proj only: a changed-only sync carries every parameter of those attention modules
+    (k_proj and o_proj too: an engine loading q|k|v as one layer needs all of it) and nothing of the MLPs; a full
+    model with a frozen k_proj does the same."""
+    lora = HFTrainEngine(path, lora_target_modules=["q_proj", "v_proj"], **LORA)
+    changed = {k for k, _ in lora.iter_weights(changed_only=True)}
+    attention = {k for k, _ in HFTrainEngine(path).iter_weights() if ".self_attn." in k}
+    assert changed == attention and not any(".mlp." in k for k in changed)
+    full = HFTrainEngine(path)
+    for name, p in full.model.named_parameters():
+        p.requires_grad_(name.endswith("q_proj.weight"))
+    assert {k for k, _ in full.iter_weights(changed_only=True)} == attention

@@ -35,7 +35,29 @@ class RollWorkerExtension:
                 count += 1
         finally:
             stream.close()
+        self._roll_refresh_tied_heads()
         return count
+
+    def _roll_refresh_tied_heads(self) -> None:
+        """Rebuild the kernels of an LM head tied to the input embeddings from the weights just loaded.
+
+        A tied head receives nothing in a sync (the trainer sends the shared tensor once, under the embedding's
+        name, and vLLM's loaders skip `lm_head` when tied): the reload puts the head's shared weight back, now
+        holding the new values, but never re-runs its post-load processing, and on CPU that processing packed a
+        separate copy of the weight for the head's product (vLLM 0.32 `dispatch_cpu_unquantized_gemm`). Without
+        this the head samples from the weights the engine was loaded with (measured: log-prob gap 1.9)."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        modules = list(model.modules())
+        embeddings = {
+            m.weight.data_ptr()
+            for m in modules
+            if type(m) is VocabParallelEmbedding and getattr(m, "weight", None) is not None
+        }
+        for head in modules:
+            if isinstance(head, ParallelLMHead) and head.weight.numel() and head.weight.data_ptr() in embeddings:
+                head.quant_method.process_weights_after_loading(head)
 
     def roll_model_bytes(self) -> int:
         """Bytes of this worker's model as vLLM measured it at load (repacked CPU weights included)."""

@@ -14,7 +14,7 @@ same code serves the hf and fsdp2 engines.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +66,16 @@ def merged_weights(
 ) -> Iterator[tuple[str, Tensor]]:
     """(HF name, merged full tensor) for every base parameter and persistent buffer; tied tensors once.
 
-    `changed_only`: only weights that carry an adapter (the only ones training changes).
+    `changed_only`: the weights that carry an adapter (the only ones training changes) and the other parameters of
+    the modules that hold them (`sync_parents`): an engine that loads fused layers whole (vLLM's q|k|v and gate|up,
+    reloaded layer by layer) would otherwise refill the parts not sent from uninitialised memory.
     """
     from peft.tuners.lora import LoraLayer
 
     base = base_model(model)
     lora_modules = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
     persistent = set(base.state_dict())
+    parents = sync_parents(f"{owner}.weight" for owner in lora_modules)
     for name, p in base.named_parameters():
         if ".lora_" in name:
             continue
@@ -87,13 +90,25 @@ def merged_weights(
                 delta = delta.T
             w = full(p.detach())
             yield hf_name, (w + delta.to(w.dtype))
-        elif not changed_only:
+        elif not changed_only or in_parents(hf_name, parents):
             yield hf_name, full(p.detach())
     if changed_only:
         return
     for name, b in base.named_buffers():
         if name in persistent:
             yield name.replace(".base_layer.", "."), full(b)
+
+
+def sync_parents(changed: Iterable[str]) -> set[str]:
+    """The modules two levels up from changed parameters ("model.layers.0.self_attn" for
+    "model.layers.0.self_attn.q_proj.weight"): a changed-only sync sends every parameter under them
+    (`in_parents`), so fused groups (q|k|v, gate|up) reach an engine whole."""
+    return {name.rsplit(".", 2)[0] for name in changed if name.count(".") >= 2}
+
+
+def in_parents(name: str, parents: set[str]) -> bool:
+    """Whether parameter `name` sits directly in a module of `parents` (see `sync_parents`)."""
+    return name.count(".") >= 2 and name.rsplit(".", 2)[0] in parents
 
 
 def adapter_weights(model: torch.nn.Module, full: Callable[[Tensor], Tensor]) -> Iterator[tuple[str, Tensor]]:

@@ -56,10 +56,12 @@ from roll_engines.train._lora import (
     adapter_weights,
     apply_lora,
     base_model,
+    in_parents,
     is_lora,
     load_adapter,
     merged_weights,
     save_lora,
+    sync_parents,
 )
 from roll_engines.train._micro import check_micro_batch_tokens, micro_rows
 from roll_engines.train._micro import padding_row as _padding_row
@@ -586,7 +588,8 @@ class HFTrainEngine:
         """(name, full tensor) for weight sync, in a fixed order; tied parameters once (under their first name).
 
         Tensors may be the live parameters (no copy): receivers copy them before the next optimizer step.
-        `changed_only` skips frozen parameters and buffers. Collective on sharded engines (every rank iterates).
+        `changed_only` skips frozen parameters and buffers (but not a frozen parameter of a module with a trained
+        one: roll_engines.train._lora.sync_parents). Collective on sharded engines (every rank iterates).
         With LoRA the tensors are merged (W + scaling * B @ A) under the base model's names, and `changed_only`
         sends only the adapted weights.
         """
@@ -594,8 +597,11 @@ class HFTrainEngine:
             yield from merged_weights(self.model, self._full_tensor, changed_only)
             return
         persistent = set(self.model.state_dict().keys())
+        # A frozen parameter beside a trained one in the same module still goes (fused groups arrive whole).
+        trained = (n for n, p in self.model.named_parameters() if p.requires_grad)
+        parents = sync_parents(trained) if changed_only else set()
         for name, p in self.model.named_parameters():  # deduplicates shared (tied) parameters
-            if changed_only and not p.requires_grad:
+            if changed_only and not p.requires_grad and not in_parents(name, parents):
                 continue
             yield name, self._full_tensor(p.detach())
         if changed_only:
