@@ -110,3 +110,21 @@ def test_changed_only_sync_sends_whole_modules_of_the_adapted_layers(path: str) 
     for name, p in full.model.named_parameters():
         p.requires_grad_(name.endswith("q_proj.weight"))
     assert {k for k, _ in full.iter_weights(changed_only=True)} == attention
+
+
+def test_an_adapter_on_a_tied_head_is_refused(path: str, tmp_path: Path) -> None:
+    """With tied embeddings the head's weight is the embedding's: its adapter would be left out of every sync and
+    checkpoint (the shared tensor goes once, under the embedding's name): refused when the engine is built."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from roll_core.errors import ConfigError
+
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.tie_word_embeddings = True
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(path).save_pretrained(tmp_path)
+    for targets in (["q_proj", "lm_head"], ["embed_tokens"]):
+        with pytest.raises(ConfigError, match=r"tied to .*leave the head and embeddings out"):
+            HFTrainEngine(str(tmp_path), lora_target_modules=targets, **LORA)
+    HFTrainEngine(str(tmp_path), lora_target_modules=["q_proj", "v_proj"], **LORA)  # the rest is fine
+    HFTrainEngine(path, lora_target_modules=["q_proj", "lm_head"], **LORA)  # untied: the head has its own weight

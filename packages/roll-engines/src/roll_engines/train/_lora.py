@@ -49,7 +49,37 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, 
 
     with warnings.catch_warnings():  # peft 0.21 still asks transformers' deprecated is_gradient_checkpointing
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(model, config)
+        # peft's warning about a tied layer in the adapter: refused just below, with what to change
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*tied layer.*", category=UserWarning)
+        peft_model = get_peft_model(model, config)
+    refuse_tied_targets(peft_model)
+    return peft_model
+
+
+def refuse_tied_targets(model: torch.nn.Module) -> None:
+    """ConfigError for an adapter on a layer whose weight another module shares (the LM head of a model with tied
+    embeddings, or the embedding itself): the merged weight would have to be both layers' at once, so weight sync
+    and the `model/` checkpoint, which carry the shared tensor once under the embedding's name, would silently
+    leave the adapter out (the engines would sample from a policy without it)."""
+    from peft.tuners.lora import LoraLayer
+
+    from roll_core.errors import ConfigError
+
+    holders: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append(f"{name}.{pname}")
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        weight = getattr(module.get_base_layer(), "weight", None)
+        shared = [h for h in holders.get(id(weight), []) if not h.startswith(f"{name}.")] if weight is not None else []
+        if shared:
+            raise ConfigError(
+                f"train_engine.lora_target_modules adapts {name.split('base_model.model.', 1)[-1]}, whose weight is "
+                f"tied to {shared[0].split('base_model.model.', 1)[-1]} (tie_word_embeddings): an adapter there "
+                "cannot be synced or saved as merged weights; leave the head and embeddings out of the targets"
+            )
 
 
 def is_lora(model: torch.nn.Module) -> bool:
