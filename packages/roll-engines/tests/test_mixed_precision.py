@@ -67,6 +67,17 @@ def test_fp16_parameters_are_refused(path: str) -> None:
         HFTrainEngine(path, param_dtype="float16")
 
 
+def test_master_weights_narrower_than_the_compute_dtype_are_refused(path: str) -> None:
+    """bf16 parameters with fp32 compute: autocast cannot widen (it ran everything in bf16, silently)."""
+    from roll_core.config import ConfigError, load_config
+
+    with pytest.raises(ValueError, match="narrower than the compute dtype"):
+        HFTrainEngine(path, dtype="float32", param_dtype="bfloat16")
+    with pytest.raises(ConfigError, match=r"param_dtype=bfloat16 with model\.dtype=float32"):
+        load_config(["train_engine.param_dtype=bfloat16", "model.dtype=float32"])
+    load_config(["train_engine.param_dtype=bfloat16", "model.dtype=bfloat16"])  # pure bf16 stays allowed
+
+
 def test_fsdp2_mixed_precision_policy_tracks_fp32(path: str, fp32_run, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 

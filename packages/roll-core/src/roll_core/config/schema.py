@@ -789,6 +789,12 @@ class RLVRConfig:
                     "train_engine.routing_replay=true needs the synchronous pipeline (pipeline.async_ratio=0): "
                     "asynchronous rollouts do not carry the engine's routing"
                 )
+        if getattr(self.train_engine, "param_dtype", "float32") == "bfloat16" and model.dtype == "float32":
+            # hf would autocast to fp32, which torch's CPU and CUDA autocast refuse (it then ran all in bf16).
+            raise ValueError(
+                "train_engine.param_dtype=bfloat16 with model.dtype=float32: master weights narrower than the "
+                "compute dtype; set model.dtype=bfloat16 (pure bf16) or train_engine.param_dtype=float32"
+            )
         if algo.attention_credit and getattr(self.train_engine, "name", None) == "megatron":
             raise ValueError(
                 f"algo.attention_credit={algo.attention_credit} reads the actor's attention maps, which "

@@ -139,6 +139,11 @@ class HFTrainEngine:
         self.dtype = torch_dtype(param_dtype) if self.trainable else self.compute_dtype
         if self.dtype == torch.float16:
             raise ValueError("param_dtype=float16 cannot train (updates underflow): keep float32 master weights")
+        if self.dtype.itemsize < self.compute_dtype.itemsize:  # dtype=auto may resolve to fp32 here
+            raise ValueError(
+                f"param_dtype={param_dtype} is narrower than the compute dtype ({dtype} -> {self.compute_dtype}): "
+                "autocast cannot widen, so everything would run in the narrower one; use float32 master weights"
+            )
         self.autocast = self.compute_dtype != self.dtype  # FSDP2 casts in its own mixed-precision policy
         # fp16 compute needs loss scaling (its gradients underflow); bf16 has fp32's exponent range.
         self.scaler = (
