@@ -190,3 +190,15 @@ def test_multi_turn_prefix_reuse_matches_full_prefill(tiny: str) -> None:
     assert reuse.batcher.prefixes.reused_tokens == (4 + 5) + (4 + 6 + 3 + 5)  # all but each turn's last token
     reuse.load_weights(dict(reuse.model.state_dict()))  # a weight update drops the stored prefixes
     assert not reuse.batcher.prefixes.entries
+
+
+def test_memory_bytes_counts_weights_on_an_unindexed_device() -> None:
+    """Engines are built with device "cuda" while their weights land on cuda:0: `memory_bytes` counts them there
+    (an equality test counted none, so a GPU's weights read 0)."""
+    from roll_engines.infer.hf import on_device
+
+    cuda, cuda0, cuda1, cpu = (torch.device(d) for d in ("cuda", "cuda:0", "cuda:1", "cpu"))
+    assert cuda0 != cuda  # what the old comparison tripped on
+    assert on_device(cuda0, cuda) and on_device(cuda1, cuda) and on_device(cuda0, cuda0)
+    assert not on_device(cuda1, cuda0) and not on_device(cpu, cuda) and not on_device(cuda0, cpu)
+    assert on_device(cpu, cpu)

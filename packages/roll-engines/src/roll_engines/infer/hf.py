@@ -71,6 +71,12 @@ from roll_hw.cpu import cpu_bf16_instructions, fp32_linear_library
 log = logging.getLogger(__name__)
 
 
+def on_device(where: torch.device, device: torch.device) -> bool:
+    """Whether a tensor on `where` is on the engine's `device`: "cuda" (no index, as engines are built) holds
+    cuda:0, cuda:1, ...; an indexed device only itself (torch.device("cuda:0") != torch.device("cuda"))."""
+    return where.type == device.type and (device.index is None or where.index == device.index)
+
+
 def use_cpu_kernels(model: torch.nn.Module, *, vision: bool = False) -> None:
     """Give a CPU inference model the engine's kernels (bench/bench_rollout.py's ceiling uses the same).
 
@@ -428,7 +434,7 @@ class HFInferEngine:
         weights = sum(
             p.numel() * p.element_size()
             for p in itertools.chain(self.model.parameters(), self.model.buffers())
-            if p.device == self.device
+            if on_device(p.device, self.device)
         )
         if self.device.type == "cpu":
             weights += packed_bytes(self.model)  # the CPU kernels' blocked copies (roll_engines._onednn_linear)
