@@ -31,11 +31,25 @@ def test_buckets_keep_order_and_bound_size() -> None:
 
 
 def test_flatten_roundtrip_mixed_dtypes() -> None:
-    named = _named()
-    flat, specs = flatten(named, "cpu")
-    assert flat.dtype == torch.uint8 and flat.numel() == bucket_nbytes(named)
-    for (k, t), (k2, t2) in zip(named, unflatten(flat.clone(), specs)):
-        assert k == k2 and t2.dtype == t.dtype and torch.equal(t, t2)
+    """Every tensor comes back equal, whatever sizes and dtypes precede it: odd-sized bf16 and bool tensors before
+    fp32 ones would leave a view at a storage offset its dtype cannot take (each starts at a multiple of ALIGN)."""
+    from roll_core.cluster.buckets import ALIGN, layout
+
+    odd = [
+        ("bf16", torch.randn(3).bfloat16()),
+        ("f32", torch.randn(2, 3)),
+        ("mask", torch.tensor([True, False, True])),
+        ("i64", torch.arange(5)),
+        ("empty", torch.empty(0, 4)),
+        ("f16", torch.randn(7).half()),
+    ]
+    for named in (_named(), odd):
+        flat, specs = flatten(named, "cpu")
+        places, total = layout(specs)
+        assert flat.dtype == torch.uint8 and flat.numel() == total >= bucket_nbytes(named)
+        assert all(offset % ALIGN == 0 for offset, _ in places)
+        for (k, t), (k2, t2) in zip(named, unflatten(flat.clone(), specs), strict=True):
+            assert k == k2 and t2.dtype == t.dtype and t2.shape == t.shape and torch.equal(t, t2)
 
 
 def test_gloo_group_broadcasts_buckets_between_threads() -> None:

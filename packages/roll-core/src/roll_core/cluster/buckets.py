@@ -41,22 +41,42 @@ def bucket_nbytes(bucket: Bucket) -> int:
 
 
 # ---- flat buffers (dist and cuda_ipc) -----------------------------------------------------------------------
-def flatten(bucket: Bucket, device: torch.device | str) -> tuple[Tensor, list[tuple[str, tuple[int, ...], str]]]:
-    """One uint8 buffer holding every tensor's bytes, and the (name, shape, dtype) list to cut it again."""
-    specs = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8).to(device) for _, t in bucket]
-    return (torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)), specs
+#: Each tensor starts at a multiple of this many bytes in a flat buffer: a view of a dtype needs its storage offset
+#: to be a multiple of the element size (a 3-element bf16 tensor before an fp32 one would leave it at byte 6).
+ALIGN = 64
+
+Spec = tuple[str, tuple[int, ...], str]
 
 
-def unflatten(buffer: Tensor, specs: list[tuple[str, tuple[int, ...], str]]) -> Bucket:
-    """Inverse of `flatten` (views into `buffer`)."""
+def layout(specs: list[Spec]) -> tuple[list[tuple[int, int]], int]:
+    """((byte offset, byte count) of each tensor, total bytes) of a flat buffer: both sides compute it from the
+    specs alone, so nothing but the specs travels."""
     out, offset = [], 0
-    for name, shape, dtype in specs:
-        dt = getattr(torch, dtype)
-        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-        out.append((name, buffer[offset : offset + n].view(dt).view(shape)))
-        offset += n
-    return out
+    for _, shape, dtype in specs:
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        out.append((offset, n))
+        offset = -(-(offset + n) // ALIGN) * ALIGN
+    return out, (out[-1][0] + out[-1][1]) if out else 0
+
+
+def flatten(bucket: Bucket, device: torch.device | str) -> tuple[Tensor, list[Spec]]:
+    """One uint8 buffer holding every tensor's bytes (each at its `layout` offset), and the (name, shape, dtype)
+    list to cut it again."""
+    specs = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]
+    places, total = layout(specs)
+    flat = torch.zeros(total, dtype=torch.uint8, device=device)
+    for (_, t), (offset, n) in zip(bucket, places):
+        flat[offset : offset + n] = t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
+    return flat, specs
+
+
+def unflatten(buffer: Tensor, specs: list[Spec]) -> Bucket:
+    """Inverse of `flatten` (views into `buffer`)."""
+    places, _ = layout(specs)
+    return [
+        (name, buffer[offset : offset + n].view(getattr(torch, dtype)).view(shape))
+        for (name, shape, dtype), (offset, n) in zip(specs, places)
+    ]
 
 
 # ---- a process group outside the default one -----------------------------------------------------------------
@@ -132,16 +152,13 @@ class SyncGroup:
         header = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
         self.broadcast(header)
         specs = pickle.loads(header.cpu().numpy().tobytes())
-        total = sum(
-            int(torch.Size(s).numel()) * torch.empty((), dtype=getattr(torch, d)).element_size() for _, s, d in specs
-        )
-        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        flat = torch.empty(layout(specs)[1], dtype=torch.uint8, device=self.device)
         self.broadcast(flat)
         return unflatten(flat, specs)
 
 
 # ---- CUDA IPC ------------------------------------------------------------------------------------------------
-def share_cuda(bucket: Bucket) -> tuple[Any, list[tuple[str, tuple[int, ...], str]], Tensor]:
+def share_cuda(bucket: Bucket) -> tuple[Any, list[Spec], Tensor]:
     """(IPC handle of one flat device buffer, specs, the buffer to keep alive until the receiver copied it)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
@@ -149,7 +166,7 @@ def share_cuda(bucket: Bucket) -> tuple[Any, list[tuple[str, tuple[int, ...], st
     return reduce_tensor(flat), specs, flat
 
 
-def open_cuda(handle: Any, specs: list[tuple[str, tuple[int, ...], str]]) -> Bucket:
+def open_cuda(handle: Any, specs: list[Spec]) -> Bucket:
     """Rebuild a shared bucket in the receiving process (same device, other process)."""
     rebuild, args = handle
     return unflatten(rebuild(*args), specs)
