@@ -263,12 +263,16 @@ class InferEngineTestSuite:
         before = engine.submit(Request("w0", prompts[0], greedy)).result(timeout=300)
         try:
             engine.begin_weight_update()
+            # Submitted while paused: it starts once generation resumes, on the new weights, and says so.
+            during = engine.submit(Request("wd", prompts[0], greedy))
             named = list(_unique_params(changed))
             received = sum(engine.update_weights(named[i : i + 3]) for i in range(0, len(named), 3))  # buckets
             version = engine.finish_weight_update()
             assert received == sum(t.numel() * t.element_size() for _, t in named)
             after = engine.submit(Request("w1", prompts[0], greedy)).result(timeout=300)
             assert after.token_ids == ref and after.weight_version == version > before.weight_version
+            queued = during.result(timeout=300)
+            assert queued.token_ids == ref and queued.weight_version == version
         finally:
             engine.begin_weight_update()
             engine.update_weights(list(_unique_params(original)))

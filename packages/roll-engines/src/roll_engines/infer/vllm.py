@@ -500,11 +500,13 @@ class VLLMInferEngine:
         if self._adapters is not None:
             return self._finish_adapter_update()
         sender, loading, self._sender, self._loading = self._sender, self._loading, None, None
+        loaded = False
         try:
             if sender is not None:
                 sender.close(ok=True)
             if loading is not None:
                 loading.result()
+            loaded = True
         finally:
             if sender is not None:
                 self.last_sync = {
@@ -518,10 +520,13 @@ class VLLMInferEngine:
                 try:
                     self.llm.reset_prefix_cache()
                 finally:
+                    # On the driver thread, before it admits the requests queued behind this job: they sample
+                    # from the new weights and must say so (set after `_control`, they reported one version old).
+                    if loaded:
+                        self._version += 1
                     self._paused = False
 
             self._control(do)
-        self._version += 1
         return self._version
 
     def _finish_adapter_update(self) -> int:
@@ -535,12 +540,13 @@ class VLLMInferEngine:
                 if adapters.load(new_id, self.engine.add_lora):
                     self._retire_adapters()
                 self.llm.reset_prefix_cache()
+                # Before the driver admits the requests queued behind this job (they run on the new adapter).
+                self._version = new_id
             finally:
                 self._paused = False
 
         self._control(do)
         self.last_sync = dict(adapters.last)
-        self._version = new_id
         return self._version
 
     # ---- memory -------------------------------------------------------------------------------------------
