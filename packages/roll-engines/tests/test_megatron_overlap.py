@@ -147,3 +147,34 @@ def test_overlap_combinations_megatron_does_not_run_are_refused() -> None:
         load_config([*base, "train_engine.overlap_param_gather=true"])
     cfg = load_config([*base, "train_engine.overlap_grad_reduce=true", "train_engine.overlap_param_gather=true"])
     assert cfg.train_engine.overlap_grad_reduce and cfg.train_engine.overlap_param_gather
+
+
+def test_the_schedules_grad_sync_keeps_force_all_reduce() -> None:
+    """Later pipeline stages start their reductions through `config.grad_sync_func`, not the backward hooks: it must
+    pass the DDP's `force_all_reduce` (compute_gradients: whole gradients) as the hooks do; megatron-core's own
+    `start_grad_sync` starts a reduce-scatter whatever the flag (4 gloo ranks, PP 2 x DP 2, would show it end to
+    end; this checks the wiring)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("megatron.core")
+    import megatron.core.distributed as md
+
+    from roll_engines.train.megatron._optimizer import grad_sync_func
+
+    calls: list[tuple[str, bool]] = []
+
+    class Group:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def start_grad_sync(self, force_all_reduce: bool = False) -> None:
+            calls.append((self.name, force_all_reduce))
+
+    ddp = SimpleNamespace(bucket_groups=[Group("a"), Group("b")], expert_parallel_bucket_groups=[Group("e")])
+    for force in (True, False):
+        ddp.force_all_reduce, calls[:] = force, []
+        grad_sync_func(ddp)(["parameters", "ignored"])
+        assert calls == [("a", force), ("b", force), ("e", force)]
+    ddp.force_all_reduce, calls[:] = True, []
+    md.DistributedDataParallel.start_grad_sync(ddp)  # what the engine passed before: the flag is dropped
+    assert calls == [("a", False), ("b", False), ("e", False)]

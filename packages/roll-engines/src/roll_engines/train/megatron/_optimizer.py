@@ -11,6 +11,7 @@ all-gathers that `overlap_param_gather` leaves to the next forward (before the w
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ def build_optimizer(
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
     if overlap_grad:  # the pipeline schedules start a stage's reductions after its last backward
-        config.grad_sync_func = ddp.start_grad_sync
+        config.grad_sync_func = grad_sync_func(ddp)
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
@@ -85,3 +86,19 @@ def finish_param_gather(ddp: Any) -> None:
         # Not dispatched: gather now; dispatched by a forward and still in flight: wait for it.
         if not group.param_gather_dispatched or group.param_gather_handle is not None:
             group.start_param_sync(force_sync=True)
+
+
+def grad_sync_func(ddp: Any) -> Callable[..., None]:
+    """The pipeline schedules' `grad_sync_func`: start every bucket group's reduction with the DDP's
+    `force_all_reduce` (the engine's `compute_gradients` sets it: whole gradients on every rank).
+
+    megatron-core's own `DistributedDataParallel.start_grad_sync` drops that flag (0.16): on a pipeline stage other
+    than the first, whose reductions the schedule starts through this function rather than the backward hooks,
+    `compute_gradients` under the distributed optimizer would get reduce-scattered gradients (each rank's shard
+    right, the rest partial sums) while the first stage all-reduced."""
+
+    def start(*unused: Any) -> None:
+        for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+            group.start_grad_sync(force_all_reduce=ddp.force_all_reduce)
+
+    return start
