@@ -56,3 +56,33 @@ def test_a_changed_lr_on_resume_takes_effect_and_a_fixed_setting_is_refused(tmp_
     assert "lr: 0.0001" in (tmp_path / "out" / "config.yaml").read_text()
     with pytest.raises(ConfigError, match=r"algo\.group_size"):
         run_pipeline([*base, "pipeline.max_steps=4", "algo.group_size=4", "pipeline.resume=true"])
+
+
+def test_resume_from_a_checkpoint_rolls_back_to_it_and_keeps_the_newer_ones_aside(tmp_path: Path) -> None:
+    """`pipeline.resume_from=<run>/checkpoints/step_N` continues from step N (not the run's latest), and the newer
+    checkpoints move to checkpoints/abandoned-<time>/: kept, but out of the resumed run's saves and restarts."""
+    data = _rows(tmp_path / "seven.jsonl", ["7"] * 64)
+    run = tmp_path / "out"
+    base = tiny_overrides(data, run, "pipeline.save_every=2", "pipeline.keep_last=3")
+    run_pipeline([*base, "pipeline.max_steps=4"])
+    step2 = run / "checkpoints" / "step_000002"
+    _, history = run_pipeline([*base, "pipeline.max_steps=3", f"pipeline.resume_from={step2}"])
+    assert [h["step"] for h in history if h["step"] > 0] == [1, 2, 3]  # steps 3-4 of the first branch dropped
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000002", "step_000003"]
+    (aside,) = (run / "checkpoints").glob("abandoned-*")
+    assert [p.name for p in aside.iterdir()] == ["step_000004"] and (aside / "step_000004" / "state.json").exists()
+
+
+def test_a_run_that_does_not_resume_refuses_a_folder_with_checkpoints(tmp_path: Path) -> None:
+    """Without resume, a folder holding another run's checkpoints is refused (its saves would be pruned against the
+    old run's, and a restart would load the old weights); resume=true with an explicit folder continues only that
+    folder, never a neighbour of the same experiment."""
+    data = _rows(tmp_path / "seven.jsonl", ["7"] * 64)
+    old = tiny_overrides(data, tmp_path / "runs" / "old", "pipeline.max_steps=2")
+    run_pipeline(old)
+    with pytest.raises(ValueError, match=r"already holds the checkpoints of a run \(latest step_000002\)"):
+        run_pipeline(old)
+    new = tiny_overrides(data, tmp_path / "runs" / "new", "pipeline.max_steps=1", "pipeline.resume=true")
+    summary, history = run_pipeline(new)
+    assert summary["output_dir"] == str(tmp_path / "runs" / "new")
+    assert [h["step"] for h in history if h["step"] > 0] == [1]

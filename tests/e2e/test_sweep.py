@@ -28,7 +28,8 @@ def rows(tmp_path: Path) -> list[dict[str, str]]:
 
 def test_sweep_on_ray_queues_jobs_writes_summary_and_isolates_a_failing_job(seven_task: Path, tmp_path: Path) -> None:
     """Four jobs, two slots: three train (the same task from three files) and one names a missing file. The failing
-    job is recorded and reported, the others finish; one of the three that train waits for a slot about as long as
+    job is recorded and reported, the others finish, each in its own folder though the command names one
+    (pipeline.output_dir); one of the three that train waits for a slot about as long as
     a job runs. (One sweep for both: each sweep starts its own Ray instance and its jobs' Ray roles, ~25 s.)"""
     import shutil
 
@@ -44,8 +45,12 @@ def test_sweep_on_ray_queues_jobs_writes_summary_and_isolates_a_failing_job(seve
         "pipeline.eval_every=2",
         "cluster.max_concurrent=2",
         "hydra/launcher=ray",
+        f"pipeline.output_dir={tmp_path / 'one_folder'}",  # ignored in a multirun: every job keeps its own folder
     )
     assert proc.returncode == 1, proc.stderr[-4000:]
+    assert not (tmp_path / "one_folder").exists()
+    logs = proc.stdout + proc.stderr + "".join(p.read_text() for p in (tmp_path / "sweep").glob("*/*.log"))
+    assert "is ignored in a multirun: job 0 writes to its own folder" in logs
     assert "sweep: started a local Ray instance on loopback" in proc.stdout + proc.stderr
     assert "1 sweep job(s) failed" in proc.stderr and "missing.jsonl" in proc.stderr
     table = {r["params"].removeprefix("env.path="): r for r in rows(tmp_path)}

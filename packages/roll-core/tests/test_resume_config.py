@@ -99,3 +99,20 @@ def test_a_checkpoint_records_its_config_and_a_resumed_config_is_checked_against
     assert CheckpointManager.read_config(folder) == {"algo": {"lr": 0.001}}
     (folder / "config.yaml").unlink()
     assert "records no config" in check_checkpoint(folder, cfg)[0]
+
+
+@pytest.mark.parametrize(
+    ("saved", "now"),
+    [
+        ({"math": "/models/a"}, {"math": "/models/b"}),  # a teacher replaced
+        ({}, {"math": "/models/a"}),  # a teacher added
+        ({"math": "/models/a", "code": "/models/c"}, {"math": "/models/a"}),  # a teacher removed
+    ],
+)
+def test_routed_teachers_cannot_change_on_resume(saved: dict, now: dict) -> None:
+    """distill.teachers is compared whole: an entry on one side only is a change (elsewhere a key one side lacks is
+    taken as a setting a newer version added, and only reported)."""
+    old, new = {"distill": {"teachers": saved}}, {"distill": {"teachers": now}}
+    with pytest.raises(ConfigError, match=r"distill\.teachers: "):
+        check_resume(old, new)
+    assert check_resume(old, copy.deepcopy(old)) == []

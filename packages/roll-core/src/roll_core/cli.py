@@ -32,13 +32,24 @@ def run_job(cfg: Any) -> dict[str, Any]:
     typed = to_object(cfg)
     check_installed(typed)  # a missing optional package is one line now, not a traceback from a worker later
     output_dir = typed.pipeline.output_dir
-    if output_dir is None:
-        try:
-            from hydra.core.hydra_config import HydraConfig
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
 
-            output_dir = HydraConfig.get().runtime.output_dir
-        except ValueError:  # not inside a Hydra job
-            output_dir = None
+        hydra_job = HydraConfig.get()
+    except ValueError:  # not inside a Hydra job
+        hydra_job = None
+    if hydra_job is not None and hydra_job.mode == RunMode.MULTIRUN:
+        if output_dir is not None:  # one folder for every job: each would delete the last one's metrics
+            log.warning(
+                "pipeline.output_dir=%s is ignored in a multirun: job %s writes to its own folder %s",
+                output_dir,
+                hydra_job.job.num,
+                hydra_job.runtime.output_dir,
+            )
+        output_dir = hydra_job.runtime.output_dir
+    elif output_dir is None and hydra_job is not None:
+        output_dir = hydra_job.runtime.output_dir
     from roll_core.pipelines.run_control import run_with_restarts
 
     # A fault roll cannot repair in place restarts the run from its latest checkpoint (pipeline.max_run_restarts).

@@ -99,8 +99,8 @@ class Tracker:
             out_dir: the run folder (created if missing).
             config_yaml: the resolved config; written to config.yaml and given to backends as containers.
             trackers: `roll.trackers` entry-point names (pipeline.trackers); `()` writes only the core files.
-            resume: keep metrics.jsonl's records (a later `truncate` drops the steps the run redoes); otherwise an
-                earlier metrics.jsonl in the folder is removed.
+            resume: keep metrics.jsonl's and samples.jsonl's records (a later `truncate` drops the steps the run
+                redoes); otherwise earlier ones in the folder are removed.
             name: the run name backends see; default: the config's `tracking.run_name`, else its `experiment`, else
                 the folder's name.
         """
@@ -114,8 +114,9 @@ class Tracker:
             parsed = OmegaConf.to_container(OmegaConf.create(config_yaml))
             config = parsed if isinstance(parsed, dict) else {}
         self.metrics_path = self.dir / "metrics.jsonl"
-        if not resume and self.metrics_path.exists():
-            self.metrics_path.unlink()
+        if not resume:  # an earlier run's records in this folder (a run stopped before its first checkpoint)
+            for stale in (self.metrics_path, self.dir / "samples.jsonl"):
+                stale.unlink(missing_ok=True)
         self.history: list[dict[str, Any]] = self.read_metrics(self.metrics_path) if resume else []
         from roll_core.config.tracking import tracking_config
 

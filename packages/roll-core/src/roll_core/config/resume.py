@@ -63,6 +63,10 @@ FIXED = (
     "distill.teachers",
 )
 
+#: Fixed settings compared whole (a mapping whose entries may be added or removed: an entry on one side only is a
+#: change too, where a key present on one side only is otherwise taken as a setting this version added).
+FIXED_WHOLE = ("distill.teachers",)
+
 #: Exceptions to FIXED: settings under a fixed prefix that only change how the task runs, not what it is.
 CHANGEABLE = (
     "env.reward.*",  # reward weights and limits (its class is fixed: see below)
@@ -114,6 +118,13 @@ def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], where: st
             refused.append(line)
         else:
             lines.append(line)
+    for key in FIXED_WHOLE:
+        a, b = _lookup(saved, key), _lookup(current, key)
+        if not _same(_flatten(a or {}), _flatten(b or {})):
+            line = f"{key}: {_show(a)} -> {_show(b)}"
+            if line not in refused:
+                refused.append(line)
+            lines = [x for x in lines if not x.startswith(f"{key}.") and not x.startswith(f"{key}:")]
     if refused:
         shown = "\n  ".join(refused)
         raise ConfigError(
@@ -159,6 +170,15 @@ _ABSENT: Any = _Absent()
 
 def _matches(key: str, patterns: tuple[str, ...]) -> bool:
     return any(key == p or fnmatch.fnmatchcase(key, p) for p in patterns)
+
+
+def _lookup(node: Any, key: str) -> Any:
+    """The value at dotted `key` of a nested mapping, or None where any part is missing."""
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:

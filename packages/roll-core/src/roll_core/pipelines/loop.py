@@ -54,7 +54,10 @@ class Pipeline:
         self.cluster = Cluster(cfg.cluster, cfg.hw)
         self.cluster.platform.seed_everything(pipe.seed)
         out = Path(output_dir or pipe.output_dir or Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S"))
-        self.out = resolve_run_folder(out, pipe.resume, pipe.resume_from, cfg.experiment)
+        # resume=true looks for another run only from Hydra's generated folders (no pipeline.output_dir; not a
+        # multirun job, whose siblings are the other jobs of its sweep).
+        search = pipe.output_dir is None and not _in_multirun()
+        self.out = resolve_run_folder(out, pipe.resume, pipe.resume_from, cfg.experiment, search=search)
         self.model_path = resolve_model_path(cfg.model.path)
         from transformers import AutoTokenizer
 
@@ -279,3 +282,14 @@ PROGRESS_FIELDS = (
 def progress_fields(out: dict[str, Any]) -> dict[str, str]:
     """The progress bar's postfix: the PROGRESS_FIELDS the step logged."""
     return {short: fmt.format(out[key]) for key, short, fmt in PROGRESS_FIELDS if out.get(key) is not None}
+
+
+def _in_multirun() -> bool:
+    """Whether this process runs a job of a Hydra multirun."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except ValueError:  # not inside a Hydra job
+        return False

@@ -1,10 +1,14 @@
 """Run control: which folder a resumed run continues, restarting a run after a fault, stopping on SIGINT/SIGTERM.
 
-Resume contract: `pipeline.resume_from=<folder>` continues that run (a run folder holding `checkpoints/`, or one
-checkpoint folder `.../checkpoints/step_N`). `pipeline.resume=true` continues the run in `output_dir` if it has a
-checkpoint; otherwise (every launch gets a fresh Hydra folder) the most recent run of the same experiment next to
-it (`outputs/*/*` for Hydra's default layout, or siblings of the folder); the log says which folder and step.
-Nothing found: a warning says so and the run starts at step 1.
+Resume contract: `pipeline.resume_from=<folder>` continues that run (a run folder holding `checkpoints/`: from its
+latest checkpoint; or one checkpoint folder `.../checkpoints/step_N`: from that one, the run's newer checkpoints
+moved aside into `checkpoints/abandoned-<time>/`, never deleted, so the rolled-back run's own saves and restarts
+do not mix with them). `pipeline.resume=true` continues the run in `output_dir` if it has a checkpoint; otherwise,
+when the folder is Hydra's generated one (no `pipeline.output_dir`, not a multirun: every launch gets a fresh
+folder), the most recent run of the same experiment next to it (`outputs/*/*` for Hydra's default layout, or
+siblings of the folder); the log says which folder and step. Nothing found: a warning says so and the run starts
+at step 1. A run that does not resume refuses a folder that already holds checkpoints (its own saves would be
+pruned against the old run's, and a restart would load the old run's weights).
 
 Restart contract (`run_with_restarts`): when a run fails with a fault roll cannot repair in place (a trainer rank
 died or hung: its ranks share torch.distributed groups, so one cannot be re-created alone; or a restartable role
@@ -63,16 +67,68 @@ def find_previous_run(out: Path, experiment: str) -> Path | None:
     return best[1] if best else None
 
 
-def resolve_run_folder(out: Path, resume: bool, resume_from: str | None, experiment: str) -> Path:
-    """The folder this run writes to: `out`, or the run it resumes (see the module docstring)."""
+def named_checkpoint(resume_from: str | None) -> Path | None:
+    """The checkpoint folder `pipeline.resume_from` names (`.../checkpoints/step_N`), or None (a run folder)."""
+    if not resume_from:
+        return None
+    folder = Path(resume_from).expanduser()
+    return folder if (folder / "state.json").exists() and folder.parent.name == "checkpoints" else None
+
+
+def set_aside_newer(checkpoint: Path) -> list[Path]:
+    """Move the checkpoints of `checkpoint`'s run that are newer than it into `checkpoints/abandoned-<time>/`
+    (a rollback: they are kept, out of `latest()`'s and pruning's sight); returns where they went."""
+    root = checkpoint.parent
+    newer = [
+        p
+        for p in sorted(root.glob("step_*"))
+        if p.is_dir() and not p.name.endswith(".tmp") and p.name > checkpoint.name
+    ]
+    if not newer:
+        return []
+    aside = root / f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir()
+    moved = []
+    for p in newer:
+        p.rename(aside / p.name)
+        moved.append(aside / p.name)
+    log.warning(
+        "pipeline.resume_from=%s: rolling back; the run's %d newer checkpoint(s) (%s) moved to %s",
+        checkpoint,
+        len(moved),
+        ", ".join(p.name for p in newer),
+        aside,
+    )
+    return moved
+
+
+def resolve_run_folder(out: Path, resume: bool, resume_from: str | None, experiment: str, search: bool = True) -> Path:
+    """The folder this run writes to: `out`, or the run it resumes (see the module docstring). `search`: whether
+    `resume=true` may continue another run near `out` (only for Hydra's generated folders)."""
     if resume_from:
-        folder = Path(resume_from).expanduser()
-        if (folder / "state.json").exists() and folder.parent.name == "checkpoints":
-            folder = folder.parent.parent  # a checkpoint folder: its run
+        named = named_checkpoint(resume_from)
+        folder = named.parent.parent if named is not None else Path(resume_from).expanduser()
         if _latest_checkpoint(folder) is None:
             raise ValueError(f"pipeline.resume_from={resume_from}: no complete checkpoint under {folder}/checkpoints")
+        if named is not None:
+            set_aside_newer(named)
         return folder
-    if not resume or _latest_checkpoint(out) is not None:
+    if not resume:
+        if _latest_checkpoint(out) is not None:
+            raise ValueError(
+                f"{out} already holds the checkpoints of a run (latest {_latest_checkpoint(out).name}): continue it "
+                "with pipeline.resume=true, or give this run another pipeline.output_dir (or delete "
+                f"{out / 'checkpoints'})"
+            )
+        return out
+    if _latest_checkpoint(out) is not None:
+        return out
+    if not search:
+        log.warning(
+            "pipeline.resume=true: no checkpoint in %s (an explicit pipeline.output_dir or a multirun job continues "
+            "only its own folder): starting from step 1",
+            out,
+        )
         return out
     found = find_previous_run(out, experiment)
     if found is None:
