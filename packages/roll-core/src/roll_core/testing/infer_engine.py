@@ -280,6 +280,59 @@ class InferEngineTestSuite:
         restored = engine.submit(Request("w2", prompts[0], greedy)).result(timeout=300)
         assert restored.token_ids == before.token_ids
 
+    def test_no_old_keys_and_values_outlive_a_sync(
+        self, engine: InferEngine, prompts: list[list[int]], model_path: str, tmp_path: Path
+    ) -> None:
+        """A weight update while a request runs (asynchronous training without partial rollout): afterwards a prompt
+        cached before it, and a continuation of the request that ran across it, are computed with the new weights
+        only (vLLM could not clear its prefix cache while a request held blocks; the hf engine stored the crossing
+        row's old keys and values after the clear)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        original = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        changed = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(1)
+            for p in changed.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+        folder = tmp_path / "changed"
+        changed.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(model_path).save_pretrained(folder)
+        budget = engine.max_context_length
+        cached = [5 + (7 * i) % 90 for i in range(min(96, budget // 4))]  # whole KV blocks (vLLM's are 16 tokens)
+        greedy = SamplingParams(temperature=0, max_new_tokens=6)  # stops at EOS, as the reference does
+        engine.submit(Request("c0", cached, greedy)).result(timeout=300)  # its prefix is now cached
+        # Long enough to be running at the update, short enough that its continuation fits the context.
+        long_new = (budget - len(prompts[1])) // 2 - 4
+        running = engine.submit(
+            Request("x", prompts[1], SamplingParams(temperature=1.0, max_new_tokens=long_new, seed=3, ignore_eos=True))
+        )
+        time.sleep(0.05)  # admitted and prefilled
+        # Old keys and values give log-prob gaps of 0.1-1 (measured); a perturbed model's float noise through
+        # cached blocks reached 4e-5 here: a tolerance between the two.
+        tol = max(10 * self.logprob_atol, 1e-3)
+        try:
+            engine.begin_weight_update()
+            engine.update_weights(list(_unique_params(changed)))
+            engine.finish_weight_update()
+            crossed = not running.done()
+            again = engine.submit(Request("c1", cached, greedy)).result(timeout=300)
+            ref_tokens, ref_logp = reference_greedy(str(folder), cached, 6)
+            assert again.token_ids == ref_tokens, f"{again.token_ids} vs {ref_tokens}"
+            assert again.logprobs == pytest.approx(ref_logp, abs=tol), f"{again.logprobs} vs {ref_logp}"
+            first = running.result(timeout=300)
+            assert crossed, "the request finished before the update: nothing was tested"
+            follow = [*prompts[1], *first.token_ids, 7, 8]  # extends what the crossing request computed
+            got = engine.submit(Request("f", follow, greedy)).result(timeout=300)
+            ref_tokens, ref_logp = reference_greedy(str(folder), follow, 6)
+            seen = f"{got.token_ids} {got.logprobs} vs {ref_tokens} {ref_logp} ({len(first.token_ids)} crossed)"
+            assert got.token_ids == ref_tokens, seen
+            assert got.logprobs == pytest.approx(ref_logp, abs=tol), seen
+        finally:
+            engine.begin_weight_update()
+            engine.update_weights(list(_unique_params(original)))
+            engine.finish_weight_update()
+
     def test_sleep_and_wake_up(self, engine: InferEngine, prompts: list[list[int]], model_path: str) -> None:
         from transformers import AutoModelForCausalLM
 

@@ -157,6 +157,9 @@ class Running:
     rope_delta: int = 0
     # Per forward that computed this request's positions, their experts (roll_engines.infer._routing; recording on).
     routing: list[Tensor] = field(default_factory=list)
+    # Weight version its prompt's keys and values were computed under (set at admission): a row that ran across a
+    # weight update holds old-weight KV, which must not enter the prefix store.
+    kv_version: int = -1
 
     @property
     def prompt_len(self) -> int:
@@ -293,6 +296,8 @@ class ContinuousBatcher:
             new.append(seq)
         if not new:
             return
+        for seq in new:
+            seq.kv_version = self.version()
         try:
             self._prefill(new)
         except BaseException as exc:  # the new requests are in neither queue yet: fail them here, never drop them
@@ -431,8 +436,11 @@ class ContinuousBatcher:
         self.attn = self.attn[:, first:]
 
     def _keep_prefix(self, i: int, seq: Running) -> None:
-        """Store a finished row's KV (prompt + all but its last token: the last was never fed back) for reuse."""
+        """Store a finished row's KV (prompt + all but its last token: the last was never fed back) for reuse, unless
+        the weights changed while it ran (its KV is partly the old weights'; the store was cleared at the update)."""
         if not self.prefixes.budget or not self.mergeable or seq.finish not in ("stop", "length") or not seq.tokens:
+            return
+        if seq.kv_version != self.version():
             return
         ids = (*seq.request.prompt_ids, *seq.tokens[:-1])
         if self.vision is not None and self.vision.image_token_id in ids[seq.prompt_len :]:

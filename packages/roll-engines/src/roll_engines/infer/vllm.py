@@ -518,7 +518,7 @@ class VLLMInferEngine:
 
             def do() -> None:
                 try:
-                    self.llm.reset_prefix_cache()
+                    self._reset_prefix_cache()
                 finally:
                     # On the driver thread, before it admits the requests queued behind this job: they sample
                     # from the new weights and must say so (set after `_control`, they reported one version old).
@@ -528,6 +528,14 @@ class VLLMInferEngine:
 
             self._control(do)
         return self._version
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop the prefix cache's blocks after a weight change (driver thread). vLLM refuses while any running
+        request holds blocks (0.32: it logs a warning and returns False), and a cache kept across the update would
+        serve old-weight keys and values to every later prompt sharing a cached prefix: the running requests are
+        then preempted, their keys and values recomputed under the new weights when they resume (tokens kept)."""
+        if not self.llm.reset_prefix_cache():
+            self.llm.reset_prefix_cache(reset_running_requests=True)
 
     def _finish_adapter_update(self) -> int:
         """Load the synced adapter as a new LoRA adapter (id = the new weight version) on the driver thread; new
@@ -539,7 +547,7 @@ class VLLMInferEngine:
             try:
                 if adapters.load(new_id, self.engine.add_lora):
                     self._retire_adapters()
-                self.llm.reset_prefix_cache()
+                self._reset_prefix_cache()
                 # Before the driver admits the requests queued behind this job (they run on the new adapter).
                 self._version = new_id
             finally:

@@ -105,7 +105,9 @@ def merged_weights(
     base = base_model(model)
     lora_modules = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
     persistent = set(base.state_dict())
-    parents = sync_parents(f"{owner}.weight" for owner in lora_modules)
+    parents = sync_parents(
+        f"{owner}.weight" for owner, m in lora_modules.items() if isinstance(m.get_base_layer(), torch.nn.Linear)
+    )
     for name, p in base.named_parameters():
         if ".lora_" in name:
             continue
@@ -130,9 +132,10 @@ def merged_weights(
 
 
 def sync_parents(changed: Iterable[str]) -> set[str]:
-    """The modules two levels up from changed parameters ("model.layers.0.self_attn" for
-    "model.layers.0.self_attn.q_proj.weight"): a changed-only sync sends every parameter under them
-    (`in_parents`), so fused groups (q|k|v, gate|up) reach an engine whole."""
+    """The modules two levels up from changed linear weights ("model.layers.0.self_attn" for
+    "model.layers.0.self_attn.q_proj.weight"): a changed-only sync sends every parameter directly under them
+    (`in_parents`), so fused groups (q|k|v, gate|up) reach an engine whole. Pass linear layers' weights only: an
+    embedding's parent is the whole model's top module."""
     return {name.rsplit(".", 2)[0] for name in changed if name.count(".") >= 2}
 
 

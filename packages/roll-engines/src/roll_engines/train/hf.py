@@ -603,7 +603,8 @@ class HFTrainEngine:
             return
         persistent = set(self.model.state_dict().keys())
         # A frozen parameter beside a trained one in the same module still goes (fused groups arrive whole).
-        trained = (n for n, p in self.model.named_parameters() if p.requires_grad)
+        linears = {f"{n}.weight" for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)}
+        trained = (n for n, p in self.model.named_parameters() if p.requires_grad and n in linears)
         parents = sync_parents(trained) if changed_only else set()
         for name, p in self.model.named_parameters():  # deduplicates shared (tied) parameters
             if changed_only and not p.requires_grad and not in_parents(name, parents):
