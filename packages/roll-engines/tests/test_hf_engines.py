@@ -269,3 +269,20 @@ def test_a_loaded_optimizer_takes_the_configured_lr_and_keeps_its_moments_and_po
     assert moments and all(float(m.abs().sum()) > 0 for m in moments.values())  # Adam's state came back
     out = resumed.train_step(batch, PolicyObjective())
     assert out["optimizer_steps"] == 1 and resumed.scheduler.get_last_lr()[0] == pytest.approx(1e-4 * 4 / 4)
+
+
+def test_the_engine_stops_on_the_tokenizers_eos_and_the_generation_configs(tiny: str, tmp_path: Path) -> None:
+    """A fine-tuned checkpoint may change its tokenizer's EOS and not generation_config.json's (or the reverse):
+    the engine stops on both, as vLLM does."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny), AutoTokenizer.from_pretrained(tiny)
+    assert model.generation_config.eos_token_id == tok.eos_token_id == 2
+    tok.eos_token = tok.convert_ids_to_tokens(5)  # the tokenizer's EOS changed, the generation config's not
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    engine = HFInferEngine(str(tmp_path))
+    try:
+        assert engine.eos_ids == {2, 5}
+    finally:
+        engine.shutdown()

@@ -148,6 +148,19 @@ class InferEngineTestSuite:
                 lp = out.logprobs[row][: len(got)].tolist()
                 assert lp == pytest.approx(ref_logp, abs=self.logprob_atol)
 
+    def test_greedy_reports_the_full_distribution_whatever_top_k_and_top_p(
+        self, engine: InferEngine, prompts: list[list[int]], model_path: str
+    ) -> None:
+        """Greedy requests report log_softmax(logits) (the protocol): top-k/top-p a request carries do not truncate
+        them (an evaluation that keeps its configured top_k)."""
+        if not self.supports_truncation:
+            pytest.skip(f"{engine.name} refuses top-k/top-p")
+        ref_tokens, ref_logp = reference_greedy(model_path, prompts[0], 8)
+        params = SamplingParams(temperature=0, max_new_tokens=8, top_k=2, top_p=0.3)
+        out = engine.submit(Request("gk", prompts[0], params)).result(timeout=300)
+        assert out.token_ids == ref_tokens
+        assert out.logprobs == pytest.approx(ref_logp, abs=self.logprob_atol)
+
     @pytest.mark.parametrize("temperature", [1.0, 0.7])
     def test_sampled_logprobs_equal_trainer_recomputation(
         self, engine: InferEngine, prompts: list[list[int]], model_path: str, temperature: float
@@ -172,6 +185,11 @@ class InferEngineTestSuite:
         ref, _ = reference_greedy(model_path, prompts[0], 12)
         # Stop token: the greedy response's 4th token ends it there (kept, mask 1).
         out = engine.generate(prompts[:1], SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(ref[3],)))
+        got = out.responses[0][out.response_mask[0].bool()].tolist()
+        assert got == ref[: ref.index(ref[3]) + 1] and out.finish_reasons == ["stop"]
+        # ignore_eos ignores the model's EOS only: a stop token still ends the response.
+        greedy_past_eos = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(ref[3],), ignore_eos=True)
+        out = engine.generate(prompts[:1], greedy_past_eos)
         got = out.responses[0][out.response_mask[0].bool()].tolist()
         assert got == ref[: ref.index(ref[3]) + 1] and out.finish_reasons == ["stop"]
         # Stop string: text of tokens 2..3 of the greedy response; the response ends at the completing token.

@@ -267,14 +267,17 @@ class ContinuousBatcher:
     def _sample(self, seqs: list[Running], logits: Tensor) -> None:
         params = [s.request.params for s in seqs]
         temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
-        logp = processed_logprobs(logits, temp, [p.top_k for p in params], [p.top_p for p in params])
+        # Greedy rows report log_softmax(logits) whatever top-k/top-p they carry (the protocol; vLLM does the same).
+        top_k = [0 if p.greedy else p.top_k for p in params]
+        top_p = [1.0 if p.greedy else p.top_p for p in params]
+        logp = processed_logprobs(logits, temp, top_k, top_p)
         tokens = sample_rows(logp, temp == 0, [s.generator for s in seqs])
         chosen = logp.gather(-1, tokens[:, None])[:, 0].tolist()
         for seq, tok, lp in zip(seqs, tokens.tolist(), chosen):
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
             p = seq.request.params
-            if not p.ignore_eos and (tok in self.eos_ids or tok in p.stop_token_ids):
+            if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:  # ignore_eos: EOS only
                 seq.finish = "stop"
             elif seq.stop and seq.stop.hit(seq.tokens):
                 seq.finish = "stop"

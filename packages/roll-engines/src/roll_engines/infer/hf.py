@@ -187,8 +187,11 @@ class HFInferEngine:
         self._pad_id = self.tokenizer.pad_token_id
         if self._pad_id is None:
             self._pad_id = self.tokenizer.eos_token_id
-        eos = self.model.generation_config.eos_token_id or self.tokenizer.eos_token_id
-        self.eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
+        # The tokenizer's EOS and the generation config's (vLLM stops on both): a fine-tuned checkpoint may have
+        # changed one (e.g. the tokenizer's to <|im_end|>) and not the other.
+        eos = self.model.generation_config.eos_token_id
+        eos = [*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id]
+        self.eos_ids = {int(e) for e in eos if e is not None}
         self.vision = VisionInputs(self.model, self.path, self.tokenizer) if vision else None
         limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or 4096
         self._max_context = min(max_model_len or limit, limit)
