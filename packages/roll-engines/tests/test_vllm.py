@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from roll_core.interfaces import SamplingParams
 from roll_core.testing.infer_engine import InferEngineTestSuite
 
 pytest.importorskip("vllm", reason="vLLM runs in its own venv: nox -s vllm_venv (the tests session runs it there)")
@@ -91,6 +92,17 @@ class TestVLLMInferEngine(InferEngineTestSuite):
             engine.begin_weight_update()
             engine.update_weights(list(before.items()))
             engine.finish_weight_update()
+
+    def test_temperatures_vllm_would_raise_are_refused_and_specials_reach_stop_strings(self, engine: Any) -> None:
+        """vLLM raises temperatures in (0, 0.01) to 0.01: such a request is refused (its log-probs would be of
+        another distribution than the trainer's); stop strings see special tokens' text, as on hf and SGLang."""
+        from roll_core.interfaces import UnsupportedSamplingError
+
+        with pytest.raises(UnsupportedSamplingError, match=r"below vLLM's lower bound 0\.01"):
+            engine.check_sampling(SamplingParams(temperature=0.005))
+        for t in (0.0, 0.01, 1.0):
+            engine.check_sampling(SamplingParams(temperature=t))
+        assert engine._to_vllm(SamplingParams(stop=("<|im_start|>",)), 8).skip_special_tokens is False
 
     def test_a_large_seeded_batch(self, engine: Any) -> None:
         """A prompt batch with per-request seeds and more prompt tokens than one prefill step takes (16 running

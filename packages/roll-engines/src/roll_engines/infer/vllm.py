@@ -79,7 +79,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from roll_core.interfaces import GenerateOutput, Request, RequestOutput, SamplingParams
+from roll_core.interfaces import GenerateOutput, Request, RequestOutput, SamplingParams, UnsupportedSamplingError
 from roll_core.models import resolve_model_path
 from roll_core.seeds import Purpose, derive_seed
 from roll_engines.infer._adapters import AdapterSync
@@ -89,6 +89,10 @@ from roll_engines.infer._vllm_args import cpu_env, engine_args
 from roll_engines.infer._vllm_routing import VLLMRouting, refuse
 
 log = logging.getLogger(__name__)
+
+
+#: vLLM's SamplingParams raise any temperature in (0, this) to it (vLLM 0.32 `_MIN_TEMP`).
+_MIN_TEMPERATURE = 0.01
 
 
 @dataclass
@@ -243,8 +247,16 @@ class VLLMInferEngine:
         return int(self._pad_id)
 
     def check_sampling(self, params: SamplingParams) -> None:
-        """vLLM honours every SamplingParams field (log-probs in processed mode); a structured constraint must
+        """vLLM honours every SamplingParams field (log-probs in processed mode) but temperatures in (0, 0.01),
+        which it raises to 0.01 (its SamplingParams' lower bound): its tokens and log-probs would then be another
+        distribution's than the one the trainer recomputes, so they are refused. A structured constraint must
         compile (a bad schema fails here, naming itself, rather than inside vLLM's engine)."""
+        if 0 < params.temperature < _MIN_TEMPERATURE:
+            raise UnsupportedSamplingError(
+                f"infer_engine={getattr(self, 'name', 'vllm')}: temperature={params.temperature} is below vLLM's "
+                f"lower bound {_MIN_TEMPERATURE} (vLLM would sample at {_MIN_TEMPERATURE}): use 0 (greedy) or a "
+                f"temperature >= {_MIN_TEMPERATURE}"
+            )
         if params.structured is not None:
             from roll_engines.structured import to_regex
 
@@ -270,6 +282,9 @@ class VLLMInferEngine:
             seed=p.seed,
             logprobs=0,
             include_stop_str_in_output=True,
+            # Stop strings are matched on the decoded text: with special tokens in it, as the hf engine and SGLang
+            # match them (a stop string "<|im_start|>" never fired with vLLM's default).
+            skip_special_tokens=False,
             output_kind=self._delta,
             structured_outputs=structured,
         )
