@@ -223,6 +223,7 @@ def test_step_before_reset_is_a_programming_error() -> None:
         ("\\boxed{", "\\boxed{"),
         ("", None),
         ("\\boxed{}", None),
+        ("I move \\boxed{right}. (Answer format: \\boxed{})", "right"),  # the instruction's empty box repeated
     ],
 )
 def test_extract_action(reply: str, action: str | None) -> None:
@@ -293,6 +294,14 @@ def test_guess_number_reveals_the_number_at_the_limit() -> None:
     for _ in range(5):
         obs, _, terminated, truncated, _ = env.step(str(wrong))
     assert truncated and not terminated and f"The number was {env.target}" in obs
+
+
+def test_qa_answers_compare_numbers_exactly() -> None:
+    """QAEnv's numbers: separators ignored, integers beyond 2^53 never rounded to each other."""
+    from roll_envs.agentic.tool_env import _same_answer
+
+    assert _same_answer("1,000", "1000") and _same_answer("12.50", "12.5")
+    assert not _same_answer("469401340152858662", "469401340152858661")
 
 
 # ---- tools ------------------------------------------------------------------------------------------------------

@@ -18,6 +18,35 @@ def test_extract_boxed_takes_the_last_balanced_box() -> None:
     assert extract_boxed(r"\boxed{unbalanced") is None
 
 
+def test_a_trailing_empty_box_does_not_hide_the_answer() -> None:
+    """A reply that repeats the prompt's "\\boxed{}" after answering still answered (the last non-empty box);
+    only empty boxes are no answer, and a truncated last box is still none."""
+    assert extract_boxed(r"\boxed{42} Format: \boxed{}") == "42"
+    assert extract_boxed(r"\boxed{} and \boxed{ }") == ""
+    assert extract_boxed(r"\boxed{1} then \boxed{2") is None
+    res = MathReward(format_weight=0.1).score([r"So \boxed{42}. (Answer format: \boxed{})"], ["42"])
+    assert res.correct == [1.0] and res.formatted == [1.0] and res.counters["no_boxed"] == 0
+
+
+def test_plain_numbers_compare_exactly_with_thousands_separators() -> None:
+    """1,000 is 1000 on either side; integers beyond 2^53 are compared exactly (a float made ...662 equal to
+    ...661); decimals keep a 1e-9 tolerance."""
+    reward = MathReward(last_number_weight=0.5)
+    pairs = [
+        (r"\boxed{1,000}", "1000", 1.0),
+        (r"\boxed{1000}", "1,000", 1.0),
+        (r"\boxed{-1,234,567}", "-1234567", 1.0),
+        (r"\boxed{3,000}", "3,000.0", 1.0),
+        (r"\boxed{469401340152858662}", "469401340152858661", 0.0),
+        (r"\boxed{100000000000000000001}", "100000000000000000000", 0.0),
+        (r"\boxed{469401340152858661}", "469401340152858661", 1.0),
+        (r"\boxed{0.5}", "0.50", 1.0),
+    ]
+    res = reward.score([r for r, _, _ in pairs], [a for _, a, _ in pairs])
+    assert res.correct == [c for _, _, c in pairs]
+    assert reward.score(["it is 1,000 then"], ["1,000"]).scores == [0.5]  # last-number credit, both sides
+
+
 def test_last_number() -> None:
     assert last_number("3 + 4 = 7, so 7.") == "7"
     assert last_number("it is 1,234") == "1234"

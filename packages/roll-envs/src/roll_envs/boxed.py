@@ -9,11 +9,25 @@ _BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) with balanced braces, stripped, or None."""
+    """Content of the last non-empty `\\boxed{...}` (or `\\fbox{...}`) with balanced braces, stripped; "" when every
+    box is empty; None without a box, or when the box read is unbalanced (a truncated answer).
+
+    Empty boxes are passed over: prompts say "put the final answer in \\boxed{}", and a reply that repeats that
+    after its answer still answered."""
     starts = [m.end() for m in _BOX_START.finditer(text)]
     if not starts:
         return None
-    start = starts[-1]
+    for start in reversed(starts):
+        content = _balanced(text, start)
+        if content is None:
+            return None  # unbalanced: treated as no answer
+        if content:
+            return content
+    return ""
+
+
+def _balanced(text: str, start: int) -> str | None:
+    """The stripped text from `start` to the brace closing the one just before it, or None if none closes it."""
     depth = 1
     for i in range(start, len(text)):
         if text[i] == "{":
@@ -22,4 +36,4 @@ def extract_boxed(text: str) -> str | None:
             depth -= 1
             if depth == 0:
                 return text[start:i].strip()
-    return None  # unbalanced: treated as no answer
+    return None

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 from roll_envs.agentic.base import Outcome, TextEnv, echo
 from roll_envs.agentic.tools import Calculator, Tool, get_tool
+from roll_envs.numeric import numbers_equal
 
 _CALL = re.compile(r"<tool>\s*([A-Za-z_][\w-]*)\s*:(.*?)</tool>", re.DOTALL)
 _NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
@@ -38,7 +39,7 @@ def _same_answer(given: str, answer: str) -> bool:
     """Numbers compare as numbers (1,000 = 1000.0), everything else as case- and space-insensitive text."""
     g, a = given.replace(",", "").strip(), answer.replace(",", "").strip()
     if _NUMBER.fullmatch(g) and _NUMBER.fullmatch(a):
-        return abs(float(g) - float(a)) < 1e-9
+        return numbers_equal(g, a)  # exact for integers (roll_envs.numeric)
     return " ".join(g.lower().split()) == " ".join(a.lower().split())
 
 

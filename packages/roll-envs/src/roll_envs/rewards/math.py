@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from roll_core.isolation import CallTimeout, ChildError, ForkedWorker
 from roll_envs.boxed import extract_boxed
+from roll_envs.numeric import numbers_equal
 from roll_envs.rewards.base import Reward, RewardResult
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
@@ -41,8 +42,9 @@ def last_number(text: str) -> str | None:
 
 
 def _same_number(a: str, b: str) -> bool:
+    """Plain numbers compared exactly (roll_envs.numeric: "1,000" = "1000", large integers never rounded)."""
     try:
-        return abs(float(a) - float(b)) < 1e-9
+        return numbers_equal(a, b)
     except ValueError:
         return a.strip() == b.strip()
 

@@ -1,0 +1,32 @@
+"""Numeric answers compared exactly: one rule for rewards (roll_envs.rewards.math) and environments
+(roll_envs.agentic.tool_env). Pure Python.
+
+`numbers_equal(a, b)` parses both as decimals (thousands separators and surrounding space removed) into exact
+fractions: integers must be equal (a float cannot tell 469401340152858661 from ...662: above 2^53 neighbours
+round to one double), other values may differ by less than 1e-9 (as before, for answers written to more or fewer
+decimals). Raises ValueError when either is not a plain decimal number.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+_DECIMAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
+_TOLERANCE = Fraction(1, 10**9)
+
+
+def parse_number(text: str) -> Fraction:
+    """`text` as an exact fraction ("1,234.50" -> 2469/2); ValueError when it is not a plain decimal number."""
+    t = text.replace(",", "").strip()
+    if not _DECIMAL.fullmatch(t):
+        raise ValueError(f"not a plain decimal number: {text!r}")
+    return Fraction(t)
+
+
+def numbers_equal(a: str, b: str) -> bool:
+    """Whether two decimal numbers are the same answer (module docstring); ValueError for non-numbers."""
+    x, y = parse_number(a), parse_number(b)
+    if x.denominator == 1 and y.denominator == 1:
+        return x == y
+    return abs(x - y) < _TOLERANCE
