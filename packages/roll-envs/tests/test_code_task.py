@@ -128,7 +128,9 @@ def test_loader_eval_path_parquet_and_no_usable_rows(tmp_path: Path) -> None:
         prompt_key="q",
         tests_key="cases",
     )
-    assert len(task.train_set()) == 6 and len(task.eval_set()) == 1
+    # The held-out problem is not trained on (the sets never share a problem); the training row is counted.
+    assert len(task.train_set()) == 5 and len(task.eval_set()) == 1
+    assert task.eval_set()[0].prompt not in {p.prompt for p in task.train_set()}
     with pytest.raises(ValueError, match="no usable rows"):
         load_code_problems(tmp_path / "held.jsonl")  # default keys: prompt, tests
     with pytest.raises(ConfigError, match="does not exist"):

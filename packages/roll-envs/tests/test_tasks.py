@@ -57,6 +57,27 @@ def test_countdown_targets_are_reachable() -> None:
         assert int(target) > 0 and len(nums.split(",")) == 3
 
 
+@pytest.mark.parametrize(
+    "kwargs", [{"eval_fraction": 0.0}, {"max_number": 1}, {"eval_fraction": 1.0}], ids=["no-held-out", "one-key", "all"]
+)
+def test_countdown_settings_that_leave_a_split_empty_are_an_error_not_a_hang(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="countdown: cannot draw"):
+        CountdownTask(CountdownReward(), train_size=10, eval_size=5, **kwargs)
+
+
+def test_rows_also_in_eval_path_do_not_train(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The training and held-out sets never share a problem: training rows that env.eval_path also holds are left
+    out of training, with a warning."""
+    rows = [{"prompt": f"Q{i}: what is {i} + 1?", "answer": str(i + 1)} for i in range(50)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:10]))
+    with caplog.at_level(logging.WARNING):
+        task = FileTask(MathReward(), path=str(tmp_path / "train.jsonl"), eval_path=str(tmp_path / "test.jsonl"))
+    train, held = {p.prompt for p in task.train_set()}, {p.prompt for p in task.eval_set()}
+    assert len(train) == 40 and len(held) == 10 and not train & held
+    assert "10 of its 50 rows are also in env.eval_path" in caplog.text
+
+
 def test_file_task_reports_bad_rows(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "data.jsonl"
     lines = [json.dumps({"prompt": f"What is {i}+1?", "answer": str(i + 1)}) for i in range(40)]

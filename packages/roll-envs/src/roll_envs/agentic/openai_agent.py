@@ -20,6 +20,7 @@ returning a list of dicts). The held-out rows are `env.eval_path`'s, else a stab
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import subprocess
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from roll_core.errors import ConfigError, Extra
+
+log = logging.getLogger(__name__)
 
 OPENAI = Extra(
     "openai", "env.program=<module:function> (the program gets an openai.OpenAI client)", "openai", "roll-envs[agents]"
@@ -186,7 +189,12 @@ class OpenAIAgentTask:
         if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
             raise ConfigError(f"{source} must give a non-empty list of task rows (JSON objects)")
         if eval_path:
-            self._train, held = rows, _file_rows(eval_path, "env.eval_path")
+            held = _file_rows(eval_path, "env.eval_path")
+            evaluated = {json.dumps(r, sort_keys=True, default=str) for r in held}
+            self._train = [r for r in rows if json.dumps(r, sort_keys=True, default=str) not in evaluated]
+            if len(self._train) < len(rows):  # a held-out task that also trains measures nothing
+                left_out = len(rows) - len(self._train)
+                log.warning("%s: %d rows also in env.eval_path left out of training", source, left_out)
         else:
             from roll_envs.tasks.base import stable_fraction
 

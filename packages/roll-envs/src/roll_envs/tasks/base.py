@@ -11,12 +11,15 @@ and the pipeline feeds them to a vision-language model (a text model given pictu
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from roll_envs.rewards.base import Reward, RewardResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,8 @@ def held_out_split(
     problems: list[Any], held: list[Any] | None, *, eval_fraction: float, eval_size: int, path: str | None
 ) -> tuple[list[Any], list[Any]]:
     """(train, held-out) of a file-backed task: with `held` (the rows of env.eval_path) every row of `problems`
-    trains; without, prompts whose stable hash falls below `eval_fraction` are held out. The held-out list is cut
+    trains but those also in `held` (same `split_key`: dropped with one warning, so the two sets never share a
+    problem); without, prompts whose stable hash falls below `eval_fraction` are held out. The held-out list is cut
     to `eval_size`. A ConfigError when nothing is left to train on."""
     from roll_core.errors import ConfigError
 
@@ -47,7 +51,16 @@ def held_out_split(
         train = [p for p in problems if stable_fraction(split_key(p)) >= eval_fraction]
         held = [p for p in problems if stable_fraction(split_key(p)) < eval_fraction]
     else:
-        train = problems
+        evaluated = {split_key(p) for p in held}
+        train = [p for p in problems if split_key(p) not in evaluated]
+        if len(train) < len(problems):
+            log.warning(
+                "%s: %d of its %d rows are also in env.eval_path: left out of training (a held-out problem "
+                "that is trained on measures nothing)",
+                path,
+                len(problems) - len(train),
+                len(problems),
+            )
     if not train:
         raise ConfigError(
             f"{path}: every row fell in the held-out split; lower env.eval_fraction or give env.eval_path"

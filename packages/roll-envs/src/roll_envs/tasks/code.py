@@ -148,6 +148,11 @@ class CodeTask(Task):
                     eval_path, prompt_key=prompt_key, tests_key=tests_key, name=name
                 )
                 self.skipped += [(str(eval_path), n, why) for n, why in eval_skipped]
+                evaluated = {p.prompt for p in held}  # a held-out problem that also trains measures nothing
+                kept = [p for p in train if p.prompt not in evaluated]
+                if len(kept) < len(train):
+                    log.warning("%s: %d problems also in eval_path left out of training", path, len(train) - len(kept))
+                train = kept
             else:
                 held = [p for p in train if stable_fraction(p.prompt) < eval_fraction]
                 train = [p for p in train if stable_fraction(p.prompt) >= eval_fraction]

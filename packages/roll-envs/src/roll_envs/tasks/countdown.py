@@ -146,7 +146,15 @@ class CountdownTask(Task):
 
     def _draw(self, rng: random.Random, n: int, held_out: bool, fraction: float) -> list[Problem]:
         out: list[Problem] = []
+        attempts = 0
         while len(out) < n:
+            attempts += 1
+            if attempts > 200 * max(n, 1):  # a split these settings leave (nearly) empty: say so, never spin
+                raise ValueError(
+                    f"countdown: cannot draw {n} {'held-out' if held_out else 'training'} problems with "
+                    f"num_numbers={self.num_numbers}, max_number={self.max_number}, eval_fraction={fraction}: "
+                    "widen max_number, or move eval_fraction away from 0 and 1 (or set that split's size to 0)"
+                )
             nums = [rng.randint(1, self.max_number) for _ in range(self.num_numbers)]
             order = nums[:]
             rng.shuffle(order)
