@@ -584,3 +584,22 @@ def test_skyrl_rows_from_a_file_and_errors(tmp_path: Path) -> None:
         make_env("skyrl:gsm9k", rows=SKYRL_ROWS)
     with pytest.raises(ValueError, match="exactly one of rows"):
         make_env("skyrl:gsm8k")
+
+
+def test_skyrl_held_out_seeds_use_held_out_rows_only(tmp_path: Path) -> None:
+    """Held-out seeds (>= eval_seed_offset) pick from the held-out rows, training seeds from the others: the two
+    never share a row; a held-out seed without held-out rows is an error, not a training row."""
+    pytest.importorskip("skyrl_gym", exc_type=ImportError)
+    import json
+
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps(SKYRL_ROWS[3]) + "\n")
+    env = make_env("skyrl:gsm8k_multi_turn", rows=SKYRL_ROWS, eval_data_file=str(held), eval_seed_offset=100)
+    train_prompts = {env.reset(seed=s)[0] for s in range(20)}
+    eval_prompts = {env.reset(seed=100 + s)[0] for s in range(5)}
+    assert eval_prompts == {SKYRL_ROWS[3]["prompt"]} and train_prompts == {r["prompt"] for r in SKYRL_ROWS[:3]}
+    split = make_env("skyrl:gsm8k_multi_turn", rows=SKYRL_ROWS, eval_fraction=0.5)
+    assert not {r["prompt"] for r in split.rows} & {r["prompt"] for r in split.held_out}
+    bare = make_env("skyrl:gsm8k_multi_turn", rows=SKYRL_ROWS)
+    with pytest.raises(ValueError, match="held-out seed 1000000 but no held-out rows"):
+        bare.reset(seed=1_000_000)

@@ -4,7 +4,11 @@ SkyRL-Gym (`pip install roll-envs[skyrl]`) is not Gymnasium-shaped: an environme
 (`skyrl_gym.make(id, env_config=..., extras=row_extras)`, the extras carrying e.g. the reward spec), started with
 `init(prompt_messages)`, and `step(text)` returns a dict of chat-message observations, reward, done and metadata.
 The adapter gives it roll's shape: `rows` (or a JSONL `data_file`) are the dataset, `{"prompt": str | messages,
-"extras": {...}}` per line; `reset(seed)` picks row `seed % len(rows)` and builds a fresh environment for it;
+"extras": {...}}` per line; `reset(seed)` picks a row and builds a fresh environment for it: a held-out seed
+(>= `eval_seed_offset`, env.eval_seed_offset's default) picks from the held-out rows (`eval_rows` /
+`eval_data_file`, else the rows whose stable hash falls below `eval_fraction`), any other seed from the rest,
+`seed % len(...)`; the two never share a row (held-out success measures generalisation), and a held-out seed
+without held-out rows is an error naming what to set;
 observations are the new messages' contents joined; `done` is a truncation when the environment's own turn limit
 (`max_turns`) ended the episode without success, else a termination; success = terminated with reward >=
 `success_reward`. SkyRL-Gym has no invalid-action notion, so `invalid_action` is always False (its environments
@@ -19,6 +23,15 @@ from pathlib import Path
 from typing import Any
 
 
+def _read_rows(path: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _key(row: dict[str, Any]) -> str:
+    """What makes two rows the same problem (the held-out split's key)."""
+    return json.dumps(row, sort_keys=True, default=str)
+
+
 class SkyRLEnv:
     """One SkyRL-Gym environment id over a list of dataset rows; see the module docstring."""
 
@@ -30,6 +43,10 @@ class SkyRLEnv:
         env_config: dict[str, Any] | None = None,
         success_reward: float = 1.0,
         seed: int | None = None,
+        eval_rows: list[dict[str, Any]] | None = None,
+        eval_data_file: str | None = None,
+        eval_fraction: float = 0.0,
+        eval_seed_offset: int = 1_000_000,
     ) -> None:
         from roll_envs.config import SKYRL
 
@@ -39,15 +56,28 @@ class SkyRLEnv:
         if (rows is None) == (data_file is None):
             raise ValueError("SkyRLEnv needs exactly one of rows=[{'prompt': ..., 'extras': {...}}] or data_file=")
         if data_file is not None:
-            lines = Path(data_file).read_text().splitlines()
-            rows = [json.loads(line) for line in lines if line.strip()]
+            rows = _read_rows(data_file)
         assert rows is not None
         if not rows or any("prompt" not in r for r in rows):
             raise ValueError("SkyRLEnv rows must be non-empty and each have a 'prompt' (and usually 'extras')")
+        if eval_rows is not None and eval_data_file is not None:
+            raise ValueError("SkyRLEnv takes at most one of eval_rows= and eval_data_file=")
+        held = _read_rows(eval_data_file) if eval_data_file is not None else eval_rows
+        if held is not None:
+            keys = {_key(r) for r in held}
+            train = [r for r in rows if _key(r) not in keys]
+        else:
+            from roll_envs.tasks.base import stable_fraction
+
+            train = [r for r in rows if stable_fraction(_key(r)) >= eval_fraction]
+            held = [r for r in rows if stable_fraction(_key(r)) < eval_fraction]
+        if not train:
+            raise ValueError("SkyRLEnv: every row is held out; give more rows or lower eval_fraction")
+        self.held_out, self.eval_seed_offset = held, int(eval_seed_offset)
         if env_id not in skyrl_gym.envs.registration.registry:
             known = ", ".join(sorted(skyrl_gym.envs.registration.registry))
             raise ValueError(f"unknown SkyRL-Gym environment {env_id!r}; registered: {known}")
-        self.env_id, self.rows, self.env_config = env_id, rows, dict(env_config or {})
+        self.env_id, self.rows, self.env_config = env_id, train, dict(env_config or {})
         self.success_reward = float(success_reward)
         self._make, self._seeds = skyrl_gym.make, random.Random(seed)
         self.env: Any = None
@@ -67,7 +97,16 @@ class SkyRLEnv:
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         seed = int(seed) if seed is not None else self._seeds.getrandbits(32)
-        row = self.rows[seed % len(self.rows)]
+        if seed >= self.eval_seed_offset:
+            if not self.held_out:
+                raise ValueError(
+                    f"{self.env_id}: held-out seed {seed} but no held-out rows (they would be training rows): give "
+                    "env.env_kwargs.eval_data_file (or eval_rows), or env.env_kwargs.eval_fraction > 0, or "
+                    "env.eval_size=0"
+                )
+            row = self.held_out[(seed - self.eval_seed_offset) % len(self.held_out)]
+        else:
+            row = self.rows[seed % len(self.rows)]
         prompt = row["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         self.env = self._make(self.env_id, env_config=self.env_config, extras=dict(row.get("extras", {})))

@@ -108,7 +108,10 @@ class AgenticTask:
             return env_cls(**self.env_kwargs)
         from roll_envs.agentic.registry import make_env
 
-        return make_env(self.env, **self.env_kwargs)
+        kwargs = dict(self.env_kwargs)
+        if self.env.startswith("skyrl:"):  # a dataset-backed env: it maps held-out seeds to held-out rows
+            kwargs.setdefault("eval_seed_offset", self.eval_seed_offset)
+        return make_env(self.env, **kwargs)
 
     def system_prompt(self) -> str | None:
         """The configured system prompt, else the environment's own instructions (rules and action format)."""
