@@ -108,6 +108,25 @@ def test_route_by_column_reads_each_rows_domain(tmp_path: Path) -> None:
         MultiTask({"data": FileTask(Plain(), path=str(path))}, route="column", rewards={"easy": Plain()})
 
 
+def test_column_routing_keeps_sub_tasks_apart_when_their_ids_coincide(tmp_path: Path) -> None:
+    """Two file tasks named alike over files named alike: their rows' own ids coincide; each problem still gets
+    its own sub-task's messages, and ids stay unique."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        rows = [{"prompt": f"{folder} question {i}", "answer": str(i), "domain": "math"} for i in range(40)]
+        (tmp_path / folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tasks = {
+        key: FileTask(Plain(), path=str(tmp_path / key / "train.jsonl"), system_prompt=f"SYSTEM {key.upper()}")
+        for key in ("a", "b")
+    }
+    multi = MultiTask(tasks, route="column", rewards={"math": Plain()})
+    problems = multi.train_set() + multi.eval_set()
+    assert len({p.id for p in problems}) == len(problems)
+    for p in problems:
+        system = multi.messages(p)[0]["content"]
+        assert system == f"SYSTEM {p.prompt[0].upper()}", (p.prompt, system)
+
+
 @pytest.mark.parametrize(
     ("kw", "message"),
     [

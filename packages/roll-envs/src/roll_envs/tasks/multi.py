@@ -35,7 +35,9 @@ from roll_envs.rewards.base import Reward, RewardResult
 
 @dataclass(frozen=True)
 class DomainProblem:
-    """A sub-task's problem served by a multi-domain task; `source` is the sub-task's own problem."""
+    """A sub-task's problem served by a multi-domain task; `source` is the sub-task's own problem and `task` the
+    sub-task's key (its chat messages come from there: with route=column a domain may hold several sub-tasks'
+    rows, whose own ids may coincide)."""
 
     id: str
     prompt: str
@@ -43,6 +45,7 @@ class DomainProblem:
     domain: str
     metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     source: Any = field(default=None, compare=False, hash=False)
+    task: str = ""
 
 
 class DomainReward(Reward):
@@ -115,7 +118,6 @@ class MultiTask:
             if not hasattr(task, "train_set") or not hasattr(task, "messages"):
                 raise ConfigError(f"env.tasks.{t} is not a single-turn task (a multi-turn env cannot be a domain)")
         # (sub-task, problem) pairs -> domain problems; the sub-task stays reachable for its chat messages.
-        self._owner: dict[str, str] = {}
         train = [self._wrap(t, p) for t in self.tasks for p in self.tasks[t].train_set()]
         held = [[self._wrap(t, p) for p in self.tasks[t].eval_set()] for t in self.tasks]
         self.domains = list(dict.fromkeys(p.domain for p in train))
@@ -148,16 +150,18 @@ class MultiTask:
 
     def _wrap(self, task: str, p: Any) -> DomainProblem:
         domain = str(getattr(p, "domain", task)) if self.route == "column" else task
-        wrapped = DomainProblem(
-            id=f"{domain}/{p.id}",
+        # Column routing: two sub-tasks' rows may share a domain and an id (two files named alike): the sub-task
+        # is part of the id.
+        ident = f"{domain}/{task}/{p.id}" if self.route == "column" else f"{domain}/{p.id}"
+        return DomainProblem(
+            id=ident,
             prompt=p.prompt,
             answer=p.answer,
             domain=domain,
             metadata=dict(getattr(p, "metadata", None) or {}),
             source=p,
+            task=task,
         )
-        self._owner[wrapped.id] = task
-        return wrapped
 
     # ---- the Task contract ----------------------------------------------------------------------------------
     def train_set(self) -> list[DomainProblem]:
@@ -170,7 +174,7 @@ class MultiTask:
 
     def messages(self, problem: DomainProblem) -> list[dict[str, str]]:
         """The sub-task's own chat messages (its system prompt and worked examples)."""
-        return self.tasks[self._owner[problem.id]].messages(problem.source)
+        return self.tasks[problem.task].messages(problem.source)
 
     @property
     def skipped_rows(self) -> dict[str, int]:
