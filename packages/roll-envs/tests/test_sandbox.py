@@ -18,6 +18,7 @@ from roll_envs.sandbox import (
     OK,
     OUTPUT_LIMIT,
     RUNTIME_ERROR,
+    SANDBOX_ERROR,
     TIMEOUT,
     PythonSandbox,
     SandboxLimits,
@@ -46,6 +47,20 @@ def test_statuses(sandbox: PythonSandbox) -> None:
     assert sleeper.status == TIMEOUT and sleeper.returncode is None and time.monotonic() - start < 5
     flood = sandbox.run("print('y' * 20_000)")
     assert flood.status == OUTPUT_LIMIT and len(flood.stdout) <= 10_000
+
+
+def test_a_deadline_before_the_sandbox_is_up_is_a_sandbox_error(sandbox: PythonSandbox) -> None:
+    """A wall clock shorter than the sandbox's start (a loaded machine): the program never ran, so the run is the
+    sandbox's failure (`sandbox_error`), not the program's timeout (a correct program would have scored 0)."""
+    from dataclasses import replace
+
+    limits = sandbox.limits
+    try:
+        sandbox.limits = replace(limits, timeout_s=0.002)
+        assert sandbox.run("print(input())", "hi\n").status == SANDBOX_ERROR
+    finally:
+        sandbox.limits = limits
+    assert sandbox.run("print(input())", "hi\n").stdout == "hi\n"
 
 
 def test_a_broken_sandbox_is_a_sandbox_error_not_a_wrong_answer(monkeypatch: pytest.MonkeyPatch) -> None:

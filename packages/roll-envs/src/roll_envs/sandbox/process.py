@@ -7,9 +7,10 @@ the timeout plus the time the kernel takes to reap. Killing a run kills the init
 bwrap's `--json-status-fd`, held as a pidfd checked to be in that namespace, so a recycled pid is never hit),
 which takes every process of the namespace with it whatever the program did to itself (a cleared parent-death
 signal, a new session), then the command's process group. The child signals through `ready_fd` that its
-setup finished; a child that exits without signalling is a `sandbox_error` (the sandbox, not the program,
-failed). Exit status 0 is `ok`, any other exit or a signal is `runtime_error`, CPU-time exhaustion (SIGXCPU) is
-`timeout`; a signal reported by bwrap as exit status 128 + n counts as that signal. The caller compares stdout
+setup finished; a child that exits without signalling, or reaches the wall clock or the output budget before
+signalling (a slow start on a loaded machine), is a `sandbox_error` (the sandbox, not the program, failed). Exit
+status 0 is `ok`, any other exit or a signal is `runtime_error`, CPU-time exhaustion (SIGXCPU) is `timeout`; a
+signal reported by bwrap as exit status 128 + n counts as that signal. The caller compares stdout
 with what it expects: no verdict is ever read from the child.
 
 Covers: processes that hang, spin, flood their pipes, close their pipes and keep running, or exit early.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import selectors
 import signal
 import subprocess
@@ -250,6 +252,13 @@ def run_captured(
                     stdout += chunk
                 elif len(stderr) < STDERR_KEPT:
                     stderr += chunk[: STDERR_KEPT - len(stderr)]
+    if status is not None and not ready:
+        # The deadline came before the ready byte: the program never started (a slow sandbox start on a loaded
+        # machine), which is the sandbox's failure, not the program's timeout or flood. A byte written but not yet
+        # read still counts.
+        ready = bool(select.select([ready_fd], [], [], 0)[0]) and bool(os.read(ready_fd, 1))
+        if not ready:
+            status = SANDBOX_ERROR
     returncode: int | None = None
     if status is None:
         try:
