@@ -296,6 +296,20 @@ def test_guess_number_reveals_the_number_at_the_limit() -> None:
     assert truncated and not terminated and f"The number was {env.target}" in obs
 
 
+def test_a_raising_reward_fails_the_qa_step_instead_of_scoring_it_wrong() -> None:
+    """The exception reaches roll's env manager, which counts the episode as an env_error."""
+    from roll_envs.rewards.base import Reward
+
+    class Broken(Reward):
+        def score(self, responses, answers, **kw):  # type: ignore[no-untyped-def]
+            raise RuntimeError("reward bug")
+
+    env = QAEnv([("What is 2 + 2?", "4")], reward=Broken())
+    env.reset(seed=0)
+    with pytest.raises(RuntimeError, match="reward bug"):
+        env.step("\\boxed{4}")
+
+
 def test_qa_answers_compare_numbers_exactly() -> None:
     """QAEnv's numbers: separators ignored, integers beyond 2^53 never rounded to each other."""
     from roll_envs.agentic.tool_env import _same_answer

@@ -48,6 +48,8 @@ def test_plain_numbers_compare_exactly_with_thousands_separators() -> None:
 
 
 def test_last_number() -> None:
+    assert last_number("pages 10-12") == "12" and last_number("x-3") == "3"  # a hyphen or operator, not a sign
+    assert last_number("so x = -5") == "-5" and last_number("3-4=-1") == "-1"
     assert last_number("3 + 4 = 7, so 7.") == "7"
     assert last_number("it is 1,234") == "1234"
     assert last_number("none") is None
@@ -157,6 +159,10 @@ def test_math_reward_timeout_works_off_the_main_thread(monkeypatch: pytest.Monke
 def test_mismatched_lengths() -> None:
     with pytest.raises(ValueError, match="2 responses but 1 answers"):
         MathReward().score(["a", "b"], ["1"])
+
+
+def test_countdown_takes_the_multiplication_and_division_signs() -> None:
+    assert evaluate_equation("(3 × 8) ÷ 2 − 1") == (11, [3, 8, 2, 1])
 
 
 def test_countdown_equation_parsing() -> None:

@@ -93,10 +93,9 @@ class QAEnv(TextEnv):
 
     def _apply(self, action: str) -> Outcome:
         if self.reward is not None:
-            try:  # a user reward that raises must not end training: it scores as wrong
-                ok = bool(self.reward.score([self._reply], [self.answer]).correct[0])
-            except Exception:
-                ok = False
+            # A reward that raises fails this episode as an env_error, counted by roll's env manager (it used to
+            # score the answer wrong, silently: a broken reward looked like a model that never learns).
+            ok = bool(self.reward.score([self._reply], [self.answer]).correct[0])
         else:
             ok = _same_answer(action, self.answer)
         message = "Correct!" if ok else f"Wrong: the answer was {self.answer}."

@@ -28,7 +28,9 @@ from roll_envs.boxed import extract_boxed
 from roll_envs.numeric import numbers_equal
 from roll_envs.rewards.base import Reward, RewardResult
 
-_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+#: A decimal number; a minus sign right after a digit, letter or closing bracket is a hyphen or an operator ("pages
+#: 10-12", "x-3"), not the number's sign.
+_NUMBER = re.compile(r"(?:(?<![\w)\]])-)?\d+(?:,\d{3})*(?:\.\d+)?")
 #: Longest boxed answer verified symbolically. Longer ones (model output of thousands of nested braces or
 #: parentheses) score 0 and count in `errors` at once: math-verify would spend its whole timeout on them, and its
 #: SIGALRM timeout cannot interrupt C code (a regex over the text), so the time is not even bounded.

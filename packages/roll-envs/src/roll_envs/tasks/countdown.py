@@ -36,6 +36,7 @@ MAX_EQUATION_CHARS = 1000
 def evaluate_equation(text: str) -> tuple[Fraction, list[int]]:
     """Exact value of an arithmetic expression and the integers it uses; ValueError for anything else."""
     text = text.split("=")[0].replace("\\times", "*").replace("\\cdot", "*").replace("\\div", "/")
+    text = text.replace("×", "*").replace("÷", "/").replace("−", "-")  # the symbols themselves (unicode minus too)
     if len(text) > MAX_EQUATION_CHARS:
         raise ValueError(f"equation of {len(text)} characters (more than {MAX_EQUATION_CHARS})")
     try:
