@@ -86,8 +86,9 @@ def set_aside_newer(checkpoint: Path) -> list[Path]:
     ]
     if not newer:
         return []
-    aside = root / f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"
-    aside.mkdir(exist_ok=True)  # two rollbacks in one second share it (their step names differ)
+    import tempfile
+
+    aside = Path(tempfile.mkdtemp(prefix=f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}-", dir=root))  # unique
     moved = []
     for p in newer:
         p.rename(aside / p.name)
