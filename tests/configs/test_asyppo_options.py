@@ -116,3 +116,9 @@ def test_ray_colocated_runs_refuse_more_device_roles_than_a_bundle_fits() -> Non
     with pytest.raises(ConfigError, match=r"fits 5 device roles per device, this run has 7 \(.*critic_3\)"):
         check("algo.num_critics=4", "algo.kl_coef=0.01")
     check("algo.num_critics=4", "algo.kl_coef=0.01", "cluster.placement=disaggregated")
+    # Distillation's teachers take one slot each, critic or not (the sixth actor used to wait forever).
+    cfg = to_object(compose(["cluster=ray"]))
+    four = {name: "builtin:tiny" for name in ("a", "b", "c", "d")}
+    _check_colocated_share(cfg, RoleNeeds(teachers=dict(list(four.items())[:3])), reference_built=False)
+    with pytest.raises(ConfigError, match=r"this run has 6 \(actor_train, actor_infer, teacher_a, .*teacher_d\)"):
+        _check_colocated_share(cfg, RoleNeeds(teachers=four), reference_built=False)

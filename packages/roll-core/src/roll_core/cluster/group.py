@@ -199,9 +199,16 @@ class WorkerGroup(Generic[W]):
             self._actor_options.append(options)
             actors.append(self._spawn(r))
         try:
-            self.nodes = [str(n) for n in ray.get([a.node_id.remote() for a in actors])]
+            # Bounded: an actor Ray cannot place (its bundle's share used up) would otherwise be waited for forever.
+            self.nodes = [str(n) for n in ray.get([a.node_id.remote() for a in actors], timeout=self.start_timeout_s)]
         except ray.exceptions.RayActorError as exc:
             raise WorkerDiedError(f"{self.name}: a worker failed to start: {exc}") from exc
+        except ray.exceptions.GetTimeoutError as exc:
+            raise WorkerDiedError(
+                f"{self.name}: its {world_size} worker(s) did not start within {self.start_timeout_s:.0f} s "
+                "(cluster.placement_timeout_s): Ray could not place them, or they are still loading; `ray status` "
+                "shows what the cluster lacks"
+            ) from exc
         # Phase two: rank 0 (wherever it landed) picks the rendezvous on its own node; then every rank sets up.
         endpoint = ray.get(actors[0].rendezvous_endpoint.remote())
         self._endpoint = endpoint  # a restarted rank sets up with the same rendezvous

@@ -409,7 +409,8 @@ class ClusterConfig:
     namespace: str = "roll"
     # Keep Ray's token authentication on a local instance roll starts (RAY_AUTH_MODE in the environment wins).
     ray_token_auth: bool = True
-    # Seconds to wait for a role's placement group before failing with what the cluster lacks.
+    # Seconds to wait for a role's placement group, and then for its workers to start, before failing with what
+    # the cluster lacks.
     placement_timeout_s: float = 600.0
     # Sweeps: jobs of one multirun that may run at once on the Ray cluster (0: no bound; others queue).
     max_concurrent: int = 1

@@ -208,11 +208,11 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
 
 def _check_colocated_share(cfg: RLVRConfig, needs: RoleNeeds, *, reference_built: bool) -> None:
     """On Ray, colocated device roles each reserve 1 / len(DEVICE_ROLES) of every device bundle, so at most that
-    many fit: AsyPPO's further critics take slots of their own, a ConfigError here rather than a placement that
-    never comes."""
+    many fit: AsyPPO's further critics and distillation's teachers (one role each) take slots of their own, a
+    ConfigError here rather than a placement that never comes (the sixth actor waited forever)."""
     from roll_core.cluster.launch import DEVICE_ROLES
 
-    if cfg.cluster.backend != "ray" or cfg.cluster.placement != "colocated" or not needs.critic:
+    if cfg.cluster.backend != "ray" or cfg.cluster.placement != "colocated":
         return
     rm = cfg.reward_model
     rm_here = rm is not None and rm.enabled and (rm.placement or cfg.cluster.placement) == "colocated"
@@ -220,13 +220,15 @@ def _check_colocated_share(cfg: RLVRConfig, needs: RoleNeeds, *, reference_built
         *(["actor_train"] if needs.train else []),
         "actor_infer",
         *(["reference"] if reference_built else []),
-        *["critic" if m == 0 else f"critic_{m}" for m in range(cfg.algo.num_critics)],
+        *(["critic" if m == 0 else f"critic_{m}" for m in range(cfg.algo.num_critics)] if needs.critic else []),
         *(["reward_model"] if rm_here else []),
+        *(f"teacher_{name}" for name in needs.teachers),
     ]
     if len(roles) > len(DEVICE_ROLES):
         raise ConfigError(
             f"cluster.placement=colocated fits {len(DEVICE_ROLES)} device roles per device, this run has "
-            f"{len(roles)} ({', '.join(roles)}): use cluster.placement=disaggregated, or fewer algo.num_critics"
+            f"{len(roles)} ({', '.join(roles)}): use cluster.placement=disaggregated, or fewer algo.num_critics or "
+            "distill.teachers"
         )
 
 
