@@ -117,8 +117,32 @@ def test_misspelled_key_in_yaml_names_file_key_and_suggestion(tmp_path: Path) ->
 def test_invariant_violation_says_how_to_fix() -> None:
     with pytest.raises(ConfigError, match=r"set algo.group_size >= 2"):
         to_object(compose(["algo=grpo", "algo.group_size=1"]))
-    with pytest.raises(ConfigError, match=r"algo.dual_clip=0.5 must be > 1"):
+    with pytest.raises(ConfigError, match=r"algo.dual_clip=0.5 must be a finite number > 1"):
         to_object(compose(["algo.dual_clip=0.5"]))
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("algo.refill_oversample=nan", "algo.refill_oversample"),
+        ("algo.refill_max_batches=inf", "algo.refill_max_batches"),
+        ("algo.dual_clip=nan", "algo.dual_clip"),
+        ("algo.dual_clip=inf", "algo.dual_clip"),
+        ("pipeline.reward_error_score=nan", "pipeline.reward_error_score"),
+        ("cluster.placement_timeout_s=-5", "cluster.placement_timeout_s"),
+        ("cluster.placement_timeout_s=nan", "cluster.placement_timeout_s"),
+        ("train_engine.lora_alpha=nan", "lora_alpha"),
+        ("train_engine.lora_dropout=1.5", "train_engine.lora_dropout"),
+        ("train_engine.lora_dropout=nan", "train_engine.lora_dropout"),
+        ("infer_engine.max_concurrency=0", "infer_engine.max_concurrency"),
+    ],
+)
+def test_non_finite_and_out_of_range_numbers_are_refused_at_composition(override: str, key: str) -> None:
+    """Each used to compose and fail later (a ceil of inf at step 1, a NaN loss bound, Ray refusing a negative
+    timeout at placement) or to be replaced silently (max_concurrency 0 -> 64)."""
+    extra = ["train_engine.lora_rank=4"] if "lora" in override else []
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        to_object(compose([*extra, override]))
 
 
 def test_engine_specific_sampling_limits_name_the_engine() -> None:

@@ -173,9 +173,15 @@ class Cluster:
             )
         pg_name = "shared" if colocated else role
         if pg_name not in self._pgs:
-            bundle: dict[str, float] = {"CPU": self.cfg.cpus_per_worker}
+            # Ray refuses a bundle of zeros: cpus_per_worker=0 leaves CPU out where a device resource is reserved.
+            bundle: dict[str, float] = {"CPU": self.cfg.cpus_per_worker} if self.cfg.cpus_per_worker > 0 else {}
             if dev and key:
                 bundle[key] = dev
+            if not bundle:
+                raise ConfigError(
+                    f"{role}: cluster.cpus_per_worker=0 on a cluster without device resources reserves nothing for "
+                    "its workers: set cluster.cpus_per_worker > 0"
+                )
             pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=self.cfg.strategy)
             self._wait_ready(pg, role, bundle, world_size)
             self._pgs[pg_name] = (pg, world_size, self._bundle_envs(pg, world_size) if dev else None)

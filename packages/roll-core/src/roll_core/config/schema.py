@@ -309,10 +309,12 @@ class AlgoConfig:
         _positive("algo.kl_horizon", self.kl_horizon)
         for key in ("value_clip", "advantage_clip", "reward_clip", "kl_target"):
             _positive_or_null(f"algo.{key}", getattr(self, key))
-        if self.refill_oversample < 1.0 or self.refill_max_batches < 1.0:
+        # `not (x >= 1)`: NaN and the comparison (a NaN or inf oversampling broke the refill's ceil at step 1)
+        refill = (self.refill_oversample, self.refill_max_batches)
+        if not all(math.isfinite(x) and x >= 1.0 for x in refill):
             raise ValueError(
                 f"algo.refill_oversample={self.refill_oversample} and algo.refill_max_batches="
-                f"{self.refill_max_batches} must be >= 1"
+                f"{self.refill_max_batches} must be finite and >= 1"
             )
         _positive("algo.ppo_epochs", self.ppo_epochs)
         _positive("algo.mini_batch_size", self.mini_batch_size, allow_zero=True)
@@ -324,8 +326,8 @@ class AlgoConfig:
         _positive("algo.clip_high", self.clip_high)
         if self.clip_low >= 1:
             raise ValueError(f"algo.clip_low={self.clip_low} must be < 1 (the ratio floor is 1 - clip_low)")
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError(f"algo.dual_clip={self.dual_clip} must be > 1 (3 is usual) or null")
+        if self.dual_clip is not None and not (math.isfinite(self.dual_clip) and self.dual_clip > 1):
+            raise ValueError(f"algo.dual_clip={self.dual_clip} must be a finite number > 1 (3 is usual) or null")
         _positive("algo.kl_coef", self.kl_coef, allow_zero=True)
         _positive("algo.entropy_coef", self.entropy_coef, allow_zero=True)
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
@@ -433,6 +435,7 @@ class ClusterConfig:
         if self.backend == "local" and self.address is not None:
             raise ValueError("cluster.address is set but cluster.backend=local: use cluster=ray to join a cluster")
         _positive("cluster.cpus_per_worker", self.cpus_per_worker, allow_zero=True)
+        _positive("cluster.placement_timeout_s", self.placement_timeout_s)
         _positive("cluster.max_concurrent", self.max_concurrent, allow_zero=True)
         _one_of("cluster.strategy", self.strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
         _positive("cluster.call_timeout_s", self.call_timeout_s, allow_zero=True)
@@ -551,6 +554,8 @@ class PipelineConfig:
         _positive("pipeline.keep_last", self.keep_last)
         _positive("pipeline.reward_workers", self.reward_workers)
         _positive("pipeline.reward_timeout_s", self.reward_timeout_s)
+        if not math.isfinite(self.reward_error_score):  # refused by the reward workers otherwise, at their start
+            raise ValueError(f"pipeline.reward_error_score={self.reward_error_score} must be a finite number")
         _positive("pipeline.reward_batch_timeout_s", self.reward_batch_timeout_s)
         _one_of("pipeline.reward_isolation", self.reward_isolation, ("process", "inline"))
 
@@ -607,8 +612,10 @@ class TrainEngineConfig:
             raise ValueError("train_engine.micro_batch_size and logprob_chunk_size must be >= 1")
         if self.micro_batch_tokens < 0:
             raise ValueError(f"train_engine.micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0: off)")
-        if self.lora_rank < 0 or (self.lora_rank and self.lora_alpha <= 0):
-            raise ValueError("train_engine.lora_rank must be >= 0 and lora_alpha > 0")
+        if self.lora_rank < 0 or (self.lora_rank and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0)):
+            raise ValueError("train_engine.lora_rank must be >= 0 and lora_alpha a finite number > 0")
+        if not 0 <= self.lora_dropout < 1:  # NaN fails too
+            raise ValueError(f"train_engine.lora_dropout={self.lora_dropout} must be in [0, 1)")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"train_engine.num_threads={self.num_threads} must be >= 1 (or null: all cores)")
 
@@ -668,6 +675,8 @@ class InferEngineConfig:
 
     def __post_init__(self) -> None:
         _positive(f"infer_engine.world_size ({self.name})", self.world_size)
+        if self.max_concurrency is not None and self.max_concurrency < 1:  # 0 became the default 64, silently
+            raise ValueError(f"infer_engine.max_concurrency={self.max_concurrency} must be >= 1 (or null: a default)")
         if self.dtype is not None:
             _one_of("infer_engine.dtype", self.dtype, DTYPES)
         if not (math.isfinite(self.temperature) and self.temperature > 0):
