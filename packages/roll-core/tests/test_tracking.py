@@ -202,3 +202,17 @@ def test_curves_show_the_agreement_metrics_beside_the_collectors_in_rows_of_four
         tracker.log(h["step"], {k: v for k, v in h.items() if k != "step"})
     assert tracker.plot(keys).stat().st_size > 1000
     tracker.close()
+
+
+def test_numpy_and_tensor_scalars_are_metrics_and_step_is_not_a_metric_name(tmp_path: Path) -> None:
+    import numpy as np
+    import torch
+
+    tracker = Tracker(tmp_path, trackers=())
+    tracker.log(1, {"a": np.float32(0.5), "b": np.int64(3), "c": torch.tensor(1.5), "d": 2.0, "e": "text", "f": True})
+    assert Tracker.read_metrics(tmp_path / "metrics.jsonl") == [
+        {"step": 1, "a": 0.5, "b": 3.0, "c": 1.5, "d": 2.0, "f": 1.0}
+    ]
+    with pytest.raises(ValueError, match="may not be named 'step'"):
+        tracker.log(2, {"step": 99})
+    tracker.close()

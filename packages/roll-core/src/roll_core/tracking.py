@@ -144,12 +144,14 @@ class Tracker:
             backend.truncate(last_step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Append `step`'s numeric metrics to metrics.jsonl (NaN/inf as null) and pass the finite ones to backends."""
-        clean = {
-            k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None)
-            for k, v in metrics.items()
-            if isinstance(v, (int, float)) or v is None
-        }
+        """Append `step`'s numeric metrics to metrics.jsonl (NaN/inf as null) and pass the finite ones to backends.
+
+        Numbers are Python, numpy or one-element torch values (as floats; bools as 0/1); other values are not
+        metrics and are left out. A metric named `step` is a ValueError: it would relabel the record."""
+        if "step" in metrics:
+            raise ValueError("a metric may not be named 'step' (it is the record's step number)")
+        clean = {k: v for k, v in ((k, _number(v)) for k, v in metrics.items()) if v is not _NOT_A_NUMBER}
+        clean = {k: (v if v is None or math.isfinite(v) else None) for k, v in clean.items()}
         record = {"step": step, **clean}
         self.history.append(record)
         with open(self.metrics_path, "a") as f:
@@ -223,3 +225,19 @@ def curve_figure(history: Sequence[dict[str, Any]], keys: Sequence[str]):  # -> 
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+_NOT_A_NUMBER: Any = object()
+
+
+def _number(v: Any) -> Any:
+    """A metric value as a Python int/float (None stays None), or _NOT_A_NUMBER for anything else."""
+    import numbers
+
+    if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+        return v
+    if isinstance(v, (bool, numbers.Real)):  # numpy scalars register as numbers.Real
+        return float(v)
+    if hasattr(v, "numel") and hasattr(v, "item") and v.numel() == 1:  # a one-element tensor
+        return float(v.item())
+    return _NOT_A_NUMBER
