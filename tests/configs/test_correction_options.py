@@ -82,3 +82,34 @@ def test_trajectory_batches_refuse_the_normalisation_choices() -> None:
     cfg = to_object(compose(["algo.norm_std_type=batch"]))
     with pytest.raises(ConfigError, match=r"outcome batches of consecutive groups \(pipeline=rlvr\)"):
         RLObjective(cfg, None, trajectories=True)  # type: ignore[arg-type]  (refused before any role is read)
+
+
+def test_kl_in_reward_is_refused_for_trajectory_batches_and_kl_target_needs_a_start() -> None:
+    """reinforce_pp's trajectory path scores whole episodes: a KL subtracted from token rewards would be dropped
+    (no penalty anywhere); an adaptive KL coefficient starting at 0 never moves."""
+    from roll_core.pipelines.objectives.rl import RLObjective
+
+    cfg = to_object(compose(["algo.adv_estimator=reinforce_pp", "algo.kl_in_reward=true", "algo.kl_coef=0.1"]))
+    with pytest.raises(ConfigError, match=r"trajectory batches \(pipeline=agentic\) score whole episodes"):
+        RLObjective(cfg, None, trajectories=True)  # type: ignore[arg-type]  (refused before any role is read)
+    with pytest.raises(ConfigError, match=r"algo\.kl_target=0\.05 adapts algo\.kl_coef from its value"):
+        to_object(compose(["algo.kl_target=0.05", "algo.kl_coef=0"]))
+    to_object(compose(["algo.kl_target=0.05", "algo.kl_coef=0.01"]))
+
+
+def test_masked_nan_log_probs_never_reach_the_kl_gradient() -> None:
+    """Padding may hold NaN: the KL loss (k2, whose gradient multiplies by the log-ratio) stays finite."""
+    from roll_core.pipelines.losses import PolicyObjective
+
+    logp = torch.tensor([[-1.0, -2.0, float("nan")]], requires_grad=True)
+    micro = {
+        "old_logprobs": torch.tensor([[-1.1, -1.9, 0.0]]),
+        "advantages": torch.tensor([[1.0, 1.0, 1.0]]),
+        "ref_logprobs": torch.tensor([[-1.2, -2.2, float("inf")]]),
+        "response_mask": torch.tensor([[1, 1, 0]]),
+    }
+    for kind in ("k1", "k2", "k3", "mse"):
+        logp.grad = None
+        loss, _ = PolicyObjective(kl_loss_coef=0.1, kl_kind=kind)({"logprobs": logp}, micro)
+        loss.backward()
+        assert torch.isfinite(logp.grad).all() and logp.grad[0, 2] == 0, (kind, logp.grad)

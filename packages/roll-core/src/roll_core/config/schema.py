@@ -106,7 +106,7 @@ class AlgoConfig:
     clip_high: float = 0.2
     # Dual-clip constant c > 1 bounding negative-advantage loss at c*|A|; null disables.
     dual_clip: float | None = None
-    # Ratio cap for the tis/cispo variants.
+    # Ratio cap of the tis variant (cispo bounds its weight with clip_low/clip_high instead).
     ratio_cap: float = 2.0
     # KL-to-reference coefficient; 0 disables the reference model entirely.
     kl_coef: float = 0.0
@@ -309,6 +309,11 @@ class AlgoConfig:
         _positive("algo.kl_horizon", self.kl_horizon)
         for key in ("value_clip", "advantage_clip", "reward_clip", "kl_target"):
             _positive_or_null(f"algo.{key}", getattr(self, key))
+        if self.kl_target is not None and self.kl_coef <= 0:  # the controller multiplies: from 0 it stays 0
+            raise ValueError(
+                f"algo.kl_target={self.kl_target} adapts algo.kl_coef from its value: set algo.kl_coef > 0 (the "
+                "starting coefficient, e.g. 0.01), or algo.kl_target=null"
+            )
         # `not (x >= 1)`: NaN and the comparison (a NaN or inf oversampling broke the refill's ceil at step 1)
         refill = (self.refill_oversample, self.refill_max_batches)
         if not all(math.isfinite(x) and x >= 1.0 for x in refill):

@@ -78,7 +78,11 @@ class PolicyObjective:
             gap = (logp.detach() - micro["behaviour_logprobs"]).abs()
             out["actor/train_infer_logprob_diff"] = masked_mean(gap, mask)
         if self.kl_loss_coef > 0:
-            kl = kl_estimate(logp, micro["ref_logprobs"], self.kl_kind)
+            # Masked positions may hold NaN/inf: zeroed first, or k2/mse's gradient (0 * NaN) would be NaN there.
+            valid = mask.bool()
+            kl = kl_estimate(
+                torch.where(valid, logp, 0.0), torch.where(valid, micro["ref_logprobs"].detach(), 0.0), self.kl_kind
+            )
             kl_loss = aggregate(kl, mask, self.agg, norm_length=self.norm_length)
             loss = loss + self.kl_loss_coef * kl_loss
             out["actor/kl_loss"] = kl_loss.detach()

@@ -43,6 +43,12 @@ class RLObjective:
         algo = cfg.algo
         self.cfg, self.roles = cfg, roles
         self.estimator = load_estimator(algo.adv_estimator, trajectories=trajectories)
+        if trajectories and algo.kl_in_reward:  # reinforce_pp's trajectory path reads episode rewards only
+            raise ConfigError(
+                "algo.kl_in_reward=true: trajectory batches (pipeline=agentic) score whole episodes, with no per-token "
+                "rewards to subtract the KL from (it would be dropped): use the KL loss (algo.kl_in_reward=false "
+                "with algo.kl_coef > 0)"
+            )
         if trajectories and (algo.norm_mean_type or algo.norm_std_type):
             raise ConfigError(
                 "algo.norm_mean_type/norm_std_type normalise outcome batches of consecutive groups (pipeline=rlvr); "
@@ -89,7 +95,13 @@ class RLObjective:
         token_rewards = token_rewards_from_scores(scores, mask)
         if "ref_logprobs" in batch:
             policy_logp = batch["old_logprobs"] if "old_logprobs" in batch else batch["behaviour_logprobs"]
-            kl = kl_estimate(policy_logp, batch["ref_logprobs"], algo.kl_kind) * mask
+            valid = mask.bool()  # padding may hold anything (NaN included): estimated on valid tokens only
+            kl = (
+                kl_estimate(
+                    torch.where(valid, policy_logp, 0.0), torch.where(valid, batch["ref_logprobs"], 0.0), algo.kl_kind
+                )
+                * mask
+            )
             out["actor/kl_to_ref"] = float(masked_mean(kl, mask))
             if algo.kl_in_reward:
                 token_rewards = token_rewards - self.kl_ctl.value * kl
