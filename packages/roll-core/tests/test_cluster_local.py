@@ -46,6 +46,8 @@ def test_undeclared_method_and_bad_args() -> None:
         group.call(Doubler.undeclared)
     with pytest.raises(TypeError, match="needs a Batch"):
         group.call(Doubler.double, [1, 2])
+    with pytest.raises(TypeError, match="needs a Batch as its first argument, got no argument"):
+        group.call(Doubler.double)
     # Calls name the method (type-checked), never a string, and only the group's own worker class's methods.
     with pytest.raises(TypeError, match=r"pass the worker method \(Doubler\.double\), not its name"):
         group.call("double", Batch({"x": torch.arange(2)}))  # type: ignore[arg-type]

@@ -442,7 +442,8 @@ class WorkerGroup(Generic[W]):
         if mode is not Dispatch.DP:
             return [args] * self.world_size
         if not args or not isinstance(args[0], Batch):
-            raise TypeError(f"a DP call needs a Batch as its first argument, got {type(args[0]).__name__}")
+            got = type(args[0]).__name__ if args else "no argument"
+            raise TypeError(f"a DP call needs a Batch as its first argument, got {got}")
         # Split by data-parallel rank only: the TP x PP ranks of one replica get the same rows.
         parts = args[0].split(self.mesh.dp)
         return [(parts[self.mesh.dp_rank(r)], *args[1:]) for r in range(self.world_size)]
