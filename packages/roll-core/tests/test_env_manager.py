@@ -85,3 +85,27 @@ def test_hung_environments_do_not_make_healthy_ones_time_out() -> None:
     assert m.counters()["leaked_threads"] == 2
     leaked = [t for t in threading.enumerate() if t.name.startswith("roll-env-")]
     assert leaked and all(t.daemon for t in leaked)  # a hung environment never blocks the process from exiting
+
+
+def test_a_factory_that_fails_while_replacing_a_broken_environment_fails_one_episode_only() -> None:
+    """The replacement of a failed environment is built at its slot's next reset, inside the call: a factory that
+    raises then (a service briefly down) is that episode's counted env_error, never an exception out of the
+    rollout; once the factory works again the slot does too."""
+    built = {"n": 0, "down": False}
+
+    def factory() -> _Env:
+        built["n"] += 1
+        if built["down"]:
+            raise ConnectionError("sandbox service busy")
+        return _Env()
+
+    m = EnvManager(factory, 1, step_timeout_s=2.0, threads=2)
+    built["down"] = True
+    with pytest.raises(EnvFailure):
+        m.reset(0, seed=1)  # the environment raises: its slot is emptied, nothing is built yet
+    with pytest.raises(EnvFailure) as err:
+        m.reset(0, seed=5)
+    assert err.value.kind == "env_error" and "ConnectionError: sandbox service busy" in str(err.value)
+    built["down"] = False
+    assert m.reset(0, seed=5)[0] == "obs-5"
+    assert m.counters()["env_errors"] == 2

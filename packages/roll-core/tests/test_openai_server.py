@@ -198,6 +198,27 @@ def test_tool_calls_in_the_openai_format(tokenizer: Any) -> None:
     assert tokenizer.decode(session.traj.tokens).count("<|tool|>7\n") == 1  # the tool result went in as context
 
 
+def test_the_served_text_ends_before_a_stop_sequence_and_the_trajectory_keeps_it(tokenizer: Any) -> None:
+    """OpenAI's contract: `content` stops before the stop sequence (a ReAct loop would add its own "Observation:"
+    after ours); the engine keeps the completing token, and so does the trajectory."""
+    script = ["Thought: search\nAction: search[x]\nObservation:", "Thought: done"]
+    sessions, server = _serve(ScriptedEngine(tokenizer, script), tokenizer)
+    try:
+        sessions.open("s", PARAMS, SessionLimits(max_context_length=1024))
+        client = _client(server, "s")
+        messages: list[Any] = [{"role": "user", "content": "find x"}]
+        r1 = client.chat.completions.create(model="m", messages=messages, stop=["Observation:"])
+        assert r1.choices[0].message.content == "Thought: search\nAction: search[x]\n"
+        messages += [r1.choices[0].message, {"role": "user", "content": "Observation: x is 3"}]
+        r2 = client.chat.completions.create(model="m", messages=messages, stop=["Observation:"])
+        assert r2.choices[0].message.content == "Thought: done"  # no stop string in it: nothing cut
+        session = sessions.close("s")
+    finally:
+        server.close()
+    assert session.rewrites == 0  # the trimmed message echoed back matches what was recorded
+    assert "Action: search[x]\nObservation:" in tokenizer.decode(session.traj.tokens)
+
+
 def test_parsers() -> None:
     parse = tool_parser("hermes")
     two = parse(

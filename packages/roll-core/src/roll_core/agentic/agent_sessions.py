@@ -402,6 +402,13 @@ class AgentSessions:
             s.traj.end = "abort"
             raise SessionError(410, "session_closed", f"session {s.sid} ended while its request ran")
         text = self.decode(list(out.token_ids))
+        stops = (*base.stop, *turn.stop)
+        if out.finish_reason == "stop" and stops:
+            # OpenAI's contract: the served text ends before the stop sequence. The engine keeps the completing
+            # token (it may overhang the string): the trajectory keeps every token, the message is cut.
+            cut = min((i for i in (text.find(x) for x in stops if x) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
         parsed = self.parse(text) if turn.parse_tools else ParsedReply(text)
         s.invalid_tool_calls += parsed.invalid
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}

@@ -40,7 +40,9 @@ class EnvManager:
 
     def __init__(self, factory: Callable[[], Env], slots: int, *, step_timeout_s: float = 30.0, threads: int = 16):
         self.factory, self.timeout = factory, step_timeout_s
-        self.envs: list[Env] = [factory() for _ in range(slots)]
+        # A slot whose environment failed holds None until its next reset builds a new one (inside that call: a
+        # factory that raises or hangs then fails that episode, counted, instead of the whole rollout).
+        self.envs: list[Env | None] = [factory() for _ in range(slots)]
         # Why not a ThreadPoolExecutor: a hung call would hold one of its workers for good, and calls queued behind
         # it would spend their timeout waiting for a worker, failing healthy environments (the bug this replaced).
         self._slots = threading.BoundedSemaphore(max(1, threads))
@@ -88,14 +90,15 @@ class EnvManager:
             self._counts["env_errors" if kind == "env_error" else "env_timeouts"] += 1
             if extra:
                 self._counts[extra] += 1
-        self.envs[slot] = self.factory()  # the broken instance may hold bad state (or still run in its thread)
+        self.envs[slot] = None  # the broken instance may hold bad state (or still run in its thread)
 
     # The results are checked inside the call: an environment that returns the wrong shape, a reward that is not a
     # number, or NaN, fails its episode as an env_error like one that raises, instead of the whole rollout.
     def reset(self, slot: int, seed: int) -> tuple[Observation, dict[str, Any]]:
-        env = self.envs[slot]
-
         def reset() -> tuple[Observation, dict[str, Any]]:
+            env = self.envs[slot]
+            if env is None:  # failed before: a fresh instance, built under this call's timeout
+                env = self.envs[slot] = self.factory()
             obs, info = env.reset(seed=seed)
             return normalize(obs), dict(info or {})
 
@@ -105,6 +108,8 @@ class EnvManager:
         env = self.envs[slot]
 
         def step() -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+            if env is None:
+                raise RuntimeError("the environment failed earlier in this episode; reset it first")
             obs, reward, terminated, truncated, info = env.step(action)
             if not math.isfinite(float(reward)):
                 raise ValueError(f"step returned the reward {reward!r}; rewards must be finite numbers")
