@@ -286,3 +286,49 @@ def test_the_engine_stops_on_the_tokenizers_eos_and_the_generation_configs(tiny:
         assert engine.eos_ids == {2, 5}
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["hf", "fsdp2"])
+def test_a_checkpoint_whose_tensors_do_not_match_is_refused(tiny: str, tmp_path: Path, kind: str) -> None:
+    """A model/ folder with renamed (or missing) tensors: loading raises, naming them (fsdp2 loaded it silently,
+    the unmatched layers keeping their initial weights under the optimizer state of the trained ones)."""
+    from safetensors.torch import load_file, save_file
+
+    from roll_engines.train.fsdp2 import FSDP2TrainEngine
+
+    def build() -> HFTrainEngine:
+        if kind == "hf":
+            return HFTrainEngine(tiny, lr=1e-2)
+        return FSDP2TrainEngine.conformance_engine(tiny, lr=1e-2)
+
+    try:
+        build().save(tmp_path / "ckpt", tiny)
+        f = tmp_path / "ckpt" / "model" / "model.safetensors"
+        weights = load_file(f)
+        save_file({("x." + k if "layers.0." in k else k): v for k, v in weights.items()}, f, metadata={"format": "pt"})
+        with pytest.raises(RuntimeError, match=r"checkpoint mismatch: .*model\.layers\.0\."):
+            build().load(tmp_path / "ckpt")
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_save_honours_trust_remote_code_for_the_tokenizer(tiny: str, tmp_path: Path) -> None:
+    """A model whose tokenizer is custom code: saving passes trust_remote_code on (it raised after writing model/,
+    leaving a checkpoint without optimizer state)."""
+    import json
+    import shutil
+
+    src = tmp_path / "remote"
+    shutil.copytree(tiny, src)
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    base = cfg.get("tokenizer_class", "PreTrainedTokenizerFast")
+    (src / "my_tok.py").write_text(f"from transformers import {base} as Base\n\nclass MyTokenizer(Base):\n    pass\n")
+    cfg["tokenizer_class"] = "MyTokenizer"
+    cfg["auto_map"] = {"AutoTokenizer": [None, "my_tok.MyTokenizer"]}
+    (src / "tokenizer_config.json").write_text(json.dumps(cfg))
+    engine = HFTrainEngine(str(src), trust_remote_code=True)
+    engine.save(tmp_path / "ckpt", str(src))
+    assert (tmp_path / "ckpt" / "engine.pt").exists() and (tmp_path / "ckpt" / "model" / "tokenizer.json").exists()

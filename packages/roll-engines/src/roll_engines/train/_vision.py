@@ -254,14 +254,14 @@ def vocab_size(config: Any) -> int | None:
     return getattr(text, "vocab_size", None)
 
 
-def save_processor(vision: Vision | None, path: str, folder: Path) -> None:
+def save_processor(vision: Vision | None, path: str, folder: Path, trust_remote_code: bool = False) -> None:
     """A vision model's checkpoint also holds its image processor (and the processor's chat template), so the
     folder loads in `roll-eval`, transformers and serving engines like the original."""
     if vision is None:
         return
     from transformers import AutoImageProcessor
 
-    AutoImageProcessor.from_pretrained(path).save_pretrained(folder)
+    AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code).save_pretrained(folder)
     for name in ("chat_template.jinja", "chat_template.json"):
         src = Path(path) / name
         if src.is_file() and not (folder / name).exists():

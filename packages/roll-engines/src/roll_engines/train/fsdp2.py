@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from roll_engines.train.hf import HFTrainEngine
+from roll_engines.train.hf import HFTrainEngine, check_loaded
 
 
 def _init_process_group(backend: str | None = None) -> bool:
@@ -176,4 +176,5 @@ class FSDP2TrainEngine(HFTrainEngine):
     def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        result = set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        check_loaded(weights, result.missing_keys, result.unexpected_keys)  # as the hf engine (it loaded silently)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -655,8 +655,10 @@ class HFTrainEngine:
         if self.dp_rank == 0:
             from transformers import AutoTokenizer
 
-            AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(folder / "model")
-            V.save_processor(self.vision, self.path, folder / "model")
+            AutoTokenizer.from_pretrained(
+                tokenizer_path or self.path, trust_remote_code=self._trust_remote_code
+            ).save_pretrained(folder / "model")
+            V.save_processor(self.vision, self.path, folder / "model", trust_remote_code=self._trust_remote_code)
         if self.optimizer is None:
             return
         save_optimizer(self.model, self.optimizer, folder / "optimizer")
@@ -702,7 +704,13 @@ class HFTrainEngine:
 
     def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        # Tied embeddings are saved once; anything else missing is a real mismatch.
-        missing = [k for k in missing if not (k.endswith("lm_head.weight") and "model.embed_tokens.weight" in weights)]
-        if missing or unexpected:
-            raise RuntimeError(f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        check_loaded(weights, missing, unexpected)
+
+
+def check_loaded(weights: Mapping[str, Tensor], missing: Sequence[str], unexpected: Sequence[str]) -> None:
+    """RuntimeError naming what a checkpoint's full state dict did not fill or did not match (a tied LM head,
+    saved once under the embedding's name, is not missing): a layer that silently kept its initial weights would
+    train on from the wrong start."""
+    missing = [k for k in missing if not (k.endswith("lm_head.weight") and "model.embed_tokens.weight" in weights)]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint mismatch: missing {list(missing)[:5]}, unexpected {list(unexpected)[:5]}")
