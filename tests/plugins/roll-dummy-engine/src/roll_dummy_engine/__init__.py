@@ -109,9 +109,10 @@ class RecomputeInferEngine:
                 break
             logits = self.model(torch.tensor([ids], device=self.device)).logits[0, -1].float().cpu()
             x = logits / (p.temperature or 1.0)
-            if p.top_k:
+            # Greedy reports the full distribution (the protocol): no truncation for temperature 0.
+            if p.top_k and p.temperature > 0:
                 x = x.masked_fill(x < torch.topk(x, min(p.top_k, x.numel())).values[-1], float("-inf"))
-            if p.top_p < 1:
+            if p.top_p < 1 and p.temperature > 0:
                 sx, order = torch.sort(x, descending=True)
                 pr = torch.softmax(sx, -1)
                 x[order[(pr.cumsum(-1) - pr) >= p.top_p]] = float("-inf")
@@ -121,8 +122,10 @@ class RecomputeInferEngine:
             logps.append(float(lp[tok]))
             ids.append(tok)
             text = self.tokenizer.decode(tokens)
-            if (not p.ignore_eos and (tok in self.eos or tok in p.stop_token_ids)) or any(
-                s in text and s not in self.tokenizer.decode(tokens[:-1]) for s in p.stop
+            if (
+                (not p.ignore_eos and tok in self.eos)
+                or tok in p.stop_token_ids
+                or any(s in text and s not in self.tokenizer.decode(tokens[:-1]) for s in p.stop)
             ):
                 reason = "stop"
                 break
