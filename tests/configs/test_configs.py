@@ -117,7 +117,7 @@ def test_misspelled_key_in_yaml_names_file_key_and_suggestion(tmp_path: Path) ->
 def test_invariant_violation_says_how_to_fix() -> None:
     with pytest.raises(ConfigError, match=r"set algo.group_size >= 2"):
         to_object(compose(["algo=grpo", "algo.group_size=1"]))
-    with pytest.raises(ConfigError, match=r"algo.dual_clip=0.5 must be a finite number > 1"):
+    with pytest.raises(ConfigError, match=r"algo.dual_clip=0.5 must be > 1"):
         to_object(compose(["algo.dual_clip=0.5"]))
 
 

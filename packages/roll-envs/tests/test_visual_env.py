@@ -70,6 +70,8 @@ def test_the_map_is_in_the_picture_and_not_in_the_text() -> None:
 def test_the_env_manager_keeps_pictures_and_fails_malformed_ones_as_env_errors() -> None:
     class Broken:
         def reset(self, seed: int | None = None) -> tuple[Any, dict[str, Any]]:
+            if seed == 1:
+                return "a text observation", {}
             return {"text": "look", "images": ["/no/such/picture.png"]}, {}
 
         def step(self, action: str) -> tuple[Any, float, bool, bool, dict[str, Any]]:
@@ -83,6 +85,7 @@ def test_the_env_manager_keeps_pictures_and_fails_malformed_ones_as_env_errors()
     broken = EnvManager(Broken, 1)
     with pytest.raises(EnvFailure, match="does not exist"):
         broken.reset(0, 0)
+    assert broken.reset(0, 1)[0] == "a text observation"  # a failed slot gets a new environment at its reset
     with pytest.raises(EnvFailure, match="list of pictures"):
         broken.step(0, "x")
     assert broken.counters()["env_errors"] == 2

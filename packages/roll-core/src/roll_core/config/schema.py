@@ -319,7 +319,7 @@ class AlgoConfig:
         if not all(math.isfinite(x) and x >= 1.0 for x in refill):
             raise ValueError(
                 f"algo.refill_oversample={self.refill_oversample} and algo.refill_max_batches="
-                f"{self.refill_max_batches} must be finite and >= 1"
+                f"{self.refill_max_batches} must be >= 1 (finite numbers)"
             )
         _positive("algo.ppo_epochs", self.ppo_epochs)
         _positive("algo.mini_batch_size", self.mini_batch_size, allow_zero=True)
@@ -332,7 +332,7 @@ class AlgoConfig:
         if self.clip_low >= 1:
             raise ValueError(f"algo.clip_low={self.clip_low} must be < 1 (the ratio floor is 1 - clip_low)")
         if self.dual_clip is not None and not (math.isfinite(self.dual_clip) and self.dual_clip > 1):
-            raise ValueError(f"algo.dual_clip={self.dual_clip} must be a finite number > 1 (3 is usual) or null")
+            raise ValueError(f"algo.dual_clip={self.dual_clip} must be > 1 (a finite number; 3 is usual) or null")
         _positive("algo.kl_coef", self.kl_coef, allow_zero=True)
         _positive("algo.entropy_coef", self.entropy_coef, allow_zero=True)
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
