@@ -227,6 +227,9 @@ class VLLMInferEngine:
         self.last_sync: dict[str, Any] = {}  # what the last sync staged (bytes, buckets, dtypes, peak buffer)
         self._slept = 0
         self._paused = False  # between begin_weight_update and finish_weight_update: no steps
+        # Requests submitted while paused, started when the pause ends: vLLM's engine core (its own process on a
+        # GPU) schedules a request as soon as it is added, so one added during a sync would run on old weights.
+        self._deferred: list[tuple[Request, Future]] = []
         self._warned_sleep = False
         self._stopped = False
         self._driver = threading.Thread(target=self._drive, name=f"{name}-driver", daemon=True)
@@ -292,6 +295,10 @@ class VLLMInferEngine:
     # ---- the driver thread --------------------------------------------------------------------------------
     def _drive(self) -> None:
         while not self._stopped:
+            if self._deferred and not self._paused:
+                deferred, self._deferred = self._deferred, []
+                for request, fut in deferred:
+                    self._start_or_fail(request, fut)
             self._take_jobs(block=not self._pending or self._paused)
             if not self._pending or self._paused:
                 continue
@@ -393,17 +400,26 @@ class VLLMInferEngine:
             return
         while True:
             kind, payload, fut = job
-            try:
-                if kind == "request":
-                    self._start(payload, fut)
+            if kind == "request":
+                if self._paused:
+                    self._deferred.append((payload, fut))
                 else:
+                    self._start_or_fail(payload, fut)
+            else:
+                try:
                     fut.set_result(payload())
-            except Exception as exc:
-                fut.set_exception(exc)
+                except Exception as exc:
+                    fut.set_exception(exc)
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 return
+
+    def _start_or_fail(self, request: Request, fut: Future) -> None:
+        try:
+            self._start(request, fut)
+        except Exception as exc:
+            fut.set_exception(exc)
 
     def _start(self, request: Request, fut: Future) -> None:
         room = self._context - len(request.prompt_ids)
@@ -468,6 +484,11 @@ class VLLMInferEngine:
 
     def abort(self, request_id: str) -> bool:
         def do() -> bool:
+            for k, (request, fut) in enumerate(self._deferred):  # not started yet (submitted during a sync)
+                if request.request_id == request_id:
+                    del self._deferred[k]
+                    fut.set_result(RequestOutput(request_id, list(request.prompt_ids), [], [], "abort", self._version))
+                    return True
             rid = self._by_roll_id.get(request_id)
             if rid is None or rid not in self._pending:
                 return False
@@ -605,6 +626,10 @@ class VLLMInferEngine:
         self._stopped = True
         self._jobs.put(("control", lambda: None, Future()))
         self._driver.join(timeout=10)
+        for _, fut in self._deferred:  # submitted during a sync that never finished: fail, never hang the caller
+            if not fut.done():
+                fut.set_exception(RuntimeError(f"{self.name} engine shut down"))
+        self._deferred = []
         if self._adapters is not None:
             self._adapters.close()
         del self.llm, self.engine
