@@ -51,27 +51,14 @@ def _assert_same(engine, path: str, weights: dict[str, torch.Tensor]) -> None:
 
 
 def test_tied_embeddings_follow_a_sync(tmp_path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    from roll_core.models import resolve_model_path
+    from roll_core.models import build_tiny_model
     from roll_engines.infer.vllm import VLLMInferEngine
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny"))
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id,
-    )
+    build_tiny_model(tmp_path, hidden=128, heads=4, kv_heads=2, tie_embeddings=True)  # heads of 32 (vLLM's CPU)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    model.save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
     new = {k: p.detach() + 0.05 * torch.randn_like(p) for k, p in model.named_parameters()}  # tied: sent once
     assert [k for k in new if "embed" in k or "lm_head" in k] == ["model.embed_tokens.weight"]
     engine = VLLMInferEngine(str(tmp_path), **ENGINE)

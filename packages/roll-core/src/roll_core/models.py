@@ -81,10 +81,17 @@ def build_tiny_tokenizer():  # -> PreTrainedTokenizerFast
 
 
 def build_tiny_model(
-    out: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int | None = None, seed: int = 0
+    out: Path,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int | None = None,
+    seed: int = 0,
+    tie_embeddings: bool = False,
 ) -> None:
     """Save a seeded tiny LlamaForCausalLM and its tokenizer to `out` (`kv_heads` < `heads`: grouped-query
-    attention; default one key/value head per query head)."""
+    attention; default one key/value head per query head; `tie_embeddings`: the LM head shares the embedding)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -100,7 +107,7 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -265,17 +265,7 @@ class InferEngineTestSuite:
     def test_weight_update_changes_outputs_to_the_new_model(
         self, engine: InferEngine, prompts: list[list[int]], model_path: str, tmp_path: Path
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        original = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        changed = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        with torch.no_grad():
-            gen = torch.Generator().manual_seed(0)
-            for p in changed.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * 0.5)
-        folder = tmp_path / "changed"
-        changed.save_pretrained(folder)
-        AutoTokenizer.from_pretrained(model_path).save_pretrained(folder)
+        original, changed, folder = _perturbed(model_path, tmp_path / "changed", seed=0)
         ref, _ = reference_greedy(str(folder), prompts[0], 12)
         greedy = SamplingParams(temperature=0, max_new_tokens=12)
         before = engine.submit(Request("w0", prompts[0], greedy)).result(timeout=300)
@@ -305,17 +295,7 @@ class InferEngineTestSuite:
         cached before it, and a continuation of the request that ran across it, are computed with the new weights
         only (vLLM could not clear its prefix cache while a request held blocks; the hf engine stored the crossing
         row's old keys and values after the clear)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        original = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        changed = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        with torch.no_grad():
-            gen = torch.Generator().manual_seed(1)
-            for p in changed.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * 0.5)
-        folder = tmp_path / "changed"
-        changed.save_pretrained(folder)
-        AutoTokenizer.from_pretrained(model_path).save_pretrained(folder)
+        original, changed, folder = _perturbed(model_path, tmp_path / "changed", seed=1)
         budget = engine.max_context_length
         cached = [5 + (7 * i) % 90 for i in range(min(96, budget // 4))]  # whole KV blocks (vLLM's are 16 tokens)
         greedy = SamplingParams(temperature=0, max_new_tokens=6)  # stops at EOS, as the reference does
@@ -381,6 +361,22 @@ class InferEngineTestSuite:
         engine.update_weights(list(_unique_params(model)))
         engine.finish_weight_update()
         assert torch.equal(engine.generate(prompts[:1], greedy).responses, before)
+
+
+def _perturbed(model_path: str, folder: Path, seed: int) -> tuple[Any, Any, Path]:
+    """(the model as loaded, a copy with every weight moved by 0.5 x N(0, 1) noise of `seed`, the folder the copy and
+    the tokenizer are saved in, for reference_greedy)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    original = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    changed = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for p in changed.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+    changed.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(folder)
+    return original, changed, folder
 
 
 def _unique_params(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
