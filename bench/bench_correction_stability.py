@@ -33,12 +33,14 @@ def one_run(steps: int, seed: int, correction: str, extra: list[str]) -> dict:
     """One pipeline run in this process; returns its curves (see the module docstring for the summary)."""
     from roll_core.testing import constant_answer_task, reward_curve, run_pipeline, tiny_overrides
 
-    root = Path(tempfile.mkdtemp(prefix="roll-stability-"))
-    data = constant_answer_task(root / "seven.jsonl")
-    overrides = tiny_overrides(data, root / "run", f"pipeline.max_steps={steps}", f"pipeline.seed={seed}", *extra)
-    if correction != "none":
-        overrides.append(f"algo.off_policy_correction={correction}")
-    _, history = run_pipeline(overrides)
+    # the run's folder goes when it ends: the table needs its history only
+    with tempfile.TemporaryDirectory(prefix="roll-stability-", ignore_cleanup_errors=True) as tmp:
+        root = Path(tmp)
+        data = constant_answer_task(root / "seven.jsonl")
+        overrides = tiny_overrides(data, root / "run", f"pipeline.max_steps={steps}", f"pipeline.seed={seed}", *extra)
+        if correction != "none":
+            overrides.append(f"algo.off_policy_correction={correction}")
+        _, history = run_pipeline(overrides)
     steps_rows = [h for h in history if h["step"] > 0]
     return {
         "reward": reward_curve(history),

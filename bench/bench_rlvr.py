@@ -36,9 +36,14 @@ from pathlib import Path
 
 
 def roll_job(args: argparse.Namespace) -> dict:
+    """The roll run; its folder (checkpoints) goes when it ends: the table needs its history only."""
+    with tempfile.TemporaryDirectory(prefix="roll-bench-", ignore_cleanup_errors=True) as out:
+        return _roll_job(args, out)
+
+
+def _roll_job(args: argparse.Namespace, out: str) -> dict:
     from roll_core.testing import run_pipeline
 
-    out = tempfile.mkdtemp(prefix="roll-bench-")
     overrides = [
         "experiment=quickstart",
         f"model={args.model}",

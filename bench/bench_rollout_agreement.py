@@ -39,9 +39,14 @@ CORRECTIONS = ("none", "token", "token_mask", "sequence_mask", "icepop", "geo_ma
 
 def cell(args: argparse.Namespace, dtype: str, correction: str) -> dict:
     """One pipeline run; returns its per-step metrics summarised (runs in a subprocess: see main)."""
+    # the run's folder (checkpoints: ~1.6 GB for SmolLM2) goes when the cell ends: the table needs its history only
+    with tempfile.TemporaryDirectory(prefix="roll-agreement-", ignore_cleanup_errors=True) as out:
+        return _cell(args, dtype, correction, out)
+
+
+def _cell(args: argparse.Namespace, dtype: str, correction: str, out: str) -> dict:
     from roll_core.testing import run_pipeline
 
-    out = tempfile.mkdtemp(prefix="roll-agreement-")
     overrides = [
         "experiment=quickstart",
         f"model={args.model}",

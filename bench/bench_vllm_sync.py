@@ -15,8 +15,10 @@ tensor of the model in the adapter's process (its bytes), kept until the next sy
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -114,6 +116,7 @@ def main() -> None:
         return
     layers, runs = (4, 1) if args.quick else (12, args.runs)
     folder = tempfile.mkdtemp(prefix="roll-vllm-sync-")
+    atexit.register(shutil.rmtree, folder, True)  # the model and vLLM's cache: gone with the table printed
     os.environ.setdefault("ROLL_CACHE_DIR", os.path.join(folder, "cache"))
     _model(os.path.join(folder, "model"), layers)
     print(

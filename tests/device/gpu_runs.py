@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -119,6 +120,10 @@ def main() -> int:
     print(f"{len(rows) - failed} passed, {failed} failed")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    if failed:
+        print(f"the runs' folders are kept for a look: {root}")
+    else:  # each run keeps checkpoints: do not leave them behind on a shared machine
+        shutil.rmtree(root, ignore_errors=True)
     return 1 if failed or not rows else 0
 
 
