@@ -68,19 +68,44 @@ def _roll_eval(model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     return {"success": float(m.group(1)), "n": int(m.group(2)), "turns": float(m.group(3))}
 
 
-def test_failing_environments_end_their_episode_not_the_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["score", "drop"])
+def test_failing_environments_end_their_episode_not_the_run(tmp_path: Path, policy: str) -> None:
+    """Every episode's environment step raises or hangs: counted, and per env.on_failure trained with
+    env.failure_reward on the failing turn (score) or left out of the batch (drop)."""
+    steps_n = 2 if policy == "score" else 1
+    overrides = [o for o in _overrides(tmp_path) if not o.startswith("pipeline.eval_every=")]
     _, history = run_pipeline(
-        _overrides(tmp_path, "env.env=py:agentic_toy:Flaky", "env.step_timeout_s=1", "pipeline.max_steps=2")
+        [
+            *overrides,
+            "env.env=py:agentic_toy:Flaky",
+            "env.step_timeout_s=1",
+            f"pipeline.max_steps={steps_n}",
+            "pipeline.eval_every=1",
+            f"env.on_failure={policy}",
+            "env.failure_reward=-0.5",
+        ]
     )
     steps = [h for h in history if h["step"] > 0]
-    assert len(steps) == 2
+    assert len(steps) == steps_n
+    # each step's env counters hold its own 32 episodes' failures, the held-out episodes' are eval's (8)
+    failures = [
+        (h["env/env_errors"] + h["env/env_timeouts"], h.get("eval/env_errors", 0) + h.get("eval/env_timeouts", 0))
+        for h in steps
+    ]
+    assert all(f == (32, 8) for f in failures), failures
     errors = sum(h.get("env/env_errors", 0) for h in steps)
     timeouts = sum(h.get("env/env_timeouts", 0) for h in steps)
     assert errors > 0 and timeouts > 0, [
         {k: v for k, v in h.items() if k.startswith(("episode/", "env/", "data/"))} for h in steps
     ]
-    # every episode ended by its environment's failure, counted, and both steps still trained on nothing / finished
+    # every episode ended by its environment's failure, counted, and every step finished
     assert all(h.get("episode/end_env_error", 0) + h.get("episode/end_env_timeout", 0) == 1.0 for h in steps)
+    # Flaky fails on the first step: the episode's reward is the failure reward, trained or dropped as asked
+    assert all(h["reward/mean"] == pytest.approx(-0.5) for h in steps), [h["reward/mean"] for h in steps]
+    dropped = [h["data/dropped_episodes"] for h in steps]
+    assert dropped == ([0] * steps_n if policy == "score" else [32] * steps_n), dropped
+    trained = [h for h in steps if "actor/pg_loss" in h]
+    assert len(trained) == (steps_n if policy == "score" else 0), [sorted(h) for h in steps]
 
 
 def test_env_workers_give_the_same_episodes_as_in_process_envs(tmp_path: Path) -> None:

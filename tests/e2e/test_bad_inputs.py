@@ -611,6 +611,16 @@ CASES: list[Case] = [
         compose("pipeline=agentic", "env=agentic", "env.env=sokoban", "env.max_tokens_per_turn=4096"),
         r"env\.max_tokens_per_turn must be below env\.max_context_length",
     ),
+    E(
+        "cfg/agentic-on-failure-unknown",
+        compose("pipeline=agentic", "env=agentic", "env.env=sokoban", "env.on_failure=retry"),
+        r"env\.on_failure='retry' must be score or drop",
+    ),
+    E(
+        "cfg/agentic-failure-reward-nan",
+        compose("pipeline=agentic", "env=agentic", "env.env=sokoban", "env.failure_reward=nan"),
+        r"env\.failure_reward must be a finite number, got nan",
+    ),
     # -- configs: incompatible combinations ------------------------------------------------------------------------
     E(
         "cfg/grpo-group-size-1",

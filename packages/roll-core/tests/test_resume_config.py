@@ -81,6 +81,7 @@ def test_keys_only_one_side_has_are_reported_not_refused() -> None:
     ]
     assert is_fixed("env.path") and is_fixed("model.path") and not is_fixed("env.reward.timeout_s")
     assert not is_fixed("algo.lr") and not is_fixed("infer_engine.max_num_seqs")
+    assert not is_fixed("env.on_failure") and not is_fixed("env.failure_reward") and is_fixed("env.max_turns")
 
 
 def test_a_checkpoint_records_its_config_and_a_resumed_config_is_checked_against_it(tmp_path: Path) -> None:

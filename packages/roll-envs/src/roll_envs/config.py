@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -393,6 +394,10 @@ class AgenticEnvConfig:
     max_tokens_per_turn: int = 128
     # Seconds an environment reset or step may take before its episode ends (counted as env_timeout).
     step_timeout_s: float = 30.0
+    # An episode whose environment step raised or hung (env_error / env_timeout): score (trained, the failing
+    # turn's reward failure_reward) | drop (not trained; data/dropped_episodes). A failed reset is never trained.
+    on_failure: str = "score"
+    failure_reward: float = 0.0
     # Threads stepping environments concurrently (per env worker).
     env_threads: int = 16
     # Env workers hosting the environments (roll_core.agentic.env_workers); 0: in the controller's process.
@@ -412,6 +417,10 @@ class AgenticEnvConfig:
             raise ValueError("env.max_tokens_per_turn must be below env.max_context_length")
         if self.step_timeout_s <= 0:
             raise ValueError("env.step_timeout_s must be > 0")
+        if self.on_failure not in ("score", "drop"):
+            raise ValueError(f"env.on_failure={self.on_failure!r} must be score or drop")
+        if not math.isfinite(self.failure_reward):
+            raise ValueError(f"env.failure_reward must be a finite number, got {self.failure_reward}")
         if self.num_workers < 0:
             raise ValueError("env.num_workers must be >= 0")
         if self.demonstrations < 0:

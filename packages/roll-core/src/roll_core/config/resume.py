@@ -72,6 +72,8 @@ CHANGEABLE = (
     "env.reward.*",  # reward weights and limits (its class is fixed: see below)
     "env.eval_size",
     "env.step_timeout_s",
+    "env.on_failure",  # how a failed episode is trained (agentic and agent envs), like the reward's weights
+    "env.failure_reward",
     "env.env_threads",
     "env.num_workers",
 )

@@ -92,7 +92,8 @@ class Task(Protocol):
 @runtime_checkable
 class AgenticTask(Protocol):
     """What `pipeline=agentic` needs of an `env` group: an environment factory, seeds, limits and prompts
-    (roll_envs.agentic.AgenticTask is the built-in implementation)."""
+    (roll_envs.agentic.AgenticTask is the built-in implementation). Optional: `on_failure` ("score" | "drop") and
+    `failure_reward` (float), how an episode whose environment step failed is trained (default: scored 0.0)."""
 
     name: str
     # Episode limits: turns, tokens of the whole context, tokens of one response.

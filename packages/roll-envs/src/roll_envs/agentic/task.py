@@ -32,6 +32,8 @@ class AgenticTask:
         max_context_length: int = 2048,
         max_tokens_per_turn: int = 128,
         step_timeout_s: float = 30.0,
+        on_failure: str = "score",
+        failure_reward: float = 0.0,
         env_threads: int = 16,
         num_workers: int = 0,
         eval_size: int = 32,
@@ -47,6 +49,10 @@ class AgenticTask:
             max_tokens_per_turn,
         )
         self.step_timeout_s, self.env_threads, self.num_workers = step_timeout_s, env_threads, num_workers
+        if on_failure not in ("score", "drop"):
+            raise ValueError(f"env.on_failure={on_failure!r} must be score or drop")
+        # read by roll_core's episode collectors (an AgenticTask without them scores failures 0.0)
+        self.on_failure, self.failure_reward = on_failure, float(failure_reward)
         self.eval_size, self.eval_seed_offset = eval_size, eval_seed_offset
         self._system_prompt = system_prompt
         probe = self.make_env()  # fails here, with the registry's message, for an unknown name or bad kwargs

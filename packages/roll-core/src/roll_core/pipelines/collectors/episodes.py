@@ -6,7 +6,10 @@ group-relative estimators compare like with like), all concurrently, token-in-to
 (roll_core.agentic.rollout), each turn one request to the inference engines. The batch is trajectories: the first
 prompt is the prompt, everything after it the response, with a loss mask that is 1 on generated tokens only, plus
 `group_ids` and the turn tensors the trajectory estimators read (roll_core.algorithms). Episodes whose environment
-failed at reset give nothing to train on (counted in data/dropped_episodes).
+failed at reset give nothing to train on (counted in data/dropped_episodes). An episode whose environment step
+raised or hung (end `env_error` / `env_timeout`) is, per the task's `on_failure`, trained with its failing turn's
+reward set to `failure_reward` (`score`, the default; 0.0) or dropped (`drop`, counted in data/dropped_episodes):
+either way it is counted in episode/end_<reason> and env/<counter>.
 
 Vision-language models (`model.path` a Qwen-VL family folder or builtin:tiny-qwen2.5-vl): observations may carry
 pictures (env=visual_frozen_lake); the turn template renders them with the model's `VisionProcessor` and the batch
@@ -116,8 +119,13 @@ class EpisodeCollector:
             temperature=self.sampling.temperature if t is None else float(t),
             seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL),
         )
+        before = self.envs.counters()
         trajs = self.rollout.run(self.eval_seeds, list(range(len(self.eval_seeds))), params, first_slot=self.eval_slot)
-        m = episode_metrics(trajs, None, None)
+        score_failures(self.task, trajs)
+        after = self.envs.counters()
+        # the held-out episodes' environment failures are eval's (eval/env_*), not the next training step's
+        self._counters = {k: self._counters.get(k, 0) + after[k] - before.get(k, 0) for k in after}
+        m = episode_metrics(trajs, before, after)
         return {
             "eval/accuracy": m["reward/accuracy"],  # = success rate (the summary and sweeps read it)
             "eval/success_rate": m["reward/accuracy"],
@@ -127,6 +135,7 @@ class EpisodeCollector:
             "eval/tool_calls_mean": m["episode/tool_calls_mean"],
             "eval/n": float(len(trajs)),
             **{f"eval/end_{k.removeprefix('episode/end_')}": v for k, v in m.items() if k.startswith("episode/end_")},
+            **{f"eval/{k.removeprefix('env/')}": v for k, v in m.items() if k.startswith("env/")},
             "eval/seconds": time.perf_counter() - t0,
         }
 
@@ -155,10 +164,12 @@ class EpisodeCollector:
     def collected(self, step: int, trajs: list[Trajectory], out: StepLog) -> Collected | None:
         """Metrics, samples and the trajectory batch of finished episodes (None: nothing to train on)."""
         now = self.envs.counters()
+        drop = score_failures(self.task, trajs)
         out.update(episode_metrics(trajs, self._counters, now))
         self._counters = now
         self._log_episodes(step, trajs)
-        kept = [t for t in trajs if t.turns > 0]  # an environment that failed at reset gives nothing to train on
+        # an environment that failed at reset gives nothing to train on; one that failed later, per on_failure
+        kept = [t for t in trajs if t.turns > 0 and not (drop and t.end in ENV_FAILURES)]
         out["data/dropped_episodes"] = len(trajs) - len(kept)
         if not kept:
             return None
@@ -192,6 +203,24 @@ class EpisodeCollector:
                 for t in trajs[:k]
             ],
         )
+
+
+#: End reasons of an episode whose environment step failed (roll_core.agentic.rollout).
+ENV_FAILURES = ("env_error", "env_timeout")
+
+
+def score_failures(task: Any, trajs: list[Trajectory]) -> bool:
+    """Apply the task's failure policy to episodes an environment step ended: with `on_failure: score` (or a task
+    without one) the failing turn's reward becomes `failure_reward` (0.0 without one), in place. Returns whether
+    failed episodes are to be dropped (`on_failure: drop`)."""
+    policy = getattr(task, "on_failure", "score")
+    if policy not in ("score", "drop"):
+        raise ConfigError(f"env.on_failure={policy!r} must be score or drop")
+    reward = float(getattr(task, "failure_reward", 0.0))
+    for t in trajs:
+        if t.end in ENV_FAILURES and t.turn_rewards:
+            t.turn_rewards[-1] = reward  # the rollout ended the episode on this turn's step
+    return policy == "drop"
 
 
 def episode_metrics(
