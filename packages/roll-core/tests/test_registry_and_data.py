@@ -68,6 +68,73 @@ def test_checkpoint_manager_atomic_and_pruned(tmp_path: Path) -> None:
     assert json.loads((m.latest() / "state.json").read_text())["step"] == 3
 
 
+def test_checkpoint_files_reach_the_disk_before_the_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every file and folder of a checkpoint is fsync'ed before it is renamed into place (a rename can reach the
+    disk before the data it names: a power cut would leave a complete-looking folder of empty files)."""
+    import os
+
+    synced: list[str] = []
+    real_fsync, real_open = os.fsync, os.open
+    names: dict[int, str] = {}
+
+    def opening(path, flags, *a, **k):
+        fd = real_open(path, flags, *a, **k)
+        names[fd] = str(path)
+        return fd
+
+    def fsync(fd: int) -> None:
+        synced.append(names.get(fd, "?"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "open", opening)
+    monkeypatch.setattr(os, "fsync", fsync)
+    m = CheckpointManager(tmp_path)
+    tmp = m.staging(5)
+    (tmp / "actor" / "model").mkdir(parents=True)
+    (tmp / "actor" / "model" / "model.safetensors").write_bytes(b"weights")
+    renamed_after: list[int] = []
+    real_rename = Path.rename
+    monkeypatch.setattr(Path, "rename", lambda self, t: (renamed_after.append(len(synced)), real_rename(self, t))[1])
+    m.commit(tmp, 5, {})
+    before = synced[: renamed_after[0]]
+    for f in ("actor/model/model.safetensors", "state.json", "rng.pt", "actor/model", "actor", ""):
+        assert str(tmp / f).rstrip("/") in before, (f, before)
+    assert str(m.root) in synced[renamed_after[0] :]  # the rename itself
+
+
+def test_checkpoint_saved_again_survives_a_crash_between_the_renames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saving a step that exists (a run redoing steps after a rollback) never leaves the step without a checkpoint:
+    a crash after the old folder moved aside leaves it findable, and the next save cleans it up."""
+    m = CheckpointManager(tmp_path, keep_last=3)
+    for step in (1, 2):
+        tmp = m.staging(step)
+        (tmp / "weights").write_text(f"old {step}")
+        m.commit(tmp, step, {})
+    tmp = m.staging(2)
+    (tmp / "weights").write_text("new 2")
+    real_rename = Path.rename
+
+    def crash_on_second(self: Path, target: Path) -> Path:
+        if self.name.endswith(".tmp"):
+            raise KeyboardInterrupt("killed between the renames")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        m.commit(tmp, 2, {})
+    monkeypatch.setattr(Path, "rename", real_rename)
+    assert [p.name for p in m.list()] == ["step_000001", "step_000002.replaced"]
+    assert (m.latest() / "weights").read_text() == "old 2"
+    tmp = m.staging(2)
+    (tmp / "weights").write_text("new 2")
+    m.commit(tmp, 2, {})
+    assert [p.name for p in m.list()] == ["step_000001", "step_000002"]
+    assert (m.latest() / "weights").read_text() == "new 2"
+    assert sorted(p.name for p in m.root.iterdir()) == ["step_000001", "step_000002"]
+
+
 def test_units_counted_per_aggregation() -> None:
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
     assert agg_units(mask, "token-mean") == 3

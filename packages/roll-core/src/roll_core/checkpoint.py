@@ -3,14 +3,20 @@
 Layout: `<out>/checkpoints/step_000010/` holding `actor/model/` (HF `save_pretrained`: safetensors + config +
 tokenizer), `actor/engine.pt` (optimizer, LR scheduler), `critic/` (PPO; AsyPPO adds `critic_1/`, ...),
 `state.json` (step, sampler position, KL controller, RNG states) and `config.yaml` (the run config it was saved with,
-which a resumed run is compared with: roll_core.config.resume). A checkpoint is written into `step_000010.tmp/`
-and renamed when complete, so a crash mid-save never leaves a folder that `latest()` would pick.
+which a resumed run is compared with: roll_core.config.resume). A checkpoint is written into `step_000010.tmp/`,
+flushed to disk (every file and folder fsync'ed: a rename can reach the disk before the data it names, so a power
+cut could otherwise leave a complete-looking folder of empty files) and renamed when complete, so a crash mid-save
+never leaves a folder that `latest()` would pick. Saving a step again (a run redoing steps after a rollback) first
+moves the old folder to `step_000010.replaced/` and deletes it only once the new one is in place: a crash between
+the two renames leaves the old checkpoint, which `list()` still finds.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +26,9 @@ import torch
 
 #: The run config a checkpoint was saved with, inside its folder.
 CONFIG = "config.yaml"
+
+#: A checkpoint folder's name: complete (`step_N`), or the previous save of a step being replaced.
+_NAME = re.compile(r"step_(\d+)(\.replaced)?")
 
 
 class CheckpointManager:
@@ -51,23 +60,34 @@ class CheckpointManager:
         torch.save(state.pop("rng"), tmp / "rng.pt")
         self._write_config(tmp)
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
+        fsync_tree(tmp)
         final = self.root / f"step_{step:06d}"
+        replaced = final.with_name(final.name + ".replaced")
+        if replaced.exists():  # an earlier save of this step that crashed after moving it aside and succeeded later
+            shutil.rmtree(replaced)
         if final.exists():
-            shutil.rmtree(final)
+            final.rename(replaced)
         tmp.rename(final)
+        _fsync_dir(self.root)  # the rename itself
+        shutil.rmtree(replaced, ignore_errors=True)
         for old in self.list()[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
     def list(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
+        """Complete checkpoints, oldest first: one per step, `step_N` or, when a crash left only that, the
+        `step_N.replaced` folder a new save of the step had moved aside."""
         if not self.root.exists():
             return []
-        return sorted(
-            p
-            for p in self.root.glob("step_*")
-            if p.is_dir() and not p.name.endswith(".tmp") and (p / "state.json").exists()
-        )
+        found: dict[int, Path] = {}
+        for p in self.root.glob("step_*"):
+            m = _NAME.fullmatch(p.name)
+            if m is None or not p.is_dir() or not (p / "state.json").exists():
+                continue
+            step = int(m.group(1))
+            if step not in found or m.group(2) is None:  # the complete folder wins over the replaced one
+                found[step] = p
+        return [found[k] for k in sorted(found)]
 
     def latest(self) -> Path | None:
         found = self.list()
@@ -99,6 +119,32 @@ class CheckpointManager:
             # weights_only: a checkpoint folder may come from elsewhere; unpickling arbitrary objects runs code.
             set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
         return state
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file under `root`, and every folder (their entries), to disk."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(folder)
+
+
+def _fsync_dir(folder: str | Path) -> None:
+    """Flush a folder's entries (names created or renamed in it); a no-op where folders cannot be opened (Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a folder: its entries are then as safe as they can be
+        pass
+    finally:
+        os.close(fd)
 
 
 def rng_state() -> dict[str, Any]:

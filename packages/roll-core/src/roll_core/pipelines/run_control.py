@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 
 
 def _latest_checkpoint(run: Path) -> Path | None:
-    found = sorted(p for p in (run / "checkpoints").glob("step_*") if p.is_dir() and (p / "state.json").exists())
-    return found[-1] if found else None
+    from roll_core.checkpoint import CheckpointManager
+
+    return CheckpointManager(run).latest()
 
 
 def _experiment_of(ckpt: Path) -> str | None:
