@@ -55,6 +55,52 @@ def test_sampler_epochs_and_resume() -> None:
         PromptSampler(6, seed=1).load_state_dict(state)
 
 
+def test_locked_sampler_never_lets_a_state_read_see_half_a_draw() -> None:
+    """The asynchronous collector draws on its driver thread while the trainer saves the sampler's state: a state
+    read during a draw waits for it (a torn read resumed a run an epoch late)."""
+    import threading
+
+    from roll_core.data import LockedSampler
+
+    mid_draw, release = threading.Event(), threading.Event()
+
+    class TwoFieldSampler:
+        epoch, position = 0, 5
+
+        def next(self, k: int) -> list[int]:
+            self.epoch += 1
+            mid_draw.set()
+            release.wait(5)
+            self.position = 0
+            return [0] * k
+
+        def state_dict(self) -> dict:
+            return {"epoch": self.epoch, "position": self.position}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.epoch, self.position = state["epoch"], state["position"]
+
+    sampler = LockedSampler(TwoFieldSampler())
+    drawer = threading.Thread(target=sampler.next, args=(1,))
+    drawer.start()
+    assert mid_draw.wait(5)
+    seen: list[dict] = []
+    reader = threading.Thread(target=lambda: seen.append(sampler.state_dict()))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive() and not seen  # waits for the draw instead of reading half of it
+    release.set()
+    drawer.join(5)
+    reader.join(5)
+    assert seen == [{"epoch": 1, "position": 0}]
+    real = LockedSampler(PromptSampler(6, seed=1))
+    first = real.next(4)
+    state = real.state_dict()
+    other = LockedSampler(PromptSampler(6, seed=1))
+    other.load_state_dict(state)
+    assert other.next(5) == real.next(5) and len(set(first)) == 4
+
+
 def test_checkpoint_manager_atomic_and_pruned(tmp_path: Path) -> None:
     m = CheckpointManager(tmp_path, keep_last=2)
     for step in (1, 2, 3):

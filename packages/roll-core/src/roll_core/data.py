@@ -9,6 +9,7 @@ each domain keeps its own epoch order, and its state (each domain's position, dr
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -146,3 +147,26 @@ def make_sampler(task: Any, *, batch_size: int, seed: int) -> PromptSampler | Do
         weights, counts = task.mixture()
         return DomainSampler(task.domain_slices(), weights=weights, counts=counts, batch_size=batch_size, seed=seed)
     return PromptSampler(len(task.train_set()), seed=seed)
+
+
+class LockedSampler:
+    """A sampler shared by threads: `next`, `state_dict` and `load_state_dict` of the wrapped sampler run one at a
+    time (the asynchronous collector's driver thread draws prompts while the trainer checkpoints: a state read in
+    the middle of a draw that crossed an epoch held the new epoch with the old position, and a resumed run skipped
+    an epoch)."""
+
+    def __init__(self, inner: PromptSampler | DomainSampler) -> None:
+        self.inner = inner
+        self._lock = threading.Lock()
+
+    def next(self, k: int) -> list[int]:
+        with self._lock:
+            return self.inner.next(k)
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self.inner.load_state_dict(state)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from roll_core.data import LockedSampler
 from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors.prompts import PromptCollector
@@ -66,6 +67,7 @@ class AsyncPromptCollector(PromptCollector):
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
         check_async(ctx)
+        self.sampler = LockedSampler(self.sampler)  # drawn on the driver's thread, saved on the trainer's
         p = self.cfg.pipeline
         self.k = p.async_ratio
         self.sched = RolloutScheduler(
