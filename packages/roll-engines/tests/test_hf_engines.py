@@ -3,12 +3,13 @@ sampling layout, stop strings, weight sync and checkpoints that plain transforme
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from roll_core.interfaces import SamplingParams
+from roll_core.interfaces import Request, SamplingParams
 from roll_core.models import build_tiny_tokenizer, resolve_model_path
 from roll_core.pipelines.objectives import PolicyObjective
 from roll_core.protocol import build_sequences, pad_left
@@ -332,3 +333,33 @@ def test_save_honours_trust_remote_code_for_the_tokenizer(tiny: str, tmp_path: P
     engine = HFTrainEngine(str(src), trust_remote_code=True)
     engine.save(tmp_path / "ckpt", str(src))
     assert (tmp_path / "ckpt" / "engine.pt").exists() and (tmp_path / "ckpt" / "model" / "tokenizer.json").exists()
+
+
+def test_a_weight_update_pauses_at_the_next_step_boundary(tiny: str) -> None:
+    """begin_weight_update takes the engine at the next step boundary, while requests keep running: no decode step
+    starts between the call and its return (a lock is not fair: the stepping thread re-took it after each step, and
+    an update waited up to 66 steps here), and the requests resume afterwards under the new version."""
+    engine = HFInferEngine(tiny, max_new_tokens=8)
+    steps = [0]
+    real_step = engine.batcher.step
+
+    def counted() -> None:
+        steps[0] += 1
+        real_step()
+
+    engine.batcher.step = counted
+    long = SamplingParams(temperature=1.0, max_new_tokens=150, seed=0, ignore_eos=True)
+    during, running = [], []
+    for trial in range(20):
+        batch = [engine.submit(Request(f"long-{trial}-{i}", [5, 6, 7, 8 + i], long)) for i in range(8)]
+        running += batch
+        time.sleep(0.05)  # admitted and decoding
+        before = steps[0]
+        engine.begin_weight_update()
+        during.append(steps[0] - before)
+        assert not any(f.done() for f in batch)  # paused mid-generation
+        engine.finish_weight_update()
+    assert max(during) <= 1, f"decode steps that started while an update waited: {during}"
+    outs = [f.result(timeout=300) for f in running]
+    assert all(len(o.token_ids) == 150 for o in outs)  # resumed and finished after their pauses
+    engine.shutdown()

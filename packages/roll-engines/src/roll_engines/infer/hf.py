@@ -201,6 +201,10 @@ class HFInferEngine:
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
         self._paused = False
+        # Set while a weight update waits for the lock: the stepping threads then hand it over at their next step
+        # boundary (a lock is not fair: the stepping thread re-took it at once after each step, measured up to 66
+        # steps before an update got in).
+        self._pause_wanted = threading.Event()
         self._sleeping = 0
         self._weights_valid = True
         self._thread: threading.Thread | None = None
@@ -283,7 +287,7 @@ class HFInferEngine:
         """Step in this thread until every future is done (the background thread may step too)."""
         while not all(f.done() for f in futures):
             with self._lock:
-                if self._paused:
+                if self._paused or self._pause_wanted.is_set():
                     self._work.wait(0.05)
                     continue
                 self._step()
@@ -356,6 +360,9 @@ class HFInferEngine:
                     self._work.wait()
                 if self._stopped:
                     return
+                if self._pause_wanted.is_set():  # an update waits for the lock: hand it over
+                    self._work.wait(0.05)
+                    continue
                 self._step()
 
     def abort(self, request_id: str) -> bool:
@@ -364,8 +371,12 @@ class HFInferEngine:
 
     # ---- weights ------------------------------------------------------------------------------------------
     def begin_weight_update(self) -> None:
-        with self._lock:  # waits for a step in progress
-            self._paused = True
+        self._pause_wanted.set()
+        try:
+            with self._lock:  # waits for the step in progress only
+                self._paused = True
+        finally:
+            self._pause_wanted.clear()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
         """Copy tensors in place by name (the trainer's state-dict names); returns bytes received."""
