@@ -108,7 +108,13 @@ def test_hardware_and_engine_extras() -> None:
 
 # ---- extras: each one's requirements are used by the package's code ------------------------------------------
 # Module a distribution installs, where it is not the distribution's name with "-" as "_".
-IMPORT_OF = {"megatron-core": "megatron.core", "nvidia-ml-py": "pynvml", "mlflow-skinny": "mlflow", "pillow": "PIL"}
+IMPORT_OF = {
+    "hydra-ray-launcher": "hydra_plugins.hydra_ray_launcher",
+    "megatron-core": "megatron.core",
+    "nvidia-ml-py": "pynvml",
+    "mlflow-skinny": "mlflow",
+    "pillow": "PIL",
+}
 # Requirements used without an `import` of their own in the package: (package, requirement) -> (file, text that
 # shows the use). Anything else an extra lists must be imported somewhere in the package's src/.
 USED_WITHOUT_IMPORT = {
@@ -117,10 +123,6 @@ USED_WITHOUT_IMPORT = {
     ("roll-core", "tensorboard"): (
         "packages/roll-core/src/roll_core/trackers/tensorboard.py",
         "torch.utils.tensorboard",
-    ),
-    ("roll-core", "hydra-ray-launcher"): (
-        "packages/roll-core/src/roll_core/conf/hydra/launcher/ray.yaml",
-        "hydra_plugins.hydra_ray_launcher",
     ),
     ("roll-core", "hydra-optuna-sweeper"): ("conf/experiment/sweep_optuna.yaml", "override /hydra/sweeper: optuna"),
     # MLflow's SQL store (the default store in the run folder) runs on SQLAlchemy and Alembic; mlflow-skinny omits them.

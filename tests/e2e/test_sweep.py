@@ -69,6 +69,48 @@ def test_sweep_on_ray_queues_jobs_writes_summary_and_isolates_a_failing_job(seve
     assert queued[2] > 0.5 * run and queued[1] < queued[2] - 0.5 * run  # two started at once, one queued
 
 
+def test_a_job_killed_outright_is_summarised_and_the_sweep_goes_on(seven_task: Path, tmp_path: Path) -> None:
+    """SIGKILL one job's process once it trains (what the OOM killer does): nothing in it can catch that, yet the
+    sweep waits for the other job, summarises both (the killed one as `killed`, with its curve so far) and exits
+    1. (hydra-ray-launcher raised out of the sweep at the first dead job: no summary, the other jobs abandoned.)"""
+    import json
+    import signal
+    import time
+
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    sweep_dir = tmp_path / "sweep"
+    cmd = [
+        str(BIN / "roll-train"),
+        "-m",
+        "experiment=sweep_tiny",
+        f"env.path={seven_task}",
+        "algo.lr=1e-3,3e-3",
+        "pipeline.max_steps=6",
+        "cluster.max_concurrent=2",
+        "hydra/launcher=ray",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        status, metrics = sweep_dir / "1" / "job_status.json", sweep_dir / "1" / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # job 1 has trained a step
+            assert proc.poll() is None and time.monotonic() < deadline, "job 1 never trained"
+            time.sleep(0.5)
+        os.kill(json.loads(status.read_text())["pid"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-4000:]
+    assert "1 sweep job(s) failed: algo.lr=0.003" in err, err[-4000:]
+    table = {r["job"]: r for r in rows(tmp_path)}
+    assert table["0"]["status"] == "ok" and table["0"]["final_eval_accuracy"] not in ("", None)
+    assert table["1"]["status"] == "killed" and "Error" in table["1"]["error"], table["1"]
+    assert table["1"]["final_reward"] not in ("", None)  # its curve up to the kill
+    assert (sweep_dir / "rewards.png").stat().st_size > 10_000
+
+
 @pytest.mark.full_matrix  # CI time: the Ray launcher runs in the sweeps above; `nox -s full_matrix` runs this
 def test_optuna_sweeper_with_ray_launcher(seven_task: Path, tmp_path: Path) -> None:
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")

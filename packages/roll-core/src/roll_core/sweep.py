@@ -7,7 +7,8 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
   so a sweep on a small machine queues instead of oversubscribing it (0 = no bound). A slot is a lease the job
   renews every few seconds from a thread: a job that raises releases it at once, and one that is killed
   (SIGKILL, OOM, a lost node) stops renewing, so its slot returns after `lease_s` and the sweep goes on.
-- A job that raises is caught, logged and recorded in `<job dir>/job_status.json`; the other jobs go on.
+- A job that raises is caught, logged and recorded in `<job dir>/job_status.json`; the other jobs go on. A job
+  whose process dies (SIGKILL, OOM) is recorded as `killed` by roll's Ray launcher (roll_core.sweep_launcher).
 - Trackers see one sweep as one group: each job's `tracking.group` (unless given) is "<experiment>-<sweep folder>"
   (W&B group, MLflow experiment, SwanLab group) and its `tracking.run_name` (unless given) is
   "<experiment>-<job number>", so the jobs are distinct runs of one group (`sweep_tracking`).
@@ -23,7 +24,9 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
+import socket
 import time
 import traceback
 from collections.abc import Iterator
@@ -149,6 +152,10 @@ def run_sweep_job(cfg: Any, run: Any) -> float:
     t0 = time.perf_counter()
     with job_slot(slots, permits) as waited:
         record["queued_seconds"] = waited
+        # Written now too: a job whose process is killed leaves this record (roll_core.sweep_launcher marks it)
+        record.update(pid=os.getpid(), host=socket.gethostname())
+        out.mkdir(parents=True, exist_ok=True)
+        (out / STATUS_FILE).write_text(json.dumps(record, indent=2, default=str))
         t_run = time.perf_counter()
         try:
             summary = run(cfg)
@@ -301,7 +308,7 @@ def start_sweep_ray(launcher: Any) -> bool:
     Returns whether it started one; another launcher, an `init.address` to join, or a running Ray: nothing."""
     from omegaconf import OmegaConf
 
-    if not str(launcher.get("_target_", "")).endswith(".ray_launcher.RayLauncher"):
+    if not str(launcher.get("_target_", "")).endswith(".RayLauncher"):  # hydra-ray-launcher's or roll's
         return False
     init = OmegaConf.to_container(launcher.ray.init, resolve=True)
     assert isinstance(init, dict)

@@ -1,0 +1,93 @@
+"""The Ray launcher of roll's sweeps (`hydra/launcher=ray`: hydra_plugins.roll_ray_launcher.RayLauncher, where Hydra
+looks for plugins): hydra-ray-launcher's, where a job whose process dies does not take the sweep down with it.
+
+hydra-ray-launcher collects its jobs with `ray.get` one after another: a job killed outright (SIGKILL, the OOM
+killer, a lost node) raised out of the launcher, Hydra skipped the multirun's end (no summary.csv, no rewards.png)
+and the jobs still running were abandoned with the driver. Jobs that raise are already caught inside the job
+(roll_core.sweep.run_sweep_job); this launcher handles the ones that cannot catch anything:
+
+- every job is waited for, whatever happened to the others;
+- a job whose process died is recorded as `killed` in its folder's `job_status.json` (with Ray's reason) and
+  returned to Hydra as a completed job whose value is NaN, so the sweeper goes on (Optuna sees a failed trial's
+  NaN) and `SweepSummaryCallback` summarises it with the others; `roll-train` exits non-zero;
+- jobs are not retried by Ray (`remote.max_retries: 0` in conf/hydra/launcher/ray.yaml): a retried job would find
+  its own checkpoints in its folder and be refused, and an out-of-memory job would usually die again.
+
+Launch: roll-train -m algo.lr=1e-6,3e-6 hydra/launcher=ray
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
+from hydra_plugins.hydra_ray_launcher._launcher_util import launch_job_on_ray, start_ray
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from roll_core.sweep import STATUS_FILE
+
+log = logging.getLogger(__name__)
+
+
+def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[JobReturn]:
+    """Start every job as a Ray task (hydra-ray-launcher's way), wait for all of them, record the killed ones.
+    `launcher`: the RayLauncher (its `ray_cfg`, `config`, `hydra_context` and `task_function`)."""
+    import ray
+
+    setup_globals()
+    assert launcher.config is not None and launcher.hydra_context is not None
+    assert launcher.task_function is not None
+    configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
+    sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    log.info("Ray launcher: %d jobs, sweep folder %s", len(job_overrides), sweep_dir)
+    start_ray(launcher.ray_cfg.init)
+    jobs: list[tuple[DictConfig, list[str], Any]] = []
+    for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+        log.info("\t#%d : %s", idx, " ".join(filter_overrides(overrides)))
+        cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+        with open_dict(cfg):
+            cfg.hydra.job.id = f"job_id_for_{idx}"  # set for real on the worker (a scheduler's id)
+            cfg.hydra.job.num = idx
+        ref = launch_job_on_ray(
+            launcher.hydra_context, launcher.ray_cfg.remote, cfg, launcher.task_function, Singleton.get_state()
+        )
+        jobs.append((cfg, list(overrides), ref))
+    results = []
+    for cfg, overrides, ref in jobs:
+        try:
+            results.append(ray.get(ref))
+        except ray.exceptions.RayError as exc:  # its process died: nothing in it could catch this
+            results.append(killed(cfg, overrides, exc))
+    return results
+
+
+def killed(cfg: DictConfig, overrides: list[str], exc: BaseException) -> JobReturn:
+    """Record job `cfg` as killed (its folder's job_status.json) and the JobReturn Hydra gets for it."""
+    num = int(cfg.hydra.job.num)
+    folder = Path(str(cfg.hydra.sweep.dir)) / str(OmegaConf.select(cfg, "hydra.sweep.subdir", default=num))
+    reason = str(exc).strip().splitlines()
+    error = f"{type(exc).__name__}: {reason[0] if reason else ''}".rstrip(": ")
+    log.error("sweep job %d was killed (%s); the sweep goes on", num, error)
+    folder.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {}
+    try:  # what the job wrote when it started (its slot wait, process id)
+        record = json.loads((folder / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        pass
+    record.update(job=num, overrides=overrides, status="killed", error=error)
+    (folder / STATUS_FILE).write_text(json.dumps(record, indent=2))
+    return JobReturn(
+        overrides=overrides,
+        cfg=cfg,
+        working_dir=str(folder),
+        task_name=str(OmegaConf.select(cfg, "hydra.job.name", default="")),
+        status=JobStatus.COMPLETED,  # a FAILED return makes Hydra's sweeper raise: the summary would be lost
+        _return_value=math.nan,
+    )
