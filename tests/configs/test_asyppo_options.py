@@ -85,6 +85,18 @@ def test_each_critic_trains_on_its_own_share_of_every_group_with_its_own_values(
     assert out["critic_0/grad_norm"] == 1.0 and out["critic_1/rows"] == 4.0
 
 
+def test_a_single_critics_engine_metrics_go_under_critic() -> None:
+    """One critic (PPO): its engine's own metrics (grad norm, learning rate, optimizer steps) are logged as
+    critic/<name> like the several critics' critic_<m>/<name>, never as bare top-level keys."""
+    critics = Critics([_Recorder(0.0)], AlgoConfig(adv_estimator="gae", group_size=4))
+    batch = Batch({"row": torch.arange(4), "response_mask": torch.ones(4, 3)})
+    out = StepLog()
+    critics.values(batch, batch["response_mask"], out)
+    critics.train(batch, SimpleNamespace(), out, mini_batches=1, epochs=1, temperature=1.0, shuffle_seed=0)
+    assert out["critic/vf_loss"] == 4.0 and out["critic/grad_norm"] == 1.0
+    assert "grad_norm" not in out
+
+
 def test_the_entropy_bonus_leaves_out_the_filtered_tokens_only() -> None:
     from roll_core.pipelines.losses import PolicyObjective
 

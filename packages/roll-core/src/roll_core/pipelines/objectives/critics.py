@@ -66,8 +66,9 @@ class Critics:
 
     def train(self, batch: Batch, loss: Any, out: StepLog, **train_kwargs: Any) -> None:
         """Train every critic (one: the batch; several: each its shard) and log their metrics."""
-        if len(self.groups) == 1:
-            out.update(self.groups[0].train(batch, loss, **train_kwargs))
+        if len(self.groups) == 1:  # its engine's own metrics (grad_norm, lr, ...) under critic/, as the actor's
+            metrics = self.groups[0].train(batch, loss, **train_kwargs)
+            out.update({k if "/" in k else f"critic/{k}": v for k, v in metrics.items()})
             return
         assert self._per_critic is not None, "values() runs before train() in a step"
         shard = self.shards(batch)
