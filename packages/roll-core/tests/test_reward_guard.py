@@ -47,6 +47,7 @@ def test_healthy_batch_is_scored_in_one_call_with_zero_counters() -> None:
         "seen": 2,
         **dict.fromkeys(("errors", "timeouts", "nonfinite", "failed_rows", "failed_errors", "failed_timeouts"), 0),
         "failed_nonfinite": 0,
+        "failed_unscored": 0,
         "rows": 2,
     }
 
@@ -178,7 +179,8 @@ def test_the_failure_budget_stops_after_n_steps_whose_rows_all_failed_and_totals
         budget.update(4, failing, broken.last_failure)
     msg = str(err.value)
     assert "step 4: the reward failed on every row for 2 steps in a row" in msg
-    assert "pipeline.max_reward_failure_steps=2" in msg and "2 raised, 0 timed out, 0 were NaN/inf" in msg
+    assert "pipeline.max_reward_failure_steps=2" in msg
+    assert "2 raised, 0 timed out, 0 were NaN/inf, 0 unscored by the reward itself" in msg
     assert "first failure: row 0: KeyError: 'answer_field'" in msg
     assert budget.summary() == {
         "reward_rows": 8,
@@ -186,6 +188,7 @@ def test_the_failure_budget_stops_after_n_steps_whose_rows_all_failed_and_totals
         "reward_failed_errors": 7,
         "reward_failed_timeouts": 0,
         "reward_failed_nonfinite": 0,
+        "reward_failed_unscored": 0,
         "reward_all_failed_steps": 3,
     }
     resumed = RewardFailureBudget(max_steps=2)

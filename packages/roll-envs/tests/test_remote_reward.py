@@ -160,7 +160,13 @@ def test_retries_then_scores(server: Any) -> None:
     script, base = server
     res = _remote(f"{base}/flaky").score(["ab", "c"], ["ab", "x"])
     assert (res.scores, res.correct) == ([2.0, 1.0], [1.0, 0.0])
-    assert res.counters == {"remote_timeouts": 0, "remote_errors": 0, "remote_malformed": 0, "remote_retries": 2}
+    assert res.counters == {
+        "remote_timeouts": 0,
+        "remote_errors": 0,
+        "remote_malformed": 0,
+        "remote_retries": 2,
+        "unscored": 0,
+    }
     assert script.calls["flaky"] == 3
     start = time.monotonic()
     res = _remote(f"{base}/busy").score(["abc"], ["abc"])
@@ -183,7 +189,7 @@ def test_failures_are_counted_rows(server: Any) -> None:
     # Bad rows are malformed one by one; the good row keeps its score (correct from correct_threshold).
     res = _remote(f"{base}/badrows", correct_threshold=0.2).score(["r"] * 5, ["a"] * 5)
     assert (res.scores, res.correct) == ([0.0, 0.0, 0.0, 0.0, 0.25], [0, 0, 0, 0, 1.0])
-    assert res.counters["remote_malformed"] == 4
+    assert res.counters["remote_malformed"] == 4 and res.counters["unscored"] == 4
     # 400: an error, never retried.
     reward = _remote(f"{base}/refused", max_retries=3)
     res = reward.score(*rows)
@@ -197,6 +203,22 @@ def test_a_dead_service_fails_every_row_after_its_retries() -> None:
     res = _remote(f"http://127.0.0.1:{_free_port()}/score", max_retries=2, batch_size=2).score(["a"] * 3, ["a"] * 3)
     assert res.scores == [0.0] * 3 and res.counters["remote_errors"] == 3
     assert res.counters["remote_retries"] == 4  # two requests, two retries each
+
+
+def test_a_dead_service_stops_the_run_through_the_failure_budget() -> None:
+    """Every row unscored (the service is down; a 401 for a bad key is the same): the guard counts the rows as failed,
+    so the run's RewardFailureBudget stops it (it trained on error_score forever: the rows were the reward's own
+    fallback scores, which the guard did not count)."""
+    from roll_core.cluster.reward_guard import RewardFailureBudget, RewardFailureError, all_rows_failed
+
+    guarded = GuardedReward(_remote(f"http://127.0.0.1:{_free_port()}/score", max_retries=0), isolation="inline")
+    budget = RewardFailureBudget(max_steps=2)
+    res = guarded.score(["a", "b", "c"], ["1", "2", "3"])
+    assert res.counters["unscored"] == 3 and res.counters["failed_unscored"] == res.counters["failed_rows"] == 3
+    assert all_rows_failed(res.counters) and "could not score 3 of 3 rows" in guarded.last_failure
+    budget.update(1, res.counters, guarded.last_failure)
+    with pytest.raises(RewardFailureError, match=r"3 unscored by the reward itself; first failure: .*could not score"):
+        budget.update(2, guarded.score(["a", "b", "c"], ["1", "2", "3"]).counters, guarded.last_failure)
 
 
 def test_concurrency_limit_and_context_arrive(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,8 +15,10 @@ The counters are added to the reward's own (`RewardResult.counters`), which the 
 (a math reward's own `errors`/`timeouts` for malformed answers add to the same keys: rows whose scoring failed).
 Apart from those, the guard reports what it had to replace, whatever the reward counts itself (FAILURE_COUNTERS):
 `rows` scored, `failed_rows` replaced by `error_score`, split by cause into `failed_errors`, `failed_timeouts` and
-`failed_nonfinite`. `all_rows_failed(counters)` says a call (or a step's sum of calls) learned nothing, and
-`RewardFailureBudget` stops a run after `pipeline.max_reward_failure_steps` such steps in a row.
+`failed_nonfinite`, plus `failed_unscored`: rows the reward itself reports it could not score (its counter
+`unscored`: a remote verifier that failed, which scores such rows with its own fallback instead of raising).
+`all_rows_failed(counters)` says a call (or a step's sum of calls) learned nothing, and `RewardFailureBudget` stops
+a run after `pipeline.max_reward_failure_steps` such steps in a row.
 The first failure of each kind is logged once per worker with its traceback; later ones are only counted.
 
 Isolation: `process` (default) runs the reward in a forked child (roll_core.isolation.ForkedWorker), so a hang is
@@ -43,7 +45,9 @@ ISOLATIONS = ("process", "inline")
 #: Counters every guarded result carries (0 when nothing failed), so the metrics are continuous.
 GUARD_COUNTERS = ("errors", "timeouts", "nonfinite")
 #: What the guard itself replaced, never mixed with the reward's own counters (also carried at 0).
-FAILURE_COUNTERS = ("rows", "failed_rows", "failed_errors", "failed_timeouts", "failed_nonfinite")
+FAILURE_COUNTERS = ("rows", "failed_rows", "failed_errors", "failed_timeouts", "failed_nonfinite", "failed_unscored")
+#: The counter a reward reports rows it could not score under (it gave them a fallback score).
+UNSCORED = "unscored"
 
 
 class GuardedReward:
@@ -211,7 +215,13 @@ class GuardedReward:
                 self.error_score,
             )
             scores.append(self.error_score)
-        counters["failed_rows"] = counters["failed_errors"] + counters["failed_timeouts"] + counters["failed_nonfinite"]
+        # Rows the reward itself says it could not score (and no other cause already counted: at most the rest).
+        replaced = counters["failed_errors"] + counters["failed_timeouts"] + counters["failed_nonfinite"]
+        unscored = max(0, min(int(res.counters.get(UNSCORED, 0) or 0), len(scores) - replaced))
+        if unscored:
+            counters["failed_unscored"] += unscored
+            self._note(f"{self.name} could not score {unscored} of {len(scores)} rows itself (see its counters)")
+        counters["failed_rows"] = replaced + counters["failed_unscored"]
         # FAILURE_COUNTERS are the guard's alone: a reward's own counter of the same name is dropped.
         merged = {k: v for k, v in res.counters.items() if k not in FAILURE_COUNTERS}
         for k, v in counters.items():
@@ -284,7 +294,12 @@ class RewardFailureBudget:
             rows = int(counters.get("rows", 0))
             causes = ", ".join(
                 f"{int(counters.get(f'failed_{k}', 0))} {label}"
-                for k, label in (("errors", "raised"), ("timeouts", "timed out"), ("nonfinite", "were NaN/inf"))
+                for k, label in (
+                    ("errors", "raised"),
+                    ("timeouts", "timed out"),
+                    ("nonfinite", "were NaN/inf"),
+                    ("unscored", "unscored by the reward itself"),
+                )
             )
             raise RewardFailureError(
                 f"step {step}: the reward failed on every row for {self.streak} steps in a row "
@@ -296,7 +311,8 @@ class RewardFailureBudget:
 
     def summary(self) -> dict[str, int]:
         """Run totals: `reward_rows`, `reward_failed_rows`, `reward_failed_errors`, `reward_failed_timeouts`,
-        `reward_failed_nonfinite`, and `reward_all_failed_steps` (steps whose rows all failed)."""
+        `reward_failed_nonfinite`, `reward_failed_unscored`, and `reward_all_failed_steps` (steps whose rows all
+        failed)."""
         return {f"reward_{k}": v for k, v in self.totals.items()} | {"reward_all_failed_steps": self.failed_steps}
 
     def state_dict(self) -> dict[str, Any]:

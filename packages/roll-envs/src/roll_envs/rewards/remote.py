@@ -11,9 +11,11 @@ Protocol (JSON over HTTP POST to `url`; `roll_envs.rewards.serve` is a reference
   it is formatted when it is correct. An optional `"counters": {"name": int}` adds the service's own failure
   counts (a math verifier's `timeouts`) to the result's counters.
 
-Failures are counted rows, never an exception out of `score` (a dead service fails every row; the run's
-RewardFailureBudget in roll-core then stops it after a few such steps). A failed row scores `error_score`, with
-correct = formatted = 0, and counts in one of (counts of rows, except `remote_retries`):
+Failures are counted rows, never an exception out of `score`. A failed row scores `error_score`, with
+correct = formatted = 0, counts in `unscored` (roll-core's reward guard counts those rows in `failed_rows`, so a
+dead or refusing service, which fails every row, stops the run after `pipeline.max_reward_failure_steps` steps
+through its RewardFailureBudget, instead of training on `error_score` forever), and in one of (counts of rows,
+except `remote_retries`):
 - `remote_timeouts`: its request got no answer within `timeout_s`, on every try;
 - `remote_errors`: connection errors, or an HTTP status other than 200 (the last try's);
 - `remote_malformed`: a reply that is not JSON or has the wrong number of rows (every row of the request), or a
@@ -54,7 +56,7 @@ log = logging.getLogger(__name__)
 
 AIOHTTP = Extra("aiohttp", "env/reward=remote (an HTTP verifier service)", "aiohttp", "roll-envs[remote]")
 #: Counters every result carries (0 when nothing failed), so the metrics are continuous.
-COUNTERS = ("remote_timeouts", "remote_errors", "remote_malformed", "remote_retries")
+COUNTERS = ("remote_timeouts", "remote_errors", "remote_malformed", "remote_retries", "unscored")
 #: Statuses worth another try besides 5xx (429: rate limited).
 _RETRY_STATUSES = {429}
 #: Characters of a failed reply's body kept in the log line.
@@ -185,6 +187,7 @@ class RemoteReward(Reward):
         results = _run(self._score_all(rows, counters))
         scores, correct, formatted = [], [], []
         for row in results:
+            counters["unscored"] += row is None  # the guard's failed rows (roll_core.cluster.reward_guard)
             s, c, f = row if row is not None else (self.error_score, 0.0, 0.0)
             scores.append(s)
             correct.append(c)
