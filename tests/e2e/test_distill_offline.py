@@ -231,6 +231,11 @@ def test_tokenizers_must_match(seven_task: Path, tmp_path: Path, data: dict, tea
         build(f"data.path={data['plain']}")
     with pytest.raises(ConfigError, match=r"distill\.teachers=.*routes the student's samples by domain"):
         build(f"data.path={data['train']}", f"+distill.teachers.math={teacher}")
+    # algo settings it would ignore (ppo_epochs sized the LR schedule for 3x the steps taken)
+    with pytest.raises(ConfigError, match=r"algo\.ppo_epochs=3: offline distillation trains each batch of rows once"):
+        build(f"data.path={data['train']}", "algo.ppo_epochs=3")
+    with pytest.raises(ConfigError, match=r"do not apply to offline distillation"):
+        build(f"data.path={data['train']}", "algo.kl_coef=0.1")
 
 
 ENGINES = [

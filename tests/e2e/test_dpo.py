@@ -284,6 +284,15 @@ def test_bad_settings_and_data_are_clear_errors_before_models_load(data: dict[st
         check({"eval_path": None}, pipeline={"eval_every": 2}, dpo={"generate_eval": False})
     with pytest.raises(ConfigError, match="a mini-batch holds whole pairs"):
         check(algo={"num_mini_batches": BATCH + 1})
+    # Settings DPO would take differently from the LR schedule, or ignore: refused (the schedule counted 2x the
+    # optimizer steps with mini_batch_size=1, so the LR was still half its peak when the run ended).
+    with pytest.raises(ConfigError, match=r"algo\.mini_batch_size=1 makes .* set algo\.mini_batch_size >= 2"):
+        check(algo={"mini_batch_size": 1})
+    with pytest.raises(ConfigError, match=r"algo\.group_size=8: a DPO step holds 2 rows per pair"):
+        check(algo={"mini_batch_size": 4, "group_size": 8})
+    for field in ("kl_coef", "entropy_coef"):
+        with pytest.raises(ConfigError, match=r"do not apply to DPO"):
+            check(algo={field: 0.1})
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps({"prompt": f"Q{i}", "chosen": "1"}) + "\n" for i in range(4)))
     with pytest.raises(ConfigError, match="cannot tell the row form"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -111,6 +112,8 @@ def test_forked_worker_reports_errors_timeouts_and_deaths() -> None:
             time.sleep(60)
         if x == "die":
             os._exit(3)
+        if x == "segfault":
+            os.kill(os.getpid(), signal.SIGSEGV)
         return os.getpid()
 
     worker = ForkedWorker(fn, name="test")
@@ -121,9 +124,11 @@ def test_forked_worker_reports_errors_timeouts_and_deaths() -> None:
     assert "missing" in info.value.details
     with pytest.raises(CallTimeout, match=r"no answer within 0\.3s"):
         worker.call("hang", timeout=0.3)
-    with pytest.raises(ChildDied):
+    with pytest.raises(ChildDied, match=r"died \(exit code 3\)"):
         worker.call("die", timeout=10)
-    assert worker.call("ok", timeout=10) not in (pid, os.getpid()) and worker.forks == 3
+    with pytest.raises(ChildDied, match=r"died \(killed by SIGSEGV\)"):  # what killed it, for the log
+        worker.call("segfault", timeout=10)
+    assert worker.call("ok", timeout=10) not in (pid, os.getpid()) and worker.forks == 4
     worker.close()
 
 

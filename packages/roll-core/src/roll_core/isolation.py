@@ -77,6 +77,27 @@ def _kill(pid: int) -> None:
         pass
 
 
+def _exit_status(pid: int | None, wait_s: float = 1.0) -> str:
+    """How child `pid` ended ("killed by SIGSEGV", "exit code 1"), reaping it; "still running" if it has not
+    within `wait_s` (its end of the pipe closed first)."""
+    if pid is None:
+        return "unknown"
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return "already reaped"
+        if done:
+            if os.WIFSIGNALED(status):
+                sig = os.WTERMSIG(status)
+                return f"killed by {signal.Signals(sig).name if sig in signal.valid_signals() else sig}"
+            return f"exit code {os.waitstatus_to_exitcode(status)}"
+        if time.monotonic() > deadline:
+            return "still running"
+        time.sleep(0.01)
+
+
 class ForkedWorker:
     """`fn` served by a forked child process; see the module docstring for the contract."""
 
@@ -153,10 +174,10 @@ class ForkedWorker:
             try:
                 reply = self._conn.recv()
             except (EOFError, OSError) as exc:
+                took = time.monotonic() - t0
+                how = _exit_status(self._pid)  # before _stop reaps it: a signal says segfault, OOM killer, ...
                 self._stop()
-                raise ChildDied(
-                    f"{self.name}: the child process died after {time.monotonic() - t0:.1f}s of a call"
-                ) from exc
+                raise ChildDied(f"{self.name}: the child process died ({how}) after {took:.1f}s of a call") from exc
         if reply[0] == "ok":
             return reply[1]
         raise ChildError(*reply[1:])

@@ -117,6 +117,11 @@ class OfflineDistillObjective:
 
 def check_offline_distill(cfg: RLVRConfig) -> None:
     """Settings offline distillation cannot honour: ConfigError before anything is built."""
+    from roll_core.pipelines.objectives.sft import check_algo
+
+    # One pass over each batch of rows, no reference, no entropy bonus, rows without groups: SFT's refusals
+    # (algo.ppo_epochs sized the LR schedule for passes never taken; kl/entropy settings were silently unused).
+    check_algo(cfg, what="offline distillation")
     d = cfg.distill
     if d.teachers:
         raise ConfigError(

@@ -251,16 +251,39 @@ def summed(logp: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), logp.float(), torch.zeros((), dtype=torch.float32)).sum(-1)
 
 
+def check_dpo_algo(cfg: RLVRConfig) -> None:
+    """ConfigError for `algo` settings DPO would ignore or take differently from the LR schedule's step count."""
+    from roll_core.pipelines.wiring import mini_batches
+
+    algo, pairs = cfg.algo, cfg.pipeline.rollout_batch_size
+    if algo.num_mini_batches > pairs:
+        raise ConfigError(
+            f"algo.num_mini_batches={algo.num_mini_batches} exceeds the {pairs} pairs of a step "
+            f"(pipeline.rollout_batch_size): a mini-batch holds whole pairs"
+        )
+    if algo.mini_batch_size and algo.group_size != 2:
+        # wiring.mini_batches reads mini_batch_size against rollout_batch_size x group_size rows: a pair's 2 rows
+        raise ConfigError(
+            f"algo.mini_batch_size={algo.mini_batch_size} with algo.group_size={algo.group_size}: a DPO step holds "
+            "2 rows per pair (pipeline.rollout_batch_size pairs): use algo=dpo or set algo.group_size=2"
+        )
+    if mini_batches(cfg) > pairs:  # the schedule would count steps DPO never takes (it cannot split a pair)
+        raise ConfigError(
+            f"algo.mini_batch_size={algo.mini_batch_size} makes {mini_batches(cfg)} mini-batches of a step's {pairs} "
+            "pairs: a mini-batch holds whole pairs (2 rows each): set algo.mini_batch_size >= 2"
+        )
+    if algo.use_reference or algo.entropy_coef:
+        raise ConfigError(
+            "algo.kl_coef / algo.kl_target / algo.entropy_coef do not apply to DPO (its reference term is "
+            "dpo.beta; no entropy bonus): use algo=dpo"
+        )
+
+
 class _DPO:
     """`roll.objectives` `dpo`: the actor, and a reference unless the loss is reference-free."""
 
     def needs(self, cfg: RLVRConfig) -> RoleNeeds:
-        algo, pairs = cfg.algo, cfg.pipeline.rollout_batch_size
-        if algo.num_mini_batches > pairs:
-            raise ConfigError(
-                f"algo.num_mini_batches={algo.num_mini_batches} exceeds the {pairs} pairs of a step "
-                f"(pipeline.rollout_batch_size): a mini-batch holds whole pairs"
-            )
+        check_dpo_algo(cfg)
         return RoleNeeds(train=True, reference=cfg.dpo.uses_reference)
 
     def __call__(self, cfg: RLVRConfig, roles: Roles, *, trajectories: bool) -> DPOObjective:

@@ -94,28 +94,30 @@ class SFTObjective:
         pass
 
 
-def check_algo(cfg: RLVRConfig) -> None:
-    """ConfigError for `algo` settings SFT cannot honour (they would be silently ignored otherwise)."""
+def check_algo(cfg: RLVRConfig, what: str = "SFT") -> None:
+    """ConfigError for `algo` settings SFT (or another row-batch objective, `what`: offline distillation) cannot
+    honour: they would be silently ignored otherwise, and algo.ppo_epochs would size the LR schedule for passes
+    never taken."""
     algo, rows = cfg.algo, cfg.pipeline.rollout_batch_size
     if algo.ppo_epochs != 1:
         raise ConfigError(
-            f"algo.ppo_epochs={algo.ppo_epochs}: SFT trains each batch of rows once (passes over the data are "
+            f"algo.ppo_epochs={algo.ppo_epochs}: {what} trains each batch of rows once (passes over the data are "
             "pipeline.max_steps x pipeline.rollout_batch_size rows): set algo.ppo_epochs=1"
         )
     if algo.mini_batch_size and algo.group_size != 1:
-        # wiring.mini_batches counts rollout_batch_size x group_size rows; an SFT batch has rollout_batch_size.
+        # wiring.mini_batches counts rollout_batch_size x group_size rows; a batch of rows has rollout_batch_size.
         raise ConfigError(
-            f"algo.mini_batch_size={algo.mini_batch_size} with algo.group_size={algo.group_size}: an SFT batch "
+            f"algo.mini_batch_size={algo.mini_batch_size} with algo.group_size={algo.group_size}: a {what} batch "
             "holds pipeline.rollout_batch_size rows (no groups): use algo=sft or set algo.group_size=1"
         )
     if algo.num_mini_batches > rows:
         raise ConfigError(
-            f"algo.num_mini_batches={algo.num_mini_batches} exceeds the {rows} rows of an SFT batch "
+            f"algo.num_mini_batches={algo.num_mini_batches} exceeds the {rows} rows of a {what} batch "
             "(pipeline.rollout_batch_size): lower it"
         )
     if algo.use_reference or algo.entropy_coef:
         raise ConfigError(
-            "algo.kl_coef / algo.kl_target / algo.entropy_coef do not apply to SFT (no reference KL, no entropy "
+            f"algo.kl_coef / algo.kl_target / algo.entropy_coef do not apply to {what} (no reference KL, no entropy "
             "bonus): use algo=sft, or pipeline=distill for a KL to a teacher"
         )
 
