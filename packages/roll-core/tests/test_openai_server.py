@@ -198,6 +198,21 @@ def test_tool_calls_in_the_openai_format(tokenizer: Any) -> None:
     assert tokenizer.decode(session.traj.tokens).count("<|tool|>7\n") == 1  # the tool result went in as context
 
 
+def test_a_request_without_tools_gets_its_text_back_whatever_it_holds(tokenizer: Any) -> None:
+    """No `tools` in the request: a reply that holds the parser's tool-call syntax is plain content with
+    finish_reason stop, as OpenAI and vLLM answer (it came back as a tool call the client never offered)."""
+    text = 'Sure: <tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>'
+    sessions, server = _serve(ScriptedEngine(tokenizer, [text]), tokenizer)
+    try:
+        sessions.open("p", PARAMS, SessionLimits(max_context_length=1024))
+        r = _client(server, "p").chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        sessions.close("p")
+    finally:
+        server.close()
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content == text
+
+
 def test_the_served_text_ends_before_a_stop_sequence_and_the_trajectory_keeps_it(tokenizer: Any) -> None:
     """OpenAI's contract: `content` stops before the stop sequence (a ReAct loop would add its own "Observation:"
     after ours); the engine keeps the completing token, and so does the trajectory."""
@@ -248,6 +263,8 @@ def test_errors_are_openai_errors_and_end_nothing_but_the_request(tokenizer: Any
             ({"tool_choice": "required", "tools": TOOLS}, "unsupported_parameter"),
             ({"response_format": {"type": "json_object"}}, "unsupported_response_format"),
             ({"max_tokens": 0}, "invalid_parameter"),
+            ({"stop": 5}, "invalid_parameter"),  # was a 500, which clients retry
+            ({"stream": True, "stream_options": "yes"}, "invalid_parameter"),  # was a stream cut after a 200
         ]:
             with pytest.raises(openai.BadRequestError) as exc:
                 client.chat.completions.create(model="m", messages=hi, **bad)

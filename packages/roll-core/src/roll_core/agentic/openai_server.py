@@ -157,16 +157,23 @@ def chat_turn(body: Any) -> ChatTurn:
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise SessionError(400, "invalid_parameter", f"max_tokens={max_tokens!r} must be a positive integer")
     stop = body.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):  # a number was a 500 (tuple(5)), which clients retry
+        raise SessionError(400, "invalid_parameter", "stop must be a string or a list of non-empty strings")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if not all(isinstance(s, str) and s for s in stops):
         raise SessionError(400, "invalid_parameter", "stop must be a string or a list of non-empty strings")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):  # read after the turn is generated: check it before
+        raise SessionError(400, "invalid_parameter", "stream_options must be an object ({include_usage: bool})")
     return ChatTurn(
         messages=[normalise_message(m, i) for i, m in enumerate(messages)],
         tools=tools or None,
         max_tokens=max_tokens,
         stop=stops,
         structured=_structured(body.get("response_format")),
-        parse_tools=choice != "none",
+        # Tool calls are parsed only where tools were offered (as OpenAI and vLLM do): a plain chat whose reply
+        # holds the parser's syntax keeps its text.
+        parse_tools=bool(tools) and choice != "none",
     )
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import threading
 import time
 from collections import Counter
@@ -270,9 +271,25 @@ def _outcome(result: dict[str, Any], session: AgentSession, timed_out: bool) -> 
         value = session.reward
     if value is None:
         return 0.0, "no_reward", ""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+    number = _as_number(value)
+    if number is None or not math.isfinite(number):
         return 0.0, "error", f"the program returned {value!r}, not a finite number"
-    return float(value), None, ""
+    return number, None, ""
+
+
+def _as_number(value: Any) -> float | None:
+    """A reward the program returned as a float: Python, NumPy or one-element torch numbers (np.float32(1.0) was
+    a failed episode); None for anything else (bools, strings, arrays of several values)."""
+    if type(value).__name__ in ("bool", "bool_"):  # Python and NumPy booleans are not rewards
+        return None
+    if isinstance(value, numbers.Real):  # int, float, NumPy scalars
+        return float(value)
+    if getattr(value, "ndim", None) == 0 or (hasattr(value, "numel") and value.numel() == 1):  # 0-d arrays, tensors
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return None
+    return None
 
 
 def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
@@ -283,6 +300,8 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
     mean = sum(rewards) / len(rewards)
     std = (sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) ** 0.5 if len(rewards) > 1 else 0.0
     turns = sum(e.session.requests for e in episodes)
+    # Per-turn rates over the turns kept in the trajectories (a history restart drops earlier requests' turns).
+    kept = sum(e.traj.turns for e in episodes)
     failures = Counter(e.failure for e in episodes if e.failure)
     out = {
         "reward/mean": mean,
@@ -292,8 +311,8 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
         "episode/turns_mean": turns / n,
         "episode/tokens_mean": sum(sum(e.traj.mask) for e in episodes) / n,  # trained (sampled) tokens
         "episode/tool_calls_mean": sum(e.traj.tool_calls for e in episodes) / n,
-        "episode/cut_turn_rate": sum(e.traj.cut_turns for e in episodes) / max(turns, 1),
-        "response/length_mean": sum(sum(e.traj.mask) for e in episodes) / max(turns, 1),
+        "episode/cut_turn_rate": sum(e.traj.cut_turns for e in episodes) / max(kept, 1),
+        "response/length_mean": sum(sum(e.traj.mask) for e in episodes) / max(kept, 1),
         "agent/failed_episodes": float(sum(failures.values())),
         "agent/history_rewrites": float(sum(e.session.rewrites for e in episodes)),
         "agent/dropped_turns": float(sum(e.session.dropped_turns for e in episodes)),

@@ -1,0 +1,45 @@
+"""How the agent collector reads an episode's outcome and turns it into metrics (pipeline=agent): rewards a
+program returns as NumPy or torch numbers, and per-turn rates after a history restart."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from roll_core.agentic.agent_sessions import AgentSession, SessionLimits
+from roll_core.interfaces import SamplingParams
+from roll_core.pipelines.collectors.agents import Episode, _outcome, agent_metrics
+
+
+def _session() -> AgentSession:
+    return AgentSession("s", SamplingParams(), SessionLimits(), template=None)
+
+
+@pytest.mark.parametrize(
+    "value, want",
+    [(1, 1.0), (0.5, 0.5), (np.float32(1), 1.0), (np.int64(1), 1.0), (np.array(0.25), 0.25), (torch.tensor(2.0), 2.0)],
+)
+def test_a_numeric_reward_of_any_common_type_is_the_episodes_reward(value: Any, want: float) -> None:
+    """np.float32(1.0) from a program was a failed episode, trained with the failure reward."""
+    assert _outcome({"reward": value}, _session(), timed_out=False) == (want, None, "")
+
+
+@pytest.mark.parametrize("value", [True, np.bool_(True), "1.0", float("nan"), np.array([1.0, 2.0]), [1.0]])
+def test_a_reward_that_is_not_one_finite_number_fails_the_episode(value: Any) -> None:
+    reward, failure, why = _outcome({"reward": value}, _session(), timed_out=False)
+    assert (reward, failure) == (0.0, "error") and "not a finite number" in why
+
+
+def test_per_turn_rates_count_the_turns_kept_after_a_history_restart() -> None:
+    """Three requests of 5 sampled tokens; a restart at the third dropped the first two turns: the kept turn's
+    length is 5 tokens (it read 5/3 when divided by every request)."""
+    session = _session()
+    session.requests, session.dropped_turns = 3, 2
+    session.traj.prompt_ids = [1, 2]
+    session.traj.add_response([5, 6, 7, 8, 9], [-0.1] * 5)
+    session.traj.turn_rewards.append(1.0)
+    m = agent_metrics([Episode(row={}, traj=session.traj, reward=1.0, failure=None, session=session)])
+    assert m["response/length_mean"] == 5.0 and m["episode/turns_mean"] == 3.0
