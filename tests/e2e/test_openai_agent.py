@@ -219,3 +219,19 @@ def test_a_command_line_agent_runs_as_a_subprocess() -> None:
         collector.close()
     assert out["agent/failed_episodes"] == 0 and collected.scores.tolist() == [0.25, 0.25]
     assert collected.batch["group_ids"].tolist() == [0, 0] and out["episode/turns_mean"] == 1.0
+
+
+def test_a_command_gets_a_row_too_large_for_the_environment_on_stdin() -> None:
+    """A 200 kB row (a long problem statement) reaches the command on stdin, ROLL_TASK empty: Linux refuses an
+    environment string over 128 KiB, and every episode of such a row failed with E2BIG. A small row is in both."""
+    import json
+
+    from roll_envs.agentic.openai_agent import OpenAIAgentTask
+
+    script = "import json, os, sys; row = json.load(sys.stdin); print(len(row['text']) + len(os.environ['ROLL_TASK']))"
+    task = OpenAIAgentTask(
+        command=[sys.executable, "-c", script], generator="openai_agent_toy:tasks", generator_kwargs={"n": 8}
+    )
+    urls = ("http://127.0.0.1:9/v1", "http://127.0.0.1:9/reward")
+    assert task._run_command(*urls, {"text": "x" * 200_000}) == 200_000.0
+    assert task._run_command(*urls, {"text": "abc"}) == 3.0 + len(json.dumps({"text": "abc"}))

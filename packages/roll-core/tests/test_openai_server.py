@@ -288,6 +288,54 @@ def test_errors_are_openai_errors_and_end_nothing_but_the_request(tokenizer: Any
         server.close()
 
 
+class SlowScriptedEngine(ScriptedEngine):
+    """ScriptedEngine whose answers take `delay` seconds (from a thread), counting its requests."""
+
+    def __init__(self, tokenizer: Any, texts: list[str], delay: float) -> None:
+        super().__init__(tokenizer, texts)
+        self.delay, self.requests = delay, 0
+
+    def submit_request(self, request: Request, route_key: str | None = None) -> Future:
+        import threading
+        import time
+
+        self.requests += 1
+        done = super().submit_request(request, route_key)
+        fut: Future = Future()
+        threading.Thread(target=lambda: (time.sleep(self.delay), fut.set_result(done.result())), daemon=True).start()
+        return fut
+
+
+@pytest.mark.parametrize("policy", ["restart", "refuse"])
+def test_a_client_retry_gets_the_recorded_reply_and_keeps_the_trajectory(tokenizer: Any, policy: str) -> None:
+    """The openai client times out on a slow turn and re-sends it: the retry waits for the running turn and gets
+    its reply, so the agent sees exactly the turn that is trained on; a retry after the reply arrived gets it again.
+    (The retry was a history rewrite: `restart` dropped the turns the agent had seen, `refuse` answered 400.)"""
+    engine = SlowScriptedEngine(tokenizer, ["one", "two", "three"], delay=0.05)
+    sessions, server = _serve(engine, tokenizer, on_rewrite=policy)
+    try:
+        sessions.open("r", PARAMS, SessionLimits(max_context_length=1024))
+        patient = _client(server, "r")
+        messages: list[Any] = [{"role": "user", "content": "a"}]
+        r1 = patient.chat.completions.create(model="m", messages=messages)
+        messages += [r1.choices[0].message, {"role": "user", "content": "b"}]
+        engine.delay = 1.0  # the next turn outlasts the client's timeout: it retries while the turn runs
+        hasty = openai.OpenAI(base_url=server.base_url("r"), api_key="unused", max_retries=3, timeout=0.4)
+        r2 = hasty.chat.completions.create(model="m", messages=messages)
+        again = patient.chat.completions.create(model="m", messages=messages)  # a retry after the reply arrived
+        engine.delay = 0.05
+        messages += [r2.choices[0].message, {"role": "user", "content": "c"}]
+        r3 = patient.chat.completions.create(model="m", messages=messages)
+        session = sessions.close("r")
+    finally:
+        server.close()
+    assert r2.choices[0].message.content == again.choices[0].message.content == "two"
+    assert r3.choices[0].message.content == "three" and engine.requests == 3  # one sample per turn, no more
+    assert session.replays >= 2 and session.rewrites == 0 and session.dropped_turns == 0
+    trained = tokenizer.decode([t for t, m in zip(session.traj.tokens, session.traj.mask) if m])
+    assert trained == "one</s>two</s>three</s>" and session.traj.turns == 3
+
+
 @pytest.mark.parametrize("policy", ["restart", "refuse"])
 def test_history_rewrites_are_counted_and_handled(tokenizer: Any, policy: str) -> None:
     sessions, server = _serve(ScriptedEngine(tokenizer, ["one", "two", "three"]), tokenizer, on_rewrite=policy)

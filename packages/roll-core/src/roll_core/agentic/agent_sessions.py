@@ -23,7 +23,15 @@ no room to generate within `max_context_length`, gets HTTP 400 (`max_turns_excee
 (`response_format`) is kept as context with loss mask 0 (counted in `constrained_turns`): the trainer recomputes
 log-probs without per-turn constraints, so training on it would use the wrong distribution.
 
-Thread-safety: one request per session at a time (a second concurrent one gets HTTP 409); sessions are independent.
+A retried request (the same messages, tools and settings as the previous one: an OpenAI client re-sends a request
+whose reply it did not receive, after its timeout or a dropped connection) gets the reply the session recorded for
+it again, counted in `replays`, instead of a second sample: the turn the agent finally sees is the turn trained on.
+A retry that arrives while the original still runs waits for it and gets its reply. (Without this, the retry no
+longer extended the conversation, which now ended in the unseen reply: a history rewrite that dropped the turns the
+agent had seen, or a 400 it could not recover from.)
+
+Thread-safety: one request per session at a time (a second concurrent one gets HTTP 409, unless it is a retry of
+the one running, which waits for it); sessions are independent.
 """
 
 from __future__ import annotations
@@ -152,6 +160,22 @@ def _key(msg: dict[str, Any]) -> tuple[Any, ...]:
     return (msg["role"], msg.get("content") or "", calls, msg.get("tool_call_id"), msg.get("name"))
 
 
+def turn_key(turn: ChatTurn) -> str:
+    """What makes two requests the same request (a client's retry): messages, tools and generation settings."""
+    return json.dumps(
+        [
+            [_key(m) for m in turn.messages],
+            turn.tools,
+            turn.max_tokens,
+            list(turn.stop),
+            repr(turn.structured),
+            turn.parse_tools,
+        ],
+        sort_keys=True,
+        default=str,
+    )
+
+
 def _json_value(text: str) -> str:
     try:
         return json.dumps(json.loads(text), sort_keys=True)
@@ -203,6 +227,11 @@ class AgentSession:
         self.closed = False
         self.request_id: str | None = None  # the engine request in flight
         self.lock = threading.Lock()
+        # The request being served or last served (turn_key), and the reply recorded for the last one: a retry of
+        # it gets that reply again (see the module docstring).
+        self.current_key: str | None = None
+        self.last_reply: tuple[str, Reply] | None = None
+        self.replays = 0
 
     # ---- one turn -----------------------------------------------------------------------------------------
     def context_for(self, turn: ChatTurn) -> tuple[list[int], list[int], bool]:
@@ -350,12 +379,22 @@ class AgentSessions:
         return session
 
     def chat(self, sid: str, turn: ChatTurn) -> Reply:
-        """Sample the next assistant turn of session `sid` (blocking; call it off the event loop)."""
+        """Sample the next assistant turn of session `sid` (blocking; call it off the event loop); a retry of the
+        previous request gets its recorded reply (see the module docstring)."""
         session = self.get(sid)
+        key = turn_key(turn)
         if not session.lock.acquire(blocking=False):
-            raise SessionError(409, "session_busy", f"session {sid}: another request of this session is running")
+            if key != session.current_key:
+                raise SessionError(409, "session_busy", f"session {sid}: another request of this session is running")
+            session.lock.acquire()  # a retry of the running request: its reply is this one's
         try:
-            return self._chat(session, turn)
+            if session.last_reply is not None and session.last_reply[0] == key and not session.closed:
+                session.replays += 1
+                return session.last_reply[1]
+            session.current_key = key
+            reply = self._chat(session, turn)
+            session.last_reply = (key, reply)
+            return reply
         finally:
             session.lock.release()
 

@@ -5,7 +5,8 @@ The program is either
   a client whose base URL is the episode's session on roll's endpoint (roll_core.agentic.openai_server); it returns
   the episode's reward (a number), or None after reporting it with `report_reward(client, value)`; or
 - a command line, `env.command=[python,agent.py]`, run per episode as a subprocess with OPENAI_BASE_URL,
-  OPENAI_API_KEY, ROLL_REWARD_URL and ROLL_TASK (the row as JSON, also on its stdin) in its environment; it
+  OPENAI_API_KEY, ROLL_REWARD_URL and ROLL_TASK (the row as JSON, also on its stdin; a row over 64 KiB is on stdin
+  only, ROLL_TASK then empty: Linux refuses an environment string over 128 KiB) in its environment; it
   reports its reward by printing a number as its last line of output or by POSTing {"reward": x} to
   ROLL_REWARD_URL. A non-zero exit status is a failed episode (its stderr's tail is logged).
 
@@ -247,7 +248,8 @@ class OpenAIAgentTask:
             "OPENAI_BASE_URL": base_url,
             "OPENAI_API_KEY": self.api_key,
             "ROLL_REWARD_URL": reward_url,
-            "ROLL_TASK": text,
+            # Linux caps one environment string at 128 KiB (E2BIG failed every episode of a large row): stdin only
+            "ROLL_TASK": text if len(text.encode()) <= MAX_ENV_TASK_BYTES else "",
         }
         try:
             done = subprocess.run(
@@ -262,6 +264,10 @@ class OpenAIAgentTask:
             return float(lines[-1]) if lines else None
         except ValueError:
             return None  # no number printed: the reward was POSTed, or there is none (counted by the collector)
+
+
+#: The largest row (as JSON) also passed in ROLL_TASK; larger ones reach the command on its stdin only.
+MAX_ENV_TASK_BYTES = 64 * 1024
 
 
 def _file_rows(path: str, key: str) -> list[dict[str, Any]]:

@@ -315,6 +315,7 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
         "response/length_mean": sum(sum(e.traj.mask) for e in episodes) / max(kept, 1),
         "agent/failed_episodes": float(sum(failures.values())),
         "agent/history_rewrites": float(sum(e.session.rewrites for e in episodes)),
+        "agent/replayed_requests": float(sum(e.session.replays for e in episodes)),  # client retries answered again
         "agent/dropped_turns": float(sum(e.session.dropped_turns for e in episodes)),
         "agent/invalid_tool_calls": float(sum(e.session.invalid_tool_calls for e in episodes)),
         "agent/constrained_turns": float(sum(e.session.constrained_turns for e in episodes)),
