@@ -612,6 +612,11 @@ CASES: list[Case] = [
         r"env\.max_tokens_per_turn must be below env\.max_context_length",
     ),
     E(
+        "cfg/distill-topk-1-without-tail",
+        compose("pipeline=distill_offline", "distill.topk=1", "distill.tail=false"),
+        r"distill\.topk=1 with distill\.tail=false gives a loss of 0 whatever the student",
+    ),
+    E(
         "cfg/agentic-on-failure-unknown",
         compose("pipeline=agentic", "env=agentic", "env.env=sokoban", "env.on_failure=retry"),
         r"env\.on_failure='retry' must be score or drop",

@@ -154,12 +154,22 @@ def test_loss_matches_hand_kl_and_student_learns_the_teacher(
     """Stored top-k rows: step 1's distill/kl (pre-update weights, the whole train set in one batch) equals the
     formula on plain transformers log-probs, and so does the step-0 evaluation (full-vocabulary scoring, gathered
     here) on the same rows; 8 steps cut the KL and raise the student's top-1 agreement with the teacher; the env
-    task's held-out accuracy is reported beside."""
+    task's held-out accuracy is reported beside. The held-out copy stores each top-k list in reverse (a file's
+    lists need not be sorted): the top-1 agreement reads the teacher's most likely id, not the first."""
+    reversed_rows = [
+        {
+            **r,
+            "teacher_topk_ids": [v[::-1] for v in r["teacher_topk_ids"]],
+            "teacher_topk_logprobs": [v[::-1] for v in r["teacher_topk_logprobs"]],
+        }
+        for r in data["stored_train"]
+    ]
     overrides = _overrides(
         seven_task,
         tmp_path,
         f"data.path={data['train']}",
-        f"data.eval_path={data['train']}",  # the trained rows: how well the student has learned its teacher
+        # the trained rows: how well the student has learned its teacher
+        f"data.eval_path={_write(tmp_path / 'reversed.jsonl', reversed_rows)}",
         "pipeline.eval_every=8",
         "distill.eval_task=true",
     )

@@ -172,6 +172,19 @@ def test_token_rows_min_score_and_bad_ids(tmp_path):
     assert b["response_mask"].tolist() == [[1, 0, 1]] and b["attention_mask"].tolist() == [[1] * 5]
 
 
+def test_min_score_filters_distillation_rows_and_is_refused_for_pairs(tmp_path):
+    """data.min_score keeps only the rollout rows that reached it for distillation too (it was ignored there: the
+    student distilled on the wrong samples), and is refused for preference pairs (ignored as well)."""
+    tok = TOKS["tiny"]
+    topk = {"teacher_topk_ids": [[7, 8]], "teacher_topk_logprobs": [[-0.1, -2.5]]}
+    rows = [{"prompt_ids": [5, 6], "response_ids": [7], "reward": r, **topk} for r in (1.0, 0.0, 0.0)]
+    src = load("distill", tok, path=write_jsonl(tmp_path / "d.jsonl", rows), min_score=1.0).train
+    assert len(src) == 1 and src.skipped == {"below_min_score": 2}
+    pairs = [{"prompt": "q", "chosen": "a", "rejected": "b"}]
+    with pytest.raises(ConfigError, match=r"holds preference rows for preference pairs"):
+        load("preference", tok, path=write_jsonl(tmp_path / "p.jsonl", pairs), min_score=1.0)
+
+
 def test_length_limits_truncation_and_skips(tmp_path):
     tok = TOKS["tiny"]
     rows = [

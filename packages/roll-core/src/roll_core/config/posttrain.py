@@ -113,6 +113,11 @@ class DistillConfig:
             raise ValueError(f"distill.kind={self.kind!r} is not one of 'forward', 'reverse'")
         if self.topk < 1:
             raise ValueError(f"distill.topk={self.topk} must be >= 1")
+        if self.topk == 1 and not self.tail:  # renormalised over one id, both sides are log 1: nothing is learned
+            raise ValueError(
+                "distill.topk=1 with distill.tail=false gives a loss of 0 whatever the student: raise "
+                "distill.topk or set distill.tail=true"
+            )
         _finite_nonneg("distill.coef", self.coef)
         if self.coef == 0:
             raise ValueError("distill.coef=0 removes the teacher's signal (for reward-only training use pipeline=rlvr)")

@@ -191,8 +191,12 @@ def _parse(
     rollout: list[RawRow] = []  # pairs may join samples from several files (a sharded rollout)
     for file, file_rows in by_file.items():
         form = detect_format(file_rows, sft.cfg, allowed, setting)
-        if kind == "sft" and sft.cfg.min_score is not None and form != "tokens":
-            raise ConfigError(f"data.min_score filters rollout (token) rows by score; {file} holds {form} rows")
+        if sft.cfg.min_score is not None and (kind == "preference" or form != "tokens"):
+            # it was silently ignored for preference pairs and for distillation rows
+            raise ConfigError(
+                f"data.min_score filters rollout (token) rows by score for SFT and distillation; {file} holds "
+                f"{form} rows" + (" for preference pairs" if kind == "preference" else "")
+            )
         if form == "rollout":
             rollout += file_rows
             continue
@@ -200,7 +204,7 @@ def _parse(
         if form == "preference":
             got = apply(file_rows, lambda raw: parse_preference(raw, sft), own)
         elif distill is not None:
-            got = apply(file_rows, lambda raw, f=form: distill.parse(raw, f), own)
+            got = apply(file_rows, lambda raw, f=form: distill.parse(_above_min_score(raw, f, sft), f), own)
         else:
             got = apply(file_rows, lambda raw, f=form: _sft_row(raw, f, sft), own)
         own.check_any(len(got), f"{setting} ({file})")  # one bad file is an error even beside good ones
@@ -213,9 +217,14 @@ def _parse(
 
 def _sft_row(raw: RawRow, form: str, sft: SFTTokenizer) -> TokenRow:
     """An SFT row; with `data.min_score`, a token row is kept only when its score reaches it."""
+    return sft.parse(_above_min_score(raw, form, sft), form)
+
+
+def _above_min_score(raw: RawRow, form: str, sft: SFTTokenizer) -> RawRow:
+    """`raw`, or SkipRow("below_min_score") for a token row whose score is below `data.min_score`."""
     cfg = sft.cfg
     if form == "tokens" and cfg.min_score is not None:
         score = score_of(raw.row, cfg)
         if score < cfg.min_score:
             raise SkipRow("below_min_score", f"score {score} < data.min_score={cfg.min_score}")
-    return sft.parse(raw, form)
+    return raw

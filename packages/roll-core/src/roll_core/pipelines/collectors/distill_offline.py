@@ -219,7 +219,9 @@ class OfflineDistillCollector:
             mask = batch["response_mask"].float()
             _, kl, _ = topk_distill_loss(student, batch[TEACHER_LOGPROBS], mask, kind=d.kind, tail=d.tail)
             kl_sum += float(kl.sum())
-            agree += float(((got["topk_ids"][..., 0] == teacher_ids[..., 0]).float() * mask).sum())
+            # the teacher's most likely stored id: stored top-k lists need not be sorted
+            best = teacher_ids.gather(-1, batch[TEACHER_LOGPROBS].argmax(-1, keepdim=True))[..., 0]
+            agree += float(((got["topk_ids"][..., 0] == best).float() * mask).sum())
             tokens += float(mask.sum())
         return {
             "eval/distill_kl": kl_sum / max(tokens, 1.0),
