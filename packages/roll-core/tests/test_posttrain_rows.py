@@ -185,6 +185,18 @@ def test_min_score_filters_distillation_rows_and_is_refused_for_pairs(tmp_path):
         load("preference", tok, path=write_jsonl(tmp_path / "p.jsonl", pairs), min_score=1.0)
 
 
+def test_a_pair_cut_to_the_same_response_is_a_counted_skip(tmp_path):
+    """Chosen and rejected that differ only past max_response_length become identical when cut: such a pair has a
+    loss of log 2 and no gradient (it was kept, diluting the batch, and always counted wrong in reward_accuracy)."""
+    tok = TOKS["tiny"]
+    rows = [
+        {"prompt": "q", "chosen": "The answer is 42, because 6*7", "rejected": "The answer is 42, I guess"},
+        {"prompt": "q", "chosen": "Yes, it is", "rejected": "No, it is not"},
+    ]
+    src = load("preference", tok, path=write_jsonl(tmp_path / "p.jsonl", rows), max_response=6).train
+    assert len(src) == 1 and src.skipped == {"same_response": 1}
+
+
 def test_length_limits_truncation_and_skips(tmp_path):
     tok = TOKS["tiny"]
     rows = [

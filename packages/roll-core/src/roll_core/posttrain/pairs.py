@@ -68,7 +68,14 @@ def parse_preference(raw: RawRow, sft: SFTTokenizer) -> Pair:
         sides.append(sft.limit(tokens))
     if sides[0].prompt_ids != sides[1].prompt_ids:  # a template that renders the prompt after reading the answer
         raise SkipRow("prompt_mismatch", "chosen and rejected tokenise to different prompts")
+    if _same(sides[0], sides[1]):  # e.g. cut to model.max_response_length before they differ: no signal
+        raise SkipRow("same_response", "chosen and rejected are identical after truncation to max_response_length")
     return Pair(sides[0], sides[1], raw.where)
+
+
+def _same(a: TokenRow, b: TokenRow) -> bool:
+    """Whether two sides train the same tokens (a pair of them has a loss of log 2 and no gradient)."""
+    return a.response_ids == b.response_ids and a.mask == b.mask
 
 
 def _implicit_prompt(chosen: Any, rejected: Any, cfg: DataConfig) -> tuple[list, list, list]:
@@ -145,7 +152,10 @@ def build_pairs(
     without = 0
     for group, samples in groups.items():
         candidates = [
-            (i, j) for i, a in enumerate(samples) for j, b in enumerate(samples) if a.score - b.score > cfg.pair_margin
+            (i, j)
+            for i, a in enumerate(samples)
+            for j, b in enumerate(samples)
+            if a.score - b.score > cfg.pair_margin and not _same(a.tokens, b.tokens)  # truncated alike: no signal
         ]
         if not candidates:
             without += 1
