@@ -363,3 +363,27 @@ def test_a_weight_update_pauses_at_the_next_step_boundary(tiny: str) -> None:
     outs = [f.result(timeout=300) for f in running]
     assert all(len(o.token_ids) == 150 for o in outs)  # resumed and finished after their pauses
     engine.shutdown()
+
+
+def test_offline_distill_metrics_are_the_batch_token_mean_whatever_the_micro_batches(tiny: str) -> None:
+    """distill/kl (and loss, masses) from micro-batches of 1 row, one row with 1 response token and one with 8:
+    the batch's token-mean, as with one micro-batch (a plain mean of per-micro-batch means weighed the 1-token row
+    as much as the 8-token one)."""
+    from roll_core.pipelines.objectives.distill_offline import _MEANS, _SUM, _TOKENS, TopKDistillLoss
+    from roll_core.posttrain.distill import TEACHER_IDS, TEACHER_LOGPROBS
+
+    g = torch.Generator().manual_seed(0)
+    prompts, responses = torch.tensor([[5, 6], [7, 8]]), torch.randint(10, 60, (2, 8), generator=g)
+    mask = torch.tensor([[1] + [0] * 7, [1] * 8])
+    batch = build_sequences(prompts, torch.ones_like(prompts), responses, mask)
+    batch.update(responses=responses, response_mask=mask)
+    batch[TEACHER_IDS] = torch.randint(10, 60, (2, 8, 3), generator=g)
+    batch[TEACHER_LOGPROBS] = torch.log_softmax(torch.randn(2, 8, 3, generator=g), -1) - 0.5
+
+    def metrics(micro: int) -> dict[str, float]:
+        m = HFTrainEngine(tiny, micro_batch_size=micro, lr=0.0).train_step(batch, TopKDistillLoss())
+        return {k: m[k + _SUM] / m[_TOKENS] for k in _MEANS}
+
+    whole, split = metrics(2), metrics(1)
+    for k in _MEANS:
+        assert split[k] == pytest.approx(whole[k], rel=1e-5), k

@@ -15,6 +15,7 @@ position are checkpointed elsewhere.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,12 @@ from roll_core.seeds import Purpose, derive_seed
 TEACHER = "default"
 #: Distillation compares the two models' plain distributions (no sampling temperature).
 TEMPERATURE = 1.0
+
+
+#: The loss's token-mean metrics, carried as per-micro-batch sums (suffix _SUM) with their token count (_TOKENS).
+_MEANS = ("distill/loss", "distill/kl", "distill/teacher_topk_mass", "distill/student_topk_mass")
+_TERMS = ("kl", "teacher_topk_mass", "student_topk_mass")  # topk_distill_loss's names of the last three
+_SUM, _TOKENS = "_sum", "distill/micro_tokens"
 
 
 @dataclass
@@ -67,11 +74,12 @@ class TopKDistillLoss:
             tail=self.tail,
             agg=self.agg,
         )
+        # Sums, not means: the engines average metrics over micro-batches, which hold different numbers of tokens;
+        # mean(sum) / mean(tokens) is the batch's token-mean (OfflineDistillObjective.update divides).
+        tokens = micro["response_mask"].sum().float()
         return loss, {
-            "distill/loss": loss.detach(),
-            "distill/kl": m["kl"],
-            "distill/teacher_topk_mass": m["teacher_topk_mass"],
-            "distill/student_topk_mass": m["student_topk_mass"],
+            _TOKENS: tokens,
+            **{f"{k}{_SUM}": v.detach() * tokens for k, v in zip(_MEANS, (loss, *(m[n] for n in _TERMS)), strict=True)},
         }
 
 
@@ -103,6 +111,10 @@ class OfflineDistillObjective:
                 temperature=TEMPERATURE,
                 shuffle_seed=derive_seed(self.cfg.pipeline.seed, Purpose.SHUFFLE, step),
             )
+        micro_tokens = metrics.pop(_TOKENS, 0.0)
+        for key in _MEANS:
+            total = metrics.pop(key + _SUM, math.nan)
+            out[key] = total / micro_tokens if micro_tokens > 0 else math.nan
         out.update({k if "/" in k else f"actor/{k}": v for k, v in metrics.items()})
         tokens = float(batch["response_mask"].sum())
         out["distill/tokens"] = tokens
