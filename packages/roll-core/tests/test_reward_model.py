@@ -164,6 +164,29 @@ def test_batch_zscore_and_add_with_weight_by_hand() -> None:
     assert scored["scores"].tolist() == raw
 
 
+def test_batch_zscore_spans_every_call_that_scored_the_batch() -> None:
+    """A batch scored in two calls (a dynamic-sampling refill round, an async chunk): after renormalise every row
+    is normalised by the whole batch's statistics, as if scored in one call (the refill round of two rows was
+    standardised against itself: raw 2.0 was +0.45 in one call and -1.0 in the other), and the per-row fields it
+    used are gone."""
+    from roll_core.pipelines.sampling import RM_ROW_TENSORS
+
+    one = RewardModelScoring(_cfg(normalize="batch", mode="add", weight=0.5), Fixed([0.0, 1.0, 2.0, 3.0, 2.0, 3.0]))
+    batch, whole = _rows([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])
+    one.apply(batch, whole, StepLog())
+    two = RewardModelScoring(_cfg(normalize="batch", mode="add", weight=0.5), Fixed([0.0, 1.0, 2.0, 3.0], [2.0, 3.0]))
+    parts = []
+    for task in ([1.0, 0.0, 1.0, 0.0], [1.0, 1.0]):
+        batch, scored = _rows(task)
+        two.apply(batch, scored, StepLog())
+        parts.append(scored)
+    merged = Batch({k: torch.cat([p[k] for p in parts]) for k in ("scores", *RM_ROW_TENSORS)})
+    assert merged["scores"][4] != pytest.approx(float(whole["scores"][4]))  # per call: another scale
+    final = two.renormalise(merged)
+    assert final["scores"].tolist() == pytest.approx(whole["scores"].tolist(), abs=1e-6)
+    assert not any(k in final for k in RM_ROW_TENSORS)
+
+
 def test_running_statistics_and_their_state_dict_round_trip() -> None:
     """The running mean/variance equal those of every score so far; a scoring restored from a state_dict scores the
     next batch exactly as the uninterrupted one; evaluation (out=None) reads the statistics without updating."""

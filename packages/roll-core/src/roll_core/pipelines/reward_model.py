@@ -4,9 +4,14 @@
 model that is not a sequence classifier with one label, is a ConfigError before the run starts), creates the role
 through the cluster and returns a `RewardModelScoring`. After the task reward scored a batch, a collector calls
 `scoring.apply(batch, scored, out)`: every row's (prompt_text, response_text) is scored by the role, the raw
-scores are normalised (`none`; `batch`: z-score within the batch; `running`: z-score by the running mean and
-variance of all scores seen, updated first with this batch) and `scored["scores"]` becomes, in place, the
-normalised score (`mode=replace`) or task score + weight x normalised score (`mode=add`).
+scores are normalised (`none`; `batch`: z-score within the training batch; `running`: z-score by the running mean
+and variance of all scores seen, updated first with this batch) and `scored["scores"]` becomes, in place, the
+normalised score (`mode=replace`) or task score + weight x normalised score (`mode=add`). A training batch may be
+scored in several calls (dynamic sampling's refill rounds, the asynchronous collector's chunks): with `batch`, each
+call also returns its rows' task and raw model scores (`RM_ROW_TENSORS`) and the collector calls
+`renormalise(batch)` on the assembled batch, so that every row is normalised by the same batch statistics (a
+refill round of two groups was standardised against itself: the same raw score became +0.45 in one round and -1.0
+in the next).
 
 Metrics (into `out`): `reward_model/raw_mean`, `raw_std` (the model's logits), `score_mean`, `score_std` (after
 normalisation), `truncated` and `nonfinite` (rows), `running_mean` and `running_std` (mode running); the caller
@@ -27,6 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from roll_core.config.reward_model import RewardModelConfig
+from roll_core.pipelines.sampling import RM_ROW_TENSORS
 from roll_core.protocol import Batch
 
 log = logging.getLogger(__name__)
@@ -127,6 +133,8 @@ class RewardModelScoring:
             # Neutral: the mean of the batch's other rows, so the broken row gets no advantage either way.
             norm[~finite] = float(norm[finite].mean()) if bool(finite.any()) else 0.0
             log.warning("reward model: %d of %d scores were not finite (counted in %snonfinite)", bad, len(raw), prefix)
+        if update and self.cfg.normalize == "batch":  # the step's batch may come in several calls: renormalise
+            scored["task_scores"], scored["rm_raw"] = scored["scores"].float().clone(), raw.clone()
         scored["scores"] = combine(scored["scores"], norm, self.cfg.mode, self.cfg.weight)
         if update:
             self.totals["rows"] += len(raw)
@@ -145,6 +153,20 @@ class RewardModelScoring:
         if self.cfg.normalize == "running":
             out[prefix + "running_mean"] = self.stats.mean
             out[prefix + "running_std"] = math.sqrt(self.stats.var)
+
+    def renormalise(self, batch: Batch) -> Batch:
+        """`batch` (a step's assembled training batch) with `scores` (B,) recomputed from its rows' task and raw
+        model scores normalised over the whole batch (normalize=batch; see the module docstring), without the
+        RM_ROW_TENSORS fields; any other batch is returned as it is."""
+        if not all(k in batch for k in RM_ROW_TENSORS):
+            return batch
+        raw = batch["rm_raw"].float()
+        finite = torch.isfinite(raw)
+        norm = torch.zeros_like(raw)
+        norm[finite] = self.normalise(raw[finite], update=False)
+        norm[~finite] = float(norm[finite].mean()) if bool(finite.any()) else 0.0
+        batch["scores"] = combine(batch["task_scores"], norm, self.cfg.mode, self.cfg.weight)
+        return batch.select(*(k for k in batch.keys() if k not in RM_ROW_TENSORS))
 
     def state_dict(self) -> dict[str, Any]:
         """The running statistics and row totals (what a resumed run continues)."""

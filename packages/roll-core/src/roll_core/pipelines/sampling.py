@@ -19,6 +19,9 @@ from roll_core.protocol import Batch
 
 GEN_TENSORS = ("responses", "behaviour_logprobs", "response_mask")
 SCORE_TENSORS = ("scores", "correct", "formatted")
+#: Per-row fields a reward model's normalize=batch adds (the task's score and the model's raw score), read when a
+#: step's rows are all in (roll_core.pipelines.reward_model.RewardModelScoring.renormalise), then dropped.
+RM_ROW_TENSORS = ("task_scores", "rm_raw")
 
 
 def pad_right(t: torch.Tensor, width: int, value: float = 0) -> torch.Tensor:
@@ -93,7 +96,7 @@ def merge_scored(tokenizer: Any, parts: Sequence[Batch]) -> Batch:
     from roll_core.pipelines.rollout import assemble
 
     prompt_fields = ("prompt_ids", *(k for k in (*PROBLEM_FIELDS, "mm_inputs") if all(k in p for p in parts)))
-    gen_keys = (*GEN_TENSORS, "truncated", "finish_reason", *SCORE_TENSORS, "routed_experts_rows")
+    gen_keys = (*GEN_TENSORS, "truncated", "finish_reason", *SCORE_TENSORS, *RM_ROW_TENSORS, "routed_experts_rows")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     merged = concat_generations([p.select(*prompt_fields, *(k for k in gen_keys if k in p)) for p in parts], pad)
     return assemble(tokenizer, merged.select(*prompt_fields), merged.select(*(k for k in gen_keys if k in merged)))

@@ -42,7 +42,7 @@ from roll_core.pipelines.rollout import (
     prompt_batch,
     vision_processor,
 )
-from roll_core.pipelines.sampling import group_rows, informative_groups, merge_scored
+from roll_core.pipelines.sampling import RM_ROW_TENSORS, group_rows, informative_groups, merge_scored
 from roll_core.protocol import Batch
 from roll_core.seeds import Purpose, derive_seed
 
@@ -120,6 +120,8 @@ class PromptCollector:
         batch = self._generate_scored(step, self.cfg.pipeline.rollout_batch_size, 0, out)
         if self.cfg.algo.drop_uniform_groups:
             batch = self._keep_informative(step, batch, out)
+        if self.reward_model is not None and batch is not None:  # normalize=batch: over the whole batch's rows
+            batch = self.reward_model.renormalise(batch)
         self.end_reward_step(step)
         return self._collected(batch, out)
 
@@ -228,7 +230,8 @@ class PromptCollector:
             gen = self.infer.generate(prompts, self.sampling.replace(seed=seed), n=algo.group_size)
         batch = assemble(self.tokenizer, prompts.repeat_interleave(algo.group_size), gen, counts)
         scored = self.score(batch, out)
-        batch = batch.union(scored.select("scores", "correct", "formatted"))
+        extra = [k for k in RM_ROW_TENSORS if k in scored]  # a reward model's normalize=batch: see renormalise
+        batch = batch.union(scored.select("scores", "correct", "formatted", *extra))
         for k, v in counts.items():  # skips of every round count
             out[k] = out.get(k, 0) + v
         if first:

@@ -28,7 +28,7 @@ from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors.prompts import PromptCollector
 from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
 from roll_core.pipelines.rollout import PROBLEM_FIELDS, BadPictures, assemble, encode_prompt
-from roll_core.pipelines.sampling import generation_from_samples, informative_groups
+from roll_core.pipelines.sampling import RM_ROW_TENSORS, generation_from_samples, informative_groups
 from roll_core.protocol import Batch
 from roll_core.scheduling.driver import AsyncRollout
 from roll_core.scheduling.scheduler import GroupState, RolloutScheduler
@@ -124,10 +124,11 @@ class AsyncPromptCollector(PromptCollector):
                         "engine's context (infer_engine.max_model_len)"
                     )
                 scored = self.score(batch, out)
-                batch = batch.union(scored.select("scores", "correct", "formatted"))
+                keys = ("scores", "correct", "formatted", *(k for k in RM_ROW_TENSORS if k in scored))
+                batch = batch.union(scored.select(*keys))
                 first = first or (batch, scored)
                 for i, grp in enumerate(groups):
-                    cols[grp.gid] = {k: batch[k][i * g : (i + 1) * g] for k in ("scores", "correct", "formatted")}
+                    cols[grp.gid] = {k: batch[k][i * g : (i + 1) * g] for k in keys}
                 useful = (
                     informative_groups(batch["scores"], g)
                     if algo.drop_uniform_groups
@@ -155,8 +156,10 @@ class AsyncPromptCollector(PromptCollector):
         if not kept:
             return None
         batch = self._assemble(generation_from_samples(kept, pad))
-        for k in ("scores", "correct", "formatted"):
+        for k in cols[kept[0].gid]:
             batch[k] = torch.cat([cols[grp.gid][k] for grp in kept])
+        if self.reward_model is not None:  # normalize=batch: over the whole batch's rows, not each chunk's
+            batch = self.reward_model.renormalise(batch)
         staleness = (self.sched.version - batch["behaviour_version"]).float()
         if float(staleness.max()) > self.k:  # the scheduler's contract, checked where it matters
             raise AssertionError(f"a sample {int(staleness.max())} versions old reached the trainer (bound {self.k})")
