@@ -263,3 +263,26 @@ def test_wrong_models_are_config_errors(run_cfg, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="has no chat template"):
         _scoring(run_cfg, str(bare))
     assert build_reward_model(SimpleNamespace(cfg=run_cfg, cluster=None)) is None  # reward_model=none
+
+
+def test_roll_eval_restores_the_checkpoints_running_statistics(tmp_path: Path) -> None:
+    """roll-eval of `<checkpoint>/actor/model` scores with the running statistics the run had at that checkpoint
+    (a fresh scorer standardised the evaluated batch by itself: its eval reward was not the run's)."""
+    import json
+    from types import SimpleNamespace
+
+    from roll_core.evaluate import restore_reward_model
+
+    trained = RewardModelScoring(_cfg(normalize="running"), Fixed([0.0, 4.0, 8.0]))
+    batch, scored = _rows([0.0, 0.0, 0.0])
+    trained.apply(batch, scored, StepLog())
+    ckpt = tmp_path / "checkpoints" / "step_000004"
+    (ckpt / "actor" / "model").mkdir(parents=True)
+    (ckpt / "state.json").write_text(json.dumps({"collector": {"reward_model": trained.state_dict()}}))
+    fresh = RewardModelScoring(_cfg(normalize="running"), Fixed([2.0, 6.0], [2.0, 6.0]))
+    assert restore_reward_model(SimpleNamespace(reward_model=fresh), str(ckpt / "actor" / "model"))
+    assert fresh.stats.state_dict() == trained.stats.state_dict()
+    batch, scored = _rows([0.0, 0.0])
+    fresh.apply(batch, scored, None)  # evaluation: by the run's statistics (mean 4), not the batch's own
+    assert scored["scores"].tolist() == pytest.approx([(x - 4.0) / math.sqrt(32 / 3 + 1e-6) for x in (2.0, 6.0)])
+    assert not restore_reward_model(SimpleNamespace(reward_model=fresh), str(tmp_path))  # not a checkpoint

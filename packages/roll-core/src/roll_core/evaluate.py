@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from roll_core import registry
@@ -67,6 +68,25 @@ def answer_extractor(task: Any) -> Callable[[str], str | None] | None:
         if callable(fn):
             return fn
     return None
+
+
+def restore_reward_model(collector: Any, model_path: str) -> bool:
+    """Give the collector's reward model (reward_model=hf, normalize=running) the running statistics the training
+    run had at the checkpoint `model_path` belongs to (`<checkpoint>/actor/model`), so that roll-eval's reward is
+    the training run's own eval/reward (a fresh scorer standardised the evaluated batch by itself). Returns whether
+    statistics were restored."""
+    scoring = getattr(collector, "reward_model", None)
+    folder = Path(model_path)
+    state_file = folder.parent.parent / "state.json"
+    if scoring is None or folder.parts[-2:] != ("actor", "model") or not state_file.is_file():
+        return False
+    import json
+
+    state = (json.loads(state_file.read_text()).get("collector") or {}).get("reward_model")
+    if not state:
+        return False
+    scoring.load_state_dict(state)
+    return True
 
 
 def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequence[int] = (1,)) -> dict[str, Any]:
@@ -113,6 +133,7 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
     )
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or path)
     collector = factory(CollectorContext(cfg, cluster, infer, sampling_params(cfg, tokenizer), tokenizer, task, path))
+    restore_reward_model(collector, path)
     task_name = getattr(task, "name", type(task).__name__)
     try:
         if episodes:
