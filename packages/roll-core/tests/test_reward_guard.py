@@ -245,7 +245,8 @@ def test_prompts_and_metadata_reach_rewards_that_declare_them(isolation: str) ->
     plain = GuardedReward(RowFaults(), isolation="inline")
     assert plain.score(["1"], ["1"], prompts=["p"], metadata=[{}]).counters["failed_rows"] == 0
     assert reward_kwargs(RowFaults(), prompts=["p"], metadata=[{}]) == {}
-    assert reward_kwargs(_Kwargs(), prompts=["p"], metadata=None) == {"prompts": ["p"]}
+    # time_budget_s only to a score that names it: a **kwargs reward may forward its kwargs to one that does not
+    assert reward_kwargs(_Kwargs(), prompts=["p"], metadata=None, time_budget_s=1.0) == {"prompts": ["p"]}
     assert GuardedReward(_Kwargs(), isolation="inline").score(["r"], ["a"], prompts=["p"], metadata=[{}]).scores == [
         2.0
     ]

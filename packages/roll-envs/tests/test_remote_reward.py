@@ -65,6 +65,8 @@ class Script:
                 return web.Response(status=429, text="slow down", headers={"Retry-After": "0.3"})
             if route == "slow":
                 await asyncio.sleep(2.0)
+            if route == "halfsecond":
+                await asyncio.sleep(0.5)
             if route == "notjson":
                 return web.Response(text="<html>oops</html>")
             if route == "short":
@@ -219,6 +221,25 @@ def test_a_dead_service_stops_the_run_through_the_failure_budget() -> None:
     budget.update(1, res.counters, guarded.last_failure)
     with pytest.raises(RewardFailureError, match=r"3 unscored by the reward itself; first failure: .*could not score"):
         budget.update(2, guarded.score(["a", "b", "c"], ["1", "2", "3"]).counters, guarded.last_failure)
+
+
+def test_a_slow_service_keeps_what_it_scored_within_the_guards_batch_timeout(server: Any) -> None:
+    """A healthy service slower than the guard's batch timeout allows for the whole batch (0.5 s a request, one at
+    a time, 6 requests, 2 s): the reward stops at its time budget and keeps the rows already scored; the rest
+    are counted, unscored. (The guard cut the call off at 2 s, losing the 3 finished requests' scores, and
+    rescored row by row: 7 s.)"""
+    _, base = server
+    reward = _remote(f"{base}/halfsecond", batch_size=2, max_concurrency=1)
+    guarded = GuardedReward(reward, isolation="process", batch_timeout_s=2.0, timeout_s=1.0)
+    responses = [f"r{'x' * i}" for i in range(12)]
+    start = time.monotonic()
+    res = guarded.score(responses, ["a"] * 12)
+    took = time.monotonic() - start
+    guarded.close()
+    done = [i for i, s in enumerate(res.scores) if s == float(len(responses[i]))]
+    assert took < 2.5 and done == list(range(len(done))) and len(done) >= 4, (took, res.scores)
+    assert res.counters["remote_timeouts"] == res.counters["failed_unscored"] == 12 - len(done)
+    assert res.counters["timeouts"] == 0  # no cut-off, no row-by-row pass
 
 
 def test_concurrency_limit_and_context_arrive(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:

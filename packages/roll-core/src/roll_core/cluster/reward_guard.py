@@ -85,6 +85,8 @@ class GuardedReward:
         return self.reward.score(responses, answers, **reward_kwargs(self.reward, **context))
 
     def _call(self, responses: list[str], answers: list[str], context: dict[str, Any], timeout: float) -> RewardResult:
+        # A reward that declares time_budget_s returns what it has before the cut-off (which loses every score).
+        context = {**context, "time_budget_s": budget_within(timeout)}
         if self._child is None:
             return self._score_inline(responses, answers, context)
         return self._child.call(responses, answers, context, timeout=timeout)
@@ -246,6 +248,12 @@ class GuardedReward:
         """Stop the child process (if any)."""
         if self._child is not None:
             self._child.close()
+
+
+def budget_within(timeout: float) -> float:
+    """The time budget a reward is given for a call cut off after `timeout` seconds: a margin for the reply's
+    return (10 %, at most 5 s)."""
+    return max(0.05, timeout - min(5.0, 0.1 * timeout))
 
 
 def all_rows_failed(counters: Mapping[str, float]) -> bool:

@@ -51,8 +51,12 @@ class Reward(Protocol):
         ...
 
 
-#: The context keyword arguments a reward's `score` may declare.
-CONTEXT_ARGS = ("prompts", "metadata")
+#: The context keyword arguments a reward's `score` may declare. `time_budget_s` (float): the seconds the caller
+#: gives the call (roll's reward guard cuts a call off after them, losing every score it had); a reward that
+#: declares it returns what it has scored by then, its unfinished rows counted as its own failures. It is given
+#: only to a `score` that names it (never through **kwargs).
+CONTEXT_ARGS = ("prompts", "metadata", "time_budget_s")
+_NAMED_ONLY = ("time_budget_s",)
 
 
 def reward_kwargs(reward: Any, **context: Any) -> dict[str, Any]:
@@ -68,7 +72,7 @@ def reward_kwargs(reward: Any, **context: Any) -> dict[str, Any]:
     except (TypeError, ValueError):  # a builtin or C-implemented score: give it nothing extra
         return {}
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    return {k: v for k, v in context.items() if v is not None and (takes_all or k in params)}
+    return {k: v for k, v in context.items() if v is not None and (k in params or (takes_all and k not in _NAMED_ONLY))}
 
 
 @runtime_checkable

@@ -164,9 +164,13 @@ class RemoteReward(Reward):
         answers: Sequence[str],
         prompts: Sequence[str] | None = None,
         metadata: Sequence[Mapping[str, Any]] | None = None,
+        time_budget_s: float | None = None,
     ) -> RewardResult:
         """Scores of `responses[i]` against `answers[i]` from the service, `prompts[i]` and `metadata[i]` sent
-        along; never raises for anything the service does (failed rows are counted, see the module docstring)."""
+        along; never raises for anything the service does (failed rows are counted, see the module docstring).
+        `time_budget_s` (roll's reward guard gives it): requests not answered by then are given up, their rows
+        counted in `remote_timeouts` and `unscored`, and the finished ones kept (the guard's cut-off after its
+        batch timeout lost every finished request's scores)."""
         n = len(responses)
         for name, rows in (("answers", answers), ("prompts", prompts), ("metadata", metadata)):
             if rows is not None and len(rows) != n:
@@ -184,7 +188,7 @@ class RemoteReward(Reward):
         counters = dict.fromkeys(COUNTERS, 0)
         if n == 0:
             return RewardResult(scores=[], correct=[], formatted=[], counters=counters)
-        results = _run(self._score_all(rows, counters))
+        results = _run(self._score_all(rows, counters, time_budget_s))
         scores, correct, formatted = [], [], []
         for row in results:
             counters["unscored"] += row is None  # the guard's failed rows (roll_core.cluster.reward_guard)
@@ -196,7 +200,9 @@ class RemoteReward(Reward):
 
     # -- requests -----------------------------------------------------------------------------------------------
 
-    async def _score_all(self, rows: list[dict[str, Any]], counters: dict[str, int]) -> list[Any]:
+    async def _score_all(
+        self, rows: list[dict[str, Any]], counters: dict[str, int], budget: float | None = None
+    ) -> list[Any]:
         import aiohttp
 
         results: list[Any] = [None] * len(rows)
@@ -218,7 +224,21 @@ class RemoteReward(Reward):
                         return
                 results[start : start + len(batch)] = parsed
 
-            await asyncio.gather(*(one(s) for s in range(0, len(rows), self.batch_size)))
+            starts = range(0, len(rows), self.batch_size)
+            tasks = {asyncio.ensure_future(one(s)): s for s in starts}
+            _, pending = await asyncio.wait(tasks, timeout=budget)
+            for task in pending:  # out of time: give these requests up, keep what the others scored
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for task in pending:
+                start = tasks[task]
+                size = len(rows[start : start + self.batch_size])
+                counters["remote_timeouts"] += size
+                self._fail(
+                    "remote_timeouts",
+                    f"rows {start}..{start + size - 1}: not scored within the call's "
+                    f"time budget of {budget:.3g}s (pipeline.reward_batch_timeout_s)",
+                )
         return results
 
     async def _request(self, session: Any, batch: list[dict[str, Any]], counters: dict[str, int]) -> str:
