@@ -306,6 +306,43 @@ class SlowScriptedEngine(ScriptedEngine):
         return fut
 
 
+def test_a_session_closed_while_its_turn_is_prepared_runs_no_request(tokenizer: Any) -> None:
+    """close() between the turn's checks and its submit (the template renders meanwhile) saw no request to abort:
+    the request ran its whole budget after the episode ended. Now the turn notices and submits nothing."""
+    import threading
+
+    engine = SlowScriptedEngine(tokenizer, ["late"], delay=0.05)
+    sessions = AgentSessions(engine, TurnTemplate(tokenizer), lambda ids: tokenizer.decode(ids), HermesToolParser())
+    sessions.open("c", PARAMS, SessionLimits(max_context_length=1024))
+    session = sessions.get("c")
+    rendering, release = threading.Event(), threading.Event()
+    real = session.context_for
+
+    def slow_context(turn: Any) -> Any:
+        rendering.set()
+        release.wait(5)
+        return real(turn)
+
+    session.context_for = slow_context
+    from roll_core.agentic.agent_sessions import ChatTurn, SessionError
+
+    errors: list[Exception] = []
+
+    def chat() -> None:
+        try:
+            sessions.chat("c", ChatTurn(messages=[{"role": "user", "content": "hi"}]))
+        except Exception as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=chat)
+    worker.start()
+    assert rendering.wait(5)
+    sessions.close("c")
+    release.set()
+    worker.join(5)
+    assert engine.requests == 0 and isinstance(errors[0], SessionError) and errors[0].status == 410
+
+
 @pytest.mark.parametrize("policy", ["restart", "refuse"])
 def test_a_client_retry_gets_the_recorded_reply_and_keeps_the_trajectory(tokenizer: Any, policy: str) -> None:
     """The openai client times out on a slow turn and re-sends it: the retry waits for the running turn and gets

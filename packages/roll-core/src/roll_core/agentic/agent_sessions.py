@@ -431,7 +431,12 @@ class AgentSessions:
         rid = f"{s.sid}-{next(self._ids)}"
         s.request_id = rid
         try:
-            out = self.infer.submit_request(Request(rid, context, base.replace(**changes)), route_key=s.sid).result()
+            if s.closed:  # closed while this turn was prepared (close() saw no request to abort)
+                raise SessionError(410, "session_closed", f"session {s.sid} has ended (episode timeout or shutdown)")
+            fut = self.infer.submit_request(Request(rid, context, base.replace(**changes)), route_key=s.sid)
+            if s.closed:  # closed during the submit: its abort may have reached the engine before the request
+                self.infer.abort(rid)
+            out = fut.result()
         finally:
             s.request_id = None
         if out.finish_reason == "prompt_too_long":
