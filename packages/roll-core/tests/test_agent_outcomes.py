@@ -43,3 +43,16 @@ def test_per_turn_rates_count_the_turns_kept_after_a_history_restart() -> None:
     session.traj.turn_rewards.append(1.0)
     m = agent_metrics([Episode(row={}, traj=session.traj, reward=1.0, failure=None, session=session)])
     assert m["response/length_mean"] == 5.0 and m["episode/turns_mean"] == 3.0
+
+
+@pytest.mark.parametrize("end", ["max_turns", "max_context"])
+def test_an_episode_that_hit_a_limit_is_scored_not_failed(end: str) -> None:
+    """The endpoint refused a request past max_turns or the context limit and the program raised on the 400: the
+    episode ended there and scores 0 (or the reward it reported), never a failure that on_failure=drop would hide."""
+    session = _session()
+    session.traj.end = end
+    refused = RuntimeError("Error code: 400 - max_turns_exceeded")
+    assert _outcome({"error": refused}, session, timed_out=False) == (0.0, None, "")
+    session.reward = 0.5  # POSTed before the limit
+    assert _outcome({"error": refused}, session, timed_out=False) == (0.5, None, "")
+    assert _outcome({"error": refused}, _session(), timed_out=False)[1] == "error"  # no limit: a failure

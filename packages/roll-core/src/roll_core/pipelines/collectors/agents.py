@@ -14,7 +14,10 @@ row) and the turn tensors; the episode's reward sits on its last turn.
 Failures end the episode, never the run: a program that raises (`error`), outlives `env.episode_timeout_s`
 (`timeout`: its session is closed, its request in flight aborted, its next request refused) or reports no reward
 (`no_reward`) is counted in agent/failed_<kind> and, per `env.on_failure`, scored `env.failure_reward` (`score`)
-or dropped (`drop`). An episode without a sampled turn gives nothing to train on (data/dropped_episodes).
+or dropped (`drop`). An episode without a sampled turn gives nothing to train on (data/dropped_episodes). An
+episode that reached `env.max_turns` or the context limit (its next request refused with HTTP 400) is not a
+failure, whatever the program did with the refusal: it ended there, scored the reward it reported, else 0 (the
+limit is the policy's doing: dropping such episodes hid a policy that loops on tool calls).
 
 Metrics: reward, success rate (reward >= env.success_reward), turns, generated tokens, tool calls, failures by
 kind, history rewrites and the turns they dropped, invalid tool-call blocks. Evaluation: one episode per held-out
@@ -264,9 +267,12 @@ def _outcome(result: dict[str, Any], session: AgentSession, timed_out: bool) -> 
     exc = result.get("error")
     if isinstance(exc, TimeoutError):
         return 0.0, "timeout", str(exc)
-    if exc is not None:
+    limited = session.traj.end in ("max_turns", "max_context")  # the endpoint refused a request past a limit
+    if exc is not None and not limited:
         return 0.0, "error", f"{type(exc).__name__}: {exc}"
-    value = result.get("reward")
+    value = None if exc is not None else result.get("reward")
+    if value is None and limited and session.reward is None:
+        return 0.0, None, ""
     if value is None:
         value = session.reward
     if value is None:
