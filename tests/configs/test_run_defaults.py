@@ -116,3 +116,17 @@ def test_synchronous_pipelines_refuse_asynchronous_settings(pipeline: str, setti
     # rlvr runs asynchronously with the same settings: its check says nothing about them
     rlvr = load_config(["pipeline=rlvr", setting, *extra])
     registry.load("roll.collectors", "rlvr").check(rlvr, build(rlvr.env))
+
+
+@pytest.mark.parametrize(
+    "extra, want",
+    [
+        ([], {"enable_thinking": False}),  # the model's: rows rendered as its prompts are
+        (["+data.chat_template_kwargs.enable_thinking=true"], {"enable_thinking": True}),  # data's key wins
+    ],
+)
+def test_post_training_rows_are_rendered_with_the_models_chat_template_kwargs(extra: list[str], want: dict) -> None:
+    """model=qwen3_nothink renders prompts without thinking; SFT rows were rendered with data's kwargs only, so the
+    model learned to write the empty think block its evaluation prompts already end with."""
+    cfg = to_object(compose(["pipeline=sft", "model=qwen3_nothink", "data.path=rows.jsonl", *extra]))
+    assert cfg.data.chat_template_kwargs == want and cfg.model.chat_template_kwargs == {"enable_thinking": False}

@@ -793,6 +793,11 @@ class RLVRConfig:
                 accelerator=lambda: _platform_is_accelerator(self.hw),
                 async_rollout=pipe.async_ratio > 0,
             )
+        if isinstance(self.data, DataConfig) and model.chat_template_kwargs:
+            # Rows are rendered as the model's prompts are (qwen3_nothink's enable_thinking=false): SFT otherwise
+            # taught the model to write the empty think block that its evaluation prompts already end with.
+            # data's own keys win.
+            self.data.chat_template_kwargs = {**model.chat_template_kwargs, **self.data.chat_template_kwargs}
         if getattr(self.train_engine, "routing_replay", False):
             if not getattr(self.infer_engine, "return_routing", False):
                 raise ValueError(

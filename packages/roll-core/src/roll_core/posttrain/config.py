@@ -55,8 +55,8 @@ class DataConfig:
     # (the completion is the assistant turn, ended by its end-of-turn token); false concatenates the raw text
     # (the prompt with the tokenizer's bos, the completion followed by eos).
     chat_template: bool = True
-    # Passed to every chat-template rendering, e.g. {enable_thinking: false} for Qwen3
-    # (on the command line: +data.chat_template_kwargs.enable_thinking=false).
+    # Passed to every chat-template rendering of the rows, on top of model.chat_template_kwargs (the rows are
+    # rendered as the model's prompts are; a key given here wins), e.g. +data.chat_template_kwargs.enable_thinking=true.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # A response longer than model.max_response_length is cut to it (counted as truncated); false skips the row.
     # A prompt longer than model.max_prompt_length is always skipped (counted).
