@@ -612,6 +612,11 @@ CASES: list[Case] = [
         r"env\.max_tokens_per_turn must be below env\.max_context_length",
     ),
     E(
+        "cfg/megatron-float16",
+        compose("train_engine=megatron", "model.dtype=float16"),
+        r"train_engine=megatron with model\.dtype=float16 is not supported: use model\.dtype=bfloat16",
+    ),
+    E(
         "cfg/distill-topk-1-without-tail",
         compose("pipeline=distill_offline", "distill.topk=1", "distill.tail=false"),
         r"distill\.topk=1 with distill\.tail=false gives a loss of 0 whatever the student",

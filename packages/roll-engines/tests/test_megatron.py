@@ -135,3 +135,67 @@ def test_the_vocabulary_projection_runs_on_response_positions_only(packed: bool)
     want = HFTrainEngine(path, role="reference").compute_logprobs(batch)["logprobs"]
     mask = batch["response_mask"].bool()
     torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_the_reported_learning_rate_is_hfs_step_for_step() -> None:
+    """With a warmup, each step's `lr` metric is the hf engine's (the schedule's value after the step): Megatron
+    reported the previous step's, one step behind hf's curve (the rate applied was the same)."""
+    from roll_core.models import resolve_model_path
+    from roll_core.pipelines.objectives import PolicyObjective
+    from roll_core.testing.batches import toy_batch
+    from roll_engines.train.hf import HFTrainEngine
+    from roll_engines.train.megatron import MegatronTrainEngine
+
+    path = resolve_model_path("builtin:tiny")
+    batch = toy_batch(path)
+    common = {"micro_batch_size": 3, "lr": 1e-3, "warmup_steps": 4, "total_steps": 10}
+    hf = HFTrainEngine(path, **common)
+    mega = MegatronTrainEngine(path, dist_backend="gloo", use_distributed_optimizer=False, **common)
+    for _ in range(2):
+        want = hf.train_step(batch, PolicyObjective())["lr"]
+        assert mega.train_step(batch, PolicyObjective())["lr"] == pytest.approx(want)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "rope_type='llama3'",
+        ),
+        ({"attention_bias": True}, "attention_bias=true"),
+        ({"mlp_bias": True}, "mlp_bias=true"),
+    ],
+)
+def test_what_the_mapping_cannot_carry_is_refused(change: dict, message: str) -> None:
+    """Llama 3.1's scaled RoPE (log-prob gaps of 1e-2 at position 3000 against hf) and o_proj / MLP biases (dropped
+    on load: gaps of 0.4-0.6, untrained, missing from exports) are refused, not silently approximated."""
+    from transformers import LlamaConfig
+
+    from roll_engines.train.megatron._convert import check_supported
+
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **change,
+    )
+    with pytest.raises(ValueError, match=message):
+        check_supported(cfg, tp=1, pp=1)
+    check_supported(
+        LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        ),
+        tp=1,
+        pp=1,
+    )  # the plain model maps

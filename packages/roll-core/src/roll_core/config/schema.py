@@ -815,6 +815,12 @@ class RLVRConfig:
                 "train_engine.param_dtype=bfloat16 with model.dtype=float32: master weights narrower than the "
                 "compute dtype; set model.dtype=bfloat16 (pure bf16) or train_engine.param_dtype=float32"
             )
+        if getattr(self.train_engine, "name", None) == "megatron" and model.dtype == "float16":
+            # refused at composition too (the engine refuses it): megatron-core's fp16 loss scaling is not driven
+            raise ValueError(
+                "train_engine=megatron with model.dtype=float16 is not supported: use model.dtype=bfloat16 "
+                "(or train_engine=hf / fsdp2 for float16)"
+            )
         if algo.attention_credit and getattr(self.train_engine, "name", None) == "megatron":
             raise ValueError(
                 f"algo.attention_credit={algo.attention_credit} reads the actor's attention maps, which "

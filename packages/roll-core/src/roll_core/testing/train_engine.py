@@ -41,6 +41,7 @@ To run the suite on one engine by hand, subclass it and set `engine_class` (or o
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -214,6 +215,29 @@ class TrainEngineTestSuite:
         after = eng.compute_logprobs(tensors)["logprobs"]
         m = batch["response_mask"].bool()
         assert metrics["grad_norm"] > 0 and after[m].sum() > before[m].sum()
+
+    def test_a_non_finite_gradient_skips_the_step_and_touches_nothing(
+        self, model_path: str, batch: dict[str, torch.Tensor]
+    ) -> None:
+        """One NaN advantage on a trained token: the step is counted as skipped, no weight changes (Megatron's
+        fp32/bf16 optimizer applied the NaN gradient: every weight NaN for good), and the next clean step trains."""
+        from roll_core.pipelines.objectives import PolicyObjective
+
+        tensors = self._tensors(batch)
+        tensors["advantages"] = batch["response_mask"].float()
+        bad = {k: v.clone() for k, v in tensors.items()}
+        row, col = (batch["response_mask"] > 0).nonzero()[0].tolist()
+        bad["advantages"][row, col] = float("nan")
+        eng = self.build_engine(model_path, lr=1e-2, micro_batch_size=2)
+        before = {k: v.detach().clone() for k, v in eng.iter_weights()}
+        metrics = eng.train_step(bad, PolicyObjective())
+        after = dict(eng.iter_weights())
+        assert metrics["nonfinite_steps"] == 1.0 and metrics["optimizer_steps"] == 0.0, metrics
+        changed = [k for k in before if not torch.equal(before[k], after[k])]
+        assert not changed, f"a skipped step changed {changed[:3]}"
+        clean = eng.train_step(tensors, PolicyObjective())
+        assert clean["optimizer_steps"] >= 1.0 and math.isfinite(clean["grad_norm"])
+        assert all(bool(torch.isfinite(v).all()) for _, v in eng.iter_weights())
 
     def test_iter_weights_are_the_hf_parameters(self, model_path: str) -> None:
         from transformers import AutoModelForCausalLM

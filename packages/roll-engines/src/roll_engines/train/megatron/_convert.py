@@ -108,6 +108,22 @@ def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1, sequence_para
         raise ValueError(
             f"train_engine.expert_model_parallel_size={ep}: this {kind} model is dense (no experts to shard); use 1"
         )
+    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type")) or "default"
+    if rope_type != "default":
+        # Megatron would apply plain RoPE where HF and vLLM scale the frequencies (Llama 3.1+: log-prob gaps of
+        # 1e-2 at position 3000): wrong log-probs and gradients, silently.
+        raise ValueError(
+            f"this {kind} model scales its rotary embeddings (rope_type={rope_type!r}), which roll's Megatron "
+            "mapping does not: train it with train_engine=hf or fsdp2"
+        )
+    for flag, what in (("attention_bias", "o_proj"), ("mlp_bias", "MLP")):
+        if getattr(hf_config, flag, False):
+            # only q/k/v biases are mapped: the others were dropped on load, untrained and missing from exports
+            raise ValueError(
+                f"this {kind} model has {flag}=true ({what} biases), which roll's Megatron mapping does not carry: "
+                "train it with train_engine=hf or fsdp2"
+            )
     if getattr(hf_config, "use_sliding_window", False):
         raise ValueError(
             f"this {kind} model uses sliding-window attention (use_sliding_window=true), which the Megatron local "

@@ -70,11 +70,28 @@ def build_optimizer(
     return ddp, get_megatron_optimizer(opt_config, [ddp])
 
 
-def optimizer_step(optimizer: Any, lr: float) -> tuple[float, bool]:
-    """Set every parameter group's learning rate to `lr` and step; returns (grad norm, stepped). Megatron's
-    optimizer skips a step with a non-finite gradient (the caller's LR schedule then does not advance either)."""
+def grads_finite(ddp: Any) -> bool:
+    """Whether every reduced gradient of every rank is finite (collective over the default process group: all the
+    engine's ranks, whatever parameters each holds). megatron-core checks for inf/NaN only under fp16's grad
+    scaler: in fp32 and bf16 it clipped nothing (a NaN norm is never above the limit) and stepped, making every
+    weight and Adam moment NaN while the step was reported skipped."""
+    import torch.distributed as dist
+
+    ok = all(bool(torch.isfinite(b.grad_data).all()) for b in [*ddp.buffers, *ddp.expert_parallel_buffers])
+    flag = torch.tensor([0.0 if ok else 1.0])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return float(flag) == 0.0
+
+
+def optimizer_step(optimizer: Any, lr: float, ddp: Any = None) -> tuple[float, bool]:
+    """Set every parameter group's learning rate to `lr` and step; returns (grad norm, stepped). A step whose
+    gradients are not finite (on any rank: `grads_finite(ddp)`) is skipped, weights and moments untouched (the
+    caller's LR schedule then does not advance either)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
+    if ddp is not None and not grads_finite(ddp):
+        return float("nan"), False
     ok, norm, _ = optimizer.step()
     norm = float(norm) if norm is not None else float("nan")
     return norm, bool(ok) and math.isfinite(norm)

@@ -164,6 +164,13 @@ class MegatronTrainEngine:
         self.balance_micro_batches = ep > 1  # expert all-to-alls in every forward: every DP rank runs as many
         # Master weights and optimizer state in param_dtype (fp32); Megatron computes in the compute dtype.
         self.compute_dtype = torch_dtype(dtype)
+        if self.compute_dtype == torch.float16:
+            # megatron-core's fp16 needs its loss scaling driven by a training loop (grad_scale_func, skipped
+            # overflow steps while the scale settles): unscaled, the gradients were 2^32 times too small.
+            raise ValueError(
+                "train_engine=megatron with model.dtype=float16 is not supported: use model.dtype=bfloat16 "
+                "(or train_engine=hf / fsdp2 for float16)"
+            )
         with self._shims():
             self._owns_process_group = init_parallel(
                 self.device, tensor_parallel_size, pipeline_parallel_size, dist_backend, seed, ep, cp
@@ -493,7 +500,7 @@ class MegatronTrainEngine:
                 steps += int(ok)  # a skipped step is not an optimizer step
         out = {k: sums[k] / counts[k] for k in sums}
         out["nonfinite_steps"], out["optimizer_steps"] = float(skipped), float(steps)
-        out["lr"] = self.base_lr * self._lr(max(self._step - 1, 0))
+        out["lr"] = self.base_lr * self._lr(self._step)  # the next step's, as the hf engine reports (get_last_lr)
         if self.routing is not None:  # (position, MoE layer) pairs whose replayed experts differ from the trainer's own
             out["routing_replay_changed_fraction"] = self.routing.changed_fraction()
         out["train_seconds"] = time.perf_counter() - t0
@@ -512,7 +519,7 @@ class MegatronTrainEngine:
         """(grad norm, stepped): Megatron's optimizer skips a step with a non-finite gradient; the LR schedule
         then does not advance either."""
         with self._shims():
-            norm, ok = optimizer_step(self.optimizer, self.base_lr * self._lr(self._step))
+            norm, ok = optimizer_step(self.optimizer, self.base_lr * self._lr(self._step), self.ddp)
         if ok:
             self._step += 1
         return norm, ok
