@@ -47,6 +47,14 @@ def test_roll_train_runs_and_roll_eval_scores_the_checkpoint(seven_task: Path, t
     )
     assert ev.returncode == 0, ev.stderr[-3000:]
     assert ev.stdout.startswith("accuracy ") and "held-out problems" in ev.stdout
+    # A benchmark file (--data: every row held out; it failed on every file, its rows leaving no training set)
+    bench = _run(
+        [str(BIN / "roll-eval"), str(ckpt), "model=tiny", "model.max_response_length=6", "--data", str(seven_task)],
+        tmp_path,
+    )
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    rows = sum(1 for line in seven_task.read_text().splitlines() if line.strip())
+    assert f"on {rows} held-out problems" in bench.stdout, bench.stdout
 
 
 def test_roll_train_config_errors_exit_2_with_suggestion(tmp_path: Path) -> None:

@@ -39,14 +39,24 @@ class Problem:
 
 
 def held_out_split(
-    problems: list[Any], held: list[Any] | None, *, eval_fraction: float, eval_size: int, path: str | None
+    problems: list[Any],
+    held: list[Any] | None,
+    *,
+    eval_fraction: float,
+    eval_size: int,
+    path: str | None,
+    eval_path: str | None = None,
 ) -> tuple[list[Any], list[Any]]:
     """(train, held-out) of a file-backed task: with `held` (the rows of env.eval_path) every row of `problems`
     trains but those also in `held` (same `split_key`: dropped with one warning, so the two sets never share a
     problem); without, prompts whose stable hash falls below `eval_fraction` are held out. The held-out list is cut
-    to `eval_size`. A ConfigError when nothing is left to train on."""
+    to `eval_size`. A ConfigError when nothing is left to train on. env.path and env.eval_path naming the same
+    file is an evaluation set (roll-eval --data): every row is both, with a warning."""
     from roll_core.errors import ConfigError
 
+    if held is not None and path and eval_path and _same_file(path, eval_path):
+        log.warning("%s is both env.path and env.eval_path: an evaluation set (its rows also train)", path)
+        return list(problems), held[:eval_size]
     if held is None:
         train = [p for p in problems if stable_fraction(split_key(p)) >= eval_fraction]
         held = [p for p in problems if stable_fraction(split_key(p)) < eval_fraction]
@@ -66,6 +76,13 @@ def held_out_split(
             f"{path}: every row fell in the held-out split; lower env.eval_fraction or give env.eval_path"
         )
     return train, held[:eval_size]
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return a == b
 
 
 def split_key(problem: Any) -> str:

@@ -276,7 +276,7 @@ class FileTask(Task):
             held, eval_skipped = load_problems(eval_path, **keys)
             self.skipped += [(str(eval_path), n, why) for n, why in eval_skipped]
         self._train, self._eval = held_out_split(
-            problems, held, eval_fraction=eval_fraction, eval_size=eval_size, path=path
+            problems, held, eval_fraction=eval_fraction, eval_size=eval_size, path=path, eval_path=eval_path
         )
 
     @classmethod

@@ -258,7 +258,7 @@ class InstructTask(Task):
         problems = self._load(path, prompt_key, constraints_key)
         held = self._load(eval_path, prompt_key, constraints_key) if eval_path else None
         self._train, self._eval = held_out_split(
-            problems, held, eval_fraction=eval_fraction, eval_size=eval_size, path=path
+            problems, held, eval_fraction=eval_fraction, eval_size=eval_size, path=path, eval_path=eval_path
         )
 
     def _load(self, path: str, prompt_key: str, constraints_key: str) -> list[Problem]:
