@@ -64,6 +64,10 @@ def test_roll_train_config_errors_exit_2_with_suggestion(tmp_path: Path) -> None
     assert "Traceback" not in proc.stderr
     proc = _run([str(BIN / "roll-train"), "algo=grpo", "algo.group_size=1"], tmp_path)
     assert proc.returncode == 2 and "set algo.group_size >= 2" in proc.stderr
+    # A misspelled experiment (it silently ran the defaults, exit 0: the group was optional)
+    proc = _run([str(BIN / "roll-train"), "experiment=quickstrt"], tmp_path)
+    assert proc.returncode == 2 and "Could not find 'experiment/quickstrt'" in proc.stderr, proc.stderr[-2000:]
+    assert "quickstart" in proc.stderr and "Traceback" not in proc.stderr  # the options are listed
 
 
 def test_errors_found_while_building_the_run_exit_2_without_traceback(seven_task: Path, tmp_path: Path) -> None:
