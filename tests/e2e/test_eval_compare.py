@@ -234,6 +234,16 @@ def test_roll_eval_refuses_bad_sampling_before_loading(
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_roll_eval_exits_1_when_the_reward_failed_on_every_row(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A reward that fails on every row (its service down): the accuracy line is still written, with the outputs,
+    but roll-eval says the reward failed and exits 1 (it printed a plausible 0.0000 and exited 0)."""
+    argv = ["builtin:tiny", "model=tiny", "env/reward=custom", "env.reward._target_=digit_reward.BrokenReward"]
+    assert eval_main([*argv, "pipeline.eval_size=4", "--out", str(tmp_path / "ev")]) == 1
+    err = capsys.readouterr().err
+    assert "the reward failed on every row of builtin:tiny (4 rows; " in err and "says nothing" in err, err[-2000:]
+    assert (tmp_path / "ev" / "report.md").is_file()
+
+
 def test_roll_eval_refuses_a_folder_without_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert eval_main([str(tmp_path), "model=tiny"]) == 2
     assert "nothing to evaluate there" in capsys.readouterr().err

@@ -272,7 +272,23 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         print(table(results, ks, args.n))
     print(f"wrote {out}/ (report.md, comparison.md, comparison.csv, samples.jsonl)")
-    return 0
+    return _reward_failures(results)
+
+
+def _reward_failures(results: list[Any]) -> int:
+    """1 (with one line each) when the reward failed on every row of a model's evaluation: its accuracy is the
+    failure score, not a measurement (a training run stops on that; roll-eval printed 0.0000 and exited 0)."""
+    from roll_core.cluster.reward_guard import all_rows_failed
+
+    failed = [(t, r["reward_counters"]) for t, r in results if all_rows_failed(r.get("reward_counters") or {})]
+    for t, c in failed:
+        causes = ", ".join(f"{k.removeprefix('failed_')} {v}" for k, v in c.items() if k.startswith("failed_") and v)
+        print(
+            f"roll-eval: the reward failed on every row of {t.label} ({c.get('rows', 0)} rows; {causes}): its "
+            "accuracy says nothing; fix the reward (see the warnings above) and evaluate again",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
