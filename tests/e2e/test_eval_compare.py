@@ -247,3 +247,26 @@ def test_roll_eval_exits_1_when_the_reward_failed_on_every_row(tmp_path: Path, c
 def test_roll_eval_refuses_a_folder_without_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert eval_main([str(tmp_path), "model=tiny"]) == 2
     assert "nothing to evaluate there" in capsys.readouterr().err
+
+
+def test_roll_eval_builds_the_engine_as_the_run_did(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """model.attn_implementation and model.trust_remote_code reach roll-eval's inference engine as they reach the
+    training run's (they were dropped: a custom-code model could not be evaluated, and eager attention ran sdpa)."""
+    import roll_core.evaluate as ev
+
+    seen: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    def group(self, cls, name, n, **kw):
+        seen.update(kw.get("runtime", {}))
+        raise Stop
+
+    monkeypatch.setattr(ev.Cluster, "group", group)
+    from roll_core.config import load_config
+
+    cfg = load_config(["model=tiny", "model.attn_implementation=eager", "model.trust_remote_code=true"])
+    with pytest.raises(Stop):
+        ev.evaluate_model(cfg, samples=2)
+    assert seen["attn_implementation"] == "eager" and seen["trust_remote_code"] is True, seen

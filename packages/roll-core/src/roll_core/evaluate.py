@@ -129,9 +129,15 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
             "max_new_tokens": cfg.model.max_response_length,
             "platform": cluster.platform.name,
             "device": "auto",
+            # as the training run's engines were built (roll_core.pipelines.wiring): a custom-code model, its
+            # attention kernel
+            "attn_implementation": cfg.model.attn_implementation,
+            "trust_remote_code": cfg.model.trust_remote_code,
         },
     )
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or path)
+    tokenizer = AutoTokenizer.from_pretrained(
+        cfg.model.tokenizer or path, trust_remote_code=cfg.model.trust_remote_code
+    )
     collector = factory(CollectorContext(cfg, cluster, infer, sampling_params(cfg, tokenizer), tokenizer, task, path))
     restore_reward_model(collector, path)
     task_name = getattr(task, "name", type(task).__name__)
