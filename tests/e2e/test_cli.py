@@ -30,6 +30,9 @@ def test_roll_train_runs_and_roll_eval_scores_the_checkpoint(seven_task: Path, t
     assert not (tmp_path / "outputs").exists() and (out / ".hydra" / "overrides.yaml").is_file()
     for f in ("metrics.jsonl", "config.yaml", "curves.png", "samples.jsonl"):
         assert (out / f).exists(), f
+    again = _run([str(BIN / "roll-train"), *overrides], tmp_path)  # the same folder again: one line, exit 2
+    assert again.returncode == 2 and "already holds the checkpoints of a run" in again.stderr
+    assert "Traceback" not in again.stderr, again.stderr[-2000:]
     ckpt = out / "checkpoints" / "step_000004"
     from transformers import AutoModelForCausalLM
 

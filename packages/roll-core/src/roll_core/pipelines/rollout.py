@@ -22,14 +22,16 @@ from typing import Any
 
 import torch
 
+from roll_core.errors import ConfigError
 from roll_core.interfaces import SamplingParams
 from roll_core.protocol import Batch, build_sequences, pad_left
 
 log = logging.getLogger(__name__)
 
 
-class PromptsTooLong(ValueError):
-    """Every prompt of a batch was skipped: longer than model.max_prompt_length (or pictures unreadable)."""
+class PromptsTooLong(ConfigError):
+    """Every prompt of a batch was skipped: longer than model.max_prompt_length (or pictures unreadable). A config
+    error where it ends a run (roll-train: one line, exit 2): raise model.max_prompt_length."""
 
 
 class BadPictures(ValueError):

@@ -36,6 +36,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from roll_core.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -111,13 +113,14 @@ def resolve_run_folder(out: Path, resume: bool, resume_from: str | None, experim
         named = named_checkpoint(resume_from)
         folder = named.parent.parent if named is not None else Path(resume_from).expanduser()
         if _latest_checkpoint(folder) is None:
-            raise ValueError(f"pipeline.resume_from={resume_from}: no complete checkpoint under {folder}/checkpoints")
+            raise ConfigError(f"pipeline.resume_from={resume_from}: no complete checkpoint under {folder}/checkpoints")
         if named is not None:
             set_aside_newer(named)
         return folder
     if not resume:
         if _latest_checkpoint(out) is not None:
-            raise ValueError(
+            # a ConfigError: roll-train says it in one line (exit 2), not with a traceback
+            raise ConfigError(
                 f"{out} already holds the checkpoints of a run (latest {_latest_checkpoint(out).name}): continue it "
                 "with pipeline.resume=true, or give this run another pipeline.output_dir (or delete "
                 f"{out / 'checkpoints'})"
