@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from roll_core.report import _duration
 from roll_core.testing import run_pipeline, tiny_overrides
 
 sys.path.insert(0, str(Path(__file__).parent))  # bad_input_helpers: a reward that fails on chosen answers
@@ -64,9 +65,13 @@ def test_resume_from_a_checkpoint_rolls_back_to_it_and_keeps_the_newer_ones_asid
     data = _rows(tmp_path / "seven.jsonl", ["7"] * 64)
     run = tmp_path / "out"
     base = tiny_overrides(data, run, "pipeline.save_every=2", "pipeline.keep_last=3")
-    run_pipeline([*base, "pipeline.max_steps=4"])
+    first, _ = run_pipeline([*base, "pipeline.max_steps=4"])
     step2 = run / "checkpoints" / "step_000002"
-    _, history = run_pipeline([*base, "pipeline.max_steps=3", f"pipeline.resume_from={step2}"])
+    saved_at = json.loads((step2 / "state.json").read_text())["wall_seconds"]
+    summary, history = run_pipeline([*base, "pipeline.max_steps=3", f"pipeline.resume_from={step2}"])
+    # wall time: the first process's up to step 2 (setup included), then this one's (it held this segment only)
+    assert 0 < saved_at < first["wall_seconds"] and summary["wall_seconds"] > saved_at
+    assert f"- wall time: {_duration(summary['wall_seconds'])}" in (run / "report.md").read_text()
     assert [h["step"] for h in history if h["step"] > 0] == [1, 2, 3]  # steps 3-4 of the first branch dropped
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000002", "step_000003"]
     (aside,) = (run / "checkpoints").glob("abandoned-*")

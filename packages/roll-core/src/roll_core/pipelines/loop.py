@@ -50,6 +50,9 @@ class Pipeline:
     def __init__(self, cfg: RLVRConfig, output_dir: str | Path | None = None) -> None:
         pipe = cfg.pipeline
         self.cfg = cfg
+        # Wall time: this process's from here (setup included), plus the earlier processes' up to the checkpoint
+        # a resumed run starts from (recorded in each checkpoint's state).
+        self._created, self.wall_before = time.perf_counter(), 0.0
         factory: CollectorFactory = registry.load("roll.collectors", pipe.name)
         self.cluster = Cluster(cfg.cluster, cfg.hw)
         self.cluster.platform.seed_everything(pipe.seed)
@@ -119,16 +122,20 @@ class Pipeline:
     def run(self) -> dict[str, Any]:
         """Train for the remaining steps; returns a summary (final and best held-out accuracy, wall time). The run
         folder's report.md is written at the end, also when the run fails (roll_core.report)."""
-        t0 = time.perf_counter()
         try:
             summary = self._run_steps()
         except BaseException as exc:
-            self.report(f"failed: {type(exc).__name__}: {str(exc)[:300]}", time.perf_counter() - t0)
+            self.report(f"failed: {type(exc).__name__}: {str(exc)[:300]}", self.wall_seconds())
             raise
         signum = summary.get("stopped_by_signal")
         status = f"stopped by signal {signum} (checkpoint written)" if signum else "finished"
         self.report(status, summary["wall_seconds"])
         return summary
+
+    def wall_seconds(self) -> float:
+        """The run's wall time so far: every process's, setup included (a resumed run's earlier processes up to
+        its checkpoint)."""
+        return self.wall_before + time.perf_counter() - self._created
 
     def report(self, status: str, wall_seconds: float) -> None:
         """Write the run folder's report.md (never raises)."""
@@ -140,7 +147,6 @@ class Pipeline:
         pipe = self.cfg.pipeline
         from tqdm.auto import tqdm
 
-        t0 = time.perf_counter()
         if self.start_step == 1 and pipe.eval_every > 0:
             self.tracker.log(0, self.collector.evaluate(0))
         steps = range(self.start_step, pipe.max_steps + 1)
@@ -172,7 +178,7 @@ class Pipeline:
                     log.warning("stopped after step %d: checkpoint %s; pipeline.resume=true continues", step, self.out)
                     break
         self.tracker.close()
-        return self.summary(time.perf_counter() - t0, stop.signum)
+        return self.summary(self.wall_seconds(), stop.signum)
 
     def step(self, step: int) -> StepLog:
         """One step: the collector's next scored batch, the update, the weight sync; returns its metrics."""
@@ -243,6 +249,7 @@ class Pipeline:
         tmp = self.ckpt.staging(step)
         trainer = self.trainer.save(tmp, self.cfg.model.tokenizer or self.model_path)
         state = {"trainer": trainer, "collector": self.collector.state_dict(), "experiment": self.cfg.experiment}
+        state["wall_seconds"] = self.wall_seconds()
         return self.ckpt.commit(tmp, step, state)
 
     def _restore(self, folder: Path) -> None:
@@ -253,6 +260,7 @@ class Pipeline:
         if state["collector"] or self.collector.state_dict():
             self.collector.load_state_dict(state["collector"])
         self.start_step = state["step"] + 1
+        self.wall_before = float(state.get("wall_seconds", 0.0))  # (the earlier process's time after it: redone)
         self.healthy_checkpoint = folder
         self.tracker.truncate(state["step"])
         log.info("resumed from %s at step %d", folder, self.start_step)
