@@ -270,3 +270,25 @@ def test_roll_eval_builds_the_engine_as_the_run_did(tmp_path: Path, monkeypatch:
     with pytest.raises(Stop):
         ev.evaluate_model(cfg, samples=2)
     assert seen["attn_implementation"] == "eager" and seen["trust_remote_code"] is True, seen
+
+
+@pytest.mark.parametrize("bad", [["--samples", "0"], ["--samples", "-3"]])
+def test_roll_eval_refuses_a_sample_count_below_1(bad: list[str], capsys: pytest.CaptureFixture) -> None:
+    """--samples 0 silently meant pipeline.eval_size, -3 was a traceback: both a usage error (exit 2)."""
+    with pytest.raises(SystemExit) as exit_:
+        eval_main(["builtin:tiny", "model=tiny", *bad])
+    assert exit_.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+
+
+def test_roll_eval_refuses_an_out_file_before_evaluating(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--out naming a file failed after every model was evaluated, losing the results: refused first."""
+    taken = tmp_path / "results.txt"
+    taken.write_text("x")
+    assert eval_main(["builtin:tiny", "model=tiny", "--out", str(taken)]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_a_quoted_home_path_is_a_model_not_an_override() -> None:
+    from roll_core.cli import _is_override
+
+    assert not _is_override("~/models/step_4") and _is_override("~pipeline.eval_size") and _is_override("a=b")

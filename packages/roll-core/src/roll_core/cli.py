@@ -160,7 +160,7 @@ def eval_main(argv: list[str] | None = None) -> int:
         help="models (HF folder, hub id, builtin:<name>, roll checkpoint folder, or a run folder: all its "
         "checkpoints in step order), then config overrides (key=value, e.g. env=arithmetic env.digits=2)",
     )
-    parser.add_argument("--samples", type=int, default=None, help="held-out problems to evaluate")
+    parser.add_argument("--samples", type=_positive_int, default=None, help="held-out problems to evaluate (>= 1)")
     parser.add_argument("--n", type=int, default=1, help="responses per problem (> 1 needs a temperature > 0)")
     parser.add_argument("--k", default=None, help="pass@k values, e.g. 1,4,8 (each <= --n; default 1,2,4.. n)")
     parser.add_argument("--data", default=None, help="a benchmark file (JSONL/Parquet): every row is held out")
@@ -168,6 +168,17 @@ def eval_main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # options may sit between the models and the overrides
     logging.basicConfig(level=logging.WARNING)
     return run_eval(args, list(sys.argv if argv is None else ["roll-eval", *argv]))
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (--samples 0 silently meant pipeline.eval_size; -3 was a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
 
 
 def _fresh_folder(base: Path) -> Path:
@@ -180,8 +191,9 @@ def _fresh_folder(base: Path) -> Path:
 
 
 def _is_override(arg: str) -> bool:
-    """A Hydra override (key=value, +key=value, ~key) rather than a model."""
-    return "=" in arg or arg.startswith("~")
+    """A Hydra override (key=value, +key=value, ~key) rather than a model ('~/models/x', a quoted home path, is a
+    model)."""
+    return "=" in arg or (arg.startswith("~") and not arg.startswith("~/"))
 
 
 def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
@@ -206,6 +218,10 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
         ks = parse_ks(args.k, args.n)
     except ValueError as exc:  # --k out of [1, --n]
         print(f"roll-eval: {exc}", file=sys.stderr)
+        return 2
+    out_arg = Path(args.out) if args.out else None
+    if out_arg is not None and out_arg.exists() and not out_arg.is_dir():  # said before hours of evaluation
+        print(f"roll-eval: --out {out_arg} is a file, not a folder", file=sys.stderr)
         return 2
     try:
         targets = expand_targets(models)
