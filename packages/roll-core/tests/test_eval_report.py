@@ -135,6 +135,13 @@ def test_eval_targets_labels_and_plot_axis(tmp_path: Path) -> None:
     assert x_axis(mixed) == ("model", [0.0, 1.0, 2.0, 3.0, 4.0])
     assert x_axis(expand_targets([str(a), str(b)]))[0] == "model"  # two runs' steps would interleave
 
+    # Two sweeps' job 0 (Hydra names every sweep's jobs 0, 1, ...): two runs, told apart by their sweep folder
+    s1, s2 = tmp_path / "sweepA" / "0", tmp_path / "sweepB" / "0"
+    _checkpoint(s1, 2)
+    _checkpoint(s2, 2)
+    jobs = expand_targets([str(s1), str(s2)])
+    assert [t.label for t in jobs] == ["sweepA/0/step_2", "sweepB/0/step_2"] and x_axis(jobs)[0] == "model"
+
     empty = tmp_path / "empty-run"
     empty.mkdir()
     with pytest.raises(ConfigError, match="nothing to evaluate there"):

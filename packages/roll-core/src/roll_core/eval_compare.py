@@ -63,12 +63,14 @@ def expand_targets(models: list[str]) -> list[EvalTarget]:
     """The models of `roll-eval A B C` (see the module docstring); a run folder without checkpoints is an error."""
     if not models:
         raise ConfigError("roll-eval needs a model: a model folder, hub id, builtin:<name>, checkpoint or run folder")
-    raw: list[tuple[str, str, int | None, str]] = []  # (run name, model path, step, source)
+    raw: list[tuple[Path | None, str, int | None, str]] = []  # (run folder, model path, step, source)
     for arg in models:
         path = Path(arg).expanduser()
         if path.is_dir() and _checkpoint_model(path) is not None:
             m = _STEP.search(path.name)
-            raw.append((path.parent.parent.name, str(_checkpoint_model(path)), int(m.group(1)) if m else None, arg))
+            raw.append(
+                (path.resolve().parent.parent, str(_checkpoint_model(path)), int(m.group(1)) if m else None, arg)
+            )
         elif path.is_dir() and not (path / "config.json").is_file():
             found = _checkpoints_under(path)
             if not found:
@@ -76,24 +78,35 @@ def expand_targets(models: list[str]) -> list[EvalTarget]:
                     f"{arg}: neither a model folder (config.json), a roll checkpoint (actor/model) nor a run folder "
                     "with checkpoints/step_*: nothing to evaluate there"
                 )
-            name = path.name if path.name != "checkpoints" else path.parent.name
+            run_dir = path.resolve() if path.name != "checkpoints" else path.resolve().parent
             for ckpt in found:
                 step = int(_STEP.search(ckpt.name).group(1))  # type: ignore[union-attr]
-                raw.append((name, str(_checkpoint_model(ckpt)), step, str(ckpt)))
+                raw.append((run_dir, str(_checkpoint_model(ckpt)), step, str(ckpt)))
         else:
-            raw.append(("", arg, None, arg))
-    runs = {r for r, _, s, _ in raw if s is not None}
+            raw.append((None, arg, None, arg))
+    runs = _run_names({r for r, _, s, _ in raw if r is not None and s is not None})
     targets, seen = [], {}
     for run, model, step, source in raw:
-        if step is not None:
-            label = f"{run}/step_{step}" if len(runs) > 1 else f"step_{step}"
+        if step is not None and run is not None:
+            label = f"{runs[run]}/step_{step}" if len(runs) > 1 else f"step_{step}"
         else:
             label = model.rstrip("/").rsplit("/", 1)[-1] if Path(model).is_dir() else model
         seen[label] = seen.get(label, 0) + 1
         if seen[label] > 1:
             label = f"{label}#{seen[label]}"
-        targets.append(EvalTarget(label, model, step, source, run if step is not None else ""))
+        targets.append(EvalTarget(label, model, step, source, runs[run] if step is not None and run else ""))
     return targets
+
+
+def _run_names(folders: set[Path]) -> dict[Path, str]:
+    """A short distinct name per run folder: its name, with as many parent folders as it takes to tell apart runs
+    of the same name (Hydra sweep jobs are all `0`, `1`, ...: `sweepA/0` vs `sweepB/0`)."""
+    names: dict[Path, str] = {}
+    for depth in range(1, 64):
+        names = {f: "/".join(f.parts[-depth:]) for f in folders}
+        if len(set(names.values())) == len(folders):
+            break
+    return names
 
 
 def x_axis(targets: list[EvalTarget]) -> tuple[str, list[float]]:
