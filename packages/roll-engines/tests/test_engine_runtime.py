@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 import pytest
+import torch
 from hydra.utils import get_object
 
 from roll_core import registry
@@ -65,3 +66,17 @@ def test_build_engine_refuses_an_unknown_key_before_loading() -> None:
     # The model path does not exist: reaching the constructor would fail differently (and slowly).
     with pytest.raises(TypeError, match="HFTrainEngine does not accept the config key"):
         build_engine(_Worker(), cfg, {"model_path": "/nonexistent", "role": "actor", "platform": "cpu"})
+
+
+def test_a_cpu_train_engine_opens_a_gloo_group_whatever_the_node_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hw.platform=cpu on a GPU node: fsdp2 and megatron engines on CPU took the node's platform backend (nccl) and
+    their first collective on CPU tensors failed; a CPU engine's group is gloo, an accelerator's the platform's."""
+    import roll_hw
+    from roll_engines.train._settings import backend_for
+
+    class NodeWithGpus:
+        dist_backend = "nccl"
+
+    monkeypatch.setattr(roll_hw, "current_platform", NodeWithGpus(), raising=False)
+    assert backend_for("cpu") == "gloo" and backend_for(torch.device("cpu")) == "gloo"
+    assert backend_for("cuda:0") == "nccl"

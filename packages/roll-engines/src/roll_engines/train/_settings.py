@@ -49,3 +49,16 @@ def reapply(optimizer: Any, configured: list[dict[str, Any]], scheduler: Any = N
     # Through the scheduler's own state format, so get_last_lr() and the next step() agree with the groups.
     scheduler.load_state_dict({**scheduler.state_dict(), "base_lrs": bases, "_last_lr": lrs})
     return lrs
+
+
+def backend_for(device: Any) -> str:
+    """The process-group backend for a train engine on `device`: gloo on CPU whatever accelerator the node has (a
+    run with hw.platform=cpu on a GPU node opened an nccl group for CPU tensors: its first collective failed),
+    else the platform's (nccl, hccl, ...)."""
+    import torch
+
+    if torch.device(device).type == "cpu":
+        return "gloo"
+    from roll_hw import current_platform
+
+    return current_platform.dist_backend

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from roll_engines.train._settings import backend_for
 from roll_engines.train.hf import HFTrainEngine, check_loaded
 
 
@@ -61,7 +62,7 @@ class FSDP2TrainEngine(HFTrainEngine):
         self, model_path: str, *, reshard_after_forward: bool = True, dist_backend: str | None = None, **kwargs: Any
     ) -> None:
         self.reshard_after_forward = reshard_after_forward
-        self._owns_process_group = _init_process_group(dist_backend)
+        self._owns_process_group = _init_process_group(dist_backend or backend_for(kwargs.get("device", "cpu")))
         super().__init__(model_path, **kwargs)
 
     def shutdown(self) -> None:

@@ -25,9 +25,9 @@ def init_parallel(
         if ps.model_parallel_is_initialized():  # groups of a process group destroyed since
             ps.destroy_model_parallel()
         if backend is None:
-            from roll_hw import current_platform
+            from roll_engines.train._settings import backend_for
 
-            backend = current_platform.dist_backend
+            backend = backend_for(device)
         if "RANK" in os.environ:  # a worker group's process: the rendezvous is in the environment
             dist.init_process_group(backend=backend)
         else:  # one process on its own: a group of one, without touching the environment
