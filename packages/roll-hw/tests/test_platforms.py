@@ -178,3 +178,35 @@ def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra)
     return env
+
+
+def test_a_broken_plugin_stops_auto_detection_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin whose module does not import (its vendor SDK missing on this node) is reported, with its name, when
+    the platform is auto-detected; a run that names a platform (hw.platform=cpu, ROLL_PLATFORM=cuda) loads only
+    that one and goes on (every run failed); a plugin whose probe raises is named too (a bare driver error)."""
+    from importlib.metadata import EntryPoint
+
+    from roll_hw import detect
+    from roll_hw.detect import PlatformPluginError
+
+    real = detect.entry_points
+    broken = EntryPoint(name="acme", value="roll_acme_missing_sdk:AcmePlatform", group="roll.platforms")
+    monkeypatch.setattr(detect, "entry_points", lambda group: [*real(group=group), broken])
+    monkeypatch.delenv("ROLL_PLATFORM", raising=False)
+    detect.clear_cache()
+    try:
+        assert detect.resolve_platform("cpu") is CpuPlatform and detect.get_platform_class("npu") is NpuPlatform
+        with pytest.raises(PlatformPluginError, match=r"roll.platforms:acme .*No module named 'roll_acme_missing_sdk'"):
+            detect.resolve_platform()
+
+        class Raising(CpuPlatform):
+            @classmethod
+            def is_available(cls) -> bool:
+                raise OSError("libacme_driver.so: cannot open shared object file")
+
+        monkeypatch.setattr(detect, "plugin_platforms", lambda: {"acme": Raising})
+        with pytest.raises(PlatformPluginError, match=r"probe of platform plugin 'acme' .* raised OSError: libacme"):
+            detect.resolve_platform()
+    finally:
+        monkeypatch.undo()
+        detect.clear_cache()

@@ -110,11 +110,12 @@ def platform_names() -> list[str]:
 
 
 def get_platform_class(name: str) -> type[Platform]:
-    """The platform class registered as `name` (a plugin wins over a built-in of that name); no availability check."""
-    plugins = plugin_platforms()
+    """The platform class registered as `name` (a plugin wins over a built-in of that name); no availability check.
+    Only that platform's entry point is loaded: another plugin that fails to import (its vendor SDK missing on this
+    node) does not stop a run that names its platform."""
+    own, plugins = _declared()
     if name in plugins:
-        return plugins[name]
-    own = _declared()[0]
+        return _load(plugins[name])
     if name in own:
         return _load(own[name])
     raise PlatformUnavailableError(f"unknown platform {name!r}; installed platforms: {', '.join(platform_names())}")
@@ -134,7 +135,7 @@ def resolve_platform(name: str | None = None) -> type[Platform]:
             source = "requested" if name else f"forced by {ENV_VAR}={forced}"
             raise PlatformUnavailableError(f"platform {forced!r} {source} is unavailable: {cls.unavailable_reason()}")
         return cls
-    active = [cls for cls in plugin_platforms().values() if cls.is_available()]
+    active = [cls for name, cls in plugin_platforms().items() if _probe(name, cls)]
     if len(active) > 1:
         names = ", ".join(c.name for c in active)
         raise PlatformPluginError(f"more than one out-of-tree platform is active ({names}); set {ENV_VAR} to choose")
@@ -145,6 +146,17 @@ def resolve_platform(name: str | None = None) -> type[Platform]:
         if cls.is_available():
             return cls
     raise AssertionError("unreachable: the cpu platform is always available")
+
+
+def _probe(name: str, cls: type[Platform]) -> bool:
+    """A plugin's `is_available()`; one that raises is reported with its name (it was a bare driver error)."""
+    try:
+        return bool(cls.is_available())
+    except Exception as exc:
+        raise PlatformPluginError(
+            f"the probe of platform plugin {name!r} ({cls.__module__}.{cls.__qualname__}.is_available) raised "
+            f"{type(exc).__name__}: {exc}; set {ENV_VAR}=<platform> (or hw.platform) to run without probing it"
+        ) from exc
 
 
 def clear_cache() -> None:
