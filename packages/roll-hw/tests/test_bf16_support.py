@@ -116,3 +116,32 @@ def test_cpu_flags_are_read_from_cpuinfo() -> None:
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         pytest.skip("reads /proc/cpuinfo flags of an x86-64 Linux machine")
     assert "sse2" in cpu._cpu_flags()
+
+
+def test_arm_bf16_is_read_from_the_features_line(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Arm's /proc/cpuinfo lists its extensions on `Features` (Graviton 3: bf16, svebf16): an explicit bf16 runs
+    natively there (it was turned into fp32, 'emulated')."""
+    import builtins
+
+    from roll_hw import cpu
+    from roll_hw.cpu import CpuPlatform
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd sve bf16 svebf16 i8mm\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: real_open(info if f == "/proc/cpuinfo" else f, *a, **k))
+    assert cpu.cpu_bf16_instructions() == "bf16" and CpuPlatform.runs_bf16() and not CpuPlatform.supports_bf16()
+    asked = SimpleNamespace(dtype="bfloat16")
+    CpuPlatform.check_and_update_config(asked)
+    assert asked.dtype == "bfloat16" and "Arm BF16" in CpuPlatform.bf16_note()
+
+
+@pytest.mark.parametrize("soc_has_bf16", [True, False])
+def test_npu_bf16_is_torch_npus_answer(monkeypatch: pytest.MonkeyPatch, soc_has_bf16: bool) -> None:
+    """Ascend 910A / 910Pro / 310P have no bf16 (torch_npu: SoC >= 910B1): an explicit bf16 becomes fp32 there and
+    auto picks fp32 (the platform always claimed native bf16)."""
+    from roll_hw.npu import NpuPlatform
+
+    monkeypatch.setattr(NpuPlatform, "_torch_npu", classmethod(lambda cls: SimpleNamespace()))
+    monkeypatch.setattr(torch, "npu", SimpleNamespace(is_bf16_supported=lambda: soc_has_bf16), raising=False)
+    assert NpuPlatform.supports_bf16() is soc_has_bf16

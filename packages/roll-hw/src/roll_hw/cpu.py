@@ -114,8 +114,9 @@ def _cpuinfo(key: str) -> str | None:
 
 
 def _cpu_flags() -> set[str]:
-    """The first processor's feature flags from /proc/cpuinfo (empty where there is none)."""
-    return set((_cpuinfo("flags") or "").split())
+    """The first processor's feature flags from /proc/cpuinfo: x86's `flags` line, or Arm's `Features` (empty
+    where there is none)."""
+    return set((_cpuinfo("flags") or "").split()) | set((_cpuinfo("Features") or "").split())
 
 
 def cpu_vendor() -> str:
@@ -156,9 +157,10 @@ def fp32_linear_library() -> str:
 
 def cpu_bf16_instructions() -> str | None:
     """Which native bf16 instructions this CPU has: "amx_bf16" (AMX tiles: bf16 training is fast),
-    "avx512_bf16" (bf16 dot products: bf16 inference runs natively) or None (bf16 is emulated, ~200x slower)."""
+    "avx512_bf16" (bf16 dot products: bf16 inference runs natively), "bf16" (Arm's BF16 extension: Graviton 3/4,
+    Neoverse V1/V2; its dot products run natively) or None (bf16 is emulated, ~200x slower)."""
     flags = _cpu_flags()
-    for kind in ("amx_bf16", "avx512_bf16"):
+    for kind in ("amx_bf16", "avx512_bf16", "bf16"):
         if kind in flags:
             return kind
     return None
@@ -236,5 +238,6 @@ class CpuPlatform(Platform):
         return {
             "amx_bf16": "native (AMX tiles)",
             "avx512_bf16": "native dot products (AVX512-BF16, no AMX): honoured when asked, fp32 by default",
-            None: "emulated (no AMX or AVX512-BF16: ~200x slower than fp32): bf16 becomes fp32",
+            "bf16": "native dot products (Arm BF16): honoured when asked, fp32 by default",
+            None: "emulated (no AMX, AVX512-BF16 or Arm BF16: ~200x slower than fp32): bf16 becomes fp32",
         }[kind]

@@ -55,4 +55,10 @@ class NpuPlatform(TorchAcceleratorPlatform):
 
     @classmethod
     def supports_bf16(cls) -> bool:
-        return True
+        """torch_npu's own answer (Ascend 910B and later; 910A, 910Pro and 310P have no bf16)."""
+        if cls._torch_npu() is None:
+            return False
+        import torch
+
+        check = getattr(getattr(torch, "npu", None), "is_bf16_supported", None)
+        return bool(check()) if callable(check) else True
