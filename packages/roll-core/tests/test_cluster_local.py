@@ -97,3 +97,22 @@ def test_train_metrics_merge_weighs_ranks_by_rows_and_an_empty_rank_by_nothing()
     assert both == {"loss": 1.75, "lr": 0.1}
     assert merge_rank_metrics([{"loss": 2.0, "g": 5.0}, {"g": 5.0}], [2, 0]) == {"loss": 2.0, "g": 5.0}
     assert merge_rank_metrics([{"g": 2.0}, {"g": 4.0}], [0, 0]) == {"g": 3.0}  # an empty batch: alike
+
+
+def test_auto_platform_on_a_cpu_head_of_an_accelerator_cluster_is_an_error(monkeypatch) -> None:
+    """hw.platform=auto is probed on the driver: a CPU-only head of a GPU cluster ran every worker on CPU without a
+    word. Now that is a config error naming the setting; a CPU cluster, or an accelerator driver, passes."""
+    import pytest
+    import ray
+
+    from roll_core.cluster.launch import Cluster
+    from roll_core.errors import ConfigError
+    from roll_hw.cpu import CpuPlatform
+
+    cluster = Cluster.__new__(Cluster)
+    cluster.platform = CpuPlatform
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0, "GPU": 8.0})
+    with pytest.raises(ConfigError, match=r"the Ray cluster offers 8 GPU: name the workers' platform"):
+        cluster._check_auto_platform()
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0})
+    cluster._check_auto_platform()

@@ -123,6 +123,25 @@ class Cluster:
         self._started_ray = False
         if cfg.backend == "ray":
             self._init_ray()
+            if hw.platform == "auto" and platform is None:
+                self._check_auto_platform()
+
+    def _check_auto_platform(self) -> None:
+        """hw.platform=auto is probed on the driver: a CPU-only head of an accelerator cluster would run every
+        worker on CPU, silently. Such a cluster (Ray resources the driver's platform does not use) is an error
+        that names the setting instead."""
+        import ray
+
+        if self.platform.ray_resource is not None:
+            return
+        offered = {k: int(v) for k, v in ray.cluster_resources().items() if k in ("GPU", "NPU") and v > 0}
+        if offered:
+            what = ", ".join(f"{n} {k}" for k, n in offered.items())
+            raise ConfigError(
+                f"hw.platform=auto found no accelerator on this driver ({self.platform.name}), but the Ray cluster "
+                f"offers {what}: name the workers' platform (hw.platform=cuda, rocm or npu), or hw.platform=cpu to "
+                "run on CPUs"
+            )
 
     def _init_ray(self) -> None:
         from roll_core.errors import RAY
