@@ -612,6 +612,11 @@ CASES: list[Case] = [
         r"env\.max_tokens_per_turn must be below env\.max_context_length",
     ),
     E(
+        "cfg/correction-with-truncated-sampling",
+        compose("model=qwen3", "algo.off_policy_correction=geo_mask"),
+        r"algo\.off_policy_correction=geo_mask with truncated sampling \(infer_engine\.top_p=0\.95, top_k=20",
+    ),
+    E(
         "cfg/megatron-float16",
         compose("train_engine=megatron", "model.dtype=float16"),
         r"train_engine=megatron with model\.dtype=float16 is not supported: use model\.dtype=bfloat16",

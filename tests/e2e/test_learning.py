@@ -212,3 +212,14 @@ def test_ppo_learns_with_a_megatron_actor_and_critic(seven_task: Path, tmp_path:
     assert_critic_learns(history)
     critic = tmp_path / "checkpoints" / "step_000020" / "critic" / "model" / "config.json"
     assert "ForTokenClassification" in critic.read_text()
+
+
+def test_kl_to_the_reference_is_the_trainers_under_truncated_sampling(seven_task: Path, tmp_path: Path) -> None:
+    """Top-k sampling: the engine's log-probs are those of the truncated distribution, the trainer's the full one's.
+    At step 1 the policy is the reference, so actor/kl_to_ref is 0 (it read the engine's: 0.57, and an adaptive
+    controller moved kl_coef the wrong way)."""
+    overrides = ("infer_engine.top_k=50", "algo.kl_coef=0.01", "algo.kl_target=0.01", "pipeline.max_steps=1")
+    _, history = run(tiny_overrides(seven_task, tmp_path / "run", *overrides, "pipeline.eval_every=0"))
+    (step,) = [h for h in history if h["step"] == 1]
+    assert step["actor/kl_to_ref"] == pytest.approx(0.0, abs=1e-5), step["actor/kl_to_ref"]
+    assert step["actor/kl_coef"] < 0.01  # below target: the adaptive controller lowers it

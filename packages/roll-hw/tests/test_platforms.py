@@ -210,3 +210,17 @@ def test_a_broken_plugin_stops_auto_detection_only(monkeypatch: pytest.MonkeyPat
     finally:
         monkeypatch.undo()
         detect.clear_cache()
+
+
+def test_seeding_a_platform_this_host_lacks_seeds_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU-only Ray head with hw.platform=npu seeds its host (it crashed: torch has no `npu` without torch_npu);
+    the workers seed their own devices."""
+    import random
+
+    import torch
+
+    monkeypatch.delattr(torch, "npu", raising=False)
+    NpuPlatform.seed_everything(123)
+    first = (random.random(), float(torch.rand(1)))
+    NpuPlatform.seed_everything(123)
+    assert (random.random(), float(torch.rand(1))) == first

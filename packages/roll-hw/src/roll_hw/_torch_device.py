@@ -62,5 +62,12 @@ class TorchAcceleratorPlatform(Platform):
 
     @classmethod
     def seed_everything(cls, seed: int) -> None:
+        """Seed the host, and this platform's devices where this process has them: a CPU-only head of a Ray
+        cluster that names the workers' platform (hw.platform=npu) seeds its host only (it crashed without
+        torch_npu there; the workers seed their own devices)."""
         super().seed_everything(seed)
-        cls._device_module().manual_seed_all(seed)
+        try:
+            mod = cls._device_module()
+        except (ImportError, AttributeError):  # the platform's torch extension is not on this host
+            return
+        mod.manual_seed_all(seed)  # lazy in torch: nothing is initialised on a host without devices

@@ -815,6 +815,22 @@ class RLVRConfig:
                 "train_engine.param_dtype=bfloat16 with model.dtype=float32: master weights narrower than the "
                 "compute dtype; set model.dtype=bfloat16 (pure bf16) or train_engine.param_dtype=float32"
             )
+        ie = self.infer_engine
+        if (
+            algo.off_policy_correction is not None
+            and isinstance(ie, InferEngineConfig)
+            and (ie.top_p < 1 or ie.top_k > 0)
+        ):
+            # The engines report the truncated distribution's log-probs, the trainer the full softmax's: every
+            # ratio is the kept mass (< 1), so geo_mask masked every sequence and the others down-weighted
+            # high-entropy tokens, whatever the weights' agreement.
+            raise ValueError(
+                f"algo.off_policy_correction={algo.off_policy_correction} with truncated sampling "
+                f"(infer_engine.top_p={ie.top_p}, top_k={ie.top_k}, from the model preset's defaults): the "
+                "rollout's log-probs are the truncated distribution's, the trainer's the full one's, so every "
+                "ratio measures the truncation; sample the full distribution for corrections: "
+                "infer_engine.top_p=1 infer_engine.top_k=0"
+            )
         if getattr(self.train_engine, "name", None) == "megatron" and model.dtype == "float16":
             # refused at composition too (the engine refuses it): megatron-core's fp16 loss scaling is not driven
             raise ValueError(

@@ -75,6 +75,8 @@ class RLObjective:
             clip=algo.value_clip, agg=algo.loss_agg, norm_length=cfg.model.max_response_length
         )
         self.temperature = roles.sampling.temperature
+        ie = cfg.infer_engine
+        self._truncated = bool(getattr(ie, "top_p", 1.0) < 1 or getattr(ie, "top_k", 0) > 0)
         groups = roles.critics or ([roles.critic] if roles.critic is not None else [])
         self.critics = Critics(groups, algo) if groups else None
 
@@ -208,6 +210,9 @@ class RLObjective:
             or self.roles.mini_batches > 1
             or algo.off_policy_correction is not None
             or (algo.kl_in_reward and "ref_logprobs" in batch)
+            # truncated sampling (top-p/top-k): the engine's log-probs are not the trainer's, so actor/kl_to_ref
+            # and the adaptive KL controller read the trainer's (they measured KL of the truncated distribution)
+            or ("ref_logprobs" in batch and self._truncated)
             or "behaviour_version" in batch  # generated ahead, under older weights (asynchronous collectors)
         )
 
