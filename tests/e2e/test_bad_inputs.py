@@ -731,6 +731,12 @@ CASES: list[Case] = [
     ),
     E("run/agentic-with-file-env", build("pipeline=agentic"), r"pipeline=agentic needs an agentic env .*got FileTask"),
     E(
+        "run/dapo-filtering-with-agentic",
+        build("algo.drop_uniform_groups=true", "algo.reward_clip=1.0", agentic=True),
+        r"algo\.drop_uniform_groups=true, algo\.reward_clip=1\.0: dynamic sampling and reward shaping apply to "
+        r"single-turn prompts \(pipeline=rlvr\), not to pipeline=agentic's episodes",
+    ),
+    E(
         "run/async-with-sleeping-engine",
         build("pipeline.async_ratio=1", "infer_engine.sleep_level=1"),
         r"pipeline\.async_ratio=1 keeps the engines generating .* set infer_engine\.sleep_level=0",

@@ -91,6 +91,9 @@ def check_task(cfg: Any, task: Any) -> None:
         raise ConfigError(f"pipeline=agent needs an agent-program env (env=openai_agent), got {type(task).__name__}")
     if cfg.pipeline.async_ratio > 0:
         raise ConfigError("pipeline=agent is synchronous: set pipeline.async_ratio=0")
+    from roll_core.pipelines.collectors.episodes import refuse_prompt_only_settings
+
+    refuse_prompt_only_settings(cfg)
     if task.on_failure not in ("score", "drop"):
         raise ConfigError(f"env.on_failure={task.on_failure!r} must be score or drop")
 

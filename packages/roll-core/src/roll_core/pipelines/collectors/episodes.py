@@ -46,6 +46,29 @@ def check_task(cfg: Any, task: Any) -> None:
             "pipeline=agentic needs an agentic env (env=sokoban, frozen_lake, guess_number, tool_math, ...), "
             f"got {type(task).__name__}"
         )
+    refuse_prompt_only_settings(cfg)
+
+
+def refuse_prompt_only_settings(cfg: Any) -> None:
+    """ConfigError for the single-turn prompt collectors' reward shaping and filtering, which an episode collector
+    does not apply (they were accepted and silently ignored: algo=dapo with pipeline=agentic trained every group)."""
+    algo, name = cfg.algo, getattr(cfg.pipeline, "name", "agentic")
+    clip, buffer = getattr(algo, "reward_clip", None), getattr(algo, "overlong_buffer", 0)
+    ignored = [
+        text
+        for on, text in (
+            (getattr(algo, "drop_uniform_groups", False), "algo.drop_uniform_groups=true"),
+            (clip is not None, f"algo.reward_clip={clip}"),
+            (buffer > 0, f"algo.overlong_buffer={buffer}"),
+        )
+        if on
+    ]
+    if ignored:
+        raise ConfigError(
+            f"{', '.join(ignored)}: dynamic sampling and reward shaping apply to single-turn prompts "
+            f"(pipeline=rlvr), not to pipeline={name}'s episodes: turn them off (algo.drop_uniform_groups=false, "
+            "algo.reward_clip=null, algo.overlong_buffer=0)"
+        )
 
 
 def vision_processor(ctx: CollectorContext) -> Any:
