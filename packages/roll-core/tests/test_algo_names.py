@@ -54,3 +54,17 @@ def test_every_listed_name_is_implemented() -> None:
         assert torch.isfinite(loss)
     for name in registry.available("roll.algorithms"):
         assert callable(registry.load("roll.algorithms", name))
+
+
+def test_the_outcome_reward_sits_on_the_last_trained_token_of_a_trajectory() -> None:
+    """A multi-turn mask has holes (observation tokens): the reward goes on the last generated token, not at the
+    index of the count of valid tokens (it landed on an observation token, or inside the last turn)."""
+    import torch
+
+    from roll_core.algorithms import token_rewards_from_scores
+
+    mask = torch.tensor([[1, 1, 0, 1, 1, 0, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0, 0], [0] * 10], dtype=torch.float)
+    got = token_rewards_from_scores(torch.tensor([1.0, 2.0, 3.0]), mask)
+    want = torch.zeros(3, 10)
+    want[0, 7], want[1, 2] = 1.0, 2.0
+    assert torch.equal(got, want)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor
 
 from roll_algos import advantages as adv_ops
@@ -146,11 +147,13 @@ def _turns(x: AdvantageInputs) -> Mapping[str, Any]:
 
 
 def _last_token_mask(mask: Tensor) -> Tensor:
-    """(B, R) with 1 on the last valid token of each row."""
-    lengths = mask.sum(-1).long()
+    """(B, R) with 1 on the last valid token of each row: its position, not its count of valid tokens (a
+    multi-turn trajectory's mask has holes: observation tokens between the turns)."""
+    valid = mask > 0
+    last = (valid.long() * torch.arange(1, mask.shape[-1] + 1, device=mask.device)).argmax(-1)
     out = mask.new_zeros(mask.shape)
-    rows = lengths > 0
-    out[rows.nonzero(as_tuple=True)[0], (lengths[rows] - 1)] = 1
+    rows = valid.any(-1)
+    out[rows.nonzero(as_tuple=True)[0], last[rows]] = 1
     return out
 
 

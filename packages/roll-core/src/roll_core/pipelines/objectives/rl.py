@@ -107,8 +107,10 @@ class RLObjective:
             out["actor/kl_to_ref"] = float(masked_mean(kl, mask))
             if algo.kl_in_reward:
                 token_rewards = token_rewards - self.kl_ctl.value * kl
+                out["actor/kl_coef"] = self.kl_ctl.value  # the coefficient this step's rewards were penalised with
             self.kl_ctl.update(out["actor/kl_to_ref"], len(batch))
-            out["actor/kl_coef"] = self.kl_ctl.value
+            if not algo.kl_in_reward:
+                out["actor/kl_coef"] = self.kl_ctl.value  # the coefficient of this step's KL loss
             self.policy_objective.kl_loss_coef = 0.0 if algo.kl_in_reward else self.kl_ctl.value
         adv, returns = self.estimator(self._advantage_inputs(batch, scores, token_rewards, mask, values), algo)
         if algo.whiten_advantages:
