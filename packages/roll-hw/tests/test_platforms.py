@@ -224,3 +224,18 @@ def test_seeding_a_platform_this_host_lacks_seeds_the_host(monkeypatch: pytest.M
     first = (random.random(), float(torch.rand(1)))
     NpuPlatform.seed_everything(123)
     assert (random.random(), float(torch.rand(1))) == first
+
+
+def test_doctor_reports_a_platform_that_fails_to_describe_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPUs counted by NVML but a driver older than torch's CUDA: the platform probes available, then its
+    description raises; roll-doctor reports that instead of crashing (the machine where it is needed most)."""
+    from roll_hw import doctor
+
+    class TooOldDriver(CpuPlatform):
+        @classmethod
+        def describe(cls) -> dict[str, str]:
+            raise RuntimeError("The NVIDIA driver on your system is too old (found version 11040).")
+
+    monkeypatch.setattr(doctor, "resolve_platform", lambda *a, **k: TooOldDriver)
+    text, ok = doctor.report()
+    assert "RuntimeError: The NVIDIA driver on your system is too old" in text and ok

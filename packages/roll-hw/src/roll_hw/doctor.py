@@ -142,7 +142,11 @@ def report() -> tuple[str, bool]:
     rows.append(("torch.distributed backends", _dist_backends()))
     sections.append(table(rows, "roll-doctor"))
     if current is not None:
-        sections.append(table(current.describe().items(), f"platform: {current.name}"))
+        try:  # a platform that probes available may still fail here (a driver older than torch's CUDA)
+            described = list(current.describe().items())
+        except Exception as exc:
+            described = [("error", f"{type(exc).__name__}: {exc}")]
+        sections.append(table(described, f"platform: {current.name}"))
     probes = []
     for name in platform_names():
         try:
