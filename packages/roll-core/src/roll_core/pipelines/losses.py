@@ -45,6 +45,12 @@ class PolicyObjective:
     entropy_coef: float = 0.0
     needs_entropy: bool = True
 
+    @property
+    def entropy_grad(self) -> bool:
+        """Whether the entropy needs its gradient (a bonus); without one it is only logged (actor/entropy), and the
+        engines compute it without a graph (two more (b, R, V) fp32 tensors per micro-batch otherwise)."""
+        return self.entropy_coef > 0
+
     def units(self, micro: Mapping[str, Tensor]) -> float:
         return agg_units(micro["response_mask"], self.agg)
 

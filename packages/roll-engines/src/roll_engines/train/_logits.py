@@ -64,7 +64,7 @@ def response_outputs(
     logits: Tensor,
     responses: Tensor,
     *,
-    with_entropy: bool = False,
+    with_entropy: bool | str = False,
     topk: int = 0,
     gather_ids: Tensor | None = None,
 ) -> dict[str, Tensor]:
@@ -73,7 +73,7 @@ def response_outputs(
     Args:
         logits: (b, R, V) fp32, divided by the temperature; position c predicts response token c.
         responses: (b, R) sampled token ids.
-        with_entropy: add "entropy" (b, R).
+        with_entropy: add "entropy" (b, R); "metric": computed without gradient (a loss that only logs it).
         topk: K > 0 adds "topk_ids" (b, R, K) and "topk_logprobs" (b, R, K).
         gather_ids: (b, R, K') ids: adds "gathered_logprobs" (b, R, K').
     Returns:
@@ -81,7 +81,10 @@ def response_outputs(
     """
     lse = torch.logsumexp(logits, dim=-1)  # (b, R)
     out = {"logprobs": torch.gather(logits, -1, responses.unsqueeze(-1)).squeeze(-1) - lse}
-    if with_entropy:
+    if with_entropy == "metric":  # logged only (no entropy bonus): no graph of two more (b, R, V) tensors
+        with torch.no_grad():
+            out["entropy"] = entropy_from_logits(logits)
+    elif with_entropy:
         out["entropy"] = entropy_from_logits(logits)
     if topk > 0:
         out.update(topk_of(logits, lse, topk))
@@ -97,3 +100,11 @@ def empty_outputs(keys: list[str], r: int, topk: int) -> dict[str, Tensor]:
         out[TOPK_IDS] = torch.zeros(0, r, topk, dtype=torch.long)
         out[TOPK_LOGPROBS] = torch.zeros(0, r, topk)
     return out
+
+
+def entropy_request(loss_fn: Any) -> bool | str:
+    """What a train engine's forward computes for `loss_fn`'s entropy: False, True (with gradient: an entropy
+    bonus), or "metric" (logged only: `loss_fn.entropy_grad` is False)."""
+    if not getattr(loss_fn, "needs_entropy", False):
+        return False
+    return True if getattr(loss_fn, "entropy_grad", True) else "metric"

@@ -349,7 +349,7 @@ def packed_forward(
     *,
     critic: bool,
     temperature: float = 1.0,
-    with_entropy: bool = False,
+    with_entropy: bool | str = False,
     autocast: contextlib.AbstractContextManager | None = None,
     topk: int = 0,
     gather_ids: Tensor | None = None,
@@ -389,8 +389,9 @@ def packed_forward(
     picked = logits[packed.source, packed.targets]
     lse = torch.logsumexp(logits, dim=-1)  # (U,)
     out = {"logprobs": packed.scatter(picked - lse[packed.source])}
-    if with_entropy:
-        out["entropy"] = packed.scatter(entropy_from_logits(logits)[packed.source])
+    if with_entropy:  # "metric": logged only, computed without a graph (roll_engines.train._logits.entropy_request)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy != "metric"):
+            out["entropy"] = packed.scatter(entropy_from_logits(logits)[packed.source])
     if topk > 0:  # per predicting position (U, K), then copied to each response token it predicts
         out.update({k: packed.scatter(v[packed.source]) for k, v in topk_of(logits, lse, topk).items()})
     if gather_ids is not None:

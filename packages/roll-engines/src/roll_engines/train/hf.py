@@ -51,7 +51,7 @@ from roll_core.interfaces.inference import STRUCTURED_KEY
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines._onednn_linear import use_onednn_linears
 from roll_engines.train import _vision as V  # vision-language models: pictures travel with their rows
-from roll_engines.train._logits import check_topk, empty_outputs, gather_ids_of, response_outputs
+from roll_engines.train._logits import check_topk, empty_outputs, entropy_request, gather_ids_of, response_outputs
 from roll_engines.train._lora import (
     adapter_weights,
     apply_lora,
@@ -540,7 +540,7 @@ class HFTrainEngine:
         for i in range(self._all_reduce_max(len(micros))):
             real = i < len(micros)
             micro = micros[i] if real else _padding_row(template if template is not None else mini)
-            outputs = self._forward(micro, temperature, loss_fn.needs_entropy, 0, gather_ids_of(loss_fn, micro))
+            outputs = self._forward(micro, temperature, entropy_request(loss_fn), 0, gather_ids_of(loss_fn, micro))
             self.micro_batches_run += 1
             loss, metrics = loss_fn(outputs, {k: v.to(self.device) for k, v in V.tensors_of(micro).items()})
             scale = loss_fn.units(micro) / total * self.dp_size if real and total > 0 else 0.0
