@@ -199,3 +199,23 @@ def test_what_the_mapping_cannot_carry_is_refused(change: dict, message: str) ->
         tp=1,
         pp=1,
     )  # the plain model maps
+
+
+def test_a_checkpoint_tensor_the_mapping_does_not_carry_is_refused(tmp_path: Path) -> None:
+    """A decoder tensor the HF -> Megatron mapping never reads (here an MLP bias added to the file) would be dropped
+    on load, untrained and missing from every export: the engine refuses the checkpoint, naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from roll_core.models import resolve_model_path
+    from roll_engines.train.megatron import MegatronTrainEngine
+
+    folder = tmp_path / "model"
+    shutil.copytree(resolve_model_path("builtin:tiny"), folder)
+    (weights,) = folder.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["model.layers.0.mlp.down_proj.bias"] = torch.zeros(tensors["model.norm.weight"].shape)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match=r"1 tensors roll's Megatron mapping does not carry .*down_proj\.bias"):
+        MegatronTrainEngine(str(folder), dist_backend="gloo", use_distributed_optimizer=False)

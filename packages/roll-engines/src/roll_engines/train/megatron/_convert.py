@@ -423,7 +423,15 @@ def load_hf(model: Any, hf: dict[str, Tensor], cfg: Any, head: dict[str, Tensor]
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     tp = ps.get_tensor_model_parallel_world_size()
-    full = hf_to_mcore(hf, cfg, padded_vocab(cfg.vocab_size, tp))
+    read = _Reads(hf)
+    full = hf_to_mcore(read, cfg, padded_vocab(cfg.vocab_size, tp))
+    # the decoder's tensors (a critic's value head, `score.*`, comes in `head`)
+    unread = sorted(k for k in set(hf) - read.keys_read if k.startswith("model."))
+    if unread:  # a tensor the mapping does not carry would be dropped: untrained, missing from every export
+        raise RuntimeError(
+            f"the checkpoint holds {len(unread)} tensors roll's Megatron mapping does not carry ({unread[:4]}"
+            f"{' ...' if len(unread) > 4 else ''}): train this model with train_engine=hf or fsdp2"
+        )
     if cfg.tie_word_embeddings or head is not None:
         full.pop("output_layer.weight")
     mine = shard(
@@ -447,6 +455,23 @@ def load_hf(model: Any, hf: dict[str, Tensor], cfg: Any, head: dict[str, Tensor]
             if own[k].shape != v.shape:
                 raise RuntimeError(f"{k}: Megatron shape {tuple(own[k].shape)} vs mapped {tuple(v.shape)}")
             own[k].copy_(v)
+
+
+class _Reads(dict):
+    """A state dict that remembers which of its tensors were read (load_hf's check that none is left out)."""
+
+    def __init__(self, tensors: dict[str, Tensor]) -> None:
+        super().__init__(tensors)
+        self.keys_read: set[str] = set()
+
+    def __getitem__(self, key: str) -> Tensor:
+        self.keys_read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key in self:
+            self.keys_read.add(key)
+        return super().get(key, default)
 
 
 def local_experts(cfg: Any) -> range:
