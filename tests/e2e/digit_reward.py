@@ -37,3 +37,12 @@ class BrokenReward(LastDigitReward):
 
     def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
         raise RuntimeError("the reward service is down")
+
+
+class OddAnswersFail(LastDigitReward):
+    """Raises on any row whose answer ends in an odd digit (the guard's row-by-row pass then fails those rows only)."""
+
+    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
+        if any(str(a).strip()[-1:] in "13579" for a in answers):
+            raise RuntimeError("cannot verify odd answers")
+        return super().score(responses, answers)

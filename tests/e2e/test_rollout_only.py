@@ -109,6 +109,7 @@ def test_rows_are_complete_and_consistent_without_an_actor(full, tiny_model: str
         "prompts_done": PROMPTS,
         "prompts_total": PROMPTS,
         "skipped_prompts": 0,
+        "reward_failed_rows": 0,
     }
     assert len(list((path.parent / "checkpoints").iterdir())) >= 1  # the end was checkpointed
 
@@ -257,3 +258,21 @@ def test_sft_and_dpo_readers_take_the_output(tmp_path: Path, tiny_model: str, na
     pairs = load_rows("preference", DataConfig(path=data_path), tok, **limits).train
     got = [(p.chosen.prompt_ids, p.chosen.response_ids, p.rejected.response_ids) for p in pairs.items]
     assert got == [([5, 6, 7], [8, 9], [8, 10]), ([5, 6, 8], [8, 11], [8, 12])]
+
+
+def test_samples_the_reward_could_not_score_are_not_written(tmp_path: Path) -> None:
+    """A reward failing on some rows scores them error_score (0, incorrect): written, they read as wrong answers
+    (DPO's rejected side, dropped by data.min_score). They are left out, counted and logged; the others written."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))  # digit_reward: named in the config by module
+    reward = [
+        "env/reward=custom",
+        "env.reward._target_=digit_reward.OddAnswersFail",
+        "pipeline.reward_isolation=inline",
+    ]
+    _, summary, _ = run(overrides(tmp_path, *reward))
+    rows = read_rollout(tmp_path / "rollout.jsonl")
+    odd = summary["rollout"]["reward_failed_rows"]
+    assert odd > 0 and len(rows) + odd == PROMPTS * SAMPLES, (len(rows), odd)
+    assert rows and all(r["answer"].strip()[-1] in "02468" for r in rows)

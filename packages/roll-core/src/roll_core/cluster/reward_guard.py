@@ -131,7 +131,7 @@ class GuardedReward:
     def _row_by_row(
         self, responses: list[str], answers: list[str], context: dict[str, Any], counters: dict[str, int]
     ) -> RewardResult:
-        scores, correct, formatted = [], [], []
+        scores, correct, formatted, failed = [], [], [], []
         own: dict[str, int] = {}
         # A reward that hangs on every row (or every other one) must not cost rows x timeout_s: see the docstring.
         deadline = time.monotonic() + self.batch_timeout_s + self.hung_after * self.timeout_s
@@ -156,12 +156,14 @@ class GuardedReward:
                 scores += [self.error_score] * rest
                 correct += [0.0] * rest
                 formatted += [0.0] * rest
+                failed += [True] * rest
                 break
             try:
                 row = {k: None if v is None else [v[i]] for k, v in context.items()}
                 one = self._call([response], [answer], row, min(self.timeout_s, left))
                 _check_rows(one, 1)
                 hung = 0
+                failed.append(bool(one.failed[0]) if one.failed else False)
             except CallTimeout:
                 hung += 1
                 counters["timeouts"] += 1
@@ -176,6 +178,7 @@ class GuardedReward:
                     self.error_score,
                 )
                 one = _constant(self.error_score)
+                failed.append(True)
             except Exception as exc:  # raised, died, or a malformed result: the row fails, the batch goes on
                 hung = 0
                 counters["errors"] += 1
@@ -192,19 +195,22 @@ class GuardedReward:
                     exc_info=not isinstance(exc, ChildError),
                 )
                 one = _constant(self.error_score)
+                failed.append(True)
             scores += one.scores
             correct += one.correct
             formatted += one.formatted
             for k, v in one.counters.items():
                 own[k] = own.get(k, 0) + v
-        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=own)
+        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=own, failed=failed)
 
     def _sanitise(self, res: RewardResult, counters: dict[str, int]) -> RewardResult:
         scores = []
+        failed = list(res.failed) if res.failed is not None else [False] * len(res.scores)
         for i, s in enumerate(res.scores):
             if _finite(s):
                 scores.append(float(s))
                 continue
+            failed[i] = True
             counters["nonfinite"] += 1
             counters["failed_nonfinite"] += 1
             self._note(f"row {i}: the reward returned {s!r}")
@@ -233,6 +239,7 @@ class GuardedReward:
             correct=[float(c) if _finite(c) else 0.0 for c in res.correct],
             formatted=[float(f) if _finite(f) else 0.0 for f in res.formatted],
             counters=merged,
+            failed=[bool(f) for f in failed],  # per row: the score is error_score (or the reward's fallback)
         )
 
     def _note(self, failure: str) -> None:

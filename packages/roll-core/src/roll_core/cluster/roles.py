@@ -414,6 +414,8 @@ class RewardWorker(Worker):
                 "scores": torch.tensor(res.scores, dtype=torch.float32),
                 "correct": torch.tensor(res.correct, dtype=torch.float32),
                 "formatted": torch.tensor(res.formatted, dtype=torch.float32),
+                # rows whose score is a fallback, not a verdict (a rollout-only run does not write them)
+                "reward_failed": torch.tensor(res.failed or [False] * len(res.scores), dtype=torch.bool),
             },
             {"response_text": texts},
         )

@@ -26,10 +26,15 @@ class RewardResult:
     correct: list[float]
     formatted: list[float]
     counters: dict[str, int] = field(default_factory=dict)
+    #: Optional, per response: True where the score is a fallback, not a verdict (the scorer failed on that row:
+    #: roll's reward guard and the remote verifier set it); None: every row was scored.
+    failed: list[bool] | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.scores) == len(self.correct) == len(self.formatted)):
             raise ValueError("scores, correct and formatted must have one entry per response")
+        if self.failed is not None and len(self.failed) != len(self.scores):
+            raise ValueError("failed must have one entry per response")
 
 
 @runtime_checkable

@@ -196,7 +196,13 @@ class RemoteReward(Reward):
             scores.append(s)
             correct.append(c)
             formatted.append(f)
-        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters)
+        return RewardResult(
+            scores=scores,
+            correct=correct,
+            formatted=formatted,
+            counters=counters,
+            failed=[row is None for row in results],  # the rows scored error_score without a verdict
+        )
 
     # -- requests -----------------------------------------------------------------------------------------------
 

@@ -88,6 +88,7 @@ class RolloutCollector:
         self.done = 0  # prompts of the shard taken (generated or skipped)
         self.steps = 0  # steps that took prompts
         self.skipped = 0  # prompts skipped (too long for the limit or the engine's context)
+        self.reward_failed_rows = 0  # samples the reward could not score (not written)
 
     # ---- progress -------------------------------------------------------------------------------------------
     @property
@@ -139,6 +140,7 @@ class RolloutCollector:
             "prompts_done": self.done,
             "steps": self.steps,
             "skipped_prompts": self.skipped,
+            "reward_failed_rows": self.reward_failed_rows,
             "prompts_total": self.total,
             "fingerprint": self.fingerprint,
             "settings": self._settings(),
@@ -162,6 +164,7 @@ class RolloutCollector:
             )
         self.writer.restore(state["writer"])
         self.done, self.steps, self.skipped = (int(state[k]) for k in ("prompts_done", "steps", "skipped_prompts"))
+        self.reward_failed_rows = int(state.get("reward_failed_rows", 0))
         self.scoring.load_state_dict(state["scoring"])
 
     def summary(self) -> dict[str, Any]:
@@ -174,6 +177,7 @@ class RolloutCollector:
                 "prompts_done": self.done,
                 "prompts_total": self.total,
                 "skipped_prompts": self.skipped,
+                "reward_failed_rows": self.reward_failed_rows,
             },
         }
 
@@ -236,7 +240,23 @@ class RolloutCollector:
             out.update(domain_metrics(batch, lengths, self.cfg.model.max_response_length, self.scoring.domains))
         out["perf/rollout_tokens_per_s"] = float(gen["response_mask"].sum()) / max(gen.meta["generate_seconds"], 1e-9)
         self.scoring.log_samples(step, batch, scored)
-        return rows_of(batch, scored["response_text"], self.ro.shard)
+        rows = rows_of(batch, scored["response_text"], self.ro.shard)
+        if "reward_failed" in scored:
+            # A row the reward could not score carries a fallback score: written, it would read as a wrong answer
+            # (DPO's rejected side, dropped by data.min_score). Left out, counted and logged.
+            bad = scored["reward_failed"].tolist()
+            if any(bad):
+                log.warning(
+                    "step %d: the reward could not score %d of %d samples; they are not written (rollout/"
+                    "reward_failed_rows)",
+                    step,
+                    sum(bad),
+                    len(bad),
+                )
+            self.reward_failed_rows += sum(bad)
+            rows = [r for r, b in zip(rows, bad, strict=True) if not b]
+        out["rollout/reward_failed_rows"] = float(self.reward_failed_rows)
+        return rows
 
 
 def rows_of(batch: Batch, texts: list[str], shard: int) -> list[dict[str, Any]]:
