@@ -164,6 +164,12 @@ def test_a_fresh_run_refuses_an_output_holding_rows(full, tmp_path: Path) -> Non
     cfg = load_config(overrides(tmp_path, f"rollout.output={path}"))
     with pytest.raises(ConfigError, match=r"already holds rows: delete it, choose another rollout.output"):
         pipeline_class(cfg.pipeline.name)(cfg)
+    # resume=true without a checkpoint of its own (another run folder): the rows are another run's, refused too
+    # (the output was emptied: a job script that always passes resume=true lost a finished run's rows)
+    before = path.read_bytes()
+    with pytest.raises(ConfigError, match=r"already holds rows"):
+        run(overrides(tmp_path / "other", f"rollout.output={path}", "pipeline.resume=true"))
+    assert path.read_bytes() == before
 
 
 def test_prompts_too_long_are_counted_skips_and_the_shard_still_ends(tmp_path: Path) -> None:
@@ -276,3 +282,11 @@ def test_samples_the_reward_could_not_score_are_not_written(tmp_path: Path) -> N
     odd = summary["rollout"]["reward_failed_rows"]
     assert odd > 0 and len(rows) + odd == PROMPTS * SAMPLES, (len(rows), odd)
     assert rows and all(r["answer"].strip()[-1] in "02468" for r in rows)
+
+
+def test_a_rollout_cut_by_max_steps_says_its_output_is_partial(tmp_path: Path) -> None:
+    """pipeline.max_steps (every experiment preset sets one) stopping a rollout before its last prompt: the summary
+    and report.md say the output is partial (it read "finished", exit 0, with a third of the rows)."""
+    _, summary, _ = run(overrides(tmp_path, "pipeline.max_steps=1"))
+    assert summary["incomplete"] is True and summary["rollout"]["prompts_done"] < PROMPTS
+    assert "stopped at pipeline.max_steps=1 before the job was done" in (tmp_path / "report.md").read_text()

@@ -129,6 +129,14 @@ class Pipeline:
             raise
         signum = summary.get("stopped_by_signal")
         status = f"stopped by signal {signum} (checkpoint written)" if signum else "finished"
+        if not signum and getattr(self.collector, "exhausted", True) is False:
+            # a finite job (rollout-only) cut by pipeline.max_steps: its output is partial, which "finished" hid
+            status = (
+                f"stopped at pipeline.max_steps={self.cfg.pipeline.max_steps} before the job was done "
+                "(partial output; raise pipeline.max_steps and resume with pipeline.resume=true)"
+            )
+            log.warning("run %s", status)
+            summary["incomplete"] = True
         self.report(status, summary["wall_seconds"])
         return summary
 

@@ -111,7 +111,11 @@ class RolloutCollector:
     def next(self, step: int, out: StepLog) -> None:
         """Generate, score and write the next rollout_batch_size prompts x samples_per_prompt; returns None."""
         if not self.writer.ready:  # no checkpoint was loaded: a fresh run, or a resumed one before its first
-            self.writer.start(resume=bool(self.cfg.pipeline.resume or self.cfg.pipeline.resume_from))
+            # A resumed run that never checkpointed drops the rows it wrote, but only from an output in its own
+            # run folder: an output elsewhere (shared by job scripts) may hold another run's rows (it was emptied).
+            run_dir = Path(self.ctx.tracker.dir).resolve() if self.ctx.tracker is not None else None
+            own = run_dir is not None and self.output.resolve().is_relative_to(run_dir)
+            self.writer.start(resume=bool(self.cfg.pipeline.resume or self.cfg.pipeline.resume_from) and own)
         problems = self.problems[self.done : self.done + self.cfg.pipeline.rollout_batch_size]
         rows: list[dict[str, Any]] = []
         if problems:
