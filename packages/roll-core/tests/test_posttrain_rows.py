@@ -185,6 +185,18 @@ def test_min_score_filters_distillation_rows_and_is_refused_for_pairs(tmp_path):
         load("preference", tok, path=write_jsonl(tmp_path / "p.jsonl", pairs), min_score=1.0)
 
 
+def test_a_file_whose_rows_all_fall_below_min_score_is_not_a_bad_file(tmp_path):
+    """A rollout's Parquet parts are one file per step: a step without a correct sample left a part whose every row
+    fell below data.min_score, and the whole load failed as if that file were unreadable."""
+    tok = TOKS["tiny"]
+    low = write_jsonl(tmp_path / "part-1.jsonl", [{"prompt_ids": [5], "response_ids": [7], "reward": 0.0}] * 2)
+    good = write_jsonl(tmp_path / "part-2.jsonl", [{"prompt_ids": [5], "response_ids": [8], "reward": 1.0}])
+    src = load("sft", tok, path=[low, good], min_score=1.0).train
+    assert len(src) == 1 and src.skipped == {"below_min_score": 2}
+    with pytest.raises(ConfigError, match=r"no usable rows"):  # nothing at all above it: still an error
+        load("sft", tok, path=[low], min_score=1.0)
+
+
 def test_a_pair_cut_to_the_same_response_is_a_counted_skip(tmp_path):
     """Chosen and rejected that differ only past max_response_length become identical when cut: such a pair has a
     loss of log 2 and no gradient (it was kept, diluting the batch, and always counted wrong in reward_accuracy)."""
