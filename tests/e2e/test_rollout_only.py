@@ -224,6 +224,20 @@ def test_writer_restores_the_checkpoint_extent(tmp_path: Path, name: str) -> Non
     assert not path.exists() or read_rollout(path) == []
 
 
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.parquet"])
+def test_metadata_json_cannot_hold_is_written_as_text(tmp_path: Path, name: str) -> None:
+    """A data column JSON cannot hold (a Parquet dataset's timestamp) failed the rollout at step 1, though RL ran
+    on the same data: it is written as its text."""
+    import datetime
+
+    w = RolloutWriter(tmp_path / name)
+    w.start(resume=False)
+    row = _row(0)
+    row["metadata"] = {"domain": "math", "created": datetime.datetime(2026, 12, 5, 12, 0)}
+    w.write(1, [row])
+    assert read_rollout(tmp_path / name)[0]["metadata"]["created"] == "2026-12-05 12:00:00"
+
+
 def test_writer_refuses_an_output_shorter_than_its_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     w = RolloutWriter(path)

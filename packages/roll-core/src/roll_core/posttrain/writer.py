@@ -200,7 +200,9 @@ class RolloutWriter:
         self.rows += len(rows)
 
     def _write_jsonl(self, rows: Sequence[dict[str, Any]]) -> None:
-        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+        # default=str: a data column JSON cannot hold (a Parquet timestamp in the metadata) is written as its text, as
+        # the remote reward sends it (it failed the whole rollout at step 1)
+        data = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows).encode("utf-8")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "ab") as f:
             f.write(data)
@@ -216,7 +218,7 @@ class RolloutWriter:
         if name in self.parts:
             raise RuntimeError(f"{self.path}: step {step}'s part was already written")
         cols = {k: [r[k] for r in rows] for k in ROW_FIELDS}
-        cols["metadata"] = [json.dumps(m, ensure_ascii=False, sort_keys=True) for m in cols["metadata"]]
+        cols["metadata"] = [json.dumps(m, ensure_ascii=False, sort_keys=True, default=str) for m in cols["metadata"]]
         table = pa.Table.from_pydict(cols, schema=_parquet_schema())
         self.path.mkdir(parents=True, exist_ok=True)
         tmp = self.path / f".{name}.tmp"
