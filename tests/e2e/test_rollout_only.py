@@ -234,8 +234,10 @@ def test_metadata_json_cannot_hold_is_written_as_text(tmp_path: Path, name: str)
     w.start(resume=False)
     row = _row(0)
     row["metadata"] = {"domain": "math", "created": datetime.datetime(2026, 12, 5, 12, 0)}
+    row["response"] = "a\u2028b"  # a line separator JSON leaves unescaped: one row still (it split the line)
     w.write(1, [row])
-    assert read_rollout(tmp_path / name)[0]["metadata"]["created"] == "2026-12-05 12:00:00"
+    (got,) = read_rollout(tmp_path / name)
+    assert got["metadata"]["created"] == "2026-12-05 12:00:00" and got["response"] == "a\u2028b"
 
 
 def test_writer_refuses_an_output_shorter_than_its_checkpoint(tmp_path: Path) -> None:

@@ -237,7 +237,8 @@ def read_rollout(path: str | Path) -> list[dict[str, Any]]:
     """Every row of a rollout output (JSONL file or Parquet folder), in order; Parquet's metadata decoded."""
     path = Path(path)
     if output_kind(path) == "jsonl":
-        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        # split on "\n" only: str.splitlines also splits on U+2028/U+0085, which a response may hold unescaped
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
     PYARROW.require()
     import pyarrow.parquet as pq
 
