@@ -91,3 +91,40 @@ def test_a_run_that_does_not_resume_refuses_a_folder_with_checkpoints(tmp_path: 
     summary, history = run_pipeline(new)
     assert summary["output_dir"] == str(tmp_path / "runs" / "new")
     assert [h["step"] for h in history if h["step"] > 0] == [1]
+
+
+def test_a_run_that_fails_while_built_gives_back_its_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run failing in its build (here: a tokenizer that does not load) shuts its cluster down: Ray, placement
+    groups and actors were leaked, and a sweep's next job in the process reused them and could not be placed."""
+    from roll_core.cluster.launch import Cluster
+    from roll_core.config import load_config
+    from roll_core.pipelines.loop import Pipeline
+
+    shut: list[bool] = []
+    real = Cluster.shutdown
+    monkeypatch.setattr(Cluster, "shutdown", lambda self: (shut.append(True), real(self))[1])
+    data = _rows(tmp_path / "seven.jsonl", ["7"] * 8)
+    cfg = load_config(tiny_overrides(data, tmp_path / "run", f"model.tokenizer={tmp_path / 'no-such-tokenizer'}"))
+    with pytest.raises(OSError, match="no-such-tokenizer"):
+        Pipeline(cfg)
+    assert shut == [True]
+
+
+def test_shutdown_closes_everything_whatever_fails() -> None:
+    """After a fault, closing the collector calls dead workers and raises: the tracker and the cluster are still
+    closed, and the error does not escape (it replaced the run restart already decided)."""
+    from types import SimpleNamespace
+
+    from roll_core.pipelines.loop import Pipeline
+
+    closed: list[str] = []
+
+    def dead() -> None:
+        raise RuntimeError("actor_infer rank 0 died during abort()")
+
+    p = Pipeline.__new__(Pipeline)
+    p.collector = SimpleNamespace(close=dead)
+    p.tracker = SimpleNamespace(close=lambda: closed.append("tracker"))
+    p.cluster = SimpleNamespace(shutdown=lambda: closed.append("cluster"))
+    p.shutdown()
+    assert closed == ["tracker", "cluster"]

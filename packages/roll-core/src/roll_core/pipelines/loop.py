@@ -48,6 +48,16 @@ class Pipeline:
     pending_run_restarts: int = 0
 
     def __init__(self, cfg: RLVRConfig, output_dir: str | Path | None = None) -> None:
+        try:
+            self._build(cfg, output_dir)
+        except BaseException:
+            # A run that fails while it is built (placement timeout, a model that does not load, a refused
+            # checkpoint) gives back what it started: Ray, placement groups, actors. A sweep's next job in this
+            # process otherwise found the leaked instance, reused it and failed to be placed.
+            self.shutdown()
+            raise
+
+    def _build(self, cfg: RLVRConfig, output_dir: str | Path | None) -> None:
         pipe = cfg.pipeline
         self.cfg = cfg
         # Wall time: this process's from here (setup included), plus the earlier processes' up to the checkpoint
@@ -274,11 +284,22 @@ class Pipeline:
         log.info("resumed from %s at step %d", folder, self.start_step)
 
     def shutdown(self) -> None:
-        if getattr(self, "collector", None) is not None:
-            self.collector.close()
-        if getattr(self, "tracker", None) is not None:
-            self.tracker.close()  # a failed run's writer too: a restarted run reopens the same event files
-        self.cluster.shutdown()
+        """Close the collector, the tracker and the cluster, each whatever the others do (best effort: after a
+        fault, closing the collector calls dead workers; its error must neither skip the cluster's shutdown nor
+        replace the run restart already decided). Errors are logged."""
+        steps = (
+            ("collector", getattr(getattr(self, "collector", None), "close", None)),
+            # a failed run's writer too: a restarted run reopens the same event files
+            ("tracker", getattr(getattr(self, "tracker", None), "close", None)),
+            ("cluster", getattr(getattr(self, "cluster", None), "shutdown", None)),
+        )
+        for what, close in steps:
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception as exc:
+                log.error("shutdown: closing the %s failed (%s: %s); going on", what, type(exc).__name__, exc)
 
 
 #: Step metrics shown on the progress bar, in order, when the step has them (RL, SFT, DPO, distillation).
