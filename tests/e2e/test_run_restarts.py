@@ -81,6 +81,14 @@ def test_an_async_run_restarts_too(seven_task: Path, tmp_path: Path) -> None:
     assert len(left) <= threads, left
 
 
+def _stop_then_die() -> BaseException:
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGTERM)  # GracefulStop turns it into a stop request
+    return WorkerDiedError("actor_train rank 0 died")
+
+
 @pytest.mark.parametrize(
     ("fail", "raised", "incarnations"),
     [
@@ -90,8 +98,11 @@ def test_an_async_run_restarts_too(seven_task: Path, tmp_path: Path) -> None:
         (lambda i, step: WorkerDiedError("died") if step == 1 else None, WorkerDiedError, 1),
         # A fault in every incarnation: max_run_restarts=1 allows one restart, the second fault ends the run.
         (lambda i, step: WorkerDiedError("died") if step == 3 else None, WorkerDiedError, 2),
+        # A stop signal and a fault in the same step (a preemption): the run stops, not rebuilt to train on (the
+        # rebuilt run forgot the signal and trained to max_steps, exit 0).
+        (lambda i, step: _stop_then_die() if step == 3 else None, WorkerDiedError, 1),
     ],
-    ids=["bug", "no_checkpoint", "budget"],
+    ids=["bug", "no_checkpoint", "budget", "stop_signal"],
 )
 def test_errors_that_a_restart_cannot_repair_end_the_run(
     fail: Callable[[int, int], BaseException | None],

@@ -172,6 +172,7 @@ class Pipeline:
         # A collector with a finite job (rollout-only) knows how many steps it needs.
         bar.total = min(pipe.max_steps, getattr(self.collector, "total_steps", None) or pipe.max_steps)
         with GracefulStop() as stop:
+            self.stop = stop  # a fault in the step a stop was asked in: no run restart (roll_core.run_control)
             for step in bar:
                 out = self.step(step)
                 if pipe.eval_every > 0 and (step % pipe.eval_every == 0 or step == pipe.max_steps):

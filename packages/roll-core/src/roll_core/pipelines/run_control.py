@@ -173,6 +173,10 @@ def run_with_restarts(make: Callable[[Any], Any], cfg: Any) -> dict[str, Any]:
             reason = fault_of(pipeline, exc)
             if reason is None:
                 raise
+            stop = getattr(pipeline, "stop", None)
+            if stop is not None and stop.requested:  # a preemption's signal and its workers' deaths come together
+                log.error("run not restarted after the fault: signal %s asked it to stop", stop.signum)
+                raise
             latest = pipeline.ckpt.latest()
             limit = cfg.pipeline.max_run_restarts
             if latest is None or restarts >= limit:
