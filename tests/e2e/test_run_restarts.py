@@ -116,3 +116,18 @@ def test_errors_that_a_restart_cannot_repair_end_the_run(
     with pytest.raises(raised):
         run_with_restarts(make, cfg)
     assert len(built) == incarnations
+
+
+def test_a_stopped_run_says_which_checkpoint_it_resumes_from(seven_task: Path, tmp_path: Path) -> None:
+    """SIGTERM in step 3: the step finishes, its checkpoint is written, and report.md names it (the status said
+    "checkpoint written" even where none was, inside a non-finite streak)."""
+    import os
+    import signal
+
+    def sigterm() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    make, _ = faulty(lambda i, step: sigterm() if step == 3 else None)
+    summary = run_with_restarts(make, load_config(tiny_overrides(seven_task, tmp_path, *COMMON)))
+    assert summary["stopped_by_signal"] == signal.SIGTERM
+    assert f"stopped by signal {int(signal.SIGTERM)} (resume from step_000003)" in (tmp_path / "report.md").read_text()

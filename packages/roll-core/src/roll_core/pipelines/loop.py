@@ -138,7 +138,9 @@ class Pipeline:
             self.report(f"failed: {type(exc).__name__}: {str(exc)[:300]}", self.wall_seconds())
             raise
         signum = summary.get("stopped_by_signal")
-        status = f"stopped by signal {signum} (checkpoint written)" if signum else "finished"
+        saved = getattr(self, "stop_checkpoint", None)
+        where = f"resume from {saved.name}" if saved is not None else "no checkpoint to resume from"
+        status = f"stopped by signal {signum} ({where})" if signum else "finished"
         if not signum and getattr(self.collector, "exhausted", True) is False:
             # a finite job (rollout-only) cut by pipeline.max_steps: its output is partial, which "finished" hid
             status = (
@@ -182,8 +184,7 @@ class Pipeline:
                 self.tracker.log(step, out)
                 bar.set_postfix(progress_fields(out))
                 due = (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps
-                if due:
-                    self.checkpoint(step)
+                saved = self.checkpoint(step) if due else None
                 self.tracker.plot((*self.collector.plot_keys, *AGREEMENT_PLOT_KEYS))
                 if getattr(self.collector, "exhausted", False) and step < pipe.max_steps:
                     # A collector with a finite job (rollout-only: every prompt generated) ends the run early.
@@ -193,8 +194,14 @@ class Pipeline:
                     break
                 if stop.requested:  # checked last: a signal may arrive anywhere in the step
                     if not due:
-                        self.checkpoint(step)
-                    log.warning("stopped after step %d: checkpoint %s; pipeline.resume=true continues", step, self.out)
+                        saved = self.checkpoint(step)
+                    # None inside a non-finite streak: say where the run really resumes from
+                    self.stop_checkpoint = saved or self.healthy_checkpoint
+                    log.warning(
+                        "stopped after step %d: %s; pipeline.resume=true continues from there",
+                        step,
+                        f"checkpoint {saved}" if saved else f"no checkpoint (last healthy: {self.healthy_checkpoint})",
+                    )
                     break
         self.tracker.close()
         return self.summary(self.wall_seconds(), stop.signum)
