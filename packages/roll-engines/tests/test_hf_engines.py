@@ -348,20 +348,20 @@ def test_a_weight_update_pauses_at_the_next_step_boundary(tiny: str) -> None:
         real_step()
 
     engine.batcher.step = counted
-    long = SamplingParams(temperature=1.0, max_new_tokens=150, seed=0, ignore_eos=True)
-    during, running = [], []
-    for trial in range(20):
+    # Long enough to be running when the update comes (the tiny model decodes a step in about a millisecond).
+    long = SamplingParams(temperature=1.0, max_new_tokens=480, seed=0, ignore_eos=True)
+    during = []
+    for trial in range(12):
         batch = [engine.submit(Request(f"long-{trial}-{i}", [5, 6, 7, 8 + i], long)) for i in range(8)]
-        running += batch
         time.sleep(0.05)  # admitted and decoding
         before = steps[0]
         engine.begin_weight_update()
-        during.append(steps[0] - before)
-        assert not any(f.done() for f in batch)  # paused mid-generation
+        if not any(f.done() for f in batch):  # an update that found the batch running (a loaded machine may not)
+            during.append(steps[0] - before)
         engine.finish_weight_update()
+        assert all(len(f.result(timeout=300).token_ids) == 480 for f in batch)  # resumed and finished
+    assert len(during) >= 6, f"the batch had finished before most updates: {during}"
     assert max(during) <= 1, f"decode steps that started while an update waited: {during}"
-    outs = [f.result(timeout=300) for f in running]
-    assert all(len(o.token_ids) == 150 for o in outs)  # resumed and finished after their pauses
     engine.shutdown()
 
 
