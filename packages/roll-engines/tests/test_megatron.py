@@ -182,23 +182,16 @@ def test_what_the_mapping_cannot_carry_is_refused(change: dict, message: str) ->
 
     from roll_engines.train.megatron._convert import check_supported
 
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        **change,
-    )
+    shape = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
     with pytest.raises(ValueError, match=message):
-        check_supported(cfg, tp=1, pp=1)
-    check_supported(
-        LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-        ),
-        tp=1,
-        pp=1,
-    )  # the plain model maps
+        check_supported(LlamaConfig(**shape, **change), tp=1, pp=1)
+    check_supported(LlamaConfig(**shape), tp=1, pp=1)  # the plain model maps
 
 
 def test_a_checkpoint_tensor_the_mapping_does_not_carry_is_refused(tmp_path: Path) -> None:
