@@ -1,4 +1,4 @@
-"""A worker for the call-timeout tests, in a module of its own: a Ray worker imports it without torch (fast start)."""
+"""Workers for the call-timeout and dead-rank tests, in a module of its own: Ray workers import it without torch."""
 
 from __future__ import annotations
 
@@ -21,4 +21,20 @@ class Napper(Worker):
         if not self.marker.exists():
             self.marker.write_text(str(os.getpid()))
             time.sleep(seconds)
+        return os.getpid()
+
+
+class Quitter(Worker):
+    """A worker whose rank 1 dies in `quit_or_wait()` while the others wait (as in a collective with it)."""
+
+    def __init__(self, marker: str, **base) -> None:
+        super().__init__(**base)
+        self.marker = Path(marker)
+
+    @dispatch(Dispatch.BROADCAST)
+    def quit_or_wait(self, seconds: float) -> int:
+        if self.rank == 1:
+            os._exit(1)
+        time.sleep(seconds)
+        self.marker.write_text("waited")  # the wait ended: the caller did not fail early
         return os.getpid()

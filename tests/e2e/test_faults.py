@@ -17,7 +17,7 @@ from roll_core.cluster.group import CallTimeoutError, RayOptions, WorkerDiedErro
 from roll_core.testing import tiny_overrides
 
 sys.path.insert(0, str(Path(__file__).parent))  # fault_helpers: env.reward._target_=fault_helpers.FaultyReward
-from fault_workers import Napper  # importable by Ray workers too (the fixture puts this folder on PYTHONPATH)
+from fault_workers import Napper, Quitter  # importable by Ray workers too (the fixture puts this folder on PYTHONPATH)
 
 pytestmark = pytest.mark.ray
 
@@ -221,5 +221,20 @@ def test_hung_worker_is_restarted_then_a_timeout_past_the_budget_names_role_meth
             match=r"napper\.nap\(\) did not return within 1\.5s on rank\(s\) 0 .*cluster\.max_restarts=1",
         ):
             group.call(Napper.nap, 60.0)
+    finally:
+        group.shutdown()
+
+
+def test_a_dead_rank_of_a_group_that_may_not_restart_fails_the_call_without_waiting_for_the_others(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
+    """Rank 1 dies while rank 0 waits 120 s (a sharded trainer's rank in a collective with it): the call fails
+    naming rank 1 while rank 0 still waits, not after it."""
+    marker = tmp_path / "waited"
+    group = WorkerGroup(Quitter, 2, "ray", name="sharded", ray_options=RayOptions(num_cpus=0.1), marker=str(marker))
+    try:
+        with pytest.raises(WorkerDiedError, match=r"sharded rank 1 on node [0-9a-f]+ died during quit_or_wait\(\)"):
+            group.call(Quitter.quit_or_wait, 120.0)
+        assert not marker.exists()
     finally:
         group.shutdown()

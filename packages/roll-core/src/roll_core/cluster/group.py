@@ -19,7 +19,8 @@ Faults (Ray only; an in-process call cannot time out or die apart from the contr
 - A method declared `retry=False` is not rerun: the worker is restarted, then `WorkerRestartedError` asks the
   caller to redo the protocol the call belongs to.
 - A group that may not restart (sharded trainers: their ranks share torch.distributed groups) fails with the
-  error and `death_hint()` appended (the pipeline names the checkpoint to resume from).
+  error and `death_hint()` appended as soon as a rank's death is seen, without waiting for the other ranks (they
+  may be blocked in a collective with the dead one) (the pipeline names the checkpoint to resume from).
 """
 
 from __future__ import annotations
@@ -300,18 +301,23 @@ class WorkerGroup(Generic[W]):
         pending = dict(zip(args, refs))
         results: dict[int, Any] = {}
         while pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=remaining)
-            ready_set = set(ready)
             dead, hung = [], []
-            for r, ref in pending.items():
-                if ref not in ready_set:
-                    hung.append(r)
-                    continue
-                try:
-                    results[r] = ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    dead.append(r)
+            waiting = dict(pending)
+            # One answer at a time: a death is seen when it happens. A group that may not restart it fails at once,
+            # since its other ranks may be blocked in a collective with the dead one (an NCCL wait can last 30 min).
+            while waiting:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready, _ = ray.wait(list(waiting.values()), num_returns=1, timeout=remaining)
+                if not ready:
+                    hung = list(waiting)  # past the deadline
+                    break
+                for r in [r for r, ref in waiting.items() if ref in ready]:
+                    try:
+                        results[r] = ray.get(waiting.pop(r))
+                    except ray.exceptions.RayActorError:
+                        dead.append(r)
+                if dead and self.restarts + len(dead) > self.max_restarts:
+                    break
             if not dead and not hung:
                 break
             self._recover(method, dead, hung, born)
