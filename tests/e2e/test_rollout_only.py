@@ -134,6 +134,11 @@ def test_shards_partition_the_prompts_and_parquet_reads_as_one_table(full, tmp_p
         assert pipeline.collector.exhausted and len([h for h in history if h["step"] > 0]) == {0: 2, 1: 1}[shard]
     a, b = ({r["prompt_id"] for r in s} for s in shards)
     assert not a & b and a | b == set(ids)
+    # the next stage reads every shard with one glob (data.path='rows.shard-*-of-2.parquet'), shard 0's rows first
+    from roll_core.posttrain.rows import Skips, read_rows
+
+    both = read_rows([str(tmp_path / "rows.shard-*-of-2.parquet")], "data.path", Skips())
+    assert [r.row["prompt_id"] for r in both] == [r["prompt_id"] for r in shards[0] + shards[1]]
     assert [r["prompt_id"] for r in shards[0]][::SAMPLES] == ids[::SAMPLES][0::2]  # every 2nd prompt from 0
     assert [r["prompt_id"] for r in shards[1]][::SAMPLES] == ids[::SAMPLES][1::2]
 

@@ -285,6 +285,20 @@ def test_parquet_datasets_json_csv_lists_and_globs_agree(tmp_path):
     both = load("sft", tok, path=[str(tmp_path / "rows.parquet"), str(tmp_path / "rows.jsonl")]).train
     assert len(both) == 6 and both.batch([3])["where"] == ["rows.jsonl:1"]
     assert len(load("sft", tok, path=str(tmp_path / "rows.j*")).train) == 6
+    # a glob of folders of Parquet parts (a sharded rollout's rows.shard-<i>-of-<n>.parquet/): every part, in order
+    for shard, part_rows in enumerate((rows[:2], rows[2:])):
+        folder = tmp_path / f"rows.shard-{shard}-of-2.parquet"
+        folder.mkdir()
+        for step, row in enumerate(part_rows):
+            pq.write_table(pa.Table.from_pylist([row]), folder / f"part-{step:07d}.parquet")
+    shards = load("sft", tok, path=str(tmp_path / "rows.shard-*-of-2.parquet")).train
+    assert [shards.batch([i])["where"][0] for i in range(3)] == [
+        "rows.shard-0-of-2.parquet/part-0000000.parquet:1",
+        "rows.shard-0-of-2.parquet/part-0000001.parquet:1",
+        "rows.shard-1-of-2.parquet/part-0000000.parquet:1",
+    ]
+    for key in ("input_ids", "response_mask"):
+        assert torch.equal(shards.batch([0, 1, 2])[key], want[key]), key
     (tmp_path / "pc.csv").write_bytes(b'\xef\xbb\xbfprompt,completion\n"2+2?",4\n')  # with a byte-order mark
     b = load("sft", tok, path=str(tmp_path / "pc.csv")).train.batch([0])
     assert masked_segments(tok, b["responses"][0], b["response_mask"][0]) == ["4<|im_end|>"]

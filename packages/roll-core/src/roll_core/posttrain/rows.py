@@ -2,7 +2,8 @@
 
 Contract:
 - `read_rows(paths, setting)` reads each path (a file, a glob, a folder of Parquet parts such as rollout-only's
-  `rows.parquet/`, or a folder saved by `datasets.save_to_disk`) in order and returns `RawRow`s (where =
+  `rows.parquet/`, a glob of such folders such as a sharded rollout's `rows.shard-*-of-4.parquet`, or a folder
+  saved by `datasets.save_to_disk`) in order and returns `RawRow`s (where =
   "file:row", the row as a dict). Local only: a path that does not exist is a `ConfigError` naming the setting
   (roll never downloads from a hub). An unknown file kind, an unreadable file, or a file with no rows at all is a
   `ConfigError` too. A row that cannot be read (not UTF-8, not JSON, not an
@@ -115,7 +116,8 @@ def expand(paths: Sequence[str], setting: str) -> list[Path]:
             matches = sorted(glob.glob(p))
             if not matches:
                 raise ConfigError(f"{setting}: no file matches {p!r}")
-            out += [Path(m) for m in matches]
+            # A match may be a folder of parts too: rows.shard-*-of-4.parquet reads a sharded rollout's outputs.
+            out += [part for m in matches for part in (_parquet_parts(Path(m)) or [Path(m)])]
         elif Path(p).is_dir() and _parquet_parts(Path(p)):
             out += _parquet_parts(Path(p))  # a folder of Parquet parts (rollout-only output): one table
         elif Path(p).exists():
@@ -129,8 +131,9 @@ def expand(paths: Sequence[str], setting: str) -> list[Path]:
 
 
 def _parquet_parts(folder: Path) -> list[Path]:
-    """The sorted *.parquet files of a folder that is not a `datasets` save (which has its own json manifest)."""
-    if (folder / "dataset_info.json").exists() or (folder / "dataset_dict.json").exists():
+    """The sorted *.parquet files of a folder that is not a `datasets` save (which has its own json manifest); []
+    for a file."""
+    if not folder.is_dir() or (folder / "dataset_info.json").exists() or (folder / "dataset_dict.json").exists():
         return []
     return sorted(folder.glob("*.parquet"))
 
@@ -150,7 +153,8 @@ def read_rows(paths: Sequence[str], setting: str, skips: Skips) -> list[RawRow]:
 
 
 def _read_file(path: Path, setting: str, skips: Skips) -> list[RawRow]:
-    name = path.name
+    # A part of a folder of parts is named with its folder: every shard has its own part-0000000.parquet.
+    name = f"{path.parent.name}/{path.name}" if path.parent.suffix.lower() == ".parquet" else path.name
     if path.is_dir():
         return [RawRow(f"{name}:{i + 1}", r, str(path)) for i, r in enumerate(_read_datasets(path, setting))]
     suffix = path.suffix.lower()
