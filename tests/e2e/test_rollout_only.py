@@ -311,3 +311,17 @@ def test_a_rollout_cut_by_max_steps_says_its_output_is_partial(tmp_path: Path) -
     _, summary, _ = run(overrides(tmp_path, "pipeline.max_steps=1"))
     assert summary["incomplete"] is True and summary["rollout"]["prompts_done"] < PROMPTS
     assert "stopped at pipeline.max_steps=1 before the job was done" in (tmp_path / "report.md").read_text()
+
+
+def test_a_task_with_pictures_is_refused_naming_what_the_rows_would_lose(tmp_path: Path) -> None:
+    """A vision-language model on a pictured task: refused before any generation, without calling the model a text
+    model (the error the encoder gave when the collector built text prompts)."""
+    from roll_core.cli import pipeline_class
+    from roll_core.config import load_config
+
+    cfg = load_config(
+        ["experiment=vlm_quickstart", "pipeline=rollout", f"pipeline.output_dir={tmp_path}", "pipeline.progress=false"]
+    )
+    with pytest.raises(ConfigError, match=r"pipeline=rollout does not take pictures yet \(problem visual:colour:"):
+        pipeline_class(cfg.pipeline.name)(cfg)
+    assert not list(tmp_path.rglob("rollout.*"))

@@ -11,6 +11,7 @@ Contract:
   layouts and row fields). `next` returns None: nothing trains.
 - `exhausted` turns True in the step that takes the shard's last prompts: the loop checkpoints and ends the run
   (pipeline=rollout sets pipeline.max_steps high: the data decides). `total_steps` is how many steps that takes.
+- Text prompts only: a task with pictures is a ConfigError (the rows cannot carry them yet).
 - A prompt longer than model.max_prompt_length, or filling the engine's context, is skipped and counted
   (data/skipped_long_prompts, data/skipped_context_prompts, the summary's `rollout.skipped_prompts`): never cut.
 - Resume: the state holds the prompts done, the output's extent and a fingerprint of the shard's prompt ids;
@@ -80,6 +81,13 @@ class RolloutCollector:
                 f"has {len(train_set)} training prompts, rollout.max_prompts={self.ro.max_prompts}): use fewer shards"
             )
         self.problems = [train_set[i] for i in self.indices]
+        pictured = next((p for p in self.problems if getattr(p, "images", None)), None)
+        if pictured is not None:  # (a text model was refused above, by the scoring side's picture check)
+            raise ConfigError(
+                f"pipeline=rollout does not take pictures yet (problem {pictured.id} of env={cfg.env.name} has some): "
+                "its rows hold token ids and text only, and a later SFT or DPO run on them would train without "
+                "the pictures. Use a text task"
+            )
         self.fingerprint = _fingerprint([p.id for p in self.problems])
         self.output = resolve_output(cfg, ctx)
         self.writer = RolloutWriter(self.output)
