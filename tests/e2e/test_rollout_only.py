@@ -184,6 +184,11 @@ def test_prompts_too_long_are_counted_skips_and_the_shard_still_ends(tmp_path: P
     assert [h["rollout/rows"] for h in steps] == [0.0, 0.0]
     assert summary["rollout"]["skipped_prompts"] == 4 and summary["rollout"]["prompts_done"] == 4
     assert not (tmp_path / "rollout.jsonl").exists()
+    # Prompts (70 tokens) that fill the engine's context: counted as prompts, not as their samples
+    _, summary, history = run(overrides(tmp_path / "ctx", "infer_engine.max_model_len=70", "rollout.max_prompts=4"))
+    steps = [h for h in history if h["step"] > 0]
+    assert [h["data/skipped_context_prompts"] for h in steps] == [3.0, 1.0]
+    assert summary["rollout"]["skipped_prompts"] == 4 and summary["rollout"]["rows"] == 0
 
 
 def _row(i: int) -> dict[str, Any]:

@@ -94,6 +94,14 @@ def test_assemble_drops_and_counts_prompts_that_fill_the_engine_context() -> Non
     batch = assemble(Tok(), prompts, gen, metrics)
     assert metrics["data/skipped_context_prompts"] == 1
     assert batch["answer"] == ["a", "c"] and batch["input_ids"].tolist() == [[1, 2, 7, 8], [0, 6, 9, 0]]
+    # a group's samples (repeat_interleave) are one prompt: 2 prompts x 2 samples, the first too long -> 1 prompt
+    pairs = Batch(fields={"prompt_ids": [[1, 2], [1, 2], [6], [6]], "answer": ["a", "a", "c", "c"]})
+    gen2 = Batch(
+        {"responses": torch.tensor([[0], [0], [9], [8]]), "response_mask": torch.tensor([[0], [0], [1], [1]])},
+        {"finish_reason": ["prompt_too_long", "prompt_too_long", "stop", "length"]},
+    )
+    assemble(Tok(), pairs, gen2, metrics)
+    assert metrics["data/skipped_context_prompts"] == 1
     only_long = Batch(gen.tensors(), {"finish_reason": ["prompt_too_long"] * 3})
     with pytest.raises(ValueError, match="every prompt fills the inference engine's context"):
         assemble(Tok(), prompts, only_long, {})

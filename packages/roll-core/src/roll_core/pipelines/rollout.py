@@ -212,15 +212,21 @@ def problem_fields(problems: Sequence[Any]) -> dict[str, list[Any]]:
 def assemble(tokenizer: Any, prompts: Batch, gen: Batch, metrics: dict[str, Any] | None = None) -> Batch:
     """Prompt rows (already repeated per sample) + generation -> the full sequence layout of roll_core.protocol.
 
-    Rows whose prompt alone fills the engine's context (finish reason `prompt_too_long`) are dropped and counted
-    in `metrics["data/skipped_context_prompts"]`.
+    Rows whose prompt alone fills the engine's context (finish reason `prompt_too_long`) are dropped;
+    `metrics["data/skipped_context_prompts"]` counts their prompts (a run of consecutive rows of one prompt, as
+    `repeat_interleave` lays a group out, is one prompt).
     """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch = prompts.union(gen)
     reasons = gen["finish_reason"] if "finish_reason" in gen else ["stop"] * len(gen)
     keep = [i for i, r in enumerate(reasons) if r != "prompt_too_long"]
     if metrics is not None:
-        metrics["data/skipped_context_prompts"] = len(reasons) - len(keep)
+        ids = batch["problem_id"] if "problem_id" in batch else [None] * len(batch)
+        key = [(ids[i], tuple(batch["prompt_ids"][i])) for i in range(len(reasons))]
+        metrics["data/skipped_context_prompts"] = sum(
+            r == "prompt_too_long" and (i == 0 or reasons[i - 1] != r or key[i - 1] != key[i])
+            for i, r in enumerate(reasons)
+        )
     if len(keep) < len(reasons):
         longest = max(len(p) for p, r in zip(batch["prompt_ids"], reasons) if r == "prompt_too_long")
         log.warning(

@@ -234,9 +234,9 @@ class RolloutCollector:
             try:
                 batch = assemble(self.tokenizer, repeated, gen, counts)
             except ValueError:  # every prompt fills the engine's context (assemble logged it)
-                counts["data/skipped_context_prompts"] = len(repeated)
+                counts["data/skipped_context_prompts"] = len(prompts)
                 batch = None
-        skipped = counts["data/skipped_long_prompts"] + counts.get("data/skipped_context_prompts", 0) // n
+        skipped = counts["data/skipped_long_prompts"] + counts.get("data/skipped_context_prompts", 0)
         self.skipped += skipped
         out.update({k: float(v) for k, v in counts.items()})
         out["rollout/skipped_prompts"] = float(self.skipped)
