@@ -4,6 +4,7 @@ by sub-task or by a data column, mixtures checked, held-out set balanced, each s
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,38 @@ def test_rows_go_to_their_domains_reward_with_their_context() -> None:
     finally:
         guarded.close()
     assert out.scores == [3.0] and out.counters["failed_rows"] == 0
+
+
+class Budgeted(Reward):
+    """Scores each row with the time budget it was given (after `nap` seconds); rows answering "?" are failed."""
+
+    def __init__(self, nap: float = 0.0) -> None:
+        self.nap = nap
+
+    def score(self, responses: Sequence[str], answers: Sequence[str], time_budget_s: float = -1.0) -> RewardResult:
+        time.sleep(self.nap)
+        n = len(responses)
+        return RewardResult([time_budget_s] * n, [0.0] * n, [0.0] * n, failed=[r == "?" for r in responses])
+
+
+def test_sub_rewards_get_what_is_left_of_the_time_budget_and_their_failed_rows_stay_failed() -> None:
+    reward = DomainReward({"slow": Budgeted(nap=0.3), "b": Budgeted(), "p": Plain()})
+    meta = [{"domain": d} for d in ("slow", "b", "b", "p")]
+    res = reward.score(["r", "?", "r", "x"], ["", "", "", "x"], metadata=meta, time_budget_s=2.0)
+    assert res.scores[0] == pytest.approx(2.0, abs=0.05)  # the first domain: the whole budget
+    assert 1.0 < res.scores[1] == res.scores[2] <= 1.7  # the next: the budget less the first domain's 0.3 s
+    assert res.failed == [False, True, False, False]  # a remote verifier's given-up row is not a wrong answer
+    assert (
+        reward.score(["r"], [""], metadata=meta[:1]).scores == [-1.0]
+        and reward.score(["r"], [""], metadata=meta[:1]).failed is None
+    )  # no budget given: none passed on; nothing failed: failed is None
+    # Through the reward role's guard: the budget within its batch timeout arrives, the failed row is counted
+    guarded = GuardedReward(reward, name="multi", batch_timeout_s=4.0)
+    try:
+        out = guarded.score(["?", "r"], ["", ""], metadata=meta[1:3])
+    finally:
+        guarded.close()
+    assert 2.0 < out.scores[1] <= 3.6 and out.failed == [True, False] and out.counters["failed_unscored"] == 1
 
 
 def test_a_row_without_metadata_is_an_error_not_a_silent_zero() -> None:

@@ -16,7 +16,8 @@ The counters are added to the reward's own (`RewardResult.counters`), which the 
 Apart from those, the guard reports what it had to replace, whatever the reward counts itself (FAILURE_COUNTERS):
 `rows` scored, `failed_rows` replaced by `error_score`, split by cause into `failed_errors`, `failed_timeouts` and
 `failed_nonfinite`, plus `failed_unscored`: rows the reward itself reports it could not score (its counter
-`unscored`: a remote verifier that failed, which scores such rows with its own fallback instead of raising).
+`unscored` or its `RewardResult.failed` flags: a remote verifier that failed, which scores such rows with its own
+fallback instead of raising).
 `all_rows_failed(counters)` says a call (or a step's sum of calls) learned nothing, and `RewardFailureBudget` stops
 a run after `pipeline.max_reward_failure_steps` such steps in a row.
 The first failure of each kind is logged once per worker with its traceback; later ones are only counted.
@@ -29,6 +30,7 @@ before a fork, such as a reward model on a GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -114,6 +116,7 @@ class GuardedReward:
         try:
             res = self._call(responses, answers, context, self.batch_timeout_s)
             _check_rows(res, len(responses))
+            res = _count_flagged(res)
         except Exception as exc:
             failure = exc
         if failure is not None:
@@ -162,6 +165,7 @@ class GuardedReward:
                 row = {k: None if v is None else [v[i]] for k, v in context.items()}
                 one = self._call([response], [answer], row, min(self.timeout_s, left))
                 _check_rows(one, 1)
+                one = _count_flagged(one)
                 hung = 0
                 failed.append(bool(one.failed[0]) if one.failed else False)
             except CallTimeout:
@@ -255,6 +259,14 @@ class GuardedReward:
         """Stop the child process (if any)."""
         if self._child is not None:
             self._child.close()
+
+
+def _count_flagged(res: RewardResult) -> RewardResult:
+    """`res` with its `unscored` counter at least the rows its `failed` flags mark (a reward may say either)."""
+    flagged = sum(map(bool, getattr(res, "failed", None) or []))
+    if flagged > int(res.counters.get(UNSCORED, 0) or 0):
+        res = dataclasses.replace(res, counters={**res.counters, UNSCORED: flagged})
+    return res
 
 
 def budget_within(timeout: float) -> float:

@@ -9,8 +9,10 @@
 - Each problem is served as a `DomainProblem` (id prefixed `<domain>/`) with the sub-task's own chat messages (its
   system prompt and worked examples) and metadata.
 - `reward` is a `DomainReward`: each row is scored by the reward of its domain (rows grouped per domain, one call
-  per domain, prompts/metadata passed to rewards that declare them); a row whose domain has no reward (a row
-  from outside this task) scores 0 and counts in `unknown_domain`. The sub-rewards' counters add up.
+  per domain, prompts/metadata passed to rewards that declare them, and what is left of the caller's
+  `time_budget_s` to those that declare it); a row whose domain has no reward (a row from outside this task)
+  scores 0 and counts in `unknown_domain`. The sub-rewards' counters add up, and their `failed` rows (a remote
+  verifier that gave up) stay failed.
 - Sampling (`roll_core.data.DomainSampler`, built by the prompts collectors from `domain_slices()` and
   `mixture()`): `counts` gives each domain a fixed number of prompts per batch (summing to
   `pipeline.rollout_batch_size`); otherwise `weights` (default: equal) draws each prompt's domain at random, seeded
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,13 +65,15 @@ class DomainReward(Reward):
         answers: Sequence[str],
         prompts: Sequence[str] | None = None,
         metadata: Sequence[Mapping[str, Any]] | None = None,
+        time_budget_s: float | None = None,
     ) -> RewardResult:
+        deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
         n = len(responses)
         if len(answers) != n:
             raise ValueError(f"{n} responses but {len(answers)} answers")
         if metadata is None or len(metadata) != n:
             raise ValueError("a multi-domain reward needs each row's metadata (its domain)")
-        scores, correct, formatted = [0.0] * n, [0.0] * n, [0.0] * n
+        scores, correct, formatted, failed = [0.0] * n, [0.0] * n, [0.0] * n, [False] * n
         counters: dict[str, int] = {"unknown_domain": 0}
         rows: dict[str, list[int]] = {}
         for i, meta in enumerate(metadata):
@@ -82,6 +87,8 @@ class DomainReward(Reward):
             context = {
                 "prompts": None if prompts is None else [prompts[i] for i in idx],
                 "metadata": [metadata[i] for i in idx],
+                # what is left of the caller's budget (domains are scored one after another)
+                "time_budget_s": None if deadline is None else max(0.0, deadline - time.monotonic()),
             }
             res = reward.score(
                 [responses[i] for i in idx], [answers[i] for i in idx], **reward_kwargs(reward, **context)
@@ -90,9 +97,16 @@ class DomainReward(Reward):
                 raise ValueError(f"the reward of domain {domain!r} returned {len(res.scores)} scores for {len(idx)}")
             for j, i in enumerate(idx):
                 scores[i], correct[i], formatted[i] = res.scores[j], res.correct[j], res.formatted[j]
+                failed[i] = bool(res.failed[j]) if res.failed is not None else False
             for k, v in res.counters.items():
                 counters[k] = counters.get(k, 0) + v
-        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters)
+        return RewardResult(
+            scores=scores,
+            correct=correct,
+            formatted=formatted,
+            counters=counters,
+            failed=failed if any(failed) else None,
+        )
 
 
 class MultiTask:
