@@ -248,6 +248,30 @@ def test_parsers() -> None:
         tool_parser("mistral")
 
 
+def test_replies_keep_the_tool_call_markers_a_tokenizer_marks_special() -> None:
+    """A tokenizer whose `<tool_call>` / `</tool_call>` are special tokens (the decode without special tokens drops
+    them): the reply text keeps them and the call parses; other special tokens (EOS) still go."""
+    from transformers import AddedToken
+
+    from roll_core.agentic.openai_server import text_decoder
+
+    tok = build_tiny_tokenizer()
+    plain = text_decoder(tok, HermesToolParser.markers)
+    reply = 'ok <tool_call>{"name": "f"}</tool_call>'
+    eos = [tok.eos_token_id]
+    assert plain(tok.encode(reply, add_special_tokens=False) + eos) == tok.decode(
+        tok.encode(reply, add_special_tokens=False) + eos, skip_special_tokens=True
+    )  # markers that are not special: the plain decode, unchanged
+    tok.add_tokens([AddedToken("<tool_call>", special=True), AddedToken("</tool_call>", special=True)])
+    ids = tok.encode(reply, add_special_tokens=False) + eos
+    assert tok.convert_tokens_to_ids("<tool_call>") in ids
+    assert "<tool_call>" not in tok.decode(ids, skip_special_tokens=True)  # what the collector decoded before
+    text = text_decoder(tok, HermesToolParser.markers)(ids)
+    assert tok.eos_token not in text
+    parsed = HermesToolParser()(text)
+    assert [c["name"] for c in parsed.calls] == ["f"] and parsed.content.strip() == "ok"
+
+
 def test_errors_are_openai_errors_and_end_nothing_but_the_request(tokenizer: Any) -> None:
     sessions, server = _serve(ScriptedEngine(tokenizer, ["a", "b", "c", "d"]), tokenizer)
     try:

@@ -23,7 +23,8 @@ format:
 - Tool calls: the request's `tools` go to the chat template; the response text is parsed by the model family's
   tool-call parser (`PARSERS`: `hermes` for Qwen / Hermes `<tool_call>{json}</tool_call>`, `none`, or a
   `module:Class` of your own) into OpenAI `tool_calls` (finish_reason `tool_calls`). A block that does not parse is
-  left in the content and counted on the session.
+  left in the content and counted on the session. The reply is decoded without special tokens but with the
+  parser's `markers` (`text_decoder`: some tokenizers mark `<tool_call>` special).
 - `stream=true` is answered as server-sent events in OpenAI's chunk format (the whole turn is generated first,
   then sent as a role/content chunk, a tool-calls chunk and a final chunk, then `data: [DONE]`; with
   `stream_options.include_usage` a usage chunk precedes it).
@@ -62,6 +63,8 @@ class HermesToolParser:
     """Qwen2.5 / Qwen3 / Hermes tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks."""
 
     pattern = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    #: Tokens the reply text must keep for this parser (see `text_decoder`).
+    markers: tuple[str, ...] = ("<tool_call>", "</tool_call>")
 
     def __call__(self, text: str) -> ParsedReply:
         calls: list[dict[str, str]] = []
@@ -108,6 +111,20 @@ class NoToolParser:
 
 
 PARSERS: dict[str, type] = {"hermes": HermesToolParser, "qwen": HermesToolParser, "none": NoToolParser}
+
+
+def text_decoder(tokenizer: Any, keep: tuple[str, ...] = ()) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, except that the tokens named in `keep` (a tool-call
+    parser's `markers`) stay in the text: a tokenizer that marks `<tool_call>` special would otherwise drop it, and
+    every tool call of the run would reach the agent as plain content."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    kept = {i for i in map(tokenizer.convert_tokens_to_ids, keep) if isinstance(i, int) and i != unk}
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+    if not kept & special:  # nothing to keep that the plain decode would drop
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    drop = special - kept
+    return lambda ids: tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False)
 
 
 def tool_parser(name: str) -> Callable[[str], ParsedReply]:

@@ -124,7 +124,7 @@ class AgentCollector:
 
     def __init__(self, ctx: CollectorContext) -> None:
         from roll_core.agentic.chat import TurnTemplate
-        from roll_core.agentic.openai_server import OpenAIServer, tool_parser
+        from roll_core.agentic.openai_server import OpenAIServer, text_decoder, tool_parser
 
         check_task(ctx.cfg, ctx.task)
         self.cfg, self.ctx, self.task, self.tokenizer = ctx.cfg, ctx, ctx.task, ctx.tokenizer
@@ -133,11 +133,12 @@ class AgentCollector:
         # The model preset's kwargs (model.chat_template_kwargs), then the task's own on top.
         kwargs = {**self.cfg.model.chat_template_kwargs, **task.chat_template_kwargs}
         template = TurnTemplate(self.tokenizer, chat_template_kwargs=kwargs)
+        parser = tool_parser(task.tool_parser)
         self.sessions = AgentSessions(
             ctx.infer,
             template,
-            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-            tool_parser(task.tool_parser),
+            text_decoder(self.tokenizer, tuple(getattr(parser, "markers", ()))),
+            parser,
             on_rewrite=task.on_rewrite,
         )
         self.server = OpenAIServer(self.sessions, model_name=task.model_name)
