@@ -126,6 +126,24 @@ def test_scores_equal_a_direct_transformers_forward(run_cfg, rm_path: str) -> No
     assert out["reward_model/raw_mean"] == pytest.approx(sum(want) / 7, abs=1e-5)
 
 
+def test_a_left_cut_keeps_a_leading_bos(run_cfg, rm_path: str) -> None:
+    from roll_core.cluster.reward_model import truncate
+
+    # The worker's inputs: a template that starts with BOS keeps it when the row is cut from the left
+    scoring = _scoring(run_cfg, rm_path, template="<s>Q: {prompt} A: {response}", max_length=8)
+    worker = scoring.scorer.workers[0]
+    full = worker.tokenizer("<s>Q: " + "p" * 20 + " A: r")["input_ids"]
+    bos = worker.tokenizer.bos_token_id
+    assert full[0] == bos and len(full) > 8
+    assert worker.tokenize(["p" * 20], ["r"]) == ([[bos, *full[-7:]]], [True])
+
+    assert truncate([1, 5, 6, 7, 8], 3, "left", bos=1) == ([1, 7, 8], True)  # BOS, then the last tokens
+    assert truncate([9, 5, 6, 7, 8], 3, "left", bos=1) == ([6, 7, 8], True)  # no BOS at the start: none added
+    assert truncate([1, 5, 6, 7, 8], 3, "right", bos=1) == ([1, 5, 6], True)
+    assert truncate([1, 5, 6], 3, "left", bos=1) == ([1, 5, 6], False)
+    assert truncate([1, 5, 6, 7], 1, "left", bos=1) == ([7], True)  # no room for both: the last token
+
+
 def test_text_template_and_offload(run_cfg, rm_path: str) -> None:
     """A {prompt}/{response} template is what the model reads; offloaded weights are back in host memory (asleep)
     after each call and the scores do not change."""

@@ -4,8 +4,9 @@
 forward passes of `batch_size` rows; `RewardModelGroup` is the typed group the controller calls
 (`reward_model.score(batch) -> Batch`). A row is the prompt text and the response text, formatted by `format_row`
 (the tokenizer's chat template, or a `{prompt}`/`{response}` text template) and cut to `max_length` tokens
-(`truncation_side`); the result carries `rm_scores` (B,) float32, the model's logit as it comes (normalisation and
-mixing with the task reward are the controller's: roll_core.pipelines.reward_model), and `rm_truncated` (B,) bool.
+(`truncation_side`; a left cut keeps a leading BOS); the result carries `rm_scores` (B,) float32, the model's
+logit as it comes (normalisation and mixing with the task reward are the controller's:
+roll_core.pipelines.reward_model), and `rm_truncated` (B,) bool.
 
 Sleep: with `offload` the weights live in host memory and move to the device only for a scoring call, the way an
 inference engine's `sleep(1)` frees the device for the trainer (roll_engines' hf engine); `sleep()`/`wake_up()`
@@ -81,11 +82,15 @@ def format_row(tokenizer: Any, template: str, prompt: str, response: str) -> lis
     return list(tokenizer(template.format(prompt=prompt, response=response))["input_ids"])
 
 
-def truncate(ids: list[int], max_length: int, side: str) -> tuple[list[int], bool]:
-    """`ids` cut to `max_length` tokens from the `side` end ("left": keep the last tokens); (ids, was_cut)."""
+def truncate(ids: list[int], max_length: int, side: str, bos: int | None = None) -> tuple[list[int], bool]:
+    """`ids` cut to `max_length` tokens from the `side` end ("left": keep the last tokens); (ids, was_cut). A left
+    cut keeps a leading `bos` (models trained with one read every input from it: Llama's scores shift without)."""
     if len(ids) <= max_length:
         return ids, False
-    return (ids[-max_length:] if side == "left" else ids[:max_length]), True
+    if side == "left":
+        head = ids[:1] if bos is not None and ids and ids[0] == bos and max_length > 1 else []
+        return head + ids[len(ids) - (max_length - len(head)) :], True
+    return ids[:max_length], True
 
 
 class RewardModelWorker(Worker):
@@ -136,9 +141,10 @@ class RewardModelWorker(Worker):
 
     # ---- scoring ------------------------------------------------------------------------------------------
     def tokenize(self, prompts: Sequence[str], responses: Sequence[str]) -> tuple[list[list[int]], list[bool]]:
-        """Model input ids of each row, cut to `max_length`, and whether each was cut."""
+        """Model input ids of each row, cut to `max_length` (a leading BOS kept), and whether each was cut."""
+        bos = self.tokenizer.bos_token_id
         rows = [
-            truncate(format_row(self.tokenizer, self.template, p, r), self.max_length, self.truncation_side)
+            truncate(format_row(self.tokenizer, self.template, p, r), self.max_length, self.truncation_side, bos)
             for p, r in zip(prompts, responses)
         ]
         return [ids for ids, _ in rows], [cut for _, cut in rows]
