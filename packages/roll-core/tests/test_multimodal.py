@@ -200,3 +200,39 @@ def test_a_sampled_picture_placeholder_cuts_the_response_before_it(vlm: tuple[st
     assert int((out["input_ids"][0] == img).sum()) == mm.num_tokens  # only the prompt's placeholders are left
     text = assemble(vp.tokenizer, Batch(fields={"prompt_ids": [ids, ids]}), gen, {})  # no mm_inputs: untouched
     assert torch.equal(text["responses"], responses)
+
+
+def test_a_llava_prompt_starts_with_the_bos_transformers_processor_adds(tmp_path: Path) -> None:
+    """LLaVA-1.5's template spells no BOS and its Llama tokenizer adds one to a text: transformers' processor gives
+    the model a BOS, so roll's single-turn prompts and agentic first turns do too (same ids as LlavaProcessor)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoImageProcessor, AutoTokenizer, LlavaProcessor
+
+    from roll_core.agentic.chat import TurnTemplate
+    from roll_core.multimodal.tiny import build_tiny_llava
+
+    build_tiny_llava(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)  # the tiny tokenizer adds no BOS: make it add one, as Llama's
+    tok._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+    tok.save_pretrained(tmp_path)
+    vp = VisionProcessor(tmp_path)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
+    picture = Image.new("RGB", (30, 30), RED)
+    ids, _ = vp.encode_messages(messages, [picture])
+    hf = LlavaProcessor(
+        image_processor=AutoImageProcessor.from_pretrained(tmp_path),
+        tokenizer=vp.tokenizer,
+        chat_template=vp.chat_template,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
+    want = hf.apply_chat_template(
+        messages, tokenize=True, return_dict=True, add_generation_prompt=True, processor_kwargs={"images": [picture]}
+    )["input_ids"][0]
+    assert ids[0] == vp.tokenizer.bos_token_id and ids == list(want)
+    first, _ = TurnTemplate(vp.tokenizer, vision=vp).initial_turn({"text": "colour?", "images": [picture]})
+    assert first == ids  # the agentic first turn: the same prompt
+    # A tokenizer that adds no BOS (Qwen's; the tiny default): nothing added
+    plain = VisionProcessor(resolve_model_path("builtin:tiny-llava"))
+    assert plain.encode_messages(messages, [picture])[0] == ids[1:]

@@ -219,7 +219,10 @@ class TurnTemplate:
         """(ids, MMInputs | None) of the conversation up to the first assistant turn (see `initial`); the
         pictures' placeholders are expanded in the ids."""
         message, images = self._user_message(observation)
-        return self._with_pictures(self.initial_messages([message]), images, "the first observation")
+        ids = self.initial_messages([message])
+        if self.vision is not None:
+            ids = self.vision.with_bos(ids)  # as the prompts of single-turn runs (VisionProcessor.encode_text)
+        return self._with_pictures(ids, images, "the first observation")
 
     def observation_turn(self, observation: Observation, response_ids: Sequence[int]) -> tuple[list[int], Any]:
         """(ids, MMInputs | None) appended after a response (see `observation`): this turn's pictures only."""

@@ -2,7 +2,8 @@
 
 `VisionProcessor(path)` reads the model folder: the tokenizer, the image processor and the chat template (the
 processor's own `chat_template.jinja`/`.json` where the folder has one, else the tokenizer's). `encode_messages`
-renders the messages with the template (each picture one placeholder), tokenizes, runs the image processor and
+renders the messages with the template (each picture one placeholder), tokenizes (adding the BOS a processor
+adds: `with_bos`), runs the image processor and
 expands each placeholder token into as many copies as that picture has features, as the model family's
 transformers processor does. The expansion is done here rather than by `AutoProcessor` because transformers'
 Qwen-VL processors also build a video processor that needs torchvision, which has no build matching the CPU torch
@@ -118,6 +119,15 @@ class VisionProcessor:
         self.image_processor = AutoImageProcessor.from_pretrained(path)
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.family.image_token))
         self.chat_template = _processor_template(Path(path)) or self.tokenizer.chat_template
+        # Whether the tokenizer puts a BOS before a text (Llama's does, Qwen's has none): see `with_bos`.
+        bos = self.tokenizer.bos_token_id
+        self._bos = bos if bos is not None and self.tokenizer("")["input_ids"][:1] == [bos] else None
+
+    def with_bos(self, ids: list[int]) -> list[int]:
+        """`ids` of a templated prompt with the BOS that transformers' processors add to one that does not start
+        with it (`ProcessorMixin.apply_chat_template`: LLaVA-1.5's template spells none, and the model was trained
+        with one); unchanged for a tokenizer that adds no BOS or a template that spells it."""
+        return ids if self._bos is None or ids[:1] == [self._bos] else [self._bos, *ids]
 
     @property
     def mrope(self) -> bool:
@@ -163,7 +173,7 @@ class VisionProcessor:
     def encode_text(self, text: str, images: Sequence[Any], base_dir: str | Path | None = None):
         """(ids, MMInputs | None) for an already templated text with one placeholder per picture."""
         mm = self.process_images(images, base_dir)
-        ids = self.expand(self.tokenizer(text, add_special_tokens=False)["input_ids"], mm)
+        ids = self.expand(self.with_bos(self.tokenizer(text, add_special_tokens=False)["input_ids"]), mm)
         check_tokens(ids, mm, self.image_token_id, "prompt")
         return ids, mm
 
