@@ -109,3 +109,41 @@ def test_a_factory_that_fails_while_replacing_a_broken_environment_fails_one_epi
     built["down"] = False
     assert m.reset(0, seed=5)[0] == "obs-5"
     assert m.counters()["env_errors"] == 2
+
+
+def test_a_rebuild_that_timed_out_never_replaces_the_next_episodes_environment() -> None:
+    """Episode B's rebuild of a failed slot hangs past the timeout (B ends, counted); episode C builds its own. When
+    B's build finally returns it must not land in the slot: C would step an environment reset with B's seed."""
+
+    class Seeded:
+        def __init__(self, slow: bool) -> None:
+            if slow:
+                time.sleep(0.6)
+            self.seed: int | None = None
+
+        def reset(self, seed: int | None = None) -> tuple[str, dict]:
+            self.seed = seed
+            return f"seed {seed}", {}
+
+        def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+            if self.seed == 111:
+                raise RuntimeError("boom")  # episode A's environment breaks: the slot is rebuilt
+            return f"stepped seed {self.seed}", 0.0, False, False, {}
+
+    built = []
+
+    def factory() -> Seeded:
+        built.append(None)
+        return Seeded(slow=len(built) == 2)  # the first rebuild (episode B's) is slow
+
+    manager = EnvManager(factory, 1, step_timeout_s=0.3)
+    manager.reset(0, 111)
+    with pytest.raises(EnvFailure):
+        manager.step(0, "x")
+    with pytest.raises(EnvFailure) as b:
+        manager.reset(0, 222)
+    assert b.value.kind == "env_timeout"
+    assert manager.reset(0, 333)[0] == "seed 333"
+    time.sleep(0.6)  # B's build returns in its leaked thread
+    assert manager.step(0, "go")[0] == "stepped seed 333"
+    assert len(built) == 3 and manager.counters()["leaked_threads"] == 1

@@ -95,14 +95,19 @@ class EnvManager:
     # The results are checked inside the call: an environment that returns the wrong shape, a reward that is not a
     # number, or NaN, fails its episode as an env_error like one that raises, instead of the whole rollout.
     def reset(self, slot: int, seed: int) -> tuple[Observation, dict[str, Any]]:
-        def reset() -> tuple[Observation, dict[str, Any]]:
-            env = self.envs[slot]
-            if env is None:  # failed before: a fresh instance, built under this call's timeout
-                env = self.envs[slot] = self.factory()
-            obs, info = env.reset(seed=seed)
-            return normalize(obs), dict(info or {})
+        current = self.envs[slot]
 
-        return self._call(slot, "reset", reset)
+        def reset() -> tuple[Env, Observation, dict[str, Any]]:
+            # A slot that failed before gets a fresh instance, built under this call's timeout.
+            env = current if current is not None else self.factory()
+            obs, info = env.reset(seed=seed)
+            return env, normalize(obs), dict(info or {})
+
+        # Installed by this thread once the call answered in time: a build that timed out must not land in the
+        # slot later, reset with its own episode's seed, under the next episode (which would step it unawares).
+        env, obs, info = self._call(slot, "reset", reset)
+        self.envs[slot] = env
+        return obs, info
 
     def step(self, slot: int, action: str) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
         env = self.envs[slot]
