@@ -98,3 +98,41 @@ def test_responses_cut_by_the_turn_limit_are_counted_and_go_to_the_environment()
     assert all(sum(t.mask) == 2 + 5 + 3 + 5 for t in trajs)
     m = _episode_metrics(trajs, None, None)
     assert m["episode/cut_turn_rate"] == pytest.approx(0.5) and m["episode/end_max_turns"] == 1.0
+
+
+class Pictured:
+    """Observations with one picture; the text of the first (`first`) or of the next ones (`echo`) spells the vision
+    model's picture placeholder, as an environment that echoes a reply would."""
+
+    def __init__(self, where: str, placeholder: str) -> None:
+        self.where, self.placeholder = where, placeholder
+
+    def _obs(self, spelt: bool) -> dict[str, Any]:
+        from PIL import Image
+
+        text = f"'{self.placeholder}' is not an action" if spelt else "Move."
+        return {"text": text, "images": [Image.new("RGB", (28, 28), (200, 20, 20))]}
+
+    def reset(self, seed: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        return self._obs(self.where == "first"), {}
+
+    def step(self, action: str) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
+        return self._obs(self.where == "echo"), 0.5, False, False, {}
+
+
+@pytest.mark.parametrize("where", ["first", "echo"])
+def test_an_observation_spelling_the_picture_placeholder_fails_its_episode_not_the_rollout(where: str) -> None:
+    from roll_core.models import resolve_model_path
+    from roll_core.multimodal import VisionProcessor
+
+    vp = VisionProcessor(resolve_model_path("builtin:tiny-qwen2.5-vl"))
+    placeholder = vp.tokenizer.convert_ids_to_tokens(vp.image_token_id)
+    envs = EnvManager(lambda: Pictured(where, placeholder), 0, step_timeout_s=10)
+    template = TurnTemplate(vp.tokenizer, "Play.", vision=vp)
+    rollout = AgenticRollout(ScriptedEngine(vp.tokenizer, [2]), envs, template, vp.tokenizer, EpisodeLimits(3, 4096, 8))
+    trajs = rollout.run([0, 1], [0, 0], SamplingParams(max_new_tokens=8))
+    assert [t.end for t in trajs] == ["env_error"] * 2
+    assert all("could not be encoded" in t.error for t in trajs)
+    assert envs.counters()["env_errors"] == 2
+    # the first observation: nothing to train on; an echoed one: the turn before it keeps its reward
+    assert [t.turns for t in trajs] == ([0, 0] if where == "first" else [1, 1])

@@ -122,6 +122,14 @@ class EnvManager:
 
         return self._call(slot, "step", step)
 
+    def bad_observation(self, slot: int, error: Exception) -> EnvFailure:
+        """The `env_error` of an observation that passed the call's checks but that the chat template could not
+        encode (a picture placeholder spelt in its text): counted, the slot's environment replaced, as for one
+        the call refused."""
+        self._fail(slot, "env_error")
+        log.warning("an observation could not be encoded: %s (episode ended, counted)", error)
+        return EnvFailure("env_error", f"the observation could not be encoded: {error}")
+
     def counters(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)

@@ -45,6 +45,11 @@ class EnvWorker(Worker):
         except EnvFailure as exc:
             return "failed", (exc.kind, str(exc))
 
+    @dispatch(Dispatch.ONE)
+    def bad_observation(self, slot: int, error: str) -> tuple[str, str]:
+        failure = self.manager.bad_observation(slot, ValueError(error))
+        return failure.kind, str(failure)
+
     @dispatch(Dispatch.BROADCAST)
     def counters(self) -> dict[str, int]:
         return self.manager.counters()
@@ -92,6 +97,12 @@ class RemoteEnvManager:
     def step(self, slot: int, action: str) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
         rank, local = self._where(slot)
         return self._unwrap(self.group.submit_to(rank, EnvWorker.step, local, action).result())
+
+    def bad_observation(self, slot: int, error: Exception) -> EnvFailure:
+        """As `EnvManager.bad_observation`, counted on the slot's worker."""
+        rank, local = self._where(slot)
+        kind, message = self.group.submit_to(rank, EnvWorker.bad_observation, local, str(error)).result()
+        return EnvFailure(kind, message)
 
     def counters(self) -> dict[str, int]:
         total: dict[str, int] = {}

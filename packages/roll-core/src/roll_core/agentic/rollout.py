@@ -195,7 +195,11 @@ class AgenticRollout:
             obs, info = self.envs.reset(slot, seed)
         except EnvFailure as exc:
             return Trajectory(env_seed=seed, group=group, prompt_ids=[], end=exc.kind, error=str(exc))
-        prompt_ids, mm = self.template.initial_turn(obs)
+        try:
+            prompt_ids, mm = self.template.initial_turn(obs)
+        except ValueError as exc:  # its text spells a picture placeholder, say: this episode fails, not the rollout
+            failure = self.envs.bad_observation(slot, exc)
+            return Trajectory(env_seed=seed, group=group, prompt_ids=[], end=failure.kind, error=str(failure))
         traj = Trajectory(env_seed=seed, group=group, prompt_ids=prompt_ids, mm=mm)
         key = f"episode-{next(self._ids)}"
         for turn in range(lim.max_turns):
@@ -242,7 +246,12 @@ class AgenticRollout:
                 traj.success = bool(info.get("success", False))
                 traj.end = "terminated" if terminated else "truncated"
                 break
-            obs_ids, obs_mm = self.template.observation_turn(obs, token_ids)
+            try:
+                obs_ids, obs_mm = self.template.observation_turn(obs, token_ids)
+            except ValueError as exc:  # (as for the first observation)
+                failure = self.envs.bad_observation(slot, exc)
+                traj.end, traj.error = failure.kind, str(failure)
+                break
             if traj.length + len(obs_ids) >= lim.max_context_length:  # picture tokens included
                 traj.end = "max_context"
                 break
