@@ -17,6 +17,7 @@ from roll_algos.advantages import (
     group_baseline_batch_normalized,
     group_normalized,
     leave_one_out,
+    reward_normalized,
     whiten,
 )
 
@@ -173,3 +174,22 @@ def test_fp32_matches_fp64(seed: int) -> None:
     a64, _ = gae(rewards, values, mask, gamma=0.99, lam=0.95)
     a32, _ = gae(rewards.float(), values.float(), mask.float(), gamma=0.99, lam=0.95)
     torch.testing.assert_close(a32.double(), a64, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("value", [0.1, 0.3, 0.9, 1.0 / 3.0])
+@pytest.mark.parametrize("group_size", [5, 8, 12])
+def test_an_all_equal_group_alone_in_its_batch_gets_exactly_zero(value: float, group_size: int) -> None:
+    """In float32 the mean of G copies of 0.9 can be an ulp off, so a `std > 0` test let (x - mean) / (std + eps)
+    through: a few hundredths of advantage, one sign for the whole group (rollout_batch_size=1 runs)."""
+    scores = torch.full((group_size,), value, dtype=torch.float32)
+    for adv in (
+        group_normalized(scores, group_size),
+        group_normalized(scores, group_size, std_normalize=False),
+        leave_one_out(scores, group_size),
+        batch_normalized(scores),
+        *(reward_normalized(scores, group_size, mean_type=m, std_type=s) for m in ("group", "batch") for s in NTS),
+    ):
+        assert torch.equal(adv, torch.zeros_like(scores))
+
+
+NTS = ("group", "batch", "none")

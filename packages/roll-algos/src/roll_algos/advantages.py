@@ -40,6 +40,13 @@ def _grouped(scores: Tensor, group_size: int) -> Tensor:
     return scores.view(-1, group_size)
 
 
+def _spread(g: Tensor) -> Tensor:
+    """(N, 1) bool: whether row n of `g` (N, G) holds two different values. Uniform is decided by comparing values,
+    not by a std > 0 test: the float mean of G equal values can be off by an ulp, and (x - mean) / (std + eps)
+    then gives every row of the group the same advantage of a few hundredths instead of 0."""
+    return g.amax(dim=-1, keepdim=True) > g.amin(dim=-1, keepdim=True)
+
+
 def group_normalized(scores: Tensor, group_size: int, *, std_normalize: bool = True, eps: float = 1e-6) -> Tensor:
     """GRPO advantage: (r - group mean) / (group std + eps), std unbiased (N-1).
 
@@ -53,14 +60,14 @@ def group_normalized(scores: Tensor, group_size: int, *, std_normalize: bool = T
         (B,) advantages.
     """
     g = _grouped(scores, group_size)
-    centered = g - g.mean(dim=-1, keepdim=True)
+    spread = _spread(g)  # all-equal groups: exactly 0 rather than round-off / eps
+    centered = torch.where(spread, g - g.mean(dim=-1, keepdim=True), torch.zeros_like(g))
     if not std_normalize:
         return centered.reshape(-1)
     if group_size == 1:
         return torch.zeros_like(scores)
     std = g.std(dim=-1, keepdim=True, unbiased=True)
-    # All-equal groups: exactly 0 rather than round-off / eps.
-    adv = torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
+    adv = torch.where(spread & (std > 0), centered / (std + eps), torch.zeros_like(centered))
     return adv.reshape(-1)
 
 
@@ -89,19 +96,23 @@ def reward_normalized(
         if kind not in NORM_TYPES:
             raise ValueError(f"{name}={kind!r} is not one of {', '.join(NORM_TYPES)}")
     g = _grouped(scores, group_size)  # (num_groups, G); checks the shape even for batch/none
+    group_spread = _spread(g)
+    batch_spread = _spread(scores.view(1, -1))
     if mean_type == "group":
-        centered = g - g.mean(dim=-1, keepdim=True)
+        centered = torch.where(group_spread, g - g.mean(dim=-1, keepdim=True), torch.zeros_like(g))
     elif mean_type == "batch":
-        centered = g - scores.mean()
+        centered = torch.where(batch_spread, g - scores.mean(), torch.zeros_like(g))
     else:
         centered = g
     if std_type == "none":
         return centered.reshape(-1)
     if std_type == "group":
         std = g.std(dim=-1, keepdim=True, unbiased=True) if group_size > 1 else torch.zeros_like(g[:, :1])
+        spread = group_spread
     else:
         std = scores.std(unbiased=True) if scores.numel() > 1 else torch.zeros((), dtype=scores.dtype)
-    std = torch.nan_to_num(std, nan=0.0).expand_as(centered)
+        spread = batch_spread
+    std = torch.where(spread, torch.nan_to_num(std, nan=0.0), torch.zeros_like(std)).expand_as(centered)
     adv = torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
     return adv.reshape(-1)
 
@@ -118,7 +129,7 @@ def leave_one_out(scores: Tensor, group_size: int) -> Tensor:
     if group_size == 1:
         return torch.zeros_like(scores)
     others = (g.sum(dim=-1, keepdim=True) - g) / (group_size - 1)
-    return (g - others).reshape(-1)
+    return torch.where(_spread(g), g - others, torch.zeros_like(g)).reshape(-1)
 
 
 def batch_normalized(scores: Tensor, *, eps: float = 1e-6) -> Tensor:
@@ -135,7 +146,8 @@ def batch_normalized(scores: Tensor, *, eps: float = 1e-6) -> Tensor:
         return torch.zeros_like(scores)
     centered = scores - scores.mean()
     std = scores.std(unbiased=True)
-    return torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
+    spread = _spread(scores.view(1, -1)).view(())
+    return torch.where(spread & (std > 0), centered / (std + eps), torch.zeros_like(centered))
 
 
 def group_baseline_batch_normalized(scores: Tensor, group_size: int, *, eps: float = 1e-6) -> Tensor:
