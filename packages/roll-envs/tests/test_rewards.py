@@ -53,6 +53,19 @@ def test_last_number() -> None:
     assert last_number("3 + 4 = 7, so 7.") == "7"
     assert last_number("it is 1,234") == "1234"
     assert last_number("none") is None
+    # parts of fractions, powers and indices are not numbers the response states
+    assert last_number("So x = 3/2.") is None and last_number(r"\frac{1}{2}") is None
+    assert last_number("2^{10}") is None and last_number("x_2 = 5") == "5" and last_number("7 then x^2") == "7"
+
+
+def test_a_wrong_boxed_answer_earns_no_last_number_credit() -> None:
+    """The credit is for a right number stated without a box: a wrong boxed answer ending in the truth's digits
+    (a reciprocal, a power, a root) is wrong, and so is a fraction whose denominator is the truth."""
+    reward = MathReward(last_number_weight=0.5)
+    cases = [r"\boxed{\frac{1}{2}}", r"\boxed{2^{10}}", r"\boxed{\sqrt{2}}", "So x = 3/2.", r"\boxed{5}, i.e. 2"]
+    res = reward.score(cases, ["2"] * len(cases))
+    assert res.scores == [0.0] * len(cases) and res.correct == [0.0] * len(cases)
+    assert reward.score(["so it is 2"], ["2"]).scores == [0.5]
 
 
 def test_math_reward_scores_and_counts() -> None:

@@ -2,8 +2,9 @@
 
 Scoring (per response):
 - `correct` = 1 when the last non-empty `\\boxed{...}` verifies against the ground truth (strict accuracy).
-- `score` = `correct_weight` if correct; else `last_number_weight` if the response's last number equals the
-  ground truth (a softer signal for small models that state the right number without boxing it); plus
+- `score` = `correct_weight` if correct; else, for a response without a boxed answer, `last_number_weight` if
+  its last number equals the ground truth (a softer signal for small models that state the right number without
+  boxing it; a wrong boxed answer earns none: `\\boxed{\\frac{1}{2}}` ends with the number 2); plus
   `format_weight` if a non-empty `\\boxed{...}` is present (small models copy the prompt's empty `\\boxed{}`;
   that earns nothing).
 - Parsing or verification that crashes or times out, or a boxed answer longer than `MAX_BOXED_CHARS` (not a
@@ -31,6 +32,10 @@ from roll_envs.rewards.base import Reward, RewardResult
 #: A decimal number; a minus sign right after a digit, letter or closing bracket is a hyphen or an operator ("pages
 #: 10-12", "x-3"), not the number's sign.
 _NUMBER = re.compile(r"(?:(?<![\w)\]])-)?\d+(?:,\d{3})*(?:\.\d+)?")
+#: A number that is part of a fraction, a power or an index (`3/2`, `2^{10}`, `\frac{1}{2}`, `x_2`) is not a
+#: number the response states: `last_number` skips it.
+_PART = re.compile(r"[/^_{]$")
+_PART_AFTER = re.compile(r"^(?:/|\}\{|\^)")
 #: Longest boxed answer verified symbolically. Longer ones (model output of thousands of nested braces or
 #: parentheses) score 0 and count in `errors` at once: math-verify would spend its whole timeout on them, and its
 #: SIGALRM timeout cannot interrupt C code (a regex over the text), so the time is not even bounded.
@@ -38,9 +43,13 @@ MAX_BOXED_CHARS = 1000
 
 
 def last_number(text: str) -> str | None:
-    """The last integer or decimal in `text` (thousands separators removed), or None."""
-    found = _NUMBER.findall(text)
-    return found[-1].replace(",", "") if found else None
+    """The last integer or decimal in `text` (thousands separators removed) that stands alone: not a part of a
+    fraction, power or index (`_PART`); None when there is none."""
+    for m in reversed(list(_NUMBER.finditer(text))):
+        before, after = text[max(0, m.start() - 1) : m.start()], text[m.end() : m.end() + 2]
+        if not (_PART.search(before) or _PART_AFTER.match(after)):
+            return m.group().replace(",", "")
+    return None
 
 
 def _same_number(a: str, b: str) -> bool:
@@ -120,7 +129,7 @@ class MathReward(Reward):
             if boxed is None:
                 counters["no_boxed"] += 1
             score = self.correct_weight if ok else 0.0
-            if not ok and self.last_number_weight:
+            if boxed is None and self.last_number_weight:
                 num = last_number(response)
                 if num is not None and _same_number(num, str(answer)):
                     score = self.last_number_weight
