@@ -137,3 +137,16 @@ def test_parquet_and_datasets_folder(tmp_path: Path) -> None:
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
     problems2, skipped2 = load_problems(tmp_path / "ds", prompt_key="question", answer_key="solution")
     assert [p.prompt for p in problems2] == [p.prompt for p in problems] and skipped2 == skipped
+
+
+def test_numeric_answers_are_plain_decimals_a_grader_matches(tmp_path: Path) -> None:
+    """JSON numbers become answers as written in plain decimal: str(0.00001) is '1e-05', which neither the plain-
+    number path nor math-verify matches against a model's \\boxed{0.00001}."""
+    path = tmp_path / "numbers.jsonl"
+    values = [0.00001, 1e16, 2.5, 3.0, 7, -1e-7]
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": v}) + "\n" for i, v in enumerate(values)))
+    problems, skipped = load_problems(path)
+    assert not skipped
+    assert [p.answer for p in problems] == ["0.00001", "10000000000000000.0", "2.5", "3.0", "7", "-0.0000001"]
+    boxed = [r"\boxed{0.00001}", r"\boxed{10000000000000000}", r"\boxed{2.5}", r"\boxed{3}", r"\boxed{7}"]
+    assert MathReward().score(boxed, [p.answer for p in problems[:5]]).correct == [1.0] * 5

@@ -20,6 +20,7 @@ A prompt may also be a list of chat messages (verl's prepared rows): its last us
 
 from __future__ import annotations
 
+import decimal
 import json
 import logging
 import math
@@ -85,6 +86,15 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
     )
 
 
+def _plain_number(x: float) -> str:
+    """A number as a plain decimal: str(0.00001) is '1e-05' and str(1e16) '1e+16', which no grader matches against
+    a model's 0.00001 or 10000000000000000."""
+    if isinstance(x, int):
+        return str(x)
+    text = format(decimal.Decimal(repr(x)), "f")  # repr: the shortest digits that round-trip, not binary noise
+    return text if "." in text else f"{text}.0"
+
+
 def load_problems(
     path: str | Path,
     *,
@@ -111,7 +121,7 @@ def load_problems(
         if why is None:
             # Numbers are answers too (JSON 5 -> "5"); NaN/inf (JSON's NaN extension, a float column) are not.
             if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-                answer = str(answer) if math.isfinite(answer) else answer
+                answer = _plain_number(answer) if math.isfinite(answer) else answer
             why = _text_problem(answer_key, answer, numbers=True)
         images: list[Any] = []
         if why is None:
