@@ -205,8 +205,24 @@ def test_fraction_mode_format_weight_and_bad_answers() -> None:
     assert res.scores[1] == pytest.approx(0.35) and res.correct[1] == 0.0  # test 1 of 4 passes
     # times out on the second test, still scored on the others.
     assert res.scores[2] == pytest.approx(0.6) and res.counters["timeouts"] == 1
+    assert res.failed == [False] * 5  # wrong, timed out or without code: judged
     bad = reward.score([fenced("print(1)\n")], ["not json"])
     assert bad.scores == [pytest.approx(0.1)] and bad.counters["bad_answers"] == 1
+    assert bad.failed == [True]  # malformed ground truth: not a verdict on the response
+
+
+def test_a_sandbox_that_fails_leaves_its_rows_failed_not_wrong() -> None:
+    """The sandbox cannot start within its wall clock: a right program's rows are failed (the guard counts them,
+    and a step where all fail counts toward the failure budget), not trained on as wrong answers."""
+    from roll_core.cluster.reward_guard import GuardedReward, all_rows_failed
+    from roll_envs.sandbox import SandboxLimits
+
+    reward = _reward_or_skip(score_mode="fraction", timeout_s=5.0)
+    reward.sandbox.limits = SandboxLimits(timeout_s=0.005)
+    add = fenced("a, b = map(int, input().split())\nprint(a + b)\n")
+    res = GuardedReward(reward, isolation="inline").score([add] * 2, [encode_tests([CodeTest("1 2\n", "3\n")])] * 2)
+    assert res.counters["sandbox_errors"] == 2 and res.failed == [True, True]
+    assert res.counters["failed_unscored"] == 2 and all_rows_failed(res.counters)
     with pytest.raises(ValueError, match="score_mode"):
         CodeReward(score_mode="some")
 

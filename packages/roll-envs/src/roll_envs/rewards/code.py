@@ -15,6 +15,9 @@ Scoring (per response):
 Counters (responses, each at most once per kind): `no_code` (no fenced block), `wrong_answers`, `runtime_errors`
 (non-zero exit, exception, memory exhausted), `timeouts`, `output_limits`, `sandbox_errors` (the sandbox itself
 failed: a broken installation shows up here, not as wrong answers) and `bad_answers` (malformed ground truth).
+A response with a sandbox error or a malformed ground truth is not judged: `RewardResult.failed` marks it (roll's
+reward guard counts it in `failed_unscored`, and a step where every row failed counts toward the run's failure
+budget) instead of it being trained on as a wrong answer.
 
 Covers: stdin/stdout programs in the interpreter's standard library. Does not cover: function-call tests,
 special judges (several right outputs), floating-point tolerance, third-party packages unless the configured
@@ -55,6 +58,8 @@ _COUNTER = {
     SANDBOX_ERROR: "sandbox_errors",
 }
 COUNTERS = ("no_code", "wrong_answers", *_COUNTER.values(), "bad_answers")
+#: Kinds that say nothing about the response: its row is `failed`, not wrong.
+_UNJUDGED = {"sandbox_errors", "bad_answers"}
 
 
 @dataclass(frozen=True)
@@ -177,14 +182,15 @@ class CodeReward(Reward):
             return RewardResult(scores=[], correct=[], formatted=[], counters=counters)
         with ThreadPoolExecutor(max_workers=min(self.parallelism, len(responses))) as pool:
             results = list(pool.map(self._score_one, responses, answers))
-        scores, correct, formatted = [], [], []
+        scores, correct, formatted, failed = [], [], [], []
         for score, ok, has_code, kinds in results:
             scores.append(score)
             correct.append(float(ok))
             formatted.append(float(has_code))
+            failed.append(bool(kinds & _UNJUDGED))
             for kind in kinds:
                 counters[kind] += 1
-        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters)
+        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters, failed=failed)
 
     def _score_one(self, response: str, answer: str) -> tuple[float, bool, bool, set[str]]:
         """(score, all passed, has code, counter kinds) of one response."""
