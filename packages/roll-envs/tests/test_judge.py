@@ -39,6 +39,7 @@ def test_score_parser_takes_the_last_score_in_range() -> None:
     assert p("Score: 3 at first; on reflection, Score: 8") == pytest.approx(0.8)  # several scores: the last
     assert p("Step 1 gives 12, step 2 gives 40.\nScore: 9 (of 10)") == pytest.approx(0.9)  # other numbers ignored
     assert p("Rating: **9**/10") == pytest.approx(0.9)
+    assert p("**Score**: 8") == pytest.approx(0.8) and p("__Rating__: 8/10") == pytest.approx(0.8)  # markdown labels
     assert p("final: [[ 6 ]]") == pytest.approx(0.6)
     assert p("score = 7.5") == pytest.approx(0.75)
     assert p("<think>Score: 2 maybe</think>Score: 6") == pytest.approx(0.6)  # reasoning does not count

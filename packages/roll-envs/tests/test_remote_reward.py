@@ -71,8 +71,9 @@ class Script:
                 return web.Response(text="<html>oops</html>")
             if route == "short":
                 return web.json_response({"rows": ok["rows"][:-1]})
-            if route == "badrows":  # NaN, a string, no score, correct=2, then one good row
+            if route == "badrows":  # NaN, a string, no score, correct=2, an integer too big for a float, one good row
                 bad = [{"score": math.nan}, {"score": "x"}, {"correct": 1}, {"score": 1.0, "correct": 2}]
+                bad.append({"score": 10**400})
                 return web.Response(text=json.dumps({"rows": [*bad, {"score": 0.25}]}))
             if route == "refused":
                 return web.Response(status=400, text="unknown field")
@@ -189,9 +190,9 @@ def test_failures_are_counted_rows(server: Any) -> None:
         assert res.scores == [0.0] * 3 and res.counters["remote_malformed"] == 3, route
         assert res.counters["remote_retries"] == 0 and script.calls[route] == 2, route  # two requests, once each
     # Bad rows are malformed one by one; the good row keeps its score (correct from correct_threshold).
-    res = _remote(f"{base}/badrows", correct_threshold=0.2).score(["r"] * 5, ["a"] * 5)
-    assert (res.scores, res.correct) == ([0.0, 0.0, 0.0, 0.0, 0.25], [0, 0, 0, 0, 1.0])
-    assert res.counters["remote_malformed"] == 4 and res.counters["unscored"] == 4
+    res = _remote(f"{base}/badrows", correct_threshold=0.2).score(["r"] * 6, ["a"] * 6)
+    assert (res.scores, res.correct) == ([0.0] * 5 + [0.25], [0] * 5 + [1.0])
+    assert res.counters["remote_malformed"] == 5 and res.counters["unscored"] == 5
     # 400: an error, never retried.
     reward = _remote(f"{base}/refused", max_retries=3)
     res = reward.score(*rows)

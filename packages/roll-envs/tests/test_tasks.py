@@ -57,6 +57,14 @@ def test_countdown_targets_are_reachable() -> None:
         assert int(target) > 0 and len(nums.split(",")) == 3
 
 
+def test_countdown_empty_box_copied_from_the_prompt_is_no_answer() -> None:
+    """As the math reward: `\\boxed{}` earns no format bonus and counts as no_boxed, not as a malformed equation."""
+    res = CountdownReward(format_weight=0.1).score([r"I will put the final equation in \boxed{}."], ["7|3,4"])
+    assert res.scores == [0.0] and res.formatted == [0.0]
+    assert res.counters == {"errors": 0, "no_boxed": 1, "wrong_numbers": 0}
+    assert CountdownReward(format_weight=0.1).score([r"\boxed{3+4}"], ["7|3,4"]).scores == [pytest.approx(1.1)]
+
+
 @pytest.mark.parametrize(
     "kwargs", [{"eval_fraction": 0.0}, {"max_number": 1}, {"eval_fraction": 1.0}], ids=["no-held-out", "one-key", "all"]
 )

@@ -60,8 +60,11 @@ COUNTERS = ("judge_invalid", "judge_timeouts", "judge_errors", "judge_render_err
 TEMPLATE_FIELDS = ("prompt", "response", "answer", "metadata")
 
 _NUM = r"([-+]?\d+(?:\.\d+)?)"
-#: `Score: 7`, `score = 7.5`, `Rating: **8**/10`, `Score: [[7]]`, `[[7]]` (the number is the first group that matched).
-DEFAULT_SCORE_PATTERN = rf"(?i)\b(?:score|rating)\b\s*(?:is|[:=])?\s*[*_]*\s*(?:\[\[\s*)?{_NUM}|\[\[\s*{_NUM}\s*\]\]"
+#: `Score: 7`, `score = 7.5`, `Rating: **8**/10`, `**Score**: 8`, `__Score__: 8`, `Score: [[7]]`, `[[7]]` (the
+#: number is the first group that matched).
+DEFAULT_SCORE_PATTERN = (
+    rf"(?i)(?<![a-z])(?:score|rating)(?![a-z])[*_]*\s*(?:is|[:=])?\s*[*_]*\s*(?:\[\[\s*)?{_NUM}|\[\[\s*{_NUM}\s*\]\]"
+)
 
 
 @dataclass(frozen=True)

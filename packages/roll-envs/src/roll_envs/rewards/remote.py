@@ -297,7 +297,7 @@ class RemoteReward(Reward):
         for i, row in enumerate(rows):
             try:
                 out.append(self._row(row))
-            except ValueError as exc:
+            except (ValueError, OverflowError) as exc:  # OverflowError: an integer too large for a float
                 counters["remote_malformed"] += 1
                 self._fail("remote_malformed", f"reply row {i}: {exc}")
                 out.append(None)

@@ -89,7 +89,7 @@ class CountdownReward(Reward):
         counters = {"errors": 0, "no_boxed": 0, "wrong_numbers": 0}
         scores, correct, formatted = [], [], []
         for response, answer in zip(responses, answers, strict=True):
-            boxed = extract_boxed(response)
+            boxed = extract_boxed(response) or None  # an empty \boxed{} (copied from the prompt) is no answer
             ok = False
             if boxed is None:
                 counters["no_boxed"] += 1
