@@ -71,4 +71,29 @@ def test_non_finite_losses_are_skipped_counted_and_stop_the_run(
 
     h = Tracker.read_metrics(tmp_path / "metrics.jsonl")
     assert [r["actor/nonfinite_steps"] for r in h] == [0.0, 0.0, 1.0, 1.0]  # step 5 raised before it was logged
+    assert [r["actor/optimizer_steps"] for r in h] == [1.0, 1.0, 0.0, 0.0]
     assert h[1]["actor/lr"] > h[0]["actor/lr"] and h[3]["actor/lr"] == h[2]["actor/lr"] == h[1]["actor/lr"]
+
+
+def test_steps_whose_other_mini_batches_trained_are_not_a_non_finite_streak(
+    seven_task: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One mini-batch of two is NaN in every step: it is skipped and counted, the other trains, the run finishes
+    and checkpoints (a streak counts steps whose optimizer steps were all skipped)."""
+    from roll_core.pipelines.objectives import PolicyObjective
+    from roll_core.testing import run_pipeline, tiny_overrides
+
+    calls = {"n": 0}
+    real = PolicyObjective.__call__
+
+    def every_other_nan(self: PolicyObjective, outputs: dict, micro: dict) -> tuple:
+        loss, m = real(self, outputs, micro)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] % 2 == 0 else loss), m
+
+    monkeypatch.setattr(PolicyObjective, "__call__", every_other_nan)
+    overrides = tiny_overrides(seven_task, tmp_path, "pipeline.save_every=1", "pipeline.max_steps=4")
+    _, h = run_pipeline([*overrides, "train_engine.micro_batch_size=64", "algo.num_mini_batches=2"])
+    steps = [r for r in h if r["step"] > 0]
+    assert [(r["actor/nonfinite_steps"], r["actor/optimizer_steps"]) for r in steps] == [(1.0, 1.0)] * 4
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-1] == "step_000004"

@@ -74,7 +74,10 @@ class Trainer:
         self._give_devices_to_training()
         self.objective.update(step, collected, out)
         self.stale = True
-        self.bad_steps = self.bad_steps + 1 if out.get("actor/nonfinite_steps", 0.0) > 0 else 0
+        # A step counts only when none of its optimizer steps applied: one skipped mini-batch of four is not a
+        # blow-up (the other three trained, and the step's checkpoint is as healthy as any).
+        skipped_all = out.get("actor/nonfinite_steps", 0.0) > 0 and out.get("actor/optimizer_steps", 0.0) == 0
+        self.bad_steps = self.bad_steps + 1 if skipped_all else 0
 
     # ---- engines around the update ------------------------------------------------------------------------
     def _give_devices_to_training(self) -> None:
