@@ -245,6 +245,31 @@ def test_a_non_finite_loss_skips_the_step_without_touching_weights_or_schedule(t
     assert good["optimizer_steps"] == 2
 
 
+def test_fp16_loss_scaler_overflows_are_not_non_finite_steps(tiny: str) -> None:
+    """fp16 compute: the loss scaler's first steps overflow by design while it lowers its scale. Those skips are
+    `scaler_skipped_steps` (the scale halves each time), not `nonfinite_steps`, which would stop the run as a
+    blow-up; a NaN loss under fp16 still is one."""
+    from roll_core.testing.batches import toy_batch
+
+    batch = toy_batch(tiny)
+    batch["advantages"] = batch["advantages"] * 200.0  # finite, but an fp16 backward at scale 2^16 overflows
+    eng = HFTrainEngine(tiny, lr=1e-4, dtype="float16", param_dtype="float32", micro_batch_size=6)
+    steps = [eng.train_step(batch, PolicyObjective(), mini_batches=1) for _ in range(7)]
+    assert all(m["nonfinite_steps"] == 0 for m in steps)
+    skips = [m["scaler_skipped_steps"] for m in steps]
+    assert skips[0] == 1 and sum(skips) >= 2 and sum(m["optimizer_steps"] for m in steps) == 7 - sum(skips)
+    scales = [m["loss_scale"] for m in steps]
+    assert scales[0] == 2.0**15 and scales[1] == 2.0**14  # halved after each overflow
+
+    class NanLoss(PolicyObjective):
+        def __call__(self, outputs: dict, micro: dict) -> tuple:
+            loss, m = super().__call__(outputs, micro)
+            return loss * float("nan"), m
+
+    bad = eng.train_step(batch, NanLoss(), mini_batches=1)
+    assert bad["nonfinite_steps"] == 1 and bad["scaler_skipped_steps"] == 0 and bad["optimizer_steps"] == 0
+
+
 def test_a_loaded_optimizer_takes_the_configured_lr_and_keeps_its_moments_and_position(
     tiny: str, tmp_path: Path
 ) -> None:

@@ -149,6 +149,7 @@ class HFTrainEngine:
         self.scaler = (
             torch.amp.GradScaler(self.device.type) if self.trainable and self.compute_dtype == torch.float16 else None
         )
+        self._loss_finite = True  # every micro-batch loss of the mini-batch being accumulated (fp16: see above)
         torch.manual_seed(seed)  # the critic's new value head is initialised from this seed
         self.vision = V.Vision.of(self.path)  # None for a text model
         self.model = self._load(attn_implementation, trust_remote_code)
@@ -479,7 +480,7 @@ class HFTrainEngine:
         counts: dict[str, int] = {}
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
         t0, tokens0, micros0 = time.perf_counter(), self.forward_tokens, self.micro_batches_run
-        skipped = steps = 0
+        skipped = steps = scaler_skips = 0
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
             # A rank may hold fewer rows than mini-batches (uneven splits, dropped groups): its part is then empty,
@@ -492,16 +493,20 @@ class HFTrainEngine:
                     counts[k] = counts.get(k, 0) + 1
                 if total == 0:
                     continue
-                norm, stepped = self._clip_and_step()
+                norm, stepped, overflow = self._clip_and_step()
                 if stepped:
                     sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm
                     counts["grad_norm"] = counts.get("grad_norm", 0) + 1
-                skipped += int(not stepped)
+                skipped += int(not stepped and not overflow)
+                scaler_skips += int(overflow)
                 steps += int(stepped)
         out = {k: sums[k] / counts[k] for k in sums}
         # Optimizer steps taken, and those skipped for a non-finite loss or gradient (weights, moments and LR
-        # schedule untouched): a skipped step is not an optimizer step.
+        # schedule untouched): a skipped step is not an optimizer step. fp16's loss scaler overflowing (its first
+        # steps do, by design, while it finds its scale) is the scaler's business, not a blow-up of the run's.
         out["nonfinite_steps"], out["optimizer_steps"] = float(skipped), float(steps)
+        if self.scaler is not None:
+            out["scaler_skipped_steps"], out["loss_scale"] = float(scaler_skips), float(self.scaler.get_scale())
         out["lr"] = self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
         out["train_seconds"] = time.perf_counter() - t0
         out["forward_tokens"] = self.forward_tokens - tokens0  # positions computed (padding included)
@@ -545,7 +550,11 @@ class HFTrainEngine:
             loss, metrics = loss_fn(outputs, {k: v.to(self.device) for k, v in V.tensors_of(micro).items()})
             scale = loss_fn.units(micro) / total * self.dp_size if real and total > 0 else 0.0
             scaled = loss * scale
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            if self.scaler is not None:
+                self._loss_finite = self._loss_finite and bool(torch.isfinite(loss.detach()))
+                self.scaler.scale(scaled).backward()
+            else:
+                scaled.backward()
             if real:
                 out += [(k, float(v)) for k, v in metrics.items()]
         return out, total
@@ -564,9 +573,12 @@ class HFTrainEngine:
         """Current full gradients by parameter name (CPU copies)."""
         return {name: p.grad.detach().cpu().clone() for name, p in self.model.named_parameters() if p.grad is not None}
 
-    def _clip_and_step(self) -> tuple[float, bool]:
-        """Clip and apply the accumulated gradient; (total norm, whether the step was taken). A non-finite norm
-        (NaN/inf loss or gradient) skips the step, and the LR schedule does not advance for a skipped step."""
+    def _clip_and_step(self) -> tuple[float, bool, bool]:
+        """Clip and apply the accumulated gradient; (total norm, whether the step was taken, whether it was fp16's
+        loss scaler that overflowed). A non-finite norm (NaN/inf loss or gradient) skips the step, and the LR
+        schedule does not advance for a skipped step. With a scaler, a non-finite norm from finite losses on every
+        rank is the scaled gradient overflowing: the scaler lowers its scale and the next step tries again."""
+        loss_finite, self._loss_finite = self._loss_finite, True  # (for the next mini-batch)
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
@@ -583,10 +595,15 @@ class HFTrainEngine:
             self.optimizer.step()
         if not stepped:  # a non-finite gradient would poison the weights and moments
             self.optimizer.zero_grad(set_to_none=True)
-            log.warning("%s: non-finite gradient norm (%s): optimizer step skipped", self.role, norm)
-            return norm, False
+            # (every rank sees the same norm, so every rank joins this reduction)
+            overflow = self.scaler is not None and self._all_reduce_max(int(not loss_finite)) == 0
+            if overflow:
+                log.info("%s: fp16 loss scale overflowed; step skipped, scale lowered", self.role)
+            else:
+                log.warning("%s: non-finite gradient norm (%s): optimizer step skipped", self.role, norm)
+            return norm, False, overflow
         self.scheduler.step()
-        return norm, True
+        return norm, True, False
 
     # ---- weights and checkpoints --------------------------------------------------------------------------
     def iter_weights(self, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
