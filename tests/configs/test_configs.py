@@ -134,6 +134,7 @@ def test_invariant_violation_says_how_to_fix() -> None:
         ("train_engine.lora_alpha=nan", "lora_alpha"),
         ("train_engine.lora_dropout=1.5", "train_engine.lora_dropout"),
         ("train_engine.lora_dropout=nan", "train_engine.lora_dropout"),
+        ("train_engine.lora_dropout=0.1", "train_engine.lora_dropout"),  # (hf: dropout noise moves the PPO ratio)
         ("infer_engine.max_concurrency=0", "infer_engine.max_concurrency"),
     ],
 )

@@ -157,7 +157,7 @@ class MegatronTrainEngineConfig(TrainEngineConfig):
     # the reference is the base with adapters disabled, weight sync sends merged weights, checkpoints add a peft
     # `adapter/`. Megatron fuses q/k/v and gate/up, so those share one A (targets name all of a group or none).
     lora_rank: int = 0
-    # Must stay 0 (no LoRA dropout in this engine; RL fine-tuning runs without it).
+    # Must stay 0, as on every engine (roll_core.config.schema.TrainEngineConfig).
     lora_dropout: float = 0.0
     # "all-linear" (q/k/v, o, gate/up, down; as in peft, not lm_head), or peft projection names (lm_head included:
     # an untied output layer) / Megatron layer names.
@@ -175,8 +175,6 @@ class MegatronTrainEngineConfig(TrainEngineConfig):
             raise ValueError(
                 "train_engine.micro_batch_tokens > 0 needs pipeline_parallel_size=1 on train_engine=megatron"
             )
-        if self.lora_rank and self.lora_dropout:
-            raise ValueError("train_engine=megatron trains LoRA without dropout: set train_engine.lora_dropout=0")
         check_overlap(self.overlap_grad_reduce, self.overlap_param_gather, self.use_distributed_optimizer)
         if self.lora_rank:
             from roll_engines.train.megatron._lora import resolve_targets

@@ -607,6 +607,8 @@ class TrainEngineConfig:
     lora_rank: int = 0
     # LoRA scaling numerator (the update is alpha / rank * B @ A).
     lora_alpha: float = 16.0
+    # Must stay 0 with LoRA: a training forward must compute the log-probs its scoring passes did (the PPO ratio
+    # of unchanged weights is exactly 1), and dropout noise would move it (the engines run every dropout at 0).
     lora_dropout: float = 0.0
     # Modules that get adapters: "all-linear" (every linear layer except the output head) or the engine's names.
     lora_target_modules: Any = "all-linear"
@@ -621,6 +623,12 @@ class TrainEngineConfig:
             raise ValueError("train_engine.lora_rank must be >= 0 and lora_alpha a finite number > 0")
         if not 0 <= self.lora_dropout < 1:  # NaN fails too
             raise ValueError(f"train_engine.lora_dropout={self.lora_dropout} must be in [0, 1)")
+        if self.lora_rank and self.lora_dropout:
+            raise ValueError(
+                f"train_engine.lora_dropout={self.lora_dropout}: roll trains LoRA without dropout (the log-probs a "
+                "step trains on must be those its scoring passes computed; dropout noise moves the PPO ratio of "
+                "unchanged weights off 1): set train_engine.lora_dropout=0"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"train_engine.num_threads={self.num_threads} must be >= 1 (or null: all cores)")
 

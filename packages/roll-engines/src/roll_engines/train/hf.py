@@ -154,6 +154,8 @@ class HFTrainEngine:
         self.vision = V.Vision.of(self.path)  # None for a text model
         self.model = self._load(attn_implementation, trust_remote_code)
         if lora_rank > 0 and self.trainable:
+            if lora_dropout:  # (the config refuses it too) see _load: a training forward must equal the scoring's
+                raise ValueError("LoRA trains without dropout here: set train_engine.lora_dropout=0")
             if role != "actor":
                 raise ValueError(f"LoRA trains the policy only (role {role!r}): set lora_rank=0 for the {role}")
             # Only the adapters train; the base with adapters disabled doubles as the reference policy.
