@@ -69,6 +69,9 @@ def test_fixed_settings_are_refused_each_with_both_values_and_the_way_out() -> N
         check_resume(SAVED, _changed(env__reward___target_="my.Reward"))
     with pytest.raises(ConfigError, match=r"env\.digits: 1 -> 2"):
         check_resume(SAVED, _changed(env__digits=2))
+    # the number of critics: which critic folders the checkpoint holds (1 -> 2 failed loading critic_1's weights)
+    with pytest.raises(ConfigError, match=r"algo\.num_critics: 1 -> 2"):
+        check_resume(_changed(algo__num_critics=1), _changed(algo__num_critics=2))
 
 
 def test_keys_only_one_side_has_are_reported_not_refused() -> None:

@@ -39,6 +39,7 @@ FIXED = (
     "algo.name",
     "algo.adv_estimator",  # PPO's critic exists (and is checkpointed) only for the estimators that need it
     "algo.group_size",
+    "algo.num_critics",  # the critic folders a checkpoint holds
     "pipeline.name",
     "pipeline.seed",
     "env.*",  # the task, its data and split: the sampler's position indexes this problem list

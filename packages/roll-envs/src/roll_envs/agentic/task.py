@@ -17,6 +17,9 @@ from typing import Any
 
 from roll_core.interfaces import Env
 
+#: The first demonstration episode's seed; later ones count down from it.
+DEMO_SEED_TOP = 2**31 - 1
+
 
 class AgenticTask:
     """Environment factory, seeds and episode limits of an agentic run."""
@@ -67,12 +70,16 @@ class AgenticTask:
         env = self.make_env()
         if not callable(getattr(env, "expert_reply", None)):
             raise ValueError(f"env.demonstrations needs an environment with expert_reply(); {self.env} has none")
-        seed = self.eval_seed_offset + self.eval_size + 10_000
+        # Seeds counted down from the top of the 31-bit range: apart from the training and held-out seeds, and the
+        # same whatever env.eval_size is (a resumed run may change it; its demonstrations must not change).
+        seed = DEMO_SEED_TOP
+        if seed - 20 * count < self.eval_seed_offset + self.eval_size:
+            raise ValueError(f"env.eval_seed_offset + env.eval_size reach the demonstrations' seeds ({seed} down)")
         tried = 0
         while len(messages) < 1 or sum(m["role"] == "demo_end" for m in messages) < count:
             if tried >= 20 * count:
                 raise ValueError(f"the expert of {self.env} solved fewer than {count} of {tried} episodes")
-            obs, _ = env.reset(seed=seed + tried)
+            obs, _ = env.reset(seed=seed - tried)
             if not isinstance(obs, str) and (obs.get("images") if isinstance(obs, dict) else None):
                 # Demonstrations are text turns before every prompt; their pictures would be a second prompt
                 # prefix of pictures in every request (not supported: say so rather than drop the pictures).
