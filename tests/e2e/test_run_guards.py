@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from roll_core.errors import ConfigError
 from roll_core.report import _duration
 from roll_core.testing import run_pipeline, tiny_overrides
 
@@ -45,8 +46,6 @@ def test_reward_failures_and_skipped_rows_reach_the_summary(tmp_path: Path) -> N
 
 
 def test_a_changed_lr_on_resume_takes_effect_and_a_fixed_setting_is_refused(tmp_path: Path) -> None:
-    from roll_core.errors import ConfigError
-
     data = _rows(tmp_path / "seven.jsonl", ["7"] * 64)
     base = tiny_overrides(data, tmp_path / "out", "algo.warmup_steps=0", "algo.lr_schedule=constant")
     _, first = run_pipeline([*base, "pipeline.max_steps=2", "algo.lr=1e-3"])
@@ -68,6 +67,10 @@ def test_resume_from_a_checkpoint_rolls_back_to_it_and_keeps_the_newer_ones_asid
     first, _ = run_pipeline([*base, "pipeline.max_steps=4"])
     step2 = run / "checkpoints" / "step_000002"
     saved_at = json.loads((step2 / "state.json").read_text())["wall_seconds"]
+    # A refused rollback (a setting that cannot change) leaves the run as it was: nothing set aside
+    with pytest.raises(ConfigError, match=r"algo\.group_size"):
+        run_pipeline([*base, "pipeline.max_steps=3", "algo.group_size=4", f"pipeline.resume_from={step2}"])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     summary, history = run_pipeline([*base, "pipeline.max_steps=3", f"pipeline.resume_from={step2}"])
     # wall time: the first process's up to step 2 (setup included), then this one's (it held this segment only)
     assert 0 < saved_at < first["wall_seconds"] and summary["wall_seconds"] > saved_at

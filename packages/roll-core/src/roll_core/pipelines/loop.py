@@ -33,7 +33,7 @@ from roll_core.models import resolve_model_path
 from roll_core.pipelines.collectors import Collector, CollectorContext, CollectorFactory
 from roll_core.pipelines.metrics import StepLog, heavy_masking_warning
 from roll_core.pipelines.objectives import load_objective
-from roll_core.pipelines.run_control import GracefulStop, resolve_run_folder
+from roll_core.pipelines.run_control import GracefulStop, named_checkpoint, resolve_run_folder, set_aside_newer
 from roll_core.pipelines.trainer import Trainer
 from roll_core.pipelines.wiring import build_roles
 from roll_core.tracking import AGREEMENT_PLOT_KEYS, Tracker
@@ -89,10 +89,13 @@ class Pipeline:
         # logged) or are refused before anything is built, and config.yaml then says what is in effect.
         self.ckpt = CheckpointManager(self.out, keep_last=pipe.keep_last, config=config_dict(cfg))
         self.cluster.checkpoints = self.ckpt  # a fault roll cannot repair names the checkpoint to resume from
-        latest = self.ckpt.latest() if (pipe.resume or pipe.resume_from) else None
+        named = named_checkpoint(pipe.resume_from) if pipe.resume_from else None
+        latest = named if named is not None else self.ckpt.latest() if (pipe.resume or pipe.resume_from) else None
         if latest is not None:
             for line in check_checkpoint(latest, cfg):
                 log.info("changed on resume: %s", line)
+        if named is not None:  # accepted: the run continues from it, its newer checkpoints set aside
+            set_aside_newer(named)
         from omegaconf import OmegaConf
 
         self.tracker = Tracker(

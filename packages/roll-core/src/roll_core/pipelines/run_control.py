@@ -114,8 +114,8 @@ def resolve_run_folder(out: Path, resume: bool, resume_from: str | None, experim
         folder = named.parent.parent if named is not None else Path(resume_from).expanduser()
         if _latest_checkpoint(folder) is None:
             raise ConfigError(f"pipeline.resume_from={resume_from}: no complete checkpoint under {folder}/checkpoints")
-        if named is not None:
-            set_aside_newer(named)
+        # A named checkpoint's newer ones are moved aside by the loop once its config was accepted (`set_aside_newer`):
+        # a refused resume leaves the run as it was.
         return folder
     if not resume:
         if _latest_checkpoint(out) is not None:
