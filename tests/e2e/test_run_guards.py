@@ -76,6 +76,8 @@ def test_resume_from_a_checkpoint_rolls_back_to_it_and_keeps_the_newer_ones_asid
     assert 0 < saved_at < first["wall_seconds"] and summary["wall_seconds"] > saved_at
     assert f"- wall time: {_duration(summary['wall_seconds'])}" in (run / "report.md").read_text()
     assert [h["step"] for h in history if h["step"] > 0] == [1, 2, 3]  # steps 3-4 of the first branch dropped
+    assert [h["sync/weight_version"] for h in history if h["step"] > 0] == [1, 2, 3]  # the run's count, not the
+    # resumed engines' (their process started at 0)
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000002", "step_000003"]
     (aside,) = (run / "checkpoints").glob("abandoned-*")
     assert [p.name for p in aside.iterdir()] == ["step_000004"] and (aside / "step_000004" / "state.json").exists()

@@ -97,8 +97,11 @@ class Trainer:
                 self.roles.actor_infer.wake_up()
                 self.asleep = False
             collector.begin_sync()
-            out.update(self.weight_sync.sync().metrics())
+            metrics = self.weight_sync.sync().metrics()
             self.version += 1
+            # The run's count: an engine's own restarts with its process (a resumed run's engines count from 0).
+            metrics["sync/weight_version"] = float(self.version)
+            out.update(metrics)
             self.stale = False
             collector.finish_sync(self.version)
 
