@@ -120,3 +120,28 @@ def test_routed_teachers_cannot_change_on_resume(saved: dict, now: dict) -> None
     with pytest.raises(ConfigError, match=r"distill\.teachers: "):
         check_resume(old, new)
     assert check_resume(old, copy.deepcopy(old)) == []
+
+
+def test_a_changed_kl_coef_restarts_the_adaptive_controller_an_unchanged_one_continues() -> None:
+    """The resume check lists algo.kl_coef as a change that takes effect: with the adaptive controller
+    (algo.kl_target) it then starts from the new value; unchanged, the checkpoint's adapted value continues."""
+    from types import SimpleNamespace
+
+    from roll_core.pipelines.objectives.rl import RLObjective
+
+    roles = SimpleNamespace(sampling=SimpleNamespace(temperature=1.0), critics=None, critic=None)
+
+    def objective(coef: float) -> RLObjective:
+        cfg = load_config(["model=tiny", f"algo.kl_coef={coef}", "algo.kl_target=0.001"])
+        return RLObjective(cfg, roles, trajectories=False)
+
+    saved = objective(0.01)
+    saved.kl_ctl.value = 0.0102  # adapted during the run
+    state = saved.state_dict()
+    same, changed = objective(0.01), objective(0.1)
+    same.load_state_dict(state)
+    changed.load_state_dict(state)
+    assert same.kl_ctl.value == 0.0102 and changed.kl_ctl.value == 0.1
+    old = objective(0.1)  # a checkpoint written before the field: its value continues
+    old.load_state_dict({"kl": {"value": 0.0102}})
+    assert old.kl_ctl.value == 0.0102

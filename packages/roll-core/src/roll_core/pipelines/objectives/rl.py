@@ -12,6 +12,7 @@ Its state is the KL controller (an adaptive coefficient continues on resume).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -34,6 +35,8 @@ from roll_core.seeds import Purpose, derive_seed
 
 #: Batch keys of trajectory batches that estimators read as turns.
 TURN_KEYS = ("turn_rewards", "turn_mask", "turn_ids", "state_keys")
+
+log = logging.getLogger(__name__)
 
 
 class RLObjective:
@@ -229,11 +232,20 @@ class RLObjective:
 
     def state_dict(self) -> dict[str, Any]:
         kl = self.kl_ctl.state_dict() if hasattr(self.kl_ctl, "state_dict") else {"value": self.kl_ctl.value}
-        return {"kl": kl}
+        return {"kl": {**kl, "init": self.cfg.algo.kl_coef}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.cfg.algo.kl_target and "kl" in state:  # an adaptive coefficient continues; a fixed one is the config's
-            self.kl_ctl.value = state["kl"]["value"]
+        """An adaptive coefficient continues from the checkpoint's, unless algo.kl_coef was changed on resume (the
+        resume check reports it as taking effect: the controller then starts again from it); a fixed one is the
+        config's."""
+        if not (self.cfg.algo.kl_target and "kl" in state):
+            return
+        init = state["kl"].get("init", self.cfg.algo.kl_coef)  # (checkpoints before this field: unchanged)
+        if init != self.cfg.algo.kl_coef:
+            log.info("algo.kl_coef changed on resume (%s -> %s): the adaptive KL controller starts from it", init,
+                     self.cfg.algo.kl_coef)  # fmt: skip
+            return
+        self.kl_ctl.value = state["kl"]["value"]
 
 
 class _RL:
