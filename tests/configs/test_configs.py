@@ -153,3 +153,25 @@ def test_engine_specific_sampling_limits_name_the_engine() -> None:
         to_object(compose(["infer_engine=vllm", "infer_engine.temperature=0"]))
     with pytest.raises(ConfigError, match=r"sync_transport='pigeon' is not one of"):
         to_object(compose(["infer_engine.sync_transport=pigeon"]))
+
+
+def test_a_mini_batch_size_that_does_not_divide_the_batch_is_refused() -> None:
+    """algo.mini_batch_size is samples per optimizer step: 24 of 32 rows was one step of 32, and 40 or 1000 one
+    step of the whole batch (no clipping), silently."""
+    for size in (24, 40):
+        with pytest.raises(ConfigError, match=rf"algo\.mini_batch_size={size} does not divide the 32 samples"):
+            to_object(compose(["pipeline.rollout_batch_size=4", "algo.group_size=8", f"algo.mini_batch_size={size}"]))
+    to_object(compose(["pipeline.rollout_batch_size=4", "algo.group_size=8", "algo.mini_batch_size=16"]))
+
+
+def test_a_warm_up_longer_than_the_run_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    from roll_core.config import load_config
+    from roll_core.pipelines.wiring import optimizer_schedule
+
+    with caplog.at_level("WARNING"):
+        schedule = optimizer_schedule(load_config(["pipeline.max_steps=12", "algo.warmup_steps=1000"]))
+    assert schedule["total_steps"] == 12 and "peaks at 1.2% of it" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        optimizer_schedule(load_config(["pipeline.max_steps=12", "algo.warmup_steps=12"]))  # peaks at the last step
+    assert "warmup_steps" not in caplog.text

@@ -857,6 +857,14 @@ class RLVRConfig:
                 f"{model.max_response_length}: lower the buffer (a quarter of the response limit is usual) or 0"
             )
         rows = pipe.rollout_batch_size * algo.group_size
+        if algo.mini_batch_size and (algo.mini_batch_size > rows or rows % algo.mini_batch_size):
+            # rows // mini_batch_size steps would be taken, of other sizes than asked (one step of all the rows for a
+            # mini-batch larger than the batch: the PPO ratio is then 1 and clipping never acts)
+            raise ValueError(
+                f"algo.mini_batch_size={algo.mini_batch_size} does not divide the {rows} samples of a rollout batch "
+                f"(pipeline.rollout_batch_size={pipe.rollout_batch_size} x algo.group_size={algo.group_size}): use "
+                "a divisor of it, or algo.num_mini_batches"
+            )
         if algo.num_mini_batches > rows:
             # More optimizer steps than samples: the extra steps would train on empty mini-batches.
             raise ValueError(

@@ -10,6 +10,7 @@ else builds a group. May assume `cfg` passed its schema checks; must not start g
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,8 @@ from roll_core.errors import ConfigError
 from roll_core.interfaces import SamplingParams, UnsupportedSamplingError
 from roll_core.interfaces.runtime import InferEngineRuntime, TrainEngineRuntime
 from roll_core.pipelines.objectives import RoleNeeds
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,6 +85,28 @@ def mini_batches(cfg: RLVRConfig) -> int:
     return max(1, rows // algo.mini_batch_size) if algo.mini_batch_size else 1
 
 
+def optimizer_schedule(cfg: RLVRConfig) -> dict[str, Any]:
+    """The train engines' optimizer schedule settings; a warm-up longer than the run is logged (the learning rate
+    would never reach algo.lr)."""
+    algo = cfg.algo
+    total_steps = cfg.pipeline.max_steps * algo.ppo_epochs * mini_batches(cfg)
+    if algo.warmup_steps > total_steps:
+        log.warning(
+            "algo.warmup_steps=%d is longer than the run's %d optimizer steps (pipeline.max_steps x "
+            "algo.ppo_epochs x mini-batches): the learning rate never reaches algo.lr (it peaks at %.1f%% of it)",
+            algo.warmup_steps,
+            total_steps,
+            100.0 * total_steps / algo.warmup_steps,
+        )
+    return {
+        "weight_decay": algo.weight_decay,
+        "warmup_steps": algo.warmup_steps,
+        "total_steps": total_steps,
+        "lr_schedule": algo.lr_schedule,
+        "max_grad_norm": algo.max_grad_norm,
+    }
+
+
 def _refuse_vision(te: TrainEngineConfig, model_path: str) -> None:
     """A vision-language model on a train engine that cannot feed it pictures is a config error, raised before
     any worker starts (the engine itself would only refuse once its actors had loaded the model)."""
@@ -127,13 +152,7 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
         "seed": pipe.seed,
         **placement,
     }
-    schedule = {
-        "weight_decay": algo.weight_decay,
-        "warmup_steps": algo.warmup_steps,
-        "total_steps": pipe.max_steps * algo.ppo_epochs * n_mini,
-        "lr_schedule": algo.lr_schedule,
-        "max_grad_norm": algo.max_grad_norm,
-    }
+    schedule = optimizer_schedule(cfg)
     # Sharded trainers (Megatron) span TP x CP x PP ranks per replica: data splits by data-parallel rank only.
     mesh = Mesh.for_world(te.world_size, **te.parallel_sizes())
 
