@@ -175,3 +175,11 @@ def test_a_warm_up_longer_than_the_run_is_said(caplog: pytest.LogCaptureFixture)
     with caplog.at_level("WARNING"):
         optimizer_schedule(load_config(["pipeline.max_steps=12", "algo.warmup_steps=12"]))  # peaks at the last step
     assert "warmup_steps" not in caplog.text
+
+
+def test_a_misspelt_role_in_call_timeouts_is_refused() -> None:
+    """+cluster.call_timeouts.rewards=60 composed and left the reward role at the default 3600 s."""
+    with pytest.raises(ConfigError, match=r"cluster\.call_timeouts\.rewards: .*did you mean reward\?"):
+        to_object(compose(["+cluster.call_timeouts.rewards=60"]))
+    cfg = to_object(compose(["+cluster.call_timeouts.reward=60", "+cluster.call_timeouts.critic_1=5"]))
+    assert cfg.cluster.timeout_for("reward") == 60.0 and cfg.cluster.timeout_for("critic_1") == 5.0

@@ -445,6 +445,7 @@ class ClusterConfig:
         _one_of("cluster.strategy", self.strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
         _positive("cluster.call_timeout_s", self.call_timeout_s, allow_zero=True)
         for role, t in self.call_timeouts.items():
+            _check_role(role)
             _positive(f"cluster.call_timeouts.{role}", t, allow_zero=True)
         _positive("cluster.max_restarts", self.max_restarts, allow_zero=True)
 
@@ -452,6 +453,25 @@ class ClusterConfig:
         """The call timeout of `role` in seconds (None: no limit)."""
         t = self.call_timeouts.get(role, self.call_timeout_s)
         return float(t) if t else None
+
+
+#: Roles a run's worker groups are named by (cluster.call_timeouts keys), besides critic_<n> and teacher_<name>.
+ROLE_NAMES = ("actor_train", "actor_infer", "reference", "critic", "reward", "reward_model", "env")
+
+
+def _check_role(role: str) -> None:
+    """A misspelt role (`rewards`) would leave the real one at the default timeout, silently."""
+    import difflib
+    import re
+
+    if role in ROLE_NAMES or re.fullmatch(r"critic_\d+|teacher_\w+", role):
+        return
+    close = difflib.get_close_matches(role, ROLE_NAMES, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise ValueError(
+        f"cluster.call_timeouts.{role}: no role is named {role!r}{hint}; roles: {', '.join(ROLE_NAMES)}, "
+        "critic_<n>, teacher_<name>"
+    )
 
 
 @dataclass
