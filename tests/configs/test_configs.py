@@ -183,3 +183,8 @@ def test_a_misspelt_role_in_call_timeouts_is_refused() -> None:
         to_object(compose(["+cluster.call_timeouts.rewards=60"]))
     cfg = to_object(compose(["+cluster.call_timeouts.reward=60", "+cluster.call_timeouts.critic_1=5"]))
     assert cfg.cluster.timeout_for("reward") == 60.0 and cfg.cluster.timeout_for("critic_1") == 5.0
+
+
+def test_a_tracker_named_twice_is_refused_at_composition() -> None:
+    with pytest.raises(ConfigError, match=r"pipeline\.trackers=\['jsonl', 'jsonl'\] names jsonl twice"):
+        to_object(compose(["pipeline.trackers=[jsonl,jsonl]"]))

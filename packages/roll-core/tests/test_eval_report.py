@@ -52,6 +52,19 @@ def test_headline_first_last_best_with_direction() -> None:
     assert rows["reward/mean"]["best"] == (2, 0.9)
     assert rows["sft/loss"]["best"] == (2, 1.5) and rows["sft/loss"]["last"] == (2, 1.5)  # NaN is no value
     assert "eval/accuracy" not in rows
+    # The post-training runs' own numbers: on-policy distillation's KL, DPO's and offline distillation's held-out
+    post = {
+        r["key"]: r
+        for r in headline(
+            [
+                {"step": 0, "eval/dpo_accuracy": 0.5, "eval/dpo_loss": 0.69, "eval/distill_kl": 2.0},
+                {"step": 1, "distill/reverse_kl": 0.8, "eval/dpo_accuracy": 0.75, "eval/dpo_loss": 0.6},
+                {"step": 2, "distill/reverse_kl": 0.3, "eval/distill_kl": 1.2},
+            ]
+        )
+    }
+    assert post["distill/reverse_kl"]["best"] == (2, 0.3) and post["eval/dpo_accuracy"]["best"] == (1, 0.75)
+    assert post["eval/dpo_loss"]["best"] == (1, 0.6) and post["eval/distill_kl"]["last"] == (2, 1.2)
 
 
 def test_run_report_numbers_curves_checkpoints_and_commands(tmp_path: Path) -> None:

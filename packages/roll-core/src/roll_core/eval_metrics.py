@@ -11,7 +11,8 @@ Contract:
   sample index), so the result depends only on the samples, never on hashing or dict order. Answers are compared
   after stripping surrounding whitespace; any further equivalence (1/2 vs 0.5) is the extractor's business.
 - `summarize(rows, ks)`: every metric of a list of sample records (one per sampled response, as `samples.jsonl`
-  holds them): accuracy (mean correctness over all samples, which is also the unbiased pass@1), pass@k,
+  holds them): accuracy (mean correctness over all samples; the unbiased pass@1 when every problem has the same
+  number of samples, as roll-eval gives them, else pass@1 weighs problems equally and accuracy samples), pass@k,
   maj@n (the fraction of problems whose majority answer is correct; None when no sample carried an extracted
   answer field), mean response length in tokens, truncation rate (finish reason "length"), format rate, mean
   reward, and the counts. `breakdown(rows, key, ks)` is `summarize` per value of a row field (domain, difficulty).

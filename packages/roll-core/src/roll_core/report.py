@@ -35,7 +35,11 @@ HEADLINE = (
     ("eval/sft_loss", "held-out SFT loss", False),
     ("dpo/loss", "DPO loss", False),
     ("dpo/reward_accuracy", "DPO preference accuracy", True),
+    ("eval/dpo_loss", "held-out DPO loss", False),
+    ("eval/dpo_accuracy", "held-out DPO preference accuracy", True),
     ("distill/kl", "distillation KL", False),
+    ("eval/distill_kl", "held-out distillation KL", False),
+    ("distill/reverse_kl", "on-policy distillation reverse KL", False),
 )
 
 

@@ -558,6 +558,9 @@ class PipelineConfig:
                 problem = str(exc)
             # Raised outside the handler: a chained cause would repeat the message in the config error.
             raise ValueError(f"pipeline.trackers={list(self.trackers)!r}: {problem}")
+        twice = sorted({t for t in self.trackers if list(self.trackers).count(t) > 1})
+        if twice:  # (the tracker refuses it too, but only once the run has built its task and tokenizer)
+            raise ValueError(f"pipeline.trackers={list(self.trackers)!r} names {', '.join(twice)} twice")
         _positive("pipeline.async_ratio", self.async_ratio, allow_zero=True)
         _positive("pipeline.max_nonfinite_steps", self.max_nonfinite_steps, allow_zero=True)
         _positive("pipeline.max_reward_failure_steps", self.max_reward_failure_steps, allow_zero=True)
