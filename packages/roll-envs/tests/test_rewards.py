@@ -45,6 +45,9 @@ def test_plain_numbers_compare_exactly_with_thousands_separators() -> None:
     res = reward.score([r for r, _, _ in pairs], [a for _, a, _ in pairs])
     assert res.correct == [c for _, _, c in pairs]
     assert reward.score(["it is 1,000 then"], ["1,000"]).scores == [0.5]  # last-number credit, both sides
+    # spaces between thousands groups (plain or LaTeX thin) are separators; other spaces are not: 1 2 is not 12
+    spaced = [r"\boxed{1 000}", r"\boxed{1\,000}", r"\boxed{12 345 678}", r"\boxed{1 2}"]
+    assert reward.score(spaced, ["1000", "1000", "12345678", "12"]).correct == [1.0, 1.0, 1.0, 0.0]
 
 
 def test_last_number() -> None:

@@ -36,6 +36,8 @@ _NUMBER = re.compile(r"(?:(?<![\w)\]])-)?\d+(?:,\d{3})*(?:\.\d+)?")
 #: number the response states: `last_number` skips it.
 _PART = re.compile(r"[/^_{]$")
 _PART_AFTER = re.compile(r"^(?:/|\}\{|\^)")
+#: A space (or LaTeX thin space) between thousands groups, as in `1 000` or `1\,000`; `1 2` is not twelve.
+_GROUP_SPACE = re.compile(r"(?<=\d)(?:\s|\\,|\\ |~)(?=\d{3}(?!\d))")
 #: Longest boxed answer verified symbolically. Longer ones (model output of thousands of nested braces or
 #: parentheses) score 0 and count in `errors` at once: math-verify would spend its whole timeout on them, and its
 #: SIGALRM timeout cannot interrupt C code (a regex over the text), so the time is not even bounded.
@@ -95,8 +97,9 @@ class MathReward(Reward):
     def _verify(self, boxed: str, answer: str, counters: dict[str, int]) -> bool:
         from math_verify.errors import TimeoutException
 
-        if _NUMBER.fullmatch(boxed.replace(" ", "")) and _NUMBER.fullmatch(answer.strip()):
-            return _same_number(boxed.replace(" ", ""), answer)  # fast path: plain numbers
+        plain = _GROUP_SPACE.sub("", boxed.strip())
+        if _NUMBER.fullmatch(plain) and _NUMBER.fullmatch(answer.strip()):
+            return _same_number(plain, answer)  # fast path: plain numbers
         if len(boxed) > MAX_BOXED_CHARS:
             counters["errors"] += 1
             return False
