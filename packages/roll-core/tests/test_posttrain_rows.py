@@ -466,3 +466,61 @@ def test_distill_tokenizer_column_and_fingerprint(tmp_path):
         rf"{tokenizer_fingerprint(chatml)}",
     ):
         load("distill", chatml, path=bad)
+
+
+@pytest.mark.parametrize("family", ["chatml", "llama3", "phi3"])
+def test_two_assistant_turns_in_a_row_have_the_templates_header_between_them(tmp_path, family):
+    """A1 then A2: the model is trained on A1's end of turn, then (context) the next assistant header, then A2, as
+    the template renders them; it was trained to write A2 right after its end-of-turn token."""
+    tok = TOKS[family]
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "A1"}]
+    messages.append({"role": "assistant", "content": "A2"})
+    batch = load("sft", tok, path=write_jsonl(tmp_path / "two.jsonl", [{"messages": messages}])).train.batch([0])
+    n = int(batch["attention_mask"][0, batch["prompts"].shape[1] :].sum())
+    response = tok.decode(batch["responses"][0][:n])
+    rendered = tok.apply_chat_template(messages, tokenize=False)
+    assert response == rendered[rendered.index("A1") : rendered.index("A2") + 2] + END[family]
+    assert masked_segments(tok, batch["responses"][0], batch["response_mask"][0]) == [f"A1{END[family]}"] * 1 + [
+        f"A2{END[family]}"
+    ]
+
+
+def test_a_template_that_drops_the_reasoning_skips_the_row_and_says_so(tmp_path):
+    """DeepSeek-R1's template strips <think> from assistant turns: trained as rendered, the row would teach the
+    answer without its reasoning. Such rows are skipped and counted; a row without reasoning is kept."""
+    tok = family_tokenizer("deepseek_r1")
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+            ]
+        },
+        {"messages": [{"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]},
+    ]
+    src = load("sft", tok, path=write_jsonl(tmp_path / "r1.jsonl", rows)).train
+    assert len(src) == 1 and src.skipped == {"template_drops_content": 1}
+    # A header that opens <think> for a turn whose reasoning the template drops: the mismatch names what differs
+    qwq = family_tokenizer("qwen3")
+    qwq.chat_template = (
+        "{%- for m in messages -%}{%- if m.role == 'assistant' -%}"
+        "{{- '<|im_start|>assistant\\n' + m.content.split('</think>')[-1].lstrip('\\n') + '<|im_end|>\\n' -}}"
+        "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>\\n' -}}{%- endif -%}"
+    )
+    with pytest.raises(ConfigError, match=r"template_mismatch: .*the generation prompt ends '<think>\\n'"):
+        load("sft", qwq, path=write_jsonl(tmp_path / "qwq.jsonl", rows[1:]))
+
+
+def test_a_train_flag_that_is_not_a_boolean_is_a_counted_skip(tmp_path):
+    """`"train": 0` or `"false"` trained the turn (only the literal false counted); null is absent (Parquet)."""
+    tok = TOKS["chatml"]
+
+    def row(flag):
+        return {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "BAD", "train": flag},
+                             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "GOOD"}]}  # fmt: skip
+
+    src = load("sft", tok, path=write_jsonl(tmp_path / "f.jsonl", [row(0), row("false"), row(None), row(False)])).train
+    assert src.skipped == {"wrong_type": 2} and len(src) == 2
+    got = [masked_segments(tok, src.batch([i])["responses"][0], src.batch([i])["response_mask"][0]) for i in (0, 1)]
+    assert got == [["BAD<|im_end|>", "GOOD<|im_end|>"], ["GOOD<|im_end|>"]]

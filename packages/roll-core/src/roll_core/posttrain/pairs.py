@@ -28,7 +28,7 @@ from typing import Any
 
 from roll_core.posttrain.config import DataConfig
 from roll_core.posttrain.rows import RawRow, SkipRow, Skips
-from roll_core.posttrain.tokenize import SFTTokenizer, TokenRow, check_messages, check_text, need
+from roll_core.posttrain.tokenize import SFTTokenizer, TokenRow, check_messages, check_text, need, train_flag
 
 PREFERENCE_FORMATS = ("preference", "rollout")
 
@@ -62,7 +62,7 @@ def parse_preference(raw: RawRow, sft: SFTTokenizer) -> Pair:
         else:
             p = sft.as_messages(prompt, cfg.prompt_key, "user")
             c = sft.as_messages(value, key, "assistant")
-            trained = [False] * len(p) + [m.get("train", True) is not False for m in c]
+            trained = [False] * len(p) + [train_flag(m) for m in c]
             tokens = sft.chat_row(p + c, trained, row.get("tools"))
         tokens.where = f"{raw.where}:{key}"
         sides.append(sft.limit(tokens))

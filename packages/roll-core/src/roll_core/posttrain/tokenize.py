@@ -2,7 +2,8 @@
 
 Row forms (`detect_format` picks one per file from its columns, or `data.format` names it):
 - `messages`: `{"messages": [{"role", "content"}, ...]}` (optional `tools` column). Every assistant message is
-  trained unless it has `"train": false`; system / user / tool messages are context.
+  trained unless it has `"train": false` (a `train` that is not true, false or null is a `wrong_type` skip);
+  system / user / tool messages are context.
 - `prompt_completion`: `{"prompt": str | messages, "completion": str | messages}` (TRL's standard and
   conversational forms). Text with `data.chat_template=true` becomes a user message and an assistant message;
   with false, the prompt's ids (the tokenizer's special tokens added, e.g. bos) then the completion's ids and eos.
@@ -16,9 +17,11 @@ its rendered text (the template's rendering of that turn as the conversation's l
 closing: Qwen3's `<think>` block kept, Llama 3's trimming applied) encoded on its own, plus the end-of-turn token
 (the template's end-of-turn special token, else the tokenizer's eos: what sampling stops on and the model must
 learn to emit); between turns, `TurnTemplate.continuation` (the rest of the closing, the next messages, the next
-generation header) with mask 0. Mask 1 covers exactly the trained assistant turns' ids and their end-of-turn
-tokens; untrained assistant turns after the first trained one are context (mask 0); messages after the last
-trained turn are dropped.
+generation header) with mask 0, and between two assistant turns in a row the first's closing and the next one's
+header. An assistant turn whose text the template drops in part (a `<think>` block it strips) is skipped
+(`template_drops_content`): trained as rendered, the model would learn to answer without it. Mask 1 covers
+exactly the trained assistant turns' ids and their end-of-turn tokens; untrained assistant turns after the first
+trained one are context (mask 0); messages after the last trained turn are dropped.
 
 Length: a prompt longer than `max_prompt_length` is skipped (`prompt_too_long`); a response region longer than
 `max_response_length` is cut (`truncated`), or skipped (`response_too_long`) when `data.truncate=false`.
@@ -179,14 +182,25 @@ class ChatEncoder:
         before = self._render(history, True, tools)
         full = self._render([*history, message], False, tools)
         if not full.startswith(before) or not full.endswith(self.final_closing):
+            same = next((k for k, (a, b) in enumerate(zip(before, full)) if a != b), min(len(before), len(full)))
             raise SkipRow(
                 "template_mismatch",
                 "the chat template renders the conversation before this assistant turn differently with the turn "
-                "after it, so the turn's text cannot be isolated",
+                f"after it (the generation prompt ends {before[same:][:40]!r} where the turn has "
+                f"{full[same:][:40]!r}: e.g. a header that opens <think> for a turn whose reasoning the template "
+                "drops), so the turn's text cannot be isolated",
             )
         text = full[len(before) : len(full) - len(self.final_closing)]
         if not text:
             raise SkipRow("empty", "an assistant turn renders to no text")
+        content = message.get("content")
+        if isinstance(content, str) and not _kept(content, text):
+            raise SkipRow(
+                "template_drops_content",
+                "the chat template drops part of this assistant turn (its <think> reasoning, say): training on what "
+                "it renders would teach the model to answer without it. Use a template that keeps it (Qwen3's "
+                "keeps the last turn's), or rows without it",
+            )
         return [*self.turns.encode(text), self.end_id]
 
     def encode(
@@ -214,6 +228,12 @@ class ChatEncoder:
                     mask += [int(trained[i])] * len(ids)
                     previous = ids
                     i += 1
+                    if i <= last and clean[i]["role"] == "assistant":
+                        # two assistant turns in a row: the first's closing and the next one's header between them,
+                        # as the template renders them (the model never continues right after its end of turn)
+                        between = self.turns.continuation([], tools, response_ids=previous)
+                        response += between
+                        mask += [0] * len(between)
                     continue
                 j = i
                 while clean[j]["role"] != "assistant":
@@ -230,6 +250,25 @@ class ChatEncoder:
 
 
 # ---- SFT rows ---------------------------------------------------------------------------------------------------
+def _kept(content: str, rendered: str) -> bool:
+    """Whether an assistant message's text survives its rendering: the reasoning of a `<think>...</think>` block and
+    the answer after it each appear (templates may re-space them), or the stripped content does."""
+    if "</think>" in content:
+        reasoning, _, answer = content.partition("</think>")
+        reasoning = reasoning.replace("<think>", "").strip()
+        return (not reasoning or reasoning in rendered) and (not answer.strip() or answer.strip() in rendered)
+    return content.strip() in rendered
+
+
+def train_flag(message: Mapping[str, Any]) -> bool:
+    """A message's `train` flag: true, false, or absent/null (trained); any other value is a counted skip (`0` or
+    `"false"` read as true would train a turn the data says not to)."""
+    flag = message.get("train")
+    if flag is None or isinstance(flag, bool):
+        return flag is not False
+    raise SkipRow("wrong_type", f"a message's 'train' is {flag!r}: use true or false")
+
+
 class SFTTokenizer:
     """SFT (and distillation) rows of one form to `TokenRow`s, with the length limits applied."""
 
@@ -269,7 +308,7 @@ class SFTTokenizer:
             return TokenRow(prompt, response, mask, key=json.dumps(prompt))
         if form == "messages":
             messages = check_messages(need(row, cfg.messages_key), cfg.messages_key)
-            trained = [m.get("train", True) is not False for m in messages]
+            trained = [train_flag(m) for m in messages]
             return self.chat_row(messages, trained, row.get("tools"))
         if form == "prompt_completion":
             prompt, completion = need(row, cfg.prompt_key), need(row, cfg.completion_key)
@@ -277,7 +316,7 @@ class SFTTokenizer:
                 return self.raw_text(check_text(prompt, cfg.prompt_key), check_text(completion, cfg.completion_key))
             p = self.as_messages(prompt, cfg.prompt_key, "user")
             c = self.as_messages(completion, cfg.completion_key, "assistant")
-            trained = [False] * len(p) + [m.get("train", True) is not False for m in c]
+            trained = [False] * len(p) + [train_flag(m) for m in c]
             return self.chat_row(p + c, trained, row.get("tools"))
         raise ValueError(f"not an SFT row form: {form!r} (one of {', '.join(SFT_FORMATS)})")
 
