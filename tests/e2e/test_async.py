@@ -127,6 +127,16 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(seven_task: 
         (["pipeline.async_ratio=1", "infer_engine.sleep_level=1"], "set infer_engine.sleep_level=0"),
         (["pipeline.async_ratio=-1"], "pipeline.async_ratio=-1 must be >= 0"),
         (["algo.refill_oversample=0.5"], "must be >= 1"),
+        # a resumed response is a new request over prompt + prefix: a grammar would restart, a split stop string
+        # go unseen (a constrained 8-digit answer came out as 11 digits)
+        (
+            ["pipeline.async_ratio=1", "pipeline.partial_rollout=true", "+infer_engine.structured.regex='[0-9]{8}'"],
+            r"cannot resume a response under infer_engine\.structured",
+        ),
+        (
+            ["pipeline.async_ratio=1", "pipeline.partial_rollout=true", "infer_engine.stop=['</answer>']"],
+            r"cannot resume a response under infer_engine\.stop",
+        ),
     ],
 )
 def test_bad_async_settings_are_config_errors(seven_task: Path, tmp_path: Path, extra: list[str], message: str) -> None:
