@@ -142,3 +142,55 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(seven_task: 
 def test_bad_async_settings_are_config_errors(seven_task: Path, tmp_path: Path, extra: list[str], message: str) -> None:
     with pytest.raises(Exception, match=message):
         run_pipeline(tiny_overrides(seven_task, tmp_path, *extra))
+
+
+def test_a_vision_policy_stops_at_a_sampled_picture_placeholder_so_its_aborted_responses_resume() -> None:
+    """Partial rollout with a vision-language policy that samples picture placeholders (biased to, here): its async
+    sampling stops on them (stop_at_pictures), so no aborted prefix holds one; a prefix that did made the engine
+    refuse the resumed request, and the rollout thread died."""
+    from PIL import Image
+
+    from roll_core.models import resolve_model_path
+    from roll_core.multimodal import VisionProcessor, as_content
+    from roll_core.pipelines.collectors.prompts_async import stop_at_pictures
+    from roll_core.scheduling.driver import AsyncRollout
+    from roll_core.scheduling.scheduler import RolloutScheduler
+    from roll_engines.infer.hf import HFInferEngine
+
+    path = resolve_model_path("builtin:tiny-qwen2.5-vl")
+    vp = VisionProcessor(path)
+    engine = HFInferEngine(path, max_new_tokens=32, max_num_seqs=8)
+    picture = Image.fromarray(torch.randint(0, 200, (40, 60, 3), dtype=torch.uint8).numpy(), "RGB")
+    ids, mm = vp.encode_messages([{"role": "user", "content": as_content("what colour? <image>", 1)}], [picture])
+    engine.model.get_output_embeddings().register_forward_hook(
+        lambda _m, _i, out: out.index_add_(-1, torch.tensor([vp.image_token_id]), torch.full((*out.shape[:-1], 1), 2.5))
+    )
+
+    class Problem:
+        id, prompt, answer = "p", "x", "7"
+
+    sched = RolloutScheduler(batch_groups=1, group_size=4, max_new_tokens=32, async_ratio=1, partial_rollout=True)
+    params = stop_at_pictures(SamplingParams(max_new_tokens=32, ignore_eos=True, seed=0), vp.tokenizer)
+    assert vp.image_token_id in params.stop_token_ids
+    driver = AsyncRollout(RequestsOf(engine), sched, lambda: (Problem(), ids, mm), params)
+    hold = EngineHold(engine, tokens=6)
+    driver.start()
+    try:
+        hold.wait("generation to get under way")
+        under_way = hold.running(6)
+        sync = threading.Thread(target=driver.begin_update)
+        sync.start()
+        deadline = time.monotonic() + 60
+        while not all(s.aborted for s in under_way):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        hold.release()
+        sync.join(60)
+        driver.finish_update()
+        groups = driver.take(1) + driver.take(1)
+    finally:
+        driver.close()
+        engine.shutdown()
+    samples = [s for g in groups for s in g.samples]
+    assert len(samples) == 8 and sum(vp.image_token_id in s.tokens for s in samples) > 0  # it did sample them
+    assert all(vp.image_token_id not in s.tokens[:-1] for s in samples)  # only as a last, stopping token

@@ -251,6 +251,15 @@ def assemble(tokenizer: Any, prompts: Batch, gen: Batch, metrics: dict[str, Any]
     return batch
 
 
+def picture_token_ids(tokenizer: Any) -> set[int]:
+    """Ids of the picture placeholder and vision marker tokens `tokenizer` has (every supported family's)."""
+    from roll_core.multimodal import FAMILIES
+
+    unk = getattr(tokenizer, "unk_token_id", None)
+    names = {f.image_token for f in FAMILIES.values()} | {"<|video_pad|>", "<|vision_start|>", "<|vision_end|>"}
+    return {i for i in (tokenizer.convert_tokens_to_ids(n) for n in sorted(names)) if isinstance(i, int) and i != unk}
+
+
 def cut_picture_tokens(tokenizer: Any, batch: Batch, pad: int, metrics: dict[str, Any] | None = None) -> None:
     """A vision-language batch's responses end before any picture placeholder the policy sampled itself.
 
@@ -261,11 +270,7 @@ def cut_picture_tokens(tokenizer: Any, batch: Batch, pad: int, metrics: dict[str
     """
     if "mm_inputs" not in batch or "responses" not in batch:
         return
-    from roll_core.multimodal import FAMILIES
-
-    unk = getattr(tokenizer, "unk_token_id", None)
-    names = {f.image_token for f in FAMILIES.values()} | {"<|video_pad|>", "<|vision_start|>", "<|vision_end|>"}
-    ids = {i for i in (tokenizer.convert_tokens_to_ids(n) for n in sorted(names)) if isinstance(i, int) and i != unk}
+    ids = picture_token_ids(tokenizer)
     if not ids:
         return
     resp, mask = batch["responses"], batch["response_mask"]

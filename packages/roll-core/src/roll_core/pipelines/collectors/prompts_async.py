@@ -24,10 +24,11 @@ import torch
 
 from roll_core.data import LockedSampler
 from roll_core.errors import ConfigError
+from roll_core.interfaces import SamplingParams
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors.prompts import PromptCollector
 from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
-from roll_core.pipelines.rollout import PROBLEM_FIELDS, BadPictures, assemble, encode_prompt
+from roll_core.pipelines.rollout import PROBLEM_FIELDS, BadPictures, assemble, encode_prompt, picture_token_ids
 from roll_core.pipelines.sampling import RM_ROW_TENSORS, generation_from_samples, informative_groups
 from roll_core.protocol import Batch
 from roll_core.scheduling.driver import AsyncRollout
@@ -70,6 +71,14 @@ def check_async(ctx: CollectorContext) -> None:
         )
 
 
+def stop_at_pictures(params: SamplingParams, tokenizer: Any) -> SamplingParams:
+    """A vision-language policy's sampling stops on a picture placeholder it samples itself: the response is cut
+    before it anyway (rollout.cut_picture_tokens), and a response aborted at a sync with one in its prefix could not
+    be resumed (the engine refuses a placeholder with no picture behind it, and the rollout thread died)."""
+    stops = tuple(dict.fromkeys((*params.stop_token_ids, *sorted(picture_token_ids(tokenizer)))))
+    return params.replace(stop_token_ids=stops)
+
+
 class AsyncPromptCollector(PromptCollector):
     """Prompts generated ahead of the trainer (see the module docstring); data, reward and evaluation as in the
     synchronous collector."""
@@ -78,6 +87,8 @@ class AsyncPromptCollector(PromptCollector):
         super().__init__(ctx)
         check_async(ctx)
         self.sampler = LockedSampler(self.sampler)  # drawn on the driver's thread, saved on the trainer's
+        if self.processor is not None:
+            self.sampling = stop_at_pictures(self.sampling, self.tokenizer)
         p = self.cfg.pipeline
         self.k = p.async_ratio
         self.sched = RolloutScheduler(
