@@ -272,9 +272,10 @@ def test_roll_eval_builds_the_engine_as_the_run_did(tmp_path: Path, monkeypatch:
     assert seen["attn_implementation"] == "eager" and seen["trust_remote_code"] is True, seen
 
 
-@pytest.mark.parametrize("bad", [["--samples", "0"], ["--samples", "-3"]])
+@pytest.mark.parametrize("bad", [["--samples", "0"], ["--samples", "-3"], ["--n", "-2", "--k", "1"], ["--n", "0"]])
 def test_roll_eval_refuses_a_sample_count_below_1(bad: list[str], capsys: pytest.CaptureFixture) -> None:
-    """--samples 0 silently meant pipeline.eval_size, -3 was a traceback: both a usage error (exit 2)."""
+    """--samples 0 silently meant pipeline.eval_size, -3 was a traceback: both a usage error (exit 2). --n -2 was
+    reported as a bad --k."""
     with pytest.raises(SystemExit) as exit_:
         eval_main(["builtin:tiny", "model=tiny", *bad])
     assert exit_.value.code == 2 and "must be >= 1" in capsys.readouterr().err

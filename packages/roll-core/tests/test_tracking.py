@@ -97,6 +97,24 @@ def test_tensorboard_backend_logs_finite_metrics_and_purges_the_redone_steps(
     ]
 
 
+def test_a_fresh_run_in_a_folder_of_an_attempt_that_never_checkpointed_shows_only_its_own_steps(
+    tmp_path: Path,
+) -> None:
+    """A relaunch (or resume=true without a checkpoint) starts metrics.jsonl afresh; TensorBoard showed the earlier
+    attempt's steps 0-3 beside the new 0-1."""
+    pytest.importorskip("tensorboard", reason="the roll-core[track] extra")
+    first = Tracker(tmp_path, "experiment: demo\n")
+    for step in range(4):
+        first.log(step, {"loss": 10.0 + step})
+    first.close()
+    again = Tracker(tmp_path, "experiment: demo\n")
+    for step in range(2):
+        again.log(step, {"loss": float(step)})
+    again.close()
+    assert _scalars(tmp_path / "tensorboard") == {"loss": [(0, 0.0), (1, 1.0)]}
+    assert [r["loss"] for r in Tracker.read_metrics(tmp_path / "metrics.jsonl")] == [0.0, 1.0]
+
+
 def test_no_trackers_writes_only_the_core_files(tmp_path: Path) -> None:
     cfg = load_config(["pipeline.trackers=[]"])
     assert cfg.pipeline.trackers == []

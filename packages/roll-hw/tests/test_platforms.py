@@ -239,3 +239,16 @@ def test_doctor_reports_a_platform_that_fails_to_describe_itself(monkeypatch: py
     monkeypatch.setattr(doctor, "resolve_platform", lambda *a, **k: TooOldDriver)
     text, ok = doctor.report()
     assert "RuntimeError: The NVIDIA driver on your system is too old" in text and ok
+
+
+def test_doctor_answers_help_and_refuses_an_unknown_option(capsys: pytest.CaptureFixture[str]) -> None:
+    """`roll-doctor --help` printed the whole report and a misspelt option passed silently (exit 0)."""
+    from roll_hw import doctor
+
+    with pytest.raises(SystemExit) as help_:
+        doctor.main(["--help"])
+    assert help_.value.code == 0 and "usage: roll-doctor" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:
+        doctor.main(["--platform=cuda"])
+    assert bad.value.code == 2 and "unrecognized arguments: --platform=cuda" in capsys.readouterr().err
+    assert doctor.main([]) in (0, 1) and "platform" in capsys.readouterr().out

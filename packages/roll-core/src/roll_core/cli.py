@@ -161,7 +161,9 @@ def eval_main(argv: list[str] | None = None) -> int:
         "checkpoints in step order), then config overrides (key=value, e.g. env=arithmetic env.digits=2)",
     )
     parser.add_argument("--samples", type=_positive_int, default=None, help="held-out problems to evaluate (>= 1)")
-    parser.add_argument("--n", type=int, default=1, help="responses per problem (> 1 needs a temperature > 0)")
+    parser.add_argument(
+        "--n", type=_positive_int, default=1, help="responses per problem (>= 1; > 1 needs a temperature > 0)"
+    )
     parser.add_argument("--k", default=None, help="pass@k values, e.g. 1,4,8 (each <= --n; default 1,2,4.. n)")
     parser.add_argument("--data", default=None, help="a benchmark file (JSONL/Parquet): every row is held out")
     parser.add_argument("--out", default=None, help="output folder (default outputs/eval/<date>_<time>)")

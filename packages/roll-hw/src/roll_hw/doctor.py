@@ -163,8 +163,16 @@ def report() -> tuple[str, bool]:
     return "\n\n".join(sections), current is not None
 
 
-def main() -> int:
-    """Console entry point: print the report; exit 1 if the platform could not be resolved."""
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: print the report; exit 1 if the platform could not be resolved (2: a bad option)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="roll-doctor",
+        description="What roll sees on this machine: the platform it would pick (ROLL_PLATFORM to force one), "
+        "devices, bf16 support, optional engines, installed plugins and trackers. Takes no options.",
+    )
+    parser.parse_args(argv)  # --help answers; an unknown option exits 2 instead of passing silently
     text, ok = report()
     print(text)
     return 0 if ok else 1

@@ -25,6 +25,9 @@ class TensorBoardTracker:
         from torch.utils.tensorboard import SummaryWriter
 
         self.dir = Path(run_dir) / "tensorboard"
+        if not resume:  # an earlier attempt in this folder that never checkpointed: its events go, as metrics.jsonl
+            for old in self.dir.glob("events.out.tfevents.*"):  # does (they showed its steps beside this run's)
+                old.unlink()
         self.writer: SummaryWriter | None = SummaryWriter(str(self.dir))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
