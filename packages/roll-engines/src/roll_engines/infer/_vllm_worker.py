@@ -36,7 +36,26 @@ class RollWorkerExtension:
         finally:
             stream.close()
         self._roll_refresh_tied_heads()
+        self._roll_repack_cpu_experts()
         return count
+
+    def _roll_repack_cpu_experts(self) -> None:
+        """Repack MoE experts' weights for vLLM-CPU's grouped GEMM after a reload.
+
+        vLLM 0.32 prepacks `w13_weight`/`w2_weight` at load (`fused_experts.process_weights_after_loading`) but skips
+        that step on a weight update (`UnquantizedFusedMoEMethod`: on a GPU, CUDA graphs hold the parameters'
+        addresses), so on CPU the reloaded experts held the trainer's plain layout while the kernel read them as
+        packed: after any sync, even of unchanged weights, a Qwen3-MoE generated other tokens. CPU only: the GPU
+        kernels read the layout the update writes."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        for module in self.model_runner.model.modules():  # type: ignore[attr-defined]
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if experts is not None and hasattr(module, "w13_weight"):
+                experts.process_weights_after_loading(module)
 
     def _roll_refresh_tied_heads(self) -> None:
         """Rebuild the kernels of an LM head tied to the input embeddings from the weights just loaded.
