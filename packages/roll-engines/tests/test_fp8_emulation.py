@@ -81,3 +81,27 @@ def test_gap_to_the_trainer_grows_and_the_trainer_stays_exact(tiny: str) -> None
     print(f"mean |train - infer| log-prob gap: {gaps}")
     assert gaps[False] < 1e-4, gaps  # the same kernels up to reduction order
     assert gaps[True] > 100 * max(gaps[False], 1e-7) and gaps[True] > 1e-3, gaps
+
+
+def test_a_mixture_of_experts_is_refused(tmp_path) -> None:
+    """vLLM's FP8 rounds the routed experts (3-D fused weights here) and not the routers; rounding the nn.Linear
+    layers only left most of an MoE's weights exact and understated the gap, silently."""
+    import pytest
+
+    from roll_core.testing.models import tiny_model
+
+    path = tiny_model("qwen3_moe", str(tmp_path))
+    with pytest.raises(ValueError, match=r"emulate_fp8: .* is a mixture of experts"):
+        HFInferEngine(path, emulate_fp8=True)
+
+
+def test_a_sync_of_a_wrongly_shaped_tensor_is_refused(tiny: str) -> None:
+    """copy_ broadcast a (1,) tensor over a whole weight (every entry 0.5)."""
+    import pytest
+
+    engine = HFInferEngine(tiny)
+    name, weight = next((k, v) for k, v in engine.model.state_dict().items() if v.dim() == 1)
+    before = weight.clone()
+    with pytest.raises(ValueError, match=rf"weight '{name}': the sync sent shape \(1,\)"):
+        engine.update_weights([(name, torch.tensor([0.5]))])
+    assert torch.equal(engine.model.state_dict()[name], before)

@@ -30,7 +30,7 @@ after an engine discarded its weights (`sleep(level=2)`), is always full.
 
 LoRA adapter sync (`infer_engine.lora_sync=adapter`, engines whose `weight_format` is "adapter"): the trainer
 yields its adapter alone (`TrainEngine.iter_adapter`) at every sync, full or not; the engines loaded the frozen
-base from the model path at start and serve the adapter (roll_engines.infer._vllm_lora).
+base from the model path at start and serve the adapter (roll_engines.infer._adapters).
 
 Restarted engines (roll_core.cluster.group: a dead or hung inference worker is re-created): `WeightSync` registers
 a restart hook that gives the new engines the trainer's current weights in full through the object store

@@ -35,6 +35,13 @@ class FP8Emulation:
     """Per-tensor FP8 rounding of a model's linear layers (weights and inputs), the LM head excepted."""
 
     def __init__(self, model: nn.Module) -> None:
+        experts = [n for n, p in model.named_parameters() if ".experts." in n and p.dim() == 3]
+        if experts:  # vLLM quantizes the routed experts and not the router; these hooks see nn.Linear layers only
+            raise ValueError(
+                f"infer_engine.emulate_fp8: {type(model).__name__} is a mixture of experts, whose fused expert weights "
+                f"({experts[0]}, ...) this emulation does not round as vLLM's FP8 does: it would understate the gap; "
+                "use a dense model"
+            )
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.layers = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not head]
         if not self.layers:

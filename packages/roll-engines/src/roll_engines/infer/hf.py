@@ -386,6 +386,11 @@ class HFInferEngine:
             for name, value in named_tensors:
                 if name not in own:
                     raise KeyError(f"weight {name!r} is not in the inference model {type(self.model).__name__}")
+                if value.shape != own[name].shape:  # copy_ would broadcast a (1,) tensor over a whole weight
+                    raise ValueError(
+                        f"weight {name!r}: the sync sent shape {tuple(value.shape)}, the inference model's is "
+                        f"{tuple(own[name].shape)}"
+                    )
                 own[name].copy_(value)
                 nbytes += value.numel() * value.element_size()
         return nbytes
