@@ -314,3 +314,48 @@ def test_a_server_gone_for_good_leaves_the_points_in_unsent_json(
     later = [(key, step, value) for key, value, _, step in unsent["metrics"]]
     count = "tracking/mlflow_send_failures"  # 1 when step 2 was logged; 3 after close's own try
     assert later == [("loss", 1, 0.5), ("loss", 2, 0.25), (count, 2, 1.0), (count, 2, 3.0)]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (SQLAlchemy's, from MLflow's sqlite store)
+def test_a_resume_replays_the_steps_the_continued_run_lacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a) Steps 0-2 with mlflow, 3-5 without it, then mlflow again: the continued MLflow run lacked 3-5. (b) A
+    process that dies with points buffered (the server away; no close, so no unsent.json): run.json counted them as
+    logged, and the resumed run never sent them."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+
+    from roll_core.trackers.mlflow import MlflowTracker, read_run
+
+    cfg = "experiment: gap\n"
+    for trackers, steps in ((["mlflow"], range(3)), ([], range(3, 6)), (["mlflow"], range(6, 8))):
+        tracker = Tracker(tmp_path / "a", cfg, trackers, resume=steps.start > 0)
+        if steps.start:
+            tracker.truncate(steps.start - 1)
+        for step in steps:
+            tracker.log(step, {"loss": float(step)})
+        tracker.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'a' / 'mlflow' / 'mlflow.db'}")
+    assert read_run(client, _run_id(tmp_path / "a")) == {s: {"loss": float(s)} for s in range(8)}
+
+    tracker = Tracker(tmp_path / "b", cfg, ["mlflow"])
+    for step in range(3):
+        tracker.log(step, {"loss": float(step)})
+
+    class Down(Exception):
+        error_code = "TEMPORARILY_UNAVAILABLE"
+
+    def down(self: Any) -> None:
+        raise Down("connection refused")
+
+    with monkeypatch.context() as m:
+        m.setattr(MlflowTracker, "_send", down)
+        for step in (3, 4):
+            tracker.log(step, {"loss": float(step)})
+    assert json.loads((tmp_path / "b" / "mlflow" / "run.json").read_text())["last_step"] == 2  # what it holds
+    # the process dies here (no close); the run resumes from its checkpoint at step 4
+    resumed = Tracker(tmp_path / "b", cfg, ["mlflow"], resume=True)
+    resumed.truncate(4)
+    resumed.log(5, {"loss": 5.0})
+    resumed.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'b' / 'mlflow' / 'mlflow.db'}")
+    assert read_run(client, _run_id(tmp_path / "b")) == {s: {"loss": float(s)} for s in range(6)}

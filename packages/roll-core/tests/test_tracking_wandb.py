@@ -198,3 +198,20 @@ def test_without_wandb_the_error_names_the_extra(tmp_path: Path, monkeypatch: py
     with pytest.raises(MissingExtraError) as err:
         Tracker(tmp_path, "experiment: demo\n", ["tensorboard", "wandb"])
     assert str(err.value) == "pipeline.trackers=[wandb] needs wandb: pip install 'roll-core[wandb]'"
+
+
+def test_a_resume_after_an_attempt_without_wandb_replays_the_steps_it_missed(tmp_path: Path) -> None:
+    """Steps 0-2 with wandb, 3-5 without it (trackers=[]), then wandb again: the continued W&B run holds 0-7 (it
+    lacked 3-5)."""
+    cfg = yaml.safe_dump({"experiment": "gap", "tracking": {"wandb": {"mode": "offline", "project": "gap"}}})
+    for trackers, steps in ((["wandb"], range(3)), ([], range(3, 6)), (["wandb"], range(6, 8))):
+        tracker = Tracker(tmp_path, cfg, trackers, resume=steps.start > 0)
+        if steps.start:
+            tracker.truncate(steps.start - 1)
+        for step in steps:
+            tracker.log(step, {"loss": float(step)})
+        tracker.close()
+    shown: dict[int, float] = {}
+    for run in _current(tmp_path):
+        shown.update({s: m["loss"] for s, m in run["history"].items() if "loss" in m})
+    assert shown == {s: float(s) for s in range(8)}

@@ -21,7 +21,9 @@ cannot delete metric points (a point logged again at the same step is a second p
   (same experiment and name, tag `roll.resumed_from=<old id>`) replays steps 0..last_step from the run folder's
   metrics.jsonl and samples.jsonl, then continues; the old run gets tag `roll.superseded_by=<new id>` and is
   moved to MLflow's deleted runs (kept, and restorable with `mlflow runs restore --run-id <id>`).
-Either way the MLflow run that run.json names shows exactly the history of metrics.jsonl.
+Either way the MLflow run that run.json names shows exactly the history of metrics.jsonl: a continued run is sent
+the steps up to `last_step` it lacks (an attempt that ran without mlflow, or died with points not yet sent: run.json
+counts only the steps the server acknowledged or unsent.json keeps).
 
 Network failures. The tracking server is needed when the run starts (a wrong URI fails there, with its message).
 Later, a send that fails for a network reason (connection refused, timeout, a 5xx) never raises into training:
@@ -137,6 +139,9 @@ class MlflowTracker:
         self.client = MlflowClient(tracking_uri=self.uri)
         self.run_id: str | None = None
         self.last_step = -1  # the last step logged to the current MLflow run (sent or buffered)
+        # The last step the server holds, or unsent.json keeps for the next attempt: what run.json records, so a
+        # process that dies with points only in memory has them replayed from metrics.jsonl when it resumes.
+        self.held_step = -1
         # The buffer: what is not yet accepted by the server, in the order it was logged.
         self.pending_params: dict[str, str] = {}
         self.pending_tags: dict[str, str] = {}
@@ -205,7 +210,7 @@ class MlflowTracker:
                 run = self.client.create_run(self._experiment_id(), run_name=self.name, tags=tags)
         except Exception as exc:
             raise RuntimeError(f"MLflow at {self.uri}: cannot start the run ({exc})") from exc
-        self.run_id, self.last_step, self.tables = run.info.run_id, -1, []
+        self.run_id, self.last_step, self.held_step, self.tables = run.info.run_id, -1, -1, []
         self.pending_params = flatten_config(self.config)
         self.pending_artifacts["config.yaml"] = self._config_text()
         self._save_state()
@@ -253,10 +258,10 @@ class MlflowTracker:
         except Exception as exc:  # the new run is complete without this: never fail the resume for it
             log.warning("MLflow: could not mark the superseded run %s (%s)", old, exc)
 
-    def _replay(self, last_step: int) -> None:
-        """Log what the run folder's own files hold up to `last_step` into the fresh run."""
-        samples = kept_samples(self.run_dir, last_step)
-        for step, metrics in kept_metrics(self.run_dir, last_step):
+    def _replay(self, last_step: int, after: int = -1) -> None:
+        """Log what the run folder's own files hold of the steps in (`after`, `last_step`] into the run."""
+        samples = kept_samples(self.run_dir, last_step, after)
+        for step, metrics in kept_metrics(self.run_dir, last_step, after):
             self._add_metrics(step, metrics)
         for step, rows in sorted(samples.items()):
             self._add_samples(step, rows)
@@ -264,7 +269,7 @@ class MlflowTracker:
 
     # ---- state and buffer files ------------------------------------------------------------------------------
     def _save_state(self) -> None:
-        state = {"tracking_uri": self.uri, "run_id": self.run_id, "last_step": self.last_step}
+        state = {"tracking_uri": self.uri, "run_id": self.run_id, "last_step": self.held_step}
         tmp = self.dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state))
         tmp.replace(self.dir / STATE_FILE)  # a crash mid-write keeps the previous record
@@ -283,6 +288,8 @@ class MlflowTracker:
         tmp = self.dir / (UNSENT_FILE + ".tmp")
         tmp.write_text(json.dumps(unsent))
         tmp.replace(self.dir / UNSENT_FILE)
+        self.held_step = self.last_step  # kept for the next attempt
+        self._save_state()
 
     def _load_unsent(self) -> None:
         path = self.dir / UNSENT_FILE
@@ -350,6 +357,9 @@ class MlflowTracker:
             log.warning("MLflow at %s answers again: the buffered points are sent", self.uri)
             self.outage_failures, self.retry_at = 0, 0.0
         (self.dir / UNSENT_FILE).unlink(missing_ok=True)
+        if self.held_step != self.last_step:
+            self.held_step = self.last_step
+            self._save_state()
         return True
 
     def _timestamp(self) -> int:
@@ -392,9 +402,10 @@ class MlflowTracker:
         state = json.loads(path.read_text()) if path.exists() else None
         same_store = state is not None and state.get("tracking_uri") == self.uri
         if same_store and int(state["last_step"]) <= last_step and self._continue(str(state["run_id"])):
-            self.last_step = int(state["last_step"])
+            self.last_step = self.held_step = int(state["last_step"])
             self._save_state()
-            self._flush(final=True)
+            # the steps it lacks: an attempt that ran without this tracker, or died with its points unsent
+            self._replay(last_step, after=self.held_step)
             return
         self._start(resumed_from=str(state["run_id"]) if same_store else None)
         if same_store:

@@ -10,7 +10,8 @@ samples as a `samples` table (step, prompt, response, reward, ...) at their step
 Resume. `<run>/wandb/roll-run.json` records the W&B run id and the last step W&B holds. W&B history cannot be
 deleted (its "rewind" is a private preview), so `truncate(last_step)` on a resumed run does one of two things:
 - W&B holds nothing after `last_step` (the checkpoint was at the last logged step, as after a preemption):
-  the same W&B run id is resumed (`resume="allow"`) and continues; nothing is lost or duplicated.
+  the same W&B run id is resumed (`resume="allow"`) and continues, sent first the steps up to `last_step` it
+  lacks (an attempt that ran without wandb) from metrics.jsonl; nothing is lost or duplicated.
 - W&B holds steps after `last_step` (a crash between checkpoints; the run redoes them, with other values): the
   same id would keep the stale values and W&B would drop the redone ones (its steps only increase), so a new
   W&B run is started (same name and group, tag `resumed`, config `roll_resumed_from=<old id>`) that replays steps
@@ -126,10 +127,10 @@ class WandbTracker:
         tmp.write_text(json.dumps({"id": self.run.id, "last_step": self.last_step}))
         tmp.replace(self.state_path)  # a crash mid-write keeps the previous record
 
-    def _replay(self, last_step: int) -> None:
-        """Log what the run folder's own files hold up to `last_step` into the fresh W&B run."""
-        samples = kept_samples(self.run_dir, last_step)
-        for step, metrics in kept_metrics(self.run_dir, last_step):
+    def _replay(self, last_step: int, after: int = -1) -> None:
+        """Log what the run folder's own files hold of the steps in (`after`, `last_step`] into the W&B run."""
+        samples = kept_samples(self.run_dir, last_step, after)
+        for step, metrics in kept_metrics(self.run_dir, last_step, after):
             self.log(step, metrics)
             if step in samples:
                 self.samples(step, samples.pop(step))
@@ -144,6 +145,7 @@ class WandbTracker:
         state = json.loads(self.state_path.read_text()) if self.state_path.exists() else None
         if state is not None and int(state["last_step"]) <= last_step:
             self._start(resume_id=str(state["id"]), holds=int(state["last_step"]))
+            self._replay(last_step, after=int(state["last_step"]))  # steps an attempt without W&B logged
             return
         self._start(resumed_from=None if state is None else str(state["id"]))
         self._replay(last_step)
