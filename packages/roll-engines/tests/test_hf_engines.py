@@ -433,3 +433,27 @@ def test_an_entropy_only_logged_keeps_no_graph(tiny: str) -> None:
 
     (logged, ent0), (bonus, ent1) = kept(0.0), kept(0.01)
     assert logged < bonus and ent0 == pytest.approx(ent1)
+
+
+def test_a_request_aborted_across_an_update_reports_the_version_it_was_sampled_under(tiny: str) -> None:
+    """Aborted while the engine was paused for an update, the request resolves after it: every token came from
+    version 0, and it said 1."""
+    from roll_core.interfaces import Request
+
+    engine = HFInferEngine(tiny)
+    try:
+        fut = engine.submit(Request("r", [5, 6, 7], SamplingParams(max_new_tokens=400, ignore_eos=True, seed=1)))
+        deadline = time.monotonic() + 60
+        while not (engine.batcher.running and engine.batcher.running[0].tokens):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        engine.begin_weight_update()  # paused: no token is sampled from here on
+        engine.abort("r")
+        engine.update_weights([(k, v.detach().clone()) for k, v in engine.model.named_parameters()])
+        assert engine.finish_weight_update() == 1
+        out = fut.result(timeout=60)
+        assert out.finish_reason == "abort" and out.token_ids and out.weight_version == 0
+        after = engine.submit(Request("s", [5, 6], SamplingParams(max_new_tokens=2, seed=1))).result(timeout=60)
+        assert after.weight_version == 1
+    finally:
+        engine.shutdown()

@@ -226,7 +226,8 @@ class RequestOutput:
     logprobs: list[float]
     # One of FINISH_REASONS.
     finish_reason: str
-    # Weight version the tokens were sampled under (incremented by every `update_weights` completion).
+    # Weight version the tokens were sampled under (incremented by every `update_weights` completion); for a
+    # request that ran across an update, the oldest (the one it started under).
     weight_version: int = 0
     # MoE engines asked to record routing (infer_engine.return_routing): (len(prompt_ids) + len(token_ids),
     # num_moe_layers, top_k) int16 expert ids per position, -1 where none was computed (roll_core.routing).

@@ -457,7 +457,9 @@ class ContinuousBatcher:
             token_ids=list(seq.tokens),
             logprobs=list(seq.logprobs),
             finish_reason=seq.finish or "abort",
-            weight_version=self.version(),
+            # the oldest weights its tokens came from: those it was admitted under (a request aborted while the
+            # engine was paused resolves after the update, but sampled nothing under it)
+            weight_version=seq.kv_version if seq.kv_version >= 0 else self.version(),
             routed_experts=self.routing.result(seq) if self.routing is not None else None,
         )
         if not seq.future.done():
