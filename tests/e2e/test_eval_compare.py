@@ -244,6 +244,17 @@ def test_roll_eval_exits_1_when_the_reward_failed_on_every_row(tmp_path: Path, c
     assert (tmp_path / "ev" / "report.md").is_file()
 
 
+def test_roll_eval_says_in_one_line_when_every_prompt_fills_the_engines_context(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Arithmetic prompts of 70 tokens, an engine context of 40: exit 2 with the way out (it was a traceback)."""
+    argv = ["builtin:tiny", "model=tiny", "infer_engine.max_model_len=40", "pipeline.eval_size=2"]
+    assert eval_main([*argv, "--out", str(tmp_path / "ev")]) == 2
+    err = capsys.readouterr().err
+    assert "every prompt fills the inference engine's context" in err and "infer_engine.max_model_len" in err
+    assert "Traceback" not in err
+
+
 def test_roll_eval_refuses_a_folder_without_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert eval_main([str(tmp_path), "model=tiny"]) == 2
     assert "nothing to evaluate there" in capsys.readouterr().err

@@ -228,7 +228,13 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
     gen = collector.infer.generate(prompts, params, n=n)
     repeated = prompts.repeat_interleave(n)  # a problem's n responses are contiguous, in sample order
     repeated["eval_sample"] = [j for _ in kept for j in range(n)]
-    batch = assemble(tokenizer, repeated, gen)  # drops (and logs) rows whose prompt fills the engine's context
+    try:
+        batch = assemble(tokenizer, repeated, gen)  # drops (and logs) rows whose prompt fills the engine's context
+    except ValueError as exc:  # every prompt did: one line from the CLI, not a traceback
+        raise ConfigError(
+            f"{exc}: nothing to evaluate; raise the engine's context (infer_engine.max_model_len) or lower "
+            "model.max_prompt_length"
+        ) from exc
     scored = collector.scoring.score(batch)
     extract = answer_extractor(task)
     if extract is None:
