@@ -123,6 +123,20 @@ def test_route_by_task_mixture_and_held_out_balance() -> None:
     assert task.messages(task.train_set()[0])[0]["role"] == "user"
     weights = MultiTask({"add": _arith("add", 0), "mul": _arith("mul", 1)}, weights={"add": 3, "mul": 1})
     assert weights.mixture() == ({"add": 0.75, "mul": 0.25}, {})
+    # a domain not named weighs 1 (one named weight gave every other domain 0: dropped from training, silently)
+    partial = MultiTask({"add": _arith("add", 0), "mul": _arith("mul", 1)}, weights={"add": 3})
+    assert partial.mixture() == ({"add": 0.75, "mul": 0.25}, {})
+
+
+def test_a_pictured_sub_task_keeps_its_pictures() -> None:
+    """A visual task as a domain: its problems reached the model as text with a literal <image> (and a text model
+    was accepted, since no problem seemed to have pictures)."""
+    from roll_envs.tasks.visual import VisualReward, VisualTask
+
+    task = MultiTask({"vis": VisualTask(VisualReward(), train_size=8, eval_size=4), "add": _arith("add", 0)})
+    vis = [p for p in task.train_set() if p.domain == "vis"]
+    assert vis and all(len(p.images) == 1 and p.images == tuple(p.source.images) for p in vis)
+    assert all(not p.images for p in task.train_set() if p.domain == "add")
 
 
 def test_route_by_column_reads_each_rows_domain(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@
   `env.rewards.<domain>` when given, else the reward of the sub-task named like the domain. A domain without a
   reward is a ConfigError when the task loads (naming the domains and the rows' counts), never a silent 0.
 - Each problem is served as a `DomainProblem` (id prefixed `<domain>/`) with the sub-task's own chat messages (its
-  system prompt and worked examples) and metadata.
+  system prompt and worked examples), metadata and pictures.
 - `reward` is a `DomainReward`: each row is scored by the reward of its domain (rows grouped per domain, one call
   per domain, prompts/metadata passed to rewards that declare them, and what is left of the caller's
   `time_budget_s` to those that declare it); a row whose domain has no reward (a row from outside this task)
@@ -15,8 +15,8 @@
   verifier that gave up) stay failed.
 - Sampling (`roll_core.data.DomainSampler`, built by the prompts collectors from `domain_slices()` and
   `mixture()`): `counts` gives each domain a fixed number of prompts per batch (summing to
-  `pipeline.rollout_batch_size`); otherwise `weights` (default: equal) draws each prompt's domain at random, seeded
-  and checkpointed. Every domain keeps its own epoch order.
+  `pipeline.rollout_batch_size`); otherwise `weights` (a domain not named weighs 1: default equal) draws each
+  prompt's domain at random, seeded and checkpointed. Every domain keeps its own epoch order.
 - `advantage_scale[d]` multiplies the advantages of domain d's rows (default 1: group-normalised as always).
 - The held-out set interleaves the domains (round robin) so `pipeline.eval_size` keeps them balanced; evaluation
   and step metrics are reported per domain (`domain/<d>/...`, `eval/<d>/accuracy`).
@@ -49,6 +49,8 @@ class DomainProblem:
     metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     source: Any = field(default=None, compare=False, hash=False)
     task: str = ""
+    # The sub-task problem's pictures (a visual or pictured file task as a domain): the prompt encoder reads them.
+    images: Sequence[Any] = field(default=(), compare=False, hash=False)
 
 
 class DomainReward(Reward):
@@ -175,6 +177,7 @@ class MultiTask:
             metadata=dict(getattr(p, "metadata", None) or {}),
             source=p,
             task=task,
+            images=tuple(getattr(p, "images", None) or ()),
         )
 
     # ---- the Task contract ----------------------------------------------------------------------------------
@@ -233,7 +236,7 @@ def _mixture(
             raise ConfigError(f"env.counts={dict(counts)} must be >= 0 with at least one prompt per batch")
         return {}, {d: int(counts[d]) for d in domains}
     _check_known("weights", weights, domains)
-    w = {d: float(weights.get(d, 1.0 if not weights else 0.0)) for d in domains}
+    w = {d: float(weights.get(d, 1.0)) for d in domains}  # a domain not named weighs 1 (0 leaves it out)
     if any(not math.isfinite(v) or v < 0 for v in w.values()) or sum(w.values()) <= 0:
         raise ConfigError(f"env.weights={dict(weights)} must be finite, >= 0 and not all 0")
     total = sum(w.values())
@@ -248,7 +251,8 @@ class MultiEnvConfig:
     name: str = "multi"
     # Domain name -> a whole env node (env.tasks.math=arithmetic's options, with its own reward).
     tasks: dict[str, Any] = field(default_factory=dict)
-    # Random share of each domain per prompt (normalised; {}: equal). Exclusive with counts.
+    # Random share of each domain per prompt (normalised; a domain not named weighs 1, so {} is equal; 0 leaves a
+    # domain out of training). Exclusive with counts.
     weights: dict[str, float] = field(default_factory=dict)
     # Fixed prompts per batch per domain (ROLL's domain_batch_size); must sum to pipeline.rollout_batch_size.
     counts: dict[str, int] = field(default_factory=dict)
