@@ -44,6 +44,16 @@ def test_arithmetic_worked_examples_come_from_training_split() -> None:
     assert MathReward().score([msgs[1]["content"]], [answer]).correct == [1.0]
 
 
+@pytest.mark.parametrize("ops", [["+"], ["*"]])
+def test_arithmetic_repeats_problems_of_a_small_held_out_split_instead_of_failing(ops: list[str]) -> None:
+    """One-digit sums with 10 % held out: the hash split holds 6 distinct sums where the estimate said 9, and drawing
+    100 held-out problems failed ('cannot draw'); they repeat, as the docstring says, never leaving the split."""
+    task = ArithmeticTask(MathReward(), digits=1, ops=ops, eval_fraction=0.1, train_size=50, eval_size=100)
+    held = {p.id for p in task.eval_set()}
+    assert len(task.eval_set()) == 100 and 1 < len(held) <= 10
+    assert not held & {p.id for p in task.train_set()}
+
+
 def test_arithmetic_bad_config() -> None:
     with pytest.raises(ValueError, match="unsupported ops"):
         ArithmeticTask(MathReward(), ops=["^"])

@@ -74,7 +74,7 @@ class ArithmeticTask(Task):
         out: list[Problem] = []
         seen: set[str] = set()
         distinct_cap = int(space * (fraction if held_out else 1 - fraction) * 0.9)
-        attempts = 0
+        attempts = misses = 0
         while len(out) < n:
             attempts += 1
             if attempts > 200 * max(n, 1):
@@ -84,8 +84,13 @@ class ArithmeticTask(Task):
             expr = str(terms[0]) + "".join(f" {o} {t}" for o, t in zip(ops, terms[1:]))
             if (stable_fraction(expr) < fraction) != held_out:
                 continue
-            if expr in seen and len(seen) < distinct_cap:
+            # Repeats once the split's distinct problems run out: the cap estimates how many it has (the hash split
+            # may give it fewer), and a long run of repeats says they have run out whatever the estimate.
+            if expr in seen and len(seen) < distinct_cap and misses < max(100, 10 * len(seen)):
+                misses += 1
                 continue
+            if expr not in seen:
+                misses = 0
             seen.add(expr)
             value = eval(expr, {"__builtins__": {}})  # our own generated expression: digits and + - * only
             out.append(
