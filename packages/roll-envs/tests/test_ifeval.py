@@ -97,6 +97,10 @@ CASES = [
     (C({"type": "keywords", "include": ["ice cream"]}), "icecream", False),
     (C({"type": "keywords", "include": ["café"]}), "Un CAFÉ noir.", True),
     (C({"type": "forbidden", "words": ["very"]}), "Everything is fine.", True),  # not a whole word
+    (C({"type": "forbidden", "words": ["just"]}), "A just-in-time plan.", True),  # part of one hyphenated word
+    (C({"type": "keywords", "include": ["known"]}), "A well-known fact.", False),
+    (C({"type": "keywords", "include": ["well-known"]}), "A well-known fact.", True),
+    (C({"type": "forbidden", "words": ["don"]}), "I don't know.", True),
     (C({"type": "forbidden", "words": ["very"]}), "It is Very good.", False),
     (C({"type": "forbidden", "words": ["very"]}), "", False),
     (C({"type": "json", "keys": ["answer"]}), '```json\n{"answer": "blue"}\n```', True),

@@ -90,6 +90,12 @@ def test_seeded_pictures_and_the_blank_control() -> None:
     assert [(p.prompt, p.answer) for p in blank.train_set()] == [(p.prompt, p.answer) for p in a.train_set()]
     assert all(set(pixels(p.images[0])) == {WHITE} for p in blank.train_set())
     assert all(p.images[0].size == q.images[0].size for p, q in zip(blank.train_set(), a.train_set()))
+    assert [(p.prompt, p.answer) for p in blank.eval_set()] == [(p.prompt, p.answer) for p in a.eval_set()]
+    # No held-out picture is a training picture (kind=position's small space drew 54 of 100 again)
+    for kind in ("colour", "count", "position", "shape"):
+        task = VisualTask(VisualReward(), kind=kind, train_size=1000, eval_size=100)
+        train = {digest(p.images[0]) for p in task.train_set()}
+        assert not train & {digest(p.images[0]) for p in task.eval_set()}, kind
     with pytest.raises(ValueError, match=r"env\.kind"):
         VisualTask(VisualReward(), kind="texture")
     with pytest.raises(ValueError, match=r"env\.dominance"):

@@ -98,7 +98,7 @@ class DomainSampler:
 
     def _cycle(self) -> list[str]:
         """`batch_size` slots, domain d in `counts[d]` of them, each slot going to the domain furthest behind its
-        share (ties: domain order): [a, b, a, b, a, a] for counts a=4, b=2."""
+        share (ties: domain order): [a, b, a, a, b, a] for counts a=4, b=2."""
         given = dict.fromkeys(self.domains, 0)
         out = []
         for j in range(self.batch_size):

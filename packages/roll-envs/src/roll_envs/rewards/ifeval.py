@@ -100,7 +100,9 @@ def count_phrase(text: str, phrase: str) -> int:
     """Whole-word, case-insensitive occurrences of `phrase` in `text` (non-overlapping; any run of whitespace in
     the text matches a space of the phrase)."""
     body = r"\s+".join(re.escape(part) for part in phrase.split())
-    return len(re.findall(rf"(?<![^\W_]){body}(?![^\W_])", text, re.IGNORECASE))
+    # Words as `words` reads them: "well-known" and "don't" are one word, so "known" is not in "well-known".
+    before, after = r"(?<![^\W_])(?<![^\W_]['’-])", r"(?![^\W_])(?!['’-][^\W_])"
+    return len(re.findall(before + body + after, text, re.IGNORECASE))
 
 
 def json_object(text: str) -> dict[str, Any] | None:

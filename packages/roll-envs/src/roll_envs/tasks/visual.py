@@ -11,10 +11,11 @@ Kinds (`env.kind`), each with a small answer space listed in the prompt (so chan
 Problems are seeded (a problem's picture and answer come from its own random stream): the same config gives the
 same problems, pictures included, on every machine. Training problems draw from `seed`, held-out ones from a
 derived stream; a prompt names its picture's number (`Picture 12: ...`, distinct across the splits) so no
-held-out prompt repeats a training one. `blank=true` draws every picture empty (white, same size) and keeps the
-answers: the control of the learning test (a policy that truly reads the picture learns `colour`; one that
-cannot see it stays at chance). The reward (`VisualReward`, `env/reward=visual`) takes the last of the row's
-choices named in the response (whole words, any case; a `\\boxed{}` answer wins) and scores 1 when it is the answer.
+held-out prompt repeats a training one, and no held-out picture is a training picture (one drawn again is
+redrawn). `blank=true` draws every picture empty (white, same size) and keeps the answers: the control of the
+learning test (a policy that truly reads the picture learns `colour`; one that cannot see it stays at chance).
+The reward (`VisualReward`, `env/reward=visual`) takes the last of the row's choices named in the response (whole
+words, any case; a `\\boxed{}` answer wins) and scores 1 when it is the answer.
 
 Pictures travel as RGB PIL images in `Problem.images`; the prompt starts with one `<image>` marker.
 """
@@ -30,6 +31,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from roll_core.multimodal.images import digest
 from roll_core.seeds import Purpose, derive_seed
 from roll_envs.rewards.base import Reward, RewardResult
 from roll_envs.tasks.base import Problem, Task
@@ -82,9 +84,11 @@ class VisualTask(Task):
         self.name, self.kind, self.system_prompt = name, kind, system_prompt
         self.num_colours, self.max_count, self.size, self.grid, self.blank = num_colours, max_count, size, grid, blank
         self.choices = choices_of(kind, num_colours, max_count)
-        self._train = self._draw(random.Random(seed), train_size, first=1)
+        drawn: set[str] = set()  # the training pictures as drawn (before blank=true empties them)
+        self._train = self._draw(random.Random(seed), train_size, first=1, record=drawn)
         held = random.Random(derive_seed(seed, Purpose.HELD_OUT))
-        self._eval = self._draw(held, eval_size, first=train_size + 1)
+        # A held-out picture is never a training one (a small space, kind=position, drew 54 of 100 again).
+        self._eval = self._draw(held, eval_size, first=train_size + 1, avoid=drawn)
 
     @classmethod
     def conformance_task(cls, seed: int, workdir: Path) -> VisualTask:
@@ -94,13 +98,23 @@ class VisualTask(Task):
     def conformance_response(self, problem: Problem) -> str:
         return f"It is {problem.answer}."
 
-    def _draw(self, rng: random.Random, n: int, first: int) -> list[Problem]:
+    def _draw(
+        self, rng: random.Random, n: int, first: int, avoid: set[str] | None = None, record: set[str] | None = None
+    ) -> list[Problem]:
+        """`n` problems numbered from `first`; a picture in `avoid` (digests) is drawn again (up to 100 times: a
+        space that small repeats); the pictures' digests go to `record`."""
         out = []
         for i in range(n):
             number = first + i
             # Each problem its own stream: a problem does not change when the sizes asked for change.
             own = random.Random(rng.getrandbits(64))
             answer, picture = DRAW[self.kind](self, own)
+            for _ in range(100 if avoid else 0):
+                if digest(picture) not in avoid:
+                    break
+                answer, picture = DRAW[self.kind](self, own)
+            if record is not None:
+                record.add(digest(picture))
             if self.blank:
                 picture = new_picture(self.size)
             prompt = f"Picture {number}: {QUESTIONS[self.kind]} Answer with one of: {', '.join(self.choices)}. <image>"
