@@ -23,6 +23,30 @@ def test_registry_lists_and_loads() -> None:
     assert registry.load("roll.algorithms", "grpo") is registry.load("roll.algorithms", "grpo")  # cached
 
 
+def test_a_name_two_distributions_declare_is_refused_naming_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which entry point won depended on install order: algo.adv_estimator=grpo could run another package's
+    estimator, silently. Loading such a name is an error naming both; other names load as before."""
+    from importlib.metadata import EntryPoint
+
+    real = registry.entry_points
+
+    def with_a_clash(group: str) -> list[EntryPoint]:
+        found = list(real(group=group))
+        if group == "roll.algorithms":
+            found.append(EntryPoint("grpo", "roll_clash.algorithms:my_grpo", group))
+        return found
+
+    monkeypatch.setattr(registry, "entry_points", with_a_clash)
+    registry.clear_cache()
+    try:
+        with pytest.raises(registry.PluginLoadError, match=r"'grpo' in group 'roll.algorithms' is declared by .* and"):
+            registry.load("roll.algorithms", "grpo")
+        assert callable(registry.load("roll.algorithms", "rloo"))
+    finally:
+        monkeypatch.undo()
+        registry.clear_cache()
+
+
 def test_registry_unknown_names() -> None:
     with pytest.raises(registry.PluginNotFoundError, match=r"no plugin 'grop'.*installed: .*grpo.*Did you mean 'grpo'"):
         registry.load("roll.algorithms", "grop")

@@ -26,7 +26,8 @@ node that names it.
 Contract: listing a group imports nothing (entry-point metadata only); `load` imports one object and caches it;
 calling anything twice is cheap and idempotent, because every Ray worker process loads plugins again. An unknown
 name raises `PluginNotFoundError` listing what is installed; a failing import raises `PluginLoadError` naming the
-group, the name and the cause.
+group, the name and the cause, and so does a name two distributions declare (which would win depends on install
+order: `algo.adv_estimator=grpo` could silently run another package's estimator).
 """
 
 from __future__ import annotations
@@ -75,6 +76,18 @@ def _entry_points(group: str) -> dict[str, EntryPoint]:
     return {ep.name: ep for ep in entry_points(group=group)}
 
 
+@cache
+def _owners(group: str) -> dict[str, list[str]]:
+    """name -> the distributions declaring it in `group` (one distribution's entry counted once)."""
+    owners: dict[str, list[str]] = {}
+    for ep in entry_points(group=group):
+        dist = getattr(ep, "dist", None)
+        who = dist.name if dist is not None else ep.value
+        if who not in owners.setdefault(ep.name, []):
+            owners[ep.name].append(who)
+    return owners
+
+
 def available(group: str) -> list[str]:
     """Sorted names installed in `group`. Imports nothing."""
     return sorted(_entry_points(group))
@@ -103,6 +116,12 @@ def load(group: str, name: str) -> Any:
         close = difflib.get_close_matches(name, list(eps), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise PluginNotFoundError(f"no plugin {name!r} in group {group!r}; installed: {installed}.{hint}")
+    owners = _owners(group).get(name, [])
+    if len(owners) > 1:  # which one wins would depend on install order: a silent swap of an estimator or tracker
+        raise PluginLoadError(
+            f"plugin {name!r} in group {group!r} is declared by {' and '.join(sorted(owners))}: uninstall one, or "
+            "rename the plugin's entry point"
+        )
     ep = eps[name]
     try:
         return ep.load()
@@ -140,4 +159,5 @@ def register_all_configs() -> list[str]:
 def clear_cache() -> None:
     """Forget cached entry points and loaded objects (tests that install plugins at run time)."""
     _entry_points.cache_clear()
+    _owners.cache_clear()
     load.cache_clear()
