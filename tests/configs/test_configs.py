@@ -188,3 +188,16 @@ def test_a_misspelt_role_in_call_timeouts_is_refused() -> None:
 def test_a_tracker_named_twice_is_refused_at_composition() -> None:
     with pytest.raises(ConfigError, match=r"pipeline\.trackers=\['jsonl', 'jsonl'\] names jsonl twice"):
         to_object(compose(["pipeline.trackers=[jsonl,jsonl]"]))
+
+
+def test_a_missing_extra_of_a_multi_domain_sub_task_is_named_before_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """env=multi's sub-tasks sit in a dict: their rewards' extras were not checked, and the run failed later with an
+    84-line instantiation traceback instead of one line naming roll-envs[math]."""
+    import sys
+
+    from roll_core.errors import MissingExtraError, check_installed
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if roll-envs[math] were not installed
+    cfg = to_object(compose(["experiment=multi_domain", "model=tiny"]))
+    with pytest.raises(MissingExtraError, match=r"math-verify: pip install 'roll-envs\[math\]'"):
+        check_installed(cfg)

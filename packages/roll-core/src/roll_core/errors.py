@@ -112,6 +112,10 @@ def check_installed(cfg: Any, *, training: bool = True) -> None:
     seen: set[int] = set()
 
     def visit(node: Any) -> None:
+        if isinstance(node, (dict, list, tuple)):  # env=multi's env.tasks, env.rewards: nodes inside containers
+            for item in node.values() if isinstance(node, dict) else node:
+                visit(item)
+            return
         if id(node) in seen or not dataclasses.is_dataclass(node) or isinstance(node, type):
             return
         seen.add(id(node))
