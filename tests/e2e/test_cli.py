@@ -147,3 +147,19 @@ def test_a_ray_instance_roll_starts_keeps_token_auth(seven_task: Path, tmp_path:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Token authentication is enabled for this Ray cluster" in proc.stdout + proc.stderr
+
+
+def test_a_resumed_runs_report_repeats_the_resume_launchs_overrides(seven_task: Path, tmp_path: Path) -> None:
+    """Hydra's generated folders: the resume launch (pipeline.resume=true, algo.lr changed) runs in a folder of its
+    own and continues the earlier run's; the report's commands repeated the first launch's overrides, so pasting
+    its resume command reverted algo.lr."""
+    base = [o for o in tiny_overrides(seven_task, tmp_path / "unused") if not o.startswith("pipeline.output_dir=")]
+    first = _run([str(BIN / "roll-train"), *base, "pipeline.max_steps=2", "algo.lr=1e-6"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = _run(
+        [str(BIN / "roll-train"), *base, "pipeline.max_steps=3", "algo.lr=2e-6", "pipeline.resume=true"], tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout[resumed.stdout.rindex("\n{") + 1 :])
+    report = (Path(summary["output_dir"]) / "report.md").read_text()
+    assert "algo.lr=2e-6" in report and "algo.lr=1e-6" not in report, report[-2000:]

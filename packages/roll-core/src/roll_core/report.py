@@ -75,8 +75,17 @@ def headline(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def launch_overrides(out: Path) -> list[str] | None:
-    """The overrides the run was launched with: the run folder's .hydra/overrides.yaml, else the running Hydra
-    job's; None when neither is known (a run built in Python)."""
+    """The overrides of the launch the run's current config comes from: the running Hydra job's, else the run
+    folder's .hydra/overrides.yaml; None when neither is known (a run built in Python). The running job first: a
+    resumed run that found its folder (pipeline.resume=true from Hydra's generated folders) was launched in another
+    folder, and the run folder's file holds the first launch's overrides, which would revert what the resume
+    changed (its algo.lr, say)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task)
+    except Exception:  # not inside a Hydra job
+        pass
     recorded = out / ".hydra" / "overrides.yaml"
     if recorded.is_file():
         import yaml
@@ -84,12 +93,7 @@ def launch_overrides(out: Path) -> list[str] | None:
         loaded = yaml.safe_load(recorded.read_text())
         if isinstance(loaded, list):
             return [str(x) for x in loaded]
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return list(HydraConfig.get().overrides.task)
-    except Exception:  # not inside a Hydra job
-        return None
+    return None
 
 
 def _drop(overrides: list[str], *keys: str) -> list[str]:
