@@ -19,8 +19,8 @@ Faults (Ray only; an in-process call cannot time out or die apart from the contr
 - A method declared `retry=False` is not rerun: the worker is restarted, then `WorkerRestartedError` asks the
   caller to redo the protocol the call belongs to.
 - A group that may not restart (sharded trainers: their ranks share torch.distributed groups) fails with the
-  error and `death_hint()` appended as soon as a rank's death is seen, without waiting for the other ranks (they
-  may be blocked in a collective with the dead one) (the pipeline names the checkpoint to resume from).
+  error and `death_hint()` appended (the pipeline names the checkpoint to resume from) as soon as a rank's death
+  is seen, without waiting for the other ranks: they may be blocked in a collective with the dead one.
 """
 
 from __future__ import annotations
