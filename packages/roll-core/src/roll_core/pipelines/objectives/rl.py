@@ -242,8 +242,11 @@ class RLObjective:
             return
         init = state["kl"].get("init", self.cfg.algo.kl_coef)  # (checkpoints before this field: unchanged)
         if init != self.cfg.algo.kl_coef:
-            log.info("algo.kl_coef changed on resume (%s -> %s): the adaptive KL controller starts from it", init,
-                     self.cfg.algo.kl_coef)  # fmt: skip
+            log.info(
+                "algo.kl_coef changed on resume (%s -> %s): the adaptive KL controller starts from it",
+                init,
+                self.cfg.algo.kl_coef,
+            )
             return
         self.kl_ctl.value = state["kl"]["value"]
 
