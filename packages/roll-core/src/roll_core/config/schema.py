@@ -862,6 +862,17 @@ class RLVRConfig:
                 "ratio measures the truncation; sample the full distribution for corrections: "
                 "infer_engine.top_p=1 infer_engine.top_k=0"
             )
+        if pipe.partial_rollout and isinstance(ie, InferEngineConfig) and (ie.structured or ie.stop):
+            # A resumed response is submitted as a new request over prompt + prefix: the engine restarts the
+            # grammar (a constrained response came out as a prefix plus a whole new match) and checks stop strings
+            # on the continuation alone (one split across the resume point was never seen).
+            what = "infer_engine.structured" if ie.structured else "infer_engine.stop"
+            raise ValueError(
+                f"pipeline.partial_rollout=true cannot resume a response under {what}: the engine would restart "
+                "the constraint (or miss a stop string split across the resume point). Use "
+                "pipeline.partial_rollout=false (in-flight requests finish under the old weights), or stop_tokens "
+                "instead of stop strings"
+            )
         if getattr(self.train_engine, "name", None) == "megatron" and model.dtype == "float16":
             # refused at composition too (the engine refuses it): megatron-core's fp16 loss scaling is not driven
             raise ValueError(

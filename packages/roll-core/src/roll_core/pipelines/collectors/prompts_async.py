@@ -52,16 +52,6 @@ def check_async(ctx: CollectorContext) -> None:
             f"pipeline.async_ratio={k} keeps the engines generating while the trainer trains: "
             f"set infer_engine.sleep_level=0 (it is {ie.sleep_level})"
         )
-    if cfg.pipeline.partial_rollout and (ie.structured or ie.stop):
-        # A resumed response is submitted as a new request over prompt + prefix: the engine restarts the grammar
-        # (a constrained response came out as a prefix plus a whole new match) and checks stop strings on the
-        # continuation alone (one split across the resume point was never seen).
-        what = "infer_engine.structured" if ie.structured else "infer_engine.stop"
-        raise ConfigError(
-            f"pipeline.partial_rollout=true cannot resume a response under {what}: the engine would restart the "
-            f"constraint (or miss a stop string split across the resume point). Use pipeline.partial_rollout=false "
-            "(in-flight requests finish under the old weights), or stop_tokens instead of stop strings"
-        )
     if cfg.algo.off_policy_correction is None:
         log.warning(
             "pipeline.async_ratio=%d without algo.off_policy_correction: samples up to %d versions old are trained "
