@@ -105,3 +105,57 @@ def test_other_hydra_apps_see_no_roll_groups(tmp_path: Path) -> None:
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["['hydra',", "'main',", "'schema']"]
+
+
+def _plugin_package(root: Path, monkeypatch: pytest.MonkeyPatch, files: dict[str, str]) -> str:
+    """An installed config package (a plugin's `add_config_package`) holding `files`; returns its module name, unique
+    per test (a module imported once stays in sys.modules, with its first folder)."""
+    import re
+
+    from roll_core.config import search_path
+
+    module = "acme_" + re.sub(r"\W", "_", root.name)
+    package = root / "site" / module
+    for name, text in {"__init__.py": "", **files}.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(text)
+    monkeypatch.syspath_prepend(str(root / "site"))
+    monkeypatch.setattr(search_path, "_packages", [*config_packages(), module])
+    return module
+
+
+@pytest.mark.parametrize("user_folder", [False, True])
+def test_a_plugin_option_that_clashes_with_roll_is_refused(
+    user_folder: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Hydra takes the first match; whether the plugin's algo/grpo won depended on whether a user folder existed.
+    module = _plugin_package(tmp_path, monkeypatch, {"algo/grpo.yaml": "defaults:\n  - algo_schema\nlr: 0.5\n"})
+    monkeypatch.chdir(tmp_path)
+    if user_folder:
+        (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    else:
+        monkeypatch.setattr("roll_core.config.search_path.__file__", str(tmp_path / "x.py"))  # not a checkout
+    assert (user_conf_dir() is not None) == user_folder
+    with pytest.raises(ConfigError, match=rf"algo/grpo \(roll_core\.conf and {module}\).*your own conf folder"):
+        compose(["algo=grpo"])
+
+
+def test_roll_train_names_the_clash_in_one_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from roll_core import cli
+
+    module = _plugin_package(tmp_path, monkeypatch, {"rlvr.yaml": "x: 1\n"})
+    monkeypatch.setattr(sys, "argv", ["roll-train"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.train_main()
+    assert exit_.value.code == 2
+    assert f"rlvr (roll_core.conf and {module})" in capsys.readouterr().err
+
+
+def test_a_plugin_option_of_its_own_composes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    module = _plugin_package(tmp_path, monkeypatch, {"algo/acme.yaml": "defaults:\n  - algo_schema\nlr: 0.5\n"})
+    cfg = compose(["algo=acme"])
+    fill_missing(cfg)
+    assert to_object(cfg).algo.lr == 0.5
+    assert group_options("algo")["acme"] == tmp_path / "site" / module / "algo" / "acme.yaml"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from roll_core.config.compose import ConfigError, explain, to_object
-from roll_core.config.search_path import primary_config_path
+from roll_core.config.search_path import check_package_conflicts, primary_config_path
 from roll_core.errors import MissingExtraError, check_installed
 from roll_core.registry import register_all_configs
 
@@ -106,6 +106,7 @@ def train_main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     register_all_configs()  # each package's schemas and config folder (roll_core.config.search_path)
     try:
+        check_package_conflicts()
         conf_path = primary_config_path()
     except ConfigError as exc:
         print(f"roll-train: {exc}", file=sys.stderr)

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from roll_core.config.search_path import (
     PRIMARY_PACKAGE,
+    check_package_conflicts,
     group_options,
     package_dir,
     primary_config_path,
@@ -151,6 +152,7 @@ def compose(
     from roll_core.registry import register_all_configs
 
     register_all_configs()  # each package registers its config folder (and schemas) here
+    check_package_conflicts()
     primary = str(Path(conf_dir).resolve()) if conf_dir is not None else primary_config_path()
     GlobalHydra.instance().clear()
     try:

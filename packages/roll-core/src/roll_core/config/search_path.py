@@ -12,6 +12,10 @@ The user's folder (`user_conf_dir()`: `$ROLL_CONF_DIR`, else `./conf`, else the 
 editable install) is Hydra's primary config path, searched before every package: experiments and sweeps a user
 writes live there, and a file with the same group and name replaces the packaged one.
 
+Two installed packages may not ship the same option (`algo/grpo.yaml` in roll-core and in a plugin): which one Hydra
+composed would depend on the search order, so `check_package_conflicts()` (called by `compose` and `roll-train`)
+refuses it, naming both packages. Replacing a packaged option is what the user's folder is for.
+
 Contract: packages register importable module names (a folder with an `__init__.py`, which Hydra's `pkg://` source
 requires), never file paths; registering twice is a no-op; the plugin adds nothing until a `register_configs()` has
 registered a module in this process, so other Hydra applications in the same environment are untouched.
@@ -29,6 +33,7 @@ from roll_core.errors import ConfigError
 __all__ = [
     "PRIMARY_PACKAGE",
     "add_config_package",
+    "check_package_conflicts",
     "config_dirs",
     "config_packages",
     "extend_search_path",
@@ -116,6 +121,33 @@ def group_options(group: str) -> dict[str, Path]:
         for path in sorted((folder / group).glob("*.yaml")):
             found.setdefault(path.stem, path)
     return dict(sorted(found.items()))
+
+
+def check_package_conflicts() -> None:
+    """Refuse a config option (group/name, or a primary config such as `rlvr`) that two installed packages ship.
+
+    Hydra takes the first match on its search path, and the packages' order there is not a contract (a user folder,
+    or its absence, shifts it): a plugin's `algo/grpo.yaml` would silently win in one working folder and lose in
+    another. The user's folder is exempt: it is searched first on purpose.
+
+    Raises:
+        ConfigError: some option is shipped by more than one package; the message names each and both modules.
+    """
+    owners: dict[str, list[str]] = {}
+    for module in config_packages():
+        folder = package_dir(module)
+        if folder is None:
+            continue
+        for path in folder.rglob("*.yaml"):
+            owners.setdefault(path.relative_to(folder).with_suffix("").as_posix(), []).append(module)
+    clashes = {option: mods for option, mods in sorted(owners.items()) if len(mods) > 1}
+    if clashes:
+        listed = "; ".join(f"{option} ({' and '.join(mods)})" for option, mods in clashes.items())
+        raise ConfigError(
+            f"config options shipped by more than one installed package: {listed}. Which one runs would depend on "
+            "the search order: rename the plugin's file (a new option name), or put your replacement in your own "
+            "conf folder ($ROLL_CONF_DIR or ./conf), which is searched first"
+        )
 
 
 def extend_search_path(search_path: Any) -> None:
