@@ -4,6 +4,7 @@ them gives the whole batch's loss and gradient."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,51 @@ def test_a_name_two_distributions_declare_is_refused_naming_both(monkeypatch: py
         with pytest.raises(registry.PluginLoadError, match=r"'grpo' in group 'roll.algorithms' is declared by .* and"):
             registry.load("roll.algorithms", "grpo")
         assert callable(registry.load("roll.algorithms", "rloo"))
+    finally:
+        monkeypatch.undo()
+        registry.clear_cache()
+
+
+@pytest.mark.parametrize(
+    ("group", "value", "says"),
+    [
+        ("roll.trackers", "json:dumps", "loads to a function, not a class (with log, truncate, close)"),
+        ("roll.trackers", "collections:OrderedDict", "loads to class OrderedDict, which lacks log, truncate, close"),
+        ("roll.rewards", "collections:Counter", "loads to class Counter, which lacks score"),
+        ("roll.algorithms", "math:pi", "loads to a float, not a callable"),
+    ],
+)
+def test_an_entry_point_of_the_wrong_kind_is_refused_naming_it(
+    group: str, value: str, says: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tracker entry point naming a function failed at the run's first log with an AttributeError that named no
+    plugin; now loading it says which plugin, what it loads to and what the group needs, and the config check (which
+    loads `pipeline.trackers`) says it at composition."""
+    from importlib.metadata import EntryPoint
+
+    from roll_core.config import ConfigError, compose, to_object
+    from roll_core.testing import fill_missing
+
+    real = registry.entry_points
+
+    def with_a_bad_one(group: str) -> list[EntryPoint]:
+        found = list(real(group=group))
+        return [*found, EntryPoint("bad", value, group)] if group == wanted else found
+
+    wanted = group
+    monkeypatch.setattr(registry, "entry_points", with_a_bad_one)
+    registry.clear_cache()
+    try:
+        expected = rf"plugin 'bad' in group '{group}' \({value}\) {re.escape(says)}"
+        with pytest.raises(registry.PluginLoadError, match=expected):
+            registry.load(group, "bad")
+        if group == "roll.trackers":
+            cfg = compose(["pipeline.trackers=[jsonl,bad]"])
+            fill_missing(cfg)
+            with pytest.raises(ConfigError, match=r"pipeline.trackers=\['jsonl', 'bad'\]: plugin 'bad'.*loads to"):
+                to_object(cfg)
+        good = [n for n in registry.available(group) if n != "bad"]
+        assert good and all(registry.load(group, n) is not None for n in good)  # the others still load
     finally:
         monkeypatch.undo()
         registry.clear_cache()

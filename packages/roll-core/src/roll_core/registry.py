@@ -27,7 +27,9 @@ Contract: listing a group imports nothing (entry-point metadata only); `load` im
 calling anything twice is cheap and idempotent, because every Ray worker process loads plugins again. An unknown
 name raises `PluginNotFoundError` listing what is installed; a failing import raises `PluginLoadError` naming the
 group, the name and the cause, and so does a name two distributions declare (which would win depends on install
-order: `algo.adv_estimator=grpo` could silently run another package's estimator).
+order: `algo.adv_estimator=grpo` could silently run another package's estimator) and an object of the wrong kind for
+its group (`SHAPES`: a tracker entry point naming a function failed at the run's first log with an AttributeError
+that named no plugin).
 """
 
 from __future__ import annotations
@@ -51,6 +53,23 @@ GROUPS: tuple[str, ...] = (
     "roll.trackers",
     "roll.configs",
 )
+
+
+#: What each group's entry points must load to: a class with these methods, or any callable (a function or factory).
+SHAPES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "roll.platforms": ("class", ("is_available", "describe")),
+    "roll.train_engines": ("class", ("compute_logprobs", "get_weights")),
+    "roll.infer_engines": ("class", ("generate", "shutdown")),
+    "roll.envs": ("class", ("train_set", "eval_set", "messages")),
+    "roll.agentic_envs": ("class", ("reset", "step")),
+    "roll.rewards": ("class", ("score",)),
+    "roll.algorithms": ("callable", ()),
+    "roll.losses": ("callable", ()),
+    "roll.collectors": ("callable", ()),
+    "roll.objectives": ("callable", ()),
+    "roll.trackers": ("class", ("log", "truncate", "close")),
+    "roll.configs": ("callable", ()),
+}
 
 
 class PluginError(LookupError):
@@ -124,11 +143,28 @@ def load(group: str, name: str) -> Any:
         )
     ep = eps[name]
     try:
-        return ep.load()
+        obj = ep.load()
     except Exception as exc:
         raise PluginLoadError(
             f"plugin {name!r} in group {group!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}"
         ) from exc
+    wrong = _wrong_shape(group, obj)
+    if wrong:
+        raise PluginLoadError(f"plugin {name!r} in group {group!r} ({ep.value}) {wrong}: fix its entry point")
+    return obj
+
+
+def _wrong_shape(group: str, obj: Any) -> str:
+    """Why `obj` cannot serve as a plugin of `group` (`SHAPES`), or "" when it can."""
+    import inspect
+
+    kind, methods = SHAPES[group]
+    if kind == "callable":
+        return "" if callable(obj) else f"loads to a {type(obj).__name__}, not a callable"
+    if not inspect.isclass(obj):
+        return f"loads to a {type(obj).__name__}, not a class (with {', '.join(methods)})"
+    missing = [m for m in methods if not callable(getattr(obj, m, None))]
+    return f"loads to class {obj.__name__}, which lacks {', '.join(missing)}" if missing else ""
 
 
 def load_all(group: str) -> dict[str, Any]:
