@@ -9,6 +9,7 @@ component's own import site (what a worker on another machine would hit).
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -241,3 +242,38 @@ def test_roll_eval_needs_neither_ray_nor_tensorboard_nor_the_trainer(monkeypatch
     check_installed(typed, training=False)
     with pytest.raises(MissingExtraError, match="roll-core"):
         check_installed(typed)
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        (
+            "hydra/launcher=ray",
+            "roll-train: hydra/launcher=ray needs hydra-ray-launcher: pip install 'roll-core[sweep]'",
+        ),
+        (
+            "hydra/sweeper=optuna",
+            "roll-train: hydra/sweeper=optuna needs hydra-optuna-sweeper: pip install 'roll-core[sweep]'",
+        ),
+    ],
+)
+def test_a_sweep_plugin_that_is_not_installed_is_one_line(tmp_path: Path, override: str, line: str) -> None:
+    """Hydra finds its plugins by scanning the `hydra_plugins` namespace package; the portion that holds the two
+    plugins roll-core[sweep] installs is taken off it, as if they were not installed (roll's own portion stays). Hydra
+    said "Unknown plugin class" with a traceback for the launcher and listed sweeper options for Optuna."""
+    script = (
+        "import sys\nfrom pathlib import Path\nimport hydra_plugins\n"
+        "hydra_plugins.__path__ = [p for p in hydra_plugins.__path__ if not any((Path(p) / d).exists() for d in "
+        "('hydra_ray_launcher', 'hydra_optuna_sweeper'))]\n"
+        f"sys.argv = ['roll-train', '-m', {override!r}, 'algo.lr=1e-6,2e-6', 'hydra.sweep.dir={tmp_path}']\n"
+        "from roll_core.cli import train_main\n"
+        "train_main()\n"
+    )
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env, check=False
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == line, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not list(tmp_path.glob("*/metrics.jsonl"))  # no job ran

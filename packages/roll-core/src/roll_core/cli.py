@@ -21,7 +21,7 @@ from typing import Any
 
 from roll_core.config.compose import ConfigError, explain, to_object
 from roll_core.config.search_path import check_package_conflicts, primary_config_path
-from roll_core.errors import MissingExtraError, check_installed
+from roll_core.errors import MissingExtraError, check_installed, missing_sweep_plugin
 from roll_core.registry import register_all_configs
 
 log = logging.getLogger("roll")
@@ -132,6 +132,10 @@ def train_main() -> None:
         from hydra.errors import ConfigCompositionException, OverrideParseException
         from omegaconf.errors import OmegaConfBaseException
 
+        missing = missing_sweep_plugin(exc)  # hydra/launcher=ray or hydra/sweeper=optuna without roll-core[sweep]
+        if missing is not None:
+            print(f"roll-train: {missing}", file=sys.stderr)
+            sys.exit(2)
         if isinstance(exc, (ConfigCompositionException, OverrideParseException, OmegaConfBaseException)):
             print(f"roll-train: invalid config:\n{explain(exc)}", file=sys.stderr)
             sys.exit(2)

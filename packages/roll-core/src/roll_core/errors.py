@@ -84,6 +84,56 @@ def missing_extra(what: str, dist: str, extra: str, hint: str = "") -> MissingEx
 RAY = Extra("ray", "cluster=ray", "Ray", "roll-core[ray]")
 TENSORBOARD = Extra("tensorboard", "run tracking (TensorBoard logs)", "tensorboard", "roll-core[track]")
 GGUF = Extra("gguf", "converting a GGUF model (model.path=builtin:smollm2-135m ...)", "gguf", "roll-core[gguf]")
+#: Hydra plugins a sweep names (`hydra/launcher=ray`, `hydra/sweeper=optuna`): with each, the text its absence leaves
+#: in Hydra's error (a launcher class it cannot find, a sweeper option or target it cannot locate).
+SWEEP_PLUGINS: tuple[tuple[tuple[Extra, ...], tuple[str, ...]], ...] = (
+    (
+        (
+            Extra(
+                "hydra_plugins.hydra_ray_launcher.ray_launcher",
+                "hydra/launcher=ray",
+                "hydra-ray-launcher",
+                "roll-core[sweep]",
+            ),
+            Extra("ray", "hydra/launcher=ray", "Ray", "roll-core[sweep]"),
+        ),
+        ("roll_ray_launcher", "hydra_ray_launcher", "hydra/launcher/ray"),
+    ),
+    (
+        (
+            Extra(
+                "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper",
+                "hydra/sweeper=optuna",
+                "hydra-optuna-sweeper",
+                "roll-core[sweep]",
+            ),
+            Extra("optuna", "hydra/sweeper=optuna", "Optuna", "roll-core[sweep]"),
+        ),
+        ("optuna",),
+    ),
+)
+
+
+def missing_sweep_plugin(exc: BaseException) -> MissingExtraError | None:
+    """The one-line error for a Hydra failure that a missing sweep plugin (roll-core[sweep]) caused, else None.
+
+    Hydra reports a missing launcher as "Unknown plugin class" and a missing sweeper as an option it cannot find,
+    with a traceback; `roll-train` asks here first, reading the messages of `exc` and its causes.
+    """
+    texts = []
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        texts.append(str(cause).lower())
+        cause = cause.__cause__ or cause.__context__
+    text = "\n".join(texts)
+    for extras, marks in SWEEP_PLUGINS:
+        if any(mark in text for mark in marks):
+            for extra in extras:
+                if not extra.installed():
+                    return extra.error()
+    return None
 
 
 def check_installed(cfg: Any, *, training: bool = True) -> None:
