@@ -85,6 +85,24 @@ def test_errors_found_while_building_the_run_exit_2_without_traceback(seven_task
     assert not (tmp_path / "outputs").exists()  # the runs named their folders (pipeline.output_dir)
 
 
+def test_roll_train_help_imports_no_torch(tmp_path: Path) -> None:
+    """`roll-train --help` (and `--cfg job`) compose the config from every installed package's `roll.configs` entry
+    point; torch (~3 s here) came in through roll_envs' schemas (roll_core.interfaces, roll_core.multimodal) and the
+    dummy engine plugin's `__init__`. The config printed is the composed one."""
+    script = (
+        "import sys\n"
+        "sys.argv = ['roll-train', *sys.argv[1:]]\n"
+        "from roll_core.cli import train_main\n"
+        "try:\n    train_main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    for args in (["--help"], ["--cfg", "job", "experiment=quickstart"]):
+        proc = _run([sys.executable, "-c", script, *args], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.strip().splitlines()[-1] == "TORCH False", (args, proc.stdout[-2000:])
+        assert ("Powered by Hydra" in proc.stdout) if args == ["--help"] else ("experiment: quickstart" in proc.stdout)
+
+
 @pytest.mark.parametrize("flag", ["--help"])
 def test_roll_eval_help(flag: str, tmp_path: Path) -> None:
     proc = _run([str(BIN / "roll-eval"), flag], tmp_path)

@@ -31,10 +31,10 @@ import re
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # torch is imported where a tensor is built: composing a config (`roll-train --help`) needs none
+    from torch import Tensor
 
 #: Why a response ended. `prompt_too_long`: the prompt alone fills the engine's context (nothing generated).
 FINISH_REASONS = ("stop", "length", "abort", "prompt_too_long")
@@ -135,6 +135,8 @@ STRUCTURED_KEY = "structured"
 def structured_rows(constraints: Sequence[StructuredOutput | dict[str, Any] | None], width: int = 0) -> Tensor:
     """The (B, K) uint8 batch encoding of one constraint per row (None: unconstrained); K = the longest row's
     byte length, or `width` if larger (to concatenate with another batch's encoding of that width)."""
+    import torch
+
     rows = [
         json.dumps(c.to_dict()).encode() if c is not None else b"" for c in map(StructuredOutput.from_dict, constraints)
     ]
@@ -147,6 +149,8 @@ def structured_rows(constraints: Sequence[StructuredOutput | dict[str, Any] | No
 
 def structured_from_rows(encoded: Tensor) -> list[StructuredOutput | None]:
     """Inverse of `structured_rows`: one constraint (or None) per row of a (B, K) uint8 tensor."""
+    import torch
+
     if encoded.dim() != 2 or encoded.dtype != torch.uint8:
         raise ValueError(
             f"batch[{STRUCTURED_KEY!r}] must be a (B, K) uint8 tensor, got {encoded.dtype} {tuple(encoded.shape)}"
@@ -260,6 +264,8 @@ class GenerateOutput:
     @property
     def truncated(self) -> Tensor:
         """(B*n,) long: 1 where the response hit max_new_tokens."""
+        import torch
+
         return torch.tensor([r == "length" for r in self.finish_reasons], dtype=torch.long)
 
     @property
@@ -269,6 +275,8 @@ class GenerateOutput:
     @staticmethod
     def from_requests(outputs: Sequence[RequestOutput], pad_id: int, seconds: float = 0.0) -> GenerateOutput:
         """Right-pad per-request outputs into batch tensors (row order kept)."""
+        import torch
+
         r = max((len(o.token_ids) for o in outputs), default=0)
         resp = torch.full((len(outputs), r), pad_id, dtype=torch.long)
         logp = torch.zeros((len(outputs), r), dtype=torch.float32)

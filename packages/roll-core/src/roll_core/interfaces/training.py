@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @runtime_checkable

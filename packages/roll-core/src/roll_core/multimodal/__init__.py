@@ -8,17 +8,40 @@ batch protocol (field `mm_inputs`: one `MMInputs` or None per row) and inference
 - tiny: tiny random VLMs built from configs (`builtin:tiny-qwen2.5-vl`, `builtin:tiny-qwen2-vl`).
 """
 
-from roll_core.multimodal.images import PILLOW, digest, load_image
-from roll_core.multimodal.inputs import MMInputs, check_tokens, count_image_tokens, merge
-from roll_core.multimodal.processor import (
-    FAMILIES,
-    IMAGE_MARKER,
-    VisionProcessor,
-    as_content,
-    is_vision_model,
-    model_type,
-    mrope_positions,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Names resolve on first use (PEP 562): `roll_core.multimodal.images` alone (what a task's config schema imports, so
+# what composing a config imports) must not import torch through `inputs` and `processor`.
+_WHERE = {
+    "PILLOW": "images",
+    "digest": "images",
+    "load_image": "images",
+    "MMInputs": "inputs",
+    "check_tokens": "inputs",
+    "count_image_tokens": "inputs",
+    "merge": "inputs",
+    "FAMILIES": "processor",
+    "IMAGE_MARKER": "processor",
+    "VisionProcessor": "processor",
+    "as_content": "processor",
+    "is_vision_model": "processor",
+    "model_type": "processor",
+    "mrope_positions": "processor",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
 
 __all__ = [
     "FAMILIES",

@@ -4,30 +4,24 @@ It exists to prove that a package outside roll can add an engine and its config:
 contract (`roll_core.interfaces.InferEngine`), registers the class under `roll.infer_engines` and its schema under
 `roll.configs` (so `infer_engine=recompute` composes without a YAML file in roll's conf/), and passes the
 InferEngine conformance suite. Every token recomputes the whole sequence: correct, simple and slow.
+
+The schema and `register_configs` live here and import no torch: every `roll-train` (its `--help` too) calls each
+`roll.configs` entry point to compose a config. The engine is in `roll_dummy_engine.engine`.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
-from collections.abc import Iterable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import ClassVar
-
-import torch
-from torch import Tensor
+from typing import Any
 
 from roll_core.config.schema import InferEngineConfig
-from roll_core.interfaces import GenerateOutput, Request, RequestOutput, SamplingParams
 
 
 @dataclass
 class RecomputeInferEngineConfig(InferEngineConfig):
     """infer_engine=recompute: a cache-free transformers sampler (a plugin example)."""
 
-    _target_: str = "roll_dummy_engine.RecomputeInferEngine"
+    _target_: str = "roll_dummy_engine.engine.RecomputeInferEngine"
     name: str = "recompute"
 
 
@@ -37,176 +31,9 @@ def register_configs() -> None:
     ConfigStore.instance().store(group="infer_engine", name="recompute", node=RecomputeInferEngineConfig)
 
 
-class RecomputeInferEngine:
-    """Implements roll_core.interfaces.InferEngine without a KV cache or continuous batching."""
+def __getattr__(name: str) -> Any:
+    if name == "RecomputeInferEngine":  # the engine imports torch: loaded on first use
+        from roll_dummy_engine.engine import RecomputeInferEngine
 
-    continuous_batching: ClassVar[bool] = False
-
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        name: str = "recompute",
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] = (),
-        max_new_tokens: int = 64,
-        seed: int = 0,
-        dtype: str = "float32",
-        device: str = "cpu",
-        # Every key roll passes, named (an engine constructor must not swallow unknown keys): batching and
-        # context limits it does not have, and transformers loading options it does not need.
-        max_num_seqs: int = 1,
-        max_model_len: int | None = None,
-        attn_implementation: str = "eager",
-        trust_remote_code: bool = False,
-    ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from roll_core.models import resolve_model_path
-
-        path = resolve_model_path(model_path)
-        self.name = name
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-        self.device = torch.device(device)
-        eos = self.model.generation_config.eos_token_id
-        self.eos = set(eos if isinstance(eos, list) else [eos])
-        self.defaults = SamplingParams(temperature, top_p, top_k, max_new_tokens, tuple(stop))
-        self._seeds = torch.Generator().manual_seed(seed)
-        self._queue: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()  # held while a request decodes or weights change
-        self._aborted: set[str] = set()
-        self._active: set[str] = set()
-        self._version = 0
-        self._shapes: dict[str, torch.Size] | None = None  # set while weights are discarded
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    @property
-    def max_context_length(self) -> int:
-        return int(self.model.config.max_position_embeddings)
-
-    @property
-    def pad_id(self) -> int:
-        return int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
-
-    def check_sampling(self, params: SamplingParams) -> None:
-        """Everything in SamplingParams is supported."""
-
-    # ---- decoding -----------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _decode(self, req: Request) -> RequestOutput:
-        p = req.params
-        if len(req.prompt_ids) >= self.max_context_length:
-            return RequestOutput(req.request_id, req.prompt_ids, [], [], "prompt_too_long", self._version)
-        seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-        gen = torch.Generator().manual_seed(seed)
-        ids, tokens, logps, reason = list(req.prompt_ids), [], [], "length"
-        while len(tokens) < p.max_new_tokens and len(ids) < self.max_context_length:
-            if req.request_id in self._aborted:
-                reason = "abort"
-                break
-            logits = self.model(torch.tensor([ids], device=self.device)).logits[0, -1].float().cpu()
-            x = logits / (p.temperature or 1.0)
-            # Greedy reports the full distribution (the protocol): no truncation for temperature 0.
-            if p.top_k and p.temperature > 0:
-                x = x.masked_fill(x < torch.topk(x, min(p.top_k, x.numel())).values[-1], float("-inf"))
-            if p.top_p < 1 and p.temperature > 0:
-                sx, order = torch.sort(x, descending=True)
-                pr = torch.softmax(sx, -1)
-                x[order[(pr.cumsum(-1) - pr) >= p.top_p]] = float("-inf")
-            lp = torch.log_softmax(x, -1)
-            tok = int(lp.argmax()) if p.temperature == 0 else int(torch.multinomial(lp.exp(), 1, generator=gen))
-            tokens.append(tok)
-            logps.append(float(lp[tok]))
-            ids.append(tok)
-            text = self.tokenizer.decode(tokens)
-            if (
-                (not p.ignore_eos and tok in self.eos)
-                or tok in p.stop_token_ids
-                or any(s in text and s not in self.tokenizer.decode(tokens[:-1]) for s in p.stop)
-            ):
-                reason = "stop"
-                break
-        else:
-            reason = "length"
-        return RequestOutput(req.request_id, list(req.prompt_ids), tokens, logps, reason, self._version)
-
-    def _serve(self) -> None:
-        while True:
-            req, fut = self._queue.get()
-            with self._lock:
-                try:
-                    out = self._decode(req)
-                except Exception as exc:  # a failed request fails its future, not the server
-                    fut.set_exception(exc)
-                    continue
-                finally:
-                    self._active.discard(req.request_id)
-            fut.set_result(out)
-
-    def submit(self, request: Request) -> Future[RequestOutput]:
-        fut: Future[RequestOutput] = Future()
-        self._active.add(request.request_id)
-        self._queue.put((request, fut))
-        return fut
-
-    def abort(self, request_id: str) -> bool:
-        if request_id not in self._active:
-            return False
-        self._aborted.add(request_id)
-        return True
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None, n: int = 1):
-        t0 = time.perf_counter()
-        params = params or self.defaults
-        futures = []
-        for k, prompt in enumerate(prompts):
-            for j in range(n):
-                seed = None if params.seed is None else params.seed * 7919 + k * n + j
-                futures.append(
-                    self.submit(
-                        Request(f"batch-{time.monotonic_ns()}-{k}-{j}", list(prompt), params.replace(seed=seed))
-                    )
-                )
-        outs = [f.result() for f in futures]
-        return GenerateOutput.from_requests(outs, self.pad_id, time.perf_counter() - t0)
-
-    # ---- weights and memory -------------------------------------------------------------------------------
-    def begin_weight_update(self) -> None:
-        self._lock.acquire()
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
-        own, n = self.model.state_dict(), 0
-        with torch.no_grad():
-            for name, t in named_tensors:
-                own[name].copy_(t)
-                n += t.numel() * t.element_size()
-        return n
-
-    def finish_weight_update(self) -> int:
-        self._version += 1
-        self._lock.release()
-        return self._version
-
-    def sleep(self, level: int = 1) -> None:
-        """Level 2 drops the weights (nothing else is held between requests)."""
-        if level == 2:
-            with self._lock:
-                self._shapes = {k: p.shape for k, p in self.model.named_parameters()}
-                for p in self.model.parameters():
-                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-
-    def wake_up(self) -> None:
-        if self._shapes is not None:
-            with self._lock:
-                for k, p in self.model.named_parameters():
-                    p.data = torch.empty(self._shapes[k], dtype=p.dtype, device=self.device)
-            self._shapes = None
-
-    def memory_bytes(self) -> dict[str, int]:
-        return {"weights": sum(p.numel() * p.element_size() for p in self.model.parameters()), "kv_cache": 0}
-
-    def shutdown(self) -> None:
-        """Nothing to stop: the daemon thread dies with the process."""
+        return RecomputeInferEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
