@@ -124,7 +124,10 @@ USED_WITHOUT_IMPORT = {
         "packages/roll-core/src/roll_core/trackers/tensorboard.py",
         "torch.utils.tensorboard",
     ),
-    ("roll-core", "hydra-optuna-sweeper"): ("conf/experiment/sweep_optuna.yaml", "override /hydra/sweeper: optuna"),
+    ("roll-core", "hydra-optuna-sweeper"): (
+        "packages/roll-core/src/roll_core/conf/experiment/sweep_optuna.yaml",
+        "override /hydra/sweeper: optuna",
+    ),
     # MLflow's SQL store (the default store in the run folder) runs on SQLAlchemy and Alembic; mlflow-skinny omits them.
     ("roll-core", "sqlalchemy"): ("packages/roll-core/src/roll_core/trackers/mlflow.py", "sqlite:///"),
     ("roll-core", "alembic"): ("packages/roll-core/src/roll_core/trackers/mlflow.py", "sqlite:///"),

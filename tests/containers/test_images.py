@@ -152,7 +152,7 @@ def test_dockerignore_keeps_venvs_outputs_caches_and_git_out() -> None:
         "packages/roll-core/src/roll_core/cli.py",
         "packages/roll-core/src/roll_core/conf/rlvr.yaml",
         "constraints/cpu.txt",
-        "conf/experiment/sweep_tiny.yaml",
+        "conf/README.md",
         "docker/entrypoint.sh",
     ]:
         assert (ROOT / path).exists() and not ignore.excluded(path), f"{path} must reach the build context"

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 # Placeholders commands may show (`<checkpoint>`, `<rm>`); compositions get a stand-in for them (stand_ins).
 PLACEHOLDER = re.compile(r"<[^<>\s]+>")
+#: Hydra's command-line flags a roll-train command may carry: flag -> how many values follow it.
+HYDRA_FLAGS = {"--cfg": 1, "-c": 1, "--info": 1, "-i": 1, "--package": 1, "-p": 1, "--resolve": 0, "--help": 0}
 
 
 # ---- reading the commands out of README.md --------------------------------------------------------------------
@@ -50,8 +52,16 @@ class Command:
     def overrides(self) -> list[str]:
         """Hydra overrides (roll-eval: its key=value arguments, not its models nor its own `--option value`s)."""
         args = [a for a in self.args if a not in ("-m", "--multirun")]
-        if self.prog != "roll-eval":
-            return args
+        if self.prog != "roll-eval":  # Hydra's own flags (`--cfg hydra`) are not overrides
+            out, skip = [], 0
+            for a in args:
+                if skip:
+                    skip -= 1
+                elif a in HYDRA_FLAGS:
+                    skip = HYDRA_FLAGS[a]
+                else:
+                    out.append(a)
+            return out
         out, value = [], False
         for a in args:
             if value:  # the value of the option before it

@@ -82,6 +82,26 @@ def test_roll_train_composes_the_quickstart_from_any_folder(installed: tuple[Pat
     assert not (work / "conf").exists()
 
 
+@pytest.mark.parametrize("experiment", ["agentic_sokoban", "sweep_tiny"])
+def test_the_readmes_other_experiments_ship_with_the_wheel(
+    installed: tuple[Path, dict[str, str], Path], experiment: str
+) -> None:
+    """They lived in the repository's conf/, which a wheel install does not have."""
+    bin_dir, env, work = installed
+    proc = _run([str(bin_dir / "roll-train"), "--cfg", "job", f"experiment={experiment}"], env=env, cwd=work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"experiment: {experiment}" in proc.stdout
+
+
+def test_a_sweep_without_the_sweep_extra_is_one_line(installed: tuple[Path, dict[str, str], Path]) -> None:
+    """This install has no roll-core[sweep] (nox's WHEEL_VENV): the Optuna sweep says which extra to install."""
+    bin_dir, env, work = installed
+    proc = _run([str(bin_dir / "roll-train"), "-m", "experiment=sweep_optuna"], env=env, cwd=work)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = "roll-train: hydra/sweeper=optuna needs hydra-optuna-sweeper: pip install 'roll-core[sweep]'"
+    assert proc.stderr.strip().splitlines()[-1] == line and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_one_step_tiny_run_finishes(installed: tuple[Path, dict[str, str], Path]) -> None:
     bin_dir, env, work = installed
     out = work / "run"
