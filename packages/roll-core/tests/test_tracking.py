@@ -97,6 +97,44 @@ def test_tensorboard_backend_logs_finite_metrics_and_purges_the_redone_steps(
     ]
 
 
+def test_a_resume_after_an_attempt_without_tensorboard_replays_the_steps_it_missed(tmp_path: Path) -> None:
+    """Steps 0-2 with tensorboard, 3-5 without it (trackers=[]), then tensorboard again from a checkpoint at step 4:
+    the event files hold 0-4 from the records and 5-6 from the last attempt (they lacked 3-5, step 5 is redone)."""
+    pytest.importorskip("tensorboard", reason="the roll-core[track] extra")
+    for trackers, steps, checkpoint in (
+        (["tensorboard"], range(3), None),
+        ([], range(3, 6), 2),
+        (None, range(5, 7), 4),
+    ):
+        tracker = Tracker(
+            tmp_path, "experiment: gap\n", *([trackers] if trackers is not None else []), resume=bool(steps.start)
+        )
+        if checkpoint is not None:
+            tracker.truncate(checkpoint)
+        for step in steps:
+            tracker.log(step, {"loss": float(step) + (0.5 if trackers is None else 0.0)})
+        tracker.close()
+    assert _scalars(tmp_path / "tensorboard") == {
+        "loss": [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.5), (6, 6.5)]
+    }
+
+
+def test_a_resume_in_a_folder_from_before_the_record_replays_nothing(tmp_path: Path) -> None:
+    """Event files without tensorboard/last_step.json (written before roll kept it) hold every step: a replay would
+    draw each point twice."""
+    pytest.importorskip("tensorboard", reason="the roll-core[track] extra")
+    tracker = Tracker(tmp_path, "experiment: old\n")
+    for step in range(3):
+        tracker.log(step, {"loss": float(step)})
+    tracker.close()
+    (tmp_path / "tensorboard" / "last_step.json").unlink()
+    resumed = Tracker(tmp_path, "experiment: old\n", resume=True)
+    resumed.truncate(2)
+    resumed.log(3, {"loss": 3.0})
+    resumed.close()
+    assert _scalars(tmp_path / "tensorboard") == {"loss": [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)]}
+
+
 def test_a_fresh_run_in_a_folder_of_an_attempt_that_never_checkpointed_shows_only_its_own_steps(
     tmp_path: Path,
 ) -> None:
