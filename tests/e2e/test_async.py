@@ -104,9 +104,20 @@ def test_partial_rollout_resumes_requests_and_keeps_every_token_once(tiny_model:
     torch.testing.assert_close(logp, gen["behaviour_logprobs"], atol=2e-4, rtol=1e-4)
 
 
-def test_dynamic_sampling_refills_the_batch_with_informative_groups(seven_task: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_ratio", [0, 1])
+def test_dynamic_sampling_refills_the_batch_with_informative_groups(
+    seven_task: Path, tmp_path: Path, async_ratio: int
+) -> None:
+    """Synchronous and asynchronous collectors alike (the asynchronous one did not report its refill rounds)."""
     _, history = run_pipeline(
-        tiny_overrides(seven_task, tmp_path, "algo=grpo", "algo.drop_uniform_groups=true", "pipeline.max_steps=4")
+        tiny_overrides(
+            seven_task,
+            tmp_path,
+            "algo=grpo",
+            "algo.drop_uniform_groups=true",
+            "pipeline.max_steps=4",
+            f"pipeline.async_ratio={async_ratio}",
+        )
     )
     steps = [h for h in history if h["step"] > 0]
     # The random model mostly fails: groups without variance are dropped and more prompts are sampled.

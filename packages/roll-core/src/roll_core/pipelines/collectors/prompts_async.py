@@ -123,9 +123,10 @@ class AsyncPromptCollector(PromptCollector):
         kept: list[GroupState] = []
         first: tuple[Batch, Batch] | None = None
         cols: dict[int, dict[str, torch.Tensor]] = {}  # gid -> its rows' scores, correct, formatted
-        sampled = 0
+        sampled = rounds = 0
         with out.timer("generate"):  # time the trainer waited for rollout
             while len(kept) < want and sampled < cap:
+                rounds += 1
                 groups = self.driver.take(min(want - len(kept), cap - sampled))
                 sampled += len(groups)
                 batch = self._assemble(generation_from_samples(groups, pad))
@@ -160,6 +161,7 @@ class AsyncPromptCollector(PromptCollector):
         self.log_samples(step, b0, scored0)
         out["data/dropped_groups"] = sampled - len(kept)
         out["data/sampled_groups"] = sampled
+        out["data/refill_rounds"] = rounds - 1  # takes after the first (the sync collector's count)
         out["data/refill_short_groups"] = max(0, want - len(kept))
         out["data/skipped_long_prompts"], self.skipped_long = self.skipped_long, 0
         if self.processor is not None:
