@@ -306,17 +306,17 @@ class InferEngineTestSuite:
         # cached blocks reached 4e-5 here: a tolerance between the two.
         tol = max(10 * self.logprob_atol, 1e-3)
 
-        def update(model: Any) -> None:
+        def update(model: Any) -> int:
             engine.begin_weight_update()
             engine.update_weights(list(_unique_params(model)))
-            engine.finish_weight_update()
+            return engine.finish_weight_update()
 
         try:
             for attempt in range(3):  # a loaded machine may let the request finish first: try again
                 engine.submit(Request(f"c0-{attempt}", cached, greedy)).result(timeout=300)  # its prefix is cached
                 running = engine.submit(Request(f"x-{attempt}", prompts[1], long))
                 time.sleep(0.01)  # admitted and prefilled
-                update(changed)
+                version = update(changed)
                 if not running.done():
                     break
                 running.result(timeout=300)
@@ -328,6 +328,8 @@ class InferEngineTestSuite:
             assert again.token_ids == ref_tokens, f"{again.token_ids} vs {ref_tokens}"
             assert again.logprobs == pytest.approx(ref_logp, abs=tol), f"{again.logprobs} vs {ref_logp}"
             first = running.result(timeout=300)
+            # Its tokens came from both versions: it reports the oldest, the one it was admitted under.
+            assert first.weight_version == version - 1, (first.weight_version, version)
             follow = [*prompts[1], *first.token_ids, 7, 8]  # extends what the crossing request computed
             got = engine.submit(Request("f", follow, greedy)).result(timeout=300)
             ref_tokens, ref_logp = reference_greedy(str(folder), follow, 6)

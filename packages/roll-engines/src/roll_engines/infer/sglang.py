@@ -195,7 +195,8 @@ class SGLangInferEngine:
         self._version = 0
         self._ids = itertools.count()
         self._jobs: queue.Queue = queue.Queue()
-        self._tasks: dict[asyncio.Task, tuple[Request, Future, str]] = {}
+        # task -> (request, its future, SGLang's rid, the weight version it started under)
+        self._tasks: dict[asyncio.Task, tuple[Request, Future, str, int]] = {}
         self._rids: dict[str, str] = {}  # roll request id -> SGLang rid of the running request
         self._slept: list[str] = []
         self._paused = False  # between begin_weight_update and finish_weight_update the loop does not run
@@ -237,10 +238,10 @@ class SGLangInferEngine:
                     self._complete(task)
 
     def _complete(self, task: asyncio.Task) -> None:
-        request, fut, _ = self._tasks.pop(task)
+        request, fut, _, version = self._tasks.pop(task)
         self._rids.pop(request.request_id, None)
-        try:
-            fut.set_result(to_request_output(request, task.result(), self._version))
+        try:  # the version it started under: the oldest its tokens came from (an update may have run meanwhile)
+            fut.set_result(to_request_output(request, task.result(), version))
         except ValueError as exc:  # SGLang raises for a prompt it refuses (status 400)
             if "context" in str(exc).lower() or "too long" in str(exc).lower():
                 fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [], [], "prompt_too_long"))
@@ -289,7 +290,7 @@ class SGLangInferEngine:
             rid=rid,
         )
         task = self.engine.loop.create_task(coro)
-        self._tasks[task] = (request, fut, rid)
+        self._tasks[task] = (request, fut, rid, self._version)
         self._rids[request.request_id] = rid
 
     def _control(self, fn: Callable[[], Any]) -> Any:

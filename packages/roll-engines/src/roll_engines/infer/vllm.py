@@ -342,8 +342,9 @@ class VLLMInferEngine:
             del self._internal[internal]
         self._by_roll_id.pop(state.request.request_id, None)
         r = state.request
-        # Adapter sync: the request ran on the adapter it started with, so it reports that adapter's version.
-        version = state.version if self._adapters is not None else self._version
+        # The version it was admitted under: the oldest its tokens came from (a merged-weight update while it ran
+        # changed the weights under it; with adapter sync it ran on the adapter it started with).
+        version = state.version
         try:
             routed = self._routed(state.routing, len(r.prompt_ids) + len(state.tokens))
             out = RequestOutput(r.request_id, list(r.prompt_ids), state.tokens, state.logprobs, reason, version, routed)
