@@ -33,7 +33,8 @@ def sandbox() -> PythonSandbox:
     if not cgroup.available():
         pytest.skip("no writable cgroup here (v2 with memory+pids, or v1 memory and pids): per-process limits only")
     try:
-        return PythonSandbox(SandboxLimits(timeout_s=20, memory_mb=400, max_processes=8, run_memory_mb=512))
+        # 60 s: six children touching 300 MiB each took over 20 s on a loaded 2-core machine (a timeout, not a cap).
+        return PythonSandbox(SandboxLimits(timeout_s=60, memory_mb=400, max_processes=8, run_memory_mb=512))
     except SandboxUnavailableError as exc:
         pytest.skip(f"no working bubblewrap sandbox here (install roll-envs[code]): {exc}")
 
