@@ -55,6 +55,36 @@ def test_sampling_is_reproducible_per_seed(tiny: str) -> None:
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_batch_samples_the_same_rows_over_any_number_of_engines(tiny: str, world_size: int) -> None:
+    """InferGroup.generate splits a batch over its ranks; each seeded its rows by their place in its own slice (and
+    by its rank), so `infer_engine.world_size` changed every sampled response (and roll-eval, on one engine, could
+    not reproduce a run's eval/accuracy)."""
+    from roll_core.cluster.roles import InferGroup, InferWorker
+    from roll_core.protocol import Batch
+    from roll_engines.config import HFInferEngineConfig
+
+    def rows(ranks: int) -> list[list[int]]:
+        group = InferGroup(
+            InferWorker,
+            ranks,
+            "local",
+            name="actor_infer",
+            engine=vars(HFInferEngineConfig()),
+            runtime={"model_path": tiny},
+        )
+        try:
+            batch = Batch(fields={"prompt_ids": [[5, 6, 7 + i] for i in range(5)]})  # 5 prompts: uneven slices
+            out = group.generate(batch, SamplingParams(temperature=1.0, max_new_tokens=6, seed=3), 2)
+        finally:
+            group.shutdown()
+        return [r[m.bool()].tolist() for r, m in zip(out["responses"], out["response_mask"])]
+
+    one = rows(1)
+    assert len(one) == 10 and len({tuple(r) for r in one}) > 5  # sampled: rows differ
+    assert rows(world_size) == one
+
+
 def test_stop_strings_end_responses(tiny: str) -> None:
     infer = HFInferEngine(tiny, max_new_tokens=24, stop=["e"], temperature=1.5)
     gen = infer.generate([[10, 11]], infer.defaults.replace(seed=0), n=16)

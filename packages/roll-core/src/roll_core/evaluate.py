@@ -8,8 +8,8 @@ response, ground truth, extracted answer, reward, correctness, format flag, leng
 metrics are computed from those records by roll_core.eval_metrics (pass@k, maj@n, lengths, truncation, format,
 per-domain and per-difficulty). With n=1 the accuracy is the one a training run logs as `eval/accuracy`: the same
 prompts, sampling parameters and seed (derived from `pipeline.seed`, so every model of a comparison sees the same
-problems and seeds), for a run with one inference engine: evaluation runs on one, and a run with
-`infer_engine.world_size=N` sampled its rows with N engines' seed streams (a warning says so when sampling).
+problems and seeds), whatever the run's `infer_engine.world_size` (evaluation runs on one engine; a batch split over
+N engines samples what one engine samples: `InferGroup.generate`).
 
 Majority vote needs each response's extracted answer: the task's `extract_answer(response) -> str | None`, else
 its reward's (the math reward's: the last non-empty \\boxed{}). A task with neither reports maj@n as None and says
@@ -116,13 +116,6 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
     factory = registry.load("roll.collectors", name)
     factory.check(cfg, task)
     cluster = Cluster(type(cfg.cluster)(backend="local"), cfg.hw)
-    if cfg.infer_engine.world_size > 1 and eval_temperature(cfg) > 0:
-        log.warning(
-            "infer_engine.world_size=%d: evaluation samples with one engine, so its numbers are the training run's "
-            "eval/accuracy up to sampling noise (the run's %d engines sampled their rows with their own seeds)",
-            cfg.infer_engine.world_size,
-            cfg.infer_engine.world_size,
-        )
     path = resolve_model_path(cfg.model.path)
     ie = as_dict(cfg.infer_engine)
     infer = cluster.group(

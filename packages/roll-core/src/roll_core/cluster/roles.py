@@ -243,6 +243,10 @@ def engine_inputs(batch: Batch) -> dict[str, Any]:
     return out
 
 
+#: The tensor InferGroup.generate adds to a batch before splitting it: each prompt's index in the whole batch.
+PROMPT_INDEX = "prompt_index"
+
+
 class InferWorker(EngineWorker):
     """Hosts an inference engine: batch generation, single requests, weight updates, sleep and wake-up."""
 
@@ -255,13 +259,17 @@ class InferWorker(EngineWorker):
 
     @dispatch(Dispatch.DP)
     def generate(self, batch: Batch, params: SamplingParams, n: int) -> Batch:
-        if params.seed is not None:  # ranks sample different streams for the same row index
-            params = params.replace(seed=derive_seed(params.seed, Purpose.WORKER, self.rank))
+        if params.seed is not None:  # one stream family for every rank: rows differ by their place in the batch
+            params = params.replace(seed=derive_seed(params.seed, Purpose.WORKER, 0))
+        kwargs: dict[str, Any] = {}
+        if PROMPT_INDEX in batch and len(batch) and int(batch[PROMPT_INDEX][0]):
+            # This rank's slice starts at that prompt of the whole batch (InferGroup.generate): its rows sample the
+            # streams of their place there, so a batch samples the same responses over any number of engines.
+            kwargs["first_row"] = int(batch[PROMPT_INDEX][0]) * n
         mm = batch["mm_inputs"] if "mm_inputs" in batch else None
         if mm is not None and any(m is not None for m in mm):  # a vision-language prompt's pictures (Request.mm)
-            gen = self.engine.generate(batch["prompt_ids"], params, n, mm=mm)
-        else:
-            gen = self.engine.generate(batch["prompt_ids"], params, n)
+            kwargs["mm"] = mm
+        gen = self.engine.generate(batch["prompt_ids"], params, n, **kwargs)
         out = Batch(
             {
                 "responses": gen.responses,
@@ -529,8 +537,10 @@ class InferGroup(WorkerGroup[InferWorker]):
         self._ids = itertools.count()
 
     def generate(self, batch: Batch, params: SamplingParams, n: int) -> Batch:
-        """n samples of every prompt in `batch["prompt_ids"]`, rows grouped per prompt, split over the ranks."""
-        parts = self.submit(InferWorker.generate, batch, params, n).values()
+        """n samples of every prompt in `batch["prompt_ids"]`, rows grouped per prompt, split over the ranks. The rows
+        sampled do not depend on the number of ranks: each rank seeds its rows by their place in `batch`."""
+        indexed = batch.union(Batch({PROMPT_INDEX: torch.arange(len(batch))}))
+        parts = self.submit(InferWorker.generate, indexed, params, n).values()
         out = Batch.concat(_pad_responses(parts))
         out.meta["generate_seconds"] = max(p.meta.get("generate_seconds", 0.0) for p in parts)
         return out

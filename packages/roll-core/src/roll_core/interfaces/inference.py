@@ -338,11 +338,20 @@ class InferEngine(Protocol):
         ...
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1, mm: Sequence[Any] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        n: int = 1,
+        mm: Sequence[Any] | None = None,
+        first_row: int = 0,
     ) -> GenerateOutput:
         """Sample `n` responses per prompt (rows grouped per prompt); see the module docstring. `mm`: one
         `roll_core.multimodal.MMInputs` or None per prompt (placeholders already expanded in the ids); only engines
-        serving vision-language models take it, and callers pass it only when a prompt has pictures."""
+        serving vision-language models take it, and callers pass it only when a prompt has pictures. With a seed,
+        row r samples the stream of row `first_row + r` (`derive_seed(params.seed, Purpose.ENGINE_ROW, first_row +
+        r)` in roll's engines): the slice of a batch starting at row `first_row` samples what the whole batch's call
+        samples for those rows, so a batch split over engines samples what one engine would. Callers pass
+        `first_row` only when it is not 0."""
         ...
 
     def submit(self, request: Request) -> Future[RequestOutput]:

@@ -171,6 +171,20 @@ class InferEngineTestSuite:
             ref = teacher_forced_logprobs(model_path, prompts[row // 2], tokens, temperature)
             assert out.logprobs[row][: len(tokens)].tolist() == pytest.approx(ref, abs=self.logprob_atol)
 
+    def test_a_slice_samples_what_the_whole_batch_samples_for_its_rows(
+        self, engine: InferEngine, prompts: list[list[int]]
+    ) -> None:
+        """`first_row`: the slice of a batch that starts at row r samples, row for row, what the whole batch's call
+        samples there (what lets a batch split over engines sample what one engine would)."""
+        params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=21)
+
+        def rows(out: Any) -> list[list[int]]:
+            return [r[m.bool()].tolist() for r, m in zip(out.responses, out.response_mask)]
+
+        whole = rows(engine.generate(prompts[:3], params, n=2))
+        assert rows(engine.generate(prompts[1:3], params, n=2, first_row=2)) == whole[2:]
+        assert rows(engine.generate(prompts[2:3], params, n=2, first_row=4)) == whole[4:]
+
     def test_seeded_sampling_is_reproducible(self, engine: InferEngine, prompts: list[list[int]]) -> None:
         a = engine.generate(prompts[:1], SamplingParams(max_new_tokens=10, seed=11), n=4)
         b = engine.generate(prompts[:1], SamplingParams(max_new_tokens=10, seed=11), n=4)

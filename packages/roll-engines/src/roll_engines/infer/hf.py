@@ -258,13 +258,14 @@ class HFInferEngine:
         params: SamplingParams | None = None,
         n: int = 1,
         mm: Sequence[Any] | None = None,
+        first_row: int = 0,
     ) -> GenerateOutput:
         """Sample `n` responses per prompt; row k*n + j is sample j of prompt k.
 
-        With `params.seed` set, row i samples from the stream seeded by (seed, i): results do not depend on
-        how requests were batched. `mm`: one `MMInputs` (or None) per prompt, the pictures of a vision-language
-        prompt (a prompt batch's `mm_inputs` field). Every prompt is checked before any starts: a bad one raises
-        ValueError naming it and nothing runs.
+        With `params.seed` set, row i samples from the stream seeded by (seed, first_row + i): results do not
+        depend on how requests were batched, nor on how a batch was split over engines. `mm`: one `MMInputs` (or
+        None) per prompt, the pictures of a vision-language prompt (a prompt batch's `mm_inputs` field). Every
+        prompt is checked before any starts: a bad one raises ValueError naming it and nothing runs.
         """
         t0 = time.perf_counter()
         params = params or self.defaults
@@ -274,7 +275,7 @@ class HFInferEngine:
         for k, prompt in enumerate(prompts):
             for j in range(n):
                 row = k * n + j
-                seed = None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, row)
+                seed = None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, first_row + row)
                 req = Request(f"batch-{next(self._ids)}", list(prompt), params.replace(seed=seed))
                 req.mm = mm[k] if mm is not None else None  # the n samples share one object: one prefill
                 seqs.append(self._prepare(req))

@@ -312,6 +312,7 @@ class SGLangInferEngine:
         params: SamplingParams | None = None,
         n: int = 1,
         mm: Sequence[Any] | None = None,
+        first_row: int = 0,
     ) -> GenerateOutput:
         _refuse_pictures(self.name, mm or [], "a prompt")
         t0 = time.perf_counter()
@@ -319,7 +320,9 @@ class SGLangInferEngine:
         futures = []
         for k, prompt in enumerate(prompts):
             for j in range(n):
-                seed = None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, k * n + j)
+                seed = (
+                    None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, first_row + k * n + j)
+                )
                 req = Request(f"batch-{next(self._ids)}", list(prompt), params.replace(seed=seed))
                 futures.append(self.submit(req))
         return GenerateOutput.from_requests([f.result() for f in futures], self.pad_id, time.perf_counter() - t0)

@@ -465,9 +465,10 @@ class VLLMInferEngine:
         params: SamplingParams | None = None,
         n: int = 1,
         mm: Sequence[Any] | None = None,
+        first_row: int = 0,
     ) -> GenerateOutput:
-        """n samples per prompt (rows grouped per prompt); `mm`: one MMInputs (or None) per prompt. Every prompt is
-        checked before any starts."""
+        """n samples per prompt (rows grouped per prompt); `mm`: one MMInputs (or None) per prompt; row i's seed is
+        (params.seed, first_row + i) (the InferEngine contract). Every prompt is checked before any starts."""
         t0 = time.perf_counter()
         params = params or self.defaults
         if mm is not None and len(mm) != len(prompts):
@@ -475,7 +476,9 @@ class VLLMInferEngine:
         requests = []
         for k, prompt in enumerate(prompts):
             for j in range(n):
-                seed = None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, k * n + j)
+                seed = (
+                    None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, first_row + k * n + j)
+                )
                 req = Request(f"batch-{next(self._ids)}", list(prompt), params.replace(seed=seed))
                 req.mm = mm[k] if mm is not None else None
                 self._check_request(req)

@@ -137,13 +137,15 @@ class RecomputeInferEngine:
         self._aborted.add(request_id)
         return True
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None, n: int = 1):
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None, n: int = 1, first_row: int = 0
+    ) -> GenerateOutput:
         t0 = time.perf_counter()
         params = params or self.defaults
         futures = []
         for k, prompt in enumerate(prompts):
             for j in range(n):
-                seed = None if params.seed is None else params.seed * 7919 + k * n + j
+                seed = None if params.seed is None else params.seed * 7919 + first_row + k * n + j
                 futures.append(
                     self.submit(
                         Request(f"batch-{time.monotonic_ns()}-{k}-{j}", list(prompt), params.replace(seed=seed))
