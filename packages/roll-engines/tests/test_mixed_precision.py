@@ -108,3 +108,25 @@ def test_critic_values_do_not_depend_on_train_mode(path: str) -> None:
     b = critic._forward(batch, 1.0, False)["values"]
     torch.testing.assert_close(a, b)
     torch.testing.assert_close(a, critic.compute_values(batch)["values"])
+
+
+def test_pure_bf16_on_a_cpu_without_fast_bf16_trains_in_fp32(
+    path: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """model.dtype=bfloat16 (or auto) with train_engine.param_dtype=bfloat16 passes the config check; on an AVX2-only
+    CPU the platform computes in fp32, and the engine refused its bf16 masters (narrower than compute) on every
+    trainer worker. The masters now follow the compute dtype, and the log says so."""
+    import logging
+    from types import SimpleNamespace
+
+    from roll_core.cluster.roles import build_engine
+    from roll_engines.config import HFTrainEngineConfig
+    from roll_hw import cpu
+
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: {"avx", "avx2", "fma"})  # an AVX2-only CPU
+    cfg = {**vars(HFTrainEngineConfig()), "param_dtype": "bfloat16"}
+    runtime = {"model_path": path, "dtype": "bfloat16", "platform": "cpu", "device": "auto", "role": "actor"}
+    with caplog.at_level(logging.WARNING):
+        engine = build_engine(SimpleNamespace(), cfg, runtime)
+    assert engine.compute_dtype == torch.float32 and engine.dtype == torch.float32
+    assert "param_dtype bfloat16 -> float32" in caplog.text

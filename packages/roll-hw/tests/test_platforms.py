@@ -252,3 +252,83 @@ def test_doctor_answers_help_and_refuses_an_unknown_option(capsys: pytest.Captur
         doctor.main(["--platform=cuda"])
     assert bad.value.code == 2 and "unrecognized arguments: --platform=cuda" in capsys.readouterr().err
     assert doctor.main([]) in (0, 1) and "platform" in capsys.readouterr().out
+
+
+def test_a_forced_platform_whose_probe_raises_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ROLL_PLATFORM or hw.platform naming a platform whose probe raises (its driver library missing): the error names
+    the platform and where it was forced (it was the bare OSError); a stray space or a typo in ROLL_PLATFORM says it
+    came from there."""
+    from roll_hw import detect
+
+    class Raising(CpuPlatform):
+        @classmethod
+        def is_available(cls) -> bool:
+            raise OSError("libacme_driver.so: cannot open shared object file")
+
+    real = detect.get_platform_class
+    monkeypatch.setattr(detect, "get_platform_class", lambda name: Raising if name == "acme" else real(name))
+    monkeypatch.setenv("ROLL_PLATFORM", "acme")
+    with pytest.raises(PlatformUnavailableError, match=r"'acme' \(forced by ROLL_PLATFORM=acme\).*raised OSError"):
+        resolve_platform()
+    with pytest.raises(PlatformUnavailableError, match=r"'acme' \(requested\).*raised OSError: libacme_driver"):
+        resolve_platform("acme")
+    monkeypatch.setenv("ROLL_PLATFORM", " cpu ")
+    assert resolve_platform() is CpuPlatform
+    monkeypatch.setenv("ROLL_PLATFORM", "gpu")
+    with pytest.raises(PlatformUnavailableError, match=r"unknown platform 'gpu'.*\(forced by ROLL_PLATFORM=gpu\)"):
+        resolve_platform()
+
+
+def test_an_unavailable_plugin_that_replaces_cpu_falls_back_to_roll_hws_cpu(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A plugin registered as `cpu` (it replaces the built-in) that is unavailable: auto-detection ended in an
+    AssertionError ('unreachable'); roll-hw's own CPU platform runs, and the log says why."""
+    import logging
+
+    from roll_hw import detect
+
+    class ShadowCpu(CpuPlatform):
+        @classmethod
+        def is_available(cls) -> bool:
+            return False
+
+        @classmethod
+        def unavailable_reason(cls) -> str:
+            return "its oneAPI extension is missing"
+
+    real = detect.get_platform_class
+    monkeypatch.setattr(detect, "get_platform_class", lambda name: ShadowCpu if name == "cpu" else real(name))
+    monkeypatch.setattr(detect, "plugin_platforms", lambda: {})
+    monkeypatch.delenv("ROLL_PLATFORM", raising=False)
+    if CudaPlatform.is_available() or RocmPlatform.is_available() or NpuPlatform.is_available():
+        pytest.skip("an accelerator is detected before cpu here")
+    with caplog.at_level(logging.WARNING, logger="roll_hw.detect"):
+        assert resolve_platform() is CpuPlatform
+    assert "(its oneAPI extension is missing): using roll-hw's own cpu platform" in caplog.text
+
+
+def test_doctor_reports_without_platform_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A roll_hw without its roll.platforms entry points (a copied folder, a stale install): the doctor still prints
+    its report and exits 1 (it raised from the probes section)."""
+    from roll_hw import doctor
+
+    def nothing_declared() -> list[str]:
+        raise PlatformUnavailableError("roll-hw declares no roll.platforms entry points here (not even cpu)")
+
+    monkeypatch.setattr(doctor, "resolve_platform", lambda *a, **k: (_ for _ in ()).throw(nothing_declared()))
+    monkeypatch.setattr(doctor, "platform_names", nothing_declared)
+    text, ok = doctor.report()
+    assert not ok and "(platforms)" in text and "declares no roll.platforms entry points" in text
+    assert "optional engines" in text  # the rest of the report is there
+
+
+def test_doctor_says_a_broken_torch_npu_gives_no_hccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from roll_hw import doctor
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "torch_npu" else real(n, *a))
+    monkeypatch.setattr(NpuPlatform, "_torch_npu", classmethod(lambda cls: None))
+    assert "hccl (torch_npu broken)" in doctor._dist_backends()

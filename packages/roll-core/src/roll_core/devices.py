@@ -18,17 +18,18 @@ def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
     """
     from types import SimpleNamespace
 
-    from roll_hw import get_platform_class, resolve_platform
+    from roll_hw import resolve_platform, set_current_platform
 
     out = dict(runtime)
     name = out.pop("platform", "auto")
-    platform = resolve_platform() if name in (None, "auto") else get_platform_class(name)
-    if not platform.is_available():
+    try:
+        platform = resolve_platform(None if name in (None, "auto") else name)
+    except Exception as exc:
         import socket
 
-        raise RuntimeError(
-            f"platform {platform.name!r} is not available on {socket.gethostname()}: {platform.unavailable_reason()}"
-        )
+        raise RuntimeError(f"{socket.gethostname()}: {exc}") from exc
+    # The engines ask roll_hw.current_platform (device backends, memory): the run's platform, not a fresh detection.
+    set_current_platform(platform)
     if out.get("device", "auto") == "auto":
         out["device"] = platform.torch_device()
     if "dtype" in out:

@@ -125,14 +125,20 @@ def resolve_platform(name: str | None = None) -> type[Platform]:
     """Resolve the platform to use: `name` (or `$ROLL_PLATFORM`) if given, else auto-detect.
 
     Raises:
-        PlatformUnavailableError: a forced platform is unknown or its probe fails.
+        PlatformUnavailableError: a forced platform is unknown, unavailable, or its probe raises (each message names
+            the platform and, when it came from there, `$ROLL_PLATFORM`).
         PlatformPluginError: a plugin failed to load, or more than one plugin is active.
     """
-    forced = name or os.environ.get(ENV_VAR) or None
+    from_env = not name
+    forced = (name or os.environ.get(ENV_VAR) or "").strip() or None
     if forced and forced != "auto":
-        cls = get_platform_class(forced)
-        if not cls.is_available():
-            source = "requested" if name else f"forced by {ENV_VAR}={forced}"
+        raw = os.environ.get(ENV_VAR, "")
+        source = "requested" if not from_env else f"forced by {ENV_VAR}={raw if raw == forced else repr(raw)}"
+        try:
+            cls = get_platform_class(forced)
+        except PlatformUnavailableError as exc:
+            raise PlatformUnavailableError(f"{exc} ({source})") if from_env else exc from None
+        if not _available(forced, cls, source):
             raise PlatformUnavailableError(f"platform {forced!r} {source} is unavailable: {cls.unavailable_reason()}")
         return cls
     active = [cls for name, cls in plugin_platforms().items() if _probe(name, cls)]
@@ -143,9 +149,30 @@ def resolve_platform(name: str | None = None) -> type[Platform]:
         return active[0]
     for builtin in builtin_names():
         cls = get_platform_class(builtin)
-        if cls.is_available():
+        if _available(builtin, cls, "probed"):
             return cls
-    raise AssertionError("unreachable: the cpu platform is always available")
+    # Only reached when a plugin took the name `cpu` and is unavailable: roll-hw's own CPU platform always runs.
+    own_cpu = _load(_declared()[0]["cpu"])
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "platform plugin 'cpu' (%s.%s) is unavailable (%s): using roll-hw's own cpu platform",
+        cls.__module__,
+        cls.__qualname__,
+        cls.unavailable_reason(),
+    )
+    return own_cpu
+
+
+def _available(name: str, cls: type[Platform], source: str) -> bool:
+    """A platform's `is_available()`; one that raises (a driver error) is reported with the platform's name."""
+    try:
+        return bool(cls.is_available())
+    except Exception as exc:
+        raise PlatformUnavailableError(
+            f"platform {name!r} ({source}): its probe ({cls.__module__}.{cls.__qualname__}.is_available) raised "
+            f"{type(exc).__name__}: {exc}; set {ENV_VAR}=cpu (or hw.platform=cpu) to run without it"
+        ) from exc
 
 
 def _probe(name: str, cls: type[Platform]) -> bool:

@@ -64,7 +64,10 @@ def _dist_backends() -> str:
         if getattr(dist, probe, lambda: False)():
             names.append(backend)
     if importlib.util.find_spec("torch_npu") is not None:
-        names.append("hccl (torch_npu)")
+        from roll_hw.npu import NpuPlatform
+
+        # Installed is not importable: a broken CANN toolkit makes torch_npu raise at import.
+        names.append("hccl (torch_npu)" if NpuPlatform._torch_npu() is not None else "hccl (torch_npu broken)")
     return ", ".join(names) or "none"
 
 
@@ -148,7 +151,11 @@ def report() -> tuple[str, bool]:
             described = [("error", f"{type(exc).__name__}: {exc}")]
         sections.append(table(described, f"platform: {current.name}"))
     probes = []
-    for name in platform_names():
+    try:
+        names = platform_names()
+    except Exception as exc:  # no roll.platforms metadata (a copied roll_hw, a stale install): still report
+        names, probes = [], [("(platforms)", f"error ({exc})")]
+    for name in names:
         try:
             cls = get_platform_class(name)
             probes.append((name, "available" if cls.is_available() else f"no ({cls.unavailable_reason()})"))

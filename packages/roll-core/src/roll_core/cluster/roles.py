@@ -20,6 +20,7 @@ are built in `setup`, on the main thread too (their actors serve one call at a t
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -35,6 +36,8 @@ from roll_core.interfaces import InferEngine, Request, RequestOutput, SamplingPa
 from roll_core.interfaces.runtime import InferEngineRuntime, TrainEngineRuntime, check_engine_kwargs
 from roll_core.protocol import Batch
 from roll_core.seeds import Purpose, derive_seed
+
+log = logging.getLogger(__name__)
 
 #: Engine-config keys read by workers, placement and weight sync (never passed to an engine's constructor).
 # `dtype` of an inference engine reaches it through the runtime keys (resolved on its node, default model.dtype).
@@ -73,6 +76,11 @@ def build_engine(worker: Worker, cfg: dict[str, Any], runtime: TrainEngineRuntim
 
     resolved = resolve_device(dict(runtime))
     own = engine_kwargs(cfg)
+    if own.get("param_dtype") == "bfloat16" and resolved.get("dtype") == "float32":
+        # Pure bf16 asked (model.dtype bfloat16/auto) on a platform that computes in fp32 (no fast bf16): the
+        # master weights follow, as the compute dtype did (the engine refuses masters narrower than compute).
+        log.warning("train_engine.param_dtype bfloat16 -> float32: the compute dtype resolved to float32 here")
+        own["param_dtype"] = "float32"
     check_engine_kwargs(get_object(own["_target_"]), {k: v for k, v in own.items() if k != "_target_"}, resolved)
     engine = build(own, **resolved)
     worker.engine_dtype = str(getattr(engine, "dtype", None) or resolved.get("dtype") or "").removeprefix("torch.")
