@@ -22,6 +22,7 @@ from roll_core.sequences import build_sequences, pad_left
 from roll_core.testing.models import tiny_model
 from roll_engines.infer._routing import RoutingRecorder
 from roll_engines.infer.hf import HFInferEngine
+from roll_engines.train._routing import RoutingReplay
 from roll_engines.train.hf import HFTrainEngine
 
 PROMPTS = [[5, 9, 14, 3, 22, 7], [31, 8, 2], [12, 40, 41, 17, 6]]
@@ -249,6 +250,75 @@ def test_bad_routing_is_refused(tiny, fp32):
         engine.compute_logprobs({**batch, ROUTED_EXPERTS: batch[ROUTED_EXPERTS] + 4})
     with pytest.raises(ValueError, match="MoE layers, top_k"):
         engine.compute_logprobs({**batch, ROUTED_EXPERTS: batch[ROUTED_EXPERTS][..., :1]})
+
+
+def _tiny_family(kind: str) -> torch.nn.Module:
+    """A random 2-layer MoE of `kind` (4 experts, top-2), small enough to build per test."""
+    from transformers import GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        num_local_experts=4,
+        head_dim=8,
+    )
+    if kind == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(**common)).eval()
+    return GptOssForCausalLM(GptOssConfig(**common, layer_types=["full_attention"] * 2)).eval()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_replaying_a_models_own_routing_changes_nothing(kind):
+    """Mixtral renormalises its top-k always (it has no norm_topk_prob), GPT-OSS takes the softmax over the chosen
+    experts' logits: the replay gave both Qwen's gating, so with the model's own experts its gate weights summed to
+    ~0.5 (Mixtral: logits off by 8e-3; GPT-OSS 5e-2) while the changed fraction read 0."""
+    from roll_engines.infer._routing import model_routing
+
+    model = _tiny_family(kind)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(7).expand(2, 7)}
+    with torch.no_grad():
+        ref = model(**batch).logits
+    own = model_routing(model, batch)
+    replay = RoutingReplay(model)
+    replay.current = own.reshape(-1, *own.shape[2:]).long()
+    with torch.no_grad():
+        got = model(**batch).logits
+    assert replay.changed_fraction() == 0.0
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_a_router_whose_gating_roll_does_not_replay_is_refused(tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    for router in RoutingRecorder(model).routers:
+        router.__class__ = type("AcmeTopKRouter", (type(router),), {})
+    with pytest.raises(ValueError, match=r"routers \(AcmeTopKRouter\) compute their gate weights .* supported"):
+        RoutingReplay(model)
+
+
+def test_a_family_whose_gating_changed_fails_at_the_first_forward(tiny, fp32, monkeypatch):
+    """A transformers release that changes a supported family's gating (here: scores halved): the replayed weights
+    would differ from the router's own; the first forward says so instead of training with rescaled experts."""
+    engine = HFTrainEngine(tiny, role="actor", routing_replay=True, pack_sequences=False, logprob_chunk_size=4)
+    cls = type(engine.routing.routers[0])
+    real = cls.forward
+
+    def changed(self, hidden):
+        logits, scores, idx = real(self, hidden)
+        return logits, scores * 0.5, idx
+
+    monkeypatch.setattr(cls, "forward", changed)
+    with pytest.raises(RuntimeError, match=r"Qwen3MoeTopKRouter's gate weights are not what roll computes"):
+        engine.compute_logprobs(dict(fp32["batch"]))
 
 
 def test_dense_model_is_refused(tmp_path):

@@ -10,6 +10,11 @@ Aligning Training and Inference Routers") do:
   softmax(router_logits) gathered at the replayed ids (and renormalised over them where the model normalises its
   top-k, `norm_topk_prob`: then exactly R3's softmax over the replayed experts' logits), so the policy gradient
   reaches the router weights through the weights of the experts that were used;
+- each router family's own gating: softmax over every expert then gathered (Qwen2/3-MoE, OLMoE: renormalised over
+  the top-k where `norm_topk_prob`; Mixtral, Qwen3-VL-MoE: always), or softmax over the chosen experts' logits
+  (GPT-OSS); a router of another family is refused (`GATING`), and the first forward checks on the positions
+  whose replayed experts are the router's own that the replayed weights are the router's (a new transformers
+  release that changes a family's gating fails loudly instead of scaling expert outputs silently);
 - the router logits (the load-balancing loss's input) are untouched;
 - a position whose replayed ids hold -1 (UNROUTED: padding, the last generated token, no record) keeps the
   router's own choice.
@@ -35,11 +40,43 @@ if TYPE_CHECKING:
     from roll_engines.train._packing import PackedBatch
 
 
+#: Router class -> how its gate weights come from its logits at given experts: "softmax" (over every expert,
+#: gathered; renormalised over the top-k iff the router's `norm_topk_prob`), "softmax_renorm" (the same, always
+#: renormalised), "topk_softmax" (softmax over the chosen experts' logits).
+GATING = {
+    "Qwen2MoeTopKRouter": "softmax",
+    "Qwen3MoeTopKRouter": "softmax",
+    "OlmoeTopKRouter": "softmax",
+    "MixtralTopKRouter": "softmax_renorm",
+    "Qwen3VLMoeTextTopKRouter": "softmax_renorm",
+    "GptOssTopKRouter": "topk_softmax",
+}
+
+
+def gate_weights(module: torch.nn.Module, logits: Tensor, idx: Tensor) -> Tensor:
+    """(tokens, top_k) fp32 gate weights of `module` (a router in `GATING`) at experts `idx` (tokens, top_k), from
+    its logits (tokens, num_experts): what the router itself computes for its own top-k."""
+    kind = GATING[type(module).__name__]
+    if kind == "topk_softmax":
+        return torch.softmax(logits.float().gather(-1, idx), dim=-1)
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, idx)
+    if kind == "softmax_renorm" or getattr(module, "norm_topk_prob", False):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
+
+
 class RoutingReplay:
     """Forward hooks on every router of a model that replay the current micro-batch's `routed_experts`."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.routers = require_routers(model, "train_engine.routing_replay")
+        unknown = sorted({type(r).__name__ for r in self.routers} - set(GATING))
+        if unknown:  # replaying ids under another family's gating would rescale every expert output
+            raise ValueError(
+                f"train_engine.routing_replay: {type(model).__name__}'s routers ({', '.join(unknown)}) compute their "
+                f"gate weights in a way roll does not replay; supported routers: {', '.join(sorted(GATING))}"
+            )
+        self._checked: set[int] = set()  # routers whose gating was checked against their own output
         self.top_k = int(self.routers[0].top_k)
         self.num_experts = int(self.routers[0].weight.shape[0])
         self.current: Tensor | None = None  # (tokens, layers, top_k) long on the model's device
@@ -90,6 +127,18 @@ class RoutingReplay:
         self.replayed = self.changed = 0
         return frac
 
+    @staticmethod
+    def _check(module: torch.nn.Module, logits: Tensor, scores: Tensor, own: Tensor) -> None:
+        """Raise unless `gate_weights` at the router's own experts gives the router's own weights `scores`."""
+        mine = gate_weights(module, logits, own)
+        tol = 1e-5 if scores.dtype == torch.float32 else 1e-2
+        if not torch.allclose(mine, scores.float(), atol=tol, rtol=tol):
+            raise RuntimeError(
+                f"routing replay: {type(module).__name__}'s gate weights are not what roll computes for its family "
+                f"({GATING[type(module).__name__]}; max difference {float((mine - scores.float()).abs().max()):.3g}): "
+                "this transformers version changed the router; turn train_engine.routing_replay off"
+            )
+
     def _hook(self, layer: int):
         def hook(module: torch.nn.Module, args: tuple, output: tuple) -> tuple | None:
             if self.current is None:
@@ -103,13 +152,14 @@ class RoutingReplay:
             unrouted = (want < 0).any(-1, keepdim=True)
             idx = torch.where(unrouted, own, want)
             # Megatron's router replay: the trainer's probabilities at the replayed experts (the router's gradient).
-            weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, idx)
-            if getattr(module, "norm_topk_prob", False):
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = gate_weights(module, logits, idx)
             with torch.no_grad():
                 self.replayed += int((~unrouted).sum())
                 same = (idx.sort(-1).values == own.sort(-1).values).all(-1, keepdim=True)
                 self.changed += int((~same & ~unrouted).sum())
+                if layer not in self._checked:
+                    self._check(module, logits, output[1], own)
+                    self._checked.add(layer)
             return logits, weights.to(logits.dtype), idx
 
         return hook
