@@ -85,6 +85,29 @@ def test_a_batch_samples_the_same_rows_over_any_number_of_engines(tiny: str, wor
     assert rows(world_size) == one
 
 
+def test_step_metrics_weigh_micro_batches_by_their_tokens(tiny: str) -> None:
+    """Row 0 has 1 response token with correction weight 3, row 1 four with weight 1; one row per micro-batch. The
+    step's actor/correction/weight_mean is the token mean (3 + 4) / 5 = 1.4; it was the mean of the micro-batches'
+    means, (3 + 1) / 2 = 2.0."""
+    import math
+
+    from roll_algos.corrections import icepop
+
+    ids, pm = pad_left([[5, 6, 7], [8, 9, 10]], 0)
+    resp = torch.tensor([[11, 0, 0, 0], [12, 13, 14, 15]])
+    rmask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])
+    batch = build_sequences(ids, pm, resp, rmask)
+    behaviour = torch.full((2, 4), math.log(0.5))
+    old = behaviour + torch.tensor([[3.0, 1, 1, 1], [1, 1, 1, 1]]).log()
+    weights = icepop(old, behaviour, rmask.float(), low=0.5, high=5.0).weights
+    batch.update(
+        responses=resp, response_mask=rmask, advantages=rmask.float(), is_weights=weights, behaviour_logprobs=behaviour
+    )
+    engine = HFTrainEngine(tiny, role="actor", micro_batch_size=1, pack_sequences=False, lr=0.0)
+    metrics = engine.train_step(batch, PolicyObjective(variant="ppo"), mini_batches=1)
+    assert metrics["actor/correction/weight_mean"] == pytest.approx(1.4, abs=1e-6)
+
+
 def test_stop_strings_end_responses(tiny: str) -> None:
     infer = HFInferEngine(tiny, max_new_tokens=24, stop=["e"], temperature=1.5)
     gen = infer.generate([[10, 11]], infer.defaults.replace(seed=0), n=16)

@@ -29,6 +29,11 @@ class LossFn(Protocol):
     `outputs["gathered_logprobs"]` (b, R, K), log_softmax(logits / temperature) at those ids, fp32 and
     differentiable (a distillation student read at its teacher's top-k ids). Every built-in engine does, padded and
     packed, LoRA included; positions outside the response are meaningless (packed: 0), as for "logprobs".
+
+    Metrics: `train_step` reports each metric's mean over the micro-batches weighted by their `units` (a token mean
+    per micro-batch becomes the mini-batch's token mean under token-mean aggregation), except the keys a loss lists
+    in `summed_metrics: tuple[str, ...]` (read with getattr, default none): sums (and their counts) whose ratio the
+    objective forms itself, averaged alike.
     """
 
     needs_entropy: bool

@@ -140,3 +140,27 @@ def padding_row(batch: Mapping[str, Any]) -> dict[str, Any]:
         elif k not in ("input_ids", "position_ids", "responses", "prompts"):
             row[k] = torch.zeros_like(v)
     return row
+
+
+class MetricMeans:
+    """A step's metrics over its micro-batches, each weighted by its loss units (`loss_fn.units(micro)`: valid
+    tokens under token-mean aggregation, rows under sequence means): a per-micro-batch token mean (the correction
+    weight's, the train/infer gap's, the clip fraction) averaged unweighted over micro-batches of different sizes
+    (token-budget cuts, prompt-grouped packing) misweighted its tokens. Where every weight is 0 (micro-batches
+    without units) the values weigh alike."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = {}
+        self._weights: dict[str, float] = {}
+        self._plain: dict[str, list[float]] = {}
+
+    def add(self, key: str, value: float, weight: float = 1.0) -> None:
+        self._sums[key] = self._sums.get(key, 0.0) + value * weight
+        self._weights[key] = self._weights.get(key, 0.0) + weight
+        self._plain.setdefault(key, []).append(value)
+
+    def means(self) -> dict[str, float]:
+        return {
+            k: self._sums[k] / self._weights[k] if self._weights[k] > 0 else sum(v) / len(v)
+            for k, v in self._plain.items()
+        }

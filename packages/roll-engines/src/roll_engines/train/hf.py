@@ -63,7 +63,7 @@ from roll_engines.train._lora import (
     save_lora,
     sync_parents,
 )
-from roll_engines.train._micro import check_micro_batch_tokens, micro_rows
+from roll_engines.train._micro import MetricMeans, check_micro_batch_tokens, micro_rows
 from roll_engines.train._micro import padding_row as _padding_row
 from roll_engines.train._optim import adamw_kernel, load_optimizer, lr_lambda, save_optimizer
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
@@ -478,8 +478,7 @@ class HFTrainEngine:
             raise RuntimeError(f"the {self.role} engine is not trainable")
         tensors = V.checked_batch(batch, self.vision, self.path)
         n = tensors["input_ids"].shape[0]
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
+        means = MetricMeans()
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
         t0, tokens0, micros0 = time.perf_counter(), self.forward_tokens, self.micro_batches_run
         skipped = steps = scaler_skips = 0
@@ -490,19 +489,17 @@ class HFTrainEngine:
             for mb_rows in torch.tensor_split(order, mini_batches):
                 self.optimizer.zero_grad(set_to_none=True)
                 metrics, total = self._accumulate(V.take(tensors, mb_rows), loss_fn, temperature, template=tensors)
-                for k, v in metrics:
-                    sums[k] = sums.get(k, 0.0) + v
-                    counts[k] = counts.get(k, 0) + 1
+                for k, v, w in metrics:
+                    means.add(k, v, w)
                 if total == 0:
                     continue
                 norm, stepped, overflow = self._clip_and_step()
                 if stepped:
-                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm
-                    counts["grad_norm"] = counts.get("grad_norm", 0) + 1
+                    means.add("grad_norm", norm)
                 skipped += int(not stepped and not overflow)
                 scaler_skips += int(overflow)
                 steps += int(stepped)
-        out = {k: sums[k] / counts[k] for k in sums}
+        out = means.means()
         # Optimizer steps taken, and those skipped for a non-finite loss or gradient (weights, moments and LR
         # schedule untouched): a skipped step is not an optimizer step. fp16's loss scaler overflowing (its first
         # steps do, by design, while it finds its scale) is the scaler's business, not a blow-up of the run's.
@@ -529,12 +526,13 @@ class HFTrainEngine:
 
     def _accumulate(
         self, mini: dict[str, Any], loss_fn: LossFn, temperature: float, template: dict[str, Any] | None = None
-    ) -> tuple[list[tuple[str, float]], float]:
+    ) -> tuple[list[tuple[str, float, float]], float]:
         """Backward of one mini-batch in micro-batches, each scaled so the sum is the whole mini-batch's gradient.
 
         Every data-parallel rank runs the same number of forward/backward passes (sharded engines' collectives
         must pair up): a rank with fewer micro-batches adds padding rows whose loss weight is 0.
-        Returns (metric name, value) pairs of the real micro-batches and the mini-batch's units over all ranks.
+        Returns (metric name, value, the micro-batch's units) of the real micro-batches and the mini-batch's units
+        over all ranks.
         """
         order = self._prompt_order(mini)
         if order is not None:  # micro-batches of rows that share prompts (the mini-batch's rows are unchanged)
@@ -558,7 +556,8 @@ class HFTrainEngine:
             else:
                 scaled.backward()
             if real:
-                out += [(k, float(v)) for k, v in metrics.items()]
+                units, summed = float(loss_fn.units(micro)), getattr(loss_fn, "summed_metrics", ())
+                out += [(k, float(v), 1.0 if k in summed else units) for k, v in metrics.items()]
         return out, total
 
     def compute_gradients(

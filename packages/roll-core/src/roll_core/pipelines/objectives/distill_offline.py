@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor
 
@@ -55,6 +55,8 @@ class TopKDistillLoss:
     #: The engine adds outputs["gathered_logprobs"] (b, R, K): the student's log-probs at these ids.
     gather_ids_key: str = TEACHER_IDS
     needs_entropy: bool = False
+    #: Averaged alike over micro-batches by the engines (LossFn): the objective divides the sums by the tokens.
+    summed_metrics: ClassVar[tuple[str, ...]] = (_TOKENS, *(f"{k}{_SUM}" for k in _MEANS))
 
     def units(self, micro: Mapping[str, Tensor]) -> float:
         return agg_units(micro["response_mask"], self.agg)

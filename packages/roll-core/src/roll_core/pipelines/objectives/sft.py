@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor
 
@@ -46,6 +46,8 @@ class SFTLoss:
     # Token-sum normaliser of agg=seq-mean-token-sum-norm (the response length limit).
     norm_length: int | None = None
     needs_entropy: bool = False
+    #: Averaged alike over micro-batches by the engines (LossFn): their ratio is the batch's token mean.
+    summed_metrics: ClassVar[tuple[str, ...]] = (_NLL_SUM, _TOKENS)
 
     def units(self, micro: Mapping[str, Tensor]) -> float:
         return agg_units(micro["response_mask"], self.agg)

@@ -53,7 +53,7 @@ from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.structured import refuse_constrained_batch
 from roll_engines.train._logits import empty_outputs, gather_ids_of
-from roll_engines.train._micro import check_micro_batch_tokens, micro_batches, padding_row
+from roll_engines.train._micro import MetricMeans, check_micro_batch_tokens, micro_batches, padding_row
 from roll_engines.train._optim import lr_lambda
 from roll_engines.train.megatron import _convert as C
 from roll_engines.train.megatron import _critic as V
@@ -426,14 +426,15 @@ class MegatronTrainEngine:
         self, mini: dict[str, Tensor], loss_fn: LossFn, temperature: float, force_all_reduce: bool = False
     ) -> tuple[list, float]:
         """Forward/backward of one mini-batch through the schedule; gradients of the unsplit batch (see module
-        docstring); returns (metric pairs, the mini-batch's units over data-parallel ranks). `force_all_reduce`:
+        docstring); returns ((metric, value, micro-batch units) triples, the mini-batch's units over data-parallel
+        ranks). `force_all_reduce`:
         whole gradients on every rank even under the distributed optimizer (whose reduction is a reduce-scatter)."""
         if self.routing is not None:
             self.routing.check(mini)
         micros = micro_batches(mini, self.micro_batch_size, self.micro_batch_tokens, self.pack_sequences)
         total = self._dp_sum(sum(loss_fn.units(m) for m in micros))
         micros, real = self._balanced(micros, mini)
-        metrics: list[tuple[str, float]] = []
+        metrics: list[tuple[str, float, float]] = []
 
         def loss(out: Tensor, micro: dict) -> tuple[Tensor, dict]:
             pad = int(micro["_index"]) >= real  # a padding micro-batch: trains nothing, reports nothing
@@ -447,7 +448,8 @@ class MegatronTrainEngine:
             # tokens, so the two cancel.)
             scale = units / total * self.dp_size * len(micros) if total > 0 else 0.0
             if not pad:
-                metrics.extend((k, float(v)) for k, v in m.items())
+                summed = getattr(loss_fn, "summed_metrics", ())
+                metrics.extend((k, float(v), 1.0 if k in summed else float(units)) for k, v in m.items())
             return value * scale, {}
 
         self.model.train()
@@ -477,8 +479,7 @@ class MegatronTrainEngine:
         tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
         n = tensors["input_ids"].shape[0]
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
+        means = MetricMeans()
         t0 = time.perf_counter()
         skipped = steps = 0
         for _ in range(epochs):
@@ -487,18 +488,16 @@ class MegatronTrainEngine:
                 self.ddp.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 pairs, total = self._backward({k: v[rows] for k, v in tensors.items()}, loss_fn, temperature)
-                for k, v in pairs:
-                    sums[k] = sums.get(k, 0.0) + v
-                    counts[k] = counts.get(k, 0) + 1
+                for k, v, w in pairs:
+                    means.add(k, v, w)
                 if total == 0:
                     continue
                 norm, ok = self._step_optimizer()
                 if ok:
-                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm
-                    counts["grad_norm"] = counts.get("grad_norm", 0) + 1
+                    means.add("grad_norm", norm)
                 skipped += int(not ok)
                 steps += int(ok)  # a skipped step is not an optimizer step
-        out = {k: sums[k] / counts[k] for k in sums}
+        out = means.means()
         out["nonfinite_steps"], out["optimizer_steps"] = float(skipped), float(steps)
         out["lr"] = self.base_lr * self._lr(self._step)  # the next step's, as the hf engine reports (get_last_lr)
         if self.routing is not None:  # (position, MoE layer) pairs whose replayed experts differ from the trainer's own
