@@ -340,5 +340,8 @@ def test_config_refusals():
     on = ["experiment=quickstart", "train_engine.routing_replay=true", "infer_engine.return_routing=true"]
     with pytest.raises(ConfigError, match="synchronous pipeline"):
         load_config([*on, "pipeline.async_ratio=1"])
+    agentic = ["experiment=agentic_quickstart", "train_engine.routing_replay=true", "infer_engine.return_routing=true"]
+    with pytest.raises(ConfigError, match=r"pipeline=agentic: multi-turn trajectories do not carry"):
+        load_config(agentic)  # it was accepted, then failed at the first train step after a whole rollout
     cfg = load_config(on)
     assert cfg.train_engine.routing_replay and cfg.infer_engine.return_routing

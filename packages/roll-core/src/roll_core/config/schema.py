@@ -835,6 +835,13 @@ class RLVRConfig:
                     "train_engine.routing_replay=true replays the experts the rollout engine chose: set "
                     "infer_engine.return_routing=true (infer_engine=hf records them; infer_engine=vllm on CUDA GPUs)"
                 )
+            if pipe.name in ("agentic", "agent"):
+                # Multi-turn trajectories are assembled from turns without the engine's routing: the first train
+                # step would fail after a whole rollout.
+                raise ValueError(
+                    f"train_engine.routing_replay=true with pipeline={pipe.name}: multi-turn trajectories do not carry "
+                    "the rollout engine's routing yet; replay works with the single-turn pipeline (pipeline=rlvr)"
+                )
             if pipe.async_ratio > 0:
                 raise ValueError(
                     "train_engine.routing_replay=true needs the synchronous pipeline (pipeline.async_ratio=0): "
