@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from roll_core.testing import reward_curve
@@ -235,3 +236,113 @@ def test_a_command_gets_a_row_too_large_for_the_environment_on_stdin() -> None:
     urls = ("http://127.0.0.1:9/v1", "http://127.0.0.1:9/reward")
     assert task._run_command(*urls, {"text": "x" * 200_000}) == 200_000.0
     assert task._run_command(*urls, {"text": "abc"}) == 3.0 + len(json.dumps({"text": "abc"}))
+
+
+# A launcher (as `uv run agent.py` or a shell wrapper is): the agent is its child; it writes the agent's pid to
+# argv[1] and waits for it.
+LAUNCHER = """
+import subprocess, sys
+agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60); print(1.0)"])
+open(sys.argv[1], "w").write(str(agent.pid))
+sys.exit(agent.wait())
+"""
+
+
+def _alive(pid: int) -> bool:
+    """A process that runs (a zombie left for a PID 1 that does not reap is not running)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _agent_pid(path: Path, timeout: float = 10.0) -> int:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def _gone(pid: int, timeout: float = 5.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def _kill(pid: int) -> None:
+    import os
+    import signal
+
+    if _alive(pid):  # a failed test leaves no process behind
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_a_timed_out_command_leaves_no_process_behind(tmp_path: Path) -> None:
+    """At the command's episode timeout its whole process group is killed: killing the direct child only left the
+    launcher's agent running after the episode (and after the run). The collector's own timeout does the same
+    (`cancel_episode`), as the episode thread may still wait on the command."""
+    from roll_core.pipelines.collectors.agents import EpisodeTimeout
+    from roll_envs.agentic.openai_agent import OpenAIAgentTask
+
+    urls = ("http://127.0.0.1:9/sessions/x/v1", "http://127.0.0.1:9/sessions/x/reward")
+    pid_file = tmp_path / "own.pid"
+    task = OpenAIAgentTask(
+        command=[sys.executable, "-c", LAUNCHER, str(pid_file)],
+        generator="openai_agent_toy:tasks",
+        episode_timeout_s=1.5,
+    )
+    try:
+        with pytest.raises(TimeoutError) as exc:  # EpisodeTimeout is one
+            task.run_episode(*urls, {"id": 0})
+        pid = _agent_pid(pid_file)
+        assert _gone(pid), "the agent outlived its episode"
+    finally:
+        _kill(_agent_pid(pid_file))
+    assert isinstance(exc.value, EpisodeTimeout)
+
+    # The collector's episode timeout fires while the command's own is far off (a task seen with a shorter one).
+    from roll_core.pipelines.metrics import StepLog
+
+    pid_file = tmp_path / "collector.pid"
+    task.command[-1], task.episode_timeout_s = str(pid_file), 60.0
+    collector = _collector(_ShortTimeout(task, 1.0), group_size=1, batch=1)
+    try:
+        out = StepLog()
+        collector.next(1, out)
+        assert out["agent/failed_timeout"] == 1.0
+        assert _gone(_agent_pid(pid_file)), "the agent outlived the collector's episode timeout"
+    finally:
+        collector.close()
+        _kill(_agent_pid(pid_file))
+
+
+class _ShortTimeout:
+    """A task whose episode timeout, as the collector reads it, is `timeout_s` (its command's own stays longer)."""
+
+    def __init__(self, task: Any, timeout_s: float) -> None:
+        self._task, self.episode_timeout_s = task, timeout_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+
+def test_a_command_whose_output_is_not_utf8_still_reports_its_reward() -> None:
+    """A program that logs a tool's binary output (bytes that are not UTF-8) and prints its reward: the episode
+    failed with UnicodeDecodeError after exit 0. Such bytes are replaced, in stdout, stderr and error messages."""
+    from roll_envs.agentic.openai_agent import OpenAIAgentTask
+
+    write = "import sys; sys.stderr.buffer.write(b'tool: \\xff\\xfe binary\\n'); sys.stdout.buffer.write(b'\\xff\\n');"
+    urls = ("http://127.0.0.1:9/v1", "http://127.0.0.1:9/reward")
+    task = OpenAIAgentTask(
+        command=[sys.executable, "-c", write + " print(1.0)"], generator="openai_agent_toy:tasks", episode_timeout_s=20
+    )
+    assert task.run_episode(*urls, {"id": 0}) == 1.0
+    task.command[-1] = write + " sys.exit(3)"
+    with pytest.raises(RuntimeError, match="exited 3: tool: \ufffd\ufffd binary"):
+        task.run_episode(*urls, {"id": 0})

@@ -56,3 +56,21 @@ def test_an_episode_that_hit_a_limit_is_scored_not_failed(end: str) -> None:
     session.reward = 0.5  # POSTed before the limit
     assert _outcome({"error": refused}, session, timed_out=False) == (0.5, None, "")
     assert _outcome({"error": refused}, _session(), timed_out=False)[1] == "error"  # no limit: a failure
+
+
+def test_a_timeout_error_of_the_program_is_its_error_not_the_episode_timeout() -> None:
+    """Only roll's own episode timeout (`EpisodeTimeout`, or the collector's join running out) is `timeout`: a
+    socket or HTTP read timeout inside the program is its error, and after a limit it is no failure at all (any
+    TimeoutError was counted as an episode timeout and overrode the limit rule)."""
+    from roll_core.pipelines.collectors.agents import EpisodeTimeout
+
+    read_timeout = TimeoutError("read timed out")  # what socket.timeout and urlopen's read timeouts are
+    assert _outcome({"error": read_timeout}, _session(), timed_out=False)[:2] == (0.0, "error")
+    assert _outcome({"error": EpisodeTimeout("slow")}, _session(), timed_out=False) == (0.0, "timeout", "slow")
+    assert _outcome({}, _session(), timed_out=True)[:2] == (0.0, "timeout")
+    limited = _session()
+    limited.traj.end = "max_turns"
+    for result, timed_out in [({"error": read_timeout}, False), ({"error": EpisodeTimeout("x")}, False), ({}, True)]:
+        assert _outcome(result, limited, timed_out) == (0.0, None, ""), result
+    limited.reward = 0.5  # POSTed before the limit; a value returned after the timeout does not count
+    assert _outcome({"reward": 1.0}, limited, timed_out=True) == (0.5, None, "")

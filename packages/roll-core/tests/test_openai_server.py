@@ -115,6 +115,7 @@ def _client(server: OpenAIServer, sid: str) -> openai.OpenAI:
 
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)
+RETRY = {"x-stainless-retry-count": "1"}  # what the openai clients send on a retry (0 on a first attempt)
 
 
 def test_multi_turn_chat_records_exactly_the_sampled_ids(hf_engine: Any, tokenizer: Any) -> None:
@@ -383,7 +384,8 @@ def test_a_client_retry_gets_the_recorded_reply_and_keeps_the_trajectory(tokeniz
         engine.delay = 1.0  # the next turn outlasts the client's timeout: it retries while the turn runs
         hasty = openai.OpenAI(base_url=server.base_url("r"), api_key="unused", max_retries=3, timeout=0.4)
         r2 = hasty.chat.completions.create(model="m", messages=messages)
-        again = patient.chat.completions.create(model="m", messages=messages)  # a retry after the reply arrived
+        # A client's retry (attempt 1, as the openai client marks it) that arrives after the reply was recorded.
+        again = patient.chat.completions.create(model="m", messages=messages, extra_headers=RETRY)
         engine.delay = 0.05
         messages += [r2.choices[0].message, {"role": "user", "content": "c"}]
         r3 = patient.chat.completions.create(model="m", messages=messages)
@@ -448,3 +450,184 @@ def test_response_format_constrains_the_turn_and_keeps_it_out_of_the_loss(hf_eng
         assert r.choices[0].message.content.startswith('{"n":')
     assert session.constrained_turns == 1 and session.traj.turns == 1 and sum(session.traj.mask) == 0
     assert len(session.traj.tokens) == r.usage.completion_tokens
+
+
+def test_a_repeated_request_that_is_no_retry_gets_a_new_sample_and_counts_as_a_turn(tokenizer: Any) -> None:
+    """An agent that asks the same messages again (another sample, "retry until it parses") with a client that does
+    not retry: each request is sampled (the repeat restarts the trajectory), and max_turns stops the loop. It got
+    the first reply back forever, replays never counted, and the episode looped until its timeout."""
+    engine = SlowScriptedEngine(tokenizer, ["not json", '{"ok": 1}', "c", "d"], delay=0.0)
+    sessions, server = _serve(engine, tokenizer)
+    try:
+        sessions.open("p", PARAMS, SessionLimits(max_turns=3, max_context_length=1024))
+        client = _client(server, "p")
+        hi = [{"role": "user", "content": "Answer in JSON"}]
+        answers = [client.chat.completions.create(model="m", messages=hi).choices[0].message.content for _ in "abc"]
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model="m", messages=hi)
+        assert exc.value.code == "max_turns_exceeded"
+        session = sessions.close("p")
+    finally:
+        server.close()
+    assert answers == ["not json", '{"ok": 1}', "c"] and engine.requests == 3 and session.replays == 0
+    assert session.requests == 3 and session.traj.turns == 1 and session.dropped_turns == 2  # trained: the last
+
+
+def test_retries_of_one_request_are_capped(tokenizer: Any) -> None:
+    """A client that retries a request forever gets the recorded reply at most max_turns times, then HTTP 400."""
+    engine = SlowScriptedEngine(tokenizer, ["one", "two"], delay=0.0)
+    sessions, server = _serve(engine, tokenizer)
+    try:
+        sessions.open("c", PARAMS, SessionLimits(max_turns=2, max_context_length=1024))
+        client = _client(server, "c")
+        hi = [{"role": "user", "content": "a"}]
+        first = client.chat.completions.create(model="m", messages=hi).choices[0].message.content
+        again = [
+            client.chat.completions.create(model="m", messages=hi, extra_headers=RETRY).choices[0].message.content
+            for _ in range(2)
+        ]
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model="m", messages=hi, extra_headers=RETRY)
+        assert exc.value.code == "too_many_retries"
+        session = sessions.close("c")
+    finally:
+        server.close()
+    assert first == "one" and again == ["one", "one"] and engine.requests == 1 and session.replays == 2
+
+
+def test_a_closed_session_answers_410_to_requests_and_reward_reports(tokenizer: Any) -> None:
+    """close() (the episode timed out) forgot the session: its agent's next request got 404 session_not_found,
+    not the documented 410 session_closed; an id never opened is still 404."""
+    sessions, server = _serve(ScriptedEngine(tokenizer, ["a"]), tokenizer)
+    try:
+        sessions.open("x", PARAMS, SessionLimits(max_context_length=1024))
+        hi = [{"role": "user", "content": "hi"}]
+        r = _client(server, "x").chat.completions.create(model="m", messages=hi)
+        sessions.close("x")
+        with pytest.raises(openai.APIStatusError) as gone:
+            _client(server, "x").chat.completions.create(
+                model="m", messages=[*hi, r.choices[0].message, {"role": "user", "content": "more"}]
+            )
+        assert gone.value.status_code == 410 and gone.value.code == "session_closed"
+        status, body = _post(server.reward_url("x"), b'{"reward": 1.0}')
+        assert status == 410 and body["error"]["code"] == "session_closed"
+        status, body = _post(server.reward_url("never"), b'{"reward": 1.0}')
+        assert status == 404 and body["error"]["code"] == "session_not_found"
+    finally:
+        server.close()
+
+
+def test_a_context_refusal_the_agent_recovers_from_does_not_end_the_trajectory(tokenizer: Any) -> None:
+    """A request over the context limit is refused (400) and marks the trajectory ended there; the agent truncates
+    the observation and goes on, its later turns are served, and the mark goes: the episode did not end at the
+    limit, so a later crash is the program's failure (the mark stayed, and the crash was trained with reward 0)."""
+    from roll_core.pipelines.collectors.agents import _outcome
+
+    sessions, server = _serve(ScriptedEngine(tokenizer, ["one", "two", "three"]), tokenizer)
+    try:
+        sessions.open("o", PARAMS, SessionLimits(max_turns=8, max_tokens_per_turn=16, max_context_length=200))
+        client = _client(server, "o")
+        messages: list[Any] = [{"role": "user", "content": "run ls"}]
+        messages.append(client.chat.completions.create(model="m", messages=messages).choices[0].message)
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model="m", messages=[*messages, {"role": "user", "content": "file " * 400}])
+        assert exc.value.code == "context_length_exceeded" and sessions.get("o").traj.end == "max_context"
+        assert _outcome({"error": RuntimeError("400")}, sessions.get("o"), timed_out=False) == (0.0, None, "")
+        messages.append({"role": "user", "content": "file (truncated)"})
+        r = client.chat.completions.create(model="m", messages=messages)
+        session = sessions.close("o")
+    finally:
+        server.close()
+    assert r.choices[0].message.content == "two" and session.traj.turns == 2 and session.traj.end == ""
+    assert _outcome({"error": KeyError("bug")}, session, timed_out=False)[1] == "error"
+    assert session.finish(0.0, "env_error").end == "env_error"
+
+
+def _request(url: str, method: str, body: bytes | None = None) -> tuple[int, str, Any]:
+    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as resp:
+            return resp.status, resp.headers.get("Content-Type", ""), json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            return exc.code, exc.headers.get("Content-Type", ""), json.loads(raw)
+        except ValueError:
+            return exc.code, exc.headers.get("Content-Type", ""), raw.decode(errors="replace")
+
+
+def test_every_http_error_is_an_openai_error(tokenizer: Any) -> None:
+    """A body over the size limit (was a 500 internal_error with a traceback, which clients retry), an unknown route
+    or method (was aiohttp's plain text): OpenAI's error JSON with the HTTP status that says what happened."""
+    sessions, server = _serve(ScriptedEngine(tokenizer, []), tokenizer)
+    try:
+        sessions.open("z", PARAMS, SessionLimits(max_context_length=1024))
+        url = server.base_url("z") + "/chat/completions"
+        over = b'{"messages": [{"role": "user", "content": "' + b"a" * server.max_body_bytes + b'"}]}'
+        for target in (url, server.reward_url("z")):
+            status, kind, body = _request(target, "POST", over)
+            assert (status, body["error"]["code"]) == (413, "request_too_large") and kind.startswith("application/json")
+        status, _, body = _request(url, "GET")
+        assert (status, body["error"]["code"]) == (405, "method_not_allowed")
+        for path, method in (("/responses", "POST"), ("/models/roll", "GET")):
+            status, _, body = _request(server.base_url("z") + path, method, b"{}" if method == "POST" else None)
+            assert (status, body["error"]["code"]) == (404, "not_found") and "chat/completions" in body["error"][
+                "message"
+            ]
+    finally:
+        server.close()
+
+
+def test_request_fields_are_read_as_openai_defines_them(tokenizer: Any) -> None:
+    """`max_completion_tokens: null` beside `max_tokens` (clients that send every field): max_tokens holds (it was
+    ignored: the turn ran the session's whole budget); `stream` must be a JSON boolean ("false" streamed)."""
+    from roll_core.agentic.openai_server import chat_turn
+
+    hi = [{"role": "user", "content": "hi"}]
+    assert chat_turn({"messages": hi, "max_completion_tokens": None, "max_tokens": 3}).max_tokens == 3
+    assert chat_turn({"messages": hi, "max_completion_tokens": 2, "max_tokens": 3}).max_tokens == 2
+    infer = Recorder(ScriptedEngine(tokenizer, ["a", "b"]))
+    sessions, server = _serve(infer, tokenizer)
+    try:
+        sessions.open("f", PARAMS, SessionLimits(max_context_length=1024))
+        url = server.base_url("f") + "/chat/completions"
+        status, _ = _post(url, json.dumps({"messages": hi, "max_completion_tokens": None, "max_tokens": 1}).encode())
+        assert status == 200 and infer.calls[0][0].params.max_new_tokens == 1
+        for bad in ("false", 1):
+            status, body = _post(url, json.dumps({"messages": hi, "stream": bad}).encode())
+            assert (status, body["error"]["code"]) == (400, "invalid_parameter"), bad
+        assert len(infer.calls) == 1  # refused before sampling
+    finally:
+        server.close()
+
+
+def test_a_client_leaving_a_streamed_turn_logs_no_error_and_keeps_the_turn(
+    tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client times out while the turn runs and closes the connection: writing the stream failed with an
+    unhandled ClientConnectionResetError (a server error with a traceback in the log). The turn stays recorded and
+    the client's retry gets it."""
+    import logging
+    import time
+
+    engine = SlowScriptedEngine(tokenizer, ["slow one"], delay=0.6)
+    sessions, server = _serve(engine, tokenizer)
+    try:
+        sessions.open("d", PARAMS, SessionLimits(max_context_length=1024))
+        hasty = openai.OpenAI(base_url=server.base_url("d"), api_key="unused", max_retries=0, timeout=0.1)
+        hi = [{"role": "user", "content": "hi"}]
+        with caplog.at_level(logging.DEBUG), pytest.raises(openai.APITimeoutError):
+            list(hasty.chat.completions.create(model="m", messages=hi, stream=True))
+        session = sessions.get("d")
+        deadline = time.monotonic() + 5
+        while session.traj.turns == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)  # the handler writes the stream to the closed connection now
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        retried = _client(server, "d").chat.completions.create(model="m", messages=hi, stream=True, extra_headers=RETRY)
+        text = "".join(c.choices[0].delta.content or "" for c in retried if c.choices)
+        sessions.close("d")
+    finally:
+        server.close()
+    assert not errors, [r.getMessage() for r in errors]
+    assert session.traj.turns == 1 and text == "slow one" and engine.requests == 1 and session.replays == 1

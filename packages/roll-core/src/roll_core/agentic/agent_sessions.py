@@ -17,18 +17,29 @@ template) and the turns sampled before it are dropped from training (counted in 
 token was sampled in exactly the context the trainer sees. With `on_rewrite="refuse"` the request gets HTTP 400
 (code `history_rewritten`) and the session is unchanged.
 
-Limits (`SessionLimits`) stop a session, never the run: a request past `max_turns`, or one whose context leaves
-no room to generate within `max_context_length`, gets HTTP 400 (`max_turns_exceeded` /
-`context_length_exceeded`) and ends the trajectory there (`end`). A turn whose request constrained decoding
-(`response_format`) is kept as context with loss mask 0 (counted in `constrained_turns`): the trainer recomputes
-log-probs without per-turn constraints, so training on it would use the wrong distribution.
+Limits (`SessionLimits`) stop a session, never the run: a request past `max_turns` gets HTTP 400
+(`max_turns_exceeded`), as does every later one, and ends the trajectory there (`end`). A request whose context
+leaves no room to generate within `max_context_length` gets HTTP 400 (`context_length_exceeded`) and marks the
+trajectory ended there (`end`) unless the agent goes on: a later request that fits (an agent that truncates the
+observation that overflowed) is served and clears the mark, since the trajectory did not end at the limit. A turn
+whose request constrained decoding (`response_format`) is kept as context with loss mask 0 (counted in
+`constrained_turns`): the trainer recomputes log-probs without per-turn constraints, so training on it would use the
+wrong distribution.
 
-A retried request (the same messages, tools and settings as the previous one: an OpenAI client re-sends a request
-whose reply it did not receive, after its timeout or a dropped connection) gets the reply the session recorded for
-it again, counted in `replays`, instead of a second sample: the turn the agent finally sees is the turn trained on.
-A retry that arrives while the original still runs waits for it and gets its reply. (Without this, the retry no
-longer extended the conversation, which now ended in the unseen reply: a history rewrite that dropped the turns the
-agent had seen, or a 400 it could not recover from.)
+A client's retry of the previous request (the same messages, tools and settings, sent again because its reply was
+not received, after a timeout or a dropped connection) gets the reply the session recorded for it again, counted in
+`replays`, instead of a second sample: the turn the agent finally sees is the turn trained on. A retry is what the
+client says it is (the server passes `retry=True` for a request whose `x-stainless-retry-count` header, sent by
+the openai clients, is 1 or more): a repeated request that is not a retry (an agent asking the same messages again
+for another sample) is sampled anew, as any request that does not extend the conversation (a history rewrite,
+below). A retry that arrives while the original still runs waits for it and gets its reply. (Without this, the
+retry no longer extended the conversation, which now ended in the unseen reply: a history rewrite that dropped the
+turns the agent had seen, or a 400 it could not recover from.) An episode gets at most `max_turns` replays (HTTP
+400 `too_many_retries` after that), so a client that retries forever cannot outlast its turn limit.
+
+A session that was closed (its episode timed out or ended) answers HTTP 410 (`session_closed`) to its agent's later
+requests, a reward report included; `AgentSessions` remembers the last `CLOSED_KEPT` closed ids for that (an id
+older than that is unknown: 404).
 
 Thread-safety: one request per session at a time (a second concurrent one gets HTTP 409, unless it is a retry of
 the one running, which waits for it); sessions are independent.
@@ -41,6 +52,7 @@ import itertools
 import json
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +63,8 @@ from roll_core.seeds import Purpose, derive_seed
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ON_REWRITE = ("restart", "refuse")
+#: Closed session ids remembered (to answer 410, not 404): a bounded memory for a run of many episodes.
+CLOSED_KEPT = 1 << 16
 
 
 class SessionError(Exception):
@@ -222,7 +236,7 @@ class AgentSession:
         self.tools_key: str | None = None
         self.last_ids: list[int] = []  # the last sampled response (its closing depends on whether it ended in EOS)
         self.reward: float | None = None
-        self.requests = 0  # turns sampled, across restarts (what max_turns counts)
+        self.requests = 0  # turns sampled, across restarts (what max_turns counts; replays are capped apart)
         self.rewrites = self.dropped_turns = self.constrained_turns = self.invalid_tool_calls = 0
         self.closed = False
         self.request_id: str | None = None  # the engine request in flight
@@ -304,6 +318,8 @@ class AgentSession:
         self.traj.tool_calls += len(message.get("tool_calls", []))
         self.traj.texts.append(message.get("content") or "")
         self.traj.versions.append(0)
+        # A context-limit refusal the agent recovered from (it sent a request that fits) did not end the trajectory.
+        self.traj.end = ""
         self.messages = [*turn.messages, message]
         self.tools_key = json.dumps(turn.tools, sort_keys=True) if turn.tools else None
         self.last_ids = list(token_ids)
@@ -347,6 +363,7 @@ class AgentSessions:
         self.infer, self.template, self.decode, self.parse = infer, template, decode, parse
         self.on_rewrite = on_rewrite
         self._sessions: dict[str, AgentSession] = {}
+        self._closed: OrderedDict[str, None] = OrderedDict()  # recently closed ids: their requests get 410
         self._lock = threading.Lock()
         self._ids = itertools.count()
 
@@ -355,6 +372,7 @@ class AgentSessions:
         with self._lock:
             if sid in self._sessions:
                 raise ValueError(f"session {sid} already exists")
+            self._closed.pop(sid, None)
             self._sessions[sid] = AgentSession(
                 sid, params, limits, self.template, group=group, index=index, on_rewrite=self.on_rewrite
             )
@@ -362,6 +380,9 @@ class AgentSessions:
     def get(self, sid: str) -> AgentSession:
         with self._lock:
             session = self._sessions.get(sid)
+            closed = session is None and sid in self._closed
+        if closed:  # the agent outlived its episode (timeout): the documented 410, not an unknown session
+            raise SessionError(410, "session_closed", f"session {sid} has ended (episode timeout or shutdown)")
         if session is None:
             raise SessionError(
                 404, "session_not_found", f"no session {sid!r} (sessions are opened by roll per episode)"
@@ -372,23 +393,34 @@ class AgentSessions:
         """Stop session `sid`: later requests get HTTP 410, a request in flight is aborted; returns it."""
         with self._lock:
             session = self._sessions.pop(sid)
+            self._closed[sid] = None
+            while len(self._closed) > CLOSED_KEPT:
+                self._closed.popitem(last=False)
         session.closed = True
         rid = session.request_id
         if rid is not None:
             self.infer.abort(rid)
         return session
 
-    def chat(self, sid: str, turn: ChatTurn) -> Reply:
-        """Sample the next assistant turn of session `sid` (blocking; call it off the event loop); a retry of the
-        previous request gets its recorded reply (see the module docstring)."""
+    def chat(self, sid: str, turn: ChatTurn, *, retry: bool = False) -> Reply:
+        """Sample the next assistant turn of session `sid` (blocking; call it off the event loop); a client's retry
+        (`retry`) of the previous request gets its recorded reply (see the module docstring)."""
         session = self.get(sid)
         key = turn_key(turn)
         if not session.lock.acquire(blocking=False):
-            if key != session.current_key:
+            if not retry or key != session.current_key:
                 raise SessionError(409, "session_busy", f"session {sid}: another request of this session is running")
             session.lock.acquire()  # a retry of the running request: its reply is this one's
         try:
-            if session.last_reply is not None and session.last_reply[0] == key and not session.closed:
+            # Only a retry is answered again: an agent that repeats a request on purpose wants a new sample (its
+            # client does not retry, program= clients never do), and replaying to it looped until the timeout.
+            if retry and session.last_reply is not None and session.last_reply[0] == key and not session.closed:
+                if session.replays >= session.limits.max_turns:  # a client retrying forever: refused, not looped
+                    raise SessionError(
+                        400,
+                        "too_many_retries",
+                        f"session {sid}: {session.replays} retries answered, as many as the episode's max_turns",
+                    )
                 session.replays += 1
                 return session.last_reply[1]
             session.current_key = key

@@ -12,12 +12,15 @@ limits are the session's (roll_core.agentic.agent_sessions); this module validat
 format:
 
 - Errors are OpenAI's error JSON, `{"error": {"message", "type", "param", "code"}}`, with 400 for a request the
-  endpoint refuses, 404 for an unknown session, 409 for a second concurrent request of one session, 410 for a
-  session that ended (the episode timed out), 500 for a bug (logged). A refusal never stops the run.
+  endpoint refuses, 404 for an unknown session or route, 405 for a method a route does not take, 409 for a second
+  concurrent request of one session, 410 for a session that ended (the episode timed out), 413 for a body over
+  `max_body_bytes`, 500 for a bug (logged). A refusal never stops the run.
+- A client's retry (header `x-stainless-retry-count` >= 1, as the openai clients send it) of the previous request
+  gets the reply recorded for it again; any other request is sampled (roll_core.agentic.agent_sessions).
 - Sampling follows the run (infer_engine.temperature, top_p, top_k): the trainer's ratio assumes that distribution,
   so a request's temperature / top_p / seed are ignored; what would change the distribution the trainer replays
   (presence / frequency penalties, logit_bias, logprobs, n > 1, tool_choice other than auto / none) is refused.
-- `max_tokens` / `max_completion_tokens` and `stop` are honoured within the session's limits.
+- `max_completion_tokens` (else `max_tokens`) and `stop` are honoured within the session's limits.
 - `response_format` json_object / json_schema becomes a decoding constraint (roll_core.interfaces.StructuredOutput)
   when the engine supports one (`check_sampling`), else 400 `unsupported_response_format`.
 - Tool calls: the request's `tools` go to the chat template; the response text is parsed by the model family's
@@ -25,14 +28,16 @@ format:
   `module:Class` of your own) into OpenAI `tool_calls` (finish_reason `tool_calls`). A block that does not parse is
   left in the content and counted on the session. The reply is decoded without special tokens but with the
   parser's `markers` (`text_decoder`: some tokenizers mark `<tool_call>` special).
-- `stream=true` is answered as server-sent events in OpenAI's chunk format (the whole turn is generated first,
-  then sent as a role/content chunk, a tool-calls chunk and a final chunk, then `data: [DONE]`; with
-  `stream_options.include_usage` a usage chunk precedes it).
+- `stream=true` (a JSON boolean) is answered as server-sent events in OpenAI's chunk format (the whole turn is
+  generated first, then sent as a role/content chunk, a tool-calls chunk and a final chunk, then `data: [DONE]`;
+  with `stream_options.include_usage` a usage chunk precedes it). A client that leaves before the stream is sent
+  does not undo the turn: it stays recorded, and the client's retry gets it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import json
 import logging
@@ -170,7 +175,10 @@ def chat_turn(body: Any) -> ChatTurn:
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
         raise SessionError(400, "unsupported_parameter", f"tool_choice={choice!r}: only auto and none are supported")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    # max_completion_tokens is the newer name; clients that serialise every field send it as null beside max_tokens.
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise SessionError(400, "invalid_parameter", f"max_tokens={max_tokens!r} must be a positive integer")
     stop = body.get("stop")
@@ -179,6 +187,9 @@ def chat_turn(body: Any) -> ChatTurn:
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if not all(isinstance(s, str) and s for s in stops):
         raise SessionError(400, "invalid_parameter", "stop must be a string or a list of non-empty strings")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):  # "false" (a string) was truthy: a stream unasked for
+        raise SessionError(400, "invalid_parameter", f"stream={stream!r} must be true or false (a JSON boolean)")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):  # read after the turn is generated: check it before
         raise SessionError(400, "invalid_parameter", "stream_options must be an object ({include_usage: bool})")
@@ -218,6 +229,38 @@ def _error(status: int, code: str, message: str, kind: str = "invalid_request_er
     return web.json_response(body, status=status)
 
 
+def is_retry(headers: Any) -> bool:
+    """Whether a request is a client's retry: the openai clients (Python, Node) send `x-stainless-retry-count`, 0 on
+    the first attempt; a request without it is a first attempt."""
+    try:
+        return int(headers.get("x-stainless-retry-count", "0")) >= 1
+    except (TypeError, ValueError):
+        return False
+
+
+_ROUTES = "POST /sessions/{sid}/v1/chat/completions, GET /sessions/{sid}/v1/models, POST /sessions/{sid}/reward"
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+async def _openai_errors(request: Any, handler: Any) -> Any:
+    """aiohttp's own refusals (unknown route, wrong method, body too large) in OpenAI's error JSON: clients parse
+    `error.message` / `error.code` and showed aiohttp's plain text as an unreadable error."""
+    from aiohttp import web
+
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = f"{request.method} {request.path}: {exc.reason}"
+        if exc.status == 404:
+            message += f" (this endpoint serves {_ROUTES})"
+        resp = _error(exc.status, _HTTP_CODES.get(exc.status, "http_error"), message)
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            resp.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+        return resp
+
+
 # ---- the server -------------------------------------------------------------------------------------------------
 class OpenAIServer:
     """The endpoint on its own event loop thread (see the module docstring). `start()` returns the root URL."""
@@ -230,9 +273,11 @@ class OpenAIServer:
         port: int = 0,
         model_name: str = "roll",
         max_workers: int = 256,
+        max_body_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         AIOHTTP.require()
         self.sessions, self.host, self.port, self.model_name = sessions, host, port, model_name
+        self.max_body_bytes = max_body_bytes
         # Engine requests block until their turn is generated: one thread per running request.
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="roll-openai")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -273,7 +318,7 @@ class OpenAIServer:
     async def _bind(self) -> None:
         from aiohttp import web
 
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[web.middleware(_openai_errors)])
         app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
         app.router.add_get("/sessions/{sid}/v1/models", self._models)
         app.router.add_get("/v1/models", self._models)
@@ -326,7 +371,8 @@ class OpenAIServer:
             turn = chat_turn(body)
             if turn.structured is not None:
                 await loop.run_in_executor(self._pool, self._check_structured, turn.structured)
-            reply = await loop.run_in_executor(self._pool, self.sessions.chat, sid, turn)
+            chat = functools.partial(self.sessions.chat, sid, turn, retry=is_retry(request.headers))
+            reply = await loop.run_in_executor(self._pool, chat)
         except SessionError as exc:
             return _error(exc.status, exc.code, exc.message, exc.kind)
         except Exception as exc:  # a bug, never the agent's fault: logged, the episode goes on or fails
@@ -372,7 +418,6 @@ class OpenAIServer:
         from aiohttp import web
 
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
         base = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
         msg = reply.message
         deltas: list[dict[str, Any]] = [{"role": "assistant", "content": msg.get("content") or ""}]
@@ -382,18 +427,28 @@ class OpenAIServer:
         chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": reply.finish_reason}]})
         if (body.get("stream_options") or {}).get("include_usage"):
             chunks.append({**base, "choices": [], "usage": _usage(reply)})
-        for chunk in chunks:
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            await resp.prepare(request)
+            for chunk in chunks:
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
+            # The client left (its timeout) while the turn ran: the turn stays recorded and its retry gets it; this
+            # is no server error (it was logged as an unhandled one, with a traceback).
+            log.debug("session %s: the client left before its streamed reply was sent", request.match_info["sid"])
         return resp
 
 
 async def _json(request: Any) -> Any:
+    from aiohttp import web
+
     try:
         return await request.json()
     except ValueError as exc:
         raise SessionError(400, "invalid_json", f"the request body is not JSON: {exc}") from exc
+    except web.HTTPRequestEntityTooLarge as exc:  # no ValueError: it was a 500 with a traceback, which clients retry
+        raise SessionError(413, "request_too_large", f"the request body is too large: {exc.text}") from exc
 
 
 def _usage(reply: Reply) -> dict[str, int]:

@@ -8,7 +8,11 @@ The program is either
   OPENAI_API_KEY, ROLL_REWARD_URL and ROLL_TASK (the row as JSON, also on its stdin; a row over 64 KiB is on stdin
   only, ROLL_TASK then empty: Linux refuses an environment string over 128 KiB) in its environment; it
   reports its reward by printing a number as its last line of output or by POSTing {"reward": x} to
-  ROLL_REWARD_URL. A non-zero exit status is a failed episode (its stderr's tail is logged).
+  ROLL_REWARD_URL. A non-zero exit status is a failed episode (its stderr's tail is logged). Its output is read
+  as UTF-8, bytes that are not replaced (a tool's binary output in a log fails nothing). The command runs in a
+  process group of its own: at the episode timeout the whole group is killed (a launcher such as `uv run` or a
+  shell wrapper leaves the real agent running otherwise), whether the command's own timeout fires or the
+  collector's (`cancel_episode`).
 
 Task rows (each a JSON object handed to the program as it is) come from a data file (`env.path`: JSONL/JSON lines,
 Parquet, a datasets folder) or a generator (`env.generator=module:function`, called with `env.generator_kwargs`,
@@ -24,6 +28,7 @@ import json
 import logging
 import os
 import random
+import signal
 import subprocess
 import threading
 import urllib.request
@@ -169,6 +174,7 @@ class OpenAIAgentTask:
         self.program = _load(program, "env.program") if program else None
         self._http: Any = None
         self._lock = threading.Lock()
+        self._running: dict[str, subprocess.Popen] = {}  # base_url -> the command running that episode
         if self.program is not None:
             OPENAI.require()
             import openai  # noqa: F401  # imported once here, not by the first step's episode threads at once
@@ -251,19 +257,69 @@ class OpenAIAgentTask:
             # Linux caps one environment string at 128 KiB (E2BIG failed every episode of a large row): stdin only
             "ROLL_TASK": text if len(text.encode()) <= MAX_ENV_TASK_BYTES else "",
         }
+        # A session of its own (a new process group): killing only the direct child left a launcher's agent running
+        # after its episode, and after the run. Output as UTF-8 with replacement: a stray byte failed the episode.
+        proc = subprocess.Popen(
+            self.command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            start_new_session=True,
+        )
+        with self._lock:
+            self._running[base_url] = proc
         try:
-            done = subprocess.run(
-                self.command, input=text, env=env, capture_output=True, text=True, timeout=self.episode_timeout_s
-            )
+            stdout, stderr = proc.communicate(text, timeout=self.episode_timeout_s)
         except subprocess.TimeoutExpired as exc:
-            raise TimeoutError(f"{self.command[0]} outlived env.episode_timeout_s={self.episode_timeout_s}") from exc
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(self.command)} exited {done.returncode}: {done.stderr[-500:]}")
-        lines = [line.strip() for line in done.stdout.splitlines() if line.strip()]
+            _kill_group(proc)
+            from roll_core.pipelines.collectors.agents import EpisodeTimeout
+
+            raise EpisodeTimeout(f"{self.command[0]} outlived env.episode_timeout_s={self.episode_timeout_s}") from exc
+        except BaseException:  # interrupted: nothing the episode started outlives it (as subprocess.run kills)
+            _kill_group(proc)
+            raise
+        finally:
+            with self._lock:
+                self._running.pop(base_url, None)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(self.command)} exited {proc.returncode}: {stderr[-500:]}")
+        lines = [line.strip() for line in stdout.splitlines() if line.strip()]
         try:
             return float(lines[-1]) if lines else None
         except ValueError:
             return None  # no number printed: the reward was POSTed, or there is none (counted by the collector)
+
+    def cancel_episode(self, base_url: str) -> None:
+        """Kill the process group of the command running the episode at `base_url` (the collector's episode timeout
+        fired); nothing for a program= episode or one that already ended."""
+        with self._lock:
+            proc = self._running.get(base_url)
+        if proc is not None:
+            _kill_group(proc, reap=False)  # the episode's thread reaps it (its communicate returns)
+
+
+def _kill_group(proc: subprocess.Popen, reap: bool = True) -> None:
+    """SIGKILL the process group `proc` leads (it was started with start_new_session), then (`reap`) collect it.
+    Only the episode's own thread reaps `proc`: until then its pid, the group id, cannot name another process."""
+    if proc.returncode is None:  # not reaped (poll() is not called here: it would reap it)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # the group is gone already
+            pass
+    if not reap:
+        return
+    try:
+        proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:  # a process that left the group holds the pipes: stop reading them
+        proc.kill()
+        proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 #: The largest row (as JSON) also passed in ROLL_TASK; larger ones reach the command on its stdin only.

@@ -11,13 +11,16 @@ so the batch is trajectories like `pipeline=agentic`'s: the first prompt is the 
 response with a loss mask of 1 on sampled tokens only, the behaviour log-probs, `group_ids` (one group per task
 row) and the turn tensors; the episode's reward sits on its last turn.
 
-Failures end the episode, never the run: a program that raises (`error`), outlives `env.episode_timeout_s`
-(`timeout`: its session is closed, its request in flight aborted, its next request refused) or reports no reward
-(`no_reward`) is counted in agent/failed_<kind> and, per `env.on_failure`, scored `env.failure_reward` (`score`)
-or dropped (`drop`). An episode without a sampled turn gives nothing to train on (data/dropped_episodes). An
-episode that reached `env.max_turns` or the context limit (its next request refused with HTTP 400) is not a
-failure, whatever the program did with the refusal: it ended there, scored the reward it reported, else 0 (the
-limit is the policy's doing: dropping such episodes hid a policy that loops on tool calls).
+Failures end the episode, never the run: a program that raises (`error`, a TimeoutError of its own included: a
+tool's socket timeout is the program's failure), outlives `env.episode_timeout_s` (`timeout`: its session is
+closed, its request in flight aborted, its next request refused with HTTP 410, and the task's `cancel_episode`
+stops what it started, e.g. a command's process group; the task itself raises `EpisodeTimeout` for the same limit)
+or reports no reward (`no_reward`) is counted in agent/failed_<kind> and, per `env.on_failure`, scored
+`env.failure_reward` (`score`) or dropped (`drop`). An episode without a sampled turn gives nothing to train on
+(data/dropped_episodes). An episode that ended at `env.max_turns` or the context limit (its last request refused
+with HTTP 400) is not a failure, whatever the program did with the refusal, timing out included: it ended there,
+scored the reward it reported, else 0 (the limit is the policy's doing: dropping such episodes hid a policy that
+loops on tool calls).
 
 Metrics: reward, success rate (reward >= env.success_reward), turns, generated tokens, tool calls, failures by
 kind, history rewrites and the turns they dropped, invalid tool-call blocks. Evaluation: one episode per held-out
@@ -48,6 +51,11 @@ from roll_core.seeds import Purpose, derive_seed
 log = logging.getLogger(__name__)
 
 FAILURES = ("error", "timeout", "no_reward")
+
+
+class EpisodeTimeout(TimeoutError):
+    """An agent program outlived `env.episode_timeout_s` (raised by a task's `run_episode`). A class of its own: any
+    other TimeoutError a program raises (a socket or HTTP read timeout in its tools) is the program's error."""
 
 
 @runtime_checkable
@@ -81,7 +89,9 @@ class AgentProgramTask(Protocol):
 
     def run_episode(self, base_url: str, reward_url: str, row: dict[str, Any]) -> float | None:
         """Run the agent program on one row against `base_url`; its reward or None (reported to `reward_url`, or
-        none). Raises when the program fails; TimeoutError when it outlived the episode timeout."""
+        none). Raises when the program fails; `EpisodeTimeout` when it outlived the episode timeout. A task may also
+        have `cancel_episode(base_url)`, called when the collector's episode timeout fires: stop what the episode
+        started (a command's processes)."""
         ...
 
 
@@ -235,6 +245,12 @@ class AgentCollector:
         timed_out = thread.is_alive()
         session = self.sessions.close(sid)  # aborts a request in flight; later requests get HTTP 410
         if timed_out:
+            cancel = getattr(self.task, "cancel_episode", None)
+            if cancel is not None:  # a command's processes would outlive the episode, and the run
+                try:
+                    cancel(self.server.base_url(sid))
+                except Exception:  # the episode is failed either way; the run goes on
+                    log.exception("episode %s: cancelling the timed-out program failed", sid)
             thread.join(5.0)  # its pending request now fails: give the program a moment to return
         reward, failure, error = _outcome(result, session, timed_out)
         if failure is not None:
@@ -266,15 +282,18 @@ _END = {None: "terminated", "error": "env_error", "timeout": "env_timeout", "no_
 
 def _outcome(result: dict[str, Any], session: AgentSession, timed_out: bool) -> tuple[float, str | None, str]:
     """(reward, failure kind or None, error text) of a finished program run."""
-    if timed_out:
-        return 0.0, "timeout", "the program outlived env.episode_timeout_s"
     exc = result.get("error")
-    if isinstance(exc, TimeoutError):
+    # The endpoint refused the last request past a limit: the episode ended there, whatever the program did after
+    # (checked first: one that then hung until the episode timeout is no failure either, see the module docstring).
+    limited = session.traj.end in ("max_turns", "max_context")
+    if not limited and isinstance(exc, EpisodeTimeout):
         return 0.0, "timeout", str(exc)
-    limited = session.traj.end in ("max_turns", "max_context")  # the endpoint refused a request past a limit
+    if not limited and timed_out:
+        return 0.0, "timeout", "the program outlived env.episode_timeout_s"
     if exc is not None and not limited:
         return 0.0, "error", f"{type(exc).__name__}: {exc}"
-    value = None if exc is not None else result.get("reward")
+    # A limited episode that raised or timed out: what it reported before counts, nothing it returned after.
+    value = None if exc is not None or timed_out else result.get("reward")
     if value is None and limited and session.reward is None:
         return 0.0, None, ""
     if value is None:
