@@ -71,8 +71,9 @@ def test_sweep_on_ray_queues_jobs_writes_summary_and_isolates_a_failing_job(seve
 
 def test_a_job_killed_outright_is_summarised_and_the_sweep_goes_on(seven_task: Path, tmp_path: Path) -> None:
     """SIGKILL one job's process once it trains (what the OOM killer does): nothing in it can catch that, yet the
-    sweep waits for the other job, summarises both (the killed one as `killed`, with its curve so far) and exits
-    1. (hydra-ray-launcher raised out of the sweep at the first dead job: no summary, the other jobs abandoned.)"""
+    sweep waits for the other job, summarises both (the killed one as `killed`, with its curve and wall time so
+    far) and exits 1. (hydra-ray-launcher raised out of the sweep at the first dead job: no summary, the other jobs
+    abandoned.)"""
     import json
     import signal
     import time
@@ -108,6 +109,9 @@ def test_a_job_killed_outright_is_summarised_and_the_sweep_goes_on(seven_task: P
     assert table["0"]["status"] == "ok" and table["0"]["final_eval_accuracy"] not in ("", None)
     assert table["1"]["status"] == "killed" and "Error" in table["1"]["error"], table["1"]
     assert table["1"]["final_reward"] not in ("", None)  # its curve up to the kill
+    # its wall time runs from its start to its death, seen when it happens (not after job 0, launched first, ended;
+    # it was 0.0)
+    assert 0 < float(table["1"]["wall_seconds"]) < float(table["0"]["wall_seconds"]), table
     assert (sweep_dir / "rewards.png").stat().st_size > 10_000
 
 

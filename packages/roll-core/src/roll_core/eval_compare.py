@@ -1,9 +1,11 @@
 """What `roll-eval` evaluates and what it writes: the models of one call, and their comparison files.
 
 Targets: each model argument is a Hugging Face folder, a hub id, `builtin:<name>`, a roll checkpoint folder
-(`.../checkpoints/step_000012`: its `actor/model`), a run folder (every checkpoint under its `checkpoints/`, in
-step order) or a `checkpoints/` folder itself. Labels are the checkpoint's `step_N` (prefixed with the run's folder
-name when the call names several runs) or the model's name; repeated labels get `#2`, `#3`.
+(`.../checkpoints/step_000012`, or one copied under another name such as `best/`: its `actor/model`), a
+checkpoint's `actor/model` folder itself, a run folder (every checkpoint under its `checkpoints/`, in step order)
+or a `checkpoints/` folder itself. Labels are the checkpoint's `step_N` (its step taken from the folder name, also
+when its `actor/model` is given), a checkpoint folder's own name when it is not `step_N` (`best`), both prefixed
+with the run's folder name when the call names several runs, or the model's name; repeated labels get `#2`, `#3`.
 
 Outputs, in the `--out` folder (one engine start per model, written after all models ran):
 - `samples.jsonl`: one record per response (model label and step, problem, domain, difficulty, sample index,
@@ -42,7 +44,7 @@ class EvalTarget:
     model: str
     step: int | None = None
     source: str = ""
-    #: The run folder's name of a checkpoint ("" for other models).
+    #: The run folder's name of a checkpoint, `step_N` or not ("" for other models).
     run: str = ""
 
 
@@ -59,18 +61,32 @@ def _checkpoints_under(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_STEP.search(p.name).group(1)))  # type: ignore[union-attr]
 
 
+def _checkpoint_folder(path: Path) -> Path | None:
+    """The roll checkpoint folder `path` names: itself (it holds actor/model), or the checkpoint whose
+    `actor/model` it is; None for anything else."""
+    if path.is_dir() and _checkpoint_model(path) is not None:
+        return path
+    if path.name == "model" and path.parent.name == "actor" and _checkpoint_model(path.parent.parent) is not None:
+        return path.parent.parent
+    return None
+
+
 def expand_targets(models: list[str]) -> list[EvalTarget]:
     """The models of `roll-eval A B C` (see the module docstring); a run folder without checkpoints is an error."""
     if not models:
         raise ConfigError("roll-eval needs a model: a model folder, hub id, builtin:<name>, checkpoint or run folder")
-    raw: list[tuple[Path | None, str, int | None, str]] = []  # (run folder, model path, step, source)
+    # (run folder, model path, step, source, checkpoint name): the name labels a checkpoint that is not step_N
+    raw: list[tuple[Path | None, str, int | None, str, str]] = []
     for arg in models:
         path = Path(arg).expanduser()
-        if path.is_dir() and _checkpoint_model(path) is not None:
-            m = _STEP.search(path.name)
-            raw.append(
-                (path.resolve().parent.parent, str(_checkpoint_model(path)), int(m.group(1)) if m else None, arg)
-            )
+        ckpt = _checkpoint_folder(path)
+        if ckpt is not None:
+            where = ckpt.resolve()  # `.` or `..` given: the names come from the real folders
+            m = _STEP.search(where.name)
+            # a run's checkpoints live in <run>/checkpoints/; a copied one (<run>/best) in the run folder itself
+            run_dir = where.parent.parent if where.parent.name == "checkpoints" else where.parent
+            step = int(m.group(1)) if m else None
+            raw.append((run_dir, str(_checkpoint_model(ckpt)), step, arg, where.name))
         elif path.is_dir() and not (path / "config.json").is_file():
             found = _checkpoints_under(path)
             if not found:
@@ -81,20 +97,21 @@ def expand_targets(models: list[str]) -> list[EvalTarget]:
             run_dir = path.resolve() if path.name != "checkpoints" else path.resolve().parent
             for ckpt in found:
                 step = int(_STEP.search(ckpt.name).group(1))  # type: ignore[union-attr]
-                raw.append((run_dir, str(_checkpoint_model(ckpt)), step, str(ckpt)))
+                raw.append((run_dir, str(_checkpoint_model(ckpt)), step, str(ckpt), ckpt.name))
         else:
-            raw.append((None, arg, None, arg))
-    runs = _run_names({r for r, _, s, _ in raw if r is not None and s is not None})
+            raw.append((None, arg, None, arg, ""))
+    runs = _run_names({r for r, *_ in raw if r is not None})
     targets, seen = [], {}
-    for run, model, step, source in raw:
-        if step is not None and run is not None:
-            label = f"{runs[run]}/step_{step}" if len(runs) > 1 else f"step_{step}"
+    for run, model, step, source, name in raw:
+        if run is not None:
+            label = f"step_{step}" if step is not None else name
+            label = f"{runs[run]}/{label}" if len(runs) > 1 else label
         else:
             label = model.rstrip("/").rsplit("/", 1)[-1] if Path(model).is_dir() else model
         seen[label] = seen.get(label, 0) + 1
         if seen[label] > 1:
             label = f"{label}#{seen[label]}"
-        targets.append(EvalTarget(label, model, step, source, runs[run] if step is not None and run else ""))
+        targets.append(EvalTarget(label, model, step, source, runs[run] if run is not None else ""))
     return targets
 
 

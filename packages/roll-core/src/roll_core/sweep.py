@@ -8,13 +8,21 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
   renews every few seconds from a thread: a job that raises releases it at once, and one that is killed
   (SIGKILL, OOM, a lost node) stops renewing, so its slot returns after `lease_s` and the sweep goes on.
 - A job that raises is caught, logged and recorded in `<job dir>/job_status.json`; the other jobs go on. A job
-  whose process dies (SIGKILL, OOM) is recorded as `killed` by roll's Ray launcher (roll_core.sweep_launcher).
+  whose process dies (SIGKILL, OOM) is recorded as `killed` by roll's Ray launcher (roll_core.sweep_launcher). A
+  job stopped early by a signal (SIGTERM, Ctrl-C: its checkpoint is written) is recorded as `stopped`. Failed,
+  killed and stopped jobs all return NaN to the sweeper (Optuna sees a failed trial, not a finished one's value).
+- `SweepSummaryCallback.on_multirun_start` writes `sweep_id.json` (a fresh id, the start time) into the sweep
+  folder; every job record carries that id, so a sweep run again into the same folder summarises and counts its own
+  jobs only (the earlier sweep's records are left out, with a warning).
 - Trackers see one sweep as one group: each job's `tracking.group` (unless given) is "<experiment>-<sweep folder>"
   (W&B group, MLflow experiment, SwanLab group) and its `tracking.run_name` (unless given) is
   "<experiment>-<job number>", so the jobs are distinct runs of one group (`sweep_tracking`).
-- After the last job, `SweepSummaryCallback.on_multirun_end` writes `summary.csv`, `summary.md` and
-  `rewards.png` (every job's reward curve) into the sweep folder, and `roll-train` exits non-zero if any job
-  failed.
+- After the last job, `SweepSummaryCallback.on_multirun_end` finds this sweep's job records anywhere under the
+  sweep folder (job folders nest with `hydra.sweep.subdir=${hydra.job.override_dirname}`), writes `summary.csv`,
+  `summary.md` and `rewards.png` (every job's reward curve, one line per job) into it, and `roll-train` exits
+  non-zero if any job was not `ok` or no job record of the sweep was found. The failures are counted before the
+  summary is written, so a summary that cannot be written (Hydra turns a callback's exception into a warning)
+  never hides them.
 """
 
 from __future__ import annotations
@@ -38,8 +46,10 @@ from hydra.experimental.callback import Callback
 
 log = logging.getLogger(__name__)
 STATUS_FILE = "job_status.json"
+SWEEP_FILE = "sweep_id.json"
 SLOTS_NAMESPACE = "roll-sweeps"
 _failed_jobs: list[str] = []
+_sweeps: dict[str, dict[str, Any]] = {}  # resolved sweep folder -> its sweep_id.json, in the process that started it
 
 
 class JobSlots:
@@ -140,35 +150,88 @@ def slots_name(sweep_dir: str | Path) -> str:
 
 
 def run_sweep_job(cfg: Any, run: Any) -> float:
-    """Run one multirun job with failure isolation; returns the value a sweeper optimises (NaN on failure)."""
+    """Run one multirun job with failure isolation; returns the value a sweeper optimises (NaN unless the job
+    finished: failed, or stopped early by a signal)."""
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
     out = Path(hc.runtime.output_dir)
+    sweep_dir = job_sweep_dir(hc)
     sweep_tracking(cfg, hc.sweep.dir, hc.job.num)
     record: dict[str, Any] = {"job": hc.job.num, "overrides": list(hc.overrides.task), "status": "running"}
+    record["sweep_id"] = sweep_marker(sweep_dir).get("sweep_id")  # which sweep this record belongs to
     permits = int(cfg.cluster.get("max_concurrent", 0) or 0)
-    slots = slots_name(hc.sweep.dir)
+    slots = slots_name(sweep_dir)
     t0 = time.perf_counter()
     with job_slot(slots, permits) as waited:
         record["queued_seconds"] = waited
-        # Written now too: a job whose process is killed leaves this record (roll_core.sweep_launcher marks it)
-        record.update(pid=os.getpid(), host=socket.gethostname())
-        out.mkdir(parents=True, exist_ok=True)
-        (out / STATUS_FILE).write_text(json.dumps(record, indent=2, default=str))
+        # Written now too: a job whose process is killed leaves this record (roll_core.sweep_launcher marks it and
+        # takes its wall time from started_at: wall-clock seconds, comparable across the job's and driver's process)
+        record.update(pid=os.getpid(), host=socket.gethostname(), started_at=time.time())
+        write_record(out, record)
         t_run = time.perf_counter()
         try:
             summary = run(cfg)
-            record.update(status="ok", summary=summary)
+            signum = summary.get("stopped_by_signal") if isinstance(summary, dict) else None
+            if signum:  # a single run exits 128+N for this: the job did not finish, its numbers are early ones
+                log.error("sweep job %s was stopped by signal %s", hc.job.num, signum)
+                record.update(status="stopped", summary=summary, error=f"stopped by signal {signum}")
+            else:
+                record.update(status="ok", summary=summary)
         except Exception as exc:  # one job's failure must not stop the sweep
             log.error("sweep job %s failed: %s", hc.job.num, exc)
             record.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
         record["wall_seconds"] = time.perf_counter() - t_run
     record["total_seconds"] = time.perf_counter() - t0
-    out.mkdir(parents=True, exist_ok=True)
-    (out / STATUS_FILE).write_text(json.dumps(record, indent=2, default=str))
+    write_record(out, record)
+    if record["status"] != "ok":  # a sweeper must not rank a failed or cut-short job by its partial accuracy
+        return math.nan
     value = (record.get("summary") or {}).get("final_eval_accuracy")
     return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def write_record(job_dir: Path, record: dict[str, Any]) -> None:
+    """Write a job's job_status.json whole or not at all (a temporary file renamed over it): a process killed while
+    writing must not leave a half record the summary cannot read."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    tmp = job_dir / f".{STATUS_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(record, indent=2, default=str))
+    os.replace(tmp, job_dir / STATUS_FILE)
+
+
+def job_sweep_dir(hc: Any) -> Path:
+    """A job's sweep folder as an absolute path. Hydra changes a job's working directory to its own folder
+    (hydra.job.chdir, on under version_base=None) before the job runs, so a relative `hydra.sweep.dir` (the default
+    multirun/<date>/<time>) is taken from the directory the sweep was started in (`hydra.runtime.cwd`)."""
+    cwd = hc.runtime.get("cwd") or os.getcwd()  # always set by Hydra; a hand-made config may lack it
+    return Path(str(cwd), str(hc.sweep.dir)).resolve()
+
+
+def start_sweep(sweep_dir: str | Path) -> dict[str, Any]:
+    """Write `sweep_id.json` (a new id and the start time) into the sweep folder and remember it in this process;
+    returns it. A sweep run again into the same folder replaces it: the folder's records of earlier sweeps become
+    stale."""
+    import uuid
+
+    folder = Path(sweep_dir).resolve()
+    marker = {"sweep_id": uuid.uuid4().hex, "started_at": time.time()}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / SWEEP_FILE).write_text(json.dumps(marker, indent=2))
+    _sweeps[str(folder)] = marker
+    return marker
+
+
+def sweep_marker(sweep_dir: str | Path) -> dict[str, Any]:
+    """The sweep folder's `sweep_id.json` ({} when there is none: a folder of an older roll, or no callback):
+    this process's own when it started the sweep, else the file's."""
+    folder = Path(sweep_dir).resolve()
+    if str(folder) in _sweeps:
+        return _sweeps[str(folder)]
+    try:
+        marker = json.loads((folder / SWEEP_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
 
 
 def sweep_group(experiment: str, sweep_dir: str | Path) -> str:
@@ -195,46 +258,115 @@ def sweep_tracking(cfg: Any, sweep_dir: str | Path, job_num: int) -> None:
 
 
 def _metrics(job_dir: Path) -> list[dict[str, Any]]:
-    path = job_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # A killed job can leave a half-written last line: skip what does not parse instead of losing the summary.
+    from roll_core.report import read_history
+
+    return read_history(job_dir / "metrics.jsonl")
 
 
-def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
-    """Collect every job of a sweep folder and write summary.csv, summary.md and rewards.png; returns the rows."""
+def _job_num(record: dict[str, Any]) -> int:
+    try:
+        return int(record["job"])
+    except (KeyError, TypeError, ValueError):
+        return 1 << 62  # a record without a job number: after the others
+
+
+def job_records(
+    sweep_dir: str | Path, sweep_id: str | None = None, started_at: float | None = None
+) -> tuple[list[tuple[Path, dict[str, Any]]], list[str]]:
+    """A sweep's job records, found at any depth under its folder and sorted by job number, as (job folder,
+    record), and the problems that count as failed jobs (a job_status.json that cannot be read).
+
+    With `sweep_id`, records of other sweeps (a sweep run again into the same folder) are left out with a warning;
+    so is an unreadable record last written before `started_at`."""
     sweep_dir = Path(sweep_dir)
-    rows: list[dict[str, Any]] = []
-    curves: dict[str, list[tuple[int, float]]] = {}
-    statuses = [json.loads(p.read_text()) for p in sweep_dir.glob(f"*/{STATUS_FILE}")]
-    # Label jobs by the overrides that differ between them (the swept parameters), not the shared ones.
+    found: list[tuple[Path, dict[str, Any]]] = []
+    problems: list[str] = []
+    stale: list[str] = []
+    for path in sweep_dir.rglob(STATUS_FILE):  # rglob: job folders nest with hydra.sweep.subdir=<a/b>
+        where = str(path.parent.relative_to(sweep_dir))
+        try:
+            record = json.loads(path.read_text())
+            if not isinstance(record, dict) or not isinstance(record.get("overrides"), list):
+                raise ValueError("not a job record")
+        except (OSError, ValueError) as exc:
+            try:
+                old = started_at is not None and path.stat().st_mtime < started_at
+            except OSError:
+                old = False
+            if old:
+                stale.append(where)
+            else:  # a job of this sweep whose outcome is unknown: a failure, never a silent gap
+                problems.append(f"{where}: unreadable {STATUS_FILE} ({exc})")
+            continue
+        if sweep_id is not None and record.get("sweep_id") != sweep_id:
+            stale.append(where)
+            continue
+        found.append((path.parent, record))
+    if stale:
+        log.warning(
+            "%d job record(s) in %s are from an earlier sweep into the same folder and are left out of this "
+            "sweep's summary: %s",
+            len(stale),
+            sweep_dir,
+            ", ".join(sorted(stale)),
+        )
+    found.sort(key=lambda item: (_job_num(item[1]), str(item[0])))
+    return found, problems
+
+
+def _labels(records: list[dict[str, Any]]) -> list[str]:
+    """Each job's label: the overrides that differ between the jobs (the swept parameters), not the shared ones."""
     values: dict[str, set[str]] = {}
-    for st in statuses:
+    for st in records:
         for o in st["overrides"]:
             key, _, val = o.partition("=")
             values.setdefault(key, set()).add(val)
-    swept = {k for k, v in values.items() if len(v) > 1 or len(statuses) == 1}
-    for status_path in sorted(
-        sweep_dir.glob(f"*/{STATUS_FILE}"),
-        key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else p.parent.name,
-    ):
-        st = json.loads(status_path.read_text())
-        hist = _metrics(status_path.parent)
+    swept = {k for k, v in values.items() if len(v) > 1 or len(records) == 1}
+    return [
+        " ".join(o for o in st["overrides"] if o.partition("=")[0] in swept) or f"job {st.get('job')}" for st in records
+    ]
+
+
+def _seconds(value: Any) -> float | None:
+    # None ("-" in the table) when unknown, e.g. a job killed before it wrote its start record: never a fake 0
+    return round(float(value), 1) if isinstance(value, (int, float)) else None
+
+
+def summarize(sweep_dir: str | Path, sweep_id: str | None = None) -> list[dict[str, Any]]:
+    """Collect the jobs of a sweep folder and write summary.csv, summary.md and rewards.png; returns the rows, in
+    job order. `sweep_id`: the sweep whose jobs to summarise (default: the folder's sweep_id.json, the latest sweep
+    run into it; a folder without one: every record)."""
+    sweep_dir = Path(sweep_dir)
+    marker = sweep_marker(sweep_dir)
+    sweep_id = sweep_id or marker.get("sweep_id")
+    found, _ = job_records(sweep_dir, sweep_id, marker.get("started_at") if sweep_id else None)
+    return _write_summary(sweep_dir, found)
+
+
+def _write_summary(sweep_dir: Path, found: list[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """summary.csv, summary.md and rewards.png of the job records `found` (see job_records); returns the rows."""
+    records = [st for _, st in found]
+    rows: list[dict[str, Any]] = []
+    curves: list[tuple[str, list[tuple[int, float]]]] = []
+    for (job_dir, st), label in zip(found, _labels(records)):
+        hist = _metrics(job_dir)
         rewards = [(h["step"], h["reward/mean"]) for h in hist if h.get("reward/mean") is not None]
         evals = [h["eval/accuracy"] for h in hist if h.get("eval/accuracy") is not None]
-        label = " ".join(o for o in st["overrides"] if o.partition("=")[0] in swept) or f"job {st['job']}"
-        curves[label] = rewards
+        # One curve per job, named with its number: two jobs with the same swept values (a repeat, an Optuna trial
+        # that samples a point again) are two lines, not one overwriting the other.
+        curves.append((label if label == f"job {st.get('job')}" else f"{st.get('job')}: {label}", rewards))
         rows.append(
             {
-                "job": st["job"],
+                "job": st.get("job"),
                 "params": label,
-                "status": st["status"],
+                "status": st.get("status", "unknown"),
                 "final_reward": rewards[-1][1] if rewards else None,
                 "best_reward": max((r for _, r in rewards), default=None),
                 "final_eval_accuracy": evals[-1] if evals else None,
                 "best_eval_accuracy": max(evals, default=None),
-                "wall_seconds": round(st.get("wall_seconds", 0.0), 1),
-                "queued_seconds": round(st.get("queued_seconds", 0.0), 1),
+                "wall_seconds": _seconds(st.get("wall_seconds")),
+                "queued_seconds": _seconds(st.get("queued_seconds")),
                 "error": st.get("error", ""),
                 "overrides": " ".join(st["overrides"]),
             }
@@ -248,21 +380,23 @@ def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
     header = [h for h in rows[0] if h != "overrides"]  # the CSV keeps every override; the table the swept ones
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        lines.append("| " + " | ".join(_cell(r[k]) for k in header) + " |")
+        # Only the error is cut: params is what tells the jobs apart, and its differences may come late in it.
+        lines.append("| " + " | ".join(_cell(r[k], 120 if k == "error" else None) for k in header) + " |")
     (sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
     _plot(curves, sweep_dir / "rewards.png")
     return rows
 
 
-def _cell(v: Any) -> str:
+def _cell(v: Any, limit: int | None = None) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
         return f"{v:.4g}"
-    return str(v).replace("|", "\\|").replace("\n", " ")[:120]
+    text = str(v).replace("|", "\\|").replace("\n", " ")
+    return text[:limit] if limit is not None else text
 
 
-def _plot(curves: dict[str, list[tuple[int, float]]], path: Path) -> None:
+def _plot(curves: list[tuple[str, list[tuple[int, float]]]], path: Path) -> None:
     try:
         import matplotlib
 
@@ -272,13 +406,13 @@ def _plot(curves: dict[str, list[tuple[int, float]]], path: Path) -> None:
         log.warning("matplotlib is not installed: no rewards.png")
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    for label, pts in curves.items():
+    for label, pts in curves:
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("reward/mean")
     ax.grid(alpha=0.3)
-    if any(curves.values()):
+    if any(pts for _, pts in curves):
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -286,18 +420,39 @@ def _plot(curves: dict[str, list[tuple[int, float]]], path: Path) -> None:
 
 
 class SweepSummaryCallback(Callback):
-    """Hydra callback: before a multirun on the Ray launcher, start its local Ray instance on loopback; after it,
-    summarise its jobs and remember failures for the exit code."""
+    """Hydra callback: before a multirun, mark its sweep folder with a new sweep id and, on the Ray launcher, start
+    its local Ray instance on loopback; after it, count its failed jobs for the exit code and summarise its jobs."""
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        start_sweep(config.hydra.sweep.dir)
         start_sweep_ray(config.hydra.launcher)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        _remove_slots(config.hydra.sweep.dir)
-        rows = summarize(config.hydra.sweep.dir)
-        failed = [r["params"] for r in rows if r["status"] != "ok"]
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        try:
+            _remove_slots(str(sweep_dir))
+        except Exception as exc:  # bookkeeping only: the failures below must still be counted
+            log.warning("could not remove the sweep slots of %s: %s", sweep_dir, exc)
+        marker = sweep_marker(sweep_dir)
+        sweep_id = marker.get("sweep_id")
+        # Failures first, from the records alone: Hydra turns an exception raised here into a warning, and a
+        # summary that fails to write must not also make roll-train exit 0 over failed jobs.
+        try:
+            found, failed = job_records(sweep_dir, sweep_id, marker.get("started_at") if sweep_id else None)
+            records = [st for _, st in found]
+            failed = [label for st, label in zip(records, _labels(records)) if st.get("status") != "ok"] + failed
+            if not found and not failed:  # every multirun launches a job: finding none means its record was lost
+                failed.append(f"no {STATUS_FILE} of this sweep found under {sweep_dir}")
+                log.error("sweep: no job record (%s) of this sweep found under %s", STATUS_FILE, sweep_dir)
+        except Exception as exc:
+            found, failed = [], [f"could not read the job records under {sweep_dir}: {type(exc).__name__}: {exc}"]
+            log.exception("sweep: could not read the job records under %s", sweep_dir)
         _failed_jobs.extend(failed)
-        log.info("sweep summary: %d jobs, %d failed -> %s/summary.md", len(rows), len(failed), config.hydra.sweep.dir)
+        try:
+            _write_summary(sweep_dir, found)
+        except Exception:
+            log.exception("sweep: could not write the summary of %s (the failures are still counted)", sweep_dir)
+        log.info("sweep summary: %d jobs, %d failed -> %s/summary.md", len(found), len(failed), sweep_dir)
         if failed:
             log.error("failed jobs: %s", "; ".join(failed))
 
@@ -339,5 +494,6 @@ def _remove_slots(sweep_dir: str) -> None:
 
 
 def failed_jobs() -> list[str]:
-    """Overrides of the jobs that failed in this process's sweeps."""
+    """The jobs that were not `ok` (failed, killed, stopped by a signal, still `running`: their swept overrides) or
+    whose record is missing or unreadable, in this process's sweeps."""
     return list(_failed_jobs)

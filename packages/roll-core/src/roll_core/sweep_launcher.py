@@ -7,9 +7,13 @@ and the jobs still running were abandoned with the driver. Jobs that raise are a
 (roll_core.sweep.run_sweep_job); this launcher handles the ones that cannot catch anything:
 
 - every job is waited for, whatever happened to the others;
-- a job whose process died is recorded as `killed` in its folder's `job_status.json` (with Ray's reason) and
-  returned to Hydra as a completed job whose value is NaN, so the sweeper goes on (Optuna sees a failed trial's
-  NaN) and `SweepSummaryCallback` summarises it with the others; `roll-train` exits non-zero;
+- a job whose process died is recorded as `killed` in its folder's `job_status.json` (with Ray's reason, the
+  sweep's id, and as its `wall_seconds` the time from its start record to when the launcher saw it die; none when
+  it died before writing one) and returned to Hydra as a completed job whose value is NaN, so the sweeper goes on
+  (Optuna sees a failed trial's NaN) and `SweepSummaryCallback` summarises it with the others; `roll-train` exits
+  non-zero;
+- jobs are collected as they end (`ray.wait`), not in launch order, so a job's death is seen when it happens, not
+  when the jobs launched before it have finished;
 - jobs are not retried by Ray (`remote.max_retries: 0` in conf/hydra/launcher/ray.yaml): a retried job would find
   its own checkpoints in its folder and be refused, and an out-of-memory job would usually die again.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +35,7 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrid
 from hydra_plugins.hydra_ray_launcher._launcher_util import launch_job_on_ray, start_ray
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from roll_core.sweep import STATUS_FILE
+from roll_core.sweep import STATUS_FILE, sweep_marker, write_record
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +64,20 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
             launcher.hydra_context, launcher.ray_cfg.remote, cfg, launcher.task_function, Singleton.get_state()
         )
         jobs.append((cfg, list(overrides), ref))
-    results = []
-    for cfg, overrides, ref in jobs:
-        try:
-            results.append(ray.get(ref))
-        except ray.exceptions.RayError as exc:  # its process died: nothing in it could catch this
-            results.append(killed(cfg, overrides, exc))
-    return results
+    # Collected as they end: killed() takes a dead job's wall time from the moment its death is seen, which in
+    # launch order would wait for every job launched before it.
+    results: list[JobReturn | None] = [None] * len(jobs)
+    pending = {ref: i for i, (_, _, ref) in enumerate(jobs)}
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        for ref in ready:
+            i = pending.pop(ref)
+            cfg, overrides, _ = jobs[i]
+            try:
+                results[i] = ray.get(ref)
+            except ray.exceptions.RayError as exc:  # its process died: nothing in it could catch this
+                results[i] = killed(cfg, overrides, exc)
+    return [r for r in results if r is not None]
 
 
 def killed(cfg: DictConfig, overrides: list[str], exc: BaseException) -> JobReturn:
@@ -81,8 +93,16 @@ def killed(cfg: DictConfig, overrides: list[str], exc: BaseException) -> JobRetu
         record = json.loads((folder / STATUS_FILE).read_text())
     except (OSError, ValueError):
         pass
+    sweep_id = sweep_marker(str(cfg.hydra.sweep.dir)).get("sweep_id")
+    if not isinstance(record, dict) or (sweep_id is not None and record.get("sweep_id") != sweep_id):
+        record = {}  # an earlier sweep's record in the same folder: this job died before writing its own
     record.update(job=num, overrides=overrides, status="killed", error=error)
-    (folder / STATUS_FILE).write_text(json.dumps(record, indent=2))
+    if isinstance(record.get("started_at"), (int, float)):  # it ran until now (wall clock: the job's own process)
+        record["wall_seconds"] = max(0.0, time.time() - record["started_at"])
+    else:  # killed before it wrote its start record: unknown, shown as "-" (not 0)
+        record["wall_seconds"] = None
+    record["sweep_id"] = sweep_id  # also without a start record: it is this sweep's job
+    write_record(folder, record)
     return JobReturn(
         overrides=overrides,
         cfg=cfg,

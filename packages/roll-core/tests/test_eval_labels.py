@@ -1,0 +1,56 @@
+"""roll-eval's labels of checkpoints that are not given as `checkpoints/step_N` (roll_core.eval_compare)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from roll_core.eval_compare import expand_targets, x_axis
+
+
+def _checkpoint(folder: Path) -> Path:
+    """A roll checkpoint folder: its policy in actor/model."""
+    (folder / "actor" / "model").mkdir(parents=True)
+    (folder / "actor" / "model" / "config.json").write_text("{}")
+    return folder
+
+
+def test_a_checkpoint_not_named_step_n_is_labelled_by_its_folder_name(tmp_path: Path) -> None:
+    """A copied or renamed checkpoint (run/best, run/final) is labelled by its folder's name (both were labelled
+    by the policy subfolder, "model" and "model#2"), and is a checkpoint of its run: with a step_N checkpoint of
+    the same run the labels stay short, with another run's they name their run."""
+    run = tmp_path / "run"
+    best, final = _checkpoint(run / "best"), _checkpoint(run / "final")
+    step = _checkpoint(run / "checkpoints" / "step_000004")
+    _checkpoint(tmp_path / "other" / "checkpoints" / "step_000002")
+
+    targets = expand_targets([str(best), str(final)])
+    assert [(t.label, t.step, t.run, t.model) for t in targets] == [
+        ("best", None, "run", str(best / "actor" / "model")),
+        ("final", None, "run", str(final / "actor" / "model")),
+    ]
+    assert [t.label for t in expand_targets([str(step), str(best)])] == ["step_4", "best"]
+    assert [t.label for t in expand_targets([str(best), str(tmp_path / "other")])] == ["run/best", "other/step_2"]
+
+
+def test_a_checkpoints_actor_model_folder_keeps_its_step(tmp_path: Path) -> None:
+    """The policy folder of a checkpoint given directly (.../checkpoints/step_N/actor/model, what report.md calls
+    "its actor/model") is that checkpoint: step N of its run, on the step axis (it was "model", "model#2" with no
+    step, on the model axis)."""
+    run = tmp_path / "run"
+    models = [_checkpoint(run / "checkpoints" / f"step_{n:06d}") / "actor" / "model" for n in (4, 8)]
+
+    targets = expand_targets([str(m) for m in models])
+
+    assert [(t.label, t.step, t.run, t.model, t.source) for t in targets] == [
+        ("step_4", 4, "run", str(models[0]), str(models[0])),
+        ("step_8", 8, "run", str(models[1]), str(models[1])),
+    ]
+    assert x_axis(targets) == ("checkpoint step", [4.0, 8.0])
+    # a copied checkpoint's policy folder: labelled by the checkpoint folder's name, not "model"
+    best = _checkpoint(run / "best") / "actor" / "model"
+    assert [t.label for t in expand_targets([str(best)])] == ["best"]
+    # a Hugging Face folder that happens to be called model (not inside a checkpoint) keeps its name
+    hf = tmp_path / "hf" / "model"
+    hf.mkdir(parents=True)
+    (hf / "config.json").write_text("{}")
+    assert [(t.label, t.step) for t in expand_targets([str(hf)])] == [("model", None)]

@@ -1,0 +1,280 @@
+"""The sweep summary and failure count (roll_core.sweep), on hand-made job folders: no training, no Ray.
+
+Each test builds what a sweep leaves on disk (job_status.json records, metrics.jsonl) or runs the job wrapper
+`run_sweep_job` with a fake `run`, then calls `SweepSummaryCallback` the way Hydra does after a multirun, and checks
+summary.csv / summary.md / rewards.png and `failed_jobs()` (non-empty: roll-train exits 1).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+from omegaconf import OmegaConf
+
+import roll_core.sweep as sweep
+
+
+@pytest.fixture(autouse=True)
+def _fresh_sweep_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    # failed_jobs() and the started sweeps are per process: every test starts from none
+    monkeypatch.setattr(sweep, "_failed_jobs", [])
+    monkeypatch.setattr(sweep, "_sweeps", {}, raising=False)
+
+
+def _job(sweep_dir: Path, folder: str, num: int, overrides: list[str], status: str = "ok", **extra: Any) -> Path:
+    """A job folder as run_sweep_job leaves it; `metrics`: its metrics.jsonl records."""
+    metrics = extra.pop("metrics", None)
+    d = sweep_dir / folder
+    d.mkdir(parents=True, exist_ok=True)
+    (d / sweep.STATUS_FILE).write_text(json.dumps({"job": num, "overrides": overrides, "status": status, **extra}))
+    if metrics is not None:
+        (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    return d
+
+
+def _hydra_cfg(sweep_dir: Path) -> Any:
+    launcher = {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"}
+    return OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}, "launcher": launcher}})
+
+
+def _rows(sweep_dir: Path) -> list[dict[str, str]]:
+    with open(sweep_dir / "summary.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _run_job(sweep_dir: Path, folder: str, num: int, overrides: list[str], run: Any) -> float:
+    """run_sweep_job as Hydra calls it in job `num` (its HydraConfig faked), with `run` as the training run."""
+    hc = OmegaConf.create(
+        {
+            "runtime": {"output_dir": str(sweep_dir / folder), "cwd": str(sweep_dir.parent)},
+            "sweep": {"dir": str(sweep_dir)},
+            "job": {"num": num},
+            "overrides": {"task": overrides},
+        }
+    )
+    cfg = OmegaConf.create(
+        {"experiment": "t", "cluster": {"max_concurrent": 0}, "tracking": {"group": None, "run_name": None}}
+    )
+    with mock.patch("hydra.core.hydra_config.HydraConfig.get", return_value=hc):
+        return sweep.run_sweep_job(cfg, run)
+
+
+def _fails(cfg: Any) -> dict[str, Any]:
+    raise FileNotFoundError("no data")
+
+
+def test_nested_job_folders_are_found_and_listed_in_job_order(tmp_path: Path) -> None:
+    """hydra.sweep.subdir=${hydra.job.override_dirname} with values holding "/" nests job folders several levels
+    deep: their failures are counted (they vanished, and roll-train exited 0), rows follow the job number (10
+    after 2, not before), and a sweep whose records are nowhere to be found is a failure, not "0 jobs"."""
+    sw = tmp_path / "sweep"
+    for num in (0, 1, 2, 10):
+        status = "failed" if num in (1, 10) else "ok"
+        folder = f"env.path=/data/set_{num}.jsonl,experiment=t"  # nests: sweep/env.path=/data/set_N.jsonl,.../
+        _job(sw, folder, num, ["experiment=t", f"env.path=/data/set_{num}.jsonl"], status, wall_seconds=1.0)
+    assert not list(sw.glob(f"*/{sweep.STATUS_FILE}"))  # none of them one level deep
+
+    sweep.SweepSummaryCallback().on_multirun_end(_hydra_cfg(sw))
+
+    assert sweep.failed_jobs() == ["env.path=/data/set_1.jsonl", "env.path=/data/set_10.jsonl"]
+    assert [(r["job"], r["status"]) for r in _rows(sw)] == [("0", "ok"), ("1", "failed"), ("2", "ok"), ("10", "failed")]
+
+    empty = tmp_path / "lost"
+    callback = sweep.SweepSummaryCallback()
+    callback.on_multirun_start(_hydra_cfg(empty))
+    callback.on_multirun_end(_hydra_cfg(empty))
+    assert sweep.failed_jobs()[2:] == [f"no {sweep.STATUS_FILE} of this sweep found under {empty}"]
+
+
+def test_a_half_written_metrics_line_does_not_lose_the_summary(tmp_path: Path) -> None:
+    """A killed job's last metrics.jsonl line is often cut mid-record: the line is skipped, the job keeps its curve
+    up to there, and the summary is written (it raised JSONDecodeError: no summary.csv at all)."""
+    sw = tmp_path / "sweep"
+    _job(sw, "0", 0, ["algo.lr=1e-3"], metrics=[{"step": 1, "reward/mean": 0.5}], wall_seconds=10.0)
+    d = _job(sw, "1", 1, ["algo.lr=3e-3"], "killed", error="WorkerCrashedError: died", queued_seconds=0.0)
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.25}) + '\n{"step": 2, "reward/me')
+
+    rows = sweep.summarize(sw)
+
+    assert [(r["status"], r["final_reward"]) for r in rows] == [("ok", 0.5), ("killed", 0.25)]
+    assert (sw / "summary.md").is_file()
+
+
+def test_failed_jobs_are_counted_even_when_the_summary_cannot_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Hydra turns a callback's exception into a warning: whatever breaks while writing the summary, the jobs that
+    were not ok still reach failed_jobs() (roll-train exits 1), and the error is logged."""
+    sw = tmp_path / "sweep"
+    _job(sw, "0", 0, ["algo.lr=1e-3"], wall_seconds=1.0)
+    _job(sw, "1", 1, ["algo.lr=3e-3"], "killed", error="WorkerCrashedError: died")
+
+    def broken_plot(*args: Any) -> None:
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(sweep, "_plot", broken_plot)
+    with caplog.at_level(logging.ERROR, logger="roll_core.sweep"):
+        sweep.SweepSummaryCallback().on_multirun_end(_hydra_cfg(sw))  # must not raise
+
+    assert sweep.failed_jobs() == ["algo.lr=3e-3"]
+    assert "could not write the summary" in caplog.text and "disk full" in caplog.text
+
+
+def test_a_killed_job_is_summarised_with_its_real_wall_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job killed 10 minutes into training shows about 600 s (it showed 0.0, as if it never ran); one killed before
+    it wrote its start record shows "-" (unknown), not 0."""
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="install roll-core[sweep]")
+    from roll_core import sweep_launcher
+
+    sw = tmp_path / "sweep"
+    start: dict[str, Any] = {}
+
+    def run(cfg: Any) -> dict[str, Any]:  # what the job's folder holds while it trains: its start record
+        start.update(json.loads((sw / "0" / sweep.STATUS_FILE).read_text()))
+        return {"final_eval_accuracy": 0.5}
+
+    _run_job(sw, "0", 0, ["algo.lr=3e-3"], run)
+    (sw / "0" / sweep.STATUS_FILE).write_text(json.dumps(start))  # the job is SIGKILLed before its end record
+    clock = start.get("started_at", 0.0) + 600.0  # the launcher sees its death 10 minutes after the job started
+    monkeypatch.setattr(time, "time", lambda: clock)
+    job_cfg = {"sweep": {"dir": str(sw), "subdir": "${hydra.job.num}"}, "job": {"name": "x"}}
+    for num in (0, 1):  # job 1 is killed before it wrote anything
+        cfg = OmegaConf.create({"hydra": {**job_cfg, "job": {"num": num, "name": "x"}}})
+        ret = sweep_launcher.killed(cfg, [f"algo.lr={num + 3}e-3"], RuntimeError("The actor died unexpectedly"))
+        assert math.isnan(ret.return_value)
+
+    rows = sweep.summarize(sw)
+
+    assert [(r["status"], r["wall_seconds"]) for r in rows] == [("killed", 600.0), ("killed", None)]
+    assert "| killed | - | - | - | - | 600 |" in (sw / "summary.md").read_text()
+    assert "| killed | - | - | - | - | - |" in (sw / "summary.md").read_text()
+
+
+def test_a_job_stopped_by_a_signal_is_a_failed_trial(tmp_path: Path) -> None:
+    """SIGTERM stops a job early (checkpoint written, summary["stopped_by_signal"]): it is recorded as stopped,
+    the sweeper gets NaN (not its early accuracy as a finished trial's) and roll-train exits non-zero (a single
+    run exits 128+N). A job that finishes returns its final held-out accuracy as before."""
+    sw = tmp_path / "sweep"
+    stopped = {"final_eval_accuracy": 0.05, "stopped_by_signal": 15, "wall_seconds": 12.0}
+    finished = {"final_eval_accuracy": 0.75, "stopped_by_signal": None, "wall_seconds": 30.0}
+
+    assert _run_job(sw, "0", 0, ["algo.lr=1e-3"], lambda cfg: finished) == 0.75
+    assert math.isnan(_run_job(sw, "1", 1, ["algo.lr=3e-3"], lambda cfg: stopped))
+    record = json.loads((sw / "1" / sweep.STATUS_FILE).read_text())
+    assert (record["status"], record["error"]) == ("stopped", "stopped by signal 15")
+
+    sweep.SweepSummaryCallback().on_multirun_end(_hydra_cfg(sw))
+
+    assert sweep.failed_jobs() == ["algo.lr=3e-3"]
+    assert [r["status"] for r in _rows(sw)] == ["ok", "stopped"]
+
+
+def test_jobs_with_the_same_swept_values_each_get_a_reward_curve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two jobs with identical swept values (a repeat, an Optuna trial sampling a point again) are two lines of
+    rewards.png, each named by its job number (one overwrote the other)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    sw = tmp_path / "sweep"
+    for num, group in enumerate([4, 8, 4]):
+        metrics = [{"step": s, "reward/mean": 0.1 * s * (num + 1)} for s in range(1, 4)]
+        _job(sw, str(num), num, [f"algo.group_size={group}", "experiment=t"], metrics=metrics, wall_seconds=1.0)
+    plotted: list[tuple[str, list[float]]] = []
+    savefig = Figure.savefig
+
+    def record(fig: Any, *args: Any, **kwargs: Any) -> Any:
+        ax = fig.axes[0]
+        plotted.extend((line.get_label(), [round(y, 6) for y in line.get_ydata()]) for line in ax.get_lines())
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    sweep.summarize(sw)
+
+    assert plotted == [
+        ("0: algo.group_size=4", [0.1, 0.2, 0.3]),
+        ("1: algo.group_size=8", [0.2, 0.4, 0.6]),
+        ("2: algo.group_size=4", [0.3, 0.6, 0.9]),
+    ]
+    assert (sw / "rewards.png").stat().st_size > 0
+
+
+def test_a_sweep_run_again_into_its_folder_summarises_only_its_own_jobs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three failing jobs, then one failing job into the same hydra.sweep.dir: the second sweep's summary and
+    failure count hold its one job (they held all three: its job 0 and the first sweep's jobs 1 and 2), and the
+    earlier records are named in a warning."""
+    sw = tmp_path / "sweep"
+    callback = sweep.SweepSummaryCallback()
+    callback.on_multirun_start(_hydra_cfg(sw))
+    for num, name in enumerate("abc"):
+        assert math.isnan(_run_job(sw, str(num), num, [f"env.path=/x/{name}.jsonl"], _fails))
+    callback.on_multirun_end(_hydra_cfg(sw))
+    assert len(sweep.failed_jobs()) == 3
+    sweep._failed_jobs.clear()  # a new roll-train process
+
+    callback.on_multirun_start(_hydra_cfg(sw))
+    _run_job(sw, "0", 0, ["env.path=/x/z.jsonl"], _fails)
+    with caplog.at_level(logging.WARNING, logger="roll_core.sweep"):
+        callback.on_multirun_end(_hydra_cfg(sw))
+
+    assert sweep.failed_jobs() == ["env.path=/x/z.jsonl"]
+    assert [(r["job"], r["params"]) for r in _rows(sw)] == [("0", "env.path=/x/z.jsonl")]
+    assert "2 job record(s)" in caplog.text and "earlier sweep" in caplog.text
+    assert caplog.text.count("earlier sweep") == 1  # once per sweep, not once per reader
+
+
+def test_an_unreadable_job_record_counts_as_a_failure_unless_it_is_older_than_the_sweep(tmp_path: Path) -> None:
+    """A job_status.json that does not parse is a job whose outcome is unknown: a failure when this sweep wrote it,
+    a stale leftover (left out) when it predates the sweep."""
+    import os
+
+    sw = tmp_path / "sweep"
+    callback = sweep.SweepSummaryCallback()
+    callback.on_multirun_start(_hydra_cfg(sw))
+    _run_job(sw, "0", 0, ["algo.lr=1e-3"], lambda cfg: {"final_eval_accuracy": 0.5})
+    (sw / "1").mkdir()
+    (sw / "1" / sweep.STATUS_FILE).write_text('{"job": 1, "overr')
+    (sw / "2").mkdir()
+    (sw / "2" / sweep.STATUS_FILE).write_text('{"job": 2, "overr')
+    old = time.time() - 3600  # written an hour before this sweep started
+    os.utime(sw / "2" / sweep.STATUS_FILE, (old, old))
+
+    callback.on_multirun_end(_hydra_cfg(sw))
+
+    assert len(sweep.failed_jobs()) == 1 and sweep.failed_jobs()[0].startswith("1: unreadable job_status.json")
+    assert [r["status"] for r in _rows(sw)] == ["ok"]
+
+
+def test_summary_md_keeps_the_whole_params_column(tmp_path: Path) -> None:
+    """With several swept parameters the values that tell jobs apart come late in the label: summary.md keeps the
+    params column whole (it cut every cell at 120 characters); a long error is still cut."""
+    sw = tmp_path / "sweep"
+    for num in range(4):
+        overrides = [
+            f"model.path=/mnt/shared/models/Qwen2.5-{('0.5B', '1.5B')[num // 2]}-Instruct",
+            f"algo.kl_coef={0.001 if num % 2 else 0.0}",
+            f"env.path=/data/bench/math_train_{num // 2}.jsonl",
+            f"algo.lr={(1, 3)[num % 2]}e-6",
+        ]
+        _job(sw, str(num), num, overrides, "failed", wall_seconds=1.0, error="ValueError: " + "x" * 300)
+
+    rows = sweep.summarize(sw)
+
+    md = (sw / "summary.md").read_text().splitlines()[2:]
+    assert len(rows) == 4 and all(len(r["params"]) > 120 for r in rows)
+    for row, line in zip(rows, md):
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        assert cells[1] == row["params"]  # the whole label, its last override (algo.lr) included
+        assert cells[-1] == ("ValueError: " + "x" * 300)[:120]
+    assert len({line.split(" | ")[1] for line in md}) == 4
