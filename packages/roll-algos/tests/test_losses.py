@@ -205,6 +205,16 @@ def test_kl_controllers_by_hand() -> None:
     assert c2.value == pytest.approx(0.088)
 
 
+def test_a_nan_kl_reading_leaves_the_adaptive_coefficient_alone() -> None:
+    """One token whose log-probs are both -inf makes k3 NaN; min/max passed NaN through and the coefficient stayed
+    NaN for the rest of the run (the KL term then silently dropped: `coef > 0` is False for NaN)."""
+    c = AdaptiveKLController(0.05, target=6.0, horizon=10_000)
+    assert c.update(float("nan"), 64) == 0.05 and c.update(float("inf"), 64) == 0.05
+    assert c.update(0.3, 64) == pytest.approx(0.05 * (1 - 0.2 * 64 / 10_000))
+    with pytest.raises(ValueError, match="saved coefficient is nan"):
+        c.load_state_dict({"value": float("nan")})
+
+
 # ---------------------------------------------------------------- properties
 def _batch(seed: int, dtype: torch.dtype = torch.float64, b: int = 4, t: int = 5):
     g = torch.Generator().manual_seed(seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from roll_algos.corrections import icepop
@@ -48,3 +49,10 @@ def test_heavy_masking_is_named_once_with_the_band_to_widen() -> None:
     assert heavy_masking_warning({"actor/correction/masked_fraction": 0.6}, "token_mask").endswith("or use icepop")
     assert heavy_masking_warning({"actor/train_infer_logprob_diff": 0.1}, None) is None  # no masking correction
     assert heavy_masking_warning({"actor/correction/masked_fraction": float("nan")}, "icepop") is None
+
+
+def test_a_non_finite_kl_loss_coefficient_is_refused() -> None:
+    """`kl_loss_coef > 0` is False for NaN: a NaN coefficient (the adaptive controller's, before it skipped NaN
+    readings) silently trained without the KL term."""
+    with pytest.raises(ValueError, match="kl_loss_coef=nan is not finite"):
+        PolicyObjective(kl_loss_coef=float("nan"))

@@ -266,9 +266,54 @@ def test_numpy_and_tensor_scalars_are_metrics_and_step_is_not_a_metric_name(tmp_
 
     tracker = Tracker(tmp_path, trackers=())
     tracker.log(1, {"a": np.float32(0.5), "b": np.int64(3), "c": torch.tensor(1.5), "d": 2.0, "e": "text", "f": True})
+    # numpy's bool, 0-d and one-element arrays were left out silently (not numbers.Real, no numel)
+    tracker.log(2, {"g": np.bool_(True), "h": np.array(0.25), "i": np.array([0.5]), "j": np.array([1.0, 2.0])})
     assert Tracker.read_metrics(tmp_path / "metrics.jsonl") == [
-        {"step": 1, "a": 0.5, "b": 3.0, "c": 1.5, "d": 2.0, "f": 1.0}
+        {"step": 1, "a": 0.5, "b": 3.0, "c": 1.5, "d": 2.0, "f": 1.0},
+        {"step": 2, "g": 1.0, "h": 0.25, "i": 0.5},
     ]
     with pytest.raises(ValueError, match="may not be named 'step'"):
         tracker.log(2, {"step": 99})
+    tracker.close()
+
+
+def test_a_resume_after_a_half_written_last_line_drops_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A process killed mid-write leaves a partial last line in metrics.jsonl or samples.jsonl: the resume raised
+    JSONDecodeError while building its tracker. The partial line is dropped (logged) and the files are rewritten;
+    a bad line in the middle is an error naming the file and the line."""
+    import logging
+
+    tracker = Tracker(tmp_path, trackers=())
+    for step in range(3):
+        tracker.log(step, {"loss": float(step)})
+        tracker.samples(step, [{"response": f"r{step}"}])
+    tracker.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')
+    with open(tmp_path / "samples.jsonl", "a") as f:
+        f.write('{"step": 3, "respo')
+    with caplog.at_level(logging.WARNING):
+        resumed = Tracker(tmp_path, trackers=(), resume=True)
+        resumed.truncate(1)
+    assert "half-written" in caplog.text
+    assert [r["step"] for r in Tracker.read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]
+    assert [json.loads(x)["response"] for x in (tmp_path / "samples.jsonl").read_text().splitlines()] == ["r0", "r1"]
+    resumed.close()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2 is not a JSON record"):
+        Tracker.read_metrics(tmp_path / "metrics.jsonl")
+
+
+def test_a_plot_that_cannot_be_written_does_not_end_the_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """curves.png on a full disk or a flaky network folder: savefig raised into the training loop (the module says
+    a plot failure never does). A folder in the file's place stands in for the I/O error."""
+    import logging
+
+    pytest.importorskip("matplotlib")
+    tracker = Tracker(tmp_path, trackers=())
+    tracker.log(1, {"reward/mean": 0.5})
+    (tmp_path / "curves.png").mkdir()
+    with caplog.at_level(logging.WARNING):
+        assert tracker.plot() is None
+    assert "curves.png not written" in caplog.text
     tracker.close()

@@ -15,6 +15,7 @@ The caller applies the mask (zero the masked positions or aggregate with `roll_a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +79,11 @@ class AdaptiveKLController:
         self.horizon = int(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> float:
-        """Update from the KL measured over `n_steps` samples; returns the new coefficient."""
+        """Update from the KL measured over `n_steps` samples; returns the new coefficient. A non-finite KL (one
+        token whose log-probs are both -inf) leaves it unchanged: min/max pass NaN through, and a NaN coefficient
+        stayed NaN for the rest of the run (the KL term then silently dropped: `coef > 0` is False for NaN)."""
+        if not math.isfinite(current_kl):
+            return self.value
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
         return self.value
@@ -88,5 +93,9 @@ class AdaptiveKLController:
         return {"value": self.value}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
-        """Restore from `state_dict()`."""
-        self.value = float(state["value"])
+        """Restore from `state_dict()`; a non-finite saved value (a checkpoint written before updates skipped NaN) is
+        a ValueError, not a run without KL."""
+        value = float(state["value"])
+        if not math.isfinite(value):
+            raise ValueError(f"the adaptive KL controller's saved coefficient is {value}: set algo.kl_coef and resume")
+        self.value = value

@@ -125,11 +125,8 @@ class Tracker:
 
     @staticmethod
     def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-        """All records of a metrics.jsonl (empty when the file is missing)."""
-        path = Path(path)
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        """All records of a metrics.jsonl (empty when the file is missing); see `read_records`."""
+        return read_records(Path(path))
 
     def truncate(self, last_step: int) -> None:
         """Drop records after `last_step` (a resumed run re-does the steps after its checkpoint): metrics,
@@ -138,8 +135,8 @@ class Tracker:
         self.metrics_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
         samples = self.dir / "samples.jsonl"
         if samples.exists():
-            keep = [line for line in samples.read_text().splitlines() if json.loads(line).get("step", 0) <= last_step]
-            samples.write_text("".join(line + "\n" for line in keep))
+            keep = [row for row in read_records(samples) if row.get("step", 0) <= last_step]
+            samples.write_text("".join(json.dumps(row) + "\n" for row in keep))
         for backend in self.backends:
             backend.truncate(last_step)
 
@@ -179,12 +176,19 @@ class Tracker:
         except ImportError:
             log.warning("matplotlib is not installed: no curves.png")
             return None
-        fig = curve_figure(self.history, keys)
-        if fig is None:
-            return None
         path = self.dir / "curves.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        fig = None
+        try:  # a picture is never worth a run: a full disk or a flaky network folder only costs the plot
+            fig = curve_figure(self.history, keys)
+            if fig is None:
+                return None
+            fig.savefig(path, dpi=110)
+        except Exception as exc:
+            log.warning("curves.png not written: %s: %s", type(exc).__name__, exc)
+            return None
+        finally:
+            if fig is not None:
+                plt.close(fig)
         return path
 
     def close(self) -> None:
@@ -230,14 +234,35 @@ def curve_figure(history: Sequence[dict[str, Any]], keys: Sequence[str]):  # -> 
 _NOT_A_NUMBER: Any = object()
 
 
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON records of a .jsonl file the tracker appends to ([] when missing). A half-written last line (a
+    process killed mid-write: OOM, preemption, a full disk) is dropped with a warning, as the resume that reads it
+    rewrites the file; an unreadable line before the last is a ValueError naming the file and the line."""
+    if not path.exists():
+        return []
+    lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    out = []
+    for k, (i, line) in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except ValueError as exc:
+            if k < len(lines) - 1:
+                raise ValueError(f"{path}:{i} is not a JSON record ({exc}): fix or remove that line") from None
+            log.warning("%s: its last line (%d) is half-written (a process killed mid-write): dropped", path, i)
+    return out
+
+
 def _number(v: Any) -> Any:
     """A metric value as a Python int/float (None stays None), or _NOT_A_NUMBER for anything else."""
     import numbers
 
     if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)):
         return v
-    if isinstance(v, (bool, numbers.Real)):  # numpy scalars register as numbers.Real
+    if isinstance(v, (bool, numbers.Real)):  # numpy scalars register as numbers.Real (numpy's bool does not)
         return float(v)
     if hasattr(v, "numel") and hasattr(v, "item") and v.numel() == 1:  # a one-element tensor
         return float(v.item())
+    if hasattr(v, "dtype") and hasattr(v, "item") and getattr(v, "size", None) == 1:  # numpy: np.bool_, 0-d, [x]
+        item = v.item()
+        return float(item) if isinstance(item, (bool, numbers.Real)) else _NOT_A_NUMBER
     return _NOT_A_NUMBER

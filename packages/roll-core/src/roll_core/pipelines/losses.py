@@ -7,6 +7,7 @@ across micro-batches and data-parallel ranks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -44,6 +45,10 @@ class PolicyObjective:
     kl_kind: str = "k3"
     entropy_coef: float = 0.0
     needs_entropy: bool = True
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.kl_loss_coef):  # `coef > 0` is False for NaN: the KL term silently disappeared
+            raise ValueError(f"kl_loss_coef={self.kl_loss_coef} is not finite (the adaptive KL controller's value?)")
 
     @property
     def entropy_grad(self) -> bool:

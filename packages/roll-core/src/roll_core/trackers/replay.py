@@ -4,17 +4,17 @@ replays the steps the remote run lacks (an attempt that ran without the tracker,
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of `path`, one per non-empty line; [] when the file does not exist."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The JSON objects of `path`, one per non-empty line; [] when the file does not exist; a half-written last
+    line is dropped (roll_core.tracking.read_records)."""
+    from roll_core.tracking import read_records
+
+    return read_records(Path(path))
 
 
 def kept_metrics(run_dir: Path, last_step: int, after: int = -1) -> list[tuple[int, dict[str, float]]]:
