@@ -144,6 +144,32 @@ def test_a_left_cut_keeps_a_leading_bos(run_cfg, rm_path: str) -> None:
     assert truncate([1, 5, 6, 7], 1, "left", bos=1) == ([7], True)  # no room for both: the last token
 
 
+def test_rows_past_the_models_context_are_cut_there(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A GPT-2-style reward model (learned positions, n_positions=64) under the default max_length 1024: a 180-token
+    row raised IndexError in the forward and failed the whole scoring call. Rows are cut to the model's context,
+    flagged truncated, and the cut is logged once."""
+    import logging
+
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from roll_core.cluster.reward_model import RewardModelWorker
+    from roll_core.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    cfg = GPT2Config(
+        vocab_size=len(tok), n_embd=32, n_layer=1, n_head=4, n_positions=64, num_labels=1, pad_token_id=tok.pad_token_id
+    )
+    torch.manual_seed(0)
+    GPT2ForSequenceClassification(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        worker = RewardModelWorker(str(tmp_path), template="{prompt}\n{response}")
+    assert worker.max_length == 64 and "exceeds the reward model's context (64 tokens)" in caplog.text
+    out = worker.score(Batch(fields={"prompt_text": ["hi", "hi"], "response_text": ["ok", "abcdefgh " * 20]}))
+    assert out["rm_scores"].shape == (2,) and torch.isfinite(out["rm_scores"]).all()
+    assert out["rm_truncated"].tolist() == [False, True]
+
+
 def test_text_template_and_offload(run_cfg, rm_path: str) -> None:
     """A {prompt}/{response} template is what the model reads; offloaded weights are back in host memory (asleep)
     after each call and the scores do not change."""

@@ -127,6 +127,20 @@ class RewardModelWorker(Worker):
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
+        context = next(
+            (int(v) for v in (getattr(model.config, k, None) for k in ("max_position_embeddings", "n_positions")) if v),
+            None,
+        )
+        if context is not None and context < max_length:
+            # Rows past the model's context crash learned position embeddings (GPT-2's IndexError failed the whole
+            # scoring call) or are scored out of range (RoPE): cut them there, counted in reward_model/truncated.
+            log.warning(
+                "reward_model.max_length=%d exceeds the reward model's context (%d tokens): rows are cut to %d",
+                max_length,
+                context,
+                context,
+            )
+            self.max_length = context
         if model.config.pad_token_id is None:  # check_reward_model made sure the tokenizer has one
             model.config.pad_token_id = self.tokenizer.pad_token_id
         self.pad_id = int(model.config.pad_token_id)
