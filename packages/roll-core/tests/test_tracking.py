@@ -317,3 +317,24 @@ def test_a_plot_that_cannot_be_written_does_not_end_the_run(tmp_path: Path, capl
         assert tracker.plot() is None
     assert "curves.png not written" in caplog.text
     tracker.close()
+
+
+def test_curves_are_redrawn_at_most_every_plot_every_s_unless_forced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A figure costs ~0.4 s on a small CPU and was drawn after every step (a large share of a fast SFT step); the
+    loop now forces it only at checkpoints and at the end."""
+    import time
+
+    from roll_core import tracking
+
+    pytest.importorskip("matplotlib")
+    tracker = Tracker(tmp_path, trackers=())
+    tracker.log(1, {"reward/mean": 0.5})
+    assert tracker.plot(force=False) == tmp_path / "curves.png"  # the first one is drawn
+    assert tracker.plot(force=False) is None  # within PLOT_EVERY_S: skipped
+    assert tracker.plot() == tmp_path / "curves.png"  # forced
+    clock = time.monotonic() + tracking.PLOT_EVERY_S + 1
+    monkeypatch.setattr(time, "monotonic", lambda: clock)
+    assert tracker.plot(force=False) == tmp_path / "curves.png"  # due again
+    tracker.close()

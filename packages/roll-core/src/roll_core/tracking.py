@@ -49,6 +49,9 @@ _LOG_SCALE = frozenset({"actor/train_infer_logprob_diff"})
 
 #: Panels per row of curves.png.
 _PANELS_PER_ROW = 4
+#: curves.png is redrawn at most this often (seconds) unless forced: a figure costs ~0.4 s on a small CPU, a large
+#: share of a fast step (SFT on a small model), and was drawn after every step.
+PLOT_EVERY_S = 30.0
 
 #: Backends a Tracker opens when none are named (pipeline.trackers' default).
 DEFAULT_TRACKERS: tuple[str, ...] = ("tensorboard",)
@@ -114,6 +117,7 @@ class Tracker:
             parsed = OmegaConf.to_container(OmegaConf.create(config_yaml))
             config = parsed if isinstance(parsed, dict) else {}
         self.metrics_path = self.dir / "metrics.jsonl"
+        self._plotted_at: float | None = None  # time.monotonic() of the last curves.png
         if not resume:  # an earlier run's records in this folder (a run stopped before its first checkpoint)
             for stale in (self.metrics_path, self.dir / "samples.jsonl"):
                 stale.unlink(missing_ok=True)
@@ -166,8 +170,17 @@ class Tracker:
             if isinstance(backend, SampleTrackerBackend):
                 backend.samples(step, rows)
 
-    def plot(self, keys: tuple[str, ...] = ("reward/mean", "reward/accuracy", "eval/accuracy")) -> Path | None:
-        """Write curves.png with one panel per key present in the history (rows of `_PANELS_PER_ROW`)."""
+    def plot(
+        self, keys: tuple[str, ...] = ("reward/mean", "reward/accuracy", "eval/accuracy"), force: bool = True
+    ) -> Path | None:
+        """Write curves.png with one panel per key present in the history (rows of `_PANELS_PER_ROW`). Unless
+        `force`, at most once per `PLOT_EVERY_S` (the loop forces it at checkpoints and at the end); None when
+        skipped or not written."""
+        import time
+
+        if not force and self._plotted_at is not None and time.monotonic() - self._plotted_at < PLOT_EVERY_S:
+            return None
+        self._plotted_at = time.monotonic()
         try:
             import matplotlib
 

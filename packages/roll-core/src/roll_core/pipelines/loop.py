@@ -188,7 +188,7 @@ class Pipeline:
                 bar.set_postfix(progress_fields(out))
                 due = (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps
                 saved = self.checkpoint(step) if due else None
-                self.tracker.plot((*self.collector.plot_keys, *AGREEMENT_PLOT_KEYS))
+                self.tracker.plot(self._plot_keys(), force=bool(due))
                 if getattr(self.collector, "exhausted", False) and step < pipe.max_steps:
                     # A collector with a finite job (rollout-only: every prompt generated) ends the run early.
                     if not due:
@@ -206,8 +206,12 @@ class Pipeline:
                         f"checkpoint {saved}" if saved else f"no checkpoint (last healthy: {self.healthy_checkpoint})",
                     )
                     break
+        self.tracker.plot(self._plot_keys())  # the last steps' curves, whatever ended the loop
         self.tracker.close()
         return self.summary(self.wall_seconds(), stop.signum)
+
+    def _plot_keys(self) -> tuple[str, ...]:
+        return (*self.collector.plot_keys, *AGREEMENT_PLOT_KEYS)
 
     def step(self, step: int) -> StepLog:
         """One step: the collector's next scored batch, the update, the weight sync; returns its metrics."""
