@@ -338,3 +338,24 @@ def test_curves_are_redrawn_at_most_every_plot_every_s_unless_forced(
     monkeypatch.setattr(time, "monotonic", lambda: clock)
     assert tracker.plot(force=False) == tmp_path / "curves.png"  # due again
     tracker.close()
+
+
+def test_sample_rows_are_strict_json(tmp_path: Path) -> None:
+    """A NaN reward was written as a bare NaN token (not JSON), a numpy float raised TypeError, and a row's own
+    `step` relabelled it (a resume then kept or dropped it by the wrong step)."""
+    import numpy as np
+    import torch
+
+    tracker = Tracker(tmp_path, trackers=())
+    tracker.samples(3, [{"reward": float("nan"), "score": np.float32(0.5), "len": torch.tensor(7), "text": "é"}])
+    line = (tmp_path / "samples.jsonl").read_text()
+    assert json.loads(line, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}")) == {
+        "step": 3,
+        "reward": None,
+        "score": 0.5,
+        "len": 7.0,
+        "text": "é",
+    }
+    with pytest.raises(ValueError, match="may not hold 'step'"):
+        tracker.samples(4, [{"step": 1, "text": "x"}])
+    tracker.close()

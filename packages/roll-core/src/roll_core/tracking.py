@@ -162,10 +162,15 @@ class Tracker:
             backend.log(step, finite)
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        """Append decoded completions to samples.jsonl and pass them to backends that record samples."""
+        """Append decoded completions to samples.jsonl and pass them to backends that record samples.
+
+        Values are written as strict JSON: numpy and one-element torch numbers as numbers, NaN/inf as null (a bare
+        NaN token is not JSON; a numpy float raised TypeError). A row may not hold `step` (it would relabel it)."""
+        if any("step" in row for row in rows):
+            raise ValueError("a sample row may not hold 'step' (it is the record's step number)")
         with open(self.dir / "samples.jsonl", "a") as f:
             for row in rows:
-                f.write(json.dumps({"step": step, **row}) + "\n")
+                f.write(json.dumps({"step": step, **{k: _json_value(v) for k, v in row.items()}}) + "\n")
         for backend in self.backends:
             if isinstance(backend, SampleTrackerBackend):
                 backend.samples(step, rows)
@@ -245,6 +250,16 @@ def curve_figure(history: Sequence[dict[str, Any]], keys: Sequence[str]):  # -> 
 
 
 _NOT_A_NUMBER: Any = object()
+
+
+def _json_value(v: Any) -> Any:
+    """A sample value as strict JSON: numbers through `_number` (NaN/inf: None), anything else as it is."""
+    if isinstance(v, (str, list, dict)) or v is None:
+        return v
+    number = _number(v)
+    if number is _NOT_A_NUMBER:
+        return v
+    return None if number is not None and not math.isfinite(number) else number
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
