@@ -38,6 +38,7 @@ from roll_core.testing import constant_answer_task
 
 sys.path.insert(0, str(Path(__file__).parent))  # doc_commands: shared with tests/docs/test_pages_commands.py
 from doc_commands import (
+    HYDRA_FLAGS,
     PLACEHOLDER,
     ROOT,
     Command,
@@ -149,6 +150,8 @@ def plan(cmd: Command) -> Plan:
         return Plan("compose", "names the CLI without arguments (its README commands with a model run here)")
     if "..." in cmd.args:
         return Plan("compose", "elided with '...'")
+    if cmd.prog == "roll-train" and any(a in HYDRA_FLAGS for a in cmd.args):
+        return Plan("compose", "prints the config (Hydra's --cfg/--help/--info): it trains nothing")
     if cfg is None:
         return Plan("compose", "does not compose (test_readme_command_composes says why)")
     if cfg.hw.platform in ("cuda", "rocm", "npu"):
