@@ -114,20 +114,23 @@ SWEEP_PLUGINS: tuple[tuple[tuple[Extra, ...], tuple[str, ...]], ...] = (
 )
 
 
+def exception_chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and what caused it (`__cause__`, else `__context__`), outermost first, each once."""
+    chain: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return chain
+
+
 def missing_sweep_plugin(exc: BaseException) -> MissingExtraError | None:
     """The one-line error for a Hydra failure that a missing sweep plugin (roll-core[sweep]) caused, else None.
 
     Hydra reports a missing launcher as "Unknown plugin class" and a missing sweeper as an option it cannot find,
     with a traceback; `roll-train` asks here first, reading the messages of `exc` and its causes.
     """
-    texts = []
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        texts.append(str(cause).lower())
-        cause = cause.__cause__ or cause.__context__
-    text = "\n".join(texts)
+    text = "\n".join(str(e).lower() for e in exception_chain(exc))
     for extras, marks in SWEEP_PLUGINS:
         if any(mark in text for mark in marks):
             for extra in extras:

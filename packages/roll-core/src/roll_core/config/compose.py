@@ -26,7 +26,7 @@ from roll_core.config.search_path import (
     primary_config_path,
     user_conf_dir,
 )
-from roll_core.errors import ConfigError
+from roll_core.errors import ConfigError, exception_chain
 
 __all__ = ["ConfigError", "compose", "explain", "find_conf_dir", "load_config", "to_object"]
 
@@ -65,11 +65,7 @@ def explain(exc: BaseException) -> str:
     """A one-paragraph message for a composition error, with a "did you mean" when a close key exists."""
     from omegaconf.errors import OmegaConfBaseException
 
-    chain: list[BaseException] = []
-    cur: BaseException | None = exc
-    while cur is not None and cur not in chain:
-        chain.append(cur)
-        cur = cur.__cause__ or cur.__context__
+    chain = exception_chain(exc)
     lines = [line for e in chain for line in str(e).strip().splitlines()]
     # Hydra suggests "+key=value" for unknown keys, which a structured config rejects too; OmegaConf repeats
     # its message as an unformatted template. Neither helps a user.
