@@ -138,7 +138,7 @@ def resolve_platform(name: str | None = None) -> type[Platform]:
             cls = get_platform_class(forced)
         except PlatformUnavailableError as exc:
             raise PlatformUnavailableError(f"{exc} ({source})") if from_env else exc from None
-        if not _available(forced, cls, source):
+        if not _probe(forced, cls, source):
             raise PlatformUnavailableError(f"platform {forced!r} {source} is unavailable: {cls.unavailable_reason()}")
         return cls
     active = [cls for name, cls in plugin_platforms().items() if _probe(name, cls)]
@@ -149,7 +149,7 @@ def resolve_platform(name: str | None = None) -> type[Platform]:
         return active[0]
     for builtin in builtin_names():
         cls = get_platform_class(builtin)
-        if _available(builtin, cls, "probed"):
+        if _probe(builtin, cls, "probed"):
             return cls
     # Only reached when a plugin took the name `cpu` and is unavailable: roll-hw's own CPU platform always runs.
     own_cpu = _load(_declared()[0]["cpu"])
@@ -164,25 +164,22 @@ def resolve_platform(name: str | None = None) -> type[Platform]:
     return own_cpu
 
 
-def _available(name: str, cls: type[Platform], source: str) -> bool:
-    """A platform's `is_available()`; one that raises (a driver error) is reported with the platform's name."""
+def _probe(name: str, cls: type[Platform], source: str | None = None) -> bool:
+    """A platform's `is_available()`; one that raises (a bare driver error) is reported with the platform's name: a
+    plugin probed by auto-detection (`source` None) as a PlatformPluginError, a platform forced, requested or probed
+    in the built-ins' order (`source` says which) as a PlatformUnavailableError."""
     try:
         return bool(cls.is_available())
     except Exception as exc:
+        probe, raised = f"{cls.__module__}.{cls.__qualname__}.is_available", f"{type(exc).__name__}: {exc}"
+        if source is None:
+            raise PlatformPluginError(
+                f"the probe of platform plugin {name!r} ({probe}) raised {raised}; set {ENV_VAR}=<platform> (or "
+                "hw.platform) to run without probing it"
+            ) from exc
         raise PlatformUnavailableError(
-            f"platform {name!r} ({source}): its probe ({cls.__module__}.{cls.__qualname__}.is_available) raised "
-            f"{type(exc).__name__}: {exc}; set {ENV_VAR}=cpu (or hw.platform=cpu) to run without it"
-        ) from exc
-
-
-def _probe(name: str, cls: type[Platform]) -> bool:
-    """A plugin's `is_available()`; one that raises is reported with its name (it was a bare driver error)."""
-    try:
-        return bool(cls.is_available())
-    except Exception as exc:
-        raise PlatformPluginError(
-            f"the probe of platform plugin {name!r} ({cls.__module__}.{cls.__qualname__}.is_available) raised "
-            f"{type(exc).__name__}: {exc}; set {ENV_VAR}=<platform> (or hw.platform) to run without probing it"
+            f"platform {name!r} ({source}): its probe ({probe}) raised {raised}; set {ENV_VAR}=cpu (or "
+            "hw.platform=cpu) to run without it"
         ) from exc
 
 
