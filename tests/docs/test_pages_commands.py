@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # doc_commands: shared with the README test
+import doc_commands
 from doc_commands import ROOT, Command, jobs, readme_commands
 
 # The first composition registers every plugin's configs, which imports torch.cuda: some torch builds warn there
@@ -41,8 +42,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:The pynvml package is deprecated
 DOCS = ROOT / "docs"
 # `<!-- file: conf/env/x.yaml -->` then a fenced block: its body is the file.
 FILE_BLOCK = re.compile(r"<!--\s*file:\s*(\S+)\s*-->[ \t]*\n```[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
-# Hydra's command-line flags (not overrides) and how many values each takes.
-HYDRA_FLAGS = {"--cfg": 1, "-c": 1, "--info": 1, "-i": 1, "--package": 1, "-p": 1, "--resolve": 0, "--help": 0}
 # Where roll's own error messages live (troubleshooting quotes them).
 SOURCES = [*ROOT.glob("packages/*/src"), ROOT / "noxfile.py", ROOT / "tests" / "device"]
 
@@ -59,15 +58,7 @@ def page_files(text: str) -> dict[str, str]:
 
 def without_hydra_flags(cmd: Command) -> Command:
     """The command without Hydra's flags (`--cfg job` prints the config instead of running: same composition)."""
-    args, skip = [], 0
-    for a in cmd.args:
-        if skip:
-            skip -= 1
-        elif a in HYDRA_FLAGS:
-            skip = HYDRA_FLAGS[a]
-        else:
-            args.append(a)
-    return Command(cmd.prog, tuple(args), cmd.line, cmd.how, cmd.source)
+    return Command(cmd.prog, tuple(doc_commands.without_hydra_flags(cmd.args)), cmd.line, cmd.how, cmd.source)
 
 
 def without_files(text: str) -> str:

@@ -15,6 +15,7 @@ import functools
 import itertools
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,15 +54,7 @@ class Command:
         """Hydra overrides (roll-eval: its key=value arguments, not its models nor its own `--option value`s)."""
         args = [a for a in self.args if a not in ("-m", "--multirun")]
         if self.prog != "roll-eval":  # Hydra's own flags (`--cfg hydra`) are not overrides
-            out, skip = [], 0
-            for a in args:
-                if skip:
-                    skip -= 1
-                elif a in HYDRA_FLAGS:
-                    skip = HYDRA_FLAGS[a]
-                else:
-                    out.append(a)
-            return out
+            return without_hydra_flags(args)
         out, value = [], False
         for a in args:
             if value:  # the value of the option before it
@@ -71,6 +64,19 @@ class Command:
             elif "=" in a or a.startswith("~"):
                 out.append(a)
         return out
+
+
+def without_hydra_flags(args: Sequence[str]) -> list[str]:
+    """`args` without Hydra's flags and their values (`--cfg job` prints the config instead of running it)."""
+    out, skip = [], 0
+    for a in args:
+        if skip:
+            skip -= 1
+        elif a in HYDRA_FLAGS:
+            skip = HYDRA_FLAGS[a]
+        else:
+            out.append(a)
+    return out
 
 
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
