@@ -97,6 +97,12 @@ def test_train_metrics_merge_weighs_ranks_by_rows_and_an_empty_rank_by_nothing()
     assert both == {"loss": 1.75, "lr": 0.1}
     assert merge_rank_metrics([{"loss": 2.0, "g": 5.0}, {"g": 5.0}], [2, 0]) == {"loss": 2.0, "g": 5.0}
     assert merge_rank_metrics([{"g": 2.0}, {"g": 4.0}], [0, 0]) == {"g": 3.0}  # an empty batch: alike
+    # Ranks that report their units (tokens) weigh by them, not by rows; the weight keys are dropped; a key some
+    # rank reports no weight for falls back to rows.
+    w = "_weight/"
+    units = merge_rank_metrics([{"clip": 0.5, w + "clip": 10.0}, {"clip": 0.1, w + "clip": 30.0}], [1, 1])
+    assert units == {"clip": pytest.approx(0.2)}
+    assert merge_rank_metrics([{"clip": 0.5, w + "clip": 10.0}, {"clip": 0.1}], [1, 3]) == {"clip": pytest.approx(0.2)}
 
 
 def test_auto_platform_on_a_cpu_head_of_an_accelerator_cluster_is_an_error(monkeypatch) -> None:

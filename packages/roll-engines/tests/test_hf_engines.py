@@ -107,6 +107,21 @@ def test_step_metrics_weigh_micro_batches_by_their_tokens(tiny: str) -> None:
     metrics = engine.train_step(batch, PolicyObjective(variant="ppo"), mini_batches=1)
     assert metrics["actor/correction/weight_mean"] == pytest.approx(1.4, abs=1e-6)
 
+    # The same two rows on two data-parallel ranks, one each: TrainGroup.train's merge weighs each rank's mean by
+    # its tokens (1 and 4), not its rows (1 and 1: (3 + 1) / 2 = 2.0).
+    from roll_core.cluster.roles import merge_rank_metrics
+
+    per_rank = [
+        HFTrainEngine(tiny, role="actor", lr=0.0).train_step(
+            {k: v[i : i + 1] for k, v in batch.items()}, PolicyObjective(variant="ppo")
+        )
+        for i in range(2)
+    ]
+    assert [m["actor/correction/weight_mean"] for m in per_rank] == pytest.approx([3.0, 1.0])
+    merged = merge_rank_metrics(per_rank, [1, 1])
+    assert merged["actor/correction/weight_mean"] == pytest.approx(1.4, abs=1e-6)
+    assert not any(k.startswith("_weight/") for k in merged)
+
 
 def test_stop_strings_end_responses(tiny: str) -> None:
     infer = HFInferEngine(tiny, max_new_tokens=24, stop=["e"], temperature=1.5)
@@ -143,7 +158,7 @@ def test_a_rank_given_no_rows_merges_into_the_step_metrics(tiny: str) -> None:
     full = HFTrainEngine(tiny, lr=1e-2).train_step(batch, PolicyObjective())
     empty = HFTrainEngine(tiny, lr=1e-2).train_step({k: v[:0] for k, v in batch.items()}, PolicyObjective())
     assert "actor/pg_loss" in full and set(empty) < set(full)
-    assert merge_rank_metrics([full, empty], [2, 0]) == full
+    assert merge_rank_metrics([full, empty], [2, 0]) == {k: v for k, v in full.items() if not k.startswith("_weight/")}
 
 
 def test_training_changes_weights_and_sync_copies_them(tiny: str) -> None:

@@ -34,6 +34,7 @@ from roll_core.config.build import build
 from roll_core.devices import resolve_device
 from roll_core.interfaces import InferEngine, Request, RequestOutput, SamplingParams, Task, TrainEngine
 from roll_core.interfaces.runtime import InferEngineRuntime, TrainEngineRuntime, check_engine_kwargs
+from roll_core.interfaces.training import METRIC_WEIGHT_PREFIX
 from roll_core.protocol import Batch
 from roll_core.seeds import Purpose, derive_seed
 
@@ -449,15 +450,19 @@ def _sum_counters(parts: list[Batch]) -> dict[str, int]:
 
 
 def merge_rank_metrics(per_rank: list[dict[str, float]], rows: list[int]) -> dict[str, float]:
-    """One step's metrics from every rank's: each key's mean over the ranks that report it, weighted by the rows
-    each rank trained (`rows`, one per entry of `per_rank`). A rank given no rows (a batch smaller than the
-    data-parallel size) reports no loss metrics and weighs nothing; where no reporting rank had rows (an empty
-    batch), the reporting ranks weigh alike."""
+    """One step's metrics from every rank's: each key's mean over the ranks that report it, weighted by the weight
+    each rank reports for it (`METRIC_WEIGHT_PREFIX + key`: the loss units behind a token or sequence mean) where
+    every reporting rank gives one, else by the rows each rank trained (`rows`, one per entry of `per_rank`). A rank
+    given no rows (a batch smaller than the data-parallel size) reports no loss metrics and weighs nothing; where
+    no reporting rank has weight (an empty batch), the reporting ranks weigh alike. The weight keys are dropped."""
     out: dict[str, float] = {}
-    for key in dict.fromkeys(k for d in per_rank for k in d):
-        pairs = [(d[key], n) for d, n in zip(per_rank, rows, strict=True) if key in d]
-        total = sum(n for _, n in pairs)
-        out[key] = sum(v * n for v, n in pairs) / total if total else sum(v for v, _ in pairs) / len(pairs)
+    for key in dict.fromkeys(k for d in per_rank for k in d if not k.startswith(METRIC_WEIGHT_PREFIX)):
+        wkey = METRIC_WEIGHT_PREFIX + key
+        reporting = [(d, n) for d, n in zip(per_rank, rows, strict=True) if key in d]
+        by_units = all(wkey in d for d, _ in reporting)
+        pairs = [(d[key], float(d[wkey]) if by_units else n) for d, n in reporting]
+        total = sum(w for _, w in pairs)
+        out[key] = sum(v * w for v, w in pairs) / total if total else sum(v for v, _ in pairs) / len(pairs)
     return out
 
 

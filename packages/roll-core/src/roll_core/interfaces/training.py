@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 
+#: Prefix of the per-rank metric weights `train_step` may report (see LossFn); the group's merge drops them.
+METRIC_WEIGHT_PREFIX = "_weight/"
+
+
 @runtime_checkable
 class LossFn(Protocol):
     """What `train_step` needs from a loss: a callable plus its aggregation unit count.
@@ -33,7 +37,10 @@ class LossFn(Protocol):
     Metrics: `train_step` reports each metric's mean over the micro-batches weighted by their `units` (a token mean
     per micro-batch becomes the mini-batch's token mean under token-mean aggregation), except the keys a loss lists
     in `summed_metrics: tuple[str, ...]` (read with getattr, default none): sums (and their counts) whose ratio the
-    objective forms itself, averaged alike.
+    objective forms itself, averaged alike. Beside each averaged metric `k` an engine may report its total weight
+    as `METRIC_WEIGHT_PREFIX + k` (the units, or micro-batch count for summed keys, behind that mean on this rank):
+    the group merges the data-parallel ranks' means by those weights (a token mean stays the batch's token mean
+    when ranks hold responses of different lengths) and by rows where an engine reports none.
     """
 
     needs_entropy: bool

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from roll_core.interfaces.training import METRIC_WEIGHT_PREFIX
 from roll_core.routing import ROUTED_EXPERTS, UNROUTED
 from roll_engines.train._packing import _first_fit, _prompt_keys, prompt_order
 
@@ -160,7 +161,11 @@ class MetricMeans:
         self._plain.setdefault(key, []).append(value)
 
     def means(self) -> dict[str, float]:
-        return {
+        """Each key's weighted mean, and its total weight under `METRIC_WEIGHT_PREFIX + key` (what the group's
+        merge over data-parallel ranks weighs this rank's mean by: ranks hold different numbers of tokens)."""
+        out = {
             k: self._sums[k] / self._weights[k] if self._weights[k] > 0 else sum(v) / len(v)
             for k, v in self._plain.items()
         }
+        out.update({METRIC_WEIGHT_PREFIX + k: self._weights[k] for k in self._plain})
+        return out
