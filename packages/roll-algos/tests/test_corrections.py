@@ -146,3 +146,24 @@ def test_bounds_are_inclusive() -> None:
     old = torch.tensor([[math.log(0.5), math.log(2.0), math.log(2.5)]])
     c = token_mask(old, torch.zeros(1, 3), torch.ones(1, 3), low=0.5, high=2.0)
     assert c.weights.tolist() == [[1, 1, 0]]
+
+
+def test_a_token_both_policies_give_probability_zero_is_dropped_not_nan() -> None:
+    """old = behaviour = -inf on a valid token (no ratio: -inf - -inf is NaN): every masking correction drops it, TIS
+    gives it weight 0 (its row, at sequence level), and the ratio statistics stay finite. NaN passed every band
+    test and its weight exp(NaN) reached the loss."""
+    from roll_algos.losses import off_policy_weights
+
+    old, behaviour, mask = batch()
+    old[2, 1] = behaviour[2, 1] = -INF
+    for name in DEFAULT_BOUNDS:
+        c = correction_weights(name, old, behaviour, mask)
+        assert torch.isfinite(c.weights).all() and c.weights[2, 1] == 0, name
+        assert all(torch.isfinite(v) for v in c.stats.values()), name
+    kept = correction_weights("token_mask", old, behaviour, mask, low=0.2, high=4.0).weights
+    assert kept[2].tolist() == [1, 0, 1, 1]  # only the undefined token is dropped
+    token = off_policy_weights(old, behaviour, mask, level="token", cap=2.0)
+    assert token[2].tolist() == pytest.approx([1.002, 0.0, 1.0, 1.0])
+    seq = off_policy_weights(old, behaviour, mask, level="sequence", cap=2.0)
+    assert seq[2].tolist() == [0.0] * 4 and seq[1].tolist() == pytest.approx([1.8, 1.8, 0, 0])
+    assert all(torch.isfinite(v) for v in ratio_stats(old, behaviour, mask).values())

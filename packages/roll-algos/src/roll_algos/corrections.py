@@ -100,6 +100,9 @@ def _log_ratio(old_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> tuple[
         )
     valid = mask.bool()
     lr = torch.where(valid, old_logp.detach().float() - behaviour_logp.detach().float(), 0.0)
+    # A token both policies give probability 0 (-inf - -inf) has no ratio: as the largest one, so that every band
+    # drops it (a NaN passed every band test, and its weight exp(NaN) poisoned the loss).
+    lr = torch.nan_to_num(lr, nan=_MAX_LOG_RATIO)
     return torch.clamp(lr, -_MAX_LOG_RATIO, _MAX_LOG_RATIO), valid
 
 

@@ -430,6 +430,9 @@ def off_policy_weights(
     """
     valid = _valid(mask, old_logp)
     lr = torch.where(valid, old_logp.detach() - behaviour_logp.detach(), 0.0)
+    # A token both policies give probability 0 (-inf - -inf) has no ratio: weight 0 (its row's, at sequence level),
+    # where NaN would have poisoned the loss.
+    lr = torch.nan_to_num(lr, nan=-math.inf)
     log_cap = math.log(cap)
     if level == "token":
         w = torch.exp(torch.clamp(lr, max=log_cap))
