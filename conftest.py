@@ -75,6 +75,24 @@ def _leftovers() -> str:
     return f"threads: {', '.join(parts) or 'none'}; gloo loops: {gloo}; a default process group: {pg}"
 
 
+def _remove_library_temp_dirs() -> None:
+    """Remove the temporary folders libraries make at import and leave to the finalizer `os._exit` skips (wandb's
+    media and artifact folders: two empty `/tmp/tmp*wandb-*` folders per test run piled up on shared machines)."""
+    for module, path in (
+        ("wandb.sdk.data_types._private", "MEDIA_TMP"),
+        ("wandb.sdk.artifacts.artifact", "Artifact._TMP_DIR"),
+    ):
+        obj: object = sys.modules.get(module)
+        for attr in path.split(".") if obj is not None else ():
+            obj = getattr(obj, attr, None)
+        cleanup = getattr(obj, "cleanup", None)
+        if callable(cleanup):
+            try:
+                cleanup()
+            except OSError:
+                pass
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     if not _EXIT_STATUS or os.environ.get("ROLL_TEST_FINALIZE") == "1":
@@ -83,4 +101,5 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     sys.stderr.flush()
     print(f"\nroll conftest: leaving with os._exit({_EXIT_STATUS[-1]}); left running by the tests: {_leftovers()}")
     sys.stdout.flush()
+    _remove_library_temp_dirs()
     os._exit(_EXIT_STATUS[-1])
