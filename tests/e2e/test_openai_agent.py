@@ -222,6 +222,26 @@ def test_a_command_line_agent_runs_as_a_subprocess() -> None:
     assert collected.batch["group_ids"].tolist() == [0, 0] and out["episode/turns_mean"] == 1.0
 
 
+def test_closing_the_collector_closes_the_programs_http_client() -> None:
+    """The HTTP client the task's programs share (one per task, reused by every episode) is closed with the
+    collector: it never was, and its keep-alive connections to the endpoint stayed open after the run."""
+    from roll_core.pipelines.metrics import StepLog
+    from roll_envs.agentic.openai_agent import OpenAIAgentTask
+
+    task = OpenAIAgentTask(
+        program="openai_agent_toy:run", generator="openai_agent_toy:tasks", generator_kwargs={"n": 4}, eval_fraction=0
+    )
+    collector = _collector(task, group_size=2, batch=1)
+    try:
+        out = StepLog()
+        collector.next(1, out)
+        http = task._http
+        assert out["agent/failed_episodes"] == 0 and http is not None and not http.is_closed
+    finally:
+        collector.close()
+    assert http.is_closed
+
+
 def test_a_command_gets_a_row_too_large_for_the_environment_on_stdin() -> None:
     """A 200 kB row (a long problem statement) reaches the command on stdin, ROLL_TASK empty: Linux refuses an
     environment string over 128 KiB, and every episode of such a row failed with E2BIG. A small row is in both."""

@@ -126,7 +126,9 @@ class Reply:
 
 def normalise_message(raw: Any, index: int) -> dict[str, Any]:
     """An OpenAI chat message as {"role", "content": str | None, ["tool_calls"], ["tool_call_id"], ["name"]};
-    content parts of type text are joined. Raises SessionError (400) naming the message for anything else."""
+    content parts of type text are joined by newlines, as vLLM's OpenAI server joins them for a chat template that
+    takes string content (the prompt tokenizes as under vLLM serving). Raises SessionError (400) naming the message
+    for anything else."""
     if not isinstance(raw, dict):
         raise SessionError(400, "invalid_message", f"messages[{index}] must be an object, got {type(raw).__name__}")
     role = raw.get("role")
@@ -141,7 +143,7 @@ def normalise_message(raw: Any, index: int) -> dict[str, Any]:
                     400, "invalid_message", f"messages[{index}].content[{k}]: only text parts are supported"
                 )
             texts.append(part["text"])
-        content = "".join(texts)
+        content = "\n".join(texts)
     elif content is not None and not isinstance(content, str):
         raise SessionError(400, "invalid_message", f"messages[{index}].content must be a string, a list or null")
     msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}

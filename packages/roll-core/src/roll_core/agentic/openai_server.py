@@ -20,6 +20,8 @@ format:
 - Sampling follows the run (infer_engine.temperature, top_p, top_k): the trainer's ratio assumes that distribution,
   so a request's temperature / top_p / seed are ignored; what would change the distribution the trainer replays
   (presence / frequency penalties, logit_bias, logprobs, n > 1, tool_choice other than auto / none) is refused.
+- A message's `content` is a string or a list of text parts, joined by newlines as vLLM's OpenAI server joins them
+  (roll_core.agentic.agent_sessions.normalise_message); other parts (images, audio) are refused.
 - `max_completion_tokens` (else `max_tokens`) and `stop` are honoured within the session's limits.
 - `response_format` json_object / json_schema becomes a decoding constraint (roll_core.interfaces.StructuredOutput)
   when the engine supports one (`check_sampling`), else 400 `unsupported_response_format`.
@@ -278,7 +280,9 @@ class OpenAIServer:
         AIOHTTP.require()
         self.sessions, self.host, self.port, self.model_name = sessions, host, port, model_name
         self.max_body_bytes = max_body_bytes
-        # Engine requests block until their turn is generated: one thread per running request.
+        # Engine requests block until their turn is generated: one thread per running request. Requests beyond
+        # `max_workers` wait for a thread before they reach the engine: size it to the episodes that run at once (the
+        # agent collector does).
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="roll-openai")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

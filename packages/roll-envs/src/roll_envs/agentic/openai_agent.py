@@ -247,6 +247,14 @@ class OpenAIAgentTask:
                 self._http = openai.DefaultHttpxClient()
             return self._http
 
+    def close(self) -> None:
+        """Close the programs' HTTP client (its keep-alive connections stayed open after the run, until garbage
+        collection); a later episode opens a new one. Called by the collector when it closes."""
+        with self._lock:
+            http, self._http = self._http, None
+        if http is not None:
+            http.close()
+
     def _run_command(self, base_url: str, reward_url: str, row: dict[str, Any]) -> float | None:
         text = json.dumps(row)
         env = {

@@ -91,7 +91,8 @@ class AgentProgramTask(Protocol):
         """Run the agent program on one row against `base_url`; its reward or None (reported to `reward_url`, or
         none). Raises when the program fails; `EpisodeTimeout` when it outlived the episode timeout. A task may also
         have `cancel_episode(base_url)`, called when the collector's episode timeout fires: stop what the episode
-        started (a command's processes)."""
+        started (a command's processes); and `close()`, called when the collector closes: release what the task
+        holds for its programs (their HTTP client)."""
         ...
 
 
@@ -151,7 +152,11 @@ class AgentCollector:
             parser,
             on_rewrite=task.on_rewrite,
         )
-        self.server = OpenAIServer(self.sessions, model_name=task.model_name)
+        # The endpoint serves a request on a thread of its own until the turn is generated: one per episode running
+        # at once (a step's rollout_batch_size x group_size, or the held-out rows), else the surplus waited unseen
+        # for a thread (a fixed 256 held back a step of 512 episodes, their episode timeouts running).
+        concurrency = max(self.cfg.pipeline.rollout_batch_size * self.cfg.algo.group_size, len(task.eval_rows()), 1)
+        self.server = OpenAIServer(self.sessions, model_name=task.model_name, max_workers=concurrency)
         self.server.start()
         self._episodes = 0  # session ids are unique for the run
 
@@ -214,6 +219,9 @@ class AgentCollector:
 
     def close(self) -> None:
         self.server.close()
+        close = getattr(self.task, "close", None)  # what the task holds for its programs (an HTTP client)
+        if close is not None:
+            close()
 
     # ---- episodes -----------------------------------------------------------------------------------------
     def run(self, runs: list[tuple[dict[str, Any], int]], params: SamplingParams) -> list[Episode]:
