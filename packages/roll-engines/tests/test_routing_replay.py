@@ -218,6 +218,11 @@ def test_padding_passes_route_by_themselves(tiny, fp32, own_routing, monkeypatch
     monkeypatch.setattr(engine, "_all_reduce_max", lambda n: n + 1)  # one padding pass after the real ones
     engine.compute_logprobs(batch)
     assert engine.routing.changed_fraction() == 0.0
+    # A forward outside training (old log-probs of a batch routed otherwise) is not the step's: the step's fraction
+    # counts its own forwards only (it had counted the earlier ones too).
+    other = dict(batch)
+    other[ROUTED_EXPERTS] = (batch[ROUTED_EXPERTS] + 1) % engine.routing.num_experts
+    engine.compute_logprobs(other)
     batch["advantages"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(0))
     out = engine.train_step(batch, PolicyObjective(), mini_batches=1)
     assert out["routing_replay_changed_fraction"] == 0.0

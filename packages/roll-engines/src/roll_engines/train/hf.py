@@ -481,6 +481,8 @@ class HFTrainEngine:
         means = MetricMeans()
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
         t0, tokens0, micros0 = time.perf_counter(), self.forward_tokens, self.micro_batches_run
+        if self.routing is not None:  # the step reports its own forwards' routing, not earlier old-logprob ones
+            self.routing.changed_fraction()
         skipped = steps = scaler_skips = 0
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)

@@ -481,6 +481,8 @@ class MegatronTrainEngine:
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
         means = MetricMeans()
         t0 = time.perf_counter()
+        if self.routing is not None:  # the step reports its own forwards' routing, not earlier old-logprob ones
+            self.routing.changed_fraction()
         skipped = steps = 0
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
