@@ -107,6 +107,40 @@ def test_cpu_bf16_follows_the_instructions(
     assert ("emulated" in CpuPlatform.bf16_note()) is (kind is None)
 
 
+@pytest.mark.parametrize(
+    ("cap", "kind"),
+    [
+        (None, "amx_bf16"),
+        ("ALL", "amx_bf16"),
+        ("AVX512_CORE_AMX", "amx_bf16"),
+        ("avx512_core_bf16", "avx512_bf16"),
+        ("AVX10_1_512", "avx512_bf16"),
+        ("AVX512_CORE_VNNI", None),
+        ("AVX2", None),
+        ("NOT_AN_ISA", "amx_bf16"),
+    ],
+)
+def test_a_onednn_isa_cap_lowers_the_native_bf16(
+    monkeypatch: pytest.MonkeyPatch, cap: str | None, kind: str | None
+) -> None:
+    """torch's bf16 matmuls run in oneDNN: an AMX CPU held to AVX2 by ONEDNN_MAX_CPU_ISA (as the AVX2 emulation in
+    bench/RESULTS.md does) emulates bf16, so an explicit bf16 must become fp32 there; /proc/cpuinfo alone said
+    native. An unknown value is ignored, as oneDNN ignores it."""
+    from roll_hw import cpu
+    from roll_hw.cpu import CpuPlatform
+
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert cpu.cpu_bf16_instructions() == kind
+    asked = SimpleNamespace(dtype="bfloat16")
+    CpuPlatform.check_and_update_config(asked)
+    assert asked.dtype == ("float32" if kind is None else "bfloat16")
+
+
 def test_cpu_flags_are_read_from_cpuinfo() -> None:
     """The probe reads this machine's flags (every x86-64 Linux CPU lists sse2)."""
     import platform

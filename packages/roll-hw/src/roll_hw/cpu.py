@@ -158,12 +158,40 @@ def fp32_linear_library() -> str:
 def cpu_bf16_instructions() -> str | None:
     """Which native bf16 instructions this CPU has: "amx_bf16" (AMX tiles: bf16 training is fast),
     "avx512_bf16" (bf16 dot products: bf16 inference runs natively), "bf16" (Arm's BF16 extension: Graviton 3/4,
-    Neoverse V1/V2; its dot products run natively) or None (bf16 is emulated, ~200x slower)."""
+    Neoverse V1/V2; its dot products run natively) or None (bf16 is emulated, ~200x slower). An ISA cap set for
+    oneDNN (`ONEDNN_MAX_CPU_ISA` / `DNNL_MAX_CPU_ISA`, which runs torch's bf16 matmuls) lowers the answer: a CPU with
+    AMX held to AVX2 emulates bf16."""
     flags = _cpu_flags()
+    allowed = _isa_cap_allows()
     for kind in ("amx_bf16", "avx512_bf16", "bf16"):
-        if kind in flags:
+        if kind in flags and kind in allowed:
             return kind
     return None
+
+
+#: oneDNN ISA caps (lowercase prefixes of ONEDNN_MAX_CPU_ISA's values) and the bf16 instructions each leaves usable.
+_ISA_CAPS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("avx512_core_amx", frozenset({"amx_bf16", "avx512_bf16"})),
+    ("avx10_1_512_amx", frozenset({"amx_bf16", "avx512_bf16"})),
+    ("avx512_core_bf16", frozenset({"avx512_bf16"})),
+    ("avx512_core_fp16", frozenset({"avx512_bf16"})),
+    ("avx10_1_512", frozenset({"avx512_bf16"})),
+)
+
+
+def _isa_cap_allows() -> frozenset[str]:
+    """The native bf16 kinds oneDNN may use under the environment's ISA cap: all of them without a cap (or `ALL`,
+    or a value oneDNN does not know), none under a cap below AVX512_CORE_BF16 (SSE41, AVX, AVX2, AVX2_VNNI,
+    AVX512_CORE, AVX512_CORE_VNNI). Arm's BF16 has no such cap."""
+    everything = frozenset({"amx_bf16", "avx512_bf16", "bf16"})
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().lower()
+    if not cap or cap == "all":
+        return everything
+    for prefix, kinds in _ISA_CAPS:
+        if cap.startswith(prefix):
+            return kinds | {"bf16"}
+    below = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni")
+    return frozenset({"bf16"}) if cap in below else everything
 
 
 class CpuPlatform(Platform):
@@ -239,5 +267,6 @@ class CpuPlatform(Platform):
             "amx_bf16": "native (AMX tiles)",
             "avx512_bf16": "native dot products (AVX512-BF16, no AMX): honoured when asked, fp32 by default",
             "bf16": "native dot products (Arm BF16): honoured when asked, fp32 by default",
-            None: "emulated (no AMX, AVX512-BF16 or Arm BF16: ~200x slower than fp32): bf16 becomes fp32",
+            None: "emulated (no AMX, AVX512-BF16 or Arm BF16, or ONEDNN_MAX_CPU_ISA holds them off: ~200x slower than "
+            "fp32): bf16 becomes fp32",
         }[kind]
