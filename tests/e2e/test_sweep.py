@@ -161,3 +161,133 @@ def test_a_killed_job_gives_its_slot_back(ray_cluster) -> None:
         assert ray.get(actor.stats.remote()) == {"held": 0, "permits": 1, "expired": 1}
     finally:
         ray.kill(actor)
+
+
+def _slots_actors(ray) -> dict[str, dict[str, int]]:
+    """Every sweep slots actor in the cluster (whatever its name), with its stats."""
+    from roll_core.sweep import SLOTS_NAMESPACE
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == SLOTS_NAMESPACE]
+    return {n: ray.get(ray.get_actor(n, namespace=SLOTS_NAMESPACE).stats.remote()) for n in names}
+
+
+def _kill_slots_actors(ray) -> None:
+    from roll_core.sweep import SLOTS_NAMESPACE
+
+    for name in _slots_actors(ray):
+        ray.kill(ray.get_actor(name, namespace=SLOTS_NAMESPACE))
+
+
+def _sweep_job(sweep_dir: Path, num: int, max_concurrent: int, run) -> float:
+    """roll_core.sweep.run_sweep_job as Hydra calls it in job `num` of a sweep into `sweep_dir` (HydraConfig faked)."""
+    from unittest import mock
+
+    from omegaconf import OmegaConf
+
+    from roll_core import sweep
+
+    hc = {
+        "runtime": {"output_dir": str(sweep_dir / str(num)), "cwd": str(sweep_dir.parent)},
+        "sweep": {"dir": str(sweep_dir)},
+        "job": {"num": num},
+        "overrides": {"task": [f"algo.lr={num}"]},
+    }
+    tracking = {"group": None, "run_name": None}
+    cfg = OmegaConf.create({"experiment": "t", "cluster": {"max_concurrent": max_concurrent}, "tracking": tracking})
+    with mock.patch("hydra.core.hydra_config.HydraConfig.get", return_value=OmegaConf.create(hc)):
+        return sweep.run_sweep_job(cfg, run)
+
+
+def test_a_sweep_run_again_into_its_folder_gets_its_own_slots(ray_cluster, tmp_path: Path, monkeypatch) -> None:
+    """A sweep aborted (Ctrl-C) skips on_multirun_end and leaves its detached slots actor (its permits, its dead
+    jobs' leases) in a Ray cluster that outlives it (hydra.launcher.ray.init.address=auto). A sweep run again into
+    the same folder with cluster.max_concurrent=2 found that actor and ran with its 1 permit; it gets its own."""
+    import ray
+    from omegaconf import OmegaConf
+
+    from roll_core import sweep
+
+    monkeypatch.setattr(sweep, "_failed_jobs", [])
+    monkeypatch.setattr(sweep, "_sweeps", {})
+    sw = tmp_path / "sweep"
+    hydra_cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(sw)}, "launcher": {"_target_": "basic"}}})
+    held: list[dict[str, int]] = []
+
+    def run(cfg) -> dict[str, float]:  # the slots the job holds while it trains
+        held.extend(stats for stats in _slots_actors(ray).values() if stats["held"])
+        return {"final_eval_accuracy": 0.5}
+
+    callback = sweep.SweepSummaryCallback()
+    try:
+        callback.on_multirun_start(hydra_cfg)
+        assert _sweep_job(sw, 0, 1, run) == 0.5  # ... then the sweep is aborted: no on_multirun_end
+        assert held == [{"held": 1, "permits": 1, "expired": 0}]
+        held.clear()
+        callback.on_multirun_start(hydra_cfg)
+        assert _sweep_job(sw, 0, 2, run) == 0.5
+        assert held == [{"held": 1, "permits": 2, "expired": 0}]
+        callback.on_multirun_end(hydra_cfg)
+        assert sweep.failed_jobs() == []
+    finally:
+        _kill_slots_actors(ray)
+
+
+def test_an_aborted_sweep_removes_its_slots_actor(ray_cluster, tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C while a sweep's jobs hold their slots: roll's Ray launcher removes the sweep's detached slots actor
+    (Hydra skips on_multirun_end, which removes it otherwise), so it is not left behind in a Ray cluster that
+    outlives the sweep. It stayed there until the cluster stopped."""
+    import time
+    from types import SimpleNamespace
+
+    import ray
+    from omegaconf import OmegaConf
+
+    from roll_core import sweep, sweep_launcher
+
+    monkeypatch.setattr(sweep, "_sweeps", {})
+    sw = tmp_path / "sweep"
+    sweep.start_sweep(sw)  # what on_multirun_start does
+
+    here = sys.modules[__name__]  # a Ray task calls _sweep_job: sent by value, Ray's workers cannot import this module
+    ray.cloudpickle.register_pickle_by_value(here)
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def job(sweep_dir: str, num: int) -> float:  # a job that trains for long in its slot
+        return _sweep_job(Path(sweep_dir), num, 1, lambda cfg: time.sleep(300) or {})
+
+    refs = []
+    base = {"hydra": {"sweep": {"dir": str(sw)}, "hydra_logging": {}, "verbose": False, "job": {}}}
+    loader = SimpleNamespace(load_sweep_config=lambda config, overrides: OmegaConf.create(base))
+    launcher = SimpleNamespace(
+        config=OmegaConf.create(base),
+        hydra_context=SimpleNamespace(config_loader=loader),
+        task_function=lambda cfg: None,  # launch() below runs the job instead
+        ray_cfg=OmegaConf.create({"init": {}, "remote": {}}),
+    )
+
+    def launch(context, remote, cfg, task, state):
+        refs.append(job.remote(str(sw), int(cfg.hydra.job.num)))
+        return refs[-1]
+
+    def interrupted_wait(*args, **kwargs):  # Ctrl-C once a job holds its slot
+        deadline = time.monotonic() + 60
+        while not any(s["held"] for s in _slots_actors(ray).values()):
+            assert time.monotonic() < deadline, "the job never took its slot"
+            time.sleep(0.2)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep_launcher, "launch_job_on_ray", launch)
+    monkeypatch.setattr(sweep_launcher, "configure_log", lambda *args: None)
+    monkeypatch.setattr(ray, "wait", interrupted_wait)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sweep_launcher.launch_jobs(launcher, [["algo.lr=1"]], 0)
+        deadline = time.monotonic() + 10
+        while _slots_actors(ray) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _slots_actors(ray) == {}
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(here)
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        _kill_slots_actors(ray)

@@ -2,7 +2,8 @@
 
 Each test builds what a sweep leaves on disk (job_status.json records, metrics.jsonl) or runs the job wrapper
 `run_sweep_job` with a fake `run`, then calls `SweepSummaryCallback` the way Hydra does after a multirun, and checks
-summary.csv / summary.md / rewards.png and `failed_jobs()` (non-empty: roll-train exits 1).
+summary.csv / summary.md / rewards.png and `failed_jobs()` (non-empty: roll-train exits 1). The launcher tests call
+roll's Ray launcher (roll_core.sweep_launcher) with Ray itself left out.
 """
 
 from __future__ import annotations
@@ -278,3 +279,122 @@ def test_summary_md_keeps_the_whole_params_column(tmp_path: Path) -> None:
         assert cells[1] == row["params"]  # the whole label, its last override (algo.lr) included
         assert cells[-1] == ("ValueError: " + "x" * 300)[:120]
     assert len({line.split(" | ")[1] for line in md}) == 4
+
+
+def test_a_job_that_fails_before_it_runs_is_recorded_and_summarised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception while a job is prepared or takes its slot (here: the slots actor died) is recorded as a failed
+    job and gives the sweeper NaN, like one raised by its run. It escaped run_sweep_job: Hydra's sweeper then raised,
+    the sweep's summary was never written and the job had no record."""
+    sw = tmp_path / "sweep"
+    callback = sweep.SweepSummaryCallback()
+    callback.on_multirun_start(_hydra_cfg(sw))
+    real_slot = sweep.job_slot
+
+    def slot(name: str, permits: int, **kwargs: Any) -> Any:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.get().job.num == 1:
+            raise RuntimeError("the slots actor died")
+        return real_slot(name, permits, **kwargs)
+
+    monkeypatch.setattr(sweep, "job_slot", slot)
+
+    def ok(cfg: Any) -> dict[str, Any]:
+        return {"final_eval_accuracy": 0.5}
+
+    assert _run_job(sw, "0", 0, ["algo.lr=1e-3"], ok) == 0.5
+    assert math.isnan(_run_job(sw, "1", 1, ["algo.lr=3e-3"], ok))  # its slot could not be taken
+    callback.on_multirun_end(_hydra_cfg(sw))
+
+    record = json.loads((sw / "1" / sweep.STATUS_FILE).read_text())
+    assert (record["status"], record["error"]) == ("failed", "RuntimeError: the slots actor died")
+    assert record["sweep_id"] == sweep.sweep_marker(sw)["sweep_id"]  # counted as this sweep's job
+    assert sweep.failed_jobs() == ["algo.lr=3e-3"]
+    rows = _rows(sw)
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "ok"), ("1", "failed")]
+    assert rows[1]["wall_seconds"] == ""  # it never ran: no wall time, not a fake 0
+
+
+def test_a_job_lost_after_it_ended_keeps_its_record(tmp_path: Path) -> None:
+    """Ray can lose a job after it wrote its end record (its process dies on its way out, its result is lost with
+    its node): the job keeps its `ok` record and the sweeper gets its accuracy. killed() overwrote the record, so a
+    finished job was summarised as killed and roll-train exited 1. A job lost while running is still killed."""
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="install roll-core[sweep]")
+    from roll_core import sweep_launcher
+
+    sw = tmp_path / "sweep"
+    callback = sweep.SweepSummaryCallback()
+    callback.on_multirun_start(_hydra_cfg(sw))
+    assert _run_job(sw, "0", 0, ["algo.lr=1e-3"], lambda cfg: {"final_eval_accuracy": 0.75}) == 0.75
+    start: dict[str, Any] = {}
+
+    def run(cfg: Any) -> dict[str, Any]:  # job 1's start record, as a SIGKILL during training leaves it
+        start.update(json.loads((sw / "1" / sweep.STATUS_FILE).read_text()))
+        return {"final_eval_accuracy": 0.5}
+
+    _run_job(sw, "1", 1, ["algo.lr=3e-3"], run)
+    (sw / "1" / sweep.STATUS_FILE).write_text(json.dumps(start))
+    lost = RuntimeError("ObjectLostError: the node holding the result died")
+    returns = []
+    for num in (0, 1):
+        cfg = OmegaConf.create(
+            {"hydra": {"sweep": {"dir": str(sw), "subdir": "${hydra.job.num}"}, "job": {"num": num}}}
+        )
+        returns.append(sweep_launcher.killed(cfg, [f"algo.lr={num * 2 + 1}e-3"], lost).return_value)
+    callback.on_multirun_end(_hydra_cfg(sw))
+
+    assert returns[0] == 0.75 and math.isnan(returns[1])
+    assert [(r["job"], r["status"]) for r in _rows(sw)] == [("0", "ok"), ("1", "killed")]
+    assert sweep.failed_jobs() == ["algo.lr=3e-3"]
+
+
+def _launcher(sweep_dir: Path, values: dict[str, int]) -> Any:
+    """A RayLauncher as Hydra sets it up, whose job configs give `cluster.max_concurrent` by override."""
+    from types import SimpleNamespace
+
+    base = {"hydra": {"sweep": {"dir": str(sweep_dir)}, "hydra_logging": {}, "verbose": False, "job": {}}}
+
+    def load_sweep_config(config: Any, overrides: list[str]) -> Any:
+        return OmegaConf.create({**base, "cluster": {"max_concurrent": values[overrides[0]]}})
+
+    loader = SimpleNamespace(load_sweep_config=load_sweep_config)
+    return SimpleNamespace(
+        config=OmegaConf.create(base),
+        hydra_context=SimpleNamespace(config_loader=loader),
+        task_function=lambda cfg: None,
+        ray_cfg=OmegaConf.create({"init": {}, "remote": {}}),
+    )
+
+
+def test_a_sweep_of_max_concurrent_is_refused_before_any_job_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cluster.max_concurrent=1,2`: the sweep's jobs share one slots actor, created by whichever job came first
+    with its own permits, so the other value was silently ignored. The launcher refuses it, naming the setting,
+    before any job starts; also when a later batch (an Optuna sweeper's) gives another value than the first."""
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="install roll-core[sweep]")
+    from roll_core import sweep_launcher
+    from roll_core.errors import ConfigError
+
+    launched: list[Any] = []
+
+    def launch(context: Any, remote: Any, cfg: Any, task: Any, state: Any) -> None:
+        launched.append(cfg)
+        raise RuntimeError("launched")  # no Ray here: stop at the first job that would start
+
+    monkeypatch.setattr(sweep_launcher, "launch_job_on_ray", launch)
+    monkeypatch.setattr(sweep_launcher, "start_ray", lambda init: None)
+    monkeypatch.setattr(sweep_launcher, "configure_log", lambda *args: None)
+    launcher = _launcher(tmp_path / "sweep", {"cluster.max_concurrent=1": 1, "cluster.max_concurrent=2": 2})
+
+    with pytest.raises(ConfigError, match=r"cluster.max_concurrent is a setting of the whole sweep.*give 1, 2"):
+        sweep_launcher.launch_jobs(launcher, [["cluster.max_concurrent=1"], ["cluster.max_concurrent=2"]], 0)
+    assert launched == []
+
+    with pytest.raises(RuntimeError, match="launched"):  # one value: the jobs start
+        sweep_launcher.launch_jobs(launcher, [["cluster.max_concurrent=1"]] * 2, 0)
+    with pytest.raises(ConfigError, match="give 1, 2"):  # the next batch of the same sweep
+        sweep_launcher.launch_jobs(launcher, [["cluster.max_concurrent=2"]], 2)
+    assert len(launched) == 1

@@ -6,11 +6,15 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
 - Each job first takes a slot from a named Ray actor (`JobSlots`) holding `cluster.max_concurrent` permits,
   so a sweep on a small machine queues instead of oversubscribing it (0 = no bound). A slot is a lease the job
   renews every few seconds from a thread: a job that raises releases it at once, and one that is killed
-  (SIGKILL, OOM, a lost node) stops renewing, so its slot returns after `lease_s` and the sweep goes on.
-- A job that raises is caught, logged and recorded in `<job dir>/job_status.json`; the other jobs go on. A job
-  whose process dies (SIGKILL, OOM) is recorded as `killed` by roll's Ray launcher (roll_core.sweep_launcher). A
-  job stopped early by a signal (SIGTERM, Ctrl-C: its checkpoint is written) is recorded as `stopped`. Failed,
-  killed and stopped jobs all return NaN to the sweeper (Optuna sees a failed trial, not a finished one's value).
+  (SIGKILL, OOM, a lost node) stops renewing, so its slot returns after `lease_s` and the sweep goes on. The actor
+  is the sweep's own (named by its folder and sweep id: a sweep run again into the folder never finds an aborted
+  one's), removed at the sweep's end or by roll's Ray launcher when the sweep is aborted. `cluster.max_concurrent`
+  is a setting of the whole sweep: roll's Ray launcher refuses a sweep whose jobs give it different values.
+- A job that raises (while it is prepared or waits for its slot too) is caught, logged and recorded in
+  `<job dir>/job_status.json`; the other jobs go on. A job whose process dies (SIGKILL, OOM) is recorded as
+  `killed` by roll's Ray launcher (roll_core.sweep_launcher). A job stopped early by a signal (SIGTERM, Ctrl-C:
+  its checkpoint is written) is recorded as `stopped`. Failed, killed and stopped jobs all return NaN to the
+  sweeper (Optuna sees a failed trial, not a finished one's value).
 - `SweepSummaryCallback.on_multirun_start` writes `sweep_id.json` (a fresh id, the start time) into the sweep
   folder; every job record carries that id, so a sweep run again into the same folder summarises and counts its own
   jobs only (the earlier sweep's records are left out, with a warning).
@@ -144,49 +148,60 @@ def job_slot(
             log.warning("could not release sweep slot %s: %s", name, exc)
 
 
-def slots_name(sweep_dir: str | Path) -> str:
-    """A stable name per sweep folder (str hash() is salted per process): every job finds the same actor."""
-    return "slots-" + hashlib.sha1(str(Path(sweep_dir).resolve()).encode()).hexdigest()[:16]
+def slots_name(sweep_dir: str | Path, sweep_id: str | None = None) -> str:
+    """A stable name per sweep (str hash() is salted per process): every job of the sweep finds the same actor.
+    With the sweep's id, a sweep run again into the same folder gets its own actor, never the one an aborted
+    sweep left behind (detached, with that sweep's permits and its dead jobs' leases)."""
+    key = f"{Path(sweep_dir).resolve()}:{sweep_id or ''}"
+    return "slots-" + hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
 def run_sweep_job(cfg: Any, run: Any) -> float:
     """Run one multirun job with failure isolation; returns the value a sweeper optimises (NaN unless the job
-    finished: failed, or stopped early by a signal)."""
+    finished: failed, or stopped early by a signal). Whatever raises, preparing the job and taking its slot
+    included, is recorded as a failed job: an exception out of here makes Hydra's sweeper raise, skipping the
+    sweep's summary."""
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
     out = Path(hc.runtime.output_dir)
-    sweep_dir = job_sweep_dir(hc)
-    sweep_tracking(cfg, hc.sweep.dir, hc.job.num)
     record: dict[str, Any] = {"job": hc.job.num, "overrides": list(hc.overrides.task), "status": "running"}
-    record["sweep_id"] = sweep_marker(sweep_dir).get("sweep_id")  # which sweep this record belongs to
-    permits = int(cfg.cluster.get("max_concurrent", 0) or 0)
-    slots = slots_name(sweep_dir)
     t0 = time.perf_counter()
-    with job_slot(slots, permits) as waited:
-        record["queued_seconds"] = waited
-        # Written now too: a job whose process is killed leaves this record (roll_core.sweep_launcher marks it and
-        # takes its wall time from started_at: wall-clock seconds, comparable across the job's and driver's process)
-        record.update(pid=os.getpid(), host=socket.gethostname(), started_at=time.time())
-        write_record(out, record)
-        t_run = time.perf_counter()
-        try:
-            summary = run(cfg)
-            signum = summary.get("stopped_by_signal") if isinstance(summary, dict) else None
-            if signum:  # a single run exits 128+N for this: the job did not finish, its numbers are early ones
-                log.error("sweep job %s was stopped by signal %s", hc.job.num, signum)
-                record.update(status="stopped", summary=summary, error=f"stopped by signal {signum}")
-            else:
-                record.update(status="ok", summary=summary)
-        except Exception as exc:  # one job's failure must not stop the sweep
-            log.error("sweep job %s failed: %s", hc.job.num, exc)
-            record.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-        record["wall_seconds"] = time.perf_counter() - t_run
+    try:
+        sweep_dir = job_sweep_dir(hc)
+        record["sweep_id"] = sweep_marker(sweep_dir).get("sweep_id")  # which sweep this record belongs to
+        sweep_tracking(cfg, hc.sweep.dir, hc.job.num)
+        permits = int(cfg.cluster.get("max_concurrent", 0) or 0)
+        with job_slot(slots_name(sweep_dir, record["sweep_id"]), permits) as waited:
+            record["queued_seconds"] = waited
+            # Written now too: a job whose process is killed leaves this record (roll_core.sweep_launcher marks it
+            # and takes its wall time from started_at: wall-clock seconds, comparable across the job's and driver's
+            # process)
+            record.update(pid=os.getpid(), host=socket.gethostname(), started_at=time.time())
+            write_record(out, record)
+            t_run = time.perf_counter()
+            try:
+                summary = run(cfg)
+            finally:
+                record["wall_seconds"] = time.perf_counter() - t_run
+        signum = summary.get("stopped_by_signal") if isinstance(summary, dict) else None
+        if signum:  # a single run exits 128+N for this: the job did not finish, its numbers are early ones
+            log.error("sweep job %s was stopped by signal %s", hc.job.num, signum)
+            record.update(status="stopped", summary=summary, error=f"stopped by signal {signum}")
+        else:
+            record.update(status="ok", summary=summary)
+    except Exception as exc:  # one job's failure must not stop the sweep
+        log.error("sweep job %s failed: %s", hc.job.num, exc)
+        record.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
     record["total_seconds"] = time.perf_counter() - t0
     write_record(out, record)
-    if record["status"] != "ok":  # a sweeper must not rank a failed or cut-short job by its partial accuracy
-        return math.nan
-    value = (record.get("summary") or {}).get("final_eval_accuracy")
+    return job_value(record)
+
+
+def job_value(record: dict[str, Any]) -> float:
+    """What a sweeper gets for a job record: its final held-out accuracy when it is `ok`, else NaN (a sweeper must
+    not rank a failed or cut-short job by its partial accuracy)."""
+    value = (record.get("summary") or {}).get("final_eval_accuracy") if record.get("status") == "ok" else None
     return float(value) if isinstance(value, (int, float)) else math.nan
 
 
@@ -429,10 +444,7 @@ class SweepSummaryCallback(Callback):
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        try:
-            _remove_slots(str(sweep_dir))
-        except Exception as exc:  # bookkeeping only: the failures below must still be counted
-            log.warning("could not remove the sweep slots of %s: %s", sweep_dir, exc)
+        remove_slots(sweep_dir)
         marker = sweep_marker(sweep_dir)
         sweep_id = marker.get("sweep_id")
         # Failures first, from the records alone: Hydra turns an exception raised here into a warning, and a
@@ -481,16 +493,23 @@ def start_sweep_ray(launcher: Any) -> bool:
     return True
 
 
-def _remove_slots(sweep_dir: str) -> None:
+def remove_slots(sweep_dir: str | Path) -> None:
+    """Remove the sweep's `JobSlots` actor (detached: it outlives the driver on a cluster joined with
+    `init.address`): at the sweep's end, and by roll's Ray launcher when the sweep is aborted (Ctrl-C), since Hydra
+    then skips `on_multirun_end`. Bookkeeping only: a failure is logged, never raised."""
     try:
         import ray
     except ImportError:
         return
-    if ray.is_initialized():
-        try:
-            ray.kill(ray.get_actor(slots_name(sweep_dir), namespace=SLOTS_NAMESPACE))
-        except ValueError:  # no slots actor: the sweep ran without max_concurrent
-            pass
+    if not ray.is_initialized():
+        return
+    name = slots_name(sweep_dir, sweep_marker(sweep_dir).get("sweep_id"))
+    try:
+        ray.kill(ray.get_actor(name, namespace=SLOTS_NAMESPACE))
+    except ValueError:  # no slots actor: the sweep ran without max_concurrent
+        pass
+    except Exception as exc:  # the failures and the summary must still be counted and written
+        log.warning("could not remove the sweep slots of %s: %s", sweep_dir, exc)
 
 
 def failed_jobs() -> list[str]:

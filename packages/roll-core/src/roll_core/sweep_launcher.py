@@ -12,8 +12,12 @@ and the jobs still running were abandoned with the driver. Jobs that raise are a
   it died before writing one) and returned to Hydra as a completed job whose value is NaN, so the sweeper goes on
   (Optuna sees a failed trial's NaN) and `SweepSummaryCallback` summarises it with the others; `roll-train` exits
   non-zero;
+- a job that had already written its end record (ok, failed, stopped) when Ray lost it keeps that record;
 - jobs are collected as they end (`ray.wait`), not in launch order, so a job's death is seen when it happens, not
   when the jobs launched before it have finished;
+- jobs that give `cluster.max_concurrent` different values (a sweep of it) are refused before any starts: it is
+  the sweep's bound, held by one slots actor (roll_core.sweep.job_slot);
+- a sweep aborted while its jobs run (Ctrl-C) removes its detached slots actor: Hydra skips `on_multirun_end`;
 - jobs are not retried by Ray (`remote.max_retries: 0` in conf/hydra/launcher/ray.yaml): a retried job would find
   its own checkpoints in its folder and be refused, and an out-of-memory job would usually die again.
 
@@ -35,7 +39,8 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrid
 from hydra_plugins.hydra_ray_launcher._launcher_util import launch_job_on_ray, start_ray
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from roll_core.sweep import STATUS_FILE, sweep_marker, write_record
+from roll_core.errors import ConfigError
+from roll_core.sweep import STATUS_FILE, job_value, remove_slots, sweep_marker, write_record
 
 log = logging.getLogger(__name__)
 
@@ -52,42 +57,68 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     log.info("Ray launcher: %d jobs, sweep folder %s", len(job_overrides), sweep_dir)
-    start_ray(launcher.ray_cfg.init)
-    jobs: list[tuple[DictConfig, list[str], Any]] = []
+    cfgs: list[DictConfig] = []
     for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
-        log.info("\t#%d : %s", idx, " ".join(filter_overrides(overrides)))
         cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
         with open_dict(cfg):
             cfg.hydra.job.id = f"job_id_for_{idx}"  # set for real on the worker (a scheduler's id)
             cfg.hydra.job.num = idx
-        ref = launch_job_on_ray(
-            launcher.hydra_context, launcher.ray_cfg.remote, cfg, launcher.task_function, Singleton.get_state()
-        )
-        jobs.append((cfg, list(overrides), ref))
-    # Collected as they end: killed() takes a dead job's wall time from the moment its death is seen, which in
-    # launch order would wait for every job launched before it.
-    results: list[JobReturn | None] = [None] * len(jobs)
-    pending = {ref: i for i, (_, _, ref) in enumerate(jobs)}
-    while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
-        for ref in ready:
-            i = pending.pop(ref)
-            cfg, overrides, _ = jobs[i]
-            try:
-                results[i] = ray.get(ref)
-            except ray.exceptions.RayError as exc:  # its process died: nothing in it could catch this
-                results[i] = killed(cfg, overrides, exc)
+        cfgs.append(cfg)
+    check_max_concurrent(launcher, cfgs)  # before any job starts
+    start_ray(launcher.ray_cfg.init)
+    jobs: list[tuple[DictConfig, list[str], Any]] = []
+    try:
+        for cfg, overrides in zip(cfgs, job_overrides):
+            log.info("\t#%d : %s", cfg.hydra.job.num, " ".join(filter_overrides(overrides)))
+            ref = launch_job_on_ray(
+                launcher.hydra_context, launcher.ray_cfg.remote, cfg, launcher.task_function, Singleton.get_state()
+            )
+            jobs.append((cfg, list(overrides), ref))
+        # Collected as they end: killed() takes a dead job's wall time from the moment its death is seen, which in
+        # launch order would wait for every job launched before it.
+        results: list[JobReturn | None] = [None] * len(jobs)
+        pending = {ref: i for i, (_, _, ref) in enumerate(jobs)}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                i = pending.pop(ref)
+                cfg, overrides, _ = jobs[i]
+                try:
+                    results[i] = ray.get(ref)
+                except ray.exceptions.RayError as exc:  # its process died: nothing in it could catch this
+                    results[i] = killed(cfg, overrides, exc)
+    except BaseException:  # Ctrl-C: Hydra skips on_multirun_end, which removes the sweep's detached slots actor
+        remove_slots(sweep_dir)
+        raise
     return [r for r in results if r is not None]
 
 
+def check_max_concurrent(launcher: Any, cfgs: Sequence[DictConfig]) -> None:
+    """Refuse jobs that give `cluster.max_concurrent` different values (a sweep of it, or of a config group that
+    sets it): it is the sweep's bound on jobs at once, held by one `JobSlots` actor the first job creates, so all but
+    one value would be silently ignored. Checked against the sweep's earlier batches too (the launcher keeps it)."""
+    values = {int(OmegaConf.select(c, "cluster.max_concurrent", default=0) or 0) for c in cfgs}
+    earlier = getattr(launcher, "_roll_max_concurrent", None)
+    if earlier is not None:
+        values.add(earlier)
+    if len(values) > 1:
+        raise ConfigError(
+            "cluster.max_concurrent is a setting of the whole sweep (how many of its jobs run at once), not of a job: "
+            f"its jobs give {', '.join(map(str, sorted(values)))}. Give it one value (cluster.max_concurrent=2), not "
+            "a sweep of values (cluster.max_concurrent=1,2)"
+        )
+    if values:
+        launcher._roll_max_concurrent = next(iter(values))
+
+
 def killed(cfg: DictConfig, overrides: list[str], exc: BaseException) -> JobReturn:
-    """Record job `cfg` as killed (its folder's job_status.json) and the JobReturn Hydra gets for it."""
+    """Record job `cfg` as killed (its folder's job_status.json) and the JobReturn Hydra gets for it. A job that had
+    written its end record (ok, failed, stopped) before Ray lost it (its process died on its way out, its result
+    was lost with its node) keeps that record, and the sweeper gets the value it would have returned."""
     num = int(cfg.hydra.job.num)
     folder = Path(str(cfg.hydra.sweep.dir)) / str(OmegaConf.select(cfg, "hydra.sweep.subdir", default=num))
     reason = str(exc).strip().splitlines()
     error = f"{type(exc).__name__}: {reason[0] if reason else ''}".rstrip(": ")
-    log.error("sweep job %d was killed (%s); the sweep goes on", num, error)
-    folder.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {}
     try:  # what the job wrote when it started (its slot wait, process id)
         record = json.loads((folder / STATUS_FILE).read_text())
@@ -96,18 +127,26 @@ def killed(cfg: DictConfig, overrides: list[str], exc: BaseException) -> JobRetu
     sweep_id = sweep_marker(str(cfg.hydra.sweep.dir)).get("sweep_id")
     if not isinstance(record, dict) or (sweep_id is not None and record.get("sweep_id") != sweep_id):
         record = {}  # an earlier sweep's record in the same folder: this job died before writing its own
-    record.update(job=num, overrides=overrides, status="killed", error=error)
-    if isinstance(record.get("started_at"), (int, float)):  # it ran until now (wall clock: the job's own process)
-        record["wall_seconds"] = max(0.0, time.time() - record["started_at"])
-    else:  # killed before it wrote its start record: unknown, shown as "-" (not 0)
-        record["wall_seconds"] = None
-    record["sweep_id"] = sweep_id  # also without a start record: it is this sweep's job
-    write_record(folder, record)
+    value = math.nan
+    if sweep_id is not None and record.get("status") not in (None, "running"):  # this sweep's end record
+        status = record["status"]
+        log.warning("sweep job %d had ended (%s) when Ray lost it (%s): its record is kept", num, status, error)
+        value = job_value(record)
+    else:
+        log.error("sweep job %d was killed (%s); the sweep goes on", num, error)
+        folder.mkdir(parents=True, exist_ok=True)
+        record.update(job=num, overrides=overrides, status="killed", error=error)
+        if isinstance(record.get("started_at"), (int, float)):  # it ran until now (wall clock: its own process)
+            record["wall_seconds"] = max(0.0, time.time() - record["started_at"])
+        else:  # killed before it wrote its start record: unknown, shown as "-" (not 0)
+            record["wall_seconds"] = None
+        record["sweep_id"] = sweep_id  # also without a start record: it is this sweep's job
+        write_record(folder, record)
     return JobReturn(
         overrides=overrides,
         cfg=cfg,
         working_dir=str(folder),
         task_name=str(OmegaConf.select(cfg, "hydra.job.name", default="")),
         status=JobStatus.COMPLETED,  # a FAILED return makes Hydra's sweeper raise: the summary would be lost
-        _return_value=math.nan,
+        _return_value=value,
     )
