@@ -40,3 +40,11 @@ class TestAgenticTaskWithDemonstrations(AgenticTaskTestSuite):
 def test_in_tree_agentic_envs_are_discovered() -> None:
     """The suite above runs over the in-tree environments at least (a broken discovery would run zero cases)."""
     assert IN_TREE <= set(registry.available("roll.agentic_envs"))
+
+
+class TestAgenticTaskWithUnseenEval(AgenticTaskTestSuite):
+    """env.unseen_eval draws training seeds around the held-out boards: the suite's contract still holds."""
+
+    @classmethod
+    def build_agentic_task(cls) -> AgenticTask:
+        return AgenticTask("sokoban", eval_seed_offset=100, eval_size=16, unseen_eval=True)

@@ -405,6 +405,10 @@ class AgenticEnvConfig:
     # Held-out environment seeds (disjoint from training seeds).
     eval_size: int = 32
     eval_seed_offset: int = 1_000_000
+    # Held-out boards never trained on: a training seed whose board is a held-out one is skipped (held-out success
+    # then measures generalisation; the built-in games' small board spaces otherwise put most held-out boards in
+    # training too).
+    unseen_eval: bool = False
     # System prompt; null: the environment's instructions.
     system_prompt: str | None = None
     # Solved episodes played by the environment's expert, shown before every episode (a worked example).

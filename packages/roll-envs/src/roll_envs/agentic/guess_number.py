@@ -59,6 +59,10 @@ class GuessNumberEnv(TextEnv):
     def _state_key(self) -> str:
         return f"number in [{self.lo}, {self.hi}]"
 
+    def board_key(self) -> str:
+        """The episode's board: its hidden number (the state the model sees starts alike for every episode)."""
+        return str(self.target)
+
     def _render(self) -> str:
         left = self.max_steps - self.steps
         if not self.guesses:

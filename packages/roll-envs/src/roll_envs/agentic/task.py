@@ -2,10 +2,14 @@
 
 The agentic pipeline (roll_core.pipelines.collectors.episodes) builds one from the `env` config group (env=sokoban,
 env=frozen_lake, ...). Training seeds are drawn per step from [0, eval_seed_offset) and held-out seeds are
-[eval_seed_offset, eval_seed_offset + eval_size): the two seed sets never meet. They are not disjoint boards: the
-built-in games draw from small spaces (measured with the shipped sizes: 30 of frozen_lake's 32 held-out boards, 24
-of sokoban's 32 and every guess_number target also occur in training within a run), so held-out success measures
-play on the training distribution, not generalisation to unseen boards.
+[eval_seed_offset, eval_seed_offset + eval_size): the two seed sets never meet. They are not disjoint boards by
+default: the built-in games draw from small spaces (measured with the shipped sizes: 30 of frozen_lake's 32 held-out
+boards, 24 of sokoban's 32 and every guess_number target also occur in training within a run), so held-out success
+measures play on the training distribution. `unseen_eval=True` makes it measure generalisation: a training seed
+whose board is a held-out one is skipped (the next one drawn instead). A seed's board is the environment's
+`board_key()` after `reset(seed)` where it has one (guess_number: its hidden number), else reset's info["state"]
+(the built-in games' canonical state), else the first observation; where the held-out boards leave too few training
+boards to draw from, `train_seeds` raises a ValueError naming the setting.
 
 Demonstrations (`demonstrations: N`): N solved episodes, played by the environment's expert (`expert_reply()`) on
 seeds of their own (counted down from `DEMO_SEED_TOP`), are shown before every episode as earlier user/assistant turns.
@@ -15,7 +19,10 @@ example, like `env.examples` of the single-turn tasks.
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 import random
+import threading
 from typing import Any
 
 from roll_core.interfaces import Env
@@ -46,6 +53,7 @@ class AgenticTask:
         eval_seed_offset: int = 1_000_000,
         system_prompt: str | None = None,
         demonstrations: int = 0,
+        unseen_eval: bool = False,
     ) -> None:
         self.env, self.name = env, name or env
         self.env_kwargs = dict(env_kwargs or {})
@@ -64,6 +72,13 @@ class AgenticTask:
         probe = self.make_env()  # fails here, with the registry's message, for an unknown name or bad kwargs
         self._instructions = probe.instructions() if hasattr(probe, "instructions") else ""
         self._examples = self._demonstrate(int(demonstrations))
+        # unseen_eval: the held-out boards, and each training seed's board once looked up (one env, one at a time:
+        # the asynchronous collector draws seeds from its own thread).
+        self._boards: dict[int, str] = {}
+        self._board_lock = threading.Lock()
+        self._held_out: frozenset[str] = (
+            frozenset(self._board(s) for s in self.eval_seeds()) if unseen_eval else frozenset()
+        )
 
     def _demonstrate(self, count: int) -> list[dict[str, str]]:
         """Messages of `count` expert episodes (user: observation, assistant: expert reply, ...)."""
@@ -134,8 +149,46 @@ class AgenticTask:
         return self._system_prompt if self._system_prompt is not None else (self._instructions or None)
 
     def train_seeds(self, count: int, seed: int) -> list[int]:
-        """`count` distinct training seeds drawn with `seed` (every one below the held-out range)."""
-        return random.Random(seed).sample(range(self.eval_seed_offset), count)
+        """`count` distinct training seeds drawn with `seed` (every one below the held-out range; with unseen_eval,
+        none whose board is a held-out one)."""
+        rng = random.Random(seed)
+        if not self._held_out:
+            return rng.sample(range(self.eval_seed_offset), count)
+        seeds: list[int] = []
+        tried: set[int] = set()
+        for _ in range(100 * count + 1000):
+            candidate = rng.randrange(self.eval_seed_offset)
+            if candidate in tried:
+                continue
+            tried.add(candidate)
+            if self._board(candidate) not in self._held_out:
+                seeds.append(candidate)
+                if len(seeds) == count:
+                    return seeds
+        raise ValueError(
+            f"env.unseen_eval: only {len(seeds)} of {len(tried)} training seeds of {self.env} drawn gave a board that "
+            f"is not one of the {len(self._held_out)} held-out boards, and a step needs {count}: the environment has "
+            "too few boards for a held-out set of this size (lower env.eval_size, enlarge the board space with "
+            "env.env_kwargs, or set env.unseen_eval=false)"
+        )
+
+    def _board(self, seed: int) -> str:
+        """What makes `seed`'s episode the board it is (see the module docstring), computed once per seed."""
+        with self._board_lock:
+            if seed not in self._boards:
+                if not hasattr(self, "_board_env"):
+                    self._board_env = self.make_env()
+                env = self._board_env
+                obs, info = env.reset(seed=seed)
+                key = getattr(env, "board_key", None)
+                if callable(key):
+                    board = str(key())
+                elif isinstance(info, dict) and "state" in info:
+                    board = str(info["state"])
+                else:  # pictures too: the observation's bytes
+                    board = hashlib.sha256(pickle.dumps(obs)).hexdigest()
+                self._boards[seed] = board
+            return self._boards[seed]
 
     def eval_seeds(self) -> list[int]:
         return list(range(self.eval_seed_offset, self.eval_seed_offset + self.eval_size))
