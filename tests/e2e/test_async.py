@@ -130,6 +130,33 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(
             assert h["data/sampled_groups"] >= 16 and h["data/trained_groups"] == 4 - h["data/refill_short_groups"]
 
 
+def test_a_resumed_async_run_trains_the_prompts_the_uninterrupted_run_would(
+    seven_task: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The groups running ahead of the trainer at a checkpoint are started again first by the resumed run: it
+    trained other prompts at steps 3 and 4, and the in-flight ones were never trained in that epoch."""
+    from roll_core.pipelines.trainer import Trainer
+
+    trained: dict[int, list[str]] = {}
+    update = Trainer.update
+
+    def record(self, step, collected, out):
+        trained[step] = list(collected.batch["problem_id"])
+        return update(self, step, collected, out)
+
+    monkeypatch.setattr(Trainer, "update", record)
+    common = ["algo=grpo", "pipeline.async_ratio=1", "pipeline.save_every=2", "algo.group_size=2"]
+    run_pipeline(tiny_overrides(seven_task, tmp_path / "full", *common, "pipeline.max_steps=4"))
+    full = dict(trained)
+    trained.clear()
+    run_pipeline(tiny_overrides(seven_task, tmp_path / "resumed", *common, "pipeline.max_steps=2"))
+    run_pipeline(
+        tiny_overrides(seven_task, tmp_path / "resumed", *common, "pipeline.max_steps=4", "pipeline.resume=true")
+    )
+    assert sorted(trained) == [1, 2, 3, 4]
+    assert trained == full
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

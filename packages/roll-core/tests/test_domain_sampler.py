@@ -81,3 +81,29 @@ def test_make_sampler_picks_by_task() -> None:
     assert isinstance(make_sampler(One(), batch_size=2, seed=0), PromptSampler)
     many = make_sampler(Many(), batch_size=2, seed=0)
     assert isinstance(many, DomainSampler) and sorted(_i < 2 for _i in many.next(2)) == [False, True]
+
+
+def test_a_training_set_smaller_than_a_batch_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Three prompts and batches of four: every batch repeats one, which nothing said."""
+
+    class Small:
+        def train_set(self) -> list[int]:
+            return list(range(3))
+
+    class Domains(Small):
+        def domain_slices(self) -> dict[str, range]:
+            return {"a": range(0, 1), "b": range(1, 3)}
+
+        def mixture(self) -> tuple[dict[str, float], dict[str, int]]:
+            return {}, {"a": 2, "b": 2}
+
+    with caplog.at_level("WARNING", logger="roll_core.data"):
+        sampler = make_sampler(Small(), batch_size=4, seed=0)
+    assert "3 prompt(s), fewer than pipeline.rollout_batch_size=4" in caplog.text
+    assert len(set(sampler.next(4))) == 3  # (what it warns about)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="roll_core.data"):
+        make_sampler(Domains(), batch_size=4, seed=0)
+        make_sampler(Small(), batch_size=3, seed=0)
+    assert "domain 'a' has 1 training prompt(s), fewer than its 2 per batch" in caplog.text
+    assert "'b'" not in caplog.text and "rollout_batch_size" not in caplog.text

@@ -251,6 +251,38 @@ def test_checkpoint_saved_again_survives_a_crash_between_the_renames(
     assert sorted(p.name for p in m.root.iterdir()) == ["step_000001", "step_000002"]
 
 
+def test_a_prune_killed_halfway_never_leaves_a_listed_checkpoint_without_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pruned folder deleted in place and killed halfway (or with a file NFS keeps busy) kept its state.json: it was
+    listed as complete, for the run report and `pipeline.resume_from`, with its weights gone."""
+    import shutil
+
+    m = CheckpointManager(tmp_path, keep_last=1)
+    tmp = m.staging(1)
+    (tmp / "weights").write_text("1")
+    m.commit(tmp, 1, {})
+    real_rmtree = shutil.rmtree
+
+    def killed_halfway(path, *a, **k) -> None:
+        if "step_000001" in str(path):
+            (Path(path) / "weights").unlink()
+            raise KeyboardInterrupt("killed while pruning")
+        real_rmtree(path, *a, **k)
+
+    monkeypatch.setattr(shutil, "rmtree", killed_halfway)
+    tmp = m.staging(2)
+    (tmp / "weights").write_text("2")
+    with pytest.raises(KeyboardInterrupt):
+        m.commit(tmp, 2, {})
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    assert [p.name for p in m.list()] == ["step_000002"]
+    tmp = m.staging(3)
+    (tmp / "weights").write_text("3")
+    m.commit(tmp, 3, {})  # the next save removes what the killed prune left
+    assert sorted(p.name for p in m.root.iterdir()) == ["step_000003"]
+
+
 def test_units_counted_per_aggregation() -> None:
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
     assert agg_units(mask, "token-mean") == 3

@@ -302,6 +302,15 @@ def test_rows_from_a_file(tmp_path: Path) -> None:
         InstructTask(InstructionReward(), path=path, eval_path=str(tmp_path / "missing.jsonl"))
 
 
+def test_skipped_rows_of_a_file_are_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """As env=file does: the rows were counted in the summary, but nothing said so while the task loaded."""
+    row = {"prompt": "Describe the sea in lowercase.", "constraints": [{"type": "case", "mode": "lower"}]}
+    path = _write(tmp_path / "rows.jsonl", [row, {"prompt": "", "constraints": []}, "not json"])
+    with caplog.at_level("WARNING"):
+        InstructTask(InstructionReward(), path=path, eval_fraction=0.0)
+    assert f"{path}: skipped 2 bad row(s): line 2: missing or empty 'prompt'; line 3: invalid JSON" in caplog.text
+
+
 def test_env_instruct_composes_and_builds(tmp_path: Path) -> None:
     """`roll-train env=instruct ...` and `env=file env/reward=ifeval` as Hydra composes them (env node only: the
     rest of the run config is not this domain's)."""

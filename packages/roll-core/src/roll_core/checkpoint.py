@@ -8,7 +8,9 @@ flushed to disk (every file and folder fsync'ed: a rename can reach the disk bef
 cut could otherwise leave a complete-looking folder of empty files) and renamed when complete, so a crash mid-save
 never leaves a folder that `latest()` would pick. Saving a step again (a run redoing steps after a rollback) first
 moves the old folder to `step_000010.replaced/` and deletes it only once the new one is in place: a crash between
-the two renames leaves the old checkpoint, which `list()` still finds.
+the two renames leaves the old checkpoint, which `list()` still finds. A pruned checkpoint is renamed to
+`step_000008.deleting/` before its files are deleted (left-overs of a crash go at the next save), so a crash or a
+file that will not go (NFS's busy `.nfs*` files) never leaves a folder that lists as complete with files missing.
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ class CheckpointManager:
         _fsync_dir(self.root)  # the rename itself
         shutil.rmtree(replaced, ignore_errors=True)
         for old in self.list()[: -self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            _delete(old)
+        for left in self.root.glob("step_*.deleting"):  # an earlier prune that did not finish
+            shutil.rmtree(left, ignore_errors=True)
         return final
 
     def list(self) -> list[Path]:
@@ -119,6 +123,19 @@ class CheckpointManager:
             # weights_only: a checkpoint folder may come from elsewhere; unpickling arbitrary objects runs code.
             set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
         return state
+
+
+def _delete(folder: Path) -> None:
+    """Delete a checkpoint folder, first renamed out of `list()`'s sight (`.deleting`): with a state.json and
+    without its weights, a half-deleted one was listed (in the run report, for `pipeline.resume_from`)."""
+    doomed = folder.with_name(folder.name + ".deleting")
+    try:
+        if doomed.exists():
+            shutil.rmtree(doomed)
+        folder.rename(doomed)
+    except OSError:  # deleted in place, as before, where it cannot be renamed
+        doomed = folder
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def fsync_tree(root: Path) -> None:

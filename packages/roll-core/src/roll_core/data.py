@@ -4,10 +4,13 @@ The permutation of epoch e depends only on (seed, e), so restoring (epoch, posit
 exactly the prompts the uninterrupted run would have seen. An epoch boundary inside a request wraps around.
 `DomainSampler` mixes several domains (slices of one training list) by fixed per-batch counts or random weights;
 each domain keeps its own epoch order, and its state (each domain's position, draws made) resumes exactly too.
+`make_sampler` warns when a batch must repeat prompts: a training set (or a domain, for its fixed count) smaller
+than one batch.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections.abc import Mapping
@@ -15,6 +18,8 @@ from typing import Any
 
 from roll_core.errors import ConfigError
 from roll_core.seeds import Purpose, derive_seed
+
+log = logging.getLogger(__name__)
 
 
 class PromptSampler:
@@ -142,11 +147,30 @@ class DomainSampler:
 
 def make_sampler(task: Any, *, batch_size: int, seed: int) -> PromptSampler | DomainSampler:
     """A `DomainSampler` for a multi-domain task (one with `domain_slices()` and `mixture()`), else a
-    `PromptSampler` over the task's training set."""
+    `PromptSampler` over the task's training set. A training set smaller than a batch (or a domain smaller than
+    its count per batch) is a warning: every batch then holds some prompts more than once."""
     if hasattr(task, "domain_slices") and hasattr(task, "mixture"):
         weights, counts = task.mixture()
-        return DomainSampler(task.domain_slices(), weights=weights, counts=counts, batch_size=batch_size, seed=seed)
-    return PromptSampler(len(task.train_set()), seed=seed)
+        slices = task.domain_slices()
+        for d, n in counts.items():
+            if d in slices and len(slices[d]) < n:
+                log.warning(
+                    "domain %r has %d training prompt(s), fewer than its %d per batch (env.counts): every batch "
+                    "repeats some of them",
+                    d,
+                    len(slices[d]),
+                    n,
+                )
+        return DomainSampler(slices, weights=weights, counts=counts, batch_size=batch_size, seed=seed)
+    size = len(task.train_set())
+    if size < batch_size:
+        log.warning(
+            "the training set has %d prompt(s), fewer than pipeline.rollout_batch_size=%d: every batch repeats some "
+            "of them (an epoch is shorter than a step)",
+            size,
+            batch_size,
+        )
+    return PromptSampler(size, seed=seed)
 
 
 class LockedSampler:

@@ -22,10 +22,11 @@ the loaded engines onto them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from roll_core.interfaces import Request, SamplingParams
@@ -95,6 +96,13 @@ class AsyncRollout:
                         f"({self.sched.in_flight()} running)"
                     )
                 self._cv.wait(0.5)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The driver's lock, held: no group starts (no `next_group` call) and no result is recorded meanwhile (a
+        checkpoint reads the data position and the groups not yet trained as one state)."""
+        with self._cv:
+            yield
 
     def discard(self, group: GroupState) -> None:
         """A taken group that will not be trained on (its budget starts a new group)."""

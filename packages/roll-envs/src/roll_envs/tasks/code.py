@@ -29,7 +29,7 @@ from roll_envs.rewards.base import Reward
 from roll_envs.rewards.code import CodeTest, encode_tests
 from roll_envs.tasks._code_problems import TEMPLATES, param_key, reference_program
 from roll_envs.tasks.base import Problem, Task, stable_fraction
-from roll_envs.tasks.dataset import _rows
+from roll_envs.tasks.dataset import _rows, log_skipped
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +94,7 @@ def load_code_problems(
             Problem(id=f"{name}:{path.name}:{lineno}", prompt=prompt, answer=encode_tests(tests), domain="code")
         )
     skipped.sort()
-    if skipped:
-        shown = "; ".join(f"line {n}: {why}" for n, why in skipped[:10])
-        more = f" (and {len(skipped) - 10} more)" if len(skipped) > 10 else ""
-        log.warning("%s: skipped %d bad row(s): %s%s", path, len(skipped), shown, more)
+    log_skipped(path, skipped)
     if not problems:
         raise ConfigError(
             f"{path}: no usable rows ({len(skipped)} skipped); expected keys {prompt_key!r}, {tests_key!r}: fix the "

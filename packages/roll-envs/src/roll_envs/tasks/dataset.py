@@ -1,4 +1,5 @@
-"""User data as a task: JSONL, Parquet or a Hugging Face `datasets` folder with prompt and answer columns.
+"""User data as a task: JSONL, Parquet or a Hugging Face `datasets` folder with prompt and answer columns; a `.json`
+file holds JSON lines or one JSON array of rows (numbered from 1 like lines).
 
 Bad rows (not UTF-8, not JSON, not an object, missing or empty prompt/answer, non-text values, NaN answers) are
 skipped, counted and reported with their 1-based line (or row) numbers in `skipped` (per file in `skipped_rows`,
@@ -64,6 +65,9 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
             raise ConfigError(f"{path}: cannot read it as Parquet ({exc}); check the file or env.path") from exc
         return [(i + 1, row) for i, row in enumerate(table.to_pylist())], bad
     if path.suffix in (".jsonl", ".json"):
+        array = _json_array(path) if path.suffix == ".json" else None
+        if array is not None:
+            return array, bad
         rows = []
         # Bytes, decoded line by line: one line that is not UTF-8 is a bad row, not a UnicodeDecodeError that ends
         # the whole file with neither its name nor a line number.
@@ -84,6 +88,21 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
     raise ConfigError(
         f"unsupported data file {path} (env.path / env.eval_path): use .jsonl, .parquet or a datasets folder"
     )
+
+
+def _json_array(path: Path) -> list[tuple[int, Any]] | None:
+    """(element number, row) pairs of a `.json` file holding one JSON array of rows, or None for any other file
+    (JSON lines). Read line by line, such a file lost every row but the last of an array written one object per
+    line (the others end with a comma) and trained on that one: a warning was all that said so."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if not head.startswith(b"["):
+        return None
+    try:
+        value = json.loads(path.read_bytes())
+    except ValueError:  # (not UTF-8 too) a JSON-lines file whose first row is a list: read as lines, reported
+        return None
+    return [(i + 1, row) for i, row in enumerate(value)] if isinstance(value, list) else None
 
 
 def _plain_number(x: float) -> str:
@@ -143,10 +162,7 @@ def load_problems(
             )
         )
     skipped.sort()
-    if skipped:
-        shown = "; ".join(f"line {n}: {why}" for n, why in skipped[:10])
-        more = f" (and {len(skipped) - 10} more)" if len(skipped) > 10 else ""
-        log.warning("%s: skipped %d bad row(s): %s%s", path, len(skipped), shown, more)
+    log_skipped(path, skipped)
     if not problems:
         if not rows and not skipped:
             raise ConfigError(f"{path}: no usable rows: the file is empty; fill it or point env.path elsewhere")
@@ -157,6 +173,14 @@ def load_problems(
             "env.answer_key"
         )
     return problems, skipped
+
+
+def log_skipped(path: str | Path, skipped: list[tuple[int, str]]) -> None:
+    """One warning naming how many rows of `path` were skipped, and the first ten with their reasons."""
+    if skipped:
+        shown = "; ".join(f"line {n}: {why}" for n, why in skipped[:10])
+        more = f" (and {len(skipped) - 10} more)" if len(skipped) > 10 else ""
+        log.warning("%s: skipped %d bad row(s): %s%s", path, len(skipped), shown, more)
 
 
 def _chat_prompt(value: Any) -> Any:

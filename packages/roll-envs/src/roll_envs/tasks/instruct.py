@@ -10,8 +10,9 @@ asked for; the seed picks which problems are drawn (the held-out draw has its ow
 
 From files (`path`, JSONL / Parquet / a datasets folder): each row has a prompt (`prompt_key`, used as written: it
 should state its constraints) and `constraints_key`, a list of constraint objects or its JSON text. A row that is
-not an object or has no prompt is skipped and counted (`skipped`, as env=file does); a row whose constraints are
-missing, of an unknown type or with bad arguments is a ConfigError naming the file and line, before anything runs.
+not an object or has no prompt is skipped, counted (`skipped`) and logged, as env=file does; a row whose
+constraints are missing, of an unknown type or with bad arguments is a ConfigError naming the file and line, before
+anything runs.
 The held-out split is `eval_path`, else a stable-hash fraction of the rows.
 
 Every problem has domain "instruct" (a file row's `domain` column wins), `metadata["constraints"]` (the validated
@@ -263,7 +264,7 @@ class InstructTask(Task):
 
     def _load(self, path: str, prompt_key: str, constraints_key: str) -> list[Problem]:
         """Problems of one file; unreadable rows and rows without a prompt go to `skipped`."""
-        from roll_envs.tasks.dataset import _rows
+        from roll_envs.tasks.dataset import _rows, log_skipped
 
         rows, bad = _rows(Path(path))
         skipped = list(bad)
@@ -296,6 +297,7 @@ class InstructTask(Task):
                     },
                 )
             )
+        log_skipped(path, sorted(skipped))
         self.skipped += [(str(path), n, why) for n, why in sorted(skipped)]
         if not problems:
             raise ConfigError(f"{path}: no usable rows (each needs {prompt_key!r} and {constraints_key!r})")

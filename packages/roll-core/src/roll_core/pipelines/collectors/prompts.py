@@ -2,7 +2,8 @@
 the current weights, score them with the task's reward, and shape the scores.
 
 Contract: a step draws `pipeline.rollout_batch_size` prompts from the task's training set (a `PromptSampler`
-whose position is checkpointed, so a resumed run draws what the uninterrupted run would); prompts longer than
+whose position is checkpointed, so a resumed run draws what the uninterrupted run would; a checkpoint's `pending`
+prompts, an asynchronous run's groups not yet trained, are drawn first); prompts longer than
 `model.max_prompt_length` are skipped and counted, never truncated; with `algo.drop_uniform_groups` (DAPO dynamic
 sampling) groups without reward variance are filtered out and more prompts are drawn until the batch is full or
 `algo.refill_max_batches` batches' worth were sampled. Scores get the overlong penalty and reward clipping.
@@ -82,6 +83,9 @@ class PromptCollector:
         self.processor = vision_processor(ctx.model_path, self.tokenizer)
         check_pictures(self.processor, [*self.train_set, *self.eval_set], cfg.model.path)
         self.sampler = make_sampler(self.task, batch_size=cfg.pipeline.rollout_batch_size, seed=cfg.pipeline.seed)
+        # Training-set indices drawn before a checkpoint but not yet trained (the asynchronous collector's groups
+        # in flight), restored from it: drawn again first, before the sampler's next ones.
+        self._replay: list[int] = []
         # A multi-domain task: metrics, curves and evaluation per domain too.
         self.domains: list[str] = list(getattr(self.task, "domains", ()) or ())
         if len(self.domains) > 1:
@@ -159,12 +163,15 @@ class PromptCollector:
 
     def state_dict(self) -> dict[str, Any]:
         state = {"sampler": self.sampler.state_dict(), "reward_budget": self.reward_budget.state_dict()}
+        if self._replay:  # drawn again first by the resumed run
+            state["pending"] = list(self._replay)
         if self.reward_model is not None:  # its running statistics (normalize=running) resume too
             state["reward_model"] = self.reward_model.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state["sampler"])
+        self.sampler.load_state_dict(state["sampler"])  # (refuses a training set of another size)
+        self._replay = [int(i) for i in state.get("pending", ())]
         if "reward_budget" in state:
             self.reward_budget.load_state_dict(state["reward_budget"])
         if self.reward_model is not None and "reward_model" in state:
@@ -222,7 +229,7 @@ class PromptCollector:
         first round go to `out`, later rounds only add their timers."""
         algo, model = self.cfg.algo, self.cfg.model
         first = round_ == 0
-        problems = [self.train_set[i] for i in self.sampler.next(n_prompts)]
+        problems = [self.train_set[i] for i in self._draw(n_prompts)]
         counts: dict[str, Any] = {"data/skipped_long_prompts": 0}
         prompts = self._prompt_batch(problems, counts)
         with out.timer("generate"):
@@ -314,13 +321,18 @@ class PromptCollector:
                 batch = prompt_batch(self.tokenizer, self.task, problems, limit, counts, kwargs, self.processor)
             except PromptsTooLong:
                 skipped += len(problems)
-                problems = [self.train_set[i] for i in self.sampler.next(len(problems))]
+                problems = [self.train_set[i] for i in self._draw(len(problems))]
                 continue
             break
         else:  # the last draw raises when it fits no better, naming the limit
             batch = prompt_batch(self.tokenizer, self.task, problems, limit, counts, kwargs, self.processor)
         counts["data/skipped_long_prompts"] += skipped
         return batch
+
+    def _draw(self, k: int) -> list[int]:
+        """The next `k` training-set indices: the checkpoint's pending ones first, then the sampler's."""
+        head, self._replay = self._replay[:k], self._replay[k:]
+        return head + (self.sampler.next(k - len(head)) if k > len(head) else [])
 
     def log_samples(self, step: int, batch: Batch, scored: Batch, k: int = 2) -> None:
         """A few responses of the step, with their problem, answer and score, to the tracker's samples file."""

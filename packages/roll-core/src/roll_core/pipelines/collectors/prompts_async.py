@@ -9,8 +9,10 @@ at its current version, and `algo.off_policy_correction` weighs each token by th
 pi_old / pi_behaviour (decoupled PPO); `begin_sync` / `finish_sync` bracket the weight sync so that partial
 rollout can abort and resume requests around it.
 
-Checkpoints store the data sampler; groups in flight at a save are not stored (a resumed run starts fresh
-groups), so an async run resumes correctly but not bit for bit.
+Checkpoints store the data sampler and the training-set indices of the groups started but not yet trained
+(`pending`, in start order: the sampler's position is past them); a resumed run starts those prompts first, so
+no prompt is skipped or repeated. Their responses are not stored (they are generated again), so an async run
+resumes with the uninterrupted run's prompts but not bit for bit.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class AsyncPromptCollector(PromptCollector):
         super().__init__(ctx)
         check_async(ctx)
         self.sampler = LockedSampler(self.sampler)  # drawn on the driver's thread, saved on the trainer's
+        self._index = {id(p): i for i, p in enumerate(self.train_set)}  # a group's problem -> its index (pending)
         if self.processor is not None:
             self.sampling = stop_at_pictures(self.sampling, self.tokenizer)
         p = self.cfg.pipeline
@@ -100,7 +103,7 @@ class AsyncPromptCollector(PromptCollector):
         ones and ones with unreadable pictures are counted)."""
         limit = self.cfg.model.max_prompt_length
         for _ in range(10_000):
-            problem = self.train_set[self.sampler.next(1)[0]]
+            problem = self.train_set[self._draw(1)[0]]
             try:  # a huge row is not even tokenised
                 ids, _, mm = encode_prompt(
                     self.tokenizer, self.task, problem, limit, self.cfg.model.chat_template_kwargs, self.processor
@@ -193,6 +196,16 @@ class AsyncPromptCollector(PromptCollector):
         prompts = gen.select(*own)
         rest = [k for k in gen.keys() if k not in own]
         return assemble(self.tokenizer, prompts, gen.select(*rest))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The base state, with `pending` the indices of the groups started and not yet trained (then any not yet
+        restarted after a resume), read with the driver held: no group starts, no prompt is drawn meanwhile."""
+        with self.driver.held():
+            state = super().state_dict()
+            pending = [self._index[id(g.payload)] for g in self.sched.groups.values()] + self._replay
+        if pending:
+            state["pending"] = pending
+        return state
 
     def begin_sync(self) -> None:
         self.driver.begin_update()
