@@ -189,3 +189,24 @@ def test_numeric_answers_are_plain_decimals_a_grader_matches(tmp_path: Path) -> 
     assert [p.answer for p in problems] == ["0.00001", "10000000000000000.0", "2.5", "3.0", "7", "-0.0000001"]
     boxed = [r"\boxed{0.00001}", r"\boxed{10000000000000000}", r"\boxed{2.5}", r"\boxed{3}", r"\boxed{7}"]
     assert MathReward().score(boxed, [p.answer for p in problems[:5]]).correct == [1.0] * 5
+
+
+def test_held_out_rows_beyond_eval_size_are_said(caplog: pytest.LogCaptureFixture) -> None:
+    """The hash split holds out ~eval_fraction of the rows and eval_size of them are evaluated: the rest are neither
+    trained nor evaluated (9.9k of 100k rows at the defaults), which is now a warning with both counts; a split
+    whose held-out rows are all evaluated says nothing."""
+    import logging
+    from types import SimpleNamespace
+
+    from roll_envs.tasks.base import held_out_split, split_key, stable_fraction
+
+    rows = [SimpleNamespace(prompt=f"problem {i}", answer=str(i)) for i in range(200)]
+    held = sum(stable_fraction(split_key(r)) < 0.5 for r in rows)
+    with caplog.at_level(logging.WARNING, logger="roll_envs.tasks.base"):
+        train, evaluated = held_out_split(rows, None, eval_fraction=0.5, eval_size=10, path="rows.jsonl")
+    assert len(evaluated) == 10 and len(train) == 200 - held
+    assert f"{held} rows fell in the held-out split" in caplog.text and f"the other {held - 10} are" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="roll_envs.tasks.base"):
+        held_out_split(rows, None, eval_fraction=0.5, eval_size=held, path="rows.jsonl")
+    assert "held-out split" not in caplog.text

@@ -60,6 +60,18 @@ def held_out_split(
     if held is None:
         train = [p for p in problems if stable_fraction(split_key(p)) >= eval_fraction]
         held = [p for p in problems if stable_fraction(split_key(p)) < eval_fraction]
+        if len(held) > eval_size:  # the split is by hash (stable whatever eval_size): the rest is idle, say so
+            log.warning(
+                "%s: %d rows fell in the held-out split (env.eval_fraction=%g) and env.eval_size=%d evaluates the "
+                "first %d: the other %d are neither trained nor evaluated (raise env.eval_size or lower "
+                "env.eval_fraction to use them)",
+                path,
+                len(held),
+                eval_fraction,
+                eval_size,
+                eval_size,
+                len(held) - eval_size,
+            )
     else:
         evaluated = {split_key(p) for p in held}
         train = [p for p in problems if split_key(p) not in evaluated]
