@@ -14,6 +14,7 @@ from roll_algos.losses import AGG_MODES
 from roll_core import registry
 from roll_core.checkpoint import CheckpointManager
 from roll_core.data import PromptSampler
+from roll_core.errors import ConfigError
 from roll_core.pipelines.objectives import PolicyObjective, ValueObjective, agg_units
 
 
@@ -121,8 +122,37 @@ def test_sampler_epochs_and_resume() -> None:
     c = PromptSampler(5, seed=1)
     c.load_state_dict(state)
     assert c.next(4) == first[3:]
-    with pytest.raises(ValueError, match="sampler state is for size=5"):
+    with pytest.raises(ConfigError, match="training set of 5 prompts drawn with seed 1; this run has 6 prompts"):
         PromptSampler(6, seed=1).load_state_dict(state)
+
+
+def test_a_training_set_edited_in_place_is_a_warning_on_resume(caplog: pytest.LogCaptureFixture) -> None:
+    """Same number of prompts, other prompts (a data file edited in place): the sampler alone resumed without a
+    word and its saved position drew other problems. The checkpoint now holds the training list's fingerprint; a
+    resumed run with another list says so, and one with the same list says nothing."""
+    import logging
+    from types import SimpleNamespace
+
+    from roll_core.data import data_fingerprint
+    from roll_core.pipelines.collectors.prompts import PromptCollector
+
+    rows = [SimpleNamespace(prompt=f"q{i}", answer=str(i)) for i in range(5)]
+    edited = [*rows[:2], SimpleNamespace(prompt="q2 (fixed)", answer="2"), *rows[3:]]
+    assert data_fingerprint(rows) == data_fingerprint(list(rows)) != data_fingerprint(edited)
+    assert data_fingerprint(rows) != data_fingerprint(rows[::-1])  # the order is what a position means
+
+    def collector(train_set: list) -> PromptCollector:
+        c = PromptCollector.__new__(PromptCollector)  # the state-handling part only
+        c.train_set, c.sampler, c._replay, c.reward_model = train_set, PromptSampler(5, seed=1), [], None
+        c.reward_budget = SimpleNamespace(state_dict=dict, load_state_dict=lambda s: None)
+        return c
+
+    saved = collector(rows).state_dict()
+    with caplog.at_level(logging.WARNING, logger="roll_core.pipelines.collectors.prompts"):
+        collector(list(rows)).load_state_dict(saved)
+        assert "differs" not in caplog.text
+        collector(edited).load_state_dict(saved)
+    assert "the training set differs from the one the checkpoint was saved with" in caplog.text
 
 
 def test_locked_sampler_never_lets_a_state_read_see_half_a_draw() -> None:

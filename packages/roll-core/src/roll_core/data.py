@@ -10,6 +10,7 @@ than one batch.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import threading
@@ -56,9 +57,10 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["size"] != self.size or state["seed"] != self.seed:
-            raise ValueError(
-                f"sampler state is for size={state['size']}, seed={state['seed']}; "
-                f"this run has size={self.size}, seed={self.seed}"
+            raise ConfigError(
+                f"the checkpoint's data position is for a training set of {state['size']} prompts drawn with seed "
+                f"{state['seed']}; this run has {self.size} prompts and seed {self.seed}: resume with the data and "
+                "pipeline.seed the run was saved with, or start a new run"
             )
         self.epoch, self.position = state["epoch"], state["position"]
         self._perm = self._permutation(self.epoch)
@@ -136,7 +138,7 @@ class DomainSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "domains" not in state or sorted(state["domains"]) != sorted(self.domains):
-            raise ValueError(
+            raise ConfigError(
                 f"sampler state is for domains {sorted(state.get('domains', {})) or 'of a single-domain run'}; "
                 f"this run has {sorted(self.domains)}"
             )
@@ -171,6 +173,15 @@ def make_sampler(task: Any, *, batch_size: int, seed: int) -> PromptSampler | Do
             batch_size,
         )
     return PromptSampler(size, seed=seed)
+
+
+def data_fingerprint(problems: list[Any]) -> str:
+    """A hash of a training list's prompts and answers, in order (a checkpoint's position means these problems)."""
+    h = hashlib.sha256()
+    for p in problems:
+        h.update(repr((getattr(p, "prompt", p), getattr(p, "answer", None))).encode("utf-8", "replace"))
+        h.update(b"\x00")
+    return h.hexdigest()[:16]
 
 
 class LockedSampler:

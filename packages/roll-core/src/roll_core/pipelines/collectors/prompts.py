@@ -31,7 +31,7 @@ from roll_algos.losses import overlong_penalty
 from roll_core.cluster.reward_guard import RewardFailureBudget
 from roll_core.cluster.roles import RewardGroup
 from roll_core.config.build import as_dict
-from roll_core.data import make_sampler
+from roll_core.data import data_fingerprint, make_sampler
 from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
@@ -162,7 +162,11 @@ class PromptCollector:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"sampler": self.sampler.state_dict(), "reward_budget": self.reward_budget.state_dict()}
+        state = {
+            "sampler": self.sampler.state_dict(),
+            "reward_budget": self.reward_budget.state_dict(),
+            "data": self._fingerprint(),
+        }
         if self._replay:  # drawn again first by the resumed run
             state["pending"] = list(self._replay)
         if self.reward_model is not None:  # its running statistics (normalize=running) resume too
@@ -171,6 +175,14 @@ class PromptCollector:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])  # (refuses a training set of another size)
+        if state.get("data", self._fingerprint()) != self._fingerprint():
+            # Same size, other problems (a data file edited in place): the saved position now points elsewhere.
+            log.warning(
+                "the training set differs from the one the checkpoint was saved with (same %d prompts in number, "
+                "not the same prompts or order): the saved data position applies to the new list, so some "
+                "prompts of this epoch may be repeated or skipped",
+                len(self.train_set),
+            )
         self._replay = [int(i) for i in state.get("pending", ())]
         if "reward_budget" in state:
             self.reward_budget.load_state_dict(state["reward_budget"])
@@ -328,6 +340,11 @@ class PromptCollector:
             batch = prompt_batch(self.tokenizer, self.task, problems, limit, counts, kwargs, self.processor)
         counts["data/skipped_long_prompts"] += skipped
         return batch
+
+    def _fingerprint(self) -> str:
+        if not hasattr(self, "_data_fingerprint"):  # the training list never changes within a run
+            self._data_fingerprint = data_fingerprint(self.train_set)
+        return self._data_fingerprint
 
     def _draw(self, k: int) -> list[int]:
         """The next `k` training-set indices: the checkpoint's pending ones first, then the sampler's."""
