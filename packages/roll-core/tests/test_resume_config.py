@@ -145,3 +145,7 @@ def test_a_changed_kl_coef_restarts_the_adaptive_controller_an_unchanged_one_con
     old = objective(0.1)  # a checkpoint written before the field: its value continues
     old.load_state_dict({"kl": {"value": 0.0102}})
     assert old.kl_ctl.value == 0.0102
+    # A NaN saved coefficient (a checkpoint of a run before NaN KLs were skipped) is refused, not a run whose KL term
+    # silently vanished (`coef > 0` is False for NaN).
+    with pytest.raises(ValueError, match="saved coefficient is nan"):
+        objective(0.01).load_state_dict({"kl": {"value": float("nan"), "init": 0.01}})

@@ -248,7 +248,7 @@ class RLObjective:
                 self.cfg.algo.kl_coef,
             )
             return
-        self.kl_ctl.value = state["kl"]["value"]
+        self.kl_ctl.load_state_dict(state["kl"])  # (refuses a non-finite saved coefficient)
 
 
 class _RL:
