@@ -39,6 +39,8 @@ def test_async_grpo_learns_within_the_staleness_bound(seven_task: Path, tmp_path
     # Samples from an older policy: the trainer's proximal log-probs differ from the behaviour ones.
     assert max(h["actor/train_infer_logprob_diff"] for h in steps) > 1e-3
     assert all(h["data/trained_groups"] == 4 for h in steps)
+    epochs = [h["data/epoch"] for h in steps]  # the data drawn, ahead of the trainer by the groups in flight
+    assert epochs == sorted(epochs) and epochs[0] > 0, epochs
     # Rollout throughput counts the time between batches, not the trainer's (overlapped, near-zero) wait.
     for prev, h in itertools.pairwise(steps):
         between = h["perf/response_tokens"] / h["perf/rollout_tokens_per_s"]

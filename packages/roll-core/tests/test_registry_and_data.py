@@ -155,6 +155,22 @@ def test_a_training_set_edited_in_place_is_a_warning_on_resume(caplog: pytest.Lo
     assert "the training set differs from the one the checkpoint was saved with" in caplog.text
 
 
+def test_sampler_progress_counts_epochs_drawn() -> None:
+    """`data/epoch` of the RLVR collectors: epochs of the training set drawn, fractional; with domains the least
+    drawn domain's; through the lock the same."""
+    from roll_core.data import DomainSampler, LockedSampler
+
+    s = PromptSampler(4, seed=0)
+    assert s.progress() == 0.0
+    s.next(2)
+    assert s.progress() == 0.5
+    s.next(4)
+    assert s.progress() == 1.5 and LockedSampler(s).progress() == 1.5
+    d = DomainSampler({"a": range(0, 4), "b": range(4, 12)}, weights={}, counts={"a": 2, "b": 2}, batch_size=4)
+    d.next(8)  # 4 of a (one epoch), 4 of b (half of one)
+    assert d.progress() == 0.5
+
+
 def test_locked_sampler_never_lets_a_state_read_see_half_a_draw() -> None:
     """The asynchronous collector draws on its driver thread while the trainer saves the sampler's state: a state
     read during a draw waits for it (a torn read resumed a run an epoch late)."""

@@ -52,6 +52,10 @@ class PromptSampler:
             self.position += take
         return out
 
+    def progress(self) -> float:
+        """Epochs drawn so far, fractional (1.5: the whole list once and half of it again)."""
+        return self.epoch + self.position / self.size
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "size": self.size, "seed": self.seed}
 
@@ -133,6 +137,10 @@ class DomainSampler:
                 out += [self.slices[d][i] for i in self.samplers[d].next(n)]
         return out
 
+    def progress(self) -> float:
+        """Epochs drawn so far of the domain least drawn (fractional; every domain has its own epochs)."""
+        return min(s.progress() for s in self.samplers.values())
+
     def state_dict(self) -> dict[str, Any]:
         return {"draws": self.draws, "domains": {d: s.state_dict() for d, s in self.samplers.items()}}
 
@@ -197,6 +205,10 @@ class LockedSampler:
     def next(self, k: int) -> list[int]:
         with self._lock:
             return self.inner.next(k)
+
+    def progress(self) -> float:
+        with self._lock:
+            return self.inner.progress()
 
     def state_dict(self) -> dict[str, Any]:
         with self._lock:

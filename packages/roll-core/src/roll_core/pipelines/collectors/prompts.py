@@ -212,6 +212,9 @@ class PromptCollector:
             return None
         out["data/trained_groups"] = len(batch) // self.cfg.algo.group_size
         out["data/skipped_rows"] = float(sum((getattr(self.task, "skipped_rows", {}) or {}).values()))
+        # Epochs of the training set drawn (the least drawn domain's with several; the asynchronous collector's
+        # includes the groups it started ahead).
+        out["data/epoch"] = self.sampler.progress()
         if "mm_inputs" in batch:  # the trainer takes the tensors; the PIL pictures were for the engines
             batch["mm_inputs"] = without_images(batch["mm_inputs"])
         if self.sampling.structured is not None:  # the trainer replays the constraint over each response
