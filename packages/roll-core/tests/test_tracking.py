@@ -359,3 +359,41 @@ def test_sample_rows_are_strict_json(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="may not hold 'step'"):
         tracker.samples(4, [{"step": 1, "text": "x"}])
     tracker.close()
+
+
+def test_a_truncation_cut_short_leaves_the_history_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resumed run truncates metrics.jsonl and samples.jsonl to its checkpoint: a crash while writing (here: the
+    write fails halfway) leaves the old files, never half of the new one. In place, the history was emptied."""
+    import builtins
+    import io
+
+    tracker = Tracker(tmp_path, "experiment: demo\n", [])
+    for step in (1, 2, 3):
+        tracker.log(step, {"reward/mean": step / 4})
+        tracker.samples(step, [{"response": str(step), "reward": 1.0}])
+    tracker.close()
+    before = {p: (tmp_path / p).read_text() for p in ("metrics.jsonl", "samples.jsonl")}
+    real_open = builtins.open
+
+    class Crash(OSError):
+        pass
+
+    def crashing_open(file, mode="r", *args, **kwargs):  # the first write goes halfway, then the disk is full
+        f = real_open(file, mode, *args, **kwargs)
+        if "w" in mode:
+            real_write = f.write
+
+            def write(text: str) -> int:
+                real_write(text[: len(text) // 2])
+                raise Crash("No space left on device")
+
+            f.write = write
+        return f
+
+    resumed = Tracker(tmp_path, "experiment: demo\n", [], resume=True)
+    monkeypatch.setattr(builtins, "open", crashing_open)
+    monkeypatch.setattr(io, "open", crashing_open)  # (what Path.write_text opens with)
+    with pytest.raises(Crash):
+        resumed.truncate(1)
+    monkeypatch.undo()
+    assert {p: (tmp_path / p).read_text() for p in before} == before

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -136,11 +137,11 @@ class Tracker:
         """Drop records after `last_step` (a resumed run re-does the steps after its checkpoint): metrics,
         samples, and each backend's (`TrackerBackend.truncate`)."""
         self.history = [h for h in self.history if h["step"] <= last_step]
-        self.metrics_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+        _replace_text(self.metrics_path, "".join(json.dumps(h) + "\n" for h in self.history))
         samples = self.dir / "samples.jsonl"
         if samples.exists():
             keep = [row for row in read_records(samples) if row.get("step", 0) <= last_step]
-            samples.write_text("".join(json.dumps(row) + "\n" for row in keep))
+            _replace_text(samples, "".join(json.dumps(row) + "\n" for row in keep))
         for backend in self.backends:
             backend.truncate(last_step)
 
@@ -294,3 +295,14 @@ def _number(v: Any) -> Any:
         item = v.item()
         return float(item) if isinstance(item, (bool, numbers.Real)) else _NOT_A_NUMBER
     return _NOT_A_NUMBER
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write `path` whole through a temporary file renamed over it: a crash mid-write (a resumed run truncating
+    its history) leaves the old file, never half of the new one (written in place, the run's history was lost)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
