@@ -229,6 +229,30 @@ def test_length_limits_truncation_and_skips(tmp_path):
     assert len(strict) == 1 and strict.truncated == 0 and strict.skipped["response_too_long"] == 1
 
 
+def test_truncated_counts_the_kept_examples_cut_responses(tmp_path):
+    """`truncated` (the runs' truncated_rows / truncated_responses) counted every cut made while reading, so rows and
+    pairs skipped after their cut (cut to no trained token, cut to the same response) and held-out rows were
+    reported as truncated training examples."""
+    tok = TOKS["tiny"]
+    rows = [
+        {"prompt_ids": [5], "response_ids": [7] * 9},  # cut to 5: kept
+        {"prompt_ids": [5], "response_ids": [7] * 9, "response_mask": [0] * 6 + [1] * 3},  # cut to no trained token
+        {"prompt_ids": [6], "response_ids": [8] * 9},  # cut to 5: kept
+        {"prompt_ids": [6], "response_ids": [8] * 2},
+    ]
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    src = load("sft", tok, path=path, max_response=5).train
+    assert len(src) == 3 and src.skipped == {"no_trained_tokens": 1} and src.truncated == 2
+    split = load("sft", tok, path=path, max_response=5, eval_size=1)  # one prompt's rows on each side
+    assert split.train.truncated == 1 and split.eval is not None and split.eval.truncated == 1
+    pairs = [
+        {"prompt": "q", "chosen": "The answer is 42, because 6*7", "rejected": "The answer is 42, I guess"},  # alike
+        {"prompt": "q", "chosen": "Yes, it is", "rejected": "No"},  # chosen cut
+    ]
+    src = load("preference", tok, path=write_jsonl(tmp_path / "p.jsonl", pairs), max_response=6).train
+    assert len(src) == 1 and src.skipped == {"same_response": 1} and src.truncated == 1
+
+
 def test_file_errors(tmp_path):
     tok = TOKS["tiny"]
     with pytest.raises(ConfigError, match=r"does not exist.*local files only"):
@@ -258,6 +282,21 @@ def test_file_errors(tmp_path):
         DataConfig(format="sharegpt")
     with pytest.raises(ValueError, match=r"data.path"):
         DataConfig(path=[1, 2])
+
+
+def test_a_csv_row_split_at_an_unquoted_comma_is_a_counted_skip(tmp_path):
+    """A record with more fields than the header has columns: csv puts the extras under the key None and the row was
+    trained on its completion cut at the comma ("Hello" for "Hello, world")."""
+    tok = TOKS["chatml"]
+    path = tmp_path / "rows.csv"
+    path.write_text('prompt,completion\nGreet me,"Hello, world"\nGreet me again,Hello, world\nAnd again,"Hi"\n')
+    src = load("sft", tok, path=str(path)).train
+    assert src.skipped == {"unreadable": 1} and len(src) == 2
+    got = [masked_segments(tok, src.batch([i])["responses"][0], src.batch([i])["response_mask"][0]) for i in (0, 1)]
+    assert got == [["Hello, world<|im_end|>"], ["Hi<|im_end|>"]]
+    path.write_text("prompt,completion\nGreet me,Hello, world\n")
+    with pytest.raises(ConfigError, match=r"rows.csv:2: unreadable: 3 fields for 2 columns"):
+        load("sft", tok, path=str(path))
 
 
 def test_parquet_datasets_json_csv_lists_and_globs_agree(tmp_path):
@@ -304,6 +343,30 @@ def test_parquet_datasets_json_csv_lists_and_globs_agree(tmp_path):
     assert masked_segments(tok, b["responses"][0], b["response_mask"][0]) == ["4<|im_end|>"]
 
 
+def test_a_datasets_folder_of_splits_gives_train_rows_and_held_out_rows(tmp_path):
+    """data.eval_path naming a saved DatasetDict read its 'train' split: the held-out metrics were measured on the
+    training rows. The held-out rows are its one other split; an ambiguous set of splits is an error."""
+    datasets = pytest.importorskip("datasets")
+    tok = TOKS["tiny"]
+
+    def split(name: str, n: int) -> object:
+        return datasets.Dataset.from_list([{"prompt": f"{name} {i}", "completion": "a"} for i in range(n)])
+
+    folder = str(tmp_path / "dd")
+    datasets.DatasetDict({"train": split("train", 4), "test": split("test", 2)}).save_to_disk(folder)
+    data = load("sft", tok, path=folder, eval_path=folder)
+    assert len(data.train) == 4 and data.eval is not None and len(data.eval) == 2
+    assert tok.decode(data.eval.batch([0])["prompts"][0]).startswith("<|user|>test 0")
+    three = str(tmp_path / "three")
+    datasets.DatasetDict(
+        {"train": split("train", 4), "validation": split("v", 2), "test": split("test", 2)}
+    ).save_to_disk(three)
+    assert len(load("sft", tok, path=three).train) == 4
+    with pytest.raises(ConfigError, match=r"data.eval_path: .* holds splits \['train', 'validation', 'test'\]"):
+        load("sft", tok, path=three, eval_path=three)
+    assert len(load("sft", tok, path=three, eval_path=f"{three}/validation").eval) == 2
+
+
 def test_held_out_split_is_stable_and_keeps_prompts_together(tmp_path):
     tok = TOKS["tiny"]
     rows = [{"prompt_ids": [5 + i % 10], "response_ids": [7, 8 + i]} for i in range(40)]  # 10 prompts x 4
@@ -345,6 +408,41 @@ def test_preference_rows_explicit_and_implicit_prompt(tmp_path):
     assert torch.equal(b["prompts"][0], b["prompts"][1]) and torch.equal(b["prompts"][2], b["prompts"][3])
     assert tok.decode(b["prompts"][0]).endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
     check_layout(b, src.pad_id)
+
+
+def test_conversations_that_hold_the_prompt_do_not_repeat_it(tmp_path):
+    """A prompt column beside chosen/rejected conversations that already start with it (HuggingFaceH4/
+    ultrafeedback_binarized: a text prompt, [user, assistant] lists) is not rendered a second time; lists that do
+    not hold it (assistant turns only, or a conversation continuing a message-list prompt) stay explicit."""
+    tok = TOKS["chatml"]
+    user = {"role": "user", "content": "2+2?"}
+    one_user = tok.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+
+    def side(content):
+        return [user, {"role": "assistant", "content": content}]
+
+    first = [user, {"role": "assistant", "content": "4"}]
+    follow = {"role": "user", "content": "and 3+3?"}
+    rows = [
+        {"prompt": "2+2?", "chosen": side("four"), "rejected": side("five")},  # text prompt, whole conversations
+        {"prompt": [user], "chosen": side("four"), "rejected": side("five")},  # message prompt they start with
+        {"prompt": "2+2?", "chosen": [{"role": "assistant", "content": "4"}], "rejected": "5"},  # explicit
+        {
+            "prompt": first,  # a conversation continued by a new user turn: the lists do not repeat the prompt
+            "chosen": [follow, {"role": "assistant", "content": "6"}],
+            "rejected": [follow, {"role": "assistant", "content": "7"}],
+        },
+    ]
+    src = load("preference", tok, path=write_jsonl(tmp_path / "p.jsonl", rows)).train
+    assert len(src) == 4 and src.skipped == {}
+    b = src.batch(range(4))
+    for i in (0, 2, 4):
+        assert tok.decode(b["prompts"][i][b["attention_mask"][i, : b["prompts"].shape[1]].bool()]) == one_user
+    got = [masked_segments(tok, b["responses"][i], b["response_mask"][i]) for i in range(8)]
+    assert got[:6] == [["four<|im_end|>"], ["five<|im_end|>"]] * 2 + [["4<|im_end|>"], ["5<|im_end|>"]]
+    assert got[6:] == [["6<|im_end|>"], ["7<|im_end|>"]]
+    continued = tok.decode(b["prompts"][6])
+    assert continued.count("2+2?") == 1 and continued.endswith("and 3+3?<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_pairs_from_rollout_rows(tmp_path):
@@ -524,3 +622,38 @@ def test_a_train_flag_that_is_not_a_boolean_is_a_counted_skip(tmp_path):
     assert src.skipped == {"wrong_type": 2} and len(src) == 2
     got = [masked_segments(tok, src.batch([i])["responses"][0], src.batch([i])["response_mask"][0]) for i in (0, 1)]
     assert got == [["BAD<|im_end|>", "GOOD<|im_end|>"], ["GOOD<|im_end|>"]]
+
+
+@pytest.mark.parametrize("family", list(END))
+def test_a_blank_answer_is_a_counted_skip(tmp_path, family):
+    """An empty or whitespace answer is bad data under every template: ChatML rendered "   " as a trained
+    "   <|im_end|>" and Qwen3 "" as a trained empty think block, teaching the model to end its turn without
+    answering, where Llama 3 and Gemma 3 skipped the same rows. Tool calls with empty text are an answer."""
+    tok = TOKS[family]
+    user = {"role": "user", "content": "q"}
+    chat = [
+        {"messages": [user, {"role": "assistant", "content": ""}]},
+        {"messages": [user, {"role": "assistant", "content": "  \n "}]},
+        {"messages": [user, {"role": "assistant", "content": "ok"}, user, {"role": "assistant", "content": " "}]},
+        {"messages": [user, {"role": "assistant", "content": "ok"}]},
+    ]
+    src = load("sft", tok, path=write_jsonl(tmp_path / "s.jsonl", chat)).train
+    assert src.skipped == {"empty": 3} and len(src) == 1
+    text = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "q", "completion": "   "}, {"prompt": "q", "completion": "a"}])
+    for template in (True, False):
+        src = load("sft", tok, path=text, chat_template=template).train
+        assert src.skipped == {"empty": 1} and len(src) == 1
+    pairs = [{"prompt": "q", "chosen": " ", "rejected": "no"}, {"prompt": "q", "chosen": "yes", "rejected": "no"}]
+    assert load("preference", tok, path=write_jsonl(tmp_path / "p.jsonl", pairs)).train.skipped == {"empty": 1}
+
+
+def test_a_tool_call_with_empty_text_is_trained(tmp_path):
+    tok = family_tokenizer("qwen2.5")
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}
+    answer = {"role": "assistant", "content": "", "tool_calls": [call]}
+    row = {"messages": [{"role": "user", "content": "2+2?"}, answer]}
+    src = load("sft", tok, path=write_jsonl(tmp_path / "t.jsonl", [row])).train
+    b = src.batch([0])
+    assert src.skipped == {} and masked_segments(tok, b["responses"][0], b["response_mask"][0]) == [
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call><|im_end|>'
+    ]

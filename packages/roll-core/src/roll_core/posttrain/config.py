@@ -43,8 +43,9 @@ class DataConfig:
     # parts (rollout-only's rows.parquet/), or a folder written by datasets' save_to_disk. Local only: nothing is
     # downloaded.
     path: Any = None
-    # Held-out rows (same forms as `path`); null: `eval_size` rows of `path` held out by a stable hash of their
-    # prompt (rows sharing a prompt stay on one side).
+    # Held-out rows (same forms as `path`; a `datasets` folder of train and one other split gives that split, as
+    # `path` takes its train split); null: `eval_size` rows of `path` held out by a stable hash of their prompt (rows
+    # sharing a prompt stay on one side).
     eval_path: Any = None
     # Held-out rows taken from `path` when `eval_path` is null (0: no held-out split).
     eval_size: int = 0

@@ -2,10 +2,13 @@
 
 Preference rows (TRL's forms): `prompt` text or messages with `chosen` / `rejected` text or messages (explicit
 prompt), or no prompt and `chosen` / `rejected` message lists sharing their first messages (implicit prompt: the
-longest common prefix of the two lists, which must end on a non-assistant message). Text prompt and responses
-follow `data.chat_template` like SFT's prompt/completion rows. Both sides tokenise through `SFTTokenizer` (so
-chosen and rejected have the same prompt ids and each response ends with its end-of-turn token) and get the length
-limits; a row whose either side is skipped is skipped.
+longest common prefix of the two lists, which must end on a non-assistant message). Lists that already hold the
+prompt are read as the implicit form, the `prompt` column aside (it would otherwise be rendered twice): beside a
+text prompt, lists that start with a non-assistant message (HuggingFaceH4/ultrafeedback_binarized's layout, as
+TRL's `maybe_extract_prompt` reads it); beside a message-list prompt, lists that start with its messages (same
+roles and contents). Text prompt and responses follow `data.chat_template` like SFT's prompt/completion rows.
+Both sides tokenise through `SFTTokenizer` (so chosen and rejected have the same prompt ids and each response ends
+with its end-of-turn token) and get the length limits; a row whose either side is skipped is skipped.
 
 Rollout rows (`prompt_ids`, `response_ids`, optional `response_mask`, `reward` and/or `correct`, and a prompt id
 column `data.group_key`; rows without one are grouped by their prompt_ids): a sample's score is `correct` (0/1)
@@ -53,7 +56,7 @@ def parse_preference(raw: RawRow, sft: SFTTokenizer) -> Pair:
     row = raw.row
     chosen, rejected = need(row, cfg.chosen_key), need(row, cfg.rejected_key)
     prompt = row.get(cfg.prompt_key)
-    if prompt is None:
+    if prompt is None or _hold_prompt(prompt, chosen, rejected):
         prompt, chosen, rejected = _implicit_prompt(chosen, rejected, cfg)
     sides = []
     for value, key in ((chosen, cfg.chosen_key), (rejected, cfg.rejected_key)):
@@ -78,6 +81,24 @@ def _same(a: TokenRow, b: TokenRow) -> bool:
     return a.response_ids == b.response_ids and a.mask == b.mask
 
 
+def _hold_prompt(prompt: Any, chosen: Any, rejected: Any) -> bool:
+    """Whether `chosen` and `rejected` are whole conversations that already begin with `prompt` (see the module
+    doc): a text prompt beside lists starting with a non-assistant message, or a message-list prompt that both
+    lists start with."""
+    sides = (chosen, rejected)
+    if not all(isinstance(s, (list, tuple)) and s and all(isinstance(m, Mapping) for m in s) for s in sides):
+        return False
+    if isinstance(prompt, str):
+        return all(s[0].get("role") != "assistant" for s in sides)
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping) for m in prompt):
+
+        def turns(messages: Sequence[Mapping[str, Any]]) -> list[tuple[Any, Any]]:
+            return [(m.get("role"), m.get("content")) for m in messages]
+
+        return all(len(s) > len(prompt) and turns(s[: len(prompt)]) == turns(prompt) for s in sides)
+    return False
+
+
 def _implicit_prompt(chosen: Any, rejected: Any, cfg: DataConfig) -> tuple[list, list, list]:
     """(prompt, chosen rest, rejected rest) from two message lists sharing their first messages."""
     c = check_messages(chosen, cfg.chosen_key)
@@ -86,7 +107,8 @@ def _implicit_prompt(chosen: Any, rejected: Any, cfg: DataConfig) -> tuple[list,
     while n < min(len(c), len(r)) and c[n] == r[n]:
         n += 1
     if n == 0:
-        raise SkipRow("no_prompt", f"no {cfg.prompt_key!r} and {cfg.chosen_key!r}/{cfg.rejected_key!r} share no prefix")
+        sides = f"{cfg.chosen_key!r}/{cfg.rejected_key!r}"
+        raise SkipRow("no_prompt", f"{sides} share no first message to take the prompt from")
     if n == len(c) or n == len(r):
         raise SkipRow("same_response", "chosen and rejected are identical (or one extends the other)")
     return c[:n], c[n:], r[n:]

@@ -5,10 +5,12 @@ Contract:
   `rows.parquet/`, a glob of such folders such as a sharded rollout's `rows.shard-*-of-4.parquet`, or a folder
   saved by `datasets.save_to_disk`) in order and returns `RawRow`s (where =
   "file:row", the row as a dict). Local only: a path that does not exist is a `ConfigError` naming the setting
-  (roll never downloads from a hub). An unknown file kind, an unreadable file, or a file with no rows at all is a
-  `ConfigError` too. A row that cannot be read (not UTF-8, not JSON, not an
-  object) is recorded in `Skips` under a short reason code with its location and detail; a file where every row
-  is bad is a `ConfigError` naming the first reason.
+  (roll never downloads from a hub). A `datasets` folder of several splits gives its `train` split to `data.path`
+  and its one other split (test, validation) to `data.eval_path`; other split sets are a `ConfigError` naming
+  them. An unknown file kind, an unreadable file, or a file with no rows at all is a `ConfigError` too. A row that
+  cannot be read (not UTF-8, not JSON, not an object, a CSV record with more fields than the header has columns:
+  its text was split at an unquoted comma) is recorded in `Skips` under a short reason code with its location and
+  detail; a file where every row is bad is a `ConfigError` naming the first reason.
 - `Skips` counts skipped rows per reason (`counts`, the `skipped: dict[str, int]` runs log) and keeps the first
   few details; `check_any(kept, setting)` raises a `ConfigError` naming the first reason when nothing was kept.
 - `stable_fraction(key)` and `held_out(...)`: a deterministic held-out split by a stable hash of each row's
@@ -172,8 +174,17 @@ def _read_file(path: Path, setting: str, skips: Skips) -> list[RawRow]:
     if suffix == ".csv":
         try:
             with open(path, newline="", encoding="utf-8-sig") as f:
-                # line numbers count the header as line 1
-                return [RawRow(f"{name}:{i + 2}", dict(r), str(path)) for i, r in enumerate(csv.DictReader(f))]
+                reader = csv.DictReader(f)
+                out = []
+                for i, r in enumerate(reader):
+                    where = f"{name}:{i + 2}"  # line numbers count the header as line 1
+                    if None in r:  # fields beyond the header's columns: the row's text was split at a comma
+                        cols = len(reader.fieldnames or [])
+                        detail = f"{cols + len(r[None])} fields for {cols} columns (an unquoted comma? quote the field)"
+                        skips.add(where, "unreadable", detail)
+                        continue
+                    out.append(RawRow(where, dict(r), str(path)))
+                return out
         except (UnicodeDecodeError, csv.Error) as exc:
             raise ConfigError(f"{setting}: cannot read {path} as CSV ({exc})") from exc
     raise ConfigError(
@@ -192,10 +203,21 @@ def _read_datasets(path: Path, setting: str) -> list[dict[str, Any]]:
         raise ConfigError(
             f"{setting}: cannot read {path} as a folder written by datasets' save_to_disk ({exc})"
         ) from exc
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds and len(ds) != 1:
-            raise ConfigError(f"{setting}: {path} holds splits {list(ds)} and none is 'train': point at one split")
-        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    if isinstance(ds, datasets.DatasetDict) and len(ds) > 1:
+        # Training rows are the 'train' split; held-out rows the one split beside it (it read 'train' there too:
+        # the held-out metrics were measured on training rows).
+        held = setting.endswith("eval_path")
+        splits = [s for s in ds if s != "train"] if held else [s for s in ds if s == "train"]
+        if len(splits) != 1:
+            which = "the one split beside 'train'" if held else "a 'train' split"
+            hint = next((s for s in ds if s != "train"), next(iter(ds))) if held else next(iter(ds))
+            raise ConfigError(
+                f"{setting}: {path} holds splits {list(ds)}, not {which}: point {setting} at one split's folder "
+                f"({path / hint})"
+            )
+        ds = ds[splits[0]]
+    elif isinstance(ds, datasets.DatasetDict):
+        ds = next(iter(ds.values()))
     return [dict(r) for r in ds]
 
 

@@ -68,8 +68,9 @@ def token_batch(rows: Sequence[TokenRow], pad_id: int) -> dict[str, torch.Tensor
 class RowSource:
     """Tokenised examples of one kind (TokenRows, or Pairs for `preference`) and their batches.
 
-    `skipped` (reason -> rows), `truncated` (responses cut to max_response_length) and `stats` (kind-specific
-    counts, e.g. `prompts_without_pair`) describe how the files were read, for the run's metrics."""
+    `skipped` (reason -> rows), `truncated` (the responses of its examples that were cut to max_response_length,
+    both sides of a pair counted; a row or pair skipped after its cut is not) and `stats` (kind-specific counts, e.g.
+    `prompts_without_pair`) describe how the files were read, for the run's metrics."""
 
     def __init__(
         self,
@@ -78,14 +79,14 @@ class RowSource:
         pad_id: int,
         *,
         skipped: dict[str, int] | None = None,
-        truncated: int = 0,
         stats: dict[str, int] | None = None,
     ) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r} is not one of {', '.join(KINDS)}")
         self.kind, self.items, self.pad_id = kind, list(items), pad_id
         self.skipped = dict(skipped or {})
-        self.truncated = truncated
+        sides = (t for x in self.items for t in ((x.chosen, x.rejected) if isinstance(x, Pair) else (x,)))
+        self.truncated = sum(t.truncated for t in sides)
         self.stats = dict(stats or {})
 
     def __len__(self) -> int:
@@ -158,7 +159,7 @@ def load_rows(
         if not items:
             what = "pairs (every prompt's samples score alike)" if kind == "preference" else "rows"
             raise ConfigError(f"{setting}: no usable {what}")
-        return RowSource(kind, items, pad, skipped=skips.counts, truncated=sft.truncated, stats=stats)
+        return RowSource(kind, items, pad, skipped=skips.counts, stats=stats)
 
     train = load(data.paths, "data.path")
     if data.eval_paths:
@@ -167,8 +168,7 @@ def load_rows(
         keys = [x.key for x in train.items]
         kept, held = held_out(train.items, keys, data.eval_size, "data.path")
         ev = RowSource(kind, held, pad, stats={"held_out": len(held)})
-        train.items = kept
-        return PostTrainData(train, ev)
+        return PostTrainData(RowSource(kind, kept, pad, skipped=train.skipped, stats=train.stats), ev)
     return PostTrainData(train)
 
 

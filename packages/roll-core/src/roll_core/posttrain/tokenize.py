@@ -21,10 +21,13 @@ generation header) with mask 0, and between two assistant turns in a row the fir
 header. An assistant turn whose text the template drops in part (a `<think>` block it strips) is skipped
 (`template_drops_content`): trained as rendered, the model would learn to answer without it. Mask 1 covers
 exactly the trained assistant turns' ids and their end-of-turn tokens; untrained assistant turns after the first
-trained one are context (mask 0); messages after the last trained turn are dropped.
+trained one are context (mask 0); messages after the last trained turn are dropped. An assistant turn to train
+that is blank (empty or whitespace text, no tool calls) is skipped (`empty`), whatever the template renders for it
+(ChatML a bare end-of-turn token, Qwen3 an empty think block): the model would learn to end its turn without
+answering; so is blank text of a prompt, completion or preference response.
 
 Length: a prompt longer than `max_prompt_length` is skipped (`prompt_too_long`); a response region longer than
-`max_response_length` is cut (`truncated`), or skipped (`response_too_long`) when `data.truncate=false`.
+`max_response_length` is cut (`TokenRow.truncated`), or skipped (`response_too_long`) when `data.truncate=false`.
 
 `tokenizer_fingerprint(tokenizer)` hashes the vocabulary and tokenisation model, the special tokens and the chat
 template, so a teacher's and a student's tokenizers can be compared by a string.
@@ -53,8 +56,9 @@ SFT_FORMATS = ("messages", "prompt_completion", "tokens")
 @dataclass
 class TokenRow:
     """One tokenised example: `prompt_ids`, `response_ids` and the 0/1 loss `mask` over them, where it came from,
-    `key` (its prompt, for the held-out split and pairing), and `aligned` sequences (first dimension: one item per
-    response token, e.g. a teacher's top-k as an (R, K) tensor) that are cut with the response."""
+    `key` (its prompt, for the held-out split and pairing), `aligned` sequences (first dimension: one item per
+    response token, e.g. a teacher's top-k as an (R, K) tensor) that are cut with the response, and `truncated`
+    (the length limit cut its response)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -62,6 +66,7 @@ class TokenRow:
     where: str = ""
     key: str = ""
     aligned: dict[str, list[Any]] = field(default_factory=dict)
+    truncated: bool = False
 
 
 # ---- format detection -------------------------------------------------------------------------------------------
@@ -139,9 +144,17 @@ def check_messages(value: Any, key: str) -> list[dict[str, Any]]:
 
 
 def check_text(value: Any, key: str) -> str:
-    if not isinstance(value, str) or not value:
+    if not isinstance(value, str):
         raise SkipRow("wrong_type", f"{key!r} must be non-empty text or a list of messages, got {str(value)[:60]}")
+    if not value.strip():
+        raise SkipRow("empty", f"{key!r} is blank ({value!r})")
     return value
+
+
+def blank(message: Mapping[str, Any]) -> bool:
+    """Whether a message says nothing: text content that is empty or whitespace, and no tool calls."""
+    content = message.get("content")
+    return isinstance(content, str) and not content.strip() and not message.get("tool_calls")
 
 
 # ---- chat rendering ---------------------------------------------------------------------------------------------
@@ -223,6 +236,10 @@ class ChatEncoder:
             i = first
             while i <= last:
                 if clean[i]["role"] == "assistant":
+                    if trained[i] and blank(clean[i]):
+                        # some templates render it as a bare end of turn (Qwen3 an empty think block before it):
+                        # the model would learn to end its turn without answering
+                        raise SkipRow("empty", f"assistant message {i} to train is blank ({clean[i]['content']!r})")
                     ids = self.assistant_ids(clean[:i], clean[i], tools)
                     response += ids
                     mask += [int(trained[i])] * len(ids)
@@ -277,7 +294,6 @@ class SFTTokenizer:
         self.max_prompt, self.max_response = max_prompt_length, max_response_length
         self.vocab = len(tokenizer)
         self._chat: ChatEncoder | None = None
-        self.truncated = 0
 
     @property
     def chat(self) -> ChatEncoder:
@@ -358,7 +374,7 @@ class SFTTokenizer:
             n = self.max_response
             row.response_ids, row.mask = row.response_ids[:n], row.mask[:n]
             row.aligned = {k: v[:n] for k, v in row.aligned.items()}
-            self.truncated += 1
+            row.truncated = True  # counted by the RowSource that keeps it (a row skipped after its cut is not)
         if not any(row.mask):
             raise SkipRow("no_trained_tokens", "no response token has loss mask 1")
         return row
