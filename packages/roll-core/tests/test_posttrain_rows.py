@@ -104,6 +104,32 @@ def test_chat_rows_train_exactly_the_assistant_turns(tmp_path, family):
     check_layout(batch, src.pad_id)
 
 
+def test_openai_weight_zero_turns_are_context_like_train_false(tmp_path):
+    """OpenAI's fine-tuning files mark assistant turns not to learn with `"weight": 0`: read like `"train": false`
+    (the key was ignored and those turns were trained); a weight other than 0/1, or one contradicting `train`, is a
+    counted wrong_type skip."""
+    tok = TOKS["chatml"]
+    end = END["chatml"]
+
+    def chat(weight: object, **extra: object) -> dict:
+        return {
+            "messages": [
+                {"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": "I will not say.", "weight": weight, **extra},
+                {"role": "user", "content": "Please?"},
+                {"role": "assistant", "content": "It is 4.", "weight": 1},
+            ]
+        }
+
+    rows = [chat(0), chat(0.5), chat(1, train=False), chat(1)]
+    src = load("sft", tok, path=write_jsonl(tmp_path / "openai.jsonl", rows)).train
+    assert len(src) == 2 and src.skipped == {"wrong_type": 2}
+    segments = [
+        masked_segments(tok, src.batch([i])["responses"][0], src.batch([i])["response_mask"][0]) for i in (0, 1)
+    ]
+    assert sorted(segments) == [["I will not say." + end, "It is 4." + end], ["It is 4." + end]]
+
+
 def test_qwen3_thinking_as_the_template_renders_it(tmp_path):
     tok = TOKS["qwen3"]
     rows = [{"messages": [{"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]}]

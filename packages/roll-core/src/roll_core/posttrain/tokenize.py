@@ -2,7 +2,8 @@
 
 Row forms (`detect_format` picks one per file from its columns, or `data.format` names it):
 - `messages`: `{"messages": [{"role", "content"}, ...]}` (optional `tools` column). Every assistant message is
-  trained unless it has `"train": false` (a `train` that is not true, false or null is a `wrong_type` skip);
+  trained unless it has `"train": false` or OpenAI's `"weight": 0` (a `train` that is not true, false or null, or
+  a `weight` that is not 0 or 1, is a `wrong_type` skip);
   system / user / tool messages are context.
 - `prompt_completion`: `{"prompt": str | messages, "completion": str | messages}` (TRL's standard and
   conversational forms). Text with `data.chat_template=true` becomes a user message and an assistant message;
@@ -227,7 +228,7 @@ class ChatEncoder:
         first, last = idx[0], idx[-1]
         if first == 0:
             raise SkipRow("no_prompt", "the conversation starts with the assistant turn to train: it has no prompt")
-        clean = [{k: v for k, v in m.items() if k != "train"} for m in messages]
+        clean = [{k: v for k, v in m.items() if k not in ("train", "weight")} for m in messages]
         try:
             prompt = self.turns.initial_messages(clean[:first], tools)
             response: list[int] = []
@@ -279,11 +280,20 @@ def _kept(content: str, rendered: str) -> bool:
 
 def train_flag(message: Mapping[str, Any]) -> bool:
     """A message's `train` flag: true, false, or absent/null (trained); any other value is a counted skip (`0` or
-    `"false"` read as true would train a turn the data says not to)."""
+    `"false"` read as true would train a turn the data says not to). OpenAI's fine-tuning files say the same with
+    `"weight": 0` or `1` on assistant messages: read alike (it was ignored, and a turn weighted 0 trained); a
+    weight of another value, or one that contradicts `train`, is a counted skip."""
     flag = message.get("train")
-    if flag is None or isinstance(flag, bool):
+    if flag is not None and not isinstance(flag, bool):
+        raise SkipRow("wrong_type", f"a message's 'train' is {flag!r}: use true or false")
+    weight = message.get("weight")
+    if weight is None:
         return flag is not False
-    raise SkipRow("wrong_type", f"a message's 'train' is {flag!r}: use true or false")
+    if isinstance(weight, bool) or weight not in (0, 1):
+        raise SkipRow("wrong_type", f"a message's 'weight' is {weight!r}: OpenAI's format takes 0 or 1")
+    if flag is not None and flag != bool(weight):
+        raise SkipRow("wrong_type", f"a message says 'train': {flag} and 'weight': {weight}")
+    return bool(weight)
 
 
 class SFTTokenizer:
