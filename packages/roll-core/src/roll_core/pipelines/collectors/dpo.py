@@ -9,7 +9,8 @@ and its rejected at 2i+1 (`pair_index`, `is_chosen`), and `row_id` = 2 x the pai
 sample from the policy (`on_policy = False`): the weights reach the inference engines only before evaluations.
 
 Evaluation: the held-out pairs (`data.eval_path`, or `data.eval_size` pairs held out of `data.path`) scored by the
-actor (`ctx.train`): eval/dpo_accuracy (pairs whose implicit reward margin is > 0), eval/dpo_loss and
+actor (`ctx.train`): eval/dpo_accuracy (pairs whose implicit reward margin is > 0), eval/dpo_loss (as dpo/loss:
+the preference loss + dpo.sft_weight x eval/dpo_nll), eval/dpo_preference_loss, eval/dpo_nll and
 eval/dpo_margin, against reference log-probs computed when the collector is built, i.e. by the actor's initial
 weights (the reference: the model the run starts from; with LoRA its base, adapters off) before any update or
 checkpoint restore; and, with `dpo.generate_eval`, one sample per held-out problem of the env task
@@ -185,9 +186,14 @@ class DPOCollector:
         lengths = mask.sum(-1).float()
         ref = self.eval_ref
         loss, m = preference_loss(**pair_arguments(d, seq, ref, lengths))
+        # The training objective's terms (dpo/loss, dpo/preference_loss, dpo/nll): with dpo.sft_weight > 0 (RPO)
+        # eval/dpo_loss left out the NLL term and was not the quantity dpo/loss is.
+        nll = -float(seq[0::2].sum()) / max(float(lengths[0::2].sum()), 1.0)
         return {
             "eval/dpo_accuracy": float(m["reward_accuracy"]),
-            "eval/dpo_loss": float(loss.mean()),
+            "eval/dpo_loss": float(loss.mean()) + d.sft_weight * nll,
+            "eval/dpo_preference_loss": float(loss.mean()),
+            "eval/dpo_nll": nll,
             "eval/dpo_margin": float(m["reward_margin"]),
             "eval/dpo_pairs": float(len(batch) // 2),
         }
