@@ -206,6 +206,18 @@ def test_reward_scores_the_fraction_met_and_counts_what_failed() -> None:
     assert strict.scores == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0] and strict.correct == res.correct
 
 
+def test_rows_with_bad_constraints_are_failed_not_wrong() -> None:
+    """A row whose constraints are missing or malformed was not judged: `failed`, which the reward guard counts in
+    failed_unscored, so a data set whose constraints never arrive stops the run (it trained on 0 for every row)."""
+    from roll_core.cluster.reward_guard import GuardedReward, all_rows_failed
+
+    answers = [json.dumps(FOUR), '[{"type": "nope"}]', "not json", ""]
+    res = InstructionReward().score(["the sea is calm."] * 4, answers)
+    assert res.failed == [False, True, True, True] and res.counters["bad_constraints"] == 3
+    guarded = GuardedReward(InstructionReward(), isolation="inline").score(["a", "b"], ["", "[oops"])
+    assert all_rows_failed(guarded.counters) and guarded.counters["failed_unscored"] == 2
+
+
 def test_reward_reads_metadata_before_the_answer() -> None:
     reward = InstructionReward()
     upper = [{"type": "case", "mode": "upper"}]

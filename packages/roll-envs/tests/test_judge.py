@@ -284,6 +284,24 @@ def test_in_the_reward_guards_forked_child(server: ChatServer) -> None:
         down.close()
 
 
+def test_rows_the_judge_never_answered_are_failed_not_wrong(server: ChatServer) -> None:
+    """A judge that times out, errs or cannot be rendered on some rows: those rows' invalid_score is a fallback, so
+    they are `failed` (the guard's failed_unscored, which the failure budget sees), while an invalid verdict is
+    the judge's answer and stays scored (the rows were trained on as wrong answers, the budget never saw them)."""
+    from roll_core.cluster.reward_guard import GuardedReward, all_rows_failed
+
+    rows = ["good", "babble", "slow", "broken", "garbage", "good"]
+    meta: list[dict[str, Any]] = [{"domain": "d"}] * 5 + [{}]  # the last row cannot be rendered
+    res = _reward(server.url, max_retries=0).score(rows, ["4"] * 6, ["q"] * 6, meta)
+    assert res.scores == pytest.approx([0.9, -1.0, -1.0, -1.0, -1.0, -1.0])
+    assert res.failed == [False, False, True, True, True, True]
+    guarded = GuardedReward(_reward(server.url, max_retries=0), isolation="inline", timeout_s=5, batch_timeout_s=10)
+    res = guarded.score(["good", "slow"], ["4", "4"], prompts=["q", "q"], metadata=[{"domain": "d"}] * 2)
+    assert res.counters["failed_unscored"] == res.counters["failed_rows"] == 1
+    res = guarded.score(["good", "babble"], ["4", "4"], prompts=["q", "q"], metadata=[{}] * 2)
+    assert all_rows_failed(res.counters) and res.counters["judge_render_errors"] == 2
+
+
 class TestJudgeReward(RewardTestSuite):
     """The reward contract (roll_core.testing.rewards) over a judge server that gives 10 when the response equals
     the reference answer and 0 otherwise; malformed responses travel to it and back as JSON."""

@@ -167,6 +167,7 @@ def test_retries_then_scores(server: Any) -> None:
         "remote_timeouts": 0,
         "remote_errors": 0,
         "remote_malformed": 0,
+        "remote_failed": 0,
         "remote_retries": 2,
         "unscored": 0,
     }
@@ -321,6 +322,32 @@ def test_the_server_gives_prompts_and_metadata_to_a_reward_that_declares_them() 
             ["p1", "p2", "x"], ["", "", ""], prompts=["p1", "p2", "p3"], metadata=[{"domain": "math"}, {}, {}]
         )
     assert (res.scores, res.formatted) == ([1.0, 0.0, 0.0], [1.0] * 3)
+
+
+class _HalfBroken:
+    """A code verifier whose sandbox broke on odd rows: those are `failed` (a fallback 0, not a verdict)."""
+
+    def score(self, responses, answers):
+        from roll_core.interfaces import RewardResult
+
+        n = len(responses)
+        bad = [i % 2 == 1 for i in range(n)]
+        ok = [float(r == a and not f) for r, a, f in zip(responses, answers, bad)]
+        return RewardResult(ok, ok, [1.0] * n, counters={"sandbox_errors": sum(bad)}, failed=bad)
+
+
+def test_rows_the_served_reward_could_not_score_arrive_unscored() -> None:
+    """The served reward's `failed` flags travel with the reply: those rows are unscored on the client (error_score,
+    counted, the guard's failed rows), not wrong answers trained on (the server dropped the flags)."""
+    with serve_in_thread(_HalfBroken()) as served:
+        reward = _remote(served.url, error_score=-1.0)
+        res = reward.score(["a", "b", "c", "d"], ["a", "b", "x", "d"])
+        assert res.scores == [1.0, -1.0, 0.0, -1.0] and res.correct == [1.0, 0.0, 0.0, 0.0]
+        assert res.failed == [False, True, False, True]
+        assert (res.counters["remote_failed"], res.counters["unscored"], res.counters["sandbox_errors"]) == (2, 2, 2)
+        assert res.counters["remote_malformed"] == 0 and "could not score" in reward.last_failure
+        guarded = GuardedReward(reward, isolation="inline").score(["a", "b"], ["a", "b"])
+        assert guarded.counters["failed_unscored"] == guarded.counters["failed_rows"] == 1
 
 
 @cache

@@ -84,6 +84,28 @@ def test_math_reward_scores_and_counts() -> None:
     assert res.counters["no_boxed"] == 2
 
 
+def test_majority_vote_counts_one_value_written_several_ways_once() -> None:
+    """roll-eval's maj@n votes on `extract_answer`: samples boxing 1,000 / 1000 / 1000.0 / 1 000 agree (the reward
+    grades each right), so they outvote two wrong 999s; as raw boxed strings they split and 999 won."""
+    from roll_core.eval_metrics import summarize
+
+    reward = MathReward()
+    boxed = ["1,000", "999", "1000", "999", "1000.0", "1 000"]
+    responses = [f"so \\boxed{{{b}}}" for b in boxed]
+    res = reward.score(responses, ["1000"] * len(boxed))
+    assert res.correct == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+    rows = [
+        {"index": 0, "sample": j, "correct": c, "reward": c, "length": 1, "finish_reason": "stop", "formatted": 1.0}
+        | {"extracted": reward.extract_answer(r)}
+        for j, (r, c) in enumerate(zip(responses, res.correct))
+    ]
+    assert summarize(rows, [1])["maj"] == 1.0
+    assert [reward.extract_answer(r) for r in responses] == ["1000", "999", "1000", "999", "1000", "1000"]
+    same = [r"\boxed{\dfrac{1}{2}}", r"\boxed{\tfrac{1}{2}}", r"\boxed{\frac{1}{2}}", r"\boxed{0.50}", r"\boxed{-0.5}"]
+    assert [reward.extract_answer(r) for r in same] == [r"\frac{1}{2}"] * 3 + ["0.5", "-0.5"]
+    assert reward.extract_answer("no box") is None and reward.extract_answer(r"\boxed{x+1}") == "x+1"
+
+
 def test_empty_box_earns_no_format_bonus() -> None:
     res = MathReward(format_weight=0.2, last_number_weight=0.5).score(
         [r"The answer is \boxed{} 7", r"\boxed{}"], ["7", "7"]

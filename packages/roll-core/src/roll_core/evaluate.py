@@ -12,9 +12,9 @@ problems and seeds), whatever the run's `infer_engine.world_size` (evaluation ru
 N engines samples what one engine samples: `InferGroup.generate`).
 
 Majority vote needs each response's extracted answer: the task's `extract_answer(response) -> str | None`, else
-its reward's (the math reward's: the last non-empty \\boxed{}). A task with neither reports maj@n as None and says
-so once in the log. Problems whose prompt exceeds `model.max_prompt_length` are skipped, counted
-(`skipped_problems`) and logged, never truncated.
+its reward's (the math reward's: the last non-empty \\boxed{}, plain numbers in one spelling: 1,000 = 1000). A task
+with neither reports maj@n as None and says so once in the log. Problems whose prompt exceeds
+`model.max_prompt_length` are skipped, counted (`skipped_problems`) and logged, never truncated.
 
 Agentic tasks (env=sokoban, ...): one episode per held-out environment seed, through the agentic collector's
 evaluation, reporting success rate, mean turns and the invalid-action rate (n must be 1); agent programs

@@ -45,7 +45,9 @@ Definitions (what each checker counts; tests/test_ifeval.py checks each by hand)
 when given, else from `answers[i]` (the list as JSON). Scores: the fraction of the row's constraints met (1 or 0
 with `all_or_nothing`); `correct` = 1 when all are met; `formatted` = 1 when the response is not blank. A blank
 response meets no constraint (a forbidden word is trivially absent from nothing). Rows whose constraints are
-missing or invalid score 0 and are counted (`bad_constraints`, with the first reason logged), never raised on;
+missing or invalid score 0 and are counted (`bad_constraints`, with the first reason logged), never raised on, and
+are marked `RewardResult.failed` (a malformed ground truth says nothing about the response: the reward guard counts
+such rows in `failed_unscored`, so data whose constraints never arrive stops the run instead of training on 0);
 `unmet_<type>` counts the unmet constraints of each type present in the batch.
 """
 
@@ -364,18 +366,20 @@ class InstructionReward(Reward):
                 + ("" if metadata is None else f", {len(metadata)} metadata rows")
             )
         counters = {"bad_constraints": 0, "empty_response": 0, "check_errors": 0}
-        scores, correct, formatted = [], [], []
+        scores, correct, formatted, failed = [], [], [], []
         for i, (response, answer) in enumerate(zip(responses, answers)):
             meta = metadata[i] if metadata is not None else None
             source = meta["constraints"] if isinstance(meta, Mapping) and "constraints" in meta else answer
             nonblank = bool(response.strip())
             formatted.append(float(nonblank))
+            failed.append(False)
             try:
                 constraints = parse_constraints(source)
             except ValueError as exc:
                 if not counters["bad_constraints"]:
                     log.warning("ifeval reward: row %d has bad constraints (scored 0): %s", i, exc)
                 counters["bad_constraints"] += 1
+                failed[-1] = True
                 scores.append(0.0)
                 correct.append(0.0)
                 continue
@@ -395,7 +399,7 @@ class InstructionReward(Reward):
             all_met = met == len(constraints)
             scores.append(float(all_met) if self.all_or_nothing else met / len(constraints))
             correct.append(float(all_met))
-        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters)
+        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters, failed=failed)
 
 
 @dataclass

@@ -29,7 +29,10 @@ works: the engine is built in the child, the worker itself never loads it.
 
 Failures never end the run: a request that times out counts in `judge_timeouts`, one that fails (HTTP error after
 retries, a malformed reply, an engine error) in `judge_errors`, a row whose metadata lacks a key the template names
-in `judge_render_errors`; each such row scores `invalid_score`. `judge_retries` counts retried requests. When no row
+in `judge_render_errors`; each such row scores `invalid_score` and is marked `RewardResult.failed` (the judge never
+saw or never answered it: its score is a fallback, not a verdict, which the reward guard counts in
+`failed_unscored` and the run's failure budget sees). An invalid verdict is the judge's answer to the response and
+is scored, not failed. `judge_retries` counts retried requests. When no row
 of a batch got a reply at all (the judge is down), `score` raises `JudgeUnavailableError`: the reward worker's guard
 (roll_core.cluster.reward_guard) then counts the rows as failed, and the run's reward failure budget stops a run
 whose judge stays down instead of training on constant scores.
@@ -470,6 +473,7 @@ class JudgeReward(Reward):
         if prompts is None and "prompt" in self.spec.fields:
             raise ValueError("the judge's template names {prompt}: pass prompts= (the reward role does)")
         counters = dict.fromkeys(COUNTERS, 0)
+        failed = [False] * n  # rows the judge never saw or never answered (module docstring)
         conversations, rows = [], []
         for i in range(n):
             meta = metadata[i] if metadata is not None else {}
@@ -478,12 +482,14 @@ class JudgeReward(Reward):
                 conversations.append(self.spec.messages(str(prompt), str(responses[i]), str(answers[i]), meta))
                 rows.append(i)
             except (KeyError, IndexError) as exc:
+                failed[i] = True
                 counters["judge_render_errors"] += 1
                 self._log_once("render", "judge template cannot be filled for a row (%s); row scored invalid", exc)
         replies = self.backend.complete(conversations) if conversations else []
         verdicts: list[float | None] = [None] * n
         for i, reply in zip(rows, replies):
             counters["judge_retries"] += reply.retries
+            failed[i] = reply.kind != "ok"
             if reply.kind == "timeout":
                 counters["judge_timeouts"] += 1
                 self._log_once("timeout", "judge request timed out (%s)", reply.detail)
@@ -505,7 +511,7 @@ class JudgeReward(Reward):
         scores = [self.invalid_score if v is None else v for v in verdicts]
         correct = [float(v is not None and threshold is not None and v >= threshold) for v in verdicts]
         formatted = [float(v is not None) for v in verdicts]
-        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters)
+        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters, failed=failed)
 
     def close(self) -> None:
         """Stop the judge engine (engine backend) started in this process."""

@@ -15,6 +15,10 @@ Scoring (per response):
   where SIGALRM works again, and a deadline of three times `timeout_s` kills the child if even that fails (a hang
   in C code); a killed child is forked again for the next answer.
 
+`extract_answer` (roll-eval's majority vote) gives the boxed answer in one spelling per value where that is
+certain, so that samples agreeing on a value vote together: a plain number in canonical decimal form (`1,000`,
+`1 000`, `1000.0` -> `1000`; `0.50` -> `0.5`), `\\dfrac`/`\\tfrac` as `\\frac`; anything else as boxed.
+
 Covers: numbers, fractions, LaTeX expressions math-verify understands. Does not cover: free-form proofs.
 """
 
@@ -26,7 +30,7 @@ from collections.abc import Sequence
 
 from roll_core.isolation import CallTimeout, ChildError, ForkedWorker
 from roll_envs.boxed import extract_boxed
-from roll_envs.numeric import numbers_equal
+from roll_envs.numeric import numbers_equal, parse_number
 from roll_envs.rewards.base import Reward, RewardResult
 
 #: A decimal number; a minus sign right after a digit, letter or closing bracket is a hyphen or an operator ("pages
@@ -52,6 +56,24 @@ def last_number(text: str) -> str | None:
         if not (_PART.search(before) or _PART_AFTER.match(after)):
             return m.group().replace(",", "")
     return None
+
+
+#: Fraction commands that mean `\frac` (a vote key spells them one way).
+_FRAC = re.compile(r"\\[dt]frac(?![a-zA-Z])")
+
+
+def canonical_answer(boxed: str) -> str:
+    """One spelling of a boxed answer per value where that is certain (module docstring): plain numbers in
+    canonical decimal form, `\\dfrac`/`\\tfrac` as `\\frac`, anything else stripped but unchanged."""
+    text = boxed.strip()
+    plain = _GROUP_SPACE.sub("", text)
+    if _NUMBER.fullmatch(plain):
+        value = parse_number(plain)
+        if value.denominator == 1:
+            return str(value.numerator)
+        whole, _, digits = plain.replace(",", "").lstrip("-").partition(".")  # a decimal, not an integer
+        return f"{'-' if value < 0 else ''}{int(whole or '0')}.{digits.rstrip('0')}"
+    return _FRAC.sub(r"\\frac", text)
 
 
 def _same_number(a: str, b: str) -> bool:
@@ -117,9 +139,10 @@ class MathReward(Reward):
         return False
 
     def extract_answer(self, response: str) -> str | None:
-        """The answer this reward grades: the last non-empty \\boxed{} (None without one); roll-eval's majority
-        vote counts these."""
-        return extract_boxed(response) or None
+        """The answer this reward grades: the last non-empty \\boxed{} in one spelling per value
+        (`canonical_answer`; None without one); roll-eval's majority vote counts these."""
+        boxed = extract_boxed(response) or None
+        return None if boxed is None else canonical_answer(boxed)
 
     def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
         if len(responses) != len(answers):

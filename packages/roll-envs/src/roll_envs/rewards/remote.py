@@ -5,11 +5,13 @@ Protocol (JSON over HTTP POST to `url`; `roll_envs.rewards.serve` is a reference
   `batch_size` rows per request (a `score` call of more rows sends several requests, at most `max_concurrency` in
   flight at once). `prompt` is the problem's prompt text, `metadata` the row's metadata (its `domain` and every
   other column of its data row; values JSON cannot hold are sent as their `str()`).
-- reply (status 200): `{"rows": [{"score": float, "correct"?: 0|1, "formatted"?: 0|1}, ...]}`, one row per request
-  row in the same order; a row may also be a bare number, and the whole reply a bare list of numbers
-  (`[0.5, 1.0]`). A row without `correct` is correct when its score >= `correct_threshold`; without `formatted`
-  it is formatted when it is correct. An optional `"counters": {"name": int}` adds the service's own failure
-  counts (a math verifier's `timeouts`) to the result's counters.
+- reply (status 200): `{"rows": [{"score": float, "correct"?: 0|1, "formatted"?: 0|1, "failed"?: bool}, ...]}`, one
+  row per request row in the same order; a row may also be a bare number, and the whole reply a bare list of
+  numbers (`[0.5, 1.0]`). A row without `correct` is correct when its score >= `correct_threshold`; without
+  `formatted` it is formatted when it is correct. `"failed": true` says the service's reward could not score the
+  row (its score is a fallback, not a verdict: a code verifier whose sandbox broke, a malformed ground truth). An
+  optional `"counters": {"name": int}` adds the service's own failure counts (a math verifier's `timeouts`, a code
+  verifier's `sandbox_errors`) to the result's counters.
 
 Failures are counted rows, never an exception out of `score`. A failed row scores `error_score`, with
 correct = formatted = 0, counts in `unscored` (roll-core's reward guard counts those rows in `failed_rows`, so a
@@ -20,6 +22,7 @@ except `remote_retries`):
 - `remote_errors`: connection errors, or an HTTP status other than 200 (the last try's);
 - `remote_malformed`: a reply that is not JSON or has the wrong number of rows (every row of the request), or a
   row whose score is missing, not a number or not finite, or whose `correct`/`formatted` is not 0/1 (that row);
+- `remote_failed`: a row the reply marks `"failed": true` (the service's counters say why);
 - `remote_retries`: requests sent again. Connection errors, timeouts, 429 and 5xx are retried up to `max_retries`
   times, after `backoff_s * 2**try` seconds (+-50% jitter, at most `max_backoff_s`) or the reply's Retry-After
   (seconds, at most `max_backoff_s`); any other status and malformed replies are not retried.
@@ -56,7 +59,7 @@ log = logging.getLogger(__name__)
 
 AIOHTTP = Extra("aiohttp", "env/reward=remote (an HTTP verifier service)", "aiohttp", "roll-envs[remote]")
 #: Counters every result carries (0 when nothing failed), so the metrics are continuous.
-COUNTERS = ("remote_timeouts", "remote_errors", "remote_malformed", "remote_retries", "unscored")
+COUNTERS = ("remote_timeouts", "remote_errors", "remote_malformed", "remote_failed", "remote_retries", "unscored")
 #: Statuses worth another try besides 5xx (429: rate limited).
 _RETRY_STATUSES = {429}
 #: Characters of a failed reply's body kept in the log line.
@@ -295,6 +298,11 @@ class RemoteReward(Reward):
             self._add_counters(reply.get("counters"), counters)
         out: list[tuple[float, float, float] | None] = []
         for i, row in enumerate(rows):
+            if isinstance(row, dict) and row.get("failed") is True:  # the service's reward could not score it
+                counters["remote_failed"] += 1
+                self._fail("remote_failed", f"reply row {i}: the service could not score it (see its counters)")
+                out.append(None)
+                continue
             try:
                 out.append(self._row(row))
             except (ValueError, OverflowError) as exc:  # OverflowError: an integer too large for a float

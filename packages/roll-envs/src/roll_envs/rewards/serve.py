@@ -9,8 +9,10 @@ checked against its config schema, the `env.reward` keys) or a class path (`my_p
 passed to its constructor as they are). Values are YAML (`-o timeout_s=5`, `-o headers={a: b}`).
 
 Protocol (roll_envs.rewards.remote): POST `/score` (or `/`) with `{"rows": [{"response", "answer", "prompt"?,
-"metadata"?}, ...]}`; the reply is `{"rows": [{"score", "correct", "formatted"}, ...], "counters": {...}}` (the
-reward's own failure counters; a non-finite score is sent as null, which the client counts as malformed). A
+"metadata"?}, ...]}`; the reply is `{"rows": [{"score", "correct", "formatted", "failed"?}, ...], "counters": {...}}`
+(the reward's own failure counters; a non-finite score is sent as null, which the client counts as malformed; a
+row the reward could not score, its `RewardResult.failed` flag, carries `"failed": true`, which the client counts
+as unscored instead of training on its fallback score: a code verifier whose sandbox broke). A
 malformed request gets 400 with `{"error": message}`, more than `--max-rows` rows 413, a reward that raised 500
 (the client retries 5xx). `prompt` and `metadata` reach the reward when its `score` declares them. GET `/health`
 answers `{"status": "ok", "reward": name}`.
@@ -154,9 +156,11 @@ def make_app(reward: Reward, *, name: str = "reward", threads: int = 1, max_rows
         res = reward.score(responses, answers, **reward_kwargs(reward, prompts=prompts, metadata=metadata))
         if len(res.scores) != len(responses):
             raise RuntimeError(f"the reward returned {len(res.scores)} scores for {len(responses)} rows")
+        failed = list(res.failed) if res.failed is not None else [False] * len(res.scores)
         out = [
             {"score": float(s) if math.isfinite(s) else None, "correct": float(c), "formatted": float(f)}
-            for s, c, f in zip(res.scores, res.correct, res.formatted)
+            | ({"failed": True} if bad else {})
+            for s, c, f, bad in zip(res.scores, res.correct, res.formatted, failed)
         ]
         return {"rows": out, "counters": {k: int(v) for k, v in res.counters.items()}}
 
