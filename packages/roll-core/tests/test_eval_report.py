@@ -161,3 +161,22 @@ def test_eval_targets_labels_and_plot_axis(tmp_path: Path) -> None:
         expand_targets([str(empty)])
     with pytest.raises(ConfigError, match="needs a model"):
         expand_targets([])
+
+
+def test_roll_eval_names_rows_the_reward_could_not_score(capsys: pytest.CaptureFixture) -> None:
+    """A reward that failed on some rows (a verifier down for part of the run): the accuracy counts them wrong, so
+    roll-eval says how many and why (it said nothing unless every row failed); the exit status stays 0. Every row
+    failed: exit 1 and the one line it had."""
+    from types import SimpleNamespace
+
+    from roll_core.cli import _reward_failures
+
+    some = {"reward_counters": {"rows": 8, "failed_rows": 3, "failed_timeout": 3}}
+    none = {"reward_counters": {"rows": 8, "failed_rows": 0}}
+    assert _reward_failures([(SimpleNamespace(label="a"), some), (SimpleNamespace(label="b"), none)]) == 0
+    err = capsys.readouterr().err
+    assert "could not score 3 of 8 rows of a (timeout 3): they count as wrong" in err and " of b " not in err
+    every = {"reward_counters": {"rows": 4, "failed_rows": 4, "failed_exception": 4}}
+    assert _reward_failures([(SimpleNamespace(label="c"), every)]) == 1
+    err = capsys.readouterr().err
+    assert "failed on every row of c (4 rows; exception 4)" in err and "could not score" not in err

@@ -304,13 +304,28 @@ def _reward_failures(results: list[Any]) -> int:
     from roll_core.cluster.reward_guard import all_rows_failed
 
     failed = [(t, r["reward_counters"]) for t, r in results if all_rows_failed(r.get("reward_counters") or {})]
+
+    def causes(c: dict[str, Any]) -> str:
+        return ", ".join(
+            f"{k.removeprefix('failed_')} {v}"
+            for k, v in c.items()
+            if k.startswith("failed_") and k != "failed_rows" and v
+        )
+
     for t, c in failed:
-        causes = ", ".join(f"{k.removeprefix('failed_')} {v}" for k, v in c.items() if k.startswith("failed_") and v)
         print(
-            f"roll-eval: the reward failed on every row of {t.label} ({c.get('rows', 0)} rows; {causes}): its "
+            f"roll-eval: the reward failed on every row of {t.label} ({c.get('rows', 0)} rows; {causes(c)}): its "
             "accuracy says nothing; fix the reward (see the warnings above) and evaluate again",
             file=sys.stderr,
         )
+    for t, r in results:  # some rows only: the accuracy stands, lowered by rows that were never graded
+        c = r.get("reward_counters") or {}
+        if c.get("failed_rows", 0) and not all_rows_failed(c):
+            print(
+                f"roll-eval: the reward could not score {c['failed_rows']} of {c.get('rows', 0)} rows of {t.label} "
+                f"({causes(c)}): they count as wrong in its accuracy; see the warnings above",
+                file=sys.stderr,
+            )
     return 1 if failed else 0
 
 
