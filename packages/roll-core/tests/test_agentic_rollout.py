@@ -1,5 +1,6 @@
 """The multi-turn rollout loop's episode limits: every way an episode ends is recorded with its reason, the context
-never exceeds max_context_length, and responses cut by the per-turn token limit are counted.
+never exceeds max_context_length, responses cut by the per-turn token limit are counted, and a trajectory ends with
+its last response. Training on episodes refuses structured outputs (the trainer could not replay them per turn).
 
 The inference side is a scripted request engine (fixed response lengths, honest finish reasons) so each limit is
 hit at a known turn; the real engines run the same loop in tests/e2e/test_agentic.py."""
@@ -61,12 +62,12 @@ class ScriptedEngine:
         return fut
 
 
-def _run(limits: EpisodeLimits, lengths: list[int], corridor: int = 100, episodes: int = 2):
+def _run(limits: EpisodeLimits, lengths: list[int], corridor: int = 100, episodes: int = 2, **sampling: Any):
     tok = build_tiny_tokenizer()
     engine = ScriptedEngine(tok, lengths)
     envs = EnvManager(lambda: Corridor(corridor), 0, step_timeout_s=10)
     rollout = AgenticRollout(engine, envs, TurnTemplate(tok, "Walk."), tok, limits)
-    trajs = rollout.run(list(range(episodes)), [0] * episodes, SamplingParams(max_new_tokens=999))
+    trajs = rollout.run(list(range(episodes)), [0] * episodes, SamplingParams(max_new_tokens=999, **sampling))
     return trajs, engine
 
 
@@ -98,6 +99,77 @@ def test_responses_cut_by_the_turn_limit_are_counted_and_go_to_the_environment()
     assert all(sum(t.mask) == 2 + 5 + 3 + 5 for t in trajs)
     m = _episode_metrics(trajs, None, None)
     assert m["episode/cut_turn_rate"] == pytest.approx(0.5) and m["episode/end_max_turns"] == 1.0
+
+
+def test_the_last_allowed_turn_ends_the_trajectory_with_its_response() -> None:
+    """No turn reads the observation after the last allowed one: it is not appended (it lengthened every training
+    sequence), so an episode whose turns all fit ends `max_turns` where that observation would not have fit."""
+    limits = EpisodeLimits(max_turns=2, max_context_length=2048, max_tokens_per_turn=4)
+    (full, _), _ = _run(limits, [3])
+    assert (full.end, full.turns, full.mask[-3:], full.turn_ids[-1]) == ("max_turns", 2, [1, 1, 1], 1)
+    tight = EpisodeLimits(max_turns=2, max_context_length=full.length + 1, max_tokens_per_turn=4)
+    trajs, _ = _run(tight, [3])
+    assert [(t.end, t.turns, t.tokens, t.cut_turns) for t in trajs] == [("max_turns", 2, full.tokens, 0)] * 2
+
+
+def test_an_observation_no_turn_reads_cannot_fail_the_episode() -> None:
+    """A last observation the template cannot encode (pictures for a text model) is not encoded: the episode keeps
+    its end (`max_turns`, not a counted env_error whose last reward on_failure would replace) and its rewards."""
+
+    class LastWithPicture(Corridor):
+        def step(self, action: str) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+            from PIL import Image
+
+            obs, _, done, truncated, info = super().step(action)
+            return {"text": obs, "images": [Image.new("RGB", (8, 8))]}, 0.25, done, truncated, info
+
+    tok = build_tiny_tokenizer()
+    envs = EnvManager(LastWithPicture, 0, step_timeout_s=10)
+    rollout = AgenticRollout(ScriptedEngine(tok, [2]), envs, TurnTemplate(tok), tok, EpisodeLimits(1, 2048, 4))
+    trajs = rollout.run([0, 1], [0, 0], SamplingParams(max_new_tokens=4))
+    assert [(t.end, t.turn_rewards, t.error) for t in trajs] == [("max_turns", [0.25], "")] * 2
+    assert envs.counters()["env_errors"] == 0
+
+
+def test_structured_outputs_are_refused_for_training_on_episodes() -> None:
+    """Every turn is sampled under infer_engine.structured, but the trajectory batch cannot carry the constraint for
+    the trainer to replay (its responses interleave turns and observations): a training run's collector refuses it;
+    roll-eval's (no train group) samples under it."""
+    from types import SimpleNamespace
+
+    from roll_core.agentic.trajectory import to_tensors
+    from roll_core.errors import ConfigError
+    from roll_core.interfaces.inference import STRUCTURED_KEY
+    from roll_core.pipelines.collectors.episodes import EpisodeCollector
+
+    trajs, engine = _run(EpisodeLimits(2, 2048, 4), [3], episodes=1, structured={"regex": "a+"})
+    assert all(r.params.structured is not None for r in engine.requests)  # what the engine's log-probs are of
+    assert STRUCTURED_KEY not in to_tensors(trajs, 0)  # what the trainer would replay: nothing
+
+    class Task:
+        name, max_turns, max_context_length, max_tokens_per_turn = "walk", 2, 2048, 4
+        step_timeout_s, env_threads, num_workers = 10.0, 1, 0
+        make_env, system_prompt, examples = Corridor, lambda self: None, lambda self: []
+        train_seeds, eval_seeds = lambda self, count, seed: list(range(count)), lambda self: [0]
+
+    def ctx(structured: dict, train: object) -> SimpleNamespace:
+        algo = SimpleNamespace(drop_uniform_groups=False, reward_clip=None, overlong_buffer=0)
+        cfg = SimpleNamespace(
+            algo=algo,
+            pipeline=SimpleNamespace(name="agentic"),
+            infer_engine=SimpleNamespace(structured=structured),
+            model=SimpleNamespace(chat_template_kwargs={}),
+        )
+        sampling = SamplingParams(structured=structured or None)
+        tok = build_tiny_tokenizer()
+        return SimpleNamespace(
+            cfg=cfg, task=Task(), tokenizer=tok, sampling=sampling, infer=None, model_path="", train=train
+        )
+
+    EpisodeCollector(ctx({}, train=object())).close()
+    EpisodeCollector(ctx({"regex": "a+"}, train=None)).close()  # roll-eval
+    with pytest.raises(ConfigError, match=r"infer_engine\.structured=.*cannot replay a per-turn constraint"):
+        EpisodeCollector(ctx({"regex": "a+"}, train=object()))
 
 
 class Pictured:

@@ -6,6 +6,9 @@ to the inference group (continuous batching merges the turns of all running epis
 the action, step the environment, and append the observation's template ids. An episode ends when the
 environment terminates or truncates, at `max_turns`, when the next turn would not fit `max_context_length`
 (prompt + everything so far + at least one new token), or when its environment fails (counted, the run goes on).
+A trajectory ends with its last response: the observation after the last allowed turn is not encoded or appended
+(no turn would read it; it would only lengthen the training sequence, and a long or unencodable one would end a
+`max_turns` episode as `max_context` or `env_error`).
 A response cut by `max_tokens_per_turn` does not end the episode: the environment judges the cut text (usually an
 invalid action, which teaches brevity); such turns are counted (`Trajectory.cut_turns`, `episode/cut_turn_rate`).
 
@@ -245,6 +248,9 @@ class AgenticRollout:
             if terminated or truncated:
                 traj.success = bool(info.get("success", False))
                 traj.end = "terminated" if terminated else "truncated"
+                break
+            if turn + 1 == lim.max_turns:  # no turn reads the next observation: nothing to append (see above)
+                traj.end = "max_turns"
                 break
             try:
                 obs_ids, obs_mm = self.template.observation_turn(obs, token_ids)

@@ -15,6 +15,9 @@ Vision-language models (`model.path` a Qwen-VL family folder or builtin:tiny-qwe
 pictures (env=visual_frozen_lake); the turn template renders them with the model's `VisionProcessor` and the batch
 carries each trajectory's pictures in the per-row field `mm_inputs` (roll_core.agentic.trajectory).
 
+Structured outputs (`infer_engine.structured`) are refused for training (roll-eval may use them): the trainer cannot
+replay a per-turn constraint over a trajectory (see `refuse_turn_constraints`).
+
 Metrics: success rate, mean turns, invalid-action rate, environment errors and timeouts, why episodes ended.
 Evaluation: one episode per held-out seed (greedy unless pipeline.eval_temperature says otherwise).
 """
@@ -47,6 +50,21 @@ def check_task(cfg: Any, task: Any) -> None:
             f"got {type(task).__name__}"
         )
     refuse_prompt_only_settings(cfg)
+
+
+def refuse_turn_constraints(cfg: Any) -> None:
+    """ConfigError for `infer_engine.structured`: the engines would sample every turn under the constraint (and report
+    the constrained log-probs), but the trainer replays a constraint over a whole response, and a trajectory's
+    response interleaves turns with observations: it would score the unconstrained policy against the constrained
+    one's log-probs (every ratio off by the mass the constraint removed; it was accepted and trained so)."""
+    structured = getattr(getattr(cfg, "infer_engine", None), "structured", None)
+    if structured:
+        raise ConfigError(
+            f"infer_engine.structured={dict(structured)} with pipeline={getattr(cfg.pipeline, 'name', 'agentic')}: the "
+            "trainer cannot replay a per-turn constraint over multi-turn trajectories (the PPO ratio would compare "
+            "the unconstrained policy with the constrained one); unset it and let the environment reject malformed "
+            "actions (info['invalid_action'])"
+        )
 
 
 def refuse_prompt_only_settings(cfg: Any) -> None:
@@ -95,6 +113,8 @@ class EpisodeCollector:
     def __init__(self, ctx: CollectorContext, gate: TurnGate | None = None) -> None:
         cfg, task = ctx.cfg, ctx.task
         check_task(cfg, task)
+        if ctx.train is not None:  # a training run (roll-eval may sample under a constraint: nothing is trained)
+            refuse_turn_constraints(cfg)
         self.cfg, self.ctx, self.task, self.tokenizer = cfg, ctx, task, ctx.tokenizer
         self.sampling = ctx.sampling
         self.eval_seeds = task.eval_seeds()
