@@ -153,3 +153,22 @@ def test_text_content_parts_are_joined_by_newlines_as_vllm_joins_them(tokenizer:
         server.close()
     assert infer.prompts[0] == infer.prompts[1]  # the same prompt ids as the text sent as one string
     assert session.rewrites == 0 and session.traj.turns == 2
+
+
+def test_a_run_level_constraint_is_refused_for_training_agents(tokenizer: Any) -> None:
+    """infer_engine.structured constrains every turn the agents' requests sample, and the trainer cannot replay it over
+    a multi-turn trajectory (a request's own response_format turn is context, mask 0): refused when training, as for
+    pipeline=agentic; roll-eval (no train group) may sample under it."""
+    from roll_core.errors import ConfigError
+    from roll_core.pipelines.collectors import CollectorContext
+    from roll_core.pipelines.collectors.agents import agent_collectors
+
+    pipe = SimpleNamespace(seed=0, rollout_batch_size=1, async_ratio=0, eval_temperature=0.0, name="agent")
+    cfg = SimpleNamespace(pipeline=pipe, algo=SimpleNamespace(group_size=1), model=SimpleNamespace())
+    cfg.model.chat_template_kwargs = {}
+    cfg.infer_engine = SimpleNamespace(structured={"regex": "a+"})
+    sampling = SamplingParams(max_new_tokens=4)
+    train = CollectorContext(cfg, None, _AllAtOnce(1), sampling, tokenizer, _Task(), "tiny", train=object())
+    with pytest.raises(ConfigError, match=r"infer_engine\.structured=.*pipeline=agent: .*per-turn constraint"):
+        agent_collectors(train)
+    agent_collectors(CollectorContext(cfg, None, _AllAtOnce(1), sampling, tokenizer, _Task(), "tiny")).close()

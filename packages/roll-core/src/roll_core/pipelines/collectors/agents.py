@@ -138,6 +138,10 @@ class AgentCollector:
         from roll_core.agentic.openai_server import OpenAIServer, text_decoder, tool_parser
 
         check_task(ctx.cfg, ctx.task)
+        if ctx.train is not None:  # the run-level constraint on every turn: refused as for episodes (roll-eval may)
+            from roll_core.pipelines.collectors.episodes import refuse_turn_constraints
+
+            refuse_turn_constraints(ctx.cfg)
         self.cfg, self.ctx, self.task, self.tokenizer = ctx.cfg, ctx, ctx.task, ctx.tokenizer
         task = self.task
         self.limits = SessionLimits(task.max_turns, task.max_tokens_per_turn, task.max_context_length)
