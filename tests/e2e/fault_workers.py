@@ -1,4 +1,5 @@
-"""Workers for the call-timeout and dead-rank tests, in a module of its own: Ray workers import it without torch."""
+"""Workers for the call-timeout, dead-rank and restart-rerun tests, in a module of its own: Ray workers import it
+without torch."""
 
 from __future__ import annotations
 
@@ -37,4 +38,19 @@ class Quitter(Worker):
             os._exit(1)
         time.sleep(seconds)
         self.marker.write_text("waited")  # the wait ended: the caller did not fail early
+        return os.getpid()
+
+
+class Finisher(Worker):
+    """A worker whose `work()` sleeps, then appends its rank to a marker file: the file counts finished runs."""
+
+    def __init__(self, marker: str, **base) -> None:
+        super().__init__(**base)
+        self.marker = Path(marker)
+
+    @dispatch(Dispatch.BROADCAST)
+    def work(self, seconds: float) -> int:
+        time.sleep(seconds)
+        with self.marker.open("a") as f:
+            f.write(f"{self.rank}\n")
         return os.getpid()

@@ -1,6 +1,7 @@
 """Runs that survive faults on Ray: a reward that raises, returns NaN or hangs on some rows; an inference engine or a
 reward worker killed mid-run; a worker that hangs past the call timeout; a trainer that dies (a clear error naming
-the checkpoint to resume from; the run restarts from it). One Ray instance for the module (the `ray_cluster`
+the checkpoint to resume from and why the worker died; the run restarts from it); a rank another caller restarted
+while a call ran (rerun once, the other ranks waited for). One Ray instance for the module (the `ray_cluster`
 fixture)."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from roll_core.cluster.group import CallTimeoutError, RayOptions, WorkerDiedErro
 from roll_core.testing import tiny_overrides
 
 sys.path.insert(0, str(Path(__file__).parent))  # fault_helpers: env.reward._target_=fault_helpers.FaultyReward
-from fault_workers import Napper, Quitter  # importable by Ray workers too (the fixture puts this folder on PYTHONPATH)
+# importable by Ray workers too (the fixture puts this folder on PYTHONPATH)
+from fault_workers import Finisher, Napper, Quitter
 
 pytestmark = pytest.mark.ray
 
@@ -236,5 +238,51 @@ def test_a_dead_rank_of_a_group_that_may_not_restart_fails_the_call_without_wait
         with pytest.raises(WorkerDiedError, match=r"sharded rank 1 on node [0-9a-f]+ died during quit_or_wait\(\)"):
             group.call(Quitter.quit_or_wait, 120.0)
         assert not marker.exists()
+    finally:
+        group.shutdown()
+
+
+def test_a_dead_rank_is_reported_with_rays_account_of_why_it_died(ray_cluster: Any, tmp_path: Path) -> None:
+    """The error said only "rank 1 died during quit_or_wait()": why (killed by the OOM killer, a segfault, its
+    process exited; Ray's pid and exit detail) was dropped with Ray's exception. Now it is quoted and chained."""
+    import ray
+
+    group = WorkerGroup(
+        Quitter, 2, "ray", name="sharded", ray_options=RayOptions(num_cpus=0.1), marker=str(tmp_path / "waited")
+    )
+    try:
+        with pytest.raises(WorkerDiedError) as err:
+            group.call(Quitter.quit_or_wait, 120.0)
+    finally:
+        group.shutdown()
+    assert isinstance(err.value.__cause__, ray.exceptions.RayActorError)
+    assert "Ray's report: The actor died unexpectedly" in str(err.value)
+    assert "Worker exit type: SYSTEM_ERROR" in str(err.value)  # the process exited: not killed, not OOM
+
+
+class FinisherGroup(WorkerGroup[Finisher]):
+    worker_cls = Finisher
+    restartable = True
+
+
+def test_a_rank_another_caller_restarted_is_rerun_once_and_the_running_ranks_are_waited_for(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
+    """Rank 0 dies while rank 1 still works, and another caller (a request thread, a health check) has already
+    restarted it, spending the last restart: the call reruns rank 0 and waits for rank 1. It failed with
+    KeyError: 1 (rank 1 was dropped from the wait). Waiting on the handle again returns the same results; it reran
+    rank 0 a second time (a call with side effects done twice)."""
+    marker = tmp_path / "finished"
+    group = FinisherGroup(
+        Finisher, 2, "ray", name="finishers", ray_options=RayOptions(num_cpus=0.1), max_restarts=1, marker=str(marker)
+    )
+    try:
+        handle = group.submit(Finisher.work, 3.0)
+        time.sleep(0.5)
+        group.restart([0], "another caller saw rank 0 die")  # what a concurrent caller's fault repair does
+        first = handle.values()
+        assert len(first) == 2 and group.restarts == 1
+        assert handle.values() == first
+        assert sorted(marker.read_text().split()) == ["0", "1"]  # each rank finished once: rank 0 rerun once
     finally:
         group.shutdown()

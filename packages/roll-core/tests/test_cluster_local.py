@@ -122,3 +122,82 @@ def test_auto_platform_on_a_cpu_head_of_an_accelerator_cluster_is_an_error(monke
         cluster._check_auto_platform()
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0})
     cluster._check_auto_platform()
+
+
+class _EchoEngine:
+    """Answers every request at once with two tokens, and records the requests it was given."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def submit(self, request):
+        from concurrent.futures import Future
+
+        from roll_core.interfaces import RequestOutput
+
+        self.seen.append(request.request_id)
+        fut: Future = Future()
+        fut.set_result(RequestOutput(request.request_id, list(request.prompt_ids), [1, 2], [-0.5, -0.5], "length"))
+        return fut
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_partial_gpu_mode_places_every_request_on_the_engine_its_pool_chose() -> None:
+    """The async driver's partial-GPU mode calls `infer.submit_request(request, rank=engine)`; InferGroup took no
+    `rank` (TypeError in the driver's thread, raised by `take`): requests go to the pool's engine, never a shrunk
+    one."""
+    from roll_core.cluster.roles import InferGroup, InferWorker
+    from roll_core.interfaces import Request, SamplingParams
+    from roll_core.scheduling.driver import AsyncRollout
+    from roll_core.scheduling.pool import EnginePool
+    from roll_core.scheduling.scheduler import RolloutScheduler
+
+    class EchoWorker(InferWorker):
+        def __init__(self, **base) -> None:
+            Worker.__init__(self, **base)
+            self.engine = _EchoEngine()
+
+    infer = InferGroup(EchoWorker, 2, "local", name="actor_infer")
+    assert infer.submit_request(Request("direct", [5]), rank=1).result().token_ids == [1, 2]
+    with pytest.raises(IndexError, match=r"has ranks 0\.\.1, not 2"):
+        infer.submit_request(Request("nowhere", [5]), rank=2)
+    pool = EnginePool([0, 1], active=[1])  # engine 0's devices train: nothing may run there
+    sched = RolloutScheduler(batch_groups=2, group_size=2, max_new_tokens=2, async_ratio=0)
+    driver = AsyncRollout(infer, sched, lambda: ("problem", [5, 6]), SamplingParams(max_new_tokens=2), pool=pool)
+    try:
+        groups = driver.take(2)
+    finally:
+        driver.close()
+    assert [len(s.tokens) for g in groups for s in g.samples] == [2, 2, 2, 2]
+    assert infer.workers[0].engine.seen == [] and len(infer.workers[1].engine.seen) == 5  # 4 samples + "direct"
+
+
+def test_a_role_colocated_in_a_disaggregated_cluster_is_a_config_error_not_extra_devices(monkeypatch) -> None:
+    """reward_model.placement=colocated promises the trainer's devices; with cluster.placement=disaggregated those
+    are the trainer's whole, and the role got a new "shared" placement group: whole GPUs reserved for its 1/5 share
+    (never placed on a cluster the other roles fill, after placement_timeout_s). Now a ConfigError says what to set;
+    the same role disaggregated in a colocated cluster still gets its own group."""
+    import importlib
+
+    from roll_core.cluster.launch import Cluster
+    from roll_core.config.schema import ClusterConfig
+    from roll_core.errors import ConfigError
+    from roll_hw.cpu import CpuPlatform
+
+    ray_pg = importlib.import_module("ray.util.placement_group")  # the module (ray.util's attribute: a function)
+    made: list[list[dict[str, float]]] = []
+    monkeypatch.setattr(ray_pg, "placement_group", lambda bundles, strategy: made.append(bundles) or "pg")
+
+    def cluster(placement: str) -> Cluster:
+        c = Cluster.__new__(Cluster)
+        c.cfg, c.platform, c._pgs, c._node_devices = ClusterConfig(placement=placement), CpuPlatform, {}, {}
+        c._wait_ready = lambda *a: None
+        return c
+
+    with pytest.raises(ConfigError, match=r"reward_model\.placement=colocated time-shares the trainer's devices"):
+        cluster("disaggregated")._placement("reward_model", 1, placement="colocated")
+    assert made == []
+    opts = cluster("colocated")._placement("reward_model", 2, placement="disaggregated")
+    assert len(made) == 1 and opts.placement == ("pg", [0, 1]) and opts.num_cpus == ClusterConfig().cpus_per_worker

@@ -11,11 +11,14 @@ resources and placement groups the caller gives.
 Faults (Ray only; an in-process call cannot time out or die apart from the controller):
 - `call_timeout_s`: a call must finish within this many seconds of its submission, else `CallTimeoutError`
   names the role, method, ranks and timeout.
-- A worker that died (`WorkerDiedError` names role, rank and node) or hung past the timeout is, in a group whose
-  class is `restartable` and while `max_restarts` allows, killed and re-created with the same options (the same
-  placement bundle) and set up again; the group's restart hooks restore its state (an inference engine gets the
-  trainer's weights: roll_core.cluster.weight_sync) and the call is rerun on the new worker, so its caller sees
-  the result, not the fault. Ranks that answered keep their results. `restarts` and `timeouts` count the faults.
+- A worker that died (`WorkerDiedError` names role, rank and node, and quotes Ray's report of why: killed, the
+  OOM killer, a segfault's exit, a constructor's traceback; chained as its cause) or hung past the timeout is,
+  in a group whose class is `restartable` and while `max_restarts` allows, killed and re-created with the same
+  options (the same placement bundle) and set up again; the group's restart hooks restore its state (an
+  inference engine gets the trainer's weights: roll_core.cluster.weight_sync) and the call is rerun on the new
+  worker, so its caller sees the result, not the fault. Ranks that answered keep their results, ranks still
+  running are waited for, and a `Handle` waits once: asking it again returns the same results (or error), never
+  reruns. `restarts` and `timeouts` count the faults.
 - A method declared `retry=False` is not rerun: the worker is restarted, then `WorkerRestartedError` asks the
   caller to redo the protocol the call belongs to.
 - A group that may not restart (sharded trainers: their ranks share torch.distributed groups) fails with the
@@ -91,6 +94,8 @@ class Handle(Generic[R]):
     ) -> None:
         self._parts, self._mode, self._resolve = parts, mode, resolve
         self._keep = keep  # DP calls on a mesh: the parts that carry results (one per replica, in DP order)
+        # The outcome of the first wait, kept: waiting again must not rerun parts that a restart already reran.
+        self._outcome: tuple[bool, Any] | None = None
 
     @property
     def refs(self) -> list[Any]:
@@ -98,8 +103,17 @@ class Handle(Generic[R]):
         return self._parts
 
     def values(self) -> list[R]:
-        """Per-rank results, waiting for every rank; a DP call on a mesh returns one result per replica."""
-        values = self._resolve(self._parts)
+        """Per-rank results, waiting for every rank; a DP call on a mesh returns one result per replica. The first
+        call waits (and repairs faults); later calls return its results, or raise its error, again."""
+        if self._outcome is None:
+            try:
+                self._outcome = (True, self._resolve(self._parts))
+            except Exception as exc:
+                self._outcome = (False, exc)
+                raise
+        ok, values = self._outcome
+        if not ok:
+            raise values
         return values if self._keep is None else [values[i] for i in self._keep]
 
     def result(self) -> Any:
@@ -302,6 +316,7 @@ class WorkerGroup(Generic[W]):
         results: dict[int, Any] = {}
         while pending:
             dead, hung = [], []
+            deaths: dict[int, Exception] = {}  # Ray's report of each death (cause, node, pid, exit detail)
             waiting = dict(pending)
             # One answer at a time: a death is seen when it happens. A group that may not restart it fails at once,
             # since its other ranks may be blocked in a collective with the dead one (an NCCL wait can last 30 min).
@@ -314,32 +329,45 @@ class WorkerGroup(Generic[W]):
                 for r in [r for r, ref in waiting.items() if ref in ready]:
                     try:
                         results[r] = ray.get(waiting.pop(r))
-                    except ray.exceptions.RayActorError:
+                    except ray.exceptions.RayActorError as exc:
                         dead.append(r)
+                        deaths[r] = exc
                 if dead and self.restarts + len(dead) > self.max_restarts:
                     break
             if not dead and not hung:
                 break
-            self._recover(method, dead, hung, born)
-            born = {**born, **{r: self._incarnation[r] for r in dead + hung}}
+            self._recover(method, dead, hung, born, deaths)
+            rerun = dead + hung
+            born = {**born, **{r: self._incarnation[r] for r in rerun}}
             deadline = self._deadline()
-            pending = {r: getattr(self.workers[r], method).remote(*args[r], **kwargs) for r in dead + hung}
+            # Ranks not yet answered when a death stopped the wait (one another caller's restart had repaired) are
+            # still running: wait for them too, with the reruns.
+            pending = {r: ref for r, ref in waiting.items() if r not in rerun}
+            pending.update({r: getattr(self.workers[r], method).remote(*args[r], **kwargs) for r in rerun})
         return [results[r] for r in args]
 
-    def _recover(self, method: str, dead: list[int], hung: list[int], born: dict[int, int]) -> None:
-        """Restart dead and hung ranks if this group may, else raise the error that names them. Ranks that another
-        thread restarted since the call was submitted (`born`: their incarnation then) are only rerun."""
+    def _recover(
+        self,
+        method: str,
+        dead: list[int],
+        hung: list[int],
+        born: dict[int, int],
+        deaths: dict[int, Exception] | None = None,
+    ) -> None:
+        """Restart dead and hung ranks if this group may, else raise the error that names them (and Ray's report
+        of the death: `deaths`). Ranks that another thread restarted since the call was submitted (`born`: their
+        incarnation then) are only rerun."""
         failed = dead + hung
         with self.restart_lock:
             self.timeouts += len(hung)
             dead = [r for r in dead if self._incarnation[r] == born.get(r, 0)]
             hung = [r for r in hung if self._incarnation[r] == born.get(r, 0)]
             if dead or hung:
-                self._restart_or_raise(method, dead, hung)
+                self._restart_or_raise(method, dead, hung, deaths or {})
         if not retryable(self.cls, method):
             raise WorkerRestartedError(f"{self.name}: rank(s) {failed} restarted; {method}() must be redone", failed)
 
-    def _restart_or_raise(self, method: str, dead: list[int], hung: list[int]) -> None:
+    def _restart_or_raise(self, method: str, dead: list[int], hung: list[int], deaths: dict[int, Exception]) -> None:
         failed = dead + hung
         allowed = self.restarts + len(failed) <= self.max_restarts
         if not allowed:
@@ -351,14 +379,17 @@ class WorkerGroup(Generic[W]):
             hint = f". {self.death_hint()}" if self.death_hint is not None else ""
             if dead:
                 where = ", ".join(f"rank {r} on node {self.nodes[r]}" for r in dead)
-                raise WorkerDiedError(f"{self.name} {where} died during {method}(){budget}{hint}")
+                # Why it died (OOM killer, segfault, a failed constructor's traceback) is in Ray's report alone.
+                cause = next((deaths[r] for r in dead if r in deaths), None)
+                report = f"\nRay's report: {_report(cause)}" if cause is not None else ""
+                raise WorkerDiedError(f"{self.name} {where} died during {method}(){budget}{hint}{report}") from cause
             raise CallTimeoutError(
                 f"{self.name}.{method}() did not return within {self.call_timeout_s}s on rank(s) "
                 f"{', '.join(map(str, hung))} (cluster.call_timeout_s, or cluster.call_timeouts.{self.name})"
                 f"{budget}{hint}"
             )
         reason = ", ".join(
-            [f"rank {r} died during {method}()" for r in dead]
+            [f"rank {r} died during {method}(){_summary(deaths.get(r))}" for r in dead]
             + [f"rank {r} hung in {method}() past {self.call_timeout_s}s" for r in hung]
         )
         self.restart(failed, reason)
@@ -390,8 +421,9 @@ class WorkerGroup(Generic[W]):
             nodes = ray.get([a.node_id.remote() for a in fresh.values()], timeout=wait)
             ray.get([a.setup.remote(*self._endpoint) for a in fresh.values()], timeout=wait)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            why = _report(exc) if isinstance(exc, ray.exceptions.RayActorError) else type(exc).__name__
             raise WorkerDiedError(
-                f"{self.name}: rank(s) {ranks} could not be restarted within {wait}s ({type(exc).__name__}); "
+                f"{self.name}: rank(s) {ranks} could not be restarted within {wait}s ({why}); "
                 f"the cluster has {ray.available_resources()} free"
             ) from exc
         for (r, actor), node in zip(fresh.items(), nodes):
@@ -410,15 +442,16 @@ class WorkerGroup(Generic[W]):
 
         refs = [w.ping.remote() for w in self.workers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        ready_set, dead = set(ready), []
+        ready_set, dead, deaths = set(ready), [], {}
         for r, ref in enumerate(refs):
             if ref in ready_set:
                 try:
                     ray.get(ref)
-                except ray.exceptions.RayActorError:
+                except ray.exceptions.RayActorError as exc:
                     dead.append(r)
+                    deaths[r] = exc
         if dead:
-            self._recover("ping", dead, [], {r: self._incarnation[r] for r in dead})
+            self._recover("ping", dead, [], {r: self._incarnation[r] for r in dead}, deaths)
         return dead
 
     def _get(self, refs: list[Any], ranks: list[int], method: str) -> list[Any]:
@@ -437,7 +470,7 @@ class WorkerGroup(Generic[W]):
                 except Exception:
                     pass
             where = ", ".join(dead) or "a rank"
-            raise WorkerDiedError(f"{self.name} {where} died during {method}(): {type(exc).__name__}") from exc
+            raise WorkerDiedError(f"{self.name} {where} died during {method}(): {_report(exc)}") from exc
 
     def call(self, method: Method[W, P, R], *args: P.args, **kwargs: P.kwargs) -> Any:
         """`submit(...).result()`: per the dispatch mode, rank 0's `R` (RANK0), the concatenated Batch (DP) or the
@@ -468,3 +501,18 @@ class WorkerGroup(Generic[W]):
                 except Exception:  # a failed run's engine may be broken: release the others regardless
                     log.exception("%s rank %d: teardown failed", self.name, w.rank)
         self.workers = []
+
+
+def _report(exc: BaseException) -> str:
+    """Ray's report of a worker's death (its pid and node, and why: killed, OOM, exit detail, a constructor's
+    traceback), or the exception's type for an error without a message."""
+    return str(exc).strip() or type(exc).__name__
+
+
+def _summary(exc: BaseException | None) -> str:
+    """One line of Ray's report of a death for a log (the sentence that says why), prefixed for appending."""
+    if exc is None:
+        return ""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    why = next((ln for ln in lines if ln.startswith("The actor is dead because")), lines[0] if lines else "")
+    return f" ({why[:300]})" if why else ""

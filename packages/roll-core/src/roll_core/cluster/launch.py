@@ -5,6 +5,8 @@ Placement from `cluster.placement`:
   `max(world_size)` bundles; rank r of every role sits on bundle r and takes a fractional device share, so the
   roles time-share the same devices.
 - `disaggregated`: each device role gets its own placement group and whole devices.
+A role's own `placement` (reward_model.placement) may choose `disaggregated` in a colocated cluster, not
+`colocated` in a disaggregated one (the trainer's devices are its own there: a ConfigError).
 Reward workers need no device and are scheduled freely with a small CPU share. On the CPU platform the bundles
 hold CPU only. Ray itself sets the visible-devices variable of GPU/NPU workers for the devices it assigns.
 """
@@ -185,6 +187,14 @@ class Cluster:
         dev = float(devices_per_worker) if self.platform.ray_resource else 0.0
         key = self.platform.ray_resource
         colocated = (placement or self.cfg.placement) == "colocated"
+        if colocated and self.cfg.placement != "colocated":
+            # The trainer holds whole devices of its own here: a "shared" group would be new devices, reserved whole
+            # for this role's fraction (the rest idle) or never placed on a cluster the other roles fill.
+            raise ConfigError(
+                f"{role}.placement=colocated time-shares the trainer's devices, but cluster.placement="
+                f"{self.cfg.placement} gives each role whole devices of its own: use {role}.placement=disaggregated "
+                "(or null, which follows cluster.placement), or cluster.placement=colocated"
+            )
         if colocated and devices_per_worker > 1:
             raise ConfigError(
                 f"{role} spans {devices_per_worker} devices per worker (tensor parallel), but colocated placement "

@@ -558,10 +558,14 @@ class InferGroup(WorkerGroup[InferWorker]):
         out.meta["generate_seconds"] = max(p.meta.get("generate_seconds", 0.0) for p in parts)
         return out
 
-    def submit_request(self, request: Request, route_key: str | None = None) -> RequestHandle:
-        """Start one request on the least-loaded rank (or the rank `route_key` hashes to: a conversation's turns
-        reuse one engine's prefix cache)."""
-        if route_key is not None:
+    def submit_request(self, request: Request, route_key: str | None = None, rank: int | None = None) -> RequestHandle:
+        """Start one request on the least-loaded rank, or the rank `route_key` hashes to (a conversation's turns
+        reuse one engine's prefix cache), or on `rank` itself (the async driver's partial-GPU mode places every
+        request: roll_core.scheduling.pool)."""
+        if rank is not None:
+            if not 0 <= rank < self.world_size:
+                raise IndexError(f"{self.name} has ranks 0..{self.world_size - 1}, not {rank}")
+        elif route_key is not None:
             rank = _stable_hash(route_key) % self.world_size
         else:
             rank = min(range(self.world_size), key=lambda r: self._inflight[r])
