@@ -330,3 +330,17 @@ def test_roll_eval_restores_the_checkpoints_running_statistics(tmp_path: Path) -
     fresh.apply(batch, scored, None)  # evaluation: by the run's statistics (mean 4), not the batch's own
     assert scored["scores"].tolist() == pytest.approx([(x - 4.0) / math.sqrt(32 / 3 + 1e-6) for x in (2.0, 6.0)])
     assert not restore_reward_model(SimpleNamespace(reward_model=fresh), str(tmp_path))  # not a checkpoint
+
+
+def test_a_colocated_reward_model_in_a_disaggregated_cluster_is_refused_at_composition() -> None:
+    """reward_model.placement=colocated promises the trainer's devices, which cluster.placement=disaggregated gives
+    each role whole: refused when the config is composed (the cluster refused it only when the reward model's group
+    was built, after the other models had loaded); following the cluster, or a colocated cluster, composes."""
+    from roll_core.errors import ConfigError
+
+    rm = ["reward_model=hf", "reward_model.path=/models/rm"]
+    with pytest.raises(ConfigError, match=r"reward_model\.placement=colocated time-shares the trainer's devices"):
+        load_config([*rm, "reward_model.placement=colocated", "cluster.placement=disaggregated"])
+    assert load_config([*rm, "cluster.placement=disaggregated"]).reward_model.placement is None
+    load_config([*rm, "reward_model.placement=colocated", "cluster.placement=colocated"])
+    load_config([*rm, "reward_model.placement=disaggregated", "cluster.placement=colocated"])

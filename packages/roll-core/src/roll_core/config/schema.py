@@ -829,6 +829,20 @@ class RLVRConfig:
             # taught the model to write the empty think block that its evaluation prompts already end with.
             # data's own keys win.
             self.data.chat_template_kwargs = {**model.chat_template_kwargs, **self.data.chat_template_kwargs}
+        rm = self.reward_model
+        if (
+            isinstance(rm, RewardModelConfig)
+            and rm.enabled
+            and rm.placement == "colocated"
+            and isinstance(self.cluster, ClusterConfig)
+            and self.cluster.placement != "colocated"
+        ):
+            # (roll_core.cluster.launch refuses it too, once the other roles' models are loaded: here it is before)
+            raise ValueError(
+                f"reward_model.placement=colocated time-shares the trainer's devices, but cluster.placement="
+                f"{self.cluster.placement} gives each role whole devices of its own: use reward_model.placement="
+                "disaggregated (or null, which follows cluster.placement), or cluster.placement=colocated"
+            )
         if getattr(self.train_engine, "routing_replay", False):
             if not getattr(self.infer_engine, "return_routing", False):
                 raise ValueError(
