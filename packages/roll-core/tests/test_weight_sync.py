@@ -79,6 +79,52 @@ def test_gloo_group_broadcasts_buckets_between_threads() -> None:
             assert torch.equal(a, b)
 
 
+def test_a_worker_whose_engine_refuses_a_bucket_receives_the_sync_to_its_end_then_raises() -> None:
+    """An inference worker whose engine refuses a bucket (a weight it does not have) goes on receiving the `dist`
+    sync, so the trainer's broadcasts complete, and then raises the engine's error. It used to stop receiving: the
+    trainer then waited in a broadcast for the group's timeout (10 minutes) and the sync failed with gloo's timeout,
+    the engine's error never read."""
+    from roll_core.cluster.roles import InferWorker
+
+    class Engine:
+        def __init__(self) -> None:
+            self.loaded: list[str] = []
+
+        def update_weights(self, named) -> int:
+            named = list(named)
+            if any(k == "extra.weight" for k, _ in named):
+                raise KeyError("weight 'extra.weight' is not in the inference model")
+            self.loaded += [k for k, _ in named]
+            return sum(bucket_nbytes([(k, t)]) for k, t in named)
+
+    worker = InferWorker.__new__(InferWorker)  # the receiving side alone: its rank and its engine
+    worker.rank, worker.engine = 0, Engine()
+    store = SyncGroup.host_store("127.0.0.1", 2)
+    raised: list[BaseException] = []
+
+    def receive() -> None:
+        worker.join_sync_group("127.0.0.1", store.port, 2, "gloo")
+        try:
+            worker.receive_weights_dist()
+        except BaseException as exc:
+            raised.append(exc)
+
+    def send() -> None:  # rank 0, as TrainWorker.send_weights_dist: buckets of 256 KiB (gloo waits for a receiver)
+        group = SyncGroup("127.0.0.1", store.port, 0, 2, "gloo", store=store)
+        for name in ("a.weight", "extra.weight", "b.weight", "c.weight"):
+            group.send([(name, torch.zeros(256, 256))])
+        group.send(None)
+
+    threads = [threading.Thread(target=fn, daemon=True) for fn in (receive, send)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "the trainer was left waiting in a broadcast"
+    assert len(raised) == 1 and isinstance(raised[0], KeyError) and "extra.weight" in str(raised[0])
+    assert worker.engine.loaded == ["a.weight"]  # nothing after the refused bucket is applied
+
+
 @pytest.mark.parametrize(
     ("name", "backend", "placement", "platform", "expected"),
     [

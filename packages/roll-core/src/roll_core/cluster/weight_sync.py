@@ -14,7 +14,8 @@ process group and CUDA IPC handles are in roll_core.cluster.buckets):
 - `object_store`: Ray; rank 0 of the trainer `ray.put`s each bucket, receivers `ray.get` them (CPU, cross-node).
 - `dist`: a `torch.distributed` process group of the trainer's rank 0 and every inference worker, created once
   outside any default group (a TCPStore on rank 0's node, a port probed there); each bucket is flattened into one
-  buffer and broadcast (gloo on CPU, nccl/hccl on devices), preceded by a small pickled header.
+  buffer and broadcast (gloo on CPU, nccl/hccl on devices), preceded by a small pickled header. A receiver whose
+  engine refuses a bucket receives the rest of the sync and then raises (`SyncGroup.receive_all`).
 - `cuda_ipc`: colocated roles on one GPU; trainer rank r shares each bucket's device buffer with inference rank r
   through CUDA IPC handles (no copy through host memory).
 - `auto`: inprocess on the local backend; on Ray cuda_ipc for colocated CUDA roles (every engine takes it: each
@@ -23,7 +24,9 @@ process group and CUDA IPC handles are in roll_core.cluster.buckets):
   (NCCL refuses two ranks on one GPU).
 
 The trainer casts floating tensors to the inference engines' dtype before bucketing (`weight_dtype`), so fp32
-master weights never travel and no receiver stages a wider copy than it keeps.
+master weights never travel and no receiver stages a wider copy than it keeps; the weights an engine keeps wider
+than its dtype (`weight_dtypes`: transformers and vLLM keep a DeepSeek-V3 or GLM-4.5 router and its expert bias in
+fp32 under bf16) travel in that dtype (they were rounded to bf16 at every sync).
 
 `changed_only` syncs skip what training cannot change (frozen parameters, buffers); the first sync, and the first
 after an engine discarded its weights (`sleep(level=2)`), is always full.
@@ -131,16 +134,29 @@ class Transport:
     name: ClassVar[str]
 
     def __init__(
-        self, train: TrainGroup, infer: InferGroup, *, bucket_bytes: int, dtype: str | None, dist_backend: str
+        self,
+        train: TrainGroup,
+        infer: InferGroup,
+        *,
+        bucket_bytes: int,
+        dtype: str | None,
+        dist_backend: str,
+        wide: dict[str, str] | None = None,
     ) -> None:
         self.train, self.infer = train, infer
         self.bucket_bytes, self.dtype, self.dist_backend = bucket_bytes, dtype, dist_backend
+        self.wide = wide or {}  # weights the engines keep wider than `dtype`, by name: sent in that dtype
 
     def sync(self, changed_only: bool) -> Moved:
         raise NotImplementedError
 
     def reset(self) -> None:
         """Nothing to forget by default."""
+
+    @property
+    def _cast(self) -> tuple[str | None, dict[str, str]]:
+        """The trainer's weight_buckets' last arguments: the engines' dtype and the weights they keep wider."""
+        return self.dtype, self.wide
 
 
 class InProcessTransport(Transport):
@@ -151,7 +167,7 @@ class InProcessTransport(Transport):
     def sync(self, changed_only: bool) -> Moved:
         nbytes = ntensors = nbuckets = 0
         # RANK0 on the local backend returns rank 0's generator itself: buckets are produced one at a time.
-        for bucket in self.train.call(TrainWorker.weight_buckets, self.bucket_bytes, changed_only, self.dtype):
+        for bucket in self.train.call(TrainWorker.weight_buckets, self.bucket_bytes, changed_only, *self._cast):
             self.infer.call(InferWorker.receive_bucket, bucket)
             nbytes += bucket_nbytes(bucket)
             ntensors += len(bucket)
@@ -165,7 +181,7 @@ class ObjectStoreTransport(Transport):
     name = "object_store"
 
     def sync(self, changed_only: bool) -> Moved:
-        published = self.train.call(TrainWorker.publish_weights, self.bucket_bytes, changed_only, self.dtype)[0]
+        published = self.train.call(TrainWorker.publish_weights, self.bucket_bytes, changed_only, *self._cast)[0]
         refs = published["refs"]
         # Refs nested in a list are not resolved by Ray on the way: each receiver reads one bucket at a time.
         self.infer.call(InferWorker.receive_weights_object_store, refs)
@@ -173,7 +189,7 @@ class ObjectStoreTransport(Transport):
 
     def restore(self, ranks: list[int]) -> int:
         """Every weight to the restarted inference `ranks` only (whatever the run's transport); bytes sent."""
-        published = self.train.call(TrainWorker.publish_weights, self.bucket_bytes, False, self.dtype)[0]
+        published = self.train.call(TrainWorker.publish_weights, self.bucket_bytes, False, *self._cast)[0]
         self.infer.call_ranks(ranks, InferWorker.begin_weight_update)
         try:
             self.infer.call_ranks(ranks, InferWorker.receive_weights_object_store, published["refs"])
@@ -203,7 +219,7 @@ class DistTransport(Transport):
             b = self.infer.submit(InferWorker.join_sync_group, host, port, world, self.dist_backend)
             a.values(), b.values()
             self._group_ready = True
-        sent = self.train.submit(TrainWorker.send_weights_dist, self.bucket_bytes, changed_only, self.dtype)
+        sent = self.train.submit(TrainWorker.send_weights_dist, self.bucket_bytes, changed_only, *self._cast)
         got = self.infer.submit(InferWorker.receive_weights_dist)
         stats = sent.values()[0]
         got.values()
@@ -216,7 +232,7 @@ class CudaIpcTransport(Transport):
     name = "cuda_ipc"
 
     def sync(self, changed_only: bool) -> Moved:
-        self.train.call(TrainWorker.start_ipc_sync, self.bucket_bytes, changed_only, self.dtype)
+        self.train.call(TrainWorker.start_ipc_sync, self.bucket_bytes, changed_only, *self._cast)
         nbytes = ntensors = nbuckets = 0
         while True:
             shared = self.train.call(TrainWorker.next_ipc_bucket)  # one entry per train rank (device r = infer r)
@@ -251,7 +267,14 @@ class WeightSync:
         self.weight_format: str = infer.call(InferWorker.weight_format)
         if self.weight_format != "merged":
             train.call(TrainWorker.set_weight_format, self.weight_format)
-        kw = {"bucket_bytes": self.bucket_bytes, "dtype": self.dtype, "dist_backend": platform.dist_backend}
+        # Weights the engines keep wider than that dtype travel in theirs (merged weights: an adapter is not kept).
+        self.wide: dict[str, str] = infer.call(InferWorker.weight_dtypes) if self.weight_format == "merged" else {}
+        kw = {
+            "bucket_bytes": self.bucket_bytes,
+            "dtype": self.dtype,
+            "dist_backend": platform.dist_backend,
+            "wide": self.wide,
+        }
         self.transport: Transport = TRANSPORT_CLASSES[name](train, infer, **kw)
         # Restarted engines get every weight through the object store, whatever the run's transport.
         self._restorer = ObjectStoreTransport(train, infer, **kw)

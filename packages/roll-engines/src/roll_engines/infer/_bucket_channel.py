@@ -7,7 +7,8 @@ workers pull the buckets through this channel, one at a time:
 
 - `BucketSender` (adapter side) owns one staging buffer of the largest bucket seen, never the whole model: host
   shared memory (a file under /dev/shm that both processes map) on CPU, a device buffer shared through a CUDA IPC
-  handle on GPUs. Each bucket is cast to the engine's dtype as it is copied in (the trainer's fp32 never crosses),
+  handle on GPUs. Each bucket is cast to the engine's dtype as it is copied in (the trainer's fp32 never crosses,
+  except for the weights the model keeps wider: `wide`),
   announced to every receiver over a local socket (`multiprocessing.connection`, pickled specs only), and the
   buffer is reused only after every receiver acknowledged that it copied the bucket out.
 - `receive_buckets` (worker side) is a generator of (name, tensor) over the whole sync: it clones each bucket into
@@ -26,7 +27,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
@@ -41,11 +42,16 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def layout(named: Sequence[tuple[str, Tensor]], dtype: torch.dtype | None) -> tuple[list[Spec], int]:
-    """Specs of a bucket as staged (floating tensors cast to `dtype`) and the bytes it needs."""
+def layout(
+    named: Sequence[tuple[str, Tensor]], dtype: torch.dtype | None, wide: Mapping[str, str] | None = None
+) -> tuple[list[Spec], int]:
+    """Specs of a bucket as staged (floating tensors cast to `dtype`, those named in `wide` to the dtype it gives)
+    and the bytes it needs."""
     specs, offset = [], 0
     for name, t in named:
         dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+        if wide and name in wide and t.is_floating_point():
+            dt = getattr(torch, wide[name])
         specs.append((name, tuple(t.shape), str(dt).removeprefix("torch."), offset))
         offset = _aligned(offset + t.numel() * torch.empty((), dtype=dt).element_size())
     return specs, offset
@@ -78,8 +84,10 @@ class BucketSender:
         dtype: torch.dtype | None,
         alive: Callable[[], bool] = lambda: True,
         timeout_s: float = 600.0,
+        wide: Mapping[str, str] | None = None,
     ) -> None:
         self.receivers, self.device, self.dtype = receivers, torch.device(device), dtype
+        self.wide = dict(wide or {})  # weights the model keeps wider than `dtype`: staged in theirs
         self._alive, self._timeout = alive, timeout_s
         self.authkey = os.urandom(16)
         self._listener = Listener(family="AF_UNIX", authkey=self.authkey)
@@ -151,7 +159,7 @@ class BucketSender:
         """Stage one bucket (cast to the engine's dtype) and wait until every receiver copied it; its bytes."""
         if not named:
             return 0
-        specs, nbytes = layout(named, self.dtype)
+        specs, nbytes = layout(named, self.dtype, self.wide)
         self._reserve(max(nbytes, 1))
         assert self._buffer is not None
         payload = 0

@@ -78,6 +78,17 @@ class RollWorkerExtension:
             if isinstance(head, ParallelLMHead) and head.weight.numel() and head.weight.data_ptr() in embeddings:
                 head.quant_method.process_weights_after_loading(head)
 
+    def roll_weight_dtypes(self) -> dict[str, str]:
+        """Parameters kept wider than the model's dtype, by name (vLLM keeps a DeepSeek-V3 or GLM-4.5 router and its
+        expert bias in fp32 under bf16): the trainer sends those in that dtype (roll_core.cluster.weight_sync)."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        size = runner.model_config.dtype.itemsize
+        return {
+            name: str(p.dtype).removeprefix("torch.")
+            for name, p in runner.model.named_parameters()
+            if p.is_floating_point() and p.element_size() > size
+        }
+
     def roll_model_bytes(self) -> int:
         """Bytes of this worker's model as vLLM measured it at load (repacked CPU weights included)."""
         runner = self.model_runner  # type: ignore[attr-defined]

