@@ -201,3 +201,28 @@ def test_a_role_colocated_in_a_disaggregated_cluster_is_a_config_error_not_extra
     assert made == []
     opts = cluster("colocated")._placement("reward_model", 2, placement="disaggregated")
     assert len(made) == 1 and opts.placement == ("pg", [0, 1]) and opts.num_cpus == ClusterConfig().cpus_per_worker
+
+
+def test_a_failed_ray_request_is_no_longer_counted_in_flight() -> None:
+    """InferGroup routes a request to the rank with the fewest in flight; a Ray request whose result raised (its
+    engine refused it) stayed counted, skewing routing away from its rank for the rest of the run. A timeout
+    leaves it counted (it still runs); a result or an error releases it."""
+    from roll_core.cluster.roles import _TrackedHandle
+
+    class Pending:  # a Ray handle's result
+        def __init__(self, outcome: object) -> None:
+            self.outcome, self.refs = outcome, []
+
+        def result(self) -> object:
+            if isinstance(self.outcome, BaseException):
+                raise self.outcome
+            return self.outcome
+
+    released: list[str] = []
+    collected = lambda rank, rid: released.append(rid)
+    assert _TrackedHandle("ok", 0, Pending("out"), collected).result() == "out"
+    with pytest.raises(RuntimeError, match="refused"):
+        _TrackedHandle("bad", 0, Pending(RuntimeError("refused")), collected).result()
+    with pytest.raises(TimeoutError):
+        _TrackedHandle("slow", 0, Pending(TimeoutError("not yet")), collected).result()
+    assert released == ["ok", "bad"]

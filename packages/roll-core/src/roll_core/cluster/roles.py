@@ -627,14 +627,22 @@ class InferGroup(WorkerGroup[InferWorker]):
 
 
 class _TrackedHandle(RequestHandle):
-    """A Ray request handle that releases its rank's in-flight count when the result is read."""
+    """A Ray request handle that releases its rank's in-flight count when the result is read, or when reading it
+    raises for any reason but a timeout (a failed request is no longer in flight: counted, it skewed least-loaded
+    routing away from its rank for the rest of the run)."""
 
     def __init__(self, request_id: str, rank: int, pending: Handle, collected: Any) -> None:
         super().__init__(request_id, rank, pending)
         self._collected = collected
 
     def result(self, timeout: float | None = None) -> RequestOutput:
-        out = super().result(timeout)
+        try:
+            out = super().result(timeout)
+        except TimeoutError:  # (Ray's GetTimeoutError too) still running: still in flight
+            raise
+        except BaseException:
+            self._collected(self.rank, self.request_id)
+            raise
         self._collected(self.rank, self.request_id)
         return out
 
