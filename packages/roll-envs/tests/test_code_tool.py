@@ -97,6 +97,84 @@ def test_without_a_sandbox_the_tool_refuses_to_start(monkeypatch: pytest.MonkeyP
         CodeTool(timeout_s=3.25)
 
 
+def test_the_risk_flag_still_uses_a_working_sandbox(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`allow_unsandboxed_execution_i_understand_the_risk` is a fallback for hosts without a sandbox: where
+    bubblewrap works the program still runs in it (the flag alone ran every program unsandboxed, able to read the
+    trainer's files)."""
+    try:
+        CodeTool(timeout_s=2.0)  # skip where no sandbox works here
+    except SandboxUnavailableError as exc:
+        pytest.skip(f"no working bubblewrap sandbox here (install roll-envs[code]): {exc}")
+    # Limits no other test uses: the process-wide sandbox cache must not answer for this one.
+    tool = CodeTool(timeout_s=3.75, allow_unsandboxed_execution_i_understand_the_risk=True)
+    assert tool.sandbox.mode == "bwrap"
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret")
+    assert "FileNotFoundError" in tool(f"print(open({str(secret)!r}).read())")
+
+    def missing(path: str | None = None) -> str:
+        raise FileNotFoundError("bwrap not found (test)")
+
+    monkeypatch.setattr(bwrap_module, "find_bwrap", missing)
+    fallback = CodeTool(timeout_s=3.5, allow_unsandboxed_execution_i_understand_the_risk=True)
+    assert fallback.sandbox.mode == "unsandboxed" and fallback("print(6 * 7)").strip() == "42"
+
+
+def _running_programs() -> int:
+    """Sandboxed programs this process runs now (descendants whose interpreter carries CHILD_MARKER; bwrap's own
+    processes do not count, nor a concurrent test session's)."""
+    from roll_envs.sandbox import CHILD_MARKER
+
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    n = 0
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if CHILD_MARKER.encode() not in argv or argv[0].endswith(b"bwrap"):
+                continue
+            ancestor = pid
+            while ancestor > 1 and ancestor != os.getpid():
+                ancestor = parent(ancestor)
+        except (OSError, ValueError, IndexError):
+            continue
+        n += ancestor == os.getpid()
+    return n
+
+
+def test_programs_of_many_episodes_run_at_most_parallelism_at_once() -> None:
+    """Episodes step in a thread each (hundreds at once): the tools' programs queue for `parallelism` slots
+    instead of starting a sandbox, with its memory and process budget, per episode."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        tools = [CodeTool(timeout_s=30.0, parallelism=2) for _ in range(6)]  # one tool per environment
+    except SandboxUnavailableError as exc:
+        pytest.skip(f"no working bubblewrap sandbox here (install roll-envs[code]): {exc}")
+    peak, stop = [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _running_programs())
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            outputs = list(pool.map(lambda t: t("import time\ntime.sleep(1)\nprint('done')"), tools))
+    finally:
+        stop.set()
+        sampler.join()
+    assert outputs == ["done\n"] * 6
+    assert 1 <= peak[0] <= 2, f"{peak[0]} programs at once with parallelism=2"
+    with pytest.raises(ValueError, match="parallelism"):
+        CodeTool(parallelism=0)
+
+
 class TestToolMathWithCode(EnvTestSuite):
     """The Env conformance suite over the tool-math environment whose only tool is the sandboxed `code` tool."""
 

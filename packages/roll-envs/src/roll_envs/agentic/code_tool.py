@@ -12,31 +12,56 @@ so a model can fix its program. Outcomes are counted per tool in `counts` (ok / 
 output_limit / sandbox_error) for logs.
 
 Sandbox availability: the sandbox is built on first use and shared by every `CodeTool` of the process with the
-same limits (building one runs a probe program). Without a working bubblewrap the constructor raises
+same options (building one runs a probe program). Without a working bubblewrap the constructor raises
 `SandboxUnavailableError` with how to install one, so a run that asks for the tool fails at start rather than
 after hours of training. `allow_unsandboxed_execution_i_understand_the_risk=True` runs programs in a bare child
-process instead (loudly logged; the program can read the user's files and reach the network).
+process only where no sandbox works (loudly logged; the program can then read the user's files and reach the
+network); a working sandbox is always used.
+
+Concurrency: at most `parallelism` programs run at once over all the tools sharing a sandbox (episodes stepped in
+many threads wait for a slot; a program's wall clock starts when it gets one).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from typing import ClassVar
 
 from roll_envs.rewards.code import extract_code
-from roll_envs.sandbox import OK, OUTPUT_LIMIT, SANDBOX_ERROR, TIMEOUT, PythonSandbox, SandboxLimits
+from roll_envs.sandbox import (
+    OK,
+    OUTPUT_LIMIT,
+    SANDBOX_ERROR,
+    TIMEOUT,
+    PythonSandbox,
+    SandboxLimits,
+    SandboxUnavailableError,
+)
 
-_SANDBOXES: dict[tuple[SandboxLimits, bool, str | None], PythonSandbox] = {}
+log = logging.getLogger(__name__)
+
+_SANDBOXES: dict[tuple[SandboxLimits, bool, str | None, int], PythonSandbox] = {}
 _SANDBOXES_LOCK = threading.Lock()
 
 
-def _shared_sandbox(limits: SandboxLimits, unsandboxed: bool, python: str | None) -> PythonSandbox:
-    """One probed sandbox per (limits, mode, interpreter) and process: the probe costs a sandbox start."""
-    key = (limits, unsandboxed, python)
+def _shared_sandbox(
+    limits: SandboxLimits, allow_unsandboxed: bool, python: str | None, parallelism: int
+) -> PythonSandbox:
+    """One probed sandbox per (limits, fallback allowed, interpreter, parallelism) and process: the probe costs a
+    sandbox start. bubblewrap whenever it works; a bare child process only where it does not and that is allowed."""
+    key = (limits, allow_unsandboxed, python, parallelism)
     with _SANDBOXES_LOCK:
         if key not in _SANDBOXES:
-            _SANDBOXES[key] = PythonSandbox(limits=limits, unsandboxed=unsandboxed, python=python)
+            try:
+                sandbox = PythonSandbox(limits=limits, python=python, max_concurrent_runs=parallelism)
+            except SandboxUnavailableError as exc:
+                if not allow_unsandboxed:
+                    raise
+                log.warning("code tool: no working sandbox (%s); running programs unsandboxed as configured", exc)
+                sandbox = PythonSandbox(limits=limits, python=python, unsandboxed=True, max_concurrent_runs=parallelism)
+            _SANDBOXES[key] = sandbox
         return _SANDBOXES[key]
 
 
@@ -60,7 +85,8 @@ class CodeTool:
             the error line within `ToolUseEnv`'s 2000-character observation cut, so the model always sees it.
         max_code_chars: longer programs are refused without running.
         python: interpreter inside the sandbox; None: the one running roll (standard library only).
-        allow_unsandboxed_execution_i_understand_the_risk: run without bubblewrap when none works.
+        parallelism: programs running at once over every tool sharing this one's sandbox (the rest wait).
+        allow_unsandboxed_execution_i_understand_the_risk: run without bubblewrap when none works (only then).
     """
 
     name: ClassVar[str] = "code"
@@ -78,10 +104,11 @@ class CodeTool:
         max_output_chars: int = 1500,
         max_code_chars: int = 20_000,
         python: str | None = None,
+        parallelism: int = 8,
         allow_unsandboxed_execution_i_understand_the_risk: bool = False,
     ) -> None:
-        if max_output_chars < 1 or max_code_chars < 1:
-            raise ValueError("code tool: max_output_chars and max_code_chars must be >= 1")
+        if max_output_chars < 1 or max_code_chars < 1 or parallelism < 1:
+            raise ValueError("code tool: max_output_chars, max_code_chars and parallelism must be >= 1")
         limits = SandboxLimits(
             timeout_s=float(timeout_s),
             memory_mb=int(memory_mb),
@@ -91,7 +118,8 @@ class CodeTool:
         )
         self.max_output_chars, self.max_code_chars = int(max_output_chars), int(max_code_chars)
         # Built (and probed) now: a run without a sandbox must fail at start, not at the first tool call.
-        self.sandbox = _shared_sandbox(limits, bool(allow_unsandboxed_execution_i_understand_the_risk), python)
+        allow = bool(allow_unsandboxed_execution_i_understand_the_risk)
+        self.sandbox = _shared_sandbox(limits, allow, python, int(parallelism))
         self.counts: Counter[str] = Counter()
 
     def __call__(self, arg: str) -> str:

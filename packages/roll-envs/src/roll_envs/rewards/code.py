@@ -128,7 +128,8 @@ class CodeReward(Reward):
         max_processes: processes and threads the program may run at once.
         run_memory_mb: memory of all the program's processes together, MiB (where a cgroup can be made).
         max_output_bytes: stdout + stderr bytes per test before the program is killed.
-        parallelism: sandboxes running at once (threads each waiting on one sandbox process).
+        parallelism: sandboxes running at once (threads each waiting on one sandbox process), also over `score`
+            calls made concurrently (a reward service's threads): the sandbox holds the cap.
         max_tests: run at most this many tests per problem (the first ones); None: all.
         format_weight: bonus for a response with a code block.
         python: interpreter inside the sandbox; None: the one running roll (standard library only).
@@ -167,12 +168,12 @@ class CodeReward(Reward):
             run_memory_mb=run_memory_mb,
         )
         try:
-            self.sandbox = PythonSandbox(limits, python=python)
+            self.sandbox = PythonSandbox(limits, python=python, max_concurrent_runs=parallelism)
         except SandboxUnavailableError as exc:
             if not allow_unsandboxed_execution_i_understand_the_risk:
                 raise
             log.warning("no working sandbox (%s); falling back to unsandboxed execution as configured", exc)
-            self.sandbox = PythonSandbox(limits, python=python, unsandboxed=True)
+            self.sandbox = PythonSandbox(limits, python=python, unsandboxed=True, max_concurrent_runs=parallelism)
 
     def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
         if len(responses) != len(answers):

