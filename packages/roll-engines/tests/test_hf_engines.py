@@ -365,6 +365,40 @@ def test_a_loaded_optimizer_takes_the_configured_lr_and_keeps_its_moments_and_po
     assert out["optimizer_steps"] == 1 and resumed.scheduler.get_last_lr()[0] == pytest.approx(1e-4 * 4 / 4)
 
 
+@pytest.mark.parametrize("kind", ["hf", "fsdp2"])
+def test_a_checkpoint_saved_before_the_first_step_changes_no_update(tiny: str, tmp_path: Path, kind: str) -> None:
+    """Saving a never-stepped optimizer: torch's DCP built its state with a zero-lr step, leaving Adam at step 1
+    with zero moments on the live engine and in the checkpoint, so the first real update (here, and after a resume
+    from that checkpoint) took step 2's bias corrections. Both runs now take the fresh engine's first update."""
+    import torch.distributed as dist
+
+    from roll_core.testing.batches import toy_batch
+    from roll_engines.train.fsdp2 import FSDP2TrainEngine
+
+    batch = toy_batch(tiny)
+    kw = dict(lr=1e-3, weight_decay=0.1, micro_batch_size=6)
+
+    def build() -> HFTrainEngine:
+        return FSDP2TrainEngine.conformance_engine(tiny, **kw) if kind == "fsdp2" else HFTrainEngine(tiny, **kw)
+
+    def stepped(engine: HFTrainEngine) -> dict[str, torch.Tensor]:
+        engine.train_step(batch, PolicyObjective())
+        return engine.get_weights()
+
+    try:
+        want = stepped(build())
+        saved = build()
+        saved.save(tmp_path / "ckpt")
+        resumed = build()
+        resumed.load(tmp_path / "ckpt")
+        for got in (stepped(saved), stepped(resumed)):
+            for name, w in want.items():
+                torch.testing.assert_close(got[name], w, atol=1e-6, rtol=0, msg=name)
+    finally:
+        if kind == "fsdp2" and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_the_engine_stops_on_the_tokenizers_eos_and_the_generation_configs(tiny: str, tmp_path: Path) -> None:
     """A fine-tuned checkpoint may change its tokenizer's EOS and not generation_config.json's (or the reverse):
     the engine stops on both, as vLLM does."""

@@ -128,3 +128,40 @@ def test_an_adapter_on_a_tied_head_is_refused(path: str, tmp_path: Path) -> None
             HFTrainEngine(str(tmp_path), lora_target_modules=targets, **LORA)
     HFTrainEngine(str(tmp_path), lora_target_modules=["q_proj", "v_proj"], **LORA)  # the rest is fine
     HFTrainEngine(path, lora_target_modules=["q_proj", "lm_head"], **LORA)  # untied: the head has its own weight
+
+
+def test_a_target_that_matches_no_layer_is_refused(path: str) -> None:
+    """peft refuses a target list only when it matches nothing: a misspelt entry beside a correct one trained
+    without the adapters it asked for (here: q_proj only). Every entry must adapt some layer."""
+    from roll_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"\['v_prj'\] match no layer"):
+        HFTrainEngine(path, lora_target_modules=["q_proj", "v_prj"], **LORA)
+    adapted = HFTrainEngine(path, lora_target_modules=["q_proj", "self_attn.v_proj"], **LORA).model
+    assert {n.rsplit(".", 1)[-1] for n in adapted.targeted_module_names} == {"q_proj", "v_proj"}
+
+
+def test_an_adapter_on_an_untied_embedding_syncs_and_saves_merged(path: str, tmp_path: Path) -> None:
+    """peft adapts an (untied) embedding with lora_embedding_A/B, not lora_A/B: merging its weight raised KeyError
+    at the first weight sync or save, after training had started. The merged weights are peft's own merge."""
+    import copy
+
+    batch = toy_batch(path)
+    lora = _trained(path, lora_target_modules=["embed_tokens", "q_proj"], **LORA)
+    expected = copy.deepcopy(lora.model).merge_and_unload().state_dict()
+    merged = dict(lora.iter_weights())
+    assert merged.keys() == expected.keys()
+    for name, w in expected.items():
+        torch.testing.assert_close(merged[name], w, msg=name)
+    changed = {k for k, _ in lora.iter_weights(changed_only=True)}
+    assert "model.embed_tokens.weight" in changed
+    assert not torch.equal(
+        merged["model.embed_tokens.weight"], HFTrainEngine(path).get_weights()["model.embed_tokens.weight"]
+    )  # the embedding's adapter trained and is in the sync
+    lora.save(tmp_path / "ckpt", path)
+    view = HFTrainEngine(str(tmp_path / "ckpt" / "model"), role="reference")
+    want = lora.compute_logprobs(batch)["logprobs"]
+    torch.testing.assert_close(view.compute_logprobs(batch)["logprobs"], want, atol=1e-5, rtol=1e-5)
+    fresh = HFTrainEngine(path, lora_target_modules=["embed_tokens", "q_proj"], **LORA)
+    fresh.load(tmp_path / "ckpt")
+    torch.testing.assert_close(fresh.compute_logprobs(batch)["logprobs"], want)

@@ -6,7 +6,9 @@ carry merged weights in the base model's HF names (W + scaling * B @ A), so infe
 transformers need no LoRA support; `adapter/` holds the adapter in peft's format (PeftModel.from_pretrained).
 An inference engine that serves adapters itself (vLLM, `infer_engine.lora_sync=adapter`) is synced with
 `adapter_weights` instead: the adapter alone, in peft's saved names, with the scaling folded into B.
-On a vision-language model, "all-linear" adapts the language model's linear layers only.
+On a vision-language model, "all-linear" adapts the language model's linear layers only. Every entry of a
+target list must adapt some layer (a misspelt one is a ConfigError); an untied embedding may carry an adapter
+(merged like a linear layer's; an adapter-serving engine refuses it).
 
 Functions take a `full` callable that turns a (possibly sharded, FSDP2 DTensor) tensor into a full one, so the
 same code serves the hf and fsdp2 engines.
@@ -52,8 +54,26 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, 
         # peft's warning about a tied layer in the adapter: refused just below, with what to change
         warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*tied layer.*", category=UserWarning)
         peft_model = get_peft_model(model, config)
+    refuse_unmatched_targets(targets, peft_model.targeted_module_names)
     refuse_tied_targets(peft_model)
     return peft_model
+
+
+def refuse_unmatched_targets(targets: list[str] | str, adapted: list[str]) -> None:
+    """ConfigError for an entry of a target list that matched no module (peft's rule: the module's name, or its
+    name's last dotted parts): peft refuses only a list that matches nothing at all, so a misspelt entry beside a
+    correct one (["q_proj", "v_prj"]) trained without the adapters it asked for. A string ("all-linear", a regex)
+    is peft's to check."""
+    from roll_core.errors import ConfigError
+
+    if isinstance(targets, str):
+        return
+    unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in adapted)]
+    if unmatched:
+        raise ConfigError(
+            f"train_engine.lora_target_modules: {unmatched} match no layer of the model (adapted: "
+            f"{sorted({n.rsplit('.', 1)[-1] for n in adapted})}); fix or remove them"
+        )
 
 
 def refuse_tied_targets(model: torch.nn.Module) -> None:
@@ -114,14 +134,8 @@ def merged_weights(
         owner = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
         hf_name = name.replace(".base_layer.", ".")
         if owner is not None and owner in lora_modules and name.endswith(".weight"):
-            module = lora_modules[owner]
-            a = full(module.lora_A[ADAPTER].weight.detach())
-            b = full(module.lora_B[ADAPTER].weight.detach())
-            delta = (b @ a) * module.scaling[ADAPTER]
-            if getattr(module, "fan_in_fan_out", False):
-                delta = delta.T
             w = full(p.detach())
-            yield hf_name, (w + delta.to(w.dtype))
+            yield hf_name, (w + _delta(lora_modules[owner], full).to(w.dtype))
         elif not changed_only or in_parents(hf_name, parents):
             yield hf_name, full(p.detach())
     if changed_only:
@@ -129,6 +143,21 @@ def merged_weights(
     for name, b in base.named_buffers():
         if name in persistent:
             yield name.replace(".base_layer.", "."), full(b)
+
+
+def _delta(module: Any, full: Callable[[Tensor], Tensor]) -> Tensor:
+    """scaling * B @ A of a LoRA layer, shaped as its base weight: a linear layer's (out, in) (transposed for
+    GPT-2's Conv1D, `fan_in_fan_out`), an embedding's (num_embeddings, dim) from peft's lora_embedding_A (r, num)
+    and lora_embedding_B (dim, r) (a target list naming an untied embedding: the merge raised KeyError, at the first
+    weight sync or save after training had started)."""
+    if ADAPTER in getattr(module, "lora_embedding_A", {}):
+        a = full(module.lora_embedding_A[ADAPTER].detach())
+        b = full(module.lora_embedding_B[ADAPTER].detach())
+        return (b @ a).T * module.scaling[ADAPTER]
+    a = full(module.lora_A[ADAPTER].weight.detach())
+    b = full(module.lora_B[ADAPTER].weight.detach())
+    delta = (b @ a) * module.scaling[ADAPTER]
+    return delta.T if getattr(module, "fan_in_fan_out", False) else delta
 
 
 def sync_parents(changed: Iterable[str]) -> set[str]:

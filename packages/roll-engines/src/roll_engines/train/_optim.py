@@ -1,6 +1,7 @@
 """The `hf`/`fsdp2` engines' optimizer pieces: the LR schedule, AdamW's kernel choice and the optimizer-state
 checkpoint (torch.distributed.checkpoint, keyed by parameter name, sharded by rank, resharded on load: a run
-saved on N ranks resumes on M ranks or in one process)."""
+saved on N ranks resumes on M ranks or in one process). Saving an optimizer that has not stepped yet leaves its
+next update unchanged (and so does resuming from that checkpoint)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,18 @@ def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, fol
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    fresh = not optimizer.state  # no step taken yet
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    if fresh:
+        # DCP builds a never-stepped optimizer's state by stepping it once at lr 0 with zero gradients: Adam's step
+        # count became 1 with zero moments, on the live optimizer and in the checkpoint, so the first real update
+        # (of this run, or of one resumed from here) took step 2's bias corrections (~25% smaller on the tiny
+        # model). Step 0 with zero moments is exactly a fresh Adam's state.
+        for st in [*optimizer.state.values(), *state["optimizer"].get("state", {}).values()]:
+            if torch.is_tensor(st.get("step")):
+                st["step"].zero_()
+            elif "step" in st:
+                st["step"] = 0
     with _single_process_dcp():
         dcp.save(state, checkpoint_id=folder, no_dist=not _distributed())
 

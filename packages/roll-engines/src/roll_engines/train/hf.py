@@ -565,10 +565,15 @@ class HFTrainEngine:
     def compute_gradients(
         self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float = 1.0
     ) -> dict[str, Tensor]:
-        """Gradients of `loss_fn` over this rank's rows as one mini-batch, without an optimizer step (checks)."""
+        """Gradients of `loss_fn` over this rank's rows as one mini-batch, without an optimizer step (checks).
+        Under fp16's loss scaler they are unscaled (the backward runs on the scaled loss: they came back 2^16 x)."""
         self.model.zero_grad(set_to_none=True)
         self._accumulate(V.checked_batch(batch, self.vision, self.path), loss_fn, temperature)
+        self._loss_finite = True  # (no step follows: the next train_step starts clean)
         grads = self.gradients()
+        if self.scaler is not None:
+            inv = 1.0 / self.scaler.get_scale()  # a power of two: exact
+            grads = {k: g * inv for k, g in grads.items()}
         self.model.zero_grad(set_to_none=True)
         return grads
 
