@@ -124,6 +124,30 @@ def test_discarded_groups_return_their_budget() -> None:
     assert s.capacity() == 1 and s.counters["discarded_groups"] == 1
 
 
+@pytest.mark.parametrize("order", ["start", "deadline"])
+def test_a_short_batch_does_not_keep_extra_groups_in_flight_for_good(order: str) -> None:
+    """Dynamic sampling at its refill cap trains a batch of fewer than B groups. The budget counted versions only,
+    so the groups that batch did not train stayed in flight for good: (k + 1) B + 1 of them, one more than the
+    batches can train within the bound, and a group went stale (generated, then thrown away) every few versions
+    forever (4 in 12 versions here). Now the short batch lowers the budget: only the due group it left behind is
+    dropped, once. A group discarded in its own batch's version (refilled at once) is no shortfall."""
+    b, k = 4, 1
+    s = RolloutScheduler(batch_groups=b, group_size=1, max_new_tokens=4, async_ratio=k, order=order)
+    ids = itertools.count()
+    for v in range(12):
+        _finish(s, _fill(s, ids))
+        assert len(s.groups) <= (k + 1) * b
+        got = s.take(b - 1 if v == 1 else b)  # version 1: a short batch
+        if v == 3:  # dynamic sampling drops one group and refills the batch in the same version
+            s.discard(got.pop())
+            _finish(s, _fill(s, ids))
+            got += s.take(1)
+        assert len(got) == (b - 1 if v == 1 else b)
+        assert all(s.version - g.start_version <= k for g in got)
+        s.finish_update()
+    assert s.counters["stale_groups"] == 1
+
+
 def test_tail_groups_start_only_while_groups_of_an_earlier_version_run() -> None:
     s = RolloutScheduler(batch_groups=2, group_size=1, max_new_tokens=4, async_ratio=1, tail_groups=2)
     ids = itertools.count()

@@ -7,7 +7,10 @@ thread calls `take(n)` (blocks until n complete groups within the staleness boun
 and brackets every weight sync with `begin_update()` / `finish_update()`: with partial rollout the running
 requests are aborted first and their prefixes resumed under the new weights; groups that became too stale are
 aborted and never returned. A failure in the thread (engine error) is raised in the trainer's next call, never
-swallowed. `close()` aborts what runs and stops the thread.
+swallowed. An abort the engine made on its own resumes the sample (preemption), but `max_idle_aborts` of them in
+a row for one sample within one version, none with a token, are a refusal (SGLang aborts a prompt longer than
+its KV cache holds): the thread fails naming the request, instead of resubmitting it in a busy loop while the
+trainer waits out `timeout_s`. `close()` aborts what runs and stops the thread.
 
 The same code runs on `cluster=local` (engines in this process: generation and training share its cores) and on
 Ray (engines in their own processes: real overlap).
@@ -29,9 +32,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from roll_core.interfaces import Request, SamplingParams
+from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.scheduling.pool import EnginePool
-from roll_core.scheduling.scheduler import GroupState, RolloutScheduler
+from roll_core.scheduling.scheduler import GroupState, RolloutScheduler, SampleState
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ class AsyncRollout:
         poll_s: float = 0.002,
         timeout_s: float = 3600.0,
         pool: EnginePool | None = None,
+        max_idle_aborts: int = 8,
     ) -> None:
         self.infer, self.sched, self.next_group, self.params = infer, scheduler, next_group, params
         self.poll_s, self.timeout_s = poll_s, timeout_s
@@ -61,6 +65,9 @@ class AsyncRollout:
         self._thread: threading.Thread | None = None
         self._n = 0
         self._last: dict[str, int] = {}
+        self.max_idle_aborts = max_idle_aborts
+        self._aborting: set[str] = set()  # requests this driver aborted, result not yet collected
+        self._idle_aborts: dict[tuple[int, int], int] = {}  # sample -> engine aborts without a token, this version
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -72,6 +79,7 @@ class AsyncRollout:
         with self._cv:
             self._stopped = True
             running = list(self._handles)
+            self._aborting.update(running)
             self._cv.notify_all()
         for rid in running:
             self.infer.abort(rid)
@@ -117,6 +125,7 @@ class AsyncRollout:
             self._raise()
             self._paused = True
             to_abort = self.sched.begin_update()
+            self._aborting.update(to_abort)
         for rid in to_abort:
             self.infer.abort(rid)
         deadline = time.monotonic() + 60
@@ -131,6 +140,8 @@ class AsyncRollout:
         """After a weight sync: bump the version, abort groups now too stale, resume generation."""
         with self._cv:
             doomed = self.sched.finish_update()
+            self._aborting.update(doomed)
+            self._idle_aborts.clear()  # counted per version: an engine may abort what it runs at an update
             self._paused = False
             self._cv.notify_all()
         for rid in doomed:
@@ -145,6 +156,7 @@ class AsyncRollout:
         with self._cv:
             self._raise()
             moved = pool.shrink(engines)
+            self._aborting.update(moved)
         for rid in moved:
             self.infer.abort(rid)
         deadline = time.monotonic() + timeout_s
@@ -163,6 +175,7 @@ class AsyncRollout:
         with self._cv:
             self._raise()
             moved = pool.expand(engines, rebalance=rebalance)
+            self._aborting.update(moved)
             self._cv.notify_all()
         for rid in moved:
             self.infer.abort(rid)
@@ -205,6 +218,10 @@ class AsyncRollout:
                         with self._cv:
                             self._handles.pop(rid, None)
                             sample = self.sched.by_request.get(rid)
+                            asked = rid in self._aborting
+                            self._aborting.discard(rid)
+                            if sample is not None:
+                                self._count_idle_abort(sample, rid, out, asked)
                             self.sched.on_result(rid, list(out.token_ids), list(out.logprobs), out.finish_reason)
                             if self.pool is not None:
                                 self.pool.release(rid)
@@ -219,6 +236,21 @@ class AsyncRollout:
             with self._cv:
                 self._error = exc
                 self._cv.notify_all()
+
+    def _count_idle_abort(self, sample: SampleState, rid: str, out: RequestOutput, asked: bool) -> None:
+        """Count the engine's own aborts of `sample` that brought no token (lock held); too many: raise."""
+        key = (sample.group.gid, sample.index)
+        if out.finish_reason != "abort" or out.token_ids or asked:
+            self._idle_aborts.pop(key, None)
+            return
+        n = self._idle_aborts[key] = self._idle_aborts.get(key, 0) + 1
+        if n >= self.max_idle_aborts:
+            raise RuntimeError(
+                f"the engine aborted request {rid} (group {sample.group.gid} sample {sample.index}, "
+                f"{len(sample.group.prompt_ids) + len(sample.tokens)} tokens of prompt and prefix) {n} times in a "
+                "row without generating a token: it refuses the request (SGLang aborts a prompt longer than it "
+                "accepts, e.g. more than its KV cache holds: lower model.max_prompt_length or give it more memory)"
+            )
 
     def _fill(self) -> None:
         """Start groups up to the budget and submit every pending sample (lock held)."""

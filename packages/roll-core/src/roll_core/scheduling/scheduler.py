@@ -17,8 +17,12 @@ of a group is older than the version at which the group was admitted.
 
 Contract:
 - Budget (admission control): with async ratio k and B groups per batch, at most (version + k + 1) * B groups are
-  ever started (minus those discarded), so the rollout runs at most k batches ahead of the trainer. k = 0 is the
-  synchronous loop: one batch, generated under the current weights.
+  ever started (minus those discarded or dropped, and minus what short batches left untrained: a version whose
+  batch trained B - s groups takes s off), so the rollout runs at most k batches ahead of the trainer: the groups
+  running, waiting and in the batch being taken never exceed (k + 1) B (plus tail groups). k = 0 is the
+  synchronous loop: one batch, generated under the current weights. (Counted by versions alone, the s groups a
+  short batch left untrained, dynamic sampling at its refill cap, stayed in flight for good, s more than the
+  batches can train within the bound: groups went stale and were thrown away every few versions, run-long.)
 - Order `"deadline"`: a group admitted at version u has the *deadline* u + k (the last batch that may train it).
   `take` at trainer version V returns every complete *due* group (deadline <= V) and fills the rest of the batch
   with complete groups in start order, so a batch waits for its due groups only, not for every group ahead of the
@@ -193,6 +197,8 @@ class RolloutScheduler:
         self.by_request: dict[str, SampleState] = {}
         self._gids = itertools.count()
         self._budget_used = 0  # groups started and not discarded
+        self._short = 0  # groups the batches of earlier versions fell short of B by (budget module docstring)
+        self._taken: set[int] = set()  # groups taken at this version and not discarded: the batch being trained
         self._complete = 0  # groups in `groups` that are done (O(1) capacity checks on every driver poll)
         self._pending: dict[tuple[int, int], SampleState] = {}  # samples needing a request, in start order
         self.counters = {
@@ -208,7 +214,7 @@ class RolloutScheduler:
         """How many new groups may start now. Tail groups start only while groups from an earlier version still
         run and fewer than a batch is complete: they stand in for slow groups; started when nothing is slow,
         they would only wait, age past the bound and be dropped."""
-        allowed = (self.version + self.k + 1) * self.batch_groups
+        allowed = (self.version + self.k + 1) * self.batch_groups - self._short
         if self.tail_groups and self._complete < self.batch_groups and self._slow():
             allowed += self.tail_groups
         return max(0, allowed - self._budget_used)
@@ -356,6 +362,7 @@ class RolloutScheduler:
     def _hand_over(self, g: GroupState, out: list[GroupState]) -> None:
         del self.groups[g.gid]
         self._complete -= 1
+        self._taken.add(g.gid)
         out.append(g)
 
     def due(self) -> int:
@@ -367,6 +374,10 @@ class RolloutScheduler:
         """A taken group the caller will not train on (no reward variance): its budget goes to a new group."""
         if group.gid in self.groups:
             raise ValueError(f"group {group.gid} was not taken: only taken groups can be discarded")
+        if group.gid in self._taken:
+            self._taken.discard(group.gid)
+        else:  # taken at an earlier version, whose batch counted it: that batch trained one group fewer
+            self._short += 1
         self._budget_used -= 1
         self.counters["discarded_groups"] += 1
 
@@ -394,7 +405,10 @@ class RolloutScheduler:
 
     def finish_update(self) -> list[str]:
         """The trainer pushed new weights: bump the version; returns requests of running groups that can no longer
-        be trained on (abort them: their results are ignored)."""
+        be trained on (abort them: their results are ignored). A batch of fewer than B groups at the version that
+        ends lowers the budget by the difference (module docstring)."""
+        self._short += max(0, self.batch_groups - len(self._taken))
+        self._taken = set()
         self.version += 1
         doomed: list[str] = []
         for g in list(self.groups.values()):

@@ -1,0 +1,114 @@
+"""AsyncRollout (the driver thread) over a fake request API: a request the engine keeps aborting on its own without
+a token fails the rollout with the cause instead of being resubmitted in a busy loop, while the aborts the driver
+asks for (weight updates with partial rollout) and a few engine-side ones (preemption) still resume."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from roll_core.interfaces import Request, RequestOutput, SamplingParams
+from roll_core.scheduling.driver import AsyncRollout
+from roll_core.scheduling.pool import EnginePool
+from roll_core.scheduling.scheduler import RolloutScheduler
+
+
+class _Engine:
+    """The request API of an inference group. A request runs until aborted (no token), or until `serve()`, which
+    finishes the running ones and every later one at once (one token each). `refuse`: every request is aborted by
+    the engine at once (SGLang's answer to a prompt longer than it accepts); `preempt`: the engine aborts the
+    first request of each prompt on its own."""
+
+    def __init__(self, *, refuse: bool = False, preempt: bool = False) -> None:
+        self.refuse, self.preempt, self.serving = refuse, preempt, False
+        self.lock = threading.Lock()
+        self.running: dict[str, tuple[Request, Future]] = {}
+        self.submitted = 0
+        self.preempted: set[tuple[int, ...]] = set()
+
+    def submit_request(self, request: Request, rank: int | None = None) -> Future:
+        fut: Future = Future()
+        with self.lock:
+            self.submitted += 1
+            key = tuple(request.prompt_ids)
+            if self.refuse or (self.preempt and key not in self.preempted):
+                self.preempted.add(key)
+                fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [], [], "abort"))
+            elif self.serving:
+                fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [7], [-0.5], "stop"))
+            else:
+                self.running[request.request_id] = (request, fut)
+        return fut
+
+    def abort(self, request_id: str) -> bool:
+        with self.lock:
+            item = self.running.pop(request_id, None)
+        if item is None:
+            return False
+        item[1].set_result(RequestOutput(request_id, item[0].prompt_ids, [], [], "abort"))
+        return True
+
+    def serve(self) -> None:
+        with self.lock:
+            items, self.running, self.serving = list(self.running.values()), {}, True
+        for request, fut in items:
+            fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [7], [-0.5], "stop"))
+
+
+def _driver(engine: _Engine, timeout_s: float, pool: EnginePool | None = None) -> AsyncRollout:
+    prompts = iter(range(10**6))
+    sched = RolloutScheduler(batch_groups=1, group_size=2, max_new_tokens=4, async_ratio=1, partial_rollout=True)
+    params = SamplingParams(max_new_tokens=4)
+    return AsyncRollout(engine, sched, lambda: ("p", [next(prompts)]), params, timeout_s=timeout_s, pool=pool)
+
+
+def _wait_running(engine: _Engine, n: int) -> None:
+    deadline = time.monotonic() + 5
+    while len(engine.running) < n and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def test_a_request_the_engine_keeps_aborting_fails_the_rollout_with_the_cause() -> None:
+    """An engine-side abort resumes the sample; an engine that aborts a request every time (no token) had it
+    resubmitted in a busy loop (~10^5 requests a second) and the trainer waited out timeout_s (an hour in a run)
+    for a TimeoutError that did not say why."""
+    engine = _Engine(refuse=True)
+    driver = _driver(engine, timeout_s=3)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"aborted request .* 8 times in a row without generating a token"):
+            driver.take(1)
+    finally:
+        driver.close()
+    assert time.monotonic() - t0 < 2 and engine.submitted < 100
+
+
+@pytest.mark.parametrize("partial_gpu", [False, True])
+def test_aborts_the_driver_asks_for_and_an_engine_preemption_still_resume(partial_gpu: bool) -> None:
+    """Partial rollout aborts every running request at each weight update (no token yet, 12 updates in a row);
+    in partial-GPU mode engine 1 also leaves and rejoins 12 times within one version, its requests aborted and
+    moved each time; and the engine preempts the first request of each prompt. None of it is a refusal, and the
+    groups complete."""
+    engine = _Engine(preempt=True)
+    driver = _driver(engine, timeout_s=10, pool=EnginePool([0, 1]) if partial_gpu else None)
+    try:
+        driver.start()
+        for _ in range(12):
+            _wait_running(engine, 4)  # (k + 1) B groups x 2 samples
+            if partial_gpu:
+                driver.shrink([1])
+                _wait_running(engine, 4)
+                driver.expand([1])
+        for _ in range(12):
+            _wait_running(engine, 4)
+            driver.begin_update()
+            driver.finish_update()
+        engine.serve()
+        [group] = driver.take(1)
+    finally:
+        driver.close()
+    assert [s.tokens for s in group.samples] == [[7], [7]] and driver.sched.version == 12
+    assert driver._thread is not None and not driver._thread.is_alive()
