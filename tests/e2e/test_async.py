@@ -159,6 +159,25 @@ def test_a_resumed_async_run_trains_the_prompts_the_uninterrupted_run_would(
     assert trained == full
 
 
+def test_a_prompt_that_fills_the_engines_context_is_skipped_and_replaced(tmp_path: Path) -> None:
+    """Every fourth prompt of 64 is ~40 tokens, the engine's context 40: the asynchronous collector drops such a
+    group, counts it in data/skipped_context_prompts and starts the next one, so every step trains its 4 groups
+    (one such prompt raised and ended the run; the synchronous collector always skipped them)."""
+    import json
+
+    rows = [
+        {"prompt": f"Q{i}: please think about this carefully say 7" if i % 4 == 0 else f"Q{i}: say 7", "answer": "7"}
+        for i in range(64)
+    ]
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extra = ("pipeline.async_ratio=1", "pipeline.max_steps=3", "infer_engine.max_model_len=40")
+    _, history = run_pipeline(tiny_overrides(data, tmp_path / "run", *extra))
+    steps = [h for h in history if h["step"] > 0]
+    assert [h["data/trained_groups"] for h in steps] == [4, 4, 4]
+    assert sum(h["data/skipped_context_prompts"] for h in steps) >= 1
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

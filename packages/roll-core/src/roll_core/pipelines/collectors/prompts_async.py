@@ -3,8 +3,9 @@ trainer, in the background, by at most k weight versions.
 
 The background driver (roll_core.scheduling.driver) keeps generating groups within the scheduler's budget;
 `next` takes complete groups (oldest first, within the staleness bound), scores them, drops groups without
-reward variance when dynamic sampling is on (their budget starts new groups at once), and returns an assembled
-batch with `behaviour_version` (B,) per row. The trainer then recomputes the proximal log-probs (`old_logprobs`)
+reward variance when dynamic sampling is on (their budget starts new groups at once), drops (and replaces) groups
+whose prompt fills the engine's context (`data/skipped_context_prompts`), and returns an assembled batch with
+`behaviour_version` (B,) per row. The trainer then recomputes the proximal log-probs (`old_logprobs`)
 at its current version, and `algo.off_policy_correction` weighs each token by the truncated ratio
 pi_old / pi_behaviour (decoupled PPO); `begin_sync` / `finish_sync` bracket the weight sync so that partial
 rollout can abort and resume requests around it.
@@ -93,6 +94,7 @@ class AsyncPromptCollector(PromptCollector):
             partial_rollout=p.partial_rollout,
         )
         self.skipped_long = 0
+        self.skipped_context = 0  # groups whose prompt filled the engine's context (data/skipped_context_prompts)
         self.skipped_bad_images = 0
         self._last_batch_at: float | None = None  # when the previous batch was taken (rollout throughput)
         seed = derive_seed(p.seed, Purpose.ASYNC_ROLLOUT)
@@ -126,18 +128,29 @@ class AsyncPromptCollector(PromptCollector):
         kept: list[GroupState] = []
         first: tuple[Batch, Batch] | None = None
         cols: dict[int, dict[str, torch.Tensor]] = {}  # gid -> its rows' scores, correct, formatted
-        sampled = rounds = 0
+        sampled = rounds = too_long = 0
         with out.timer("generate"):  # time the trainer waited for rollout
             while len(kept) < want and sampled < cap:
                 rounds += 1
                 groups = self.driver.take(min(want - len(kept), cap - sampled))
-                sampled += len(groups)
-                batch = self._assemble(generation_from_samples(groups, pad))
-                if len(batch) != len(groups) * g:
+                # A group whose prompt fills the engine's context generated nothing: dropped, counted and replaced
+                # by the next one (one such prompt ended the run); a step of nothing else is an error.
+                fits = [grp for grp in groups if not self._fills_context(grp)]
+                for grp in groups:
+                    if grp not in fits:
+                        self.skipped_context += 1
+                        self.driver.discard(grp)
+                        too_long += 1
+                if too_long > 10 * want and first is None:
                     raise ValueError(
-                        "a prompt fills the inference engine's context: lower model.max_prompt_length below the "
-                        "engine's context (infer_engine.max_model_len)"
+                        f"{too_long} prompts in a row fill the inference engine's context: lower "
+                        "model.max_prompt_length below the engine's context (infer_engine.max_model_len)"
                     )
+                groups = fits
+                sampled += len(groups)
+                if not groups:
+                    continue
+                batch = self._assemble(generation_from_samples(groups, pad))
                 scored = self.score(batch, out)
                 keys = ("scores", "correct", "formatted", *(k for k in RM_ROW_TENSORS if k in scored))
                 batch = batch.union(scored.select(*keys))
@@ -167,6 +180,7 @@ class AsyncPromptCollector(PromptCollector):
         out["data/refill_rounds"] = rounds - 1  # takes after the first (the sync collector's count)
         out["data/refill_short_groups"] = max(0, want - len(kept))
         out["data/skipped_long_prompts"], self.skipped_long = self.skipped_long, 0
+        out["data/skipped_context_prompts"], self.skipped_context = self.skipped_context, 0
         if self.processor is not None:
             out["data/skipped_bad_images"], self.skipped_bad_images = self.skipped_bad_images, 0
         if not kept:
@@ -190,6 +204,11 @@ class AsyncPromptCollector(PromptCollector):
         out["perf/rollout_tokens_per_s"] = float(batch["response_mask"].sum()) / max(span, 1e-9)
         out["perf/generate_wait_seconds"] = out.timers["generate"]
         return self._collected(batch, out)
+
+    @staticmethod
+    def _fills_context(group: GroupState) -> bool:
+        """Whether the engine refused `group`'s prompt as filling its context (every sample of a group shares it)."""
+        return any(s.finish == "prompt_too_long" for s in group.samples)
 
     def _assemble(self, gen: Batch) -> Batch:
         own = ("prompt_ids", *PROBLEM_FIELDS, *(["mm_inputs"] if "mm_inputs" in gen else []))
