@@ -5,9 +5,10 @@ Covered: the conformance suite (roll_core.testing.trackers) against the server; 
 `pipeline.trackers=[mlflow]` (experiment, run name, the flattened config as params, every metric of metrics.jsonl
 at its step, the sample tables, config.yaml); a resume that redoes steps (a new run replays the kept steps, the
 old one is retired); the server stopped mid-run (training goes on, points are buffered, counted and sent once it
-is back, through `unsent.json` across a restart); the default SQLite store in the run folder; params over MLflow's
-length limit; the one-line error without the package. The server is started once per module (`--workers 1`) and
-killed at the end, also on failure.
+is back, through `unsent.json` across a restart); a resume while the server hangs (it goes on, the MLflow run is
+opened later); the default SQLite store in the run folder; params over MLflow's length limit; metric and param
+names MLflow refuses; the table list tag of a long run; the one-line error without the package. The server is
+started once per module (`--workers 1`) and killed at the end, also on failure.
 """
 
 from __future__ import annotations
@@ -252,6 +253,102 @@ def test_a_hung_server_loses_nothing(server: MlflowServer, tmp_path: Path, caplo
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
+def test_a_resume_while_the_server_is_away_goes_on_and_sends_its_steps_later(
+    server: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A resumed run (a preemption, a restart after a fault) whose server did not answer failed at once (a
+    RuntimeError: "cannot start the run" / "cannot reach the run"). It goes on; once the server answers, the MLflow
+    run is opened as the checkpoint says (here a new one: the old run holds step 2, which is redone) and sent every
+    step from metrics.jsonl."""
+    from roll_core.trackers.mlflow import read_run
+
+    options = {"tracking_uri": server.url, "retries": 0, "timeout_s": 1, "retry_interval_s": 60}
+    config = yaml.safe_dump({"experiment": "away", "tracking": {"mlflow": options}})
+    first = Tracker(tmp_path, config, ["mlflow"])
+    for step in range(3):
+        first.log(step, {"loss": float(step)})
+    first.close()
+    old = _run_id(tmp_path)
+    resumed = Tracker(tmp_path, config, ["mlflow"], resume=True)
+    server.pause()  # the server hangs while the run resumes from its checkpoint at step 1
+    try:
+        with caplog.at_level(logging.WARNING, logger="roll_core.trackers.mlflow"):
+            resumed.truncate(1)  # no exception: training goes on
+            began = time.monotonic()
+            resumed.log(2, {"loss": 20.0})
+            resumed.log(3, {"loss": 30.0})
+            assert time.monotonic() - began < 0.5  # not tried again before retry_interval_s
+    finally:
+        server.resume()
+    with caplog.at_level(logging.WARNING, logger="roll_core.trackers.mlflow"):
+        resumed.close()  # one more try: the server answers
+    ours = [r for r in caplog.records if r.name == "roll_core.trackers.mlflow"]
+    assert [r.levelno for r in ours] == [logging.WARNING] * 2  # no error: nothing is left unsent
+    assert "is not answering" in ours[0].getMessage() and "answers again" in ours[1].getMessage()
+    client, new = server.client(), _run_id(tmp_path)
+    assert new != old and client.get_run(new).data.tags["roll.resumed_from"] == old
+    assert read_run(client, new) == {0: {"loss": 0.0}, 1: {"loss": 1.0}, 2: {"loss": 20.0}, 3: {"loss": 30.0}}
+    assert client.get_run(new).info.status == "FINISHED"
+
+
+class HungEndpoint:
+    """A TCP endpoint on 127.0.0.1 that accepts connections and never answers (a hung server), counting them: each
+    HTTP request MLflow sends (a retry too) is a connection."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.connections.append(self.sock.accept()[0])
+            except OSError:  # closed
+                return
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept (a close alone does not)
+        self.sock.close()
+        self.thread.join(timeout=5)
+        for conn in self.connections:
+            conn.close()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (SQLAlchemy's, from MLflow's sqlite store)
+def test_while_the_server_is_away_a_resend_is_one_request(tmp_path: Path) -> None:
+    """Each resend to a hung server went through MLflow's own retries: `retries + 1` requests of `timeout_s` each
+    (~47 s by default) held the training loop at every retry of the outage. Only the first failure retries."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+
+    from roll_core.trackers.mlflow import read_run
+
+    options = {"retries": 1, "timeout_s": 1, "retry_interval_s": 0}
+    tracker = Tracker(tmp_path, yaml.safe_dump({"experiment": "hung", "tracking": {"mlflow": options}}), ["mlflow"])
+    tracker.log(0, {"loss": 0.0})
+    backend, hung = tracker.backends[0], HungEndpoint()
+    store = backend.client
+    backend.client = MlflowClient(tracking_uri=hung.url)  # the server stops answering
+    try:
+        tracker.log(1, {"loss": 1.0})  # the first failure: MLflow retries it (retries=1: 2 requests)
+        first = len(hung.connections)
+        tracker.log(2, {"loss": 2.0})
+        tracker.log(3, {"loss": 3.0})
+        assert len(hung.connections) - first == 2  # one request per resend (2 each before)
+    finally:
+        hung.close()
+    backend.client = store  # the server answers again
+    tracker.close()
+    assert read_run(store, _run_id(tmp_path)) == {s: {"loss": float(s)} for s in range(4)}
+
+
 # Reading the SQLite store here: MLflow's SQL store uses what SQLAlchemy 2.1 deprecates (the backend hides it).
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_default_store_is_sqlite_in_the_run_folder(tmp_path: Path) -> None:
@@ -279,6 +376,63 @@ def test_params_are_flat_valid_and_cut_at_mlflows_limit() -> None:
     assert params["a.b"] == "1e-06" and params["a.c"] == "[1, 2]" and params["a.d"] == "null" and params["a.e"] == "{}"
     assert params["x y_z"] == "s"
     assert len(params["long"]) == MAX_PARAM_VALUE and params["long"].endswith(PARAM_CUT_NOTE)
+
+
+def test_every_key_becomes_a_name_mlflow_accepts() -> None:
+    """A key MLflow refuses failed the whole batch and the run: a leading '/' (an empty prefix), '..' parts, a cut
+    that ends in '/'. Each key, after `mlflow_key`, passes MLflow's own checks of metric and param names."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    import random
+
+    from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, _validate_metric_name, _validate_param_name
+
+    from roll_core.trackers.mlflow import mlflow_key
+
+    rng = random.Random(0)
+    keys = ["/loss", "a/..", "a/../b", "..", ".", "../a", "./a", "a/.", "..x", "", "/", "a/" * 130, "b" * 249 + "/.c"]
+    keys += ["".join(rng.choice("/.a@ ") for _ in range(rng.randint(0, 300))) for _ in range(3000)]
+    for key in keys:
+        name = mlflow_key(key)
+        _validate_metric_name(name)
+        _validate_param_name(name)
+        assert len(name) <= MAX_ENTITY_KEY_LENGTH, key
+    valid = ["reward/mean", "eval/math/accuracy", ".hidden", "a/.b", "x y:z-1_2", "é/ü"]
+    assert [mlflow_key(k) for k in valid] == valid  # names MLflow takes are kept as they are
+    assert [mlflow_key(k) for k in ("/loss", "a/../b", "reward/", "a//b")] == ["_/loss", "a/__/b", "reward/_", "a/_/b"]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (SQLAlchemy's, from MLflow's sqlite store)
+def test_the_table_list_tag_stays_json_and_a_long_run_resumes(tmp_path: Path) -> None:
+    """The `mlflow.loggedArtifacts` tag listed every step's table: past MLflow's 8000-character tag value (~150
+    steps) MLflow cut it, the UI listed no table, and a resume failed reading it back (JSONDecodeError)."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+    from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
+
+    cfg = "experiment: long\n"
+    local = Tracker(tmp_path, cfg, [])  # 200 steps of samples in the run folder, then mlflow on resume
+    for step in range(200):
+        local.log(step, {"loss": 1.0})
+        local.samples(step, [{"prompt": "p", "response": "r", "reward": 0.0}])
+    local.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}")
+
+    def listed() -> list[int]:
+        tag = client.get_run(_run_id(tmp_path)).data.tags["mlflow.loggedArtifacts"]
+        assert len(tag) <= MAX_TAG_VAL_LENGTH
+        return [int(entry["path"].removeprefix("samples/step_").removesuffix(".json")) for entry in json.loads(tag)]
+
+    tracker = Tracker(tmp_path, cfg, ["mlflow"], resume=True)
+    tracker.truncate(199)  # a new MLflow run: steps 0..199 replayed from the run folder
+    tracker.close()
+    steps = listed()
+    assert steps == list(range(steps[0], 200)) and len(steps) > 100  # the newest tables
+    tracker = Tracker(tmp_path, cfg, ["mlflow"], resume=True)
+    tracker.truncate(199)  # the same run continues: it reads the tag back
+    tracker.samples(200, [{"prompt": "p", "response": "r", "reward": 1.0}])
+    tracker.close()
+    assert listed() == [*steps[1:], 200]
+    assert len(client.list_artifacts(_run_id(tmp_path), "samples")) == 201  # every table stays an artifact
 
 
 def test_without_mlflow_the_error_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,8 @@ Options: `tracking.mlflow` (roll_core.config.tracking.MlflowConfig).
   `config.yaml` artifact.
 - Metrics: at their step, keys as logged (`reward/mean`; a character MLflow refuses becomes `_`).
 - Samples: one table artifact per step, `samples/step_000002.json` (MLflow's table format, `{"columns", "data"}`,
-  listed in the run's `mlflow.loggedArtifacts` tag as `mlflow.log_table` does, so the UI shows it as a table).
+  listed in the run's `mlflow.loggedArtifacts` tag as `mlflow.log_table` does, so the UI shows it as a table; the
+  tag lists the newest tables that fit MLflow's 8000-character tag value, ~150 steps: older ones stay artifacts).
 
 Resume. `<run>/mlflow/run.json` records the tracking URI, the MLflow run id and the last step logged to it. MLflow
 cannot delete metric points (a point logged again at the same step is a second point, not a replacement), so
@@ -25,15 +26,19 @@ Either way the MLflow run that run.json names shows exactly the history of metri
 the steps up to `last_step` it lacks (an attempt that ran without mlflow, or died with points not yet sent: run.json
 counts only the steps the server acknowledged or unsent.json keeps).
 
-Network failures. The tracking server is needed when the run starts (a wrong URI fails there, with its message).
-Later, a send that fails for a network reason (connection refused, timeout, a 5xx) never raises into training:
-the points stay buffered, in order, and are sent with the next log once `retry_interval_s` has passed (doubling to
-5 minutes while the server stays away); every failed send is counted in the metric FAILURES_METRIC (logged with
-the data once the server is back) and warned about once per outage. `close()` tries once more; what still cannot
-be sent is written to `<run>/mlflow/unsent.json` (an error names it) and sent when the run resumes in the same
-folder. A refusal that is not a network problem (an invalid value) raises: resending would not help. MLflow's
-own HTTP retries are bounded by `tracking.mlflow.timeout_s` and `tracking.mlflow.retries` (unless the
-MLFLOW_HTTP_REQUEST_* environment variables say otherwise).
+Network failures. The tracking server is needed when a new run starts (a wrong URI fails there, with its message).
+A resumed run (a preemption, or a restart after a fault) whose server does not answer goes on without it: a warning
+says so, and the MLflow run is opened (continued or replaced, as above) at a later log once the server answers, then
+sent the steps it lacks from metrics.jsonl; `close()` tries once more, and a later resume sends what is still
+missing. Later, a send that fails for a network reason (connection refused, timeout, a 5xx) never raises into
+training: the points stay buffered, in order, and are sent with the next log once `retry_interval_s` has passed
+(doubling to 5 minutes while the server stays away); every failed send is counted in the metric FAILURES_METRIC
+(logged with the data once the server is back) and warned about once per outage. `close()` tries once more; what
+still cannot be sent is written to `<run>/mlflow/unsent.json` (an error names it) and sent when the run resumes in
+the same folder. A refusal that is not a network problem (an invalid value) raises: resending would not help.
+MLflow's own HTTP retries are bounded by `tracking.mlflow.timeout_s` and `tracking.mlflow.retries` (unless the
+MLFLOW_HTTP_REQUEST_* environment variables say otherwise); while the server is away, a resend is one request, so
+a hung server holds a step for at most `timeout_s` at each retry.
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import posixpath
 import re
 import sys
 import time
@@ -63,8 +67,9 @@ UNSENT_FILE = "unsent.json"
 FAILURES_METRIC = "tracking/mlflow_send_failures"
 #: How a param value longer than MLflow's limit ends.
 PARAM_CUT_NOTE = " ...[cut: the config.yaml artifact holds the whole value]"
-# MLflow's limits (mlflow.utils.validation): param value length, key length, entities per log_batch call.
+# MLflow's limits (mlflow.utils.validation): param and tag value length, key length, entities per log_batch call.
 MAX_PARAM_VALUE = 6000
+MAX_TAG_VALUE = 8000
 MAX_KEY = 250
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAMS_TAGS_PER_BATCH = 100
@@ -77,12 +82,23 @@ LOGGED_ARTIFACTS_TAG = "mlflow.loggedArtifacts"  # what mlflow.log_table maintai
 _BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")
 
 
+def _key_part(part: str) -> str:
+    """A `/`-separated part of a key that a path would rewrite (empty, `.`, `..`) as underscores."""
+    return "_" * max(len(part), 1) if part in ("", ".", "..") else part
+
+
 def mlflow_key(key: str) -> str:
-    """`key` as MLflow accepts it for a metric or param: characters it refuses become `_`, at most 250 long."""
-    clean = _BAD_KEY_CHARS.sub("_", key)[:MAX_KEY]
-    if posixpath.normpath(clean) != clean:  # MLflow refuses names that a path would rewrite ("a//b", "a/", "./a")
-        clean = "/".join(part or "_" for part in clean.split("/")).replace("/./", "/_/").lstrip(".") or "_"
-    return clean
+    """`key` as MLflow accepts it for a metric or param: characters it refuses become `_`, as does a part that a
+    path would rewrite (MLflow refuses "/loss", "a//b", "a/", "a/./b", "a/../b", "..x": each names another path),
+    at most 250 long."""
+    clean = "/".join(_key_part(part) for part in _BAD_KEY_CHARS.sub("_", key).split("/"))
+    if clean.startswith(".."):
+        clean = "_" + clean[1:]
+    clean = clean[:MAX_KEY]
+    if clean.endswith("/"):  # the cut may leave an empty, "." or ".." last part
+        clean = clean[:-1] + "_"
+    head, slash, last = clean.rpartition("/")
+    return head + slash + _key_part(last)
 
 
 def _value(value: Any) -> str:
@@ -110,6 +126,23 @@ def is_network_error(exc: BaseException) -> bool:
     with a 5xx), as opposed to a request MLflow refuses."""
     code = getattr(exc, "error_code", None)
     return code not in PERMANENT_ERRORS
+
+
+class Unreachable(RuntimeError):
+    """The tracking server did not answer (`is_network_error`) when the MLflow run was to be started or reopened."""
+
+
+def tables_tag(tables: list[dict[str, str]]) -> str:
+    """LOGGED_ARTIFACTS_TAG's value: the newest of `tables` whose JSON list fits MLflow's tag value limit. All of
+    them overflowed it after ~150 steps of samples: MLflow cut the text (invalid JSON: no table listed in the UI,
+    and a resume failed reading it back) or, with MLFLOW_TRUNCATE_LONG_VALUES=false, refused it (the run failed)."""
+    size, kept = 2, 0  # "[]", then each entry and its ", "
+    for entry in reversed(tables):
+        size += len(json.dumps(entry)) + (2 if kept else 0)
+        if size > MAX_TAG_VALUE:
+            break
+        kept += 1
+    return json.dumps(tables[len(tables) - kept :])
 
 
 def table(step: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -153,6 +186,9 @@ class MlflowTracker:
         self.retry_at = 0.0
         self._reported_failures = 0
         self._renamed: set[str] = set()
+        # A resumed run whose MLflow run is not open yet: the recorded run is valid up to this step (`_open`).
+        self.resume_step: int | None = None
+        self.seen_step = -1  # the last step given to this backend while its run is not open
         if not resume:
             self._start()
         # On resume, the first truncate (or log) decides: continue the recorded run or start a new one.
@@ -165,10 +201,13 @@ class MlflowTracker:
     def _http(self) -> Iterator[None]:
         """Around every MLflow call: bound MLflow's own HTTP retries (its defaults retry for minutes; variables the
         user set are left alone), and keep the deprecation notices of MLflow's SQL store (SQLAlchemy 2.1 deprecates
-        what it uses) out of the run's log, where a user can do nothing about them."""
+        what it uses) out of the run's log, where a user can do nothing about them. While the server is known to be
+        away (a failed call since the last success), a call is one request: the buffer's own schedule tries again,
+        and MLflow's retries of a hung server blocked the training loop `retries + 1` times `timeout_s` (~47 s by
+        default) at every resend."""
         settings = {
             "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(self.options.timeout_s))),
-            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(self.options.retries),
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(0 if self.outage_failures else self.options.retries),
             "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
         }
         added = [k for k in settings if k not in os.environ]
@@ -209,7 +248,8 @@ class MlflowTracker:
             with self._http():
                 run = self.client.create_run(self._experiment_id(), run_name=self.name, tags=tags)
         except Exception as exc:
-            raise RuntimeError(f"MLflow at {self.uri}: cannot start the run ({exc})") from exc
+            error = Unreachable if is_network_error(exc) else RuntimeError
+            raise error(f"MLflow at {self.uri}: cannot start the run ({exc})") from exc
         self.run_id, self.last_step, self.held_step, self.tables = run.info.run_id, -1, -1, []
         self.pending_params = flatten_config(self.config)
         self.pending_artifacts["config.yaml"] = self._config_text()
@@ -231,12 +271,15 @@ class MlflowTracker:
                 run = self.client.get_run(run_id)
         except Exception as exc:
             if is_network_error(exc):
-                raise RuntimeError(f"MLflow at {self.uri}: cannot reach the run {run_id} ({exc})") from exc
+                raise Unreachable(f"MLflow at {self.uri}: cannot reach the run {run_id} ({exc})") from exc
             return False
         if run.info.lifecycle_stage == "deleted":
             return False
         self.run_id = run_id
-        self.tables = json.loads(run.data.tags.get(LOGGED_ARTIFACTS_TAG, "[]"))
+        try:
+            self.tables = list(json.loads(run.data.tags.get(LOGGED_ARTIFACTS_TAG, "[]")))
+        except ValueError:  # a tag MLflow cut at its length limit (a run logged before `tables_tag`)
+            self.tables = []
         # Params cannot change in MLflow: a resumed run with another config keeps the first values (config.yaml,
         # logged again, is the resumed run's).
         new = flatten_config(self.config)
@@ -339,19 +382,7 @@ class MlflowTracker:
         except Exception as exc:
             if not is_network_error(exc):
                 raise
-            self.failures += 1
-            self.outage_failures += 1
-            wait = min(self.options.retry_interval_s * 2 ** (self.outage_failures - 1), MAX_RETRY_INTERVAL_S)
-            self.retry_at = time.monotonic() + wait
-            if self.outage_failures == 1:
-                log.warning(
-                    "MLflow at %s is not answering (%s): %d metric points buffered, resent after %.0f s; training "
-                    "goes on",
-                    self.uri,
-                    str(exc).splitlines()[0][:300],
-                    len(self.pending_metrics),
-                    wait,
-                )
+            self._outage(exc, f"{len(self.pending_metrics)} metric points buffered, resent")
             return False
         if self.outage_failures:
             log.warning("MLflow at %s answers again: the buffered points are sent", self.uri)
@@ -361,6 +392,20 @@ class MlflowTracker:
             self.held_step = self.last_step
             self._save_state()
         return True
+
+    def _outage(self, exc: BaseException, waiting: str) -> None:
+        """Count a failed call, set when to try again (`retry_interval_s`, doubling up to MAX_RETRY_INTERVAL_S) and
+        warn once per outage: "`waiting` after N s"."""
+        self.failures += 1
+        self.outage_failures += 1
+        wait = min(self.options.retry_interval_s * 2 ** (self.outage_failures - 1), MAX_RETRY_INTERVAL_S)
+        self.retry_at = time.monotonic() + wait
+        if self.outage_failures == 1:
+            cause = exc.__cause__ if isinstance(exc, Unreachable) and exc.__cause__ is not None else exc
+            reason = str(cause).splitlines()[0][:300]
+            log.warning(
+                "MLflow at %s is not answering (%s): %s after %.0f s; training goes on", self.uri, reason, waiting, wait
+            )
 
     def _timestamp(self) -> int:
         return int(time.time() * 1000)
@@ -381,13 +426,14 @@ class MlflowTracker:
         entry = {"path": path, "type": "table"}
         if entry not in self.tables:
             self.tables.append(entry)
-            self.pending_tags[LOGGED_ARTIFACTS_TAG] = json.dumps(self.tables)
+            self.pending_tags[LOGGED_ARTIFACTS_TAG] = tables_tag(self.tables)
         self.last_step = max(self.last_step, step)
 
     # ---- the TrackerBackend calls ------------------------------------------------------------------------------
     def truncate(self, last_step: int) -> None:
         """Continue the recorded run when it holds nothing after `last_step`, else start a new one replaying steps
-        0..last_step (MLflow cannot delete points; see the module docstring)."""
+        0..last_step (MLflow cannot delete points; see the module docstring). A server that does not answer is
+        warned about, and the run is opened at a later log."""
         if self.run_id is not None:
             if self.last_step <= last_step:
                 self.pending_metrics = [m for m in self.pending_metrics if m[3] <= last_step]
@@ -398,27 +444,50 @@ class MlflowTracker:
             self._supersede(old, str(self.run_id))
             self._replay(last_step)
             return
+        self.resume_step = last_step if self.resume_step is None else min(self.resume_step, last_step)
+        self.seen_step = last_step
+        self._open(last_step)
+
+    def _open(self, upto: int) -> bool:
+        """Open a resumed run's MLflow run: the recorded one when it holds nothing after `resume_step`, else a new
+        one; then send it the steps up to `upto` it lacks, from the run folder's files. False (counted, warned once)
+        when the server does not answer: the steps wait in metrics.jsonl, and a log after `retry_at` tries again."""
+        assert self.resume_step is not None
         path = self.dir / STATE_FILE
         state = json.loads(path.read_text()) if path.exists() else None
         same_store = state is not None and state.get("tracking_uri") == self.uri
-        if same_store and int(state["last_step"]) <= last_step and self._continue(str(state["run_id"])):
-            self.last_step = self.held_step = int(state["last_step"])
-            self._save_state()
-            # the steps it lacks: an attempt that ran without this tracker, or died with its points unsent
-            self._replay(last_step, after=self.held_step)
-            return
-        self._start(resumed_from=str(state["run_id"]) if same_store else None)
+        try:
+            if same_store and int(state["last_step"]) <= self.resume_step and self._continue(str(state["run_id"])):
+                self.resume_step = None
+                self.last_step = self.held_step = int(state["last_step"])
+                self._save_state()
+                # the steps it lacks: an attempt that ran without this tracker, or died with its points unsent
+                self._replay(upto, after=self.held_step)
+                return True
+            self._start(resumed_from=str(state["run_id"]) if same_store else None)
+        except Unreachable as exc:
+            self._outage(exc, "this resumed run's MLflow run is opened, and sent its steps from metrics.jsonl,")
+            return False
+        self.resume_step = None
         if same_store:
             self._supersede(str(state["run_id"]), str(self.run_id))
-        self._replay(last_step)
+        self._replay(upto)
+        return True
 
-    def _ensure_run(self, step: int) -> None:
-        if self.run_id is None:  # a resumed run logged without truncating first: keep what precedes this step
-            self.truncate(step - 1)
+    def _ensure_run(self, step: int) -> bool:
+        """Whether the MLflow run is open to log `step`; a resumed run's is opened here when `truncate` did not
+        (it was not called, or the server did not answer: tried again once `retry_at` has passed)."""
+        if self.run_id is not None:
+            return True
+        if self.resume_step is None:  # a resumed run logged without truncating first: keep what precedes this step
+            self.resume_step = step - 1
+        self.seen_step = max(self.seen_step, step)
+        return time.monotonic() >= self.retry_at and self._open(step - 1)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Buffer the metrics at `step` and send the buffer (a network failure keeps it for later)."""
-        self._ensure_run(step)
+        if not self._ensure_run(step):
+            return  # metrics.jsonl holds the step: sent when the MLflow run opens
         self._add_metrics(step, metrics)
         if self.failures != self._reported_failures:  # counted now, sent with the data once the server is back
             self.pending_metrics.append((FAILURES_METRIC, float(self.failures), self._timestamp(), step))
@@ -430,14 +499,24 @@ class MlflowTracker:
         """Log the rows as the table artifact `samples/step_<step>.json`."""
         if not self.options.log_samples or not rows:
             return
-        self._ensure_run(step)
+        if not self._ensure_run(step):
+            return  # samples.jsonl holds the rows: sent when the MLflow run opens
         self._add_samples(step, rows)
         self._save_state()
         self._flush()
 
     def close(self) -> None:
         """Send what is buffered and end the run (FAILED when closed while an exception propagates); what cannot
-        be sent goes to `<run>/mlflow/unsent.json` for the next attempt (idempotent)."""
+        be sent goes to `<run>/mlflow/unsent.json` for the next attempt (idempotent). A resumed run whose MLflow run
+        never opened tries once more to open it and send its steps."""
+        if self.run_id is None and self.resume_step is not None and not self._open(self.seen_step):
+            self.resume_step = None
+            log.error(
+                "MLflow at %s did not answer: this attempt's steps (up to %d) are not in MLflow; a resume of this run "
+                "sends them from metrics.jsonl",
+                self.uri,
+                self.seen_step,
+            )
         if self.run_id is None:
             return
         failed = sys.exc_info()[0] is not None
