@@ -177,6 +177,20 @@ def test_a_warm_up_longer_than_the_run_is_said(caplog: pytest.LogCaptureFixture)
     assert "warmup_steps" not in caplog.text
 
 
+def test_an_inference_actor_serves_every_request_a_step_can_have_in_flight() -> None:
+    """A request holds its actor call until generated: a fixed 64 calls capped the engine's batch at 64 sequences
+    and queued aborts and weight syncs behind the rest ((k + 1) x B x G requests in flight with async_ratio=k).
+    null now sizes it from the run (per rank, plus room for control calls); a value given is kept."""
+    from roll_core.config import load_config
+    from roll_core.pipelines.wiring import request_concurrency
+
+    assert request_concurrency(load_config(["pipeline.rollout_batch_size=2", "algo.group_size=4"])) == 64
+    big = ["pipeline.rollout_batch_size=32", "algo.group_size=8"]
+    assert request_concurrency(load_config(big)) == 256 + 16
+    assert request_concurrency(load_config([*big, "pipeline.async_ratio=1"])) == 512 + 16
+    assert request_concurrency(load_config([*big, "pipeline.async_ratio=1", "infer_engine.world_size=4"])) == 128 + 16
+
+
 def test_a_misspelt_role_in_call_timeouts_is_refused() -> None:
     """+cluster.call_timeouts.rewards=60 composed and left the reward role at the default 3600 s."""
     with pytest.raises(ConfigError, match=r"cluster\.call_timeouts\.rewards: .*did you mean reward\?"):

@@ -699,7 +699,8 @@ class InferEngineConfig:
     sleep_level: int | None = 0
     # Python executable of the engine's own virtual environment (Ray runtime_env py_executable); null: this one.
     python: str | None = None
-    # Concurrent calls one engine actor serves (request API); null: a default from the engine's batch size.
+    # Concurrent calls one engine actor serves (request API); null: the requests a step can have in flight on it,
+    # plus room for aborts and weight syncs, at least 64 (roll_core.pipelines.wiring.request_concurrency).
     max_concurrency: int | None = None
     # Weights dtype of the inference engine: null (model.dtype) | auto | float32 | bfloat16 | float16. Training
     # keeps its own dtypes (model.dtype compute, train_engine.param_dtype master weights); synced weights are cast.

@@ -76,6 +76,17 @@ def sampling_params(cfg: RLVRConfig, tokenizer: Any = None) -> SamplingParams:
     )
 
 
+def request_concurrency(cfg: RLVRConfig) -> int:
+    """Calls one inference actor serves at once when infer_engine.max_concurrency is null: the requests a step can
+    have in flight on it ((async_ratio + 1) x rollout_batch_size x group_size over the ranks: the asynchronous
+    driver's budget, a step's episodes) plus room for the control calls beside them (abort, weight sync), and at
+    least 64. A request holds its call until generated: with a fixed 64, the rest waited in the actor's queue
+    (the engine batched 64 sequences at most) and an abort or a weight sync waited behind them."""
+    p = cfg.pipeline
+    in_flight = (max(p.async_ratio, 0) + 1) * p.rollout_batch_size * cfg.algo.group_size
+    return max(64, -(-in_flight // max(cfg.infer_engine.world_size, 1)) + 16)
+
+
 def mini_batches(cfg: RLVRConfig) -> int:
     """Mini-batches per epoch of an update: algo.num_mini_batches, or rows / algo.mini_batch_size, or 1."""
     algo = cfg.algo
@@ -173,7 +184,7 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
         ie.world_size,
         devices_per_worker=ie.devices_per_worker(),
         python=resolve_python(ie.python, ie.name),
-        max_concurrency=ie.max_concurrency or 64,
+        max_concurrency=ie.max_concurrency or request_concurrency(cfg),
         engine=as_dict(ie),
         runtime=InferEngineRuntime(
             **common, dtype=ie.dtype or model.dtype, max_new_tokens=model.max_response_length, **lora
