@@ -397,3 +397,34 @@ def test_a_truncation_cut_short_leaves_the_history_whole(tmp_path: Path, monkeyp
         resumed.truncate(1)
     monkeypatch.undo()
     assert {p: (tmp_path / p).read_text() for p in before} == before
+
+
+def test_redact_config_hides_credentials_and_keeps_the_rest() -> None:
+    from roll_core.tracking import redact_config, redact_text
+
+    config = {
+        "tracking": {"mlflow": {"tracking_uri": "https://user:tok@mlflow.example:5000/x"}},
+        "env": {"reward": {"headers": {"X-API-Key": "k", "Authorization": "Bearer b", "Accept": "json"}}},
+        "keys": {"hf_token": "h", "apiKey": "a", "openai_api_key": "o", "db_password": "p", "aws_secret": "s"},
+        "kept": {
+            "api_key_env": "JUDGE_KEY",
+            "max_tokens": 8,
+            "tokenizer": "t",
+            "ray_token_auth": True,
+            "unset": None,
+            "eos_token": "</s>",
+            "image_token": "<image>",
+        },
+        "list": [{"token": "t"}, "http://u:p@h/a"],
+    }
+    assert redact_config(config) == {
+        "tracking": {"mlflow": {"tracking_uri": "https://***@mlflow.example:5000/x"}},
+        "env": {"reward": {"headers": {"X-API-Key": "***", "Authorization": "***", "Accept": "json"}}},
+        "keys": {k: "***" for k in config["keys"]},
+        "kept": config["kept"],
+        "list": [{"token": "***"}, "http://***@h/a"],
+    }
+    assert config["tracking"]["mlflow"]["tracking_uri"].startswith("https://user:tok@")  # a copy: the input is kept
+    assert (
+        redact_text("at https://u:p@h/api failed; see http://h/a@b") == "at https://***@h/api failed; see http://h/a@b"
+    )

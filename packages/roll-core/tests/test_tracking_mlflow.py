@@ -446,6 +446,52 @@ def test_without_mlflow_the_error_names_the_extra(tmp_path: Path, monkeypatch: p
     assert str(err.value) == "pipeline.trackers=[mlflow] needs mlflow: pip install 'roll-core[mlflow]'"
 
 
+#: A config carrying credentials: a tracking URI with `user:token@`, a reward header, a token (and non-secrets).
+def _secret_config(uri: str) -> dict[str, Any]:
+    return {
+        "experiment": "secrets",
+        "tracking": {"mlflow": {"tracking_uri": uri, "retries": 0, "timeout_s": 5}},
+        "env": {"reward": {"headers": {"X-API-Key": "key-123", "Accept": "json"}, "api_key_env": "JUDGE_KEY"}},
+        "hf_token": "hf_abc",
+        "algo": {"max_tokens": 8},
+    }
+
+
+def test_credentials_in_the_config_reach_neither_mlflow_nor_run_json(server: MlflowServer, tmp_path: Path) -> None:
+    """Params, the config.yaml artifact and run.json hold no credential; the run folder's config.yaml is kept whole,
+    and a resume still finds its run (run.json's URI without userinfo names the same store)."""
+    uri = server.url.replace("http://", "http://alice:s3cr3t@")
+    cfg = yaml.safe_dump(_secret_config(uri))
+    tracker = Tracker(tmp_path, cfg, ["mlflow"])
+    tracker.log(0, {"loss": 1.0})
+    tracker.close()
+    client, run_id = server.client(), _run_id(tmp_path)
+    params = client.get_run(run_id).data.params
+    artifact = _config_artifact(client, run_id, tmp_path / "dl")
+    state = (tmp_path / "mlflow" / "run.json").read_text()
+    for sent in (json.dumps(params), artifact, state):
+        assert not any(secret in sent for secret in ("s3cr3t", "alice", "key-123", "hf_abc")), sent
+    shown = server.url.replace("http://", "http://***@")
+    assert params["tracking.mlflow.tracking_uri"] == shown and json.loads(state)["tracking_uri"] == shown
+    assert params["env.reward.headers.X-API-Key"] == params["hf_token"] == "***"
+    assert (params["env.reward.headers.Accept"], params["env.reward.api_key_env"]) == ("json", "JUDGE_KEY")
+    assert params["algo.max_tokens"] == "8" and yaml.safe_load(artifact)["env"]["reward"]["headers"]["Accept"] == "json"
+    assert (tmp_path / "config.yaml").read_text() == cfg  # the user's own file
+    resumed = Tracker(tmp_path, cfg, ["mlflow"], resume=True)
+    resumed.truncate(0)
+    resumed.log(1, {"loss": 0.5})
+    resumed.close()
+    assert _run_id(tmp_path) == run_id
+
+
+def test_an_error_names_the_tracking_uri_without_its_credentials(tmp_path: Path) -> None:
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    uri = f"http://alice:s3cr3t@127.0.0.1:{_free_port()}"  # nothing listens there
+    with pytest.raises(RuntimeError, match="cannot start the run") as err:
+        Tracker(tmp_path, yaml.safe_dump(_secret_config(uri)), ["mlflow"])
+    assert "s3cr3t" not in str(err.value) and "http://***@127.0.0.1:" in str(err.value)
+
+
 def test_a_server_gone_for_good_leaves_the_points_in_unsent_json(
     server: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

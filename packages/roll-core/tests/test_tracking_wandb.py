@@ -215,3 +215,19 @@ def test_a_resume_after_an_attempt_without_wandb_replays_the_steps_it_missed(tmp
     for run in _current(tmp_path):
         shown.update({s: m["loss"] for s, m in run["history"].items() if "loss" in m})
     assert shown == {s: float(s) for s in range(8)}
+
+
+def test_credentials_in_the_config_stay_out_of_the_wandb_config(tmp_path: Path) -> None:
+    config = {
+        "experiment": "secrets",
+        "tracking": {"wandb": {"mode": "offline", "project": "secrets"}, "mlflow": {"tracking_uri": "https://u:t@h"}},
+        "env": {"reward": {"headers": {"X-API-Key": "key-123"}, "url": "https://alice:s3cr3t@judge.example/v1"}},
+        "judge": {"api_key": "sk-1", "client_secret": "c", "password": "p", "max_tokens": 8},
+    }
+    tracker = Tracker(tmp_path, yaml.safe_dump(config), ["wandb"])
+    tracker.log(0, {"loss": 1.0})
+    tracker.close()
+    shown = _current(tmp_path)[0]["config"]
+    assert shown["tracking"]["mlflow"] == {"tracking_uri": "https://***@h"}
+    assert shown["env"]["reward"] == {"headers": {"X-API-Key": "***"}, "url": "https://***@judge.example/v1"}
+    assert shown["judge"] == {"api_key": "***", "client_secret": "***", "password": "***", "max_tokens": 8}

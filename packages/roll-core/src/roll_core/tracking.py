@@ -11,6 +11,11 @@ plugins are. Several run at once (`pipeline.trackers=[tensorboard,wandb]`); each
 
 Writing never raises into the training loop for a plot failure; a metric that is not a finite number is logged as
 null in JSONL and left out of what backends receive. A backend's own errors propagate (see its contract).
+
+Secrets. Backends receive the config as it is (a backend may need its own credentials, e.g. an MLflow tracking URI
+with `user:token@`), and redact what they send to a shared service with `redact_config` (params, the W&B/SwanLab
+config, the uploaded config.yaml) and what they write or say with `redact_text` (run.json, warnings, errors). The
+run folder's own config.yaml keeps the config unredacted: it is the user's file, and a resume reads it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +42,8 @@ __all__ = [
     "Tracker",
     "TrackerBackend",
     "open_backends",
+    "redact_config",
+    "redact_text",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,6 +64,46 @@ PLOT_EVERY_S = 30.0
 
 #: Backends a Tracker opens when none are named (pipeline.trackers' default).
 DEFAULT_TRACKERS: tuple[str, ...] = ("tensorboard",)
+
+#: What a redacted value reads.
+REDACTED = "***"
+#: The userinfo (`user:password@`) of a URL anywhere in a text.
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s?#]+@")
+#: A config key (lower case, `-`/`.`/space as `_`) whose value is a credential: `hf_token`, `api_key`, `X-API-Key`,
+#: `client_secret`, `password`, `Authorization`... (`max_tokens`, `tokenizer` and `ray_token_auth` are not).
+_SECRET_KEY = re.compile(
+    r"token$|api_?key|auth_?key|access_?key|private_?key|secret|passw(or)?d|authori[sz]ation|credential|cookie"
+)
+
+
+def redact_text(text: str) -> str:
+    """`text` with the userinfo of every URL in it replaced by REDACTED (`https://user:tok@host/x` reads
+    `https://***@host/x`): for a URI written to a file or put in a message."""
+    return _URL_USERINFO.sub(rf"\g<scheme>{REDACTED}@", text)
+
+
+#: Keys ending in `token` that name a vocabulary token, not a credential (`eos_token`, `image_token`...).
+_VOCAB_TOKEN = re.compile(r"(^|_)(bos|eos|pad|unk|sep|cls|mask|stop|special|image|video|audio|vision|think)_token$")
+
+
+def _secret_key(key: Any) -> bool:
+    name = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(key)).lower()
+    name = re.sub(r"[^a-z0-9]+", "_", name)
+    if name.endswith("_env") or _VOCAB_TOKEN.search(name):  # `api_key_env` names a variable; `eos_token` a token
+        return False
+    return bool(_SECRET_KEY.search(name))
+
+
+def redact_config(config: Any) -> Any:
+    """A copy of a config (plain containers) fit to send to a shared tracking service: the value of every key named
+    like a credential (`_SECRET_KEY`, e.g. `hf_token`, `api_key`, `secret`, `password`, a header `X-API-Key` or
+    `Authorization`; not `*_env`, which names a variable) is REDACTED, and URLs in strings lose their userinfo
+    (`redact_text`). The run folder's config.yaml is not redacted (the user's own file)."""
+    if isinstance(config, dict):
+        return {k: REDACTED if _secret_key(k) and v is not None else redact_config(v) for k, v in config.items()}
+    if isinstance(config, (list, tuple)):
+        return [redact_config(v) for v in config]
+    return redact_text(config) if isinstance(config, str) else config
 
 
 def open_backends(

@@ -14,9 +14,14 @@ Options: `tracking.mlflow` (roll_core.config.tracking.MlflowConfig).
   listed in the run's `mlflow.loggedArtifacts` tag as `mlflow.log_table` does, so the UI shows it as a table; the
   tag lists the newest tables that fit MLflow's 8000-character tag value, ~150 steps: older ones stay artifacts).
 
-Resume. `<run>/mlflow/run.json` records the tracking URI, the MLflow run id and the last step logged to it. MLflow
-cannot delete metric points (a point logged again at the same step is a second point, not a replacement), so
-`truncate(last_step)` does one of two things:
+Secrets (roll_core.tracking.redact_config): params and the config.yaml artifact have credentials redacted (keys such
+as `*token`, `*api_key`, `*secret`, `*password`, headers such as `X-API-Key`, and the `user:token@` of URLs, the
+tracking URI's included); run.json and messages show the tracking URI without its userinfo. The run folder's own
+config.yaml is left as it is.
+
+Resume. `<run>/mlflow/run.json` records the tracking URI (without userinfo), the MLflow run id and the last step
+logged to it. MLflow cannot delete metric points (a point logged again at the same step is a second point, not a
+replacement), so `truncate(last_step)` does one of two things:
 - the MLflow run holds nothing after `last_step` (a preemption right after a checkpoint): the same run continues;
 - it holds later steps (a crash between checkpoints; the run redoes them with other values): a new MLflow run
   (same experiment and name, tag `roll.resumed_from=<old id>`) replays steps 0..last_step from the run folder's
@@ -57,6 +62,7 @@ from typing import Any
 
 from roll_core.config.tracking import MLFLOW, backend_options, tracking_config
 from roll_core.trackers.replay import kept_metrics, kept_samples
+from roll_core.tracking import redact_config, redact_text
 
 log = logging.getLogger(__name__)
 #: The run folder's record of its MLflow run: {"tracking_uri", "run_id", "last_step"}.
@@ -166,6 +172,7 @@ class MlflowTracker:
         self.dir = self.run_dir / "mlflow"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.uri = self.options.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or self._local_uri()
+        self.shown_uri = redact_text(self.uri)  # what run.json and messages hold: no `user:token@`
         self.experiment = (
             self.options.experiment or tracking_config(config).group or str(config.get("experiment") or name)
         )
@@ -249,20 +256,24 @@ class MlflowTracker:
                 run = self.client.create_run(self._experiment_id(), run_name=self.name, tags=tags)
         except Exception as exc:
             error = Unreachable if is_network_error(exc) else RuntimeError
-            raise error(f"MLflow at {self.uri}: cannot start the run ({exc})") from exc
+            raise error(f"MLflow at {self.shown_uri}: cannot start the run ({redact_text(str(exc))})") from exc
         self.run_id, self.last_step, self.held_step, self.tables = run.info.run_id, -1, -1, []
-        self.pending_params = flatten_config(self.config)
+        self.pending_params = flatten_config(redact_config(self.config))
         self.pending_artifacts["config.yaml"] = self._config_text()
         self._save_state()
         self._flush(final=True)
 
     def _config_text(self) -> str:
-        config_file = self.run_dir / "config.yaml"
-        if config_file.exists():
-            return config_file.read_text()
+        """The config.yaml artifact: the run folder's file (else the config), credentials redacted."""
         from omegaconf import OmegaConf
 
-        return OmegaConf.to_yaml(OmegaConf.create(self.config))
+        config_file = self.run_dir / "config.yaml"
+        text = config_file.read_text() if config_file.exists() else None
+        config = OmegaConf.to_container(OmegaConf.create(text)) if text is not None else self.config
+        redacted = redact_config(config)
+        if text is not None and redacted == config:
+            return text  # nothing to hide: the file as it is
+        return OmegaConf.to_yaml(OmegaConf.create(redacted))
 
     def _continue(self, run_id: str) -> bool:
         """Continue the recorded run; False when the store no longer has it (deleted or another store)."""
@@ -271,7 +282,9 @@ class MlflowTracker:
                 run = self.client.get_run(run_id)
         except Exception as exc:
             if is_network_error(exc):
-                raise Unreachable(f"MLflow at {self.uri}: cannot reach the run {run_id} ({exc})") from exc
+                raise Unreachable(
+                    f"MLflow at {self.shown_uri}: cannot reach the run {run_id} ({redact_text(str(exc))})"
+                ) from exc
             return False
         if run.info.lifecycle_stage == "deleted":
             return False
@@ -282,7 +295,7 @@ class MlflowTracker:
             self.tables = []
         # Params cannot change in MLflow: a resumed run with another config keeps the first values (config.yaml,
         # logged again, is the resumed run's).
-        new = flatten_config(self.config)
+        new = flatten_config(redact_config(self.config))
         changed = sorted(k for k, v in new.items() if k in run.data.params and run.data.params[k] != v)
         if changed:
             log.warning("MLflow params keep their first values; changed on resume: %s", ", ".join(changed[:10]))
@@ -312,7 +325,7 @@ class MlflowTracker:
 
     # ---- state and buffer files ------------------------------------------------------------------------------
     def _save_state(self) -> None:
-        state = {"tracking_uri": self.uri, "run_id": self.run_id, "last_step": self.held_step}
+        state = {"tracking_uri": self.shown_uri, "run_id": self.run_id, "last_step": self.held_step}
         tmp = self.dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state))
         tmp.replace(self.dir / STATE_FILE)  # a crash mid-write keeps the previous record
@@ -385,7 +398,7 @@ class MlflowTracker:
             self._outage(exc, f"{len(self.pending_metrics)} metric points buffered, resent")
             return False
         if self.outage_failures:
-            log.warning("MLflow at %s answers again: the buffered points are sent", self.uri)
+            log.warning("MLflow at %s answers again: the buffered points are sent", self.shown_uri)
             self.outage_failures, self.retry_at = 0, 0.0
         (self.dir / UNSENT_FILE).unlink(missing_ok=True)
         if self.held_step != self.last_step:
@@ -402,9 +415,13 @@ class MlflowTracker:
         self.retry_at = time.monotonic() + wait
         if self.outage_failures == 1:
             cause = exc.__cause__ if isinstance(exc, Unreachable) and exc.__cause__ is not None else exc
-            reason = str(cause).splitlines()[0][:300]
+            reason = redact_text(str(cause).splitlines()[0])[:300]
             log.warning(
-                "MLflow at %s is not answering (%s): %s after %.0f s; training goes on", self.uri, reason, waiting, wait
+                "MLflow at %s is not answering (%s): %s after %.0f s; training goes on",
+                self.shown_uri,
+                reason,
+                waiting,
+                wait,
             )
 
     def _timestamp(self) -> int:
@@ -455,7 +472,8 @@ class MlflowTracker:
         assert self.resume_step is not None
         path = self.dir / STATE_FILE
         state = json.loads(path.read_text()) if path.exists() else None
-        same_store = state is not None and state.get("tracking_uri") == self.uri
+        # run.json holds the URI without userinfo (one written before that: with it)
+        same_store = state is not None and state.get("tracking_uri") in (self.shown_uri, self.uri)
         try:
             if same_store and int(state["last_step"]) <= self.resume_step and self._continue(str(state["run_id"])):
                 self.resume_step = None
@@ -514,7 +532,7 @@ class MlflowTracker:
             log.error(
                 "MLflow at %s did not answer: this attempt's steps (up to %d) are not in MLflow; a resume of this run "
                 "sends them from metrics.jsonl",
-                self.uri,
+                self.shown_uri,
                 self.seen_step,
             )
         if self.run_id is None:
@@ -536,7 +554,7 @@ class MlflowTracker:
             log.error(
                 "MLflow at %s did not answer: %d metric points of run %s are in %s, sent when this run resumes "
                 "(metrics.jsonl holds them too)",
-                self.uri,
+                self.shown_uri,
                 len(self.pending_metrics),
                 self.run_id,
                 self.dir / UNSENT_FILE,

@@ -33,6 +33,7 @@ from typing import Any
 from roll_core.config.tracking import SWANLAB, backend_options, tracking_config
 from roll_core.errors import Extra
 from roll_core.trackers.replay import kept_metrics, kept_samples
+from roll_core.tracking import redact_config
 
 log = logging.getLogger(__name__)
 #: The run folder's record of its current SwanLab experiment: {"run_dir": ..., "last_step": ...}.
@@ -112,7 +113,7 @@ class SwanlabTracker:
             workspace=self.options.workspace,
             experiment_name=self.name,
             tags=[*self.tags, *(["resumed"] if resumed else [])],
-            config=self.config,
+            config=redact_config(self.config),  # no credentials in SwanLab (roll_core.tracking: secrets)
             logdir=str(self.logdir),
             mode=self.mode,
             settings=settings,

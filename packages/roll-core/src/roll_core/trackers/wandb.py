@@ -1,9 +1,10 @@
 """`pipeline.trackers=[wandb]`: a Weights & Biases run per roll run (the `roll-core[wandb]` extra).
 
 Options: `tracking.wandb` (roll_core.config.tracking.WandbConfig). The run is `wandb.init(project, entity, name=the
-run name, group=tracking.wandb.group or tracking.group, config=the resolved config, dir=<run>)`, so W&B's files
-land in `<run>/wandb/`. Mode `auto` (the default) is online only when W&B can authenticate (WANDB_API_KEY, or a
-`wandb login` in ~/.netrc) or WANDB_MODE says otherwise; else offline: nothing leaves the machine, and
+run name, group=tracking.wandb.group or tracking.group, config=the resolved config with credentials redacted
+(roll_core.tracking.redact_config), dir=<run>)`, so W&B's files land in `<run>/wandb/`. Mode `auto` (the
+default) is online only when W&B can authenticate (WANDB_API_KEY, or a `wandb login` in ~/.netrc) or WANDB_MODE
+says otherwise; else offline: nothing leaves the machine, and
 `wandb sync <run>/wandb/offline-run-*` uploads later. Metrics are logged at the trainer's step (W&B's own step);
 samples as a `samples` table (step, prompt, response, reward, ...) at their step.
 
@@ -32,6 +33,7 @@ from urllib.parse import urlparse
 
 from roll_core.config.tracking import WANDB, backend_options, tracking_config
 from roll_core.trackers.replay import kept_metrics, kept_samples
+from roll_core.tracking import redact_config
 
 log = logging.getLogger(__name__)
 #: The run folder's record of its W&B run: {"id": ..., "last_step": ...}.
@@ -94,7 +96,7 @@ class WandbTracker:
     def _start(self, *, resume_id: str | None = None, holds: int = -1, resumed_from: str | None = None) -> None:
         """Open a W&B run: a new one, or the recorded `resume_id` holding steps up to `holds`."""
         wandb = self._wandb
-        config = dict(self.config)
+        config = redact_config(self.config)  # no credentials in W&B (roll_core.tracking: secrets)
         tags = list(self.options.tags)
         if resumed_from is not None:
             config["roll_resumed_from"] = resumed_from
