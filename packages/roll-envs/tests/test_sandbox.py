@@ -140,3 +140,14 @@ def test_concurrent_runs_do_not_mix(sandbox: PythonSandbox) -> None:
 
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(one, range(24))) == [f"{2 * i}\n" for i in range(24)]
+
+
+def test_a_capped_sandbox_pickles_and_keeps_its_cap() -> None:
+    """A sandbox with a run cap (max_concurrent_runs) goes to another process as any reward may (its semaphore is
+    made anew there), and the copy still runs programs, at most that many at once."""
+    import pickle
+
+    capped = PythonSandbox(max_concurrent_runs=2)
+    copy = pickle.loads(pickle.dumps(capped))
+    assert copy.max_concurrent_runs == 2 and copy._slots is not None and copy._slots is not capped._slots
+    assert copy.run("print(6 * 7)").stdout.strip() == "42"

@@ -33,6 +33,7 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from roll_envs.sandbox import bwrap as _bwrap
 from roll_envs.sandbox.cgroup import RunCgroup
@@ -76,6 +77,17 @@ class PythonSandbox:
     bwrap: str | None = None
     extra_ro_binds: tuple[str, ...] = ()
     max_concurrent_runs: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (a reward or tool sent to another process): the run cap's semaphore is made anew there."""
+        state = dict(self.__dict__)
+        state["_slots"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.max_concurrent_runs is not None:
+            self._slots = threading.BoundedSemaphore(self.max_concurrent_runs)
 
     def __post_init__(self) -> None:
         self.extra_ro_binds = tuple(self.extra_ro_binds)
