@@ -207,7 +207,7 @@ def test_a_failed_ray_request_is_no_longer_counted_in_flight() -> None:
     """InferGroup routes a request to the rank with the fewest in flight; a Ray request whose result raised (its
     engine refused it) stayed counted, skewing routing away from its rank for the rest of the run. A timeout
     leaves it counted (it still runs); a result or an error releases it."""
-    from roll_core.cluster.roles import _TrackedHandle
+    from roll_core.cluster.infer_role import _TrackedHandle
 
     class Pending:  # a Ray handle's result
         def __init__(self, outcome: object) -> None:

@@ -7,87 +7,48 @@ are the protocols in roll_core.interfaces. Each `*Group` class exposes exactly t
 with types: `actor_infer.generate(batch, params, n=8) -> Batch`; each runs the worker method it names
 (`self.call(InferWorker.generate, ...)`, roll_core.cluster.group), never a method name as a string.
 
-Engine config keys in `WORKER_KEYS` configure the worker and its placement, not the engine, and are not passed
-to the engine's constructor.
-
-Engines are built on the process's main thread. A Ray actor that serves several calls at once (`max_concurrency`,
-the request API) runs its methods on pool threads, but its constructor on the main thread; engines that install
-signal handlers or start event loops (SGLang before 0.5.10 calls `signal.signal`, which raises off the main
-thread) are therefore built in the inference worker's `__init__`. Training engines need the rendezvous first and
-are built in `setup`, on the main thread too (their actors serve one call at a time). `engine_thread()` reports it.
+The inference role lives in roll_core.cluster.infer_role and the engine-hosting base (`WORKER_KEYS`,
+`build_engine`, the thread engines are built on) in roll_core.cluster.engine_worker; their names are re-exported
+here.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
-from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from roll_core.cluster.buckets import Bucket, SyncGroup, bucket_nbytes, buckets, cast, open_cuda, share_cuda
-from roll_core.cluster.group import Handle, WorkerGroup
+from roll_core.cluster.buckets import SyncGroup, bucket_nbytes, buckets, cast, share_cuda
+from roll_core.cluster.engine_worker import WORKER_KEYS, EngineWorker, build_engine, engine_kwargs
+from roll_core.cluster.group import WorkerGroup
+from roll_core.cluster.infer_role import PROMPT_INDEX, InferGroup, InferWorker, RequestHandle
 from roll_core.cluster.worker import Dispatch, Worker, dispatch, node_address
 from roll_core.config.build import build
-from roll_core.devices import resolve_device
-from roll_core.interfaces import InferEngine, Request, RequestOutput, SamplingParams, Task, TrainEngine
-from roll_core.interfaces.runtime import InferEngineRuntime, TrainEngineRuntime, check_engine_kwargs
+from roll_core.interfaces import Task, TrainEngine
+from roll_core.interfaces.runtime import TrainEngineRuntime
 from roll_core.interfaces.training import METRIC_WEIGHT_PREFIX
 from roll_core.protocol import Batch
 from roll_core.seeds import Purpose, derive_seed
 
+__all__ = [  # the engine worker's and the inference role's names stay importable from here
+    "PROMPT_INDEX",
+    "WORKER_KEYS",
+    "EngineWorker",
+    "InferGroup",
+    "InferWorker",
+    "RequestHandle",
+    "RewardGroup",
+    "RewardWorker",
+    "TrainGroup",
+    "TrainWorker",
+    "build_engine",
+    "engine_inputs",
+    "engine_kwargs",
+    "merge_rank_metrics",
+]
+
 log = logging.getLogger(__name__)
-
-#: Engine-config keys read by workers, placement and weight sync (never passed to an engine's constructor).
-# `dtype` of an inference engine reaches it through the runtime keys (resolved on its node, default model.dtype).
-WORKER_KEYS = (
-    "world_size",
-    "sync_transport",
-    "sync_bucket_mb",
-    "sleep_level",
-    "python",
-    "max_concurrency",
-    "dtype",
-    "structured",  # a sampling setting (SamplingParams.structured), not the engine's
-    "lora_sync",  # the engine gets the adapter rank it serves (runtime `lora_rank`) instead
-)
-
-
-def engine_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The engine's own keys of an engine config (worker keys removed)."""
-    return {k: v for k, v in cfg.items() if k not in WORKER_KEYS}
-
-
-class EngineWorker(Worker):
-    """A worker hosting one engine built by `build_engine` (training or inference)."""
-
-    @dispatch(Dispatch.BROADCAST)
-    def engine_thread(self) -> tuple[str, bool]:
-        """(name of the thread the engine was built on, whether it is the main thread)."""
-        return self.engine_thread_name
-
-
-def build_engine(worker: Worker, cfg: dict[str, Any], runtime: TrainEngineRuntime | InferEngineRuntime) -> Any:
-    """Build an engine from its config and the run's values (roll_core.interfaces.runtime) on this worker,
-    recording the thread it was built on (`engine_thread`). A key the engine's constructor does not take is a
-    TypeError naming it, raised before anything is loaded."""
-    from hydra.utils import get_object
-
-    resolved = resolve_device(dict(runtime))
-    own = engine_kwargs(cfg)
-    if own.get("param_dtype") == "bfloat16" and resolved.get("dtype") == "float32":
-        # Pure bf16 asked (model.dtype bfloat16/auto) on a platform that computes in fp32 (no fast bf16): the
-        # master weights follow, as the compute dtype did (the engine refuses masters narrower than compute).
-        log.warning("train_engine.param_dtype bfloat16 -> float32: the compute dtype resolved to float32 here")
-        own["param_dtype"] = "float32"
-    check_engine_kwargs(get_object(own["_target_"]), {k: v for k, v in own.items() if k != "_target_"}, resolved)
-    engine = build(own, **resolved)
-    worker.engine_dtype = str(getattr(engine, "dtype", None) or resolved.get("dtype") or "").removeprefix("torch.")
-    current = threading.current_thread()
-    worker.engine_thread_name = (current.name, current is threading.main_thread())
-    return engine
 
 
 class TrainWorker(EngineWorker):
@@ -258,151 +219,6 @@ def engine_inputs(batch: Batch) -> dict[str, Any]:
     return out
 
 
-#: The tensor InferGroup.generate adds to a batch before splitting it: each prompt's index in the whole batch.
-PROMPT_INDEX = "prompt_index"
-
-
-class InferWorker(EngineWorker):
-    """Hosts an inference engine: batch generation, single requests, weight updates, sleep and wake-up."""
-
-    def __init__(self, engine: dict[str, Any], runtime: InferEngineRuntime, **base: Any) -> None:
-        super().__init__(**base)
-        self._engine_cfg, self._runtime = engine, runtime
-        self._sync_group: SyncGroup | None = None
-        # In the constructor: the actor's main thread, even when it serves calls on a pool (module docstring).
-        self.engine: InferEngine = build_engine(self, engine, runtime)
-
-    @dispatch(Dispatch.DP)
-    def generate(self, batch: Batch, params: SamplingParams, n: int) -> Batch:
-        if params.seed is not None:  # one stream family for every rank: rows differ by their place in the batch
-            params = params.replace(seed=derive_seed(params.seed, Purpose.WORKER, 0))
-        kwargs: dict[str, Any] = {}
-        if PROMPT_INDEX in batch and len(batch) and int(batch[PROMPT_INDEX][0]):
-            # This rank's slice starts at that prompt of the whole batch (InferGroup.generate): its rows sample the
-            # streams of their place there, so a batch samples the same responses over any number of engines.
-            kwargs["first_row"] = int(batch[PROMPT_INDEX][0]) * n
-        mm = batch["mm_inputs"] if "mm_inputs" in batch else None
-        if mm is not None and any(m is not None for m in mm):  # a vision-language prompt's pictures (Request.mm)
-            kwargs["mm"] = mm
-        gen = self.engine.generate(batch["prompt_ids"], params, n, **kwargs)
-        out = Batch(
-            {
-                "responses": gen.responses,
-                "behaviour_logprobs": gen.logprobs,
-                "response_mask": gen.response_mask,
-                "truncated": gen.truncated,
-            },
-            {"finish_reason": gen.finish_reasons},
-        )
-        if getattr(gen, "routed_experts", None) is not None:  # MoE routing per row; `assemble` lays it out
-            from roll_core.routing import ROUTING_ROWS
-
-            out[ROUTING_ROWS] = gen.routed_experts
-        out.meta["generate_seconds"] = gen.seconds
-        return out
-
-    def submit_local(self, request: Request) -> Future[RequestOutput]:
-        """In-process request (local backend): the engine's future, without blocking."""
-        return self.engine.submit(request)
-
-    @dispatch(Dispatch.ONE)
-    def request(self, request: Request) -> RequestOutput:
-        """One request, blocking this call's thread until it finishes (Ray actors serve many at once)."""
-        return self.engine.submit(request).result()
-
-    @dispatch(Dispatch.BROADCAST)
-    def abort(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)
-
-    @dispatch(Dispatch.RANK0)
-    def max_context_length(self) -> int:
-        return self.engine.max_context_length
-
-    @dispatch(Dispatch.RANK0)
-    def check_sampling(self, params: SamplingParams) -> None:
-        from roll_core.interfaces.inference import check_structured
-
-        check_structured(self.engine, params)  # an engine that cannot constrain decoding must not ignore it
-        self.engine.check_sampling(params)
-
-    @dispatch(Dispatch.RANK0)
-    def continuous_batching(self) -> bool:
-        return bool(getattr(self.engine, "continuous_batching", False))
-
-    @dispatch(Dispatch.BROADCAST)
-    def sleep(self, level: int = 1) -> None:
-        self.engine.sleep(level)
-
-    @dispatch(Dispatch.BROADCAST)
-    def wake_up(self) -> None:
-        self.engine.wake_up()
-
-    @dispatch(Dispatch.BROADCAST)
-    def memory_bytes(self) -> dict[str, int]:
-        return self.engine.memory_bytes()
-
-    # ---- weight sync: the receiving side ----------------------------------------------------------------------
-    # retry=False: a step of a sync is meaningless alone on a restarted engine; WeightSync redoes the whole sync.
-    @dispatch(Dispatch.BROADCAST, retry=False)
-    def begin_weight_update(self) -> None:
-        self.engine.begin_weight_update()
-
-    @dispatch(Dispatch.BROADCAST, retry=False)
-    def finish_weight_update(self) -> int:
-        return self.engine.finish_weight_update()
-
-    @dispatch(Dispatch.BROADCAST, retry=False)
-    def receive_bucket(self, bucket: Bucket) -> int:
-        """In-process transport: one bucket of the trainer's tensors (live parameters, never kept)."""
-        return self.engine.update_weights(bucket)
-
-    @dispatch(Dispatch.BROADCAST, retry=False)
-    def receive_weights_object_store(self, refs: list[Any]) -> int:
-        import ray
-
-        nbytes = 0
-        for ref in refs:
-            bucket: Bucket | dict[str, torch.Tensor] = ray.get(ref)
-            nbytes += self.engine.update_weights(bucket.items() if isinstance(bucket, dict) else bucket)
-            del bucket
-        return nbytes
-
-    @dispatch(Dispatch.BROADCAST, retry=False)
-    def join_sync_group(self, host: str, port: int, world_size: int, backend: str) -> None:
-        self._sync_group = SyncGroup(host, port, 1 + self.rank, world_size, backend)
-
-    @dispatch(Dispatch.BROADCAST, retry=False)
-    def receive_weights_dist(self) -> int:
-        # An engine's error (a weight it does not have) is raised once the trainer's broadcast ended (receive_all).
-        return self._sync_group.receive_all(self.engine.update_weights)
-
-    @dispatch(Dispatch.BROADCAST, retry=False)
-    def receive_ipc_bucket(self, shared: list[dict[str, Any]]) -> int:
-        mine = shared[self.rank]  # trainer rank r shares device r with this rank
-        bucket = open_cuda(mine["handle"], mine["specs"])
-        nbytes = self.engine.update_weights(bucket)
-        # The engine's copies out of the sender's buffer are asynchronous: they must have landed before this call
-        # returns, because the sender drops (and the allocator reuses) that buffer as soon as it does.
-        torch.cuda.synchronize(bucket[0][1].device)
-        return nbytes
-
-    @dispatch(Dispatch.RANK0)
-    def weight_format(self) -> str:
-        """What the engine takes at a sync: "merged" weights, or the LoRA "adapter" alone (it serves adapters)."""
-        return str(getattr(self.engine, "weight_format", "merged"))
-
-    @dispatch(Dispatch.RANK0)
-    def weight_dtype(self) -> str:
-        """The dtype of the engine's weights (what synced tensors are cast to before they travel)."""
-        return self.engine_dtype
-
-    @dispatch(Dispatch.RANK0)
-    def weight_dtypes(self) -> dict[str, str]:
-        """The weights the engine keeps wider than its dtype, by name (they travel in theirs); {} where it says none."""
-        wide = getattr(self.engine, "weight_dtypes", None)
-        return dict(wide()) if callable(wide) else {}
-
-
 class RewardWorker(Worker):
     """Decodes responses and scores them with the task's reward, guarded (roll_core.cluster.reward_guard): a row
     whose reward raises, hangs or is NaN/inf scores a fixed value and is counted; it never fails the call.
@@ -516,143 +332,6 @@ class TrainGroup(WorkerGroup[TrainWorker]):
         self.call(TrainWorker.load, folder)
 
 
-class RequestHandle:
-    """A request in flight on one inference rank."""
-
-    def __init__(self, request_id: str, rank: int, pending: Future | Handle) -> None:
-        self.request_id, self.rank, self._pending = request_id, rank, pending
-
-    def done(self) -> bool:
-        if isinstance(self._pending, Future):
-            return self._pending.done()
-        import ray
-
-        ready, _ = ray.wait(self._pending.refs, timeout=0)
-        return bool(ready)
-
-    def result(self, timeout: float | None = None) -> RequestOutput:
-        if isinstance(self._pending, Future):
-            return self._pending.result(timeout)
-        if timeout is None:
-            return self._pending.result()
-        import ray
-
-        ready, _ = ray.wait(self._pending.refs, timeout=timeout)
-        if not ready:
-            raise TimeoutError(f"request {self.request_id} not finished after {timeout}s")
-        return self._pending.result()
-
-
-class InferGroup(WorkerGroup[InferWorker]):
-    """actor_infer: the batch API for RLVR and the request API for multi-turn and partial rollout.
-
-    Restartable: an engine that died or hung is re-created and given the trainer's weights by the restart hook
-    that roll_core.cluster.weight_sync.WeightSync registers, then the failed call is rerun on it.
-    """
-
-    worker_cls = InferWorker
-    restartable = True
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._inflight = [0] * self.world_size  # requests routed to each rank and not yet collected
-        self._rank_of: dict[str, int] = {}
-        self._ids = itertools.count()
-
-    def generate(self, batch: Batch, params: SamplingParams, n: int) -> Batch:
-        """n samples of every prompt in `batch["prompt_ids"]`, rows grouped per prompt, split over the ranks. The rows
-        sampled do not depend on the number of ranks: each rank seeds its rows by their place in `batch`."""
-        indexed = batch.union(Batch({PROMPT_INDEX: torch.arange(len(batch))}))
-        parts = self.submit(InferWorker.generate, indexed, params, n).values()
-        out = Batch.concat(_pad_responses(parts))
-        out.meta["generate_seconds"] = max(p.meta.get("generate_seconds", 0.0) for p in parts)
-        return out
-
-    def submit_request(self, request: Request, route_key: str | None = None, rank: int | None = None) -> RequestHandle:
-        """Start one request on the least-loaded rank, or the rank `route_key` hashes to (a conversation's turns
-        reuse one engine's prefix cache), or on `rank` itself (the async driver's partial-GPU mode places every
-        request: roll_core.scheduling.pool)."""
-        if rank is not None:
-            if not 0 <= rank < self.world_size:
-                raise IndexError(f"{self.name} has ranks 0..{self.world_size - 1}, not {rank}")
-        elif route_key is not None:
-            rank = _stable_hash(route_key) % self.world_size
-        else:
-            rank = min(range(self.world_size), key=lambda r: self._inflight[r])
-        self._inflight[rank] += 1
-        self._rank_of[request.request_id] = rank
-        if self.backend == "local":
-            fut = self.workers[rank].submit_local(request)
-            fut.add_done_callback(lambda _f, r=rank, rid=request.request_id: self._collected(r, rid))
-            return RequestHandle(request.request_id, rank, fut)
-        handle = self.submit_to(rank, InferWorker.request, request)
-        return _TrackedHandle(request.request_id, rank, handle, self._collected)
-
-    def _collected(self, rank: int, request_id: str) -> None:
-        if self._rank_of.pop(request_id, None) is not None:
-            self._inflight[rank] -= 1
-
-    def abort(self, request_id: str) -> bool:
-        """Abort a request wherever it runs; True if an engine knew it."""
-        return any(self.call(InferWorker.abort, request_id))
-
-    def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}"
-
-    def max_context_length(self) -> int:
-        return int(self.call(InferWorker.max_context_length))
-
-    def continuous_batching(self) -> bool:
-        """Whether the engine merges requests submitted while others run (what asynchronous rollout needs)."""
-        return bool(self.call(InferWorker.continuous_batching))
-
-    def check_sampling(self, params: SamplingParams) -> None:
-        """Raises UnsupportedSamplingError (naming the engine) for parameters it cannot honour."""
-        self.call(InferWorker.check_sampling, params)
-
-    def sleep(self, level: int = 1) -> None:
-        self.call(InferWorker.sleep, level)
-
-    def wake_up(self) -> None:
-        self.call(InferWorker.wake_up)
-
-    def memory_bytes(self) -> list[dict[str, int]]:
-        return self.call(InferWorker.memory_bytes)
-
-    def begin_weight_update(self) -> None:
-        self.call(InferWorker.begin_weight_update)
-
-    def finish_weight_update(self) -> list[int]:
-        return self.call(InferWorker.finish_weight_update)
-
-
-class _TrackedHandle(RequestHandle):
-    """A Ray request handle that releases its rank's in-flight count when the result is read, or when reading it
-    raises for any reason but a timeout (a failed request is no longer in flight: counted, it skewed least-loaded
-    routing away from its rank for the rest of the run)."""
-
-    def __init__(self, request_id: str, rank: int, pending: Handle, collected: Any) -> None:
-        super().__init__(request_id, rank, pending)
-        self._collected = collected
-
-    def result(self, timeout: float | None = None) -> RequestOutput:
-        try:
-            out = super().result(timeout)
-        except TimeoutError:  # (Ray's GetTimeoutError too) still running: still in flight
-            raise
-        except BaseException:
-            self._collected(self.rank, self.request_id)
-            raise
-        self._collected(self.rank, self.request_id)
-        return out
-
-
-def _stable_hash(key: str) -> int:
-    import hashlib
-
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-
-
 class RewardGroup(WorkerGroup[RewardWorker]):
     """reward. Restartable: reward workers hold no state, so a re-created one just reruns the failed call."""
 
@@ -674,18 +353,3 @@ class RewardGroup(WorkerGroup[RewardWorker]):
         failures = [p.meta["reward_failure"] for p in parts if p.meta.get("reward_failure")]
         out.meta["reward_failure"] = failures[0] if failures else None
         return out
-
-
-def _pad_responses(parts: list[Batch]) -> list[Batch]:
-    """Ranks return responses of different lengths R_i: right-pad all to the longest before concatenating."""
-    r = max(p["responses"].shape[1] for p in parts)
-    out = []
-    for p in parts:
-        extra = r - p["responses"].shape[1]
-        if extra:
-            t = p.tensors()
-            for k in ("responses", "behaviour_logprobs", "response_mask"):
-                t[k] = torch.nn.functional.pad(t[k], (0, extra))
-            p = Batch(t, p.fields, p.meta)
-        out.append(p)
-    return out

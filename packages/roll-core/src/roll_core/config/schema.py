@@ -601,7 +601,7 @@ class PipelineConfig:
 class TrainEngineConfig:
     """Keys every training engine shares: workers, micro-batching, master-weight dtype, LoRA. Engines extend this
     schema (roll_engines.config) with their own knobs; the pipeline reads these fields, typed, and passes the
-    config's keys (less roll_core.cluster.roles.WORKER_KEYS) with the run's keys (roll_core.interfaces.
+    config's keys (less roll_core.cluster.engine_worker.WORKER_KEYS) with the run's keys (roll_core.interfaces.
     TrainEngineRuntime) to the engine's constructor. Model-parallel sizes are engine knobs (only sharded engines
     have them); the pipeline reads them through `parallel_sizes()`."""
 
@@ -665,7 +665,7 @@ class TrainEngineConfig:
 @dataclass
 class InferEngineConfig:
     """Keys every inference engine shares: sampling, workers, weight sync, sleep. Engines extend this schema
-    (roll_engines.config) with their own knobs; keys in roll_core.cluster.roles.WORKER_KEYS configure the worker
+    (roll_engines.config) with their own knobs; keys in roll_core.cluster.engine_worker.WORKER_KEYS configure the worker
     and are not passed to the engine."""
 
     _target_: str = MISSING

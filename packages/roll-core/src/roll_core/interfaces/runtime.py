@@ -1,9 +1,9 @@
 """The engine constructor contract: what a worker passes to an engine's constructor besides the engine's own config.
 
-An engine is built as `Engine(**config_keys, **runtime)` (roll_core.cluster.roles.build_engine):
+An engine is built as `Engine(**config_keys, **runtime)` (roll_core.cluster.engine_worker.build_engine):
 - `config_keys` are the fields of its `train_engine` / `infer_engine` schema (roll_core.config.schema.
   TrainEngineConfig / InferEngineConfig and the engine's subclass), less the keys the worker reads itself
-  (roll_core.cluster.roles.WORKER_KEYS);
+  (roll_core.cluster.engine_worker.WORKER_KEYS);
 - `runtime` are the run's values that live in other config groups (model path and dtype, seed, the optimizer
   schedule of this role), typed below. Roles build them in one place (roll_core.pipelines.wiring.build_roles).
 
@@ -40,8 +40,8 @@ class EngineRuntime(TypedDict):
 
 
 class _Placement(TypedDict, total=False):
-    #: Platform name for resolving `device` and `dtype` on the engine's node (roll_core.cluster.roles.
-    #: resolve_device); read and removed by the worker, never passed to the engine.
+    #: Platform name for resolving `device` and `dtype` on the engine's node (roll_core.devices.resolve_device);
+    #: read and removed by the worker, never passed to the engine.
     platform: str
 
 
