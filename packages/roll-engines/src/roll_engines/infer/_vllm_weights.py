@@ -1,0 +1,132 @@
+"""Weight updates of the `vllm` inference engine (roll_engines.infer.vllm): the receiving side of a sync.
+
+`collective_rpc` serialises its arguments (msgpack across processes), so tensors never go through it.
+`update_weights` stages each bucket, cast to the engine's dtype (parameters the model keeps wider, e.g. a router
+in fp32, in theirs: `weight_dtypes`), in one reusable buffer (host shared memory on
+CPU, a CUDA IPC-shared device buffer on GPUs: roll_engines.infer._bucket_channel) and the workers pull it from
+there inside one `collective_rpc("roll_load_weights")` (roll_engines.infer._vllm_worker, vLLM's
+`worker_extension_cls`) that feeds vLLM's layer-wise `reload_weights`: a bucket may split a fused group (q/k/v,
+gate/up), the reload processes each layer once all its parts arrived. The RPC starts with the first bucket of
+a sync (the driver thread stays free for control calls until then); `finish_weight_update` ends the stream,
+frees the staging buffer and resets the prefix cache (cached prefixes hold the old weights' keys) and, for a
+multimodal model, the encoder cache (pictures' features: vLLM's reload clears the workers' copies but not the
+scheduler's record of them, so a picture seen before the sync failed its next request with "Encoder cache miss").
+
+`VLLMWeightUpdates` is a mixin of `VLLMInferEngine`: it uses the engine's driver thread (`_control`,
+`_submit_control`), its `llm`/`engine`, the staging channel's receivers, the adapter collector (`_adapters`, None
+unless infer_engine.lora_sync=adapter) and the weight version it reports (`_version`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from roll_engines.infer._bucket_channel import BucketSender
+
+
+class VLLMWeightUpdates:
+    """begin / update / finish of a weight sync on a vLLM engine (full weights or the LoRA adapter alone)."""
+
+    _adapters: Any
+    _sender: BucketSender | None
+    _loading: Any
+
+    def begin_weight_update(self) -> None:
+        def do() -> None:  # on the driver thread: no step is in progress once this runs
+            self._paused = True
+
+        self._control(do)
+        if self._adapters is not None:  # the adapter alone: collected here, loaded by vLLM at the finish
+            self._adapters.begin()
+            return
+        if self._sender is not None:  # a sync that never finished (its caller failed): drop it
+            self._sender.close(ok=False)
+        device = "cpu" if self.on_cpu else f"cuda:{torch.cuda.current_device()}"
+        self._sender = BucketSender(self._receivers, device, self.dtype, alive=self._loading_alive, wide=self._wide)
+        self._loading = None
+
+    def _loading_alive(self) -> bool:
+        if self._loading is not None and self._loading.done():
+            self._loading.result()  # raises the workers' error
+            return False  # returned before the sync ended
+        return True
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+        if self._adapters is not None:
+            return self._adapters.receive(named_tensors)
+        if self._sender is None:
+            raise RuntimeError(f"{self.name}: update_weights outside begin_weight_update/finish_weight_update")
+        named = list(named_tensors)
+        if named and self._loading is None:  # the workers start pulling with the first bucket of the sync
+            sender = self._sender
+            self._loading = self._submit_control(
+                lambda: self.llm.collective_rpc("roll_load_weights", args=(sender.address, sender.authkey.hex()))
+            )
+        return self._sender.send(named)
+
+    def finish_weight_update(self) -> int:
+        if self._adapters is not None:
+            return self._finish_adapter_update()
+        sender, loading, self._sender, self._loading = self._sender, self._loading, None, None
+        loaded = False
+        try:
+            if sender is not None:
+                sender.close(ok=True)
+            if loading is not None:
+                loading.result()
+            loaded = True
+        finally:
+            if sender is not None:
+                self.last_sync = {
+                    "bytes": sender.bytes,
+                    "buckets": sender.buckets,
+                    "dtypes": sorted(sender.dtypes),
+                    "peak_buffer_bytes": sender.peak_buffer_bytes,
+                }
+
+            def do() -> None:
+                try:
+                    self._reset_prefix_cache()
+                    if self._multimodal:  # pictures' features (module docstring); no request runs now
+                        self.engine.reset_encoder_cache()
+                finally:
+                    # On the driver thread, before it admits the requests queued behind this job: they sample
+                    # from the new weights and must say so (set after `_control`, they reported one version old).
+                    if loaded:
+                        self._version += 1
+                    self._paused = False
+
+            self._control(do)
+        return self._version
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop the prefix cache's blocks after a weight change (driver thread). vLLM refuses while any running
+        request holds blocks (0.32: it logs a warning and returns False), and a cache kept across the update would
+        serve old-weight keys and values to every later prompt sharing a cached prefix: the running requests are
+        then preempted, their keys and values recomputed under the new weights when they resume (tokens kept)."""
+        if not self.llm.reset_prefix_cache():
+            self.llm.reset_prefix_cache(reset_running_requests=True)
+
+    def _finish_adapter_update(self) -> int:
+        """Load the synced adapter as a new LoRA adapter (id = the new weight version) on the driver thread; new
+        requests use it, superseded adapters go once unused. A sync that brought no adapter keeps the current one."""
+        adapters, new_id = self._adapters, self._version + 1
+        assert adapters is not None
+
+        def do() -> None:
+            try:
+                if adapters.load(new_id, self.engine.add_lora):
+                    self._retire_adapters()
+                self._reset_prefix_cache()
+                # Before the driver admits the requests queued behind this job (they run on the new adapter).
+                self._version = new_id
+            finally:
+                self._paused = False
+
+        self._control(do)
+        self.last_sync = dict(adapters.last)
+        return self._version
