@@ -204,28 +204,6 @@ def test_memory_bytes_counts_weights_on_an_unindexed_device() -> None:
     assert on_device(cpu, cpu)
 
 
-def _router_in_fp32_model(folder: Any, tokenizer_path: str) -> str:
-    """A tiny GLM-4.5-style MoE: transformers keeps its router weight and expert-score bias in fp32 under bf16
-    (`_keep_in_fp32_modules_strict`, as for DeepSeek-V3); the bias is set away from 0, as a trained one is."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Glm4MoeConfig
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_path)
-    config = Glm4MoeConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
-        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=256,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.3)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
-
-
 def test_weights_a_bf16_engine_keeps_in_fp32_arrive_unrounded(tmp_path, tiny: str) -> None:
     """A bf16 engine keeps a GLM-4.5/DeepSeek-V3 router and its expert bias in fp32 (as vLLM does); the sync cast
     every floating tensor to bf16, so after each sync the engine routed with rounded values (the bias, which picks
@@ -233,16 +211,17 @@ def test_weights_a_bf16_engine_keeps_in_fp32_arrive_unrounded(tmp_path, tiny: st
     the rest still in bf16."""
     from roll_core.cluster.roles import InferGroup, InferWorker, TrainGroup, TrainWorker
     from roll_core.cluster.weight_sync import WeightSync
+    from roll_core.testing.models import FP32_ROUTER_KEYS, tiny_fp32_router_moe
     from roll_engines.config import HFInferEngineConfig, HFTrainEngineConfig
     from roll_hw.cpu import CpuPlatform
 
-    path = _router_in_fp32_model(tmp_path / "glm", tiny)
+    path = tiny_fp32_router_moe(tmp_path / "glm", tiny)
     train = TrainGroup(TrainWorker, 1, "local", engine=vars(HFTrainEngineConfig()), runtime={"model_path": path})
     bf16 = {"model_path": path, "dtype": "bfloat16"}
     infer = InferGroup(InferWorker, 1, "local", engine=vars(HFInferEngineConfig()), runtime=bf16)
     try:
         sync = WeightSync(train, infer, transport="auto", bucket_mb=0.05, placement="colocated", platform=CpuPlatform)
-        router = {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
+        router = FP32_ROUTER_KEYS
         assert getattr(sync, "wide", dict.fromkeys(router, "float32")) == dict.fromkeys(router, "float32")
         trained = {k: v.detach().clone() for k, v in train.workers[0].engine.iter_weights()}
         with torch.no_grad():  # the trainer's fp32 weights as training leaves them: not on the bf16 grid

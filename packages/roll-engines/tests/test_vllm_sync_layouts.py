@@ -170,22 +170,15 @@ def test_a_router_kept_in_fp32_is_synced_unrounded(tmp_path, in_process) -> None
     """(e) vLLM keeps a GLM-4.5 (or DeepSeek-V3) router and its expert-score bias in fp32 under bf16: the engine says
     so (`weight_dtypes`, which the trainer's cast follows) and stages them in fp32; the staging cast them to bf16, so
     after every sync vLLM routed with rounded values."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Glm4MoeConfig
+    from transformers import AutoModelForCausalLM
 
     from roll_core.models import resolve_model_path
+    from roll_core.testing.models import FP32_ROUTER_KEYS, tiny_fp32_router_moe
     from roll_engines.infer.vllm import VLLMInferEngine
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny"))
-    config = Glm4MoeConfig(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
-        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=256,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
+    tiny_fp32_router_moe(tmp_path, resolve_model_path("builtin:tiny"), hidden_size=128, head_dim=32)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    router = {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
+    router = FP32_ROUTER_KEYS
     engine = VLLMInferEngine(str(tmp_path), dtype="bfloat16", **ENGINE)
     try:
         fp32 = dict.fromkeys(router, "float32")

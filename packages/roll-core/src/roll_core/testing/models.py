@@ -192,3 +192,32 @@ def emit_token_greedily(
     if edited != [*greedy[:k], stop]:
         raise AssertionError(f"the edited model decodes {edited}, not {greedy[:k]} + {stop}")
     return edited
+
+
+#: The two tensors `tiny_fp32_router_moe` keeps in fp32 under bf16 (transformers and vLLM alike).
+FP32_ROUTER_KEYS = frozenset({"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"})
+
+
+def tiny_fp32_router_moe(folder: str | Path, tokenizer_path: str, hidden_size: int = 64, head_dim: int = 16) -> str:
+    """Save a tiny GLM-4.5-style MoE (layer 0 dense, layer 1 with 8 routed experts) with `tokenizer_path`'s tokenizer
+    in `folder`, and return its path. transformers (and vLLM) keep its router weight and expert-score bias
+    (`FP32_ROUTER_KEYS`) in fp32 under bf16 (`_keep_in_fp32_modules_strict`, as for DeepSeek-V3); the bias is set
+    away from 0, as a trained one is. vLLM-CPU needs `head_dim` >= 32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Glm4MoeConfig
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    config = Glm4MoeConfig(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
