@@ -26,7 +26,8 @@ from docs_gen.algos_ref import MODULES, algorithms_page  # noqa: E402
 from docs_gen.plugins_ref import ROLL_DISTRIBUTIONS, plugins_page  # noqa: E402
 from docs_gen.schema_doc import describe_schema  # noqa: E402
 
-from roll_core.config.schema import AlgoConfig, _one_of  # noqa: E402
+from roll_core.config.checks import one_of  # noqa: E402
+from roll_core.config.schema import AlgoConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +141,7 @@ class ProbeAlgoConfig(AlgoConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _one_of("algo.probe_flavour", self.probe_flavour, ("sweet", "sour"))
+        one_of("algo.probe_flavour", self.probe_flavour, ("sweet", "sour"))
 
 
 @pytest.fixture

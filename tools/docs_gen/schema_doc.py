@@ -4,7 +4,7 @@ Contract: `describe_schema(cls)` returns one `FieldDoc` per `dataclasses.fields(
 inherited fields included. A field's doc is the block of `#` comment lines right above its declaration (roll's
 convention, schema.py), else a trailing comment on its line, searched through the class and then its bases (an
 engine schema that only changes a default keeps the base's text). Allowed values are read from the class's
-`__post_init__` (and its bases'), the checks roll writes there: `_one_of("x", self.f, CHOICES)`, a test
+`__post_init__` (and its bases'), the checks roll writes there: `one_of("x", self.f, CHOICES)`, a test
 `self.f in CHOICES` / `self.f not in CHOICES` that is a whole `if` or a call argument, a loop
 `for key, allowed in choices().items(): ...getattr(self, key)...`, and `Literal[...]` annotations. `CHOICES` is
 evaluated in the class's module (plus the imports inside the method), so a tuple defined elsewhere
@@ -148,7 +148,7 @@ def _post_init_choices(cls: type) -> dict[str, tuple[str, ...]]:
             continue
         namespace = _method_namespace(cls, func)
         for sub in ast.walk(func):
-            if isinstance(sub, ast.Call) and getattr(sub.func, "id", None) == "_one_of" and len(sub.args) >= 3:
+            if isinstance(sub, ast.Call) and getattr(sub.func, "id", None) == "one_of" and len(sub.args) >= 3:
                 name = _self_attr(sub.args[1])
                 if name:
                     found[name] = _evaluate(sub.args[2], namespace)
@@ -162,7 +162,7 @@ def _post_init_choices(cls: type) -> dict[str, tuple[str, ...]]:
                     and _self_attr(test.left)
                 ):
                     found[_self_attr(test.left)] = _evaluate(test.comparators[0], namespace)
-            # for key, allowed in choices().items(): _one_of(..., getattr(self, key), allowed)
+            # for key, allowed in choices().items(): one_of(..., getattr(self, key), allowed)
             if (
                 isinstance(sub, ast.For)
                 and isinstance(sub.iter, ast.Call)

@@ -18,6 +18,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from roll_core.config.algo import AlgoConfig, algo_choices
+from roll_core.config.checks import one_of, positive
 from roll_core.config.generation import GenerationConfig, check_stop_tokens
 from roll_core.config.posttrain import DistillConfig, DPOConfig, RolloutConfig, SFTConfig
 from roll_core.config.reward_model import RewardModelConfig
@@ -26,323 +28,7 @@ from roll_core.posttrain.config import DataConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
-
-def algo_choices() -> dict[str, tuple[str, ...]]:
-    """The names `algo.*` accepts, from where they are implemented (defined once, never copied here).
-
-    Estimators are the installed `roll.algorithms` entry points (roll-core's outcome and trajectory estimators and
-    any plugin's); policy losses the installed `roll.losses` entry points as roll-algos' dispatcher reads them
-    (roll-algos' own and any plugin's: exactly the names `policy_loss(variant=)` runs); loss aggregations and KL
-    kinds are roll-algos' own lists. Strings, not Enums: OmegaConf matches an Enum field by member name, and
-    `token-mean` or `seq-mean-token-sum` cannot be one.
-    roll_algos is imported here, on first validation, because it imports torch, which composing must not.
-    """
-    from roll_algos.kl import KL_KINDS
-    from roll_algos.losses import AGG_MODES, policy_loss_names
-    from roll_core.registry import available
-
-    return {
-        "adv_estimator": tuple(available("roll.algorithms")),
-        "policy_loss": policy_loss_names(),
-        "loss_agg": AGG_MODES,
-        "kl_kind": KL_KINDS,
-    }
-
-
-def _one_of(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
-
-
-def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
-    # NaN compares false with everything, so `value < 0` alone lets algo.lr=nan through to the optimizer.
-    if not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} must be a finite number {'>= 0' if allow_zero else '> 0'}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
-
-
-def _positive_or_null(name: str, value: float | None) -> None:
-    """Optional thresholds (clips, caps, targets): null disables them; 0 or less would silently zero what they bound."""
-    if value is not None:
-        _positive(name, value)
-
-
-@dataclass
-class AlgoConfig:
-    """The RL algorithm: advantage estimator, losses, KL, optimisation schedule."""
-
-    # Display name of the preset (grpo, ppo, ...); free text, shown in logs.
-    name: str = "grpo"
-    # Advantage estimator (a roll.algorithms entry point): grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline
-    # | gae (trains a critic) | gigpo, turn_grpo (pipeline=agentic: step-level advantages over environment states).
-    adv_estimator: str = "grpo"
-    # Samples per prompt (the GRPO group size); group estimators need >= 2.
-    group_size: int = 8
-    # Actor learning rate (AdamW).
-    lr: float = 1e-6
-    # Linear warm-up steps of the actor and critic learning rates (optimizer steps).
-    warmup_steps: int = 0
-    # LR schedule after warm-up: constant | cosine | linear (decay to 0 at the last step).
-    lr_schedule: str = "constant"
-    # AdamW weight decay.
-    weight_decay: float = 0.0
-    # Passes over each rollout batch.
-    ppo_epochs: int = 1
-    # Samples per optimizer step; 0 means the whole rollout batch is one optimizer step.
-    mini_batch_size: int = 0
-    # Optimizer steps per rollout batch (an alternative to mini_batch_size that does not depend on the batch
-    # size); 0: use mini_batch_size. With one step per batch the PPO ratio is 1 and clipping never acts.
-    num_mini_batches: int = 0
-    # Global gradient-norm clip; 0 disables.
-    max_grad_norm: float = 1.0
-    # Policy loss variant: ppo | gspo | cispo | tis | topr | vanilla.
-    policy_loss: str = "ppo"
-    # Loss aggregation over tokens: token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm.
-    loss_agg: str = "token-mean"
-    # Lower PPO clip epsilon (ratio >= 1 - clip_low).
-    clip_low: float = 0.2
-    # Upper PPO clip epsilon; > clip_low is DAPO's clip-higher.
-    clip_high: float = 0.2
-    # Dual-clip constant c > 1 bounding negative-advantage loss at c*|A|; null disables.
-    dual_clip: float | None = None
-    # Ratio cap of the tis variant (cispo bounds its weight with clip_low/clip_high instead).
-    ratio_cap: float = 2.0
-    # KL-to-reference coefficient; 0 disables the reference model entirely.
-    kl_coef: float = 0.0
-    # KL estimator: k1 | k2 (= mse) | k3 (= low_var_kl) | abs.
-    kl_kind: str = "k3"
-    # Where KL acts: false adds coef*KL to the loss; true subtracts it from the token reward.
-    kl_in_reward: bool = False
-    # Target KL for the adaptive controller (PPO-style); null keeps kl_coef fixed.
-    kl_target: float | None = None
-    # Horizon (samples) of the adaptive KL controller.
-    kl_horizon: int = 10000
-    # Entropy bonus coefficient (subtracted from the loss).
-    entropy_coef: float = 0.0
-    # Discount for gae / returns.
-    gamma: float = 1.0
-    # GAE lambda.
-    lam: float = 1.0
-    # Critic learning rate (gae only).
-    critic_lr: float = 1e-5
-    # PPO value clip; null disables.
-    value_clip: float | None = 0.2
-    # Critics of the gae estimator; > 1 is AsyPPO's ensemble of mini-critics (algo=asyppo): critic m trains on its
-    # own share of every prompt's responses (group_size / num_critics each, dealt round-robin) and GAE uses the
-    # critics' mean value.
-    num_critics: int = 1
-    # The critics' model (HF folder, hub id, builtin:<name>); null: the policy's model. It reads the policy's token
-    # ids, so it must share the policy's tokenizer (AsyPPO: a smaller model of the policy's family).
-    critic_model_path: str | None = None
-    # AsyPPO advantage masking: the share of a batch's response tokens where the critics agree most (lowest std of
-    # their values) whose advantage is set to 0; needs num_critics >= 2. 0 disables.
-    critic_agree_fraction: float = 0.0
-    # AsyPPO entropy filtering: the share of a batch's response tokens where the critics disagree most (highest std)
-    # left out of the entropy bonus; needs num_critics >= 2 and entropy_coef > 0. 0 disables.
-    critic_disagree_fraction: float = 0.0
-    # Whiten advantages over the batch after estimation (masked).
-    whiten_advantages: bool = False
-    # Clip advantages to [-x, x]; null disables.
-    advantage_clip: float | None = None
-    # Clip sequence rewards to [-x, x]; null disables.
-    reward_clip: float | None = None
-    # Correction for the gap between the inference engine's log-probs and the trainer's, r = pi_old / pi_behaviour:
-    # null | token | sequence (truncated IS: weights min(r, off_policy_cap)) | token_mask | sequence_mask (masked IS:
-    # drop tokens / whole sequences whose ratio leaves [correction_low, correction_high]) | icepop (IcePop: weight r
-    # inside the band, 0 outside) | geo_mask (drop sequences whose geometric-mean ratio leaves the band).
-    off_policy_correction: str | None = None
-    # Cap of the truncated IS weights (token, sequence).
-    off_policy_cap: float = 2.0
-    # Lower end of the band [low, high] of ratios the masking corrections accept; null: the correction's default
-    # (token_mask and sequence_mask 0.5, icepop 0.5, geo_mask 0.999). Needs 0 < low <= 1 <= high.
-    correction_low: float | None = None
-    # Upper end of that band; null: the correction's default (token_mask and sequence_mask 2, icepop 5, geo_mask
-    # 1.001).
-    correction_high: float | None = None
-    # Mean subtracted by the grpo and dr_grpo estimators (ROLL's norm_mean_type): group | batch | none; null: the
-    # estimator's own (group). Lite PPO: group.
-    norm_mean_type: str | None = None
-    # Std the grpo and dr_grpo estimators divide by (ROLL's norm_std_type): group | batch | none; null: the
-    # estimator's own (grpo group, dr_grpo none). Lite PPO: batch.
-    norm_std_type: str | None = None
-    # DAPO soft overlong penalty buffer in tokens (0 disables); the penalty reaches -1 at the response limit.
-    overlong_buffer: int = 0
-    # DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no GRPO signal) and sample more
-    # prompts until the batch holds rollout_batch_size informative groups (or the cap below is reached).
-    drop_uniform_groups: bool = False
-    # Dynamic sampling: each refill round samples ceil(missing groups x this factor) prompts.
-    refill_oversample: float = 1.5
-    # Dynamic sampling cap: at most this many batches' worth of groups sampled per step; then the step trains on
-    # the informative groups it has (counted in data/refill_short_groups).
-    refill_max_batches: float = 4.0
-    # Attention-based credit ("Attention Illuminates LLM Reasoning", arXiv 2510.13554; roll_algos.attention_credit):
-    # multiply the advantage of the tokens the actor's own attention marks as critical by attention_credit_gamma:
-    # null (off) | preplan (top WAAD of the generating row: a long-range look back produced them) | anchor (top FAI:
-    # later tokens attend to them) | coupled (an anchor and the preplan token just before or on it). Costs one
-    # no-grad forward of the batch per step; train_engine=hf or fsdp2 (megatron cannot read attention maps).
-    attention_credit: str | None = None
-    # Factor of a selected token's advantage (> 1 amplifies it, whichever its sign).
-    attention_credit_gamma: float = 1.5
-    # Fraction of each response's tokens selected as preplan / anchor tokens (rounded up).
-    attention_credit_ratio: float = 0.2
-    # WAAD's window W: each attention distance counts at most W tokens.
-    attention_credit_window: int = 10
-    # coupled: an anchor pairs with a preplan token at most this many tokens before it (0: the same token only).
-    attention_credit_coupling: int = 1
-    # Layers whose attention is read (negative from the top); empty: the middle layer. Each read layer holds
-    # logprob_chunk_size x heads x attention_credit_chunk_rows x sequence-length fp32 probabilities while it runs.
-    attention_credit_layers: list[int] = field(default_factory=list)
-    # Fraction of the read layers' heads averaged for WAAD (the most local by mean attention distance, per row) and
-    # for FAI (the most global).
-    attention_credit_heads: float = 0.25
-    # Query rows per block of attention probabilities (the memory bound above).
-    attention_credit_chunk_rows: int = 128
-
-    @property
-    def use_critic(self) -> bool:
-        """True when the estimator needs a value model."""
-        return self.adv_estimator == "gae"
-
-    @property
-    def use_reference(self) -> bool:
-        """True when a reference model is needed (only when KL is on: a silent default must not switch it on)."""
-        return self.kl_coef > 0 or self.kl_target is not None
-
-    def _check_correction(self) -> None:
-        from roll_algos.corrections import CORRECTIONS, resolve_bounds
-
-        _one_of("algo.off_policy_correction", self.off_policy_correction, (None, "token", "sequence", *CORRECTIONS))
-        bounds_set = self.correction_low is not None or self.correction_high is not None
-        if self.off_policy_correction in CORRECTIONS:
-            try:
-                resolve_bounds(self.off_policy_correction, self.correction_low, self.correction_high)
-            except ValueError as e:
-                raise ValueError(f"algo.correction_low/correction_high: {e}") from None
-        elif bounds_set:
-            raise ValueError(
-                f"algo.correction_low/correction_high bound the masking corrections ({', '.join(CORRECTIONS)}), "
-                f"not algo.off_policy_correction={self.off_policy_correction}: set one of those, or leave the bounds "
-                "null (truncated IS is capped by algo.off_policy_cap)"
-            )
-
-    def _check_attention_credit(self) -> None:
-        from roll_algos.attention_credit import STRATEGIES
-
-        _one_of("algo.attention_credit", self.attention_credit, (None, *STRATEGIES))
-        _positive("algo.attention_credit_gamma", self.attention_credit_gamma)
-        if not 0 < self.attention_credit_ratio <= 1 or not 0 < self.attention_credit_heads <= 1:
-            raise ValueError(
-                f"algo.attention_credit_ratio={self.attention_credit_ratio} and attention_credit_heads="
-                f"{self.attention_credit_heads} are fractions: they must lie in (0, 1]"
-            )
-        if (
-            self.attention_credit_window < 1
-            or self.attention_credit_chunk_rows < 1
-            or self.attention_credit_coupling < 0
-        ):
-            raise ValueError(
-                f"algo.attention_credit_window={self.attention_credit_window} and attention_credit_chunk_rows="
-                f"{self.attention_credit_chunk_rows} must be >= 1, attention_credit_coupling="
-                f"{self.attention_credit_coupling} >= 0"
-            )
-
-    def _check_critics(self) -> None:
-        if self.num_critics < 1:
-            raise ValueError(f"algo.num_critics={self.num_critics} must be >= 1")
-        if not self.use_critic and (self.num_critics > 1 or self.critic_model_path is not None):
-            raise ValueError(
-                f"algo.num_critics / algo.critic_model_path configure the critics of adv_estimator=gae; "
-                f"algo.adv_estimator={self.adv_estimator} trains none: leave them at 1 / null"
-            )
-        if self.num_critics > 1 and self.group_size % self.num_critics:
-            raise ValueError(
-                f"algo.num_critics={self.num_critics} critics each train on an equal share of every prompt's "
-                f"responses: algo.group_size={self.group_size} must be a multiple of num_critics"
-            )
-        for key in ("critic_agree_fraction", "critic_disagree_fraction"):
-            value = getattr(self, key)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"algo.{key}={value} must lie in [0, 1)")
-            if value > 0 and self.num_critics < 2:
-                raise ValueError(
-                    f"algo.{key}={value} ranks tokens by the disagreement of several critics: set algo.num_critics "
-                    ">= 2 (algo=asyppo), or leave it 0"
-                )
-        if self.critic_disagree_fraction > 0 and self.entropy_coef == 0:
-            raise ValueError(
-                f"algo.critic_disagree_fraction={self.critic_disagree_fraction} filters the entropy bonus, which "
-                "algo.entropy_coef=0 turns off: set entropy_coef > 0 (algo=asyppo: 0.001), or leave the fraction 0"
-            )
-
-    def _check_normalisation(self) -> None:
-        from roll_algos.advantages import NORM_TYPES
-
-        for key in ("norm_mean_type", "norm_std_type"):
-            _one_of(f"algo.{key}", getattr(self, key), (None, *NORM_TYPES))
-        if (self.norm_mean_type or self.norm_std_type) and self.adv_estimator not in ("grpo", "dr_grpo"):
-            raise ValueError(
-                f"algo.norm_mean_type/norm_std_type choose the reward normalisation of the grpo and dr_grpo "
-                f"estimators; algo.adv_estimator={self.adv_estimator} normalises its own way: leave them null"
-            )
-
-    def __post_init__(self) -> None:
-        for key, allowed in algo_choices().items():
-            _one_of(f"algo.{key}", getattr(self, key), allowed)
-        _one_of("algo.lr_schedule", self.lr_schedule, ("constant", "cosine", "linear"))
-        self._check_correction()
-        self._check_normalisation()
-        self._check_critics()
-        self._check_attention_credit()
-        if self.group_size < 1:
-            raise ValueError(f"algo.group_size={self.group_size} must be >= 1")
-        if self.adv_estimator in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "gigpo") and self.group_size < 2:
-            raise ValueError(
-                f"algo.adv_estimator={self.adv_estimator} compares samples of one prompt: set algo.group_size >= 2"
-            )
-        _positive("algo.lr", self.lr)
-        _positive("algo.critic_lr", self.critic_lr)
-        _positive("algo.warmup_steps", self.warmup_steps, allow_zero=True)
-        _positive("algo.weight_decay", self.weight_decay, allow_zero=True)
-        _positive("algo.ratio_cap", self.ratio_cap)
-        _positive("algo.off_policy_cap", self.off_policy_cap)
-        _positive("algo.kl_horizon", self.kl_horizon)
-        for key in ("value_clip", "advantage_clip", "reward_clip", "kl_target"):
-            _positive_or_null(f"algo.{key}", getattr(self, key))
-        if self.kl_target is not None and self.kl_coef <= 0:  # the controller multiplies: from 0 it stays 0
-            raise ValueError(
-                f"algo.kl_target={self.kl_target} adapts algo.kl_coef from its value: set algo.kl_coef > 0 (the "
-                "starting coefficient, e.g. 0.01), or algo.kl_target=null"
-            )
-        # `not (x >= 1)`: NaN and the comparison (a NaN or inf oversampling broke the refill's ceil at step 1)
-        refill = (self.refill_oversample, self.refill_max_batches)
-        if not all(math.isfinite(x) and x >= 1.0 for x in refill):
-            raise ValueError(
-                f"algo.refill_oversample={self.refill_oversample} and algo.refill_max_batches="
-                f"{self.refill_max_batches} must be >= 1 (finite numbers)"
-            )
-        _positive("algo.ppo_epochs", self.ppo_epochs)
-        _positive("algo.mini_batch_size", self.mini_batch_size, allow_zero=True)
-        _positive("algo.num_mini_batches", self.num_mini_batches, allow_zero=True)
-        if self.mini_batch_size and self.num_mini_batches:
-            raise ValueError("set algo.mini_batch_size or algo.num_mini_batches, not both")
-        _positive("algo.max_grad_norm", self.max_grad_norm, allow_zero=True)
-        _positive("algo.clip_low", self.clip_low)
-        _positive("algo.clip_high", self.clip_high)
-        if self.clip_low >= 1:
-            raise ValueError(f"algo.clip_low={self.clip_low} must be < 1 (the ratio floor is 1 - clip_low)")
-        if self.dual_clip is not None and not (math.isfinite(self.dual_clip) and self.dual_clip > 1):
-            raise ValueError(f"algo.dual_clip={self.dual_clip} must be > 1 (a finite number; 3 is usual) or null")
-        _positive("algo.kl_coef", self.kl_coef, allow_zero=True)
-        _positive("algo.entropy_coef", self.entropy_coef, allow_zero=True)
-        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
-            raise ValueError(f"algo.gamma={self.gamma} and algo.lam={self.lam} must lie in [0, 1]")
-        _positive("algo.overlong_buffer", self.overlong_buffer, allow_zero=True)
-        if self.kl_in_reward and self.adv_estimator not in ("reinforce_pp", "reinforce_pp_baseline", "gae"):
-            raise ValueError(
-                f"algo.kl_in_reward=true needs a token-reward estimator (reinforce_pp, "
-                f"reinforce_pp_baseline, gae), not {self.adv_estimator}: use the KL loss instead"
-            )
+__all__ = ["DTYPES", "AlgoConfig", "algo_choices"]  # with the schemas below; AlgoConfig lives in roll_core.config.algo
 
 
 @dataclass
@@ -375,9 +61,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_stop_tokens(self.stop_tokens)
-        _one_of("model.dtype", self.dtype, DTYPES)
-        _positive("model.max_prompt_length", self.max_prompt_length)
-        _positive("model.max_response_length", self.max_response_length)
+        one_of("model.dtype", self.dtype, DTYPES)
+        positive("model.max_prompt_length", self.max_prompt_length)
+        positive("model.max_response_length", self.max_response_length)
 
 
 @dataclass
@@ -435,19 +121,19 @@ class ClusterConfig:
     max_restarts: int = 3
 
     def __post_init__(self) -> None:
-        _one_of("cluster.backend", self.backend, ("local", "ray"))
-        _one_of("cluster.placement", self.placement, ("colocated", "disaggregated"))
+        one_of("cluster.backend", self.backend, ("local", "ray"))
+        one_of("cluster.placement", self.placement, ("colocated", "disaggregated"))
         if self.backend == "local" and self.address is not None:
             raise ValueError("cluster.address is set but cluster.backend=local: use cluster=ray to join a cluster")
-        _positive("cluster.cpus_per_worker", self.cpus_per_worker, allow_zero=True)
-        _positive("cluster.placement_timeout_s", self.placement_timeout_s)
-        _positive("cluster.max_concurrent", self.max_concurrent, allow_zero=True)
-        _one_of("cluster.strategy", self.strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
-        _positive("cluster.call_timeout_s", self.call_timeout_s, allow_zero=True)
+        positive("cluster.cpus_per_worker", self.cpus_per_worker, allow_zero=True)
+        positive("cluster.placement_timeout_s", self.placement_timeout_s)
+        positive("cluster.max_concurrent", self.max_concurrent, allow_zero=True)
+        one_of("cluster.strategy", self.strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+        positive("cluster.call_timeout_s", self.call_timeout_s, allow_zero=True)
         for role, t in self.call_timeouts.items():
             _check_role(role)
-            _positive(f"cluster.call_timeouts.{role}", t, allow_zero=True)
-        _positive("cluster.max_restarts", self.max_restarts, allow_zero=True)
+            positive(f"cluster.call_timeouts.{role}", t, allow_zero=True)
+        positive("cluster.max_restarts", self.max_restarts, allow_zero=True)
 
     def timeout_for(self, role: str) -> float | None:
         """The call timeout of `role` in seconds (None: no limit)."""
@@ -549,7 +235,7 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         from roll_core import registry  # the installed collectors: rlvr, agentic, plugins
 
-        _one_of("pipeline.name", self.name, tuple(registry.available("roll.collectors")))
+        one_of("pipeline.name", self.name, tuple(registry.available("roll.collectors")))
         for tracker in self.trackers:
             try:  # registry.load's error lists the installed trackers and suggests a close name
                 registry.load("roll.trackers", tracker)
@@ -561,31 +247,31 @@ class PipelineConfig:
         twice = sorted({t for t in self.trackers if list(self.trackers).count(t) > 1})
         if twice:  # (the tracker refuses it too, but only once the run has built its task and tokenizer)
             raise ValueError(f"pipeline.trackers={list(self.trackers)!r} names {', '.join(twice)} twice")
-        _positive("pipeline.async_ratio", self.async_ratio, allow_zero=True)
-        _positive("pipeline.max_nonfinite_steps", self.max_nonfinite_steps, allow_zero=True)
-        _positive("pipeline.max_reward_failure_steps", self.max_reward_failure_steps, allow_zero=True)
-        _positive("pipeline.max_run_restarts", self.max_run_restarts, allow_zero=True)
-        _positive("pipeline.tail_groups", self.tail_groups, allow_zero=True)
+        positive("pipeline.async_ratio", self.async_ratio, allow_zero=True)
+        positive("pipeline.max_nonfinite_steps", self.max_nonfinite_steps, allow_zero=True)
+        positive("pipeline.max_reward_failure_steps", self.max_reward_failure_steps, allow_zero=True)
+        positive("pipeline.max_run_restarts", self.max_run_restarts, allow_zero=True)
+        positive("pipeline.tail_groups", self.tail_groups, allow_zero=True)
         if self.async_ratio == 0 and (self.partial_rollout or self.tail_groups):
             raise ValueError(
                 "pipeline.partial_rollout and pipeline.tail_groups need asynchronous training: set "
                 "pipeline.async_ratio >= 1 (samples carried across a weight update are one version old)"
             )
-        _positive("pipeline.max_steps", self.max_steps)
-        _positive("pipeline.rollout_batch_size", self.rollout_batch_size)
-        _positive("pipeline.eval_every", self.eval_every, allow_zero=True)
+        positive("pipeline.max_steps", self.max_steps)
+        positive("pipeline.rollout_batch_size", self.rollout_batch_size)
+        positive("pipeline.eval_every", self.eval_every, allow_zero=True)
         # A negative size would slice the held-out list from its end (eval_size=-1 drops one problem, silently).
-        _positive("pipeline.eval_size", self.eval_size, allow_zero=True)
+        positive("pipeline.eval_size", self.eval_size, allow_zero=True)
         if self.eval_temperature is not None:
-            _positive("pipeline.eval_temperature", self.eval_temperature, allow_zero=True)
-        _positive("pipeline.save_every", self.save_every, allow_zero=True)
-        _positive("pipeline.keep_last", self.keep_last)
-        _positive("pipeline.reward_workers", self.reward_workers)
-        _positive("pipeline.reward_timeout_s", self.reward_timeout_s)
+            positive("pipeline.eval_temperature", self.eval_temperature, allow_zero=True)
+        positive("pipeline.save_every", self.save_every, allow_zero=True)
+        positive("pipeline.keep_last", self.keep_last)
+        positive("pipeline.reward_workers", self.reward_workers)
+        positive("pipeline.reward_timeout_s", self.reward_timeout_s)
         if not math.isfinite(self.reward_error_score):  # refused by the reward workers otherwise, at their start
             raise ValueError(f"pipeline.reward_error_score={self.reward_error_score} must be a finite number")
-        _positive("pipeline.reward_batch_timeout_s", self.reward_batch_timeout_s)
-        _one_of("pipeline.reward_isolation", self.reward_isolation, ("process", "inline"))
+        positive("pipeline.reward_batch_timeout_s", self.reward_batch_timeout_s)
+        one_of("pipeline.reward_isolation", self.reward_isolation, ("process", "inline"))
 
     def reward_guard(self) -> dict[str, Any]:
         """Keyword arguments of roll_core.cluster.reward_guard.GuardedReward."""
@@ -637,7 +323,7 @@ class TrainEngineConfig:
     lora_target_modules: Any = "all-linear"
 
     def __post_init__(self) -> None:
-        _positive(f"train_engine.world_size ({self.name})", self.world_size)
+        positive(f"train_engine.world_size ({self.name})", self.world_size)
         if self.micro_batch_size < 1 or self.logprob_chunk_size < 1:
             raise ValueError("train_engine.micro_batch_size and logprob_chunk_size must be >= 1")
         if self.micro_batch_tokens < 0:
@@ -711,11 +397,11 @@ class InferEngineConfig:
     lora_sync: str = "merged"
 
     def __post_init__(self) -> None:
-        _positive(f"infer_engine.world_size ({self.name})", self.world_size)
+        positive(f"infer_engine.world_size ({self.name})", self.world_size)
         if self.max_concurrency is not None and self.max_concurrency < 1:  # 0 became the default 64, silently
             raise ValueError(f"infer_engine.max_concurrency={self.max_concurrency} must be >= 1 (or null: a default)")
         if self.dtype is not None:
-            _one_of("infer_engine.dtype", self.dtype, DTYPES)
+            one_of("infer_engine.dtype", self.dtype, DTYPES)
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(
                 f"infer_engine.temperature={self.temperature} must be > 0 for RL sampling "
@@ -730,14 +416,14 @@ class InferEngineConfig:
                 raise ValueError(f"infer_engine.structured: {exc}") from exc
         if not 0 < self.top_p <= 1:
             raise ValueError(f"infer_engine.top_p={self.top_p} must be in (0, 1]")
-        _positive("infer_engine.top_k", self.top_k, allow_zero=True)
+        positive("infer_engine.top_k", self.top_k, allow_zero=True)
         from roll_core.cluster.weight_sync import TRANSPORTS
 
-        _one_of("infer_engine.sync_transport", self.sync_transport, TRANSPORTS)
-        _one_of("infer_engine.lora_sync", self.lora_sync, ("merged", "adapter"))
-        _positive("infer_engine.sync_bucket_mb", self.sync_bucket_mb)
+        one_of("infer_engine.sync_transport", self.sync_transport, TRANSPORTS)
+        one_of("infer_engine.lora_sync", self.lora_sync, ("merged", "adapter"))
+        positive("infer_engine.sync_bucket_mb", self.sync_bucket_mb)
         if self.sleep_level is not None:  # null: resolved with the run (resolve_sleep_level)
-            _one_of("infer_engine.sleep_level", self.sleep_level, (0, 1, 2))
+            one_of("infer_engine.sleep_level", self.sleep_level, (0, 1, 2))
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"infer_engine.max_num_seqs={self.max_num_seqs} must be >= 1 (or null: the engine's)")
         if self.max_model_len is not None and self.max_model_len < 1:
