@@ -74,6 +74,30 @@ def test_nonfinite_scores_are_replaced_and_counted() -> None:
     assert res.counters["nonfinite"] == 2 and res.counters["errors"] == 0
 
 
+class NanForFailedRows:
+    """Marks rows "broken" failed (not scored) and gives them NaN as the fallback score."""
+
+    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
+        bad = [r == "broken" for r in responses]
+        scores = [float("nan") if b else 1.0 for b in bad]
+        return RewardResult(scores, [0.0 if b else 1.0 for b in bad], [1.0] * len(bad), failed=bad)
+
+
+@pytest.mark.parametrize("row_by_row", [False, True])
+def test_a_failed_row_scored_nan_counts_once(row_by_row: bool) -> None:
+    """A row the reward marks failed and scores NaN is one failed row, not two: counted as nonfinite and as
+    unscored, one bad row of two read as a batch that failed on every row (and three such steps stopped the run)."""
+    reward = NanForFailedRows()
+    if row_by_row:  # a wrong row count sends the guard row by row; the rows themselves are the same
+        reward.score = lambda r, a, s=reward.score: s(r, a) if len(r) == 1 else RewardResult([], [], [])
+    res = GuardedReward(reward, isolation="inline").score(["broken", "ok"], ["1", "1"])
+    assert res.scores == [0.0, 1.0] and res.failed == [True, False]
+    assert (res.counters["failed_nonfinite"], res.counters["failed_unscored"], res.counters["failed_rows"]) == (1, 0, 1)
+    assert not all_rows_failed(res.counters)
+    res = GuardedReward(reward, isolation="inline").score(["broken", "broken"], ["1", "1"])
+    assert res.counters["failed_rows"] == 2 and all_rows_failed(res.counters)
+
+
 def test_a_hanging_row_is_cut_off_per_row_and_counted() -> None:
     guard = _guard()
     t0 = time.monotonic()

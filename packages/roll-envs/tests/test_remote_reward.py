@@ -350,6 +350,41 @@ def test_rows_the_served_reward_could_not_score_arrive_unscored() -> None:
         assert guarded.counters["failed_unscored"] == guarded.counters["failed_rows"] == 1
 
 
+class _CountsUnscored:
+    """A reward that reports rows it could not score only by its `unscored` counter (no `failed` flags, which the
+    guard's contract allows): rows whose answer is "?" (a broken ground truth) score a fallback 0."""
+
+    def __init__(self, flag: bool = False) -> None:
+        self.flag = flag  # also mark the rows (a served RemoteReward or GuardedReward does both)
+
+    def score(self, responses, answers):
+        from roll_core.interfaces import RewardResult
+
+        ok = [float(r == a) for r, a in zip(responses, answers)]
+        failed = [a == "?" for a in answers] if self.flag else None
+        return RewardResult(ok, ok, [1.0] * len(ok), counters={"unscored": answers.count("?")}, failed=failed)
+
+
+def test_the_served_unscored_counter_arrives() -> None:
+    """The service's `unscored` count reaches the client's `unscored` (and through it the guard's failed rows)
+    even when its reward marked no rows: the client dropped it as a clashing name, so a service failing on every
+    row looked like a service grading every answer wrong, and the run never stopped."""
+    with serve_in_thread(_CountsUnscored()) as served:
+        reward = _remote(served.url, batch_size=2, error_score=-1.0)
+        res = reward.score(["a", "b", "c", "d", "e"], ["a", "?", "?", "?", "e"])
+        # request 1 (a, ?): one of two unscored, which one unknown: counted, scores kept; request 2 (?, ?): all
+        # of them, so both score error_score; request 3 (e): none.
+        assert res.scores == [1.0, 0.0, -1.0, -1.0, 1.0] and res.failed == [False, False, True, True, False]
+        assert (res.counters["unscored"], res.counters["remote_failed"]) == (3, 3)
+        assert "reports 1 of 2 rows unscored" in reward.last_failure
+        guarded = GuardedReward(reward, isolation="inline").score(["x", "y"], ["?", "?"])
+        assert guarded.counters["failed_unscored"] == guarded.counters["failed_rows"] == guarded.counters["rows"]
+    with serve_in_thread(_CountsUnscored(flag=True)) as served:  # rows both marked and counted: counted once
+        res = _remote(served.url, batch_size=2, error_score=-1.0).score(["a", "b", "c"], ["a", "?", "c"])
+        assert res.scores == [1.0, -1.0, 1.0] and res.failed == [False, True, False]
+        assert (res.counters["unscored"], res.counters["remote_failed"]) == (1, 1)
+
+
 @cache
 def _served_countdown() -> RunningServer:
     """The countdown reward served from this process for the conformance suite (one server for its tests)."""

@@ -102,8 +102,86 @@ def test_majority_vote_counts_one_value_written_several_ways_once() -> None:
     assert summarize(rows, [1])["maj"] == 1.0
     assert [reward.extract_answer(r) for r in responses] == ["1000", "999", "1000", "999", "1000", "1000"]
     same = [r"\boxed{\dfrac{1}{2}}", r"\boxed{\tfrac{1}{2}}", r"\boxed{\frac{1}{2}}", r"\boxed{0.50}", r"\boxed{-0.5}"]
-    assert [reward.extract_answer(r) for r in same] == [r"\frac{1}{2}"] * 3 + ["0.5", "-0.5"]
+    assert [reward.extract_answer(r) for r in same] == ["0.5"] * 4 + ["-0.5"]
     assert reward.extract_answer("no box") is None and reward.extract_answer(r"\boxed{x+1}") == "x+1"
+    assert reward.extract_answer(r"\boxed{\dfrac{\pi}{2}}") == r"\frac{\pi}{2}"
+
+
+def test_majority_vote_groups_fractions_decimals_and_units_the_grader_equates() -> None:
+    """\\frac{1}{2}, 1/2 and 0.5 are one answer to the grader, so they vote together and outvote two wrong 3s (as
+    three keys, 3 won maj@n); 2/6 and \\frac{1}{3} share a key, \\$1,000 and 1000 dollars too; 75% keeps its own
+    key (the grader equates it with 75 and with 0.75, which differ)."""
+    from roll_core.eval_metrics import summarize
+
+    reward = MathReward()
+    boxed = [r"\frac{1}{2}", "3", "0.5", "3", "1/2"]
+    responses = [f"so \\boxed{{{b}}}" for b in boxed]
+    res = reward.score(responses, ["0.5"] * len(boxed))
+    assert res.correct == [1.0, 0.0, 1.0, 0.0, 1.0]
+    rows = [
+        {"index": 0, "sample": j, "correct": c, "reward": c, "length": 1, "finish_reason": "stop", "formatted": 1.0}
+        | {"extracted": reward.extract_answer(r)}
+        for j, (r, c) in enumerate(zip(responses, res.correct))
+    ]
+    assert summarize(rows, [1])["maj"] == 1.0
+    keys = [r"\boxed{2/6}", r"\boxed{\frac{1}{3}}", r"\boxed{\$1,000}", r"\boxed{1000 dollars}", r"\boxed{75\%}"]
+    assert [reward.extract_answer(r) for r in keys] == [r"\frac{1}{3}"] * 2 + ["1000"] * 2 + ["75%"]
+    assert [reward.extract_answer(r) for r in [r"\boxed{-\frac{3}{2}}", r"\boxed{\tfrac{-6}{4}}"]] == ["-1.5"] * 2
+
+
+def test_units_currency_and_percent_are_graded_by_value() -> None:
+    """A number with a unit, a currency sign or a percent sign is graded by its value (the Qwen-math and
+    math-verify conventions): 1000 dollars is 1000 (math-verify knew no "dollars": wrong), 75\\% is 75 and 0.75
+    (math-verify: 75% right against 0.75, 75\\% wrong; 7.5% wrong against 7.5). A unit never hides a second
+    number or a variable."""
+    reward = MathReward()
+    right = [
+        ("1000 dollars", "1000"),
+        ("1000", "1000 dollars"),
+        (r"\$1,000.00", "1000"),
+        (r"1000\text{ dollars}", r"\$1000"),
+        ("3 cats", "3"),
+        ("12 square feet", "12"),
+        (r"75\%", "75"),
+        (r"75\%", "0.75"),
+        ("0.75", r"75\%"),
+        ("7.5%", "7.5"),
+        ("75 percent", "0.75"),
+        (r"\frac{3}{4}", r"75\%"),
+        (r"-\$5", "-5"),
+        (r"10^{\circ}", "10"),
+    ]
+    wrong = [
+        ("1000 dollars and 5", "1000"),
+        (r"1000\text{ dollars and }5", "1000"),
+        (r"75\%", "7.5"),
+        ("0.75%", r"75\%"),
+        ("75", "0.75"),
+        ("5 x", "5"),
+        ("5xy", "5"),
+        ("5 pi", "5"),
+        ("5 times 2", "5"),
+        ("2^{10}", "2"),
+    ]
+    cases = right + wrong
+    res = reward.score([f"\\boxed{{{b}}}" for b, _ in cases], [a for _, a in cases])
+    assert res.correct == [1.0] * len(right) + [0.0] * len(wrong), list(zip(cases, res.correct))
+    assert res.counters["errors"] == res.counters["timeouts"] == 0
+    # the last-number credit reads the truth the same way (a truth of \\$1,000 gave no credit for "1000")
+    unboxed = MathReward(last_number_weight=0.5).score(
+        ["it costs 1000", "so 75", "so 0.75", "so 7"], [r"\$1,000", r"75\%", r"75\%", "7 days"]
+    )
+    assert unboxed.scores == [0.5] * 4
+
+
+def test_numbers_too_long_for_int_are_compared_as_text() -> None:
+    """Python's int() refuses more than 4300 digits: a plain number that long is compared as text (not refused by
+    length, not a crash), and its vote key is the text (extract_answer raised ValueError on it)."""
+    huge = "9" * 10_000
+    reward = MathReward(last_number_weight=0.5)
+    res = reward.score([f"\\boxed{{{huge}}}", f"\\boxed{{{huge}}}", f"it is {huge}"], [huge, "7", huge])
+    assert res.scores == [1.0, 0.0, 0.5] and res.counters["errors"] == 0
+    assert reward.extract_answer(f"\\boxed{{{huge}}}") == huge
 
 
 def test_empty_box_earns_no_format_bonus() -> None:
@@ -166,7 +244,8 @@ def test_math_reward_verifies_off_the_main_thread() -> None:
 
     if os.environ.get("ROLL_FRESH_PROCESS") != "test_math_reward_verifies_off_the_main_thread":
         return _in_fresh_process("test_math_reward_verifies_off_the_main_thread")
-    res, _ = _score_in_thread(MathReward(), [r"\boxed{\frac{1}{2}}", r"\boxed{\frac{1}{3}}"], ["0.5", "0.5"])
+    # Answers only math-verify grades (fractions of integers are compared exactly, without it).
+    res, _ = _score_in_thread(MathReward(), [r"\boxed{\frac{\sqrt{4}}{4}}", r"\boxed{\sqrt{2}}"], ["0.5", "0.5"])
     assert res.correct == [1.0, 0.0]
     assert res.counters["timeouts"] == res.counters["errors"] == 0
 
@@ -189,7 +268,9 @@ def test_math_reward_timeout_works_off_the_main_thread(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(math_verify, "verify", hang_on_thirds)
     reward = MathReward(timeout_s=1)
-    res, seconds = _score_in_thread(reward, [r"\boxed{\frac{1}{3}}", r"\boxed{\frac{1}{2}}"], ["1/3", "0.5"])
+    # Answers only math-verify grades (fractions of integers are compared exactly, without it).
+    responses = [r"\boxed{\sqrt{3}}", r"\boxed{\frac{\sqrt{4}}{4}}"]
+    res, seconds = _score_in_thread(reward, responses, [r"\sqrt{3}", "0.5"])
     assert res.counters["timeouts"] == 1 and res.correct == [0.0, 1.0]
     assert seconds < 15, f"the hang was not cut off ({seconds:.1f}s)"
 

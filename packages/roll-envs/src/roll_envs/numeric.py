@@ -26,7 +26,11 @@ def parse_number(text: str) -> Fraction:
 
 def numbers_equal(a: str, b: str) -> bool:
     """Whether two decimal numbers are the same answer (module docstring); ValueError for non-numbers."""
-    x, y = parse_number(a), parse_number(b)
+    return fractions_equal(parse_number(a), parse_number(b))
+
+
+def fractions_equal(x: Fraction, y: Fraction) -> bool:
+    """`numbers_equal`'s rule for exact values: integers equal, anything else within 1e-9."""
     if x.denominator == 1 and y.denominator == 1:
         return x == y
     return abs(x - y) < _TOLERANCE

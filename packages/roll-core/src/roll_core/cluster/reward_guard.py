@@ -17,7 +17,7 @@ Apart from those, the guard reports what it had to replace, whatever the reward 
 `rows` scored, `failed_rows` replaced by `error_score`, split by cause into `failed_errors`, `failed_timeouts` and
 `failed_nonfinite`, plus `failed_unscored`: rows the reward itself reports it could not score (its counter
 `unscored` or its `RewardResult.failed` flags: a remote verifier that failed, which scores such rows with its own
-fallback instead of raising).
+fallback instead of raising; a flagged row whose fallback is NaN/inf counts once, in `failed_nonfinite`).
 `all_rows_failed(counters)` says a call (or a step's sum of calls) learned nothing, and `RewardFailureBudget` stops
 a run after `pipeline.max_reward_failure_steps` such steps in a row.
 The first failure of each kind is logged once per worker with its traceback; later ones are only counted.
@@ -210,10 +210,12 @@ class GuardedReward:
     def _sanitise(self, res: RewardResult, counters: dict[str, int]) -> RewardResult:
         scores = []
         failed = list(res.failed) if res.failed is not None else [False] * len(res.scores)
+        overlap = 0  # rows the reward marked failed and scored NaN/inf: counted once, as nonfinite
         for i, s in enumerate(res.scores):
             if _finite(s):
                 scores.append(float(s))
                 continue
+            overlap += bool(failed[i])
             failed[i] = True
             counters["nonfinite"] += 1
             counters["failed_nonfinite"] += 1
@@ -228,8 +230,9 @@ class GuardedReward:
             )
             scores.append(self.error_score)
         # Rows the reward itself says it could not score (and no other cause already counted: at most the rest).
+        # Its flagged rows that were also NaN are nonfinite already (counted twice, half a batch read as all of it).
         replaced = counters["failed_errors"] + counters["failed_timeouts"] + counters["failed_nonfinite"]
-        unscored = max(0, min(int(res.counters.get(UNSCORED, 0) or 0), len(scores) - replaced))
+        unscored = max(0, min(int(res.counters.get(UNSCORED, 0) or 0) - overlap, len(scores) - replaced))
         if unscored:
             counters["failed_unscored"] += unscored
             self._note(f"{self.name} could not score {unscored} of {len(scores)} rows itself (see its counters)")

@@ -7,6 +7,19 @@ Scoring (per response):
   boxing it; a wrong boxed answer earns none: `\\boxed{\\frac{1}{2}}` ends with the number 2); plus
   `format_weight` if a non-empty `\\boxed{...}` is present (small models copy the prompt's empty `\\boxed{}`;
   that earns nothing).
+- Quantities (`quantity`): when both the boxed answer and the truth are one number (integer, decimal, `a/b` or
+  `\\frac{a}{b}` of integers) with at most a currency sign before it, a percent sign and a unit after it, they
+  are compared exactly by value, whatever the spelling (`roll_envs.numeric`: integers exactly, others within
+  1e-9): `1000 dollars`, `\\$1,000`, `1000\\text{ dollars}` and `1000` are one answer (Qwen-math and
+  math-verify strip units and currency signs; math-verify alone knew only its own list of unit words, so
+  `1000 dollars` was wrong); a unit is `\\text{...}`/`\\mathrm{...}` of words, a degree sign, or up to four
+  words after a space (the first of three letters or more, or a short unit such as `cm`, `kg`, `ft`: `5 x`,
+  `5 pi` or `5xy` are not units), never a word such as `and`, `or`, `times`, `sqrt`. (A product of variables
+  written with a space, `3 abc`, therefore equals a truth of plain `3`; against a truth `3abc` it is verified
+  symbolically as before.) A percent (`%`, `\\%`, the word `percent`) equals its number or its
+  hundredth (`75\\%` = `75` = `0.75`, as in both conventions; math-verify graded `75%` right against `0.75` but
+  `75\\%` wrong, and `7.5%` wrong against `7.5`); two percents compare as numbers. Anything with more in it
+  (`1000 dollars and 5`) is no quantity and is verified symbolically, so a unit never hides a second number.
 - Parsing or verification that crashes or times out, or a boxed answer longer than `MAX_BOXED_CHARS` (not a
   plain number), scores 0 for correctness and is counted (`reward/timeouts`, `reward/errors`). math-verify's
   timeout uses SIGALRM, which works only in a process's main thread: there it is used as is (each of parse and
@@ -16,8 +29,11 @@ Scoring (per response):
   in C code); a killed child is forked again for the next answer.
 
 `extract_answer` (roll-eval's majority vote) gives the boxed answer in one spelling per value where that is
-certain, so that samples agreeing on a value vote together: a plain number in canonical decimal form (`1,000`,
-`1 000`, `1000.0` -> `1000`; `0.50` -> `0.5`), `\\dfrac`/`\\tfrac` as `\\frac`; anything else as boxed.
+certain, so that samples the grader would grade alike vote together: a quantity as its exact value (an integer;
+a terminating decimal `0.5` for `\\frac{1}{2}`, `1/2`, `0.50`; else a reduced `\\frac{1}{3}` for `2/6`), units
+and currency dropped, `%` kept (`75%` is not merged with `75` or `0.75`: the grader equates each with `75%`, not
+with each other); `\\dfrac`/`\\tfrac` as `\\frac`; anything else as boxed. Decimals that only approximate a
+fraction (`0.333`) keep their own key.
 
 Covers: numbers, fractions, LaTeX expressions math-verify understands. Does not cover: free-form proofs.
 """
@@ -27,10 +43,11 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Sequence
+from fractions import Fraction
 
 from roll_core.isolation import CallTimeout, ChildError, ForkedWorker
 from roll_envs.boxed import extract_boxed
-from roll_envs.numeric import numbers_equal, parse_number
+from roll_envs.numeric import fractions_equal, parse_number
 from roll_envs.rewards.base import Reward, RewardResult
 
 #: A decimal number; a minus sign right after a digit, letter or closing bracket is a hyphen or an operator ("pages
@@ -61,27 +78,123 @@ def last_number(text: str) -> str | None:
 #: Fraction commands that mean `\frac` (a vote key spells them one way).
 _FRAC = re.compile(r"\\[dt]frac(?![a-zA-Z])")
 
+#: Longest text read as a quantity: Python's int() refuses strings of more than 4300 digits (ValueError), and a
+#: vote key spells the value out in digits. Longer plain numbers are compared as text (`MathReward._verify`).
+_MAX_QUANTITY_CHARS = 4000
+#: The value a quantity starts with (after an optional sign and currency sign): `\frac{a}{b}` (or `\dfrac`,
+#: `\tfrac`, `\frac12` of two digits), `a/b`, or a plain number. The first that matches is the value.
+_VALUE = re.compile(
+    r"\\[dtc]?frac\s*(?:\{\s*(?P<fn>-?\d+)\s*\}\s*\{\s*(?P<fd>-?\d+)\s*\}|(?P<fn1>\d)(?P<fd1>\d)(?!\d))"
+    r"|(?P<sn>\d+)\s*/\s*(?P<sd>\d+)"
+    r"|(?P<num>\d+(?:,\d{3})*(?:\.\d+)?)"
+)
+#: A sign and a currency sign before the value, in either order (`-\$5`, `\$-5`).
+_LEAD = re.compile(r"(?P<s1>-?)\s*(?:\\\$|\$)?\s*(?P<s2>-?)\s*")
+#: Space between a value and what follows it (plain, LaTeX `\ `, `\,`, `\;`, `\:`, `\!`, `~`).
+_SEP = re.compile(r"(?:\s|\\[ ,;:!]|~)*")
+_PERCENT = re.compile(r"\\?%")
+#: A unit: `\text{...}`-like of letters, a degree sign, or words after a space (`quantity`).
+_TEXT_UNIT = re.compile(r"\\(?:text|textrm|textnormal|textit|textbf|mathrm|mathit|mbox)\s*\{(?P<words>[A-Za-z .]*)\}")
+_DEGREE = re.compile(r"\^\s*(?:\\circ|\{\s*\\circ\s*\})|°")
+_WORD_UNIT = re.compile(
+    r"(?P<words>(?:[A-Za-z]{3,}|(?:cm|mm|km|kg|mg|ml|ft|lb|oz|hr|yd|mi)\b)(?:\s+[A-Za-z]{2,}){0,3})\.?"
+)
+_PERCENT_WORDS = {"percent", "percentage", "pct"}
+#: Words that make a trailing "unit" part of the answer: connectives and math functions written without `\`.
+_NOT_UNITS = {"and", "or", "plus", "minus", "times", "over", "divided", "by", "mod", "not", "sqrt", "root"}
+_NOT_UNITS |= {"sin", "cos", "tan", "cot", "csc", "log", "exp", "inf", "infty", "infinity", "pi", "e", "i"}
+
+
+def quantity(text: str) -> tuple[Fraction, bool] | None:
+    """(value, is a percent) of an answer that is one number with at most a sign, a currency sign, a percent sign
+    and a unit around it (module docstring: "Quantities"); None for anything else, a zero denominator included,
+    and for a text longer than `_MAX_QUANTITY_CHARS`."""
+    if len(text) > _MAX_QUANTITY_CHARS:
+        return None
+    t = _GROUP_SPACE.sub("", text.strip())
+    lead = _LEAD.match(t)
+    if lead is None or (lead["s1"] and lead["s2"]):
+        return None
+    m = _VALUE.match(t, lead.end())
+    if m is None:
+        return None
+    if m["num"] is not None:
+        value = parse_number(m["num"])
+    else:
+        num, den = (m["fn"], m["fd"]) if m["fn"] is not None else (m["fn1"], m["fd1"])
+        num, den = (num, den) if num is not None else (m["sn"], m["sd"])
+        if int(den) == 0:
+            return None
+        value = Fraction(int(num), int(den))
+    if lead["s1"] or lead["s2"]:
+        value = -value
+    rest = t[_SEP.match(t, m.end()).end() :]
+    percent = bool(_PERCENT.match(rest))
+    if percent:
+        rest = rest[_PERCENT.match(rest).end() :].lstrip()
+        rest = rest[_SEP.match(rest).end() :]
+    if not rest:
+        return value, percent
+    spaced = m.end() < len(t) and t[m.end()] in " \t\n~\\"  # a bare word unit needs a space before it
+    for unit, needs_space in ((_TEXT_UNIT, False), (_DEGREE, False), (_WORD_UNIT, True)):
+        u = unit.fullmatch(rest)
+        if u is None or (needs_space and not (spaced or percent)):
+            continue
+        words = (u.groupdict().get("words") or "").replace(".", " ").lower().split()
+        if any(w in _NOT_UNITS for w in words) or (unit is _TEXT_UNIT and not words):
+            return None
+        if _PERCENT_WORDS.intersection(words):  # "75 percent (of them)": math-verify reads the word as \%
+            if percent:
+                return None  # "75% percent"
+            percent = True
+        return value, percent
+    return None
+
+
+def same_quantity(a: tuple[Fraction, bool], b: tuple[Fraction, bool]) -> bool:
+    """Whether two quantities are one answer: equal values (roll_envs.numeric's rule), or, when one of them only
+    is a percent, its number or its hundredth equal to the other's value (module docstring)."""
+    (x, x_pct), (y, y_pct) = a, b
+    if x_pct == y_pct:
+        return fractions_equal(x, y)
+    pct, other = (x, y) if x_pct else (y, x)
+    return fractions_equal(pct, other) or fractions_equal(pct / 100, other)
+
+
+def _value_key(value: Fraction) -> str:
+    """One spelling of an exact value: an integer, a terminating decimal, else a reduced `\\frac{p}{q}`."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    sign, v = ("-" if value < 0 else ""), abs(value)
+    den, twos, fives = v.denominator, 0, 0
+    while den % 2 == 0:
+        den, twos = den // 2, twos + 1
+    while den % 5 == 0:
+        den, fives = den // 5, fives + 1
+    if den != 1:
+        return f"{sign}\\frac{{{v.numerator}}}{{{v.denominator}}}"
+    places = max(twos, fives)
+    whole, frac = divmod(v.numerator * 10**places // v.denominator, 10**places)
+    return f"{sign}{whole}.{str(frac).zfill(places).rstrip('0')}"
+
 
 def canonical_answer(boxed: str) -> str:
-    """One spelling of a boxed answer per value where that is certain (module docstring): plain numbers in
-    canonical decimal form, `\\dfrac`/`\\tfrac` as `\\frac`, anything else stripped but unchanged."""
-    text = boxed.strip()
-    plain = _GROUP_SPACE.sub("", text)
-    if _NUMBER.fullmatch(plain):
-        value = parse_number(plain)
-        if value.denominator == 1:
-            return str(value.numerator)
-        whole, _, digits = plain.replace(",", "").lstrip("-").partition(".")  # a decimal, not an integer
-        return f"{'-' if value < 0 else ''}{int(whole or '0')}.{digits.rstrip('0')}"
-    return _FRAC.sub(r"\\frac", text)
+    """One spelling of a boxed answer per value where that is certain (module docstring): a quantity as its exact
+    value (percent sign kept, unit and currency dropped), `\\dfrac`/`\\tfrac` as `\\frac`, anything else
+    stripped but unchanged."""
+    q = quantity(boxed)
+    if q is not None:
+        return _value_key(q[0]) + ("%" if q[1] else "")
+    return _FRAC.sub(r"\\frac", boxed.strip())
 
 
-def _same_number(a: str, b: str) -> bool:
-    """Plain numbers compared exactly (roll_envs.numeric: "1,000" = "1000", large integers never rounded)."""
-    try:
-        return numbers_equal(a, b)
-    except ValueError:
-        return a.strip() == b.strip()
+def _same_number(number: str, answer: str) -> bool:
+    """A stated number (`last_number`) against the truth as the boxed answer is graded: by value when the truth is
+    a quantity (`1,000`, `\\$1000`, `1000 dollars`, `75\\%`; large integers never rounded), else as text."""
+    truth = quantity(answer)
+    if truth is None or len(number) > _MAX_QUANTITY_CHARS:
+        return number.strip() == answer.replace(",", "").strip()
+    return same_quantity((parse_number(number), False), truth)
 
 
 def _verify_latex(boxed: str, answer: str, timeout_s: int) -> bool:
@@ -119,9 +232,12 @@ class MathReward(Reward):
     def _verify(self, boxed: str, answer: str, counters: dict[str, int]) -> bool:
         from math_verify.errors import TimeoutException
 
+        got, truth = quantity(boxed), quantity(answer)
+        if got is not None and truth is not None:
+            return same_quantity(got, truth)  # exact, units and currency aside (module docstring)
         plain = _GROUP_SPACE.sub("", boxed.strip())
-        if _NUMBER.fullmatch(plain) and _NUMBER.fullmatch(answer.strip()):
-            return _same_number(plain, answer)  # fast path: plain numbers
+        if _NUMBER.fullmatch(plain) and _NUMBER.fullmatch(answer.strip()):  # too long for a quantity
+            return plain.replace(",", "") == answer.strip().replace(",", "")
         if len(boxed) > MAX_BOXED_CHARS:
             counters["errors"] += 1
             return False

@@ -11,7 +11,11 @@ Protocol (JSON over HTTP POST to `url`; `roll_envs.rewards.serve` is a reference
   `formatted` it is formatted when it is correct. `"failed": true` says the service's reward could not score the
   row (its score is a fallback, not a verdict: a code verifier whose sandbox broke, a malformed ground truth). An
   optional `"counters": {"name": int}` adds the service's own failure counts (a math verifier's `timeouts`, a code
-  verifier's `sandbox_errors`) to the result's counters.
+  verifier's `sandbox_errors`) to the result's counters, except the client's own names (COUNTERS), which are
+  ignored; but the service's `unscored` (rows its reward could not score, which a reward may report without
+  marking the rows) is kept: a reply whose `unscored` exceeds the rows it marks `failed` or that are malformed has
+  that many more rows counted in `unscored` and `remote_failed` (their scores stay the service's fallbacks, as
+  which rows they are is not known; when they are all the reply's remaining rows, those score `error_score`).
 
 Failures are counted rows, never an exception out of `score`. A failed row scores `error_score`, with
 correct = formatted = 0, counts in `unscored` (roll-core's reward guard counts those rows in `failed_rows`, so a
@@ -22,7 +26,7 @@ except `remote_retries`):
 - `remote_errors`: connection errors, or an HTTP status other than 200 (the last try's);
 - `remote_malformed`: a reply that is not JSON or has the wrong number of rows (every row of the request), or a
   row whose score is missing, not a number or not finite, or whose `correct`/`formatted` is not 0/1 (that row);
-- `remote_failed`: a row the reply marks `"failed": true` (the service's counters say why);
+- `remote_failed`: a row the reply marks `"failed": true`, or counts in its `unscored` (the service's counters say why);
 - `remote_retries`: requests sent again. Connection errors, timeouts, 429 and 5xx are retried up to `max_retries`
   times, after `backoff_s * 2**try` seconds (+-50% jitter, at most `max_backoff_s`) or the reply's Retry-After
   (seconds, at most `max_backoff_s`); any other status and malformed replies are not retried.
@@ -294,8 +298,7 @@ class RemoteReward(Reward):
             raise _Failed("remote_malformed", f'reply has no "rows" list: {body[:_EXCERPT]!r}')
         if len(rows) != expected:
             raise _Failed("remote_malformed", f"reply has {len(rows)} rows for {expected} sent")
-        if isinstance(reply, dict):
-            self._add_counters(reply.get("counters"), counters)
+        served_unscored = self._add_counters(reply.get("counters"), counters) if isinstance(reply, dict) else 0
         out: list[tuple[float, float, float] | None] = []
         for i, row in enumerate(rows):
             if isinstance(row, dict) and row.get("failed") is True:  # the service's reward could not score it
@@ -309,6 +312,16 @@ class RemoteReward(Reward):
                 counters["remote_malformed"] += 1
                 self._fail("remote_malformed", f"reply row {i}: {exc}")
                 out.append(None)
+        scored = [i for i, row in enumerate(out) if row is not None]
+        extra = min(served_unscored - (len(out) - len(scored)), len(scored))
+        if extra > 0:  # the service counted unscored rows it did not mark (module docstring)
+            counters["remote_failed"] += extra
+            self._fail("remote_failed", f"the service reports {served_unscored} of {expected} rows unscored")
+            if extra == len(scored):
+                for i in scored:
+                    out[i] = None  # counted in `unscored` by score()
+            else:
+                counters["unscored"] += extra
         return out
 
     def _row(self, row: Any) -> tuple[float, float, float]:
@@ -326,17 +339,23 @@ class RemoteReward(Reward):
             raise ValueError(f"formatted={formatted!r} is not 0 or 1")
         return float(score), float(correct), float(formatted)
 
-    def _add_counters(self, extra: Any, counters: dict[str, int]) -> None:
+    def _add_counters(self, extra: Any, counters: dict[str, int]) -> int:
+        """Add a reply's counters to `counters` (module docstring); returns its `unscored` (0 without one)."""
         if extra is None:
-            return
+            return 0
         if not isinstance(extra, dict):
             self._fail("counters", f'reply "counters" is not an object: {extra!r} (ignored)', count=False)
-            return
+            return 0
+        unscored = 0
         for key, value in extra.items():
-            if isinstance(value, int) and not isinstance(value, bool) and value >= 0 and key not in COUNTERS:
+            valid = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            if valid and key == "unscored":
+                unscored = value
+            elif valid and key not in COUNTERS:
                 counters[key] = counters.get(key, 0) + value
             else:
                 self._fail("counters", f'reply counter "{key}": {value!r} ignored', count=False)
+        return unscored
 
     def _fail(self, kind: str, message: str, count: bool = True) -> None:
         """Note a failure: the first of the call is `last_failure`, the first of each kind is logged."""
