@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -258,30 +259,7 @@ def test_unsandboxed_mode_runs_in_a_child_process(
     assert res.correct == [1.0, 0.0] and res.counters["timeouts"] == 1
 
 
-def _running_programs() -> int:
-    """Sandboxed programs this process runs now (descendants whose interpreter carries CHILD_MARKER; bwrap's own
-    processes do not count, nor a concurrent test session's)."""
-    from roll_envs.sandbox import CHILD_MARKER
-
-    def parent(pid: int) -> int:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-    n = 0
-    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if CHILD_MARKER.encode() not in argv or argv[0].endswith(b"bwrap"):
-                continue
-            ancestor = pid
-            while ancestor > 1 and ancestor != os.getpid():
-                ancestor = parent(ancestor)
-        except (OSError, ValueError, IndexError):
-            continue
-        n += ancestor == os.getpid()
-    return n
-
-
-def test_parallelism_holds_over_concurrent_score_calls() -> None:
+def test_parallelism_holds_over_concurrent_score_calls(running_programs: Callable[[], int]) -> None:
     """A reward service scores requests in several threads: `parallelism` caps the sandboxes of all of them
     together (it capped each call alone: three concurrent calls ran 3 x parallelism sandboxes)."""
     import threading
@@ -295,7 +273,7 @@ def test_parallelism_holds_over_concurrent_score_calls() -> None:
 
     def sample() -> None:
         while not stop.is_set():
-            peak[0] = max(peak[0], _running_programs())
+            peak[0] = max(peak[0], running_programs())
             time.sleep(0.02)
 
     sampler = threading.Thread(target=sample)

@@ -4,7 +4,9 @@ roll-envs[code])."""
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +99,9 @@ def test_without_a_sandbox_the_tool_refuses_to_start(monkeypatch: pytest.MonkeyP
         CodeTool(timeout_s=3.25)
 
 
-def test_the_risk_flag_still_uses_a_working_sandbox(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_risk_flag_still_uses_a_working_sandbox(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """`allow_unsandboxed_execution_i_understand_the_risk` is a fallback for hosts without a sandbox: where
     bubblewrap works the program still runs in it (the flag alone ran every program unsandboxed, able to read the
     trainer's files)."""
@@ -116,34 +120,13 @@ def test_the_risk_flag_still_uses_a_working_sandbox(monkeypatch: pytest.MonkeyPa
         raise FileNotFoundError("bwrap not found (test)")
 
     monkeypatch.setattr(bwrap_module, "find_bwrap", missing)
-    fallback = CodeTool(timeout_s=3.5, allow_unsandboxed_execution_i_understand_the_risk=True)
+    with caplog.at_level(logging.WARNING):
+        fallback = CodeTool(timeout_s=3.5, allow_unsandboxed_execution_i_understand_the_risk=True)
     assert fallback.sandbox.mode == "unsandboxed" and fallback("print(6 * 7)").strip() == "42"
+    assert "code tool: no working sandbox (" in caplog.text and "running programs unsandboxed" in caplog.text
 
 
-def _running_programs() -> int:
-    """Sandboxed programs this process runs now (descendants whose interpreter carries CHILD_MARKER; bwrap's own
-    processes do not count, nor a concurrent test session's)."""
-    from roll_envs.sandbox import CHILD_MARKER
-
-    def parent(pid: int) -> int:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-    n = 0
-    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if CHILD_MARKER.encode() not in argv or argv[0].endswith(b"bwrap"):
-                continue
-            ancestor = pid
-            while ancestor > 1 and ancestor != os.getpid():
-                ancestor = parent(ancestor)
-        except (OSError, ValueError, IndexError):
-            continue
-        n += ancestor == os.getpid()
-    return n
-
-
-def test_programs_of_many_episodes_run_at_most_parallelism_at_once() -> None:
+def test_programs_of_many_episodes_run_at_most_parallelism_at_once(running_programs: Callable[[], int]) -> None:
     """Episodes step in a thread each (hundreds at once): the tools' programs queue for `parallelism` slots
     instead of starting a sandbox, with its memory and process budget, per episode."""
     import threading
@@ -158,7 +141,7 @@ def test_programs_of_many_episodes_run_at_most_parallelism_at_once() -> None:
 
     def sample() -> None:
         while not stop.is_set():
-            peak[0] = max(peak[0], _running_programs())
+            peak[0] = max(peak[0], running_programs())
             time.sleep(0.02)
 
     sampler = threading.Thread(target=sample)

@@ -41,6 +41,9 @@ out = {
     "io_uring_setup": errno_of(425, 1, 0),
     "shmget_private": errno_of(29, 0, 64 << 20, 0o1000 | 0o600),
     "msgget_private": errno_of(68, 0, 0o1000 | 0o600),
+    "memfd_create": errno_of(319, b"x", 0),
+    "prctl_clear_pdeathsig": errno_of(157, 1, 0),
+    "prctl_set_name": errno_of(157, 15, b"probe"),
 }
 open("/tmp/f", "w").write("x")
 pid = os.fork()
@@ -81,9 +84,12 @@ def test_blocked_syscalls_fail_with_eperm_and_ordinary_work_runs(
 ) -> None:
     got = _probe(sandbox)
     blocked = ("ptrace_traceme", "unshare_newuts", "keyctl_get_keyring_id", "userfaultfd", "io_uring_setup")
-    # System V shared memory and message queues: memory outside every rlimit (without a cgroup, unbounded).
-    for name in (*blocked, "shmget_private", "msgget_private"):
+    # System V shared memory, message queues and memfd files: memory outside every rlimit (without a cgroup,
+    # unbounded: a 128 MiB process held 640 MiB in memfd files).
+    for name in (*blocked, "shmget_private", "msgget_private", "memfd_create"):
         assert got[name] == EPERM, (name, got)
+    # Clearing the parent-death signal would let a program outlive a killed trainer; other prctl options work.
+    assert got["prctl_clear_pdeathsig"] == EPERM and got["prctl_set_name"] == 0, got
     assert got["fork_status"] == 7 and got["tmp_file"] == "x" and got["subprocess"] == "spawned"
     # A new user namespace would give the program every capability inside it (as root there is no sandbox user
     # namespace whose --disable-userns stops it): clone with any namespace flag is refused; clone3 (flags out of
@@ -118,3 +124,11 @@ def test_the_filter_program_is_well_formed() -> None:
     assert insns[10] == (0x20, 0, 0, 16) and insns[11] == (0x54, 0, 0, seccomp.CLONE_NS_FLAGS)
     assert insns[12] == (0x15, 0, 1, 0)
     assert [k for *_, k in insns[13:]] == [0x7FFF0000, 0x00050001, 0x00050026]
+    # With the prctl check too: it sits between the comparisons and the clone check, and ends in ALLOW or EPERM.
+    program = seccomp._program(0xC000003E, [101, 272], 0x40000000, (56, 435), 157)
+    insns = [struct.unpack("=HBBI", program[i : i + 8]) for i in range(0, len(program), 8)]
+    assert len(insns) == 19
+    assert insns[6] == (0x15, 10, 0, 101) and insns[7] == (0x15, 9, 0, 272)  # to EPERM (index 17)
+    assert insns[8] == (0x15, 0, 2, 157) and insns[9] == (0x20, 0, 0, 16)  # not prctl: on to the clone check
+    assert insns[10] == (0x15, 6, 5, 1)  # PR_SET_PDEATHSIG -> EPERM (17), any other option -> ALLOW (16)
+    assert insns[11] == (0x15, 6, 0, 435) and [k for *_, k in insns[16:]] == [0x7FFF0000, 0x00050001, 0x00050026]

@@ -11,7 +11,11 @@ Contract of `call(*args, timeout=s)`:
   forks a fresh one from the parent as it is then;
 - raises `ChildDied` when the child died during the call (a segfault, `os._exit`, the OOM killer).
 Calls from several threads are serialised (one child, one call at a time). The child exits when the parent's end
-of the pipe closes (the parent died or `close()` was called).
+of the pipe closes (the parent died or `close()` was called). On Linux it is also SIGKILLed by the kernel when
+the parent process dies, even in the middle of a hung call (PR_SET_PDEATHSIG): a trainer killed with SIGKILL
+leaves no child spinning on. That signal fires when the *thread* that forked the child ends, so children are
+forked by one thread per process that lives as long as the process (`_fork`), never by the calling thread (an
+environment thread that ends would take its reward's child with it).
 
 May assume: the parent is a POSIX process. Must not be used for `fn` that needs a CUDA context created before
 the fork, Ray calls, or threads the parent started (a forked child has none of them).
@@ -19,7 +23,9 @@ the fork, Ray calls, or threads the parent started (a forked child has none of t
 
 from __future__ import annotations
 
+import functools
 import os
+import queue
 import signal
 import sys
 import threading
@@ -29,7 +35,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Pipe
-from typing import Any
+from typing import Any, NoReturn
 
 
 class CallTimeout(TimeoutError):
@@ -98,6 +104,81 @@ def _exit_status(pid: int | None, wait_s: float = 1.0) -> str:
         time.sleep(0.01)
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+@functools.lru_cache(maxsize=1)
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl (Linux), looked up in the parent so a child only calls it; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a forked child: SIGKILL when the forking thread (`_fork`'s, as long-lived as the process) ends; leave at
+    once if the parent died before the request could be made."""
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+_forker_lock = threading.Lock()
+_forker: tuple[int, queue.SimpleQueue[Any]] | None = None  # (owning pid, request queue) of this process's forker
+
+
+def _forker_loop(requests: queue.SimpleQueue[Any]) -> None:
+    while True:
+        child_main, done, out = requests.get()
+        try:
+            with warnings.catch_warnings():
+                # Python >= 3.12 warns that forking a multi-threaded process may deadlock the child: a child stuck
+                # on a lock some parent thread held is exactly what the caller's deadline kills and counts.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except BaseException as exc:  # no child (EAGAIN, ENOMEM): the caller raises it
+            out.append(exc)
+            done.set()
+            continue
+        if pid == 0:
+            child_main()  # never returns
+        out.append(pid)
+        done.set()
+
+
+def _fork(child_main: Callable[[], NoReturn]) -> int:
+    """Fork from this process's forker thread (started on first use, daemon, lives until the process ends); the
+    child runs `child_main`, the parent gets its pid. The thread matters for PR_SET_PDEATHSIG (module docstring)."""
+    global _forker
+    with _forker_lock:
+        if _forker is None or _forker[0] != os.getpid():  # none yet, or inherited by a fork (its thread is gone)
+            requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            threading.Thread(target=_forker_loop, args=(requests,), name="roll-forker", daemon=True).start()
+            _forker = (os.getpid(), requests)
+        requests = _forker[1]
+    done, out = threading.Event(), []
+    requests.put((child_main, done, out))
+    done.wait()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+def _reset_forker_lock() -> None:  # a fork while another thread held it would leave the child's copy locked
+    global _forker_lock
+    _forker_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_forker_lock)
+
+
 class ForkedWorker:
     """`fn` served by a forked child process; see the module docstring for the contract."""
 
@@ -118,23 +199,29 @@ class ForkedWorker:
                 stream.flush()
             except Exception:
                 pass
-        with warnings.catch_warnings():
-            # Python >= 3.12 warns that forking a multi-threaded process may deadlock the child: a child stuck on a
-            # lock some parent thread held is exactly what the deadline below kills and counts.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:  # the child: serve, then leave without running the parent's exit handlers
+        fn, me = self.fn, os.getpid()
+        _prctl()  # looked up here, not in the child
+
+        def child_main() -> NoReturn:  # the child: serve, then leave without running the parent's exit handlers
             code = 0
             try:
+                _die_with_parent(me)
                 parent.close()
                 torch = sys.modules.get("torch")
                 if torch is not None:  # as torch's DataLoader workers do: no thread pool inherited mid-state
                     torch.set_num_threads(1)
-                _serve(self.fn, child)
+                _serve(fn, child)
             except BaseException:
                 code = 1
             finally:
                 os._exit(code)
+
+        try:
+            pid = _fork(child_main)
+        except BaseException:
+            parent.close()
+            child.close()
+            raise
         child.close()
         self._conn, self._pid = parent, pid
         self.forks += 1

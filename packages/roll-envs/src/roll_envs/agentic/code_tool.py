@@ -37,7 +37,7 @@ from roll_envs.sandbox import (
     TIMEOUT,
     PythonSandbox,
     SandboxLimits,
-    SandboxUnavailableError,
+    make_sandbox,
 )
 
 log = logging.getLogger(__name__)
@@ -54,14 +54,14 @@ def _shared_sandbox(
     key = (limits, allow_unsandboxed, python, parallelism)
     with _SANDBOXES_LOCK:
         if key not in _SANDBOXES:
-            try:
-                sandbox = PythonSandbox(limits=limits, python=python, max_concurrent_runs=parallelism)
-            except SandboxUnavailableError as exc:
-                if not allow_unsandboxed:
-                    raise
-                log.warning("code tool: no working sandbox (%s); running programs unsandboxed as configured", exc)
-                sandbox = PythonSandbox(limits=limits, python=python, unsandboxed=True, max_concurrent_runs=parallelism)
-            _SANDBOXES[key] = sandbox
+            _SANDBOXES[key] = make_sandbox(
+                limits,
+                python=python,
+                max_concurrent_runs=parallelism,
+                allow_unsandboxed=allow_unsandboxed,
+                fallback_warning="code tool: no working sandbox (%s); running programs unsandboxed as configured",
+                logger=log,
+            )
         return _SANDBOXES[key]
 
 

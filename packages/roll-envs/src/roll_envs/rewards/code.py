@@ -42,7 +42,7 @@ from roll_envs.sandbox import (
     TIMEOUT,
     PythonSandbox,
     SandboxLimits,
-    SandboxUnavailableError,
+    make_sandbox,
 )
 
 log = logging.getLogger(__name__)
@@ -167,13 +167,13 @@ class CodeReward(Reward):
             max_output_bytes=max_output_bytes,
             run_memory_mb=run_memory_mb,
         )
-        try:
-            self.sandbox = PythonSandbox(limits, python=python, max_concurrent_runs=parallelism)
-        except SandboxUnavailableError as exc:
-            if not allow_unsandboxed_execution_i_understand_the_risk:
-                raise
-            log.warning("no working sandbox (%s); falling back to unsandboxed execution as configured", exc)
-            self.sandbox = PythonSandbox(limits, python=python, unsandboxed=True, max_concurrent_runs=parallelism)
+        self.sandbox: PythonSandbox = make_sandbox(
+            limits,
+            python=python,
+            max_concurrent_runs=parallelism,
+            allow_unsandboxed=allow_unsandboxed_execution_i_understand_the_risk,
+            logger=log,
+        )
 
     def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
         if len(responses) != len(answers):

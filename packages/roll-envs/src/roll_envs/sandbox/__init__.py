@@ -4,7 +4,8 @@
 network, a read-only view of the interpreter and system libraries only, a private size-capped /tmp, its own PID
 namespace, resource limits, a wall clock and an output budget (bwrap.py, process.py and runner.py state the
 contracts). The caller judges the output outside the sandbox. Nothing here ever runs model text in the calling
-process.
+process. `make_sandbox(limits, ...)` builds one the way the code reward and the code tool do: bubblewrap where it
+works, else (only when allowed) the unsandboxed fallback, loudly logged.
 """
 
 from roll_envs.sandbox.bwrap import find_bwrap
@@ -18,7 +19,7 @@ from roll_envs.sandbox.process import (
     RunResult,
     SandboxLimits,
 )
-from roll_envs.sandbox.runner import CHILD_MARKER, PythonSandbox, SandboxUnavailableError
+from roll_envs.sandbox.runner import CHILD_MARKER, PythonSandbox, SandboxUnavailableError, make_sandbox
 
 __all__ = [
     "CHILD_MARKER",
@@ -33,4 +34,5 @@ __all__ = [
     "SandboxLimits",
     "SandboxUnavailableError",
     "find_bwrap",
+    "make_sandbox",
 ]

@@ -1,8 +1,12 @@
 """The launcher that runs first inside every sandbox: limits, identity, then the model's program.
 
-Its source is passed as `python -I -S -B -X utf8 -c <source> roll-sandbox-child MAIN READY_FD UID NAME=SOFT:HARD...`
-(READY_FD and UID are `-` when unused), so it may import only the standard library, must not import roll, and
-imports as little as it can (every run pays for its start). It runs before any model code, in this order:
+Its source is passed as
+`python -I -S -B -X utf8 -c <source> roll-sandbox-child MAIN READY_FD UID PARENT NAME=SOFT:HARD...`
+(READY_FD, UID and PARENT are `-` when unused), so it may import only the standard library, must not import roll,
+and imports as little as it can (every run pays for its start). It runs before any model code, in this order:
+0. if a parent pid is given (unsandboxed runs, which have no bwrap `--die-with-parent`), ask the kernel for
+   SIGKILL when the thread that started this process ends (roll's run thread, which waits for the run: so, when
+   roll dies), and leave at once if that parent is already gone (it died before the request);
 1. set every resource limit given (hard limits, which the program cannot raise again);
 2. if a uid is given (the caller is root), drop to that uid and gid: RLIMIT_NPROC is never enforced for root,
    and the drop also clears the two capabilities (setuid, setgid) bwrap kept for this step;
@@ -18,8 +22,22 @@ import resource
 import sys
 
 
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent thread ends (Linux prctl PR_SET_PDEATHSIG); exit if it has already."""
+    import ctypes  # only here: sandboxed runs never pay for it
+
+    pr_set_pdeathsig, sigkill = 1, 9
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, sigkill, 0, 0, 0) != 0:
+        raise SystemExit(f"roll-sandbox-child: prctl(PR_SET_PDEATHSIG) failed: errno {ctypes.get_errno()}")
+    if os.getppid() != parent:  # roll died before the request: nobody reads this run
+        os._exit(1)
+
+
 def main() -> None:
-    path, ready, uid, *limits = sys.argv[2:]
+    path, ready, uid, parent, *limits = sys.argv[2:]
+    if parent != "-":
+        die_with_parent(int(parent))
     for item in limits:
         name, values = item.split("=")
         soft, hard = values.split(":")

@@ -15,7 +15,8 @@ with what it expects: no verdict is ever read from the child.
 
 Covers: processes that hang, spin, flood their pipes, close their pipes and keep running, or exit early.
 Does not cover: without bwrap (unsandboxed mode, no PID namespace), descendants that leave the process group
-(`setsid`) can outlive the run.
+(`setsid`), or that closed their pipes when the program exited normally, can outlive the run unless the caller's
+run cgroup (runner.py) kills them.
 """
 
 from __future__ import annotations

@@ -12,12 +12,17 @@ Contract:
   (the reward does so when no sandbox works and `allow_unsandboxed_execution_i_understand_the_risk` is set), and
   even then the program runs in a child process with the same resource limits, a private working folder and a
   cleared environment, never in the calling process; it can then read and write whatever the user running roll
-  can, and reach the network.
-- Sandboxed programs run under a seccomp filter (roll_envs.sandbox.seccomp; x86-64) that refuses tracing,
-  namespaces (unshare, setns, clone with a namespace flag), mounts, keyrings, eBPF, perf, userfaultfd, io_uring,
-  module loading and System V shared memory / message queues with EPERM.
+  can, and reach the network. It runs in a run cgroup too where one can be made (as root that cgroup is its only
+  process cap: the kernel never enforces RLIMIT_NPROC for uid 0), and it gets a parent-death signal, so a roll
+  killed with SIGKILL does not leave it running (bwrap's `--die-with-parent` does that for sandboxed runs).
+  `make_sandbox` is that choice (bwrap where it works, else the fallback where allowed) in one call.
+- Sandboxed programs run under a seccomp filter (roll_envs.sandbox.seccomp; x86-64 only: elsewhere a warning
+  says runs go without one) that refuses tracing, namespaces (unshare, setns, clone with a namespace flag),
+  mounts, keyrings, eBPF, perf, userfaultfd, io_uring, module loading, System V shared memory / message queues
+  and memfd_create with EPERM.
 - Where a cgroup can be made (roll_envs.sandbox.cgroup), each run gets its own, capping the memory and processes
-  of the whole run (`run_memory_mb`, `max_processes`); otherwise the limits are per process.
+  of the whole run (`run_memory_mb`, `max_processes`); otherwise the limits are per process (RLIMIT_AS and the
+  others of `SandboxLimits.rlimits`, applied in every mode).
 - Thread-safe: runs share no state, so a thread pool may call `run` concurrently. `max_concurrent_runs` caps
   how many runs of one `PythonSandbox` exist at once, whoever calls: the others wait for a slot (their wall clock
   starts when they get one), so many rollout threads or concurrent reward calls sharing a sandbox cannot start
@@ -170,47 +175,76 @@ class PythonSandbox:
             )
             handed = (code_fd, ready_w, status_w) + ((seccomp_fd,) if seccomp_fd is not None else ())
             owned = [fd for fd in owned if fd not in handed]
-            argv = [*argv, *self._python_argv("/tmp/main.py", ready_w, uid, self.limits.rlimits())]
-            # The run's total memory and processes, where a cgroup can be made (bwrap and its init count too).
-            group = RunCgroup.create(self.limits.run_memory_mb * 1024 * 1024, self.limits.max_processes + 3)
-            try:
-                return run_captured(
-                    group.enter_argv(argv) if group else argv,
-                    stdin_fd=stdin_fd,
-                    ready_fd=ready_r,
-                    pass_fds=handed,
-                    timeout_s=self.limits.timeout_s,
-                    max_output_bytes=self.limits.max_output_bytes,
-                    status_fd=status_r,
-                )
-            finally:
-                if group is not None:
-                    group.close()
+            argv = [*argv, *self._python_argv("/tmp/main.py", ready_w, uid, None)]
+            return self._captured(argv, stdin_fd=stdin_fd, ready_fd=ready_r, pass_fds=handed, status_fd=status_r)
         finally:
             for fd in owned:
                 os.close(fd)
 
-    def _python_argv(self, main: str, ready_fd: int, uid: int | None, rlimits: dict[str, tuple[int, int]]) -> list[str]:
-        """The interpreter running `_child.py` (see its docstring for the arguments)."""
-        limits = [f"{name}={soft}:{hard}" for name, (soft, hard) in rlimits.items()]
+    def _captured(self, argv: list[str], **kwargs: Any) -> RunResult:
+        """`run_captured` of `argv` inside a run cgroup where one can be made: the run's total memory and processes
+        (bwrap and its init count too, hence the 3 spare pids), and whatever is left of the run killed at its end."""
+        group = RunCgroup.create(self.limits.run_memory_mb * 1024 * 1024, self.limits.max_processes + 3)
+        try:
+            return run_captured(
+                group.enter_argv(argv) if group else argv,
+                timeout_s=self.limits.timeout_s,
+                max_output_bytes=self.limits.max_output_bytes,
+                **kwargs,
+            )
+        finally:
+            if group is not None:
+                group.close()
+
+    def _python_argv(self, main: str, ready_fd: int, uid: int | None, parent: int | None) -> list[str]:
+        """The interpreter running `_child.py` under this sandbox's limits (its docstring says the arguments)."""
+        limits = [f"{name}={soft}:{hard}" for name, (soft, hard) in self.limits.rlimits().items()]
         python = [self._interp.executable, "-I", "-S", "-B", "-X", "utf8", "-c", CHILD_SOURCE, CHILD_MARKER]
-        return [*python, main, str(ready_fd), "-" if uid is None else str(uid), *limits]
+        ids = ["-" if uid is None else str(uid), "-" if parent is None else str(parent)]
+        return [*python, main, str(ready_fd), *ids, *limits]
 
     def _run_unsandboxed(self, code: str, stdin_fd: int, ready_r: int, ready_w: int) -> RunResult:
         with tempfile.TemporaryDirectory(prefix="roll-unsandboxed-") as work:
             main = os.path.join(work, "main.py")
             Path(main).write_text(code, encoding="utf-8", errors="replace")
             env = {"PATH": "/usr/bin:/bin", "HOME": work, "LANG": "C.UTF-8"}
-            return run_captured(
-                self._python_argv(main, ready_w, None, self.limits.rlimits()),
+            # No bwrap --die-with-parent here: the child asks for SIGKILL when this process dies (`_child.py`).
+            return self._captured(
+                self._python_argv(main, ready_w, None, os.getpid()),
                 stdin_fd=stdin_fd,
                 ready_fd=ready_r,
                 pass_fds=(ready_w,),
-                timeout_s=self.limits.timeout_s,
-                max_output_bytes=self.limits.max_output_bytes,
                 cwd=work,
                 env=env,
             )
+
+
+#: What `make_sandbox` logs when it falls back (one %s: why no sandbox works).
+FALLBACK_WARNING = "no working sandbox (%s); falling back to unsandboxed execution as configured"
+
+
+def make_sandbox(
+    limits: SandboxLimits,
+    *,
+    python: str | None = None,
+    max_concurrent_runs: int | None = None,
+    allow_unsandboxed: bool = False,
+    fallback_warning: str = FALLBACK_WARNING,
+    logger: logging.Logger | None = None,
+) -> PythonSandbox:
+    """A bubblewrap `PythonSandbox` whenever one works here (whatever `allow_unsandboxed` says).
+
+    Where none works: with `allow_unsandboxed`, an unsandboxed one (see the module docstring) after logging
+    `fallback_warning` (its %s: the reason) as a warning on `logger` (default: this module's); without it, the
+    `SandboxUnavailableError` saying why and how to get a sandbox.
+    """
+    try:
+        return PythonSandbox(limits, python=python, max_concurrent_runs=max_concurrent_runs)
+    except SandboxUnavailableError as exc:
+        if not allow_unsandboxed:
+            raise
+        (logger or log).warning(fallback_warning, exc)
+        return PythonSandbox(limits, python=python, unsandboxed=True, max_concurrent_runs=max_concurrent_runs)
 
 
 def _memfd(name: str, text: str) -> int:

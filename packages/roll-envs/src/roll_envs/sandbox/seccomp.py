@@ -8,11 +8,15 @@ where roll has no syscall table for it (then runs go without a filter and the lo
 - returns EPERM for `BLOCKED`: tracing and reading other processes' memory (ptrace, process_vm_*), namespaces and
   mounts (unshare, setns, mount, umount2, pivot_root, open_by_handle_at), the kernel keyring, eBPF, perf events,
   userfaultfd and io_uring (frequent kernel-exploit vectors), module loading, kexec, reboot, swap, accounting and
-  quotas, and creating System V shared memory and message queues (memory no rlimit counts: a 256 MiB process
-  held 2 GiB of shared memory where no cgroup caps the run; the standard library never uses them);
+  quotas, and creating System V shared memory and message queues or memfd files (memory no rlimit counts: a
+  256 MiB process held 2 GiB of shared memory, a 128 MiB one 640 MiB of memfd files, where no cgroup caps the run;
+  the standard library uses none of them on its own);
 - returns EPERM for `clone` with any namespace flag (`CLONE_NS_FLAGS`: a new user namespace would hand the program
   every capability inside it; as root there is no sandbox user namespace whose `--disable-userns` stops that), and
   ENOSYS for `clone3` (its flags live in memory a filter cannot read; ENOSYS makes glibc fall back to `clone`);
+- returns EPERM for `prctl(PR_SET_PDEATHSIG, ...)`: without root the program is its sandbox's PID 1 and dies with
+  bwrap (so with roll) only through the parent-death signal `--die-with-parent` gave it; clearing it would let a
+  program outlive a killed trainer, forking fresh CPU-time budgets forever where no cgroup is swept;
 - allows every other syscall: Python, its standard library, forked children and threads keep working.
 bwrap installs it right before it executes the program, after its own set-up.
 
@@ -78,8 +82,11 @@ BLOCKED_X86_64 = {
     "quotactl": 179,
     "shmget": 29,
     "msgget": 68,
+    "memfd_create": 319,
 }
 _CLONE_X86_64, _CLONE3_X86_64 = 56, 435
+#: prctl's option that would clear the parent-death signal bwrap's `--die-with-parent` gave the program.
+_PRCTL_X86_64, PR_SET_PDEATHSIG = 157, 1
 #: CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET (CLONE_NEWTIME is clone3/unshare only).
 CLONE_NS_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 
@@ -88,8 +95,15 @@ def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k)
 
 
-def _program(arch: int, blocked: list[int], abi_bit: int | None, clone: tuple[int, int] | None = None) -> bytes:
-    """The filter; `clone` = (clone's, clone3's syscall numbers) adds the namespace-flag check described above."""
+def _program(
+    arch: int,
+    blocked: list[int],
+    abi_bit: int | None,
+    clone: tuple[int, int] | None = None,
+    prctl: int | None = None,
+) -> bytes:
+    """The filter; `clone` = (clone's, clone3's syscall numbers) adds the namespace-flag check described above,
+    `prctl` (its syscall number) the PR_SET_PDEATHSIG check."""
     deny = _RET_ERRNO | _EPERM
     prog = [
         _insn(_LD_W_ABS, 0, 0, _ARCH_OFFSET),
@@ -99,10 +113,18 @@ def _program(arch: int, blocked: list[int], abi_bit: int | None, clone: tuple[in
     ]
     if abi_bit is not None:
         prog += [_insn(_JGE_K, 0, 1, abi_bit), _insn(_RET_K, 0, 0, _RET_KILL_PROCESS)]
-    # Tail after the comparisons: [clone checks (5)] ALLOW, EPERM[, ENOSYS]; a match jumps to EPERM.
-    checks = 5 if clone is not None else 0
+    # Tail after the comparisons: [prctl check (3)] [clone checks (5)] ALLOW, EPERM[, ENOSYS]; a match jumps to
+    # EPERM. Each check loads an argument over the syscall number, so it ends in ALLOW or EPERM itself.
+    clone_checks = 5 if clone is not None else 0
+    checks = clone_checks + (3 if prctl is not None else 0)
     for i, nr in enumerate(blocked):
         prog.append(_insn(_JEQ_K, len(blocked) - i + checks, 0, nr))
+    if prctl is not None:
+        prog += [
+            _insn(_JEQ_K, 0, 2, prctl),  # not prctl -> the clone checks (or ALLOW)
+            _insn(_LD_W_ABS, 0, 0, _ARG0_OFFSET),  # the option (an int: the low 32 bits)
+            _insn(_JEQ_K, clone_checks + 1, clone_checks, PR_SET_PDEATHSIG),  # -> EPERM, else ALLOW
+        ]
     if clone is not None:
         clone_nr, clone3_nr = clone
         prog += [
@@ -128,6 +150,7 @@ def filter_program() -> bytes | None:
             sorted(BLOCKED_X86_64.values()),
             _X32_SYSCALL_BIT,
             (_CLONE_X86_64, _CLONE3_X86_64),
+            _PRCTL_X86_64,
         )
     log.warning("no seccomp syscall table for %s: sandboxed programs run without a syscall filter", machine)
     return None

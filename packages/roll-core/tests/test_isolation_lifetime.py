@@ -1,0 +1,102 @@
+"""How long a ForkedWorker's child lives: not past its parent process (even in the middle of a hung call), but
+past the thread that happened to start it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from roll_core.isolation import ForkedWorker
+
+# The "trainer": a reward child that hangs in its call (a sympy simplification that never ends), started from a
+# worker thread as an environment thread would; the child writes its pid to argv[1] once it is in the call.
+PARENT = """
+import os, sys, threading, time
+from roll_core.isolation import ForkedWorker
+
+def hang(path):
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)
+    time.sleep(120)
+
+worker = ForkedWorker(hang)
+threading.Thread(target=worker.call, args=(sys.argv[1],), kwargs={"timeout": None}, daemon=True).start()
+time.sleep(120)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting for an init that does not reap counts as exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_dies_with_its_killed_parent_even_in_a_hung_call(tmp_path: Path) -> None:
+    """SIGKILL the parent while its child hangs in a call: the child is gone within seconds (it slept on for its
+    whole 120 s: it only noticed the parent's death at its next read of the pipe)."""
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(pid_file)])
+    child = None
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists():
+            assert time.monotonic() < deadline and parent.poll() is None, "the child never started its call"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while not _gone(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(child), "the child outlived its killed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if child is not None and not _gone(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_child_outlives_the_thread_that_started_it() -> None:
+    """A parent-death signal fires when the forking *thread* ends: a child forked by an environment thread that then
+    finished must still serve the next call (not die and cost a reward error or a fresh fork)."""
+    worker = ForkedWorker(os.getpid, name="pid")
+    first: list[int] = []
+    starter = threading.Thread(target=lambda: first.append(worker.call(timeout=30)))
+    starter.start()
+    starter.join()
+    time.sleep(0.3)  # a signal sent at the thread's end has arrived by now
+    try:
+        assert worker.call(timeout=30) == first[0] != os.getpid() and worker.forks == 1
+    finally:
+        worker.close()
+
+
+def test_a_child_started_from_a_thread_has_a_main_thread_for_signals() -> None:
+    """SIGALRM-based timeouts (math-verify's) need the child's thread to be its main thread, whichever thread forked."""
+
+    def alarm_works() -> bool:
+        signal.signal(signal.SIGALRM, lambda *_: None)
+        signal.alarm(0)
+        return threading.current_thread() is threading.main_thread()
+
+    worker = ForkedWorker(alarm_works, name="alarm")
+    out: list[bool] = []
+    starter = threading.Thread(target=lambda: out.append(worker.call(timeout=30)))
+    starter.start()
+    starter.join()
+    try:
+        assert out == [True] and worker.call(timeout=30) is True
+    finally:
+        worker.close()
