@@ -289,3 +289,27 @@ def test_every_train_engine_distills(
     assert by_step[0]["eval/distill_kl"] == pytest.approx(kl, rel=1e-3)
     assert by_step[1]["eval/distill_kl"] < by_step[0]["eval/distill_kl"]
     assert by_step[1]["eval/distill_tokens"] == 8 * RESPONSE_LEN
+
+
+def test_a_teacher_equal_to_the_student_gives_zero_kl(
+    seven_task: Path, tmp_path: Path, data: dict, tiny_model: str
+) -> None:
+    """The alignment end to end: the teacher role's top-k (compute_logprobs(topk)) of the student's own model,
+    cached by row and batched, against the trained student's log-probs gathered at those ids: step 1's KL (before
+    the update) and the step-0 held-out KL (full-vocabulary scoring) are 0 to float noise. A one-position shift on
+    either side would compare the distributions of different tokens (the KL would be far from 0)."""
+    overrides = _overrides(
+        seven_task,
+        tmp_path,
+        f"data.path={data['plain']}",
+        f"data.eval_path={data['plain_eval']}",
+        f"distill.teacher={tiny_model}",
+        f"distill.topk={K}",
+        "pipeline.max_steps=1",
+        "pipeline.eval_every=1",
+    )
+    _, history = run_pipeline(overrides)
+    by_step = {h["step"]: h for h in history}
+    assert abs(by_step[1]["distill/kl"]) < 1e-5 and abs(by_step[0]["eval/distill_kl"]) < 1e-5
+    assert by_step[0]["eval/distill_top1_agreement"] == 1.0 and by_step[1]["distill/tokens"] == 8 * RESPONSE_LEN
+    assert by_step[1]["actor/grad_norm"] < 1e-6  # the KL's minimum: nothing to learn

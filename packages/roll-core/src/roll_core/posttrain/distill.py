@@ -6,8 +6,18 @@ most likely next tokens there. A row is a counted skip unless: both lists have o
 entry has the same K (and the same K as the file's first good row: batches are (B, R, K)); ids are integers in the
 student's vocabulary, distinct within a position; log-probs are finite and <= 1e-6 (log-softmax rounding may land
 a hair above 0); each position's top-k mass sum(exp) <= 1 + 1e-4. A row carrying a `tokenizer` fingerprint that
-differs from the student tokenizer's is an error naming both: the teacher's ids would index another vocabulary.
+differs from the student tokenizer's is an error naming both: the teacher's ids would index another vocabulary (the
+fingerprint roll wrote before it became version-independent is accepted too when it matches).
 They are kept as (R, K) int32 / float32 tensors in `TokenRow.aligned`, cut with the response when it is truncated.
+
+Alignment: entry t is the teacher's distribution over response token t itself, i.e. computed from the logits at
+the position before it (logits[P - 1 + t] of the prompt + response sequence, P prompt tokens), exactly what the
+student's log-probs at response token t are. A list for the whole sequence, or one more or one fewer position, is
+a `teacher_length` skip (a file of nothing else is an error). The off-by-one that keeps the length (the logits at
+the response positions, logits[P + t], which predict token t + 1) is caught on the first `SHIFT_CHECK_TOKENS`
+response positions read: a ConfigError when the teacher's top-k holds the next response token at least half the
+time and the token itself at most a quarter as often (correctly aligned top-k lists hold the token itself far more
+often than the next one; data it cannot judge, e.g. random ids, passes).
 """
 
 from __future__ import annotations
@@ -18,12 +28,20 @@ import torch
 
 from roll_core.errors import ConfigError
 from roll_core.posttrain.rows import RawRow, SkipRow
-from roll_core.posttrain.tokenize import SFTTokenizer, TokenRow, need, tokenizer_fingerprint
+from roll_core.posttrain.tokenize import (
+    SFTTokenizer,
+    TokenRow,
+    legacy_tokenizer_fingerprint,
+    need,
+    tokenizer_fingerprint,
+)
 
 TEACHER_IDS = "teacher_topk_ids"
 TEACHER_LOGPROBS = "teacher_topk_logprobs"
 LOGPROB_TOLERANCE = 1e-6
 MASS_TOLERANCE = 1e-4
+#: Response positions (from the first rows read) on which the top-k lists are checked for a one-position shift.
+SHIFT_CHECK_TOKENS = 256
 
 
 class DistillParser:
@@ -33,26 +51,62 @@ class DistillParser:
         self.sft = sft
         self.k: int | None = None  # set by the first good row
         self.fingerprint = tokenizer_fingerprint(sft.tokenizer)
+        self._legacy: str | None = None  # computed at the first row stamped with another fingerprint
+        # [positions, top-k holds token t, top-k holds token t + 1] until the shift check has run (then None)
+        self._shift: list[int] | None = [0, 0, 0]
 
     def parse(self, raw: RawRow, form: str) -> TokenRow:
         cfg = self.sft.cfg
         teacher_tok = raw.row.get(cfg.tokenizer_key)
-        if teacher_tok is not None and teacher_tok != self.fingerprint:
+        if teacher_tok is not None and teacher_tok != self.fingerprint and teacher_tok != self.legacy:
             raise ConfigError(
                 f"{raw.where}: the teacher's tokenizer {teacher_tok} is not the student's {self.fingerprint} "
-                f"(column {cfg.tokenizer_key!r}): distill with a teacher that shares the student's tokenizer"
+                f"(column {cfg.tokenizer_key!r}; roll_core.posttrain.tokenize.tokenizer_fingerprint of the teacher's "
+                "tokenizer): distill with a teacher that shares the student's tokenizer"
             )
         row = self.sft.tokens(raw.row, form)
         row.where = raw.where
         ids = need(raw.row, cfg.teacher_ids_key)
         lps = need(raw.row, cfg.teacher_logprobs_key)
         ids_t, lps_t = self.check(ids, lps, len(row.response_ids))
+        self.check_shift(row.response_ids, ids_t, raw.where)
         # compact tensors, not Python lists: a file of long responses with K=20 would otherwise take gigabytes
         row.aligned = {TEACHER_IDS: ids_t.to(torch.int32), TEACHER_LOGPROBS: lps_t.to(torch.float32)}
         row = self.sft.limit(row)
         if self.k is None:
             self.k = int(ids_t.shape[1])
         return row
+
+    @property
+    def legacy(self) -> str:
+        """The student's fingerprint as roll computed it before it hashed a version-independent form: files
+        stamped with it (under the same library versions) name the same tokenizer."""
+        if self._legacy is None:
+            self._legacy = legacy_tokenizer_fingerprint(self.sft.tokenizer)
+        return self._legacy
+
+    def check_shift(self, response_ids: list[int], ids_t: torch.Tensor, where: str) -> None:
+        """Count how often position t's top-k holds response token t and token t + 1; once SHIFT_CHECK_TOKENS
+        positions are counted, a ConfigError when the lists look shifted by one (see the module docstring)."""
+        if self._shift is None or len(response_ids) < 2:
+            return
+        resp = torch.tensor(response_ids, dtype=torch.long)
+        head = ids_t[:-1]
+        self._shift[0] += len(resp) - 1
+        self._shift[1] += int((head == resp[:-1, None]).any(-1).sum())
+        self._shift[2] += int((head == resp[1:, None]).any(-1).sum())
+        positions, own, nxt = self._shift
+        if positions < SHIFT_CHECK_TOKENS:
+            return
+        self._shift = None
+        if nxt >= 0.5 * positions and 4 * own <= nxt:
+            raise ConfigError(
+                f"the teacher's top-k lists look shifted by one position (checked up to {where}): over the first "
+                f"{positions} response positions they hold the next response token {nxt / positions:.0%} of the time "
+                f"and the token itself {own / positions:.0%}. Entry t must be the teacher's distribution over "
+                "response token t, from the logits at the position before it (logits[P - 1 + t] of prompt + "
+                "response), not the logits at the token's own position"
+            )
 
     def check(self, ids: Any, lps: Any, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(R, K) long ids and float64 log-probs, validated (see the module doc), or a SkipRow."""

@@ -119,17 +119,28 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = 256) -> Tensor:
     return (b * block + j)[:, 0]
 
 
+def stop_window(stops: Sequence[str]) -> int:
+    """Response tokens decoded to look for `stops`: enough to hold the longest one, counted in UTF-8 bytes.
+
+    A token that is not special decodes to at least one byte, not one character: a byte-level or byte-fallback
+    tokenizer spells a character it has no token for with up to 4 byte tokens, so a stop string of L characters
+    may span 4L tokens (three emoji such a vocabulary lacks are 12 byte tokens: a window of L + 8 = 11 tokens never
+    held them whole and the stop string was never matched). 8 more cover special tokens and a first token whose
+    decoding loses a leading space.
+    """
+    return max((len(s.encode("utf-8")) for s in stops if s), default=0) + 8
+
+
 class StopStrings:
     """Finds the token that completes a stop string in a growing response, even when the token overhangs it.
 
-    Only the tail of the response is decoded per token (enough tokens to hold the longest stop string), so the
-    cost per token does not grow with the response length.
+    Only the tail of the response is decoded per token (`window` tokens, by default enough to hold the longest stop
+    string: `stop_window`), so the cost per token does not grow with the response length.
     """
 
     def __init__(self, tokenizer: object, stops: Sequence[str], window: int | None = None) -> None:
         self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
-        # A token decodes to at least one character except specials; 8 extra tokens cover those.
-        self.window = window or (max((len(s) for s in self.stops), default=0) + 8)
+        self.window = window or stop_window(self.stops)
 
     def __bool__(self) -> bool:
         return bool(self.stops)

@@ -6,7 +6,10 @@ of `model.generate`, so that:
   or other processors that would change the sampled distribution; none is applied);
 - the log-prob of each sampled token is gathered per step from the processed distribution, never holding
   (batch, response, vocab) logits;
-- stop strings cut the response at the token that completes them, even when that token overhangs the string;
+- stop strings cut the response at the token that completes them, even when that token overhangs the string, and
+  one that spans several tokens (as vLLM does: its token ids also end at the completing token; no text is
+  returned, so `include_stop_str_in_output` has nothing to cut); each step decodes a tail of
+  roll_engines.infer._sampling.stop_window tokens;
 - requests join and leave the running batch between decode steps (the request API), and the n samples of a
   prompt share one prefill;
 - structured outputs (`SamplingParams.structured`, roll_engines.structured): each constrained row's logits are

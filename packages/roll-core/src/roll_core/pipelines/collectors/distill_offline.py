@@ -13,7 +13,8 @@ Contract:
   `response_mask` is 0; scores are zeros (nothing is rewarded). `on_policy = False`: the engines get the trained
   weights only before an evaluation.
 - Tokenizers: the teacher model's must equal the student's (`tokenizer_fingerprint`), said by `check` before any
-  model loads: its ids would index another vocabulary. Teacher ids outside the student's vocabulary are an error.
+  model loads: its ids would index another vocabulary. Teacher ids outside the student's vocabulary, and teacher
+  top-k not shaped like the rows' responses (B, R, K = distill.topk), are an error.
 - Evaluation: on the held-out rows (`data.eval_path`, or `data.eval_size` rows of `data.path`), `eval/distill_kl`
   (the training loss's KL, token mean) and `eval/distill_top1_agreement` (the student's most likely token is the
   teacher's, over loss tokens), with no gradient: the actor's `compute_logprobs` cannot gather at given ids, so
@@ -187,6 +188,15 @@ class OfflineDistillCollector:
         rows = source.batch(todo)
         got = self.teacher.compute_logprobs(rows.select(*SCORE_KEYS), TEMPERATURE, topk=self.cfg.distill.topk)
         ids, lps = got["topk_ids"], got["topk_logprobs"].float()
+        # (B, R, K) aligned with `responses`: other rows or another width would be cached as targets of the wrong
+        # tokens (a short width padded with zeros: id 0 at log-prob 0 under response_mask 1).
+        want = (*rows["responses"].shape, self.cfg.distill.topk)
+        if tuple(ids.shape) != want or tuple(lps.shape) != want:
+            raise ValueError(
+                f"distill.teacher returned top-k of shape ids {tuple(ids.shape)}, log-probs {tuple(lps.shape)} for "
+                f"rows of responses {tuple(rows['responses'].shape)}: expected {want}, one list of "
+                f"distill.topk={self.cfg.distill.topk} per response token"
+            )
         for j, i in enumerate(todo):
             n = len(source.items[i].response_ids)
             row_ids, row_lps = ids[j, :n], lps[j, :n]
