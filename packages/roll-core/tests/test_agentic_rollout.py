@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
+import torch
 
 from roll_core.agentic.chat import TurnTemplate
 from roll_core.agentic.env_manager import EnvManager
@@ -208,3 +209,151 @@ def test_an_observation_spelling_the_picture_placeholder_fails_its_episode_not_t
     assert envs.counters()["env_errors"] == 2
     # the first observation: nothing to train on; an echoed one: the turn before it keeps its reward
     assert [t.turns for t in trajs] == ([0, 0] if where == "first" else [1, 1])
+
+
+class AbortingEngine:
+    """Turn `turn` of every episode: the engine aborts its first `aborts` requests on its own after `partial` tokens
+    each (preemption; a refusal when `partial` is 0); every other request gets `length` tokens 'a' ('stop', or
+    'length' when cut at max_new_tokens)."""
+
+    def __init__(self, tokenizer: Any, *, turn: int, aborts: int, partial: int, length: int = 3) -> None:
+        self.token = tokenizer("a", add_special_tokens=False)["input_ids"][0]
+        self.turn, self.aborts, self.partial, self.length = turn, aborts, partial, length
+        self.requests: list[Request] = []
+
+    def submit_request(self, request: Request, route_key: str | None = None) -> Future:
+        self.requests.append(request)
+        turn, _, attempt = request.request_id.split("-turn-")[1].partition("-")
+        budget = request.params.max_new_tokens
+        if int(turn) == self.turn and int(attempt or 0) < self.aborts:
+            n, finish = min(self.partial, budget), "abort"
+        else:
+            n = min(self.length, budget)
+            finish = "length" if n == budget else "stop"
+        fut: Future = Future()
+        fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [self.token] * n, [-0.5] * n, finish))
+        return fut
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+
+def _run_aborting(engine_kwargs: dict[str, Any], limits: EpisodeLimits, gate: Any = None):
+    tok = build_tiny_tokenizer()
+    engine = AbortingEngine(tok, **engine_kwargs)
+    envs = EnvManager(lambda: Corridor(100), 0, step_timeout_s=10)
+    rollout = AgenticRollout(engine, envs, TurnTemplate(tok, "Walk."), tok, limits, gate)
+    (traj,) = rollout.run([0], [0], SamplingParams(max_new_tokens=999, seed=1))
+    return traj, engine
+
+
+def test_a_turn_the_engine_preempts_is_resumed_not_scored_as_a_failure() -> None:
+    """An abort the engine makes on its own (no gate: a synchronous run) used to end the episode `abort` with the
+    partial turn trained at reward 0; it is resumed from its partial output within the turn's budget."""
+    traj, engine = _run_aborting(dict(turn=1, aborts=2, partial=2), EpisodeLimits(3, 2048, 16))
+    assert (traj.end, traj.turns, traj.untrained, traj.resumed_turns) == ("max_turns", 3, False, 2)
+    assert traj.turn_ids.count(1) == 2 + 2 + 3  # both partial outputs kept, then the rest of the turn
+    turn1 = [r for r in engine.requests if "-turn-1" in r.request_id]
+    assert [r.params.max_new_tokens for r in turn1] == [16, 14, 12]  # one budget for the whole turn
+    assert turn1[2].prompt_ids == turn1[0].prompt_ids + [engine.token] * 4  # resumed after its partial output
+    assert len({r.params.seed for r in turn1}) == 3
+
+
+def test_a_turn_the_engine_keeps_refusing_ends_the_episode_untrained() -> None:
+    """An engine that aborts a turn every time without a token is given up after MAX_IDLE_ABORTS tries: the aborted
+    turn is cut (no response, reward 0 or state key) and the episode is masked out of training, counted as
+    end=abort, instead of a reward-0 trajectory that trained aborted work as the policy's failure."""
+    from roll_algos.trajectories import check_trajectory_batch, episode_group_advantages
+    from roll_core.agentic.trajectory import to_tensors
+
+    traj, engine = _run_aborting(dict(turn=1, aborts=10**6, partial=0), EpisodeLimits(3, 2048, 16))
+    assert (traj.end, traj.turns, traj.untrained, traj.turn_rewards) == ("abort", 1, True, [0.0])
+    assert max(traj.turn_ids) == 0 and traj.turn_ids.count(0) == 3 and len(traj.state_keys) == 1  # turn 0 only
+    from roll_core.agentic.rollout import MAX_IDLE_ABORTS
+
+    assert sum("-turn-1" in r.request_id for r in engine.requests) == MAX_IDLE_ABORTS
+    assert _episode_metrics([traj], None, None)["episode/end_abort"] == 1.0
+    ok, _ = _run_aborting(dict(turn=1, aborts=0, partial=0), EpisodeLimits(3, 2048, 16))
+    ok.turn_rewards = [1.0, 0.0, 0.0]  # a group of two: the aborted one must not be its baseline
+    batch = to_tensors([traj, ok], pad_id=0)
+    assert batch["response_mask"][0].sum() == 0 and batch["turn_mask"][0].sum() == 0
+    assert batch["response_mask"][1].sum() == 9
+    check_trajectory_batch(
+        batch["response_mask"], batch["turn_ids"], turn_mask=batch["turn_mask"], state_keys=batch["state_keys"]
+    )
+    adv = episode_group_advantages(batch["episode_rewards"], batch["group_ids"], batch["response_mask"])
+    assert float(adv.abs().sum()) == 0.0  # the aborted row is absent: the other is a group of one
+
+
+def test_a_first_turn_abort_leaves_nothing_and_a_spent_budget_is_a_cut_turn() -> None:
+    refused, _ = _run_aborting(dict(turn=0, aborts=10**6, partial=0), EpisodeLimits(3, 2048, 16))
+    assert (refused.end, refused.turns, refused.tokens, refused.untrained) == ("abort", 0, [], True)
+    # an abort that arrives with the turn's whole budget generated: a turn cut at its limit, judged by the env
+    full, engine = _run_aborting(dict(turn=1, aborts=1, partial=16), EpisodeLimits(3, 2048, 16))
+    assert (full.end, full.turns, full.cut_turns, full.resumed_turns, full.untrained) == ("max_turns", 3, 1, 0, False)
+    assert sum("-turn-1" in r.request_id for r in engine.requests) == 1
+
+
+def test_with_a_gate_the_engines_own_abort_resumes_and_a_closed_collector_does_not() -> None:
+    from roll_core.agentic.rollout import TurnGate
+
+    tok_engine = AbortingEngine(build_tiny_tokenizer(), turn=0, aborts=0, partial=0)
+    gate = TurnGate(tok_engine, partial_rollout=True)
+    traj, _ = _run_aborting(dict(turn=1, aborts=1, partial=2), EpisodeLimits(3, 2048, 16), gate)
+    assert (traj.end, traj.turns, traj.resumed_turns, traj.untrained) == ("max_turns", 3, 1, False)
+    assert traj.versions == [0, 0, 0]
+    gate.close()
+    closed, engine = _run_aborting(dict(turn=0, aborts=0, partial=0), EpisodeLimits(3, 2048, 16), gate)
+    assert (closed.end, closed.turns, closed.untrained) == ("abort", 0, True) and not engine.requests
+
+
+class SameTextPictures:
+    """A visual environment that gives no info["state"]: every observation's text is the same, its picture shows
+    the position (red at 0, green at 1, blue at 2)."""
+
+    COLOURS = ((200, 20, 20), (20, 200, 20), (20, 20, 200))
+
+    def __init__(self) -> None:
+        self.pos = 0
+
+    def _obs(self) -> dict[str, Any]:
+        from PIL import Image
+
+        return {"text": "Where are you?", "images": [Image.new("RGB", (28, 28), self.COLOURS[self.pos % 3])]}
+
+    def reset(self, seed: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        self.pos = 0
+        return self._obs(), {}
+
+    def step(self, action: str) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
+        self.pos += 1
+        return self._obs(), 0.0, False, False, {}
+
+
+def test_the_default_state_key_of_a_visual_observation_includes_its_pictures() -> None:
+    """Without info["state"] the anchor-state key was the observation's text alone: every state of a visual
+    environment whose text does not change ("The lake: <image>") was one GiGPO step group, mixing the step
+    advantages of different states. The key now holds a digest of each picture's pixels."""
+    from roll_algos.trajectories import anchor_state_advantages
+    from roll_core.agentic.observation import state_key
+    from roll_core.agentic.trajectory import to_tensors
+    from roll_core.models import resolve_model_path
+    from roll_core.multimodal import VisionProcessor
+
+    vp = VisionProcessor(resolve_model_path("builtin:tiny-qwen2.5-vl"))
+    envs = EnvManager(SameTextPictures, 0, step_timeout_s=10)
+    template = TurnTemplate(vp.tokenizer, "Play.", vision=vp)
+    rollout = AgenticRollout(ScriptedEngine(vp.tokenizer, [2]), envs, template, vp.tokenizer, EpisodeLimits(3, 4096, 4))
+    a, b = rollout.run([0, 1], [0, 0], SamplingParams(max_new_tokens=4))
+    assert a.state_keys == b.state_keys  # the same states in both episodes: one key each
+    assert len(set(a.state_keys)) == 3  # three positions, three pictures, one text
+    assert all(k.startswith("Where are you?\n[image ") for k in a.state_keys)
+    assert state_key("text only") == "text only"
+    # GiGPO: turn k of the two episodes groups with turn k of the other only
+    batch = to_tensors([a, b], pad_id=0)
+    returns = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, 0.5]])
+    step = anchor_state_advantages(returns, batch["turn_mask"], batch["group_ids"], batch["state_keys"])
+    # each step group is the two visits of one state: (1 - 0.5) / std([1, 0]) = 0.7071 (pooled over all six
+    # turns, the text-only key gave 0.5 / std([1, 0, .5, 0, 1, .5]) = 1.118)
+    expected = torch.tensor([[1.0, -1.0, 0.0], [-1.0, 1.0, 0.0]]) * 0.5 / 0.5**0.5
+    torch.testing.assert_close(step, expected, atol=1e-4, rtol=0)

@@ -631,3 +631,52 @@ def test_a_client_leaving_a_streamed_turn_logs_no_error_and_keeps_the_turn(
         server.close()
     assert not errors, [r.getMessage() for r in errors]
     assert session.traj.turns == 1 and text == "slow one" and engine.requests == 1 and session.replays == 1
+
+
+class PreemptingEngine(ScriptedEngine):
+    """ScriptedEngine that aborts its first `aborts` requests on its own after `partial` of the text's tokens."""
+
+    def __init__(self, tokenizer: Any, texts: list[str], aborts: int, partial: int) -> None:
+        super().__init__(tokenizer, texts)
+        self.aborts, self.partial, self.requests = aborts, partial, []
+
+    def submit_request(self, request: Request, route_key: str | None = None) -> Future:
+        self.requests.append(request)
+        if len(self.requests) > self.aborts:
+            return super().submit_request(request, route_key)
+        ids = self.tokenizer(self.texts[0], add_special_tokens=False)["input_ids"][: self.partial]
+        fut: Future = Future()
+        fut.set_result(RequestOutput(request.request_id, request.prompt_ids, ids, [-0.5] * len(ids), "abort"))
+        return fut
+
+
+def test_a_turn_the_engine_aborts_on_its_own_is_resumed_and_a_refusal_is_a_503(tokenizer: Any) -> None:
+    """The engine's own abort (preemption) ended the session's trajectory (`abort`) and answered 410 session_closed
+    to an agent whose session was open, which then failed as if it had erred. The turn is resumed from its partial
+    output within its budget; an engine that aborts every time without a token gets HTTP 503 engine_aborted, the
+    session unchanged and still open."""
+    from roll_core.agentic.agent_sessions import ChatTurn, SessionError
+
+    hi = ChatTurn(messages=[{"role": "user", "content": "hi"}])
+    text_ids = tokenizer("hello there", add_special_tokens=False)["input_ids"]
+    engine = PreemptingEngine(tokenizer, ["hello there"], aborts=1, partial=1)
+    sessions = AgentSessions(engine, TurnTemplate(tokenizer), lambda ids: tokenizer.decode(ids), HermesToolParser())
+    sessions.open("p", PARAMS, SessionLimits(max_tokens_per_turn=16, max_context_length=1024))
+    reply = sessions.chat("p", hi)
+    session = sessions.get("p")
+    first, resumed = engine.requests
+    assert resumed.prompt_ids == first.prompt_ids + text_ids[:1]
+    assert resumed.params.max_new_tokens == first.params.max_new_tokens - 1
+    assert reply.token_ids == text_ids[:1] + text_ids + [tokenizer.eos_token_id]  # the partial output is kept
+    assert (session.resumed, session.traj.turns, session.traj.end, session.closed) == (1, 1, "", False)
+
+    from roll_core.agentic.agent_sessions import MAX_IDLE_ABORTS
+
+    refusing = PreemptingEngine(tokenizer, ["x"], aborts=10**6, partial=0)
+    sessions = AgentSessions(refusing, TurnTemplate(tokenizer), lambda ids: tokenizer.decode(ids), HermesToolParser())
+    sessions.open("r", PARAMS, SessionLimits(max_tokens_per_turn=16, max_context_length=1024))
+    with pytest.raises(SessionError) as err:
+        sessions.chat("r", hi)
+    assert (err.value.status, err.value.code, len(refusing.requests)) == (503, "engine_aborted", MAX_IDLE_ABORTS)
+    session = sessions.get("r")
+    assert (session.traj.turns, session.traj.end, session.closed) == (0, "", False)

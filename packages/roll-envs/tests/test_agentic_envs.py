@@ -401,6 +401,20 @@ def test_tool_budget_is_enforced() -> None:
     assert "[truncated]" in long.step("<tool>python: 9**99</tool>")[0]
 
 
+def test_tools_around_a_visual_environment_are_refused_not_shown_as_a_dict_repr() -> None:
+    """str() of a picture observation showed the model "{'text': ..., 'images': [<PIL.Image ...>]}" and lost the
+    picture: a silent wrong observation. It is a ValueError (the env manager fails that episode, counted); a dict
+    observation without pictures is its text."""
+    pytest.importorskip("PIL")
+    from roll_envs.agentic.visual import VisualFrozenLakeEnv
+
+    with pytest.raises(ValueError, match=r"ToolUseEnv wraps text environments: VisualFrozenLakeEnv .* 1 picture"):
+        ToolUseEnv(VisualFrozenLakeEnv()).reset(seed=0)
+    env = ToolUseEnv(VisualFrozenLakeEnv())
+    env.env.reset = lambda seed=None: ({"text": "plain", "images": []}, {})  # type: ignore[method-assign]
+    assert env.reset(seed=0)[0] == "plain"
+
+
 def test_tool_math_is_solved_with_the_calculator() -> None:
     env = ToolMathEnv()
     for seed in range(20):

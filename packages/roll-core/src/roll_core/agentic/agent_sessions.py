@@ -37,6 +37,11 @@ retry no longer extended the conversation, which now ended in the unseen reply: 
 turns the agent had seen, or a 400 it could not recover from.) An episode gets at most `max_turns` replays (HTTP
 400 `too_many_retries` after that), so a client that retries forever cannot outlast its turn limit.
 
+A turn request the engine aborts on its own (preemption) is resumed from the tokens it generated, within the turn's
+budget (counted in `resumed`), so the agent never sees an engine's abort as the end of its session; one the engine
+aborts `MAX_IDLE_ABORTS` times in a row without a token is refused with HTTP 503 (`engine_aborted`), the session
+unchanged.
+
 A session that was closed (its episode timed out or ended) answers HTTP 410 (`session_closed`) to its agent's later
 requests, a reward report included; `AgentSessions` remembers the last `CLOSED_KEPT` closed ids for that (an id
 older than that is unknown: 404).
@@ -65,6 +70,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 ON_REWRITE = ("restart", "refuse")
 #: Closed session ids remembered (to answer 410, not 404): a bounded memory for a run of many episodes.
 CLOSED_KEPT = 1 << 16
+#: The engine's own aborts of one turn in a row, none with a token, after which the request is refused (HTTP 503).
+MAX_IDLE_ABORTS = 8
 
 
 class SessionError(Exception):
@@ -240,6 +247,7 @@ class AgentSession:
         self.reward: float | None = None
         self.requests = 0  # turns sampled, across restarts (what max_turns counts; replays are capped apart)
         self.rewrites = self.dropped_turns = self.constrained_turns = self.invalid_tool_calls = 0
+        self.resumed = 0  # turn requests the engine aborted on its own and that were resumed
         self.closed = False
         self.request_id: str | None = None  # the engine request in flight
         self.lock = threading.Lock()
@@ -462,26 +470,24 @@ class AgentSessions:
         }
         if turn.structured is not None:
             changes["structured"] = turn.structured
-        rid = f"{s.sid}-{next(self._ids)}"
-        s.request_id = rid
-        try:
-            if s.closed:  # closed while this turn was prepared (close() saw no request to abort)
-                raise SessionError(410, "session_closed", f"session {s.sid} has ended (episode timeout or shutdown)")
-            fut = self.infer.submit_request(Request(rid, context, base.replace(**changes)), route_key=s.sid)
-            if s.closed:  # closed during the submit: its abort may have reached the engine before the request
-                self.infer.abort(rid)
-            out = fut.result()
-        finally:
-            s.request_id = None
-        if out.finish_reason == "prompt_too_long":
+        token_ids, logprobs, finish = self._generate(s, context, base.replace(**changes))
+        if finish == "prompt_too_long":
             s.traj.end = "max_context"
             raise SessionError(400, "context_length_exceeded", f"session {s.sid}: the engine's context is full")
-        if out.finish_reason == "abort" or s.closed:
+        if s.closed:
             s.traj.end = "abort"
             raise SessionError(410, "session_closed", f"session {s.sid} ended while its request ran")
-        text = self.decode(list(out.token_ids))
+        if finish == "abort":  # the engine refused the request (see `_generate`): the agent may try again
+            raise SessionError(
+                503,
+                "engine_aborted",
+                f"session {s.sid}: the engine aborted the request and it could not be resumed (aborted "
+                f"{MAX_IDLE_ABORTS} times in a row without a token, or a constrained turn)",
+                kind="server_error",
+            )
+        text = self.decode(token_ids)
         stops = (*base.stop, *turn.stop)
-        if out.finish_reason == "stop" and stops:
+        if finish == "stop" and stops:
             # OpenAI's contract: the served text ends before the stop sequence. The engine keeps the completing
             # token (it may overhang the string): the trajectory keeps every token, the message is cut.
             cut = min((i for i in (text.find(x) for x in stops if x) if i >= 0), default=-1)
@@ -495,9 +501,53 @@ class AgentSessions:
                 {"id": f"call_{s.requests}_{k}", "type": "function", "function": dict(c)}
                 for k, c in enumerate(parsed.calls)
             ]
-        s.record(turn, context, added, restart, list(out.token_ids), list(out.logprobs), out.finish_reason, message)
-        finish = "tool_calls" if parsed.calls else ("length" if out.finish_reason == "length" else "stop")
-        return Reply(message, finish, len(context), len(out.token_ids), list(out.token_ids), list(out.logprobs))
+        s.record(turn, context, added, restart, token_ids, logprobs, finish, message)
+        reason = "tool_calls" if parsed.calls else ("length" if finish == "length" else "stop")
+        return Reply(message, reason, len(context), len(token_ids), list(token_ids), list(logprobs))
+
+    def _generate(
+        self, s: AgentSession, context: list[int], params: SamplingParams
+    ) -> tuple[list[int], list[float], str]:
+        """(token ids, log-probs, finish reason) of one turn. An abort the engine made on its own (preemption) is
+        resumed from what it generated, within the turn's budget, instead of ending the episode as if the agent had
+        failed; `MAX_IDLE_ABORTS` of them in a row without a token are a refusal ("abort"). An abort that left the
+        whole budget generated is "length". A closed session's request is not resumed, nor a constrained
+        (`structured`) one that generated tokens."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        idle = 0
+        for attempt in itertools.count():
+            rid = f"{s.sid}-{next(self._ids)}"
+            budget = params.max_new_tokens - len(tokens)
+            seed = params.seed
+            if attempt and seed is not None:
+                seed = derive_seed(seed, Purpose.EPISODE_TURN, attempt)
+            s.request_id = rid
+            try:
+                if s.closed:  # closed while this turn was prepared (close() saw no request to abort)
+                    raise SessionError(
+                        410, "session_closed", f"session {s.sid} has ended (episode timeout or shutdown)"
+                    )
+                req = Request(rid, context + tokens, params.replace(max_new_tokens=budget, seed=seed))
+                fut = self.infer.submit_request(req, route_key=s.sid)
+                if s.closed:  # closed during the submit: its abort may have reached the engine before the request
+                    self.infer.abort(rid)
+                out = fut.result()
+            finally:
+                s.request_id = None
+            tokens += list(out.token_ids)
+            logprobs += list(out.logprobs)
+            finish = out.finish_reason
+            if finish == "abort" and len(tokens) >= params.max_new_tokens:
+                finish = "length"
+            # A constrained turn cannot go on from a prefix (the engine would start the constraint over after it).
+            if finish != "abort" or s.closed or (params.structured is not None and tokens):
+                return tokens, logprobs, finish
+            idle = 0 if out.token_ids else idle + 1
+            if idle >= MAX_IDLE_ABORTS:
+                return tokens, logprobs, finish
+            s.resumed += 1
+        raise AssertionError("unreachable")
 
     def sessions(self) -> Sequence[str]:
         with self._lock:

@@ -10,6 +10,9 @@ counts it, like an environment that raises.
 
 The pictures of a turn go into its user message where the text has `<image>` markers, else before the text
 (`roll_core.multimodal.as_content`), and reach the model through the turn template (roll_core.agentic.chat).
+
+`state_key` is the state key of an observation whose environment gives no `info["state"]` (GiGPO's anchor states):
+its text plus a digest of each picture's pixels, so two states that differ only in their pictures are never one.
 """
 
 from __future__ import annotations
@@ -51,3 +54,17 @@ def text_of(obs: Observation) -> str:
 def images_of(obs: Observation) -> list[Any]:
     """The observation's pictures (none for text)."""
     return [] if isinstance(obs, str) else list(obs.get("images") or [])
+
+
+def state_key(obs: Observation) -> str:
+    """The anchor-state key of a normalised observation (for an environment without `info["state"]`): its text,
+    then one `[image <digest>]` line per picture (`roll_core.multimodal.digest`: mode, size and pixels).
+
+    Why the pictures: a visual environment's text is often the same in every state ("The lake: <image>"), and a
+    text-only key would make GiGPO group steps taken in different states and mix their step advantages."""
+    images = images_of(obs)
+    if not images:
+        return text_of(obs)
+    from roll_core.multimodal import digest
+
+    return text_of(obs) + "".join(f"\n[image {digest(im)}]" for im in images)

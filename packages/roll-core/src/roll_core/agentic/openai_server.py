@@ -14,7 +14,8 @@ format:
 - Errors are OpenAI's error JSON, `{"error": {"message", "type", "param", "code"}}`, with 400 for a request the
   endpoint refuses, 404 for an unknown session or route, 405 for a method a route does not take, 409 for a second
   concurrent request of one session, 410 for a session that ended (the episode timed out), 413 for a body over
-  `max_body_bytes`, 500 for a bug (logged). A refusal never stops the run.
+  `max_body_bytes`, 503 (`engine_aborted`) for a turn the engine keeps aborting (its own aborts are resumed first:
+  roll_core.agentic.agent_sessions), 500 for a bug (logged). A refusal never stops the run.
 - A client's retry (header `x-stainless-retry-count` >= 1, as the openai clients send it) of the previous request
   gets the reply recorded for it again; any other request is sampled (roll_core.agentic.agent_sessions).
 - Sampling follows the run (infer_engine.temperature, top_p, top_k): the trainer's ratio assumes that distribution,

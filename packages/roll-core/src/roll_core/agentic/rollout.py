@@ -18,6 +18,14 @@ aborts the turns in flight when a sync begins; such a turn keeps its generated t
 is resumed under the new weights (prompt + everything so far + the partial turn), within the turn's token budget,
 so an episode never loses a turn to a sync. Without partial rollout a sync waits for the running turns.
 
+Aborts. A turn request the engine aborts on its own (preemption, with or without a gate) is resumed the same way;
+after `MAX_IDLE_ABORTS` such aborts in a row without a token (an engine that refuses the request), or when the
+collector closes, the turn is given up. An aborted turn is never scored as the policy's failure: it is cut from the
+trajectory (no response, reward or state key) and the episode ends `abort` with `Trajectory.untrained` set, so its
+earlier turns are masked out of training too (`to_tensors`; an episode cut short has no outcome to learn from);
+such episodes are counted in episode/end_abort. An abort that left the turn's whole budget generated is a turn cut
+at its limit (`length`), not an abort.
+
 Observations with pictures (vision-language policies): the turn template renders each observation's pictures
 (expanded placeholders, roll_core.agentic.chat) and the trajectory keeps their `MMInputs`; every turn's request
 carries all the pictures of the conversation so far (`Request.mm`), in placeholder order. Picture tokens count
@@ -31,6 +39,7 @@ on: the episode is dropped, counted in data/dropped_episodes).
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -39,10 +48,15 @@ from typing import Any
 
 from roll_core.agentic.chat import TurnTemplate
 from roll_core.agentic.env_manager import EnvFailure, EnvManager
-from roll_core.agentic.observation import text_of
+from roll_core.agentic.observation import state_key
 from roll_core.agentic.trajectory import Trajectory
 from roll_core.interfaces import Request, SamplingParams
 from roll_core.seeds import Purpose, derive_seed
+
+log = logging.getLogger(__name__)
+
+#: The engine's own aborts of one turn in a row, none bringing a token, after which the turn is given up (`abort`).
+MAX_IDLE_ABORTS = 8
 
 
 @dataclass
@@ -118,6 +132,12 @@ class TurnGate:
             self.version, self._paused = version, False
             self._cv.notify_all()
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` ran (an abort seen after it is the shutdown's, not one to resume)."""
+        with self._cv:
+            return self._closed
+
     def close(self) -> None:
         """Refuse new turns and abort the running ones (their episodes end with `abort`)."""
         with self._cv:
@@ -158,31 +178,52 @@ class AgenticRollout:
             return [f.result() for f in futures]
 
     def _generate(self, rid: str, key: str, context: list[int], params: SamplingParams, traj: Trajectory) -> Any:
-        """One turn's response (token ids, log-probs, finish reason), resumed after a sync abort (with a gate)."""
-        if self.gate is None:
-            out = self.infer.submit_request(Request(rid, context, params, mm=traj.mm), route_key=key).result()
-            return out.token_ids, out.logprobs, out.finish_reason
+        """One turn's response (token ids, log-probs, finish reason), resumed after an abort (see the module
+        docstring): "abort" only when the collector closed or the engine refused the request `MAX_IDLE_ABORTS`
+        times in a row; "length" when an abort left the turn's whole budget generated."""
         tokens: list[int] = []
         logprobs: list[float] = []
         version: int | None = None
+        idle = 0  # the engine's own aborts in a row that brought no token
         for attempt in itertools.count():
             budget = params.max_new_tokens - len(tokens)
             sub = f"{rid}-{attempt}" if attempt else rid
-            seed = None if params.seed is None else derive_seed(params.seed, Purpose.EPISODE_TURN, attempt)
-            v = self.gate.enter(sub)
-            version = v if version is None else min(version, v)
+            if self.gate is None and attempt == 0:
+                seed = params.seed  # what a synchronous turn sampled before resumption existed
+            else:
+                seed = None if params.seed is None else derive_seed(params.seed, Purpose.EPISODE_TURN, attempt)
+            if self.gate is not None:
+                v = self.gate.enter(sub)
+                version = v if version is None else min(version, v)
             try:
                 req = Request(sub, context + tokens, params.replace(max_new_tokens=budget, seed=seed), mm=traj.mm)
                 out = self.infer.submit_request(req, route_key=key).result()
             finally:
-                resume = self.gate.leave(sub)
+                asked = self.gate.leave(sub) if self.gate is not None else False
             tokens += list(out.token_ids)
             logprobs += list(out.logprobs)
-            if out.finish_reason == "abort" and resume and len(tokens) < params.max_new_tokens:
-                traj.resumed_turns += 1
-                continue
-            traj.versions.append(version)
-            return tokens, logprobs, out.finish_reason
+            finish = out.finish_reason
+            if finish == "abort" and len(tokens) >= params.max_new_tokens:
+                finish = "length"  # the abort raced the budget's end: the turn is complete, cut at its limit
+            closed = self.gate is not None and self.gate.closed
+            # A constrained turn (roll-eval's infer_engine.structured) cannot go on from a prefix: the engine would
+            # start the constraint over after it.
+            if finish == "abort" and not closed and not (params.structured is not None and tokens):
+                # A sync's abort (`asked`) or the engine's own with a token resumes at once; the engine's own
+                # without one (preemption, or a refusal: SGLang aborts a prompt it cannot hold) a few times only.
+                idle = 0 if asked or out.token_ids else idle + 1
+                if idle < MAX_IDLE_ABORTS:
+                    traj.resumed_turns += 1
+                    continue
+                log.warning(
+                    "the engine aborted turn request %s %d times in a row without a token: the episode ends "
+                    "(end=abort, not trained)",
+                    rid,
+                    idle,
+                )
+            if self.gate is not None:
+                traj.versions.append(version)  # type: ignore[arg-type]
+            return tokens, logprobs, finish
         raise AssertionError("unreachable")
 
     def episode(self, slot: int, seed: int, group: int, params: SamplingParams, index: int | None = None) -> Trajectory:
@@ -190,7 +231,9 @@ class AgenticRollout:
         try:
             return self._episode(slot, seed, group, params, slot if index is None else index)
         except GateClosed:
-            return Trajectory(env_seed=seed, group=group, prompt_ids=[], end="abort", error="collector closed")
+            return Trajectory(
+                env_seed=seed, group=group, prompt_ids=[], end="abort", error="collector closed", untrained=True
+            )
 
     def _episode(self, slot: int, seed: int, group: int, params: SamplingParams, index: int) -> Trajectory:
         lim = self.limits
@@ -221,21 +264,25 @@ class AgenticRollout:
             )
             token_ids, logprobs, finish = self._generate(f"{key}-turn-{turn}", key, traj.context(), turn_params, traj)
             if finish == "prompt_too_long":
+                del traj.versions[traj.turns :]  # no turn was taken
                 traj.end = "max_context"
+                break
+            if finish == "abort":
+                # Aborted work is not the policy's failure: the partial turn is cut and the whole episode is kept
+                # out of training (`Trajectory.untrained`), counted in episode/end_abort.
+                del traj.versions[traj.turns :]
+                traj.end, traj.untrained = "abort", True
+                traj.error = "collector closed" if self.gate is not None and self.gate.closed else "engine abort"
                 break
             if self.template.picture_token_id is not None and self.template.picture_token_id in token_ids:
                 del traj.versions[traj.turns :]  # the cut turn's weight version (gate runs)
                 traj.end = "image_token"
                 break
             traj.cut_turns += int(finish == "length")
-            traj.state_keys.append(str(info.get("state", text_of(obs))))
+            traj.state_keys.append(str(info["state"]) if "state" in info else state_key(obs))
             traj.add_response(token_ids, logprobs)
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
             traj.texts.append(text)
-            if finish == "abort":
-                traj.turn_rewards.append(0.0)
-                traj.end = "abort"
-                break
             try:
                 obs, reward, terminated, truncated, info = self.envs.step(slot, text)
             except EnvFailure as exc:

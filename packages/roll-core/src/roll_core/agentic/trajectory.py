@@ -29,7 +29,7 @@ END_REASONS = (
     "max_context",
     "env_error",
     "env_timeout",
-    "abort",
+    "abort",  # a turn aborted for good (collector closed, engine refusal): cut, the episode `untrained`
     "image_token",  # the policy sampled a picture placeholder token; that turn is cut (roll_core.agentic.rollout)
 )
 
@@ -57,6 +57,9 @@ class Trajectory:
     # Weight version each turn's oldest token was sampled under (asynchronous collection; 0 when synchronous).
     versions: list[int] = field(default_factory=list)
     resumed_turns: int = 0  # turns aborted at a weight sync and resumed under the new weights (partial rollout)
+    # Kept out of training: every token masked out by `to_tensors` (an episode that ended on an aborted turn has no
+    # outcome to learn from; scoring it would train aborted work as a failure). Its reward still reaches the logs.
+    untrained: bool = False
     mm: MMInputs | None = field(default=None, repr=False)  # every picture so far, in placeholder order
 
     @property
@@ -104,6 +107,10 @@ def to_tensors(trajectories: list[Trajectory], pad_id: int) -> dict[str, Any]:
     `turn_rewards`/`turn_mask` (B, K), `episode_rewards` (B,), `group_ids` (B,), and `state_keys` (B lists);
     `mm_inputs` (B entries: each trajectory's `MMInputs` without PIL pictures, or None) when any trajectory has
     pictures.
+
+    An `untrained` trajectory keeps its row (the batch stays aligned with per-trajectory fields) with an all-zero
+    `response_mask` and `turn_mask` and `turn_ids` -1: every trajectory estimator treats such a row as absent
+    (roll_algos.trajectories) and the loss sees none of its tokens.
     """
     from roll_core.sequences import build_sequences, pad_left
 
@@ -120,12 +127,13 @@ def to_tensors(trajectories: list[Trajectory], pad_id: int) -> dict[str, Any]:
         n = len(t.tokens)
         if n:
             responses[i, :n] = torch.tensor(t.tokens)
-            mask[i, :n] = torch.tensor(t.mask)
             logp[i, :n] = torch.tensor(t.logprobs)
-            turn_ids[i, :n] = torch.tensor(t.turn_ids)
+            if not t.untrained:
+                mask[i, :n] = torch.tensor(t.mask)
+                turn_ids[i, :n] = torch.tensor(t.turn_ids)
         if t.turns:
             turn_rewards[i, : t.turns] = torch.tensor(t.turn_rewards)
-            turn_mask[i, : t.turns] = 1
+            turn_mask[i, : t.turns] = int(not t.untrained)
     prompts, prompt_mask = pad_left([t.prompt_ids for t in trajectories], pad_id)
     out: dict[str, Any] = build_sequences(prompts, prompt_mask, responses, mask)
     # Observation tokens inside the response are real context: attend to every token up to the trajectory's length

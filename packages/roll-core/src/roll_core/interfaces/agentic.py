@@ -13,7 +13,8 @@ Info keys roll reads (all optional):
   observation says what a valid action looks like (the episode goes on);
 - `success` (bool): the episode's goal was reached (success-rate metrics);
 - `state` (str): a canonical key of the environment state *before* the next action (GiGPO groups steps of a
-  group's trajectories that share it); defaults to the observation text;
+  group's trajectories that share it); defaults to the observation text and a digest of each of its pictures'
+  pixels (roll_core.agentic.observation.state_key: states that differ only in their pictures stay apart);
 - `tool_calls` (int): tool calls made in this step.
 
 Contract: the same seed gives the same instance, and the environment never raises for a malformed action (a

@@ -4,6 +4,7 @@ Tool-call syntax: a reply containing `<tool>NAME: ARGUMENT</tool>` (e.g. `<tool>
 tool call: the first such block is run (any later ones are ignored), the environment itself does not move, and the
 tool's output is the next observation. NAME is a tool's name; everything after the first colon up to `</tool>`
 (stripped) is the argument. Any reply without `<tool>` is passed to the wrapped environment as its action.
+The wrapped environment's observations must be text (one with pictures is a ValueError, not its repr).
 Tools are given by name (`tools=["calculator", "code"]`), as a mapping with the name and the tool's options (what a
 Hydra list entry gives: `{name: code, timeout_s: 2}`), or as built objects. Each episode allows `max_tool_calls` calls
 (default 4). A call over the budget, to an unknown tool, or a malformed
@@ -131,6 +132,20 @@ def _build_tool(spec: str | Mapping[str, Any] | Tool) -> Tool:
     return spec
 
 
+def _text(obs: Any, env: Any) -> str:
+    """A wrapped environment's observation as text. One with pictures is refused (ValueError: the episode fails as
+    a counted env_error): the wrapper's observations are text, and str() of it showed the model a dict's repr with
+    the pictures lost."""
+    if not isinstance(obs, Mapping):
+        return str(obs)
+    if obs.get("images"):
+        raise ValueError(
+            f"ToolUseEnv wraps text environments: {type(env).__name__} returned an observation with "
+            f"{len(obs['images'])} picture(s)"
+        )
+    return str(obs.get("text", ""))
+
+
 class ToolUseEnv:
     """Wraps an environment so that the model can call tools between its actions; see the module docstring."""
 
@@ -191,10 +206,11 @@ class ToolUseEnv:
         return out
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
-        obs, info = self.env.reset(seed=seed)
+        raw, info = self.env.reset(seed=seed)
+        obs = _text(raw, self.env)
         self.steps = self.calls = 0
-        self._history, self._last = [], (str(obs), False, False)
-        return str(obs), self._info(info, str(obs), 0, False)
+        self._history, self._last = [], (obs, False, False)
+        return obs, self._info(info, obs, 0, False)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         text = action if isinstance(action, str) else str(action)
@@ -205,8 +221,8 @@ class ToolUseEnv:
             return note + obs, 0.0, terminated, truncated, info
         self.steps += 1
         if "<tool>" not in text:
-            obs, reward, terminated, truncated, info = self.env.step(text)
-            obs, terminated = str(obs), bool(terminated)
+            raw, reward, terminated, truncated, info = self.env.step(text)
+            obs, terminated = _text(raw, self.env), bool(terminated)
             truncated = not terminated and (bool(truncated) or self.steps >= self.max_steps)
             self._last = (obs, terminated, truncated)
             return obs, float(reward), terminated, truncated, self._info(info, obs, 0, False)
