@@ -74,20 +74,24 @@ class DataConfig:
     response_mask_key: str = "response_mask"
     # Rollout rows: which prompt a sample answers (rows without it are grouped by their prompt_ids).
     group_key: str = "prompt_id"
+    # Rollout rows' score (data.min_score, data.pair_margin): the 0/1 flag `correct_key` when any row has it, else
+    # the number `reward_key`. null: always the reward (a judge's or reward model's continuous score; rollout-only
+    # output has both columns, and its `correct` is the task's threshold of the reward).
     reward_key: str = "reward"
-    correct_key: str = "correct"
+    correct_key: str | None = "correct"
     # Distillation rows: the teacher's top-k token ids and log-probs, one list of K per response token.
     teacher_ids_key: str = "teacher_topk_ids"
     teacher_logprobs_key: str = "teacher_topk_logprobs"
     # Distillation rows: the teacher tokenizer's fingerprint (roll_core.posttrain.tokenize.tokenizer_fingerprint).
     tokenizer_key: str = "tokenizer"
-    # Rollout rows read as SFT rows: keep only samples whose score (`correct` when the rows have it, else
-    # `reward`) is at least this (the others are counted as below_min_score); null keeps every sample.
+    # Rollout rows read as SFT or distillation rows: keep only samples whose score is at least this (the others
+    # are counted as below_min_score); null keeps every sample. On the 0/1 `correct` score only 0 or 1 mean
+    # something (1: the correct samples): another value is an error; set correct_key=null to threshold the reward.
     min_score: float | None = None
     # Pairs built from rollout rows: at most this many (chosen, rejected) pairs per prompt.
     pairs_per_prompt: int = 1
-    # Pairs built from rollout rows: chosen's score must exceed rejected's by more than this (score: `correct`
-    # when the rows have it, else `reward`).
+    # Pairs built from rollout rows: chosen's score must exceed rejected's by more than this. On the 0/1 `correct`
+    # score only 0 means something (correct over incorrect); set correct_key=null to pair by the reward's margin.
     pair_margin: float = 0.0
 
     def __post_init__(self) -> None:

@@ -11,24 +11,30 @@ Both sides tokenise through `SFTTokenizer` (so chosen and rejected have the same
 with its end-of-turn token) and get the length limits; a row whose either side is skipped is skipped.
 
 Rollout rows (`prompt_ids`, `response_ids`, optional `response_mask`, `reward` and/or `correct`, and a prompt id
-column `data.group_key`; rows without one are grouped by their prompt_ids): a sample's score is `correct` (0/1)
-when the row has it, else `reward`. Within one prompt, a candidate pair is two samples whose scores differ by more
-than `data.pair_margin`, the higher one chosen. Up to `data.pairs_per_prompt` candidates are taken in an order
-shuffled by a stream seeded from (seed, prompt id), preferring samples not yet in a pair, so the pairs depend on
-the seed and the rows, not on the file's order across prompts. Prompts without any candidate are counted
-(`prompts_without_pair`).
+column `data.group_key`; rows without one are grouped by their prompt_ids): a sample's score is read from one
+column for every row of a load (`score_column`): the 0/1 flag `data.correct_key` when it is set and any row has it
+(rollout-only output always has it), else the number `data.reward_key` (`data.correct_key=null` picks the reward:
+a judge's or a reward model's continuous score). A row without that column is a `missing_field` skip (one scale for
+every score: a flag was compared with another row's reward). `check_score_settings` refuses `data.min_score` and
+`data.pair_margin` values that mean nothing on the flag (min_score 0.7, pair_margin 0.2: they were read as 1 and 0,
+silently). Within one prompt, a candidate pair is two samples whose scores differ by more than `data.pair_margin`,
+the higher one chosen, whose responses differ (tokens or loss mask), and whose contents (chosen's and rejected's
+tokens) no earlier candidate has (a response sampled twice gave the same pair twice, training it twice as hard).
+Up to `data.pairs_per_prompt` candidates are taken in an order shuffled by a stream seeded from (seed, prompt id),
+preferring samples not yet in a pair, so the pairs depend on the seed and the rows, not on the file's order across
+prompts. Prompts without any candidate are counted (`prompts_without_pair`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from roll_core.errors import ConfigError
 from roll_core.posttrain.config import DataConfig
 from roll_core.posttrain.rows import RawRow, SkipRow, Skips
 from roll_core.posttrain.tokenize import SFTTokenizer, TokenRow, check_messages, check_text, need, train_flag
@@ -71,14 +77,24 @@ def parse_preference(raw: RawRow, sft: SFTTokenizer) -> Pair:
         sides.append(sft.limit(tokens))
     if sides[0].prompt_ids != sides[1].prompt_ids:  # a template that renders the prompt after reading the answer
         raise SkipRow("prompt_mismatch", "chosen and rejected tokenise to different prompts")
-    if _same(sides[0], sides[1]):  # e.g. cut to model.max_response_length before they differ: no signal
-        raise SkipRow("same_response", "chosen and rejected are identical after truncation to max_response_length")
+    if _same(sides[0], sides[1]):  # the same answer twice, or cut to model.max_response_length before they differ
+        what = (
+            "cut to max_response_length before they differ"
+            if sides[0].truncated or sides[1].truncated
+            else "the same answer"
+        )
+        raise SkipRow("same_response", f"chosen and rejected train the same tokens ({what}): no preference signal")
     return Pair(sides[0], sides[1], raw.where)
 
 
 def _same(a: TokenRow, b: TokenRow) -> bool:
     """Whether two sides train the same tokens (a pair of them has a loss of log 2 and no gradient)."""
     return a.response_ids == b.response_ids and a.mask == b.mask
+
+
+def _content(t: TokenRow) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What a side trains: its response tokens and their loss mask."""
+    return tuple(t.response_ids), tuple(t.mask)
 
 
 def _hold_prompt(prompt: Any, chosen: Any, rejected: Any) -> bool:
@@ -122,16 +138,48 @@ class _Sample:
     group: str
 
 
-def score_of(row: Mapping[str, Any], cfg: DataConfig) -> float:
-    correct = row.get(cfg.correct_key)
-    if correct is not None:
-        if isinstance(correct, bool) or (isinstance(correct, (int, float)) and correct in (0, 1)):
-            return float(correct)
-        raise SkipRow("wrong_type", f"{cfg.correct_key!r} must be true/false or 0/1, got {correct!r}")
-    reward = need(row, cfg.reward_key)
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-        raise SkipRow("wrong_type", f"{cfg.reward_key!r} must be a finite number, got {reward!r}")
-    return float(reward)
+def score_column(rows: Sequence[RawRow], cfg: DataConfig) -> str:
+    """The column every row of `rows` is scored by: `data.correct_key` when it is set and any row has a value
+    there, else `data.reward_key` (see the module doc)."""
+    key = cfg.correct_key
+    if key is not None and any(raw.row.get(key) is not None for raw in rows):
+        return key
+    return cfg.reward_key
+
+
+def check_score_settings(column: str, cfg: DataConfig, setting: str, what: str) -> None:
+    """A ConfigError for the setting `what` uses (`min_score`: SFT and distillation rows, `pair_margin`: pairs) when
+    its value means nothing on the 0/1 flag `data.correct_key` (a threshold between 0 and 1 keeps the samples 1
+    keeps; any margin below 1 gives the pairs 0 gives, 1 or more none): the user meant a continuous reward."""
+    if column != cfg.correct_key:
+        return
+    use_reward = (
+        f"to use the number in {cfg.reward_key!r} (a judge's or reward model's score) set data.correct_key=null"
+    )
+    if what == "min_score" and cfg.min_score is not None and cfg.min_score not in (0.0, 1.0):
+        raise ConfigError(
+            f"{setting}: data.min_score={cfg.min_score} is compared with the rows' 0/1 {column!r} flag, where only "
+            f"1 (the correct samples) and 0 (all) mean something: set data.min_score=1 to keep the correct samples, "
+            f"or {use_reward}"
+        )
+    if what == "pair_margin" and cfg.pair_margin > 0:
+        raise ConfigError(
+            f"{setting}: data.pair_margin={cfg.pair_margin} is compared with differences of the rows' 0/1 {column!r} "
+            f"flag (0 or 1): set data.pair_margin=0 to pair correct over incorrect samples, or {use_reward}"
+        )
+
+
+def score_of(row: Mapping[str, Any], cfg: DataConfig, column: str) -> float:
+    """The row's score in `column` (a `score_column`): 0/1 for the correct flag, a finite number for the reward;
+    a `missing_field` or `wrong_type` skip otherwise."""
+    value = need(row, column)
+    if column == cfg.correct_key:
+        if isinstance(value, bool) or (isinstance(value, (int, float)) and value in (0, 1)):
+            return float(value)
+        raise SkipRow("wrong_type", f"{column!r} must be true/false or 0/1, got {str(value)[:40]}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SkipRow("wrong_type", f"{column!r} must be a finite number, got {str(value)[:40]}")
+    return float(value)
 
 
 def _group(row: Mapping[str, Any], tokens: TokenRow, cfg: DataConfig) -> str:
@@ -152,33 +200,53 @@ def pair_stream(seed: int, group: str) -> random.Random:
 
 
 def build_pairs(
-    rows: Sequence[RawRow], sft: SFTTokenizer, *, seed: int, skips: Skips, stats: dict[str, int]
+    rows: Sequence[RawRow],
+    sft: SFTTokenizer,
+    *,
+    seed: int,
+    skips: Skips,
+    stats: dict[str, int],
+    setting: str = "data.path",
 ) -> list[Pair]:
     """Pairs of rollout samples of one prompt (see the module doc). Bad rows go to `skips`; `stats` gets
-    `prompts`, `prompts_without_pair` and `pairs`."""
+    `prompts`, `prompts_without_pair` and `pairs`. A ConfigError for a `data.pair_margin` the score column cannot
+    mean (`check_score_settings`), and for a file whose every row is bad, even beside good ones (as for SFT rows)."""
     cfg = sft.cfg
+    column = score_column(rows, cfg)
+    check_score_settings(column, cfg, setting, "pair_margin")
     groups: dict[str, list[_Sample]] = {}
+    own: dict[str, Skips] = {}  # per file: a shard of another tokenizer was dropped whole with a warning
+    kept: dict[str, int] = {}
     for raw in rows:
+        kept.setdefault(raw.file, 0)
         try:
             tokens = sft.tokens(raw.row, "tokens")
             tokens.where = raw.where
-            sample = _Sample(sft.limit(tokens), score_of(raw.row, cfg), _group(raw.row, tokens, cfg))
+            sample = _Sample(sft.limit(tokens), score_of(raw.row, cfg, column), _group(raw.row, tokens, cfg))
             first = groups.get(sample.group)
             if first and first[0].tokens.prompt_ids != tokens.prompt_ids:
                 raise SkipRow("prompt_mismatch", f"{sample.group}: prompt_ids differ from the prompt's first row's")
         except SkipRow as skip:
-            skips.add(raw.where, skip.reason, skip.detail)
+            own.setdefault(raw.file, Skips()).add(raw.where, skip.reason, skip.detail)
             continue
+        kept[raw.file] += 1
         groups.setdefault(sample.group, []).append(sample)
+    for file, file_skips in own.items():
+        file_skips.check_any(kept[file], f"{setting} ({file})")
+        skips.merge(file_skips)
     pairs: list[Pair] = []
     without = 0
     for group, samples in groups.items():
-        candidates = [
-            (i, j)
-            for i, a in enumerate(samples)
-            for j, b in enumerate(samples)
-            if a.score - b.score > cfg.pair_margin and not _same(a.tokens, b.tokens)  # truncated alike: no signal
-        ]
+        candidates: list[tuple[int, int]] = []
+        seen: set[tuple[tuple[int, ...], ...]] = set()
+        for i, a in enumerate(samples):
+            for j, b in enumerate(samples):
+                if a.score - b.score <= cfg.pair_margin or _same(a.tokens, b.tokens):  # truncated alike: no signal
+                    continue
+                content = (*_content(a.tokens), *_content(b.tokens))
+                if content not in seen:  # a response sampled twice: one pair, not the same pair twice
+                    seen.add(content)
+                    candidates.append((i, j))
         if not candidates:
             without += 1
             continue
@@ -198,8 +266,3 @@ def build_pairs(
             pairs.append(Pair(c, r, f"{c.where}>{r.where}"))
     stats.update(prompts=len(groups), prompts_without_pair=without, pairs=len(pairs))
     return pairs
-
-
-def group_key_of(pair: Pair) -> str:
-    """The key that keeps a prompt's pairs on one side of the held-out split."""
-    return json.dumps(pair.chosen.prompt_ids)

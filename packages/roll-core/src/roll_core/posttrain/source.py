@@ -1,8 +1,9 @@
 """What the file-fed collectors call: `load_rows(kind, data, tokenizer, ...)` -> train and held-out `RowSource`s.
 
 Kinds: `sft` (messages, prompt/completion, token rows; rollout rows read as token rows, filtered by
-`data.min_score`), `preference` (explicit pairs or pairs built from rollout rows), `distill` (SFT rows plus the
-teacher's top-k). Files are read in order (`data.path` may be a list or a glob), each file's row form detected
+`data.min_score` on the score column `pairs.score_column` picks: the 0/1 `correct` flag, else the reward),
+`preference` (explicit pairs or pairs built from rollout rows), `distill` (SFT rows plus the teacher's top-k,
+filtered like SFT's). Files are read in order (`data.path` may be a list or a glob), each file's row form detected
 from its columns unless `data.format` names it; bad rows are counted skips (`RowSource.skipped`, reason -> count,
 logged once with the first rows); a file where every row is bad is a ConfigError naming the first reason.
 The held-out split is `data.eval_path` when given, else `data.eval_size` rows of `data.path` chosen by a stable
@@ -28,7 +29,15 @@ import torch
 from roll_core.errors import ConfigError
 from roll_core.posttrain.config import DataConfig
 from roll_core.posttrain.distill import DistillParser, teacher_tensors
-from roll_core.posttrain.pairs import PREFERENCE_FORMATS, Pair, build_pairs, parse_preference, score_of
+from roll_core.posttrain.pairs import (
+    PREFERENCE_FORMATS,
+    Pair,
+    build_pairs,
+    check_score_settings,
+    parse_preference,
+    score_column,
+    score_of,
+)
 from roll_core.posttrain.rows import RawRow, SkipRow, Skips, apply, held_out, read_rows
 from roll_core.posttrain.tokenize import SFT_FORMATS, SFTTokenizer, TokenRow, detect_format
 from roll_core.protocol import Batch
@@ -157,7 +166,11 @@ def load_rows(
         skips.log_summary(setting)
         skips.check_any(len(items), setting)
         if not items:
-            what = "pairs (every prompt's samples score alike)" if kind == "preference" else "rows"
+            what = "rows"
+            if kind == "preference":
+                # the score column (pairs.score_column) may be a 0/1 flag beside a continuous reward
+                hint = f"; data.correct_key=null scores them by {data.reward_key!r}" if data.correct_key else ""
+                what = f"pairs (no prompt has two samples whose scores differ by more than data.pair_margin{hint})"
             raise ConfigError(f"{setting}: no usable {what}")
         return RowSource(kind, items, pad, skipped=skips.counts, stats=stats)
 
@@ -187,10 +200,16 @@ def _parse(
         by_file.setdefault(raw.file, []).append(raw)
     allowed = PREFERENCE_FORMATS if kind == "preference" else SFT_FORMATS
     distill = DistillParser(sft) if kind == "distill" else None
+    forms = {file: detect_format(file_rows, sft.cfg, allowed, setting) for file, file_rows in by_file.items()}
+    # data.min_score reads one score column over every token row of the load (see pairs.score_column)
+    scored = [raw for file, file_rows in by_file.items() if forms[file] == "tokens" for raw in file_rows]
+    column = score_column(scored, sft.cfg)
+    if sft.cfg.min_score is not None and scored:
+        check_score_settings(column, sft.cfg, setting, "min_score")
     out: list[Any] = []
     rollout: list[RawRow] = []  # pairs may join samples from several files (a sharded rollout)
     for file, file_rows in by_file.items():
-        form = detect_format(file_rows, sft.cfg, allowed, setting)
+        form = forms[file]
         if sft.cfg.min_score is not None and (kind == "preference" or form != "tokens"):
             # it was silently ignored for preference pairs and for distillation rows
             raise ConfigError(
@@ -204,9 +223,9 @@ def _parse(
         if form == "preference":
             got = apply(file_rows, lambda raw: parse_preference(raw, sft), own)
         elif distill is not None:
-            got = apply(file_rows, lambda raw, f=form: distill.parse(_above_min_score(raw, f, sft), f), own)
+            got = apply(file_rows, lambda raw, f=form: distill.parse(_above_min_score(raw, f, sft, column), f), own)
         else:
-            got = apply(file_rows, lambda raw, f=form: _sft_row(raw, f, sft), own)
+            got = apply(file_rows, lambda raw, f=form: sft.parse(_above_min_score(raw, f, sft, column), f), own)
         # One bad file is an error even beside good ones; a file whose rows all fell below data.min_score is not
         # bad (a Parquet rollout's per-step part with no correct sample: the whole load failed)
         if set(own.counts) != {"below_min_score"}:
@@ -214,20 +233,15 @@ def _parse(
         skips.merge(own)
         out += got
     if rollout:
-        out += build_pairs(rollout, sft, seed=seed, skips=skips, stats=stats)
+        out += build_pairs(rollout, sft, seed=seed, skips=skips, stats=stats, setting=setting)
     return out
 
 
-def _sft_row(raw: RawRow, form: str, sft: SFTTokenizer) -> TokenRow:
-    """An SFT row; with `data.min_score`, a token row is kept only when its score reaches it."""
-    return sft.parse(_above_min_score(raw, form, sft), form)
-
-
-def _above_min_score(raw: RawRow, form: str, sft: SFTTokenizer) -> RawRow:
-    """`raw`, or SkipRow("below_min_score") for a token row whose score is below `data.min_score`."""
+def _above_min_score(raw: RawRow, form: str, sft: SFTTokenizer, column: str) -> RawRow:
+    """`raw`, or SkipRow("below_min_score") for a token row whose score (in `column`) is below `data.min_score`."""
     cfg = sft.cfg
     if form == "tokens" and cfg.min_score is not None:
-        score = score_of(raw.row, cfg)
+        score = score_of(raw.row, cfg, column)
         if score < cfg.min_score:
-            raise SkipRow("below_min_score", f"score {score} < data.min_score={cfg.min_score}")
+            raise SkipRow("below_min_score", f"{column} {score} < data.min_score={cfg.min_score}")
     return raw

@@ -8,8 +8,8 @@ Layouts (chosen by the suffix of `rollout.output`):
   run's, same seed).
 - `rows.parquet`: a folder of that name holding one file per step, `part-<step:07d>.parquet` (the layout pyarrow's
   `pq.read_table(folder)`, pandas, Spark, DuckDB and roll's `data.path=rows.parquet` read as one table). A part
-  is written under a temporary name and renamed: it is whole or absent. The state lists the parts: on resume the
-  parts of later steps are deleted.
+  is written under a temporary name, fsync'd and renamed (the folder fsync'd too): it is whole or absent, and
+  durable once `write` returns. The state lists the parts: on resume the parts of later steps are deleted.
 
 Row fields (ROW_FIELDS; the SFT and DPO readers, roll_core.posttrain, take `prompt_ids`, `response_ids`, `reward`,
 `correct` and group a prompt's samples by `prompt_id`): prompt_id (text), prompt (the user message), answer (the task's
@@ -204,10 +204,13 @@ class RolloutWriter:
         # the remote reward sends it (it failed the whole rollout at step 1)
         data = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows).encode("utf-8")
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        created = not self.path.exists()
         with open(self.path, "ab") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())  # a checkpoint taken after this step counts these bytes: they must be on disk
+        if created:  # and the file itself: its name lives in the folder
+            _fsync_dir(self.path.parent)
         self.bytes += len(data)
 
     def _write_parquet(self, step: int, rows: Sequence[dict[str, Any]]) -> None:
@@ -226,11 +229,25 @@ class RolloutWriter:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, self.path / name)
+        # The rename lives in the folder: unsynced, a crash after the next checkpoint could lose the part the
+        # checkpoint lists, and the run could not resume.
+        _fsync_dir(self.path)
         self.parts.append(name)
 
     def state_dict(self) -> dict[str, Any]:
         """What the output holds now (a checkpoint's view of it)."""
         return {"kind": self.kind, "rows": self.rows, "bytes": self.bytes, "parts": list(self.parts)}
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Flush `folder`'s entries (a file created or renamed in it) to disk; a no-op where folders cannot be opened."""
+    if os.name != "posix":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_rollout(path: str | Path) -> list[dict[str, Any]]:

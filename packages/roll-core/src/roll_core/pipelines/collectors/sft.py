@@ -2,8 +2,9 @@
 
 Contract:
 - Rows come from `data` (roll_core.posttrain `load_rows("sft", ...)`: chat messages, prompt/completion, token rows
-  from a rollout-only output; `data.min_score` keeps only rollout samples that scored at least that: SFT on correct
-  samples). Bad rows are counted skips (`data/skipped_rows`, the run summary's `skipped_rows`); no usable row, an
+  from a rollout-only output; `data.min_score` keeps only rollout samples that scored at least that: `min_score=1`
+  on the 0/1 `correct` flag, SFT on correct samples; with `data.correct_key=null`, a threshold on the reward, e.g. a
+  judge's score). Bad rows are counted skips (`data/skipped_rows`, the run summary's `skipped_rows`); no usable row, an
   empty file, a missing file are ConfigErrors before training starts.
 - A step is `pipeline.rollout_batch_size` training rows drawn epoch by epoch in a seeded shuffle (a
   `PromptSampler`: the permutation of epoch e depends only on (pipeline.seed, e)); the state is the data position,
