@@ -315,7 +315,12 @@ def test_qa_answers_compare_numbers_exactly() -> None:
     from roll_envs.agentic.tool_env import _same_answer
 
     assert _same_answer("1,000", "1000") and _same_answer("12.50", "12.5")
+    assert _same_answer("-12,345.5", "-12345.50")
     assert not _same_answer("469401340152858662", "469401340152858661")
+    # A comma between anything but groups of three digits is no separator: a decimal comma or a typo was equal to
+    # the digits run together (1,5 = 15, 1,00 = 100).
+    assert not _same_answer("1,5", "15") and not _same_answer("1,00", "100") and not _same_answer("15", "1,5")
+    assert _same_answer("1,5", "1,5")  # still equal to itself (as text)
 
 
 # ---- tools ------------------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@
 `numbers_equal(a, b)` parses both as decimals (thousands separators and surrounding space removed) into exact
 fractions: integers must be equal (a float cannot tell 469401340152858661 from ...662: above 2^53 neighbours
 round to one double), other values may differ by less than 1e-9 (as before, for answers written to more or fewer
-decimals). Raises ValueError when either is not a plain decimal number.
+decimals). Raises ValueError when either is not a plain decimal number. A comma is a thousands separator only
+between groups of three digits (`1,000`, `12,345.6`): `1,5` (a decimal comma) or `1,00` is no plain number,
+never read as 15 or 100.
 """
 
 from __future__ import annotations
@@ -13,12 +15,17 @@ import re
 from fractions import Fraction
 
 _DECIMAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
+_GROUPED = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
 _TOLERANCE = Fraction(1, 10**9)
 
 
 def parse_number(text: str) -> Fraction:
     """`text` as an exact fraction ("1,234.50" -> 2469/2); ValueError when it is not a plain decimal number."""
-    t = text.replace(",", "").strip()
+    t = text.strip()
+    if "," in t:
+        if not _GROUPED.fullmatch(t):
+            raise ValueError(f"not a plain decimal number (a comma only between groups of three digits): {text!r}")
+        t = t.replace(",", "")
     if not _DECIMAL.fullmatch(t):
         raise ValueError(f"not a plain decimal number: {text!r}")
     return Fraction(t)

@@ -37,11 +37,13 @@ _NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
 
 
 def _same_answer(given: str, answer: str) -> bool:
-    """Numbers compare as numbers (1,000 = 1000.0), everything else as case- and space-insensitive text."""
-    g, a = given.replace(",", "").strip(), answer.replace(",", "").strip()
-    if _NUMBER.fullmatch(g) and _NUMBER.fullmatch(a):
+    """Numbers compare as numbers (1,000 = 1000.0; a comma only between groups of three digits: `1,5` is not 15),
+    everything else as case- and space-insensitive text."""
+    g, a = given.strip(), answer.strip()
+    try:
         return numbers_equal(g, a)  # exact for integers (roll_envs.numeric)
-    return " ".join(g.lower().split()) == " ".join(a.lower().split())
+    except ValueError:
+        return " ".join(g.lower().split()) == " ".join(a.lower().split())
 
 
 class QAEnv(TextEnv):
