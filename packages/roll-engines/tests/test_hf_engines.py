@@ -357,7 +357,9 @@ def test_a_loaded_optimizer_takes_the_configured_lr_and_keeps_its_moments_and_po
     resumed.load(tmp_path / "ckpt")
     group = resumed.optimizer.param_groups[0]
     assert resumed.scheduler.last_epoch == 2  # the position is the checkpoint's
-    assert group["lr"] == pytest.approx(1e-4 * 3 / 4) and resumed.scheduler.get_last_lr() == [group["lr"]]
+    groups = resumed.optimizer.param_groups  # matrices, then biases and norms (no weight decay)
+    assert group["lr"] == pytest.approx(1e-4 * 3 / 4) and resumed.scheduler.get_last_lr() == [g["lr"] for g in groups]
+    assert len(groups) == 2 and all(g["lr"] == group["lr"] and tuple(g["betas"]) == (0.8, 0.9) for g in groups)
     assert group["weight_decay"] == 0.0 and tuple(group["betas"]) == (0.8, 0.9)
     moments = {n: s["exp_avg"] for n, s in zip(range(len(group["params"])), resumed.optimizer.state.values())}
     assert moments and all(float(m.abs().sum()) > 0 for m in moments.values())  # Adam's state came back

@@ -165,3 +165,42 @@ def test_an_adapter_on_an_untied_embedding_syncs_and_saves_merged(path: str, tmp
     fresh = HFTrainEngine(path, lora_target_modules=["embed_tokens", "q_proj"], **LORA)
     fresh.load(tmp_path / "ckpt")
     torch.testing.assert_close(fresh.compute_logprobs(batch)["logprobs"], want)
+
+
+@pytest.mark.parametrize("kind", ["hf", "fsdp2"])
+def test_a_bf16_base_stays_bf16_and_the_adapters_train_in_fp32(path: str, kind: str) -> None:
+    """model.dtype=bfloat16 with LoRA: the frozen base is held in bf16 (it was loaded as fp32 masters, twice the
+    memory, though nothing updates it), the adapters and AdamW's state in fp32 (param_dtype); the base with adapters
+    off scores as the bf16 reference engine; merged weights are the base's dtype, summed in fp32 and rounded once."""
+    import torch.distributed as dist
+
+    from roll_engines.train.fsdp2 import FSDP2TrainEngine
+
+    kw = dict(dtype="bfloat16", lr=1e-2, micro_batch_size=6, **LORA)
+    try:
+        lora = FSDP2TrainEngine.conformance_engine(path, **kw) if kind == "fsdp2" else HFTrainEngine(path, **kw)
+        local = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in lora.model.named_parameters()}
+        base = [p for n, p in local.items() if ".lora_" not in n]
+        adapters = [p for n, p in local.items() if ".lora_" in n]
+        assert base and all(p.dtype == torch.bfloat16 and not p.requires_grad for p in base)
+        assert adapters and all(p.dtype == torch.float32 and p.requires_grad for p in adapters)
+        fp32_masters = HFTrainEngine(path, dtype="bfloat16", lr=1e-2)  # full training: fp32 masters, by design
+        masters = sum(p.numel() * p.element_size() for p in fp32_masters.model.parameters())
+        assert sum(p.numel() * p.element_size() for p in base) * lora.dp_size == masters // 2
+        batch = toy_batch(path)
+        lora.train_step(batch, PolicyObjective())
+        moments = [t for s in lora.optimizer.state.values() for k, t in s.items() if k != "step"]
+        assert moments and all(t.dtype == torch.float32 for t in moments)
+        reference = HFTrainEngine(path, role="reference", dtype="bfloat16").compute_logprobs(batch)["logprobs"]
+        torch.testing.assert_close(lora.compute_logprobs(batch, base=True)["logprobs"], reference)
+        merged = dict(lora.iter_weights())
+        assert all(w.dtype == torch.bfloat16 for w in merged.values())
+        if kind == "hf":
+            q = lora.model.base_model.model.model.layers[0].self_attn.q_proj
+            delta = (q.lora_B["default"].weight @ q.lora_A["default"].weight).detach() * q.scaling["default"]
+            want = (q.base_layer.weight.float() + delta).to(torch.bfloat16)
+            assert float(delta.abs().max()) > 0  # the adapter trained
+            assert torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], want)
+    finally:
+        if kind == "fsdp2" and dist.is_initialized():
+            dist.destroy_process_group()

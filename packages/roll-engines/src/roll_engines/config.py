@@ -57,6 +57,9 @@ class HFTrainEngineConfig(TrainEngineConfig):
     world_size: int = 1
     # Recompute activations in backward to save memory.
     gradient_checkpointing: bool = False
+    # AdamW's algo.weight_decay on biases and 1-D parameters (norm weights) too; false (the default, as in HF
+    # Trainer, Megatron and torchtune) leaves them undecayed and decays the matrices (embeddings, linears, adapters).
+    decay_norms_and_biases: bool = False
     # Modules that get adapters: peft names, or "all-linear" (every linear layer except the output head).
     lora_target_modules: Any = "all-linear"
     # MoE routed-expert replay: every MoE layer computes with the experts the rollout engine chose (the batch's
@@ -151,6 +154,9 @@ class MegatronTrainEngineConfig(TrainEngineConfig):
     recompute: str | None = None
     # Master weights and optimizer state stay fp32 (model.dtype is the compute dtype).
     param_dtype: str = "float32"
+    # AdamW's algo.weight_decay on biases and 1-D parameters (norm weights) too; false (the default, as in HF
+    # Trainer, Megatron and torchtune) leaves them undecayed and decays the matrices (embeddings, linears, adapters).
+    decay_norms_and_biases: bool = False
     # Micro-batches run packed: a GRPO group's prompt once, no padding (the block mask goes to Megatron's attention).
     pack_sequences: bool = True
     # LoRA rank of the policy's adapters on the tensor-parallel linear layers; 0 trains every weight. As with hf:

@@ -28,8 +28,19 @@ ADAPTER = "default"
 VISION_MODULES = r".*\b(visual|vision_tower|multi_modal_projector)\b.*"
 
 
-def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: list[str] | str) -> Any:
-    """Wrap `model` with LoRA adapters on `targets` (peft names, or "all-linear": every linear layer but the head)."""
+def apply_lora(
+    model: torch.nn.Module,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets: list[str] | str,
+    adapter_dtype: torch.dtype | None = None,
+) -> Any:
+    """Wrap `model` with LoRA adapters on `targets` (peft names, or "all-linear": every linear layer but the head).
+
+    The base keeps the dtype it was loaded in (the engines load it in the compute dtype: it is frozen); the adapters,
+    the only trained parameters, are held in `adapter_dtype` (the engine's param_dtype, fp32 by default: AdamW's
+    updates at small learning rates round away in bf16), whatever peft would pick from the base's dtype."""
     from roll_engines.config import PEFT
 
     PEFT.require()
@@ -56,6 +67,10 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, 
         peft_model = get_peft_model(model, config)
     refuse_unmatched_targets(targets, peft_model.targeted_module_names)
     refuse_tied_targets(peft_model)
+    if adapter_dtype is not None:
+        for p in peft_model.parameters():
+            if p.requires_grad:  # before any optimizer holds them: swapping the storage is safe here
+                p.data = p.data.to(adapter_dtype)
     return peft_model
 
 
@@ -135,7 +150,8 @@ def merged_weights(
         hf_name = name.replace(".base_layer.", ".")
         if owner is not None and owner in lora_modules and name.endswith(".weight"):
             w = full(p.detach())
-            yield hf_name, (w + _delta(lora_modules[owner], full).to(w.dtype))
+            # Summed in fp32, rounded once to the base's dtype (a bf16 base: rounding the delta first lost bits twice).
+            yield hf_name, (w.float() + _delta(lora_modules[owner], full).float()).to(w.dtype)
         elif not changed_only or in_parents(hf_name, parents):
             yield hf_name, full(p.detach())
     if changed_only:

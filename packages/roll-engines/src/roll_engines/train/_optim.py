@@ -1,7 +1,7 @@
-"""The `hf`/`fsdp2` engines' optimizer pieces: the LR schedule, AdamW's kernel choice and the optimizer-state
-checkpoint (torch.distributed.checkpoint, keyed by parameter name, sharded by rank, resharded on load: a run
-saved on N ranks resumes on M ranks or in one process). Saving an optimizer that has not stepped yet leaves its
-next update unchanged (and so does resuming from that checkpoint)."""
+"""The `hf`/`fsdp2` engines' optimizer pieces: the LR schedule, the param groups (no weight decay on biases and
+norms), AdamW's kernel choice and the optimizer-state checkpoint (torch.distributed.checkpoint, keyed by parameter
+name, sharded by rank, resharded on load: a run saved on N ranks resumes on M ranks or in one process). Saving an
+optimizer that has not stepped yet leaves its next update unchanged (and so does resuming from that checkpoint)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,6 +31,29 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
         raise ValueError(f"unknown lr schedule {schedule!r}")
 
     return fn
+
+
+def no_decay(name: str, param: torch.Tensor) -> bool:
+    """Whether weight decay skips a parameter: biases and every parameter of fewer than 2 dimensions (LayerNorm /
+    RMSNorm weights, scalar gates). Matrices decay: linear and embedding weights, LoRA's A and B. The rule of
+    Megatron-Core's standard overrides (`len(param.shape) == 1 or name.endswith(".bias")`), which HF Trainer's
+    (biases and norm layers by name) and torchtune's agree with on transformer models."""
+    return param.ndim < 2 or name.endswith(".bias")
+
+
+def param_groups(
+    model: torch.nn.Module, weight_decay: float, decay_norms_and_biases: bool = False
+) -> list[dict[str, Any]]:
+    """AdamW param groups of `model`'s trainable parameters: [matrices at `weight_decay`, `no_decay` ones at 0]
+    (`decay_norms_and_biases=True`: both at `weight_decay`). Decaying a norm's gain pulls it towards 0, i.e. shrinks
+    the layer's output scale, which no gradient asked for. The groups' layout depends on the model alone, never on
+    the settings (a resume with other settings loads the same optimizer structure); an empty group is left out."""
+    decay, skip = [], []
+    for name, p in model.named_parameters():  # tied parameters once
+        if p.requires_grad:
+            (skip if no_decay(name, p) else decay).append(p)
+    rates = (weight_decay, weight_decay if decay_norms_and_biases else 0.0)
+    return [{"params": ps, "weight_decay": wd} for ps, wd in zip((decay, skip), rates) if ps]
 
 
 def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
@@ -68,11 +92,16 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, fol
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    # The template has this run's sharding; DCP reshards the saved state into it.
-    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    # The template has this run's sharding; DCP reshards the saved state into it. Adam's per-parameter state
+    # (keyed by parameter name) alone: the groups' hyperparameters are this run's anyway (the engine reapplies them,
+    # roll_engines.train._settings), and the groups' layout may differ from the checkpoint's (checkpoints written
+    # before biases and norms got their own no-decay group hold one group: DCP failed on the missing second one).
+    template = get_optimizer_state_dict(model, optimizer)
+    state = {"optimizer": {"state": template["state"]}}
     with _single_process_dcp():
         dcp.load(state, checkpoint_id=folder, no_dist=not _distributed())
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    loaded = {"state": state["optimizer"]["state"], "param_groups": template["param_groups"]}
+    set_optimizer_state_dict(model, optimizer, loaded)
 
 
 @contextlib.contextmanager

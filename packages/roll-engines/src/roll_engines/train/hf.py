@@ -65,7 +65,7 @@ from roll_engines.train._lora import (
 )
 from roll_engines.train._micro import MetricMeans, check_micro_batch_tokens, micro_rows
 from roll_engines.train._micro import padding_row as _padding_row
-from roll_engines.train._optim import adamw_kernel, load_optimizer, lr_lambda, save_optimizer
+from roll_engines.train._optim import adamw_kernel, load_optimizer, lr_lambda, param_groups, save_optimizer
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
 from roll_engines.train._routing import RoutingReplay
 from roll_engines.train._settings import reapply, snapshot
@@ -96,6 +96,7 @@ class HFTrainEngine:
         device: str = "cpu",
         lr: float = 1e-6,
         weight_decay: float = 0.0,
+        decay_norms_and_biases: bool = False,
         betas: tuple[float, float] | list[float] = (0.9, 0.999),
         warmup_steps: int = 0,
         total_steps: int = 1,
@@ -152,14 +153,18 @@ class HFTrainEngine:
         self._loss_finite = True  # every micro-batch loss of the mini-batch being accumulated (fp16: see above)
         torch.manual_seed(seed)  # the critic's new value head is initialised from this seed
         self.vision = V.Vision.of(self.path)  # None for a text model
+        # With LoRA only the adapters train: the frozen base needs no master copy (a bf16 base held in fp32 took
+        # twice its memory) and is held in the compute dtype like a frozen reference; the adapters take param_dtype.
+        lora = lora_rank > 0 and self.trainable
+        self.base_dtype = self.compute_dtype if lora else self.dtype
         self.model = self._load(attn_implementation, trust_remote_code)
-        if lora_rank > 0 and self.trainable:
+        if lora:
             if lora_dropout:  # (the config refuses it too) see _load: a training forward must equal the scoring's
                 raise ValueError("LoRA trains without dropout here: set train_engine.lora_dropout=0")
             if role != "actor":
                 raise ValueError(f"LoRA trains the policy only (role {role!r}): set lora_rank=0 for the {role}")
             # Only the adapters train; the base with adapters disabled doubles as the reference policy.
-            self.model = apply_lora(self.model, lora_rank, lora_alpha, lora_dropout, lora_target_modules)
+            self.model = apply_lora(self.model, lora_rank, lora_alpha, lora_dropout, lora_target_modules, self.dtype)
         if gradient_checkpointing and trainable:
             # transformers >= 5 renamed the switch; older releases only have the gradient_ name.
             enable = getattr(self.model, "activation_checkpointing_enable", None)
@@ -188,10 +193,10 @@ class HFTrainEngine:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if self.trainable:
             self.model.train()
-            trained = [p for p in self.model.parameters() if p.requires_grad]
-            self.optimizer = torch.optim.AdamW(
-                trained, lr=lr, betas=tuple(betas), weight_decay=weight_decay, **adamw_kernel(trained)
-            )
+            # No weight decay on biases and norms (roll_engines.train._optim.param_groups), unless asked.
+            groups = param_groups(self.model, weight_decay, decay_norms_and_biases)
+            trained = [p for g in groups for p in g["params"]]
+            self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), **adamw_kernel(trained))
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lr_lambda(lr_schedule, warmup_steps, total_steps)
             )
@@ -201,7 +206,9 @@ class HFTrainEngine:
 
     # ---- construction hooks (FSDP2 overrides) -------------------------------------------------------------
     def _load(self, attn_implementation: str, trust_remote_code: bool) -> torch.nn.Module:
-        kwargs = dict(dtype=self.dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+        kwargs = dict(
+            dtype=self.base_dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
         if self.role == "critic":
             kwargs["num_labels"] = 1
         model = V.model_class(self.vision, self.role).from_pretrained(self.path, **kwargs)
@@ -436,14 +443,16 @@ class HFTrainEngine:
             tensors = V.take(tensors, order)
         chunks = [V.take(tensors, slice(s, s + self.logprob_chunk_size)) for s in range(0, n, self.logprob_chunk_size)]
         parts: dict[str, list[Tensor]] = {}
-        # Sharded forwards are collective: every rank runs as many chunks as the busiest one (padding rows).
-        for i in range(self._all_reduce_max(len(chunks))):
-            chunk = chunks[i] if i < len(chunks) else _padding_row(tensors)
-            out = self._forward(chunk, temperature, with_entropy, topk)
-            if i < len(chunks):
-                for k, v in out.items():
-                    parts.setdefault(k, []).append(v.cpu())
-        self.model.train(was_training)
+        try:  # a failed pass must not leave the policy in eval mode (training would run without checkpointing)
+            # Sharded forwards are collective: every rank runs as many chunks as the busiest one (padding rows).
+            for i in range(self._all_reduce_max(len(chunks))):
+                chunk = chunks[i] if i < len(chunks) else _padding_row(tensors)
+                out = self._forward(chunk, temperature, with_entropy, topk)
+                if i < len(chunks):
+                    for k, v in out.items():
+                        parts.setdefault(k, []).append(v.cpu())
+        finally:
+            self.model.train(was_training)
         if not parts:  # a rank with no rows
             r = tensors["responses"].shape[1]
             keys = ["values"] if self.role == "critic" else ["logprobs", "entropy"] if with_entropy else ["logprobs"]
@@ -657,8 +666,10 @@ class HFTrainEngine:
         return {k: v.to("cpu", copy=True) for k, v in self.iter_weights()}
 
     def load_weights(self, weights: Mapping[str, Tensor]) -> None:
-        """Load a full state dict (reference refresh, tests)."""
-        self.model.load_state_dict(dict(weights), strict=True)
+        """Load a full state dict, e.g. `get_weights()`'s (reference refresh, tests): every parameter must be filled
+        (a tied LM head by the embedding, as `iter_weights` sends it once) and nothing else given, else RuntimeError.
+        Sharded engines shard it (collective: every rank passes the same full weights)."""
+        self._load_full_weights(dict(weights))
 
     def shutdown(self) -> None:
         """Nothing beyond Python objects to release (megatron tears down its parallel state and overrides this)."""

@@ -27,9 +27,11 @@ def build_optimizer(
     distributed: bool,
     compute_dtype: torch.dtype,
     overlap: tuple[bool, bool],
+    decay_norms_and_biases: bool = False,
 ) -> tuple[Any, Any]:
     """(DistributedDataParallel, MegatronOptimizer) for `model`; `overlap` is (overlap_grad_reduce,
-    overlap_param_gather), `clip` the max gradient norm (<= 0: none), `config` the model's TransformerConfig."""
+    overlap_param_gather), `clip` the max gradient norm (<= 0: none), `config` the model's TransformerConfig.
+    Biases and 1-D parameters (norms) take no weight decay unless `decay_norms_and_biases` (`apply_weight_decay`)."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -67,7 +69,18 @@ def build_optimizer(
         params_dtype=torch.float32,
         use_distributed_optimizer=distributed,
     )
-    return ddp, get_megatron_optimizer(opt_config, [ddp])
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    apply_weight_decay(optimizer, weight_decay, decay_norms_and_biases)
+    return ddp, optimizer
+
+
+def apply_weight_decay(optimizer: Any, weight_decay: float, decay_norms_and_biases: bool = False) -> None:
+    """Set each param group's weight decay to `weight_decay` x its `wd_mult`: megatron-core groups biases and 1-D
+    parameters (norm weights) with wd_mult 0 (the hf/fsdp2 engines' rule, roll_engines.train._optim.no_decay), but
+    only its OptimizerParamScheduler applies the multiplier, and this engine schedules the LR itself: every group
+    decayed at the full rate. `decay_norms_and_biases=True` decays every group at `weight_decay`."""
+    for group in optimizer.param_groups:
+        group["weight_decay"] = weight_decay * (1.0 if decay_norms_and_biases else float(group.get("wd_mult", 1.0)))
 
 
 def grads_finite(ddp: Any) -> bool:

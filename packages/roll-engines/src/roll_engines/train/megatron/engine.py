@@ -85,6 +85,7 @@ class MegatronTrainEngine:
         device: str = "cpu",
         lr: float = 1e-6,
         weight_decay: float = 0.0,
+        decay_norms_and_biases: bool = False,
         betas: tuple[float, float] | list[float] = (0.9, 0.999),
         warmup_steps: int = 0,
         total_steps: int = 1,
@@ -212,6 +213,7 @@ class MegatronTrainEngine:
                     use_distributed_optimizer,
                     self.compute_dtype,
                     self.overlap,
+                    decay_norms_and_biases,
                 )
             else:
                 self.model.requires_grad_(False)
