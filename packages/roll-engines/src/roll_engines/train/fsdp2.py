@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from roll_engines.train._hf_checkpoint import check_loaded
 from roll_engines.train._settings import backend_for
-from roll_engines.train.hf import HFTrainEngine, check_loaded
+from roll_engines.train.hf import HFTrainEngine
 
 
 def _init_process_group(backend: str | None = None) -> bool:

@@ -39,8 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -51,32 +50,28 @@ from roll_core.interfaces.inference import STRUCTURED_KEY
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines._onednn_linear import use_onednn_linears
 from roll_engines.train import _vision as V  # vision-language models: pictures travel with their rows
+from roll_engines.train._hf_attention import HFAttentionCredit
+from roll_engines.train._hf_checkpoint import HFWeightsAndCheckpoints, check_loaded
 from roll_engines.train._logits import check_topk, empty_outputs, entropy_request, gather_ids_of, response_outputs
 from roll_engines.train._lora import (
-    adapter_weights,
     apply_lora,
     base_model,
-    in_parents,
     is_lora,
-    load_adapter,
-    merged_weights,
-    save_lora,
-    sync_parents,
 )
 from roll_engines.train._micro import MetricMeans, check_micro_batch_tokens, micro_rows
 from roll_engines.train._micro import padding_row as _padding_row
-from roll_engines.train._optim import adamw_kernel, load_optimizer, lr_lambda, param_groups, save_optimizer
+from roll_engines.train._optim import adamw_kernel, lr_lambda, param_groups
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
 from roll_engines.train._routing import RoutingReplay
-from roll_engines.train._settings import reapply, snapshot
 from roll_hw.cpu import fp32_linear_library
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HFTrainEngine", "adamw_kernel", "lr_lambda"]  # the optimizer helpers' old home (roll_engines.train._optim)
+# The optimizer helpers' and check_loaded's old home (roll_engines.train._optim, ._hf_checkpoint).
+__all__ = ["HFTrainEngine", "adamw_kernel", "check_loaded", "lr_lambda"]
 
 
-class HFTrainEngine:
+class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
     """A transformers model with AdamW, an LR schedule, chunked log-probs and gradient accumulation."""
 
     #: Log-probs replay a batch's structured-output constraints (`structured`); engines without it refuse them.
@@ -355,81 +350,6 @@ class HFTrainEngine:
         """Critic values (B, R) of the states before each response token."""
         return self._chunked(batch, 1.0, False)
 
-    @torch.no_grad()
-    def compute_attention_credit(
-        self,
-        batch: Mapping[str, Tensor],
-        *,
-        layers: list[int] | None = None,
-        window: int = 10,
-        head_fraction: float = 0.25,
-        chunk_rows: int = 128,
-    ) -> dict[str, Tensor]:
-        """{"waad", "fai"} (B, R) of the response tokens, for attention-based credit (roll_algos.attention_credit):
-        the WAAD (clip `window`) of the row that generated each token over the `head_fraction` most local heads of
-        `layers` (negative from the top; None or empty: the middle layer), and each token's FAI over the most global
-        ones, heads chosen per row by mean attention distance. A padded no-grad forward per `logprob_chunk_size` rows
-        reads the maps in blocks of `chunk_rows` rows (roll_engines.train._attention: memory rows x heads x
-        chunk_rows x (P+R) floats for one layer at a time). 0 outside the response mask."""
-        parts = self._attention_pass(batch, layers, window, chunk_rows, head_fraction=head_fraction)
-        return {k: torch.cat([p[k] for p in parts]) for k in ("waad", "fai")}
-
-    @torch.no_grad()
-    def attention_maps(self, batch: Mapping[str, Tensor], layers: list[int] | None = None) -> dict[int, Tensor]:
-        """{layer: (B, H, R+1, P+R)} the attention probabilities of rows P-1 .. P+R-1 (those attention credit reads)
-        of the asked layers, as `compute_attention_credit` computes them (for checks; memory grows as (P+R)^2)."""
-        parts = self._attention_pass(batch, layers, 1, 1 << 30, keep_maps=True)
-        return {i: torch.cat([p[i] for p in parts]) for i in parts[0]} if parts else {}
-
-    def _attention_pass(
-        self,
-        batch: Mapping[str, Tensor],
-        layers: list[int] | None,
-        window: int,
-        chunk_rows: int,
-        head_fraction: float = 1.0,
-        keep_maps: bool = False,
-    ) -> list[dict]:
-        from roll_engines.train import _attention as A
-
-        if self.role == "critic":
-            raise ValueError("attention credit reads the policy's attention: the critic has none to give")
-        if self.vision is not None:
-            raise ValueError("attention credit reads text models; this one is a vision-language model")
-        model = base_model(self.model)
-        picked = A.resolve_layers(list(layers or []), int(model.config.num_hidden_layers))
-        tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
-        n = tensors["input_ids"].shape[0]
-        chunks = [
-            {k: v[s : s + self.logprob_chunk_size] for k, v in tensors.items()}
-            for s in range(0, n, self.logprob_chunk_size)
-        ]
-        was_training = self.model.training
-        self.model.eval()
-        parts: list[dict] = []
-        try:
-            # Sharded forwards are collective: every rank runs as many chunks as the busiest one (padding rows).
-            for i in range(self._all_reduce_max(len(chunks))):
-                micro = chunks[i] if i < len(chunks) else _padding_row(tensors)
-                rec = A.micro_recorder(micro, picked, window, chunk_rows, keep_maps)
-                if self.routing is not None:
-                    self.routing.prepare(micro, None)
-                ids = micro["input_ids"].to(self.device)
-                self.forward_tokens += ids.numel()
-                autocast = torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast)
-                with A.capturing(model, rec), autocast:
-                    self.model(
-                        input_ids=ids,
-                        attention_mask=micro["attention_mask"].to(self.device),
-                        position_ids=micro["position_ids"].to(self.device),
-                        logits_to_keep=1,
-                    )
-                if i < len(chunks):
-                    parts.append(rec.maps if keep_maps else rec.token_scores(head_fraction))
-        finally:
-            self.model.train(was_training)
-        return parts
-
     def _chunked(
         self, batch: Mapping[str, Tensor], temperature: float, with_entropy: bool, topk: int = 0
     ) -> dict[str, Tensor]:
@@ -621,132 +541,3 @@ class HFTrainEngine:
             return norm, False, overflow
         self.scheduler.step()
         return norm, True, False
-
-    # ---- weights and checkpoints --------------------------------------------------------------------------
-    def iter_weights(self, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
-        """(name, full tensor) for weight sync, in a fixed order; tied parameters once (under their first name).
-
-        Tensors may be the live parameters (no copy): receivers copy them before the next optimizer step.
-        `changed_only` skips frozen parameters and buffers (but not a frozen parameter of a module with a trained
-        one: roll_engines.train._lora.sync_parents). Collective on sharded engines (every rank iterates).
-        With LoRA the tensors are merged (W + scaling * B @ A) under the base model's names, and `changed_only`
-        sends only the adapted weights.
-        """
-        if self.lora:
-            yield from merged_weights(self.model, self._full_tensor, changed_only)
-            return
-        persistent = set(self.model.state_dict().keys())
-        # A frozen parameter beside a trained one in the same module still goes (fused groups arrive whole).
-        linears = {f"{n}.weight" for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)}
-        trained = (n for n, p in self.model.named_parameters() if p.requires_grad and n in linears)
-        parents = sync_parents(trained) if changed_only else set()
-        for name, p in self.model.named_parameters():  # deduplicates shared (tied) parameters
-            if changed_only and not p.requires_grad and not in_parents(name, parents):
-                continue
-            yield name, self._full_tensor(p.detach())
-        if changed_only:
-            return
-        for name, b in self.model.named_buffers():
-            if name in persistent:
-                yield name, self._full_tensor(b)
-
-    def iter_adapter(self) -> Iterator[tuple[str, Tensor]]:
-        """The LoRA adapter alone for an inference engine that serves adapters (infer_engine.lora_sync=adapter):
-        (peft saved name, full tensor), B scaled by alpha / r (roll_engines.train._lora.adapter_weights).
-        Collective on sharded engines (every rank iterates)."""
-        if not self.lora:
-            raise ValueError(f"{self.name} engine: adapter weight sync needs LoRA (train_engine.lora_rank > 0)")
-        yield from adapter_weights(self.model, self._full_tensor)
-
-    def _full_tensor(self, t: Tensor) -> Tensor:
-        return t
-
-    def get_weights(self) -> dict[str, Tensor]:
-        """Full CPU copies of `iter_weights()` (tests, notebooks)."""
-        return {k: v.to("cpu", copy=True) for k, v in self.iter_weights()}
-
-    def load_weights(self, weights: Mapping[str, Tensor]) -> None:
-        """Load a full state dict, e.g. `get_weights()`'s (reference refresh, tests): every parameter must be filled
-        (a tied LM head by the embedding, as `iter_weights` sends it once) and nothing else given, else RuntimeError.
-        Sharded engines shard it (collective: every rank passes the same full weights)."""
-        self._load_full_weights(dict(weights))
-
-    def shutdown(self) -> None:
-        """Nothing beyond Python objects to release (megatron tears down its parallel state and overrides this)."""
-        return None
-
-    def save(self, folder: str | Path, tokenizer_path: str | None = None) -> None:
-        """Write `folder/model` (an HF folder: safetensors + tokenizer), `folder/optimizer` (a
-        torch.distributed.checkpoint of AdamW's state, keyed by parameter name, sharded by rank) and
-        `folder/engine.pt` (scheduler and grad-scaler state). Collective on sharded engines.
-
-        The optimizer checkpoint is resharded on load, so a run saved on N ranks resumes on M ranks (or on the
-        single-process `hf` engine), from a shared filesystem or from per-node copies of the folder.
-        """
-        folder = Path(folder)
-        if self.lora:
-            self._save_lora(folder)
-        else:
-            self._save_model(folder / "model")
-        if self.dp_rank == 0:
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(
-                tokenizer_path or self.path, trust_remote_code=self._trust_remote_code
-            ).save_pretrained(folder / "model")
-            V.save_processor(self.vision, self.path, folder / "model", trust_remote_code=self._trust_remote_code)
-        if self.optimizer is None:
-            return
-        save_optimizer(self.model, self.optimizer, folder / "optimizer")
-        if self.dp_rank == 0:
-            state = {"scheduler": self.scheduler.state_dict()}
-            if self.scaler is not None:
-                state["scaler"] = self.scaler.state_dict()
-            torch.save(state, folder / "engine.pt")
-
-    def _save_model(self, folder: Path) -> None:
-        self.model.save_pretrained(folder, safe_serialization=True)
-
-    def _save_lora(self, folder: Path) -> None:
-        """`adapter/` (peft format) and `model/`, the merged model that plain transformers loads (collective)."""
-        save_lora(self.model, self.iter_weights(), self._full_tensor, self.dp_rank == 0, folder)
-
-    def load(self, folder: str | Path) -> None:
-        """Restore weights, optimizer, scheduler and scaler written by `save` (at any data-parallel size). The
-        optimizer's hyperparameters and base LR stay this engine's configured ones (roll_engines.train._settings);
-        Adam's moments and the schedule's position come from the checkpoint."""
-        from safetensors.torch import load_file
-
-        folder = Path(folder)
-        if self.lora:  # the base stays what model_path holds; only the adapter was trained
-            load_adapter(self.model, folder / "adapter")
-        else:
-            weights: dict[str, Tensor] = {}
-            for f in sorted((folder / "model").glob("*.safetensors")):
-                weights.update(load_file(f))
-            self._load_full_weights(V.own_names(base_model(self.model), weights) if self.vision else weights)
-        if self.optimizer is None:
-            return
-        if not (folder / "optimizer").is_dir():
-            raise FileNotFoundError(f"{folder} has no optimizer checkpoint (optimizer/): it is a weights-only folder")
-        configured = snapshot(self.optimizer)  # this run's lr, weight decay, betas: the checkpoint's would win
-        load_optimizer(self.model, self.optimizer, folder / "optimizer")
-        small = torch.load(folder / "engine.pt", map_location="cpu", weights_only=True)
-        self.scheduler.load_state_dict(small["scheduler"])
-        # The configured settings take effect at the saved schedule position (a resume with a changed algo.lr).
-        reapply(self.optimizer, configured, self.scheduler)
-        if self.scaler is not None and "scaler" in small:
-            self.scaler.load_state_dict(small["scaler"])
-
-    def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        check_loaded(weights, missing, unexpected)
-
-
-def check_loaded(weights: Mapping[str, Tensor], missing: Sequence[str], unexpected: Sequence[str]) -> None:
-    """RuntimeError naming what a checkpoint's full state dict did not fill or did not match (a tied LM head,
-    saved once under the embedding's name, is not missing): a layer that silently kept its initial weights would
-    train on from the wrong start."""
-    missing = [k for k in missing if not (k.endswith("lm_head.weight") and "model.embed_tokens.weight" in weights)]
-    if missing or unexpected:
-        raise RuntimeError(f"checkpoint mismatch: missing {list(missing)[:5]}, unexpected {list(unexpected)[:5]}")

@@ -1,0 +1,172 @@
+"""Weight sync and checkpoints of the `hf` training engine (roll_engines.train.hf; FSDP2 overrides the hooks).
+
+`HFWeightsAndCheckpoints` is a mixin of `HFTrainEngine`: `iter_weights`/`iter_adapter` (what weight sync sends),
+`get_weights`/`load_weights`, `save`/`load` of a checkpoint folder (`model/` an HF folder, `optimizer/` a
+torch.distributed.checkpoint keyed by parameter name, `engine.pt` scheduler and scaler; LoRA adds `adapter/`).
+It uses the engine's `model`, `optimizer`, `scheduler`, `scaler`, `lora`, `vision`, `dp_rank`, `path`; sharded
+engines override `_full_tensor`, `_save_model`, `_save_lora` and `_load_full_weights`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from roll_engines.train import _vision as V
+from roll_engines.train._lora import (
+    adapter_weights,
+    base_model,
+    in_parents,
+    load_adapter,
+    merged_weights,
+    save_lora,
+    sync_parents,
+)
+from roll_engines.train._optim import load_optimizer, save_optimizer
+from roll_engines.train._settings import reapply, snapshot
+
+
+class HFWeightsAndCheckpoints:
+    """Weights out (sync), weights in, and checkpoint folders of an hf-family engine."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    scaler: Any
+    vision: Any
+    dp_rank: int
+    path: str
+    name: str
+    _trust_remote_code: bool
+
+    def iter_weights(self, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """(name, full tensor) for weight sync, in a fixed order; tied parameters once (under their first name).
+
+        Tensors may be the live parameters (no copy): receivers copy them before the next optimizer step.
+        `changed_only` skips frozen parameters and buffers (but not a frozen parameter of a module with a trained
+        one: roll_engines.train._lora.sync_parents). Collective on sharded engines (every rank iterates).
+        With LoRA the tensors are merged (W + scaling * B @ A) under the base model's names, and `changed_only`
+        sends only the adapted weights.
+        """
+        if self.lora:
+            yield from merged_weights(self.model, self._full_tensor, changed_only)
+            return
+        persistent = set(self.model.state_dict().keys())
+        # A frozen parameter beside a trained one in the same module still goes (fused groups arrive whole).
+        linears = {f"{n}.weight" for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)}
+        trained = (n for n, p in self.model.named_parameters() if p.requires_grad and n in linears)
+        parents = sync_parents(trained) if changed_only else set()
+        for name, p in self.model.named_parameters():  # deduplicates shared (tied) parameters
+            if changed_only and not p.requires_grad and not in_parents(name, parents):
+                continue
+            yield name, self._full_tensor(p.detach())
+        if changed_only:
+            return
+        for name, b in self.model.named_buffers():
+            if name in persistent:
+                yield name, self._full_tensor(b)
+
+    def iter_adapter(self) -> Iterator[tuple[str, Tensor]]:
+        """The LoRA adapter alone for an inference engine that serves adapters (infer_engine.lora_sync=adapter):
+        (peft saved name, full tensor), B scaled by alpha / r (roll_engines.train._lora.adapter_weights).
+        Collective on sharded engines (every rank iterates)."""
+        if not self.lora:
+            raise ValueError(f"{self.name} engine: adapter weight sync needs LoRA (train_engine.lora_rank > 0)")
+        yield from adapter_weights(self.model, self._full_tensor)
+
+    def _full_tensor(self, t: Tensor) -> Tensor:
+        return t
+
+    def get_weights(self) -> dict[str, Tensor]:
+        """Full CPU copies of `iter_weights()` (tests, notebooks)."""
+        return {k: v.to("cpu", copy=True) for k, v in self.iter_weights()}
+
+    def load_weights(self, weights: Mapping[str, Tensor]) -> None:
+        """Load a full state dict, e.g. `get_weights()`'s (reference refresh, tests): every parameter must be filled
+        (a tied LM head by the embedding, as `iter_weights` sends it once) and nothing else given, else RuntimeError.
+        Sharded engines shard it (collective: every rank passes the same full weights)."""
+        self._load_full_weights(dict(weights))
+
+    def shutdown(self) -> None:
+        """Nothing beyond Python objects to release (megatron tears down its parallel state and overrides this)."""
+        return None
+
+    def save(self, folder: str | Path, tokenizer_path: str | None = None) -> None:
+        """Write `folder/model` (an HF folder: safetensors + tokenizer), `folder/optimizer` (a
+        torch.distributed.checkpoint of AdamW's state, keyed by parameter name, sharded by rank) and
+        `folder/engine.pt` (scheduler and grad-scaler state). Collective on sharded engines.
+
+        The optimizer checkpoint is resharded on load, so a run saved on N ranks resumes on M ranks (or on the
+        single-process `hf` engine), from a shared filesystem or from per-node copies of the folder.
+        """
+        folder = Path(folder)
+        if self.lora:
+            self._save_lora(folder)
+        else:
+            self._save_model(folder / "model")
+        if self.dp_rank == 0:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(
+                tokenizer_path or self.path, trust_remote_code=self._trust_remote_code
+            ).save_pretrained(folder / "model")
+            V.save_processor(self.vision, self.path, folder / "model", trust_remote_code=self._trust_remote_code)
+        if self.optimizer is None:
+            return
+        save_optimizer(self.model, self.optimizer, folder / "optimizer")
+        if self.dp_rank == 0:
+            state = {"scheduler": self.scheduler.state_dict()}
+            if self.scaler is not None:
+                state["scaler"] = self.scaler.state_dict()
+            torch.save(state, folder / "engine.pt")
+
+    def _save_model(self, folder: Path) -> None:
+        self.model.save_pretrained(folder, safe_serialization=True)
+
+    def _save_lora(self, folder: Path) -> None:
+        """`adapter/` (peft format) and `model/`, the merged model that plain transformers loads (collective)."""
+        save_lora(self.model, self.iter_weights(), self._full_tensor, self.dp_rank == 0, folder)
+
+    def load(self, folder: str | Path) -> None:
+        """Restore weights, optimizer, scheduler and scaler written by `save` (at any data-parallel size). The
+        optimizer's hyperparameters and base LR stay this engine's configured ones (roll_engines.train._settings);
+        Adam's moments and the schedule's position come from the checkpoint."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        if self.lora:  # the base stays what model_path holds; only the adapter was trained
+            load_adapter(self.model, folder / "adapter")
+        else:
+            weights: dict[str, Tensor] = {}
+            for f in sorted((folder / "model").glob("*.safetensors")):
+                weights.update(load_file(f))
+            self._load_full_weights(V.own_names(base_model(self.model), weights) if self.vision else weights)
+        if self.optimizer is None:
+            return
+        if not (folder / "optimizer").is_dir():
+            raise FileNotFoundError(f"{folder} has no optimizer checkpoint (optimizer/): it is a weights-only folder")
+        configured = snapshot(self.optimizer)  # this run's lr, weight decay, betas: the checkpoint's would win
+        load_optimizer(self.model, self.optimizer, folder / "optimizer")
+        small = torch.load(folder / "engine.pt", map_location="cpu", weights_only=True)
+        self.scheduler.load_state_dict(small["scheduler"])
+        # The configured settings take effect at the saved schedule position (a resume with a changed algo.lr).
+        reapply(self.optimizer, configured, self.scheduler)
+        if self.scaler is not None and "scaler" in small:
+            self.scaler.load_state_dict(small["scaler"])
+
+    def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        check_loaded(weights, missing, unexpected)
+
+
+def check_loaded(weights: Mapping[str, Tensor], missing: Sequence[str], unexpected: Sequence[str]) -> None:
+    """RuntimeError naming what a checkpoint's full state dict did not fill or did not match (a tied LM head,
+    saved once under the embedding's name, is not missing): a layer that silently kept its initial weights would
+    train on from the wrong start."""
+    missing = [k for k in missing if not (k.endswith("lm_head.weight") and "model.embed_tokens.weight" in weights)]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint mismatch: missing {list(missing)[:5]}, unexpected {list(unexpected)[:5]}")
