@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from roll_core.isolation import ForkedWorker
+from roll_core.testing.processes import process_gone
 
 # The "trainer": a reward child that hangs in its call (a sympy simplification that never ends), started from a
 # worker thread as an environment thread would; the child writes its pid to argv[1] once it is in the call.
@@ -33,14 +34,6 @@ time.sleep(120)
 """
 
 
-def _gone(pid: int) -> bool:
-    """Exited (a zombie waiting for an init that does not reap counts as exited)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_child_dies_with_its_killed_parent_even_in_a_hung_call(tmp_path: Path) -> None:
     """SIGKILL the parent while its child hangs in a call: the child is gone within seconds (it slept on for its
@@ -57,14 +50,14 @@ def test_a_child_dies_with_its_killed_parent_even_in_a_hung_call(tmp_path: Path)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         deadline = time.monotonic() + 5
-        while not _gone(child) and time.monotonic() < deadline:
+        while not process_gone(child) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _gone(child), "the child outlived its killed parent"
+        assert process_gone(child), "the child outlived its killed parent"
     finally:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
-        if child is not None and not _gone(child):
+        if child is not None and not process_gone(child):
             os.kill(child, signal.SIGKILL)
 
 

@@ -10,10 +10,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
+from roll_core.testing.processes import process_gone
 from roll_envs.sandbox import PythonSandbox, SandboxLimits, cgroup
 
 # The "roll process": builds a sandbox, starts a program that sleeps in a run thread, says so, then waits.
@@ -29,14 +29,6 @@ threading.Thread(target=sandbox.run, args=("import time\\ntime.sleep(100)\\n",),
 print("started", flush=True)
 time.sleep(120)
 """
-
-
-def _gone(pid: int) -> bool:
-    """Exited (a zombie waiting for an init that does not reap counts as exited)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 @pytest.mark.parametrize("mode", ["unsandboxed", "bwrap"])
@@ -59,15 +51,15 @@ def test_no_program_outlives_a_killed_parent(mode: str, program_pids: Callable[[
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         deadline = time.monotonic() + 5
-        while not all(map(_gone, programs)) and time.monotonic() < deadline:
+        while not all(map(process_gone, programs)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert all(map(_gone, programs)), f"{mode} programs {programs} outlived their killed parent"
+        assert all(map(process_gone, programs)), f"{mode} programs {programs} outlived their killed parent"
     finally:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
         for pid in programs:
-            if not _gone(pid):
+            if not process_gone(pid):
                 os.kill(pid, signal.SIGKILL)
         if cgroup.available():
             cgroup.sweep_stale.__wrapped__()  # the dead parent's run cgroup
@@ -107,9 +99,9 @@ def test_an_unsandboxed_run_is_capped_and_cleaned_up_by_a_run_cgroup(caplog: pyt
         # pids.max = max_processes + 3: the program itself and `sleep` leave 5 for its children.
         assert forked <= 5, f"forked {forked} children with max_processes=4"
         deadline = time.monotonic() + 5
-        while not _gone(background) and time.monotonic() < deadline:
+        while not process_gone(background) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _gone(background), "a process the run left behind outlived it"
+        assert process_gone(background), "a process the run left behind outlived it"
     finally:
-        if not _gone(background):
+        if not process_gone(background):
             os.kill(background, signal.SIGKILL)
