@@ -23,8 +23,10 @@ scored the reward it reported, else 0 (the limit is the policy's doing: dropping
 loops on tool calls).
 
 Metrics: reward, success rate (reward >= env.success_reward), turns, generated tokens, tool calls, failures by
-kind, history rewrites and the turns they dropped, invalid tool-call blocks. Evaluation: one episode per held-out
-row (greedy unless pipeline.eval_temperature says otherwise).
+kind, history rewrites and the turns they dropped, invalid tool-call blocks, turns resumed after the engine's own
+aborts, why episodes ended (a timed-out episode is episode/end_env_timeout, its aborted request in flight
+notwithstanding). Evaluation: one episode per held-out row (greedy unless pipeline.eval_temperature says
+otherwise).
 """
 
 from __future__ import annotations
@@ -269,6 +271,8 @@ class AgentCollector:
             log.warning("episode %s failed (%s): %s", sid, failure, error or "no reward reported")
             reward = self.task.failure_reward
         traj = session.finish(reward, _END[failure])
+        if failure == "timeout":  # not the `abort` its closing left on a request in flight: the episode timed out
+            traj.end = "env_timeout"
         traj.success = failure is None and reward >= self.task.success_reward
         return Episode(row, traj, reward, failure, session, error)
 
@@ -360,6 +364,8 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
         "agent/dropped_turns": float(sum(e.session.dropped_turns for e in episodes)),
         "agent/invalid_tool_calls": float(sum(e.session.invalid_tool_calls for e in episodes)),
         "agent/constrained_turns": float(sum(e.session.constrained_turns for e in episodes)),
+        # turn requests the engine aborted on its own (preemption) and the endpoint resumed
+        "agent/resumed_turns": float(sum(e.session.resumed for e in episodes)),
     }
     for kind in FAILURES:
         out[f"agent/failed_{kind}"] = float(failures.get(kind, 0))

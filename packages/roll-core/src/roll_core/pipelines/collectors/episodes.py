@@ -9,7 +9,11 @@ prompt is the prompt, everything after it the response, with a loss mask that is
 failed at reset give nothing to train on (counted in data/dropped_episodes). An episode whose environment step
 raised or hung (end `env_error` / `env_timeout`) is, per the task's `on_failure`, trained with its failing turn's
 reward set to `failure_reward` (`score`, the default; 0.0) or dropped (`drop`, counted in data/dropped_episodes):
-either way it is counted in episode/end_<reason> and env/<counter>.
+either way it is counted in episode/end_<reason> and env/<counter>. An episode the rollout kept `untrained` (a turn
+the engine kept aborting, or the collector closing, cut it: end `abort`, roll_core.agentic.rollout) is left out of
+the batch (no forward pass is spent on a row the loss would mask), counted in data/dropped_episodes and
+data/aborted_episodes, and out of the reward and episode metrics (its partial reward is no outcome): only
+episode/end_abort counts it.
 
 Vision-language models (`model.path` a Qwen-VL family folder or builtin:tiny-qwen2.5-vl): observations may carry
 pictures (env=visual_frozen_lake); the turn template renders them with the model's `VisionProcessor` and the batch
@@ -176,7 +180,7 @@ class EpisodeCollector:
             "eval/mean_turns": m["episode/turns_mean"],
             "eval/invalid_action_rate": m["episode/invalid_action_rate"],
             "eval/tool_calls_mean": m["episode/tool_calls_mean"],
-            "eval/n": float(len(trajs)),
+            "eval/n": float(sum(not t.untrained for t in trajs)),  # the episodes the rates are over
             **{f"eval/end_{k.removeprefix('episode/end_')}": v for k, v in m.items() if k.startswith("episode/end_")},
             **{f"eval/{k.removeprefix('env/')}": v for k, v in m.items() if k.startswith("env/")},
             "eval/seconds": time.perf_counter() - t0,
@@ -211,9 +215,11 @@ class EpisodeCollector:
         out.update(episode_metrics(trajs, self._counters, now))
         self._counters = now
         self._log_episodes(step, trajs)
-        # an environment that failed at reset gives nothing to train on; one that failed later, per on_failure
-        kept = [t for t in trajs if t.turns > 0 and not (drop and t.end in ENV_FAILURES)]
+        # an environment that failed at reset gives nothing to train on; one that failed later, per on_failure; an
+        # untrained episode (cut by an aborted turn) would be all masked: a forward pass for nothing
+        kept = [t for t in trajs if t.turns > 0 and not t.untrained and not (drop and t.end in ENV_FAILURES)]
         out["data/dropped_episodes"] = len(trajs) - len(kept)
+        out["data/aborted_episodes"] = sum(t.untrained for t in trajs)
         if not kept:
             return None
         tensors = to_tensors(kept, self.tokenizer.pad_token_id or 0)
@@ -270,7 +276,15 @@ def episode_metrics(
     trajs: list[Trajectory], before: dict[str, int] | None, after: dict[str, int] | None
 ) -> dict[str, float]:
     """Success rate, turns, invalid actions, tool calls, lengths and end reasons of finished episodes; with
-    `before`/`after` environment counters, their change (env/<counter>)."""
+    `before`/`after` environment counters, their change (env/<counter>).
+
+    Every metric but the end reasons (episode/end_<reason>, over all episodes) is over the episodes with an outcome:
+    an `untrained` one (end `abort`: a turn aborted for good cut it) has a partial reward and a shortened length
+    that describe the engine, not the policy (they pulled reward/mean and the success rate down)."""
+    ends = Counter(t.end for t in trajs)
+    n_all = max(len(trajs), 1)
+    resumed = sum(t.resumed_turns for t in trajs)
+    trajs = [t for t in trajs if not t.untrained]
     n = max(len(trajs), 1)
     turns = sum(t.turns for t in trajs)
     rewards = [t.reward for t in trajs] or [0.0]
@@ -287,9 +301,10 @@ def episode_metrics(
         "episode/cut_turn_rate": sum(t.cut_turns for t in trajs) / max(turns, 1),
         "episode/length_mean": sum(t.length for t in trajs) / n,
         "response/length_mean": sum(sum(t.mask) for t in trajs) / max(turns, 1),  # generated tokens per turn
+        "episode/resumed_turns": float(resumed),  # turn requests an abort interrupted, resumed (partial rollout)
     }
-    for reason, count in Counter(t.end for t in trajs).items():
-        out[f"episode/end_{reason}"] = count / n
+    for reason, count in ends.items():
+        out[f"episode/end_{reason}"] = count / n_all
     if before is not None and after is not None:
         for k in after:
             out[f"env/{k}"] = float(after[k] - before.get(k, 0))

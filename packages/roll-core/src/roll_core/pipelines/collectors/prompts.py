@@ -8,6 +8,11 @@ prompts, an asynchronous run's groups not yet trained, are drawn first); prompts
 sampling) groups without reward variance are filtered out and more prompts are drawn until the batch is full or
 `algo.refill_max_batches` batches' worth were sampled. Scores get the overlong penalty and reward clipping.
 Evaluation: one sample per held-out problem at the eval temperature.
+Aborts: a row the engine aborts on its own (SGLang under memory pressure, vLLM at its preemption limit) is resumed
+from its partial output within its token budget, as the asynchronous driver resumes its samples
+(`resume_aborted`, counted in data/resumed_rows), never scored as an incomplete answer; a prompt the engine keeps
+refusing (`MAX_IDLE_ABORTS` aborts in a row without a token) has its whole group dropped (data/refused_prompts,
+logged), so every trained group is complete and group-relative advantages keep their meaning.
 Multi-domain tasks (roll_envs.tasks.multi): prompts are mixed by the task's counts or weights
 (roll_core.data.DomainSampler), metrics and evaluation are also reported per domain (`domain/<d>/...`,
 `eval/<d>/accuracy`), and rows carry `advantage_scale` (the trainer multiplies their advantages) when a domain's
@@ -20,6 +25,7 @@ pictures (the tensors suffice), the trainer. Problems with pictures and a text m
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -33,6 +39,7 @@ from roll_core.cluster.roles import RewardGroup
 from roll_core.config.build import as_dict
 from roll_core.data import data_fingerprint, make_sampler
 from roll_core.errors import ConfigError
+from roll_core.interfaces import Request, SamplingParams
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
 from roll_core.pipelines.rollout import (
@@ -40,11 +47,13 @@ from roll_core.pipelines.rollout import (
     assemble,
     check_pictures,
     evaluate,
+    picture_token_ids,
     prompt_batch,
     vision_processor,
 )
-from roll_core.pipelines.sampling import RM_ROW_TENSORS, group_rows, informative_groups, merge_scored
+from roll_core.pipelines.sampling import RM_ROW_TENSORS, group_rows, informative_groups, merge_scored, pad_right
 from roll_core.protocol import Batch
+from roll_core.routing import ROUTING_ROWS
 from roll_core.seeds import Purpose, derive_seed
 
 log = logging.getLogger(__name__)
@@ -139,7 +148,7 @@ class PromptCollector:
         """Held-out accuracy: one sample per held-out problem at the eval temperature."""
         t0 = time.perf_counter()
         res = evaluate(
-            self.infer,
+            _Resuming(self.infer, self._pad_id, self._cut_ids),  # an engine's own abort is resumed, not scored 0
             self.scoring,
             self.tokenizer,
             self.task,
@@ -203,6 +212,18 @@ class PromptCollector:
 
     # ---- pieces -------------------------------------------------------------------------------------------
     @property
+    def _pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return 0 if pad is None else int(pad)
+
+    @property
+    def _cut_ids(self) -> frozenset[int]:
+        """Picture placeholder ids a response is cut before (a vision-language model's; none for text)."""
+        if getattr(self, "processor", None) is None:
+            return frozenset()
+        return frozenset(picture_token_ids(self.tokenizer))
+
+    @property
     def eval_temperature(self) -> float:
         t = self.cfg.pipeline.eval_temperature
         return self.sampling.temperature if t is None else float(t)
@@ -244,13 +265,30 @@ class PromptCollector:
         first round go to `out`, later rounds only add their timers."""
         algo, model = self.cfg.algo, self.cfg.model
         first = round_ == 0
+        g = algo.group_size
         problems = [self.train_set[i] for i in self._draw(n_prompts)]
-        counts: dict[str, Any] = {"data/skipped_long_prompts": 0}
+        counts: dict[str, Any] = {"data/skipped_long_prompts": 0, "data/resumed_rows": 0, "data/refused_prompts": 0}
         prompts = self._prompt_batch(problems, counts)
         with out.timer("generate"):
             seed = derive_seed(self.cfg.pipeline.seed, Purpose.ROLLOUT, step, round_)  # refills draw fresh streams
-            gen = self.infer.generate(prompts, self.sampling.replace(seed=seed), n=algo.group_size)
-        batch = assemble(self.tokenizer, prompts.repeat_interleave(algo.group_size), gen, counts)
+            params = self.sampling.replace(seed=seed)
+            gen = self.infer.generate(prompts, params, n=g)
+            gen, refused, counts["data/resumed_rows"] = resume_aborted(
+                self.infer, prompts, gen, params, g, self._pad_id, self._cut_ids
+            )
+        rows = prompts.repeat_interleave(g)
+        if refused:  # the whole group goes: a group missing a row would shift its baseline (GRPO's mean and std)
+            dropped = sorted({i // g for i in refused})
+            keep = [i for i in range(len(rows)) if i // g not in dropped]
+            counts["data/refused_prompts"] = len(dropped)
+            if not keep:
+                raise RuntimeError(
+                    f"the inference engine refused every prompt of the step ({MAX_IDLE_ABORTS} aborts in a row "
+                    "without a token each; SGLang aborts a prompt longer than its KV cache holds): lower "
+                    "model.max_prompt_length or give the engine more memory"
+                )
+            rows, gen = rows.index(keep), gen.index(keep)
+        batch = assemble(self.tokenizer, rows, gen, counts)
         scored = self.score(batch, out)
         extra = [k for k in RM_ROW_TENSORS if k in scored]  # a reward model's normalize=batch: see renormalise
         batch = batch.union(scored.select("scores", "correct", "formatted", *extra))
@@ -370,6 +408,135 @@ class PromptCollector:
                 for i in range(min(k, len(texts)))
             ],
         )
+
+
+#: The engine's own aborts of one row in a row, none bringing a token, after which its prompt counts as refused
+#: (as in the agentic rollout and the asynchronous driver).
+MAX_IDLE_ABORTS = 8
+_resume_ids = itertools.count()
+
+
+def resume_aborted(
+    infer: Any,
+    prompts: Batch,
+    gen: Batch,
+    params: SamplingParams,
+    n: int,
+    pad_id: int,
+    cut_ids: frozenset[int] = frozenset(),
+) -> tuple[Batch, list[int], int]:
+    """`gen` (a batched generation: `n` rows per prompt of `prompts`) with the rows the engine aborted on its own
+    resumed; returns (generation, refused row indices, rows resumed).
+
+    A row with finish reason "abort" is submitted again (`infer.submit_request`) as its prompt followed by what it
+    generated, with the rest of its budget (`params.max_new_tokens`) and a seed of its own per attempt, until it
+    finishes: its tokens and behaviour log-probs are every attempt's in order, its finish reason the last one's, its
+    MoE routing (`routed_experts_rows`) the last request's, which covers the prompt and every token. An abort that
+    left the whole budget generated, or a resume whose context the engine cannot hold, is a row cut at its limit
+    ("length"); a prefix holding a picture placeholder is not resumed (the response is cut before it anyway:
+    roll_core.pipelines.rollout.cut_picture_tokens, and the engine would refuse a placeholder without a picture)
+    and ends "stop"; a constrained row (`params.structured`) is generated again from its prompt (the engine would
+    start the constraint over after the prefix). A row aborted `MAX_IDLE_ABORTS` times in a row without a token
+    (a constrained row: `MAX_IDLE_ABORTS` times) stays "abort" and is returned as refused (logged): the caller drops
+    it (its group), it is not an answer to score.
+
+    Why: scoring an aborted row trains the engine's preemption as the policy's failure (reward 0 for a cut answer);
+    resuming keeps the row a sample of the policy (dropping or resampling it would bias the batch against long
+    responses, the ones preemption hits)."""
+    reasons = list(gen["finish_reason"])
+    todo = [i for i, r in enumerate(reasons) if r == "abort"]
+    if not todo:
+        return gen, [], 0
+    budget = params.max_new_tokens
+    resp, logp, mask = gen["responses"], gen["behaviour_logprobs"], gen["response_mask"].bool()
+    tokens = {i: resp[i][mask[i]].tolist() for i in todo}
+    logprobs = {i: logp[i][mask[i]].tolist() for i in todo}
+    routing = list(gen[ROUTING_ROWS]) if ROUTING_ROWS in gen else None
+    mm = prompts["mm_inputs"] if "mm_inputs" in prompts else None
+    # The engine's aborts in a row that brought no progress, this one included (a constrained row starts over at
+    # every attempt: each of its aborts counts, else one aborted every time after a token would never end).
+    restarts = params.structured is not None
+    idle = {i: int(restarts or not tokens[i]) for i in todo}
+    resumed: set[int] = set()
+    refused: list[int] = []
+    for attempt in itertools.count(1):
+        pending = []
+        for i in todo:
+            if len(tokens[i]) >= budget:
+                reasons[i] = "length"  # the abort raced the budget's end: the row is complete, cut at its limit
+            elif cut_ids.intersection(tokens[i]):
+                reasons[i] = "stop"
+            else:
+                pending.append(i)
+        if not pending:
+            break
+        handles = {}
+        for i in pending:
+            if restarts:  # a constraint cannot go on from a prefix (the engine would start it over there)
+                tokens[i], logprobs[i] = [], []
+            seed = None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, i, attempt)
+            rest = params.replace(max_new_tokens=budget - len(tokens[i]), seed=seed)
+            request = Request(
+                f"rlvr-resume-{next(_resume_ids)}",
+                list(prompts["prompt_ids"][i // n]) + tokens[i],
+                rest,
+                mm=None if mm is None else mm[i // n],
+            )
+            handles[i] = infer.submit_request(request)
+            resumed.add(i)
+        todo = []
+        for i, handle in handles.items():
+            out = handle.result()
+            tokens[i] += list(out.token_ids)
+            logprobs[i] += list(out.logprobs)
+            if routing is not None and out.routed_experts is not None:
+                routing[i] = out.routed_experts
+            # the engine cannot hold prompt + prefix: the response is cut at the engine's limit
+            reasons[i] = "length" if out.finish_reason == "prompt_too_long" else out.finish_reason
+            if reasons[i] != "abort":
+                continue
+            idle[i] = 0 if out.token_ids and not restarts else idle[i] + 1
+            if idle[i] < MAX_IDLE_ABORTS or len(tokens[i]) >= budget:
+                todo.append(i)
+            else:
+                refused.append(i)
+    if refused:
+        log.warning(
+            "the inference engine aborted %d row(s) %d times in a row without a token (prompts of up to %d tokens): "
+            "their prompts are refused (SGLang aborts a prompt longer than its KV cache holds)",
+            len(refused),
+            MAX_IDLE_ABORTS,
+            max(len(prompts["prompt_ids"][i // n]) for i in refused),
+        )
+    width = max([resp.shape[1], *(len(t) for t in tokens.values())])
+    t = gen.tensors()
+    resp, logp = pad_right(resp, width, pad_id).clone(), pad_right(logp, width).clone()
+    mask = pad_right(gen["response_mask"], width).clone()
+    for i in tokens:
+        k = len(tokens[i])
+        resp[i], logp[i], mask[i] = pad_id, 0.0, 0
+        if k:
+            resp[i, :k] = torch.tensor(tokens[i], dtype=resp.dtype)
+            logp[i, :k] = torch.tensor(logprobs[i], dtype=logp.dtype)
+            mask[i, :k] = 1
+    t.update(responses=resp, behaviour_logprobs=logp, response_mask=mask)
+    t["truncated"] = torch.tensor([r == "length" for r in reasons], dtype=torch.long)
+    fields = {**gen.fields, "finish_reason": reasons}
+    if routing is not None:
+        fields[ROUTING_ROWS] = routing
+    return Batch(t, fields, gen.meta), sorted(refused), len(resumed)
+
+
+class _Resuming:
+    """An inference group whose batch `generate` resumes the rows the engine aborted on its own (`resume_aborted`):
+    what evaluation samples with (a refused row stays "abort", logged)."""
+
+    def __init__(self, infer: Any, pad_id: int, cut_ids: frozenset[int]) -> None:
+        self.infer, self.pad_id, self.cut_ids = infer, pad_id, cut_ids
+
+    def generate(self, prompts: Batch, params: SamplingParams, n: int = 1) -> Batch:
+        gen = self.infer.generate(prompts, params, n=n)
+        return resume_aborted(self.infer, prompts, gen, params, n, self.pad_id, self.cut_ids)[0]
 
 
 def without_images(rows: list[Any]) -> list[Any]:

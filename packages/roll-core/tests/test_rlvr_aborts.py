@@ -1,0 +1,186 @@
+"""The synchronous prompts collector (pipeline=rlvr) and rows the engine aborts on its own: SGLang under memory
+pressure and vLLM at its preemption limit end a row with finish reason "abort" and a partial answer. Such a row used
+to be scored (0 for its incomplete answer) and trained as the policy's failure; it is now resumed from its partial
+output, as the asynchronous driver resumes its samples, and a prompt the engine keeps refusing has its whole group
+dropped (counted), so GRPO's groups stay complete.
+
+The engine is scripted: the batch API aborts chosen rows after a few tokens, the request API finishes them."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from roll_core.cluster.reward_guard import RewardFailureBudget
+from roll_core.interfaces import Request, RequestOutput, SamplingParams
+from roll_core.models import build_tiny_tokenizer
+from roll_core.pipelines.collectors.prompts import MAX_IDLE_ABORTS, PromptCollector, resume_aborted
+from roll_core.pipelines.metrics import StepLog
+from roll_core.protocol import Batch
+
+PROMPTS = [[11, 12, 13], [21, 22]]
+ANSWER = 5  # tokens of a complete answer (the reward below gives 1 to a complete answer, 0 to a cut one)
+
+
+class AbortingInfer:
+    """Batch `generate`: every row answers ANSWER tokens 7 ('stop'), except rows in `partial` (row -> tokens), which
+    the engine aborts after that many. Request API: a resumed row gets the rest of its answer as tokens 8 ('stop'),
+    or `preempt[attempt]` tokens then another abort; a prompt in `refuse` is aborted without a token every time."""
+
+    def __init__(self, partial: dict[int, int], preempt: tuple[int, ...] = (), refuse: tuple[int, ...] = ()) -> None:
+        self.partial, self.preempt, self.refuse = partial, preempt, refuse
+        self.requests: list[Request] = []
+
+    def generate(self, prompts: Batch, params: SamplingParams, n: int) -> Batch:
+        rows = len(prompts) * n
+        resp = torch.zeros((rows, ANSWER), dtype=torch.long)
+        logp, mask = torch.zeros((rows, ANSWER)), torch.zeros((rows, ANSWER), dtype=torch.long)
+        finish = []
+        for i in range(rows):
+            k = self.partial.get(i, ANSWER)
+            resp[i, :k], logp[i, :k], mask[i, :k] = 7, -0.1, 1
+            finish.append("abort" if i in self.partial else "stop")
+        out = Batch(
+            {"responses": resp, "behaviour_logprobs": logp, "response_mask": mask, "truncated": torch.zeros(rows)},
+            {"finish_reason": finish},
+        )
+        out.meta["generate_seconds"] = 1.0
+        return out
+
+    def submit_request(self, request: Request, route_key: str | None = None) -> Future:
+        self.requests.append(request)
+        prompt = next(p for p in PROMPTS if request.prompt_ids[: len(p)] == p)
+        done = len(request.prompt_ids) - len(prompt)  # tokens the row already has
+        attempt = sum(r.prompt_ids[: len(prompt)] == prompt for r in self.requests) - 1
+        if PROMPTS.index(prompt) in self.refuse:
+            ids, finish = [], "abort"
+        elif attempt < len(self.preempt):
+            ids, finish = [8] * self.preempt[attempt], "abort"
+        else:
+            ids, finish = [8] * min(ANSWER - done, request.params.max_new_tokens), "stop"
+        fut: Future = Future()
+        fut.set_result(RequestOutput(request.request_id, request.prompt_ids, ids, [-0.3] * len(ids), finish))
+        return fut
+
+
+def _prompts() -> Batch:
+    return Batch(fields={"prompt_ids": [list(p) for p in PROMPTS], "problem_id": ["p0", "p1"], "answer": ["", ""]})
+
+
+def test_a_row_the_engine_aborts_is_resumed_from_its_partial_output() -> None:
+    infer = AbortingInfer({1: 2})
+    params = SamplingParams(max_new_tokens=16, seed=3)
+    gen = infer.generate(_prompts(), params, 2)
+    out, refused, resumed = resume_aborted(infer, _prompts(), gen, params, 2, pad_id=0)
+    assert (refused, resumed) == ([], 1)
+    (req,) = infer.requests
+    assert req.prompt_ids == PROMPTS[0] + [7, 7] and req.params.max_new_tokens == 14 and req.params.seed != 3
+    n = int(out["response_mask"][1].sum())
+    assert out["responses"][1, :n].tolist() == [7, 7, 8, 8, 8]
+    assert out["behaviour_logprobs"][1, :n].tolist() == pytest.approx([-0.1, -0.1, -0.3, -0.3, -0.3])
+    assert out["finish_reason"] == ["stop"] * 4 and out["truncated"].tolist() == [0, 0, 0, 0]
+    assert torch.equal(out["responses"][[0, 2, 3]], gen["responses"][[0, 2, 3]])  # the other rows untouched
+
+
+def test_a_row_preempted_again_resumes_again_and_one_with_its_budget_spent_is_cut() -> None:
+    infer = AbortingInfer({0: 1}, preempt=(0, 2))  # resumed: aborted without a token, then after 2 more
+    params = SamplingParams(max_new_tokens=16)
+    out, refused, resumed = resume_aborted(infer, _prompts(), infer.generate(_prompts(), params, 2), params, 2, 0)
+    assert (refused, resumed, len(infer.requests)) == ([], 1, 3)
+    assert [len(r.prompt_ids) - 3 for r in infer.requests] == [1, 1, 3]  # each attempt after the tokens so far
+    assert out["responses"][0, : int(out["response_mask"][0].sum())].tolist() == [7, 8, 8, 8, 8]
+    spent = AbortingInfer({2: ANSWER})  # aborted with the whole budget generated: complete, cut at its limit
+    params = SamplingParams(max_new_tokens=ANSWER)
+    out, refused, resumed = resume_aborted(spent, _prompts(), spent.generate(_prompts(), params, 2), params, 2, 0)
+    assert (out["finish_reason"][2], out["truncated"][2].item(), resumed, spent.requests) == ("length", 1, 0, [])
+
+
+def test_a_constrained_row_is_generated_again_from_its_prompt() -> None:
+    """A structured-output constraint cannot go on after a prefix (the engine would start it over there)."""
+    from roll_core.interfaces.inference import StructuredOutput
+
+    infer = AbortingInfer({3: 2})
+    params = SamplingParams(max_new_tokens=16, structured=StructuredOutput(regex="[0-9]+"))
+    out, refused, resumed = resume_aborted(infer, _prompts(), infer.generate(_prompts(), params, 2), params, 2, 0)
+    (req,) = infer.requests
+    assert (refused, resumed) == ([], 1)
+    assert req.prompt_ids == PROMPTS[1] and req.params.max_new_tokens == 16 and req.params.structured is not None
+    assert out["responses"][3, : int(out["response_mask"][3].sum())].tolist() == [8] * ANSWER
+    # one aborted after a token every time restarts from nothing every time: given up, not retried for ever
+    again = AbortingInfer({3: 2}, preempt=(1,) * 100)
+    out, refused, _ = resume_aborted(again, _prompts(), again.generate(_prompts(), params, 2), params, 2, 0)
+    assert refused == [3] and len(again.requests) == MAX_IDLE_ABORTS - 1
+
+
+def test_a_prompt_the_engine_keeps_refusing_is_given_up_after_max_idle_aborts() -> None:
+    infer = AbortingInfer({2: 0}, refuse=(1,))
+    params = SamplingParams(max_new_tokens=16)
+    out, refused, _ = resume_aborted(infer, _prompts(), infer.generate(_prompts(), params, 2), params, 2, 0)
+    assert refused == [2] and out["finish_reason"][2] == "abort"
+    assert len(infer.requests) == MAX_IDLE_ABORTS - 1  # the batch's own abort was the first without a token
+
+
+class _Reward:
+    """1 for a complete answer (ANSWER tokens), 0 for a cut one."""
+
+    def score(self, batch: Batch) -> Batch:
+        s = (batch["response_mask"].sum(-1) >= ANSWER).float()
+        return Batch({"scores": s, "correct": s, "formatted": torch.ones_like(s)}, {"response_text": [""] * len(s)})
+
+
+def _collector(infer: AbortingInfer) -> PromptCollector:
+    c = PromptCollector.__new__(PromptCollector)
+    algo = SimpleNamespace(group_size=2, drop_uniform_groups=False, overlong_buffer=0, reward_clip=None)
+    model = SimpleNamespace(max_response_length=16, max_prompt_length=64, chat_template_kwargs={})
+    c.cfg = SimpleNamespace(algo=algo, model=model, pipeline=SimpleNamespace(seed=0, rollout_batch_size=2))
+    c.ctx = SimpleNamespace(samples=lambda step, rows: None)
+    c.tokenizer, c.task, c.infer, c.processor = build_tiny_tokenizer(), SimpleNamespace(), infer, None
+    c.sampling = SamplingParams(max_new_tokens=16)
+    c.train_set, c.domains, c.reward_model, c.advantage_scale = [0, 1], [], None, None
+    c._draw = lambda k: list(range(k))  # type: ignore[method-assign]
+    c._prompt_batch = lambda problems, counts: _prompts()  # type: ignore[method-assign]
+    c.sampler = SimpleNamespace(progress=lambda: 0.0)
+    c.reward, c.reward_budget, c._step_counters, c._step_failure = _Reward(), RewardFailureBudget(3), {}, None
+    return c
+
+
+def _grpo(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    from roll_core.algorithms import AdvantageInputs, grpo, token_rewards_from_scores
+
+    algo = SimpleNamespace(group_size=2, norm_mean_type=None, norm_std_type=None)
+    return grpo(AdvantageInputs(scores, token_rewards_from_scores(scores, mask.float()), mask.float()), algo)[0]
+
+
+def test_an_aborted_row_is_trained_as_its_resumed_answer_not_as_a_failure() -> None:
+    """Both rows of prompt 0 answer correctly, one after a preemption: the group has no signal (advantage 0). Scored
+    as aborted, the cut row was a failure (score 0) and GRPO pushed both rows apart."""
+    out = StepLog()
+    collected = _collector(AbortingInfer({1: 2})).next(1, out)
+    assert collected.scores.tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert out["reward/mean"] == 1.0 and out["data/resumed_rows"] == 1 and out["data/refused_prompts"] == 0
+    assert collected.batch["finish_reason"] == ["stop"] * 4
+    adv = _grpo(collected.scores, collected.batch["response_mask"])
+    assert float(adv.abs().sum()) == 0.0
+
+
+def test_a_refused_prompt_drops_its_whole_group_so_grpo_groups_stay_complete() -> None:
+    """Prompt 1's rows are refused (no token, ever): its group goes, counted; prompt 0's group (one row preempted
+    and resumed) is trained alone, with consecutive complete groups as GRPO reads them."""
+    out = StepLog()
+    collected = _collector(AbortingInfer({1: 2, 2: 0, 3: 0}, refuse=(1,))).next(1, out)
+    assert len(collected.batch) == 2 and collected.batch["prompt_ids"] == [PROMPTS[0]] * 2
+    assert out["data/refused_prompts"] == 1 and out["data/trained_groups"] == 1 and out["reward/mean"] == 1.0
+    assert torch.isfinite(_grpo(collected.scores, collected.batch["response_mask"])).all()
+    with pytest.raises(RuntimeError, match="refused every prompt"):
+        _collector(AbortingInfer({i: 0 for i in range(4)}, refuse=(0, 1))).next(1, StepLog())
+
+
+def test_evaluation_resumes_the_engines_aborts_too() -> None:
+    from roll_core.pipelines.collectors.prompts import _Resuming
+
+    infer = AbortingInfer({0: 3})
+    gen = _Resuming(infer, 0, frozenset()).generate(_prompts(), SamplingParams(max_new_tokens=16), n=1)
+    assert gen["finish_reason"] == ["stop", "stop"] and gen["response_mask"].sum(-1).tolist() == [ANSWER, ANSWER]
