@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 import roll_hw
@@ -33,3 +35,61 @@ def test_a_platform_whose_probe_raises_names_itself_and_the_host(monkeypatch: py
     monkeypatch.setattr(detect, "get_platform_class", lambda name: Raising if name == "acme" else real(name))
     with pytest.raises(RuntimeError, match=r"^\S+: platform 'acme' \(requested\).*raised OSError: libacme_driver"):
         resolve_device({"platform": "acme", "device": "auto"})
+
+
+class _FakeRay:
+    """What resolve_device asks of ray in a worker: initialised, the actor id, the accelerator ids it reserved (as
+    Ray 2.60 answers: {"GPU": []} for an actor with num_gpus=0, which sees the node's GPUs all the same)."""
+
+    def __init__(self, actor_id: str | None, gpus: list[str]) -> None:
+        context = SimpleNamespace(
+            get_actor_id=lambda: actor_id, get_accelerator_ids=lambda: {"GPU": gpus, "NPU": [], "TPU": []}
+        )
+        self.is_initialized = lambda: True
+        self.get_runtime_context = lambda: context
+
+
+@pytest.fixture
+def gpu_node_detected(monkeypatch: pytest.MonkeyPatch):
+    """Detection finds the node's GPUs (CUDA); `ray` is what the test installs in sys.modules."""
+    import sys
+
+    from roll_hw.cuda import CudaPlatform
+
+    def install(ray: _FakeRay | None) -> type:
+        monkeypatch.setattr(
+            roll_hw, "resolve_platform", lambda name=None: CpuPlatform if name == "cpu" else CudaPlatform
+        )
+        monkeypatch.setitem(sys.modules, "ray", ray)
+        return CudaPlatform
+
+    yield install
+    roll_hw.set_current_platform(None)
+
+
+def test_a_ray_worker_that_reserved_no_gpu_does_not_take_the_nodes_gpu(
+    gpu_node_detected, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reward worker's judge engine (platform auto) in a Ray actor with num_gpus=0: Ray 2.60 leaves the node's
+    CUDA_VISIBLE_DEVICES there (verified: an actor with num_gpus=0 saw '0,1'), so detection found CUDA and the
+    engine took cuda:0, a GPU Ray gave to another worker. It runs on the CPU now, and says so."""
+    import logging
+
+    gpu_node_detected(_FakeRay("actor-1", []))
+    with caplog.at_level(logging.WARNING, logger="roll_core.devices"):
+        out = resolve_device({"platform": "auto", "device": "auto", "dtype": "float32", "role": "judge"})
+    assert out["device"] == "cpu" and roll_hw.current_platform is CpuPlatform
+    auto = resolve_device({"platform": "auto", "device": "auto", "dtype": "auto", "role": "judge"})["dtype"]
+    assert auto == ("bfloat16" if CpuPlatform.supports_bf16() else "float32")  # the CPU's rule, not the GPU's
+    assert "role judge: this Ray worker reserved no GPU" in caplog.text
+    with pytest.raises(RuntimeError, match=r"role judge: platform cuda in a Ray worker that reserved no GPU"):
+        resolve_device({"platform": "cuda", "device": "auto", "dtype": "float32", "role": "judge"})
+
+
+@pytest.mark.parametrize("ray", [_FakeRay("actor-1", ["3"]), _FakeRay(None, []), None], ids=["gpu", "driver", "none"])
+def test_a_worker_with_its_gpu_or_a_driver_keeps_the_accelerator(gpu_node_detected, ray) -> None:
+    """An actor given a GPU (Ray sets CUDA_VISIBLE_DEVICES to it: cuda is that GPU), the driver (cluster=local), a
+    process without Ray: the detected platform stands."""
+    cuda = gpu_node_detected(ray)
+    out = resolve_device({"platform": "auto", "device": "auto", "dtype": "float32", "role": "actor"})
+    assert out["device"] == "cuda" and roll_hw.current_platform is cuda

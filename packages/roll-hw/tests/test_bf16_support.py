@@ -115,6 +115,10 @@ def test_cpu_bf16_follows_the_instructions(
         ("AVX512_CORE_AMX", "amx_bf16"),
         ("avx512_core_bf16", "avx512_bf16"),
         ("AVX10_1_512", "avx512_bf16"),
+        ("AVX10_2_512", "avx512_bf16"),  # after AVX10_1_512 in oneDNN's order, but without AMX
+        ("AVX10_2", "avx512_bf16"),
+        ("AVX10_2_512_AMX_2", "amx_bf16"),
+        ("AVX512_CORE_AMX_FP16", "amx_bf16"),
         ("AVX512_CORE_VNNI", None),
         ("AVX2", None),
         ("NOT_AN_ISA", "amx_bf16"),

@@ -7,7 +7,10 @@ use it without importing the cluster's roles (tensordict, torch._dynamo: seconds
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
@@ -15,6 +18,12 @@ def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
 
     `runtime["platform"]` names the platform ("auto": detect here); `device="auto"` becomes its torch device and
     `dtype="auto"` (or a dtype it cannot run fast) becomes what the platform supports.
+
+    In a Ray actor that reserved none of the platform's devices (a reward worker's judge engine, say), the node's
+    devices belong to other workers. Ray used to hide them there (CUDA_VISIBLE_DEVICES=''); it no longer does
+    (RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO now defaults to off: Ray 2.60), so detection saw them and the engine took
+    device 0 of the node, unreserved. There "auto" resolves to the CPU (with a warning), and a named accelerator
+    platform is an error that says how to reserve one.
     """
     from types import SimpleNamespace
 
@@ -28,6 +37,17 @@ def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
         import socket
 
         raise RuntimeError(f"{socket.gethostname()}: {exc}") from exc
+    if _reserved_in_ray_actor(platform.ray_resource) == [] and out.get("device", "auto") == "auto":
+        role, key = out.get("role", "?"), platform.ray_resource
+        if name not in (None, "auto"):
+            raise RuntimeError(
+                f"role {role}: platform {name} in a Ray worker that reserved no {key}: its engine would take device 0 "
+                f"of the node, which Ray gives to other workers; give the role devices of its own or platform=cpu"
+            )
+        log.warning(
+            "role %s: this Ray worker reserved no %s (the node's belong to other workers): runs on cpu", role, key
+        )
+        platform = resolve_platform("cpu")
     # The engines ask roll_hw.current_platform (device backends, memory): the run's platform, not a fresh detection.
     set_current_platform(platform)
     if out.get("device", "auto") == "auto":
@@ -36,6 +56,25 @@ def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
         cfg = SimpleNamespace(dtype=out["dtype"])
         changes = platform.check_and_update_config(cfg)  # only dtype lines: cfg has no dist_backend
         if out["dtype"] != "auto" and cfg.dtype != out["dtype"]:  # an explicit choice overridden: say so
-            logging.getLogger(__name__).warning("%s (role %s)", "; ".join(changes), out.get("role", "?"))
+            log.warning("%s (role %s)", "; ".join(changes), out.get("role", "?"))
         out["dtype"] = cfg.dtype
     return out
+
+
+def _reserved_in_ray_actor(resource: str | None) -> list[str] | None:
+    """The ids of Ray resource `resource` ("GPU", "NPU") this process's Ray actor reserved; None outside a Ray
+    actor (a driver, cluster=local) or for a resource Ray does not assign ids to (CPU, a plugin's custom resource).
+    Imports nothing: a process that has not imported ray is no Ray worker."""
+    ray = sys.modules.get("ray")
+    if ray is None or resource is None:
+        return None
+    try:
+        if not ray.is_initialized():
+            return None
+        context = ray.get_runtime_context()
+        if context.get_actor_id() is None:
+            return None
+        ids = context.get_accelerator_ids()
+    except Exception:  # a partly imported or stubbed ray: not a Ray worker we can ask
+        return None
+    return list(ids[resource]) if resource in ids else None

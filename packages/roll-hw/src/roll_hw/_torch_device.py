@@ -8,6 +8,7 @@ Subclasses say which module (`_device_module`) and implement `is_available`/`una
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 
 from roll_hw.interface import MemoryStats, Platform
@@ -20,6 +21,26 @@ def torch_importable() -> bool:
 
 class TorchAcceleratorPlatform(Platform):
     """Device methods over `torch.<device_type>` (cuda, npu): count, set, synchronize, memory, seeding."""
+
+    @classmethod
+    def visibility_vars(cls) -> tuple[str, ...]:
+        """Every environment variable that hides devices from this process (ROCm's torch honours three)."""
+        return (cls.visible_devices_env,) if cls.visible_devices_env else ()
+
+    @classmethod
+    def no_device_reason(cls) -> str:
+        """Why no device is visible, naming the visibility variables as they are set: a device hidden by
+        `CUDA_VISIBLE_DEVICES=''` (what older Ray, or Ray 2.60 with RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1, gives a
+        worker that reserved no GPU), `-1` or a stale UUID is not a driver problem, and on ROCm
+        `ROCR_VISIBLE_DEVICES` or `CUDA_VISIBLE_DEVICES` may be the one that hides it."""
+        names = cls.visibility_vars()
+        shown = [f"{name}={os.environ[name]!r}" for name in names if name in os.environ]
+        if not shown:
+            return f"no device visible ({' / '.join(names) or 'no visibility variable'} not set: check the driver)"
+        hint = ""
+        if any(os.environ[name] == "" for name in names if name in os.environ) and cls.ray_resource:
+            hint = f"; '' hides every device: Ray sets it in a worker that reserved no {cls.ray_resource}"
+        return f"no device visible with {', '.join(shown)} (check it names devices this node has{hint})"
 
     @classmethod
     def _device_module(cls) -> Any:

@@ -34,7 +34,7 @@ class TorchCudaLikePlatform(TorchAcceleratorPlatform):
 
         if not cls._torch_build_matches():
             return f"this torch ({torch.__version__}) is not a {cls._build.upper()} build; install {cls.install_hint}"
-        return "no device visible (check the driver and " + str(cls.visible_devices_env) + ")"
+        return cls.no_device_reason()
 
     @classmethod
     def supports_bf16(cls) -> bool:

@@ -44,6 +44,83 @@ def _rss_bytes() -> int:
     return 0
 
 
+#: Where the cgroup file systems are mounted, and this process's cgroup list (module attributes: tests point them at
+#: a folder of their own).
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_SELF_CGROUP = "/proc/self/cgroup"
+#: cgroup v1 reports "no limit" as a page-rounded 2**63: anything from 2**60 up is no limit.
+_NO_LIMIT = 2**60
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # v2's "max": no limit
+
+
+def _stat_value(path: str, key: str) -> int:
+    """One `key value` line of a cgroup memory.stat file (0 where absent)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key and value.strip().isdigit():
+                    return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def cgroup_memory() -> tuple[int, int] | None:
+    """(limit, usage) in bytes of the memory cgroup this process runs in, or None where no limit applies.
+
+    A container's memory limit (Docker `--memory`, a Kubernetes pod's limit, a Slurm job, a systemd slice) is its
+    memory: /proc/meminfo shows the host's, so a pod limited to 16 GiB on a 1 TiB node reported ~1 TiB free. cgroup
+    v1 (`memory.stat`'s hierarchical_memory_limit: ancestors' limits included) and v2 (the smallest `memory.max` from
+    this process's cgroup up) are read; usage leaves out inactive file cache, which the kernel reclaims before it
+    kills (as `docker stats` and Ray count it).
+    """
+    try:
+        with open(PROC_SELF_CGROUP) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    paths = {c: p for _, controllers, p in (x for x in lines if len(x) == 3) for c in controllers.split(",")}
+    if "memory" in paths:  # v1 (also v1 memory beside a v2 hierarchy: "hybrid")
+        base = f"{CGROUP_ROOT}/memory"
+        leaf = os.path.normpath(f"{base}{paths['memory']}")
+        # A cgroup namespace mounts the process's own cgroup as the root, and names it relative to another one.
+        leaf = leaf if leaf.startswith(base) and os.path.isdir(leaf) else base
+        limit = _stat_value(f"{leaf}/memory.stat", "hierarchical_memory_limit") or _read_int(
+            f"{leaf}/memory.limit_in_bytes"
+        )
+        usage = _read_int(f"{leaf}/memory.usage_in_bytes")
+        inactive = _stat_value(f"{leaf}/memory.stat", "total_inactive_file")
+    elif "" in paths:  # v2 only
+        leaf = os.path.normpath(f"{CGROUP_ROOT}{paths['']}")
+        inside = leaf.startswith(CGROUP_ROOT) and os.path.isdir(leaf)  # "/../..": another namespace's path
+        leaf = leaf if inside else CGROUP_ROOT
+        limits, folder = [], leaf
+        while True:
+            found = _read_int(f"{folder}/memory.max")
+            if found is not None:
+                limits.append(found)
+            if len(folder) <= len(CGROUP_ROOT):
+                break
+            folder = os.path.dirname(folder)
+        limit = min(limits, default=None)
+        usage = _read_int(f"{leaf}/memory.current")
+        inactive = _stat_value(f"{leaf}/memory.stat", "inactive_file")
+    else:
+        return None
+    if limit is None or limit >= _NO_LIMIT:
+        return None
+    return limit, max(0, (usage or 0) - inactive)
+
+
 log = logging.getLogger(__name__)
 
 # glibc mallopt parameters (malloc.h).
@@ -173,6 +250,8 @@ def cpu_bf16_instructions() -> str | None:
 _ISA_CAPS: tuple[tuple[str, frozenset[str]], ...] = (
     ("avx512_core_amx", frozenset({"amx_bf16", "avx512_bf16"})),
     ("avx10_1_512_amx", frozenset({"amx_bf16", "avx512_bf16"})),
+    ("avx10_2_512_amx", frozenset({"amx_bf16", "avx512_bf16"})),  # AVX10_2_512_AMX_2 (alias AVX10_2_AMX_2)
+    ("avx10_2_amx", frozenset({"amx_bf16", "avx512_bf16"})),
     ("avx512_core_bf16", frozenset({"avx512_bf16"})),
     ("avx512_core_fp16", frozenset({"avx512_bf16"})),
     ("avx10_1_512", frozenset({"avx512_bf16"})),
@@ -182,7 +261,8 @@ _ISA_CAPS: tuple[tuple[str, frozenset[str]], ...] = (
 def _isa_cap_allows() -> frozenset[str]:
     """The native bf16 kinds oneDNN may use under the environment's ISA cap: all of them without a cap (or `ALL`,
     or a value oneDNN does not know), none under a cap below AVX512_CORE_BF16 (SSE41, AVX, AVX2, AVX2_VNNI,
-    AVX512_CORE, AVX512_CORE_VNNI). Arm's BF16 has no such cap."""
+    AVX512_CORE, AVX512_CORE_VNNI), no AMX under AVX10_2 (oneDNN orders it after AVX10_1_512, beside the AMX caps,
+    not above them). Arm's BF16 has no such cap."""
     everything = frozenset({"amx_bf16", "avx512_bf16", "bf16"})
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().lower()
     if not cap or cap == "all":
@@ -190,6 +270,8 @@ def _isa_cap_allows() -> frozenset[str]:
     for prefix, kinds in _ISA_CAPS:
         if cap.startswith(prefix):
             return kinds | {"bf16"}
+    if cap in ("avx10_2", "avx10_2_512"):  # above AVX10_1_512 but not AVX10_1_512_AMX: no AMX tiles
+        return frozenset({"avx512_bf16", "bf16"})
     below = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni")
     return frozenset({"bf16"}) if cap in below else everything
 
@@ -215,6 +297,8 @@ class CpuPlatform(Platform):
 
     @classmethod
     def memory_stats(cls, index: int = 0) -> MemoryStats:
+        """The host's memory, or the memory cgroup's where that is smaller (a container's limit: `cgroup_memory`);
+        `allocated` and `reserved` are this process's resident set."""
         info = _meminfo()
         if "MemTotal" in info:
             total = info["MemTotal"]
@@ -222,6 +306,10 @@ class CpuPlatform(Platform):
         else:  # non-Linux fallback
             pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
             total, free = pages * page_size, 0
+        cgroup = cgroup_memory()
+        if cgroup is not None:
+            limit, used = cgroup
+            total, free = min(total, limit), min(free, max(0, limit - used))
         rss = _rss_bytes()
         return MemoryStats(total=total, free=free, allocated=rss, reserved=rss)
 

@@ -12,6 +12,9 @@ Resolution order (first match wins):
    Exactly one may be active: two active plugins are an error. A plugin that takes a built-in's name replaces it.
 3. roll-hw's own platforms, probed in `PROBE_ORDER` (accelerators first; cpu, always available, last).
 
+`cpu` always resolves, auto-detected or named: a plugin registered as `cpu` (it replaces roll-hw's) that is
+unavailable here, or whose probe raises, gives way to roll-hw's own CPU platform with a warning saying why.
+
 roll-hw run from its source folder without being installed (the device checks on a bare machine put `src/` on
 PYTHONPATH) has no entry-point metadata: its declarations are then read from the pyproject.toml beside the
 source, so the one list stays the pyproject's. A plugin that fails to import is reported with its group, name and
@@ -138,10 +141,15 @@ def resolve_platform(name: str | None = None) -> type[Platform]:
             cls = get_platform_class(forced)
         except PlatformUnavailableError as exc:
             raise PlatformUnavailableError(f"{exc} ({source})") if from_env else exc from None
+        if forced == "cpu":
+            return _cpu(cls)
         if not _probe(forced, cls, source):
             raise PlatformUnavailableError(f"platform {forced!r} {source} is unavailable: {cls.unavailable_reason()}")
         return cls
-    active = [cls for name, cls in plugin_platforms().items() if _probe(name, cls)]
+    # A plugin named cpu that raises is not an error here: the CPU stays reachable (`_cpu` says why it was not used).
+    active = [
+        cls for name, cls in plugin_platforms().items() if (_runs(cls) is None if name == "cpu" else _probe(name, cls))
+    ]
     if len(active) > 1:
         names = ", ".join(c.name for c in active)
         raise PlatformPluginError(f"more than one out-of-tree platform is active ({names}); set {ENV_VAR} to choose")
@@ -149,19 +157,37 @@ def resolve_platform(name: str | None = None) -> type[Platform]:
         return active[0]
     for builtin in builtin_names():
         cls = get_platform_class(builtin)
+        if builtin == "cpu":
+            return _cpu(cls)
         if _probe(builtin, cls, "probed"):
             return cls
-    # Only reached when a plugin took the name `cpu` and is unavailable: roll-hw's own CPU platform always runs.
-    own_cpu = _load(_declared()[0]["cpu"])
+    raise AssertionError("unreachable: roll-hw declares cpu (checked by _declared), probed last")
+
+
+def _runs(cls: type[Platform]) -> str | None:
+    """None when `cls` is available here, else why not (a probe that raises included, with its exception)."""
+    try:
+        if cls.is_available():
+            return None
+        return f"is unavailable ({cls.unavailable_reason()})"
+    except Exception as exc:
+        return f"raised {type(exc).__name__}: {exc} in its probe"
+
+
+def _cpu(cls: type[Platform]) -> type[Platform]:
+    """`cls`, the platform registered as `cpu`, where it runs; else roll-hw's own CPU platform, with a warning: a
+    plugin that took the name and is unavailable, or whose probe raises, must not leave a run without its CPU (the
+    forced case's advice, "set ROLL_PLATFORM=cpu", would name the very platform that failed)."""
+    own = _load(_declared()[0]["cpu"])
+    why = None if cls is own else _runs(cls)
+    if why is None:
+        return cls
     import logging
 
     logging.getLogger(__name__).warning(
-        "platform plugin 'cpu' (%s.%s) is unavailable (%s): using roll-hw's own cpu platform",
-        cls.__module__,
-        cls.__qualname__,
-        cls.unavailable_reason(),
+        "platform plugin 'cpu' (%s.%s) %s: using roll-hw's own cpu platform", cls.__module__, cls.__qualname__, why
     )
-    return own_cpu
+    return own
 
 
 def _probe(name: str, cls: type[Platform], source: str | None = None) -> bool:

@@ -23,10 +23,19 @@ class NpuPlatform(TorchAcceleratorPlatform):
     description: ClassVar[str] = "Huawei Ascend NPU (torch_npu)"
     install_hint: ClassVar[str] = "roll-hw[npu] (torch_npu matching your CANN toolkit)"
     _import_error: ClassVar[str | None] = None
+    #: Whether importing torch_npu already failed in this process (it is then not tried again).
+    _import_failed: ClassVar[bool] = False
 
     @classmethod
     def _torch_npu(cls) -> Any | None:
-        """Import torch_npu once; remember why it failed instead of raising."""
+        """torch_npu, imported on first use; None (and `_import_error` says why) where it is missing or broken.
+
+        A failed import is not retried (each probe, `unavailable_reason`, `supports_bf16` and the doctor asked
+        again): a retry costs seconds of CANN library loading, and one after a partial import (torch's privateuse1
+        backend already renamed "npu") fails with another error that replaced the one that says what is broken.
+        """
+        if cls._import_failed:
+            return None
         if importlib.util.find_spec("torch_npu") is None:
             cls._import_error = "torch_npu is not installed"
             return None
@@ -36,6 +45,7 @@ class NpuPlatform(TorchAcceleratorPlatform):
             return torch_npu
         except Exception as exc:  # a broken CANN install raises all sorts of errors
             cls._import_error = f"torch_npu failed to import: {type(exc).__name__}: {exc}"
+            cls._import_failed = True
             return None
 
     @classmethod
@@ -46,7 +56,7 @@ class NpuPlatform(TorchAcceleratorPlatform):
     def unavailable_reason(cls) -> str:
         if cls._torch_npu() is None:
             return f"{cls._import_error}; install {cls.install_hint}"
-        return "torch_npu imports but sees no NPU (check the driver and ASCEND_RT_VISIBLE_DEVICES)"
+        return f"torch_npu imports but sees no NPU: {cls.no_device_reason()}"
 
     @classmethod
     def _device_module(cls) -> Any:

@@ -17,6 +17,11 @@ class RocmPlatform(TorchCudaLikePlatform):
     _build: ClassVar[str] = "hip"
 
     @classmethod
+    def visibility_vars(cls) -> tuple[str, ...]:
+        """ROCm's torch counts devices through HIP_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES and CUDA_VISIBLE_DEVICES."""
+        return ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+
+    @classmethod
     def supports_bf16(cls) -> bool:
         """True on GPUs with bf16 matrix instructions: MI100 (gfx908), MI200 (gfx90a), MI300 (gfx94x), MI350
         (gfx950) and RDNA3+ (gfx11xx, gfx12xx); false on MI50/MI60 (gfx906), Vega and RDNA1/2. On ROCm

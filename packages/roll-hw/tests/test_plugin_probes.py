@@ -1,0 +1,106 @@
+"""Out-of-tree platforms whose probe raises, installed through a real `roll.platforms` entry point (a module written
+to a temporary folder): the CPU stays reachable and every message names the plugin."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import textwrap
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
+import pytest
+
+from roll_hw import PlatformUnavailableError, detect, resolve_platform
+from roll_hw.cpu import CpuPlatform
+from roll_hw.cuda import CudaPlatform
+from roll_hw.detect import PlatformPluginError
+from roll_hw.npu import NpuPlatform
+from roll_hw.rocm import RocmPlatform
+
+_PLUGIN = '''
+from roll_hw.cpu import CpuPlatform
+
+
+class AcmePlatform(CpuPlatform):
+    """A vendor platform whose probe raises where its driver library is missing (a plugin bug, but they exist)."""
+
+    name = "{name}"
+    device_type = "cpu"
+
+    @classmethod
+    def is_available(cls):
+        raise OSError("libacme_driver.so: cannot open shared object file")
+'''
+
+
+@pytest.fixture
+def install_plugin(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Install a raising platform plugin under `name` (a module on sys.path, an entry point of another dist)."""
+
+    def install(name: str) -> None:
+        module = f"roll_acme_raising_{name}"
+        (tmp_path / f"{module}.py").write_text(textwrap.dedent(_PLUGIN.format(name=name)))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        real = detect.entry_points
+        ep = EntryPoint(name=name, value=f"{module}:AcmePlatform", group=detect.GROUP)
+        monkeypatch.setattr(detect, "entry_points", lambda group: [*real(group=group), ep])
+        detect.clear_cache()
+
+    monkeypatch.delenv("ROLL_PLATFORM", raising=False)
+    yield install
+    monkeypatch.undo()
+    detect.clear_cache()
+    for mod in [m for m in sys.modules if m.startswith("roll_acme_raising_")]:
+        del sys.modules[mod]
+
+
+def _no_accelerator() -> None:
+    if CudaPlatform.is_available() or RocmPlatform.is_available() or NpuPlatform.is_available():
+        pytest.skip("an accelerator is detected before cpu here")
+
+
+def test_a_plugin_named_cpu_whose_probe_raises_gives_way_to_roll_hws_cpu(
+    install_plugin, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A plugin registered as `cpu` (it replaces roll-hw's) whose probe raises: auto-detection raised a
+    PlatformPluginError and ROLL_PLATFORM=cpu a PlatformUnavailableError advising "set ROLL_PLATFORM=cpu", so no
+    setting reached the CPU. Now roll-hw's own CPU platform runs, and the log names the plugin and its error."""
+    _no_accelerator()
+    install_plugin("cpu")
+    with caplog.at_level(logging.WARNING, logger="roll_hw.detect"):
+        assert resolve_platform() is CpuPlatform
+    assert "platform plugin 'cpu' (roll_acme_raising_cpu.AcmePlatform) raised OSError: libacme_driver.so" in caplog.text
+    assert "using roll-hw's own cpu platform" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("ROLL_PLATFORM", "cpu")
+    with caplog.at_level(logging.WARNING, logger="roll_hw.detect"):
+        assert resolve_platform() is CpuPlatform
+        assert resolve_platform("cpu") is CpuPlatform
+    assert "raised OSError: libacme_driver.so" in caplog.text
+
+
+def test_a_raising_plugin_leaves_a_named_cpu_working_and_says_so_when_auto_detecting(install_plugin) -> None:
+    """A plugin under its own name whose probe raises: a run that names cpu (hw.platform=cpu, ROLL_PLATFORM=cpu,
+    roll_core.devices with platform cpu) never probes it; auto-detection stops with the plugin's name, its error and
+    the setting that avoids it (by design: a vendor node whose driver broke must not train on the CPU unnoticed)."""
+    install_plugin("acme")
+    assert resolve_platform("cpu") is CpuPlatform
+    with pytest.raises(PlatformPluginError) as err:
+        resolve_platform()
+    message = str(err.value)
+    assert "probe of platform plugin 'acme' (roll_acme_raising_acme.AcmePlatform.is_available)" in message
+    assert "raised OSError: libacme_driver.so" in message and "ROLL_PLATFORM=<platform>" in message
+    with pytest.raises(PlatformUnavailableError, match=r"'acme' \(requested\): its probe .* raised OSError"):
+        resolve_platform("acme")
+
+
+def test_the_doctor_reports_a_raising_plugin_without_crashing(install_plugin) -> None:
+    from roll_hw import doctor
+
+    install_plugin("acme")
+    text, ok = doctor.report()
+    assert not ok and "ERROR: the probe of platform plugin 'acme'" in text
+    assert re.search(r"^acme\s+\| error \(libacme_driver.so: cannot open shared object file\)$", text, re.M)
+    assert "platform probes" in text and "optional engines" in text
