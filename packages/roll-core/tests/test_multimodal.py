@@ -236,3 +236,20 @@ def test_a_llava_prompt_starts_with_the_bos_transformers_processor_adds(tmp_path
     # A tokenizer that adds no BOS (Qwen's; the tiny default): nothing added
     plain = VisionProcessor(resolve_model_path("builtin:tiny-llava"))
     assert plain.encode_messages(messages, [picture])[0] == ids[1:]
+
+
+def test_pictures_compare_by_value_so_a_batch_unions_with_its_copy() -> None:
+    import pickle
+
+    from roll_core.protocol import Batch
+
+    grid = torch.tensor([[1, 2, 2]])
+    a = MMInputs({"pixel_values": torch.arange(8.0).view(4, 2), "image_grid_thw": grid}, [1], ["a"], ["PIL"])
+    batch = Batch(fields={"mm_inputs": [a, None]})
+    copy = pickle.loads(pickle.dumps(batch))  # what a batch is after a trip through Ray
+    assert copy["mm_inputs"][0] is not a and copy["mm_inputs"][0] == a and a.without_images() == a
+    assert len(batch.union(copy)) == 2  # was: RuntimeError "Boolean value of Tensor ... is ambiguous"
+    other = MMInputs({"pixel_values": torch.zeros(4, 2), "image_grid_thw": grid}, [1], ["a"])
+    assert other != a and MMInputs(dict(a.tensors), [1], ["b"]) != a and a != "a"
+    with pytest.raises(ValueError, match="field 'mm_inputs' differs"):
+        batch.union(Batch(fields={"mm_inputs": [other, None]}))

@@ -1,7 +1,8 @@
 """Vision-language inputs: pictures in data rows and observations, their processing, and their travel through the
 batch protocol (field `mm_inputs`: one `MMInputs` or None per row) and inference requests (`Request.mm`).
 
-- images: `load_image` (paths, bytes, dicts, PIL, arrays -> RGB) and `digest`.
+- images: `load_image` (paths, bytes, base64, dicts, PIL, arrays -> upright RGB), `check_image` (header only) and
+  `digest`.
 - inputs: `MMInputs`, `merge`, `check_tokens` (placeholder / feature count agreement).
 - processor: `VisionProcessor` (messages + pictures -> ids + MMInputs), `is_vision_model`, `as_content`,
   `mrope_positions`.
@@ -17,6 +18,7 @@ from typing import Any
 # what composing a config imports) must not import torch through `inputs` and `processor`.
 _WHERE = {
     "PILLOW": "images",
+    "check_image": "images",
     "digest": "images",
     "load_image": "images",
     "MMInputs": "inputs",
@@ -50,6 +52,7 @@ __all__ = [
     "MMInputs",
     "VisionProcessor",
     "as_content",
+    "check_image",
     "check_tokens",
     "count_image_tokens",
     "digest",

@@ -29,7 +29,7 @@ from torch import Tensor
 PER_IMAGE_KEYS = ("image_grid_thw", "image_sizes")
 
 
-@dataclass
+@dataclass(eq=False)
 class MMInputs:
     """The pictures of one prompt or trajectory and the tensors the model takes for them.
 
@@ -45,6 +45,22 @@ class MMInputs:
     tokens_per_image: list[int]
     digests: list[str]
     images: list[Any] | None = field(default=None, repr=False)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal pictures (digests) with equal placeholder counts and equal tensors; the PIL pictures are not
+        compared (the digests are their pixels). A dataclass's own `==` compared the tensors with `==`, which raises
+        for a tensor of more than one element: a batch's `union` with a copy of its pictures (one that went through
+        Ray) raised "Boolean value of Tensor ... is ambiguous" instead of answering."""
+        if not isinstance(other, MMInputs):
+            return NotImplemented
+        return (
+            self.digests == other.digests
+            and self.tokens_per_image == other.tokens_per_image
+            and self.tensors.keys() == other.tensors.keys()
+            and all(_same(t, other.tensors[k]) for k, t in self.tensors.items())
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
 
     @property
     def num_images(self) -> int:
@@ -65,6 +81,10 @@ class MMInputs:
     def extend(self, other: MMInputs) -> MMInputs:
         """Pictures of `self` followed by those of `other` (a later turn's observation)."""
         return merge([self, other])
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
 
 
 def merge(items: Sequence[MMInputs | None]) -> MMInputs | None:

@@ -9,8 +9,10 @@ skipping is a `ConfigError` naming the setting (env.path / env.eval_path), so ro
 exit status 2, not a traceback. The held-out split is `eval_path` when given, else a stable-hash fraction of the rows.
 
 Pictures (vision-language data): the `images_key` column (default `images`; a lone `image` column too) holds a
-row's pictures: a list, or one value, of paths (relative to the data file's folder), encoded bytes,
-`{"bytes", "path"}` dicts (what `datasets` writes to Parquet) or PIL images (a `datasets` folder's Image feature).
+row's pictures: a list, or one value, of paths (relative to the data file's folder), encoded bytes, base64 text
+(bare or a `data:image/...;base64,` URI), `{"bytes", "path"}` dicts (what `datasets` writes to Parquet and what a
+`datasets` folder's Image feature is read as: never decoded at load) or PIL images (roll_core.multimodal.images;
+URLs are refused: a run fetches nothing).
 The prompt places them with `<image>` markers (the common VLM RL row format, e.g. Geometry3K: `problem` text with
 `<image>`, `images`, `answer`); without markers they come first. A row whose pictures cannot be read (missing file,
 bytes that are no picture) or whose markers disagree with its picture count is a bad row like the others: skipped,
@@ -52,7 +54,7 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
             ) from exc
         if isinstance(ds, datasets.DatasetDict):
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-        return [(i + 1, row) for i, row in enumerate(ds)], bad
+        return [(i + 1, row) for i, row in enumerate(_encoded_rows(ds))], bad
     if path.suffix == ".parquet":
         from roll_envs.config import PYARROW
 
@@ -88,6 +90,19 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
     raise ConfigError(
         f"unsupported data file {path} (env.path / env.eval_path): use .jsonl, .parquet or a datasets folder"
     )
+
+
+def _encoded_rows(ds: Any) -> Any:
+    """The rows of a `datasets` dataset, pictures (Image features) left encoded as `{"bytes", "path"}` dicts, as
+    Parquet rows hold them: they are decoded one prompt at a time when prompts are built. Iterating the dataset
+    itself decodes every picture at load and keeps them all (a few hundred thousand photos: hundreds of gigabytes
+    of pixels, and minutes of decoding before the first step). Rows are read as Arrow (what a decodable feature
+    stores), in the dataset's order."""
+    from datasets.features.features import require_decoding
+
+    if not ds.features or not require_decoding(ds.features):
+        return ds
+    return (row for table in ds.with_format("arrow").iter(batch_size=1000) for row in table.to_pylist())
 
 
 def _json_array(path: Path) -> list[tuple[int, Any]] | None:
@@ -209,8 +224,10 @@ def _image_keys(images_key: str) -> tuple[str, ...]:
 
 
 def _row_images(row: dict[str, Any], images_key: str, prompt: str, base: Path) -> tuple[list[Any], str | None]:
-    """(the row's pictures, ready for load_image without a base folder; why the row is bad or None)."""
+    """(the row's pictures, ready for load_image without a base folder; why the row is bad or None). Each picture
+    is checked by its header only (`check_image`): decoding every picture of a large data set at load costs minutes."""
     from roll_core.multimodal import IMAGE_MARKER
+    from roll_core.multimodal.images import check_image
 
     value = next((row[k] for k in _image_keys(images_key) if row.get(k) is not None), None)
     if value is None:
@@ -225,48 +242,10 @@ def _row_images(row: dict[str, Any], images_key: str, prompt: str, base: Path) -
     out = []
     for j, v in enumerate(values):
         try:
-            out.append(_checked_image(v, base))
+            out.append(check_image(v, base))
         except ValueError as exc:
             return [], f"picture {j} of {images_key!r}: {exc}"
     return out, None
-
-
-def _checked_image(value: Any, base: Path) -> Any:
-    """`value` with a relative path made absolute, after reading its header (PIL's `verify`: no full decode); a
-    ValueError says why it is no picture."""
-    from roll_core.multimodal import PILLOW, load_image
-
-    PILLOW.require()
-    import io
-
-    from PIL import Image
-
-    if isinstance(value, dict):
-        if value.get("bytes") is None and value.get("path"):
-            return _checked_image(value["path"], base)
-        if value.get("bytes") is None:
-            raise ValueError(f"an image dict needs 'bytes' or 'path'; got keys {sorted(value)}")
-        _checked_image(value["bytes"], base)
-        return value
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        try:
-            with Image.open(io.BytesIO(bytes(value))) as im:
-                im.verify()
-        except Exception as exc:  # PIL raises many kinds for bad data
-            raise ValueError(f"{len(value)} bytes are not a readable picture ({exc})") from None
-        return bytes(value)
-    if isinstance(value, (str, Path)):
-        p = Path(value).expanduser()
-        p = p if p.is_absolute() else base / p
-        if not p.is_file():
-            raise ValueError(f"image file {str(value)!r} does not exist (looked at {p})")
-        try:
-            with Image.open(p) as im:
-                im.verify()
-        except Exception as exc:
-            raise ValueError(f"image file {p} is not a readable picture ({exc})") from None
-        return str(p)
-    return load_image(value)  # PIL images and arrays: cheap to check whole
 
 
 def _text_problem(key: str, value: Any, *, numbers: bool) -> str | None:
