@@ -184,3 +184,35 @@ def test_evaluation_resumes_the_engines_aborts_too() -> None:
     infer = AbortingInfer({0: 3})
     gen = _Resuming(infer, 0, frozenset()).generate(_prompts(), SamplingParams(max_new_tokens=16), n=1)
     assert gen["finish_reason"] == ["stop", "stop"] and gen["response_mask"].sum(-1).tolist() == [ANSWER, ANSWER]
+
+
+def _rollout_collector(infer: AbortingInfer, monkeypatch: pytest.MonkeyPatch) -> object:
+    """A rollout-only collector (pipeline=rollout) around the scripted engine, scoring with `_Reward`."""
+    from roll_core.pipelines.collectors import rollout_only
+
+    scoring = _collector(infer)
+    scoring.end_reward_step = lambda step: None  # type: ignore[method-assign]
+    scoring.log_samples = lambda *a: None  # type: ignore[method-assign]
+    scoring.score = lambda batch, out: _Reward().score(batch)  # type: ignore[method-assign]
+    c = rollout_only.RolloutCollector.__new__(rollout_only.RolloutCollector)
+    c.cfg, c.ctx = scoring.cfg, SimpleNamespace(sampling=SamplingParams(max_new_tokens=16))
+    c.ro = SimpleNamespace(samples_per_prompt=2, shard=0)
+    c.scoring, c.tokenizer, c.infer, c.task = scoring, scoring.tokenizer, infer, SimpleNamespace()
+    c.skipped, c.reward_failed_rows = 0, 0
+    prompts = _prompts()
+    prompts["prompt_text"], prompts["metadata"] = ["a", "b"], [{}, {}]
+    monkeypatch.setattr(rollout_only, "prompt_batch", lambda *a, **k: prompts)
+    return c
+
+
+def test_rollout_only_writes_resumed_answers_and_leaves_refused_rows_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pipeline=rollout wrote an aborted row as an answer (a cut response scored 0: DPO's rejected side, SFT
+    filtered on it); it is now resumed, and a row the engine keeps refusing is not written (counted)."""
+    out = StepLog()
+    c = _rollout_collector(AbortingInfer({1: 2, 2: 0, 3: 0}, refuse=(1,)), monkeypatch)
+    rows = c._rows(1, [0, 1], out)
+    assert [(r["prompt_ids"], len(r["response_ids"]), r["reward"], r["finish_reason"]) for r in rows] == [
+        (PROMPTS[0], ANSWER, 1.0, "stop"),
+        (PROMPTS[0], ANSWER, 1.0, "stop"),
+    ]
+    assert out["data/resumed_rows"] == 3 and out["data/refused_rows"] == 2

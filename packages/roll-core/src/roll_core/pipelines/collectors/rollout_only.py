@@ -33,9 +33,9 @@ from typing import Any
 
 from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import CollectorContext
-from roll_core.pipelines.collectors.prompts import PromptCollector, check_task
+from roll_core.pipelines.collectors.prompts import PromptCollector, check_task, resume_aborted
 from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
-from roll_core.pipelines.rollout import PromptsTooLong, assemble, prompt_batch
+from roll_core.pipelines.rollout import PromptsTooLong, assemble, picture_token_ids, prompt_batch
 from roll_core.posttrain.writer import ROW_FIELDS, RolloutWriter, holds_rows, output_kind
 from roll_core.protocol import Batch
 from roll_core.seeds import Purpose, derive_seed
@@ -228,11 +228,22 @@ class RolloutCollector:
             with out.timer("generate"):
                 # ids: step, refill round 0, shard (shards draw different streams at the same step)
                 seed = derive_seed(self.cfg.pipeline.seed, Purpose.ROLLOUT, step, 0, self.ro.shard)
-                gen = self.infer.generate(prompts, self.ctx.sampling.replace(seed=seed), n=n)
+                params = self.ctx.sampling.replace(seed=seed)
+                gen = self.infer.generate(prompts, params, n=n)
+                # A row the engine aborted on its own is resumed, never written as an answer (prompts.resume_aborted).
+                pad = self.tokenizer.pad_token_id
+                cut = frozenset(picture_token_ids(self.tokenizer)) if "mm_inputs" in prompts else frozenset()
+                gen, refused, counts["data/resumed_rows"] = resume_aborted(
+                    self.infer, prompts, gen, params, n, 0 if pad is None else int(pad), cut
+                )
             repeated = prompts.repeat_interleave(n)
             repeated["sample"] = [i % n for i in range(len(repeated))]
+            if refused:  # rows the engine kept refusing: no sample of the policy to write
+                counts["data/refused_rows"] = len(refused)
+                keep = [i for i in range(len(repeated)) if i not in set(refused)]
+                repeated, gen = (repeated.index(keep), gen.index(keep)) if keep else (None, None)
             try:
-                batch = assemble(self.tokenizer, repeated, gen, counts)
+                batch = assemble(self.tokenizer, repeated, gen, counts) if gen is not None else None
             except ValueError:  # every prompt fills the engine's context (assemble logged it)
                 counts["data/skipped_context_prompts"] = len(prompts)
                 batch = None
