@@ -428,3 +428,40 @@ def test_redact_config_hides_credentials_and_keeps_the_rest() -> None:
     assert (
         redact_text("at https://u:p@h/api failed; see http://h/a@b") == "at https://***@h/api failed; see http://h/a@b"
     )
+
+
+def test_redact_exception_prints_a_chain_without_credentials() -> None:
+    """`raise Ours(redacted message) from library_error` printed the library's message whole in the chain: the
+    `user:token@` of the URL in it. The stand-in chain keeps each message (redacted), each type's name and each
+    traceback; a chain without credentials is left as it is."""
+    import traceback
+
+    from roll_core.tracking import RedactedError, redact_exception
+
+    def library_call(userinfo: str) -> None:  # (a traceback prints these lines: no credential written in them)
+        try:
+            raise ConnectionRefusedError(f"connect to http://{userinfo}@h:1 refused")
+        except ConnectionRefusedError as exc:  # context, and the cause below
+            raise OSError(f"API request to https://{userinfo}@h:1/api failed") from exc
+
+    user, token = "bob", "tok3n"
+    try:
+        library_call(f"{user}:{token}")
+    except OSError as exc:
+        error = exc
+    clean = redact_exception(error)
+    assert isinstance(clean, RedactedError)
+    assert str(clean) == "builtins.OSError: API request to https://***@h:1/api failed"
+    try:
+        raise RuntimeError("MLflow at https://***@h:1: cannot start the run") from clean
+    except RuntimeError as ours:
+        printed = "".join(traceback.format_exception(ours))
+    assert "tok3n" not in printed and "bob" not in printed
+    assert "builtins.ConnectionRefusedError: connect to http://***@h:1 refused" in printed  # the cause's cause
+    assert "in library_call" in printed  # where it was raised: the library's frames are kept
+    plain = ValueError("no credentials here")
+    assert redact_exception(plain) is plain
+    looped = ValueError("http://u:p@h")
+    looped.__context__ = ValueError("inner")
+    looped.__context__.__context__ = looped  # a chain that loops back
+    assert "u:p" not in str(redact_exception(looped))

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -222,6 +223,7 @@ def test_a_hung_server_loses_nothing(server: MlflowServer, tmp_path: Path, caplo
     config = yaml.safe_dump({"experiment": "outage", "tracking": {"mlflow": options}})
     tracker = Tracker(tmp_path, config, ["mlflow"])
     tracker.log(0, {"loss": 1.0})
+    tracker.backends[0].wait()  # (sends run off the training thread) step 0 reached the server
     run_id = _run_id(tmp_path)
     tracker.backends[0].options.timeout_s = 1  # (tracking.mlflow.timeout_s) short for the hang, not before it
     server.pause()  # SIGSTOP: the server stops answering, requests time out
@@ -278,6 +280,7 @@ def test_a_resume_while_the_server_is_away_goes_on_and_sends_its_steps_later(
             resumed.log(2, {"loss": 20.0})
             resumed.log(3, {"loss": 30.0})
             assert time.monotonic() - began < 0.5  # not tried again before retry_interval_s
+            resumed.backends[0].wait()  # the worker's try to open the run timed out while the server hung
     finally:
         server.resume()
     with caplog.at_level(logging.WARNING, logger="roll_core.trackers.mlflow"):
@@ -334,19 +337,58 @@ def test_while_the_server_is_away_a_resend_is_one_request(tmp_path: Path) -> Non
     tracker = Tracker(tmp_path, yaml.safe_dump({"experiment": "hung", "tracking": {"mlflow": options}}), ["mlflow"])
     tracker.log(0, {"loss": 0.0})
     backend, hung = tracker.backends[0], HungEndpoint()
+    backend.wait()  # (sends run off the training thread) step 0 reached the store
     store = backend.client
     backend.client = MlflowClient(tracking_uri=hung.url)  # the server stops answering
     try:
         tracker.log(1, {"loss": 1.0})  # the first failure: MLflow retries it (retries=1: 2 requests)
+        backend.wait()
         first = len(hung.connections)
         tracker.log(2, {"loss": 2.0})
         tracker.log(3, {"loss": 3.0})
+        backend.wait()
         assert len(hung.connections) - first == 2  # one request per resend (2 each before)
     finally:
         hung.close()
     backend.client = store  # the server answers again
     tracker.close()
     assert read_run(store, _run_id(tmp_path)) == {s: {"loss": float(s)} for s in range(4)}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (SQLAlchemy's, from MLflow's sqlite store)
+def test_an_outage_never_holds_the_training_loop(tmp_path: Path) -> None:
+    """The first send to a hung server went through MLflow's retries on the training thread: `retries + 1` requests
+    of `timeout_s` plus backoff (47.7 s at the defaults, measured) before `log` returned. Sends run off the training
+    thread: `log` returns at once, and nothing is lost once the server answers."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+
+    from roll_core.trackers.mlflow import FAILURES_METRIC, read_run
+
+    options = {"retries": 1, "timeout_s": 1, "retry_interval_s": 60}
+    tracker = Tracker(tmp_path, yaml.safe_dump({"experiment": "hung", "tracking": {"mlflow": options}}), ["mlflow"])
+    backend, hung = tracker.backends[0], HungEndpoint()
+    store = backend.client
+    backend.client = MlflowClient(tracking_uri=hung.url)  # the server stops answering once the run is created
+    try:
+        began = time.monotonic()
+        for step in (1, 2, 3):
+            tracker.log(step, {"loss": float(step)})
+            tracker.samples(step, [{"prompt": "p", "response": "r", "reward": 1.0}])
+        held = time.monotonic() - began
+        assert held < 0.5, f"logging held the training loop {held:.1f}s"
+        backend.wait()  # the worker's sends timed out meanwhile
+        assert len(hung.connections) == 2  # the first failure and MLflow's retry of it, off the loop; then none
+        # before retry_interval_s
+    finally:
+        hung.close()
+    backend.client = store  # the server answers again
+    tracker.close()
+    run_id = _run_id(tmp_path)
+    assert read_run(store, run_id) == {s: {"loss": float(s)} for s in (1, 2, 3)}  # sent by close
+    assert [m.value for m in store.get_metric_history(run_id, FAILURES_METRIC)] == [1.0]
+    row = {"prompt": "p", "response": "r", "reward": 1.0}
+    assert _tables(store, run_id, tmp_path / "dl") == {s: [row] for s in (1, 2, 3)}
 
 
 # Reading the SQLite store here: MLflow's SQL store uses what SQLAlchemy 2.1 deprecates (the backend hides it).
@@ -490,6 +532,11 @@ def test_an_error_names_the_tracking_uri_without_its_credentials(tmp_path: Path)
     with pytest.raises(RuntimeError, match="cannot start the run") as err:
         Tracker(tmp_path, yaml.safe_dump(_secret_config(uri)), ["mlflow"])
     assert "s3cr3t" not in str(err.value) and "http://***@127.0.0.1:" in str(err.value)
+    # What a crash prints: the whole chain. MLflow's own exception, chained as the cause, named the URI with its
+    # `alice:s3cr3t@` ("API request to http://alice:s3cr3t@127.0.0.1:.../get-by-name failed ...").
+    printed = "".join(traceback.format_exception(err.value))
+    assert "direct cause" in printed and "API request to http://***@127.0.0.1:" in printed  # the cause, redacted
+    assert "s3cr3t" not in printed and "alice" not in printed
 
 
 def test_a_server_gone_for_good_leaves_the_points_in_unsent_json(
@@ -501,6 +548,7 @@ def test_a_server_gone_for_good_leaves_the_points_in_unsent_json(
     options = {"tracking_uri": server.url, "retries": 0, "retry_interval_s": 0}
     tracker = Tracker(tmp_path, yaml.safe_dump({"experiment": "gone", "tracking": {"mlflow": options}}), ["mlflow"])
     tracker.log(0, {"loss": 1.0})
+    tracker.backends[0].wait()  # (sends run off the training thread) step 0 reached the server
     server.stop()  # SIGKILL of the server and its worker
     with caplog.at_level(logging.WARNING, logger="roll_core.trackers.mlflow"):
         tracker.log(1, {"loss": 0.5})
@@ -540,6 +588,7 @@ def test_a_resume_replays_the_steps_the_continued_run_lacks(tmp_path: Path, monk
     tracker = Tracker(tmp_path / "b", cfg, ["mlflow"])
     for step in range(3):
         tracker.log(step, {"loss": float(step)})
+    tracker.backends[0].wait()  # (sends run off the training thread) steps 0-2 reached the store
 
     class Down(Exception):
         error_code = "TEMPORARILY_UNAVAILABLE"
@@ -551,6 +600,7 @@ def test_a_resume_replays_the_steps_the_continued_run_lacks(tmp_path: Path, monk
         m.setattr(MlflowTracker, "_send", down)
         for step in (3, 4):
             tracker.log(step, {"loss": float(step)})
+        tracker.backends[0].wait()  # (sends run off the training thread) both failed while the server was down
     assert json.loads((tmp_path / "b" / "mlflow" / "run.json").read_text())["last_step"] == 2  # what it holds
     # the process dies here (no close); the run resumes from its checkpoint at step 4
     resumed = Tracker(tmp_path / "b", cfg, ["mlflow"], resume=True)

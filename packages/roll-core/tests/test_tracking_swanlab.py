@@ -96,3 +96,40 @@ def test_without_swanlab_the_error_names_the_extra(tmp_path: Path, monkeypatch: 
     with pytest.raises(MissingExtraError) as err:
         Tracker(tmp_path, "experiment: demo\n", ["swanlab"])
     assert str(err.value) == "pipeline.trackers=[swanlab] needs swanlab: pip install 'roll-core[swanlab]'"
+
+
+def test_a_resume_while_the_cloud_is_away_goes_on_and_sends_its_steps_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A resumed run whose SwanLab cloud did not answer ended at once: `swanlab.init` raised requests'
+    ConnectionError out of `truncate`. It goes on with a warning; once SwanLab answers (here at close's last try)
+    the new experiment gets every step from metrics.jsonl."""
+    import logging
+    import socket
+
+    pytest.importorskip("swanlab", reason="the roll-core[swanlab] extra")
+    options = {"project": "away", "hardware_monitor": False}
+    first = Tracker(tmp_path, yaml.safe_dump({"experiment": "away", "tracking": {"swanlab": options}}), ["swanlab"])
+    for step in range(3):
+        first.log(step, {"loss": float(step)})
+    first.close()
+    with socket.socket() as s:  # a port nothing listens on: SwanLab's cloud is away
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("SWANLAB_API_KEY", "k" * 21)
+    monkeypatch.setenv("SWANLAB_API_HOST", f"http://127.0.0.1:{port}/api")
+    monkeypatch.setenv("SWANLAB_WEB_HOST", f"http://127.0.0.1:{port}")
+    cloud = yaml.safe_dump({"experiment": "away", "tracking": {"swanlab": {**options, "mode": "cloud"}}})
+    resumed = Tracker(tmp_path, cloud, ["swanlab"], resume=True)
+    with caplog.at_level(logging.WARNING, logger="roll_core.trackers.swanlab"):
+        resumed.truncate(2)  # no exception: training goes on
+        resumed.log(3, {"loss": 30.0})
+        resumed.samples(3, [{"prompt": "p", "response": "r", "reward": 1.0}])
+    (warning,) = [r for r in caplog.records if r.name == "roll_core.trackers.swanlab"]
+    assert warning.levelno == logging.WARNING and "goes on without it" in warning.getMessage()
+    resumed.backends[0].mode = "local"  # SwanLab answers again (local files: what this test can read back)
+    resumed.close()  # one more try: a new experiment replays steps 0-3 from the run folder
+    run = _current(tmp_path)
+    assert {s: m["loss"] for s, m in run["history"].items()} == {0: 0.0, 1: 1.0, 2: 2.0, 3: 30.0}
+    assert run["samples"] == {3: [{"prompt": "p", "response": "r", "reward": 1.0}]}
+    assert "resumed" in run["tags"]

@@ -231,3 +231,52 @@ def test_credentials_in_the_config_stay_out_of_the_wandb_config(tmp_path: Path) 
     assert shown["tracking"]["mlflow"] == {"tracking_uri": "https://***@h"}
     assert shown["env"]["reward"] == {"headers": {"X-API-Key": "***"}, "url": "https://***@judge.example/v1"}
     assert shown["judge"] == {"api_key": "***", "client_secret": "***", "password": "***", "max_tokens": 8}
+
+
+def test_a_resume_while_wandb_is_away_goes_on_and_sends_its_steps_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A resumed run (a preemption, a restart after a fault) whose W&B server did not answer ended at once:
+    `wandb.init(id=..., resume="allow")` raised CommError ("Failed to get resume status") out of `truncate`. It goes
+    on with a warning; once W&B answers (here at close's last try) the W&B run continues and gets the steps it
+    lacks from metrics.jsonl."""
+    import logging
+    import socket
+
+    wandb = pytest.importorskip("wandb", reason="the roll-core[wandb] extra")
+    offline = yaml.safe_dump({"experiment": "away", "tracking": {"wandb": {"mode": "offline", "project": "away"}}})
+    first = Tracker(tmp_path, offline, ["wandb"])
+    for step in range(3):
+        first.log(step, {"loss": float(step)})
+    first.close()
+    wandb.teardown()  # a new W&B session reads the variables below (a session keeps those it started with)
+    with socket.socket() as s:  # a port nothing listens on: W&B's server is away
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "1")
+    online = yaml.safe_dump({"experiment": "away", "tracking": {"wandb": {"mode": "online", "project": "away"}}})
+    try:
+        resumed = Tracker(tmp_path, online, ["wandb"], resume=True)
+        with caplog.at_level(logging.WARNING, logger="roll_core.trackers.wandb"):
+            resumed.truncate(2)  # no exception: training goes on
+            began = time.monotonic()
+            resumed.log(3, {"loss": 30.0})
+            resumed.samples(3, [{"prompt": "p", "response": "r", "reward": 1.0}])
+            resumed.log(4, {"loss": 40.0})
+            assert time.monotonic() - began < 1.0  # not tried again before the retry interval
+        (warning,) = [r for r in caplog.records if r.name == "roll_core.trackers.wandb"]
+        assert warning.levelno == logging.WARNING and "goes on without it" in warning.getMessage()
+        resumed.backends[0].mode = "offline"  # W&B answers again (offline files: what this test can read back)
+        resumed.close()  # one more try: the W&B run continues and gets steps 3 and 4 from the run folder
+    finally:
+        wandb.teardown()  # the next test's session reads its own variables
+    shown: dict[int, float] = {}
+    tables: dict[int, Any] = {}
+    for run in _current(tmp_path):
+        shown.update({s: m["loss"] for s, m in run["history"].items() if "loss" in m})
+        tables.update(run["tables"])
+    assert shown == {0: 0.0, 1: 1.0, 2: 2.0, 3: 30.0, 4: 40.0}
+    assert tables == {3: [{"step": 3, "prompt": "p", "response": "r", "reward": 1.0}]}
+    assert len({run["id"] for run in _current(tmp_path)}) == 1  # the same W&B run, continued

@@ -14,7 +14,8 @@ null in JSONL and left out of what backends receive. A backend's own errors prop
 
 Secrets. Backends receive the config as it is (a backend may need its own credentials, e.g. an MLflow tracking URI
 with `user:token@`), and redact what they send to a shared service with `redact_config` (params, the W&B/SwanLab
-config, the uploaded config.yaml) and what they write or say with `redact_text` (run.json, warnings, errors). The
+config, the uploaded config.yaml), what they write or say with `redact_text` (run.json, warnings, errors), and the
+library exception an error of theirs is raised from with `redact_exception` (a traceback prints its text too). The
 run folder's own config.yaml keeps the config unredacted: it is the user's file, and a resume reads it.
 """
 
@@ -43,6 +44,7 @@ __all__ = [
     "TrackerBackend",
     "open_backends",
     "redact_config",
+    "redact_exception",
     "redact_text",
 ]
 
@@ -80,6 +82,34 @@ def redact_text(text: str) -> str:
     """`text` with the userinfo of every URL in it replaced by REDACTED (`https://user:tok@host/x` reads
     `https://***@host/x`): for a URI written to a file or put in a message."""
     return _URL_USERINFO.sub(rf"\g<scheme>{REDACTED}@", text)
+
+
+class RedactedError(Exception):
+    """Stands in for a library's exception whose text held a credential (`redact_exception`): its message is
+    `<module>.<type>: <the text, redacted>`."""
+
+
+def redact_exception(exc: BaseException, _seen: dict[int, BaseException] | None = None) -> BaseException:
+    """`exc` fit to be chained (`raise ... from redact_exception(exc)`) and printed: itself when no text in its chain
+    (causes and contexts) holds a URL's userinfo, else a `RedactedError` with its traceback and its text through
+    `redact_text`, whose causes and contexts are redacted the same way. A traceback prints the whole chain, so the
+    `user:token@` in a library's message (MLflow's "API request to http://user:token@host/...") was shown
+    however our own message was redacted."""
+    seen = {} if _seen is None else _seen
+    if id(exc) in seen:  # a chain that loops back
+        return seen[id(exc)]
+    seen[id(exc)] = exc
+    cause = None if exc.__cause__ is None else redact_exception(exc.__cause__, seen)
+    context = None if exc.__context__ is None else redact_exception(exc.__context__, seen)
+    text = str(exc)
+    if redact_text(text) == text and cause is exc.__cause__ and context is exc.__context__:
+        return exc
+    stand_in = RedactedError(f"{type(exc).__module__}.{type(exc).__qualname__}: {redact_text(text)}")
+    stand_in = stand_in.with_traceback(exc.__traceback__)
+    stand_in.__cause__, stand_in.__context__ = cause, context
+    stand_in.__suppress_context__ = exc.__suppress_context__
+    seen[id(exc)] = stand_in
+    return stand_in
 
 
 #: Keys ending in `token` that name a vocabulary token, not a credential (`eos_token`, `image_token`...).

@@ -12,5 +12,7 @@ Several run at once: `pipeline.trackers=[tensorboard,wandb]`; options: the `trac
 (roll_core.config.tracking). The contract is roll_core.interfaces.tracking; the conformance suite every backend
 passes is roll_core.testing.trackers. Modules import their service's package in `__init__` only (the config check
 imports the module to validate the name). Each backend class has an `extra` attribute (the `roll_core.errors.Extra`
-it needs, or None) that roll-doctor and the early install check read.
+it needs, or None) that roll-doctor and the early install check read. Helpers: `replay` (the run folder's steps a
+resumed backend resends), `background` (a server backend's calls off the training thread), `mlflow_keys` (MLflow
+names for metric keys and params).
 """

@@ -9,7 +9,9 @@ Options: `tracking.mlflow` (roll_core.config.tracking.MlflowConfig).
 - Params: the resolved config flattened to dotted keys (`algo.lr`; lists as JSON text). MLflow caps a param value
   at 6000 characters: a longer one is cut and ends with PARAM_CUT_NOTE; the whole config is always the run's
   `config.yaml` artifact.
-- Metrics: at their step, keys as logged (`reward/mean`; a character MLflow refuses becomes `_`).
+- Metrics: at their step, keys as logged (`reward/mean`; a character MLflow refuses becomes `_`; two keys that
+  would then read the same, `a/b=c` and `a/b_c`, stay distinct: the later one is named with a suffix and a warning,
+  roll_core.trackers.mlflow_keys.KeyNames).
 - Samples: one table artifact per step, `samples/step_000002.json` (MLflow's table format, `{"columns", "data"}`,
   listed in the run's `mlflow.loggedArtifacts` tag as `mlflow.log_table` does, so the UI shows it as a table; the
   tag lists the newest tables that fit MLflow's 8000-character tag value, ~150 steps: older ones stay artifacts).
@@ -32,6 +34,9 @@ the steps up to `last_step` it lacks (an attempt that ran without mlflow, or die
 counts only the steps the server acknowledged or unsent.json keeps).
 
 Network failures. The tracking server is needed when a new run starts (a wrong URI fails there, with its message).
+After that, every call to the server runs off the training thread, in order (roll_core.trackers.background):
+`log`, `samples` and `truncate` return at once whatever the server does, `close()` waits for what is queued, and
+`wait()` waits for the queued calls; an error a queued call raises (a refusal, below) is raised by the next call.
 A resumed run (a preemption, or a restart after a fault) whose server does not answer goes on without it: a warning
 says so, and the MLflow run is opened (continued or replaced, as above) at a later log once the server answers, then
 sent the steps it lacks from metrics.jsonl; `close()` tries once more, and a later resume sends what is still
@@ -42,8 +47,9 @@ training: the points stay buffered, in order, and are sent with the next log onc
 still cannot be sent is written to `<run>/mlflow/unsent.json` (an error names it) and sent when the run resumes in
 the same folder. A refusal that is not a network problem (an invalid value) raises: resending would not help.
 MLflow's own HTTP retries are bounded by `tracking.mlflow.timeout_s` and `tracking.mlflow.retries` (unless the
-MLFLOW_HTTP_REQUEST_* environment variables say otherwise); while the server is away, a resend is one request, so
-a hung server holds a step for at most `timeout_s` at each retry.
+MLFLOW_HTTP_REQUEST_* environment variables say otherwise); while the server is away, a resend is one request: an
+outage is noticed within about `(retries + 1) * timeout_s`, and `close()` waits about `timeout_s` per request it
+still makes.
 """
 
 from __future__ import annotations
@@ -51,18 +57,40 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from roll_core.config.tracking import MLFLOW, backend_options, tracking_config
+from roll_core.trackers.background import SerialWorker
+from roll_core.trackers.mlflow_keys import (
+    MAX_KEY,
+    MAX_PARAM_VALUE,
+    MAX_TAG_VALUE,
+    PARAM_CUT_NOTE,
+    KeyNames,
+    flatten_config,
+    mlflow_key,
+)
 from roll_core.trackers.replay import kept_metrics, kept_samples
-from roll_core.tracking import redact_config, redact_text
+from roll_core.tracking import redact_config, redact_exception, redact_text
+
+__all__ = [
+    "FAILURES_METRIC",
+    "MAX_KEY",
+    "MAX_PARAM_VALUE",
+    "PARAM_CUT_NOTE",
+    "KeyNames",
+    "MlflowTracker",
+    "flatten_config",
+    "mlflow_key",
+    "read_run",
+]
 
 log = logging.getLogger(__name__)
 #: The run folder's record of its MLflow run: {"tracking_uri", "run_id", "last_step"}.
@@ -71,12 +99,7 @@ STATE_FILE = "run.json"
 UNSENT_FILE = "unsent.json"
 #: Metric counting the failed sends of this run (logged once the server answers again).
 FAILURES_METRIC = "tracking/mlflow_send_failures"
-#: How a param value longer than MLflow's limit ends.
-PARAM_CUT_NOTE = " ...[cut: the config.yaml artifact holds the whole value]"
-# MLflow's limits (mlflow.utils.validation): param and tag value length, key length, entities per log_batch call.
-MAX_PARAM_VALUE = 6000
-MAX_TAG_VALUE = 8000
-MAX_KEY = 250
+# MLflow's limits (mlflow.utils.validation) on entities per log_batch call (names and values: mlflow_keys).
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAMS_TAGS_PER_BATCH = 100
 # MLflow error codes that mean "this request is wrong", not "the server is away": resending would not help.
@@ -85,46 +108,8 @@ PERMANENT_ERRORS = frozenset(
 )
 MAX_RETRY_INTERVAL_S = 300.0
 LOGGED_ARTIFACTS_TAG = "mlflow.loggedArtifacts"  # what mlflow.log_table maintains for the UI's table views
-_BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")
-
-
-def _key_part(part: str) -> str:
-    """A `/`-separated part of a key that a path would rewrite (empty, `.`, `..`) as underscores."""
-    return "_" * max(len(part), 1) if part in ("", ".", "..") else part
-
-
-def mlflow_key(key: str) -> str:
-    """`key` as MLflow accepts it for a metric or param: characters it refuses become `_`, as does a part that a
-    path would rewrite (MLflow refuses "/loss", "a//b", "a/", "a/./b", "a/../b", "..x": each names another path),
-    at most 250 long."""
-    clean = "/".join(_key_part(part) for part in _BAD_KEY_CHARS.sub("_", key).split("/"))
-    if clean.startswith(".."):
-        clean = "_" + clean[1:]
-    clean = clean[:MAX_KEY]
-    if clean.endswith("/"):  # the cut may leave an empty, "." or ".." last part
-        clean = clean[:-1] + "_"
-    head, slash, last = clean.rpartition("/")
-    return head + slash + _key_part(last)
-
-
-def _value(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-
-
-def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """The config as MLflow params: nested keys joined with dots, leaves as text (lists as JSON text), keys made
-    valid (`mlflow_key`), values over MLflow's 6000 characters cut with PARAM_CUT_NOTE at the end."""
-    params: dict[str, str] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            params.update(flatten_config(value, f"{name}."))
-            continue
-        text = _value(dict(value) if isinstance(value, Mapping) else value)
-        if len(text) > MAX_PARAM_VALUE:
-            text = text[: MAX_PARAM_VALUE - len(PARAM_CUT_NOTE)] + PARAM_CUT_NOTE
-        params[mlflow_key(name)] = text
-    return params
+#: MLflow's own HTTP settings are process-wide variables (`MlflowTracker._http`): one tracker sets them at a time.
+_HTTP_SETTINGS = threading.RLock()
 
 
 def is_network_error(exc: BaseException) -> bool:
@@ -188,17 +173,23 @@ class MlflowTracker:
         self.pending_metrics: list[tuple[str, float, int, int]] = []  # key, value, timestamp ms, step
         self.pending_artifacts: dict[str, str] = {}  # artifact path -> text
         self.tables: list[dict[str, str]] = []  # the run's table artifacts (LOGGED_ARTIFACTS_TAG)
+        self.keys = KeyNames("metric", reserved=[FAILURES_METRIC])  # each metric key's MLflow name, distinct
         self.failures = 0  # failed sends of this run (FAILURES_METRIC)
         self.outage_failures = 0  # failed sends since the last success
         self.retry_at = 0.0
         self._reported_failures = 0
-        self._renamed: set[str] = set()
         # A resumed run whose MLflow run is not open yet: the recorded run is valid up to this step (`_open`).
         self.resume_step: int | None = None
         self.seen_step = -1  # the last step given to this backend while its run is not open
+        # MLflow's SQL store uses what SQLAlchemy 2.1 deprecates: notices a user can do nothing about, kept out of
+        # the run's log. A filter for good (set here, on the caller's thread): `catch_warnings` around each call, on
+        # the worker thread, would race the training thread's own filters.
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"mlflow\.store\.")
         if not resume:
             self._start()
         # On resume, the first truncate (or log) decides: continue the recorded run or start a new one.
+        # Only the worker touches the state above from here on (the module docstring: network failures).
+        self._worker: SerialWorker | None = SerialWorker(f"roll-mlflow-{name}")
 
     # ---- the MLflow side -------------------------------------------------------------------------------------
     def _local_uri(self) -> str:
@@ -207,25 +198,23 @@ class MlflowTracker:
     @contextmanager
     def _http(self) -> Iterator[None]:
         """Around every MLflow call: bound MLflow's own HTTP retries (its defaults retry for minutes; variables the
-        user set are left alone), and keep the deprecation notices of MLflow's SQL store (SQLAlchemy 2.1 deprecates
-        what it uses) out of the run's log, where a user can do nothing about them. While the server is known to be
-        away (a failed call since the last success), a call is one request: the buffer's own schedule tries again,
-        and MLflow's retries of a hung server blocked the training loop `retries + 1` times `timeout_s` (~47 s by
-        default) at every resend."""
+        user set are left alone). MLflow reads them from the environment, so they are set for the call, one tracker
+        at a time. While the server is known to be away (a failed call since the last success), a call is one
+        request: the buffer's own schedule tries again (MLflow's retries of a hung server took `retries + 1` times
+        `timeout_s`, ~47 s by default, at every resend)."""
         settings = {
             "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(self.options.timeout_s))),
             "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(0 if self.outage_failures else self.options.retries),
             "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
         }
-        added = [k for k in settings if k not in os.environ]
-        os.environ.update({k: settings[k] for k in added})
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
+        with _HTTP_SETTINGS:
+            added = [k for k in settings if k not in os.environ]
+            os.environ.update({k: settings[k] for k in added})
+            try:
                 yield
-        finally:
-            for k in added:
-                os.environ.pop(k, None)
+            finally:
+                for k in added:
+                    os.environ.pop(k, None)
 
     def _experiment_id(self) -> str:
         """The experiment's id, created when missing (a local store keeps its artifacts in the run folder)."""
@@ -256,7 +245,8 @@ class MlflowTracker:
                 run = self.client.create_run(self._experiment_id(), run_name=self.name, tags=tags)
         except Exception as exc:
             error = Unreachable if is_network_error(exc) else RuntimeError
-            raise error(f"MLflow at {self.shown_uri}: cannot start the run ({redact_text(str(exc))})") from exc
+            message = f"MLflow at {self.shown_uri}: cannot start the run ({redact_text(str(exc))})"
+            raise error(message) from redact_exception(exc)  # MLflow's message names the URI with its userinfo
         self.run_id, self.last_step, self.held_step, self.tables = run.info.run_id, -1, -1, []
         self.pending_params = flatten_config(redact_config(self.config))
         self.pending_artifacts["config.yaml"] = self._config_text()
@@ -284,7 +274,7 @@ class MlflowTracker:
             if is_network_error(exc):
                 raise Unreachable(
                     f"MLflow at {self.shown_uri}: cannot reach the run {run_id} ({redact_text(str(exc))})"
-                ) from exc
+                ) from redact_exception(exc)
             return False
         if run.info.lifecycle_stage == "deleted":
             return False
@@ -312,7 +302,7 @@ class MlflowTracker:
                 self.client.set_terminated(old, "KILLED")
                 self.client.delete_run(old)
         except Exception as exc:  # the new run is complete without this: never fail the resume for it
-            log.warning("MLflow: could not mark the superseded run %s (%s)", old, exc)
+            log.warning("MLflow: could not mark the superseded run %s (%s)", old, redact_text(str(exc)))
 
     def _replay(self, last_step: int, after: int = -1) -> None:
         """Log what the run folder's own files hold of the steps in (`after`, `last_step`] into the run."""
@@ -429,12 +419,9 @@ class MlflowTracker:
 
     def _add_metrics(self, step: int, metrics: dict[str, float]) -> None:
         ts = self._timestamp()
+        names = self.keys.names_of(metrics)
         for key, value in metrics.items():
-            name = mlflow_key(key)
-            if name != key and key not in self._renamed:
-                self._renamed.add(key)
-                log.info("MLflow: metric %r is logged as %r (characters MLflow refuses)", key, name)
-            self.pending_metrics.append((name, float(value), ts, step))
+            self.pending_metrics.append((names[key], float(value), ts, step))
         self.last_step = max(self.last_step, step)
 
     def _add_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
@@ -446,8 +433,40 @@ class MlflowTracker:
             self.pending_tags[LOGGED_ARTIFACTS_TAG] = tables_tag(self.tables)
         self.last_step = max(self.last_step, step)
 
-    # ---- the TrackerBackend calls ------------------------------------------------------------------------------
+    # ---- the TrackerBackend calls: queued for the worker (the module docstring: network failures) ---------------
+    def _submit(self, call: Any, *args: Any) -> None:
+        if self._worker is None:
+            raise RuntimeError("MlflowTracker used after close()")
+        self._worker.submit(call, *args)
+
     def truncate(self, last_step: int) -> None:
+        """Queue `_truncate(last_step)`."""
+        self._submit(self._truncate, last_step)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Queue `_log(step, metrics)` (a copy: the caller may reuse the dict)."""
+        self._submit(self._log, step, dict(metrics))
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Queue `_samples(step, rows)` (copies)."""
+        if self.options.log_samples and rows:
+            self._submit(self._samples, step, [dict(row) for row in rows])
+
+    def wait(self) -> None:
+        """Block until the calls made so far are done (the server accepted them, or they are buffered); raise the
+        error one of them raised."""
+        if self._worker is not None:
+            self._worker.wait()
+
+    def close(self) -> None:
+        """Run `_close` after the queued calls (FAILED when closed while an exception propagates) and stop the
+        worker; raise the first error of a queued call or of `_close` (idempotent)."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.finish(self._close, sys.exc_info()[0] is not None)
+
+    # ---- what the worker runs --------------------------------------------------------------------------------
+    def _truncate(self, last_step: int) -> None:
         """Continue the recorded run when it holds nothing after `last_step`, else start a new one replaying steps
         0..last_step (MLflow cannot delete points; see the module docstring). A server that does not answer is
         warned about, and the run is opened at a later log."""
@@ -479,6 +498,8 @@ class MlflowTracker:
                 self.resume_step = None
                 self.last_step = self.held_step = int(state["last_step"])
                 self._save_state()
+                for _, metrics in kept_metrics(self.run_dir, self.held_step):  # the names its keys have there
+                    self.keys.names_of(metrics)
                 # the steps it lacks: an attempt that ran without this tracker, or died with its points unsent
                 self._replay(upto, after=self.held_step)
                 return True
@@ -502,7 +523,7 @@ class MlflowTracker:
         self.seen_step = max(self.seen_step, step)
         return time.monotonic() >= self.retry_at and self._open(step - 1)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
         """Buffer the metrics at `step` and send the buffer (a network failure keeps it for later)."""
         if not self._ensure_run(step):
             return  # metrics.jsonl holds the step: sent when the MLflow run opens
@@ -513,20 +534,18 @@ class MlflowTracker:
         self._save_state()
         self._flush()
 
-    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+    def _samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Log the rows as the table artifact `samples/step_<step>.json`."""
-        if not self.options.log_samples or not rows:
-            return
         if not self._ensure_run(step):
             return  # samples.jsonl holds the rows: sent when the MLflow run opens
         self._add_samples(step, rows)
         self._save_state()
         self._flush()
 
-    def close(self) -> None:
-        """Send what is buffered and end the run (FAILED when closed while an exception propagates); what cannot
-        be sent goes to `<run>/mlflow/unsent.json` for the next attempt (idempotent). A resumed run whose MLflow run
-        never opened tries once more to open it and send its steps."""
+    def _close(self, failed: bool) -> None:
+        """Send what is buffered and end the run (FAILED when `failed`); what cannot be sent goes to
+        `<run>/mlflow/unsent.json` for the next attempt. A resumed run whose MLflow run never opened tries once more
+        to open it and send its steps."""
         if self.run_id is None and self.resume_step is not None and not self._open(self.seen_step):
             self.resume_step = None
             log.error(
@@ -537,7 +556,6 @@ class MlflowTracker:
             )
         if self.run_id is None:
             return
-        failed = sys.exc_info()[0] is not None
         sent = self._flush(final=True)
         if self.failures != self._reported_failures:  # the count of failed sends goes with the last data
             self.pending_metrics.append((FAILURES_METRIC, float(self.failures), self._timestamp(), self.last_step))
@@ -548,7 +566,7 @@ class MlflowTracker:
                 with self._http():
                     self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
             except Exception as exc:
-                log.warning("MLflow: could not mark run %s as ended (%s)", self.run_id, exc)
+                log.warning("MLflow: could not mark run %s as ended (%s)", self.run_id, redact_text(str(exc)))
         else:
             self._save_unsent()
             log.error(

@@ -16,6 +16,11 @@ metrics.jsonl and samples.jsonl, then continues; the earlier attempt's experimen
 in one process when `truncate` drops steps the open experiment already holds. `<run>/swanlog/roll-run.json` names the
 current experiment's folder.
 
+Network failures. A new run needs SwanLab's cloud to answer `swanlab.init` (a wrong key or host fails before
+training). A resumed run whose cloud does not answer (connection refused, a timeout, a 5xx) goes on without it: a
+warning says so, and the experiment is started, and sent the steps from metrics.jsonl, at a later log once RETRY_S
+has passed (doubling up to MAX_RETRY_S); `close()` tries once more, and an error says what SwanLab lacks.
+
 SwanLab keeps one experiment per process (a module-level run): opening this backend while another SwanLab run is
 open in the process is an error.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -33,7 +39,7 @@ from typing import Any
 from roll_core.config.tracking import SWANLAB, backend_options, tracking_config
 from roll_core.errors import Extra
 from roll_core.trackers.replay import kept_metrics, kept_samples
-from roll_core.tracking import redact_config
+from roll_core.tracking import redact_config, redact_text
 
 log = logging.getLogger(__name__)
 #: The run folder's record of its current SwanLab experiment: {"run_dir": ..., "last_step": ...}.
@@ -42,6 +48,9 @@ STATE_FILE = "roll-run.json"
 SAMPLES_KEY = "samples"
 #: Local mode's dashboard package (swanlab[dashboard], in roll-core[swanlab]).
 SWANBOARD = Extra("swanboard", "tracking.swanlab.mode=local", "swanboard", "roll-core[swanlab]")
+#: Seconds before a resumed run whose SwanLab cloud did not answer tries to start its experiment again (doubling).
+RETRY_S = 300.0
+MAX_RETRY_S = 3600.0
 
 
 def _import_swanlab() -> ModuleType:
@@ -93,6 +102,10 @@ class SwanlabTracker:
         self.logdir = Path(self.options.logdir) if self.options.logdir else self.run_dir / "swanlog"
         self.run: Any = None
         self.last_step = -1  # the last step the open experiment holds
+        self.resume_step: int | None = None  # a resumed run whose experiment is not started yet: keep up to this
+        self.seen_step = -1  # the last step given to this backend while no experiment is open
+        self.failures = 0  # failed tries to start it (warned about at the first)
+        self.retry_at = 0.0
         if not resume:
             self._start()
         # On resume, the first truncate (or log) starts the experiment that replays the kept steps.
@@ -144,16 +157,47 @@ class SwanlabTracker:
             if self.last_step <= last_step:
                 return
             self._finish()
-        self._start(resumed=True)
-        self._replay(last_step)
+        self.resume_step = last_step if self.resume_step is None else min(self.resume_step, last_step)
+        self.seen_step = max(self.seen_step, last_step)
+        self._open(last_step)
 
-    def _ensure_run(self, step: int) -> None:
-        if self.run is None:  # a resumed run logged without truncating first: keep what precedes this step
-            self.truncate(step - 1)
+    def _open(self, upto: int) -> bool:
+        """Start a resumed run's experiment and replay steps 0..`upto`; False (warned at the first failure) when
+        SwanLab's cloud does not answer: the steps wait in metrics.jsonl."""
+        try:
+            self._start(resumed=True)
+        except Exception as exc:
+            if not _unreachable(exc):
+                raise
+            self.failures += 1
+            wait = min(RETRY_S * 2 ** (self.failures - 1), MAX_RETRY_S)
+            self.retry_at = time.monotonic() + wait
+            if self.failures == 1:
+                log.warning(
+                    "SwanLab did not answer (%s): this resumed run goes on without it; its experiment is started, "
+                    "and sent its steps from metrics.jsonl, after %.0f s",
+                    redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)[:300],
+                    wait,
+                )
+            return False
+        self.resume_step = None
+        self._replay(upto)
+        return True
+
+    def _ensure_run(self, step: int) -> bool:
+        """Whether an experiment is open to log `step`; a resumed run's is started here when `truncate` did not (it
+        was not called, or SwanLab did not answer: tried again once `retry_at` has passed)."""
+        if self.run is not None:
+            return True
+        if self.resume_step is None:  # a resumed run logged without truncating first: keep what precedes this step
+            self.resume_step = step - 1
+        self.seen_step = max(self.seen_step, step)
+        return time.monotonic() >= self.retry_at and self._open(step - 1)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Log the metrics at SwanLab step `step`."""
-        self._ensure_run(step)
+        if not self._ensure_run(step):
+            return  # metrics.jsonl holds the step: sent when the experiment starts
         if metrics:
             self.run.log(dict(metrics), step=step)
         self.last_step = max(self.last_step, step)
@@ -161,9 +205,8 @@ class SwanlabTracker:
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Log the rows as the `samples` text column at `step`: each row as JSON, its reward as caption."""
-        if not self.options.log_samples or not rows:
-            return
-        self._ensure_run(step)
+        if not self.options.log_samples or not rows or not self._ensure_run(step):
+            return  # (samples.jsonl holds the rows: sent when the experiment starts)
         texts = [
             self._swanlab.Text(json.dumps(row, ensure_ascii=False), caption=f"reward {row.get('reward')}")
             for row in rows
@@ -177,9 +220,26 @@ class SwanlabTracker:
         run.finish()
 
     def close(self) -> None:
-        """Finish the experiment (idempotent)."""
+        """Finish the experiment (idempotent). A resumed run whose experiment never started tries once more."""
+        if self.run is None and self.resume_step is not None and not self._open(self.seen_step):
+            log.error(
+                "SwanLab did not answer: this attempt's steps (up to %d) are in no SwanLab experiment; a resume of "
+                "this run sends them from metrics.jsonl",
+                self.seen_step,
+            )
+        self.resume_step = None
         if self.run is not None:
             self._finish()
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether SwanLab's cloud did not answer (connection refused, a timeout, a 5xx), as opposed to a refusal."""
+    from swanlab.error import ApiError, NetworkError
+
+    if isinstance(exc, ApiError):
+        status = getattr(exc.resp, "status_code", None)
+        return status is None or status >= 500
+    return isinstance(exc, (OSError, NetworkError))  # (requests' ConnectionError and Timeout are OSErrors)
 
 
 def read_local_run(run_dir: str | Path) -> dict[str, Any]:

@@ -18,6 +18,14 @@ deleted (its "rewind" is a private preview), so `truncate(last_step)` on a resum
   W&B run is started (same name and group, tag `resumed`, config `roll_resumed_from=<old id>`) that replays steps
   0..last_step from metrics.jsonl and samples.jsonl, then continues. The old run stays in W&B, as it was.
 The same happens when a resumed run adds wandb to its trackers (no earlier W&B run): the history is replayed.
+
+Network failures. A new run needs W&B to answer `wandb.init` (a wrong URL or key fails before training; once open,
+W&B's own service buffers and resends). A resumed run (a preemption, a restart after a fault) whose W&B does not
+answer (wandb.errors.CommError, after W&B's `init_timeout`, WANDB_INIT_TIMEOUT) goes on without it: a warning says
+so, and the W&B run is opened (continued or replaced, as above) at a later log once RETRY_S has passed (doubling up
+to MAX_RETRY_S, as each try holds the step up to `init_timeout`), then sent the steps it lacks from metrics.jsonl;
+`close()` tries once more, and an error says that a later resume sends what W&B still lacks (roll-run.json still
+names what W&B holds).
 """
 
 from __future__ import annotations
@@ -27,19 +35,23 @@ import logging
 import math
 import netrc
 import os
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from roll_core.config.tracking import WANDB, backend_options, tracking_config
 from roll_core.trackers.replay import kept_metrics, kept_samples
-from roll_core.tracking import redact_config
+from roll_core.tracking import redact_config, redact_text
 
 log = logging.getLogger(__name__)
 #: The run folder's record of its W&B run: {"id": ..., "last_step": ...}.
 STATE_FILE = "roll-run.json"
 #: Where samples go in W&B.
 SAMPLES_KEY = "samples"
+#: Seconds before a resumed run whose W&B did not answer tries to open its W&B run again (doubling per failure).
+RETRY_S = 300.0
+MAX_RETRY_S = 3600.0
 
 
 def has_api_key() -> bool:
@@ -89,6 +101,11 @@ class WandbTracker:
         self.run: Any = None
         self.closed = False
         self.last_step = -1  # the last step the current W&B run holds
+        # A resumed run whose W&B run is not open yet: the recorded run is valid up to this step (`_open`).
+        self.resume_step: int | None = None
+        self.seen_step = -1  # the last step given to this backend while its run is not open
+        self.failures = 0  # failed tries to open it (warned about at the first)
+        self.retry_at = 0.0
         if not resume:
             self._start()
         # On resume, the first truncate (or log) decides: continue the recorded W&B run or start a new one.
@@ -139,37 +156,79 @@ class WandbTracker:
 
     def truncate(self, last_step: int) -> None:
         """Continue the recorded W&B run when it holds nothing after `last_step`, else start a new one replaying
-        steps 0..last_step (W&B cannot delete steps; see the module docstring)."""
+        steps 0..last_step (W&B cannot delete steps; see the module docstring). A W&B that does not answer is warned
+        about, and the run is opened at a later log."""
         if self.run is not None:  # truncating a live run: the same decision, from the record it keeps current
             if self.last_step <= last_step:
                 return
             self._finish()
-        state = json.loads(self.state_path.read_text()) if self.state_path.exists() else None
-        if state is not None and int(state["last_step"]) <= last_step:
-            self._start(resume_id=str(state["id"]), holds=int(state["last_step"]))
-            self._replay(last_step, after=int(state["last_step"]))  # steps an attempt without W&B logged
-            return
-        self._start(resumed_from=None if state is None else str(state["id"]))
-        self._replay(last_step)
+        self.resume_step = last_step if self.resume_step is None else min(self.resume_step, last_step)
+        self.seen_step = max(self.seen_step, last_step)
+        self._open(last_step)
 
-    def _ensure_run(self, step: int) -> None:
+    def _open(self, upto: int) -> bool:
+        """Open a resumed run's W&B run (the recorded one when it holds nothing after `resume_step`, else a new one)
+        and send it the steps up to `upto` it lacks from the run folder's files; False (warned at the first failure)
+        when W&B does not answer: the steps wait in metrics.jsonl."""
+        assert self.resume_step is not None
+        state = json.loads(self.state_path.read_text()) if self.state_path.exists() else None
+        holds = None if state is None or int(state["last_step"]) > self.resume_step else int(state["last_step"])
+        try:
+            if state is not None and holds is not None:
+                self._start(resume_id=str(state["id"]), holds=holds)
+            else:
+                self._start(resumed_from=None if state is None else str(state["id"]))
+        except (self._wandb.errors.CommError, TimeoutError) as exc:
+            if isinstance(exc, self._wandb.errors.AuthenticationError):
+                raise  # a refused key: trying again would not help
+            self._unreachable(exc)
+            return False
+        self.resume_step = None
+        self._replay(upto, after=-1 if holds is None else holds)  # (continued: steps an attempt without W&B logged)
+        return True
+
+    def _unreachable(self, exc: BaseException) -> None:
+        """Count a failed open, set when to try again, warn at the first failure."""
+        if self._wandb.run is None:  # W&B's service keeps a failed run's id "in use": the next try would fail on it
+            try:
+                self._wandb.teardown()
+            except Exception as error:  # the next try says what is wrong, if anything
+                log.debug("wandb.teardown after a failed init: %s", error)
+        self.failures += 1
+        wait = min(RETRY_S * 2 ** (self.failures - 1), MAX_RETRY_S)
+        self.retry_at = time.monotonic() + wait
+        if self.failures == 1:
+            log.warning(
+                "W&B did not answer (%s): this resumed run goes on without it; its W&B run is opened, and sent its "
+                "steps from metrics.jsonl, after %.0f s",
+                redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)[:300],
+                wait,
+            )
+
+    def _ensure_run(self, step: int) -> bool:
+        """Whether the W&B run is open to log `step`; a resumed run's is opened here when `truncate` did not (it
+        was not called, or W&B did not answer: tried again once `retry_at` has passed)."""
         if self.closed:
             raise RuntimeError("WandbTracker used after close()")
-        if self.run is None:  # a resumed run logged without truncating first: keep what precedes this step
-            self.truncate(step - 1)
+        if self.run is not None:
+            return True
+        if self.resume_step is None:  # a resumed run logged without truncating first: keep what precedes this step
+            self.resume_step = step - 1
+        self.seen_step = max(self.seen_step, step)
+        return time.monotonic() >= self.retry_at and self._open(step - 1)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Log the metrics at W&B step `step`."""
-        self._ensure_run(step)
+        if not self._ensure_run(step):
+            return  # metrics.jsonl holds the step: sent when the W&B run opens
         self.run.log(dict(metrics), step=step)
         self.last_step = max(self.last_step, step)
         self._save_state()
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Log the rows as the `samples` table at `step` (columns: step, then every key in the rows' order)."""
-        if not self.options.log_samples or not rows:
-            return
-        self._ensure_run(step)
+        if not self.options.log_samples or not rows or not self._ensure_run(step):
+            return  # (samples.jsonl holds the rows: sent when the W&B run opens)
         columns = ["step", *dict.fromkeys(k for row in rows for k in row if k != "step")]
         data = [[step, *(_cell(row.get(c)) for c in columns[1:])] for row in rows]
         self.run.log({SAMPLES_KEY: self._wandb.Table(columns=columns, data=data)}, step=step)
@@ -182,6 +241,13 @@ class WandbTracker:
             self.run = None
 
     def close(self) -> None:
-        """Finish the W&B run (idempotent)."""
+        """Finish the W&B run (idempotent). A resumed run whose W&B run never opened tries once more to open it and
+        send its steps."""
+        if self.run is None and self.resume_step is not None and not self.closed and not self._open(self.seen_step):
+            log.error(
+                "W&B did not answer: this attempt's steps (up to %d) are not in W&B; a resume of this run sends them "
+                "from metrics.jsonl",
+                self.seen_step,
+            )
         self._finish()
         self.closed = True
