@@ -193,3 +193,35 @@ def test_an_all_equal_group_alone_in_its_batch_gets_exactly_zero(value: float, g
 
 
 NTS = ("group", "batch", "none")
+
+
+# ---------------------------------------------------------------- review fixes
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_score_is_an_error_not_a_silent_zero(bad: float) -> None:
+    """A NaN score made its group (group_normalized, leave_one_out) or the whole batch (batch_normalized) all-zero
+    without a word, since amax/amin pass NaN and NaN > x is False; an inf gave -inf/NaN advantages under Dr.GRPO and
+    RLOO. Scores are checked instead, naming the rows."""
+    scores = T([1.0, 0.0, 1.0, 0.0, 1.0, bad, 0.0, 1.0])
+    calls = [
+        lambda: group_normalized(scores, 4),
+        lambda: group_normalized(scores, 4, std_normalize=False),
+        lambda: leave_one_out(scores, 4),
+        lambda: batch_normalized(scores),
+        lambda: group_baseline_batch_normalized(scores, 4),
+        *(lambda m=m, s=s: reward_normalized(scores, 4, mean_type=m, std_type=s) for m in NTS for s in NTS),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"not finite.*\[5\]"):
+            call()
+
+
+@pytest.mark.parametrize("value", [0.9, 0.7, 0.1])
+def test_whiten_of_equal_values_is_exactly_zero(value: float) -> None:
+    """reinforce_pp whitens the returns over the batch's tokens: a batch whose rows all scored 0.9 (gamma 1, no KL)
+    has equal returns, and the float mean of 32768 copies of 0.9 is ulps off, times rsqrt(0 + 1e-8) = 1e4: advantages
+    of ~3e-3 instead of 0 (as the all-equal groups of group_normalized before)."""
+    returns = torch.full((64, 512), value)
+    mask = torch.ones(64, 512)
+    mask[3, 100:] = 0
+    assert torch.equal(whiten(returns, mask), torch.zeros_like(returns))
+    assert torch.equal(whiten(returns, mask, shift_mean=False), returns * mask)

@@ -343,3 +343,101 @@ def test_fp32_matches_fp64(seed: int, variant: str, agg: str) -> None:
         torch.testing.assert_close(
             kl_estimate(logp.float(), old.float(), kind).double(), kl_estimate(logp, old, kind), atol=1e-5, rtol=1e-4
         )
+
+
+# ---------------------------------------------------------------- review fixes
+def test_approx_kl_is_k3_of_kl_old_to_new() -> None:
+    """The tokens were sampled from the old policy, so k3 of KL(old || new) is r - 1 - log r with r = new / old
+    (Schulman's k3 with q = old as the sampler). The metric had the direction swapped: 1/r - 1 + log r, which
+    estimates neither KL from old-policy samples."""
+    # one token, log r = log 2: 2 - 1 - ln 2 = 0.306853 (the swapped form gave 0.5 - 1 + ln 2 = 0.193147)
+    _, m = policy_loss(T([[math.log(2.0)]]), T([[0.0]]), T([[1.0]]), torch.ones(1, 1))
+    close(m["approx_kl"], 2.0 - 1.0 - math.log(2.0))
+    # unbiased: weighting every vocabulary token by its old-policy probability gives KL(old || new) exactly
+    g = torch.Generator().manual_seed(0)
+    old = torch.log_softmax(torch.randn(1, 20, generator=g, dtype=torch.float64), -1)
+    new = torch.log_softmax(old + 0.5 * torch.randn(1, 20, generator=g, dtype=torch.float64), -1)
+    exact = float((old.exp() * (old - new)).sum())
+    weights = old.exp()[0]
+    per_token = []
+    for i in range(20):  # the metric of a one-token batch is that token's estimate
+        _, m = policy_loss(new[:, i : i + 1], old[:, i : i + 1], T([[1.0]], dtype=torch.float64), torch.ones(1, 1))
+        per_token.append(m["approx_kl"])
+    assert float((weights * torch.stack(per_token)).sum()) == pytest.approx(exact, rel=1e-9)
+
+
+def test_gspo_gives_each_token_its_own_advantage() -> None:
+    """GSPO-token (the paper's form for per-token advantages, as verl's gspo): s_i,t = sg(s_i) * pi_t / sg(pi_t),
+    so the gradient at token t is -A_t * s_i (unclipped rows). Through the row mean every token got the row's mean
+    advantage instead: a token whose advantage a correction mask (token_mask, icepop), AsyPPO or attention credit
+    set to 0 still got a gradient."""
+    # row log-ratios [0.1, -0.1] -> s = exp(0) = 1 (inside the clip range); A = [2, 0]; token-mean over 2 tokens
+    logp = T([[0.1, -0.1]], dtype=torch.float64, requires_grad=True)
+    loss, m = policy_loss(
+        logp, torch.zeros(1, 2, dtype=torch.float64), T([[2.0, 0.0]]), torch.ones(1, 2), variant="gspo"
+    )
+    (grad,) = torch.autograd.grad(loss, logp)
+    close(loss, (-2.0 * 1.0 + 0.0) / 2)  # the value is unchanged: -A_t s on each token
+    close(grad, [[-2.0 * 1.0 / 2, 0.0]])  # the old form gave [-0.5, -0.5]
+    close(m["ratio_mean"], 1.0)
+    # a clipped row (s = e^0.3 = 1.35 > 1.2 with A > 0) gives no gradient to any of its tokens
+    logp = T([[0.2, 0.4]], dtype=torch.float64, requires_grad=True)
+    loss, _ = policy_loss(
+        logp, torch.zeros(1, 2, dtype=torch.float64), T([[1.0, 3.0]]), torch.ones(1, 2), variant="gspo"
+    )
+    (grad,) = torch.autograd.grad(loss, logp)
+    close(loss, -(1.0 + 3.0) * 1.2 / 2)
+    close(grad, [[0.0, 0.0]])
+
+
+def test_half_precision_inputs_are_computed_in_fp32() -> None:
+    """bf16 log-probs (a caller's engine) gave a bf16 ratio (steps of 2^-7 near 1, so clip decisions at 1.2 were
+    off by up to 0.008) and bf16 sums of the loss and the clip fractions. The losses now compute in fp32 from the
+    (already rounded) bf16 inputs; the gradient still reaches the bf16 leaf."""
+    g = torch.Generator().manual_seed(5)
+    logp = (-torch.rand(8, 300, generator=g) * 3).bfloat16()
+    old = (logp.float() + 0.1 * torch.randn(8, 300, generator=g)).bfloat16()
+    adv = torch.randn(8, 300, generator=g).bfloat16()
+    mask = (torch.rand(8, 300, generator=g) > 0.2).float()
+    leaf = logp.clone().requires_grad_()
+    for variant in POLICY_LOSS_VARIANTS:
+        loss, metrics = policy_loss(leaf, old, adv, mask, variant=variant, dual_clip=3.0)
+        ref, ref_metrics = policy_loss(logp.float(), old.float(), adv.float(), mask, variant=variant, dual_clip=3.0)
+        assert loss.dtype == torch.float32 and loss.item() == pytest.approx(ref.item(), rel=1e-6), variant
+        for k, v in metrics.items():
+            assert v.dtype == torch.float32 and v.item() == pytest.approx(ref_metrics[k].item(), rel=1e-6), k
+        (grad,) = torch.autograd.grad(loss, leaf)
+        assert grad.dtype == torch.bfloat16 and torch.isfinite(grad).all()
+    values, returns = logp.clone().requires_grad_(), adv
+    vl, vm = value_loss(values, old, returns, mask, clip=0.2)
+    vr, vrm = value_loss(logp.float(), old.float(), returns.float(), mask, clip=0.2)
+    assert vl.dtype == torch.float32 and vl.item() == pytest.approx(vr.item(), rel=1e-6)
+    assert vm["vf_clipfrac"].item() == pytest.approx(vrm["vf_clipfrac"].item(), rel=1e-6)
+    for mode in AGG_MODES:
+        agg = aggregate(adv, mask, mode, norm_length=300)
+        assert agg.dtype == torch.float32
+        assert agg.item() == pytest.approx(aggregate(adv.float(), mask, mode, norm_length=300).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kl_loss_gradients_are_as_documented(seed: int) -> None:
+    """kl.py's note on the KL kinds as losses: over tokens sampled from pi (here every vocabulary token weighted by
+    its detached probability), E[grad k1] = 0, E[grad k2] = grad KL(pi || ref), E[grad k3] = grad KL(ref || pi)."""
+    g = torch.Generator().manual_seed(seed)
+    theta = (0.5 * torch.randn(12, generator=g, dtype=torch.float64)).requires_grad_()
+    ref = torch.log_softmax(0.5 * torch.randn(12, generator=g, dtype=torch.float64), -1)  # k3 below its clamp
+
+    def expected_grad(kind: str) -> torch.Tensor:
+        logp = torch.log_softmax(theta, -1)
+        per_token = kl_estimate(logp[None], ref[None], kind)[0]
+        return torch.autograd.grad((logp.detach().exp() * per_token).sum(), theta)[0]
+
+    def grad_of(f) -> torch.Tensor:
+        return torch.autograd.grad(f(torch.log_softmax(theta, -1)), theta)[0]
+
+    forward = grad_of(lambda lp: (lp.exp() * (lp - ref)).sum())  # KL(pi || ref)
+    reverse = grad_of(lambda lp: (ref.exp() * (ref - lp)).sum())  # KL(ref || pi)
+    torch.testing.assert_close(expected_grad("k1"), torch.zeros(12, dtype=torch.float64))
+    torch.testing.assert_close(expected_grad("k2"), forward)
+    torch.testing.assert_close(expected_grad("k3"), reverse)
+    assert not torch.allclose(forward, reverse, atol=1e-3)

@@ -7,7 +7,8 @@ included), and outputs are 0 there.
 
 Contract: pure functions, tensors in and tensors out, no gradient tracking assumed (callers pass detached
 rewards and values). Degenerate inputs (a group of one, all-equal rewards, fewer than two valid tokens) give
-zero advantages instead of a division blow-up.
+zero advantages instead of a division blow-up. Sequence scores must be finite: a NaN or inf score is a ValueError
+naming its rows (it would otherwise zero its group, or the whole batch, without a word, or give NaN advantages).
 """
 
 from __future__ import annotations
@@ -32,9 +33,22 @@ __all__ = [
 NORM_TYPES = ("group", "batch", "none")
 
 
-def _grouped(scores: Tensor, group_size: int) -> Tensor:
+def _check_scores(scores: Tensor) -> None:
+    """(B,) and finite. A NaN passes every amax/amin spread test as False (its group, or the batch, would get
+    advantage 0 silently) and an inf turns Dr.GRPO's and RLOO's centring into -inf/NaN."""
     if scores.dim() != 1:
         raise ValueError(f"scores must be 1-D (B,), got shape {tuple(scores.shape)}")
+    bad = ~torch.isfinite(scores)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()
+        raise ValueError(
+            f"scores are not finite at rows {rows[:10]}{' ...' if len(rows) > 10 else ''} "
+            f"(values {scores[bad][:10].tolist()}): score non-finite rewards before computing advantages"
+        )
+
+
+def _grouped(scores: Tensor, group_size: int) -> Tensor:
+    _check_scores(scores)
     if group_size < 1 or scores.numel() % group_size:
         raise ValueError(f"batch of {scores.numel()} scores does not split into groups of {group_size}")
     return scores.view(-1, group_size)
@@ -140,8 +154,7 @@ def batch_normalized(scores: Tensor, *, eps: float = 1e-6) -> Tensor:
     Returns:
         (B,) advantages.
     """
-    if scores.dim() != 1:
-        raise ValueError(f"scores must be 1-D (B,), got shape {tuple(scores.shape)}")
+    _check_scores(scores)
     if scores.numel() < 2:
         return torch.zeros_like(scores)
     centered = scores - scores.mean()
@@ -223,7 +236,9 @@ def whiten(x: Tensor, mask: Tensor, *, eps: float = 1e-8, shift_mean: bool = Tru
     """Masked whitening: (x - mean) / sqrt(var + eps) over valid entries (unbiased variance).
 
     With `shift_mean=False` the mean is added back (scale only). With fewer than two valid entries the valid
-    entries are returned unchanged. Masked positions are 0 in the output.
+    entries are returned unchanged. Valid entries that are all equal give exactly 0 (themselves with
+    `shift_mean=False`), not the round-off of their float mean times rsqrt(eps) = 1e4. Masked positions are 0 in the
+    output.
 
     Args:
         x: any shape; mask: same shape.
@@ -237,6 +252,11 @@ def whiten(x: Tensor, mask: Tensor, *, eps: float = 1e-8, shift_mean: bool = Tru
     n = valid.sum()
     if n < 2:
         return xs
+    # Equal values decided by comparing them (as `_spread`): the mean of 32768 copies of 0.9 is ulps off, which
+    # rsqrt(0 + eps) turned into ~3e-3 of same-sign advantage (reinforce_pp on a batch whose rows all scored alike).
+    vals = x[valid]
+    if bool(vals.amax() == vals.amin()):
+        return xs if not shift_mean else torch.zeros_like(xs)
     mean = xs.sum() / n
     var = (torch.where(valid, x - mean, 0.0) ** 2).sum() / (n - 1)
     out = (xs - mean) * torch.rsqrt(var + eps)

@@ -7,10 +7,20 @@ log_ratio = logp - ref_logp:
 |---|---|---|
 | `k1` | log_ratio | unbiased, high variance, can be negative |
 | `k2` (`mse`) | 0.5 * log_ratio^2 | biased, low variance, >= 0 |
-| `k3` (`low_var_kl`) | exp(-log_ratio) + log_ratio - 1 | unbiased, >= 0, clamped to [0, 10] |
+| `k3` (`low_var_kl`) | exp(-log_ratio) + log_ratio - 1 | unbiased (before its clamp), >= 0, clamped to [0, 10] |
 | `abs` | abs(log_ratio) | >= 0 |
 
 The caller applies the mask (zero the masked positions or aggregate with `roll_algos.losses.aggregate`).
+
+"Unbiased" above is about the value (what `actor/kl_to_ref` logs, and the penalty `algo.kl_in_reward` subtracts
+from the rewards). As a loss (KL loss, `algo.kl_in_reward=false`) what counts is the expected gradient over tokens
+sampled from pi, E_pi[grad k] (the loss carries no score-function term for the sampling):
+- `k1`: E_pi[grad log pi] = 0: no signal in expectation, only noise;
+- `k2`: E_pi[(log pi - log ref) grad log pi] = grad KL(pi || ref): the exact gradient of the KL it estimates;
+- `k3`: E_pi[(1 - ref/pi) grad log pi] = -E_ref[grad log pi] = grad KL(ref || pi): the gradient of the reverse
+  (mass-covering) KL, not of KL(pi || ref) (GRPO's and verl's default all the same); it is 0 on tokens where the
+  clamp at 10 acts (ref/pi above ~13.6) or the exponent clamp does.
+So k2 is the loss whose gradient is that of KL(pi || ref); k3 regularises toward ref in the other direction.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Conventions as in `roll_algos.advantages`: per-token `(B, T)` with a 0/1 `mask`, sequence-level `(B,)`.
 Masked positions never influence a loss or its gradient, whatever they hold (NaN and inf included): inputs are
-sanitised with `torch.where` before any arithmetic, so no NaN reaches the backward pass either.
+sanitised with `torch.where` before any arithmetic, so no NaN reaches the backward pass either. Half-precision
+inputs (bf16, fp16) are computed in fp32 (ratios, sums, metrics; the gradient still reaches the half-precision
+tensor); fp32 and fp64 inputs keep their dtype.
 
 Aggregation modes (`aggregate`), with m the mask and L the per-token loss:
 - `token-mean`: sum(L*m) / sum(m)  (0 when no token is valid)
@@ -68,6 +70,12 @@ POLICY_LOSS_VARIANTS: tuple[str, ...]
 _MAX_LOG_RATIO = 20.0
 
 
+def _fp32(x: Tensor) -> Tensor:
+    """x in fp32 if it is a half-precision float (bf16: ratios in steps of 2^-7 near 1, and half-precision sums),
+    else x unchanged (fp64 stays fp64). Differentiable: the gradient is cast back to x's dtype."""
+    return x.float() if x.is_floating_point() and x.dtype in (torch.bfloat16, torch.float16) else x
+
+
 def _valid(mask: Tensor, like: Tensor) -> Tensor:
     if mask.shape != like.shape:
         raise ValueError(f"mask {tuple(mask.shape)} does not match tensor {tuple(like.shape)}")
@@ -77,7 +85,7 @@ def _valid(mask: Tensor, like: Tensor) -> Tensor:
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of x over valid entries (0 when none); masked values never contribute. Returns a 0-dim tensor."""
     valid = _valid(mask, x)
-    return torch.where(valid, x, 0.0).sum() / valid.sum().clamp_min(1)
+    return torch.where(valid, _fp32(x), 0.0).sum() / valid.sum().clamp_min(1)
 
 
 def aggregate(loss: Tensor, mask: Tensor, mode: str = "token-mean", *, norm_length: int | None = None) -> Tensor:
@@ -94,7 +102,7 @@ def aggregate(loss: Tensor, mask: Tensor, mode: str = "token-mean", *, norm_leng
     valid = _valid(mask, loss)
     if loss.dim() != 2:
         raise ValueError(f"loss must be (B, T), got {tuple(loss.shape)}")
-    lm = torch.where(valid, loss, 0.0)
+    lm = torch.where(valid, _fp32(loss), 0.0)
     if mode == "token-mean":
         return lm.sum() / valid.sum().clamp_min(1)
     if mode == "seq-mean-token-mean":
@@ -195,9 +203,17 @@ def ppo_loss(
 def gspo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, settings: PolicyLossSettings
 ) -> PolicyLossTerms:
-    """`gspo`: as `ppo` with the sequence ratio exp(masked mean_t log r) per row, gradient through the mean."""
-    seq_log_ratio = _seq_mean(bounded_log_ratio(logp, old_logp), mask)
-    ratio = torch.exp(seq_log_ratio)[:, None].expand_as(logp)
+    """`gspo` (GSPO-token, arXiv 2507.18071 eq. 13): as `ppo` with s_i,t = sg(s_i) * pi_t / sg(pi_t) in place of r_t,
+    s_i = exp(masked mean_t log r_t) the row's sequence ratio.
+
+    s_i,t equals s_i in value (the loss and the clipping are the sequence's), and its gradient is s_i * grad log pi_t:
+    token t is weighted by its own advantage A_t. With one advantage per row this is GSPO exactly (the paper shows
+    the two coincide); with per-token advantages (GAE, token-level correction weights, AsyPPO's or attention
+    credit's masks) a token whose advantage is 0 gets no gradient, where a gradient through the row mean would give
+    every token the row's mean advantage."""
+    log_ratio = bounded_log_ratio(logp, old_logp)
+    seq_log_ratio = _seq_mean(log_ratio, mask).detach()[:, None]
+    ratio = torch.exp(seq_log_ratio + (logp - logp.detach()))
     return _clipped_surrogate(ratio, advantages, mask, settings)
 
 
@@ -291,8 +307,8 @@ def policy_loss(
     roll-algos' variants (r = exp(logp - old_logp), A the advantage, sg = stop-gradient), one `PolicyLoss` each:
     - `ppo` (`ppo_loss`): max(-A r, -A clip(r, 1-clip_low, 1+clip_high)); clip_high > clip_low is DAPO
       clip-higher; `dual_clip=c` (c > 1) bounds the loss of negative-advantage tokens at c|A|.
-    - `gspo` (`gspo_loss`): like `ppo` but with the sequence ratio exp(masked mean of log r), gradient through the
-      mean.
+    - `gspo` (`gspo_loss`): like `ppo` but with the sequence ratio s = exp(masked mean of log r) of the row, in
+      GSPO-token form: value s, gradient s * grad logp per token, so each token carries its own advantage.
     - `cispo` (`cispo_loss`): -sg(clip(r, 1-clip_low, 1+clip_high)) A logp.
     - `tis` (`tis_loss`): -sg(min(r, ratio_cap)) A logp (truncated importance sampling).
     - `topr` (`topr_loss`): rows with positive reward: -A logp; others: -sg(clip(r, 0, 1)) A logp.
@@ -309,7 +325,8 @@ def policy_loss(
     Returns:
         (loss, metrics): a 0-dim loss aggregated with `agg`; metrics are detached 0-dim tensors:
         `clipfrac_low`, `clipfrac_high`, `clipfrac_dual` (0 where the variant does not clip), the variant's own,
-        `approx_kl` (k3 between old and new, masked mean), `ratio_mean`, `ratio_max`.
+        `approx_kl` (k3 estimate of KL(old || new) from the old policy's samples: r - 1 - log r, r = exp(logp -
+        old_logp), masked mean), `ratio_mean`, `ratio_max`. Half-precision inputs give an fp32 loss and metrics.
     Raises:
         ValueError: unknown `variant` or `agg` (the message lists the choices), or mismatched shapes.
     """
@@ -322,9 +339,9 @@ def policy_loss(
             f"{tuple(advantages.shape)} must all be (B, T)"
         )
     loss_fn = get_policy_loss(variant)
-    logp = torch.where(valid, logp, 0.0)
-    old_logp = torch.where(valid, old_logp.detach(), 0.0)
-    adv = torch.where(valid, advantages.detach(), 0.0)
+    logp = torch.where(valid, _fp32(logp), 0.0)
+    old_logp = torch.where(valid, _fp32(old_logp.detach()), 0.0)
+    adv = torch.where(valid, _fp32(advantages.detach()), 0.0)
     settings = PolicyLossSettings(clip_low, clip_high, dual_clip, ratio_cap, positive)
     terms = loss_fn(logp, old_logp, adv, valid, settings)
     if terms.loss.shape != logp.shape or terms.ratio.shape != logp.shape:
@@ -339,7 +356,9 @@ def policy_loss(
     with torch.no_grad():
         log_ratio = bounded_log_ratio(logp, old_logp)
         ratio_valid = torch.where(valid, terms.ratio, 0.0)
-        metrics["approx_kl"] = masked_mean(torch.exp(-log_ratio) + log_ratio - 1.0, mask)
+        # The tokens were sampled from the old policy: k3 of KL(old || new) is r - 1 - log r with r = new / old
+        # (Schulman's k3 with the sampler in the denominator); 1/r - 1 + log r estimates neither direction here.
+        metrics["approx_kl"] = masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
         metrics["ratio_mean"] = masked_mean(terms.ratio.detach(), mask)
         metrics["ratio_max"] = ratio_valid.max() if valid.any() else zeros
     return total, metrics
@@ -364,15 +383,15 @@ def value_loss(
         (loss, metrics) with metrics `vf_clipfrac` (fraction of tokens where the clipped branch is larger).
     """
     valid = _valid(mask, values)
-    v = torch.where(valid, values, 0.0)
-    r = torch.where(valid, returns.detach(), 0.0)
+    v = torch.where(valid, _fp32(values), 0.0)
+    r = torch.where(valid, _fp32(returns.detach()), 0.0)
     err = (v - r).square()
-    clipfrac = torch.zeros((), dtype=values.dtype, device=values.device)
+    clipfrac = torch.zeros((), dtype=v.dtype, device=values.device)
     if clip is not None:
-        old = torch.where(valid, old_values.detach(), 0.0)
+        old = torch.where(valid, _fp32(old_values.detach()), 0.0)
         v_clipped = old + torch.clamp(v - old, -clip, clip)
         err_clipped = (v_clipped - r).square()
-        clipfrac = masked_mean((err_clipped > err).to(values.dtype), mask).detach()
+        clipfrac = masked_mean((err_clipped > err).to(v.dtype), mask).detach()
         err = torch.maximum(err, err_clipped)
     return aggregate(0.5 * err, mask, agg, norm_length=norm_length), {"vf_clipfrac": clipfrac}
 
