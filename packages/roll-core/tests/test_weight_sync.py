@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -123,6 +124,162 @@ def test_a_worker_whose_engine_refuses_a_bucket_receives_the_sync_to_its_end_the
     assert not any(t.is_alive() for t in threads), "the trainer was left waiting in a broadcast"
     assert len(raised) == 1 and isinstance(raised[0], KeyError) and "extra.weight" in str(raised[0])
     assert worker.engine.loaded == ["a.weight"]  # nothing after the refused bucket is applied
+
+
+def test_a_train_worker_whose_weights_fail_mid_sync_ends_the_receivers_sync() -> None:
+    """TrainWorker.send_weights_dist (rank 0) over a real gloo group: its engine's weight iterator raises after the
+    first bucket. The receiving InferWorker raises SyncAbortedError quoting the trainer's error within seconds (it
+    sent bucket by bucket with `send` and stopped: the receiver waited in a broadcast for the group's timeout)."""
+    from roll_core.cluster.buckets import SyncAbortedError
+    from roll_core.cluster.roles import InferWorker, TrainWorker
+
+    class Trainer:
+        def iter_weights(self, changed_only: bool = False):
+            yield "a.weight", torch.zeros(256, 256)
+            raise ValueError("the engine lost a shard")
+
+    class Engine:
+        def update_weights(self, named) -> int:
+            return sum(bucket_nbytes([(k, t)]) for k, t in named)
+
+    train = TrainWorker.__new__(TrainWorker)
+    train.rank, train.engine, train.weight_format = 0, Trainer(), "merged"
+    infer = InferWorker.__new__(InferWorker)
+    infer.rank, infer.engine = 0, Engine()
+    store = SyncGroup.host_store("127.0.0.1", 2)
+    raised: dict[str, BaseException] = {}
+
+    def receive() -> None:
+        infer.join_sync_group("127.0.0.1", store.port, 2, "gloo")
+        try:
+            infer.receive_weights_dist()
+        except BaseException as exc:
+            raised["infer"] = exc
+
+    def send() -> None:
+        train._sync_group = SyncGroup("127.0.0.1", store.port, 0, 2, "gloo", store=store, timeout_s=60)
+        try:
+            train.send_weights_dist(256 * 1024, False)
+        except BaseException as exc:
+            raised["train"] = exc
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=fn, daemon=True) for fn in (receive, send)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a side was left waiting in a broadcast"
+    assert isinstance(raised["train"], ValueError) and isinstance(raised["infer"], SyncAbortedError)
+    assert "the engine lost a shard" in str(raised["infer"]) and time.monotonic() - t0 < 20
+
+
+def test_a_trainer_that_fails_mid_sync_ends_it_on_every_receiver_at_once() -> None:
+    """The trainer's weight iterator raises after the first bucket. Its receivers were left waiting in a broadcast
+    for the group's timeout (10 minutes by default) and then failed with gloo's timeout, the trainer's error unseen.
+    Now `send_all` tells them: each raises SyncAbortedError quoting the trainer's error at once (the group's timeout
+    here is 60 s), keeps the bucket it applied, and the group's stream stays whole: the next sync goes through."""
+    from roll_core.cluster.buckets import SyncAbortedError
+
+    store = SyncGroup.host_store("127.0.0.1", 3, timeout_s=60)
+    groups: dict[int, SyncGroup] = {}
+    outcome: dict[int, list] = {1: [], 2: []}
+
+    def receiver(rank: int) -> None:
+        groups[rank] = group = SyncGroup("127.0.0.1", store.port, rank, 3, "gloo", timeout_s=60)
+        applied: list[str] = []
+        for _ in range(2):  # the failed sync, then the next one
+            try:
+                group.receive_all(lambda bucket: applied.extend(k for k, _ in bucket) or 0)
+                outcome[rank].append(list(applied))
+            except SyncAbortedError as exc:
+                outcome[rank].append((exc, list(applied)))
+            applied.clear()
+
+    def failing():
+        yield [("a.weight", torch.ones(4))]
+        raise ValueError("iter_weights broke at b.weight")
+
+    threads = [threading.Thread(target=receiver, args=(r,), daemon=True) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    sender = SyncGroup("127.0.0.1", store.port, 0, 3, "gloo", timeout_s=60, store=store)
+    with pytest.raises(ValueError, match="iter_weights broke"):
+        sender.send_all(failing())
+    sent = sender.send_all(buckets(_named(), 1000))
+    for t in threads:
+        t.join(timeout=20)
+    assert not any(t.is_alive() for t in threads), "a receiver was left waiting in the failed sync"
+    assert sent == {"bytes": 1720, "tensors": 5, "buckets": 3}
+    for rank in (1, 2):
+        (aborted, applied), second = outcome[rank]
+        assert isinstance(aborted, SyncAbortedError) and applied == ["a.weight"]
+        assert "ValueError: iter_weights broke at b.weight" in str(aborted)
+        assert second == [k for k, _ in _named()]
+
+
+class _Handle:
+    """A finished call of a fake group: its values, or its error; records that it was read."""
+
+    def __init__(self, value=None, error: BaseException | None = None) -> None:
+        self.value, self.error, self.read = value, error, False
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def values(self):
+        self.read = True
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class _Side:
+    """A fake train or inference group for DistTransport: answers each method from `answers` (name -> callable)."""
+
+    def __init__(self, world_size: int, answers: dict) -> None:
+        self.world_size, self.answers, self.handles = world_size, answers, []
+        self.calls: list[str] = []
+
+    def call(self, method, *args):
+        self.calls.append(method.__name__)
+        return self.answers[method.__name__]()
+
+    def submit(self, method, *args):
+        self.calls.append(method.__name__)
+        self.handles.append(self.answers[method.__name__]())
+        return self.handles[-1]
+
+
+def test_a_dist_sync_that_failed_on_the_trainer_rebuilds_its_group_and_reads_the_receivers_outcome() -> None:
+    """The trainer fails during a `dist` sync: its error is raised after the receivers' outcome was read (their
+    abort error logged, not left unread), and the next sync builds a new group. The group was kept: the next sync
+    broadcast into a stream whose receivers could still wait in the failed one, and the receivers' error was never
+    read."""
+    from roll_core.cluster.buckets import SyncAbortedError
+    from roll_core.cluster.weight_sync import DistTransport
+
+    failing = [True]  # the first sync fails on the trainer, the next one goes through
+
+    def send() -> _Handle:
+        if failing[0]:
+            return _Handle(error=ValueError("iter_weights broke"))
+        return _Handle([{"bytes": 8, "tensors": 1, "buckets": 1}])
+
+    def receive() -> _Handle:
+        return _Handle(error=SyncAbortedError("the trainer's sync failed")) if failing[0] else _Handle([8, 8])
+
+    train = _Side(1, {"sync_endpoint": lambda: ("127.0.0.1", 1), "join_sync_group": _Handle, "send_weights_dist": send})
+    infer = _Side(2, {"join_sync_group": _Handle, "receive_weights_dist": receive})
+    transport = DistTransport(train, infer, bucket_bytes=1024, dtype=None, dist_backend="gloo")
+    with pytest.raises(ValueError, match="iter_weights broke"):
+        transport.sync(False)
+    failed_receive = infer.handles[-1]
+    assert failed_receive.read and isinstance(failed_receive.error, SyncAbortedError)
+    failing[0] = False
+    assert transport.sync(False).bytes == 8
+    assert train.calls.count("sync_endpoint") == 2  # a new group for the sync after the failed one
+    assert infer.calls.count("join_sync_group") == 2
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@
 A bucket is an ordered list of (HF name, tensor) of at most a size bound (a single larger tensor travels alone).
 `flatten`/`unflatten` turn a bucket into one uint8 buffer and back (the `dist` and `cuda_ipc` transports move one
 buffer per bucket); `SyncGroup` is a torch.distributed group of the trainer's rank 0 and the inference workers
-outside any default group; `share_cuda`/`open_cuda` pass a device buffer to another process on the same GPU.
+outside any default group (its sender ends a sync early, with its error, when it cannot produce a bucket:
+`send_all`); `share_cuda`/`open_cuda` pass a device buffer to another process on the same GPU.
 The trainer's workers send and the inference workers receive with these (roll_core.cluster.roles); the controller
 side, one class per transport, is roll_core.cluster.weight_sync. No Ray and no worker classes here.
 """
@@ -11,6 +12,7 @@ side, one class per transport, is roll_core.cluster.weight_sync. No Ray and no w
 from __future__ import annotations
 
 import datetime
+import logging
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -19,6 +21,11 @@ import torch
 from torch import Tensor
 
 Bucket = list[tuple[str, Tensor]]
+log = logging.getLogger(__name__)
+
+
+class SyncAbortedError(RuntimeError):
+    """The sender of a `dist` weight sync failed before the sync ended (its error is quoted); raised on receivers."""
 
 
 def buckets(named: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
@@ -145,24 +152,73 @@ class SyncGroup:
     def broadcast(self, t: Tensor) -> None:
         self.pg.broadcast(t, 0).wait()
 
+    # The stream of one sync, as rank 0 broadcasts it: per bucket a length (int64), the pickled specs, the flat
+    # buffer; then a length of 0 (the end). A negative length -k ends it early: k bytes of the sender's error follow.
     def send(self, bucket: Bucket | None) -> None:
-        """Rank 0: header (pickled specs; length 0 ends the sync) then the flat buffer."""
+        """Rank 0: header (pickled specs; length 0 ends the sync) then the flat buffer. What can fail here before
+        anything is broadcast (flattening, pickling) does, so the receivers are still between buckets then."""
         if bucket is None:
             self.broadcast(torch.zeros(1, dtype=torch.int64, device=self.device))
             return
+        self._send_packed(*self._pack(bucket))
+
+    def _pack(self, bucket: Bucket) -> tuple[Tensor, Tensor]:
+        """(pickled specs, flat buffer) of a bucket, on the group's device."""
         flat, specs = flatten(bucket, self.device)
-        header = torch.frombuffer(bytearray(pickle.dumps(specs)), dtype=torch.uint8).to(self.device)
+        return torch.frombuffer(bytearray(pickle.dumps(specs)), dtype=torch.uint8).to(self.device), flat
+
+    def _send_packed(self, header: Tensor, flat: Tensor) -> None:
         self.broadcast(torch.tensor([header.numel()], dtype=torch.int64, device=self.device))
         self.broadcast(header)
         self.broadcast(flat)
 
+    def send_abort(self, reason: str) -> None:
+        """Rank 0, between buckets: end the sync early; every receiver raises `SyncAbortedError` quoting `reason`."""
+        text = torch.frombuffer(bytearray((reason or "unknown error").encode()[:65536]), dtype=torch.uint8)
+        self.broadcast(torch.tensor([-text.numel()], dtype=torch.int64, device=self.device))
+        self.broadcast(text.to(self.device))
+
+    def send_all(self, bucket_iter: Iterable[Bucket]) -> dict[str, int]:
+        """Rank 0: one whole sync (every bucket, then the end); {"bytes", "tensors", "buckets"} sent.
+
+        If producing a bucket fails (the engine's weight iterator, a cast, flattening), the receivers are told
+        (`send_abort`) before the error is raised: they raise at once instead of waiting in a broadcast for the
+        group's timeout. A broadcast that fails (a receiver died) is raised as it is: the stream's place is unknown
+        then, and the receivers see the broken connection or time out."""
+        nbytes = ntensors = nbuckets = 0
+        it = iter(bucket_iter)
+        while True:
+            try:
+                bucket = next(it, None)
+                if bucket is None:
+                    break
+                packed = self._pack(bucket)  # before any broadcast: a failure here leaves the stream whole
+            except BaseException as exc:
+                try:
+                    self.send_abort(f"{type(exc).__name__}: {exc}")
+                except Exception:  # the receivers then time out; the sender's error is the one to raise
+                    log.exception("weight sync: the receivers could not be told that the sync failed")
+                raise
+            self._send_packed(*packed)
+            nbytes += bucket_nbytes(bucket)
+            ntensors += len(bucket)
+            nbuckets += 1
+        self.send(None)
+        return {"bytes": nbytes, "tensors": ntensors, "buckets": nbuckets}
+
     def receive(self) -> Bucket | None:
-        """Ranks > 0: the next bucket, or None at the end of a sync."""
+        """Ranks > 0: the next bucket, or None at the end of a sync; `SyncAbortedError` if the sender gave up."""
         n = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.broadcast(n)
-        if int(n.item()) == 0:
+        size = int(n.item())
+        if size == 0:
             return None
-        header = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
+        if size < 0:
+            text = torch.empty(-size, dtype=torch.uint8, device=self.device)
+            self.broadcast(text)
+            reason = text.cpu().numpy().tobytes().decode(errors="replace")
+            raise SyncAbortedError(f"the trainer's weight sync failed before it ended: {reason}")
+        header = torch.empty(size, dtype=torch.uint8, device=self.device)
         self.broadcast(header)
         specs = pickle.loads(header.cpu().numpy().tobytes())
         flat = torch.empty(layout(specs)[1], dtype=torch.uint8, device=self.device)
@@ -173,9 +229,16 @@ class SyncGroup:
         """Ranks > 0: `apply` each bucket of one sync; the sum of its results. After `apply` raises, the rest of the
         sync is still received (and dropped) and the error raised at its end: rank 0 never waits in a broadcast that
         nobody receives (it did for the group's timeout, 10 minutes, and then failed with gloo's timeout, which
-        hid the receiver's error)."""
+        hid the receiver's error). A sync the sender ended early raises `SyncAbortedError` (chained to `apply`'s
+        error, if there was one); the buckets applied before stay applied."""
         total, error = 0, None
-        while (bucket := self.receive()) is not None:
+        while True:
+            try:
+                bucket = self.receive()
+            except SyncAbortedError as aborted:
+                raise aborted from error
+            if bucket is None:
+                break
             if error is None:
                 try:
                     total += apply(bucket)

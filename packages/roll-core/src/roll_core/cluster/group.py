@@ -6,7 +6,14 @@ method itself, never its name as a string: `group.call(TrainWorker.compute_value
 the method and checks its arguments (`Method`: a worker method with the worker's type first). `submit()` returns
 a `Handle` to wait on, so the controller can overlap work; `call()` waits. The `local` backend executes at submit
 time in this process (so `breakpoint()` in a worker just works); the `ray` backend places actors by the
-resources and placement groups the caller gives.
+resources and placement groups the caller gives. Arguments and results travel by value on both (the local backend
+copies tensors, Batches and the containers holding them: roll_core.cluster.worker.by_value).
+
+Start: a rank whose constructor or set-up fails (or that is not placed within `start_timeout_s`) fails the group's
+start at once, without waiting for the other ranks (they may wait in a rendezvous with it); every rank already
+built is stopped first (Ray: killed, freeing its CPUs, devices and bundle; local: torn down). A constructor's
+failure is a `WorkerDiedError` naming the rank and quoting Ray's report (the traceback); a set-up's is the
+worker's own error (its type kept), with a note naming the rank.
 
 Faults (Ray only; an in-process call cannot time out or die apart from the controller):
 - `call_timeout_s`: a call must finish within this many seconds of its submission, else `CallTimeoutError`
@@ -37,7 +44,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 from roll_core.cluster.mesh import Mesh
 from roll_core.cluster.ports import free_port, reserve_port  # noqa: F401  (re-exported: old imports work)
-from roll_core.cluster.worker import Dispatch, Worker, dispatch_mode, retryable
+from roll_core.cluster.worker import Dispatch, Worker, by_value, dispatch_mode, retryable
 from roll_core.protocol import Batch
 
 W = TypeVar("W", bound=Worker)
@@ -91,8 +98,9 @@ class Handle(Generic[R]):
         mode: Dispatch,
         resolve: Callable[[list[Any]], list[Any]],
         keep: list[int] | None = None,
+        remote: bool = False,
     ) -> None:
-        self._parts, self._mode, self._resolve = parts, mode, resolve
+        self._parts, self._mode, self._resolve, self._remote = parts, mode, resolve, remote
         self._keep = keep  # DP calls on a mesh: the parts that carry results (one per replica, in DP order)
         # The outcome of the first wait, kept: waiting again must not rerun parts that a restart already reran.
         self._outcome: tuple[bool, Any] | None = None
@@ -101,6 +109,16 @@ class Handle(Generic[R]):
     def refs(self) -> list[Any]:
         """Raw per-rank results or Ray object refs (to pass results on without a round trip)."""
         return self._parts
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether every rank's part has ended (with a result or an error) within `timeout` seconds; neither raises
+        nor repairs faults (`values()` does). Always true on the local backend (calls ran at submission)."""
+        if not self._remote or self._outcome is not None:
+            return True
+        import ray
+
+        ready, _ = ray.wait(list(self._parts), num_returns=len(self._parts), timeout=timeout)
+        return len(ready) == len(self._parts)
 
     def values(self) -> list[R]:
         """Per-rank results, waiting for every rank; a DP call on a mesh returns one result per replica. The first
@@ -175,61 +193,116 @@ class WorkerGroup(Generic[W]):
                     f"{self.name}: world_size={world_size} runs one process per rank (torch.distributed), which the "
                     "local backend cannot give: use cluster=ray, or world_size=1"
                 )
-            self.workers: list[Any] = [cls(rank=r, world_size=world_size, **kwargs) for r in range(world_size)]
-            endpoint = self.workers[0].rendezvous_endpoint()
-            for w in self.workers:
-                w.setup(*endpoint, export_env=False)
+            self.workers: list[Any] = self._start_local(cls, world_size, kwargs)
         elif backend == "ray":
             self.workers = self._start_ray(cls, world_size, ray_options or RayOptions(), kwargs)
         else:
             raise ValueError(f"unknown backend {backend!r}: use 'local' or 'ray'")
 
+    def _start_local(self, cls: type, world_size: int, kwargs: dict[str, Any]) -> list[Any]:
+        """Build and set up the ranks in this process; if one fails, those built are torn down (their engines'
+        threads and memory) before its error is raised."""
+        workers: list[Any] = []
+        try:
+            for r in range(world_size):
+                workers.append(cls(rank=r, world_size=world_size, **kwargs))
+            endpoint = workers[0].rendezvous_endpoint()
+            for w in workers:
+                w.setup(*endpoint, export_env=False)
+        except BaseException:
+            for w in workers:
+                try:
+                    w.teardown()
+                except Exception:  # the error that stopped the start is the one to raise
+                    log.exception("%s rank %d: teardown after a failed start failed", self.name, w.rank)
+            raise
+        return workers
+
     def _start_ray(self, cls: type, world_size: int, opts: RayOptions, kwargs: dict[str, Any]) -> list[Any]:
+        """Create the actors, wait for them to be placed and built, then set them up. A rank that fails (its
+        constructor or its set-up raises, or it is not placed in time) fails the start at once, without waiting for
+        the other ranks (they may wait in a rendezvous with it), and every actor of the group is killed first: the
+        ranks already built would otherwise keep their CPUs, devices and placement bundles, and a rerun in the same
+        Ray session would wait for them forever."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         remote_cls = ray.remote(cls)
         self._remote_cls, self._actor_kwargs, self._actor_options = remote_cls, kwargs, []
-        actors = []
-        for r in range(world_size):
-            options: dict[str, Any] = {
-                "num_cpus": opts.num_cpus,
-                "num_gpus": opts.num_gpus,
-                "resources": dict(opts.resources),
-            }
-            if opts.placement is not None:
-                pg, bundles = opts.placement
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=bundles[r]
-                )
-            runtime_env: dict[str, Any] = {}
-            if opts.env and opts.env[r]:
-                runtime_env["env_vars"] = dict(opts.env[r])
-            if opts.python:
-                runtime_env["py_executable"] = opts.python
-            if runtime_env:
-                options["runtime_env"] = runtime_env
-            if opts.max_concurrency > 1:
-                options["max_concurrency"] = opts.max_concurrency
-            self._actor_options.append(options)
-            actors.append(self._spawn(r))
+        actors: list[Any] = []
         try:
+            for r in range(world_size):
+                options: dict[str, Any] = {
+                    "num_cpus": opts.num_cpus,
+                    "num_gpus": opts.num_gpus,
+                    "resources": dict(opts.resources),
+                }
+                if opts.placement is not None:
+                    pg, bundles = opts.placement
+                    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=bundles[r]
+                    )
+                runtime_env: dict[str, Any] = {}
+                if opts.env and opts.env[r]:
+                    runtime_env["env_vars"] = dict(opts.env[r])
+                if opts.python:
+                    runtime_env["py_executable"] = opts.python
+                if runtime_env:
+                    options["runtime_env"] = runtime_env
+                if opts.max_concurrency > 1:
+                    options["max_concurrency"] = opts.max_concurrency
+                self._actor_options.append(options)
+                actors.append(self._spawn(r))
             # Bounded: an actor Ray cannot place (its bundle's share used up) would otherwise be waited for forever.
-            self.nodes = [str(n) for n in ray.get([a.node_id.remote() for a in actors], timeout=self.start_timeout_s)]
-        except ray.exceptions.RayActorError as exc:
-            raise WorkerDiedError(f"{self.name}: a worker failed to start: {exc}") from exc
-        except ray.exceptions.GetTimeoutError as exc:
-            raise WorkerDiedError(
-                f"{self.name}: its {world_size} worker(s) did not start within {self.start_timeout_s:.0f} s "
-                "(cluster.placement_timeout_s): Ray could not place them, or they are still loading; `ray status` "
-                "shows what the cluster lacks"
-            ) from exc
-        # Phase two: rank 0 (wherever it landed) picks the rendezvous on its own node; then every rank sets up.
-        endpoint = ray.get(actors[0].rendezvous_endpoint.remote())
-        self._endpoint = endpoint  # a restarted rank sets up with the same rendezvous
-        self.workers = actors
-        self._get([a.setup.remote(*endpoint) for a in actors], list(range(world_size)), "setup")
+            nodes = self._wait_all([a.node_id.remote() for a in actors], "start", self.start_timeout_s)
+            self.nodes = [str(n) for n in nodes]
+            # Phase two: rank 0 (wherever it landed) picks the rendezvous on its own node; then every rank sets up.
+            endpoint = ray.get(actors[0].rendezvous_endpoint.remote())
+            self._endpoint = endpoint  # a restarted rank sets up with the same rendezvous
+            self.workers = actors
+            self._wait_all([a.setup.remote(*endpoint) for a in actors], "set up", None)  # unbounded: loads models
+        except BaseException:
+            for a in actors:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:
+                    pass  # already gone
+            self.workers = []
+            raise
         return actors
+
+    def _wait_all(self, refs: list[Any], what: str, timeout: float | None) -> list[Any]:
+        """Per-rank results of a start-up step (`what`), failing at the first rank that fails: a constructor that
+        raised (or a process that died) is a WorkerDiedError naming the rank and quoting Ray's report; a method that
+        raised is its own error (its type kept: a ConfigError stays one), noted with the rank. `timeout` (None:
+        unbounded) bounds the whole step."""
+        import ray
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        pending, results = list(refs), {}
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                raise WorkerDiedError(
+                    f"{self.name}: rank(s) {sorted(rank_of[p] for p in pending)} of its {len(refs)} worker(s) did not "
+                    f"{what} within {timeout:.0f} s (cluster.placement_timeout_s): Ray could not place them, or they "
+                    "are still loading; `ray status` shows what the cluster lacks"
+                )
+            r = rank_of[ready[0]]
+            where = f"rank {r}" if what == "start" else f"rank {r} on node {self.nodes[r]}"
+            try:
+                results[r] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerDiedError(
+                    f"{self.name}: {where} failed to {what}; the group's {len(refs)} worker(s) were stopped. "
+                    f"Ray's report: {_report(exc)}"
+                ) from exc
+            except Exception as exc:
+                exc.add_note(f"{self.name}: {where} failed to {what}; the group's {len(refs)} worker(s) were stopped")
+                raise
+        return [results[r] for r in range(len(refs))]
 
     def _spawn(self, rank: int) -> Any:
         """A new actor for `rank`, with the options (resources, placement bundle, environment) of the first."""
@@ -277,12 +350,16 @@ class WorkerGroup(Generic[W]):
         if mode is Dispatch.DP and self.mesh.dp != self.world_size:
             keep = [ranks.index(r) for r in self.mesh.output_ranks()]
         if self.backend == "local":
-            parts = [getattr(self.workers[r], method)(*a, **kwargs) for r, a in args.items()]
+            # Each rank gets its own copy of the arguments, and the caller copies of the results, as Ray's
+            # serialisation gives them (see roll_core.cluster.worker.by_value).
+            parts = [
+                by_value(getattr(self.workers[r], method)(*by_value(a), **by_value(kwargs))) for r, a in args.items()
+            ]
             return Handle(parts, mode, lambda p: p, keep)
         parts = [getattr(self.workers[r], method).remote(*a, **kwargs) for r, a in args.items()]
         deadline = self._deadline()
         born = {r: self._incarnation[r] for r in args} if self.backend == "ray" else {}
-        return Handle(parts, mode, lambda p: self._collect(method, args, kwargs, p, deadline, born), keep)
+        return Handle(parts, mode, lambda p: self._collect(method, args, kwargs, p, deadline, born), keep, remote=True)
 
     def call_ranks(self, ranks: Sequence[int], method: Method[W, P, R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run a broadcast method on some ranks only (restoring restarted workers); their results in order."""
@@ -415,13 +492,24 @@ class WorkerGroup(Generic[W]):
                 ray.kill(self.workers[r], no_restart=True)  # a hung worker must free its bundle for its successor
             except Exception:
                 pass  # already gone
-        fresh = {r: self._spawn(r) for r in ranks}
+        fresh: dict[int, Any] = {}
         wait = self.start_timeout_s
         try:
+            for r in ranks:
+                fresh[r] = self._spawn(r)
             nodes = ray.get([a.node_id.remote() for a in fresh.values()], timeout=wait)
             ray.get([a.setup.remote(*self._endpoint) for a in fresh.values()], timeout=wait)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-            why = _report(exc) if isinstance(exc, ray.exceptions.RayActorError) else type(exc).__name__
+        except BaseException as exc:
+            # A successor that did not come up is killed: alive (its set-up raised) or waiting to be placed, it
+            # would hold or take the bundle for nothing.
+            for a in fresh.values():
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:
+                    pass
+            if not isinstance(exc, ray.exceptions.RayError):
+                raise
+            why = type(exc).__name__ if isinstance(exc, ray.exceptions.GetTimeoutError) else _report(exc)
             raise WorkerDiedError(
                 f"{self.name}: rank(s) {ranks} could not be restarted within {wait}s ({why}); "
                 f"the cluster has {ray.available_resources()} free"
@@ -453,24 +541,6 @@ class WorkerGroup(Generic[W]):
         if dead:
             self._recover("ping", dead, [], {r: self._incarnation[r] for r in dead}, deaths)
         return dead
-
-    def _get(self, refs: list[Any], ranks: list[int], method: str) -> list[Any]:
-        """ray.get that names the role, rank and node of a worker that died."""
-        import ray
-
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as exc:
-            dead = []
-            for r, ref in zip(ranks, refs):
-                try:
-                    ray.get(ref, timeout=0)
-                except ray.exceptions.RayActorError:
-                    dead.append(f"rank {r} on node {self.nodes[r]}")
-                except Exception:
-                    pass
-            where = ", ".join(dead) or "a rank"
-            raise WorkerDiedError(f"{self.name} {where} died during {method}(): {_report(exc)}") from exc
 
     def call(self, method: Method[W, P, R], *args: P.args, **kwargs: P.kwargs) -> Any:
         """`submit(...).result()`: per the dispatch mode, rank 0's `R` (RANK0), the concatenated Batch (DP) or the

@@ -301,23 +301,31 @@ class Cluster:
                 )
             group = group_cls(group_cls.worker_cls, world_size, "local", name=role, **kwargs)
         else:
-            opts = (
-                self._placement(role, world_size, devices_per_worker, placement)
-                if is_device_role(role)
-                else RayOptions(num_cpus=min(self.cfg.cpus_per_worker, 0.25))
-            )
-            opts.python, opts.max_concurrency = python, max_concurrency
-            group = group_cls(
-                group_cls.worker_cls,
-                world_size,
-                "ray",
-                name=role,
-                ray_options=opts,
-                call_timeout_s=self.cfg.timeout_for(role),
-                max_restarts=self.cfg.max_restarts,
-                start_timeout_s=self.cfg.placement_timeout_s,
-                **kwargs,
-            )
+            pgs_before, devices_before = dict(self._pgs), dict(self._node_devices)
+            try:
+                opts = (
+                    self._placement(role, world_size, devices_per_worker, placement)
+                    if is_device_role(role)
+                    else RayOptions(num_cpus=min(self.cfg.cpus_per_worker, 0.25))
+                )
+                opts.python, opts.max_concurrency = python, max_concurrency
+                group = group_cls(
+                    group_cls.worker_cls,
+                    world_size,
+                    "ray",
+                    name=role,
+                    ray_options=opts,
+                    call_timeout_s=self.cfg.timeout_for(role),
+                    max_restarts=self.cfg.max_restarts,
+                    start_timeout_s=self.cfg.placement_timeout_s,
+                    **kwargs,
+                )
+            except BaseException:
+                # The group killed its actors; the placement group made for it alone goes too (its bundles would
+                # stay reserved in a Ray session that outlives this run: a notebook, a joined cluster).
+                self._remove_placement_groups([n for n in self._pgs if n not in pgs_before])
+                self._node_devices = devices_before
+                raise
         group.death_hint = self.resume_hint
         self.groups.append(group)
         return group
@@ -370,16 +378,23 @@ class Cluster:
                 pass
         return dead
 
+    def _remove_placement_groups(self, names: list[str]) -> None:
+        if not names:
+            return
+        from ray.util.placement_group import remove_placement_group
+
+        for name in names:
+            pg, *_ = self._pgs.pop(name)
+            try:
+                remove_placement_group(pg)
+            except Exception as exc:  # best effort: the error being handled (or the shutdown) matters more
+                log.warning("placement group of %s could not be removed: %s", name, exc)
+
     def shutdown(self) -> None:
         for g in self.groups:
             g.shutdown()
         self.groups = []
-        if self._pgs:
-            from ray.util.placement_group import remove_placement_group
-
-            for pg, *_ in self._pgs.values():
-                remove_placement_group(pg)
-            self._pgs = {}
+        self._remove_placement_groups(list(self._pgs))
         if self._started_ray:  # a Ray instance this run started is this run's to stop
             import ray
 

@@ -179,16 +179,12 @@ class TrainWorker(EngineWorker):
     def send_weights_dist(
         self, bucket_bytes: int, changed_only: bool, dtype: str | None = None, wide: dict[str, str] | None = None
     ) -> dict[str, int]:
-        nbytes = ntensors = nbuckets = 0
-        for bucket in self.weight_buckets(bucket_bytes, changed_only, dtype, wide):
-            if self.rank == 0:
-                self._sync_group.send(bucket)
-                nbytes += bucket_nbytes(bucket)
-                ntensors += len(bucket)
-                nbuckets += 1
-        if self.rank == 0:
-            self._sync_group.send(None)
-        return {"bytes": nbytes, "tensors": ntensors, "buckets": nbuckets}
+        it = self.weight_buckets(bucket_bytes, changed_only, dtype, wide)
+        if self.rank == 0:  # a failure while producing a bucket ends the sync on the receivers (SyncAbortedError)
+            return self._sync_group.send_all(it)
+        for _ in it:  # every rank iterates: a collective on sharded engines
+            pass
+        return {"bytes": 0, "tensors": 0, "buckets": 0}
 
     @dispatch(Dispatch.BROADCAST)
     def start_ipc_sync(

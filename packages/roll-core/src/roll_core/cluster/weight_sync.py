@@ -15,7 +15,9 @@ process group and CUDA IPC handles are in roll_core.cluster.buckets):
 - `dist`: a `torch.distributed` process group of the trainer's rank 0 and every inference worker, created once
   outside any default group (a TCPStore on rank 0's node, a port probed there); each bucket is flattened into one
   buffer and broadcast (gloo on CPU, nccl/hccl on devices), preceded by a small pickled header. A receiver whose
-  engine refuses a bucket receives the rest of the sync and then raises (`SyncGroup.receive_all`).
+  engine refuses a bucket receives the rest of the sync and then raises (`SyncGroup.receive_all`); a trainer that
+  fails while producing a bucket ends the sync on every receiver, which raises `SyncAbortedError` at once
+  (`SyncGroup.send_all`); a sync that failed on either side discards the group (`DistTransport`).
 - `cuda_ipc`: colocated roles on one GPU; trainer rank r shares each bucket's device buffer with inference rank r
   through CUDA IPC handles (no copy through host memory).
 - `auto`: inprocess on the local backend; on Ray cuda_ipc for colocated CUDA roles (every engine takes it: each
@@ -60,6 +62,7 @@ from roll_core.cluster.buckets import (  # noqa: F401  (re-exported: these lived
     share_cuda,
     unflatten,
 )
+from roll_core.cluster.group import Handle
 from roll_core.cluster.roles import InferGroup, InferWorker, TrainGroup, TrainWorker
 
 log = logging.getLogger(__name__)
@@ -200,16 +203,24 @@ class ObjectStoreTransport(Transport):
 
 class DistTransport(Transport):
     """A torch.distributed group of the trainer's rank 0 and every inference worker (built at the first sync and
-    after a restart): each bucket is broadcast as one flat buffer after a pickled header."""
+    after a restart or a failed sync): each bucket is broadcast as one flat buffer after a pickled header.
+
+    A sync that fails on either side discards the group: its receivers may still wait in it (a trainer that died, or
+    failed mid-broadcast), and the next sync must not share a stream with them. When the trainer's side fails, its
+    receivers are waited for (up to `receivers_grace_s`: a trainer that failed between buckets ended the sync on
+    them, SyncGroup.send_all) and their errors logged; the trainer's error is raised."""
 
     name = "dist"
+    #: Seconds to wait for the receivers of a sync whose sender failed, before giving up on them (they leave at the
+    #: group's timeout then).
+    receivers_grace_s: float = 60.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._group_ready = False
 
     def reset(self) -> None:
-        self._group_ready = False  # a group that lost a member is rebuilt at the next sync
+        self._group_ready = False  # a group that lost a member, or whose stream broke, is rebuilt at the next sync
 
     def sync(self, changed_only: bool) -> Moved:
         if not self._group_ready:
@@ -217,13 +228,41 @@ class DistTransport(Transport):
             host, port = self.train.call(TrainWorker.sync_endpoint, world)
             a = self.train.submit(TrainWorker.join_sync_group, host, port, world, self.dist_backend)
             b = self.infer.submit(InferWorker.join_sync_group, host, port, world, self.dist_backend)
-            a.values(), b.values()
+            self._both(a, b)
             self._group_ready = True
         sent = self.train.submit(TrainWorker.send_weights_dist, self.bucket_bytes, changed_only, *self._cast)
         got = self.infer.submit(InferWorker.receive_weights_dist)
-        stats = sent.values()[0]
-        got.values()
+        stats = self._both(sent, got)[0]
         return Moved(stats["bytes"], stats["tensors"], stats["buckets"])
+
+    def _both(self, sender: Handle, receivers: Handle) -> list[Any]:
+        """The sender's per-rank results once the receivers finished too. Any failure discards the group; a
+        sender's failure is raised after the receivers left (bounded wait), theirs logged."""
+        try:
+            out = sender.values()
+        except BaseException:
+            self.reset()
+            self._release(receivers)
+            raise
+        try:
+            receivers.values()
+        except BaseException:
+            self.reset()
+            raise
+        return out
+
+    def _release(self, receivers: Handle) -> None:
+        if not receivers.wait(self.receivers_grace_s):
+            log.warning(
+                "weight sync failed on the trainer; inference ranks still wait in it after %.0f s (they give up at "
+                "the group's timeout); the next sync builds a new group",
+                self.receivers_grace_s,
+            )
+            return
+        try:
+            receivers.values()
+        except Exception as exc:  # the trainer's error is the one to raise; this is the receivers' account of it
+            log.warning("weight sync failed on the trainer; the inference ranks left it with: %s", exc)
 
 
 class CudaIpcTransport(Transport):

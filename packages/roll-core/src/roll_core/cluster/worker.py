@@ -7,6 +7,12 @@ A worker is a plain class; each method that a group may call declares its dispat
 - `Dispatch.RANK0`: only rank 0 runs; its result is returned.
 - `Dispatch.ONE`: the caller names the rank (`WorkerGroup.submit_to`): request-level calls routed to one engine.
 A method may also declare `retry=False`: it is not rerun on a restarted worker (see `dispatch`).
+
+Arguments and results travel by value on both backends (`by_value`): Ray serialises them, and the local backend
+gives a call copies of the tensors, arrays, Batches and TensorDicts it is passed or returns, and of the lists,
+tuples, dicts and sets holding them, so a worker that changes its input in place, or a caller that changes a
+result or a batch it passed, sees what it would see on Ray. Other objects (a loss function, sampling parameters,
+an image) are passed as they are on the local backend: neither side may count on changing them for the other.
 The declaration sits next to the method; the controller names the method itself when it calls a group
 (`group.call(TrainWorker.compute_values, batch)`, roll_core.cluster.group), never its name as a string, and
 through typed group classes (roll_core.cluster.roles), never methods attached at run time.
@@ -60,6 +66,56 @@ def dispatch_mode(cls: type, method: str) -> Dispatch:
     if mode is None:
         raise TypeError(f"{cls.__name__}.{method} is not callable through a worker group: decorate it with @dispatch")
     return mode
+
+
+#: Values a copy needs not look into.
+_ATOMIC = (str, bytes, int, float, bool, complex, type(None))
+
+
+def by_value(obj: Any, memo: dict[int, Any] | None = None) -> Any:
+    """`obj` as a call's other side gets it over Ray, for what matters to in-place changes: tensors (cloned,
+    detached), numpy arrays, Batches and TensorDicts are copied, and lists, tuples, dicts and sets are rebuilt around
+    copies; anything else is returned as it is. An object reached twice is copied once (`memo`), as in a pickle."""
+    if isinstance(obj, _ATOMIC):
+        return obj
+    memo = {} if memo is None else memo
+    key = id(obj)
+    if key in memo:
+        return memo[key]
+    out = _copy(obj, memo)
+    memo[key] = out
+    return out
+
+
+def _copy(obj: Any, memo: dict[int, Any]) -> Any:
+    import sys
+
+    torch = sys.modules.get("torch")  # no tensor can be here without torch imported: a worker need not import it
+    if torch is not None and isinstance(obj, torch.Tensor):
+        copied = obj.detach().clone()
+        if isinstance(obj, torch.nn.Parameter):
+            return torch.nn.Parameter(copied, requires_grad=obj.requires_grad)
+        return copied.requires_grad_(obj.requires_grad) if obj.requires_grad and obj.is_leaf else copied
+    if type(obj) in (list, tuple, set, frozenset):
+        if all(isinstance(x, _ATOMIC) for x in obj):  # rows of token ids: a shallow copy is a copy
+            return obj if type(obj) in (tuple, frozenset) else type(obj)(obj)
+        return type(obj)(by_value(x, memo) for x in obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a NamedTuple
+        return type(obj)(*(by_value(x, memo) for x in obj))
+    if type(obj) is dict:
+        return {k: by_value(v, memo) for k, v in obj.items()}
+    from roll_core.protocol import Batch
+
+    if isinstance(obj, Batch):
+        fields = {k: by_value(v, memo) for k, v in obj.fields.items()}
+        return Batch(obj.td.clone(), fields, by_value(obj.meta, memo))
+    td = sys.modules.get("tensordict")
+    if td is not None and isinstance(obj, td.TensorDictBase):
+        return obj.clone()
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(obj, np.ndarray):
+        return obj.copy()
+    return obj
 
 
 def node_address() -> str:
