@@ -11,6 +11,10 @@ moves the old folder to `step_000010.replaced/` and deletes it only once the new
 the two renames leaves the old checkpoint, which `list()` still finds. A pruned checkpoint is renamed to
 `step_000008.deleting/` before its files are deleted (left-overs of a crash go at the next save), so a crash or a
 file that will not go (NFS's busy `.nfs*` files) never leaves a folder that lists as complete with files missing.
+What crashed saves and prunes leave behind (`.tmp`, `.deleting`, a `.replaced` beside its complete folder) is
+deleted before the next save writes anything (a run folder has one writer: the driver), so it never fills the disk.
+A save that fails (a full disk) is the caller's to `discard` (roll_core.pipelines.loop: `CheckpointError`); the
+checkpoints already there are untouched until a new one is complete.
 """
 
 from __future__ import annotations
@@ -33,6 +37,17 @@ CONFIG = "config.yaml"
 _NAME = re.compile(r"step_(\d+)(\.replaced)?")
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a quota, a permission); the message names the step, the
+    cause and the latest complete checkpoint, which the failed save left intact."""
+
+
+def step_of(folder: Path) -> int | None:
+    """The step of a checkpoint folder's name (`step_N`, `step_N.replaced`, ...), or None for another name."""
+    m = re.match(r"step_(\d+)(?:\.|$)", folder.name)
+    return int(m.group(1)) if m else None
+
+
 class CheckpointManager:
     """Creates, lists, prunes and finds checkpoints under `<out>/checkpoints`.
 
@@ -49,12 +64,28 @@ class CheckpointManager:
         self.config = config
 
     def staging(self, step: int) -> Path:
-        """An empty temporary folder to write step `step` into."""
+        """An empty temporary folder to write step `step` into; first deletes what crashed saves left (see the
+        module docstring): a `.tmp` of a step no save repeats (a stop's save, a changed cadence) stayed forever."""
+        self._clean_leftovers()
         tmp = self.root / f"step_{step:06d}.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         return tmp
+
+    def discard(self, tmp: Path) -> None:
+        """Delete the staging folder of a save that failed (its partial files would hold the disk's space)."""
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def _clean_leftovers(self) -> None:
+        if not self.root.is_dir():
+            return
+        # A `.replaced` copy is garbage once its step's new folder is complete (list() picks that one).
+        complete = {step_of(p) for p in self.root.glob("step_*[0-9]") if (p / "state.json").exists()}
+        for p in self.root.glob("step_*"):
+            stale_copy = p.name.endswith(".replaced") and step_of(p) in complete
+            if p.is_dir() and (p.name.endswith((".tmp", ".deleting")) or stale_copy):
+                shutil.rmtree(p, ignore_errors=True)
 
     def commit(self, tmp: Path, step: int, state: dict[str, Any]) -> Path:
         """Write state.json, rename the staging folder into place, prune old checkpoints."""
@@ -65,17 +96,17 @@ class CheckpointManager:
         fsync_tree(tmp)
         final = self.root / f"step_{step:06d}"
         replaced = final.with_name(final.name + ".replaced")
-        if replaced.exists():  # an earlier save of this step that crashed after moving it aside and succeeded later
-            shutil.rmtree(replaced)
         if final.exists():
+            if replaced.exists():  # a copy beside a complete folder: garbage (list() picks the complete one)
+                shutil.rmtree(replaced)
             final.rename(replaced)
+        # Else a `.replaced` left alone (a crash between the renames of an earlier save) is the step's only complete
+        # copy: it goes only once the new folder is in place.
         tmp.rename(final)
         _fsync_dir(self.root)  # the rename itself
         shutil.rmtree(replaced, ignore_errors=True)
         for old in self.list()[: -self.keep_last]:
             _delete(old)
-        for left in self.root.glob("step_*.deleting"):  # an earlier prune that did not finish
-            shutil.rmtree(left, ignore_errors=True)
         return final
 
     def list(self) -> list[Path]:

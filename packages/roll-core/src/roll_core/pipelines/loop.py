@@ -9,13 +9,17 @@ loop: asynchronous collection is the collector's business. Collectors that do no
 step (`on_policy = False`: files of SFT or preference rows) get the new weights only before they evaluate.
 
 Checkpoints: never written from inside a streak of non-finite steps (their weights may hold the blow-up); the
-stop after `pipeline.max_nonfinite_steps` names the last checkpoint saved before the streak. Determinism:
+stop after `pipeline.max_nonfinite_steps` names the last checkpoint saved before the streak. A save that fails
+(a full disk) deletes its partial folder and ends the run with `CheckpointError` naming the checkpoint left intact.
+A stop signal (roll_core.pipelines.run_control.GracefulStop) is honoured from the evaluation before step 1 on.
+Determinism:
 sampling seeds derive from (seed, purpose, step) and the collector's data position is checkpointed, so a resumed
 synchronous run on CPU reproduces the uninterrupted run's metrics.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import time
@@ -24,7 +28,7 @@ from typing import Any
 
 from roll_core import registry
 from roll_core.algorithms import load_estimator
-from roll_core.checkpoint import CheckpointManager
+from roll_core.checkpoint import CheckpointError, CheckpointManager
 from roll_core.cluster.launch import Cluster
 from roll_core.config.build import build
 from roll_core.config.resume import check_checkpoint, config_dict
@@ -168,47 +172,58 @@ class Pipeline:
 
     def _run_steps(self) -> dict[str, Any]:
         pipe = self.cfg.pipeline
+        # The evaluation before training is inside the stop handling too: a SIGTERM there (a preemption while a
+        # large benchmark runs) killed the process outright, and a Ctrl-C ended it with a traceback.
+        with GracefulStop() as stop:
+            self.stop = stop  # a fault in the step a stop was asked in: no run restart (roll_core.run_control)
+            if self.start_step == 1 and pipe.eval_every > 0:
+                self.tracker.log(0, self.collector.evaluate(0))
+            if stop.requested:
+                log.warning("stopped before step 1: nothing was trained and no checkpoint was written")
+            else:
+                self._loop(stop)
+        self.tracker.plot(self._plot_keys())  # the last steps' curves, whatever ended the loop
+        self.tracker.close()
+        return self.summary(self.wall_seconds(), stop.signum)
+
+    def _loop(self, stop: GracefulStop) -> None:
+        """Steps `start_step`..`max_steps`, each logged and (when due) saved; returns early on a stop or when the
+        collector has nothing left to do."""
+        pipe = self.cfg.pipeline
         from tqdm.auto import tqdm
 
-        if self.start_step == 1 and pipe.eval_every > 0:
-            self.tracker.log(0, self.collector.evaluate(0))
         steps = range(self.start_step, pipe.max_steps + 1)
         bar = tqdm(steps, desc=self.cfg.experiment, unit="step", disable=not pipe.progress, initial=self.start_step - 1)
         # A collector with a finite job (rollout-only) knows how many steps it needs.
         bar.total = min(pipe.max_steps, getattr(self.collector, "total_steps", None) or pipe.max_steps)
-        with GracefulStop() as stop:
-            self.stop = stop  # a fault in the step a stop was asked in: no run restart (roll_core.run_control)
-            for step in bar:
-                out = self.step(step)
-                if pipe.eval_every > 0 and (step % pipe.eval_every == 0 or step == pipe.max_steps):
-                    if self.trainer.stale:  # an off-policy collector evaluates the weights trained so far
-                        self.trainer.sync_weights(self.collector, out)
-                    out.update(self.collector.evaluate(step))
-                self.tracker.log(step, out)
-                bar.set_postfix(progress_fields(out))
-                due = (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps
-                saved = self.checkpoint(step) if due else None
-                self.tracker.plot(self._plot_keys(), force=bool(due))
-                if getattr(self.collector, "exhausted", False) and step < pipe.max_steps:
-                    # A collector with a finite job (rollout-only: every prompt generated) ends the run early.
-                    if not due:
-                        self.checkpoint(step)
-                    log.info("step %d: the collector has nothing left to do; the run ends", step)
-                    break
-                if stop.requested:  # checked last: a signal may arrive anywhere in the step
-                    if not due:
-                        saved = self.checkpoint(step)
-                    # None inside a non-finite streak: say where the run really resumes from
-                    self.stop_checkpoint = saved or self.healthy_checkpoint
-                    log.warning(
-                        "stopped after step %d: %s; pipeline.resume=true continues from there",
-                        step,
-                        f"checkpoint {saved}" if saved else f"no checkpoint (last healthy: {self.healthy_checkpoint})",
-                    )
-                    break
-        self.tracker.plot(self._plot_keys())  # the last steps' curves, whatever ended the loop
-        self.tracker.close()
-        return self.summary(self.wall_seconds(), stop.signum)
+        for step in bar:
+            out = self.step(step)
+            if pipe.eval_every > 0 and (step % pipe.eval_every == 0 or step == pipe.max_steps):
+                if self.trainer.stale:  # an off-policy collector evaluates the weights trained so far
+                    self.trainer.sync_weights(self.collector, out)
+                out.update(self.collector.evaluate(step))
+            self.tracker.log(step, out)
+            bar.set_postfix(progress_fields(out))
+            due = (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps
+            saved = self.checkpoint(step) if due else None
+            self.tracker.plot(self._plot_keys(), force=bool(due))
+            if getattr(self.collector, "exhausted", False) and step < pipe.max_steps:
+                # A collector with a finite job (rollout-only: every prompt generated) ends the run early.
+                if not due:
+                    self.checkpoint(step)
+                log.info("step %d: the collector has nothing left to do; the run ends", step)
+                break
+            if stop.requested:  # checked last: a signal may arrive anywhere in the step
+                if not due:
+                    saved = self.checkpoint(step)
+                # None inside a non-finite streak: say where the run really resumes from
+                self.stop_checkpoint = saved or self.healthy_checkpoint
+                log.warning(
+                    "stopped after step %d: %s; pipeline.resume=true continues from there",
+                    step,
+                    f"checkpoint {saved}" if saved else f"no checkpoint (last healthy: {self.healthy_checkpoint})",
+                )
+                break
 
     def _plot_keys(self) -> tuple[str, ...]:
         return (*self.collector.plot_keys, *AGREEMENT_PLOT_KEYS)
@@ -278,12 +293,27 @@ class Pipeline:
         return self.healthy_checkpoint
 
     def save(self, step: int) -> Path:
-        """Write the trainer's and the collector's state as checkpoint `step`."""
-        tmp = self.ckpt.staging(step)
-        trainer = self.trainer.save(tmp, self.cfg.model.tokenizer or self.model_path)
-        state = {"trainer": trainer, "collector": self.collector.state_dict(), "experiment": self.cfg.experiment}
-        state["wall_seconds"] = self.wall_seconds()
-        return self.ckpt.commit(tmp, step, state)
+        """Write the trainer's and the collector's state as checkpoint `step`.
+
+        A save that fails (a full disk, a quota, a second Ctrl-C) deletes its partial folder, leaves the earlier
+        checkpoints as they were and ends the run: `CheckpointError` names the step, the cause and the checkpoint
+        to resume from. A worker's death or timeout during the save is raised as it is (a fault: run_control may
+        restart the run from that checkpoint)."""
+        from roll_core.cluster.group import CallTimeoutError, WorkerDiedError
+
+        tmp = None
+        try:
+            tmp = self.ckpt.staging(step)
+            trainer = self.trainer.save(tmp, self.cfg.model.tokenizer or self.model_path)
+            state = {"trainer": trainer, "collector": self.collector.state_dict(), "experiment": self.cfg.experiment}
+            state["wall_seconds"] = self.wall_seconds()
+            return self.ckpt.commit(tmp, step, state)
+        except BaseException as exc:
+            if tmp is not None:
+                self.ckpt.discard(tmp)
+            if not isinstance(exc, Exception) or isinstance(exc, (WorkerDiedError, CallTimeoutError)):
+                raise
+            raise CheckpointError(save_failure(step, exc, self.ckpt.latest())) from exc
 
     def _restore(self, folder: Path) -> None:
         state = self.ckpt.read_state(folder)
@@ -334,6 +364,33 @@ PROGRESS_FIELDS = (
 def progress_fields(out: dict[str, Any]) -> dict[str, str]:
     """The progress bar's postfix: the PROGRESS_FIELDS the step logged."""
     return {short: fmt.format(out[key]) for key, short, fmt in PROGRESS_FIELDS if out.get(key) is not None}
+
+
+def save_failure(step: int, exc: BaseException, latest: Path | None) -> str:
+    """The message of a checkpoint save that failed with `exc`; `latest`: the complete checkpoint left."""
+    cause = f"{type(exc).__name__}: {exc}"
+    full = any(
+        (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left on device" in str(e)
+        for e in _chain(exc)
+    )
+    where = (
+        f"the latest complete checkpoint, {latest}, is intact: pipeline.resume=true continues from it"
+        if latest is not None
+        else "no earlier checkpoint exists: the run starts again from step 1"
+    )
+    hint = " The disk is full: free space (or lower pipeline.keep_last) before resuming." if full else ""
+    failed = f"step {step}: the checkpoint could not be written ({cause})"
+    return f"{failed}; its partial folder was deleted and {where}.{hint}"
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and its causes and contexts (a worker's OSError arrives wrapped)."""
+    seen: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in seen:
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    return seen
 
 
 def _in_multirun() -> bool:

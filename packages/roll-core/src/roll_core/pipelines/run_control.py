@@ -81,11 +81,14 @@ def named_checkpoint(resume_from: str | None) -> Path | None:
 def set_aside_newer(checkpoint: Path) -> list[Path]:
     """Move the checkpoints of `checkpoint`'s run that are newer than it into `checkpoints/abandoned-<time>/`
     (a rollback: they are kept, out of `latest()`'s and pruning's sight); returns where they went."""
-    root = checkpoint.parent
+    from roll_core.checkpoint import step_of
+
+    root, named = checkpoint.parent, step_of(checkpoint)
+    # Compared as numbers: by name, `step_1000000` sorted before `step_999999` and stayed in `latest()`'s sight.
     newer = [
         p
-        for p in sorted(root.glob("step_*"))
-        if p.is_dir() and not p.name.endswith(".tmp") and p.name > checkpoint.name
+        for p in sorted(root.glob("step_*"), key=lambda p: (step_of(p) or 0, p.name))
+        if p.is_dir() and not p.name.endswith(".tmp") and (step_of(p) or 0) > (named or 0)
     ]
     if not newer:
         return []
