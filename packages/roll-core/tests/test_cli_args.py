@@ -3,12 +3,14 @@ outputs/<date>/<time>/ folder appears in the working directory (tests/e2e/test_c
 
 from __future__ import annotations
 
+import pytest
+
 from roll_core.cli import run_dir_overrides
 
 
 def test_output_dir_becomes_hydras_run_dir() -> None:
     args = ["model=tiny", "pipeline.output_dir=runs/a b", "algo.lr=1e-5"]
-    assert run_dir_overrides(args) == [*args, "hydra.run.dir=runs/a b"]
+    assert run_dir_overrides(args) == [*args[:2], "hydra.run.dir=runs/a b", args[2]]
     assert run_dir_overrides(["++pipeline.output_dir=/x", "pipeline.output_dir=/y"])[-1] == "hydra.run.dir=/y"
 
 
@@ -21,3 +23,42 @@ def test_left_alone_without_output_dir_with_an_explicit_run_dir_and_for_sweeps()
         ["--multirun", "pipeline.output_dir=/x"],
     ):
         assert run_dir_overrides(args) == args
+
+
+def test_a_home_relative_output_dir_is_expanded(monkeypatch) -> None:
+    """The shell leaves `pipeline.output_dir=~/runs/a` as typed (a tilde after `=` is expanded only in variable
+    assignments): the run wrote into a folder literally named `~` in the working directory."""
+    monkeypatch.setenv("HOME", "/home/user")
+    assert run_dir_overrides(["model=tiny", "pipeline.output_dir=~/runs/a"]) == [
+        "model=tiny",
+        "pipeline.output_dir=/home/user/runs/a",
+        "hydra.run.dir=/home/user/runs/a",
+    ]
+    # In a multirun too (each job has its own folder; the value still reaches the config), and `~` alone is null.
+    assert run_dir_overrides(["-m", "++pipeline.output_dir=~/x"]) == ["-m", "++pipeline.output_dir=/home/user/x"]
+    assert run_dir_overrides(["pipeline.output_dir=~", "env.path=~/data.jsonl"]) == [
+        "pipeline.output_dir=~",
+        "env.path=~/data.jsonl",
+    ]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["pipeline.output_dir=/x", "--cfg", "job"],
+        ["--cfg", "job", "model=tiny", "pipeline.output_dir=/x", "algo.lr=1e-5"],
+        ["model=tiny", "pipeline.output_dir=/x", "--info", "searchpath"],
+        ["algo.lr=1e-5", "--help"],
+    ],
+)
+def test_the_added_overrides_keep_hydras_command_line_parseable(args: list[str]) -> None:
+    """Hydra's argparse takes the overrides as one run of positionals: hydra.run.dir (or the help page's option)
+    appended after a flag (`roll-train pipeline.output_dir=x --cfg job`) was "unrecognized arguments", exit 2."""
+    from hydra._internal.utils import get_args_parser
+
+    from roll_core.cli import _with_override
+
+    added = _with_override(run_dir_overrides(args), "hydra/help=roll_train")
+    parsed = get_args_parser().parse_args(added)
+    assert "hydra/help=roll_train" in parsed.overrides
+    assert ("hydra.run.dir=/x" in parsed.overrides) == ("pipeline.output_dir=/x" in args)

@@ -4,6 +4,7 @@ values (roll_core.config.resume), against the config each checkpoint records (ro
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,45 @@ def test_a_changed_kl_coef_restarts_the_adaptive_controller_an_unchanged_one_con
     # silently vanished (`coef > 0` is False for NaN).
     with pytest.raises(ValueError, match="saved coefficient is nan"):
         objective(0.01).load_state_dict({"kl": {"value": float("nan"), "init": 0.01}})
+
+
+@pytest.mark.parametrize(
+    ("key", "saved", "now"),
+    [
+        ("correct_key", "correct", None),  # null: a judge's continuous reward scores the rows instead of the 0/1 flag
+        ("reward_key", "reward", "judge_score"),
+        ("group_key", "prompt_id", "prompt"),
+        ("pair_margin", 0.0, 0.5),
+        ("pairs_per_prompt", 1, 4),
+    ],
+)
+def test_how_rollout_rows_are_scored_and_paired_cannot_change_on_resume(key: str, saved: object, now: object) -> None:
+    """These settings decide which SFT rows or preference pairs a rollout file yields: another value on resume
+    would continue the sampler's position over other rows (the same count slips past the sampler's size check)."""
+    old = {"data": {"path": "rollouts/rows.parquet", "format": "rollout", key: saved}}
+    new = copy.deepcopy(old)
+    new["data"][key] = now
+    with pytest.raises(ConfigError, match=rf"cannot resume from ckpt.*\n  data\.{key}: ") as err:
+        check_resume(old, new, where="ckpt")
+    assert "Set them back" in str(err.value)
+    assert is_fixed(f"data.{key}")
+    assert check_resume(old, copy.deepcopy(old)) == []
+    # A checkpoint saved before the key existed is not refused, only reported.
+    del old["data"][key]
+    assert check_resume(old, new) == [f"data.{key}: (absent) -> {json.dumps(now)}"]
+
+
+def test_the_reward_model_cannot_change_on_resume_its_weight_may() -> None:
+    """The reward model is the task's reward, and its running score statistics (normalize=running) are restored
+    from the checkpoint whatever model now scores: another model, tokenizer or template was silently scored with
+    the old model's mean and std. How it is mixed in (mode, weight) is a reward weight: it may change."""
+    saved = {"reward_model": {"name": "hf", "path": "/models/rm-a", "tokenizer": None, "normalize": "running",
+                              "mode": "add", "weight": 1.0, "batch_size": 16}}  # fmt: skip
+    for key, value in (("path", "/models/rm-b"), ("tokenizer", "/models/tok"), ("name", "none")):
+        now = copy.deepcopy(saved)
+        now["reward_model"][key] = value
+        with pytest.raises(ConfigError, match=rf"reward_model\.{key}: "):
+            check_resume(saved, now)
+    now = copy.deepcopy(saved)
+    now["reward_model"].update(weight=0.5, batch_size=32)
+    assert check_resume(saved, now) == ["reward_model.batch_size: 16 -> 32", "reward_model.weight: 1.0 -> 0.5"]

@@ -2,7 +2,8 @@
 
 `roll-train` is `@hydra.main` over the config groups the installed packages ship, with the user's conf folder
 searched first (roll_core.config.search_path), so every Hydra override, `-m` multirun and launcher plugin works:
-`roll-train experiment=quickstart`, `roll-train algo=ppo algo.lr=1e-6`.
+`roll-train experiment=quickstart`, `roll-train algo=ppo algo.lr=1e-6`. `roll-train --help` is roll's own page (usage,
+each group's options without their schemas, the composed config).
 Config errors (unknown keys, wrong types, failed invariants) print one explained message and exit 2 instead
 of a traceback, and so does a missing optional dependency of the chosen components (one line naming the pip
 extra, checked before anything is built); any other error propagates with its full traceback. The job's return
@@ -83,20 +84,43 @@ def run_dir_overrides(args: list[str]) -> list[str]:
     """`args` plus `hydra.run.dir=<dir>` when the command line sets `pipeline.output_dir=<dir>`, so that Hydra's run
     folder (its .hydra/ record and job log) is the run's own folder instead of a stray outputs/<date>/<time>/ in
     the working directory. Left alone: an explicit hydra.run.dir, output_dir null, and multirun (each sweep job
-    has its own folder under hydra.sweep.dir)."""
+    has its own folder under hydra.sweep.dir).
+
+    A leading `~/` in pipeline.output_dir is expanded to the home folder: the shell leaves `key=~/runs/a` as it is
+    (it expands a tilde after `=` only in variable assignments), and the run wrote into a folder literally named
+    `~` in the working directory."""
+    args = [_expand_home(a) for a in args]
     if any(
         a in ("-m", "--multirun") or a.startswith(("hydra.run.dir=", "+hydra.run.dir=", "++hydra.run.dir="))
         for a in args
     ):
-        return list(args)
-    value = None
-    for a in args:
+        return args
+    value, at = None, 0
+    for i, a in enumerate(args):
         key, sep, v = a.partition("=")
         if sep and key.lstrip("+") == "pipeline.output_dir":
-            value = v
+            value, at = v, i
     if value is None or value.strip() in ("", "null", "~"):
-        return list(args)
-    return [*args, f"hydra.run.dir={value}"]
+        return args
+    # Beside the override it follows: Hydra's argparse takes the overrides as one run of positionals, so one added
+    # after a flag (`pipeline.output_dir=x --cfg job`) was "unrecognized arguments".
+    return [*args[: at + 1], f"hydra.run.dir={value}", *args[at + 1 :]]
+
+
+def _with_override(args: list[str], override: str) -> list[str]:
+    """`args` with `override` placed right after the first override there (see run_dir_overrides), or last."""
+    for i, a in enumerate(args):
+        if "=" in a and not a.startswith("-"):
+            return [*args[: i + 1], override, *args[i + 1 :]]
+    return [*args, override]
+
+
+def _expand_home(arg: str) -> str:
+    """`pipeline.output_dir=~/x` (any `+` prefix) with the home folder in place of `~`; any other argument as is."""
+    key, sep, value = arg.partition("=")
+    if sep and key.lstrip("+") == "pipeline.output_dir" and value.startswith("~/"):
+        return f"{key}={os.path.expanduser(value)}"
+    return arg
 
 
 def train_main() -> None:
@@ -114,6 +138,8 @@ def train_main() -> None:
     # Let composition errors reach us so that we can explain them (key suggestions) instead of Hydra's dump.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     sys.argv[1:] = run_dir_overrides(sys.argv[1:])
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):
+        sys.argv[1:] = _with_override(sys.argv[1:], f"hydra/help={register_help()}")
     main = hydra.main(version_base=None, config_path=conf_path, config_name="rlvr")(_hydra_task)
     try:
         main()
@@ -143,6 +169,73 @@ def train_main() -> None:
             print(f"roll-train: run stopped: {exc}", file=sys.stderr)
             sys.exit(1)
         raise
+
+
+HELP_HEADER = """roll-train: train a model with roll: RL from verifiable rewards (GRPO, PPO, ...), SFT, DPO,
+distillation, rollout-only data generation.
+
+Usage: roll-train [group=option ...] [key=value ...]
+  roll-train experiment=quickstart                  a ready-made run (the experiment group below)
+  roll-train algo=ppo model=qwen2_5 algo.lr=1e-6    pick options, set any key of the config below
+  roll-train -m algo.lr=1e-6,3e-6                   a sweep: one run per value
+  roll-train experiment=quickstart --cfg job        print the composed config without running
+  roll-train pipeline.resume=true                   continue the latest run of the experiment
+A misspelt key or option is an error naming the closest valid one (exit status 2)."""
+
+HELP_FOOTER = """Evaluate checkpoints: roll-eval --help. Check the machine: roll-doctor.
+Every key with its meaning: the documentation's config reference. Hydra's own flags: roll-train --hydra-help"""
+
+
+def help_groups() -> str:
+    """The config groups and their options, one group a line, as `roll-train --help` lists them: the YAML options
+    of the installed packages and the user's conf folder, and the options plugins store in Hydra's ConfigStore.
+    Hydra's own listing also showed each group's schema (`algo_schema`, the `<name>_schema` every option's YAML
+    extends), which is no option to pick."""
+    from hydra.core.config_store import ConfigStore
+
+    from roll_core.config.search_path import config_dirs
+
+    groups: dict[str, set[str]] = {}
+    for folder in config_dirs():
+        for path in folder.rglob("*.yaml"):
+            groups.setdefault(path.parent.relative_to(folder).as_posix(), set()).add(path.stem)
+    store = ConfigStore.instance()
+
+    def walk(group: str) -> None:
+        for name in store.list(group):
+            if name.endswith(".yaml"):
+                groups.setdefault(group, set()).add(name.removesuffix(".yaml"))
+            else:
+                walk(f"{group}/{name}" if group else name)
+
+    walk("")
+    return "\n".join(
+        f"{g}: {', '.join(sorted(o for o in opts if not o.endswith('_schema')))}"
+        for g, opts in sorted(groups.items())
+        if g not in (".", "") and g.split("/")[0] != "hydra" and any(not o.endswith("_schema") for o in opts)
+    )
+
+
+def register_help() -> str:
+    """Store roll-train's help page as the Hydra option `hydra/help=<name>` and return the name (Hydra's default
+    page introduced the program as "cli is powered by Hydra" and said nothing of how to run it)."""
+    from hydra.core.config_store import ConfigStore
+
+    template = "\n".join(
+        [
+            "${hydra.help.header}",
+            "",
+            "== Configuration groups (group=option) ==",
+            help_groups(),
+            "",
+            "== Config (set any key: key=value) ==",
+            "$CONFIG",
+            "${hydra.help.footer}",
+        ]
+    )
+    node = {"app_name": "roll-train", "header": HELP_HEADER, "footer": HELP_FOOTER, "template": template}
+    ConfigStore.instance().store(group="hydra/help", name="roll_train", node=node, provider="roll")
+    return "roll_train"
 
 
 def _is_reward_failure(exc: BaseException) -> bool:
@@ -208,17 +301,22 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     import time
 
     from roll_core.config.compose import compose
-    from roll_core.eval_compare import expand_targets, table, write_outputs
+    from roll_core.eval_compare import expand_targets, run_settings_notes, table, write_outputs
     from roll_core.eval_metrics import parse_ks
     from roll_core.evaluate import check_sampling, eval_temperature, evaluate_model
     from roll_core.report import write_eval_report
 
     models = [a for a in args.targets if not _is_override(a)]
     overrides = [a for a in args.targets if _is_override(a)]
-    if args.data:  # a benchmark file: the file task, every row held out (training rows are not used)
+    # `--data=~/x` and `--out=~/x` reach us unexpanded (the shell expands a tilde that starts a word only).
+    data = str(Path(args.data).expanduser()) if args.data else None
+    if data and not Path(data).exists():  # the task's message would name env.path
+        print(f"roll-eval: --data {args.data} does not exist", file=sys.stderr)
+        return 2
+    if data:  # a benchmark file: the file task, every row held out (training rows are not used)
         given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
         # After the user's overrides (the last value of a key wins); sizes only where the user set none.
-        overrides = [*overrides, "env=file", f"env.path={args.data}", f"env.eval_path={args.data}"]
+        overrides = [*overrides, "env=file", f"env.path={data}", f"env.eval_path={data}"]
         overrides += [] if "env.eval_size" in given else ["env.eval_size=100000000"]
         overrides += [] if args.samples or "pipeline.eval_size" in given else ["pipeline.eval_size=100000000"]
     try:
@@ -226,7 +324,7 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     except ValueError as exc:  # --k out of [1, --n]
         print(f"roll-eval: {exc}", file=sys.stderr)
         return 2
-    out_arg = Path(args.out) if args.out else None
+    out_arg = Path(args.out).expanduser() if args.out else None
     if out_arg is not None and out_arg.exists() and not out_arg.is_dir():  # said before hours of evaluation
         print(f"roll-eval: --out {out_arg} is a file, not a folder", file=sys.stderr)
         return 2
@@ -238,6 +336,10 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
             check_installed(cfg, training=False)
             check_sampling(cfg, args.n)
             configs.append(cfg)
+        # A checkpoint evaluated under other settings than its run's: said before hours of evaluation, and in report.md.
+        notes = run_settings_notes(targets, configs, overrides, data=bool(args.data), samples=bool(args.samples))
+        for note in notes:
+            print(f"roll-eval: warning: {note}", file=sys.stderr, flush=True)
         results = []
         for t, cfg in zip(targets, configs):
             if len(targets) > 1:
@@ -250,7 +352,9 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     except MissingExtraError as exc:
         print(f"roll-eval: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else _fresh_folder(Path("outputs") / "eval" / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    out = (
+        out_arg if out_arg is not None else _fresh_folder(Path("outputs") / "eval" / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    )
     out.mkdir(parents=True, exist_ok=True)
     first_cfg = configs[0]
     settings = {
@@ -263,7 +367,7 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     }
     if any("rows" not in r for _, r in results):  # episodes (agentic, agent programs): aggregate metrics only
         (out / "results.json").write_text(json.dumps([{"label": t.label, **r} for t, r in results], indent=2))
-        write_eval_report(out, results, settings=settings, files={"json": out / "results.json"}, argv=argv)
+        write_eval_report(out, results, settings=settings, files={"json": out / "results.json"}, argv=argv, notes=notes)
         for t, result in results:
             if not result.get("agentic"):
                 print(
@@ -279,7 +383,7 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
             )
         return 0
     files = write_outputs(out, results, ks, args.n, settings)
-    files["report"] = write_eval_report(out, results, settings=settings, files=files, argv=argv)
+    files["report"] = write_eval_report(out, results, settings=settings, files=files, argv=argv, notes=notes)
     if len(results) == 1:  # the one-model line scripts (and the README tests) parse comes first
         t, result = results[0]
         print(

@@ -79,6 +79,11 @@ def expand_targets(models: list[str]) -> list[EvalTarget]:
     raw: list[tuple[Path | None, str, int | None, str, str]] = []
     for arg in models:
         path = Path(arg).expanduser()
+        if path.is_file():  # model.path's check would call it missing; a benchmark file is the usual slip
+            raise ConfigError(
+                f"{arg} is a file, not a model: give a model folder (config.json), a roll checkpoint or run folder, "
+                "a hub id or builtin:<name>; a benchmark file to evaluate on goes to --data"
+            )
         ckpt = _checkpoint_folder(path)
         if ckpt is not None:
             where = ckpt.resolve()  # `.` or `..` given: the names come from the real folders
@@ -113,6 +118,108 @@ def expand_targets(models: list[str]) -> list[EvalTarget]:
             label = f"{label}#{seen[label]}"
         targets.append(EvalTarget(label, model, step, source, runs[run] if run is not None else ""))
     return targets
+
+
+#: Settings that decide how a model is prompted, sampled and scored (fnmatch over dotted keys): a checkpoint evaluated
+#: under other values than its run's is measured on another problem than the one its run logged as eval/accuracy.
+RUN_SETTINGS = (
+    "model.*",
+    "env.*",
+    "reward_model.*",
+    "infer_engine.temperature",
+    "infer_engine.top_p",
+    "infer_engine.top_k",
+    "infer_engine.stop",
+    "infer_engine.structured*",
+    "pipeline.eval_temperature",
+    "pipeline.eval_size",
+    "pipeline.seed",
+)
+#: ... except those that say where the weights are or how fast the scoring runs.
+NOT_RUN_SETTINGS = (
+    "model.path",
+    "env.*workers",
+    "env.*threads",
+    "env.*timeout*",
+    "reward_model.batch_size",
+    "reward_model.world_size",
+    "reward_model.placement",
+    "reward_model.offload",
+)
+
+
+def checkpoint_folder(target: EvalTarget) -> Path | None:
+    """The roll checkpoint folder a target evaluates (the one holding its `actor/model`), or None."""
+    if not target.run:
+        return None
+    return Path(target.model).parent.parent
+
+
+def run_settings_changed(target: EvalTarget, cfg: Any, *, ignore: tuple[str, ...] = ()) -> list[str]:
+    """One line "key: the run's -> now" per RUN_SETTINGS key (not under a pattern of `ignore`) whose value in this
+    evaluation's config `cfg` differs from the config checkpoint `target` was saved with. [] for a model that is no
+    roll checkpoint or a checkpoint recording no config; a key only one side has (another roll version's) is skipped.
+    """
+    import fnmatch
+
+    from roll_core.checkpoint import CheckpointManager
+    from roll_core.config.resume import _flatten, _same, _show, config_dict
+
+    folder = checkpoint_folder(target)
+    saved = CheckpointManager.read_config(folder) if folder is not None else None
+    if not saved:
+        return []
+    old, new = _flatten(saved), _flatten(config_dict(cfg))
+
+    def matches(key: str, patterns: tuple[str, ...]) -> bool:
+        return any(key == p or fnmatch.fnmatchcase(key, p) or key.startswith(p + ".") for p in patterns)
+
+    lines = []
+    for key in sorted(old.keys() & new.keys()):
+        if matches(key, RUN_SETTINGS) and not matches(key, (*NOT_RUN_SETTINGS, *ignore)):
+            if not _same(old[key], new[key]):
+                lines.append(f"{key}: {_show(old[key])} -> {_show(new[key])}")
+    return lines
+
+
+def run_settings_notes(
+    targets: list[EvalTarget], configs: list[Any], overrides: list[str], *, data: bool, samples: bool
+) -> list[str]:
+    """Warnings (one per run and set of differences) for checkpoints evaluated under other settings than their run's
+    (`run_settings_changed`): their accuracy is not the one the run logged, and nothing said so (roll-eval composes
+    its config from the command line, roll-train's defaults included, not from the checkpoint). Not compared: keys
+    the command line sets (`key.sub=value`: a deliberate change, such as pipeline.eval_temperature for --n > 1; a
+    group choice such as `env=...` is compared), the task under `--data` (a benchmark), `pipeline.eval_size` under
+    `--samples`. Each note names the command that evaluates the checkpoint as its run did, when the run folder
+    records its launch's overrides."""
+    from roll_core.report import commands, launch_overrides
+
+    ignore = tuple(o.split("=", 1)[0].lstrip("+~") for o in overrides if "." in o.split("=", 1)[0])
+    ignore += (("env", "pipeline.eval_size") if data else ()) + (("pipeline.eval_size",) if samples else ())
+    grouped: dict[tuple[str, tuple[str, ...]], list[EvalTarget]] = {}
+    for target, cfg in zip(targets, configs):
+        lines = run_settings_changed(target, cfg, ignore=ignore)
+        if lines:
+            grouped.setdefault((target.run, tuple(lines)), []).append(target)
+    notes = []
+    for (_, lines), group in grouped.items():
+        ckpt = checkpoint_folder(group[-1])
+        assert ckpt is not None
+        run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+        shown = [*lines[:20], *([f"... and {len(lines) - 20} more"] if len(lines) > 20 else [])]
+        recorded = launch_overrides(run_dir)
+        several = len(group) > 1
+        how = (
+            f"evaluate as the run did with: {commands(run_dir, recorded, run_dir if several else ckpt, '')['eval']}"
+            if recorded is not None
+            else "give the overrides the run was launched with (experiment=..., env=..., model=...)"
+        )
+        names = ", ".join(t.label for t in group)
+        notes.append(
+            f"{names} {'were' if several else 'was'} trained with other settings than this evaluation uses (the "
+            f"run's -> now):\n  " + "\n  ".join(shown) + f"\nThe accuracy here is not the one the run logged; {how}"
+        )
+    return notes
 
 
 def _run_names(folders: set[Path]) -> dict[Path, str]:

@@ -224,17 +224,32 @@ def write_eval_report(
     settings: dict[str, Any],
     files: dict[str, Path],
     argv: list[str],
+    notes: list[str] | tuple[str, ...] = (),
 ) -> Path:
-    """Write `<out>/report.md` for a roll-eval call: settings, comparison table, breakdowns, plot, files."""
+    """Write `<out>/report.md` for a roll-eval call: settings, warnings (`notes`: checkpoints evaluated under other
+    settings than their run's, roll_core.eval_compare.run_settings_notes), comparison table, breakdowns, plot, files.
+    """
     from roll_core.eval_compare import breakdown_table, table
 
     ks, n = settings["ks"], settings["n"]
     lines = ["# Evaluation report", "", f"- command: `{shlex.join(argv)}`"]
     lines += [f"- {k}: {v}" for k, v in settings.items() if k not in ("ks", "n", "argv")]
+    warnings = []
+    for note in notes:  # a head line, the differing settings, what to do
+        head, _, rest = note.partition("\n")
+        listed, _, tail = rest.rpartition("\n")
+        warnings += [f"**Warning:** {head}", "", "```text", listed, "```", "", tail, ""]
     if any("rows" not in r for _, r in results):  # episodes: success, turns, invalid actions (what they report)
         names = ("success_rate", "accuracy", "reward", "mean_turns", "invalid_action_rate", "n")
         cols = [c for c in names if all(c in r for _, r in results)]
-        lines += ["", "## Results", "", "| model | step | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
+        lines += [
+            "",
+            *warnings,
+            "## Results",
+            "",
+            "| model | step | " + " | ".join(cols) + " |",
+            "|" + "---|" * (len(cols) + 2),
+        ]
         for t, r in results:
             cells = [f"{r[c]:.4f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
             lines.append(f"| {t.label} | {'-' if t.step is None else t.step} | " + " | ".join(cells) + " |")
@@ -245,6 +260,7 @@ def write_eval_report(
     skipped = {t.label: r["skipped_problems"] for t, r in results if r.get("skipped_problems")}
     if skipped:
         lines += [f"- problems skipped (prompt longer than model.max_prompt_length): {skipped}", ""]
+    lines += warnings
     lines += ["## Results", "", table(results, ks, n), ""]
     lines += ["## Accuracy per domain", "", breakdown_table(results, "by_domain", "accuracy"), ""]
     lines += ["## Accuracy per difficulty", "", breakdown_table(results, "by_difficulty", "accuracy"), ""]

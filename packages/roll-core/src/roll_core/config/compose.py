@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import re
 from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -70,8 +71,11 @@ def explain(exc: BaseException) -> str:
     # Hydra suggests "+key=value" for unknown keys, which a structured config rejects too; OmegaConf repeats
     # its message as an unformatted template. Neither helps a user.
     lines = [ln for ln in lines if ln.strip() and not ln.startswith("To append to your config") and "$VALUE" not in ln]
+    # Hydra lists each group's schema (algo_schema: the node every option's YAML extends) among its options.
+    lines = [ln for ln in lines if not _SCHEMA_OPTION.fullmatch(ln)]
     message = "\n".join(dict.fromkeys(lines))
-    message += _installed_plugins_hint(message)
+    plugins = _installed_plugins_hint(message)
+    message += plugins if "Did you mean" in plugins else plugins + _option_hint(message)
     for err in chain:
         if isinstance(err, OmegaConfBaseException) and getattr(err, "key", None) is not None:
             key = str(err.key)
@@ -86,6 +90,30 @@ def explain(exc: BaseException) -> str:
     return message
 
 
+#: An unknown option (`algo=grpoo`, `env/reward=mth`: nested groups keep their slashes) in Hydra's message.
+_NOT_FOUND = re.compile(r"Could not find '([\w/.-]+)/([\w.-]+)'")
+#: A schema in Hydra's list of a group's options (a tab, then `<name>_schema`).
+_SCHEMA_OPTION = re.compile(r"\t[\w.-]+_schema")
+
+
+def _option_hint(message: str) -> str:
+    """ "Did you mean 'group=closest'?" for an unknown option, among the options Hydra's message lists."""
+    found = _NOT_FOUND.search(message)
+    if not found:
+        return ""
+    group, name = found.groups()
+    listed, options = False, []
+    for line in message.splitlines():
+        if line.startswith("Available options in"):
+            listed = line == f"Available options in '{group}':"
+        elif listed and line.startswith("\t"):
+            options.append(line.strip())
+        else:
+            listed = False
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    return f"\nDid you mean '{group}={close[0]}'?" if close else ""
+
+
 #: Config groups whose options are plugins, and the entry-point group that says what is installed.
 PLUGIN_GROUPS = {"infer_engine": "roll.infer_engines", "train_engine": "roll.train_engines", "env": "roll.envs"}
 #: The package that ships each plugin group's YAML, and what to install for the default option.
@@ -98,11 +126,9 @@ GROUP_PACKAGES = {
 
 def _installed_plugins_hint(message: str) -> str:
     """For an unknown `infer_engine=x` (or train_engine, env): what is installed, and the closest name."""
-    import re
-
     from roll_core import registry
 
-    found = re.search(r"Could not find '(\w+)/([\w.-]+)'", message)
+    found = _NOT_FOUND.search(message)
     if not found or found.group(1) not in PLUGIN_GROUPS:
         return ""
     group, name = found.groups()

@@ -8,8 +8,8 @@ writes the run's config.yaml or loads anything:
   engine layouts, inference settings, ...) is returned as a line "key: old -> new" for the log, and takes effect:
   the train engines re-apply the configured optimizer settings after loading (roll_engines.train._settings);
 - a key that cannot change within a run (the model, tokenizer, group size, advantage estimator, seed, the task and
-  its data, the train engine's kind and LoRA shape) raises `ConfigError` listing each with its saved and new value
-  and how to proceed (set them back, or start a new run).
+  its data, the reward model, the train engine's kind and LoRA shape) raises `ConfigError` listing each with its
+  saved and new value and how to proceed (set them back, or start a new run).
 
 So config.yaml, rewritten by the resumed run, records what is in effect. Train engine layouts (world size, TP/PP/DP)
 may change: the engines reshard their checkpoints (tests/e2e/test_megatron_ray.py, test_ray_engines.py); an
@@ -43,6 +43,12 @@ FIXED = (
     "pipeline.name",
     "pipeline.seed",
     "env.*",  # the task, its data and split: the sampler's position indexes this problem list
+    # The reward model is the task's reward (like env.reward's class); its running score statistics (normalize=
+    # running) are in the checkpoint and mean nothing for another model, tokenizer or input template.
+    "reward_model.name",
+    "reward_model.path",
+    "reward_model.tokenizer",
+    "reward_model.template",
     "train_engine._target_",
     "train_engine.name",
     "train_engine.lora_rank",
@@ -55,6 +61,13 @@ FIXED = (
     "data.eval_size",
     "data.format",
     "data.min_score",
+    # A rollout file's rows are scored and paired by these: another value builds other SFT rows or preference pairs
+    # from the same file (the sampler's size check misses a change that keeps the count).
+    "data.correct_key",
+    "data.reward_key",
+    "data.group_key",
+    "data.pair_margin",
+    "data.pairs_per_prompt",
     "rollout.shard",
     "rollout.num_shards",
     "rollout.max_prompts",
