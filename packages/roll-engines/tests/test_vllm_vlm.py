@@ -98,3 +98,42 @@ def test_pictures_reach_vllm_and_logprobs_equal_hf(tmp_path: Path) -> None:
     finally:
         vllm.shutdown()
         hf.shutdown()
+
+
+@pytest.mark.cuda
+def test_the_runs_picture_size_bound_reaches_vllms_processor(tmp_path: Path) -> None:
+    """model.image_max_pixels given to the engine: vLLM expands each picture to the bounded grid roll's prompt
+    builder made (a prompt built without the bound now fails as a processor disagreement), and its log-probs equal
+    the hf engine's on the bounded prompts."""
+    from PIL import Image
+
+    from roll_core.interfaces import Request, SamplingParams
+    from roll_core.multimodal import VisionProcessor, as_content
+    from roll_engines.infer.hf import HFInferEngine
+    from roll_engines.infer.vllm import VLLMInferEngine
+
+    path = _wide_tiny_vl(tmp_path / "vl")
+    cell = 28 * 28
+    bounded, plain = VisionProcessor(path, min_pixels=cell, max_pixels=4 * cell), VisionProcessor(path)
+    # A smooth picture: vLLM's torchvision resize equals PIL's on it (docs/recipes/vision.md, Picture size)
+    yy, xx = torch.meshgrid(torch.arange(112), torch.arange(112), indexing="ij")
+    pic = Image.fromarray(torch.stack([xx * 2, yy * 2, xx + yy], -1).to(torch.uint8).numpy(), "RGB")
+    messages = [{"role": "user", "content": as_content("what is <image> ?", 1)}]
+    (ids, mm), (ids_plain, mm_plain) = bounded.encode_messages(messages, [pic]), plain.encode_messages(messages, [pic])
+    assert mm.tokens_per_image == [4] and mm_plain.tokens_per_image == [16]
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    vllm = VLLMInferEngine(
+        path, device="cuda", max_model_len=512, gpu_memory_utilization=0.3, image_min_pixels=cell,
+        image_max_pixels=4 * cell,
+    )  # fmt: skip
+    hf = HFInferEngine(path, device="cuda")
+    try:
+        got = vllm.generate([ids], greedy, mm=[mm])
+        ref = hf.generate([ids], greedy, mm=[mm])
+        assert torch.equal(got.responses, ref.responses)
+        torch.testing.assert_close(got.logprobs, ref.logprobs, atol=1e-3, rtol=0)
+        with pytest.raises(ValueError, match="image processor configs disagree"):
+            vllm.submit(Request("unbounded", ids_plain, greedy, mm_plain)).result(timeout=120)
+    finally:
+        vllm.shutdown()
+        hf.shutdown()

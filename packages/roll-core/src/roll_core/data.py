@@ -184,10 +184,18 @@ def make_sampler(task: Any, *, batch_size: int, seed: int) -> PromptSampler | Do
 
 
 def data_fingerprint(problems: list[Any]) -> str:
-    """A hash of a training list's prompts and answers, in order (a checkpoint's position means these problems)."""
+    """A hash of a training list's prompts, answers and pictures, in order (a checkpoint's position means these
+    problems): rows asking the same question about other pictures (replaced or reordered) are other problems.
+    Pictures count by `roll_core.multimodal.images.source_key` (bytes hashed, paths with their file's size, nothing
+    decoded); a text row hashes as it always did, so text runs' saved fingerprints still match."""
+    from roll_core.multimodal.images import source_key
+
     h = hashlib.sha256()
     for p in problems:
         h.update(repr((getattr(p, "prompt", p), getattr(p, "answer", None))).encode("utf-8", "replace"))
+        images = getattr(p, "images", None) or ()
+        if images:
+            h.update(b"\x01" + "\x00".join(source_key(im) for im in images).encode("utf-8", "replace"))
         h.update(b"\x00")
     return h.hexdigest()[:16]
 

@@ -93,8 +93,6 @@ def restore_reward_model(collector: Any, model_path: str) -> bool:
 def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequence[int] = (1,)) -> dict[str, Any]:
     """Evaluate `cfg.model` on `cfg.env`'s held-out split; `samples` caps the held-out problems (or seeds), `n` is
     the responses per problem and `ks` the pass@k values (each <= n). See the module docstring for the result."""
-    from transformers import AutoTokenizer
-
     check_sampling(cfg, n)
     task = build(cfg.env)
     agentic = isinstance(task, AgenticTask)
@@ -115,8 +113,11 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
     cfg = dataclasses.replace(cfg, pipeline=pipe)
     factory = registry.load("roll.collectors", name)
     factory.check(cfg, task)
-    cluster = Cluster(type(cfg.cluster)(backend="local"), cfg.hw)
     path = resolve_model_path(cfg.model.path)
+    tokenizer, sampling = tokenizer_and_sampling(cfg, path)  # before an engine starts: a bad one is one line
+    from roll_core.multimodal.processor import engine_pixels
+
+    cluster = Cluster(type(cfg.cluster)(backend="local"), cfg.hw)
     ie = as_dict(cfg.infer_engine)
     infer = cluster.group(
         InferGroup,
@@ -134,15 +135,18 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
             # attention kernel
             "attn_implementation": cfg.model.attn_implementation,
             "trust_remote_code": cfg.model.trust_remote_code,
+            # a vision-language run's picture size bounds, as its engines had them (only those set)
+            **engine_pixels(cfg.model, path),
         },
     )
-    tokenizer = AutoTokenizer.from_pretrained(
-        cfg.model.tokenizer or path, trust_remote_code=cfg.model.trust_remote_code
-    )
-    collector = factory(CollectorContext(cfg, cluster, infer, sampling_params(cfg, tokenizer), tokenizer, task, path))
-    restore_reward_model(collector, path)
+    try:
+        collector = factory(CollectorContext(cfg, cluster, infer, sampling, tokenizer, task, path))
+    except BaseException:
+        cluster.shutdown()
+        raise
     task_name = getattr(task, "name", type(task).__name__)
     try:
+        restore_reward_model(collector, path)
         if episodes:
             if agentic and samples:
                 collector.eval_seeds = collector.eval_seeds[:samples]  # type: ignore[attr-defined]
@@ -183,6 +187,31 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
         "reward_counters": counters,
         "rows": rows,
     }
+
+
+def tokenizer_and_sampling(cfg: Any, path: str) -> tuple[Any, Any]:
+    """The tokenizer (model.tokenizer, else the model's folder `path`) and the sampling parameters of `cfg`.
+
+    Raises:
+        ConfigError: the tokenizer cannot be loaded (model.tokenizer names no tokenizer), or a model.stop_tokens
+            entry is not one of its tokens (a preset of another model family: model=qwen2_5 on a llama checkpoint).
+            Both were tracebacks from transformers or the sampling setup after the engine had started.
+    """
+    from transformers import AutoTokenizer
+
+    source = cfg.model.tokenizer or path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as exc:  # transformers: a missing folder or repo id is an OSError
+        key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+        raise ConfigError(
+            f"{key}={source}: no tokenizer could be loaded from it ({exc}): point {key} at a folder or hub id "
+            "holding the model's tokenizer"
+        ) from exc
+    try:
+        return tokenizer, sampling_params(cfg, tokenizer)
+    except ValueError as exc:  # a stop token the tokenizer does not have
+        raise ConfigError(f"{exc} (the model settings, e.g. model=<preset>, must be the evaluated model's)") from exc
 
 
 def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]], int, dict[str, int]]:

@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from roll_core.config.algo import AlgoConfig, algo_choices
-from roll_core.config.checks import one_of, positive
+from roll_core.config.checks import one_of, positive, positive_or_null
 from roll_core.config.generation import GenerationConfig, check_stop_tokens
 from roll_core.config.posttrain import DistillConfig, DPOConfig, RolloutConfig, SFTConfig
 from roll_core.config.reward_model import RewardModelConfig
@@ -58,12 +58,24 @@ class ModelConfig:
     stop_tokens: list[str] = field(default_factory=list)
     # Passed to every chat-template rendering of the policy's prompts, e.g. {enable_thinking: false} for Qwen3.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Vision-language models with dynamic resolution (Qwen-VL): the least area in pixels a picture is resized to (a
+    # picture takes area / 28^2 tokens, Qwen3-VL area / 32^2); null keeps the model folder's image processor's own.
+    # The prompt builder, vLLM and the checkpoint's saved processor all use it (roll_core.multimodal.processor).
+    image_min_pixels: int | None = None
+    # The largest area in pixels a picture is resized to (caps its tokens at area / 28^2), same rules; null keeps
+    # the folder's own (Qwen2.5-VL's: 12845056 pixels, ~16k tokens a picture).
+    image_max_pixels: int | None = None
 
     def __post_init__(self) -> None:
         check_stop_tokens(self.stop_tokens)
         one_of("model.dtype", self.dtype, DTYPES)
         positive("model.max_prompt_length", self.max_prompt_length)
         positive("model.max_response_length", self.max_response_length)
+        positive_or_null("model.image_min_pixels", self.image_min_pixels)
+        positive_or_null("model.image_max_pixels", self.image_max_pixels)
+        low, high = self.image_min_pixels, self.image_max_pixels
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"model.image_min_pixels={low} is above model.image_max_pixels={high}")
 
 
 @dataclass

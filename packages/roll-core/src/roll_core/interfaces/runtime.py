@@ -43,6 +43,11 @@ class _Placement(TypedDict, total=False):
     #: Platform name for resolving `device` and `dtype` on the engine's node (roll_core.devices.resolve_device);
     #: read and removed by the worker, never passed to the engine.
     platform: str
+    #: A vision-language run's picture size bounds (model.image_min_pixels / image_max_pixels), only those set
+    #: (roll_core.multimodal.processor.engine_pixels): the engines that resize pictures (vLLM) or save an image
+    #: processor with a checkpoint (hf, fsdp2) use them; the others take them unused.
+    image_min_pixels: int
+    image_max_pixels: int
 
 
 class _TrainRole(EngineRuntime):

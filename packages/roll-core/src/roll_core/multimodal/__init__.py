@@ -5,7 +5,8 @@ batch protocol (field `mm_inputs`: one `MMInputs` or None per row) and inference
   `digest`.
 - inputs: `MMInputs`, `merge`, `check_tokens` (placeholder / feature count agreement).
 - processor: `VisionProcessor` (messages + pictures -> ids + MMInputs), `is_vision_model`, `as_content`,
-  `mrope_positions`.
+  `mrope_positions`, and the image processor every consumer builds the same way: `load_image_processor` (PIL
+  backend, the run's picture size bounds), `pixel_range`, `image_pixels`, `engine_pixels`.
 - tiny: tiny random VLMs built from configs (`builtin:tiny-qwen2.5-vl`, `builtin:tiny-qwen2-vl`).
 """
 
@@ -25,13 +26,18 @@ _WHERE = {
     "check_tokens": "inputs",
     "count_image_tokens": "inputs",
     "merge": "inputs",
+    "BACKEND": "processor",
     "FAMILIES": "processor",
     "IMAGE_MARKER": "processor",
     "VisionProcessor": "processor",
     "as_content": "processor",
+    "engine_pixels": "processor",
+    "image_pixels": "processor",
     "is_vision_model": "processor",
+    "load_image_processor": "processor",
     "model_type": "processor",
     "mrope_positions": "processor",
+    "pixel_range": "processor",
 }
 
 
@@ -46,6 +52,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "BACKEND",
     "FAMILIES",
     "IMAGE_MARKER",
     "PILLOW",
@@ -56,9 +63,13 @@ __all__ = [
     "check_tokens",
     "count_image_tokens",
     "digest",
+    "engine_pixels",
+    "image_pixels",
     "is_vision_model",
     "load_image",
+    "load_image_processor",
     "merge",
     "model_type",
     "mrope_positions",
+    "pixel_range",
 ]

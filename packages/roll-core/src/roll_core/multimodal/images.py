@@ -18,6 +18,9 @@ returns the value in a form `load_image` reads without the base folder.
 
 `digest(image)` identifies a picture by its pixels (mode, size and bytes): two rows whose prompt tokens are equal
 but whose pictures differ must never share a KV-cache prefix or a packed prompt, and this is what tells them apart.
+
+`source_key(value)` identifies a picture as a row holds it, without decoding it (cheap enough for every row of a
+data set): a hash of its bytes, or its path with the file's size.
 """
 
 from __future__ import annotations
@@ -105,6 +108,30 @@ def digest(image: Any) -> str:
     h = hashlib.sha1(f"{image.mode}:{image.size}".encode())
     h.update(image.tobytes())
     return h.hexdigest()[:16]
+
+
+def source_key(value: Any) -> str:
+    """A stable text id of a picture as a data row holds it (any `load_image` form), never decoded: encoded bytes
+    (or a `{"bytes"}` dict's) and text that names no file (base64, a data URI) by a hash of their content; a path by
+    the path and the file's size (a stat: a picture replaced in place under its name changes the id unless its
+    size is the same); a PIL image or an array by a hash of its pixels (already decoded)."""
+    if isinstance(value, dict):
+        value = value.get("bytes") if value.get("bytes") is not None else value.get("path")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "b:" + hashlib.blake2b(bytes(value), digest_size=8).hexdigest()
+    if isinstance(value, (str, Path)):
+        try:
+            size = Path(value).expanduser().stat().st_size
+        except (OSError, ValueError):  # no such file, or a name too long to be one (base64 text)
+            return "t:" + hashlib.blake2b(str(value).encode("utf-8", "replace"), digest_size=8).hexdigest()
+        return f"p:{value}:{size}"
+    if hasattr(value, "tobytes"):
+        h = hashlib.blake2b(digest_size=8)
+        layout = [getattr(value, name, None) for name in ("mode", "size", "shape", "dtype")]
+        h.update(repr(layout).encode())
+        h.update(value.tobytes())
+        return "x:" + h.hexdigest()
+    return "r:" + repr(value)
 
 
 def _shown(value: Any, limit: int = 80) -> str:

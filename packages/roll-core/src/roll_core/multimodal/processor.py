@@ -13,6 +13,23 @@ tokens a picture takes; a family not listed is a ValueError naming the families 
 Messages follow transformers' multimodal chat format: a message's `content` is a string or a list of
 `{"type": "image"}` / `{"type": "text", "text": ...}` items. `as_content(text, n)` turns a row's text with `<image>`
 markers (the common VLM RL data format) into such a list.
+
+Image processors: `load_image_processor` is the one place roll builds a model's image processor (the prompt
+builder's, a checkpoint's saved one), and `pixel_range` the bounds vLLM is given, so every consumer resizes to the
+same grid:
+- Picture size (model.image_min_pixels / image_max_pixels): a dynamic-resolution family (Qwen-VL: `Family.resize`)
+  resizes each picture to an area in [min_pixels, max_pixels] (multiples of patch x merge on each side), and a
+  picture takes area / (patch x merge)^2 tokens; null keeps the folder's own bound (Qwen2.5-VL's allows 12845056
+  pixels: ~16k tokens per picture). The bounds are passed as the `min_pixels` / `max_pixels` constructor keywords,
+  which transformers 5 maps onto `size={"shortest_edge", "longest_edge"}` whatever the folder's layout; passing
+  `size=` to `from_pretrained` instead is silently undone by a folder that still spells `min_pixels` /
+  `max_pixels` (Qwen2.5-VL's hub config does). Bounds are refused for a fixed-size family (LLaVA: every picture
+  is resized and cropped to one size), when not positive, when min > max (with the folder's own other bound
+  included), and below one (patch x merge)^2 cell (the smallest picture the family makes).
+- Backend: pinned to transformers' PIL backend (`BACKEND`). Left to itself transformers 5 picks its torchvision
+  backend where torchvision imports and PIL elsewhere, so the same run would resize differently on two machines.
+  vLLM cannot be pinned the same way (docs/recipes/vision.md: its processor resizes with torchvision; the grid,
+  hence every placeholder count, is the same, pixel values differ slightly).
 """
 
 from __future__ import annotations
@@ -41,11 +58,14 @@ class Family:
         image_token: the placeholder token the processor expands (one per feature).
         tokens: (image processor output, picture index, model config) -> placeholder tokens of that picture.
         mrope: whether the model takes 3D (temporal, height, width) rotary positions computed from the pictures.
+        resize: whether pictures keep their aspect and are resized to an area within [min_pixels, max_pixels]
+            (dynamic resolution: the picture size bounds apply), rather than to one fixed size.
     """
 
     image_token: str
     tokens: Callable[[Mapping[str, Tensor], int, Any], int]
     mrope: bool
+    resize: bool = False
 
 
 def _qwen_tokens(out: Mapping[str, Tensor], i: int, config: Any) -> int:
@@ -61,11 +81,109 @@ def _llava_tokens(out: Mapping[str, Tensor], i: int, config: Any) -> int:
 
 
 FAMILIES: dict[str, Family] = {
-    "qwen2_vl": Family("<|image_pad|>", _qwen_tokens, mrope=True),
-    "qwen2_5_vl": Family("<|image_pad|>", _qwen_tokens, mrope=True),
-    "qwen3_vl": Family("<|image_pad|>", _qwen_tokens, mrope=True),
+    "qwen2_vl": Family("<|image_pad|>", _qwen_tokens, mrope=True, resize=True),
+    "qwen2_5_vl": Family("<|image_pad|>", _qwen_tokens, mrope=True, resize=True),
+    "qwen3_vl": Family("<|image_pad|>", _qwen_tokens, mrope=True, resize=True),
     "llava": Family("<image>", _llava_tokens, mrope=False),
 }
+
+#: transformers' image processor backend roll loads (module docstring): PIL, which every install has.
+BACKEND = "pil"
+
+
+def pixel_kwargs(min_pixels: int | None = None, max_pixels: int | None = None) -> dict[str, int]:
+    """The picture size bounds that are set, as image processor keywords (`min_pixels`, `max_pixels`); {} for
+    none. ValueError (naming the model.* key) for a bound that is not a positive integer."""
+    out: dict[str, int] = {}
+    for key, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"model.image_{key}={value!r} must be a positive integer (pixels) or null")
+        out[key] = value
+    if len(out) == 2 and out["min_pixels"] > out["max_pixels"]:
+        raise ValueError(
+            f"model.image_min_pixels={out['min_pixels']} is above model.image_max_pixels={out['max_pixels']}"
+        )
+    return out
+
+
+def load_image_processor(
+    path: str | Path,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    trust_remote_code: bool = False,
+) -> Any:
+    """The image processor of the model folder `path` (PIL backend), with the picture size bounds that are given
+    (None: the folder's own). ValueError when a bound cannot apply (module docstring)."""
+    from transformers import AutoImageProcessor
+
+    bounds = pixel_kwargs(min_pixels, max_pixels)
+    kind = model_type(path)
+    if bounds and (kind not in FAMILIES or not FAMILIES[kind].resize):
+        resizing = sorted(k for k, f in FAMILIES.items() if f.resize)
+        raise ValueError(
+            f"model.image_min_pixels / image_max_pixels bound the picture size of dynamic-resolution families "
+            f"({', '.join(resizing)}); {path} (model_type {kind!r}) resizes every picture to one fixed size or "
+            "takes none: leave them null"
+        )
+    processor = AutoImageProcessor.from_pretrained(path, backend=BACKEND, trust_remote_code=trust_remote_code, **bounds)
+    if bounds:
+        low, high = _size_range(processor, path)
+        cell = int(getattr(processor, "patch_size", 14)) * int(getattr(processor, "merge_size", 2))
+        if low > high:
+            given = "model.image_min_pixels" if "min_pixels" in bounds else "the processor's min_pixels"
+            other = "model.image_max_pixels" if "max_pixels" in bounds else "the processor's max_pixels"
+            raise ValueError(
+                f"{given}={low} is above {other}={high} ({path}): set both model.image_min_pixels and "
+                "model.image_max_pixels"
+            )
+        if high < cell * cell:
+            raise ValueError(
+                f"model.image_max_pixels={high} is below one {cell}x{cell} cell ({cell * cell} pixels, one picture "
+                f"token), the smallest picture {kind} makes: raise it"
+            )
+    return processor
+
+
+def _size_range(processor: Any, path: str | Path) -> tuple[int, int]:
+    """(min_pixels, max_pixels) a dynamic-resolution image processor resizes to."""
+    size = processor.size
+    get = size.get if isinstance(size, Mapping) else lambda k: getattr(size, k, None)
+    low, high = get("shortest_edge"), get("longest_edge")
+    if low is None or high is None:
+        raise ValueError(f"{path}: the image processor's size {size!r} has no shortest_edge/longest_edge pixel bounds")
+    return int(low), int(high)
+
+
+def pixel_range(
+    path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None, trust_remote_code: bool = False
+) -> tuple[int, int]:
+    """(min_pixels, max_pixels) the folder's image processor resizes pictures to under the given bounds (the
+    folder's own where None): both, resolved, for an engine with its own processor (vLLM) to resize the same."""
+    return _size_range(load_image_processor(path, min_pixels, max_pixels, trust_remote_code), path)
+
+
+def image_pixels(model: Any) -> dict[str, int | None]:
+    """The picture size bounds of a `model` config (roll_core.config.ModelConfig) as VisionProcessor keywords."""
+    return {
+        "min_pixels": getattr(model, "image_min_pixels", None),
+        "max_pixels": getattr(model, "image_max_pixels", None),
+    }
+
+
+def engine_pixels(model: Any, model_path: str | Path) -> dict[str, int]:
+    """The engine constructor keys (`image_min_pixels`, `image_max_pixels`) that carry a run's picture size bounds
+    to the engines that resize pictures (vLLM) or save an image processor (the hf / fsdp2 trainers' checkpoints):
+    only the bounds that are set, so an engine that takes no pictures never sees one. ConfigError naming the bounds
+    for a text model (a setting nothing would read)."""
+    from roll_core.errors import ConfigError
+
+    out = {f"image_{k}": v for k, v in image_pixels(model).items() if v is not None}
+    if out and not is_vision_model(model_path):
+        given = ", ".join(f"model.{k}={v}" for k, v in out.items())
+        raise ConfigError(f"{given} bound(s) pictures, but model.path={model_path} is a text model: leave them null")
+    return out
 
 
 def model_type(path: str | Path) -> str:
@@ -101,10 +219,18 @@ def as_content(text: str, num_images: int) -> list[dict[str, str]] | str:
 
 
 class VisionProcessor:
-    """Prompt processing for a vision-language model folder (see the module docstring)."""
+    """Prompt processing for a vision-language model folder (see the module docstring); `min_pixels` /
+    `max_pixels`: the run's picture size bounds (model.image_min_pixels / image_max_pixels; None: the folder's)."""
 
-    def __init__(self, path: str | Path, tokenizer: Any = None) -> None:
-        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer: Any = None,
+        *,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+    ) -> None:
+        from transformers import AutoConfig, AutoTokenizer
 
         self.path = str(path)
         kind = model_type(path)
@@ -116,7 +242,7 @@ class VisionProcessor:
         self.family = FAMILIES[kind]
         self.config = AutoConfig.from_pretrained(path)
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
-        self.image_processor = AutoImageProcessor.from_pretrained(path)
+        self.image_processor = load_image_processor(path, min_pixels, max_pixels)
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.family.image_token))
         self.chat_template = _processor_template(Path(path)) or self.tokenizer.chat_template
         # Whether the tokenizer puts a BOS before a text (Llama's does, Qwen's has none): see `with_bos`.

@@ -5,13 +5,14 @@ id (`problem_id`), prompt text (`prompt_text`, the user message) and metadata (`
 `metadata` with its `domain`), which reach rewards that declare them. Prompts longer than the limit are skipped
 and counted, never truncated (a truncated question has a different answer).
 
-Pictures (vision-language models, roll_core.multimodal): with a `VisionProcessor` (`vision_processor(model path)`,
-None for a text model) a problem's `images` are placed in its user message (`<image>` markers, or first) and the
-prompt is encoded by the processor: `prompt_ids` hold the expanded picture tokens (model.max_prompt_length counts
-them) and the batch gets the per-row field `mm_inputs` (an `MMInputs`, or None for a row without pictures), which
-`generate` hands to the inference engines and `assemble` carries into the training batch. A row whose pictures
-cannot be read or placed is skipped and counted (`data/skipped_bad_images`), never sent half-built; a problem with
-pictures given to a text model is an error naming model.path and the problem (`check_pictures`).
+Pictures (vision-language models, roll_core.multimodal): with a `VisionProcessor` (`vision_processor(model path,
+tokenizer, model config)`: None for a text model; the config's picture size bounds apply) a problem's `images`
+are placed in its user message (`<image>` markers, or first) and the prompt is encoded by the processor:
+`prompt_ids` hold the expanded picture tokens (model.max_prompt_length counts them) and the batch gets the per-row
+field `mm_inputs` (an `MMInputs`, or None for a row without pictures), which `generate` hands to the inference
+engines and `assemble` carries into the training batch. A row whose pictures cannot be read or placed is skipped
+and counted (`data/skipped_bad_images`), never sent half-built; a problem with pictures given to a text model is
+an error naming model.path and the problem (`check_pictures`).
 """
 
 from __future__ import annotations
@@ -31,19 +32,31 @@ log = logging.getLogger(__name__)
 
 class PromptsTooLong(ConfigError):
     """Every prompt of a batch was skipped: longer than model.max_prompt_length (or pictures unreadable). A config
-    error where it ends a run (roll-train: one line, exit 2): raise model.max_prompt_length."""
+    error where it ends a run (roll-train: one line, exit 2): raise model.max_prompt_length (or, for prompts with
+    pictures, lower model.image_max_pixels)."""
 
 
 class BadPictures(ValueError):
     """A problem's pictures cannot be read, or do not match its prompt's `<image>` markers (a counted skip)."""
 
 
-def vision_processor(model_path: str, tokenizer: Any = None) -> Any:
+def vision_processor(model_path: str, tokenizer: Any = None, model: Any = None) -> Any:
     """The `VisionProcessor` of a vision-language model folder (its tokenizer: `tokenizer` when given), None for a
-    text model."""
-    from roll_core.multimodal import VisionProcessor, is_vision_model
+    text model. `model` (the run's ModelConfig) gives the picture size bounds (model.image_min_pixels /
+    image_max_pixels); bounds that cannot apply (a text model, a fixed-size family, min above max) are a
+    ConfigError."""
+    from roll_core.multimodal import VisionProcessor, engine_pixels, image_pixels, is_vision_model
 
-    return VisionProcessor(model_path, tokenizer) if is_vision_model(model_path) else None
+    engine_pixels(model, model_path)  # (a ConfigError for bounds given to a text model)
+    if not is_vision_model(model_path):
+        return None
+    pixels = image_pixels(model)
+    try:
+        return VisionProcessor(model_path, tokenizer, **pixels)
+    except ValueError as exc:
+        if not any(v is not None for v in pixels.values()):
+            raise
+        raise ConfigError(str(exc)) from None
 
 
 def check_pictures(processor: Any, problems: Sequence[Any], model_path: str) -> None:
@@ -157,6 +170,7 @@ def prompt_batch(
     if not problems:
         raise ValueError("no problems to build prompts from")
     ids, mms, kept, shortest, bad = [], [], [], None, 0
+    picture_tokens = 0  # of the shortest prompt (its pictures' placeholders)
     for p in problems:
         try:
             toks, length, mm = encode_prompt(tokenizer, task, p, max_prompt_length, template_kwargs, processor)
@@ -164,7 +178,8 @@ def prompt_batch(
             bad += 1
             log.warning("problem %s skipped: its pictures: %s", p.id, exc)
             continue
-        shortest = length if shortest is None else min(shortest, length)
+        if shortest is None or length < shortest:
+            shortest, picture_tokens = length, (mm.num_tokens if mm is not None else 0)
         if toks is not None:
             ids.append(toks)
             mms.append(mm)
@@ -176,6 +191,13 @@ def prompt_batch(
         if shortest is None:
             raise PromptsTooLong(f"the pictures of all {bad} prompt(s) could not be read or placed (logged above)")
         why = f" ({bad} more with unreadable pictures)" if bad else ""
+        if picture_tokens:  # the pictures' tokens count: smaller pictures are the other way to fit
+            raise PromptsTooLong(
+                f"every prompt exceeds model.max_prompt_length={max_prompt_length} (shortest: {shortest} tokens, "
+                f"{picture_tokens} of them picture tokens){why}: raise model.max_prompt_length, or lower "
+                "model.image_max_pixels so each picture takes fewer tokens (a Qwen-VL picture takes its resized "
+                "area / 28^2, Qwen3-VL's area / 32^2)"
+            )
         raise PromptsTooLong(
             f"every prompt exceeds model.max_prompt_length={max_prompt_length} (shortest: {shortest} "
             f"tokens){why}: raise model.max_prompt_length"

@@ -164,6 +164,11 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
         **placement,
     }
     schedule = optimizer_schedule(cfg)
+    # Picture size bounds (model.image_*_pixels) for the engines that resize pictures or save an image processor:
+    # only those set, so an engine that takes no pictures never sees the keys.
+    from roll_core.multimodal.processor import engine_pixels
+
+    pixels = engine_pixels(model, model_path)
     # Sharded trainers (Megatron) span TP x CP x PP ranks per replica: data splits by data-parallel rank only.
     mesh = Mesh.for_world(te.world_size, **te.parallel_sizes())
 
@@ -173,7 +178,8 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
 
     actor_train = (
         train_group(
-            "actor_train", TrainEngineRuntime(**common, dtype=model.dtype, role="actor", lr=algo.lr, **schedule)
+            "actor_train",
+            TrainEngineRuntime(**common, dtype=model.dtype, role="actor", lr=algo.lr, **schedule, **pixels),
         )
         if needs.train
         else None
@@ -187,7 +193,7 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
         max_concurrency=ie.max_concurrency or request_concurrency(cfg),
         engine=as_dict(ie),
         runtime=InferEngineRuntime(
-            **common, dtype=ie.dtype or model.dtype, max_new_tokens=model.max_response_length, **lora
+            **common, dtype=ie.dtype or model.dtype, max_new_tokens=model.max_response_length, **lora, **pixels
         ),
     )
     sampling = sampling_params(cfg)

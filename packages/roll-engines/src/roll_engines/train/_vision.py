@@ -24,6 +24,11 @@ Contract:
   `mm.key()`).
 - Weight names: sync sends the model's own names (`model.visual.*`, `model.language_model.*`); checkpoints are
   written by `save_pretrained` in the family's hub layout and read back through `own_names`.
+- Picture size: `Vision.of(path, min_pixels, max_pixels)` keeps the run's bounds (model.image_*_pixels; checked
+  against the folder's image processor at once, a ValueError for bounds that cannot apply) and `save_processor`
+  writes the checkpoint's image processor with them, so `roll eval`, transformers and vLLM on the checkpoint
+  resize pictures to the grid the run trained on. The trainer itself runs no image processor: each row's
+  `MMInputs` holds the tensors the prompt builder made.
 """
 
 from __future__ import annotations
@@ -36,7 +41,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from roll_core.multimodal import FAMILIES, MMInputs, check_tokens, is_vision_model, merge, model_type, mrope_positions
+from roll_core.multimodal import (
+    FAMILIES,
+    MMInputs,
+    check_tokens,
+    is_vision_model,
+    load_image_processor,
+    merge,
+    model_type,
+    mrope_positions,
+)
 from roll_core.multimodal.inputs import PER_IMAGE_KEYS
 
 #: The batch protocol's per-row field holding each row's pictures (roll_core.multimodal.MMInputs or None).
@@ -137,13 +151,25 @@ class Vision:
     image_token_id: int
     mrope: bool
     family: str
+    #: The run's picture size bounds (None: the folder's image processor's own).
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
     @classmethod
-    def of(cls, path: str) -> Vision | None:
-        """The model folder's vision facts; None for a text model."""
+    def of(cls, path: str, min_pixels: int | None = None, max_pixels: int | None = None) -> Vision | None:
+        """The model folder's vision facts; None for a text model (ValueError if picture size bounds are given)."""
+        bounded = min_pixels is not None or max_pixels is not None
         if not is_vision_model(path):
+            if bounded:
+                raise ValueError(
+                    f"model.image_min_pixels / image_max_pixels bound pictures, but {path} is not a vision-language "
+                    f"model (model_type {model_type(path)!r})"
+                )
             return None
         from transformers import AutoConfig
+
+        if bounded:  # refused here, at engine start, rather than at the first checkpoint
+            load_image_processor(path, min_pixels, max_pixels)
 
         config = AutoConfig.from_pretrained(path)
         token = getattr(config, "image_token_id", None)
@@ -152,7 +178,7 @@ class Vision:
         if token is None:
             raise ValueError(f"{path}: the {config.model_type} config names no image_token_id")
         kind = model_type(path)
-        return cls(int(token), FAMILIES[kind].mrope, kind)
+        return cls(int(token), FAMILIES[kind].mrope, kind, min_pixels, max_pixels)
 
     def check(self, batch: Mapping[str, Any]) -> None:
         """Placeholders vs pictures of every row (ValueError naming the row; see the module docstring)."""
@@ -255,13 +281,13 @@ def vocab_size(config: Any) -> int | None:
 
 
 def save_processor(vision: Vision | None, path: str, folder: Path, trust_remote_code: bool = False) -> None:
-    """A vision model's checkpoint also holds its image processor (and the processor's chat template), so the
-    folder loads in `roll-eval`, transformers and serving engines like the original."""
+    """A vision model's checkpoint also holds its image processor, with the run's picture size bounds (and the
+    processor's chat template), so the folder loads in `roll-eval`, transformers and serving engines like the
+    original and resizes pictures to the grid the run trained on."""
     if vision is None:
         return
-    from transformers import AutoImageProcessor
-
-    AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code).save_pretrained(folder)
+    processor = load_image_processor(path, vision.min_pixels, vision.max_pixels, trust_remote_code)
+    processor.save_pretrained(folder)
     for name in ("chat_template.jinja", "chat_template.json"):
         src = Path(path) / name
         if src.is_file() and not (folder / name).exists():

@@ -114,6 +114,9 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         lora_target_modules: list[str] | str = "all-linear",
         pack_sequences: bool = True,
         routing_replay: bool = False,
+        # The run's picture size bounds (model.image_*_pixels): the checkpoint's saved image processor carries them.
+        image_min_pixels: int | None = None,
+        image_max_pixels: int | None = None,
     ) -> None:
         if role not in ("actor", "critic", "reference"):
             raise ValueError(f"role must be actor, critic or reference, got {role!r}")
@@ -147,7 +150,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         )
         self._loss_finite = True  # every micro-batch loss of the mini-batch being accumulated (fp16: see above)
         torch.manual_seed(seed)  # the critic's new value head is initialised from this seed
-        self.vision = V.Vision.of(self.path)  # None for a text model
+        self.vision = V.Vision.of(self.path, image_min_pixels, image_max_pixels)  # None for a text model
         # With LoRA only the adapters train: the frozen base needs no master copy (a bf16 base held in fp32 took
         # twice its memory) and is held in the compute dtype like a frozen reference; the adapters take param_dtype.
         lora = lora_rank > 0 and self.trainable

@@ -94,12 +94,13 @@ def refuse_prompt_only_settings(cfg: Any) -> None:
 
 
 def vision_processor(ctx: CollectorContext) -> Any:
-    """The model's `VisionProcessor` when it is a vision-language model (pictures in observations), else None."""
-    from roll_core.multimodal import VisionProcessor, is_vision_model
+    """The model's `VisionProcessor` when it is a vision-language model (pictures in observations), else None; built
+    with the run's picture size bounds (model.image_min_pixels / image_max_pixels: a ConfigError on a text model)."""
+    from roll_core.pipelines import rollout
 
-    if not ctx.model_path or not is_vision_model(ctx.model_path):
+    if not ctx.model_path:
         return None
-    return VisionProcessor(ctx.model_path, ctx.tokenizer)
+    return rollout.vision_processor(ctx.model_path, ctx.tokenizer, ctx.cfg.model)
 
 
 class EpisodeCollector:

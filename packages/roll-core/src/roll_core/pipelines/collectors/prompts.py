@@ -89,7 +89,7 @@ class PromptCollector:
         check_task(cfg, self.task)
         self.train_set, self.eval_set = self.task.train_set(), self.task.eval_set()[: cfg.pipeline.eval_size]
         # A vision-language model's prompt processor (None for text); pictures for a text model end the run here.
-        self.processor = vision_processor(ctx.model_path, self.tokenizer)
+        self.processor = vision_processor(ctx.model_path, self.tokenizer, cfg.model)
         check_pictures(self.processor, [*self.train_set, *self.eval_set], cfg.model.path)
         self.sampler = make_sampler(self.task, batch_size=cfg.pipeline.rollout_batch_size, seed=cfg.pipeline.seed)
         # Training-set indices drawn before a checkpoint but not yet trained (the asynchronous collector's groups

@@ -117,6 +117,10 @@ class MegatronTrainEngine:
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
         routing_replay: bool = False,
+        # Picture size bounds (model.image_*_pixels) reach only vision-language runs, which Megatron refuses when the
+        # roles are built (`vision_models`): taken so the runtime contract holds, never used.
+        image_min_pixels: int | None = None,
+        image_max_pixels: int | None = None,
     ) -> None:
         from roll_engines.config import MEGATRON, check_overlap, check_routing_replay
 
