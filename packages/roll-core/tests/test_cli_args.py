@@ -3,6 +3,8 @@ outputs/<date>/<time>/ folder appears in the working directory (tests/e2e/test_c
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from roll_core.cli import run_dir_overrides
@@ -62,3 +64,50 @@ def test_the_added_overrides_keep_hydras_command_line_parseable(args: list[str])
     parsed = get_args_parser().parse_args(added)
     assert "hydra/help=roll_train" in parsed.overrides
     assert ("hydra.run.dir=/x" in parsed.overrides) == ("pipeline.output_dir=/x" in args)
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_roll_train_with_one_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A full disk during a save (CheckpointError: its message names the intact checkpoint) printed a traceback
+    before that message; it is now the one line, exit 1, as a reward that failed for too long."""
+    import sys
+
+    from roll_core import cli
+    from roll_core.checkpoint import CheckpointError
+
+    def full(cfg: object) -> None:
+        raise CheckpointError("step 4: the checkpoint could not be written (No space left on device); ...")
+
+    monkeypatch.setattr(cli, "run_job", full)
+    monkeypatch.setattr(sys, "argv", ["roll-train", f"pipeline.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.train_main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and "Traceback" not in err
+    assert "roll-train: run stopped: step 4: the checkpoint could not be written (No space left on device)" in err
+
+
+def test_a_home_relative_output_dir_from_a_config_is_expanded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pipeline.output_dir: ~/runs/a` in a YAML or the Python API (the CLI expands its own argument) wrote into a
+    folder named `~` in the working directory."""
+    from roll_core.config import load_config
+    from roll_core.pipelines import loop
+
+    seen: list[Path] = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(out: Path, *args: object, **kwargs: object) -> Path:
+        seen.append(out)
+        raise Stop
+
+    monkeypatch.setattr(loop, "resolve_run_folder", capture)
+    import dataclasses
+
+    cfg = load_config(["model=tiny"])
+    cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, output_dir="~/runs/a"))
+    with pytest.raises(Stop):
+        loop.Pipeline(cfg)
+    assert seen == [Path.home() / "runs" / "a"]

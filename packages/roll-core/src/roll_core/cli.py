@@ -165,7 +165,9 @@ def train_main() -> None:
         if isinstance(exc, (ConfigCompositionException, OverrideParseException, OmegaConfBaseException)):
             print(f"roll-train: invalid config:\n{explain(exc)}", file=sys.stderr)
             sys.exit(2)
-        if _is_reward_failure(exc):  # the run's reward failed on every row for too long: one message, no trace
+        if _is_reward_failure(exc) or _is_checkpoint_failure(exc):
+            # the reward failed on every row for too long, or a checkpoint could not be written (a full disk): the
+            # message says what happened and which checkpoint to resume from; a traceback adds nothing
             print(f"roll-train: run stopped: {exc}", file=sys.stderr)
             sys.exit(1)
         raise
@@ -244,6 +246,12 @@ def _is_reward_failure(exc: BaseException) -> bool:
     (a config error, `--help`) never needs; a RewardFailureError can only come from a loaded module."""
     guard = sys.modules.get("roll_core.cluster.reward_guard")
     return guard is not None and isinstance(exc, guard.RewardFailureError)
+
+
+def _is_checkpoint_failure(exc: BaseException) -> bool:
+    """Whether `exc` is roll_core.checkpoint's CheckpointError (looked up among the loaded modules, as above)."""
+    checkpoint = sys.modules.get("roll_core.checkpoint")
+    return checkpoint is not None and isinstance(exc, checkpoint.CheckpointError)
 
 
 def eval_main(argv: list[str] | None = None) -> int:

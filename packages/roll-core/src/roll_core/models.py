@@ -252,7 +252,12 @@ def _check_model_path(path: str) -> None:
                 f"builtin:<name> ({', '.join(BUILTINS)})"
             )
         return
-    if local.exists() or not _HUB_ID.fullmatch(path):
+    if local.exists():
+        raise ConfigError(
+            f"model.path={path} is a file, not a model folder: point model.path at a Hugging Face model folder "
+            f"(config.json, weights, tokenizer), a hub id or builtin:<name> ({', '.join(BUILTINS)})"
+        )
+    if not _HUB_ID.fullmatch(path):
         raise ConfigError(
             f"model.path={path} does not exist (and is not a hub id like owner/name): point model.path at a Hugging "
             f"Face model folder, a hub id or builtin:<name> ({', '.join(BUILTINS)})"

@@ -54,14 +54,18 @@ def stop_token_ids(tokenizer: Any, names: Sequence[str]) -> tuple[int, ...]:
     """The ids of `names` in `tokenizer`, each one token of its vocabulary (added special tokens included).
 
     Raises:
-        ValueError: a name the tokenizer does not hold as a single token (it names the tokenizer's specials).
+        ConfigError: a name the tokenizer does not hold as a single token (it names the tokenizer's specials); a
+            ValueError, shown by the CLIs as one line (a preset of another model family, `model=gemma3` on a
+            Qwen checkpoint, was a traceback).
     """
+    from roll_core.errors import ConfigError
+
     vocab = tokenizer.get_vocab()
     ids = []
     for name in names:
         if name not in vocab:
             specials = ", ".join(getattr(tokenizer, "all_special_tokens", [])[:12])
-            raise ValueError(
+            raise ConfigError(
                 f"model.stop_tokens: {name!r} is not a token of the tokenizer at {tokenizer.name_or_path!r} (its "
                 f"special tokens: {specials}): a stop token must be one token; set model.stop_tokens to the "
                 "model's own end-of-turn token or use infer_engine.stop for strings"

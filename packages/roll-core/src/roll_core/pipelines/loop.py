@@ -70,7 +70,8 @@ class Pipeline:
         factory: CollectorFactory = registry.load("roll.collectors", pipe.name)
         self.cluster = Cluster(cfg.cluster, cfg.hw)
         self.cluster.platform.seed_everything(pipe.seed)
-        out = Path(output_dir or pipe.output_dir or Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S"))
+        # expanduser: a YAML or Python-API output_dir of "~/runs/a" wrote into a folder named "~" here
+        out = Path(output_dir or pipe.output_dir or Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S")).expanduser()
         # resume=true looks for another run only from Hydra's generated folders (no pipeline.output_dir; not a
         # multirun job, whose siblings are the other jobs of its sweep).
         search = pipe.output_dir is None and not _in_multirun()
