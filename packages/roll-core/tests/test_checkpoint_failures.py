@@ -89,11 +89,15 @@ class _Trainer:
 
 
 def _pipeline(tmp_path: Path, error: BaseException) -> Any:
-    """What `Pipeline.save` uses of a pipeline: its checkpoints (step 2 saved), trainer, collector and config."""
+    """What `Pipeline.save` uses of a pipeline: its checkpoints (step 2 saved), trainer, collector, config and
+    tracker."""
+    from roll_core.tracking import Tracker
+
     ckpt = CheckpointManager(tmp_path, keep_last=1)
     _save(ckpt, 2)
     return SimpleNamespace(
         ckpt=ckpt,
+        tracker=Tracker(tmp_path.parent / f"{tmp_path.name}-run", trackers=()),
         trainer=_Trainer(error),
         collector=SimpleNamespace(state_dict=dict),
         cfg=SimpleNamespace(model=SimpleNamespace(tokenizer=None), experiment="x"),
@@ -114,6 +118,23 @@ def test_a_save_on_a_full_disk_deletes_its_partial_folder_and_names_the_intact_c
     assert "The disk is full" in msg and isinstance(info.value.__cause__, OSError)
     assert sorted(x.name for x in p.ckpt.root.iterdir()) == ["step_000002"]
     assert (p.ckpt.latest() / "weights").read_text() == "2"
+
+
+def test_the_metric_records_reach_the_disk_before_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """metrics.jsonl was never forced to disk while checkpoints are: after a power cut a checkpoint of step N could
+    survive the records of the steps before it, which the resumed run does not redo (missing steps)."""
+    import os
+
+    p = _pipeline(tmp_path / "ckpt", OSError(errno.EIO, "Input/output error"))
+    p.tracker.log(3, {"reward/mean": 0.5})
+    synced: list[str] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
+    with pytest.raises(CheckpointError):
+        Pipeline.save(p, 4)
+    assert synced and synced[0] == str(p.tracker.metrics_path)
 
 
 def test_a_worker_death_or_a_second_ctrl_c_during_a_save_is_raised_as_it_is(tmp_path: Path) -> None:

@@ -240,6 +240,17 @@ class Tracker:
         for backend in self.backends:
             backend.log(step, finite)
 
+    def sync(self) -> None:
+        """Force metrics.jsonl and samples.jsonl to disk (before a checkpoint: after a power cut a checkpoint of step
+        N must not survive the metric records of the steps up to N, which a resumed run does not redo)."""
+        for path in (self.metrics_path, self.dir / "samples.jsonl"):
+            if path.exists():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Append decoded completions to samples.jsonl and pass them to backends that record samples.
 

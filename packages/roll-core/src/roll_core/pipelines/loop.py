@@ -303,6 +303,7 @@ class Pipeline:
         from roll_core.cluster.group import CallTimeoutError, WorkerDiedError
 
         tmp = None
+        self.tracker.sync()  # the records of the steps this checkpoint covers reach the disk before it can
         try:
             tmp = self.ckpt.staging(step)
             trainer = self.trainer.save(tmp, self.cfg.model.tokenizer or self.model_path)
