@@ -112,3 +112,51 @@ def test_aborts_the_driver_asks_for_and_an_engine_preemption_still_resume(partia
         driver.close()
     assert [s.tokens for s in group.samples] == [[7], [7]] and driver.sched.version == 12
     assert driver._thread is not None and not driver._thread.is_alive()
+
+
+def test_close_from_another_thread_ends_a_waiting_take_at_once() -> None:
+    """Shutdown with requests in flight: a `take` waiting for groups that will never complete (the driver is closed
+    and its thread gone) waited out `timeout_s` (an hour in a run) instead of raising."""
+    engine = _Engine()
+    driver = _driver(engine, timeout_s=8)
+    got: list[BaseException] = []
+
+    def trainer() -> None:
+        try:
+            driver.take(1)
+        except BaseException as exc:  # reported to the test's thread
+            got.append(exc)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    _wait_running(engine, 4)
+    t0 = time.monotonic()
+    driver.close()
+    thread.join(3)
+    assert not thread.is_alive() and time.monotonic() - t0 < 3
+    assert isinstance(got[0], RuntimeError) and "closed" in str(got[0])
+    with pytest.raises(RuntimeError, match="closed"):
+        driver.take(1)
+
+
+def test_groups_dropped_as_stale_leave_no_routing_home_behind() -> None:
+    """Order "ready" drops the groups that outlive the bound at each update; in partial-GPU mode the homes of
+    their samples (sticky routing) were never forgotten: the pool's table grew by group_size entries per dropped
+    group, run-long. It holds at most the samples in flight."""
+    engine = _Engine()
+    pool = EnginePool([0, 1])
+    prompts = iter(range(10**6))
+    sched = RolloutScheduler(batch_groups=1, group_size=2, max_new_tokens=4, async_ratio=1, order="ready")
+    driver = AsyncRollout(engine, sched, lambda: ("p", [next(prompts)]), SamplingParams(max_new_tokens=4), pool=pool)
+    try:
+        driver.start()
+        for _ in range(10):
+            _wait_running(engine, 4)
+            driver.begin_update()
+            driver.finish_update()
+        _wait_running(engine, 4)
+        # every group admitted before version 9 (two at version 0, one per version after) outlived the bound
+        assert sched.counters["stale_groups"] == 10
+        assert len(pool._home) <= sched.in_flight() * sched.group_size == 4
+    finally:
+        driver.close()

@@ -58,6 +58,23 @@ def test_expand_with_rebalance_moves_the_newest_requests_of_loaded_engines():
     assert [pool2.load(e) for e in range(4)] == [2, 2, 2, 2] and pool2.counters["moved_requests"] == 4
 
 
+def test_a_second_expand_before_the_first_moves_land_moves_other_requests():
+    """Two engines join one after the other before the first expand's aborts are collected: the second rebalance
+    returned the requests the first one already moved (they still count on their engine until released), so it
+    moved nothing new onto its engine and counted those moves twice."""
+    pool = EnginePool([0, 1, 2], active=[0])
+    for i in range(6):
+        pool.assign(f"r{i}")
+    first = pool.expand([1], rebalance=True)
+    assert first == ["r5", "r4", "r3"]  # down to ceil(6 / 2)
+    second = pool.expand([2], rebalance=True)  # r3-r5 are leaving: engine 0 keeps 3, ceil(6 / 3) = 2
+    assert second == ["r2"] and pool.counters["moved_requests"] == 4
+    for rid in first + second:  # the aborts land; the continuations go to the least-loaded engines
+        pool.release(rid)
+        pool.assign(rid + "'")
+    assert [pool.load(e) for e in (0, 1, 2)] == [2, 2, 2]
+
+
 def test_errors():
     pool = EnginePool([0, 1], active=[0])
     assert pool.assign("a") == 0 and pool.assign("b") == 0  # engine 1 is not active

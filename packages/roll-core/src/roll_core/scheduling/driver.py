@@ -10,7 +10,8 @@ aborted and never returned. A failure in the thread (engine error) is raised in 
 swallowed. An abort the engine made on its own resumes the sample (preemption), but `max_idle_aborts` of them in
 a row for one sample within one version, none with a token, are a refusal (SGLang aborts a prompt longer than
 its KV cache holds): the thread fails naming the request, instead of resubmitting it in a busy loop while the
-trainer waits out `timeout_s`. `close()` aborts what runs and stops the thread.
+trainer waits out `timeout_s`. `close()` aborts what runs and stops the thread; a `take` (or update, shrink)
+waiting then, or called later, raises at once.
 
 The same code runs on `cluster=local` (engines in this process: generation and training share its cores) and on
 Ray (engines in their own processes: real overlap).
@@ -139,8 +140,15 @@ class AsyncRollout:
     def finish_update(self) -> None:
         """After a weight sync: bump the version, abort groups now too stale, resume generation."""
         with self._cv:
+            before = list(self.sched.groups.values()) if self.pool is not None else []
             doomed = self.sched.finish_update()
             self._aborting.update(doomed)
+            # The homes of the samples of groups dropped as stale: nothing else forgets them (only a sample that
+            # finishes is forgotten), and the pool's routing table grew by them every version, run-long.
+            for g in before:
+                if g.gid not in self.sched.groups:
+                    for smp in g.samples:
+                        self.pool.forget((g.gid, smp.index))  # type: ignore[union-attr]
             self._idle_aborts.clear()  # counted per version: an engine may abort what it runs at an update
             self._paused = False
             self._cv.notify_all()
@@ -198,8 +206,12 @@ class AsyncRollout:
             return out
 
     def _raise(self) -> None:
+        """Raise the thread's failure, or that the driver is closed (lock held): after `close` nothing generates,
+        and a `take` waiting then (shutdown from another thread) waited out `timeout_s`, an hour in a run."""
         if self._error is not None:
             raise RuntimeError(f"async rollout failed: {self._error}") from self._error
+        if self._stopped:
+            raise RuntimeError("async rollout closed: no group completes any more")
 
     # ---- the background thread ----------------------------------------------------------------------------
     def _run(self) -> None:

@@ -27,7 +27,9 @@ Contract:
   start empty while the others may be full, so with `rebalance=True` it also returns requests to move: the most
   recently placed ones (queued or with the least generated, the cheapest to move) of every engine above the mean
   load, down to it. The driver aborts and reports them like a shrink's; their homes are forgotten, so the
-  continuations go to the least-loaded engines, the new ones. Moving costs a prefill of the moved context.
+  continuations go to the least-loaded engines, the new ones. Moving costs a prefill of the moved context. A
+  request returned by a shrink or expand is never returned by a later expand (it is leaving: its abort has not
+  landed yet), and does not count as load staying on its engine.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class EnginePool:
         self._key_of: dict[str, Hashable] = {}  # request id -> its routing key
         self._home: dict[Hashable, Hashable] = {}  # key -> engine (sticky routing)
         self._active: set[Hashable] = set()
+        self._moving: set[str] = set()  # returned by shrink/expand to be aborted, not yet released
         self._heap: list[tuple[int, int, Hashable]] = []  # (load, order, engine); stale entries skipped lazily
         self.counters = {"assigned": 0, "shrunk_requests": 0, "moved_requests": 0, "shrinks": 0, "expands": 0}
         self._activate(self.engines if active is None else self._known(active))
@@ -104,6 +107,7 @@ class EnginePool:
         if eng is None:
             raise KeyError(f"request {request_id} is not placed (released twice, or never assigned)")
         self._key_of.pop(request_id, None)
+        self._moving.discard(request_id)
         self._load[eng] -= 1
         self._push(eng)
         return eng
@@ -124,6 +128,7 @@ class EnginePool:
         for key in [k for k, e in self._home.items() if e in gone]:
             del self._home[key]
         running = self.draining(gone)
+        self._moving.update(running)
         self.counters["shrinks"] += 1
         self.counters["shrunk_requests"] += len(running)
         return running
@@ -141,16 +146,24 @@ class EnginePool:
         if not rebalance or not old:
             return []
         keep = -(-sum(self._load[e] for e in old) // len(self._active))  # ceil of the mean load after the expand
-        excess = {e: self._load[e] - keep for e in old if self._load[e] > keep}
+        # Requests an earlier shrink/expand returned are leaving already (their aborts not yet collected): they
+        # are neither moved twice nor counted as staying, or a second expand before the first one's aborts land
+        # returned those again and moved nothing onto its engines.
+        staying = dict.fromkeys(old, 0)
+        for rid, e in self._placed.items():
+            if e in staying and rid not in self._moving:
+                staying[e] += 1
+        excess = {e: n - keep for e, n in staying.items() if n > keep}
         moved: list[str] = []
         for rid in reversed(self._placed):  # the most recently placed first
             e = self._placed[rid]
-            if excess.get(e, 0) > 0:
+            if excess.get(e, 0) > 0 and rid not in self._moving:
                 excess[e] -= 1
                 moved.append(rid)
                 key = self._key_of.get(rid)
                 if key is not None and self._home.get(key) == e:
                     del self._home[key]
+        self._moving.update(moved)
         self.counters["moved_requests"] += len(moved)
         return moved
 
