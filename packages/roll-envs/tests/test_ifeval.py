@@ -72,6 +72,33 @@ def test_json_object() -> None:
         assert json_object(bad) is None, bad
 
 
+def test_words_keep_their_combining_marks() -> None:
+    """Vowel signs and viramas (Hindi, Thai) and decomposed accents are combining marks, which `\\w` leaves out: a
+    word of those scripts fell apart into pieces ("नमस्ते दुनिया" was 5 words, "สวัสดีครับ" 4)."""
+    assert words("नमस्ते दुनिया") == ["नमस्ते", "दुनिया"]
+    assert words("สวัสดีครับ") == ["สวัสดีครับ"]  # Thai writes no spaces: one run, as Chinese
+    assert words("cafe\u0301 noir") == ["cafe\u0301", "noir"]
+    assert check(C({"type": "word_count", "max": 2}), "नमस्ते दुनिया")
+    # A keyword is a whole word: "ki" is not in "kílo" (decomposed), "नमस" not in "नमस्ते".
+    assert not check(C({"type": "keywords", "include": ["ki"]}), "ki\u0301lo")
+    assert not check(C({"type": "keywords", "include": ["नमस"]}), "नमस्ते दोस्त")
+    assert check(C({"type": "forbidden", "words": ["नमस"]}), "नमस्ते दोस्त")
+    assert check(C({"type": "keywords", "include": ["दुनिया"]}), "नमस्ते दुनिया।")
+    assert not check(C({"type": "starts_with", "phrase": "Sure"}), "Sure\u0301ly")
+    # The Devanagari danda and the Arabic question mark end sentences.
+    assert sentences("नमस्ते। आप कैसे हैं? ठीक") == ["नमस्ते", "आप कैसे हैं", "ठीक"]
+    assert len(sentences("كيف حالك؟ أنا بخير.")) == 2
+
+
+def test_json_fences_as_the_reference_strips_them() -> None:
+    """The reference IFEval check strips ```json / ```Json / ```JSON / ``` and a closing ``` with or without line
+    breaks: a JSON answer in such a fence was unmet here."""
+    assert json_object('```Json\n{"a": 1}\n```') == {"a": 1}
+    assert json_object('```json {"a": 1}```') == {"a": 1}
+    assert json_object('```JSON\n{"a": 1}```') == {"a": 1}
+    assert json_object('```json\n{"a": 1}\n``` and more') is None  # still nothing outside the fence
+
+
 C = validate_constraint
 #: (constraint, response, met) by hand: every type met and unmet, with its edge cases.
 CASES = [

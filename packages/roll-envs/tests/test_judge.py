@@ -73,6 +73,39 @@ def test_verdict_parser_reads_marked_then_leading_then_single_labels() -> None:
         VerdictParser({"Yes": 1, "yes": 0})
 
 
+def test_score_parser_reads_a_decimal_comma_and_code_spans() -> None:
+    """A judge writing a decimal comma means 8.5, not 8 (the old parse stopped at the comma: a silent 0.8)."""
+    p = ScoreParser(0, 10)
+    assert p("Bewertung: gut. Score: 8,5") == pytest.approx(0.85)
+    assert p("Score: 7,25") == pytest.approx(0.725)
+    assert p("Score: 8,9,10") == pytest.approx(0.8)  # a list is no decimal
+    assert p("Score: `8`") == pytest.approx(0.8) and p("**Score:** `6`/10") == pytest.approx(0.6)
+    assert ScoreParser(0, 1000)("Score: 1,000") != 1.0  # a thousands separator is never a decimal comma
+    assert ScoreParser(0, 10, r"Note (\d+,\d+)")("Note 8,5") == pytest.approx(0.85)  # your own pattern too
+
+
+def test_a_correct_threshold_no_reward_can_reach_is_refused() -> None:
+    """The threshold applies to the [0, 1] reward: 7 (meant on the judge's 0-10 scale) left every row incorrect."""
+    url = "http://127.0.0.1:9/v1"
+    with pytest.raises(ConfigError, match=r"correct_threshold=7.0 must be in \[0, 1\].*0.7 for 7 on a 0-10"):
+        JudgeReward(base_url=url, template="correctness", correct_threshold=7.0)
+    with pytest.raises(ConfigError, match=r"above every label's reward"):
+        JudgeReward(base_url=url, template="verdict", labels={"yes": 0.5, "no": 0}, correct_threshold=1.0)
+    assert JudgeReward(base_url=url, correct_threshold=1.0).spec.correct_threshold == 1.0
+    assert JudgeReward(base_url=url, template="verdict", labels={"ok": 2, "no": 0}, correct_threshold=2)
+
+
+def test_a_verdict_wins_over_an_answer_quoted_after_it() -> None:
+    """`Answer: yes` is how a judge also quotes the response while explaining: written after `Verdict: no`, it
+    turned a rejected response into an accepted one."""
+    p = VerdictParser({"yes": 1.0, "no": 0.0})
+    assert p("Verdict: no (the response's final answer: yes, the reference answer: no... answer: yes)") == 0.0
+    assert p("The response's answer: yes. [[no]]") == 0.0
+    assert p("Reasoning done.\nAnswer: no") == 0.0  # alone, `Answer:` still marks the verdict
+    assert p("It says no to x, yes to y.\n**Verdict**: yes") == 1.0  # markdown around the marker
+    assert p("It says no to x.\nVerdict: `yes`") == 1.0
+
+
 def test_templates_name_only_known_fields() -> None:
     assert check_template("Q {prompt} A {response} R {answer} D {metadata[domain]} {{literal}}") == {
         "prompt",
@@ -106,9 +139,9 @@ def test_without_aiohttp_the_openai_backend_names_the_extra(monkeypatch: pytest.
 # ---- a real OpenAI-compatible server ------------------------------------------------------------------------------
 class ChatServer:
     """A chat-completions server on 127.0.0.1, run by a daemon thread: the reply to a request is scripted by the
-    first key of `script` found in its last message, as ("reply", text) | ("slow", seconds) | ("status", code,
-    times: then Score: 10) | ("garbage",); without a key, `judge(last message)`. Records every body and header,
-    and the most requests open at once."""
+    first key of `script` found in its last message, as ("reply", text) | ("cut", text: finish_reason length) |
+    ("slow", seconds) | ("status", code, times: then Score: 10) | ("garbage",); without a key, `judge(last
+    message)`. Records every body and header, and the most requests open at once."""
 
     def __init__(
         self, script: dict[str, tuple], delay_s: float = 0.0, judge: Callable[[str], str] | None = None
@@ -147,7 +180,7 @@ class ChatServer:
             key = next((k for k in self.script if k in last), None)
             action = self.script.get(key, ("reply", self.judge(last)))
             self.attempts[key] += 1
-            text = action[1] if action[0] == "reply" else "Score: 10"
+            text = action[1] if action[0] in ("reply", "cut") else "Score: 10"
             if action[0] == "slow":
                 await asyncio.sleep(action[1])
             elif action[0] == "status" and self.attempts[key] <= action[2]:
@@ -155,7 +188,9 @@ class ChatServer:
             elif action[0] == "garbage":
                 return web.Response(text='{"choices": [', content_type="application/json")
             message = {"role": "assistant", "content": text}
-            return web.json_response({"object": "chat.completion", "choices": [{"index": 0, "message": message}]})
+            finish = "length" if action[0] == "cut" else "stop"
+            choice = {"index": 0, "message": message, "finish_reason": finish}
+            return web.json_response({"object": "chat.completion", "choices": [choice]})
         finally:
             self.open -= 1
 
@@ -224,6 +259,7 @@ def test_openai_backend_scores_counts_and_sends_the_rendered_prompt(
         "judge_timeouts": 1,
         "judge_errors": 3,
         "judge_render_errors": 1,
+        "judge_truncated": 0,
         "judge_retries": 3,
     }
     assert server.attempts["broken"] == 3 and server.attempts["denied"] == 1 and server.attempts["flaky"] == 2
@@ -300,6 +336,21 @@ def test_rows_the_judge_never_answered_are_failed_not_wrong(server: ChatServer) 
     assert res.counters["failed_unscored"] == res.counters["failed_rows"] == 1
     res = guarded.score(["good", "babble"], ["4", "4"], prompts=["q", "q"], metadata=[{}] * 2)
     assert all_rows_failed(res.counters) and res.counters["judge_render_errors"] == 2
+
+
+def test_a_reply_cut_off_by_max_tokens_is_failed_not_wrong(server: ChatServer) -> None:
+    """A thinking judge that runs out of max_tokens before its verdict never judged the response: the row is
+    failed (judge_truncated), not trained on as invalid_score; a cut reply that already holds a verdict keeps it."""
+    server.script["thinker"] = ("cut", "<think>First, compare the numbers. The reference says 4, the response")
+    server.script["rambler"] = ("cut", "Score: 8. Also, one could add that")
+    server.script["plain"] = ("cut", "The response compares")
+    res = _reward(server.url).score(
+        ["thinker", "rambler", "plain", "babble"], ["4"] * 4, ["q"] * 4, [{"domain": "d"}] * 4
+    )
+    assert res.scores == pytest.approx([-1.0, 0.8, -1.0, -1.0])
+    assert res.failed == [True, False, True, False]
+    assert res.formatted == [0.0, 1.0, 0.0, 0.0]
+    assert (res.counters["judge_truncated"], res.counters["judge_invalid"]) == (2, 1)
 
 
 class TestJudgeReward(RewardTestSuite):

@@ -16,22 +16,24 @@ A constraint is data, a dict with a `type` and that type's arguments (an unknown
     {"type": "quotation"}
 
 Definitions (what each checker counts; tests/test_ifeval.py checks each by hand):
-- A *word* is a maximal run of Unicode letters and digits, in which a single apostrophe (' or ’) or hyphen between
-  two such characters, or a `.` or `,` between two digits, joins the parts: "don't", "well-known", "3.14" and
-  "1,000" are one word each; "e.g." is two ("e", "g"); `_` and punctuation separate words. A script written without
-  spaces (Chinese) counts each unbroken run as one word.
-- A *sentence* ends at a run of `.`, `!`, `?` or `…` (closing quotes or brackets may follow) that is followed by
-  whitespace or the end of the text, at a run of `。`, `！` or `？` wherever it is (those scripts put no space
-  after them), and at every line break; only pieces with at least one word count. So "Hi. How are you?" is 2,
-  "3.14 is pi." is 1, every bullet line is its own sentence, and an abbreviation ("Dr. Smith") ends a sentence:
-  there is no abbreviation list.
+- A *word* is a maximal run of Unicode letters and digits (with the combining marks that follow them: the vowel
+  signs of Hindi or Thai, a decomposed accent; "नमस्ते" and "สวัสดี" are one word each), in which a single
+  apostrophe (' or ’) or hyphen between two such characters, or a `.` or `,` between two digits, joins the parts:
+  "don't", "well-known", "3.14" and "1,000" are one word each; "e.g." is two ("e", "g"); `_` and punctuation
+  separate words. A script written without spaces (Chinese, Thai) counts each unbroken run as one word.
+- A *sentence* ends at a run of `.`, `!`, `?`, `…`, `।`, `॥` or `؟` (closing quotes or brackets may follow) that
+  is followed by whitespace or the end of the text, at a run of `。`, `！` or `？` wherever it is (those scripts put
+  no space after them), and at every line break; only pieces with at least one word count. So "Hi. How are you?"
+  is 2, "3.14 is pi." is 1, every bullet line is its own sentence, and an abbreviation ("Dr. Smith") ends a
+  sentence: there is no abbreviation list.
 - A *paragraph* is a piece of the text between blank lines (lines empty or whitespace only) holding a word.
 - A *bullet* is a line whose first non-blank character is `-` or `*`, followed by a space or tab and then text that
   is not only dashes and asterisks: "- milk" and "  * eggs" (nested bullets count too) are bullets; "**bold**",
   "-5 degrees", "---" and "- - -" are not; numbered items are not.
 - *keywords* / *forbidden*: a whole-word (or whole-phrase) match, case-insensitive: "very" is not in "everything";
   a space in a phrase matches any run of whitespace, line breaks included.
-- *json*: the response, stripped of surrounding whitespace and optionally of one enclosing ```json (or ```) fence,
+- *json*: the response, stripped of surrounding whitespace and optionally of one enclosing ```json (```JSON,
+  ```Json or ```; on its own lines or on one) fence,
   parses as a JSON object holding every listed key at its top level; nothing may precede or follow it.
 - *case*: lower means no uppercase letter and at least one lowercase one; upper the reverse (text without any
   cased letter, e.g. digits only or Chinese, satisfies neither).
@@ -56,6 +58,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,12 +67,31 @@ from roll_envs.rewards.base import Reward, RewardResult
 
 log = logging.getLogger(__name__)
 
-_WORD = re.compile(r"[^\W_]+(?:(?:['’-]|(?<=\d)[.,](?=\d))[^\W_]+)*")
+
+def _mark_class() -> str:
+    """A regex character class of every Unicode combining mark (categories Mn, Mc, Me), which `\\w` leaves out:
+    without them a Devanagari or Thai word, or a decomposed accent, falls apart into pieces."""
+    ranges: list[list[int]] = []
+    for cp in (*range(0x30000), *range(0xE0000, 0xE1000)):  # no mark lies elsewhere
+        if unicodedata.category(chr(cp)).startswith("M"):
+            if ranges and ranges[-1][1] == cp - 1:
+                ranges[-1][1] = cp
+            else:
+                ranges.append([cp, cp])
+    return "[" + "".join(chr(a) if a == b else f"{chr(a)}-{chr(b)}" for a, b in ranges) + "]"
+
+
+_M = _mark_class()
+#: A letter or digit with the marks on it (marks and `[^\W_]` are disjoint, so the nesting cannot backtrack).
+_WC = rf"[^\W_]{_M}*"
+_WORD = re.compile(rf"(?:{_WC})+(?:(?:['’-]|(?<=\d)[.,](?=\d))(?:{_WC})+)*")
 # A sentence end: terminal punctuation (and closing quotes/brackets) before whitespace or the end; or a line break.
-_SENTENCE_END = re.compile(r"[.!?…]+[\"'”’)\]]*(?=\s|$)|[。！？]+[\"'”’)\]」』]*|\n")
+_SENTENCE_END = re.compile(r"[.!?…।॥؟]+[\"'”’)\]]*(?=\s|$)|[。！？]+[\"'”’)\]」』]*|\n")
 _BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
 _BULLET = re.compile(r"[ \t]*[-*][ \t]+(.*)")
-_FENCE = re.compile(r"```(?:json|JSON)?[ \t]*\n(.*?)\n?[ \t]*```", re.S)
+# One enclosing fence, its language tag in any case, on separate lines or on one (```json {"a": 1}```), as the
+# reference IFEval's JSON check strips it.
+_FENCE = re.compile(r"```(?:json)?[ \t]*\n?(.*?)\s*```", re.S | re.I)
 _TRAILING_STOPS = ".!?"
 
 
@@ -103,7 +125,8 @@ def count_phrase(text: str, phrase: str) -> int:
     the text matches a space of the phrase)."""
     body = r"\s+".join(re.escape(part) for part in phrase.split())
     # Words as `words` reads them: "well-known" and "don't" are one word, so "known" is not in "well-known".
-    before, after = r"(?<![^\W_])(?<![^\W_]['’-])", r"(?![^\W_])(?!['’-][^\W_])"
+    before = rf"(?<![^\W_])(?<!{_M})(?<![^\W_]['’-])(?<!{_M}['’-])"
+    after = rf"(?![^\W_])(?!{_M})(?!['’-][^\W_])"
     return len(re.findall(before + body + after, text, re.IGNORECASE))
 
 
@@ -192,12 +215,17 @@ def _keywords(c: Mapping[str, Any]) -> None:
         _int(c, "min_count", low=1)
 
 
+def _word_char(ch: str) -> bool:
+    """A character inside a word: a letter, a digit or a combining mark (see `words`)."""
+    return ch.isalnum() or unicodedata.category(ch).startswith("M")
+
+
 def _starts(response: str, phrase: str) -> bool:
     text, phrase = response.strip().casefold(), phrase.strip().casefold()
     if not phrase or not text.startswith(phrase):
         return False
     n = len(phrase)  # whole words: the phrase may not end inside a word of the text ("Sure" vs "Surely")
-    return n == len(text) or not (text[n - 1].isalnum() and text[n].isalnum())
+    return n == len(text) or not (_word_char(text[n - 1]) and _word_char(text[n]))
 
 
 def _ends(response: str, phrase: str) -> bool:
@@ -206,7 +234,7 @@ def _ends(response: str, phrase: str) -> bool:
     if not phrase or not text.endswith(phrase):
         return False
     start = len(text) - len(phrase)
-    return start == 0 or not (text[start - 1].isalnum() and text[start].isalnum())
+    return start == 0 or not (_word_char(text[start - 1]) and _word_char(text[start]))
 
 
 def _case(response: str, mode: str) -> bool:

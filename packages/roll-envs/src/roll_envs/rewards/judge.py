@@ -10,14 +10,17 @@ Built-in templates by name (`TEMPLATES`): `correctness` (0-10 agreement with the
 
 Parsing the judge's reply (after dropping a `<think>...</think>` block: only the final text counts):
 - `score` mode: the last match of `score_pattern` (default: `Score: 7`, `Rating: 7.5`, `[[7]]`) must lie in
-  `score_range` [lo, hi]; the reward is (x - lo) / (hi - lo), in [0, 1].
+  `score_range` [lo, hi]; the reward is (x - lo) / (hi - lo), in [0, 1]. A decimal comma between digits is a
+  decimal point (`Score: 8,5` is 8.5, never 8); a list such as `8,9,10` is not a decimal.
 - `verdict` mode: `labels` map verdict words to rewards ({"yes": 1, "no": 0}). The verdict is the last marked label
-  (`[[yes]]`, `Verdict: yes`, `Answer: yes`); else the reply's first word when it is a label; else the only label
-  the reply names. Labels match whole words, case-insensitively.
+  (`[[yes]]`, `Verdict: yes`, `**Verdict**: yes`, `Judgement: yes`); else the last `Answer: yes` (weaker: a judge
+  also writes "the response's answer: yes" while explaining, after its verdict); else the reply's first word when it
+  is a label; else the only label the reply names. Labels match whole words, case-insensitively.
 A reply that does not parse (or a score out of range) is an invalid verdict: counted in `judge_invalid`, scored
 `invalid_score`, correct 0. `correct` is 1 when the reward >= `correct_threshold` (built-in templates have one:
-correctness 0.7, verdict 1; null on your own template: correct is always 0). `formatted` is 1 where the judge gave
-a valid verdict.
+correctness 0.7, verdict 1; null on your own template: correct is always 0). In score mode the threshold is on the
+[0, 1] reward, not the judge's scale (7 of 0-10 is 0.7): one outside [0, 1] is a ConfigError; in verdict mode one
+that no label reaches is a ConfigError. `formatted` is 1 where the judge gave a valid verdict.
 
 Backends (roll_envs.rewards.judge_backends): `openai`, any OpenAI-compatible chat-completions server (vLLM, SGLang,
 a hosted API, roll's own endpoint) over aiohttp, with a concurrency limit, per-request timeouts and retries on
@@ -29,13 +32,14 @@ works: the engine is built in the child, the worker itself never loads it.
 
 Failures never end the run: a request that times out counts in `judge_timeouts`, one that fails (HTTP error after
 retries, a malformed reply, an engine error) in `judge_errors`, a row whose metadata lacks a key the template names
-in `judge_render_errors`; each such row scores `invalid_score` and is marked `RewardResult.failed` (the judge never
-saw or never answered it: its score is a fallback, not a verdict, which the reward guard counts in
-`failed_unscored` and the run's failure budget sees). An invalid verdict is the judge's answer to the response and
-is scored, not failed. `judge_retries` counts retried requests. When no row
-of a batch got a reply at all (the judge is down), `score` raises `JudgeUnavailableError`: the reward worker's guard
-(roll_core.cluster.reward_guard) then counts the rows as failed, and the run's reward failure budget stops a run
-whose judge stays down instead of training on constant scores.
+in `judge_render_errors`, a reply cut off by `max_tokens` (finish_reason `length`) before a valid verdict in
+`judge_truncated`; each such row scores `invalid_score` and is marked `RewardResult.failed` (the judge never saw or
+never answered it: its score is a fallback, not a verdict, which the reward guard counts in `failed_unscored` and
+the run's failure budget sees). An invalid verdict is the judge's answer to the response and is scored, not failed.
+`judge_retries` counts retried requests. When no row of a batch got a reply at all (the judge is down), `score`
+raises `JudgeUnavailableError`: the reward worker's guard (roll_core.cluster.reward_guard) then counts the rows as
+failed, and the run's reward failure budget stops a run whose judge stays down instead of training on constant
+scores.
 """
 
 from __future__ import annotations
@@ -58,15 +62,24 @@ AIOHTTP = Extra("aiohttp", "env.reward.backend=openai (an LLM judge over HTTP)",
 MODES = ("score", "verdict")
 BACKENDS = ("openai", "engine")
 #: Counters every result carries (0 when nothing happened), so the metrics are continuous.
-COUNTERS = ("judge_invalid", "judge_timeouts", "judge_errors", "judge_render_errors", "judge_retries")
+COUNTERS = (
+    "judge_invalid",
+    "judge_timeouts",
+    "judge_errors",
+    "judge_render_errors",
+    "judge_truncated",
+    "judge_retries",
+)
 #: Fields a template may name.
 TEMPLATE_FIELDS = ("prompt", "response", "answer", "metadata")
 
-_NUM = r"([-+]?\d+(?:\.\d+)?)"
-#: `Score: 7`, `score = 7.5`, `Rating: **8**/10`, `**Score**: 8`, `__Score__: 8`, `Score: [[7]]`, `[[7]]` (the
-#: number is the first group that matched).
+# A decimal comma (`8,5`, as judges writing German or French do) has one or two digits after it and no further
+# digit, comma or point: `8,9,10` is a list (read as 8) and `1,000` a thousands separator, never 1.0.
+_NUM = r"([-+]?\d+(?:\.\d+|,\d{1,2}(?![.,]?\d))?)"
+#: `Score: 7`, `score = 7.5`, `Score: 8,5`, `Rating: **8**/10`, `**Score**: 8`, `__Score__: 8`, ``Score: `8` ``,
+#: `Score: [[7]]`, `[[7]]` (the number is the first group that matched).
 DEFAULT_SCORE_PATTERN = (
-    rf"(?i)(?<![a-z])(?:score|rating)(?![a-z])[*_]*\s*(?:is|[:=])?\s*[*_]*\s*(?:\[\[\s*)?{_NUM}|\[\[\s*{_NUM}\s*\]\]"
+    rf"(?i)(?<![a-z])(?:score|rating)(?![a-z])[*_`]*\s*(?:is|[:=])?[\s*_`]*(?:\[\[\s*)?{_NUM}|\[\[\s*{_NUM}\s*\]\]"
 )
 
 
@@ -162,6 +175,8 @@ class ScoreParser:
         if not matches:
             return None
         raw = next((g for g in matches[-1].groups() if g is not None), None)
+        if raw is not None and raw.count(",") == 1 and "." not in raw:  # a decimal comma: 8,5 is 8.5
+            raw = raw.replace(",", ".")
         try:
             x = float(raw)  # type: ignore[arg-type]
         except (TypeError, ValueError):
@@ -189,9 +204,9 @@ class VerdictParser:
             self.values[key] = float(value)
         # Longest first, so that "not correct" wins over "correct" at the same position.
         alts = "|".join(re.escape(k) for k in sorted(self.values, key=len, reverse=True))
-        self.marked = re.compile(
-            rf"(?i)\[\[\s*({alts})\s*\]\]|\b(?:verdict|answer|judgement|judgment)\s*[:=]\s*[*_\"']*\s*({alts})(?!\w)"
-        )
+        after = rf"[*_`]*\s*[:=][\s*_\"'`]*({alts})(?!\w)"  # `: yes`, `**: **yes**`, ``: `yes` ``
+        self.marked = re.compile(rf"(?i)\[\[\s*({alts})\s*\]\]|\b(?:verdict|judgement|judgment){after}")
+        self.answered = re.compile(rf"(?i)\banswer{after}")
         self.word = re.compile(rf"(?i)(?<!\w)({alts})(?!\w)")
 
     def __call__(self, reply: str) -> float | None:
@@ -199,7 +214,7 @@ class VerdictParser:
         text = final_text(reply)
         if text is None:
             return None
-        marked = list(self.marked.finditer(text))
+        marked = list(self.marked.finditer(text)) or list(self.answered.finditer(text))
         if marked:
             label = next(g for g in marked[-1].groups() if g is not None)
             return self.values[label.lower()]
@@ -283,6 +298,17 @@ class JudgeSpec:
             threshold = base.correct_threshold
         if threshold is not None and not math.isfinite(threshold):
             raise ConfigError(f"env.reward.correct_threshold={threshold} must be a finite number (or null)")
+        # A threshold no reward can reach leaves `correct` 0 on every row: the accuracy metric would be silently 0.
+        if threshold is not None and mode == "score" and not 0.0 <= threshold <= 1.0:
+            raise ConfigError(
+                f"env.reward.correct_threshold={threshold} must be in [0, 1]: it applies to the reward, the judge's "
+                "score mapped from score_range to [0, 1] (e.g. 0.7 for 7 on a 0-10 scale)"
+            )
+        if threshold is not None and isinstance(parser, VerdictParser) and threshold > max(parser.values.values()):
+            raise ConfigError(
+                f"env.reward.correct_threshold={threshold} is above every label's reward ({parser.values}): no "
+                "verdict would ever be correct"
+            )
         system = system_prompt if system_prompt is not None else (base.system if base else None)
         return JudgeSpec(system or None, user, mode, parser, threshold, fields)
 
@@ -324,7 +350,8 @@ class JudgeRewardConfig:
     labels: dict[str, float] = field(default_factory=dict)
     # Reward of a row without a valid verdict (invalid reply, timeout, error).
     invalid_score: float = 0.0
-    # correct = reward >= this; null: the built-in template's (correctness 0.7, verdict 1; own template: never).
+    # correct = reward >= this (score mode: on the [0, 1] reward, 0.7 for 7 of 0-10); null: the built-in
+    # template's (correctness 0.7, verdict 1; own template: never).
     correct_threshold: float | None = None
     # The judge model: openai: the `model` of each request; engine: a folder, hub id or builtin:<name>.
     model: str | None = None
@@ -498,7 +525,15 @@ class JudgeReward(Reward):
                 self._log_once("error", "judge request failed: %s", reply.detail)
             else:
                 verdicts[i] = self.spec.parser(reply.text)
-                if verdicts[i] is None:
+                if verdicts[i] is None and reply.truncated:
+                    # Cut off by max_tokens before its verdict: the judge never answered (a thinking judge with a
+                    # small budget), so the row is failed, not trained on as a wrong response.
+                    failed[i] = True
+                    counters["judge_truncated"] += 1
+                    self._log_once(
+                        "truncated", "judge reply cut off by max_tokens before a verdict: %r", reply.text[-300:]
+                    )
+                elif verdicts[i] is None:
                     counters["judge_invalid"] += 1
                     self._log_once("invalid", "judge reply has no valid verdict: %r", reply.text[-300:])
         if replies and all(r.kind != "ok" for r in replies):

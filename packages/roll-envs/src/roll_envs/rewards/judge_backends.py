@@ -40,12 +40,14 @@ MAX_RETRY_AFTER_S = 60.0
 
 @dataclass(frozen=True)
 class Reply:
-    """One judge request's outcome: `kind` ok (with `text`), timeout or error (with `detail`)."""
+    """One judge request's outcome: `kind` ok (with `text`), timeout or error (with `detail`); `truncated` when an
+    ok reply was cut off by max_tokens (finish_reason `length`)."""
 
     kind: str
     text: str = ""
     detail: str = ""
     retries: int = 0
+    truncated: bool = False
 
 
 class Backend(Protocol):
@@ -170,14 +172,16 @@ def _retry_after(header: str | None, default: float) -> float:
 def _chat_reply(text: str, retries: int) -> Reply:
     """The assistant text of a chat-completions body, or an error reply naming what is malformed."""
     try:
-        content = json.loads(text)["choices"][0]["message"]["content"]
-    except (ValueError, KeyError, IndexError, TypeError):
+        choice = json.loads(text)["choices"][0]
+        content = choice["message"]["content"]
+        truncated = choice.get("finish_reason") == "length"
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return Reply("error", detail=f"malformed chat-completions reply: {text[:200]!r}", retries=retries)
     if isinstance(content, list):  # content parts: keep the text ones
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
     if not isinstance(content, str):
         return Reply("error", detail=f"reply without text content: {text[:200]!r}", retries=retries)
-    return Reply("ok", text=content, retries=retries)
+    return Reply("ok", text=content, retries=retries, truncated=truncated)
 
 
 # ---- a rollout engine of the reward worker's own ------------------------------------------------------------------
@@ -313,7 +317,8 @@ class EngineBackend:
             if out.finish_reason in ("abort", "prompt_too_long"):
                 replies[i] = Reply("error", detail=f"judge request ended: {out.finish_reason}")
             else:
-                replies[i] = Reply("ok", text=self._tokenizer.decode(out.token_ids, skip_special_tokens=True))
+                text = self._tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                replies[i] = Reply("ok", text=text, truncated=out.finish_reason == "length")
         return [r if r is not None else Reply("error", detail="no reply") for r in replies]
 
     def close(self) -> None:
