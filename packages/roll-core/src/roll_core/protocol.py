@@ -4,8 +4,11 @@ A `Batch` is a `TensorDict` of tensors sharing the leading batch dimension, plus
 (prompt ids, ground truths, domains: lists of Python values, one per row) and a batch-level `meta` dict.
 
 Splitting is uneven by design: `split(k)` gives k parts whose sizes differ by at most one (the first
-`len % k` parts get the extra row), never requires divisibility, and `Batch.concat` restores the original order.
-Tensors pickle as contiguous buffers, so a batch crosses Ray's object store without per-row overhead.
+`len % k` parts get the extra row), never requires divisibility (k may exceed the row count: the last parts are
+empty), and `Batch.concat` restores the original order. Concat needs every batch to hold the same tensor keys (with
+equal dtypes and trailing shapes: pad responses first, roll_core.pipelines.sampling.concat_generations) and the same
+field keys; the first batch's meta wins. Tensors pickle as compact contiguous buffers (a view of a larger tensor is
+copied out, never shipped with its whole storage), so a batch crosses Ray's object store without per-row overhead.
 
 Sequence layout used by the RLVR pipeline (all right-aligned prompts, left-aligned responses):
 - `prompts` (B, P) left-padded, `responses` (B, R) right-padded, `response_mask` (B, R) 1 for generated tokens;
@@ -36,9 +39,15 @@ class Batch:
         meta: dict[str, Any] | None = None,
     ) -> None:
         tensors = tensors if tensors is not None else {}
-        sizes = {int(v.shape[0]) for v in tensors.values()} | {len(v) for v in (fields or {}).values()}
+        scalars = [str(k) for k, v in tensors.items() if v.ndim == 0]
+        if scalars:
+            raise ValueError(f"batch tensors need a leading row dimension; {scalars} are 0-d (put scalars in meta)")
+        detail = {str(k): int(v.shape[0]) for k, v in tensors.items()} | {k: len(v) for k, v in (fields or {}).items()}
+        if isinstance(tensors, TensorDict) and tensors.batch_dims:
+            # A TensorDict's own batch size counts too: fields must match it even when it holds no tensors.
+            detail["<TensorDict batch_size>"] = int(tensors.batch_size[0])
+        sizes = set(detail.values())
         if len(sizes) > 1:
-            detail = {k: int(v.shape[0]) for k, v in tensors.items()} | {k: len(v) for k, v in (fields or {}).items()}
             raise ValueError(f"batch entries disagree on the number of rows: {detail}")
         n = sizes.pop() if sizes else 0
         self.td = tensors if isinstance(tensors, TensorDict) else TensorDict(dict(tensors), batch_size=[n])
@@ -59,10 +68,14 @@ class Batch:
         return self.td[key]
 
     def __setitem__(self, key: str, value: Tensor | Sequence[Any]) -> None:
+        if isinstance(value, Tensor) and value.ndim == 0:
+            raise ValueError(f"{key!r} is a 0-d tensor; batch tensors need a leading row dimension")
         n = int(value.shape[0]) if isinstance(value, Tensor) else len(value)
-        if self._n and n != self._n:
+        # A batch with entries fixes its row count, 0 included: an empty batch must not take a 3-row field.
+        has_entries = bool(len(self.td.keys()) or self.fields)
+        if (self._n or has_entries) and n != self._n:
             raise ValueError(f"{key!r} has {n} rows, batch has {self._n}")
-        if not self._n and not len(self.td.keys()) and not self.fields:
+        if not self._n and not has_entries:
             self._n = n
             self.td = TensorDict({}, batch_size=[n])
         if isinstance(value, Tensor):
@@ -86,12 +99,38 @@ class Batch:
         return f"Batch(n={self._n}, tensors={shapes}, fields={list(self.fields)}, meta={list(self.meta)})"
 
     # ---- row operations -----------------------------------------------------------------------------------
-    def index(self, rows: Tensor | Sequence[int] | slice) -> Batch:
-        """Rows selected by an index tensor, list or slice (order kept)."""
+    def index(self, rows: Tensor | Sequence[int] | Sequence[bool] | slice) -> Batch:
+        """Rows selected by integer indices (tensor or list, order kept, negatives count from the end), a slice, or a
+        boolean mask (tensor or list) of exactly len(self) entries.
+
+        Raises:
+            ValueError: a mask of the wrong length, or an index tensor of more than one dimension.
+            IndexError: an index out of range.
+        """
         if isinstance(rows, slice):
             idx = list(range(self._n))[rows]
         else:
-            idx = rows.tolist() if isinstance(rows, Tensor) else list(rows)
+            if not isinstance(rows, Tensor | list | tuple | range) and hasattr(rows, "__array__"):
+                rows = torch.as_tensor(rows)  # a numpy array: its bool dtype must still read as a mask
+            if isinstance(rows, Tensor):
+                if rows.ndim > 1:
+                    raise ValueError(f"index: rows must be 1-d, got shape {tuple(rows.shape)}")
+                vals = rows.reshape(-1).tolist()
+                is_mask = rows.dtype == torch.bool
+            else:
+                vals = list(rows)
+                # Only an all-bool, non-empty list is a mask (bool is an int subclass: check the type exactly).
+                is_mask = bool(vals) and all(isinstance(v, bool) for v in vals)
+            if is_mask:
+                # A mask read as indices would silently pick rows 0 and 1 over and over.
+                if len(vals) != self._n:
+                    raise ValueError(f"index: boolean mask has {len(vals)} entries, batch has {self._n} rows")
+                vals = [i for i, keep in enumerate(vals) if keep]
+            idx = [int(i) for i in vals]
+        bad = [i for i in idx if not -self._n <= i < self._n]
+        if bad:
+            raise IndexError(f"index: rows {bad[:5]} out of range for a batch of {self._n} rows")
+        idx = [i % self._n for i in idx] if self._n else idx
         t = torch.as_tensor(idx, dtype=torch.long)
         td = self.td[t] if len(idx) else TensorDict({k: v[:0] for k, v in self.td.items()}, batch_size=[0])
         return Batch(td, {k: [v[i] for i in idx] for k, v in self.fields.items()}, self.meta)
@@ -105,13 +144,21 @@ class Batch:
         return Batch(td, {k: self.fields[k] for k in keys if k in self.fields}, self.meta)
 
     def union(self, other: Batch) -> Batch:
-        """Entries of both batches (same rows). A key in both must hold equal values."""
+        """Entries of both batches (same rows). A key in both must hold equal values of the same kind (tensor or
+        field) and dtype (NaNs compare equal). Meta is merged; on a shared meta key `other`'s value wins."""
         if len(other) != self._n:
             raise ValueError(f"cannot union batches of {self._n} and {len(other)} rows")
+        kinds = [k for k in other.td.keys() if k in self.fields] + [k for k in other.fields if k in self.td.keys()]
+        if kinds:
+            raise ValueError(f"union: {sorted(map(str, kinds))} are a tensor in one batch and a field in the other")
         out = Batch(self.td.clone(recurse=False), dict(self.fields), {**self.meta, **other.meta})
         for k, v in other.td.items():
-            if k in self.td.keys() and not torch.equal(self.td[k], v):
-                raise ValueError(f"union: tensor {k!r} differs between the batches")
+            if k in self.td.keys() and not _same_tensor(self.td[k], v):
+                mine = self.td[k]
+                raise ValueError(
+                    f"union: tensor {k!r} differs between the batches ({mine.dtype}{tuple(mine.shape)} vs "
+                    f"{v.dtype}{tuple(v.shape)})"
+                )
             out.td[k] = v
         for k, v in other.fields.items():
             if k in self.fields and self.fields[k] != v:
@@ -145,22 +192,42 @@ class Batch:
         return out
 
     def chunks(self, size: int) -> Iterator[Batch]:
-        """Consecutive chunks of at most `size` rows."""
+        """Consecutive chunks of at most `size` rows (size >= 1; an empty batch gives no chunks)."""
+        if size < 1:
+            raise ValueError(f"chunk size must be >= 1, got {size}")
         for s in range(0, self._n, size):
             yield self.index(slice(s, s + size))
 
     @staticmethod
     def concat(batches: Iterable[Batch]) -> Batch:
-        """Rows of all batches in order; every batch must have the same keys. Split metadata is dropped."""
+        """Rows of all batches in order.
+
+        Every batch must hold the same tensor keys and field keys; each tensor key must agree in dtype and in every
+        dimension but the first across the non-empty batches (pad ragged responses first: no silent dtype promotion,
+        no implicit padding). Empty batches are skipped, so their widths never matter. Meta is the first batch's
+        (later batches' meta is dropped), less the split metadata.
+
+        Raises:
+            ValueError: differing keys, a key that is a tensor in one batch and a field in another, or a tensor
+                whose dtype or trailing shape differs.
+        """
         batches = [b for b in batches]
         if not batches:
             return Batch()
-        keys = set(batches[0].keys())
+        t_keys, f_keys = {str(k) for k in batches[0].td.keys()}, set(batches[0].fields)
         for b in batches[1:]:
-            if set(b.keys()) != keys:
-                raise ValueError(f"cannot concat batches with keys {sorted(keys)} and {sorted(b.keys())}")
+            if {str(k) for k in b.td.keys()} != t_keys or set(b.fields) != f_keys:
+                raise ValueError(
+                    f"cannot concat batches with tensors {sorted(t_keys)}, fields {sorted(f_keys)} and "
+                    f"tensors {sorted(map(str, b.td.keys()))}, fields {sorted(b.fields)}"
+                )
         meta = {k: v for k, v in batches[0].meta.items() if k not in ("split_index", "split_sizes")}
         nonempty = [b for b in batches if len(b)] or batches[:1]
+        for k in sorted(t_keys):
+            layouts = {(b.td[k].dtype, tuple(b.td[k].shape[1:])) for b in nonempty}
+            if len(layouts) > 1:
+                got = [f"{b.td[k].dtype}{tuple(b.td[k].shape)}" for b in nonempty]
+                raise ValueError(f"cannot concat tensor {k!r}: dtypes/trailing shapes differ across batches: {got}")
         td = torch.cat([b.td for b in nonempty]) if len(nonempty[0].td.keys()) else None
         fields = {k: [x for b in nonempty for x in b.fields[k]] for k in nonempty[0].fields}
         return Batch(td, fields, meta)
@@ -171,8 +238,30 @@ class Batch:
 
     # ---- pickling (Ray) -----------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        return {"tensors": self.tensors(), "fields": self.fields, "meta": self.meta, "n": self._n}
+        # torch pickles a tensor's whole storage: a 2-row slice of a 1 GB buffer would ship the full GB.
+        tensors = {k: _compact(v) for k, v in self.tensors().items()}
+        return {"tensors": tensors, "fields": self.fields, "meta": self.meta, "n": self._n}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.td = TensorDict(state["tensors"], batch_size=[state["n"]])
         self.fields, self.meta, self._n = state["fields"], state["meta"], state["n"]
+
+
+def _compact(t: Tensor) -> Tensor:
+    """`t` itself when it owns exactly its contiguous storage, else a compact contiguous copy (for pickling)."""
+    if not isinstance(t, Tensor):
+        return t
+    exact = t.is_contiguous() and t.storage_offset() == 0
+    if exact and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    """Equal dtype, shape and values, NaN equal to NaN (union's conflict test)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        nan_a, nan_b = a.isnan(), b.isnan()
+        return bool(torch.equal(nan_a, nan_b) and torch.equal(a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0)))
+    return bool(torch.equal(a, b))

@@ -31,14 +31,19 @@ def routing_layout(
     """Per-request routing -> the batch field (B, P+R, layers, top_k) int16 aligned with `input_ids`.
 
     Args:
-        rows: per row, (prompt_len + generated, layers, top_k) expert ids (RequestOutput.routed_experts).
+        rows: per row, (positions, layers, top_k) expert ids (RequestOutput.routed_experts) from the prompt's first
+            token on: usually prompt_len + generated - 1 positions (the last sampled token is never fed back), so a
+            row may stop inside its prompt (no token generated); the positions it lacks stay UNROUTED.
         prompt_lens: per row, its prompt's length (the first prompt_len entries of its routing).
         prompt_width, response_width: P and R of the padded layout (a response longer than R is cut there).
     Raises:
-        ValueError: rows of different layer counts or top-k, or a prompt longer than P.
+        ValueError: rows of different layer counts or top-k, a row not 3-d, or a prompt longer than P.
     """
     if len(rows) != len(prompt_lens):
         raise ValueError(f"routing_layout: {len(rows)} routings for {len(prompt_lens)} prompts")
+    flat = [i for i, r in enumerate(rows) if r.ndim != 3]
+    if flat:
+        raise ValueError(f"routing_layout: rows {flat[:5]} are not (positions, layers, top_k) tensors")
     shapes = {tuple(r.shape[1:]) for r in rows}
     if len(shapes) > 1:
         raise ValueError(f"routing_layout: rows disagree on (layers, top_k): {sorted(shapes)}")
@@ -47,7 +52,8 @@ def routing_layout(
     for i, (r, plen) in enumerate(zip(rows, prompt_lens)):
         if plen > prompt_width:
             raise ValueError(f"routing_layout: row {i}'s prompt has {plen} tokens, more than P={prompt_width}")
-        out[i, prompt_width - plen : prompt_width] = r[:plen]
+        prompt = r[:plen]  # shorter than plen when the engine stopped inside the prompt (nothing generated)
+        out[i, prompt_width - plen : prompt_width - plen + prompt.shape[0]] = prompt
         resp = r[plen : plen + response_width]
         out[i, prompt_width : prompt_width + resp.shape[0]] = resp
     return out

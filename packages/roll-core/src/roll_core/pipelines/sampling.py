@@ -25,9 +25,15 @@ RM_ROW_TENSORS = ("task_scores", "rm_raw")
 
 
 def pad_right(t: torch.Tensor, width: int, value: float = 0) -> torch.Tensor:
-    """(B, R) -> (B, width), padding on the right with `value`."""
+    """(B, R) -> (B, width), padding on the right with `value` (`t` itself when R == width).
+
+    Raises:
+        ValueError: width < R (padding never cuts tokens off).
+    """
     extra = width - t.shape[1]
-    return t if extra <= 0 else torch.nn.functional.pad(t, (0, extra), value=value)
+    if extra < 0:
+        raise ValueError(f"pad_right: cannot pad {tuple(t.shape)} to width {width} (it is wider)")
+    return t if extra == 0 else torch.nn.functional.pad(t, (0, extra), value=value)
 
 
 def concat_generations(parts: Sequence[Batch], pad_id: int) -> Batch:
@@ -39,18 +45,33 @@ def concat_generations(parts: Sequence[Batch], pad_id: int) -> Batch:
         for k in GEN_TENSORS:
             if k in t:
                 t[k] = pad_right(t[k], width, pad_id if k == "responses" else 0)
-        padded.append(Batch(t, p.fields))
+        padded.append(Batch(t, p.fields, p.meta))
     return Batch.concat(padded)
 
 
 def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) scores -> (B / group_size,) bool: groups whose scores are not all equal (they carry GRPO signal)."""
-    grouped = scores.view(-1, group_size)
+    """(B,) scores -> (B / group_size,) bool: groups whose scores are not all equal (they carry GRPO signal).
+
+    Raises:
+        ValueError: B not a multiple of group_size, or a NaN score (max/min would call its group uniform and drop
+            it silently; the reward guard replaces NaN rewards before this point).
+    """
+    if group_size < 1 or scores.ndim != 1 or scores.shape[0] % group_size:
+        raise ValueError(
+            f"informative_groups: {tuple(scores.shape)} scores do not form groups of {group_size} consecutive rows"
+        )
+    grouped = scores.reshape(-1, group_size).to(torch.float64)  # bool/int scores too; no float32 rounding
+    if grouped.isnan().any():
+        bad = grouped.isnan().any(-1).nonzero(as_tuple=True)[0].tolist()
+        raise ValueError(f"informative_groups: NaN scores in groups {bad[:5]}")
     return (grouped.max(-1).values - grouped.min(-1).values) > 1e-9
 
 
 def group_rows(groups: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Row indices of the selected groups: (G,) bool -> (rows,) long."""
+    """Row indices of the selected groups: (G,) bool -> (rows,) long, ascending (group g holds rows
+    g*group_size .. (g+1)*group_size - 1)."""
+    if groups.dtype != torch.bool:
+        raise ValueError(f"group_rows: groups must be a bool mask, got {groups.dtype}")
     return groups.repeat_interleave(group_size).nonzero(as_tuple=True)[0]
 
 
@@ -92,11 +113,27 @@ def generation_from_samples(groups: Sequence[Any], pad_id: int) -> Batch:
 
 def merge_scored(tokenizer: Any, parts: Sequence[Batch]) -> Batch:
     """Assembled, scored batches of different response widths -> one assembled batch (rows in order, scores
-    kept), as if the rows had been generated in one call."""
+    kept, the first part's meta), as if the rows had been generated in one call.
+
+    A part without `mm_inputs` (text only) contributes None per row, the no-pictures value, when other parts
+    carry pictures. Raises ValueError when a problem field (PROBLEM_FIELDS) is in some parts only: dropping it
+    from the merged batch would silently starve the rewards that read it.
+    """
     from roll_core.pipelines.rollout import assemble
 
+    have = {k: sum(k in p for p in parts) for k in (*PROBLEM_FIELDS, "mm_inputs")}
+    partial = [k for k, c in have.items() if 0 < c < len(parts) and k != "mm_inputs"]
+    if partial:
+        raise ValueError(f"merge_scored: fields {partial} are in only some of the {len(parts)} batches")
+    if 0 < have["mm_inputs"] < len(parts):
+        parts = [p if "mm_inputs" in p else _with_field(p, "mm_inputs", None) for p in parts]
     prompt_fields = ("prompt_ids", *(k for k in (*PROBLEM_FIELDS, "mm_inputs") if all(k in p for p in parts)))
     gen_keys = (*GEN_TENSORS, "truncated", "finish_reason", *SCORE_TENSORS, *RM_ROW_TENSORS, "routed_experts_rows")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     merged = concat_generations([p.select(*prompt_fields, *(k for k in gen_keys if k in p)) for p in parts], pad)
     return assemble(tokenizer, merged.select(*prompt_fields), merged.select(*(k for k in gen_keys if k in merged)))
+
+
+def _with_field(batch: Batch, key: str, value: Any) -> Batch:
+    """A shallow copy of `batch` with field `key` set to `value` on every row."""
+    return Batch(batch.td, {**batch.fields, key: [value] * len(batch)}, batch.meta)
