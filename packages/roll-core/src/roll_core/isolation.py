@@ -13,9 +13,11 @@ Contract of `call(*args, timeout=s)`:
 Calls from several threads are serialised (one child, one call at a time). The child exits when the parent's end
 of the pipe closes (the parent died or `close()` was called). On Linux it is also SIGKILLed by the kernel when
 the parent process dies, even in the middle of a hung call (PR_SET_PDEATHSIG): a trainer killed with SIGKILL
-leaves no child spinning on. That signal fires when the *thread* that forked the child ends, so children are
-forked by one thread per process that lives as long as the process (`_fork`), never by the calling thread (an
-environment thread that ends would take its reward's child with it).
+leaves no child spinning on. That signal fires when the *thread* that forked the child ends: a child whose forking
+thread has ended (an environment thread that finished) is replaced by a fresh one at the next call, never counted
+as a failure. Children are forked by the calling thread itself: a fork from another thread (a process-long forker)
+deletes the calling thread's state in the child, and its thread-local objects' destructors then ran there (a
+torch DTensor sharding cache holding a gloo process group deadlocked the child in its destructor).
 
 May assume: the parent is a POSIX process. Must not be used for `fn` that needs a CUDA context created before
 the fork, Ray calls, or threads the parent started (a forked child has none of them).
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import os
-import queue
 import signal
 import sys
 import threading
@@ -121,62 +122,13 @@ def _prctl() -> Callable[..., int] | None:
 
 
 def _die_with_parent(parent: int) -> None:
-    """In a forked child: SIGKILL when the forking thread (`_fork`'s, as long-lived as the process) ends; leave at
-    once if the parent died before the request could be made."""
+    """In a forked child: SIGKILL when the forking thread ends (the whole parent with it); leave at once if the
+    parent died before the request could be made."""
     prctl = _prctl()
     if prctl is not None:
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:
         os._exit(0)
-
-
-_forker_lock = threading.Lock()
-_forker: tuple[int, queue.SimpleQueue[Any]] | None = None  # (owning pid, request queue) of this process's forker
-
-
-def _forker_loop(requests: queue.SimpleQueue[Any]) -> None:
-    while True:
-        child_main, done, out = requests.get()
-        try:
-            with warnings.catch_warnings():
-                # Python >= 3.12 warns that forking a multi-threaded process may deadlock the child: a child stuck
-                # on a lock some parent thread held is exactly what the caller's deadline kills and counts.
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
-        except BaseException as exc:  # no child (EAGAIN, ENOMEM): the caller raises it
-            out.append(exc)
-            done.set()
-            continue
-        if pid == 0:
-            child_main()  # never returns
-        out.append(pid)
-        done.set()
-
-
-def _fork(child_main: Callable[[], NoReturn]) -> int:
-    """Fork from this process's forker thread (started on first use, daemon, lives until the process ends); the
-    child runs `child_main`, the parent gets its pid. The thread matters for PR_SET_PDEATHSIG (module docstring)."""
-    global _forker
-    with _forker_lock:
-        if _forker is None or _forker[0] != os.getpid():  # none yet, or inherited by a fork (its thread is gone)
-            requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-            threading.Thread(target=_forker_loop, args=(requests,), name="roll-forker", daemon=True).start()
-            _forker = (os.getpid(), requests)
-        requests = _forker[1]
-    done, out = threading.Event(), []
-    requests.put((child_main, done, out))
-    done.wait()
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return out[0]
-
-
-def _reset_forker_lock() -> None:  # a fork while another thread held it would leave the child's copy locked
-    global _forker_lock
-    _forker_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_forker_lock)
 
 
 class ForkedWorker:
@@ -188,6 +140,7 @@ class ForkedWorker:
         self._conn: Connection | None = None
         self._pid: int | None = None
         self._finalizer: weakref.finalize | None = None
+        self._forked_by: threading.Thread | None = None  # the thread that forked the child (its death kills it)
         self._owner = os.getpid()  # the process whose child this is (a copy inherited by a fork is not ours)
         #: Children forked so far (the first one, then one after each timeout or death).
         self.forks = 0
@@ -217,12 +170,19 @@ class ForkedWorker:
                 os._exit(code)
 
         try:
-            pid = _fork(child_main)
+            with warnings.catch_warnings():
+                # Python >= 3.12 warns that forking a multi-threaded process may deadlock the child: a child stuck on
+                # a lock some parent thread held is exactly what the caller's deadline kills and counts.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
         except BaseException:
             parent.close()
             child.close()
             raise
+        if pid == 0:
+            child_main()  # never returns
         child.close()
+        self._forked_by = threading.current_thread()
         self._conn, self._pid = parent, pid
         self.forks += 1
         self._finalizer = weakref.finalize(self, _close, parent, pid, self._owner)
@@ -242,6 +202,8 @@ class ForkedWorker:
             self._lock, self._conn, self._pid, self._finalizer = threading.Lock(), None, None, None
             self._owner = os.getpid()
         with self._lock:
+            if self._conn is not None and self._forked_by is not None and not self._forked_by.is_alive():
+                self._stop()  # its forking thread ended, so its parent-death signal killed it: not a failure
             if self._conn is None:
                 self._start()
             assert self._conn is not None
