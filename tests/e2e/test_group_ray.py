@@ -106,9 +106,11 @@ def test_a_rank_that_fails_to_start_takes_the_whole_group_down_and_a_rerun_is_pl
 
 @pytest.mark.parametrize("backend", ["local", "ray"])
 def test_arguments_and_results_travel_by_value_on_both_backends(ray_cluster: Any, backend: str) -> None:
-    """What the local backend's copies must match (packages/roll-core/tests/test_cluster_local.py tests the local
-    side without Ray): each rank sees the batch as the caller passed it; neither the caller's batch, its meta and
-    rows nor another argument changes; a kept argument and a returned buffer are the worker's own."""
+    """On Ray every rank gets its own copy of a call's arguments and the caller a copy of its results; the local
+    backend passed them by reference (rank 1 saw rank 0's in-place change of the batch, the caller's batch, meta,
+    rows and other tensors changed under it, a kept argument changed with the caller's, a returned buffer was the
+    worker's own). Both backends now: each rank sees the batch as the caller passed it; neither the caller's batch,
+    its meta and rows nor another argument changes; a kept argument and a returned buffer are the worker's own."""
     import torch
 
     from roll_core.protocol import Batch

@@ -228,61 +228,6 @@ def test_a_failed_ray_request_is_no_longer_counted_in_flight() -> None:
     assert released == ["ok", "bad"]
 
 
-class Mutator(Worker):
-    """Changes what it is given in place, keeps what it was given, and returns its own buffer: what a Ray call
-    would not let the other side see."""
-
-    def __init__(self, **base):
-        super().__init__(**base)
-        self.buffer = torch.zeros(3)
-        self.kept: dict | None = None
-
-    @dispatch(Dispatch.BROADCAST)
-    def bump(self, batch: Batch, extra: dict) -> list[float]:
-        seen = batch["x"].tolist()
-        batch["x"].add_(1)
-        batch.meta["touched_by"] = self.rank
-        batch["ids"][0].append(99)
-        extra["t"].mul_(0)
-        return seen
-
-    @dispatch(Dispatch.RANK0)
-    def keep(self, state: dict) -> None:
-        self.kept = state
-
-    @dispatch(Dispatch.RANK0)
-    def kept_sum(self) -> float:
-        return float(self.kept["t"].sum())
-
-    @dispatch(Dispatch.RANK0)
-    def own_buffer(self) -> torch.Tensor:
-        return self.buffer
-
-    @dispatch(Dispatch.RANK0)
-    def buffer_sum(self) -> float:
-        return float(self.buffer.sum())
-
-
-def test_local_calls_pass_arguments_and_results_by_value_as_ray_does() -> None:
-    """On Ray every rank gets its own copy of a call's arguments and the caller a copy of its results. The local
-    backend passed them by reference: rank 1 saw rank 0's in-place change of the batch, the caller's batch, meta,
-    field rows and other tensors changed under it, a worker's kept argument changed when the caller changed it, and
-    the caller could change a worker's buffer through a result."""
-    group = WorkerGroup(Mutator, 2, "local")
-    batch = Batch({"x": torch.zeros(3)}, {"ids": [[1], [2], [3]]}, {"step": 1})
-    extra = {"t": torch.ones(2)}
-    assert group.call(Mutator.bump, batch, extra) == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
-    assert batch["x"].tolist() == [0.0, 0.0, 0.0]
-    assert batch.meta == {"step": 1} and batch["ids"] == [[1], [2], [3]]
-    assert extra["t"].tolist() == [1.0, 1.0]
-    state = {"t": torch.ones(2)}
-    group.call(Mutator.keep, state)
-    state["t"].add_(10)
-    assert group.call(Mutator.kept_sum) == 2.0
-    group.call(Mutator.own_buffer).add_(5)
-    assert group.call(Mutator.buffer_sum) == 0.0
-
-
 class Fragile(Worker):
     """Rank `fail_rank` raises while it is built or set up; every rank records its teardown in `log`."""
 
