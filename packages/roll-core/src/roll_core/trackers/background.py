@@ -73,3 +73,22 @@ class SerialWorker:
         self._calls.put((call, args, True, None, True))
         self._thread.join()
         self._raise()
+
+
+def schedule_retry(tracker: Any, exc: BaseException, base_s: float, max_s: float) -> float | None:
+    """Count a failed connection on `tracker` (its `failures` and `retry_at`) and return the wait before the next
+    try (`base_s` doubling per failure up to `max_s`) the first time, None after: the caller warns once, naming
+    `describe_failure(exc)` and that wait."""
+    import time
+
+    tracker.failures += 1
+    wait = min(base_s * 2 ** (tracker.failures - 1), max_s)
+    tracker.retry_at = time.monotonic() + wait
+    return wait if tracker.failures == 1 else None
+
+
+def describe_failure(exc: BaseException) -> str:
+    """The first line of an error as a warning shows it: credentials redacted, at most 300 characters."""
+    from roll_core.tracking import redact_text
+
+    return redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)[:300]

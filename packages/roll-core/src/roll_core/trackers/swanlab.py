@@ -38,8 +38,9 @@ from typing import Any
 
 from roll_core.config.tracking import SWANLAB, backend_options, tracking_config
 from roll_core.errors import Extra
+from roll_core.trackers.background import describe_failure, schedule_retry
 from roll_core.trackers.replay import kept_metrics, kept_samples
-from roll_core.tracking import redact_config, redact_text
+from roll_core.tracking import redact_config
 
 log = logging.getLogger(__name__)
 #: The run folder's record of its current SwanLab experiment: {"run_dir": ..., "last_step": ...}.
@@ -169,14 +170,12 @@ class SwanlabTracker:
         except Exception as exc:
             if not _unreachable(exc):
                 raise
-            self.failures += 1
-            wait = min(RETRY_S * 2 ** (self.failures - 1), MAX_RETRY_S)
-            self.retry_at = time.monotonic() + wait
-            if self.failures == 1:
+            wait = schedule_retry(self, exc, RETRY_S, MAX_RETRY_S)
+            if wait is not None:
                 log.warning(
                     "SwanLab did not answer (%s): this resumed run goes on without it; its experiment is started, "
                     "and sent its steps from metrics.jsonl, after %.0f s",
-                    redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)[:300],
+                    describe_failure(exc),
                     wait,
                 )
             return False

@@ -41,8 +41,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 from roll_core.config.tracking import WANDB, backend_options, tracking_config
+from roll_core.trackers.background import describe_failure, schedule_retry
 from roll_core.trackers.replay import kept_metrics, kept_samples
-from roll_core.tracking import redact_config, redact_text
+from roll_core.tracking import redact_config
 
 log = logging.getLogger(__name__)
 #: The run folder's record of its W&B run: {"id": ..., "last_step": ...}.
@@ -194,14 +195,12 @@ class WandbTracker:
                 self._wandb.teardown()
             except Exception as error:  # the next try says what is wrong, if anything
                 log.debug("wandb.teardown after a failed init: %s", error)
-        self.failures += 1
-        wait = min(RETRY_S * 2 ** (self.failures - 1), MAX_RETRY_S)
-        self.retry_at = time.monotonic() + wait
-        if self.failures == 1:
+        wait = schedule_retry(self, exc, RETRY_S, MAX_RETRY_S)
+        if wait is not None:
             log.warning(
                 "W&B did not answer (%s): this resumed run goes on without it; its W&B run is opened, and sent its "
                 "steps from metrics.jsonl, after %.0f s",
-                redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)[:300],
+                describe_failure(exc),
                 wait,
             )
 
