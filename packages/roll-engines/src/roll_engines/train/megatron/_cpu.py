@@ -1,7 +1,8 @@
 """Megatron-Core on the CPU platform: the small shims its forward, backward and optimizer need (measured with
 megatron-core 0.16.1 on torch 2.13 CPU over gloo; /work notes in bench/RESULTS.md).
 
-Applied explicitly, only while a Megatron engine call runs on CPU (`cpu_shims()` context), never at import:
+Applied explicitly, only while a Megatron engine call runs on CPU (`cpu_shims()` context, entered by `engine_shims`
+for every engine call), never at import:
 1. `torch.cuda.current_device` returns "cpu": megatron passes it as the device of buffers it creates during
    forward/backward (RoPE tables, the global memory buffer, tensor-parallel gathers, pipeline receives).
 2. `torch.cuda.synchronize` does nothing (pipeline send/receive calls it).
@@ -170,3 +171,21 @@ def seed_cpu_tracker(seed: int) -> None:
         mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME,
         seed + 1024 + 100 * ps.get_expert_model_parallel_rank() + ps.get_expert_tensor_parallel_rank(),
     )
+
+
+@contextlib.contextmanager
+def engine_shims(device: torch.device) -> Iterator[None]:
+    """What every Megatron engine call runs under: `cpu_shims()` on CPU; everywhere, torch's deprecation warnings about
+    Megatron's own collective calls (e.g. the distributed optimizer's reduce_scatter_tensor, every step) and about the
+    TorchScript modules that importing megatron.core loads (torch.fx -> torch.utils.mkldnn) are silenced: the user
+    cannot act on them."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
+        warnings.filterwarnings("ignore", r"`torch\.jit\.script_method` is deprecated", DeprecationWarning)
+        if device.type == "cpu":
+            with cpu_shims():
+                yield
+        else:
+            yield

@@ -60,9 +60,11 @@ from roll_engines.train.megatron import _critic as V
 from roll_engines.train.megatron import _export as X
 from roll_engines.train.megatron import _lora as L
 from roll_engines.train.megatron._checkpoint import load_optimizer, optimizer_state_bytes, save_optimizer
+from roll_engines.train.megatron._cpu import engine_shims
 from roll_engines.train.megatron._optimizer import build_optimizer, finish_param_gather, optimizer_step
 from roll_engines.train.megatron._packed import model_inputs, prepare, rope_at
 from roll_engines.train.megatron._parallel import end_parallel, init_parallel
+from roll_engines.train.megatron._refusals import refuse_unsupported
 from roll_engines.train.megatron._routing import MegatronRoutingReplay
 from roll_engines.train.megatron._vocab import logits_at, response_logprobs, response_rows
 
@@ -125,19 +127,18 @@ class MegatronTrainEngine:
         from roll_engines.config import MEGATRON, check_overlap, check_routing_replay
 
         MEGATRON.require()  # one line naming the extra, not a ModuleNotFoundError from the first layer built
-        if context_parallel_size < 1:
-            raise ValueError(f"context_parallel_size={context_parallel_size} must be >= 1")
-        if trust_remote_code:
-            raise ValueError(
-                "train_engine=megatron maps transformers' own Llama/Qwen2/Qwen3 code to Megatron layers; a model with "
-                "remote code (model.trust_remote_code=true) cannot be converted: use train_engine=hf or fsdp2"
-            )
-        if role not in ("actor", "reference", "critic"):
-            raise ValueError(f"role must be actor, critic or reference, got {role!r}")
-        if role == "critic" and lora_rank:
-            raise ValueError("LoRA trains the policy only (role 'critic'): set lora_rank=0 for the critic")
-        if lora_rank and lora_dropout:
-            raise ValueError("train_engine=megatron trains LoRA without dropout: set train_engine.lora_dropout=0")
+        refuse_unsupported(
+            role=role,
+            trust_remote_code=trust_remote_code,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            trainable=trainable,
+            lora_rank=lora_rank,
+            lora_dropout=lora_dropout,
+            micro_batch_tokens=micro_batch_tokens,
+            pipeline_parallel_size=pipeline_parallel_size,
+            context_parallel_size=context_parallel_size,
+        )
         check_overlap(overlap_grad_reduce, overlap_param_gather, use_distributed_optimizer)
         check_routing_replay(routing_replay, recompute, pipeline_parallel_size)
         prepare_engine_process(device, num_threads)
@@ -145,12 +146,6 @@ class MegatronTrainEngine:
         self.trainable = trainable and role != "reference"
         self.micro_batch_size, self.logprob_chunk_size = micro_batch_size, logprob_chunk_size
         self.micro_batch_tokens = check_micro_batch_tokens(micro_batch_tokens)
-        if self.micro_batch_tokens and pipeline_parallel_size > 1:
-            # Pipeline stages exchange one activation shape per schedule; budgeted micro-batches differ in rows.
-            raise ValueError(
-                "train_engine.micro_batch_tokens > 0 needs pipeline_parallel_size=1 on train_engine=megatron: set "
-                "train_engine.micro_batch_tokens=0 (micro_batch_size rows per micro-batch)"
-            )
         self.pack_sequences = pack_sequences
         self.max_grad_norm, self.base_lr = max_grad_norm, lr
         self._lr = lr_lambda(lr_schedule, warmup_steps, total_steps)
@@ -169,13 +164,6 @@ class MegatronTrainEngine:
         self.balance_micro_batches = ep > 1  # expert all-to-alls in every forward: every DP rank runs as many
         # Master weights and optimizer state in param_dtype (fp32); Megatron computes in the compute dtype.
         self.compute_dtype = torch_dtype(dtype)
-        if self.compute_dtype == torch.float16:
-            # megatron-core's fp16 needs its loss scaling driven by a training loop (grad_scale_func, skipped
-            # overflow steps while the scale settles): unscaled, the gradients were 2^32 times too small.
-            raise ValueError(
-                "train_engine=megatron with model.dtype=float16 is not supported: use model.dtype=bfloat16 "
-                "(or train_engine=hf / fsdp2 for float16)"
-            )
         with self._shims():
             self._owns_process_group = init_parallel(
                 self.device, tensor_parallel_size, pipeline_parallel_size, dist_backend, seed, ep, cp
@@ -205,8 +193,6 @@ class MegatronTrainEngine:
             self.ddp, self.optimizer = self.model, None
             self.overlap = (overlap_grad_reduce, overlap_param_gather)
             if self.trainable:
-                if param_dtype != "float32":
-                    raise ValueError("train_engine=megatron keeps fp32 master weights (param_dtype=float32)")
                 self.ddp, self.optimizer = build_optimizer(
                     self.model,
                     config,
@@ -237,23 +223,9 @@ class MegatronTrainEngine:
         return cls(model_path, dist_backend="gloo", use_distributed_optimizer=False, **kwargs)
 
     # ---- set-up -------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _shims(self) -> Iterator[None]:
-        """roll's CPU shims on CPU; everywhere, torch's deprecation warnings about Megatron's own collective calls
-        (e.g. the distributed optimizer's reduce_scatter_tensor, every step) and about the TorchScript modules
-        that importing megatron.core loads (torch.fx -> torch.utils.mkldnn) are silenced: the user cannot act."""
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
-            warnings.filterwarnings("ignore", r"`torch\.jit\.script_method` is deprecated", DeprecationWarning)
-            if self.device.type == "cpu":
-                from roll_engines.train.megatron._cpu import cpu_shims
-
-                with cpu_shims():
-                    yield
-            else:
-                yield
+    def _shims(self) -> contextlib.AbstractContextManager[None]:
+        """What every Megatron call of this engine runs under (_cpu.engine_shims: roll's CPU shims on CPU)."""
+        return engine_shims(self.device)
 
     _owns_process_group = False  # a group of one this engine started (cluster=local)
 
