@@ -13,8 +13,16 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
 - A job that raises (while it is prepared or waits for its slot too) is caught, logged and recorded in
   `<job dir>/job_status.json`; the other jobs go on. A job whose process dies (SIGKILL, OOM) is recorded as
   `killed` by roll's Ray launcher (roll_core.sweep_launcher). A job stopped early by a signal (SIGTERM, Ctrl-C:
-  its checkpoint is written) is recorded as `stopped`. Failed, killed and stopped jobs all return NaN to the
-  sweeper (Optuna sees a failed trial, not a finished one's value).
+  its checkpoint is written) is recorded as `stopped`. Failed, killed and stopped jobs, and finished ones without
+  a finite final held-out accuracy, return None to the sweeper: the Optuna sweeper records a failed trial for a
+  value it cannot cast to float and goes on (a NaN made Optuna's `tell` raise and the whole sweep end there).
+- A signal that stops a job of a sweep run in this process (the basic launcher: Ctrl-C, a scheduler's SIGTERM)
+  stops the sweep: its later jobs are not started but recorded as `stopped` ("not started"), so the sweep ends,
+  is summarised and exits non-zero. It started the next job instead, and a Ctrl-C stopped one job at a time.
+- A sweep resumed into an earlier sweep's folder (`pipeline.resume=true hydra.sweep.dir=<it>`) continues each job
+  folder's run: a job whose swept values differ from the ones the folder's earlier job ran with (values given in
+  another order, an Optuna trial sampling other values) fails with a clear error instead of continuing another
+  job's checkpoint with its own learning rate (a resume accepts a changed lr).
 - `SweepSummaryCallback.on_multirun_start` writes `sweep_id.json` (a fresh id, the start time) into the sweep
   folder; every job record carries that id, so a sweep run again into the same folder summarises and counts its own
   jobs only (the earlier sweep's records are left out, with a warning).
@@ -48,12 +56,15 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from roll_core.sweep_resume import check_resumed_folder
+
 log = logging.getLogger(__name__)
 STATUS_FILE = "job_status.json"
 SWEEP_FILE = "sweep_id.json"
 SLOTS_NAMESPACE = "roll-sweeps"
 _failed_jobs: list[str] = []
 _sweeps: dict[str, dict[str, Any]] = {}  # resolved sweep folder -> its sweep_id.json, in the process that started it
+_stopped: dict[str, str] = {}  # resolved sweep folder -> why its later jobs are not started (a signal stopped a job)
 
 
 class JobSlots:
@@ -156,11 +167,11 @@ def slots_name(sweep_dir: str | Path, sweep_id: str | None = None) -> str:
     return "slots-" + hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
-def run_sweep_job(cfg: Any, run: Any) -> float:
-    """Run one multirun job with failure isolation; returns the value a sweeper optimises (NaN unless the job
-    finished: failed, or stopped early by a signal). Whatever raises, preparing the job and taking its slot
+def run_sweep_job(cfg: Any, run: Any) -> float | None:
+    """Run one multirun job with failure isolation; returns the value a sweeper optimises (None unless the job
+    finished with a finite accuracy: see job_value). Whatever raises, preparing the job and taking its slot
     included, is recorded as a failed job: an exception out of here makes Hydra's sweeper raise, skipping the
-    sweep's summary."""
+    sweep's summary. After a signal stopped a job of this sweep in this process, the job is not started."""
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
@@ -170,6 +181,12 @@ def run_sweep_job(cfg: Any, run: Any) -> float:
     try:
         sweep_dir = job_sweep_dir(hc)
         record["sweep_id"] = sweep_marker(sweep_dir).get("sweep_id")  # which sweep this record belongs to
+        if str(sweep_dir) in _stopped:
+            log.error("sweep job %s is not started: %s", hc.job.num, _stopped[str(sweep_dir)])
+            record.update(status="stopped", error=f"not started: {_stopped[str(sweep_dir)]}")
+            write_record(out, record)
+            return None
+        check_resumed_folder(cfg, out, sweep_dir, record)
         sweep_tracking(cfg, hc.sweep.dir, hc.job.num)
         permits = int(cfg.cluster.get("max_concurrent", 0) or 0)
         with job_slot(slots_name(sweep_dir, record["sweep_id"]), permits) as waited:
@@ -188,6 +205,10 @@ def run_sweep_job(cfg: Any, run: Any) -> float:
         if signum:  # a single run exits 128+N for this: the job did not finish, its numbers are early ones
             log.error("sweep job %s was stopped by signal %s", hc.job.num, signum)
             record.update(status="stopped", summary=summary, error=f"stopped by signal {signum}")
+            if str(sweep_dir) in _sweeps:
+                # This process runs the sweep (basic launcher): the signal was meant for the sweep, not one job. A Ray
+                # job's worker is not the sweep's process (and may run a later job): the driver's Ctrl-C ends those.
+                _stopped[str(sweep_dir)] = f"the sweep was stopped by signal {signum} during job {hc.job.num}"
         else:
             record.update(status="ok", summary=summary)
     except Exception as exc:  # one job's failure must not stop the sweep
@@ -198,11 +219,22 @@ def run_sweep_job(cfg: Any, run: Any) -> float:
     return job_value(record)
 
 
-def job_value(record: dict[str, Any]) -> float:
-    """What a sweeper gets for a job record: its final held-out accuracy when it is `ok`, else NaN (a sweeper must
-    not rank a failed or cut-short job by its partial accuracy)."""
+def job_value(record: dict[str, Any]) -> float | None:
+    """What a sweeper gets for a job record: its final held-out accuracy when it is `ok` and finite, else None (a
+    sweeper must not rank a failed or cut-short job by its partial accuracy). None, not NaN: the Optuna sweeper
+    records a failed trial for a value float() refuses, while a NaN reached Optuna's `tell`, which raised out of
+    the sweeper (the sweep ended at that batch, without its summary)."""
     value = (record.get("summary") or {}).get("final_eval_accuracy") if record.get("status") == "ok" else None
-    return float(value) if isinstance(value, (int, float)) else math.nan
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    if record.get("status") == "ok":
+        log.error(
+            "sweep job %s finished without a finite final held-out accuracy (%r): a failed trial for a sweeper "
+            "(pipeline.eval_every=0 evaluates nothing)",
+            record.get("job"),
+            value,
+        )
+    return None
 
 
 def write_record(job_dir: Path, record: dict[str, Any]) -> None:
@@ -233,6 +265,7 @@ def start_sweep(sweep_dir: str | Path) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / SWEEP_FILE).write_text(json.dumps(marker, indent=2))
     _sweeps[str(folder)] = marker
+    _stopped.pop(str(folder), None)  # an earlier sweep's stop into the same folder does not stop this one
     return marker
 
 
@@ -368,6 +401,10 @@ def _write_summary(sweep_dir: Path, found: list[tuple[Path, dict[str, Any]]]) ->
         hist = _metrics(job_dir)
         rewards = [(h["step"], h["reward/mean"]) for h in hist if h.get("reward/mean") is not None]
         evals = [h["eval/accuracy"] for h in hist if h.get("eval/accuracy") is not None]
+        # best_*: a NaN (a step whose rewards all failed) is never the best, wherever it falls (max() kept a leading
+        # NaN and skipped a later one)
+        finite_rewards = [r for _, r in rewards if _finite(r)]
+        finite_evals = [a for a in evals if _finite(a)]
         # One curve per job, named with its number: two jobs with the same swept values (a repeat, an Optuna trial
         # that samples a point again) are two lines, not one overwriting the other.
         curves.append((label if label == f"job {st.get('job')}" else f"{st.get('job')}: {label}", rewards))
@@ -377,9 +414,9 @@ def _write_summary(sweep_dir: Path, found: list[tuple[Path, dict[str, Any]]]) ->
                 "params": label,
                 "status": st.get("status", "unknown"),
                 "final_reward": rewards[-1][1] if rewards else None,
-                "best_reward": max((r for _, r in rewards), default=None),
+                "best_reward": max(finite_rewards, default=None),
                 "final_eval_accuracy": evals[-1] if evals else None,
-                "best_eval_accuracy": max(evals, default=None),
+                "best_eval_accuracy": max(finite_evals, default=None),
                 "wall_seconds": _seconds(st.get("wall_seconds")),
                 "queued_seconds": _seconds(st.get("queued_seconds")),
                 "error": st.get("error", ""),
@@ -400,6 +437,10 @@ def _write_summary(sweep_dir: Path, found: list[tuple[Path, dict[str, Any]]]) ->
     (sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
     _plot(curves, sweep_dir / "rewards.png")
     return rows
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _cell(v: Any, limit: int | None = None) -> str:

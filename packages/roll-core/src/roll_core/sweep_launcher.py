@@ -9,14 +9,20 @@ and the jobs still running were abandoned with the driver. Jobs that raise are a
 - every job is waited for, whatever happened to the others;
 - a job whose process died is recorded as `killed` in its folder's `job_status.json` (with Ray's reason, the
   sweep's id, and as its `wall_seconds` the time from its start record to when the launcher saw it die; none when
-  it died before writing one) and returned to Hydra as a completed job whose value is NaN, so the sweeper goes on
-  (Optuna sees a failed trial's NaN) and `SweepSummaryCallback` summarises it with the others; `roll-train` exits
+  it died before writing one) and returned to Hydra as a completed job whose value is None, so the sweeper goes on
+  (Optuna records a failed trial) and `SweepSummaryCallback` summarises it with the others; `roll-train` exits
   non-zero;
 - a job that had already written its end record (ok, failed, stopped) when Ray lost it keeps that record;
 - jobs are collected as they end (`ray.wait`), not in launch order, so a job's death is seen when it happens, not
   when the jobs launched before it have finished;
 - jobs that give `cluster.max_concurrent` different values (a sweep of it) are refused before any starts: it is
   the sweep's bound, held by one slots actor (roll_core.sweep.job_slot);
+- jobs that would share a folder (a `hydra.sweep.subdir` that two jobs resolve alike, e.g. the override_dirname of
+  a repeated value) are refused before any starts: they wrote one metrics.jsonl and one job_status.json, in this
+  batch or over an earlier batch's finished job;
+- GPUs reserved for the job's own task (`hydra.launcher.ray.remote.num_gpus`) with `cluster=ray` are refused
+  before any job starts: the job's RL roles reserve their own GPUs in placement groups, so the task's sat idle and
+  the roles could wait for them until cluster.placement_timeout_s;
 - a sweep aborted while its jobs run (Ctrl-C) removes its detached slots actor: Hydra skips `on_multirun_end`;
 - jobs are not retried by Ray (`remote.max_retries: 0` in conf/hydra/launcher/ray.yaml): a retried job would find
   its own checkpoints in its folder and be refused, and an out-of-memory job would usually die again.
@@ -28,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,10 +69,14 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
             cfg.hydra.job.id = f"job_id_for_{idx}"  # set for real on the worker (a scheduler's id)
             cfg.hydra.job.num = idx
         cfgs.append(cfg)
-    check_max_concurrent(launcher, cfgs)  # before any job starts
-    start_ray(launcher.ray_cfg.init)
     jobs: list[tuple[DictConfig, list[str], Any]] = []
     try:
+        # Before any job of this batch starts; a refused later batch (an Optuna sweeper's) also removes the slots
+        # actor its earlier batches' jobs created
+        check_max_concurrent(launcher, cfgs)
+        check_job_folders(launcher, cfgs)
+        check_job_gpus(launcher, cfgs)
+        start_ray(launcher.ray_cfg.init)
         for cfg, overrides in zip(cfgs, job_overrides):
             log.info("\t#%d : %s", cfg.hydra.job.num, " ".join(filter_overrides(overrides)))
             ref = launch_job_on_ray(
@@ -87,7 +96,7 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
                     results[i] = ray.get(ref)
                 except ray.exceptions.RayError as exc:  # its process died: nothing in it could catch this
                     results[i] = killed(cfg, overrides, exc)
-    except BaseException:  # Ctrl-C: Hydra skips on_multirun_end, which removes the sweep's detached slots actor
+    except BaseException:  # Ctrl-C, a refused batch: Hydra skips on_multirun_end, which removes the slots actor
         remove_slots(sweep_dir)
         raise
     return [r for r in results if r is not None]
@@ -111,12 +120,50 @@ def check_max_concurrent(launcher: Any, cfgs: Sequence[DictConfig]) -> None:
         launcher._roll_max_concurrent = next(iter(values))
 
 
+def job_folder(cfg: DictConfig) -> Path:
+    """Job `cfg`'s folder as Hydra's run_job makes it: hydra.sweep.dir / hydra.sweep.subdir."""
+    num = int(cfg.hydra.job.num)
+    return Path(str(cfg.hydra.sweep.dir)) / str(OmegaConf.select(cfg, "hydra.sweep.subdir", default=num))
+
+
+def check_job_folders(launcher: Any, cfgs: Sequence[DictConfig]) -> None:
+    """Refuse jobs whose folders coincide, with each other or with a job of the sweep's earlier batches (the
+    launcher keeps them): two jobs in one folder write one metrics.jsonl, and the later job_status.json replaces the
+    earlier job's record, so the summary loses a job."""
+    seen: dict[str, int] = dict(getattr(launcher, "_roll_job_folders", {}))
+    for cfg in cfgs:
+        folder, num = str(job_folder(cfg).resolve()), int(cfg.hydra.job.num)
+        if folder in seen:
+            raise ConfigError(
+                f"sweep jobs {seen[folder]} and {num} would write into the same folder {folder} (hydra.sweep.subdir): "
+                "give every job its own, e.g. hydra.sweep.subdir=${hydra.job.num} (the default) or "
+                "hydra.sweep.subdir=${hydra.job.num}_${hydra.job.override_dirname}"
+            )
+        seen[folder] = num
+    launcher._roll_job_folders = seen
+
+
+def check_job_gpus(launcher: Any, cfgs: Sequence[DictConfig]) -> None:
+    """Refuse GPUs reserved for the job's own Ray task when its roles are Ray actors (`cluster.backend=ray`): they
+    reserve their GPUs themselves (hw.*), so the task's would sit idle while the roles wait for free ones. With
+    `cluster=local` the roles run in the task, and `remote.num_gpus` is what gives each job its own GPUs."""
+    gpus = OmegaConf.select(launcher.ray_cfg, "remote.num_gpus", default=0) or 0
+    ray_jobs = [int(c.hydra.job.num) for c in cfgs if OmegaConf.select(c, "cluster.backend", default=None) == "ray"]
+    if float(gpus) > 0 and ray_jobs:
+        raise ConfigError(
+            f"hydra.launcher.ray.remote.num_gpus={gpus} reserves GPUs for each sweep job's own Ray task, but with "
+            "cluster=ray the job's RL roles reserve their own GPUs (hw.*) and the task's sit idle: the roles may "
+            "never be placed. Drop it, and bound the jobs at once with cluster.max_concurrent=N (or use "
+            "cluster=local, where the roles run in the job's task and remote.num_gpus gives each job its GPUs)"
+        )
+
+
 def killed(cfg: DictConfig, overrides: list[str], exc: BaseException) -> JobReturn:
     """Record job `cfg` as killed (its folder's job_status.json) and the JobReturn Hydra gets for it. A job that had
     written its end record (ok, failed, stopped) before Ray lost it (its process died on its way out, its result
     was lost with its node) keeps that record, and the sweeper gets the value it would have returned."""
     num = int(cfg.hydra.job.num)
-    folder = Path(str(cfg.hydra.sweep.dir)) / str(OmegaConf.select(cfg, "hydra.sweep.subdir", default=num))
+    folder = job_folder(cfg)
     reason = str(exc).strip().splitlines()
     error = f"{type(exc).__name__}: {reason[0] if reason else ''}".rstrip(": ")
     record: dict[str, Any] = {}
@@ -127,7 +174,7 @@ def killed(cfg: DictConfig, overrides: list[str], exc: BaseException) -> JobRetu
     sweep_id = sweep_marker(str(cfg.hydra.sweep.dir)).get("sweep_id")
     if not isinstance(record, dict) or (sweep_id is not None and record.get("sweep_id") != sweep_id):
         record = {}  # an earlier sweep's record in the same folder: this job died before writing its own
-    value = math.nan
+    value = None
     if sweep_id is not None and record.get("status") not in (None, "running"):  # this sweep's end record
         status = record["status"]
         log.warning("sweep job %d had ended (%s) when Ray lost it (%s): its record is kept", num, status, error)
