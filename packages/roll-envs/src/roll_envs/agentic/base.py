@@ -2,9 +2,11 @@
 
 Contract (on top of `roll_core.interfaces.Env`):
 - The action is read from the model's whole reply: the content of the *last* `\\boxed{...}` if the reply has one
-  with balanced braces, else the *last non-empty line*, stripped. `\\text{...}` wrappers, surrounding quotes, `*`
-  and backticks, and trailing `.`/`!` are removed; the environment matches the rest (see `instructions()`). Actions
-  longer than `MAX_ACTION_CHARS` are never read.
+  with balanced braces, else the *last line that holds more than wrapping* (a closing code fence or `**` line is
+  passed over), stripped. `\\text{...}` wrappers, surrounding whitespace of any script (no-break, ideographic),
+  zero-width characters, quotes, `*` and backticks, and trailing `.`/`!` (also the fullwidth and ideographic
+  `．`/`！`/`。`) are removed; the environment matches the rest (see `instructions()`). Direction words are read
+  after NFKC normalisation (fullwidth `ｕｐ` is `up`). Actions longer than `MAX_ACTION_CHARS` are never read.
 - A reply that yields no action, or an action that is illegal in the current state, changes nothing: the reward is
   `invalid_penalty` (default -0.1), terminated is False, info["invalid_action"] is True, and the observation says
   what a valid action looks like. It still counts as a step, so a model that never acts is truncated.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import random
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -36,21 +39,39 @@ DIRECTIONS: dict[str, tuple[int, int]] = {"up": (-1, 0), "down": (1, 0), "left":
 _DIRECTION_ALIASES = {**{d: d for d in DIRECTIONS}, "u": "up", "d": "down", "l": "left", "r": "right"}
 
 
+#: Wrapping around an action: quotes, markdown emphasis and code, and zero-width characters (not whitespace to
+#: str.strip, so "\u200bup" was no action and its repr was all the model was shown).
+_WRAPPING = "`*\"'\u200b\u200c\u200d\u2060\ufeff"
+_TRAILING = ".!\uff0e\uff01\u3002"
+
+
+def trim_action(text: str) -> str:
+    """`text` without the wrapping `extract_action` removes (LaTeX text wrappers, quotes, markdown, trailing
+    `.`/`!`); QAEnv trims reference answers alike, so an answer written as its reference reads is equal to it."""
+    text = _TEXT_WRAP.sub(r"\1", text)
+    before = None
+    while text != before:  # until nothing more comes off (e.g. `**up**.`)
+        before = text
+        text = text.strip().strip(_WRAPPING).rstrip(_TRAILING)
+    return text
+
+
 def extract_action(reply: str) -> str | None:
-    """The action text of a reply (last box, else last non-empty line), normalised; None when there is none."""
+    """The action text of a reply (last box, else last line with more than wrapping), normalised; None when
+    there is none."""
     text = extract_boxed(reply)
     if text is None:
-        text = next((line for line in reversed(reply.splitlines()) if line.strip()), None)
-        if text is None:
-            return None
-    text = _TEXT_WRAP.sub(r"\1", text)
-    text = text.strip(" \t`*\"'").rstrip(".!").strip(" \t`*\"'")
+        # A closing ``` or ** line after the action is wrapping, not a (missing) action.
+        text = next((t for t in map(trim_action, reversed(reply.splitlines())) if t), None)
+    else:
+        text = trim_action(text)
     return text or None
 
 
 def parse_direction(text: str) -> str | None:
-    """`up`/`down`/`left`/`right` for a direction word or its first letter (any case), else None."""
-    return _DIRECTION_ALIASES.get(text.strip().lower())
+    """`up`/`down`/`left`/`right` for a direction word or its first letter (any case, fullwidth forms too), else
+    None."""
+    return _DIRECTION_ALIASES.get(unicodedata.normalize("NFKC", text).strip().lower())
 
 
 def echo(text: str, limit: int = 40) -> str:

@@ -6,6 +6,10 @@ environment does not set them: "success" (the wrapped info's, else `terminated a
 "state" (the wrapped info's, else the observation) and "invalid_action" (the wrapped info's, else False).
 Exceptions raised by the wrapped environment propagate: roll's env manager ends that trajectory and counts it as an
 environment error, which keeps third-party bugs visible in the metrics instead of hiding them as truncations.
+As for roll's built-ins (roll_envs.agentic.base), stepping a finished episode never reaches the wrapped environment:
+it returns the last observation with reward 0, the same terminated/truncated flags and invalid_action True (a
+Gymnasium environment stepped past its end goes on: FrozenLake at its goal paid the goal again); `step()` before
+`reset()` is a RuntimeError.
 
 GEM (`GemEnv("game:GuessTheNumber-v0-easy")`): `pip install --no-deps gem-llm` (it pins antlr4 4.13 while
 omegaconf, hence Hydra, needs 4.9), plus what `import gem` needs: numpy and reasoning-gym (gem-llm 0.1.0 pins
@@ -77,6 +81,9 @@ class _Adapter:
     def __init__(self, env: Any, success_reward: float, max_steps: int | None) -> None:
         self.env, self.success_reward, self.max_steps = env, float(success_reward), max_steps
         self._last_obs = ""
+        self._state = ""
+        self._started = False
+        self._end: tuple[bool, bool] | None = None  # (terminated, truncated) of the step that ended the episode
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
@@ -88,17 +95,41 @@ class _Adapter:
         out["invalid_action"] = bool(out.get("invalid_action", False))
         return out
 
+    def _begin(self, obs: str, info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        self._last_obs, self._state, self._started, self._end = obs, info["state"], True, None
+        return obs, info
+
+    def _finished(self) -> tuple[str, float, bool, bool, dict[str, Any]] | None:
+        """The answer to a step that must not reach the wrapped environment (episode over), else None."""
+        if not self._started:
+            raise RuntimeError(f"{type(self).__name__}.step() called before reset()")
+        if self._end is None:
+            return None
+        info = {"success": False, "state": self._state, "invalid_action": True}
+        note = "The episode is over; no further actions are taken.\n\n"
+        return note + self._last_obs, 0.0, *self._end, info
+
+    def _record(
+        self, obs: str, reward: float, terminated: Any, truncated: Any, info: Any
+    ) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        terminated, truncated = bool(terminated), bool(truncated)
+        out = self._info(info, obs, reward, terminated)
+        self._last_obs, self._state = obs, out["state"]
+        if terminated or truncated:
+            self._end = (terminated, truncated)
+        return obs, reward, terminated, truncated, out
+
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         obs, info = self._call(self.env.reset, seed=seed)
-        self._last_obs = str(obs)
-        return self._last_obs, self._info(info, self._last_obs)
+        return self._begin(str(obs), self._info(info, str(obs)))
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        over = self._finished()
+        if over is not None:
+            return over
         text = action if isinstance(action, str) else str(action)
         obs, reward, terminated, truncated, info = self._call(self.env.step, text)
-        self._last_obs, reward = str(obs), float(reward)
-        info = self._info(info, self._last_obs, reward, bool(terminated))
-        return self._last_obs, reward, bool(terminated), bool(truncated), info
+        return self._record(str(obs), float(reward), terminated, truncated, info)
 
 
 class GemEnv(_Adapter):
@@ -140,7 +171,9 @@ class GymTextEnv(_Adapter):
     Observations become `str(obs)` (or `obs_to_text(obs)`). The reply is passed as the action unless
     `action_parser` is given: it maps the reply to the environment's action and returns None (or raises) for a
     reply that is not one; such replies are invalid actions (the wrapped environment is not stepped, reward
-    `invalid_penalty`, the previous observation is repeated with what went wrong).
+    `invalid_penalty`, the previous observation is repeated with what went wrong). Invalid replies count towards
+    `max_steps` (the wrapped spec's `max_episode_steps`) like valid ones, as in roll's built-ins: the wrapped
+    environment's own time limit never sees them, so a model that never acts was never truncated.
     """
 
     def __init__(
@@ -161,16 +194,22 @@ class GymTextEnv(_Adapter):
         limit = getattr(spec, "max_episode_steps", None)
         super().__init__(env, success_reward, limit if isinstance(limit, int) else None)
         self.action_parser, self.obs_to_text, self.invalid_penalty = action_parser, obs_to_text, float(invalid_penalty)
-        self._state = ""
+        self.steps = 0
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         obs, info = self.env.reset(seed=seed)
-        self._last_obs = self.obs_to_text(obs)
-        out = self._info(info, self._last_obs)
-        self._state = out["state"]
-        return self._last_obs, out
+        text = self.obs_to_text(obs)
+        self.steps = 0
+        return self._begin(text, self._info(info, text))
+
+    def _at_limit(self) -> bool:
+        return self.max_steps is not None and self.steps >= self.max_steps
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        over = self._finished()
+        if over is not None:
+            return over
+        self.steps += 1
         text = action if isinstance(action, str) else str(action)
         parsed: Any = text
         if self.action_parser is not None:
@@ -181,9 +220,11 @@ class GymTextEnv(_Adapter):
             if parsed is None:
                 obs = f"Invalid action: the reply is not a valid action.\n\n{self._last_obs}"
                 info = {"success": False, "state": self._state, "invalid_action": True}
-                return obs, self.invalid_penalty, False, False, info
+                truncated = self._at_limit()
+                if truncated:
+                    obs += f"\n\nThe step limit ({self.max_steps}) is reached; the episode is over."
+                    self._end = (False, True)
+                return obs, self.invalid_penalty, False, truncated, info
         obs, reward, terminated, truncated, info = self.env.step(parsed)
-        self._last_obs, reward = self.obs_to_text(obs), float(reward)
-        out = self._info(info, self._last_obs, reward, bool(terminated))
-        self._state = out["state"]
-        return self._last_obs, reward, bool(terminated), bool(truncated), out
+        truncated = not terminated and (bool(truncated) or self._at_limit())
+        return self._record(self.obs_to_text(obs), float(reward), terminated, truncated, info)

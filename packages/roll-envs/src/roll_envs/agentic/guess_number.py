@@ -1,6 +1,7 @@
 """Guess the number: find a hidden integer in [low, high] with "higher"/"lower" hints.
 
-The hidden number is drawn from the reset seed. A guess is an integer (e.g. `\\boxed{10}`); a guess outside
+The hidden number is drawn from the reset seed. A guess is an integer (e.g. `\\boxed{10}`; a comma only as a
+thousands separator between groups of three digits, `1,000`: `1,5` is no guess, never 15); a guess outside
 [low, high] or anything else is invalid (nothing changes, `invalid_penalty`). Each valid guess gets a hint: "higher"
 (the number is greater than the guess) or "lower". A correct guess ends the episode with reward 1 (success);
 otherwise the reward is 0 and the episode is truncated after `max_turns` steps (valid or not).
@@ -17,7 +18,9 @@ from typing import ClassVar
 
 from roll_envs.agentic.base import IllegalAction, Outcome, TextEnv
 
-_INTEGER = re.compile(r"[+-]?\d{1,18}")
+# Commas only between groups of three digits: stripping every comma read `1,5` (a decimal comma, or two guesses)
+# as the guess 15.
+_INTEGER = re.compile(r"[+-]?(?:\d{1,18}|\d{1,3}(?:,\d{3}){1,5})")
 
 
 def binary_search_turns(low: int, high: int) -> int:
@@ -73,8 +76,8 @@ class GuessNumberEnv(TextEnv):
         return f"From the hints, the number is between {self.lo} and {self.hi}. Turns left: {left}."
 
     def _parse(self, action: str) -> int | None:
-        text = action.replace(",", "").strip()
-        return int(text) if _INTEGER.fullmatch(text) else None
+        text = action.strip()
+        return int(text.replace(",", "")) if _INTEGER.fullmatch(text) else None
 
     def _apply(self, guess: int) -> Outcome:
         if not self.low <= guess <= self.high:

@@ -5,6 +5,7 @@ tool call: the first such block is run (any later ones are ignored), the environ
 tool's output is the next observation. NAME is a tool's name; everything after the first colon up to `</tool>`
 (stripped) is the argument. Any reply without `<tool>` is passed to the wrapped environment as its action.
 The wrapped environment's observations must be text (one with pictures is a ValueError, not its repr).
+`step()` before `reset()` is a RuntimeError (no tool runs), as for roll's built-ins.
 Tools are given by name (`tools=["calculator", "code"]`), as a mapping with the name and the tool's options (what a
 Hydra list entry gives: `{name: code, timeout_s: 2}`), or as built objects. Each episode allows `max_tool_calls` calls
 (default 4). A call over the budget, to an unknown tool, or a malformed
@@ -28,7 +29,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from roll_envs.agentic.base import Outcome, TextEnv, echo
+from roll_envs.agentic.base import Outcome, TextEnv, echo, trim_action
 from roll_envs.agentic.tools import Calculator, Tool, get_tool
 from roll_envs.numeric import numbers_equal
 
@@ -38,11 +39,13 @@ _NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
 
 def _same_answer(given: str, answer: str) -> bool:
     """Numbers compare as numbers (1,000 = 1000.0; a comma only between groups of three digits: `1,5` is not 15),
-    everything else as case- and space-insensitive text."""
+    everything else as case- and space-insensitive text, the reference trimmed as the reply's action is (the
+    action `U.S.A` of `\\boxed{U.S.A.}` was wrong against the reference `U.S.A.`)."""
     g, a = given.strip(), answer.strip()
     try:
         return numbers_equal(g, a)  # exact for integers (roll_envs.numeric)
     except ValueError:
+        g, a = trim_action(g), trim_action(a)
         return " ".join(g.lower().split()) == " ".join(a.lower().split())
 
 
@@ -178,6 +181,7 @@ class ToolUseEnv:
         self._history: list[str] = []
         self._inner_state = ""
         self._last: tuple[str, bool, bool] = ("", False, False)  # observation, terminated, truncated
+        self._started = False
 
     def instructions(self) -> str:
         inner = self.env.instructions() if hasattr(self.env, "instructions") else ""
@@ -211,10 +215,13 @@ class ToolUseEnv:
         raw, info = self.env.reset(seed=seed)
         obs = _text(raw, self.env)
         self.steps = self.calls = 0
-        self._history, self._last = [], (obs, False, False)
+        self._history, self._last, self._started = [], (obs, False, False), True
         return obs, self._info(info, obs, 0, False)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        # Before reset a tool call ran the model's argument (the code tool: a sandbox run) against no episode.
+        if not self._started:
+            raise RuntimeError(f"{type(self).__name__}.step() called before reset()")
         text = action if isinstance(action, str) else str(action)
         obs, terminated, truncated = self._last
         if terminated or truncated:

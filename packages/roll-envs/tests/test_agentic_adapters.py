@@ -1,0 +1,250 @@
+"""Third-party environments behind roll's Env contract (Gymnasium, GEM, SkyRL-Gym adapters): each passes the Env
+conformance suite (roll_core.testing.envs), refuses steps after the end and before reset, and keeps the caller's RNG."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from roll_core.testing.envs import MALFORMED, EnvTestSuite
+from roll_envs.agentic import (
+    GymTextEnv,
+    make_env,
+)
+from roll_envs.agentic.gem_adapter import _PrivateGlobalRNG
+
+
+def test_gem_needs_its_package() -> None:
+    try:
+        import gem  # noqa: F401
+
+        pytest.skip("gem is installed")
+    except ImportError:
+        pass
+    with pytest.raises(ImportError, match="pip install --no-deps gem-llm"):
+        make_env("gem:game:GuessTheNumber-v0-easy")
+
+
+class _Corridor:
+    """A Gymnasium-API environment: walk right from 0 to 3 (actions 0 = left, 1 = right)."""
+
+    def reset(self, seed: int | None = None) -> tuple[int, dict[str, Any]]:
+        self.pos = 0
+        return self.pos, {}
+
+    def step(self, action: int) -> tuple[int, float, bool, bool, dict[str, Any]]:
+        self.pos = max(0, self.pos + (1 if action == 1 else -1))
+        return self.pos, float(self.pos == 3), self.pos == 3, False, {}
+
+
+class TestGymTextEnv(EnvTestSuite):
+    min_distinct = 1  # one fixed corridor
+
+    @classmethod
+    def build_env(cls) -> GymTextEnv:
+        return GymTextEnv(_Corridor(), action_parser={"left": 0, "right": 1}.get)
+
+    @classmethod
+    def solving_actions(cls, env: Any, seed: int) -> list[str]:
+        return ["right"] * 3
+
+
+class _TimedCorridor(_Corridor):
+    """The corridor under a Gymnasium-style time limit of 6 of its own steps (`spec.max_episode_steps`), which
+    stays at the goal, paying it again, when stepped right past the end (as Gymnasium's FrozenLake does)."""
+
+    spec = type("Spec", (), {"max_episode_steps": 6})()
+
+    def reset(self, seed: int | None = None) -> tuple[int, dict[str, Any]]:
+        self.elapsed = 0
+        return super().reset(seed)
+
+    def step(self, action: int) -> tuple[int, float, bool, bool, dict[str, Any]]:
+        self.elapsed += 1
+        self.pos = min(3, max(0, self.pos + (1 if action == 1 else -1)))
+        return self.pos, float(self.pos == 3), self.pos == 3, self.elapsed >= 6 and self.pos != 3, {}
+
+
+class TestGymTextEnvWithTimeLimit(TestGymTextEnv):
+    """Invalid replies never reach the wrapped time limit: they were never truncated (the suite's step-limit check)."""
+
+    @classmethod
+    def build_env(cls) -> GymTextEnv:
+        return GymTextEnv(_TimedCorridor(), action_parser={"left": 0, "right": 1}.get)
+
+
+def test_gym_adapter_refuses_steps_after_the_end_and_before_reset() -> None:
+    """A finished episode is not stepped again: the wrapped environment paid its goal reward a second time."""
+    env = GymTextEnv(_TimedCorridor(), action_parser={"left": 0, "right": 1}.get)
+    with pytest.raises(RuntimeError, match="before reset"):
+        env.step("right")
+    env.reset(seed=0)
+    rewards = [env.step("right")[1] for _ in range(3)]
+    assert rewards == [0.0, 0.0, 1.0]
+    obs, reward, terminated, truncated, info = env.step("right")
+    assert reward == 0.0 and terminated and not truncated and info["invalid_action"] and not info["success"]
+    assert obs.startswith("The episode is over") and env.env.elapsed == 3
+    env.reset(seed=0)  # a new episode steps again
+    assert env.step("right")[1] == 0.0 and env.env.elapsed == 1
+
+
+def test_private_global_rng_leaves_the_callers_rng_alone() -> None:
+    rng = _PrivateGlobalRNG(seed=0)
+    random.seed(123)
+    expected = random.Random(123).random()
+    with rng.active():
+        random.seed(5)  # what a GEM reset does
+        inside = random.random()
+    assert random.random() == expected
+    with rng.active():
+        after = random.random()
+    assert inside == random.Random(5).random() and after != inside
+
+
+def test_demonstrations_are_solved_expert_games_outside_the_training_and_held_out_seeds() -> None:
+    from roll_envs.agentic.task import DEMO_SEED_TOP, AgenticTask
+
+    task = AgenticTask("guess_number", env_kwargs={"low": 1, "high": 10, "max_turns": 4}, max_turns=4, demonstrations=1)
+    msgs = task.examples()
+    assert [m["role"] for m in msgs] == ["user", "assistant"] * (len(msgs) // 2) and msgs
+    assert msgs[0]["content"].startswith("I am thinking of an integer between 1 and 10")
+    # Replaying the demonstration's replies on a fresh instance of its seed wins: it is a real, solved game.
+    env = task.make_env()
+    seed = DEMO_SEED_TOP
+    obs, _ = env.reset(seed=seed)
+    assert obs == msgs[0]["content"]
+    for i, m in enumerate(msgs[1::2]):
+        obs, reward, terminated, _, info = env.step(m["content"])
+        assert not info["invalid_action"]
+        if i + 1 < len(msgs) // 2:
+            assert obs == msgs[2 * i + 2]["content"]
+    assert terminated and info["success"] and reward == 1.0
+    assert seed >= task.eval_seed_offset + task.eval_size  # never a training or held-out seed
+    assert AgenticTask("guess_number").examples() == []
+    two = AgenticTask("sokoban", demonstrations=2).examples()
+    assert sum(m["content"].startswith("#") for m in two if m["role"] == "user") >= 2  # two games' first boards
+    # env.eval_size may change on resume: the demonstrations must not (they were drawn after the held-out seeds)
+    assert (
+        AgenticTask("frozen_lake", eval_size=32, demonstrations=1).examples()
+        == AgenticTask("frozen_lake", eval_size=64, demonstrations=1).examples()
+    )
+
+
+def test_demonstrations_need_an_expert() -> None:
+    from roll_envs.agentic.task import AgenticTask
+
+    with pytest.raises(ValueError, match="expert_reply"):
+        AgenticTask("py:collections:OrderedDict", demonstrations=1)  # no expert_reply()
+
+
+class TestGemGuessTheNumber(EnvTestSuite):
+    """A real GEM environment by id (installed by the test session: gem-llm without its deps, plus the gem extra)."""
+
+    probe_actions = ("\\boxed{5}", "\\boxed{2}", "\\boxed{8}")
+    min_distinct = 4
+
+    @classmethod
+    def build_env(cls) -> Any:
+        pytest.importorskip("gem", exc_type=ImportError)
+        return make_env("gem:game:GuessTheNumber-v0-easy")
+
+    @classmethod
+    def solving_actions(cls, env: Any, seed: int) -> list[str]:
+        lo, hi, guesses = 1, 10, []
+        target = env.env.game_number if hasattr(env.env, "game_number") else None
+        if target is None:
+            return None  # type: ignore[return-value]
+        while True:
+            mid = (lo + hi) // 2
+            guesses.append(f"\\boxed{{{mid}}}")
+            if mid == target:
+                return guesses
+            lo, hi = (mid + 1, hi) if target > mid else (lo, mid - 1)
+
+    def test_malformed_and_illegal_replies_are_invalid(self) -> None:
+        """GEM's own rule differs from roll's built-ins: a reply without a boxed guess ends the episode at -0.1."""
+        env = self.build_env()
+        for reply in MALFORMED[:4]:
+            env.reset(seed=0)
+            _, reward, terminated, _, info = self.checked_step(env, reply)
+            assert terminated and reward == pytest.approx(-0.1) and not info["success"]
+
+    def test_step_limit_truncates(self) -> None:
+        env = self.build_env()
+        env.reset(seed=0)
+        wrong = [g for g in range(1, 11) if g != env.env.game_number]
+        ends = []
+        for g in wrong[:4]:
+            _, _, terminated, truncated, info = self.checked_step(env, f"\\boxed{{{g}}}")
+            assert not info["success"]
+            ends.append(terminated or truncated)
+        assert ends == [False, False, False, True], f"GEM's 4-turn game ended at {ends}"
+
+
+SKYRL_ROWS = [
+    {
+        "prompt": f"What is {a} + {b}? End with #### ANSWER.",
+        "extras": {"reward_spec": {"ground_truth": str(a + b)}, "max_turns": 3},
+    }
+    for a, b in [(2, 3), (10, 7), (4, 4), (12, 30)]
+]
+
+
+class TestSkyRLGsm8kMultiTurn(EnvTestSuite):
+    """A real SkyRL-Gym environment (gsm8k_multi_turn: 3 turns here, per-turn rewards) over hand-made rows."""
+
+    min_distinct = 4  # one instance per row
+
+    @classmethod
+    def build_env(cls) -> Any:
+        pytest.importorskip("skyrl_gym", exc_type=ImportError)
+        return make_env("skyrl:gsm8k_multi_turn", rows=SKYRL_ROWS)
+
+    @classmethod
+    def solving_actions(cls, env: Any, seed: int) -> list[str]:
+        return ["Let me think. #### 0", f"The sum is #### {env.env.ground_truth}"]
+
+    def test_malformed_and_illegal_replies_are_invalid(self) -> None:
+        """SkyRL-Gym has no invalid actions: a malformed reply scores 0 and the episode goes on."""
+        env = self.build_env()
+        for reply in MALFORMED:
+            env.reset(seed=0)
+            _, reward, terminated, truncated, info = self.checked_step(env, reply)
+            assert reward == 0.0 and not terminated and not truncated and not info["success"]
+
+
+def test_skyrl_rows_from_a_file_and_errors(tmp_path: Path) -> None:
+    pytest.importorskip("skyrl_gym", exc_type=ImportError)
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in SKYRL_ROWS[:2]))
+    env = make_env("skyrl:gsm8k_multi_turn", data_file=str(data))
+    assert env.reset(seed=3)[0] == SKYRL_ROWS[1]["prompt"]  # seed 3 -> row 3 % 2
+    _, reward, terminated, _, info = env.step("#### 17")
+    assert reward == 1.0 and terminated and info["success"]
+    with pytest.raises(ValueError, match=r"unknown SkyRL-Gym environment 'gsm9k'; registered: .*gsm8k"):
+        make_env("skyrl:gsm9k", rows=SKYRL_ROWS)
+    with pytest.raises(ValueError, match="exactly one of rows"):
+        make_env("skyrl:gsm8k")
+
+
+def test_skyrl_held_out_seeds_use_held_out_rows_only(tmp_path: Path) -> None:
+    """Held-out seeds (>= eval_seed_offset) pick from the held-out rows, training seeds from the others: the two
+    never share a row; a held-out seed without held-out rows is an error, not a training row."""
+    pytest.importorskip("skyrl_gym", exc_type=ImportError)
+
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps(SKYRL_ROWS[3]) + "\n")
+    env = make_env("skyrl:gsm8k_multi_turn", rows=SKYRL_ROWS, eval_data_file=str(held), eval_seed_offset=100)
+    train_prompts = {env.reset(seed=s)[0] for s in range(20)}
+    eval_prompts = {env.reset(seed=100 + s)[0] for s in range(5)}
+    assert eval_prompts == {SKYRL_ROWS[3]["prompt"]} and train_prompts == {r["prompt"] for r in SKYRL_ROWS[:3]}
+    split = make_env("skyrl:gsm8k_multi_turn", rows=SKYRL_ROWS, eval_fraction=0.5)
+    assert not {r["prompt"] for r in split.rows} & {r["prompt"] for r in split.held_out}
+    bare = make_env("skyrl:gsm8k_multi_turn", rows=SKYRL_ROWS)
+    with pytest.raises(ValueError, match="held-out seed 1000000 but no held-out rows"):
+        bare.reset(seed=1_000_000)
