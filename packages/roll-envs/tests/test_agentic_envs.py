@@ -200,6 +200,25 @@ def test_sokoban_rules_and_solver() -> None:
         Level.from_text("#P?#")
 
 
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("#####\n#P_O_\n#__X#\n#####", "row 1, column 5"),  # an open right edge
+        ("#####\n#P_OX#\n#___\n#####", "row 2, column 4"),  # a row shorter than the others: its end is open
+        ("#_###\n#POX#\n#####", "row -1, column 1"),  # a gap in the top wall
+    ],
+)
+def test_a_level_whose_walls_leave_a_way_out_is_refused(text: str, where: str) -> None:
+    """The player could walk off the grid of such a level (moves are unbounded): never drawn again, and the solver
+    searched an unbounded plane until its state limit. Enclosed levels, generated or written, are accepted."""
+    with pytest.raises(ValueError, match=f"do not enclose the player: it can leave the grid at {where}"):
+        Level.from_text(text)
+    assert Level.from_text("#####\n#POX#\n#####").player == (1, 1)
+    for seed in range(20):
+        level, _ = generate_level(random.Random(seed), 7, 7, 2)
+        assert Level.from_text(level.render()) == level
+
+
 def test_unseeded_resets_follow_the_constructor_seed() -> None:
     a, b = SokobanEnv(seed=7), SokobanEnv(seed=7)
     assert [a.reset()[0] for _ in range(3)] == [b.reset()[0] for _ in range(3)]

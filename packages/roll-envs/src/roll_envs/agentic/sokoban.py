@@ -91,7 +91,25 @@ class Level:
                     players.append((r, c))
         if len(players) != 1 or len(boxes) != len(targets) or not boxes:
             raise ValueError(f"need one player and as many boxes as targets (>0): {len(players)}, {len(boxes)}")
+        _check_enclosed(rows, walls, players[0])
         return cls(max(map(len, rows)), len(rows), frozenset(walls), frozenset(targets), frozenset(boxes), players[0])
+
+
+def _check_enclosed(rows: list[str], walls: set[Pos], player: Pos) -> None:
+    """Refuse a level whose walls do not enclose the player: moves are unbounded, so an open edge (or a cell past a
+    shorter row's end) let the player and boxes walk off the grid (rendered nowhere, and the solver searched an
+    unbounded plane until its state limit)."""
+    seen, todo = {player}, [player]
+    while todo:
+        r, c = todo.pop()
+        if not (0 <= r < len(rows) and 0 <= c < len(rows[r])):
+            where = f"row {r}, column {c}"
+            raise ValueError(f"the level's walls do not enclose the player: it can leave the grid at {where}")
+        for d in DIRECTIONS.values():
+            nxt = _add((r, c), d)
+            if nxt not in walls and nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
 
 
 def _push(walls: frozenset[Pos], boxes: frozenset[Pos], player: Pos, move: str) -> tuple[Pos, frozenset[Pos]] | None:
