@@ -51,6 +51,14 @@ class _Engine:
         item[1].set_result(RequestOutput(request_id, item[0].prompt_ids, [], [], "abort"))
         return True
 
+    def finish(self, prompt: int) -> None:
+        """Finish the running requests of the group whose prompt is [prompt] (one token each)."""
+        with self.lock:
+            rids = [rid for rid, (req, _) in self.running.items() if req.prompt_ids[0] == prompt]
+            items = [self.running.pop(rid) for rid in rids]
+        for request, fut in items:
+            fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [7], [-0.5], "stop"))
+
     def serve(self) -> None:
         with self.lock:
             items, self.running, self.serving = list(self.running.values()), {}, True
@@ -160,3 +168,53 @@ def test_groups_dropped_as_stale_leave_no_routing_home_behind() -> None:
         assert len(pool._home) <= sched.in_flight() * sched.group_size == 4
     finally:
         driver.close()
+
+
+def _driver_of(engine: _Engine, sched: RolloutScheduler, timeout_s: float) -> AsyncRollout:
+    prompts = iter(range(10**6))
+    params = SamplingParams(max_new_tokens=4)
+    return AsyncRollout(engine, sched, lambda: ("p", [next(prompts)]), params, timeout_s=timeout_s)
+
+
+def test_a_take_that_times_out_gives_back_the_groups_it_had_taken() -> None:
+    """The wait for a batch's last group timed out: the complete groups taken meanwhile were lost (the trainer got
+    an exception, the scheduler no longer held them and booked them as trained), so a retried take waited for
+    groups that did not exist any more and timed out again. They are given back and the retry returns them."""
+    engine = _Engine()
+    sched = RolloutScheduler(batch_groups=2, group_size=1, max_new_tokens=4, async_ratio=0)
+    driver = _driver_of(engine, sched, timeout_s=0.3)
+    try:
+        driver.start()
+        _wait_running(engine, 2)  # groups 0 and 1 (prompts [0] and [1]): the whole budget at k = 0
+        engine.finish(0)
+        with pytest.raises(TimeoutError, match="1 of 2 groups complete"):
+            driver.take(2)
+        assert sched.complete() == 1 and list(sched.groups) == [0, 1] and not sched._taken
+        engine.finish(1)
+        driver.timeout_s = 10.0  # only the first wait is meant to time out
+        assert [g.gid for g in driver.take(2)] == [0, 1]
+    finally:
+        driver.close()
+
+
+def test_a_batch_taken_over_several_waits_is_returned_oldest_first() -> None:
+    """Order "ready" takes the groups that complete first; a batch gathered over two waits came back with the
+    newer group first, though `take` promises the oldest first."""
+    engine = _Engine()
+    sched = RolloutScheduler(batch_groups=2, group_size=1, max_new_tokens=4, async_ratio=0, order="ready")
+    driver = _driver_of(engine, sched, timeout_s=10)
+    got: list[list[int]] = []
+    try:
+        driver.start()
+        _wait_running(engine, 2)
+        engine.finish(1)
+        trainer = threading.Thread(target=lambda: got.append([g.gid for g in driver.take(2)]))
+        trainer.start()
+        deadline = time.monotonic() + 5
+        while not sched._taken and time.monotonic() < deadline:  # group 1 taken, group 0 still running
+            time.sleep(0.002)
+        engine.finish(0)
+        trainer.join(5)
+    finally:
+        driver.close()
+    assert got == [[0, 1]]

@@ -324,3 +324,34 @@ def test_deadline_order_trains_every_group_by_its_deadline_in_batches_of_exactly
 def test_deadline_order_refuses_tail_groups() -> None:
     with pytest.raises(ValueError, match="order='deadline' waits"):
         RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=1, tail_groups=1, order="deadline")
+
+
+def test_an_episode_turn_after_an_empty_observation_is_not_counted_as_resumed() -> None:
+    """`resumed_requests` counts continuations of aborted requests; a turn after an empty observation (the last
+    segment is then the previous turn's) was counted as one, and a real resume after it still is."""
+    s = RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=20, async_ratio=0, partial_rollout=True)
+    [rid] = _fill(s, itertools.count())
+    s.on_result(rid, [10, 11], [-0.1, -0.2], "stop", final=False)
+    smp = s.groups[0].samples[0]
+    assert s.observe(smp, [], done=False) is None  # the environment answered with no token
+    s.submitted(smp, "turn2")
+    assert s.counters["resumed_requests"] == 0  # a new turn, not a continuation
+    s.on_result("turn2", [12], [-0.3], "abort", final=False)
+    s.submitted(smp, "turn2b")
+    assert s.counters["resumed_requests"] == 1
+    s.on_result("turn2b", [13], [-0.4], "stop", final=False)
+    assert s.observe(smp, [], done=True) is s.groups[0] and smp.tokens == [10, 11, 12, 13]
+
+
+def test_untake_puts_groups_back_in_start_order_and_refuses_others() -> None:
+    s = RolloutScheduler(batch_groups=3, group_size=1, max_new_tokens=4, async_ratio=0)
+    _finish(s, _fill(s, itertools.count()))
+    first = s.take(2)
+    assert [g.gid for g in first] == [0, 1] and list(s.groups) == [2]
+    s.untake(first)
+    assert list(s.groups) == [0, 1, 2] and s.complete() == 3
+    with pytest.raises(ValueError, match="were not taken"):
+        s.untake(first)
+    assert [g.gid for g in s.take(3)] == [0, 1, 2]
+    s.finish_update()
+    assert s.capacity() == 3  # a full batch: no short batch booked against the budget

@@ -3,8 +3,9 @@
 Contract: after `start()`, a daemon thread keeps the scheduler's budget filled (new groups from `next_group`:
 (payload, prompt ids) or (payload, prompt ids, the prompt's pictures as MMInputs)), submits every pending sample
 as one request (`infer.submit_request`, with the group's pictures) and records finished requests. The trainer's
-thread calls `take(n)` (blocks until n complete groups within the staleness bound exist, or `timeout_s` passes),
-and brackets every weight sync with `begin_update()` / `finish_update()`: with partial rollout the running
+thread calls `take(n)` (blocks until n complete groups within the staleness bound exist, or `timeout_s` passes;
+a `take` that raises gives the groups it had taken back to the scheduler, for the next `take`), and brackets
+every weight sync with `begin_update()` / `finish_update()`: with partial rollout the running
 requests are aborted first and their prefixes resumed under the new weights; groups that became too stale are
 aborted and never returned. A failure in the thread (engine error) is raised in the trainer's next call, never
 swallowed. An abort the engine made on its own resumes the sample (preemption), but `max_idle_aborts` of them in
@@ -89,22 +90,30 @@ class AsyncRollout:
 
     # ---- the trainer's side -------------------------------------------------------------------------------
     def take(self, n: int) -> list[GroupState]:
-        """n complete groups within the staleness bound, oldest first (blocks until they exist)."""
+        """n complete groups within the staleness bound, oldest first (blocks until they exist). If it raises
+        (timeout, failure, close), the groups it had taken go back to the scheduler: a later `take` returns them."""
         self.start()
         deadline = time.monotonic() + self.timeout_s
         out: list[GroupState] = []
         with self._cv:
-            while True:
-                self._raise()
-                out += self.sched.take(n - len(out))
-                if len(out) >= n:
-                    return out
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"async rollout: {len(out)} of {n} groups complete after {self.timeout_s}s "
-                        f"({self.sched.in_flight()} running)"
-                    )
-                self._cv.wait(0.5)
+            try:
+                while True:
+                    self._raise()
+                    out += self.sched.take(n - len(out))
+                    if len(out) >= n:
+                        # Taken over several waits, orders "ready" and "deadline" return later groups first.
+                        return sorted(out, key=lambda g: g.gid)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"async rollout: {len(out)} of {n} groups complete after {self.timeout_s}s "
+                            f"({self.sched.in_flight()} running)"
+                        )
+                    self._cv.wait(0.5)
+            except BaseException:
+                # Taken, never returned: lost for good (no batch trained them, yet the budget booked them as
+                # trained), and a trainer that retried after a timeout waited for groups that no longer existed.
+                self.sched.untake(out)
+                raise
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:

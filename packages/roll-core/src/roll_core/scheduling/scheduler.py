@@ -106,6 +106,7 @@ class SampleState:
     request_id: str | None = None  # the request running now
     submitted_version: int = 0  # version current when the latest request was submitted
     awaiting_env: bool = False  # a turn finished; the environment's observation is due (`observe`)
+    aborted: bool = False  # its latest request was aborted: the next one continues it (a resume, if it has a prefix)
 
     @property
     def tokens(self) -> list[int]:
@@ -250,8 +251,11 @@ class RolloutScheduler:
     def submitted(self, sample: SampleState, request_id: str) -> None:
         self._pending.pop((sample.group.gid, sample.index), None)
         sample.request_id, sample.submitted_version = request_id, self.version
-        if sample.segments and sample.segments[-1].generated:  # a continuation, not an episode's next turn
+        # A continuation of an aborted request's generated prefix; an episode's next turn is a new request, also
+        # when the environment's observation before it was empty (the last segment is then the previous turn's).
+        if sample.aborted and sample.segments and sample.segments[-1].generated:
             self.counters["resumed_requests"] += 1
+        sample.aborted = False
         self.by_request[request_id] = sample
 
     # ---- results ------------------------------------------------------------------------------------------
@@ -272,6 +276,7 @@ class RolloutScheduler:
         used_up = len(s.tokens) >= self.max_new
         if finish == "abort" and not used_up:
             # Aborted by us for a weight update, or by the engine (preemption): resume with the prefix kept.
+            s.aborted = True
             self._pending[(s.group.gid, s.index)] = s
             return None
         if not final and not used_up:
@@ -364,6 +369,21 @@ class RolloutScheduler:
         self._complete -= 1
         self._taken.add(g.gid)
         out.append(g)
+
+    def untake(self, groups: list[GroupState]) -> None:
+        """Groups `take` returned at this version that will not be trained after all (the caller's wait for the rest
+        of its batch timed out): back among the complete groups not yet taken, in start order, so the next `take`
+        returns them (staleness checked anew) and a batch that ends without them counts as short (budget)."""
+        wrong = [g.gid for g in groups if g.gid not in self._taken]
+        if wrong:
+            raise ValueError(f"groups {wrong} were not taken at version {self.version}: only those can be untaken")
+        for g in groups:
+            self._taken.discard(g.gid)
+            self.groups[g.gid] = g
+            self._complete += 1
+        ordered = sorted(self.groups.items())  # gids are in start order
+        self.groups.clear()
+        self.groups.update(ordered)
 
     def due(self) -> int:
         """Groups not yet taken whose deadline (admission version + k) has come: order "deadline" must train
