@@ -7,7 +7,9 @@ Row forms (`detect_format` picks one per file from its columns, or `data.format`
   system / user / tool messages are context.
 - `prompt_completion`: `{"prompt": str | messages, "completion": str | messages}` (TRL's standard and
   conversational forms). Text with `data.chat_template=true` becomes a user message and an assistant message;
-  with false, the prompt's ids (the tokenizer's special tokens added, e.g. bos) then the completion's ids and eos.
+  with false, the prompt's ids (the tokenizer's leading special tokens added, e.g. bos, unless the text already
+  starts with them; none after it) then the completion's ids (`encode_after` the prompt) and eos (unless the text
+  already ends with it).
   Message lists always go through the chat template; only the completion's assistant messages are trained.
 - `tokens`: `{"prompt_ids": [...], "response_ids": [...], "response_mask"?: [...]}` (rollout-only output): no
   re-tokenisation; the ids must be in the vocabulary.
@@ -15,7 +17,8 @@ Row forms (`detect_format` picks one per file from its columns, or `data.format`
 Chat layout (the same an agentic RL trajectory has, so SFT trains exactly what sampling produces): the prompt is
 `TurnTemplate.initial_messages` of the messages before the first trained assistant turn; each assistant turn is
 its rendered text (the template's rendering of that turn as the conversation's last message, minus the turn's
-closing: Qwen3's `<think>` block kept, Llama 3's trimming applied) encoded on its own, plus the end-of-turn token
+closing: Qwen3's `<think>` block kept, Llama 3's trimming applied) encoded after the rendered conversation before it
+(`encode_after`), plus the end-of-turn token
 (the template's end-of-turn special token, else the tokenizer's eos: what sampling stops on and the model must
 learn to emit); between turns, `TurnTemplate.continuation` (the rest of the closing, the next messages, the next
 generation header) with mask 0, and between two assistant turns in a row the first's closing and the next one's
@@ -26,6 +29,11 @@ trained one are context (mask 0); messages after the last trained turn are dropp
 that is blank (empty or whitespace text, no tool calls) is skipped (`empty`), whatever the template renders for it
 (ChatML a bare end-of-turn token, Qwen3 an empty think block): the model would learn to end its turn without
 answering; so is blank text of a prompt, completion or preference response.
+
+Ids after a context (`encode_after`): text is tokenised together with the text before it and the context's own ids
+are taken off, when they are a prefix of the whole's (else, where BPE merges across the boundary, on its own: the ids
+a model samples after the context's ids). Encoded on its own, a SentencePiece tokenizer prefixes a space to every
+piece ("▁" before " It is 4": a token the text does not have, that the model would learn to emit first).
 
 Length: a prompt longer than `max_prompt_length` is skipped (`prompt_too_long`); a response region longer than
 `max_response_length` is cut (`TokenRow.truncated`), or skipped (`response_too_long`) when `data.truncate=false`.
@@ -217,7 +225,7 @@ class ChatEncoder:
                 "it renders would teach the model to answer without it. Use a template that keeps it (Qwen3's "
                 "keeps the last turn's), or rows without it",
             )
-        return [*self.turns.encode(text), self.end_id]
+        return [*encode_after(self.tokenizer, before, text), self.end_id]
 
     def encode(
         self, messages: list[dict[str, Any]], trained: list[bool], tools: Any = None
@@ -270,6 +278,30 @@ class ChatEncoder:
 
 
 # ---- SFT rows ---------------------------------------------------------------------------------------------------
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return [int(x) for x in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def encode_after(tokenizer: Any, context: str, text: str) -> list[int]:
+    """Ids of `text` where it follows `context` (no special tokens added; see the module doc): those of
+    `context + text` after `context`'s own ids when these are a prefix of them, else `text`'s own ids."""
+    head = _encode(tokenizer, context)
+    whole = _encode(tokenizer, context + text)
+    if len(whole) > len(head) and whole[: len(head)] == head:
+        return whole[len(head) :]
+    return _encode(tokenizer, text)
+
+
+def _leading_specials(with_specials: list[int], text_ids: list[int]) -> list[int] | None:
+    """The ids a tokenizer puts before a text's ids when it adds its special tokens (bos): those before the text's
+    ids inside the ids with special tokens (None when they are not there whole)."""
+    n = len(text_ids)
+    for start in range(len(with_specials) - n + 1):
+        if with_specials[start : start + n] == text_ids:
+            return with_specials[:start]
+    return None
+
+
 def _kept(content: str, rendered: str) -> bool:
     """Whether an assistant message's text survives its rendering: the reasoning of a `<think>...</think>` block and
     the answer after it each appear (templates may re-space them), or the stripped content does."""
@@ -328,7 +360,10 @@ class SFTTokenizer:
             mask = [1] * len(response)
             if row.get(cfg.response_mask_key) is not None:
                 mask = row[cfg.response_mask_key]
-                if not isinstance(mask, (list, tuple)) or len(mask) != len(response) or set(mask) - {0, 1}:
+                bits = isinstance(mask, (list, tuple)) and all(
+                    isinstance(m, (int, float)) and m in (0, 1) for m in mask
+                )
+                if not bits or len(mask) != len(response):  # nested lists too (a set of them raised TypeError)
                     raise SkipRow(
                         "bad_mask", f"{cfg.response_mask_key!r} must be 0/1, one per response id ({len(response)})"
                     )
@@ -360,12 +395,25 @@ class SFTTokenizer:
         return TokenRow(prompt, response, mask, key=json.dumps(prompt))
 
     def raw_text(self, prompt: str, completion: str) -> TokenRow:
-        """Text without a template: the prompt's ids (special tokens added), the completion's ids, then eos."""
+        """Text without a template: the tokenizer's leading special tokens (bos) and the prompt's ids, then the
+        completion's ids as they follow the prompt, then eos (see the module doc)."""
         tok = self.tokenizer
         if tok.eos_token_id is None:
             raise ConfigError("data.chat_template=false needs a tokenizer with an eos token to end each completion")
-        prompt_ids = list(tok(prompt, add_special_tokens=True)["input_ids"])
-        response = [*tok(completion, add_special_tokens=False)["input_ids"], int(tok.eos_token_id)]
+        eos = int(tok.eos_token_id)
+        text_ids = _encode(tok, prompt)
+        with_specials = list(tok(prompt, add_special_tokens=True)["input_ids"])
+        lead = _leading_specials(with_specials, text_ids)
+        if lead is None:  # a post-processor that rewrites the text's ids: take what it gives
+            prompt_ids = with_specials
+        else:
+            if text_ids[: len(lead)] == lead:
+                lead = []  # text pre-rendered with its bos: a second one is input the model never saw in training
+            # only the leading ones: a post-processor that appends eos (add_eos_token) ended the prompt with eos
+            prompt_ids = [*lead, *text_ids]
+        response = encode_after(tok, prompt, completion)
+        if not response or response[-1] != eos:  # a completion whose text ends with eos is not ended twice
+            response.append(eos)
         return TokenRow(prompt_ids, response, [1] * len(response), key=json.dumps(prompt_ids))
 
     def limit(self, row: TokenRow) -> TokenRow:
