@@ -173,11 +173,13 @@ def test_the_reported_learning_rate_is_hfs_step_for_step() -> None:
         ),
         ({"attention_bias": True}, "attention_bias=true"),
         ({"mlp_bias": True}, "mlp_bias=true"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ],
 )
 def test_what_the_mapping_cannot_carry_is_refused(change: dict, message: str) -> None:
-    """Llama 3.1's scaled RoPE (log-prob gaps of 1e-2 at position 3000 against hf) and o_proj / MLP biases (dropped
-    on load: gaps of 0.4-0.6, untrained, missing from exports) are refused, not silently approximated."""
+    """Llama 3.1's scaled RoPE (log-prob gaps of 1e-2 at position 3000 against hf), o_proj / MLP biases (dropped
+    on load: gaps of 0.4-0.6, untrained, missing from exports) and an MLP activation other than SiLU (Megatron's
+    is always SwiGLU) are refused, not silently approximated."""
     from transformers import LlamaConfig
 
     from roll_engines.train.megatron._convert import check_supported
@@ -211,4 +213,24 @@ def test_a_checkpoint_tensor_the_mapping_does_not_carry_is_refused(tmp_path: Pat
     tensors["model.layers.0.mlp.down_proj.bias"] = torch.zeros(tensors["model.norm.weight"].shape)
     save_file(tensors, weights, metadata={"format": "pt"})
     with pytest.raises(RuntimeError, match=r"1 tensors roll's Megatron mapping does not carry .*down_proj\.bias"):
+        MegatronTrainEngine(str(folder), dist_backend="gloo", use_distributed_optimizer=False)
+
+
+def test_an_untied_checkpoint_without_lm_head_is_refused(tmp_path: Path) -> None:
+    """tie_word_embeddings=false and no lm_head.weight in the files: transformers starts that lm_head at random;
+    the engine used the input embeddings in its place, silently another model than hf's and vLLM's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from roll_core.models import resolve_model_path
+    from roll_engines.train.megatron import MegatronTrainEngine
+
+    folder = tmp_path / "model"
+    shutil.copytree(resolve_model_path("builtin:tiny"), folder)
+    (weights,) = folder.glob("*.safetensors")
+    tensors = load_file(weights)
+    del tensors["lm_head.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match=r"no lm_head\.weight and its config does not tie it"):
         MegatronTrainEngine(str(folder), dist_backend="gloo", use_distributed_optimizer=False)

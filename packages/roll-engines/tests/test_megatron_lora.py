@@ -184,3 +184,26 @@ def test_lm_head_of_a_tied_model_is_refused(path: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="ties to its input embeddings"):
         _megatron(str(tmp_path / "tied"), lora_target_modules=WITH_HEAD, **LORA)
     _megatron(str(tmp_path / "tied"), **LORA)  # the decoder's projections alone are fine
+
+
+def test_an_adapter_this_run_cannot_carry_whole_is_refused(path: str, tmp_path: Path) -> None:
+    """An all-linear adapter loaded with fewer targets lost its MLP adapters silently (the loaded policy was not
+    the saved one; a resume then failed only on the optimizer state, with a KeyError); an adapter whose peft
+    options change its output (rsLoRA's alpha / sqrt(r)) loaded as alpha / r. Both are refused, and the refused
+    load leaves the engine's adapters as they were."""
+    import json
+
+    from roll_engines.train.megatron._lora import load_adapter, wrappers
+
+    saved = _megatron(path, **LORA)
+    _randomise_adapters(saved)
+    saved.save(tmp_path / "ckpt", path)
+    fewer = _megatron(path, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], **LORA)
+    before = {n: m.lora_a.detach().clone() for n, m in wrappers(fewer.model)}
+    with pytest.raises(ValueError, match=r"adapts 12 tensors this run does not target .*mlp\.down_proj"):
+        load_adapter(fewer.model, fewer.hf_config, tmp_path / "ckpt" / "adapter", 4, 8.0)
+    assert all(torch.equal(m.lora_a, before[n]) for n, m in wrappers(fewer.model))
+    config = tmp_path / "ckpt" / "adapter" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "use_rslora": True}))
+    with pytest.raises(ValueError, match=r"uses \{'use_rslora': True\}"):
+        load_adapter(saved.model, saved.hf_config, tmp_path / "ckpt" / "adapter", 4, 8.0)

@@ -40,7 +40,8 @@ Context parallelism swaps the spec's attention for roll's all-gather one (_conte
 
 QKV is interleaved per KV group (the group's q heads, then its k head, then its v head); a TP rank holds a
 contiguous block of groups, so the KV head count must be a multiple of TP. The vocabulary is padded with zero rows
-to a multiple of TP; the padded logits are masked before any softmax.
+to a multiple of TP; the padded logits are masked before any softmax. The embeddings (and lm_head) must have
+`vocab_size` rows, and an untied config needs its lm_head in the checkpoint.
 """
 
 from __future__ import annotations
@@ -116,6 +117,13 @@ def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1, sequence_para
         raise ValueError(
             f"this {kind} model scales its rotary embeddings (rope_type={rope_type!r}), which roll's Megatron "
             "mapping does not: train it with train_engine=hf or fsdp2"
+        )
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        # transformer_config builds SwiGLU (silu): any other activation would give wrong log-probs, silently
+        raise ValueError(
+            f"this {kind} model's MLP activation is hidden_act={act!r}; roll's Megatron mapping builds SiLU (SwiGLU) "
+            "only: train it with train_engine=hf or fsdp2"
         )
     for flag, what in (("attention_bias", "o_proj"), ("mlp_bias", "MLP")):
         if getattr(hf_config, flag, False):
@@ -329,12 +337,21 @@ def split_dim(name: str) -> int | None:
 
 
 def hf_to_mcore(hf: dict[str, Tensor], cfg: Any, vocab: int) -> dict[str, Any]:
-    """Unsharded Megatron tensors (global layer indices); fc1 stays a (gate, up) pair until sharded."""
+    """Unsharded Megatron tensors (global layer indices); fc1 stays a (gate, up) pair until sharded. No
+    `output_layer.weight` when the checkpoint has no lm_head and the config does not tie it to the embeddings
+    (a critic's checkpoint: load_hf decides)."""
+    embed = hf["model.embed_tokens.weight"]
+    head = hf["lm_head.weight"] if "lm_head.weight" in hf else (embed if cfg.tie_word_embeddings else None)
+    for name, t in (("model.embed_tokens.weight", embed), ("lm_head.weight", head)):
+        # Zero rows padded onto a short matrix would be trained and exported as if they were the model's.
+        if t is not None and t.shape[0] != cfg.vocab_size:
+            raise ValueError(f"{name} has {t.shape[0]} rows; the config's vocab_size is {cfg.vocab_size}")
     out: dict[str, Any] = {
-        "embedding.word_embeddings.weight": pad_rows(hf["model.embed_tokens.weight"], vocab),
-        "output_layer.weight": pad_rows(hf.get("lm_head.weight", hf["model.embed_tokens.weight"]), vocab),
+        "embedding.word_embeddings.weight": pad_rows(embed, vocab),
         "decoder.final_layernorm.weight": hf["model.norm.weight"],
     }
+    if head is not None:
+        out["output_layer.weight"] = pad_rows(head, vocab)
     for i in range(cfg.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         a = h + "self_attn."
@@ -433,7 +450,13 @@ def load_hf(model: Any, hf: dict[str, Tensor], cfg: Any, head: dict[str, Tensor]
             f"{' ...' if len(unread) > 4 else ''}): train this model with train_engine=hf or fsdp2"
         )
     if cfg.tie_word_embeddings or head is not None:
-        full.pop("output_layer.weight")
+        full.pop("output_layer.weight", None)
+    elif "output_layer.weight" not in full:
+        # transformers would start such an lm_head at random: the embeddings in its place are another model
+        raise RuntimeError(
+            "the checkpoint has no lm_head.weight and its config does not tie it to the embeddings "
+            "(tie_word_embeddings=false): the output layer has no weights to load"
+        )
     mine = shard(
         full,
         ps.get_tensor_model_parallel_rank(),

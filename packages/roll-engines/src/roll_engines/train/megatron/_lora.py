@@ -26,6 +26,8 @@ the padding rows get no gradient (their logits are masked) and are dropped on ex
 
 Checkpoints: the base layer's entries keep their own keys (Megatron's MLP and LanguageModule post-process them by
 name: the swiglu split of linear_fc1, the output layer's padded shape); the adapters are `<layer>.lora_a/lora_b`.
+A peft adapter loads only whole: one that adapts a layer this run does not target, or uses an option these
+wrappers do not compute (rsLoRA, DoRA, per-layer ranks, biases), is refused rather than loaded in part.
 
 Megatron fuses q/k/v (and gate/up) in one layer, so one A serves the three (two) HF projections: targets list all
 of a fused group or none, and the exported peft adapter repeats A for each, with B split like the fused weight.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -320,15 +323,23 @@ def load_adapter(model: Any, hf_config: Any, folder: Path, rank: int, alpha: flo
             f"{folder}: adapter r={saved.get('r')}, lora_alpha={saved.get('lora_alpha')}; this run has "
             f"lora_rank={rank}, lora_alpha={alpha}"
         )
+    # peft options that change what an adapter computes, which these wrappers (alpha / r, one A per fused layer,
+    # no bias) do not: loaded anyway they would give another model, silently
+    other = {k: saved[k] for k in _UNSUPPORTED if saved.get(k) not in (None, False, {}, "none")}
+    if other:
+        raise ValueError(f"{folder}: the adapter uses {other}, which train_engine=megatron's LoRA does not")
     state = load_file(str(folder / "adapter_model.safetensors"))
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     offset = get_transformer_layer_offset(model.config)
+    used: set[str] = set()
 
     def get(key: str) -> Tensor:
         if key not in state:
             raise KeyError(f"{folder}: the adapter has no {key} (it adapts other layers than this run's targets)")
+        used.add(key)
         return state[key]
 
+    loads = []  # (wrapper, A, B): checked whole before any is copied (a refused load leaves the model as it was)
     for prefix, m in wrappers(model):
         parent, hf, _ = LAYERS[prefix.rsplit(".", 1)[-1]]
         if parent is None:  # the output layer: B's rows padded to the vocabulary Megatron holds
@@ -349,11 +360,35 @@ def load_adapter(model: Any, hf_config: Any, folder: Path, rank: int, alpha: flo
             a, b = a_parts[0], C.qkv_to_mcore(*b_parts, hf_config).chunk(tp, 0)[tp_rank]
         else:
             a, b = a_parts[0], torch.cat([x.chunk(tp, 0)[tp_rank] for x in b_parts])
-        with torch.no_grad():
-            for p, v in ((m.lora_a, a), (m.lora_b, b)):
-                if p.shape != v.shape:
-                    raise RuntimeError(f"{prefix}: adapter shape {tuple(v.shape)} vs this layer's {tuple(p.shape)}")
-                p.copy_(v)
+        for p, v in ((m.lora_a, a), (m.lora_b, b)):
+            if p.shape != v.shape:
+                raise RuntimeError(f"{prefix}: adapter shape {tuple(v.shape)} vs this layer's {tuple(p.shape)}")
+        loads.append((m, a, b))
+    # Adapters of this stage's layers that no wrapper took (the adapter targets more than this run does) would
+    # be dropped: the loaded model would not be the saved one.
+    layers = range(offset, offset + len(model.decoder.layers))
+    left = sorted(k for k in set(state) - used if _stage_key(k, layers, model.post_process))
+    if left:
+        raise ValueError(
+            f"{folder}: the adapter adapts {len(left)} tensors this run does not target ({left[:4]}"
+            f"{' ...' if len(left) > 4 else ''}): set train_engine.lora_target_modules to the adapter's "
+            f"{saved.get('target_modules')}"
+        )
+    with torch.no_grad():
+        for m, a, b in loads:
+            m.lora_a.copy_(a)
+            m.lora_b.copy_(b)
+
+
+_UNSUPPORTED = ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern", "bias", "lora_bias", "layers_to_transform")
+
+
+def _stage_key(key: str, layers: range, last: bool) -> bool:
+    """Whether a peft adapter key belongs to this pipeline stage (its decoder `layers`, lm_head on the last)."""
+    found = re.match(rf"{re.escape(PEFT)}model\.layers\.(\d+)\.", key)
+    if found:
+        return int(found.group(1)) in layers
+    return last
 
 
 def fused_gradients(peft_grads: dict[str, Tensor]) -> dict[str, Tensor]:
