@@ -654,7 +654,7 @@ def test_a_turn_the_engine_aborts_on_its_own_is_resumed_and_a_refusal_is_a_503(t
     """The engine's own abort (preemption) ended the session's trajectory (`abort`) and answered 410 session_closed
     to an agent whose session was open, which then failed as if it had erred. The turn is resumed from its partial
     output within its budget; an engine that aborts every time without a token gets HTTP 503 engine_aborted, the
-    session unchanged and still open."""
+    conversation unchanged and the session still open."""
     from roll_core.agentic.agent_sessions import ChatTurn, SessionError
 
     hi = ChatTurn(messages=[{"role": "user", "content": "hi"}])
@@ -679,4 +679,6 @@ def test_a_turn_the_engine_aborts_on_its_own_is_resumed_and_a_refusal_is_a_503(t
         sessions.chat("r", hi)
     assert (err.value.status, err.value.code, len(refusing.requests)) == (503, "engine_aborted", MAX_IDLE_ABORTS)
     session = sessions.get("r")
-    assert (session.traj.turns, session.traj.end, session.closed) == (0, "", False)
+    # The conversation is unchanged and the session open; the trajectory ends there, untrained, unless a turn follows
+    # (test_openai_server_refusals.py).
+    assert (session.traj.turns, session.traj.end, session.traj.untrained, session.closed) == (0, "abort", True, False)

@@ -39,12 +39,17 @@ turns the agent had seen, or a 400 it could not recover from.) An episode gets a
 
 A turn request the engine aborts on its own (preemption) is resumed from the tokens it generated, within the turn's
 budget (counted in `resumed`), so the agent never sees an engine's abort as the end of its session; one the engine
-aborts `MAX_IDLE_ABORTS` times in a row without a token is refused with HTTP 503 (`engine_aborted`), the session
-unchanged.
+aborts `MAX_IDLE_ABORTS` times in a row without a token is refused with HTTP 503 (`engine_aborted`), the
+conversation unchanged. Until a later turn is sampled the trajectory is marked ended there (`end` "abort") and
+`untrained` (roll_core.agentic.trajectory.to_tensors masks it out): an agent that gives up on the refusal fails
+through no fault of the policy, and scoring its turns with the failure reward trained the engine's refusal as the
+policy's failure. A template that cannot render a request's messages (its own `raise_exception`) is the request's
+fault: HTTP 400 `invalid_message`, not a 500 the client retries.
 
 A session that was closed (its episode timed out or ended) answers HTTP 410 (`session_closed`) to its agent's later
 requests, a reward report included; `AgentSessions` remembers the last `CLOSED_KEPT` closed ids for that (an id
-older than that is unknown: 404).
+older than that is unknown: 404). `AgentSessions.abort_all` (the server's close) ends every open session's request
+in flight and refuses their later requests (410), leaving them for their episodes to `close`.
 
 Thread-safety: one request per session at a time (a second concurrent one gets HTTP 409, unless it is a retry of
 the one running, which waits for it); sessions are independent.
@@ -206,6 +211,15 @@ def _json_value(text: str) -> str:
         return text
 
 
+def _template_errors() -> tuple[type[BaseException], ...]:
+    """What a chat template raises for messages it refuses (jinja comes with the tokenizer's chat templates)."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:
+        return ()
+    return (TemplateError,)
+
+
 def template_message(msg: dict[str, Any]) -> dict[str, Any]:
     """A normalised message as chat templates take it (tool-call arguments as objects, content a string)."""
     out = {k: v for k, v in msg.items() if k != "tool_calls"}
@@ -294,8 +308,12 @@ class AgentSession:
             raise SessionError(400, "invalid_message", "messages must not be empty")
         try:
             prompt = self.template.initial_messages([template_message(m) for m in turn.messages], tools=turn.tools)
-        except ValueError as exc:
-            raise SessionError(400, "invalid_message", f"session {self.sid}: {exc}") from exc
+        except Exception as exc:
+            # The template refusing these messages (jinja's raise_exception, e.g. "roles must alternate") is the
+            # request's fault: it was a 500 that clients retry, and a server error in the log.
+            if not isinstance(exc, (ValueError, *_template_errors())):
+                raise
+            raise SessionError(400, "invalid_message", f"session {self.sid}: {type(exc).__name__}: {exc}") from exc
         return list(prompt), [], n > 0
 
     def record(
@@ -328,12 +346,16 @@ class AgentSession:
         self.traj.tool_calls += len(message.get("tool_calls", []))
         self.traj.texts.append(message.get("content") or "")
         self.traj.versions.append(0)
-        # A context-limit refusal the agent recovered from (it sent a request that fits) did not end the trajectory.
-        self.traj.end = ""
+        # A context-limit refusal or an engine refusal (503) the agent recovered from did not end the trajectory.
+        self.traj.end, self.traj.untrained = "", False
         self.messages = [*turn.messages, message]
         self.tools_key = json.dumps(turn.tools, sort_keys=True) if turn.tools else None
         self.last_ids = list(token_ids)
         self.requests += 1
+
+    def end_at(self, reason: str, *, untrained: bool = False) -> None:
+        """Mark the trajectory ended at a refused request (`reason`); `untrained` when the refusal was the engine's."""
+        self.traj.end, self.traj.untrained = reason, untrained
 
     def set_reward(self, value: Any) -> float:
         """The reward the agent program reports (a finite number; the last report wins)."""
@@ -412,6 +434,18 @@ class AgentSessions:
             self.infer.abort(rid)
         return session
 
+    def abort_all(self) -> None:
+        """End every open session's request in flight and refuse its later requests (410): the server is closing,
+        and a request left running held a worker thread until the engine answered (forever from a stopped engine, and
+        the interpreter joins those threads at exit). The sessions stay open for their episodes to `close`."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            session.closed = True
+            rid = session.request_id
+            if rid is not None:
+                self.infer.abort(rid)
+
     def chat(self, sid: str, turn: ChatTurn, *, retry: bool = False) -> Reply:
         """Sample the next assistant turn of session `sid` (blocking; call it off the event loop); a client's retry
         (`retry`) of the previous request gets its recorded reply (see the module docstring)."""
@@ -445,14 +479,14 @@ class AgentSessions:
             raise SessionError(410, "session_closed", f"session {s.sid} has ended (episode timeout or shutdown)")
         lim = s.limits
         if s.requests >= lim.max_turns:
-            s.traj.end = "max_turns"
+            s.end_at("max_turns")
             raise SessionError(
                 400, "max_turns_exceeded", f"session {s.sid}: the episode's {lim.max_turns} turns are used"
             )
         context, added, restart = s.context_for(turn)
         room = lim.max_context_length - len(context)
         if room < 1:
-            s.traj.end = "max_context"
+            s.end_at("max_context")
             raise SessionError(
                 400,
                 "context_length_exceeded",
@@ -472,12 +506,14 @@ class AgentSessions:
             changes["structured"] = turn.structured
         token_ids, logprobs, finish = self._generate(s, context, base.replace(**changes))
         if finish == "prompt_too_long":
-            s.traj.end = "max_context"
+            s.end_at("max_context")
             raise SessionError(400, "context_length_exceeded", f"session {s.sid}: the engine's context is full")
         if s.closed:
-            s.traj.end = "abort"
+            s.end_at("abort")
             raise SessionError(410, "session_closed", f"session {s.sid} ended while its request ran")
         if finish == "abort":  # the engine refused the request (see `_generate`): the agent may try again
+            # Not the policy's failure: untrained unless a later turn is sampled (see the module docstring).
+            s.end_at("abort", untrained=True)
             raise SessionError(
                 503,
                 "engine_aborted",

@@ -19,8 +19,10 @@ format:
 - A client's retry (header `x-stainless-retry-count` >= 1, as the openai clients send it) of the previous request
   gets the reply recorded for it again; any other request is sampled (roll_core.agentic.agent_sessions).
 - Sampling follows the run (infer_engine.temperature, top_p, top_k): the trainer's ratio assumes that distribution,
-  so a request's temperature / top_p / seed are ignored; what would change the distribution the trainer replays
-  (presence / frequency penalties, logit_bias, logprobs, n > 1, tool_choice other than auto / none) is refused.
+  so a request's temperature / top_p / seed are ignored (but must be what OpenAI takes: numbers in range, else
+  400); what would change the distribution the trainer replays (presence / frequency penalties, logit_bias,
+  logprobs, n > 1, tool_choice other than auto / none) is refused, as are the legacy `functions` (the model would
+  never see them: use `tools`).
 - A message's `content` is a string or a list of text parts, joined by newlines as vLLM's OpenAI server joins them
   (roll_core.agentic.agent_sessions.normalise_message); other parts (images, audio) are refused.
 - `max_completion_tokens` (else `max_tokens`) and `stop` are honoured within the session's limits.
@@ -35,6 +37,7 @@ format:
   generated first, then sent as a role/content chunk, a tool-calls chunk and a final chunk, then `data: [DONE]`;
   with `stream_options.include_usage` a usage chunk precedes it). A client that leaves before the stream is sent
   does not undo the turn: it stays recorded, and the client's retry gets it.
+- `close()` ends the requests in flight (roll_core.agentic.agent_sessions.AgentSessions.abort_all) before it stops.
 """
 
 from __future__ import annotations
@@ -153,7 +156,15 @@ _REFUSED = {
     "logit_bias": "logit_bias (it changes the sampled distribution the trainer replays)",
     "presence_penalty": "presence_penalty (it changes the sampled distribution the trainer replays)",
     "frequency_penalty": "frequency_penalty (it changes the sampled distribution the trainer replays)",
+    # Legacy function calling: the functions went nowhere (the model never saw them, the agent got plain text).
+    "functions": "the legacy functions field (send them as tools)",
 }
+#: Sampling fields a request may send but the run decides (see the module docstring): checked as OpenAI checks them.
+_IGNORED_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def chat_turn(body: Any) -> ChatTurn:
@@ -166,15 +177,31 @@ def chat_turn(body: Any) -> ChatTurn:
     for key, what in _REFUSED.items():
         if body.get(key):
             raise SessionError(400, "unsupported_parameter", f"{key}: this endpoint does not support {what}")
-    if body.get("n") not in (None, 1):
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
         raise SessionError(400, "unsupported_parameter", "n: one choice per request (one episode, one trajectory)")
+    # Ignored, yet a malformed value is a malformed request: it was answered 200 (OpenAI answers 400).
+    for key, (low, high) in _IGNORED_RANGES.items():
+        value = body.get(key)
+        if value is not None and not (_number(value) and low <= value <= high):
+            raise SessionError(400, "invalid_parameter", f"{key}={value!r} must be a number in [{low:g}, {high:g}]")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise SessionError(400, "invalid_parameter", f"seed={seed!r} must be an integer")
     tools = body.get("tools")
     if tools is not None:
         ok = isinstance(tools, list) and all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict) for t in tools
+            isinstance(t, dict)
+            and t.get("type") == "function"
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+            and t["function"]["name"]
+            for t in tools
         )
-        if not ok:
-            raise SessionError(400, "invalid_tools", 'tools must be a list of {"type": "function", "function": {...}}')
+        if not ok:  # a function without a name reached the template, and the model was offered a tool it cannot call
+            raise SessionError(
+                400, "invalid_tools", 'tools must be a list of {"type": "function", "function": {"name": ...}}'
+            )
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
         raise SessionError(400, "unsupported_parameter", f"tool_choice={choice!r}: only auto and none are supported")
@@ -336,7 +363,10 @@ class OpenAIServer:
         self.url = f"http://{self.host}:{port}"
 
     def close(self) -> None:
-        """Stop serving (requests in flight are cut) and the worker threads."""
+        """Stop serving (requests in flight are aborted and refused) and the worker threads."""
+        # A request in flight held its worker thread (and the loop's shutdown, 10 s) until the engine answered; from
+        # a stopped engine never, and the interpreter joins the pool's threads at exit: the process hung there.
+        self.sessions.abort_all()
         if self._loop is not None and self._thread is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
@@ -450,7 +480,7 @@ async def _json(request: Any) -> Any:
 
     try:
         return await request.json()
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # deep nesting was a 500 with a traceback, which clients retry
         raise SessionError(400, "invalid_json", f"the request body is not JSON: {exc}") from exc
     except web.HTTPRequestEntityTooLarge as exc:  # no ValueError: it was a 500 with a traceback, which clients retry
         raise SessionError(413, "request_too_large", f"the request body is too large: {exc.text}") from exc
