@@ -17,7 +17,8 @@ info["tool_calls"] is the number of tool calls *made in this step* (0 or 1; roll
 info["tool_calls_total"] the episode's count so far. info["state"] is the wrapped environment's state plus the tool
 calls made so far (what the model knows differs after a call).
 
-`QAEnv` turns one question/answer pair, or a roll task's problems, into a one-answer environment; `ToolMathEnv` is
+`QAEnv` turns one question/answer pair, or a roll task's problems, into a one-answer environment (with the task's
+reward, the reward alone decides what is an answer and whether it is right; see QAEnv); `ToolMathEnv` is
 a seeded multi-step arithmetic question answered with `\\boxed{N}`, with a calculator: reward 1 if correct, 0
 otherwise; the episode terminates at the first numeric answer.
 """
@@ -29,7 +30,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from roll_envs.agentic.base import Outcome, TextEnv, echo, trim_action
+from roll_core.interfaces.tasks import reward_kwargs
+from roll_envs.agentic.base import Outcome, TextEnv, echo, extract_action, trim_action
 from roll_envs.agentic.tools import Calculator, Tool, get_tool
 from roll_envs.numeric import numbers_equal
 
@@ -49,13 +51,33 @@ def _same_answer(given: str, answer: str) -> bool:
         return " ".join(g.lower().split()) == " ".join(a.lower().split())
 
 
+def _reads_boxes(reward: Any) -> bool:
+    """Whether `reward`'s answer is its last `\\boxed{}`: it reads `\\boxed{42}` and finds nothing in a bare `42`."""
+    read = getattr(reward, "extract_answer", None)
+    return callable(read) and read("\\boxed{42}") is not None and read("42") is None
+
+
 class QAEnv(TextEnv):
     """Answer a question: the first answer ends the episode with reward 1 if correct, else 0.
 
     `problems` are (question, answer) pairs or objects with `prompt` and `answer` (roll `Problem`s); the seed picks
-    one. With `reward` (a roll `Reward`), correctness is `reward.score([reply], [answer]).correct[0]` on the whole
-    reply; otherwise the action text (last box or last line) is compared with the answer (numbers as numbers).
-    When the answer is a number, a reply without a number is invalid rather than wrong.
+    one. Who decides, with or without a task reward:
+
+    - Without `reward`, the environment's own reading: the action text (last box, else last line; see
+      roll_envs.agentic.base) is compared with the answer (`_same_answer`: numbers as numbers). When the answer is
+      a number, a reply without a number is invalid rather than wrong.
+    - With `reward` (a roll `Reward`), the reward alone decides what counts as an answer and whether it is correct,
+      so the episode's reward is what the task's reward gives the same reply (the env's reading used to disagree:
+      an unboxed `167` passed the env's check and MathReward scored it 0; `\\boxed{1000 dollars}` was invalid).
+      The reply has an answer when the reward's `extract_answer(reply)` finds one (MathReward: the last non-empty
+      `\\boxed{}`; an answer of only wrapping or empty boxes, `\\boxed{\\boxed{}}`, is none); a reward without
+      `extract_answer` grades the whole reply, which then has an answer when it is not blank. A reply with an
+      answer ends the episode: correct is `reward.score([reply], [answer]).correct[0]` on the whole reply (with
+      `prompts`/`metadata` where `score` declares them, as roll's reward role gives them); one without is an
+      invalid action. `instructions()` describe what the reward reads: `answer_format` when given, else
+      `\\boxed{}` for a reward that reads `\\boxed{42}` and nothing in a bare `42`, else the reward's own reading.
+      A reward that raises, or marks the reply `failed` (no verdict: a sandbox or judge failure), raises from
+      `step`: roll's env manager counts the episode as an env_error instead of training on a fallback score.
     """
 
     name: ClassVar[str] = "qa"
@@ -67,13 +89,21 @@ class QAEnv(TextEnv):
         max_steps: int = 3,
         invalid_penalty: float = 0.0,
         seed: int | None = None,
+        answer_format: str | None = None,
     ) -> None:
         super().__init__(max_steps=max_steps, invalid_penalty=invalid_penalty, seed=seed)
         self.problems = [(p.prompt, p.answer) if hasattr(p, "prompt") else (str(p[0]), str(p[1])) for p in problems]
         if not self.problems:
             raise ValueError("QAEnv needs at least one (question, answer) pair")
+        # What roll's reward role passes a reward that declares `metadata`: the row's metadata and its domain.
+        self._metadata = [
+            {**getattr(p, "metadata", {}), "domain": p.domain} if hasattr(p, "domain") else {} for p in problems
+        ]
         self.reward = reward
+        self.answer_format = answer_format
+        self._boxed = _reads_boxes(reward)
         self.question, self.answer = self.problems[0]
+        self.metadata: dict[str, Any] = self._metadata[0]
         self._reply = ""
 
     @classmethod
@@ -83,29 +113,88 @@ class QAEnv(TextEnv):
         return cls(problems, reward=task.reward, **kwargs)
 
     def _new_episode(self, rng: random.Random) -> None:
-        self.question, self.answer = self.problems[rng.randrange(len(self.problems))]
+        i = rng.randrange(len(self.problems))
+        self.question, self.answer = self.problems[i]
+        self.metadata = self._metadata[i]
 
     def _render(self) -> str:
         return self.question
 
+    # ---- with a reward: the reward reads the reply ---------------------------------------------------------------
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         self._reply = action if isinstance(action, str) else str(action)
-        return super().step(action)
+        if self.reward is None or not self._started or self._terminated or self._truncated:
+            return super().step(action)  # the env's own reading; or the base's refusal / "episode is over"
+        self.steps += 1
+        if self._has_answer(self._reply):
+            outcome = self._grade(self._reply)
+            obs = f"{outcome.message}\n\n{self._render()}"
+            reward, terminated, success, invalid = outcome.reward, True, outcome.success, False
+        else:
+            obs = f"Invalid action: no answer found in the reply. {self._answer_rule()}\n\n{self._render()}"
+            reward, terminated, success, invalid = self.invalid_penalty, False, False, True
+        truncated = not terminated and self.steps >= self.max_steps
+        if truncated:
+            obs += f"\n\nThe step limit ({self.max_steps}) is reached; the episode is over."
+        self._terminated, self._truncated, self._last_obs = terminated, truncated, obs
+        return obs, float(reward), terminated, truncated, self._info(success=success and terminated, invalid=invalid)
 
+    def _has_answer(self, reply: str) -> bool:
+        """Whether the reward finds an answer in `reply` (class docstring)."""
+        read = getattr(self.reward, "extract_answer", None)
+        if callable(read):
+            found = read(reply)
+            # MathReward reads `\boxed{\boxed{}}` as the answer `\boxed{}`: nothing but an empty box answers nothing.
+            return found is not None and extract_action(str(found)) is not None
+        return bool(trim_action(reply))
+
+    def _grade(self, reply: str) -> Outcome:
+        # A reward that raises fails this episode as an env_error, counted by roll's env manager (it used to
+        # score the answer wrong, silently: a broken reward looked like a model that never learns).
+        context = reward_kwargs(self.reward, prompts=[self.question], metadata=[self.metadata])
+        result = self.reward.score([reply], [self.answer], **context)
+        if result.failed and result.failed[0]:
+            raise RuntimeError(
+                f"{type(self.reward).__name__} could not score the reply (RewardResult.failed; counters: "
+                f"{result.counters}): its fallback score is no verdict to train on"
+            )
+        ok = bool(result.correct[0])
+        return Outcome(float(ok), terminated=True, success=ok, message=self._verdict(ok))
+
+    def _answer_rule(self) -> str:
+        """What the reward reads as the answer (with a reward; class docstring)."""
+        if self.answer_format:
+            return f"Answer format: {self.answer_format}."
+        if self._boxed:
+            return (
+                "Answer format: the final answer in \\boxed{}, e.g. \\boxed{42}. Only the last non-empty \\boxed{} "
+                "of your reply is read and graded; a reply without one has no answer."
+            )
+        if callable(getattr(self.reward, "extract_answer", None)):
+            return "Give the final answer as the question asks; a reply in which no answer is found has no answer."
+        return "Your whole reply is read and graded; a blank reply has no answer."
+
+    def instructions(self) -> str:
+        if self.reward is None:
+            return super().instructions()
+        example = f"\nExample reply: {self._example()}" if self._boxed else ""
+        return (
+            f"{self._rules()}\n\n{self._answer_rule()} A reply without an answer changes nothing and scores "
+            f"{self.invalid_penalty:g}. The episode ends after {self.max_steps} replies.{example}"
+        )
+
+    # ---- without a reward: the env's own reading (TextEnv.step) ----------------------------------------------------
     def _parse(self, action: str) -> str | None:
         if _NUMBER.fullmatch(self.answer.replace(",", "").strip()):
             return action if _NUMBER.fullmatch(action.replace(",", "").strip()) else None
         return action
 
     def _apply(self, action: str) -> Outcome:
-        if self.reward is not None:
-            # A reward that raises fails this episode as an env_error, counted by roll's env manager (it used to
-            # score the answer wrong, silently: a broken reward looked like a model that never learns).
-            ok = bool(self.reward.score([self._reply], [self.answer]).correct[0])
-        else:
-            ok = _same_answer(action, self.answer)
-        message = "Correct!" if ok else f"Wrong: the answer was {self.answer}."
-        return Outcome(float(ok), terminated=True, success=ok, message=message)
+        ok = _same_answer(action, self.answer)
+        return Outcome(float(ok), terminated=True, success=ok, message=self._verdict(ok))
+
+    def _verdict(self, ok: bool) -> str:
+        return "Correct!" if ok else f"Wrong: the answer was {self.answer}."
 
     def _action_format(self) -> str:
         numeric = _NUMBER.fullmatch(self.answer.replace(",", "").strip())
