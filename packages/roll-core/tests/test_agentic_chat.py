@@ -74,3 +74,77 @@ def test_batch_layout_has_holes_and_turns() -> None:
     assert t["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0, 0, 0]]
     assert t["turn_rewards"].tolist() == [[0.0, 1.0], [0.0, 0.0]] and t["turn_mask"].tolist() == [[1, 1], [1, 0]]
     assert t["episode_rewards"].tolist() == [1.0, 0.0] and t["state_keys"] == [["s0", "s1"], []]
+
+
+# ---- SentencePiece-style tokenizers (Llama 2, Mistral) ----------------------------------------------------------
+SP = "\u2581"
+WORDS = ["[INST]", "[/INST]", "It", "is", "4", "go", "on"]
+SP_TEMPLATES = {
+    # Llama 2: the answer stripped between spaces, then eos (the model samples eos right after its answer)
+    "llama2": (
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}{{ '[INST] ' + m.content + ' [/INST]' }}"
+        "{% else %}{{ ' ' + m.content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+    ),
+    # Mistral: the answer as sampled (its leading space), then eos
+    "mistral": (
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}{{ '[INST] ' + m.content + ' [/INST]' }}"
+        "{% else %}{{ m.content + eos_token }}{% endif %}{% endfor %}"
+    ),
+}
+
+
+def sp_tokenizer(template: str, legacy: bool):
+    """A SentencePiece-style tokenizer built locally from a word-level vocabulary (the ids spelt out by hand): each
+    space a "\u2581", and one put before the text; `legacy` (Llama 2's normalizer) before the text after every
+    special token too, else (transformers' legacy=False: Metaspace prepend_scheme="first") only at the start."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", SP, *WORDS, *(SP + w for w in WORDS)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    if legacy:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(SP), normalizers.Replace(" ", SP)])
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SP, prepend_scheme="never", split=True)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SP, prepend_scheme="first", split=True)
+    tok.decoder = decoders.Metaspace(replacement=SP, prepend_scheme="always", split=True)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = SP_TEMPLATES[template]
+    return fast
+
+
+@pytest.mark.parametrize("legacy", [True, False])
+@pytest.mark.parametrize("template", list(SP_TEMPLATES))
+def test_sentencepiece_continuations_are_tokenised_as_they_follow_the_conversation(template: str, legacy: bool):
+    """Encoded on its own, the text between turns got a space token the conversation does not have ("\u2581[INST]"
+    after eos where the whole rendering has "[INST]", "\u2581" "\u2581" "</s>" where it has "\u2581" "</s>"), and
+    Llama 2's " </s>" after a turn that stopped on eos was a second eos: every later turn's context carried them.
+    The trajectory (prompt, sampled ids as sampled, continuations) is the whole rendering's ids, except the space
+    Llama 2's template puts before an eos the model sampled right after its answer."""
+    tok = sp_tokenizer(template, legacy)
+    t = TurnTemplate(tok)
+    eos = tok.eos_token_id
+    inst = "\u2581[INST]" if legacy else "[INST]"  # after a special token (the sampled eos)
+    answer = tok.convert_tokens_to_ids([SP + "It", SP + "is", SP + "4"])
+    stopped, cut = [*answer, eos], answer[:2]  # stopped on eos; cut off by the token limit
+    first = t.initial_messages([{"role": "user", "content": "go"}])
+    after_stopped = t.continuation([{"role": "user", "content": "go on"}], response_ids=stopped)
+    after_cut = t.continuation([{"role": "user", "content": "go"}], response_ids=cut)
+    assert tok.convert_ids_to_tokens(after_stopped) == [inst, SP + "go", SP + "on", SP + "[/INST]"]
+    closing = [SP, "</s>"] if template == "llama2" else ["</s>"]  # the whole closing: the turn did not end it
+    assert tok.convert_ids_to_tokens(after_cut) == [*closing, inst, SP + "go", SP + "[/INST]"]
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": " It is 4"},
+        {"role": "user", "content": "go on"},
+        {"role": "assistant", "content": " It is"},
+        {"role": "user", "content": "go"},
+    ]
+    rendered = tok.apply_chat_template(messages, return_dict=False)
+    gap = tok.convert_tokens_to_ids([SP]) if template == "llama2" else []  # Llama 2's " </s>": not sampled
+    assert [*first, *answer, *gap, eos, *after_stopped, *cut, *after_cut] == rendered
+    # the default (no response ids): a turn taken to have ended on the template's end of turn
+    assert t.continuation([{"role": "user", "content": "go on"}]) == (
+        after_stopped if template == "mistral" else [*gap, eos, *after_stopped]
+    )

@@ -21,13 +21,22 @@ message to the start) are a ValueError naming the roles.
 
 EOS and stop tokens. roll's engines (hf, vLLM, SGLang) return the token they stopped on as the last sampled id: the
 eos / `stop_token_ids` token is in `token_ids` (and was sampled, so it is trained on). When the sampled ids end with
-one of `turn_end_ids` and the text after the placeholder starts with that token's text, the continuation starts
-after it; otherwise (a response cut off at `max_new_tokens`, stopped by a stop string, stopped on an eos the
-template does not use as its turn end, or an engine that drops the stop token) the continuation carries the
-template's whole closing, end-of-turn token included, so the next turn's context is the template's; those ids are
-observation ids (loss mask 0). `turn_end_ids` are the tokenizer's eos ids plus the template's end-of-turn token when
-it is a special token (Gemma 3 ends turns with `<end_of_turn>` while its tokenizer's eos is `<eos>`):
-`stop_token_ids` lists the latter for SamplingParams, so that an engine whose model config lacks them still stops.
+one of `turn_end_ids` and the text after the placeholder starts with that token's text (after any whitespace the
+template puts before it: Llama 2 renders " </s>", the model samples "</s>" right after its answer), the
+continuation starts after it; otherwise (a response cut off at `max_new_tokens`, stopped by a stop string, stopped
+on an eos the template does not use as its turn end, or an engine that drops the stop token) the continuation
+carries the template's whole closing, end-of-turn token included, so the next turn's context is the template's;
+those ids are observation ids (loss mask 0). `turn_end_ids` are the tokenizer's eos ids plus the template's
+end-of-turn token when it is a special token (Gemma 3 ends turns with `<end_of_turn>` while its tokenizer's eos is
+`<eos>`): `stop_token_ids` lists the latter for SamplingParams, so that an engine whose model config lacks them
+still stops.
+
+Tokenising the new text. Only the text between turns is encoded, never the sampled ids, and it is encoded as it
+follows the conversation (`encode_after` the template's rendering before it, the placeholder turn and the sampled
+end token included): encoded on its own, a SentencePiece tokenizer (Llama 2, Mistral) prefixes a space to it ("▁"
+before "[INST]", or a lone "▁" before a leading space), a token the rendered conversation does not have and
+that every later turn's context would carry. The text between turns starts at or right after a special token in
+the templates of byte-level BPE tokenizers (Qwen, Llama 3), which split there: their ids are the text's own.
 
 Pictures. An observation may carry pictures (roll_core.agentic.observation). With a `vision` processor
 (roll_core.multimodal.VisionProcessor, for a vision-language model) `initial_turn` / `observation_turn` render the
@@ -42,18 +51,31 @@ roll_core.agentic.rollout).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from roll_core.agentic.observation import Observation, images_of, text_of
 
-log = logging.getLogger(__name__)
-
 _ASSISTANT = "\u2063ROLL-ASSISTANT\u2063"
 _USER = "\u2063ROLL-USER\u2063"
 _FIRST_USER = "x"  # the placeholder conversation's first query (templates that need one before an assistant turn)
 _AFTER_ASSISTANT = ("user", "tool", "system")
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return [int(x) for x in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def encode_after(tokenizer: Any, context: str, text: str) -> list[int]:
+    """Ids of `text` where it follows `context` (no special tokens added): those of `context + text` after
+    `context`'s own ids when these are a prefix of them, else (BPE merged across the boundary) `text`'s own ids,
+    the ids a model samples after the context's ids. Encoded on its own, a SentencePiece tokenizer prefixes a space
+    to every piece: a token the text does not have where it follows other text."""
+    head = _encode(tokenizer, context)
+    whole = _encode(tokenizer, context + text)
+    if len(whole) > len(head) and whole[: len(head)] == head:
+        return whole[len(head) :]
+    return _encode(tokenizer, text)
 
 
 class TurnTemplate:
@@ -82,7 +104,7 @@ class TurnTemplate:
         self.eos_ids: set[int] = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
         self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
         try:
-            after = self._after_assistant([{"role": "user", "content": _USER}], None)
+            before, after = self._after_assistant([{"role": "user", "content": _USER}], None)
         except ValueError as exc:
             raise ValueError(f"the chat template cannot render a user turn after an assistant turn: {exc}") from exc
         if _USER not in after:
@@ -90,15 +112,7 @@ class TurnTemplate:
         # The text between an assistant turn's content and the next user message's content (the turn's closing
         # and the user header, e.g. "<|im_end|>\n<|im_start|>user\n"); its first token ends the turn when special.
         self.closing = after[: after.index(_USER)]
-        closing_ids = self.encode(self.closing)
-        if tokenizer.decode(closing_ids, clean_up_tokenization_spaces=False) != self.closing:
-            # e.g. a SentencePiece tokenizer that prefixes a space to every encoded string: each continuation would
-            # carry a token the template does not have (the trajectory stays self-consistent, but drifts from it)
-            log.warning(
-                "the tokenizer does not encode the chat template's turn boundary %r back to itself: continuations "
-                "may differ from the template's rendering",
-                self.closing,
-            )
+        closing_ids = encode_after(tokenizer, before, self.closing)
         self._stop_ids: list[int] = []
         if closing_ids and self._is_special(closing_ids[0]):
             self._stop_ids.append(closing_ids[0])
@@ -122,9 +136,9 @@ class TurnTemplate:
         added = getattr(self.tokenizer, "added_tokens_decoder", {}).get(token_id)
         return bool(added is not None and getattr(added, "special", False))
 
-    def _after_assistant(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> str:
-        """The text a template renders after an assistant turn's content when `messages` follow it, up to and
-        including the next generation header."""
+    def _after_assistant(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> tuple[str, str]:
+        """(before, after): the text a template renders up to the end of an assistant turn's content (a
+        placeholder), and after it when `messages` follow it, up to and including the next generation header."""
         for m in messages:
             if m.get("role") not in _AFTER_ASSISTANT:
                 raise ValueError(
@@ -139,7 +153,8 @@ class TurnTemplate:
             raise ValueError(f"the chat template cannot render [{roles}] after an assistant turn: {exc}") from exc
         if full.count(_ASSISTANT) != 1:
             raise ValueError("the chat template does not render an assistant turn's content once, verbatim")
-        after = full[full.index(_ASSISTANT) + len(_ASSISTANT) :]
+        cut = full.index(_ASSISTANT) + len(_ASSISTANT)
+        before, after = full[:cut], full[cut:]
         for m in messages:  # a template that moves or drops a message would leave the model a different context
             content = m.get("content")
             texts = [content] if isinstance(content, str) else [c.get("text", "") for c in content or []]
@@ -148,11 +163,12 @@ class TurnTemplate:
                     f"the chat template does not render a {m['role']!r} message where it follows an assistant turn "
                     "(it moves or drops it)"
                 )
-        return after
+        return before, after
 
     def encode(self, text: str) -> list[int]:
-        """Ids of `text` with no special tokens added (bos) beyond the ones it spells."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Ids of `text` on its own, with no special tokens added (bos) beyond the ones it spells (a SentencePiece
+        tokenizer prefixes a space: text between turns goes through `encode_after`)."""
+        return _encode(self.tokenizer, text)
 
     # ---- the API ------------------------------------------------------------------------------------------
     @property
@@ -190,18 +206,24 @@ class TurnTemplate:
         did not generate, then `messages` (user / tool / system, several at once), then the next generation header.
 
         `response_ids` are the sampled ids: when they end with a turn-end token (see the module docstring) that
-        the closing starts with, the closing continues after it; otherwise the whole closing is added. Without
-        `response_ids` the turn is taken to have ended on the template's end-of-turn token (the usual stop)."""
-        after = self._after_assistant([dict(m) for m in messages], tools)
+        the closing starts with (after whitespace), the closing continues after it; otherwise the whole closing is
+        added. Without `response_ids` the turn is taken to have ended on the template's end-of-turn token (the
+        usual stop).
+
+        The ids are those of the new text as it follows the conversation (`encode_after`, see the module doc)."""
+        before, after = self._after_assistant([dict(m) for m in messages], tools)
         if response_ids is None:
             sampled_end = self._turn_end_text
         elif response_ids and int(response_ids[-1]) in self.turn_end_ids:
             sampled_end = self.tokenizer.decode([int(response_ids[-1])])
         else:
             sampled_end = ""
-        if sampled_end and after.startswith(sampled_end):
-            after = after[len(sampled_end) :]
-        return self.encode(after)
+        rest = after.lstrip()
+        if sampled_end and rest.startswith(sampled_end):
+            # the template's whitespace before its end token (Llama 2's " </s>") was not sampled: the trajectory
+            # goes on right after the sampled end token, and so does the context the new text is encoded after
+            before, after = before + sampled_end, rest[len(sampled_end) :]
+        return encode_after(self.tokenizer, before, after)
 
     def initial(self, observation: str) -> list[int]:
         """Ids of the conversation up to the first assistant turn (system prompt, examples, first observation)."""

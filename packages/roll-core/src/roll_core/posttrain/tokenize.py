@@ -53,7 +53,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from roll_core.agentic.chat import TurnTemplate
+from roll_core.agentic.chat import TurnTemplate, encode_after
 from roll_core.errors import ConfigError
 from roll_core.posttrain.config import DataConfig
 from roll_core.posttrain.rows import RawRow, SkipRow
@@ -280,16 +280,6 @@ class ChatEncoder:
 # ---- SFT rows ---------------------------------------------------------------------------------------------------
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return [int(x) for x in tokenizer(text, add_special_tokens=False)["input_ids"]]
-
-
-def encode_after(tokenizer: Any, context: str, text: str) -> list[int]:
-    """Ids of `text` where it follows `context` (no special tokens added; see the module doc): those of
-    `context + text` after `context`'s own ids when these are a prefix of them, else `text`'s own ids."""
-    head = _encode(tokenizer, context)
-    whole = _encode(tokenizer, context + text)
-    if len(whole) > len(head) and whole[: len(head)] == head:
-        return whole[len(head) :]
-    return _encode(tokenizer, text)
 
 
 def _leading_specials(with_specials: list[int], text_ids: list[int]) -> list[int] | None:
