@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
@@ -17,12 +18,21 @@ from typing import Any
 import openai
 import pytest
 
-from roll_core.agentic.agent_sessions import MAX_IDLE_ABORTS, AgentSessions, SessionLimits
+from roll_core.agentic.agent_sessions import (
+    MAX_IDLE_ABORTS,
+    AgentSessions,
+    ChatTurn,
+    SessionError,
+    SessionLimits,
+    idle_backoff_s,
+    idle_backoff_total_s,
+)
 from roll_core.agentic.chat import TurnTemplate
 from roll_core.agentic.openai_server import HermesToolParser, OpenAIServer
 from roll_core.agentic.trajectory import to_tensors
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.models import build_tiny_tokenizer
+from roll_core.pipelines.metrics import StepLog
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)
 LIMITS = SessionLimits(max_turns=4, max_tokens_per_turn=16, max_context_length=1024)
@@ -111,11 +121,22 @@ def _collector(sessions: AgentSessions, server: OpenAIServer, run_episode: Any) 
     return c
 
 
+@pytest.fixture
+def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waits of a millisecond between a refused turn's tries, for tests that are not about the waits."""
+    from roll_core.agentic import agent_sessions
+
+    monkeypatch.setattr(agent_sessions, "IDLE_BACKOFF_S", 0.001)
+    monkeypatch.setattr(agent_sessions, "IDLE_BACKOFF_MAX_S", 0.001)
+
+
+@pytest.mark.usefixtures("quick_backoff")
 def test_an_engine_refusal_is_a_503_and_leaves_the_episode_untrained(tokenizer: Any) -> None:
     """The agent's first turn is served; the engine then refuses its second (every attempt aborted, no token): the
-    agent gets HTTP 503 engine_aborted and gives up. The episode fails (`error`, scored the failure reward -1), and
+    agent gets HTTP 503 engine_aborted and gives up. The episode failed (`error`, scored the failure reward -1), and
     its trajectory was trained: the sampled first turn under -1 for a refusal that was the engine's. Now it is
-    `untrained` (end `abort`): the batch row has no token in the loss. An agent that tries again after the 503 and
+    `untrained` (end `abort`), no failure of the agent's (reward 0, not the failure reward): the batch row has no
+    token in the loss. An agent that tries again after the 503 and
     is served trains as usual."""
     engine = RefusingEngine(tokenizer, refuse_from=1, refusals=MAX_IDLE_ABORTS)
     sessions, server = _serve(engine, tokenizer)
@@ -149,8 +170,8 @@ def test_an_engine_refusal_is_a_503_and_leaves_the_episode_untrained(tokenizer: 
         server.close()
     (exc,) = seen
     assert (exc.status_code, exc.code) == (503, "engine_aborted")
-    assert (failed.failure, failed.reward, failed.traj.turns) == ("error", -1.0, 1)
-    assert failed.traj.end == "abort" and failed.traj.untrained
+    assert (failed.failure, failed.reward, failed.traj.turns, failed.aborted) == (None, 0.0, 1, True)
+    assert failed.traj.end == "abort" and failed.traj.untrained and not failed.traj.success
     assert (recovered.failure, recovered.reward, recovered.traj.turns) == (None, 1.0, 2)
     assert recovered.traj.end == "terminated" and not recovered.traj.untrained
     tensors = to_tensors([failed.traj, recovered.traj], pad_id=0)
@@ -261,3 +282,152 @@ def test_closing_the_server_aborts_the_requests_in_flight(tokenizer: Any) -> Non
     assert answers and answers[0] in (410, -1)
     session = sessions.close("h")
     assert session.closed and session.traj.turns == 0 and len(engine.requests) == 1
+
+
+class SessionRefusingEngine(RefusingEngine):
+    """Answers "ok" (then EOS), except that every request of the sessions in `refused` after their first is aborted
+    with no token (an engine that keeps refusing those episodes' second turn)."""
+
+    def __init__(self, tokenizer: Any, refused: set[str]) -> None:
+        super().__init__(tokenizer, 0, 0)
+        self.refused, self.seen, self.lock = refused, Counter(), threading.Lock()
+
+    def submit_request(self, request: Request, route_key: str | None = None) -> Future:
+        with self.lock:
+            self.seen[route_key] += 1
+            refuse = route_key in self.refused and self.seen[route_key] > 1
+        if not refuse:
+            with self.lock:
+                return super().submit_request(request, route_key)
+        fut: Future = Future()
+        fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [], [], "abort"))
+        return fut
+
+
+@pytest.mark.usefixtures("quick_backoff")
+def test_a_collector_step_keeps_engine_refused_episodes_out_of_the_batch_and_the_agents_failures(
+    tokenizer: Any,
+) -> None:
+    """Two task rows x three episodes; the engine refuses the second turn of ep1, ep4 and ep5 (503), whose agents
+    give up: ep1 raises, ep4 reports no reward, ep5 scores itself 0.25. They were agent/failed_error and
+    agent/failed_no_reward (the agent blamed for the engine's refusal), scored -1 into reward/mean, and all six rows
+    went to the batch: three that train nothing, yet their -1 / 0.25 joined their groups' reward statistics (row 1's
+    mean 0.17, not 1). Now they are counted as aborted and dropped like pipeline=agentic's untrained episodes."""
+    refused = {"ep1", "ep4", "ep5"}
+    engine = SessionRefusingEngine(tokenizer, refused)
+    sessions, server = _serve(engine, tokenizer)
+    rewards = {"ep0": 1.0, "ep2": 0.0, "ep3": 1.0}
+
+    def program(base_url: str, reward_url: str, row: Any) -> float | None:
+        sid = base_url.split("/sessions/")[1].split("/")[0]
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        first = client.chat.completions.create(model="m", messages=HI)
+        try:
+            client.chat.completions.create(model="m", messages=[*HI, first.choices[0].message, *HI])
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503
+            if sid == "ep1":
+                raise
+            return None if sid == "ep4" else 0.25
+        return rewards[sid]
+
+    c = _collector(sessions, server, program)
+    c.task.on_failure, c.task.train_rows = "score", lambda count, seed: [{"row": i} for i in range(count)]
+    c.cfg = SimpleNamespace(algo=SimpleNamespace(group_size=3), pipeline=SimpleNamespace(rollout_batch_size=2, seed=0))
+    c.ctx = SimpleNamespace(sampling=PARAMS, samples=lambda step, rows: None)
+    c.tokenizer, c._episodes = tokenizer, 0
+    out = StepLog()
+    try:
+        collected = c.next(1, out)
+    finally:
+        server.close()
+    assert collected is not None
+    batch = collected.batch
+    assert batch["group_ids"].tolist() == [0, 0, 1] and collected.scores.tolist() == [1.0, 0.0, 1.0]
+    assert int(batch["response_mask"].sum(1).min()) > 0  # every row trains something
+    assert (out["data/dropped_episodes"], out["data/aborted_episodes"], out["agent/aborted_episodes"]) == (3, 3, 3.0)
+    assert {k: out[f"agent/failed_{k}"] for k in ("error", "timeout", "no_reward")} == dict.fromkeys(
+        ("error", "timeout", "no_reward"), 0.0
+    )
+    assert out["agent/failed_episodes"] == 0.0 and out["episode/end_abort"] == 0.5
+    assert out["reward/mean"] == pytest.approx(2 / 3) and out["episode/success_rate"] == pytest.approx(2 / 3)
+    assert out["episode/turns_mean"] == 2.0
+
+
+class PausedEngine(RefusingEngine):
+    """Aborts every request with no token until `pause_s` after the first one (an engine paused for a weight sync),
+    then answers "ok"; `times`: when each request came."""
+
+    def __init__(self, tokenizer: Any, pause_s: float) -> None:
+        super().__init__(tokenizer, 0, 0)
+        self.pause_s, self.times = pause_s, []
+
+    def submit_request(self, request: Request, route_key: str | None = None) -> Future:
+        self.times.append(time.monotonic())
+        if self.times[-1] - self.times[0] >= self.pause_s:
+            return super().submit_request(request, route_key)
+        self.requests.append(request)
+        fut: Future = Future()
+        fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [], [], "abort"))
+        return fut
+
+
+def test_a_turn_waits_out_an_engine_paused_for_a_moment(tokenizer: Any) -> None:
+    """The endpoint asked again at once after each idle abort: an engine paused for 0.3 s used up all
+    MAX_IDLE_ABORTS tries within milliseconds and the agent got HTTP 503. Now the tries back off (50, 100, 200 ms)
+    and the turn is sampled."""
+    engine = PausedEngine(tokenizer, pause_s=0.3)
+    sessions, server = _serve(engine, tokenizer)
+    try:
+        sessions.open("w", PARAMS, LIMITS)
+        client = openai.OpenAI(base_url=server.base_url("w"), api_key="unused", max_retries=0)
+        t0 = time.monotonic()
+        reply = client.chat.completions.create(model="m", messages=HI)
+        took = time.monotonic() - t0
+        session = sessions.close("w")
+    finally:
+        server.close()
+    assert reply.choices[0].message.content == "ok" and took < 3.0, took
+    assert 2 <= len(engine.requests) - 1 < MAX_IDLE_ABORTS  # idle aborts before the answer
+    assert (session.traj.turns, session.traj.untrained, session.resumed) == (1, False, len(engine.requests) - 1)
+
+
+def test_an_engine_that_never_answers_is_refused_in_bounded_time_and_a_close_ends_the_wait(tokenizer: Any) -> None:
+    """The backoff stays bounded: an engine that aborts every try still answers the agent 503 after
+    MAX_IDLE_ABORTS tries, within idle_backoff_total_s() (a few seconds), each wait at least the documented one.
+    A session closed during a wait answers 410 at once instead of sleeping out the backoff."""
+    assert 1.0 < idle_backoff_total_s() <= 5.0
+    engine = PausedEngine(tokenizer, pause_s=float("inf"))
+    sessions = AgentSessions(engine, TurnTemplate(tokenizer), tokenizer.decode, HermesToolParser())
+    sessions.open("n", PARAMS, LIMITS)
+    t0 = time.monotonic()
+    with pytest.raises(SessionError) as err:
+        sessions.chat("n", ChatTurn(messages=HI))
+    took = time.monotonic() - t0
+    assert (err.value.status, err.value.code, len(engine.requests)) == (503, "engine_aborted", MAX_IDLE_ABORTS)
+    assert idle_backoff_total_s() * 0.95 <= took <= idle_backoff_total_s() + 2.0, took
+    gaps = [b - a for a, b in zip(engine.times, engine.times[1:])]
+    assert all(g >= 0.95 * idle_backoff_s(k) for k, g in enumerate(gaps, 1)), gaps
+
+    engine = PausedEngine(tokenizer, pause_s=float("inf"))
+    sessions = AgentSessions(engine, TurnTemplate(tokenizer), tokenizer.decode, HermesToolParser())
+    sessions.open("c", PARAMS, LIMITS)
+    errors: list[SessionError] = []
+
+    def call() -> None:
+        try:
+            sessions.chat("c", ChatTurn(messages=HI))
+        except SessionError as exc:
+            errors.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    deadline = time.monotonic() + 5
+    while len(engine.requests) < 5 and time.monotonic() < deadline:  # in its 5th wait (800 ms)
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    sessions.close("c")
+    caller.join(5)
+    assert not caller.is_alive() and time.monotonic() - t0 < 0.5
+    assert [(e.status, e.code) for e in errors] == [(410, "session_closed")]
+    assert len(engine.requests) == 5

@@ -40,7 +40,10 @@ turns the agent had seen, or a 400 it could not recover from.) An episode gets a
 A turn request the engine aborts on its own (preemption) is resumed from the tokens it generated, within the turn's
 budget (counted in `resumed`), so the agent never sees an engine's abort as the end of its session; one the engine
 aborts `MAX_IDLE_ABORTS` times in a row without a token is refused with HTTP 503 (`engine_aborted`), the
-conversation unchanged. Until a later turn is sampled the trajectory is marked ended there (`end` "abort") and
+conversation unchanged. Between those idle aborts the session waits, doubling from `IDLE_BACKOFF_S` up to
+`IDLE_BACKOFF_MAX_S` per wait (`idle_backoff_total_s()` in all, about 3.5 s), so an engine that refuses for a moment
+(paused for a weight sync) serves the turn instead of refusing the agent within milliseconds; closing the session
+ends the wait at once. Until a later turn is sampled the trajectory is marked ended there (`end` "abort") and
 `untrained` (roll_core.agentic.trajectory.to_tensors masks it out): an agent that gives up on the refusal fails
 through no fault of the policy, and scoring its turns with the failure reward trained the engine's refusal as the
 policy's failure. A template that cannot render a request's messages (its own `raise_exception`) is the request's
@@ -67,24 +70,37 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from roll_core.agentic.agent_messages import (  # noqa: F401 (SessionError, ROLES, normalise_message: re-exported)
+    ROLES,
+    SessionError,
+    message_key,
+    normalise_message,
+    template_errors,
+    template_message,
+    turn_key,
+)
 from roll_core.agentic.trajectory import Trajectory
 from roll_core.interfaces import Request, SamplingParams
 from roll_core.seeds import Purpose, derive_seed
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 ON_REWRITE = ("restart", "refuse")
 #: Closed session ids remembered (to answer 410, not 404): a bounded memory for a run of many episodes.
 CLOSED_KEPT = 1 << 16
 #: The engine's own aborts of one turn in a row, none with a token, after which the request is refused (HTTP 503).
 MAX_IDLE_ABORTS = 8
+#: The wait after the first idle abort of a turn, doubled after each further one, up to `IDLE_BACKOFF_MAX_S`.
+IDLE_BACKOFF_S = 0.05
+IDLE_BACKOFF_MAX_S = 1.0
 
 
-class SessionError(Exception):
-    """A request the session refuses: HTTP `status` with an OpenAI error `code` (the server's error JSON)."""
+def idle_backoff_s(idle: int) -> float:
+    """The wait before the next try of a turn the engine aborted `idle` (>= 1) times in a row without a token."""
+    return min(IDLE_BACKOFF_S * 2 ** (idle - 1), IDLE_BACKOFF_MAX_S)
 
-    def __init__(self, status: int, code: str, message: str, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.kind = status, code, message, kind
+
+def idle_backoff_total_s() -> float:
+    """The longest a turn the engine keeps refusing waits before its 503 (the waits between its tries)."""
+    return sum(idle_backoff_s(k) for k in range(1, MAX_IDLE_ABORTS))
 
 
 @dataclass(frozen=True)
@@ -136,106 +152,6 @@ class Reply:
     logprobs: list[float]
 
 
-def normalise_message(raw: Any, index: int) -> dict[str, Any]:
-    """An OpenAI chat message as {"role", "content": str | None, ["tool_calls"], ["tool_call_id"], ["name"]};
-    content parts of type text are joined by newlines, as vLLM's OpenAI server joins them for a chat template that
-    takes string content (the prompt tokenizes as under vLLM serving). Raises SessionError (400) naming the message
-    for anything else."""
-    if not isinstance(raw, dict):
-        raise SessionError(400, "invalid_message", f"messages[{index}] must be an object, got {type(raw).__name__}")
-    role = raw.get("role")
-    if role not in ROLES:
-        raise SessionError(400, "invalid_message", f"messages[{index}].role={role!r} is not one of {ROLES}")
-    content = raw.get("content")
-    if isinstance(content, list):
-        texts = []
-        for k, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise SessionError(
-                    400, "invalid_message", f"messages[{index}].content[{k}]: only text parts are supported"
-                )
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    elif content is not None and not isinstance(content, str):
-        raise SessionError(400, "invalid_message", f"messages[{index}].content must be a string, a list or null")
-    msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
-    calls = raw.get("tool_calls")
-    if calls:
-        if role != "assistant" or not isinstance(calls, list):
-            raise SessionError(400, "invalid_message", f"messages[{index}].tool_calls belongs to assistant messages")
-        msg["tool_calls"] = [_normalise_call(c, index, k) for k, c in enumerate(calls)]
-    for key in ("tool_call_id", "name"):
-        if raw.get(key) is not None:
-            msg[key] = str(raw[key])
-    return msg
-
-
-def _normalise_call(call: Any, index: int, k: int) -> dict[str, Any]:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise SessionError(400, "invalid_message", f"messages[{index}].tool_calls[{k}] needs function.name")
-    args = fn.get("arguments", "")
-    if not isinstance(args, str):
-        args = json.dumps(args)
-    return {"id": str(call.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}}
-
-
-def _key(msg: dict[str, Any]) -> tuple[Any, ...]:
-    """What must be equal for a repeated message to be the same message (text as sent, arguments as JSON values)."""
-    calls = tuple(
-        (c["id"], c["function"]["name"], _json_value(c["function"]["arguments"])) for c in msg.get("tool_calls", [])
-    )
-    return (msg["role"], msg.get("content") or "", calls, msg.get("tool_call_id"), msg.get("name"))
-
-
-def turn_key(turn: ChatTurn) -> str:
-    """What makes two requests the same request (a client's retry): messages, tools and generation settings."""
-    return json.dumps(
-        [
-            [_key(m) for m in turn.messages],
-            turn.tools,
-            turn.max_tokens,
-            list(turn.stop),
-            repr(turn.structured),
-            turn.parse_tools,
-        ],
-        sort_keys=True,
-        default=str,
-    )
-
-
-def _json_value(text: str) -> str:
-    try:
-        return json.dumps(json.loads(text), sort_keys=True)
-    except (TypeError, ValueError):
-        return text
-
-
-def _template_errors() -> tuple[type[BaseException], ...]:
-    """What a chat template raises for messages it refuses (jinja comes with the tokenizer's chat templates)."""
-    try:
-        from jinja2 import TemplateError
-    except ImportError:
-        return ()
-    return (TemplateError,)
-
-
-def template_message(msg: dict[str, Any]) -> dict[str, Any]:
-    """A normalised message as chat templates take it (tool-call arguments as objects, content a string)."""
-    out = {k: v for k, v in msg.items() if k != "tool_calls"}
-    out["content"] = msg.get("content") or ""
-    if msg.get("tool_calls"):
-        calls = []
-        for c in msg["tool_calls"]:
-            try:
-                args = json.loads(c["function"]["arguments"])
-            except (TypeError, ValueError):
-                args = c["function"]["arguments"]
-            calls.append({"id": c["id"], "type": "function", "function": {**c["function"], "arguments": args}})
-        out["tool_calls"] = calls
-    return out
-
-
 class AgentSession:
     """One episode's conversation and trajectory (see the module docstring)."""
 
@@ -264,6 +180,7 @@ class AgentSession:
         self.resumed = 0  # turn requests the engine aborted on its own and that were resumed
         self.closed = False
         self.request_id: str | None = None  # the engine request in flight
+        self.woken = threading.Event()  # set on close: ends a wait between a refused turn's tries
         self.lock = threading.Lock()
         # The request being served or last served (turn_key), and the reply recorded for the last one: a retry of
         # it gets that reply again (see the module docstring).
@@ -281,7 +198,7 @@ class AgentSession:
             n > 0
             and len(turn.messages) > n
             and tools_key == self.tools_key
-            and all(_key(a) == _key(b) for a, b in zip(self.messages, turn.messages[:n]))
+            and all(message_key(a) == message_key(b) for a, b in zip(self.messages, turn.messages[:n]))
         )
         new = turn.messages[n:]
         # An assistant message the model did not sample cannot be appended token-in-token-out: a fresh trajectory.
@@ -311,7 +228,7 @@ class AgentSession:
         except Exception as exc:
             # The template refusing these messages (jinja's raise_exception, e.g. "roles must alternate") is the
             # request's fault: it was a 500 that clients retry, and a server error in the log.
-            if not isinstance(exc, (ValueError, *_template_errors())):
+            if not isinstance(exc, (ValueError, *template_errors())):
                 raise
             raise SessionError(400, "invalid_message", f"session {self.sid}: {type(exc).__name__}: {exc}") from exc
         return list(prompt), [], n > 0
@@ -429,6 +346,7 @@ class AgentSessions:
             while len(self._closed) > CLOSED_KEPT:
                 self._closed.popitem(last=False)
         session.closed = True
+        session.woken.set()
         rid = session.request_id
         if rid is not None:
             self.infer.abort(rid)
@@ -442,6 +360,7 @@ class AgentSessions:
             sessions = list(self._sessions.values())
         for session in sessions:
             session.closed = True
+            session.woken.set()
             rid = session.request_id
             if rid is not None:
                 self.infer.abort(rid)
@@ -546,9 +465,9 @@ class AgentSessions:
     ) -> tuple[list[int], list[float], str]:
         """(token ids, log-probs, finish reason) of one turn. An abort the engine made on its own (preemption) is
         resumed from what it generated, within the turn's budget, instead of ending the episode as if the agent had
-        failed; `MAX_IDLE_ABORTS` of them in a row without a token are a refusal ("abort"). An abort that left the
-        whole budget generated is "length". A closed session's request is not resumed, nor a constrained
-        (`structured`) one that generated tokens."""
+        failed; `MAX_IDLE_ABORTS` of them in a row without a token, with a growing wait between them
+        (`idle_backoff_s`), are a refusal ("abort"). An abort that left the whole budget generated is "length". A
+        closed session's request is not resumed, nor a constrained (`structured`) one that generated tokens."""
         tokens: list[int] = []
         logprobs: list[float] = []
         idle = 0
@@ -582,6 +501,10 @@ class AgentSessions:
             idle = 0 if out.token_ids else idle + 1
             if idle >= MAX_IDLE_ABORTS:
                 return tokens, logprobs, finish
+            if idle:
+                # Retried at once, an engine paused for a moment (a weight sync) used up every try within
+                # milliseconds and the agent got the 503; a close ends the wait (the next try answers 410).
+                s.woken.wait(idle_backoff_s(idle))
             s.resumed += 1
         raise AssertionError("unreachable")
 

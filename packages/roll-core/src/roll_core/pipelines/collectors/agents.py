@@ -20,13 +20,18 @@ or reports no reward (`no_reward`) is counted in agent/failed_<kind> and, per `e
 (data/dropped_episodes). An episode that ended at `env.max_turns` or the context limit (its last request refused
 with HTTP 400) is not a failure, whatever the program did with the refusal, timing out included: it ended there,
 scored the reward it reported, else 0 (the limit is the policy's doing: dropping such episodes hid a policy that
-loops on tool calls).
+loops on tool calls). An episode whose last request the engine refused (HTTP 503 `engine_aborted`, no turn sampled
+after it: the session keeps it `untrained`, end `abort`) is no failure of the agent's, whatever the program did with
+the refusal: like `pipeline=agentic`'s untrained episodes it is left out of the batch (its row would train nothing
+yet count in its group's reward statistics), counted in data/dropped_episodes and data/aborted_episodes
+(agent/aborted_episodes), not in agent/failed_*, and out of the reward and episode metrics; only episode/end_abort
+counts it.
 
-Metrics: reward, success rate (reward >= env.success_reward), turns, generated tokens, tool calls, failures by
-kind, history rewrites and the turns they dropped, invalid tool-call blocks, turns resumed after the engine's own
-aborts, why episodes ended (a timed-out episode is episode/end_env_timeout, its aborted request in flight
-notwithstanding). Evaluation: one episode per held-out row (greedy unless pipeline.eval_temperature says
-otherwise).
+Metrics (reward and episode ones over the episodes with an outcome, i.e. not aborted): reward, success rate
+(reward >= env.success_reward), turns, generated tokens, tool calls, failures by kind, history rewrites and the
+turns they dropped, invalid tool-call blocks, turns resumed after the engine's own aborts, why episodes ended (a
+timed-out episode is episode/end_env_timeout, its aborted request in flight notwithstanding). Evaluation: one
+episode per held-out row (greedy unless pipeline.eval_temperature says otherwise).
 """
 
 from __future__ import annotations
@@ -122,6 +127,11 @@ class Episode:
     session: AgentSession
     error: str = ""
 
+    @property
+    def aborted(self) -> bool:
+        """The engine refused the episode's last request (503) and nothing was sampled after: no outcome."""
+        return self.traj.untrained
+
 
 class AgentCollector:
     """Scored trajectory batches of agent-program episodes (see the module docstring)."""
@@ -178,8 +188,10 @@ class AgentCollector:
         out.update(agent_metrics(episodes))
         self._log_samples(step, episodes)
         drop = self.task.on_failure == "drop"
-        kept = [e.traj for e in episodes if e.traj.turns > 0 and not (drop and e.failure)]
+        # An aborted episode's row is all masked: it would train nothing, yet its reward joined its group's statistics.
+        kept = [e.traj for e in episodes if e.traj.turns > 0 and not e.aborted and not (drop and e.failure)]
         out["data/dropped_episodes"] = len(episodes) - len(kept)
+        out["data/aborted_episodes"] = sum(e.aborted for e in episodes)
         if not kept:
             return None
         tensors = to_tensors(kept, self.tokenizer.pad_token_id or 0)
@@ -210,7 +222,8 @@ class AgentCollector:
             "eval/reward": m["reward/mean"],
             "eval/mean_turns": m["episode/turns_mean"],
             "eval/failed_episodes": m["agent/failed_episodes"],
-            "eval/n": float(len(rows)),
+            "eval/aborted_episodes": m["agent/aborted_episodes"],
+            "eval/n": float(len(rows)) - m["agent/aborted_episodes"],  # the episodes the rates are over
             "eval/seconds": time.perf_counter() - t0,
         }
 
@@ -267,13 +280,16 @@ class AgentCollector:
                     log.exception("episode %s: cancelling the timed-out program failed", sid)
             thread.join(5.0)  # its pending request now fails: give the program a moment to return
         reward, failure, error = _outcome(result, session, timed_out)
+        if session.traj.untrained:  # the engine refused the last request (503): whatever the program did, no outcome
+            log.warning("episode %s: the engine refused its last request (503 engine_aborted); not trained", sid)
+            reward, failure, error = 0.0, None, ""
         if failure is not None:
             log.warning("episode %s failed (%s): %s", sid, failure, error or "no reward reported")
             reward = self.task.failure_reward
         traj = session.finish(reward, _END[failure])
         if failure == "timeout":  # not the `abort` its closing left on a request in flight: the episode timed out
             traj.end = "env_timeout"
-        traj.success = failure is None and reward >= self.task.success_reward
+        traj.success = failure is None and not traj.untrained and reward >= self.task.success_reward
         return Episode(row, traj, reward, failure, session, error)
 
     def _log_samples(self, step: int, episodes: list[Episode], k: int = 2) -> None:
@@ -339,7 +355,10 @@ def _as_number(value: Any) -> float | None:
 
 def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
     """Reward, success, turns, tokens, tool calls and failures of finished episodes (failed ones with their
-    failure reward)."""
+    failure reward). The end reasons and the endpoint's counters are over every episode, the rest over those with an
+    outcome: an aborted one's partial length and reward describe the engine's refusal, not the policy."""
+    everyone, n_all = episodes, max(len(episodes), 1)
+    episodes = [e for e in episodes if not e.aborted]
     n = max(len(episodes), 1)
     rewards = [e.reward for e in episodes] or [0.0]
     mean = sum(rewards) / len(rewards)
@@ -359,18 +378,20 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
         "episode/cut_turn_rate": sum(e.traj.cut_turns for e in episodes) / max(kept, 1),
         "response/length_mean": sum(sum(e.traj.mask) for e in episodes) / max(kept, 1),
         "agent/failed_episodes": float(sum(failures.values())),
-        "agent/history_rewrites": float(sum(e.session.rewrites for e in episodes)),
-        "agent/replayed_requests": float(sum(e.session.replays for e in episodes)),  # client retries answered again
-        "agent/dropped_turns": float(sum(e.session.dropped_turns for e in episodes)),
-        "agent/invalid_tool_calls": float(sum(e.session.invalid_tool_calls for e in episodes)),
-        "agent/constrained_turns": float(sum(e.session.constrained_turns for e in episodes)),
+        # the engine refused the last request (503): not the agent's failure, not trained
+        "agent/aborted_episodes": float(len(everyone) - len(episodes)),
+        "agent/history_rewrites": float(sum(e.session.rewrites for e in everyone)),
+        "agent/replayed_requests": float(sum(e.session.replays for e in everyone)),  # client retries answered again
+        "agent/dropped_turns": float(sum(e.session.dropped_turns for e in everyone)),
+        "agent/invalid_tool_calls": float(sum(e.session.invalid_tool_calls for e in everyone)),
+        "agent/constrained_turns": float(sum(e.session.constrained_turns for e in everyone)),
         # turn requests the engine aborted on its own (preemption) and the endpoint resumed
-        "agent/resumed_turns": float(sum(e.session.resumed for e in episodes)),
+        "agent/resumed_turns": float(sum(e.session.resumed for e in everyone)),
     }
     for kind in FAILURES:
         out[f"agent/failed_{kind}"] = float(failures.get(kind, 0))
-    for reason, count in Counter(e.traj.end for e in episodes).items():
-        out[f"episode/end_{reason}"] = count / n
+    for reason, count in Counter(e.traj.end for e in everyone).items():
+        out[f"episode/end_{reason}"] = count / n_all
     return out
 
 
