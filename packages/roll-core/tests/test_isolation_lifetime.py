@@ -110,3 +110,19 @@ def test_a_child_started_from_a_thread_has_a_main_thread_for_signals() -> None:
         assert out == [True] and worker.call(timeout=30) is True
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_process_group_leaves_the_child_serving(sig: signal.Signals) -> None:
+    """Ctrl-C reaches every process of the terminal's foreground group (a scheduler's SIGTERM often the whole job):
+    the trainer stops gracefully after its step, so its reward children must go on scoring that step. They died of
+    the inherited KeyboardInterrupt, and the step's rewards became failures."""
+    worker = ForkedWorker(os.getpid, name="pid")
+    try:
+        child = worker.call(timeout=30)
+        os.kill(child, sig)
+        time.sleep(0.3)  # a child that took the signal is gone by now
+        assert not process_gone(child)
+        assert worker.call(timeout=30) == child and worker.forks == 1
+    finally:
+        worker.close()

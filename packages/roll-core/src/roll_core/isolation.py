@@ -159,6 +159,12 @@ class ForkedWorker:
             code = 0
             try:
                 _die_with_parent(me)
+                # A terminal's Ctrl-C reaches the whole foreground process group, a scheduler's SIGTERM often the
+                # job's: the child inherited the trainer's handlers (a KeyboardInterrupt, or the graceful stop's
+                # warning printed again by every child), so the stopped step's rewards died as failures. The parent
+                # ends its children itself (deadline kills, the parent-death signal).
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(sig, signal.SIG_IGN)
                 parent.close()
                 torch = sys.modules.get("torch")
                 if torch is not None:  # as torch's DataLoader workers do: no thread pool inherited mid-state
