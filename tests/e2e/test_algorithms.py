@@ -70,9 +70,11 @@ def test_non_finite_losses_are_skipped_counted_and_stop_the_run(
     from roll_core.tracking import Tracker
 
     h = Tracker.read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["actor/nonfinite_steps"] for r in h] == [0.0, 0.0, 1.0, 1.0]  # step 5 raised before it was logged
-    assert [r["actor/optimizer_steps"] for r in h] == [1.0, 1.0, 0.0, 0.0]
-    assert h[1]["actor/lr"] > h[0]["actor/lr"] and h[3]["actor/lr"] == h[2]["actor/lr"] == h[1]["actor/lr"]
+    # step 5, the one that stops the run, is logged too (it raised before its record was written)
+    assert [r["actor/nonfinite_steps"] for r in h] == [0.0, 0.0, 1.0, 1.0, 1.0]
+    assert [r["actor/optimizer_steps"] for r in h] == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert h[1]["actor/lr"] > h[0]["actor/lr"] and h[4]["actor/lr"] == h[3]["actor/lr"] == h[2]["actor/lr"]
+    assert h[4]["step"] == 5 and h[4]["reward/mean"] is not None
 
 
 def test_steps_whose_other_mini_batches_trained_are_not_a_non_finite_streak(

@@ -12,6 +12,9 @@ Checkpoints: never written from inside a streak of non-finite steps (their weigh
 stop after `pipeline.max_nonfinite_steps` names the last checkpoint saved before the streak. A save that fails
 (a full disk) deletes its partial folder and ends the run with `CheckpointError` naming the checkpoint left intact.
 A stop signal (roll_core.pipelines.run_control.GracefulStop) is honoured from the evaluation before step 1 on.
+The step that ends a run (a stop, a non-finite stop, a finished finite job) is logged; a run resumed at or past
+`pipeline.max_steps` trains nothing and says so. A stop requested before a step's evaluation skips it (with a
+warning): the checkpoint comes first, within a preemption's grace period.
 Determinism:
 sampling seeds derive from (seed, purpose, step) and the collector's data position is checkpointed, so a resumed
 synchronous run on CPU reproduces the uninterrupted run's metrics.
@@ -193,38 +196,69 @@ class Pipeline:
         pipe = self.cfg.pipeline
         from tqdm.auto import tqdm
 
-        steps = range(self.start_step, pipe.max_steps + 1)
-        bar = tqdm(steps, desc=self.cfg.experiment, unit="step", disable=not pipe.progress, initial=self.start_step - 1)
+        if self.start_step > pipe.max_steps:  # resumed at or past max_steps: the loop below has nothing to do
+            log.warning(
+                "resumed after step %d, pipeline.max_steps=%d: no step left to train (raise pipeline.max_steps to "
+                "continue the run)",
+                self.start_step - 1,
+                pipe.max_steps,
+            )
+            return
         # A collector with a finite job (rollout-only) knows how many steps it needs.
-        bar.total = min(pipe.max_steps, getattr(self.collector, "total_steps", None) or pipe.max_steps)
-        for step in bar:
-            out = self.step(step)
-            if pipe.eval_every > 0 and (step % pipe.eval_every == 0 or step == pipe.max_steps):
-                if self.trainer.stale:  # an off-policy collector evaluates the weights trained so far
-                    self.trainer.sync_weights(self.collector, out)
-                out.update(self.collector.evaluate(step))
-            self.tracker.log(step, out)
-            bar.set_postfix(progress_fields(out))
-            due = (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps
-            saved = self.checkpoint(step) if due else None
-            self.tracker.plot(self._plot_keys(), force=bool(due))
-            if getattr(self.collector, "exhausted", False) and step < pipe.max_steps:
-                # A collector with a finite job (rollout-only: every prompt generated) ends the run early.
-                if not due:
-                    self.checkpoint(step)
-                log.info("step %d: the collector has nothing left to do; the run ends", step)
-                break
-            if stop.requested:  # checked last: a signal may arrive anywhere in the step
-                if not due:
-                    saved = self.checkpoint(step)
-                # None inside a non-finite streak: say where the run really resumes from
-                self.stop_checkpoint = saved or self.healthy_checkpoint
-                log.warning(
-                    "stopped after step %d: %s; pipeline.resume=true continues from there",
-                    step,
-                    f"checkpoint {saved}" if saved else f"no checkpoint (last healthy: {self.healthy_checkpoint})",
-                )
-                break
+        total = min(pipe.max_steps, getattr(self.collector, "total_steps", None) or pipe.max_steps)
+        # Advanced by hand once a step is done: iterating the bar counts a step only when the next one starts, so a
+        # stopped (or finished rollout-only) run's bar ended one step short.
+        bar = tqdm(
+            total=total, desc=self.cfg.experiment, unit="step", disable=not pipe.progress, initial=self.start_step - 1
+        )
+        try:
+            for step in range(self.start_step, pipe.max_steps + 1):
+                if self._one_step(step, stop, bar):
+                    break
+        finally:
+            bar.close()
+
+    def _one_step(self, step: int, stop: GracefulStop, bar: Any) -> bool:
+        """Step `step` of the loop: train, evaluate when due, log, save when due; True when the run ends here."""
+        pipe = self.cfg.pipeline
+        out = self.step(step)
+        self._check_finite(step, out)
+        eval_due = pipe.eval_every > 0 and (step % pipe.eval_every == 0 or step == pipe.max_steps)
+        if eval_due and stop.requested:
+            # A preempted job has a grace period: a long evaluation before the checkpoint could outlast it and lose
+            # the step. `roll-eval` on the checkpoint gives the numbers later.
+            log.warning("step %d: evaluation skipped: stopping (roll-eval evaluates the checkpoint)", step)
+            eval_due = False
+        if eval_due:
+            if self.trainer.stale:  # an off-policy collector evaluates the weights trained so far
+                self.trainer.sync_weights(self.collector, out)
+                if "sync" in out.timers:  # step() copied the timers before this sync: its time was left out
+                    out["perf/time_sync"] = out.timers["sync"]
+            out.update(self.collector.evaluate(step))
+        self.tracker.log(step, out)
+        bar.set_postfix(progress_fields(out), refresh=False)
+        bar.update(1)
+        due = (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps
+        saved = self.checkpoint(step) if due else None
+        self.tracker.plot(self._plot_keys(), force=bool(due))
+        # A collector with a finite job (rollout-only: every prompt generated) ends the run early.
+        finished = getattr(self.collector, "exhausted", False) and step < pipe.max_steps
+        if not (finished or stop.requested):  # a stop is checked last: a signal may arrive anywhere in the step
+            return False
+        if not due:
+            saved = self.checkpoint(step)
+        if stop.requested:
+            # None inside a non-finite streak: say where the run really resumes from (also when the collector
+            # finished in the same step: the report named no checkpoint although one was written)
+            self.stop_checkpoint = saved or self.healthy_checkpoint
+            log.warning(
+                "stopped after step %d: %s; pipeline.resume=true continues from there",
+                step,
+                f"checkpoint {saved}" if saved else f"no checkpoint (last healthy: {self.healthy_checkpoint})",
+            )
+        if finished:
+            log.info("step %d: the collector has nothing left to do; the run ends", step)
+        return True
 
     def _plot_keys(self) -> tuple[str, ...]:
         return (*self.collector.plot_keys, *AGREEMENT_PLOT_KEYS)
@@ -237,7 +271,6 @@ class Pipeline:
             self.trainer.update(step, collected, out)
             if getattr(self.collector, "on_policy", True):  # the next batch samples from the new weights
                 self.trainer.sync_weights(self.collector, out)
-            self._check_finite(step)
             warning = heavy_masking_warning(out, getattr(self.cfg.algo, "off_policy_correction", None))
             if warning and not getattr(self, "_warned_masking", False):  # once per run: the metric shows every step
                 self._warned_masking = True
@@ -268,11 +301,13 @@ class Pipeline:
         log.info("run finished: %s", summary)
         return summary
 
-    def _check_finite(self, step: int) -> None:
-        """Stop after pipeline.max_nonfinite_steps steps in a row whose optimizer steps were all skipped."""
+    def _check_finite(self, step: int, out: StepLog) -> None:
+        """Stop after pipeline.max_nonfinite_steps steps in a row whose optimizer steps were all skipped; the step
+        that stops the run is logged first (its metrics show the blow-up; they were lost)."""
         bad, limit = self.trainer.bad_steps, self.cfg.pipeline.max_nonfinite_steps
         if not (bad and limit and bad >= limit):
             return
+        self.tracker.log(step, out)
         healthy = self.healthy_checkpoint
         raise FloatingPointError(
             f"step {step}: {bad} steps in a row had a non-finite loss or gradient and were skipped "
