@@ -155,3 +155,82 @@ def test_a_rollback_sets_aside_newer_checkpoints_past_six_digits(tmp_path: Path)
     moved = set_aside_newer(m.root / "step_999999")
     assert [p.name for p in moved] == ["step_1000000"]
     assert m.latest() == m.root / "step_999999"
+
+
+def _fsync_failing_on(monkeypatch: pytest.MonkeyPatch, folder: Path, code: int) -> None:
+    """os.fsync fails with `code` for `folder` (a directory) from now on."""
+    import os
+
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(folder):
+            raise OSError(code, os.strerror(code))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_a_write_error_flushing_the_rename_fails_the_save_and_prunes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every error of a folder's fsync was swallowed: an EIO (or a network filesystem's full disk) flushing the
+    rename let the save go on as durable and prune the older checkpoints, so a crash then could leave none. A
+    filesystem that merely refuses to flush folders (EINVAL) still saves."""
+    m = CheckpointManager(tmp_path, keep_last=1)
+    _save(m, 2)
+    _fsync_failing_on(monkeypatch, m.root, errno.EIO)
+    with pytest.raises(OSError, match="Input/output error"):
+        _save(m, 4)
+    assert [p.name for p in m.list()] == ["step_000002", "step_000004"]  # step 2 kept: 4 may not be on disk
+    _fsync_failing_on(monkeypatch, m.root, errno.EINVAL)
+    _save(m, 6)
+    assert [p.name for p in m.list()] == ["step_000006"]
+
+
+def test_a_write_error_flushing_a_checkpoint_folder_stops_it_before_it_is_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder inside the checkpoint whose entries did not reach the disk (fsync EIO), or that could not be read
+    to flush its files, was skipped: the checkpoint was renamed into place as complete."""
+    import os
+
+    m = CheckpointManager(tmp_path, keep_last=2)
+    _save(m, 2)
+    tmp = m.staging(4)
+    (tmp / "actor" / "model").mkdir(parents=True)
+    (tmp / "actor" / "model" / "model.safetensors").write_bytes(b"weights")
+    _fsync_failing_on(monkeypatch, tmp / "actor" / "model", errno.EIO)
+    with pytest.raises(OSError, match="Input/output error"):
+        m.commit(tmp, 4, {})
+    assert [p.name for p in m.list()] == ["step_000002"]
+    monkeypatch.undo()
+
+    real_scandir = os.scandir
+
+    def unreadable(path: Any = ".", *a: Any, **k: Any) -> Any:
+        if str(path) == str(tmp / "actor"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_scandir(path, *a, **k)
+
+    monkeypatch.setattr(os, "scandir", unreadable)
+    with pytest.raises(PermissionError):
+        m.commit(tmp, 4, {})
+    assert [p.name for p in m.list()] == ["step_000002"]
+
+
+def test_the_first_save_flushes_the_new_checkpoints_folder_into_the_run_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first save creates `checkpoints/`; its entry in the run folder was never flushed, so a power cut could
+    lose the folder, with every checkpoint in it, though each was flushed."""
+    import os
+
+    run = tmp_path / "run"
+    run.mkdir()
+    synced: list[str] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
+    m = CheckpointManager(run)
+    _save(m, 1)
+    assert synced.index(str(run)) > synced.index(str(m.root))  # after the rename's flush

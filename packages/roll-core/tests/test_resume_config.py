@@ -192,3 +192,58 @@ def test_the_reward_model_cannot_change_on_resume_its_weight_may() -> None:
     now = copy.deepcopy(saved)
     now["reward_model"].update(weight=0.5, batch_size=32)
     assert check_resume(saved, now) == ["reward_model.batch_size: 16 -> 32", "reward_model.weight: 1.0 -> 0.5"]
+
+
+def _multi() -> dict:
+    return config_dict(load_config(["model=tiny", "env=multi"]))
+
+
+def test_a_changed_task_shape_is_refused_not_taken_for_a_field_an_upgrade_added() -> None:
+    """A key one side lacks was always taken as a field a version added, and only reported: a domain dropped from a
+    multi-task run, domain shares set where the run had none (`{}`), or an environment keyword added resumed
+    silently, the sampler's saved position then drawing another task's problems."""
+    saved = _multi()
+    dropped = copy.deepcopy(saved)
+    del dropped["env"]["tasks"]["code"]
+    code = r'\n  env\.tasks\.code: \{"_target_": "roll_envs\.tasks\.code\.CodeTask".*\.\.\. -> \(absent\)\n'
+    with pytest.raises(ConfigError, match=code) as err:
+        check_resume(saved, dropped)
+    assert str(err.value).count("env.tasks.code") == 1  # one line for the domain, not one per setting of it
+    shares = copy.deepcopy(saved)
+    shares["env"]["weights"] = {"math": 3.0, "code": 1.0, "instruct": 1.0}
+    with pytest.raises(ConfigError, match=r'env\.weights: \{\} -> \{"math": 3\.0, "code": 1\.0, "instruct": 1\.0\}'):
+        check_resume(saved, shares)
+    with pytest.raises(ConfigError, match=r'env\.weights: \{"math": 3\.0, .*\} -> \{\}'):
+        check_resume(shares, saved)
+
+    board = config_dict(load_config(["model=tiny", "env=frozen_lake"]))
+    bigger = copy.deepcopy(board)
+    bigger["env"]["env_kwargs"]["map_name"] = "8x8"
+    with pytest.raises(ConfigError, match=r'env\.env_kwargs\.map_name: \(absent\) -> "8x8"'):
+        check_resume(board, bigger)
+    # A fixed field one version has and the other lacks is still a report (an upgrade), at any depth.
+    older = copy.deepcopy(board)
+    del older["env"]["unseen_eval"], older["algo"]["num_critics"]
+    assert check_resume(older, board) == ["algo.num_critics: (absent) -> 1", "env.unseen_eval: (absent) -> false"]
+
+
+def test_a_multi_task_domains_reward_weights_may_change_like_a_single_tasks() -> None:
+    """env.reward.* and env.eval_size may change on resume, but the same settings of a multi-task run's domains
+    (env.tasks.<domain>.reward.*) were refused: a code sandbox's memory raised after its OOMs stopped the run."""
+    saved = _multi()
+    now = copy.deepcopy(saved)
+    now["env"]["tasks"]["code"]["reward"]["memory_mb"] = 2048
+    now["env"]["tasks"]["math"]["reward"]["format_weight"] = 0.1
+    now["env"]["tasks"]["math"]["eval_size"] = 50
+    assert check_resume(saved, now) == [
+        "env.tasks.code.reward.memory_mb: 512 -> 2048",
+        "env.tasks.math.eval_size: 100 -> 50",
+        "env.tasks.math.reward.format_weight: 0.0 -> 0.1",
+    ]
+    now["env"]["tasks"]["code"]["reward"]["_target_"] = "my.CodeReward"  # the reward's class stays fixed
+    now["env"]["tasks"]["code"]["num_tests"] = 3  # and so does the task
+    with pytest.raises(ConfigError) as err:
+        check_resume(saved, now)
+    assert "env.tasks.code.num_tests: 5 -> 3" in str(err.value)
+    assert 'env.tasks.code.reward._target_: "roll_envs.rewards.code.CodeReward" -> "my.CodeReward"' in str(err.value)
+    assert "memory_mb" not in str(err.value)

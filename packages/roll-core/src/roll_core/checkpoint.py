@@ -1,24 +1,25 @@
 """Checkpoints: atomic, complete, the last K kept; the policy folder loads with plain transformers.
 
 Layout: `<out>/checkpoints/step_000010/` holding `actor/model/` (HF `save_pretrained`: safetensors + config +
-tokenizer), `actor/engine.pt` (optimizer, LR scheduler), `critic/` (PPO; AsyPPO adds `critic_1/`, ...),
-`state.json` (step, sampler position, KL controller, RNG states) and `config.yaml` (the run config it was saved with,
-which a resumed run is compared with: roll_core.config.resume). A checkpoint is written into `step_000010.tmp/`,
-flushed to disk (every file and folder fsync'ed: a rename can reach the disk before the data it names, so a power
-cut could otherwise leave a complete-looking folder of empty files) and renamed when complete, so a crash mid-save
-never leaves a folder that `latest()` would pick. Saving a step again (a run redoing steps after a rollback) first
-moves the old folder to `step_000010.replaced/` and deletes it only once the new one is in place: a crash between
+tokenizer), `actor/engine.pt` (optimizer, LR scheduler), `critic/` (PPO; AsyPPO adds `critic_1/`, ...), `state.json`
+(step, sampler position, KL controller, RNG states) and `config.yaml` (the run config it was saved with, which a resumed
+run is compared with: roll_core.config.resume). A checkpoint is written into `step_000010.tmp/`, flushed to disk (every
+file and folder fsync'ed: a rename can reach the disk before the data it names, so a power cut could otherwise leave a
+complete-looking folder of empty files; a flush's write error fails the save) and renamed when complete, so a crash
+mid-save never leaves a folder that `latest()` would pick. Saving a step again (a run redoing steps after a rollback)
+first moves the old folder to `step_000010.replaced/` and deletes it only once the new one is in place: a crash between
 the two renames leaves the old checkpoint, which `list()` still finds. A pruned checkpoint is renamed to
-`step_000008.deleting/` before its files are deleted (left-overs of a crash go at the next save), so a crash or a
-file that will not go (NFS's busy `.nfs*` files) never leaves a folder that lists as complete with files missing.
-What crashed saves and prunes leave behind (`.tmp`, `.deleting`, a `.replaced` beside its complete folder) is
-deleted before the next save writes anything (a run folder has one writer: the driver), so it never fills the disk.
-A save that fails (a full disk) is the caller's to `discard` (roll_core.pipelines.loop: `CheckpointError`); the
-checkpoints already there are untouched until a new one is complete.
+`step_000008.deleting/` before its files are deleted (left-overs of a crash go at the next save), so a crash or a file
+that will not go (NFS's busy `.nfs*` files) never leaves a folder that lists as complete with files missing. What
+crashed saves and prunes leave behind (`.tmp`, `.deleting`, a `.replaced` beside its complete folder) is deleted before
+the next save writes anything (a run folder has one writer: the driver), so it never fills the disk. A save that fails
+(a full disk) is the caller's to `discard` (roll_core.pipelines.loop: `CheckpointError`); the checkpoints already there
+are untouched until a new one is complete.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -104,6 +105,7 @@ class CheckpointManager:
         # copy: it goes only once the new folder is in place.
         tmp.rename(final)
         _fsync_dir(self.root)  # the rename itself
+        _fsync_dir(self.root.parent)  # and, at the first save, `checkpoints/` itself
         shutil.rmtree(replaced, ignore_errors=True)
         for old in self.list()[: -self.keep_last]:
             _delete(old)
@@ -170,8 +172,9 @@ def _delete(folder: Path) -> None:
 
 
 def fsync_tree(root: Path) -> None:
-    """Flush every file under `root`, and every folder (their entries), to disk."""
-    for folder, _, files in os.walk(root):
+    """Flush every file under `root`, and every folder (their entries), to disk; a folder that cannot be read is an
+    error (os.walk skips it silently: its files went unflushed into a checkpoint marked complete)."""
+    for folder, _, files in os.walk(root, onerror=_raise):
         for name in files:
             fd = os.open(os.path.join(folder, name), os.O_RDONLY)
             try:
@@ -181,16 +184,27 @@ def fsync_tree(root: Path) -> None:
         _fsync_dir(folder)
 
 
+#: What a filesystem that does not flush folders answers (some FUSE, CIFS and network mounts): nothing was lost.
+_FSYNC_REFUSED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES, errno.EPERM}
+
+
+def _raise(exc: OSError) -> None:
+    raise exc
+
+
 def _fsync_dir(folder: str | Path) -> None:
-    """Flush a folder's entries (names created or renamed in it); a no-op where folders cannot be opened (Windows)."""
+    """Flush a folder's entries (names created or renamed in it); a no-op where folders cannot be opened (Windows)
+    or flushed. A write error (EIO, a full disk or quota on a network filesystem) is raised: swallowed, the save
+    went on as durable and pruned the older checkpoints, so a crash could leave none complete."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
         return
     try:
         os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on a folder: its entries are then as safe as they can be
-        pass
+    except OSError as exc:
+        if exc.errno not in _FSYNC_REFUSED:
+            raise
     finally:
         os.close(fd)
 

@@ -9,15 +9,18 @@ writes the run's config.yaml or loads anything:
   the train engines re-apply the configured optimizer settings after loading (roll_engines.train._settings);
 - a key that cannot change within a run (the model, tokenizer, group size, advantage estimator, seed, the task and
   its data, the reward model, the train engine's kind and LoRA shape) raises `ConfigError` listing each with its
-  saved and new value and how to proceed (set them back, or start a new run).
+  saved and new value and how to proceed (set them back, or start a new run). A multi-task run's domains are tasks
+  like a single one: each domain's reward weights and eval size may change, its reward class may not.
 
 So config.yaml, rewritten by the resumed run, records what is in effect. Train engine layouts (world size, TP/PP/DP)
 may change: the engines reshard their checkpoints (tests/e2e/test_megatron_ray.py, test_ray_engines.py); an
 optimizer structure the engine cannot reshard is refused by the engine's `load` with its own message.
 
 May assume: both configs are plain nested dicts of the same schema family (YAML scalars, lists, dicts). Keys only
-one side has (a field added by an upgrade, another group's option) are reported as changes, refused only when the
-key is fixed and present on both sides (a changed group shows up as a changed fixed `_target_` or name).
+one side has (a field added by an upgrade, another group's option) are reported as changes (a changed group shows
+up as a changed fixed `_target_` or name), except where they are the user's entries, not fields: a fixed key under
+one of ENTRIES (a domain of env.tasks, a key of env.env_kwargs) or under a value the other side holds as `{}` or
+null (env.weights `{}` -> shares) on one side only is refused.
 """
 
 from __future__ import annotations
@@ -81,9 +84,24 @@ FIXED = (
 #: change too, where a key present on one side only is otherwise taken as a setting this version added).
 FIXED_WHOLE = ("distill.teachers",)
 
+#: Mappings of the user's entries (a multi-task run's domains, an environment's keyword arguments, the domains'
+#: shares): an entry on one side only is a change of the task, never a field added by an upgrade.
+ENTRIES = (
+    "env.tasks",
+    "env.rewards",
+    "env.weights",
+    "env.counts",
+    "env.advantage_scale",
+    "env.env_kwargs",
+)
+
 #: Exceptions to FIXED: settings under a fixed prefix that only change how the task runs, not what it is.
 CHANGEABLE = (
     "env.reward.*",  # reward weights and limits (its class is fixed: see below)
+    # A multi-task run's domains: the same weights, limits and eval size as a single task's.
+    "env.tasks.*.reward.*",
+    "env.tasks.*.eval_size",
+    "env.rewards.*",
     "env.eval_size",
     "env.step_timeout_s",
     "env.on_failure",  # how a failed episode is trained (agentic and agent envs), like the reward's weights
@@ -92,7 +110,7 @@ CHANGEABLE = (
     "env.num_workers",
 )
 #: Fixed again inside CHANGEABLE.
-FIXED_AGAIN = ("env.reward._target_",)
+FIXED_AGAIN = ("env.reward._target_", "env.tasks.*.reward._target_", "env.rewards.*._target_")
 
 #: Keys never compared: they say how this launch finds the run, not how the run trains.
 IGNORED = ("defaults", "pipeline.resume", "pipeline.resume_from")
@@ -130,10 +148,20 @@ def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], where: st
         if _same(a, b):
             continue
         line = f"{key}: {_show(a)} -> {_show(b)}"
-        if is_fixed(key) and a is not _ABSENT and b is not _ABSENT:
+        if not is_fixed(key):
+            lines.append(line)
+        elif a is not _ABSENT and b is not _ABSENT:
             refused.append(line)
         else:
-            lines.append(line)
+            # One side lacks the key: a field one version has (reported), or a value that changed shape (an entry
+            # added or removed, `{}` -> entries): refused, shown where the two sides part.
+            point = _divergence(saved, current, key)
+            if point is None:
+                lines.append(line)
+            else:
+                line = f"{point}: {_brief(_get(saved, point))} -> {_brief(_get(current, point))}"
+                if line not in refused:
+                    refused.append(line)
     for key in FIXED_WHOLE:
         a, b = _lookup(saved, key), _lookup(current, key)
         if not _same(_flatten(a or {}), _flatten(b or {})):
@@ -197,6 +225,35 @@ def _lookup(node: Any, key: str) -> Any:
     return node
 
 
+def _get(node: Any, key: str) -> Any:
+    """The value at dotted `key` of a nested mapping, or _ABSENT where any part is missing."""
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
+
+
+def _divergence(saved: Any, current: Any, key: str) -> str | None:
+    """Where the two configs part on the way to `key`, which one side lacks: the dotted key of an entry one side
+    only has (under ENTRIES) or of a value the other side holds as a mapping (`{}` or null -> entries); None when the
+    key is a field of a non-empty mapping only one side has (a field added or removed by a version: a report)."""
+    parts = key.split(".")
+    a, b = saved, current
+    for i, part in enumerate(parts):
+        parent, here = ".".join(parts[:i]), ".".join(parts[: i + 1])
+        if not (_is_branch(a) and _is_branch(b)):  # a leaf (`{}`, null, a scalar) on one side, a mapping on the other
+            return parent or None
+        if part not in a or part not in b:
+            return here if _matches(parent, ENTRIES) else None
+        a, b = a[part], b[part]
+    return key  # both sides hold it, one as a leaf (`{}`, null), the other as a mapping
+
+
+def _is_branch(node: Any) -> bool:
+    return isinstance(node, Mapping) and bool(node)
+
+
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     """Dotted keys of the leaves (lists are leaves); an empty dict is a leaf too (so `{}` vs absent shows)."""
     if isinstance(node, Mapping) and node:
@@ -224,3 +281,9 @@ def _show(value: Any) -> str:
         return json.dumps(value)
     except TypeError:
         return repr(value)
+
+
+def _brief(value: Any, limit: int = 160) -> str:
+    """`_show`, cut to `limit` characters: a whole task's settings would fill a screen."""
+    shown = _show(value)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
