@@ -56,8 +56,10 @@ class ArithmeticTask(Task):
         # Worked examples come from the training split, so no held-out answer is ever shown.
         examples_rng = random.Random(derive_seed(seed, Purpose.WORKED_EXAMPLES))
         shown = self._draw(examples_rng, lo, hi, examples, held_out=False, fraction=eval_fraction, space=space)
+        # (The expression is the id after `<name>:`; split at the first colon, a name with one (env.name=a:b) put
+        # "b:2 + 3 = 5" in every worked example.)
         self.examples = [
-            (p.prompt, f"{p.id.split(':', 1)[1]} = {p.answer}, so the answer is \\boxed{{{p.answer}}}.") for p in shown
+            (p.prompt, f"{p.id[len(name) + 1 :]} = {p.answer}, so the answer is \\boxed{{{p.answer}}}.") for p in shown
         ]
 
     @classmethod

@@ -1,11 +1,12 @@
 """The task interface: a fixed, seeded list of training problems, a disjoint held-out list, and a reward.
 
-Contract: `train_set()` and `eval_set()` are deterministic for a given config (same seed, same problems, same
-order) and never share a problem, so held-out accuracy measures generalisation, not memorisation. A problem's
-`prompt` is the user message; the pipeline applies the model's chat template. `score()` delegates to the
+Contract: `train_set()` and `eval_set()` are deterministic for a given config (same seed, same problems, same order)
+and never share a problem, so held-out accuracy measures generalisation, not memorisation. A problem's `prompt` is
+the (last) user message; `context` the chat turns a data row puts before it (its own system message, earlier
+user/assistant turns); the pipeline applies the model's chat template to `messages()`. `score()` delegates to the
 task's reward and returns a `RewardResult` with counted failures. A problem may carry pictures (`images`: anything
-roll_core.multimodal.load_image takes); its prompt then places them with `<image>` markers (or they come first),
-and the pipeline feeds them to a vision-language model (a text model given pictures is an error).
+roll_core.multimodal.load_image takes); its prompt then places them with `<image>` markers (or they come first), and
+the pipeline feeds them to a vision-language model (a text model given pictures is an error).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ class Problem:
     `domain` routes the row in a multi-domain run and names its metrics; `metadata` is everything else a reward may
     need (a data row's other columns, a generated problem's constraints): rewards that declare `metadata` get
     `{**metadata, "domain": domain}`. `images`: the problem's pictures in prompt order (paths, bytes,
-    `{"bytes", "path"}` dicts, PIL images or arrays; see roll_core.multimodal.load_image), empty for text."""
+    `{"bytes", "path"}` dicts, PIL images or arrays; see roll_core.multimodal.load_image), empty for text.
+    `context`: `{"role", "content"}` text messages before the prompt (a chat-messages data row's system message
+    and earlier turns), empty for a plain prompt."""
 
     id: str
     prompt: str
@@ -36,6 +39,7 @@ class Problem:
     domain: str = "math"
     metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     images: Sequence[Any] = field(default_factory=tuple, compare=False, hash=False, repr=False)
+    context: Sequence[Mapping[str, str]] = field(default_factory=tuple, compare=False, hash=False, repr=False)
 
 
 def held_out_split(
@@ -88,6 +92,16 @@ def held_out_split(
             f"{path}: every row fell in the held-out split; lower env.eval_fraction or give env.eval_path"
         )
     return train, held[:eval_size]
+
+
+def eval_file_name(name: str, path: str | Path, eval_path: str | Path) -> str:
+    """The id prefix of env.eval_path's rows: `name`, or `<name>:eval` when env.path is another file of the same
+    file name (train/data.jsonl, test/data.jsonl). A file row's id names its file by its name only: both files'
+    line 5 was `data:data.jsonl:5`, a held-out problem with a training problem's id (in rollout dumps,
+    evaluation records and anything keyed by id)."""
+    if Path(eval_path).name == Path(path).name and not _same_file(str(path), str(eval_path)):
+        return f"{name}:eval"
+    return name
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -159,11 +173,19 @@ class Task:
         return self._eval
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
-        """Chat messages for a problem: system prompt if any, worked examples, then the user prompt."""
-        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        """Chat messages for a problem: system prompt if any, worked examples, the row's earlier turns
+        (`context`), then the user prompt. The system prompt is `system_prompt` (env.system_prompt: a setting
+        beats the data), else the row's own system message; there is never more than one (chat templates refuse
+        a second)."""
+        context = [dict(m) for m in getattr(problem, "context", None) or ()]
+        system = self.system_prompt
+        if context and context[0].get("role") == "system":
+            own = context.pop(0)
+            system = system or own["content"]
+        msgs = [{"role": "system", "content": system}] if system else []
         for question, answer in self.examples:
             msgs += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-        return [*msgs, {"role": "user", "content": problem.prompt}]
+        return [*msgs, *context, {"role": "user", "content": problem.prompt}]
 
     def score(self, responses: Sequence[str], problems: Sequence[Problem]) -> RewardResult:
         """Score responses against their problems' answers."""

@@ -10,7 +10,8 @@ Your data (`path=...`): JSONL, Parquet or a datasets folder (as `FileTask`), one
 (`prompt_key`) and tests (`tests_key`) given as `[{"input": ..., "output": ...}, ...]`, as
 `{"inputs": [...], "outputs": [...]}` (the APPS / TACO layout), or as a JSON string of either. Bad rows (not an
 object, empty prompt, no tests, a test without string input and output) are skipped, counted in `skipped` with
-their row numbers and reasons, and logged; an empty result is an error. The prompt is used as written.
+their row numbers and reasons, and logged; an empty result is an error. The prompt is used as written; a prompt
+given as chat messages is read as env=file reads it (the last user message, the messages before it kept).
 
 The ground truth of a problem is `rewards.code.encode_tests(tests)`; the reward is `CodeReward` by default.
 """
@@ -28,8 +29,8 @@ from roll_core.errors import ConfigError
 from roll_envs.rewards.base import Reward
 from roll_envs.rewards.code import CodeTest, encode_tests
 from roll_envs.tasks._code_problems import TEMPLATES, param_key, reference_program
-from roll_envs.tasks.base import Problem, Task, stable_fraction
-from roll_envs.tasks.dataset import _rows, log_skipped
+from roll_envs.tasks.base import Problem, Task, eval_file_name, stable_fraction
+from roll_envs.tasks.dataset import _chat_prompt, _rows, _text_problem, log_skipped
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,11 @@ def load_code_problems(
         if not isinstance(row, dict):
             skipped.append((lineno, f"row is {type(row).__name__}, not an object"))
             continue
-        prompt = row.get(prompt_key)
-        if not isinstance(prompt, str) or not prompt.strip():
-            skipped.append((lineno, f"missing or empty {prompt_key!r}"))
+        # (Chat-message prompts were skipped as "missing or empty", which they are not.)
+        prompt, context, why = _chat_prompt(prompt_key, row.get(prompt_key))
+        why = why or _text_problem(prompt_key, prompt, numbers=False)
+        if why is not None:
+            skipped.append((lineno, why))
             continue
         if tests_key not in row:
             skipped.append((lineno, f"missing {tests_key!r}"))
@@ -91,7 +94,13 @@ def load_code_problems(
             skipped.append((lineno, f"bad {tests_key!r}: {exc}"))
             continue
         problems.append(
-            Problem(id=f"{name}:{path.name}:{lineno}", prompt=prompt, answer=encode_tests(tests), domain="code")
+            Problem(
+                id=f"{name}:{path.name}:{lineno}",
+                prompt=prompt,
+                answer=encode_tests(tests),
+                domain="code",
+                context=context,
+            )
         )
     skipped.sort()
     log_skipped(path, skipped)
@@ -142,7 +151,7 @@ class CodeTask(Task):
             self.skipped = [(str(path), n, why) for n, why in skipped]
             if eval_path:
                 held, eval_skipped = load_code_problems(
-                    eval_path, prompt_key=prompt_key, tests_key=tests_key, name=name
+                    eval_path, prompt_key=prompt_key, tests_key=tests_key, name=eval_file_name(name, path, eval_path)
                 )
                 self.skipped += [(str(eval_path), n, why) for n, why in eval_skipped]
                 evaluated = {p.prompt for p in held}  # a held-out problem that also trains measures nothing

@@ -17,8 +17,13 @@ The prompt places them with `<image>` markers (the common VLM RL row format, e.g
 `<image>`, `images`, `answer`); without markers they come first. A row whose pictures cannot be read (missing file,
 bytes that are no picture) or whose markers disagree with its picture count is a bad row like the others: skipped,
 counted, reported. Pictures are checked by their headers here (cheap) and decoded when their prompt is built.
-A prompt may also be a list of chat messages (verl's prepared rows): its last user message is the prompt; an
-`answer_key` with dots reads a nested column (`reward_model.ground_truth`).
+A prompt may also be a list of chat messages (verl's prepared rows): its last user message is the prompt and the
+messages before it (the row's system message, earlier turns) its `context`, kept in the chat the model sees (a set
+env.system_prompt replaces the row's system message); messages after it (an answer turn) are not shown. A message
+that is not a `{"role": system|user|assistant, "content": text}` object makes the row bad. An `answer_key` with
+dots reads a nested column (`reward_model.ground_truth`). A row's `domain` column (text) names its domain; a null
+or empty one is no domain (the default's), another type makes the row bad. A leading UTF-8 byte order mark (files
+saved by Windows editors) is ignored.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from typing import Any
 
 from roll_core.errors import ConfigError
 from roll_envs.rewards.base import Reward
-from roll_envs.tasks.base import Problem, Task, held_out_split
+from roll_envs.tasks.base import Problem, Task, eval_file_name, held_out_split
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +58,16 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
                 f"{path}: cannot read it as a datasets folder ({exc}); check the folder or env.path"
             ) from exc
         if isinstance(ds, datasets.DatasetDict):
-            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+            split = "train" if "train" in ds else next(iter(ds))
+            if len(ds) > 1:  # the other splits are never read: say so (a test split is not a held-out set here)
+                log.warning(
+                    "%s holds the splits %s: reading %r only (save a split to its own folder to give it as "
+                    "env.eval_path)",
+                    path,
+                    sorted(ds),
+                    split,
+                )
+            ds = ds[split]
         return [(i + 1, row) for i, row in enumerate(_encoded_rows(ds))], bad
     if path.suffix == ".parquet":
         from roll_envs.config import PYARROW
@@ -76,7 +90,7 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, start=1):
                 try:
-                    line = raw.decode("utf-8")
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
                 except UnicodeDecodeError as exc:
                     bad.append((lineno, f"not UTF-8 text (byte {exc.start}: {raw[exc.start : exc.start + 1]!r})"))
                     continue
@@ -110,7 +124,7 @@ def _json_array(path: Path) -> list[tuple[int, Any]] | None:
     (JSON lines). Read line by line, such a file lost every row but the last of an array written one object per
     line (the others end with a comma) and trained on that one: a warning was all that said so."""
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
+        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()  # (json.loads of bytes skips the BOM itself)
     if not head.startswith(b"["):
         return None
     try:
@@ -139,41 +153,57 @@ def load_problems(
     images_key: str = "images",
 ) -> tuple[list[Problem], list[tuple[int, str]]]:
     """Read problems from a file; returns (problems, skipped) with skipped = [(row number, reason)]."""
+    problems, skipped, _ = _load(path, prompt_key, answer_key, name, domain, images_key)
+    return problems, skipped
+
+
+def _load(
+    path: str | Path, prompt_key: str, answer_key: str, name: str, domain: str, images_key: str
+) -> tuple[list[Problem], list[tuple[int, str]], frozenset[str]]:
+    """load_problems, plus the ids of the problems whose row names no domain (they have `domain`)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"data file {path} does not exist")
     rows, skipped = _rows(path)
     problems = []
+    defaulted: set[str] = set()
     seen_keys: set[str] = set()  # keys of the bad object rows, to name the columns a wrong prompt_key missed
     pictures = _image_keys(images_key)
     for lineno, row in rows:
         if not isinstance(row, dict):
             skipped.append((lineno, f"row is {type(row).__name__}, not an object"))
             continue
-        prompt, answer = _chat_prompt(row.get(prompt_key)), _nested(row, answer_key)
-        why = _text_problem(prompt_key, prompt, numbers=False)
+        (prompt, context, why), answer = _chat_prompt(prompt_key, row.get(prompt_key)), _nested(row, answer_key)
+        why = why or _text_problem(prompt_key, prompt, numbers=False)
         if why is None:
             # Numbers are answers too (JSON 5 -> "5"); NaN/inf (JSON's NaN extension, a float column) are not.
             if isinstance(answer, (int, float)) and not isinstance(answer, bool):
                 answer = _plain_number(answer) if math.isfinite(answer) else answer
+            elif isinstance(answer, decimal.Decimal) and answer.is_finite():  # a Parquet decimal column (SQL exports)
+                answer = format(answer, "f")
             why = _text_problem(answer_key, answer, numbers=True)
         images: list[Any] = []
+        own_domain, why = _row_domain(row) if why is None else (None, why)
         if why is None:
             images, why = _row_images(row, images_key, prompt, path.parent)
         if why is not None:
             skipped.append((lineno, why))
             seen_keys.update(row)
             continue
+        ident = f"{name}:{path.name}:{lineno}"
+        if own_domain is None:
+            defaulted.add(ident)
         problems.append(
             Problem(
-                id=f"{name}:{path.name}:{lineno}",
+                id=ident,
                 prompt=prompt,
                 answer=answer.strip(),
-                domain=str(row.get("domain", domain)),
+                domain=own_domain or domain,
                 # The row's other columns reach rewards that declare `metadata` (constraints, test cases, tags).
                 # (Not the pictures: metadata travels to the reward workers with every batch.)
                 metadata={k: v for k, v in row.items() if k not in (prompt_key, answer_key, "domain", *pictures)},
                 images=images,
+                context=context,
             )
         )
     skipped.sort()
@@ -187,7 +217,7 @@ def load_problems(
             f"expected keys {prompt_key!r}, {answer_key!r}{found}: fix the rows or set env.prompt_key / "
             "env.answer_key"
         )
-    return problems, skipped
+    return problems, skipped, frozenset(defaulted)
 
 
 def log_skipped(path: str | Path, skipped: list[tuple[int, str]]) -> None:
@@ -198,14 +228,42 @@ def log_skipped(path: str | Path, skipped: list[tuple[int, str]]) -> None:
         log.warning("%s: skipped %d bad row(s): %s%s", path, len(skipped), shown, more)
 
 
-def _chat_prompt(value: Any) -> Any:
-    """A prompt given as chat messages (verl's prepared rows: [{"role": "user", "content": ...}]) -> the last user
-    message's text; anything else (a list without a user text) unchanged, for _text_problem to name."""
-    if isinstance(value, (list, tuple)) and value and all(isinstance(m, dict) for m in value):
-        users = [m.get("content") for m in value if m.get("role") == "user"]
-        if users and isinstance(users[-1], str):
-            return users[-1]
-    return value
+_ROLES = ("system", "user", "assistant")
+
+
+def _chat_prompt(key: str, value: Any) -> tuple[Any, tuple[dict[str, str], ...], str | None]:
+    """(prompt, context, why the row is bad or None) of a prompt column: a plain value is the prompt (for
+    _text_problem to check); chat messages (verl's prepared rows: [{"role": "user", "content": ...}]) give the last
+    user message's text and the text messages before it (a system message only first). The messages before were
+    dropped: a row's own system prompt ("put the answer in \\boxed{}") and its few-shot turns never reached the
+    model, and nothing said so."""
+    if hasattr(value, "tolist") and getattr(value, "ndim", 0) == 1:
+        value = value.tolist()  # (a 1-D numpy object array: how pandas hands a list column over)
+    if not (isinstance(value, (list, tuple)) and value and all(isinstance(m, dict) for m in value)):
+        return value, (), None
+    last = max((i for i, m in enumerate(value) if m.get("role") == "user"), default=None)
+    if last is None:
+        return None, (), f"{key!r} is chat messages without a user message"
+    for i, m in enumerate(value[: last + 1]):
+        role, content = m.get("role"), m.get("content")
+        if role not in _ROLES or (role == "system" and i > 0):
+            where = "roles are system (first), user, assistant" if role in _ROLES else f"role {role!r} unknown"
+            return None, (), f"message {i} of {key!r} has role {role!r} ({where})"
+        if not isinstance(content, str):
+            return None, (), f"{key!r} has type list (message {i}: {type(content).__name__} content), expected text"
+    context = tuple({"role": m["role"], "content": m["content"]} for m in value[:last])
+    return value[last]["content"], context, None
+
+
+def _row_domain(row: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(the row's own domain or None when it names none, why the row is bad or None). A null in a Parquet column
+    (or NaN) is no domain: it became the domain "None" ("nan"), which no reward routes and no metric expects."""
+    value = row.get("domain")
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None, None
+    if not isinstance(value, str):
+        return None, f"'domain' has type {type(value).__name__} ({str(value)[:40]}), expected text"
+    return (value.strip() or None), None
 
 
 def _nested(row: dict[str, Any], key: str) -> Any:
@@ -281,13 +339,17 @@ class FileTask(Task):
         for key, value in (("env.path", path), ("env.eval_path", eval_path)):
             if value and not Path(value).exists():  # name the setting: the loader only knows the file
                 raise ConfigError(f"data file {value} does not exist: check {key}")
-        keys = dict(prompt_key=prompt_key, answer_key=answer_key, name=name, images_key=images_key)
-        problems, skipped = load_problems(path, **keys)
+        keys = dict(prompt_key=prompt_key, answer_key=answer_key, domain="math", images_key=images_key)
+        problems, skipped, defaulted = _load(path, name=name, **keys)
         self.skipped = [(str(path), n, why) for n, why in skipped]
         held = None
         if eval_path:
-            held, eval_skipped = load_problems(eval_path, **keys)
+            held, eval_skipped, eval_defaulted = _load(eval_path, name=eval_file_name(name, path, eval_path), **keys)
             self.skipped += [(str(eval_path), n, why) for n, why in eval_skipped]
+            defaulted |= eval_defaulted
+        # Rows that name no domain (they have "math"): env=multi with route=column gives them the sub-task's own
+        # domain instead (its reward), not whichever sub-task happens to be called "math".
+        self.default_domain_ids = defaulted
         self._train, self._eval = held_out_split(
             problems, held, eval_fraction=eval_fraction, eval_size=eval_size, path=path, eval_path=eval_path
         )

@@ -9,8 +9,9 @@ its request and constraints falls below `eval_fraction`, so the split does not d
 asked for; the seed picks which problems are drawn (the held-out draw has its own derived seed).
 
 From files (`path`, JSONL / Parquet / a datasets folder): each row has a prompt (`prompt_key`, used as written: it
-should state its constraints) and `constraints_key`, a list of constraint objects or its JSON text. A row that is
-not an object or has no prompt is skipped, counted (`skipped`) and logged, as env=file does; a row whose
+should state its constraints; chat messages are read as env=file reads them) and `constraints_key`, a list of
+constraint objects or its JSON text. A row that is not an object, has no prompt or a `domain` that is not text is
+skipped, counted (`skipped`) and logged, as env=file does; a row whose
 constraints are missing, of an unknown type or with bad arguments is a ConfigError naming the file and line, before
 anything runs.
 The held-out split is `eval_path`, else a stable-hash fraction of the rows.
@@ -35,7 +36,7 @@ from roll_core.errors import ConfigError
 from roll_core.seeds import Purpose, derive_seed
 from roll_envs.rewards.base import Reward
 from roll_envs.rewards.ifeval import KINDS, bounds, check, describe, parse_constraints, words
-from roll_envs.tasks.base import Problem, Task, held_out_split, stable_fraction
+from roll_envs.tasks.base import Problem, Task, eval_file_name, held_out_split, stable_fraction
 
 #: Short open requests a small model can answer in a few words or sentences.
 REQUESTS = [
@@ -256,15 +257,18 @@ class InstructTask(Task):
         for key, value in (("env.path", path), ("env.eval_path", eval_path)):
             if value and not Path(value).exists():
                 raise ConfigError(f"data file {value} does not exist: check {key}")
-        problems = self._load(path, prompt_key, constraints_key)
-        held = self._load(eval_path, prompt_key, constraints_key) if eval_path else None
+        problems = self._load(path, prompt_key, constraints_key, self.name)
+        held = None
+        if eval_path:
+            held = self._load(eval_path, prompt_key, constraints_key, eval_file_name(self.name, path, eval_path))
         self._train, self._eval = held_out_split(
             problems, held, eval_fraction=eval_fraction, eval_size=eval_size, path=path, eval_path=eval_path
         )
 
-    def _load(self, path: str, prompt_key: str, constraints_key: str) -> list[Problem]:
-        """Problems of one file; unreadable rows and rows without a prompt go to `skipped`."""
-        from roll_envs.tasks.dataset import _rows, log_skipped
+    def _load(self, path: str, prompt_key: str, constraints_key: str, name: str) -> list[Problem]:
+        """Problems of one file (ids `<name>:<file name>:<line>`); unreadable rows and rows without a prompt go to
+        `skipped`."""
+        from roll_envs.tasks.dataset import _chat_prompt, _row_domain, _rows, _text_problem, log_skipped
 
         rows, bad = _rows(Path(path))
         skipped = list(bad)
@@ -273,9 +277,11 @@ class InstructTask(Task):
             if not isinstance(row, dict):
                 skipped.append((lineno, f"row is {type(row).__name__}, not an object"))
                 continue
-            prompt = row.get(prompt_key)
-            if not isinstance(prompt, str) or not prompt.strip():
-                skipped.append((lineno, f"missing or empty {prompt_key!r}"))
+            prompt, context, why = _chat_prompt(prompt_key, row.get(prompt_key))
+            why = why or _text_problem(prompt_key, prompt, numbers=False)
+            domain, why = _row_domain(row) if why is None else (None, why)
+            if why is not None:
+                skipped.append((lineno, why))
                 continue
             if constraints_key not in row:
                 raise ConfigError(
@@ -287,14 +293,15 @@ class InstructTask(Task):
                 raise ConfigError(f"{path} line {lineno}: bad {constraints_key!r}: {exc}") from None
             problems.append(
                 Problem(
-                    id=f"{self.name}:{Path(path).name}:{lineno}",
+                    id=f"{name}:{Path(path).name}:{lineno}",
                     prompt=prompt,
                     answer=json.dumps(constraints),
-                    domain=str(row.get("domain", "instruct")),
+                    domain=domain or "instruct",  # (a null column was the domain "None")
                     metadata={
                         **{k: v for k, v in row.items() if k not in (prompt_key, constraints_key, "domain")},
                         "constraints": constraints,
                     },
+                    context=context,
                 )
             )
         log_skipped(path, sorted(skipped))

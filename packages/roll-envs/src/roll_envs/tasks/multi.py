@@ -3,7 +3,8 @@
 `env=multi` composes any single-turn tasks under `env.tasks.<domain>` (each a whole env node: `arithmetic`,
 `code`, `instruct`, `file`, ...). Contract:
 - Routing (`route`): `task` (default): every problem of sub-task `t` has domain `t`; `column`: a problem keeps its
-  own domain (a data file's `domain` column), so one file can hold several domains; its reward is
+  own domain (a data file's `domain` column), so one file can hold several domains (a file row that names none
+  has its sub-task's domain `t`, not the file task's default "math"); its reward is
   `env.rewards.<domain>` when given, else the reward of the sub-task named like the domain. A domain without a
   reward is a ConfigError when the task loads (naming the domains and the rows' counts), never a silent 0.
 - Each problem is served as a `DomainProblem` (id prefixed `<domain>/`) with the sub-task's own chat messages (its
@@ -18,13 +19,15 @@
   `pipeline.rollout_batch_size`); otherwise `weights` (a domain not named weighs 1: default equal) draws each
   prompt's domain at random, seeded and checkpointed. Every domain keeps its own epoch order.
 - `advantage_scale[d]` multiplies the advantages of domain d's rows (default 1: group-normalised as always).
-- The held-out set interleaves the domains (round robin) so `pipeline.eval_size` keeps them balanced; evaluation
+- The held-out set interleaves the domains (round robin; held-out rows of a domain no training row has are left
+  out, with a warning) so `pipeline.eval_size` keeps them balanced; evaluation
   and step metrics are reported per domain (`domain/<d>/...`, `eval/<d>/accuracy`).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -34,6 +37,8 @@ from typing import Any
 from roll_core.errors import ConfigError
 from roll_core.interfaces.tasks import reward_kwargs
 from roll_envs.rewards.base import Reward, RewardResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -161,11 +166,23 @@ class MultiTask:
             if not self.tasks[t].train_set():
                 raise ConfigError(f"env.tasks.{t}: the training set is empty")
         per_domain = [[p for ps in held for p in ps if p.domain == d] for d in self.domains]
+        untrained: dict[str, int] = {}
+        for p in (p for ps in held for p in ps if p.domain not in self.domains):
+            untrained[p.domain] = untrained.get(p.domain, 0) + 1
+        if untrained:  # (route=column: a held-out file's domain that no training row has; they were dropped unsaid)
+            log.warning(
+                "env=multi: held-out rows of domain(s) %s, which no training row has, are not evaluated (the "
+                "domains of this run: %s)",
+                untrained,
+                self.domains,
+            )
         # Round robin, so that pipeline.eval_size (a prefix) keeps every domain.
         self._eval = [p for row in itertools.zip_longest(*per_domain) for p in row if p is not None]
 
     def _wrap(self, task: str, p: Any) -> DomainProblem:
-        domain = str(getattr(p, "domain", task)) if self.route == "column" else task
+        domain = task
+        if self.route == "column" and p.id not in getattr(self.tasks[task], "default_domain_ids", ()):
+            domain = str(getattr(p, "domain", task))
         # Column routing: two sub-tasks' rows may share a domain and an id (two files named alike): the sub-task
         # is part of the id.
         ident = f"{domain}/{task}/{p.id}" if self.route == "column" else f"{domain}/{p.id}"
