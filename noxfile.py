@@ -196,10 +196,12 @@ def tests(session: nox.Session) -> None:
 def full_matrix(session: nox.Session) -> None:
     """The variants `nox -s tests` leaves out for CI time (Megatron TP/PP/CP/EP/SP combinations, LoRA, MoE and critic
     layouts beyond one per axis, Megatron learning on Ray, the dense resume at other layouts, the Optuna sweeper
-    on the Ray launcher, GRPO on Ray colocated, async k=1, weight-sync variants, the token-auth CLI run; ~10 min
+    on the Ray launcher, a sweep job killed outright, GRPO on Ray colocated, async k=1, weight-sync variants, the
+    token-auth CLI run, a kill inside a checkpoint write, env workers on Ray, the Megatron bf16 export bound; ~13 min
     on 2 cores): `nox -s full_matrix`."""
     python = _ensure_venv(session)
-    session.run(str(python), "-m", "pytest", "-m", "full_matrix", *(session.posargs or ["tests/e2e"]), external=True)
+    paths = session.posargs or ["tests/e2e", "packages/roll-engines/tests"]
+    session.run(str(python), "-m", "pytest", "-m", "full_matrix", *paths, external=True)
 
 
 # ---- the bare venv: what a lent accelerator machine has (torch and transformers, no registry) -----------------

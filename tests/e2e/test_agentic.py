@@ -119,6 +119,10 @@ def test_env_workers_give_the_same_episodes_as_in_process_envs(tmp_path: Path) -
     assert runs[0] == runs[1]
 
 
+# CI time (~30 s): env workers in processes (test_env_workers_give_the_same_episodes_as_in_process_envs) and
+# failing environments (test_failing_environments_end_their_episode_not_the_run) stay in the README test command;
+# `nox -s full_matrix` runs the workers as Ray actors.
+@pytest.mark.full_matrix
 @pytest.mark.ray
 @pytest.mark.slow
 def test_env_workers_on_ray_end_failing_episodes_and_count_them(ray_cluster, tmp_path: Path) -> None:

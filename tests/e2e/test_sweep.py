@@ -69,6 +69,9 @@ def test_sweep_on_ray_queues_jobs_writes_summary_and_isolates_a_failing_job(seve
     assert queued[2] > 0.5 * run and queued[1] < queued[2] - 0.5 * run  # two started at once, one queued
 
 
+# CI time (~35 s: a second sweep on Ray): roll's launcher's `killed` path is tested with Ray's own error in
+# test_sweep_summary.py; `nox -s full_matrix` runs this real SIGKILL.
+@pytest.mark.full_matrix
 def test_a_job_killed_outright_is_summarised_and_the_sweep_goes_on(seven_task: Path, tmp_path: Path) -> None:
     """SIGKILL one job's process once it trains (what the OOM killer does): nothing in it can catch that, yet the
     sweep waits for the other job, summarises both (the killed one as `killed`, with its curve and wall time so
