@@ -61,6 +61,7 @@ from roll_engines.train.megatron import _export as X
 from roll_engines.train.megatron import _lora as L
 from roll_engines.train.megatron._checkpoint import load_optimizer, optimizer_state_bytes, save_optimizer
 from roll_engines.train.megatron._cpu import engine_shims
+from roll_engines.train.megatron._import import import_megatron
 from roll_engines.train.megatron._optimizer import build_optimizer, finish_param_gather, optimizer_step
 from roll_engines.train.megatron._packed import model_inputs, prepare, rope_at
 from roll_engines.train.megatron._parallel import end_parallel, init_parallel
@@ -127,6 +128,7 @@ class MegatronTrainEngine:
         from roll_engines.config import MEGATRON, check_overlap, check_routing_replay
 
         MEGATRON.require()  # one line naming the extra, not a ModuleNotFoundError from the first layer built
+        import_megatron()  # before any other megatron import: without wandb's leftover temporary folders
         refuse_unsupported(
             role=role,
             trust_remote_code=trust_remote_code,
@@ -212,14 +214,10 @@ class MegatronTrainEngine:
     def conformance_engine(cls, model_path: str, **kwargs: Any) -> MegatronTrainEngine:
         """TP=PP=1 in this process over gloo, with Megatron's plain optimizer, for roll_core.testing.train_engine's
         suite. Without Megatron-Core this raises ImportError (the suite skips)."""
-        import warnings
-
         # Megatron-Core's first import trips torch's own deprecation warnings (errors under a test run's
-        # filterwarnings=error); import it quietly here, as pytest.importorskip does. ImportError: the suite skips.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import megatron.core  # noqa: F401
-
+        # filterwarnings=error): import_megatron imports it quietly, as pytest.importorskip does. ImportError: the
+        # suite skips.
+        import_megatron()
         return cls(model_path, dist_backend="gloo", use_distributed_optimizer=False, **kwargs)
 
     # ---- set-up -------------------------------------------------------------------------------------------
