@@ -7,6 +7,7 @@ hit at a known turn; the real engines run the same loop in tests/e2e/test_agenti
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -259,6 +260,45 @@ def test_a_turn_the_engine_preempts_is_resumed_not_scored_as_a_failure() -> None
     assert len({r.params.seed for r in turn1}) == 3
 
 
+@pytest.fixture
+def fast_idle_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refusal's tries without the waits between them (roll_core.idle_aborts; ~3.5 s each otherwise)."""
+    from roll_core import idle_aborts
+
+    monkeypatch.setattr(idle_aborts, "IDLE_BACKOFF_S", 0.0)
+
+
+class PausedEngine(AbortingEngine):
+    """Aborts every request without a token until `pause_s` after the first one (an engine paused for a weight sync,
+    or preempting until KV-cache blocks free up), then answers."""
+
+    def __init__(self, tokenizer: Any, pause_s: float) -> None:
+        super().__init__(tokenizer, turn=-1, aborts=0, partial=0)
+        self.pause_s, self.start = pause_s, None
+
+    def submit_request(self, request: Request, route_key: str | None = None) -> Future:
+        self.start = self.start or time.monotonic()
+        if time.monotonic() - self.start < self.pause_s:
+            self.requests.append(request)
+            fut: Future = Future()
+            fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [], [], "abort"))
+            return fut
+        return super().submit_request(request, route_key)
+
+
+def test_a_turn_waits_out_an_engine_paused_for_a_moment() -> None:
+    """Retried at once, the tries of a turn an engine refused for 0.3 s were used up within milliseconds and the
+    episode ended untrained; with the waits between tries (roll_core.idle_aborts) the turn is sampled."""
+    tok = build_tiny_tokenizer()
+    engine = PausedEngine(tok, pause_s=0.3)
+    envs = EnvManager(lambda: Corridor(100), 0, step_timeout_s=10)
+    rollout = AgenticRollout(engine, envs, TurnTemplate(tok, "Walk."), tok, EpisodeLimits(2, 2048, 16))
+    (traj,) = rollout.run([0], [0], SamplingParams(max_new_tokens=999, seed=1))
+    assert (traj.end, traj.turns, traj.untrained) == ("max_turns", 2, False)
+    assert 1 <= traj.resumed_turns < 8
+
+
+@pytest.mark.usefixtures("fast_idle_retries")
 def test_a_turn_the_engine_keeps_refusing_ends_the_episode_untrained() -> None:
     """An engine that aborts a turn every time without a token is given up after MAX_IDLE_ABORTS tries: the aborted
     turn is cut (no response, reward 0 or state key) and the episode is masked out of training, counted as
@@ -285,6 +325,7 @@ def test_a_turn_the_engine_keeps_refusing_ends_the_episode_untrained() -> None:
     assert float(adv.abs().sum()) == 0.0  # the aborted row is absent: the other is a group of one
 
 
+@pytest.mark.usefixtures("fast_idle_retries")
 def test_a_first_turn_abort_leaves_nothing_and_a_spent_budget_is_a_cut_turn() -> None:
     refused, _ = _run_aborting(dict(turn=0, aborts=10**6, partial=0), EpisodeLimits(3, 2048, 16))
     assert (refused.end, refused.turns, refused.tokens, refused.untrained) == ("abort", 0, [], True)

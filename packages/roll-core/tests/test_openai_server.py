@@ -672,11 +672,11 @@ def test_a_turn_the_engine_aborts_on_its_own_is_resumed_and_a_refusal_is_a_503(
     assert reply.token_ids == text_ids[:1] + text_ids + [tokenizer.eos_token_id]  # the partial output is kept
     assert (session.resumed, session.traj.turns, session.traj.end, session.closed) == (1, 1, "", False)
 
-    from roll_core.agentic import agent_sessions
+    from roll_core import idle_aborts
     from roll_core.agentic.agent_sessions import MAX_IDLE_ABORTS
 
     # the waits between a refused turn's tries (test_openai_server_refusals.py) are not this test's subject
-    monkeypatch.setattr(agent_sessions, "IDLE_BACKOFF_MAX_S", 0.001)
+    monkeypatch.setattr(idle_aborts, "IDLE_BACKOFF_MAX_S", 0.001)
     refusing = PreemptingEngine(tokenizer, ["x"], aborts=10**6, partial=0)
     sessions = AgentSessions(refusing, TurnTemplate(tokenizer), lambda ids: tokenizer.decode(ids), HermesToolParser())
     sessions.open("r", PARAMS, SessionLimits(max_tokens_per_turn=16, max_context_length=1024))

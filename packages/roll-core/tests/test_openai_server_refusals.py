@@ -124,10 +124,10 @@ def _collector(sessions: AgentSessions, server: OpenAIServer, run_episode: Any) 
 @pytest.fixture
 def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     """Waits of a millisecond between a refused turn's tries, for tests that are not about the waits."""
-    from roll_core.agentic import agent_sessions
+    from roll_core import idle_aborts
 
-    monkeypatch.setattr(agent_sessions, "IDLE_BACKOFF_S", 0.001)
-    monkeypatch.setattr(agent_sessions, "IDLE_BACKOFF_MAX_S", 0.001)
+    monkeypatch.setattr(idle_aborts, "IDLE_BACKOFF_S", 0.001)
+    monkeypatch.setattr(idle_aborts, "IDLE_BACKOFF_MAX_S", 0.001)
 
 
 @pytest.mark.usefixtures("quick_backoff")

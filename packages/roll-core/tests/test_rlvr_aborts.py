@@ -66,6 +66,39 @@ class AbortingInfer:
         return fut
 
 
+@pytest.fixture(autouse=True)
+def fast_idle_retries(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refusals' tries without the waits between them (roll_core.idle_aborts; ~3.5 s each otherwise), except in
+    the test of those waits."""
+    from roll_core import idle_aborts
+
+    if "paused" not in request.node.name:
+        monkeypatch.setattr(idle_aborts, "IDLE_BACKOFF_S", 0.0)
+
+
+def test_rows_an_engine_paused_for_a_moment_aborted_are_resumed_not_refused() -> None:
+    """Resubmitted at once, rows an engine preempted for 0.3 s (KV-cache blocks still held) used up their tries
+    within milliseconds and their prompts were refused; with the waits between tries they are resumed."""
+    import time
+
+    class Paused(AbortingInfer):
+        def submit_request(self, request: Request, route_key: str | None = None) -> Future:
+            self.start = getattr(self, "start", None) or time.monotonic()
+            if time.monotonic() - self.start < 0.3:
+                self.requests.append(request)
+                fut: Future = Future()
+                fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [], [], "abort"))
+                return fut
+            return super().submit_request(request, route_key)
+
+    infer = Paused({1: 2, 2: 0})
+    params = SamplingParams(max_new_tokens=16)
+    out, refused, resumed = resume_aborted(infer, _prompts(), infer.generate(_prompts(), params, 2), params, 2, 0)
+    assert (refused, resumed) == ([], 2)
+    assert out["finish_reason"] == ["stop"] * 4
+    assert 2 * 2 <= len(infer.requests) < 2 * MAX_IDLE_ABORTS  # a few idle tries each, then the answer
+
+
 def _prompts() -> Batch:
     return Batch(fields={"prompt_ids": [list(p) for p in PROMPTS], "problem_id": ["p0", "p1"], "answer": ["", ""]})
 

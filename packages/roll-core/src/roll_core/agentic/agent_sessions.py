@@ -80,27 +80,13 @@ from roll_core.agentic.agent_messages import (  # noqa: F401 (SessionError, ROLE
     turn_key,
 )
 from roll_core.agentic.trajectory import Trajectory
+from roll_core.idle_aborts import MAX_IDLE_ABORTS, idle_backoff_s, idle_backoff_total_s  # noqa: F401 (re-exported)
 from roll_core.interfaces import Request, SamplingParams
 from roll_core.seeds import Purpose, derive_seed
 
 ON_REWRITE = ("restart", "refuse")
 #: Closed session ids remembered (to answer 410, not 404): a bounded memory for a run of many episodes.
 CLOSED_KEPT = 1 << 16
-#: The engine's own aborts of one turn in a row, none with a token, after which the request is refused (HTTP 503).
-MAX_IDLE_ABORTS = 8
-#: The wait after the first idle abort of a turn, doubled after each further one, up to `IDLE_BACKOFF_MAX_S`.
-IDLE_BACKOFF_S = 0.05
-IDLE_BACKOFF_MAX_S = 1.0
-
-
-def idle_backoff_s(idle: int) -> float:
-    """The wait before the next try of a turn the engine aborted `idle` (>= 1) times in a row without a token."""
-    return min(IDLE_BACKOFF_S * 2 ** (idle - 1), IDLE_BACKOFF_MAX_S)
-
-
-def idle_backoff_total_s() -> float:
-    """The longest a turn the engine keeps refusing waits before its 503 (the waits between its tries)."""
-    return sum(idle_backoff_s(k) for k in range(1, MAX_IDLE_ABORTS))
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,13 +51,13 @@ from roll_core.agentic.chat import TurnTemplate
 from roll_core.agentic.env_manager import EnvFailure, EnvManager
 from roll_core.agentic.observation import state_key
 from roll_core.agentic.trajectory import Trajectory
+from roll_core.idle_aborts import MAX_IDLE_ABORTS, idle_backoff_s
 from roll_core.interfaces import Request, SamplingParams
 from roll_core.seeds import Purpose, derive_seed
 
 log = logging.getLogger(__name__)
 
 #: The engine's own aborts of one turn in a row, none bringing a token, after which the turn is given up (`abort`).
-MAX_IDLE_ABORTS = 8
 
 
 @dataclass
@@ -214,6 +215,8 @@ class AgenticRollout:
                 idle = 0 if asked or out.token_ids else idle + 1
                 if idle < MAX_IDLE_ABORTS:
                     traj.resumed_turns += 1
+                    # an engine paused for a moment used up every try within milliseconds (roll_core.idle_aborts)
+                    time.sleep(idle_backoff_s(idle))
                     continue
                 log.warning(
                     "the engine aborted turn request %s %d times in a row without a token: the episode ends "

@@ -39,6 +39,7 @@ from roll_core.cluster.roles import RewardGroup
 from roll_core.config.build import as_dict
 from roll_core.data import data_fingerprint, make_sampler
 from roll_core.errors import ConfigError
+from roll_core.idle_aborts import MAX_IDLE_ABORTS, idle_backoff_s
 from roll_core.interfaces import Request, SamplingParams
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
@@ -412,7 +413,6 @@ class PromptCollector:
 
 #: The engine's own aborts of one row in a row, none bringing a token, after which its prompt counts as refused
 #: (as in the agentic rollout and the asynchronous driver).
-MAX_IDLE_ABORTS = 8
 _resume_ids = itertools.count()
 
 
@@ -500,6 +500,9 @@ def resume_aborted(
                 todo.append(i)
             else:
                 refused.append(i)
+        # Resubmitted at once, rows an engine preempted for a moment (KV-cache blocks still held) used up every try
+        # within milliseconds and their prompts were refused (roll_core.idle_aborts).
+        time.sleep(idle_backoff_s(max((idle[i] for i in todo if len(tokens[i]) < budget), default=0)))
     if refused:
         log.warning(
             "the inference engine aborted %d row(s) %d times in a row without a token (prompts of up to %d tokens): "
