@@ -24,6 +24,14 @@ import pytest
 
 # Ray refuses to start local test clusters without token auth unless told otherwise; only for tests.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# vLLM's ZeroMQ sockets go to one folder of this test process, removed at its end (pytest_unconfigure): vLLM puts
+# them straight into /tmp and a process the tests end hard (Ray actors, os._exit) never removes its own, ~70 socket
+# files per CI run on a shared machine. Processes the tests start inherit it (Ray's workers too).
+_VLLM_RPC_DIR = None
+if "VLLM_RPC_BASE_PATH" not in os.environ:
+    import tempfile
+
+    _VLLM_RPC_DIR = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="roll-tests-vllm-")
 HW_MARKERS = ("cuda", "rocm", "npu")
 
 
@@ -77,7 +85,12 @@ def _leftovers() -> str:
 
 def _remove_library_temp_dirs() -> None:
     """Remove the temporary folders libraries make at import and leave to the finalizer `os._exit` skips (wandb's
-    media and artifact folders: two empty `/tmp/tmp*wandb-*` folders per test run piled up on shared machines)."""
+    media and artifact folders: two empty `/tmp/tmp*wandb-*` folders per test run piled up on shared machines), and
+    the folder of vLLM's sockets."""
+    if _VLLM_RPC_DIR is not None:
+        import shutil
+
+        shutil.rmtree(_VLLM_RPC_DIR, ignore_errors=True)
     for module, path in (
         ("wandb.sdk.data_types._private", "MEDIA_TMP"),
         ("wandb.sdk.artifacts.artifact", "Artifact._TMP_DIR"),
