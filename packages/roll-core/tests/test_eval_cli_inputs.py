@@ -176,3 +176,27 @@ def test_home_relative_data_and_out_are_expanded(
     assert eval_main(["builtin:tiny", "--data=~/bench.jsonl", "--out=~/ev"]) == 0, capsys.readouterr().err
     assert seen == [str(tmp_path / "bench.jsonl")]
     assert (tmp_path / "ev" / "report.md").is_file() and not (tmp_path / "~").exists()
+
+
+def test_a_benchmark_file_still_compares_the_runs_system_prompt(tmp_path: Path) -> None:
+    """--data replaces the task with a benchmark, so the task's settings were not compared at all: a run trained with
+    env.system_prompt, scored on a benchmark without it, was prompted as it never was in training, and nothing said
+    so. The system prompt is compared; the benchmark's own settings (path, columns, reward) are not."""
+    from roll_core.config.compose import compose
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_000002"
+    (ckpt / "actor" / "model").mkdir(parents=True)
+    (ckpt / "actor" / "model" / "config.json").write_text("{}")
+    trained = [*TRAINED, "env.system_prompt=Think step by step."]
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(config_dict(compose(trained))))
+    targets = expand_targets([str(run)])
+    bench = ["model=tiny", "model.max_response_length=6", "env=file", "env.path=/bench.jsonl", "env.answer_key=sol"]
+    (note,) = run_settings_notes(targets, [_eval_cfg(*bench)], [], data=True, samples=False)
+    assert '\n  env.system_prompt: "Think step by step." -> null\nThe accuracy' in note
+    assert "answer_key" not in note and "env.path" not in note
+    same = _eval_cfg(*bench, "env.system_prompt=Think step by step.")
+    assert run_settings_notes(targets, [same], [], data=True, samples=False) == []
+    # set on the command line: a deliberate change, not a mismatch
+    given = ["env.system_prompt=Answer briefly."]
+    assert run_settings_notes(targets, [_eval_cfg(*bench, *given)], given, data=True, samples=False) == []

@@ -1,8 +1,11 @@
-"""roll-eval's labels of checkpoints that are not given as `checkpoints/step_N` (roll_core.eval_compare)."""
+"""roll-eval's labels of checkpoints that are not given as `checkpoints/step_N`, and comparisons of models scored on
+different problems (roll_core.eval_compare)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from roll_core.eval_compare import expand_targets, x_axis
 
@@ -54,3 +57,40 @@ def test_a_checkpoints_actor_model_folder_keeps_its_step(tmp_path: Path) -> None
     hf.mkdir(parents=True)
     (hf / "config.json").write_text("{}")
     assert [(t.label, t.step) for t in expand_targets([str(hf)])] == [("model", None)]
+
+
+def _result(problems: list[str]) -> dict:
+    from roll_core.eval_metrics import breakdown, summarize
+
+    rows = [
+        {"index": i, "problem": p, "sample": 0, "correct": 1.0, "reward": 1.0, "length": 3, "finish_reason": "stop",
+         "formatted": 1.0, "domain": None, "difficulty": "unknown"}
+        for i, p in enumerate(problems)
+    ]  # fmt: skip
+    return {
+        "task": "data",
+        "metrics": summarize(rows, [1]),
+        "by_domain": breakdown(rows, "domain", [1]),
+        "by_difficulty": breakdown(rows, "difficulty", [1]),
+        "skipped_problems": 0,
+        "reward_counters": {},
+        "rows": rows,
+    }
+
+
+def test_models_scored_on_different_problems_are_said_to_be(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A model whose tokenizer makes two prompts too long is scored on the other problems only: 1.0 beside the
+    other model's 1.0 over all four read as a tie on one benchmark. The comparison says which problems it lacks."""
+    import json
+
+    from roll_core.eval_compare import EvalTarget, write_outputs
+
+    a, b = EvalTarget("a", "a"), EvalTarget("b", "b")
+    results = [(a, _result(["q1", "q2", "q3", "q4"])), (b, _result(["q1", "q3"]))]
+    write_outputs(tmp_path / "ev", results, [1], 1, {})
+    (note,) = json.loads((tmp_path / "ev" / "comparison.json").read_text())["warnings"]
+    assert note.startswith("b was scored on 2 of the 4 problems") and "missing: q2, q4;" in note
+    assert f"**Warning:** {note}" in (tmp_path / "ev" / "comparison.md").read_text()
+    assert note in caplog.text
+    write_outputs(tmp_path / "same", [(a, _result(["q1"])), (b, _result(["q1"]))], [1], 1, {})
+    assert json.loads((tmp_path / "same" / "comparison.json").read_text())["warnings"] == []

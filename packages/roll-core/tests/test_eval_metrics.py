@@ -172,3 +172,17 @@ def test_difficulty_of() -> None:
     assert difficulty_of({"level": 3}) == "3"
     assert difficulty_of({"difficulty": " "}) == UNKNOWN
     assert difficulty_of(None) == UNKNOWN
+
+
+def test_maj_reads_the_grade_of_a_graded_sample_and_failed_samples_are_counted() -> None:
+    """Problem 0 votes "5" twice; its first "5" is a row the reward could not score (graded 0 whatever it said), the
+    second is graded right: the majority answer is right (maj@n read the first sample's grade: a miss). Failed rows
+    still count as wrong in accuracy and pass@k (as eval/accuracy does); `failed` says how many there were."""
+    rows = _rows([[("5", 0), ("5", 1), ("3", 0)], [("7", 0), ("7", 0), ("2", 1)]])
+    rows[0]["failed"] = "reward"
+    rows[3]["failed"] = "reward"  # problem 1's "7": every "7" is wrong or failed -> a miss
+    m = summarize(rows, [1, 3])
+    assert m["maj"] == pytest.approx(1 / 2)
+    assert m["failed"] == 2
+    assert m["accuracy"] == pytest.approx(2 / 6) and m["pass@3"] == pytest.approx(1.0)
+    assert summarize(_rows([[("1", 1)]]), [1])["failed"] == 0  # records without the field: nothing failed

@@ -9,14 +9,18 @@ with the run's folder name when the call names several runs, or the model's name
 
 Outputs, in the `--out` folder (one engine start per model, written after all models ran):
 - `samples.jsonl`: one record per response (model label and step, problem, domain, difficulty, sample index,
-  response, ground truth, extracted answer, reward, correct, formatted, length, finish reason), for audits and
-  recomputation.
+  response, ground truth, extracted answer, reward, correct, formatted, length, finish reason, `failed`: null,
+  "reward" or "engine" for a response never graded), for audits and recomputation.
 - `comparison.csv`: one row per (model, breakdown, group): `all/all`, `domain/<d>`, `difficulty/<d>`, with every
   metric of roll_core.eval_metrics.summarize; `comparison.json`: the same per model, with the call's settings;
   `comparison.md`: the overall table and the per-domain / per-difficulty accuracy tables.
 - `comparison.png` (needs matplotlib, roll-core[track]): accuracy, maj@n and pass@k against the checkpoint step
   (or the model's position when not every model is a checkpoint), and pass@k against k per model.
 - `report.md`: what ran (roll_core.report.write_eval_report).
+Models of one call are scored on one problem list with one seed, but a model can lose problems the others keep (a
+prompt over model.max_prompt_length in its tokenizer, or filling its engine's context): their numbers then compare
+different problem sets, which `problem_set_notes` says (logged, and in comparison.json's `warnings` and
+comparison.md).
 """
 
 from __future__ import annotations
@@ -146,6 +150,10 @@ NOT_RUN_SETTINGS = (
     "reward_model.placement",
     "reward_model.offload",
 )
+#: Task settings still compared when `--data` replaces the task with a benchmark file: how the model is prompted
+#: (the benchmark is another problem list, not another way of asking; a run trained with a system prompt and
+#: scored without it is measured on a prompt it never saw).
+DATA_PROMPT_SETTINGS = ("env.system_prompt",)
 
 
 def checkpoint_folder(target: EvalTarget) -> Path | None:
@@ -155,10 +163,13 @@ def checkpoint_folder(target: EvalTarget) -> Path | None:
     return Path(target.model).parent.parent
 
 
-def run_settings_changed(target: EvalTarget, cfg: Any, *, ignore: tuple[str, ...] = ()) -> list[str]:
-    """One line "key: the run's -> now" per RUN_SETTINGS key (not under a pattern of `ignore`) whose value in this
-    evaluation's config `cfg` differs from the config checkpoint `target` was saved with. [] for a model that is no
-    roll checkpoint or a checkpoint recording no config; a key only one side has (another roll version's) is skipped.
+def run_settings_changed(
+    target: EvalTarget, cfg: Any, *, ignore: tuple[str, ...] = (), keep: tuple[str, ...] = ()
+) -> list[str]:
+    """One line "key: the run's -> now" per RUN_SETTINGS key (not under a pattern of `ignore`, unless it is under
+    one of `keep`) whose value in this evaluation's config `cfg` differs from the config checkpoint `target` was
+    saved with. [] for a model that is no roll checkpoint or a checkpoint recording no config; a key only one side
+    has (another roll version's) is skipped.
     """
     import fnmatch
 
@@ -176,7 +187,8 @@ def run_settings_changed(target: EvalTarget, cfg: Any, *, ignore: tuple[str, ...
 
     lines = []
     for key in sorted(old.keys() & new.keys()):
-        if matches(key, RUN_SETTINGS) and not matches(key, (*NOT_RUN_SETTINGS, *ignore)):
+        skipped = matches(key, NOT_RUN_SETTINGS) or (matches(key, ignore) and not matches(key, keep))
+        if matches(key, RUN_SETTINGS) and not skipped:
             if not _same(old[key], new[key]):
                 lines.append(f"{key}: {_show(old[key])} -> {_show(new[key])}")
     return lines
@@ -189,16 +201,17 @@ def run_settings_notes(
     (`run_settings_changed`): their accuracy is not the one the run logged, and nothing said so (roll-eval composes
     its config from the command line, roll-train's defaults included, not from the checkpoint). Not compared: keys
     the command line sets (`key.sub=value`: a deliberate change, such as pipeline.eval_temperature for --n > 1; a
-    group choice such as `env=...` is compared), the task under `--data` (a benchmark), `pipeline.eval_size` under
-    `--samples`. Each note names the command that evaluates the checkpoint as its run did, when the run folder
-    records its launch's overrides."""
+    group choice such as `env=...` is compared), the task under `--data` (a benchmark) except how the model is
+    prompted (DATA_PROMPT_SETTINGS), `pipeline.eval_size` under `--samples`. Each note names the command that
+    evaluates the checkpoint as its run did, when the run folder records its launch's overrides."""
     from roll_core.report import commands, launch_overrides
 
-    ignore = tuple(o.split("=", 1)[0].lstrip("+~") for o in overrides if "." in o.split("=", 1)[0])
-    ignore += (("env", "pipeline.eval_size") if data else ()) + (("pipeline.eval_size",) if samples else ())
+    given = tuple(o.split("=", 1)[0].lstrip("+~") for o in overrides if "." in o.split("=", 1)[0])
+    ignore = given + (("env", "pipeline.eval_size") if data else ()) + (("pipeline.eval_size",) if samples else ())
+    keep = tuple(k for k in DATA_PROMPT_SETTINGS if k not in given) if data else ()
     grouped: dict[tuple[str, tuple[str, ...]], list[EvalTarget]] = {}
     for target, cfg in zip(targets, configs):
-        lines = run_settings_changed(target, cfg, ignore=ignore)
+        lines = run_settings_changed(target, cfg, ignore=ignore, keep=keep)
         if lines:
             grouped.setdefault((target.run, tuple(lines)), []).append(target)
     notes = []
@@ -243,7 +256,17 @@ def x_axis(targets: list[EvalTarget]) -> tuple[str, list[float]]:
     return "model", [float(i) for i in range(len(targets))]
 
 
-METRIC_COLUMNS = ("accuracy", "maj", "reward", "length_mean", "truncation_rate", "format_rate", "problems", "samples")
+METRIC_COLUMNS = (
+    "accuracy",
+    "maj",
+    "reward",
+    "length_mean",
+    "truncation_rate",
+    "format_rate",
+    "problems",
+    "samples",
+    "failed",
+)
 
 
 def metric_names(ks: list[int]) -> list[str]:
@@ -286,6 +309,24 @@ def breakdown_table(results: list[tuple[EvalTarget, dict[str, Any]]], key: str, 
     return "\n".join(lines)
 
 
+def problem_set_notes(results: list[tuple[EvalTarget, dict[str, Any]]]) -> list[str]:
+    """One warning per model whose evaluated problems (the `problem` ids of its rows) are not every model's: its
+    numbers and the others' are over different problems. [] when every model saw the same problems."""
+    sets = {t.label: {r["problem"] for r in res["rows"]} for t, res in results}
+    union = set().union(*sets.values()) if sets else set()
+    notes = []
+    for label, seen in sets.items():
+        missing = sorted(union - seen, key=str)
+        if missing:
+            shown = ", ".join(map(str, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            notes.append(
+                f"{label} was scored on {len(seen)} of the {len(union)} problems the models of this comparison were "
+                f"scored on (missing: {shown}; skipped for its prompt length or its engine's context): its numbers "
+                "and the others' are over different problems"
+            )
+    return notes
+
+
 def write_outputs(
     out: Path, results: list[tuple[EvalTarget, dict[str, Any]]], ks: list[int], n: int, settings: dict[str, Any]
 ) -> dict[str, Path]:
@@ -308,10 +349,14 @@ def write_outputs(
                 for g, m in by.items():
                     cells = ["" if m.get(c) is None else m[c] for c in names]
                     writer.writerow([target.label, step, target.model, kind, g, *cells])
+    warnings = problem_set_notes(results)
+    for note in warnings:
+        log.warning("%s", note)
     payload = {
         **settings,
         "ks": ks,
         "n": n,
+        "warnings": warnings,
         "models": [
             {
                 "label": t.label,
@@ -332,6 +377,7 @@ def write_outputs(
     md = [
         "# roll-eval comparison",
         "",
+        *(line for note in warnings for line in (f"**Warning:** {note}", "")),
         table(results, ks, n),
         "",
         "## Accuracy per domain",

@@ -15,7 +15,13 @@ Contract:
   number of samples, as roll-eval gives them, else pass@1 weighs problems equally and accuracy samples), pass@k,
   maj@n (the fraction of problems whose majority answer is correct; None when no sample carried an extracted
   answer field), mean response length in tokens, truncation rate (finish reason "length"), format rate, mean
-  reward, and the counts. `breakdown(rows, key, ks)` is `summarize` per value of a row field (domain, difficulty).
+  reward, and the counts. `failed` counts the samples that were never graded (a row's `failed`: "reward" when the
+  reward could not score it, "engine" when the engine refused to finish it): they count as wrong in accuracy and
+  pass@k, as in a training run's eval/accuracy, and `failed` says by how much that lowers them. A failed sample's
+  extracted answer still votes, but whether the majority answer is right is read from a graded sample giving it
+  (the first in sample order; none: wrong), not from its first sample, which may be a failed one, 0 whatever it
+  answered.
+  `breakdown(rows, key, ks)` is `summarize` per value of a row field (domain, difficulty).
 """
 
 from __future__ import annotations
@@ -59,10 +65,8 @@ def majority_vote(answers: Sequence[str | None]) -> tuple[str | None, int]:
     counts: dict[str, int] = {}
     first: dict[str, int] = {}
     for i, a in enumerate(answers):
-        if a is None:
-            continue
-        key = str(a).strip()
-        if not key:
+        key = _vote_key(a)
+        if key is None:
             continue
         counts[key] = counts.get(key, 0) + 1
         first.setdefault(key, i)
@@ -70,6 +74,13 @@ def majority_vote(answers: Sequence[str | None]) -> tuple[str | None, int]:
         return None, -1
     best = max(counts, key=lambda a: (counts[a], -first[a]))  # most votes, then earliest first appearance
     return best, first[best]
+
+
+def _vote_key(answer: str | None) -> str | None:
+    """The key an extracted answer votes under (None: no vote)."""
+    if answer is None:
+        return None
+    return str(answer).strip() or None
 
 
 def parse_ks(text: str | Sequence[int] | None, n: int) -> list[int]:
@@ -111,8 +122,8 @@ def _group(rows: Sequence[Mapping[str, Any]]) -> dict[Any, list[Mapping[str, Any
 
 def summarize(rows: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str, Any]:
     """Every metric of `rows` (sample records: index, sample, correct, reward, length, finish_reason, formatted,
-    and `extracted` when the task can extract answers); see the module docstring. pass@k for a k above a
-    problem's sample count (rows of a problem lost to the engine's context) is left out for that group."""
+    and `extracted` when the task can extract answers, `failed` when a row was never graded); see the module
+    docstring. pass@k for a k above a problem's sample count is left out for that group."""
     if not rows:
         raise ValueError("no samples to summarize")
     problems = _group(rows)
@@ -126,6 +137,7 @@ def summarize(rows: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str,
         "length_mean": sum(float(r["length"]) for r in rows) / n,
         "truncation_rate": sum(r["finish_reason"] == "length" for r in rows) / n,
         "format_rate": sum(float(r["formatted"]) for r in rows) / n,
+        "failed": sum(bool(r.get("failed")) for r in rows),
     }
     smallest = min(c[0] for c in counts)
     for k in ks:
@@ -133,8 +145,11 @@ def summarize(rows: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str,
     if any("extracted" in r for r in rows):
         hits = 0
         for samples in problems.values():
-            _, at = majority_vote([r.get("extracted") for r in samples])
-            hits += at >= 0 and float(samples[at]["correct"]) > 0
+            answer, at = majority_vote([r.get("extracted") for r in samples])
+            if at < 0:
+                continue
+            graded = [r for r in samples[at:] if not r.get("failed") and _vote_key(r.get("extracted")) == answer]
+            hits += bool(graded) and float(graded[0]["correct"]) > 0
         out["maj"] = hits / len(problems)
     else:
         out["maj"] = None

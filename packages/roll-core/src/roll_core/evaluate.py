@@ -1,20 +1,27 @@
 """`roll-eval`'s engine: held-out metrics of one model with the run config's inference settings.
 
 Single-turn tasks: `n` responses per held-out problem (one greedy or sampled response by default; n > 1 needs a
-sampling temperature > 0), scored by the same reward role (and reward model) a training run's evaluation uses
-(the `rlvr` prompts collector's scoring), whatever `pipeline.name` says: evaluation of a single-turn task is the
-same for every pipeline kind. Every response is one record (`rows`: problem index and id, domain, difficulty,
-response, ground truth, extracted answer, reward, correctness, format flag, length, finish reason), and the
-metrics are computed from those records by roll_core.eval_metrics (pass@k, maj@n, lengths, truncation, format,
-per-domain and per-difficulty). With n=1 the accuracy is the one a training run logs as `eval/accuracy`: the same
-prompts, sampling parameters and seed (derived from `pipeline.seed`, so every model of a comparison sees the same
-problems and seeds), whatever the run's `infer_engine.world_size` (evaluation runs on one engine; a batch split over
-N engines samples what one engine samples: `InferGroup.generate`).
+sampling temperature > 0 and infer_engine.top_k != 1: greedy decoding gives n copies of one response), scored by the
+same reward role (and reward model) a training run's evaluation uses (the `rlvr` prompts collector's scoring),
+whatever `pipeline.name` says: evaluation of a single-turn task is the same for every pipeline kind. Every response
+is one record (`rows`: problem index and id, domain, difficulty, response, ground truth, extracted answer, reward,
+correctness, format flag, length, finish reason, failure), and the metrics are computed from those records by
+roll_core.eval_metrics (pass@k, maj@n, lengths, truncation, format, per-domain and per-difficulty). With n=1 the
+accuracy is the one a training run logs as `eval/accuracy`: the same prompts, sampling parameters and seed (derived
+from `pipeline.seed`, so every model of a comparison sees the same problems and seeds), whatever the run's
+`infer_engine.world_size` (evaluation runs on one engine; a batch split over N engines samples what one engine
+samples: `InferGroup.generate`).
+
+Rows the engine aborted on its own (SGLang under memory pressure, vLLM at its preemption limit) are resumed from
+their partial output, as the training run's evaluation resumes them (`resume_aborted`); a row the engine keeps
+refusing stays "abort" and is marked `failed: "engine"`, a row the reward could not score `failed: "reward"`: both
+count as wrong, as in eval/accuracy, and are counted in the metrics' `failed`.
 
 Majority vote needs each response's extracted answer: the task's `extract_answer(response) -> str | None`, else
 its reward's (the math reward's: the last non-empty \\boxed{}, plain numbers in one spelling: 1,000 = 1000). A task
 with neither reports maj@n as None and says so once in the log. Problems whose prompt exceeds
-`model.max_prompt_length` are skipped, counted (`skipped_problems`) and logged, never truncated.
+`model.max_prompt_length`, or fills the engine's context, are skipped, counted (`skipped_problems`) and logged, never
+truncated.
 
 Agentic tasks (env=sokoban, ...): one episode per held-out environment seed, through the agentic collector's
 evaluation, reporting success rate, mean turns and the invalid-action rate (n must be 1); agent programs
@@ -51,7 +58,8 @@ def eval_temperature(cfg: Any) -> float:
 
 
 def check_sampling(cfg: Any, n: int) -> None:
-    """Refuse n < 1, and n > 1 responses per problem at temperature 0 (greedy: n copies of one response)."""
+    """Refuse n < 1, and n > 1 responses per problem under greedy decoding (temperature 0, or top_k=1 at any
+    temperature): n copies of one response, which pass@k and maj@n would count as n independent samples."""
     if n < 1:
         raise ConfigError(f"--n {n}: sample at least one response per problem")
     if n > 1 and eval_temperature(cfg) <= 0:
@@ -59,6 +67,12 @@ def check_sampling(cfg: Any, n: int) -> None:
             f"--n {n} samples {n} responses per problem, but the evaluation temperature is 0 (greedy: {n} copies "
             "of one response, so pass@k and maj@n would say nothing): set pipeline.eval_temperature=0.7 (or any "
             "value > 0), or use --n 1"
+        )
+    if n > 1 and int(getattr(cfg.infer_engine, "top_k", 0) or 0) == 1:
+        raise ConfigError(
+            f"--n {n} samples {n} responses per problem, but infer_engine.top_k=1 keeps only the most likely token "
+            f"(greedy at any temperature: {n} copies of one response, so pass@k and maj@n would say nothing): set "
+            "infer_engine.top_k=0 (or a value > 1), or use --n 1"
         )
 
 
@@ -215,9 +229,11 @@ def tokenizer_and_sampling(cfg: Any, path: str) -> tuple[Any, Any]:
 
 
 def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]], int, dict[str, int]]:
-    """(one record per response, problems skipped for their prompt length, the reward's failure counters) of `n`
-    responses to each of the prompts collector's held-out problems, sampled as its `evaluate` samples."""
-    from roll_core.pipelines.rollout import BadPictures, assemble, encode_prompt, problem_fields
+    """(one record per response, problems skipped for their prompt length or the engine's context, the reward's
+    failure counters) of `n` responses to each of the prompts collector's held-out problems, sampled as its
+    `evaluate` samples."""
+    from roll_core.pipelines.collectors.prompts import resume_aborted
+    from roll_core.pipelines.rollout import BadPictures, assemble, encode_prompt, picture_token_ids, problem_fields
     from roll_core.protocol import Batch
     from roll_core.seeds import Purpose, derive_seed
 
@@ -237,7 +253,7 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
         ids.append(toks)
         mms.append(mm)
         kept.append((i, problem))
-    skipped = len(collector.eval_set) - len(kept)
+    too_long = len(collector.eval_set) - len(kept)
     if not kept:
         raise ConfigError(f"every held-out prompt exceeds model.max_prompt_length={limit}: raise it")
     prompts = Batch(fields={"prompt_ids": ids, **problem_fields([p for _, p in kept])})
@@ -248,8 +264,17 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
         temperature=collector.eval_temperature, seed=derive_seed(cfg.pipeline.seed, Purpose.EVAL)
     )
     gen = collector.infer.generate(prompts, params, n=n)
+    # The training run's evaluation resumes the rows the engine aborted on its own; scored as they were, their cut
+    # answers counted as the model's mistakes (module docstring).
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    cut = frozenset(picture_token_ids(tokenizer)) if processor is not None else frozenset()
+    gen, refused, resumed = resume_aborted(collector.infer, prompts, gen, params, n, pad, cut)
+    if resumed:
+        log.info("%d response(s) the engine aborted were resumed from their partial output", resumed)
     repeated = prompts.repeat_interleave(n)  # a problem's n responses are contiguous, in sample order
     repeated["eval_sample"] = [j for _ in kept for j in range(n)]
+    refused_rows = set(refused)
+    repeated["eval_refused"] = [i in refused_rows for i in range(len(repeated))]
     try:
         batch = assemble(tokenizer, repeated, gen)  # drops (and logs) rows whose prompt fills the engine's context
     except ValueError as exc:  # every prompt did: one line from the CLI, not a traceback
@@ -257,7 +282,11 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
             f"{exc}: nothing to evaluate; raise the engine's context (infer_engine.max_model_len) or lower "
             "model.max_prompt_length"
         ) from exc
+    # Problems whose prompt fills the engine's context lost every row in `assemble`: skipped, as the long ones.
+    lost = len(kept) - len(set(batch["eval_index"]))
+    skipped = too_long + lost
     scored = collector.scoring.score(batch)
+    unscored = scored["reward_failed"].tolist() if "reward_failed" in scored else [False] * len(batch)
     extract = answer_extractor(task)
     if extract is None:
         log.warning("%s names no extract_answer (task or reward): maj@n is not reported", type(task).__name__)
@@ -280,8 +309,12 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
             "formatted": float(scored["formatted"][r]),
             "length": int(lengths[r]),
             "finish_reason": reasons[r],
+            # never graded: counted as wrong (as eval/accuracy does) and in the metrics' `failed`
+            "failed": "engine" if batch["eval_refused"][r] else "reward" if unscored[r] else None,
         }
-        if extract is not None:
+        if extract is not None and row["failed"] == "engine":
+            row["extracted"] = None  # what a refused row holds is no finished answer: it does not vote
+        elif extract is not None:
             try:
                 row["extracted"] = extract(text)
             except Exception as exc:  # a response the extractor chokes on has no answer; counted, never fatal
