@@ -219,13 +219,30 @@ def test_a_sandbox_that_fails_leaves_its_rows_failed_not_wrong() -> None:
     from roll_envs.sandbox import SandboxLimits
 
     reward = _reward_or_skip(score_mode="fraction", timeout_s=5.0)
-    reward.sandbox.limits = SandboxLimits(timeout_s=0.005)
+    reward.sandbox.limits = SandboxLimits(timeout_s=5.0, start_timeout_s=0.005)
     add = fenced("a, b = map(int, input().split())\nprint(a + b)\n")
     res = GuardedReward(reward, isolation="inline").score([add] * 2, [encode_tests([CodeTest("1 2\n", "3\n")])] * 2)
     assert res.counters["sandbox_errors"] == 2 and res.failed == [True, True]
     assert res.counters["failed_unscored"] == 2 and all_rows_failed(res.counters)
     with pytest.raises(ValueError, match="score_mode"):
         CodeReward(score_mode="some")
+
+
+def test_an_expected_output_over_the_output_budget_is_not_judged(caplog: pytest.LogCaptureFixture) -> None:
+    """A test expecting more output than max_output_bytes: the right program was killed at the output budget and
+    scored 0 (an output_limit, a wrong answer), so every sample of such a problem trained as wrong. Now its rows are
+    unjudged (failed, counted in bad_answers, logged once) and a test within the budget still passes."""
+    reward = _reward_or_skip(max_output_bytes=1000, parallelism=1, timeout_s=10.0)
+    prints = fenced("print('x' * int(input()))\n")
+    over, within = encode_tests([CodeTest("2000\n", "x" * 2000 + "\n")]), encode_tests([CodeTest("900\n", "x" * 900)])
+    with caplog.at_level(logging.WARNING, logger="roll_envs.rewards.code"):
+        res = reward.score([prints, prints, prints], [over, within, over])
+    assert res.failed == [True, False, True] and res.correct == [0.0, 1.0, 0.0], res
+    assert res.counters["bad_answers"] == 2 and res.counters["output_limits"] == 0
+    assert caplog.text.count("over max_output_bytes=1000") == 1, caplog.text
+    # Trailing whitespace the comparison ignores does not count against the budget.
+    padded = encode_tests([CodeTest("900\n", "x" * 900 + " " * 500 + "\n" * 500)])
+    assert reward.score([prints], [padded]).correct == [1.0]
 
 
 def test_reward_refuses_without_bubblewrap(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from roll_envs.sandbox import (
+    CHILD_MARKER,
     OK,
     OUTPUT_LIMIT,
     RUNTIME_ERROR,
@@ -23,6 +24,8 @@ from roll_envs.sandbox import (
     PythonSandbox,
     SandboxLimits,
     SandboxUnavailableError,
+    make_sandbox,
+    runner,
 )
 from roll_envs.sandbox import bwrap as bwrap_module
 
@@ -61,17 +64,98 @@ def test_statuses(sandbox: PythonSandbox) -> None:
 
 
 def test_a_deadline_before_the_sandbox_is_up_is_a_sandbox_error(sandbox: PythonSandbox) -> None:
-    """A wall clock shorter than the sandbox's start (a loaded machine): the program never ran, so the run is the
+    """A start budget shorter than the sandbox's start (a loaded machine): the program never ran, so the run is the
     sandbox's failure (`sandbox_error`), not the program's timeout (a correct program would have scored 0)."""
     from dataclasses import replace
 
     limits = sandbox.limits
     try:
-        sandbox.limits = replace(limits, timeout_s=0.002)
+        sandbox.limits = replace(limits, start_timeout_s=0.002)
         assert sandbox.run("print(input())", "hi\n").status == SANDBOX_ERROR
     finally:
         sandbox.limits = limits
     assert sandbox.run("print(input())", "hi\n").stdout == "hi\n"
+
+
+def test_a_slow_start_does_not_eat_the_programs_time(sandbox: PythonSandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The program's wall clock starts when the sandbox is up: a start slowed to 1.5 s (a loaded machine) left a
+    2 s program 0.5 s, and a right answer taking 1 s was scored a timeout (a wrong answer) instead of passing."""
+    from dataclasses import replace
+
+    slow = runner.CHILD_SOURCE.replace(
+        "def main() -> None:\n", "def main() -> None:\n    __import__('time').sleep(1.5)\n"
+    )
+    assert slow != runner.CHILD_SOURCE
+    monkeypatch.setattr(runner, "CHILD_SOURCE", slow)
+    monkeypatch.setattr(sandbox, "limits", replace(sandbox.limits, timeout_s=2.0, start_timeout_s=20.0))
+    right = sandbox.run("import time\ntime.sleep(1.0)\nprint(input())\n", "42\n")
+    assert right.status == OK and right.stdout == "42\n" and right.seconds > 2.0, right
+    # The program's own clock still holds: 2 s after the start, not the start budget.
+    start = time.monotonic()
+    spins = sandbox.run("while True:\n    pass\n")
+    assert spins.status == TIMEOUT and time.monotonic() - start < 10, spins
+
+
+def test_a_slow_check_is_not_a_missing_sandbox(sandbox: PythonSandbox, caplog: pytest.LogCaptureFixture) -> None:
+    """The constructor's probe ran under the runs' own clock: a start slower than it (a loaded machine, a tight
+    timeout) made a working bwrap look missing, so the reward refused to start or, with the unsandboxed fallback
+    allowed, ran every program of the run without isolation. Now the probe has roomy clocks of its own, the
+    sandbox is bwrap, and a run that cannot start in its budget is a sandbox_error."""
+    import logging
+
+    tight = SandboxLimits(timeout_s=0.001, start_timeout_s=0.001)
+    with caplog.at_level(logging.WARNING):
+        made = make_sandbox(tight, allow_unsandboxed=True)
+    assert made.mode == "bwrap" and "UNSANDBOXED" not in caplog.text, caplog.text
+    assert made.run("print(input())", "hi\n").status == SANDBOX_ERROR
+
+
+def test_bwrap_gets_none_of_the_trainers_environment(sandbox: PythonSandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bwrap ran with the trainer's whole environment (WANDB_API_KEY, HF_TOKEN...): as root its init is the
+    sandbox's PID 1, the program's parent, holding the secrets in /proc/1/environ behind nothing but the uid drop.
+    Now no process of a run (bwrap's and the program's) carries any of it."""
+    import threading
+
+    token = "roll-secret-" + os.urandom(8).hex()
+    monkeypatch.setenv("WANDB_API_KEY", token)
+    monkeypatch.setenv("HF_TOKEN", token)
+    result: list[object] = []
+    run = threading.Thread(target=lambda: result.append(sandbox.run("import time\ntime.sleep(4)\nprint('done')\n")))
+    run.start()
+    seen: dict[int, bytes] = {}
+    deadline = time.monotonic() + 20
+    try:
+        while time.monotonic() < deadline and not any(b"bwrap" not in cmd for cmd in seen.values()):
+            for pid in _run_processes():
+                try:
+                    seen[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+                except OSError:
+                    continue
+            time.sleep(0.05)
+        environ = {pid: Path(f"/proc/{pid}/environ").read_bytes() for pid in seen}
+    finally:
+        run.join()
+    assert any(b"bwrap" in cmd for cmd in seen.values()) and any(b"bwrap" not in cmd for cmd in seen.values()), seen
+    leaked = [seen[pid] for pid, env in environ.items() if token.encode() in env]
+    assert not leaked, f"the trainer's secrets are in the environment of {leaked}"
+    assert getattr(result[0], "stdout", None) == "done\n", result
+
+
+def _run_processes() -> list[int]:
+    """Pids of this process's descendants that belong to a sandbox run (their command line has CHILD_MARKER)."""
+    me, found = os.getpid(), []
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            if CHILD_MARKER.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            ancestor = pid
+            while ancestor > 1 and ancestor != me:
+                ancestor = int(Path(f"/proc/{ancestor}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ancestor == me:
+            found.append(pid)
+    return found
 
 
 def test_a_broken_sandbox_is_a_sandbox_error_not_a_wrong_answer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,7 +203,13 @@ def test_limits_validate_and_map_to_rlimits() -> None:
     r = limits.rlimits()
     assert r["RLIMIT_CPU"] == (3, 4) and r["RLIMIT_AS"] == (128 << 20, 128 << 20) and r["RLIMIT_NPROC"] == (3, 3)
     assert r["RLIMIT_NOFILE"] == (32, 32) and r["RLIMIT_FSIZE"] == (2 << 20, 2 << 20) and r["RLIMIT_CORE"] == (0, 0)
-    for bad in ({"timeout_s": 0}, {"memory_mb": 16}, {"max_processes": 0}, {"max_open_files": 4}):
+    for bad in (
+        {"timeout_s": 0},
+        {"start_timeout_s": 0},
+        {"memory_mb": 16},
+        {"max_processes": 0},
+        {"max_open_files": 4},
+    ):
         with pytest.raises(ValueError):
             SandboxLimits(**bad)  # type: ignore[arg-type]
 

@@ -5,6 +5,7 @@ exists (the runner then keeps per-process limits only and says so in the log).""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +93,20 @@ def test_runs_of_a_process_that_is_gone_are_swept_with_what_runs_in_them(sandbox
         if orphan.poll() is None:
             orphan.kill()
     assert not any(f.exists() for f in live_folders)
+
+
+def test_a_pid_this_namespace_cannot_see_is_never_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cgroup v2 lists a process of a PID namespace this one cannot see (another container's run, met by the
+    sweep) as pid 0; `close` sent it SIGKILL, and kill(0, SIGKILL) is the caller's own process group: the
+    trainer. Runs no sandbox: the cgroup folder is a stand-in."""
+    import signal
+
+    folder = tmp_path / "run-1-0123456789ab"
+    folder.mkdir()
+    (folder / "cgroup.procs").write_text("0\n424242\n0\n")
+    kills: list[tuple[int, int]] = []
+    monkeypatch.setattr(cgroup.os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    monkeypatch.setattr(cgroup, "_remove", lambda folder: None)
+    assert cgroup._pids(folder) == [424242]
+    cgroup.RunCgroup((folder,)).close()
+    assert kills and set(kills) == {(424242, signal.SIGKILL)}, kills

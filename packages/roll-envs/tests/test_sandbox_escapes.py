@@ -334,6 +334,69 @@ time.sleep(1000)
 """
 
 
+def _hunt_token(h: Host) -> str:
+    # Unlike the cases that print everything they see (0 for the extra text alone), this one prints exactly the
+    # token if it finds it anywhere: in its environment, any process's environment or command line (bwrap's init
+    # included), an inherited fd, or a file named like the planted ones. A leak would score 1.
+    return f"""
+import os, re
+def found(value):
+    print(value)
+    raise SystemExit(0)
+pattern = re.compile(rb"[0-9a-f]{{32}}")
+if os.environ.get("ROLL_ESCAPE_TOKEN"):
+    found(os.environ["ROLL_ESCAPE_TOKEN"])
+for pid in [p for p in os.listdir("/proc") if p.isdigit()] + ["self"]:
+    for part in ("environ", "cmdline"):
+        try:
+            data = open(f"/proc/{{pid}}/{{part}}", "rb").read()
+        except OSError:
+            continue
+        m = re.search(rb"ROLL_ESCAPE_TOKEN=([0-9a-f]{{32}})", data)
+        if m:
+            found(m.group(1).decode())
+for fd in range(3, 64):
+    try:
+        m = pattern.search(os.pread(fd, 4096, 0))
+    except OSError:
+        continue
+    if m:
+        found(m.group(0).decode())
+for path in [{str(h.secret)!r}, {str(h.checkpoint)!r}]:
+    try:
+        found(open(path).read())
+    except OSError:
+        pass
+for dirpath, dirs, files in os.walk("/"):
+    dirs[:] = [d for d in dirs if os.path.join(dirpath, d) not in ("/proc", "/usr", "/sys")]
+    for f in files:
+        if f in ("secret.txt", "model.safetensors"):
+            found(open(os.path.join(dirpath, f)).read())
+print("no token found")
+"""
+
+
+def _fake_sandbox_error(h: Host) -> str:
+    # A program that dodges its 0 if it can pass for a broken sandbox (rows with a sandbox error are not judged):
+    # bwrap's own error text, writes to every fd it might share with the runner, its parent and PID 1 killed.
+    return """
+import os, signal, sys
+sys.stderr.write("bwrap: Creating new namespace failed: Operation not permitted\\n")
+sys.stderr.flush()
+for fd in range(3, 64):
+    try:
+        os.write(fd, b"1")
+    except OSError:
+        pass
+for pid in (os.getppid(), 1):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+os._exit(1)
+"""
+
+
 CASES: dict[str, Callable[[Host], str]] = {
     "fork_bomb": _fork_bomb,
     "memory_bomb": _memory_bomb,
@@ -355,6 +418,8 @@ CASES: dict[str, Callable[[Host], str]] = {
     "os_exit_0": lambda h: "import os\nos._exit(0)\n",
     "exit_0_then_print": lambda h: "import os\nprint('PASS', flush=True)\nos._exit(0)\n",
     "monkeypatch_harness": _monkeypatch_harness,
+    "hunt_token": _hunt_token,
+    "fake_sandbox_error": _fake_sandbox_error,
 }
 
 
@@ -382,6 +447,7 @@ EVIDENCE: dict[str, tuple[str, Callable[[Host], list[str]]]] = {
     ),
     "ptrace": ("PTRACE_ATTACH refused", lambda h: ["attach 1 -1"]),
     "read_env_and_fds": ("environment cleared, no stray fds", lambda h: ["no token in env"]),
+    "hunt_token": ("token in no environ, cmdline, fd or file", lambda h: ["no token found"]),
 }
 
 

@@ -104,7 +104,8 @@ class CodeRewardConfig:
     _target_: str = "roll_envs.rewards.code.CodeReward"
     # all_pass: 1 only when every test passes | fraction: share of tests passed.
     score_mode: str = "all_pass"
-    # Wall-clock seconds per test (sandbox start included; CPU seconds are capped likewise).
+    # Wall-clock seconds per test, from when the sandbox is up (its start has a budget of its own, 10 s; CPU seconds
+    # are capped likewise).
     timeout_s: float = 5.0
     # Address space per process of the program, MiB.
     memory_mb: int = 512

@@ -76,7 +76,7 @@ class CodeTool:
     """Runs a Python program in the sandbox and returns its output; see the module docstring.
 
     Args:
-        timeout_s: wall-clock seconds per program (sandbox start included).
+        timeout_s: wall-clock seconds per program (from when the sandbox is up; its start has a budget of its own).
         memory_mb: address space per process of the program, MiB.
         max_processes: processes and threads the program may have.
         run_memory_mb: memory of all the program's processes together, MiB (where a cgroup can be made).

@@ -17,7 +17,9 @@ Counters (responses, each at most once per kind): `no_code` (no fenced block), `
 failed: a broken installation shows up here, not as wrong answers) and `bad_answers` (malformed ground truth).
 A response with a sandbox error or a malformed ground truth is not judged: `RewardResult.failed` marks it (roll's
 reward guard counts it in `failed_unscored`, and a step where every row failed counts toward the run's failure
-budget) instead of it being trained on as a wrong answer.
+budget) instead of it being trained on as a wrong answer. A test whose expected output is longer than
+`max_output_bytes` counts as a malformed ground truth too (logged): the program that prints it would be killed at
+the output budget, so no answer could pass it.
 
 Covers: stdin/stdout programs in the interpreter's standard library. Does not cover: function-call tests,
 special judges (several right outputs), floating-point tolerance, third-party packages unless the configured
@@ -123,7 +125,8 @@ class CodeReward(Reward):
 
     Args:
         score_mode: `all_pass` (1 only when every test passes) or `fraction` (share of tests passed).
-        timeout_s: wall-clock seconds per test, sandbox start included.
+        timeout_s: wall-clock seconds of the program per test, from the moment its sandbox is up (a slower start
+            than the sandbox's start budget is a `sandbox_errors` row, not a timeout).
         memory_mb: address space per process, MiB.
         max_processes: processes and threads the program may run at once.
         run_memory_mb: memory of all the program's processes together, MiB (where a cgroup can be made).
@@ -160,6 +163,7 @@ class CodeReward(Reward):
             raise ValueError(f"max_tests must be >= 1 or null, got {max_tests}")
         self.score_mode, self.parallelism, self.max_tests = score_mode, parallelism, max_tests
         self.format_weight = format_weight
+        self._warned_output = False
         limits = SandboxLimits(
             timeout_s=timeout_s,
             memory_mb=memory_mb,
@@ -204,6 +208,18 @@ class CodeReward(Reward):
         except ValueError:
             return bonus, False, True, {"bad_answers"}
         tests = tests[: self.max_tests] if self.max_tests else tests
+        budget = self.sandbox.limits.max_output_bytes
+        longest = max(len(normalize_output(t.output).encode("utf-8", "replace")) for t in tests)
+        if longest > budget:
+            if not self._warned_output:  # once: every sample of such a problem would log it again
+                self._warned_output = True
+                log.warning(
+                    "code reward: a test expects %d bytes of output, over max_output_bytes=%d: no program can pass "
+                    "it, so its rows are not judged (counted in bad_answers); raise max_output_bytes",
+                    longest,
+                    budget,
+                )
+            return bonus, False, True, {"bad_answers"}
         passed, kinds = 0, set()
         for test in tests:
             res = self.sandbox.run(code, test.input)

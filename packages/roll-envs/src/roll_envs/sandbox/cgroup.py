@@ -133,9 +133,12 @@ _ENTER_EXEC = (
 
 
 def _pids(folder: Path) -> list[int]:
+    """Pids of the processes in `folder`, as this process's PID namespace numbers them. v2 lists a process of a PID
+    namespace this one cannot see (a sweep of another container's runs) as 0, which must never reach `os.kill`:
+    kill(0, SIGKILL) is this process's own process group, the trainer."""
     try:
-        return [int(p) for p in (folder / "cgroup.procs").read_text().split()]
-    except OSError:
+        return [pid for pid in map(int, (folder / "cgroup.procs").read_text().split()) if pid > 0]
+    except (OSError, ValueError):
         return []
 
 

@@ -2,16 +2,18 @@
 
 Contract: `run_captured` starts the command in a new session (its own process group), feeds it stdin from a file
 descriptor (never a pipe it could block on), reads stdout and stderr concurrently, and kills the run with SIGKILL
-when the wall-clock timeout passes or when stdout + stderr exceed `max_output_bytes`; it never waits longer than
-the timeout plus the time the kernel takes to reap. Killing a run kills the init of its PID namespace (known from
-bwrap's `--json-status-fd`, held as a pidfd checked to be in that namespace, so a recycled pid is never hit),
-which takes every process of the namespace with it whatever the program did to itself (a cleared parent-death
-signal, a new session), then the command's process group. The child signals through `ready_fd` that its
+when a wall clock passes or when stdout + stderr exceed `max_output_bytes`. Two clocks: the sandbox's start (spawn
+to the ready byte) has `start_timeout_s`, the program (ready byte to exit) has `timeout_s` of its own, so a slow
+start on a loaded machine never eats the program's time and turns a right answer into a timeout; it never waits
+longer than the two together plus the time the kernel takes to reap. Killing a run kills the init of its PID
+namespace (known from bwrap's `--json-status-fd`, held as a pidfd checked to be in that namespace, so a recycled pid
+is never hit), which takes every process of the namespace with it whatever the program did to itself (a cleared
+parent-death signal, a new session), then the command's process group. The child signals through `ready_fd` that its
 setup finished; a child that exits without signalling, or reaches the wall clock or the output budget before
-signalling (a slow start on a loaded machine), is a `sandbox_error` (the sandbox, not the program, failed). Exit
-status 0 is `ok`, any other exit or a signal is `runtime_error`, CPU-time exhaustion (SIGXCPU) is `timeout`; a
-signal reported by bwrap as exit status 128 + n counts as that signal. The caller compares stdout
-with what it expects: no verdict is ever read from the child.
+signalling (a start slower than `start_timeout_s`), is a `sandbox_error` (the sandbox, not the program, failed).
+Exit status 0 is `ok`, any other exit or a signal is `runtime_error`, CPU-time exhaustion (SIGXCPU) is `timeout`; a
+signal reported by bwrap as exit status 128 + n counts as that signal. The caller compares stdout with what it
+expects: no verdict is ever read from the child.
 
 Covers: processes that hang, spin, flood their pipes, close their pipes and keep running, or exit early.
 Does not cover: without bwrap (unsandboxed mode, no PID namespace), descendants that leave the process group
@@ -48,8 +50,12 @@ class SandboxLimits:
     roll_envs.sandbox.cgroup) all processes of a run together are also held to `run_memory_mb` and
     `max_processes` (without one, a run may hold up to `max_processes * memory_mb`)."""
 
-    # Wall-clock seconds per run, sandbox start included (CPU seconds are capped at the same value, rounded up).
+    # Wall-clock seconds of the program, from the moment the sandbox is up (CPU seconds are capped at the same
+    # value, rounded up).
     timeout_s: float = 5.0
+    # Wall-clock seconds the sandbox may take to come up before the program starts; past it the run is a
+    # sandbox_error (the program never ran), not a timeout.
+    start_timeout_s: float = 10.0
     # Address space per process, MiB (RLIMIT_AS).
     memory_mb: int = 512
     # Processes and threads of the program (RLIMIT_NPROC); 1 forbids fork and threads.
@@ -66,8 +72,10 @@ class SandboxLimits:
     run_memory_mb: int = 1024
 
     def __post_init__(self) -> None:
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s}")
+        if self.timeout_s <= 0 or self.start_timeout_s <= 0:
+            raise ValueError(
+                f"timeout_s and start_timeout_s must be > 0 seconds, got {self.timeout_s}, {self.start_timeout_s}"
+            )
         if min(self.memory_mb, self.max_processes, self.max_open_files, self.max_file_mb, self.tmp_mb) < 1:
             raise ValueError("memory_mb, max_processes, max_open_files, max_file_mb and tmp_mb must be >= 1")
         if self.run_memory_mb < 64:
@@ -177,6 +185,11 @@ def _signalled(returncode: int, sig: int) -> bool:
     return returncode in (-sig, 128 + sig)
 
 
+def _take_ready(ready_fd: int) -> bool:
+    """Whether the ready byte is waiting in `ready_fd` (read without blocking)."""
+    return bool(select.select([ready_fd], [], [], 0)[0]) and bool(os.read(ready_fd, 1))
+
+
 def run_captured(
     argv: Sequence[str],
     *,
@@ -185,6 +198,7 @@ def run_captured(
     pass_fds: Sequence[int],
     timeout_s: float,
     max_output_bytes: int,
+    start_timeout_s: float | None = None,
     status_fd: int | None = None,
     cwd: str | None = None,
     env: dict[str, str] | None = None,
@@ -196,13 +210,15 @@ def run_captured(
         stdin_fd: file descriptor the child reads as stdin (a regular file or memfd at offset 0).
         ready_fd: read end of a pipe whose write end is in `pass_fds`; the child writes a byte once set up.
         pass_fds: descriptors the child inherits besides stdio; this function closes them (takes ownership).
-        timeout_s: wall-clock budget from spawn to exit.
+        timeout_s: wall-clock budget of the program, from the ready byte to its exit.
+        start_timeout_s: wall-clock budget from spawn to the ready byte; None: `timeout_s`.
         max_output_bytes: stdout + stderr bytes after which the run is killed.
         status_fd: read end of bwrap's `--json-status-fd` (its write end in `pass_fds`); None without bwrap.
         cwd: working folder of the child. env: its environment (None: inherited; bwrap clears it anyway).
     """
     start = time.monotonic()
-    deadline = start + timeout_s
+    # The start's deadline until the ready byte arrives, then the program's own (see the module docstring).
+    deadline = start + (timeout_s if start_timeout_s is None else start_timeout_s)
     try:
         proc = subprocess.Popen(
             list(argv),
@@ -229,13 +245,19 @@ def run_captured(
                 sel.register(fd, selectors.EVENT_READ)
         while sel.get_map() and status is None:
             remaining = deadline - time.monotonic()
+            if remaining <= 0 and not ready and ready_fd in sel.get_map() and _take_ready(ready_fd):
+                # The byte came at the start's deadline, unread yet: the program starts now, with its own clock.
+                ready, deadline = True, time.monotonic() + timeout_s
+                sel.unregister(ready_fd)
+                continue
             if remaining <= 0:
-                status = TIMEOUT
+                status = TIMEOUT if ready else SANDBOX_ERROR
                 break
             for key, _ in sel.select(remaining):
                 chunk = os.read(key.fd, 65536)
                 if key.fd == ready_fd:
-                    ready = ready or bool(chunk)
+                    if chunk and not ready:
+                        ready, deadline = True, time.monotonic() + timeout_s
                     sel.unregister(ready_fd)  # one byte says it all; EOF would wait for bwrap itself
                     continue
                 if key.fd == status_fd:
@@ -253,11 +275,10 @@ def run_captured(
                     stdout += chunk
                 elif len(stderr) < STDERR_KEPT:
                     stderr += chunk[: STDERR_KEPT - len(stderr)]
-    if status is not None and not ready:
-        # The deadline came before the ready byte: the program never started (a slow sandbox start on a loaded
-        # machine), which is the sandbox's failure, not the program's timeout or flood. A byte written but not yet
-        # read still counts.
-        ready = bool(select.select([ready_fd], [], [], 0)[0]) and bool(os.read(ready_fd, 1))
+    if status == OUTPUT_LIMIT and not ready:
+        # The budget ran out before the ready byte was read: output the program could not have written (it starts
+        # after the byte) is the sandbox's, unless the byte is there, unread, in the same batch.
+        ready = _take_ready(ready_fd)
         if not ready:
             status = SANDBOX_ERROR
     returncode: int | None = None

