@@ -8,6 +8,8 @@ A pipeline kind is a collector and an objective, never a subclass of this class 
 loop: asynchronous collection is the collector's business. Collectors that do not sample from the policy every
 step (`on_policy = False`: files of SFT or preference rows) get the new weights only before they evaluate.
 
+Run folder: one process at a time (roll_core.run_lock): a second process building a pipeline on a folder another
+one holds gets a ConfigError naming the holder, before it starts or writes anything.
 Checkpoints: never written from inside a streak of non-finite steps (their weights may hold the blow-up); the
 stop after `pipeline.max_nonfinite_steps` names the last checkpoint saved before the streak. A save that fails
 (a full disk) deletes its partial folder and ends the run with `CheckpointError` naming the checkpoint left intact.
@@ -43,6 +45,7 @@ from roll_core.pipelines.objectives import load_objective
 from roll_core.pipelines.run_control import GracefulStop, named_checkpoint, resolve_run_folder, set_aside_newer
 from roll_core.pipelines.trainer import Trainer
 from roll_core.pipelines.wiring import build_roles
+from roll_core.run_lock import hold_run_folder
 from roll_core.tracking import AGREEMENT_PLOT_KEYS, Tracker
 
 log = logging.getLogger(__name__)
@@ -71,14 +74,22 @@ class Pipeline:
         # a resumed run starts from (recorded in each checkpoint's state).
         self._created, self.wall_before = time.perf_counter(), 0.0
         factory: CollectorFactory = registry.load("roll.collectors", pipe.name)
-        self.cluster = Cluster(cfg.cluster, cfg.hw)
-        self.cluster.platform.seed_everything(pipe.seed)
         # expanduser: a YAML or Python-API output_dir of "~/runs/a" wrote into a folder named "~" here
         out = Path(output_dir or pipe.output_dir or Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S")).expanduser()
         # resume=true looks for another run only from Hydra's generated folders (no pipeline.output_dir; not a
         # multirun job, whose siblings are the other jobs of its sweep).
         search = pipe.output_dir is None and not _in_multirun()
+        # One process writes a run folder (roll_core.run_lock), held until shutdown() and taken before anything is
+        # written or started. A new run locks its folder before it checks that the folder holds no checkpoints (a run
+        # finishing in between is seen); a resumed run's folder is known once resolved.
+        fresh = not (pipe.resume or pipe.resume_from)
+        if fresh:
+            self.run_lock = hold_run_folder(out)
         self.out = resolve_run_folder(out, pipe.resume, pipe.resume_from, cfg.experiment, search=search)
+        if not fresh:
+            self.run_lock = hold_run_folder(self.out)
+        self.cluster = Cluster(cfg.cluster, cfg.hw)
+        self.cluster.platform.seed_everything(pipe.seed)
         self.model_path = resolve_model_path(cfg.model.path)
         from transformers import AutoTokenizer
 
@@ -366,14 +377,16 @@ class Pipeline:
         log.info("resumed from %s at step %d", folder, self.start_step)
 
     def shutdown(self) -> None:
-        """Close the collector, the tracker and the cluster, each whatever the others do (best effort: after a
-        fault, closing the collector calls dead workers; its error must neither skip the cluster's shutdown nor
-        replace the run restart already decided). Errors are logged."""
+        """Close the collector, the tracker and the cluster, then release the run folder's lock, each whatever the
+        others do (best effort: after a fault, closing the collector calls dead workers; its error must neither skip
+        the cluster's shutdown nor replace the run restart already decided). Errors are logged."""
         steps = (
             ("collector", getattr(getattr(self, "collector", None), "close", None)),
             # a failed run's writer too: a restarted run reopens the same event files
             ("tracker", getattr(getattr(self, "tracker", None), "close", None)),
             ("cluster", getattr(getattr(self, "cluster", None), "shutdown", None)),
+            # last: the folder is another process's only once no worker of this run can write into it
+            ("run-folder lock", getattr(getattr(self, "run_lock", None), "release", None)),
         )
         for what, close in steps:
             if close is None:

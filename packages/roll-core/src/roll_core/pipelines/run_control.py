@@ -15,7 +15,8 @@ died or hung: its ranks share torch.distributed groups, so one cannot be re-crea
 used up cluster.max_restarts), every role is shut down and the run is rebuilt from its latest checkpoint, as
 `pipeline.resume_from` would, up to `pipeline.max_run_restarts` times. The steps after that checkpoint are redone
 (their logged metrics are truncated on resume), the first step after a restart reports `faults/run_restarts`, and
-the summary counts them. An error with every worker alive is a bug, not a fault: it ends the run (a restart would
+the summary counts them. The run folder's lock (roll_core.run_lock) is held across the restarts: no other process
+takes the folder in between. An error with every worker alive is a bug, not a fault: it ends the run (a restart would
 only repeat it), as does a fault before the first checkpoint (nothing to restart from: the message says so).
 
 Stop contract: inside `GracefulStop`, the first SIGINT/SIGTERM sets `requested` (the loop finishes the step, saves
@@ -167,47 +168,61 @@ def run_with_restarts(make: Callable[[Any], Any], cfg: Any) -> dict[str, Any]:
     """Build the pipeline with `make(cfg)` and run it, restarting from the latest checkpoint after a fault (see the
     module docstring); returns the run summary with `run_restarts`."""
     restarts, t0 = 0, time.perf_counter()
-    while True:
-        pipeline = make(cfg)
-        pipeline.pending_run_restarts = 1 if restarts else 0
-        try:
-            summary = pipeline.run()
-        except BaseException as exc:
-            reason = fault_of(pipeline, exc)
-            if reason is None:
-                raise
-            stop = getattr(pipeline, "stop", None)
-            if stop is not None and stop.requested:  # a preemption's signal and its workers' deaths come together
-                log.error("run not restarted after the fault: signal %s asked it to stop", stop.signum)
-                raise
-            latest = pipeline.ckpt.latest()
-            limit = cfg.pipeline.max_run_restarts
-            if latest is None or restarts >= limit:
-                why = (
-                    "no checkpoint was saved yet (pipeline.save_every=N saves every N steps)"
-                    if latest is None
-                    else f"{restarts} run restart(s) already (pipeline.max_run_restarts={limit})"
-                )
-                log.error("run not restarted after the fault: %s", why)
-                raise
-            restarts += 1
-            log.warning(
-                "run restart %d/%d after a fault (%s): resuming from %s, the steps after it are redone",
-                restarts,
-                limit,
-                reason,
-                latest,
+    kept = None  # a share of the run folder's lock, held across restarts: no other process takes it in between
+    try:
+        while True:
+            pipeline = make(cfg)
+            if kept is None and getattr(pipeline, "run_lock", None) is not None:
+                kept = pipeline.run_lock.share()
+            summary = _run_once(pipeline, cfg, restarts)
+            if isinstance(summary, Path):  # a fault: the run restarts from this checkpoint
+                restarts += 1
+                again = dataclasses.replace(cfg.pipeline, resume=False, resume_from=str(summary))
+                cfg = dataclasses.replace(cfg, pipeline=again)
+                continue
+            summary["run_restarts"] = restarts
+            # this process's incarnations, or the run's own total when it resumed an earlier process's checkpoint
+            summary["wall_seconds"] = max(summary["wall_seconds"], time.perf_counter() - t0)
+            return summary
+    finally:
+        if kept is not None:
+            kept.release()
+
+
+def _run_once(pipeline: Any, cfg: Any, restarts: int) -> dict[str, Any] | Path:
+    """Run `pipeline` and shut it down whatever happens; returns its summary, or after a fault a restart repairs, the
+    checkpoint to restart from (any other error is raised)."""
+    pipeline.pending_run_restarts = 1 if restarts else 0
+    try:
+        return pipeline.run()
+    except BaseException as exc:
+        reason = fault_of(pipeline, exc)
+        if reason is None:
+            raise
+        stop = getattr(pipeline, "stop", None)
+        if stop is not None and stop.requested:  # a preemption's signal and its workers' deaths come together
+            log.error("run not restarted after the fault: signal %s asked it to stop", stop.signum)
+            raise
+        latest = pipeline.ckpt.latest()
+        limit = cfg.pipeline.max_run_restarts
+        if latest is None or restarts >= limit:
+            why = (
+                "no checkpoint was saved yet (pipeline.save_every=N saves every N steps)"
+                if latest is None
+                else f"{restarts} run restart(s) already (pipeline.max_run_restarts={limit})"
             )
-            cfg = dataclasses.replace(
-                cfg, pipeline=dataclasses.replace(cfg.pipeline, resume=False, resume_from=str(latest))
-            )
-            continue
-        finally:
-            pipeline.shutdown()
-        summary["run_restarts"] = restarts
-        # this process's incarnations, or the run's own total when it resumed an earlier process's checkpoint
-        summary["wall_seconds"] = max(summary["wall_seconds"], time.perf_counter() - t0)
-        return summary
+            log.error("run not restarted after the fault: %s", why)
+            raise
+        log.warning(
+            "run restart %d/%d after a fault (%s): resuming from %s, the steps after it are redone",
+            restarts + 1,
+            limit,
+            reason,
+            latest,
+        )
+        return Path(latest)
+    finally:
+        pipeline.shutdown()
 
 
 class GracefulStop:
