@@ -34,7 +34,7 @@ def _stops(tokenizer: Any, stop: tuple[str, ...]) -> Any:
     """The StopStrings the engine gives a request with `stop` (no model: only the tokenizer is read)."""
     engine = object.__new__(HFInferEngine)
     engine.tokenizer, engine.vision, engine.name, engine.path = tokenizer, None, "hf", "stub"
-    engine._seeds = torch.Generator().manual_seed(0)
+    engine._seeds, engine._vocab = torch.Generator().manual_seed(0), 256
     return engine._prepare(Request("r", [1], SamplingParams(stop=stop))).stop
 
 

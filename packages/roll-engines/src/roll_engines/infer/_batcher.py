@@ -292,6 +292,9 @@ class ContinuousBatcher:
         new: list[Running] = []
         while self.waiting and len(new) < room:
             seq = self.waiting.popleft()
+            if not seq.prompt_len:  # its row would attend to nothing (or an all-empty prefill fail the batch)
+                seq.future.set_exception(ValueError(f"request {seq.request.request_id!r}: empty prompt"))
+                continue
             if seq.prompt_len >= self.max_context:
                 seq.finish = "prompt_too_long"
                 self._resolve(seq)

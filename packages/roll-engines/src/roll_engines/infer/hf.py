@@ -12,6 +12,8 @@ of `model.generate`, so that:
   roll_engines.infer._sampling.stop_window tokens;
 - requests join and leave the running batch between decode steps (the request API), and the n samples of a
   prompt share one prefill;
+- a prompt that is empty or holds an id outside the model's vocabulary is a ValueError to its caller, before it
+  joins any batch (its prefill failed every running request);
 - structured outputs (`SamplingParams.structured`, roll_engines.structured): each constrained row's logits are
   masked to the tokens its JSON schema / regex allows before sampling (EOS only where the text is a complete
   match), so the reported log-probs are those of the constrained distribution the trainer replays;
@@ -192,17 +194,31 @@ class HFInferEngine:
                 p.data = p.data.clone()
             use_cpu_kernels(self.model, vision=vision)
         self._shapes = {k: tuple(p.shape) for k, p in self.model.named_parameters()}
-        self._pad_id = self.tokenizer.pad_token_id
-        if self._pad_id is None:
-            self._pad_id = self.tokenizer.eos_token_id
         # The tokenizer's EOS and the generation config's (vLLM stops on both): a fine-tuned checkpoint may have
         # changed one (e.g. the tokenizer's to <|im_end|>) and not the other.
         eos = self.model.generation_config.eos_token_id
         eos = [*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id]
         self.eos_ids = {int(e) for e in eos if e is not None}
+        # Padding is masked, so any id serves; a tokenizer may declare neither pad nor EOS (generating raised then).
+        pads = (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, self.model.generation_config.pad_token_id)
+        self._pad_id = next((int(x) for x in pads if x is not None), min(self.eos_ids, default=0))
+        # Prompt ids must index the embedding: one that does not failed the whole running batch at its prefill.
+        self._vocab = self.model.get_input_embeddings().num_embeddings
         self.vision = VisionInputs(self.model, self.path, self.tokenizer) if vision else None
-        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or 4096
-        self._max_context = min(max_model_len or limit, limit)
+        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if limit is None:  # no declared limit (e.g. a state-space model): the configured one, else 4096
+            self._max_context = max_model_len or 4096
+        else:
+            if max_model_len is not None and max_model_len > limit:
+                log.warning(
+                    "%s engine: max_model_len=%d exceeds the model's max_position_embeddings=%d; using %d "
+                    "(longer prompts finish as prompt_too_long)",
+                    name,
+                    max_model_len,
+                    limit,
+                    limit,
+                )
+            self._max_context = min(max_model_len or limit, limit)
         self.seed = seed
         self._seeds = torch.Generator().manual_seed(seed)  # stream of per-request seeds when a request has none
         self._version = 0
@@ -259,6 +275,19 @@ class HFInferEngine:
 
             STRUCTURED.require()
 
+    def check_prompt(self, ids: Sequence[int], what: str) -> None:
+        """A prompt the model can encode: at least one token (vLLM refuses empty prompts too; here one sampled from
+        a row that attends to nothing, or failed every running request), each id an embedding row (an id past the
+        vocabulary failed every running request at its prefill, and on CUDA is a device-side assert)."""
+        if len(ids) == 0:
+            raise ValueError(f"{self.name} engine: {what} is empty (a prompt needs at least one token)")
+        if 0 <= min(ids) and max(ids) < self._vocab:
+            return
+        bad = [int(t) for t in ids if not 0 <= int(t) < self._vocab]
+        raise ValueError(
+            f"{self.name} engine: {what} has token ids outside the model's vocabulary [0, {self._vocab}): {bad[:5]}"
+        )
+
     # ---- batch API ----------------------------------------------------------------------------------------
     def generate(
         self,
@@ -281,6 +310,7 @@ class HFInferEngine:
             raise ValueError(f"{self.name} engine: {len(mm)} mm entries for {len(prompts)} prompts (one per prompt)")
         seqs = []
         for k, prompt in enumerate(prompts):
+            self.check_prompt(prompt, f"prompt {k}")
             for j in range(n):
                 row = k * n + j
                 seed = None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, first_row + row)
@@ -331,6 +361,7 @@ class HFInferEngine:
     def _prepare(self, request: Request) -> Running:
         """The queue entry of a request; raises (to the caller, before it joins any batch) what is wrong with it."""
         p = request.params
+        self.check_prompt(request.prompt_ids, f"the prompt of request {request.request_id!r}")
         self.check_sampling(p)
         if self.vision is not None:
             self.vision.check(request, self.name)

@@ -1,0 +1,144 @@
+"""The hf inference engine's inputs: prompts it cannot encode are refused to their caller without failing the
+running batch, checkpoints whose tokenizer lacks pad/EOS ids still generate, and the context limit is the one
+configured where the model declares none."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from roll_core.interfaces import Request, SamplingParams
+from roll_core.testing import reference_greedy
+from roll_engines.infer.hf import HFInferEngine
+
+LONG = SamplingParams(temperature=1.0, max_new_tokens=300, ignore_eos=True, seed=4)
+
+
+def _running(engine: HFInferEngine, request_id: str) -> None:
+    """Wait until `request_id` is in the running batch with tokens, then pause the engine (nothing steps)."""
+    deadline = time.monotonic() + 60
+    while not any(s.request.request_id == request_id and s.tokens for s in engine.batcher.running):
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.005)
+    engine.begin_weight_update()
+
+
+@pytest.mark.parametrize("bad", [[], [5, 99], [-1, 5]], ids=["empty", "past-vocab", "negative"])
+def test_a_prompt_the_model_cannot_encode_is_refused_and_the_running_batch_goes_on(tiny: str, bad: list[int]) -> None:
+    """An id past the vocabulary (the tiny model has 99 tokens) made the prefill raise, which failed every request
+    in the running batch (on CUDA: a device-side assert); an empty prompt was sampled from a row that attends to
+    nothing (a garbage response, or with no other prompt a failed batch)."""
+    engine = HFInferEngine(tiny)
+    try:
+        fut = engine.submit(Request("bg", [5, 6, 7], LONG))
+        _running(engine, "bg")
+        try:
+            with pytest.raises(ValueError, match="request 'bad'"):
+                engine.submit(Request("bad", bad, SamplingParams(max_new_tokens=4)))
+        finally:
+            engine.finish_weight_update()
+        with pytest.raises(ValueError, match="prompt 1 "):
+            engine.generate([[5, 6], bad], SamplingParams(max_new_tokens=4, seed=0))
+        out = fut.result(timeout=120)
+        assert out.finish_reason == "length" and len(out.token_ids) == 300
+        # The engine still serves: the refused prompt left nothing behind.
+        assert engine.generate([[5, 6]], SamplingParams(max_new_tokens=3, seed=0)).response_mask.sum() == 3
+        assert not engine.batcher.has_work()
+    finally:
+        engine.shutdown()
+
+
+def test_the_batcher_itself_fails_only_an_empty_prompts_request(tiny: str) -> None:
+    """Past the engine's check (a caller of the batcher's own queue): the empty prompt's request fails alone and a
+    prompt admitted with it samples what it samples alone (the empty row was sampled from a row attending to
+    nothing; alone, its prefill of width 0 raised and failed the batch)."""
+    engine = HFInferEngine(tiny)
+    try:
+        greedy = SamplingParams(temperature=0, max_new_tokens=5)
+        good = engine._prepare(Request("good", [5, 6, 7], greedy))
+        empty = engine._prepare(Request("e", [5], greedy))
+        empty.request.prompt_ids = []
+        lone = engine._prepare(Request("e2", [5], greedy))
+        lone.request.prompt_ids = []
+        with engine._lock:
+            engine.batcher.add(lone)
+            engine.batcher.step()
+            assert not engine.batcher.has_work()
+            engine.batcher.add(empty)
+            engine.batcher.add(good)
+            while engine.batcher.has_work():
+                engine.batcher.step()
+        for seq in (lone, empty):
+            with pytest.raises(ValueError, match="empty prompt"):
+                seq.future.result(timeout=0)
+        assert good.future.result(timeout=0).token_ids == reference_greedy(tiny, [5, 6, 7], 5)[0]
+    finally:
+        engine.shutdown()
+
+
+def test_a_tokenizer_without_pad_and_eos_ids_still_generates(tiny: str, tmp_path: Path) -> None:
+    """Padding fell back to the tokenizer's EOS only: with neither declared, every prefill raised (torch.full of
+    None) and `pad_id` too. The generation config's EOS pads now; padding is masked, so results are unchanged."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(tiny, tmp_path, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(tiny)
+    tok.pad_token, tok.eos_token = None, None
+    tok.save_pretrained(tmp_path)
+    engine = HFInferEngine(str(tmp_path))
+    try:
+        assert engine.tokenizer.pad_token_id is None and engine.tokenizer.eos_token_id is None
+        # generation_config.json's pad (the model config's) pads, its EOS stops
+        assert engine.pad_id == engine.model.generation_config.pad_token_id == 0 and engine.eos_ids == {2}
+        greedy = SamplingParams(temperature=0, max_new_tokens=6)
+        out = engine.generate([[5, 6], [7, 8, 9, 10]], greedy)  # rows of different lengths: left padding
+        for i, prompt in enumerate([[5, 6], [7, 8, 9, 10]]):
+            ref, _ = reference_greedy(tiny, prompt, 6)
+            assert out.responses[i][out.response_mask[i].bool()].tolist() == ref
+    finally:
+        engine.shutdown()
+
+
+def test_max_model_len_is_honoured_where_the_model_declares_no_limit(
+    tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config without max_position_embeddings (a state-space model's, a remote-code one's) capped the context at
+    4096 whatever max_model_len said: longer prompts finished as prompt_too_long, silently."""
+    from transformers import AutoModelForCausalLM
+
+    load = AutoModelForCausalLM.from_pretrained
+
+    def undeclared(*args: object, **kwargs: object) -> object:
+        model = load(*args, **kwargs)
+        # Strict config dataclasses refuse None and fall back to a class default on `del`: the text config the
+        # engine reads is swapped for one without the field, as a remote-code config without it would be.
+        object.__setattr__(model.config, "get_text_config", lambda *a, **k: SimpleNamespace())
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", undeclared)
+    for configured, expected in ((8192, 8192), (None, 4096)):
+        engine = HFInferEngine(tiny, max_model_len=configured)
+        try:
+            assert engine.max_context_length == expected
+        finally:
+            engine.shutdown()
+
+
+def test_a_max_model_len_past_the_models_limit_is_cut_with_a_warning(
+    tiny: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from transformers import AutoConfig
+
+    declared = AutoConfig.from_pretrained(tiny).max_position_embeddings
+    with caplog.at_level(logging.WARNING, logger="roll_engines.infer.hf"):
+        engine = HFInferEngine(tiny, max_model_len=declared + 100)
+    try:
+        assert engine.max_context_length == declared
+        assert f"max_model_len={declared + 100} exceeds" in caplog.text
+    finally:
+        engine.shutdown()
