@@ -81,6 +81,26 @@ def test_builtin_options_and_bad_config() -> None:
 def test_config_schema_matches_the_task() -> None:
     assert CodeEnvConfig().instruction == INSTRUCTION
     assert CodeRewardConfig().allow_unsandboxed_execution_i_understand_the_risk is False
+    assert CodeRewardConfig().float_tolerance is None  # exact comparison unless asked for
+
+
+def test_float_tolerance_reaches_the_reward_through_the_schema() -> None:
+    import inspect
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    fields = {f for f in CodeRewardConfig.__dataclass_fields__ if f != "_target_"}
+    assert fields <= set(inspect.signature(CodeReward).parameters)
+    node = OmegaConf.structured(CodeRewardConfig(float_tolerance=1e-6, parallelism=1))
+    try:
+        built = instantiate(node)
+    except SandboxUnavailableError as exc:
+        pytest.skip(f"no working bubblewrap sandbox here (install roll-envs[code]): {exc}")
+    assert isinstance(built, CodeReward) and built.float_tolerance == 1e-6
+    for bad in [0.0, -1e-6, 1.0, float("nan")]:
+        with pytest.raises(ValueError, match="float_tolerance"):
+            CodeReward(float_tolerance=bad)
 
 
 # ---- file loader ---------------------------------------------------------------------------------------------
@@ -164,6 +184,59 @@ def test_extract_code_takes_the_last_python_block() -> None:
     assert extract_code("no code at all") is None and extract_code("```python\n\n```") is None
 
 
+def test_extract_code_ends_a_block_only_at_a_closing_fence_line() -> None:
+    """A ``` inside the program (a string literal, a docstring) cut it there: the right program was truncated
+    (a syntax error, scored 0) or a fragment of another ran. A block ends only at a line that is a closing fence."""
+    prints_fence = 'print("```")\nprint(1)\n'
+    assert extract_code(fenced(prints_fence)) == prints_fence
+    documented = 'def f():\n    """Use it like this:\n    ```python\n    f()\n    ```\n    """\n    return 1\n'
+    documented += "print(f())\n"
+    assert extract_code(fenced(documented)) == documented
+    # The last python block, though an earlier one is complete and the last one quotes a fence.
+    two = f"```python\nprint(0)\n```\nBetter:\n```python3\n{prints_fence}```\n"
+    assert extract_code(two) == prints_fence
+    # Closing: alone on its line, whitespace after it allowed; code before or text after it is not a fence.
+    assert extract_code("```py\nx = 1  # ``` \nprint(x)\n```  \t\nbye") == "x = 1  # ``` \nprint(x)\n"
+    assert extract_code("```python\nprint(1)\n``` see\nprint(2)\n```") == "print(1)\n``` see\nprint(2)\n"
+    assert extract_code("```python\nprint(1)```") is None  # never closed: no program
+    # A fence of N backticks closes with >= N; an info string after the tag is allowed, the tag in any case.
+    four = "````Python title=main.py\ns = '''\n```\n'''\nprint(s)\n`````\n"
+    assert extract_code(four) == "s = '''\n```\n'''\nprint(s)\n"
+    # Inline code in prose (backticks in the info string) opens nothing.
+    assert extract_code("Write ```python``` blocks.\n```python\nprint(2)\n```") == "print(2)\n"
+    # A fence indented in a list item: the program loses that indentation, as Markdown renders it.
+    listed = "1. The program:\n   ```python\n   n = 1\n   if n:\n       print(n)\n   ```\n2. Done."
+    assert extract_code(listed) == "n = 1\nif n:\n    print(n)\n"
+
+
+def test_extract_code_ignores_an_unclosed_last_block() -> None:
+    """A truncated response: its unclosed block is no program, complete blocks before it still are, and a fence
+    line inside the unclosed block does not open a new one."""
+    assert extract_code("```python\nprint(1)\n```\nNow faster:\n```python\nprint(2") == "print(1)\n"
+    assert extract_code("```python\nprint(1)\n```\n````python\ns = '''\n```\nprint(3)\n```\n") == "print(1)\n"
+    assert extract_code("```python\nprint('```')\n") is None
+
+
+def test_outputs_match_within_a_float_tolerance() -> None:
+    assert not outputs_match("0.33333333333\n", "0.3333333333")  # exact by default
+    assert outputs_match("0.33333333333\n", "0.3333333333\n", float_tolerance=1e-6)
+    assert outputs_match("x 2 -0.5000001 \n1e-9\n\n", "x 2 -0.5\n0", float_tolerance=1e-6)
+    assert outputs_match("2\n", "2.0\n", float_tolerance=1e-6) and outputs_match("1E3", "1000.0000001", 1e-6)
+    for got, expected in [
+        ("0.3334", "0.3333"),  # outside the tolerance
+        ("0.5 0.5", "0.5"),  # token count
+        ("0.5  0.5", "0.5 0.5"),  # whitespace between tokens stays exact
+        ("0.5\n0.5", "0.5 0.5"),
+        ("1000000", "1000001"),  # two integers compare exactly
+        ("YES 0.5", "yes 0.5"),  # non-numbers compare exactly
+        ("1e999", "2e999"),  # overflowed: not comparable
+        ("nan", "0.5"),
+        ("1_000.0", "1000.0"),  # float() reads this; a judge does not
+        ("", "0.0"),
+    ]:
+        assert not outputs_match(got, expected, float_tolerance=1e-6), (got, expected)
+
+
 def test_outputs_match_ignores_trailing_whitespace_only() -> None:
     assert outputs_match("1 2 \r\n3\n\n", "1 2\n3")
     assert not outputs_match("1  2\n", "1 2\n") and not outputs_match(" 1\n", "1\n") and not outputs_match("", "0")
@@ -191,6 +264,18 @@ def test_reference_solutions_score_1_and_wrong_programs_0(reward: CodeReward) ->
     assert res.scores == [0.0] * 4 and res.correct == [0.0] * 4 and res.formatted == [1.0, 1.0, 1.0, 0.0]
     assert res.counters["wrong_answers"] == 2 and res.counters["runtime_errors"] == 1
     assert res.counters["no_code"] == 1 and set(res.counters) == set(COUNTERS)
+
+
+def test_a_program_quoting_a_fence_and_a_float_answer_score_1(reward: CodeReward) -> None:
+    """End to end: the program printing ``` ran whole (it was cut to `print("` and scored 0), and a float printed
+    with more digits than the expected output passes with `float_tolerance` only."""
+    fence = encode_tests([CodeTest("", "```\n3\n")])
+    third = encode_tests([CodeTest("3\n", "0.3333333333\n")])
+    quoting, precise = fenced('print("```")\nprint(3)\n'), fenced("print(f'{1 / int(input()):.11f}')\n")
+    res = reward.score([quoting, precise], [fence, third])
+    assert res.scores == [1.0, 0.0] and res.counters["wrong_answers"] == 1, res
+    tolerant = _reward_or_skip(float_tolerance=1e-6, parallelism=1)
+    assert tolerant.score([precise, fenced("print(0.3334)\n")], [third, third]).scores == [1.0, 0.0]
 
 
 def test_fraction_mode_format_weight_and_bad_answers() -> None:

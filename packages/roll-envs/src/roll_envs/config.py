@@ -121,6 +121,9 @@ class CodeRewardConfig:
     max_tests: int | None = None
     # Bonus for a response with a code block (0 disables).
     format_weight: float = 0.0
+    # Compare outputs token by token with numbers within this relative and absolute tolerance (e.g. 1e-6; two
+    # integers still compare exactly); null: exact comparison up to trailing whitespace.
+    float_tolerance: float | None = None
     # Interpreter inside the sandbox; null: the one running roll (standard library only).
     python: str | None = None
     # When no sandbox works here, run model programs as plain child processes with resource limits only (they can

@@ -1,10 +1,21 @@
 """Code reward: the model's last ```python block runs on each test's stdin in a sandbox; stdout is compared outside.
 
+The program (`extract_code`): the last complete fenced block tagged python/py/python3 (the first word of the info
+string, any case), else the last complete untagged block, else none (`no_code`). Fences are Markdown's (CommonMark):
+an opening fence is a line of up to 3 spaces, N >= 3 backticks and an info string without backticks; the block ends
+at the next line holding only up to 3 spaces, >= N backticks and whitespace. A ``` elsewhere (in a string literal,
+after code on a line) is part of the program. An unclosed block (a truncated response) runs to the end of the
+response and is not a program; complete blocks before it still count. Up to as many spaces as the opening fence is
+indented are removed from each line of the program (a fence inside a list item).
+
 Ground truth (a problem's `answer`) is JSON: `{"tests": [{"input": "...", "output": "..."}, ...]}` (`encode_tests`
 writes it, `parse_tests` reads it). A test passes when the program exits 0 and its stdout equals the expected
-output up to trailing whitespace on each line and trailing blank lines. Each test runs in a fresh sandbox
-(`roll_envs.sandbox.PythonSandbox`) and the comparison happens here, outside it: a program that exits early
-(`sys.exit(0)`, `os._exit(0)`), patches builtins or kills its parent prints nothing right and scores 0.
+output up to trailing whitespace on each line and trailing blank lines. With `float_tolerance` (off by default),
+outputs are compared token by token instead: the whitespace between tokens and the number of tokens must be equal,
+and two decimal numbers at least one of which has a fraction or exponent match when `math.isclose` with that
+relative and absolute tolerance says so (two integers, and anything else, must be equal as text). Each test runs in
+a fresh sandbox (`roll_envs.sandbox.PythonSandbox`) and the comparison happens here, outside it: a program that
+exits early (`sys.exit(0)`, `os._exit(0)`), patches builtins or kills its parent prints nothing right and scores 0.
 
 Scoring (per response):
 - `score_mode="all_pass"`: `score` = 1 when every test passes, else 0; the first failing test stops the run.
@@ -21,15 +32,16 @@ budget) instead of it being trained on as a wrong answer. A test whose expected 
 `max_output_bytes` counts as a malformed ground truth too (logged): the program that prints it would be killed at
 the output budget, so no answer could pass it.
 
-Covers: stdin/stdout programs in the interpreter's standard library. Does not cover: function-call tests,
-special judges (several right outputs), floating-point tolerance, third-party packages unless the configured
-`python` has them and `extra_ro_binds` exposes them.
+Covers: stdin/stdout programs in the interpreter's standard library, floating-point answers (`float_tolerance`).
+Does not cover: function-call tests, special judges (several right outputs), ~~~ fences, third-party packages
+unless the configured `python` has them and `extra_ro_binds` exposes them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,8 +62,16 @@ from roll_envs.sandbox import (
 log = logging.getLogger(__name__)
 
 SCORE_MODES = ("all_pass", "fraction")
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+# CommonMark backtick fences, matched against one line without its newline. A closing fence must stand alone on
+# its line: a ``` inside the program (a string literal, a docstring) must not end it.
+_OPEN_FENCE = re.compile(r"( {0,3})(`{3,})([^`]*)")
+_CLOSE_FENCE = re.compile(r" {0,3}(`{3,})\s*")
+_TAG = re.compile(r"[A-Za-z0-9_+-]*")
 _PYTHON_TAGS = {"python", "py", "python3"}
+# Decimal numbers only: float() also takes "nan", "inf", "1_000" and surrounding spaces.
+_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_INTEGER = re.compile(r"[+-]?\d+")
+_SEPARATOR = re.compile(r"(\s+)")
 # Sandbox status -> counter of the response.
 _COUNTER = {
     RUNTIME_ERROR: "runtime_errors",
@@ -72,12 +92,36 @@ class CodeTest:
     output: str
 
 
-def extract_code(response: str) -> str | None:
-    """The last fenced block tagged python/py/python3, else the last untagged block, else None.
+def _fenced_blocks(response: str) -> list[tuple[str, str]]:
+    """(lower-cased tag, body) of each complete fenced block, in order (see the module docstring)."""
+    lines = response.split("\n")
+    blocks, i = [], 0
+    while i < len(lines):
+        opening = _OPEN_FENCE.fullmatch(lines[i])
+        i += 1
+        if opening is None:
+            continue
+        indent, ticks = len(opening.group(1)), len(opening.group(2))
+        end = next(
+            (j for j in range(i, len(lines)) if (c := _CLOSE_FENCE.fullmatch(lines[j])) and len(c.group(1)) >= ticks),
+            None,
+        )
+        if end is None:  # unclosed: it holds the rest of the response, fences included
+            break
+        body = lines[i:end]
+        body = [line[min(indent, len(line) - len(line.lstrip(" "))) :] for line in body] if indent else body
+        tag = _TAG.match(opening.group(3).strip())
+        blocks.append((tag.group().lower() if tag else "", "".join(line + "\n" for line in body)))
+        i = end + 1
+    return blocks
 
-    An unclosed fence (a truncated response) is not a program.
+
+def extract_code(response: str) -> str | None:
+    """The last complete fenced block tagged python/py/python3, else the last complete untagged block, else None.
+
+    An unclosed fence (a truncated response) is not a program. Fences follow CommonMark (module docstring).
     """
-    blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(response)]
+    blocks = _fenced_blocks(response)
     for wanted in (_PYTHON_TAGS, {""}):
         for tag, body in reversed(blocks):
             if tag in wanted and body.strip():
@@ -93,9 +137,33 @@ def normalize_output(text: str) -> str:
     return "\n".join(lines)
 
 
-def outputs_match(got: str, expected: str) -> bool:
-    """Whether a program's stdout equals the expected output (see `normalize_output`)."""
-    return normalize_output(got) == normalize_output(expected)
+def _tokens_match(got: str, expected: str, tolerance: float) -> bool:
+    if got == expected:
+        return True
+    if not (_NUMBER.fullmatch(got) and _NUMBER.fullmatch(expected)):
+        return False
+    # Two integers are compared exactly: a relative tolerance would pass 1000000 for 1000001.
+    if _INTEGER.fullmatch(got) and _INTEGER.fullmatch(expected):
+        return False
+    a, b = float(got), float(expected)
+    # Overflowed literals (1e999) are inf: isclose(inf, inf) would pass any two of them.
+    return math.isfinite(a) and math.isfinite(b) and math.isclose(a, b, rel_tol=tolerance, abs_tol=tolerance)
+
+
+def outputs_match(got: str, expected: str, float_tolerance: float | None = None) -> bool:
+    """Whether a program's stdout equals the expected output (see `normalize_output`); with `float_tolerance`,
+    token by token with numbers compared within it (module docstring)."""
+    got, expected = normalize_output(got), normalize_output(expected)
+    if float_tolerance is None or got == expected:
+        return got == expected
+    got_parts, expected_parts = _SEPARATOR.split(got), _SEPARATOR.split(expected)
+    if len(got_parts) != len(expected_parts):
+        return False
+    # re.split with a group alternates token, separator, token, ...: separators (odd) must be equal.
+    return all(
+        g == e if k % 2 else _tokens_match(g, e, float_tolerance)
+        for k, (g, e) in enumerate(zip(got_parts, expected_parts, strict=True))
+    )
 
 
 def encode_tests(tests: Sequence[CodeTest]) -> str:
@@ -135,6 +203,8 @@ class CodeReward(Reward):
             calls made concurrently (a reward service's threads): the sandbox holds the cap.
         max_tests: run at most this many tests per problem (the first ones); None: all.
         format_weight: bonus for a response with a code block.
+        float_tolerance: compare outputs token by token, numbers within this relative and absolute tolerance
+            (e.g. 1e-6; module docstring); None: exact comparison.
         python: interpreter inside the sandbox; None: the one running roll (standard library only).
         allow_unsandboxed_execution_i_understand_the_risk: when no sandbox works here, run programs in plain
             child processes (resource limits only: they can read your files and reach the network) instead of
@@ -152,6 +222,7 @@ class CodeReward(Reward):
         parallelism: int = 4,
         max_tests: int | None = None,
         format_weight: float = 0.0,
+        float_tolerance: float | None = None,
         python: str | None = None,
         allow_unsandboxed_execution_i_understand_the_risk: bool = False,
     ) -> None:
@@ -161,8 +232,10 @@ class CodeReward(Reward):
             raise ValueError(f"parallelism must be >= 1, got {parallelism}")
         if max_tests is not None and max_tests < 1:
             raise ValueError(f"max_tests must be >= 1 or null, got {max_tests}")
+        if float_tolerance is not None and not 0 < float_tolerance < 1:  # NaN fails too
+            raise ValueError(f"float_tolerance must be > 0 and < 1 (e.g. 1e-6) or null, got {float_tolerance}")
         self.score_mode, self.parallelism, self.max_tests = score_mode, parallelism, max_tests
-        self.format_weight = format_weight
+        self.format_weight, self.float_tolerance = format_weight, float_tolerance
         self._warned_output = False
         limits = SandboxLimits(
             timeout_s=timeout_s,
@@ -223,7 +296,7 @@ class CodeReward(Reward):
         passed, kinds = 0, set()
         for test in tests:
             res = self.sandbox.run(code, test.input)
-            if res.status == OK and outputs_match(res.stdout, test.output):
+            if res.status == OK and outputs_match(res.stdout, test.output, self.float_tolerance):
                 passed += 1
                 continue
             kinds.add("wrong_answers" if res.status == OK else _COUNTER[res.status])
