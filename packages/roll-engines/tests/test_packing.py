@@ -20,7 +20,7 @@ from torch import Tensor
 
 from roll_core.pipelines.objectives import PolicyObjective, ValueObjective
 from roll_core.sequences import pad_left
-from roll_engines.train._packing import pack, prompt_order, unsupported_reason
+from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
 from roll_engines.train.hf import HFTrainEngine
 
 LOGPROB_ATOL = 1e-5
@@ -219,3 +219,133 @@ def test_unpackable_micro_batches_and_models_fall_back(
     assert not mistral.pack_sequences and "sliding-window" in caplog.text
     out = mistral.compute_logprobs(batch)["logprobs"]
     assert mistral.forward_tokens == ids.numel() and torch.isfinite(out).all()
+
+
+# ---- model families: the packed forward equals the padded one, or the family is refused -----------------------
+# Tiny fp32 models built from configs, weights drawn at std 0.3 so each log-prob depends on its context (at the
+# default init they are ~uniform and any mask gives the same numbers): log-probs spread by ~1.5 nats, summation noise
+# ~1e-6, a wrong attention pattern moves them by 0.1 to 5.
+
+_SMALL = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
+def _family(name: str) -> tuple[torch.nn.Module, str]:
+    """(model, attn_implementation) of a tiny `name` model with sharpened weights."""
+    import transformers as tf
+
+    heads = dict(num_key_value_heads=2, head_dim=16)
+    configs = {
+        "llama": lambda: tf.LlamaConfig(**_SMALL, **heads),
+        # Qwen2.5's checkpoints: a window in the config, switched off.
+        "qwen2": lambda: tf.Qwen2Config(**_SMALL, **heads, sliding_window=4, use_sliding_window=False),
+        "qwen2-window": lambda: tf.Qwen2Config(
+            **_SMALL, **heads, sliding_window=4, use_sliding_window=True, max_window_layers=0
+        ),
+        "gemma": lambda: tf.GemmaConfig(**_SMALL, **heads),
+        "gemma3": lambda: tf.Gemma3TextConfig(**_SMALL, **heads, sliding_window=4, sliding_window_pattern=2),
+        "mistral-window": lambda: tf.MistralConfig(**_SMALL, **heads, sliding_window=4),
+        "gpt-neo-local": lambda: tf.GPTNeoConfig(
+            vocab_size=99,
+            hidden_size=32,
+            num_layers=2,
+            num_heads=2,
+            window_size=4,
+            attention_types=[[["global", "local"], 1]],
+        ),
+        "mpt-alibi": lambda: tf.MptConfig(vocab_size=99, d_model=32, n_heads=2, n_layers=2),
+        "lfm2-conv": lambda: tf.Lfm2Config(**_SMALL, **heads, layer_types=["conv", "full_attention"]),
+    }
+    cfg = configs[name]()
+    attn = "eager" if name.split("-")[0] in ("gpt", "mpt", "gemma3") else "sdpa"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
+    model.config.use_cache = False
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+    return model, attn
+
+
+def _family_batch() -> dict[str, Tensor]:
+    """Two prompts of different lengths (left padding), responses of 1 to 7 tokens and an empty one, one group's
+    rows apart, every packed row longer than the 4-token windows of the windowed families."""
+    g = torch.Generator().manual_seed(5)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(3, 99, (n,), generator=g).tolist()
+
+    pa, pb = toks(9), toks(4)
+    return make_batch(
+        [
+            (pa, [(toks(5), 1)]),
+            (pa, [(toks(2), 1)]),
+            (pb, [(toks(7), 1)]),
+            (pa, [(toks(6), 1)]),
+            (pb, [([], 1)]),
+            (pb, [(toks(1), 1)]),
+        ]
+    )
+
+
+def _padded_and_packed(model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """(B, R) response log-probs at temperature 0.7 of the padded forward and of the packed one (one row)."""
+    ids, am, pos, resp = (batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses"))
+    r = resp.shape[1]
+    logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, -r - 1 : -1].float() / 0.7
+    want = torch.gather(logits.log_softmax(-1), -1, resp[..., None])[..., 0]
+    packed = pack(ids, am, pos, resp, hidden_size=10**9)
+    assert packed is not None and packed.input_ids.shape[0] == 1
+    return want, packed_forward(model, packed, critic=False, temperature=0.7)["logprobs"]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma"])
+def test_full_attention_families_pack_to_the_padded_logprobs_and_gradients(name: str) -> None:
+    model, _ = _family(name)
+    assert unsupported_reason(model) is None
+    batch = _family_batch()
+    m = _attended(batch)
+    weights = torch.randn(m.shape, generator=torch.Generator().manual_seed(6)) * m
+    want, got = _padded_and_packed(model, batch)
+    assert want[m].std() > 0.5  # the log-probs depend on the context: a wrong mask would show
+    torch.testing.assert_close(got[m], want[m], atol=LOGPROB_ATOL, rtol=0)
+    grads = []
+    for out in (want, got):
+        model.zero_grad(set_to_none=True)
+        (out * weights)[m].sum().backward(retain_graph=True)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n, g in grads[0].items():  # sharpened weights give gradients ~10: summation noise ~1e-5 of the largest
+        torch.testing.assert_close(grads[1][n], g, rtol=GRAD_RTOL, atol=1e-5 * float(g.abs().max()), msg=n)
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("qwen2-window", "sliding_attention layers"),
+        ("mistral-window", "sliding-window"),
+        ("gemma3", "sliding_attention layers"),
+        ("gpt-neo-local", "local layers"),  # GPT-Neo's 256-token local attention (here 4) was let through
+        ("mpt-alibi", "ALiBi"),  # MPT builds its ALiBi bias in `build_mpt_alibi_tensor`: was let through
+        ("lfm2-conv", "conv layers"),
+    ],
+)
+def test_families_whose_layers_see_the_row_order_are_refused(name: str, reason: str) -> None:
+    model, _ = _family(name)
+    with torch.no_grad():
+        want, got = _padded_and_packed(model, _family_batch())
+    m = _attended(_family_batch())
+    assert (got[m] - want[m]).abs().max() > 0.05  # packing would give these models other log-probs
+    assert reason in (unsupported_reason(model) or "")
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_gather_ids_out_of_the_vocabulary_are_refused(tiny: str, packed: bool) -> None:
+    batch = _mixed_batch()
+    engine = HFTrainEngine(tiny, role="reference", pack_sequences=packed)
+    r = batch["responses"].shape[1]
+    for bad in (-1, engine.model.config.vocab_size):
+        ids = torch.zeros((batch["responses"].shape[0], r, 2), dtype=torch.long)
+        ids[0, 0, 1] = bad  # advanced indexing would read -1 as the vocabulary's last token
+        with torch.no_grad(), pytest.raises(ValueError, match="gather ids must be token ids"):
+            engine._forward(batch, 1.0, False, gather_ids=ids)

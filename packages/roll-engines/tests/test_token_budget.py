@@ -13,7 +13,7 @@ import torch
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.objectives import PolicyObjective
 from roll_core.testing.batches import toy_batch
-from roll_engines.train._micro import token_budget_rows
+from roll_engines.train._micro import micro_batches, token_budget_rows
 from roll_engines.train.hf import HFTrainEngine
 
 #: toy_batch's attended lengths (prompt + response) per row; rows (0, 1), (2, 3), (4, 5) share a prompt.
@@ -112,3 +112,32 @@ def test_megatron_budget_gradients_and_pipeline_refusal(batch: dict[str, torch.T
     want = engine.compute_gradients(batch, objective)
     for name, g in want.items():
         torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_row_micro_batches_keep_a_shuffled_mini_batchs_prompts_together() -> None:
+    """Megatron's row micro-batches (`micro_batches` without a budget) when packing: a train step shuffles its rows,
+    and micro-batches cut from the shuffled order held one row of each group (packing then computed every prompt
+    once per row, as the padded layout does); in prompt order every micro-batch is one group."""
+    from roll_core.sequences import pad_left
+
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    rows = [(k, n) for k in range(3) for n in (1, 2, 3, 4)]  # 3 groups of 4 rows, responses of 1-4 tokens
+    shuffled = [rows[i] for i in torch.randperm(12, generator=torch.Generator().manual_seed(0)).tolist()]
+    ids, mask = pad_left([prompts[k] for k, _ in shuffled], 0)
+    resp = torch.tensor([[20 + k] * n + [0] * (4 - n) for k, n in shuffled])
+    resp_mask = (resp > 0).long()
+    am = torch.cat([mask, resp_mask], 1)
+    mini = {
+        "input_ids": torch.cat([ids, resp], 1),
+        "attention_mask": am,
+        "position_ids": (am.cumsum(1) - 1).clamp_min(0),
+        "responses": resp,
+        "response_mask": resp_mask,
+        "row": torch.arange(12),
+    }
+    micros = micro_batches(mini, 4, 0, group_prompts=True)
+    groups = [sorted({k for k, _ in (shuffled[i] for i in m["row"].tolist())}) for m in micros]
+    assert len(groups) == 3 and all(len(g) == 1 for g in groups) and sorted(g[0] for g in groups) == [0, 1, 2]
+    assert sorted(i for m in micros for i in m["row"].tolist()) == list(range(12))  # every row once
+    # Without packing the cut stays the row order (the scoring passes map outputs back by it).
+    assert [m["row"].tolist() for m in micro_batches(mini, 4, 0)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]

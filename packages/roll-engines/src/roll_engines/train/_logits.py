@@ -11,7 +11,8 @@ is for scoring passes only (no-grad callers).
 - `topk_ids` (.., K) long and `topk_logprobs` (.., K) fp32: torch.topk of the log-softmax, sorted descending
   (ties in the order torch.topk breaks them).
 - `gathered_logprobs` (.., K) fp32: log softmax at the ids of the micro-batch's `loss_fn.gather_ids_key` tensor
-  (b, R, K) long, differentiable. An id outside [0, V) raises (torch's index check), never a silent wrong value.
+  (b, R, K) long, differentiable. An id outside [0, V) is a ValueError (`check_gather_ids`), never a silent wrong
+  value: the packed path's advanced indexing would read a negative id as counted from the end of the vocabulary.
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ def gather_ids_of(loss_fn: Any, micro: Mapping[str, Tensor]) -> Tensor | None:
             f"{tuple(resp.shape)}; got {ids.dtype} {tuple(ids.shape)}"
         )
     return ids
+
+
+def check_gather_ids(ids: Tensor, vocab: int) -> None:
+    """Every id of `ids` must be in [0, vocab): a negative id indexes from the vocabulary's end (the log-prob of
+    another token) and a CUDA gather out of range fails with a device-side assert instead of an error."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(
+            f"gather ids must be token ids in [0, {vocab}) (the vocabulary size); got ids from {int(ids.min())} "
+            f"to {int(ids.max())}"
+        )
 
 
 def check_topk(topk: int, vocab: int) -> None:
@@ -89,6 +100,7 @@ def response_outputs(
     if topk > 0:
         out.update(topk_of(logits, lse, topk))
     if gather_ids is not None:
+        check_gather_ids(gather_ids, logits.shape[-1])
         out[GATHERED] = torch.gather(logits, -1, gather_ids.to(logits.device).long()) - lse.unsqueeze(-1)
     return out
 

@@ -1,7 +1,8 @@
 """How a mini-batch's rows are cut into micro-batches for gradient accumulation (hf, fsdp2, megatron engines).
 
 Two modes:
-- rows (`micro_batch_tokens=0`, the default): consecutive runs of `micro_batch_size` rows, whatever their lengths.
+- rows (`micro_batch_tokens=0`, the default): consecutive runs of `micro_batch_size` rows, whatever their lengths
+  (in prompt order when the engine packs sequences, so a prompt's rows share micro-batches).
 - token budget (`micro_batch_tokens=N > 0`, verl's dynamic batch size): micro-batches whose real token count (the
   sum of their rows' `attention_mask`) stays <= N; a row longer than N is alone in its micro-batch. Rows are
   placed first-fit-decreasing (fewest micro-batches for the budget). Given `groups` (rows sharing a prompt, when
@@ -102,13 +103,17 @@ def micro_rows(mini: Mapping[str, Tensor], size: int, budget: int, grouped: bool
 def micro_batches(
     mini: Mapping[str, Tensor], size: int, budget: int = 0, group_prompts: bool = False
 ) -> list[dict[str, Tensor]]:
-    """`mini` (padded layout) cut into micro-batches by `micro_rows`; with a budget and `group_prompts` (the engine
-    packs sequences) its rows are first put in prompt order (_packing.prompt_order) so a prompt's rows can stay
-    together. The rows of the mini-batch are unchanged, so is its gradient."""
-    grouped = bool(budget) and group_prompts and mini["input_ids"].shape[0] > 1
+    """`mini` (padded layout) cut into micro-batches by `micro_rows`; with `group_prompts` (the engine packs
+    sequences) its rows are first put in prompt order (_packing.prompt_order), as the hf engine does, so a prompt's
+    rows share a micro-batch (and its packed forward computes the prompt once) even after the train step shuffled
+    the rows, in row micro-batches as under a budget. The rows of the mini-batch are unchanged, so is its
+    gradient."""
+    grouped = group_prompts and mini["input_ids"].shape[0] > 1
     if grouped:
+        from roll_engines.train._vision import picture_keys
+
         r = mini["responses"].shape[1]
-        order = prompt_order(mini["input_ids"], mini["attention_mask"], mini["position_ids"], r)
+        order = prompt_order(mini["input_ids"], mini["attention_mask"], mini["position_ids"], r, picture_keys(mini))
         mini = {k: v[order] for k, v in mini.items()}
     return [{k: v[rows] for k, v in mini.items()} for rows in micro_rows(mini, size, budget, grouped)]
 

@@ -29,8 +29,9 @@ Contract:
   segment's prompt pictures once, then its members' response pictures, in packed order (`PackedBatch.mm`); mrope
   positions (3, B, P+R) are gathered per section exactly as 1D positions are.
 - Must not be used for models whose attention ignores a custom 4D mask: `unsupported_reason` says why a model
-  cannot take it (attention implementation other than sdpa/eager, sliding-window or ALiBi attention, modeling
-  code outside transformers' mask utilities); the engine then keeps the padded path.
+  cannot take it (attention implementation other than sdpa/eager; sliding-window, local, chunked, convolution
+  or recurrent layers; ALiBi; modeling code outside transformers' mask utilities); the engine then keeps the
+  padded path.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
 #: Attention implementations that apply a custom 4D mask as given (transformers' masking_utils passes 4D masks
 #: through untouched; flash-attention kernels take no dense mask).
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+#: Per-layer attention kinds (config `layer_types`, GPT-Neo's `attention_layers`) that attend by the mask alone.
+FULL_ATTENTION_LAYERS = ("full_attention", "global")
 
 
 @dataclass(frozen=True)
@@ -307,9 +311,10 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
     Packing needs the attention to apply a custom 4D mask as given: transformers' modeling code that builds its
     masks with `masking_utils.create_causal_mask` (which passes a 4D mask through), an sdpa or eager attention
-    implementation, full attention in every layer (a sliding window would be dropped) and no ALiBi bias (built
-    from a 2D mask). A causal LM must also select logits with `slice_logits_to_keep` (a 2D boolean
-    `logits_to_keep` keeps a different set of positions per row).
+    implementation, full attention in every layer (no sliding-window, local, chunked, convolution or recurrent
+    layers: they see tokens by their place in the row) and no ALiBi bias (a bias by distance in the row). A
+    causal LM must also select logits with `slice_logits_to_keep` (a 2D boolean `logits_to_keep` keeps a
+    different set of positions per row).
     """
     from roll_engines.train._lora import base_model
 
@@ -321,11 +326,21 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if attn not in SUPPORTED_ATTENTION:
         return f"attn_implementation={attn!r} takes no custom 4D mask (packing needs one of {SUPPORTED_ATTENTION})"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM's decoder settings
-    layer_types = getattr(text, "layer_types", None) or []
-    if any(lt != "full_attention" for lt in layer_types) or (
-        getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+    # A layer that is not full attention sees tokens by their place in the sequence (a window, a chunk, a
+    # convolution, a recurrence), not only through the mask: packing moves a response away from its prompt
+    # (its siblings sit in between), so such a layer would see other tokens than in the padded row.
+    # `attention_layers` is GPT-Neo's ("local": a 256-token window over the row, mask or not).
+    kinds = {str(k) for attr in ("layer_types", "attention_layers") for k in getattr(text, attr, None) or []}
+    kinds -= set(FULL_ATTENTION_LAYERS)
+    if kinds:
+        return (
+            f"the model has {', '.join(sorted(kinds))} layers (sliding-window, local, chunked, convolution or "
+            "recurrent layers see tokens by their place in the row, which a custom 4D mask does not confine)"
+        )
+    if (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)) or getattr(
+        text, "attention_chunk_size", None
     ):
-        return "the model uses sliding-window attention, which a custom 4D mask would drop"
+        return "the model uses sliding-window (or chunked) attention, which a custom 4D mask would drop"
     backbone = getattr(inner, "base_model", inner)
     # A vision-language model's decoder (and its masks) is its language model's (LLaVA wraps any causal LM).
     backbone = getattr(backbone, "language_model", backbone)
@@ -334,8 +349,10 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return f"{type(backbone).__name__} is not a transformers model (remote code may ignore a 4D mask)"
     if not hasattr(modeling, "create_causal_mask"):
         return f"{type(backbone).__name__} does not build its masks with transformers.masking_utils"
-    if hasattr(modeling, "build_alibi_tensor"):
-        return f"{type(backbone).__name__} uses ALiBi, built from a 2D mask"
+    # ALiBi biases by distance in the row (Bloom and Falcon build it from the 2D mask, MPT from the row length
+    # in `build_mpt_alibi_tensor`): a packed response would be biased by its distance past its siblings.
+    if any("alibi" in name.lower() for name in vars(modeling)):
+        return f"{type(backbone).__name__} uses ALiBi, a bias by distance in the row"
     head = next((c for c in type(inner).__mro__ if c.__module__.startswith("transformers.models.")), None)
     head_module = sys.modules.get(head.__module__) if head is not None else None
     if hasattr(inner, "lm_head") and not hasattr(head_module, "slice_logits_to_keep"):
@@ -365,7 +382,7 @@ def packed_forward(
         gather_ids: (B, R, K') token ids: adds `gathered_logprobs` (B, R, K'), the log-probs at those ids.
     """
     from roll_algos.losses import entropy_from_logits
-    from roll_engines.train._logits import GATHERED, topk_of
+    from roll_engines.train._logits import GATHERED, check_gather_ids, topk_of
     from roll_engines.train._lora import base_model
 
     attn = base_model(model).config._attn_implementation
@@ -395,6 +412,7 @@ def packed_forward(
     if topk > 0:  # per predicting position (U, K), then copied to each response token it predicts
         out.update({k: packed.scatter(v[packed.source]) for k, v in topk_of(logits, lse, topk).items()})
     if gather_ids is not None:
+        check_gather_ids(gather_ids, logits.shape[-1])  # indexing would take a negative id from the end
         ids = gather_ids.to(logits.device).long()[packed.rows, packed.cols]  # (tokens, K')
         out[GATHERED] = packed.scatter(logits[packed.source[:, None], ids] - lse[packed.source, None])
     return out
