@@ -8,7 +8,7 @@ import time
 import pytest
 
 from roll_envs.rewards.base import RewardResult
-from roll_envs.rewards.math import MathReward, extract_boxed, last_number
+from roll_envs.rewards.math import MAX_BOXED_CHARS, MathReward, extract_boxed, last_number, quantity
 from roll_envs.tasks.countdown import CountdownReward, evaluate_equation
 
 
@@ -197,10 +197,52 @@ def test_math_reward_strict_by_default() -> None:
 
 
 def test_math_reward_counts_parse_failures_instead_of_raising() -> None:
-    res = MathReward().score([r"\boxed{\frac{1}{}}+++}"], ["1/2"])
-    assert res.scores == [0.0]
-    assert res.counters["errors"] + res.counters["timeouts"] + res.counters["no_boxed"] >= 0
-    assert res.correct == [0.0]
+    """A malformed box math-verify cannot read is a wrong answer (math-verify returns no parse, no crash); a box
+    longer than MAX_BOXED_CHARS is refused unverified and counted as an error."""
+    long_box = "\\boxed{" + "x+" * (MAX_BOXED_CHARS // 2 + 1) + "1}"
+    res = MathReward().score([r"\boxed{\frac{1}{}}+++}", long_box], ["1/2", "1/2"])
+    assert res.scores == [0.0, 0.0] and res.correct == [0.0, 0.0]
+    assert res.counters == {"timeouts": 0, "errors": 1, "no_boxed": 0}
+
+
+def test_a_box_of_empty_boxes_is_empty() -> None:
+    """`\\boxed{\\boxed{}}` states no answer: it was read as the answer `\\boxed{}` and earned the format bonus."""
+    assert extract_boxed(r"\boxed{\boxed{}}") == ""
+    assert extract_boxed(r"\boxed{ \boxed{ \fbox{} } }") == ""
+    assert extract_boxed(r"\boxed{7} then \boxed{\boxed{}}") == "7"
+    assert extract_boxed(r"\boxed{\boxed{5}}") == "5"
+    assert extract_boxed(r"\boxed{\{\}}") == r"\{\}"  # the empty set is an answer
+    res = MathReward(format_weight=0.1, last_number_weight=0.5).score(
+        [r"\boxed{\boxed{}} so 7", r"\boxed{\boxed{}}"], ["7", "7"]
+    )
+    assert res.scores == [0.5, 0.0] and res.formatted == [0.0, 0.0] and res.counters["no_boxed"] == 2
+
+
+def test_words_that_change_the_value_are_not_units() -> None:
+    """`5 million`, `5 squared`, `5 halves` are not 5 with a unit: they were graded right against a truth of 5 (and
+    wrong against 5000000 or 25) and voted with 5."""
+    reward = MathReward()
+    changed = ["5 million", "5 thousand", "5 dozen", "5 squared", "5 cubed", "5 factorial", "5 halves", "5 less"]
+    for text in changed:
+        assert quantity(text) is None, text
+    graded = changed[:-1]  # math-verify itself reads `5 less` (like `5 or more`) as 5
+    res = reward.score([f"\\boxed{{{t}}}" for t in graded] + [r"\boxed{5 cubic feet}"], ["5"] * (len(graded) + 1))
+    assert res.correct == [0.0] * len(graded) + [1.0]
+    assert reward.extract_answer(r"\boxed{5 million}") == "5 million"
+
+
+def test_unicode_minus_is_a_minus_sign() -> None:
+    """U+2212 (copied from rendered math) is `-`: `\u22121,000` and `\u22125\\%` were graded wrong against -1000
+    and -0.05, an unboxed `\u22125` earned no last-number credit, and the vote split `\u22120.5` from -0.5."""
+    m = "\u2212"
+    reward = MathReward(last_number_weight=0.5)
+    res = reward.score(
+        [f"\\boxed{{{m}1,000}}", f"\\boxed{{{m}5\\%}}", f"\\boxed{{{m}5}}", f"so {m}5", f"pages 10{m}12"],
+        ["-1000", "-0.05", "5", "-5", "12"],
+    )
+    assert res.scores == [1.0, 1.0, 0.0, 0.5, 0.5]
+    assert last_number(f"x = {m}5") == "-5"
+    assert reward.extract_answer(f"\\boxed{{{m}\\frac{{1}}{{2}}}}") == "-0.5"
 
 
 def _score_in_thread(reward: MathReward, responses: list[str], answers: list[str]) -> tuple[RewardResult, float]:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import re
 
 _BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
+#: A box holding nothing but boxes, braces and space (`\\boxed{\\boxed{}}`) is empty: it states no answer.
+_ONLY_BOXES = re.compile(r"(?:\\(?:boxed|fbox)|[\s{}])*")
 
 
 def extract_boxed(text: str) -> str | None:
     """Content of the last non-empty `\\boxed{...}` (or `\\fbox{...}`) with balanced braces, stripped; "" when every
-    box is empty; None without a box, or when the box read is unbalanced (a truncated answer).
+    box is empty (a box of empty boxes, `\\boxed{\\boxed{}}`, is empty too); None without a box, or when the box
+    read is unbalanced (a truncated answer).
 
     Empty boxes are passed over: prompts say "put the final answer in \\boxed{}", and a reply that repeats that
     after its answer still answered."""
@@ -21,7 +24,7 @@ def extract_boxed(text: str) -> str | None:
         content = _balanced(text, start)
         if content is None:
             return None  # unbalanced: treated as no answer
-        if content:
+        if not _ONLY_BOXES.fullmatch(content):
             return content
     return ""
 

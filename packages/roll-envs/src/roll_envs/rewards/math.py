@@ -14,7 +14,9 @@ Scoring (per response):
   math-verify strip units and currency signs; math-verify alone knew only its own list of unit words, so
   `1000 dollars` was wrong); a unit is `\\text{...}`/`\\mathrm{...}` of words, a degree sign, or up to four
   words after a space (the first of three letters or more, or a short unit such as `cm`, `kg`, `ft`: `5 x`,
-  `5 pi` or `5xy` are not units), never a word such as `and`, `or`, `times`, `sqrt`. (A product of variables
+  `5 pi` or `5xy` are not units), never a word such as `and`, `or`, `times`, `sqrt`, nor one that changes the
+  value (`5 million`, `5 squared`, `5 halves`, `5 less`: no quantity, so never equal to a truth of `5`). A
+  unicode minus (U+2212) is a minus sign. (A product of variables
   written with a space, `3 abc`, therefore equals a truth of plain `3`; against a truth `3abc` it is verified
   symbolically as before.) A percent (`%`, `\\%`, the word `percent`) equals its number or its
   hundredth (`75\\%` = `75` = `0.75`, as in both conventions; math-verify graded `75%` right against `0.75` but
@@ -53,6 +55,8 @@ from roll_envs.rewards.base import Reward, RewardResult
 #: A decimal number; a minus sign right after a digit, letter or closing bracket is a hyphen or an operator ("pages
 #: 10-12", "x-3"), not the number's sign.
 _NUMBER = re.compile(r"(?:(?<![\w)\]])-)?\d+(?:,\d{3})*(?:\.\d+)?")
+#: Unicode minus (U+2212), which models copy from rendered text: the same sign as `-`.
+_UNICODE_MINUS = "\u2212"
 #: A number that is part of a fraction, a power or an index (`3/2`, `2^{10}`, `\frac{1}{2}`, `x_2`) is not a
 #: number the response states: `last_number` skips it.
 _PART = re.compile(r"[/^_{]$")
@@ -68,6 +72,7 @@ MAX_BOXED_CHARS = 1000
 def last_number(text: str) -> str | None:
     """The last integer or decimal in `text` (thousands separators removed) that stands alone: not a part of a
     fraction, power or index (`_PART`); None when there is none."""
+    text = text.replace(_UNICODE_MINUS, "-")  # one character for one: positions stay
     for m in reversed(list(_NUMBER.finditer(text))):
         before, after = text[max(0, m.start() - 1) : m.start()], text[m.end() : m.end() + 2]
         if not (_PART.search(before) or _PART_AFTER.match(after)):
@@ -103,6 +108,11 @@ _PERCENT_WORDS = {"percent", "percentage", "pct"}
 #: Words that make a trailing "unit" part of the answer: connectives and math functions written without `\`.
 _NOT_UNITS = {"and", "or", "plus", "minus", "times", "over", "divided", "by", "mod", "not", "sqrt", "root"}
 _NOT_UNITS |= {"sin", "cos", "tan", "cot", "csc", "log", "exp", "inf", "infty", "infinity", "pi", "e", "i"}
+#: Words that change the number (`5 million`, `5 squared`, `5 halves`, `5 less`): the value is not the number.
+_NOT_UNITS |= {"hundred", "hundreds", "thousand", "thousands", "million", "millions", "billion", "billions"}
+_NOT_UNITS |= {"trillion", "trillions", "dozen", "dozens", "squared", "cubed", "factorial", "fold", "power"}
+_NOT_UNITS |= {"half", "halves", "third", "thirds", "fourth", "fourths", "fifth", "fifths", "tenth", "tenths"}
+_NOT_UNITS |= {"hundredth", "hundredths", "thousandth", "thousandths", "less", "more", "fewer", "than"}
 
 
 def quantity(text: str) -> tuple[Fraction, bool] | None:
@@ -111,7 +121,7 @@ def quantity(text: str) -> tuple[Fraction, bool] | None:
     and for a text longer than `_MAX_QUANTITY_CHARS`."""
     if len(text) > _MAX_QUANTITY_CHARS:
         return None
-    t = _GROUP_SPACE.sub("", text.strip())
+    t = _GROUP_SPACE.sub("", text.strip().replace(_UNICODE_MINUS, "-"))
     lead = _LEAD.match(t)
     if lead is None or (lead["s1"] and lead["s2"]):
         return None
