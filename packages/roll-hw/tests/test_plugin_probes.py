@@ -104,3 +104,47 @@ def test_the_doctor_reports_a_raising_plugin_without_crashing(install_plugin) ->
     assert not ok and "ERROR: the probe of platform plugin 'acme'" in text
     assert re.search(r"^acme\s+\| error \(libacme_driver.so: cannot open shared object file\)$", text, re.M)
     assert "platform probes" in text and "optional engines" in text
+
+
+class _Dist:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def test_two_plugins_declaring_one_name_are_an_error_naming_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two distributions declaring `acme` with different targets: the dict of entry points kept whichever came last
+    on sys.path, silently. Now loading `acme` (forced or auto-detected) names both and says what to do; an
+    unrelated forced platform still resolves."""
+    real = detect.entry_points
+    first = EntryPoint(name="acme", value="acme_one:Platform", group=detect.GROUP)
+    second = EntryPoint(name="acme", value="acme_two:Platform", group=detect.GROUP)
+    # EntryPoint is immutable: the distribution is attached the way importlib.metadata does.
+    for ep, dist in ((first, "acme-one"), (second, "acme-two")):
+        vars(ep)["dist"] = _Dist(dist)
+    monkeypatch.setattr(detect, "entry_points", lambda group: [*real(group=group), first, second])
+    monkeypatch.delenv("ROLL_PLATFORM", raising=False)
+    detect.clear_cache()
+    try:
+        expected = r"'acme' is declared by more than one plugin \(acme_one:Platform from acme-one; acme_two:Platform "
+        with pytest.raises(PlatformPluginError, match=expected + r"from acme-two\): uninstall all but one$"):
+            detect.get_platform_class("acme")
+        with pytest.raises(PlatformPluginError, match=expected + r".*set ROLL_PLATFORM=<platform>"):
+            resolve_platform()
+        assert resolve_platform("cpu") is CpuPlatform
+        assert detect.platform_names().count("acme") == 1
+    finally:
+        monkeypatch.undo()
+        detect.clear_cache()
+
+
+def test_one_plugin_seen_twice_is_not_a_clash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same target declared twice (one distribution on two sys.path entries) loads as one plugin."""
+    real = detect.entry_points
+    ep = EntryPoint(name="acme", value="roll_hw.cpu:CpuPlatform", group=detect.GROUP)
+    monkeypatch.setattr(detect, "entry_points", lambda group: [*real(group=group), ep, ep])
+    detect.clear_cache()
+    try:
+        assert detect.get_platform_class("acme") is CpuPlatform
+    finally:
+        monkeypatch.undo()
+        detect.clear_cache()

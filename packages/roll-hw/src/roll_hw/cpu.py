@@ -2,7 +2,8 @@
 
 Also `tune_host_allocator()`: the glibc malloc settings CPU engine processes run with (see its docstring), and
 `fp32_linear_library()`: which matmul library the CPU engines' fp32 linears use (oneDNN or MKL; see its docstring),
-and `bound_onednn_caches()`: the oneDNN cache sizes engine processes run with.
+`bound_onednn_caches()`: the oneDNN cache sizes engine processes run with, and `usable_cpu_count()`: the CPUs
+this process may keep busy (affinity and cgroup CPU quota; `os.cpu_count()` is the host's).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import os
 import platform as _pyplatform
 from typing import ClassVar
@@ -74,6 +76,74 @@ def _stat_value(path: str, key: str) -> int:
     return 0
 
 
+def _cgroup_paths() -> dict[str, str] | None:
+    """This process's cgroup per v1 controller ("memory", "cpu", ...) and "" for the v2 hierarchy (None: unknown)."""
+    try:
+        with open(PROC_SELF_CGROUP) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    return {c: p for _, controllers, p in (x for x in lines if len(x) == 3) for c in controllers.split(",")}
+
+
+def _cgroup_leaf(base: str, rel: str) -> str:
+    """The folder of cgroup `rel` under the mount `base`; `base` itself where a cgroup namespace names another."""
+    leaf = os.path.normpath(f"{base}{rel}")
+    return leaf if (leaf == base or leaf.startswith(base + os.sep)) and os.path.isdir(leaf) else base
+
+
+def _up_to(base: str, leaf: str) -> list[str]:
+    """`leaf` and each folder above it, up to and including `base`."""
+    out = [leaf]
+    while len(out[-1]) > len(base):
+        out.append(os.path.dirname(out[-1]))
+    return out
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def cgroup_cpu_quota() -> float | None:
+    """CPUs' worth of run time the cgroup quota allows this process (Docker `--cpus`, a Kubernetes CPU limit, a
+    systemd `CPUQuota=`), the smallest from its cgroup up; None where no quota applies. cgroup v2 `cpu.max`
+    ("<quota> <period>" or "max <period>") and v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us` (-1: none) are read."""
+    paths = _cgroup_paths()
+    if paths is None:
+        return None
+    quotas: list[float] = []
+    if "cpu" in paths:  # v1 (also v1 cpu beside a v2 hierarchy)
+        base = f"{CGROUP_ROOT}/cpu"
+        for folder in _up_to(base, _cgroup_leaf(base, paths["cpu"])):
+            quota, period = _read_text(f"{folder}/cpu.cfs_quota_us"), _read_text(f"{folder}/cpu.cfs_period_us")
+            if quota and period and quota.isdigit() and period.isdigit() and int(period) > 0:
+                quotas.append(int(quota) / int(period))
+    elif "" in paths:  # v2
+        for folder in _up_to(CGROUP_ROOT, _cgroup_leaf(CGROUP_ROOT, paths[""])):
+            fields = (_read_text(f"{folder}/cpu.max") or "").split()
+            if len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit() and int(fields[1]) > 0:
+                quotas.append(int(fields[0]) / int(fields[1]))
+    return min(quotas, default=None)
+
+
+def usable_cpu_count() -> int:
+    """CPUs this process can keep busy: its affinity mask (taskset, Slurm, Docker `--cpuset-cpus`), lowered to its
+    cgroup CPU quota rounded up (`cgroup_cpu_quota`); at least 1. `os.cpu_count()` is the host's: a pod limited to
+    2 CPUs on a 64-core node that ran 64 threads was throttled for most of every period."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity call (macOS)
+        count = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        count = min(count, math.ceil(quota))
+    return max(1, count)
+
+
 def cgroup_memory() -> tuple[int, int] | None:
     """(limit, usage) in bytes of the memory cgroup this process runs in, or None where no limit applies.
 
@@ -83,35 +153,21 @@ def cgroup_memory() -> tuple[int, int] | None:
     this process's cgroup up) are read; usage leaves out inactive file cache, which the kernel reclaims before it
     kills (as `docker stats` and Ray count it).
     """
-    try:
-        with open(PROC_SELF_CGROUP) as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
+    paths = _cgroup_paths()
+    if paths is None:
         return None
-    paths = {c: p for _, controllers, p in (x for x in lines if len(x) == 3) for c in controllers.split(",")}
     if "memory" in paths:  # v1 (also v1 memory beside a v2 hierarchy: "hybrid")
-        base = f"{CGROUP_ROOT}/memory"
-        leaf = os.path.normpath(f"{base}{paths['memory']}")
         # A cgroup namespace mounts the process's own cgroup as the root, and names it relative to another one.
-        leaf = leaf if leaf.startswith(base) and os.path.isdir(leaf) else base
+        leaf = _cgroup_leaf(f"{CGROUP_ROOT}/memory", paths["memory"])
         limit = _stat_value(f"{leaf}/memory.stat", "hierarchical_memory_limit") or _read_int(
             f"{leaf}/memory.limit_in_bytes"
         )
         usage = _read_int(f"{leaf}/memory.usage_in_bytes")
         inactive = _stat_value(f"{leaf}/memory.stat", "total_inactive_file")
     elif "" in paths:  # v2 only
-        leaf = os.path.normpath(f"{CGROUP_ROOT}{paths['']}")
-        inside = leaf.startswith(CGROUP_ROOT) and os.path.isdir(leaf)  # "/../..": another namespace's path
-        leaf = leaf if inside else CGROUP_ROOT
-        limits, folder = [], leaf
-        while True:
-            found = _read_int(f"{folder}/memory.max")
-            if found is not None:
-                limits.append(found)
-            if len(folder) <= len(CGROUP_ROOT):
-                break
-            folder = os.path.dirname(folder)
-        limit = min(limits, default=None)
+        leaf = _cgroup_leaf(CGROUP_ROOT, paths[""])
+        found = (_read_int(f"{folder}/memory.max") for folder in _up_to(CGROUP_ROOT, leaf))
+        limit = min((x for x in found if x is not None), default=None)
         usage = _read_int(f"{leaf}/memory.current")
         inactive = _stat_value(f"{leaf}/memory.stat", "inactive_file")
     else:
@@ -324,7 +380,8 @@ class CpuPlatform(Platform):
                         break
         except OSError:
             pass
-        return f"{name} ({os.cpu_count()} cores)"
+        usable, cores = usable_cpu_count(), os.cpu_count()
+        return f"{name} ({cores} cores)" if usable == cores else f"{name} ({usable} of {cores} cores usable)"
 
     @classmethod
     def supports_bf16(cls) -> bool:

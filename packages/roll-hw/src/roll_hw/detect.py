@@ -9,7 +9,9 @@ Resolution order (first match wins):
 1. `ROLL_PLATFORM=<name>` forces a platform by name, built-in or plugin; if its probe fails, a
    `PlatformUnavailableError` says why and what to install (never a silent fall-back to CPU).
 2. Out-of-tree platforms (entry points of any distribution other than roll-hw) whose probe says available.
-   Exactly one may be active: two active plugins are an error. A plugin that takes a built-in's name replaces it.
+   Exactly one may be active: two active plugins are an error. A plugin that takes a built-in's name replaces it;
+   two plugins (other distributions) that declare one name with different targets are an error wherever that name
+   is loaded (it was whichever sys.path listed last).
 3. roll-hw's own platforms, probed in `PROBE_ORDER` (accelerators first; cpu, always available, last).
 
 `cpu` always resolves, auto-detected or named: a plugin registered as `cpu` (it replaces roll-hw's) that is
@@ -61,14 +63,33 @@ def _source_entry_points() -> list[EntryPoint]:
     return out
 
 
+#: Plugin names declared by more than one distribution (name -> "target from distribution" of each); see `_declared`.
+_clashes: dict[str, list[str]] = {}
+
+
+def _origin(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"{ep.value} from {dist.name if dist is not None else 'an unnamed distribution'}"
+
+
 @lru_cache(maxsize=1)
 def _declared() -> tuple[dict[str, EntryPoint], dict[str, EntryPoint]]:
-    """(roll-hw's own entry points in probe order, out-of-tree entry points), by name; imports nothing."""
+    """(roll-hw's own entry points in probe order, out-of-tree entry points), by name; imports nothing.
+
+    Two out-of-tree distributions declaring one name with different targets are recorded in `_clashes` (the name
+    is then an error where used): a dict kept the last one seen, so which platform ran depended on sys.path order.
+    """
     own: dict[str, EntryPoint] = {}
     plugins: dict[str, EntryPoint] = {}
+    _clashes.clear()
     for ep in entry_points(group=GROUP):
         dist = getattr(ep, "dist", None)
-        (own if dist is not None and dist.name == _BUILTIN_DIST else plugins)[ep.name] = ep
+        if dist is not None and dist.name == _BUILTIN_DIST:
+            own[ep.name] = ep
+            continue
+        first = plugins.setdefault(ep.name, ep)
+        if first.value != ep.value:
+            _clashes.setdefault(ep.name, [_origin(first)]).append(_origin(ep))
     if not own:
         try:
             distribution(_BUILTIN_DIST)
@@ -100,10 +121,29 @@ def builtin_names() -> list[str]:
     return list(_declared()[0])
 
 
+def _load_plugin(name: str) -> type[Platform]:
+    """The out-of-tree platform declared as `name`; an error where two distributions declare that name."""
+    ep = _declared()[1][name]
+    if name in _clashes:
+        raise PlatformPluginError(
+            f"platform {name!r} is declared by more than one plugin ({'; '.join(_clashes[name])}): uninstall all "
+            "but one"
+        )
+    return _load(ep)
+
+
 @lru_cache(maxsize=1)
 def plugin_platforms() -> dict[str, type[Platform]]:
     """Out-of-tree platforms (`roll.platforms` entry points of other distributions), by entry-point name."""
-    return {name: _load(ep) for name, ep in _declared()[1].items()}
+    loaded = {}
+    for name in _declared()[1]:
+        try:
+            loaded[name] = _load_plugin(name)
+        except PlatformPluginError as exc:  # only auto-detection loads every plugin: say how to run without them
+            raise PlatformPluginError(
+                f"{exc}; set {ENV_VAR}=<platform> (or hw.platform) to run without auto-detecting"
+            ) from exc.__cause__
+    return loaded
 
 
 def platform_names() -> list[str]:
@@ -118,7 +158,7 @@ def get_platform_class(name: str) -> type[Platform]:
     node) does not stop a run that names its platform."""
     own, plugins = _declared()
     if name in plugins:
-        return _load(plugins[name])
+        return _load_plugin(name)
     if name in own:
         return _load(own[name])
     raise PlatformUnavailableError(f"unknown platform {name!r}; installed platforms: {', '.join(platform_names())}")
