@@ -86,3 +86,20 @@ def test_a_stop_token_the_tokenizer_lacks_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match=r"'<end_of_turn>' is not a token of the tokenizer"):
         stop_token_ids(build_tiny_tokenizer(), ["<end_of_turn>"])
+
+
+def test_engine_threads_default_to_the_cores_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ROLL_NUM_THREADS an engine takes the cores its affinity mask and cgroup CPU quota allow
+    (roll_hw.cpu.usable_cpu_count), not the host's os.cpu_count(): a pod limited to 2 CPUs on a 64-core node ran 64
+    throttled threads."""
+    import os
+
+    import roll_hw.cpu
+    from roll_core.models import default_num_threads
+
+    monkeypatch.delenv("ROLL_NUM_THREADS", raising=False)
+    usable = (os.cpu_count() or 1) + 5  # a number os.cpu_count() cannot give
+    monkeypatch.setattr(roll_hw.cpu, "usable_cpu_count", lambda: usable)
+    assert default_num_threads() == usable
+    monkeypatch.setenv("ROLL_NUM_THREADS", "3")
+    assert default_num_threads() == 3

@@ -343,8 +343,12 @@ def torch_dtype(name: str):  # -> torch.dtype
 
 
 def default_num_threads() -> int:
-    """torch threads for an engine process: `$ROLL_NUM_THREADS`, else every core of the machine."""
-    return int(os.environ.get("ROLL_NUM_THREADS") or os.cpu_count() or 1)
+    """torch threads for an engine process: `$ROLL_NUM_THREADS`, else every core this process may use
+    (roll_hw.cpu.usable_cpu_count: its affinity mask capped at its cgroup CPU quota; `os.cpu_count()` is the host's,
+    and a pod limited to 2 CPUs on a 64-core node ran 64 throttled threads)."""
+    from roll_hw.cpu import usable_cpu_count
+
+    return int(os.environ.get("ROLL_NUM_THREADS") or usable_cpu_count())
 
 
 def prepare_engine_process(device: str, num_threads: int | None = None) -> None:
