@@ -334,3 +334,148 @@ def test_engine_python_resolution(tmp_path, monkeypatch: pytest.MonkeyPatch) -> 
         resolve_python("auto", "nothere")
     with pytest.raises(ValueError, match="no such executable"):
         resolve_python(str(tmp_path / "missing" / "python"), "vllm")
+
+
+def test_a_broadcast_that_fails_on_rank_0_leaves_no_train_rank_waiting_in_the_weight_iterator() -> None:
+    """A receiver dies mid-sync: rank 0's broadcast of the second bucket fails. On a sharded trainer the weight
+    iterator is a collective (every rank iterates, an all-gather per tensor: a barrier here), so rank 0 must go on
+    producing the rest of it. It stopped: rank 1 waited in the next all-gather for its group's timeout, and the sync
+    WeightSync redoes after restarting the receiver could never run."""
+    from roll_core.cluster.roles import TrainWorker
+
+    names = [f"layer{i}.weight" for i in range(5)]
+    gather = threading.Barrier(2, timeout=5)  # the all-gather of each tensor, across the two train ranks
+
+    class Sharded:
+        def __init__(self) -> None:
+            self.produced: list[str] = []
+
+        def iter_weights(self, changed_only: bool = False):
+            for name in names:
+                gather.wait()
+                self.produced.append(name)
+                yield name, torch.full((8,), float(len(self.produced)))
+
+    class ReceiverDied(SyncGroup):
+        """Rank 0's group: the first bucket's three broadcasts (length, header, buffer) go, then the peer is gone."""
+
+        def __init__(self) -> None:
+            self.device, self.broadcasts = torch.device("cpu"), 0
+
+        def broadcast(self, t: torch.Tensor) -> None:
+            self.broadcasts += 1
+            if self.broadcasts > 3:
+                raise RuntimeError("Connection closed by peer")
+
+    ranks = []
+    for rank in (0, 1):
+        worker = TrainWorker.__new__(TrainWorker)
+        worker.rank, worker.engine, worker.weight_format = rank, Sharded(), "merged"
+        worker._sync_group = ReceiverDied() if rank == 0 else None
+        ranks.append(worker)
+    outcome: dict[int, object] = {}
+
+    def run(rank: int) -> None:
+        try:
+            outcome[rank] = ranks[rank].send_weights_dist(32, False)  # one tensor (32 bytes) per bucket
+        except BaseException as exc:
+            outcome[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert isinstance(outcome[0], RuntimeError) and "Connection closed by peer" in str(outcome[0])
+    assert outcome[1] == {"bytes": 0, "tensors": 0, "buckets": 0}, outcome[1]  # not a broken barrier
+    assert ranks[0].engine.produced == ranks[1].engine.produced == names
+    assert ranks[0]._sync_group.broadcasts == 4  # nothing more went into the broken stream
+
+
+def test_a_bucket_that_cannot_be_packed_aborts_the_receivers_and_keeps_the_train_ranks_in_step() -> None:
+    """Packing a bucket fails on rank 0 (before any broadcast): the receivers are told (a negative length, then the
+    error's text) and rank 0 still produces the rest of the weights, which the other ranks' collective needs."""
+    produced: list[str] = []
+
+    def weights():
+        for name in ("a", "b", "c"):
+            produced.append(name)
+            yield [(name, torch.zeros(2))]
+
+    class Recording(SyncGroup):
+        def __init__(self) -> None:
+            self.device, self.sent = torch.device("cpu"), []
+
+        def broadcast(self, t: torch.Tensor) -> None:
+            self.sent.append(t.clone())
+
+        def _pack(self, bucket):
+            if bucket[0][0] == "b":
+                raise TypeError("cannot pickle the specs")
+            return super()._pack(bucket)
+
+    group = Recording()
+    with pytest.raises(TypeError, match="cannot pickle"):
+        group.send_all(weights())
+    assert produced == ["a", "b", "c"]
+    assert len(group.sent) == 5 and int(group.sent[3].item()) == -group.sent[4].numel()  # a's 3, then the abort
+    assert bytes(group.sent[4].tolist()).decode() == "TypeError: cannot pickle the specs"
+
+
+class _IpcTrain:
+    """A fake train group for CudaIpcTransport: `next_ipc_bucket` answers each rank's next entry (None: ended)."""
+
+    def __init__(self, per_rank: list[list]) -> None:
+        self.per_rank, self.world_size = [iter(r) for r in per_rank], len(per_rank)
+
+    def call(self, method, *args):
+        if method.__name__ == "start_ipc_sync":
+            return [None] * self.world_size
+        return [next(r, None) for r in self.per_rank]
+
+
+class _IpcInfer:
+    def __init__(self, world_size: int) -> None:
+        self.world_size, self.received = world_size, []
+
+    def call(self, method, *args):
+        self.received.append(args[0])
+        return [entry["bytes"] for entry in args[0]]
+
+
+def _shared(*names: str, shape=(4,), dtype: str = "bfloat16") -> dict:
+    return {"handle": object(), "specs": [(k, shape, dtype) for k in names], "bytes": 8 * len(names)}
+
+
+def test_cuda_ipc_counts_what_every_rank_received() -> None:
+    from roll_core.cluster.weight_sync import CudaIpcTransport
+
+    train = _IpcTrain([[_shared("a", "b"), _shared("c")], [_shared("a", "b"), _shared("c")]])
+    infer = _IpcInfer(2)
+    moved = CudaIpcTransport(train, infer, bucket_bytes=16, dtype="bfloat16", dist_backend="nccl").sync(False)
+    assert tuple(moved) == (24, 3, 2)
+    assert [[len(e["specs"]) for e in shared] for shared in infer.received] == [[2, 2], [1, 1]]
+
+
+@pytest.mark.parametrize(
+    ("rank1", "message", "delivered"),
+    [
+        ([_shared("a", "b")], r"trainer ranks \[1\] ended the sync after 1 buckets", 1),  # one bucket short
+        ([_shared("a", "b"), _shared("c"), _shared("d")], r"trainer ranks \[0\] ended the sync after 2 buckets", 2),
+        ([_shared("a", "b"), _shared("c", dtype="float32")], r"bucket 1 of trainer ranks \[1\] holds other", 1),
+    ],
+)
+def test_cuda_ipc_trainer_ranks_out_of_step_are_an_error_not_engines_with_different_weights(
+    rank1, message, delivered
+) -> None:
+    """Inference rank r takes trainer rank r's bucket. The sync ended when rank 0's did: a rank 1 with more buckets
+    left its engine without them (or one with other tensors gave it other weights), and the sync succeeded."""
+    from roll_core.cluster.weight_sync import CudaIpcTransport
+
+    train = _IpcTrain([[_shared("a", "b"), _shared("c")], rank1])
+    infer = _IpcInfer(2)
+    transport = CudaIpcTransport(train, infer, bucket_bytes=16, dtype="bfloat16", dist_backend="nccl")
+    with pytest.raises(RuntimeError, match=message):
+        transport.sync(False)
+    assert len(infer.received) == delivered  # nothing past the point where the ranks disagree

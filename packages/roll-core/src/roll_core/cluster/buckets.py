@@ -184,27 +184,45 @@ class SyncGroup:
         If producing a bucket fails (the engine's weight iterator, a cast, flattening), the receivers are told
         (`send_abort`) before the error is raised: they raise at once instead of waiting in a broadcast for the
         group's timeout. A broadcast that fails (a receiver died) is raised as it is: the stream's place is unknown
-        then, and the receivers see the broken connection or time out."""
+        then, and the receivers see the broken connection or time out.
+
+        After any failure but the iterator's own, the rest of `bucket_iter` is produced (and dropped) before the
+        error is raised: on a sharded trainer it is a collective (every rank iterates, TrainWorker.send_weights_dist),
+        and the other ranks would otherwise wait in its next all-gather for their group's timeout, so the sync that
+        WeightSync redoes after a restarted receiver could never run."""
         nbytes = ntensors = nbuckets = 0
         it = iter(bucket_iter)
         while True:
             try:
                 bucket = next(it, None)
-                if bucket is None:
-                    break
+            except BaseException as exc:  # the iterator itself failed: nothing is left to produce
+                self._abort(exc)
+                raise
+            if bucket is None:
+                break
+            try:
                 packed = self._pack(bucket)  # before any broadcast: a failure here leaves the stream whole
             except BaseException as exc:
-                try:
-                    self.send_abort(f"{type(exc).__name__}: {exc}")
-                except Exception:  # the receivers then time out; the sender's error is the one to raise
-                    log.exception("weight sync: the receivers could not be told that the sync failed")
+                self._abort(exc)
+                if isinstance(exc, Exception):  # an interrupt is not waited for
+                    _drain(it)
                 raise
-            self._send_packed(*packed)
+            try:
+                self._send_packed(*packed)
+            except Exception:
+                _drain(it)
+                raise
             nbytes += bucket_nbytes(bucket)
             ntensors += len(bucket)
             nbuckets += 1
         self.send(None)
         return {"bytes": nbytes, "tensors": ntensors, "buckets": nbuckets}
+
+    def _abort(self, exc: BaseException) -> None:
+        try:
+            self.send_abort(f"{type(exc).__name__}: {exc}")
+        except Exception:  # the receivers then time out; the sender's error is the one to raise
+            log.exception("weight sync: the receivers could not be told that the sync failed")
 
     def receive(self) -> Bucket | None:
         """Ranks > 0: the next bucket, or None at the end of a sync; `SyncAbortedError` if the sender gave up."""
@@ -247,6 +265,15 @@ class SyncGroup:
         if error is not None:
             raise error
         return total
+
+
+def _drain(it: Iterator[Bucket]) -> None:
+    """Produce and drop what is left of a failed sync's buckets (keeps a sharded trainer's ranks in step)."""
+    try:
+        for _ in it:
+            pass
+    except Exception:  # the error that ended the sync is the one to raise
+        log.exception("weight sync: the rest of a failed sync's weights could not be produced")
 
 
 # ---- CUDA IPC ------------------------------------------------------------------------------------------------

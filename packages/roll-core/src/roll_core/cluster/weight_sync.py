@@ -19,7 +19,8 @@ process group and CUDA IPC handles are in roll_core.cluster.buckets):
   fails while producing a bucket ends the sync on every receiver, which raises `SyncAbortedError` at once
   (`SyncGroup.send_all`); a sync that failed on either side discards the group (`DistTransport`).
 - `cuda_ipc`: colocated roles on one GPU; trainer rank r shares each bucket's device buffer with inference rank r
-  through CUDA IPC handles (no copy through host memory).
+  through CUDA IPC handles (no copy through host memory); trainer ranks out of step (one ends the sync early, or a
+  bucket holds other tensors than rank 0's) fail the sync rather than leave engines with different weights.
 - `auto`: inprocess on the local backend; on Ray cuda_ipc for colocated CUDA roles (every engine takes it: each
   copies what it receives into memory it owns), else dist (on CPU too: measured faster than the object store,
   bench/RESULTS.md). `dist` is refused for colocated CUDA roles
@@ -275,9 +276,25 @@ class CudaIpcTransport(Transport):
         nbytes = ntensors = nbuckets = 0
         while True:
             shared = self.train.call(TrainWorker.next_ipc_bucket)  # one entry per train rank (device r = infer r)
-            if shared[0] is None:
+            shared = shared[: self.infer.world_size]
+            # Each inference rank takes its own trainer rank's bucket: ranks out of step would leave some engines
+            # with other weights than the rest (or without the tail of the sync), and nothing else would notice.
+            ends = [s is None for s in shared]
+            if any(ends) and not all(ends):
+                raise RuntimeError(
+                    f"cuda_ipc weight sync: trainer ranks {[r for r, e in enumerate(ends) if e]} ended the sync "
+                    f"after {nbuckets} buckets, the others did not: the inference engines would hold different weights"
+                )
+            if ends[0]:
                 break
-            self.infer.call(InferWorker.receive_ipc_bucket, shared[: self.infer.world_size])
+            layouts = [[(k, tuple(shape), dt) for k, shape, dt in s["specs"]] for s in shared]
+            if any(lay != layouts[0] for lay in layouts):
+                bad = [r for r, lay in enumerate(layouts) if lay != layouts[0]]
+                raise RuntimeError(
+                    f"cuda_ipc weight sync: bucket {nbuckets} of trainer ranks {bad} holds other tensors (names, "
+                    "shapes or dtypes) than rank 0's: the inference engines would hold different weights"
+                )
+            self.infer.call(InferWorker.receive_ipc_bucket, shared)
             nbytes += shared[0]["bytes"]
             ntensors += len(shared[0]["specs"])
             nbuckets += 1
