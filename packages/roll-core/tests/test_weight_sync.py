@@ -479,3 +479,58 @@ def test_cuda_ipc_trainer_ranks_out_of_step_are_an_error_not_engines_with_differ
     with pytest.raises(RuntimeError, match=message):
         transport.sync(False)
     assert len(infer.received) == delivered  # nothing past the point where the ranks disagree
+
+
+def test_an_object_store_put_that_fails_on_rank_0_leaves_no_train_rank_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The object-store transport: rank 0's `ray.put` of the second bucket fails (the object store is full). The
+    weight iterator is a collective on a sharded trainer, so rank 0 goes on iterating it to the end and raises then;
+    it stopped at the failure, and the other ranks waited in their next all-gather until their group timed out."""
+    import ray
+
+    from roll_core.cluster.roles import TrainWorker
+
+    names = [f"layer{i}.weight" for i in range(4)]
+    gather = threading.Barrier(2, timeout=5)  # the all-gather of each tensor, across the two train ranks
+
+    class Sharded:
+        def __init__(self) -> None:
+            self.produced: list[str] = []
+
+        def iter_weights(self, changed_only: bool = False):
+            for name in names:
+                gather.wait()
+                self.produced.append(name)
+                yield name, torch.ones(8)
+
+    puts: list[int] = []
+
+    def put(value: object) -> object:
+        puts.append(1)
+        if len(puts) == 2:
+            raise MemoryError("the object store is full")
+        return object()
+
+    monkeypatch.setattr(ray, "put", put)
+    ranks = []
+    for rank in (0, 1):
+        worker = TrainWorker.__new__(TrainWorker)
+        worker.rank, worker.engine, worker.weight_format = rank, Sharded(), "merged"
+        ranks.append(worker)
+    outcome: dict[int, object] = {}
+
+    def run(rank: int) -> None:
+        try:
+            outcome[rank] = ranks[rank].publish_weights(32, False)  # one tensor (32 bytes) per bucket
+        except BaseException as exc:
+            outcome[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert isinstance(outcome[0], MemoryError), outcome[0]
+    assert outcome[1] == {"refs": [], "bytes": 0, "tensors": 0}, outcome[1]  # not a broken barrier
+    assert ranks[0].engine.produced == ranks[1].engine.produced == names
+    assert len(puts) == 2  # nothing more was put after the failure

@@ -151,16 +151,25 @@ class TrainWorker(EngineWorker):
     def publish_weights(
         self, bucket_bytes: int, changed_only: bool, dtype: str | None = None, wide: dict[str, str] | None = None
     ) -> dict[str, Any]:
-        """Object-store transport: rank 0 puts CPU buckets in Ray's object store and returns their refs."""
+        """Object-store transport: rank 0 puts CPU buckets in Ray's object store and returns their refs. A put that
+        fails (the object store full) is raised once every bucket has been iterated: on a sharded engine the
+        iteration is a collective, and the other ranks waited in its next all-gather until their group timed out."""
         import ray
 
         refs, nbytes, ntensors = [], 0, 0
-        for bucket in self.weight_buckets(bucket_bytes, changed_only, dtype, wide):  # every rank iterates
-            if self.rank == 0:
-                cpu = [(k, v.detach().to("cpu", copy=True)) for k, v in bucket]
-                refs.append(ray.put(cpu))
+        failure: Exception | None = None
+        for bucket in self.weight_buckets(bucket_bytes, changed_only, dtype, wide):  # every rank iterates, to the end
+            if self.rank == 0 and failure is None:
+                try:
+                    cpu = [(k, v.detach().to("cpu", copy=True)) for k, v in bucket]
+                    refs.append(ray.put(cpu))
+                except Exception as exc:
+                    failure = exc
+                    continue
                 nbytes += bucket_nbytes(cpu)
                 ntensors += len(cpu)
+        if failure is not None:
+            raise failure
         return {"refs": refs, "bytes": nbytes, "tensors": ntensors}
 
     @dispatch(Dispatch.RANK0)
