@@ -60,6 +60,11 @@ class PromptSampler:
         return {"epoch": self.epoch, "position": self.position, "size": self.size, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "size" not in state:  # a multi-domain run's state (a KeyError said nothing of what to do)
+            raise ConfigError(
+                f"the checkpoint's data position is for domains {sorted(state.get('domains', {}))}; this run samples "
+                "one training list: resume with the env the run was saved with, or start a new run"
+            )
         if state["size"] != self.size or state["seed"] != self.seed:
             raise ConfigError(
                 f"the checkpoint's data position is for a training set of {state['size']} prompts drawn with seed "
@@ -138,8 +143,11 @@ class DomainSampler:
         return out
 
     def progress(self) -> float:
-        """Epochs drawn so far of the domain least drawn (fractional; every domain has its own epochs)."""
-        return min(s.progress() for s in self.samplers.values())
+        """Epochs drawn so far of the domain least drawn (fractional; every domain has its own epochs), among the
+        domains that are drawn at all: one weighted or counted 0 is never drawn and held data/epoch at 0."""
+        share = self.counts or self.weights
+        drawn = [s for d, s in self.samplers.items() if share.get(d, 0) > 0] or list(self.samplers.values())
+        return min(s.progress() for s in drawn)
 
     def state_dict(self) -> dict[str, Any]:
         return {"draws": self.draws, "domains": {d: s.state_dict() for d, s in self.samplers.items()}}
@@ -184,10 +192,12 @@ def make_sampler(task: Any, *, batch_size: int, seed: int) -> PromptSampler | Do
 
 
 def data_fingerprint(problems: list[Any]) -> str:
-    """A hash of a training list's prompts, answers and pictures, in order (a checkpoint's position means these
-    problems): rows asking the same question about other pictures (replaced or reordered) are other problems.
-    Pictures count by `roll_core.multimodal.images.source_key` (bytes hashed, paths with their file's size, nothing
-    decoded); a text row hashes as it always did, so text runs' saved fingerprints still match."""
+    """A hash of a training list's prompts, answers, pictures and chat context, in order (a checkpoint's position
+    means these problems): rows asking the same question about other pictures, or after other turns (a chat row's
+    own system message and earlier turns, `context`; a multi-domain row's is its source problem's), are other
+    problems. Pictures count by `roll_core.multimodal.images.source_key` (bytes hashed, paths with their file's
+    size, nothing decoded); a row without pictures or context hashes as it always did, so text runs' saved
+    fingerprints still match."""
     from roll_core.multimodal.images import source_key
 
     h = hashlib.sha256()
@@ -196,6 +206,9 @@ def data_fingerprint(problems: list[Any]) -> str:
         images = getattr(p, "images", None) or ()
         if images:
             h.update(b"\x01" + "\x00".join(source_key(im) for im in images).encode("utf-8", "replace"))
+        context = getattr(p, "context", None) or getattr(getattr(p, "source", None), "context", None) or ()
+        if context:
+            h.update(b"\x02" + repr([sorted(dict(m).items()) for m in context]).encode("utf-8", "replace"))
         h.update(b"\x00")
     return h.hexdigest()[:16]
 
