@@ -180,3 +180,73 @@ def test_roll_eval_names_rows_the_reward_could_not_score(capsys: pytest.CaptureF
     assert _reward_failures([(SimpleNamespace(label="c"), every)]) == 1
     err = capsys.readouterr().err
     assert "failed on every row of c (4 rows; exception 4)" in err and "could not score" not in err
+
+
+def _report_numbers(out: Path, metrics: bytes) -> list[str]:
+    """The report's header lines and its Numbers table, for a run folder holding `metrics` as its metrics.jsonl."""
+    out.mkdir(exist_ok=True)
+    (out / "metrics.jsonl").write_bytes(metrics)
+    path = write_run_report(out, load_config(["model=tiny"]), status="finished", wall_seconds=59.6, checkpoints=[])
+    assert path is not None, "the report was not written"
+    lines = path.read_text().splitlines()
+    head = [x for x in lines if x.startswith("- ") and not x.startswith("- folder")]
+    table = lines[lines.index("## Numbers") + 2 : lines.index("## Checkpoints") - 1]
+    return head + table
+
+
+def test_report_skips_and_counts_unreadable_lines_and_reads_a_redone_history_as_a_resume_leaves_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A history that a resume did not truncate (steps 2 and 3 redone after a checkpoint at 1) counted the abandoned
+    attempt: best reward 0.95 at a step whose value was replaced, and 6 points for 4 steps. A half-written line was
+    skipped without a word: the numbers left it out silently."""
+    rows = [
+        {"step": 0, "eval/accuracy": 0.25},
+        {"step": 1, "reward/mean": 0.5},
+        {"step": 2, "reward/mean": 0.9},
+        {"step": 3, "reward/mean": 0.95, "eval/accuracy": 0.75},
+        {"step": 2, "reward/mean": 0.6},
+        {"step": 3, "reward/mean": 0.7, "eval/accuracy": 0.5},
+    ]
+    half_written = '{"step": 4, "rew\n'
+    text = "".join(json.dumps(r) + "\n" for r in rows) + half_written + json.dumps({"step": 4, "reward/mean": 0.8})
+    assert _report_numbers(tmp_path / "run", text.encode()) == [
+        "- status: finished",
+        "- steps done: 4 of 20",
+        "- metrics.jsonl: 1 unreadable line(s) skipped, 2 record(s) of redone steps superseded (the numbers below "
+        "leave them out)",
+        "- wall time: 1m 00s",
+        "| metric | first (step) | last (step) | best (step) | points |",
+        "|---|---|---|---|---|",
+        "| train reward (`reward/mean`) | 0.5000 (1) | 0.8000 (4) | 0.8000 (4) | 4 |",
+        "| held-out accuracy (`eval/accuracy`) | 0.2500 (0) | 0.5000 (3) | 0.5000 (3) | 2 |",
+    ]
+    assert "1 unreadable line(s) skipped" in caplog.text
+
+
+def test_report_survives_a_line_of_bad_bytes_or_a_step_that_is_not_a_number(tmp_path: Path) -> None:
+    """A byte that is not UTF-8 (what a power cut can leave) or a record whose step is text made the whole report
+    fail (one warning, no report.md) instead of costing that line."""
+    good = b'{"step": 1, "sft/loss": 2.0}\n{"step": 2, "sft/loss": 1.5}\n'
+    assert _report_numbers(tmp_path / "run", good + b'{"step": 3, "sft/loss": \xff\xfe}\n{"step": "4"}\n') == [
+        "- status: finished",
+        "- steps done: 2 of 20",
+        "- metrics.jsonl: 2 unreadable line(s) skipped, 0 record(s) of redone steps superseded (the numbers below "
+        "leave them out)",
+        "- wall time: 1m 00s",
+        "| metric | first (step) | last (step) | best (step) | points |",
+        "|---|---|---|---|---|",
+        "| SFT loss (`sft/loss`) | 2.0000 (1) | 1.5000 (2) | 1.5000 (2) | 2 |",
+    ]
+
+
+def test_report_shows_small_values_instead_of_zeros(tmp_path: Path) -> None:
+    """A distillation KL that fell to 4e-05 read "0.0000" as last and best: the table could not tell it from 0."""
+    rows = [{"step": 1, "distill/kl": 0.25}, {"step": 2, "distill/kl": 4e-05}, {"step": 3, "distill/kl": 0.0}]
+    assert _report_numbers(tmp_path / "run", "".join(json.dumps(r) + "\n" for r in rows).encode())[-1] == (
+        "| distillation KL (`distill/kl`) | 0.2500 (1) | 0.0000 (3) | 0.0000 (3) | 3 |"
+    )
+    rows[2]["distill/kl"] = 1.5e-4
+    assert _report_numbers(tmp_path / "run", "".join(json.dumps(r) + "\n" for r in rows).encode())[-1] == (
+        "| distillation KL (`distill/kl`) | 0.2500 (1) | 1.500e-04 (3) | 4.000e-05 (2) | 3 |"
+    )

@@ -465,3 +465,21 @@ def test_redact_exception_prints_a_chain_without_credentials() -> None:
     looped.__context__ = ValueError("inner")
     looped.__context__.__context__ = looped  # a chain that loops back
     assert "u:p" not in str(redact_exception(looped))
+
+
+def test_sample_values_inside_lists_and_dicts_are_strict_json_too(tmp_path: Path) -> None:
+    """An agentic episode's sample holds its task row (a dict) and lists: a NaN inside was written as a bare NaN
+    token (invalid JSON for any other reader), a numpy number inside raised TypeError into the training loop. A
+    value json cannot write at all still raises, and leaves no partial rows in the file."""
+    import numpy as np
+
+    tracker = Tracker(tmp_path, trackers=())
+    row = {"task": {"x": float("nan"), "y": np.float32(0.5), "ids": (np.int64(3), 4)}, "rewards": [float("inf"), 1.0]}
+    tracker.samples(2, [row])
+    with pytest.raises(TypeError):
+        tracker.samples(3, [{"text": "fine"}, {"when": object()}])
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+    assert [json.loads(x, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}")) for x in lines] == [
+        {"step": 2, "task": {"x": None, "y": 0.5, "ids": [3, 4]}, "rewards": [None, 1.0]}
+    ]
+    tracker.close()

@@ -8,6 +8,8 @@ the run drew it; the first, last and best value of the headline metrics read bac
 the checkpoints on disk; and the exact commands to resume the run and to evaluate its checkpoints. The commands
 repeat the launch's overrides when they are known (Hydra's `.hydra/overrides.yaml` in the run folder, or the
 running Hydra job's); otherwise they say so. Writing a report never raises into the run: a failure is one warning.
+The numbers come from metrics.jsonl as a resume leaves it (`read_history_counted`): an unreadable line is skipped
+and the report says how many were; values under 1e-3 are shown in scientific notation, not as 0.0000.
 
 roll-eval's report (`write_eval_report`) holds the call's settings, the comparison table, the per-domain and
 per-difficulty accuracy, comparison.png and the files it wrote.
@@ -44,18 +46,46 @@ HEADLINE = (
 
 
 def read_history(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl ([] when absent); unreadable lines are skipped."""
+    """The records of a metrics.jsonl ([] when absent) as a resume leaves them; unreadable lines are skipped with a
+    warning (see `read_history_counted`)."""
+    return read_history_counted(path)[0]
+
+
+def read_history_counted(path: Path) -> tuple[list[dict[str, Any]], int, int]:
+    """(records, lines skipped, records superseded) of a metrics.jsonl; ([], 0, 0) when absent.
+
+    A line that is not a JSON object with an integer `step` (a half-written line, bytes a power cut left) is
+    skipped and counted, not silently: the report's numbers leave it out and say so. A record whose step is not
+    after the one before it starts a redo (a resume whose history was not truncated): the earlier records of the
+    steps it redoes are superseded, as `Tracker.truncate` would have dropped them; otherwise the abandoned attempt's
+    values counted as first / best and the steps were listed twice."""
     if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
+        return [], 0, 0
+    out: list[dict[str, Any]] = []
+    skipped = superseded = 0
+    # errors="replace": an undecodable byte spoils its line (skipped below), not the whole report
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
+            skipped += 1
             continue
-        if isinstance(rec, dict) and "step" in rec:
-            out.append(rec)
-    return out
+        step = rec.get("step") if isinstance(rec, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            skipped += 1
+            continue
+        if out and out[-1]["step"] >= step:
+            kept = [r for r in out if r["step"] < step]
+            superseded += len(out) - len(kept)
+            out = kept
+        out.append(rec)
+    if skipped or superseded:
+        log.warning(
+            "%s: %d unreadable line(s) skipped, %d record(s) of redone steps superseded", path, skipped, superseded
+        )
+    return out, skipped, superseded
 
 
 def headline(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -124,7 +154,10 @@ def commands(
 
 
 def _value(v: Any) -> str:
-    return f"{v:.4f}" if isinstance(v, float) else str(v)
+    if not isinstance(v, float):
+        return str(v)
+    # 4 decimals hid a small KL or loss: 4e-05 read "0.0000", first, last and best alike
+    return f"{v:.3e}" if 0 < abs(v) < 1e-3 else f"{v:.4f}"
 
 
 def _duration(seconds: float | None) -> str:
@@ -174,10 +207,15 @@ def write_run_report(
     """Write `<out>/report.md` for a training run (see the module docstring); None (and a warning) on failure."""
     out = Path(out)
     try:
-        history = read_history(out / "metrics.jsonl")
+        history, skipped, superseded = read_history_counted(out / "metrics.jsonl")
         steps = [h["step"] for h in history if h["step"] > 0]
         lines = [f"# Run report: {cfg.experiment}", "", f"- status: {status}"]
         lines += [f"- steps done: {max(steps) if steps else 0} of {cfg.pipeline.max_steps}"]
+        if skipped or superseded:
+            lines += [
+                f"- metrics.jsonl: {skipped} unreadable line(s) skipped, {superseded} record(s) of redone steps "
+                "superseded (the numbers below leave them out)"
+            ]
         lines += [f"- wall time: {_duration(wall_seconds)}", f"- folder: `{out.resolve()}`", "", "## Config", ""]
         lines += ["| setting | value |", "|---|---|"]
         eval_n = next((h["eval/n"] for h in reversed(history) if isinstance(h.get("eval/n"), (int, float))), None)

@@ -255,12 +255,14 @@ class Tracker:
         """Append decoded completions to samples.jsonl and pass them to backends that record samples.
 
         Values are written as strict JSON: numpy and one-element torch numbers as numbers, NaN/inf as null (a bare
-        NaN token is not JSON; a numpy float raised TypeError). A row may not hold `step` (it would relabel it)."""
+        NaN token is not JSON; a numpy float raised TypeError), also inside lists and dicts. A row may not hold `step`
+        (it would relabel it). Nothing caps the file: it grows by the rows the collectors pass (two a step)."""
         if any("step" in row for row in rows):
             raise ValueError("a sample row may not hold 'step' (it is the record's step number)")
+        # built whole before the file opens: a value json cannot write leaves no partial rows behind
+        text = "".join(json.dumps({"step": step, **_json_value(row)}, allow_nan=False) + "\n" for row in rows)
         with open(self.dir / "samples.jsonl", "a") as f:
-            for row in rows:
-                f.write(json.dumps({"step": step, **{k: _json_value(v) for k, v in row.items()}}) + "\n")
+            f.write(text)
         for backend in self.backends:
             if isinstance(backend, SampleTrackerBackend):
                 backend.samples(step, rows)
@@ -343,9 +345,15 @@ _NOT_A_NUMBER: Any = object()
 
 
 def _json_value(v: Any) -> Any:
-    """A sample value as strict JSON: numbers through `_number` (NaN/inf: None), anything else as it is."""
-    if isinstance(v, (str, list, dict)) or v is None:
+    """A sample value as strict JSON: numbers through `_number` (NaN/inf: None), lists, tuples and dicts item by
+    item (an agentic episode's task row, a list of scores: a NaN inside was written as a bare NaN token and a numpy
+    number inside raised TypeError into the training loop), anything else as it is."""
+    if isinstance(v, str) or v is None:
         return v
+    if isinstance(v, dict):
+        return {k: _json_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
     number = _number(v)
     if number is _NOT_A_NUMBER:
         return v
