@@ -204,3 +204,37 @@ def test_a_bf16_base_stays_bf16_and_the_adapters_train_in_fp32(path: str, kind: 
     finally:
         if kind == "fsdp2" and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_only_the_writing_rank_keeps_host_copies_of_the_merged_model(
+    path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sharded engine's save walks the merged weights on every rank (each full tensor is a collective gather),
+    but only rank 0 writes: the other ranks kept a host copy of the whole merged model too (ranks x model size of
+    host memory at every save of a multi-GPU LoRA run)."""
+    from roll_engines.train._lora import save_lora
+
+    eng = HFTrainEngine(path, lr=1e-2, **LORA)
+    names = [k for k, _ in eng.iter_weights()]
+    walked: list[str] = []
+
+    def weights():
+        for k, v in eng.iter_weights():
+            walked.append(k)
+            yield k, v
+
+    copies: list[str] = []
+    to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        out = to(self, *args, **kwargs)
+        if kwargs.get("copy") and out.device.type == "cpu":
+            copies.append("copy")
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    save_lora(eng.model, weights(), eng._full_tensor, False, tmp_path / "other-rank")
+    assert walked == names  # every collective ran
+    assert copies == [] and not (tmp_path / "other-rank").exists()
+    save_lora(eng.model, weights(), eng._full_tensor, True, tmp_path / "writer")
+    assert len(copies) == len(names) and (tmp_path / "writer" / "model" / "model.safetensors").is_file()

@@ -228,7 +228,12 @@ def save_lora(
 ) -> None:
     """`folder/model` (the merged `weights` in HF names, which plain transformers loads: a vision-language model's
     included) and `folder/adapter` (peft format); collective on sharded engines, only the `writer` rank writes."""
-    merged = {k: v.detach().to("cpu", copy=True) for k, v in weights}
+    # Every rank walks the weights (each full tensor is a collective gather) but only the writer keeps host copies:
+    # every rank holding the whole merged model took ranks x model size of host memory at each save.
+    merged = {}
+    for k, v in weights:
+        if writer:
+            merged[k] = v.detach().to("cpu", copy=True)
     adapter = adapter_state(model, full)
     if writer:
         base_model(model).save_pretrained(folder / "model", state_dict=merged, safe_serialization=True)
