@@ -534,3 +534,35 @@ def test_an_object_store_put_that_fails_on_rank_0_leaves_no_train_rank_waiting(m
     assert outcome[1] == {"refs": [], "bytes": 0, "tensors": 0}, outcome[1]  # not a broken barrier
     assert ranks[0].engine.produced == ranks[1].engine.produced == names
     assert len(puts) == 2  # nothing more was put after the failure
+
+
+def test_only_rank_0_keeps_host_copies_of_the_weights_it_returns() -> None:
+    """`get_weights` is collective on a sharded engine (every rank iterates) but only rank 0 returns the weights:
+    the other ranks kept a host copy of the whole model too."""
+    from roll_core.cluster.roles import TrainWorker
+
+    copies: list[int] = []
+
+    class Weight:
+        """A tensor stand-in that counts the host copies made of it."""
+
+        def detach(self) -> Weight:
+            return self
+
+        def to(self, *args: object, **kwargs: object) -> torch.Tensor:
+            copies.append(1)
+            return torch.ones(4)
+
+    class Engine:
+        def iter_weights(self, changed_only: bool = False):
+            for i in range(3):
+                yield f"w{i}", Weight()
+
+    out = {}
+    for rank in (0, 1):
+        worker = TrainWorker.__new__(TrainWorker)
+        worker.rank, worker.engine = rank, Engine()
+        copies.clear()
+        out[rank] = (worker.get_weights(), len(copies))
+    assert sorted(out[0][0]) == ["w0", "w1", "w2"] and out[0][1] == 3
+    assert out[1] == (None, 0)

@@ -112,8 +112,12 @@ class TrainWorker(EngineWorker):
 
     @dispatch(Dispatch.BROADCAST)
     def get_weights(self) -> dict[str, torch.Tensor] | None:
-        """Full CPU weights on rank 0 (None elsewhere); collective on sharded engines."""
-        weights = {k: v.detach().to("cpu", copy=True) for k, v in self.engine.iter_weights()}
+        """Full CPU weights on rank 0 (None elsewhere); collective on sharded engines: every rank iterates, only rank 0
+        keeps copies (each rank held the whole model in host memory)."""
+        weights = {}
+        for k, v in self.engine.iter_weights():
+            if self.rank == 0:
+                weights[k] = v.detach().to("cpu", copy=True)
         return weights if self.rank == 0 else None
 
     @dispatch(Dispatch.BROADCAST)
