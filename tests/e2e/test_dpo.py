@@ -183,7 +183,10 @@ def test_dpo_learns_the_rule_and_scores_each_reference_row_once(full: tuple[Path
     # The reference scores each training row once: 2 x 8 rows in each step of the first epoch, none in the second.
     assert [steps[s]["dpo/reference_rows"] for s in range(1, STEPS + 1)] == [16.0] * 3 + [0.0] * 3
     assert all(steps[s]["actor/optimizer_steps"] == 1.0 and steps[s]["data/pairs"] == BATCH for s in range(1, 7))
-    assert [steps[s]["data/epoch"] for s in (3, 4)] == [0.0, 1.0]
+    # Epochs drawn, fractional: step s has drawn s x BATCH of the TRAIN_PAIRS pairs.
+    assert [steps[s]["data/epoch"] for s in range(1, STEPS + 1)] == pytest.approx(
+        [s * BATCH / TRAIN_PAIRS for s in range(1, STEPS + 1)]
+    )
 
 
 def test_resumed_run_equals_the_uninterrupted_run(

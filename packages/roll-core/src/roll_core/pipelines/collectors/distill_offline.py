@@ -8,10 +8,12 @@ Contract:
   the top-`distill.topk` log-probs of each row, once, cached by row across epochs (not checkpointed: a resumed run
   recomputes them from the frozen teacher).
 - A step: `pipeline.rollout_batch_size` rows drawn epoch by epoch in a seeded order (the position is checkpointed,
-  so a resumed run continues with the rows the uninterrupted run would see); the batch is in roll_core.protocol's
-  layout plus `teacher_topk_ids` (B, R, K) long and `teacher_topk_logprobs` (B, R, K) float32, 0 where
-  `response_mask` is 0; scores are zeros (nothing is rewarded). `on_policy = False`: the engines get the trained
-  weights only before an evaluation.
+  so a resumed run continues with the rows the uninterrupted run would see; with it the checkpoint holds a
+  fingerprint of the tokenised training rows, and resuming onto rows edited in place, same number, is a warning as
+  in the RLVR collectors; a checkpoint without one resumes unchecked); `data/epoch` is epochs drawn, fractional;
+  the batch is in roll_core.protocol's layout plus `teacher_topk_ids` (B, R, K) long and `teacher_topk_logprobs`
+  (B, R, K) float32, 0 where `response_mask` is 0; scores are zeros (nothing is rewarded). `on_policy = False`:
+  the engines get the trained weights only before an evaluation.
 - Tokenizers: the teacher model's must equal the student's (`tokenizer_fingerprint`), said by `check` before any
   model loads: its ids would index another vocabulary. Teacher ids outside the student's vocabulary, and teacher
   top-k not shaped like the rows' responses (B, R, K = distill.topk), are an error.
@@ -29,6 +31,7 @@ import logging
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -37,6 +40,7 @@ from roll_algos.distill import topk_distill_loss
 from roll_core.config.schema import RLVRConfig
 from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import Collected, Collector, CollectorContext
+from roll_core.pipelines.collectors.sft import rows_fingerprint, warn_if_other_rows
 from roll_core.pipelines.metrics import StepLog
 from roll_core.pipelines.objectives.distill_offline import TEACHER, TEMPERATURE, check_offline_distill
 from roll_core.posttrain.distill import TEACHER_IDS, TEACHER_LOGPROBS
@@ -118,7 +122,7 @@ class OfflineDistillCollector:
         """The next `pipeline.rollout_batch_size` rows with their teacher targets."""
         indices = self.sampler.next(self.cfg.pipeline.rollout_batch_size)
         batch = self._batch("train", self.data.train, indices, out)
-        out["data/epoch"] = float(self.sampler.epoch)
+        out["data/epoch"] = self.sampler.progress()
         out["data/skipped_rows"] = float(sum(self.data.train.skipped.values()))
         return Collected(batch, torch.zeros(len(batch)))
 
@@ -140,10 +144,15 @@ class OfflineDistillCollector:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict()}
+        return {"sampler": self.sampler.state_dict(), "data": self._fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state["sampler"])
+        self.sampler.load_state_dict(state["sampler"])  # (refuses a training set of another size or seed)
+        warn_if_other_rows(state, self._fingerprint, len(self.data.train), "rows", log)
+
+    @cached_property
+    def _fingerprint(self) -> str:
+        return rows_fingerprint(self.data.train)  # the training rows never change within a run
 
     def summary(self) -> dict[str, Any]:
         """Rows skipped or cut when the files were read, and rows the teacher scored."""

@@ -3,10 +3,13 @@
 Contract: the pairs come from `data` (roll_core.posttrain: `{prompt, chosen, rejected}` rows, or pairs built from a
 rollout-only output file, `data.format=rollout`), tokenised once at start. A step takes `pipeline.rollout_batch_size`
 pairs in a per-epoch order seeded by `pipeline.seed` (roll_core.data.PromptSampler: its position is checkpointed,
-so a resumed run takes the pairs the uninterrupted run would). Its batch holds 2N rows, pair i's chosen at row 2i
-and its rejected at 2i+1 (`pair_index`, `is_chosen`), and `row_id` = 2 x the pair's index in the data + (0 chosen,
-1 rejected): the objective's reference cache key. Scores are 1 for chosen rows, 0 for rejected ones. It does not
-sample from the policy (`on_policy = False`): the weights reach the inference engines only before evaluations.
+so a resumed run takes the pairs the uninterrupted run would; with it the checkpoint holds a fingerprint of the
+tokenised training pairs, and resuming onto pairs edited in place, same number, is a warning as in the RLVR
+collectors; a checkpoint without one resumes unchecked). `data/epoch`: epochs drawn, fractional. Its batch holds
+2N rows, pair i's chosen at row 2i and its rejected at 2i+1 (`pair_index`, `is_chosen`), and `row_id` = 2 x the
+pair's index in the data + (0 chosen, 1 rejected): the objective's reference cache key. Scores are 1 for chosen
+rows, 0 for rejected ones. It does not sample from the policy (`on_policy = False`): the weights reach the
+inference engines only before evaluations.
 
 Evaluation: the held-out pairs (`data.eval_path`, or `data.eval_size` pairs held out of `data.path`) scored by the
 actor (`ctx.train`): eval/dpo_accuracy (pairs whose implicit reward margin is > 0), eval/dpo_loss (as dpo/loss:
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -33,6 +37,7 @@ from roll_core.data import PromptSampler
 from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors.file_rows import FileRowsFactory
+from roll_core.pipelines.collectors.sft import rows_fingerprint, warn_if_other_rows
 from roll_core.pipelines.metrics import StepLog
 from roll_core.pipelines.objectives.dpo import pair_arguments, summed
 from roll_core.pipelines.rollout import evaluate
@@ -141,7 +146,7 @@ class DPOCollector:
         batch = self.train_pairs.batch(idx)
         pair_ids = torch.tensor(idx, dtype=torch.long).repeat_interleave(2)
         batch["row_id"] = 2 * pair_ids + (~batch["is_chosen"]).long()
-        out["data/epoch"] = float(self.sampler.epoch)
+        out["data/epoch"] = self.sampler.progress()
         out["data/pairs"] = float(len(idx))
         out["response/length_mean"] = float(batch["response_mask"].sum(-1).float().mean())
         return Collected(batch, batch["is_chosen"].float())
@@ -199,10 +204,15 @@ class DPOCollector:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict()}
+        return {"sampler": self.sampler.state_dict(), "data": self._fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state["sampler"])
+        self.sampler.load_state_dict(state["sampler"])  # (refuses a training set of another size or seed)
+        warn_if_other_rows(state, self._fingerprint, len(self.train_pairs), "pairs", log)
+
+    @cached_property
+    def _fingerprint(self) -> str:
+        return rows_fingerprint(self.train_pairs)  # the training pairs never change within a run
 
     def summary(self) -> dict[str, Any]:
         """How the files were read: pairs, skipped rows by reason, truncated responses, pair-building counts."""

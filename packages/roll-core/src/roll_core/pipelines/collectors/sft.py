@@ -8,8 +8,12 @@ Contract:
   empty file, a missing file are ConfigErrors before training starts.
 - A step is `pipeline.rollout_batch_size` training rows drawn epoch by epoch in a seeded shuffle (a
   `PromptSampler`: the permutation of epoch e depends only on (pipeline.seed, e)); the state is the data position,
-  so a resumed run draws exactly the rows of the uninterrupted run. Packing and token-budget micro-batches are the
-  train engine's (`train_engine.pack_sequences`, `train_engine.micro_batch_tokens`).
+  so a resumed run draws exactly the rows of the uninterrupted run. The state also holds a fingerprint of the
+  tokenised training rows (`rows_fingerprint`): resuming onto rows edited in place (same number, other rows or
+  another order) is a warning, as the RLVR collectors' (the saved position then points at other rows); a
+  checkpoint saved before the fingerprint existed resumes without the check. `data/epoch`: epochs drawn,
+  fractional. Packing and token-budget micro-batches are the train engine's (`train_engine.pack_sequences`,
+  `train_engine.micro_batch_tokens`).
 - `on_policy = False`: nothing is sampled while training; the loop pushes the weights to the inference engines
   only before `evaluate`.
 - `evaluate(step)`: `eval/sft_loss` (token-mean NLL of every held-out row, `data.eval_size` / `data.eval_path`,
@@ -21,9 +25,13 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import sys
 import time
+from array import array
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -37,6 +45,7 @@ from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors.file_rows import FileRowsFactory
 from roll_core.pipelines.metrics import StepLog
 from roll_core.pipelines.rollout import evaluate
+from roll_core.posttrain.pairs import Pair
 from roll_core.posttrain.source import PostTrainData, RowSource, load_rows
 from roll_core.seeds import Purpose, derive_seed
 
@@ -62,6 +71,42 @@ def check(cfg: RLVRConfig, task: Any) -> None:
         raise ConfigError(
             f"env={cfg.env.name} is a multi-turn environment: an SFT run evaluates single-turn tasks only; set "
             "sft.eval_task=false (eval/sft_loss only) or a single-turn env"
+        )
+
+
+def rows_fingerprint(source: RowSource) -> str:
+    """A hash of the training examples as tokenised, in order: each row's prompt ids, response ids and loss mask (a
+    pair's chosen, then its rejected row). Built from token ids, never Python's `hash`, so it is the same in every
+    process whatever PYTHONHASHSEED. Left out: where a row was read (a moved file holds the same rows) and
+    per-token side data such as a teacher's top-k (the same examples; hashing it would cost a pass over (R, K)
+    lists per row)."""
+    h = hashlib.sha256()
+    for item in source.items:
+        for row in (item.chosen, item.rejected) if isinstance(item, Pair) else (item,):
+            for ids in (row.prompt_ids, row.response_ids, row.mask):
+                packed = array("q", ids)
+                if sys.byteorder == "big":  # the same bytes on every machine a checkpoint may move to
+                    packed.byteswap()
+                h.update(len(packed).to_bytes(8, "little") + packed.tobytes())
+    return h.hexdigest()[:16]
+
+
+def warn_if_other_rows(state: dict[str, Any], fingerprint: str, size: int, what: str, logger: logging.Logger) -> None:
+    """Log a warning when the checkpoint's rows fingerprint is not `fingerprint` (one saved before fingerprints
+    existed has none and passes)."""
+    saved = state.get("data")
+    if saved is not None and saved != fingerprint:
+        # Same size (the sampler refused another), other rows: a data file edited in place.
+        logger.warning(
+            "the training %s differ from those the checkpoint was saved with (same %d in number, not the same %s "
+            "or order; fingerprint %s, saved %s): the saved data position applies to the new list, so some %s of "
+            "this epoch may be repeated or skipped",
+            what,
+            size,
+            what,
+            fingerprint,
+            saved,
+            what,
         )
 
 
@@ -116,7 +161,7 @@ class SFTCollector:
         """The next `pipeline.rollout_batch_size` rows (scores: 0; the SFT objective does not read them)."""
         with out.timer("data"):
             batch = self.train.batch(self.sampler.next(self.cfg.pipeline.rollout_batch_size))
-        out["data/epoch"] = self.sampler.epoch + self.sampler.position / len(self.train)
+        out["data/epoch"] = self.sampler.progress()
         out["data/rows"] = float(len(batch))
         out["data/skipped_rows"] = float(sum(self.train.skipped.values()))
         out["data/truncated_rows"] = float(self.train.truncated)
@@ -175,11 +220,13 @@ class SFTCollector:
         return total / tokens if tokens else math.nan
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict()}
+        return {"sampler": self.sampler.state_dict(), "data": self._fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # A resumed run over changed files would draw other rows: the sampler refuses another size or seed.
+        # A resumed run over changed files would draw other rows: the sampler refuses another size or seed, the
+        # fingerprint tells of other rows of the same number.
         self.sampler.load_state_dict(state["sampler"])
+        warn_if_other_rows(state, self._fingerprint, len(self.train), "rows", log)
 
     def summary(self) -> dict[str, Any]:
         """How the files were read: rows skipped by reason, responses truncated, rows trained and held out."""
@@ -197,6 +244,10 @@ class SFTCollector:
         return None
 
     # ---- pieces -------------------------------------------------------------------------------------------
+    @cached_property
+    def _fingerprint(self) -> str:
+        return rows_fingerprint(self.train)  # the training rows never change within a run
+
     @property
     def eval_temperature(self) -> float:
         t = self.cfg.pipeline.eval_temperature
