@@ -171,6 +171,8 @@ def test_a_ray_instance_roll_starts_keeps_token_auth(seven_task: Path, tmp_path:
     assert "Token authentication is enabled for this Ray cluster" in proc.stdout + proc.stderr
 
 
+# CI time (~17 s: two launches): the report's resume line; `nox -s full_matrix` runs it.
+@pytest.mark.full_matrix
 def test_a_resumed_runs_report_repeats_the_resume_launchs_overrides(seven_task: Path, tmp_path: Path) -> None:
     """Hydra's generated folders: the resume launch (pipeline.resume=true, algo.lr changed) runs in a folder of its
     own and continues the earlier run's; the report's commands repeated the first launch's overrides, so pasting

@@ -318,7 +318,9 @@ def test_megatron_moe_parallel_equals_hf_and_resumes(
     ("kind", "world", "tp", "ep"),
     [
         pytest.param("qwen3_moe", 2, 1, 1, marks=FULL_MATRIX),
-        ("qwen2_moe", 4, 1, 2),
+        # CI time (~17 s): context parallelism stays in CI dense (test_megatron_parallel_equals_hf[qwen3-cp2]) and
+        # MoE expert parallelism in test_megatron_moe_parallel_equals_hf_and_resumes[ep2]
+        pytest.param("qwen2_moe", 4, 1, 2, marks=FULL_MATRIX),
         pytest.param("qwen3_moe", 4, 2, 1, marks=FULL_MATRIX),
     ],
     ids=["qwen3-cp2", "qwen2-shared-cp2-ep2", "qwen3-tp2-sp-cp2"],

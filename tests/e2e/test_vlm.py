@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from roll_core.testing import run_pipeline as run
 
 CHANCE = 1 / 3
@@ -44,6 +46,8 @@ def test_vlm_grpo_learns_the_dominant_colour(tmp_path: Path) -> None:
     assert all(h["data/skipped_bad_images"] == 0 for h in steps)
 
 
+# CI time (~23 s): the control run of the VLM learning test above; `nox -s full_matrix` runs it.
+@pytest.mark.full_matrix
 def test_vlm_grpo_with_blank_pictures_stays_at_chance(tmp_path: Path) -> None:
     _, history = run(quickstart(tmp_path, "env.blank=true"))
     acc = evals(history)

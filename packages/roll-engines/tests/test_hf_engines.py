@@ -480,7 +480,7 @@ def test_a_weight_update_pauses_at_the_next_step_boundary(tiny: str) -> None:
     # Long enough to be running when the update comes (the tiny model decodes a step in about a millisecond).
     long = SamplingParams(temperature=1.0, max_new_tokens=480, seed=0, ignore_eos=True)
     during = []
-    for trial in range(12):
+    for trial in range(8):  # CI time: 8 trials of ~2 s (12 took 27 s on 2 cores)
         batch = [engine.submit(Request(f"long-{trial}-{i}", [5, 6, 7, 8 + i], long)) for i in range(8)]
         time.sleep(0.05)  # admitted and decoding
         before = steps[0]
@@ -489,7 +489,7 @@ def test_a_weight_update_pauses_at_the_next_step_boundary(tiny: str) -> None:
             during.append(steps[0] - before)
         engine.finish_weight_update()
         assert all(len(f.result(timeout=300).token_ids) == 480 for f in batch)  # resumed and finished
-    assert len(during) >= 6, f"the batch had finished before most updates: {during}"
+    assert len(during) >= 4, f"the batch had finished before most updates: {during}"
     assert max(during) <= 1, f"decode steps that started while an update waited: {during}"
     engine.shutdown()
 
