@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -336,6 +338,26 @@ def test_engine_python_resolution(tmp_path, monkeypatch: pytest.MonkeyPatch) -> 
         resolve_python(str(tmp_path / "missing" / "python"), "vllm")
 
 
+def _on_each_rank(ranks: list, call: Callable[[Any], object]) -> dict[int, object]:
+    """`call(worker)` for every train rank at once, each on a thread of its own (the ranks of a collective): what each
+    returned or raised, after all ended (none may still wait in the collective)."""
+    outcome: dict[int, object] = {}
+
+    def run(rank: int) -> None:
+        try:
+            outcome[rank] = call(ranks[rank])
+        except BaseException as exc:
+            outcome[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    return outcome
+
+
 def test_a_broadcast_that_fails_on_rank_0_leaves_no_train_rank_waiting_in_the_weight_iterator() -> None:
     """A receiver dies mid-sync: rank 0's broadcast of the second bucket fails. On a sharded trainer the weight
     iterator is a collective (every rank iterates, an all-gather per tensor: a barrier here), so rank 0 must go on
@@ -373,20 +395,7 @@ def test_a_broadcast_that_fails_on_rank_0_leaves_no_train_rank_waiting_in_the_we
         worker.rank, worker.engine, worker.weight_format = rank, Sharded(), "merged"
         worker._sync_group = ReceiverDied() if rank == 0 else None
         ranks.append(worker)
-    outcome: dict[int, object] = {}
-
-    def run(rank: int) -> None:
-        try:
-            outcome[rank] = ranks[rank].send_weights_dist(32, False)  # one tensor (32 bytes) per bucket
-        except BaseException as exc:
-            outcome[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads)
+    outcome = _on_each_rank(ranks, lambda w: w.send_weights_dist(32, False))  # one tensor (32 bytes) per bucket
     assert isinstance(outcome[0], RuntimeError) and "Connection closed by peer" in str(outcome[0])
     assert outcome[1] == {"bytes": 0, "tensors": 0, "buckets": 0}, outcome[1]  # not a broken barrier
     assert ranks[0].engine.produced == ranks[1].engine.produced == names
@@ -516,20 +525,7 @@ def test_an_object_store_put_that_fails_on_rank_0_leaves_no_train_rank_waiting(m
         worker = TrainWorker.__new__(TrainWorker)
         worker.rank, worker.engine, worker.weight_format = rank, Sharded(), "merged"
         ranks.append(worker)
-    outcome: dict[int, object] = {}
-
-    def run(rank: int) -> None:
-        try:
-            outcome[rank] = ranks[rank].publish_weights(32, False)  # one tensor (32 bytes) per bucket
-        except BaseException as exc:
-            outcome[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads)
+    outcome = _on_each_rank(ranks, lambda w: w.publish_weights(32, False))  # one tensor (32 bytes) per bucket
     assert isinstance(outcome[0], MemoryError), outcome[0]
     assert outcome[1] == {"refs": [], "bytes": 0, "tensors": 0}, outcome[1]  # not a broken barrier
     assert ranks[0].engine.produced == ranks[1].engine.produced == names
