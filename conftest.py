@@ -24,14 +24,21 @@ import pytest
 
 # Ray refuses to start local test clusters without token auth unless told otherwise; only for tests.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-# vLLM's ZeroMQ sockets go to one folder of this test process, removed at its end (pytest_unconfigure): vLLM puts
-# them straight into /tmp and a process the tests end hard (Ray actors, os._exit) never removes its own, ~70 socket
-# files per CI run on a shared machine. Processes the tests start inherit it (Ray's workers too).
-_VLLM_RPC_DIR = None
-if "VLLM_RPC_BASE_PATH" not in os.environ:
-    import tempfile
+# Every temporary file the processes the tests start make (subprocesses, Ray's workers, pytest-xdist's workers)
+# goes to one folder of this test session, removed at its end (pytest_unconfigure): a process the tests end hard
+# (a killed run, a Ray actor, os._exit) never removes its own, and on a shared machine they piled up in /tmp at
+# every CI run (multiprocessing's pymp-* listener folders, wandb's media and table folders, vLLM's ZeroMQ sockets,
+# a sandbox's work folder). This process keeps the /tmp it already resolved, so pytest's tmp_path folders stay
+# where pytest rotates them; what it makes itself is removed by _remove_own_temp_dirs.
+import tempfile
 
-    _VLLM_RPC_DIR = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="roll-tests-vllm-")
+tempfile.gettempdir()
+_TEST_TMP = None
+if "ROLL_TEST_TMPDIR" not in os.environ:  # the first pytest process of the session (xdist's workers inherit it)
+    _TEST_TMP = os.environ["ROLL_TEST_TMPDIR"] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="roll-tests-")
+    # vLLM puts its sockets straight into /tmp unless told (~70 socket files per CI run before this).
+    os.makedirs(os.path.join(_TEST_TMP, "vllm"))
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.join(_TEST_TMP, "vllm"))
 HW_MARKERS = ("cuda", "rocm", "npu")
 
 
@@ -83,36 +90,39 @@ def _leftovers() -> str:
     return f"threads: {', '.join(parts) or 'none'}; gloo loops: {gloo}; a default process group: {pg}"
 
 
-def _remove_library_temp_dirs() -> None:
-    """Remove the temporary folders libraries make at import and leave to the finalizer `os._exit` skips (wandb's
-    media and artifact folders: two empty `/tmp/tmp*wandb-*` folders per test run piled up on shared machines), and
-    the folder of vLLM's sockets."""
-    if _VLLM_RPC_DIR is not None:
-        import shutil
+def _remove_own_temp_dirs() -> None:
+    """Remove the session's temporary folder (above) and the temporary folders this process made and left to the
+    finalizers `os._exit` skips: every `tempfile.TemporaryDirectory` still alive (wandb's media and artifact folders
+    made at import, the folder of each W&B table logged) and multiprocessing's `pymp-*` folder."""
+    import shutil
+    import weakref
 
-        shutil.rmtree(_VLLM_RPC_DIR, ignore_errors=True)
-    for module, path in (
-        ("wandb.sdk.data_types._private", "MEDIA_TMP"),
-        ("wandb.sdk.artifacts.artifact", "Artifact._TMP_DIR"),
-    ):
-        obj: object = sys.modules.get(module)
-        for attr in path.split(".") if obj is not None else ():
-            obj = getattr(obj, attr, None)
-        cleanup = getattr(obj, "cleanup", None)
-        if callable(cleanup):
+    if _TEST_TMP is not None:
+        shutil.rmtree(_TEST_TMP, ignore_errors=True)
+    cleanup = getattr(tempfile.TemporaryDirectory, "_cleanup", None)
+    for ref, info in list(getattr(weakref.finalize, "_registry", {}).items()):
+        if getattr(info.func, "__func__", None) is getattr(cleanup, "__func__", object()):
             try:
-                cleanup()
+                ref()
             except OSError:
                 pass
+    mp = sys.modules.get("multiprocessing.process")
+    folder = mp.current_process()._config.get("tempdir") if mp is not None else None
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     if not _EXIT_STATUS or os.environ.get("ROLL_TEST_FINALIZE") == "1":
+        if _TEST_TMP is not None:
+            import shutil
+
+            shutil.rmtree(_TEST_TMP, ignore_errors=True)
         return
     sys.stdout.flush()
     sys.stderr.flush()
     print(f"\nroll conftest: leaving with os._exit({_EXIT_STATUS[-1]}); left running by the tests: {_leftovers()}")
     sys.stdout.flush()
-    _remove_library_temp_dirs()
+    _remove_own_temp_dirs()
     os._exit(_EXIT_STATUS[-1])
