@@ -43,7 +43,7 @@ SIBLINGS = {
     "roll-envs": ["roll-hw", "roll-algos", "roll-core"],
 }
 HARDWARE = ["cuda", "rocm", "npu"]
-TEST_TOOLS = ["pytest", "pytest-timeout", "hypothesis"]
+TEST_TOOLS = ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis"]
 # Clients the tests drive roll's servers with, as users do (the `openai` package against roll's endpoint).
 TEST_CLIENTS = ["openai"]
 # The documentation tool chain, pinned (mkdocs, material, playwright for tests/docs): in .venv, so the site's test
@@ -186,10 +186,29 @@ def tests(session: nox.Session) -> None:
     # Parallel-layout variants beyond the core set (each axis stays here once) run in `nox -s full_matrix`.
     core = [] if session.posargs else ["-m", "not full_matrix"]
     session.run(
-        str(python), "-m", "pytest", *durations, *core, *(session.posargs or _test_paths()), external=True, env=env
+        str(python),
+        "-m",
+        "pytest",
+        *durations,
+        *core,
+        *_test_workers(session),
+        *(session.posargs or _test_paths()),
+        external=True,
+        env=env,
     )
     if not session.posargs:
         session.run(str(vllm), "-m", "pytest", *VLLM_TESTS, external=True, env={**env, "ROLL_TEST_SESSION": "vllm"})
+
+
+def _test_workers(session: nox.Session) -> list[str]:
+    """pytest-xdist's options for the whole suite: 2 worker processes, each test file on one of them (a file's
+    fixtures, its Ray instance included, are shared by its tests). One process left a 2-core CI machine half idle
+    (tests wait on subprocesses, servers, Ray); two took the main pytest from 29 to 19 minutes. ROLL_TEST_WORKERS=0
+    runs it in this process (where `breakpoint()` works); posargs pick tests and run them in one process too."""
+    workers = os.environ.get("ROLL_TEST_WORKERS", "0" if session.posargs else "2")
+    if not workers.isdigit():
+        session.error(f"ROLL_TEST_WORKERS={workers!r}: a number of pytest worker processes (0: none)")
+    return ["-n", workers, "--dist", "loadfile"] if int(workers) > 0 else []
 
 
 @nox.session(python=False)
