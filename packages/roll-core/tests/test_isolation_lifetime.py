@@ -126,3 +126,40 @@ def test_a_signal_to_the_process_group_leaves_the_child_serving(sig: signal.Sign
         assert worker.call(timeout=30) == child and worker.forks == 1
     finally:
         worker.close()
+
+
+class _BlocksInAForkedChild:
+    """Like a gloo process group: its destructor joins threads that a forked child does not have (here: blocks)."""
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+
+    def __del__(self) -> None:
+        if os.getpid() != self.owner:
+            time.sleep(60)
+
+
+def test_a_child_forked_from_a_thread_outlives_the_main_threads_thread_locals() -> None:
+    """A child forked from an environment thread hung before serving when the main thread held a thread-local whose
+    destructor blocks in a child (a DTensor sharding cache's gloo process group, after an FSDP2 step): CPython
+    deletes the other threads' states in the child, which ran that destructor there. Every reward call timed out
+    (seen in the suite under pytest-xdist, where an FSDP2 test ran before this module in the same process)."""
+    local = threading.local()
+    local.group = _BlocksInAForkedChild()  # held by the main thread only
+    worker = ForkedWorker(os.getpid, name="pid")
+    out: list[object] = []
+
+    def call() -> None:
+        try:
+            out.append(worker.call(timeout=8))
+        except Exception as exc:  # the test reports what the call raised
+            out.append(exc)
+
+    starter = threading.Thread(target=call)
+    starter.start()
+    starter.join()
+    try:
+        assert len(out) == 1 and isinstance(out[0], int) and out[0] != os.getpid(), out
+    finally:
+        worker.close()
+        del local.group
