@@ -59,8 +59,20 @@ def _require_module(module: str, package: str) -> None:
         raise MissingPackage(package, exc) from exc
 
 
+def _cache_dir() -> None:
+    """ROLL_CACHE_DIR for the built-in tiny models: a temporary folder of this run (removed when it exits) unless
+    the caller named one. Spawned check processes inherit the variable, and only this process removes it."""
+    if not os.environ.get("ROLL_CACHE_DIR"):
+        import atexit
+        import shutil
+
+        folder = os.environ["ROLL_CACHE_DIR"] = tempfile.mkdtemp(prefix="roll-device-")
+        owner = os.getpid()
+        atexit.register(lambda: os.getpid() == owner and shutil.rmtree(folder, ignore_errors=True))
+
+
 def _tiny() -> str:
-    os.environ.setdefault("ROLL_CACHE_DIR", tempfile.mkdtemp(prefix="roll-device-"))
+    _cache_dir()
     from roll_core.models import resolve_model_path
 
     return resolve_model_path("builtin:tiny")
@@ -242,7 +254,7 @@ def check_vllm(device: str) -> str:
     from roll_engines.infer.hf import HFInferEngine
     from roll_engines.infer.vllm import VLLMInferEngine
 
-    os.environ["ROLL_CACHE_DIR"] = os.environ.get("ROLL_CACHE_DIR") or tempfile.mkdtemp()
+    _cache_dir()
     from roll_core.models import resolve_model_path
 
     path = resolve_model_path("builtin:tiny-wide")
