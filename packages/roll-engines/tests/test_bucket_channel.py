@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 
 import pytest
 import torch
@@ -57,6 +58,23 @@ def test_buckets_cross_processes_in_the_engines_dtype() -> None:
     assert sender.peak_buffer_bytes == max(layout(p, torch.bfloat16)[1] for p in parts)
     assert sender.peak_buffer_bytes < sum(t.numel() * t.element_size() for _, t in named) / 2
     assert not os.path.exists(path)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the abstract socket namespace is Linux's")
+def test_the_channel_socket_leaves_no_file_behind(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The listener's socket was a file in a `pymp-*` folder of /tmp: a killed engine or trainer (no close, no
+    exit handler) left one folder per sync there. It is an abstract socket now: no file at all."""
+    import multiprocessing.process
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where multiprocessing would make its pymp-* folder
+    monkeypatch.setitem(multiprocessing.process.current_process()._config, "tempdir", None)
+    sender = BucketSender(1, "cpu", None, timeout_s=30)
+    try:
+        assert sender.address.startswith("\0roll-bucket-")
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        sender.close(ok=False)
 
 
 def test_a_receiver_that_dies_fails_the_sync_instead_of_hanging() -> None:

@@ -23,6 +23,7 @@ workers pull the buckets through this channel, one at a time:
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -67,6 +68,12 @@ def views(buffer: Tensor, specs: Sequence[Spec]) -> list[tuple[str, Tensor]]:
     return out
 
 
+def _socket_address() -> str | None:
+    """Linux: a socket in the abstract namespace (no file; gone with its last holder). A path socket sits in a
+    `pymp-*` folder of /tmp that a killed engine or trainer never removes: one per sync of a killed process."""
+    return "\0roll-bucket-" + os.urandom(8).hex() if sys.platform.startswith("linux") else None
+
+
 class ChannelError(RuntimeError):
     """The receiving side stopped (its process died or its reload raised) before the sync ended."""
 
@@ -90,8 +97,9 @@ class BucketSender:
         self.wide = dict(wide or {})  # weights the model keeps wider than `dtype`: staged in theirs
         self._alive, self._timeout = alive, timeout_s
         self.authkey = os.urandom(16)
-        self._listener = Listener(family="AF_UNIX", authkey=self.authkey)
-        self.address: str = str(self._listener.address)
+        address = _socket_address()
+        self._listener = Listener(address=address, family="AF_UNIX", authkey=self.authkey)
+        self.address: str = address or str(self._listener.address)  # (Listener gives an abstract one back as bytes)
         self._conns: list[Connection] = []
         self._accepted = threading.Event()
         self._accept_error: BaseException | None = None
