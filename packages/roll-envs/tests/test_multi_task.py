@@ -190,6 +190,20 @@ def test_bad_multi_configs_are_config_errors(kw: dict[str, Any], message: str) -
         MultiTask({"add": _arith("add", 0), "mul": _arith("mul", 1)}, **kw)
 
 
+@pytest.mark.parametrize("counts", [{"add": 2.5, "mul": 1.5}, {"add": 0.5, "mul": 0.5}, {"add": True, "mul": 3}])
+def test_counts_that_are_not_whole_prompts_are_config_errors(counts: dict[str, Any]) -> None:
+    # int() made them {add: 2, mul: 1} (no longer the batch size they summed to), {0, 0} (no prompt at all), {1, 3}.
+    with pytest.raises(ConfigError, match="whole number of prompts per batch"):
+        MultiTask({"add": _arith("add", 0), "mul": _arith("mul", 1)}, counts=counts)
+
+
+def test_whole_float_counts_are_counts() -> None:
+    multi = MultiTask({"add": _arith("add", 0), "mul": _arith("mul", 1)}, counts={"add": 3.0, "mul": 1})
+    weights, counts = multi.mixture()
+    assert weights == {} and counts == {"add": 3, "mul": 1}
+    assert all(type(c) is int for c in counts.values())
+
+
 def test_env_multi_composes_with_its_subtasks_typed() -> None:
     from roll_core.config import load_config
 

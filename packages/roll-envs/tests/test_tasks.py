@@ -76,6 +76,24 @@ def test_countdown_empty_box_copied_from_the_prompt_is_no_answer() -> None:
 
 
 @pytest.mark.parametrize(
+    ("equation", "answer", "correct"),
+    [
+        (r"\left(3 + 5\right) \times 2", "16|3,5,2", 1.0),
+        (r"\Big[ 3+5 \Big]\!\cdot 2 = 16", "16|3,5,2", 1.0),
+        (r"\left\{3 + 5\right\} \times 2", "16|3,5,2", 1.0),
+        (r"\frac{\left(3 + 5\right) \times 4}{2}", "16|3,5,4,2", 1.0),
+        (r"\left(3 - 5\right) \times 2", "16|3,5,2", 0.0),  # wrong value: still wrong once the LaTeX is read
+        (r"\left|3 - 5\right| \times 8", "16|3,5,8", 0.0),  # |x| is not + - * /: refused
+    ],
+)
+def test_countdown_reads_latex_delimiters_of_a_correct_equation(equation: str, answer: str, correct: float) -> None:
+    # A right equation written with \left( ... \right) (as models often write LaTeX) was "not an expression": 0.
+    result = CountdownReward().score([f"\\boxed{{{equation}}}"], [answer])
+    assert result.correct == [correct]
+    assert result.counters["errors"] == (1 if "|" in equation else 0)
+
+
+@pytest.mark.parametrize(
     "kwargs", [{"eval_fraction": 0.0}, {"max_number": 1}, {"eval_fraction": 1.0}], ids=["no-held-out", "one-key", "all"]
 )
 def test_countdown_settings_that_leave_a_split_empty_are_an_error_not_a_hang(kwargs: dict) -> None:

@@ -2,8 +2,8 @@
 
 Each split holds distinct problems (numbers and target) while the draw finds new ones; once a small space runs out
 it repeats them rather than fail. The answer is checked by parsing the model's boxed equation with Python's `ast`
-(numbers, + - * / and parentheses only; anything else scores 0): no model text is ever executed. The ground truth
-string is "target|n1,n2,...".
+(numbers, + - * / and parentheses only, LaTeX's `\\left(`, brackets and `\\frac` read as such; anything else
+scores 0): no model text is ever executed. The ground truth string is "target|n1,n2,...".
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import itertools
 import random
+import re
 from collections import Counter
 from collections.abc import Sequence
 from fractions import Fraction
@@ -34,9 +35,33 @@ _BINOPS = {
 MAX_EQUATION_CHARS = 1000
 
 
+# LaTeX a model writes around a correct equation: sized delimiters (`\left(` ... `\right)`, `\big(`), brackets and
+# braces used as parentheses, fractions and thin spaces. Left in, `\left(3 + 5\right) \times 2` was "not an
+# expression" and a right answer scored 0 (counted as an error). Brackets only ever group here (a Python list is
+# refused anyway); `\left.` is LaTeX's invisible delimiter. Bars stay: |x| is no parenthesis, and is refused.
+_SIZED = re.compile(r"\\(?:left|right|[bB]igg?[lr]?)\s*(\\[{}]|[()\[\].])")
+_SPACES = re.compile(r"\\[,;:! ]|\\q?quad\b")
+_FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+_GROUPING = str.maketrans("[]{}", "()()")
+
+
+def _plain_latex(text: str) -> str:
+    """`text` with the LaTeX above turned into Python arithmetic; `\\frac{a}{b}` becomes `((a)/(b))`."""
+    text = _SPACES.sub(" ", text)
+    text = _SIZED.sub(lambda m: "" if m.group(1) == "." else m.group(1), text)
+    for _ in range(MAX_EQUATION_CHARS):  # innermost fractions first; each pass removes at least one
+        text, n = _FRAC.subn(r"((\1)/(\2))", text)
+        if not n:
+            break
+    return text.replace("\\{", "(").replace("\\}", ")").translate(_GROUPING)
+
+
 def evaluate_equation(text: str) -> tuple[Fraction, list[int]]:
     """Exact value of an arithmetic expression and the integers it uses; ValueError for anything else."""
-    text = text.split("=")[0].replace("\\times", "*").replace("\\cdot", "*").replace("\\div", "/")
+    text = text.split("=")[0]
+    if len(text) > MAX_EQUATION_CHARS:  # (before any rewriting: the cap bounds the regex work too)
+        raise ValueError(f"equation of {len(text)} characters (more than {MAX_EQUATION_CHARS})")
+    text = _plain_latex(text.replace("\\times", "*").replace("\\cdot", "*").replace("\\div", "/"))
     text = text.replace("×", "*").replace("÷", "/").replace("−", "-")  # the symbols themselves (unicode minus too)
     if len(text) > MAX_EQUATION_CHARS:
         raise ValueError(f"equation of {len(text)} characters (more than {MAX_EQUATION_CHARS})")

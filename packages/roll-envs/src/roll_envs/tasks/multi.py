@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import numbers
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -239,6 +240,13 @@ def _check_known(key: str, values: Mapping[str, Any], domains: list[str]) -> Non
         raise ConfigError(f"env.{key} names {unknown}, which are not domains of this run ({domains})")
 
 
+def _whole(c: Any) -> bool:
+    """Whether `c` is a whole number (an int, numpy's too, or a float such as 4.0 that is one), not a bool."""
+    if isinstance(c, bool):
+        return False
+    return isinstance(c, numbers.Integral) or (isinstance(c, numbers.Real) and float(c).is_integer())
+
+
 def _mixture(
     domains: list[str], weights: Mapping[str, float], counts: Mapping[str, int]
 ) -> tuple[dict[str, float], dict[str, int]]:
@@ -249,7 +257,12 @@ def _mixture(
         missing = [d for d in domains if d not in counts]
         if missing:
             raise ConfigError(f"env.counts must give every domain a count; missing: {missing}")
-        if any(int(c) < 0 for c in counts.values()) or sum(counts.values()) < 1:
+        # Whole prompts only: int() truncated 2.5 to 2 and 0.5 to 0 (a domain left out of every batch, the counts
+        # no longer summing to the batch size) and True to 1, unsaid. (The YAML path refuses them already.)
+        odd = {d: c for d, c in counts.items() if not _whole(c)}
+        if odd:
+            raise ConfigError(f"env.counts gives {odd}: each count is a whole number of prompts per batch")
+        if any(int(c) < 0 for c in counts.values()) or sum(int(c) for c in counts.values()) < 1:
             raise ConfigError(f"env.counts={dict(counts)} must be >= 0 with at least one prompt per batch")
         return {}, {d: int(counts[d]) for d in domains}
     _check_known("weights", weights, domains)
