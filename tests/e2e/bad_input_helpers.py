@@ -1,4 +1,4 @@
-"""Misbehaving components for the bad-input corpus (tests/e2e/test_bad_inputs.py), importable by name from configs
+"""Misbehaving components for the bad-input corpus (tests/e2e/test_bad_inputs_*.py), importable by name from configs
 (`env.reward._target_=bad_input_helpers.AnswerFaultReward`, `env.env=py:bad_input_helpers:MalformedEnv`): the test
 module puts this folder on sys.path.
 
