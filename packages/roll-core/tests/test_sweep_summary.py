@@ -29,6 +29,7 @@ def _fresh_sweep_state(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sweep, "_failed_jobs", [])
     monkeypatch.setattr(sweep, "_sweeps", {}, raising=False)
     monkeypatch.setattr(sweep, "_stopped", {}, raising=False)
+    monkeypatch.setattr(sweep, "_unfinished", set(), raising=False)
 
 
 def _job(sweep_dir: Path, folder: str, num: int, overrides: list[str], status: str = "ok", **extra: Any) -> Path:

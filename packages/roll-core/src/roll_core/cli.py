@@ -142,7 +142,16 @@ def train_main() -> None:
         sys.argv[1:] = _with_override(sys.argv[1:], f"hydra/help={register_help()}")
     main = hydra.main(version_base=None, config_path=conf_path, config_name="rlvr")(_hydra_task)
     try:
-        main()
+        # Before Hydra writes into the run folder (.hydra/, the job log): a run refused there must leave it as it is
+        lock = hold_run_dir(sys.argv[1:])
+        try:
+            main()
+        except (Exception, SystemExit) as exc:
+            _end_unfinished_sweeps(exc)
+            raise
+        finally:  # the pipeline shared it (roll_core.run_lock is re-entrant in a process) and has released its own
+            if lock is not None:
+                lock.release()
         from roll_core.sweep import failed_jobs
 
         if failed_jobs():
@@ -171,6 +180,53 @@ def train_main() -> None:
             print(f"roll-train: run stopped: {exc}", file=sys.stderr)
             sys.exit(1)
         raise
+
+
+#: Hydra's flags that print or inspect (the config, help, info) instead of running the job: they may look at a folder
+#: that a run is using, and must not create one.
+_NO_RUN_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
+
+
+def hold_run_dir(args: list[str]) -> Any:
+    """Take the run-folder lock (roll_core.run_lock) on the folder the command line gives Hydra's run
+    (`hydra.run.dir`, set from pipeline.output_dir by run_dir_overrides) or sweep (`hydra.sweep.dir`, with -m) before
+    Hydra writes into it: Hydra writes .hydra/config.yaml and opens the job log before the job runs, so a second
+    roll-train into a running run's folder replaced that run's config record before the pipeline's lock refused it.
+    Raises ConfigError when another process holds it; returns the lock (None: no folder given, one made by an
+    interpolation such as Hydra's default outputs/${now:...}, or a flag that runs nothing)."""
+    if any(a.partition("=")[0] in _NO_RUN_FLAGS for a in args):
+        return None
+    key = "hydra.sweep.dir" if any(a in ("-m", "--multirun") for a in args) else "hydra.run.dir"
+    folder = None
+    for a in args:  # the last value wins, as in Hydra
+        k, sep, v = a.partition("=")
+        if sep and k.lstrip("+") == key:
+            folder = v
+    if folder is None or not folder.strip() or "${" in folder:
+        return None
+    from roll_core.run_lock import hold_run_folder
+
+    return hold_run_folder(folder)
+
+
+def _end_unfinished_sweeps(exc: BaseException) -> None:
+    """After `exc` ended a sweep before Hydra's on_multirun_end (the Optuna sweeper raises when every trial failed):
+    write its summary and, when jobs failed, exit 1 with one message naming them and the summary instead of the
+    sweeper's traceback (which says only that no trial completed). Nothing for a single run; an exception with
+    no failed job propagates, after the summary is written."""
+    from roll_core.sweep import end_unfinished_sweeps
+
+    ended = end_unfinished_sweeps(exc)
+    failed = [f for _, fails in ended for f in fails]
+    if not failed or isinstance(exc, SystemExit):
+        return
+    where = ", ".join(str(path) for path, _ in ended)
+    print(
+        f"roll-train: the sweep stopped ({type(exc).__name__}: {exc}) after {len(failed)} job(s) failed: "
+        f"{'; '.join(failed)}. Each job's outcome and error: {where}",
+        file=sys.stderr,
+    )
+    sys.exit(1)
 
 
 HELP_HEADER = """roll-train: train a model with roll: RL from verifiable rewards (GRPO, PPO, ...), SFT, DPO,
@@ -272,7 +328,15 @@ def eval_main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--k", default=None, help="pass@k values, e.g. 1,4,8 (each <= --n; default 1,2,4.. n)")
     parser.add_argument("--data", default=None, help="a benchmark file (JSONL/Parquet): every row is held out")
-    parser.add_argument("--out", default=None, help="output folder (default outputs/eval/<date>_<time>)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default outputs/eval/<date>_<time>, always a new one); a folder already holding "
+        "roll-eval's files (samples.jsonl, comparison.*, results.json, report.md) is refused unless --overwrite",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the files a previous evaluation (or run) left in --out"
+    )
     args = parser.parse_intermixed_args(argv)  # options may sit between the models and the overrides
     logging.basicConfig(level=logging.WARNING)
     return run_eval(args, list(sys.argv if argv is None else ["roll-eval", *argv]))
@@ -309,7 +373,7 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     import time
 
     from roll_core.config.compose import compose
-    from roll_core.eval_compare import expand_targets, run_settings_notes, table, write_outputs
+    from roll_core.eval_compare import existing_outputs, expand_targets, run_settings_notes, table, write_outputs
     from roll_core.eval_metrics import parse_ks
     from roll_core.evaluate import check_sampling, eval_temperature, evaluate_model
     from roll_core.report import write_eval_report
@@ -335,6 +399,14 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     out_arg = Path(args.out).expanduser() if args.out else None
     if out_arg is not None and out_arg.exists() and not out_arg.is_dir():  # said before hours of evaluation
         print(f"roll-eval: --out {out_arg} is a file, not a folder", file=sys.stderr)
+        return 2
+    if out_arg is not None and existing_outputs(out_arg) and not args.overwrite:  # a previous evaluation's results
+        names = ", ".join(p.name for p in existing_outputs(out_arg))
+        print(
+            f"roll-eval: --out {out_arg} already holds the results of an earlier evaluation or run ({names}): give "
+            "another --out, or add --overwrite to replace them",
+            file=sys.stderr,
+        )
         return 2
     try:
         targets = expand_targets(models)
@@ -363,6 +435,11 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     out = (
         out_arg if out_arg is not None else _fresh_folder(Path("outputs") / "eval" / time.strftime("%Y-%m-%d_%H-%M-%S"))
     )
+    if out_arg is not None and existing_outputs(out) and not args.overwrite:  # another call wrote there meanwhile
+        out = _fresh_folder(out)
+        print(f"roll-eval: --out {out_arg} was written to during the evaluation: writing to {out}", file=sys.stderr)
+    for stale in existing_outputs(out):  # --overwrite: no earlier file (a plot, results.json) mixes with these
+        stale.unlink()
     out.mkdir(parents=True, exist_ok=True)
     first_cfg = configs[0]
     settings = {
@@ -394,14 +471,21 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     files["report"] = write_eval_report(out, results, settings=settings, files=files, argv=argv, notes=notes)
     if len(results) == 1:  # the one-model line scripts (and the README tests) parse comes first
         t, result = results[0]
+        m = result["metrics"]
+        se = m.get("accuracy_stderr")  # inside the parentheses: the line's start is what scripts parse
+        pm = "" if se is None else f"± {se:.4f} standard error over problems, "
         print(
             f"accuracy {result['accuracy']:.4f} on {result['n']} held-out problems of {result['task']} "
-            f"(mean reward {result['reward']:.4f}, model {t.model})"
+            f"({pm}mean reward {result['reward']:.4f}, model {t.model})"
         )
-        m = result["metrics"]
-        extra = [f"pass@{k} {m[f'pass@{k}']:.4f}" for k in ks if m.get(f"pass@{k}") is not None and args.n > 1]
+
+        def shown(key: str, name: str) -> str:  # "name mean ± standard error" (no error with one problem)
+            se = m.get(f"{key}_stderr")
+            return f"{name} {m[key]:.4f}" + ("" if se is None else f" ± {se:.4f}")
+
+        extra = [shown(f"pass@{k}", f"pass@{k}") for k in ks if m.get(f"pass@{k}") is not None and args.n > 1]
         if m.get("maj") is not None:
-            extra.append(f"maj@{args.n} {m['maj']:.4f}")
+            extra.append(shown("maj", f"maj@{args.n}"))
         extra += [f"mean length {m['length_mean']:.1f}", f"truncated {m['truncation_rate']:.1%}"]
         print(", ".join(extra))
     else:

@@ -8,6 +8,9 @@ Contract:
 - `hold_run_folder(folder)` takes `fcntl.flock(LOCK_EX | LOCK_NB)` on `<folder>/.roll.lock` (creating the folder) and
   writes the holder's pid, host and start time into it; the pipeline's driver takes it when the run is built, before
   it writes anything, and gives it back at shutdown (`RunLock.release`, also run at garbage collection and at exit).
+  `roll-train` takes it earlier on a folder its command line names (hydra.run.dir / pipeline.output_dir, or
+  hydra.sweep.dir with -m: roll_core.cli.hold_run_dir), before Hydra writes .hydra/ and the job log into it, so a
+  refused run leaves a running run's folder as it is.
 - Another process asking for a held folder gets a `ConfigError` naming the holder (pid, host, start) and the ways on:
   wait, stop the holder, or choose another `pipeline.output_dir`. It never waits.
 - The kernel drops a flock when its process dies (SIGKILL, the OOM killer): no stale lock is ever left. The file stays

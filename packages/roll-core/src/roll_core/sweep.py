@@ -34,7 +34,9 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
   `summary.md` and `rewards.png` (every job's reward curve, one line per job) into it, and `roll-train` exits
   non-zero if any job was not `ok` or no job record of the sweep was found. The failures are counted before the
   summary is written, so a summary that cannot be written (Hydra turns a callback's exception into a warning)
-  never hides them.
+  never hides them. A sweep whose sweeper raises (hydra-optuna-sweeper when every trial failed: Optuna has no best
+  trial) skips `on_multirun_end`: `roll-train` then summarises it (`end_unfinished_sweeps`) and exits 1 with a
+  message naming the failed jobs and summary.md, instead of only the sweeper's traceback.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ SLOTS_NAMESPACE = "roll-sweeps"
 _failed_jobs: list[str] = []
 _sweeps: dict[str, dict[str, Any]] = {}  # resolved sweep folder -> its sweep_id.json, in the process that started it
 _stopped: dict[str, str] = {}  # resolved sweep folder -> why its later jobs are not started (a signal stopped a job)
+_unfinished: set[str] = set()  # resolved sweep folders started in this process whose end was not summarised yet
 
 
 class JobSlots:
@@ -265,6 +268,7 @@ def start_sweep(sweep_dir: str | Path) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / SWEEP_FILE).write_text(json.dumps(marker, indent=2))
     _sweeps[str(folder)] = marker
+    _unfinished.add(str(folder))
     _stopped.pop(str(folder), None)  # an earlier sweep's stop into the same folder does not stop this one
     return marker
 
@@ -484,30 +488,55 @@ class SweepSummaryCallback(Callback):
         start_sweep_ray(config.hydra.launcher)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        sweep_dir = Path(str(config.hydra.sweep.dir))
-        remove_slots(sweep_dir)
-        marker = sweep_marker(sweep_dir)
-        sweep_id = marker.get("sweep_id")
-        # Failures first, from the records alone: Hydra turns an exception raised here into a warning, and a
-        # summary that fails to write must not also make roll-train exit 0 over failed jobs.
-        try:
-            found, failed = job_records(sweep_dir, sweep_id, marker.get("started_at") if sweep_id else None)
-            records = [st for _, st in found]
-            failed = [label for st, label in zip(records, _labels(records)) if st.get("status") != "ok"] + failed
-            if not found and not failed:  # every multirun launches a job: finding none means its record was lost
-                failed.append(f"no {STATUS_FILE} of this sweep found under {sweep_dir}")
-                log.error("sweep: no job record (%s) of this sweep found under %s", STATUS_FILE, sweep_dir)
-        except Exception as exc:
-            found, failed = [], [f"could not read the job records under {sweep_dir}: {type(exc).__name__}: {exc}"]
-            log.exception("sweep: could not read the job records under %s", sweep_dir)
-        _failed_jobs.extend(failed)
-        try:
-            _write_summary(sweep_dir, found)
-        except Exception:
-            log.exception("sweep: could not write the summary of %s (the failures are still counted)", sweep_dir)
-        log.info("sweep summary: %d jobs, %d failed -> %s/summary.md", len(found), len(failed), sweep_dir)
-        if failed:
-            log.error("failed jobs: %s", "; ".join(failed))
+        end_sweep(Path(str(config.hydra.sweep.dir)))
+
+
+def end_sweep(sweep_dir: Path) -> list[str]:
+    """Count the failed jobs of the sweep in `sweep_dir` (for the exit code, `failed_jobs`) and write its summary;
+    returns its failures. Run by `SweepSummaryCallback.on_multirun_end` and, for a sweep whose sweeper raised
+    (Hydra then skips on_multirun_end), by `end_unfinished_sweeps`."""
+    _unfinished.discard(str(sweep_dir.resolve()))
+    remove_slots(sweep_dir)
+    marker = sweep_marker(sweep_dir)
+    sweep_id = marker.get("sweep_id")
+    # Failures first, from the records alone: Hydra turns an exception raised here into a warning, and a
+    # summary that fails to write must not also make roll-train exit 0 over failed jobs.
+    try:
+        found, failed = job_records(sweep_dir, sweep_id, marker.get("started_at") if sweep_id else None)
+        records = [st for _, st in found]
+        failed = [label for st, label in zip(records, _labels(records)) if st.get("status") != "ok"] + failed
+        if not found and not failed:  # every multirun launches a job: finding none means its record was lost
+            failed.append(f"no {STATUS_FILE} of this sweep found under {sweep_dir}")
+            log.error("sweep: no job record (%s) of this sweep found under %s", STATUS_FILE, sweep_dir)
+    except Exception as exc:
+        found, failed = [], [f"could not read the job records under {sweep_dir}: {type(exc).__name__}: {exc}"]
+        log.exception("sweep: could not read the job records under %s", sweep_dir)
+    _failed_jobs.extend(failed)
+    try:
+        _write_summary(sweep_dir, found)
+    except Exception:
+        log.exception("sweep: could not write the summary of %s (the failures are still counted)", sweep_dir)
+    log.info("sweep summary: %d jobs, %d failed -> %s/summary.md", len(found), len(failed), sweep_dir)
+    if failed:
+        log.error("failed jobs: %s", "; ".join(failed))
+    return failed
+
+
+def end_unfinished_sweeps(exc: BaseException) -> list[tuple[Path, list[str]]]:
+    """Summarise the sweeps started in this process that an exception `exc` ended before Hydra's on_multirun_end
+    (the sweeper raised: hydra-optuna-sweeper asks the study for its best trial when every trial failed, and
+    Optuna raises "No trials are completed yet"): the user gets the summary of what failed, not just a traceback.
+    Returns (summary.md, the sweep's failures) per sweep; none when no sweep was left unfinished."""
+    ended = []
+    for folder in sorted(_unfinished):
+        marker = sweep_marker(folder)
+        found, problems = job_records(folder, marker.get("sweep_id"), marker.get("started_at"))
+        if not found and not problems:  # it stopped before any job ran (a sweeper that cannot be made): no summary
+            _unfinished.discard(folder)
+            continue
+        log.error("sweep %s stopped with %s: %s; summarising the jobs it ran", folder, type(exc).__name__, exc)
+        ended.append((Path(folder) / "summary.md", end_sweep(Path(folder))))
+    return ended
 
 
 def start_sweep_ray(launcher: Any) -> bool:

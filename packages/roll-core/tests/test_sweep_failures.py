@@ -1,0 +1,170 @@
+"""roll-train (roll_core.cli.train_main, in this process, with the training run faked) when a sweep or a run cannot go
+on: an Optuna sweep whose every trial failed still writes its summary and exits 1 naming it, and a run or sweep
+launched into a folder another process is using is refused before Hydra writes anything into it."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import roll_core.sweep as sweep
+from roll_core import cli
+from roll_core.run_lock import hold_run_folder
+
+#: Another process holding the run-folder lock on argv[1] until killed (says HELD once it holds it).
+HOLDER = """
+import sys, time
+from roll_core.run_lock import hold_run_folder
+lock = hold_run_folder(sys.argv[1])
+print("HELD", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # the sweeps and failures are per process: every test starts from none
+    monkeypatch.setattr(sweep, "_failed_jobs", [])
+    monkeypatch.setattr(sweep, "_sweeps", {})
+    monkeypatch.setattr(sweep, "_stopped", {})
+    monkeypatch.setattr(sweep, "_unfinished", set(), raising=False)
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    # Hydra's job logging added root handlers on this test's captured streams: later tests' logs would hit them
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+    root.setLevel(level)
+
+
+def _train(monkeypatch: pytest.MonkeyPatch, run: Any, *args: str) -> int:
+    """roll-train `args` with `run` as the training run; returns its exit status."""
+    monkeypatch.setattr(cli, "run_job", run)
+    monkeypatch.setattr(sys, "argv", ["roll-train", *args])
+    with pytest.raises(SystemExit) as exit_:
+        cli.train_main()
+    return int(exit_.value.code or 0)
+
+
+@pytest.fixture
+def held(tmp_path: Path) -> Iterator[Path]:
+    """A folder another live process holds the run-folder lock on, with what its run has written so far."""
+    folder = tmp_path / "run"
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "config.yaml").write_text("algo: {lr: 1.0e-06}  # the running run's\n")
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "HELD"
+        yield folder
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# optuna 2.10 imports SQLAlchemy's declarative_base from its 1.x place: a deprecation warning, an error under pytest
+@pytest.mark.filterwarnings("ignore:.*declarative_base:DeprecationWarning")
+def test_an_optuna_sweep_whose_every_trial_failed_is_summarised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """hydra-optuna-sweeper asks the study for its best trial after the last one; with every trial failed Optuna
+    raises "No trials are completed yet", Hydra skips on_multirun_end, and roll-train ended in that traceback with
+    no summary of what failed. Now each job is summarised as failed with its error and roll-train exits 1 with one
+    message naming the failures and summary.md."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="install roll-core[sweep]")
+    sw = tmp_path / "sweep"
+
+    def run(cfg: Any) -> dict[str, Any]:
+        raise FileNotFoundError(f"no data for lr {cfg.algo.lr:.3g}")
+
+    code = _train(
+        monkeypatch,
+        run,
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.n_jobs=1",
+        "hydra.sweeper.direction=maximize",
+        "hydra.sweeper.sampler.seed=0",
+        "algo.lr=interval(1e-6,1e-5)",
+        f"hydra.sweep.dir={sw}",
+    )
+
+    err = capsys.readouterr().err
+    assert code == 1, err[-3000:]
+    assert (sw / "summary.csv").is_file(), err[-3000:]
+    with open(sw / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "failed"), ("1", "failed")]
+    assert all(r["error"].startswith("FileNotFoundError: no data for lr ") for r in rows)
+    assert "| failed |" in (sw / "summary.md").read_text()
+    assert "roll-train: the sweep stopped (ValueError: No trials are completed yet.) after 2 job(s) failed" in err
+    assert f"Each job's outcome and error: {sw / 'summary.md'}" in err
+    assert "Traceback" not in err
+    assert sweep.failed_jobs() == [r["params"] for r in rows]
+
+
+def test_a_run_into_a_folder_in_use_leaves_it_untouched(
+    held: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Hydra writes .hydra/config.yaml (and opens the job log) in the run folder before the job runs, and the
+    pipeline takes the folder's lock only when it is built: a second roll-train into a running run's folder replaced
+    the running run's config record with its own, then was refused. Now it is refused before Hydra writes."""
+    before = _tree(held)
+
+    def run(cfg: Any) -> dict[str, Any]:  # what the pipeline does first (roll_core.pipelines.loop)
+        hold_run_folder(cfg.pipeline.output_dir)
+        raise AssertionError("the refused run must not start")
+
+    code = _train(monkeypatch, run, f"pipeline.output_dir={held}", "algo.lr=3e-6")
+
+    assert code == 2
+    assert "is in use by another roll process" in capsys.readouterr().err
+    assert _tree(held) == before
+
+
+def test_a_sweep_into_a_sweep_folder_in_use_leaves_it_untouched(
+    held: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sweep launched into a running sweep's folder replaced its sweep_id.json (the running sweep's later job
+    records then carried the new id and were left out of its summary as stale) and its job folders' records before
+    each job was refused: it is refused before anything is written."""
+    (held / sweep.SWEEP_FILE).write_text('{"sweep_id": "running"}')
+    before = _tree(held)
+
+    def run(cfg: Any) -> dict[str, Any]:
+        raise AssertionError("the refused sweep must not start a job")
+
+    code = _train(monkeypatch, run, "-m", "algo.lr=1e-6,3e-6", f"hydra.sweep.dir={held}")
+
+    assert code == 2
+    assert "is in use by another roll process" in capsys.readouterr().err
+    assert _tree(held) == before
+
+
+def test_flags_that_run_nothing_neither_lock_nor_create_the_folder(tmp_path: Path) -> None:
+    """`--cfg job`, `--help`, `--info` only print: they may look at a folder a run is using, and create none; a
+    folder left to Hydra's interpolations (the default outputs/${now:...}) is new to every run."""
+    folder = tmp_path / "run"
+    for args in (
+        [f"hydra.run.dir={folder}", "--cfg", "job"],
+        [f"hydra.run.dir={folder}", "--help"],
+        ["--info", "config", f"hydra.run.dir={folder}"],
+        ["hydra.run.dir=outputs/${now:%H-%M-%S}"],
+        [f"hydra.sweep.dir={folder}"],  # a single run does not use the sweep folder
+    ):
+        assert cli.hold_run_dir(args) is None
+    assert not folder.exists()
+    lock = cli.hold_run_dir(["-m", f"hydra.sweep.dir={folder}"])
+    assert lock is not None and (folder / ".roll.lock").is_file()
+    lock.release()
