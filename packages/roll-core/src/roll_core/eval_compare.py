@@ -12,11 +12,17 @@ Outputs, in the `--out` folder (one engine start per model, written after all mo
   response, ground truth, extracted answer, reward, correct, formatted, length, finish reason, `failed`: null,
   "reward" or "engine" for a response never graded), for audits and recomputation.
 - `comparison.csv`: one row per (model, breakdown, group): `all/all`, `domain/<d>`, `difficulty/<d>`, with every
-  metric of roll_core.eval_metrics.summarize; `comparison.json`: the same per model, with the call's settings;
-  `comparison.md`: the overall table and the per-domain / per-difficulty accuracy tables.
+  metric of roll_core.eval_metrics.summarize, the standard errors over problems (`accuracy_stderr`,
+  `pass@k_stderr`, `maj_stderr`) beside their metrics; `comparison.json`: the same per model, with the call's
+  settings; `comparison.md`: the overall table and the per-domain / per-difficulty accuracy tables, accuracy, pass@k
+  and maj@n shown as `mean ± standard error`.
 - `comparison.png` (needs matplotlib, roll-core[track]): accuracy, maj@n and pass@k against the checkpoint step
-  (or the model's position when not every model is a checkpoint), and pass@k against k per model.
+  (or the model's position when not every model is a checkpoint), and pass@k against k per model, each point with
+  its standard error bar.
 - `report.md`: what ran (roll_core.report.write_eval_report).
+An `--out` folder already holding any of these files (OUTPUT_FILES: a previous evaluation's, or a run's
+report.md) is refused before anything is evaluated unless `--overwrite` is given, which removes them first
+(roll_core.cli.run_eval): a second call into one folder replaced the first call's results without a word.
 Models of one call are scored on one problem list with one seed, but a model can lose problems the others keep (a
 prompt over model.max_prompt_length in its tokenizer, or filling its engine's context): their numbers then compare
 different problem sets, which `problem_set_notes` says (logged, and in comparison.json's `warnings` and
@@ -269,9 +275,34 @@ METRIC_COLUMNS = (
 )
 
 
+#: The files a roll-eval call writes into its --out folder (an existing one is refused without --overwrite).
+OUTPUT_FILES = (
+    "samples.jsonl",
+    "comparison.csv",
+    "comparison.json",
+    "comparison.md",
+    "comparison.png",
+    "results.json",
+    "report.md",
+)
+
+
+def existing_outputs(out: Path) -> list[Path]:
+    """The OUTPUT_FILES already in folder `out` (a previous evaluation's results a new one would replace)."""
+    return [out / name for name in OUTPUT_FILES if (out / name).exists()]
+
+
 def metric_names(ks: list[int]) -> list[str]:
     """The columns of a results table, pass@k after accuracy."""
     return ["accuracy", *(f"pass@{k}" for k in ks), *METRIC_COLUMNS[1:]]
+
+
+def csv_columns(ks: list[int]) -> list[str]:
+    """metric_names with each mean's standard error over problems (`<metric>_stderr`) right after it."""
+    names = []
+    for c in metric_names(ks):
+        names += [c, f"{c}_stderr"] if c == "accuracy" or c == "maj" or c.startswith("pass@") else [c]
+    return names
 
 
 def _fmt(value: Any) -> str:
@@ -282,14 +313,23 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _cell(metrics: dict[str, Any], name: str) -> str:
+    """A table cell: the metric, with ` ± <standard error>` when summarize gave one (accuracy, pass@k, maj)."""
+    se = metrics.get(f"{name}_stderr")
+    if metrics.get(name) is None or se is None:
+        return _fmt(metrics.get(name))
+    return f"{_fmt(metrics[name])} ± {se:.4f}"
+
+
 def table(results: list[tuple[EvalTarget, dict[str, Any]]], ks: list[int], n: int) -> str:
-    """The overall metrics of every model as a Markdown table (maj is maj@n)."""
+    """The overall metrics of every model as a Markdown table (maj is maj@n); accuracy, pass@k and maj@n as
+    `mean ± standard error over problems` (roll_core.eval_metrics.std_error)."""
     names = metric_names(ks)
     head = ["model", "step", *(f"maj@{n}" if c == "maj" else c for c in names)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for target, res in results:
         m = res["metrics"]
-        lines.append("| " + " | ".join([target.label, _fmt(target.step), *(_fmt(m.get(c)) for c in names)]) + " |")
+        lines.append("| " + " | ".join([target.label, _fmt(target.step), *(_cell(m, c) for c in names)]) + " |")
     return "\n".join(lines)
 
 
@@ -304,7 +344,7 @@ def breakdown_table(results: list[tuple[EvalTarget, dict[str, Any]]], key: str, 
         cells = []
         for _, res in results:
             m = res[key].get(g)
-            cells.append(f"{_fmt(m.get(metric))} (n={m['problems']})" if m else "-")
+            cells.append(f"{_cell(m, metric)} (n={m['problems']})" if m else "-")
         lines.append("| " + " | ".join([g, *cells]) + " |")
     return "\n".join(lines)
 
@@ -338,7 +378,7 @@ def write_outputs(
         for target, res in results:
             for row in res["rows"]:
                 f.write(json.dumps({"model": target.label, "step": target.step, **row}) + "\n")
-    names = metric_names(ks)
+    names = csv_columns(ks)
     with open(paths["csv"], "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["model", "step", "path", "breakdown", "group", *names])
@@ -390,7 +430,7 @@ def write_outputs(
         "",
     ]
     paths["md"] = out / "comparison.md"
-    paths["md"].write_text("\n".join(md))
+    paths["md"].write_text("\n".join(md), encoding="utf-8")  # the ± of the tables
     png = plot(out / "comparison.png", results, ks, n)
     if png is not None:
         paths["png"] = png
@@ -411,10 +451,15 @@ def plot(path: Path, results: list[tuple[EvalTarget, dict[str, Any]]], ks: list[
     axis, xs = x_axis(targets)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     series = [("accuracy", "accuracy"), *((f"pass@{k}", f"pass@{k}") for k in ks if k > 1), ("maj", f"maj@{n}")]
+
+    def err(m: dict[str, Any], key: str) -> float:  # the standard error bar (none with one problem)
+        return m.get(f"{key}_stderr") or 0.0
+
     for key, name in series:
-        pts = [(x, r["metrics"][key]) for x, (_, r) in zip(xs, results) if r["metrics"].get(key) is not None]
+        pts = [(x, r["metrics"]) for x, (_, r) in zip(xs, results) if r["metrics"].get(key) is not None]
         if pts:
-            left.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            ys, yerr = [m[key] for _, m in pts], [err(m, key) for _, m in pts]
+            left.errorbar([p[0] for p in pts], ys, yerr=yerr, marker="o", capsize=3, label=name)
     left.set_xlabel(axis)
     if axis == "model":
         left.set_xticks(xs, [t.label for t in targets], rotation=20, ha="right", fontsize=8)
@@ -423,8 +468,10 @@ def plot(path: Path, results: list[tuple[EvalTarget, dict[str, Any]]], ks: list[
     left.grid(alpha=0.3)
     left.legend(fontsize=8)
     for target, res in results:
-        pts = [(k, res["metrics"][f"pass@{k}"]) for k in ks if res["metrics"].get(f"pass@{k}") is not None]
-        right.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=target.label)
+        m = res["metrics"]
+        at = [k for k in ks if m.get(f"pass@{k}") is not None]
+        yerr = [err(m, f"pass@{k}") for k in at]
+        right.errorbar(at, [m[f"pass@{k}"] for k in at], yerr=yerr, marker="o", capsize=3, label=target.label)
     right.set_xscale("log", base=2)
     right.set_xticks(ks, [str(k) for k in ks])
     right.set_xlabel("k")

@@ -22,10 +22,18 @@ Contract:
   (the first in sample order; none: wrong), not from its first sample, which may be a failed one, 0 whatever it
   answered.
   `breakdown(rows, key, ks)` is `summarize` per value of a row field (domain, difficulty).
+- Uncertainty: `summarize` gives `accuracy_stderr`, `pass@k_stderr` and `maj_stderr`, the standard error of each
+  mean over the P problems, `std_error(x) = s / sqrt(P)` with `s = sqrt(sum((x_i - mean)^2) / (P - 1))` the sample
+  standard deviation of the per-problem scores x_i (a problem's mean correctness, its pass@k, its majority vote's
+  0/1). Per problem, not per response: a problem's n responses are not independent draws from the task (an easy
+  problem makes all of them right), and the held-out problems are the sample that decides how far the number can
+  move. For 0/1 scores it is `sqrt(p (1 - p) / (P - 1))` (scores 1, 0, 1, 1: 0.75 +- 0.25). None with one problem.
+  (When problems have different response counts, accuracy weighs responses and its standard error is pass@1's.)
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -74,6 +82,16 @@ def majority_vote(answers: Sequence[str | None]) -> tuple[str | None, int]:
         return None, -1
     best = max(counts, key=lambda a: (counts[a], -first[a]))  # most votes, then earliest first appearance
     return best, first[best]
+
+
+def std_error(values: Sequence[float]) -> float | None:
+    """Standard error of the mean of `values`: s / sqrt(m), s the sample standard deviation (divisor m - 1) of the
+    m values; None for fewer than two (no spread to estimate)."""
+    m = len(values)
+    if m < 2:
+        return None
+    mean = sum(values) / m
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (m - 1) / m)
 
 
 def _vote_key(answer: str | None) -> str | None:
@@ -129,10 +147,12 @@ def summarize(rows: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str,
     problems = _group(rows)
     counts = [(len(s), int(sum(float(r["correct"]) > 0 for r in s))) for s in problems.values()]
     n = len(rows)
+    per_problem = [sum(float(r["correct"]) for r in s) / len(s) for s in problems.values()]
     out: dict[str, Any] = {
         "problems": len(problems),
         "samples": n,
         "accuracy": sum(float(r["correct"]) for r in rows) / n,
+        "accuracy_stderr": std_error(per_problem),  # over problems (module docstring)
         "reward": sum(float(r["reward"]) for r in rows) / n,
         "length_mean": sum(float(r["length"]) for r in rows) / n,
         "truncation_rate": sum(r["finish_reason"] == "length" for r in rows) / n,
@@ -141,18 +161,22 @@ def summarize(rows: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str,
     }
     smallest = min(c[0] for c in counts)
     for k in ks:
-        out[f"pass@{k}"] = mean_pass_at_k(counts, k) if k <= smallest else None
+        values = [pass_at_k(size, c, k) for size, c in counts] if k <= smallest else None
+        out[f"pass@{k}"] = sum(values) / len(values) if values else None
+        out[f"pass@{k}_stderr"] = std_error(values) if values else None
     if any("extracted" in r for r in rows):
-        hits = 0
+        hits = []  # per problem: 1 when its majority answer is right
         for samples in problems.values():
             answer, at = majority_vote([r.get("extracted") for r in samples])
-            if at < 0:
+            if at < 0:  # no sample answered: wrong
+                hits.append(0.0)
                 continue
             graded = [r for r in samples[at:] if not r.get("failed") and _vote_key(r.get("extracted")) == answer]
-            hits += bool(graded) and float(graded[0]["correct"]) > 0
-        out["maj"] = hits / len(problems)
+            hits.append(float(bool(graded) and float(graded[0]["correct"]) > 0))
+        out["maj"] = sum(hits) / len(problems)
+        out["maj_stderr"] = std_error(hits)
     else:
-        out["maj"] = None
+        out["maj"] = out["maj_stderr"] = None
     return out
 
 

@@ -1,0 +1,165 @@
+"""roll-eval's outputs: an --out folder holding an earlier evaluation's results is refused (it was overwritten
+without a word) unless --overwrite; accuracy, pass@k and maj@n carry their standard error over problems, checked
+against hand-computed values, in the metrics, the printed lines, comparison.{md,csv,json}."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from roll_core.eval_metrics import breakdown, summarize
+
+# Four problems, two responses each: (extracted answer, correct). The right answer is "7".
+PROBLEMS = [
+    [("7", 1), ("7", 1)],  # mean correctness 1,   pass@2 1, majority "7": right
+    [("7", 1), ("3", 0)],  # 0.5, pass@2 1, tie -> first "7": right
+    [("3", 0), ("3", 0)],  # 0,   pass@2 0, "3": wrong
+    [("3", 0), ("7", 1)],  # 0.5, pass@2 1, tie -> first "3": wrong
+]
+
+
+def _rows(problems: list[list[tuple[str, int]]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "index": i,
+            "problem": f"q{i}",
+            "sample": j,
+            "extracted": answer,
+            "correct": float(c),
+            "reward": float(c),
+            "formatted": 1.0,
+            "length": 10,
+            "finish_reason": "stop",
+            "domain": "d" if i < 2 else "e",
+            "difficulty": None,
+            "failed": None,
+        }
+        for i, samples in enumerate(problems)
+        for j, (answer, c) in enumerate(samples)
+    ]
+
+
+def _result(rows: list[dict[str, Any]], ks: list[int]) -> dict[str, Any]:
+    """What roll_core.evaluate.evaluate_model returns for a single-turn task."""
+    m = summarize(rows, ks)
+    return {
+        "accuracy": m["accuracy"],
+        "reward": m["reward"],
+        "n": m["problems"],
+        "task": "data",
+        "metrics": m,
+        "by_domain": breakdown(rows, "domain", ks),
+        "by_difficulty": breakdown(rows, "difficulty", ks),
+        "skipped_problems": 0,
+        "reward_counters": {},
+        "rows": rows,
+    }
+
+
+def test_std_error_is_the_sample_std_over_sqrt_m_by_hand() -> None:
+    from roll_core.eval_metrics import std_error
+
+    # scores 1, 0, 1, 1: mean 0.75, s^2 = (3 * 0.0625 + 0.5625) / 3 = 0.25, se = 0.5 / 2 = sqrt(0.75 * 0.25 / 3)
+    assert std_error([1, 0, 1, 1]) == pytest.approx(0.25)
+    assert std_error([1.0, 0.5, 0.0, 0.5]) == pytest.approx(math.sqrt(1 / 24))  # s^2 = 0.5 / 3, / 4 problems
+    assert std_error([1, 1, 1]) == 0.0
+    assert std_error([0.3]) is None and std_error([]) is None  # no spread to estimate from one value
+
+
+def test_summarize_gives_each_means_standard_error_over_problems() -> None:
+    """Per problem, not per response: the 8 responses below are 4 problems, not 8 independent draws."""
+    m = summarize(_rows(PROBLEMS), [1, 2])
+    assert m["accuracy"] == pytest.approx(0.5)
+    # per-problem mean correctness 1, .5, 0, .5: s^2 = (.25 + 0 + .25 + 0) / 3, se = sqrt(1/6 / 4)
+    assert m["accuracy_stderr"] == pytest.approx(math.sqrt(1 / 24))
+    assert m["pass@1_stderr"] == pytest.approx(math.sqrt(1 / 24))  # pass@1 is the per-problem mean correctness
+    # pass@2 per problem 1, 1, 0, 1: 0.75 +- sqrt(.75 * .25 / 3) = 0.25
+    assert m["pass@2"] == pytest.approx(0.75) and m["pass@2_stderr"] == pytest.approx(0.25)
+    # majority right on 1, 1, 0, 0: 0.5 +- sqrt(.5 * .5 / 3)
+    assert m["maj"] == pytest.approx(0.5) and m["maj_stderr"] == pytest.approx(math.sqrt(1 / 12))
+    # one response per problem, scores 1, 0, 1, 1: 0.75 +- 0.25
+    single = summarize(_rows([[("7", 1)], [("3", 0)], [("7", 1)], [("7", 1)]]), [1])
+    assert single["accuracy"] == pytest.approx(0.75) and single["accuracy_stderr"] == pytest.approx(0.25)
+    assert single["pass@1_stderr"] == pytest.approx(0.25) and single["maj_stderr"] == pytest.approx(0.25)
+    one = summarize(_rows(PROBLEMS[:1]), [1])
+    assert one["accuracy_stderr"] is None and one["maj_stderr"] is None  # one problem: no spread to estimate
+
+
+def test_comparison_files_show_mean_plus_minus_standard_error(tmp_path: Path) -> None:
+    from roll_core.eval_compare import EvalTarget, write_outputs
+
+    single = _rows([[("7", 1)], [("3", 0)], [("7", 1)], [("7", 1)]])
+    a, b = EvalTarget("a", "a", 1), EvalTarget("b", "b", 2)
+    results = [(a, _result(_rows(PROBLEMS), [1])), (b, _result(single, [1]))]
+    write_outputs(tmp_path, results, [1], 2, {})
+    md = (tmp_path / "comparison.md").read_text(encoding="utf-8")
+    assert "| b | 2 | 0.7500 ± 0.2500 | 0.7500 ± 0.2500 | 0.7500 ± 0.2500 | 0.7500 |" in md  # acc, pass@1, maj@2
+    assert f"| a | 1 | 0.5000 ± {math.sqrt(1 / 24):.4f} |" in md
+    # domain d: a's problems score 1 and .5 (0.75 +- sqrt(.125 / 2)), b's 1 and 0 (0.5 +- sqrt(.5 / 2))
+    assert "| d | 0.7500 ± 0.2500 (n=2) | 0.5000 ± 0.5000 (n=2) |" in md
+    table = {r["model"]: r for r in csv.DictReader((tmp_path / "comparison.csv").open()) if r["breakdown"] == "all"}
+    assert float(table["b"]["accuracy_stderr"]) == pytest.approx(0.25)
+    assert float(table["a"]["maj_stderr"]) == pytest.approx(math.sqrt(1 / 12))
+    stored = json.loads((tmp_path / "comparison.json").read_text())["models"][0]["metrics"]
+    assert stored["accuracy_stderr"] == pytest.approx(math.sqrt(1 / 24))
+
+
+def _fake_eval(monkeypatch: pytest.MonkeyPatch, rows: list[dict[str, Any]]) -> list[Any]:
+    import roll_core.evaluate
+
+    calls: list[Any] = []
+
+    def evaluate_model(cfg: Any, *, samples: Any, n: int, ks: list[int]) -> dict[str, Any]:
+        calls.append(cfg)
+        return _result(rows, ks)
+
+    monkeypatch.setattr(roll_core.evaluate, "evaluate_model", evaluate_model)
+    return calls
+
+
+def test_an_out_folder_holding_earlier_results_is_refused_before_evaluating_unless_overwrite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A second `roll-eval ... --out ev` replaced the first call's samples.jsonl, comparison.* and report.md without
+    a word: it is refused (exit 2, before hours of evaluation) naming the folder, its files and --overwrite. With
+    --overwrite the earlier files go (none mixes with the new ones), other files stay; the printed lines carry the
+    standard errors. (One composed call: composing the config takes seconds.)"""
+    from roll_core.cli import eval_main
+
+    out = tmp_path / "ev"
+    out.mkdir()
+    (out / "samples.jsonl").write_text("earlier\n")
+    (out / "results.json").write_text("[]")
+    (out / "notes.txt").write_text("mine")
+    calls = _fake_eval(monkeypatch, _rows(PROBLEMS))
+    argv = ["builtin:tiny", "--n", "2", "pipeline.eval_temperature=0.7", "--out", str(out)]
+    assert eval_main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"roll-eval: --out {out} already holds the results of an earlier evaluation or run (samples.jsonl, "
+        "results.json): give another --out, or add --overwrite to replace them\n"
+    )
+    assert calls == [] and (out / "samples.jsonl").read_text() == "earlier\n"
+
+    assert eval_main([*argv, "--overwrite"]) == 0, capsys.readouterr().err
+    assert len(calls) == 1
+    samples = (out / "samples.jsonl").read_text().splitlines()
+    assert len(samples) == 8 and json.loads(samples[0])["problem"] == "q0"
+    assert not (out / "results.json").exists()  # an earlier agentic call's: not this call's results
+    assert (out / "notes.txt").read_text() == "mine" and (out / "report.md").is_file()
+    first, second, *_ = capsys.readouterr().out.splitlines()
+    assert first.startswith(
+        f"accuracy 0.5000 on 4 held-out problems of data (± {math.sqrt(1 / 24):.4f} standard error over problems, "
+        "mean reward 0.5000"
+    )
+    assert re.match(r"accuracy (\d\.\d{4}) on (\d+) held-out problems of data", first)  # what scripts parse
+    assert second.startswith(f"pass@1 0.5000 ± {math.sqrt(1 / 24):.4f}, pass@2 0.7500 ± 0.2500, maj@2 0.5000 ± ")
+    # a folder without roll-eval's files is used as before
+    from roll_core.eval_compare import existing_outputs
+
+    assert existing_outputs(tmp_path / "new") == [] and existing_outputs(tmp_path) == []
