@@ -1,9 +1,10 @@
 """Run tracking: metrics JSONL, the resolved config, sample completions and curve plots, plus tracker plugins.
 
 Everything of the core lands in the run's output folder: `metrics.jsonl` (one JSON object per step; the loop, the
-summary and the tests read it), `config.yaml`, `samples.jsonl` (a few decoded completions per step) and `curves.png`
-(the collector's metrics, e.g. reward, accuracy and held-out accuracy, and the trainer's `AGREEMENT_PLOT_KEYS`
-where a run logs them, against step; at most four panels a row). Other sinks are backends (`TrackerBackend`,
+summary and the tests read it), `config.yaml`, `samples.jsonl` (a few decoded completions per step, bounded by
+`tracking.samples_per_step` and `tracking.sample_max_chars`) and `curves.png` (the collector's metrics, e.g. reward,
+accuracy and held-out accuracy, and the trainer's `AGREEMENT_PLOT_KEYS` where a run logs them, against step; at most
+four panels a row). Other sinks are backends (`TrackerBackend`,
 roll_core.interfaces.tracking) named in `pipeline.trackers` and loaded from the `roll.trackers` entry-point group:
 roll-core's own backends (roll_core.trackers: `tensorboard`, `jsonl`, `wandb`) are registered exactly as out-of-tree
 plugins are. Several run at once (`pipeline.trackers=[tensorboard,wandb]`); each reads its options from the config's
@@ -203,7 +204,9 @@ class Tracker:
         self.history: list[dict[str, Any]] = self.read_metrics(self.metrics_path) if resume else []
         from roll_core.config.tracking import tracking_config
 
-        run_name = name or tracking_config(config).run_name or str(config.get("experiment") or self.dir.name)
+        options = tracking_config(config)
+        run_name = name or options.run_name or str(config.get("experiment") or self.dir.name)
+        self.samples_per_step, self.sample_max_chars = options.samples_per_step, options.sample_max_chars
         self.backends: list[TrackerBackend] = open_backends(trackers, self.dir, config, run_name, resume)
 
     @staticmethod
@@ -255,10 +258,16 @@ class Tracker:
         """Append decoded completions to samples.jsonl and pass them to backends that record samples.
 
         Values are written as strict JSON: numpy and one-element torch numbers as numbers, NaN/inf as null (a bare
-        NaN token is not JSON; a numpy float raised TypeError), also inside lists and dicts. A row may not hold `step`
-        (it would relabel it). Nothing caps the file: it grows by the rows the collectors pass (two a step)."""
+        NaN token is not JSON; a numpy float raised TypeError), also inside lists and dicts. A row may hold neither
+        `step` (it would relabel it) nor `rows_left_out`. What is kept is bounded (`tracking.samples_per_step`,
+        `tracking.sample_max_chars`; see `bounded_samples`): the file grew by whatever the collectors passed."""
         if any("step" in row for row in rows):
             raise ValueError("a sample row may not hold 'step' (it is the record's step number)")
+        if any(LEFT_OUT in row for row in rows):
+            raise ValueError(f"a sample row may not hold {LEFT_OUT!r} (it counts the step's rows left out)")
+        rows = bounded_samples(rows, self.samples_per_step, self.sample_max_chars)
+        if not rows:
+            return
         # built whole before the file opens: a value json cannot write leaves no partial rows behind
         text = "".join(json.dumps({"step": step, **_json_value(row)}, allow_nan=False) + "\n" for row in rows)
         with open(self.dir / "samples.jsonl", "a") as f:
@@ -342,6 +351,33 @@ def curve_figure(history: Sequence[dict[str, Any]], keys: Sequence[str]):  # -> 
 
 
 _NOT_A_NUMBER: Any = object()
+
+
+#: The key of a step's last kept sample row that counts the rows `tracking.samples_per_step` left out.
+LEFT_OUT = "rows_left_out"
+
+
+def bounded_samples(rows: list[dict[str, Any]], max_rows: int, max_chars: int) -> list[dict[str, Any]]:
+    """The first `max_rows` of `rows` (the last one kept gets `rows_left_out`: how many were dropped), each text value
+    (inside lists and dicts too) longer than `max_chars` cut to its first and last halves around a marker saying how
+    many characters were cut; `max_chars=0`: texts kept whole. The rows are copies where anything changed."""
+    kept = [_cut_texts(row, max_chars) if max_chars else row for row in rows[:max_rows]]
+    if kept and len(rows) > len(kept):
+        kept[-1] = {**kept[-1], LEFT_OUT: len(rows) - len(kept)}
+    return kept
+
+
+def _cut_texts(v: Any, max_chars: int) -> Any:
+    if isinstance(v, str):
+        if len(v) <= max_chars:
+            return v
+        head, tail = max_chars - max_chars // 2, max_chars // 2
+        return f"{v[:head]}[... {len(v) - head - tail} characters cut ...]{v[len(v) - tail :] if tail else ''}"
+    if isinstance(v, dict):
+        return {k: _cut_texts(x, max_chars) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_cut_texts(x, max_chars) for x in v]
+    return v
 
 
 def _json_value(v: Any) -> Any:

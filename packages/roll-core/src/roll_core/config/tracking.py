@@ -131,6 +131,19 @@ class TrackingConfig:
     swanlab: SwanlabConfig = field(default_factory=SwanlabConfig)
     # Options of out-of-tree tracker backends, keyed by their `roll.trackers` name (free-form; the backend checks).
     plugins: dict[str, Any] = field(default_factory=dict)
+    # Bounds on samples.jsonl (and the sample tables backends get), which every step appends to: a long run's file
+    # grew without limit. At most this many of the rows a step logs are kept (its first ones); the last kept row
+    # then holds `rows_left_out`, the number dropped. 0: no sample rows are written.
+    samples_per_step: int = 16
+    # Characters of one text value in a sample row (a response, a turn's text): a longer one keeps its first and last
+    # halves around a "[... N characters cut ...]" marker (a response's end holds its answer). 0: no limit.
+    sample_max_chars: int = 4000
+
+    def __post_init__(self) -> None:
+        _check("samples_per_step", self.samples_per_step >= 0, f"must be >= 0, got {self.samples_per_step}")
+        _check(
+            "sample_max_chars", self.sample_max_chars >= 0, f"must be >= 0 (0: no limit), got {self.sample_max_chars}"
+        )
 
 
 def tracking_config(config: Mapping[str, Any] | None) -> TrackingConfig:

@@ -13,7 +13,8 @@ one holds gets a ConfigError naming the holder, before it starts or writes anyth
 Checkpoints: never written from inside a streak of non-finite steps (their weights may hold the blow-up); the
 stop after `pipeline.max_nonfinite_steps` names the last checkpoint saved before the streak. A save that fails
 (a full disk) deletes its partial folder and ends the run with `CheckpointError` naming the checkpoint left intact.
-A stop signal (roll_core.pipelines.run_control.GracefulStop) is honoured from the evaluation before step 1 on.
+A stop signal (roll_core.pipelines.run_control.GracefulStop) is honoured from the evaluation before step 1 on;
+one that arrives after the last step (final curves, the trackers' close, report.md) is logged and changes nothing.
 The step that ends a run (a stop, a non-finite stop, a finished finite job) is logged; a run resumed at or past
 `pipeline.max_steps` trains nothing and says so. A stop requested before a step's evaluation skips it (with a
 warning): the checkpoint comes first, within a preemption's grace period.
@@ -154,24 +155,29 @@ class Pipeline:
     def run(self) -> dict[str, Any]:
         """Train for the remaining steps; returns a summary (final and best held-out accuracy, wall time). The run
         folder's report.md is written at the end, also when the run fails (roll_core.report)."""
-        try:
-            summary = self._run_steps()
-        except BaseException as exc:
-            self.report(f"failed: {type(exc).__name__}: {str(exc)[:300]}", self.wall_seconds())
-            raise
-        signum = summary.get("stopped_by_signal")
-        saved = getattr(self, "stop_checkpoint", None)
-        where = f"resume from {saved.name}" if saved is not None else "no checkpoint to resume from"
-        status = f"stopped by signal {signum} ({where})" if signum else "finished"
-        if not signum and getattr(self.collector, "exhausted", True) is False:
-            # a finite job (rollout-only) cut by pipeline.max_steps: its output is partial, which "finished" hid
-            status = (
-                f"stopped at pipeline.max_steps={self.cfg.pipeline.max_steps} before the job was done "
-                "(partial output; raise pipeline.max_steps and resume with pipeline.resume=true)"
-            )
-            log.warning("run %s", status)
-            summary["incomplete"] = True
-        self.report(status, summary["wall_seconds"])
+        # The stop handling lasts until report.md is written: a signal after the last step (the last curves, a
+        # tracker's upload at close) found the default handler back and killed a run that had finished (exit 143,
+        # no report.md). There it is only logged (GracefulStop.ending).
+        with GracefulStop() as stop:
+            self.stop = stop  # a fault in the step a stop was asked in: no run restart (roll_core.run_control)
+            try:
+                summary = self._run_steps(stop)
+            except BaseException as exc:
+                self.report(f"failed: {type(exc).__name__}: {str(exc)[:300]}", self.wall_seconds())
+                raise
+            signum = summary.get("stopped_by_signal")
+            saved = getattr(self, "stop_checkpoint", None)
+            where = f"resume from {saved.name}" if saved is not None else "no checkpoint to resume from"
+            status = f"stopped by signal {signum} ({where})" if signum else "finished"
+            if not signum and getattr(self.collector, "exhausted", True) is False:
+                # a finite job (rollout-only) cut by pipeline.max_steps: its output is partial, which "finished" hid
+                status = (
+                    f"stopped at pipeline.max_steps={self.cfg.pipeline.max_steps} before the job was done "
+                    "(partial output; raise pipeline.max_steps and resume with pipeline.resume=true)"
+                )
+                log.warning("run %s", status)
+                summary["incomplete"] = True
+            self.report(status, summary["wall_seconds"])
         return summary
 
     def wall_seconds(self) -> float:
@@ -185,18 +191,17 @@ class Pipeline:
 
         write_run_report(self.out, self.cfg, status=status, wall_seconds=wall_seconds, checkpoints=self.ckpt.list())
 
-    def _run_steps(self) -> dict[str, Any]:
+    def _run_steps(self, stop: GracefulStop) -> dict[str, Any]:
         pipe = self.cfg.pipeline
         # The evaluation before training is inside the stop handling too: a SIGTERM there (a preemption while a
         # large benchmark runs) killed the process outright, and a Ctrl-C ended it with a traceback.
-        with GracefulStop() as stop:
-            self.stop = stop  # a fault in the step a stop was asked in: no run restart (roll_core.run_control)
-            if self.start_step == 1 and pipe.eval_every > 0:
-                self.tracker.log(0, self.collector.evaluate(0))
-            if stop.requested:
-                log.warning("stopped before step 1: nothing was trained and no checkpoint was written")
-            else:
-                self._loop(stop)
+        if self.start_step == 1 and pipe.eval_every > 0:
+            self.tracker.log(0, self.collector.evaluate(0))
+        if stop.requested:
+            log.warning("stopped before step 1: nothing was trained and no checkpoint was written")
+        else:
+            self._loop(stop)
+        stop.ending()  # the steps are over: a signal from here on has nothing left to stop
         self.tracker.plot(self._plot_keys())  # the last steps' curves, whatever ended the loop
         self.tracker.close()
         return self.summary(self.wall_seconds(), stop.signum)

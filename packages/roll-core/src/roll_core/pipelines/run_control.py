@@ -20,8 +20,12 @@ takes the folder in between. An error with every worker alive is a bug, not a fa
 only repeat it), as does a fault before the first checkpoint (nothing to restart from: the message says so).
 
 Stop contract: inside `GracefulStop`, the first SIGINT/SIGTERM sets `requested` (the loop finishes the step, saves
-a checkpoint and returns); a second one raises KeyboardInterrupt at once. Handlers are restored on exit, and
-nothing is installed off the main thread (signals are delivered there only).
+a checkpoint and returns); a second one raises KeyboardInterrupt at once. Once the steps are over (`ending()`: the
+last curves, the trackers' close, report.md, the shutdown of a run that returned its summary) a first signal only
+says so: the run has nothing left to stop, it ends as it would have (its status and exit code unchanged). Before,
+the handlers were already restored there: a scheduler's SIGTERM in that last stretch (a W&B upload at close takes
+minutes) killed the process (exit 143, no report.md) after a run that had finished. Handlers are restored on exit,
+and nothing is installed off the main thread (signals are delivered there only).
 """
 
 from __future__ import annotations
@@ -193,8 +197,11 @@ def _run_once(pipeline: Any, cfg: Any, restarts: int) -> dict[str, Any] | Path:
     """Run `pipeline` and shut it down whatever happens; returns its summary, or after a fault a restart repairs, the
     checkpoint to restart from (any other error is raised)."""
     pipeline.pending_run_restarts = 1 if restarts else 0
+    finished = False
     try:
-        return pipeline.run()
+        summary = pipeline.run()
+        finished = True
+        return summary
     except BaseException as exc:
         reason = fault_of(pipeline, exc)
         if reason is None:
@@ -222,7 +229,12 @@ def _run_once(pipeline: Any, cfg: Any, restarts: int) -> dict[str, Any] | Path:
         )
         return Path(latest)
     finally:
-        pipeline.shutdown()
+        if finished:  # nothing left to stop: a signal now must not kill the process (see the module docstring)
+            with GracefulStop() as stop:
+                stop.ending(getattr(pipeline, "stop", None))
+                pipeline.shutdown()
+        else:  # a failure or a restart: a signal keeps its default meaning
+            pipeline.shutdown()
 
 
 class GracefulStop:
@@ -231,15 +243,35 @@ class GracefulStop:
     def __init__(self) -> None:
         self.requested = False
         self.signum: int | None = None
+        #: Set by `ending()`: the steps are over; a first signal is only logged (and recorded as `late_signum`).
+        self.ended = False
+        self.late_signum: int | None = None
         self._old: dict[int, Any] = {}
 
+    def ending(self, earlier: Any = None) -> None:
+        """The steps are over: from here a first signal does not request a stop (there is none left to make), it is
+        logged and the run ends as it would have; a second one still raises KeyboardInterrupt. `earlier`: the run's
+        own stop handling, whose signal counts as the first (the next one aborts)."""
+        self.ended = True
+        if earlier is not None and self.late_signum is None:
+            late = getattr(earlier, "late_signum", None)
+            self.late_signum = late or (
+                getattr(earlier, "signum", None) if getattr(earlier, "requested", False) else None
+            )
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested:
+        if self.requested or self.late_signum is not None:
             raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        if self.ended:
+            self.late_signum = signum
+            log.warning(
+                "%s received after the last step: finishing the run's wrap-up (send it again to abort now)", name
+            )
+            return
         self.requested, self.signum = True, signum
         log.warning(
-            "%s received: finishing this step, saving a checkpoint and stopping (send it again to abort now)",
-            signal.Signals(signum).name,
+            "%s received: finishing this step, saving a checkpoint and stopping (send it again to abort now)", name
         )
 
     def __enter__(self) -> GracefulStop:
