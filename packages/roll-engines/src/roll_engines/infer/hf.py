@@ -37,6 +37,13 @@ of `model.generate`, so that:
 Threads: the batch API drives decode steps in the caller's thread. The request API starts one background thread
 on first use; both step under one lock, so a `generate` call and requests can share a batch. A weight sync pauses
 stepping between `begin_weight_update` and `finish_weight_update`.
+
+A weight sync is all or nothing. When one fails part way (`update_weights` raises: an unknown name, a wrong shape,
+the sender's stream breaking inside a bucket; or the caller ends it with `abort_weight_update`: a sender that died
+between buckets), the tensors it wrote get back the old values kept for them (roll_engines.infer._sync_undo: only
+what was overwritten, in host memory), `finish_weight_update` keeps the weight version, and requests paused by the
+sync resume on the complete old weights. Weights that were not valid before it (discarded by `sleep(level=2)`) have
+nothing to go back to: generating is refused with an error until a sync succeeds.
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ from roll_engines.infer._fp8_emulation import FP8Emulation
 from roll_engines.infer._routing import RoutingRecorder
 from roll_engines.infer._sampling import StopStrings
 from roll_engines.infer._skinny_linear import use_skinny_linears
+from roll_engines.infer._sync_undo import SyncUndo
 from roll_engines.infer._vision import VisionInputs, refuse_pictures
 from roll_hw.cpu import cpu_bf16_instructions, fp32_linear_library
 
@@ -230,7 +238,10 @@ class HFInferEngine:
         # steps before an update got in).
         self._pause_wanted = threading.Event()
         self._sleeping = 0
-        self._weights_valid = True
+        # Why generating is refused (None: the weights are whole): discarded by sleep(level=2), or a sync into them
+        # failed part way with nothing to restore.
+        self._invalid: str | None = None
+        self._undo: SyncUndo | None = None  # the sync in progress (begin_weight_update .. finish)
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._ids = itertools.count()
@@ -332,11 +343,8 @@ class HFInferEngine:
                 self._step()
 
     def _step(self) -> None:
-        if not self._weights_valid:
-            exc = RuntimeError(
-                f"{self.name} engine: weights were discarded by sleep(level=2); sync weights before generating"
-            )
-            self.batcher.fail_all(exc)
+        if self._invalid is not None:
+            self.batcher.fail_all(RuntimeError(f"{self.name} engine: {self._invalid}; sync weights before generating"))
             return
         try:
             self.batcher.step()
@@ -425,36 +433,95 @@ class HFInferEngine:
         try:
             with self._lock:  # waits for the step in progress only
                 self._paused = True
+                if self._undo is not None and self._undo.error is None and self._undo.written:
+                    # A sync that never finished (its caller failed between begin and finish): it is not known to
+                    # be complete, so its writes are undone before this one starts.
+                    self._fail_sync(self._undo, RuntimeError("a new sync began before it finished"))
+                self._undo = SyncUndo(keep=self._invalid is None)
         finally:
             self._pause_wanted.clear()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
-        """Copy tensors in place by name (the trainer's state-dict names); returns bytes received."""
+        """Copy tensors in place by name (the trainer's state-dict names); returns bytes received.
+
+        Whatever it raises fails the whole sync: the tensors this sync wrote get their old values back (module
+        docstring), later buckets of it are refused, and `finish_weight_update` keeps the version. Outside a sync,
+        a call that raises is undone alone."""
         own = self.model.state_dict()
         nbytes = 0
         with self._lock, torch.no_grad():
-            for name, value in named_tensors:
-                if name not in own:
-                    raise KeyError(f"weight {name!r} is not in the inference model {type(self.model).__name__}")
-                if value.shape != own[name].shape:  # copy_ would broadcast a (1,) tensor over a whole weight
-                    raise ValueError(
-                        f"weight {name!r}: the sync sent shape {tuple(value.shape)}, the inference model's is "
-                        f"{tuple(own[name].shape)}"
-                    )
-                own[name].copy_(value)
-                nbytes += value.numel() * value.element_size()
+            undo = self._undo if self._undo is not None else SyncUndo(keep=self._invalid is None)
+            if undo.error is not None:
+                raise RuntimeError(
+                    f"{self.name} engine: this weight sync already failed ({undo.error}) and was undone; "
+                    "finish it and sync again"
+                ) from undo.error
+            try:
+                for name, value in named_tensors:
+                    if name not in own:
+                        raise KeyError(f"weight {name!r} is not in the inference model {type(self.model).__name__}")
+                    if value.shape != own[name].shape:  # copy_ would broadcast a (1,) tensor over a whole weight
+                        raise ValueError(
+                            f"weight {name!r}: the sync sent shape {tuple(value.shape)}, the inference model's is "
+                            f"{tuple(own[name].shape)}"
+                        )
+                    undo.save(own[name])
+                    own[name].copy_(value)
+                    nbytes += value.numel() * value.element_size()
+            except BaseException as exc:
+                self._fail_sync(undo, exc)
+                raise
         return nbytes
 
-    def finish_weight_update(self) -> int:
+    def abort_weight_update(self, reason: str = "the caller aborted it") -> int:
+        """End a sync that failed outside this engine (a sender that died between buckets, a broken transfer):
+        undo what it wrote and resume generation on the old weights. Returns the weight version, unchanged."""
         with self._lock:
+            if self._undo is None:  # no sync open (begin failed or never ran): nothing to undo, nothing to count
+                self._undo = SyncUndo(keep=False)
+            if self._undo.error is None:
+                self._fail_sync(self._undo, RuntimeError(reason))
+            return self.finish_weight_update()
+
+    def _fail_sync(self, undo: SyncUndo, exc: BaseException) -> None:
+        """Mark the sync failed and put back the old values of what it wrote (module docstring)."""
+        undo.error = exc
+        if not undo.written:
+            return
+        if not undo.keep:  # the weights were already invalid (sleep(level=2)): still nothing to serve
+            self._invalid = f"a weight sync into the discarded weights failed part way ({exc!r})"
+            return
+        try:
+            restored = undo.undo()
+        except Exception as undo_exc:  # the old values are lost: refuse rather than serve a mix
+            log.exception("%s engine: a failed weight sync could not be undone", self.name)
+            self._invalid = f"a weight sync failed part way ({exc!r}) and could not be undone ({undo_exc!r})"
+            return
+        log.warning(
+            "%s engine: a weight sync failed after %d tensor(s) (%r); the %d overwritten restored, version %d kept",
+            self.name,
+            undo.written,
+            exc,
+            restored,
+            self._version,
+        )
+
+    def finish_weight_update(self) -> int:
+        """End a sync and resume generation. A failed one (module docstring) keeps the weight version: its error
+        reached the caller from `update_weights`, and raising here too would replace it in the caller's `finally`."""
+        with self._lock:
+            undo, self._undo = self._undo, None
+            failed = undo is not None and undo.error is not None
             self.batcher.prefixes.clear()  # cached keys/values belong to the old weights
-            if self.fp8 is not None:  # the trainer sent full precision: hold the rounded copy vLLM would
+            # The trainer sent full precision: hold the rounded copy vLLM would (restored weights were rounded).
+            if self.fp8 is not None and not failed:
                 self.fp8.round_weights()
             # The blocked copies follow writes through the parameters; a write they cannot see (into `p.data`)
             # would leave them stale. Every copy is due anyway after a sync: pack afresh.
             drop_packed(self.model)
-            self._version += 1
-            self._weights_valid = True
+            if not failed:
+                self._version += 1
+                self._invalid = None
             self._paused = False
             self._work.notify_all()
             return self._version
@@ -480,7 +547,7 @@ class HFInferEngine:
                 for p in self.model.parameters():
                     p.data = torch.empty(0, dtype=p.dtype, device=self.device)
                 drop_packed(self.model)  # the CPU kernels' blocked copies of the weights go with them
-                self._weights_valid = False
+                self._invalid = "weights were discarded by sleep(level=2)"
             elif self.device.type != "cpu":
                 self.model.to("cpu")
             self._sleeping = level
