@@ -119,6 +119,17 @@ class InferWorker(EngineWorker):
         return self.engine.finish_weight_update()
 
     @dispatch(Dispatch.BROADCAST, retry=False)
+    def abort_weight_update(self, reason: str) -> int:
+        """End a sync that failed outside the engine (the trainer died between buckets, a bucket could not be
+        fetched): the engine puts back what the sync wrote and keeps its weight version. Engines without the
+        optional `abort_weight_update` (roll_core.interfaces.InferEngine) are finished as before: they must resume
+        generating (a plugin's engine may hold a lock from `begin_weight_update` until `finish_weight_update`)."""
+        abort = getattr(self.engine, "abort_weight_update", None)
+        if not callable(abort):
+            return self.engine.finish_weight_update()
+        return abort(reason)
+
+    @dispatch(Dispatch.BROADCAST, retry=False)
     def receive_bucket(self, bucket: Bucket) -> int:
         """In-process transport: one bucket of the trainer's tensors (live parameters, never kept)."""
         return self.engine.update_weights(bucket)
@@ -278,6 +289,11 @@ class InferGroup(WorkerGroup[InferWorker]):
 
     def finish_weight_update(self) -> list[int]:
         return self.call(InferWorker.finish_weight_update)
+
+    def abort_weight_update(self, reason: str) -> list[int]:
+        """End a failed sync on every rank (InferWorker.abort_weight_update): the weight versions, unchanged where
+        the engine can undo the sync."""
+        return self.call(InferWorker.abort_weight_update, reason)
 
 
 class _TrackedHandle(RequestHandle):

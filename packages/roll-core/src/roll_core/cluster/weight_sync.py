@@ -3,9 +3,9 @@
 The pipeline asks `WeightSync.sync()` and never touches tensors. The train engine yields (HF name, tensor) pairs
 (`TrainEngine.iter_weights`, a collective on sharded engines); the transport carries them bucket by bucket to
 every inference worker, which calls `InferEngine.update_weights(bucket)` between `begin_weight_update()` and
-`finish_weight_update()`. A bucket holds at most `bucket_mb` MiB (a single larger tensor travels alone), so
-neither side ever holds a second full copy of the model in transit, except the object store, which holds the
-published buckets until every receiver has read them.
+`finish_weight_update()`, or `abort_weight_update()` when the sync failed (`abort_sync`). A bucket holds at most
+`bucket_mb` MiB (a single larger tensor travels alone), so neither side ever holds a second full copy of the model
+in transit, except the object store, which holds the published buckets until every receiver has read them.
 
 Transports, one class each (`Transport` subclasses in `TRANSPORT_CLASSES`, chosen by name; each `sync()` drives
 both sides through the workers' typed methods: roll_core.cluster.roles; buckets, flat buffers, the stateless
@@ -30,6 +30,11 @@ The trainer casts floating tensors to the inference engines' dtype before bucket
 master weights never travel and no receiver stages a wider copy than it keeps; the weights an engine keeps wider
 than its dtype (`weight_dtypes`: transformers and vLLM keep a DeepSeek-V3 or GLM-4.5 router and its expert bias in
 fp32 under bf16) travel in that dtype (they were rounded to bf16 at every sync).
+
+A sync that fails part way (the trainer dies between buckets, an object-store bucket cannot be fetched, a
+broadcast breaks) ends with `InferWorker.abort_weight_update` on every receiver, never `finish_weight_update`: an
+engine that implements it (hf) puts back what the sync wrote and keeps its weight version, so it serves the old
+weights whole rather than a mix under a new version; engines without it are finished as before (`abort_sync`).
 
 `changed_only` syncs skip what training cannot change (frozen parameters, buffers); the first sync, and the first
 after an engine discarded its weights (`sleep(level=2)`), is always full.
@@ -119,6 +124,23 @@ def resolve_transport(name: str, backend: str, placement: str, platform_name: st
     return "dist"
 
 
+def abort_sync(infer: InferGroup, exc: BaseException, ranks: list[int] | None = None) -> None:
+    """End a sync that failed with `exc` on the inference `ranks` (all when None) by `abort_weight_update`, not
+    `finish_weight_update`: finished, an engine kept the part of the new weights it had received under a new weight
+    version. Ending it is best effort: its failure is logged and noted on `exc`, which stays the error to raise (it
+    says why the sync failed; a worker that died meanwhile was restarted by the call, and `WeightSync.sync` redoes
+    the sync)."""
+    reason = f"the weight sync failed: {type(exc).__name__}: {str(exc)[:500]}"
+    try:
+        if ranks is None:
+            infer.abort_weight_update(reason)
+        else:
+            infer.call_ranks(ranks, InferWorker.abort_weight_update, reason)
+    except Exception as abort_exc:
+        log.exception("a failed weight sync could not be ended on the inference engines")
+        exc.add_note(f"ending the failed sync on the inference engines failed too: {abort_exc!r}")
+
+
 class Moved(NamedTuple):
     """What a transport moved in one sync."""
 
@@ -130,9 +152,10 @@ class Moved(NamedTuple):
 class Transport:
     """One way of moving the trainer's weights into every inference worker (one subclass per transport).
 
-    `sync(changed_only)` runs between the engines' `begin_weight_update()` and `finish_weight_update()` (the
-    `WeightSync` facade brackets it) and moves every bucket; `reset()` forgets state tied to the current inference
-    workers (a restarted one). Subclasses set `name` and are listed in `TRANSPORT_CLASSES`.
+    `sync(changed_only)` runs between the engines' `begin_weight_update()` and `finish_weight_update()`, or
+    `abort_weight_update()` when it raises (the `WeightSync` facade brackets it), and moves every bucket; `reset()`
+    forgets state tied to the current inference workers (a restarted one). Subclasses set `name` and are listed in
+    `TRANSPORT_CLASSES`.
     """
 
     name: ClassVar[str]
@@ -197,8 +220,10 @@ class ObjectStoreTransport(Transport):
         self.infer.call_ranks(ranks, InferWorker.begin_weight_update)
         try:
             self.infer.call_ranks(ranks, InferWorker.receive_weights_object_store, published["refs"])
-        finally:
-            self.infer.call_ranks(ranks, InferWorker.finish_weight_update)
+        except BaseException as exc:
+            abort_sync(self.infer, exc, ranks)
+            raise
+        self.infer.call_ranks(ranks, InferWorker.finish_weight_update)
         return int(published["bytes"])
 
 
@@ -374,8 +399,10 @@ class WeightSync:
         self.infer.begin_weight_update()
         try:
             moved = self.transport.sync(not full)
-        finally:
-            versions = self.infer.finish_weight_update()
+        except BaseException as exc:
+            abort_sync(self.infer, exc)
+            raise
+        versions = self.infer.finish_weight_update()
         self.synced_once = True
         return SyncStats(self.transport.name, *moved, time.perf_counter() - t0, full, max(versions))
 

@@ -376,6 +376,12 @@ class InferEngine(Protocol):
         weight version."""
         ...
 
+    # Optional: `abort_weight_update(reason: str) -> int`, called instead of `finish_weight_update` when a sync
+    # failed outside the engine (the trainer died between buckets, an object-store bucket could not be fetched, a
+    # broadcast broke): put back what the sync wrote, resume generation on the old weights whole and return the
+    # weight version, unchanged. Engines without it are finished (`finish_weight_update`) and keep whatever part of
+    # the sync they received (roll_core.cluster.infer_role.InferWorker.abort_weight_update).
+
     def sleep(self, level: int = 1) -> None:
         """Release memory while another role uses the device: level 1 frees the KV cache (and offloads weights on
         devices), level 2 also discards the weights (the next sync must send all of them). No requests may run."""
