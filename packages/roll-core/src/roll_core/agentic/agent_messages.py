@@ -17,11 +17,21 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class SessionError(Exception):
-    """A request the session refuses: HTTP `status` with an OpenAI error `code` (the server's error JSON)."""
+    """A request the session refuses: HTTP `status` with an OpenAI error `code` (the server's error JSON);
+    `retry_after`: seconds for the response's Retry-After header (a transient refusal, 503), None for none."""
 
-    def __init__(self, status: int, code: str, message: str, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        kind: str = "invalid_request_error",
+        *,
+        retry_after: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.kind = status, code, message, kind
+        self.retry_after = retry_after
 
 
 def normalise_message(raw: Any, index: int) -> dict[str, Any]:

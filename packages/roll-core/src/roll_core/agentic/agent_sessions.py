@@ -46,8 +46,18 @@ conversation unchanged. Between those idle aborts the session waits, doubling fr
 ends the wait at once. Until a later turn is sampled the trajectory is marked ended there (`end` "abort") and
 `untrained` (roll_core.agentic.trajectory.to_tensors masks it out): an agent that gives up on the refusal fails
 through no fault of the policy, and scoring its turns with the failure reward trained the engine's refusal as the
-policy's failure. A template that cannot render a request's messages (its own `raise_exception`) is the request's
-fault: HTTP 400 `invalid_message`, not a 500 the client retries.
+policy's failure. The 503 carries a Retry-After (`ABORTED_RETRY_AFTER_S`): the engine may still be paused.
+
+A turn whose engine request raises (the engine failed or was stopped mid-request, or its rank died and restarts
+were used up) records nothing of that turn (tokens of a preempted attempt before it included), is counted in
+`engine_errors`, and is answered HTTP 500 `engine_error` naming the engine's exception (its traceback is logged, not
+sent); a rank that was restarted during the request (`WorkerRestartedError`, transient) is 503 `engine_restarting`
+with a Retry-After (`RESTARTING_RETRY_AFTER_S`). Either way the trajectory is marked as for a refusal (`end`
+"abort", `untrained`, until a later turn is sampled): an agent that gives up on the engine's failure was scored the
+failure reward on its sampled turns.
+
+A template that cannot render a request's messages (its own `raise_exception`) is the request's fault: HTTP 400
+`invalid_message`, not a 500 the client retries.
 
 A session that was closed (its episode timed out or ended) answers HTTP 410 (`session_closed`) to its agent's later
 requests, a reward report included; `AgentSessions` remembers the last `CLOSED_KEPT` closed ids for that (an id
@@ -63,6 +73,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import math
 import threading
 from collections import OrderedDict
@@ -84,7 +95,13 @@ from roll_core.idle_aborts import MAX_IDLE_ABORTS, idle_backoff_s, idle_backoff_
 from roll_core.interfaces import Request, SamplingParams
 from roll_core.seeds import Purpose, derive_seed
 
+log = logging.getLogger(__name__)
+
 ON_REWRITE = ("restart", "refuse")
+#: Retry-After (seconds) of a 503 `engine_aborted`: the session already waited `idle_backoff_total_s()` for the engine.
+ABORTED_RETRY_AFTER_S = 1
+#: Retry-After (seconds) of a 503 `engine_restarting`: a restarted engine loads its model and gets the weights again.
+RESTARTING_RETRY_AFTER_S = 10
 #: Closed session ids remembered (to answer 410, not 404): a bounded memory for a run of many episodes.
 CLOSED_KEPT = 1 << 16
 
@@ -164,6 +181,7 @@ class AgentSession:
         self.requests = 0  # turns sampled, across restarts (what max_turns counts; replays are capped apart)
         self.rewrites = self.dropped_turns = self.constrained_turns = self.invalid_tool_calls = 0
         self.resumed = 0  # turn requests the engine aborted on its own and that were resumed
+        self.engine_errors = 0  # turn requests whose engine request raised (500 engine_error / 503 engine_restarting)
         self.closed = False
         self.request_id: str | None = None  # the engine request in flight
         self.woken = threading.Event()  # set on close: ends a wait between a refused turn's tries
@@ -425,6 +443,7 @@ class AgentSessions:
                 f"session {s.sid}: the engine aborted the request and it could not be resumed (aborted "
                 f"{MAX_IDLE_ABORTS} times in a row without a token, or a constrained turn)",
                 kind="server_error",
+                retry_after=ABORTED_RETRY_AFTER_S,
             )
         text = self.decode(token_ids)
         stops = (*base.stop, *turn.stop)
@@ -470,10 +489,13 @@ class AgentSessions:
                         410, "session_closed", f"session {s.sid} has ended (episode timeout or shutdown)"
                     )
                 req = Request(rid, context + tokens, params.replace(max_new_tokens=budget, seed=seed))
-                fut = self.infer.submit_request(req, route_key=s.sid)
-                if s.closed:  # closed during the submit: its abort may have reached the engine before the request
-                    self.infer.abort(rid)
-                out = fut.result()
+                try:
+                    fut = self.infer.submit_request(req, route_key=s.sid)
+                    if s.closed:  # closed during the submit: its abort may have reached the engine before the request
+                        self.infer.abort(rid)
+                    out = fut.result()
+                except Exception as exc:  # the tokens of earlier attempts are dropped with the turn
+                    raise _engine_failure(s, exc) from exc
             finally:
                 s.request_id = None
             tokens += list(out.token_ids)
@@ -497,3 +519,32 @@ class AgentSessions:
     def sessions(self) -> Sequence[str]:
         with self._lock:
             return list(self._sessions)
+
+
+def _engine_failure(s: AgentSession, exc: Exception) -> SessionError:
+    """The refusal of a turn whose engine request raised `exc` (see the module docstring); the session is marked."""
+    if s.closed:  # the episode ended while the request ran (its abort may have failed the request): as `_chat`
+        s.end_at("abort")
+        return SessionError(410, "session_closed", f"session {s.sid} ended while its request ran")
+    s.end_at("abort", untrained=True)  # not the policy's failure: untrained unless a later turn is sampled
+    s.engine_errors += 1
+    log.warning("session %s: the inference engine failed during a turn request", s.sid, exc_info=exc)
+    # The first line only, capped: a worker's death quotes Ray's report of it (a traceback), which stays in the log.
+    lines = str(exc).strip().splitlines()
+    what = f"{type(exc).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
+    from roll_core.cluster.group import WorkerRestartedError  # lazily: the sessions need no cluster otherwise
+
+    if isinstance(exc, WorkerRestartedError):
+        return SessionError(
+            503,
+            "engine_restarting",
+            f"session {s.sid}: the inference engine was restarted during the request; try again ({what})",
+            kind="server_error",
+            retry_after=RESTARTING_RETRY_AFTER_S,
+        )
+    return SessionError(
+        500,
+        "engine_error",
+        f"session {s.sid}: the inference engine failed during the request ({what})",
+        kind="server_error",
+    )

@@ -15,7 +15,10 @@ format:
   endpoint refuses, 404 for an unknown session or route, 405 for a method a route does not take, 409 for a second
   concurrent request of one session, 410 for a session that ended (the episode timed out), 413 for a body over
   `max_body_bytes`, 503 (`engine_aborted`) for a turn the engine keeps aborting (its own aborts are resumed first:
-  roll_core.agentic.agent_sessions), 500 for a bug (logged). A refusal never stops the run.
+  roll_core.agentic.agent_sessions) and 503 (`engine_restarting`) for one whose engine rank was restarted under it,
+  both with a Retry-After header, 500 (`engine_error`, type `server_error`) for a turn whose engine request raised
+  (the message names the engine's exception; its traceback is logged), 500 (`internal_error`) for a bug (logged).
+  A refusal never stops the run.
 - A client's retry (header `x-stainless-retry-count` >= 1, as the openai clients send it) of the previous request
   gets the reply recorded for it again; any other request is sampled (roll_core.agentic.agent_sessions).
 - Sampling follows the run (infer_engine.temperature, top_p, top_k): the trainer's ratio assumes that distribution,
@@ -252,11 +255,19 @@ def _structured(fmt: Any) -> Any:
     raise SessionError(400, "invalid_response_format", f"response_format={fmt!r}: text, json_object or json_schema")
 
 
-def _error(status: int, code: str, message: str, kind: str = "invalid_request_error") -> Any:
+def _error(
+    status: int, code: str, message: str, kind: str = "invalid_request_error", retry_after: int | None = None
+) -> Any:
     from aiohttp import web
 
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return web.json_response(body, status=status)
+    # The openai clients wait what Retry-After says (up to a minute) before their retry of a 503.
+    headers = {"Retry-After": str(int(retry_after))} if retry_after is not None else None
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _refused(exc: SessionError) -> Any:
+    return _error(exc.status, exc.code, exc.message, exc.kind, exc.retry_after)
 
 
 def is_retry(headers: Any) -> bool:
@@ -395,7 +406,7 @@ class OpenAIServer:
             session = self.sessions.get(sid)
             value = session.set_reward(body.get("reward") if isinstance(body, dict) else None)
         except SessionError as exc:
-            return _error(exc.status, exc.code, exc.message, exc.kind)
+            return _refused(exc)
         return web.json_response({"session": sid, "reward": value})
 
     async def _chat(self, request: Any) -> Any:
@@ -409,7 +420,7 @@ class OpenAIServer:
             chat = functools.partial(self.sessions.chat, sid, turn, retry=is_retry(request.headers))
             reply = await loop.run_in_executor(self._pool, chat)
         except SessionError as exc:
-            return _error(exc.status, exc.code, exc.message, exc.kind)
+            return _refused(exc)
         except Exception as exc:  # a bug, never the agent's fault: logged, the episode goes on or fails
             log.exception("session %s: chat request failed", sid)
             return _error(500, "internal_error", f"{type(exc).__name__}: {exc}", "server_error")
