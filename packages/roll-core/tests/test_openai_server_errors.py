@@ -202,3 +202,4 @@ def test_an_agent_that_gives_up_on_an_engine_failure_is_counted_aborted_not_fail
     assert episode.traj.end == "abort" and not episode.traj.success
     m = agent_metrics([episode])
     assert (m["agent/aborted_episodes"], m["agent/failed_episodes"], m["agent/failed_error"]) == (1.0, 0.0, 0.0)
+    assert m["agent/engine_errors"] == 1.0

@@ -380,6 +380,8 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
         "agent/failed_episodes": float(sum(failures.values())),
         # the engine refused the last request (503): not the agent's failure, not trained
         "agent/aborted_episodes": float(len(everyone) - len(episodes)),
+        # requests the engine failed (500 engine_error): their episodes ended untrained, counted above
+        "agent/engine_errors": float(sum(e.session.engine_errors for e in everyone)),
         "agent/history_rewrites": float(sum(e.session.rewrites for e in everyone)),
         "agent/replayed_requests": float(sum(e.session.replays for e in everyone)),  # client retries answered again
         "agent/dropped_turns": float(sum(e.session.dropped_turns for e in everyone)),
