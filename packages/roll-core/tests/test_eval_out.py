@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -163,3 +164,23 @@ def test_an_out_folder_holding_earlier_results_is_refused_before_evaluating_unle
     from roll_core.eval_compare import existing_outputs
 
     assert existing_outputs(tmp_path / "new") == [] and existing_outputs(tmp_path) == []
+
+
+def test_reports_are_written_in_utf8_whatever_the_locale(tmp_path: Path) -> None:
+    """report.md was written in the locale's encoding: under an ASCII locale (LANG=C without Python's UTF-8 mode) a
+    `±` of the tables or a non-ASCII checkpoint path raised UnicodeEncodeError after the whole evaluation ran."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, types; from pathlib import Path; from roll_core.report import write_eval_report\n"
+        "t = types.SimpleNamespace(label='mod\\u00e8le', step=3)\n"
+        "r = {'success_rate': 0.5, 'accuracy': 0.5, 'n': 2}\n"
+        "write_eval_report(Path(sys.argv[1]), [(t, r)], settings={'ks': [1], 'n': 1}, files={},"
+        " argv=['roll-eval', '/runs/mod\\u00e8le \\u00b1 1'])\n"  # (escaped: an ASCII locale's command line)
+    )
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert "/runs/modèle ± 1" in text and "| modèle | 3 |" in text

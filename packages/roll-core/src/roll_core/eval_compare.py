@@ -374,12 +374,12 @@ def write_outputs(
     returns the written paths by name."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"samples": out / "samples.jsonl", "csv": out / "comparison.csv", "json": out / "comparison.json"}
-    with open(paths["samples"], "w") as f:
+    with open(paths["samples"], "w", encoding="utf-8") as f:
         for target, res in results:
             for row in res["rows"]:
                 f.write(json.dumps({"model": target.label, "step": target.step, **row}) + "\n")
     names = csv_columns(ks)
-    with open(paths["csv"], "w", newline="") as f:
+    with open(paths["csv"], "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["model", "step", "path", "breakdown", "group", *names])
         for target, res in results:
@@ -413,7 +413,7 @@ def write_outputs(
             for t, r in results
         ],
     }
-    paths["json"].write_text(json.dumps(payload, indent=2))
+    paths["json"].write_text(json.dumps(payload, indent=2), encoding="utf-8")
     md = [
         "# roll-eval comparison",
         "",

@@ -248,7 +248,7 @@ def write_run_report(
             lines += [f"Compare every checkpoint{what}:", "", "```bash", cmds["compare"], "```", ""]
         path = out / "report.md"
         out.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(lines))
+        path.write_text("\n".join(lines), encoding="utf-8")
         return path
     except Exception as exc:  # a report is a convenience: it never turns a finished run into a failed one
         log.warning("could not write %s/report.md: %s", out, exc)
@@ -292,7 +292,7 @@ def write_eval_report(
             cells = [f"{r[c]:.4f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
             lines.append(f"| {t.label} | {'-' if t.step is None else t.step} | " + " | ".join(cells) + " |")
         lines += ["", "## Files", "", *(f"- [{p.name}]({p.name})" for p in files.values())]
-        (out / "report.md").write_text("\n".join(lines) + "\n")
+        (out / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
         return out / "report.md"
     lines += [f"- responses per problem (n): {n}; pass@k for k in {', '.join(map(str, ks))}; maj@{n}", ""]
     skipped = {t.label: r["skipped_problems"] for t, r in results if r.get("skipped_problems")}
@@ -307,5 +307,5 @@ def write_eval_report(
     lines += ["## Files", ""]
     lines += [f"- [{p.name}]({p.name})" for p in files.values()]
     path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")  # (the tables' ±, non-ASCII paths)
     return path
