@@ -90,6 +90,14 @@ def _leftovers() -> str:
     return f"threads: {', '.join(parts) or 'none'}; gloo loops: {gloo}; a default process group: {pg}"
 
 
+def _remove_session_tmp() -> None:
+    """Remove the session's temporary folder (above), in the process that made it."""
+    if _TEST_TMP is not None:
+        import shutil
+
+        shutil.rmtree(_TEST_TMP, ignore_errors=True)
+
+
 def _remove_own_temp_dirs() -> None:
     """Remove the session's temporary folder (above) and the temporary folders this process made and left to the
     finalizers `os._exit` skips: every `tempfile.TemporaryDirectory` still alive (wandb's media and artifact folders
@@ -97,13 +105,12 @@ def _remove_own_temp_dirs() -> None:
     import shutil
     import weakref
 
-    if _TEST_TMP is not None:
-        shutil.rmtree(_TEST_TMP, ignore_errors=True)
+    _remove_session_tmp()
     cleanup = getattr(tempfile.TemporaryDirectory, "_cleanup", None)
-    for ref, info in list(getattr(weakref.finalize, "_registry", {}).items()):
+    for fin, info in list(getattr(weakref.finalize, "_registry", {}).items()):
         if getattr(info.func, "__func__", None) is getattr(cleanup, "__func__", object()):
             try:
-                ref()
+                fin()
             except OSError:
                 pass
     mp = sys.modules.get("multiprocessing.process")
@@ -115,10 +122,7 @@ def _remove_own_temp_dirs() -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     if not _EXIT_STATUS or os.environ.get("ROLL_TEST_FINALIZE") == "1":
-        if _TEST_TMP is not None:
-            import shutil
-
-            shutil.rmtree(_TEST_TMP, ignore_errors=True)
+        _remove_session_tmp()
         return
     sys.stdout.flush()
     sys.stderr.flush()

@@ -95,16 +95,23 @@ def run_dir_overrides(args: list[str]) -> list[str]:
         for a in args
     ):
         return args
-    value, at = None, 0
-    for i, a in enumerate(args):
-        key, sep, v = a.partition("=")
-        if sep and key.lstrip("+") == "pipeline.output_dir":
-            value, at = v, i
+    value, at = _last_override(args, "pipeline.output_dir")
     if value is None or value.strip() in ("", "null", "~"):
         return args
     # Beside the override it follows: Hydra's argparse takes the overrides as one run of positionals, so one added
     # after a flag (`pipeline.output_dir=x --cfg job`) was "unrecognized arguments".
     return [*args[: at + 1], f"hydra.run.dir={value}", *args[at + 1 :]]
+
+
+def _last_override(args: list[str], key: str) -> tuple[str | None, int]:
+    """The value the last `key=value` override in `args` gives (any `+` prefix; in Hydra the last one wins) and its
+    index; (None, -1) when there is none."""
+    value, at = None, -1
+    for i, a in enumerate(args):
+        k, sep, v = a.partition("=")
+        if sep and k.lstrip("+") == key:
+            value, at = v, i
+    return value, at
 
 
 def _with_override(args: list[str], override: str) -> list[str]:
@@ -197,11 +204,7 @@ def hold_run_dir(args: list[str]) -> Any:
     if any(a.partition("=")[0] in _NO_RUN_FLAGS for a in args):
         return None
     key = "hydra.sweep.dir" if any(a in ("-m", "--multirun") for a in args) else "hydra.run.dir"
-    folder = None
-    for a in args:  # the last value wins, as in Hydra
-        k, sep, v = a.partition("=")
-        if sep and k.lstrip("+") == key:
-            folder = v
+    folder, _ = _last_override(args, key)
     if folder is None or not folder.strip() or "${" in folder:
         return None
     from roll_core.run_lock import hold_run_folder
