@@ -3,6 +3,7 @@ past the thread that happened to start it."""
 
 from __future__ import annotations
 
+import contextvars
 import os
 import signal
 import subprocess
@@ -139,13 +140,23 @@ class _BlocksInAForkedChild:
             time.sleep(60)
 
 
-def test_a_child_forked_from_a_thread_outlives_the_main_threads_thread_locals() -> None:
-    """A child forked from an environment thread hung before serving when the main thread held a thread-local whose
+_CONTEXT_HELD = contextvars.ContextVar("held_by_the_main_thread")
+
+
+@pytest.mark.parametrize("holder", ["thread_local", "context_var"])
+def test_a_child_forked_from_a_thread_outlives_what_the_main_thread_holds(holder: str) -> None:
+    """A child forked from an environment thread hung before serving when the main thread held an object whose
     destructor blocks in a child (a DTensor sharding cache's gloo process group, after an FSDP2 step): CPython
-    deletes the other threads' states in the child, which ran that destructor there. Every reward call timed out
-    (seen in the suite under pytest-xdist, where an FSDP2 test ran before this module in the same process)."""
+    clears the other threads' states in the child (their thread-local values, their contextvars context), which ran
+    that destructor there. Every reward call timed out (seen in the suite under pytest-xdist, where an FSDP2 test ran
+    before this module in the same process; the context-variable case in later xdist runs)."""
     local = threading.local()
-    local.group = _BlocksInAForkedChild()  # held by the main thread only
+    if holder == "thread_local":
+        local.group = _BlocksInAForkedChild()  # held by the main thread only
+    else:
+        # No token kept: a Token references its Context, and a frame's locals outlive the fork (only the thread
+        # states are cleared), which would keep the value alive in the child where a user's context has no token.
+        _CONTEXT_HELD.set(_BlocksInAForkedChild())
     worker = ForkedWorker(os.getpid, name="pid")
     out: list[object] = []
 
@@ -162,4 +173,5 @@ def test_a_child_forked_from_a_thread_outlives_the_main_threads_thread_locals() 
         assert len(out) == 1 and isinstance(out[0], int) and out[0] != os.getpid(), out
     finally:
         worker.close()
-        del local.group
+        _CONTEXT_HELD.set(None)
+        local.__dict__.clear()
