@@ -253,3 +253,40 @@ def test_a_local_group_that_fails_to_start_tears_down_the_ranks_it_built(where: 
     with pytest.raises(RuntimeError, match=f"engine could not be {'built' if where == 'init' else 'set up'}"):
         WorkerGroup(Fragile, 3, "local", fail_rank=1, where=where, log=log)
     assert sorted(log) == torn_down
+
+
+class Aborter(Worker):
+    """Ranks in `failing` raise from `abort`; every rank records the calls it got in `log` (shared, in order)."""
+
+    def __init__(self, failing: tuple[int, ...], log: list, **base):
+        super().__init__(**base)
+        self.failing, self.log = failing, log
+
+    @dispatch(Dispatch.BROADCAST)
+    def abort(self, reason: str) -> int:
+        self.log.append((self.rank, reason))
+        if self.rank in self.failing:
+            raise ValueError(f"rank {self.rank} could not undo the sync")
+        return self.rank
+
+
+def test_a_local_call_reaches_every_rank_when_one_raises_and_names_the_ranks_that_failed() -> None:
+    """Rank 0 raises: ranks 1 and 2 still get the call, as every Ray actor does (the call was sent to each), and the
+    error raised is rank 0's own (its type kept, as Ray's is an instance of it), noted with the failing ranks and
+    the other failure. The local backend stopped at rank 0: an `abort_weight_update` never reached rank 1."""
+    log: list = []
+    group = WorkerGroup(Aborter, 3, "local", name="actor_infer", failing=(0, 2), log=log)
+    with pytest.raises(ValueError, match="rank 0 could not undo the sync") as err:
+        group.call(Aborter.abort, "the sync failed")
+    assert log == [(0, "the sync failed"), (1, "the sync failed"), (2, "the sync failed")]
+    assert err.value.__notes__ == [
+        "actor_infer.abort() raised on rank(s) 0, 2 of the 3 called; rank 0's error raised; "
+        "rank 2: ValueError: rank 2 could not undo the sync"
+    ]
+    log.clear()
+    with pytest.raises(ValueError, match="rank 2 could not undo") as err:  # some ranks only: the same
+        group.call_ranks([2, 1], Aborter.abort, "again")
+    assert log == [(2, "again"), (1, "again")]
+    assert err.value.__notes__ == ["actor_infer.abort() raised on rank(s) 2 of the 2 called; rank 2's error raised"]
+    ok = WorkerGroup(Aborter, 2, "local", failing=(), log=[])
+    assert ok.call(Aborter.abort, "fine") == [0, 1]

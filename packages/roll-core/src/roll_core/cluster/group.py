@@ -4,10 +4,14 @@
 calls according to each method's declared dispatch mode (see roll_core.cluster.worker). A call names the worker
 method itself, never its name as a string: `group.call(TrainWorker.compute_values, batch)`, so a type checker sees
 the method and checks its arguments (`Method`: a worker method with the worker's type first). `submit()` returns
-a `Handle` to wait on, so the controller can overlap work; `call()` waits. The `local` backend executes at submit
-time in this process (so `breakpoint()` in a worker just works); the `ray` backend places actors by the
-resources and placement groups the caller gives. Arguments and results travel by value on both (the local backend
-copies tensors, Batches and the containers holding them: roll_core.cluster.worker.by_value).
+a `Handle` to wait on, so the controller can overlap work; `call()` waits. A call reaches every rank it names on
+both backends, whatever another rank raises (an engine's `abort_weight_update` is not skipped because another
+engine's failed; the local backend stopped at the first rank that raised); its caller gets a failing rank's own
+error (its type kept: Ray's is an instance of it; local: the lowest rank's), noted with the failing rank(s). The
+`local` backend executes at submit time in this process (so `breakpoint()` in a worker just works); the `ray`
+backend places actors by the resources and placement groups the caller gives. Arguments and results travel by
+value on both (the local backend copies tensors, Batches and the containers holding them:
+roll_core.cluster.worker.by_value).
 
 Start: a rank whose constructor or set-up fails (or that is not placed within `start_timeout_s`) fails the group's
 start at once, without waiting for the other ranks (they may wait in a rendezvous with it); every rank already
@@ -350,16 +354,30 @@ class WorkerGroup(Generic[W]):
         if mode is Dispatch.DP and self.mesh.dp != self.world_size:
             keep = [ranks.index(r) for r in self.mesh.output_ranks()]
         if self.backend == "local":
-            # Each rank gets its own copy of the arguments, and the caller copies of the results, as Ray's
-            # serialisation gives them (see roll_core.cluster.worker.by_value).
-            parts = [
-                by_value(getattr(self.workers[r], method)(*by_value(a), **by_value(kwargs))) for r, a in args.items()
-            ]
-            return Handle(parts, mode, lambda p: p, keep)
+            return Handle(self._call_local(method, args, kwargs), mode, lambda p: p, keep)
         parts = [getattr(self.workers[r], method).remote(*a, **kwargs) for r, a in args.items()]
         deadline = self._deadline()
         born = {r: self._incarnation[r] for r in args} if self.backend == "ray" else {}
         return Handle(parts, mode, lambda p: self._collect(method, args, kwargs, p, deadline, born), keep, remote=True)
+
+    def _call_local(self, method: str, args: dict[int, Sequence[Any]], kwargs: dict[str, Any]) -> list[Any]:
+        """Per-rank results of an in-process call (module doc: every rank is called, then the first error raised).
+        Each rank gets its own copy of the arguments, and the caller copies of the results, as Ray's serialisation
+        gives them (see roll_core.cluster.worker.by_value)."""
+        parts: list[Any] = []
+        errors: dict[int, Exception] = {}
+        for r, a in args.items():
+            try:
+                parts.append(by_value(getattr(self.workers[r], method)(*by_value(a), **by_value(kwargs))))
+            except Exception as exc:  # an interrupt stops at once
+                errors[r] = exc
+                parts.append(None)
+        if errors:
+            first, exc = next(iter(errors.items()))
+            others = "".join(f"; rank {r}: {type(e).__name__}: {e}" for r, e in errors.items() if r != first)
+            exc.add_note(f"{_failed(self.name, method, list(errors), len(args))}; rank {first}'s error raised{others}")
+            raise exc
+        return parts
 
     def call_ranks(self, ranks: Sequence[int], method: Method[W, P, R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run a broadcast method on some ranks only (restoring restarted workers); their results in order."""
@@ -409,6 +427,9 @@ class WorkerGroup(Generic[W]):
                     except ray.exceptions.RayActorError as exc:
                         dead.append(r)
                         deaths[r] = exc
+                    except ray.exceptions.RayTaskError as exc:  # the method raised: the first to answer is raised
+                        exc.add_note(_failed(self.name, method, [r], len(args)))
+                        raise
                 if dead and self.restarts + len(dead) > self.max_restarts:
                     break
             if not dead and not hung:
@@ -571,6 +592,11 @@ class WorkerGroup(Generic[W]):
                 except Exception:  # a failed run's engine may be broken: release the others regardless
                     log.exception("%s rank %d: teardown failed", self.name, w.rank)
         self.workers = []
+
+
+def _failed(name: str, method: str, ranks: list[int], called: int) -> str:
+    """The note on a call's error naming the ranks where it failed (the same words on both backends)."""
+    return f"{name}.{method}() raised on rank(s) {', '.join(map(str, ranks))} of the {called} called"
 
 
 def _report(exc: BaseException) -> str:

@@ -6,11 +6,20 @@ in the whole batch so the samples do not depend on the number of ranks) for RLVR
 (`submit_request` -> `RequestHandle`, least-loaded or conversation-pinned routing) for multi-turn and partial
 rollout. The receiving side of weight sync (roll_core.cluster.weight_sync) is here too. The worker builds its engine
 in its constructor, on the actor's main thread (roll_core.cluster.engine_worker).
+
+The steps of a weight update on one worker (begin, each receive, finish, abort) run one at a time, under one
+lock: a Ray actor serves the request API on a pool of threads (`max_concurrency`), and a failed sync's
+`abort_weight_update` may come while a receive the controller stopped waiting for still runs (a `dist` receiver
+still in a broadcast after `DistTransport.receivers_grace_s`, or a rank still applying its last bucket when another
+rank's error was raised first). Run beside it, the abort put back the old weights and a bucket landing afterwards
+was written into them: a mix, served under the old version. The abort waits until the receive returned or failed
+(a receiver stuck in a broadcast leaves it at the sync group's timeout, or dies with the trainer's connection).
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from concurrent.futures import Future
 from typing import Any
 
@@ -109,14 +118,21 @@ class InferWorker(EngineWorker):
         return self.engine.memory_bytes()
 
     # ---- weight sync: the receiving side ----------------------------------------------------------------------
+    def _update_lock(self) -> threading.Lock:
+        """The lock each weight-update step holds (module docstring). Made on first use, atomically (a dict's
+        setdefault under the GIL), so a worker built without its constructor (a test's receiving side) has one."""
+        return self.__dict__.setdefault("_weight_update_lock", threading.Lock())
+
     # retry=False: a step of a sync is meaningless alone on a restarted engine; WeightSync redoes the whole sync.
     @dispatch(Dispatch.BROADCAST, retry=False)
     def begin_weight_update(self) -> None:
-        self.engine.begin_weight_update()
+        with self._update_lock():
+            self.engine.begin_weight_update()
 
     @dispatch(Dispatch.BROADCAST, retry=False)
     def finish_weight_update(self) -> int:
-        return self.engine.finish_weight_update()
+        with self._update_lock():
+            return self.engine.finish_weight_update()
 
     @dispatch(Dispatch.BROADCAST, retry=False)
     def abort_weight_update(self, reason: str) -> int:
@@ -124,26 +140,29 @@ class InferWorker(EngineWorker):
         fetched): the engine puts back what the sync wrote and keeps its weight version. Engines without the
         optional `abort_weight_update` (roll_core.interfaces.InferEngine) are finished as before: they must resume
         generating (a plugin's engine may hold a lock from `begin_weight_update` until `finish_weight_update`)."""
-        abort = getattr(self.engine, "abort_weight_update", None)
-        if not callable(abort):
-            return self.engine.finish_weight_update()
-        return abort(reason)
+        with self._update_lock():
+            abort = getattr(self.engine, "abort_weight_update", None)
+            if not callable(abort):
+                return self.engine.finish_weight_update()
+            return abort(reason)
 
     @dispatch(Dispatch.BROADCAST, retry=False)
     def receive_bucket(self, bucket: Bucket) -> int:
         """In-process transport: one bucket of the trainer's tensors (live parameters, never kept)."""
-        return self.engine.update_weights(bucket)
+        with self._update_lock():
+            return self.engine.update_weights(bucket)
 
     @dispatch(Dispatch.BROADCAST, retry=False)
     def receive_weights_object_store(self, refs: list[Any]) -> int:
         import ray
 
-        nbytes = 0
-        for ref in refs:
-            bucket: Bucket | dict[str, torch.Tensor] = ray.get(ref)
-            nbytes += self.engine.update_weights(bucket.items() if isinstance(bucket, dict) else bucket)
-            del bucket
-        return nbytes
+        with self._update_lock():
+            nbytes = 0
+            for ref in refs:
+                bucket: Bucket | dict[str, torch.Tensor] = ray.get(ref)
+                nbytes += self.engine.update_weights(bucket.items() if isinstance(bucket, dict) else bucket)
+                del bucket
+            return nbytes
 
     @dispatch(Dispatch.BROADCAST, retry=False)
     def join_sync_group(self, host: str, port: int, world_size: int, backend: str) -> None:
@@ -151,18 +170,20 @@ class InferWorker(EngineWorker):
 
     @dispatch(Dispatch.BROADCAST, retry=False)
     def receive_weights_dist(self) -> int:
-        # An engine's error (a weight it does not have) is raised once the trainer's broadcast ended (receive_all).
-        return self._sync_group.receive_all(self.engine.update_weights)
+        with self._update_lock():
+            # An engine's error (a weight it does not have) is raised once the trainer's broadcast ended (receive_all).
+            return self._sync_group.receive_all(self.engine.update_weights)
 
     @dispatch(Dispatch.BROADCAST, retry=False)
     def receive_ipc_bucket(self, shared: list[dict[str, Any]]) -> int:
-        mine = shared[self.rank]  # trainer rank r shares device r with this rank
-        bucket = open_cuda(mine["handle"], mine["specs"])
-        nbytes = self.engine.update_weights(bucket)
-        # The engine's copies out of the sender's buffer are asynchronous: they must have landed before this call
-        # returns, because the sender drops (and the allocator reuses) that buffer as soon as it does.
-        torch.cuda.synchronize(bucket[0][1].device)
-        return nbytes
+        with self._update_lock():
+            mine = shared[self.rank]  # trainer rank r shares device r with this rank
+            bucket = open_cuda(mine["handle"], mine["specs"])
+            nbytes = self.engine.update_weights(bucket)
+            # The engine's copies out of the sender's buffer are asynchronous: they must have landed before this call
+            # returns, because the sender drops (and the allocator reuses) that buffer as soon as it does.
+            torch.cuda.synchronize(bucket[0][1].device)
+            return nbytes
 
     @dispatch(Dispatch.RANK0)
     def weight_format(self) -> str:

@@ -35,6 +35,9 @@ A sync that fails part way (the trainer dies between buckets, an object-store bu
 broadcast breaks) ends with `InferWorker.abort_weight_update` on every receiver, never `finish_weight_update`: an
 engine that implements it (hf) puts back what the sync wrote and keeps its weight version, so it serves the old
 weights whole rather than a mix under a new version; engines without it are finished as before (`abort_sync`).
+The abort reaches every receiver (on the local backend too: roll_core.cluster.group) and runs on each only after
+its receive returned or failed (roll_core.cluster.infer_role: a receiver the controller stopped waiting for, a
+`dist` one past `receivers_grace_s`, may still be writing buckets).
 
 `changed_only` syncs skip what training cannot change (frozen parameters, buffers); the first sync, and the first
 after an engine discarded its weights (`sleep(level=2)`), is always full.
@@ -234,7 +237,9 @@ class DistTransport(Transport):
     A sync that fails on either side discards the group: its receivers may still wait in it (a trainer that died, or
     failed mid-broadcast), and the next sync must not share a stream with them. When the trainer's side fails, its
     receivers are waited for (up to `receivers_grace_s`: a trainer that failed between buckets ended the sync on
-    them, SyncGroup.send_all) and their errors logged; the trainer's error is raised."""
+    them, SyncGroup.send_all) and their errors logged; the trainer's error is raised. A receiver still receiving
+    then (a hung trainer that timed out may yet send) is aborted only once its receive ends: the worker's
+    `abort_weight_update` waits for it (roll_core.cluster.infer_role), so no bucket lands after the abort."""
 
     name = "dist"
     #: Seconds to wait for the receivers of a sync whose sender failed, before giving up on them (they leave at the
@@ -281,7 +286,7 @@ class DistTransport(Transport):
         if not receivers.wait(self.receivers_grace_s):
             log.warning(
                 "weight sync failed on the trainer; inference ranks still wait in it after %.0f s (they give up at "
-                "the group's timeout); the next sync builds a new group",
+                "the group's timeout, and the sync's abort waits for them there); the next sync builds a new group",
                 self.receivers_grace_s,
             )
             return
