@@ -7,10 +7,13 @@ blocks, shell comments included (`# or: roll-train ...` is a command, `# + k=v .
 makes a second command; `nox -s quickstart [-- args]` is the `roll-train` command noxfile.py runs). `jobs(cmd)`
 lists the overrides of every job a command launches (a multirun: every job of its sweep, Optuna's search space
 included), with stand-ins for its `<placeholders>`; `first_job(cmd)` composes the first one with its `hydra` node.
+A roll-eval command's own options are told apart from its overrides with roll-eval's argparse parser itself
+(`roll_eval_options`: which options take a value, which are flags), so a flag may sit anywhere in a command.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import itertools
 import re
@@ -51,19 +54,76 @@ class Command:
 
     @property
     def overrides(self) -> list[str]:
-        """Hydra overrides (roll-eval: its key=value arguments, not its models nor its own `--option value`s)."""
+        """Hydra overrides (roll-eval: its key=value arguments, not its models nor its own options and their values,
+        a flag such as `--overwrite` taking none: roll_eval_options)."""
         args = [a for a in self.args if a not in ("-m", "--multirun")]
         if self.prog != "roll-eval":  # Hydra's own flags (`--cfg hydra`) are not overrides
             return without_hydra_flags(args)
-        out, value = [], False
+        out, values = [], 0
         for a in args:
-            if value:  # the value of the option before it
-                value = False
+            if values:  # a value of the option before it
+                values -= 1
             elif a.startswith("-"):
-                value = "=" not in a  # `--n 4` (not `--n=4`): its value comes next
+                # `--n 4`: its value comes next (`--n=4` holds it); `--overwrite`: none (roll-eval's parser says which)
+                values = 0 if "=" in a else roll_eval_option(a, self.where)
             elif "=" in a or a.startswith("~"):
                 out.append(a)
         return out
+
+
+class _ParserSeen(Exception):
+    """Raised in place of parsing, carrying the parser roll-eval built (roll_eval_options)."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__("roll-eval's parser")
+        self.parser = parser
+
+
+@functools.cache
+def roll_eval_options() -> dict[str, int]:
+    """roll-eval's options -> how many values each takes (0 for a flag: `--overwrite`, `--help`), read from the
+    argparse parser `roll_core.cli.eval_main` builds: it is caught when eval_main starts parsing, before anything
+    runs, so a new option or flag is known here without a list to keep in step."""
+    from unittest import mock
+
+    from roll_core import cli
+
+    def caught(parser: argparse.ArgumentParser, *_: Any, **__: Any) -> Any:
+        raise _ParserSeen(parser)
+
+    names = ("parse_args", "parse_known_args", "parse_intermixed_args", "parse_known_intermixed_args")
+    patches = [mock.patch.object(argparse.ArgumentParser, name, caught) for name in names]
+    try:
+        for p in patches:
+            p.start()
+        cli.eval_main(["placeholder"])
+    except _ParserSeen as seen:
+        parser = seen.parser
+    else:
+        raise RuntimeError("roll_core.cli.eval_main parsed no arguments with argparse: cannot read its options")
+    finally:
+        for p in patches:
+            p.stop()
+    options: dict[str, int] = {}
+    for action in parser._actions:  # argparse keeps no public list of them
+        takes = action.nargs if isinstance(action.nargs, int) else 1  # None (one value); ?/*/+: roll-eval has none
+        options.update(dict.fromkeys(action.option_strings, takes))
+    return options
+
+
+def roll_eval_option(arg: str, where: str = "") -> int:
+    """How many values follow roll-eval's option `arg` (`--n`: 1, `--overwrite`: 0). An unambiguous prefix is the
+    option it starts, as argparse reads it (`--over`); an unknown or ambiguous one is a ValueError naming the
+    command's place (roll-eval itself would refuse it)."""
+    options = roll_eval_options()
+    if arg in options:
+        return options[arg]
+    matches = sorted(o for o in options if o.startswith("--") and arg.startswith("--") and o.startswith(arg))
+    if len(matches) == 1:
+        return options[matches[0]]
+    if matches:
+        raise ValueError(f"{where}: {arg} is ambiguous: {', '.join(matches)} (roll-eval refuses it)")
+    raise ValueError(f"{where}: {arg} is not one of roll-eval's options ({', '.join(sorted(options))})")
 
 
 def without_hydra_flags(args: Sequence[str]) -> list[str]:

@@ -55,8 +55,14 @@ def test_reward_that_raises_returns_nan_or_hangs_is_counted_and_the_run_finishes
             "cluster=ray",
             "pipeline.max_steps=2",
             "env.reward._target_=fault_helpers.FaultyReward",
-            "pipeline.reward_batch_timeout_s=1",
-            "pipeline.reward_timeout_s=0.5",
+            # Clocks far from any real scoring time, so load cannot turn a healthy row into a failed one: a hung row
+            # sleeps 60 s (FaultyReward) against a 1 s row timeout, where a healthy row takes milliseconds (a child
+            # forked anew after a kill included). The batch timeout also bounds the whole row-by-row pass (batch +
+            # 3 x row timeout: reward_guard): at 1 s + 3 x 0.5 s, on a loaded machine the 41 rows below ran out of
+            # time and the rows never tried counted as timeouts (errors 3, not 5). A batch fails at once when it
+            # holds a "raise" row (1 row in 8 raises: nearly every batch), so the longer batch timeout seldom costs.
+            "pipeline.reward_batch_timeout_s=10",
+            "pipeline.reward_timeout_s=1",
         )
     )
     try:

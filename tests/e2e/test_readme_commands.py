@@ -340,6 +340,23 @@ def test_parser_reads_spans_blocks_comments_and_nox() -> None:
     assert smallest_sweep(found[-1].overrides) == ["algo=grpo"]
 
 
+def test_parser_knows_roll_evals_flags_from_its_parser() -> None:
+    """A flag (`--overwrite`) took the next argument as its value, so an override after it was lost (and a flag had to
+    be last in a doc command); roll-eval's own parser now says which options take a value."""
+    from doc_commands import roll_eval_options
+
+    options = roll_eval_options()
+    assert options["--overwrite"] == 0 and options["--help"] == 0 and options["--n"] == 1 and options["--out"] == 1
+    args = tuple("<ckpt> --overwrite experiment=quickstart --n 4 --over a=1 --k=1,2 ~b --out o".split())
+    assert Command("roll-eval", args, 1).overrides == ["experiment=quickstart", "a=1", "~b"]  # `--over`: a prefix
+    (cmd,) = readme_commands("`roll-eval <ckpt> --overwrite experiment=quickstart --n 4 pipeline.eval_temperature=0.7`")
+    assert cmd.overrides == ["experiment=quickstart", "pipeline.eval_temperature=0.7"]
+    # roll-eval refuses both: an ambiguous prefix, an unknown option
+    for bad, why in (("--o", "is ambiguous: --out, --overwrite"), ("--nope", "is not one of roll-eval's options")):
+        with pytest.raises(ValueError, match=f"README.md:1: {bad} {why}"):
+            _ = Command("roll-eval", ("<ckpt>", bad, "a=1"), 1).overrides
+
+
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[c.text for c in COMMANDS])
 def test_readme_command_composes(cmd: Command) -> None:
     """Every command, runnable or not, composes to a valid typed config (a multirun: every job)."""

@@ -73,6 +73,51 @@ def test_std_error_is_the_sample_std_over_sqrt_m_by_hand() -> None:
     assert std_error([0.3]) is None and std_error([]) is None  # no spread to estimate from one value
 
 
+def test_rate_stderr_is_std_error_of_the_0_1_outcomes_by_hand() -> None:
+    from roll_core.eval_metrics import rate_stderr, std_error
+
+    assert rate_stderr(0.75, 4) == pytest.approx(0.25) == std_error([1, 0, 1, 1])  # sqrt(.75 * .25 / 3)
+    assert rate_stderr(0.2, 5) == pytest.approx(0.2)  # 1 of 5: sqrt(.2 * .8 / 4) = sqrt(.04)
+    assert rate_stderr(0.5, 2) == pytest.approx(0.5) and rate_stderr(1.0, 3) == 0.0
+    assert rate_stderr(0.0, 1) is None and rate_stderr(0.0, 0) is None  # no spread to estimate from one episode
+    with pytest.raises(ValueError, match="within"):
+        rate_stderr(1.5, 4)
+
+
+def test_agentic_success_rate_has_its_standard_error_in_results_and_report(tmp_path: Path) -> None:
+    """An agentic roll-eval reported its success rate without the standard error single-turn accuracy has."""
+    import types
+
+    from roll_core.evaluate import episode_result
+    from roll_core.report import write_eval_report
+
+    # what an agentic collector's evaluate returns: 3 of 4 held-out episodes succeeded
+    m = {
+        "eval/accuracy": 0.75,
+        "eval/success_rate": 0.75,
+        "eval/reward": 0.5,
+        "eval/n": 4.0,
+        "eval/mean_turns": 2.5,
+        "eval/invalid_action_rate": 0.1,
+        "eval/tool_calls_mean": 0.0,
+        "eval/end_success": 0.75,
+        "eval/seconds": 1.0,
+    }
+    r = episode_result(m, "sokoban", agentic=True)
+    assert r["success_rate"] == 0.75 and r["success_rate_stderr"] == pytest.approx(0.25)  # sqrt(.75 * .25 / 3)
+    assert r["accuracy_stderr"] == pytest.approx(0.25) and r["n"] == 4 and r["ends"] == {"success": 0.75}
+    program = episode_result({**m, "eval/accuracy": 0.2, "eval/n": 5.0}, "agent", agentic=False)
+    assert program["accuracy_stderr"] == pytest.approx(0.2) and "success_rate" not in program  # 1 of 5 episodes
+    one = episode_result({**m, "eval/n": 1.0}, "sokoban", agentic=True)
+    assert one["success_rate_stderr"] is None  # one episode: no spread to estimate
+    t, single = types.SimpleNamespace(label="m", step=3), types.SimpleNamespace(label="o", step=None)
+    write_eval_report(tmp_path, [(t, r), (single, one)], settings={"ks": [1], "n": 1}, files={}, argv=["roll-eval"])
+    md = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert "| model | step | success_rate | accuracy | reward | mean_turns | invalid_action_rate | n |" in md
+    assert "| m | 3 | 0.7500 ± 0.2500 | 0.7500 ± 0.2500 | 0.5000 | 2.5000 | 0.1000 | 4 |" in md
+    assert "| o | - | 0.7500 | 0.7500 | 0.5000 | 2.5000 | 0.1000 | 1 |" in md
+
+
 def test_summarize_gives_each_means_standard_error_over_problems() -> None:
     """Per problem, not per response: the 8 responses below are 4 problems, not 8 independent draws."""
     m = summarize(_rows(PROBLEMS), [1, 2])

@@ -334,6 +334,51 @@ def test_countdown_equation_parsing() -> None:
             evaluate_equation(bad)
 
 
+@pytest.mark.parametrize(
+    ("equation", "value", "used"),
+    [
+        (r"2\left(3+5\right)", 16, [2, 3, 5]),  # 2*8
+        ("2(3+5)", 16, [2, 3, 5]),
+        ("2 (3) (4)", 24, [2, 3, 4]),  # spaces between the factors, a chain of them
+        ("(1+2)(3+4)", 21, [1, 2, 3, 4]),  # 3*7
+        (r"[1+2]\{3+4\}", 21, [1, 2, 3, 4]),  # brackets and braces group as parentheses
+        ("23(4-3)", 23, [23, 4, 3]),  # 23*1: digits are never split into 2*3
+        ("6 - 2(1+2)", 0, [6, 2, 1, 2]),  # the product binds before the minus: 6 - 6
+        ("(6/2)(1+2)", 9, [6, 2, 1, 2]),  # 3*3
+        (r"\frac{6}{2}(1+2)", 9, [6, 2, 1, 2]),
+        (r"\frac{6}{2(1+2)}", 1, [6, 2, 1, 2]),  # 6/6
+    ],
+)
+def test_countdown_reads_implicit_products(equation: str, value: int, used: list[int]) -> None:
+    # These were "not an expression" (a right answer scored 0 and counted as an error).
+    assert evaluate_equation(equation) == (value, used)
+
+
+@pytest.mark.parametrize(
+    "equation",
+    [
+        "6/2(1+2)",  # 9 read left to right, 1 in sympy's LaTeX grammar: ambiguous
+        "6/(2)(1+2)",
+        "6/-2(1+2)",  # a sign between does not settle it
+        r"6 \div 2\left(1+2\right)",
+        "2 3",  # 23 or 2*3: not read either way
+        "(3+5)2",  # only an opening parenthesis makes a product
+    ],
+)
+def test_countdown_refuses_ambiguous_juxtaposition(equation: str) -> None:
+    with pytest.raises(ValueError):
+        evaluate_equation(equation)
+    result = CountdownReward().score([f"\\boxed{{{equation}}}"], ["9|6,2,1,2"])
+    assert result.correct == [0.0] and result.counters["errors"] == 1
+
+
+def test_countdown_reward_scores_an_implicit_product() -> None:
+    res = CountdownReward().score(
+        [r"\boxed{2\left(3+5\right)}", r"\boxed{(1+2)(3+4) = 21}"], ["16|2,3,5", "21|1,2,3,4"]
+    )
+    assert res.correct == [1.0, 1.0] and res.counters["errors"] == 0
+
+
 def test_countdown_reward() -> None:
     res = CountdownReward(format_weight=0.1).score(
         [r"\boxed{(3 + 5) * 2}", r"\boxed{3 * 5 + 2}", r"\boxed{(3+5)*2*1}", "16"],

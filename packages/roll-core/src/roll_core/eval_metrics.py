@@ -29,6 +29,8 @@ Contract:
   problem makes all of them right), and the held-out problems are the sample that decides how far the number can
   move. For 0/1 scores it is `sqrt(p (1 - p) / (P - 1))` (scores 1, 0, 1, 1: 0.75 +- 0.25). None with one problem.
   (When problems have different response counts, accuracy weighs responses and its standard error is pass@1's.)
+  `rate_stderr(rate, n)` is the same standard error for a rate of n 0/1 outcomes kept only as the rate (an agentic
+  evaluation's success rate over its n held-out episodes, one per seed: `success_rate_stderr`, `accuracy_stderr`).
 """
 
 from __future__ import annotations
@@ -92,6 +94,16 @@ def std_error(values: Sequence[float]) -> float | None:
         return None
     mean = sum(values) / m
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (m - 1) / m)
+
+
+def rate_stderr(rate: float, n: int) -> float | None:
+    """`std_error` of n 0/1 outcomes of which a fraction `rate` are 1, from the rate alone: sqrt(rate (1 - rate) /
+    (n - 1)) (the sample variance of such values is n rate (1 - rate) / (n - 1)); None for n < 2."""
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"a rate of 0/1 outcomes must be within [0, 1], got {rate}")
+    if n < 2:
+        return None
+    return math.sqrt(rate * (1.0 - rate) / (n - 1))
 
 
 def _vote_key(answer: str | None) -> str | None:

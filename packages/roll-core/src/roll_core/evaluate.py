@@ -25,7 +25,8 @@ truncated.
 
 Agentic tasks (env=sokoban, ...): one episode per held-out environment seed, through the agentic collector's
 evaluation, reporting success rate, mean turns and the invalid-action rate (n must be 1); agent programs
-(pipeline=agent) through theirs (accuracy and reward). Runs in this process (no Ray), one inference worker per
+(pipeline=agent) through theirs (accuracy and reward). Their rates come with a standard error over the episodes
+(`success_rate_stderr`, `accuracy_stderr`: `episode_result`). Runs in this process (no Ray), one inference worker per
 model.
 """
 
@@ -42,7 +43,7 @@ from roll_core.cluster.launch import Cluster
 from roll_core.cluster.roles import InferGroup
 from roll_core.config.build import as_dict, build
 from roll_core.config.compose import ConfigError
-from roll_core.eval_metrics import breakdown, difficulty_of, summarize
+from roll_core.eval_metrics import breakdown, difficulty_of, rate_stderr, summarize
 from roll_core.interfaces.tasks import AgenticTask
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.collectors import CollectorContext
@@ -170,21 +171,8 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
     finally:
         collector.close()
         cluster.shutdown()
-    if episodes and not agentic:  # an agent program: its collector's held-out accuracy and reward
-        return {"accuracy": m["eval/accuracy"], "reward": m["eval/reward"], "n": int(m["eval/n"]), "task": task_name}
-    if agentic:
-        return {
-            "accuracy": m["eval/accuracy"],
-            "reward": m["eval/reward"],
-            "n": int(m["eval/n"]),
-            "task": task_name,
-            "success_rate": m["eval/success_rate"],
-            "mean_turns": m["eval/mean_turns"],
-            "invalid_action_rate": m["eval/invalid_action_rate"],
-            "tool_calls_mean": m["eval/tool_calls_mean"],
-            "ends": {k.removeprefix("eval/end_"): v for k, v in m.items() if k.startswith("eval/end_")},
-            "agentic": True,
-        }
+    if episodes:
+        return episode_result(m, task_name, agentic)
     overall = summarize(rows, ks)
     return {
         "accuracy": overall["accuracy"],
@@ -200,6 +188,33 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
         "skipped_problems": skipped,
         "reward_counters": counters,
         "rows": rows,
+    }
+
+
+def episode_result(m: dict[str, float], task_name: str, agentic: bool) -> dict[str, Any]:
+    """roll-eval's result from an episode collector's `evaluate` metrics `m`: an agentic task's success rate, turns,
+    invalid actions and end reasons, or an agent program's accuracy and reward. Both rates are the fraction of the
+    `eval/n` episodes (one per held-out seed or row) that succeeded, so each comes with its standard error over
+    those episodes (`<rate>_stderr`, roll_core.eval_metrics.rate_stderr; None for one episode)."""
+    n = int(m["eval/n"])
+    out: dict[str, Any] = {
+        "accuracy": m["eval/accuracy"],
+        "accuracy_stderr": rate_stderr(m["eval/accuracy"], n),
+        "reward": m["eval/reward"],
+        "n": n,
+        "task": task_name,
+    }
+    if not agentic:  # an agent program: its collector's held-out accuracy and reward
+        return out
+    return {
+        **out,
+        "success_rate": m["eval/success_rate"],
+        "success_rate_stderr": rate_stderr(m["eval/success_rate"], n),
+        "mean_turns": m["eval/mean_turns"],
+        "invalid_action_rate": m["eval/invalid_action_rate"],
+        "tool_calls_mean": m["eval/tool_calls_mean"],
+        "ends": {k.removeprefix("eval/end_"): v for k, v in m.items() if k.startswith("eval/end_")},
+        "agentic": True,
     }
 
 

@@ -12,7 +12,8 @@ The numbers come from metrics.jsonl as a resume leaves it (`read_history_counted
 and the report says how many were; values under 1e-3 are shown in scientific notation, not as 0.0000.
 
 roll-eval's report (`write_eval_report`) holds the call's settings, the comparison table, the per-domain and
-per-difficulty accuracy, comparison.png and the files it wrote.
+per-difficulty accuracy, comparison.png and the files it wrote; for episodes (agentic tasks, agent programs) one
+table whose rates read `mean ± standard error` over the episodes where the result has one (`<rate>_stderr`).
 """
 
 from __future__ import annotations
@@ -255,6 +256,15 @@ def write_run_report(
         return None
 
 
+def _episode_cell(result: dict[str, Any], name: str) -> str:
+    """A cell of the episodes table: a rate as `mean ± standard error` when the result has one (as the single-turn
+    tables show accuracy), other floats to 4 places."""
+    value, se = result[name], result.get(f"{name}_stderr")
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:.4f}" if se is None else f"{value:.4f} ± {se:.4f}"
+
+
 def write_eval_report(
     out: Path,
     results: list[tuple[Any, dict[str, Any]]],
@@ -289,7 +299,7 @@ def write_eval_report(
             "|" + "---|" * (len(cols) + 2),
         ]
         for t, r in results:
-            cells = [f"{r[c]:.4f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
+            cells = [_episode_cell(r, c) for c in cols]
             lines.append(f"| {t.label} | {'-' if t.step is None else t.step} | " + " | ".join(cells) + " |")
         lines += ["", "## Files", "", *(f"- [{p.name}]({p.name})" for p in files.values())]
         (out / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

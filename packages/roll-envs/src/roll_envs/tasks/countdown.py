@@ -2,8 +2,9 @@
 
 Each split holds distinct problems (numbers and target) while the draw finds new ones; once a small space runs out
 it repeats them rather than fail. The answer is checked by parsing the model's boxed equation with Python's `ast`
-(numbers, + - * / and parentheses only, LaTeX's `\\left(`, brackets and `\\frac` read as such; anything else
-scores 0): no model text is ever executed. The ground truth string is "target|n1,n2,...".
+(numbers, + - * / and parentheses only, LaTeX's `\\left(`, brackets and `\\frac` read as such, a number or closing
+parenthesis before an opening one read as a product, as in `2(3+5)`; anything else scores 0): no model text is ever
+executed. The ground truth string is "target|n1,n2,...".
 """
 
 from __future__ import annotations
@@ -56,6 +57,47 @@ def _plain_latex(text: str) -> str:
     return text.replace("\\{", "(").replace("\\}", ")").translate(_GROUPING)
 
 
+# Implicit products: `2(3+5)`, `(1+2)(3+4)`, `2\\left(3+5\\right)` are products in written maths (sympy's
+# parse_latex and math-verify read them so); they scored 0 as "not an expression". Only a number or `)` followed by
+# `(` is one: digits are never split (`23` stays 23), `2 3` stays a syntax error, and `(3+5)2` (rarely written)
+# stays refused. `a/b(c)` is refused as ambiguous: school arithmetic reads it
+# `(a/b)*c`, sympy's LaTeX grammar (juxtaposition binds tighter than `/`) `a/(b*c)`; `\\frac` or explicit
+# parentheses say which is meant.
+_TOKEN = re.compile(r"\d+|\s+|.", re.DOTALL)
+
+
+def _implicit_products(text: str) -> str:
+    """`text` with `*` inserted where a number or `)` meets `(`; ValueError where that product follows a `/`."""
+    out: list[str] = []
+    signif: list[str] = []  # the tokens so far without whitespace, to look back past spaces
+    opened: list[int] = []  # index in `signif` of each unclosed "("
+    operand_at: int | None = None  # where the number or group that just ended starts, in `signif`
+    for tok in _TOKEN.findall(text):
+        if tok.isspace():
+            out.append(tok)
+            continue
+        if tok == "(" and operand_at is not None:
+            before = operand_at - 1
+            while before >= 0 and signif[before] in "+-":  # unary signs: `6/-2(3)` is as ambiguous as `6/2(3)`
+                before -= 1
+            if before >= 0 and signif[before] == "/":
+                raise ValueError(f"ambiguous implicit product after '/' (write \\frac or parentheses): {text[:80]!r}")
+            out.append("*")
+            signif.append("*")
+        at = len(signif)
+        out.append(tok)
+        signif.append(tok)
+        if tok.isdigit():
+            operand_at = at
+        elif tok == ")":
+            operand_at = opened.pop() if opened else None  # an unmatched ")" is the parser's syntax error
+        else:
+            operand_at = None
+            if tok == "(":
+                opened.append(at)
+    return "".join(out)
+
+
 def evaluate_equation(text: str) -> tuple[Fraction, list[int]]:
     """Exact value of an arithmetic expression and the integers it uses; ValueError for anything else."""
     text = text.split("=")[0]
@@ -63,6 +105,7 @@ def evaluate_equation(text: str) -> tuple[Fraction, list[int]]:
         raise ValueError(f"equation of {len(text)} characters (more than {MAX_EQUATION_CHARS})")
     text = _plain_latex(text.replace("\\times", "*").replace("\\cdot", "*").replace("\\div", "/"))
     text = text.replace("×", "*").replace("÷", "/").replace("−", "-")  # the symbols themselves (unicode minus too)
+    text = _implicit_products(text)
     if len(text) > MAX_EQUATION_CHARS:
         raise ValueError(f"equation of {len(text)} characters (more than {MAX_EQUATION_CHARS})")
     try:
