@@ -18,8 +18,8 @@ rows of one module may use it). At the end each module prints a table of every r
 that ends any other way than expected fails its test.
 
 A test module puts this folder on sys.path and registers this module for pytest's assertion rewriting before it
-imports it (the probes' asserts then explain themselves as they would in a test module), and uses `open_corpus`
-for its module fixture and `check` in its test.
+imports it (the probes' asserts then explain themselves as they would in a test module), and uses `check` in its
+test with the module-scoped `corpus` fixture of tests/e2e/conftest.py (`open_corpus`).
 """
 
 from __future__ import annotations
@@ -506,7 +506,8 @@ def classify(case: Case, corpus: Corpus) -> Result:
 
 
 def open_corpus(tmp_path_factory: pytest.TempPathFactory, seven: Path, config: pytest.Config) -> Iterator[Corpus]:
-    """The body of a test module's module-scoped `corpus` fixture: a Corpus for its rows, then its table."""
+    """The body of the module-scoped `corpus` fixture (tests/e2e/conftest.py): a Corpus for a module's rows, then
+    its table."""
     c = Corpus(tmp_path_factory.mktemp("bad-inputs"), seven)
     yield c
     _print_table(c.results, config)

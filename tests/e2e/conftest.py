@@ -1,12 +1,14 @@
 """Shared fixtures of the end-to-end tests: one Ray instance shared by the modules that need one, a tiny learnable
-task, a run helper."""
+task, a run helper, the bad-input corpus of a test_bad_inputs_*.py module."""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,3 +108,14 @@ def tiny_model(_model_cache: None) -> str:
     from roll_core.models import resolve_model_path
 
     return resolve_model_path("builtin:tiny")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory, seven_task: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The bad-input corpus of a test_bad_inputs_*.py module (a `bad_input_corpus.Corpus` for its rows; one per
+    module, so each module's shared run and table are its own), and the table of the rows it tried at its end."""
+    # Imported here, not above: the module asking for it has put this folder on sys.path and registered
+    # bad_input_corpus for assertion rewriting before its own import of it (a conftest import would come first).
+    from bad_input_corpus import open_corpus
+
+    yield from open_corpus(tmp_path_factory, seven_task, request.config)

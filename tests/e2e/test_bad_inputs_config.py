@@ -5,14 +5,13 @@ runner: bad_input_corpus.py; the other rows: test_bad_inputs_run.py."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # bad_input_corpus (and the helpers configs name by module)
 pytest.register_assert_rewrite("bad_input_corpus")  # before its import: its probes' asserts explain themselves
-from bad_input_corpus import Case, Corpus, E, check, compose, open_corpus  # noqa: E402
+from bad_input_corpus import Case, Corpus, E, check, compose  # noqa: E402
 
 CASES: list[Case] = [
     # -- configs: unknown keys and options ------------------------------------------------------------------------
@@ -220,13 +219,6 @@ CASES: list[Case] = [
         r"infer_engine=sglang reports log-probs before top-k/top-p truncation",
     ),
 ]
-
-
-@pytest.fixture(scope="module")
-def corpus(
-    tmp_path_factory: pytest.TempPathFactory, seven_task: Path, request: pytest.FixtureRequest
-) -> Iterator[Corpus]:
-    yield from open_corpus(tmp_path_factory, seven_task, request.config)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,6 @@ from bad_input_corpus import (  # noqa: E402
     guarded,
     huge_prompt,
     malformed_env,
-    open_corpus,
     roll_eval,
     run_steps,
     scored,
@@ -341,13 +339,6 @@ CASES: list[Case] = [
     ),
     E("eval/bad-override", roll_eval("builtin:tiny", "model=tiny", "algo.lr=abc"), r"exit 2: .*full_key: algo\.lr"),
 ]
-
-
-@pytest.fixture(scope="module")
-def corpus(
-    tmp_path_factory: pytest.TempPathFactory, seven_task: Path, request: pytest.FixtureRequest
-) -> Iterator[Corpus]:
-    yield from open_corpus(tmp_path_factory, seven_task, request.config)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

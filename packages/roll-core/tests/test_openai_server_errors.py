@@ -13,15 +13,13 @@ from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
 
-import openai
 import pytest
 
-from roll_core.agentic.agent_sessions import MAX_IDLE_ABORTS, AgentSessions, SessionLimits
-from roll_core.agentic.chat import TurnTemplate
-from roll_core.agentic.openai_server import HermesToolParser, OpenAIServer
+from roll_core.agentic.agent_sessions import MAX_IDLE_ABORTS, SessionLimits
 from roll_core.cluster.group import WorkerRestartedError
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.models import build_tiny_tokenizer
+from roll_core.testing.agent_endpoint import gives_up_on_refusal, serve
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)
 LIMITS = SessionLimits(max_turns=4, max_tokens_per_turn=16, max_context_length=1024)
@@ -72,15 +70,6 @@ class ScriptedEngine:
         return None
 
 
-def _serve(engine: Any, tokenizer: Any) -> tuple[AgentSessions, OpenAIServer]:
-    sessions = AgentSessions(
-        engine, TurnTemplate(tokenizer), lambda ids: tokenizer.decode(ids, skip_special_tokens=True), HermesToolParser()
-    )
-    server = OpenAIServer(sessions)
-    server.start()
-    return sessions, server
-
-
 def _post(url: str, messages: list[Any]) -> tuple[int, Any, Any]:
     """(status, JSON body, headers) of a chat request."""
     body = json.dumps({"model": "m", "messages": messages}).encode()
@@ -110,7 +99,7 @@ def test_an_engine_failure_is_a_500_naming_it_and_no_half_turn_is_recorded(
     died = RuntimeError("hf engine shut down")
     failing = {"future": [died], "submit": [("submit", died)], "after_partial": ["partial", died]}[how]
     engine = ScriptedEngine(tokenizer, ["ok", *failing, "ok"])
-    sessions, server = _serve(engine, tokenizer)
+    sessions, server = serve(engine, tokenizer)
     try:
         sessions.open("e", PARAMS, LIMITS)
         assert _post(server.base_url("e"), HI)[0] == 200
@@ -138,7 +127,7 @@ def test_a_restarting_engine_is_a_503_with_retry_after(tokenizer: Any) -> None:
     """A rank that died during the request and is being restarted (`WorkerRestartedError`) is a transient state:
     503 `engine_restarting` with a Retry-After the openai clients honour (it was a 500 `internal_error`)."""
     engine = ScriptedEngine(tokenizer, [WorkerRestartedError("actor_infer: rank(s) [0] restarted", [0]), "ok"])
-    sessions, server = _serve(engine, tokenizer)
+    sessions, server = serve(engine, tokenizer)
     try:
         sessions.open("r", PARAMS, LIMITS)
         status, body, headers = _post(server.base_url("r"), HI)
@@ -157,7 +146,7 @@ def test_an_engine_refusal_503_says_when_to_retry(tokenizer: Any) -> None:
     """The existing 503 `engine_aborted` (every try aborted, as by an engine paused for a weight sync) carried no
     Retry-After: clients retried on their own short schedule into the same pause."""
     engine = ScriptedEngine(tokenizer, ["abort"])
-    sessions, server = _serve(engine, tokenizer)
+    sessions, server = serve(engine, tokenizer)
     try:
         sessions.open("a", PARAMS, LIMITS)
         status, body, headers = _post(server.base_url("a"), HI)
@@ -175,18 +164,9 @@ def test_an_agent_that_gives_up_on_an_engine_failure_is_counted_aborted_not_fail
     from roll_core.pipelines.collectors.agents import AgentCollector, agent_metrics
 
     engine = ScriptedEngine(tokenizer, ["ok", RuntimeError("CUDA error: an illegal memory access")])
-    sessions, server = _serve(engine, tokenizer)
+    sessions, server = serve(engine, tokenizer)
     seen: list[Any] = []
-
-    def gives_up(base_url: str, reward_url: str, row: Any) -> float:
-        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
-        first = client.chat.completions.create(model="m", messages=HI)
-        try:
-            client.chat.completions.create(model="m", messages=[*HI, first.choices[0].message, *HI])
-        except openai.APIStatusError as exc:
-            seen.append(exc)
-            raise
-        return 1.0
+    gives_up = gives_up_on_refusal(seen)
 
     c = AgentCollector.__new__(AgentCollector)  # the episode part only, on the real server
     c.sessions, c.server, c.limits = sessions, server, LIMITS

@@ -33,6 +33,7 @@ from roll_core.agentic.trajectory import to_tensors
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.models import build_tiny_tokenizer
 from roll_core.pipelines.metrics import StepLog
+from roll_core.testing.agent_endpoint import gives_up_on_refusal, serve
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)
 LIMITS = SessionLimits(max_turns=4, max_tokens_per_turn=16, max_context_length=1024)
@@ -95,11 +96,8 @@ class HangingEngine(RefusingEngine):
 
 
 def _serve(infer: Any, tokenizer: Any) -> tuple[AgentSessions, OpenAIServer]:
-    sessions = AgentSessions(
-        infer, TurnTemplate(tokenizer), lambda ids: tokenizer.decode(ids, skip_special_tokens=True), HermesToolParser()
-    )
-    server = OpenAIServer(sessions)
-    assert server.start().startswith("http://127.0.0.1:")
+    sessions, server = serve(infer, tokenizer)
+    assert server.url.startswith("http://127.0.0.1:")
     return sessions, server
 
 
@@ -141,16 +139,7 @@ def test_an_engine_refusal_is_a_503_and_leaves_the_episode_untrained(tokenizer: 
     engine = RefusingEngine(tokenizer, refuse_from=1, refusals=MAX_IDLE_ABORTS)
     sessions, server = _serve(engine, tokenizer)
     seen: list[Any] = []
-
-    def gives_up(base_url: str, reward_url: str, row: Any) -> float:
-        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
-        first = client.chat.completions.create(model="m", messages=HI)
-        try:
-            client.chat.completions.create(model="m", messages=[*HI, first.choices[0].message, *HI])
-        except openai.APIStatusError as exc:
-            seen.append(exc)
-            raise
-        return 1.0
+    gives_up = gives_up_on_refusal(seen)
 
     def tries_again(base_url: str, reward_url: str, row: Any) -> float:
         client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
