@@ -83,8 +83,14 @@ class MlflowConfig:
     # After a failed send, seconds before the buffered points are sent again (doubles per failure, up to 300);
     # training goes on meanwhile (roll_core.trackers.mlflow).
     retry_interval_s: float = 10.0
+    # Metric points kept in memory while the server is away (sent when it answers); past it the oldest are dropped,
+    # counted and warned about (metrics.jsonl keeps them).
+    max_buffered_points: int = 100_000
 
     def __post_init__(self) -> None:
+        _check(
+            "mlflow.max_buffered_points", self.max_buffered_points >= 1, f"must be >= 1, got {self.max_buffered_points}"
+        )
         _check("mlflow.timeout_s", self.timeout_s >= 1, f"must be at least 1, got {self.timeout_s}")
         _check("mlflow.retries", self.retries >= 0, f"must be >= 0, got {self.retries}")
         _check("mlflow.retry_interval_s", self.retry_interval_s >= 0, f"must be >= 0, got {self.retry_interval_s}")

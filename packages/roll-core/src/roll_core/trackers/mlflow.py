@@ -43,9 +43,12 @@ sent the steps it lacks from metrics.jsonl; `close()` tries once more, and a lat
 missing. Later, a send that fails for a network reason (connection refused, timeout, a 5xx) never raises into
 training: the points stay buffered, in order, and are sent with the next log once `retry_interval_s` has passed
 (doubling to 5 minutes while the server stays away); every failed send is counted in the metric FAILURES_METRIC
-(logged with the data once the server is back) and warned about once per outage. `close()` tries once more; what
-still cannot be sent is written to `<run>/mlflow/unsent.json` (an error names it) and sent when the run resumes in
-the same folder. A refusal that is not a network problem (an invalid value) raises: resending would not help.
+(logged with the data once the server is back) and warned about once per outage. The buffer is bounded: past
+`tracking.mlflow.max_buffered_points` metric points (or MAX_BUFFERED_TABLES sample tables) the oldest are dropped,
+counted in DROPPED_METRIC and warned about once per outage and again, with the total, when the server answers or the
+run ends (they stay in the run folder's metrics.jsonl and samples.jsonl; MLflow lacks them). `close()` tries once
+more; what still cannot be sent is written to `<run>/mlflow/unsent.json` (an error names it) and sent when the run
+resumes in the same folder. A refusal that is not a network problem (an invalid value) raises: resending would not help.
 MLflow's own HTTP retries are bounded by `tracking.mlflow.timeout_s` and `tracking.mlflow.retries` (unless the
 MLFLOW_HTTP_REQUEST_* environment variables say otherwise); while the server is away, a resend is one request: an
 outage is noticed within about `(retries + 1) * timeout_s`, and `close()` waits about `timeout_s` per request it
@@ -68,10 +71,10 @@ from typing import Any
 
 from roll_core.config.tracking import MLFLOW, backend_options, tracking_config
 from roll_core.trackers.background import SerialWorker
+from roll_core.trackers.mlflow_buffer import LOGGED_ARTIFACTS_TAG, Dropped, drop_oldest, table, tables_tag
 from roll_core.trackers.mlflow_keys import (
     MAX_KEY,
     MAX_PARAM_VALUE,
-    MAX_TAG_VALUE,
     PARAM_CUT_NOTE,
     KeyNames,
     flatten_config,
@@ -81,6 +84,7 @@ from roll_core.trackers.replay import kept_metrics, kept_samples
 from roll_core.tracking import redact_config, redact_exception, redact_text
 
 __all__ = [
+    "DROPPED_METRIC",
     "FAILURES_METRIC",
     "MAX_KEY",
     "MAX_PARAM_VALUE",
@@ -99,6 +103,10 @@ STATE_FILE = "run.json"
 UNSENT_FILE = "unsent.json"
 #: Metric counting the failed sends of this run (logged once the server answers again).
 FAILURES_METRIC = "tracking/mlflow_send_failures"
+#: Metric counting the buffered points this run dropped (the buffer full while the server was away).
+DROPPED_METRIC = "tracking/mlflow_dropped_points"
+#: Sample tables buffered while the server is away (each up to `samples_per_step` rows of `sample_max_chars`).
+MAX_BUFFERED_TABLES = 100
 # MLflow's limits (mlflow.utils.validation) on entities per log_batch call (names and values: mlflow_keys).
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAMS_TAGS_PER_BATCH = 100
@@ -107,7 +115,6 @@ PERMANENT_ERRORS = frozenset(
     {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "PERMISSION_DENIED"}
 )
 MAX_RETRY_INTERVAL_S = 300.0
-LOGGED_ARTIFACTS_TAG = "mlflow.loggedArtifacts"  # what mlflow.log_table maintains for the UI's table views
 #: MLflow's own HTTP settings are process-wide variables (`MlflowTracker._http`): one tracker sets them at a time.
 _HTTP_SETTINGS = threading.RLock()
 
@@ -121,25 +128,6 @@ def is_network_error(exc: BaseException) -> bool:
 
 class Unreachable(RuntimeError):
     """The tracking server did not answer (`is_network_error`) when the MLflow run was to be started or reopened."""
-
-
-def tables_tag(tables: list[dict[str, str]]) -> str:
-    """LOGGED_ARTIFACTS_TAG's value: the newest of `tables` whose JSON list fits MLflow's tag value limit. All of
-    them overflowed it after ~150 steps of samples: MLflow cut the text (invalid JSON: no table listed in the UI,
-    and a resume failed reading it back) or, with MLFLOW_TRUNCATE_LONG_VALUES=false, refused it (the run failed)."""
-    size, kept = 2, 0  # "[]", then each entry and its ", "
-    for entry in reversed(tables):
-        size += len(json.dumps(entry)) + (2 if kept else 0)
-        if size > MAX_TAG_VALUE:
-            break
-        kept += 1
-    return json.dumps(tables[len(tables) - kept :])
-
-
-def table(step: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Sample rows as MLflow's table artifact format (pandas' "split" orient): columns step, then each row key."""
-    columns = ["step", *dict.fromkeys(k for row in rows for k in row if k != "step")]
-    return {"columns": columns, "data": [[step, *(row.get(c) for c in columns[1:])] for row in rows]}
 
 
 class MlflowTracker:
@@ -173,11 +161,13 @@ class MlflowTracker:
         self.pending_metrics: list[tuple[str, float, int, int]] = []  # key, value, timestamp ms, step
         self.pending_artifacts: dict[str, str] = {}  # artifact path -> text
         self.tables: list[dict[str, str]] = []  # the run's table artifacts (LOGGED_ARTIFACTS_TAG)
-        self.keys = KeyNames("metric", reserved=[FAILURES_METRIC])  # each metric key's MLflow name, distinct
+        self.keys = KeyNames("metric", reserved=[FAILURES_METRIC, DROPPED_METRIC])  # MLflow names, distinct
         self.failures = 0  # failed sends of this run (FAILURES_METRIC)
         self.outage_failures = 0  # failed sends since the last success
         self.retry_at = 0.0
-        self._reported_failures = 0
+        self.dropped = 0  # metric points dropped from the full buffer (DROPPED_METRIC)
+        self.outage_dropped = Dropped()  # what this outage dropped (its warnings)
+        self._reported = [0, 0]  # the failures and dropped counts last buffered as metrics
         # A resumed run whose MLflow run is not open yet: the recorded run is valid up to this step (`_open`).
         self.resume_step: int | None = None
         self.seen_step = -1  # the last step given to this backend while its run is not open
@@ -390,6 +380,7 @@ class MlflowTracker:
         if self.outage_failures:
             log.warning("MLflow at %s answers again: the buffered points are sent", self.shown_uri)
             self.outage_failures, self.retry_at = 0, 0.0
+            self._dropped_summary(log.warning)
         (self.dir / UNSENT_FILE).unlink(missing_ok=True)
         if self.held_step != self.last_step:
             self.held_step = self.last_step
@@ -413,6 +404,40 @@ class MlflowTracker:
                 waiting,
                 wait,
             )
+
+    def _bound_buffer(self) -> None:
+        """Past `max_buffered_points` points or MAX_BUFFERED_TABLES tables, drop the oldest (mlflow_buffer):
+        counted (DROPPED_METRIC) and warned once per outage; the run folder's files keep them."""
+        first, (points, tables) = not self.outage_dropped, (self.outage_dropped.points, self.outage_dropped.tables)
+        limits = (self.options.max_buffered_points, MAX_BUFFERED_TABLES)
+        if not drop_oldest(self.pending_metrics, self.pending_artifacts, self.tables, *limits, self.outage_dropped):
+            return
+        self.dropped += self.outage_dropped.points - points
+        if self.outage_dropped.tables != tables:  # the UI's list names only the tables the run has
+            self.pending_tags[LOGGED_ARTIFACTS_TAG] = tables_tag(self.tables)
+        if first:
+            log.warning(
+                "MLflow at %s is still away and the buffer is full (tracking.mlflow.max_buffered_points=%d, %d sample "
+                "tables): the oldest are dropped, counted in %s; %s keeps every step",
+                *(self.shown_uri, *limits, DROPPED_METRIC, self.run_dir / "metrics.jsonl"),
+            )
+
+    def _dropped_summary(self, say: Any) -> None:
+        """Say (a logging call) what this outage dropped, if anything, then start counting anew."""
+        d, self.outage_dropped = self.outage_dropped, Dropped()
+        if d:
+            say(
+                "MLflow: %d metric points (steps %d to %d) and %d sample tables logged while the server was away were "
+                "dropped (buffer full): MLflow lacks them; %s and samples.jsonl keep them",
+                *(d.points, d.first_step, d.last_step, d.tables, self.run_dir / "metrics.jsonl"),
+            )
+
+    def _counts(self, step: int) -> None:
+        """Buffer FAILURES_METRIC and DROPPED_METRIC at `step` where they changed (sent with the data)."""
+        for key, count, reported in ((FAILURES_METRIC, self.failures, 0), (DROPPED_METRIC, self.dropped, 1)):
+            if count != self._reported[reported]:
+                self.pending_metrics.append((key, float(count), self._timestamp(), step))
+                self._reported[reported] = count
 
     def _timestamp(self) -> int:
         return int(time.time() * 1000)
@@ -528,11 +553,10 @@ class MlflowTracker:
         if not self._ensure_run(step):
             return  # metrics.jsonl holds the step: sent when the MLflow run opens
         self._add_metrics(step, metrics)
-        if self.failures != self._reported_failures:  # counted now, sent with the data once the server is back
-            self.pending_metrics.append((FAILURES_METRIC, float(self.failures), self._timestamp(), step))
-            self._reported_failures = self.failures
+        self._counts(step)
         self._save_state()
-        self._flush()
+        if not self._flush():
+            self._bound_buffer()
 
     def _samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Log the rows as the table artifact `samples/step_<step>.json`."""
@@ -540,7 +564,8 @@ class MlflowTracker:
             return  # samples.jsonl holds the rows: sent when the MLflow run opens
         self._add_samples(step, rows)
         self._save_state()
-        self._flush()
+        if not self._flush():
+            self._bound_buffer()
 
     def _close(self, failed: bool) -> None:
         """Send what is buffered and end the run (FAILED when `failed`); what cannot be sent goes to
@@ -557,9 +582,8 @@ class MlflowTracker:
         if self.run_id is None:
             return
         sent = self._flush(final=True)
-        if self.failures != self._reported_failures:  # the count of failed sends goes with the last data
-            self.pending_metrics.append((FAILURES_METRIC, float(self.failures), self._timestamp(), self.last_step))
-            self._reported_failures = self.failures
+        if [self.failures, self.dropped] != self._reported:
+            self._counts(self.last_step)  # the counts go with the last data
             sent = sent and self._flush(final=True)
         if sent:
             try:
@@ -569,6 +593,7 @@ class MlflowTracker:
                 log.warning("MLflow: could not mark run %s as ended (%s)", self.run_id, redact_text(str(exc)))
         else:
             self._save_unsent()
+            self._dropped_summary(log.error)
             log.error(
                 "MLflow at %s did not answer: %d metric points of run %s are in %s, sent when this run resumes "
                 "(metrics.jsonl holds them too)",
@@ -582,11 +607,11 @@ class MlflowTracker:
 
 def read_run(client: Any, run_id: str) -> dict[int, dict[str, float]]:
     """{step: {metric: value}} of an MLflow run through its client (for a step logged twice, the later point),
-    FAILURES_METRIC left out: what the run's charts show."""
+    FAILURES_METRIC and DROPPED_METRIC left out: what the run's charts show."""
     run = client.get_run(run_id)
     shown: dict[int, dict[str, tuple[int, float]]] = {}
     for key in run.data.metrics:
-        if key == FAILURES_METRIC:
+        if key in (FAILURES_METRIC, DROPPED_METRIC):
             continue
         for point in client.get_metric_history(run_id, key):
             seen = shown.setdefault(point.step, {}).get(key)
