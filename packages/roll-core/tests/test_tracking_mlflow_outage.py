@@ -1,24 +1,25 @@
-"""MLflow tracking through a server outage: a real `mlflow server` (SQLite store, 127.0.0.1) killed in the middle of
-a run and restarted on the same port, and the buffer's bound while it is away.
+"""MLflow tracking through outages: a real `mlflow server` (SQLite store, 127.0.0.1) that hangs, is killed or is
+restarted on the same port, a hung endpoint that never answers, a send that fails; and the buffer's bound while the
+server is away.
 
-Covered: a log call never holds the training loop while the server is away; every step logged during the outage
-reaches MLflow once the server is back, in step order; a run that ends with the server still down ends within a
-bound and says how many points were dropped and where they are kept; a full buffer drops its oldest points and
-sample tables, counted (`tracking/mlflow_dropped_points`) and warned about once per outage, and the run folder's
-metrics.jsonl keeps every step. The server is started once per module and killed at the end, also on failure.
+Covered: a log call never holds the training loop while the server is away (one request per resend, none on the
+training thread); what was logged meanwhile reaches MLflow once the server answers again (with the next log, not
+only at close, in step order), counted as failed sends and warned about once per outage; a hung server at close
+leaves the points in `unsent.json`, sent by the resume; a resume while the server hangs goes on and opens the MLflow
+run later; a resume replays the steps the continued run lacks (logged without mlflow, or buffered when the process
+died); a full buffer drops its oldest points and sample tables, counted (`tracking/mlflow_dropped_points`) and warned
+about once per outage, and the run folder's metrics.jsonl keeps every step; a run that ends with the server gone
+ends within a bound and says what was dropped and where the rest is kept. The server
+(roll_core.testing.mlflow_server) is started once per module, restarted once (the last test needs it after the one
+before kills it) and killed at the end, also on failure. A healthy server: test_tracking_mlflow.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,87 +27,25 @@ from typing import Any
 import pytest
 import yaml
 
+from roll_core.testing.mlflow_server import MlflowServer, clear_mlflow_env, run_id_of, sample_tables, serve
 from roll_core.tracking import Tracker
 
 LOGGER = "roll_core.trackers.mlflow"
 
 
-class Server:
-    """`mlflow server` on 127.0.0.1 with a SQLite store under `root`; `stop()` kills it (a server that goes away,
-    connections refused), `start()` brings it back on the same port with the same store."""
-
-    def __init__(self, root: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        self.root, self.url = root, f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 90.0) -> None:
-        cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port)]
-        cmd += ["--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}", "--workers", "1"]
-        cmd += ["--artifacts-destination", str(self.root / "artifacts")]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-        env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # no job runner (needs huey; not what is tested)
-        began = time.monotonic()
-        with open(self.root / "server.log", "ab") as out:  # its own process group: stop() ends it and its worker
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() - began > timeout_s:
-                self.stop()
-                pytest.fail(f"mlflow server did not answer on {self.url}:\n{(self.root / 'server.log').read_text()}")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=30)
-        self.proc = None
-
-    def running(self) -> Server:
-        if self.proc is None:
-            self.start()
-        return self
-
-    def client(self) -> Any:
-        from mlflow.tracking import MlflowClient
-
-        return MlflowClient(tracking_uri=self.url)
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
-    pytest.importorskip("flask", reason="`mlflow server` needs Flask (roll-core's test extra)")
-    srv = Server(tmp_path_factory.mktemp("mlflow-outage"))
-    try:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    with serve(tmp_path_factory.mktemp("mlflow-outage")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(autouse=True)
 def _no_user_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in [v for v in os.environ if v.startswith("MLFLOW_")]:
-        monkeypatch.delenv(var)
+    clear_mlflow_env(monkeypatch)
 
 
 def _config(**mlflow: Any) -> str:
     return yaml.safe_dump({"experiment": "outage", "tracking": {"mlflow": mlflow}})
-
-
-def _run_id(run_dir: Path) -> str:
-    return str(json.loads((run_dir / "mlflow" / "run.json").read_text())["run_id"])
 
 
 def _timed_logs(tracker: Tracker, steps: range) -> float:
@@ -119,43 +58,237 @@ def _timed_logs(tracker: Tracker, steps: range) -> float:
     return longest
 
 
-def test_a_server_restarted_mid_run_receives_every_step(
-    server: Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Killed after step 4 and back before step 15: the log calls meanwhile return at once, and steps 5-14, buffered,
-    reach MLflow with the first log after the restart (not only at close), in step order."""
-    from roll_core.trackers.mlflow import DROPPED_METRIC, FAILURES_METRIC, read_run
+def test_a_hung_server_loses_nothing(server: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from roll_core.trackers.mlflow import FAILURES_METRIC, UNSENT_FILE, read_run
 
-    server.running()
-    config = _config(tracking_uri=server.url, timeout_s=2, retries=1, retry_interval_s=0)
+    options = {"tracking_uri": server.url, "retries": 0, "retry_interval_s": 60}
+    config = yaml.safe_dump({"experiment": "outage", "tracking": {"mlflow": options}})
     tracker = Tracker(tmp_path, config, ["mlflow"])
-    backend = tracker.backends[0]
-    _timed_logs(tracker, range(5))
-    backend.wait()  # (sends run off the training thread) steps 0-4 reached the server
-    run_id, client = _run_id(tmp_path), server.client()
-    assert sorted(read_run(client, run_id)) == list(range(5))
-    server.stop()
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        held = _timed_logs(tracker, range(5, 15))
-        assert held < 0.5, f"a log call held the training loop {held:.2f}s while the server was down"
-        backend.wait()  # each send was refused: buffered
-        server.start()  # the same port and store
-        _timed_logs(tracker, range(15, 20))
-        backend.wait()
+    tracker.log(0, {"loss": 1.0})
+    tracker.backends[0].wait()  # (sends run off the training thread) step 0 reached the server
+    run_id = run_id_of(tmp_path)
+    tracker.backends[0].options.timeout_s = 1  # (tracking.mlflow.timeout_s) short for the hang, not before it
+    server.pause()  # SIGSTOP: the server stops answering, requests time out
+    try:
+        with caplog.at_level(logging.WARNING, logger="roll_core.trackers.mlflow"):
+            tracker.log(1, {"loss": 0.5})  # no exception: training goes on
+            tracker.samples(1, [{"prompt": "Q", "response": "7", "reward": 1.0}])  # buffered: not resent yet
+            tracker.log(2, {"loss": 0.25})
+            tracker.close()  # one more try, then unsent.json
+    finally:
+        server.resume()
+    ours = [r for r in caplog.records if r.name == "roll_core.trackers.mlflow"]
+    assert tracker.backends == [] and len(ours) == 2
+    warning, error = ours
+    assert warning.levelno == logging.WARNING and "is not answering" in warning.getMessage()  # once per outage
+    assert error.levelno == logging.ERROR and UNSENT_FILE in error.getMessage()
+    unsent = json.loads((tmp_path / "mlflow" / UNSENT_FILE).read_text())
+    assert unsent["run_id"] == run_id and sorted({m[3] for m in unsent["metrics"]}) == [1, 2]
+
+    resumed = Tracker(tmp_path, config, ["mlflow"], resume=True)  # the server answers again: what waited is sent
+    resumed.truncate(2)
+    resumed.log(3, {"loss": 0.125})
+    resumed.close()
+    assert run_id_of(tmp_path) == run_id and not (tmp_path / "mlflow" / UNSENT_FILE).exists()
     client = server.client()
-    assert read_run(client, run_id) == {s: {"loss": float(s)} for s in range(20)}  # before close: nothing waited
-    points = client.get_metric_history(run_id, "loss")
-    assert [p.step for p in sorted(points, key=lambda p: (p.timestamp, p.step))] == list(range(20))  # step order
-    messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
-    assert len(messages) == 2 and "is not answering" in messages[0] and "answers again" in messages[1]
+    assert read_run(client, run_id) == {0: {"loss": 1.0}, 1: {"loss": 0.5}, 2: {"loss": 0.25}, 3: {"loss": 0.125}}
+    assert [m.value for m in client.get_metric_history(run_id, FAILURES_METRIC)] == [1.0, 2.0]  # failed sends
+    assert sample_tables(client, run_id, tmp_path / "dl") == {1: [{"prompt": "Q", "response": "7", "reward": 1.0}]}
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_resume_while_the_server_is_away_goes_on_and_sends_its_steps_later(
+    server: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A resumed run (a preemption, a restart after a fault) whose server did not answer failed at once (a
+    RuntimeError: "cannot start the run" / "cannot reach the run"). It goes on; once the server answers, the MLflow
+    run is opened as the checkpoint says (here a new one: the old run holds step 2, which is redone) and sent every
+    step from metrics.jsonl."""
+    from roll_core.trackers.mlflow import read_run
+
+    options = {"tracking_uri": server.url, "retries": 0, "timeout_s": 1, "retry_interval_s": 60}
+    config = yaml.safe_dump({"experiment": "away", "tracking": {"mlflow": options}})
+    first = Tracker(tmp_path, config, ["mlflow"])
+    for step in range(3):
+        first.log(step, {"loss": float(step)})
+    first.close()
+    old = run_id_of(tmp_path)
+    resumed = Tracker(tmp_path, config, ["mlflow"], resume=True)
+    server.pause()  # the server hangs while the run resumes from its checkpoint at step 1
+    try:
+        with caplog.at_level(logging.WARNING, logger="roll_core.trackers.mlflow"):
+            resumed.truncate(1)  # no exception: training goes on
+            began = time.monotonic()
+            resumed.log(2, {"loss": 20.0})
+            resumed.log(3, {"loss": 30.0})
+            assert time.monotonic() - began < 0.5  # not tried again before retry_interval_s
+            resumed.backends[0].wait()  # the worker's try to open the run timed out while the server hung
+    finally:
+        server.resume()
+    with caplog.at_level(logging.WARNING, logger="roll_core.trackers.mlflow"):
+        resumed.close()  # one more try: the server answers
+    ours = [r for r in caplog.records if r.name == "roll_core.trackers.mlflow"]
+    assert [r.levelno for r in ours] == [logging.WARNING] * 2  # no error: nothing is left unsent
+    assert "is not answering" in ours[0].getMessage() and "answers again" in ours[1].getMessage()
+    client, new = server.client(), run_id_of(tmp_path)
+    assert new != old and client.get_run(new).data.tags["roll.resumed_from"] == old
+    assert read_run(client, new) == {0: {"loss": 0.0}, 1: {"loss": 1.0}, 2: {"loss": 20.0}, 3: {"loss": 30.0}}
+    assert client.get_run(new).info.status == "FINISHED"
+
+
+class HungEndpoint:
+    """A TCP endpoint on 127.0.0.1 that accepts connections and never answers (a hung server), counting them: each
+    HTTP request MLflow sends (a retry too) is a connection."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.connections.append(self.sock.accept()[0])
+            except OSError:  # closed
+                return
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept (a close alone does not)
+        self.sock.close()
+        self.thread.join(timeout=5)
+        for conn in self.connections:
+            conn.close()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (SQLAlchemy's, from MLflow's sqlite store)
+def test_while_the_server_is_away_a_resend_is_one_request(tmp_path: Path) -> None:
+    """Each resend to a hung server went through MLflow's own retries: `retries + 1` requests of `timeout_s` each
+    (~47 s by default) held the training loop at every retry of the outage. Only the first failure retries. Once
+    the server answers again, the next log sends what waited (not only close), each point at the time it was logged."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+
+    from roll_core.trackers.mlflow import DROPPED_METRIC, read_run
+
+    options = {"retries": 1, "timeout_s": 1, "retry_interval_s": 0}
+    tracker = Tracker(tmp_path, yaml.safe_dump({"experiment": "hung", "tracking": {"mlflow": options}}), ["mlflow"])
+    tracker.log(0, {"loss": 0.0})
+    backend, hung = tracker.backends[0], HungEndpoint()
+    backend.wait()  # (sends run off the training thread) step 0 reached the store
+    store = backend.client
+    backend.client = MlflowClient(tracking_uri=hung.url)  # the server stops answering
+    try:
+        tracker.log(1, {"loss": 1.0})  # the first failure: MLflow retries it (retries=1: 2 requests)
+        backend.wait()
+        first = len(hung.connections)
+        tracker.log(2, {"loss": 2.0})
+        tracker.log(3, {"loss": 3.0})
+        backend.wait()
+        assert len(hung.connections) - first == 2  # one request per resend (2 each before)
+    finally:
+        hung.close()
+    backend.client = store  # the server answers again
+    tracker.log(4, {"loss": 4.0})
+    backend.wait()
+    run_id = run_id_of(tmp_path)
+    assert read_run(store, run_id) == {s: {"loss": float(s)} for s in range(5)}  # before close: nothing waited
+    points = store.get_metric_history(run_id, "loss")
+    assert [p.step for p in sorted(points, key=lambda p: (p.timestamp, p.step))] == list(range(5))  # step order
     tracker.close()
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED" and DROPPED_METRIC not in run.data.metrics
-    assert run.data.metrics[FAILURES_METRIC] >= 1  # the refused sends, counted
+    assert DROPPED_METRIC not in store.get_run(run_id).data.metrics  # nothing was dropped: no count of drops
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (SQLAlchemy's, from MLflow's sqlite store)
+def test_an_outage_never_holds_the_training_loop(tmp_path: Path) -> None:
+    """The first send to a hung server went through MLflow's retries on the training thread: `retries + 1` requests
+    of `timeout_s` plus backoff (47.7 s at the defaults, measured) before `log` returned. Sends run off the training
+    thread: `log` returns at once, and nothing is lost once the server answers."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+
+    from roll_core.trackers.mlflow import FAILURES_METRIC, read_run
+
+    options = {"retries": 1, "timeout_s": 1, "retry_interval_s": 60}
+    tracker = Tracker(tmp_path, yaml.safe_dump({"experiment": "hung", "tracking": {"mlflow": options}}), ["mlflow"])
+    backend, hung = tracker.backends[0], HungEndpoint()
+    store = backend.client
+    backend.client = MlflowClient(tracking_uri=hung.url)  # the server stops answering once the run is created
+    try:
+        began = time.monotonic()
+        for step in (1, 2, 3):
+            tracker.log(step, {"loss": float(step)})
+            tracker.samples(step, [{"prompt": "p", "response": "r", "reward": 1.0}])
+        held = time.monotonic() - began
+        assert held < 0.5, f"logging held the training loop {held:.1f}s"
+        backend.wait()  # the worker's sends timed out meanwhile
+        assert len(hung.connections) == 2  # the first failure and MLflow's retry of it, off the loop; then none
+        # before retry_interval_s
+    finally:
+        hung.close()
+    backend.client = store  # the server answers again
+    tracker.close()
+    run_id = run_id_of(tmp_path)
+    assert read_run(store, run_id) == {s: {"loss": float(s)} for s in (1, 2, 3)}  # sent by close
+    assert [m.value for m in store.get_metric_history(run_id, FAILURES_METRIC)] == [1.0]
+    row = {"prompt": "p", "response": "r", "reward": 1.0}
+    assert sample_tables(store, run_id, tmp_path / "dl") == {s: [row] for s in (1, 2, 3)}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (SQLAlchemy's, from MLflow's sqlite store)
+def test_a_resume_replays_the_steps_the_continued_run_lacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a) Steps 0-2 with mlflow, 3-5 without it, then mlflow again: the continued MLflow run lacked 3-5. (b) A
+    process that dies with points buffered (the server away; no close, so no unsent.json): run.json counted them as
+    logged, and the resumed run never sent them."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+
+    from roll_core.trackers.mlflow import MlflowTracker, read_run
+
+    cfg = "experiment: gap\n"
+    for trackers, steps in ((["mlflow"], range(3)), ([], range(3, 6)), (["mlflow"], range(6, 8))):
+        tracker = Tracker(tmp_path / "a", cfg, trackers, resume=steps.start > 0)
+        if steps.start:
+            tracker.truncate(steps.start - 1)
+        for step in steps:
+            tracker.log(step, {"loss": float(step)})
+        tracker.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'a' / 'mlflow' / 'mlflow.db'}")
+    assert read_run(client, run_id_of(tmp_path / "a")) == {s: {"loss": float(s)} for s in range(8)}
+
+    tracker = Tracker(tmp_path / "b", cfg, ["mlflow"])
+    for step in range(3):
+        tracker.log(step, {"loss": float(step)})
+    tracker.backends[0].wait()  # (sends run off the training thread) steps 0-2 reached the store
+
+    class Down(Exception):
+        error_code = "TEMPORARILY_UNAVAILABLE"
+
+    def down(self: Any) -> None:
+        raise Down("connection refused")
+
+    with monkeypatch.context() as m:
+        m.setattr(MlflowTracker, "_send", down)
+        for step in (3, 4):
+            tracker.log(step, {"loss": float(step)})
+        tracker.backends[0].wait()  # (sends run off the training thread) both failed while the server was down
+    assert json.loads((tmp_path / "b" / "mlflow" / "run.json").read_text())["last_step"] == 2  # what it holds
+    # the process dies here (no close); the run resumes from its checkpoint at step 4
+    resumed = Tracker(tmp_path / "b", cfg, ["mlflow"], resume=True)
+    resumed.truncate(4)
+    resumed.log(5, {"loss": 5.0})
+    resumed.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'b' / 'mlflow' / 'mlflow.db'}")
+    assert read_run(client, run_id_of(tmp_path / "b")) == {s: {"loss": float(s)} for s in range(6)}
 
 
 def test_a_full_buffer_drops_the_oldest_points_and_tables(
-    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    server: MlflowServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Before the bound the buffer grew without end while the server was away (every point and every sample table
     in memory for as long as the outage lasted). Past `max_buffered_points` / MAX_BUFFERED_TABLES the oldest are
@@ -191,7 +324,7 @@ def test_a_full_buffer_drops_the_oldest_points_and_tables(
                 "samples/step_000009.json",
             ]
         tracker.close()  # the server answers again
-    run_id = _run_id(tmp_path)
+    run_id = run_id_of(tmp_path)
     client = server.client()
     steps = sorted(read_run(client, run_id))
     assert steps[0] == 0 and steps[1:] == list(range(steps[1], 10)) and steps[1] > 1  # the newest kept
@@ -208,8 +341,33 @@ def test_a_full_buffer_drops_the_oldest_points_and_tables(
     assert [r["step"] for r in Tracker.read_metrics(tmp_path / "metrics.jsonl")] == list(range(10))
 
 
+def test_a_server_gone_for_good_leaves_the_points_in_unsent_json(
+    server: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It kills the module's server (connection refused from then on): the next test, the last, starts it again."""
+    from roll_core.trackers.mlflow import UNSENT_FILE
+
+    options = {"tracking_uri": server.url, "retries": 0, "retry_interval_s": 0}
+    tracker = Tracker(tmp_path, yaml.safe_dump({"experiment": "gone", "tracking": {"mlflow": options}}), ["mlflow"])
+    tracker.log(0, {"loss": 1.0})
+    tracker.backends[0].wait()  # (sends run off the training thread) step 0 reached the server
+    server.stop()  # SIGKILL of the server and its worker
+    with caplog.at_level(logging.WARNING, logger="roll_core.trackers.mlflow"):
+        tracker.log(1, {"loss": 0.5})
+        tracker.log(2, {"loss": 0.25})
+        tracker.close()
+    assert [r.levelno for r in caplog.records if r.name == "roll_core.trackers.mlflow"] == [
+        logging.WARNING,
+        logging.ERROR,
+    ]
+    unsent = json.loads((tmp_path / "mlflow" / UNSENT_FILE).read_text())
+    later = [(key, step, value) for key, value, _, step in unsent["metrics"]]
+    count = "tracking/mlflow_send_failures"  # 1 when step 2 was logged; 3 after close's own try
+    assert later == [("loss", 1, 0.5), ("loss", 2, 0.25), (count, 2, 1.0), (count, 2, 3.0)]
+
+
 def test_a_run_ending_with_the_server_down_ends_in_bounded_time_and_counts_what_was_dropped(
-    server: Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    server: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Last in this module: it leaves the server down. Killed after step 0 and never back, with a buffer of 4
     points: `close()` returns within seconds (MLflow's own defaults retried for minutes), an error says how many

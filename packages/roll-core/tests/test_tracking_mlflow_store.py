@@ -1,29 +1,25 @@
 """MLflow tracking on the run folder's own SQLite store (no server): the default store and the experiment it
 names, params flat and cut at MLflow's length limit, every metric key a name MLflow accepts, the table-list tag of
 a long run that resumes, the one-line error without the package. Read back through MLflow's own client. Against a
-real tracking server: test_tracking_mlflow.py; names that must stay distinct: test_tracking_mlflow_keys.py.
+real tracking server: test_tracking_mlflow.py (through outages: test_tracking_mlflow_outage.py); names that must
+stay distinct: test_tracking_mlflow_keys.py. Shared helpers: roll_core.testing.mlflow_server.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from roll_core.testing.mlflow_server import clear_mlflow_env, run_id_of
 from roll_core.tracking import Tracker
 
 
 @pytest.fixture(autouse=True)
 def _no_user_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in [v for v in os.environ if v.startswith("MLFLOW_")]:
-        monkeypatch.delenv(var)
-
-
-def _run_id(run_dir: Path) -> str:
-    return str(json.loads((run_dir / "mlflow" / "run.json").read_text())["run_id"])
+    clear_mlflow_env(monkeypatch)
 
 
 # Reading the SQLite store here: MLflow's SQL store uses what SQLAlchemy 2.1 deprecates (the backend hides it).
@@ -39,7 +35,7 @@ def test_default_store_is_sqlite_in_the_run_folder(tmp_path: Path) -> None:
     tracker.samples(0, [{"prompt": "p", "response": "r", "reward": 0.0}])
     tracker.close()
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}")
-    run = client.get_run(_run_id(tmp_path))
+    run = client.get_run(run_id_of(tmp_path))
     assert client.get_experiment(run.info.experiment_id).name == "g1"  # tracking.group names the experiment
     assert read_run(client, run.info.run_id) == {0: {"eval/accuracy": 0.5, "odd key_1": 2.0}}
     assert (tmp_path / "mlflow" / "artifacts").is_dir() and not Path("mlruns").exists()
@@ -95,7 +91,7 @@ def test_the_table_list_tag_stays_json_and_a_long_run_resumes(tmp_path: Path) ->
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}")
 
     def listed() -> list[int]:
-        tag = client.get_run(_run_id(tmp_path)).data.tags["mlflow.loggedArtifacts"]
+        tag = client.get_run(run_id_of(tmp_path)).data.tags["mlflow.loggedArtifacts"]
         assert len(tag) <= MAX_TAG_VAL_LENGTH
         return [int(entry["path"].removeprefix("samples/step_").removesuffix(".json")) for entry in json.loads(tag)]
 
@@ -109,7 +105,7 @@ def test_the_table_list_tag_stays_json_and_a_long_run_resumes(tmp_path: Path) ->
     tracker.samples(200, [{"prompt": "p", "response": "r", "reward": 1.0}])
     tracker.close()
     assert listed() == [*steps[1:], 200]
-    assert len(client.list_artifacts(_run_id(tmp_path), "samples")) == 201  # every table stays an artifact
+    assert len(client.list_artifacts(run_id_of(tmp_path), "samples")) == 201  # every table stays an artifact
 
 
 def test_without_mlflow_the_error_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
