@@ -1,10 +1,13 @@
-"""A training run that kills itself at a chosen point: `python kill_points.py <point> <step> <signal> <overrides...>`.
+"""A training run that kills itself at a chosen point: `python kill_points.py [--cli] <point> <step> <signal>
+<overrides...>`.
 
-The run is the one `roll_core.testing.run_pipeline` builds from the overrides; at `<point>` of step `<step>` the
+The run is the one `roll_core.testing.run_pipeline` builds from the overrides (with `--cli`: `roll-train` with them,
+its exit status and printed summary as a user gets them); at `<point>` of step `<step>` the
 process sends itself `<signal>` (KILL: nothing of Python runs after it, as with the OOM killer or a preemption's
 last word; TERM/INT: the run's own stop handling). Points (fault injection at the seams of the loop and of
 roll_core.checkpoint, where a real kill lands between two writes):
 
+- `build`: while the pipeline is built, once its roles are up (workers, engines, models loaded); `<step>` unused;
 - `update`: at the start of the step's update (the batch collected, nothing trained yet);
 - `eval`: inside the step's held-out evaluation (`eval_every`; step 0 is the evaluation before training);
 - `save`: after the trainer wrote the step's weights into the staging folder, before state.json and the rename;
@@ -37,7 +40,16 @@ def install(point: str, at: int, sig: signal.Signals) -> None:
 
     current = {"step": None}  # the step the loop is in (saves know their step; evaluations are told theirs)
 
-    if point == "update":
+    if point == "build":
+        build_roles = loop.build_roles
+
+        def killing_build_roles(*args: Any, **kwargs: Any) -> Any:
+            roles = build_roles(*args, **kwargs)
+            _die(sig)
+            return roles
+
+        loop.build_roles = killing_build_roles
+    elif point == "update":
         update = Trainer.update
 
         def killing_update(self: Any, step: int, *args: Any, **kwargs: Any) -> Any:
@@ -100,8 +112,15 @@ def install(point: str, at: int, sig: signal.Signals) -> None:
 
 
 def main(argv: list[str]) -> None:
-    point, at, sig, *overrides = argv
+    cli = argv[:1] == ["--cli"]
+    point, at, sig, *overrides = argv[1:] if cli else argv
     install(point, int(at), signal.Signals[f"SIG{sig}"])
+    if cli:
+        from roll_core.cli import train_main
+
+        sys.argv = ["roll-train", *overrides]
+        train_main()
+        return
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -1,6 +1,7 @@
 """The training loop's bookkeeping on the tiny model: the progress bar counts the step a run stops in, a run resumed
-at or past pipeline.max_steps says there is nothing to train, a stop in the step that finishes a rollout-only job
-names the checkpoint it wrote, and the weight sync an off-policy collector does before evaluating is timed."""
+at or past pipeline.max_steps says there is nothing to train, a stop in a run's last step (or the step that finishes
+a rollout-only job) completes the run and says what it skipped, and the weight sync an off-policy collector does
+before evaluating is timed."""
 
 from __future__ import annotations
 
@@ -85,11 +86,42 @@ def test_a_stopped_runs_bar_counts_its_last_step_and_a_resume_past_max_steps_say
     assert summary["stopped_by_signal"] is None and [h["step"] for h in history if h["step"] > 0] == [1, 2]
 
 
-def test_a_stop_in_the_step_that_finishes_a_rollout_job_names_its_checkpoint(
+def test_a_sigterm_in_the_last_step_completes_the_run_and_a_resume_trains_nothing(
+    seven_task: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGTERM in step 2 of 2, after its update: the step is logged and saved, its evaluation skipped (the checkpoint
+    first), and the run is complete, not stopped (it was `stopped by signal 15`, exit 143 from roll-train): the
+    summary and report.md say so and name what the signal skipped. A resume trains nothing."""
+    run = tmp_path / "run"
+    base = [o for o in tiny_overrides(seven_task, run, "pipeline.trackers=[]") if not o.startswith("pipeline.eval")]
+    base += ["pipeline.max_steps=2", "pipeline.eval_every=1", "env.eval_size=4"]
+    _sigterm_in_step(monkeypatch, 2)
+    with caplog.at_level(logging.WARNING, logger="roll_core.pipelines.loop"):
+        summary, history = run_pipeline(base)
+    assert summary["stopped_by_signal"] is None and summary["late_signal"] == signal.SIGTERM
+    assert summary["skipped"] == ["final evaluation (step 2)"]
+    # step 1's accuracy would pass for the final model's
+    assert summary["final_eval_accuracy"] is None and summary["best_eval_accuracy"] is not None
+    assert [h["step"] for h in history] == [0, 1, 2] and [h["step"] for h in history if "eval/accuracy" in h] == [0, 1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
+    status = (run / "report.md").read_text().splitlines()[2]
+    assert status == (
+        "- status: finished: every step trained and saved (step_000002); SIGTERM received at the end skipped the "
+        f"final evaluation (step 2) (roll-eval {run / 'checkpoints' / 'step_000002'} gives it)"
+    )
+    assert "SIGTERM received in the last step (2): the step completed and was saved" in caplog.text
+    monkeypatch.undo()
+    with caplog.at_level(logging.WARNING, logger="roll_core.pipelines.loop"):
+        again, resumed = run_pipeline([*base, "pipeline.resume=true"])
+    assert "resumed after step 2, pipeline.max_steps=2: no step left to train" in caplog.text
+    assert resumed == history and again["stopped_by_signal"] is None
+
+
+def test_a_stop_in_the_step_that_finishes_a_rollout_job_completes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bars: list[tuple[int, int | None]]
 ) -> None:
-    """A rollout-only job of 3 steps, SIGTERM in step 3 (its last): the checkpoint the finished job wrote is the
-    one report.md names (it said "no checkpoint to resume from"), and the bar ends at 3/3 (it showed 2/3)."""
+    """A rollout-only job of 3 steps, SIGTERM in step 3 (its last): the job is complete (every prompt generated, the
+    checkpoint written), not stopped, and report.md names that checkpoint; the bar ends at 3/3 (it showed 2/3)."""
     out = tmp_path / "run"
     _sigterm_in_step(monkeypatch, 3)
     summary, history = run_pipeline(
@@ -108,10 +140,11 @@ def test_a_stop_in_the_step_that_finishes_a_rollout_job_names_its_checkpoint(
             "rollout.max_prompts=7",
         ]
     )
-    assert summary["stopped_by_signal"] == signal.SIGTERM
+    assert summary["stopped_by_signal"] is None and summary["late_signal"] == signal.SIGTERM
     assert [h["step"] for h in history if h["step"] > 0] == [1, 2, 3]
     assert json.loads((out / "checkpoints" / "step_000003" / "state.json").read_text())["step"] == 3
-    assert f"stopped by signal {int(signal.SIGTERM)} (resume from step_000003)" in (out / "report.md").read_text()
+    status = "finished: every step trained and saved (step_000003); SIGTERM received at the end skipped nothing"
+    assert f"- status: {status}\n" in (out / "report.md").read_text()
     assert bars == [(3, 3)]
 
 

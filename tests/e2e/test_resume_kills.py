@@ -49,10 +49,14 @@ KEYS = (
 )
 
 
-def _launch(overrides: list[str], point: str, step: int, sig: str = "KILL") -> subprocess.CompletedProcess:
+def _launch(
+    overrides: list[str], point: str, step: int, sig: str = "KILL", cli: bool = False
+) -> subprocess.CompletedProcess:
+    """The run of `overrides` signalled at `point` of `step`; `cli`: run as `roll-train` (its exit status, its printed
+    summary) instead of `run_pipeline`."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
     return subprocess.run(
-        [sys.executable, str(HERE / "kill_points.py"), point, str(step), sig, *overrides],
+        [sys.executable, str(HERE / "kill_points.py"), *(["--cli"] if cli else []), point, str(step), sig, *overrides],
         env=env,
         capture_output=True,
         text=True,
@@ -122,6 +126,39 @@ def test_a_stop_signal_during_the_evaluation_before_training_ends_the_run_cleanl
     assert "status: stopped by signal 15 (no checkpoint to resume from)" in (run / "report.md").read_text()
 
 
+def test_a_stop_signal_in_the_last_step_completes_the_run_and_roll_train_exits_0(
+    seven_task: Path, tmp_path: Path
+) -> None:
+    """SIGTERM at the start of step 2 of 2: the step trains and is saved, the run is complete. roll-train exited 143
+    with `stopped by signal 15`, as if the run had been cut short; its summary now says the run finished and that
+    the signal skipped its final evaluation."""
+    run = tmp_path / "run"
+    overrides = tiny_overrides(seven_task, run, "pipeline.max_steps=2", "pipeline.eval_every=2", "env.eval_size=4")
+    p = _launch(overrides, "update", 2, "TERM", cli=True)
+    assert p.returncode == 0, (p.returncode, p.stderr[-3000:])
+    summary = json.loads(p.stdout[p.stdout.rindex("\n{") + 1 :])  # roll-train prints the summary last
+    assert summary["stopped_by_signal"] is None and summary["late_signal"] == signal.SIGTERM
+    assert summary["skipped"] == ["final evaluation (step 2)"] and summary["final_eval_accuracy"] is None
+    assert summary["status"].startswith("finished: every step trained and saved (step_000002); SIGTERM received")
+    assert _steps(run) == [0, 1, 2] and _folders(run) == ["step_000002"]  # step 0: the evaluation before training
+
+
+@pytest.mark.parametrize("sig", ["INT", "TERM"])
+def test_a_stop_signal_while_the_pipeline_is_built_shuts_it_down_and_exits_128_plus_n(
+    seven_task: Path, tmp_path: Path, sig: str
+) -> None:
+    """A signal once the roles are up (models loaded, engines started), before the loop's stop handling: one line and
+    exit 128+N after the pipeline shut down what it started. SIGINT was a KeyboardInterrupt traceback (exit 1),
+    SIGTERM an outright kill (no word, nothing shut down; with cluster=ray Ray's handler aborted: exit 134)."""
+    run = tmp_path / "run"
+    p = _launch(tiny_overrides(seven_task, run), "build", 0, sig, cli=True)
+    assert p.returncode == 128 + signal.Signals[f"SIG{sig}"], (p.returncode, p.stderr[-3000:])
+    assert f"roll-train: stopped while building the pipeline (SIG{sig}): nothing was trained" in p.stderr
+    assert "Traceback" not in p.stderr + p.stdout, p.stderr[-3000:]
+    # released by the run's shutdown: a process killed outright leaves its holder's record (the kernel drops the flock)
+    assert (run / ".roll.lock").read_text() == "" and _folders(run) == []
+
+
 # Six launches (~2 min on 2 cores): the kill points one by one, in one run folder.
 @pytest.mark.slow
 @pytest.mark.full_matrix
@@ -141,7 +178,7 @@ def test_a_run_killed_anywhere_resumes_to_the_uninterrupted_result(seven_task: P
     p = _launch(overrides, "update", 3)
     assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
     assert "pipeline.resume=true: no checkpoint in" in p.stderr and "starting from step 1" in p.stderr
-    assert _steps(run) == [0, 1, 2] and _folders(run) == ["step_000002"]
+    assert _steps(run) == [0, 1, 2] and _folders(run) == ["step_000002"]  # step 0: the evaluation before training
 
     # 3. Resumed from step 2; killed inside step 4's evaluation (step 4 trained, not logged, not saved).
     p = _launch(overrides, "eval", 4)

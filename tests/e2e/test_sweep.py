@@ -27,8 +27,8 @@ def rows(tmp_path: Path) -> list[dict[str, str]]:
 
 
 # CI time (~70 s: a sweep of four tiny runs on a Ray instance of its own): the launcher's parts stay in CI below (slots,
-# a killed job's slot, an aborted sweep, with the shared Ray instance) and in test_sweep_summary.py (records, the
-# summary, killed jobs, Optuna through a local sweep); `nox -s full_matrix` runs this whole sweep on Ray.
+# a killed job's slot, an aborted sweep, with the shared Ray instance) and in test_sweep_summary.py / test_sweep_jobs.py
+# (records, the summary, killed jobs, Optuna through a local sweep); `nox -s full_matrix` runs this whole sweep on Ray.
 @pytest.mark.full_matrix
 def test_sweep_on_ray_queues_jobs_writes_summary_and_isolates_a_failing_job(seven_task: Path, tmp_path: Path) -> None:
     """Four jobs, two slots: three train (the same task from three files) and one names a missing file. The failing

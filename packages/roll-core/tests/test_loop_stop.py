@@ -1,7 +1,8 @@
-"""The stop handling of a run's last stretch: a scheduler's SIGTERM (Slurm, Kubernetes) that arrives once the last
-step is done (the final curves, the trackers' close, report.md, the shutdown of a run that returned its summary) is
-logged and the run ends as it would have: finished, report.md written, no kill. The handlers were restored before
-that stretch, so the signal killed the process (exit 143, no report.md) after a run that had finished."""
+"""The stop handling outside the steps. A scheduler's SIGTERM (Slurm, Kubernetes) that arrives once the last step is
+done (the final curves, the trackers' close, report.md, the shutdown of a run that returned its summary) is logged
+and the run ends as it would have: finished, report.md written, no kill. The handlers were restored before that
+stretch, so the signal killed the process (exit 143, no report.md) after a run that had finished. A signal while
+the pipeline is built stops the build and shuts down what it started (it had Python's default meaning)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from roll_core.pipelines import run_control
 from roll_core.pipelines.loop import Pipeline
 from roll_core.pipelines.run_control import GracefulStop, _run_once
 
@@ -60,7 +62,8 @@ def test_a_sigterm_after_the_last_step_lets_the_run_finish(killed: list[int], ca
     with caplog.at_level(logging.WARNING, logger="roll_core.pipelines.run_control"):
         summary = _finished_pipeline(reports).run()
     assert killed == []  # the default handler would have ended the process here (exit 143, no report.md)
-    assert summary["stopped_by_signal"] is None and reports == ["finished"]
+    assert summary["stopped_by_signal"] is None and summary["late_signal"] == signal.SIGTERM
+    assert reports == ["finished: every step trained; SIGTERM received at the end skipped nothing"]
     assert "SIGTERM received after the last step: finishing the run's wrap-up" in caplog.text
 
 
@@ -102,3 +105,42 @@ def test_once_ending_a_first_signal_is_logged_and_a_second_aborts(killed: list[i
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGTERM)
     assert killed == []
+
+
+def test_a_signal_while_the_pipeline_is_built_stops_it_and_shuts_down_what_it_started(
+    killed: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build's first SIGTERM raises StoppedWhileBuilding where the build is; the cluster is shut down and the run
+    folder's lock released (the signal killed the process outright: no shutdown, no word). The handlers are the
+    caller's again afterwards."""
+    closed: list[str] = []
+
+    def build(self: Pipeline, cfg: Any, output_dir: Any) -> None:
+        self.run_lock = SimpleNamespace(release=lambda: closed.append("lock"))
+        self.cluster = SimpleNamespace(shutdown=lambda: closed.append("cluster"))
+        signal.raise_signal(signal.SIGTERM)  # a model loading, an engine starting
+        closed.append("built on")
+
+    monkeypatch.setattr(Pipeline, "_build", build)
+    with pytest.raises(KeyboardInterrupt) as info:
+        Pipeline(SimpleNamespace())  # type: ignore[arg-type]
+    assert isinstance(info.value, run_control.StoppedWhileBuilding) and info.value.signum == signal.SIGTERM
+    assert "stopped while building the pipeline (SIGTERM)" in str(info.value)
+    assert closed == ["cluster", "lock"] and killed == []
+    signal.raise_signal(signal.SIGTERM)
+    assert killed == [signal.SIGTERM]  # the handler in place before the build
+
+
+def test_build_stop_outlasts_a_replaced_handler_and_a_second_signal_aborts_the_cleanup(killed: list[int]) -> None:
+    """`ray.init` installs Ray's SIGTERM handler (an abort with a stack dump, exit 134) in the middle of the build:
+    `rearm()` takes it back. A second signal, while the first one's cleanup runs, aborts it."""
+    with run_control.BuildStop() as building:
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as ray.init does
+        building.rearm()
+        with pytest.raises(run_control.StoppedWhileBuilding):
+            signal.raise_signal(signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt) as second:
+            signal.raise_signal(signal.SIGINT)
+        assert not isinstance(second.value, run_control.StoppedWhileBuilding)
+    signal.raise_signal(signal.SIGTERM)
+    assert killed == [signal.SIGTERM]  # the fixture's handler restored, not the replacement

@@ -1,35 +1,30 @@
 """The sweep summary and failure count (roll_core.sweep), on hand-made job folders: no training, no Ray.
 
 Each test builds what a sweep leaves on disk (job_status.json records, metrics.jsonl) or runs the job wrapper
-`run_sweep_job` with a fake `run`, then calls `SweepSummaryCallback` the way Hydra does after a multirun, and checks
-summary.csv / summary.md / rewards.png and `failed_jobs()` (non-empty: roll-train exits 1). The launcher tests call
-roll's Ray launcher (roll_core.sweep_launcher) with Ray itself left out.
+`run_sweep_job` with a fake `run` (roll_core.testing.sweeps.run_job), then calls `SweepSummaryCallback` the way Hydra
+does after a multirun, and checks summary.csv / summary.md / rewards.png and `failed_jobs()` (non-empty: roll-train
+exits 1). How the jobs are launched, stopped, resumed and told to Optuna: test_sweep_jobs.py.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import math
 import time
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 from omegaconf import OmegaConf
 
 import roll_core.sweep as sweep
+from roll_core.testing.sweeps import multirun_config, reset_sweep_state, run_job, summary_rows
 
 
 @pytest.fixture(autouse=True)
 def _fresh_sweep_state(monkeypatch: pytest.MonkeyPatch) -> None:
-    # failed_jobs() and the started sweeps are per process: every test starts from none
-    monkeypatch.setattr(sweep, "_failed_jobs", [])
-    monkeypatch.setattr(sweep, "_sweeps", {}, raising=False)
-    monkeypatch.setattr(sweep, "_stopped", {}, raising=False)
-    monkeypatch.setattr(sweep, "_unfinished", set(), raising=False)
+    reset_sweep_state(monkeypatch)  # failed_jobs() and the started sweeps are per process: every test starts from none
 
 
 def _job(sweep_dir: Path, folder: str, num: int, overrides: list[str], status: str = "ok", **extra: Any) -> Path:
@@ -41,32 +36,6 @@ def _job(sweep_dir: Path, folder: str, num: int, overrides: list[str], status: s
     if metrics is not None:
         (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     return d
-
-
-def _hydra_cfg(sweep_dir: Path) -> Any:
-    launcher = {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"}
-    return OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}, "launcher": launcher}})
-
-
-def _rows(sweep_dir: Path) -> list[dict[str, str]]:
-    with open(sweep_dir / "summary.csv") as f:
-        return list(csv.DictReader(f))
-
-
-def _run_job(sweep_dir: Path, folder: str, num: int, overrides: list[str], run: Any, **cfg: Any) -> float | None:
-    """run_sweep_job as Hydra calls it in job `num` (its HydraConfig faked), with `run` as the training run; `cfg`:
-    more of the job's config."""
-    hc = OmegaConf.create(
-        {
-            "runtime": {"output_dir": str(sweep_dir / folder), "cwd": str(sweep_dir.parent)},
-            "sweep": {"dir": str(sweep_dir)},
-            "job": {"num": num},
-            "overrides": {"task": overrides},
-        }
-    )
-    job = {"experiment": "t", "cluster": {"max_concurrent": 0}, "tracking": {"group": None, "run_name": None}}
-    with mock.patch("hydra.core.hydra_config.HydraConfig.get", return_value=hc):
-        return sweep.run_sweep_job(OmegaConf.create({**job, **cfg}), run)
 
 
 def _fails(cfg: Any) -> dict[str, Any]:
@@ -84,15 +53,20 @@ def test_nested_job_folders_are_found_and_listed_in_job_order(tmp_path: Path) ->
         _job(sw, folder, num, ["experiment=t", f"env.path=/data/set_{num}.jsonl"], status, wall_seconds=1.0)
     assert not list(sw.glob(f"*/{sweep.STATUS_FILE}"))  # none of them one level deep
 
-    sweep.SweepSummaryCallback().on_multirun_end(_hydra_cfg(sw))
+    sweep.SweepSummaryCallback().on_multirun_end(multirun_config(sw))
 
     assert sweep.failed_jobs() == ["env.path=/data/set_1.jsonl", "env.path=/data/set_10.jsonl"]
-    assert [(r["job"], r["status"]) for r in _rows(sw)] == [("0", "ok"), ("1", "failed"), ("2", "ok"), ("10", "failed")]
+    assert [(r["job"], r["status"]) for r in summary_rows(sw)] == [
+        ("0", "ok"),
+        ("1", "failed"),
+        ("2", "ok"),
+        ("10", "failed"),
+    ]
 
     empty = tmp_path / "lost"
     callback = sweep.SweepSummaryCallback()
-    callback.on_multirun_start(_hydra_cfg(empty))
-    callback.on_multirun_end(_hydra_cfg(empty))
+    callback.on_multirun_start(multirun_config(empty))
+    callback.on_multirun_end(multirun_config(empty))
     assert sweep.failed_jobs()[2:] == [f"no {sweep.STATUS_FILE} of this sweep found under {empty}"]
 
 
@@ -124,7 +98,7 @@ def test_failed_jobs_are_counted_even_when_the_summary_cannot_be_written(
 
     monkeypatch.setattr(sweep, "_plot", broken_plot)
     with caplog.at_level(logging.ERROR, logger="roll_core.sweep"):
-        sweep.SweepSummaryCallback().on_multirun_end(_hydra_cfg(sw))  # must not raise
+        sweep.SweepSummaryCallback().on_multirun_end(multirun_config(sw))  # must not raise
 
     assert sweep.failed_jobs() == ["algo.lr=3e-3"]
     assert "could not write the summary" in caplog.text and "disk full" in caplog.text
@@ -143,7 +117,7 @@ def test_a_killed_job_is_summarised_with_its_real_wall_time(tmp_path: Path, monk
         start.update(json.loads((sw / "0" / sweep.STATUS_FILE).read_text()))
         return {"final_eval_accuracy": 0.5}
 
-    _run_job(sw, "0", 0, ["algo.lr=3e-3"], run)
+    run_job(sw, "0", 0, ["algo.lr=3e-3"], run)
     (sw / "0" / sweep.STATUS_FILE).write_text(json.dumps(start))  # the job is SIGKILLed before its end record
     clock = start.get("started_at", 0.0) + 600.0  # the launcher sees its death 10 minutes after the job started
     monkeypatch.setattr(time, "time", lambda: clock)
@@ -168,15 +142,15 @@ def test_a_job_stopped_by_a_signal_is_a_failed_trial(tmp_path: Path) -> None:
     stopped = {"final_eval_accuracy": 0.05, "stopped_by_signal": 15, "wall_seconds": 12.0}
     finished = {"final_eval_accuracy": 0.75, "stopped_by_signal": None, "wall_seconds": 30.0}
 
-    assert _run_job(sw, "0", 0, ["algo.lr=1e-3"], lambda cfg: finished) == 0.75
-    assert _run_job(sw, "1", 1, ["algo.lr=3e-3"], lambda cfg: stopped) is None
+    assert run_job(sw, "0", 0, ["algo.lr=1e-3"], lambda cfg: finished) == 0.75
+    assert run_job(sw, "1", 1, ["algo.lr=3e-3"], lambda cfg: stopped) is None
     record = json.loads((sw / "1" / sweep.STATUS_FILE).read_text())
     assert (record["status"], record["error"]) == ("stopped", "stopped by signal 15")
 
-    sweep.SweepSummaryCallback().on_multirun_end(_hydra_cfg(sw))
+    sweep.SweepSummaryCallback().on_multirun_end(multirun_config(sw))
 
     assert sweep.failed_jobs() == ["algo.lr=3e-3"]
-    assert [r["status"] for r in _rows(sw)] == ["ok", "stopped"]
+    assert [r["status"] for r in summary_rows(sw)] == ["ok", "stopped"]
 
 
 def test_jobs_with_the_same_swept_values_each_get_a_reward_curve(
@@ -218,20 +192,20 @@ def test_a_sweep_run_again_into_its_folder_summarises_only_its_own_jobs(
     earlier records are named in a warning."""
     sw = tmp_path / "sweep"
     callback = sweep.SweepSummaryCallback()
-    callback.on_multirun_start(_hydra_cfg(sw))
+    callback.on_multirun_start(multirun_config(sw))
     for num, name in enumerate("abc"):
-        assert _run_job(sw, str(num), num, [f"env.path=/x/{name}.jsonl"], _fails) is None
-    callback.on_multirun_end(_hydra_cfg(sw))
+        assert run_job(sw, str(num), num, [f"env.path=/x/{name}.jsonl"], _fails) is None
+    callback.on_multirun_end(multirun_config(sw))
     assert len(sweep.failed_jobs()) == 3
     sweep._failed_jobs.clear()  # a new roll-train process
 
-    callback.on_multirun_start(_hydra_cfg(sw))
-    _run_job(sw, "0", 0, ["env.path=/x/z.jsonl"], _fails)
+    callback.on_multirun_start(multirun_config(sw))
+    run_job(sw, "0", 0, ["env.path=/x/z.jsonl"], _fails)
     with caplog.at_level(logging.WARNING, logger="roll_core.sweep"):
-        callback.on_multirun_end(_hydra_cfg(sw))
+        callback.on_multirun_end(multirun_config(sw))
 
     assert sweep.failed_jobs() == ["env.path=/x/z.jsonl"]
-    assert [(r["job"], r["params"]) for r in _rows(sw)] == [("0", "env.path=/x/z.jsonl")]
+    assert [(r["job"], r["params"]) for r in summary_rows(sw)] == [("0", "env.path=/x/z.jsonl")]
     assert "2 job record(s)" in caplog.text and "earlier sweep" in caplog.text
     assert caplog.text.count("earlier sweep") == 1  # once per sweep, not once per reader
 
@@ -243,8 +217,8 @@ def test_an_unreadable_job_record_counts_as_a_failure_unless_it_is_older_than_th
 
     sw = tmp_path / "sweep"
     callback = sweep.SweepSummaryCallback()
-    callback.on_multirun_start(_hydra_cfg(sw))
-    _run_job(sw, "0", 0, ["algo.lr=1e-3"], lambda cfg: {"final_eval_accuracy": 0.5})
+    callback.on_multirun_start(multirun_config(sw))
+    run_job(sw, "0", 0, ["algo.lr=1e-3"], lambda cfg: {"final_eval_accuracy": 0.5})
     (sw / "1").mkdir()
     (sw / "1" / sweep.STATUS_FILE).write_text('{"job": 1, "overr')
     (sw / "2").mkdir()
@@ -252,10 +226,10 @@ def test_an_unreadable_job_record_counts_as_a_failure_unless_it_is_older_than_th
     old = time.time() - 3600  # written an hour before this sweep started
     os.utime(sw / "2" / sweep.STATUS_FILE, (old, old))
 
-    callback.on_multirun_end(_hydra_cfg(sw))
+    callback.on_multirun_end(multirun_config(sw))
 
     assert len(sweep.failed_jobs()) == 1 and sweep.failed_jobs()[0].startswith("1: unreadable job_status.json")
-    assert [r["status"] for r in _rows(sw)] == ["ok"]
+    assert [r["status"] for r in summary_rows(sw)] == ["ok"]
 
 
 def test_summary_md_keeps_the_whole_params_column(tmp_path: Path) -> None:
@@ -290,7 +264,7 @@ def test_a_job_that_fails_before_it_runs_is_recorded_and_summarised(
     the sweep's summary was never written and the job had no record."""
     sw = tmp_path / "sweep"
     callback = sweep.SweepSummaryCallback()
-    callback.on_multirun_start(_hydra_cfg(sw))
+    callback.on_multirun_start(multirun_config(sw))
     real_slot = sweep.job_slot
 
     def slot(name: str, permits: int, **kwargs: Any) -> Any:
@@ -305,15 +279,15 @@ def test_a_job_that_fails_before_it_runs_is_recorded_and_summarised(
     def ok(cfg: Any) -> dict[str, Any]:
         return {"final_eval_accuracy": 0.5}
 
-    assert _run_job(sw, "0", 0, ["algo.lr=1e-3"], ok) == 0.5
-    assert _run_job(sw, "1", 1, ["algo.lr=3e-3"], ok) is None  # its slot could not be taken
-    callback.on_multirun_end(_hydra_cfg(sw))
+    assert run_job(sw, "0", 0, ["algo.lr=1e-3"], ok) == 0.5
+    assert run_job(sw, "1", 1, ["algo.lr=3e-3"], ok) is None  # its slot could not be taken
+    callback.on_multirun_end(multirun_config(sw))
 
     record = json.loads((sw / "1" / sweep.STATUS_FILE).read_text())
     assert (record["status"], record["error"]) == ("failed", "RuntimeError: the slots actor died")
     assert record["sweep_id"] == sweep.sweep_marker(sw)["sweep_id"]  # counted as this sweep's job
     assert sweep.failed_jobs() == ["algo.lr=3e-3"]
-    rows = _rows(sw)
+    rows = summary_rows(sw)
     assert [(r["job"], r["status"]) for r in rows] == [("0", "ok"), ("1", "failed")]
     assert rows[1]["wall_seconds"] == ""  # it never ran: no wall time, not a fake 0
 
@@ -327,15 +301,15 @@ def test_a_job_lost_after_it_ended_keeps_its_record(tmp_path: Path) -> None:
 
     sw = tmp_path / "sweep"
     callback = sweep.SweepSummaryCallback()
-    callback.on_multirun_start(_hydra_cfg(sw))
-    assert _run_job(sw, "0", 0, ["algo.lr=1e-3"], lambda cfg: {"final_eval_accuracy": 0.75}) == 0.75
+    callback.on_multirun_start(multirun_config(sw))
+    assert run_job(sw, "0", 0, ["algo.lr=1e-3"], lambda cfg: {"final_eval_accuracy": 0.75}) == 0.75
     start: dict[str, Any] = {}
 
     def run(cfg: Any) -> dict[str, Any]:  # job 1's start record, as a SIGKILL during training leaves it
         start.update(json.loads((sw / "1" / sweep.STATUS_FILE).read_text()))
         return {"final_eval_accuracy": 0.5}
 
-    _run_job(sw, "1", 1, ["algo.lr=3e-3"], run)
+    run_job(sw, "1", 1, ["algo.lr=3e-3"], run)
     (sw / "1" / sweep.STATUS_FILE).write_text(json.dumps(start))
     lost = RuntimeError("ObjectLostError: the node holding the result died")
     returns = []
@@ -344,180 +318,43 @@ def test_a_job_lost_after_it_ended_keeps_its_record(tmp_path: Path) -> None:
             {"hydra": {"sweep": {"dir": str(sw), "subdir": "${hydra.job.num}"}, "job": {"num": num}}}
         )
         returns.append(sweep_launcher.killed(cfg, [f"algo.lr={num * 2 + 1}e-3"], lost).return_value)
-    callback.on_multirun_end(_hydra_cfg(sw))
+    callback.on_multirun_end(multirun_config(sw))
 
     assert returns[0] == 0.75 and returns[1] is None
-    assert [(r["job"], r["status"]) for r in _rows(sw)] == [("0", "ok"), ("1", "killed")]
+    assert [(r["job"], r["status"]) for r in summary_rows(sw)] == [("0", "ok"), ("1", "killed")]
     assert sweep.failed_jobs() == ["algo.lr=3e-3"]
 
 
-def _launcher(sweep_dir: Path, values: dict[str, int]) -> Any:
-    """A RayLauncher as Hydra sets it up, whose job configs give `cluster.max_concurrent` by override."""
-    from types import SimpleNamespace
-
-    base = {"hydra": {"sweep": {"dir": str(sweep_dir)}, "hydra_logging": {}, "verbose": False, "job": {}}}
-
-    def load_sweep_config(config: Any, overrides: list[str]) -> Any:
-        return OmegaConf.create({**base, "cluster": {"max_concurrent": values[overrides[0]]}})
-
-    loader = SimpleNamespace(load_sweep_config=load_sweep_config)
-    return SimpleNamespace(
-        config=OmegaConf.create(base),
-        hydra_context=SimpleNamespace(config_loader=loader),
-        task_function=lambda cfg: None,
-        ray_cfg=OmegaConf.create({"init": {}, "remote": {}}),
-    )
-
-
-def test_a_sweep_of_max_concurrent_is_refused_before_any_job_starts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_sweep_its_sweeper_ended_is_summarised_from_one_read_of_its_job_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`cluster.max_concurrent=1,2`: the sweep's jobs share one slots actor, created by whichever job came first
-    with its own permits, so the other value was silently ignored. The launcher refuses it, naming the setting,
-    before any job starts; also when a later batch (an Optuna sweeper's) gives another value than the first."""
-    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="install roll-core[sweep]")
-    from roll_core import sweep_launcher
-    from roll_core.errors import ConfigError
-
-    launched: list[Any] = []
-
-    def launch(context: Any, remote: Any, cfg: Any, task: Any, state: Any) -> None:
-        launched.append(cfg)
-        raise RuntimeError("launched")  # no Ray here: stop at the first job that would start
-
-    monkeypatch.setattr(sweep_launcher, "launch_job_on_ray", launch)
-    monkeypatch.setattr(sweep_launcher, "start_ray", lambda init: None)
-    monkeypatch.setattr(sweep_launcher, "configure_log", lambda *args: None)
-    launcher = _launcher(tmp_path / "sweep", {"cluster.max_concurrent=1": 1, "cluster.max_concurrent=2": 2})
-
-    with pytest.raises(ConfigError, match=r"cluster.max_concurrent is a setting of the whole sweep.*give 1, 2"):
-        sweep_launcher.launch_jobs(launcher, [["cluster.max_concurrent=1"], ["cluster.max_concurrent=2"]], 0)
-    assert launched == []
-
-    with pytest.raises(RuntimeError, match="launched"):  # one value: the jobs start
-        sweep_launcher.launch_jobs(launcher, [["cluster.max_concurrent=1"]] * 2, 0)
-    with pytest.raises(ConfigError, match="give 1, 2"):  # the next batch of the same sweep
-        sweep_launcher.launch_jobs(launcher, [["cluster.max_concurrent=2"]], 2)
-    assert len(launched) == 1
-
-
-def _launcher_of(sweep_dir: Path, jobs: dict[str, dict[str, Any]], remote: dict[str, Any] | None = None) -> Any:
-    """A RayLauncher as Hydra sets it up; the job of override `o` composes `jobs[o]` (its `subdir`: its
-    hydra.sweep.subdir; the rest: its task config)."""
-    from types import SimpleNamespace
-
-    base = {"hydra": {"sweep": {"dir": str(sweep_dir)}, "hydra_logging": {}, "verbose": False, "job": {}}}
-
-    def load_sweep_config(config: Any, overrides: list[str]) -> Any:
-        job = dict(jobs[overrides[0]])
-        subdir = job.pop("subdir", "${hydra.job.num}")
-        return OmegaConf.create({"hydra": {**base["hydra"], "sweep": {"dir": str(sweep_dir), "subdir": subdir}}, **job})
-
-    loader = SimpleNamespace(load_sweep_config=load_sweep_config)
-    return SimpleNamespace(
-        config=OmegaConf.create(base),
-        hydra_context=SimpleNamespace(config_loader=loader),
-        task_function=lambda cfg: None,
-        ray_cfg=OmegaConf.create({"init": {}, "remote": remote or {"num_cpus": 0}}),
-    )
-
-
-@pytest.fixture
-def no_ray_launch(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """roll's Ray launcher with Ray left out: the job configs it would launch, stopping at the first."""
-    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="install roll-core[sweep]")
-    from roll_core import sweep_launcher
-
-    launched: list[Any] = []
-
-    def launch(context: Any, remote: Any, cfg: Any, task: Any, state: Any) -> None:
-        launched.append(cfg)
-        raise RuntimeError("launched")
-
-    monkeypatch.setattr(sweep_launcher, "launch_job_on_ray", launch)
-    monkeypatch.setattr(sweep_launcher, "start_ray", lambda init: None)
-    monkeypatch.setattr(sweep_launcher, "configure_log", lambda *args: None)
-    return launched
-
-
-def test_jobs_that_would_share_a_folder_are_refused_before_any_starts(tmp_path: Path, no_ray_launch: list[Any]) -> None:
-    """hydra.sweep.subdir=${hydra.job.override_dirname} with a repeated value (algo.lr=1e-3,1e-3, an Optuna trial
-    sampling a point again) gave two jobs one folder: one metrics.jsonl, and the later job_status.json replaced the
-    other job's record. Refused before any job starts, naming both jobs; also against an earlier batch's job."""
-    from roll_core import sweep_launcher
-    from roll_core.errors import ConfigError
-
-    jobs = {"a": {"subdir": "lr=1e-3"}, "b": {"subdir": "lr=1e-3"}, "c": {"subdir": "lr=3e-3"}}
-    launcher = _launcher_of(tmp_path / "sweep", jobs)
-
-    with pytest.raises(ConfigError, match=r"sweep jobs 0 and 1 would write into the same folder .*lr=1e-3"):
-        sweep_launcher.launch_jobs(launcher, [["a"], ["b"]], 0)
-    assert no_ray_launch == []
-
-    launcher = _launcher_of(tmp_path / "sweep2", jobs)
-    with pytest.raises(RuntimeError, match="launched"):  # distinct folders: the jobs start
-        sweep_launcher.launch_jobs(launcher, [["a"], ["c"]], 0)
-    with pytest.raises(ConfigError, match="sweep jobs 0 and 2 would write"):  # the next batch of that sweep
-        sweep_launcher.launch_jobs(launcher, [["b"]], 2)
-    assert len(no_ray_launch) == 1
-
-
-def test_gpus_reserved_for_a_job_task_are_refused_when_its_roles_reserve_their_own(
-    tmp_path: Path, no_ray_launch: list[Any]
-) -> None:
-    """hydra.launcher.ray.remote.num_gpus=1 with cluster=ray: the job's Ray task held a GPU it never used while its
-    roles' placement groups waited for free GPUs (on a 1-GPU machine, until cluster.placement_timeout_s failed every
-    job). Refused before any job starts; with cluster=local (the roles run in the task) it is how each job gets its
-    own GPU, and the jobs start."""
-    from roll_core import sweep_launcher
-    from roll_core.errors import ConfigError
-
-    jobs = {"ray": {"cluster": {"backend": "ray"}}, "local": {"cluster": {"backend": "local"}}}
-    launcher = _launcher_of(tmp_path / "sweep", jobs, remote={"num_cpus": 0, "num_gpus": 1})
-    with pytest.raises(ConfigError, match=r"remote.num_gpus=1 .* cluster=ray .* cluster.max_concurrent"):
-        sweep_launcher.launch_jobs(launcher, [["ray"], ["ray"]], 0)
-    assert no_ray_launch == []
-
-    with pytest.raises(RuntimeError, match="launched"):
-        sweep_launcher.launch_jobs(_launcher_of(tmp_path / "s2", jobs, {"num_gpus": 1}), [["local"]], 0)
-    with pytest.raises(RuntimeError, match="launched"):  # no GPUs for the task: cluster=ray is fine
-        sweep_launcher.launch_jobs(_launcher_of(tmp_path / "s3", jobs), [["ray"]], 0)
-    assert len(no_ray_launch) == 2
-
-
-def test_a_signal_that_stops_a_local_sweep_job_stops_the_sweep(tmp_path: Path) -> None:
-    """Ctrl-C (or a scheduler's SIGTERM) in a local multirun stops the running job at a checkpoint; the sweep's later
-    jobs are then not started but recorded as stopped, so the sweep ends, is summarised and exits non-zero. The next
-    job started instead: one Ctrl-C per job to stop a sweep. A new sweep into the folder runs again."""
+    """A sweeper that raises (Optuna with every trial failed) skips on_multirun_end; roll-train then ends the sweep
+    with end_unfinished_sweeps, which read every job record of the folder to tell whether any job ran, and end_sweep
+    read them all again (and warned twice about an earlier sweep's record). One read, handed on: the same failures
+    and summary as on_multirun_end gives."""
     sw = tmp_path / "sweep"
+    _job(sw, "old", 7, ["algo.lr=9e-3"], sweep_id="an-earlier-sweep")
     callback = sweep.SweepSummaryCallback()
-    callback.on_multirun_start(_hydra_cfg(sw))
-    ran: list[int] = []
+    callback.on_multirun_start(multirun_config(sw))
+    run_job(sw, "0", 0, ["algo.lr=1e-3"], _fails)
+    run_job(sw, "1", 1, ["algo.lr=2e-3"], lambda cfg: {"final_eval_accuracy": 0.5})
+    reads: list[Path] = []
+    real = sweep.job_records
 
-    def run(num: int, signum: int | None) -> Any:
-        def job(cfg: Any) -> dict[str, Any]:
-            ran.append(num)
-            return {"final_eval_accuracy": 0.5, "stopped_by_signal": signum}
+    def job_records(sweep_dir: Any, *args: Any) -> Any:
+        reads.append(Path(sweep_dir))
+        return real(sweep_dir, *args)
 
-        return job
+    monkeypatch.setattr(sweep, "job_records", job_records)
+    with caplog.at_level(logging.WARNING, logger="roll_core.sweep"):
+        ended = sweep.end_unfinished_sweeps(RuntimeError("No trials are completed yet"))
 
-    assert _run_job(sw, "0", 0, ["algo.lr=1e-3"], run(0, None)) == 0.5
-    assert _run_job(sw, "1", 1, ["algo.lr=2e-3"], run(1, 2)) is None  # Ctrl-C during job 1
-    assert _run_job(sw, "2", 2, ["algo.lr=3e-3"], run(2, None)) is None
-    callback.on_multirun_end(_hydra_cfg(sw))
-
-    assert ran == [0, 1]
-    record = json.loads((sw / "2" / sweep.STATUS_FILE).read_text())
-    assert record["status"] == "stopped"
-    assert record["error"] == "not started: the sweep was stopped by signal 2 during job 1"
-    rows = _rows(sw)
-    assert [(r["job"], r["status"]) for r in rows] == [("0", "ok"), ("1", "stopped"), ("2", "stopped")]
-    assert rows[2]["wall_seconds"] == ""  # it never ran: no wall time, not a fake 0
-    assert sweep.failed_jobs() == ["algo.lr=2e-3", "algo.lr=3e-3"]
-
-    callback.on_multirun_start(_hydra_cfg(sw))  # run again: its jobs start
-    assert _run_job(sw, "0", 0, ["algo.lr=3e-3"], run(3, None)) == 0.5
-    assert ran == [0, 1, 3]
+    assert ended == [(sw.resolve() / "summary.md", ["algo.lr=1e-3"])] and sweep.failed_jobs() == ["algo.lr=1e-3"]
+    assert reads == [sw.resolve()]
+    assert [(r["job"], r["status"]) for r in summary_rows(sw)] == [("0", "failed"), ("1", "ok")]
+    stale = [r for r in caplog.records if "from an earlier sweep into the same folder" in r.getMessage()]
+    assert len(stale) == 1 and "old" in stale[0].getMessage()
+    assert sweep.end_unfinished_sweeps(RuntimeError("again")) == []  # ended: not summarised twice
 
 
 def test_nan_metrics_are_never_the_best_and_give_the_sweeper_no_value(tmp_path: Path) -> None:
@@ -537,103 +374,6 @@ def test_nan_metrics_are_never_the_best_and_give_the_sweeper_no_value(tmp_path: 
 
     assert (row["best_reward"], row["best_eval_accuracy"]) == (0.5, 0.5)
     assert (row["final_reward"], row["final_eval_accuracy"]) == (0.5, 0.25)
-    assert _run_job(sw, "1", 1, ["algo.lr=2e-3"], lambda cfg: {"final_eval_accuracy": nan}) is None
-    assert _run_job(sw, "2", 2, ["algo.lr=3e-3"], lambda cfg: {"final_eval_accuracy": None}) is None
-    assert _run_job(sw, "3", 3, ["algo.lr=4e-3"], lambda cfg: {"final_eval_accuracy": 1}) == 1.0
-
-
-_OPTUNA_APP = """
-import sys
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from roll_core.sweep import run_sweep_job
-
-
-def run(cfg):
-    if HydraConfig.get().job.num == 0:
-        raise RuntimeError("job 0 fails")
-    return {"final_eval_accuracy": float(cfg.x)}
-
-
-@hydra.main(version_base=None, config_path=".", config_name="app")
-def main(cfg):
-    return run_sweep_job(cfg, run)
-
-
-if __name__ == "__main__":
-    main()
-"""
-
-
-def test_a_failed_job_is_a_failed_trial_and_the_optuna_sweep_goes_on(tmp_path: Path) -> None:
-    """The real Optuna sweeper (hydra-optuna-sweeper) over jobs run by run_sweep_job, one of which fails: it was
-    given NaN, Optuna's tell refused it, and the sweeper's own FAIL tell raised: the sweep ended at that batch with a
-    traceback, no later trial and no summary. Now the failed job is a failed trial and the sweep finishes."""
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="install roll-core[sweep]")
-    import os
-    import subprocess
-    import sys
-
-    (tmp_path / "app.py").write_text(_OPTUNA_APP)
-    (tmp_path / "app.yaml").write_text(
-        "x: 0.5\nexperiment: t\ncluster: {max_concurrent: 0}\ntracking: {group: null, run_name: null}\n"
-        "hydra:\n  callbacks:\n    summary: {_target_: roll_core.sweep.SweepSummaryCallback}\n"
-    )
-    sw = tmp_path / "sweep"
-    args = [
-        "hydra/sweeper=optuna",
-        "hydra.sweeper.n_trials=3",
-        "hydra.sweeper.n_jobs=1",
-        "hydra.sweeper.direction=maximize",
-        "hydra.sweeper.sampler.seed=0",
-        "x=interval(0.1,0.9)",
-        f"hydra.sweep.dir={sw}",
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run(
-        [sys.executable, "app.py", "-m", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
-
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Failed experiment" in proc.stderr + proc.stdout
-    results = OmegaConf.load(sw / "optimization_results.yaml")
-    assert 0.1 <= results.best_value <= 0.9
-    assert [(r["job"], r["status"]) for r in _rows(sw)] == [("0", "failed"), ("1", "ok"), ("2", "ok")]
-
-
-def test_a_resumed_sweep_refuses_a_job_folder_of_other_swept_values(tmp_path: Path) -> None:
-    """`pipeline.resume=true` into an earlier sweep's folder continues each job folder's run, and folders are named
-    by job number: with the values in another order (or an Optuna trial sampling others) job 0 continued the
-    earlier job 0's checkpoint with its own learning rate (a resume accepts a changed lr), a silently mixed run.
-    Refused, naming both values, and the refusal keeps what the folder holds; the same order resumes, a changed
-    shared setting (max_steps) included."""
-    sw = tmp_path / "sweep"
-    callback = sweep.SweepSummaryCallback()
-    ran: list[str] = []
-
-    def run(cfg: Any) -> dict[str, Any]:
-        from hydra.core.hydra_config import HydraConfig
-
-        hc = HydraConfig.get()
-        ran.append(hc.overrides.task[0])
-        (Path(hc.runtime.output_dir) / "checkpoints" / "step_5").mkdir(parents=True, exist_ok=True)
-        return {"final_eval_accuracy": 0.5}
-
-    def sweep_of(lrs: list[str], *shared: str) -> list[float | None]:
-        callback.on_multirun_start(_hydra_cfg(sw))
-        resume = {"pipeline": {"resume": True}} if "pipeline.resume=true" in shared else {}
-        return [_run_job(sw, str(n), n, [f"algo.lr={lr}", *shared], run, **resume) for n, lr in enumerate(lrs)]
-
-    assert sweep_of(["1e-3", "3e-3"], "pipeline.max_steps=10") == [0.5, 0.5]
-    for _ in range(2):  # refused twice: a refused job's record still says what its folder holds
-        assert sweep_of(["3e-3", "1e-3"], "pipeline.max_steps=20", "pipeline.resume=true") == [None, None]
-    assert ran == ["algo.lr=1e-3", "algo.lr=3e-3"]
-    record = json.loads((sw / "0" / sweep.STATUS_FILE).read_text())
-    assert record["status"] == "failed"
-    assert "holds the run of job 0 of an earlier sweep, with algo.lr=1e-3; this job has algo.lr=3e-3" in record["error"]
-
-    assert sweep_of(["1e-3", "3e-3"], "pipeline.max_steps=20", "pipeline.resume=true") == [0.5, 0.5]
-    assert ran[2:] == ["algo.lr=1e-3", "algo.lr=3e-3"]
-    assert sweep_of(["3e-3", "1e-3"], "pipeline.max_steps=20") == [0.5, 0.5]  # no resume: the run refuses (not here)
-    assert sweep_of(["1e-3", "3e-3"], "pipeline.resume=true") == [0.5, 0.5]  # the folders still say what they hold
-    assert sweep_of(["3e-3", "1e-3"], "pipeline.resume=true") == [None, None]
+    assert run_job(sw, "1", 1, ["algo.lr=2e-3"], lambda cfg: {"final_eval_accuracy": nan}) is None
+    assert run_job(sw, "2", 2, ["algo.lr=3e-3"], lambda cfg: {"final_eval_accuracy": None}) is None
+    assert run_job(sw, "3", 3, ["algo.lr=4e-3"], lambda cfg: {"final_eval_accuracy": 1}) == 1.0

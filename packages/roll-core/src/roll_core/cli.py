@@ -8,6 +8,10 @@ Config errors (unknown keys, wrong types, failed invariants) print one explained
 of a traceback, and so does a missing optional dependency of the chosen components (one line naming the pip
 extra, checked before anything is built); any other error propagates with its full traceback. The job's return
 value is the run summary (final and best held-out accuracy), which Hydra sweepers optimise.
+Exit status of a signal (roll_core.pipelines.run_control): a run stopped by SIGINT/SIGTERM before its last step
+exits 128 + N after its checkpoint; one whose signal came in its last step or later is complete and exits 0 (its
+summary says what the signal skipped); one stopped while its pipeline was built says `stopped while building the
+pipeline` in one line, after shutting down what was started, and exits 128 + N.
 """
 
 from __future__ import annotations
@@ -170,6 +174,13 @@ def train_main() -> None:
     except MissingExtraError as exc:
         print(f"roll-train: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt as exc:
+        signum = _build_stop_signal(exc)
+        if signum is None:
+            raise
+        # what the build had started is shut down and the run folder's lock released (roll_core.pipelines.loop)
+        print(f"roll-train: {exc}", file=sys.stderr)
+        sys.exit(128 + signum)
     except Exception as exc:
         from hydra.errors import ConfigCompositionException, OverrideParseException
         from omegaconf.errors import OmegaConfBaseException
@@ -305,6 +316,13 @@ def _is_reward_failure(exc: BaseException) -> bool:
     (a config error, `--help`) never needs; a RewardFailureError can only come from a loaded module."""
     guard = sys.modules.get("roll_core.cluster.reward_guard")
     return guard is not None and isinstance(exc, guard.RewardFailureError)
+
+
+def _build_stop_signal(exc: BaseException) -> int | None:
+    """The signal of run_control's StoppedWhileBuilding (a stop signal while the pipeline was built), else None
+    (looked up among the loaded modules, as above)."""
+    run_control = sys.modules.get("roll_core.pipelines.run_control")
+    return exc.signum if run_control is not None and isinstance(exc, run_control.StoppedWhileBuilding) else None
 
 
 def _is_checkpoint_failure(exc: BaseException) -> bool:

@@ -214,6 +214,9 @@ def run_sweep_job(cfg: Any, run: Any) -> float | None:
                 _stopped[str(sweep_dir)] = f"the sweep was stopped by signal {signum} during job {hc.job.num}"
         else:
             record.update(status="ok", summary=summary)
+            late = summary.get("late_signal") if isinstance(summary, dict) else None
+            if late and str(sweep_dir) in _sweeps:  # in its last step: the job is complete, the sweep stops (as above)
+                _stopped[str(sweep_dir)] = f"the sweep was stopped by signal {late} at the end of job {hc.job.num}"
     except Exception as exc:  # one job's failure must not stop the sweep
         log.error("sweep job %s failed: %s", hc.job.num, exc)
         record.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
@@ -491,18 +494,21 @@ class SweepSummaryCallback(Callback):
         end_sweep(Path(str(config.hydra.sweep.dir)))
 
 
-def end_sweep(sweep_dir: Path) -> list[str]:
+def end_sweep(sweep_dir: Path, records: tuple[list[tuple[Path, dict[str, Any]]], list[str]] | None = None) -> list[str]:
     """Count the failed jobs of the sweep in `sweep_dir` (for the exit code, `failed_jobs`) and write its summary;
     returns its failures. Run by `SweepSummaryCallback.on_multirun_end` and, for a sweep whose sweeper raised
-    (Hydra then skips on_multirun_end), by `end_unfinished_sweeps`."""
+    (Hydra then skips on_multirun_end), by `end_unfinished_sweeps`, which passes the sweep's `job_records` it has
+    already read as `records` (None: read them here)."""
     _unfinished.discard(str(sweep_dir.resolve()))
     remove_slots(sweep_dir)
-    marker = sweep_marker(sweep_dir)
-    sweep_id = marker.get("sweep_id")
     # Failures first, from the records alone: Hydra turns an exception raised here into a warning, and a
     # summary that fails to write must not also make roll-train exit 0 over failed jobs.
     try:
-        found, failed = job_records(sweep_dir, sweep_id, marker.get("started_at") if sweep_id else None)
+        if records is None:
+            marker = sweep_marker(sweep_dir)
+            sweep_id = marker.get("sweep_id")
+            records = job_records(sweep_dir, sweep_id, marker.get("started_at") if sweep_id else None)
+        found, failed = records
         records = [st for _, st in found]
         failed = [label for st, label in zip(records, _labels(records)) if st.get("status") != "ok"] + failed
         if not found and not failed:  # every multirun launches a job: finding none means its record was lost
@@ -530,12 +536,14 @@ def end_unfinished_sweeps(exc: BaseException) -> list[tuple[Path, list[str]]]:
     ended = []
     for folder in sorted(_unfinished):
         marker = sweep_marker(folder)
-        found, problems = job_records(folder, marker.get("sweep_id"), marker.get("started_at"))
+        sweep_id = marker.get("sweep_id")
+        # read once, as end_sweep reads them (started_at only with a sweep id), and handed to it
+        found, problems = job_records(folder, sweep_id, marker.get("started_at") if sweep_id else None)
         if not found and not problems:  # it stopped before any job ran (a sweeper that cannot be made): no summary
             _unfinished.discard(folder)
             continue
         log.error("sweep %s stopped with %s: %s; summarising the jobs it ran", folder, type(exc).__name__, exc)
-        ended.append((Path(folder) / "summary.md", end_sweep(Path(folder))))
+        ended.append((Path(folder) / "summary.md", end_sweep(Path(folder), (found, problems))))
     return ended
 
 

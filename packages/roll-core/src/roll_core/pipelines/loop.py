@@ -13,11 +13,17 @@ one holds gets a ConfigError naming the holder, before it starts or writes anyth
 Checkpoints: never written from inside a streak of non-finite steps (their weights may hold the blow-up); the
 stop after `pipeline.max_nonfinite_steps` names the last checkpoint saved before the streak. A save that fails
 (a full disk) deletes its partial folder and ends the run with `CheckpointError` naming the checkpoint left intact.
-A stop signal (roll_core.pipelines.run_control.GracefulStop) is honoured from the evaluation before step 1 on;
-one that arrives after the last step (final curves, the trackers' close, report.md) is logged and changes nothing.
-The step that ends a run (a stop, a non-finite stop, a finished finite job) is logged; a run resumed at or past
-`pipeline.max_steps` trains nothing and says so. A stop requested before a step's evaluation skips it (with a
-warning): the checkpoint comes first, within a preemption's grace period.
+Stops (roll_core.pipelines.run_control): a SIGINT/SIGTERM while the pipeline is built stops the build at once
+(`StoppedWhileBuilding`; what was started is shut down, the lock released). From the evaluation before step 1 on,
+a stop signal ends the run after the step it arrives in (saved: `stopped_by_signal`, report.md `stopped by
+signal N`). One that arrives in the last step (`pipeline.max_steps`, or the step that finishes a finite job) stops
+nothing: the step completes and is saved, the run is complete (`stopped_by_signal` None, exit 0, report.md
+`finished`, a resume trains nothing) and the summary says what the signal skipped (`late_signal`, `skipped`: the
+final evaluation; `final_eval_accuracy` is then None, `roll-eval` on the last checkpoint gives it). One that
+arrives after the last step (final curves, the trackers' close, report.md) is logged and changes nothing but
+`late_signal`. A stop requested before a step's evaluation skips it (with a warning): the checkpoint comes first,
+within a preemption's grace period. The step that ends a run (a stop, a non-finite stop, a finished finite job) is
+logged; a run resumed at or past `pipeline.max_steps` trains nothing and says so.
 Determinism:
 sampling seeds derive from (seed, purpose, step) and the collector's data position is checkpointed, so a resumed
 synchronous run on CPU reproduces the uninterrupted run's metrics.
@@ -28,13 +34,14 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 from roll_core import registry
 from roll_core.algorithms import load_estimator
-from roll_core.checkpoint import CheckpointError, CheckpointManager
+from roll_core.checkpoint import CheckpointError, CheckpointManager, step_of
 from roll_core.cluster.launch import Cluster
 from roll_core.config.build import build
 from roll_core.config.resume import check_checkpoint, config_dict
@@ -43,7 +50,13 @@ from roll_core.models import resolve_model_path
 from roll_core.pipelines.collectors import Collector, CollectorContext, CollectorFactory
 from roll_core.pipelines.metrics import StepLog, heavy_masking_warning
 from roll_core.pipelines.objectives import load_objective
-from roll_core.pipelines.run_control import GracefulStop, named_checkpoint, resolve_run_folder, set_aside_newer
+from roll_core.pipelines.run_control import (
+    BuildStop,
+    GracefulStop,
+    named_checkpoint,
+    resolve_run_folder,
+    set_aside_newer,
+)
 from roll_core.pipelines.trainer import Trainer
 from roll_core.pipelines.wiring import build_roles
 from roll_core.run_lock import hold_run_folder
@@ -59,14 +72,17 @@ class Pipeline:
     pending_run_restarts: int = 0
 
     def __init__(self, cfg: RLVRConfig, output_dir: str | Path | None = None) -> None:
-        try:
-            self._build(cfg, output_dir)
-        except BaseException:
-            # A run that fails while it is built (placement timeout, a model that does not load, a refused
-            # checkpoint) gives back what it started: Ray, placement groups, actors. A sweep's next job in this
-            # process otherwise found the leaked instance, reused it and failed to be placed.
-            self.shutdown()
-            raise
+        # A stop signal while the pipeline is built raises StoppedWhileBuilding (run_control): it had Python's default
+        # meaning, a KeyboardInterrupt traceback or an outright kill leaving the shutdown below undone.
+        with BuildStop() as self._building:
+            try:
+                self._build(cfg, output_dir)
+            except BaseException:
+                # A run that fails while it is built (placement timeout, a model that does not load, a refused
+                # checkpoint, a stop signal) gives back what it started: Ray, placement groups, actors, the lock. A
+                # sweep's next job in this process otherwise found the leaked instance, reused it and failed.
+                self.shutdown()
+                raise
 
     def _build(self, cfg: RLVRConfig, output_dir: str | Path | None) -> None:
         pipe = cfg.pipeline
@@ -90,6 +106,7 @@ class Pipeline:
         if not fresh:
             self.run_lock = hold_run_folder(self.out)
         self.cluster = Cluster(cfg.cluster, cfg.hw)
+        self._building.rearm()  # ray.init replaced the SIGTERM handler with Ray's (an abort with a stack dump)
         self.cluster.platform.seed_everything(pipe.seed)
         self.model_path = resolve_model_path(cfg.model.path)
         from transformers import AutoTokenizer
@@ -122,6 +139,7 @@ class Pipeline:
             self.out, OmegaConf.to_yaml(OmegaConf.structured(cfg)), pipe.trackers, resume=latest is not None
         )
         self.roles = build_roles(cfg, self.cluster, self.model_path, needs)
+        self._building.rearm()  # an in-process engine may have installed its own handlers
         roles = self.roles
         ctx = CollectorContext(
             cfg,
@@ -169,6 +187,8 @@ class Pipeline:
             saved = getattr(self, "stop_checkpoint", None)
             where = f"resume from {saved.name}" if saved is not None else "no checkpoint to resume from"
             status = f"stopped by signal {signum} ({where})" if signum else "finished"
+            if not signum and summary.get("late_signal"):  # complete: the signal stopped nothing but an evaluation
+                status = self._late_status(summary)
             if not signum and getattr(self.collector, "exhausted", True) is False:
                 # a finite job (rollout-only) cut by pipeline.max_steps: its output is partial, which "finished" hid
                 status = (
@@ -177,8 +197,22 @@ class Pipeline:
                 )
                 log.warning("run %s", status)
                 summary["incomplete"] = True
+            summary["status"] = status
             self.report(status, summary["wall_seconds"])
         return summary
+
+    def _late_status(self, summary: dict[str, Any]) -> str:
+        """The status of a complete run that received a stop signal in its last step or after it."""
+        ckpt = getattr(self, "healthy_checkpoint", None)
+        skipped = summary.get("skipped") or []
+        what = f"skipped the {', '.join(skipped)}" if skipped else "skipped nothing"
+        if skipped and ckpt is not None:
+            what += f" (roll-eval {ckpt} gives it)"
+        last = max((h["step"] for h in self.tracker.history), default=None)
+        saved = ""
+        if ckpt is not None:  # not the last step's inside a non-finite streak (no checkpoint there)
+            saved = f" and saved ({ckpt.name})" if step_of(ckpt) == last else f" (latest checkpoint {ckpt.name})"
+        return f"finished: every step trained{saved}; {signal_name(summary['late_signal'])} received at the end {what}"
 
     def wall_seconds(self) -> float:
         """The run's wall time so far: every process's, setup included (a resumed run's earlier processes up to
@@ -197,18 +231,26 @@ class Pipeline:
         # large benchmark runs) killed the process outright, and a Ctrl-C ended it with a traceback.
         if self.start_step == 1 and pipe.eval_every > 0:
             self.tracker.log(0, self.collector.evaluate(0))
-        if stop.requested:
-            log.warning("stopped before step 1: nothing was trained and no checkpoint was written")
+        self.skipped_evals: list[int] = []  # the steps whose due evaluation a stop skipped
+        complete = False  # every step trained (to pipeline.max_steps, or the collector's job done)
+        if stop.requested and self.start_step <= pipe.max_steps:
+            if self.start_step == 1:
+                log.warning("stopped before step 1: nothing was trained and no checkpoint was written")
+            else:  # resumed: the run goes on from the checkpoint it resumed from
+                self.stop_checkpoint = self.healthy_checkpoint
+                log.warning("stopped before step %d: nothing more was trained", self.start_step)
         else:
-            self._loop(stop)
+            complete = self._loop(stop)
         stop.ending()  # the steps are over: a signal from here on has nothing left to stop
         self.tracker.plot(self._plot_keys())  # the last steps' curves, whatever ended the loop
         self.tracker.close()
-        return self.summary(self.wall_seconds(), stop.signum)
+        # A stop in the last step stopped nothing: the run is complete, the signal is reported as a late one.
+        late = stop.signum if complete and stop.requested else stop.late_signum
+        return self.summary(self.wall_seconds(), None if complete else stop.signum, late=late)
 
-    def _loop(self, stop: GracefulStop) -> None:
+    def _loop(self, stop: GracefulStop) -> bool:
         """Steps `start_step`..`max_steps`, each logged and (when due) saved; returns early on a stop or when the
-        collector has nothing left to do."""
+        collector has nothing left to do. True when every step is trained (a stop in the last step included)."""
         pipe = self.cfg.pipeline
         from tqdm.auto import tqdm
 
@@ -219,7 +261,7 @@ class Pipeline:
                 self.start_step - 1,
                 pipe.max_steps,
             )
-            return
+            return True
         # A collector with a finite job (rollout-only) knows how many steps it needs.
         total = min(pipe.max_steps, getattr(self.collector, "total_steps", None) or pipe.max_steps)
         # Advanced by hand once a step is done: iterating the bar counts a step only when the next one starts, so a
@@ -227,12 +269,14 @@ class Pipeline:
         bar = tqdm(
             total=total, desc=self.cfg.experiment, unit="step", disable=not pipe.progress, initial=self.start_step - 1
         )
+        last = self.start_step - 1
         try:
-            for step in range(self.start_step, pipe.max_steps + 1):
-                if self._one_step(step, stop, bar):
+            for last in range(self.start_step, pipe.max_steps + 1):
+                if self._one_step(last, stop, bar):
                     break
         finally:
             bar.close()
+        return last == pipe.max_steps or bool(getattr(self.collector, "exhausted", False))
 
     def _one_step(self, step: int, stop: GracefulStop, bar: Any) -> bool:
         """Step `step` of the loop: train, evaluate when due, log, save when due; True when the run ends here."""
@@ -244,6 +288,7 @@ class Pipeline:
             # A preempted job has a grace period: a long evaluation before the checkpoint could outlast it and lose
             # the step. `roll-eval` on the checkpoint gives the numbers later.
             log.warning("step %d: evaluation skipped: stopping (roll-eval evaluates the checkpoint)", step)
+            self.skipped_evals.append(step)
             eval_due = False
         if eval_due:
             if self.trainer.stale:  # an off-policy collector evaluates the weights trained so far
@@ -263,9 +308,20 @@ class Pipeline:
             return False
         if not due:
             saved = self.checkpoint(step)
-        if stop.requested:
-            # None inside a non-finite streak: say where the run really resumes from (also when the collector
-            # finished in the same step: the report named no checkpoint although one was written)
+        if stop.requested and (finished or step == pipe.max_steps):
+            # The last step: it completed and was saved like any last step, so the run is complete, not stopped (it
+            # was reported as stopped, exit 143, though a resume had nothing left to train).
+            log.warning(
+                "%s received in the last step (%d): the step completed and was saved (%s); the run is complete%s",
+                signal_name(stop.signum),
+                step,
+                saved or f"no checkpoint inside a non-finite streak; last healthy: {self.healthy_checkpoint}",
+                "; its final evaluation was skipped (roll-eval evaluates the checkpoint)"
+                if step in self.skipped_evals
+                else "",
+            )
+        elif stop.requested:
+            # None inside a non-finite streak: say where the run really resumes from
             self.stop_checkpoint = saved or self.healthy_checkpoint
             log.warning(
                 "stopped after step %d: %s; pipeline.resume=true continues from there",
@@ -300,18 +356,29 @@ class Pipeline:
             out["perf/samples_per_s"] = len(collected.batch) / out["perf/step_seconds"]
         return out
 
-    def summary(self, wall_seconds: float, signum: int | None) -> dict[str, Any]:
-        """Final, best and first held-out accuracy, the last reward, wall time, folder, the stopping signal."""
+    def summary(self, wall_seconds: float, signum: int | None, late: int | None = None) -> dict[str, Any]:
+        """Final, best and first held-out accuracy, the last reward, wall time, folder; `stopped_by_signal`: the
+        signal that stopped the run before its last step; `late_signal`: one that arrived in the last step or after
+        it (the run is complete); `skipped`: the evaluations a stop skipped. A complete run whose final evaluation
+        was skipped has no `final_eval_accuracy` (an earlier step's would pass for the final model's)."""
         history = self.tracker.history
         evals = [h["eval/accuracy"] for h in history if h.get("eval/accuracy") is not None]
+        skipped_evals = getattr(self, "skipped_evals", [])
+        last = max((h["step"] for h in history), default=None)
+        final_skipped = signum is None and late is not None and last in skipped_evals
         summary = {
-            "final_eval_accuracy": evals[-1] if evals else None,
+            "final_eval_accuracy": evals[-1] if evals and not final_skipped else None,
             "best_eval_accuracy": max(evals, default=None),
             "first_eval_accuracy": evals[0] if evals else None,
             "final_reward": history[-1].get("reward/mean") if history else None,
             "wall_seconds": wall_seconds,
             "output_dir": str(self.out),
             "stopped_by_signal": signum,
+            "late_signal": late,
+            "skipped": [
+                f"{'final evaluation' if final_skipped and n == last else 'evaluation'} (step {n})"
+                for n in skipped_evals
+            ],
             **self.collector.summary(),
         }
         log.info("run finished: %s", summary)
@@ -414,6 +481,14 @@ PROGRESS_FIELDS = (
     ("rollout/rows", "rows", "{:.0f}"),
     ("perf/step_seconds", "sec", "{:.1f}"),
 )
+
+
+def signal_name(signum: int | None) -> str:
+    """`SIGTERM` for 15 (a number the platform does not name as it is)."""
+    try:
+        return signal.Signals(signum).name  # type: ignore[arg-type]
+    except ValueError:
+        return f"signal {signum}"
 
 
 def progress_fields(out: dict[str, Any]) -> dict[str, str]:

@@ -20,12 +20,24 @@ takes the folder in between. An error with every worker alive is a bug, not a fa
 only repeat it), as does a fault before the first checkpoint (nothing to restart from: the message says so).
 
 Stop contract: inside `GracefulStop`, the first SIGINT/SIGTERM sets `requested` (the loop finishes the step, saves
-a checkpoint and returns); a second one raises KeyboardInterrupt at once. Once the steps are over (`ending()`: the
+a checkpoint and returns); a second one raises KeyboardInterrupt at once. A stop requested in the run's last step
+(`pipeline.max_steps`, or the step that finishes a finite job) stops nothing: the step completes and is saved as
+usual, its due evaluation is skipped (the checkpoint first, within a preemption's grace period) and the run is
+complete: summary `stopped_by_signal` None, `late_signal` N, `skipped` naming the evaluation, exit 0, report.md
+`finished ...` saying so, and a resume trains nothing (roll_core.pipelines.loop). It was reported as a stop
+(exit 143, `stopped by signal 15`) although every step was trained and saved. Once the steps are over (`ending()`: the
 last curves, the trackers' close, report.md, the shutdown of a run that returned its summary) a first signal only
 says so: the run has nothing left to stop, it ends as it would have (its status and exit code unchanged). Before,
 the handlers were already restored there: a scheduler's SIGTERM in that last stretch (a W&B upload at close takes
 minutes) killed the process (exit 143, no report.md) after a run that had finished. Handlers are restored on exit,
 and nothing is installed off the main thread (signals are delivered there only).
+
+Build contract: while a pipeline is built (`BuildStop`: the run folder's lock, Ray's start, model loading, engine
+start; a build has no step to finish and can take minutes) the first SIGINT/SIGTERM raises `StoppedWhileBuilding`
+at once: the pipeline shuts down what it had started (workers, Ray, the lock: `Pipeline.shutdown`) and `roll-train`
+says `stopped while building the pipeline` in one line, exit 128 + N. A second signal aborts the cleanup
+(KeyboardInterrupt). Before, a SIGINT there was a KeyboardInterrupt traceback (exit 1) and a SIGTERM killed the
+process outright (with Ray started, Ray's own handler aborted it: exit 134 and a stack dump).
 """
 
 from __future__ import annotations
@@ -278,6 +290,55 @@ class GracefulStop:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class StoppedWhileBuilding(KeyboardInterrupt):
+    """The first SIGINT/SIGTERM while a pipeline was built (see the module docstring). A KeyboardInterrupt: no
+    `except Exception` in the build swallows it, and run_with_restarts does not take it for a fault."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(
+            f"stopped while building the pipeline ({signal.Signals(signum).name}): nothing was trained and no "
+            "checkpoint was written; what the build had started was shut down"
+        )
+
+
+class BuildStop:
+    """Context manager for a pipeline's build: the first SIGINT/SIGTERM raises `StoppedWhileBuilding`, a second
+    KeyboardInterrupt (see the module docstring). `rearm()` installs the handlers again after code that replaced them
+    (`ray.init` installs Ray's own SIGTERM handler, which aborts the process with a stack dump)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:  # the cleanup of the first one is running: abort it
+            raise KeyboardInterrupt
+        self.signum = signum
+        log.warning(
+            "%s received while building the pipeline: stopping, shutting down what was started (send it again to "
+            "abort now)",
+            signal.Signals(signum).name,
+        )
+        raise StoppedWhileBuilding(signum)
+
+    def rearm(self) -> None:
+        """(Re)install the handlers; the ones found first are those restored on exit."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old = signal.signal(sig, self._handle)
+            self._old.setdefault(sig, old)
+
+    def __enter__(self) -> BuildStop:
+        self.rearm()
         return self
 
     def __exit__(self, *exc: Any) -> None:

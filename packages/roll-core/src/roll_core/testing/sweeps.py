@@ -1,0 +1,59 @@
+"""Sweeps (roll_core.sweep) for tests, with no training and no Hydra process: the job wrapper `run_sweep_job` run
+as Hydra runs it in one job of a multirun (`run_job`, HydraConfig faked), the config Hydra hands
+`SweepSummaryCallback` (`multirun_config`), the summary.csv a sweep leaves (`summary_rows`), and a clean slate of
+the per-process sweep state for each test (`reset_sweep_state`). Neither pytest nor Ray is imported.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+from omegaconf import OmegaConf
+
+import roll_core.sweep as sweep
+
+__all__ = ["multirun_config", "reset_sweep_state", "run_job", "summary_rows"]
+
+
+def reset_sweep_state(monkeypatch: Any) -> None:
+    """Give this test no started sweep, failed job or stop signal of earlier ones (roll_core.sweep keeps them per
+    process, for `failed_jobs()` and the callback); `monkeypatch`: pytest's, which puts them back after the test."""
+    monkeypatch.setattr(sweep, "_failed_jobs", [])
+    monkeypatch.setattr(sweep, "_sweeps", {}, raising=False)
+    monkeypatch.setattr(sweep, "_stopped", {}, raising=False)
+    monkeypatch.setattr(sweep, "_unfinished", set(), raising=False)
+
+
+def multirun_config(sweep_dir: Path) -> Any:
+    """The config Hydra passes to `SweepSummaryCallback` for a multirun into `sweep_dir` (its basic launcher)."""
+    launcher = {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"}
+    return OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}, "launcher": launcher}})
+
+
+def summary_rows(sweep_dir: Path) -> list[dict[str, str]]:
+    """The rows of the sweep's summary.csv, as strings."""
+    with open(sweep_dir / "summary.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def run_job(
+    sweep_dir: Path, folder: str, num: int, overrides: list[str], run: Callable[[Any], Any], **cfg: Any
+) -> float | None:
+    """run_sweep_job as Hydra calls it in job `num` (its HydraConfig faked: output folder `sweep_dir / folder`,
+    task overrides `overrides`), with `run` as the training run; `cfg`: more of the job's config. Returns what
+    run_sweep_job returns (the sweeper's objective, None for a failed trial)."""
+    hc = OmegaConf.create(
+        {
+            "runtime": {"output_dir": str(sweep_dir / folder), "cwd": str(sweep_dir.parent)},
+            "sweep": {"dir": str(sweep_dir)},
+            "job": {"num": num},
+            "overrides": {"task": overrides},
+        }
+    )
+    job = {"experiment": "t", "cluster": {"max_concurrent": 0}, "tracking": {"group": None, "run_name": None}}
+    with mock.patch("hydra.core.hydra_config.HydraConfig.get", return_value=hc):
+        return sweep.run_sweep_job(OmegaConf.create({**job, **cfg}), run)

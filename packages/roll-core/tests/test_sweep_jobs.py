@@ -1,0 +1,311 @@
+"""A sweep's jobs (roll_core.sweep, roll_core.sweep_launcher), with no training: roll's Ray launcher refuses a
+sweep whose jobs would clash (a swept cluster.max_concurrent, two jobs in one folder, GPUs reserved twice) before
+any job starts, with Ray itself left out; a signal that stops a local job stops the sweep; a failed job is a failed
+Optuna trial and the sweep goes on (the real hydra-optuna-sweeper, in a subprocess); a resumed sweep refuses a job
+folder of other swept values. Each job is run_sweep_job with a fake `run` (roll_core.testing.sweeps.run_job). The
+summary and failure count on hand-made job folders: test_sweep_summary.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+
+import roll_core.sweep as sweep
+from roll_core.testing.sweeps import multirun_config, reset_sweep_state, run_job, summary_rows
+
+
+@pytest.fixture(autouse=True)
+def _fresh_sweep_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    reset_sweep_state(monkeypatch)  # failed_jobs() and the started sweeps are per process: every test starts from none
+
+
+def _launcher(sweep_dir: Path, values: dict[str, int]) -> Any:
+    """A RayLauncher as Hydra sets it up, whose job configs give `cluster.max_concurrent` by override."""
+    from types import SimpleNamespace
+
+    base = {"hydra": {"sweep": {"dir": str(sweep_dir)}, "hydra_logging": {}, "verbose": False, "job": {}}}
+
+    def load_sweep_config(config: Any, overrides: list[str]) -> Any:
+        return OmegaConf.create({**base, "cluster": {"max_concurrent": values[overrides[0]]}})
+
+    loader = SimpleNamespace(load_sweep_config=load_sweep_config)
+    return SimpleNamespace(
+        config=OmegaConf.create(base),
+        hydra_context=SimpleNamespace(config_loader=loader),
+        task_function=lambda cfg: None,
+        ray_cfg=OmegaConf.create({"init": {}, "remote": {}}),
+    )
+
+
+def test_a_sweep_of_max_concurrent_is_refused_before_any_job_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cluster.max_concurrent=1,2`: the sweep's jobs share one slots actor, created by whichever job came first
+    with its own permits, so the other value was silently ignored. The launcher refuses it, naming the setting,
+    before any job starts; also when a later batch (an Optuna sweeper's) gives another value than the first."""
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="install roll-core[sweep]")
+    from roll_core import sweep_launcher
+    from roll_core.errors import ConfigError
+
+    launched: list[Any] = []
+
+    def launch(context: Any, remote: Any, cfg: Any, task: Any, state: Any) -> None:
+        launched.append(cfg)
+        raise RuntimeError("launched")  # no Ray here: stop at the first job that would start
+
+    monkeypatch.setattr(sweep_launcher, "launch_job_on_ray", launch)
+    monkeypatch.setattr(sweep_launcher, "start_ray", lambda init: None)
+    monkeypatch.setattr(sweep_launcher, "configure_log", lambda *args: None)
+    launcher = _launcher(tmp_path / "sweep", {"cluster.max_concurrent=1": 1, "cluster.max_concurrent=2": 2})
+
+    with pytest.raises(ConfigError, match=r"cluster.max_concurrent is a setting of the whole sweep.*give 1, 2"):
+        sweep_launcher.launch_jobs(launcher, [["cluster.max_concurrent=1"], ["cluster.max_concurrent=2"]], 0)
+    assert launched == []
+
+    with pytest.raises(RuntimeError, match="launched"):  # one value: the jobs start
+        sweep_launcher.launch_jobs(launcher, [["cluster.max_concurrent=1"]] * 2, 0)
+    with pytest.raises(ConfigError, match="give 1, 2"):  # the next batch of the same sweep
+        sweep_launcher.launch_jobs(launcher, [["cluster.max_concurrent=2"]], 2)
+    assert len(launched) == 1
+
+
+def _launcher_of(sweep_dir: Path, jobs: dict[str, dict[str, Any]], remote: dict[str, Any] | None = None) -> Any:
+    """A RayLauncher as Hydra sets it up; the job of override `o` composes `jobs[o]` (its `subdir`: its
+    hydra.sweep.subdir; the rest: its task config)."""
+    from types import SimpleNamespace
+
+    base = {"hydra": {"sweep": {"dir": str(sweep_dir)}, "hydra_logging": {}, "verbose": False, "job": {}}}
+
+    def load_sweep_config(config: Any, overrides: list[str]) -> Any:
+        job = dict(jobs[overrides[0]])
+        subdir = job.pop("subdir", "${hydra.job.num}")
+        return OmegaConf.create({"hydra": {**base["hydra"], "sweep": {"dir": str(sweep_dir), "subdir": subdir}}, **job})
+
+    loader = SimpleNamespace(load_sweep_config=load_sweep_config)
+    return SimpleNamespace(
+        config=OmegaConf.create(base),
+        hydra_context=SimpleNamespace(config_loader=loader),
+        task_function=lambda cfg: None,
+        ray_cfg=OmegaConf.create({"init": {}, "remote": remote or {"num_cpus": 0}}),
+    )
+
+
+@pytest.fixture
+def no_ray_launch(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """roll's Ray launcher with Ray left out: the job configs it would launch, stopping at the first."""
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="install roll-core[sweep]")
+    from roll_core import sweep_launcher
+
+    launched: list[Any] = []
+
+    def launch(context: Any, remote: Any, cfg: Any, task: Any, state: Any) -> None:
+        launched.append(cfg)
+        raise RuntimeError("launched")
+
+    monkeypatch.setattr(sweep_launcher, "launch_job_on_ray", launch)
+    monkeypatch.setattr(sweep_launcher, "start_ray", lambda init: None)
+    monkeypatch.setattr(sweep_launcher, "configure_log", lambda *args: None)
+    return launched
+
+
+def test_jobs_that_would_share_a_folder_are_refused_before_any_starts(tmp_path: Path, no_ray_launch: list[Any]) -> None:
+    """hydra.sweep.subdir=${hydra.job.override_dirname} with a repeated value (algo.lr=1e-3,1e-3, an Optuna trial
+    sampling a point again) gave two jobs one folder: one metrics.jsonl, and the later job_status.json replaced the
+    other job's record. Refused before any job starts, naming both jobs; also against an earlier batch's job."""
+    from roll_core import sweep_launcher
+    from roll_core.errors import ConfigError
+
+    jobs = {"a": {"subdir": "lr=1e-3"}, "b": {"subdir": "lr=1e-3"}, "c": {"subdir": "lr=3e-3"}}
+    launcher = _launcher_of(tmp_path / "sweep", jobs)
+
+    with pytest.raises(ConfigError, match=r"sweep jobs 0 and 1 would write into the same folder .*lr=1e-3"):
+        sweep_launcher.launch_jobs(launcher, [["a"], ["b"]], 0)
+    assert no_ray_launch == []
+
+    launcher = _launcher_of(tmp_path / "sweep2", jobs)
+    with pytest.raises(RuntimeError, match="launched"):  # distinct folders: the jobs start
+        sweep_launcher.launch_jobs(launcher, [["a"], ["c"]], 0)
+    with pytest.raises(ConfigError, match="sweep jobs 0 and 2 would write"):  # the next batch of that sweep
+        sweep_launcher.launch_jobs(launcher, [["b"]], 2)
+    assert len(no_ray_launch) == 1
+
+
+def test_gpus_reserved_for_a_job_task_are_refused_when_its_roles_reserve_their_own(
+    tmp_path: Path, no_ray_launch: list[Any]
+) -> None:
+    """hydra.launcher.ray.remote.num_gpus=1 with cluster=ray: the job's Ray task held a GPU it never used while its
+    roles' placement groups waited for free GPUs (on a 1-GPU machine, until cluster.placement_timeout_s failed every
+    job). Refused before any job starts; with cluster=local (the roles run in the task) it is how each job gets its
+    own GPU, and the jobs start."""
+    from roll_core import sweep_launcher
+    from roll_core.errors import ConfigError
+
+    jobs = {"ray": {"cluster": {"backend": "ray"}}, "local": {"cluster": {"backend": "local"}}}
+    launcher = _launcher_of(tmp_path / "sweep", jobs, remote={"num_cpus": 0, "num_gpus": 1})
+    with pytest.raises(ConfigError, match=r"remote.num_gpus=1 .* cluster=ray .* cluster.max_concurrent"):
+        sweep_launcher.launch_jobs(launcher, [["ray"], ["ray"]], 0)
+    assert no_ray_launch == []
+
+    with pytest.raises(RuntimeError, match="launched"):
+        sweep_launcher.launch_jobs(_launcher_of(tmp_path / "s2", jobs, {"num_gpus": 1}), [["local"]], 0)
+    with pytest.raises(RuntimeError, match="launched"):  # no GPUs for the task: cluster=ray is fine
+        sweep_launcher.launch_jobs(_launcher_of(tmp_path / "s3", jobs), [["ray"]], 0)
+    assert len(no_ray_launch) == 2
+
+
+def test_a_signal_that_stops_a_local_sweep_job_stops_the_sweep(tmp_path: Path) -> None:
+    """Ctrl-C (or a scheduler's SIGTERM) in a local multirun stops the running job at a checkpoint; the sweep's later
+    jobs are then not started but recorded as stopped, so the sweep ends, is summarised and exits non-zero. The next
+    job started instead: one Ctrl-C per job to stop a sweep. A new sweep into the folder runs again."""
+    sw = tmp_path / "sweep"
+    callback = sweep.SweepSummaryCallback()
+    callback.on_multirun_start(multirun_config(sw))
+    ran: list[int] = []
+
+    def run(num: int, signum: int | None) -> Any:
+        def job(cfg: Any) -> dict[str, Any]:
+            ran.append(num)
+            return {"final_eval_accuracy": 0.5, "stopped_by_signal": signum}
+
+        return job
+
+    assert run_job(sw, "0", 0, ["algo.lr=1e-3"], run(0, None)) == 0.5
+    assert run_job(sw, "1", 1, ["algo.lr=2e-3"], run(1, 2)) is None  # Ctrl-C during job 1
+    assert run_job(sw, "2", 2, ["algo.lr=3e-3"], run(2, None)) is None
+    callback.on_multirun_end(multirun_config(sw))
+
+    assert ran == [0, 1]
+    record = json.loads((sw / "2" / sweep.STATUS_FILE).read_text())
+    assert record["status"] == "stopped"
+    assert record["error"] == "not started: the sweep was stopped by signal 2 during job 1"
+    rows = summary_rows(sw)
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "ok"), ("1", "stopped"), ("2", "stopped")]
+    assert rows[2]["wall_seconds"] == ""  # it never ran: no wall time, not a fake 0
+    assert sweep.failed_jobs() == ["algo.lr=2e-3", "algo.lr=3e-3"]
+
+    callback.on_multirun_start(multirun_config(sw))  # run again: its jobs start
+    assert run_job(sw, "0", 0, ["algo.lr=3e-3"], run(3, None)) == 0.5
+    assert ran == [0, 1, 3]
+
+
+def test_a_signal_in_a_local_sweep_jobs_last_step_completes_the_job_and_stops_the_sweep(tmp_path: Path) -> None:
+    """A Ctrl-C in a job's last step completes that job (summary `late_signal`, not `stopped_by_signal`:
+    roll_core.pipelines.loop): it is `ok`, and the signal, meant for the sweep, still stops the later jobs."""
+    sw = tmp_path / "sweep"
+    sweep.SweepSummaryCallback().on_multirun_start(multirun_config(sw))
+    ran: list[int] = []
+
+    def job(num: int, late: int | None) -> Any:
+        def run(cfg: Any) -> dict[str, Any]:
+            ran.append(num)
+            return {"final_eval_accuracy": 0.5, "stopped_by_signal": None, "late_signal": late}
+
+        return run
+
+    assert run_job(sw, "0", 0, ["algo.lr=1e-3"], job(0, 2)) == 0.5
+    assert run_job(sw, "1", 1, ["algo.lr=2e-3"], job(1, None)) is None
+    assert ran == [0] and json.loads((sw / "0" / sweep.STATUS_FILE).read_text())["status"] == "ok"
+    record = json.loads((sw / "1" / sweep.STATUS_FILE).read_text())
+    assert record["error"] == "not started: the sweep was stopped by signal 2 at the end of job 0"
+
+
+_OPTUNA_APP = """
+import sys
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from roll_core.sweep import run_sweep_job
+
+
+def run(cfg):
+    if HydraConfig.get().job.num == 0:
+        raise RuntimeError("job 0 fails")
+    return {"final_eval_accuracy": float(cfg.x)}
+
+
+@hydra.main(version_base=None, config_path=".", config_name="app")
+def main(cfg):
+    return run_sweep_job(cfg, run)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_failed_job_is_a_failed_trial_and_the_optuna_sweep_goes_on(tmp_path: Path) -> None:
+    """The real Optuna sweeper (hydra-optuna-sweeper) over jobs run by run_sweep_job, one of which fails: it was
+    given NaN, Optuna's tell refused it, and the sweeper's own FAIL tell raised: the sweep ended at that batch with a
+    traceback, no later trial and no summary. Now the failed job is a failed trial and the sweep finishes."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="install roll-core[sweep]")
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "app.py").write_text(_OPTUNA_APP)
+    (tmp_path / "app.yaml").write_text(
+        "x: 0.5\nexperiment: t\ncluster: {max_concurrent: 0}\ntracking: {group: null, run_name: null}\n"
+        "hydra:\n  callbacks:\n    summary: {_target_: roll_core.sweep.SweepSummaryCallback}\n"
+    )
+    sw = tmp_path / "sweep"
+    args = [
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.n_jobs=1",
+        "hydra.sweeper.direction=maximize",
+        "hydra.sweeper.sampler.seed=0",
+        "x=interval(0.1,0.9)",
+        f"hydra.sweep.dir={sw}",
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "app.py", "-m", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Failed experiment" in proc.stderr + proc.stdout
+    results = OmegaConf.load(sw / "optimization_results.yaml")
+    assert 0.1 <= results.best_value <= 0.9
+    assert [(r["job"], r["status"]) for r in summary_rows(sw)] == [("0", "failed"), ("1", "ok"), ("2", "ok")]
+
+
+def test_a_resumed_sweep_refuses_a_job_folder_of_other_swept_values(tmp_path: Path) -> None:
+    """`pipeline.resume=true` into an earlier sweep's folder continues each job folder's run, and folders are named
+    by job number: with the values in another order (or an Optuna trial sampling others) job 0 continued the
+    earlier job 0's checkpoint with its own learning rate (a resume accepts a changed lr), a silently mixed run.
+    Refused, naming both values, and the refusal keeps what the folder holds; the same order resumes, a changed
+    shared setting (max_steps) included."""
+    sw = tmp_path / "sweep"
+    callback = sweep.SweepSummaryCallback()
+    ran: list[str] = []
+
+    def run(cfg: Any) -> dict[str, Any]:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+        ran.append(hc.overrides.task[0])
+        (Path(hc.runtime.output_dir) / "checkpoints" / "step_5").mkdir(parents=True, exist_ok=True)
+        return {"final_eval_accuracy": 0.5}
+
+    def sweep_of(lrs: list[str], *shared: str) -> list[float | None]:
+        callback.on_multirun_start(multirun_config(sw))
+        resume = {"pipeline": {"resume": True}} if "pipeline.resume=true" in shared else {}
+        return [run_job(sw, str(n), n, [f"algo.lr={lr}", *shared], run, **resume) for n, lr in enumerate(lrs)]
+
+    assert sweep_of(["1e-3", "3e-3"], "pipeline.max_steps=10") == [0.5, 0.5]
+    for _ in range(2):  # refused twice: a refused job's record still says what its folder holds
+        assert sweep_of(["3e-3", "1e-3"], "pipeline.max_steps=20", "pipeline.resume=true") == [None, None]
+    assert ran == ["algo.lr=1e-3", "algo.lr=3e-3"]
+    record = json.loads((sw / "0" / sweep.STATUS_FILE).read_text())
+    assert record["status"] == "failed"
+    assert "holds the run of job 0 of an earlier sweep, with algo.lr=1e-3; this job has algo.lr=3e-3" in record["error"]
+
+    assert sweep_of(["1e-3", "3e-3"], "pipeline.max_steps=20", "pipeline.resume=true") == [0.5, 0.5]
+    assert ran[2:] == ["algo.lr=1e-3", "algo.lr=3e-3"]
+    assert sweep_of(["3e-3", "1e-3"], "pipeline.max_steps=20") == [0.5, 0.5]  # no resume: the run refuses (not here)
+    assert sweep_of(["1e-3", "3e-3"], "pipeline.resume=true") == [0.5, 0.5]  # the folders still say what they hold
+    assert sweep_of(["3e-3", "1e-3"], "pipeline.resume=true") == [None, None]
