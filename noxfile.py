@@ -186,7 +186,6 @@ def tests(session: nox.Session) -> None:
     # Parallel-layout variants beyond the core set (each axis stays here once) run in `nox -s full_matrix`.
     core = [] if session.posargs else ["-m", "not full_matrix"]
     workers = _test_workers(session)
-    apart = [f"--ignore={f}" for f in OWN_PROCESS_TESTS] if workers and not session.posargs else []
     session.run(
         str(python),
         "-m",
@@ -194,24 +193,12 @@ def tests(session: nox.Session) -> None:
         *durations,
         *core,
         *workers,
-        *apart,
         *(session.posargs or _test_paths()),
         external=True,
         env=env,
     )
-    if apart:
-        session.run(str(python), "-m", "pytest", *core, *OWN_PROCESS_TESTS, external=True, env=env)
     if not session.posargs:
         session.run(str(vllm), "-m", "pytest", *VLLM_TESTS, external=True, env={**env, "ROLL_TEST_SESSION": "vllm"})
-
-
-# Tests of children forked from a non-main thread (roll_core.isolation): in a pytest-xdist worker, late in the
-# suite, every such child hung before serving (forks from the main thread were fine), and the same tests pass in a
-# plain process after the same files; not yet explained, so they run after the workers, in a process of their own.
-OWN_PROCESS_TESTS = [
-    "packages/roll-core/tests/test_isolation_lifetime.py",
-    "packages/roll-core/tests/test_reward_guard.py",
-]
 
 
 def _test_workers(session: nox.Session) -> list[str]:

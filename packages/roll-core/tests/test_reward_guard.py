@@ -41,6 +41,12 @@ def _guard(**kwargs) -> GuardedReward:
     return GuardedReward(RowFaults(), **{"timeout_s": 0.5, "batch_timeout_s": 1.0, **kwargs})
 
 
+#: Clocks for the tests where a row hangs: after the kill every row is served by a freshly forked child, and the row
+#: pass is bounded by batch + 3 x row timeout (reward_guard's hung_after): at 1.0 + 3 x 0.5 s a loaded machine (load
+#: 17 on 2 cores under pytest-xdist) ran out of it and the healthy rows after the hang counted as timeouts.
+HANG_CLOCKS = {"timeout_s": 1.5, "batch_timeout_s": 2.0}
+
+
 def test_healthy_batch_is_scored_in_one_call_with_zero_counters() -> None:
     res = _guard().score(["a", "b"], ["1", "1"])
     assert res.scores == [1.0, 1.0]
@@ -99,7 +105,7 @@ def test_a_failed_row_scored_nan_counts_once(row_by_row: bool) -> None:
 
 
 def test_a_hanging_row_is_cut_off_per_row_and_counted() -> None:
-    guard = _guard()
+    guard = _guard(**HANG_CLOCKS)
     t0 = time.monotonic()
     res = guard.score(["a", "hang", "b", "nan", "raise"], ["1"] * 5)
     seconds = time.monotonic() - t0
@@ -112,7 +118,7 @@ def test_a_hanging_row_is_cut_off_per_row_and_counted() -> None:
 def test_guard_works_from_a_thread() -> None:
     """Ray actors serving several calls at once run them in threads: the deadline does not need the main thread."""
     out: dict[str, RewardResult] = {}
-    t = threading.Thread(target=lambda: out.update(r=_guard().score(["hang", "a"], ["1", "1"])))
+    t = threading.Thread(target=lambda: out.update(r=_guard(**HANG_CLOCKS).score(["hang", "a"], ["1", "1"])))
     t.start()
     t.join(30)
     assert out["r"].scores == [0.0, 1.0] and out["r"].counters["timeouts"] == 1

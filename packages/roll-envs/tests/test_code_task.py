@@ -297,14 +297,21 @@ def test_fraction_mode_format_weight_and_bad_answers() -> None:
     assert bad.failed == [True]  # malformed ground truth: not a verdict on the response
 
 
-def test_a_sandbox_that_fails_leaves_its_rows_failed_not_wrong() -> None:
+def test_a_sandbox_that_fails_leaves_its_rows_failed_not_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sandbox cannot start within its wall clock: a right program's rows are failed (the guard counts them,
     and a step where all fail counts toward the failure budget), not trained on as wrong answers."""
     from roll_core.cluster.reward_guard import GuardedReward, all_rows_failed
-    from roll_envs.sandbox import SandboxLimits
+    from roll_envs.sandbox import SandboxLimits, runner
 
     reward = _reward_or_skip(score_mode="fraction", timeout_s=5.0)
-    reward.sandbox.limits = SandboxLimits(timeout_s=5.0, start_timeout_s=0.005)
+    # A start that takes 3 s against a 0.2 s budget (a bare 5 ms budget was met under load: a trainer descheduled past
+    # it finds the ready byte already there, and that start counts as in time).
+    slow = runner.CHILD_SOURCE.replace(
+        "def main() -> None:\n", "def main() -> None:\n    __import__('time').sleep(3)\n"
+    )
+    assert slow != runner.CHILD_SOURCE
+    monkeypatch.setattr(runner, "CHILD_SOURCE", slow)
+    reward.sandbox.limits = SandboxLimits(timeout_s=5.0, start_timeout_s=0.2)
     add = fenced("a, b = map(int, input().split())\nprint(a + b)\n")
     res = GuardedReward(reward, isolation="inline").score([add] * 2, [encode_tests([CodeTest("1 2\n", "3\n")])] * 2)
     assert res.counters["sandbox_errors"] == 2 and res.failed == [True, True]
