@@ -8,12 +8,12 @@ makes a second command; `nox -s quickstart [-- args]` is the `roll-train` comman
 lists the overrides of every job a command launches (a multirun: every job of its sweep, Optuna's search space
 included), with stand-ins for its `<placeholders>`; `first_job(cmd)` composes the first one with its `hydra` node.
 A roll-eval command's own options are told apart from its overrides with roll-eval's argparse parser itself
-(`roll_eval_options`: which options take a value, which are flags), so a flag may sit anywhere in a command.
+(`roll_eval_options`, from roll_core.cli.eval_parser: which options take a value, which are flags), so a flag may
+sit anywhere in a command.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import re
@@ -71,41 +71,15 @@ class Command:
         return out
 
 
-class _ParserSeen(Exception):
-    """Raised in place of parsing, carrying the parser roll-eval built (roll_eval_options)."""
-
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        super().__init__("roll-eval's parser")
-        self.parser = parser
-
-
 @functools.cache
 def roll_eval_options() -> dict[str, int]:
-    """roll-eval's options -> how many values each takes (0 for a flag: `--overwrite`, `--help`), read from the
-    argparse parser `roll_core.cli.eval_main` builds: it is caught when eval_main starts parsing, before anything
-    runs, so a new option or flag is known here without a list to keep in step."""
-    from unittest import mock
+    """roll-eval's options -> how many values each takes (0 for a flag: `--overwrite`, `--help`), read from its
+    argparse parser (`roll_core.cli.eval_parser`), so a new option or flag is known here without a list to keep in
+    step."""
+    from roll_core.cli import eval_parser
 
-    from roll_core import cli
-
-    def caught(parser: argparse.ArgumentParser, *_: Any, **__: Any) -> Any:
-        raise _ParserSeen(parser)
-
-    names = ("parse_args", "parse_known_args", "parse_intermixed_args", "parse_known_intermixed_args")
-    patches = [mock.patch.object(argparse.ArgumentParser, name, caught) for name in names]
-    try:
-        for p in patches:
-            p.start()
-        cli.eval_main(["placeholder"])
-    except _ParserSeen as seen:
-        parser = seen.parser
-    else:
-        raise RuntimeError("roll_core.cli.eval_main parsed no arguments with argparse: cannot read its options")
-    finally:
-        for p in patches:
-            p.stop()
     options: dict[str, int] = {}
-    for action in parser._actions:  # argparse keeps no public list of them
+    for action in eval_parser()._actions:  # argparse keeps no public list of them
         takes = action.nargs if isinstance(action.nargs, int) else 1  # None (one value); ?/*/+: roll-eval has none
         options.update(dict.fromkeys(action.option_strings, takes))
     return options

@@ -63,9 +63,16 @@ def _roll_eval(model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     capsys.readouterr()
     assert eval_main([model, "model=tiny", *overrides]) == 0
     out = capsys.readouterr().out
-    m = re.search(r"success rate ([\d.]+) on (\d+) held-out seeds of .* mean turns ([\d.]+), invalid", out)
+    m = re.search(
+        r"success rate ([\d.]+) on (\d+) held-out seeds of \S+ \((?:± ([\d.]+) standard error over episodes, )?"
+        r"mean reward .* mean turns ([\d.]+), invalid",
+        out,
+    )
     assert m, out
-    return {"success": float(m.group(1)), "n": int(m.group(2)), "turns": float(m.group(3))}
+    p, n = float(m.group(1)), int(m.group(2))
+    # the standard error over the episodes (one per seed) of a 0/1 outcome: sqrt(p (1 - p) / (n - 1))
+    assert m.group(3) is not None and float(m.group(3)) == pytest.approx((p * (1 - p) / (n - 1)) ** 0.5, abs=1e-4), out
+    return {"success": p, "n": n, "turns": float(m.group(4))}
 
 
 @pytest.mark.parametrize("policy", ["score", "drop"])

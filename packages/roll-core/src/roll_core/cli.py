@@ -335,6 +335,13 @@ def eval_main(argv: list[str] | None = None) -> int:
     """`roll-eval MODEL [MODEL ...] [overrides...]`: held-out accuracy of models, checkpoints or a run's every
     checkpoint, with pass@k and majority vote over --n responses per problem, per-domain and per-difficulty
     breakdowns, samples.jsonl, a comparison table and plot, and report.md in --out."""
+    args = eval_parser().parse_intermixed_args(argv)  # options may sit between the models and the overrides
+    logging.basicConfig(level=logging.WARNING)
+    return run_eval(args, list(sys.argv if argv is None else ["roll-eval", *argv]))
+
+
+def eval_parser() -> argparse.ArgumentParser:
+    """roll-eval's argument parser (also read by the docs' command checker: which options take a value)."""
     parser = argparse.ArgumentParser(prog="roll-eval", description=eval_main.__doc__)
     parser.add_argument(
         "targets",
@@ -358,9 +365,14 @@ def eval_main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace the files a previous evaluation (or run) left in --out"
     )
-    args = parser.parse_intermixed_args(argv)  # options may sit between the models and the overrides
-    logging.basicConfig(level=logging.WARNING)
-    return run_eval(args, list(sys.argv if argv is None else ["roll-eval", *argv]))
+    return parser
+
+
+def _episodes_se(result: dict[str, Any], key: str) -> str:
+    """`± se standard error over episodes, ` for an episode result's rate `key` (empty with one episode): inside the
+    printed line's parentheses, as the single-turn line's, since scripts parse the line's start."""
+    se = result.get(f"{key}_stderr")
+    return "" if se is None else f"± {se:.4f} standard error over episodes, "
 
 
 def _positive_int(text: str) -> int:
@@ -478,14 +490,15 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
             if not result.get("agentic"):
                 print(
                     f"accuracy {result['accuracy']:.4f} on {result['n']} held-out problems of {result['task']} "
-                    f"(mean reward {result['reward']:.4f}, model {t.model})"
+                    f"({_episodes_se(result, 'accuracy')}mean reward {result['reward']:.4f}, model {t.model})"
                 )
                 continue
             ends = ", ".join(f"{k} {v:.0%}" for k, v in sorted(result["ends"].items()))
             print(
                 f"success rate {result['success_rate']:.4f} on {result['n']} held-out seeds of {result['task']} "
-                f"(mean reward {result['reward']:.4f}, mean turns {result['mean_turns']:.2f}, invalid actions "
-                f"{result['invalid_action_rate']:.1%} of turns, ended by: {ends}; model {t.model})"
+                f"({_episodes_se(result, 'success_rate')}mean reward {result['reward']:.4f}, "
+                f"mean turns {result['mean_turns']:.2f}, invalid actions {result['invalid_action_rate']:.1%} of "
+                f"turns, ended by: {ends}; model {t.model})"
             )
         return 0
     files = write_outputs(out, results, ks, args.n, settings)
