@@ -7,11 +7,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+import threading
 
 import pytest
 import torch
 
-from roll_engines.infer._bucket_channel import BucketSender, ChannelError, layout, receive_buckets
+from roll_engines.infer._bucket_channel import BucketSender, ChannelError, SyncAborted, layout, receive_buckets
 
 
 def _receiver(address: str, authkey: bytes, out, stop_after: int | None) -> None:
@@ -92,6 +93,30 @@ def test_a_receiver_that_dies_fails_the_sync_instead_of_hanging() -> None:
         sender.close(ok=False)
         proc.join(timeout=60)
     assert proc.exitcode == 3
+
+
+def test_an_aborted_sync_raises_in_the_receiver() -> None:
+    """`close(ok=False)` after some buckets: the receiver's stream raises SyncAborted (vLLM's worker then undoes
+    what it loaded), where it used to break with a bare EOFError, as if the sender had died."""
+    sender = BucketSender(1, "cpu", None, timeout_s=60)
+    got: list[str] = []
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            got.extend(name for name, _ in receive_buckets(sender.address, sender.authkey))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    try:
+        sender.send(_named(2)[:2])
+    finally:
+        sender.close(ok=False)
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert [type(e) for e in errors] == [SyncAborted]
 
 
 def test_a_failed_loader_call_stops_the_sender() -> None:

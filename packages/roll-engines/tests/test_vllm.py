@@ -93,6 +93,52 @@ class TestVLLMInferEngine(InferEngineTestSuite):
             engine.update_weights(list(before.items()))
             engine.finish_weight_update()
 
+    def test_a_sync_aborted_between_buckets_changes_nothing(
+        self, engine: Any, prompts: list[list[int]], model_path: str, tmp_path
+    ) -> None:
+        """Half of a sync's buckets (fused q|k|v and gate|up groups split across them) reach vLLM's worker process,
+        then the sender fails: `abort_weight_update` leaves greedy tokens and log-probs bit-identical to before and
+        the version unchanged (the worker had loaded those buckets, served under a new version). A sync left open
+        is aborted by the next `begin_weight_update` (which waited forever behind the open sync's worker call), and
+        a full sync afterwards loads the new weights."""
+        import threading
+
+        from roll_core.cluster.weight_sync import buckets
+        from roll_core.interfaces import Request
+        from roll_core.testing import reference_greedy
+        from roll_core.testing.infer_engine import _perturbed, _unique_params
+
+        original, changed, folder = _perturbed(model_path, tmp_path / "changed", seed=2)
+        parts = list(buckets(_unique_params(changed), 96 * 1024))  # a layer's q/k/v (3 x 64 KiB) spans buckets
+        greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+        before = engine.generate(prompts, greedy)
+        version = engine.submit(Request("v0", prompts[0], greedy)).result(timeout=300).weight_version
+        try:
+            engine.begin_weight_update()
+            for bucket in parts[: len(parts) // 2]:
+                engine.update_weights(bucket)
+            assert engine.abort_weight_update("the trainer died") == version
+            after = engine.generate(prompts, greedy)
+            assert torch.equal(after.responses, before.responses)
+            assert torch.equal(after.logprobs, before.logprobs)
+            assert engine.submit(Request("v1", prompts[0], greedy)).result(timeout=300).weight_version == version
+
+            engine.begin_weight_update()
+            engine.update_weights(parts[0])  # never finished nor aborted
+            begun = threading.Thread(target=engine.begin_weight_update, daemon=True)
+            begun.start()
+            begun.join(timeout=120)
+            assert not begun.is_alive(), "begin_weight_update waited forever behind the sync left open"
+            for bucket in parts:
+                engine.update_weights(bucket)
+            assert engine.finish_weight_update() == version + 1
+            ref, _ = reference_greedy(str(folder), prompts[0], 12)
+            assert engine.submit(Request("v2", prompts[0], greedy)).result(timeout=300).token_ids[: len(ref)] == ref
+        finally:
+            engine.begin_weight_update()
+            engine.update_weights(list(_unique_params(original)))
+            engine.finish_weight_update()
+
     def test_temperatures_vllm_would_raise_are_refused_and_specials_reach_stop_strings(self, engine: Any) -> None:
         """vLLM raises temperatures in (0, 0.01) to 0.01: such a request is refused (its log-probs would be of
         another distribution than the trainer's); stop strings see special tokens' text, as on hf and SGLang."""

@@ -122,3 +122,20 @@ def test_merged_weights_are_refused(roles: Any) -> None:
         engine.update_weights(list(train.iter_weights())[:2])
     assert engine.finish_weight_update() == version + 1  # the failed sync ends; nothing was loaded
     assert set(engine.engine.list_loras()) == {engine._adapters.current} == {version}
+
+
+def test_an_aborted_adapter_sync_loads_nothing(roles: Any) -> None:
+    """Part of an adapter arrived, then the sender failed: `abort_weight_update` loads no adapter, keeps the
+    version and the adapter that serves (a finish would have loaded what arrived, or failed on it, as a new version)."""
+    from roll_core.interfaces import SamplingParams
+
+    train, engine, _ = roles
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    before, version, loras = engine.generate([[5, 6, 7]], greedy), engine._version, set(engine.engine.list_loras())
+    engine.begin_weight_update()
+    engine.update_weights(list(train.iter_adapter())[:2])
+    assert engine.abort_weight_update("the trainer died") == version
+    assert set(engine.engine.list_loras()) == loras
+    assert torch.equal(engine.generate([[5, 6, 7]], greedy).responses, before.responses)
+    with pytest.raises(RuntimeError, match="outside begin_weight_update"):  # the aborted sync takes nothing more
+        engine.update_weights(list(train.iter_adapter())[2:4])

@@ -11,6 +11,8 @@
     after any sync (unchanged weights included) its tokens differed from transformers'.
 (d) A multimodal model's encoder cache: after a sync neither the scheduler nor the worker keeps a picture's features.
 (e) A GLM-4.5-style router, which vLLM keeps in fp32 under bf16, is synced in fp32 (it was rounded to bf16).
+(f) A sync that fails part way (aborted by its sender, or a weight the worker rejects) is undone in the worker: every
+    parameter and packed kernel as before, fused groups (q|k|v, gate|up) included; the version is kept.
 """
 
 from __future__ import annotations
@@ -198,5 +200,72 @@ def test_a_router_kept_in_fp32_is_synced_unrounded(tmp_path, in_process) -> None
         got = mlp.gate(x)[0]
         torch.testing.assert_close(got, x @ weight.T, atol=1e-5, rtol=0)
         assert (got - x @ weight.to(torch.bfloat16).float().T).abs().max() > 1e-4  # what a bf16 router gives
+    finally:
+        engine.shutdown()
+
+
+def _worker_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of vLLM's model, and the product of every packed CPU kernel (vLLM-CPU empties the
+    parameters of the linears it packs: their weights live in `cpu_linear` only) with a fixed input."""
+    state = {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    g = torch.Generator().manual_seed(0)
+    for name, m in model.named_modules():
+        if hasattr(m, "cpu_linear"):
+            x = torch.randn(3, m.input_size_per_partition, generator=g)
+            state[f"{name}:cpu_linear"] = m.cpu_linear(x, m.weight, getattr(m, "bias", None)).clone()
+    return state
+
+
+def test_a_sync_that_fails_part_way_is_undone_in_the_worker(tmp_path, in_process) -> None:
+    """(f) Buckets that complete some layers (embedding, layer 0) and bring part of a fused group (layer 1's q of
+    q|k|v), then an abort: vLLM's worker had written those layers (the partial one with uninitialised k and v at the
+    abort) and the engine served them under a new version. Now its weights, kernels and greedy outputs are
+    bit-identical to before and the version stays; the same for a bucket the worker rejects (a wrong shape); a full
+    sync afterwards loads."""
+    from transformers import AutoModelForCausalLM
+
+    from roll_core.interfaces import Request, SamplingParams
+    from roll_core.models import build_tiny_model
+    from roll_engines.infer.vllm import VLLMInferEngine
+
+    build_tiny_model(tmp_path, hidden=128, heads=4, kv_heads=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    torch.manual_seed(0)
+    new = {k: p.detach() + 0.05 * torch.randn_like(p) for k, p in model.named_parameters()}
+    first = [(k, v) for k, v in new.items() if "embed" in k or ".layers.0." in k]
+    part = [(k, v) for k, v in new.items() if ".layers.1.self_attn.q_proj" in k]
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    engine = VLLMInferEngine(str(tmp_path), **ENGINE)
+    try:
+        core = engine.engine.engine_core.engine_core
+        worker_model = core.model_executor.driver_worker.worker.model_runner.model
+        before, state = engine.generate(PROMPTS, greedy), _worker_state(worker_model)
+        version = engine.submit(Request("v", PROMPTS[0], greedy)).result().weight_version
+
+        def same_as_before() -> None:
+            now = _worker_state(worker_model)
+            assert now.keys() == state.keys()
+            assert [k for k in state if not torch.equal(now[k], state[k])] == []
+            after = engine.generate(PROMPTS, greedy)
+            assert torch.equal(after.responses, before.responses)
+            assert torch.equal(after.logprobs, before.logprobs)
+            assert engine.submit(Request("v", PROMPTS[0], greedy)).result().weight_version == version
+
+        engine.begin_weight_update()
+        engine.update_weights(first)
+        engine.update_weights(part)
+        assert engine.abort_weight_update("the trainer died") == version
+        same_as_before()
+
+        engine.begin_weight_update()
+        engine.update_weights(first)
+        engine.update_weights([("model.layers.1.mlp.down_proj.weight", torch.zeros(3, 3))])  # acked, then rejected
+        with pytest.raises(Exception, match=r"closed its connection|stopped|size|shape"):
+            engine.update_weights(part)
+        assert engine.abort_weight_update("a bucket failed") == version
+        same_as_before()
+
+        _sync(engine, list(new.items()))
+        _assert_same(engine, str(tmp_path), new)
     finally:
         engine.shutdown()

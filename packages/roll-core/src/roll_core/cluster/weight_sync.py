@@ -33,7 +33,7 @@ fp32 under bf16) travel in that dtype (they were rounded to bf16 at every sync).
 
 A sync that fails part way (the trainer dies between buckets, an object-store bucket cannot be fetched, a
 broadcast breaks) ends with `InferWorker.abort_weight_update` on every receiver, never `finish_weight_update`: an
-engine that implements it (hf) puts back what the sync wrote and keeps its weight version, so it serves the old
+engine that implements it (hf, vLLM) puts back what the sync wrote and keeps its weight version, so it serves the old
 weights whole rather than a mix under a new version; engines without it are finished as before (`abort_sync`).
 The abort reaches every receiver (on the local backend too: roll_core.cluster.group) and runs on each only after
 its receive returned or failed (roll_core.cluster.infer_role: a receiver the controller stopped waiting for, a

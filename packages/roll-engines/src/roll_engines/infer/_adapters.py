@@ -72,6 +72,10 @@ class AdapterSync:
     def begin(self) -> None:
         self._parts = {}
 
+    def discard(self) -> None:
+        """Drop what an aborted sync collected: nothing is loaded, later buckets are refused until `begin`."""
+        self._parts = None
+
     def receive(self, named: Iterable[tuple[str, Tensor]]) -> int:
         """Keep one bucket's adapter matrices (copied, in the engine's dtype); bytes received."""
         if self._parts is None:

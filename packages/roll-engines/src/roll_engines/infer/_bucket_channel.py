@@ -17,7 +17,10 @@ workers pull the buckets through this channel, one at a time:
   ends when the sender closes the sync. Fed to vLLM's `reload_weights(weights_iterator=...)`, the whole sync is one
   reload, so fused groups (q/k/v, gate/up) split across buckets still load together.
 
-`BucketSender.close()` releases the staging buffer, so nothing of the sync stays behind in the adapter's process.
+`BucketSender.close()` ends the sync for the receivers: `ok=True` ends their stream (the sync is complete),
+`ok=False` makes it raise `SyncAborted` (the sync failed on the sending side: the receivers put back what it wrote,
+roll_engines.infer._vllm_worker). Either way it releases the staging buffer, so nothing of the sync stays behind in
+the adapter's process.
 """
 
 from __future__ import annotations
@@ -78,6 +81,14 @@ class ChannelError(RuntimeError):
     """The receiving side stopped (its process died or its reload raised) before the sync ended."""
 
 
+class SyncAborted(Exception):
+    """Raised by `receive_buckets` when the sender ended the sync as failed (`BucketSender.close(ok=False)`)."""
+
+
+#: The message that aborts a sync (a bucket is a dict of buffer and specs; None ends a complete sync).
+_ABORT = {"abort": True}
+
+
 class BucketSender:
     """Adapter side of one weight sync to `receivers` processes (see module docstring).
 
@@ -101,6 +112,8 @@ class BucketSender:
         self._listener = Listener(address=address, family="AF_UNIX", authkey=self.authkey)
         self.address: str = address or str(self._listener.address)  # (Listener gives an abstract one back as bytes)
         self._conns: list[Connection] = []
+        self._lock = threading.Lock()  # `_conns` and `_closed` between the accepting thread and `close`
+        self._closed = False
         self._accepted = threading.Event()
         self._accept_error: BaseException | None = None
         threading.Thread(target=self._accept, name="roll-bucket-accept", daemon=True).start()
@@ -115,7 +128,12 @@ class BucketSender:
     def _accept(self) -> None:
         try:
             while len(self._conns) < self.receivers:
-                self._conns.append(self._listener.accept())
+                conn = self._listener.accept()
+                with self._lock:
+                    if self._closed:  # accepted after `close` took the list: its receiver must not wait forever
+                        conn.close()
+                        return
+                    self._conns.append(conn)
         except BaseException as exc:  # the listener closed under us (a failed sync)
             self._accept_error = exc
         finally:
@@ -194,13 +212,23 @@ class BucketSender:
         return payload
 
     def close(self, ok: bool = True) -> None:
-        """End the sync (receivers' streams stop) and release the staging buffer and the socket."""
+        """End the sync and release the staging buffer and the socket. `ok`: the sync is complete (the receivers'
+        streams end); otherwise it failed and every connected receiver's stream raises `SyncAborted`."""
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns)
         try:
             if ok and self.buckets:
-                for conn in self._conns:
+                for conn in conns:
                     conn.send(None)
+            elif not ok:
+                for conn in conns:
+                    try:
+                        conn.send(_ABORT)
+                    except OSError:  # that receiver already stopped (its reload failed): nothing to tell it
+                        pass
         finally:
-            for conn in self._conns:
+            for conn in conns:
                 conn.close()
             self._listener.close()
             self._release()
@@ -220,11 +248,14 @@ def _open(handle: Any, cache: dict[Any, Tensor]) -> Tensor:
 
 
 def receive_buckets(address: str, authkey: bytes) -> Iterator[tuple[str, Tensor]]:
-    """Worker side: every (name, tensor) of one sync, in worker-owned memory (see module docstring)."""
+    """Worker side: every (name, tensor) of one sync, in worker-owned memory (see module docstring); raises
+    `SyncAborted` where the sender aborted the sync."""
     conn = Client(address, family="AF_UNIX", authkey=authkey)
     cache: dict[Any, Tensor] = {}
     try:
         while (msg := conn.recv()) is not None:
+            if "abort" in msg:
+                raise SyncAborted("the sender aborted the weight sync")
             try:
                 buffer = _open(msg["buffer"], cache)
                 # Onto this worker's own device (under TP the buffer lives on the adapter's device, not every rank's).

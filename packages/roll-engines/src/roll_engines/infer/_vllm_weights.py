@@ -12,6 +12,16 @@ frees the staging buffer and resets the prefix cache (cached prefixes hold the o
 multimodal model, the encoder cache (pictures' features: vLLM's reload clears the workers' copies but not the
 scheduler's record of them, so a picture seen before the sync failed its next request with "Encoder cache miss").
 
+A weight sync is all or nothing, as the hf engine's. One that fails on the sending side ends with
+`abort_weight_update(reason)` (roll_core.cluster.weight_sync, through InferWorker): the stream is aborted, every
+worker puts back the old values of what the sync had written (roll_engines.infer._vllm_worker: host copies of the
+engine's tensors it overwrote, kept only during the sync), the caches are reset as a finish resets them, and the
+engine serves on with its weight version unchanged. One that fails in the workers (a rejected weight) is undone
+there the same way and raises from `update_weights` or `finish_weight_update`, which keeps the version. A sync left
+open (its caller failed before finishing or aborting) is aborted by the next `begin_weight_update`. Weights a level-2
+sleep discarded are not kept (nothing worth restoring): a sync into them that fails leaves what it wrote. With
+adapter sync an aborted sync loads no adapter.
+
 `VLLMWeightUpdates` is a mixin of `VLLMInferEngine`: it uses the engine's driver thread (`_control`,
 `_submit_control`), its `llm`/`engine`, the staging channel's receivers, the adapter collector (`_adapters`, None
 unless infer_engine.lora_sync=adapter) and the weight version it reports (`_version`).
@@ -19,6 +29,7 @@ unless infer_engine.lora_sync=adapter) and the weight version it reports (`_vers
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,6 +38,8 @@ from torch import Tensor
 
 from roll_engines.infer._bucket_channel import BucketSender
 
+log = logging.getLogger(__name__)
+
 
 class VLLMWeightUpdates:
     """begin / update / finish of a weight sync on a vLLM engine (full weights or the LoRA adapter alone)."""
@@ -34,8 +47,14 @@ class VLLMWeightUpdates:
     _adapters: Any
     _sender: BucketSender | None
     _loading: Any
+    #: The weights were discarded (level-2 sleep) and no sync has succeeded since: a failed sync keeps no copies.
+    _discarded: bool = False
 
     def begin_weight_update(self) -> None:
+        # A sync that never finished (its caller failed): undone before anything else, since its workers' call
+        # holds the driver thread until its stream ends.
+        self._end_stream("a new sync began before it finished")
+
         def do() -> None:  # on the driver thread: no step is in progress once this runs
             self._paused = True
 
@@ -43,8 +62,6 @@ class VLLMWeightUpdates:
         if self._adapters is not None:  # the adapter alone: collected here, loaded by vLLM at the finish
             self._adapters.begin()
             return
-        if self._sender is not None:  # a sync that never finished (its caller failed): drop it
-            self._sender.close(ok=False)
         device = "cpu" if self.on_cpu else f"cuda:{torch.cuda.current_device()}"
         self._sender = BucketSender(self._receivers, device, self.dtype, alive=self._loading_alive, wide=self._wide)
         self._loading = None
@@ -62,9 +79,9 @@ class VLLMWeightUpdates:
             raise RuntimeError(f"{self.name}: update_weights outside begin_weight_update/finish_weight_update")
         named = list(named_tensors)
         if named and self._loading is None:  # the workers start pulling with the first bucket of the sync
-            sender = self._sender
+            sender, keep = self._sender, not self._discarded
             self._loading = self._submit_control(
-                lambda: self.llm.collective_rpc("roll_load_weights", args=(sender.address, sender.authkey.hex()))
+                lambda: self.llm.collective_rpc("roll_load_weights", args=(sender.address, sender.authkey.hex(), keep))
             )
         return self._sender.send(named)
 
@@ -98,10 +115,59 @@ class VLLMWeightUpdates:
                     # from the new weights and must say so (set after `_control`, they reported one version old).
                     if loaded:
                         self._version += 1
+                        self._discarded = False
                     self._paused = False
 
             self._control(do)
         return self._version
+
+    def abort_weight_update(self, reason: str = "the caller aborted it") -> int:
+        """End a sync that failed outside this engine (a sender that died between buckets, a broken transfer):
+        every worker puts back what it wrote, the caches are reset and generation resumes on the old weights.
+        Returns the weight version, unchanged (module docstring)."""
+        if self._adapters is not None:
+            self._adapters.discard()  # the adapter collected so far is never loaded
+        try:
+            self._end_stream(reason)
+        finally:
+
+            def do() -> None:
+                try:
+                    if self._adapters is None:  # as a finish does: a worker whose undo failed changed its weights
+                        self._reset_prefix_cache()
+                        if self._multimodal:
+                            self.engine.reset_encoder_cache()
+                finally:
+                    self._paused = False
+
+            self._control(do)
+        return self._version
+
+    def _end_stream(self, reason: str) -> None:
+        """Abort the merged-weight sync in progress, if any: the workers undo what it wrote (their call returns
+        once they have). A worker's failure is logged, not raised: this runs where the sync already failed."""
+        sender, loading, self._sender, self._loading = self._sender, self._loading, None, None
+        if sender is not None:
+            sender.close(ok=False)
+        if loading is None:  # no bucket reached the workers: nothing was written
+            return
+        try:
+            results = loading.result()
+        except Exception:  # the workers' own failure: undone there, unless the error says it could not be
+            log.exception("%s: a weight sync failed in vLLM's workers (then aborted: %s)", self.name, reason)
+            return
+        restored = [r.get("restored", 0) for r in results]
+        if any(n < 0 for n in restored):
+            log.error("%s: weight sync aborted (%s) into discarded weights: nothing to restore", self.name, reason)
+            return
+        log.warning(
+            "%s: weight sync aborted (%s) after %s tensor(s) per worker; %s restored, version %d kept",
+            self.name,
+            reason,
+            [r.get("received", 0) for r in results],
+            restored,
+            self._version,
+        )
 
     def _reset_prefix_cache(self) -> None:
         """Drop the prefix cache's blocks after a weight change (driver thread). vLLM refuses while any running

