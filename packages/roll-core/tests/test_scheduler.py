@@ -355,3 +355,26 @@ def test_untake_puts_groups_back_in_start_order_and_refuses_others() -> None:
     assert [g.gid for g in s.take(3)] == [0, 1, 2]
     s.finish_update()
     assert s.capacity() == 3  # a full batch: no short batch booked against the budget
+
+
+def test_stale_tokens_count_what_requests_running_at_the_drop_generate() -> None:
+    """A group dropped as stale at `finish_update` throws away its recorded tokens (a finished sample's, an aborted
+    request's kept prefix) and what its still-running requests generate until their abort arrives: all of them are
+    counted, each result once (it counted only the recorded segments: 3 of 9 here)."""
+    s = RolloutScheduler(batch_groups=1, group_size=3, max_new_tokens=8, async_ratio=0, order="ready")
+    ids = itertools.count()
+    a, b, c = _fill(s, ids)
+    s.on_result(a, [1, 2], [-1.0] * 2, "stop")  # sample 0 done: 2 tokens
+    s.on_result(b, [3], [-1.0], "abort")  # the engine preempted sample 1 after 1 token: resumed with that prefix
+    [(resumed, prompt, _)] = list(s.pending())
+    assert prompt == [1, 2, 3, 3]
+    s.submitted(resumed, "b2")
+    doomed = s.finish_update()  # version 1: group 0 (version 0) is stale for k=0 while b2 and c run
+    assert sorted(doomed) == ["b2", c] and s.counters["stale_groups"] == 1
+    assert s.counters["stale_tokens"] == 3  # the recorded ones, at the drop
+    assert s.on_result(c, [4, 4, 4, 4], [-1.0] * 4, "abort") is None  # the abort's partial result: 4 more
+    assert s.on_result("b2", [5, 5], [-1.0] * 2, "stop") is None  # finished before its abort landed: 2 more
+    assert s.counters["stale_tokens"] == 9
+    s.on_result(c, [4], [-1.0], "abort")  # a result reported twice, and one of a request never submitted
+    s.on_result("r-unknown", [4], [-1.0], "stop")
+    assert s.counters["stale_tokens"] == 9

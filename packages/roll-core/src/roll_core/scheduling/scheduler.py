@@ -60,6 +60,11 @@ Contract:
   ones are aborted at `finish_update` (counted in `stale_groups`, their tokens in `stale_tokens`), and their budget
   goes to fresh groups. In orders "start" and "deadline" this is a safety net that triggers only if the trainer
   takes fewer than B groups per version.
+- `stale_tokens` counts every token the policy generated for a dropped group and that is thrown away: the
+  generated segments it holds when dropped (partial ones of aborted requests included), plus what its requests
+  still running then generate until their abort, booked when their results arrive (`on_result` ignores them
+  otherwise). Observation tokens are not counted (not generated), nor tokens of groups the caller `discard`s
+  (`discarded_groups`: trained-on-or-not is the caller's choice, not staleness).
 - Tail groups (order "ready" only): while groups of an earlier version run and fewer than B are complete,
   `tail_groups` more may start.
 - Partial rollout: `begin_update` names every running request; the driver aborts them, reports what they
@@ -202,9 +207,11 @@ class RolloutScheduler:
         self._taken: set[int] = set()  # groups taken at this version and not discarded: the batch being trained
         self._complete = 0  # groups in `groups` that are done (O(1) capacity checks on every driver poll)
         self._pending: dict[tuple[int, int], SampleState] = {}  # samples needing a request, in start order
+        # Requests of dropped groups whose results have not arrived: what they generated is booked in stale_tokens.
+        self._dropped_requests: set[str] = set()
         self.counters = {
             "stale_groups": 0,
-            "stale_tokens": 0,  # tokens held by groups dropped as stale (generated and thrown away)
+            "stale_tokens": 0,  # generated tokens of groups dropped as stale, also in flight (module docstring)
             "resumed_requests": 0,
             "discarded_groups": 0,
             "started_groups": 0,
@@ -267,6 +274,9 @@ class RolloutScheduler:
         ignored (None)."""
         s = self.by_request.pop(request_id, None)
         if s is None or s.group.gid not in self.groups:
+            if request_id in self._dropped_requests:  # generated for a stale group: thrown away, but counted
+                self._dropped_requests.discard(request_id)
+                self.counters["stale_tokens"] += len(tokens)
             return None
         if len(tokens) != len(logprobs):
             raise ValueError(f"request {request_id}: {len(tokens)} tokens but {len(logprobs)} log-probs")
@@ -413,6 +423,7 @@ class RolloutScheduler:
         running = [s.request_id for s in g.samples if s.request_id is not None]
         for rid in running:
             self.by_request.pop(rid, None)
+            self._dropped_requests.add(rid)  # type: ignore[arg-type]
         return running  # type: ignore[return-value]
 
     def running_requests(self) -> list[str]:

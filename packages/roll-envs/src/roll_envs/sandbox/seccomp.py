@@ -5,12 +5,17 @@ Contract: `filter_program()` returns a classic-BPF seccomp program (the raw `str
 `--seccomp FD` loads, as libseccomp's `seccomp_export_bpf` writes it) for this machine's architecture, or None
 where roll has no syscall table for it (then runs go without a filter and the log says so once). The filter:
 - kills the process on a foreign architecture or ABI (x32 on x86-64: a way around a syscall-number filter);
-- returns EPERM for `BLOCKED`: tracing and reading other processes' memory (ptrace, process_vm_*), namespaces and
-  mounts (unshare, setns, mount, umount2, pivot_root, open_by_handle_at), the kernel keyring, eBPF, perf events,
-  userfaultfd and io_uring (frequent kernel-exploit vectors), module loading, kexec, reboot, swap, accounting and
-  quotas, and creating System V shared memory and message queues or memfd files (memory no rlimit counts: a
-  256 MiB process held 2 GiB of shared memory, a 128 MiB one 640 MiB of memfd files, where no cgroup caps the run;
-  the standard library uses none of them on its own);
+- returns EPERM for `BLOCKED_X86_64`, roughly what Docker's default profile refuses a container without extra
+  capabilities: tracing and reaching into other processes (ptrace, process_vm_*, pidfd_getfd, process_madvise, kcmp,
+  move_pages, migrate_pages), namespaces and mounts (unshare, setns, mount, umount2, pivot_root, the new mount API:
+  open_tree, open_tree_attr, move_mount, fsopen, fsconfig, fsmount, fspick, mount_setattr; open_by_handle_at and
+  name_to_handle_at), the kernel keyring, eBPF, perf events, fanotify, userfaultfd and io_uring (frequent
+  kernel-exploit vectors), module loading, kexec, reboot, swap, accounting and quotas, the clock, I/O ports and the
+  kernel log, obsolete interfaces (uselib, _sysctl, ustat, sysfs, ...), and creating System V shared memory and
+  message queues, memfd or secret-memory files (memory no rlimit counts: a 256 MiB process held 2 GiB of shared
+  memory, a 128 MiB one 640 MiB of memfd files, where no cgroup caps the run; the standard library uses none of
+  them on its own). Most of these fail without capabilities anyway; the filter keeps their kernel code (where the
+  exploits live) out of reach, and on kernels too old to have a syscall the filter's EPERM replaces ENOSYS;
 - returns EPERM for `clone` with any namespace flag (`CLONE_NS_FLAGS`: a new user namespace would hand the program
   every capability inside it; as root there is no sandbox user namespace whose `--disable-userns` stops that), and
   ENOSYS for `clone3` (its flags live in memory a filter cannot read; ENOSYS makes glibc fall back to `clone`);
@@ -51,28 +56,47 @@ _X32_SYSCALL_BIT = 0x40000000
 
 #: Blocked syscalls by name, with their x86-64 numbers.
 BLOCKED_X86_64 = {
+    # Tracing other processes, reading or moving their memory, taking their file descriptors.
     "ptrace": 101,
     "process_vm_readv": 310,
     "process_vm_writev": 311,
+    "pidfd_getfd": 438,
+    "process_madvise": 440,
+    "kcmp": 312,
+    "move_pages": 279,
+    "migrate_pages": 256,
+    # Namespaces and mounts, old and new mount API (5.2+; mount_setattr 5.12, open_tree_attr 6.15), file handles.
     "mount": 165,
     "umount2": 166,
     "pivot_root": 155,
     "unshare": 272,
     "setns": 308,
+    "open_tree": 428,
+    "open_tree_attr": 467,
+    "move_mount": 429,
+    "fsopen": 430,
+    "fsconfig": 431,
+    "fsmount": 432,
+    "fspick": 433,
+    "mount_setattr": 442,
     "open_by_handle_at": 304,
     "name_to_handle_at": 303,
+    # Keyrings, eBPF, perf, fanotify, userfaultfd, io_uring.
     "keyctl": 250,
     "add_key": 248,
     "request_key": 249,
     "bpf": 321,
     "perf_event_open": 298,
+    "fanotify_init": 300,
     "userfaultfd": 323,
     "io_uring_setup": 425,
     "io_uring_enter": 426,
     "io_uring_register": 427,
+    # Modules, kexec, reboot, swap, accounting, quotas.
     "init_module": 175,
     "finit_module": 313,
     "delete_module": 176,
+    "create_module": 174,
     "kexec_load": 246,
     "kexec_file_load": 320,
     "reboot": 169,
@@ -80,9 +104,29 @@ BLOCKED_X86_64 = {
     "swapoff": 168,
     "acct": 163,
     "quotactl": 179,
+    "quotactl_fd": 443,
+    # The system clock, I/O ports, the kernel log, the terminal.
+    "settimeofday": 164,
+    "clock_settime": 227,
+    "clock_adjtime": 305,
+    "iopl": 172,
+    "ioperm": 173,
+    "syslog": 103,
+    "vhangup": 153,
+    # Obsolete interfaces (most are ENOSYS on current kernels; old ones may still have them).
+    "uselib": 134,
+    "_sysctl": 156,
+    "ustat": 136,
+    "sysfs": 139,
+    "lookup_dcookie": 212,
+    "nfsservctl": 180,
+    "get_kernel_syms": 177,
+    "query_module": 178,
+    # Memory outside every rlimit.
     "shmget": 29,
     "msgget": 68,
     "memfd_create": 319,
+    "memfd_secret": 447,
 }
 _CLONE_X86_64, _CLONE3_X86_64 = 56, 435
 #: prctl's option that would clear the parent-death signal bwrap's `--die-with-parent` gave the program.
@@ -117,6 +161,8 @@ def _program(
     # EPERM. Each check loads an argument over the syscall number, so it ends in ALLOW or EPERM itself.
     clone_checks = 5 if clone is not None else 0
     checks = clone_checks + (3 if prctl is not None else 0)
+    if len(blocked) + checks > 255:  # a conditional jump's offset is one byte
+        raise ValueError(f"{len(blocked)} blocked syscalls: too many for the filter's one-byte jumps")
     for i, nr in enumerate(blocked):
         prog.append(_insn(_JEQ_K, len(blocked) - i + checks, 0, nr))
     if prctl is not None:
