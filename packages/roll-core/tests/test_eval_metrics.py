@@ -1,5 +1,6 @@
-"""roll_core.eval_metrics: pass@k against hand-worked values and exact enumeration, majority vote's ties, the
-summaries and breakdowns of sample records, and the k / n checks."""
+"""roll_core.eval_metrics: pass@k against hand-worked values and exact enumeration, majority vote's ties and its
+answer equivalence (groups, the checks it spends), the summaries and breakdowns of sample records, and the k / n
+checks."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from roll_core.eval_metrics import (
     difficulty_of,
     majority_vote,
     mean_pass_at_k,
+    memoized,
     parse_ks,
     pass_at_k,
     summarize,
+    vote_keys,
 )
 
 
@@ -186,3 +189,69 @@ def test_maj_reads_the_grade_of_a_graded_sample_and_failed_samples_are_counted()
     assert m["failed"] == 2
     assert m["accuracy"] == pytest.approx(2 / 6) and m["pass@3"] == pytest.approx(1.0)
     assert summarize(_rows([[("1", 1)]]), [1])["failed"] == 0  # records without the field: nothing failed
+
+
+class _Checker:
+    """A task's `same_answer` by hand: answers equal by value (`1/2`, `0.5`, `\\frac{1}{2}`); records each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    @staticmethod
+    def value(text: str) -> Fraction:
+        if text.startswith("\\frac{"):
+            num, den = text.removeprefix("\\frac{").removesuffix("}").split("}{")
+            return Fraction(int(num), int(den))
+        if text == "boom":
+            raise ValueError("cannot read boom")
+        return Fraction(text)
+
+    def __call__(self, first: str, other: str) -> bool:
+        self.calls.append((first, other))
+        return self.value(first) == self.value(other)
+
+
+def test_majority_vote_merges_what_the_task_equates() -> None:
+    """3 of 5 responses say 1/2 in three spellings, 2 say 3: by key 3 won (two identical spellings); with the task's
+    equivalence the 1/2 group wins, named by its commonest spelling (the earliest on ties), its first sample index
+    the group's first. Keys are taken most voted first, each checked against one representative per group."""
+    answers = ["3", "0.5", "1/2", " 3", "\\frac{1}{2}"]
+    assert majority_vote(answers) == ("3", 0)
+    same = _Checker()
+    assert vote_keys(answers, same) == ["3", "0.5", "0.5", "3", "0.5"]
+    # "0.5" vs 3 (new group); "1/2" vs 3, vs 0.5 (joins); "\\frac" vs 3, vs 0.5 (joins): 5 checks, commoner first.
+    assert same.calls == [("3", "0.5"), ("3", "1/2"), ("0.5", "1/2"), ("3", "\\frac{1}{2}"), ("0.5", "\\frac{1}{2}")]
+    assert majority_vote(answers, _Checker()) == ("0.5", 1)
+    rows = _rows([[(a, int(a.strip() != "3")) for a in answers], [("2", 1), ("4", 0), ("2.0", 1), ("4", 0)]])
+    assert summarize(rows, [1])["maj"] == pytest.approx(0.0)  # by key: 3 wins, and 4 (twice) beats 2 and 2.0
+    m = summarize(rows, [1], _Checker())
+    # 1/2 wins; {2, 2.0} ties {4, 4} at two votes and wins the tie: its first sample comes first.
+    assert m["maj"] == pytest.approx(1.0) and m["maj_stderr"] == pytest.approx(0.0)
+    assert breakdown(rows, "domain", [1], _Checker())[UNKNOWN]["maj"] == pytest.approx(1.0)
+    # The group's grade comes from its first graded sample, whichever spelling that is.
+    graded = _rows([[("0.5", 0), ("3", 0), ("1/2", 1), ("3", 0), ("\\frac{1}{2}", 1)]])
+    graded[0]["failed"] = "reward"
+    assert summarize(graded, [1], _Checker())["maj"] == pytest.approx(1.0)
+
+
+def test_majority_vote_checks_only_what_can_change_the_winner_within_a_budget() -> None:
+    """A clear majority costs no check; the checks stop once the leader cannot be overtaken; 64 distinct answers
+    spend at most `max_checks`, the rest keeping their own vote; a check that raises means "different"."""
+    same = _Checker()
+    assert majority_vote(["7", "7", "7", "1", "2"], same) == ("7", 0) and same.calls == []
+    same = _Checker()  # 4 + 4 + 1 + 1: after 4, 4.0 joins it (8 > 0 + 2 left): 1 and 2 are never checked
+    assert vote_keys(["4"] * 4 + ["4.0"] * 4 + ["1", "2"], same) == ["4"] * 8 + ["1", "2"]
+    assert same.calls == [("4", "4.0")]
+    same = _Checker()
+    distinct = [str(i) for i in range(64)]  # no two equal: 2016 checks in full
+    assert vote_keys(distinct, same, max_checks=10) == distinct and len(same.calls) == 10  # keys 0..4: 0+1+2+3+4
+    assert majority_vote(distinct, _Checker()) == ("0", 0)
+    assert vote_keys(["1", "boom", "0.5", "1.0"], _Checker()) == ["1", "boom", "0.5", "1"]  # boom: kept apart
+    assert majority_vote([None, None], _Checker()) == (None, -1) and majority_vote(["5"], _Checker()) == ("5", 0)
+
+
+def test_memoized_checks_each_pair_once() -> None:
+    same = _Checker()
+    check = memoized(same)
+    assert [check("1", "1.0"), check("1", "1.0"), check("1", "2"), check("2", "1")] == [True, True, False, False]
+    assert same.calls == [("1", "1.0"), ("1", "2"), ("2", "1")]

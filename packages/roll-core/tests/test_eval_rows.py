@@ -15,7 +15,7 @@ import torch
 
 from roll_core.errors import ConfigError
 from roll_core.eval_metrics import summarize
-from roll_core.evaluate import check_sampling, sample_rows
+from roll_core.evaluate import answer_equivalence, check_sampling, sample_rows
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.models import build_tiny_tokenizer
 from roll_core.protocol import Batch
@@ -155,3 +155,24 @@ def test_greedy_decoding_with_several_samples_is_refused_however_it_is_asked_for
     check_sampling(load_config(["model=tiny", "pipeline.eval_temperature=0.7", "infer_engine.top_k=2"]), 4)
     with pytest.raises(ConfigError, match="evaluation temperature is 0"):
         check_sampling(load_config(["model=tiny", "pipeline.eval_temperature=0"]), 2)
+
+
+def test_the_vote_equivalence_comes_from_whoever_extracts_the_answers() -> None:
+    """maj@n merges answers with the `same_answer` of the task or reward whose `extract_answer` made them (another
+    one's would compare keys it never made), called once per pair however many summaries ask."""
+    calls: list[tuple[str, str]] = []
+
+    class Reward:
+        def extract_answer(self, text: str) -> str | None:
+            return text
+
+        def same_answer(self, first: str, other: str) -> bool:
+            calls.append((first, other))
+            return first.lower() == other.lower()
+
+    same = answer_equivalence(SimpleNamespace(reward=Reward()))
+    assert same is not None and same("X", "x") and same("X", "x") and not same("x", "y")
+    assert calls == [("X", "x"), ("x", "y")]
+    assert answer_equivalence(_Task()) is None  # extracts, no equivalence: votes by key
+    assert answer_equivalence(SimpleNamespace(extract_answer=str, reward=Reward())) is None  # the task's answers
+    assert answer_equivalence(SimpleNamespace(reward=None)) is None

@@ -261,6 +261,7 @@ def test_openai_backend_scores_counts_and_sends_the_rendered_prompt(
         "judge_render_errors": 1,
         "judge_truncated": 0,
         "judge_retries": 3,
+        "judge_deduplicated": 0,
     }
     assert server.attempts["broken"] == 3 and server.attempts["denied"] == 1 and server.attempts["flaky"] == 2
     first = next(b for b in server.bodies if "A: good" in b["messages"][-1]["content"])
@@ -281,7 +282,8 @@ def test_openai_backend_scores_counts_and_sends_the_rendered_prompt(
 def test_openai_backend_limits_concurrency_and_the_batch_time(server: ChatServer) -> None:
     server.delay_s = 0.1
     t0 = time.perf_counter()
-    res = _reward(server.url, concurrency=2).score(["good"] * 6, ["4"] * 6, ["q"] * 6, [{"domain": "d"}] * 6)
+    responses = [f"good {i}" for i in range(6)]  # distinct: identical rows would be sent once
+    res = _reward(server.url, concurrency=2).score(responses, ["4"] * 6, ["q"] * 6, [{"domain": "d"}] * 6)
     assert time.perf_counter() - t0 >= 0.3  # 6 requests of 0.1 s, 2 at a time
     assert server.peak == 2 and res.scores == pytest.approx([0.9] * 6)
     # A deadline on the whole call: the slow row is cut off there, the fast one keeps its score.
@@ -291,6 +293,34 @@ def test_openai_backend_limits_concurrency_and_the_batch_time(server: ChatServer
     res = cut.score(["good", "slow"], ["4", "4"], ["q", "q"])
     assert res.scores == [1.0, -1.0] and res.correct == [1.0, 0.0]
     assert (res.counters["judge_timeouts"], res.counters["judge_errors"]) == (1, 0)
+
+
+def test_identical_rows_are_judged_once_and_share_the_verdict(server: ChatServer) -> None:
+    """A GRPO group of a sharp policy repeats its response: each distinct conversation is one request, its verdict
+    fanned out to every copy (8 rows, 3 distinct: 3 requests, 5 saved); a row differing only in the prompt, the
+    reference answer or a metadata field the template names is another request. Failures fan out too."""
+    reward = _reward(server.url, max_retries=0)
+    responses = ["good", "meh", "good", "good", "meh", "good", "babble", "good"]
+    res = reward.score(responses, ["4"] * 8, ["q"] * 8, [{"domain": "d"}] * 8)
+    assert len(server.bodies) == 3
+    assert res.scores == pytest.approx([0.9, 0.3, 0.9, 0.9, 0.3, 0.9, -1.0, 0.9])
+    assert res.correct == [1, 0, 1, 1, 0, 1, 0, 1]
+    assert res.formatted == [1, 1, 1, 1, 1, 1, 0, 1]
+    assert (res.counters["judge_deduplicated"], res.counters["judge_invalid"]) == (5, 1)  # invalid: per row
+    server.bodies.clear()
+    prompts, answers = ["q", "q", "other q", "q", "q"], ["4", "4", "4", "5", "4"]
+    meta: list[dict[str, Any]] = [{"domain": "d"}] * 3 + [{"domain": "d"}, {"domain": "e"}]
+    res = reward.score(["good"] * 5, answers, prompts, meta)
+    assert len(server.bodies) == 4 and res.counters["judge_deduplicated"] == 1
+    assert res.scores == pytest.approx([0.9] * 5)
+    server.bodies.clear()
+    res = reward.score(["slow", "slow", "good", "slow"], ["4"] * 4, ["q"] * 4, [{"domain": "d"}] * 4)
+    assert len(server.bodies) == 2  # the slow conversation timed out once, for all three of its rows
+    assert res.failed == [True, True, False, True] and res.scores == pytest.approx([-1.0, -1.0, 0.9, -1.0])
+    assert (res.counters["judge_timeouts"], res.counters["judge_deduplicated"]) == (3, 2)
+    # A judge down for every distinct request still raises for the guard, naming rows and requests.
+    with pytest.raises(JudgeUnavailableError, match=r"any of 3 rows \(1 distinct requests"):
+        reward.score(["broken"] * 3, ["4"] * 3, ["q"] * 3, [{"domain": "d"}] * 3)
 
 
 def test_a_judge_that_answers_no_row_raises_for_the_guard(server: ChatServer) -> None:

@@ -129,6 +129,38 @@ def test_majority_vote_groups_fractions_decimals_and_units_the_grader_equates() 
     assert [reward.extract_answer(r) for r in [r"\boxed{-\frac{3}{2}}", r"\boxed{\tfrac{-6}{4}}"]] == ["-1.5"] * 2
 
 
+def test_majority_vote_merges_answers_only_the_symbolic_check_equates() -> None:
+    """\\frac{\\sqrt{2}}{2}, \\frac{1}{\\sqrt2} and \\sqrt{2}/2 are three keys (no spelling unites them) but one
+    answer to the grader: with the reward's `same_answer` (what roll-eval passes) they vote together and outvote two
+    wrong 1s (by key alone, 1 won maj@n). Quantities compare by key (75% stays apart from 75 and 0.75); a clear
+    majority costs no symbolic check."""
+    from types import SimpleNamespace
+
+    from roll_core.eval_metrics import majority_vote, summarize
+    from roll_core.evaluate import answer_equivalence
+
+    reward = MathReward()
+    boxed = [r"\frac{\sqrt{2}}{2}", "1", r"\frac{1}{\sqrt2}", "1", r"\sqrt{2}/2"]
+    responses = [f"so \\boxed{{{b}}}" for b in boxed]
+    res = reward.score(responses, [r"\frac{\sqrt{2}}{2}"] * len(boxed))
+    assert res.correct == [1.0, 0.0, 1.0, 0.0, 1.0]
+    rows = [
+        {"index": 0, "sample": j, "correct": c, "reward": c, "length": 1, "finish_reason": "stop", "formatted": 1.0}
+        | {"extracted": reward.extract_answer(r)}
+        for j, (r, c) in enumerate(zip(responses, res.correct))
+    ]
+    assert summarize(rows, [1])["maj"] == 0.0  # by key: 1 has two votes, each root spelling one
+    same = answer_equivalence(SimpleNamespace(reward=reward))  # the reward's, as roll-eval finds it
+    assert same is not None and summarize(rows, [1], same)["maj"] == 1.0
+    assert majority_vote([r["extracted"] for r in rows], same) == (r"\frac{\sqrt{2}}{2}", 0)
+    assert reward.same_answer("0.5", ".5") and reward.same_answer("2", "x=2")
+    assert not reward.same_answer("75%", "0.75") and not reward.same_answer("75", "75%")
+    assert not reward.same_answer("1", r"\frac{1}{\sqrt2}") and not reward.same_answer("x+1", "x+2")
+    calls: list[tuple[str, str]] = []
+    counted = lambda a, b: calls.append((a, b)) or reward.same_answer(a, b)
+    assert majority_vote(["2", "2", "2", r"\sqrt{4}", "x=2"], counted) == ("2", 0) and calls == []
+
+
 def test_units_currency_and_percent_are_graded_by_value() -> None:
     """A number with a unit, a currency sign or a percent sign is graded by its value (the Qwen-math and
     math-verify conventions): 1000 dollars is 1000 (math-verify knew no "dollars": wrong), 75\\% is 75 and 0.75

@@ -6,22 +6,33 @@ Contract:
   correct, given c of the n are, `1 - C(n-c, k) / C(n, k)`. Computed as the product `prod_{i=n-c+1}^{n} (1 - k/i)`,
   which never forms the huge binomials (exact for n in the thousands). Averaged over problems it is an unbiased
   estimate of the model's pass@k. `k > n` is an error (there are not k responses to draw).
-- `majority_vote(answers)`: the most frequent extracted answer among a problem's samples. Samples without an
-  extracted answer (None) do not vote. Ties go to the answer that appears first in sample order (the lowest
-  sample index), so the result depends only on the samples, never on hashing or dict order. Answers are compared
-  after stripping surrounding whitespace; any further equivalence (1/2 vs 0.5) is the extractor's business.
-- `summarize(rows, ks)`: every metric of a list of sample records (one per sampled response, as `samples.jsonl`
-  holds them): accuracy (mean correctness over all samples; the unbiased pass@1 when every problem has the same
-  number of samples, as roll-eval gives them, else pass@1 weighs problems equally and accuracy samples), pass@k,
-  maj@n (the fraction of problems whose majority answer is correct; None when no sample carried an extracted
-  answer field), mean response length in tokens, truncation rate (finish reason "length"), format rate, mean
-  reward, and the counts. `failed` counts the samples that were never graded (a row's `failed`: "reward" when the
-  reward could not score it, "engine" when the engine refused to finish it): they count as wrong in accuracy and
+- `majority_vote(answers, same_answer=None)`: the most frequent extracted answer among a problem's samples.
+  Samples without an extracted answer (None) do not vote. Ties go to the answer that appears first in sample order
+  (the lowest sample index), so the result depends only on the samples, never on hashing or dict order. Answers
+  are keyed after stripping surrounding whitespace; the task's extractor gives one spelling per value where it can
+  (the math reward's: `1/2`, `0.5`, `\\dfrac12` all `0.5`), so most equal answers already share a key.
+- Answer equivalence (`vote_keys`): what a key cannot tell apart (`\\frac{\\sqrt2}{2}` and `\\frac{1}{\\sqrt{2}}`,
+  `x=2` and `2`) the task's grader can: `same_answer(first, other) -> bool` (the task's or reward's own, found by
+  roll_core.evaluate next to `extract_answer`; the math reward's is its symbolic check) merges distinct keys into
+  one vote. Cheap for n up to 64: first the keys, then pairwise checks only between distinct keys, each against one
+  representative per group (the group's most frequent key, the earliest on ties), keys taken most frequent first
+  (so `first` is the commoner spelling), and stopped as soon as no remaining key could change the winner (the
+  leading group ahead of the second by more than the votes left to place: a clear majority checks nothing), and
+  at most `MAX_CHECKS` checks per problem (a symbolic check takes ~40 ms; 64 distinct answers would need 2016 of
+  them): past it the keys not yet placed keep their own vote (a warning says how many). A group's answer is
+  its representative. A check that raises counts as "different" (a warning says how often).
+- `summarize(rows, ks, same_answer=None)`: every metric of a list of sample records (one per sampled response, as
+  `samples.jsonl` holds them): accuracy (mean correctness over all samples; the unbiased pass@1 when every problem
+  has the same number of samples, as roll-eval gives them, else pass@1 weighs problems equally and accuracy
+  samples), pass@k, maj@n (the fraction of problems whose majority answer is correct; None when no sample carried an
+  extracted answer field), mean response length in tokens, truncation rate (finish reason "length"), format rate,
+  mean reward, and the counts. `failed` counts the samples that were never graded (a row's `failed`: "reward" when
+  the reward could not score it, "engine" when the engine refused to finish it): they count as wrong in accuracy and
   pass@k, as in a training run's eval/accuracy, and `failed` says by how much that lowers them. A failed sample's
-  extracted answer still votes, but whether the majority answer is right is read from a graded sample giving it
-  (the first in sample order; none: wrong), not from its first sample, which may be a failed one, 0 whatever it
-  answered.
-  `breakdown(rows, key, ks)` is `summarize` per value of a row field (domain, difficulty).
+  extracted answer still votes, but whether the majority answer is right is read from a graded sample giving it (the
+  first in sample order whose answer is in the winning group; none: wrong), not from its first sample, which may be
+  a failed one, 0 whatever it answered.
+  `breakdown(rows, key, ks, same_answer=None)` is `summarize` per value of a row field (domain, difficulty).
 - Uncertainty: `summarize` gives `accuracy_stderr`, `pass@k_stderr` and `maj_stderr`, the standard error of each
   mean over the P problems, `std_error(x) = s / sqrt(P)` with `s = sqrt(sum((x_i - mean)^2) / (P - 1))` the sample
   standard deviation of the per-problem scores x_i (a problem's mean correctness, its pass@k, its majority vote's
@@ -35,12 +46,21 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: The value a breakdown gives rows without the field (a benchmark row without `difficulty` / `level`).
 UNKNOWN = "unknown"
+#: A task's answer equivalence for majority vote: whether `other` is the same answer as `first` (as its grader would
+#: grade `other` against a truth of `first`). Takes two vote keys (stripped extracted answers).
+SameAnswer = Callable[[str, str], bool]
+#: Most `same_answer` checks per problem (module docstring): the 16 most voted distinct answers are checked pairwise
+#: in full (120 checks), a few seconds of symbolic checks at worst.
+MAX_CHECKS = 128
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -69,17 +89,74 @@ def mean_pass_at_k(counts: Iterable[tuple[int, int]], k: int) -> float:
     return sum(values) / len(values)
 
 
-def majority_vote(answers: Sequence[str | None]) -> tuple[str | None, int]:
+def majority_vote(answers: Sequence[str | None], same_answer: SameAnswer | None = None) -> tuple[str | None, int]:
     """(the majority answer, the index of its first sample); (None, -1) when no sample has an answer. Ties: the
-    answer seen first wins (see the module docstring)."""
+    answer seen first wins; `same_answer` merges equal answers (see the module docstring)."""
+    return _majority(vote_keys(answers, same_answer))
+
+
+def vote_keys(
+    answers: Sequence[str | None], same_answer: SameAnswer | None = None, max_checks: int = MAX_CHECKS
+) -> list[str | None]:
+    """The answer each sample votes for: its stripped answer, or with `same_answer` the representative of the group
+    of equal answers it belongs to, found with at most `max_checks` calls of `same_answer` (module docstring:
+    "Answer equivalence"); None: no vote."""
+    keys = [_vote_key(a) for a in answers]
+    counts, first = _tally(keys)
+    if same_answer is None or len(counts) < 2:
+        return keys
+    order = sorted(counts, key=lambda k: (-counts[k], first[k]))  # most frequent first, then earliest
+    group: dict[str, str] = {}  # key -> its group's representative
+    size: dict[str, int] = {}  # representative -> votes of its group
+    left = sum(counts.values())  # votes not yet placed in a group
+    checks = failures = 0
+    for key in order:
+        top = [*sorted(size.values(), reverse=True)[:2], 0, 0]
+        if top[0] > top[1] + left:  # nothing left can overtake the leader: the rest keep their own keys
+            break
+        if checks + len(size) > max_checks:  # this key's checks would pass the budget: it and the rest stay apart
+            log.warning(
+                "majority vote: %d distinct answers need more than %d equivalence checks; the %d least voted "
+                "keep their own vote",
+                len(order),
+                max_checks,
+                len(order) - len(group),
+            )
+            break
+        left -= counts[key]
+        for rep in size:  # representatives in the order their groups were opened (most frequent first)
+            checks += 1
+            try:
+                same = bool(same_answer(rep, key))
+            except Exception as exc:  # a task's checker choking on an answer: counted as different, logged
+                failures += 1
+                log.debug("same_answer(%r, %r) raised: %s", rep, key, exc)
+                same = False
+            if same:
+                group[key] = rep
+                size[rep] += counts[key]
+                break
+        else:
+            group[key], size[key] = key, counts[key]  # a group of its own
+    if failures:
+        log.warning("majority vote: the answer check raised %d time(s); those answers were kept apart", failures)
+    return [None if k is None else group.get(k, k) for k in keys]
+
+
+def _tally(keys: Sequence[str | None]) -> tuple[dict[str, int], dict[str, int]]:
+    """(votes per key, index of each key's first sample), None keys left out."""
     counts: dict[str, int] = {}
     first: dict[str, int] = {}
-    for i, a in enumerate(answers):
-        key = _vote_key(a)
-        if key is None:
-            continue
-        counts[key] = counts.get(key, 0) + 1
-        first.setdefault(key, i)
+    for i, key in enumerate(keys):
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1
+            first.setdefault(key, i)
+    return counts, first
+
+
+def _majority(votes: Sequence[str | None]) -> tuple[str | None, int]:
+    """(the most voted answer, its first sample's index) of `vote_keys`' output; ties: the earliest first sample."""
+    counts, first = _tally(votes)
     if not counts:
         return None, -1
     best = max(counts, key=lambda a: (counts[a], -first[a]))  # most votes, then earliest first appearance
@@ -150,10 +227,13 @@ def _group(rows: Sequence[Mapping[str, Any]]) -> dict[Any, list[Mapping[str, Any
     return problems
 
 
-def summarize(rows: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str, Any]:
+def summarize(
+    rows: Sequence[Mapping[str, Any]], ks: Sequence[int], same_answer: SameAnswer | None = None
+) -> dict[str, Any]:
     """Every metric of `rows` (sample records: index, sample, correct, reward, length, finish_reason, formatted,
-    and `extracted` when the task can extract answers, `failed` when a row was never graded); see the module
-    docstring. pass@k for a k above a problem's sample count is left out for that group."""
+    and `extracted` when the task can extract answers, `failed` when a row was never graded); `same_answer`: the
+    task's answer equivalence for maj@n; see the module docstring. pass@k for a k above a problem's sample count is
+    left out for that group."""
     if not rows:
         raise ValueError("no samples to summarize")
     problems = _group(rows)
@@ -179,11 +259,12 @@ def summarize(rows: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str,
     if any("extracted" in r for r in rows):
         hits = []  # per problem: 1 when its majority answer is right
         for samples in problems.values():
-            answer, at = majority_vote([r.get("extracted") for r in samples])
+            votes = vote_keys([r.get("extracted") for r in samples], same_answer)
+            answer, at = _majority(votes)
             if at < 0:  # no sample answered: wrong
                 hits.append(0.0)
                 continue
-            graded = [r for r in samples[at:] if not r.get("failed") and _vote_key(r.get("extracted")) == answer]
+            graded = [r for r, v in zip(samples, votes) if v == answer and not r.get("failed")]
             hits.append(float(bool(graded) and float(graded[0]["correct"]) > 0))
         out["maj"] = sum(hits) / len(problems)
         out["maj_stderr"] = std_error(hits)
@@ -192,13 +273,28 @@ def summarize(rows: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str,
     return out
 
 
-def breakdown(rows: Sequence[Mapping[str, Any]], key: str, ks: Sequence[int]) -> dict[str, dict[str, Any]]:
+def breakdown(
+    rows: Sequence[Mapping[str, Any]], key: str, ks: Sequence[int], same_answer: SameAnswer | None = None
+) -> dict[str, dict[str, Any]]:
     """`summarize` per value of the rows' `key` field (missing or null: UNKNOWN), values in first-seen order."""
     groups: dict[str, list[Mapping[str, Any]]] = {}
     for r in rows:
         value = r.get(key)
         groups.setdefault(UNKNOWN if value is None else str(value), []).append(r)
-    return {value: summarize(g, ks) for value, g in groups.items()}
+    return {value: summarize(g, ks, same_answer) for value, g in groups.items()}
+
+
+def memoized(same_answer: SameAnswer) -> SameAnswer:
+    """`same_answer` remembering its results, so that `summarize` and each `breakdown` of one evaluation check a
+    pair of answers once (the math reward's symbolic check takes tens of milliseconds)."""
+    seen: dict[tuple[str, str], bool] = {}
+
+    def check(first: str, other: str) -> bool:
+        if (first, other) not in seen:
+            seen[(first, other)] = bool(same_answer(first, other))
+        return seen[(first, other)]
+
+    return check
 
 
 def difficulty_of(metadata: Mapping[str, Any] | None) -> str:

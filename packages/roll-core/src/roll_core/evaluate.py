@@ -18,7 +18,9 @@ refusing stays "abort" and is marked `failed: "engine"`, a row the reward could 
 count as wrong, as in eval/accuracy, and are counted in the metrics' `failed`.
 
 Majority vote needs each response's extracted answer: the task's `extract_answer(response) -> str | None`, else
-its reward's (the math reward's: the last non-empty \\boxed{}, plain numbers in one spelling: 1,000 = 1000). A task
+its reward's (the math reward's: the last non-empty \\boxed{}, plain numbers in one spelling: 1,000 = 1000). The
+same owner's `same_answer(first, other) -> bool`, when it has one, merges answers no spelling unites (the math
+reward's symbolic check: \\frac{1}{\\sqrt2} = \\frac{\\sqrt2}{2}; roll_core.eval_metrics.vote_keys). A task
 with neither reports maj@n as None and says so once in the log. Problems whose prompt exceeds
 `model.max_prompt_length`, or fills the engine's context, are skipped, counted (`skipped_problems`) and logged, never
 truncated.
@@ -43,7 +45,7 @@ from roll_core.cluster.launch import Cluster
 from roll_core.cluster.roles import InferGroup
 from roll_core.config.build import as_dict, build
 from roll_core.config.compose import ConfigError
-from roll_core.eval_metrics import breakdown, difficulty_of, rate_stderr, summarize
+from roll_core.eval_metrics import SameAnswer, breakdown, difficulty_of, memoized, rate_stderr, summarize
 from roll_core.interfaces.tasks import AgenticTask
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.collectors import CollectorContext
@@ -83,6 +85,16 @@ def answer_extractor(task: Any) -> Callable[[str], str | None] | None:
         fn = getattr(owner, "extract_answer", None)
         if callable(fn):
             return fn
+    return None
+
+
+def answer_equivalence(task: Any) -> SameAnswer | None:
+    """The `same_answer(first, other) -> bool` of whichever of the task and its reward gives `extract_answer` (it
+    compares that one's answers; roll_core.eval_metrics), remembering its results; None: votes are by key alone."""
+    for owner in (task, getattr(task, "reward", None)):
+        if callable(getattr(owner, "extract_answer", None)):
+            fn = getattr(owner, "same_answer", None)
+            return memoized(fn) if callable(fn) else None
     return None
 
 
@@ -173,7 +185,8 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
         cluster.shutdown()
     if episodes:
         return episode_result(m, task_name, agentic)
-    overall = summarize(rows, ks)
+    same = answer_equivalence(task)  # maj@n merges answers the task's grader equates (`1/\sqrt2`, `\sqrt2/2`)
+    overall = summarize(rows, ks, same)
     return {
         "accuracy": overall["accuracy"],
         "reward": overall["reward"],
@@ -183,8 +196,8 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
         "ks": list(ks),
         "temperature": eval_temperature(cfg),
         "metrics": overall,
-        "by_domain": breakdown(rows, "domain", ks),
-        "by_difficulty": breakdown(rows, "difficulty", ks),
+        "by_domain": breakdown(rows, "domain", ks, same),
+        "by_difficulty": breakdown(rows, "difficulty", ks, same),
         "skipped_problems": skipped,
         "reward_counters": counters,
         "rows": rows,

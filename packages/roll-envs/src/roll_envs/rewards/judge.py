@@ -30,16 +30,21 @@ default runs rewards in a forked child, where CUDA fails once the worker has ini
 child cut off by the guard takes its engine with it (the next child loads the model again). On CPU the default
 works: the engine is built in the child, the worker itself never loads it.
 
-Failures never end the run: a request that times out counts in `judge_timeouts`, one that fails (HTTP error after
-retries, a malformed reply, an engine error) in `judge_errors`, a row whose metadata lacks a key the template names
-in `judge_render_errors`, a reply cut off by `max_tokens` (finish_reason `length`) before a valid verdict in
-`judge_truncated`; each such row scores `invalid_score` and is marked `RewardResult.failed` (the judge never saw or
-never answered it: its score is a fallback, not a verdict, which the reward guard counts in `failed_unscored` and
-the run's failure budget sees). An invalid verdict is the judge's answer to the response and is scored, not failed.
-`judge_retries` counts retried requests. When no row of a batch got a reply at all (the judge is down), `score`
-raises `JudgeUnavailableError`: the reward worker's guard (roll_core.cluster.reward_guard) then counts the rows as
-failed, and the run's reward failure budget stops a run whose judge stays down instead of training on constant
-scores.
+One request per distinct conversation: rows whose rendered messages are identical (the same prompt, response,
+reference answer and metadata the template names; a GRPO group repeats responses when the policy is sharp) are sent
+once and all take that reply's verdict (identical inputs get one score, also when the judge samples);
+`judge_deduplicated` counts the requests saved. The other counters count rows (a row takes its request's outcome).
+
+Failures never end the run: a row whose request times out counts in `judge_timeouts`, one whose request fails (HTTP
+error after retries, a malformed reply, an engine error) in `judge_errors`, a row whose metadata lacks a key the
+template names in `judge_render_errors`, a reply cut off by `max_tokens` (finish_reason `length`) before a valid
+verdict in `judge_truncated`; each such row scores `invalid_score` and is marked `RewardResult.failed` (the judge
+never saw or never answered it: its score is a fallback, not a verdict, which the reward guard counts in
+`failed_unscored` and the run's failure budget sees). An invalid verdict is the judge's answer to the response and
+is scored, not failed. `judge_retries` counts retried requests (per request, not per row). When no row of a batch
+got a reply at all (the judge is down), `score` raises `JudgeUnavailableError`: the reward worker's guard
+(roll_core.cluster.reward_guard) then counts the rows as failed, and the run's reward failure budget stops a run
+whose judge stays down instead of training on constant scores.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ COUNTERS = (
     "judge_render_errors",
     "judge_truncated",
     "judge_retries",
+    "judge_deduplicated",
 )
 #: Fields a template may name.
 TEMPLATE_FIELDS = ("prompt", "response", "answer", "metadata")
@@ -501,21 +507,32 @@ class JudgeReward(Reward):
             raise ValueError("the judge's template names {prompt}: pass prompts= (the reward role does)")
         counters = dict.fromkeys(COUNTERS, 0)
         failed = [False] * n  # rows the judge never saw or never answered (module docstring)
-        conversations, rows = [], []
+        # One request per distinct conversation (a GRPO group of a sharp policy repeats responses): `asked[c]` is
+        # the request of conversation c, `rows` pairs each rendered row with the request whose reply it takes.
+        conversations: list[list[dict[str, str]]] = []
+        asked: dict[tuple[tuple[str, str], ...], int] = {}
+        rows: list[tuple[int, int]] = []
         for i in range(n):
             meta = metadata[i] if metadata is not None else {}
             try:
                 prompt = prompts[i] if prompts is not None else ""
-                conversations.append(self.spec.messages(str(prompt), str(responses[i]), str(answers[i]), meta))
-                rows.append(i)
+                messages = self.spec.messages(str(prompt), str(responses[i]), str(answers[i]), meta)
             except (KeyError, IndexError) as exc:
                 failed[i] = True
                 counters["judge_render_errors"] += 1
                 self._log_once("render", "judge template cannot be filled for a row (%s); row scored invalid", exc)
+                continue
+            key = tuple((m["role"], m["content"]) for m in messages)
+            if key not in asked:
+                asked[key] = len(conversations)
+                conversations.append(messages)
+            rows.append((i, asked[key]))
+        counters["judge_deduplicated"] = len(rows) - len(conversations)
         replies = self.backend.complete(conversations) if conversations else []
+        counters["judge_retries"] = sum(reply.retries for reply in replies)  # per request, not per row
         verdicts: list[float | None] = [None] * n
-        for i, reply in zip(rows, replies):
-            counters["judge_retries"] += reply.retries
+        for i, request in rows:
+            reply = replies[request]
             failed[i] = reply.kind != "ok"
             if reply.kind == "timeout":
                 counters["judge_timeouts"] += 1
@@ -538,8 +555,8 @@ class JudgeReward(Reward):
                     self._log_once("invalid", "judge reply has no valid verdict: %r", reply.text[-300:])
         if replies and all(r.kind != "ok" for r in replies):
             raise JudgeUnavailableError(
-                f"no reply from the judge for any of {len(replies)} rows "
-                f"({counters['judge_timeouts']} timeouts, {counters['judge_errors']} errors); first: "
+                f"no reply from the judge for any of {len(rows)} rows ({len(replies)} distinct requests; "
+                f"{counters['judge_timeouts']} timeouts, {counters['judge_errors']} errors); first: "
                 f"{replies[0].kind}: {replies[0].detail}"
             )
         threshold = self.spec.correct_threshold

@@ -35,7 +35,10 @@ certain, so that samples the grader would grade alike vote together: a quantity 
 a terminating decimal `0.5` for `\\frac{1}{2}`, `1/2`, `0.50`; else a reduced `\\frac{1}{3}` for `2/6`), units
 and currency dropped, `%` kept (`75%` is not merged with `75` or `0.75`: the grader equates each with `75%`, not
 with each other); `\\dfrac`/`\\tfrac` as `\\frac`; anything else as boxed. Decimals that only approximate a
-fraction (`0.333`) keep their own key.
+fraction (`0.333`) keep their own key. `same_answer(first, other)` (the vote's equivalence, roll_core.eval_metrics)
+merges what one spelling cannot: `other` graded against a truth of `first` as a response is (`\\frac{\\sqrt2}{2}`
+and `\\frac{1}{\\sqrt{2}}`, `x=2` and `2`, `.5` and `0.5`); two quantities are one answer only when their keys are
+(the percent rule above); a check that times out or fails says "different".
 
 Covers: numbers, fractions, LaTeX expressions math-verify understands. Does not cover: free-form proofs.
 """
@@ -269,6 +272,15 @@ class MathReward(Reward):
         (`canonical_answer`; None without one); roll-eval's majority vote counts these."""
         boxed = extract_boxed(response) or None
         return None if boxed is None else canonical_answer(boxed)
+
+    def same_answer(self, first: str, other: str) -> bool:
+        """Whether the answers `first` and `other` (`extract_answer`'s keys) are one answer for roll-eval's majority
+        vote: `other` graded against a truth of `first` (module docstring); two quantities by exact value and
+        percent sign, as their keys."""
+        a, b = quantity(first), quantity(other)
+        if a is not None and b is not None:  # no symbolic check needed; 75% stays apart from 75 and 0.75
+            return a[1] == b[1] and fractions_equal(a[0], b[0])
+        return self._verify(other, first, {"timeouts": 0, "errors": 0})  # a failed check: different answers
 
     def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
         if len(responses) != len(answers):
