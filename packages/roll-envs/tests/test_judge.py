@@ -232,7 +232,9 @@ def _reward(url: str, **kw: Any) -> JudgeReward:
         "model": "judge-7b",
         "template": "Q: {prompt}\nRef: {answer}\nDomain: {metadata[domain]}\nA: {response}",
         "system_prompt": "You grade.",
-        "timeout_s": 0.5,
+        # 1 s, far from both a healthy reply (milliseconds) and the "slow" one (3 s): at 0.5 s, two healthy rows timed
+        # out under load (load average ~10 on 2 cores)
+        "timeout_s": 1.0,
         "max_retries": 2,
         "retry_backoff_s": 0.01,
         "invalid_score": -1.0,
