@@ -5,12 +5,14 @@ and the data fingerprint tells chat rows apart by their context."""
 
 from __future__ import annotations
 
+import json
 import random
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from roll_core.data import DomainSampler, PromptSampler, data_fingerprint
+from roll_core.data import DomainSampler, PromptSampler, data_fingerprint, make_sampler
 from roll_core.errors import ConfigError
 
 SLICES = {"math": range(0, 7), "code": range(7, 10), "chat": range(10, 21)}
@@ -28,7 +30,7 @@ def _draw_sizes(seed: int, n: int) -> list[int]:
 
 def _new(kind: str, **mix: dict) -> PromptSampler | DomainSampler:
     if kind == "one":
-        return PromptSampler(7, seed=11)
+        return PromptSampler(7, seed=11, window=6)
     return DomainSampler(SLICES, batch_size=6, seed=11, **mix)
 
 
@@ -101,3 +103,116 @@ def test_the_fingerprint_tells_chat_rows_apart_by_their_context() -> None:
     assert data_fingerprint(wrapped) != data_fingerprint(wrapped[::-1])
     # Rows without context hash as before (saved text fingerprints still match).
     assert data_fingerprint([_row("q", None)]) == data_fingerprint([SimpleNamespace(prompt="q", answer="a")])
+
+
+# ---- epoch boundaries inside a batch --------------------------------------------------------------------------
+
+
+class _Task:
+    """A single-list task of `n` prompts (what `make_sampler` builds the RL collectors' sampler from)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def train_set(self) -> list[int]:
+        return list(range(self.n))
+
+
+def _collector(n: int, batch: int, seed: int) -> Any:
+    """The RLVR collector's drawing and checkpointing part (`_draw`, `state_dict`, `load_state_dict`) over `n`
+    prompts, its sampler built as the collector builds it."""
+    from roll_core.pipelines.collectors.prompts import PromptCollector
+
+    c = PromptCollector.__new__(PromptCollector)
+    c.train_set, c._replay, c.reward_model = [f"q{i}" for i in range(n)], [], None
+    c.sampler = make_sampler(_Task(n), batch_size=batch, seed=seed)
+    c.reward_budget = SimpleNamespace(state_dict=dict, load_state_dict=lambda s: None)
+    return c
+
+
+def test_a_batch_straddling_two_epochs_holds_no_prompt_twice() -> None:
+    """10 prompts, batches of 4: the third batch ends epoch 0 and starts epoch 1. With seed 3 the shuffles are
+    [0 1 7 3 5 6 8 9 4 2] and [2 7 8 0 6 3 5 9 1 4]: the batch was [4 2 2 7], prompt 2 twice (and 2 came back
+    after one draw). Now epoch 1's order keeps the prompts of epoch 0's last three (9, 4, 2: 3, 2 and 1 draws
+    before the boundary) at least 4 draws from their last use: 9 from place 1, 4 from place 2, 2 from place 3;
+    each place takes the first prompt of the shuffle allowed there: 7, 8, 0, then 2. Epoch 1 is
+    [7 8 0 2 6 3 5 9 1 4]: still a permutation, changed in its first four places only."""
+    c = _collector(10, 4, 3)
+    assert c.sampler._permutation(0) == [0, 1, 7, 3, 5, 6, 8, 9, 4, 2]
+    assert c.sampler._permutation(1) == [2, 7, 8, 0, 6, 3, 5, 9, 1, 4]
+    batches = [c._draw(4) for _ in range(5)]
+    assert batches == [[0, 1, 7, 3], [5, 6, 8, 9], [4, 2, 7, 8], [0, 2, 6, 3], [5, 9, 1, 4]]
+    assert sorted(batches[2][2:] + batches[3] + batches[4]) == list(range(10))  # epoch 1: every prompt once
+    # Resumed from the checkpoint's JSON after the third batch (epoch 1, position 2): the moved start of epoch 1
+    # comes with the state, so the next batch is [0 2 6 3] as in the whole run ([8 0 6 3], from the seed's
+    # shuffle of epoch 1 rebuilt alone, would skip 2 and repeat 8).
+    cut = _collector(10, 4, 3)
+    for _ in range(3):
+        cut._draw(4)
+    state = json.loads(json.dumps(cut.state_dict()))
+    assert state["sampler"] == {"epoch": 1, "position": 2, "size": 10, "seed": 3, "head": [7, 8, 0, 2]}
+    resumed = _collector(10, 4, 3)
+    resumed.load_state_dict(state)
+    assert [resumed._draw(4) for _ in range(22)] == batches[3:] + [c._draw(4) for _ in range(20)]
+
+
+def test_a_training_set_smaller_than_a_batch_gives_every_prompt_in_every_batch() -> None:
+    """3 prompts, batches of 4 (seed 0; shuffles [2 0 1], [1 2 0], [0 2 1]): the batches were [2 0 1 1] and
+    [2 0 0 2], prompt 1 missing from the second and twice in the first. Any 3 in a row are now distinct, so epoch
+    1 must keep 0 from place 1 and 1 from place 2 on: [2 0 1] again, and so on; every batch holds all three and
+    one of them again, in turn (each prompt 4 times in 3 batches)."""
+    s = make_sampler(_Task(3), batch_size=4, seed=0)
+    assert [s._permutation(e) for e in range(3)] == [[2, 0, 1], [1, 2, 0], [0, 2, 1]]
+    assert [s.next(4) for _ in range(3)] == [[2, 0, 1, 2], [0, 1, 2, 0], [1, 2, 0, 1]]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 9, 10, 11, 16, 40])
+@pytest.mark.parametrize("window", [1, 2, 4, 8])
+def test_every_epoch_once_and_any_window_in_a_row_distinct_however_drawn(size: int, window: int) -> None:
+    """The contract for any training set and batch size, with draws cut at random (batches, refills, one at a
+    time): each epoch a permutation, any min(window, size) prompts in a row distinct, the same stream however the
+    draws cut it and after a resume at any draw."""
+    for seed in range(6):
+        r = random.Random(seed)
+        sizes = [r.choice([window, window, 1, 2, 3, 7]) for _ in range(30)]
+        whole = PromptSampler(size, seed=seed, window=window)
+        draws = [whole.next(k) for k in sizes]
+        stream = [i for d in draws for i in d]
+        epochs = len(stream) // size
+        assert all(sorted(stream[e * size : (e + 1) * size]) == list(range(size)) for e in range(epochs))
+        w = min(window, size)
+        assert all(len(set(stream[i : i + w])) == w for i in range(len(stream) - w + 1))
+        assert stream == PromptSampler(size, seed=seed, window=window).next(len(stream))
+        cut = r.randrange(1, len(sizes))
+        first = PromptSampler(size, seed=seed, window=window)
+        for k in sizes[:cut]:
+            first.next(k)
+        resumed = PromptSampler(size, seed=seed, window=window)
+        resumed.load_state_dict(first.state_dict())
+        assert [resumed.next(k) for k in sizes[cut:]] == draws[cut:]
+
+
+@pytest.mark.parametrize("mix", MIXTURES)
+def test_a_multi_domain_batch_straddling_a_domains_epochs_holds_no_prompt_twice(mix: dict) -> None:
+    """Every domain's prompts in a batch are consecutive draws of its own sampler (at most its count, or the
+    whole batch for weights): none repeats inside a batch while a domain has at least that many prompts."""
+    slices = {"math": range(0, 7), "code": range(7, 13), "chat": range(13, 24)}
+    for seed in range(20):
+        s = DomainSampler(slices, batch_size=6, seed=seed, **mix)
+        batches = [s.next(6) for _ in range(30)]
+        assert all(len(set(b)) == 6 for b in batches), seed
+
+
+def test_an_older_checkpoint_continues_its_epoch_in_the_order_it_was_saved_with() -> None:
+    """A state without `head` (saved by a roll before the seam rule) means the seed's shuffle of its epoch: the
+    resumed run finishes that epoch as the saved run would have, and applies the rule from the next boundary."""
+    old = {"epoch": 1, "position": 2, "size": 10, "seed": 3}  # epoch 1 as the old roll drew it: [2 7 | 8 0 ...]
+    s = PromptSampler(10, seed=3, window=4)
+    s.load_state_dict(old)
+    rest = s.next(8)
+    assert rest == [8, 0, 6, 3, 5, 9, 1, 4]
+    nxt = s.next(3)  # epoch 2's shuffle [5 8 2 0 ...]: 1 and 4 ended epoch 1, far enough from places 0-2
+    assert nxt == [5, 8, 2] and s.state_dict()["epoch"] == 2
+    s = PromptSampler(10, seed=3, window=4)
+    with pytest.raises(ConfigError, match="no reordering of that epoch's shuffle"):
+        s.load_state_dict({**old, "head": [7, 7, 0, 2]})

@@ -139,3 +139,18 @@ def test_fingerprint_is_the_same_in_another_process(tmp_path: Path) -> None:
 
 def _saved_fingerprint(name: str, path: Path) -> str:
     return _collector(name, path, KINDS[name][1]()).state_dict()["data"]
+
+
+def test_an_sft_batch_straddling_two_epochs_holds_no_row_twice(tmp_path: Path) -> None:
+    """The collector's own sampler (built in __init__) keeps any `rollout_batch_size` rows in a row distinct
+    (roll_core.data.PromptSampler's window): a step that crosses an epoch boundary trained a row twice."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _sft_rows()))
+    data = load_rows("sft", DataConfig(path=str(path)), TOK, max_prompt_length=64, max_response_length=64, seed=0)
+    pipeline = SimpleNamespace(seed=0, rollout_batch_size=BATCH, eval_size=0, eval_every=0)
+    cfg = SimpleNamespace(pipeline=pipeline, sft=SimpleNamespace(eval_task=False), env=SimpleNamespace(name="sft"))
+    collector = SFTCollector(SimpleNamespace(cfg=cfg, tokenizer=TOK, task=None), data)
+    drawn = [collector.sampler.next(BATCH) for _ in range(30)]  # 20 epochs of 6 rows, most steps cross one
+    assert all(len(set(batch)) == BATCH for batch in drawn), [b for b in drawn if len(set(b)) < BATCH]
+    flat = [i for batch in drawn for i in batch]
+    assert all(sorted(flat[e * N : (e + 1) * N]) == list(range(N)) for e in range(20))  # each epoch: every row once

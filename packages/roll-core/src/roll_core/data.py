@@ -1,11 +1,24 @@
 """Prompt sampling with a resumable position: per-epoch seeded permutations, state = (epoch, position).
 
-The permutation of epoch e depends only on (seed, e), so restoring (epoch, position) after a crash continues with
-exactly the prompts the uninterrupted run would have seen. An epoch boundary inside a request wraps around.
+The contract of `PromptSampler(size, seed, window=W)` (W: the rollout batch size; with the default 1, the first
+point only), over the stream of every index it draws, however the draws cut it (whole batches, dynamic-sampling
+refills, one at a time):
+- every epoch (`size` prompts in a row, from the run's start) holds every prompt exactly once: an epoch boundary
+  inside a draw carries over (the draw ends the old epoch and starts the next), nothing is dropped or skipped;
+- any W prompts in a row are distinct (any `size` in a row, for a training set smaller than a batch: every batch
+  then holds every prompt, the extra ones in turn, and each epoch repeats the first one's order): the next epoch's
+  order is the seed's shuffle with each prompt of the old epoch's last W-1 moved on until it comes back no sooner
+  than W draws after its last use (only the first 2(W-1) places can change). Before, a batch straddling two
+  epochs could hold a prompt twice (10 prompts, batches of 4: 2 + 2 across the boundary, in 34 of 90 such
+  batches) and, smaller than a batch, some prompts twice and others not at all. The asynchronous collector's
+  batch is groups started over more than W draws: only W starts in a row are covered there;
+- the stream depends only on (size, seed, W); the state (epoch, position, and the changed head of the epoch's
+  order when the seam moved prompts) resumes it exactly, mid-epoch or mid-draw. A checkpoint of a roll that
+  saved no head continues its epoch in the order it was saved with; later epochs follow the contract.
 `DomainSampler` mixes several domains (slices of one training list) by fixed per-batch counts or random weights;
-each domain keeps its own epoch order, and its state (each domain's position, draws made) resumes exactly too.
-`make_sampler` warns when a batch must repeat prompts: a training set (or a domain, for its fixed count) smaller
-than one batch.
+each domain keeps its own epoch order under the same contract (W: its count per batch, or the batch size for
+weights), and its state (each domain's state, draws made) resumes exactly too. `make_sampler` warns when a batch
+must repeat prompts: a training set (or a domain, for its fixed count) smaller than one batch.
 """
 
 from __future__ import annotations
@@ -24,14 +37,19 @@ log = logging.getLogger(__name__)
 
 
 class PromptSampler:
-    """Draws indices into a list of `size` items, epoch by epoch, without replacement within an epoch."""
+    """Draws indices into a list of `size` items, epoch by epoch, without replacement within an epoch; any
+    `window` in a row distinct (see the module docstring)."""
 
-    def __init__(self, size: int, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(self, size: int, seed: int = 0, shuffle: bool = True, window: int = 1) -> None:
         if size < 1:
             raise ValueError("cannot sample from an empty training set")
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
         self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.window = min(window, size)  # a list smaller than a batch: any `size` in a row distinct
         self.epoch, self.position = 0, 0
         self._perm = self._permutation(0)
+        self._head: list[int] = []  # the start of this epoch's order where it differs from _permutation's
 
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(self.size))
@@ -39,14 +57,37 @@ class PromptSampler:
             random.Random(derive_seed(self.seed, Purpose.DATA_ORDER, epoch)).shuffle(order)
         return order
 
+    def _next_epoch(self) -> None:
+        """Start the next epoch: its permutation, with every prompt of the old epoch's last `window - 1` moved on
+        until it is `window` draws from its last use (greedy: each place takes the first prompt, in the shuffled
+        order, allowed there)."""
+        tail = self._perm[len(self._perm) - (self.window - 1) :] if self.window > 1 else []
+        self.epoch += 1
+        self.position = 0
+        base = self._permutation(self.epoch)
+        # Prompt -> first allowed place: `a` draws before the boundary, it may come back at place window - a.
+        allowed = {p: self.window - a for a, p in enumerate(reversed(tail), start=1)}
+        if not allowed:
+            self._perm, self._head = base, []
+            return
+        # Places 0..window-2 are filled from the first 2(window-1) of the order, which hold at least window-1
+        # prompts without a constraint; from place window-1 on every prompt is allowed and the order resumes.
+        n = min(self.size, 2 * (self.window - 1))
+        rest, head = base[:n], []
+        for place in range(min(self.window - 1, n)):
+            i = next(i for i, p in enumerate(rest) if allowed.get(p, 0) <= place)
+            head.append(rest.pop(i))
+        head += rest
+        changed = [i for i in range(n) if head[i] != base[i]]
+        self._head = head[: changed[-1] + 1] if changed else []
+        self._perm = head + base[n:]
+
     def next(self, k: int) -> list[int]:
         """The next k indices (crossing into the next epoch when needed)."""
         out: list[int] = []
         while len(out) < k:
             if self.position >= self.size:
-                self.epoch += 1
-                self.position = 0
-                self._perm = self._permutation(self.epoch)
+                self._next_epoch()
             take = min(k - len(out), self.size - self.position)
             out += self._perm[self.position : self.position + take]
             self.position += take
@@ -57,9 +98,15 @@ class PromptSampler:
         return self.epoch + self.position / self.size
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "size": self.size, "seed": self.seed}
+        """Position and identity of the stream; `head` (only when the boundary moved prompts) the start of this
+        epoch's order, which depends on the previous epoch's end and so is not rebuilt from (seed, epoch)."""
+        state: dict[str, Any] = {"epoch": self.epoch, "position": self.position, "size": self.size, "seed": self.seed}
+        if self._head:
+            state["head"] = list(self._head)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the saved stream exactly; a state of another training set, seed or kind is a ConfigError."""
         if "size" not in state:  # a multi-domain run's state (a KeyError said nothing of what to do)
             raise ConfigError(
                 f"the checkpoint's data position is for domains {sorted(state.get('domains', {}))}; this run samples "
@@ -71,8 +118,15 @@ class PromptSampler:
                 f"{state['seed']}; this run has {self.size} prompts and seed {self.seed}: resume with the data and "
                 "pipeline.seed the run was saved with, or start a new run"
             )
+        base = self._permutation(state["epoch"])
+        head = [int(i) for i in state.get("head", ())]  # none: saved by an older roll, or nothing was moved
+        if sorted(head) != sorted(base[: len(head)]):
+            raise ConfigError(
+                f"the checkpoint's data position (epoch {state['epoch']}) holds a start of the epoch's order that "
+                "is no reordering of that epoch's shuffle: the state was edited or saved by an incompatible roll"
+            )
         self.epoch, self.position = state["epoch"], state["position"]
-        self._perm = self._permutation(self.epoch)
+        self._head, self._perm = head, head + base[len(head) :]
 
 
 class DomainSampler:
@@ -105,8 +159,14 @@ class DomainSampler:
         self.domains = list(slices)
         self.slices = dict(slices)
         self.weights, self.counts, self.batch_size, self.seed = dict(weights), dict(counts), batch_size, seed
+        # A domain's prompts in a batch are consecutive draws of its sampler: at most its count (fixed counts),
+        # or the whole batch (weights), so that many in a row are distinct.
         self.samplers = {
-            d: PromptSampler(len(self.slices[d]), seed=derive_seed(seed, Purpose.DOMAIN_ORDER, i))
+            d: PromptSampler(
+                len(self.slices[d]),
+                seed=derive_seed(seed, Purpose.DOMAIN_ORDER, i),
+                window=max(1, counts.get(d, 0)) if counts else batch_size,
+            )
             for i, d in enumerate(self.domains)
         }
         self.draws = 0  # draws made (weights) or slots of the cycle taken (counts)
@@ -188,7 +248,7 @@ def make_sampler(task: Any, *, batch_size: int, seed: int) -> PromptSampler | Do
             size,
             batch_size,
         )
-    return PromptSampler(size, seed=seed)
+    return PromptSampler(size, seed=seed, window=batch_size)
 
 
 def data_fingerprint(problems: list[Any]) -> str:

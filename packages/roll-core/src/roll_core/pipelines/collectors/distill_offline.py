@@ -111,7 +111,9 @@ class OfflineDistillCollector:
             raise
         from roll_core.data import PromptSampler
 
-        self.sampler = PromptSampler(len(self.data.train), seed=cfg.pipeline.seed)
+        self.sampler = PromptSampler(
+            len(self.data.train), seed=cfg.pipeline.seed, window=cfg.pipeline.rollout_batch_size
+        )
         self.vocab = _vocab_size(ctx.model_path, cfg)
         # Teacher targets by (split, row index): (n, K) int32 ids and float32 log-probs, n = the row's response tokens.
         self.cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}

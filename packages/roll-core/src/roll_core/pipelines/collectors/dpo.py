@@ -116,7 +116,9 @@ class DPOCollector:
             len(data.eval) if data.eval is not None else 0,
             ", ".join(f"{k}={v}" for k, v in {**self.train_pairs.stats, **self.train_pairs.skipped}.items()) or "-",
         )
-        self.sampler = PromptSampler(len(self.train_pairs), seed=cfg.pipeline.seed)
+        self.sampler = PromptSampler(
+            len(self.train_pairs), seed=cfg.pipeline.seed, window=cfg.pipeline.rollout_batch_size
+        )
         self.eval_batch: Batch | None = None
         self.eval_ref: torch.Tensor | None = None
         if self.eval_pairs is not None:

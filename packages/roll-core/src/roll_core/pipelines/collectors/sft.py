@@ -135,7 +135,7 @@ class SFTCollector:
         data = data or read_rows(cfg, ctx.tokenizer)
         self.train: RowSource = data.train
         self.held_out: RowSource | None = data.eval
-        self.sampler = PromptSampler(len(self.train), seed=cfg.pipeline.seed)
+        self.sampler = PromptSampler(len(self.train), seed=cfg.pipeline.seed, window=cfg.pipeline.rollout_batch_size)
         problems = ctx.task.eval_set() if cfg.sft.eval_task and _single_turn(ctx.task) else []
         self.eval_problems = list(problems)[: cfg.pipeline.eval_size]
         self.reward: RewardGroup | None = None  # built on the first accuracy evaluation
