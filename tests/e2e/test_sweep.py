@@ -298,3 +298,72 @@ def test_an_aborted_sweep_removes_its_slots_actor(ray_cluster, tmp_path: Path, m
         for ref in refs:
             ray.cancel(ref, force=True)
         _kill_slots_actors(ray)
+
+
+_RAY_APP = """
+import time
+import hydra
+from roll_core.pipelines.run_control import GracefulStop
+from roll_core.sweep import run_sweep_job
+
+
+def run(cfg):  # trains until asked to stop, then stops at a checkpoint (as roll_core.pipelines.loop does)
+    with GracefulStop() as stop:
+        deadline = time.monotonic() + 120
+        while not stop.requested and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return {"final_eval_accuracy": 0.5, "stopped_by_signal": stop.signum}
+
+
+@hydra.main(version_base=None, config_path=".", config_name="app")
+def main(cfg):
+    return run_sweep_job(cfg, run)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+# CI time (~15 s, most of it the Ray instance the sweep starts): the only test of a signal to the Ray launcher's driver
+def test_a_ray_sweep_stopped_by_a_signal_to_its_driver_is_summarised(tmp_path: Path) -> None:
+    """SIGTERM to a sweep's driver on roll's Ray launcher (a scheduler's stop) while job 0 runs and job 1 waits for
+    its slot: Ray's driver handler exited 15 at once, the jobs abandoned, their records `running`, no summary. Now
+    the running job is asked to stop (it stops at its checkpoint: `stopped`), the waiting one is `stopped` (not
+    started), the summary is written and the driver exits 128+15. Jobs are run_sweep_job over a run that waits
+    for its stop (no training: ~20 s, most of it Ray's start)."""
+    import json
+    import signal
+    import time
+
+    (tmp_path / "app.py").write_text(_RAY_APP)
+    (tmp_path / "app.yaml").write_text(
+        "experiment: t\ncluster: {max_concurrent: 1}\ntracking: {group: null, run_name: null}\nx: 1\n"
+        "defaults:\n  - override hydra/launcher: ray\n  - _self_\n"
+        "hydra:\n  callbacks:\n    summary: {_target_: roll_core.sweep.SweepSummaryCallback}\n"
+        "  launcher:\n    _target_: hydra_plugins.roll_ray_launcher.RayLauncher\n"
+        "    ray: {init: {num_cpus: 2, include_dashboard: false}, remote: {num_cpus: 0, max_retries: 0}}\n"
+    )
+    sw = tmp_path / "sweep"
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=os.pathsep.join(sys.path))
+    cmd = [sys.executable, "app.py", "-m", "x=1,2", f"hydra.sweep.dir={sw}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        started = [sw / n / "job_status.json" for n in ("0", "1")]
+        while not any(p.exists() and "started_at" in json.loads(p.read_text() or "{}") for p in started):
+            assert proc.poll() is None and time.monotonic() < deadline, "no job started"
+            time.sleep(0.2)
+        time.sleep(1)  # the other job waits for the slot
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
+    table = {r["job"]: r for r in rows(tmp_path)}
+    ran = next(j for j in table if "not started" not in table[j]["error"])
+    waited = "1" if ran == "0" else "0"
+    assert table[ran]["status"] == "stopped" and table[ran]["error"] == "stopped by signal 2", table
+    assert table[waited]["status"] == "stopped" and table[waited]["error"].startswith("not started"), table
+    assert (sw / "summary.md").is_file()

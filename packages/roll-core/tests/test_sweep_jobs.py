@@ -160,8 +160,9 @@ def test_gpus_reserved_for_a_job_task_are_refused_when_its_roles_reserve_their_o
 
 def test_a_signal_that_stops_a_local_sweep_job_stops_the_sweep(tmp_path: Path) -> None:
     """Ctrl-C (or a scheduler's SIGTERM) in a local multirun stops the running job at a checkpoint; the sweep's later
-    jobs are then not started but recorded as stopped, so the sweep ends, is summarised and exits non-zero. The next
-    job started instead: one Ctrl-C per job to stop a sweep. A new sweep into the folder runs again."""
+    jobs are then not started but recorded as stopped, so the sweep ends, is summarised and exits 128+N, as a single
+    run stopped by N (it exited 1, as a sweep with a failed job). The next job started instead: one Ctrl-C per job to
+    stop a sweep. A new sweep into the folder runs again."""
     sw = tmp_path / "sweep"
     callback = sweep.SweepSummaryCallback()
     callback.on_multirun_start(multirun_config(sw))
@@ -177,7 +178,10 @@ def test_a_signal_that_stops_a_local_sweep_job_stops_the_sweep(tmp_path: Path) -
     assert run_job(sw, "0", 0, ["algo.lr=1e-3"], run(0, None)) == 0.5
     assert run_job(sw, "1", 1, ["algo.lr=2e-3"], run(1, 2)) is None  # Ctrl-C during job 1
     assert run_job(sw, "2", 2, ["algo.lr=3e-3"], run(2, None)) is None
-    callback.on_multirun_end(multirun_config(sw))
+    with pytest.raises(SystemExit) as exit_:
+        callback.on_multirun_end(multirun_config(sw))
+
+    assert exit_.value.code == 128 + 2
 
     assert ran == [0, 1]
     record = json.loads((sw / "2" / sweep.STATUS_FILE).read_text())

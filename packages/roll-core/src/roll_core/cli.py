@@ -152,17 +152,18 @@ def train_main() -> None:
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
         sys.argv[1:] = _with_override(sys.argv[1:], f"hydra/help={register_help()}")
     main = hydra.main(version_base=None, config_path=conf_path, config_name="rlvr")(_hydra_task)
+    from roll_core.run_folder import FolderRefused, release_claimed
+
     try:
-        # Before Hydra writes into the run folder (.hydra/, the job log): a run refused there must leave it as it is
-        lock = hold_run_dir(sys.argv[1:])
         try:
-            main()
+            main()  # its first callback claims the run folder before Hydra writes into it (roll_core.run_folder)
+        except FolderRefused as exc:
+            raise exc.error from None
         except (Exception, SystemExit) as exc:
             _end_unfinished_sweeps(exc)
             raise
-        finally:  # the pipeline shared it (roll_core.run_lock is re-entrant in a process) and has released its own
-            if lock is not None:
-                lock.release()
+        finally:  # the pipeline shared the folder's lock (roll_core.run_lock is re-entrant) and released its own
+            release_claimed()
         from roll_core.sweep import failed_jobs
 
         if failed_jobs():
@@ -198,29 +199,6 @@ def train_main() -> None:
             print(f"roll-train: run stopped: {exc}", file=sys.stderr)
             sys.exit(1)
         raise
-
-
-#: Hydra's flags that print or inspect (the config, help, info) instead of running the job: they may look at a folder
-#: that a run is using, and must not create one.
-_NO_RUN_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
-
-
-def hold_run_dir(args: list[str]) -> Any:
-    """Take the run-folder lock (roll_core.run_lock) on the folder the command line gives Hydra's run
-    (`hydra.run.dir`, set from pipeline.output_dir by run_dir_overrides) or sweep (`hydra.sweep.dir`, with -m) before
-    Hydra writes into it: Hydra writes .hydra/config.yaml and opens the job log before the job runs, so a second
-    roll-train into a running run's folder replaced that run's config record before the pipeline's lock refused it.
-    Raises ConfigError when another process holds it; returns the lock (None: no folder given, one made by an
-    interpolation such as Hydra's default outputs/${now:...}, or a flag that runs nothing)."""
-    if any(a.partition("=")[0] in _NO_RUN_FLAGS for a in args):
-        return None
-    key = "hydra.sweep.dir" if any(a in ("-m", "--multirun") for a in args) else "hydra.run.dir"
-    folder, _ = _last_override(args, key)
-    if folder is None or not folder.strip() or "${" in folder:
-        return None
-    from roll_core.run_lock import hold_run_folder
-
-    return hold_run_folder(folder)
 
 
 def _end_unfinished_sweeps(exc: BaseException) -> None:

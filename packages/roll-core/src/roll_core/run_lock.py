@@ -8,9 +8,11 @@ Contract:
 - `hold_run_folder(folder)` takes `fcntl.flock(LOCK_EX | LOCK_NB)` on `<folder>/.roll.lock` (creating the folder) and
   writes the holder's pid, host and start time into it; the pipeline's driver takes it when the run is built, before
   it writes anything, and gives it back at shutdown (`RunLock.release`, also run at garbage collection and at exit).
-  `roll-train` takes it earlier on a folder its command line names (hydra.run.dir / pipeline.output_dir, or
-  hydra.sweep.dir with -m: roll_core.cli.hold_run_dir), before Hydra writes .hydra/ and the job log into it, so a
-  refused run leaves a running run's folder as it is.
+  `roll-train` takes it earlier, on the run (or sweep) folder Hydra is about to use, before Hydra writes .hydra/ and
+  the job log into it (roll_core.run_folder), so a refused run leaves a running run's folder as it is.
+- `claim_fresh_folder(base)` takes a folder no other process has: `base`, or `base_2`, `base_3`, ... when it exists
+  (an exclusive mkdir decides between processes racing for one name), and locks it: for time-stamped run folders,
+  which two runs started in the same second shared.
 - Another process asking for a held folder gets a `ConfigError` naming the holder (pid, host, start) and the ways on:
   wait, stop the holder, or choose another `pipeline.output_dir`. It never waits.
 - The kernel drops a flock when its process dies (SIGKILL, the OOM killer): no stale lock is ever left. The file stays
@@ -30,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -117,6 +120,21 @@ def hold_run_folder(folder: str | Path) -> RunLock:
             os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         held = _held[key] = _Held(path, fd)
         return RunLock(key, held)
+
+
+def claim_fresh_folder(base: str | Path) -> tuple[Path, RunLock]:
+    """A new folder for one run: `base`, or `base_2`, `base_3`, ... when it exists, created by this process (an
+    exclusive mkdir: of processes racing for a name exactly one creates it) and locked; returns it and its lock."""
+    base = Path(base)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for i in itertools.count(1):
+        folder = base if i == 1 else base.with_name(f"{base.name}_{i}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        return folder, hold_run_folder(folder)
+    raise AssertionError("unreachable")
 
 
 def busy_message(folder: Path, holder: dict[str, str]) -> str:

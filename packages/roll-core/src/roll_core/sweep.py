@@ -16,9 +16,11 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
   its checkpoint is written) is recorded as `stopped`. Failed, killed and stopped jobs, and finished ones without
   a finite final held-out accuracy, return None to the sweeper: the Optuna sweeper records a failed trial for a
   value it cannot cast to float and goes on (a NaN made Optuna's `tell` raise and the whole sweep end there).
-- A signal that stops a job of a sweep run in this process (the basic launcher: Ctrl-C, a scheduler's SIGTERM)
-  stops the sweep: its later jobs are not started but recorded as `stopped` ("not started"), so the sweep ends,
-  is summarised and exits non-zero. It started the next job instead, and a Ctrl-C stopped one job at a time.
+- A signal that stops a job of a sweep run in this process (the basic launcher: Ctrl-C, a scheduler's SIGTERM),
+  while it trains or while its pipeline is built (StoppedWhileBuilding, recorded as `stopped`), stops the sweep:
+  its later jobs are not started but recorded as `stopped` ("not started"), so the sweep ends, is summarised and
+  roll-train exits 128+N. It started the next job instead, and a Ctrl-C stopped one job at a time. A signal between
+  jobs, to an Optuna sweep or to the Ray launcher's driver stops the sweep the same way (roll_core.sweep_stop).
 - A sweep resumed into an earlier sweep's folder (`pipeline.resume=true hydra.sweep.dir=<it>`) continues each job
   folder's run: a job whose swept values differ from the ones the folder's earlier job ran with (values given in
   another order, an Optuna trial sampling other values) fails with a clear error instead of continuing another
@@ -42,151 +44,54 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import logging
 import math
 import os
 import re
+import signal
 import socket
 import time
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from roll_core import sweep_stop
 from roll_core.sweep_resume import check_resumed_folder
+from roll_core.sweep_slots import SLOTS_NAMESPACE, job_slot, slots_name
 
 log = logging.getLogger(__name__)
 STATUS_FILE = "job_status.json"
 SWEEP_FILE = "sweep_id.json"
-SLOTS_NAMESPACE = "roll-sweeps"
 _failed_jobs: list[str] = []
 _sweeps: dict[str, dict[str, Any]] = {}  # resolved sweep folder -> its sweep_id.json, in the process that started it
-_stopped: dict[str, str] = {}  # resolved sweep folder -> why its later jobs are not started (a signal stopped a job)
+# resolved sweep folder -> (the signal that stopped the sweep, why its later jobs are not started)
+_stopped: dict[str, tuple[int, str]] = {}
 _unfinished: set[str] = set()  # resolved sweep folders started in this process whose end was not summarised yet
-
-
-class JobSlots:
-    """A counting semaphore of leases as a Ray actor (created once per sweep, found by name by every job)."""
-
-    def __init__(self, permits: int, lease_s: float = 60.0) -> None:
-        self.permits, self.lease_s = permits, lease_s
-        self.leases: dict[str, float] = {}  # holder -> last renewal (monotonic seconds)
-        self.expired = 0
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for holder, t in list(self.leases.items()):
-            if now - t > self.lease_s:  # its job died without releasing: the slot is free again
-                del self.leases[holder]
-                self.expired += 1
-
-    def try_acquire(self, holder: str) -> bool:
-        self._expire()
-        if len(self.leases) < self.permits:
-            self.leases[holder] = time.monotonic()
-            return True
-        return False
-
-    def renew(self, holder: str) -> bool:
-        if holder in self.leases:
-            self.leases[holder] = time.monotonic()
-            return True
-        return False
-
-    def release(self, holder: str) -> None:
-        self.leases.pop(holder, None)
-
-    def stats(self) -> dict[str, int]:
-        self._expire()
-        return {"held": len(self.leases), "permits": self.permits, "expired": self.expired}
-
-
-@contextmanager
-def job_slot(
-    name: str, permits: int, poll_s: float = 1.0, lease_s: float = 60.0, timeout_s: float | None = None
-) -> Iterator[float]:
-    """Hold one of `permits` slots named `name` while the block runs; yields the seconds spent waiting.
-
-    The slot is a lease renewed every `lease_s / 4` seconds by a daemon thread; if this process dies, the lease
-    lapses after `lease_s` and another job takes the slot. `timeout_s`: give up waiting (TimeoutError).
-    Without Ray (a local multirun) or with `permits <= 0` the block runs immediately: the basic launcher already
-    runs jobs one at a time.
-    """
-    try:
-        import ray
-    except ImportError:
-        ray = None
-    if permits <= 0 or ray is None or not ray.is_initialized():
-        yield 0.0
-        return
-    # Detached: a non-detached actor dies with the job that happened to create it, while others still queue.
-    # `SweepSummaryCallback` removes it when the sweep ends.
-    actor = (
-        ray.remote(JobSlots)
-        .options(name=name, get_if_exists=True, num_cpus=0, namespace=SLOTS_NAMESPACE, lifetime="detached")
-        .remote(permits, lease_s)
-    )
-    import threading
-    import uuid
-
-    holder = uuid.uuid4().hex
-    t0 = time.perf_counter()
-    while not ray.get(actor.try_acquire.remote(holder)):
-        if timeout_s is not None and time.perf_counter() - t0 > timeout_s:
-            raise TimeoutError(f"no free sweep slot in {name} after {timeout_s}s: {ray.get(actor.stats.remote())}")
-        time.sleep(poll_s)
-    waited = time.perf_counter() - t0
-    done = threading.Event()
-
-    def renew() -> None:
-        while not done.wait(lease_s / 4):
-            try:
-                if not ray.get(actor.renew.remote(holder)):
-                    log.warning("sweep slot lease %s lapsed (this job was too slow to renew it)", holder)
-            except Exception as exc:  # keep the job running; the lease may lapse and another job may start
-                log.warning("could not renew sweep slot %s: %s", name, exc)
-
-    threading.Thread(target=renew, name="roll-sweep-lease", daemon=True).start()
-    try:
-        yield waited
-    finally:
-        done.set()
-        try:
-            ray.get(actor.release.remote(holder))
-        except Exception as exc:  # the job's own result matters more than the slot bookkeeping
-            log.warning("could not release sweep slot %s: %s", name, exc)
-
-
-def slots_name(sweep_dir: str | Path, sweep_id: str | None = None) -> str:
-    """A stable name per sweep (str hash() is salted per process): every job of the sweep finds the same actor.
-    With the sweep's id, a sweep run again into the same folder gets its own actor, never the one an aborted
-    sweep left behind (detached, with that sweep's permits and its dead jobs' leases)."""
-    key = f"{Path(sweep_dir).resolve()}:{sweep_id or ''}"
-    return "slots-" + hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
 def run_sweep_job(cfg: Any, run: Any) -> float | None:
     """Run one multirun job with failure isolation; returns the value a sweeper optimises (None unless the job
     finished with a finite accuracy: see job_value). Whatever raises, preparing the job and taking its slot
     included, is recorded as a failed job: an exception out of here makes Hydra's sweeper raise, skipping the
-    sweep's summary. After a signal stopped a job of this sweep in this process, the job is not started."""
+    sweep's summary. A stop signal out of the job (KeyboardInterrupt: StoppedWhileBuilding while it was built, a
+    second signal aborting it, a Ray cancel) records it as `stopped` and, in the sweep's process, stops the sweep.
+    After a signal stopped this sweep in this process, the job is not started."""
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
     out = Path(hc.runtime.output_dir)
     record: dict[str, Any] = {"job": hc.job.num, "overrides": list(hc.overrides.task), "status": "running"}
     t0 = time.perf_counter()
+    sweep_dir: Path | None = None
     try:
         sweep_dir = job_sweep_dir(hc)
         record["sweep_id"] = sweep_marker(sweep_dir).get("sweep_id")  # which sweep this record belongs to
         if str(sweep_dir) in _stopped:
-            log.error("sweep job %s is not started: %s", hc.job.num, _stopped[str(sweep_dir)])
-            record.update(status="stopped", error=f"not started: {_stopped[str(sweep_dir)]}")
+            log.error("sweep job %s is not started: %s", hc.job.num, _stopped[str(sweep_dir)][1])
+            record.update(status="stopped", error=f"not started: {_stopped[str(sweep_dir)][1]}")
             write_record(out, record)
             return None
         check_resumed_folder(cfg, out, sweep_dir, record)
@@ -210,13 +115,27 @@ def run_sweep_job(cfg: Any, run: Any) -> float | None:
             record.update(status="stopped", summary=summary, error=f"stopped by signal {signum}")
             if str(sweep_dir) in _sweeps:
                 # This process runs the sweep (basic launcher): the signal was meant for the sweep, not one job. A Ray
-                # job's worker is not the sweep's process (and may run a later job): the driver's Ctrl-C ends those.
-                _stopped[str(sweep_dir)] = f"the sweep was stopped by signal {signum} during job {hc.job.num}"
+                # job's worker is not the sweep's process (and may run a later job): the driver's stop ends those
+                # (roll_core.sweep_launcher).
+                stop_sweep(sweep_dir, int(signum), f"the sweep was stopped by signal {signum} during job {hc.job.num}")
         else:
             record.update(status="ok", summary=summary)
             late = summary.get("late_signal") if isinstance(summary, dict) else None
             if late and str(sweep_dir) in _sweeps:  # in its last step: the job is complete, the sweep stops (as above)
-                _stopped[str(sweep_dir)] = f"the sweep was stopped by signal {late} at the end of job {hc.job.num}"
+                why = f"the sweep was stopped by signal {late} at the end of job {hc.job.num}"
+                stop_sweep(sweep_dir, int(late), why)
+    except KeyboardInterrupt as exc:
+        # A signal while the job was built (run_control.StoppedWhileBuilding), a second one aborting it, or a Ray
+        # cancel reaching a job that waits for its slot: the job is stopped, not failed, and in the sweep's process
+        # the sweep stops with it. Raised on, it skipped the sweep's summary and left this record `running`.
+        signum = int(getattr(exc, "signum", None) or signal.SIGINT)
+        why = str(exc).split(":")[0] or f"interrupted by signal {signum}"  # "stopped while building the pipeline (..)"
+        if "started_at" not in record:
+            why = f"not started: {why}"
+        log.error("sweep job %s: %s", hc.job.num, why)
+        record.update(status="stopped", error=why)
+        if sweep_dir is not None and str(sweep_dir) in _sweeps:
+            stop_sweep(sweep_dir, signum, f"the sweep was stopped by signal {signum} during job {hc.job.num}")
     except Exception as exc:  # one job's failure must not stop the sweep
         log.error("sweep job %s failed: %s", hc.job.num, exc)
         record.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
@@ -274,6 +193,18 @@ def start_sweep(sweep_dir: str | Path) -> dict[str, Any]:
     _unfinished.add(str(folder))
     _stopped.pop(str(folder), None)  # an earlier sweep's stop into the same folder does not stop this one
     return marker
+
+
+def stop_sweep(sweep_dir: str | Path, signum: int, why: str) -> None:
+    """Mark the sweep in `sweep_dir` stopped by signal `signum` (the first stop counts): its later jobs are not
+    started (`why` says so in their records) and roll-train exits 128 + `signum` once it is summarised."""
+    _stopped.setdefault(str(Path(sweep_dir).resolve()), (int(signum), why))
+
+
+def stop_signal(sweep_dir: str | Path) -> int | None:
+    """The signal that stopped the sweep in `sweep_dir` in this process, or None."""
+    stop = _stopped.get(str(Path(sweep_dir).resolve()))
+    return stop[0] if stop else None
 
 
 def sweep_marker(sweep_dir: str | Path) -> dict[str, Any]:
@@ -488,10 +419,17 @@ class SweepSummaryCallback(Callback):
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         start_sweep(config.hydra.sweep.dir)
-        start_sweep_ray(config.hydra.launcher)
+        try:
+            start_sweep_ray(config.hydra.launcher)
+        finally:  # after ray.init, which installs Ray's SIGTERM handler (an abort, no summary); also if it failed
+            sweep_stop.install()
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        end_sweep(Path(str(config.hydra.sweep.dir)))
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        end_sweep(sweep_dir)
+        signum = stop_signal(sweep_dir)
+        if signum is not None:  # not Exception: Hydra does not turn it into a warning
+            sweep_stop.exit_stopped(sweep_dir, signum)
 
 
 def end_sweep(sweep_dir: Path, records: tuple[list[tuple[Path, dict[str, Any]]], list[str]] | None = None) -> list[str]:
@@ -500,6 +438,8 @@ def end_sweep(sweep_dir: Path, records: tuple[list[tuple[Path, dict[str, Any]]],
     (Hydra then skips on_multirun_end), by `end_unfinished_sweeps`, which passes the sweep's `job_records` it has
     already read as `records` (None: read them here)."""
     _unfinished.discard(str(sweep_dir.resolve()))
+    if not _unfinished:
+        sweep_stop.restore()
     remove_slots(sweep_dir)
     # Failures first, from the records alone: Hydra turns an exception raised here into a warning, and a
     # summary that fails to write must not also make roll-train exit 0 over failed jobs.
@@ -532,8 +472,11 @@ def end_unfinished_sweeps(exc: BaseException) -> list[tuple[Path, list[str]]]:
     """Summarise the sweeps started in this process that an exception `exc` ended before Hydra's on_multirun_end
     (the sweeper raised: hydra-optuna-sweeper asks the study for its best trial when every trial failed, and
     Optuna raises "No trials are completed yet"): the user gets the summary of what failed, not just a traceback.
-    Returns (summary.md, the sweep's failures) per sweep; none when no sweep was left unfinished."""
+    Returns (summary.md, the sweep's failures) per sweep; none when no sweep was left unfinished. A sweep a signal
+    stopped (roll_core.sweep_stop) has its jobs still `running` recorded as `stopped` and ends roll-train with
+    SystemExit(128 + N) once summarised."""
     ended = []
+    stopped: list[tuple[Path, int]] = []
     for folder in sorted(_unfinished):
         marker = sweep_marker(folder)
         sweep_id = marker.get("sweep_id")
@@ -542,8 +485,16 @@ def end_unfinished_sweeps(exc: BaseException) -> list[tuple[Path, list[str]]]:
         if not found and not problems:  # it stopped before any job ran (a sweeper that cannot be made): no summary
             _unfinished.discard(folder)
             continue
+        signum = stop_signal(folder)
+        if signum is not None:
+            sweep_stop.mark_unended(found, signum)
+            stopped.append((Path(folder), signum))
         log.error("sweep %s stopped with %s: %s; summarising the jobs it ran", folder, type(exc).__name__, exc)
         ended.append((Path(folder) / "summary.md", end_sweep(Path(folder), (found, problems))))
+    if not _unfinished:
+        sweep_stop.restore()
+    if stopped:
+        sweep_stop.exit_stopped(*stopped[0])
     return ended
 
 

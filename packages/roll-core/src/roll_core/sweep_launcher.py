@@ -16,14 +16,22 @@ and the jobs still running were abandoned with the driver. Jobs that raise are a
 - jobs are collected as they end (`ray.wait`), not in launch order, so a job's death is seen when it happens, not
   when the jobs launched before it have finished;
 - jobs that give `cluster.max_concurrent` different values (a sweep of it) are refused before any starts: it is
-  the sweep's bound, held by one slots actor (roll_core.sweep.job_slot);
+  the sweep's bound, held by one slots actor (roll_core.sweep_slots.job_slot);
 - jobs that would share a folder (a `hydra.sweep.subdir` that two jobs resolve alike, e.g. the override_dirname of
   a repeated value) are refused before any starts: they wrote one metrics.jsonl and one job_status.json, in this
   batch or over an earlier batch's finished job;
 - GPUs reserved for the job's own task (`hydra.launcher.ray.remote.num_gpus`) with `cluster=ray` are refused
   before any job starts: the job's RL roles reserve their own GPUs in placement groups, so the task's sat idle and
   the roles could wait for them until cluster.placement_timeout_s;
-- a sweep aborted while its jobs run (Ctrl-C) removes its detached slots actor: Hydra skips `on_multirun_end`;
+- a sweep stopped by a signal to the driver (Ctrl-C, a scheduler's SIGTERM: roll_core.sweep_stop marks it)
+  cancels its jobs the gentle way: a running job gets a SIGINT, so its GracefulStop saves a checkpoint and it ends
+  `stopped`; one waiting for its slot ends `stopped` ("not started"). They are waited for and the ones that left no
+  end record are recorded `stopped` too, the sweep is summarised (Hydra skips on_multirun_end) and the launcher
+  raises SystemExit(128 + N): roll-train exits 128 + N, and no later batch (an Optuna sweeper's) is launched. A
+  second signal aborts: the jobs are killed (Ray's force cancel), recorded `stopped` and summarised. Before, a
+  SIGINT left the jobs `running` and no summary, and a SIGTERM aborted the driver (Ray's handler: a stack dump,
+  exit -6) with the jobs abandoned;
+- a sweep aborted while its jobs run removes its detached slots actor: Hydra skips `on_multirun_end`;
 - jobs are not retried by Ray (`remote.max_retries: 0` in conf/hydra/launcher/ray.yaml): a retried job would find
   its own checkpoints in its folder and be refused, and an out-of-memory job would usually die again.
 
@@ -44,8 +52,9 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrid
 from hydra_plugins.hydra_ray_launcher._launcher_util import launch_job_on_ray, start_ray
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from roll_core import sweep_stop
 from roll_core.errors import ConfigError
-from roll_core.sweep import STATUS_FILE, job_value, remove_slots, sweep_marker, write_record
+from roll_core.sweep import STATUS_FILE, end_sweep, job_value, remove_slots, stop_signal, sweep_marker, write_record
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +79,8 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
             cfg.hydra.job.num = idx
         cfgs.append(cfg)
     jobs: list[tuple[DictConfig, list[str], Any]] = []
+    results: list[JobReturn | None] = []
+    stopping: int | None = None  # the signal that stopped the sweep, once its jobs were asked to stop
     try:
         # Before any job of this batch starts; a refused later batch (an Optuna sweeper's) also removes the slots
         # actor its earlier batches' jobs created
@@ -77,6 +88,7 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
         check_job_folders(launcher, cfgs)
         check_job_gpus(launcher, cfgs)
         start_ray(launcher.ray_cfg.init)
+        sweep_stop.rearm()  # a Ray started here replaced the sweep's SIGTERM handler with its own (an abort)
         for cfg, overrides in zip(cfgs, job_overrides):
             log.info("\t#%d : %s", cfg.hydra.job.num, " ".join(filter_overrides(overrides)))
             ref = launch_job_on_ray(
@@ -85,20 +97,36 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
             jobs.append((cfg, list(overrides), ref))
         # Collected as they end: killed() takes a dead job's wall time from the moment its death is seen, which in
         # launch order would wait for every job launched before it.
-        results: list[JobReturn | None] = [None] * len(jobs)
+        results = [None] * len(jobs)
         pending = {ref: i for i, (_, _, ref) in enumerate(jobs)}
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
+            # With a timeout: a stop signal only marks the sweep (roll_core.sweep_stop), seen here
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+            if stopping is None and stop_signal(sweep_dir) is not None:
+                stopping = stop_signal(sweep_dir)
+                log.warning("sweep stopped by signal %s: asking its %d job(s) running to stop", stopping, len(pending))
+                for ref in pending:
+                    ray.cancel(ref)  # not forced: a SIGINT in the job's process (its GracefulStop: a checkpoint)
             for ref in ready:
                 i = pending.pop(ref)
                 cfg, overrides, _ = jobs[i]
                 try:
                     results[i] = ray.get(ref)
-                except ray.exceptions.RayError as exc:  # its process died: nothing in it could catch this
-                    results[i] = killed(cfg, overrides, exc)
-    except BaseException:  # Ctrl-C, a refused batch: Hydra skips on_multirun_end, which removes the slots actor
+                except ray.exceptions.RayError as exc:  # its process died (or was cancelled): it could not catch it
+                    results[i] = killed(cfg, overrides, exc, stopping)
+    except BaseException:  # a second signal, a refused batch: Hydra skips on_multirun_end (it removes the slots actor)
+        stopping = stopping or stop_signal(sweep_dir)
+        if stopping is not None:  # an abort: the jobs are killed, recorded stopped unless they had ended
+            for i, (cfg, overrides, ref) in enumerate(jobs):
+                if i >= len(results) or results[i] is None:
+                    ray.cancel(ref, force=True)
+                    killed(cfg, overrides, KeyboardInterrupt("the sweep was aborted"), stopping)
+            end_sweep(sweep_dir)  # Hydra skips on_multirun_end
         remove_slots(sweep_dir)
         raise
+    if stopping is not None:  # the sweep ends here: no later batch (an Optuna sweeper's) starts
+        end_sweep(sweep_dir)
+        sweep_stop.exit_stopped(sweep_dir, stopping)
     return [r for r in results if r is not None]
 
 
@@ -158,10 +186,11 @@ def check_job_gpus(launcher: Any, cfgs: Sequence[DictConfig]) -> None:
         )
 
 
-def killed(cfg: DictConfig, overrides: list[str], exc: BaseException) -> JobReturn:
+def killed(cfg: DictConfig, overrides: list[str], exc: BaseException, stopped: int | None = None) -> JobReturn:
     """Record job `cfg` as killed (its folder's job_status.json) and the JobReturn Hydra gets for it. A job that had
     written its end record (ok, failed, stopped) before Ray lost it (its process died on its way out, its result
-    was lost with its node) keeps that record, and the sweeper gets the value it would have returned."""
+    was lost with its node) keeps that record, and the sweeper gets the value it would have returned. `stopped`:
+    the signal that stopped the sweep (its jobs were cancelled): the job is recorded `stopped`, not `killed`."""
     num = int(cfg.hydra.job.num)
     folder = job_folder(cfg)
     reason = str(exc).strip().splitlines()
@@ -180,10 +209,16 @@ def killed(cfg: DictConfig, overrides: list[str], exc: BaseException) -> JobRetu
         log.warning("sweep job %d had ended (%s) when Ray lost it (%s): its record is kept", num, status, error)
         value = job_value(record)
     else:
-        log.error("sweep job %d was killed (%s); the sweep goes on", num, error)
+        started = isinstance(record.get("started_at"), (int, float))
+        if stopped is not None:  # cancelled by the sweep's stop: the sweep's summary says stopped, not killed
+            why = "the sweep was stopped while it ran" if started else "not started: the sweep was stopped"
+            log.error("sweep job %d: %s (%s)", num, why, error)
+            record.update(job=num, overrides=overrides, status="stopped", error=f"stopped by signal {stopped}: {why}")
+        else:
+            log.error("sweep job %d was killed (%s); the sweep goes on", num, error)
+            record.update(job=num, overrides=overrides, status="killed", error=error)
         folder.mkdir(parents=True, exist_ok=True)
-        record.update(job=num, overrides=overrides, status="killed", error=error)
-        if isinstance(record.get("started_at"), (int, float)):  # it ran until now (wall clock: its own process)
+        if started:  # it ran until now (wall clock: its own process)
             record["wall_seconds"] = max(0.0, time.time() - record["started_at"])
         else:  # killed before it wrote its start record: unknown, shown as "-" (not 0)
             record["wall_seconds"] = None
