@@ -1,19 +1,22 @@
 """The hf inference engine's inputs: prompts it cannot encode are refused to their caller without failing the
-running batch, checkpoints whose tokenizer lacks pad/EOS ids still generate, and the context limit is the one
-configured where the model declares none."""
+running batch, one whose prefill fails all the same fails alone, checkpoints whose tokenizer lacks pad/EOS ids
+still generate, and the context limit is the one configured where the model declares none."""
 
 from __future__ import annotations
 
 import logging
 import shutil
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from roll_core.interfaces import Request, SamplingParams
 from roll_core.testing import reference_greedy
+from roll_engines.infer import _batcher
 from roll_engines.infer.hf import HFInferEngine
 
 LONG = SamplingParams(temperature=1.0, max_new_tokens=300, ignore_eos=True, seed=4)
@@ -140,5 +143,65 @@ def test_a_max_model_len_past_the_models_limit_is_cut_with_a_warning(
     try:
         assert engine.max_context_length == declared
         assert f"max_model_len={declared + 100} exceeds" in caplog.text
+    finally:
+        engine.shutdown()
+
+
+POISON = 66  # an id of the injected failure below
+
+
+def _poison(engine: HFInferEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every prefill forward that holds a prompt with POISON raise (what a bad row does to its batch)."""
+    forward = engine.model.forward
+
+    def poisoned(*args: object, input_ids: torch.Tensor | None = None, **kwargs: object) -> object:
+        if input_ids is not None and input_ids.shape[1] > 1 and bool((input_ids == POISON).any()):
+            raise RuntimeError("an injected per-row failure")
+        return forward(*args, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", poisoned)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["continuous", "static-batching"])
+def test_a_prefill_failure_fails_only_its_own_requests(
+    tiny: str, monkeypatch: pytest.MonkeyPatch, static: bool
+) -> None:
+    """A prefill that raised failed every request admitted with it and every running one. A text prompt past the
+    engine's checks is not known to fail its prefill (a picture can: test_vlm_infer), so the failure is injected:
+    a forward raises whenever it holds the poisoned prompt. Only that prompt's requests (both its samples) fail,
+    naming themselves; the others, and the request already decoding, give the tokens and seeded samples they give
+    without it. `static`: a cache that cannot be merged (sliding windows) admits the retry's later part once the
+    batch is empty."""
+    if static:
+        monkeypatch.setattr(_batcher, "plain_layers", lambda cache: False)
+    engine = HFInferEngine(tiny, prefix_cache_mb=0)
+    _poison(engine, monkeypatch)
+    prompts = {"a": [5, 6, 7], "b": [8, 9], "bad": [10, POISON, 11], "c": [12, 13, 14, 15], "d": [16]}
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
+
+    def run(with_bad: bool) -> dict[str, Future]:
+        futs = {}
+        with engine._lock:
+            if not static:  # decoding while the others are admitted
+                long_run = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+                futs["running"] = engine._enqueue(Request("running", [20, 21, 22], long_run))
+                engine.batcher.step()
+            for k, ids in prompts.items():
+                for j in range(2 if with_bad or k != "bad" else 0):  # two samples of a prompt: one prefill
+                    futs[f"{k}{j}"] = engine._enqueue(Request(f"{k}{j}", ids, seeded.replace(seed=j)))
+            while engine.batcher.has_work():
+                engine.batcher.step()
+        return futs
+
+    try:
+        ref, got = run(with_bad=False), run(with_bad=True)
+        for j in range(2):
+            with pytest.raises(RuntimeError, match=rf"request 'bad{j}': its prefill failed \(RuntimeError: an inj"):
+                got.pop(f"bad{j}").result(timeout=0)
+        assert got.keys() == ref.keys()
+        for k, fut in ref.items():
+            assert got[k].result(timeout=0).token_ids == fut.result(timeout=0).token_ids, k
+            assert got[k].result(timeout=0).logprobs == pytest.approx(fut.result(timeout=0).logprobs, abs=1e-5), k
+        assert static == (not engine.batcher.mergeable)
     finally:
         engine.shutdown()

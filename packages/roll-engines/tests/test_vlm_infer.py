@@ -8,6 +8,8 @@
   ids with another picture re-encode everything), including a next turn that adds a picture.
 - A request whose placeholders and picture features disagree is a ValueError naming it, raised to its caller while
   the running batch carries on; pictures sent to a text model are refused the same way.
+- A picture whose pixels the vision tower cannot take (found only at the prefill) fails its own request, naming it;
+  the requests prefilled with it and those decoding give the tokens they give without it.
 """
 
 from __future__ import annotations
@@ -211,6 +213,48 @@ def test_placeholder_feature_mismatch_is_an_error_for_that_request(engine: HFInf
     assert not engine.batcher.has_work()
     with pytest.raises(ValueError, match="one per prompt"):
         engine.generate([ids], GREEDY, mm=[mm, mm])
+
+
+def test_a_picture_the_tower_cannot_take_fails_only_its_request(engine: HFInferEngine, vp: VisionProcessor) -> None:
+    """Pixel rows that do not fit the vision tower (a picture processed for another patch size) pass the placeholder
+    check and fail in the prefill. Only that request fails, with an error naming it; the requests admitted with it
+    and the one already decoding give the tokens (and seeded samples) they give without it; the engine goes on."""
+    a = prompt(vp, "hi <image> ?", [picture((200, 10, 10))])
+    b = prompt(vp, "what <image> is it", [picture((10, 10, 200), seed=3)])
+    c = prompt(vp, "two: <image> and <image>", [picture((10, 200, 10), (30, 90), 6), picture((90, 90, 10), seed=4)])
+    d = (vp.tokenizer(vp.render([{"role": "user", "content": "only text here"}]))["input_ids"], None)
+    t = b[1].tensors
+    bad = MMInputs({**t, "pixel_values": t["pixel_values"][:, :-3]}, b[1].tokens_per_image, ["other"])
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=11)
+    long_run = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+
+    def run(with_bad: bool) -> dict[str, Any]:
+        with engine._lock:  # stepped by hand: the new requests are admitted together while "running" decodes
+            futs = {"running": engine._enqueue(Request("running", c[0], long_run, c[1]))}
+            for _ in range(3):
+                engine.batcher.step()
+            news = [("a", a, seeded), ("bad", (b[0], bad), GREEDY), ("b", b, GREEDY), ("d", d, seeded)]
+            for k, (ids, mm), params in news:
+                if with_bad or k != "bad":
+                    futs[k] = engine._enqueue(Request(k, list(ids), params, mm))
+            _drive(engine, list(futs.values()))
+        return futs
+
+    ref, got = run(with_bad=False), run(with_bad=True)
+    with pytest.raises(RuntimeError, match=r"request 'bad': its prefill failed \(RuntimeError: shape") as err:
+        got["bad"].result()
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert set(got) == {*ref, "bad"}
+    for k, fut in ref.items():
+        assert got[k].result().token_ids == fut.result().token_ids, k
+        assert got[k].result().logprobs == pytest.approx(fut.result().logprobs, abs=1e-4), k
+    assert len(got["running"].result().token_ids) == 16
+    # The batch API runs the others and then raises, naming the caller's prompt.
+    with pytest.raises(RuntimeError, match=r"prompt 1 \(row 2\): request 'batch-\d+': its prefill failed"):
+        engine.generate([a[0], b[0], d[0]], GREEDY, n=2, mm=[a[1], bad, None])
+    assert not engine.batcher.has_work()
+    out = engine.generate([b[0]], GREEDY, mm=[b[1]])  # and serves the next call
+    assert out.responses[0].tolist() == ref["b"].result().token_ids
 
 
 def test_a_text_model_refuses_pictures(vp: VisionProcessor) -> None:

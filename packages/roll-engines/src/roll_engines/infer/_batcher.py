@@ -5,7 +5,12 @@ Requests join and leave the running batch between decode steps:
   GRPO group share one prefill), samples each one's first token and merges its cache rows into the running
   cache, left-padding the shorter side with masked columns;
 - every decode step feeds each running row its last token at its own position id;
-- finished or aborted rows leave the batch, and columns no remaining row uses are trimmed.
+- finished or aborted rows leave the batch, and columns no remaining row uses are trimmed;
+- a prefill that raises is retried in halves (only then: a batch that succeeds runs once) down to the prompt(s)
+  that fail alone: their requests fail with a `PrefillError` naming them (the cause chained), the other new requests
+  are admitted as usual and the running rows never notice (a picture the vision tower cannot take failed every
+  request of the engine). A failure after the forwards (sampling, merging) still fails everything: the running
+  cache may be half merged.
 
 Rotary embeddings are applied before keys enter the cache, so masked padding columns change nothing: a row's
 result does not depend on which rows share its batch (up to float reassociation). Caches whose layers are not
@@ -136,6 +141,14 @@ class GrowingLayer(DynamicLayer):
         self._views()
 
 
+class PrefillError(RuntimeError):
+    """A request whose prompt's forward raised when run without the rest of its batch (the cause is chained)."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
 def plain_layers(cache: object) -> bool:
     return all(type(layer) is DynamicLayer for layer in cache.layers)
 
@@ -164,6 +177,10 @@ class Running:
     @property
     def prompt_len(self) -> int:
         return len(self.request.prompt_ids)
+
+
+#: One prefill forward's result: its requests, their cache rows and mask (one row each), their last logits.
+Prefilled = tuple[list[Running], object, Tensor, Tensor]
 
 
 class ContinuousBatcher:
@@ -305,32 +322,71 @@ class ContinuousBatcher:
         for seq in new:
             seq.kv_version = self.version()
         try:
-            self._prefill(new)
+            for seqs, cache, attn, logits in self._prefill(new):
+                if self.running and not self.mergeable:  # static batching: a retry's later parts wait their turn
+                    self.waiting.extendleft(reversed(seqs))
+                    continue
+                self._sample(seqs, logits)
+                self._merge(seqs, cache, attn)
         except BaseException as exc:  # the new requests are in neither queue yet: fail them here, never drop them
             for seq in new:
                 if not seq.future.done():
                     seq.future.set_exception(exc)
             raise
 
-    def _prefill(self, new: list[Running]) -> None:
+    def _prefill(self, new: list[Running]) -> list[Prefilled]:
+        """The forwards of the admitted requests' prompts (prefix-cache hits one by one, the rest together), each
+        part ready to sample and merge. A forward that raises fails only its own requests (`_fail_prefill`)."""
+        parts: list[Prefilled] = []
         if self.prefixes.entries and self.mergeable:
             misses = []
             for seq in new:
                 hit = self.prefixes.take(seq.request.prompt_ids, mm_key(seq.request))
                 if hit is None:
                     misses.append(seq)
-                else:
-                    self._prefill_from(seq, *hit)
+                    continue
+                try:
+                    parts.append(self._prefill_from(seq, *hit))
+                except Exception as exc:
+                    self._fail_prefill([seq], exc)
             new = misses
             if not new:
-                return
+                return parts
         # Equal prompts (the n samples of a group) are prefilled once; pictures are part of the prompt.
-        unique: dict[tuple[tuple[int, ...], tuple[str, ...]], int] = {}
-        firsts: list[Running] = []
+        groups: dict[tuple[tuple[int, ...], tuple[str, ...]], list[Running]] = {}
         for s in new:
-            if unique.setdefault((tuple(s.request.prompt_ids), mm_key(s.request)), len(unique)) == len(firsts):
-                firsts.append(s)
-        prompts = [x for x, _ in unique]
+            groups.setdefault((tuple(s.request.prompt_ids), mm_key(s.request)), []).append(s)
+        return parts + self._prefill_groups(list(groups.values()))
+
+    def _prefill_groups(self, groups: list[list[Running]]) -> list[Prefilled]:
+        """One forward over the prompts of `groups` (each: requests with one prompt). Only when it raises are the
+        groups split in halves and retried, down to the group(s) that fail alone: one bad prompt costs about
+        2*log2(len(groups)) extra forwards, and a batch that succeeds costs nothing more."""
+        try:
+            return [self._prefill_batch(groups)]
+        except Exception as exc:
+            if len(groups) == 1:
+                self._fail_prefill(groups[0], exc)
+                return []
+            log.warning(
+                "a prefill of %d prompts failed (%r): retrying it in halves to fail only its cause", len(groups), exc
+            )
+        half = len(groups) // 2
+        return self._prefill_groups(groups[:half]) + self._prefill_groups(groups[half:])
+
+    def _fail_prefill(self, seqs: list[Running], exc: Exception) -> None:
+        """Fail requests whose prompt's forward raised alone (its cause is theirs, not their batch's)."""
+        for seq in seqs:
+            rid = seq.request.request_id
+            log.warning("request %r failed at its prefill (%r); the rest of its batch goes on", rid, exc)
+            err = PrefillError(rid, f"request {rid!r}: its prefill failed ({type(exc).__name__}: {exc})")
+            err.__cause__ = exc
+            seq.future.set_exception(err)
+
+    def _prefill_batch(self, groups: list[list[Running]]) -> Prefilled:
+        """The forward of one left-padded batch of distinct prompts; each request gets its prompt's cache row."""
+        new = [s for g in groups for s in g]
+        prompts = [g[0].request.prompt_ids for g in groups]
         p = max(len(x) for x in prompts)
         ids = torch.full((len(prompts), p), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(prompts), p), dtype=torch.long)
@@ -343,7 +399,7 @@ class ContinuousBatcher:
         if plain_layers(cache):
             cache.layers = [GrowingLayer() for _ in cache.layers]
         if self.vision is not None:  # the prompts' pictures and explicit (3D for mrope) positions
-            extra, deltas = self.vision.prefill(ids, attn, [pictures(s.request) for s in firsts], self.device)
+            extra, deltas = self.vision.prefill(ids, attn, [pictures(g[0].request) for g in groups], self.device)
         else:
             extra, deltas = {"position_ids": (attn.cumsum(1) - 1).clamp_min(0).to(self.device)}, [0] * len(prompts)
         out = self.model(
@@ -354,21 +410,21 @@ class ContinuousBatcher:
             **extra,
             **{self.cache_arg: cache},  # filled in place
         )
-        keys = [unique[(tuple(s.request.prompt_ids), mm_key(s.request))] for s in new]
+        keys = [k for k, g in enumerate(groups) for _ in g]
         if self.routing is not None:
             self.routing.prefill(new, keys, attn)
         for s, k in zip(new, keys):
             s.rope_delta = deltas[k]
         rows = torch.tensor(keys, dtype=torch.long)
-        if len(prompts) != len(new) or not torch.equal(rows, torch.arange(len(new))):
+        if len(prompts) != len(new):
             cache.batch_select_indices(rows.to(self.device))
-        new_attn = attn[rows].to(self.device)
-        self._sample(new, out.logits[:, -1][rows.to(self.device)])
-        self._merge(new, cache, new_attn)
+        return new, cache, attn[rows].to(self.device), out.logits[:, -1][rows.to(self.device)]
 
-    def _prefill_from(self, seq: Running, cached: int, kv: list[tuple[Tensor, Tensor]], cached_pictures: int) -> None:
-        """Encode only the tokens after a reused prefix of `cached` tokens (holding the prompt's first
-        `cached_pictures` pictures), then join the running batch."""
+    def _prefill_from(
+        self, seq: Running, cached: int, kv: list[tuple[Tensor, Tensor]], cached_pictures: int
+    ) -> Prefilled:
+        """The forward of only the tokens after a reused prefix of `cached` tokens (holding the prompt's first
+        `cached_pictures` pictures)."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
@@ -390,8 +446,7 @@ class ContinuousBatcher:
             logits_to_keep=1,
             **{self.cache_arg: cache},
         )
-        self._sample([seq], out.logits[:, -1])
-        self._merge([seq], cache, attn)
+        return [seq], cache, attn, out.logits[:, -1]
 
     def _merge(self, new: list[Running], cache: object, attn: Tensor) -> None:
         growing = all(isinstance(layer, GrowingLayer) for layer in cache.layers)

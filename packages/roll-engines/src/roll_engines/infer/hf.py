@@ -13,7 +13,8 @@ of `model.generate`, so that:
 - requests join and leave the running batch between decode steps (the request API), and the n samples of a
   prompt share one prefill;
 - a prompt that is empty or holds an id outside the model's vocabulary is a ValueError to its caller, before it
-  joins any batch (its prefill failed every running request);
+  joins any batch (its prefill failed every running request); one whose prefill raises all the same (a picture the
+  vision tower cannot take) fails alone with a `PrefillError` naming it, its batch going on (_batcher);
 - structured outputs (`SamplingParams.structured`, roll_engines.structured): each constrained row's logits are
   masked to the tokens its JSON schema / regex allows before sampling (EOS only where the text is a complete
   match), so the reported log-probs are those of the constrained distribution the trainer replays;
@@ -71,7 +72,7 @@ from roll_engines._onednn_linear import (
     use_packed_bf16_linears,
 )
 from roll_engines.infer._adapters import refuse_adapters
-from roll_engines.infer._batcher import ContinuousBatcher, Running
+from roll_engines.infer._batcher import ContinuousBatcher, PrefillError, Running
 from roll_engines.infer._decode_attention import use_decode_attention
 from roll_engines.infer._fp8_emulation import FP8Emulation
 from roll_engines.infer._routing import RoutingRecorder
@@ -313,7 +314,8 @@ class HFInferEngine:
         With `params.seed` set, row i samples from the stream seeded by (seed, first_row + i): results do not
         depend on how requests were batched, nor on how a batch was split over engines. `mm`: one `MMInputs` (or
         None) per prompt, the pictures of a vision-language prompt (a prompt batch's `mm_inputs` field). Every
-        prompt is checked before any starts: a bad one raises ValueError naming it and nothing runs.
+        prompt is checked before any starts: a bad one raises ValueError naming it and nothing runs; one whose
+        prefill fails all the same raises PrefillError naming it once the others are done.
         """
         t0 = time.perf_counter()
         params = params or self.defaults
@@ -330,7 +332,11 @@ class HFInferEngine:
                 seqs.append(self._prepare(req))
         futures = [self._add(seq) for seq in seqs]
         self._drive(futures)
-        outputs = [f.result() for f in futures]
+        outputs = []
+        for i, f in enumerate(futures):
+            if isinstance(exc := f.exception(), PrefillError):  # name the caller's prompt, not an internal id
+                raise PrefillError(exc.request_id, f"{self.name} engine: prompt {i // n} (row {i}): {exc}") from exc
+            outputs.append(f.result())
         return GenerateOutput.from_requests(outputs, self.pad_id, time.perf_counter() - t0)
 
     def _drive(self, futures: list[Future]) -> None:
