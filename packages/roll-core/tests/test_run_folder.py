@@ -21,15 +21,7 @@ import yaml
 import roll_core.sweep as sweep
 from roll_core import cli
 from roll_core.run_lock import LOCK_NAME
-
-#: Another process holding the run-folder lock on argv[1] until killed (says HELD once it holds it).
-HOLDER = """
-import sys, time
-from roll_core.run_lock import hold_run_folder
-lock = hold_run_folder(sys.argv[1])
-print("HELD", flush=True)
-time.sleep(600)
-"""
+from roll_core.testing.held_folder import folder_held_elsewhere
 
 #: roll-train with Hydra's clock frozen (every launch in the same second) and a training run that stays in its folder
 #: for a while (so that runs started together overlap); its arguments are roll-train's.
@@ -111,17 +103,8 @@ def _tree(folder: Path) -> dict[str, bytes]:
 @pytest.fixture
 def held(tmp_path: Path) -> Iterator[Path]:
     """A folder another live process holds the run-folder lock on, with what its run has written so far."""
-    folder = tmp_path / "run"
-    (folder / ".hydra").mkdir(parents=True)
-    (folder / ".hydra" / "config.yaml").write_text("algo: {lr: 1.0e-06}  # the running run's\n")
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "HELD"
+    with folder_held_elsewhere(tmp_path / "run") as folder:
         yield folder
-    finally:
-        proc.kill()
-        proc.wait()
-        proc.stdout.close()
 
 
 @pytest.mark.parametrize("key", ["hydra.run.dir", "pipeline.output_dir"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import logging
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,15 +16,7 @@ import pytest
 import roll_core.sweep as sweep
 from roll_core import cli
 from roll_core.run_lock import hold_run_folder
-
-#: Another process holding the run-folder lock on argv[1] until killed (says HELD once it holds it).
-HOLDER = """
-import sys, time
-from roll_core.run_lock import hold_run_folder
-lock = hold_run_folder(sys.argv[1])
-print("HELD", flush=True)
-time.sleep(600)
-"""
+from roll_core.testing.held_folder import folder_held_elsewhere
 
 
 @pytest.fixture(autouse=True)
@@ -56,16 +47,8 @@ def _train(monkeypatch: pytest.MonkeyPatch, run: Any, *args: str) -> int:
 @pytest.fixture
 def held(tmp_path: Path) -> Iterator[Path]:
     """A folder another live process holds the run-folder lock on, with what its run has written so far."""
-    folder = tmp_path / "run"
-    (folder / ".hydra").mkdir(parents=True)
-    (folder / ".hydra" / "config.yaml").write_text("algo: {lr: 1.0e-06}  # the running run's\n")
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "HELD"
+    with folder_held_elsewhere(tmp_path / "run") as folder:
         yield folder
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def _tree(folder: Path) -> dict[str, bytes]:
