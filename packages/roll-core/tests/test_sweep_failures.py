@@ -148,6 +148,21 @@ def _stop_in_build(signum: int) -> None:
     raise AssertionError("no StoppedWhileBuilding")
 
 
+@pytest.fixture
+def default_sigterm() -> Iterator[None]:
+    """SIGTERM at its default, as in a fresh roll-train process: an earlier test in this process may have left its own
+    handler (ray.init installs one; under pytest-xdist it stayed), and these tests check that a sweep gives back the
+    handler it found."""
+    import signal
+
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@pytest.mark.usefixtures("default_sigterm")
 def test_a_sweep_stopped_while_a_job_is_built_is_summarised_and_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -189,6 +204,7 @@ def test_a_sweep_stopped_while_a_job_is_built_is_summarised_and_resumes(
 
 # optuna 2.10 imports SQLAlchemy's declarative_base from its 1.x place: a deprecation warning, an error under pytest
 @pytest.mark.filterwarnings("ignore:.*declarative_base:DeprecationWarning")
+@pytest.mark.usefixtures("default_sigterm")
 @pytest.mark.parametrize("where", ["in a trial", "between trials"])
 def test_a_stopped_optuna_sweep_is_summarised_and_exits_128_plus_n(
     where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
