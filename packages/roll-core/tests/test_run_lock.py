@@ -35,10 +35,13 @@ except ConfigError as e:
     sys.exit(3)
 child = 0
 if len(sys.argv) > 3:
+    r, w = os.pipe()
     child = os.fork()
     if child == 0:
+        os.write(w, b"x")  # the at-fork handlers ran (before fork() returned here)
         time.sleep(60)
         os._exit(0)
+    os.read(r, 1)  # else a loaded machine let the driver die before its child had run them
 print("HELD", os.getpid(), child, flush=True)
 time.sleep(float(sys.argv[2]))
 """
