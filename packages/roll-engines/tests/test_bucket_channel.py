@@ -95,6 +95,21 @@ def test_a_receiver_that_dies_fails_the_sync_instead_of_hanging() -> None:
     assert proc.exitcode == 3
 
 
+def test_a_sync_ended_before_its_receivers_connected_leaves_no_accepting_thread() -> None:
+    """A sync that fails before every receiver connected (a worker failed first): its accepting thread stayed
+    blocked in accept() (closing the socket does not wake it on Linux), one thread per such sync."""
+
+    def accepting() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "roll-bucket-accept"]
+
+    before = set(accepting())
+    sender = BucketSender(2, "cpu", None, timeout_s=5)
+    (mine,) = set(accepting()) - before
+    sender.close(ok=False)
+    mine.join(timeout=5)
+    assert not mine.is_alive()
+
+
 def test_an_aborted_sync_raises_in_the_receiver() -> None:
     """`close(ok=False)` after some buckets: the receiver's stream raises SyncAborted (vLLM's worker then undoes
     what it loaded), where it used to break with a bare EOFError, as if the sender had died."""

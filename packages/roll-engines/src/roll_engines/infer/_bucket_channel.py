@@ -26,6 +26,7 @@ the adapter's process.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import tempfile
 import threading
@@ -230,6 +231,15 @@ class BucketSender:
         finally:
             for conn in conns:
                 conn.close()
+            # A receiver that never connected (its worker failed first) leaves the accepting thread in accept(), and
+            # on Linux closing the socket from this thread does not wake it: one thread per such sync lived on. A
+            # shutdown does (accept raises EINVAL).
+            sock = getattr(getattr(self._listener, "_listener", None), "_socket", None)
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
             self._listener.close()
             self._release()
             if self.device.type == "cuda":
