@@ -79,19 +79,12 @@ def test_a_checkpoint_that_cannot_be_written_stops_roll_train_with_one_message(
     def full(cfg: object) -> None:
         raise CheckpointError("step 4: the checkpoint could not be written (No space left on device); ...")
 
-    import logging
+    from roll_core.testing.sweeps import root_logging_restored
 
     monkeypatch.setattr(cli, "run_job", full)
     monkeypatch.setattr(sys, "argv", ["roll-train", f"pipeline.output_dir={tmp_path / 'run'}"])
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        with pytest.raises(SystemExit) as exit_:
-            cli.train_main()
-    finally:  # Hydra's job logging added root handlers on this test's captured streams: later tests' logs hit them
-        for handler in [h for h in root.handlers if h not in handlers]:
-            root.removeHandler(handler)
-        root.setLevel(level)
+    with root_logging_restored(), pytest.raises(SystemExit) as exit_:  # Hydra's job logging adds root handlers
+        cli.train_main()
     err = capsys.readouterr().err
     assert exit_.value.code == 1 and "Traceback" not in err
     assert "roll-train: run stopped: step 4: the checkpoint could not be written (No space left on device)" in err

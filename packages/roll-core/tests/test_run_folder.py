@@ -7,7 +7,6 @@ with the training run faked and Hydra's clock frozen where the test needs two la
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,10 +17,10 @@ import hydra.core.utils
 import pytest
 import yaml
 
-import roll_core.sweep as sweep
 from roll_core import cli
 from roll_core.run_lock import LOCK_NAME
 from roll_core.testing.held_folder import folder_held_elsewhere
+from roll_core.testing.sweeps import reset_sweep_state, root_logging_restored
 
 #: roll-train with Hydra's clock frozen (every launch in the same second) and a training run that stays in its folder
 #: for a while (so that runs started together overlap); its arguments are roll-train's.
@@ -56,16 +55,10 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
     # Hydra's default folders are relative to the working folder; a preset's conf folder is the user's (ROLL_CONF_DIR)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ROLL_CONF_DIR", str(tmp_path / "conf"))
-    for name, empty in (("_failed_jobs", []), ("_sweeps", {}), ("_stopped", {}), ("_unfinished", set())):
-        monkeypatch.setattr(sweep, name, empty, raising=False)  # the sweeps and failures are per process
+    reset_sweep_state(monkeypatch)  # the sweeps and failures are per process
     (tmp_path / "conf" / "experiment").mkdir(parents=True)
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    # Hydra's job logging added root handlers on this test's captured streams: later tests' logs would hit them
-    for handler in [h for h in root.handlers if h not in handlers]:
-        root.removeHandler(handler)
-    root.setLevel(level)
+    with root_logging_restored():
+        yield
 
 
 def _preset(tmp_path: Path, body: str) -> str:

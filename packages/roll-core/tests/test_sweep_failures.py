@@ -5,7 +5,6 @@ launched into a folder another process is using is refused before Hydra writes a
 from __future__ import annotations
 
 import csv
-import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,22 +16,14 @@ import roll_core.sweep as sweep
 from roll_core import cli
 from roll_core.run_lock import hold_run_folder
 from roll_core.testing.held_folder import folder_held_elsewhere
+from roll_core.testing.sweeps import reset_sweep_state, root_logging_restored
 
 
 @pytest.fixture(autouse=True)
 def _fresh_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    # the sweeps and failures are per process: every test starts from none
-    monkeypatch.setattr(sweep, "_failed_jobs", [])
-    monkeypatch.setattr(sweep, "_sweeps", {})
-    monkeypatch.setattr(sweep, "_stopped", {})
-    monkeypatch.setattr(sweep, "_unfinished", set(), raising=False)
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    # Hydra's job logging added root handlers on this test's captured streams: later tests' logs would hit them
-    for handler in [h for h in root.handlers if h not in handlers]:
-        root.removeHandler(handler)
-    root.setLevel(level)
+    reset_sweep_state(monkeypatch)  # the sweeps and failures are per process: every test starts from none
+    with root_logging_restored():
+        yield
 
 
 def _train(monkeypatch: pytest.MonkeyPatch, run: Any, *args: str) -> int:

@@ -1,13 +1,16 @@
 """Sweeps (roll_core.sweep) for tests, with no training and no Hydra process: the job wrapper `run_sweep_job` run
 as Hydra runs it in one job of a multirun (`run_job`, HydraConfig faked), the config Hydra hands
-`SweepSummaryCallback` (`multirun_config`), the summary.csv a sweep leaves (`summary_rows`), and a clean slate of
-the per-process sweep state for each test (`reset_sweep_state`). Neither pytest nor Ray is imported.
+`SweepSummaryCallback` (`multirun_config`), the summary.csv a sweep leaves (`summary_rows`), a clean slate of
+the per-process sweep state for each test (`reset_sweep_state`), and the root logger put back after a test that ran
+roll-train in-process (`root_logging_restored`). Neither pytest nor Ray is imported.
 """
 
 from __future__ import annotations
 
 import csv
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -16,7 +19,21 @@ from omegaconf import OmegaConf
 
 import roll_core.sweep as sweep
 
-__all__ = ["multirun_config", "reset_sweep_state", "run_job", "summary_rows"]
+__all__ = ["multirun_config", "reset_sweep_state", "root_logging_restored", "run_job", "summary_rows"]
+
+
+@contextmanager
+def root_logging_restored() -> Iterator[None]:
+    """The root logger's handlers and level as they were before the block: Hydra's job logging adds root handlers
+    on a test's captured streams, and later tests' logs would hit them."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+        root.setLevel(level)
 
 
 def reset_sweep_state(monkeypatch: Any) -> None:
