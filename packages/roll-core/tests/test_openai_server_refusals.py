@@ -33,7 +33,7 @@ from roll_core.agentic.trajectory import to_tensors
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.models import build_tiny_tokenizer
 from roll_core.pipelines.metrics import StepLog
-from roll_core.testing.agent_endpoint import gives_up_on_refusal, serve
+from roll_core.testing.agent_endpoint import gives_up_on_refusal, quick_idle_backoff, serve
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)
 LIMITS = SessionLimits(max_turns=4, max_tokens_per_turn=16, max_context_length=1024)
@@ -121,11 +121,7 @@ def _collector(sessions: AgentSessions, server: OpenAIServer, run_episode: Any) 
 
 @pytest.fixture
 def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Waits of a millisecond between a refused turn's tries, for tests that are not about the waits."""
-    from roll_core import idle_aborts
-
-    monkeypatch.setattr(idle_aborts, "IDLE_BACKOFF_S", 0.001)
-    monkeypatch.setattr(idle_aborts, "IDLE_BACKOFF_MAX_S", 0.001)
+    quick_idle_backoff(monkeypatch)
 
 
 @pytest.mark.usefixtures("quick_backoff")

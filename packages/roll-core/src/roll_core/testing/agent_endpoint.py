@@ -25,7 +25,7 @@ from roll_core.agentic.chat import TurnTemplate
 from roll_core.agentic.openai_server import HermesToolParser, OpenAIServer
 from roll_core.interfaces import Request, RequestOutput, SamplingParams, UnsupportedSamplingError
 
-__all__ = ["ScriptedTextEngine", "gives_up_on_refusal", "openai_client", "post_json", "serve"]
+__all__ = ["ScriptedTextEngine", "gives_up_on_refusal", "openai_client", "post_json", "quick_idle_backoff", "serve"]
 
 
 def serve(infer: Any, tokenizer: Any, **kwargs: Any) -> tuple[AgentSessions, OpenAIServer]:
@@ -65,6 +65,15 @@ class ScriptedTextEngine:
         """Refuse structured outputs (response_format), accept the rest."""
         if params.structured is not None:
             raise UnsupportedSamplingError("scripted: no structured outputs")
+
+
+def quick_idle_backoff(monkeypatch: Any) -> None:
+    """Waits of a millisecond between a refused turn's tries (roll_core.idle_aborts), for tests that are not about the
+    waits; `monkeypatch`: pytest's, which puts them back after the test."""
+    from roll_core import idle_aborts
+
+    monkeypatch.setattr(idle_aborts, "IDLE_BACKOFF_S", 0.001)
+    monkeypatch.setattr(idle_aborts, "IDLE_BACKOFF_MAX_S", 0.001)
 
 
 def gives_up_on_refusal(seen: list[Any]) -> Callable[[str, str, Any], float]:
