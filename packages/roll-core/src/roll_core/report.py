@@ -4,7 +4,9 @@ A training run's report (`write_run_report`, called by the loop when a run ends:
 failed with an exception) holds: the status; a config summary (experiment, model, pipeline, algorithm and its key
 hyper-parameters, engines, placement, batch and step counts, evaluation settings, seed); `curves.png` embedded when
 the run drew it; the first, last and best value of the headline metrics read back from the run's `metrics.jsonl`
-(training reward and accuracy, held-out accuracy per evaluation, losses of SFT / DPO / distillation), wall time;
+(training reward and accuracy, held-out accuracy per evaluation, losses of SFT / DPO / distillation), each as
+`mean ± standard error` where its record logged one (`<key>_stderr`: the episode collectors' held-out
+eval/success_rate and eval/accuracy, over the held-out episodes), wall time;
 the checkpoints on disk; and the exact commands to resume the run and to evaluate its checkpoints. The commands
 repeat the launch's overrides when they are known (Hydra's `.hydra/overrides.yaml` in the run folder, or the
 running Hydra job's); otherwise they say so. Writing a report never raises into the run: a failure is one warning.
@@ -91,18 +93,38 @@ def read_history_counted(path: Path) -> tuple[list[dict[str, Any]], int, int]:
 
 def headline(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """For each HEADLINE metric the history holds (plus each `eval/<domain>/accuracy`): its first, last and best
-    value with their steps."""
+    value with their steps (`first`, `last`, `best`: (step, value)), and in `stderr` the standard error the same
+    record logged with each of them (`<key>_stderr`, e.g. an episode collector's eval/success_rate_stderr; None
+    where it logged none)."""
     keys = [(k, what, up) for k, what, up in HEADLINE]
     domains = sorted({k for h in history for k in h if k.startswith("eval/") and k.endswith("/accuracy")})
     keys += [(k, f"held-out accuracy, {k.split('/')[1]}", True) for k in domains if k.count("/") == 2]
     rows = []
     for key, what, up in keys:
-        pts = [(h["step"], h[key]) for h in history if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])]
-        if not pts:
+        recs = [h for h in history if _finite(h.get(key))]
+        if not recs:
             continue
-        best = max(pts, key=lambda p: p[1]) if up else min(pts, key=lambda p: p[1])
-        rows.append({"key": key, "what": what, "first": pts[0], "last": pts[-1], "best": best, "count": len(pts)})
+        pts = [(h["step"], h[key]) for h in recs]
+        errs = [h.get(f"{key}_stderr") if _finite(h.get(f"{key}_stderr")) else None for h in recs]
+        order = range(len(pts))
+        best = max(order, key=lambda i: pts[i][1]) if up else min(order, key=lambda i: pts[i][1])
+        rows.append(
+            {
+                "key": key,
+                "what": what,
+                "first": pts[0],
+                "last": pts[-1],
+                "best": pts[best],
+                "count": len(pts),
+                "stderr": {"first": errs[0], "last": errs[-1], "best": errs[best]},
+            }
+        )
     return rows
+
+
+def _finite(v: Any) -> bool:
+    """A metric value that is a finite number (not None, NaN or a string)."""
+    return isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def launch_overrides(out: Path) -> list[str] | None:
@@ -159,6 +181,12 @@ def _value(v: Any) -> str:
         return str(v)
     # 4 decimals hid a small KL or loss: 4e-05 read "0.0000", first, last and best alike
     return f"{v:.3e}" if 0 < abs(v) < 1e-3 else f"{v:.4f}"
+
+
+def _headline_cell(point: tuple[int, Any], stderr: float | None) -> str:
+    """`value (step)`, or `value ± standard error (step)` when the record logged one (as roll-eval's tables)."""
+    step, value = point
+    return f"{_value(value)} ({step})" if stderr is None else f"{_value(value)} ± {_value(stderr)} ({step})"
 
 
 def _duration(seconds: float | None) -> str:
@@ -229,7 +257,7 @@ def write_run_report(
         if rows:
             lines += ["| metric | first (step) | last (step) | best (step) | points |", "|---|---|---|---|---|"]
             for r in rows:
-                cells = [f"{_value(r[c][1])} ({r[c][0]})" for c in ("first", "last", "best")]
+                cells = [_headline_cell(r[c], r["stderr"][c]) for c in ("first", "last", "best")]
                 lines.append(f"| {r['what']} (`{r['key']}`) | " + " | ".join(cells) + f" | {r['count']} |")
         else:
             lines.append("No metrics were logged.")

@@ -65,6 +65,15 @@ Contract:
   still running then generate until their abort, booked when their results arrive (`on_result` ignores them
   otherwise). Observation tokens are not counted (not generated), nor tokens of groups the caller `discard`s
   (`discarded_groups`: trained-on-or-not is the caller's choice, not staleness).
+- Requests of dropped groups (`_drop`: stale at `take` or `finish_update`) are aborted by the caller; until their
+  results arrive their ids are kept so that `on_result` books what they generated (above) and then forgets them. A
+  result may never arrive (the engine running it restarted, its worker died, its abort was lost): the caller says
+  so with `lost(request_ids)`, which forgets them (a live request's sample resumes as after an abort, its prefix
+  kept), counted in `lost_requests`. As a backstop against a caller that cannot tell, an id still waiting
+  `dropped_ttl` versions after its drop is forgotten at `finish_update` (counted in `pruned_requests`, warned):
+  an abort's result arrives within moments, so by then none will; one arriving later is ignored like a discarded
+  group's (its tokens missing from `stale_tokens`). So the ids kept never exceed `dropped_ttl` versions' worth of
+  drops (each version drops at most the samples in flight), however long the run.
 - Tail groups (order "ready" only): while groups of an earlier version run and fewer than B are complete,
   `tail_groups` more may start.
 - Partial rollout: `begin_update` names every running request; the driver aborts them, reports what they
@@ -80,11 +89,16 @@ Contract:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 ORDERS = ("start", "deadline", "ready")
+#: Versions a dropped group's request may wait for its result before its id is forgotten (module docstring).
+DROPPED_TTL = 4
 
 
 @dataclass
@@ -171,6 +185,7 @@ class RolloutScheduler:
         tail_groups: extra groups that stand in for slow ones (order "ready" only).
         partial_rollout: abort running requests at `begin_update` and resume them under the new weights.
         order: "start" (default; "ready" when tail_groups > 0), "deadline" or "ready": see the module docstring.
+        dropped_ttl: versions after which the id of a dropped group's request whose result never came is forgotten.
     """
 
     def __init__(
@@ -183,9 +198,12 @@ class RolloutScheduler:
         tail_groups: int = 0,
         partial_rollout: bool = False,
         order: str | None = None,
+        dropped_ttl: int = DROPPED_TTL,
     ) -> None:
         if batch_groups < 1 or group_size < 1 or max_new_tokens < 1:
             raise ValueError("batch_groups, group_size and max_new_tokens must be >= 1")
+        if dropped_ttl < 1:
+            raise ValueError(f"dropped_ttl={dropped_ttl} must be >= 1 (versions an aborted request may take to return)")
         if async_ratio < 0 or tail_groups < 0:
             raise ValueError(f"async_ratio={async_ratio} and tail_groups={tail_groups} must be >= 0")
         order = order if order is not None else ("ready" if tail_groups else "start")
@@ -198,6 +216,7 @@ class RolloutScheduler:
             )
         self.batch_groups, self.group_size, self.max_new = batch_groups, group_size, max_new_tokens
         self.k, self.tail_groups, self.partial, self.order = async_ratio, tail_groups, partial_rollout, order
+        self.dropped_ttl = dropped_ttl
         self.version = 0
         self.groups: dict[int, GroupState] = {}  # started, not yet taken or discarded (start order)
         self.by_request: dict[str, SampleState] = {}
@@ -207,14 +226,17 @@ class RolloutScheduler:
         self._taken: set[int] = set()  # groups taken at this version and not discarded: the batch being trained
         self._complete = 0  # groups in `groups` that are done (O(1) capacity checks on every driver poll)
         self._pending: dict[tuple[int, int], SampleState] = {}  # samples needing a request, in start order
-        # Requests of dropped groups whose results have not arrived: what they generated is booked in stale_tokens.
-        self._dropped_requests: set[str] = set()
+        # Requests of dropped groups whose results have not arrived (what they generated is booked in stale_tokens)
+        # -> the version they were dropped at; in drop order (versions never decrease): pruned from the front.
+        self._dropped_requests: dict[str, int] = {}
         self.counters = {
             "stale_groups": 0,
             "stale_tokens": 0,  # generated tokens of groups dropped as stale, also in flight (module docstring)
             "resumed_requests": 0,
             "discarded_groups": 0,
             "started_groups": 0,
+            "lost_requests": 0,  # requests the caller reported lost (`lost`): no result will come
+            "pruned_requests": 0,  # dropped groups' requests forgotten after dropped_ttl versions without a result
         }
 
     # ---- starting -----------------------------------------------------------------------------------------
@@ -274,8 +296,7 @@ class RolloutScheduler:
         ignored (None)."""
         s = self.by_request.pop(request_id, None)
         if s is None or s.group.gid not in self.groups:
-            if request_id in self._dropped_requests:  # generated for a stale group: thrown away, but counted
-                self._dropped_requests.discard(request_id)
+            if self._dropped_requests.pop(request_id, None) is not None:  # a stale group's: thrown away, counted
                 self.counters["stale_tokens"] += len(tokens)
             return None
         if len(tokens) != len(logprobs):
@@ -293,6 +314,21 @@ class RolloutScheduler:
             s.awaiting_env = True
             return None
         return self._finish(s, "length" if finish == "abort" or (used_up and not final) else finish)
+
+    def lost(self, request_ids: Iterable[str]) -> int:
+        """Requests that will bring no result (the engine running them restarted, its worker died, an abort was
+        acknowledged without an output): a dropped group's is forgotten; a live one's sample resumes as after an
+        abort with no new token (its prefix kept, a new request continues it). Unknown ids (results already
+        recorded) are ignored. Returns how many were known (counted in `lost_requests`)."""
+        known = 0
+        for rid in request_ids:
+            if self._dropped_requests.pop(rid, None) is not None:
+                known += 1
+            elif rid in self.by_request:
+                known += 1
+                self.on_result(rid, [], [], "abort")  # the resume path: pending again, nothing generated
+        self.counters["lost_requests"] += known
+        return known
 
     def observe(self, sample: SampleState, tokens: list[int], *, done: bool) -> GroupState | None:
         """The environment's answer to an episode's turn: append `tokens` (an observation, masked out of training)
@@ -423,7 +459,7 @@ class RolloutScheduler:
         running = [s.request_id for s in g.samples if s.request_id is not None]
         for rid in running:
             self.by_request.pop(rid, None)
-            self._dropped_requests.add(rid)  # type: ignore[arg-type]
+            self._dropped_requests[rid] = self.version  # type: ignore[index]
         return running  # type: ignore[return-value]
 
     def running_requests(self) -> list[str]:
@@ -441,13 +477,38 @@ class RolloutScheduler:
         self._short += max(0, self.batch_groups - len(self._taken))
         self._taken = set()
         self.version += 1
+        self._prune_dropped()
         doomed: list[str] = []
         for g in list(self.groups.values()):
             if not g.done and self._stale(g):
                 doomed += self._drop(g)
         return doomed
 
+    def _prune_dropped(self) -> None:
+        """Forget the dropped groups' requests still without a result `dropped_ttl` versions after their drop
+        (module docstring: a backstop; counted in `pruned_requests`)."""
+        cutoff = self.version - self.dropped_ttl
+        pruned = 0
+        while self._dropped_requests:
+            rid, dropped_at = next(iter(self._dropped_requests.items()))
+            if dropped_at > cutoff:
+                break
+            del self._dropped_requests[rid]
+            pruned += 1
+        if pruned:
+            self.counters["pruned_requests"] += pruned
+            log.warning(
+                "rollout scheduler: %d aborted request(s) of stale groups never returned a result within %d "
+                "version(s); forgotten (an engine restart or a lost worker?)",
+                pruned,
+                self.dropped_ttl,
+            )
+
     # ---- observability ------------------------------------------------------------------------------------
+    def dropped_requests(self) -> int:
+        """Requests of dropped groups whose results have not arrived (nor been reported lost or pruned)."""
+        return len(self._dropped_requests)
+
     def in_flight(self) -> int:
         return len(self.groups) - self._complete
 

@@ -31,7 +31,9 @@ Metrics (reward and episode ones over the episodes with an outcome, i.e. not abo
 (reward >= env.success_reward), turns, generated tokens, tool calls, failures by kind, history rewrites and the
 turns they dropped, invalid tool-call blocks, turns resumed after the engine's own aborts, why episodes ended (a
 timed-out episode is episode/end_env_timeout, its aborted request in flight notwithstanding). Evaluation: one
-episode per held-out row (greedy unless pipeline.eval_temperature says otherwise).
+episode per held-out row (greedy unless pipeline.eval_temperature says otherwise); eval/success_rate (= eval/accuracy)
+comes with its standard error over the eval/n episodes with an outcome (eval/success_rate_stderr,
+eval/accuracy_stderr: roll_core.eval_metrics.rate_stderr, as roll-eval reports it; None for fewer than two).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from typing import Any, Protocol, runtime_checkable
 from roll_core.agentic.agent_sessions import AgentSession, AgentSessions, SessionLimits
 from roll_core.agentic.trajectory import Trajectory, to_tensors
 from roll_core.errors import ConfigError
+from roll_core.eval_metrics import rate_stderr
 from roll_core.interfaces import SamplingParams
 from roll_core.pipelines.collectors import Collected, Collector, CollectorContext
 from roll_core.pipelines.metrics import StepLog
@@ -206,8 +209,10 @@ class AgentCollector:
     def finish_sync(self, version: int) -> None:
         return None
 
-    def evaluate(self, step: int) -> dict[str, float]:
-        """One episode per held-out row at the eval temperature (0: greedy)."""
+    def evaluate(self, step: int) -> dict[str, float | None]:
+        """One episode per held-out row at the eval temperature (0: greedy); the success rate (also as eval/accuracy)
+        with its standard error over the `eval/n` episodes with an outcome (`<rate>_stderr`,
+        roll_core.eval_metrics.rate_stderr; None for fewer than two)."""
         t0 = time.perf_counter()
         rows = self.task.eval_rows()
         t = self.cfg.pipeline.eval_temperature
@@ -216,14 +221,18 @@ class AgentCollector:
             seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL),
         )
         m = agent_metrics(self.run([(row, i) for i, row in enumerate(rows)], params))
+        n = len(rows) - int(m["agent/aborted_episodes"])  # the episodes with an outcome: the rates are over them
+        stderr = rate_stderr(m["episode/success_rate"], n)  # as roll-eval's (roll_core.evaluate.episode_result)
         return {
             "eval/accuracy": m["episode/success_rate"],  # the summary and sweeps read it
+            "eval/accuracy_stderr": stderr,
             "eval/success_rate": m["episode/success_rate"],
+            "eval/success_rate_stderr": stderr,
             "eval/reward": m["reward/mean"],
             "eval/mean_turns": m["episode/turns_mean"],
             "eval/failed_episodes": m["agent/failed_episodes"],
             "eval/aborted_episodes": m["agent/aborted_episodes"],
-            "eval/n": float(len(rows)) - m["agent/aborted_episodes"],  # the episodes the rates are over
+            "eval/n": float(n),
             "eval/seconds": time.perf_counter() - t0,
         }
 

@@ -23,7 +23,9 @@ Structured outputs (`infer_engine.structured`) are refused for training (roll-ev
 replay a per-turn constraint over a trajectory (see `refuse_turn_constraints`).
 
 Metrics: success rate, mean turns, invalid-action rate, environment errors and timeouts, why episodes ended.
-Evaluation: one episode per held-out seed (greedy unless pipeline.eval_temperature says otherwise).
+Evaluation: one episode per held-out seed (greedy unless pipeline.eval_temperature says otherwise); eval/success_rate
+(= eval/accuracy) comes with its standard error over the eval/n episodes with an outcome (eval/success_rate_stderr,
+eval/accuracy_stderr: roll_core.eval_metrics.rate_stderr, as roll-eval reports it; None for fewer than two).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from roll_core.agentic.rollout import AgenticRollout, TurnGate, task_turns
 from roll_core.agentic.trajectory import Trajectory, to_tensors
 from roll_core.config.build import as_dict
 from roll_core.errors import ConfigError
+from roll_core.eval_metrics import rate_stderr
 from roll_core.interfaces.tasks import AgenticTask
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.metrics import StepLog
@@ -159,8 +162,10 @@ class EpisodeCollector:
     def finish_sync(self, version: int) -> None:
         return None
 
-    def evaluate(self, step: int) -> dict[str, float]:
-        """One episode per held-out seed at the eval temperature (0: greedy)."""
+    def evaluate(self, step: int) -> dict[str, float | None]:
+        """One episode per held-out seed at the eval temperature (0: greedy); the success rate (also as
+        eval/accuracy) with its standard error over the `eval/n` episodes with an outcome (`<rate>_stderr`,
+        roll_core.eval_metrics.rate_stderr; None for fewer than two)."""
         t0 = time.perf_counter()
         t = self.cfg.pipeline.eval_temperature
         params = self.sampling.replace(
@@ -174,14 +179,18 @@ class EpisodeCollector:
         # the held-out episodes' environment failures are eval's (eval/env_*), not the next training step's
         self._counters = {k: self._counters.get(k, 0) + after[k] - before.get(k, 0) for k in after}
         m = episode_metrics(trajs, before, after)
+        n = sum(not t.untrained for t in trajs)  # the episodes with an outcome: the rates are over them
+        stderr = rate_stderr(m["reward/accuracy"], n)  # as roll-eval's (roll_core.evaluate.episode_result)
         return {
             "eval/accuracy": m["reward/accuracy"],  # = success rate (the summary and sweeps read it)
+            "eval/accuracy_stderr": stderr,
             "eval/success_rate": m["reward/accuracy"],
+            "eval/success_rate_stderr": stderr,
             "eval/reward": m["reward/mean"],
             "eval/mean_turns": m["episode/turns_mean"],
             "eval/invalid_action_rate": m["episode/invalid_action_rate"],
             "eval/tool_calls_mean": m["episode/tool_calls_mean"],
-            "eval/n": float(sum(not t.untrained for t in trajs)),  # the episodes the rates are over
+            "eval/n": float(n),
             **{f"eval/end_{k.removeprefix('episode/end_')}": v for k, v in m.items() if k.startswith("episode/end_")},
             **{f"eval/{k.removeprefix('env/')}": v for k, v in m.items() if k.startswith("env/")},
             "eval/seconds": time.perf_counter() - t0,
