@@ -1,15 +1,15 @@
 """Worker groups over two backends with one code path: `local` (in-process) and `ray` (actors).
 
-`WorkerGroup(cls, world_size, backend, **kwargs)` creates `world_size` instances of a worker class and runs
-calls according to each method's declared dispatch mode (see roll_core.cluster.worker). A call names the worker
-method itself, never its name as a string: `group.call(TrainWorker.compute_values, batch)`, so a type checker sees
-the method and checks its arguments (`Method`: a worker method with the worker's type first). `submit()` returns
-a `Handle` to wait on, so the controller can overlap work; `call()` waits. A call reaches every rank it names on
-both backends, whatever another rank raises (an engine's `abort_weight_update` is not skipped because another
-engine's failed; the local backend stopped at the first rank that raised); its caller gets a failing rank's own
-error (its type kept: Ray's is an instance of it; local: the lowest rank's), noted with the failing rank(s). The
-`local` backend executes at submit time in this process (so `breakpoint()` in a worker just works); the `ray`
-backend places actors by the resources and placement groups the caller gives. Arguments and results travel by
+`WorkerGroup(cls, world_size, backend, **kwargs)` creates `world_size` instances of a worker class and runs calls
+according to each method's declared dispatch mode (see roll_core.cluster.worker). A call names the worker method
+itself, never its name as a string: `group.call(TrainWorker.compute_values, batch)`, so a type checker sees the
+method and checks its arguments (`Method`: a worker method with the worker's type first). `submit()` returns a
+`Handle` (roll_core.cluster.handle) to wait on, so the controller can overlap work; `call()` waits. A call reaches
+every rank it names on both backends, whatever another rank raises (an engine's `abort_weight_update` is not skipped
+because another engine's failed; the local backend stopped at the first rank that raised); its caller gets a failing
+rank's own error (its type kept: Ray's is an instance of it; local: the lowest rank's), noted with the failing
+rank(s). The `local` backend executes at submit time in this process (so `breakpoint()` in a worker just works); the
+`ray` backend places actors by the resources and placement groups the caller gives. Arguments and results travel by
 value on both (the local backend copies tensors, Batches and the containers holding them:
 roll_core.cluster.worker.by_value).
 
@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
+from roll_core.cluster.handle import Handle
 from roll_core.cluster.mesh import Mesh
 from roll_core.cluster.ports import free_port, reserve_port  # noqa: F401  (re-exported: old imports work)
 from roll_core.cluster.worker import Dispatch, Worker, by_value, dispatch_mode, retryable
@@ -90,61 +91,6 @@ class WorkerRestartedError(WorkerDiedError):
 
 class CallTimeoutError(TimeoutError):
     """A call did not finish within the role's call timeout; the message names role, method, ranks and timeout."""
-
-
-class Handle(Generic[R]):
-    """A pending group call of a method returning `R` on each rank; `values()` waits for the per-rank results,
-    `result()` waits and assembles them per the dispatch mode."""
-
-    def __init__(
-        self,
-        parts: list[Any],
-        mode: Dispatch,
-        resolve: Callable[[list[Any]], list[Any]],
-        keep: list[int] | None = None,
-        remote: bool = False,
-    ) -> None:
-        self._parts, self._mode, self._resolve, self._remote = parts, mode, resolve, remote
-        self._keep = keep  # DP calls on a mesh: the parts that carry results (one per replica, in DP order)
-        # The outcome of the first wait, kept: waiting again must not rerun parts that a restart already reran.
-        self._outcome: tuple[bool, Any] | None = None
-
-    @property
-    def refs(self) -> list[Any]:
-        """Raw per-rank results or Ray object refs (to pass results on without a round trip)."""
-        return self._parts
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Whether every rank's part has ended (with a result or an error) within `timeout` seconds; neither raises
-        nor repairs faults (`values()` does). Always true on the local backend (calls ran at submission)."""
-        if not self._remote or self._outcome is not None:
-            return True
-        import ray
-
-        ready, _ = ray.wait(list(self._parts), num_returns=len(self._parts), timeout=timeout)
-        return len(ready) == len(self._parts)
-
-    def values(self) -> list[R]:
-        """Per-rank results, waiting for every rank; a DP call on a mesh returns one result per replica. The first
-        call waits (and repairs faults); later calls return its results, or raise its error, again."""
-        if self._outcome is None:
-            try:
-                self._outcome = (True, self._resolve(self._parts))
-            except Exception as exc:
-                self._outcome = (False, exc)
-                raise
-        ok, values = self._outcome
-        if not ok:
-            raise values
-        return values if self._keep is None else [values[i] for i in self._keep]
-
-    def result(self) -> Any:
-        values = self.values()
-        if self._mode in (Dispatch.RANK0, Dispatch.ONE):
-            return values[0]
-        if self._mode is Dispatch.DP and values and all(isinstance(v, Batch) for v in values):
-            return Batch.concat(values)
-        return values
 
 
 class WorkerGroup(Generic[W]):
