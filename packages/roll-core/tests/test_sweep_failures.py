@@ -244,3 +244,124 @@ def test_a_stopped_optuna_sweep_is_summarised_and_exits_128_plus_n(
     assert [(r["job"], r["status"]) for r in rows] == [("0", first), ("1", "stopped"), ("2", "stopped")]
     assert all(r["error"].startswith("not started: the sweep was stopped by signal 15") for r in rows[1:])
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def _stopped_run(fail: int, stop: int) -> Any:
+    """A training run for a sweep's jobs: job `fail` raises, job `stop` is stopped mid-run by a real SIGTERM (its
+    GracefulStop: a checkpoint, as the pipeline's loop), the others finish with accuracy 0.5. Records the jobs run."""
+    import os
+    import signal
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from roll_core.pipelines.run_control import GracefulStop
+
+    def run(cfg: Any) -> dict[str, Any]:
+        num = HydraConfig.get().job.num
+        run.ran.append(num)  # type: ignore[attr-defined]
+        if num == fail:
+            raise FileNotFoundError(f"no data for job {num}")
+        if num == stop:
+            with GracefulStop() as graceful:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return {"final_eval_accuracy": 0.1, "stopped_by_signal": graceful.signum}
+        return {"final_eval_accuracy": 0.5, "stopped_by_signal": None}
+
+    run.ran = []  # type: ignore[attr-defined]
+    return run
+
+
+def _roll_train_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("roll-train:")]
+
+
+@pytest.mark.usefixtures("default_sigterm")
+def test_a_stopped_sweep_says_which_of_its_jobs_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A local sweep (basic launcher) stopped by SIGTERM in job 2 after job 0 had failed: roll-train exited 143 with
+    no word of the failed job (the stop's exit came before its "N sweep job(s) failed" line). Now one stderr line
+    says the sweep was stopped, counts what its jobs did, names the failed one with its error and gives
+    summary.md; the exit status stays 128+15."""
+    import signal
+
+    sw = tmp_path / "sweep"
+    run = _stopped_run(fail=0, stop=2)
+    code = _train(monkeypatch, run, "-m", "algo.lr=1e-6,2e-6,3e-6,4e-6", f"hydra.sweep.dir={sw}")
+
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGTERM
+    assert run.ran == [0, 1, 2]
+    rows = list(csv.DictReader(open(sw / "summary.csv")))
+    assert [r["status"] for r in rows] == ["failed", "ok", "stopped", "stopped"]
+    assert _roll_train_lines(err) == [
+        "roll-train: the sweep was stopped by signal 15 (SIGTERM): 4 job(s): 1 finished, 1 failed, 1 stopped, "
+        "1 not started. Failed: algo.lr=1e-06 (FileNotFoundError: no data for job 0). "
+        f"Each job's outcome and error: {sw / 'summary.md'}"
+    ]
+
+
+# optuna 2.10 imports SQLAlchemy's declarative_base from its 1.x place: a deprecation warning, an error under pytest
+@pytest.mark.filterwarnings("ignore:.*declarative_base:DeprecationWarning")
+@pytest.mark.usefixtures("default_sigterm")
+@pytest.mark.parametrize("completed", [True, False], ids=["a trial completed", "no trial completed"])
+def test_a_stopped_optuna_sweep_records_agree_with_optunas_trials(
+    completed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The Optuna sweeper on the basic launcher, stopped by SIGTERM mid-trial after a trial failed: the trial that
+    ran is `stopped`, every later one `not started` (Optuna still asks them: each is a failed trial), the finished
+    ones `ok`, one record per Optuna trial, numbered as its trial, `ok` exactly where Optuna's trial is COMPLETE.
+    With a completed trial the sweeper ends normally (on_multirun_end); with none Optuna raises "No trials are
+    completed yet" (roll-train's end_unfinished_sweeps). Either way roll-train's one stderr line counts them and
+    names the failed trial (it said nothing of it) and the exit status is 128+15."""
+    optuna = pytest.importorskip("optuna")
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="install roll-core[sweep]")
+    import signal
+
+    studies: list[Any] = []
+    create_study = optuna.create_study
+
+    def keep_study(*args: Any, **kwargs: Any) -> Any:
+        studies.append(create_study(*args, **kwargs))
+        return studies[-1]
+
+    monkeypatch.setattr(optuna, "create_study", keep_study)
+    sw = tmp_path / "sweep"
+    stop = 2 if completed else 1  # trial 0 fails; trial 1 finishes before the stop, or is the one stopped
+    run = _stopped_run(fail=0, stop=stop)
+    code = _train(
+        monkeypatch,
+        run,
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=4",
+        "hydra.sweeper.n_jobs=1",
+        "hydra.sweeper.direction=maximize",
+        "hydra.sweeper.sampler.seed=0",
+        "algo.lr=interval(1e-6,1e-5)",
+        f"hydra.sweep.dir={sw}",
+    )
+
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert run.ran == list(range(stop + 1))
+    rows = list(csv.DictReader(open(sw / "summary.csv")))
+    expected = ["failed"] + ["ok"] * (stop - 1) + ["stopped"] * (4 - stop)
+    assert [(r["job"], r["status"]) for r in rows] == [(str(i), s) for i, s in enumerate(expected)]
+    assert rows[stop]["error"] == "stopped by signal 15"
+    not_started = f"not started: the sweep was stopped by signal 15 during job {stop}"
+    assert all(r["error"] == not_started for r in rows[stop + 1 :])
+    (study,) = studies
+    states = [t.state for t in study.trials]
+    ok = optuna.trial.TrialState.COMPLETE
+    assert [t.number for t in study.trials] == [int(r["job"]) for r in rows]  # one record per trial, its number
+    assert [s == ok for s in states] == [r["status"] == "ok" for r in rows]
+    assert all(s in (ok, optuna.trial.TrialState.FAIL) for s in states)
+    if completed:
+        assert study.best_value == 0.5 and (sw / "optimization_results.yaml").is_file()
+    # params of an Optuna sweep: each trial's sampled lr (every trial's differs)
+    failed = f"{rows[0]['params']} (FileNotFoundError: no data for job 0)"
+    assert _roll_train_lines(err) == [
+        f"roll-train: the sweep was stopped by signal 15 (SIGTERM): 4 job(s): {stop - 1} finished, 1 failed, "
+        f"1 stopped, {3 - stop} not started. Failed: {failed}. Each job's outcome and error: {sw / 'summary.md'}"
+    ]

@@ -158,6 +158,74 @@ def test_gpus_reserved_for_a_job_task_are_refused_when_its_roles_reserve_their_o
     assert len(no_ray_launch) == 2
 
 
+@pytest.mark.parametrize("second_signal", [False, True], ids=["stopped", "aborted"])
+def test_a_ray_sweep_stopped_by_a_signal_reports_what_its_jobs_did(
+    second_signal: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_ray_launch: list[Any]
+) -> None:
+    """roll's Ray launcher stopped by SIGTERM to its driver (the handler marks the sweep while the driver waits)
+    after job 0 failed and job 1 finished, with job 2 running and job 3 waiting for its slot; `second_signal`: a
+    second SIGTERM aborts the wait. It ended with a bare SystemExit(143): roll-train said nothing of the failed job.
+    Now it raises SweepStopped (exit 143) with the line roll-train prints: the counts, the failed job and its error,
+    summary.md. Ray is faked: jobs 0 and 1 run here (run_sweep_job), 2 and 3 end cancelled."""
+    import time
+
+    import ray
+
+    from roll_core import sweep_launcher
+
+    sw = tmp_path / "sweep"
+    sweep_id = sweep.start_sweep(sw)["sweep_id"]  # what on_multirun_start does
+    jobs = {f"algo.lr={n}e-3": {} for n in range(1, 5)}
+    values: dict[int, Any] = {}
+
+    def fails(cfg: Any) -> Any:
+        raise RuntimeError("no data")
+
+    def launch(context: Any, remote: Any, cfg: Any, task: Any, state: Any) -> int:
+        num = int(cfg.hydra.job.num)
+        overrides = [f"algo.lr={num + 1}e-3"]
+        if num == 0:
+            values[num] = run_job(sw, "0", 0, overrides, fails)
+        elif num == 1:
+            values[num] = run_job(sw, "1", 1, overrides, lambda c: {"final_eval_accuracy": 0.5})
+        elif num == 2:  # its start record: it trains
+            record = {"job": 2, "overrides": overrides, "status": "running", "started_at": time.time()}
+            sweep.write_record(sw / "2", {**record, "sweep_id": sweep_id})
+        return num  # its "ref"
+
+    cancelled: list[int] = []
+    waits: list[int] = []
+
+    def wait(refs: list[int], num_returns: int, timeout: float) -> tuple[list[int], list[int]]:
+        waits.append(len(refs))
+        if len(waits) == 1:  # SIGTERM while the driver waits: the handler marks the sweep stopped
+            sweep.stop_sweep(sw, 15, "the sweep was stopped by signal 15")
+            return [r for r in refs if r in values], [r for r in refs if r not in values]
+        if second_signal:
+            raise SystemExit(128 + 15)  # what the handler raises for a second signal
+        return [r for r in refs if r in cancelled], [r for r in refs if r not in cancelled]
+
+    def get(ref: int) -> Any:
+        if ref in values:
+            return values[ref]
+        raise ray.exceptions.TaskCancelledError()
+
+    monkeypatch.setattr(sweep_launcher, "launch_job_on_ray", launch)
+    monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "cancel", lambda ref, force=False: cancelled.append(ref))
+    with pytest.raises(SystemExit) as stopped:  # sweep_stop.SweepStopped, with the line roll-train prints
+        sweep_launcher.launch_jobs(_launcher_of(sw, jobs), [[o] for o in jobs], 0)
+
+    assert stopped.value.code == 128 + 15 and {2, 3} <= set(cancelled)
+    rows = summary_rows(sw)
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "failed"), ("1", "ok"), ("2", "stopped"), ("3", "stopped")]
+    assert getattr(stopped.value, "report", None) == (
+        "the sweep was stopped by signal 15 (SIGTERM): 4 job(s): 1 finished, 1 failed, 1 stopped, 1 not started. "
+        f"Failed: algo.lr=1e-3 (RuntimeError: no data). Each job's outcome and error: {sw / 'summary.md'}"
+    )
+
+
 def test_a_signal_that_stops_a_local_sweep_job_stops_the_sweep(tmp_path: Path) -> None:
     """Ctrl-C (or a scheduler's SIGTERM) in a local multirun stops the running job at a checkpoint; the sweep's later
     jobs are then not started but recorded as stopped, so the sweep ends, is summarised and exits 128+N, as a single

@@ -11,7 +11,9 @@ value is the run summary (final and best held-out accuracy), which Hydra sweeper
 Exit status of a signal (roll_core.pipelines.run_control): a run stopped by SIGINT/SIGTERM before its last step
 exits 128 + N after its checkpoint; one whose signal came in its last step or later is complete and exits 0 (its
 summary says what the signal skipped); one stopped while its pipeline was built says `stopped while building the
-pipeline` in one line, after shutting down what was started, and exits 128 + N.
+pipeline` in one line, after shutting down what was started, and exits 128 + N. A sweep a signal stopped exits
+128 + N after one line saying how many of its jobs finished, failed (naming them), were stopped and were not
+started, and where its summary is (roll_core.sweep_stop.SweepStopped).
 """
 
 from __future__ import annotations
@@ -153,6 +155,7 @@ def train_main() -> None:
         sys.argv[1:] = _with_override(sys.argv[1:], f"hydra/help={register_help()}")
     main = hydra.main(version_base=None, config_path=conf_path, config_name="rlvr")(_hydra_task)
     from roll_core.run_folder import FolderRefused, release_claimed
+    from roll_core.sweep_stop import SweepStopped
 
     try:
         try:
@@ -169,6 +172,10 @@ def train_main() -> None:
         if failed_jobs():
             print(f"roll-train: {len(failed_jobs())} sweep job(s) failed: {'; '.join(failed_jobs())}", file=sys.stderr)
             sys.exit(1)
+    except SweepStopped as exc:
+        # a signal stopped the sweep: say what its jobs did (which failed, too: it exits before the line above)
+        print(f"roll-train: {exc.report}", file=sys.stderr)
+        sys.exit(exc.code)
     except ConfigError as exc:
         print(f"roll-train: invalid config:\n{exc}", file=sys.stderr)
         sys.exit(2)

@@ -21,6 +21,9 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
   its later jobs are not started but recorded as `stopped` ("not started"), so the sweep ends, is summarised and
   roll-train exits 128+N. It started the next job instead, and a Ctrl-C stopped one job at a time. A signal between
   jobs, to an Optuna sweep or to the Ray launcher's driver stops the sweep the same way (roll_core.sweep_stop).
+  roll-train then prints one line on stderr: how many jobs finished, failed (each named, with its error), were
+  stopped and were not started, and where summary.md is (sweep_stop.SweepStopped: the exit came before roll-train's
+  "N sweep job(s) failed" line, so a stopped sweep never said which jobs had failed).
 - A sweep resumed into an earlier sweep's folder (`pipeline.resume=true hydra.sweep.dir=<it>`) continues each job
   folder's run: a job whose swept values differ from the ones the folder's earlier job ran with (values given in
   another order, an Optuna trial sampling other values) fails with a clear error instead of continuing another
@@ -54,7 +57,7 @@ import socket
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hydra.experimental.callback import Callback
 
@@ -301,8 +304,9 @@ def job_records(
     return found, problems
 
 
-def _labels(records: list[dict[str, Any]]) -> list[str]:
-    """Each job's label: the overrides that differ between the jobs (the swept parameters), not the shared ones."""
+def job_labels(records: list[dict[str, Any]]) -> list[str]:
+    """Each job's label, as the summary's `params` and failed_jobs() name it: the overrides that differ between the
+    jobs `records` (the swept parameters), not the shared ones."""
     values: dict[str, set[str]] = {}
     for st in records:
         for o in st["overrides"]:
@@ -335,7 +339,7 @@ def _write_summary(sweep_dir: Path, found: list[tuple[Path, dict[str, Any]]]) ->
     records = [st for _, st in found]
     rows: list[dict[str, Any]] = []
     curves: list[tuple[str, list[tuple[int, float]]]] = []
-    for (job_dir, st), label in zip(found, _labels(records)):
+    for (job_dir, st), label in zip(found, job_labels(records)):
         hist = _metrics(job_dir)
         rewards = [(h["step"], h["reward/mean"]) for h in hist if h.get("reward/mean") is not None]
         evals = [h["eval/accuracy"] for h in hist if h.get("eval/accuracy") is not None]
@@ -426,10 +430,31 @@ class SweepSummaryCallback(Callback):
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        end_sweep(sweep_dir)
         signum = stop_signal(sweep_dir)
-        if signum is not None:  # not Exception: Hydra does not turn it into a warning
-            sweep_stop.exit_stopped(sweep_dir, signum)
+        if signum is None:
+            end_sweep(sweep_dir)
+        else:  # SystemExit, not Exception: Hydra does not turn it into a warning
+            end_stopped_sweep(sweep_dir, signum)
+
+
+def sweep_job_records(sweep_dir: str | Path) -> tuple[list[tuple[Path, dict[str, Any]]], list[str]]:
+    """`job_records` of the latest sweep run into `sweep_dir` (its sweep_id.json; a folder without one: every
+    record, none left out as older than the sweep)."""
+    marker = sweep_marker(sweep_dir)
+    sweep_id = marker.get("sweep_id")
+    return job_records(sweep_dir, sweep_id, marker.get("started_at") if sweep_id else None)
+
+
+def end_stopped_sweep(sweep_dir: Path, signum: int) -> NoReturn:
+    """End the sweep in `sweep_dir` that signal `signum` stopped: count its failures and write its summary
+    (`end_sweep`), then raise roll_core.sweep_stop.SweepStopped (exit 128 + `signum`) with the line that says what
+    its jobs did, from the same read of its job records."""
+    try:
+        records: tuple[list[tuple[Path, dict[str, Any]]], list[str]] | None = sweep_job_records(sweep_dir)
+    except Exception:  # end_sweep reads them again and counts what it cannot read as a failure
+        records = None
+    end_sweep(sweep_dir, records)
+    sweep_stop.exit_stopped(sweep_dir, signum, records)
 
 
 def end_sweep(sweep_dir: Path, records: tuple[list[tuple[Path, dict[str, Any]]], list[str]] | None = None) -> list[str]:
@@ -445,12 +470,10 @@ def end_sweep(sweep_dir: Path, records: tuple[list[tuple[Path, dict[str, Any]]],
     # summary that fails to write must not also make roll-train exit 0 over failed jobs.
     try:
         if records is None:
-            marker = sweep_marker(sweep_dir)
-            sweep_id = marker.get("sweep_id")
-            records = job_records(sweep_dir, sweep_id, marker.get("started_at") if sweep_id else None)
+            records = sweep_job_records(sweep_dir)
         found, failed = records
         records = [st for _, st in found]
-        failed = [label for st, label in zip(records, _labels(records)) if st.get("status") != "ok"] + failed
+        failed = [label for st, label in zip(records, job_labels(records)) if st.get("status") != "ok"] + failed
         if not found and not failed:  # every multirun launches a job: finding none means its record was lost
             failed.append(f"no {STATUS_FILE} of this sweep found under {sweep_dir}")
             log.error("sweep: no job record (%s) of this sweep found under %s", STATUS_FILE, sweep_dir)
@@ -462,9 +485,10 @@ def end_sweep(sweep_dir: Path, records: tuple[list[tuple[Path, dict[str, Any]]],
         _write_summary(sweep_dir, found)
     except Exception:
         log.exception("sweep: could not write the summary of %s (the failures are still counted)", sweep_dir)
-    log.info("sweep summary: %d jobs, %d failed -> %s/summary.md", len(found), len(failed), sweep_dir)
+    # "not ok": stopped and not-started jobs count too (roll-train exits non-zero), as more than "failed"
+    log.info("sweep summary: %d jobs, %d not ok -> %s/summary.md", len(found), len(failed), sweep_dir)
     if failed:
-        log.error("failed jobs: %s", "; ".join(failed))
+        log.error("jobs not ok (failed, killed, stopped): %s", "; ".join(failed))
     return failed
 
 
@@ -476,19 +500,16 @@ def end_unfinished_sweeps(exc: BaseException) -> list[tuple[Path, list[str]]]:
     stopped (roll_core.sweep_stop) has its jobs still `running` recorded as `stopped` and ends roll-train with
     SystemExit(128 + N) once summarised."""
     ended = []
-    stopped: list[tuple[Path, int]] = []
+    stopped: list[tuple[Path, int, tuple[list[tuple[Path, dict[str, Any]]], list[str]]]] = []
     for folder in sorted(_unfinished):
-        marker = sweep_marker(folder)
-        sweep_id = marker.get("sweep_id")
-        # read once, as end_sweep reads them (started_at only with a sweep id), and handed to it
-        found, problems = job_records(folder, sweep_id, marker.get("started_at") if sweep_id else None)
+        found, problems = sweep_job_records(folder)  # read once, handed to end_sweep and the stop's report
         if not found and not problems:  # it stopped before any job ran (a sweeper that cannot be made): no summary
             _unfinished.discard(folder)
             continue
         signum = stop_signal(folder)
         if signum is not None:
             sweep_stop.mark_unended(found, signum)
-            stopped.append((Path(folder), signum))
+            stopped.append((Path(folder), signum, (found, problems)))
         log.error("sweep %s stopped with %s: %s; summarising the jobs it ran", folder, type(exc).__name__, exc)
         ended.append((Path(folder) / "summary.md", end_sweep(Path(folder), (found, problems))))
     if not _unfinished:

@@ -28,7 +28,8 @@ and the jobs still running were abandoned with the driver. Jobs that raise are a
   `stopped`; one waiting for its slot ends `stopped` ("not started"). They are waited for and the ones that left no
   end record are recorded `stopped` too, the sweep is summarised (Hydra skips on_multirun_end) and the launcher
   raises SystemExit(128 + N): roll-train exits 128 + N, and no later batch (an Optuna sweeper's) is launched. A
-  second signal aborts: the jobs are killed (Ray's force cancel), recorded `stopped` and summarised. Before, a
+  second signal aborts: the jobs are killed (Ray's force cancel), recorded `stopped` and summarised. Either way
+  the exit is roll_core.sweep_stop.SweepStopped, whose line roll-train prints (what the jobs did). Before, a
   SIGINT left the jobs `running` and no summary, and a SIGTERM aborted the driver (Ray's handler: a stack dump,
   exit -6) with the jobs abandoned;
 - a sweep aborted while its jobs run removes its detached slots actor: Hydra skips `on_multirun_end`;
@@ -54,7 +55,16 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from roll_core import sweep_stop
 from roll_core.errors import ConfigError
-from roll_core.sweep import STATUS_FILE, end_sweep, job_value, remove_slots, stop_signal, sweep_marker, write_record
+from roll_core.sweep import (
+    STATUS_FILE,
+    end_stopped_sweep,
+    end_sweep,
+    job_value,
+    remove_slots,
+    stop_signal,
+    sweep_marker,
+    write_record,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,19 +124,20 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
                     results[i] = ray.get(ref)
                 except ray.exceptions.RayError as exc:  # its process died (or was cancelled): it could not catch it
                     results[i] = killed(cfg, overrides, exc, stopping)
-    except BaseException:  # a second signal, a refused batch: Hydra skips on_multirun_end (it removes the slots actor)
+    except BaseException as exc:  # a second signal, a refused batch: Hydra skips on_multirun_end (and its slots' end)
         stopping = stopping or stop_signal(sweep_dir)
         if stopping is not None:  # an abort: the jobs are killed, recorded stopped unless they had ended
             for i, (cfg, overrides, ref) in enumerate(jobs):
                 if i >= len(results) or results[i] is None:
                     ray.cancel(ref, force=True)
                     killed(cfg, overrides, KeyboardInterrupt("the sweep was aborted"), stopping)
+            if isinstance(exc, SystemExit):  # the second signal's: summarised, with the stop's line for roll-train
+                end_stopped_sweep(sweep_dir, stopping)
             end_sweep(sweep_dir)  # Hydra skips on_multirun_end
         remove_slots(sweep_dir)
         raise
     if stopping is not None:  # the sweep ends here: no later batch (an Optuna sweeper's) starts
-        end_sweep(sweep_dir)
-        sweep_stop.exit_stopped(sweep_dir, stopping)
+        end_stopped_sweep(sweep_dir, stopping)
     return [r for r in results if r is not None]
 
 

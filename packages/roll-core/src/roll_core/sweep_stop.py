@@ -1,8 +1,12 @@
 """Stopping a sweep with a signal (SIGINT/SIGTERM: Ctrl-C, a scheduler's stop), whatever its launcher and sweeper.
 
 Contract: a stopped sweep writes its summary of the jobs that ran (ok, failed, stopped, not started), records the
-job the signal stopped as `stopped`, and `roll-train` exits 128 + N (N: the first signal). Resuming it later
-(`pipeline.resume=true hydra.sweep.dir=<it>`) continues each job folder's run (roll_core.sweep_resume).
+job the signal stopped as `stopped`, and `roll-train` exits 128 + N (N: the first signal), whatever the launcher
+(basic, roll's Ray launcher) or sweeper (basic, Optuna): the end is `SweepStopped`, whose one line roll-train prints
+on stderr (`stop_report`: how many jobs finished, failed, were stopped, were not started; each failed job with its
+error; where summary.md is). The exit came before roll-train's "N sweep job(s) failed" line, so a stopped sweep's
+failed jobs went unsaid. Resuming it later (`pipeline.resume=true hydra.sweep.dir=<it>`) continues each job
+folder's run (roll_core.sweep_resume).
 
 - A signal while a job of a sweep run in this process (the basic launcher) trains is the job's own (its
   GracefulStop: it stops at a checkpoint); while it is built, its BuildStop raises StoppedWhileBuilding, which
@@ -31,7 +35,7 @@ import signal
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 log = logging.getLogger(__name__)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -89,16 +93,73 @@ def _handle(signum: int, frame: FrameType | None) -> None:
     )
 
 
-def exit_stopped(sweep_dir: Path, signum: int) -> None:
-    """End roll-train for a sweep a signal stopped: exit 128 + `signum`, as a single run stopped by it (the summary
-    is written: this is called after it)."""
+class SweepStopped(SystemExit):
+    """The end of roll-train for a sweep a signal stopped: exit status 128 + `signum`, and `report`, the one line
+    roll-train prints on stderr (see `stop_report`). A SystemExit: Hydra lets it through its callbacks, launchers
+    and sweepers."""
+
+    def __init__(self, signum: int, report: str) -> None:
+        super().__init__(128 + signum)
+        self.signum, self.report = signum, report
+
+
+def job_outcome(record: dict[str, Any]) -> str:
+    """What a job of a stopped sweep did, from its record: `finished` (ok), `stopped` (stopped while it ran or was
+    built), `not started` (stopped before it started: its error says "not started", as summary.md shows it) or
+    `failed` (failed, killed, or a record with no end: still `running`)."""
+    status = record.get("status")
+    if status == "ok":
+        return "finished"
+    if status == "stopped":
+        return "not started" if "not started" in str(record.get("error") or "") else "stopped"
+    return "failed"
+
+
+def stop_report(
+    sweep_dir: Path, signum: int, records: tuple[list[tuple[Path, dict[str, Any]]], list[str]] | None
+) -> str:
+    """The line that tells the user a signal stopped the sweep in `sweep_dir`: how many of its jobs finished, failed,
+    were stopped and were not started, each failed job (its swept values and the first line of its error) and where
+    summary.md is. `records`: the sweep's job records and unreadable ones (roll_core.sweep.job_records), None when
+    they could not be read."""
+    from roll_core.sweep import job_labels
+
+    head = f"the sweep was stopped by signal {signum} ({signal.Signals(signum).name})"
+    where = f"Each job's outcome and error: {sweep_dir / 'summary.md'}"
+    if records is None:
+        return f"{head}; its job records could not be read. {where}"
+    found, problems = records
+    jobs = [st for _, st in found]
+    counts = {"finished": 0, "failed": len(problems), "stopped": 0, "not started": 0}
+    failed: list[str] = []
+    for st, label in zip(jobs, job_labels(jobs)):
+        outcome = job_outcome(st)
+        counts[outcome] += 1
+        if outcome == "failed":
+            lines = str(st.get("error") or f"status {st.get('status', 'unknown')}").strip().splitlines() or [""]
+            error = lines[0] if len(lines[0]) <= 200 else lines[0][:199] + "…"  # one line: the summary has it whole
+            failed.append(f"{label} ({error})")
+    failed += problems
+    total = len(jobs) + len(problems)
+    line = f"{head}: {total} job(s): " + ", ".join(f"{n} {what}" for what, n in counts.items()) + "."
+    if failed:
+        line += f" Failed: {'; '.join(failed)}."
+    return f"{line} {where}"
+
+
+def exit_stopped(
+    sweep_dir: Path, signum: int, records: tuple[list[tuple[Path, dict[str, Any]]], list[str]] | None
+) -> NoReturn:
+    """End roll-train for a sweep a signal stopped (its summary is written: this is called after it): raise
+    SweepStopped, exit 128 + `signum` as a single run stopped by it, with the line roll-train prints (`stop_report`
+    of the sweep's job `records`, as summarised). It exited before roll-train could say which jobs had failed."""
     log.error(
         "the sweep was stopped by signal %s (%s): its jobs and what they did: %s",
         signum,
         signal.Signals(signum).name,
         sweep_dir / "summary.md",
     )
-    raise SystemExit(128 + signum)
+    raise SweepStopped(signum, stop_report(sweep_dir, signum, records))
 
 
 def mark_unended(found: list[tuple[Path, dict[str, Any]]], signum: int) -> None:
