@@ -14,6 +14,19 @@ its KV cache holds): the thread fails naming the request, instead of resubmittin
 trainer waits out `timeout_s`. `close()` aborts what runs and stops the thread; a `take` (or update, shrink)
 waiting then, or called later, raises at once.
 
+Requests that never return. A request this driver aborted (partial rollout at `begin_update`, a stale group's at
+`finish_update`, one moved by `shrink` / `expand`) normally brings its partial result within moments. If its handle
+has not completed `abort_timeout_s` (60 s) after the abort (the engine restarted, its worker died, the abort was
+lost), or its `result()` raises, the driver forgets it and reports it to `RolloutScheduler.lost`: a live sample
+resumes with its earlier prefix kept (what the lost request generated is gone), a stale group's id is forgotten;
+counted in `async/unanswered_aborts` and `async/failed_aborts` (and the scheduler's `async/lost_requests`), with
+one warning per version (the first loss at once, the rest summed up at the next `finish_update`). So neither the
+handles nor the scheduler's ids of such requests are kept for good, and a weight update waiting on an abort goes on
+after the bound instead of failing the run. A request that was NOT aborted and whose `result()` raises is an engine
+failure: the thread stops and the trainer's next call (`take`, `begin_update`, ...) raises a RuntimeError naming
+the request, its group and sample, chained to the engine's error; it is never retried or dropped silently (a batch
+waiting for that sample would otherwise wait out `timeout_s`, an hour in a run).
+
 The same code runs on `cluster=local` (engines in this process: generation and training share its cores) and on
 Ray (engines in their own processes: real overlap).
 
@@ -55,7 +68,12 @@ class AsyncRollout:
         timeout_s: float = 3600.0,
         pool: EnginePool | None = None,
         max_idle_aborts: int = 8,
+        abort_timeout_s: float = 60.0,
     ) -> None:
+        """`abort_timeout_s`: how long an aborted request may take to bring its result before it is forgotten as
+        lost (module docstring); also what `begin_update` and `shrink` wait for their aborts (plus a margin)."""
+        if not abort_timeout_s > 0:
+            raise ValueError(f"abort_timeout_s={abort_timeout_s} must be > 0 (seconds an abort may take to return)")
         self.infer, self.sched, self.next_group, self.params = infer, scheduler, next_group, params
         self.poll_s, self.timeout_s = poll_s, timeout_s
         self.pool = pool  # None: the infer group routes each request itself
@@ -68,7 +86,13 @@ class AsyncRollout:
         self._n = 0
         self._last: dict[str, int] = {}
         self.max_idle_aborts = max_idle_aborts
-        self._aborting: set[str] = set()  # requests this driver aborted, result not yet collected
+        self.abort_timeout_s = abort_timeout_s
+        # Requests this driver aborted, result not yet collected -> when first aborted (insertion order is time
+        # order: `setdefault` keeps the first abort's time, so the expired ones are at the front).
+        self._aborting: dict[str, float] = {}
+        self._counters = {"unanswered_aborts": 0, "failed_aborts": 0}  # requests forgotten as lost, by cause
+        self._warned_version = -1  # the version whose first loss was warned about (one warning per version)
+        self._unwarned: dict[str, int] = {}  # losses since that warning, by cause: summed up at finish_update
         self._idle_aborts: dict[tuple[int, int], int] = {}  # sample -> engine aborts without a token, this version
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
@@ -81,7 +105,7 @@ class AsyncRollout:
         with self._cv:
             self._stopped = True
             running = list(self._handles)
-            self._aborting.update(running)
+            self._mark_aborting(running)
             self._cv.notify_all()
         for rid in running:
             self.infer.abort(rid)
@@ -135,15 +159,20 @@ class AsyncRollout:
             self._raise()
             self._paused = True
             to_abort = self.sched.begin_update()
-            self._aborting.update(to_abort)
+            self._mark_aborting(to_abort)
         for rid in to_abort:
             self.infer.abort(rid)
-        deadline = time.monotonic() + 60
+        # The thread collects them, or forgets them as lost after abort_timeout_s (the sync then goes on): this
+        # wait fails only if the thread is stuck.
+        wait_s = self._wait_bound()
+        deadline = time.monotonic() + wait_s
         with self._cv:
             while any(rid in self._handles for rid in to_abort):
                 self._raise()
                 if time.monotonic() > deadline:
-                    raise TimeoutError("async rollout: aborted requests did not return within 60 s")
+                    raise TimeoutError(
+                        f"async rollout: aborted requests were neither collected nor forgotten within {wait_s} s"
+                    )
                 self._cv.wait(0.05)
 
     def finish_update(self) -> None:
@@ -151,7 +180,7 @@ class AsyncRollout:
         with self._cv:
             before = list(self.sched.groups.values()) if self.pool is not None else []
             doomed = self.sched.finish_update()
-            self._aborting.update(doomed)
+            self._mark_aborting(doomed)
             # The homes of the samples of groups dropped as stale: nothing else forgets them (only a sample that
             # finishes is forgotten), and the pool's routing table grew by them every version, run-long.
             for g in before:
@@ -159,23 +188,35 @@ class AsyncRollout:
                     for smp in g.samples:
                         self.pool.forget((g.gid, smp.index))  # type: ignore[union-attr]
             self._idle_aborts.clear()  # counted per version: an engine may abort what it runs at an update
+            unwarned, self._unwarned = self._unwarned, {}
+            version = self.sched.version
             self._paused = False
             self._cv.notify_all()
+        if unwarned:
+            log.warning(
+                "async rollout: %d more aborted request(s) lost at version %d (%s): forgotten, their samples resume "
+                "with their earlier prefixes",
+                sum(unwarned.values()),
+                version - 1,
+                ", ".join(f"async/{cause} {n}" for cause, n in sorted(unwarned.items())),
+            )
         for rid in doomed:
             self.infer.abort(rid)
 
     # ---- partial-GPU mode: engines that leave and rejoin ---------------------------------------------------------
-    def shrink(self, engines: list[Any], timeout_s: float = 60.0) -> int:
+    def shrink(self, engines: list[Any], timeout_s: float | None = None) -> int:
         """Take `engines` out of the rollout (their devices are about to train): no new request goes there, their
-        running requests are aborted and this waits until the partial results are recorded (those samples resume
-        on the other engines). Returns how many requests were moved."""
+        running requests are aborted and this waits until the partial results are recorded, or the requests are
+        forgotten as lost after `abort_timeout_s` (those samples resume on the other engines). `timeout_s` (default:
+        that bound plus a margin) bounds the wait. Returns how many requests were moved."""
         pool = self._need_pool()
         with self._cv:
             self._raise()
             moved = pool.shrink(engines)
-            self._aborting.update(moved)
+            self._mark_aborting(moved)
         for rid in moved:
             self.infer.abort(rid)
+        timeout_s = self._wait_bound() if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         with self._cv:
             while any(rid in self._handles for rid in moved) or pool.draining(engines):
@@ -192,7 +233,7 @@ class AsyncRollout:
         with self._cv:
             self._raise()
             moved = pool.expand(engines, rebalance=rebalance)
-            self._aborting.update(moved)
+            self._mark_aborting(moved)
             self._cv.notify_all()
         for rid in moved:
             self.infer.abort(rid)
@@ -204,11 +245,13 @@ class AsyncRollout:
         return self.pool
 
     def stats(self) -> dict[str, float]:
-        """Counters since the previous call (groups started, stale, discarded, requests resumed) and gauges."""
+        """Counters since the previous call (groups started, stale, discarded, requests resumed, lost) and gauges
+        (`async/dropped_requests_waiting`: stale groups' aborted requests whose results have not come yet)."""
         with self._cv:
-            now = dict(self.sched.counters)
+            now = {**self.sched.counters, **self._counters}
             out = {f"async/{k}": float(v - self._last.get(k, 0)) for k, v in now.items()}
             self._last = now
+            out["async/dropped_requests_waiting"] = float(self.sched.dropped_requests())
             out["async/in_flight_groups"] = float(self.sched.in_flight())
             out["async/complete_groups"] = float(self.sched.complete())
             out["async/version"] = float(self.sched.version)
@@ -233,23 +276,29 @@ class AsyncRollout:
                         self._fill()
                     handles = list(self._handles.items())
                 progressed = False
+                failed: dict[str, BaseException] = {}  # aborted requests whose result() raised
                 for rid, h in handles:
-                    if h.done():
+                    if not h.done():
+                        continue
+                    progressed = True
+                    try:
                         out = h.result()
+                    except Exception as exc:  # an aborted request's: a loss; a live one's: raised
                         with self._cv:
-                            self._handles.pop(rid, None)
-                            sample = self.sched.by_request.get(rid)
-                            asked = rid in self._aborting
-                            self._aborting.discard(rid)
-                            if sample is not None:
-                                self._count_idle_abort(sample, rid, out, asked)
-                            self.sched.on_result(rid, list(out.token_ids), list(out.logprobs), out.finish_reason)
-                            if self.pool is not None:
-                                self.pool.release(rid)
-                                if sample is not None and sample.finish is not None:
-                                    self.pool.forget((sample.group.gid, sample.index))
-                            self._cv.notify_all()
-                        progressed = True
+                            if rid not in self._aborting:
+                                raise self._engine_failure(rid, exc) from exc
+                        failed[rid] = exc
+                        continue
+                    self._record(rid, out)
+                # The losses are booked and the warning decided in one hold of the lock: a caller waiting for these
+                # handles to go (begin_update) sees them go together with the bookkeeping, never before it.
+                with self._cv:
+                    if failed:
+                        self._lose(list(failed), "failed_aborts")
+                    lost = {"failed_aborts": list(failed), "unanswered_aborts": self._forget_unanswered()}
+                    warn = self._book_warning(lost)
+                if warn is not None:
+                    self._warn_lost(warn, lost, list(failed.values()))
                 if not progressed:
                     time.sleep(self.poll_s)
         except BaseException as exc:  # surfaced in the trainer's thread by _raise
@@ -257,6 +306,101 @@ class AsyncRollout:
             with self._cv:
                 self._error = exc
                 self._cv.notify_all()
+
+    def _record(self, rid: str, out: RequestOutput) -> None:
+        """Record a collected result (takes the lock)."""
+        with self._cv:
+            self._handles.pop(rid, None)
+            sample = self.sched.by_request.get(rid)
+            asked = self._aborting.pop(rid, None) is not None
+            if sample is not None:
+                self._count_idle_abort(sample, rid, out, asked)
+            self.sched.on_result(rid, list(out.token_ids), list(out.logprobs), out.finish_reason)
+            if self.pool is not None:
+                self.pool.release(rid)
+                if sample is not None and sample.finish is not None:
+                    self.pool.forget((sample.group.gid, sample.index))
+            self._cv.notify_all()
+
+    def _mark_aborting(self, rids: list[str]) -> None:
+        """`rids` are about to be aborted (lock held): the bound runs from the first abort of each."""
+        now = time.monotonic()
+        for rid in rids:
+            self._aborting.setdefault(rid, now)
+
+    def _wait_bound(self) -> float:
+        """How long a caller waits for aborts the thread collects or forgets after abort_timeout_s: that plus a
+        margin for the thread's sweep (a wait past it means the thread is stuck)."""
+        return self.abort_timeout_s + max(self.abort_timeout_s, 10.0)
+
+    def _forget_unanswered(self) -> list[str]:
+        """Forget the aborted requests without a result `abort_timeout_s` after their abort (lock held); returns
+        them. `_aborting` is in abort-time order: stop at the first one still within the bound."""
+        cutoff = time.monotonic() - self.abort_timeout_s
+        expired = []
+        for rid, at in self._aborting.items():
+            if at > cutoff:
+                break
+            expired.append(rid)
+        gone = [rid for rid in expired if rid not in self._handles]  # collected already: nothing to forget
+        for rid in gone:
+            del self._aborting[rid]
+        # A handle that completed just now is collected by this sweep instead: its partial result is kept.
+        expired = [rid for rid in expired if rid in self._handles and not self._handles[rid].done()]
+        if expired:
+            self._lose(expired, "unanswered_aborts")
+        return expired
+
+    def _lose(self, rids: list[str], cause: str) -> None:
+        """Aborted requests that will bring no result (lock held): forget their handles and tell the scheduler (a
+        live sample resumes with its prefix kept, on any engine: the one it ran on may be gone)."""
+        for rid in rids:
+            self._handles.pop(rid, None)
+            self._aborting.pop(rid, None)
+            sample = self.sched.by_request.get(rid)
+            if self.pool is not None and self.pool.engine_of(rid) is not None:
+                self.pool.release(rid)
+                if sample is not None:
+                    self.pool.forget((sample.group.gid, sample.index))
+        self.sched.lost(rids)
+        self._counters[cause] += len(rids)
+        self._cv.notify_all()
+
+    def _book_warning(self, lost: dict[str, list[str]]) -> int | None:
+        """One warning per version (lock held): the version to warn about now if these are its first losses; later
+        ones are summed up at the next `finish_update`."""
+        if not any(lost.values()):
+            return None
+        version = self.sched.version
+        if self._warned_version != version:
+            self._warned_version = version
+            return version
+        for cause, rids in lost.items():
+            if rids:
+                self._unwarned[cause] = self._unwarned.get(cause, 0) + len(rids)
+        return None
+
+    def _warn_lost(self, version: int, lost: dict[str, list[str]], errors: list[BaseException]) -> None:
+        """The warning about the first requests lost at `version`."""
+        what = []
+        if lost["unanswered_aborts"]:
+            rids = lost["unanswered_aborts"]
+            what.append(f"{len(rids)} ({', '.join(rids[:5])}) brought no result within {self.abort_timeout_s} s")
+        if lost["failed_aborts"]:
+            rids = lost["failed_aborts"]
+            what.append(f"{len(rids)} ({', '.join(rids[:5])}) raised {type(errors[0]).__name__}: {errors[0]}")
+        log.warning(
+            "async rollout: aborted requests lost at version %d: %s; forgotten, their samples resume with their "
+            "earlier prefixes (an engine restart or a lost worker?)",
+            version,
+            "; ".join(what),
+        )
+
+    def _engine_failure(self, rid: str, exc: BaseException) -> RuntimeError:
+        """The error a live request's failure stops the rollout with (lock held): it names the request."""
+        sample = self.sched.by_request.get(rid)
+        where = f" (group {sample.group.gid}, sample {sample.index})" if sample is not None else ""
+        return RuntimeError(f"request {rid}{where} failed in the inference engine: {type(exc).__name__}: {exc}")
 
     def _count_idle_abort(self, sample: SampleState, rid: str, out: RequestOutput, asked: bool) -> None:
         """Count the engine's own aborts of `sample` that brought no token (lock held); too many: raise."""

@@ -1,0 +1,246 @@
+"""AsyncRollout and requests that never return (roll_core.scheduling.driver, "Requests that never return"): an
+aborted request whose handle never completes is forgotten after `abort_timeout_s` and reported lost (its sample
+resumes with its prefix kept, a stale group's id is forgotten), an aborted request whose handle raises is a loss
+too (the rollout goes on), and a live request whose handle raises stops the rollout with an error that names it,
+raised in the trainer's call instead of a wait for a batch that never completes. Fake engines, no Ray."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from roll_core.interfaces import Request, RequestOutput, SamplingParams
+from roll_core.scheduling.driver import AsyncRollout
+from roll_core.scheduling.scheduler import RolloutScheduler
+
+BOUND = 0.2  # abort_timeout_s in these tests: short, since waiting it out is what they test
+
+
+class _Engine:
+    """The request API of an inference group; a request runs until the test acts on it. `on_abort` says what an
+        abort does: "partial" (the result comes with one generated token, 7), "deaf" (nothing: the handle never
+        completes, as when the engine restarted) or "raise" (the handle raises, as when its worker died). `preempt`: the
+    first request of each prompt is aborted by the engine itself at once with one token (7): the sample resumes from
+    [prompt, 7] within the same version."""
+
+    def __init__(self) -> None:
+        self.on_abort, self.preempt = "partial", False
+        self.seen: set[int] = set()  # the prompts preempted already
+        self.lock = threading.Lock()
+        self.running: dict[str, tuple[Request, Future]] = {}
+        self.requests: list[Request] = []  # every request submitted, in order
+
+    def submit_request(self, request: Request, rank: int | None = None) -> Future:
+        fut: Future = Future()
+        with self.lock:
+            self.requests.append(request)
+            if self.preempt and request.prompt_ids[0] not in self.seen:
+                self.seen.add(request.prompt_ids[0])
+                fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [7], [-0.5], "abort"))
+            else:
+                self.running[request.request_id] = (request, fut)
+        return fut
+
+    def abort(self, request_id: str) -> bool:
+        if self.on_abort == "deaf":
+            return False
+        with self.lock:
+            item = self.running.pop(request_id, None)
+        if item is None:
+            return False
+        request, fut = item
+        if self.on_abort == "raise":
+            fut.set_exception(ConnectionError("the engine's worker died"))
+        else:
+            fut.set_result(RequestOutput(request_id, request.prompt_ids, [7], [-0.5], "abort"))
+        return True
+
+    def fail(self, error: BaseException) -> None:
+        """Every running request raises `error` (an engine failure, nothing aborted)."""
+        with self.lock:
+            items, self.running = list(self.running.values()), {}
+        for _, fut in items:
+            fut.set_exception(error)
+
+    def serve(self) -> None:
+        """Finish every running request with one token (8)."""
+        with self.lock:
+            items, self.running = list(self.running.values()), {}
+        for request, fut in items:
+            fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [8], [-0.5], "stop"))
+
+    def wait_running(self, n: int) -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with self.lock:
+                if len(self.running) >= n:
+                    return
+            time.sleep(0.002)
+        raise AssertionError(f"{len(self.running)} requests running, expected {n}")
+
+
+def _driver(engine: _Engine, sched: RolloutScheduler, abort_timeout_s: float = BOUND) -> AsyncRollout:
+    prompts = iter(range(10**6))
+    params = SamplingParams(max_new_tokens=4)
+    return AsyncRollout(
+        engine, sched, lambda: ("p", [next(prompts)]), params, timeout_s=30, abort_timeout_s=abort_timeout_s
+    )
+
+
+def _partial_sched() -> RolloutScheduler:
+    # (k + 1) B = 2 groups of one sample: prompts [0] and [1], two requests running
+    return RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=4, async_ratio=1, partial_rollout=True)
+
+
+def _driver_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "roll_core.scheduling.driver" and r.levelno >= 30]
+
+
+def test_an_aborted_request_that_never_returns_is_forgotten_and_its_sample_resumes_with_its_prefix(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Partial rollout: the engine preempts each sample once (it keeps the prefix [7] and resumes); then, at the
+    weight update, the engine has restarted and answers no abort. The update waited 60 s and failed the run, and
+    the handles stayed in the driver for good. Now, after abort_timeout_s, they are forgotten and reported lost: the
+    update goes on, each sample resumes from [prompt, 7] (the lost request's own tokens are gone), and the batch
+    completes."""
+    engine = _Engine()
+    engine.preempt = True
+    sched = _partial_sched()
+    driver = _driver(engine, sched)
+    caplog.set_level(logging.WARNING, logger="roll_core.scheduling.driver")
+    try:
+        driver.start()
+        engine.wait_running(2)  # the continuations [0, 7] and [1, 7]
+        lost = sorted(engine.running)
+        engine.on_abort, engine.preempt = "deaf", False
+        t0 = time.monotonic()
+        driver.begin_update()  # waits abort_timeout_s, then goes on without the lost requests
+        assert time.monotonic() - t0 < 10
+        assert not set(lost) & (set(driver._handles) | set(driver._aborting))
+        stats = driver.stats()
+        assert stats["async/unanswered_aborts"] == 2 and stats["async/lost_requests"] == 2
+        assert stats["async/failed_aborts"] == 0 and stats["async/dropped_requests_waiting"] == 0
+        mark = len(engine.requests)
+        driver.finish_update()
+        engine.wait_running(4)  # the two lost requests (still "running" in the deaf engine) and their resumptions
+        after = {tuple(r.prompt_ids): r.params.max_new_tokens for r in engine.requests[mark:]}
+        assert after == {(0, 7): 3, (1, 7): 3}  # the prefix counts against max_new_tokens
+        engine.serve()
+        [group] = driver.take(1)
+    finally:
+        driver.close()
+    assert group.samples[0].tokens == [7, 8] and sched.counters["resumed_requests"] == 4
+    warnings = _driver_warnings(caplog)
+    assert len(warnings) == 1 and "2 (" in warnings[0] and "no result within 0.2 s" in warnings[0]
+
+
+def test_a_stale_groups_unanswered_abort_is_forgotten_and_shown_as_a_gauge_meanwhile() -> None:
+    """Order "ready": at version 2 the two groups admitted at version 0 are too stale, dropped and aborted, and the
+    engine answers neither abort. `async/dropped_requests_waiting` shows the two while the bound runs; then the
+    driver forgets them (no handle, no scheduler id left) instead of keeping both for good."""
+    engine = _Engine()
+    engine.on_abort = "deaf"
+    sched = RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=4, async_ratio=1, order="ready")
+    driver = _driver(engine, sched, abort_timeout_s=3600)  # nothing is forgotten until the bound is lowered below
+    try:
+        driver.start()
+        engine.wait_running(2)
+        driver.begin_update()
+        driver.finish_update()
+        driver.begin_update()
+        driver.finish_update()  # version 2: groups 0 and 1 (requests async-0, async-1) are dropped
+        assert sched.counters["stale_groups"] == 2
+        stats = driver.stats()
+        assert stats["async/dropped_requests_waiting"] == 2 and stats["async/unanswered_aborts"] == 0
+        driver.abort_timeout_s = BOUND
+        deadline = time.monotonic() + 10
+        while sched.dropped_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = driver.stats()
+        assert stats["async/dropped_requests_waiting"] == 0
+        assert stats["async/unanswered_aborts"] == 2 and stats["async/lost_requests"] == 2
+        assert not {"async-0", "async-1"} & (set(driver._handles) | set(driver._aborting))
+        assert driver._thread is not None and driver._thread.is_alive()
+    finally:
+        driver.close()
+
+
+def test_an_aborted_request_whose_handle_raises_is_lost_not_fatal(caplog: pytest.LogCaptureFixture) -> None:
+    """At a weight update the engine's worker died: the aborted requests' handles raise. That killed the rollout
+    thread (the update raised "async rollout failed"), though the requests were being thrown away anyway. They are
+    lost requests now: counted, warned once, the samples resume and the batch completes."""
+    engine = _Engine()
+    sched = _partial_sched()
+    driver = _driver(engine, sched)
+    caplog.set_level(logging.WARNING, logger="roll_core.scheduling.driver")
+    try:
+        driver.start()
+        engine.wait_running(2)
+        engine.on_abort = "raise"
+        driver.begin_update()
+        mark = len(engine.requests)
+        driver.finish_update()
+        engine.wait_running(2)  # resumed: nothing generated before, so the same prompts again
+        assert sorted(r.prompt_ids for r in engine.requests[mark:]) == [[0], [1]]
+        engine.serve()
+        [group] = driver.take(1)
+        stats = driver.stats()
+    finally:
+        driver.close()
+    assert group.samples[0].tokens == [8]
+    assert stats["async/failed_aborts"] == 2 and stats["async/lost_requests"] == 2
+    assert stats["async/unanswered_aborts"] == 0
+    # One warning for the version; the thread may have collected the two failures in two sweeps, the second then
+    # summed up at the update.
+    warnings = _driver_warnings(caplog)
+    summary = (
+        "async rollout: 1 more aborted request(s) lost at version 0 (async/failed_aborts 1): forgotten, their samples "
+        "resume with their earlier prefixes"
+    )
+    assert "ConnectionError: the engine's worker died" in warnings[0], warnings
+    assert (warnings[0].count("async-") == 2 and len(warnings) == 1) or (
+        warnings[0].count("async-") == 1 and warnings[1:] == [summary]
+    ), warnings
+
+
+def test_a_live_request_whose_handle_raises_fails_the_batch_naming_it() -> None:
+    """A request nobody aborted raises (the engine failed): the trainer's `take` raises at once, naming the request,
+    its group and sample, chained to the engine's error; it neither hangs for timeout_s nor resubmits in silence.
+    Later calls (an update) raise the same."""
+    engine = _Engine()
+    driver = _driver(engine, _partial_sched())
+    boom = ValueError("CUDA error: an illegal memory access was encountered")
+    got: list[BaseException] = []
+
+    def trainer() -> None:
+        try:
+            driver.take(1)
+        except BaseException as exc:  # reported to the test's thread
+            got.append(exc)
+
+    try:
+        driver.start()
+        engine.wait_running(2)
+        thread = threading.Thread(target=trainer, daemon=True)
+        thread.start()
+        engine.fail(boom)
+        thread.join(10)  # timeout_s is 30: a take that only timed out would still be waiting here
+        assert not thread.is_alive() and len(got) == 1
+        err = got[0]
+        assert isinstance(err, RuntimeError)
+        assert "request async-" in str(err) and "(group " in str(err) and "failed in the inference engine" in str(err)
+        assert "ValueError: CUDA error" in str(err) and err.__cause__ is not None and err.__cause__.__cause__ is boom
+        with pytest.raises(RuntimeError, match="failed in the inference engine"):
+            driver.begin_update()
+    finally:
+        driver.close()
+
+
+def test_abort_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="abort_timeout_s=0"):
+        _driver(_Engine(), _partial_sched(), abort_timeout_s=0)
