@@ -7,6 +7,9 @@ log-probs, entropies and values atol 1e-5 (summation-order noise is ~1e-6); grad
 weights after 4 AdamW steps at lr 1e-3 atol 1e-5: AdamW's first steps move a weight by ~lr * sign(grad), so the
 rounding noise of a near-zero gradient can move it by up to ~1e-2 * lr (the padded path split into other
 micro-batches differs from itself by as much, at 1 or 2 of 95k weights); a wrong gradient moves many by ~lr.
+Sliding-window families (Gemma2/3, Mistral, Qwen2 with `use_sliding_window`) pack too, each windowed layer under its
+window in padded-row columns: their packed rows are longer than the window, and the block mask alone (the window
+dropped) gives other log-probs, so the equality shows the window is applied.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from torch import Tensor
 
 from roll_core.pipelines.objectives import PolicyObjective, ValueObjective
 from roll_core.sequences import pad_left
-from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
+from roll_engines.train._packing import PackedBatch, pack, packed_forward, prompt_order, unsupported_reason
 from roll_engines.train.hf import HFTrainEngine
 
 LOGPROB_ATOL = 1e-5
@@ -203,22 +206,22 @@ def test_unpackable_micro_batches_and_models_fall_back(
     engine.model.config._attn_implementation = "flash_attention_2"
     assert "flash_attention_2" in unsupported_reason(engine.model)
 
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
-    cfg = MistralConfig(
+    cfg = GPTNeoConfig(
         vocab_size=99,
         hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        num_layers=2,
+        num_heads=2,
+        window_size=4,
+        attention_types=[[["global", "local"], 1]],
     )
-    MistralForCausalLM(cfg).save_pretrained(tmp_path / "mistral")
+    GPTNeoForCausalLM(cfg).save_pretrained(tmp_path / "gpt-neo")
     with caplog.at_level(logging.WARNING, logger="roll_engines.train.hf"):
-        mistral = HFTrainEngine(str(tmp_path / "mistral"), role="reference")
-    assert not mistral.pack_sequences and "sliding-window" in caplog.text
-    out = mistral.compute_logprobs(batch)["logprobs"]
-    assert mistral.forward_tokens == ids.numel() and torch.isfinite(out).all()
+        neo = HFTrainEngine(str(tmp_path / "gpt-neo"), role="reference", attn_implementation="eager")
+    assert not neo.pack_sequences and "local layers" in caplog.text
+    out = neo.compute_logprobs(batch)["logprobs"]
+    assert neo.forward_tokens == ids.numel() and torch.isfinite(out).all()
 
 
 # ---- model families: the packed forward equals the padded one, or the family is refused -----------------------
@@ -242,7 +245,15 @@ def _family(name: str) -> tuple[torch.nn.Module, str]:
             **_SMALL, **heads, sliding_window=4, use_sliding_window=True, max_window_layers=0
         ),
         "gemma": lambda: tf.GemmaConfig(**_SMALL, **heads),
+        # One full-attention layer and one windowed (Qwen2 windows the layers from `max_window_layers` on).
+        "qwen2-mixed": lambda: tf.Qwen2Config(
+            **_SMALL, **heads, sliding_window=4, use_sliding_window=True, max_window_layers=1
+        ),
+        "gemma2": lambda: tf.Gemma2Config(**_SMALL, **heads, sliding_window=4),
         "gemma3": lambda: tf.Gemma3TextConfig(**_SMALL, **heads, sliding_window=4, sliding_window_pattern=2),
+        "gemma3-bidirectional": lambda: tf.Gemma3TextConfig(
+            **_SMALL, **heads, sliding_window=4, sliding_window_pattern=2, use_bidirectional_attention=True
+        ),
         "mistral-window": lambda: tf.MistralConfig(**_SMALL, **heads, sliding_window=4),
         "gpt-neo-local": lambda: tf.GPTNeoConfig(
             vocab_size=99,
@@ -256,7 +267,7 @@ def _family(name: str) -> tuple[torch.nn.Module, str]:
         "lfm2-conv": lambda: tf.Lfm2Config(**_SMALL, **heads, layer_types=["conv", "full_attention"]),
     }
     cfg = configs[name]()
-    attn = "eager" if name.split("-")[0] in ("gpt", "mpt", "gemma3") else "sdpa"
+    attn = "eager" if name.split("-")[0] in ("gpt", "mpt", "gemma2", "gemma3") else "sdpa"
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
     model.config.use_cache = False
@@ -288,27 +299,45 @@ def _family_batch() -> dict[str, Tensor]:
     )
 
 
-def _padded_and_packed(model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """(B, R) response log-probs at temperature 0.7 of the padded forward and of the packed one (one row)."""
+def _padded_and_packed(model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, PackedBatch]:
+    """(B, R) response log-probs at temperature 0.7 of the padded forward, and the batch packed in one row."""
     ids, am, pos, resp = (batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses"))
     r = resp.shape[1]
     logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, -r - 1 : -1].float() / 0.7
     want = torch.gather(logits.log_softmax(-1), -1, resp[..., None])[..., 0]
     packed = pack(ids, am, pos, resp, hidden_size=10**9)
     assert packed is not None and packed.input_ids.shape[0] == 1
-    return want, packed_forward(model, packed, critic=False, temperature=0.7)["logprobs"]
+    return want, packed
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma"])
-def test_full_attention_families_pack_to_the_padded_logprobs_and_gradients(name: str) -> None:
+def _block_masked(model: torch.nn.Module, packed: PackedBatch) -> Tensor:
+    """(B, R) log-probs at temperature 0.7 of the packed row under the block mask alone in every layer (no window:
+    what packing gave a windowed model before its windows were masked)."""
+    mask = packed.attention_mask(model.config._attn_implementation)
+    out = model(
+        input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids, logits_to_keep=packed.keep
+    )
+    logits = out.logits.float() / 0.7
+    return packed.scatter(logits.log_softmax(-1)[packed.source, packed.targets])
+
+
+WINDOWED = ["gemma3", "gemma2", "mistral-window", "qwen2-window", "qwen2-mixed"]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma", *WINDOWED])
+def test_families_pack_to_the_padded_logprobs_and_gradients(name: str) -> None:
     model, _ = _family(name)
     assert unsupported_reason(model) is None
     batch = _family_batch()
     m = _attended(batch)
     weights = torch.randn(m.shape, generator=torch.Generator().manual_seed(6)) * m
-    want, got = _padded_and_packed(model, batch)
+    want, packed = _padded_and_packed(model, batch)
+    got = packed_forward(model, packed, critic=False, temperature=0.7)["logprobs"]
     assert want[m].std() > 0.5  # the log-probs depend on the context: a wrong mask would show
     torch.testing.assert_close(got[m], want[m], atol=LOGPROB_ATOL, rtol=0)
+    if name in WINDOWED:  # the window matters here: without it the packed row gives other log-probs
+        with torch.no_grad():
+            assert (_block_masked(model, packed)[m] - want[m]).abs().max() > 0.05
     grads = []
     for out in (want, got):
         model.zero_grad(set_to_none=True)
@@ -322,21 +351,42 @@ def test_full_attention_families_pack_to_the_padded_logprobs_and_gradients(name:
 @pytest.mark.parametrize(
     ("name", "reason"),
     [
-        ("qwen2-window", "sliding_attention layers"),
-        ("mistral-window", "sliding-window"),
-        ("gemma3", "sliding_attention layers"),
         ("gpt-neo-local", "local layers"),  # GPT-Neo's 256-token local attention (here 4) was let through
         ("mpt-alibi", "ALiBi"),  # MPT builds its ALiBi bias in `build_mpt_alibi_tensor`: was let through
         ("lfm2-conv", "conv layers"),
+        ("gemma3-bidirectional", "bidirectional"),
     ],
 )
 def test_families_whose_layers_see_the_row_order_are_refused(name: str, reason: str) -> None:
     model, _ = _family(name)
     with torch.no_grad():
-        want, got = _padded_and_packed(model, _family_batch())
+        want, packed = _padded_and_packed(model, _family_batch())
+        got = _block_masked(model, packed)
     m = _attended(_family_batch())
     assert (got[m] - want[m]).abs().max() > 0.05  # packing would give these models other log-probs
     assert reason in (unsupported_reason(model) or "")
+    if name != "mpt-alibi":  # (its bias is no mask matter: the engine's check refuses it)
+        with pytest.raises(ValueError, match=reason):  # the packed forward refuses to give them wrong numbers
+            packed_forward(model, packed, critic=False)
+
+
+def test_sliding_windows_of_a_vision_language_model_are_refused() -> None:
+    """Gemma3's vision-language forward builds its picture tokens' (bidirectional) masks itself: a window there is
+    not packed (its text model alone is)."""
+    import transformers as tf
+
+    text = dict(**_SMALL, num_key_value_heads=2, head_dim=16, sliding_window=4, sliding_window_pattern=2)
+    text["vocab_size"] = 300
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    cfg = tf.Gemma3Config(
+        text_config=text,
+        vision_config={**vision, "patch_size": 14},
+        mm_tokens_per_image=4,
+        image_token_index=299,
+        boi_token_index=297,
+        eoi_token_index=298,
+    )
+    assert "vision-language" in (unsupported_reason(tf.Gemma3ForConditionalGeneration(cfg)) or "")
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -349,3 +399,52 @@ def test_gather_ids_out_of_the_vocabulary_are_refused(tiny: str, packed: bool) -
         ids[0, 0, 1] = bad  # advanced indexing would read -1 as the vocabulary's last token
         with torch.no_grad(), pytest.raises(ValueError, match="gather ids must be token ids"):
             engine._forward(batch, 1.0, False, gather_ids=ids)
+
+
+# ---- the engine packs a sliding-window model: Gemma3 text (window 8, then a global layer) ---------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """roll's tiny random Gemma3 text model (conf/model/gemma3.yaml's test model): a sliding-window layer (window 8,
+    shorter than the packed rows and than most padded rows of `_mixed_batch`) and a global one."""
+    from roll_core.testing.models import tiny_model
+
+    return tiny_model("gemma3", tmp_path_factory.mktemp("gemma3"))
+
+
+def _sharpen(engine: HFTrainEngine) -> None:
+    """The same weights in every engine, drawn at std 0.3 (see `_family`): each log-prob depends on its context."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_gemma3_engine_packs_to_the_padded_logprobs_and_gradients(tiny_gemma3: str, attn: str) -> None:
+    batch = _mixed_batch(1)
+    padded, packed = _engines(tiny_gemma3, "many", attn_implementation=attn, micro_batch_size=9)  # packs (asserted)
+    for engine in (padded, packed):
+        _sharpen(engine)
+    m = _attended(batch)
+    want = padded.compute_logprobs(batch, temperature=0.7)["logprobs"]
+    got = packed.compute_logprobs(batch, temperature=0.7)["logprobs"]
+    assert packed.forward_tokens < padded.forward_tokens  # the packed forward ran
+    assert want[m].std() > 0.5
+    torch.testing.assert_close(got[m], want[m], atol=LOGPROB_ATOL, rtol=0)
+    # The window matters: the block mask alone in both layers gives other log-probs.
+    rows = [batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")]
+    one = pack(*rows, hidden_size=0)
+    assert one is not None and int(one.allowed[..., 0, :, :].sum(-1).max()) > 8  # rows attend past the window
+    with torch.no_grad():
+        assert (_block_masked(packed.model, one)[m] - want[m]).abs().max() > 0.05
+
+    batch["old_logprobs"] = want.detach() + 0.3 * torch.randn(want.shape, generator=torch.Generator().manual_seed(2))
+    objective = PolicyObjective(agg="seq-mean-token-mean", kl_loss_coef=0.1, entropy_coef=0.01)
+    g_want = padded.compute_gradients(batch, objective)
+    g_got = packed.compute_gradients(batch, objective)
+    assert g_want.keys() == g_got.keys() and all(g.abs().sum() > 0 for g in g_want.values())
+    for n, g in g_want.items():  # sharpened weights: summation noise ~1e-5 of the largest gradient
+        torch.testing.assert_close(g_got[n], g, rtol=GRAD_RTOL, atol=1e-5 * float(g.abs().max()), msg=n)

@@ -28,10 +28,13 @@ Contract:
   prompt pictures' digests (equal prompt ids with other pictures are other prompts); the packed row takes each
   segment's prompt pictures once, then its members' response pictures, in packed order (`PackedBatch.mm`); mrope
   positions (3, B, P+R) are gathered per section exactly as 1D positions are.
+- Sliding-window layers (Gemma2/3, Mistral, Qwen2 with `use_sliding_window`) get the block mask cut to their
+  window measured in padded-row columns, per layer type (roll_engines.train._packed_masks): a segment's rows share
+  its prompt only if the prompt sits at the same columns in each (always so for left-padded prompts).
 - Must not be used for models whose attention ignores a custom 4D mask: `unsupported_reason` says why a model
-  cannot take it (attention implementation other than sdpa/eager; sliding-window, local, chunked, convolution
-  or recurrent layers; ALiBi; modeling code outside transformers' mask utilities); the engine then keeps the
-  padded path.
+  cannot take it (attention implementation other than sdpa/eager; local, chunked, convolution or recurrent
+  layers; bidirectional attention; a window in a vision-language model; ALiBi; modeling code outside
+  transformers' mask utilities); the engine then keeps the padded path.
 """
 
 from __future__ import annotations
@@ -44,15 +47,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from roll_engines.train._packed_masks import MaskPlan, mask_plan, packed_masks
+
 if TYPE_CHECKING:
     from roll_engines.train._vision import MicroPictures
 
 #: Attention implementations that apply a custom 4D mask as given (transformers' masking_utils passes 4D masks
 #: through untouched; flash-attention kernels take no dense mask).
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-
-#: Per-layer attention kinds (config `layer_types`, GPT-Neo's `attention_layers`) that attend by the mask alone.
-FULL_ATTENTION_LAYERS = ("full_attention", "global")
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class PackedBatch:
         mm: the pictures' processor tensors in the packed placeholder order ({} without pictures).
         origin: (N, T) long, each packed token's index in the micro-batch's flattened (B * (P+R)) padded layout
             (a shared prompt's tokens: its first row's); -1 for padding (per-position inputs: routed-expert replay).
+        width: P+R, the padded row width `origin` counts in (0: unknown).
     """
 
     input_ids: Tensor
@@ -84,6 +87,7 @@ class PackedBatch:
     shape: tuple[int, int]
     mm: dict[str, Tensor] = field(default_factory=dict)
     origin: Tensor | None = None
+    width: int = 0
 
     @property
     def tokens(self) -> int:
@@ -97,13 +101,16 @@ class PackedBatch:
         return PackedBatch(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in moved.items()})
 
     def attention_mask(self, attn_implementation: str) -> Tensor:
-        """The 4D mask in the form the attention implementation adds or applies: bool for sdpa (True attends),
-        additive float for eager (0 attends, the fp32 minimum blocks; eager adds it to the scores)."""
-        if attn_implementation == "eager":
-            return torch.zeros(self.allowed.shape, dtype=torch.float32, device=self.allowed.device).masked_fill(
-                ~self.allowed, torch.finfo(torch.float32).min
-            )
-        return self.allowed
+        """The full-attention 4D mask in the form the attention implementation adds or applies: bool for sdpa (True
+        attends), additive float for eager (0 attends, the fp32 minimum blocks; eager adds it to the scores)."""
+        return packed_masks(self, MaskPlan(), attn_implementation)
+
+    def columns(self) -> Tensor:
+        """(N, T) long: each token's column in its padded row (a shared prompt's: the same in each of its rows);
+        0 for padding (which attends only to itself)."""
+        if self.origin is None or self.width < 1:
+            raise ValueError("this PackedBatch carries no padded-row columns (origin and width): cannot window it")
+        return torch.where(self.origin >= 0, self.origin % self.width, 0)
 
     def scatter(self, values: Tensor) -> Tensor:
         """(K, ...) per-response-token values -> (B, R, ...), 0 where no response token is attended (keeps the
@@ -228,8 +235,10 @@ def pack(
     if not am[lengths > 0, p - 1].bool().all():  # the first response token's predictor must be a real token
         return None
 
-    # Segments: one per distinct prompt (first-seen order), holding the rows that continue it.
+    # Segments: one per distinct prompt (first-seen order), holding the rows that continue it. The key also holds
+    # the prompt's columns (equal for equal left-padded prompts): a sliding window counts padded-row columns.
     keys = _prompt_keys(ids, am, pos, p, pictures.keys if pictures is not None else None)
+    keys = [k + b"|" + am[i, :p].bool().numpy().tobytes() for i, k in enumerate(keys)]
     groups: dict[bytes, list[int]] = {}
     for i in range(b):
         if int(lengths[i]) > 0:  # a row without response tokens needs no computation
@@ -303,47 +312,46 @@ def pack(
         shape=(b, r),
         mm=pictures.packed(order) if pictures is not None else {},
         origin=origin,
+        width=width,
     )
+
+
+def _decoder(model: torch.nn.Module) -> tuple[torch.nn.Module, object, torch.nn.Module]:
+    """(the transformers model inside `model`, its config, its decoder model: the one whose forward builds masks)."""
+    from roll_engines.train._lora import base_model
+
+    inner = base_model(model)
+    backbone = getattr(inner, "base_model", inner)
+    # A vision-language model's decoder (and its masks) is its language model's (LLaVA wraps any causal LM).
+    return inner, getattr(inner, "config", None), getattr(backbone, "language_model", backbone)
+
+
+def _plan(config: object, backbone: torch.nn.Module) -> MaskPlan | str:
+    """`mask_plan` of a model from its config (a vision-language model's: its text config)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return mask_plan(text, backbone, vision_language=text is not config)
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why `model` cannot run packed sequences (None if it can).
 
-    Packing needs the attention to apply a custom 4D mask as given: transformers' modeling code that builds its
+    Packing needs the attention to apply the packed masks as given: transformers' modeling code that builds its
     masks with `masking_utils.create_causal_mask` (which passes a 4D mask through), an sdpa or eager attention
-    implementation, full attention in every layer (no sliding-window, local, chunked, convolution or recurrent
-    layers: they see tokens by their place in the row) and no ALiBi bias (a bias by distance in the row). A
-    causal LM must also select logits with `slice_logits_to_keep` (a 2D boolean `logits_to_keep` keeps a
-    different set of positions per row).
+    implementation, full or sliding-window attention in every layer (no local, chunked, convolution or recurrent
+    layers: they see tokens by their place in the row; no bidirectional attention; sliding windows only where
+    `_packed_masks.mask_plan` sees how the model applies them, and not in a vision-language model) and no ALiBi bias
+    (a bias by distance in the row). A causal LM must also select logits with `slice_logits_to_keep` (a 2D boolean
+    `logits_to_keep` keeps a different set of positions per row).
     """
-    from roll_engines.train._lora import base_model
-
-    inner = base_model(model)
-    config = getattr(inner, "config", None)
+    inner, config, backbone = _decoder(model)
     if config is None:
         return f"{type(inner).__name__} has no transformers config"
     attn = getattr(config, "_attn_implementation", None)
     if attn not in SUPPORTED_ATTENTION:
         return f"attn_implementation={attn!r} takes no custom 4D mask (packing needs one of {SUPPORTED_ATTENTION})"
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM's decoder settings
-    # A layer that is not full attention sees tokens by their place in the sequence (a window, a chunk, a
-    # convolution, a recurrence), not only through the mask: packing moves a response away from its prompt
-    # (its siblings sit in between), so such a layer would see other tokens than in the padded row.
-    # `attention_layers` is GPT-Neo's ("local": a 256-token window over the row, mask or not).
-    kinds = {str(k) for attr in ("layer_types", "attention_layers") for k in getattr(text, attr, None) or []}
-    kinds -= set(FULL_ATTENTION_LAYERS)
-    if kinds:
-        return (
-            f"the model has {', '.join(sorted(kinds))} layers (sliding-window, local, chunked, convolution or "
-            "recurrent layers see tokens by their place in the row, which a custom 4D mask does not confine)"
-        )
-    if (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)) or getattr(
-        text, "attention_chunk_size", None
-    ):
-        return "the model uses sliding-window (or chunked) attention, which a custom 4D mask would drop"
-    backbone = getattr(inner, "base_model", inner)
-    # A vision-language model's decoder (and its masks) is its language model's (LLaVA wraps any causal LM).
-    backbone = getattr(backbone, "language_model", backbone)
+    plan = _plan(config, backbone)
+    if isinstance(plan, str):
+        return plan
     modeling = sys.modules.get(type(backbone).__module__)
     if not type(backbone).__module__.startswith("transformers.models.") or modeling is None:
         return f"{type(backbone).__name__} is not a transformers model (remote code may ignore a 4D mask)"
@@ -383,12 +391,15 @@ def packed_forward(
     """
     from roll_algos.losses import entropy_from_logits
     from roll_engines.train._logits import GATHERED, check_gather_ids, topk_of
-    from roll_engines.train._lora import base_model
 
-    attn = base_model(model).config._attn_implementation
+    _, config, backbone = _decoder(model)
+    plan = _plan(config, backbone)
+    if isinstance(plan, str):  # the block mask alone would give such a model other outputs than the padded path
+        raise ValueError(f"cannot run this model packed: {plan}")
     kwargs = dict(
         input_ids=packed.input_ids,
-        attention_mask=packed.attention_mask(attn),
+        # One mask, or {layer type: mask} with sliding-window layers cut to their window (_packed_masks).
+        attention_mask=packed_masks(packed, plan, config._attn_implementation),
         position_ids=packed.position_ids,
         **packed.mm,  # pictures in the packed placeholder order (vision-language models)
     )

@@ -19,8 +19,9 @@ Contract:
   shared by several rows is computed once, responses follow it without padding under a block attention mask.
   Rows are first grouped by prompt inside each mini-batch (and the scoring batch), so micro-batches share
   prompts; the rows of each mini-batch, hence the gradient, stay the same (per-micro-batch metrics may average
-  differently). Models that cannot take a 4D mask use the padded forward (logged once). Outputs at response
-  positions outside the attention mask are 0 when packed.
+  differently). Sliding-window layers get the block mask cut to their window (_packed_masks); models that cannot
+  take the packed masks use the padded forward (logged once). Outputs at response positions outside the
+  attention mask are 0 when packed.
 - Structured outputs: a batch may carry `structured` (roll_core.interfaces.inference.STRUCTURED_KEY, a (B, K) uint8
   tensor from `structured_rows`): the JSON schema / regex each row was sampled under. The log-probs (and
   entropies) of a constrained row are then those of the constrained distribution the sampler drew from: at each
