@@ -190,3 +190,56 @@ def test_a_tensor_written_under_two_names_gets_its_value_from_before_the_sync() 
         tied.fill_(value)
     assert undo.undo() == 1 and undo.written == 2  # one copy held, of the value from before the sync
     assert torch.equal(tied, torch.arange(6.0).reshape(2, 3))
+
+
+class _LostCopy:
+    """A tensor whose copy back fails (the device or host memory gave out during the undo)."""
+
+    def copy_(self, _old: Tensor) -> None:
+        raise RuntimeError("device lost during the undo")
+
+
+def test_a_failed_sync_whose_undo_failed_refuses_to_generate_until_a_full_sync(
+    engine: HFInferEngine, shared: tuple[HFInferEngine, dict[str, Tensor]]
+) -> None:
+    """The undo of a failed sync raises part way: the engine holds a mix of both versions. Every request is refused
+    with an error naming the sync (it served the mix, with an error logged once), a sync that rewrites only some
+    of the mixed tensors does not lift it, and the next full sync serves exactly what an engine given those weights
+    serves."""
+    original = shared[1]
+    version = engine.weight_version
+    changed = _changed(original, seed=4)
+    half = len(changed) // 2
+    engine.begin_weight_update()
+    try:
+        engine.update_weights(changed[:half])
+        saved = engine._undo._saved  # type: ignore[union-attr]
+        k = len(saved) // 2  # the undo restores those after it, then fails: a real mix
+        saved[k] = (_LostCopy(), saved[k][1])  # type: ignore[assignment]
+        paused = engine.submit(Request("paused", [5, 6, 7], SAMPLED))  # waits for the sync to end
+        with pytest.raises(KeyError):
+            engine.update_weights([*changed[half:-2], ("model.no_such_layer.weight", torch.zeros(3))])
+    finally:
+        assert engine.finish_weight_update() == version
+    state = engine.model.state_dict()
+    assert any(torch.equal(state[k], v) for k, v in changed[: half // 4]), "nothing of the failed sync stayed"
+    mixed = rf"mix of two versions since the weight sync to version {version + 1} failed part way .*could not be undone"
+    with pytest.raises(RuntimeError, match=mixed):
+        paused.result(timeout=120)
+    with pytest.raises(RuntimeError, match=mixed):
+        engine.generate(PROMPTS, SAMPLED)
+    with pytest.raises(RuntimeError, match=mixed):
+        engine.submit(Request("later", [5, 6, 7], SAMPLED))
+    # A sync that completes but rewrites only one of the mixed tensors leaves the others mixed.
+    assert engine.load_weights(dict(changed[:1])) > 0
+    assert engine.weight_version == version + 1
+    with pytest.raises(RuntimeError, match=rf"{mixed}.*\(\d+ still to be rewritten\)"):
+        engine.generate(PROMPTS, SAMPLED)
+    # The next full sync makes the weights whole: exactly the new ones, served as a fresh load of them serves them.
+    engine.load_weights(dict(changed))
+    assert engine.weight_version == version + 2
+    assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in changed)
+    healed = _outputs(engine)
+    engine.load_weights(original)
+    engine.load_weights(dict(changed))
+    _assert_same(healed, _outputs(engine))

@@ -12,7 +12,8 @@
 (d) A multimodal model's encoder cache: after a sync neither the scheduler nor the worker keeps a picture's features.
 (e) A GLM-4.5-style router, which vLLM keeps in fp32 under bf16, is synced in fp32 (it was rounded to bf16).
 (f) A sync that fails part way (aborted by its sender, or a weight the worker rejects) is undone in the worker: every
-    parameter and packed kernel as before, fused groups (q|k|v, gate|up) included; the version is kept.
+    parameter and packed kernel as before, fused groups (q|k|v, gate|up) included; the version is kept. Where the
+    undo itself fails the engine refuses to serve the mix of versions until a full sync.
 """
 
 from __future__ import annotations
@@ -220,8 +221,9 @@ def test_a_sync_that_fails_part_way_is_undone_in_the_worker(tmp_path, in_process
     """(f) Buckets that complete some layers (embedding, layer 0) and bring part of a fused group (layer 1's q of
     q|k|v), then an abort: vLLM's worker had written those layers (the partial one with uninitialised k and v at the
     abort) and the engine served them under a new version. Now its weights, kernels and greedy outputs are
-    bit-identical to before and the version stays; the same for a bucket the worker rejects (a wrong shape); a full
-    sync afterwards loads."""
+    bit-identical to before and the version stays; the same for a bucket the worker rejects (a wrong shape). An
+    undo that fails leaves the worker a mix of both versions: every request is refused with an error naming the
+    sync (it served the mix), a sync of one layer does not lift it, and a full sync afterwards loads and serves."""
     from transformers import AutoModelForCausalLM
 
     from roll_core.interfaces import Request, SamplingParams
@@ -264,6 +266,24 @@ def test_a_sync_that_fails_part_way_is_undone_in_the_worker(tmp_path, in_process
             engine.update_weights(part)
         assert engine.abort_weight_update("a bucket failed") == version
         same_as_before()
+
+        from roll_engines.infer import _vllm_worker
+
+        def lost(_undo: object) -> int:
+            raise RuntimeError("device lost during the undo")
+
+        with pytest.MonkeyPatch.context() as patch:  # the worker runs in this process (in_process)
+            patch.setattr(_vllm_worker._LayerUndo, "undo", lost)
+            engine.begin_weight_update()
+            engine.update_weights(first)
+            engine.update_weights(part)
+            assert engine.abort_weight_update("the trainer died") == version
+        mixed = rf"mix of two versions since the weight sync to version {version + 1} failed part way .*could not be"
+        with pytest.raises(RuntimeError, match=mixed):
+            engine.generate(PROMPTS, greedy)
+        _sync(engine, first[:1])  # the embedding alone: layer 0 stays mixed
+        with pytest.raises(RuntimeError, match=mixed):
+            engine.submit(Request("v", PROMPTS[0], greedy))
 
         _sync(engine, list(new.items()))
         _assert_same(engine, str(tmp_path), new)

@@ -8,9 +8,17 @@ Memory: only the tensors already overwritten are held (nothing up front; at most
 sync), in host memory so that a device engine's peak stays what it was, and all of it is freed when the sync ends.
 Staging the new values and swapping at the end would cost as much, and swapping `p.data` would have to follow tied
 weights, prepacked CPU kernels and FP8 emulation; copying old values back keeps every tensor where it is.
+
+When the undo itself fails (a copy back raises: out of host or device memory, a broken device), the engine holds a
+mix of two weight versions and must not serve it: `MixedWeights` names what is mixed (the tensors or layers the
+failed sync wrote) and why, every token-serving call raises `mixed_error` instead, and a later sync that completes
+and rewrites every one of them (a full sync does) makes the weights whole again. Syncs while mixed keep no copies:
+a mix is not worth restoring, and one that fails adds what it wrote to the mix.
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
 
 import torch
 from torch import Tensor
@@ -18,7 +26,7 @@ from torch import Tensor
 
 class SyncUndo:
     """The values, from before one weight sync, of the tensors it has overwritten so far; nothing at all where the
-    old weights are not worth restoring (`keep=False`: discarded by sleep(level=2))."""
+    old weights are not worth restoring (`keep=False`: discarded by sleep(level=2), or already mixed)."""
 
     def __init__(self, keep: bool) -> None:
         self.keep = keep
@@ -26,11 +34,15 @@ class SyncUndo:
         self.error: BaseException | None = None  # why it failed; None while it holds
         self._saved: list[tuple[Tensor, Tensor]] = []
         self._seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+        #: The names (one per tensor) of what this sync wrote, kept or not: what it leaves mixed if not undone.
+        self.names: set[Hashable] = set()
 
-    def save(self, target: Tensor) -> None:
-        """Before `target` is overwritten. A tensor reached under two names (tied weights) keeps its first copy:
-        the second would be of what this sync wrote."""
+    def save(self, target: Tensor, name: Hashable | None = None) -> None:
+        """Before `target` (named `name`, if tracked) is overwritten. A tensor reached under two names (tied
+        weights) keeps its first copy: the second would be of what this sync wrote."""
         self.written += 1
+        if name is not None:
+            self.names.add(name)
         key = (target.data_ptr(), tuple(target.shape), target.stride())
         if self.keep and key not in self._seen:
             self._seen.add(key)
@@ -46,3 +58,45 @@ class SyncUndo:
                 target.copy_(old)
         self._seen.clear()
         return n
+
+
+class MixedWeights:
+    """What a failed sync that could not be undone left holding a mix of two weight versions (module docstring):
+    keys of tensors (hf) or layers (vLLM's workers), and which sync did it. Empty (falsy) while the weights are
+    whole."""
+
+    def __init__(self) -> None:
+        self.keys: set[Hashable] = set()
+        self.since: str | None = None  # the failed sync and why its undo failed; None while whole
+
+    def __bool__(self) -> bool:
+        return bool(self.keys)
+
+    def add(self, keys: Iterable[Hashable], since: str) -> None:
+        """`keys` were written by a failed sync and not restored (`since`: which, and why); the first failure stays
+        the one named."""
+        self.keys.update(keys)
+        if self.keys and self.since is None:
+            self.since = since
+
+    def rewritten(self, keys: Iterable[Hashable]) -> None:
+        """A sync that completed wrote `keys`: those hold its version now, whole again once none is left."""
+        self.keys.difference_update(keys)
+        if not self.keys:
+            self.since = None
+
+    def clear(self) -> None:
+        """Every weight was discarded (a level-2 sleep): nothing of the mix is left to serve."""
+        self.keys.clear()
+        self.since = None
+
+
+def mixed_error(engine: str, since: str | None, left: int) -> RuntimeError:
+    """The error every token-serving call of an engine with mixed weights raises (`left`: tensors or layers, 0 when
+    not known, still to be rewritten)."""
+    what = f" ({left} still to be rewritten)" if left > 0 else ""
+    return RuntimeError(
+        f"{engine} engine: refusing to generate: its weights are a mix of two versions since {since}; the next "
+        f"weight sync that completes and rewrites every weight that sync wrote{what} (a full sync, or reloading the "
+        "engine) makes them whole again"
+    )

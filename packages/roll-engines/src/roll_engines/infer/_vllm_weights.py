@@ -22,6 +22,12 @@ open (its caller failed before finishing or aborting) is aborted by the next `be
 sleep discarded are not kept (nothing worth restoring): a sync into them that fails leaves what it wrote. With
 adapter sync an aborted sync loads no adapter.
 
+A worker whose undo failed holds a mix of two weight versions. After every merged-weight sync that reached the
+workers (finished, aborted, or left open and aborted by the next begin) the engine asks them
+(`roll_mixed_layers`); while any layer is mixed it refuses to serve: running requests fail and every new one
+raises `mixed_error`, naming the sync that failed, until syncs that complete have rewritten those layers (a full
+sync does).
+
 `VLLMWeightUpdates` is a mixin of `VLLMInferEngine`: it uses the engine's driver thread (`_control`,
 `_submit_control`), its `llm`/`engine`, the staging channel's receivers, the adapter collector (`_adapters`, None
 unless infer_engine.lora_sync=adapter) and the weight version it reports (`_version`).
@@ -37,6 +43,7 @@ import torch
 from torch import Tensor
 
 from roll_engines.infer._bucket_channel import BucketSender
+from roll_engines.infer._sync_undo import mixed_error
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +56,19 @@ class VLLMWeightUpdates:
     _loading: Any
     #: The weights were discarded (level-2 sleep) and no sync has succeeded since: a failed sync keeps no copies.
     _discarded: bool = False
+    #: Since which failed sync the workers hold a mix of two weight versions (None: whole), and how many layers.
+    _mixed: str | None = None
+    _mixed_layers: int = 0
 
     def begin_weight_update(self) -> None:
         # A sync that never finished (its caller failed): undone before anything else, since its workers' call
         # holds the driver thread until its stream ends.
-        self._end_stream("a new sync began before it finished")
+        failed = self._end_stream("a new sync began before it finished")
 
         def do() -> None:  # on the driver thread: no step is in progress once this runs
             self._paused = True
+            if failed is not None:
+                self._check_mixed(failed)
 
         self._control(do)
         if self._adapters is not None:  # the adapter alone: collected here, loaded by vLLM at the finish
@@ -89,13 +101,16 @@ class VLLMWeightUpdates:
         if self._adapters is not None:
             return self._finish_adapter_update()
         sender, loading, self._sender, self._loading = self._sender, self._loading, None, None
-        loaded = False
+        loaded, error = False, "it could not finish"
         try:
             if sender is not None:
                 sender.close(ok=True)
             if loading is not None:
                 loading.result()
             loaded = True
+        except Exception as exc:
+            error = repr(exc)
+            raise
         finally:
             if sender is not None:
                 self.last_sync = {
@@ -107,6 +122,8 @@ class VLLMWeightUpdates:
 
             def do() -> None:
                 try:
+                    if loading is not None:  # before the version moves: a mix is named by the sync that failed
+                        self._check_mixed(None if loaded else error)
                     self._reset_prefix_cache()
                     if self._multimodal:  # pictures' features (module docstring); no request runs now
                         self.engine.reset_encoder_cache()
@@ -127,12 +144,15 @@ class VLLMWeightUpdates:
         Returns the weight version, unchanged (module docstring)."""
         if self._adapters is not None:
             self._adapters.discard()  # the adapter collected so far is never loaded
+        failed = None
         try:
-            self._end_stream(reason)
+            failed = self._end_stream(reason)
         finally:
 
             def do() -> None:
                 try:
+                    if failed is not None:
+                        self._check_mixed(failed)
                     if self._adapters is None:  # as a finish does: a worker whose undo failed changed its weights
                         self._reset_prefix_cache()
                         if self._multimodal:
@@ -143,23 +163,24 @@ class VLLMWeightUpdates:
             self._control(do)
         return self._version
 
-    def _end_stream(self, reason: str) -> None:
+    def _end_stream(self, reason: str) -> str | None:
         """Abort the merged-weight sync in progress, if any: the workers undo what it wrote (their call returns
-        once they have). A worker's failure is logged, not raised: this runs where the sync already failed."""
+        once they have). A worker's failure is logged, not raised: this runs where the sync already failed.
+        Returns why it failed where it reached the workers (then `_check_mixed` is due), else None."""
         sender, loading, self._sender, self._loading = self._sender, self._loading, None, None
         if sender is not None:
             sender.close(ok=False)
         if loading is None:  # no bucket reached the workers: nothing was written
-            return
+            return None
         try:
             results = loading.result()
-        except Exception:  # the workers' own failure: undone there, unless the error says it could not be
+        except Exception as exc:  # the workers' own failure: undone there, unless the error says it could not be
             log.exception("%s: a weight sync failed in vLLM's workers (then aborted: %s)", self.name, reason)
-            return
+            return f"{reason}; in vLLM's workers: {exc!r}"
         restored = [r.get("restored", 0) for r in results]
         if any(n < 0 for n in restored):
-            log.error("%s: weight sync aborted (%s) into discarded weights: nothing to restore", self.name, reason)
-            return
+            log.error("%s: weight sync aborted (%s) without copies to restore", self.name, reason)
+            return reason
         log.warning(
             "%s: weight sync aborted (%s) after %s tensor(s) per worker; %s restored, version %d kept",
             self.name,
@@ -168,6 +189,32 @@ class VLLMWeightUpdates:
             restored,
             self._version,
         )
+        return reason
+
+    def _check_mixed(self, failure: str | None) -> None:
+        """(driver thread, after a merged-weight sync reached the workers; `failure`: why it failed, None if it
+        completed) Whether any worker holds a mix of two versions: serving stops, or resumes (module docstring)."""
+        try:
+            layers = sum(int(n) for n in self.llm.collective_rpc("roll_mixed_layers"))
+        except Exception as exc:  # the workers cannot say: their weights are not known to be whole
+            log.exception("%s: could not ask vLLM's workers whether their weights are whole", self.name)
+            layers, failure = max(self._mixed_layers, 1), f"{failure or 'a weight sync'} (then asking: {exc!r})"
+        if not layers:
+            if self._mixed is not None:
+                log.warning("%s: weights whole again since %s: serving resumes", self.name, self._mixed)
+            self._mixed, self._mixed_layers = None, 0
+            return
+        if self._mixed is None:
+            self._mixed = (
+                f"the weight sync to version {self._version + 1} failed part way ({failure}) and could not be undone"
+            )
+        self._mixed_layers = layers
+        error = self._mixed_error()
+        log.error("%s", error)
+        self._fail_pending(error, abort=True)  # what they sampled from here on would come from the mix
+
+    def _mixed_error(self) -> RuntimeError:
+        return mixed_error(self.name, self._mixed, self._mixed_layers)
 
     def _reset_prefix_cache(self) -> None:
         """Drop the prefix cache's blocks after a weight change (driver thread). vLLM refuses while any running

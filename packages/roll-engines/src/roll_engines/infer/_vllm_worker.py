@@ -14,6 +14,11 @@ rejected weight, a sender that died) then ends with every layer the reload had n
 tensors, and every layer it finished given back its old values and kernels: the worker holds its complete old
 weights. A sync that completes drops the copies when its call returns. Where vLLM's reload internals this relies on
 are missing (another vLLM version), syncs keep working but a failed one cannot be undone, and says so.
+
+An undo that fails (or cannot be done) leaves the worker a mix of two weight versions: it keeps the layers the sync
+wrote as mixed (roll_engines.infer._sync_undo.MixedWeights, `roll_mixed_layers` counts them for the engine, which
+refuses to serve meanwhile) until later syncs that complete have written every one of them again. Syncs while mixed
+keep no copies (a mix is not worth restoring); one of them that fails adds the layers it wrote to the mix.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 import torch
 
 from roll_engines.infer._bucket_channel import SyncAborted, receive_buckets
-from roll_engines.infer._sync_undo import SyncUndo
+from roll_engines.infer._sync_undo import MixedWeights, SyncUndo
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +42,24 @@ _WRITERS = ("_layerwise_process", "_finalize_attention_layer")
 
 
 class _LayerUndo:
-    """The old state of the layers one reload has written so far: tensor values and plain attributes."""
+    """The old state of the layers one reload has written so far: tensor values and plain attributes (none where
+    `keep` is False), and which layers it wrote new weights into."""
 
-    def __init__(self) -> None:
-        self.tensors = SyncUndo(keep=True)
+    def __init__(self, keep: bool = True) -> None:
+        self.keep = keep
+        self.tensors = SyncUndo(keep=keep)
         self._attrs: list[tuple[torch.nn.Module, dict[str, Any]]] = []
         self._seen: set[int] = set()
+        #: id() of every layer written with weights of this sync (an attention layer the reload finalises without
+        #: any keeps its values): what a failed undo leaves mixed, what a complete sync rewrote.
+        self.loaded: set[int] = set()
 
     def save(self, layer: torch.nn.Module, info: Any) -> None:
         """Before vLLM writes `layer`'s engine tensors (`info.kernel_tensors`; None on a first load, not a
         reload: nothing to keep)."""
-        if info.kernel_tensors is None or id(layer) in self._seen:
+        if (info.load_numel or 0) > 0:
+            self.loaded.add(id(layer))
+        if info.kernel_tensors is None or id(layer) in self._seen or not self.keep:
             return
         self._seen.add(id(layer))
         params, buffers = info.kernel_tensors
@@ -112,7 +124,8 @@ class RollWorkerExtension:
         restoring (discarded by a level-2 sleep)."""
         count = 0
         stream = receive_buckets(address, bytes.fromhex(authkey_hex))
-        undo = _LayerUndo() if keep else None
+        mixed = self._roll_mixed()
+        undo = _LayerUndo(keep=keep and not mixed)  # a mix is not worth keeping (module docstring)
         undoable = False
 
         def counted() -> Any:
@@ -139,7 +152,22 @@ class RollWorkerExtension:
             stream.close()
         self._roll_refresh_tied_heads()
         self._roll_repack_cpu_experts()
+        if undoable:
+            mixed.rewritten(undo.loaded)
+        else:  # the writes could not be followed: a sync that completed is taken to have rewritten them all
+            mixed.clear()
         return {"received": count, "restored": 0}
+
+    def _roll_mixed(self) -> MixedWeights:
+        """The layers this worker holds as a mix of two weight versions (module docstring)."""
+        state = vars(self)
+        if "_roll_mixed_weights" not in state:  # vLLM builds the worker: no __init__ of ours runs
+            state["_roll_mixed_weights"] = MixedWeights()
+        return state["_roll_mixed_weights"]
+
+    def roll_mixed_layers(self) -> int:
+        """How many layers a failed sync that could not be undone left mixed here (0: the weights are whole)."""
+        return len(self._roll_mixed().keys)
 
     def _roll_drop_reload(self) -> None:
         """End a reload that stopped part way: every layer still waiting for weights gets its own tensors back
@@ -157,10 +185,15 @@ class RollWorkerExtension:
             model._do_torchao_reload = model._original_do_torchao_reload
         layerwise.LOADING_LAYERS.clear()
 
-    def _roll_undo(self, undo: _LayerUndo | None, undoable: bool, why: str) -> int:
+    def _roll_undo(self, undo: _LayerUndo, undoable: bool, why: str) -> int:
         """Give the layers a failed reload wrote their old state; tensors restored (-1: none were kept, `keep`).
         Raises where the old state is lost: the caller must not take the worker's weights for the old ones."""
-        if undo is None:
+        mixed = self._roll_mixed()
+        if mixed:  # no copies were kept (a mix); what this sync wrote is part of the mix now
+            mixed.add(undo.loaded if undoable else ["untracked"], why)
+            log.error("weight sync failed (%s) into mixed weights: %d layer(s) mixed", why, len(mixed.keys))
+            return -1
+        if not undo.keep:
             log.warning("weight sync failed (%s); the old weights were not kept (discarded before it)", why)
             return -1
         written = len(undo._seen)
@@ -169,6 +202,8 @@ class RollWorkerExtension:
                 raise RuntimeError("vLLM's reload could not be followed")
             restored = undo.undo()
         except Exception as exc:
+            # Every layer it wrote, restored or not: the next sync rewrites them all the same.
+            mixed.add(undo.loaded | undo._seen if undoable else ["untracked"], why)
             raise RuntimeError(
                 f"a weight sync failed part way ({why}) and could not be undone ({exc!r}): the worker holds a mix "
                 "of old and new weights"

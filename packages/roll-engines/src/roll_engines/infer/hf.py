@@ -44,7 +44,9 @@ the sender's stream breaking inside a bucket; or the caller ends it with `abort_
 between buckets), the tensors it wrote get back the old values kept for them (roll_engines.infer._sync_undo: only
 what was overwritten, in host memory), `finish_weight_update` keeps the weight version, and requests paused by the
 sync resume on the complete old weights. Weights that were not valid before it (discarded by `sleep(level=2)`) have
-nothing to go back to: generating is refused with an error until a sync succeeds.
+nothing to go back to: generating is refused with an error until a sync succeeds. Nor have weights whose undo
+failed (a mix of two versions, `MixedWeights`): every new request is refused and running ones fail with an error
+naming the sync, until a sync that completes has rewritten every tensor the failed one wrote (a full sync does).
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -72,13 +73,14 @@ from roll_engines._onednn_linear import (
     use_packed_bf16_linears,
 )
 from roll_engines.infer._adapters import refuse_adapters
-from roll_engines.infer._batcher import ContinuousBatcher, PrefillError, Running
+from roll_engines.infer._batcher import PrefillError, Running
+from roll_engines.infer._constrained_batcher import Constrained, ConstrainedBatcher
 from roll_engines.infer._decode_attention import use_decode_attention
 from roll_engines.infer._fp8_emulation import FP8Emulation
 from roll_engines.infer._routing import RoutingRecorder
 from roll_engines.infer._sampling import StopStrings
 from roll_engines.infer._skinny_linear import use_skinny_linears
-from roll_engines.infer._sync_undo import SyncUndo
+from roll_engines.infer._sync_undo import MixedWeights, SyncUndo, mixed_error
 from roll_engines.infer._vision import VisionInputs, refuse_pictures
 from roll_hw.cpu import cpu_bf16_instructions, fp32_linear_library
 
@@ -108,34 +110,6 @@ def use_cpu_kernels(model: torch.nn.Module, *, vision: bool = False) -> None:
         use_packed_bf16_linears(model)
     if model.dtype in (torch.bfloat16, torch.float16) and not vision:
         use_decode_attention(model)
-
-
-@dataclass
-class _Constrained(Running):
-    """A running request under a structured-output constraint: its matcher walks the generated tokens."""
-
-    matcher: Any = None
-
-
-class _ConstrainedBatcher(ContinuousBatcher):
-    """The continuous batcher with structured outputs: a logits processor masks each constrained row to the tokens
-    its matcher allows before the shared sampler runs (so processed log-probs are of the masked distribution), then
-    advances the matcher over the sampled token. Unconstrained rows are untouched."""
-
-    def _sample(self, seqs: list[Running], logits: Tensor) -> None:
-        from roll_engines.structured import mask_logits
-
-        rows = [i for i, s in enumerate(seqs) if getattr(s, "matcher", None) is not None]
-        if rows:
-            logits = mask_logits(logits, rows, [seqs[i].matcher.keep(logits.shape[-1]) for i in rows])
-        super()._sample(seqs, logits)
-        for i in rows:
-            seq = seqs[i]
-            token = seq.tokens[-1]
-            seq.matcher.advance(token)
-            # The constraint's EOS ends a complete match even where the model's EOS set lacks it.
-            if seq.finish is None and not seq.request.params.ignore_eos and token == seq.matcher.vocab.eos_id:
-                seq.finish = "stop"
 
 
 class HFInferEngine:
@@ -242,6 +216,11 @@ class HFInferEngine:
         # Why generating is refused (None: the weights are whole): discarded by sleep(level=2), or a sync into them
         # failed part way with nothing to restore.
         self._invalid: str | None = None
+        self._mixed = MixedWeights()  # what a failed sync whose undo failed left mixed (module docstring)
+        # One name per tensor (tied names share the first): what a failed sync left mixed, what a later one rewrote.
+        first: dict[tuple[int, tuple[int, ...]], str] = {}
+        state = self.model.state_dict()
+        self._tensor_names = {k: first.setdefault((v.data_ptr(), tuple(v.shape)), k) for k, v in state.items()}
         self._undo: SyncUndo | None = None  # the sync in progress (begin_weight_update .. finish)
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -253,7 +232,7 @@ class HFInferEngine:
         self.fp8 = FP8Emulation(self.model) if emulate_fp8 else None
         if routing is not None:
             prefix_cache_mb = 0.0
-        self.batcher = _ConstrainedBatcher(
+        self.batcher = ConstrainedBatcher(
             self.model,
             eos_ids=self.eos_ids,
             pad_id=self._pad_id,
@@ -349,6 +328,9 @@ class HFInferEngine:
                 self._step()
 
     def _step(self) -> None:
+        if self._mixed:
+            self.batcher.fail_all(mixed_error(self.name, self._mixed.since, len(self._mixed.keys)))
+            return
         if self._invalid is not None:
             self.batcher.fail_all(RuntimeError(f"{self.name} engine: {self._invalid}; sync weights before generating"))
             return
@@ -383,7 +365,7 @@ class HFInferEngine:
             refuse_pictures(request, self.name, self.path)
         seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
         fut: Future[RequestOutput] = Future()
-        seq = (_Constrained if p.structured is not None else Running)(
+        seq = (Constrained if p.structured is not None else Running)(
             request=request,
             future=fut,
             generator=torch.Generator().manual_seed(seed),
@@ -399,6 +381,8 @@ class HFInferEngine:
         with self._lock:
             if self._stopped:
                 raise RuntimeError(f"{self.name} engine is shut down")
+            if self._mixed:
+                raise mixed_error(self.name, self._mixed.since, len(self._mixed.keys))
             self.batcher.add(seq)
         return fut
 
@@ -443,7 +427,7 @@ class HFInferEngine:
                     # A sync that never finished (its caller failed between begin and finish): it is not known to
                     # be complete, so its writes are undone before this one starts.
                     self._fail_sync(self._undo, RuntimeError("a new sync began before it finished"))
-                self._undo = SyncUndo(keep=self._invalid is None)
+                self._undo = SyncUndo(keep=self._invalid is None and not self._mixed)
         finally:
             self._pause_wanted.clear()
 
@@ -456,7 +440,7 @@ class HFInferEngine:
         own = self.model.state_dict()
         nbytes = 0
         with self._lock, torch.no_grad():
-            undo = self._undo if self._undo is not None else SyncUndo(keep=self._invalid is None)
+            undo = self._undo if self._undo is not None else SyncUndo(keep=self._invalid is None and not self._mixed)
             if undo.error is not None:
                 raise RuntimeError(
                     f"{self.name} engine: this weight sync already failed ({undo.error}) and was undone; "
@@ -471,7 +455,7 @@ class HFInferEngine:
                             f"weight {name!r}: the sync sent shape {tuple(value.shape)}, the inference model's is "
                             f"{tuple(own[name].shape)}"
                         )
-                    undo.save(own[name])
+                    undo.save(own[name], self._tensor_names[name])
                     own[name].copy_(value)
                     nbytes += value.numel() * value.element_size()
             except BaseException as exc:
@@ -494,6 +478,9 @@ class HFInferEngine:
         undo.error = exc
         if not undo.written:
             return
+        if self._mixed:  # a sync into mixed weights (no copies kept): what it wrote is part of the mix now
+            self._mixed.add(undo.names, "")
+            return
         if not undo.keep:  # the weights were already invalid (sleep(level=2)): still nothing to serve
             self._invalid = f"a weight sync into the discarded weights failed part way ({exc!r})"
             return
@@ -501,7 +488,8 @@ class HFInferEngine:
             restored = undo.undo()
         except Exception as undo_exc:  # the old values are lost: refuse rather than serve a mix
             log.exception("%s engine: a failed weight sync could not be undone", self.name)
-            self._invalid = f"a weight sync failed part way ({exc!r}) and could not be undone ({undo_exc!r})"
+            failed = f"the weight sync to version {self._version + 1} failed part way ({exc!r})"
+            self._mixed.add(undo.names, f"{failed} and could not be undone ({undo_exc!r})")
             return
         log.warning(
             "%s engine: a weight sync failed after %d tensor(s) (%r); the %d overwritten restored, version %d kept",
@@ -528,6 +516,8 @@ class HFInferEngine:
             if not failed:
                 self._version += 1
                 self._invalid = None
+                if undo is not None:
+                    self._mixed.rewritten(undo.names)
             self._paused = False
             self._work.notify_all()
             return self._version
@@ -554,6 +544,7 @@ class HFInferEngine:
                     p.data = torch.empty(0, dtype=p.dtype, device=self.device)
                 drop_packed(self.model)  # the CPU kernels' blocked copies of the weights go with them
                 self._invalid = "weights were discarded by sleep(level=2)"
+                self._mixed.clear()  # nothing of the mix is left: the discarded weights are refused instead
             elif self.device.type != "cpu":
                 self.model.to("cpu")
             self._sleeping = level

