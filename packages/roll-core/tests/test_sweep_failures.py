@@ -203,7 +203,9 @@ def test_a_stopped_optuna_sweep_is_summarised_and_exits_128_plus_n(
     """A stop signal to an Optuna sweep. In a trial (its run's GracefulStop: the trial stops at a checkpoint), every
     later trial is `not started`, no trial completed, Optuna raised "No trials are completed yet" and roll-train
     exited 1 as for a sweep whose trials failed. Between trials (no run's handler: Hydra or the sampler at work), a
-    SIGTERM killed the process outright: no summary. Both now exit 128+N with the summary of the trials."""
+    SIGTERM killed the process outright: no summary. Both now exit 128+N with the summary of the trials that ran: the
+    trial the sweeper asked next is not started and leaves no job folder (it was a `not started` job, and so was
+    every remaining trial)."""
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="install roll-core[sweep]")
     import os
     import signal
@@ -241,8 +243,8 @@ def test_a_stopped_optuna_sweep_is_summarised_and_exits_128_plus_n(
     assert len(ran) == 1
     rows = list(csv.DictReader(open(sw / "summary.csv")))
     first = "ok" if where == "between trials" else "stopped"
-    assert [(r["job"], r["status"]) for r in rows] == [("0", first), ("1", "stopped"), ("2", "stopped")]
-    assert all(r["error"].startswith("not started: the sweep was stopped by signal 15") for r in rows[1:])
+    assert [(r["job"], r["status"]) for r in rows] == [("0", first)]
+    assert sorted(p.name for p in sw.iterdir() if p.is_dir()) == ["0"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
@@ -301,6 +303,35 @@ def test_a_stopped_sweep_says_which_of_its_jobs_failed(
     ]
 
 
+def _kept_studies(monkeypatch: pytest.MonkeyPatch, optuna: Any) -> list[Any]:
+    """The studies the Optuna sweeper creates from now on, kept for the test, all on one storage that outlives a
+    sweep, as a persistent study (`hydra.sweeper.storage=sqlite:///...`) does: a later sweep with the same study
+    name continues the study. An InMemoryStorage shared by the sweeps: optuna 2.10's RDB storage fails to open
+    with the SQLAlchemy 2 installed here (its schema version check asserts)."""
+    studies: list[Any] = []
+    create_study, storage = optuna.create_study, optuna.storages.InMemoryStorage()
+
+    def keep_study(*args: Any, **kwargs: Any) -> Any:
+        studies.append(create_study(*args, **{**kwargs, "storage": storage, "study_name": "roll-test"}))
+        return studies[-1]
+
+    monkeypatch.setattr(optuna, "create_study", keep_study)
+    return studies
+
+
+def _job_dirs(sweep_dir: Path) -> list[str]:
+    return sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
+
+
+_OPTUNA = (
+    "-m",
+    "hydra/sweeper=optuna",
+    "hydra.sweeper.direction=maximize",
+    "hydra.sweeper.sampler.seed=0",
+    "algo.lr=interval(1e-6,1e-5)",
+)
+
+
 # optuna 2.10 imports SQLAlchemy's declarative_base from its 1.x place: a deprecation warning, an error under pytest
 @pytest.mark.filterwarnings("ignore:.*declarative_base:DeprecationWarning")
 @pytest.mark.usefixtures("default_sigterm")
@@ -309,59 +340,137 @@ def test_a_stopped_optuna_sweep_records_agree_with_optunas_trials(
     completed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The Optuna sweeper on the basic launcher, stopped by SIGTERM mid-trial after a trial failed: the trial that
-    ran is `stopped`, every later one `not started` (Optuna still asks them: each is a failed trial), the finished
-    ones `ok`, one record per Optuna trial, numbered as its trial, `ok` exactly where Optuna's trial is COMPLETE.
-    With a completed trial the sweeper ends normally (on_multirun_end); with none Optuna raises "No trials are
-    completed yet" (roll-train's end_unfinished_sweeps). Either way roll-train's one stderr line counts them and
-    names the failed trial (it said nothing of it) and the exit status is 128+15."""
+    ran is `stopped` (a failed trial for Optuna: no value), the finished ones `ok`, one record per trial that ran,
+    numbered as its trial, `ok` exactly where Optuna's trial is COMPLETE. The sweeper asks its next trial before
+    roll sees it: that trial is not started, has no job folder and is never told (RUNNING), and no trial is asked
+    after it. It was a `not started` job told as a FAILED trial, and so was every remaining trial, each with a
+    folder. roll-train's one stderr line counts the jobs and names the failed trial; the exit status is 128+15."""
     optuna = pytest.importorskip("optuna")
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="install roll-core[sweep]")
     import signal
 
-    studies: list[Any] = []
-    create_study = optuna.create_study
-
-    def keep_study(*args: Any, **kwargs: Any) -> Any:
-        studies.append(create_study(*args, **kwargs))
-        return studies[-1]
-
-    monkeypatch.setattr(optuna, "create_study", keep_study)
+    studies = _kept_studies(monkeypatch, optuna)
     sw = tmp_path / "sweep"
     stop = 2 if completed else 1  # trial 0 fails; trial 1 finishes before the stop, or is the one stopped
     run = _stopped_run(fail=0, stop=stop)
-    code = _train(
-        monkeypatch,
-        run,
-        "-m",
-        "hydra/sweeper=optuna",
-        "hydra.sweeper.n_trials=4",
-        "hydra.sweeper.n_jobs=1",
-        "hydra.sweeper.direction=maximize",
-        "hydra.sweeper.sampler.seed=0",
-        "algo.lr=interval(1e-6,1e-5)",
-        f"hydra.sweep.dir={sw}",
-    )
+    n_trials = ("hydra.sweeper.n_trials=5", "hydra.sweeper.n_jobs=1")
+    code = _train(monkeypatch, run, *_OPTUNA, *n_trials, f"hydra.sweep.dir={sw}")
 
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGTERM, err[-3000:]
     assert run.ran == list(range(stop + 1))
     rows = list(csv.DictReader(open(sw / "summary.csv")))
-    expected = ["failed"] + ["ok"] * (stop - 1) + ["stopped"] * (4 - stop)
+    expected = ["failed"] + ["ok"] * (stop - 1) + ["stopped"]
     assert [(r["job"], r["status"]) for r in rows] == [(str(i), s) for i, s in enumerate(expected)]
     assert rows[stop]["error"] == "stopped by signal 15"
-    not_started = f"not started: the sweep was stopped by signal 15 during job {stop}"
-    assert all(r["error"] == not_started for r in rows[stop + 1 :])
     (study,) = studies
-    states = [t.state for t in study.trials]
-    ok = optuna.trial.TrialState.COMPLETE
-    assert [t.number for t in study.trials] == [int(r["job"]) for r in rows]  # one record per trial, its number
-    assert [s == ok for s in states] == [r["status"] == "ok" for r in rows]
-    assert all(s in (ok, optuna.trial.TrialState.FAIL) for s in states)
+    state = optuna.trial.TrialState
+    ran, asked = study.trials[: stop + 1], study.trials[stop + 1 :]
+    assert [t.number for t in ran] == [int(r["job"]) for r in rows]  # one record per trial that ran, its number
+    assert [t.state == state.COMPLETE for t in ran] == [r["status"] == "ok" for r in rows]
+    assert all(t.state in (state.COMPLETE, state.FAIL) for t in ran)
+    assert [(t.number, t.state) for t in asked] == [(stop + 1, state.RUNNING)]  # no false FAIL, nothing asked after
+    assert _job_dirs(sw) == [str(i) for i in range(stop + 1)]  # none for the trial that did not start
     if completed:
-        assert study.best_value == 0.5 and (sw / "optimization_results.yaml").is_file()
+        assert study.best_value == 0.5
     # params of an Optuna sweep: each trial's sampled lr (every trial's differs)
     failed = f"{rows[0]['params']} (FileNotFoundError: no data for job 0)"
     assert _roll_train_lines(err) == [
-        f"roll-train: the sweep was stopped by signal 15 (SIGTERM): 4 job(s): {stop - 1} finished, 1 failed, "
-        f"1 stopped, {3 - stop} not started. Failed: {failed}. Each job's outcome and error: {sw / 'summary.md'}"
+        f"roll-train: the sweep was stopped by signal 15 (SIGTERM): {stop + 1} job(s): {stop - 1} finished, 1 failed, "
+        f"1 stopped, 0 not started. Failed: {failed}. Each job's outcome and error: {sw / 'summary.md'}"
     ]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+# optuna 2.10 imports SQLAlchemy's declarative_base from its 1.x place: a deprecation warning, an error under pytest
+@pytest.mark.filterwarnings("ignore:.*declarative_base:DeprecationWarning")
+@pytest.mark.usefixtures("default_sigterm")
+def test_a_stopped_optuna_sweep_leaves_its_study_no_false_failure_and_the_study_continues(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A study that outlives the sweep (a persistent one), 6 trials 2 at a time on the basic launcher, stopped by
+    SIGTERM in trial 2, the first of the second batch (trial 0 failed, trial 1 finished). Trial 3, asked with trial
+    2, is not started: it stays RUNNING in the study with no job folder, trial 2 is told (a failed trial, as every
+    stopped job), and no third batch is asked. Before, trials 3 to 5 were each told FAILED (failures that never ran,
+    kept by the study) and each got a job folder. The same study continued by a later sweep (same storage and study
+    name, a new sweep folder) runs its new trials; they complete, and trial 3 is still no failure."""
+    optuna = pytest.importorskip("optuna")
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="install roll-core[sweep]")
+    import json
+    import signal
+
+    studies = _kept_studies(monkeypatch, optuna)
+    state = optuna.trial.TrialState
+    sw, later = tmp_path / "sweep", tmp_path / "later"
+    run = _stopped_run(fail=0, stop=2)
+    args = [*_OPTUNA, "hydra.sweeper.n_trials=6", "hydra.sweeper.n_jobs=2", f"hydra.sweep.dir={sw}"]
+    code = _train(monkeypatch, run, *args)
+
+    assert code == 128 + signal.SIGTERM
+    assert run.ran == [0, 1, 2]
+    assert [t.state for t in studies[0].trials] == [state.FAIL, state.COMPLETE, state.FAIL, state.RUNNING]
+    assert [r["status"] for r in csv.DictReader(open(sw / "summary.csv"))] == ["failed", "ok", "stopped"]
+    assert _job_dirs(sw) == ["0", "1", "2"]
+
+    monkeypatch.setattr(sweep, "_failed_jobs", [])  # a new roll-train process, continuing the study
+    run = _stopped_run(fail=-1, stop=-1)
+    args = [*_OPTUNA, "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", f"hydra.sweep.dir={later}"]
+    monkeypatch.setattr(cli, "run_job", run)
+    monkeypatch.setattr(sys, "argv", ["roll-train", *args])
+    cli.train_main()  # returns: exit 0
+
+    assert run.ran == [0, 1]
+    study = studies[-1]
+    assert [t.state for t in study.trials] == [state.FAIL, state.COMPLETE, state.FAIL, state.RUNNING] + [
+        state.COMPLETE
+    ] * 2
+    assert study.best_value == 0.5
+    # the later sweep's jobs are the study's new trials (4 and 5), with the values Optuna sampled for them
+    records = [json.loads((later / str(i) / sweep.STATUS_FILE).read_text()) for i in (0, 1)]
+    assert [r["overrides"] for r in records] == [[f"algo.lr={t.params['algo.lr']}"] for t in study.trials[4:]]
+    assert [r["status"] for r in records] == ["ok", "ok"]
+
+
+# optuna 2.10 imports SQLAlchemy's declarative_base from its 1.x place: a deprecation warning, an error under pytest
+@pytest.mark.filterwarnings("ignore:.*declarative_base:DeprecationWarning")
+@pytest.mark.usefixtures("default_sigterm")
+def test_a_stopped_optuna_sweep_resumed_into_its_folder_runs_its_trials_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pipeline.resume=true hydra.sweep.dir=<it>` after a stop in trial 1 of 3: the seeded sampler gives each
+    trial its values again, trial 1 continues its folder's run (its checkpoint, same values: not refused) and
+    trial 2, which had no folder, starts; the sweep exits 0."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="install roll-core[sweep]")
+    import signal
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from roll_core.pipelines.run_control import GracefulStop
+
+    sw = tmp_path / "sweep"
+    ran: list[tuple[int, float, bool]] = []
+
+    def run(cfg: Any) -> dict[str, Any]:
+        import os
+
+        num = HydraConfig.get().job.num
+        ran.append((num, cfg.algo.lr, bool(cfg.pipeline.resume)))
+        (Path(HydraConfig.get().runtime.output_dir) / "checkpoints" / "step_1").mkdir(parents=True, exist_ok=True)
+        if num == 1 and not cfg.pipeline.resume:
+            with GracefulStop() as graceful:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return {"final_eval_accuracy": 0.1, "stopped_by_signal": graceful.signum}
+        return {"final_eval_accuracy": 0.5, "stopped_by_signal": None}
+
+    args = [*_OPTUNA, "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1", f"hydra.sweep.dir={sw}"]
+    assert _train(monkeypatch, run, *args) == 128 + signal.SIGTERM
+    assert [num for num, _, _ in ran] == [0, 1] and _job_dirs(sw) == ["0", "1"]
+    first = [lr for _, lr, _ in ran]
+
+    ran.clear()
+    monkeypatch.setattr(sweep, "_failed_jobs", [])  # a new roll-train process
+    monkeypatch.setattr(sys, "argv", ["roll-train", *args, "pipeline.resume=true"])
+    cli.train_main()  # returns: exit 0
+    assert [(num, resumed) for num, _, resumed in ran] == [(0, True), (1, True), (2, True)]
+    assert [lr for _, lr, _ in ran[:2]] == first
+    assert [r["status"] for r in csv.DictReader(open(sw / "summary.csv"))] == ["ok", "ok", "ok"]

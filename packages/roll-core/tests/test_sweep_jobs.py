@@ -381,3 +381,33 @@ def test_a_resumed_sweep_refuses_a_job_folder_of_other_swept_values(tmp_path: Pa
     assert sweep_of(["3e-3", "1e-3"], "pipeline.max_steps=20") == [0.5, 0.5]  # no resume: the run refuses (not here)
     assert sweep_of(["1e-3", "3e-3"], "pipeline.resume=true") == [0.5, 0.5]  # the folders still say what they hold
     assert sweep_of(["3e-3", "1e-3"], "pipeline.resume=true") == [None, None]
+
+
+def test_only_a_folder_holding_just_what_hydra_wrote_for_an_unstarted_trial_is_removed(tmp_path: Path) -> None:
+    """The folder Hydra made for an Optuna trial asked after a stop (its .hydra configs and job log) is removed, with
+    parents it leaves empty (a nested hydra.sweep.subdir) but never the sweep folder; a folder holding anything else
+    (an earlier sweep's job record and checkpoints: a resumed sweep's folder) is left whole."""
+    from roll_core.sweep_stop import remove_unstarted_folder
+
+    def hydra_folder(path: Path, *more: str) -> Path:
+        for name in [".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "cli.log", *more]:
+            (path / name).parent.mkdir(parents=True, exist_ok=True)
+            (path / name).write_text("x")
+        return path
+
+    sw = tmp_path / "sweep"
+    (sw / "a" / "kept").mkdir(parents=True)
+    assert remove_unstarted_folder(hydra_folder(sw / "3"), ".hydra", "cli.log", sw)
+    assert remove_unstarted_folder(hydra_folder(sw / "b" / "c" / "4"), ".hydra", "cli.log", sw)
+    assert remove_unstarted_folder(hydra_folder(sw / "a" / "5"), ".hydra", "cli.log", sw)
+    assert sorted(str(p.relative_to(sw)) for p in sw.rglob("*")) == ["a", "a/kept"]
+
+    earlier = hydra_folder(sw / "2", sweep.STATUS_FILE, "checkpoints/step_1/model.pt")
+    before = sorted(str(p.relative_to(earlier)) for p in earlier.rglob("*"))
+    assert not remove_unstarted_folder(earlier, ".hydra", "cli.log", sw)
+    extra = hydra_folder(sw / "6", ".hydra/notes.txt")  # .hydra holds a file Hydra did not write for the job
+    assert not remove_unstarted_folder(extra, ".hydra", "cli.log", sw)
+    assert not remove_unstarted_folder(hydra_folder(sw), ".hydra", "cli.log", sw)  # hydra.sweep.subdir=.
+    assert sorted(str(p.relative_to(earlier)) for p in earlier.rglob("*")) == before
+    assert (extra / ".hydra" / "notes.txt").is_file() and (extra / "cli.log").is_file()
+    assert (sw / "cli.log").is_file()

@@ -70,7 +70,10 @@ def pipeline_class(name: str) -> Any:
     return Pipeline
 
 
-def _hydra_task(cfg: Any) -> float | None:
+def _hydra_task(cfg: Any) -> Any:
+    """The task Hydra runs: a single run (its summary printed; exit 128 + N when a signal stopped it) or a sweep's
+    job (roll_core.sweep.run_sweep_job); returns the final held-out accuracy a sweeper optimises, or None (or, for
+    an Optuna trial asked after the sweep was stopped, roll_core.sweep_stop.UnstartedTrial, which ends it)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 

@@ -21,6 +21,8 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
   its later jobs are not started but recorded as `stopped` ("not started"), so the sweep ends, is summarised and
   roll-train exits 128+N. It started the next job instead, and a Ctrl-C stopped one job at a time. A signal between
   jobs, to an Optuna sweep or to the Ray launcher's driver stops the sweep the same way (roll_core.sweep_stop).
+  An Optuna sweep asks no trial after the stop; one asked before roll saw it is not started, never told to Optuna,
+  with no record or folder (sweep_stop.UnstartedTrial: it was a failed trial, and every remaining one was asked).
   roll-train then prints one line on stderr: how many jobs finished, failed (each named, with its error), were
   stopped and were not started, and where summary.md is (sweep_stop.SweepStopped: the exit came before roll-train's
   "N sweep job(s) failed" line, so a stopped sweep never said which jobs had failed).
@@ -73,15 +75,19 @@ _sweeps: dict[str, dict[str, Any]] = {}  # resolved sweep folder -> its sweep_id
 # resolved sweep folder -> (the signal that stopped the sweep, why its later jobs are not started)
 _stopped: dict[str, tuple[int, str]] = {}
 _unfinished: set[str] = set()  # resolved sweep folders started in this process whose end was not summarised yet
+# resolved sweep folder -> (job folder, its Hydra subfolder, its log's name) of each trial an Optuna sweeper asked
+# after the sweep was stopped: removed when the sweep ends (sweep_stop.UnstartedTrial)
+_unstarted: dict[str, list[tuple[Path, str | None, str]]] = {}
 
 
-def run_sweep_job(cfg: Any, run: Any) -> float | None:
+def run_sweep_job(cfg: Any, run: Any) -> float | sweep_stop.UnstartedTrial | None:
     """Run one multirun job with failure isolation; returns the value a sweeper optimises (None unless the job
     finished with a finite accuracy: see job_value). Whatever raises, preparing the job and taking its slot
     included, is recorded as a failed job: an exception out of here makes Hydra's sweeper raise, skipping the
     sweep's summary. A stop signal out of the job (KeyboardInterrupt: StoppedWhileBuilding while it was built, a
     second signal aborting it, a Ray cancel) records it as `stopped` and, in the sweep's process, stops the sweep.
-    After a signal stopped this sweep in this process, the job is not started."""
+    After a signal stopped this sweep in this process, the job is not started: recorded `not started`, or, for an
+    Optuna trial, not recorded at all and answered with a sweep_stop.UnstartedTrial that ends the sweep."""
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
@@ -92,6 +98,8 @@ def run_sweep_job(cfg: Any, run: Any) -> float | None:
     try:
         sweep_dir = job_sweep_dir(hc)
         record["sweep_id"] = sweep_marker(sweep_dir).get("sweep_id")  # which sweep this record belongs to
+        if str(sweep_dir) in _stopped and str(sweep_dir) in _sweeps and sweep_stop.asks_trials(hc):
+            return _unstarted_trial(hc, out, sweep_dir)
         if str(sweep_dir) in _stopped:
             log.error("sweep job %s is not started: %s", hc.job.num, _stopped[str(sweep_dir)][1])
             record.update(status="stopped", error=f"not started: {_stopped[str(sweep_dir)][1]}")
@@ -145,6 +153,28 @@ def run_sweep_job(cfg: Any, run: Any) -> float | None:
     record["total_seconds"] = time.perf_counter() - t0
     write_record(out, record)
     return job_value(record)
+
+
+def _unstarted_trial(hc: Any, out: Path, sweep_dir: Path) -> sweep_stop.UnstartedTrial:
+    """The answer to an Optuna trial the sweeper asked after the sweep in `sweep_dir` (run in this process) was
+    stopped: not started, no record; its folder `out` (Hydra made it before the job) is removed when the sweep ends,
+    which reading the answer's value does (`end_at_unstarted_trial`)."""
+    signum, why = _stopped[str(sweep_dir)]
+    log.error("sweep trial %s is not started (%s): told nothing, none asked after it", hc.job.num, why)
+    subdir = hc.get("output_subdir")
+    _unstarted.setdefault(str(sweep_dir), []).append((out, str(subdir) if subdir else None, f"{hc.job.name}.log"))
+    return sweep_stop.UnstartedTrial(int(hc.job.num), lambda: end_at_unstarted_trial(sweep_dir, signum))
+
+
+def end_at_unstarted_trial(sweep_dir: Path, signum: int) -> NoReturn:
+    """End the sweep in `sweep_dir` that signal `signum` stopped when its sweeper reads the value of a trial it asked
+    after the stop: remove the folders Hydra made for such trials, then summarise it and raise SweepStopped
+    (`end_stopped_sweep`; a sweep already ended this way is not counted again)."""
+    for job_dir, subdir, log_name in _unstarted.pop(str(sweep_dir), []):
+        sweep_stop.remove_unstarted_folder(job_dir, subdir, log_name, sweep_dir)
+    if str(sweep_dir) in _unfinished:
+        end_stopped_sweep(sweep_dir, signum)
+    sweep_stop.exit_stopped(sweep_dir, signum, sweep_job_records(sweep_dir))
 
 
 def job_value(record: dict[str, Any]) -> float | None:

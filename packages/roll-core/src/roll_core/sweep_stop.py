@@ -20,6 +20,13 @@ folder's run (roll_core.sweep_resume).
   reaches a job's GracefulStop as a SIGINT: it stops at a checkpoint) and records the ones that had not started.
   A second signal aborts: `SystemExit(128 + N)`, which roll-train's sweep end (`end_unfinished_sweeps`) turns into
   the summary, with the jobs still running recorded as `stopped`.
+- The Optuna sweeper (hydra-optuna-sweeper) on the basic launcher asks its next batch of trials (`study.ask`, values
+  sampled) before roll sees them: a trial whose job comes after the stop is not started, gets no job record and
+  its job folder (only what Hydra wrote into it) is removed; its value is an `UnstartedTrial`, whose float() (the
+  sweeper reads the batch's values in trial order, after telling the earlier trials) ends the sweep with
+  SweepStopped, so that trial is never told (it stays RUNNING in the study, as Optuna leaves a trial whose process
+  stopped) and no further one is asked. It was returned None: told FAIL, and the sweeper asked every remaining
+  trial, each a fake failure in a persistent study (`hydra.sweeper.storage`) and a folder made after the stop.
 - Before, SIGTERM between jobs killed the process and Ray's driver handler made it exit 15, a SIGINT was a
   KeyboardInterrupt traceback: no summary; a stop while a job was built left the job `running` and no summary; a
   stopped sweep exited 1 (a failed sweep), an Optuna one with "No trials are completed yet".
@@ -33,6 +40,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
@@ -160,6 +168,72 @@ def exit_stopped(
         sweep_dir / "summary.md",
     )
     raise SweepStopped(signum, stop_report(sweep_dir, signum, records))
+
+
+def asks_trials(hc: Any) -> bool:
+    """Whether the sweep of the job whose Hydra config is `hc` is run by hydra-optuna-sweeper, which asks Optuna for
+    each batch of trials before its jobs run (Hydra's grid sweeper knows every job beforehand: a job after a stop
+    is recorded `not started`)."""
+    target = str((hc.get("sweeper") or {}).get("_target_") or "")
+    return target.startswith("hydra_plugins.hydra_optuna_sweeper.")
+
+
+class UnstartedTrial:
+    """What roll's job wrapper hands the Optuna sweeper for a trial it asked after a signal stopped the sweep (see
+    the module's docstring). hydra-optuna-sweeper reads each trial's objective with float() (a multi-objective one
+    iterates it), in trial order, after it told the batch's earlier trials; here that calls `end`, which ends the
+    sweep (summary, then SweepStopped: a SystemExit, which the sweeper does not catch). So this trial is not told
+    (RUNNING in the study: not a failure, not PRUNED, which TPE counts as a bad result) and no trial is asked after
+    it. WAITING would hand its values to the next ask of a continued study, but GridSampler then gives it another
+    grid point than its values (Optuna 2.x): RUNNING is what Optuna itself leaves for a trial whose process
+    stopped, and GridSampler evaluates such a point again once the others are started."""
+
+    def __init__(self, job: int, end: Callable[[], NoReturn]) -> None:
+        self.job, self._end = job, end
+
+    def __float__(self) -> float:
+        self._end()
+
+    def __iter__(self) -> Any:
+        self._end()
+
+    def __repr__(self) -> str:
+        return f"<trial of job {self.job}: not started, the sweep was stopped>"
+
+
+_HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+
+
+def remove_unstarted_folder(job_dir: Path, hydra_subdir: str | None, log_name: str, sweep_dir: Path) -> bool:
+    """Remove the folder Hydra made for a trial that was not started (its `hydra_subdir` holding config.yaml,
+    hydra.yaml and overrides.yaml, and its job log `log_name`) and its parents left empty below `sweep_dir`.
+    Anything else in it (an earlier sweep's job record, checkpoints) keeps it whole: only files Hydra wrote for
+    this job are unlinked, and a folder is removed only when empty. Returns whether it was removed."""
+    if job_dir.resolve() == sweep_dir.resolve() or not job_dir.is_dir():
+        return False
+    sub = job_dir / hydra_subdir if hydra_subdir else None
+    known = {log_name} | ({hydra_subdir} if hydra_subdir else set())
+    try:
+        if {p.name for p in job_dir.iterdir()} - known or (
+            sub is not None and sub.exists() and {p.name for p in sub.iterdir()} - set(_HYDRA_FILES)
+        ):
+            log.warning("kept the folder %s of a trial that was not started: it holds more than Hydra wrote", job_dir)
+            return False
+        for path in [job_dir / log_name, *(sub / f for f in _HYDRA_FILES if sub is not None)]:
+            path.unlink(missing_ok=True)
+        if sub is not None and sub.exists():
+            sub.rmdir()
+        job_dir.rmdir()
+        for parent in job_dir.parents:  # a nested hydra.sweep.subdir (a/b): its empty parents, not the sweep's
+            if parent.resolve() == sweep_dir.resolve() or sweep_dir.resolve() not in parent.resolve().parents:
+                break
+            if any(parent.iterdir()):
+                break
+            parent.rmdir()
+    except OSError as exc:  # bookkeeping: the sweep still ends and is summarised
+        log.warning("could not remove the folder %s of a trial that was not started: %s", job_dir, exc)
+        return False
+    return True
 
 
 def mark_unended(found: list[tuple[Path, dict[str, Any]]], signum: int) -> None:

@@ -43,6 +43,7 @@ def reset_sweep_state(monkeypatch: Any) -> None:
     monkeypatch.setattr(sweep, "_sweeps", {}, raising=False)
     monkeypatch.setattr(sweep, "_stopped", {}, raising=False)
     monkeypatch.setattr(sweep, "_unfinished", set(), raising=False)
+    monkeypatch.setattr(sweep, "_unstarted", {}, raising=False)
 
 
 def multirun_config(sweep_dir: Path) -> Any:
