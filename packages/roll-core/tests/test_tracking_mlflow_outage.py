@@ -9,7 +9,8 @@ leaves the points in `unsent.json`, sent by the resume; a resume while the serve
 run later; a resume replays the steps the continued run lacks (logged without mlflow, or buffered when the process
 died); a full buffer drops its oldest points and sample tables, counted (`tracking/mlflow_dropped_points`) and warned
 about once per outage, and the run folder's metrics.jsonl keeps every step; a run that ends with the server gone
-ends within a bound and says what was dropped and where the rest is kept. The server
+ends within a bound and says what was dropped and where the rest is kept; `close()` returns within
+`tracking.mlflow.close_timeout_s` whatever a hung server does, counting what it did not send. The server
 (roll_core.testing.mlflow_server) is started once per module, restarted once (the last test needs it after the one
 before kills it) and killed at the end, also on failure. A healthy server: test_tracking_mlflow.py.
 """
@@ -158,6 +159,13 @@ class HungEndpoint:
             except OSError:  # closed
                 return
 
+    def wait_for(self, connections: int, timeout_s: float = 60.0) -> None:
+        """Block until `connections` requests reached the endpoint."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.connections) < connections:
+            assert time.monotonic() < deadline, f"{len(self.connections)} of {connections} requests came"
+            time.sleep(0.01)
+
     def close(self) -> None:
         self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept (a close alone does not)
         self.sock.close()
@@ -238,6 +246,128 @@ def test_an_outage_never_holds_the_training_loop(tmp_path: Path) -> None:
     assert [m.value for m in store.get_metric_history(run_id, FAILURES_METRIC)] == [1.0]
     row = {"prompt": "p", "response": "r", "reward": 1.0}
     assert sample_tables(store, run_id, tmp_path / "dl") == {s: [row] for s in (1, 2, 3)}
+
+
+ROW = {"prompt": "p", "response": "r", "reward": 1.0}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (SQLAlchemy's, from MLflow's sqlite store)
+def test_close_stops_waiting_for_a_hung_server_at_close_timeout_s(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """close() waited for the request a hung server held when it was called, with MLflow's retries (`(retries + 1)
+    * timeout_s` and backoff: ~11 s here, 63 s measured at the defaults), then `timeout_s` more for its own try.
+    It returns at `close_timeout_s`: one error counts the points and tables not sent (the buffer's and those of the
+    logs still queued behind the hung request), metrics.jsonl keeps every step, and a resume sends them."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+
+    from roll_core.trackers.mlflow import read_run
+
+    config = _config(retries=2, timeout_s=3, retry_interval_s=0, close_timeout_s=3)
+    tracker = Tracker(tmp_path, config, ["mlflow"])
+    tracker.log(0, {"loss": 0.0, "reward": 0.0})
+    backend, hung = tracker.backends[0], HungEndpoint()
+    backend.wait()  # step 0 reached the store
+    store, run_id = backend.client, run_id_of(tmp_path)
+    backend.client = MlflowClient(tracking_uri=hung.url)  # the server hangs
+    try:
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            for step in range(1, 6):  # the worker hangs in step 1's send; steps 2-5 wait behind it
+                tracker.log(step, {"loss": float(step), "reward": 1.0})
+            tracker.samples(3, [ROW])
+            hung.wait_for(1)  # step 1's send reached the server (with retries: ~11 s) before close()
+            began = time.monotonic()
+            tracker.close()
+            closing = time.monotonic() - began
+            ours = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LOGGER]
+    finally:
+        hung.close()
+    assert closing < 3 + 3, f"close() took {closing:.1f}s with close_timeout_s=3"
+    assert tracker.backends == [] and backend.dropped == 10  # 5 steps of 2 points: counted as the buffer's drops
+    assert len(ours) == 1 and ours[0][0] == logging.ERROR, ours
+    message = ours[0][1]
+    assert "did not answer within tracking.mlflow.close_timeout_s=3" in message
+    assert "10 metric points (steps 1 to 5) and 1 sample tables were not sent" in message
+    assert str(tmp_path / "metrics.jsonl") in message
+    assert [r["step"] for r in Tracker.read_metrics(tmp_path / "metrics.jsonl")] == list(range(6))
+
+    # The server answers again. (The given-up worker holds MLflow's process-wide HTTP settings until its request
+    # fails, ~2 s after the endpoint closed: a generous close_timeout_s for the resume.)
+    resumed = Tracker(tmp_path, _config(close_timeout_s=60), ["mlflow"], resume=True)
+    resumed.truncate(5)
+    resumed.close()
+    assert run_id_of(tmp_path) == run_id  # run.json named only what the server had: the same run continues
+    assert read_run(store, run_id) == {s: {"loss": float(s), "reward": float(s > 0)} for s in range(6)}
+    assert sample_tables(store, run_id, tmp_path / "dl") == {3: [ROW]}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (SQLAlchemy's, from MLflow's sqlite store)
+def test_close_bounds_its_own_tries_by_close_timeout_s(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Each log still queued at close tried a hung server for `timeout_s` (retry_interval_s=0): close() took
+    `timeout_s` per queued step (22 s for 20 steps, measured). Requests made while closing get the time left before
+    `close_timeout_s` (less its last second) and none starts after: the rest goes to unsent.json, as before."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+
+    from roll_core.trackers.mlflow import FAILURES_METRIC, UNSENT_FILE
+
+    config = _config(retries=0, timeout_s=1, retry_interval_s=0, close_timeout_s=4)
+    tracker = Tracker(tmp_path, config, ["mlflow"])
+    tracker.log(0, {"loss": 0.0})
+    backend, hung = tracker.backends[0], HungEndpoint()
+    backend.wait()
+    backend.client = MlflowClient(tracking_uri=hung.url)  # the server hangs
+    try:
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            for step in range(1, 21):
+                tracker.log(step, {"loss": float(step)})
+            began = time.monotonic()
+            tracker.close()
+            closing = time.monotonic() - began
+    finally:
+        hung.close()
+    assert closing < 4 + 3, f"close() took {closing:.1f}s with close_timeout_s=4"
+    ours = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LOGGER]
+    assert [level for level, _ in ours] == [logging.WARNING, logging.ERROR], ours  # not answering; unsent.json
+    assert UNSENT_FILE in ours[1][1] and "stops waiting" not in ours[1][1]
+    unsent = json.loads((tmp_path / "mlflow" / UNSENT_FILE).read_text())["metrics"]
+    assert [m[3] for m in unsent if m[0] == "loss"] == list(range(1, 21))  # every step kept for the resume
+    assert backend.dropped == 0 and {m[0] for m in unsent} == {"loss", FAILURES_METRIC}
+
+
+def test_close_of_a_resumed_run_whose_hung_server_never_answered_is_bounded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The tracking URI is a hung server: a resumed run tries to open its MLflow run (MLflow's retries: ~11 s) and
+    close() tried once more (~14 s in all). It returns at `close_timeout_s`, naming the steps MLflow lacks."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    hung = HungEndpoint()
+    config = _config(tracking_uri=hung.url, retries=2, timeout_s=3, retry_interval_s=60, close_timeout_s=3)
+    try:
+        tracker = Tracker(tmp_path, config, ["mlflow"], resume=True)  # a resume reaches the server off the loop
+        tracker.truncate(2)
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            tracker.log(3, {"loss": 3.0})
+            tracker.log(4, {"loss": 4.0})
+            hung.wait_for(1)  # the try to open the run reached the server (with retries: ~11 s) before close()
+            began = time.monotonic()
+            tracker.close()
+            closing = time.monotonic() - began
+            ours = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LOGGER]
+    finally:
+        hung.close()
+    assert closing < 3 + 3, f"close() took {closing:.1f}s with close_timeout_s=3"
+    assert len(ours) == 1 and ours[0][0] == logging.ERROR, ours
+    assert "close_timeout_s=3" in ours[0][1] and "steps (up to 4) are not in MLflow" in ours[0][1]
+
+
+def test_close_timeout_s_is_checked() -> None:
+    from roll_core.config.tracking import MlflowConfig
+
+    assert MlflowConfig().close_timeout_s == 30.0
+    with pytest.raises(ValueError, match=r"tracking\.mlflow\.close_timeout_s: must be at least 3, got 2"):
+        MlflowConfig(close_timeout_s=2)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (SQLAlchemy's, from MLflow's sqlite store)

@@ -86,11 +86,17 @@ class MlflowConfig:
     # Metric points kept in memory while the server is away (sent when it answers); past it the oldest are dropped,
     # counted and warned about (metrics.jsonl keeps them).
     max_buffered_points: int = 100_000
+    # Seconds the end of the run may wait for the server in all (close): what is still unsent then is counted and
+    # warned about, metrics.jsonl keeps it, and a resume sends it. Its last second is kept for writing unsent.json.
+    close_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _check(
             "mlflow.max_buffered_points", self.max_buffered_points >= 1, f"must be >= 1, got {self.max_buffered_points}"
         )
+        # MLflow's request timeout is whole seconds and close's requests end 1 s before the deadline: at 3 s, a
+        # close has one second to start its requests in.
+        _check("mlflow.close_timeout_s", self.close_timeout_s >= 3, f"must be at least 3, got {self.close_timeout_s}")
         _check("mlflow.timeout_s", self.timeout_s >= 1, f"must be at least 1, got {self.timeout_s}")
         _check("mlflow.retries", self.retries >= 0, f"must be >= 0, got {self.retries}")
         _check("mlflow.retry_interval_s", self.retry_interval_s >= 0, f"must be >= 0, got {self.retry_interval_s}")

@@ -21,17 +21,11 @@ as `*token`, `*api_key`, `*secret`, `*password`, headers such as `X-API-Key`, an
 tracking URI's included); run.json and messages show the tracking URI without its userinfo. The run folder's own
 config.yaml is left as it is.
 
-Resume. `<run>/mlflow/run.json` records the tracking URI (without userinfo), the MLflow run id and the last step
-logged to it. MLflow cannot delete metric points (a point logged again at the same step is a second point, not a
-replacement), so `truncate(last_step)` does one of two things:
-- the MLflow run holds nothing after `last_step` (a preemption right after a checkpoint): the same run continues;
-- it holds later steps (a crash between checkpoints; the run redoes them with other values): a new MLflow run
-  (same experiment and name, tag `roll.resumed_from=<old id>`) replays steps 0..last_step from the run folder's
-  metrics.jsonl and samples.jsonl, then continues; the old run gets tag `roll.superseded_by=<new id>` and is
-  moved to MLflow's deleted runs (kept, and restorable with `mlflow runs restore --run-id <id>`).
-Either way the MLflow run that run.json names shows exactly the history of metrics.jsonl: a continued run is sent
-the steps up to `last_step` it lacks (an attempt that ran without mlflow, or died with points not yet sent: run.json
-counts only the steps the server acknowledged or unsent.json keeps).
+Resume (roll_core.trackers.mlflow_resume). `<run>/mlflow/run.json` records the MLflow run and the last step it
+holds; `truncate(last_step)` continues that run when it holds nothing after `last_step`, else starts a new one
+(tag `roll.resumed_from`) that replays steps 0..last_step from the run folder's files, the old one tagged
+`roll.superseded_by` and moved to MLflow's deleted runs. Either way the MLflow run that run.json names shows exactly
+the history of metrics.jsonl.
 
 Network failures. The tracking server is needed when a new run starts (a wrong URI fails there, with its message).
 After that, every call to the server runs off the training thread, in order (roll_core.trackers.background):
@@ -50,9 +44,16 @@ run ends (they stay in the run folder's metrics.jsonl and samples.jsonl; MLflow 
 more; what still cannot be sent is written to `<run>/mlflow/unsent.json` (an error names it) and sent when the run
 resumes in the same folder. A refusal that is not a network problem (an invalid value) raises: resending would not help.
 MLflow's own HTTP retries are bounded by `tracking.mlflow.timeout_s` and `tracking.mlflow.retries` (unless the
-MLFLOW_HTTP_REQUEST_* environment variables say otherwise); while the server is away, a resend is one request: an
-outage is noticed within about `(retries + 1) * timeout_s`, and `close()` waits about `timeout_s` per request it
-still makes.
+MLFLOW_HTTP_REQUEST_* environment variables say otherwise; roll_core.trackers.mlflow_http); while the server is away,
+a resend is one request: an outage is noticed within about `(retries + 1) * timeout_s`.
+
+Closing is bounded: `close()` returns within `tracking.mlflow.close_timeout_s` (30 s by default) whatever the server
+does. Its calls to the server (and those of the log calls still queued) get the time left, without retries, and end
+1 s before the deadline (then unsent.json, as above). If the worker is still busy at the deadline (a request made
+before `close()`, with its retries, or the user's MLFLOW_HTTP_REQUEST_TIMEOUT), `close()` stops waiting: the worker
+makes no further call and writes nothing, and an error says how many metric points (steps a to b) and sample tables
+were not sent, counted in `dropped` like the buffer's drops; metrics.jsonl keeps every step, and as run.json names
+only what the server acknowledged, a resume of the run sends them.
 """
 
 from __future__ import annotations
@@ -71,7 +72,16 @@ from typing import Any
 
 from roll_core.config.tracking import MLFLOW, backend_options, tracking_config
 from roll_core.trackers.background import SerialWorker
-from roll_core.trackers.mlflow_buffer import LOGGED_ARTIFACTS_TAG, Dropped, drop_oldest, table, tables_tag
+from roll_core.trackers.mlflow_buffer import (
+    LOGGED_ARTIFACTS_TAG,
+    SAMPLES_DIR,
+    Backlog,
+    Dropped,
+    drop_oldest,
+    table,
+    tables_tag,
+)
+from roll_core.trackers.mlflow_http import CloseDeadline, Unreachable, bounded_http, is_network_error
 from roll_core.trackers.mlflow_keys import (
     MAX_KEY,
     MAX_PARAM_VALUE,
@@ -80,7 +90,7 @@ from roll_core.trackers.mlflow_keys import (
     flatten_config,
     mlflow_key,
 )
-from roll_core.trackers.replay import kept_metrics, kept_samples
+from roll_core.trackers.mlflow_resume import STATE_FILE, UNSENT_FILE, MlflowResume
 from roll_core.tracking import redact_config, redact_exception, redact_text
 
 __all__ = [
@@ -97,10 +107,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-#: The run folder's record of its MLflow run: {"tracking_uri", "run_id", "last_step"}.
-STATE_FILE = "run.json"
-#: What could not be sent by `close()`: sent when the run resumes.
-UNSENT_FILE = "unsent.json"
 #: Metric counting the failed sends of this run (logged once the server answers again).
 FAILURES_METRIC = "tracking/mlflow_send_failures"
 #: Metric counting the buffered points this run dropped (the buffer full while the server was away).
@@ -110,27 +116,12 @@ MAX_BUFFERED_TABLES = 100
 # MLflow's limits (mlflow.utils.validation) on entities per log_batch call (names and values: mlflow_keys).
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAMS_TAGS_PER_BATCH = 100
-# MLflow error codes that mean "this request is wrong", not "the server is away": resending would not help.
-PERMANENT_ERRORS = frozenset(
-    {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "PERMISSION_DENIED"}
-)
 MAX_RETRY_INTERVAL_S = 300.0
-#: MLflow's own HTTP settings are process-wide variables (`MlflowTracker._http`): one tracker sets them at a time.
-_HTTP_SETTINGS = threading.RLock()
+#: Of `close_timeout_s`, what the last calls to the server leave for writing unsent.json and the messages.
+CLOSE_RESERVE_S = 1.0
 
 
-def is_network_error(exc: BaseException) -> bool:
-    """Whether a failed MLflow call may succeed when sent again (the server was unreachable, timed out or failed
-    with a 5xx), as opposed to a request MLflow refuses."""
-    code = getattr(exc, "error_code", None)
-    return code not in PERMANENT_ERRORS
-
-
-class Unreachable(RuntimeError):
-    """The tracking server did not answer (`is_network_error`) when the MLflow run was to be started or reopened."""
-
-
-class MlflowTracker:
+class MlflowTracker(MlflowResume):
     """An MLflow run (see the module docstring for the store, resume and network failures)."""
 
     extra = MLFLOW
@@ -171,6 +162,11 @@ class MlflowTracker:
         # A resumed run whose MLflow run is not open yet: the recorded run is valid up to this step (`_open`).
         self.resume_step: int | None = None
         self.seen_step = -1  # the last step given to this backend while its run is not open
+        # Closing (set by `close()`, read by the worker): the calls to the server end by `_requests_by`; past the
+        # whole deadline `close()` gives up on the worker (`_abandon`), which then makes no call and writes nothing.
+        self._requests_by: float | None = None
+        self._abandoned = False
+        self._backlog = Backlog()  # the queued calls the worker has not begun (counted if `close()` gives up)
         # MLflow's SQL store uses what SQLAlchemy 2.1 deprecates: notices a user can do nothing about, kept out of
         # the run's log. A filter for good (set here, on the caller's thread): `catch_warnings` around each call, on
         # the worker thread, would race the training thread's own filters.
@@ -187,24 +183,13 @@ class MlflowTracker:
 
     @contextmanager
     def _http(self) -> Iterator[None]:
-        """Around every MLflow call: bound MLflow's own HTTP retries (its defaults retry for minutes; variables the
-        user set are left alone). MLflow reads them from the environment, so they are set for the call, one tracker
-        at a time. While the server is known to be away (a failed call since the last success), a call is one
-        request: the buffer's own schedule tries again (MLflow's retries of a hung server took `retries + 1` times
-        `timeout_s`, ~47 s by default, at every resend)."""
-        settings = {
-            "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(self.options.timeout_s))),
-            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(0 if self.outage_failures else self.options.retries),
-            "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-        }
-        with _HTTP_SETTINGS:
-            added = [k for k in settings if k not in os.environ]
-            os.environ.update({k: settings[k] for k in added})
-            try:
-                yield
-            finally:
-                for k in added:
-                    os.environ.pop(k, None)
+        """Around every MLflow call (roll_core.trackers.mlflow_http.bounded_http): while the server is known to be
+        away (a failed call since the last success), a call is one request: the buffer's own schedule tries again
+        (MLflow's retries of a hung server took `retries + 1` times `timeout_s`, ~47 s by default, at every resend).
+        While closing, a call ends by `_requests_by` or is not made (CloseDeadline)."""
+        retries = 0 if self.outage_failures else self.options.retries
+        with bounded_http(self.options.timeout_s, retries, self._requests_by):
+            yield
 
     def _experiment_id(self) -> str:
         """The experiment's id, created when missing (a local store keeps its artifacts in the run folder)."""
@@ -255,54 +240,6 @@ class MlflowTracker:
             return text  # nothing to hide: the file as it is
         return OmegaConf.to_yaml(OmegaConf.create(redacted))
 
-    def _continue(self, run_id: str) -> bool:
-        """Continue the recorded run; False when the store no longer has it (deleted or another store)."""
-        try:
-            with self._http():
-                run = self.client.get_run(run_id)
-        except Exception as exc:
-            if is_network_error(exc):
-                raise Unreachable(
-                    f"MLflow at {self.shown_uri}: cannot reach the run {run_id} ({redact_text(str(exc))})"
-                ) from redact_exception(exc)
-            return False
-        if run.info.lifecycle_stage == "deleted":
-            return False
-        self.run_id = run_id
-        try:
-            self.tables = list(json.loads(run.data.tags.get(LOGGED_ARTIFACTS_TAG, "[]")))
-        except ValueError:  # a tag MLflow cut at its length limit (a run logged before `tables_tag`)
-            self.tables = []
-        # Params cannot change in MLflow: a resumed run with another config keeps the first values (config.yaml,
-        # logged again, is the resumed run's).
-        new = flatten_config(redact_config(self.config))
-        changed = sorted(k for k, v in new.items() if k in run.data.params and run.data.params[k] != v)
-        if changed:
-            log.warning("MLflow params keep their first values; changed on resume: %s", ", ".join(changed[:10]))
-        self.pending_params = {k: v for k, v in new.items() if k not in run.data.params}
-        self.pending_artifacts["config.yaml"] = self._config_text()
-        self._load_unsent()
-        return True
-
-    def _supersede(self, old: str, new: str) -> None:
-        """Tag the abandoned run and move it to MLflow's deleted runs (restorable); a failure only warns."""
-        try:
-            with self._http():
-                self.client.set_tag(old, "roll.superseded_by", new)
-                self.client.set_terminated(old, "KILLED")
-                self.client.delete_run(old)
-        except Exception as exc:  # the new run is complete without this: never fail the resume for it
-            log.warning("MLflow: could not mark the superseded run %s (%s)", old, redact_text(str(exc)))
-
-    def _replay(self, last_step: int, after: int = -1) -> None:
-        """Log what the run folder's own files hold of the steps in (`after`, `last_step`] into the run."""
-        samples = kept_samples(self.run_dir, last_step, after)
-        for step, metrics in kept_metrics(self.run_dir, last_step, after):
-            self._add_metrics(step, metrics)
-        for step, rows in sorted(samples.items()):
-            self._add_samples(step, rows)
-        self._flush(final=True)
-
     # ---- state and buffer files ------------------------------------------------------------------------------
     def _save_state(self) -> None:
         state = {"tracking_uri": self.shown_uri, "run_id": self.run_id, "last_step": self.held_step}
@@ -327,42 +264,34 @@ class MlflowTracker:
         self.held_step = self.last_step  # kept for the next attempt
         self._save_state()
 
-    def _load_unsent(self) -> None:
-        path = self.dir / UNSENT_FILE
-        if not path.exists():
-            return
-        unsent = json.loads(path.read_text())
-        if unsent.get("run_id") != self.run_id:
-            return
-        self.pending_params = {**unsent["params"], **self.pending_params}
-        self.pending_tags = {**unsent["tags"], **self.pending_tags}
-        self.pending_metrics = [tuple(m) for m in unsent["metrics"]] + self.pending_metrics  # type: ignore[misc]
-        self.pending_artifacts = {**unsent["artifacts"], **self.pending_artifacts}
-        log.info("MLflow: %d metric points of an earlier attempt are sent now", len(unsent["metrics"]))
-
     # ---- sending ---------------------------------------------------------------------------------------------
     def _send(self) -> None:
         """Send the buffer; each part leaves it once the server accepted it (a failure keeps the rest)."""
         from mlflow.entities import Metric, Param, RunTag
 
         assert self.run_id is not None
+        # Each request in its own `_http`: while closing, each one's timeout is what is left before the deadline.
         while self.pending_params:
             chunk = list(self.pending_params.items())[:MAX_PARAMS_TAGS_PER_BATCH]
-            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in chunk])
+            with self._http():
+                self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in chunk])
             for k, _ in chunk:
                 del self.pending_params[k]
         while self.pending_tags:
             chunk = list(self.pending_tags.items())[:MAX_PARAMS_TAGS_PER_BATCH]
-            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in chunk])
+            with self._http():
+                self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in chunk])
             for k, _ in chunk:
                 del self.pending_tags[k]
         while self.pending_metrics:
             chunk = self.pending_metrics[:MAX_METRICS_PER_BATCH]
-            self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for k, v, ts, step in chunk])
+            with self._http():
+                self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for k, v, ts, step in chunk])
             del self.pending_metrics[: len(chunk)]
         while self.pending_artifacts:
             path, text = next(iter(self.pending_artifacts.items()))
-            self.client.log_text(self.run_id, text, path)
+            with self._http():
+                self.client.log_text(self.run_id, text, path)
             del self.pending_artifacts[path]
 
     def _flush(self, *, final: bool = False) -> bool:
@@ -370,8 +299,7 @@ class MlflowTracker:
         if not self._pending() or (not final and time.monotonic() < self.retry_at):
             return not self._pending()
         try:
-            with self._http():
-                self._send()
+            self._send()
         except Exception as exc:
             if not is_network_error(exc):
                 raise
@@ -390,12 +318,14 @@ class MlflowTracker:
     def _outage(self, exc: BaseException, waiting: str) -> None:
         """Count a failed call, set when to try again (`retry_interval_s`, doubling up to MAX_RETRY_INTERVAL_S) and
         warn once per outage: "`waiting` after N s"."""
+        cause = exc.__cause__ if isinstance(exc, Unreachable) and exc.__cause__ is not None else exc
+        if self._abandoned or isinstance(cause, CloseDeadline):  # no request failed; `close()` says what is unsent
+            return
         self.failures += 1
         self.outage_failures += 1
         wait = min(self.options.retry_interval_s * 2 ** (self.outage_failures - 1), MAX_RETRY_INTERVAL_S)
         self.retry_at = time.monotonic() + wait
         if self.outage_failures == 1:
-            cause = exc.__cause__ if isinstance(exc, Unreachable) and exc.__cause__ is not None else exc
             reason = redact_text(str(cause).splitlines()[0])[:300]
             log.warning(
                 "MLflow at %s is not answering (%s): %s after %.0f s; training goes on",
@@ -459,10 +389,16 @@ class MlflowTracker:
         self.last_step = max(self.last_step, step)
 
     # ---- the TrackerBackend calls: queued for the worker (the module docstring: network failures) ---------------
-    def _submit(self, call: Any, *args: Any) -> None:
+    def _submit(self, call: Any, step: int, *args: Any, points: int = 0, tables: int = 0) -> None:
+        """Queue `call(step, *args)`, noted in the backlog with the points and sample tables it carries."""
         if self._worker is None:
             raise RuntimeError("MlflowTracker used after close()")
-        self._worker.submit(call, *args)
+        self._worker.submit(self._run_queued, self._backlog.add(step, points, tables), call, step, *args)
+
+    def _run_queued(self, number: int, call: Any, *args: Any) -> None:
+        if not self._abandoned:  # else `close()` counted this call as not sent
+            self._backlog.begin(number)
+            call(*args)
 
     def truncate(self, last_step: int) -> None:
         """Queue `_truncate(last_step)`."""
@@ -470,12 +406,12 @@ class MlflowTracker:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Queue `_log(step, metrics)` (a copy: the caller may reuse the dict)."""
-        self._submit(self._log, step, dict(metrics))
+        self._submit(self._log, step, dict(metrics), points=len(metrics))
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Queue `_samples(step, rows)` (copies)."""
         if self.options.log_samples and rows:
-            self._submit(self._samples, step, [dict(row) for row in rows])
+            self._submit(self._samples, step, [dict(row) for row in rows], tables=1)
 
     def wait(self) -> None:
         """Block until the calls made so far are done (the server accepted them, or they are buffered); raise the
@@ -485,69 +421,61 @@ class MlflowTracker:
 
     def close(self) -> None:
         """Run `_close` after the queued calls (FAILED when closed while an exception propagates) and stop the
-        worker; raise the first error of a queued call or of `_close` (idempotent)."""
+        worker, within `tracking.mlflow.close_timeout_s`; raise the first error of a queued call or of `_close`
+        (idempotent). Past the deadline it returns without the worker, having said what was not sent (`_abandon`)."""
         worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.finish(self._close, sys.exc_info()[0] is not None)
+        if worker is None:
+            return
+        failed, limit = sys.exc_info()[0] is not None, self.options.close_timeout_s
+        self._requests_by = time.monotonic() + limit - CLOSE_RESERVE_S
+        errors: list[BaseException] = []
+
+        def finish() -> None:  # on a thread of its own: SerialWorker.finish waits without a timeout
+            try:
+                worker.finish(self._close, failed)
+            except BaseException as exc:  # raised below, on the caller's thread
+                errors.append(exc)
+
+        closer = threading.Thread(target=finish, name=f"roll-mlflow-close-{self.name}", daemon=True)
+        closer.start()
+        closer.join(limit)
+        if closer.is_alive():
+            self._abandon()
+        elif errors:
+            raise errors[0]
+
+    def _abandon(self) -> None:
+        """(The caller's thread, the worker still busy past `close_timeout_s`.) Stop the worker's work and count
+        what the server does not have, as the buffer's drops are counted (`dropped`, `Dropped`), then say it:
+        metrics.jsonl keeps every step, and run.json names only what the server acknowledged, so a resume sends
+        the rest."""
+        self._abandoned, self._requests_by = True, 0.0  # no call the worker begins from now on reaches the server
+        unsent = Dropped()
+        self._backlog.unsent(unsent)  # before the buffer: a call begun meanwhile is counted twice, not missed
+        tables = sum(1 for path in dict(self.pending_artifacts) if path.startswith(SAMPLES_DIR))
+        unsent.add([m[3] for m in list(self.pending_metrics)], tables)
+        self.dropped += unsent.points
+        where = f"tracking.mlflow.close_timeout_s={self.options.close_timeout_s:g}"
+        if self.run_id is None and self.resume_step is not None:  # a resumed run whose MLflow run never opened
+            log.error(
+                "MLflow at %s did not answer within %s: this attempt's steps (up to %d) are not in MLflow; a resume of "
+                "this run sends them from metrics.jsonl",
+                *(self.shown_uri, where, max(self.seen_step, unsent.last_step)),
+            )
+            return
+        self._dropped_summary(log.error)  # what the buffer dropped earlier in this outage, if anything
+        if not unsent:
+            log.warning("MLflow at %s did not answer within %s: nothing is left unsent", self.shown_uri, where)
+            return
+        steps = f" (steps {unsent.first_step} to {unsent.last_step})" if unsent.points else ""
+        log.error(
+            "MLflow at %s did not answer within %s: close() stops waiting; %d metric points%s and %d sample tables "
+            "were not sent (counted as dropped): MLflow lacks them, %s and samples.jsonl keep every step, and a "
+            "resume of this run sends them",
+            *(self.shown_uri, where, unsent.points, steps, unsent.tables, self.run_dir / "metrics.jsonl"),
+        )
 
     # ---- what the worker runs --------------------------------------------------------------------------------
-    def _truncate(self, last_step: int) -> None:
-        """Continue the recorded run when it holds nothing after `last_step`, else start a new one replaying steps
-        0..last_step (MLflow cannot delete points; see the module docstring). A server that does not answer is
-        warned about, and the run is opened at a later log."""
-        if self.run_id is not None:
-            if self.last_step <= last_step:
-                self.pending_metrics = [m for m in self.pending_metrics if m[3] <= last_step]
-                return
-            old = self.run_id
-            self.pending_metrics, self.pending_artifacts, self.pending_tags = [], {}, {}
-            self._start(resumed_from=old)
-            self._supersede(old, str(self.run_id))
-            self._replay(last_step)
-            return
-        self.resume_step = last_step if self.resume_step is None else min(self.resume_step, last_step)
-        self.seen_step = last_step
-        self._open(last_step)
-
-    def _open(self, upto: int) -> bool:
-        """Open a resumed run's MLflow run: the recorded one when it holds nothing after `resume_step`, else a new
-        one; then send it the steps up to `upto` it lacks, from the run folder's files. False (counted, warned once)
-        when the server does not answer: the steps wait in metrics.jsonl, and a log after `retry_at` tries again."""
-        assert self.resume_step is not None
-        path = self.dir / STATE_FILE
-        state = json.loads(path.read_text()) if path.exists() else None
-        # run.json holds the URI without userinfo (one written before that: with it)
-        same_store = state is not None and state.get("tracking_uri") in (self.shown_uri, self.uri)
-        try:
-            if same_store and int(state["last_step"]) <= self.resume_step and self._continue(str(state["run_id"])):
-                self.resume_step = None
-                self.last_step = self.held_step = int(state["last_step"])
-                self._save_state()
-                for _, metrics in kept_metrics(self.run_dir, self.held_step):  # the names its keys have there
-                    self.keys.names_of(metrics)
-                # the steps it lacks: an attempt that ran without this tracker, or died with its points unsent
-                self._replay(upto, after=self.held_step)
-                return True
-            self._start(resumed_from=str(state["run_id"]) if same_store else None)
-        except Unreachable as exc:
-            self._outage(exc, "this resumed run's MLflow run is opened, and sent its steps from metrics.jsonl,")
-            return False
-        self.resume_step = None
-        if same_store:
-            self._supersede(str(state["run_id"]), str(self.run_id))
-        self._replay(upto)
-        return True
-
-    def _ensure_run(self, step: int) -> bool:
-        """Whether the MLflow run is open to log `step`; a resumed run's is opened here when `truncate` did not
-        (it was not called, or the server did not answer: tried again once `retry_at` has passed)."""
-        if self.run_id is not None:
-            return True
-        if self.resume_step is None:  # a resumed run logged without truncating first: keep what precedes this step
-            self.resume_step = step - 1
-        self.seen_step = max(self.seen_step, step)
-        return time.monotonic() >= self.retry_at and self._open(step - 1)
-
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         """Buffer the metrics at `step` and send the buffer (a network failure keeps it for later)."""
         if not self._ensure_run(step):
@@ -571,6 +499,8 @@ class MlflowTracker:
         """Send what is buffered and end the run (FAILED when `failed`); what cannot be sent goes to
         `<run>/mlflow/unsent.json` for the next attempt. A resumed run whose MLflow run never opened tries once more
         to open it and send its steps."""
+        if self._abandoned:  # `close()` gave up waiting and said what is not sent
+            return
         if self.run_id is None and self.resume_step is not None and not self._open(self.seen_step):
             self.resume_step = None
             log.error(

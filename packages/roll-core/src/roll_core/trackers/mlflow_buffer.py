@@ -5,11 +5,17 @@ Points the server has not accepted wait in memory, in the order they were logged
 A server away for hours would let them grow without end, so past a bound the oldest are dropped: what arrives when
 the server is back is the newest, and the dropped ones stay in the run folder's metrics.jsonl / samples.jsonl
 (the caller counts them and says so).
+
+When `close()` stops waiting for a server that does not answer (`tracking.mlflow.close_timeout_s`), what was not
+sent is counted the same way (`Dropped`): the buffer, and the calls still queued for the backend's worker thread
+(`Backlog`: their points are not in the buffer yet).
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +40,50 @@ class Dropped:
     def __bool__(self) -> bool:
         return bool(self.points or self.tables)
 
+    def add(self, steps: Sequence[int], tables: int = 0) -> None:
+        """Count one point at each of `steps` (a step per point) and `tables` sample tables."""
+        if steps:
+            first = min(steps)
+            self.first_step = first if self.first_step < 0 else min(self.first_step, first)
+            self.last_step = max(self.last_step, max(steps))
+            self.points += len(steps)
+        self.tables += tables
+
+
+class Backlog:
+    """The `log` / `samples` calls queued for the backend's worker thread that it has not begun, with their step
+    and how many points and sample tables each carries.
+
+    The training thread numbers each call it queues (`add`); the worker marks the call it begins (`begin`; the calls
+    run in order): a begun call's points are in the buffer (or sent) from then on. Only the training thread changes
+    the list, so `unsent` may be read while the worker runs.
+    """
+
+    def __init__(self) -> None:
+        self._calls: deque[tuple[int, int, int, int]] = deque()  # number, step, points, tables
+        self._next = 0
+        self.begun = -1  # the number of the call the worker began last (set by the worker only)
+
+    def add(self, step: int, points: int = 0, tables: int = 0) -> int:
+        """Note a call about to be queued; its number (for `begin`). Forgets the calls begun since."""
+        number, self._next = self._next, self._next + 1
+        while self._calls and self._calls[0][0] <= self.begun:
+            self._calls.popleft()
+        if points or tables:
+            self._calls.append((number, step, points, tables))
+        return number
+
+    def begin(self, number: int) -> None:
+        """(The worker) call `number` begins."""
+        self.begun = number
+
+    def unsent(self, into: Dropped) -> None:
+        """Add the points and tables of the calls not begun to `into`."""
+        begun = self.begun
+        for number, step, points, tables in list(self._calls):
+            if number > begun:
+                into.add([step] * points, tables)
+
 
 def drop_oldest(
     points: list[Point],
@@ -48,11 +98,8 @@ def drop_oldest(
     (the UI's list must name only tables the run has); add them to `dropped`. True when anything was dropped."""
     excess = len(points) - max_points
     if excess > 0:
-        steps = [p[3] for p in points[:excess]]
+        dropped.add([p[3] for p in points[:excess]])
         del points[:excess]
-        dropped.first_step = min(steps) if dropped.first_step < 0 else min(dropped.first_step, *steps)
-        dropped.last_step = max(dropped.last_step, *steps)
-        dropped.points += excess
     buffered = [path for path in artifacts if path.startswith(SAMPLES_DIR)]
     cut = buffered[: max(0, len(buffered) - max_tables)]
     for path in cut:

@@ -1,0 +1,167 @@
+"""Resuming an MLflow run (roll_core.trackers.mlflow): which MLflow run a resumed roll run logs to, and how it is
+sent the steps it lacks. `MlflowResume` holds these methods of `MlflowTracker` (its base class); they run on the
+tracker's worker thread like the rest of its calls.
+
+`<run>/mlflow/run.json` (STATE_FILE) records the tracking URI (without userinfo), the MLflow run id and the last step
+logged to it. MLflow cannot delete metric points (a point logged again at the same step is a second point, not a
+replacement), so `truncate(last_step)` does one of two things:
+- the MLflow run holds nothing after `last_step` (a preemption right after a checkpoint): the same run continues;
+- it holds later steps (a crash between checkpoints; the run redoes them with other values): a new MLflow run
+  (same experiment and name, tag `roll.resumed_from=<old id>`) replays steps 0..last_step from the run folder's
+  metrics.jsonl and samples.jsonl, then continues; the old run gets tag `roll.superseded_by=<new id>` and is
+  moved to MLflow's deleted runs (kept, and restorable with `mlflow runs restore --run-id <id>`).
+Either way the MLflow run that run.json names shows exactly the history of metrics.jsonl: a continued run is sent
+the steps up to `last_step` it lacks (an attempt that ran without mlflow, or died with points not yet sent: run.json
+counts only the steps the server acknowledged or unsent.json (UNSENT_FILE) keeps, and a continued run loads
+unsent.json first).
+
+A resumed run whose server does not answer goes on without it: a warning says so (counted as a failed send), and
+the MLflow run is opened (continued or replaced, as above) at a later log once the server answers (`_ensure_run`),
+then sent the steps it lacks from metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from roll_core.trackers.mlflow_buffer import LOGGED_ARTIFACTS_TAG
+from roll_core.trackers.mlflow_http import Unreachable, is_network_error
+from roll_core.trackers.mlflow_keys import flatten_config
+from roll_core.trackers.replay import kept_metrics, kept_samples
+from roll_core.tracking import redact_config, redact_exception, redact_text
+
+__all__ = ["STATE_FILE", "UNSENT_FILE", "MlflowResume"]
+
+# The backend's logger: every message of the MLflow backend under one name.
+log = logging.getLogger("roll_core.trackers.mlflow")
+#: The run folder's record of its MLflow run: {"tracking_uri", "run_id", "last_step"}.
+STATE_FILE = "run.json"
+#: What could not be sent by `close()`: sent when the run resumes.
+UNSENT_FILE = "unsent.json"
+
+
+class MlflowResume:
+    """The resume methods of `MlflowTracker` (the module docstring). They use the tracker's state (`run_id`,
+    `last_step`, `held_step`, `resume_step`, `seen_step`, `retry_at`, the `pending_*` buffer, `tables`, `keys`) and
+    its calls (`_start`, `_http`, `_flush`, `_outage`, `_save_state`, `_config_text`, `_add_metrics`,
+    `_add_samples`)."""
+
+    def _truncate(self, last_step: int) -> None:
+        """Continue the recorded run when it holds nothing after `last_step`, else start a new one replaying steps
+        0..last_step (MLflow cannot delete points; see the module docstring). A server that does not answer is
+        warned about, and the run is opened at a later log."""
+        if self.run_id is not None:
+            if self.last_step <= last_step:
+                self.pending_metrics = [m for m in self.pending_metrics if m[3] <= last_step]
+                return
+            old = self.run_id
+            self.pending_metrics, self.pending_artifacts, self.pending_tags = [], {}, {}
+            self._start(resumed_from=old)
+            self._supersede(old, str(self.run_id))
+            self._replay(last_step)
+            return
+        self.resume_step = last_step if self.resume_step is None else min(self.resume_step, last_step)
+        self.seen_step = last_step
+        self._open(last_step)
+
+    def _open(self, upto: int) -> bool:
+        """Open a resumed run's MLflow run: the recorded one when it holds nothing after `resume_step`, else a new
+        one; then send it the steps up to `upto` it lacks, from the run folder's files. False (counted, warned once)
+        when the server does not answer: the steps wait in metrics.jsonl, and a log after `retry_at` tries again."""
+        assert self.resume_step is not None
+        path = self.dir / STATE_FILE
+        state = json.loads(path.read_text()) if path.exists() else None
+        # run.json holds the URI without userinfo (one written before that: with it)
+        same_store = state is not None and state.get("tracking_uri") in (self.shown_uri, self.uri)
+        try:
+            if same_store and int(state["last_step"]) <= self.resume_step and self._continue(str(state["run_id"])):
+                self.resume_step = None
+                self.last_step = self.held_step = int(state["last_step"])
+                self._save_state()
+                for _, metrics in kept_metrics(self.run_dir, self.held_step):  # the names its keys have there
+                    self.keys.names_of(metrics)
+                # the steps it lacks: an attempt that ran without this tracker, or died with its points unsent
+                self._replay(upto, after=self.held_step)
+                return True
+            self._start(resumed_from=str(state["run_id"]) if same_store else None)
+        except Unreachable as exc:
+            self._outage(exc, "this resumed run's MLflow run is opened, and sent its steps from metrics.jsonl,")
+            return False
+        self.resume_step = None
+        if same_store:
+            self._supersede(str(state["run_id"]), str(self.run_id))
+        self._replay(upto)
+        return True
+
+    def _ensure_run(self, step: int) -> bool:
+        """Whether the MLflow run is open to log `step`; a resumed run's is opened here when `truncate` did not
+        (it was not called, or the server did not answer: tried again once `retry_at` has passed)."""
+        if self.run_id is not None:
+            return True
+        if self.resume_step is None:  # a resumed run logged without truncating first: keep what precedes this step
+            self.resume_step = step - 1
+        self.seen_step = max(self.seen_step, step)
+        return time.monotonic() >= self.retry_at and self._open(step - 1)
+
+    def _continue(self, run_id: str) -> bool:
+        """Continue the recorded run; False when the store no longer has it (deleted or another store)."""
+        try:
+            with self._http():
+                run = self.client.get_run(run_id)
+        except Exception as exc:
+            if is_network_error(exc):
+                raise Unreachable(
+                    f"MLflow at {self.shown_uri}: cannot reach the run {run_id} ({redact_text(str(exc))})"
+                ) from redact_exception(exc)
+            return False
+        if run.info.lifecycle_stage == "deleted":
+            return False
+        self.run_id = run_id
+        try:
+            self.tables = list(json.loads(run.data.tags.get(LOGGED_ARTIFACTS_TAG, "[]")))
+        except ValueError:  # a tag MLflow cut at its length limit (a run logged before `tables_tag`)
+            self.tables = []
+        # Params cannot change in MLflow: a resumed run with another config keeps the first values (config.yaml,
+        # logged again, is the resumed run's).
+        new = flatten_config(redact_config(self.config))
+        changed = sorted(k for k, v in new.items() if k in run.data.params and run.data.params[k] != v)
+        if changed:
+            log.warning("MLflow params keep their first values; changed on resume: %s", ", ".join(changed[:10]))
+        self.pending_params = {k: v for k, v in new.items() if k not in run.data.params}
+        self.pending_artifacts["config.yaml"] = self._config_text()
+        self._load_unsent()
+        return True
+
+    def _supersede(self, old: str, new: str) -> None:
+        """Tag the abandoned run and move it to MLflow's deleted runs (restorable); a failure only warns."""
+        try:
+            with self._http():
+                self.client.set_tag(old, "roll.superseded_by", new)
+                self.client.set_terminated(old, "KILLED")
+                self.client.delete_run(old)
+        except Exception as exc:  # the new run is complete without this: never fail the resume for it
+            log.warning("MLflow: could not mark the superseded run %s (%s)", old, redact_text(str(exc)))
+
+    def _replay(self, last_step: int, after: int = -1) -> None:
+        """Log what the run folder's own files hold of the steps in (`after`, `last_step`] into the run."""
+        samples = kept_samples(self.run_dir, last_step, after)
+        for step, metrics in kept_metrics(self.run_dir, last_step, after):
+            self._add_metrics(step, metrics)
+        for step, rows in sorted(samples.items()):
+            self._add_samples(step, rows)
+        self._flush(final=True)
+
+    def _load_unsent(self) -> None:
+        path = self.dir / UNSENT_FILE
+        if not path.exists():
+            return
+        unsent = json.loads(path.read_text())
+        if unsent.get("run_id") != self.run_id:
+            return
+        self.pending_params = {**unsent["params"], **self.pending_params}
+        self.pending_tags = {**unsent["tags"], **self.pending_tags}
+        self.pending_metrics = [tuple(m) for m in unsent["metrics"]] + self.pending_metrics  # type: ignore[misc]
+        self.pending_artifacts = {**unsent["artifacts"], **self.pending_artifacts}
+        log.info("MLflow: %d metric points of an earlier attempt are sent now", len(unsent["metrics"]))
