@@ -31,7 +31,7 @@ def collector(k: int, empty_steps: set[int]) -> AsyncEpisodeCollector:
     c.sampling = types.SimpleNamespace(replace=lambda **kw: None)
     c.train_seeds = lambda step: list(range(B))
     c.rollout = types.SimpleNamespace(episode=lambda *a: types.SimpleNamespace(resumed_turns=0))
-    c.gate = types.SimpleNamespace(finish_update=lambda v: None)
+    c.gate = types.SimpleNamespace(finish_update=lambda v: None, stats=dict)
 
     def collected(step, trajs, out):
         if step in empty_steps:

@@ -16,7 +16,13 @@ Asynchronous collection passes a `TurnGate`: every turn request enters the gate 
 runs) and records the weight version it was sampled under (`Trajectory.versions`). With partial rollout the gate
 aborts the turns in flight when a sync begins; such a turn keeps its generated tokens and behaviour log-probs and
 is resumed under the new weights (prompt + everything so far + the partial turn), within the turn's token budget,
-so an episode never loses a turn to a sync. Without partial rollout a sync waits for the running turns.
+so an episode never loses a turn to a sync. Without partial rollout a sync waits for the running turns. An aborted
+turn request that never brings its result, or whose result raises, is lost after a bound (roll_core.agentic.turn_gate,
+"Requests that never return"): the turn resumes with what its earlier attempts generated.
+
+Engine failures. A turn request that was not aborted and whose handle raises (or whose submission does) fails its
+episode with the engine's error, a note naming the request, turn, episode and environment seed added: the
+synchronous collector's `run` raises it, the asynchronous one raises it in the trainer's next call.
 
 Aborts. A turn request the engine aborts on its own (preemption, with or without a gate) is resumed the same way;
 after `MAX_IDLE_ABORTS` such aborts in a row without a token (an engine that refuses the request), or when the
@@ -40,7 +46,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -51,13 +56,12 @@ from roll_core.agentic.chat import TurnTemplate
 from roll_core.agentic.env_manager import EnvFailure, EnvManager
 from roll_core.agentic.observation import state_key
 from roll_core.agentic.trajectory import Trajectory
+from roll_core.agentic.turn_gate import GateClosed, TurnGate
 from roll_core.idle_aborts import MAX_IDLE_ABORTS, idle_backoff_s
 from roll_core.interfaces import Request, SamplingParams
 from roll_core.seeds import Purpose, derive_seed
 
 log = logging.getLogger(__name__)
-
-#: The engine's own aborts of one turn in a row, none bringing a token, after which the turn is given up (`abort`).
 
 
 @dataclass
@@ -77,76 +81,6 @@ def task_turns(
     examples = task.examples()
     limits = EpisodeLimits(task.max_turns, task.max_context_length, task.max_tokens_per_turn)
     return TurnTemplate(tokenizer, task.system_prompt(), examples, chat_template_kwargs, vision), limits
-
-
-class GateClosed(RuntimeError):
-    """The collector shut down while an episode waited to submit a turn."""
-
-
-class TurnGate:
-    """Admission of turn requests around weight syncs (see the module docstring). Thread-safe."""
-
-    def __init__(self, infer: Any, *, partial_rollout: bool) -> None:
-        self.infer, self.partial_rollout = infer, partial_rollout
-        self.version = 0
-        self._cv = threading.Condition()
-        self._paused = self._closed = False
-        self._running: set[str] = set()
-        self._aborted: set[str] = set()
-
-    def enter(self, request_id: str) -> int:
-        """Wait while a sync runs, then register `request_id` as running; returns the current weight version."""
-        with self._cv:
-            while self._paused and not self._closed:
-                self._cv.wait()
-            if self._closed:
-                raise GateClosed("the collector is closed")
-            self._running.add(request_id)
-            return self.version
-
-    def leave(self, request_id: str) -> bool:
-        """The request returned; True when the gate aborted it for a sync (resume it after the sync)."""
-        with self._cv:
-            self._running.discard(request_id)
-            self._cv.notify_all()
-            aborted = request_id in self._aborted
-            self._aborted.discard(request_id)
-            return aborted and not self._closed
-
-    def begin_update(self, timeout_s: float = 600.0) -> None:
-        """Stop admitting turns; abort running ones (partial rollout) or let them finish; wait until none runs."""
-        with self._cv:
-            self._paused = True
-            running = list(self._running) if self.partial_rollout else []
-            self._aborted.update(running)
-        for rid in running:
-            self.infer.abort(rid)
-        with self._cv:
-            if not self._cv.wait_for(lambda: not self._running, timeout=timeout_s):
-                raise TimeoutError(
-                    f"{len(self._running)} turn request(s) still running {timeout_s}s into a weight sync"
-                )
-
-    def finish_update(self, version: int) -> None:
-        """The engines hold weight version `version`: admit turns again."""
-        with self._cv:
-            self.version, self._paused = version, False
-            self._cv.notify_all()
-
-    @property
-    def closed(self) -> bool:
-        """Whether `close` ran (an abort seen after it is the shutdown's, not one to resume)."""
-        with self._cv:
-            return self._closed
-
-    def close(self) -> None:
-        """Refuse new turns and abort the running ones (their episodes end with `abort`)."""
-        with self._cv:
-            self._closed = True
-            running = list(self._running)
-            self._cv.notify_all()
-        for rid in running:
-            self.infer.abort(rid)
 
 
 class AgenticRollout:
@@ -198,12 +132,23 @@ class AgenticRollout:
                 version = v if version is None else min(version, v)
             try:
                 req = Request(sub, context + tokens, params.replace(max_new_tokens=budget, seed=seed), mm=traj.mm)
-                out = self.infer.submit_request(req, route_key=key).result()
+                try:
+                    handle = self.infer.submit_request(req, route_key=key)
+                    out = handle.result() if self.gate is None else self.gate.wait(sub, handle)
+                except Exception as exc:  # the engine's own type is kept (a dead worker is a fault a restart fixes)
+                    exc.add_note(
+                        f"turn request {sub} (turn {traj.turns} of {key}, env seed {traj.env_seed}) failed in the "
+                        "inference engine"
+                    )
+                    raise
             finally:
                 asked = self.gate.leave(sub) if self.gate is not None else False
-            tokens += list(out.token_ids)
-            logprobs += list(out.logprobs)
-            finish = out.finish_reason
+            if out is None:  # the gate aborted it and it never brought a result: lost, nothing of it is kept
+                out_tokens, out_logprobs, finish = [], [], "abort"
+            else:
+                out_tokens, out_logprobs, finish = list(out.token_ids), list(out.logprobs), out.finish_reason
+            tokens += out_tokens
+            logprobs += out_logprobs
             if finish == "abort" and len(tokens) >= params.max_new_tokens:
                 finish = "length"  # the abort raced the budget's end: the turn is complete, cut at its limit
             closed = self.gate is not None and self.gate.closed
@@ -212,7 +157,7 @@ class AgenticRollout:
             if finish == "abort" and not closed and not (params.structured is not None and tokens):
                 # A sync's abort (`asked`) or the engine's own with a token resumes at once; the engine's own
                 # without one (preemption, or a refusal: SGLang aborts a prompt it cannot hold) a few times only.
-                idle = 0 if asked or out.token_ids else idle + 1
+                idle = 0 if asked or out_tokens else idle + 1
                 if idle < MAX_IDLE_ABORTS:
                     traj.resumed_turns += 1
                     # an engine paused for a moment used up every try within milliseconds (roll_core.idle_aborts)

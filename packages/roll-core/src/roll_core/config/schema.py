@@ -255,6 +255,14 @@ class PipelineConfig:
     # responses; the slowest ones are carried into later batches (tail batching), and groups that become older than
     # the bound are dropped (wasted tokens, a bias toward short responses; 0 keeps start order: nothing dropped).
     tail_groups: int = 0
+    # With async_ratio > 0: seconds the trainer waits for a batch before the run fails with an error naming what
+    # still runs (a hung inference engine).
+    async_batch_timeout_s: float = 3600.0
+    # With async_ratio > 0: seconds a request the rollout aborted (partial rollout at a weight sync, a stale group's)
+    # may take to bring its partial result. Past it, or when reading the result raises, the request is lost
+    # (async/unanswered_aborts, async/failed_aborts, warned) and its sample or turn resumes with its earlier prefix:
+    # a sync goes on instead of waiting on an engine that does not answer.
+    async_abort_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         from roll_core import registry  # the installed collectors: rlvr, agentic, plugins
@@ -276,6 +284,8 @@ class PipelineConfig:
         positive("pipeline.max_reward_failure_steps", self.max_reward_failure_steps, allow_zero=True)
         positive("pipeline.max_run_restarts", self.max_run_restarts, allow_zero=True)
         positive("pipeline.tail_groups", self.tail_groups, allow_zero=True)
+        positive("pipeline.async_batch_timeout_s", self.async_batch_timeout_s)
+        positive("pipeline.async_abort_timeout_s", self.async_abort_timeout_s)
         if self.async_ratio == 0 and (self.partial_rollout or self.tail_groups):
             raise ValueError(
                 "pipeline.partial_rollout and pipeline.tail_groups need asynchronous training: set "

@@ -13,7 +13,14 @@ Contract:
   oldest weight version of its tokens; `next` checks the bound.
 - Around a weight sync the `TurnGate` stops admitting turns; with `pipeline.partial_rollout` the turns in flight
   are aborted and resumed under the new weights (an episode keeps its earlier turns' tokens and behaviour
-  log-probs, and the partial turn's), otherwise the sync waits for them.
+  log-probs, and the partial turn's), otherwise the sync waits for them. An aborted turn whose result has not come
+  `pipeline.async_abort_timeout_s` after the abort, or whose result raises, is lost (roll_core.agentic.turn_gate):
+  the sync goes on, the turn resumes with its earlier attempts' tokens (`async/unanswered_aborts`,
+  `async/failed_aborts`, one warning per version).
+- Failures: an episode whose turn request fails in the engine (not aborted) stops the run: the trainer's next call
+  (`next`, `begin_sync`) raises a RuntimeError naming the group, episode, request and turn, chained to the engine's
+  error. `next` waits `pipeline.async_batch_timeout_s` for a batch at most, then raises a TimeoutError naming the
+  turn requests still running (a hung engine).
 - Group i belongs to step `first_step + i // B` and uses that step's environment seeds, as the synchronous
   collector would. Checkpoints hold nothing more (episodes in flight at a save are not stored: a resumed run
   starts fresh ones), so an async run resumes correctly but not bit for bit.
@@ -29,8 +36,8 @@ from typing import Any
 
 import torch
 
-from roll_core.agentic.rollout import TurnGate
 from roll_core.agentic.trajectory import Trajectory
+from roll_core.agentic.turn_gate import TurnGate
 from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors.episodes import EpisodeCollector
@@ -44,15 +51,16 @@ log = logging.getLogger(__name__)
 class AsyncEpisodeCollector(EpisodeCollector):
     """Episodes generated ahead of the trainer (see the module docstring)."""
 
-    def __init__(self, ctx: CollectorContext, *, timeout_s: float = 3600.0) -> None:
+    def __init__(self, ctx: CollectorContext) -> None:
         p = ctx.cfg.pipeline
         if p.tail_groups:
             raise ConfigError("pipeline.tail_groups is not supported by pipeline=agentic: set it to 0")
         check_async(ctx)
-        super().__init__(ctx, gate=TurnGate(ctx.infer, partial_rollout=p.partial_rollout))
+        gate = TurnGate(ctx.infer, partial_rollout=p.partial_rollout, abort_timeout_s=p.async_abort_timeout_s)
+        super().__init__(ctx, gate=gate)
         self.gate: TurnGate = self.rollout.gate  # type: ignore[assignment]
         self.k, self.groups_per_batch, self.group_size = p.async_ratio, p.rollout_batch_size, ctx.cfg.algo.group_size
-        self.timeout_s = timeout_s
+        self.timeout_s = p.async_batch_timeout_s  # how long `next` waits for a batch
         slots = (self.k + 1) * self.groups_per_batch * self.group_size  # episodes in flight at most
         self.eval_slot = slots
         self.envs.grow(slots + len(self.eval_seeds))
@@ -67,6 +75,7 @@ class AsyncEpisodeCollector(EpisodeCollector):
         self._first_step: int | None = None
         self._seeds: dict[int, list[int]] = {}  # step -> its environment seeds
         self._error: BaseException | None = None
+        self._error_at = ""  # which episode failed (`_raise`)
         self._closed = False
         self._last_batch_at: float | None = None
         self._resumed_seen = 0
@@ -83,7 +92,7 @@ class AsyncEpisodeCollector(EpisodeCollector):
             while not all(self._complete(i) for i in wanted):
                 self._raise()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"async episodes: batch not complete after {self.timeout_s}s")
+                    raise self._timeout(wanted)
                 self._cv.wait(0.5)
             trajs = [t for i in wanted for t in self._results.pop(i)]  # type: ignore[misc]
             self._taken += self.groups_per_batch
@@ -94,6 +103,7 @@ class AsyncEpisodeCollector(EpisodeCollector):
         out["async/version"] = float(self._version)
         resumed = sum(t.resumed_turns for t in trajs)
         out["async/resumed_turns"] = float(resumed)
+        out.update(self.gate.stats())  # aborted turn requests lost since the previous batch
         now = time.monotonic()
         span = out.timers["generate"] if self._last_batch_at is None else now - self._last_batch_at
         self._last_batch_at = now
@@ -138,8 +148,24 @@ class AsyncEpisodeCollector(EpisodeCollector):
         return got is not None and all(t is not None for t in got)
 
     def _raise(self) -> None:
+        """Raise an episode's failure in the trainer's thread, naming the episode (and the request: its note)."""
         if self._error is not None:
-            raise RuntimeError(f"async episodes failed: {self._error}") from self._error
+            exc = self._error
+            notes = "; ".join(getattr(exc, "__notes__", ()))
+            raise RuntimeError(
+                f"async episodes failed ({self._error_at}){': ' + notes if notes else ''}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _timeout(self, wanted: range) -> TimeoutError:
+        """The error of a batch not complete after `timeout_s` (lock held): what it waits for, what runs."""
+        missing = sum(t is None for i in wanted for t in self._results.get(i, [None] * self.group_size))
+        running = self.gate.running()
+        return TimeoutError(
+            f"async episodes: batch not complete after {self.timeout_s}s (pipeline.async_batch_timeout_s): "
+            f"{missing} episode(s) of groups {wanted.start}..{wanted.stop - 1} unfinished; {len(running)} turn "
+            f"request(s) running: {', '.join(running[:5]) or 'none'}{' ...' if len(running) > 5 else ''} (a hung "
+            "inference engine?)"
+        )
 
     def _fill(self) -> None:
         """Start groups while the admission budget and free environment slots allow (lock held)."""
@@ -168,9 +194,10 @@ class AsyncEpisodeCollector(EpisodeCollector):
         try:
             traj = self.rollout.episode(slot, env_seed, group % self.groups_per_batch, params, index)
         except BaseException as exc:  # surfaced in the trainer's thread by _raise
-            log.exception("async episode failed")
+            log.exception("async episode %d of group %d failed", j, group)
             with self._cv:
-                self._error = exc
+                if self._error is None:  # the first failure is the cause; later ones are often its consequences
+                    self._error, self._error_at = exc, f"group {group}, episode {j}, env seed {env_seed}"
                 self._cv.notify_all()
             return
         with self._cv:

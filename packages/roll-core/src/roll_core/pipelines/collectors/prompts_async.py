@@ -8,7 +8,8 @@ whose prompt fills the engine's context (`data/skipped_context_prompts`), and re
 `behaviour_version` (B,) per row. The trainer then recomputes the proximal log-probs (`old_logprobs`)
 at its current version, and `algo.off_policy_correction` weighs each token by the truncated ratio
 pi_old / pi_behaviour (decoupled PPO); `begin_sync` / `finish_sync` bracket the weight sync so that partial
-rollout can abort and resume requests around it.
+rollout can abort and resume requests around it. `pipeline.async_batch_timeout_s` bounds the trainer's wait for a
+batch and `pipeline.async_abort_timeout_s` the wait for an aborted request's result (roll_core.scheduling.driver).
 
 Checkpoints store the data sampler and the training-set indices of the groups started but not yet trained
 (`pending`, in start order: the sampler's position is past them); a resumed run starts those prompts first, so
@@ -98,7 +99,14 @@ class AsyncPromptCollector(PromptCollector):
         self.skipped_bad_images = 0
         self._last_batch_at: float | None = None  # when the previous batch was taken (rollout throughput)
         seed = derive_seed(p.seed, Purpose.ASYNC_ROLLOUT)
-        self.driver = AsyncRollout(self.infer, self.sched, self._next_group, self.sampling.replace(seed=seed))
+        self.driver = AsyncRollout(
+            self.infer,
+            self.sched,
+            self._next_group,
+            self.sampling.replace(seed=seed),
+            timeout_s=p.async_batch_timeout_s,  # how long `take` waits for a batch
+            abort_timeout_s=p.async_abort_timeout_s,  # how long an aborted request may take before it is lost
+        )
 
     def _next_group(self) -> tuple[Any, list[int], Any]:
         """The next training problem whose prompt fits, its ids and pictures (runs on the driver's thread; long
