@@ -159,25 +159,15 @@ def test_the_reported_learning_rate_is_hfs_step_for_step() -> None:
 @pytest.mark.parametrize(
     "change, message",
     [
-        (
-            {
-                "rope_scaling": {
-                    "rope_type": "llama3",
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 64,
-                }
-            },
-            "rope_type='llama3'",
-        ),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
         ({"attention_bias": True}, "attention_bias=true"),
         ({"mlp_bias": True}, "mlp_bias=true"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ],
 )
 def test_what_the_mapping_cannot_carry_is_refused(change: dict, message: str) -> None:
-    """Llama 3.1's scaled RoPE (log-prob gaps of 1e-2 at position 3000 against hf), o_proj / MLP biases (dropped
+    """Dynamic-NTK RoPE (frequencies that change with the sequence length; test_megatron_rope.py has the scaled
+    types that map and the other refusals), o_proj / MLP biases (dropped
     on load: gaps of 0.4-0.6, untrained, missing from exports) and an MLP activation other than SiLU (Megatron's
     is always SwiGLU) are refused, not silently approximated."""
     from transformers import LlamaConfig

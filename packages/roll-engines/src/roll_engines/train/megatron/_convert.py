@@ -1,7 +1,7 @@
 """Hugging Face decoder <-> Megatron-Core GPTModel: config, model construction and weights, with TP/PP sharding.
 
 Families: Llama, Qwen2 (bias on q/k/v), Qwen3 (q/k RMSNorm), Qwen3-MoE and Qwen2-MoE (routed plus gated shared
-experts). Megatron's local layer spec (no Transformer
+experts); rotary embeddings plain or scaled (linear, llama3, yarn: _rope). Megatron's local layer spec (no Transformer
 Engine) names a stage's parameters (layer indices local to the stage):
 
 | Megatron (local spec) | HF | sharding |
@@ -53,6 +53,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from roll_engines.train.megatron import _rope as R
+
 SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 MOE = ("qwen3_moe", "qwen2_moe")
 _EXPERT = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
@@ -69,11 +71,6 @@ def is_expert(name: str) -> bool:
 
 def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
-
-
-def rope_theta(hf_config: Any) -> float:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
 def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1, sequence_parallel: bool = False) -> None:
@@ -109,15 +106,7 @@ def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1, sequence_para
         raise ValueError(
             f"train_engine.expert_model_parallel_size={ep}: this {kind} model is dense (no experts to shard); use 1"
         )
-    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    rope_type = rope.get("rope_type", rope.get("type")) or "default"
-    if rope_type != "default":
-        # Megatron would apply plain RoPE where HF and vLLM scale the frequencies (Llama 3.1+: log-prob gaps of
-        # 1e-2 at position 3000): wrong log-probs and gradients, silently.
-        raise ValueError(
-            f"this {kind} model scales its rotary embeddings (rope_type={rope_type!r}), which roll's Megatron "
-            "mapping does not: train it with train_engine=hf or fsdp2"
-        )
+    R.check_rope(hf_config)  # scaled RoPE: only where Megatron rotates exactly as transformers (_rope)
     act = getattr(hf_config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         # transformer_config builds SwiGLU (silu): any other activation would give wrong log-probs, silently
@@ -221,7 +210,7 @@ def transformer_config(
         kwargs.update(recompute_granularity=recompute)
         if recompute == "full":
             kwargs.update(recompute_method="uniform", recompute_num_layers=1)
-    return TransformerConfig(**kwargs)
+    return R.configure(TransformerConfig(**kwargs), hf_config)
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -285,7 +274,7 @@ def build_model(hf_config: Any, config: Any, critic: bool = False) -> Any:
         # means by "absent".
         if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
             moe_utils.te_general_gemm = None
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=_layer_spec(config),
         vocab_size=padded_vocab(hf_config.vocab_size, config.tensor_model_parallel_size),
@@ -294,10 +283,10 @@ def build_model(hf_config: Any, config: Any, critic: bool = False) -> Any:
         post_process=ps.is_pipeline_last_stage(),
         # The critic's output layer is its own value head (_critic), never the embeddings.
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) and not critic,
-        position_embedding_type="rope",
-        rotary_base=rope_theta(hf_config),  # GPTModel reads the argument, not config.rotary_base
         parallel_output=True,
+        **R.model_kwargs(hf_config),
     )
+    return R.install(model, hf_config)
 
 
 # ---- HF -> Megatron -----------------------------------------------------------------------------------------

@@ -24,10 +24,13 @@ def rope_at(model: Any, position_ids: Tensor | None) -> Iterator[None]:
         return
     original = rope.forward
 
-    def at_positions(max_seq_len: int, *args: Any, **kwargs: Any) -> Tensor:
+    def at_positions(max_seq_len: int, *args: Any, **kwargs: Any) -> Any:
         # packed_seq: the whole table (under context parallelism Megatron would slice it for its own CP split).
-        emb = original(int(position_ids.max()) + 1, *args, **{**kwargs, "packed_seq": True})  # (L, 1, 1, D)
-        return emb[position_ids.t().to(emb.device)][:, :, 0]  # (S, B, 1, D)
+        out = original(int(position_ids.max()) + 1, *args, **{**kwargs, "packed_seq": True})  # (L, 1, 1, D)
+        # YarnRotaryEmbedding returns (table, attention factor); GPTModel unpacks it
+        emb = out[0] if isinstance(out, tuple) else out
+        emb = emb[position_ids.t().to(emb.device)][:, :, 0]  # (S, B, 1, D)
+        return (emb, *out[1:]) if isinstance(out, tuple) else emb
 
     rope.forward = at_positions
     try:
