@@ -84,7 +84,9 @@ def test_runs_of_a_process_that_is_gone_are_swept_with_what_runs_in_them(sandbox
         assert time.monotonic() < deadline and orphan.poll() is None
         time.sleep(0.01)
     try:
-        assert cgroup.sweep_stale.__wrapped__() == len(dead_folders)
+        # At least these: a process killed elsewhere on this machine (another test's, a helper's) may have left
+        # run cgroups of its own, which the sweep removes as well and counts.
+        assert cgroup.sweep_stale.__wrapped__() >= len(dead_folders)
         assert orphan.wait(timeout=10) == -9  # killed with its cgroup
         assert not any(f.exists() for f in dead_folders) and all(f.exists() for f in live_folders)
     finally:
