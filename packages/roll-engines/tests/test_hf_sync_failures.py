@@ -157,11 +157,15 @@ def test_a_request_paused_across_a_failed_sync_samples_what_it_would_have_withou
     assert crossed.weight_version == version
 
 
+DISCARDED = r"refusing to generate: its weights were discarded by sleep\(level=2\); a weight sync that sends every"
+
+
 def test_a_failed_sync_into_discarded_weights_refuses_to_generate_until_a_sync_succeeds(
     engine: HFInferEngine, shared: tuple[HFInferEngine, dict[str, Tensor]]
 ) -> None:
-    """After sleep(level=2) there are no old weights to go back to: generating is refused with an error naming the
-    failed sync (it served the half-written, half-NaN model), and the next whole sync serves again."""
+    """After sleep(level=2) there are no old weights to go back to: a failed sync leaves generating refused with an
+    error saying the weights were discarded (it served the half-written, half-NaN model), and the next whole sync
+    serves again."""
     original = shared[1]
     greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
     before, version = engine.generate(PROMPTS, greedy).responses, engine.weight_version
@@ -174,10 +178,48 @@ def test_a_failed_sync_into_discarded_weights_refuses_to_generate_until_a_sync_s
             engine.update_weights([("model.no_such_layer.weight", torch.zeros(3))])
     finally:
         assert engine.finish_weight_update() == version
-    with pytest.raises(RuntimeError, match=r"weight sync .* failed part way"):
+    with pytest.raises(RuntimeError, match=DISCARDED):
         engine.generate(PROMPTS, greedy)
     engine.load_weights(original)
     assert torch.equal(engine.generate(PROMPTS, greedy).responses, before)
+
+
+def test_after_sleep_level_2_only_syncs_that_rewrote_every_weight_serve(
+    engine: HFInferEngine, shared: tuple[HFInferEngine, dict[str, Tensor]], tiny: str
+) -> None:
+    """sleep(level=2) discards every parameter (NaN after `wake_up`): generating is refused until syncs that complete
+    have rewritten all of them. A sync of one tensor (a changed-only sync) used to lift the refusal and serve the
+    NaN rest; a failed sync lifts nothing; the full sync then serves what a fresh engine given those weights serves."""
+    changed = _changed(shared[1], seed=5)
+    n_params = len(list(engine.model.parameters()))
+    assert n_params == len(changed) > 2  # every state-dict entry is a parameter of its own (untied tiny Llama)
+    version = engine.weight_version
+    engine.sleep(level=2)
+    engine.wake_up()
+    with pytest.raises(RuntimeError, match=rf"{DISCARDED}.*\({n_params} still to be rewritten\)"):
+        engine.generate(PROMPTS, SAMPLED)
+    with pytest.raises(RuntimeError, match=DISCARDED):
+        engine.submit(Request("early", [5, 6, 7], SAMPLED))
+    assert engine.load_weights(dict(changed[:1])) > 0  # completes: a new version, still n - 1 weights of NaN
+    assert engine.weight_version == version + 1
+    with pytest.raises(RuntimeError, match=rf"{DISCARDED}.*\({n_params - 1} still to be rewritten\)"):
+        engine.generate(PROMPTS, SAMPLED)
+    engine.begin_weight_update()
+    try:  # writes every other weight, then fails: its writes lift nothing
+        with pytest.raises(KeyError):
+            engine.update_weights([*changed[1:], ("model.no_such_layer.weight", torch.zeros(3))])
+    finally:
+        assert engine.finish_weight_update() == version + 1
+    with pytest.raises(RuntimeError, match=rf"{DISCARDED}.*\({n_params - 1} still to be rewritten\)"):
+        engine.generate(PROMPTS, SAMPLED)
+    engine.load_weights(dict(changed))
+    assert engine.weight_version == version + 2
+    fresh = HFInferEngine(tiny)
+    try:
+        fresh.load_weights(dict(changed))
+        _assert_same(_outputs(engine), _outputs(fresh))
+    finally:
+        fresh.shutdown()
 
 
 def test_a_tensor_written_under_two_names_gets_its_value_from_before_the_sync() -> None:

@@ -223,7 +223,10 @@ def test_a_sync_that_fails_part_way_is_undone_in_the_worker(tmp_path, in_process
     abort) and the engine served them under a new version. Now its weights, kernels and greedy outputs are
     bit-identical to before and the version stays; the same for a bucket the worker rejects (a wrong shape). An
     undo that fails leaves the worker a mix of both versions: every request is refused with an error naming the
-    sync (it served the mix), a sync of one layer does not lift it, and a full sync afterwards loads and serves."""
+    sync (it served the mix), a sync of one layer does not lift it, and a full sync afterwards loads and serves.
+    (g) After sleep(level=2) (on a GPU vLLM discards the weights; on CPU it keeps them and the engine refuses all the
+    same) every request is refused until completed syncs have rewritten every layer: a partial sync and a failed
+    one leave it refused (it served, from garbage on a GPU), a full sync serves."""
     from transformers import AutoModelForCausalLM
 
     from roll_core.interfaces import Request, SamplingParams
@@ -285,6 +288,24 @@ def test_a_sync_that_fails_part_way_is_undone_in_the_worker(tmp_path, in_process
         with pytest.raises(RuntimeError, match=mixed):
             engine.submit(Request("v", PROMPTS[0], greedy))
 
+        _sync(engine, list(new.items()))
+        _assert_same(engine, str(tmp_path), new)
+
+        # (g) 15 layers: embedding, final norm, head, and per decoder layer q|k|v, o, gate|up, down and two norms.
+        discarded = r"its weights were discarded by sleep\(level=2\); a weight sync that sends every weight must come"
+        engine.sleep(level=2)
+        engine.wake_up()
+        with pytest.raises(RuntimeError, match=rf"{discarded}.*\(15 still to be rewritten\)"):
+            engine.generate(PROMPTS, greedy)
+        _sync(engine, first)  # completes: the embedding and layer 0's six layers are rewritten
+        with pytest.raises(RuntimeError, match=rf"{discarded}.*\(8 still to be rewritten\)"):
+            engine.submit(Request("v", PROMPTS[0], greedy))
+        rest = [(k, v) for k, v in new.items() if k not in dict(first)]
+        engine.begin_weight_update()
+        engine.update_weights(rest)  # every other layer, then the sender dies: nothing more is lifted
+        engine.abort_weight_update("the trainer died")
+        with pytest.raises(RuntimeError, match=rf"{discarded}.*\(8 still to be rewritten\)"):
+            engine.generate(PROMPTS, greedy)
         _sync(engine, list(new.items()))
         _assert_same(engine, str(tmp_path), new)
     finally:

