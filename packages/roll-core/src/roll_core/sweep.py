@@ -64,6 +64,7 @@ from typing import Any, NoReturn
 from hydra.experimental.callback import Callback
 
 from roll_core import sweep_stop
+from roll_core.sweep_optuna import prepare_study_storage
 from roll_core.sweep_resume import check_resumed_folder
 from roll_core.sweep_slots import SLOTS_NAMESPACE, job_slot, slots_name
 
@@ -449,7 +450,8 @@ def _plot(curves: list[tuple[str, list[tuple[int, float]]]], path: Path) -> None
 
 class SweepSummaryCallback(Callback):
     """Hydra callback: before a multirun, mark its sweep folder with a new sweep id and, on the Ray launcher, start
-    its local Ray instance on loopback; after it, count its failed jobs for the exit code and summarise its jobs."""
+    its local Ray instance on loopback, and make an Optuna sweeper's SQL storage one Optuna 2.x opens under
+    SQLAlchemy 2 (roll_core.sweep_optuna); after it, count its failed jobs for the exit code and summarise its jobs."""
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         start_sweep(config.hydra.sweep.dir)
@@ -457,6 +459,8 @@ class SweepSummaryCallback(Callback):
             start_sweep_ray(config.hydra.launcher)
         finally:  # after ray.init, which installs Ray's SIGTERM handler (an abort, no summary); also if it failed
             sweep_stop.install()
+        # last: Hydra turns a callback's exception into a warning; one here must not skip the steps above
+        prepare_study_storage(config.hydra.get("sweeper"))
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))

@@ -1,0 +1,120 @@
+"""Persistent Optuna studies (`hydra.sweeper.storage=sqlite:///study.db`, or any SQL URL) for hydra-optuna-sweeper.
+
+hydra-optuna-sweeper 1.3 requires optuna<3, and Optuna 2.x's database storage cannot set itself up under
+SQLAlchemy 2 (which alembic 1.20, and so MLflow's SQL store, requires; SQLAlchemy 1.4 cannot be installed beside
+it). `RDBStorage` records the schema's alembic revision with `MigrationContext.configure(engine.connect())` and
+`stamp`, on a connection it never commits: SQLAlchemy 1.x autocommitted that INSERT, SQLAlchemy 2 has no autocommit
+and rolls it back when the connection is discarded. Its schema check then finds no revision and fails
+`assert version is not None` (storage.py, `_VersionManager.get_current_version`), so every `create_study` with a
+storage URL failed, a new database or one it had written, and no study could be continued or shared.
+
+Contract: `prepare_study_storage(sweeper)` (run by `SweepSummaryCallback.on_multirun_start`, before Hydra builds
+the sweeper) does, for an Optuna sweeper with a SQL storage URL, what Optuna 2.x's storage set-up does (create the
+tables and the version row) and records the alembic revision that Optuna would have recorded (the head revision,
+or the base one for a database from before alembic), all in one transaction it commits. Optuna then finds its schema
+recorded and opens the study as under SQLAlchemy 1.x: `load_if_exists` continues it. Nothing is done for another
+sweeper, no storage, a non-string storage, Optuna >= 3 or SQLAlchemy < 2 (those set themselves up), or a database
+whose revision is already recorded (Optuna's own check then judges it, e.g. one from a newer Optuna). Everything
+else Optuna 2.10 does with its storage works under SQLAlchemy 2 (trials, parameters, user attributes, intermediate
+values, failed trials, summaries, deletion). Optuna is not patched: its files and classes are left as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("roll")
+
+_OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper."
+
+
+def _major(version: str) -> int:
+    """The major number of a version string (`2.10.1` -> 2)."""
+    return int(version.split(".", 1)[0])
+
+
+def storage_url(sweeper: Any) -> str | None:
+    """The storage URL of the Hydra sweeper config `sweeper` (`hydra.sweeper`) when it is hydra-optuna-sweeper's
+    and names one (a non-empty string); None otherwise."""
+    if not sweeper:
+        return None
+    target = str(sweeper.get("_target_") or "")
+    storage = sweeper.get("storage")
+    if not target.startswith(_OPTUNA_SWEEPER) or not isinstance(storage, str) or not storage.strip():
+        return None
+    return storage
+
+
+def needs_stamp() -> bool:
+    """Whether the installed Optuna cannot record its own schema revision: Optuna < 3 under SQLAlchemy >= 2."""
+    import optuna
+    import sqlalchemy
+
+    return _major(optuna.__version__) < 3 and _major(sqlalchemy.__version__) >= 2
+
+
+def stamp_study_storage(url: str) -> str | None:
+    """Set up the Optuna 2.x storage at `url` (SQLAlchemy URL) as `optuna.storages.RDBStorage` does (its tables, its
+    version row) and record the alembic revision Optuna records (the head; the base for a database whose version row
+    predates alembic), all in one committed transaction. Returns that revision, or None when one was already
+    recorded (then nothing is written). Raises what SQLAlchemy raises for a URL it cannot open.
+
+    RDBStorage itself is not built here: its set-up would leave its uncommitted INSERT of the revision on a discarded
+    connection, which under SQLAlchemy 2.0 holds an SQLite database's write lock until it is garbage collected (the
+    commit here then failed with "database is locked")."""
+    import optuna
+    from alembic.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+    from optuna.storages._rdb import models
+    from sqlalchemy import create_engine, insert, select
+    from sqlalchemy.pool import NullPool
+
+    engine_kwargs: dict[str, Any] = {}
+    rdb = optuna.storages.RDBStorage
+    rdb._set_default_engine_kwargs_for_mysql(url, engine_kwargs)  # what Optuna passes for MySQL
+    # NullPool: no connection (an SQLite file handle) is kept once this returns
+    engine = create_engine(rdb._fill_storage_url_template(url), poolclass=NullPool, **engine_kwargs)
+    script = ScriptDirectory(str(Path(models.__file__).parent / "alembic"))
+    version_table = models.VersionInfoModel.__table__
+    try:
+        try:
+            with engine.begin() as conn:  # committed on leaving the block
+                models.BaseModel.metadata.create_all(conn)
+                context = MigrationContext.configure(conn)
+                if context.get_current_revision() is not None:
+                    return None
+                row = conn.execute(select(version_table.c.schema_version)).first()
+                if row is None:  # a new database: Optuna's _init_version_info_model
+                    conn.execute(
+                        insert(version_table).values(
+                            version_info_id=1,
+                            schema_version=models.SCHEMA_VERSION,
+                            library_version=optuna.__version__,
+                        )
+                    )
+                # Optuna's _init_alembic: the head, or the base for a database from before alembic
+                fresh = row is None or row.schema_version == models.SCHEMA_VERSION
+                revision = script.get_current_head() if fresh else script.get_base()
+                context.stamp(script, revision)
+        except Exception:
+            # Another worker sharing the study may have set it up first (our INSERTs then conflict): fine if so.
+            with engine.connect() as conn:
+                if MigrationContext.configure(conn).get_current_revision() is None:
+                    raise
+            return None
+    finally:
+        engine.dispose()
+    log.info("Optuna storage %s: recorded its schema revision %s (Optuna 2.x under SQLAlchemy 2)", url, revision)
+    return revision
+
+
+def prepare_study_storage(sweeper: Any) -> str | None:
+    """Before an Optuna sweep with `hydra.sweeper.storage` set (`sweeper`: the `hydra.sweeper` config): make its
+    storage one Optuna 2.x can open under SQLAlchemy 2 (`stamp_study_storage`). Returns the revision recorded, None
+    when nothing was needed."""
+    url = storage_url(sweeper)
+    if url is None or not needs_stamp():
+        return None
+    return stamp_study_storage(url)

@@ -1,0 +1,145 @@
+"""Persistent Optuna studies (`hydra.sweeper.storage=sqlite:///...`) with hydra-optuna-sweeper's Optuna 2.x under
+SQLAlchemy 2 (roll_core.sweep_optuna): roll-train (roll_core.cli.train_main, in this process, the training run faked)
+runs a sweep into a study database and a second sweep continues the same study; a database Optuna itself left
+unusable is repaired; no other sweep is touched."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="install roll-core[sweep]")
+
+with warnings.catch_warnings():  # Optuna 2.10 imports declarative_base from SQLAlchemy's 1.x place (deprecated)
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import optuna
+
+from roll_core import cli
+from roll_core.sweep_optuna import needs_stamp, prepare_study_storage, storage_url
+from roll_core.testing.sweeps import reset_sweep_state, root_logging_restored, summary_rows
+
+# Optuna 2.10 uses SQLAlchemy 1.x APIs that SQLAlchemy 2 deprecates (declarative_base's old place in its alembic
+# revisions, Query.with_labels)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*declarative_base:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:.*with_labels:DeprecationWarning"),
+]
+
+OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    reset_sweep_state(monkeypatch)  # the sweeps and failures are per process: every test starts from none
+    with root_logging_restored():
+        yield
+
+
+def _sweep(monkeypatch: pytest.MonkeyPatch, sweep_dir: Path, storage: str, ran: list[float]) -> None:
+    """roll-train: a 2-trial Optuna sweep over algo.lr into `sweep_dir`, its study `roll` in `storage`; each job
+    returns accuracy lr * 1e5 (in [0.1, 1]) and records its lr in `ran`. Returns when roll-train exits 0."""
+
+    def run(cfg: Any) -> dict[str, Any]:
+        ran.append(cfg.algo.lr)
+        return {"final_eval_accuracy": cfg.algo.lr * 1e5, "stopped_by_signal": None}
+
+    monkeypatch.setattr(cli, "run_job", run)
+    args = [
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.n_jobs=1",
+        "hydra.sweeper.direction=maximize",
+        "hydra.sweeper.sampler.seed=0",
+        f"hydra.sweeper.storage={storage}",
+        "hydra.sweeper.study_name=roll",
+        "algo.lr=interval(1e-6,1e-5)",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    monkeypatch.setattr(sys, "argv", ["roll-train", *args])
+    try:
+        cli.train_main()
+    except SystemExit as exc:  # roll-train exits only on failure: show why
+        pytest.fail(f"roll-train exited {exc.code}")
+
+
+def test_a_second_sweep_continues_the_study_in_its_sqlite_storage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Optuna 2.10's storage set-up never committed its schema revision under SQLAlchemy 2: every sweep with
+    `hydra.sweeper.storage` failed at once with an AssertionError from inside Optuna, and no study could be kept or
+    continued. Now the first sweep writes its 2 trials into the database and a second sweep (another folder, as a
+    second worker or a later continuation) adds 2 more to the same study: Optuna holds 4 completed trials with the
+    accuracies the jobs returned."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    ran: list[float] = []
+
+    _sweep(monkeypatch, tmp_path / "sweep1", storage, ran)
+    assert len(ran) == 2
+    assert [r["status"] for r in summary_rows(tmp_path / "sweep1")] == ["ok", "ok"]
+    monkeypatch.setattr("roll_core.sweep._failed_jobs", [])  # a new roll-train process
+    _sweep(monkeypatch, tmp_path / "sweep2", storage, ran)
+    assert len(ran) == 4
+    assert [r["status"] for r in summary_rows(tmp_path / "sweep2")] == ["ok", "ok"]
+
+    study = optuna.load_study(study_name="roll", storage=storage)
+    assert [t.number for t in study.trials] == [0, 1, 2, 3]
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    assert [t.params["algo.lr"] for t in study.trials] == pytest.approx(ran, rel=1e-12)
+    assert [t.value for t in study.trials] == pytest.approx([lr * 1e5 for lr in ran], rel=1e-12)
+    assert all(1e-6 <= lr <= 1e-5 for lr in ran)
+
+
+@pytest.mark.skipif(not needs_stamp(), reason="this Optuna sets up its own storage (Optuna >= 3 or SQLAlchemy < 2)")
+def test_a_database_optuna_left_without_its_revision_is_repaired(tmp_path: Path) -> None:
+    """Optuna's own create_study under SQLAlchemy 2 leaves its tables and version row but no alembic revision (its
+    stamp rolled back), and every later open failed the same way. The preparation records the head revision in
+    it, once: the study then opens and keeps its trials; a second preparation writes nothing."""
+    db = tmp_path / "study.db"
+    url = f"sqlite:///{db}"
+    # Optuna 2.x under SQLAlchemy 2 as found, in another process (as a sweep that failed before): the bug itself
+    made = f"import optuna; optuna.create_study(storage={url!r}, study_name='s')"
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", made], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "assert version is not None" in proc.stderr, proc.stderr[-2000:]
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM version_info").fetchone() == (1,)
+        assert conn.execute("SELECT count(*) FROM alembic_version").fetchone() == (0,)
+
+    sweeper = {"_target_": OPTUNA_SWEEPER, "storage": url}
+    head = prepare_study_storage(sweeper)
+    assert head == "v2.6.0.a"  # Optuna 2.10's head: what its own set-up records under SQLAlchemy 1.4
+    study = optuna.create_study(storage=url, study_name="s", load_if_exists=True)
+    study.optimize(lambda t: t.suggest_float("x", 0.0, 1.0), n_trials=3)
+    assert prepare_study_storage(sweeper) is None
+    again = optuna.load_study(study_name="s", storage=url)
+    assert [t.state for t in again.trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [("v2.6.0.a",)]
+
+
+@pytest.mark.parametrize(
+    "sweeper",
+    [
+        None,
+        {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"},
+        {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper", "storage": "sqlite:///x.db"},
+        {"_target_": OPTUNA_SWEEPER, "storage": None},
+        {"_target_": OPTUNA_SWEEPER, "storage": "  "},
+    ],
+)
+def test_no_storage_is_prepared_for_another_sweeper_or_none(
+    sweeper: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only hydra-optuna-sweeper with a storage URL is touched: nothing is created for Hydra's own sweeper (even one
+    given a `storage` key) or an Optuna sweep without storage (Optuna keeps it in memory)."""
+    monkeypatch.chdir(tmp_path)
+    assert storage_url(sweeper) is None
+    assert prepare_study_storage(sweeper) is None
+    assert list(tmp_path.iterdir()) == []
