@@ -50,11 +50,11 @@ policy's failure. The 503 carries a Retry-After (`ABORTED_RETRY_AFTER_S`): the e
 
 A turn whose engine request raises (the engine failed or was stopped mid-request, or its rank died and restarts
 were used up) records nothing of that turn (tokens of a preempted attempt before it included), is counted in
-`engine_errors`, and is answered HTTP 500 `engine_error` naming the engine's exception (its traceback is logged, not
-sent); a rank that was restarted during the request (`WorkerRestartedError`, transient) is 503 `engine_restarting`
-with a Retry-After (`RESTARTING_RETRY_AFTER_S`). Either way the trajectory is marked as for a refusal (`end`
-"abort", `untrained`, until a later turn is sampled): an agent that gives up on the engine's failure was scored the
-failure reward on its sampled turns.
+`engine_errors`, and is answered HTTP 500 `engine_error` naming the request and the engine's exception (its
+traceback is logged, not sent); a rank that was restarted during the request (`WorkerRestartedError`, transient)
+is 503 `engine_restarting` with a Retry-After (`RESTARTING_RETRY_AFTER_S`). Either way the trajectory is marked as
+for a refusal (`end` "abort", `untrained`, until a later turn is sampled): an agent that gives up on the engine's
+failure was scored the failure reward on its sampled turns.
 
 A template that cannot render a request's messages (its own `raise_exception`) is the request's fault: HTTP 400
 `invalid_message`, not a 500 the client retries.
@@ -63,6 +63,14 @@ A session that was closed (its episode timed out or ended) answers HTTP 410 (`se
 requests, a reward report included; `AgentSessions` remembers the last `CLOSED_KEPT` closed ids for that (an id
 older than that is unknown: 404). `AgentSessions.abort_all` (the server's close) ends every open session's request
 in flight and refuses their later requests (410), leaving them for their episodes to `close`.
+
+Requests that never return. Every engine request goes through a `TurnGate` (roll_core.agentic.turn_gate, "Requests
+that never return"): a request aborted by `close` or `abort_all` whose handle has not completed `abort_timeout_s`
+(60 s) after the abort (the engine restarted, the abort was lost), or whose result raises, is lost (counted in
+`gate.stats()`, warned): its turn is answered 410 `session_closed` as any turn of a closed session. So no endpoint
+thread, session lock or process exit waits on an engine that never answers an abort (a blocked thread was one
+endpoint thread fewer for the rest of the run). A live request is waited for as long as it runs: the episode's
+timeout closes its session, which bounds it.
 
 Thread-safety: one request per session at a time (a second concurrent one gets HTTP 409, unless it is a retry of
 the one running, which waits for it); sessions are independent.
@@ -91,8 +99,9 @@ from roll_core.agentic.agent_messages import (  # noqa: F401 (SessionError, ROLE
     turn_key,
 )
 from roll_core.agentic.trajectory import Trajectory
+from roll_core.agentic.turn_gate import ABORT_TIMEOUT_S, GateClosed, TurnGate
 from roll_core.idle_aborts import MAX_IDLE_ABORTS, idle_backoff_s, idle_backoff_total_s  # noqa: F401 (re-exported)
-from roll_core.interfaces import Request, SamplingParams
+from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.seeds import Purpose, derive_seed
 
 log = logging.getLogger(__name__)
@@ -301,7 +310,8 @@ class AgentSessions:
     messages (`initial_messages(messages, tools=)`, `continuation(messages, tools=, response_ids=)`, `stop_token_ids`:
     roll_core.agentic.chat.TurnTemplate);
     `parse` turns a response's text into content and tool calls (roll_core.agentic.openai_server.PARSERS);
-    `decode` is the tokenizer's decode.
+    `decode` is the tokenizer's decode; `abort_timeout_s` how long an aborted request may take to bring its result
+    before it is lost (module docstring).
     """
 
     def __init__(
@@ -312,9 +322,12 @@ class AgentSessions:
         parse: Callable[[str], ParsedReply],
         *,
         on_rewrite: str = "restart",
+        abort_timeout_s: float = ABORT_TIMEOUT_S,
     ) -> None:
         self.infer, self.template, self.decode, self.parse = infer, template, decode, parse
         self.on_rewrite = on_rewrite
+        # No syncs here (pipeline=agent is synchronous): the gate only bounds the waits on aborted requests.
+        self.gate = TurnGate(infer, partial_rollout=False, abort_timeout_s=abort_timeout_s)
         self._sessions: dict[str, AgentSession] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()  # recently closed ids: their requests get 410
         self._lock = threading.Lock()
@@ -353,7 +366,7 @@ class AgentSessions:
         session.woken.set()
         rid = session.request_id
         if rid is not None:
-            self.infer.abort(rid)
+            self.gate.abort(rid)  # its wait is bounded: an engine that never answers the abort holds no thread
         return session
 
     def abort_all(self) -> None:
@@ -365,9 +378,7 @@ class AgentSessions:
         for session in sessions:
             session.closed = True
             session.woken.set()
-            rid = session.request_id
-            if rid is not None:
-                self.infer.abort(rid)
+        self.gate.close()  # aborts every request in flight, their waits bounded; refuses new ones (410)
 
     def chat(self, sid: str, turn: ChatTurn, *, retry: bool = False) -> Reply:
         """Sample the next assistant turn of session `sid` (blocking; call it off the event loop); a client's retry
@@ -484,18 +495,7 @@ class AgentSessions:
                 seed = derive_seed(seed, Purpose.EPISODE_TURN, attempt)
             s.request_id = rid
             try:
-                if s.closed:  # closed while this turn was prepared (close() saw no request to abort)
-                    raise SessionError(
-                        410, "session_closed", f"session {s.sid} has ended (episode timeout or shutdown)"
-                    )
-                req = Request(rid, context + tokens, params.replace(max_new_tokens=budget, seed=seed))
-                try:
-                    fut = self.infer.submit_request(req, route_key=s.sid)
-                    if s.closed:  # closed during the submit: its abort may have reached the engine before the request
-                        self.infer.abort(rid)
-                    out = fut.result()
-                except Exception as exc:  # the tokens of earlier attempts are dropped with the turn
-                    raise _engine_failure(s, exc) from exc
+                out = self._request(s, Request(rid, context + tokens, params.replace(max_new_tokens=budget, seed=seed)))
             finally:
                 s.request_id = None
             tokens += list(out.token_ids)
@@ -516,19 +516,45 @@ class AgentSessions:
             s.resumed += 1
         raise AssertionError("unreachable")
 
+    def _request(self, s: AgentSession, req: Request) -> RequestOutput:
+        """The output of one engine request of session `s`'s turn, through the gate (module docstring). Raises
+        SessionError: 410 when the session closed (before the request, or while it ran and it was then lost), the
+        engine's refusal (`_engine_failure`) when it raised."""
+        closed = SessionError(410, "session_closed", f"session {s.sid} has ended (episode timeout or shutdown)")
+        try:
+            # Entered before `s.closed` is read: a close that comes later finds the request running and aborts it.
+            self.gate.enter(req.request_id)
+        except GateClosed:
+            raise closed from None
+        try:
+            if s.closed:  # closed while this turn was prepared (close() saw no request to abort)
+                raise closed
+            try:
+                # A close during the submit marked the request aborted: the gate's wait sends the abort again.
+                out = self.gate.wait(req.request_id, self.infer.submit_request(req, route_key=s.sid))
+            except Exception as exc:  # the tokens of earlier attempts are dropped with the turn
+                raise _engine_failure(s, req.request_id, exc) from exc
+        finally:
+            self.gate.leave(req.request_id)
+        if out is None:  # aborted by a close and lost (no result in abort_timeout_s, or it raised): as `_chat`
+            s.end_at("abort")
+            raise SessionError(410, "session_closed", f"session {s.sid} ended while its request ran")
+        return out
+
     def sessions(self) -> Sequence[str]:
         with self._lock:
             return list(self._sessions)
 
 
-def _engine_failure(s: AgentSession, exc: Exception) -> SessionError:
-    """The refusal of a turn whose engine request raised `exc` (see the module docstring); the session is marked."""
+def _engine_failure(s: AgentSession, rid: str, exc: Exception) -> SessionError:
+    """The refusal of a turn whose engine request `rid` raised `exc` (see the module docstring); the session is
+    marked."""
     if s.closed:  # the episode ended while the request ran (its abort may have failed the request): as `_chat`
         s.end_at("abort")
         return SessionError(410, "session_closed", f"session {s.sid} ended while its request ran")
     s.end_at("abort", untrained=True)  # not the policy's failure: untrained unless a later turn is sampled
     s.engine_errors += 1
-    log.warning("session %s: the inference engine failed during a turn request", s.sid, exc_info=exc)
+    log.warning("session %s: the inference engine failed during turn request %s", s.sid, rid, exc_info=exc)
     # The first line only, capped: a worker's death quotes Ray's report of it (a traceback), which stays in the log.
     lines = str(exc).strip().splitlines()
     what = f"{type(exc).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
@@ -538,13 +564,13 @@ def _engine_failure(s: AgentSession, exc: Exception) -> SessionError:
         return SessionError(
             503,
             "engine_restarting",
-            f"session {s.sid}: the inference engine was restarted during the request; try again ({what})",
+            f"session {s.sid}: the inference engine was restarted during request {rid}; try again ({what})",
             kind="server_error",
             retry_after=RESTARTING_RETRY_AFTER_S,
         )
     return SessionError(
         500,
         "engine_error",
-        f"session {s.sid}: the inference engine failed during the request ({what})",
+        f"session {s.sid}: the inference engine failed during request {rid} ({what})",
         kind="server_error",
     )

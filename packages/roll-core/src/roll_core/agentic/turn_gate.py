@@ -7,7 +7,8 @@ Contract:
   it in a `finally`) and says whether the gate aborted it for a sync (the caller resumes the turn after the sync).
 - `begin_update` stops admitting turns; with partial rollout it aborts the running ones, otherwise it lets them
   finish (at most `SYNC_WAIT_S`); it returns when none runs. `finish_update(version)` admits turns again. `close`
-  refuses new turns and aborts the running ones.
+  refuses new turns and aborts the running ones. `abort(request_id)` aborts one running request whose caller ends
+  (an agent session closed: roll_core.agentic.agent_sessions); `leave` says False for it (nothing to resume).
 - `wait(request_id, handle)` is how a turn reads its result (`handle`: what `InferGroup.submit_request` returns,
   with `done()` and `result(timeout)`).
 
@@ -16,11 +17,12 @@ within moments. If its handle has not completed `abort_timeout_s` after the abor
 died, the abort was lost), or its `result()` raises, it is lost: `wait` returns None and the caller resumes the turn
 with what its earlier attempts generated (what the lost request generated is gone), or after `close` ends the
 episode `abort`. Counted in `async/unanswered_aborts` and `async/failed_aborts` (`stats`), with one warning per
-version (the first loss at once, the rest summed up at the next `finish_update`). So a sync waits for its aborts
-about `abort_timeout_s` at most and goes on, no id of such a request stays in the gate, and no episode thread (with
-its environment slot) blocks for good on a handle that never completes. A request the gate did NOT abort whose
-handle raises is an engine failure: `wait` raises it (the rollout names the turn); it is never retried or dropped
-silently.
+version (the first loss at once, the rest summed up at the next `finish_update`); a request lost after `abort` is
+warned about on its own (its caller's end is an event of its own, and a gate without syncs has no next version).
+So a sync waits for its aborts about `abort_timeout_s` at most and goes on, no id of such a request stays in the
+gate, and no episode thread (with its environment slot) blocks for good on a handle that never completes. A
+request the gate did NOT abort whose handle raises is an engine failure: `wait` raises it (the rollout names the
+turn); it is never retried or dropped silently.
 
 A request the gate aborted before it reached the engine (between `enter` and `submit_request`: the abort found
 nothing to abort) is aborted again when its turn starts waiting on it, so the sync neither waits for its whole
@@ -78,6 +80,7 @@ class TurnGate:
         self._paused = self._closed = False
         self._running: set[str] = set()
         self._aborted: dict[str, float] = {}  # running requests the gate aborted -> when (until they leave)
+        self._ended: set[str] = set()  # ... of those, the ones `abort` ended (their callers do not resume them)
         self._counters = dict.fromkeys(CAUSES, 0)  # requests lost, by cause
         self._last = dict.fromkeys(CAUSES, 0)  # ... at the previous `stats`
         self._warned_version = -1  # the version whose first loss was warned about (one warning per version)
@@ -109,7 +112,7 @@ class TurnGate:
                 with self._cv:
                     if request_id not in self._aborted:
                         raise  # an engine failure (module docstring)
-                    warn = self._lose("failed_aborts")
+                    warn = self._lose("failed_aborts", request_id)
                 self._warn(warn, request_id, f"its result raised {type(exc).__name__}: {exc}")
                 return None
             if out is not _PENDING:
@@ -118,7 +121,7 @@ class TurnGate:
                 at = self._aborted.get(request_id)
                 if at is None or time.monotonic() - at < self.abort_timeout_s or handle.done():
                     continue  # not aborted, within the bound, or completed just now (its partial result is kept)
-                warn = self._lose("unanswered_aborts")
+                warn = self._lose("unanswered_aborts", request_id)
             self._warn(warn, request_id, f"no result within {self.abort_timeout_s} s of its abort")
             return None
 
@@ -128,7 +131,19 @@ class TurnGate:
             self._running.discard(request_id)
             self._cv.notify_all()
             aborted = self._aborted.pop(request_id, None) is not None
-            return aborted and not self._closed
+            ended = request_id in self._ended
+            self._ended.discard(request_id)
+            return aborted and not self._closed and not ended
+
+    def abort(self, request_id: str) -> None:
+        """Abort `request_id` for good (its caller ends, e.g. an agent session closed): its wait is bounded as a
+        sync's abort is (module docstring), and `leave` says False. A request not running (not entered yet, or
+        left) is only aborted in the engine: its caller checks its own state after `enter`."""
+        with self._cv:
+            if request_id in self._running:
+                self._mark_aborted([request_id])
+                self._ended.add(request_id)
+        self.infer.abort(request_id)
 
     def begin_update(self, timeout_s: float | None = None) -> None:
         """Stop admitting turns; abort running ones (partial rollout) or let them finish; wait until none runs.
@@ -206,9 +221,12 @@ class TurnGate:
         for rid in rids:
             self._aborted.setdefault(rid, now)
 
-    def _lose(self, cause: str) -> int | None:
-        """Count a lost request (lock held); returns the version to warn about if it is that version's first."""
+    def _lose(self, cause: str, request_id: str) -> int | None:
+        """Count a lost request (lock held); returns the version to warn about if it is that version's first, or
+        the request was ended by `abort` (warned on its own: module docstring)."""
         self._counters[cause] += 1
+        if request_id in self._ended:
+            return self.version
         if self._warned_version != self.version:
             self._warned_version = self.version
             return self.version
@@ -219,7 +237,11 @@ class TurnGate:
         """The warning about `version`'s first lost request (None: not the first, summed up at finish_update)."""
         if version is None:
             return
-        if self.closed:
+        with self._cv:
+            ended, closed = request_id in self._ended, self._closed
+        if ended:
+            then = "its caller ends (its session closed)"
+        elif closed:
             then = "its episode ends (the collector closed)"
         else:
             then = "its turn resumes with what earlier attempts generated"

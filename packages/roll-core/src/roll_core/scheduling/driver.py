@@ -128,16 +128,26 @@ class AsyncRollout:
                         # Taken over several waits, orders "ready" and "deadline" return later groups first.
                         return sorted(out, key=lambda g: g.gid)
                     if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"async rollout: {len(out)} of {n} groups complete after {self.timeout_s}s "
-                            f"({self.sched.in_flight()} running)"
-                        )
+                        raise self._take_timeout(len(out), n)
                     self._cv.wait(0.5)
             except BaseException:
                 # Taken, never returned: lost for good (no batch trained them, yet the budget booked them as
                 # trained), and a trainer that retried after a timeout waited for groups that no longer existed.
                 self.sched.untake(out)
                 raise
+
+    def _take_timeout(self, got: int, n: int) -> TimeoutError:
+        """The error of a `take` that got `got` of `n` groups within `timeout_s` (lock held): the config key that
+        sets the bound, the unfinished groups (their samples left) and the requests running."""
+        waiting = [g for g in self.sched.groups.values() if not g.done]
+        groups = ", ".join(f"{g.gid} ({len(g.samples) - g.finished} of {len(g.samples)} left)" for g in waiting[:5])
+        running = list(self._handles)  # in submission order: the oldest, the likeliest hung, first
+        return TimeoutError(
+            f"async rollout: {got} of {n} groups complete after {self.timeout_s}s (pipeline.async_batch_timeout_s): "
+            f"{len(waiting)} group(s) unfinished: {groups or 'none'}{' ...' if len(waiting) > 5 else ''}; "
+            f"{len(running)} request(s) running: {', '.join(running[:5]) or 'none'}{' ...' if len(running) > 5 else ''}"
+            " (a hung inference engine?)"
+        )
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
