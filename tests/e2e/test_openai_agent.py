@@ -157,7 +157,9 @@ def _collector(task: Any, group_size: int, batch: int) -> Any:
     from roll_core.pipelines.collectors.agents import agent_collectors
 
     tok = build_tiny_tokenizer()
-    pipe = SimpleNamespace(seed=0, rollout_batch_size=batch, async_ratio=0, eval_temperature=0.0)
+    pipe = SimpleNamespace(
+        seed=0, rollout_batch_size=batch, async_ratio=0, eval_temperature=0.0, async_abort_timeout_s=60.0
+    )
     model = SimpleNamespace(chat_template_kwargs={})
     cfg = SimpleNamespace(pipeline=pipe, algo=SimpleNamespace(group_size=group_size), model=model)
     ctx = CollectorContext(cfg, None, _Scripted(tok), SamplingParams(max_new_tokens=8), tok, task, "tiny")

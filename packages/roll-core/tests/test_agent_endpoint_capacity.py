@@ -99,7 +99,9 @@ def _collector(task: Any, infer: Any, tokenizer: Any, batch: int, group_size: in
     from roll_core.pipelines.collectors import CollectorContext
     from roll_core.pipelines.collectors.agents import agent_collectors
 
-    pipe = SimpleNamespace(seed=0, rollout_batch_size=batch, async_ratio=0, eval_temperature=0.0)
+    pipe = SimpleNamespace(
+        seed=0, rollout_batch_size=batch, async_ratio=0, eval_temperature=0.0, async_abort_timeout_s=60.0
+    )
     cfg = SimpleNamespace(pipeline=pipe, algo=SimpleNamespace(group_size=group_size), model=SimpleNamespace())
     cfg.model.chat_template_kwargs = {}
     ctx = CollectorContext(cfg, None, infer, SamplingParams(max_new_tokens=4), tokenizer, task, "tiny")
@@ -163,7 +165,9 @@ def test_a_run_level_constraint_is_refused_for_training_agents(tokenizer: Any) -
     from roll_core.pipelines.collectors import CollectorContext
     from roll_core.pipelines.collectors.agents import agent_collectors
 
-    pipe = SimpleNamespace(seed=0, rollout_batch_size=1, async_ratio=0, eval_temperature=0.0, name="agent")
+    pipe = SimpleNamespace(
+        seed=0, rollout_batch_size=1, async_ratio=0, eval_temperature=0.0, name="agent", async_abort_timeout_s=60.0
+    )
     cfg = SimpleNamespace(pipeline=pipe, algo=SimpleNamespace(group_size=1), model=SimpleNamespace())
     cfg.model.chat_template_kwargs = {}
     cfg.infer_engine = SimpleNamespace(structured={"regex": "a+"})

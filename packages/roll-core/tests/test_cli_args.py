@@ -113,3 +113,26 @@ def test_a_home_relative_output_dir_from_a_config_is_expanded(monkeypatch: pytes
     with pytest.raises(Stop):
         loop.Pipeline(cfg)
     assert seen == [Path.home() / "runs" / "a"]
+
+
+def test_a_run_that_trained_nothing_for_too_long_stops_roll_train_with_one_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """pipeline.max_empty_steps reached (EmptyStepsError: its message says why and what to do): one line, exit 1,
+    no traceback, as a checkpoint that cannot be written."""
+    import sys
+
+    from roll_core import cli
+    from roll_core.pipelines.empty_steps import EmptyStepsError
+    from roll_core.testing.sweeps import root_logging_restored
+
+    def empty(cfg: object) -> None:
+        raise EmptyStepsError("step 5: 5 steps in a row trained nothing (pipeline.max_empty_steps=5): ...")
+
+    monkeypatch.setattr(cli, "run_job", empty)
+    monkeypatch.setattr(sys, "argv", ["roll-train", f"pipeline.output_dir={tmp_path / 'run'}"])
+    with root_logging_restored(), pytest.raises(SystemExit) as exit_:
+        cli.train_main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and "Traceback" not in err
+    assert "roll-train: run stopped: step 5: 5 steps in a row trained nothing" in err

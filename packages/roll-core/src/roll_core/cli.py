@@ -203,7 +203,7 @@ def train_main() -> None:
         if isinstance(exc, (ConfigCompositionException, OverrideParseException, OmegaConfBaseException)):
             print(f"roll-train: invalid config:\n{explain(exc)}", file=sys.stderr)
             sys.exit(2)
-        if _is_reward_failure(exc) or _is_checkpoint_failure(exc):
+        if _is_reward_failure(exc) or _is_checkpoint_failure(exc) or _is_empty_steps(exc):
             # the reward failed on every row for too long, or a checkpoint could not be written (a full disk): the
             # message says what happened and which checkpoint to resume from; a traceback adds nothing
             print(f"roll-train: run stopped: {exc}", file=sys.stderr)
@@ -317,6 +317,13 @@ def _is_checkpoint_failure(exc: BaseException) -> bool:
     """Whether `exc` is roll_core.checkpoint's CheckpointError (looked up among the loaded modules, as above)."""
     checkpoint = sys.modules.get("roll_core.checkpoint")
     return checkpoint is not None and isinstance(exc, checkpoint.CheckpointError)
+
+
+def _is_empty_steps(exc: BaseException) -> bool:
+    """Whether `exc` is roll_core.pipelines.empty_steps' EmptyStepsError: steps in a row trained nothing (its message
+    says why and what to do; looked up among the loaded modules, as above)."""
+    module = sys.modules.get("roll_core.pipelines.empty_steps")
+    return module is not None and isinstance(exc, module.EmptyStepsError)
 
 
 def eval_main(argv: list[str] | None = None) -> int:

@@ -244,6 +244,11 @@ class PipelineConfig:
     # Stop the run after this many consecutive steps whose reward failed on every row (raised, timed out or NaN/inf:
     # nothing to learn from; counted in reward/failed_rows, totals in the run summary). 0: never stop.
     max_reward_failure_steps: int = 3
+    # Stop the run after this many consecutive steps that trained nothing: the collector returned no batch (every
+    # episode dropped or aborted, every prompt group filtered out, ...; each such step is warned about with its
+    # reason and counted in data/empty_steps, the total in the run summary's empty_steps). Steps without a batch by
+    # design (pipeline=rollout) never count. 0: never stop.
+    max_empty_steps: int = 5
     # Asynchronous training: rollout runs up to this many batches ahead of the trainer, and no trained sample is
     # older than this many weight versions (0: the synchronous loop). Needs a continuous-batching engine that
     # stays awake (infer_engine.sleep_level=0); off-policy correction: algo.off_policy_correction.
@@ -259,7 +264,8 @@ class PipelineConfig:
     # still runs (a hung inference engine).
     async_batch_timeout_s: float = 3600.0
     # With async_ratio > 0: seconds a request the rollout aborted (partial rollout at a weight sync, a stale group's)
-    # may take to bring its partial result. Past it, or when reading the result raises, the request is lost
+    # may take to bring its partial result (pipeline=agent: a request whose episode's session closed, then given up
+    # and its agent answered 410). Past it, or when reading the result raises, the request is lost
     # (async/unanswered_aborts, async/failed_aborts, warned) and its sample or turn resumes with its earlier prefix:
     # a sync goes on instead of waiting on an engine that does not answer.
     async_abort_timeout_s: float = 60.0
@@ -282,6 +288,7 @@ class PipelineConfig:
         positive("pipeline.async_ratio", self.async_ratio, allow_zero=True)
         positive("pipeline.max_nonfinite_steps", self.max_nonfinite_steps, allow_zero=True)
         positive("pipeline.max_reward_failure_steps", self.max_reward_failure_steps, allow_zero=True)
+        positive("pipeline.max_empty_steps", self.max_empty_steps, allow_zero=True)
         positive("pipeline.max_run_restarts", self.max_run_restarts, allow_zero=True)
         positive("pipeline.tail_groups", self.tail_groups, allow_zero=True)
         positive("pipeline.async_batch_timeout_s", self.async_batch_timeout_s)

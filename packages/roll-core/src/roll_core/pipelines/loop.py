@@ -13,6 +13,9 @@ one holds gets a ConfigError naming the holder, before it starts or writes anyth
 Checkpoints: never written from inside a streak of non-finite steps (their weights may hold the blow-up); the
 stop after `pipeline.max_nonfinite_steps` names the last checkpoint saved before the streak. A save that fails
 (a full disk) deletes its partial folder and ends the run with `CheckpointError` naming the checkpoint left intact.
+Steps that train nothing (the collector returned no batch, not by design: roll_core.pipelines.empty_steps) are
+warned about with their reason and counted (`data/empty_steps`, the summary's `empty_steps`); after
+`pipeline.max_empty_steps` in a row the step is logged and the run ends with `EmptyStepsError`.
 Stops (roll_core.pipelines.run_control): a SIGINT/SIGTERM while the pipeline is built stops the build at once
 (`StoppedWhileBuilding`; what was started is shut down, the lock released). From the evaluation before step 1 on,
 a stop signal ends the run after the step it arrives in (saved: `stopped_by_signal`, report.md `stopped by
@@ -48,6 +51,7 @@ from roll_core.config.resume import check_checkpoint, config_dict
 from roll_core.config.schema import RLVRConfig
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.collectors import Collector, CollectorContext, CollectorFactory
+from roll_core.pipelines.empty_steps import EmptySteps, EmptyStepsError, total
 from roll_core.pipelines.metrics import StepLog, heavy_masking_warning
 from roll_core.pipelines.objectives import load_objective
 from roll_core.pipelines.run_control import (
@@ -154,6 +158,7 @@ class Pipeline:
             teachers=roles.teachers,
         )
         self.collector: Collector = factory(ctx)
+        self.empty_steps = EmptySteps(pipe.max_empty_steps)  # steps in a row without a batch: the run stops
         self.trainer = Trainer(
             cfg,
             self.roles,
@@ -283,6 +288,7 @@ class Pipeline:
         pipe = self.cfg.pipeline
         out = self.step(step)
         self._check_finite(step, out)
+        self._check_empty(step, out)
         eval_due = pipe.eval_every > 0 and (step % pipe.eval_every == 0 or step == pipe.max_steps)
         if eval_due and stop.requested:
             # A preempted job has a grace period: a long evaluation before the checkpoint could outlast it and lose
@@ -339,6 +345,9 @@ class Pipeline:
         """One step: the collector's next scored batch, the update, the weight sync; returns its metrics."""
         out, t0 = StepLog(), time.perf_counter()
         collected = self.collector.next(step, out)  # None: nothing to train on this step
+        # read right after `next`: a collector may say per step that its None was meant (empty_steps docstring)
+        by_design = collected is None and bool(getattr(self.collector, "empty_by_design", False))
+        self.empty_steps.count(step, out, trained=collected is not None, by_design=by_design)
         if collected is not None:
             self.trainer.update(step, collected, out)
             if getattr(self.collector, "on_policy", True):  # the next batch samples from the new weights
@@ -379,6 +388,7 @@ class Pipeline:
                 f"{'final evaluation' if final_skipped and n == last else 'evaluation'} (step {n})"
                 for n in skipped_evals
             ],
+            "empty_steps": total(history),  # steps that trained nothing (not by design), earlier processes' too
             **self.collector.summary(),
         }
         log.info("run finished: %s", summary)
@@ -401,6 +411,16 @@ class Pipeline:
                 else "; no checkpoint was saved before them"
             )
         )
+
+    def _check_empty(self, step: int, out: StepLog) -> None:
+        """Stop after pipeline.max_empty_steps steps in a row that trained nothing: the step is logged and the
+        metrics forced to disk first (no checkpoint: those steps changed no weight; the last one saved stays)."""
+        if not self.empty_steps.exceeded:
+            return
+        self.tracker.log(step, out)
+        self.tracker.plot(self._plot_keys(), force=True)
+        self.tracker.sync()
+        raise EmptyStepsError(self.empty_steps.error(step, out))
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def checkpoint(self, step: int) -> Path | None:
@@ -446,6 +466,7 @@ class Pipeline:
         self.wall_before = float(state.get("wall_seconds", 0.0))  # (the earlier process's time after it: redone)
         self.healthy_checkpoint = folder
         self.tracker.truncate(state["step"])
+        self.empty_steps.resume(self.tracker.history)  # a streak of empty steps before the checkpoint goes on
         log.info("resumed from %s at step %d", folder, self.start_step)
 
     def shutdown(self) -> None:

@@ -15,6 +15,10 @@ Contract of a `Collector` (every implementation, in-tree or a `roll.collectors` 
   are pushed to the engines after every update; False (files of rows) pushes them only before `evaluate`.
 - `exhausted` (optional, default False): True once a collector with a finite job (rollout-only) has done it;
   the loop then checkpoints and ends the run before `pipeline.max_steps`.
+- `empty_by_design` (optional, default False), read after `next` returned None: True when that None was meant
+  (rollout-only: nothing trains; an evaluation-only step, a buffer warming up). Any other None is a step that
+  trained nothing: warned about, counted in `data/empty_steps`, and `pipeline.max_empty_steps` of them in a row
+  stop the run (roll_core.pipelines.empty_steps).
 
 A collector factory may name its objective (`objective`, a `roll.objectives` entry point; `rl` when absent): the
 update the Trainer runs on its batches (roll_core.pipelines.objectives).

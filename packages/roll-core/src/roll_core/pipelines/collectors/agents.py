@@ -27,6 +27,10 @@ yet count in its group's reward statistics), counted in data/dropped_episodes an
 (agent/aborted_episodes), not in agent/failed_*, and out of the reward and episode metrics; only episode/end_abort
 counts it.
 
+A request in flight when its episode's session closes (the episode timed out) is aborted; one that does not answer
+the abort within `pipeline.async_abort_timeout_s`, or whose answer raises, is given up (roll_core.agentic.turn_gate)
+and counted per step in async/unanswered_aborts and async/failed_aborts.
+
 Metrics (reward and episode ones over the episodes with an outcome, i.e. not aborted): reward, success rate
 (reward >= env.success_reward), turns, generated tokens, tool calls, failures by kind, history rewrites and the
 turns they dropped, invalid tool-call blocks, turns resumed after the engine's own aborts, why episodes ended (a
@@ -170,6 +174,8 @@ class AgentCollector:
             text_decoder(self.tokenizer, tuple(getattr(parser, "markers", ()))),
             parser,
             on_rewrite=task.on_rewrite,
+            # how long a request aborted by its session's close may take to answer before it is given up
+            abort_timeout_s=self.cfg.pipeline.async_abort_timeout_s,
         )
         # The endpoint serves a request on a thread of its own until the turn is generated: one per episode running
         # at once (a step's rollout_batch_size x group_size, or the held-out rows), else the surplus waited unseen
@@ -189,6 +195,7 @@ class AgentCollector:
         with out.timer("generate"):
             episodes = self.run(runs, params)
         out.update(agent_metrics(episodes))
+        out.update(self.sessions.gate.stats())  # aborted requests given up since the last step (its evaluation's too)
         self._log_samples(step, episodes)
         drop = self.task.on_failure == "drop"
         # An aborted episode's row is all masked: it would train nothing, yet its reward joined its group's statistics.

@@ -65,6 +65,9 @@ class RolloutCollector:
     trajectories = False
     #: No policy trains: the engines' weights never change.
     on_policy = False
+    #: `next` returns None every step by design (nothing trains): no step counts as one that trained nothing
+    #: (pipeline.max_empty_steps, roll_core.pipelines.empty_steps).
+    empty_by_design = True
 
     def __init__(self, ctx: CollectorContext) -> None:
         cfg = ctx.cfg
