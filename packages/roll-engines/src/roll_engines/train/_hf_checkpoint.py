@@ -4,7 +4,7 @@
 `get_weights`/`load_weights`, `save`/`load` of a checkpoint folder (`model/` an HF folder, `optimizer/` a
 torch.distributed.checkpoint keyed by parameter name, `engine.pt` scheduler and scaler; LoRA adds `adapter/`).
 It uses the engine's `model`, `optimizer`, `scheduler`, `scaler`, `lora`, `vision`, `dp_rank`, `path`; sharded
-engines override `_full_tensor`, `_save_model`, `_save_lora` and `_load_full_weights`.
+engines override `_full_tensor`, `_save_model`, `_save_lora`, `_read_model_folder` and `_load_full_weights`.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class HFWeightsAndCheckpoints:
     def load_weights(self, weights: Mapping[str, Tensor]) -> None:
         """Load a full state dict, e.g. `get_weights()`'s (reference refresh, tests): every parameter must be filled
         (a tied LM head by the embedding, as `iter_weights` sends it once) and nothing else given, else RuntimeError.
-        Sharded engines shard it (collective: every rank passes the same full weights)."""
+        Sharded engines shard rank 0's (collective: every rank calls; the other ranks' `weights` are not read)."""
         self._load_full_weights(dict(weights))
 
     def shutdown(self) -> None:
@@ -135,16 +135,14 @@ class HFWeightsAndCheckpoints:
         """Restore weights, optimizer, scheduler and scaler written by `save` (at any data-parallel size). The
         optimizer's hyperparameters and base LR stay this engine's configured ones (roll_engines.train._settings);
         Adam's moments and the schedule's position come from the checkpoint."""
-        from safetensors.torch import load_file
-
         folder = Path(folder)
         if self.lora:  # the base stays what model_path holds; only the adapter was trained
             load_adapter(self.model, folder / "adapter")
         else:
-            weights: dict[str, Tensor] = {}
-            for f in sorted((folder / "model").glob("*.safetensors")):
-                weights.update(load_file(f))
-            self._load_full_weights(V.own_names(base_model(self.model), weights) if self.vision else weights)
+            weights = self._read_model_folder(folder / "model")
+            if self.vision and weights:  # (a sharded engine's rank other than 0 reads none)
+                weights = V.own_names(base_model(self.model), weights)
+            self._load_full_weights(weights)
         if self.optimizer is None:
             return
         if not (folder / "optimizer").is_dir():
@@ -157,6 +155,16 @@ class HFWeightsAndCheckpoints:
         reapply(self.optimizer, configured, self.scheduler)
         if self.scaler is not None and "scaler" in small:
             self.scaler.load_state_dict(small["scaler"])
+
+    def _read_model_folder(self, folder: Path) -> dict[str, Tensor]:
+        """The full state dict of a checkpoint's `model/` folder (sharded engines read it on rank 0 only and
+        return {} elsewhere: `_load_full_weights` then takes rank 0's)."""
+        from safetensors.torch import load_file
+
+        weights: dict[str, Tensor] = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            weights.update(load_file(f))
+        return weights
 
     def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
         missing, unexpected = self.model.load_state_dict(weights, strict=False)

@@ -11,9 +11,15 @@ Vision-language models (roll_engines.train._vision): the language model's decode
 vision tower shards with the root; every rank reduce-scatters the tower's gradients (zeros when its micro-batch
 had no picture), so ranks holding pictures and ranks without stay paired.
 
-Loading: every rank reads the checkpoint into host memory and shards it layer by layer onto its device; the full
-model is never on a device (torchtitan goes further with meta-device init and rank-0 broadcast, which would also
-spare the host copies: not done here).
+Loading (roll_engines.train._fsdp2_load): only rank 0 reads the checkpoint (`from_pretrained` into host memory, as
+the single-process engine); the other ranks build the model on the meta device from its config, so a node of N
+ranks holds one host copy, not N. Every rank shards its model with `fully_shard`; the meta ranks then allocate their
+shards and rank 0 broadcasts the full tensors one at a time, each rank keeping its shard (torch's
+`set_model_state_dict(..., broadcast_from_rank0=True)`); buffers outside the state dict (rotary `inv_freq`) come
+from rank 0's model too, and LoRA adapters and a critic's new value head take rank 0's seeded initialisation. No
+device ever holds the full model. A checkpoint `load` (resume) also reads `model/` on rank 0 alone. A rank that
+cannot build the model on meta (its construction fails or differs from rank 0's) reads the checkpoint itself, and
+a quantized checkpoint is read by every rank (both logged); a group of one reads it as the hf engine does.
 
 Collectives: `get_weights`, `save` and `load` gather or scatter full tensors and must be called on every rank
 (the worker group's broadcast dispatch does that); only rank 0 returns or writes the full model.
@@ -21,6 +27,7 @@ Collectives: `get_weights`, `save` and `load` gather or scatter full tensors and
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -28,9 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from roll_engines.train._hf_checkpoint import check_loaded
+from roll_engines.train import _fsdp2_load as L
 from roll_engines.train._settings import backend_for
 from roll_engines.train.hf import HFTrainEngine
+
+log = logging.getLogger(__name__)
 
 
 def _init_process_group(backend: str | None = None) -> bool:
@@ -88,10 +97,35 @@ class FSDP2TrainEngine(HFTrainEngine):
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         return cls(model_path, dist_backend="gloo", **kwargs)
 
+    def _instantiate(self, model_class: Any, kwargs: dict[str, Any]) -> torch.nn.Module:
+        """Rank 0 reads the checkpoint, the other ranks build the model on the meta device (module docstring);
+        `_wrap` fills them from rank 0."""
+        import torch.distributed as dist
+
+        self._on_meta = False  # this rank's model has no weights until `_wrap` broadcasts rank 0's
+        self._from_rank0 = dist.get_world_size() > 1  # the other ranks' weights come from rank 0 (`_wrap`)
+        if not self._from_rank0:
+            return super()._instantiate(model_class, kwargs)
+        from transformers import AutoConfig
+
+        refusal = L.meta_refusal(AutoConfig.from_pretrained(self.path, trust_remote_code=self._trust_remote_code))
+        if refusal is not None:
+            if dist.get_rank() == 0:
+                log.warning("fsdp2: every rank reads %s: %s cannot be built on the meta device", self.path, refusal)
+            self._from_rank0 = False
+            return super()._instantiate(model_class, kwargs)
+        model, self._on_meta = L.instantiate(
+            lambda: super(FSDP2TrainEngine, self)._instantiate(model_class, kwargs),
+            lambda: L.build_on_meta(model_class, self.path, kwargs),
+            self.device,
+            self.path,
+        )
+        return model
+
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Leave the loaded model in host memory: `fully_shard` moves each unit's parameters to the device as it
-        shards them (FSDP2's `_move_states_to_device`), so a GPU holds its shards plus one unsharded layer at a
-        time, never the whole model (moving it first put the full model on every rank's GPU before sharding)."""
+        """Leave the loaded model in host memory (rank 0; the others' is on meta): `fully_shard` moves each unit's
+        parameters to the device as it shards them (FSDP2's `_move_states_to_device`), so a GPU holds its shards,
+        never the whole model (moving it first put the full model on every rank's GPU before sharding)."""
         self.loaded_on = {p.device.type for p in model.parameters()}  # tests: where the full model lived
         return model
 
@@ -114,9 +148,24 @@ class FSDP2TrainEngine(HFTrainEngine):
         # compute dtype for forward/backward and reduces gradients in fp32.
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         kwargs = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward, "mp_policy": mp}
+        source = None
+        if self._from_rank0:
+            L.check_same_structure(model, self.device)  # LoRA etc. applied alike on meta and on rank 0's model
+            source = L.full_state(model) if self.dp_rank == 0 else None  # full tensors, freed once broadcast
         for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
+        if self._from_rank0:
+            L.materialize(model, source, self._on_meta, self.device)
+            del source
+            from roll_hw.cpu import fp32_linear_library
+
+            if self._on_meta and self.device.type == "cpu" and fp32_linear_library() == "onednn":
+                # The engine switched the linears before `_wrap`, which skips weights on meta: switch them now,
+                # or this rank would compute with another kernel than rank 0 (roll_engines._onednn_linear).
+                from roll_engines._onednn_linear import use_onednn_linears
+
+                use_onednn_linears(model)
         if self.vision is not None:
             # The vision tower lives in the root unit; a rank whose micro-batch has no picture leaves its gradients
             # None, and every rank must reduce-scatter the same tensors (zeros for it) or the collective mismatches.
@@ -175,8 +224,10 @@ class FSDP2TrainEngine(HFTrainEngine):
             # save_pretrained on the wrapped model would write DTensors: hand it the gathered state instead.
             self.model.save_pretrained(folder, state_dict=full, safe_serialization=True)
 
-    def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    def _read_model_folder(self, folder: Path) -> dict[str, Tensor]:
+        """Rank 0 reads the checkpoint's tensors; the others get them from it (`_load_full_weights`)."""
+        return super()._read_model_folder(folder) if self.dp_rank == 0 else {}
 
-        result = set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-        check_loaded(weights, result.missing_keys, result.unexpected_keys)  # as the hf engine (it loaded silently)
+    def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
+        """Shard rank 0's full `weights`: a mismatch (missing, unexpected, misshapen) raises on every rank."""
+        L.load_from_rank0(self.model, weights, self.device)

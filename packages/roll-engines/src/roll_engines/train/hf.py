@@ -210,7 +210,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         )
         if self.role == "critic":
             kwargs["num_labels"] = 1
-        model = V.model_class(self.vision, self.role).from_pretrained(self.path, **kwargs)
+        model = self._instantiate(V.model_class(self.vision, self.role), kwargs)
         model.config.use_cache = False
         # No dropout anywhere (as peers do): the log-probs and values a step trains on must be the ones the
         # scoring passes computed in eval mode (a token-classification head brings dropout 0.1 by default).
@@ -218,6 +218,11 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
         return self._place(model)
+
+    def _instantiate(self, model_class: Any, kwargs: dict[str, Any]) -> torch.nn.Module:
+        """The transformers model of `self.path`, weights read (the fsdp2 engine builds it on the meta device on
+        ranks other than 0, which then read no weights; `_load`'s settings after this apply to both)."""
+        return model_class.from_pretrained(self.path, **kwargs)
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
         """Put the loaded model on the engine's device (sharded engines defer this to their sharding)."""
