@@ -13,7 +13,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -21,8 +20,9 @@ import pytest
 from roll_core.agentic.agent_sessions import AgentSessions, ChatTurn, SessionError, SessionLimits
 from roll_core.agentic.chat import TurnTemplate
 from roll_core.agentic.openai_server import HermesToolParser, OpenAIServer
-from roll_core.interfaces import Request, RequestOutput, SamplingParams
+from roll_core.interfaces import SamplingParams
 from roll_core.models import build_tiny_tokenizer
+from roll_core.testing.held_requests import HeldRequestEngine, threads_left
 
 BOUND = 0.2  # abort_timeout_s in these tests: short, since waiting it out is what they test
 TOK = build_tiny_tokenizer()
@@ -32,77 +32,12 @@ LIMITS = SessionLimits(max_turns=4, max_tokens_per_turn=16, max_context_length=1
 HI = [{"role": "user", "content": "hi"}]
 
 
-class _Engine:
-    """The request API of an inference group; a request runs until the test acts on it. `on_abort`: "partial" (the
-    result comes with no token, finish `abort`), "deaf" (nothing: the handle never completes, as when the engine
-    restarted) or "raise" (the handle raises, as when its worker died)."""
-
-    def __init__(self) -> None:
-        self.on_abort = "partial"
-        self.lock = threading.Lock()
-        self.running: dict[str, tuple[Request, Future]] = {}
-        self.futures: list[Future] = []  # every handle, to release the abandoned ones at the end
-        self.aborts: list[str] = []
-        self.on_submit: Any = None  # called with the request before it is registered (a close racing the submit)
-
-    def submit_request(self, request: Request, route_key: str | None = None) -> Future:
-        if self.on_submit is not None:
-            self.on_submit(request)
-        fut: Future = Future()
-        with self.lock:
-            self.futures.append(fut)
-            self.running[request.request_id] = (request, fut)
-        return fut
-
-    def abort(self, request_id: str) -> bool:
-        with self.lock:
-            self.aborts.append(request_id)
-            if self.on_abort == "deaf":
-                return False
-            item = self.running.pop(request_id, None)
-        if item is None:
-            return False
-        request, fut = item
-        if self.on_abort == "raise":
-            fut.set_exception(ConnectionError("the engine's worker died"))
-        else:
-            fut.set_result(RequestOutput(request_id, request.prompt_ids, [], [], "abort"))
-        return True
-
-    def check_sampling(self, params: SamplingParams) -> None:
-        return None
-
-    def serve(self) -> None:
-        """Finish every running request with "ok" + EOS."""
-        with self.lock:
-            items, self.running = list(self.running.values()), {}
-        for request, fut in items:
-            fut.set_result(RequestOutput(request.request_id, request.prompt_ids, OK, [-0.25] * len(OK), "stop"))
-
-    def fail(self, error: BaseException) -> None:
-        """Every running request raises `error` (an engine failure, nothing aborted)."""
-        with self.lock:
-            items, self.running = list(self.running.values()), {}
-        for _, fut in items:
-            fut.set_exception(error)
-
-    def release(self) -> None:
-        """Complete every handle still pending (so no thread of a failing test stays blocked)."""
-        for fut in list(self.futures):
-            if not fut.done():
-                fut.set_result(RequestOutput("x", [], [], [], "abort"))
-
-    def wait_running(self, n: int) -> list[str]:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with self.lock:
-                if len(self.running) >= n:
-                    return sorted(self.running)
-            time.sleep(0.002)
-        raise AssertionError(f"{len(self.running)} requests running, expected {n}")
+def _engine() -> HeldRequestEngine:
+    """Requests held until the test acts on them: an aborted one ends with no token, a served one with "ok" + EOS."""
+    return HeldRequestEngine(abort_tokens=[], serve_tokens=OK)
 
 
-def _serve(engine: _Engine, max_workers: int = 256) -> tuple[AgentSessions, OpenAIServer]:
+def _serve(engine: HeldRequestEngine, max_workers: int = 256) -> tuple[AgentSessions, OpenAIServer]:
     """Sessions bounding aborted requests by BOUND, and a started server with `max_workers` endpoint threads."""
     decode = lambda ids: TOK.decode(ids, skip_special_tokens=True)
     sessions = AgentSessions(engine, TurnTemplate(TOK), decode, HermesToolParser(), abort_timeout_s=BOUND)
@@ -132,6 +67,16 @@ def _in_thread(url: str) -> tuple[threading.Thread, list[Any]]:
     return thread, answers
 
 
+def _turn_in_flight(
+    engine: HeldRequestEngine, sessions: AgentSessions, server: OpenAIServer, sid: str
+) -> tuple[threading.Thread, list[Any], list[str]]:
+    """Open session `sid` and post a chat turn to it from a thread; once its request runs in the engine: the client
+    thread, its answers (see `_post`) and the ids of the requests running."""
+    sessions.open(sid, PARAMS, LIMITS)
+    client, answers = _in_thread(server.base_url(sid))
+    return client, answers, engine.wait_running(1)
+
+
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "roll_core.agentic.turn_gate" and r.levelno >= 30]
 
@@ -144,14 +89,12 @@ def test_a_closed_sessions_request_the_engine_never_answers_is_lost_and_frees_th
     lock, the agent's HTTP request got no answer, and with one endpoint thread per episode the next episode's request
     never reached the engine. Now the request is lost after abort_timeout_s: the agent gets 410 session_closed, the
     thread serves the next session, the loss is counted and warned naming the request."""
-    engine = _Engine()
+    engine = _engine()
     sessions, server = _serve(engine, max_workers=1)
     caplog.set_level(logging.WARNING, logger="roll_core.agentic.turn_gate")
     try:
-        sessions.open("a", PARAMS, LIMITS)
+        client_a, answers_a, (rid,) = _turn_in_flight(engine, sessions, server, "a")
         sessions.open("b", PARAMS, LIMITS)
-        client_a, answers_a = _in_thread(server.base_url("a"))
-        (rid,) = engine.wait_running(1)
         engine.on_abort = "deaf"
         session = sessions.close("a")  # the episode timeout
         client_a.join(30)
@@ -181,12 +124,10 @@ def test_a_closed_sessions_request_whose_result_raises_is_a_410_and_no_engine_er
     """The abort reached a dying worker and reading the handle raised: a 410 (the session ended), no engine error
     counted (the episode is not marked untrained for it), nothing raised beyond the request. (This held before
     through `_engine_failure`'s closed branch; now the gate also counts the loss.)"""
-    engine = _Engine()
+    engine = _engine()
     sessions, server = _serve(engine)
     try:
-        sessions.open("r", PARAMS, LIMITS)
-        client, answers = _in_thread(server.base_url("r"))
-        engine.wait_running(1)
+        client, answers, _ = _turn_in_flight(engine, sessions, server, "r")
         engine.on_abort = "raise"
         session = sessions.close("r")
         client.join(30)
@@ -203,21 +144,16 @@ def test_closing_the_server_on_a_deaf_engine_leaves_no_thread_blocked() -> None:
     answered the abort, the endpoint thread stayed blocked for good (close() itself waited 10 s for the loop's
     thread, and the interpreter joins the pool's threads at exit: the process hung there). Now the request is lost
     after abort_timeout_s, the thread ends, the agent gets 410, close() returns at once and later requests get 410."""
-    engine = _Engine()
+    engine = _engine()
     sessions, server = _serve(engine)
     try:
-        sessions.open("h", PARAMS, LIMITS)
-        client, answers = _in_thread(server.base_url("h"))
-        engine.wait_running(1)
+        client, answers, _ = _turn_in_flight(engine, sessions, server, "h")
         engine.on_abort = "deaf"
         t0 = time.monotonic()
         server.close()
         took = time.monotonic() - t0
         client.join(30)
-        deadline = time.monotonic() + 10
-        while any(t.name.startswith("roll-openai_") for t in threading.enumerate()) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        workers = [t.name for t in threading.enumerate() if t.name.startswith("roll-openai_")]
+        workers = threads_left("roll-openai_", within_s=10)
         with pytest.raises(SessionError) as later:
             sessions.chat("h", ChatTurn(messages=HI))
     finally:
@@ -235,7 +171,7 @@ def test_a_close_during_the_submit_is_sent_again_once_the_engine_knows_the_reque
     """close() ran while the request was being submitted: its abort reached the engine before the request did (the
     engine found nothing to abort). The turn's wait sends it again, so the request ends at once with a 410 instead
     of running its whole budget (or being lost after the bound)."""
-    engine = _Engine()
+    engine = _engine()
     sessions = AgentSessions(
         engine, TurnTemplate(TOK), lambda ids: TOK.decode(ids), HermesToolParser(), abort_timeout_s=3600
     )
@@ -254,13 +190,11 @@ def test_a_close_during_the_submit_is_sent_again_once_the_engine_knows_the_reque
 def test_a_live_engine_failure_is_a_500_naming_the_session_and_the_request(caplog: pytest.LogCaptureFixture) -> None:
     """A request that was not aborted fails in the engine: the agent gets 500 engine_error (its JSON names the
     session and, now, the request, as the logged warning does), the run goes on."""
-    engine = _Engine()
+    engine = _engine()
     sessions, server = _serve(engine)
     caplog.set_level(logging.WARNING, logger="roll_core.agentic.agent_sessions")
     try:
-        sessions.open("f", PARAMS, LIMITS)
-        client, answers = _in_thread(server.base_url("f"))
-        (rid,) = engine.wait_running(1)
+        client, answers, (rid,) = _turn_in_flight(engine, sessions, server, "f")
         engine.fail(ValueError("CUDA error: device lost"))
         client.join(30)
         session = sessions.close("f")
@@ -279,4 +213,4 @@ def test_a_live_engine_failure_is_a_500_naming_the_session_and_the_request(caplo
 
 def test_abort_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="abort_timeout_s=0"):
-        AgentSessions(_Engine(), TurnTemplate(TOK), TOK.decode, HermesToolParser(), abort_timeout_s=0)
+        AgentSessions(_engine(), TurnTemplate(TOK), TOK.decode, HermesToolParser(), abort_timeout_s=0)

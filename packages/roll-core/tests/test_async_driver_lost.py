@@ -9,81 +9,32 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-from roll_core.interfaces import Request, RequestOutput, SamplingParams
+from roll_core.interfaces import Request, SamplingParams
 from roll_core.scheduling.driver import AsyncRollout
 from roll_core.scheduling.scheduler import RolloutScheduler
+from roll_core.testing.held_requests import HeldRequestEngine, once_per
 
 BOUND = 0.2  # abort_timeout_s in these tests: short, since waiting it out is what they test
 
 
-class _Engine:
-    """The request API of an inference group; a request runs until the test acts on it. `on_abort` says what an
-        abort does: "partial" (the result comes with one generated token, 7), "deaf" (nothing: the handle never
-        completes, as when the engine restarted) or "raise" (the handle raises, as when its worker died). `preempt`: the
-    first request of each prompt is aborted by the engine itself at once with one token (7): the sample resumes from
-    [prompt, 7] within the same version."""
-
-    def __init__(self) -> None:
-        self.on_abort, self.preempt = "partial", False
-        self.seen: set[int] = set()  # the prompts preempted already
-        self.lock = threading.Lock()
-        self.running: dict[str, tuple[Request, Future]] = {}
-        self.requests: list[Request] = []  # every request submitted, in order
-
-    def submit_request(self, request: Request, rank: int | None = None) -> Future:
-        fut: Future = Future()
-        with self.lock:
-            self.requests.append(request)
-            if self.preempt and request.prompt_ids[0] not in self.seen:
-                self.seen.add(request.prompt_ids[0])
-                fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [7], [-0.5], "abort"))
-            else:
-                self.running[request.request_id] = (request, fut)
-        return fut
-
-    def abort(self, request_id: str) -> bool:
-        if self.on_abort == "deaf":
-            return False
-        with self.lock:
-            item = self.running.pop(request_id, None)
-        if item is None:
-            return False
-        request, fut = item
-        if self.on_abort == "raise":
-            fut.set_exception(ConnectionError("the engine's worker died"))
-        else:
-            fut.set_result(RequestOutput(request_id, request.prompt_ids, [7], [-0.5], "abort"))
-        return True
-
-    def fail(self, error: BaseException) -> None:
-        """Every running request raises `error` (an engine failure, nothing aborted)."""
-        with self.lock:
-            items, self.running = list(self.running.values()), {}
-        for _, fut in items:
-            fut.set_exception(error)
-
-    def serve(self) -> None:
-        """Finish every running request with one token (8)."""
-        with self.lock:
-            items, self.running = list(self.running.values()), {}
-        for request, fut in items:
-            fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [8], [-0.5], "stop"))
-
-    def wait_running(self, n: int) -> None:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with self.lock:
-                if len(self.running) >= n:
-                    return
-            time.sleep(0.002)
-        raise AssertionError(f"{len(self.running)} requests running, expected {n}")
+def _engine(**kwargs: Any) -> HeldRequestEngine:
+    """Requests held until the test acts on them: an aborted one ends with one generated token (7), a served one with
+    one token (8), each of log-prob -0.5; `kwargs` go to HeldRequestEngine (`on_abort`, `preempt`)."""
+    return HeldRequestEngine(abort_tokens=[7], serve_tokens=[8], serve_logprob=-0.5, **kwargs)
 
 
-def _driver(engine: _Engine, sched: RolloutScheduler, abort_timeout_s: float = BOUND) -> AsyncRollout:
+def _first_of_each_prompt() -> Callable[[Request], bool]:
+    """A `preempt`: the engine aborts the first request of each prompt itself at once with one token (7); the sample
+    resumes from [prompt, 7] within the same version."""
+    return once_per(lambda request: request.prompt_ids[0])
+
+
+def _driver(engine: HeldRequestEngine, sched: RolloutScheduler, abort_timeout_s: float = BOUND) -> AsyncRollout:
     prompts = iter(range(10**6))
     params = SamplingParams(max_new_tokens=4)
     return AsyncRollout(
@@ -108,8 +59,7 @@ def test_an_aborted_request_that_never_returns_is_forgotten_and_its_sample_resum
     the handles stayed in the driver for good. Now, after abort_timeout_s, they are forgotten and reported lost: the
     update goes on, each sample resumes from [prompt, 7] (the lost request's own tokens are gone), and the batch
     completes."""
-    engine = _Engine()
-    engine.preempt = True
+    engine = _engine(preempt=_first_of_each_prompt())
     sched = _partial_sched()
     driver = _driver(engine, sched)
     caplog.set_level(logging.WARNING, logger="roll_core.scheduling.driver")
@@ -117,7 +67,7 @@ def test_an_aborted_request_that_never_returns_is_forgotten_and_its_sample_resum
         driver.start()
         engine.wait_running(2)  # the continuations [0, 7] and [1, 7]
         lost = sorted(engine.running)
-        engine.on_abort, engine.preempt = "deaf", False
+        engine.on_abort, engine.preempt = "deaf", None
         t0 = time.monotonic()
         driver.begin_update()  # waits abort_timeout_s, then goes on without the lost requests
         assert time.monotonic() - t0 < 10
@@ -143,8 +93,7 @@ def test_a_stale_groups_unanswered_abort_is_forgotten_and_shown_as_a_gauge_meanw
     """Order "ready": at version 2 the two groups admitted at version 0 are too stale, dropped and aborted, and the
     engine answers neither abort. `async/dropped_requests_waiting` shows the two while the bound runs; then the
     driver forgets them (no handle, no scheduler id left) instead of keeping both for good."""
-    engine = _Engine()
-    engine.on_abort = "deaf"
+    engine = _engine(on_abort="deaf")
     sched = RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=4, async_ratio=1, order="ready")
     driver = _driver(engine, sched, abort_timeout_s=3600)  # nothing is forgotten until the bound is lowered below
     try:
@@ -174,7 +123,7 @@ def test_an_aborted_request_whose_handle_raises_is_lost_not_fatal(caplog: pytest
     """At a weight update the engine's worker died: the aborted requests' handles raise. That killed the rollout
     thread (the update raised "async rollout failed"), though the requests were being thrown away anyway. They are
     lost requests now: counted, warned once, the samples resume and the batch completes."""
-    engine = _Engine()
+    engine = _engine()
     sched = _partial_sched()
     driver = _driver(engine, sched)
     caplog.set_level(logging.WARNING, logger="roll_core.scheduling.driver")
@@ -212,7 +161,7 @@ def test_a_live_request_whose_handle_raises_fails_the_batch_naming_it() -> None:
     """A request nobody aborted raises (the engine failed): the trainer's `take` raises at once, naming the request,
     its group and sample, chained to the engine's error; it neither hangs for timeout_s nor resubmits in silence.
     Later calls (an update) raise the same."""
-    engine = _Engine()
+    engine = _engine()
     driver = _driver(engine, _partial_sched())
     boom = ValueError("CUDA error: an illegal memory access was encountered")
     got: list[BaseException] = []
@@ -243,4 +192,4 @@ def test_a_live_request_whose_handle_raises_fails_the_batch_naming_it() -> None:
 
 def test_abort_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="abort_timeout_s=0"):
-        _driver(_Engine(), _partial_sched(), abort_timeout_s=0)
+        _driver(_engine(), _partial_sched(), abort_timeout_s=0)

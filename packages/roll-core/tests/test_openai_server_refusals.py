@@ -34,6 +34,7 @@ from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.models import build_tiny_tokenizer
 from roll_core.pipelines.metrics import StepLog
 from roll_core.testing.agent_endpoint import gives_up_on_refusal, quick_idle_backoff, serve
+from roll_core.testing.held_requests import threads_left
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)
 LIMITS = SessionLimits(max_turns=4, max_tokens_per_turn=16, max_context_length=1024)
@@ -258,10 +259,7 @@ def test_closing_the_server_aborts_the_requests_in_flight(tokenizer: Any) -> Non
     server.close()
     took = time.monotonic() - t0
     client.join(10)
-    deadline = time.monotonic() + 5
-    while any(t.name.startswith("roll-openai_") for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    workers = [t.name for t in threading.enumerate() if t.name.startswith("roll-openai_")]
+    workers = threads_left("roll-openai_", within_s=5)
     assert took < 5, took
     assert engine.aborted == [engine.requests[0].request_id] and not engine.pending and not workers
     assert answers and answers[0] in (410, -1)

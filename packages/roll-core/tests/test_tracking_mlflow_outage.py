@@ -59,6 +59,18 @@ def _timed_logs(tracker: Tracker, steps: range) -> float:
     return longest
 
 
+def _timed_close(tracker: Tracker) -> float:
+    """Close `tracker`; how long close() held the caller (seconds)."""
+    began = time.monotonic()
+    tracker.close()
+    return time.monotonic() - began
+
+
+def _mlflow_records(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    """(level, message) of each record the MLflow backend logged so far."""
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LOGGER]
+
+
 def test_a_hung_server_loses_nothing(server: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from roll_core.trackers.mlflow import FAILURES_METRIC, UNSENT_FILE, read_run
 
@@ -277,10 +289,8 @@ def test_close_stops_waiting_for_a_hung_server_at_close_timeout_s(
                 tracker.log(step, {"loss": float(step), "reward": 1.0})
             tracker.samples(3, [ROW])
             hung.wait_for(1)  # step 1's send reached the server (with retries: ~11 s) before close()
-            began = time.monotonic()
-            tracker.close()
-            closing = time.monotonic() - began
-            ours = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LOGGER]
+            closing = _timed_close(tracker)
+            ours = _mlflow_records(caplog)
     finally:
         hung.close()
     assert closing < 3 + 3, f"close() took {closing:.1f}s with close_timeout_s=3"
@@ -322,13 +332,11 @@ def test_close_bounds_its_own_tries_by_close_timeout_s(tmp_path: Path, caplog: p
         with caplog.at_level(logging.WARNING, logger=LOGGER):
             for step in range(1, 21):
                 tracker.log(step, {"loss": float(step)})
-            began = time.monotonic()
-            tracker.close()
-            closing = time.monotonic() - began
+            closing = _timed_close(tracker)
     finally:
         hung.close()
     assert closing < 4 + 3, f"close() took {closing:.1f}s with close_timeout_s=4"
-    ours = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LOGGER]
+    ours = _mlflow_records(caplog)
     assert [level for level, _ in ours] == [logging.WARNING, logging.ERROR], ours  # not answering; unsent.json
     assert UNSENT_FILE in ours[1][1] and "stops waiting" not in ours[1][1]
     unsent = json.loads((tmp_path / "mlflow" / UNSENT_FILE).read_text())["metrics"]
@@ -351,10 +359,8 @@ def test_close_of_a_resumed_run_whose_hung_server_never_answered_is_bounded(
             tracker.log(3, {"loss": 3.0})
             tracker.log(4, {"loss": 4.0})
             hung.wait_for(1)  # the try to open the run reached the server (with retries: ~11 s) before close()
-            began = time.monotonic()
-            tracker.close()
-            closing = time.monotonic() - began
-            ours = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LOGGER]
+            closing = _timed_close(tracker)
+            ours = _mlflow_records(caplog)
     finally:
         hung.close()
     assert closing < 3 + 3, f"close() took {closing:.1f}s with close_timeout_s=3"
@@ -513,12 +519,10 @@ def test_a_run_ending_with_the_server_down_ends_in_bounded_time_and_counts_what_
     server.stop()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         held = _timed_logs(tracker, range(1, 13))
-        began = time.monotonic()
-        tracker.close()
-        closing = time.monotonic() - began
+        closing = _timed_close(tracker)
     assert held < 0.5 and closing < 15, (held, closing)  # the first refused send retries: ~3 s
     dropped = backend.dropped
-    ours = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LOGGER]
+    ours = _mlflow_records(caplog)
     full = [m for level, m in ours if level == logging.WARNING and "buffer is full" in m]
     summary = [m for level, m in ours if level == logging.ERROR and "were dropped" in m]
     assert len(full) == 1 and "max_buffered_points=4" in full[0] and "metrics.jsonl" in full[0]

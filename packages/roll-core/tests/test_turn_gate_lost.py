@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 import types
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -21,10 +21,11 @@ from roll_core.agentic.chat import TurnTemplate
 from roll_core.agentic.env_manager import EnvManager
 from roll_core.agentic.rollout import AgenticRollout, EpisodeLimits
 from roll_core.agentic.turn_gate import TurnGate
-from roll_core.interfaces import Request, RequestOutput, SamplingParams
+from roll_core.interfaces import Request, SamplingParams
 from roll_core.models import build_tiny_tokenizer
 from roll_core.pipelines.collectors.episodes_async import AsyncEpisodeCollector
 from roll_core.pipelines.metrics import StepLog
+from roll_core.testing.held_requests import HeldRequestEngine
 
 BOUND = 0.2  # abort_timeout_s in these tests: short, since waiting it out is what they test
 TOK = build_tiny_tokenizer()
@@ -41,78 +42,21 @@ class Corridor:
         return "Go.", 0.0, False, False, {"state": "0"}
 
 
-class _Engine:
-    """The request API of an inference group; a request runs until the test acts on it. `on_abort`: "partial" (the
-    result comes with one token 'a'), "deaf" (nothing: the handle never completes, as when the engine restarted) or
-    "raise" (the handle raises, as when its worker died). `preempt`: a turn's first request is aborted by the engine
-    itself at once with one token 'a' (the turn resumes from it)."""
-
-    def __init__(self) -> None:
-        self.on_abort, self.preempt = "partial", False
-        self.lock = threading.Lock()
-        self.running: dict[str, tuple[Request, Future]] = {}
-        self.futures: list[Future] = []  # every handle, to release the abandoned ones at the end
-        self.requests: list[Request] = []
-        self.aborts: list[str] = []
-
-    def submit_request(self, request: Request, route_key: str | None = None) -> Future:
-        fut: Future = Future()
-        with self.lock:
-            self.requests.append(request)
-            self.futures.append(fut)
-            if self.preempt and request.request_id.endswith("-turn-0"):
-                fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [A], [-0.5], "abort"))
-            else:
-                self.running[request.request_id] = (request, fut)
-        return fut
-
-    def abort(self, request_id: str) -> bool:
-        with self.lock:
-            self.aborts.append(request_id)
-            if self.on_abort == "deaf":
-                return False
-            item = self.running.pop(request_id, None)
-        if item is None:
-            return False
-        request, fut = item
-        if self.on_abort == "raise":
-            fut.set_exception(ConnectionError("the engine's worker died"))
-        else:
-            fut.set_result(RequestOutput(request_id, request.prompt_ids, [A], [-0.5], "abort"))
-        return True
-
-    def fail(self, error: BaseException) -> None:
-        """Every running request raises `error` (an engine failure, nothing aborted)."""
-        with self.lock:
-            items, self.running = list(self.running.values()), {}
-        for _, fut in items:
-            fut.set_exception(error)
-
-    def serve(self) -> None:
-        """Finish every running request with one token 'b'."""
-        with self.lock:
-            items, self.running = list(self.running.values()), {}
-        for request, fut in items:
-            if not fut.done():
-                fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [B], [-0.25], "stop"))
-
-    def release(self) -> None:
-        """Complete every handle still pending (so no thread of a failing test stays blocked)."""
-        for fut in list(self.futures):
-            if not fut.done():
-                fut.set_result(RequestOutput("x", [], [], [], "abort"))
-
-    def wait_running(self, n: int) -> None:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with self.lock:
-                if len(self.running) >= n:
-                    return
-            time.sleep(0.002)
-        raise AssertionError(f"{len(self.running)} requests running, expected {n}")
+def _engine(**kwargs: Any) -> HeldRequestEngine:
+    """Requests held until the test acts on them: an aborted one ends with one token 'a' (log-prob -0.5), a served
+    one with one token 'b' (-0.25); `kwargs` go to HeldRequestEngine (`on_abort`, `preempt`)."""
+    return HeldRequestEngine(abort_tokens=[A], serve_tokens=[B], **kwargs)
 
 
-def _episodes(engine: _Engine, gate: TurnGate, n: int) -> tuple[list[threading.Thread], dict[int, Any], EnvManager]:
+def _first_turn_request(request: Request) -> bool:
+    """A `preempt`: the engine aborts the first request of an episode's first turn (episode-<i>-turn-0) itself at
+    once with one token 'a'; the turn resumes from it (episode-<i>-turn-0-<k>: not preempted)."""
+    return request.request_id.endswith("-turn-0")
+
+
+def _episodes(
+    engine: HeldRequestEngine, gate: TurnGate, n: int
+) -> tuple[list[threading.Thread], dict[int, Any], EnvManager]:
     """`n` one-turn episodes (turn budget 8) running in threads; each one's trajectory or error lands in the dict."""
     envs = EnvManager(Corridor, n, step_timeout_s=10)
     rollout = AgenticRollout(engine, envs, TurnTemplate(TOK, "Go."), TOK, EpisodeLimits(1, 2048, 8), gate)
@@ -147,8 +91,7 @@ def test_a_sync_abort_the_engine_never_answers_is_lost_and_the_turn_resumes_with
     sync, the engine has restarted and answers no abort. The sync waited 600 s and failed the run, the episode
     threads stayed blocked on their handles for good. Now, after abort_timeout_s, the requests are lost: the sync
     goes on, no id stays in the gate, and each turn resumes from [a] with the rest of its budget."""
-    engine = _Engine()
-    engine.preempt = True
+    engine = _engine(preempt=_first_turn_request)
     gate = TurnGate(engine, partial_rollout=True, abort_timeout_s=BOUND)
     caplog.set_level(logging.WARNING, logger="roll_core.agentic.turn_gate")
     threads, got, envs = _episodes(engine, gate, 2)
@@ -188,7 +131,7 @@ def test_a_sync_abort_the_engine_never_answers_is_lost_and_the_turn_resumes_with
 def test_an_aborted_turn_whose_result_raises_resumes_instead_of_failing_the_episode() -> None:
     """The abort reached a dying worker: reading the handle raised, which failed the episode and with it the run
     (the collector raised it at the trainer's next call). Now it is a loss: the turn resumes after the sync."""
-    engine = _Engine()
+    engine = _engine()
     gate = TurnGate(engine, partial_rollout=True, abort_timeout_s=BOUND)
     threads, got, envs = _episodes(engine, gate, 1)
     try:
@@ -213,8 +156,7 @@ def test_close_does_not_hang_on_an_engine_that_never_answers() -> None:
     """The collector's close aborts the running turns and joins their threads: with an engine that never answers,
     the threads (and so the close) blocked for good. Now the request is lost after abort_timeout_s and the episode
     ends `abort`, untrained."""
-    engine = _Engine()
-    engine.on_abort = "deaf"
+    engine = _engine(on_abort="deaf")
     gate = TurnGate(engine, partial_rollout=True, abort_timeout_s=BOUND)
     threads, got, envs = _episodes(engine, gate, 1)
     try:
@@ -232,7 +174,7 @@ def test_close_does_not_hang_on_an_engine_that_never_answers() -> None:
 def test_an_abort_sent_before_the_engine_knew_the_request_is_sent_again() -> None:
     """A turn entered the gate, then a sync aborted it before it was submitted (the engine knew nothing to abort):
     its wait sends the abort again, so the partial result comes at once instead of the request being lost."""
-    engine = _Engine()
+    engine = _engine()
     gate = TurnGate(engine, partial_rollout=True, abort_timeout_s=3600)
     assert gate.enter("r") == 0
     sync = threading.Thread(target=gate.begin_update, kwargs={"timeout_s": 10}, daemon=True)
@@ -254,11 +196,11 @@ def test_an_abort_sent_before_the_engine_knew_the_request_is_sent_again() -> Non
 
 def test_abort_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="abort_timeout_s=0"):
-        TurnGate(_Engine(), partial_rollout=True, abort_timeout_s=0)
+        TurnGate(_engine(), partial_rollout=True, abort_timeout_s=0)
 
 
 # ---- the asynchronous collector ------------------------------------------------------------------------------
-def _collector(engine: _Engine, timeout_s: float) -> AsyncEpisodeCollector:
+def _collector(engine: HeldRequestEngine, timeout_s: float) -> AsyncEpisodeCollector:
     """AsyncEpisodeCollector around its bookkeeping, k=0, one group of one episode, with the real rollout and gate."""
     c = object.__new__(AsyncEpisodeCollector)
     c.k, c.groups_per_batch, c.group_size, c.timeout_s = 0, 1, 1, timeout_s
@@ -277,7 +219,7 @@ def _collector(engine: _Engine, timeout_s: float) -> AsyncEpisodeCollector:
 def test_a_turn_request_the_engine_fails_stops_the_collector_naming_the_episode_and_request() -> None:
     """The trainer's next call raised "async episodes failed: <engine error>", naming neither the episode nor the
     request; now both, chained to the engine's error (whose type is kept: a dead worker stays a fault)."""
-    engine = _Engine()
+    engine = _engine()
     c = _collector(engine, timeout_s=30)
     waiter = ThreadPoolExecutor(1)
     try:
@@ -300,7 +242,7 @@ def test_a_turn_request_the_engine_fails_stops_the_collector_naming_the_episode_
 
 def test_a_hung_engine_times_the_batch_out_naming_the_running_requests() -> None:
     """An engine that never answers a live request: the batch wait timed out without saying what it waited for."""
-    engine = _Engine()
+    engine = _engine()
     c = _collector(engine, timeout_s=0.5)
     try:
         with pytest.raises(TimeoutError) as err:
