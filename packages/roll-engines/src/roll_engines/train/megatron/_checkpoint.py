@@ -2,12 +2,14 @@
 checkpoint of the optimizer state in a layout-independent format (a run resumes at any TP/PP/DP layout, with the same
 kind of optimizer: `optimizer_kind`); on CPU and without Apex/TE: quiet dist_checkpointing calls and the workarounds
 that let Megatron-Core 0.16's distributed optimizer resume correctly (`prime_optimizer_state`,
-`torch_adam_steps_restored`), and the size of an optimizer's state (`optimizer_state_bytes`). Callers run these
-under the engine's CPU shims."""
+`torch_adam_steps_restored`), and the size of an optimizer's state (`optimizer_state_bytes`). A save starts no
+process that outlives it (`in_process_write_results`). Callers run these under the engine's CPU shims."""
 
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,39 @@ def quiet_dist_checkpointing() -> Iterator[None]:
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         yield
+
+
+_write_results_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def in_process_write_results() -> Iterator[None]:
+    """Megatron's torch_dist save (FileSystemWriterAsync) hands its write results to the finalize step through a
+    module-global queue that its first save in a process creates as `mp.get_context("spawn").Manager().Queue()`:
+    a spawned Manager server (a fresh interpreter that re-imports the script: ~270 MB, ~1.2 s of the first save,
+    and an EOFError from a script without a `__main__` guard) kept for the process's life and never stopped, so a
+    trainer killed by SIGKILL or os._exit (fault-tolerance restarts) left it orphaned, one per rank per restart.
+    A synchronous save (`dist_checkpointing.save` without `async_sharded_save`, what roll calls) needs no
+    cross-process queue: the writer processes are forked by `write_preloaded_data_multiproc`, which runs in THIS
+    process, collects their results through its own fork-context queue and puts the merged dict on the global
+    queue; the finalize step reads it back here with `get_nowait`. So inside this block that global is a plain
+    `queue.Queue` (a multiprocessing.Queue would not do: its feeder thread can lose the race to `get_nowait`),
+    fresh per save (no stale result of a failed save can be read by the next), and the previous value (None, or
+    a queue some async Megatron save in this process made) is restored after. Not for `async_sharded_save`,
+    whose write runs in another process. A Megatron without the global (another version) saves as it does."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):
+        yield
+        return
+    # The swap is of a module global: roll's saves in one process take turns.
+    with _write_results_lock:
+        previous = filesystem_async._results_queue
+        filesystem_async._results_queue = queue.Queue()
+        try:
+            yield
+        finally:
+            filesystem_async._results_queue = previous
 
 
 @contextlib.contextmanager
@@ -117,7 +152,7 @@ def save_optimizer(folder: Path, model: Any, optimizer: Any, step: int) -> None:
     from megatron.core import dist_checkpointing
 
     folder.mkdir(parents=True, exist_ok=True)
-    with quiet_dist_checkpointing():
+    with quiet_dist_checkpointing(), in_process_write_results():
         dist_checkpointing.save(optimizer_state(model, optimizer, step, loading=False), str(folder))
 
 
