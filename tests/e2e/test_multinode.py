@@ -9,6 +9,7 @@ DUMMY_VISIBLE_DEVICES from each bundle's place on its node.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import ClassVar
@@ -115,12 +116,19 @@ def test_colocated_roles_share_bundles_that_span_nodes(nodes: dict[str, str]) ->
 
 
 def test_tiny_rlvr_run_across_simulated_nodes(
-    nodes: dict[str, str], seven_task: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    nodes: dict[str, str],
+    seven_task: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """FSDP2 over 2 ranks on nodes a and b (never the driver's), driven from a head where the dummy platform is not
-    available: every worker resolves its own platform and device, and rank 0 chooses the rendezvous on its node."""
+    available: every worker resolves its own platform and device, and rank 0 chooses the rendezvous on its node.
+    Before training, both trainer nodes read the driver's marker in the run folder (the shared filesystem check:
+    every simulated node shares this machine's disk, so it passes) and the marker is removed."""
     pytest.importorskip("roll_dummy_platform")
     monkeypatch.delenv("ROLL_DUMMY_PLATFORM", raising=False)  # the driver cannot use the workers' devices
+    caplog.set_level(logging.INFO, logger="roll_core.cluster.shared_fs")
     summary, history = run_pipeline(
         tiny_overrides(
             seven_task,
@@ -144,3 +152,7 @@ def test_tiny_rlvr_run_across_simulated_nodes(
     devices = [(w["node_id"], w["DUMMY_VISIBLE_DEVICES"]) for r in ("actor_train", "actor_infer") for w in placement[r]]
     assert {node for node, _ in devices} <= set(nodes.values())  # DUMMY devices live on a and b, not the head
     assert len(set(devices)) == 3 and {d for _, d in devices} <= {"0", "1"}  # each worker its own device
+    checked = [r.getMessage() for r in caplog.records if r.getMessage().startswith("shared run folder checked")]
+    assert len(checked) == 1 and "and 2 other node(s)" in checked[0]
+    assert all(f"node {n} (" in checked[0] for n in nodes.values())  # the trainer's nodes a and b, not the head
+    assert not list(tmp_path.glob(".roll-shared-fs-*"))

@@ -143,6 +143,10 @@ class ClusterConfig:
     # re-created in its placement bundle, an inference engine gets the trainer's latest weights (a full sync),
     # and the failed call is retried on it (counted in faults/restarts). 0: a dead worker ends the run.
     max_restarts: int = 3
+    # On Ray, check before training that every node whose trainer ranks write checkpoint shards into the run folder
+    # sees the driver's folder (a marker file; roll_core.cluster.shared_fs). false: for per-node folders the user
+    # gathers into one before resuming.
+    check_shared_fs: bool = True
 
     def __post_init__(self) -> None:
         one_of("cluster.backend", self.backend, ("local", "ray"))

@@ -46,6 +46,7 @@ from roll_core import registry
 from roll_core.algorithms import load_estimator
 from roll_core.checkpoint import CheckpointError, CheckpointManager, step_of
 from roll_core.cluster.launch import Cluster
+from roll_core.cluster.shared_fs import check_run_folder
 from roll_core.config.build import build
 from roll_core.config.resume import check_checkpoint, config_dict
 from roll_core.config.schema import RLVRConfig
@@ -145,6 +146,10 @@ class Pipeline:
         self.roles = build_roles(cfg, self.cluster, self.model_path, needs)
         self._building.rearm()  # an in-process engine may have installed its own handlers
         roles = self.roles
+        # The trainer's ranks write their checkpoint shards into the run folder on their own nodes: before any step
+        # (and before a resume reads it), every such node must see this driver's folder (Ray only; no cost on one node).
+        writers = [roles.actor_train, roles.critic, *roles.critics]
+        check_run_folder(self.out, writers, enabled=cfg.cluster.check_shared_fs)
         ctx = CollectorContext(
             cfg,
             self.cluster,
