@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 import roll_core.sweep as sweep
 from roll_core import cli
@@ -371,8 +372,20 @@ def test_a_stopped_optuna_sweep_records_agree_with_optunas_trials(
     assert all(t.state in (state.COMPLETE, state.FAIL) for t in ran)
     assert [(t.number, t.state) for t in asked] == [(stop + 1, state.RUNNING)]  # no false FAIL, nothing asked after
     assert _job_dirs(sw) == [str(i) for i in range(stop + 1)]  # none for the trial that did not start
+    # The best result so far, as hydra-optuna-sweeper writes it at its end (which the stop skipped): the completed
+    # trial's values; no file when no trial completed (Optuna has no best trial)
+    results = sw / "optimization_results.yaml"
     if completed:
         assert study.best_value == 0.5
+        best = study.best_trial
+        assert best.number == 1 and best.params["algo.lr"] == float(rows[1]["overrides"].partition("=")[2])
+        assert yaml.safe_load(results.read_text()) == {
+            "name": "optuna",
+            "best_params": {"algo.lr": best.params["algo.lr"]},
+            "best_value": 0.5,
+        }
+    else:
+        assert not results.exists()
     # params of an Optuna sweep: each trial's sampled lr (every trial's differs)
     failed = f"{rows[0]['params']} (FileNotFoundError: no data for job 0)"
     assert _roll_train_lines(err) == [
@@ -411,6 +424,9 @@ def test_a_stopped_optuna_sweep_leaves_its_study_no_false_failure_and_the_study_
     assert [t.state for t in studies[0].trials] == [state.FAIL, state.COMPLETE, state.FAIL, state.RUNNING]
     assert [r["status"] for r in csv.DictReader(open(sw / "summary.csv"))] == ["failed", "ok", "stopped"]
     assert _job_dirs(sw) == ["0", "1", "2"]
+    # the best so far (trial 1), saved though the stop left the sweeper before its own write
+    best = yaml.safe_load((sw / "optimization_results.yaml").read_text())
+    assert best == {"name": "optuna", "best_params": studies[0].trials[1].params, "best_value": 0.5}
 
     monkeypatch.setattr(sweep, "_failed_jobs", [])  # a new roll-train process, continuing the study
     run = _stopped_run(fail=-1, stop=-1)

@@ -11,11 +11,12 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
   one's), removed at the sweep's end or by roll's Ray launcher when the sweep is aborted. `cluster.max_concurrent`
   is a setting of the whole sweep: roll's Ray launcher refuses a sweep whose jobs give it different values.
 - A job that raises (while it is prepared or waits for its slot too) is caught, logged and recorded in
-  `<job dir>/job_status.json`; the other jobs go on. A job whose process dies (SIGKILL, OOM) is recorded as
-  `killed` by roll's Ray launcher (roll_core.sweep_launcher). A job stopped early by a signal (SIGTERM, Ctrl-C:
-  its checkpoint is written) is recorded as `stopped`. Failed, killed and stopped jobs, and finished ones without
-  a finite final held-out accuracy, return None to the sweeper: the Optuna sweeper records a failed trial for a
-  value it cannot cast to float and goes on (a NaN made Optuna's `tell` raise and the whole sweep end there).
+  `<job dir>/job_status.json` (written, found and labelled by roll_core.sweep_records); the other jobs go on. A
+  job whose process dies (SIGKILL, OOM) is recorded as `killed` by roll's Ray launcher (roll_core.sweep_launcher).
+  A job stopped early by a signal (SIGTERM, Ctrl-C: its checkpoint is written) is recorded as `stopped`. Failed,
+  killed and stopped jobs, and finished ones without a finite final held-out accuracy, return None to the sweeper:
+  the Optuna sweeper records a failed trial for a value it cannot cast to float and goes on (a NaN made Optuna's
+  `tell` raise and the whole sweep end there).
 - A signal that stops a job of a sweep run in this process (the basic launcher: Ctrl-C, a scheduler's SIGTERM),
   while it trains or while its pipeline is built (StoppedWhileBuilding, recorded as `stopped`), stops the sweep:
   its later jobs are not started but recorded as `stopped` ("not started"), so the sweep ends, is summarised and
@@ -65,11 +66,11 @@ from hydra.experimental.callback import Callback
 
 from roll_core import sweep_stop
 from roll_core.sweep_optuna import prepare_study_storage
+from roll_core.sweep_records import STATUS_FILE, job_labels, job_records, write_record
 from roll_core.sweep_resume import check_resumed_folder
 from roll_core.sweep_slots import SLOTS_NAMESPACE, job_slot, slots_name
 
 log = logging.getLogger(__name__)
-STATUS_FILE = "job_status.json"
 SWEEP_FILE = "sweep_id.json"
 _failed_jobs: list[str] = []
 _sweeps: dict[str, dict[str, Any]] = {}  # resolved sweep folder -> its sweep_id.json, in the process that started it
@@ -196,15 +197,6 @@ def job_value(record: dict[str, Any]) -> float | None:
     return None
 
 
-def write_record(job_dir: Path, record: dict[str, Any]) -> None:
-    """Write a job's job_status.json whole or not at all (a temporary file renamed over it): a process killed while
-    writing must not leave a half record the summary cannot read."""
-    job_dir.mkdir(parents=True, exist_ok=True)
-    tmp = job_dir / f".{STATUS_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(record, indent=2, default=str))
-    os.replace(tmp, job_dir / STATUS_FILE)
-
-
 def job_sweep_dir(hc: Any) -> Path:
     """A job's sweep folder as an absolute path. Hydra changes a job's working directory to its own folder
     (hydra.job.chdir, on under version_base=None) before the job runs, so a relative `hydra.sweep.dir` (the default
@@ -282,71 +274,6 @@ def _metrics(job_dir: Path) -> list[dict[str, Any]]:
     from roll_core.report import read_history
 
     return read_history(job_dir / "metrics.jsonl")
-
-
-def _job_num(record: dict[str, Any]) -> int:
-    try:
-        return int(record["job"])
-    except (KeyError, TypeError, ValueError):
-        return 1 << 62  # a record without a job number: after the others
-
-
-def job_records(
-    sweep_dir: str | Path, sweep_id: str | None = None, started_at: float | None = None
-) -> tuple[list[tuple[Path, dict[str, Any]]], list[str]]:
-    """A sweep's job records, found at any depth under its folder and sorted by job number, as (job folder,
-    record), and the problems that count as failed jobs (a job_status.json that cannot be read).
-
-    With `sweep_id`, records of other sweeps (a sweep run again into the same folder) are left out with a warning;
-    so is an unreadable record last written before `started_at`."""
-    sweep_dir = Path(sweep_dir)
-    found: list[tuple[Path, dict[str, Any]]] = []
-    problems: list[str] = []
-    stale: list[str] = []
-    for path in sweep_dir.rglob(STATUS_FILE):  # rglob: job folders nest with hydra.sweep.subdir=<a/b>
-        where = str(path.parent.relative_to(sweep_dir))
-        try:
-            record = json.loads(path.read_text())
-            if not isinstance(record, dict) or not isinstance(record.get("overrides"), list):
-                raise ValueError("not a job record")
-        except (OSError, ValueError) as exc:
-            try:
-                old = started_at is not None and path.stat().st_mtime < started_at
-            except OSError:
-                old = False
-            if old:
-                stale.append(where)
-            else:  # a job of this sweep whose outcome is unknown: a failure, never a silent gap
-                problems.append(f"{where}: unreadable {STATUS_FILE} ({exc})")
-            continue
-        if sweep_id is not None and record.get("sweep_id") != sweep_id:
-            stale.append(where)
-            continue
-        found.append((path.parent, record))
-    if stale:
-        log.warning(
-            "%d job record(s) in %s are from an earlier sweep into the same folder and are left out of this "
-            "sweep's summary: %s",
-            len(stale),
-            sweep_dir,
-            ", ".join(sorted(stale)),
-        )
-    found.sort(key=lambda item: (_job_num(item[1]), str(item[0])))
-    return found, problems
-
-
-def job_labels(records: list[dict[str, Any]]) -> list[str]:
-    """Each job's label, as the summary's `params` and failed_jobs() name it: the overrides that differ between the
-    jobs `records` (the swept parameters), not the shared ones."""
-    values: dict[str, set[str]] = {}
-    for st in records:
-        for o in st["overrides"]:
-            key, _, val = o.partition("=")
-            values.setdefault(key, set()).add(val)
-    swept = {k for k, v in values.items() if len(v) > 1 or len(records) == 1}
-    return [
-        " ".join(o for o in st["overrides"] if o.partition("=")[0] in swept) or f"job {st.get('job')}" for st in records
-    ]
 
 
 def _seconds(value: Any) -> float | None:
@@ -548,8 +475,8 @@ def end_unfinished_sweeps(exc: BaseException) -> list[tuple[Path, list[str]]]:
         ended.append((Path(folder) / "summary.md", end_sweep(Path(folder), (found, problems))))
     if not _unfinished:
         sweep_stop.restore()
-    if stopped:
-        sweep_stop.exit_stopped(*stopped[0])
+    if stopped:  # `exc`'s traceback: where an Optuna sweeper's study is found (its best result is saved)
+        sweep_stop.exit_stopped(*stopped[0], tb=exc.__traceback__)
     return ended
 
 

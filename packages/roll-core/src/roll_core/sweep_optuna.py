@@ -1,4 +1,5 @@
-"""Persistent Optuna studies (`hydra.sweeper.storage=sqlite:///study.db`, or any SQL URL) for hydra-optuna-sweeper.
+"""roll's additions to hydra-optuna-sweeper: persistent studies (`hydra.sweeper.storage=sqlite:///study.db`, or any
+SQL URL) under SQLAlchemy 2, and the best result of a sweep a signal stopped (`save_stopped_results`, below).
 
 hydra-optuna-sweeper 1.3 requires optuna<3, and Optuna 2.x's database storage cannot set itself up under
 SQLAlchemy 2 (which alembic 1.20, and so MLflow's SQL store, requires; SQLAlchemy 1.4 cannot be installed beside
@@ -17,17 +18,31 @@ sweeper, no storage, a non-string storage, Optuna >= 3 or SQLAlchemy < 2 (those 
 whose revision is already recorded (Optuna's own check then judges it, e.g. one from a newer Optuna). Everything
 else Optuna 2.10 does with its storage works under SQLAlchemy 2 (trials, parameters, user attributes, intermediate
 values, failed trials, summaries, deletion). Optuna is not patched: its files and classes are left as they are.
+
+A stopped sweep's results: hydra-optuna-sweeper writes `<sweep folder>/optimization_results.yaml` (`name: optuna` and
+`best_params`/`best_value`, or `solutions` for several objectives) at the end of its `sweep()`, which a sweep a
+signal stopped leaves by roll_core.sweep_stop.SweepStopped (or a second signal's SystemExit): the best result so far
+was lost. `save_stopped_results` (run by roll_core.sweep_stop.exit_stopped) writes that file, in the sweeper's format,
+from the study of the sweeper's `sweep()` call it finds on the stack (the basic launcher's trial values and roll's Ray
+launcher end the sweep inside that call) or in the traceback of the exception that left it; only when at least one
+trial of the study is COMPLETE (as the sweeper's own `best_trial` requires; trials of an earlier sweep continuing the
+study count, as they do for the sweeper). No completed trial, another sweeper, or a sweep whose `sweep()` had
+returned (it wrote the file itself): nothing is written.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
+from types import FrameType, TracebackType
 from typing import Any
 
 log = logging.getLogger("roll")
 
 _OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper."
+_SWEEPER_IMPL = "hydra_plugins.hydra_optuna_sweeper._impl"  # the module of OptunaSweeperImpl.sweep
+RESULTS_FILE = "optimization_results.yaml"  # the name hydra-optuna-sweeper writes its results under
 
 
 def _major(version: str) -> int:
@@ -118,3 +133,68 @@ def prepare_study_storage(sweeper: Any) -> str | None:
     if url is None or not needs_stamp():
         return None
     return stamp_study_storage(url)
+
+
+def sweeper_study(tb: TracebackType | None = None) -> Any | None:
+    """The Optuna study of the hydra-optuna-sweeper `sweep()` call running on this thread's stack, or left by the
+    exception whose traceback is `tb` (its frames keep their locals); None when there is none (another sweeper, no
+    Optuna, a `sweep()` that returned)."""
+    if "optuna" not in sys.modules:  # no Optuna sweep ran in this process: nothing to find (and nothing to import)
+        return None
+    import optuna
+
+    frames: list[FrameType] = []
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in frames:
+        if frame.f_globals.get("__name__") != _SWEEPER_IMPL:
+            continue
+        study = frame.f_locals.get("study")  # OptunaSweeperImpl.sweep's own name for it
+        if isinstance(study, optuna.study.Study):
+            return study
+    return None
+
+
+def stopped_results(study: Any) -> dict[str, Any] | None:
+    """What hydra-optuna-sweeper writes into optimization_results.yaml for `study` (`name`, `best_params` and
+    `best_value`; `solutions`, each trial's `params` and `values`, on the Pareto front of a multi-objective study),
+    from its COMPLETE trials; None when none is complete."""
+    import optuna
+
+    complete = optuna.trial.TrialState.COMPLETE
+    if not any(t.state == complete for t in study.get_trials(deepcopy=False)):
+        return None
+    if len(study.directions) < 2:
+        best = study.best_trial
+        return {"name": "optuna", "best_params": best.params, "best_value": best.value}
+    return {"name": "optuna", "solutions": [{"params": t.params, "values": t.values} for t in study.best_trials]}
+
+
+def save_stopped_results(sweep_dir: str | Path, tb: TracebackType | None = None) -> Path | None:
+    """Write `<sweep_dir>/optimization_results.yaml` for an Optuna sweep a signal stopped, as hydra-optuna-sweeper
+    writes it at the end of its `sweep()` (which the stop leaves by an exception), from the study of that call
+    (`sweeper_study`, on the stack or in `tb`). Returns the file; None when no Optuna study was found or none of its
+    trials completed (then nothing is written). Bookkeeping of a sweep that is ending: a failure is logged, never
+    raised."""
+    try:
+        study = sweeper_study(tb)
+        if study is None:
+            return None
+        results = stopped_results(study)
+        if results is None:
+            log.warning("the stopped Optuna sweep has no completed trial: no %s", RESULTS_FILE)
+            return None
+        from omegaconf import OmegaConf
+
+        path = Path(sweep_dir) / RESULTS_FILE
+        OmegaConf.save(OmegaConf.create(results), path)
+    except Exception as exc:  # the stopped sweep must still end with its summary and exit status
+        log.warning("could not write the %s of the stopped Optuna sweep in %s: %s", RESULTS_FILE, sweep_dir, exc)
+        return None
+    log.info("the stopped Optuna sweep's best result so far: %s", path)
+    return path

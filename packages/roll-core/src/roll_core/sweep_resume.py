@@ -34,7 +34,7 @@ def check_resumed_folder(cfg: Any, job_dir: Path, sweep_dir: Path, record: dict[
     with checkpoints records, as `folder_overrides`, the overrides of the run they belong to."""
     from omegaconf import OmegaConf
 
-    from roll_core.sweep import STATUS_FILE
+    from roll_core.sweep_records import STATUS_FILE
 
     if not any(job_dir.glob("checkpoints/*")):
         return

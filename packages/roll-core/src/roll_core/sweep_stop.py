@@ -5,7 +5,9 @@ job the signal stopped as `stopped`, and `roll-train` exits 128 + N (N: the firs
 (basic, roll's Ray launcher) or sweeper (basic, Optuna): the end is `SweepStopped`, whose one line roll-train prints
 on stderr (`stop_report`: how many jobs finished, failed, were stopped, were not started; each failed job with its
 error; where summary.md is). The exit came before roll-train's "N sweep job(s) failed" line, so a stopped sweep's
-failed jobs went unsaid. Resuming it later (`pipeline.resume=true hydra.sweep.dir=<it>`) continues each job
+failed jobs went unsaid. An Optuna sweep's best result so far is written to `optimization_results.yaml` as the
+sweeper writes it at its end, when a trial completed (roll_core.sweep_optuna.save_stopped_results): the stop left the
+sweeper before it wrote it. Resuming it later (`pipeline.resume=true hydra.sweep.dir=<it>`) continues each job
 folder's run (roll_core.sweep_resume).
 
 - A signal while a job of a sweep run in this process (the basic launcher) trains is the job's own (its
@@ -42,8 +44,11 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any, NoReturn
+
+from roll_core.sweep_optuna import save_stopped_results
+from roll_core.sweep_records import job_labels, write_record
 
 log = logging.getLogger(__name__)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -128,10 +133,8 @@ def stop_report(
 ) -> str:
     """The line that tells the user a signal stopped the sweep in `sweep_dir`: how many of its jobs finished, failed,
     were stopped and were not started, each failed job (its swept values and the first line of its error) and where
-    summary.md is. `records`: the sweep's job records and unreadable ones (roll_core.sweep.job_records), None when
-    they could not be read."""
-    from roll_core.sweep import job_labels
-
+    summary.md is. `records`: the sweep's job records and unreadable ones (roll_core.sweep_records.job_records),
+    None when they could not be read."""
     head = f"the sweep was stopped by signal {signum} ({signal.Signals(signum).name})"
     where = f"Each job's outcome and error: {sweep_dir / 'summary.md'}"
     if records is None:
@@ -156,11 +159,18 @@ def stop_report(
 
 
 def exit_stopped(
-    sweep_dir: Path, signum: int, records: tuple[list[tuple[Path, dict[str, Any]]], list[str]] | None
+    sweep_dir: Path,
+    signum: int,
+    records: tuple[list[tuple[Path, dict[str, Any]]], list[str]] | None,
+    tb: TracebackType | None = None,
 ) -> NoReturn:
     """End roll-train for a sweep a signal stopped (its summary is written: this is called after it): raise
     SweepStopped, exit 128 + `signum` as a single run stopped by it, with the line roll-train prints (`stop_report`
-    of the sweep's job `records`, as summarised). It exited before roll-train could say which jobs had failed."""
+    of the sweep's job `records`, as summarised). It exited before roll-train could say which jobs had failed. An
+    Optuna sweeper's best result so far is saved first (roll_core.sweep_optuna.save_stopped_results: the sweeper
+    writes it only at the end of its sweep, which the stop leaves by an exception), from the sweeper's study on the
+    stack or in `tb`, the traceback of the exception that ended the sweep."""
+    save_stopped_results(sweep_dir, tb)
     log.error(
         "the sweep was stopped by signal %s (%s): its jobs and what they did: %s",
         signum,
@@ -238,9 +248,7 @@ def remove_unstarted_folder(job_dir: Path, hydra_subdir: str | None, log_name: s
 
 def mark_unended(found: list[tuple[Path, dict[str, Any]]], signum: int) -> None:
     """Record the jobs of a stopped sweep still `running` (their process ended with the sweep's: it was aborted) as
-    `stopped`, in their job_status.json and in `found` (the sweep's job records, see roll_core.sweep.job_records)."""
-    from roll_core.sweep import write_record
-
+    `stopped`, in their job_status.json and in `found` (the sweep's job records: sweep_records.job_records)."""
     for job_dir, record in found:
         if record.get("status") == "running":
             record.update(status="stopped", error=f"stopped by signal {signum}: the sweep was aborted while it ran")
