@@ -102,6 +102,29 @@ def test_tensor_parallel_engine_workers_get_whole_device_bundles(nodes: dict[str
         _groups("colocated", "PACK", {"actor_infer": 1}, devices={"actor_infer": 2})
 
 
+def test_under_ray_noset_each_worker_uses_the_gpu_ray_assigned(nodes: dict[str, str]) -> None:
+    """RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 in the workers: Ray does not narrow CUDA_VISIBLE_DEVICES, and
+    each worker's device (as the CUDA platform resolves it there) is its own GPU, not GPU 0 of the node."""
+    cluster = Cluster(
+        ClusterConfig(backend="ray", placement="disaggregated", strategy="STRICT_PACK", cpus_per_worker=0.5),
+        HwConfig(),
+        platform=FakeGpuPlatform,
+    )
+    try:
+        opts = cluster._placement("actor_train", 2)
+        opts.env = [{"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}] * 2
+        group = WorkerGroup(Worker, 2, "ray", name="actor_train", ray_options=opts)
+        cluster.groups.append(group)
+        info = group.call(Worker.node_info, "cuda")
+        assert len({w["node_id"] for w in info}) == 1 and all("CUDA_VISIBLE_DEVICES" not in w for w in info)
+        assert sorted((w["device"]["index"], w["device"]["ray_ids"], w["device"]["noset"]) for w in info) == [
+            (0, ("0",), True),
+            (1, ("1",), True),
+        ]
+    finally:
+        cluster.shutdown()
+
+
 def test_colocated_roles_share_bundles_that_span_nodes(nodes: dict[str, str]) -> None:
     cluster, info = _groups("colocated", "PACK", {"actor_train": 4, "actor_infer": 4})
     try:

@@ -93,3 +93,45 @@ def test_a_worker_with_its_gpu_or_a_driver_keeps_the_accelerator(gpu_node_detect
     cuda = gpu_node_detected(ray)
     out = resolve_device({"platform": "auto", "device": "auto", "dtype": "float32", "role": "actor"})
     assert out["device"] == "cuda" and roll_hw.current_platform is cuda
+
+
+@pytest.mark.parametrize("ray_id", ["1", "3"])
+def test_under_noset_a_worker_uses_the_gpu_ray_assigned_not_gpu_0(
+    gpu_node_detected, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, ray_id: str
+) -> None:
+    """RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 (CUDA IPC between workers, vLLM/verl set-ups): Ray leaves
+    CUDA_VISIBLE_DEVICES unset, every worker sees every GPU of the node, and bare "cuda" was cuda:0 for all of them.
+    The device is now the one Ray assigned, made current (bare "cuda" in the engines), and the log says why."""
+    import logging
+
+    cuda = gpu_node_detected(_FakeRay("actor-1", [ray_id]))
+    current: list[int] = []
+    monkeypatch.setattr(cuda, "set_device", classmethod(lambda cls, index: current.append(index)))
+    monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with caplog.at_level(logging.INFO, logger="roll_core.devices"):
+        out = resolve_device({"platform": "auto", "device": "auto", "dtype": "float32", "role": "actor_train"})
+    assert out["device"] == f"cuda:{ray_id}" and current == [int(ray_id)]
+    assert f"role actor_train: this Ray worker uses cuda:{ray_id}: Ray's GPU {ray_id}, " in caplog.text
+    assert "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1: Ray left CUDA_VISIBLE_DEVICES unset" in caplog.text
+    # An explicit index is the user's; a node whose CUDA_VISIBLE_DEVICES hides the GPU is an error, not cuda:0.
+    assert resolve_device({"platform": "auto", "device": "cuda:0", "role": "a"})["device"] == "cuda:0"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    with pytest.raises(ValueError, match=rf"assigned GPU {ray_id} but this worker sees CUDA_VISIBLE_DEVICES='7'"):
+        resolve_device({"platform": "auto", "device": "auto", "role": "a"})
+
+
+def test_narrowed_by_ray_the_device_stays_cuda_and_the_log_names_the_gpu(
+    gpu_node_detected, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    gpu_node_detected(_FakeRay("actor-1", ["3"]))
+    monkeypatch.delenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with caplog.at_level(logging.INFO, logger="roll_core.devices"):
+        out = resolve_device({"platform": "auto", "device": "auto", "dtype": "float32", "role": "critic"})
+    assert out["device"] == "cuda"  # cuda:0 of this process is Ray's GPU 3
+    assert "role critic: this Ray worker uses cuda:0: Ray's GPU 3, narrowed by Ray (CUDA_VISIBLE_DEVICES=3)" in (
+        caplog.text
+    )

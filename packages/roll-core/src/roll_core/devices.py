@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from roll_hw import Platform
+    from roll_hw.ray_devices import LocalDevice
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +28,12 @@ def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
     (RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO now defaults to off: Ray 2.60), so detection saw them and the engine took
     device 0 of the node, unreserved. There "auto" resolves to the CPU (with a warning), and a named accelerator
     platform is an error that says how to reserve one.
+
+    In a Ray actor that reserved devices, the device is the one Ray assigned (`ray_local_device`), logged with why:
+    Ray narrowed visibility to it (local index 0, `device` stays the bare type), or Ray's NOSET switch
+    (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 and its ROCm/Ascend equivalents) left every device of the node
+    visible, where `device` becomes `<type>:<index of the assigned id>` and that device is made current (bare
+    "cuda" and `current_device()` in the engines then mean it too): device 0 there was every worker's.
     """
     from types import SimpleNamespace
 
@@ -48,6 +58,15 @@ def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
             "role %s: this Ray worker reserved no %s (the node's belong to other workers): runs on cpu", role, key
         )
         platform = resolve_platform("cpu")
+    role, device = out.get("role", "?"), out.get("device", "auto")
+    local = ray_local_device(platform)
+    if local is not None:
+        from roll_hw.ray_devices import describe
+
+        log.info("role %s: this Ray worker %s", role, describe(platform, local))
+        if local.noset and device in ("auto", platform.device_type):
+            platform.set_device(local.index)
+            out["device"] = platform.torch_device(local.index)
     # The engines ask roll_hw.current_platform (device backends, memory): the run's platform, not a fresh detection.
     set_current_platform(platform)
     if out.get("device", "auto") == "auto":
@@ -59,6 +78,18 @@ def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
             log.warning("%s (role %s)", "; ".join(changes), out.get("role", "?"))
         out["dtype"] = cfg.dtype
     return out
+
+
+def ray_local_device(platform: type[Platform]) -> LocalDevice | None:
+    """The device this Ray actor was assigned of `platform`'s (roll_hw.ray_devices.local_device: the assigned id's
+    index, under Ray's NOSET switch too); None outside a Ray actor, for a platform without Ray-assigned devices, or
+    when the actor reserved none. ValueError where the assigned device is not visible in this process."""
+    ids = _reserved_in_ray_actor(platform.ray_resource)
+    if not ids:
+        return None
+    from roll_hw.ray_devices import local_device
+
+    return local_device(platform, ids)
 
 
 def _reserved_in_ray_actor(resource: str | None) -> list[str] | None:

@@ -12,6 +12,7 @@ class CudaPlatform(TorchCudaLikePlatform):
 
     name: ClassVar[str] = "cuda"
     visible_devices_env: ClassVar[str | None] = "CUDA_VISIBLE_DEVICES"
+    ray_noset_env: ClassVar[str | None] = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"  # Ray 2.60's name
     description: ClassVar[str] = "NVIDIA GPU (CUDA)"
     install_hint: ClassVar[str] = "roll-hw[cuda] (a CUDA build of torch)"
     _build: ClassVar[str] = "cuda"

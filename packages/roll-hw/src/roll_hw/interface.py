@@ -42,6 +42,9 @@ class Platform:
     ray_resource: ClassVar[str | None] = None
     #: Environment variable that restricts which devices a process sees, or None.
     visible_devices_env: ClassVar[str | None] = None
+    #: Ray's switch that, set to 1, stops Ray from setting `visible_devices_env` in its workers (each then sees every
+    #: device of its node: roll_hw.ray_devices), or None where Ray has none (roll narrows such devices itself).
+    ray_noset_env: ClassVar[str | None] = None
     #: torch.distributed backend for collectives between devices of this kind.
     dist_backend: ClassVar[str] = "gloo"
     #: Human-readable vendor/description for `roll-doctor`.

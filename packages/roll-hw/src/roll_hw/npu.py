@@ -19,6 +19,7 @@ class NpuPlatform(TorchAcceleratorPlatform):
     device_type: ClassVar[str] = "npu"
     ray_resource: ClassVar[str | None] = "NPU"
     visible_devices_env: ClassVar[str | None] = "ASCEND_RT_VISIBLE_DEVICES"
+    ray_noset_env: ClassVar[str | None] = "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"  # Ray 2.60's name
     dist_backend: ClassVar[str] = "hccl"
     description: ClassVar[str] = "Huawei Ascend NPU (torch_npu)"
     install_hint: ClassVar[str] = "roll-hw[npu] (torch_npu matching your CANN toolkit)"

@@ -12,6 +12,7 @@ class RocmPlatform(TorchCudaLikePlatform):
 
     name: ClassVar[str] = "rocm"
     visible_devices_env: ClassVar[str | None] = "HIP_VISIBLE_DEVICES"
+    ray_noset_env: ClassVar[str | None] = "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"  # Ray 2.60's name
     description: ClassVar[str] = "AMD GPU (ROCm/HIP)"
     install_hint: ClassVar[str] = "roll-hw[rocm] (a ROCm build of torch)"
     _build: ClassVar[str] = "hip"

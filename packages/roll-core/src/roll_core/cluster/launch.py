@@ -39,7 +39,9 @@ def is_device_role(role: str) -> bool:
 
 
 # Ray sets the visible-devices variable itself for these resources (its accelerator managers); for any other
-# device resource (out-of-tree platforms) roll sets the platform's variable from the bundle's place on its node.
+# device resource (out-of-tree platforms) roll sets the platform's variable from the bundle's place on its node,
+# always: Ray has no NOSET switch for custom resources. Under Ray's own NOSET switches (GPU, NPU) each worker finds
+# its device from the ids Ray assigned (roll_hw.ray_devices).
 RAY_MANAGED_RESOURCES = ("GPU", "NPU")
 
 

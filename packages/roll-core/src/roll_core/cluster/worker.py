@@ -202,8 +202,10 @@ class Worker:
         return socket.gethostname()
 
     @dispatch(Dispatch.BROADCAST)
-    def node_info(self) -> dict[str, Any]:
-        """Where this worker runs: node id (Ray) and the visible-devices variables it sees."""
+    def node_info(self, platform: str | None = None) -> dict[str, Any]:
+        """Where this worker runs: node id (Ray) and the visible-devices variables it sees; with a platform name,
+        also `device`, the local device it uses of that platform's (roll_core.devices.ray_local_device, as a dict;
+        None where it reserved none)."""
         info: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(), "rendezvous": self.rendezvous}
         try:
             import ray
@@ -217,4 +219,12 @@ class Worker:
         for var, value in os.environ.items():
             if var.endswith("_VISIBLE_DEVICES"):
                 info[var] = value
+        if platform is not None:
+            import dataclasses
+
+            from roll_core.devices import ray_local_device
+            from roll_hw import get_platform_class
+
+            local = ray_local_device(get_platform_class(platform))
+            info["device"] = None if local is None else dataclasses.asdict(local)
         return info
