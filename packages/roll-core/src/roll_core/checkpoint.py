@@ -12,9 +12,19 @@ the two renames leaves the old checkpoint, which `list()` still finds. A pruned 
 `step_000008.deleting/` before its files are deleted (left-overs of a crash go at the next save), so a crash or a file
 that will not go (NFS's busy `.nfs*` files) never leaves a folder that lists as complete with files missing. What
 crashed saves and prunes leave behind (`.tmp`, `.deleting`, a `.replaced` beside its complete folder) is deleted before
-the next save writes anything (a run folder has one writer: the driver), so it never fills the disk. A save that fails
-(a full disk) is the caller's to `discard` (roll_core.pipelines.loop: `CheckpointError`); the checkpoints already there
-are untouched until a new one is complete.
+the next save writes anything, so it never fills the disk. A save that fails (a full disk) is the caller's to `discard`
+(roll_core.pipelines.loop: `CheckpointError`); the checkpoints already there are untouched until a new one is complete.
+
+Writers: the trainer's ranks write their shards into the staging folder, each from its own node on a cluster (the run
+folder must then be one shared folder: roll_core.cluster.shared_fs; the loop hands them an absolute path), between
+`staging()` and the return of every rank's save. Everything else is the driver's: staging, state.json, the rename,
+pruning, `discard` and the clean-up of left-overs (on a shared folder it sees and deletes what every node left).
+Completeness is the driver's alone: `list()` takes only a folder under its final name (`step_N`, or `step_N.replaced`)
+with a state.json, and `commit` writes state.json and renames only after every rank's save returned. What a failed or
+interrupted save leaves (some ranks' shards; a rank still writing after another rank's error made the driver discard
+the folder, recreating `step_N.tmp/`; even state.json written before the rename) stays under `.tmp`, never listed, so a
+resume never starts from a partial checkpoint; the next save deletes it (a file that will not go yet, such as NFS's
+`.nfs*` while a straggler holds it open, stays in that unlisted folder until a later save).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ each group's options without their schemas, the composed config).
 Config errors (unknown keys, wrong types, failed invariants) print one explained message and exit 2 instead
 of a traceback, and so does a missing optional dependency of the chosen components (one line naming the pip
 extra, checked before anything is built); any other error propagates with its full traceback. The job's return
-value is the run summary (final and best held-out accuracy), which Hydra sweepers optimise.
+value is the run summary (final and best held-out accuracy), which Hydra sweepers optimise. A relative
+`pipeline.output_dir` is a folder under the directory roll-train was started in, also with `hydra.job.chdir=true`.
 Exit status of a signal (roll_core.pipelines.run_control): a run stopped by SIGINT/SIGTERM before its last step
 exits 128 + N after its checkpoint; one whose signal came in its last step or later is complete and exits 0 (its
 summary says what the signal skipped); one stopped while its pipeline was built says `stopped while building the
@@ -57,6 +58,11 @@ def run_job(cfg: Any) -> dict[str, Any]:
         output_dir = hydra_job.runtime.output_dir
     elif output_dir is None and hydra_job is not None:
         output_dir = hydra_job.runtime.output_dir
+    elif hydra_job is not None:
+        # A relative output_dir is the folder under the directory roll-train was started in, which Hydra's run folder
+        # also is (run_dir_overrides, roll_core.run_folder): with hydra.job.chdir=true the job runs inside that folder,
+        # and the pipeline (which makes it absolute from its working directory) wrote into <run>/<run> instead.
+        output_dir = str(Path(hydra_job.runtime.cwd, os.path.expanduser(output_dir)))
     from roll_core.pipelines.run_control import run_with_restarts
 
     # A fault roll cannot repair in place restarts the run from its latest checkpoint (pipeline.max_run_restarts).

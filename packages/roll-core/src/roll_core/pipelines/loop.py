@@ -9,7 +9,10 @@ loop: asynchronous collection is the collector's business. Collectors that do no
 step (`on_policy = False`: files of SFT or preference rows) get the new weights only before they evaluate.
 
 Run folder: one process at a time (roll_core.run_lock): a second process building a pipeline on a folder another
-one holds gets a ConfigError naming the holder, before it starts or writes anything.
+one holds gets a ConfigError naming the holder, before it starts or writes anything. It is made absolute here, against
+the driver's working directory (as are `pipeline.resume_from` and the checkpoint it names): every path derived from it
+and handed to a worker (checkpoint folders, the shared-filesystem marker) is absolute, never resolved against a Ray
+worker's own working directory (its session folder, on another node).
 Checkpoints: never written from inside a streak of non-finite steps (their weights may hold the blow-up); the
 stop after `pipeline.max_nonfinite_steps` names the last checkpoint saved before the streak. A save that fails
 (a full disk) deletes its partial folder and ends the run with `CheckpointError` naming the checkpoint left intact.
@@ -70,6 +73,12 @@ from roll_core.tracking import AGREEMENT_PLOT_KEYS, Tracker
 log = logging.getLogger(__name__)
 
 
+def _absolute(folder: str | Path) -> Path:
+    """`folder` (`~` expanded) as an absolute path, a relative one taken from this process's working directory;
+    not normalised (`..` after a symbolic link keeps the operating system's meaning)."""
+    return Path(folder).expanduser().absolute()
+
+
 class Pipeline:
     """A run: roles, a collector, a trainer, and the loop between them (see the module docstring)."""
 
@@ -96,8 +105,10 @@ class Pipeline:
         # a resumed run starts from (recorded in each checkpoint's state).
         self._created, self.wall_before = time.perf_counter(), 0.0
         factory: CollectorFactory = registry.load("roll.collectors", pipe.name)
-        # expanduser: a YAML or Python-API output_dir of "~/runs/a" wrote into a folder named "~" here
-        out = Path(output_dir or pipe.output_dir or Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S")).expanduser()
+        # expanduser: a YAML or Python-API output_dir of "~/runs/a" wrote into a folder named "~" here. Absolute: the
+        # trainer's Ray ranks got a relative folder as it was and wrote their shards under their own working directory.
+        out = _absolute(output_dir or pipe.output_dir or Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S"))
+        resume_from = str(_absolute(pipe.resume_from)) if pipe.resume_from else None
         # resume=true looks for another run only from Hydra's generated folders (no pipeline.output_dir; not a
         # multirun job, whose siblings are the other jobs of its sweep).
         search = pipe.output_dir is None and not _in_multirun()
@@ -107,7 +118,7 @@ class Pipeline:
         fresh = not (pipe.resume or pipe.resume_from)
         if fresh:
             self.run_lock = hold_run_folder(out)
-        self.out = resolve_run_folder(out, pipe.resume, pipe.resume_from, cfg.experiment, search=search)
+        self.out = resolve_run_folder(out, pipe.resume, resume_from, cfg.experiment, search=search)
         if not fresh:
             self.run_lock = hold_run_folder(self.out)
         self.cluster = Cluster(cfg.cluster, cfg.hw)
@@ -131,8 +142,8 @@ class Pipeline:
         # logged) or are refused before anything is built, and config.yaml then says what is in effect.
         self.ckpt = CheckpointManager(self.out, keep_last=pipe.keep_last, config=config_dict(cfg))
         self.cluster.checkpoints = self.ckpt  # a fault roll cannot repair names the checkpoint to resume from
-        named = named_checkpoint(pipe.resume_from) if pipe.resume_from else None
-        latest = named if named is not None else self.ckpt.latest() if (pipe.resume or pipe.resume_from) else None
+        named = named_checkpoint(resume_from)
+        latest = named if named is not None else self.ckpt.latest() if (pipe.resume or resume_from) else None
         if latest is not None:
             for line in check_checkpoint(latest, cfg):
                 log.info("changed on resume: %s", line)
