@@ -199,8 +199,9 @@ def job_value(record: dict[str, Any]) -> float | None:
 
 def job_sweep_dir(hc: Any) -> Path:
     """A job's sweep folder as an absolute path. Hydra changes a job's working directory to its own folder
-    (hydra.job.chdir, on under version_base=None) before the job runs, so a relative `hydra.sweep.dir` (the default
-    multirun/<date>/<time>) is taken from the directory the sweep was started in (`hydra.runtime.cwd`)."""
+    before the job runs when `hydra.job.chdir=true` (off by default with version_base=None), so a relative
+    `hydra.sweep.dir` (the default multirun/<date>/<time>) is taken from the directory the sweep was started in
+    (`hydra.runtime.cwd`)."""
     cwd = hc.runtime.get("cwd") or os.getcwd()  # always set by Hydra; a hand-made config may lack it
     return Path(str(cwd), str(hc.sweep.dir)).resolve()
 

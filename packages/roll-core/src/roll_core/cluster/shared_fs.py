@@ -11,11 +11,11 @@ missing), or resumes from a stale local copy. `check_run_folder` finds that out 
   the driver's node cost nothing (no marker is written). In Ray client mode (`ray://`) the driver's node is not
   known, so every writer's node is checked.
 - The driver writes a marker `<folder>/.roll-shared-fs-<token>` (a random token, also its content), one worker per
-  distinct node reads it (by the path the workers are given: a relative folder resolves against each worker's working
-  directory), and the marker is removed whatever happens. A node that does not see it, sees another token, cannot
-  read it, or does not answer within `timeout_s` fails the check: `SharedFolderError` (a ConfigError: roll-train says
-  it in one line) names each such node (Ray node id, IP, host, the worker that looked and the path it resolved), the
-  folder, and what to do.
+  distinct node reads it (by the path the workers are given: the pipeline hands them an absolute one; a relative
+  folder from another caller resolves against each worker's working directory), and the marker is removed whatever
+  happens. A node that does not see it, sees another token, cannot read it, or does not answer within `timeout_s`
+  fails the check: `SharedFolderError` (a ConfigError: roll-train says it in one line) names each such node (Ray
+  node id, IP, host, the worker that looked and the path it resolved), the folder, and what to do.
 - A reader that misses the marker looks again for up to `wait_s` seconds (NFS and Lustre clients may show a new file
   to other nodes a moment late); a node that sees it answers at once.
 - `cluster.check_shared_fs=false` skips the check (with a warning): for a cluster whose per-node folders the user
