@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -135,3 +136,113 @@ def test_narrowed_by_ray_the_device_stays_cuda_and_the_log_names_the_gpu(
     assert "role critic: this Ray worker uses cuda:0: Ray's GPU 3, narrowed by Ray (CUDA_VISIBLE_DEVICES=3)" in (
         caplog.text
     )
+
+
+_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.mark.parametrize(
+    ("env", "ids", "local_rank"),
+    [
+        ({"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}, ["3"], "3"),
+        ({"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": "4,6,7"}, ["6"], "1"),
+        ({"CUDA_VISIBLE_DEVICES": "3"}, ["3"], "0"),
+        ({"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}, ["2", "3"], "0"),
+    ],
+    ids=["noset", "noset-node-list", "narrowed-by-ray", "noset-two-gpus"],
+)
+def test_a_ray_worker_exports_its_device_index_as_local_rank(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], ids: list[str], local_rank: str
+) -> None:
+    """Worker.setup exported LOCAL_RANK=0 always: under NOSET every worker sees the node's GPUs, and a library that
+    makes cuda:LOCAL_RANK current (DeepSpeed, accelerate) put every worker of the node on GPU 0. It is the index of
+    the GPU Ray assigned now; 0 where Ray narrowed, or for a multi-GPU worker, which roll narrows to its GPUs."""
+    import sys
+
+    from roll_core.cluster.worker import Worker
+
+    for var in (*_DIST_VARS, "CUDA_VISIBLE_DEVICES", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay("actor-1", ids))
+    Worker(rank=1, world_size=2).setup("127.0.0.1", 29500)
+    assert {v: os.environ[v] for v in _DIST_VARS} == {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": local_rank,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
+
+
+def test_outside_ray_local_rank_stays_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from roll_core.cluster.worker import Worker
+
+    for var in _DIST_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.setitem(sys.modules, "ray", None)
+    Worker(rank=1, world_size=2).setup("127.0.0.1", 29500)
+    assert os.environ["LOCAL_RANK"] == "0"
+
+
+@pytest.fixture
+def two_gpu_noset_worker(gpu_node_detected, monkeypatch: pytest.MonkeyPatch):
+    """A TP=2 engine worker Ray assigned GPUs 2 and 3 under NOSET (CUDA_VISIBLE_DEVICES unset: the node's 4 GPUs
+    visible); the CUDA platform counts what CUDA_VISIBLE_DEVICES shows, as torch does before CUDA starts."""
+    cuda = gpu_node_detected(_FakeRay("actor-1", ["2", "3"]))
+    current: list[int] = []
+    monkeypatch.setattr(cuda, "set_device", classmethod(lambda cls, index: current.append(index)))
+    monkeypatch.setattr(
+        cuda, "device_count", classmethod(lambda cls: len(os.environ.get("CUDA_VISIBLE_DEVICES", "0,1,2,3").split(",")))
+    )
+    monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return cuda, current
+
+
+def test_under_noset_a_multi_gpu_worker_is_narrowed_to_its_gpus_before_its_engine_starts(
+    two_gpu_noset_worker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM at TP=2 spawns one worker process per GPU, counting from cuda:0: under NOSET (nothing narrowed) they ran
+    on GPUs 0 and 1 of the node, other workers', while roll used GPU 2. The worker narrows CUDA_VISIBLE_DEVICES to
+    its GPUs, as Ray would have, before the engine starts: its processes inherit it, and cuda:0 is GPU 2."""
+    import logging
+
+    _, current = two_gpu_noset_worker
+    with caplog.at_level(logging.INFO, logger="roll_core.devices"):
+        out = resolve_device({"platform": "auto", "device": "auto", "dtype": "float32", "role": "actor_infer"})
+    assert (os.environ.get("CUDA_VISIBLE_DEVICES"), out["device"], current) == ("2,3", "cuda:0", [0])
+    from roll_core.devices import ray_local_rank
+
+    assert ray_local_rank() == 0
+    assert (
+        "role actor_infer: this Ray worker spans GPUs 2, 3 under RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1: "
+        "CUDA_VISIBLE_DEVICES=2,3 set for it and its engine's processes"
+    ) in caplog.text
+    assert "uses cuda:0: Ray's GPU 2 (of 2, 3), " in caplog.text
+    # A second engine on the worker (a reward model): already narrowed, nothing changes.
+    assert resolve_device({"platform": "auto", "device": "auto", "role": "rm"})["device"] == "cuda:0"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
+def test_a_worker_whose_cuda_already_started_is_refused_not_half_narrowed(
+    two_gpu_noset_worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA reads CUDA_VISIBLE_DEVICES once: narrowed after it started, this process would keep the node's numbering
+    and its engine's processes the worker's (a CUDA IPC handle for GPU 2 would open GPU 2 of 2 there)."""
+    import torch
+
+    cuda, _ = two_gpu_noset_worker
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match=r"must narrow CUDA_VISIBLE_DEVICES to 2,3 .* cuda is already initialised"):
+        resolve_device({"platform": "auto", "device": "auto", "role": "actor_infer"})
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(cuda, "device_count", classmethod(lambda cls: 4))  # the runtime fixed its count before
+    with pytest.raises(RuntimeError, match=r"narrowed CUDA_VISIBLE_DEVICES to 2,3, but cuda then counted 4 devices"):
+        resolve_device({"platform": "auto", "device": "auto", "role": "actor_infer"})
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ

@@ -7,7 +7,7 @@ import pytest
 from roll_hw.cpu import CpuPlatform
 from roll_hw.cuda import CudaPlatform
 from roll_hw.npu import NpuPlatform
-from roll_hw.ray_devices import describe, local_device, ray_noset
+from roll_hw.ray_devices import describe, local_device, local_rank, noset_narrowing, ray_noset
 from roll_hw.rocm import RocmPlatform
 
 NOSET = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
@@ -84,3 +84,67 @@ def test_a_device_this_worker_cannot_see_is_an_error_not_device_0() -> None:
         local_device(CudaPlatform, ["GPU-aa"], {NOSET: "1"})
     with pytest.raises(ValueError, match="reserved no device"):
         local_device(CudaPlatform, [], {NOSET: "1"})
+
+
+def test_under_noset_a_multi_device_worker_is_narrowed_to_its_ids_as_ray_would() -> None:
+    """A TP=2 engine worker on GPUs 2 and 3: its engine's processes count devices from 0, so unnarrowed they took
+    GPUs 0 and 1, other workers'. It gets CUDA_VISIBLE_DEVICES=2,3 (what Ray sets without NOSET), or the entries
+    of the node's own list; once narrowed there is nothing more to set, and its device is local 0."""
+    assert noset_narrowing(CudaPlatform, ["2", "3"], {NOSET: "1"}) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    node = {NOSET: "1", "CUDA_VISIBLE_DEVICES": "4,6,7"}
+    assert noset_narrowing(CudaPlatform, ["6", "7"], node) == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    uuids = {NOSET: "1", "CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb,GPU-cc"}
+    assert noset_narrowing(CudaPlatform, ["GPU-cc", "GPU-aa"], uuids) == {"CUDA_VISIBLE_DEVICES": "GPU-cc,GPU-aa"}
+    narrowed = {NOSET: "1", "CUDA_VISIBLE_DEVICES": "2,3"}
+    assert noset_narrowing(CudaPlatform, [2, 3], narrowed) == {}
+    dev = local_device(CudaPlatform, ["2", "3"], narrowed)
+    assert (dev.index, dev.noset) == (0, True)
+    assert describe(CudaPlatform, dev) == (
+        f"uses cuda:0: Ray's GPU 2 (of 2, 3), {NOSET}=1: Ray left CUDA_VISIBLE_DEVICES to roll, narrowed to this "
+        "worker's 2 devices (CUDA_VISIBLE_DEVICES=2,3: its engine's processes count them from 0)"
+    )
+    # One device keeps the node's numbering (CUDA IPC between colocated workers); without NOSET Ray narrowed.
+    assert noset_narrowing(CudaPlatform, ["3"], {NOSET: "1"}) == {}
+    assert noset_narrowing(CudaPlatform, ["2", "3"], {"CUDA_VISIBLE_DEVICES": "2,3"}) == {}
+    assert noset_narrowing(CpuPlatform, ["2", "3"], {NOSET: "1"}) == {}
+    hip = {"RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1"}
+    assert noset_narrowing(RocmPlatform, ["0", "1"], hip) == {"HIP_VISIBLE_DEVICES": "0,1"}
+    npu = {"RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "true"}
+    assert noset_narrowing(NpuPlatform, ["4", "5"], npu) == {"ASCEND_RT_VISIBLE_DEVICES": "4,5"}
+
+
+def test_narrowing_to_a_device_this_worker_cannot_see_is_an_error() -> None:
+    with pytest.raises(
+        ValueError, match=r"assigned GPU 1, 3 but this worker sees CUDA_VISIBLE_DEVICES='0,1', without 3"
+    ):
+        noset_narrowing(CudaPlatform, ["1", "3"], {NOSET: "1", "CUDA_VISIBLE_DEVICES": "0,1"})
+    with pytest.raises(ValueError, match=r"GPU GPU-aa, GPU-bb, not indices, and CUDA_VISIBLE_DEVICES is unset"):
+        noset_narrowing(CudaPlatform, ["GPU-aa", "GPU-bb"], {NOSET: "1"})
+
+
+@pytest.mark.parametrize(
+    ("env", "ids", "rank"),
+    [
+        ({NOSET: "1"}, ["3"], 3),  # every GPU visible: Ray's GPU 3 is cuda:3, LOCAL_RANK=0 put it on cuda:0
+        ({NOSET: "1", "CUDA_VISIBLE_DEVICES": "4,6,7"}, ["7"], 2),
+        ({"CUDA_VISIBLE_DEVICES": "3"}, ["3"], 0),  # narrowed by Ray: its GPU is cuda:0
+        ({NOSET: "1"}, ["2", "3"], 0),  # several devices: narrowed by roll (before or after), the first is cuda:0
+        ({NOSET: "1", "CUDA_VISIBLE_DEVICES": "2,3"}, ["2", "3"], 0),
+        ({NOSET: "1"}, [], 0),  # reserved no GPU
+    ],
+)
+def test_local_rank_is_the_local_device_index(env: dict[str, str], ids: list[str], rank: int) -> None:
+    platforms = (CudaPlatform, RocmPlatform, NpuPlatform)
+    assert local_rank(platforms, {"GPU": ids, "NPU": [], "TPU": []}, env) == rank
+
+
+def test_local_rank_follows_the_switch_that_is_on() -> None:
+    platforms = (CudaPlatform, RocmPlatform, NpuPlatform)
+    hip = {"RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1", "HIP_VISIBLE_DEVICES": "0,1,2,3"}
+    assert local_rank(platforms, {"GPU": ["2"]}, hip) == 2
+    npu = {"RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1"}
+    assert local_rank(platforms, {"GPU": [], "NPU": ["5"]}, npu) == 5
+    assert local_rank(platforms, {"NPU": ["5"]}, {NOSET: "1"}) == 0  # the CUDA switch leaves NPUs to Ray
+    both = {NOSET: "1", "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1", "HIP_VISIBLE_DEVICES": "2,3"}
+    with pytest.raises(ValueError, match=r"switches of cuda, rocm are all on and give this worker different"):
+        local_rank(platforms, {"GPU": ["3"]}, both)

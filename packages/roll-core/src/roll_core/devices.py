@@ -2,11 +2,16 @@
 
 Light on purpose (roll_hw is imported when called): reward workers and judges that build an engine of their own
 use it without importing the cluster's roles (tensordict, torch._dynamo: seconds of import).
+
+Under Ray's NOSET switches a worker's device index is not 0 (roll_hw.ray_devices): `resolve_device` uses the
+assigned one, narrows a worker spanning several devices to them before its engine starts (`narrow_ray_worker`),
+and `ray_local_rank` is the LOCAL_RANK the worker exports (roll_core.cluster.worker.Worker.setup).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +38,9 @@ def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
     Ray narrowed visibility to it (local index 0, `device` stays the bare type), or Ray's NOSET switch
     (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 and its ROCm/Ascend equivalents) left every device of the node
     visible, where `device` becomes `<type>:<index of the assigned id>` and that device is made current (bare
-    "cuda" and `current_device()` in the engines then mean it too): device 0 there was every worker's.
+    "cuda" and `current_device()` in the engines then mean it too): device 0 there was every worker's. A worker
+    assigned several devices (a tensor-parallel inference engine) is first narrowed to them under NOSET, as Ray
+    would have done (`narrow_ray_worker`): its engine's own processes count devices from 0.
     """
     from types import SimpleNamespace
 
@@ -59,6 +66,7 @@ def resolve_device(runtime: dict[str, Any]) -> dict[str, Any]:
         )
         platform = resolve_platform("cpu")
     role, device = out.get("role", "?"), out.get("device", "auto")
+    narrow_ray_worker(platform, role)
     local = ray_local_device(platform)
     if local is not None:
         from roll_hw.ray_devices import describe
@@ -92,12 +100,99 @@ def ray_local_device(platform: type[Platform]) -> LocalDevice | None:
     return local_device(platform, ids)
 
 
+def narrow_ray_worker(platform: type[Platform], role: str = "?") -> dict[str, str]:
+    """Under `platform`'s NOSET switch, narrow a Ray actor that reserved several of its devices to them: set its
+    visible-devices variable to the assigned ids, as Ray would have (roll_hw.ray_devices.noset_narrowing), so the
+    processes its engine starts (vLLM's tensor-parallel workers, SGLang's schedulers), which count devices from 0,
+    use the worker's devices rather than the node's first ones, other workers'. Returns what it set ({} where
+    nothing was to be set: one device, the switch off, outside a Ray actor, already narrowed).
+
+    It must run before this process starts the device runtime, which reads the variable once: RuntimeError where
+    it has (this process and its engine's would number the devices differently, and a CUDA IPC handle's device
+    index would name another GPU in the receiver), or where the platform does not count exactly the assigned
+    devices after it (the runtime fixed its visibility without saying so); the variable is then put back.
+    """
+    ids = _reserved_in_ray_actor(platform.ray_resource)
+    if not ids:
+        return {}
+    from roll_hw.ray_devices import noset_narrowing
+
+    setting = noset_narrowing(platform, ids)
+    if not setting:
+        return {}
+    ((var, value),) = setting.items()
+    what = (
+        f"role {role}: this Ray worker spans {platform.ray_resource}s {', '.join(ids)} under {platform.ray_noset_env}=1"
+    )
+    if _device_runtime_started(platform):
+        raise RuntimeError(
+            f"{what}, and must narrow {var} to {value} for its engine's processes, but {platform.device_type} is "
+            "already initialised in this process (it would keep numbering the node's devices, its engine's "
+            "processes the worker's): build the engine before anything touches the device, or unset "
+            f"{platform.ray_noset_env} for this role"
+        )
+    before = os.environ.get(var)
+    os.environ[var] = value
+    count = platform.device_count()
+    if count != len(ids):
+        if before is None:
+            del os.environ[var]
+        else:
+            os.environ[var] = before
+        raise RuntimeError(
+            f"{what}: narrowed {var} to {value}, but {platform.name} then counted {count} devices here, not "
+            f"{len(ids)}: its runtime read the visible devices before (as torch does where NVML is missing); "
+            f"unset {platform.ray_noset_env} for this role"
+        )
+    log.info(
+        "%s: %s=%s set for it and its engine's processes, as Ray would have (they count devices from 0)",
+        what,
+        var,
+        value,
+    )
+    return setting
+
+
+def ray_local_rank() -> int:
+    """The LOCAL_RANK this process exports as a Ray worker: its device's local index under a NOSET switch of the
+    CUDA, ROCm or Ascend platform (roll_hw.ray_devices.local_rank; 0 for a worker spanning several devices, which
+    `narrow_ray_worker` narrows), else 0: Ray narrowed visibility, the worker reserved no device, or this is no
+    Ray actor. Out-of-tree platforms are narrowed by roll always (no NOSET switch), so 0 is their index too.
+    ValueError where the assigned device is not visible (roll_hw.ray_devices.local_device)."""
+    ids = _accelerator_ids_in_ray_actor()
+    if not ids:
+        return 0
+    from roll_hw.cuda import CudaPlatform
+    from roll_hw.npu import NpuPlatform
+    from roll_hw.ray_devices import local_rank
+    from roll_hw.rocm import RocmPlatform
+
+    return local_rank((CudaPlatform, RocmPlatform, NpuPlatform), ids)
+
+
+def _device_runtime_started(platform: type[Platform]) -> bool:
+    """Whether this process has initialised `platform`'s torch device runtime (`torch.cuda.is_initialized()`, or
+    `torch.npu`'s); False where torch is not imported (nothing can have started it)."""
+    torch = sys.modules.get("torch")
+    started = getattr(getattr(torch, platform.device_type, None), "is_initialized", None) if torch else None
+    return bool(started()) if callable(started) else False
+
+
 def _reserved_in_ray_actor(resource: str | None) -> list[str] | None:
     """The ids of Ray resource `resource` ("GPU", "NPU") this process's Ray actor reserved; None outside a Ray
     actor (a driver, cluster=local) or for a resource Ray does not assign ids to (CPU, a plugin's custom resource).
     Imports nothing: a process that has not imported ray is no Ray worker."""
+    if resource is None:
+        return None
+    ids = _accelerator_ids_in_ray_actor()
+    return None if ids is None else (list(ids[resource]) if resource in ids else None)
+
+
+def _accelerator_ids_in_ray_actor() -> dict[str, list[str]] | None:
+    """Ray's `get_accelerator_ids()` of this process's actor ({"GPU": [...], "NPU": [...], ...}); None outside a
+    Ray actor. Imports nothing."""
     ray = sys.modules.get("ray")
-    if ray is None or resource is None:
+    if ray is None:
         return None
     try:
         if not ray.is_initialized():
@@ -108,4 +203,4 @@ def _reserved_in_ray_actor(resource: str | None) -> list[str] | None:
         ids = context.get_accelerator_ids()
     except Exception:  # a partly imported or stubbed ray: not a Ray worker we can ask
         return None
-    return list(ids[resource]) if resource in ids else None
+    return {str(k): [str(i) for i in v] for k, v in dict(ids).items()}

@@ -10,6 +10,17 @@ Contract:
   devices itself) Ray leaves the variable as the node had it, and every worker sees the node's devices: its local
   device is the position of its first assigned id among the devices it sees (the id itself where the variable is
   unset). Assuming device 0 there put every worker of a node on the node's first device.
+- A worker Ray assigned several devices (an inference engine spanning N devices, whose own processes, such as
+  vLLM's tensor-parallel workers, count devices from 0) is narrowed under NOSET too, by roll, to exactly its ids,
+  as Ray would have done (`noset_narrowing`): those processes inherit the variable, and count the worker's devices
+  from 0 instead of the node's first N devices, other workers'. NOSET's point, one device numbering for the
+  processes that share memory through CUDA IPC, is not lost: roll's cross-worker CUDA IPC (`sync_transport=
+  cuda_ipc`) needs colocated roles, which are refused a multi-device worker, and within the worker the engine's
+  processes all inherit the narrowed variable, so a handle's device index means the same GPU in each. The worker
+  must narrow before its own process starts the device runtime (roll_core.devices checks it).
+- `local_rank`: the LOCAL_RANK a Ray worker exports, its local device index as above (0 where Ray or roll
+  narrowed): torch.distributed launch conventions, and libraries that pick their device from it (DeepSpeed,
+  accelerate, some vLLM/Megatron paths), then land on the worker's device, not device 0 of the node.
 - An id the process cannot see is a `ValueError` that names the variables: never a silent fall back to device 0.
 - Platforms whose devices Ray does not manage (`ray_noset_env` None: out-of-tree platforms such as the test's
   DUMMY) are narrowed by roll itself (`Cluster._bundle_envs`), always: Ray has no switch for them.
@@ -18,7 +29,7 @@ Contract:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from roll_hw.interface import Platform
@@ -70,7 +81,16 @@ def local_device(
                 f"under {platform.ray_noset_env}=1: cannot tell which local device it is"
             )
         return LocalDevice(int(ids[0]), ids, True, why + "unset (every device of the node visible)")
-    visible = [v.strip() for v in seen.split(",") if v.strip()]
+    visible = _entries(seen)
+    if len(ids) > 1 and visible == list(ids):
+        # noset_narrowing's result (or a node whose list is exactly this worker's devices): the first is 0.
+        return LocalDevice(
+            0,
+            ids,
+            True,
+            why + f"to roll, narrowed to this worker's {len(ids)} devices ({var}={seen}: its engine's processes "
+            "count them from 0)",
+        )
     if ids[0] not in visible:
         raise ValueError(
             f"{platform.name}: Ray assigned {platform.ray_resource} {ids[0]} but this worker sees {var}={seen!r} "
@@ -78,6 +98,77 @@ def local_device(
             f"{var}: start them with the same value"
         )
     return LocalDevice(visible.index(ids[0]), ids, True, why + f"as the node had it ({var}={seen})")
+
+
+def noset_narrowing(
+    platform: type[Platform], ray_ids: Sequence[str | int], environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The visible-devices setting a worker Ray assigned several devices (`ray_ids`, in Ray's order) of `platform`'s
+    must take under NOSET: `{visible_devices_env: "<id>,<id>,..."}`, what Ray would have set without the switch;
+    `{}` where there is nothing to set (one device, the switch off, no variable, or already narrowed to them).
+
+    Every id must be visible in `environ` (default `os.environ`): an id the node's variable hides, or a non-index
+    id with the variable unset, is a ValueError, as in `local_device`.
+    """
+    env = os.environ if environ is None else environ
+    ids = tuple(str(i).strip() for i in ray_ids)
+    var = platform.visible_devices_env
+    if len(ids) < 2 or not var or not ray_noset(platform, env):
+        return {}
+    seen = env.get(var)
+    if seen is None:
+        odd = [i for i in ids if not i.isdigit()]
+        if odd:
+            raise ValueError(
+                f"{platform.name}: Ray assigned {platform.ray_resource} {', '.join(odd)}, not indices, and {var} is "
+                f"unset under {platform.ray_noset_env}=1: cannot narrow this worker to its devices"
+            )
+    else:
+        visible = _entries(seen)
+        if visible == list(ids):
+            return {}
+        hidden = [i for i in ids if i not in visible]
+        if hidden:
+            raise ValueError(
+                f"{platform.name}: Ray assigned {platform.ray_resource} {', '.join(ids)} but this worker sees "
+                f"{var}={seen!r}, without {', '.join(hidden)} ({platform.ray_noset_env}=1: Ray did not narrow it); "
+                f"the node's raylet and this worker disagree on {var}: start them with the same value"
+            )
+    return {var: ",".join(ids)}
+
+
+def local_rank(
+    platforms: Iterable[type[Platform]],
+    accelerator_ids: Mapping[str, Sequence[str | int]],
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """LOCAL_RANK of a Ray worker: the local index of its device (`local_device`, as after `noset_narrowing`) for
+    the platforms among `platforms` whose NOSET switch is on in `environ` and whose `ray_resource` it was assigned
+    ids of in `accelerator_ids` (Ray's `get_accelerator_ids()`); 0 where none is (Ray narrowed visibility, or the
+    worker holds no device: its first visible device is its own, or it has none).
+
+    ValueError where those platforms disagree (two NOSET switches on, with visible-devices variables that number
+    the device differently), or as `local_device` where the device is not visible.
+    """
+    env = dict(os.environ if environ is None else environ)
+    found: dict[str, int] = {}
+    for platform in platforms:
+        ids = accelerator_ids.get(platform.ray_resource or "") or ()
+        if not ids or not ray_noset(platform, env):
+            continue
+        view = {**env, **noset_narrowing(platform, ids, env)}
+        found[platform.name] = local_device(platform, ids, view).index
+    if len(set(found.values())) > 1:
+        raise ValueError(
+            f"the NOSET switches of {', '.join(found)} are all on and give this worker different device indices "
+            f"({found}): set only the switch of this node's accelerator"
+        )
+    return next(iter(found.values()), 0)
+
+
+def _entries(value: str) -> list[str]:
+    """The entries of a visible-devices variable, as the runtimes split it."""
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def describe(platform: type[Platform], device: LocalDevice) -> str:

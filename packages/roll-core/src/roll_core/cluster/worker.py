@@ -155,15 +155,23 @@ class Worker:
 
         `export_env=False` for in-process (local) groups: their ranks share the controller's environment, and
         torch.distributed variables left there would make a later process group wait for ranks that never come.
+        LOCAL_RANK is this worker's local device index (roll_core.devices.ray_local_rank): 0, except under Ray's
+        NOSET switch, where it is the index of the device Ray assigned among the node's.
         """
         self.rendezvous = (master_addr, master_port, chosen_by)
         # torch.distributed reads these; set before any engine initialises a process group.
         if self.world_size > 1 and export_env:
+            from roll_core.devices import ray_local_rank
+
             os.environ.update(
                 {
                     "RANK": str(self.rank),
                     "WORLD_SIZE": str(self.world_size),
-                    "LOCAL_RANK": "0",
+                    # The worker's device index, which libraries that follow torch.distributed's launch conventions
+                    # (DeepSpeed, accelerate, some vLLM/Megatron paths) make current: 0 where Ray narrowed
+                    # visibility, the index of the GPU Ray assigned under its NOSET switch, where every worker of
+                    # the node sees all its GPUs and 0 put them all on the first.
+                    "LOCAL_RANK": str(ray_local_rank()),
                     "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port),
                 }
