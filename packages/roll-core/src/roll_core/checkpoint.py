@@ -17,7 +17,9 @@ the next save writes anything, so it never fills the disk. A save that fails (a 
 
 Writers: the trainer's ranks write their shards into the staging folder, each from its own node on a cluster (the run
 folder must then be one shared folder: roll_core.cluster.shared_fs; the loop hands them an absolute path), between
-`staging()` and the return of every rank's save. Everything else is the driver's: staging, state.json, the rename,
+`staging()` and the return of every rank's save; a rank's save returns once it has flushed the files it wrote
+(an fsync flushes only what the calling node wrote: the driver's `fsync_tree` does not make another node's shards
+durable on NFS or Lustre). Everything else is the driver's: staging, state.json, the rename,
 pruning, `discard` and the clean-up of left-overs (on a shared folder it sees and deletes what every node left).
 Completeness is the driver's alone: `list()` takes only a folder under its final name (`step_N`, or `step_N.replaced`)
 with a state.json, and `commit` writes state.json and renames only after every rank's save returned. What a failed or
@@ -35,7 +37,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +116,8 @@ class CheckpointManager:
         # Else a `.replaced` left alone (a crash between the renames of an earlier save) is the step's only complete
         # copy: it goes only once the new folder is in place.
         tmp.rename(final)
-        _fsync_dir(self.root)  # the rename itself
-        _fsync_dir(self.root.parent)  # and, at the first save, `checkpoints/` itself
+        fsync_dir(self.root)  # the rename itself
+        fsync_dir(self.root.parent)  # and, at the first save, `checkpoints/` itself
         shutil.rmtree(replaced, ignore_errors=True)
         for old in self.list()[: -self.keep_last]:
             _delete(old)
@@ -181,17 +183,21 @@ def _delete(folder: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path, include: Callable[[Path], bool] | None = None) -> None:
     """Flush every file under `root`, and every folder (their entries), to disk; a folder that cannot be read is an
-    error (os.walk skips it silently: its files went unflushed into a checkpoint marked complete)."""
+    error (os.walk skips it silently: its files went unflushed into a checkpoint marked complete). `include` (a
+    file's path -> flush it?) limits the files, not the folders: a trainer rank flushes only the files it wrote
+    (roll_engines.train._hf_checkpoint.fsync_written), another node's being its writer's to flush."""
     for folder, _, files in os.walk(root, onerror=_raise):
         for name in files:
+            if include is not None and not include(Path(folder, name)):
+                continue
             fd = os.open(os.path.join(folder, name), os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(folder)
+        fsync_dir(folder)
 
 
 #: What a filesystem that does not flush folders answers (some FUSE, CIFS and network mounts): nothing was lost.
@@ -202,7 +208,7 @@ def _raise(exc: OSError) -> None:
     raise exc
 
 
-def _fsync_dir(folder: str | Path) -> None:
+def fsync_dir(folder: str | Path) -> None:
     """Flush a folder's entries (names created or renamed in it); a no-op where folders cannot be opened (Windows)
     or flushed. A write error (EIO, a full disk or quota on a network filesystem) is raised: swallowed, the save
     went on as durable and pruned the older checkpoints, so a crash could leave none complete."""

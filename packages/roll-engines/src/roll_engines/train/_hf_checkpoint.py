@@ -5,10 +5,15 @@
 torch.distributed.checkpoint keyed by parameter name, `engine.pt` scheduler and scaler; LoRA adds `adapter/`).
 It uses the engine's `model`, `optimizer`, `scheduler`, `scaler`, `lora`, `vision`, `dp_rank`, `path`; sharded
 engines override `_full_tensor`, `_save_model`, `_save_lora`, `_read_model_folder` and `_load_full_weights`.
+
+A rank's `save` returns only once the files it wrote are on disk (`fsync_written`): on a shared filesystem (NFS,
+Lustre) the driver's flush of the checkpoint (roll_core.checkpoint) does not flush what other nodes' processes
+wrote, so a crash after the checkpoint was declared complete could have lost a rank's shard.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from roll_core.checkpoint import fsync_dir, fsync_tree
 from roll_engines.train import _vision as V
 from roll_engines.train._lora import (
     adapter_weights,
@@ -101,9 +107,18 @@ class HFWeightsAndCheckpoints:
         `folder/engine.pt` (scheduler and grad-scaler state). Collective on sharded engines.
 
         The optimizer checkpoint is resharded on load, so a run saved on N ranks resumes on M ranks (or on the
-        single-process `hf` engine), from a shared filesystem or from per-node copies of the folder.
+        single-process `hf` engine), from a shared filesystem or from per-node copies of the folder. Each rank
+        returns once the files it wrote are flushed to disk (`fsync_written`).
         """
         folder = Path(folder)
+        self._write(folder, tokenizer_path)
+        # Rank 0 wrote everything but the other ranks' optimizer shards; they wrote only those, in `optimizer/`.
+        if self.dp_rank == 0:
+            fsync_written(folder, rank=0, coordinator=True)
+        elif self.optimizer is not None:
+            fsync_written(folder / "optimizer", rank=self.dp_rank, coordinator=False)
+
+    def _write(self, folder: Path, tokenizer_path: str | None) -> None:
         if self.lora:
             self._save_lora(folder)
         else:
@@ -169,6 +184,29 @@ class HFWeightsAndCheckpoints:
     def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         check_loaded(weights, missing, unexpected)
+
+
+#: A file torch.distributed.checkpoint names after the rank that wrote it (Megatron's torch_dist save too, which may
+#: put a group name first): a shard `__3_0.distcp`, a rank's own metadata `__3.metadata`.
+_RANK_FILE = re.compile(r"__(\d+)(?:_\d+\.distcp|\.metadata)$")
+
+
+def fsync_written(folder: Path, rank: int, coordinator: bool) -> None:
+    """Flush to disk what rank `rank`'s part of a checkpoint save wrote under `folder`, before its save returns:
+    the files (a rank's shards by their name, `_RANK_FILE`; the `coordinator`, the rank that writes everything else,
+    every file that names no other rank), every folder under `folder` and `folder`'s own entry in its parent.
+
+    Each rank flushes its own files, and only those: on a shared filesystem an fsync flushes only what the calling
+    node wrote (the driver's flush of the whole checkpoint does not reach other nodes' data), and every rank
+    flushing every rank's shards would cost ranks x shards flushes. A write error while flushing (EIO, a full disk
+    or quota on a network filesystem) is raised: the save fails instead of being taken as durable."""
+
+    def written_here(path: Path) -> bool:
+        m = _RANK_FILE.search(path.name)
+        return int(m.group(1)) == rank if m else coordinator
+
+    fsync_tree(folder, include=written_here)
+    fsync_dir(folder.parent)
 
 
 def check_loaded(weights: Mapping[str, Tensor], missing: Sequence[str], unexpected: Sequence[str]) -> None:

@@ -3,7 +3,9 @@ checkpoint of the optimizer state in a layout-independent format (a run resumes 
 kind of optimizer: `optimizer_kind`); on CPU and without Apex/TE: quiet dist_checkpointing calls and the workarounds
 that let Megatron-Core 0.16's distributed optimizer resume correctly (`prime_optimizer_state`,
 `torch_adam_steps_restored`), and the size of an optimizer's state (`optimizer_state_bytes`). A save starts no
-process that outlives it (`in_process_write_results`). Callers run these under the engine's CPU shims."""
+process that outlives it (`in_process_write_results`), and returns once this rank's files are flushed to disk
+(roll_engines.train._hf_checkpoint.fsync_written: Megatron's forked writers fsync their shards, but not the folder
+entries, nor rank 0 its metadata files). Callers run these under the engine's CPU shims."""
 
 from __future__ import annotations
 
@@ -148,12 +150,19 @@ def optimizer_state(model: Any, optimizer: Any, step: int, loading: bool) -> dic
 
 
 def save_optimizer(folder: Path, model: Any, optimizer: Any, step: int) -> None:
-    """Write the optimizer state and the schedule's `step` to `folder` (collective: every rank writes its part)."""
+    """Write the optimizer state and the schedule's `step` to `folder` (collective: every rank writes its part)
+    and flush what this rank wrote (its shards; global rank 0 also the metadata) before returning."""
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
+
+    from roll_engines.train._hf_checkpoint import fsync_written
 
     folder.mkdir(parents=True, exist_ok=True)
     with quiet_dist_checkpointing(), in_process_write_results():
         dist_checkpointing.save(optimizer_state(model, optimizer, step, loading=False), str(folder))
+    # Megatron names a rank's shards after its global rank, and its coordinator (global rank 0) writes the rest.
+    rank = dist.get_rank()
+    fsync_written(folder, rank=rank, coordinator=rank == 0)
 
 
 def load_optimizer(folder: Path, model: Any, optimizer: Any) -> int:

@@ -52,6 +52,7 @@ from torch import Tensor
 from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.structured import refuse_constrained_batch
+from roll_engines.train._hf_checkpoint import fsync_written
 from roll_engines.train._logits import empty_outputs, gather_ids_of
 from roll_engines.train._micro import MetricMeans, check_micro_batch_tokens, micro_batches, padding_row
 from roll_engines.train._optim import lr_lambda
@@ -577,6 +578,8 @@ class MegatronTrainEngine:
 
             self._hf_skeleton.save_pretrained(folder / "model", state_dict=weights, safe_serialization=True)
             AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(folder / "model")
+            for part in (p for p in (folder / "model", folder / "adapter") if p.is_dir()):  # durable on return
+                fsync_written(part, 0, True)  # (roll_core.checkpoint, Writers: each rank flushes what it wrote)
         if self.optimizer is None:
             return
         with self._shims():
