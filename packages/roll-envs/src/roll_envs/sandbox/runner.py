@@ -18,8 +18,8 @@ Contract:
   killed with SIGKILL does not leave it running (bwrap's `--die-with-parent` does that for sandboxed runs).
   `make_sandbox` is that choice (bwrap where it works, else the fallback where allowed) in one call.
 - bwrap itself starts with `BWRAP_ENV`, none of the trainer's environment: no process of a run holds its secrets.
-- Sandboxed programs run under a seccomp filter (roll_envs.sandbox.seccomp; x86-64 only: elsewhere a warning
-  says runs go without one) that refuses tracing, namespaces (unshare, setns, clone with a namespace flag),
+- Sandboxed programs run under a seccomp filter (roll_envs.sandbox.seccomp; x86-64 and aarch64: elsewhere a
+  warning says runs go without one) that refuses tracing, namespaces (unshare, setns, clone with a namespace flag),
   mounts, keyrings, eBPF, perf, userfaultfd, io_uring, module loading, System V shared memory / message queues
   and memfd_create with EPERM.
 - Where a cgroup can be made (roll_envs.sandbox.cgroup), each run gets its own, capping the memory and processes

@@ -2,10 +2,13 @@
 EPERM.
 
 Contract: `filter_program()` returns a classic-BPF seccomp program (the raw `struct sock_filter` array bwrap's
-`--seccomp FD` loads, as libseccomp's `seccomp_export_bpf` writes it) for this machine's architecture, or None
-where roll has no syscall table for it (then runs go without a filter and the log says so once). The filter:
-- kills the process on a foreign architecture or ABI (x32 on x86-64: a way around a syscall-number filter);
-- returns EPERM for `BLOCKED_X86_64`, roughly what Docker's default profile refuses a container without extra
+`--seccomp FD` loads, as libseccomp's `seccomp_export_bpf` writes it) for this machine's architecture (x86-64 or
+aarch64), or None where roll has no syscall table for it (then runs go without a filter and the log says so once).
+Both architectures refuse the same syscalls by name (`_syscalls.BLOCKED_NAMES`; `BLOCKED_X86_64`, `BLOCKED_AARCH64`
+give the numbers) through the same program builder. The filter:
+- kills the process on a foreign architecture or ABI (a way around a syscall-number filter): x32 on x86-64, 32-bit
+  compat tasks (AUDIT_ARCH_ARM) on aarch64;
+- returns EPERM for the blocked syscalls, roughly what Docker's default profile refuses a container without extra
   capabilities: tracing and reaching into other processes (ptrace, process_vm_*, pidfd_getfd, process_madvise, kcmp,
   move_pages, migrate_pages), namespaces and mounts (unshare, setns, mount, umount2, pivot_root, the new mount API:
   open_tree, open_tree_attr, move_mount, fsopen, fsconfig, fsmount, fspick, mount_setattr; open_by_handle_at and
@@ -26,7 +29,9 @@ where roll has no syscall table for it (then runs go without a filter and the lo
 bwrap installs it right before it executes the program, after its own set-up.
 
 Why hand-written BPF: libseccomp's Python bindings are not on PyPI as a wheel; a deny-list over one architecture's
-syscall numbers is a few instructions. Numbers are from the x86-64 syscall table (arch/x86/entry/syscalls).
+syscall numbers is a few instructions. Numbers are from the x86-64 syscall table (arch/x86/entry/syscalls) and the
+asm-generic table arm64 uses (include/uapi/asm-generic/unistd.h); sandbox/_syscalls.py cites versions and lists the
+x86-only syscalls aarch64 has no number for (iopl, ioperm, uselib, _sysctl, ustat, sysfs, ...: nothing to refuse).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ import functools
 import logging
 import platform
 import struct
+
+from roll_envs.sandbox import _syscalls
 
 log = logging.getLogger(__name__)
 
@@ -51,86 +58,11 @@ _EPERM, _ENOSYS = 1, 38
 # struct seccomp_data: int nr; __u32 arch; __u64 instruction_pointer; __u64 args[6] (low half first: little-endian)
 _NR_OFFSET, _ARCH_OFFSET, _ARG0_OFFSET = 0, 4, 16
 
-_AUDIT_ARCH_X86_64 = 0xC000003E
-_X32_SYSCALL_BIT = 0x40000000
-
-#: Blocked syscalls by name, with their x86-64 numbers.
-BLOCKED_X86_64 = {
-    # Tracing other processes, reading or moving their memory, taking their file descriptors.
-    "ptrace": 101,
-    "process_vm_readv": 310,
-    "process_vm_writev": 311,
-    "pidfd_getfd": 438,
-    "process_madvise": 440,
-    "kcmp": 312,
-    "move_pages": 279,
-    "migrate_pages": 256,
-    # Namespaces and mounts, old and new mount API (5.2+; mount_setattr 5.12, open_tree_attr 6.15), file handles.
-    "mount": 165,
-    "umount2": 166,
-    "pivot_root": 155,
-    "unshare": 272,
-    "setns": 308,
-    "open_tree": 428,
-    "open_tree_attr": 467,
-    "move_mount": 429,
-    "fsopen": 430,
-    "fsconfig": 431,
-    "fsmount": 432,
-    "fspick": 433,
-    "mount_setattr": 442,
-    "open_by_handle_at": 304,
-    "name_to_handle_at": 303,
-    # Keyrings, eBPF, perf, fanotify, userfaultfd, io_uring.
-    "keyctl": 250,
-    "add_key": 248,
-    "request_key": 249,
-    "bpf": 321,
-    "perf_event_open": 298,
-    "fanotify_init": 300,
-    "userfaultfd": 323,
-    "io_uring_setup": 425,
-    "io_uring_enter": 426,
-    "io_uring_register": 427,
-    # Modules, kexec, reboot, swap, accounting, quotas.
-    "init_module": 175,
-    "finit_module": 313,
-    "delete_module": 176,
-    "create_module": 174,
-    "kexec_load": 246,
-    "kexec_file_load": 320,
-    "reboot": 169,
-    "swapon": 167,
-    "swapoff": 168,
-    "acct": 163,
-    "quotactl": 179,
-    "quotactl_fd": 443,
-    # The system clock, I/O ports, the kernel log, the terminal.
-    "settimeofday": 164,
-    "clock_settime": 227,
-    "clock_adjtime": 305,
-    "iopl": 172,
-    "ioperm": 173,
-    "syslog": 103,
-    "vhangup": 153,
-    # Obsolete interfaces (most are ENOSYS on current kernels; old ones may still have them).
-    "uselib": 134,
-    "_sysctl": 156,
-    "ustat": 136,
-    "sysfs": 139,
-    "lookup_dcookie": 212,
-    "nfsservctl": 180,
-    "get_kernel_syms": 177,
-    "query_module": 178,
-    # Memory outside every rlimit.
-    "shmget": 29,
-    "msgget": 68,
-    "memfd_create": 319,
-    "memfd_secret": 447,
-}
-_CLONE_X86_64, _CLONE3_X86_64 = 56, 435
+#: Blocked syscalls by name, with each architecture's numbers (the tables live in sandbox/_syscalls.py).
+BLOCKED_X86_64 = _syscalls.X86_64.blocked()
+BLOCKED_AARCH64 = _syscalls.AARCH64.blocked()
 #: prctl's option that would clear the parent-death signal bwrap's `--die-with-parent` gave the program.
-_PRCTL_X86_64, PR_SET_PDEATHSIG = 157, 1
+PR_SET_PDEATHSIG = 1
 #: CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET (CLONE_NEWTIME is clone3/unshare only).
 CLONE_NS_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 
@@ -186,17 +118,24 @@ def _program(
     return b"".join(prog)
 
 
+def program_for(table: _syscalls.SyscallTable) -> bytes:
+    """The filter for one architecture's syscall table: its blocked syscalls, clone/clone3 and prctl checks."""
+    numbers = table.numbers
+    return _program(
+        table.audit_arch,
+        sorted(table.blocked().values()),
+        table.abi_bit,
+        (numbers["clone"], numbers["clone3"]),
+        numbers["prctl"],
+    )
+
+
 @functools.lru_cache(maxsize=1)
 def filter_program() -> bytes | None:
     """The compiled filter for this machine, or None where roll has no syscall table for its architecture."""
     machine = platform.machine().lower()
-    if machine in ("x86_64", "amd64"):
-        return _program(
-            _AUDIT_ARCH_X86_64,
-            sorted(BLOCKED_X86_64.values()),
-            _X32_SYSCALL_BIT,
-            (_CLONE_X86_64, _CLONE3_X86_64),
-            _PRCTL_X86_64,
-        )
+    table = _syscalls.TABLES.get(machine)
+    if table is not None:
+        return program_for(table)
     log.warning("no seccomp syscall table for %s: sandboxed programs run without a syscall filter", machine)
     return None
