@@ -323,6 +323,7 @@ VLLM_TESTS = [
     "packages/roll-engines/tests/test_vllm_lora.py",
     "packages/roll-engines/tests/test_vllm_routing.py",
     "packages/roll-engines/tests/test_vllm_sync_layouts.py",
+    "packages/roll-engines/tests/test_vllm_device.py",
 ]
 
 

@@ -103,3 +103,18 @@ def test_a_refused_weight_update_raises(fake_sglang) -> None:
             engine.update_weights([("bad", torch.ones(2))])
     finally:
         engine.shutdown()
+
+
+def test_a_worker_on_another_gpu_starts_sglang_there(fake_sglang) -> None:
+    """SGLang counts from base_gpu_id (0) whatever device is current: a worker on cuda:3 (every GPU visible under
+    Ray's NOSET switch) loaded onto GPU 0. The device now decides; a base_gpu_id naming another GPU is refused."""
+    from roll_core.models import resolve_model_path
+    from roll_engines.infer.sglang import SGLangInferEngine
+
+    path = resolve_model_path("builtin:tiny")
+    for device, base, expected in (("cuda", 0, 0), ("cuda:0", 0, 0), ("cuda:3", 0, 3), ("cuda:3", 3, 3)):
+        engine = SGLangInferEngine(path, device=device, base_gpu_id=base)
+        engine.shutdown()
+        assert _FakeEngine.last["base_gpu_id"] == expected, (device, base)
+    with pytest.raises(ValueError, match=r"base_gpu_id=1 but this worker's device is cuda:3"):
+        SGLangInferEngine(path, device="cuda:3", base_gpu_id=1)

