@@ -65,6 +65,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=f"needs {n} accelerator(s); {name} has {count}"))
 
 
+#: The process-group rendezvous variables. A test that leaves RANK=1 behind makes every later engine of the same
+#: test process wait in its rendezvous for a rank 0 that never comes (CI of 2026-12-06: a Megatron test hung in
+#: `init_process_group` after a Worker.setup test leaked them): each test gets back the values it started with.
+_RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _rendezvous_env_restored():
+    before = {name: os.environ.get(name) for name in _RENDEZVOUS_VARS}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 _EXIT_STATUS: list[int] = []
 
 

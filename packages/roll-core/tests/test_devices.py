@@ -141,6 +141,15 @@ def test_narrowed_by_ray_the_device_stays_cuda_and_the_log_names_the_gpu(
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+def _restored_after(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> None:
+    """Unset `names` for the test and put them back as they were after it, including what Worker.setup exports
+    (`delenv` of an unset variable records nothing: a RANK=1 left behind made a later test's process-group
+    rendezvous wait for a rank 0 that never came)."""
+    for var in names:
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+
+
 @pytest.mark.parametrize(
     ("env", "ids", "local_rank"),
     [
@@ -161,8 +170,7 @@ def test_a_ray_worker_exports_its_device_index_as_local_rank(
 
     from roll_core.cluster.worker import Worker
 
-    for var in (*_DIST_VARS, "CUDA_VISIBLE_DEVICES", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
-        monkeypatch.delenv(var, raising=False)
+    _restored_after(monkeypatch, (*_DIST_VARS, "CUDA_VISIBLE_DEVICES", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"))
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     monkeypatch.setitem(sys.modules, "ray", _FakeRay("actor-1", ids))
@@ -181,8 +189,7 @@ def test_outside_ray_local_rank_stays_0(monkeypatch: pytest.MonkeyPatch) -> None
 
     from roll_core.cluster.worker import Worker
 
-    for var in _DIST_VARS:
-        monkeypatch.delenv(var, raising=False)
+    _restored_after(monkeypatch, _DIST_VARS)
     monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
     monkeypatch.setitem(sys.modules, "ray", None)
     Worker(rank=1, world_size=2).setup("127.0.0.1", 29500)
