@@ -65,10 +65,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=f"needs {n} accelerator(s); {name} has {count}"))
 
 
-#: The process-group rendezvous variables. A test that leaves RANK=1 behind makes every later engine of the same
-#: test process wait in its rendezvous for a rank 0 that never comes (CI of 2026-12-06: a Megatron test hung in
-#: `init_process_group` after a Worker.setup test leaked them): each test gets back the values it started with.
-_RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+#: The process-group rendezvous and device-visibility variables. A test that leaves RANK=1 behind makes every later
+#: engine of the same test process wait in its rendezvous for a rank 0 that never comes, and one that leaves
+#: CUDA_VISIBLE_DEVICES=2,3 makes a Ray cluster started later in it hand out GPUs "2" and "3" (CI of 2026-12-06: a
+#: Megatron test hung in `init_process_group`, three multi-node tests failed): each test gets back the values it
+#: started with.
+_RENDEZVOUS_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "ASCEND_RT_VISIBLE_DEVICES",
+)
 
 
 @pytest.fixture(autouse=True)

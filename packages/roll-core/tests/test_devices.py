@@ -109,7 +109,7 @@ def test_under_noset_a_worker_uses_the_gpu_ray_assigned_not_gpu_0(
     current: list[int] = []
     monkeypatch.setattr(cuda, "set_device", classmethod(lambda cls, index: current.append(index)))
     monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _restored_after(monkeypatch, ("CUDA_VISIBLE_DEVICES",))
     with caplog.at_level(logging.INFO, logger="roll_core.devices"):
         out = resolve_device({"platform": "auto", "device": "auto", "dtype": "float32", "role": "actor_train"})
     assert out["device"] == f"cuda:{ray_id}" and current == [int(ray_id)]
@@ -207,7 +207,7 @@ def two_gpu_noset_worker(gpu_node_detected, monkeypatch: pytest.MonkeyPatch):
         cuda, "device_count", classmethod(lambda cls: len(os.environ.get("CUDA_VISIBLE_DEVICES", "0,1,2,3").split(",")))
     )
     monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _restored_after(monkeypatch, ("CUDA_VISIBLE_DEVICES",))  # the narrowing sets it in this process
     return cuda, current
 
 
