@@ -196,3 +196,36 @@ def test_weight_sync_casts_to_the_engines_dtype_before_bucketing(monkeypatch: py
     finally:
         train.shutdown()
         infer.shutdown()
+
+
+class _ClosedByPeer:
+    """A receiver's connection whose other end is gone: writing to it raises EPIPE, as the socket does once the
+    receiver process closed it (the vLLM undo test met it when a rejected bucket stopped the worker's reload)."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def send(self, obj) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def __getattr__(self, name: str):
+        return getattr(self.conn, name)
+
+
+def test_a_receiver_gone_before_a_bucket_is_sent_fails_the_sync_naming_it() -> None:
+    """The next bucket's announcement to a receiver that already closed its connection raised a bare
+    BrokenPipeError ("[Errno 32] Broken pipe"); it is the channel's error naming what happened, as a reply lost is."""
+    ctx = mp.get_context("spawn")
+    named = _named(4)
+    sender = BucketSender(1, "cpu", None, timeout_s=120)
+    out = ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(sender.address, sender.authkey, out, None))
+    proc.start()
+    try:
+        sender.send(named[:2])  # connected and acknowledged
+        sender._conns = [_ClosedByPeer(c) for c in sender._conns]
+        with pytest.raises(ChannelError, match=r"closed its connection mid-sync \(\[Errno 32\] Broken pipe\)"):
+            sender.send(named[2:])
+    finally:
+        sender.close(ok=False)
+        proc.join(timeout=60)

@@ -198,7 +198,10 @@ class BucketSender:
             torch.cuda.current_stream(self._buffer.device).synchronize()
         self._connected()
         for conn in self._conns:
-            conn.send({"buffer": self._handle, "specs": specs})
+            try:
+                conn.send({"buffer": self._handle, "specs": specs})
+            except OSError as exc:  # EPIPE, ECONNRESET: it stopped (its reload failed) before this bucket was sent
+                raise ChannelError(f"a weight receiver closed its connection mid-sync ({exc})") from exc
         for conn in self._conns:
             self._wait(lambda c=conn: c.poll(0.05), "an acknowledgement")
             try:
