@@ -80,3 +80,23 @@ def test_cuda_ipc_buckets_reach_an_engine_in_another_process(kind: str) -> None:
     expected.load_weights(dict(train.iter_weights()))
     greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     assert got == expected.generate([[5, 6, 7]], greedy).responses[0].tolist()
+
+
+def test_an_nccl_sync_group_takes_the_sync_timeout() -> None:
+    """`infer_engine.sync_timeout_s` reaches NCCL's group (its Options' timeout; without them NCCL waits its own
+    10-minute default whatever the sync asked), and such a group broadcasts (one rank: the call's signature and
+    options are what a CUDA torch accepts)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from roll_core.cluster.buckets import SyncGroup, nccl_options
+
+    timeout = datetime.timedelta(seconds=7)
+    assert nccl_options(dist, timeout)._timeout == timeout
+    store = SyncGroup.host_store("127.0.0.1", 1, timeout_s=7)
+    group = SyncGroup("127.0.0.1", store.port, 0, 1, "nccl", timeout_s=7, store=store)
+    t = torch.arange(4, device="cuda", dtype=torch.float32)
+    group.broadcast(t)
+    torch.cuda.synchronize()
+    assert t.tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -562,3 +562,96 @@ def test_only_rank_0_keeps_host_copies_of_the_weights_it_returns() -> None:
         out[rank] = (worker.get_weights(), len(copies))
     assert sorted(out[0][0]) == ["w0", "w1", "w2"] and out[0][1] == 3
     assert out[1] == (None, 0)
+
+
+class _Threaded:
+    """A one-rank group whose calls run the real worker method (`submit`: on a thread), for DistTransport."""
+
+    world_size = 1
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def call(self, method: Callable, *args: Any) -> Any:
+        return method(self.worker, *args)
+
+    def submit(self, method: Callable, *args: Any) -> Any:
+        done: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                done["value"] = method(self.worker, *args)
+            except BaseException as exc:
+                done["error"], done["at"] = exc, time.monotonic()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+
+        class Handle:
+            def wait(self, timeout: float | None = None) -> bool:
+                thread.join(timeout)
+                return not thread.is_alive()
+
+            def values(self) -> list[Any]:
+                thread.join()
+                if "error" in done:
+                    raise done["error"]
+                return [done["value"]]
+
+        handle = Handle()
+        handle.done = done  # type: ignore[attr-defined]
+        return handle
+
+
+def test_a_dist_sync_group_waits_for_a_stalled_trainer_only_sync_timeout_s() -> None:
+    """`infer_engine.sync_timeout_s` reaches the collective group of both sides: with 2 s, an engine whose trainer
+    stalls before its first bucket leaves the broadcast after ~2 s with gloo's timeout. The groups were built with
+    a fixed 600 s (and NCCL's with its own default whatever was asked): a stalled trainer held the engines 10 min."""
+    from roll_core.cluster.roles import InferWorker, TrainWorker
+    from roll_core.cluster.weight_sync import DistTransport
+
+    release = threading.Event()
+
+    class Trainer:
+        def iter_weights(self, changed_only: bool = False):
+            release.wait(20)  # stalled (a hung device, a slow gather) longer than the sync's timeout
+            raise RuntimeError("the trainer gave up")
+            yield  # a generator
+
+    class Engine:
+        def update_weights(self, named) -> int:
+            return sum(bucket_nbytes([(k, t)]) for k, t in named)
+
+    train = TrainWorker.__new__(TrainWorker)
+    train.rank, train.engine, train.weight_format = 0, Trainer(), "merged"
+    infer = InferWorker.__new__(InferWorker)
+    infer.rank, infer.engine = 0, Engine()
+    receivers = _Threaded(infer)
+    submitted: list[Any] = []
+    submit = receivers.submit
+    receivers.submit = lambda *a: submitted.append(submit(*a)) or submitted[-1]  # type: ignore[method-assign]
+    transport = DistTransport(
+        _Threaded(train), receivers, bucket_bytes=1024, dtype=None, dist_backend="gloo", timeout_s=2
+    )
+    transport.receivers_grace_s = 30
+    t0 = time.monotonic()
+    outcome: dict[str, BaseException] = {}
+
+    def sync() -> None:
+        try:
+            transport.sync(False)
+        except BaseException as exc:
+            outcome["sync"] = exc
+
+    syncing = threading.Thread(target=sync, daemon=True)
+    syncing.start()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not (len(submitted) == 2 and "error" in submitted[1].done):
+        time.sleep(0.1)
+    release.set()
+    syncing.join(30)
+    assert len(submitted) == 2, "the receivers never got to their receive"
+    error, at = submitted[1].done.get("error"), submitted[1].done.get("at", float("inf"))
+    assert error is not None and at - t0 < 10, f"the engine waited {at - t0:.0f} s for a stalled trainer"
+    assert "timeout" in str(error).lower() or "timed out" in str(error).lower(), error
+    assert isinstance(outcome.get("sync"), RuntimeError)

@@ -127,7 +127,7 @@ class SyncGroup:
             self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
             self.device = torch.device("cpu")
         elif backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(store, rank, world_size)
+            self.pg = dist.ProcessGroupNCCL(store, rank, world_size, nccl_options(dist, timeout))
             self.device = torch.device("cuda", torch.cuda.current_device())
         elif backend == "hccl":  # pragma: no cover - Ascend only
             import torch_npu
@@ -265,6 +265,14 @@ class SyncGroup:
         if error is not None:
             raise error
         return total
+
+
+def nccl_options(dist: Any, timeout: datetime.timedelta) -> Any:
+    """ProcessGroupNCCL options carrying `timeout`. Without them NCCL's group waits its own default (10 minutes in
+    torch 2.x) whatever the sync's timeout, so `infer_engine.sync_timeout_s` only bounded gloo."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout  # what torch's own new_group sets (distributed_c10d._new_process_group_helper)
+    return options
 
 
 def _drain(it: Iterator[Bucket]) -> None:

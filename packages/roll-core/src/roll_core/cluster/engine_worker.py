@@ -30,6 +30,7 @@ WORKER_KEYS = (
     "world_size",
     "sync_transport",
     "sync_bucket_mb",
+    "sync_timeout_s",
     "sleep_level",
     "python",
     "max_concurrency",

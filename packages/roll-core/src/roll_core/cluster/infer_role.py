@@ -165,8 +165,8 @@ class InferWorker(EngineWorker):
             return nbytes
 
     @dispatch(Dispatch.BROADCAST, retry=False)
-    def join_sync_group(self, host: str, port: int, world_size: int, backend: str) -> None:
-        self._sync_group = SyncGroup(host, port, 1 + self.rank, world_size, backend)
+    def join_sync_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float = 600.0) -> None:
+        self._sync_group = SyncGroup(host, port, 1 + self.rank, world_size, backend, timeout_s)
 
     @dispatch(Dispatch.BROADCAST, retry=False)
     def receive_weights_dist(self) -> int:

@@ -177,16 +177,16 @@ class TrainWorker(EngineWorker):
         return {"refs": refs, "bytes": nbytes, "tensors": ntensors}
 
     @dispatch(Dispatch.RANK0)
-    def sync_endpoint(self, world_size: int) -> tuple[str, int]:
+    def sync_endpoint(self, world_size: int, timeout_s: float = 600.0) -> tuple[str, int]:
         """This node's address and the port of the weight-sync rendezvous rank 0 now listens on."""
         host = node_address()
-        self._sync_store = SyncGroup.host_store(host, world_size)
+        self._sync_store = SyncGroup.host_store(host, world_size, timeout_s)
         return host, int(self._sync_store.port)
 
     @dispatch(Dispatch.BROADCAST)
-    def join_sync_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+    def join_sync_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float = 600.0) -> None:
         if self.rank == 0:
-            self._sync_group = SyncGroup(host, port, 0, world_size, backend, store=self._sync_store)
+            self._sync_group = SyncGroup(host, port, 0, world_size, backend, timeout_s, store=self._sync_store)
 
     @dispatch(Dispatch.BROADCAST)
     def send_weights_dist(

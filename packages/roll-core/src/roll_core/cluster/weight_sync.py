@@ -172,9 +172,11 @@ class Transport:
         dtype: str | None,
         dist_backend: str,
         wide: dict[str, str] | None = None,
+        timeout_s: float = 600.0,
     ) -> None:
         self.train, self.infer = train, infer
         self.bucket_bytes, self.dtype, self.dist_backend = bucket_bytes, dtype, dist_backend
+        self.timeout_s = timeout_s  # a collective group's wait for a member (infer_engine.sync_timeout_s)
         self.wide = wide or {}  # weights the engines keep wider than `dtype`, by name: sent in that dtype
 
     def sync(self, changed_only: bool) -> Moved:
@@ -256,9 +258,9 @@ class DistTransport(Transport):
     def sync(self, changed_only: bool) -> Moved:
         if not self._group_ready:
             world = 1 + self.infer.world_size
-            host, port = self.train.call(TrainWorker.sync_endpoint, world)
-            a = self.train.submit(TrainWorker.join_sync_group, host, port, world, self.dist_backend)
-            b = self.infer.submit(InferWorker.join_sync_group, host, port, world, self.dist_backend)
+            host, port = self.train.call(TrainWorker.sync_endpoint, world, self.timeout_s)
+            a = self.train.submit(TrainWorker.join_sync_group, host, port, world, self.dist_backend, self.timeout_s)
+            b = self.infer.submit(InferWorker.join_sync_group, host, port, world, self.dist_backend, self.timeout_s)
             self._both(a, b)
             self._group_ready = True
         sent = self.train.submit(TrainWorker.send_weights_dist, self.bucket_bytes, changed_only, *self._cast)
@@ -342,7 +344,15 @@ class WeightSync:
     """Moves the trainer's weights into every inference worker through one transport (see module docstring)."""
 
     def __init__(
-        self, train: TrainGroup, infer: InferGroup, *, transport: str, bucket_mb: float, placement: str, platform: Any
+        self,
+        train: TrainGroup,
+        infer: InferGroup,
+        *,
+        transport: str,
+        bucket_mb: float,
+        placement: str,
+        platform: Any,
+        timeout_s: float = 600.0,
     ):
         self.train, self.infer = train, infer
         name = resolve_transport(transport, train.backend, placement, platform.name)
@@ -360,6 +370,7 @@ class WeightSync:
             "dtype": self.dtype,
             "dist_backend": platform.dist_backend,
             "wide": self.wide,
+            "timeout_s": timeout_s,
         }
         self.transport: Transport = TRANSPORT_CLASSES[name](train, infer, **kw)
         # Restarted engines get every weight through the object store, whatever the run's transport.

@@ -117,6 +117,10 @@ class InferEngineConfig:
     sync_transport: str = "auto"
     # Weight sync bucket size in MiB (one flattened buffer per bucket; 32 measured faster than 256 on CPU).
     sync_bucket_mb: float = 32.0
+    # Seconds a `dist` weight sync's collective group waits for a member (rendezvous, every broadcast) before it
+    # fails the sync, on the trainer and the engines alike (gloo, NCCL and HCCL). A trainer or engine that died
+    # mid-sync is noticed after this long; raise it only where one bucket can take longer to move.
+    sync_timeout_s: float = 600.0
     # Colocated engines sleep while the trainer runs: 0 never, 1 free the KV cache (offload weights on devices),
     # 2 also discard weights (the next sync sends all of them). null: resolve_sleep_level decides from the run
     # (1 when colocated on an accelerator and synchronous, else 0).
@@ -160,6 +164,7 @@ class InferEngineConfig:
         one_of("infer_engine.sync_transport", self.sync_transport, TRANSPORTS)
         one_of("infer_engine.lora_sync", self.lora_sync, ("merged", "adapter"))
         positive("infer_engine.sync_bucket_mb", self.sync_bucket_mb)
+        positive("infer_engine.sync_timeout_s", self.sync_timeout_s)
         if self.sleep_level is not None:  # null: resolved with the run (resolve_sleep_level)
             one_of("infer_engine.sleep_level", self.sleep_level, (0, 1, 2))
         if self.max_num_seqs is not None and self.max_num_seqs < 1:

@@ -49,6 +49,7 @@ class Trainer:
                 transport=ie.sync_transport,
                 bucket_mb=ie.sync_bucket_mb,
                 placement=placement,
+                timeout_s=ie.sync_timeout_s,
                 platform=platform,
             )
             if roles.actor_train is not None

@@ -195,7 +195,15 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "trust_remote_code": False,
 }
 #: Keys of a role's engine config that configure workers and weight sync, which a judge has none of.
-NOT_FOR_A_JUDGE = ("world_size", "sync_transport", "sync_bucket_mb", "sleep_level", "python", "max_concurrency")
+NOT_FOR_A_JUDGE = (
+    "world_size",
+    "sync_transport",
+    "sync_bucket_mb",
+    "sync_timeout_s",
+    "sleep_level",
+    "python",
+    "max_concurrency",
+)
 
 
 class EngineBackend:
