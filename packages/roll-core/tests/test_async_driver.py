@@ -14,6 +14,7 @@ from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.scheduling.driver import AsyncRollout
 from roll_core.scheduling.pool import EnginePool
 from roll_core.scheduling.scheduler import RolloutScheduler
+from roll_core.testing.threads import InThread
 
 
 class _Engine:
@@ -127,22 +128,12 @@ def test_close_from_another_thread_ends_a_waiting_take_at_once() -> None:
     and its thread gone) waited out `timeout_s` (an hour in a run) instead of raising."""
     engine = _Engine()
     driver = _driver(engine, timeout_s=8)
-    got: list[BaseException] = []
-
-    def trainer() -> None:
-        try:
-            driver.take(1)
-        except BaseException as exc:  # reported to the test's thread
-            got.append(exc)
-
-    thread = threading.Thread(target=trainer)
-    thread.start()
+    trainer = InThread(lambda: driver.take(1))
     _wait_running(engine, 4)
     t0 = time.monotonic()
     driver.close()
-    thread.join(3)
-    assert not thread.is_alive() and time.monotonic() - t0 < 3
-    assert isinstance(got[0], RuntimeError) and "closed" in str(got[0])
+    assert trainer.join(3) and time.monotonic() - t0 < 3
+    assert isinstance(trainer.error, RuntimeError) and "closed" in str(trainer.error)
     with pytest.raises(RuntimeError, match="closed"):
         driver.take(1)
 
@@ -203,18 +194,16 @@ def test_a_batch_taken_over_several_waits_is_returned_oldest_first() -> None:
     engine = _Engine()
     sched = RolloutScheduler(batch_groups=2, group_size=1, max_new_tokens=4, async_ratio=0, order="ready")
     driver = _driver_of(engine, sched, timeout_s=10)
-    got: list[list[int]] = []
     try:
         driver.start()
         _wait_running(engine, 2)
         engine.finish(1)
-        trainer = threading.Thread(target=lambda: got.append([g.gid for g in driver.take(2)]))
-        trainer.start()
+        trainer = InThread(lambda: [g.gid for g in driver.take(2)])
         deadline = time.monotonic() + 5
         while not sched._taken and time.monotonic() < deadline:  # group 1 taken, group 0 still running
             time.sleep(0.002)
         engine.finish(0)
-        trainer.join(5)
+        assert trainer.join(5)
     finally:
         driver.close()
-    assert got == [[0, 1]]
+    assert trainer.error is None and trainer.result == [0, 1]

@@ -7,7 +7,6 @@ raised in the trainer's call instead of a wait for a batch that never completes.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +17,7 @@ from roll_core.interfaces import Request, SamplingParams
 from roll_core.scheduling.driver import AsyncRollout
 from roll_core.scheduling.scheduler import RolloutScheduler
 from roll_core.testing.held_requests import HeldRequestEngine, once_per
+from roll_core.testing.threads import InThread
 
 BOUND = 0.2  # abort_timeout_s in these tests: short, since waiting it out is what they test
 
@@ -164,23 +164,13 @@ def test_a_live_request_whose_handle_raises_fails_the_batch_naming_it() -> None:
     engine = _engine()
     driver = _driver(engine, _partial_sched())
     boom = ValueError("CUDA error: an illegal memory access was encountered")
-    got: list[BaseException] = []
-
-    def trainer() -> None:
-        try:
-            driver.take(1)
-        except BaseException as exc:  # reported to the test's thread
-            got.append(exc)
-
     try:
         driver.start()
         engine.wait_running(2)
-        thread = threading.Thread(target=trainer, daemon=True)
-        thread.start()
+        trainer = InThread(lambda: driver.take(1))
         engine.fail(boom)
-        thread.join(10)  # timeout_s is 30: a take that only timed out would still be waiting here
-        assert not thread.is_alive() and len(got) == 1
-        err = got[0]
+        assert trainer.join(10)  # timeout_s is 30: a take that only timed out would still be waiting here
+        err = trainer.error
         assert isinstance(err, RuntimeError)
         assert "request async-" in str(err) and "(group " in str(err) and "failed in the inference engine" in str(err)
         assert "ValueError: CUDA error" in str(err) and err.__cause__ is not None and err.__cause__.__cause__ is boom

@@ -10,23 +10,12 @@ import itertools
 import pytest
 
 from roll_core.scheduling.scheduler import RolloutScheduler
+from roll_core.testing.scheduling import fill_and_submit as _fill
 
 
 class _Problem:
     def __init__(self, i: int) -> None:
         self.id, self.answer = f"p{i}", "7"
-
-
-def _fill(s: RolloutScheduler, ids: itertools.count) -> list[str]:
-    """Start groups up to the budget and submit every pending sample; returns the new request ids."""
-    while s.capacity() > 0:
-        s.start(_Problem(next(ids)), [1, 2, 3])
-    out = []
-    for sample, _prompt, _remaining in list(s.pending()):
-        rid = f"r{next(ids)}"
-        s.submitted(sample, rid)
-        out.append(rid)
-    return out
 
 
 def _finish(s: RolloutScheduler, rids: list[str], n_tokens: int = 2) -> None:

@@ -11,18 +11,7 @@ import logging
 import pytest
 
 from roll_core.scheduling.scheduler import RolloutScheduler
-
-
-def _fill(s: RolloutScheduler, ids: itertools.count) -> list[str]:
-    """Start groups up to the budget and submit every pending sample; returns the new request ids."""
-    while s.capacity() > 0:
-        s.start(object(), [1, 2, 3])
-    out = []
-    for sample, _prompt, _remaining in list(s.pending()):
-        rid = f"r{next(ids)}"
-        s.submitted(sample, rid)
-        out.append(rid)
-    return out
+from roll_core.testing.scheduling import fill_and_submit as _fill
 
 
 def _doomed_group(**kw: int) -> tuple[RolloutScheduler, list[str]]:

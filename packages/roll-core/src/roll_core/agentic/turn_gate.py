@@ -6,9 +6,11 @@ Contract:
   running and returns the weight version it is sampled under; `leave(request_id)` unregisters it (the caller calls
   it in a `finally`) and says whether the gate aborted it for a sync (the caller resumes the turn after the sync).
 - `begin_update` stops admitting turns; with partial rollout it aborts the running ones, otherwise it lets them
-  finish (at most `SYNC_WAIT_S`); it returns when none runs. `finish_update(version)` admits turns again. `close`
-  refuses new turns and aborts the running ones. `abort(request_id)` aborts one running request whose caller ends
-  (an agent session closed: roll_core.agentic.agent_sessions); `leave` says False for it (nothing to resume).
+  finish (at most `sync_wait_s`: pipeline.agentic_sync_wait_s); it returns when none runs; past its bound it raises
+  a TimeoutError naming the requests still running and the config key that sets the bound. `finish_update(version)`
+  admits turns again. `close` refuses new turns and aborts the running ones. `abort(request_id)` aborts one running
+  request whose caller ends (an agent session closed: roll_core.agentic.agent_sessions); `leave` says False for it
+  (nothing to resume).
 - `wait(request_id, handle)` is how a turn reads its result (`handle`: what `InferGroup.submit_request` returns,
   with `done()` and `result(timeout)`).
 
@@ -32,13 +34,15 @@ generation nor loses it to the bound.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: How long a sync without partial rollout waits for the running turns to finish on their own.
+#: Default of `sync_wait_s` (pipeline.agentic_sync_wait_s): how long a sync without partial rollout waits for the
+#: running turns to finish on their own.
 SYNC_WAIT_S = 600.0
 #: Default of `abort_timeout_s` (pipeline.async_abort_timeout_s).
 ABORT_TIMEOUT_S = 60.0
@@ -69,12 +73,23 @@ class TurnGate:
         infer: the inference group (`abort(request_id)`).
         partial_rollout: abort the running turns at `begin_update` (resumed after the sync) instead of waiting.
         abort_timeout_s: how long a request the gate aborted may take to bring its result before it is lost.
+        sync_wait_s: how long a sync without partial rollout waits for the running turns to finish.
     """
 
-    def __init__(self, infer: Any, *, partial_rollout: bool, abort_timeout_s: float = ABORT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        infer: Any,
+        *,
+        partial_rollout: bool,
+        abort_timeout_s: float = ABORT_TIMEOUT_S,
+        sync_wait_s: float = SYNC_WAIT_S,
+    ) -> None:
         if not abort_timeout_s > 0:
             raise ValueError(f"abort_timeout_s={abort_timeout_s} must be > 0 (seconds an abort may take to return)")
+        if not (math.isfinite(sync_wait_s) and sync_wait_s > 0):
+            raise ValueError(f"sync_wait_s={sync_wait_s} must be a finite number > 0 (seconds a sync waits for turns)")
         self.infer, self.partial_rollout, self.abort_timeout_s = infer, partial_rollout, abort_timeout_s
+        self.sync_wait_s = sync_wait_s
         self.version = 0
         self._cv = threading.Condition()
         self._paused = self._closed = False
@@ -147,8 +162,8 @@ class TurnGate:
 
     def begin_update(self, timeout_s: float | None = None) -> None:
         """Stop admitting turns; abort running ones (partial rollout) or let them finish; wait until none runs.
-        `timeout_s` (default: `abort_timeout_s` plus a margin with partial rollout, `SYNC_WAIT_S` without) bounds
-        the wait: past it a TimeoutError names the requests still running."""
+        `timeout_s` (default: `abort_timeout_s` plus a margin with partial rollout, `sync_wait_s` without) bounds
+        the wait: past it a TimeoutError names the requests still running and the config key to raise."""
         with self._cv:
             self._paused = True
             running = list(self._running) if self.partial_rollout else []
@@ -158,13 +173,21 @@ class TurnGate:
         if timeout_s is None:
             # The aborted turns are collected or lost after abort_timeout_s (plus one poll step): a wait past the
             # margin means a thread is stuck.
-            timeout_s = self.abort_timeout_s + max(self.abort_timeout_s, 10.0) if self.partial_rollout else SYNC_WAIT_S
+            margin = max(self.abort_timeout_s, 10.0)
+            timeout_s = self.abort_timeout_s + margin if self.partial_rollout else self.sync_wait_s
         with self._cv:
             if not self._cv.wait_for(lambda: not self._running, timeout=timeout_s):
                 still = sorted(self._running)
+                if self.partial_rollout:  # aborted, yet not collected nor lost: a turn's thread is stuck
+                    why = "they were aborted and are bounded by pipeline.async_abort_timeout_s: a turn's thread hangs"
+                else:  # long turns (many tokens, a slow engine) may need more than the default
+                    why = (
+                        "the sync lets running turns finish: raise pipeline.agentic_sync_wait_s, or set "
+                        "pipeline.partial_rollout=true to abort them instead"
+                    )
                 raise TimeoutError(
-                    f"{len(still)} turn request(s) still running {timeout_s}s into a weight sync: "
-                    f"{', '.join(still[:5])}{' ...' if len(still) > 5 else ''}"
+                    f"{len(still)} turn request(s) still running {timeout_s}s into a weight sync "
+                    f"({why}): {', '.join(still[:5])}{' ...' if len(still) > 5 else ''}"
                 )
 
     def finish_update(self, version: int) -> None:

@@ -273,6 +273,13 @@ class PipelineConfig:
     # (async/unanswered_aborts, async/failed_aborts, warned) and its sample or turn resumes with its earlier prefix:
     # a sync goes on instead of waiting on an engine that does not answer.
     async_abort_timeout_s: float = 60.0
+    # With async_ratio > 0 (pipeline=rlvr): the engine's own aborts of one sample in a row, none with a token, after
+    # which the rollout fails as refused (SGLang aborts a prompt longer than its KV cache holds); fewer are
+    # preemptions and the sample resumes. Default: roll_core.idle_aborts.MAX_IDLE_ABORTS.
+    max_idle_aborts: int = 8
+    # With async_ratio > 0 (pipeline=agentic) and partial_rollout=false: seconds a weight sync waits for the running
+    # turns to finish before the run fails naming them (with partial rollout they are aborted instead).
+    agentic_sync_wait_s: float = 600.0
 
     def __post_init__(self) -> None:
         from roll_core import registry  # the installed collectors: rlvr, agentic, plugins
@@ -297,6 +304,12 @@ class PipelineConfig:
         positive("pipeline.tail_groups", self.tail_groups, allow_zero=True)
         positive("pipeline.async_batch_timeout_s", self.async_batch_timeout_s)
         positive("pipeline.async_abort_timeout_s", self.async_abort_timeout_s)
+        if self.max_idle_aborts < 1:  # (an integer: the merge refuses 2.5, nan, true)
+            raise ValueError(
+                f"pipeline.max_idle_aborts={self.max_idle_aborts} must be >= 1 (the engine's aborts of a sample in a "
+                "row, none with a token, before it counts as refused)"
+            )
+        positive("pipeline.agentic_sync_wait_s", self.agentic_sync_wait_s)
         if self.async_ratio == 0 and (self.partial_rollout or self.tail_groups):
             raise ValueError(
                 "pipeline.partial_rollout and pipeline.tail_groups need asynchronous training: set "

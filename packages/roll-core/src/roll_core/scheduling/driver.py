@@ -8,8 +8,9 @@ a `take` that raises gives the groups it had taken back to the scheduler, for th
 every weight sync with `begin_update()` / `finish_update()`: with partial rollout the running
 requests are aborted first and their prefixes resumed under the new weights; groups that became too stale are
 aborted and never returned. A failure in the thread (engine error) is raised in the trainer's next call, never
-swallowed. An abort the engine made on its own resumes the sample (preemption), but `max_idle_aborts` of them in
-a row for one sample within one version, none with a token, are a refusal (SGLang aborts a prompt longer than
+swallowed. An abort the engine made on its own resumes the sample (preemption), but `max_idle_aborts`
+(pipeline.max_idle_aborts, default `roll_core.idle_aborts.MAX_IDLE_ABORTS`) of them in a row for one sample within
+one version, none with a token, are a refusal (SGLang aborts a prompt longer than
 its KV cache holds): the thread fails naming the request, instead of resubmitting it in a busy loop while the
 trainer waits out `timeout_s`. `close()` aborts what runs and stops the thread; a `take` (or update, shrink)
 waiting then, or called later, raises at once.
@@ -47,6 +48,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from roll_core.idle_aborts import MAX_IDLE_ABORTS
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.scheduling.pool import EnginePool
 from roll_core.scheduling.scheduler import GroupState, RolloutScheduler, SampleState
@@ -67,13 +69,17 @@ class AsyncRollout:
         poll_s: float = 0.002,
         timeout_s: float = 3600.0,
         pool: EnginePool | None = None,
-        max_idle_aborts: int = 8,
+        max_idle_aborts: int = MAX_IDLE_ABORTS,
         abort_timeout_s: float = 60.0,
     ) -> None:
         """`abort_timeout_s`: how long an aborted request may take to bring its result before it is forgotten as
-        lost (module docstring); also what `begin_update` and `shrink` wait for their aborts (plus a margin)."""
+        lost (module docstring); also what `begin_update` and `shrink` wait for their aborts (plus a margin).
+        `max_idle_aborts`: the engine's own aborts of one sample in a row, none with a token, that fail the rollout
+        as a refusal (module docstring)."""
         if not abort_timeout_s > 0:
             raise ValueError(f"abort_timeout_s={abort_timeout_s} must be > 0 (seconds an abort may take to return)")
+        if isinstance(max_idle_aborts, bool) or not isinstance(max_idle_aborts, int) or max_idle_aborts < 1:
+            raise ValueError(f"max_idle_aborts={max_idle_aborts!r} must be an integer >= 1 (aborts in a row)")
         self.infer, self.sched, self.next_group, self.params = infer, scheduler, next_group, params
         self.poll_s, self.timeout_s = poll_s, timeout_s
         self.pool = pool  # None: the infer group routes each request itself
@@ -424,7 +430,8 @@ class AsyncRollout:
                 f"the engine aborted request {rid} (group {sample.group.gid} sample {sample.index}, "
                 f"{len(sample.group.prompt_ids) + len(sample.tokens)} tokens of prompt and prefix) {n} times in a "
                 "row without generating a token: it refuses the request (SGLang aborts a prompt longer than it "
-                "accepts, e.g. more than its KV cache holds: lower model.max_prompt_length or give it more memory)"
+                "accepts, e.g. more than its KV cache holds: lower model.max_prompt_length or give it more memory; "
+                f"an engine that only pauses that often: raise pipeline.max_idle_aborts, now {self.max_idle_aborts})"
             )
 
     def _fill(self) -> None:

@@ -13,7 +13,8 @@ Contract:
   oldest weight version of its tokens; `next` checks the bound.
 - Around a weight sync the `TurnGate` stops admitting turns; with `pipeline.partial_rollout` the turns in flight
   are aborted and resumed under the new weights (an episode keeps its earlier turns' tokens and behaviour
-  log-probs, and the partial turn's), otherwise the sync waits for them. An aborted turn whose result has not come
+  log-probs, and the partial turn's), otherwise the sync waits for them (`pipeline.agentic_sync_wait_s` at most,
+  then a TimeoutError naming them and the key). An aborted turn whose result has not come
   `pipeline.async_abort_timeout_s` after the abort, or whose result raises, is lost (roll_core.agentic.turn_gate):
   the sync goes on, the turn resumes with its earlier attempts' tokens (`async/unanswered_aborts`,
   `async/failed_aborts`, one warning per version).
@@ -56,7 +57,12 @@ class AsyncEpisodeCollector(EpisodeCollector):
         if p.tail_groups:
             raise ConfigError("pipeline.tail_groups is not supported by pipeline=agentic: set it to 0")
         check_async(ctx)
-        gate = TurnGate(ctx.infer, partial_rollout=p.partial_rollout, abort_timeout_s=p.async_abort_timeout_s)
+        gate = TurnGate(
+            ctx.infer,
+            partial_rollout=p.partial_rollout,
+            abort_timeout_s=p.async_abort_timeout_s,
+            sync_wait_s=p.agentic_sync_wait_s,  # a sync without partial rollout waits this long for running turns
+        )
         super().__init__(ctx, gate=gate)
         self.gate: TurnGate = self.rollout.gate  # type: ignore[assignment]
         self.k, self.groups_per_batch, self.group_size = p.async_ratio, p.rollout_batch_size, ctx.cfg.algo.group_size

@@ -9,7 +9,9 @@ whose prompt fills the engine's context (`data/skipped_context_prompts`), and re
 at its current version, and `algo.off_policy_correction` weighs each token by the truncated ratio
 pi_old / pi_behaviour (decoupled PPO); `begin_sync` / `finish_sync` bracket the weight sync so that partial
 rollout can abort and resume requests around it. `pipeline.async_batch_timeout_s` bounds the trainer's wait for a
-batch and `pipeline.async_abort_timeout_s` the wait for an aborted request's result (roll_core.scheduling.driver).
+batch, `pipeline.async_abort_timeout_s` the wait for an aborted request's result and `pipeline.max_idle_aborts`
+the engine's own aborts of a sample in a row without a token before it counts as refused
+(roll_core.scheduling.driver).
 
 Checkpoints store the data sampler and the training-set indices of the groups started but not yet trained
 (`pending`, in start order: the sampler's position is past them); a resumed run starts those prompts first, so
@@ -106,6 +108,7 @@ class AsyncPromptCollector(PromptCollector):
             self.sampling.replace(seed=seed),
             timeout_s=p.async_batch_timeout_s,  # how long `take` waits for a batch
             abort_timeout_s=p.async_abort_timeout_s,  # how long an aborted request may take before it is lost
+            max_idle_aborts=p.max_idle_aborts,  # the engine's own aborts in a row without a token: a refusal
         )
 
     def _next_group(self) -> tuple[Any, list[int], Any]:
