@@ -1,7 +1,8 @@
-"""Scaled rotary embeddings on the `megatron` engine (CPU over gloo, TP=PP=1): Llama 3.x's llama3 scaling, linear
-scaling and YaRN (with transformers' attention factor) give transformers' per-token log-probs, padded and packed,
-on sequences longer than the models' original context; the same weights with plain RoPE give clearly other
-log-probs (so the parity cannot come from ignoring the scaling); what Megatron cannot compute exactly is refused."""
+"""Scaled rotary embeddings on the `megatron` engine (CPU over gloo, TP=PP=1, and over two ranks at TP=2 or CP=2):
+Llama 3.x's llama3 scaling, linear scaling and YaRN (with transformers' attention factor) give transformers'
+per-token log-probs, padded and packed, on sequences longer than the models' original context; the same weights with
+plain RoPE give clearly other log-probs (so the parity cannot come from ignoring the scaling); what Megatron cannot
+compute (or build) exactly is refused."""
 
 from __future__ import annotations
 
@@ -159,3 +160,90 @@ def test_frequencies_megatron_builds_otherwise_are_refused(tmp_path: Path, monke
     scaled, _ = _models("qwen3", SCALED["qwen3-yarn-mscale"][1], tmp_path)
     with pytest.raises(RuntimeError, match="rotary embedding differs from transformers' for rope_type='yarn'"):
         MegatronTrainEngine(scaled, dist_backend="gloo", use_distributed_optimizer=False)
+
+
+def _parallel_rank(rank: int, port: int, path: str, layout: dict, out: str) -> None:
+    """One of two gloo ranks of a reference engine at `layout` over the scaled model at `path`: its log-probs of
+    the long batch, padded and packed, saved per rank."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    import torch.distributed as dist
+
+    from roll_engines.train.megatron import MegatronTrainEngine
+
+    engine = MegatronTrainEngine(
+        path, role="reference", dist_backend="gloo", use_distributed_optimizer=False, num_threads=1, **layout
+    )
+    batch = _long_batch(path)
+    got = {}
+    for packed in (False, True):
+        engine.pack_sequences = packed
+        got[packed] = engine.compute_logprobs(batch)["logprobs"]
+    torch.save(got, f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "case, layout",
+    [
+        # each TP rank rotates its own heads (2 of 4 q, 1 of 2 kv) by its own copy of the frequencies
+        ("llama-llama3", {"tensor_parallel_size": 2}),
+        ("qwen3-yarn-mscale", {"tensor_parallel_size": 2}),
+        # each CP rank rotates its half of every sequence at its own positions, keys gathered after the rotation
+        ("qwen3-yarn-mscale", {"context_parallel_size": 2}),
+    ],
+    ids=["llama3-tp2", "yarn-tp2", "yarn-cp2"],
+)
+def test_scaled_rope_parallel_gives_transformers_logprobs(case: str, layout: dict, tmp_path: Path) -> None:
+    """Two gloo ranks (TP=2 or CP=2) give transformers' log-probs of the scaled model on every rank, padded and
+    packed, at positions past its original context (the TP=1 test's tolerance)."""
+    import multiprocessing
+    import time
+
+    import torch.multiprocessing as mp
+
+    from roll_core.cluster.ports import free_port
+    from roll_engines.train.hf import HFTrainEngine
+
+    os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path / "cache"))
+    kind, rope = SCALED[case]
+    scaled, _ = _models(kind, rope, tmp_path)
+    out = tmp_path / "logprobs"
+    # A fork server that imported torch, transformers and Megatron once (two spawned ranks import them each: far
+    # slower); not plain fork: this process may hold the state of this module's in-process engines.
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["torch", "transformers", "megatron.core", "roll_engines.train.megatron"]
+    )
+    ranks = mp.start_processes(
+        _parallel_rank, args=(free_port(), scaled, layout, str(out)), nprocs=2, join=False, start_method="forkserver"
+    )
+    deadline = time.monotonic() + 180
+    while not ranks.join(timeout=1):  # raises what a rank raised
+        if time.monotonic() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail("the two Megatron ranks did not finish in 180 s")
+    batch = _long_batch(scaled)
+    mask = batch["response_mask"].bool()
+    want = HFTrainEngine(scaled, role="reference").compute_logprobs(batch)["logprobs"][mask]
+    for rank in range(2):
+        for packed, got in torch.load(f"{out}.{rank}").items():
+            where = f"{case} {layout}, rank {rank}, packed={packed}"
+            torch.testing.assert_close(got[mask], want, atol=1e-5, rtol=1e-5, msg=lambda m, w=where: f"{w}: {m}")
+
+
+def test_yarn_context_parallel_needs_an_original_context_it_splits() -> None:
+    """Megatron's YarnRotaryEmbedding views its table of the original context as 2 x CP chunks when it is built:
+    an original context that does not split so is refused with the fix named (not Megatron's bare shape error at
+    build); one that does is configured, and so is any at CP=1."""
+    from roll_engines.train.megatron._convert import transformer_config
+
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    with pytest.raises(ValueError, match=r"original_max_position_embeddings=34 is not a multiple of 2 x "):
+        transformer_config(_llama(**yarn, original_max_position_embeddings=34), 1, 1, torch.float32, None, cp=2)
+    for original, cp in ((36, 2), (33, 1)):  # without CP Megatron splits nothing
+        config = transformer_config(
+            _llama(**yarn, original_max_position_embeddings=original), 1, 1, torch.float32, None, cp=cp
+        )
+        assert config.yarn_original_max_position_embeddings == original

@@ -18,6 +18,9 @@ for every engine call), never at import:
    already in program order.
 7. The dispatcher's "device to host" copy of its all-to-all split sizes makes NumPy arrays of CUDA tensors only;
    CPU tensors stay tensors, which `all_to_all_single` does not take as split sizes: they become arrays too.
+8. `pin_memory=True` is dropped (the mode of 5): pinning stages host-to-CUDA copies, which here are no copies, and
+   a torch without an accelerator refuses it (YaRN's rotary table under context parallelism, built with the model,
+   indexes its CP slice with a pinned tensor).
 """
 
 from __future__ import annotations
@@ -113,6 +116,8 @@ class CudaToCpuMode(torch.overrides.TorchFunctionMode):
             return "torch.cuda." + name[len("torch.") :] if name.startswith("torch.") and ".cuda." not in name else name
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # shim 8
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

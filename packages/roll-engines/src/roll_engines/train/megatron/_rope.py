@@ -16,6 +16,11 @@ megatron-core 0.16 declares them, so `configure` sets them: factor, original_max
 beta_slow, truncate (Megatron's correction_range_round_to_int), mscale and mscale_all_dim. An explicit
 `attention_factor` other than the one those give cannot be expressed and is refused.
 
+Parallelism: every tensor-parallel rank builds its own rotary module (the same frequencies, its own heads); under
+context parallelism the engine rotates each rank's slice at its own positions (_packed.rope_at), not by Megatron's
+zig-zag split. YarnRotaryEmbedding still splits its cached table of the original context into 2 x CP chunks when
+built, so yarn needs original_max_position_embeddings to be a multiple of 2 x CP (refused otherwise, by `configure`).
+
 Refused (clear error, never a silent approximation): rope types whose frequencies depend on the sequence length
 (dynamic, longrope) or that Megatron has no form of, and a partial rotary factor. `verify` compares the built
 module's frequencies and attention factor with transformers' and refuses any difference.
@@ -109,9 +114,20 @@ def model_kwargs(hf_config: Any) -> dict[str, Any]:
 def configure(config: Any, hf_config: Any) -> Any:
     """`config` (a TransformerConfig) with the `yarn_*` attributes GPTModel's YarnRotaryEmbedding and its attention's
     attention factor read, for a yarn model; unchanged otherwise (the attention tests `hasattr`, so a model without
-    YaRN must not have them)."""
+    YaRN must not have them). ValueError for a yarn original context that `config`'s CP size cannot split."""
     if rope_type(hf_config) == "yarn":
-        for name, value in _yarn(hf_config).items():
+        yarn = _yarn(hf_config)
+        cp, original = config.context_parallel_size, yarn["yarn_original_max_position_embeddings"]
+        if cp > 1 and original % (2 * cp):
+            # YarnRotaryEmbedding caches its table of the original context when built and, under CP, views it as
+            # 2 x CP chunks (Megatron's zig-zag split): another length fails inside Megatron with a bare shape error.
+            # (roll rotates by its own positions, not that cache; the check only keeps the build from crashing.)
+            raise ValueError(
+                f"this {hf_config.model_type} model's yarn original_max_position_embeddings={original} is not a "
+                f"multiple of 2 x context_parallel_size={2 * cp}, which Megatron-Core's YarnRotaryEmbedding needs "
+                "to build: use a context_parallel_size whose double divides it, or train_engine=hf or fsdp2"
+            )
+        for name, value in yarn.items():
             setattr(config, name, value)
     return config
 
