@@ -39,6 +39,9 @@ if "ROLL_TEST_TMPDIR" not in os.environ:  # the first pytest process of the sess
     # vLLM puts its sockets straight into /tmp unless told (~70 socket files per CI run before this).
     os.makedirs(os.path.join(_TEST_TMP, "vllm"))
     os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.join(_TEST_TMP, "vllm"))
+    # transformers copies a trust_remote_code checkpoint's code into its module cache (~/.cache/huggingface/modules
+    # by default): the tests' models are written per session, so their code goes with the session's files.
+    os.environ.setdefault("HF_MODULES_CACHE", os.path.join(_TEST_TMP, "hf_modules"))
 HW_MARKERS = ("cuda", "rocm", "npu")
 
 

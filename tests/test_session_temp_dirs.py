@@ -24,6 +24,7 @@ def test_processes_the_tests_start_write_temporary_files_into_the_session_folder
     child = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"], **_text())
     assert child.stdout.strip() == folder
     assert os.environ["VLLM_RPC_BASE_PATH"] == os.path.join(folder, "vllm")
+    assert os.environ["HF_MODULES_CACHE"] == os.path.join(folder, "hf_modules")
 
 
 _SCRIPT = """

@@ -14,6 +14,13 @@ Contract (every function here is collective over the default process group unles
 - `load_from_rank0`: rank 0's full state dict (other ranks pass anything: it is not read) sharded over the ranks;
   missing, unexpected or misshapen tensors raise on every rank before anything is written (a tied LM head,
   carried once under the embedding's name, is not missing).
+- `read_config`: the model's config on every rank. With `trust_remote_code`, rank 0 reads it and imports the
+  model's code first and the other ranks only after it: transformers copies a checkpoint's code into its module
+  cache (HF_MODULES_CACHE) on every load, and processes copying at once can import a half-written file
+  (huggingface/transformers#27421); that covers a cache the ranks share (a shared home directory): with one cache
+  per node, the ranks of another node still copy at once. Remote-code models take the meta build like any other.
+- `tensors_from_rank0`: a small set of tensors (a LoRA adapter) read on rank 0 alone and broadcast whole to every
+  rank; a failure to read raises on every rank.
 """
 
 from __future__ import annotations
@@ -43,15 +50,49 @@ def meta_refusal(config: Any) -> str | None:
     return None
 
 
-def build_on_meta(model_class: Any, path: str, kwargs: Mapping[str, Any]) -> torch.nn.Module:
-    """`model_class` of the config at `path` with every parameter and buffer on the meta device, built with the
-    `from_pretrained` arguments `kwargs` (dtype, attn_implementation, trust_remote_code, num_labels). Local."""
+def read_config(path: str, model_class: Any, kwargs: Mapping[str, Any], device: torch.device) -> Any:
+    """The config of `path` with the `from_pretrained` arguments `kwargs` (trust_remote_code, num_labels), read by
+    every rank (see the module's contract; collective with trust_remote_code only).
+
+    Every rank reads config.json itself rather than receiving rank 0's config object: it is a few kB, and a
+    remote-code config arrives as an instance of the checkpoint's own class, which a rank can unpickle only after
+    importing that code from the checkpoint folder, i.e. reading it anyway."""
     from transformers import AutoConfig
 
-    kwargs = dict(kwargs)
-    trust = kwargs.get("trust_remote_code", False)
-    config_kwargs = {"num_labels": kwargs.pop("num_labels")} if "num_labels" in kwargs else {}
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust, **config_kwargs)
+    trust = bool(kwargs.get("trust_remote_code", False))
+    config_kwargs = {"num_labels": kwargs["num_labels"]} if "num_labels" in kwargs else {}
+
+    def read() -> Any:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust, **config_kwargs)
+        ref = (getattr(config, "auto_map", None) or {}).get(model_class.__name__) if trust else None
+        if ref is not None:  # import the model's code now: transformers caches it (copies it) at its first import
+            from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+            get_class_from_dynamic_module(ref, path)
+        return config
+
+    if not trust:
+        return read()
+    rank0 = dist.get_rank() == 0
+    config, failure = None, None
+    if rank0:
+        try:
+            config = read()
+        except Exception as e:  # must reach the other ranks, which wait for rank 0 here
+            failure = e
+    problem = _broadcast_object(f"{type(failure).__name__}: {failure}" if failure else None, device)
+    if failure is not None:
+        raise failure
+    if problem is not None:
+        raise RuntimeError(f"rank 0 could not read the config of {path}: {problem}")
+    return config if rank0 else read()
+
+
+def build_on_meta(model_class: Any, config: Any, kwargs: Mapping[str, Any]) -> torch.nn.Module:
+    """`model_class` of `config` (`read_config`'s) with every parameter and buffer on the meta device, built with
+    the `from_pretrained` arguments `kwargs` (dtype, attn_implementation, trust_remote_code; num_labels is the
+    config's). Local."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "num_labels"}
     with torch.device("meta"):
         model = model_class.from_config(config, **kwargs)
     # A tensor kept as a plain attribute (not a parameter or buffer) would stay on meta: neither `to_empty` nor
@@ -184,3 +225,28 @@ def load_from_rank0(
     # torch fills the absent keys with the model's own tensors, so they load as themselves.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     set_model_state_dict(model, dict(weights) if rank0 else {}, options=options)
+
+
+def tensors_from_rank0(read: Callable[[], Mapping[str, Tensor]], device: torch.device, what: str) -> dict[str, Tensor]:
+    """`read()`'s tensors, called on rank 0 only, on every rank (CPU copies, broadcast one at a time); a failure of
+    rank 0's `read` raises there and a RuntimeError naming `what` on the other ranks."""
+    rank0 = dist.get_rank() == 0
+    tensors: dict[str, Tensor] = {}
+    failure = None
+    if rank0:
+        try:
+            tensors = dict(read())
+        except Exception as e:  # must reach the other ranks, which wait for rank 0's broadcast
+            failure = e
+    why = f"{type(failure).__name__}: {failure}" if failure else None
+    layout = _broadcast_object((why, [(k, t.shape, t.dtype) for k, t in tensors.items()]) if rank0 else None, device)
+    if failure is not None:
+        raise failure
+    if layout[0] is not None:
+        raise RuntimeError(f"rank 0 could not read {what}: {layout[0]}")
+    out = {}
+    for name, shape, dtype in layout[1]:
+        t = tensors[name].to(device) if rank0 else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(t, src=0)  # on the device: nccl/hccl broadcast device tensors only
+        out[name] = t.cpu()
+    return out

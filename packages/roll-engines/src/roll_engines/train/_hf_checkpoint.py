@@ -152,7 +152,7 @@ class HFWeightsAndCheckpoints:
         Adam's moments and the schedule's position come from the checkpoint."""
         folder = Path(folder)
         if self.lora:  # the base stays what model_path holds; only the adapter was trained
-            load_adapter(self.model, folder / "adapter")
+            self._load_adapter(folder / "adapter")
         else:
             weights = self._read_model_folder(folder / "model")
             if self.vision and weights:  # (a sharded engine's rank other than 0 reads none)
@@ -170,6 +170,10 @@ class HFWeightsAndCheckpoints:
         reapply(self.optimizer, configured, self.scheduler)
         if self.scaler is not None and "scaler" in small:
             self.scaler.load_state_dict(small["scaler"])
+
+    def _load_adapter(self, folder: Path) -> None:
+        """Load a checkpoint's `adapter/` folder (the fsdp2 engine reads it on rank 0 and broadcasts it)."""
+        load_adapter(self.model, folder)
 
     def _read_model_folder(self, folder: Path) -> dict[str, Tensor]:
         """The full state dict of a checkpoint's `model/` folder (sharded engines read it on rank 0 only and

@@ -251,10 +251,21 @@ def save_adapter(model: torch.nn.Module, state: dict[str, Tensor], folder: Path)
 
 def load_adapter(model: torch.nn.Module, folder: Path) -> None:
     """Load adapter weights written by `save_adapter` into `model` (sharded parameters included)."""
-    from peft import set_peft_model_state_dict
+    set_adapter(model, read_adapter(folder))
+
+
+def read_adapter(folder: Path) -> dict[str, Tensor]:
+    """The adapter tensors of a `save_adapter` folder, in peft's saved names (the fsdp2 engine reads them on rank 0
+    only and broadcasts them)."""
     from safetensors.torch import load_file
 
-    state = load_file(str(folder / "adapter_model.safetensors"))
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def set_adapter(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
+    """Load `read_adapter`'s tensors into `model`'s adapters; RuntimeError for tensors the model has no place for."""
+    from peft import set_peft_model_state_dict
+
     result = set_peft_model_state_dict(model, state)
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
     if unexpected:

@@ -17,9 +17,11 @@ ranks holds one host copy, not N. Every rank shards its model with `fully_shard`
 shards and rank 0 broadcasts the full tensors one at a time, each rank keeping its shard (torch's
 `set_model_state_dict(..., broadcast_from_rank0=True)`); buffers outside the state dict (rotary `inv_freq`) come
 from rank 0's model too, and LoRA adapters and a critic's new value head take rank 0's seeded initialisation. No
-device ever holds the full model. A checkpoint `load` (resume) also reads `model/` on rank 0 alone. A rank that
-cannot build the model on meta (its construction fails or differs from rank 0's) reads the checkpoint itself, and
-a quantized checkpoint is read by every rank (both logged); a group of one reads it as the hf engine does.
+device ever holds the full model. A checkpoint `load` (resume) also reads `model/` (or a LoRA run's `adapter/`) on
+rank 0 alone. Remote-code models (`trust_remote_code`) take the same path: rank 0 imports the checkpoint's code
+before the other ranks do (transformers copies it into a shared module cache). A rank that cannot build the model
+on meta (its construction fails or differs from rank 0's) reads the checkpoint itself, and a quantized checkpoint
+is read by every rank (both logged); a group of one reads it as the hf engine does.
 
 Collectives: `get_weights`, `save` and `load` gather or scatter full tensors and must be called on every rank
 (the worker group's broadcast dispatch does that); only rank 0 returns or writes the full model.
@@ -106,9 +108,10 @@ class FSDP2TrainEngine(HFTrainEngine):
         self._from_rank0 = dist.get_world_size() > 1  # the other ranks' weights come from rank 0 (`_wrap`)
         if not self._from_rank0:
             return super()._instantiate(model_class, kwargs)
-        from transformers import AutoConfig
-
-        refusal = L.meta_refusal(AutoConfig.from_pretrained(self.path, trust_remote_code=self._trust_remote_code))
+        # Every rank reads the config (a few kB; the meta build needs it; L.read_config): with trust_remote_code
+        # after rank 0 has imported the checkpoint's code, which transformers copies into a shared cache.
+        config = L.read_config(self.path, model_class, kwargs, self.device)
+        refusal = L.meta_refusal(config)
         if refusal is not None:
             if dist.get_rank() == 0:
                 log.warning("fsdp2: every rank reads %s: %s cannot be built on the meta device", self.path, refusal)
@@ -116,7 +119,7 @@ class FSDP2TrainEngine(HFTrainEngine):
             return super()._instantiate(model_class, kwargs)
         model, self._on_meta = L.instantiate(
             lambda: super(FSDP2TrainEngine, self)._instantiate(model_class, kwargs),
-            lambda: L.build_on_meta(model_class, self.path, kwargs),
+            lambda: L.build_on_meta(model_class, config, kwargs),
             self.device,
             self.path,
         )
@@ -227,6 +230,14 @@ class FSDP2TrainEngine(HFTrainEngine):
     def _read_model_folder(self, folder: Path) -> dict[str, Tensor]:
         """Rank 0 reads the checkpoint's tensors; the others get them from it (`_load_full_weights`)."""
         return super()._read_model_folder(folder) if self.dp_rank == 0 else {}
+
+    def _load_adapter(self, folder: Path) -> None:
+        """Rank 0 reads the checkpoint's `adapter/` and broadcasts it; every rank loads it into its shards (peft's
+        renaming runs on every rank alike). The adapter is small next to the model, so each rank holds it whole
+        for the moment of loading, as when every rank read the file."""
+        from roll_engines.train._lora import read_adapter, set_adapter
+
+        set_adapter(self.model, L.tensors_from_rank0(lambda: read_adapter(folder), self.device, str(folder)))
 
     def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
         """Shard rank 0's full `weights`: a mismatch (missing, unexpected, misshapen) raises on every rank."""
