@@ -75,9 +75,11 @@ def test_runs_of_a_process_that_is_gone_are_swept_with_what_runs_in_them(sandbox
     dead = cgroup.RunCgroup.create(64 << 20, 4)
     live = cgroup.RunCgroup.create(64 << 20, 4)
     assert dead is not None and live is not None
-    # Rename them as if another process had made them: one whose pid is gone, one whose pid (1) runs.
-    dead_folders = tuple(f.rename(f.parent / f"run-{gone.pid}-0123456789ab") for f in dead.folders)
-    live_folders = tuple(f.rename(f.parent / "run-1-ba9876543210") for f in live.folders)
+    # Rename them as if another process of this PID namespace had made them: one whose pid is gone, one whose
+    # pid (1) runs.
+    ns = cgroup._pid_ns()
+    dead_folders = tuple(f.rename(f.parent / f"run-{ns}-{gone.pid}-0123456789ab") for f in dead.folders)
+    live_folders = tuple(f.rename(f.parent / f"run-{ns}-1-ba9876543210") for f in live.folders)
     orphan = subprocess.Popen(cgroup.RunCgroup(dead_folders).enter_argv(["sleep", "60"]))
     deadline = time.monotonic() + 10
     while not all(cgroup._pids(f) for f in dead_folders):

@@ -7,9 +7,19 @@ the limits that hold the trainer, e.g. a container's), or returns None where no 
 `enter_argv(argv)` prefixes a command with `/bin/sh` moving itself into the cgroup before it `exec`s the command,
 so bwrap and every process of the run are inside from their first instruction; the kernel then OOM-kills inside
 the run when all of its processes together exceed the memory limit, and refuses forks past `max_pids`.
-`close()` kills whatever is left in the cgroup and removes it. A run cgroup is named `run-<creator pid>-<random>`:
-the first `create` of a process sweeps the runs of creators that are gone (a trainer killed before it closed
-them), killing what still runs there, so a crash leaks neither cgroups nor sandboxed processes.
+`close()` kills whatever is left in the cgroup and removes it: on v2 through `cgroup.kill` (Linux >= 5.14), which
+reaches every process of the cgroup whatever its PID namespace; else (v1, older kernels) by SIGKILL to each pid
+in `cgroup.procs`, which cannot reach processes of a PID namespace this one cannot see, so such a cgroup stays
+(a warning says so).
+
+Sweeping leftovers: a run cgroup is named `run-<creator pid namespace>-<creator pid>-<random>`, the namespace being
+the inode of the creator's /proc/self/ns/pid (0 if unreadable). The first `create` of a process sweeps the runs
+whose creator is provably gone: same PID namespace as this process, and that pid is not alive (a trainer killed
+before it closed them), killing what still runs there, so a crash leaks neither cgroups nor sandboxed processes.
+A pid of another PID namespace (a container sharing the cgroup parent, `docker exec`, a trainer under bwrap or a
+pid-namespaced launcher) means nothing here, so such runs are never swept, only logged (info): they are left to
+a process of their own namespace. Names of older versions, `run-<pid>-<random>`, carry no namespace: when their
+pid is not alive here only an empty one is removed, nothing in them is killed. Older versions ignore the new names.
 
 Why a shell prefix: Python's subprocess cannot place a child into a cgroup at spawn (no CLONE_INTO_CGROUP), and a
 `preexec_fn` is unsafe in a threaded reward worker. Swap: none on v2; not limited on v1 (memsw needs swap
@@ -47,7 +57,7 @@ class RunCgroup:
         if layout is None:
             return None
         sweep_stale()
-        name = f"run-{os.getpid()}-{secrets.token_hex(6)}"
+        name = f"run-{_pid_ns() or 0}-{os.getpid()}-{secrets.token_hex(6)}"
         made: list[Path] = []
         try:
             where = parents()
@@ -78,41 +88,90 @@ class RunCgroup:
         return ["/bin/sh", "-c", _ENTER_EXEC, "sh", *map(str, self.folders), "--", *argv]
 
     def close(self) -> None:
-        """SIGKILL every process still in the cgroup, then remove it."""
+        """Kill every process still in the cgroup (`cgroup.kill` where the kernel has it, else SIGKILL to each pid
+        this PID namespace can see), then remove it."""
         for folder in self.folders:
-            for _ in range(50):  # processes forking while we kill: repeat until the cgroup is empty
-                pids = _pids(folder)
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            if not _kill_all(folder):
+                for _ in range(50):  # processes forking while we kill: repeat until the cgroup is empty
+                    pids = _pids(folder)
+                    if not pids:
+                        break
+                    for pid in pids:
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
             _remove(folder)
 
 
 @functools.lru_cache(maxsize=1)
 def sweep_stale() -> int:
-    """Once per process: remove the run cgroups whose creating process is gone, killing what still runs in them
-    (their results have no reader). Returns how many were removed."""
-    removed = 0
+    """Once per process: remove the run cgroups whose creating process is provably gone (same PID namespace as this
+    process, pid not alive), killing what still runs in them (their results have no reader); runs of other PID
+    namespaces are left and logged. Returns how many were removed."""
+    removed, foreign, kept_legacy = 0, [], []
+    own_ns = _pid_ns()
     for parent in {p for p in parents().values() if p.is_dir()}:
         for folder in parent.iterdir():
-            pid = _creator(folder.name)
-            if pid is None or pid == os.getpid() or _alive(pid):
+            creator = _creator(folder.name)
+            if creator is None:
+                continue
+            ns, pid = creator
+            if ns is None:  # an older version's name: the creator's namespace is unknown, its pid may be foreign
+                if not _alive(pid):
+                    try:  # an empty leftover goes; one holding processes (maybe a live foreign run's) stays
+                        folder.rmdir()
+                        removed += 1
+                    except OSError:
+                        kept_legacy.append(folder.name)
+                continue
+            if own_ns is None or ns != own_ns:  # a pid of another namespace says nothing about its creator
+                foreign.append(folder.name)
+                log.debug("sandbox run cgroup %s: creator in another PID namespace, left alone", folder)
+                continue
+            if pid == os.getpid() or _alive(pid):
                 continue
             RunCgroup((folder,)).close()
             removed += not folder.exists()
     if removed:
         log.info("removed %d sandbox run cgroups left by processes that are gone", removed)
+    if foreign:
+        log.info(
+            "left sandbox run cgroups of other PID namespaces (their creators cannot be checked from here): %s",
+            _listed(foreign),
+        )
+    if kept_legacy:
+        log.info(
+            "left sandbox run cgroups named by an older version (no PID namespace in the name) that hold processes: %s",
+            _listed(kept_legacy),
+        )
     return removed
 
 
-def _creator(name: str) -> int | None:
-    """The pid in a run cgroup's name `run-<pid>-<hex>`, None for any other name."""
+def _listed(names: list[str]) -> str:
+    """Run names for a log line (one per run; at most five, then how many more)."""
+    unique = sorted(set(names))
+    return ", ".join(unique[:5]) + (f" and {len(unique) - 5} more" if len(unique) > 5 else "")
+
+
+def _pid_ns() -> int | None:
+    """This process's PID namespace: the inode of /proc/self/ns/pid (unique among live namespaces of this host),
+    None where it cannot be read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _creator(name: str) -> tuple[int | None, int] | None:
+    """(PID namespace, pid) of a run cgroup's creator from its name `run-<ns>-<pid>-<hex>`, (None, pid) for an
+    older version's `run-<pid>-<hex>`, None for any other name."""
     parts = name.split("-")
-    return int(parts[1]) if len(parts) == 3 and parts[0] == "run" and parts[1].isdigit() else None
+    if parts[0] != "run" or not all(part.isdigit() for part in parts[1:-1]):
+        return None
+    if len(parts) == 4:
+        return int(parts[1]), int(parts[2])
+    return (None, int(parts[1])) if len(parts) == 3 else None
 
 
 def _alive(pid: int) -> bool:
@@ -142,7 +201,22 @@ def _pids(folder: Path) -> list[int]:
         return []
 
 
+def _kill_all(folder: Path) -> bool:
+    """SIGKILL every process of the cgroup `folder` and its descendants through v2 `cgroup.kill` (Linux >= 5.14),
+    whatever their PID namespace; False where there is no such file (v1, older kernels) or the write is refused."""
+    kill = folder / "cgroup.kill"
+    if not kill.exists():
+        return False
+    try:
+        kill.write_text("1")
+    except OSError as exc:
+        log.debug("cgroup.kill of %s refused (%s): killing its pids one by one", folder, exc)
+        return False
+    return True
+
+
 def _remove(folder: Path) -> None:
+    """Remove the cgroup `folder` once its killed processes have left it; a warning says why where it cannot."""
     for _ in range(100):  # a killed process leaves the cgroup once reaped
         try:
             folder.rmdir()
@@ -151,7 +225,15 @@ def _remove(folder: Path) -> None:
             return
         except OSError:
             time.sleep(0.01)
-    log.warning("sandbox cgroup %s could not be removed", folder)
+    left = _pids(folder)
+    if left:
+        why = f"processes {left} are still in it"
+    else:  # nothing this namespace can see: v1 leaves them out of cgroup.procs, v2 lists them as 0
+        why = (
+            "it holds processes of a PID namespace this process cannot see (another container's or launcher's), "
+            "which only cgroup.kill (cgroup v2, Linux >= 5.14) can reach"
+        )
+    log.warning("sandbox cgroup %s could not be removed: %s", folder, why)
 
 
 def _own_path(controller: str | None) -> str:
