@@ -185,3 +185,36 @@ def test_under_noset_a_vllm_engine_on_cuda_1_computes_there(
         assert engine.generate(prompts, greedy).responses.tolist() == hf.generate(prompts, greedy).responses.tolist()
     finally:
         engine.shutdown()
+
+
+def test_the_engine_measures_its_own_gpu(tiny: str, noset: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine on cuda:3 measures what cuda:3 holds before vLLM starts (the base `memory_bytes` subtracts): it
+    asked the current device (cuda:0 here, another worker's GPU under NOSET). CUDA's calls are stand-ins that record
+    which device is asked; the CUDA test below asks a real one."""
+    from roll_engines.infer.vllm import _device_used
+
+    asked: list[Any] = []
+
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        asked.append(device)
+        return (1 << 30, 3 << 30)
+
+    _fake_vllm(monkeypatch, has_device_ids=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    _kwargs_given_to_vllm(tiny, "cuda:3")
+    assert asked == [torch.device("cuda:3")]
+    assert _device_used(torch.device("cuda:1")) == 2 << 30 and asked[-1] == torch.device("cuda:1")
+    assert _device_used(torch.device("cpu")) == 0 and len(asked) == 2  # a CPU engine asks no GPU
+
+
+@pytest.mark.cuda
+def test_device_used_measures_the_given_gpu() -> None:
+    """On a GPU: what `_device_used` reports for the last device grows by a tensor allocated there."""
+    from roll_engines.infer.vllm import _device_used
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    before = _device_used(device)
+    held = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    assert _device_used(device) - before >= held.numel()

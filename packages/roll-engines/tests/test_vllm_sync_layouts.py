@@ -14,6 +14,8 @@
 (f) A sync that fails part way (aborted by its sender, or a weight the worker rejects) is undone in the worker: every
     parameter and packed kernel as before, fused groups (q|k|v, gate|up) included; the version is kept. Where the
     undo itself fails the engine refuses to serve the mix of versions until a full sync.
+(g) After sleep(level=2) the engine refuses until completed syncs have rewritten every layer, a fused one only once
+    all its parts were sent, and layers no full sync writes do not keep it refusing.
 """
 
 from __future__ import annotations
@@ -226,7 +228,10 @@ def test_a_sync_that_fails_part_way_is_undone_in_the_worker(tmp_path, in_process
     sync (it served the mix), a sync of one layer does not lift it, and a full sync afterwards loads and serves.
     (g) After sleep(level=2) (on a GPU vLLM discards the weights; on CPU it keeps them and the engine refuses all the
     same) every request is refused until completed syncs have rewritten every layer: a partial sync and a failed
-    one leave it refused (it served, from garbage on a GPU), a full sync serves."""
+    one leave it refused (it served, from garbage on a GPU), a full sync serves; the error names layers left. A
+    fused layer (q|k|v) that a sync brought only q of stays unwritten (it counted as rewritten: vLLM filled k and v
+    from uninitialised memory and the engine served). A vLLM parameter no trainer tensor maps to (a VLM's, an FP8
+    model's) is not waited for once a full sync completed (the engine refused forever), nor after later sleeps."""
     from transformers import AutoModelForCausalLM
 
     from roll_core.interfaces import Request, SamplingParams
@@ -298,7 +303,9 @@ def test_a_sync_that_fails_part_way_is_undone_in_the_worker(tmp_path, in_process
         with pytest.raises(RuntimeError, match=rf"{discarded}.*\(15 still to be rewritten\)"):
             engine.generate(PROMPTS, greedy)
         _sync(engine, first)  # completes: the embedding and layer 0's six layers are rewritten
-        with pytest.raises(RuntimeError, match=rf"{discarded}.*\(8 still to be rewritten\)"):
+        left = "lm_head, model.layers.1.input_layernorm, model.layers.1.mlp.down_proj, "
+        left += r"model.layers.1.mlp.gate_up_proj, model.layers.1.post_attention_layernorm, \.\.\.$"  # 5 named of 8
+        with pytest.raises(RuntimeError, match=rf"{discarded}.*\(8 still to be rewritten\).*not rewritten yet: {left}"):
             engine.submit(Request("v", PROMPTS[0], greedy))
         rest = [(k, v) for k, v in new.items() if k not in dict(first)]
         engine.begin_weight_update()
@@ -307,6 +314,30 @@ def test_a_sync_that_fails_part_way_is_undone_in_the_worker(tmp_path, in_process
         with pytest.raises(RuntimeError, match=rf"{discarded}.*\(8 still to be rewritten\)"):
             engine.generate(PROMPTS, greedy)
         _sync(engine, list(new.items()))
+        _assert_same(engine, str(tmp_path), new)
+
+        # A vLLM layer no trainer tensor maps to, then a full sync: the engine serves again, and the next sleep
+        # leaves that layer out.
+        worker_model.roll_probe = torch.nn.Linear(2, 2, bias=False)
+        engine.sleep(level=2)
+        engine.wake_up()
+        with pytest.raises(RuntimeError, match=rf"{discarded}.*\(16 still to be rewritten\)"):
+            engine.generate(PROMPTS, greedy)
+        _sync(engine, list(new.items()))
+        _assert_same(engine, str(tmp_path), new)
+
+        # Every weight but layer 1's k and every v: layer 0's q|k|v got q and k, layer 1's q alone: both unwritten.
+        engine.sleep(level=2)
+        engine.wake_up()
+        with pytest.raises(RuntimeError, match=rf"{discarded}.*\(15 still to be rewritten\)"):
+            engine.generate(PROMPTS, greedy)
+        no_kv = [(k, v) for k, v in new.items() if not (".layers.1.self_attn.k_proj" in k or ".v_proj" in k)]
+        assert len(no_kv) == len(new) - 3
+        _sync(engine, no_kv)
+        qkv = r"not rewritten yet: model.layers.0.self_attn.qkv_proj, model.layers.1.self_attn.qkv_proj$"
+        with pytest.raises(RuntimeError, match=rf"{discarded}.*\(2 still to be rewritten\).*{qkv}"):
+            engine.generate(PROMPTS, greedy)
+        _sync(engine, [(k, v) for k, v in new.items() if ".layers.0.self_attn." in k or ".layers.1.self_attn" in k])
         _assert_same(engine, str(tmp_path), new)
     finally:
         engine.shutdown()

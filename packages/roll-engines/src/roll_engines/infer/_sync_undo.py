@@ -23,7 +23,7 @@ sync that sends every weight must come first.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -103,22 +103,34 @@ class MixedWeights:
         self.since, self.discarded = None, False
 
     def error(self, engine: str) -> RuntimeError:
-        """What a token-serving call of `engine` raises while any key is left (`mixed_error`)."""
-        return mixed_error(engine, self.since, len(self.keys), discarded=self.discarded)
+        """What a token-serving call of `engine` raises while any key is left (`mixed_error`), naming a few."""
+        examples = sorted(str(k) for k in self.keys)[:EXAMPLES]
+        return mixed_error(engine, self.since, len(self.keys), discarded=self.discarded, examples=examples)
 
 
-def mixed_error(engine: str, since: str | None, left: int, discarded: bool = False) -> RuntimeError:
+#: How many of the weights still to be rewritten an error names.
+EXAMPLES = 5
+
+
+def mixed_error(
+    engine: str, since: str | None, left: int, discarded: bool = False, examples: Sequence[str] = ()
+) -> RuntimeError:
     """The error every token-serving call of an engine with mixed weights raises (`left`: tensors or layers, 0 when
-    not known, still to be rewritten); `discarded`: its weights were discarded by `since` (a level-2 sleep)."""
+    not known, still to be rewritten, of which `examples` are named); `discarded`: its weights were discarded by
+    `since` (a level-2 sleep)."""
     what = f" ({left} still to be rewritten)" if left > 0 else ""
+    named = ""
+    if examples:  # last, so that what a caller matches of the message above stays as it was
+        more = ", ..." if left > len(examples) else ""
+        named = f"; not rewritten yet: {', '.join(examples)}{more}"
     if discarded:
         return RuntimeError(
             f"{engine} engine: refusing to generate: its weights were discarded by {since}; a weight sync that "
             f"sends every weight must come first: syncs that complete must have rewritten all of them{what} (a "
-            "full sync does; a partial or failed one leaves the rest discarded)"
+            f"full sync does; a partial or failed one leaves the rest discarded){named}"
         )
     return RuntimeError(
         f"{engine} engine: refusing to generate: its weights are a mix of two versions since {since}; the next "
         f"weight sync that completes and rewrites every weight that sync wrote{what} (a full sync, or reloading the "
-        "engine) makes them whole again"
+        f"engine) makes them whole again{named}"
     )

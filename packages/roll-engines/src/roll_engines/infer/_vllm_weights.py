@@ -24,8 +24,10 @@ an aborted sync loads no adapter.
 A level-2 sleep discards the weights (on a GPU; on CPU vLLM keeps them and the engine refuses all the same): every
 worker then counts every layer a full sync writes as discarded (`roll_discard_weights`), and the engine refuses to
 serve (`mixed_error(..., discarded=True)`) until syncs that complete have rewritten all of them: a changed-only
-sync leaves the layers it did not send discarded, and one that fails lifts nothing. Nothing of discarded weights is
-kept for an undo (nothing worth restoring): a sync into them that fails leaves what it wrote.
+sync leaves the layers it did not send discarded (a fused layer counts only once all its parts were sent), and one
+that fails lifts nothing; layers no full sync writes (vLLM parameters without a trainer counterpart) are not waited
+for (roll_engines.infer._vllm_worker), and the error counts what is left and names a few layers. Nothing of
+discarded weights is kept for an undo (nothing worth restoring): a sync into them that fails leaves what it wrote.
 
 A worker whose undo failed holds a mix of two weight versions. After every merged-weight sync that reached the
 workers (finished, aborted, or left open and aborted by the next begin) the engine asks them
@@ -48,7 +50,7 @@ import torch
 from torch import Tensor
 
 from roll_engines.infer._bucket_channel import BucketSender
-from roll_engines.infer._sync_undo import mixed_error
+from roll_engines.infer._sync_undo import EXAMPLES, mixed_error
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class VLLMWeightUpdates:
     #: whole), and how many layers.
     _mixed: str | None = None
     _mixed_layers: int = 0
+    _mixed_names: tuple[str, ...] = ()  # a few of those layers (the workers' names), for the error
 
     def begin_weight_update(self) -> None:
         # A sync that never finished (its caller failed): undone before anything else, since its workers' call
@@ -201,20 +204,20 @@ class VLLMWeightUpdates:
         """(driver thread, after a merged-weight sync reached the workers; `failure`: why it failed, None if it
         completed) Whether any worker holds a mix of two versions: serving stops, or resumes (module docstring)."""
         try:
-            layers = sum(int(n) for n in self.llm.collective_rpc("roll_mixed_layers"))
+            layers = self._count_mixed(self.llm.collective_rpc("roll_mixed_layers"))
         except Exception as exc:  # the workers cannot say: their weights are not known to be whole
             log.exception("%s: could not ask vLLM's workers whether their weights are whole", self.name)
             layers, failure = max(self._mixed_layers, 1), f"{failure or 'a weight sync'} (then asking: {exc!r})"
+            self._mixed_layers = layers
         if not layers:
             if self._mixed is not None:
                 log.warning("%s: weights whole again since %s: serving resumes", self.name, self._mixed)
-            self._mixed, self._mixed_layers, self._discarded = None, 0, False
+            self._mixed, self._mixed_layers, self._mixed_names, self._discarded = None, 0, (), False
             return
         if self._mixed is None:
             self._mixed = (
                 f"the weight sync to version {self._version + 1} failed part way ({failure}) and could not be undone"
             )
-        self._mixed_layers = layers
         error = self._mixed_error()
         log.error("%s", error)
         self._fail_pending(error, abort=True)  # what they sampled from here on would come from the mix
@@ -224,14 +227,23 @@ class VLLMWeightUpdates:
         serving stops until completed syncs have rewritten them all (module docstring)."""
         self._discarded, self._mixed = True, "sleep(level=2)"
         try:
-            self._mixed_layers = sum(int(n) for n in self.llm.collective_rpc("roll_discard_weights"))
+            self._count_mixed(self.llm.collective_rpc("roll_discard_weights"))
         except Exception:  # the workers' count is unknown: still refused, until a completed sync's count says
             log.exception("%s: could not mark the workers' weights discarded", self.name)
-            self._mixed_layers = 0
+            self._mixed_layers, self._mixed_names = 0, ()
         self._fail_pending(self._mixed_error(), abort=True)  # what they sampled from here on would be garbage
 
+    def _count_mixed(self, results: list[dict[str, Any]]) -> int:
+        """Keep the workers' answers (`roll_mixed_layers`): layers still mixed or discarded, summed over the
+        workers, and a few of their names; returns the count."""
+        self._mixed_layers = sum(int(r["left"]) for r in results)
+        self._mixed_names = tuple(sorted({str(n) for r in results for n in r["names"]}))[:EXAMPLES]
+        return self._mixed_layers
+
     def _mixed_error(self) -> RuntimeError:
-        return mixed_error(self.name, self._mixed, self._mixed_layers, discarded=self._discarded)
+        return mixed_error(
+            self.name, self._mixed, self._mixed_layers, discarded=self._discarded, examples=self._mixed_names
+        )
 
     def _reset_prefix_cache(self) -> None:
         """Drop the prefix cache's blocks after a weight change (driver thread). vLLM refuses while any running

@@ -23,8 +23,15 @@ keep no copies (a mix is not worth restoring); one of them that fails adds the l
 A level-2 sleep discards every weight: `roll_discard_weights` makes every layer a full sync writes count as
 discarded in the same tracking (`_roll_weight_layers`: the modules holding a parameter of their own that the reload
 loads; a tied LM head's is the embedding's), so the engine serves again only once completed syncs have written each
-of them. A layer counts as written when the sync brought any of its parameters (vLLM reloads a layer whole; the
-trainer sends fused groups whole). Where the reload's writes cannot be followed, a completed sync lifts it all.
+of them. A layer counts as written only when one sync brought all its parts: vLLM reloads a layer whole and fills
+what was not sent from uninitialised memory, so a fused layer (qkv_proj from q/k/v, gate_up_proj from gate/up,
+experts) that received only some of them is still unwritten (`_LayerUndo.whole`: every parameter loaded in shards
+received all its elements; one loaded in one piece is whole even where its loader pads it). Layers no sync writes
+(a vLLM parameter without a trainer counterpart: a VLM's or FP8 model's) must not keep the engine refusing forever:
+a completed sync that sent every name any sync ever sent (a full sync; the first sync an engine gets is full:
+roll_core.cluster.weight_sync) and wrote none of a layer marks that layer unreachable, lifts it, names it in the
+log, and later discards leave it out; a sync that writes it makes it reachable again. Where the reload's writes
+cannot be followed, a completed sync lifts it all.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from typing import Any
 import torch
 
 from roll_engines.infer._bucket_channel import SyncAborted, receive_buckets
-from roll_engines.infer._sync_undo import MixedWeights, SyncUndo
+from roll_engines.infer._sync_undo import EXAMPLES, MixedWeights, SyncUndo
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,11 @@ log = logging.getLogger(__name__)
 _MODULE_STATE = frozenset(vars(torch.nn.Module()))
 #: vLLM 0.32's functions (vllm.model_executor.model_loader.reload.layerwise) that write a layer's engine tensors.
 _WRITERS = ("_layerwise_process", "_finalize_attention_layer")
+#: ... and the one that counts the elements each buffered load brings (`_LayerUndo.whole`).
+_COUNTER = "get_numel_loaded"
+#: A weight loader's arguments naming the part of a fused parameter one load brings (linear layers' q/k/v or
+#: gate/up index, FusedMoE's w1/w2/w3).
+_SHARD_ARGS = ("loaded_shard_id", "shard_id")
 
 
 class _LayerUndo:
@@ -56,15 +68,20 @@ class _LayerUndo:
         self.tensors = SyncUndo(keep=keep)
         self._attrs: list[tuple[torch.nn.Module, dict[str, Any]]] = []
         self._seen: set[int] = set()
-        #: id() of every layer written with weights of this sync (an attention layer the reload finalises without
-        #: any keeps its values): what a failed undo leaves mixed, what a complete sync rewrote.
+        #: id() of every layer written whole with weights of this sync (an attention layer the reload finalises
+        #: without any keeps its values): what a failed undo leaves mixed, what a complete sync rewrote.
         self.loaded: set[int] = set()
+        #: id() of every layer this sync brought only some parts of (`whole`): written, not rewritten.
+        self.partial: set[int] = set()
+        #: Elements each buffered load brought, by id() of its bound arguments (vLLM's count, `_saving`); None where
+        #: vLLM's counter is missing: a layer then counts as whole once written.
+        self.numel: dict[int, int] | None = {}
 
     def save(self, layer: torch.nn.Module, info: Any) -> None:
         """Before vLLM writes `layer`'s engine tensors (`info.kernel_tensors`; None on a first load, not a
         reload: nothing to keep)."""
         if (info.load_numel or 0) > 0:
-            self.loaded.add(id(layer))
+            (self.loaded if self.whole(info) else self.partial).add(id(layer))
         if info.kernel_tensors is None or id(layer) in self._seen or not self.keep:
             return
         self._seen.add(id(layer))
@@ -73,6 +90,26 @@ class _LayerUndo:
             self.tensors.save(t.data)
         # The objects themselves: the old `cpu_linear` closure holds the old packed weight.
         self._attrs.append((layer, {k: v for k, v in vars(layer).items() if k not in _MODULE_STATE}))
+
+    def whole(self, info: Any) -> bool:
+        """Whether the loads buffered in `info` bring every part of their layer: each parameter loaded in shards
+        (q/k/v, gate/up, experts) received all its elements. A parameter loaded in one piece is whole (its loader
+        may pad it: a vocabulary padded to 64 rows loads fewer elements than it holds); one never loaded is not
+        looked at (a parameter without a trainer counterpart, an FP8 scale, would keep its layer unwritten)."""
+        if self.numel is None:
+            return True
+        got: dict[int, int] = {}
+        params: dict[int, torch.Tensor] = {}
+        for _, args in info.loaded_weights:
+            param = args.arguments.get("param")
+            if not isinstance(param, torch.Tensor):
+                continue
+            if all(args.arguments.get(k) is None for k in _SHARD_ARGS):
+                got[id(param)] = -1  # loaded in one piece
+            elif got.get(id(param), 0) >= 0:
+                got[id(param)] = got.get(id(param), 0) + self.numel.get(id(args), 0)
+            params[id(param)] = param
+        return all(n < 0 or n >= getattr(params[k], "weight_loader_numel", params[k].numel()) for k, n in got.items())
 
     def undo(self) -> int:
         """Put back every saved layer's tensor values and attributes; returns the tensors restored."""
@@ -100,6 +137,11 @@ def _saving(undo: _LayerUndo | None) -> Iterator[bool]:
         log.warning("vLLM's layer-wise reload lacks %s: a failed weight sync cannot be undone", _WRITERS)
         yield False
         return
+    numel = undo.numel
+    count = getattr(layerwise, _COUNTER, None)
+    if count is None or numel is None:
+        log.warning("vLLM's layer-wise reload lacks %s: a layer counts as written once any part is", _COUNTER)
+        undo.numel = None
 
     def saving(fn: Any) -> Any:
         def write(layer: torch.nn.Module, info: Any, *args: Any, **kwargs: Any) -> Any:
@@ -108,8 +150,15 @@ def _saving(undo: _LayerUndo | None) -> Iterator[bool]:
 
         return write
 
+    def counting(loader: Any, args: Any) -> Any:
+        n, ret = count(loader, args)
+        numel[id(args)] = int(n)  # type: ignore[index]  # kept in `info.loaded_weights` until its layer is written
+        return n, ret
+
+    if undo.numel is not None:
+        originals[_COUNTER] = count
     for name, fn in originals.items():
-        setattr(layerwise, name, saving(fn))
+        setattr(layerwise, name, counting if name == _COUNTER else saving(fn))
     try:
         yield True
     finally:
@@ -129,6 +178,7 @@ class RollWorkerExtension:
         `keep`: keep the old values of what the sync overwrites (module docstring); False where they are not worth
         restoring (discarded by a level-2 sleep)."""
         count = 0
+        names: set[str] = set()
         stream = receive_buckets(address, bytes.fromhex(authkey_hex))
         mixed = self._roll_mixed()
         undo = _LayerUndo(keep=keep and not mixed)  # a mix is not worth keeping (module docstring)
@@ -138,6 +188,7 @@ class RollWorkerExtension:
             nonlocal count
             for item in stream:
                 count += 1
+                names.add(item[0])
                 yield item
 
         try:
@@ -160,20 +211,62 @@ class RollWorkerExtension:
         self._roll_repack_cpu_experts()
         if undoable:
             mixed.rewritten(undo.loaded)
-            if mixed.discarded:  # a partial sync after a level-2 sleep: say which layers it left out
+            self._roll_reached(names, undo)
+            if undo.partial:  # vLLM filled the parts not sent from uninitialised memory (module docstring)
                 layers = self._roll_weight_layers()
-                left = sorted(layers.get(k, "?") for k in mixed.keys)
+                log.warning(
+                    "a weight sync brought only some parts of %d fused layer(s): %s",
+                    len(undo.partial),
+                    sorted(layers.get(k, "?") for k in undo.partial)[:8],
+                )
+            if mixed.discarded:  # a partial sync after a level-2 sleep: say which layers it left out
+                left = self._roll_mixed_names()
                 log.warning("discarded by %s: %d layer(s) still to be rewritten: %s", mixed.since, len(left), left[:8])
         else:  # the writes could not be followed: a sync that completed is taken to have rewritten them all
             mixed.clear()
         return {"received": count, "restored": 0}
 
-    def roll_discard_weights(self) -> int:
-        """A level-2 sleep discarded the weights: every layer counts as unwritten until syncs that complete have
-        written it (module docstring). Returns how many layers that is."""
-        layers = self._roll_weight_layers()
-        self._roll_mixed().discard(layers)
-        return len(layers)
+    def roll_discard_weights(self) -> dict[str, Any]:
+        """A level-2 sleep discarded the weights: every layer a sync writes counts as unwritten until syncs that
+        complete have written it (module docstring). Returns how many layers that is and a few names, as
+        `roll_mixed_layers`."""
+        unreachable = self._roll_reach()[1]
+        layers = [k for k in self._roll_weight_layers() if k not in unreachable]
+        mixed = self._roll_mixed()
+        mixed.discard(layers)
+        return {"left": len(mixed.keys), "names": self._roll_mixed_names()[:EXAMPLES]}
+
+    def _roll_reach(self) -> tuple[set[str], set[int]]:
+        """(every name a completed sync sent here, the layers no full sync writes: module docstring)."""
+        state = vars(self)
+        if "_roll_reach_state" not in state:
+            state["_roll_reach_state"] = (set(), set())
+        return state["_roll_reach_state"]
+
+    def _roll_reached(self, names: set[str], undo: _LayerUndo) -> None:
+        """After a sync that completed, having sent `names` and written what `undo` followed: a full one (every name
+        any sync sent before) lifts the discarded layers it wrote no part of, which no sync writes (module
+        docstring); a layer any sync writes is reachable."""
+        sent, unreachable = self._roll_reach()
+        full = names >= sent
+        sent |= names
+        written = undo.loaded | undo.partial
+        unreachable -= written
+        mixed = self._roll_mixed()
+        if not (full and mixed.discarded):
+            return
+        never = {k for k in mixed.keys if k not in written and isinstance(k, int)}
+        if never:
+            layers = self._roll_weight_layers()
+            log.warning(
+                "a full weight sync wrote nothing of %d layer(s) discarded by %s (vLLM parameters no trainer tensor "
+                "maps to): not waited for, now or after later discards: %s",
+                len(never),
+                mixed.since,
+                sorted(layers.get(k, "?") for k in never)[:8],
+            )
+            unreachable |= never
+            mixed.rewritten(never)
 
     def _roll_weight_layers(self) -> dict[int, str]:
         """{id(): name} of every layer a full sync writes: each module holding a parameter of its own that vLLM's
@@ -201,9 +294,15 @@ class RollWorkerExtension:
             state["_roll_mixed_weights"] = MixedWeights()
         return state["_roll_mixed_weights"]
 
-    def roll_mixed_layers(self) -> int:
-        """How many layers a failed sync that could not be undone left mixed here (0: the weights are whole)."""
-        return len(self._roll_mixed().keys)
+    def roll_mixed_layers(self) -> dict[str, Any]:
+        """How many layers a failed sync that could not be undone (or a level-2 sleep) left mixed here ("left"; 0:
+        the weights are whole), and a few of their names ("names")."""
+        return {"left": len(self._roll_mixed().keys), "names": self._roll_mixed_names()[:EXAMPLES]}
+
+    def _roll_mixed_names(self) -> list[str]:
+        """The names of the layers still mixed or discarded, sorted."""
+        layers = self._roll_weight_layers()
+        return sorted(layers.get(k, str(k)) if isinstance(k, int) else str(k) for k in self._roll_mixed().keys)
 
     def _roll_drop_reload(self) -> None:
         """End a reload that stopped part way: every layer still waiting for weights gets its own tensors back
@@ -226,7 +325,7 @@ class RollWorkerExtension:
         Raises where the old state is lost: the caller must not take the worker's weights for the old ones."""
         mixed = self._roll_mixed()
         if mixed:  # no copies were kept (a mix); what this sync wrote is part of the mix now
-            mixed.add(undo.loaded if undoable else ["untracked"], why)
+            mixed.add(undo.loaded | undo.partial if undoable else ["untracked"], why)
             log.error("weight sync failed (%s) into mixed weights: %d layer(s) mixed", why, len(mixed.keys))
             return -1
         if not undo.keep:
@@ -239,7 +338,7 @@ class RollWorkerExtension:
             restored = undo.undo()
         except Exception as exc:
             # Every layer it wrote, restored or not: the next sync rewrites them all the same.
-            mixed.add(undo.loaded | undo._seen if undoable else ["untracked"], why)
+            mixed.add(undo.loaded | undo.partial | undo._seen if undoable else ["untracked"], why)
             raise RuntimeError(
                 f"a weight sync failed part way ({why}) and could not be undone ({exc!r}): the worker holds a mix "
                 "of old and new weights"

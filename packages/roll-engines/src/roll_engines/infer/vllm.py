@@ -204,7 +204,7 @@ class VLLMInferEngine(VLLMWeightUpdates):
         if not self.on_cpu:  # vLLM's engine core takes cuda:0 unless told (roll_engines.infer._vllm_device)
             tp, has_ids = tensor_parallel_size, vllm_has_device_ids()
             kwargs |= device_args(device, tensor_parallel_size=tp, vllm_has_device_ids=has_ids, noset_env=noset_env())
-        self._base_used = _device_used()  # what the device held before this engine: memory_bytes subtracts it
+        self._base_used = _device_used(self.device)  # what it held before this engine: memory_bytes subtracts it
         self.llm = vllm.LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self._vllm_sampling = vllm.SamplingParams
@@ -559,7 +559,7 @@ class VLLMInferEngine(VLLMWeightUpdates):
             return {"weights": int(weights), "kv_cache": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30}
         # On CUDA vLLM's allocator pools weights and KV cache together: report what the device gained since before
         # this engine started (under "weights"), measured, so that sleep's release is observed rather than assumed.
-        return {"weights": max(0, _device_used() - self._base_used), "kv_cache": 0}
+        return {"weights": max(0, _device_used(self.device) - self._base_used), "kv_cache": 0}
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -574,11 +574,10 @@ class VLLMInferEngine(VLLMWeightUpdates):
         del self.llm, self.engine
 
 
-def _device_used() -> int:
-    """Bytes in use on the current CUDA device, all processes (0 without CUDA)."""
-    import torch
-
-    if not torch.cuda.is_available():
+def _device_used(device: torch.device) -> int:
+    """Bytes in use on the engine's `device`, all processes (0 on CPU or without CUDA). The engine's own device, not
+    the current one: an engine on cuda:1 in a process whose current device is cuda:0 measured the wrong GPU."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return 0
-    free, total = torch.cuda.mem_get_info()
+    free, total = torch.cuda.mem_get_info(device)
     return int(total - free)
