@@ -41,8 +41,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
 
 
 @pytest.fixture(autouse=True)
-def _no_user_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+def _no_user_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    from roll_core.trackers.mlflow_end import stop_deliveries
+
     clear_mlflow_env(monkeypatch)
+    yield
+    stop_deliveries()  # a run's end still retried in the background (server gone) outlives no test
 
 
 def _config(**mlflow: Any) -> str:
@@ -301,15 +305,16 @@ def test_close_stops_waiting_for_a_hung_server_at_close_timeout_s(
     assert "10 metric points (steps 1 to 5) and 1 sample tables were not sent" in message
     assert str(tmp_path / "metrics.jsonl") in message
     assert [r["step"] for r in Tracker.read_metrics(tmp_path / "metrics.jsonl")] == list(range(6))
+    assert json.loads((tmp_path / "mlflow" / "end.json").read_text())["run_id"] == run_id  # not told it ended
 
-    # The server answers again. (The given-up worker holds MLflow's process-wide HTTP settings until its request
-    # fails, ~2 s after the endpoint closed: a generous close_timeout_s for the resume.)
+    # The server answers again (the given-up worker's request holds up nothing: roll_core.trackers.mlflow_http).
     resumed = Tracker(tmp_path, _config(close_timeout_s=60), ["mlflow"], resume=True)
     resumed.truncate(5)
     resumed.close()
     assert run_id_of(tmp_path) == run_id  # run.json named only what the server had: the same run continues
     assert read_run(store, run_id) == {s: {"loss": float(s), "reward": float(s > 0)} for s in range(6)}
     assert sample_tables(store, run_id, tmp_path / "dl") == {3: [ROW]}
+    assert store.get_run(run_id).info.status == "FINISHED" and not (tmp_path / "mlflow" / "end.json").exists()
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (SQLAlchemy's, from MLflow's sqlite store)

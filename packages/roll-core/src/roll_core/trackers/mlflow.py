@@ -53,7 +53,10 @@ does. Its calls to the server (and those of the log calls still queued) get the 
 before `close()`, with its retries, or the user's MLFLOW_HTTP_REQUEST_TIMEOUT), `close()` stops waiting: the worker
 makes no further call and writes nothing, and an error says how many metric points (steps a to b) and sample tables
 were not sent, counted in `dropped` like the buffer's drops; metrics.jsonl keeps every step, and as run.json names
-only what the server acknowledged, a resume of the run sends them.
+only what the server acknowledged, a resume of the run sends them. A run whose end the server was not told (`close()`
+gave up, or its tries failed) would show RUNNING for good: its status and end time go to `<run>/mlflow/end.json` and
+a thread of this process retries them until the server takes them (roll_core.trackers.mlflow_end), else a resume
+of the run ends it. A stuck request holds up no other MLflow call of the process (roll_core.trackers.mlflow_http).
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ from roll_core.trackers.mlflow_buffer import (
     table,
     tables_tag,
 )
+from roll_core.trackers.mlflow_end import END_FILE, MAX_RETRY_INTERVAL_S, deliver_end, record_end
 from roll_core.trackers.mlflow_http import CloseDeadline, Unreachable, bounded_http, is_network_error
 from roll_core.trackers.mlflow_keys import (
     MAX_KEY,
@@ -116,7 +120,6 @@ MAX_BUFFERED_TABLES = 100
 # MLflow's limits (mlflow.utils.validation) on entities per log_batch call (names and values: mlflow_keys).
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAMS_TAGS_PER_BATCH = 100
-MAX_RETRY_INTERVAL_S = 300.0
 #: Of `close_timeout_s`, what the last calls to the server leave for writing unsent.json and the messages.
 CLOSE_RESERVE_S = 1.0
 
@@ -166,6 +169,9 @@ class MlflowTracker(MlflowResume):
         # whole deadline `close()` gives up on the worker (`_abandon`), which then makes no call and writes nothing.
         self._requests_by: float | None = None
         self._abandoned = False
+        # The run's end as `close()` saw it (status, time in ms): told the server, else recorded and delivered later.
+        self._end: tuple[str, int] = ("FINISHED", 0)
+        self.end_delivery: threading.Thread | None = None  # the delivery of an end the server was not told
         self._backlog = Backlog()  # the queued calls the worker has not begun (counted if `close()` gives up)
         # MLflow's SQL store uses what SQLAlchemy 2.1 deprecates: notices a user can do nothing about, kept out of
         # the run's log. A filter for good (set here, on the caller's thread): `catch_warnings` around each call, on
@@ -427,6 +433,7 @@ class MlflowTracker(MlflowResume):
         if worker is None:
             return
         failed, limit = sys.exc_info()[0] is not None, self.options.close_timeout_s
+        self._end = ("FAILED" if failed else "FINISHED", self._timestamp())
         self._requests_by = time.monotonic() + limit - CLOSE_RESERVE_S
         errors: list[BaseException] = []
 
@@ -464,15 +471,36 @@ class MlflowTracker(MlflowResume):
             )
             return
         self._dropped_summary(log.error)  # what the buffer dropped earlier in this outage, if anything
+        ending = self._end_later() if self.run_id is not None else ""
         if not unsent:
-            log.warning("MLflow at %s did not answer within %s: nothing is left unsent", self.shown_uri, where)
+            log.warning(
+                "MLflow at %s did not answer within %s: nothing is left unsent%s", self.shown_uri, where, ending
+            )
             return
         steps = f" (steps {unsent.first_step} to {unsent.last_step})" if unsent.points else ""
         log.error(
             "MLflow at %s did not answer within %s: close() stops waiting; %d metric points%s and %d sample tables "
             "were not sent (counted as dropped): MLflow lacks them, %s and samples.jsonl keep every step, and a "
-            "resume of this run sends them",
-            *(self.shown_uri, where, unsent.points, steps, unsent.tables, self.run_dir / "metrics.jsonl"),
+            "resume of this run sends them%s",
+            *(self.shown_uri, where, unsent.points, steps, unsent.tables, self.run_dir / "metrics.jsonl", ending),
+        )
+
+    def _end_later(self) -> str:
+        """(Closing) The server was not told that the run ended: record its status in END_FILE and deliver it from a
+        thread of its own (roll_core.trackers.mlflow_end); what the closing message adds about it."""
+        status, end_time = self._end
+        record = record_end(self.dir, str(self.run_id), status, end_time)
+        self.end_delivery = deliver_end(
+            self.client,
+            self.dir,
+            record,
+            timeout_s=self.options.timeout_s,
+            retry_interval_s=self.options.retry_interval_s,
+            shown_uri=self.shown_uri,
+        )
+        return (
+            f"; run {self.run_id} shows RUNNING until the server takes its status {status} ({self.dir / END_FILE}: "
+            "retried while this process lives, else set when this run resumes)"
         )
 
     # ---- what the worker runs --------------------------------------------------------------------------------
@@ -496,9 +524,9 @@ class MlflowTracker(MlflowResume):
             self._bound_buffer()
 
     def _close(self, failed: bool) -> None:
-        """Send what is buffered and end the run (FAILED when `failed`); what cannot be sent goes to
-        `<run>/mlflow/unsent.json` for the next attempt. A resumed run whose MLflow run never opened tries once more
-        to open it and send its steps."""
+        """Send what is buffered and end the run (FAILED when `failed`: `_end`); what cannot be sent goes to
+        `<run>/mlflow/unsent.json` for the next attempt, an end the server was not told to END_FILE (`_end_later`).
+        A resumed run whose MLflow run never opened tries once more to open it and send its steps."""
         if self._abandoned:  # `close()` gave up waiting and said what is not sent
             return
         if self.run_id is None and self.resume_step is not None and not self._open(self.seen_step):
@@ -515,22 +543,26 @@ class MlflowTracker(MlflowResume):
         if [self.failures, self.dropped] != self._reported:
             self._counts(self.last_step)  # the counts go with the last data
             sent = sent and self._flush(final=True)
+        if self._abandoned:  # `close()` gave up meanwhile, and said what is not sent
+            return
         if sent:
             try:
                 with self._http():
-                    self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+                    self.client.set_terminated(self.run_id, self._end[0], end_time=self._end[1])
             except Exception as exc:
-                log.warning("MLflow: could not mark run %s as ended (%s)", self.run_id, redact_text(str(exc)))
+                ending = self._end_later() if is_network_error(exc) else ""  # a refusal: resending would not help
+                log.warning("MLflow: could not mark run %s as ended (%s)%s", self.run_id, redact_text(str(exc)), ending)
         else:
             self._save_unsent()
             self._dropped_summary(log.error)
             log.error(
                 "MLflow at %s did not answer: %d metric points of run %s are in %s, sent when this run resumes "
-                "(metrics.jsonl holds them too)",
+                "(metrics.jsonl holds them too)%s",
                 self.shown_uri,
                 len(self.pending_metrics),
                 self.run_id,
                 self.dir / UNSENT_FILE,
+                self._end_later(),
             )
         self.run_id = None
 

@@ -2,10 +2,16 @@
 each failure sorted into "the server is away" (worth sending again) or "the request is wrong" (not).
 
 - `bounded_http(timeout_s, retries, requests_by)`: around every MLflow call. MLflow's defaults retry one request for
-  minutes; its own HTTP settings are process-wide environment variables it reads at each request
-  (MLFLOW_HTTP_REQUEST_TIMEOUT, _MAX_RETRIES, _BACKOFF_FACTOR), so they are set for the call, one caller at a time
-  (HTTP_SETTINGS), and removed after. Variables the user set are left alone. A failed request costs about
-  `(retries + 1) * timeout_s` plus MLflow's backoff against a hung server.
+  minutes; its own HTTP settings are environment variables (MLFLOW_HTTP_REQUEST_TIMEOUT, _MAX_RETRIES,
+  _BACKOFF_FACTOR) it reads at each request through the objects of `mlflow.environment_variables`. Roll's values
+  are the calling thread's own: those three objects get a per-thread layer (installed once per process, HTTP_SETTINGS)
+  that a variable the user exported overrides, and that threads outside `bounded_http` never see. No lock is held
+  while a request runs: a request stuck in a hung server (one that `close()` gave up on, with the user's long
+  MLFLOW_HTTP_REQUEST_TIMEOUT) holds up no other tracker, no later run of the process, no retry, and each of those
+  requests gets its own settings. (The settings were process-wide variables set for the call under one lock: a stuck
+  request held every other MLflow call of the process until it failed.) A failed request costs about
+  `(retries + 1) * timeout_s` plus MLflow's backoff against a hung server. (MLflow's parallel multipart uploads,
+  of artifacts over 500 MB, run on threads of its own: they get MLflow's settings; roll's artifacts are small.)
 - While the backend closes (`requests_by`, a time.monotonic() deadline): no retries, each call's timeout is cut to
   the whole seconds left before `requests_by` (MLflow's timeout is whole seconds), and a call that would have less
   than 1 s is not made: `CloseDeadline` is raised instead. So the calls `close()` makes end by `requests_by`.
@@ -22,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 __all__ = ["HTTP_SETTINGS", "PERMANENT_ERRORS", "CloseDeadline", "Unreachable", "bounded_http", "is_network_error"]
 
@@ -29,8 +36,12 @@ __all__ = ["HTTP_SETTINGS", "PERMANENT_ERRORS", "CloseDeadline", "Unreachable", 
 PERMANENT_ERRORS = frozenset(
     {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "PERMISSION_DENIED"}
 )
-#: MLflow's own HTTP settings are process-wide variables (`bounded_http`): one caller sets them at a time.
-HTTP_SETTINGS = threading.RLock()
+#: The MLflow variables `bounded_http` sets for the calling thread.
+SETTINGS = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR")
+#: Held only while the per-thread layer is installed (once per process), never across a request.
+HTTP_SETTINGS = threading.Lock()
+_installed = False
+_thread = threading.local()  # `settings`: {variable: value} of the `bounded_http` the thread is in, if any
 
 
 def is_network_error(exc: BaseException) -> bool:
@@ -48,27 +59,52 @@ class CloseDeadline(RuntimeError):
     """A call `close()` had no time left for (`tracking.mlflow.close_timeout_s`): not made, so not a failed send."""
 
 
+def _thread_value(name: str) -> str | None:
+    """A variable's text as MLflow reads it (`_EnvironmentVariable.get_raw`): the environment's (the user's), else
+    the calling thread's `bounded_http` value, else none (MLflow's default)."""
+    value = os.environ.get(name)
+    if value is None:
+        value = (getattr(_thread, "settings", None) or {}).get(name)
+    return value
+
+
+def _install() -> None:
+    """Give MLflow's objects for SETTINGS the per-thread layer (`_thread_value`), once per process."""
+    global _installed
+    if _installed:
+        return
+    with HTTP_SETTINGS:
+        if _installed:
+            return
+        from mlflow import environment_variables
+
+        for name in SETTINGS:
+            variable = getattr(environment_variables, name, None)
+            if variable is None or getattr(variable, "name", None) != name or not hasattr(variable, "get_raw"):
+                raise RuntimeError(
+                    f"this MLflow has no mlflow.environment_variables.{name}.get_raw: roll's MLflow backend cannot "
+                    "bound its requests (roll-core's mlflow extra pins the versions it supports)"
+                )
+            # An instance attribute shadows the class's method: MLflow's `get()` reads through it.
+            variable.get_raw = partial(_thread_value, name)
+        _installed = True
+
+
 @contextmanager
 def bounded_http(timeout_s: float, retries: int, requests_by: float | None = None) -> Iterator[None]:
-    """Around an MLflow call: at most `retries` retries of `timeout_s` each (whole seconds, at least 1); with
-    `requests_by` (time.monotonic()), no retries and the timeout cut to the whole seconds left, `CloseDeadline`
-    when under 1 s is left. The settings the user exported win (the module docstring)."""
+    """Around an MLflow call, on the calling thread only: at most `retries` retries of `timeout_s` each (whole
+    seconds, at least 1); with `requests_by` (time.monotonic()), no retries and the timeout cut to the whole seconds
+    left, `CloseDeadline` when under 1 s is left. The settings the user exported win (the module docstring)."""
     timeout = max(1, int(timeout_s))
     if requests_by is not None:
         left = math.floor(requests_by - time.monotonic())
         if left < 1:
             raise CloseDeadline("no time left before tracking.mlflow.close_timeout_s for another request")
         timeout, retries = min(timeout, left), 0
-    settings = {
-        "MLFLOW_HTTP_REQUEST_TIMEOUT": str(timeout),
-        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(retries),
-        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    }
-    with HTTP_SETTINGS:
-        added = [k for k in settings if k not in os.environ]
-        os.environ.update({k: settings[k] for k in added})
-        try:
-            yield
-        finally:
-            for k in added:
-                os.environ.pop(k, None)
+    _install()
+    outer = getattr(_thread, "settings", None)
+    _thread.settings = dict(zip(SETTINGS, (str(timeout), str(retries), "1"), strict=True))
+    try:
+        yield
+    finally:
+        _thread.settings = outer

@@ -18,6 +18,10 @@ unsent.json first).
 A resumed run whose server does not answer goes on without it: a warning says so (counted as a failed send), and
 the MLflow run is opened (continued or replaced, as above) at a later log once the server answers (`_ensure_run`),
 then sent the steps it lacks from metrics.jsonl.
+
+A run whose end the server was not told (`<run>/mlflow/end.json`, roll_core.trackers.mlflow_end) is reopened by the
+resume: continued (its own `close()` ends it) or superseded (KILLED); either way the record is moot and removed, and
+this process's delivery of it stops.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import logging
 import time
 
 from roll_core.trackers.mlflow_buffer import LOGGED_ARTIFACTS_TAG
+from roll_core.trackers.mlflow_end import reopened
 from roll_core.trackers.mlflow_http import Unreachable, is_network_error
 from roll_core.trackers.mlflow_keys import flatten_config
 from roll_core.trackers.replay import kept_metrics, kept_samples
@@ -80,6 +85,7 @@ class MlflowResume:
                 self.resume_step = None
                 self.last_step = self.held_step = int(state["last_step"])
                 self._save_state()
+                reopened(self.dir, str(state["run_id"]))  # the run goes on: its old end is moot
                 for _, metrics in kept_metrics(self.run_dir, self.held_step):  # the names its keys have there
                     self.keys.names_of(metrics)
                 # the steps it lacks: an attempt that ran without this tracker, or died with its points unsent
@@ -90,8 +96,8 @@ class MlflowResume:
             self._outage(exc, "this resumed run's MLflow run is opened, and sent its steps from metrics.jsonl,")
             return False
         self.resume_step = None
-        if same_store:
-            self._supersede(str(state["run_id"]), str(self.run_id))
+        if same_store and self._supersede(str(state["run_id"]), str(self.run_id)):
+            reopened(self.dir, str(state["run_id"]))  # KILLED now: its old end is moot
         self._replay(upto)
         return True
 
@@ -134,8 +140,8 @@ class MlflowResume:
         self._load_unsent()
         return True
 
-    def _supersede(self, old: str, new: str) -> None:
-        """Tag the abandoned run and move it to MLflow's deleted runs (restorable); a failure only warns."""
+    def _supersede(self, old: str, new: str) -> bool:
+        """Tag the abandoned run and move it to MLflow's deleted runs (restorable); a failure only warns (False)."""
         try:
             with self._http():
                 self.client.set_tag(old, "roll.superseded_by", new)
@@ -143,6 +149,8 @@ class MlflowResume:
                 self.client.delete_run(old)
         except Exception as exc:  # the new run is complete without this: never fail the resume for it
             log.warning("MLflow: could not mark the superseded run %s (%s)", old, redact_text(str(exc)))
+            return False
+        return True
 
     def _replay(self, last_step: int, after: int = -1) -> None:
         """Log what the run folder's own files hold of the steps in (`after`, `last_step`] into the run."""
