@@ -1,8 +1,9 @@
 """pipeline=agent's collector and `pipeline.async_abort_timeout_s`: the key bounds how long a request aborted by its
 session's close (an episode timeout) may take to answer (the collector built its `AgentSessions` without it: a fixed
 60 s), and the requests given up that way reach the step's metrics (`async/unanswered_aborts`,
-`async/failed_aborts`, the gate's `stats()`: they were counted but never logged). A real collector and endpoint on
-127.0.0.1 with a fake engine, no Ray."""
+`async/failed_aborts`, the gate's `stats()`: they were counted but never logged); `pipeline.max_idle_aborts`: how many
+times in a row the engine may abort a turn's request without a token before the agent gets 503 `engine_aborted`
+(the sessions used the module's fixed 8). A real collector and endpoint on 127.0.0.1 with a fake engine, no Ray."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from roll_core.models import build_tiny_tokenizer
 from roll_core.pipelines.collectors import CollectorContext
 from roll_core.pipelines.collectors.agents import agent_collectors
 from roll_core.pipelines.metrics import StepLog
+from roll_core.testing.agent_endpoint import quick_idle_backoff
+from roll_core.testing.held_requests import HeldRequestEngine
 
 
 class _Engine:
@@ -85,9 +88,15 @@ class _Task:
         return 1.0
 
 
-def _collector(engine: _Engine, abort_timeout_s: float) -> Any:
+def _collector(engine: Any, abort_timeout_s: float, *overrides: str) -> Any:
+    """pipeline=agent's collector over `engine`, built from the config with `overrides`."""
     cfg = load_config(
-        ["pipeline=agent", "pipeline.rollout_batch_size=1", f"pipeline.async_abort_timeout_s={abort_timeout_s}"]
+        [
+            "pipeline=agent",
+            "pipeline.rollout_batch_size=1",
+            f"pipeline.async_abort_timeout_s={abort_timeout_s}",
+            *overrides,
+        ]
     )
     cfg.algo.group_size = 1
     task = _Task(engine)
@@ -118,6 +127,26 @@ def test_a_request_given_up_after_its_episode_timed_out_is_in_the_step_metrics(o
         other = ({"async/unanswered_aborts", "async/failed_aborts"} - {lost}).pop()
         assert (out[lost], out[other]) == (1.0, 0.0)
         assert collector.sessions.gate.stats() == {"async/unanswered_aborts": 0.0, "async/failed_aborts": 0.0}
+    finally:
+        engine.release()
+        collector.close()
+
+
+@pytest.mark.parametrize("n", [3, 11])
+def test_max_idle_aborts_decides_when_a_turn_is_refused(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that aborts every request itself, without a token: the session built from
+    `pipeline.max_idle_aborts=N` refuses the turn (503 engine_aborted, naming the key) at the N-th abort in a row."""
+    from roll_core.agentic.agent_sessions import ChatTurn, SessionError
+
+    quick_idle_backoff(monkeypatch)  # the waits between tries are not this test's subject
+    engine = HeldRequestEngine(abort_tokens=[], serve_tokens=[5], preempt=lambda request: True)
+    collector = _collector(engine, 60.0, f"pipeline.max_idle_aborts={n}")
+    try:
+        collector.sessions.open("s", SamplingParams(max_new_tokens=4), collector.limits)
+        with pytest.raises(SessionError) as err:
+            collector.sessions.chat("s", ChatTurn(messages=[{"role": "user", "content": "hi"}]))
+        assert (err.value.status, err.value.code, len(engine.requests)) == (503, "engine_aborted", n)
+        assert f"aborted {n} times in a row without a token, the run's pipeline.max_idle_aborts" in str(err.value)
     finally:
         engine.release()
         collector.close()

@@ -100,7 +100,12 @@ def _collector(task: Any, infer: Any, tokenizer: Any, batch: int, group_size: in
     from roll_core.pipelines.collectors.agents import agent_collectors
 
     pipe = SimpleNamespace(
-        seed=0, rollout_batch_size=batch, async_ratio=0, eval_temperature=0.0, async_abort_timeout_s=60.0
+        seed=0,
+        rollout_batch_size=batch,
+        async_ratio=0,
+        eval_temperature=0.0,
+        async_abort_timeout_s=60.0,
+        max_idle_aborts=8,
     )
     cfg = SimpleNamespace(pipeline=pipe, algo=SimpleNamespace(group_size=group_size), model=SimpleNamespace())
     cfg.model.chat_template_kwargs = {}
@@ -166,7 +171,13 @@ def test_a_run_level_constraint_is_refused_for_training_agents(tokenizer: Any) -
     from roll_core.pipelines.collectors.agents import agent_collectors
 
     pipe = SimpleNamespace(
-        seed=0, rollout_batch_size=1, async_ratio=0, eval_temperature=0.0, name="agent", async_abort_timeout_s=60.0
+        seed=0,
+        rollout_batch_size=1,
+        async_ratio=0,
+        eval_temperature=0.0,
+        name="agent",
+        async_abort_timeout_s=60.0,
+        max_idle_aborts=8,
     )
     cfg = SimpleNamespace(pipeline=pipe, algo=SimpleNamespace(group_size=1), model=SimpleNamespace())
     cfg.model.chat_template_kwargs = {}

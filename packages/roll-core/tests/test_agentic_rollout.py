@@ -40,6 +40,15 @@ class Corridor:
         return f"You are at {self.pos}.", float(done), done, False, info
 
 
+class WalkTask:
+    """An agentic task of `Corridor` walks, in process: what the episodes collector is built around."""
+
+    name, max_turns, max_context_length, max_tokens_per_turn = "walk", 2, 2048, 4
+    step_timeout_s, env_threads, num_workers = 10.0, 1, 0
+    make_env, system_prompt, examples = Corridor, lambda self: None, lambda self: []
+    train_seeds, eval_seeds = lambda self, count, seed: list(range(count)), lambda self: [0]
+
+
 class ScriptedEngine:
     """`submit_request` answers with `lengths[turn]` copies of token 'a' (cut at max_new_tokens: 'length')."""
 
@@ -148,24 +157,18 @@ def test_structured_outputs_are_refused_for_training_on_episodes() -> None:
     assert all(r.params.structured is not None for r in engine.requests)  # what the engine's log-probs are of
     assert STRUCTURED_KEY not in to_tensors(trajs, 0)  # what the trainer would replay: nothing
 
-    class Task:
-        name, max_turns, max_context_length, max_tokens_per_turn = "walk", 2, 2048, 4
-        step_timeout_s, env_threads, num_workers = 10.0, 1, 0
-        make_env, system_prompt, examples = Corridor, lambda self: None, lambda self: []
-        train_seeds, eval_seeds = lambda self, count, seed: list(range(count)), lambda self: [0]
-
     def ctx(structured: dict, train: object) -> SimpleNamespace:
         algo = SimpleNamespace(drop_uniform_groups=False, reward_clip=None, overlong_buffer=0)
         cfg = SimpleNamespace(
             algo=algo,
-            pipeline=SimpleNamespace(name="agentic"),
+            pipeline=SimpleNamespace(name="agentic", max_idle_aborts=8),
             infer_engine=SimpleNamespace(structured=structured),
             model=SimpleNamespace(chat_template_kwargs={}),
         )
         sampling = SamplingParams(structured=structured or None)
         tok = build_tiny_tokenizer()
         return SimpleNamespace(
-            cfg=cfg, task=Task(), tokenizer=tok, sampling=sampling, infer=None, model_path="", train=train
+            cfg=cfg, task=WalkTask(), tokenizer=tok, sampling=sampling, infer=None, model_path="", train=train
         )
 
     EpisodeCollector(ctx({}, train=object())).close()
@@ -398,3 +401,29 @@ def test_the_default_state_key_of_a_visual_observation_includes_its_pictures() -
     # turns, the text-only key gave 0.5 / std([1, 0, .5, 0, 1, .5]) = 1.118)
     expected = torch.tensor([[1.0, -1.0, 0.0], [-1.0, 1.0, 0.0]]) * 0.5 / 0.5**0.5
     torch.testing.assert_close(step, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.usefixtures("fast_idle_retries")
+@pytest.mark.parametrize("n", [3, 11])
+def test_pipeline_max_idle_aborts_decides_when_an_episodes_turn_is_given_up(n: int) -> None:
+    """`pipeline.max_idle_aborts=N` (only RLVR's async driver read it: agentic turns were given up at the module's 8
+    whatever was set): the rollout the episodes collector builds from the config gives a turn the engine keeps
+    aborting without a token up at its N-th abort, ending the episode untrained."""
+    from types import SimpleNamespace
+
+    from roll_core.config.compose import load_config
+    from roll_core.pipelines.collectors.episodes import EpisodeCollector
+
+    cfg = load_config(["pipeline=agentic", f"pipeline.max_idle_aborts={n}"])
+    tok = build_tiny_tokenizer()
+    engine = AbortingEngine(tok, turn=1, aborts=10**6, partial=0)
+    ctx = SimpleNamespace(
+        cfg=cfg, task=WalkTask(), tokenizer=tok, sampling=SamplingParams(), infer=engine, model_path="", train=None
+    )
+    collector = EpisodeCollector(ctx)
+    try:
+        (traj,) = collector.rollout.run([0], [0], SamplingParams(max_new_tokens=999, seed=1))
+    finally:
+        collector.close()
+    assert (traj.end, traj.turns, traj.untrained) == ("abort", 1, True)
+    assert sum("-turn-1" in r.request_id for r in engine.requests) == n

@@ -1,9 +1,10 @@
 """The asynchronous collectors' bounds as pipeline config keys: `pipeline.async_batch_timeout_s` (how long the trainer
 waits for a batch), `pipeline.async_abort_timeout_s` (how long an aborted request may take to bring its result),
 `pipeline.max_idle_aborts` (the engine's own aborts of a sample in a row, none with a token, before RLVR's driver
-fails it as refused) and `pipeline.agentic_sync_wait_s` (how long an agentic sync without partial rollout waits for
-the running turns) reach RLVR's `AsyncRollout` and agentic's `TurnGate` / batch wait; a value out of range is a
-config error naming the key, and a misspelled key is still one. The collectors are built around these settings
+fails it as refused; its other callers' tests: test_rlvr_aborts.py, test_eval_rows.py, test_agentic_rollout.py,
+test_agent_abort_timeout.py) and `pipeline.agentic_sync_wait_s` (how long an agentic sync without partial rollout
+waits for the running turns) reach RLVR's `AsyncRollout` and agentic's `TurnGate` / batch wait; a value out of range
+is a config error naming the key, and a misspelled key is still one. The collectors are built around these settings
 only: their base classes' data, tasks and engines are stand-ins; the driver and the gate built from the keys are
 the real ones, over a scripted request engine (roll_core.testing.held_requests)."""
 
@@ -186,3 +187,27 @@ def test_the_driver_and_the_gate_refuse_bad_bounds_given_directly() -> None:
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=r"sync_wait_s=.* must be a finite number > 0"):
             TurnGate(object(), partial_rollout=False, sync_wait_s=bad)
+
+
+def test_every_idle_abort_caller_refuses_a_bad_max_idle_aborts_given_directly() -> None:
+    """Built without a config, the sync collector's resumes, the agentic rollout and the agent sessions check
+    `max_idle_aborts` as the driver does; the longest wait before a refusal follows the value."""
+    from roll_core.agentic.agent_sessions import AgentSessions
+    from roll_core.agentic.rollout import AgenticRollout, EpisodeLimits
+    from roll_core.idle_aborts import IDLE_BACKOFF_MAX_S, idle_backoff_total_s
+    from roll_core.protocol import Batch
+
+    gen = Batch(fields={"finish_reason": ["stop"]})
+    bad: Any
+    for bad in (0, 2.5, True):
+        match = rf"max_idle_aborts={bad!r} must be an integer >= 1 .*pipeline[.]max_idle_aborts"
+        with pytest.raises(ValueError, match=match):
+            prompts.resume_aborted(object(), gen, gen, SamplingParams(), 1, 0, max_idle_aborts=bad)
+        with pytest.raises(ValueError, match=match):
+            AgenticRollout(object(), object(), object(), object(), EpisodeLimits(), max_idle_aborts=bad)
+        with pytest.raises(ValueError, match=match):
+            AgentSessions(object(), object(), str, str, max_idle_aborts=bad)
+    assert idle_backoff_total_s() == idle_backoff_total_s(MAX_IDLE_ABORTS)
+    assert idle_backoff_total_s(1) == 0.0 and idle_backoff_total_s(3) == pytest.approx(0.05 + 0.1)
+    # pipeline.max_idle_aborts=20: the doubling waits up to IDLE_BACKOFF_MAX_S, then that wait per further try
+    assert idle_backoff_total_s(20) == pytest.approx(0.05 + 0.1 + 0.2 + 0.4 + 0.8 + 14 * IDLE_BACKOFF_MAX_S)

@@ -16,6 +16,7 @@ import torch
 from roll_core.errors import ConfigError
 from roll_core.eval_metrics import summarize
 from roll_core.evaluate import answer_equivalence, check_sampling, sample_rows
+from roll_core.idle_aborts import MAX_IDLE_ABORTS
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.models import build_tiny_tokenizer
 from roll_core.protocol import Batch
@@ -99,11 +100,13 @@ class _Scoring:
         return out
 
 
-def _collector(engine: _Engine, problems: list[_Problem], unscored: set[int]) -> SimpleNamespace:
+def _collector(
+    engine: _Engine, problems: list[_Problem], unscored: set[int], max_idle_aborts: int = MAX_IDLE_ABORTS
+) -> SimpleNamespace:
     tokenizer = build_tiny_tokenizer()
     model = SimpleNamespace(max_prompt_length=256, chat_template_kwargs={})
     return SimpleNamespace(
-        cfg=SimpleNamespace(model=model, pipeline=SimpleNamespace(seed=0)),
+        cfg=SimpleNamespace(model=model, pipeline=SimpleNamespace(seed=0, max_idle_aborts=max_idle_aborts)),
         tokenizer=tokenizer,
         processor=None,
         eval_set=problems,
@@ -141,6 +144,16 @@ def test_aborted_rows_are_resumed_refused_and_unscored_rows_are_failed_not_wrong
     assert rows[2]["extracted"] is None and rows[3]["extracted"] == "EEEEE"  # a refused row does not vote
     m = summarize(rows, [1, 2])
     assert m["failed"] == 2 and m["accuracy"] == pytest.approx(0.5) and m["pass@2"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("n", [3, 11])
+def test_a_row_is_refused_at_the_configured_max_idle_aborts(n: int) -> None:
+    """roll-eval refused a row at the module's 8 idle aborts whatever `pipeline.max_idle_aborts` said: now at the
+    N-th in a row (the batch's own abort the first, so N - 1 requests)."""
+    problems = [_Problem(f"p{i}", f"question {i}") for i in range(2)]
+    engine = _Engine([p.prompt for p in problems], partial={2: 0}, refuse={1}, too_long=set())
+    rows, _, _ = sample_rows(_collector(engine, problems, unscored=set(), max_idle_aborts=n), _Task(), 2)
+    assert [r["failed"] for r in rows] == [None, None, "engine", None] and len(engine.requests) == n - 1
 
 
 def test_greedy_decoding_with_several_samples_is_refused_however_it_is_asked_for() -> None:

@@ -2,7 +2,8 @@
 pressure and vLLM at its preemption limit end a row with finish reason "abort" and a partial answer. Such a row used
 to be scored (0 for its incomplete answer) and trained as the policy's failure; it is now resumed from its partial
 output, as the asynchronous driver resumes its samples, and a prompt the engine keeps refusing has its whole group
-dropped (counted), so GRPO's groups stay complete.
+dropped (counted), so GRPO's groups stay complete. "Keeps refusing" is `pipeline.max_idle_aborts` aborts in a row
+without a token, in training, evaluation and pipeline=rollout alike.
 
 The engine is scripted: the batch API aborts chosen rows after a few tokens, the request API finishes them."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -164,11 +166,15 @@ class _Reward:
         return Batch({"scores": s, "correct": s, "formatted": torch.ones_like(s)}, {"response_text": [""] * len(s)})
 
 
-def _collector(infer: AbortingInfer) -> PromptCollector:
+def _collector(infer: AbortingInfer, pipeline: Any = None) -> PromptCollector:
+    """The prompts collector around `infer`; `pipeline`: its pipeline config (seed 0, 2 prompts a step, the default
+    max_idle_aborts when None)."""
     c = PromptCollector.__new__(PromptCollector)
     algo = SimpleNamespace(group_size=2, drop_uniform_groups=False, overlong_buffer=0, reward_clip=None)
     model = SimpleNamespace(max_response_length=16, max_prompt_length=64, chat_template_kwargs={})
-    c.cfg = SimpleNamespace(algo=algo, model=model, pipeline=SimpleNamespace(seed=0, rollout_batch_size=2))
+    if pipeline is None:
+        pipeline = SimpleNamespace(seed=0, rollout_batch_size=2, max_idle_aborts=MAX_IDLE_ABORTS)
+    c.cfg = SimpleNamespace(algo=algo, model=model, pipeline=pipeline)
     c.ctx = SimpleNamespace(samples=lambda step, rows: None)
     c.tokenizer, c.task, c.infer, c.processor = build_tiny_tokenizer(), SimpleNamespace(), infer, None
     c.sampling = SamplingParams(max_new_tokens=16)
@@ -249,3 +255,47 @@ def test_rollout_only_writes_resumed_answers_and_leaves_refused_rows_out(monkeyp
         (PROMPTS[0], ANSWER, 1.0, "stop"),
     ]
     assert out["data/resumed_rows"] == 3 and out["data/refused_rows"] == 2
+
+
+@pytest.mark.parametrize("n", [3, 11])
+def test_pipeline_max_idle_aborts_decides_when_the_sync_collector_refuses_a_prompt(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pipeline.max_idle_aborts=N` (only RLVR's async driver read it: the sync collector's resumes, its evaluation's
+    and pipeline=rollout's refused at the module's 8 whatever was set): a row the engine aborts without a token every
+    time is refused at its N-th abort in a row (the batch's own abort the first, so N - 1 requests), in training,
+    evaluation and pipeline=rollout; the error of a step whose every prompt was refused names the key and N."""
+    from roll_core.config.compose import load_config
+    from roll_core.pipelines.collectors import prompts
+
+    pipeline = load_config([f"pipeline.max_idle_aborts={n}", "pipeline.rollout_batch_size=2"]).pipeline
+    infer = AbortingInfer({1: 2, 2: 0, 3: 0}, refuse=(1,))
+    out = StepLog()
+    collected = _collector(infer, pipeline).next(1, out)
+    assert out["data/refused_prompts"] == 1 and len(collected.batch) == 2
+    assert sum(r.prompt_ids[:2] == PROMPTS[1] for r in infer.requests) == 2 * (n - 1)  # both rows of prompt 1
+    with pytest.raises(RuntimeError, match=rf"raise pipeline[.]max_idle_aborts, now {n}"):
+        _collector(AbortingInfer({i: 0 for i in range(4)}, refuse=(0, 1)), pipeline).next(1, StepLog())
+
+    # evaluation: the collector's `evaluate` samples through what it passes the evaluation loop
+    seen: list[Any] = []
+
+    def evaluate(infer: Any, *args: Any, **kwargs: Any) -> dict[str, float]:  # the loop over the held-out set
+        seen.append(infer)
+        return {"accuracy": 0.0, "reward": 0.0, "n": 0}
+
+    monkeypatch.setattr(prompts, "evaluate", evaluate)
+    evaluating = AbortingInfer({1: 0}, refuse=(1,))
+    c = _collector(evaluating, pipeline)
+    c.task, c.eval_set, c.scoring = SimpleNamespace(), [], None
+    c.evaluate(1)
+    gen = seen[0].generate(_prompts(), SamplingParams(max_new_tokens=16), n=1)
+    assert gen["finish_reason"] == ["stop", "abort"] and len(evaluating.requests) == n - 1
+
+    # pipeline=rollout: the refused rows are not written
+    rolling = AbortingInfer({2: 0, 3: 0}, refuse=(1,))
+    ro = _rollout_collector(rolling, monkeypatch)
+    ro.cfg = SimpleNamespace(**{**vars(ro.cfg), "pipeline": pipeline})
+    rollout_out = StepLog()
+    ro._rows(1, [0, 1], rollout_out)
+    assert rollout_out["data/refused_rows"] == 2 and len(rolling.requests) == 2 * (n - 1)

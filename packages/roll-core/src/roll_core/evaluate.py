@@ -14,8 +14,9 @@ samples: `InferGroup.generate`).
 
 Rows the engine aborted on its own (SGLang under memory pressure, vLLM at its preemption limit) are resumed from
 their partial output, as the training run's evaluation resumes them (`resume_aborted`); a row the engine keeps
-refusing stays "abort" and is marked `failed: "engine"`, a row the reward could not score `failed: "reward"`: both
-count as wrong, as in eval/accuracy, and are counted in the metrics' `failed`.
+refusing (`pipeline.max_idle_aborts` aborts in a row without a token) stays "abort" and is marked
+`failed: "engine"`, a row the reward could not score `failed: "reward"`: both count as wrong, as in eval/accuracy,
+and are counted in the metrics' `failed`.
 
 Majority vote needs each response's extracted answer: the task's `extract_answer(response) -> str | None`, else
 its reward's (the math reward's: the last non-empty \\boxed{}, plain numbers in one spelling: 1,000 = 1000). The
@@ -296,7 +297,8 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
     # answers counted as the model's mistakes (module docstring).
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     cut = frozenset(picture_token_ids(tokenizer)) if processor is not None else frozenset()
-    gen, refused, resumed = resume_aborted(collector.infer, prompts, gen, params, n, pad, cut)
+    most = cfg.pipeline.max_idle_aborts  # the engine's idle aborts of a row in a row before it is refused
+    gen, refused, resumed = resume_aborted(collector.infer, prompts, gen, params, n, pad, cut, max_idle_aborts=most)
     if resumed:
         log.info("%d response(s) the engine aborted were resumed from their partial output", resumed)
     repeated = prompts.repeat_interleave(n)  # a problem's n responses are contiguous, in sample order

@@ -39,9 +39,10 @@ turns the agent had seen, or a 400 it could not recover from.) An episode gets a
 
 A turn request the engine aborts on its own (preemption) is resumed from the tokens it generated, within the turn's
 budget (counted in `resumed`), so the agent never sees an engine's abort as the end of its session; one the engine
-aborts `MAX_IDLE_ABORTS` times in a row without a token is refused with HTTP 503 (`engine_aborted`), the
-conversation unchanged. Between those idle aborts the session waits, doubling from `IDLE_BACKOFF_S` up to
-`IDLE_BACKOFF_MAX_S` per wait (`idle_backoff_total_s()` in all, about 3.5 s), so an engine that refuses for a moment
+aborts `max_idle_aborts` times in a row without a token (`pipeline.max_idle_aborts`, passed by the agent collector;
+default `MAX_IDLE_ABORTS`) is refused with HTTP 503 (`engine_aborted`, naming the key), the conversation unchanged.
+Between those idle aborts the session waits, doubling from `IDLE_BACKOFF_S` up to `IDLE_BACKOFF_MAX_S` per wait
+(`idle_backoff_total_s(max_idle_aborts)` in all, about 3.5 s by default), so an engine that refuses for a moment
 (paused for a weight sync) serves the turn instead of refusing the agent within milliseconds; closing the session
 ends the wait at once. Until a later turn is sampled the trajectory is marked ended there (`end` "abort") and
 `untrained` (roll_core.agentic.trajectory.to_tensors masks it out): an agent that gives up on the refusal fails
@@ -100,14 +101,21 @@ from roll_core.agentic.agent_messages import (  # noqa: F401 (SessionError, ROLE
 )
 from roll_core.agentic.trajectory import Trajectory
 from roll_core.agentic.turn_gate import ABORT_TIMEOUT_S, GateClosed, TurnGate
-from roll_core.idle_aborts import MAX_IDLE_ABORTS, idle_backoff_s, idle_backoff_total_s  # noqa: F401 (re-exported)
+from roll_core.idle_aborts import KEY as IDLE_ABORTS_KEY
+from roll_core.idle_aborts import (  # noqa: F401 (re-exported)
+    MAX_IDLE_ABORTS,
+    check_max_idle_aborts,
+    idle_backoff_s,
+    idle_backoff_total_s,
+)
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.seeds import Purpose, derive_seed
 
 log = logging.getLogger(__name__)
 
 ON_REWRITE = ("restart", "refuse")
-#: Retry-After (seconds) of a 503 `engine_aborted`: the session already waited `idle_backoff_total_s()` for the engine.
+#: Retry-After (seconds) of a 503 `engine_aborted`: the session already waited `idle_backoff_total_s(max_idle_aborts)`
+#: for the engine.
 ABORTED_RETRY_AFTER_S = 1
 #: Retry-After (seconds) of a 503 `engine_restarting`: a restarted engine loads its model and gets the weights again.
 RESTARTING_RETRY_AFTER_S = 10
@@ -311,7 +319,8 @@ class AgentSessions:
     roll_core.agentic.chat.TurnTemplate);
     `parse` turns a response's text into content and tool calls (roll_core.agentic.openai_server.PARSERS);
     `decode` is the tokenizer's decode; `abort_timeout_s` how long an aborted request may take to bring its result
-    before it is lost (module docstring).
+    before it is lost; `max_idle_aborts` (pipeline.max_idle_aborts) the engine's own aborts of a turn request in a
+    row, none with a token, that refuse the turn (module docstring).
     """
 
     def __init__(
@@ -323,9 +332,11 @@ class AgentSessions:
         *,
         on_rewrite: str = "restart",
         abort_timeout_s: float = ABORT_TIMEOUT_S,
+        max_idle_aborts: int = MAX_IDLE_ABORTS,
     ) -> None:
         self.infer, self.template, self.decode, self.parse = infer, template, decode, parse
         self.on_rewrite = on_rewrite
+        self.max_idle_aborts = check_max_idle_aborts(max_idle_aborts)
         # No syncs here (pipeline=agent is synchronous): the gate only bounds the waits on aborted requests.
         self.gate = TurnGate(infer, partial_rollout=False, abort_timeout_s=abort_timeout_s)
         self._sessions: dict[str, AgentSession] = {}
@@ -452,7 +463,8 @@ class AgentSessions:
                 503,
                 "engine_aborted",
                 f"session {s.sid}: the engine aborted the request and it could not be resumed (aborted "
-                f"{MAX_IDLE_ABORTS} times in a row without a token, or a constrained turn)",
+                f"{self.max_idle_aborts} times in a row without a token, the run's {IDLE_ABORTS_KEY}, or a "
+                "constrained turn)",
                 kind="server_error",
                 retry_after=ABORTED_RETRY_AFTER_S,
             )
@@ -481,7 +493,7 @@ class AgentSessions:
     ) -> tuple[list[int], list[float], str]:
         """(token ids, log-probs, finish reason) of one turn. An abort the engine made on its own (preemption) is
         resumed from what it generated, within the turn's budget, instead of ending the episode as if the agent had
-        failed; `MAX_IDLE_ABORTS` of them in a row without a token, with a growing wait between them
+        failed; `max_idle_aborts` of them in a row without a token, with a growing wait between them
         (`idle_backoff_s`), are a refusal ("abort"). An abort that left the whole budget generated is "length". A
         closed session's request is not resumed, nor a constrained (`structured`) one that generated tokens."""
         tokens: list[int] = []
@@ -507,7 +519,15 @@ class AgentSessions:
             if finish != "abort" or s.closed or (params.structured is not None and tokens):
                 return tokens, logprobs, finish
             idle = 0 if out.token_ids else idle + 1
-            if idle >= MAX_IDLE_ABORTS:
+            if idle >= self.max_idle_aborts:
+                log.warning(
+                    "session %s: the engine aborted turn request %s %d times in a row without a token: refused "
+                    "(503 engine_aborted; an engine that only pauses that often: raise %s)",
+                    s.sid,
+                    rid,
+                    idle,
+                    IDLE_ABORTS_KEY,
+                )
                 return tokens, logprobs, finish
             if idle:
                 # Retried at once, an engine paused for a moment (a weight sync) used up every try within

@@ -25,7 +25,8 @@ episode with the engine's error, a note naming the request, turn, episode and en
 synchronous collector's `run` raises it, the asynchronous one raises it in the trainer's next call.
 
 Aborts. A turn request the engine aborts on its own (preemption, with or without a gate) is resumed the same way;
-after `MAX_IDLE_ABORTS` such aborts in a row without a token (an engine that refuses the request), or when the
+after `max_idle_aborts` such aborts in a row without a token (`pipeline.max_idle_aborts`, passed by the episodes
+collector; default `roll_core.idle_aborts.MAX_IDLE_ABORTS`: an engine that refuses the request), or when the
 collector closes, the turn is given up. An aborted turn is never scored as the policy's failure: it is cut from the
 trajectory (no response, reward or state key) and the episode ends `abort` with `Trajectory.untrained` set, so its
 earlier turns are masked out of training too (`to_tensors`; an episode cut short has no outcome to learn from);
@@ -57,7 +58,8 @@ from roll_core.agentic.env_manager import EnvFailure, EnvManager
 from roll_core.agentic.observation import state_key
 from roll_core.agentic.trajectory import Trajectory
 from roll_core.agentic.turn_gate import GateClosed, TurnGate
-from roll_core.idle_aborts import MAX_IDLE_ABORTS, idle_backoff_s
+from roll_core.idle_aborts import KEY as IDLE_ABORTS_KEY
+from roll_core.idle_aborts import MAX_IDLE_ABORTS, check_max_idle_aborts, idle_backoff_s
 from roll_core.interfaces import Request, SamplingParams
 from roll_core.seeds import Purpose, derive_seed
 
@@ -84,7 +86,9 @@ def task_turns(
 
 
 class AgenticRollout:
-    """Runs episodes against an inference group (`submit_request`) and an env manager."""
+    """Runs episodes against an inference group (`submit_request`) and an env manager. `max_idle_aborts`
+    (pipeline.max_idle_aborts): the engine's own aborts of a turn request in a row, none with a token, after which
+    the turn is given up (module docstring)."""
 
     def __init__(
         self,
@@ -94,9 +98,12 @@ class AgenticRollout:
         tokenizer: Any,
         limits: EpisodeLimits,
         gate: TurnGate | None = None,
+        *,
+        max_idle_aborts: int = MAX_IDLE_ABORTS,
     ) -> None:
         self.infer, self.envs, self.template, self.tokenizer, self.limits = infer, envs, template, tokenizer, limits
         self.gate = gate
+        self.max_idle_aborts = check_max_idle_aborts(max_idle_aborts)
         self._ids = itertools.count()
 
     def run(
@@ -114,7 +121,7 @@ class AgenticRollout:
 
     def _generate(self, rid: str, key: str, context: list[int], params: SamplingParams, traj: Trajectory) -> Any:
         """One turn's response (token ids, log-probs, finish reason), resumed after an abort (see the module
-        docstring): "abort" only when the collector closed or the engine refused the request `MAX_IDLE_ABORTS`
+        docstring): "abort" only when the collector closed or the engine refused the request `max_idle_aborts`
         times in a row; "length" when an abort left the turn's whole budget generated."""
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -158,16 +165,17 @@ class AgenticRollout:
                 # A sync's abort (`asked`) or the engine's own with a token resumes at once; the engine's own
                 # without one (preemption, or a refusal: SGLang aborts a prompt it cannot hold) a few times only.
                 idle = 0 if asked or out_tokens else idle + 1
-                if idle < MAX_IDLE_ABORTS:
+                if idle < self.max_idle_aborts:
                     traj.resumed_turns += 1
                     # an engine paused for a moment used up every try within milliseconds (roll_core.idle_aborts)
                     time.sleep(idle_backoff_s(idle))
                     continue
                 log.warning(
                     "the engine aborted turn request %s %d times in a row without a token: the episode ends "
-                    "(end=abort, not trained)",
+                    "(end=abort, not trained; an engine that only pauses that often: raise %s)",
                     rid,
                     idle,
+                    IDLE_ABORTS_KEY,
                 )
             if self.gate is not None:
                 traj.versions.append(version)  # type: ignore[arg-type]

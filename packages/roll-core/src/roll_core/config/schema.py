@@ -273,9 +273,11 @@ class PipelineConfig:
     # (async/unanswered_aborts, async/failed_aborts, warned) and its sample or turn resumes with its earlier prefix:
     # a sync goes on instead of waiting on an engine that does not answer.
     async_abort_timeout_s: float = 60.0
-    # With async_ratio > 0 (pipeline=rlvr): the engine's own aborts of one sample in a row, none with a token, after
-    # which the rollout fails as refused (SGLang aborts a prompt longer than its KV cache holds); fewer are
-    # preemptions and the sample resumes. Default: roll_core.idle_aborts.MAX_IDLE_ABORTS.
+    # Every pipeline, sync or async (roll_core.idle_aborts): the engine's own aborts of one request in a row, none
+    # with a token, after which it is refused (SGLang aborts a prompt longer than its KV cache holds); fewer are
+    # preemptions and it resumes. Refused: RLVR's async rollout fails; a sync RLVR row is left out (training: with
+    # its group; evaluation, roll-eval: counted wrong; pipeline=rollout: not written); an agentic turn ends its
+    # episode untrained; an agent endpoint's turn gets HTTP 503. Default: roll_core.idle_aborts.MAX_IDLE_ABORTS.
     max_idle_aborts: int = 8
     # With async_ratio > 0 (pipeline=agentic) and partial_rollout=false: seconds a weight sync waits for the running
     # turns to finish before the run fails naming them (with partial rollout they are aborted instead).

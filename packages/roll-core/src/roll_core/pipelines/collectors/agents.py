@@ -176,6 +176,8 @@ class AgentCollector:
             on_rewrite=task.on_rewrite,
             # how long a request aborted by its session's close may take to answer before it is given up
             abort_timeout_s=self.cfg.pipeline.async_abort_timeout_s,
+            # the engine's own aborts of a turn in a row, none with a token, before the agent gets 503 engine_aborted
+            max_idle_aborts=self.cfg.pipeline.max_idle_aborts,
         )
         # The endpoint serves a request on a thread of its own until the turn is generated: one per episode running
         # at once (a step's rollout_batch_size x group_size, or the held-out rows), else the surplus waited unseen

@@ -10,10 +10,10 @@ failed at reset give nothing to train on (counted in data/dropped_episodes). An 
 raised or hung (end `env_error` / `env_timeout`) is, per the task's `on_failure`, trained with its failing turn's
 reward set to `failure_reward` (`score`, the default; 0.0) or dropped (`drop`, counted in data/dropped_episodes):
 either way it is counted in episode/end_<reason> and env/<counter>. An episode the rollout kept `untrained` (a turn
-the engine kept aborting, or the collector closing, cut it: end `abort`, roll_core.agentic.rollout) is left out of
-the batch (no forward pass is spent on a row the loss would mask), counted in data/dropped_episodes and
-data/aborted_episodes, and out of the reward and episode metrics (its partial reward is no outcome): only
-episode/end_abort counts it.
+the engine kept aborting, `pipeline.max_idle_aborts` times in a row without a token, or the collector closing, cut
+it: end `abort`, roll_core.agentic.rollout) is left out of the batch (no forward pass is spent on a row the loss
+would mask), counted in data/dropped_episodes and data/aborted_episodes, and out of the reward and episode metrics
+(its partial reward is no outcome): only episode/end_abort counts it.
 
 Vision-language models (`model.path` a Qwen-VL family folder or builtin:tiny-qwen2.5-vl): observations may carry
 pictures (env=visual_frozen_lake); the turn template renders them with the model's `VisionProcessor` and the batch
@@ -136,7 +136,15 @@ class EpisodeCollector:
         else:
             self.envs = EnvManager.for_task(task)
         turns, limits = task_turns(task, self.tokenizer, cfg.model.chat_template_kwargs, vision_processor(ctx))
-        self.rollout = AgenticRollout(ctx.infer, self.envs, turns, self.tokenizer, limits, gate)
+        self.rollout = AgenticRollout(
+            ctx.infer,
+            self.envs,
+            turns,
+            self.tokenizer,
+            limits,
+            gate,
+            max_idle_aborts=cfg.pipeline.max_idle_aborts,  # the engine's idle aborts of a turn in a row: a refusal
+        )
         self._counters = self.envs.counters()
 
     # ---- the collector contract ---------------------------------------------------------------------------

@@ -11,8 +11,9 @@ Evaluation: one sample per held-out problem at the eval temperature.
 Aborts: a row the engine aborts on its own (SGLang under memory pressure, vLLM at its preemption limit) is resumed
 from its partial output within its token budget, as the asynchronous driver resumes its samples
 (`resume_aborted`, counted in data/resumed_rows), never scored as an incomplete answer; a prompt the engine keeps
-refusing (`MAX_IDLE_ABORTS` aborts in a row without a token) has its whole group dropped (data/refused_prompts,
-logged), so every trained group is complete and group-relative advantages keep their meaning.
+refusing (`pipeline.max_idle_aborts` aborts in a row without a token: roll_core.idle_aborts) has its whole group
+dropped (data/refused_prompts, logged), so every trained group is complete and group-relative advantages keep their
+meaning; evaluation resumes and refuses the same way.
 Multi-domain tasks (roll_envs.tasks.multi): prompts are mixed by the task's counts or weights
 (roll_core.data.DomainSampler), metrics and evaluation are also reported per domain (`domain/<d>/...`,
 `eval/<d>/accuracy`), and rows carry `advantage_scale` (the trainer multiplies their advantages) when a domain's
@@ -39,7 +40,8 @@ from roll_core.cluster.roles import RewardGroup
 from roll_core.config.build import as_dict
 from roll_core.data import data_fingerprint, make_sampler
 from roll_core.errors import ConfigError
-from roll_core.idle_aborts import MAX_IDLE_ABORTS, idle_backoff_s
+from roll_core.idle_aborts import KEY as IDLE_ABORTS_KEY
+from roll_core.idle_aborts import MAX_IDLE_ABORTS, check_max_idle_aborts, idle_backoff_s
 from roll_core.interfaces import Request, SamplingParams
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
@@ -149,7 +151,8 @@ class PromptCollector:
         """Held-out accuracy: one sample per held-out problem at the eval temperature."""
         t0 = time.perf_counter()
         res = evaluate(
-            _Resuming(self.infer, self._pad_id, self._cut_ids),  # an engine's own abort is resumed, not scored 0
+            # an engine's own abort is resumed, not scored 0; refused after pipeline.max_idle_aborts idle ones
+            _Resuming(self.infer, self._pad_id, self._cut_ids, self.cfg.pipeline.max_idle_aborts),
             self.scoring,
             self.tokenizer,
             self.task,
@@ -275,7 +278,14 @@ class PromptCollector:
             params = self.sampling.replace(seed=seed)
             gen = self.infer.generate(prompts, params, n=g)
             gen, refused, counts["data/resumed_rows"] = resume_aborted(
-                self.infer, prompts, gen, params, g, self._pad_id, self._cut_ids
+                self.infer,
+                prompts,
+                gen,
+                params,
+                g,
+                self._pad_id,
+                self._cut_ids,
+                max_idle_aborts=self.cfg.pipeline.max_idle_aborts,  # the engine's idle aborts in a row: a refusal
             )
         rows = prompts.repeat_interleave(g)
         if refused:  # the whole group goes: a group missing a row would shift its baseline (GRPO's mean and std)
@@ -283,10 +293,12 @@ class PromptCollector:
             keep = [i for i in range(len(rows)) if i // g not in dropped]
             counts["data/refused_prompts"] = len(dropped)
             if not keep:
+                n = self.cfg.pipeline.max_idle_aborts
                 raise RuntimeError(
-                    f"the inference engine refused every prompt of the step ({MAX_IDLE_ABORTS} aborts in a row "
-                    "without a token each; SGLang aborts a prompt longer than its KV cache holds): lower "
-                    "model.max_prompt_length or give the engine more memory"
+                    f"the inference engine refused every prompt of the step ({n} aborts in a row without a token "
+                    "each; SGLang aborts a prompt longer than its KV cache holds): lower model.max_prompt_length or "
+                    f"give the engine more memory; an engine that only pauses that often: raise {IDLE_ABORTS_KEY}, "
+                    f"now {n}"
                 )
             rows, gen = rows.index(keep), gen.index(keep)
         batch = assemble(self.tokenizer, rows, gen, counts)
@@ -411,8 +423,6 @@ class PromptCollector:
         )
 
 
-#: The engine's own aborts of one row in a row, none bringing a token, after which its prompt counts as refused
-#: (as in the agentic rollout and the asynchronous driver).
 _resume_ids = itertools.count()
 
 
@@ -424,6 +434,8 @@ def resume_aborted(
     n: int,
     pad_id: int,
     cut_ids: frozenset[int] = frozenset(),
+    *,
+    max_idle_aborts: int = MAX_IDLE_ABORTS,
 ) -> tuple[Batch, list[int], int]:
     """`gen` (a batched generation: `n` rows per prompt of `prompts`) with the rows the engine aborted on its own
     resumed; returns (generation, refused row indices, rows resumed).
@@ -436,13 +448,15 @@ def resume_aborted(
     ("length"); a prefix holding a picture placeholder is not resumed (the response is cut before it anyway:
     roll_core.pipelines.rollout.cut_picture_tokens, and the engine would refuse a placeholder without a picture)
     and ends "stop"; a constrained row (`params.structured`) is generated again from its prompt (the engine would
-    start the constraint over after the prefix). A row aborted `MAX_IDLE_ABORTS` times in a row without a token
-    (a constrained row: `MAX_IDLE_ABORTS` times) stays "abort" and is returned as refused (logged): the caller drops
-    it (its group), it is not an answer to score.
+    start the constraint over after the prefix). A row aborted `max_idle_aborts` (pipeline.max_idle_aborts) times in
+    a row without a token (a constrained row: `max_idle_aborts` times, tokens or not), the batch's own abort
+    included, stays "abort" and is returned as refused (logged): the caller drops it (its group), it is not an
+    answer to score.
 
     Why: scoring an aborted row trains the engine's preemption as the policy's failure (reward 0 for a cut answer);
     resuming keeps the row a sample of the policy (dropping or resampling it would bias the batch against long
     responses, the ones preemption hits)."""
+    check_max_idle_aborts(max_idle_aborts)
     reasons = list(gen["finish_reason"])
     todo = [i for i, r in enumerate(reasons) if r == "abort"]
     if not todo:
@@ -496,7 +510,7 @@ def resume_aborted(
             if reasons[i] != "abort":
                 continue
             idle[i] = 0 if out.token_ids and not restarts else idle[i] + 1
-            if idle[i] < MAX_IDLE_ABORTS or len(tokens[i]) >= budget:
+            if idle[i] < max_idle_aborts or len(tokens[i]) >= budget:
                 todo.append(i)
             else:
                 refused.append(i)
@@ -506,10 +520,12 @@ def resume_aborted(
     if refused:
         log.warning(
             "the inference engine aborted %d row(s) %d times in a row without a token (prompts of up to %d tokens): "
-            "their prompts are refused (SGLang aborts a prompt longer than its KV cache holds)",
+            "their prompts are refused (SGLang aborts a prompt longer than its KV cache holds; an engine that only "
+            "pauses that often: raise %s)",
             len(refused),
-            MAX_IDLE_ABORTS,
+            max_idle_aborts,
             max(len(prompts["prompt_ids"][i // n]) for i in refused),
+            IDLE_ABORTS_KEY,
         )
     width = max([resp.shape[1], *(len(t) for t in tokens.values())])
     t = gen.tensors()
@@ -532,14 +548,19 @@ def resume_aborted(
 
 class _Resuming:
     """An inference group whose batch `generate` resumes the rows the engine aborted on its own (`resume_aborted`):
-    what evaluation samples with (a refused row stays "abort", logged)."""
+    what evaluation samples with (a row aborted `max_idle_aborts` times in a row without a token stays "abort",
+    logged)."""
 
-    def __init__(self, infer: Any, pad_id: int, cut_ids: frozenset[int]) -> None:
+    def __init__(
+        self, infer: Any, pad_id: int, cut_ids: frozenset[int], max_idle_aborts: int = MAX_IDLE_ABORTS
+    ) -> None:
         self.infer, self.pad_id, self.cut_ids = infer, pad_id, cut_ids
+        self.max_idle_aborts = max_idle_aborts
 
     def generate(self, prompts: Batch, params: SamplingParams, n: int = 1) -> Batch:
         gen = self.infer.generate(prompts, params, n=n)
-        return resume_aborted(self.infer, prompts, gen, params, n, self.pad_id, self.cut_ids)[0]
+        cut, most = self.cut_ids, self.max_idle_aborts
+        return resume_aborted(self.infer, prompts, gen, params, n, self.pad_id, cut, max_idle_aborts=most)[0]
 
 
 def without_images(rows: list[Any]) -> list[Any]:

@@ -237,7 +237,14 @@ class RolloutCollector:
                 pad = self.tokenizer.pad_token_id
                 cut = frozenset(picture_token_ids(self.tokenizer)) if "mm_inputs" in prompts else frozenset()
                 gen, refused, counts["data/resumed_rows"] = resume_aborted(
-                    self.infer, prompts, gen, params, n, 0 if pad is None else int(pad), cut
+                    self.infer,
+                    prompts,
+                    gen,
+                    params,
+                    n,
+                    0 if pad is None else int(pad),
+                    cut,
+                    max_idle_aborts=self.cfg.pipeline.max_idle_aborts,
                 )
             repeated = prompts.repeat_interleave(n)
             repeated["sample"] = [i % n for i in range(len(repeated))]
