@@ -367,3 +367,136 @@ def test_a_ray_sweep_stopped_by_a_signal_to_its_driver_is_summarised(tmp_path: P
     assert table[ran]["status"] == "stopped" and table[ran]["error"] == "stopped by signal 2", table
     assert table[waited]["status"] == "stopped" and table[waited]["error"].startswith("not started"), table
     assert (sw / "summary.md").is_file()
+
+
+def _scored_trial(cfg):
+    """An Optuna trial's job on roll's Ray launcher (a Hydra task run in a Ray worker): run_sweep_job over a run
+    whose final held-out accuracy is 1 - |x - 0.3|, written to the job's metrics.jsonl as the pipeline writes it."""
+    import json
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from roll_core.sweep import run_sweep_job
+
+    def run(cfg):
+        accuracy = 1.0 - abs(float(cfg.x) - 0.3)
+        line = {"step": 1, "reward/mean": accuracy, "eval/accuracy": accuracy}
+        (Path(HydraConfig.get().runtime.output_dir) / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+        if cfg.get("stop_driver") and HydraConfig.get().job.num % 2 == 0:  # a scheduler's SIGTERM to the driver
+            import os
+            import signal
+            import time
+
+            from roll_core.pipelines.run_control import GracefulStop
+
+            with GracefulStop() as stop:  # the driver's stop reaches it as a SIGINT (Ray's cancel)
+                os.kill(int(cfg.stop_driver), signal.SIGTERM)
+                deadline = time.monotonic() + 60
+                while not stop.requested and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            return {"final_eval_accuracy": accuracy, "stopped_by_signal": stop.signum}
+        return {"final_eval_accuracy": accuracy, "stopped_by_signal": None}
+
+    return run_sweep_job(cfg, run)
+
+
+_OPTUNA_RAY_APP = """
+experiment: t
+cluster: {max_concurrent: 2}
+tracking: {group: null, run_name: null}
+x: 0.5
+defaults:
+  - override hydra/launcher: ray
+  - override hydra/sweeper: optuna
+  - _self_
+hydra:
+  callbacks:
+    summary: {_target_: roll_core.sweep.SweepSummaryCallback}
+  launcher:  # roll's (roll-train's hydra/launcher=ray); the running Ray instance is joined
+    _target_: hydra_plugins.roll_ray_launcher.RayLauncher
+    ray: {remote: {num_cpus: 0, max_retries: 0}}
+  sweeper:
+    n_trials: 4
+    n_jobs: 2
+    direction: maximize
+    study_name: ray
+    sampler: {seed: 0}
+    params:
+      x: interval(0, 1)
+"""
+
+
+# CI time (~10 s on the shared Ray instance: jobs that write one metrics line, 4 + 2 + 2 of them). Optuna 2.10
+# imports SQLAlchemy's declarative_base from its 1.x place: a deprecation warning, an error under pytest.
+@pytest.mark.filterwarnings("ignore:.*declarative_base:DeprecationWarning")
+def test_an_optuna_sweep_on_the_ray_launcher_tells_optuna_and_the_summary_each_trial(
+    ray_cluster, tmp_path: Path, monkeypatch
+) -> None:
+    """hydra-optuna-sweeper over roll's Ray launcher (jobs in Ray workers, 2 at a time, the shared Ray instance
+    joined): each trial's value, computed in its worker, reaches Optuna (a COMPLETE trial with that value, for its
+    sampled x), roll's summary (the job `ok`, its final accuracy the same value) and optimization_results.yaml (the
+    best of them). A second sweep continuing the study (its SQL storage) into the same folder runs as jobs 4 and 5,
+    beside the first sweep's four (they ran as jobs 0 and 1, over the first sweep's). A third, stopped by a SIGTERM
+    to the driver, exits 128+15 with the study's best result so far saved."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    import signal
+
+    import hydra
+    import optuna
+    import ray
+    import yaml
+
+    from roll_core import sweep
+    from roll_core.testing.sweeps import reset_sweep_state, root_logging_restored, summary_rows
+
+    reset_sweep_state(monkeypatch)
+    (tmp_path / "app.yaml").write_text(_OPTUNA_RAY_APP)
+    sw, storage = tmp_path / "sweep", f"sqlite:///{tmp_path / 'study.db'}"
+    here = sys.modules[__name__]  # the task goes to Ray's workers by value: they cannot import this module
+    ray.cloudpickle.register_pickle_by_value(here)
+    main = hydra.main(version_base=None, config_path=str(tmp_path), config_name="app")(_scored_trial)
+
+    def run_sweep(n_trials: int, *more: str) -> None:
+        args = [f"hydra.sweeper.n_trials={n_trials}", f"hydra.sweeper.storage={storage}", f"hydra.sweep.dir={sw}"]
+        monkeypatch.setattr(sys, "argv", ["app", "-m", *args, *more])
+        with root_logging_restored():
+            main()
+
+    try:
+        run_sweep(4)
+        study = optuna.load_study(study_name="ray", storage=storage)
+        assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 4
+        assert [t.value for t in study.trials] == pytest.approx([1 - abs(t.params["x"] - 0.3) for t in study.trials])
+        rows = summary_rows(sw)
+        assert [(r["job"], r["status"]) for r in rows] == [(str(i), "ok") for i in range(4)]
+        assert [float(r["final_eval_accuracy"]) for r in rows] == pytest.approx([t.value for t in study.trials])
+        assert [r["overrides"] for r in rows] == [f"x={t.params['x']}" for t in study.trials]
+        best = yaml.safe_load((sw / "optimization_results.yaml").read_text())
+        assert best == {"name": "optuna", "best_params": study.best_params, "best_value": study.best_value}
+        assert sweep.failed_jobs() == []
+
+        run_sweep(2)  # the study continued, into the same folder
+        study = optuna.load_study(study_name="ray", storage=storage)
+        assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 6
+        assert [(r["job"], r["status"]) for r in summary_rows(sw)] == [("4", "ok"), ("5", "ok")]
+        assert sorted(int(p.name) for p in sw.iterdir() if p.is_dir()) == list(range(6))
+        assert sweep.failed_jobs() == []
+
+        # A SIGTERM to the driver from job 6 (of 6 and 7): the Ray launcher stops the sweep in the sweeper's call;
+        # the best result so far is saved from the study roll kept (the sweeper's own write never comes)
+        (sw / "optimization_results.yaml").unlink()
+        old = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Ray's own handler: the sweep's takes it, gives it back
+        try:
+            with pytest.raises(SystemExit) as stopped:
+                run_sweep(4, f"+stop_driver={os.getpid()}")
+        finally:
+            signal.signal(signal.SIGTERM, old)
+        assert stopped.value.code == 128 + signal.SIGTERM
+        rows = {r["job"]: r["status"] for r in summary_rows(sw)}
+        assert rows["6"] == "stopped" and sorted(rows) == ["6", "7"], rows  # no batch after the stop
+        study = optuna.load_study(study_name="ray", storage=storage)
+        best = yaml.safe_load((sw / "optimization_results.yaml").read_text())
+        assert best == {"name": "optuna", "best_params": study.best_params, "best_value": study.best_value}
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(here)
+        _kill_slots_actors(ray)

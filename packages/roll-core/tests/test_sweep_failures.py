@@ -17,7 +17,7 @@ import roll_core.sweep as sweep
 from roll_core import cli
 from roll_core.run_lock import hold_run_folder
 from roll_core.testing.held_folder import folder_held_elsewhere
-from roll_core.testing.sweeps import reset_sweep_state, root_logging_restored
+from roll_core.testing.sweeps import optuna_sweep_args, reset_sweep_state, root_logging_restored
 
 
 @pytest.fixture(autouse=True)
@@ -62,18 +62,7 @@ def test_an_optuna_sweep_whose_every_trial_failed_is_summarised(
     def run(cfg: Any) -> dict[str, Any]:
         raise FileNotFoundError(f"no data for lr {cfg.algo.lr:.3g}")
 
-    code = _train(
-        monkeypatch,
-        run,
-        "-m",
-        "hydra/sweeper=optuna",
-        "hydra.sweeper.n_trials=2",
-        "hydra.sweeper.n_jobs=1",
-        "hydra.sweeper.direction=maximize",
-        "hydra.sweeper.sampler.seed=0",
-        "algo.lr=interval(1e-6,1e-5)",
-        f"hydra.sweep.dir={sw}",
-    )
+    code = _train(monkeypatch, run, *optuna_sweep_args(sw, n_trials=2))
 
     err = capsys.readouterr().err
     assert code == 1, err[-3000:]
@@ -227,18 +216,7 @@ def test_a_stopped_optuna_sweep_is_summarised_and_exits_128_plus_n(
             os.kill(os.getpid(), signal.SIGTERM)
         return {"final_eval_accuracy": 0.1, "stopped_by_signal": stop.signum}
 
-    code = _train(
-        monkeypatch,
-        run,
-        "-m",
-        "hydra/sweeper=optuna",
-        "hydra.sweeper.n_trials=3",
-        "hydra.sweeper.n_jobs=1",
-        "hydra.sweeper.direction=maximize",
-        "hydra.sweeper.sampler.seed=0",
-        "algo.lr=interval(1e-6,1e-5)",
-        f"hydra.sweep.dir={sw}",
-    )
+    code = _train(monkeypatch, run, *optuna_sweep_args(sw, n_trials=3))
 
     assert code == 128 + signal.SIGTERM
     assert len(ran) == 1
@@ -324,15 +302,6 @@ def _job_dirs(sweep_dir: Path) -> list[str]:
     return sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
 
 
-_OPTUNA = (
-    "-m",
-    "hydra/sweeper=optuna",
-    "hydra.sweeper.direction=maximize",
-    "hydra.sweeper.sampler.seed=0",
-    "algo.lr=interval(1e-6,1e-5)",
-)
-
-
 # optuna 2.10 imports SQLAlchemy's declarative_base from its 1.x place: a deprecation warning, an error under pytest
 @pytest.mark.filterwarnings("ignore:.*declarative_base:DeprecationWarning")
 @pytest.mark.usefixtures("default_sigterm")
@@ -354,8 +323,7 @@ def test_a_stopped_optuna_sweep_records_agree_with_optunas_trials(
     sw = tmp_path / "sweep"
     stop = 2 if completed else 1  # trial 0 fails; trial 1 finishes before the stop, or is the one stopped
     run = _stopped_run(fail=0, stop=stop)
-    n_trials = ("hydra.sweeper.n_trials=5", "hydra.sweeper.n_jobs=1")
-    code = _train(monkeypatch, run, *_OPTUNA, *n_trials, f"hydra.sweep.dir={sw}")
+    code = _train(monkeypatch, run, *optuna_sweep_args(sw, n_trials=5))
 
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGTERM, err[-3000:]
@@ -406,7 +374,8 @@ def test_a_stopped_optuna_sweep_leaves_its_study_no_false_failure_and_the_study_
     2, is not started: it stays RUNNING in the study with no job folder, trial 2 is told (a failed trial, as every
     stopped job), and no third batch is asked. Before, trials 3 to 5 were each told FAILED (failures that never ran,
     kept by the study) and each got a job folder. The same study continued by a later sweep (same storage and study
-    name, a new sweep folder) runs its new trials; they complete, and trial 3 is still no failure."""
+    name, a new sweep folder) runs its new trials as jobs 4 and 5 (numbered after the study's trials); they
+    complete, and trial 3 is still no failure."""
     optuna = pytest.importorskip("optuna")
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="install roll-core[sweep]")
     import json
@@ -416,8 +385,7 @@ def test_a_stopped_optuna_sweep_leaves_its_study_no_false_failure_and_the_study_
     state = optuna.trial.TrialState
     sw, later = tmp_path / "sweep", tmp_path / "later"
     run = _stopped_run(fail=0, stop=2)
-    args = [*_OPTUNA, "hydra.sweeper.n_trials=6", "hydra.sweeper.n_jobs=2", f"hydra.sweep.dir={sw}"]
-    code = _train(monkeypatch, run, *args)
+    code = _train(monkeypatch, run, *optuna_sweep_args(sw, n_trials=6, n_jobs=2))
 
     assert code == 128 + signal.SIGTERM
     assert run.ran == [0, 1, 2]
@@ -430,19 +398,18 @@ def test_a_stopped_optuna_sweep_leaves_its_study_no_false_failure_and_the_study_
 
     monkeypatch.setattr(sweep, "_failed_jobs", [])  # a new roll-train process, continuing the study
     run = _stopped_run(fail=-1, stop=-1)
-    args = [*_OPTUNA, "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", f"hydra.sweep.dir={later}"]
     monkeypatch.setattr(cli, "run_job", run)
-    monkeypatch.setattr(sys, "argv", ["roll-train", *args])
+    monkeypatch.setattr(sys, "argv", ["roll-train", *optuna_sweep_args(later, n_trials=2)])
     cli.train_main()  # returns: exit 0
 
-    assert run.ran == [0, 1]
+    assert run.ran == [4, 5]  # numbered after the study's 4 trials (sweep_optuna.watch_sweep): job N is trial N
     study = studies[-1]
     assert [t.state for t in study.trials] == [state.FAIL, state.COMPLETE, state.FAIL, state.RUNNING] + [
         state.COMPLETE
     ] * 2
     assert study.best_value == 0.5
     # the later sweep's jobs are the study's new trials (4 and 5), with the values Optuna sampled for them
-    records = [json.loads((later / str(i) / sweep.STATUS_FILE).read_text()) for i in (0, 1)]
+    records = [json.loads((later / str(i) / sweep.STATUS_FILE).read_text()) for i in (4, 5)]
     assert [r["overrides"] for r in records] == [[f"algo.lr={t.params['algo.lr']}"] for t in study.trials[4:]]
     assert [r["status"] for r in records] == ["ok", "ok"]
 
@@ -478,7 +445,7 @@ def test_a_stopped_optuna_sweep_resumed_into_its_folder_runs_its_trials_again(
             return {"final_eval_accuracy": 0.1, "stopped_by_signal": graceful.signum}
         return {"final_eval_accuracy": 0.5, "stopped_by_signal": None}
 
-    args = [*_OPTUNA, "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1", f"hydra.sweep.dir={sw}"]
+    args = optuna_sweep_args(sw, n_trials=3)
     assert _train(monkeypatch, run, *args) == 128 + signal.SIGTERM
     assert [num for num, _, _ in ran] == [0, 1] and _job_dirs(sw) == ["0", "1"]
     first = [lr for _, lr, _ in ran]

@@ -5,6 +5,7 @@ unusable is repaired; no other sweep is touched."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="install roll-core[sweep]")
 
@@ -23,7 +25,8 @@ with warnings.catch_warnings():  # Optuna 2.10 imports declarative_base from SQL
 
 from roll_core import cli
 from roll_core.sweep_optuna import needs_stamp, prepare_study_storage, storage_url
-from roll_core.testing.sweeps import reset_sweep_state, root_logging_restored, summary_rows
+from roll_core.sweep_records import STATUS_FILE
+from roll_core.testing.sweeps import optuna_sweep_args, reset_sweep_state, root_logging_restored, summary_rows
 
 # Optuna 2.10 uses SQLAlchemy 1.x APIs that SQLAlchemy 2 deprecates (declarative_base's old place in its alembic
 # revisions, Query.with_labels)
@@ -51,18 +54,7 @@ def _sweep(monkeypatch: pytest.MonkeyPatch, sweep_dir: Path, storage: str, ran: 
         return {"final_eval_accuracy": cfg.algo.lr * 1e5, "stopped_by_signal": None}
 
     monkeypatch.setattr(cli, "run_job", run)
-    args = [
-        "-m",
-        "hydra/sweeper=optuna",
-        "hydra.sweeper.n_trials=2",
-        "hydra.sweeper.n_jobs=1",
-        "hydra.sweeper.direction=maximize",
-        "hydra.sweeper.sampler.seed=0",
-        f"hydra.sweeper.storage={storage}",
-        "hydra.sweeper.study_name=roll",
-        "algo.lr=interval(1e-6,1e-5)",
-        f"hydra.sweep.dir={sweep_dir}",
-    ]
+    args = optuna_sweep_args(sweep_dir, 2, 1, f"hydra.sweeper.storage={storage}", "hydra.sweeper.study_name=roll")
     monkeypatch.setattr(sys, "argv", ["roll-train", *args])
     try:
         cli.train_main()
@@ -95,6 +87,36 @@ def test_a_second_sweep_continues_the_study_in_its_sqlite_storage(
     assert [t.params["algo.lr"] for t in study.trials] == pytest.approx(ran, rel=1e-12)
     assert [t.value for t in study.trials] == pytest.approx([lr * 1e5 for lr in ran], rel=1e-12)
     assert all(1e-6 <= lr <= 1e-5 for lr in ran)
+
+
+def test_a_study_continued_into_its_sweep_folder_numbers_its_jobs_after_its_trials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second sweep continuing the study into the first one's folder (same storage, study name and
+    hydra.sweep.dir): Hydra numbered its jobs from 0 again, so they ran in folders 0 and 1 over the first sweep's
+    jobs (their records and Hydra's config replaced: the first sweep's results lost from the folder). Now its jobs
+    are numbered after the study's trials: folders 0 to 3 hold trials 0 to 3, each record with its own trial's
+    value, and the second sweep's summary has its own two jobs."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    sw = tmp_path / "sweep"
+    ran: list[float] = []
+
+    _sweep(monkeypatch, sw, storage, ran)
+    monkeypatch.setattr("roll_core.sweep._failed_jobs", [])  # a new roll-train process
+    _sweep(monkeypatch, sw, storage, ran)
+
+    study = optuna.load_study(study_name="roll", storage=storage)
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 4
+    assert sorted(p.name for p in sw.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
+    for trial in study.trials:  # job N is trial N: its record, its Hydra config, its value
+        record = json.loads((sw / str(trial.number) / STATUS_FILE).read_text())
+        assert (record["job"], record["status"]) == (trial.number, "ok")
+        assert record["overrides"] == [f"algo.lr={trial.params['algo.lr']}"]
+        assert record["summary"]["final_eval_accuracy"] == pytest.approx(trial.value, rel=1e-12)
+        hydra_cfg = yaml.safe_load((sw / str(trial.number) / ".hydra" / "hydra.yaml").read_text())
+        assert hydra_cfg["hydra"]["job"]["num"] == trial.number
+    assert [t.params["algo.lr"] for t in study.trials] == pytest.approx(ran, rel=1e-12)
+    assert [r["job"] for r in summary_rows(sw)] == ["2", "3"]  # the second sweep's own jobs
 
 
 @pytest.mark.skipif(not needs_stamp(), reason="this Optuna sets up its own storage (Optuna >= 3 or SQLAlchemy < 2)")

@@ -65,7 +65,7 @@ from typing import Any, NoReturn
 from hydra.experimental.callback import Callback
 
 from roll_core import sweep_stop
-from roll_core.sweep_optuna import prepare_study_storage
+from roll_core.sweep_optuna import prepare_study_storage, unwatch, watch_sweep
 from roll_core.sweep_records import STATUS_FILE, job_labels, job_records, write_record
 from roll_core.sweep_resume import check_resumed_folder
 from roll_core.sweep_slots import SLOTS_NAMESPACE, job_slot, slots_name
@@ -378,8 +378,9 @@ def _plot(curves: list[tuple[str, list[tuple[int, float]]]], path: Path) -> None
 
 class SweepSummaryCallback(Callback):
     """Hydra callback: before a multirun, mark its sweep folder with a new sweep id and, on the Ray launcher, start
-    its local Ray instance on loopback, and make an Optuna sweeper's SQL storage one Optuna 2.x opens under
-    SQLAlchemy 2 (roll_core.sweep_optuna); after it, count its failed jobs for the exit code and summarise its jobs."""
+    its local Ray instance on loopback, and, for an Optuna sweeper, keep its study and number a continued study's jobs
+    after its trials (roll_core.sweep_optuna.watch_sweep) and make its SQL storage one Optuna 2.x opens under
+    SQLAlchemy 2; after it, count its failed jobs for the exit code and summarise its jobs."""
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         start_sweep(config.hydra.sweep.dir)
@@ -387,6 +388,7 @@ class SweepSummaryCallback(Callback):
             start_sweep_ray(config.hydra.launcher)
         finally:  # after ray.init, which installs Ray's SIGTERM handler (an abort, no summary); also if it failed
             sweep_stop.install()
+        watch_sweep(config.hydra.sweep.dir, config.hydra.get("sweeper"))  # never raises
         # last: Hydra turns a callback's exception into a warning; one here must not skip the steps above
         prepare_study_storage(config.hydra.get("sweeper"))
 
@@ -427,6 +429,7 @@ def end_sweep(sweep_dir: Path, records: tuple[list[tuple[Path, dict[str, Any]]],
     _unfinished.discard(str(sweep_dir.resolve()))
     if not _unfinished:
         sweep_stop.restore()
+    unwatch()  # an Optuna sweeper's study wrappers (sweep_optuna.watch_sweep), when its sweep() never ran
     remove_slots(sweep_dir)
     # Failures first, from the records alone: Hydra turns an exception raised here into a warning, and a
     # summary that fails to write must not also make roll-train exit 0 over failed jobs.
@@ -467,6 +470,7 @@ def end_unfinished_sweeps(exc: BaseException) -> list[tuple[Path, list[str]]]:
         found, problems = sweep_job_records(folder)  # read once, handed to end_sweep and the stop's report
         if not found and not problems:  # it stopped before any job ran (a sweeper that cannot be made): no summary
             _unfinished.discard(folder)
+            unwatch()
             continue
         signum = stop_signal(folder)
         if signum is not None:
@@ -476,8 +480,8 @@ def end_unfinished_sweeps(exc: BaseException) -> list[tuple[Path, list[str]]]:
         ended.append((Path(folder) / "summary.md", end_sweep(Path(folder), (found, problems))))
     if not _unfinished:
         sweep_stop.restore()
-    if stopped:  # `exc`'s traceback: where an Optuna sweeper's study is found (its best result is saved)
-        sweep_stop.exit_stopped(*stopped[0], tb=exc.__traceback__)
+    if stopped:
+        sweep_stop.exit_stopped(*stopped[0])
     return ended
 
 

@@ -1,5 +1,6 @@
 """roll's additions to hydra-optuna-sweeper: persistent studies (`hydra.sweeper.storage=sqlite:///study.db`, or any
-SQL URL) under SQLAlchemy 2, and the best result of a sweep a signal stopped (`save_stopped_results`, below).
+SQL URL) under SQLAlchemy 2, a continued study's job numbers, and the best result of a sweep a signal stopped
+(`save_stopped_results`, below).
 
 hydra-optuna-sweeper 1.3 requires optuna<3, and Optuna 2.x's database storage cannot set itself up under
 SQLAlchemy 2 (which alembic 1.20, and so MLflow's SQL store, requires; SQLAlchemy 1.4 cannot be installed beside
@@ -17,25 +18,38 @@ recorded and opens the study as under SQLAlchemy 1.x: `load_if_exists` continues
 sweeper, no storage, a non-string storage, Optuna >= 3 or SQLAlchemy < 2 (those set themselves up), or a database
 whose revision is already recorded (Optuna's own check then judges it, e.g. one from a newer Optuna). Everything
 else Optuna 2.10 does with its storage works under SQLAlchemy 2 (trials, parameters, user attributes, intermediate
-values, failed trials, summaries, deletion). Optuna is not patched: its files and classes are left as they are.
+values, failed trials, summaries, deletion). The storage's set-up patches nothing: Optuna's files and classes are
+left as they are.
+
+The sweep's study (`watch_sweep`, run by `SweepSummaryCallback.on_multirun_start` for hydra-optuna-sweeper): for
+the sweep only, the sweeper's `OptunaSweeperImpl.sweep` is wrapped, and while it runs `optuna.create_study`; the
+first study it creates or loads is kept for the sweep, and both wrappers are removed when its `sweep()` ends.
+roll found the study by the name of the sweeper's local variable (`study`) in stack frames, which a renamed
+variable would have silently defeated. The shape the wrappers need (`OptunaSweeperImpl.sweep` calling
+`optuna.create_study` and numbering jobs from `self.job_idx`) is checked at the sweep's start (`sweeper_problem`): a
+sweeper without it runs as it is, after one warning saying what roll then cannot do.
+
+A continued study's jobs: Hydra's job numbers (hence job folders, `hydra.sweep.subdir=${hydra.job.num}`) started at
+0 in every sweep, so a study continued into the folder of its earlier sweep (same `hydra.sweeper.storage` and
+`study_name`, same `hydra.sweep.dir`) wrote its jobs over the earlier sweep's job folders and records. A sweep
+whose study already holds N trials numbers its jobs from N (the sweeper's `job_idx`): with one worker, job N is
+trial N of the study, in any folder; the earlier jobs' folders are kept. A study in memory (no storage) starts
+empty: its jobs are numbered from 0, as a resumed sweep (`pipeline.resume=true`) into its folder needs; a resumed
+sweep of a persistent study asks new trials, into new folders (the study's earlier trials are not run again).
 
 A stopped sweep's results: hydra-optuna-sweeper writes `<sweep folder>/optimization_results.yaml` (`name: optuna` and
 `best_params`/`best_value`, or `solutions` for several objectives) at the end of its `sweep()`, which a sweep a
 signal stopped leaves by roll_core.sweep_stop.SweepStopped (or a second signal's SystemExit): the best result so far
 was lost. `save_stopped_results` (run by roll_core.sweep_stop.exit_stopped) writes that file, in the sweeper's format,
-from the study of the sweeper's `sweep()` call it finds on the stack (the basic launcher's trial values and roll's Ray
-launcher end the sweep inside that call) or in the traceback of the exception that left it; only when at least one
-trial of the study is COMPLETE (as the sweeper's own `best_trial` requires; trials of an earlier sweep continuing the
-study count, as they do for the sweeper). No completed trial, another sweeper, or a sweep whose `sweep()` had
-returned (it wrote the file itself): nothing is written.
+from the sweep's study (`take_study`), only when at least one trial of the study is COMPLETE (as the sweeper's own
+`best_trial` requires; trials of an earlier sweep continuing the study count, as they do for the sweeper). No
+completed trial, another sweeper, or one roll cannot follow: nothing is written (the last logged at the start).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
-from types import FrameType, TracebackType
 from typing import Any
 
 log = logging.getLogger("roll")
@@ -43,6 +57,8 @@ log = logging.getLogger("roll")
 _OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper."
 _SWEEPER_IMPL = "hydra_plugins.hydra_optuna_sweeper._impl"  # the module of OptunaSweeperImpl.sweep
 RESULTS_FILE = "optimization_results.yaml"  # the name hydra-optuna-sweeper writes its results under
+_studies: dict[str, Any] = {}  # resolved sweep folder -> the study its sweeper created or loaded (watch_sweep)
+_patched: list[tuple[Any, str, Any, Any]] = []  # (owner, attribute, what it was, our wrapper) while a sweep is watched
 
 
 def _major(version: str) -> int:
@@ -135,29 +151,112 @@ def prepare_study_storage(sweeper: Any) -> str | None:
     return stamp_study_storage(url)
 
 
-def sweeper_study(tb: TracebackType | None = None) -> Any | None:
-    """The Optuna study of the hydra-optuna-sweeper `sweep()` call running on this thread's stack, or left by the
-    exception whose traceback is `tb` (its frames keep their locals); None when there is none (another sweeper, no
-    Optuna, a `sweep()` that returned)."""
-    if "optuna" not in sys.modules:  # no Optuna sweep ran in this process: nothing to find (and nothing to import)
-        return None
-    import optuna
+def sweeper_problem() -> str | None:
+    """Why roll cannot follow the installed hydra-optuna-sweeper's study (`watch_sweep`), None when it can: its
+    `OptunaSweeperImpl.sweep` must create or load the study with `optuna.create_study`, looked up on the `optuna`
+    module when called (as `import optuna` then `optuna.create_study(...)` does), and number its jobs from
+    `self.job_idx`, as hydra-optuna-sweeper 1.x does. Read from the method's bytecode: nothing is run."""
+    import dis
+    import itertools
 
-    frames: list[FrameType] = []
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        frames.append(frame)
-        frame = frame.f_back
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    for frame in frames:
-        if frame.f_globals.get("__name__") != _SWEEPER_IMPL:
-            continue
-        study = frame.f_locals.get("study")  # OptunaSweeperImpl.sweep's own name for it
-        if isinstance(study, optuna.study.Study):
-            return study
+    try:
+        import optuna
+        from hydra_plugins.hydra_optuna_sweeper import _impl
+    except ImportError as exc:
+        return f"{_SWEEPER_IMPL} cannot be imported ({exc})"
+    sweep = getattr(getattr(_impl, "OptunaSweeperImpl", None), "sweep", None)
+    if getattr(sweep, "__code__", None) is None:
+        return f"{_SWEEPER_IMPL} has no OptunaSweeperImpl.sweep"
+    steps = list(dis.get_instructions(sweep))
+    # `optuna.create_study`: the global `optuna` (this optuna), then its attribute: a wrapper set on the module is met
+    creates = any(
+        (a.opname, a.argval, b.argval) == ("LOAD_GLOBAL", "optuna", "create_study")
+        and b.opname in ("LOAD_ATTR", "LOAD_METHOD")
+        for a, b in itertools.pairwise(steps)
+    )
+    if not creates or sweep.__globals__.get("optuna") is not optuna:
+        return "OptunaSweeperImpl.sweep does not create its study with optuna.create_study"
+    if "job_idx" not in sweep.__code__.co_names:
+        return "OptunaSweeperImpl.sweep does not number its jobs from self.job_idx"
     return None
+
+
+def watch_sweep(sweep_dir: str | Path, sweeper: Any) -> bool:
+    """Before the Optuna sweep into `sweep_dir` (`sweeper`: the `hydra.sweeper` config; run by
+    `SweepSummaryCallback.on_multirun_start`): wrap `OptunaSweeperImpl.sweep` for that sweep. While it runs,
+    `optuna.create_study` is wrapped too: the first study it returns is the sweep's (kept for `take_study`) and, when
+    it already holds trials (a continued study), the sweeper numbers its jobs after them (its `job_idx`), so job
+    folders and records of earlier sweeps of the study in the same folder are never reused. Both wrappers are removed
+    when the sweeper's `sweep()` ends (`unwatch`). Returns whether it is watched: False for another sweeper, and,
+    with one warning, for a sweeper whose shape the wrappers cannot reach (`sweeper_problem`). Never raises."""
+    unwatch()
+    _studies.clear()
+    target = str((sweeper or {}).get("_target_") or "")
+    if not target.startswith(_OPTUNA_SWEEPER):
+        return False
+    try:
+        problem = sweeper_problem()
+        if problem is None:
+            _install(Path(sweep_dir).resolve())
+            return True
+    except Exception as exc:  # bookkeeping: the sweep runs without it
+        problem = f"{type(exc).__name__}: {exc}"
+    log.warning(
+        "roll cannot follow this hydra-optuna-sweeper's study (%s): a sweep a signal stops writes no %s, and a study "
+        "continued into a sweep folder that has its earlier jobs reuses their job numbers and folders",
+        problem,
+        RESULTS_FILE,
+    )
+    return False
+
+
+def _install(folder: Path) -> None:
+    """Wrap OptunaSweeperImpl.sweep for the sweep into `folder` (see `watch_sweep`)."""
+    import optuna
+    from hydra_plugins.hydra_optuna_sweeper._impl import OptunaSweeperImpl
+
+    sweep = OptunaSweeperImpl.sweep
+
+    def watched_sweep(self: Any, arguments: Any) -> Any:
+        create = optuna.create_study
+
+        def create_study(*args: Any, **kwargs: Any) -> Any:
+            study = create(*args, **kwargs)
+            if str(folder) not in _studies:  # the sweeper's, created before any job runs (a job's own comes later)
+                _studies[str(folder)] = study
+                done = len(study.get_trials(deepcopy=False))
+                if done > self.job_idx:  # from 0, they went into the folders of the study's earlier jobs
+                    log.info(
+                        "Optuna study %s holds %d trials: this sweep numbers its jobs after them",
+                        study.study_name,
+                        done,
+                    )
+                    self.job_idx = done
+            return study
+
+        optuna.create_study = create_study
+        _patched.append((optuna, "create_study", create, create_study))
+        try:
+            return sweep(self, arguments)
+        finally:
+            unwatch()
+
+    OptunaSweeperImpl.sweep = watched_sweep
+    _patched.append((OptunaSweeperImpl, "sweep", sweep, watched_sweep))
+
+
+def unwatch() -> None:
+    """Remove what `watch_sweep` installed (where it is still in place); the study it kept stays for `take_study`."""
+    while _patched:
+        owner, name, old, ours = _patched.pop()
+        if owner.__dict__.get(name) is ours:
+            setattr(owner, name, old)
+
+
+def take_study(sweep_dir: str | Path) -> Any | None:
+    """The Optuna study the sweeper of the sweep into `sweep_dir` created or loaded (`watch_sweep`), handed over
+    once; None when none was kept (another sweeper, one roll cannot follow, a sweep stopped before its study)."""
+    return _studies.pop(str(Path(sweep_dir).resolve()), None)
 
 
 def stopped_results(study: Any) -> dict[str, Any] | None:
@@ -175,14 +274,13 @@ def stopped_results(study: Any) -> dict[str, Any] | None:
     return {"name": "optuna", "solutions": [{"params": t.params, "values": t.values} for t in study.best_trials]}
 
 
-def save_stopped_results(sweep_dir: str | Path, tb: TracebackType | None = None) -> Path | None:
+def save_stopped_results(sweep_dir: str | Path) -> Path | None:
     """Write `<sweep_dir>/optimization_results.yaml` for an Optuna sweep a signal stopped, as hydra-optuna-sweeper
-    writes it at the end of its `sweep()` (which the stop leaves by an exception), from the study of that call
-    (`sweeper_study`, on the stack or in `tb`). Returns the file; None when no Optuna study was found or none of its
-    trials completed (then nothing is written). Bookkeeping of a sweep that is ending: a failure is logged, never
-    raised."""
+    writes it at the end of its `sweep()` (which the stop leaves by an exception), from the study of that sweep
+    (`take_study`). Returns the file; None when no Optuna study was kept or none of its trials completed (then
+    nothing is written). Bookkeeping of a sweep that is ending: a failure is logged, never raised."""
     try:
-        study = sweeper_study(tb)
+        study = take_study(sweep_dir)
         if study is None:
             return None
         results = stopped_results(study)

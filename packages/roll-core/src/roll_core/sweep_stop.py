@@ -44,7 +44,7 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any, NoReturn
 
 from roll_core.sweep_optuna import save_stopped_results
@@ -159,18 +159,15 @@ def stop_report(
 
 
 def exit_stopped(
-    sweep_dir: Path,
-    signum: int,
-    records: tuple[list[tuple[Path, dict[str, Any]]], list[str]] | None,
-    tb: TracebackType | None = None,
+    sweep_dir: Path, signum: int, records: tuple[list[tuple[Path, dict[str, Any]]], list[str]] | None
 ) -> NoReturn:
     """End roll-train for a sweep a signal stopped (its summary is written: this is called after it): raise
     SweepStopped, exit 128 + `signum` as a single run stopped by it, with the line roll-train prints (`stop_report`
     of the sweep's job `records`, as summarised). It exited before roll-train could say which jobs had failed. An
     Optuna sweeper's best result so far is saved first (roll_core.sweep_optuna.save_stopped_results: the sweeper
-    writes it only at the end of its sweep, which the stop leaves by an exception), from the sweeper's study on the
-    stack or in `tb`, the traceback of the exception that ended the sweep."""
-    save_stopped_results(sweep_dir, tb)
+    writes it only at the end of its sweep, which the stop leaves by an exception), from the study roll kept for
+    the sweep (roll_core.sweep_optuna.watch_sweep)."""
+    save_stopped_results(sweep_dir)
     log.error(
         "the sweep was stopped by signal %s (%s): its jobs and what they did: %s",
         signum,

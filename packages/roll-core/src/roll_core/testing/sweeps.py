@@ -1,8 +1,9 @@
 """Sweeps (roll_core.sweep) for tests, with no training and no Hydra process: the job wrapper `run_sweep_job` run
 as Hydra runs it in one job of a multirun (`run_job`, HydraConfig faked), the config Hydra hands
 `SweepSummaryCallback` (`multirun_config`), the summary.csv a sweep leaves (`summary_rows`), a clean slate of
-the per-process sweep state for each test (`reset_sweep_state`), and the root logger put back after a test that ran
-roll-train in-process (`root_logging_restored`). Neither pytest nor Ray is imported.
+the per-process sweep state for each test (`reset_sweep_state`), the root logger put back after a test that ran
+roll-train in-process (`root_logging_restored`), and roll-train's arguments for a small Optuna sweep
+(`optuna_sweep_args`). Neither pytest nor Ray is imported.
 """
 
 from __future__ import annotations
@@ -18,8 +19,16 @@ from unittest import mock
 from omegaconf import OmegaConf
 
 import roll_core.sweep as sweep
+import roll_core.sweep_optuna as sweep_optuna
 
-__all__ = ["multirun_config", "reset_sweep_state", "root_logging_restored", "run_job", "summary_rows"]
+__all__ = [
+    "multirun_config",
+    "optuna_sweep_args",
+    "reset_sweep_state",
+    "root_logging_restored",
+    "run_job",
+    "summary_rows",
+]
 
 
 @contextmanager
@@ -44,6 +53,25 @@ def reset_sweep_state(monkeypatch: Any) -> None:
     monkeypatch.setattr(sweep, "_stopped", {}, raising=False)
     monkeypatch.setattr(sweep, "_unfinished", set(), raising=False)
     monkeypatch.setattr(sweep, "_unstarted", {}, raising=False)
+    sweep_optuna.unwatch()  # an Optuna sweep's wrappers an earlier test left (its sweep() never ran)
+    monkeypatch.setattr(sweep_optuna, "_studies", {})
+
+
+def optuna_sweep_args(sweep_dir: Path, n_trials: int, n_jobs: int = 1, *more: str) -> list[str]:
+    """roll-train's arguments for an Optuna sweep (hydra-optuna-sweeper) into `sweep_dir`: `n_trials` trials,
+    `n_jobs` at a time, maximising the job's value, the sampler seeded (0), over `algo.lr` in [1e-6, 1e-5];
+    `more`: further overrides (a storage and study name, pipeline.resume=true)."""
+    return [
+        "-m",
+        "hydra/sweeper=optuna",
+        f"hydra.sweeper.n_trials={n_trials}",
+        f"hydra.sweeper.n_jobs={n_jobs}",
+        "hydra.sweeper.direction=maximize",
+        "hydra.sweeper.sampler.seed=0",
+        "algo.lr=interval(1e-6,1e-5)",
+        f"hydra.sweep.dir={sweep_dir}",
+        *more,
+    ]
 
 
 def multirun_config(sweep_dir: Path) -> Any:
