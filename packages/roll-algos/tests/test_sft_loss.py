@@ -63,3 +63,16 @@ def test_bad_input_is_an_error() -> None:
         sft_loss(torch.zeros(2, 3), torch.ones(2, 4))
     with pytest.raises(ValueError, match="unknown aggregation"):
         sft_loss(torch.zeros(2, 3), torch.ones(2, 3), agg="mean")
+
+
+def test_half_precision_metrics_are_fp32() -> None:
+    # 3001 bf16 log-probs of -0.3 (exactly -0.30078125 in bf16). The metrics were kept in bf16: `tokens` read 3008
+    # (3001 rounded to bf16) and `nll` 904 / 3008 = 0.30053. In fp32, as roll_algos.losses does for half inputs:
+    # tokens 3001, nll 0.30078125, ppl exp(0.30078125).
+    logp = torch.full((1, 3001), -0.3, dtype=torch.bfloat16)
+    loss, m = sft_loss(logp, torch.ones(1, 3001))
+    close(m["tokens"], 3001.0)
+    assert all(v.dtype == torch.float32 for v in m.values())
+    close(m["nll"], 0.30078125)
+    close(m["ppl"], math.exp(0.30078125), tol=1e-5)
+    close(loss, 0.30078125)

@@ -518,3 +518,26 @@ def test_turn_group_advantages_by_hand() -> None:
     # gamma = 1 and one turn per trajectory: the episode-level GRPO advantage.
     one = turn_group_advantages(T([[1.0], [0.0]]), T([[1], [1]]), T([3, 3]), T([[0, 0]] * 2), T([[1, 1]] * 2))
     close(one, episode_group_advantages(T([1.0, 0.0]), T([3, 3]), T([[1, 1]] * 2), estimator="grpo"))
+
+
+# ---------------------------------------------------------------- non-finite rewards of present rows
+@pytest.mark.parametrize("bad", [NAN, math.inf])
+def test_non_finite_rewards_that_take_part_are_errors(bad: float) -> None:
+    # A NaN failed every min < max spread test: groups [1, NaN] and [1, 0] gave [0, 0, 0.7071, -0.7071] (its group
+    # silently 0) and REINFORCE++ zeroed the whole batch; an inf gave NaN advantages. As roll_algos.advantages,
+    # a reward that takes part must be finite; absent rows and padding turns may hold anything (tests above).
+    ones = torch.ones(4, 2)
+    with pytest.raises(ValueError, match=r"episode_rewards is not finite at \(row 1\)"):
+        episode_group_advantages(T([1.0, bad, 1.0, 0.0]), T([0, 0, 1, 1]), ones)
+    with pytest.raises(ValueError, match=r"episode_rewards is not finite at \(row 1\)"):
+        reinforce_pp_trajectories(T([1.0, bad, 1.0, 0.0]), ones)
+    # a valid turn (row 0, turn 1) of trajectories that have tokens
+    turn_rewards, turn_mask, turn_ids = T([[1.0, bad], [0.0, 1.0]]), torch.ones(2, 2), T([[0, 1], [0, 1]])
+    with pytest.raises(ValueError, match=r"turn_rewards is not finite at \(row 0, turn 1\)"):
+        turn_group_advantages(turn_rewards, turn_mask, T([0, 0]), turn_ids, torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"turn_rewards is not finite at \(row 0, turn 1\)"):
+        gigpo_advantages(
+            T([1.0, 0.0]), turn_rewards, turn_mask, T([0, 0]), [["a", "b"]] * 2, turn_ids, torch.ones(2, 2), gamma=1.0
+        )
+    with pytest.raises(ValueError, match=r"turn_returns is not finite at \(row 0, turn 1\)"):
+        anchor_state_advantages(turn_rewards, turn_mask, T([0, 0]), [["a", "b"]] * 2)

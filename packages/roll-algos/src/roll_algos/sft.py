@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from roll_algos.losses import _valid, aggregate
+from roll_algos.losses import _fp32, _valid, aggregate
 
 __all__ = ["sft_loss"]
 
@@ -33,7 +33,8 @@ def sft_loss(
         norm_length: the constant length for `seq-mean-token-sum-norm`.
     Returns:
         (loss, metrics): a 0-dim loss; metrics are detached 0-dim tensors: `nll` (token mean of -logprobs over
-        valid tokens, whatever `agg` is), `ppl` (exp of `nll`), `tokens` (the number of valid tokens, as a float).
+        valid tokens, whatever `agg` is), `ppl` (exp of `nll`), `tokens` (the number of valid tokens, as a float);
+        fp32 for half-precision log-probs (as the loss).
     Raises:
         ValueError: `mask` and `logprobs` differ in shape, `logprobs` is not (B, T), or `agg` is unknown.
     """
@@ -41,7 +42,8 @@ def sft_loss(
     nll = -torch.where(valid, logprobs, 0.0)
     loss = aggregate(nll, valid, agg, norm_length=norm_length)
     with torch.no_grad():
-        tokens = valid.sum().to(nll.dtype)
-        mean_nll = nll.detach().sum() / tokens.clamp_min(1)
+        # In fp32 for half-precision inputs, as `aggregate`: bf16 counted 3001 tokens as 3008 (8 bits of mantissa).
+        tokens = valid.sum().to(_fp32(nll).dtype)
+        mean_nll = _fp32(nll.detach()).sum() / tokens.clamp_min(1)
         metrics = {"nll": mean_nll, "ppl": torch.exp(mean_nll), "tokens": tokens}
     return loss, metrics

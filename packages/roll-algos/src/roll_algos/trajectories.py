@@ -25,6 +25,9 @@ Conventions:
 - A trajectory with no assistant token (an all-zero `mask` row, e.g. batch padding) is absent: it takes no part in
   any group or batch statistic and its outputs are 0, whatever its rewards hold (NaN included). Likewise padding
   turns never enter a per-turn statistic.
+- Rewards (and returns) that take part must be finite: a NaN or inf at a present trajectory or a valid turn is a
+  ValueError naming its position, as in `roll_algos.advantages` (a NaN passed every min < max spread test, so its
+  group, or the whole batch for REINFORCE++, got advantage 0 without a word; an inf gave NaN advantages).
 - Pure functions, tensors in and out, no gradient tracking assumed (callers pass detached rewards).
 
 `check_trajectory_batch` validates the whole layout strictly (turn ids >= 0 exactly where the mask is 1, and so on);
@@ -122,6 +125,18 @@ def _check_turns(name: str, x: Tensor, turn_mask: Tensor) -> None:
 
 def _first(cond: Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in cond.nonzero()[0])
+
+
+def _check_finite(name: str, x: Tensor, takes_part: Tensor) -> None:
+    """Raise ValueError at the first non-finite entry of `x` (B,) or (B, K) where `takes_part`; others are free."""
+    bad = takes_part & ~torch.isfinite(x)
+    if bool(bad.any()):
+        at = _first(bad)
+        where = ", ".join(f"{dim} {i}" for dim, i in zip(("row", "turn"), at))
+        raise ValueError(
+            f"{name} is not finite at ({where}) (value {float(x[at])}; {int(bad.sum())} such entries): "
+            "score non-finite rewards before computing advantages"
+        )
 
 
 # ---------------------------------------------------------------- validation
@@ -255,6 +270,7 @@ def episode_group_advantages(
         raise ValueError(f"unknown estimator {estimator!r}; choose one of {', '.join(EPISODE_ESTIMATORS)}")
     valid = mask.bool()
     present = valid.any(dim=-1)
+    _check_finite("episode_rewards", episode_rewards, present)
     adv = _segment_relative(episode_rewards, group_ids, present, estimator=estimator, eps=eps)
     return torch.where(valid, adv[:, None], 0.0)
 
@@ -283,6 +299,7 @@ def reinforce_pp_trajectories(
     _check_rows("episode_rewards", episode_rewards, mask)
     valid = mask.bool()
     present = valid.any(dim=-1)
+    _check_finite("episode_rewards", episode_rewards, present)
     scores = torch.where(present, episode_rewards, 0.0)
     if group_ids is not None:
         _check_group_ids(group_ids, mask)
@@ -360,6 +377,7 @@ def anchor_state_advantages(
     _check_turns("turn_returns", turn_returns, turn_mask)
     _check_group_ids(group_ids, turn_mask)
     turn_valid = turn_mask.bool()
+    _check_finite("turn_returns", turn_returns, turn_valid)
     rows = _state_keys_for(state_keys, turn_valid)
     step_group = torch.zeros(turn_mask.shape, dtype=torch.long)
     ids: dict[tuple[int, Hashable], int] = {}
@@ -421,6 +439,7 @@ def gigpo_advantages(
     episode = episode_group_advantages(episode_rewards, group_ids, mask, estimator=estimator, eps=eps)
     present = mask.bool().any(dim=-1)
     turn_valid = turn_mask.bool() & present[:, None]
+    _check_finite("turn_rewards", turn_rewards, turn_valid)
     returns = turn_discounted_returns(turn_rewards, turn_valid, gamma=gamma)
     step = anchor_state_advantages(returns, turn_valid, group_ids, state_keys, eps=eps, normalize_std=normalize_std)
     return episode + step_weight * turns_to_tokens(step, turn_ids, mask)
@@ -451,6 +470,7 @@ def turn_group_advantages(
     _check_group_ids(group_ids, mask)
     present = mask.bool().any(dim=1)  # trajectories with no assistant token take no part
     valid_turn = turn_mask.bool() & present[:, None]
+    _check_finite("turn_rewards", turn_rewards, valid_turn)
     returns = turn_discounted_returns(torch.where(valid_turn, turn_rewards, 0.0), valid_turn.float(), gamma=gamma)
     index = group_ids[:, None].expand_as(returns)
     per_turn = _segment_relative(
