@@ -255,6 +255,29 @@ def test_context_teacher_shown_the_students_prompt_is_the_student(
     assert step["distill/teacher_logp"] < -1.0  # a random student: far from certain of its tokens
 
 
+def test_a_teacher_equal_to_the_student_gives_no_signal_under_truncated_sampling(
+    seven_task: Path, tmp_path: Path
+) -> None:
+    """Top-p sampling (the model presets' defaults: qwen2_5 0.8, llama3 0.9): the engine's log-probs are the
+    truncated distribution's, renormalised over the kept tokens, the teacher's the full softmax's. A teacher that
+    is the student (its own model, shown its own prompt) measured a reverse KL of -log(kept mass) per token (1.19
+    nats here) and pushed every advantage down by it; the student's side is now the trainer's full softmax."""
+    _, history = run_pipeline(
+        _distill(
+            seven_task,
+            tmp_path,
+            "distill.teacher_prompt='{prompt}'",
+            "pipeline.max_steps=1",
+            "infer_engine.top_p=0.3",
+            "model.max_response_length=8",
+        )
+    )
+    step = next(h for h in history if h["step"] == 1)
+    assert abs(step["distill/reverse_kl"]) < 1e-4, step["distill/reverse_kl"]
+    assert step["actor/advantage_abs_mean"] < 1e-4
+    assert step["distill/student_logp"] == pytest.approx(step["distill/teacher_logp"], abs=1e-4)
+
+
 def test_rows_without_a_template_field_are_skipped_with_their_group_and_counted(tmp_path: Path) -> None:
     data = tmp_path / "half.jsonl"  # every other problem has an `example` column
     rows = [{"prompt": f"Q{i}: say 7", "answer": "7", **({"example": "7"} if i % 2 else {})} for i in range(40)]

@@ -3,11 +3,13 @@ frozen teacher scores exactly the sampled tokens, and a policy-gradient step low
 
 Per token t of a sampled response: A_t = -distill.coef x (log pi_S(y_t) - log pi_T(y_t)) (roll_algos.distill
 `on_policy_distill_advantages`; pi_S is the policy that the ratio compares with: the old log-probs when they are
-recomputed, else the engine's behaviour log-probs), plus distill.task_reward_weight x the task reward's advantage
-(algo.adv_estimator over the groups, broadcast over the response). The loss is the RL policy loss on these
-advantages (roll_core.pipelines.losses.PolicyObjective: clipped, importance-weighted, with the KL-to-reference
-loss when algo.kl_coef > 0), run like the RL objective (mini-batches, epochs, whitening, advantage clipping, the
-per-domain advantage scale).
+recomputed, else the engine's behaviour log-probs; under truncated sampling, infer_engine.top_p < 1 or top_k > 0,
+they are always recomputed: the engine's are the truncated distribution's, renormalised over the kept tokens,
+while the teacher's are the full softmax's, so each log-ratio carried an extra -log(kept mass)), plus
+distill.task_reward_weight x the task reward's advantage (algo.adv_estimator over the groups, broadcast over the
+response). The loss is the RL policy loss on these advantages (roll_core.pipelines.losses.PolicyObjective:
+clipped, importance-weighted, with the KL-to-reference loss when algo.kl_coef > 0), run like the RL objective
+(mini-batches, epochs, whitening, advantage clipping, the per-domain advantage scale).
 
 Teachers: `Roles.teachers` by name (RoleNeeds from `distill.teacher_paths`): a row goes to `domain_<d>` when its
 `metadata["domain"]` is d and that teacher exists, else to `default`; each teacher scores only its rows. A teacher
@@ -90,6 +92,13 @@ class DistillObjective(RLObjective):
             raise ConfigError("pipeline=distill needs a teacher: set distill.teacher or distill.teachers")
         super().__init__(cfg, roles, trajectories=False)
         self.distill = cfg.distill
+
+    def _need_old_logprobs(self, batch: Batch) -> bool:
+        """RL's cases, and truncated sampling: the student's side of each log-ratio must be the full softmax's,
+        as the teacher's is (the engine's log-probs of a top-p / top-k sample are renormalised over the kept tokens:
+        a teacher equal to the student measured a reverse KL of -log(kept mass) per token, and every advantage
+        was pushed down by it, most at the student's most uncertain tokens)."""
+        return self._truncated or super()._need_old_logprobs(batch)
 
     def update(self, step: int, collected: Collected, out: StepLog) -> None:
         """Score the batch with its teachers, build the advantages and train the actor; metrics go to `out`."""
