@@ -6,7 +6,9 @@ fractions: integers must be equal (a float cannot tell 469401340152858661 from .
 round to one double), other values may differ by less than 1e-9 (as before, for answers written to more or fewer
 decimals). Raises ValueError when either is not a plain decimal number. A comma is a thousands separator only
 between groups of three digits (`1,000`, `12,345.6`): `1,5` (a decimal comma) or `1,00` is no plain number,
-never read as 15 or 100.
+never read as 15 or 100. A decimal exponent (`1e-5`, `1.5E3`, as Python's str() writes floats) is part of the
+number, up to `MAX_EXPONENT` (a larger one is a ValueError: its exact value would take too long to compute); not
+after a thousands separator.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-_DECIMAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
+_DECIMAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE](?P<exp>[+-]?\d+))?")
 _GROUPED = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
 _TOLERANCE = Fraction(1, 10**9)
+#: Largest decimal exponent read: `1e999999999` would be a billion-digit integer.
+MAX_EXPONENT = 1000
 
 
 def parse_number(text: str) -> Fraction:
@@ -26,8 +30,11 @@ def parse_number(text: str) -> Fraction:
         if not _GROUPED.fullmatch(t):
             raise ValueError(f"not a plain decimal number (a comma only between groups of three digits): {text!r}")
         t = t.replace(",", "")
-    if not _DECIMAL.fullmatch(t):
+    m = _DECIMAL.fullmatch(t)
+    if m is None:
         raise ValueError(f"not a plain decimal number: {text!r}")
+    if m["exp"] is not None and abs(int(m["exp"])) > MAX_EXPONENT:
+        raise ValueError(f"exponent of {text[:40]!r} is beyond {MAX_EXPONENT}")
     return Fraction(t)
 
 

@@ -10,7 +10,10 @@ Scoring (per response):
 - Quantities (`quantity`): when both the boxed answer and the truth are one number (integer, decimal, `a/b` or
   `\\frac{a}{b}` of integers) with at most a currency sign before it, a percent sign and a unit after it, they
   are compared exactly by value, whatever the spelling (`roll_envs.numeric`: integers exactly, others within
-  1e-9): `1000 dollars`, `\\$1,000`, `1000\\text{ dollars}` and `1000` are one answer (Qwen-math and
+  1e-9; a decimal number may carry an exponent, `1.5e3`, `1e-5`, or be written `1.5 \\times 10^{3}`; math-verify
+  read `1e-5` as Euler's number minus 5, so `1e-05` was wrong against `0.00001` and `e-5` right, and missed
+  `6.02 \\times 10^{23}` against 602000000000000000000000, whose float it rounds): `1000 dollars`, `\\$1,000`,
+  `1000\\text{ dollars}` and `1000` are one answer (Qwen-math and
   math-verify strip units and currency signs; math-verify alone knew only its own list of unit words, so
   `1000 dollars` was wrong); a unit is `\\text{...}`/`\\mathrm{...}` of words, a degree sign, or up to four
   words after a space (the first of three letters or more, or a short unit such as `cm`, `kg`, `ft`: `5 x`,
@@ -21,7 +24,9 @@ Scoring (per response):
   symbolically as before.) A percent (`%`, `\\%`, the word `percent`) equals its number or its
   hundredth (`75\\%` = `75` = `0.75`, as in both conventions; math-verify graded `75%` right against `0.75` but
   `75\\%` wrong, and `7.5%` wrong against `7.5`); two percents compare as numbers. Anything with more in it
-  (`1000 dollars and 5`) is no quantity and is verified symbolically, so a unit never hides a second number.
+  (`1000 dollars and 5`) is no quantity and is verified symbolically, so a unit never hides a second number. A
+  quantity with an `e` exponent verified symbolically against a non-quantity reaches math-verify as its plain
+  decimal (never as `e`).
 - Parsing or verification that crashes or times out, or a boxed answer longer than `MAX_BOXED_CHARS` (not a
   plain number), scores 0 for correctness and is counted (`reward/timeouts`, `reward/errors`). math-verify's
   timeout uses SIGALRM, which works only in a process's main thread: there it is used as is (each of parse and
@@ -52,7 +57,7 @@ from fractions import Fraction
 
 from roll_core.isolation import CallTimeout, ChildError, ForkedWorker
 from roll_envs.boxed import extract_boxed
-from roll_envs.numeric import fractions_equal, parse_number
+from roll_envs.numeric import MAX_EXPONENT, fractions_equal, parse_number
 from roll_envs.rewards.base import Reward, RewardResult
 
 #: A decimal number; a minus sign right after a digit, letter or closing bracket is a hyphen or an operator ("pages
@@ -94,8 +99,11 @@ _MAX_QUANTITY_CHARS = 4000
 _VALUE = re.compile(
     r"\\[dtc]?frac\s*(?:\{\s*(?P<fn>-?\d+)\s*\}\s*\{\s*(?P<fd>-?\d+)\s*\}|(?P<fn1>\d)(?P<fd1>\d)(?!\d))"
     r"|(?P<sn>\d+)\s*/\s*(?P<sd>\d+)"
-    r"|(?P<num>\d+(?:,\d{3})*(?:\.\d+)?)"
+    r"|(?P<num>\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][+-]?\d+)?)"
+    r"(?:\s*(?:\\times|\\cdot|×)\s*10\s*\^\s*(?:\{\s*(?P<ten>[+-]?\d+)\s*\}|(?P<ten1>\d)))?"
 )
+#: A decimal exponent in a number (`1e-5`): math-verify reads the `e` as Euler's number (`_verify`).
+_E_EXPONENT = re.compile(r"\d[eE][+-]?\d")
 #: A sign and a currency sign before the value, in either order (`-\$5`, `\$-5`).
 _LEAD = re.compile(r"(?P<s1>-?)\s*(?:\\\$|\$)?\s*(?P<s2>-?)\s*")
 #: Space between a value and what follows it (plain, LaTeX `\ `, `\,`, `\;`, `\:`, `\!`, `~`).
@@ -132,7 +140,17 @@ def quantity(text: str) -> tuple[Fraction, bool] | None:
     if m is None:
         return None
     if m["num"] is not None:
-        value = parse_number(m["num"])
+        try:
+            value = parse_number(m["num"])  # (a decimal exponent included)
+        except ValueError:  # an exponent beyond numeric.MAX_EXPONENT, or after a thousands separator
+            return None
+        ten = m["ten"] or m["ten1"]
+        if ten is not None:
+            if abs(int(ten)) > MAX_EXPONENT:
+                return None
+            value *= Fraction(10) ** int(ten)
+        if max(abs(value.numerator), value.denominator).bit_length() > 3 * _MAX_QUANTITY_CHARS:
+            return None  # its key's digits would pass int's string limit (4300 digits)
     else:
         num, den = (m["fn"], m["fd"]) if m["fn"] is not None else (m["fn1"], m["fd1"])
         num, den = (num, den) if num is not None else (m["sn"], m["sd"])
@@ -210,6 +228,14 @@ def _same_number(number: str, answer: str) -> bool:
     return same_quantity((parse_number(number), False), truth)
 
 
+def _without_e(text: str, q: tuple[Fraction, bool] | None) -> str:
+    """`text` for math-verify: a quantity written with a decimal exponent (`1e-5`) as its plain decimal, since
+    math-verify reads the `e` as Euler's number; anything else unchanged."""
+    if q is None or not _E_EXPONENT.search(text):
+        return text
+    return _value_key(q[0]) + ("\\%" if q[1] else "")
+
+
 def _verify_latex(boxed: str, answer: str, timeout_s: int) -> bool:
     """math-verify's symbolic check of `boxed` against `answer`; its timeouts need the main thread (SIGALRM)."""
     from math_verify import parse, verify
@@ -248,6 +274,7 @@ class MathReward(Reward):
         got, truth = quantity(boxed), quantity(answer)
         if got is not None and truth is not None:
             return same_quantity(got, truth)  # exact, units and currency aside (module docstring)
+        boxed, answer = _without_e(boxed, got), _without_e(answer, truth)
         plain = _GROUP_SPACE.sub("", boxed.strip())
         if _NUMBER.fullmatch(plain) and _NUMBER.fullmatch(answer.strip()):  # too long for a quantity
             return plain.replace(",", "") == answer.strip().replace(",", "")

@@ -25,7 +25,8 @@ except `remote_retries`):
 - `remote_timeouts`: its request got no answer within `timeout_s`, on every try;
 - `remote_errors`: connection errors, or an HTTP status other than 200 (the last try's);
 - `remote_malformed`: a reply that is not JSON or has the wrong number of rows (every row of the request), or a
-  row whose score is missing, not a number or not finite, or whose `correct`/`formatted` is not 0/1 (that row);
+  row whose score is missing, not a number or not finite, whose `correct`/`formatted` is not 0/1 or whose
+  `failed` is not a JSON boolean (that row);
 - `remote_failed`: a row the reply marks `"failed": true`, or counts in its `unscored` (the service's counters say why);
 - `remote_retries`: requests sent again. Connection errors, timeouts, 429 and 5xx are retried up to `max_retries`
   times, after `backoff_s * 2**try` seconds (+-50% jitter, at most `max_backoff_s`) or the reply's Retry-After
@@ -301,7 +302,13 @@ class RemoteReward(Reward):
         served_unscored = self._add_counters(reply.get("counters"), counters) if isinstance(reply, dict) else 0
         out: list[tuple[float, float, float] | None] = []
         for i, row in enumerate(rows):
-            if isinstance(row, dict) and row.get("failed") is True:  # the service's reward could not score it
+            flag = row.get("failed") if isinstance(row, dict) else None
+            if flag is not None and not isinstance(flag, bool):  # `"failed": "true"` or 1 was scored as a verdict
+                counters["remote_malformed"] += 1
+                self._fail("remote_malformed", f"reply row {i}: failed={flag!r} is not true or false")
+                out.append(None)
+                continue
+            if flag is True:  # the service's reward could not score it
                 counters["remote_failed"] += 1
                 self._fail("remote_failed", f"reply row {i}: the service could not score it (see its counters)")
                 out.append(None)
