@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,14 @@ from typing import Any
 import pytest
 import yaml
 
-from roll_core.testing.mlflow_server import MlflowServer, clear_mlflow_env, run_id_of, sample_tables, serve
+from roll_core.testing.mlflow_server import (
+    HungEndpoint,
+    MlflowServer,
+    clear_mlflow_env,
+    run_id_of,
+    sample_tables,
+    serve,
+)
 from roll_core.tracking import Tracker
 
 LOGGER = "roll_core.trackers.mlflow"
@@ -151,43 +157,6 @@ def test_a_resume_while_the_server_is_away_goes_on_and_sends_its_steps_later(
     assert new != old and client.get_run(new).data.tags["roll.resumed_from"] == old
     assert read_run(client, new) == {0: {"loss": 0.0}, 1: {"loss": 1.0}, 2: {"loss": 20.0}, 3: {"loss": 30.0}}
     assert client.get_run(new).info.status == "FINISHED"
-
-
-class HungEndpoint:
-    """A TCP endpoint on 127.0.0.1 that accepts connections and never answers (a hung server), counting them: each
-    HTTP request MLflow sends (a retry too) is a connection."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.connections: list[socket.socket] = []
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                self.connections.append(self.sock.accept()[0])
-            except OSError:  # closed
-                return
-
-    def wait_for(self, connections: int, timeout_s: float = 60.0) -> None:
-        """Block until `connections` requests reached the endpoint."""
-        deadline = time.monotonic() + timeout_s
-        while len(self.connections) < connections:
-            assert time.monotonic() < deadline, f"{len(self.connections)} of {connections} requests came"
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept (a close alone does not)
-        self.sock.close()
-        self.thread.join(timeout=5)
-        for conn in self.connections:
-            conn.close()
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (SQLAlchemy's, from MLflow's sqlite store)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from roll_core.testing.mlflow_server import MlflowServer, clear_mlflow_env, run_id_of, serve
+from roll_core.testing.mlflow_server import HungEndpoint, MlflowServer, clear_mlflow_env, run_id_of, serve
 from roll_core.tracking import Tracker
 
 LOGGER = "roll_core.trackers.mlflow"
@@ -46,40 +44,6 @@ def _no_user_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _config(**mlflow: Any) -> str:
     return yaml.safe_dump({"experiment": "stuck", "tracking": {"mlflow": mlflow}})
-
-
-class HungEndpoint:
-    """A TCP endpoint on 127.0.0.1 that accepts connections and never answers (a hung server), counting them."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.connections: list[socket.socket] = []
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                self.connections.append(self.sock.accept()[0])
-            except OSError:  # closed
-                return
-
-    def wait_for(self, connections: int, timeout_s: float = 30.0) -> None:
-        """Block until `connections` requests reached the endpoint."""
-        deadline = time.monotonic() + timeout_s
-        while len(self.connections) < connections:
-            assert time.monotonic() < deadline, f"{len(self.connections)} of {connections} requests came"
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept (a close alone does not)
-        self.sock.close()
-        self.thread.join(timeout=5)
-        for conn in self.connections:
-            conn.close()
 
 
 def _status_when(client: Any, run_id: str, status: str, timeout_s: float) -> Any:

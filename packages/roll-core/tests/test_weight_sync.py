@@ -128,26 +128,34 @@ def test_a_worker_whose_engine_refuses_a_bucket_receives_the_sync_to_its_end_the
     assert worker.engine.loaded == ["a.weight"]  # nothing after the refused bucket is applied
 
 
-def test_a_train_worker_whose_weights_fail_mid_sync_ends_the_receivers_sync() -> None:
-    """TrainWorker.send_weights_dist (rank 0) over a real gloo group: its engine's weight iterator raises after the
-    first bucket. The receiving InferWorker raises SyncAbortedError quoting the trainer's error within seconds (it
-    sent bucket by bucket with `send` and stopped: the receiver waited in a broadcast for the group's timeout)."""
-    from roll_core.cluster.buckets import SyncAbortedError
+def _rank_0_workers(trainer: Any) -> tuple[Any, Any]:
+    """Rank 0 of a TrainWorker over `trainer` (an engine with `iter_weights`) and of an InferWorker whose engine
+    takes every bucket (counting its bytes), without Ray: the two sides of a `dist` sync."""
     from roll_core.cluster.roles import InferWorker, TrainWorker
-
-    class Trainer:
-        def iter_weights(self, changed_only: bool = False):
-            yield "a.weight", torch.zeros(256, 256)
-            raise ValueError("the engine lost a shard")
 
     class Engine:
         def update_weights(self, named) -> int:
             return sum(bucket_nbytes([(k, t)]) for k, t in named)
 
     train = TrainWorker.__new__(TrainWorker)
-    train.rank, train.engine, train.weight_format = 0, Trainer(), "merged"
+    train.rank, train.engine, train.weight_format = 0, trainer, "merged"
     infer = InferWorker.__new__(InferWorker)
     infer.rank, infer.engine = 0, Engine()
+    return train, infer
+
+
+def test_a_train_worker_whose_weights_fail_mid_sync_ends_the_receivers_sync() -> None:
+    """TrainWorker.send_weights_dist (rank 0) over a real gloo group: its engine's weight iterator raises after the
+    first bucket. The receiving InferWorker raises SyncAbortedError quoting the trainer's error within seconds (it
+    sent bucket by bucket with `send` and stopped: the receiver waited in a broadcast for the group's timeout)."""
+    from roll_core.cluster.buckets import SyncAbortedError
+
+    class Trainer:
+        def iter_weights(self, changed_only: bool = False):
+            yield "a.weight", torch.zeros(256, 256)
+            raise ValueError("the engine lost a shard")
+
+    train, infer = _rank_0_workers(Trainer())
     store = SyncGroup.host_store("127.0.0.1", 2)
     raised: dict[str, BaseException] = {}
 
@@ -607,7 +615,6 @@ def test_a_dist_sync_group_waits_for_a_stalled_trainer_only_sync_timeout_s() -> 
     """`infer_engine.sync_timeout_s` reaches the collective group of both sides: with 2 s, an engine whose trainer
     stalls before its first bucket leaves the broadcast after ~2 s with gloo's timeout. The groups were built with
     a fixed 600 s (and NCCL's with its own default whatever was asked): a stalled trainer held the engines 10 min."""
-    from roll_core.cluster.roles import InferWorker, TrainWorker
     from roll_core.cluster.weight_sync import DistTransport
 
     release = threading.Event()
@@ -618,14 +625,7 @@ def test_a_dist_sync_group_waits_for_a_stalled_trainer_only_sync_timeout_s() -> 
             raise RuntimeError("the trainer gave up")
             yield  # a generator
 
-    class Engine:
-        def update_weights(self, named) -> int:
-            return sum(bucket_nbytes([(k, t)]) for k, t in named)
-
-    train = TrainWorker.__new__(TrainWorker)
-    train.rank, train.engine, train.weight_format = 0, Trainer(), "merged"
-    infer = InferWorker.__new__(InferWorker)
-    infer.rank, infer.engine = 0, Engine()
+    train, infer = _rank_0_workers(Trainer())
     receivers = _Threaded(infer)
     submitted: list[Any] = []
     submit = receivers.submit

@@ -445,6 +445,9 @@ def test_engine_config_errors_before_anything_starts(tmp_path: Path) -> None:
         JudgeReward(**kw, engine={"name": "hff"})
     with pytest.raises(ConfigError, match="world_size configure a role's workers"):
         JudgeReward(**kw, engine={"name": "hf", "world_size": 2})
+    # Every worker key (roll_core.cluster.engine_worker.WORKER_KEYS) is refused, a new one too, not only a copy's.
+    with pytest.raises(ConfigError, match="sync_timeout_s configure a role's workers"):
+        JudgeReward(**kw, engine={"name": "hf", "sync_timeout_s": 5.0})
     with pytest.raises(ConfigError, match="max_num_seq"):
         JudgeReward(**kw, engine={"name": "hf", "max_num_seq": 2})
     with pytest.raises(ConfigError, match=r"needs env\.reward\.model"):

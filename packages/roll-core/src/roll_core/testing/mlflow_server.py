@@ -11,6 +11,9 @@ refused), `pause()` / `resume()` hang it and let it go on (connections accepted,
 `running()` bring it back on the same port with the same store. The server runs without the caller's `MLFLOW_*`
 settings and without its job runner.
 
+`HungEndpoint()` is a server that hangs from the start: it accepts connections and never answers, counting them
+(each HTTP request MLflow sends, a retry too, is a connection).
+
 Shared helpers: `free_port()`, `clear_mlflow_env(monkeypatch)` (a test sees none of the user's `MLFLOW_*`
 settings), `run_id_of(run_dir)` (the MLflow run a run folder's tracker logs to) and `sample_tables(client, run_id,
 dst)` (a run's sample tables as MLflow stores them). mlflow is imported only where a function needs it.
@@ -24,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -33,7 +37,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["MlflowServer", "clear_mlflow_env", "free_port", "run_id_of", "sample_tables", "serve"]
+__all__ = ["HungEndpoint", "MlflowServer", "clear_mlflow_env", "free_port", "run_id_of", "sample_tables", "serve"]
 
 
 def free_port() -> int:
@@ -150,3 +154,38 @@ def sample_tables(client: Any, run_id: str, dst: Path) -> dict[int, list[dict[st
         assert all(row.pop("step") == step for row in rows)
         tables[step] = rows
     return tables
+
+
+class HungEndpoint:
+    """A TCP endpoint on 127.0.0.1 that accepts connections and never answers (a hung server), counting them: each
+    HTTP request MLflow sends (a retry too) is a connection. `close()` when done."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.connections.append(self.sock.accept()[0])
+            except OSError:  # closed
+                return
+
+    def wait_for(self, connections: int, timeout_s: float = 60.0) -> None:
+        """Block until `connections` requests reached the endpoint (AssertionError after `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.connections) < connections:
+            assert time.monotonic() < deadline, f"{len(self.connections)} of {connections} requests came"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept (a close alone does not)
+        self.sock.close()
+        self.thread.join(timeout=5)
+        for conn in self.connections:
+            conn.close()

@@ -194,16 +194,6 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "attn_implementation": "sdpa",
     "trust_remote_code": False,
 }
-#: Keys of a role's engine config that configure workers and weight sync, which a judge has none of.
-NOT_FOR_A_JUDGE = (
-    "world_size",
-    "sync_transport",
-    "sync_bucket_mb",
-    "sync_timeout_s",
-    "sleep_level",
-    "python",
-    "max_concurrency",
-)
 
 
 class EngineBackend:
@@ -231,7 +221,10 @@ class EngineBackend:
                     f"env.reward.engine.name={name!r} is not an installed inference engine; installed: "
                     f"{', '.join(installed) or 'none'} (or give env.reward.engine._target_)"
                 )
-        refused = sorted(k for k in cfg if k in NOT_FOR_A_JUDGE)
+        from roll_core.cluster.engine_worker import WORKER_KEYS
+
+        # A role's worker, placement and weight-sync keys: a judge has none (its run values are RUNTIME_DEFAULTS).
+        refused = sorted(k for k in cfg if k in WORKER_KEYS and k not in RUNTIME_DEFAULTS)
         if refused:
             raise ConfigError(f"env.reward.engine: {', '.join(refused)} configure a role's workers, not a judge's")
         self.runtime = {k: cfg.pop(k, v) for k, v in RUNTIME_DEFAULTS.items()}
