@@ -250,6 +250,50 @@ def test_a_box_of_empty_boxes_is_empty() -> None:
     assert res.scores == [0.5, 0.0] and res.formatted == [0.0, 0.0] and res.counters["no_boxed"] == 2
 
 
+def test_a_brace_less_last_box_is_the_answer() -> None:
+    """`\\boxed 5` (as MATH's `last_boxed_only_string` reads it) was no answer, so a right one scored 0, and in
+    `\\boxed{2} ... \\boxed 5` the earlier 2 was graded: right against a truth of 2 for a final answer of 5."""
+    assert extract_boxed(r"so the answer is \boxed 5") == "5"
+    assert extract_boxed(r"\boxed{2} ... so the final answer is \boxed 5") == "5"
+    assert extract_boxed(r"\boxed 5 ... no, \boxed{2}") == "2"  # the last box, whatever its form
+    assert extract_boxed(r"it is $\boxed 5$, so") == "5" and extract_boxed(r"It is \boxed 5.") == "5"
+    assert extract_boxed(r"$\boxed \frac{1}{2}$") == r"\frac{1}{2}" and extract_boxed(r"\boxed{\boxed 7}") == "7"
+    assert extract_boxed(r"\boxed 5!") == "5!"  # a factorial, not punctuation
+    assert extract_boxed(r"\boxed 3 then \boxed{}") == "3" and extract_boxed(r"\fbox{4}") == "4"
+    assert extract_boxed(r"\boxedx") is None and extract_boxed(r"\boxed $") is None  # no box
+    res = MathReward(format_weight=0.1).score(
+        [r"so \boxed 5", r"\boxed{2} ... so the final answer is \boxed 5"], ["5", "2"]
+    )
+    assert res.correct == [1.0, 0.0] and res.scores == [1.1, 0.1] and res.formatted == [1.0, 1.0]
+
+
+def test_escaped_braces_do_not_count_toward_balance() -> None:
+    """`\\{` and `\\}` are characters of the answer: `\\boxed{\\left\\{x\\right.}` read as unbalanced (no answer),
+    and `\\right\\}}` closed the box one brace early."""
+    assert extract_boxed(r"\boxed{\left\{x\right.}") == r"\left\{x\right."
+    assert extract_boxed(r"\boxed{\left. x \right\}} done") == r"\left. x \right\}"
+    assert extract_boxed(r"\boxed{a \\ {b}}") == r"a \\ {b}"  # `\\` is a line break; the brace after it is real
+    assert extract_boxed(r"\boxed{\}") is None  # only an escaped brace: the box never closes
+    res = MathReward(format_weight=0.1).score([r"So \boxed{\left\{x\right.}", r"\boxed{1} \boxed{\{1,2}"], ["1", "1"])
+    assert res.formatted == [1.0, 1.0] and res.correct == [0.0, 0.0] and res.counters["no_boxed"] == 0
+
+
+def test_last_number_reads_exponents_and_only_thousands_grouping() -> None:
+    """`1.5e3` was read as 3 (the exponent) and `1,2345` as 5; now 1.5e3 is 1500, and commas that are no thousands
+    grouping (`1,2345`, a decimal comma `1,5`, a list `1,2,3`) state no one number: None."""
+    assert last_number("it is 1.5e3") == "1.5e3" and last_number("so 2E-3.") == "2E-3"
+    assert last_number("x = -1e5") == "-1e5"
+    assert last_number("it is 1,2345") is None and last_number("about 1,5") is None
+    assert last_number("1,2,3") is None and last_number("1, 2, 3") == "3"
+    assert last_number("it is 1,234,567") == "1234567" and last_number("12,345.5 m") == "12345.5"
+    reward = MathReward(last_number_weight=0.5)
+    res = reward.score(
+        ["it is 1.5e3", "it is 1,2345", "it is 1,2345", "it is 1e99999", "it is 1e-5"],
+        ["1500", "5", "12345", "5", "0.00001"],
+    )
+    assert res.scores == [0.5, 0.0, 0.0, 0.0, 0.5]
+
+
 def test_words_that_change_the_value_are_not_units() -> None:
     """`5 million`, `5 squared`, `5 halves` are not 5 with a unit: they were graded right against a truth of 5 (and
     wrong against 5000000 or 25) and voted with 5."""

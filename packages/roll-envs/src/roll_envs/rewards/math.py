@@ -1,10 +1,12 @@
 """Math reward through `math-verify`: the answer in the last `\\boxed{}` is compared symbolically to the truth.
 
 Scoring (per response):
-- `correct` = 1 when the last non-empty `\\boxed{...}` verifies against the ground truth (strict accuracy).
+- `correct` = 1 when the last non-empty `\\boxed{...}` verifies against the ground truth (strict accuracy); a
+  brace-less `\\boxed 5` is a box too, and escaped braces do not count toward balance (roll_envs.boxed).
 - `score` = `correct_weight` if correct; else, for a response without a boxed answer, `last_number_weight` if
-  its last number equals the ground truth (a softer signal for small models that state the right number without
-  boxing it; a wrong boxed answer earns none: `\\boxed{\\frac{1}{2}}` ends with the number 2); plus
+  its last number (`last_number`: `1.5e3` is 1500; `1,2345` is none) equals the ground truth (a softer signal
+  for small models that state the right number without boxing it; a wrong boxed answer earns none:
+  `\\boxed{\\frac{1}{2}}` ends with the number 2); plus
   `format_weight` if a non-empty `\\boxed{...}` is present (small models copy the prompt's empty `\\boxed{}`;
   that earns nothing).
 - Quantities (`quantity`): when both the boxed answer and the truth are one number (integer, decimal, `a/b` or
@@ -63,6 +65,12 @@ from roll_envs.rewards.base import Reward, RewardResult
 #: A decimal number; a minus sign right after a digit, letter or closing bracket is a hyphen or an operator ("pages
 #: 10-12", "x-3"), not the number's sign.
 _NUMBER = re.compile(r"(?:(?<![\w)\]])-)?\d+(?:,\d{3})*(?:\.\d+)?")
+#: A number as `last_number` reads it: digits joined by commas read as one token (so that `1,2345` is not read as
+#: `1,234` and then `5`), a decimal part and a decimal exponent (`1.5e3` is 1500, not `1.5` and then `3`); its sign
+#: as in `_NUMBER`.
+_STATED_NUMBER = re.compile(r"(?:(?<![\w)\]])-)?(?P<int>\d+(?:,\d+)*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+#: Commas in a stated number: thousands separators only between groups of three digits (roll_envs.numeric).
+_THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+")
 #: Unicode minus (U+2212), which models copy from rendered text: the same sign as `-`.
 _UNICODE_MINUS = "\u2212"
 #: A number that is part of a fraction, a power or an index (`3/2`, `2^{10}`, `\frac{1}{2}`, `x_2`) is not a
@@ -78,12 +86,16 @@ MAX_BOXED_CHARS = 1000
 
 
 def last_number(text: str) -> str | None:
-    """The last integer or decimal in `text` (thousands separators removed) that stands alone: not a part of a
-    fraction, power or index (`_PART`); None when there is none."""
+    """The last integer or decimal in `text` (thousands separators removed; a decimal exponent kept, `1.5e3`, as
+    `roll_envs.numeric.parse_number` reads it) that stands alone: not a part of a fraction, power or index
+    (`_PART`); None when there is none, or when the last one has commas that are no thousands grouping (`1,2345`,
+    `1,5`, `1,2,3`: a decimal comma, a typo or a list written without spaces, no one number it surely states)."""
     text = text.replace(_UNICODE_MINUS, "-")  # one character for one: positions stay
-    for m in reversed(list(_NUMBER.finditer(text))):
+    for m in reversed(list(_STATED_NUMBER.finditer(text))):
         before, after = text[max(0, m.start() - 1) : m.start()], text[m.end() : m.end() + 2]
         if not (_PART.search(before) or _PART_AFTER.match(after)):
+            if "," in m["int"] and not _THOUSANDS.fullmatch(m["int"]):
+                return None
             return m.group().replace(",", "")
     return None
 
@@ -225,7 +237,11 @@ def _same_number(number: str, answer: str) -> bool:
     truth = quantity(answer)
     if truth is None or len(number) > _MAX_QUANTITY_CHARS:
         return number.strip() == answer.replace(",", "").strip()
-    return same_quantity((parse_number(number), False), truth)
+    try:
+        stated = parse_number(number)
+    except ValueError:  # an exponent beyond numeric.MAX_EXPONENT (`1e99999`): no value to compare
+        return False
+    return same_quantity((stated, False), truth)
 
 
 def _without_e(text: str, q: tuple[Fraction, bool] | None) -> str:
