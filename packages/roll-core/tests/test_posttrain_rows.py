@@ -173,6 +173,39 @@ def test_preference_rows_explicit_and_implicit_prompt(tmp_path):
     check_layout(b, src.pad_id)
 
 
+def test_implicit_prompts_that_are_not_one_prompt_are_counted_for_what_they_are(tmp_path):
+    """Message lists whose shared first messages end on an assistant turn, or that first differ at a user turn, do
+    not answer one prompt: counted under their own reasons (they were prompt_mismatch, blaming the template, or
+    template_error), and a file of nothing else says which."""
+    tok = TOKS["chatml"]
+    user, a = {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}
+
+    def turn(role, content):
+        return {"role": role, "content": content}
+
+    good = {"chosen": [user, turn("assistant", "four")], "rejected": [user, turn("assistant", "five")]}
+    on_assistant = [
+        {  # a shared turn, then different follow-up questions
+            "chosen": [user, a, turn("user", "and 3+3?"), turn("assistant", "6")],
+            "rejected": [user, a, turn("user", "and 4+4?"), turn("assistant", "8")],
+        },
+        {"chosen": [user, a, turn("assistant", "sure")], "rejected": [user, a, turn("assistant", "no")]},
+    ]
+    other_prompt = {
+        "chosen": [user, turn("user", "x?"), turn("assistant", "6")],
+        "rejected": [user, turn("user", "y?"), turn("assistant", "6")],
+    }
+    src = load("preference", tok, path=write_jsonl(tmp_path / "p.jsonl", [good, *on_assistant, other_prompt])).train
+    assert len(src) == 1 and src.skipped == {"prompt_ends_on_assistant": 2, "prompt_not_shared": 1}
+    with pytest.raises(ConfigError, match=r"prompt_ends_on_assistant: 'chosen' and 'rejected' share 2 first "
+                       r"message\(s\), the last an assistant message, then differ at a 'user' / 'user' message: "
+                       r"the implicit prompt .* must end on the non-assistant message"):  # fmt: skip
+        load("preference", tok, path=write_jsonl(tmp_path / "a.jsonl", on_assistant[:1]))
+    with pytest.raises(ConfigError, match=r"prompt_not_shared: .* then differ at a 'user' / 'user' message, not at "
+                       r"the two assistant answers: they answer different prompts"):  # fmt: skip
+        load("preference", tok, path=write_jsonl(tmp_path / "b.jsonl", [other_prompt]))
+
+
 def test_conversations_that_hold_the_prompt_do_not_repeat_it(tmp_path):
     """A prompt column beside chosen/rejected conversations that already start with it (HuggingFaceH4/
     ultrafeedback_binarized: a text prompt, [user, assistant] lists) is not rendered a second time; lists that do

@@ -10,7 +10,7 @@ set values that suit each kind.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -80,7 +80,8 @@ class DPOConfig:
 class DistillConfig:
     """Distillation from one or several teachers: on-policy (`pipeline=distill`: the student samples, teachers
     score its tokens) or offline (`pipeline=distill_offline`: teacher top-k log-probs stored with the rows or
-    computed by a teacher role)."""
+    computed by a teacher role). A setting marked On-policy or Offline is read by that pipeline only: the other
+    refuses a value other than its default (it would be ignored)."""
 
     # The teacher's model (an HF path, a folder or a `model=` preset's path); null: the student's own base model
     # (context distillation: the teacher sees `teacher_prompt`, the student does not).
@@ -100,7 +101,8 @@ class DistillConfig:
     task_reward_weight: float = 0.0
     # Offline: forward KL(teacher || student) or reverse KL(student || teacher) on the teacher's top-k ids + tail.
     kind: str = "forward"
-    # Offline: top-k ids a teacher role computes for rows that carry none.
+    # Offline: top-k ids a teacher role computes for rows that carry none (rows that store their top-k keep their
+    # own K: leave it at its default then).
     topk: int = 20
     # Offline: keep the mass outside the top-k as one bucket (false: renormalise over the k ids).
     tail: bool = True
@@ -127,6 +129,17 @@ class DistillConfig:
         for d, path in self.teachers.items():
             if not d or not path:
                 raise ValueError(f"distill.teachers: {d!r}: {path!r} needs a domain name and a model path")
+
+    def changed(self, *names: str) -> list[str]:
+        """`distill.<name>=<value>` for each of `names` whose value is not the schema's default. A pipeline refuses
+        the settings it ignores only when they were changed: the `distill` node fills every key with its default,
+        whatever the pipeline."""
+        defaults = {f.name: f.default for f in fields(self) if f.default is not MISSING}
+        return [
+            f"distill.{n}={str(v).lower() if isinstance(v, bool) else v}"  # as an override writes it
+            for n in names
+            if (v := getattr(self, n)) != defaults[n]
+        ]
 
     def teacher_paths(self, student: str) -> dict[str, str]:
         """Teacher name -> model path: `default` (`teacher`; the student's model when no teacher is set at all:

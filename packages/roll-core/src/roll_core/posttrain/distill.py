@@ -4,10 +4,11 @@
 response region, masked context tokens of a multi-turn row included), the teacher's log-probabilities of its K
 most likely next tokens there. A row is a counted skip unless: both lists have one entry per response token; every
 entry has the same K (and the same K as the file's first good row: batches are (B, R, K)); ids are integers in the
-student's vocabulary, distinct within a position; log-probs are finite and <= 1e-6 (log-softmax rounding may land
-a hair above 0); each position's top-k mass sum(exp) <= 1 + 1e-4. A row carrying a `tokenizer` fingerprint that
-differs from the student tokenizer's is an error naming both: the teacher's ids would index another vocabulary (the
-fingerprint roll wrote before it became version-independent is accepted too when it matches).
+student tokenizer's vocabulary (`len(tokenizer)`; the offline distillation collector refuses, naming the row, an id
+the model's `vocab_size` lacks), distinct within a position; log-probs are finite and <= 1e-6 (log-softmax
+rounding may land a hair above 0); each position's top-k mass sum(exp) <= 1 + 1e-4. A row carrying a `tokenizer`
+fingerprint that differs from the student tokenizer's is an error naming both: the teacher's ids would index another
+vocabulary (the fingerprint roll wrote before it became version-independent is accepted too when it matches).
 They are kept as (R, K) int32 / float32 tensors in `TokenRow.aligned`, cut with the response when it is truncated.
 
 Alignment: entry t is the teacher's distribution over response token t itself, i.e. computed from the logits at

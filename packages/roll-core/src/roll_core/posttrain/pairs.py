@@ -2,7 +2,9 @@
 
 Preference rows (TRL's forms): `prompt` text or messages with `chosen` / `rejected` text or messages (explicit
 prompt), or no prompt and `chosen` / `rejected` message lists sharing their first messages (implicit prompt: the
-longest common prefix of the two lists, which must end on a non-assistant message). Lists that already hold the
+longest common prefix of the two lists, which must end on a non-assistant message, a counted
+`prompt_ends_on_assistant` skip otherwise, and be followed on both sides by an assistant message, the answers, a
+counted `prompt_not_shared` skip otherwise: the two would answer different prompts). Lists that already hold the
 prompt are read as the implicit form, the `prompt` column aside (it would otherwise be rendered twice): beside a
 text prompt, lists that start with a non-assistant message (HuggingFaceH4/ultrafeedback_binarized's layout, as
 TRL's `maybe_extract_prompt` reads it); beside a message-list prompt, lists that start with its messages (same
@@ -127,6 +129,21 @@ def _implicit_prompt(chosen: Any, rejected: Any, cfg: DataConfig) -> tuple[list,
         raise SkipRow("no_prompt", f"{sides} share no first message to take the prompt from")
     if n == len(c) or n == len(r):
         raise SkipRow("same_response", "chosen and rejected are identical (or one extends the other)")
+    # Everything before a side's first trained answer is its prompt: rows that fail these tokenised to different
+    # prompts or to a prompt the template cannot end (counted as prompt_mismatch or template_error: misleading).
+    shared = f"{cfg.chosen_key!r} and {cfg.rejected_key!r} share {n} first message(s)"
+    differ = f"then differ at a {c[n]['role']!r} / {r[n]['role']!r} message"
+    if c[n - 1]["role"] == "assistant":
+        raise SkipRow(
+            "prompt_ends_on_assistant",
+            f"{shared}, the last an assistant message, {differ}: the implicit prompt (the shared first messages) "
+            "must end on the non-assistant message the two answers reply to",
+        )
+    if c[n]["role"] != "assistant" or r[n]["role"] != "assistant":
+        raise SkipRow(
+            "prompt_not_shared",
+            f"{shared}, {differ}, not at the two assistant answers: they answer different prompts",
+        )
     return c[:n], c[n:], r[n:]
 
 

@@ -12,7 +12,8 @@ student's. A problem whose metadata lacks a field the template names is skipped 
 Evaluation: the task's held-out accuracy, as RL reports it; at step 0 of context distillation (every teacher is
 the student's own model) also the teacher's, with its prompt (`eval/teacher_accuracy`): the engines then hold it.
 
-Checked before any model loads (`check`): a teacher exists (the student's own model with a teacher prompt is
+Checked before any model loads (`check`): the offline-only settings (distill.kind, topk, tail, eval_task) are at
+their defaults (this pipeline ignores them), a teacher exists (the student's own model with a teacher prompt is
 context distillation; with neither the teacher would be the student itself), every domain of the task's training
 problems has a teacher, every routed domain exists, the teacher prompt's fields occur in the data, and every
 teacher tokenizes like the student (roll_core.posttrain `tokenizer_fingerprint`): the teacher scores the student's
@@ -232,10 +233,22 @@ def teacher_messages(task: Any, problem: Any, text: str) -> list[dict[str, Any]]
 
 
 def check_distill(cfg: Any, task: Any) -> None:
-    """The distill settings against the task and the models, before any model loads (ConfigError otherwise)."""
+    """The distill settings against the task and the models, before any model loads (ConfigError otherwise;
+    offline-only settings changed from their defaults among them)."""
     from roll_core.models import resolve_model_path
 
     dist = cfg.distill
+    # Changed settings this pipeline never reads were accepted and silently ignored (the defaults are accepted:
+    # the `distill` node fills every key).
+    offline = dist.changed("kind", "topk", "tail", "eval_task")
+    if offline:
+        raise ConfigError(
+            f"{', '.join(offline)}: pipeline=distill (on-policy) scores each sampled token under the teacher "
+            "(advantage -distill.coef x (student - teacher log-prob), with the task's held-out accuracy at each "
+            "evaluation); distill.kind, distill.topk, distill.tail and distill.eval_task set the offline top-k "
+            "loss and its evaluation (pipeline=distill_offline) and are ignored here: drop them (distill.coef and "
+            "distill.task_reward_weight shape the on-policy signal), or use pipeline=distill_offline"
+        )
     if dist.teacher is None and not dist.teachers and dist.teacher_prompt is None:
         raise ConfigError(
             "pipeline=distill: the teacher would be the student itself (distill.teacher and distill.teacher_prompt "

@@ -15,8 +15,10 @@ Contract:
   (B, R, K) float32, 0 where `response_mask` is 0; scores are zeros (nothing is rewarded). `on_policy = False`:
   the engines get the trained weights only before an evaluation.
 - Tokenizers: the teacher model's must equal the student's (`tokenizer_fingerprint`), said by `check` before any
-  model loads: its ids would index another vocabulary. Teacher ids outside the student's vocabulary, and teacher
-  top-k not shaped like the rows' responses (B, R, K = distill.topk), are an error.
+  model loads: its ids would index another vocabulary. Teacher ids outside the student's vocabulary (the model
+  config's `vocab_size`: stored rows are checked against it when the collector is built, naming the row, besides
+  the tokenizer's length when they are read), and teacher top-k not shaped like the rows' responses (B, R,
+  K = distill.topk), are an error.
 - Evaluation: on the held-out rows (`data.eval_path`, or `data.eval_size` rows of `data.path`), `eval/distill_kl`
   (the training loss's KL, token mean) and `eval/distill_top1_agreement` (the student's most likely token is the
   teacher's, over loss tokens), with no gradient: the actor's `compute_logprobs` cannot gather at given ids, so
@@ -115,6 +117,10 @@ class OfflineDistillCollector:
             len(self.data.train), seed=cfg.pipeline.seed, window=cfg.pipeline.rollout_batch_size
         )
         self.vocab = _vocab_size(ctx.model_path, cfg)
+        if self.teacher is None:
+            for source in (self.data.train, self.data.eval):
+                if source is not None:
+                    check_stored_ids(source, self.vocab, cfg.model.path)
         # Teacher targets by (split, row index): (n, K) int32 ids and float32 log-probs, n = the row's response tokens.
         self.cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.task_eval = _TaskEval(ctx) if cfg.pipeline.eval_every > 0 and cfg.distill.eval_task else None
@@ -311,6 +317,21 @@ def _teacher_group(ctx: CollectorContext) -> Any:
             "distill_offline objective's RoleNeeds names it"
         )
     return ctx.teachers[TEACHER]
+
+
+def check_stored_ids(source: RowSource, vocab: int, model: str) -> None:
+    """A ConfigError naming the first row of `source` whose stored teacher ids reach `vocab`, the model's output
+    vocabulary: the rows were checked against the tokenizer (`len(tokenizer)`), which may hold more ids than the
+    model's logits have (added tokens without rows in the embedding), and such an id failed inside the engine's
+    gather with no row named."""
+    for item in source.items:
+        ids = item.aligned.get(TEACHER_IDS)
+        if ids is not None and ids.numel() and (top := int(ids.max())) >= vocab:
+            raise ConfigError(
+                f"{item.where}: teacher_topk_ids holds token id {top}, outside the vocabulary of model.path={model} "
+                f"(its config's vocab_size={vocab}: the model has no logit for it): the teacher's ids must index the "
+                "student model's vocabulary; drop or fix the row"
+            )
 
 
 def _vocab_size(model_path: str, cfg: RLVRConfig) -> int:

@@ -130,7 +130,8 @@ class OfflineDistillObjective:
 
 
 def check_offline_distill(cfg: RLVRConfig) -> None:
-    """Settings offline distillation cannot honour: ConfigError before anything is built."""
+    """Settings offline distillation cannot honour: ConfigError before anything is built (on-policy settings
+    changed from their defaults among them, and distill.topk when the rows store their own top-k)."""
     from roll_core.pipelines.objectives.sft import check_algo
 
     # One pass over each batch of rows, no reference, no entropy bonus, rows without groups: SFT's refusals
@@ -146,6 +147,22 @@ def check_offline_distill(cfg: RLVRConfig) -> None:
         raise ConfigError(
             "distill.teacher_prompt (context distillation) is on-policy only (pipeline=distill); offline rows are "
             "scored by the teacher on their own prompt"
+        )
+    # Changed settings this pipeline never reads were accepted and silently ignored (the defaults are accepted:
+    # the `distill` node fills every key).
+    on_policy = d.changed("coef", "task_reward_weight")
+    if on_policy:
+        raise ConfigError(
+            f"{', '.join(on_policy)}: distill.coef and distill.task_reward_weight weigh on-policy distillation's "
+            "advantages (pipeline=distill); pipeline=distill_offline trains the top-k KL alone (no advantages, no "
+            "task reward) and ignores them: drop them (distill.kind and distill.tail shape the offline loss), or "
+            "use pipeline=distill"
+        )
+    if d.teacher is None and (topk := d.changed("topk")):
+        raise ConfigError(
+            f"{topk[0]}: without distill.teacher the rows' stored teacher_topk_ids / teacher_topk_logprobs are "
+            "the targets, with their own K, and pipeline=distill_offline ignores distill.topk: drop it, or set "
+            "distill.teacher=<model> to compute the top-distill.topk of each row"
         )
 
 
