@@ -456,7 +456,11 @@ def plot(path: Path, results: list[tuple[EvalTarget, dict[str, Any]]], ks: list[
         return m.get(f"{key}_stderr") or 0.0
 
     for key, name in series:
-        pts = [(x, r["metrics"]) for x, (_, r) in zip(xs, results) if r["metrics"].get(key) is not None]
+        # in x order: checkpoints named out of step order (step_30 step_10 step_20) drew a line back and forth
+        pts = sorted(
+            ((x, r["metrics"]) for x, (_, r) in zip(xs, results) if r["metrics"].get(key) is not None),
+            key=lambda p: p[0],
+        )
         if pts:
             ys, yerr = [m[key] for _, m in pts], [err(m, key) for _, m in pts]
             left.errorbar([p[0] for p in pts], ys, yerr=yerr, marker="o", capsize=3, label=name)

@@ -228,6 +228,12 @@ def _group(rows: Sequence[Mapping[str, Any]]) -> dict[Any, list[Mapping[str, Any
     return problems
 
 
+def _correct(row: Mapping[str, Any]) -> float:
+    """A sample's correctness in the metrics: 0 for a failed one whatever its `correct` says (a row the engine
+    refused can hold a cut response the reward graded right; a reward failure's grade is not one)."""
+    return 0.0 if row.get("failed") else float(row["correct"])
+
+
 def summarize(
     rows: Sequence[Mapping[str, Any]], ks: Sequence[int], same_answer: SameAnswer | None = None
 ) -> dict[str, Any]:
@@ -238,13 +244,13 @@ def summarize(
     if not rows:
         raise ValueError("no samples to summarize")
     problems = _group(rows)
-    counts = [(len(s), int(sum(float(r["correct"]) > 0 for r in s))) for s in problems.values()]
+    counts = [(len(s), int(sum(_correct(r) > 0 for r in s))) for s in problems.values()]
     n = len(rows)
-    per_problem = [sum(float(r["correct"]) for r in s) / len(s) for s in problems.values()]
+    per_problem = [sum(_correct(r) for r in s) / len(s) for s in problems.values()]
     out: dict[str, Any] = {
         "problems": len(problems),
         "samples": n,
-        "accuracy": sum(float(r["correct"]) for r in rows) / n,
+        "accuracy": sum(_correct(r) for r in rows) / n,
         "accuracy_stderr": std_error(per_problem),  # over problems (module docstring)
         "reward": sum(float(r["reward"]) for r in rows) / n,
         "length_mean": sum(float(r["length"]) for r in rows) / n,

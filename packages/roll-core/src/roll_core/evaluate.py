@@ -326,6 +326,8 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
     rows: list[dict[str, Any]] = []
     for r, text in enumerate(scored["response_text"]):
         meta = batch["metadata"][r]
+        # never graded: counted as wrong and in the metrics' `failed`
+        failed = "engine" if batch["eval_refused"][r] else "reward" if unscored[r] else None
         row = {
             "index": batch["eval_index"][r],
             "problem": batch["problem_id"][r],
@@ -335,12 +337,13 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
             "response": text,
             "answer": batch["answer"][r],
             "reward": float(scored["scores"][r]),
-            "correct": float(scored["correct"][r]),
+            # a refused row's cut response is no answer: its grade (a \boxed{} written before the cut) is not one,
+            # nor is the grade beside a score the reward failed to give (NaN)
+            "correct": 0.0 if failed else float(scored["correct"][r]),
             "formatted": float(scored["formatted"][r]),
             "length": int(lengths[r]),
             "finish_reason": reasons[r],
-            # never graded: counted as wrong (as eval/accuracy does) and in the metrics' `failed`
-            "failed": "engine" if batch["eval_refused"][r] else "reward" if unscored[r] else None,
+            "failed": failed,
         }
         if extract is not None and row["failed"] == "engine":
             row["extracted"] = None  # what a refused row holds is no finished answer: it does not vote

@@ -13,9 +13,11 @@ running Hydra job's); otherwise they say so. Writing a report never raises into 
 The numbers come from metrics.jsonl as a resume leaves it (`read_history_counted`): an unreadable line is skipped
 and the report says how many were; values under 1e-3 are shown in scientific notation, not as 0.0000.
 
-roll-eval's report (`write_eval_report`) holds the call's settings, the comparison table, the per-domain and
-per-difficulty accuracy, comparison.png and the files it wrote; for episodes (agentic tasks, agent programs) one
-table whose rates read `mean ± standard error` over the episodes where the result has one (`<rate>_stderr`).
+roll-eval's report (`write_eval_report`) holds the call's settings, the warnings (checkpoints evaluated under other
+settings than their run's; models scored on different problem sets, as comparison.md says), the comparison table,
+the per-domain and per-difficulty accuracy, comparison.png and the files it wrote; for episodes (agentic tasks, agent
+programs) one table whose rates read `mean ± standard error` over the episodes where the result has one
+(`<rate>_stderr`).
 """
 
 from __future__ import annotations
@@ -303,9 +305,9 @@ def write_eval_report(
     notes: list[str] | tuple[str, ...] = (),
 ) -> Path:
     """Write `<out>/report.md` for a roll-eval call: settings, warnings (`notes`: checkpoints evaluated under other
-    settings than their run's, roll_core.eval_compare.run_settings_notes), comparison table, breakdowns, plot, files.
-    """
-    from roll_core.eval_compare import breakdown_table, table
+    settings than their run's, roll_core.eval_compare.run_settings_notes; models scored on different problems,
+    roll_core.eval_compare.problem_set_notes), comparison table, breakdowns, plot, files."""
+    from roll_core.eval_compare import breakdown_table, problem_set_notes, table
 
     ks, n = settings["ks"], settings["n"]
     lines = ["# Evaluation report", "", f"- command: `{shlex.join(argv)}`"]
@@ -337,6 +339,8 @@ def write_eval_report(
     if skipped:
         lines += [f"- problems skipped (prompt longer than model.max_prompt_length): {skipped}", ""]
     lines += warnings
+    # models scored on different problems (comparison.md says so too): this table is the one most read
+    lines += [line for note in problem_set_notes(results) for line in (f"**Warning:** {note}", "")]
     lines += ["## Results", "", table(results, ks, n), ""]
     lines += ["## Accuracy per domain", "", breakdown_table(results, "by_domain", "accuracy"), ""]
     lines += ["## Accuracy per difficulty", "", breakdown_table(results, "by_difficulty", "accuracy"), ""]
