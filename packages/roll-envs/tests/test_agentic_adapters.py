@@ -248,3 +248,21 @@ def test_skyrl_held_out_seeds_use_held_out_rows_only(tmp_path: Path) -> None:
     bare = make_env("skyrl:gsm8k_multi_turn", rows=SKYRL_ROWS)
     with pytest.raises(ValueError, match="held-out seed 1000000 but no held-out rows"):
         bare.reset(seed=1_000_000)
+
+
+def test_environments_that_run_the_models_code_outside_the_sandbox_are_refused(tmp_path: Path) -> None:
+    """Model-written code runs only in roll's sandbox: SkyRL-Gym's `lcb` ran a reply's program in a fork of this
+    process (it read /etc/passwd and wrote a host file), `searchcode` with `python -c`, and GEM's code environments
+    through GEM's own runner. They are refused unless the run says it accepts the risk."""
+    pytest.importorskip("skyrl_gym", exc_type=ImportError)
+    tests = [{"input": "1\n", "output": "1\n", "testtype": "stdin"}]
+    rows = [{"prompt": "Echo the input.", "extras": {"reward_spec": {"ground_truth": json.dumps(tests)}}}]
+    for env_id in ("lcb", "searchcode"):
+        with pytest.raises(ValueError, match=f"'{env_id}' runs the model's code outside roll's sandbox"):
+            make_env(f"skyrl:{env_id}", rows=rows)
+    # Accepted when asked for (built only: nothing runs the model's code here).
+    make_env("skyrl:lcb", rows=rows, allow_unsandboxed_execution_i_understand_the_risk=True)
+    make_env("skyrl:gsm8k_multi_turn", rows=SKYRL_ROWS)  # environments that run no code are unaffected
+    pytest.importorskip("gem", exc_type=ImportError)
+    with pytest.raises(ValueError, match="'code:CodeContest' runs the model's code outside roll's sandbox"):
+        make_env("gem:code:CodeContest")  # refused before GEM loads its dataset

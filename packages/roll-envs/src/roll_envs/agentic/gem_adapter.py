@@ -31,6 +31,12 @@ Verified with gem-llm 0.1.0 on Python 3.11 without network (reset/seeded reset/s
   game:Crosswords-v0-random fail in GEM itself (TypeError / "No words found"), as do rg:boxnet and rg:composite.
 GEM reports format errors as reward -0.1 with terminated True, which the adapter cannot tell from a failure; such
 steps have invalid_action False unless GEM says otherwise.
+
+Model-written code runs only in roll's sandbox (roll_envs.sandbox): GEM's code environments (`code:*`,
+`eval:CodeContest`: `RUNS_MODEL_CODE`) run the model's programs through GEM's own runner (by default a plain
+`python -c` as this user) and are refused with a ValueError unless
+`allow_unsandboxed_execution_i_understand_the_risk=True` (then loudly logged); `check_code_execution` is that
+rule, shared with the SkyRL-Gym adapter.
 """
 
 from __future__ import annotations
@@ -40,8 +46,32 @@ import logging
 import random
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: Entry-point modules of GEM environments that execute the model's code outside roll's sandbox (module docstring).
+RUNS_MODEL_CODE = {"gem.envs.code_env": "GEM runs its programs itself, by default with `python -c` as this user"}
+
+
+def check_code_execution(
+    library: str, env_id: str, entry_point: Any, runs_code: Mapping[str, str], allowed: bool
+) -> None:
+    """Refuse (ValueError) a `library` environment whose entry point (`module:Class` or the class) is in a module of
+    `runs_code` (module -> how it runs the model's code outside roll's sandbox), unless `allowed` (then a warning)."""
+    where = entry_point if isinstance(entry_point, str) else getattr(entry_point, "__module__", "")
+    module = str(where).partition(":")[0]
+    how = next((v for k, v in runs_code.items() if module == k or module.startswith(k + ".")), None)
+    if how is None:
+        return
+    if not allowed:
+        raise ValueError(
+            f"{library} environment {env_id!r} runs the model's code outside roll's sandbox ({how}): that code "
+            "could read and change this machine's files. Use roll's code tasks or `code` tool (sandboxed), or set "
+            "env.env_kwargs.allow_unsandboxed_execution_i_understand_the_risk=true"
+        )
+    log.warning("%s environment %r runs the model's code outside roll's sandbox (%s), as set", library, env_id, how)
 
 
 class _PrivateGlobalRNG:
@@ -135,10 +165,24 @@ class _Adapter:
 class GemEnv(_Adapter):
     """A GEM environment by id (`gem.make(env_id, **kwargs)`), e.g. `GemEnv("game:Sudoku-v0-easy")`."""
 
-    def __init__(self, env_id: str, success_reward: float = 1.0, seed: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        env_id: str,
+        success_reward: float = 1.0,
+        seed: int | None = None,
+        allow_unsandboxed_execution_i_understand_the_risk: bool = False,
+        **kwargs: Any,
+    ) -> None:
         self.env_id = env_id
         self._rng = _PrivateGlobalRNG(seed)
         gem = _import_gem()
+        from gem.envs.registration import ENV_REGISTRY
+
+        spec = ENV_REGISTRY.get(env_id)  # an unknown id: gem.make's own error below
+        if spec is not None:
+            check_code_execution(
+                "GEM", env_id, spec.entry_point, RUNS_MODEL_CODE, allow_unsandboxed_execution_i_understand_the_risk
+            )
         with self._rng.active():  # GEM environments draw (and reset) in their constructors
             env = gem.make(env_id, **kwargs)
         max_turns = getattr(env, "max_turns", None)

@@ -13,6 +13,12 @@ observations are the new messages' contents joined; `done` is a truncation when 
 (`max_turns`) ended the episode without success, else a termination; success = terminated with reward >=
 `success_reward`. SkyRL-Gym has no invalid-action notion, so `invalid_action` is always False (its environments
 score a malformed reply 0 and go on). Stepping a finished episode returns a note and reward 0.
+
+Model-written code runs only in roll's sandbox (roll_envs.sandbox). SkyRL-Gym environments that execute the
+model's code themselves (`RUNS_MODEL_CODE`: `lcb` execs it in a fork of this process, `searchcode` runs
+`python -c` as this user, `rlm` execs it in this process; a program read /etc/passwd and wrote host files through
+`lcb`) are refused with a ValueError unless `allow_unsandboxed_execution_i_understand_the_risk=True` (then loudly
+logged); for code tasks use roll's own (the `code` tool, code rewards), which run in the sandbox.
 """
 
 from __future__ import annotations
@@ -21,6 +27,16 @@ import json
 import random
 from pathlib import Path
 from typing import Any
+
+from roll_envs.agentic.gem_adapter import check_code_execution
+
+#: Entry-point modules of SkyRL-Gym environments that execute the model's code outside roll's sandbox (module
+#: docstring), by what they do with it.
+RUNS_MODEL_CODE = {
+    "skyrl_gym.envs.lcb": "execs it in a forked child of this process",
+    "skyrl_gym.envs.searchcode": "runs it with `python -c` as this user",
+    "skyrl_gym.envs.rlm": "execs it in this process",
+}
 
 
 def _read_rows(path: str) -> list[dict[str, Any]]:
@@ -47,6 +63,7 @@ class SkyRLEnv:
         eval_data_file: str | None = None,
         eval_fraction: float = 0.0,
         eval_seed_offset: int = 1_000_000,
+        allow_unsandboxed_execution_i_understand_the_risk: bool = False,
     ) -> None:
         from roll_envs.config import SKYRL
 
@@ -77,6 +94,10 @@ class SkyRLEnv:
         if env_id not in skyrl_gym.envs.registration.registry:
             known = ", ".join(sorted(skyrl_gym.envs.registration.registry))
             raise ValueError(f"unknown SkyRL-Gym environment {env_id!r}; registered: {known}")
+        spec = skyrl_gym.envs.registration.registry[env_id]
+        check_code_execution(
+            "SkyRL-Gym", env_id, spec.entry_point, RUNS_MODEL_CODE, allow_unsandboxed_execution_i_understand_the_risk
+        )
         self.env_id, self.rows, self.env_config = env_id, train, dict(env_config or {})
         self.success_reward = float(success_reward)
         self._make, self._seeds = skyrl_gym.make, random.Random(seed)
