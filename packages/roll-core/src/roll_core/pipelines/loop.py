@@ -29,7 +29,8 @@ final evaluation; `final_eval_accuracy` is then None, `roll-eval` on the last ch
 arrives after the last step (final curves, the trackers' close, report.md) is logged and changes nothing but
 `late_signal`. A stop requested before a step's evaluation skips it (with a warning): the checkpoint comes first,
 within a preemption's grace period. The step that ends a run (a stop, a non-finite stop, a finished finite job) is
-logged; a run resumed at or past `pipeline.max_steps` trains nothing and says so.
+logged; a run resumed at or past `pipeline.max_steps`, or after its finite job was done, trains nothing and says
+so.
 Determinism:
 sampling seeds derive from (seed, purpose, step) and the collector's data position is checkpointed, so a resumed
 synchronous run on CPU reproduces the uninterrupted run's metrics.
@@ -282,6 +283,11 @@ class Pipeline:
                 self.start_step - 1,
                 pipe.max_steps,
             )
+            return True
+        if self.start_step > 1 and getattr(self.collector, "exhausted", False) is True:
+            # A finite job (rollout-only) done by its checkpoint: the loop ran one more step with nothing to do,
+            # logged it and saved it as a new checkpoint (pruning an older one) at every relaunch.
+            log.warning("resumed after step %d: the collector's job was done; no step left", self.start_step - 1)
             return True
         # A collector with a finite job (rollout-only) knows how many steps it needs.
         total = min(pipe.max_steps, getattr(self.collector, "total_steps", None) or pipe.max_steps)
