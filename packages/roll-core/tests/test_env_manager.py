@@ -52,7 +52,7 @@ def test_results_errors_and_timeouts_are_told_apart_and_counted() -> None:
     assert err.value.kind == "env_timeout"
     assert m.envs[0] is not broken  # the hung instance is replaced, the slot works again
     assert m.reset(0, seed=5)[0] == "obs-5"
-    assert m.counters() == {"env_errors": 1, "env_timeouts": 1, "leaked_threads": 1}
+    assert m.counters() == {"env_errors": 1, "env_timeouts": 1, "leaked_threads": 1, "env_close_errors": 0}
 
 
 def test_hung_environments_do_not_make_healthy_ones_time_out() -> None:
@@ -147,3 +147,69 @@ def test_a_rebuild_that_timed_out_never_replaces_the_next_episodes_environment()
     time.sleep(0.6)  # B's build returns in its leaked thread
     assert manager.step(0, "go")[0] == "stepped seed 333"
     assert len(built) == 3 and manager.counters()["leaked_threads"] == 1
+
+
+class _Closing:
+    """Records its close() calls in `closed` (instance numbers). step("raise") raises, step("hang") hangs until
+    `release` is set; an instance built with `close_raises` raises from close() (after recording it)."""
+
+    def __init__(self, number: int, closed: list[int], release: threading.Event, close_raises: bool) -> None:
+        self.number, self.closed, self.release, self.close_raises = number, closed, release, close_raises
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        return f"env {self.number}", {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if action == "raise":
+            raise RuntimeError(f"step of env {self.number} broke")
+        if action == "hang":
+            self.release.wait(10)
+        return "ok", 0.0, False, False, {}
+
+    def close(self) -> None:
+        self.closed.append(self.number)
+        if self.close_raises:
+            raise OSError(f"close of env {self.number} broke")
+
+
+def test_environments_are_closed_when_dropped_and_when_the_manager_closes() -> None:
+    """Instances were never closed: a failed slot's was dropped and close() only set a flag (an environment holding
+    a container or a connection kept it for the run). Dropped instances are closed (a hung call's once it returns,
+    not under it), all at close(), once each; a close that raises is counted and never replaces the call's error."""
+    closed: list[int] = []
+    release = threading.Event()
+    built: list[_Closing] = []
+
+    def factory() -> _Closing:
+        built.append(_Closing(len(built), closed, release, close_raises=len(built) == 2))
+        return built[-1]
+
+    m = EnvManager(factory, 4, step_timeout_s=0.3, threads=4)  # instances 0-3; 2's close raises
+    try:
+        for slot in range(3):
+            m.reset(slot, seed=slot)
+        with pytest.raises(EnvFailure, match="step of env 0 broke"):
+            m.step(0, "raise")
+        assert closed == [0]
+        with pytest.raises(EnvFailure, match="step of env 2 broke") as err:  # not the close's OSError
+            m.step(2, "raise")
+        assert err.value.kind == "env_error" and closed == [0, 2] and m.counters()["env_close_errors"] == 1
+        assert m.bad_observation(1, ValueError("bad picture")).kind == "env_error" and closed == [0, 2, 1]
+        assert m.reset(0, seed=5)[0] == "env 4"  # the slot's replacement
+        with pytest.raises(EnvFailure) as err:
+            m.step(0, "hang")
+        assert err.value.kind == "env_timeout" and closed == [0, 2, 1]  # not closed while its step still runs
+        release.set()
+        deadline = time.monotonic() + 5
+        while 4 not in closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert closed == [0, 2, 1, 4]
+    finally:
+        release.set()
+        m.close()
+    assert sorted(closed) == [0, 1, 2, 3, 4] and len(built) == 5  # 3 (never reset) too; each once
+    m.close()
+    assert len(closed) == 5
+    assert m.counters() == {"env_errors": 3, "env_timeouts": 1, "leaked_threads": 1, "env_close_errors": 1}
+    with pytest.raises(RuntimeError, match="closed"):
+        m.reset(0, seed=1)

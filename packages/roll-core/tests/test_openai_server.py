@@ -204,6 +204,33 @@ def test_parsers() -> None:
         tool_parser("mistral")
 
 
+@pytest.mark.parametrize("arguments", ["5", '"[1]"', "[1]", "null", '"5"', '"{bad"'])
+def test_hermes_arguments_that_are_not_a_json_object_are_invalid_calls(arguments: str) -> None:
+    """OpenAI's `arguments` is the JSON text of an object: `"arguments": 5` was served as the call f("5") and
+    `"[1]"` as f([1]), neither counted invalid. Such a block is no call: it stays content and counts invalid."""
+    text = f'Try <tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'
+    parsed = tool_parser("hermes")(text)
+    assert parsed.calls == [] and parsed.content == text and parsed.invalid == 1
+    good = '<tool_call>{"name": "g", "arguments": {"x": 1}}</tool_call>'
+    both = tool_parser("hermes")(text + good)
+    assert [c["name"] for c in both.calls] == ["g"] and both.invalid == 1 and both.content == text
+
+
+@pytest.mark.parametrize(
+    ("text", "invalid", "calls"),
+    [
+        ("<tool_call>bad</tool_call> stray </tool_call>", 1, 0),  # the stray close cancelled the bad block: 0
+        ("</tool_call> <tool_call>bad</tool_call>", 1, 0),
+        ('<tool_call>bad</tool_call></tool_call><tool_call>{"name": "f"}</tool_call></tool_call>', 1, 1),
+        ('<tool_call>{"name": "f"}</tool_call> </tool_call> <tool_call>{"na', 1, 1),  # the cut-off one
+        ("<tool_call>a <tool_call>b", 2, 0),
+    ],
+)
+def test_hermes_counts_invalid_blocks_despite_stray_closing_markers(text: str, invalid: int, calls: int) -> None:
+    parsed = tool_parser("hermes")(text)
+    assert (parsed.invalid, len(parsed.calls)) == (invalid, calls)
+
+
 def test_replies_keep_the_tool_call_markers_a_tokenizer_marks_special() -> None:
     """A tokenizer whose `<tool_call>` / `</tool_call>` are special tokens (the decode without special tokens drops
     them): the reply text keeps them and the call parses; other special tokens (EOS) still go."""

@@ -266,3 +266,66 @@ def test_environments_that_run_the_models_code_outside_the_sandbox_are_refused(t
     pytest.importorskip("gem", exc_type=ImportError)
     with pytest.raises(ValueError, match="'code:CodeContest' runs the model's code outside roll's sandbox"):
         make_env("gem:code:CodeContest")  # refused before GEM loads its dataset
+
+
+def test_skyrl_environments_are_closed_when_replaced_and_at_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SkyRLEnv.reset replaced its SkyRL-Gym environment without closing it, and the probe built to read the turn
+    limit was dropped too (a connection or process per episode stayed open for the run). Replaced ones are closed
+    (one whose close raises: logged and counted, the new episode goes on), the current one at close()."""
+    skyrl_gym = pytest.importorskip("skyrl_gym", exc_type=ImportError)
+    from skyrl_gym.envs.base_text_env import BaseTextEnv
+
+    closed: list[int] = []
+
+    class Recording(BaseTextEnv):
+        made = 0
+
+        def __init__(self, env_config: Any = None, extras: Any = None) -> None:
+            super().__init__()
+            self.number, Recording.made = Recording.made, Recording.made + 1
+            self.max_turns = 2
+
+        def step(self, action: str) -> Any:
+            return {"observations": [], "reward": 1.0, "done": True, "metadata": {}}
+
+        def close(self) -> None:
+            closed.append(self.number)
+            if self.number == 2:
+                raise OSError("close broke")
+
+    registration = skyrl_gym.envs.registration
+    monkeypatch.setattr(registration, "registry", dict(registration.registry))  # the test's env is removed after
+    skyrl_gym.register(id="roll_test_recording", entry_point=Recording)
+    env = make_env("skyrl:roll_test_recording", rows=SKYRL_ROWS)
+    assert closed == [0]  # the probe
+    env.reset(seed=0)
+    env.reset(seed=1)
+    assert closed == [0, 1] and env.close_errors == 0
+    env.reset(seed=2)  # environment 2's close raises: counted, the episode goes on
+    assert closed == [0, 1, 2] and env.close_errors == 1 and env.step("x")[1] == 1.0
+    env.close()
+    assert closed == [0, 1, 2, 3]
+    env.close()  # nothing left to close
+    assert closed == [0, 1, 2, 3]
+
+
+def test_text2sql_runs_the_models_sql_on_a_read_write_database_and_is_refused(tmp_path: Path) -> None:
+    """SkyRL-Gym's text2sql runs the model's SQL with sqlite3 on the user's database files, opened read-write (each
+    statement is rolled back, but ATTACH creates a file anywhere: seen below through SkyRL's own SQL tool). Roll
+    cannot open them read-only (SkyRL connects), so it is refused like the code-running environments."""
+    pytest.importorskip("skyrl_gym", exc_type=ImportError)
+    import sqlite3
+
+    from skyrl_gym.tools.sql import SQLCodeExecutorToolGroup
+
+    db = tmp_path / "spider" / "database" / "shop"
+    db.mkdir(parents=True)
+    with sqlite3.connect(db / "shop.sqlite") as conn:
+        conn.execute("CREATE TABLE t(x)")
+    made = tmp_path / "made_by_the_model.db"
+    SQLCodeExecutorToolGroup(str(db.parent)).sql("shop", f"ATTACH DATABASE '{made}' AS x", 3)
+    assert made.exists()  # the model's SQL wrote a host file outside the database
+    extras = {"db_id": "shop", "data": "spider", "reward_spec": {"ground_truth": "SELECT 1"}}
+    rows = [{"prompt": "How many rows?", "extras": extras}]
+    with pytest.raises(ValueError, match=r"'text2sql' runs the model's code outside roll's sandbox \(.*read-write"):
+        make_env("skyrl:text2sql", rows=rows, env_config={"db_path": str(tmp_path)})

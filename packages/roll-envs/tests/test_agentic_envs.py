@@ -497,6 +497,38 @@ def test_tool_use_step_before_reset_is_refused_without_running_the_tool() -> Non
     assert "ran" in env.step("<tool>record: 1+1</tool>")[0] and calls == ["1+1"]
 
 
+def test_a_malformed_first_tool_block_is_invalid_even_with_a_later_good_one() -> None:
+    """The first `<tool>` block is the call (module docstring): a search for the first well-formed block ran the
+    later `calculator: 2+2` after a malformed `<tool>oops</tool>`, uncounted as invalid."""
+    env = ToolMathEnv(invalid_penalty=-0.5)
+    env.reset(seed=0)
+    obs, reward, terminated, _, info = env.step("<tool>oops</tool> then <tool>calculator: 2+2</tool>")
+    assert obs.startswith("Invalid tool call: write exactly") and "<tool_output>" not in obs
+    assert reward == -0.5 and not terminated and info["invalid_action"]
+    assert info["tool_calls"] == 0 and info["tool_calls_total"] == 0
+    obs, _, _, _, info = env.step("<tool>calculator: 2+2</tool> and <tool>oops</tool>")
+    assert "<tool_output>\n4\n" in obs and not info["invalid_action"] and info["tool_calls_total"] == 1
+
+
+def test_wrappers_close_the_environment_they_wrap() -> None:
+    """roll's env manager closes the instance it holds: ToolUseEnv and the Gymnasium/GEM adapters had no close(),
+    so the wrapped environment's close() was never called."""
+    from roll_envs.agentic import GymTextEnv
+
+    class Recording(GuessNumberEnv):
+        closed = 0
+
+        def close(self) -> None:
+            self.closed += 1
+
+    tools = ToolUseEnv(Recording())
+    tools.close()
+    gym = GymTextEnv(Recording())
+    gym.close()
+    assert tools.env.closed == 1 and gym.env.closed == 1
+    ToolUseEnv(GuessNumberEnv()).close()  # a wrapped environment without close(): nothing to do
+
+
 def test_tool_math_is_solved_with_the_calculator() -> None:
     env = ToolMathEnv()
     for seed in range(20):

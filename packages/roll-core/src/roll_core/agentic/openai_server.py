@@ -33,8 +33,9 @@ format:
   when the engine supports one (`check_sampling`), else 400 `unsupported_response_format`.
 - Tool calls: the request's `tools` go to the chat template; the response text is parsed by the model family's
   tool-call parser (`PARSERS`: `hermes` for Qwen / Hermes `<tool_call>{json}</tool_call>`, `none`, or a
-  `module:Class` of your own) into OpenAI `tool_calls` (finish_reason `tool_calls`). A block that does not parse is
-  left in the content and counted on the session. The reply is decoded without special tokens but with the
+  `module:Class` of your own) into OpenAI `tool_calls` (finish_reason `tool_calls`). A block that does not parse
+  (hermes: not JSON, no name, or arguments that are not a JSON object) is left in the content and counted on the
+  session, as is an unclosed `<tool_call>`. The reply is decoded without special tokens but with the
   parser's `markers` (`text_decoder`: some tokenizers mark `<tool_call>` special).
 - `stream=true` (a JSON boolean) is answered as server-sent events in OpenAI's chunk format (the whole turn is
   generated first, then sent as a role/content chunk, a tool-calls chunk and a final chunk, then `data: [DONE]`;
@@ -84,8 +85,9 @@ class HermesToolParser:
         calls: list[dict[str, str]] = []
         invalid = 0
         kept: list[str] = []
-        last = 0
+        last = end = 0  # end of the last kept call / of the last block, parsed or not
         for m in self.pattern.finditer(text):
+            end = m.end()
             call = _call_of(m.group(1))
             if call is None:
                 invalid += 1
@@ -93,14 +95,20 @@ class HermesToolParser:
             kept.append(text[last : m.start()])
             last = m.end()
             calls.append(call)
+        # An opening marker after the last block has no closing one (a block cut off by max_tokens): invalid too.
+        # Counted from the last block's end, not as opens minus closes: a stray `</tool_call>` cancelled an
+        # invalid block (`<tool_call>bad</tool_call> stray </tool_call>` counted 0).
+        invalid += text.count("<tool_call>", end)
         rest = text[last:]
-        invalid += rest.count("<tool_call>") - rest.count("</tool_call>") if "<tool_call>" in rest else 0
         content = ("".join(kept) + rest).strip() if calls else text
-        return ParsedReply(content if content or not calls else None, calls, max(invalid, 0))
+        return ParsedReply(content if content or not calls else None, calls, invalid)
 
 
 def _call_of(body: str) -> dict[str, str] | None:
-    """{"name", "arguments" (JSON text)} of one tool-call block, None when it is not one."""
+    """{"name", "arguments" (JSON text of an object)} of one tool-call block, None when it is not one.
+
+    OpenAI's `arguments` is the JSON text of an object: a block whose arguments are anything else (`5`, `[1]`,
+    `"[1]"`, `null`) is no call (it was served as f("5"), uncounted); missing arguments are `{}`."""
     try:
         obj = json.loads(body.strip())
     except ValueError:
@@ -110,10 +118,13 @@ def _call_of(body: str) -> dict[str, str] | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            json.loads(args)
+            if not isinstance(json.loads(args), dict):
+                return None
         except ValueError:
             return None
         return {"name": obj["name"], "arguments": args}
+    if not isinstance(args, dict):
+        return None
     return {"name": obj["name"], "arguments": json.dumps(args)}
 
 

@@ -20,6 +20,9 @@ Info keys roll reads (all optional):
 Contract: the same seed gives the same instance, and the environment never raises for a malformed action (a
 raising or hanging environment is the env manager's problem: it ends that trajectory and counts it). Environments
 are plain Python objects; roll's env managers may run many of them per worker and step them concurrently.
+Optional `close()` (no arguments): releases what the instance holds (connections, processes, files); roll's env
+manager calls it once when it drops the instance (it failed) and for every instance when the run's environments
+close, possibly on an instance that was never reset. A close that raises is logged and counted, not fatal.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ well-formed illegal ones, and marks them `invalid_action` with the state unchang
 the info keys roll reads ("success", "state", "invalid_action") with their types on every reset and step; a solving
 sequence ends terminated with success on its last step only and a positive total reward; the step limit
 (`env.max_steps`, when the environment has one) truncates; stepping a finished episode does not raise; and
-`instructions()`, when provided, is non-empty text; `expert_reply()`, when provided, wins every seed's episode
+`instructions()`, when provided, is non-empty text; `close()`, when provided, does not raise on a fresh instance
+or after an episode; `expert_reply()`, when provided, wins every seed's episode
 (`expert_always_wins = False` for environments where luck decides, e.g. slippery ice).
 
 Observations may be text or text with pictures (`{"text": str, "images": [...]}`, roll_core.agentic.observation):
@@ -203,6 +204,17 @@ class EnvTestSuite:
             assert truncated is (i == limit), f"truncated={truncated} at step {i} of max_steps={limit}"
         _, reward, terminated, truncated, _ = self.checked_step(env, action)  # after the end: no raise
         assert truncated and not terminated and reward == 0
+
+    def test_close(self) -> None:
+        """The env manager closes instances it drops and all of them at the end, reset or not (Env's docs)."""
+        fresh = self.build_env()
+        if not callable(getattr(fresh, "close", None)):
+            pytest.skip("the environment has no close()")
+        fresh.close()
+        env = self.build_env()
+        env.reset(seed=self.seeds[0])
+        self.checked_step(env, self.stalling_action(env))
+        env.close()
 
     def test_instructions(self) -> None:
         env = self.build_env()

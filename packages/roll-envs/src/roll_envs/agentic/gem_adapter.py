@@ -9,7 +9,7 @@ environment error, which keeps third-party bugs visible in the metrics instead o
 As for roll's built-ins (roll_envs.agentic.base), stepping a finished episode never reaches the wrapped environment:
 it returns the last observation with reward 0, the same terminated/truncated flags and invalid_action True (a
 Gymnasium environment stepped past its end goes on: FrozenLake at its goal paid the goal again); `step()` before
-`reset()` is a RuntimeError.
+`reset()` is a RuntimeError. `close()` closes the wrapped environment (where it has one).
 
 GEM (`GemEnv("game:GuessTheNumber-v0-easy")`): `pip install --no-deps gem-llm` (it pins antlr4 4.13 while
 omegaconf, hence Hydra, needs 4.9), plus what `import gem` needs: numpy and reasoning-gym (gem-llm 0.1.0 pins
@@ -117,6 +117,13 @@ class _Adapter:
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
+
+    def close(self) -> None:
+        """Close the wrapped environment, where it has `close()` (roll's env manager calls this one: without it the
+        wrapped environment's was never called)."""
+        close = getattr(self.env, "close", None)
+        if callable(close):
+            self._call(close)
 
     def _info(self, info: Any, obs: str, reward: float = 0.0, terminated: bool = False) -> dict[str, Any]:
         out = dict(info) if isinstance(info, dict) else {}

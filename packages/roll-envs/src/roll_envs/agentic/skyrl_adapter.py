@@ -13,22 +13,30 @@ observations are the new messages' contents joined; `done` is a truncation when 
 (`max_turns`) ended the episode without success, else a termination; success = terminated with reward >=
 `success_reward`. SkyRL-Gym has no invalid-action notion, so `invalid_action` is always False (its environments
 score a malformed reply 0 and go on). Stepping a finished episode returns a note and reward 0.
+SkyRL-Gym environments are closed (`close()`): the one an episode used when the next reset replaces it, the probe
+built to read the turn limit, and the current one at `close()` (roll's env manager calls it). A close that raises
+while replacing is logged and counted in `close_errors` (the new episode goes on); `close()` itself raises it.
 
 Model-written code runs only in roll's sandbox (roll_envs.sandbox). SkyRL-Gym environments that execute the
 model's code themselves (`RUNS_MODEL_CODE`: `lcb` execs it in a fork of this process, `searchcode` runs
 `python -c` as this user, `rlm` execs it in this process; a program read /etc/passwd and wrote host files through
-`lcb`) are refused with a ValueError unless `allow_unsandboxed_execution_i_understand_the_risk=True` (then loudly
-logged); for code tasks use roll's own (the `code` tool, code rewards), which run in the sandbox.
+`lcb`; `text2sql` runs the model's SQL with sqlite3 on the database files opened read-write, and one statement,
+`ATTACH DATABASE '<path>' AS x`, creates a file at any path this user can write: roll cannot make SkyRL open
+them read-only) are refused with a ValueError unless `allow_unsandboxed_execution_i_understand_the_risk=True` (then
+loudly logged); for code tasks use roll's own (the `code` tool, code rewards), which run in the sandbox.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 from typing import Any
 
 from roll_envs.agentic.gem_adapter import check_code_execution
+
+log = logging.getLogger(__name__)
 
 #: Entry-point modules of SkyRL-Gym environments that execute the model's code outside roll's sandbox (module
 #: docstring), by what they do with it.
@@ -36,6 +44,9 @@ RUNS_MODEL_CODE = {
     "skyrl_gym.envs.lcb": "execs it in a forked child of this process",
     "skyrl_gym.envs.searchcode": "runs it with `python -c` as this user",
     "skyrl_gym.envs.rlm": "execs it in this process",
+    # Each statement runs in a transaction that is rolled back, but on a read-write connection that roll cannot
+    # make read-only (SkyRL opens it): ATTACH creates files anywhere (seen), a write holds the database's lock.
+    "skyrl_gym.envs.sql": "runs its SQL on the database files opened read-write; ATTACH creates files anywhere",
 }
 
 
@@ -104,8 +115,24 @@ class SkyRLEnv:
         self.env: Any = None
         self._done, self._last, self._turn = True, "", 0
         self._end = (False, True)  # (terminated, truncated) of the step that ended the episode
+        self.close_errors = 0
         probe = self._make(env_id, env_config=self.env_config, extras=dict(rows[0].get("extras", {})))
         self.max_steps = int(getattr(probe, "max_turns", 0) or 0) or None
+        self._close_quietly(probe, "the probe")
+
+    def _close_quietly(self, env: Any, which: str) -> None:
+        """Close a SkyRL-Gym environment roll no longer uses; one that raises is logged and counted, not raised."""
+        try:
+            env.close()
+        except Exception as exc:
+            self.close_errors += 1
+            log.warning("%s: closing %s raised %s: %s (counted)", self.env_id, which, type(exc).__name__, exc)
+
+    def close(self) -> None:
+        """Close the current SkyRL-Gym environment, if any (its close's error is raised: the caller counts it)."""
+        env, self.env, self._done = self.env, None, True
+        if env is not None:
+            env.close()
 
     @staticmethod
     def _text(messages: Any) -> str:
@@ -130,7 +157,10 @@ class SkyRLEnv:
             row = self.rows[seed % len(self.rows)]
         prompt = row["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        self.env = self._make(self.env_id, env_config=self.env_config, extras=dict(row.get("extras", {})))
+        extras = dict(row.get("extras", {}))
+        old, self.env = self.env, self._make(self.env_id, env_config=self.env_config, extras=extras)
+        if old is not None:  # it was dropped without close: what it held stayed open for the run
+            self._close_quietly(old, "the previous episode's environment")
         obs, _ = self.env.init(messages)
         self._done, self._turn, self._last = False, 0, self._text(obs)
         return self._last, {**self._info(), "seed": seed}

@@ -1,8 +1,9 @@
 """Tool use: any environment (or a question/answer task) becomes one where the model may call tools between actions.
 
 Tool-call syntax: a reply containing `<tool>NAME: ARGUMENT</tool>` (e.g. `<tool>calculator: 12*(3+4)</tool>`) is a
-tool call: the first such block is run (any later ones are ignored), the environment itself does not move, and the
-tool's output is the next observation. NAME is a tool's name; everything after the first colon up to `</tool>`
+tool call: the first `<tool>...</tool>` block is run (any later ones are ignored; a malformed first block is an
+invalid action even when a later one is well formed), the environment itself does not move, and the tool's output
+is the next observation. NAME is a tool's name; everything after the first colon up to `</tool>`
 (stripped) is the argument. Any reply without `<tool>` is passed to the wrapped environment as its action.
 The wrapped environment's observations must be text (one with pictures is a ValueError, not its repr).
 `step()` before `reset()` is a RuntimeError (no tool runs), as for roll's built-ins.
@@ -11,7 +12,8 @@ Hydra list entry gives: `{name: code, timeout_s: 2}`), or as built objects. Each
 (default 4). A call over the budget, to an unknown tool, or a malformed
 `<tool>` block is an invalid action (info["invalid_action"] True, reward `invalid_penalty`, nothing changes) whose
 observation says why; it does not use the budget. The wrapper truncates after `max_steps` replies in all (default:
-the wrapped environment's limit plus the tool budget), so a model that only calls tools still ends.
+the wrapped environment's limit plus the tool budget), so a model that only calls tools still ends. `close()`
+closes the wrapped environment (where it has one).
 
 info["tool_calls"] is the number of tool calls *made in this step* (0 or 1; roll sums it over an episode) and
 info["tool_calls_total"] the episode's count so far. info["state"] is the wrapped environment's state plus the tool
@@ -35,7 +37,10 @@ from roll_envs.agentic.base import Outcome, TextEnv, echo, extract_action, trim_
 from roll_envs.agentic.tools import Calculator, Tool, get_tool
 from roll_envs.numeric import numbers_equal
 
-_CALL = re.compile(r"<tool>\s*([A-Za-z_][\w-]*)\s*:(.*?)</tool>", re.DOTALL)
+# The first `<tool>` block (up to the first `</tool>` after it) is THE call: searching for the first *well-formed*
+# block ran a later call after a malformed one (`<tool>oops</tool> then <tool>calculator: 2+2</tool>` ran 2+2).
+_BLOCK = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
+_CALL = re.compile(r"\s*([A-Za-z_][\w-]*)\s*:(.*)", re.DOTALL)
 _NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
 
 
@@ -284,6 +289,12 @@ class ToolUseEnv:
             f"Example tool call: <tool>{first}: {_EXAMPLES.get(first, 'keywords')}</tool>"
         ).strip()
 
+    def close(self) -> None:
+        """Close the wrapped environment, where it has `close()` (roll's env manager calls the wrapper's)."""
+        close = getattr(self.env, "close", None)
+        if callable(close):
+            close()
+
     def _state(self) -> str:
         calls = "".join(f"\n[called {h}]" for h in self._history)
         return self._inner_state + calls
@@ -324,7 +335,8 @@ class ToolUseEnv:
             truncated = not terminated and (bool(truncated) or self.steps >= self.max_steps)
             self._last = (obs, terminated, truncated)
             return obs, float(reward), terminated, truncated, self._info(info, obs, 0, False)
-        match = _CALL.search(text)
+        block = _BLOCK.search(text)
+        match = _CALL.fullmatch(block.group(1)) if block is not None else None
         if match is None:
             obs, invalid = "Invalid tool call: write exactly <tool>NAME: ARGUMENT</tool>.", True
         elif match.group(1) not in self.tools:
