@@ -134,7 +134,7 @@ def test_aborted_rows_are_resumed_refused_and_unscored_rows_are_failed_not_wrong
     collector = _collector(engine, problems, unscored={3})
     rows, skipped, _ = sample_rows(collector, _Task(), 2)
 
-    assert skipped == 1
+    assert skipped == {"prompt_length": 0, "engine_context": 1, "bad_pictures": 0}
     assert [(r["index"], r["sample"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [r["finish_reason"] for r in rows] == ["stop", "stop", "abort", "stop"]
     assert [r["length"] for r in rows] == [ANSWER, ANSWER, 0, ANSWER]

@@ -20,6 +20,8 @@ Outputs, in the `--out` folder (one engine start per model, written after all mo
   (or the model's position when not every model is a checkpoint), and pass@k against k per model, each point with
   its standard error bar.
 - `report.md`: what ran (roll_core.report.write_eval_report).
+Each file is written whole or not at all (a temporary file renamed over it: a crash leaves no cut file), and a plot
+that fails (other than matplotlib missing) is logged and left out, never losing the other files or report.md.
 An `--out` folder already holding any of these files (OUTPUT_FILES: a previous evaluation's, or a run's
 report.md) is refused before anything is evaluated unless `--overwrite` is given, which removes them first
 (roll_core.cli.run_eval): a second call into one folder replaced the first call's results without a word.
@@ -32,6 +34,7 @@ comparison.md).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import re
@@ -370,25 +373,31 @@ def problem_set_notes(results: list[tuple[EvalTarget, dict[str, Any]]]) -> list[
 def write_outputs(
     out: Path, results: list[tuple[EvalTarget, dict[str, Any]]], ks: list[int], n: int, settings: dict[str, Any]
 ) -> dict[str, Path]:
-    """Write samples.jsonl, comparison.{csv,json,md} and comparison.png (when matplotlib is installed) into `out`;
-    returns the written paths by name."""
+    """Write samples.jsonl, comparison.{csv,json,md} and comparison.png (when matplotlib is installed) into `out`,
+    each whole or not at all (roll_core.tracking.replace_file); returns the written paths by name. A plot that
+    fails is logged and left out (the numbers, and the report.md written next, do not depend on it)."""
+    from roll_core.tracking import replace_file
+
     out.mkdir(parents=True, exist_ok=True)
     paths = {"samples": out / "samples.jsonl", "csv": out / "comparison.csv", "json": out / "comparison.json"}
-    with open(paths["samples"], "w", encoding="utf-8") as f:
-        for target, res in results:
-            for row in res["rows"]:
-                f.write(json.dumps({"model": target.label, "step": target.step, **row}) + "\n")
+    samples = (
+        json.dumps({"model": target.label, "step": target.step, **row}) + "\n"
+        for target, res in results
+        for row in res["rows"]
+    )
+    replace_file(paths["samples"], "".join(samples))
     names = csv_columns(ks)
-    with open(paths["csv"], "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(["model", "step", "path", "breakdown", "group", *names])
-        for target, res in results:
-            step = "" if target.step is None else target.step
-            groups = [("all", {"all": res["metrics"]}), ("domain", res["by_domain"])]
-            for kind, by in [*groups, ("difficulty", res["by_difficulty"])]:
-                for g, m in by.items():
-                    cells = ["" if m.get(c) is None else m[c] for c in names]
-                    writer.writerow([target.label, step, target.model, kind, g, *cells])
+    table_text = io.StringIO(newline="")
+    writer = csv.writer(table_text)
+    writer.writerow(["model", "step", "path", "breakdown", "group", *names])
+    for target, res in results:
+        step = "" if target.step is None else target.step
+        groups = [("all", {"all": res["metrics"]}), ("domain", res["by_domain"])]
+        for kind, by in [*groups, ("difficulty", res["by_difficulty"])]:
+            for g, m in by.items():
+                cells = ["" if m.get(c) is None else m[c] for c in names]
+                writer.writerow([target.label, step, target.model, kind, g, *cells])
+    replace_file(paths["csv"], table_text.getvalue())
     warnings = problem_set_notes(results)
     for note in warnings:
         log.warning("%s", note)
@@ -408,12 +417,13 @@ def write_outputs(
                 "by_domain": r["by_domain"],
                 "by_difficulty": r["by_difficulty"],
                 "skipped_problems": r["skipped_problems"],
+                "skipped_by_reason": r.get("skipped_by_reason"),
                 "reward_counters": r["reward_counters"],
             }
             for t, r in results
         ],
     }
-    paths["json"].write_text(json.dumps(payload, indent=2), encoding="utf-8")
+    replace_file(paths["json"], json.dumps(payload, indent=2))
     md = [
         "# roll-eval comparison",
         "",
@@ -430,15 +440,20 @@ def write_outputs(
         "",
     ]
     paths["md"] = out / "comparison.md"
-    paths["md"].write_text("\n".join(md), encoding="utf-8")  # the ± of the tables
-    png = plot(out / "comparison.png", results, ks, n)
+    replace_file(paths["md"], "\n".join(md))  # (UTF-8: the ± of the tables)
+    try:
+        png = plot(out / "comparison.png", results, ks, n)
+    except Exception as exc:  # a plot is a view of the numbers above: its failure must not lose them or report.md
+        log.warning("comparison.png could not be drawn (left out): %s: %s", type(exc).__name__, exc, exc_info=True)
+        png = None
     if png is not None:
         paths["png"] = png
     return paths
 
 
 def plot(path: Path, results: list[tuple[EvalTarget, dict[str, Any]]], ks: list[int], n: int) -> Path | None:
-    """comparison.png (see the module docstring); None, with one log line naming the extra, without matplotlib."""
+    """comparison.png (see the module docstring), written whole or not at all; None, with one log line naming the
+    extra, without matplotlib."""
     try:
         import matplotlib
 
@@ -447,9 +462,33 @@ def plot(path: Path, results: list[tuple[EvalTarget, dict[str, Any]]], ks: list[
     except ImportError:
         log.warning("matplotlib is not installed (pip install roll-core[track]): no comparison.png")
         return None
+    from roll_core.tracking import replace_file
+
     targets = [t for t, _ in results]
     axis, xs = x_axis(targets)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    try:
+        _draw(left, right, results, targets, axis, xs, ks, n)
+        fig.tight_layout()
+        image = io.BytesIO()
+        fig.savefig(image, format="png", dpi=110)
+    finally:  # a failed drawing leaves no open figure behind
+        plt.close(fig)
+    replace_file(path, image.getvalue())
+    return path
+
+
+def _draw(
+    left: Any,
+    right: Any,
+    results: list[tuple[EvalTarget, dict[str, Any]]],
+    targets: list[EvalTarget],
+    axis: str,
+    xs: list[float],
+    ks: list[int],
+    n: int,
+) -> None:
+    """The two panels of comparison.png: metrics against the step (or model), pass@k against k."""
     series = [("accuracy", "accuracy"), *((f"pass@{k}", f"pass@{k}") for k in ks if k > 1), ("maj", f"maj@{n}")]
 
     def err(m: dict[str, Any], key: str) -> float:  # the standard error bar (none with one problem)
@@ -483,7 +522,3 @@ def plot(path: Path, results: list[tuple[EvalTarget, dict[str, Any]]], ks: list[
     right.set_title("pass@k")
     right.grid(alpha=0.3)
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

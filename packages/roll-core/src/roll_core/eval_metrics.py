@@ -21,7 +21,9 @@ Contract:
   at most `MAX_CHECKS` checks per problem (the math reward's symbolic check takes 4-19 ms, measured, mostly in
   sympy's simplify; 64 distinct answers would need 2016 of them): past it the keys not yet placed keep their own
   vote (a warning says how many). A group's answer is its representative. A check that raises counts as
-  "different" (a warning says how often).
+  "different" (a warning says how often). Within the budget the result is the one of placing every key (the
+  brute-force grouping): the early stop changes no winner, and a key it left unplaced still counts as the
+  winner's when grading it (`summarize`'s maj@n) if placing it would have put it there.
 - `summarize(rows, ks, same_answer=None)`: every metric of a list of sample records (one per sampled response, as
   `samples.jsonl` holds them): accuracy (mean correctness over all samples; the unbiased pass@1 when every problem
   has the same number of samples, as roll-eval gives them, else pass@1 weighs problems equally and accuracy
@@ -32,7 +34,8 @@ Contract:
   pass@k, as in a training run's eval/accuracy, and `failed` says by how much that lowers them. A failed sample's
   extracted answer still votes, but whether the majority answer is right is read from a graded sample giving it (the
   first in sample order whose answer is in the winning group; none: wrong), not from its first sample, which may be
-  a failed one, 0 whatever it answered.
+  a failed one, 0 whatever it answered. `failure(refused, unscored)` gives a row's `failed` field and
+  `counted_correct(row)` its correctness in these metrics; a training run's eval/accuracy counts with both.
   `breakdown(rows, key, ks, same_answer=None)` is `summarize` per value of a row field (domain, difficulty).
 - Uncertainty: `summarize` gives `accuracy_stderr`, `pass@k_stderr` and `maj_stderr`, the standard error of each
   mean over the P problems, `std_error(x) = s / sqrt(P)` with `s = sqrt(sum((x_i - mean)^2) / (P - 1))` the sample
@@ -103,45 +106,95 @@ def vote_keys(
     of equal answers it belongs to, found with at most `max_checks` calls of `same_answer` (module docstring:
     "Answer equivalence"); None: no vote."""
     keys = [_vote_key(a) for a in answers]
-    counts, first = _tally(keys)
-    if same_answer is None or len(counts) < 2:
-        return keys
-    order = sorted(counts, key=lambda k: (-counts[k], first[k]))  # most frequent first, then earliest
-    group: dict[str, str] = {}  # key -> its group's representative
-    size: dict[str, int] = {}  # representative -> votes of its group
-    left = sum(counts.values())  # votes not yet placed in a group
-    checks = failures = 0
-    for key in order:
-        top = [*sorted(size.values(), reverse=True)[:2], 0, 0]
-        if top[0] > top[1] + left:  # nothing left can overtake the leader: the rest keep their own keys
-            break
-        if checks + len(size) > max_checks:  # this key's checks would pass the budget: it and the rest stay apart
-            log.warning(
-                "majority vote: %d distinct answers need more than %d equivalence checks; the %d least voted "
-                "keep their own vote",
-                len(order),
-                max_checks,
-                len(order) - len(group),
-            )
-            break
-        left -= counts[key]
-        for rep in size:  # representatives in the order their groups were opened (most frequent first)
-            checks += 1
-            try:
-                same = bool(same_answer(rep, key))
-            except Exception as exc:  # a task's checker choking on an answer: counted as different, logged
-                failures += 1
-                log.debug("same_answer(%r, %r) raised: %s", rep, key, exc)
-                same = False
-            if same:
-                group[key] = rep
-                size[rep] += counts[key]
+    return _Groups(keys, same_answer, max_checks).votes(keys)
+
+
+class _Groups:
+    """The groups of equal answers among one problem's vote keys (module docstring: "Answer equivalence").
+
+    `group` maps each placed key to its group's representative; `size` holds each group's votes, in the order the
+    groups were opened (the order a key is checked against them). `stopped` holds the keys the early stop left
+    unplaced: they cannot change the winner, but one may belong to its group (`in_group`)."""
+
+    def __init__(self, keys: Sequence[str | None], same_answer: SameAnswer | None, max_checks: int) -> None:
+        self.same, self.max_checks = same_answer, max_checks
+        self.checks = self.failures = 0
+        self.group: dict[str, str] = {}
+        self.size: dict[str, int] = {}
+        self.stopped: set[str] = set()
+        self._member: dict[tuple[str, str], bool] = {}
+        counts, first = _tally(keys)
+        if same_answer is None or len(counts) < 2:
+            self.group = {k: k for k in counts}
+            return
+        order = sorted(counts, key=lambda k: (-counts[k], first[k]))  # most frequent first, then earliest
+        left = sum(counts.values())  # votes not yet placed in a group
+        for at, key in enumerate(order):
+            top = [*sorted(self.size.values(), reverse=True)[:2], 0, 0]
+            if top[0] > top[1] + left:  # nothing left can overtake the leader: the rest keep their own keys
+                self.stopped = set(order[at:])
                 break
-        else:
-            group[key], size[key] = key, counts[key]  # a group of its own
-    if failures:
-        log.warning("majority vote: the answer check raised %d time(s); those answers were kept apart", failures)
-    return [None if k is None else group.get(k, k) for k in keys]
+            # this key's checks would pass the budget: it and the rest stay apart
+            if self.checks + len(self.size) > max_checks:
+                log.warning(
+                    "majority vote: %d distinct answers need more than %d equivalence checks; the %d least voted "
+                    "keep their own vote",
+                    len(order),
+                    max_checks,
+                    len(order) - len(self.group),
+                )
+                break
+            left -= counts[key]
+            for rep in self.size:  # representatives in the order their groups were opened (most frequent first)
+                if self._check(rep, key):
+                    self.group[key] = rep
+                    self.size[rep] += counts[key]
+                    break
+            else:
+                self.group[key], self.size[key] = key, counts[key]  # a group of its own
+        self._warn()
+
+    def _check(self, rep: str, key: str) -> bool:
+        """`same_answer(rep, key)`, counted; one that raises is "different" (counted, logged)."""
+        self.checks += 1
+        try:
+            return bool(self.same(rep, key))  # type: ignore[misc]
+        except Exception as exc:  # a task's checker choking on an answer: counted as different, logged
+            self.failures += 1
+            log.debug("same_answer(%r, %r) raised: %s", rep, key, exc)
+            return False
+
+    def _warn(self) -> None:
+        if self.failures:
+            what = "majority vote: the answer check raised %d time(s); those answers were kept apart"
+            log.warning(what, self.failures)
+            self.failures = 0
+
+    def votes(self, keys: Sequence[str | None]) -> list[str | None]:
+        """The vote of each key: its group's representative, or itself where it was not placed (None: no vote)."""
+        return [None if k is None else self.group.get(k, k) for k in keys]
+
+    def in_group(self, key: str, rep: str) -> bool:
+        """Whether `key` belongs to `rep`'s group as placing every key would have put it: a placed key by its group;
+        a key the early stop left unplaced by the checks its placement would have made, against the groups in the
+        order they were opened, up to `rep`'s (a group opened later never had an earlier claim), within the budget
+        (past it: not a member, as a key past the budget keeps its own vote)."""
+        if key not in self.stopped:
+            return self.group.get(key, key) == rep
+        if (key, rep) not in self._member:
+            member = False
+            for opened in self.size:
+                if self.checks >= self.max_checks:
+                    log.warning("majority vote: the equivalence check budget (%d) is spent", self.max_checks)
+                    break
+                if self._check(opened, key):
+                    member = opened == rep  # it joins the first group whose representative equals it
+                    break
+                if opened == rep:
+                    break
+            self._warn()
+            self._member[(key, rep)] = member
+        return self._member[(key, rep)]
 
 
 def _tally(keys: Sequence[str | None]) -> tuple[dict[str, int], dict[str, int]]:
@@ -228,10 +281,34 @@ def _group(rows: Sequence[Mapping[str, Any]]) -> dict[Any, list[Mapping[str, Any
     return problems
 
 
-def _correct(row: Mapping[str, Any]) -> float:
+def failure(refused: bool, unscored: bool) -> str | None:
+    """A sample's `failed` field: "engine" when the engine refused to finish it, "reward" when the reward could not
+    score it, None when it was graded. roll-eval's records and a training run's eval/accuracy both take it from
+    here, so that they count the same samples as failed."""
+    return "engine" if refused else "reward" if unscored else None
+
+
+def counted_correct(row: Mapping[str, Any]) -> float:
     """A sample's correctness in the metrics: 0 for a failed one whatever its `correct` says (a row the engine
-    refused can hold a cut response the reward graded right; a reward failure's grade is not one)."""
+    refused can hold a cut response the reward graded right; a reward failure's grade is not one). roll-eval's
+    accuracy and pass@k and a training run's eval/accuracy (roll_core.pipelines.rollout.evaluate) count with it."""
     return 0.0 if row.get("failed") else float(row["correct"])
+
+
+def _majority_hit(samples: Sequence[Mapping[str, Any]], same_answer: SameAnswer | None) -> float:
+    """1.0 when one problem's majority answer is right: the first graded sample in sample order whose answer is in
+    the winning group is correct (module docstring). A sample the early stop of the vote left unplaced still counts
+    as the winner's when placing it would have put it there (`_Groups.in_group`): its own key is no evidence that
+    it answered otherwise ('b' and 'B' equal, 'b' graded right, both 'B' rows failed: right, not wrong)."""
+    keys = [_vote_key(r.get("extracted")) for r in samples]
+    groups = _Groups(keys, same_answer, MAX_CHECKS)
+    answer, _ = _majority(groups.votes(keys))
+    if answer is None:  # no sample answered: wrong
+        return 0.0
+    for row, key in zip(samples, keys):
+        if key is not None and not row.get("failed") and groups.in_group(key, answer):
+            return float(float(row["correct"]) > 0)
+    return 0.0
 
 
 def summarize(
@@ -244,13 +321,13 @@ def summarize(
     if not rows:
         raise ValueError("no samples to summarize")
     problems = _group(rows)
-    counts = [(len(s), int(sum(_correct(r) > 0 for r in s))) for s in problems.values()]
+    counts = [(len(s), int(sum(counted_correct(r) > 0 for r in s))) for s in problems.values()]
     n = len(rows)
-    per_problem = [sum(_correct(r) for r in s) / len(s) for s in problems.values()]
+    per_problem = [sum(counted_correct(r) for r in s) / len(s) for s in problems.values()]
     out: dict[str, Any] = {
         "problems": len(problems),
         "samples": n,
-        "accuracy": sum(_correct(r) for r in rows) / n,
+        "accuracy": sum(counted_correct(r) for r in rows) / n,
         "accuracy_stderr": std_error(per_problem),  # over problems (module docstring)
         "reward": sum(float(r["reward"]) for r in rows) / n,
         "length_mean": sum(float(r["length"]) for r in rows) / n,
@@ -266,13 +343,7 @@ def summarize(
     if any("extracted" in r for r in rows):
         hits = []  # per problem: 1 when its majority answer is right
         for samples in problems.values():
-            votes = vote_keys([r.get("extracted") for r in samples], same_answer)
-            answer, at = _majority(votes)
-            if at < 0:  # no sample answered: wrong
-                hits.append(0.0)
-                continue
-            graded = [r for r, v in zip(samples, votes) if v == answer and not r.get("failed")]
-            hits.append(float(bool(graded) and float(graded[0]["correct"]) > 0))
+            hits.append(_majority_hit(samples, same_answer))
         out["maj"] = sum(hits) / len(problems)
         out["maj_stderr"] = std_error(hits)
     else:

@@ -24,7 +24,8 @@ same owner's `same_answer(first, other) -> bool`, when it has one, merges answer
 reward's symbolic check: \\frac{1}{\\sqrt2} = \\frac{\\sqrt2}{2}; roll_core.eval_metrics.vote_keys). A task
 with neither reports maj@n as None and says so once in the log. Problems whose prompt exceeds
 `model.max_prompt_length`, or fills the engine's context, are skipped, counted (`skipped_problems`) and logged, never
-truncated.
+truncated; `skipped_by_reason` splits the count (SKIP_REASONS: `prompt_length`, `engine_context`,
+`bad_pictures`: a problem whose pictures could not be read or placed).
 
 Agentic tasks (env=sokoban, ...): one episode per held-out environment seed, through the agentic collector's
 evaluation, reporting success rate, mean turns and the invalid-action rate (n must be 1); agent programs
@@ -46,13 +47,17 @@ from roll_core.cluster.launch import Cluster
 from roll_core.cluster.roles import InferGroup
 from roll_core.config.build import as_dict, build
 from roll_core.config.compose import ConfigError
-from roll_core.eval_metrics import SameAnswer, breakdown, difficulty_of, memoized, rate_stderr, summarize
+from roll_core.eval_metrics import SameAnswer, breakdown, difficulty_of, failure, memoized, rate_stderr, summarize
 from roll_core.interfaces.tasks import AgenticTask
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.collectors import CollectorContext
 from roll_core.pipelines.wiring import sampling_params
 
 log = logging.getLogger(__name__)
+
+#: Why a held-out problem was not scored (`skipped_by_reason`): its prompt exceeds model.max_prompt_length, it fills
+#: the inference engine's context (every row came back "prompt_too_long"), its pictures could not be read or placed.
+SKIP_REASONS = ("prompt_length", "engine_context", "bad_pictures")
 
 
 def eval_temperature(cfg: Any) -> float:
@@ -199,7 +204,8 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
         "metrics": overall,
         "by_domain": breakdown(rows, "domain", ks, same),
         "by_difficulty": breakdown(rows, "difficulty", ks, same),
-        "skipped_problems": skipped,
+        "skipped_problems": sum(skipped.values()),
+        "skipped_by_reason": skipped,
         "reward_counters": counters,
         "rows": rows,
     }
@@ -257,10 +263,10 @@ def tokenizer_and_sampling(cfg: Any, path: str) -> tuple[Any, Any]:
         raise ConfigError(f"{exc} (the model settings, e.g. model=<preset>, must be the evaluated model's)") from exc
 
 
-def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]], int, dict[str, int]]:
-    """(one record per response, problems skipped for their prompt length or the engine's context, the reward's
-    failure counters) of `n` responses to each of the prompts collector's held-out problems, sampled as its
-    `evaluate` samples."""
+def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]], dict[str, int], dict[str, int]]:
+    """(one record per response, the problems skipped per reason (SKIP_REASONS: each reason's count, 0 included),
+    the reward's failure counters) of `n` responses to each of the prompts collector's held-out problems, sampled as
+    its `evaluate` samples."""
     from roll_core.pipelines.collectors.prompts import resume_aborted
     from roll_core.pipelines.rollout import BadPictures, assemble, encode_prompt, picture_token_ids, problem_fields
     from roll_core.protocol import Batch
@@ -270,11 +276,13 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
     limit = cfg.model.max_prompt_length
     processor = getattr(collector, "processor", None)  # a vision-language model's (the prompts collector's)
     ids, mms, kept = [], [], []
+    bad_pictures = 0
     for i, problem in enumerate(collector.eval_set):
         try:
             toks, length, mm = encode_prompt(tokenizer, task, problem, limit, cfg.model.chat_template_kwargs, processor)
         except BadPictures as exc:
             log.warning("problem %s skipped: its pictures: %s", problem.id, exc)
+            bad_pictures += 1
             continue
         if toks is None:
             log.warning("problem %s skipped: %d prompt tokens > model.max_prompt_length=%d", problem.id, length, limit)
@@ -282,7 +290,7 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
         ids.append(toks)
         mms.append(mm)
         kept.append((i, problem))
-    too_long = len(collector.eval_set) - len(kept)
+    too_long = len(collector.eval_set) - len(kept) - bad_pictures
     if not kept:
         raise ConfigError(f"every held-out prompt exceeds model.max_prompt_length={limit}: raise it")
     prompts = Batch(fields={"prompt_ids": ids, **problem_fields([p for _, p in kept])})
@@ -314,7 +322,7 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
         ) from exc
     # Problems whose prompt fills the engine's context lost every row in `assemble`: skipped, as the long ones.
     lost = len(kept) - len(set(batch["eval_index"]))
-    skipped = too_long + lost
+    skipped = {"prompt_length": too_long, "engine_context": lost, "bad_pictures": bad_pictures}
     scored = collector.scoring.score(batch)
     unscored = scored["reward_failed"].tolist() if "reward_failed" in scored else [False] * len(batch)
     extract = answer_extractor(task)
@@ -327,7 +335,7 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
     for r, text in enumerate(scored["response_text"]):
         meta = batch["metadata"][r]
         # never graded: counted as wrong and in the metrics' `failed`
-        failed = "engine" if batch["eval_refused"][r] else "reward" if unscored[r] else None
+        failed = failure(batch["eval_refused"][r], unscored[r])
         row = {
             "index": batch["eval_index"][r],
             "problem": batch["problem_id"][r],

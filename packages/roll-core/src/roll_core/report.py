@@ -17,7 +17,9 @@ roll-eval's report (`write_eval_report`) holds the call's settings, the warnings
 settings than their run's; models scored on different problem sets, as comparison.md says), the comparison table,
 the per-domain and per-difficulty accuracy, comparison.png and the files it wrote; for episodes (agentic tasks, agent
 programs) one table whose rates read `mean ± standard error` over the episodes where the result has one
-(`<rate>_stderr`).
+(`<rate>_stderr`). Problems a model was not scored on are listed per reason (`skipped_by_reason`: prompt longer
+than model.max_prompt_length, prompt filling the engine's context, unreadable pictures), never under one.
+Both reports are written whole or not at all (roll_core.tracking.replace_file: a kill mid-write leaves no cut file).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import math
 import shlex
 from pathlib import Path
 from typing import Any
+
+from roll_core.tracking import replace_file
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +283,7 @@ def write_run_report(
             lines += [f"Compare every checkpoint{what}:", "", "```bash", cmds["compare"], "```", ""]
         path = out / "report.md"
         out.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(lines), encoding="utf-8")
+        replace_file(path, "\n".join(lines))  # whole or not at all: a kill mid-write leaves no cut report
         return path
     except Exception as exc:  # a report is a convenience: it never turns a finished run into a failed one
         log.warning("could not write %s/report.md: %s", out, exc)
@@ -332,12 +336,10 @@ def write_eval_report(
             cells = [_episode_cell(r, c) for c in cols]
             lines.append(f"| {t.label} | {'-' if t.step is None else t.step} | " + " | ".join(cells) + " |")
         lines += ["", "## Files", "", *(f"- [{p.name}]({p.name})" for p in files.values())]
-        (out / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        replace_file(out / "report.md", "\n".join(lines) + "\n")
         return out / "report.md"
     lines += [f"- responses per problem (n): {n}; pass@k for k in {', '.join(map(str, ks))}; maj@{n}", ""]
-    skipped = {t.label: r["skipped_problems"] for t, r in results if r.get("skipped_problems")}
-    if skipped:
-        lines += [f"- problems skipped (prompt longer than model.max_prompt_length): {skipped}", ""]
+    lines += _skipped_lines(results)
     lines += warnings
     # models scored on different problems (comparison.md says so too): this table is the one most read
     lines += [line for note in problem_set_notes(results) for line in (f"**Warning:** {note}", "")]
@@ -349,5 +351,30 @@ def write_eval_report(
     lines += ["## Files", ""]
     lines += [f"- [{p.name}]({p.name})" for p in files.values()]
     path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")  # (the tables' ±, non-ASCII paths)
+    replace_file(path, "\n".join(lines) + "\n")  # whole or not at all (UTF-8: the tables' ±, non-ASCII paths)
     return path
+
+
+#: The reason each count of a roll-eval result's `skipped_by_reason` (roll_core.evaluate.SKIP_REASONS) is shown with.
+SKIP_WHY = {
+    "prompt_length": "prompt longer than model.max_prompt_length",
+    "engine_context": "prompt fills the inference engine's context, infer_engine.max_model_len",
+    "bad_pictures": "pictures could not be read or placed",
+}
+
+
+def _skipped_lines(results: list[tuple[Any, dict[str, Any]]]) -> list[str]:
+    """One line per reason problems were skipped for, with each model's count (`skipped_by_reason`); a result
+    without the split (written by hand, or by an older roll) is shown under "reason not recorded"."""
+    by_reason: dict[str, dict[str, int]] = {}
+    for t, r in results:
+        split = r.get("skipped_by_reason")
+        if split is None:
+            split = {"unknown": r.get("skipped_problems") or 0}
+        for reason, count in split.items():
+            if count:
+                by_reason.setdefault(reason, {})[t.label] = count
+    lines = []
+    for reason, counts in by_reason.items():
+        lines += [f"- problems skipped ({SKIP_WHY.get(reason, 'reason not recorded')}): {counts}", ""]
+    return lines

@@ -433,9 +433,22 @@ def _number(v: Any) -> Any:
 def _replace_text(path: Path, text: str) -> None:
     """Write `path` whole through a temporary file renamed over it: a crash mid-write (a resumed run truncating
     its history) leaves the old file, never half of the new one (written in place, the run's history was lost)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_file(path, text)
+
+
+def replace_file(path: str | Path, data: str | bytes) -> None:
+    """Write `path` whole or not at all: `data` (text is written as UTF-8) goes to a temporary file beside it,
+    synced, then renamed over it (os.replace). A crash mid-write leaves the old file (or none), never half of the
+    new one; the temporary file is removed when the write fails. Used for the run's history (`_replace_text`) and
+    for roll-eval's and the run's reports (report.md, comparison files, plots)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share one
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

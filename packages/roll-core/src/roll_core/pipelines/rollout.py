@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from roll_core.errors import ConfigError
+from roll_core.eval_metrics import counted_correct, failure
 from roll_core.interfaces import SamplingParams
 from roll_core.protocol import Batch, build_sequences, pad_left
 
@@ -321,16 +322,34 @@ def evaluate(
     processor: Any = None,
 ) -> dict[str, float]:
     """Accuracy and mean reward of one sample per problem (sampled with `params`; temperature 0 is greedy); with
-    several domains (a multi-domain task) also `by_domain`: {domain: {"accuracy", "reward", "n"}}."""
+    several domains (a multi-domain task) also `by_domain`: {domain: {"accuracy", "reward", "n"}}.
+
+    Counted as roll-eval counts them (roll_core.eval_metrics `failure` and `counted_correct`), so that roll-eval of
+    the same model with --n 1 gives the same accuracy: a row the engine left "abort" (refused after
+    pipeline.max_idle_aborts idle aborts by an `infer` that resumes, as the prompts collector's does; never
+    finished otherwise) and a row the reward failed on (`reward_failed`: its NaN score replaced, its grade kept)
+    are wrong whatever their `correct` says; their scores still count in the reward. `n` (the run's `eval/n`) is
+    the problems scored: those whose prompt exceeds `max_prompt_length` (`skipped_long`) or fills the engine's
+    context (`skipped_context`, dropped by `assemble`) are not in it, nor in the accuracy."""
     metrics: dict[str, Any] = {}
     prompts = prompt_batch(tokenizer, task, problems, max_prompt_length, metrics, template_kwargs, processor)
     gen = infer.generate(prompts, params, n=1)
-    batch = assemble(tokenizer, prompts, gen)
+    batch = assemble(tokenizer, prompts, gen, metrics)
     scored = reward.score(batch)
+    reasons = batch["finish_reason"] if "finish_reason" in batch else ["stop"] * len(batch)
+    unscored = scored["reward_failed"].tolist() if "reward_failed" in scored else [False] * len(batch)
+    correct = torch.tensor(
+        [
+            counted_correct({"correct": float(c), "failed": failure(why == "abort", bool(bad))})
+            for c, why, bad in zip(scored["correct"].tolist(), reasons, unscored, strict=True)
+        ]
+    )
     out: dict[str, Any] = {
-        "accuracy": float(scored["correct"].mean()),
+        "accuracy": float(correct.mean()),
         "reward": float(scored["scores"].mean()),
-        "n": len(prompts),
+        "n": len(batch),  # one row per scored problem
+        "skipped_long": int(metrics.get("data/skipped_long_prompts", 0)),
+        "skipped_context": int(metrics.get("data/skipped_context_prompts", 0)),
     }
     domains = [m.get("domain") for m in batch["metadata"]] if "metadata" in batch else []
     if len(set(domains)) > 1 or len(getattr(task, "domains", ())) > 1:
@@ -338,7 +357,7 @@ def evaluate(
         for d in dict.fromkeys(domains):
             idx = [i for i, x in enumerate(domains) if x == d]
             out["by_domain"][str(d)] = {
-                "accuracy": float(scored["correct"][idx].mean()),
+                "accuracy": float(correct[idx].mean()),
                 "reward": float(scored["scores"][idx].mean()),
                 "n": len(idx),
             }

@@ -148,7 +148,9 @@ class PromptCollector:
         return None
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out accuracy: one sample per held-out problem at the eval temperature."""
+        """Held-out accuracy: one sample per held-out problem at the eval temperature, a failed one (refused by the
+        engine, or the reward failed on it) counted wrong as roll-eval counts it; `eval/n`: the problems scored
+        (not those skipped for a prompt over model.max_prompt_length or one filling the engine's context)."""
         t0 = time.perf_counter()
         res = evaluate(
             # an engine's own abort is resumed, not scored 0; refused after pipeline.max_idle_aborts idle ones
