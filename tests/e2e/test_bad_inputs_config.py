@@ -213,6 +213,30 @@ CASES: list[Case] = [
         compose("cluster.address=auto"),
         r"cluster\.address is set but cluster\.backend=local: use cluster=ray",
     ),
+    # -- configs: a map's keys (the user's own) are added with +, even when the docs spelt them without --------
+    E(
+        "cfg/map-key-without-plus",
+        compose("cluster.call_timeouts.reward=600"),
+        r"Key 'reward' is not in struct.*\ncluster\.call_timeouts is a map: add the key 'reward' with "
+        r"\+cluster\.call_timeouts\.reward=<value>",
+    ),
+    E(
+        "cfg/map-assigned-whole",
+        compose("cluster.resources={GPU:2}"),
+        r"cluster\.resources is a map: add the key 'GPU' with \+cluster\.resources\.GPU=<value>",
+    ),
+    # -- Ray's own counts: a traceback from its raylet, or (0 CPUs) silently all cores ----------------------------
+    E("cfg/num-cpus-negative", compose("cluster=ray", "cluster.num_cpus=-3"), r"cluster\.num_cpus=-3 must be >= 1"),
+    E(
+        "cfg/num-cpus-zero",
+        compose("cluster=ray", "cluster.num_cpus=0"),
+        r"cluster\.num_cpus=0 must be >= 1 \(or null: all cores\)",
+    ),
+    E(
+        "cfg/resources-negative",
+        compose("cluster=ray", "+cluster.resources.GPU=-1"),
+        r"cluster\.resources\.GPU=-1\.0 must be >= 0",
+    ),
     E(
         "cfg/sglang-top-p",
         compose("infer_engine=sglang", "infer_engine.top_p=0.9"),

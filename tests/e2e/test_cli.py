@@ -85,6 +85,22 @@ def test_errors_found_while_building_the_run_exit_2_without_traceback(seven_task
     assert not (tmp_path / "outputs").exists()  # the runs named their folders (pipeline.output_dir)
 
 
+def test_a_platform_this_machine_lacks_is_one_line_exit_2(tmp_path: Path) -> None:
+    """hw.platform naming an installed platform this machine cannot run (the test plugin's `dummy`, off without
+    ROLL_DUMMY_PLATFORM) was roll_hw's PlatformUnavailableError with a traceback, exit 1, in both commands."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ROLL_DUMMY_PLATFORM", "ROLL_PLATFORM")}
+    train = [str(BIN / "roll-train"), "hw.platform=dummy", f"pipeline.output_dir={tmp_path / 'run'}"]
+    evaluate = [str(BIN / "roll-eval"), "builtin:tiny", "hw.platform=dummy", "--out", str(tmp_path / "eval")]
+    for name, cmd in (("roll-train", train), ("roll-eval", evaluate)):
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 2, (name, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert f"{name}: hw.platform: platform 'dummy' requested is unavailable: set ROLL_DUMMY_PLATFORM=1" in (
+            proc.stderr
+        )
+        assert "or use hw=auto" in proc.stderr
+
+
 def test_roll_train_help_imports_no_torch(tmp_path: Path) -> None:
     """`roll-train --help` (and `--cfg job`) compose the config from every installed package's `roll.configs` entry
     point; torch (~3 s here) came in through roll_envs' schemas (roll_core.interfaces, roll_core.multimodal) and the

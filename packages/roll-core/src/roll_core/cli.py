@@ -6,7 +6,8 @@ searched first (roll_core.config.search_path), so every Hydra override, `-m` mul
 each group's options without their schemas, the composed config).
 Config errors (unknown keys, wrong types, failed invariants) print one explained message and exit 2 instead
 of a traceback, and so does a missing optional dependency of the chosen components (one line naming the pip
-extra, checked before anything is built); any other error propagates with its full traceback. The job's return
+extra, checked before anything is built), and a platform this machine cannot run (hw.platform, $ROLL_PLATFORM; one
+line saying why, exit 2); any other error propagates with its full traceback. The job's return
 value is the run summary (final and best held-out accuracy), which Hydra sweepers optimise. A relative
 `pipeline.output_dir` is a folder under the directory roll-train was started in, also with `hydra.job.chdir=true`.
 Exit status of a signal (roll_core.pipelines.run_control): a run stopped by SIGINT/SIGTERM before its last step
@@ -209,6 +210,9 @@ def train_main() -> None:
         if isinstance(exc, (ConfigCompositionException, OverrideParseException, OmegaConfBaseException)):
             print(f"roll-train: invalid config:\n{explain(exc)}", file=sys.stderr)
             sys.exit(2)
+        if _is_platform_unavailable(exc):
+            print(f"roll-train: {_platform_message(exc)}", file=sys.stderr)
+            sys.exit(2)
         if _is_reward_failure(exc) or _is_checkpoint_failure(exc) or _is_empty_steps(exc):
             # the reward failed on every row for too long, or a checkpoint could not be written (a full disk): the
             # message says what happened and which checkpoint to resume from; a traceback adds nothing
@@ -310,6 +314,21 @@ def _is_reward_failure(exc: BaseException) -> bool:
     (a config error, `--help`) never needs; a RewardFailureError can only come from a loaded module."""
     guard = sys.modules.get("roll_core.cluster.reward_guard")
     return guard is not None and isinstance(exc, guard.RewardFailureError)
+
+
+def _is_platform_unavailable(exc: BaseException) -> bool:
+    """Whether `exc` is roll_hw's PlatformUnavailableError: hw.platform (or $ROLL_PLATFORM) names a platform this
+    machine cannot run, found when the run resolves it (looked up among the loaded modules, as above)."""
+    interface = sys.modules.get("roll_hw.interface")
+    return interface is not None and isinstance(exc, interface.PlatformUnavailableError)
+
+
+def _platform_message(exc: BaseException) -> str:
+    """The platform error in one line, naming the key that chose the platform (its message names $ROLL_PLATFORM when
+    that forced it) and what to do; the probe's reason says what to install."""
+    if "ROLL_PLATFORM" in str(exc):
+        return f"{exc}; set ROLL_PLATFORM to a platform this machine has, or unset it (hw=auto then detects one)"
+    return f"hw.platform: {exc}; or use hw=auto, which detects the platform this machine has"
 
 
 def _build_stop_signal(exc: BaseException) -> int | None:
@@ -465,6 +484,11 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     except MissingExtraError as exc:
         print(f"roll-eval: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if not _is_platform_unavailable(exc):
+            raise
+        print(f"roll-eval: {_platform_message(exc)}", file=sys.stderr)
         return 2
     out = (
         out_arg if out_arg is not None else _fresh_folder(Path("outputs") / "eval" / time.strftime("%Y-%m-%d_%H-%M-%S"))

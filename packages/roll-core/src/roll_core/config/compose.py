@@ -79,6 +79,12 @@ def explain(exc: BaseException) -> str:
     for err in chain:
         if isinstance(err, OmegaConfBaseException) and getattr(err, "key", None) is not None:
             key = str(err.key)
+            full_key = getattr(err, "full_key", None) or key
+            if getattr(err, "object_type", None) is dict and "." in full_key and "Could not override" in message:
+                # A map whose keys the user chooses (cluster.call_timeouts, model.chat_template_kwargs): Hydra adds a
+                # new key only with `+`, and `map={k: v}` merges into it the same way; OmegaConf says "not in struct".
+                message += f"\n{full_key.rsplit('.', 1)[0]} is a map: add the key '{key}' with +{full_key}=<value>"
+                break
             candidates = _dataclass_fields(getattr(err, "object_type", None))
             # An existing key means the value is what is wrong, and the message already says why.
             if key not in candidates:

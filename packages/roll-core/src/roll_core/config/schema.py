@@ -153,6 +153,11 @@ class ClusterConfig:
         one_of("cluster.placement", self.placement, ("colocated", "disaggregated"))
         if self.backend == "local" and self.address is not None:
             raise ValueError("cluster.address is set but cluster.backend=local: use cluster=ray to join a cluster")
+        # Ray refused a negative count with a traceback from its raylet, and 0 meant all cores (null's meaning).
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ValueError(f"cluster.num_cpus={self.num_cpus} must be >= 1 (or null: all cores)")
+        for name, amount in self.resources.items():
+            positive(f"cluster.resources.{name}", amount, allow_zero=True)
         positive("cluster.cpus_per_worker", self.cpus_per_worker, allow_zero=True)
         positive("cluster.placement_timeout_s", self.placement_timeout_s)
         positive("cluster.max_concurrent", self.max_concurrent, allow_zero=True)
