@@ -3,7 +3,8 @@
 An environment returns, from `reset` and `step`, either text (`str`) or text with pictures:
 `{"text": str, "images": [picture, ...]}`, each picture anything `roll_core.multimodal.load_image` reads (a PIL
 image, an (H, W, 3) uint8 array, encoded bytes, a path). `normalize` turns either into the form the rollout works
-with: a `str` for text (also a dict whose `images` list is empty), else a dict whose `images` are RGB PIL images.
+with: a `str` for text (also a dict whose `images` list is empty), else a dict whose `images` are RGB PIL images
+the observation owns (copies: an environment that redraws its canvas in place never changes an earlier one).
 Anything else (a missing or non-text `text`, `images` that is not a list, a picture that does not load) is a
 `ValueError` raised inside the environment call, so the env manager ends that one episode as an `env_error` and
 counts it, like an environment that raises.
@@ -43,7 +44,15 @@ def normalize(obs: Any) -> Observation:
         return text
     from roll_core.multimodal import load_image
 
-    return {"text": text, "images": [load_image(im) for im in images]}
+    return {"text": text, "images": [_own(load_image(im), im) for im in images]}
+
+
+def _own(picture: Any, given: Any) -> Any:
+    """`picture` as a copy when it is the environment's own object (`load_image` passes an upright RGB PIL image
+    through). Why: an environment may redraw one canvas in place every step, and the rollout keeps each
+    observation's pictures for the whole episode (every later turn's request carries them, and vLLM processes them
+    again): aliased, they would all show the latest state while the trainer's tensors hold the observed ones."""
+    return picture.copy() if picture is given else picture
 
 
 def text_of(obs: Observation) -> str:
