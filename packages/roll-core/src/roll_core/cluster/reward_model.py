@@ -6,7 +6,9 @@ forward passes of `batch_size` rows; `RewardModelGroup` is the typed group the c
 (the tokenizer's chat template, or a `{prompt}`/`{response}` text template) and cut to `max_length` tokens
 (`truncation_side`; a left cut keeps a leading BOS); the result carries `rm_scores` (B,) float32, the model's
 logit as it comes (normalisation and mixing with the task reward are the controller's:
-roll_core.pipelines.reward_model), and `rm_truncated` (B,) bool.
+roll_core.pipelines.reward_model), and `rm_truncated` (B,) bool. Each score is the one an unpadded transformers
+forward of the row alone gives: with the model's own pad token, transformers' rule (the last token that is not it);
+without one (the tokenizer's pad fills the rows), the row's last token, even when it is the tokenizer's pad (an EOS).
 
 Sleep: with `offload` the weights live in host memory and move to the device only for a scoring call, the way an
 inference engine's `sleep(1)` frees the device for the trainer (roll_engines' hf engine); `sleep()`/`wake_up()`
@@ -141,7 +143,12 @@ class RewardModelWorker(Worker):
                 context,
             )
             self.max_length = context
-        if model.config.pad_token_id is None:  # check_reward_model made sure the tokenizer has one
+        # A model with no pad token of its own reads the last token of every input (transformers' pooling without
+        # one); the tokenizer's pad then only fills rows (check_reward_model made sure it has one), and each pass
+        # tells the pooling a pad id that no row ends with: a tokenizer whose pad is its EOS scored a row ending in
+        # EOS at the token before it. With the model's own pad token, transformers' rule stands as it was trained.
+        self.reads_last_token = model.config.pad_token_id is None
+        if self.reads_last_token:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         self.pad_id = int(model.config.pad_token_id)
         model.requires_grad_(False)
@@ -172,7 +179,12 @@ class RewardModelWorker(Worker):
         for s in range(0, len(order), self.batch_size):
             idx = order[s : s + self.batch_size]
             width = max(len(rows[i]) for i in idx)
-            ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
+            fill = self.pad_id
+            if self.reads_last_token:  # (at most batch_size ends: one of the first batch_size + 1 ids is free)
+                ends = {rows[i][-1] for i in idx if rows[i]}
+                fill = fill if fill not in ends else next(t for t in range(len(ends) + 1) if t not in ends)
+                self.model.config.get_text_config().pad_token_id = fill
+            ids = torch.full((len(idx), width), fill, dtype=torch.long)
             mask = torch.zeros((len(idx), width), dtype=torch.long)
             for j, i in enumerate(idx):
                 ids[j, : len(rows[i])] = torch.tensor(rows[i], dtype=torch.long)

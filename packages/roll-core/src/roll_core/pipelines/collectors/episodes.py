@@ -79,12 +79,16 @@ def refuse_prompt_only_settings(cfg: Any) -> None:
     does not apply (they were accepted and silently ignored: algo=dapo with pipeline=agentic trained every group)."""
     algo, name = cfg.algo, getattr(cfg.pipeline, "name", "agentic")
     clip, buffer = getattr(algo, "reward_clip", None), getattr(algo, "overlong_buffer", 0)
+    # A reward model (reward_model=hf) scores the prompt collectors' (prompt, response) rows only: an episode
+    # collector never builds it, so its scores silently never reached an agentic run's rewards.
+    rm = getattr(cfg, "reward_model", None)
     ignored = [
         text
         for on, text in (
             (getattr(algo, "drop_uniform_groups", False), "algo.drop_uniform_groups=true"),
             (clip is not None, f"algo.reward_clip={clip}"),
             (buffer > 0, f"algo.overlong_buffer={buffer}"),
+            (rm is not None and rm.enabled, f"reward_model={getattr(rm, 'name', None)}"),
         )
         if on
     ]
@@ -92,7 +96,7 @@ def refuse_prompt_only_settings(cfg: Any) -> None:
         raise ConfigError(
             f"{', '.join(ignored)}: dynamic sampling and reward shaping apply to single-turn prompts "
             f"(pipeline=rlvr), not to pipeline={name}'s episodes: turn them off (algo.drop_uniform_groups=false, "
-            "algo.reward_clip=null, algo.overlong_buffer=0)"
+            "algo.reward_clip=null, algo.overlong_buffer=0, reward_model=none)"
         )
 
 

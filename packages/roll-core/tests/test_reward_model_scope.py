@@ -1,0 +1,82 @@
+"""The reward model scores what its model would score alone, and only where it is used: a model without a pad token
+of its own reads each row's last token (an EOS that is also the tokenizer's pad included), and pipelines whose
+collectors never build the reward model refuse `reward_model=hf` instead of ignoring it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from roll_core.config import load_config
+from roll_core.errors import ConfigError
+
+
+def _classifier_without_pad(folder: Path) -> str:
+    """A seeded tiny Llama sequence classifier whose config has no pad token, with the builtin tiny tokenizer whose
+    pad is its EOS (`</s>`): the layout of reward models trained reading every input's last token."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from roll_core.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    tok.pad_token = tok.eos_token
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        num_labels=1,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(cfg)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def test_rows_ending_in_eos_are_scored_at_the_eos_when_the_model_has_no_pad_token(tmp_path: Path) -> None:
+    """The worker gave the model the tokenizer's pad (= EOS) for batching, and transformers' pooling then skipped
+    every row's final EOS: each row was scored at the token before it, not as the model scores the row alone."""
+    from transformers import AutoModelForSequenceClassification
+
+    from roll_core.cluster.reward_model import RewardModelWorker, check_reward_model
+
+    path = check_reward_model(_classifier_without_pad(tmp_path / "rm"))
+    worker = RewardModelWorker(path, template="{prompt} {response}</s>", batch_size=2, platform="cpu")
+    prompts, responses = ["What is 2+2?", "hi", "Name a colour"], ["4", "hello there", "red"]
+    rows, _ = worker.tokenize(prompts, responses)
+    eos = worker.tokenizer.eos_token_id
+    assert all(r[-1] == eos for r in rows)
+    got = worker.forward(rows)
+
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    assert model.config.pad_token_id is None
+    with torch.no_grad():
+        want = torch.tensor([float(model(torch.tensor([r])).logits[0, 0]) for r in rows])
+        before_eos = torch.tensor([float(model(torch.tensor([r[:-1]])).logits[0, 0]) for r in rows])
+    assert (want - before_eos).abs().min() > 0.1  # the two readings differ clearly
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # Batches without such a row still pad with the tokenizer's pad.
+    plain = worker.forward([r[:-1] for r in rows])
+    torch.testing.assert_close(plain, before_eos, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pipeline", ["agentic", "agent"])
+def test_episode_pipelines_refuse_a_reward_model_they_never_build(pipeline: str) -> None:
+    """The episode and agent collectors never build the reward model: `reward_model=hf` was accepted and its scores
+    never reached the run's rewards."""
+    from roll_core.pipelines.collectors.episodes import refuse_prompt_only_settings
+
+    cfg = load_config([f"pipeline={pipeline}", "reward_model=hf", "reward_model.path=/unused/rm"])
+    want = rf"reward_model=hf: .* not to pipeline={pipeline}'s episodes.*reward_model=none"
+    with pytest.raises(ConfigError, match=want):
+        refuse_prompt_only_settings(cfg)
+    refuse_prompt_only_settings(load_config([f"pipeline={pipeline}"]))  # without one: accepted
