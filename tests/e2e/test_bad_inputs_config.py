@@ -122,6 +122,16 @@ CASES: list[Case] = [
     ),
     E("cfg/sleep-level-3", compose("infer_engine.sleep_level=3"), r"infer_engine\.sleep_level=3 is not one of 0, 1, 2"),
     E(
+        "cfg/max-model-len-0",
+        compose("infer_engine.max_model_len=0"),
+        r"infer_engine\.max_model_len=0 must be >= 1 \(or null: the model's\)",
+    ),
+    E(  # the hf engine dropped it, the others matched it at once; and it refused partial_rollout as a stop string
+        "cfg/stop-empty-string",
+        compose("infer_engine.stop=['</answer>', '']"),
+        r"infer_engine\.stop=\['</answer>', ''\] holds an empty string, which is no stop string: remove it",
+    ),
+    E(
         "cfg/backend-unknown",
         compose("cluster.backend=slurm"),
         r"cluster\.backend='slurm' is not one of 'local', 'ray'",
@@ -181,6 +191,12 @@ CASES: list[Case] = [
         "cfg/partial-rollout-without-async",
         compose("pipeline.partial_rollout=true"),
         r"pipeline\.partial_rollout .* need asynchronous training: set pipeline\.async_ratio >= 1",
+    ),
+    E(  # (it was refused only once the engines were built)
+        "cfg/async-with-sleeping-engine",
+        compose("pipeline.async_ratio=1", "infer_engine.sleep_level=1"),
+        r"^pipeline\.async_ratio=1 keeps the engines generating while the trainer trains: set "
+        r"infer_engine\.sleep_level=0 \(it is 1\)",
     ),
     E(
         "cfg/tail-groups-without-async",

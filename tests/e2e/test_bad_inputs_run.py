@@ -86,6 +86,20 @@ CASES: list[Case] = [
         r"algo\.adv_estimator=gae has no trajectory form: use one of .*grpo",
     ),
     E("run/agentic-with-file-env", build("pipeline=agentic"), r"pipeline=agentic needs an agentic env .*got FileTask"),
+    E(  # an agentic env's env.name is null: the message said env=None
+        "run/multi-turn-env-with-rlvr",
+        build("pipeline=rlvr", "env.env=sokoban", agentic=True),
+        r"^env=sokoban is a multi-turn environment, which pipeline=rlvr cannot run \(it samples single-turn "
+        r"prompts\): use pipeline=agentic",
+    ),
+    E(
+        "run/multi-turn-env-with-sft-eval",
+        lambda c: build(
+            "pipeline=sft", f"data.path={c.seven}", "env.env=sokoban", "pipeline.eval_every=1", agentic=True
+        )(c),
+        r"^env=sokoban is a multi-turn environment: an SFT run evaluates single-turn tasks only; set "
+        r"sft\.eval_task=false .*pipeline=agentic",
+    ),
     E(
         "run/dapo-filtering-with-agentic",
         build("algo.drop_uniform_groups=true", "algo.reward_clip=1.0", agentic=True),
@@ -93,14 +107,22 @@ CASES: list[Case] = [
         r"single-turn prompts \(pipeline=rlvr\), not to pipeline=agentic's episodes",
     ),
     E(
-        "run/async-with-sleeping-engine",
-        build("pipeline.async_ratio=1", "infer_engine.sleep_level=1"),
-        r"pipeline\.async_ratio=1 keeps the engines generating .* set infer_engine\.sleep_level=0",
-    ),
-    E(
         "run/fsdp2-on-local",
         build("train_engine=fsdp2"),
         r"actor_train: world_size=2 .* local backend cannot give: use cluster=ray",
+    ),
+    E(  # a context no prompt fits: said before any rollout (it was a bare ValueError after the first one)
+        "run/engine-context-holds-no-prompt",
+        build("infer_engine.max_model_len=10"),
+        r"^infer_engine\.max_model_len=10 holds no prompt: the chat template alone takes 22 tokens .*raise "
+        r"infer_engine\.max_model_len \(prompt \+ response tokens\) above model\.max_prompt_length \+ "
+        r"model\.max_response_length",
+    ),
+    E(  # a context past the template but below every prompt of a step (32-33 tokens here): one clear error
+        "run/engine-context-below-every-prompt",
+        run_steps("infer_engine.max_model_len=25", "pipeline.max_steps=1"),
+        r"^every prompt fills the inference engine's context \(shortest 32 tokens, longest 33\): raise "
+        r"infer_engine\.max_model_len .*or lower model\.max_prompt_length below it",
     ),
     E(
         "run/every-prompt-too-long",  # a whole pass over the data is tried first, then the limit is named

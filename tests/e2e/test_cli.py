@@ -85,6 +85,17 @@ def test_errors_found_while_building_the_run_exit_2_without_traceback(seven_task
     assert not (tmp_path / "outputs").exists()  # the runs named their folders (pipeline.output_dir)
 
 
+def test_an_engine_context_below_every_prompt_is_one_line_exit_2(seven_task: Path, tmp_path: Path) -> None:
+    """A context past the chat template but below every prompt of a step (the tiny task's are 32-33 tokens): one
+    line naming both limits, exit 2 (it was a bare ValueError with a traceback, exit 1, after the first rollout)."""
+    extra = ("infer_engine.max_model_len=25", "pipeline.max_steps=1")
+    proc = _run([str(BIN / "roll-train"), *tiny_overrides(seven_task, tmp_path / "run", *extra)], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "roll-train: invalid config:\nevery prompt fills the inference engine's context" in proc.stderr
+    assert "raise infer_engine.max_model_len" in proc.stderr and "lower model.max_prompt_length" in proc.stderr
+
+
 def test_a_platform_this_machine_lacks_is_one_line_exit_2(tmp_path: Path) -> None:
     """hw.platform naming an installed platform this machine cannot run (the test plugin's `dummy`, off without
     ROLL_DUMMY_PLATFORM) was roll_hw's PlatformUnavailableError with a traceback, exit 1, in both commands."""

@@ -315,11 +315,8 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
     repeated["eval_refused"] = [i in refused_rows for i in range(len(repeated))]
     try:
         batch = assemble(tokenizer, repeated, gen)  # drops (and logs) rows whose prompt fills the engine's context
-    except ValueError as exc:  # every prompt did: one line from the CLI, not a traceback
-        raise ConfigError(
-            f"{exc}: nothing to evaluate; raise the engine's context (infer_engine.max_model_len) or lower "
-            "model.max_prompt_length"
-        ) from exc
+    except ValueError as exc:  # every prompt did: one line from the CLI (its message names the keys to change)
+        raise ConfigError(f"nothing to evaluate: {exc}") from exc
     # Problems whose prompt fills the engine's context lost every row in `assemble`: skipped, as the long ones.
     lost = len(kept) - len(set(batch["eval_index"]))
     skipped = {"prompt_length": too_long, "engine_context": lost, "bad_pictures": bad_pictures}

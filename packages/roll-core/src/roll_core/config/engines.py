@@ -3,7 +3,8 @@
 Contract: every training or inference engine's schema (roll_engines.config, out-of-tree plugins) extends one of
 these dataclasses; the root config (roll_core.config.schema.RLVRConfig) types `train_engine`/`infer_engine` by them,
 so the pipeline reads these fields typed whatever engine is installed. `__post_init__` refuses bad values with the
-key's name; `resolve_sleep_level` fills the run-dependent default of `infer_engine.sleep_level`.
+key's name; `resolve_sleep_level` fills the run-dependent default of `infer_engine.sleep_level`, and
+`refuse_sleeping_engines` refuses a level above 0 in an asynchronous run.
 """
 
 from __future__ import annotations
@@ -149,6 +150,11 @@ class InferEngineConfig:
                 f"infer_engine.temperature={self.temperature} must be > 0 for RL sampling "
                 "(greedy decoding is for evaluation: pipeline.eval_temperature)"
             )
+        if any(not s for s in self.stop):  # matched nowhere (the hf engine dropped it), yet refused partial_rollout
+            raise ValueError(
+                f"infer_engine.stop={list(self.stop)!r} holds an empty string, which is no stop string: remove it "
+                "(EOS always stops; infer_engine.stop=[] for none)"
+            )
         if self.structured:
             from roll_core.interfaces.inference import StructuredOutput
 
@@ -201,6 +207,19 @@ def resolve_sleep_level(
     if not colocated or async_rollout:
         return 0
     return int(bool(accelerator() if callable(accelerator) else accelerator))
+
+
+def refuse_sleeping_engines(async_ratio: int, sleep_level: int | None) -> None:
+    """ConfigError for engines that sleep while the trainer trains (infer_engine.sleep_level > 0) in an asynchronous
+    run (pipeline.async_ratio > 0), which keeps them generating meanwhile. A null level is left alone:
+    resolve_sleep_level makes it 0 for an asynchronous run."""
+    if async_ratio and sleep_level:
+        from roll_core.errors import ConfigError
+
+        raise ConfigError(
+            f"pipeline.async_ratio={async_ratio} keeps the engines generating while the trainer trains: "
+            f"set infer_engine.sleep_level=0 (it is {sleep_level})"
+        )
 
 
 def _platform_is_accelerator(hw: Any) -> bool:

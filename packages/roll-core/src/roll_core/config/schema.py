@@ -24,6 +24,7 @@ from roll_core.config.engines import (
     InferEngineConfig,
     TrainEngineConfig,
     _platform_is_accelerator,
+    refuse_sleeping_engines,
     resolve_sleep_level,
 )
 from roll_core.config.generation import GenerationConfig, check_stop_tokens
@@ -390,6 +391,8 @@ class RLVRConfig:
                 accelerator=lambda: _platform_is_accelerator(self.hw),
                 async_rollout=pipe.async_ratio > 0,
             )
+            # Settled now (a null level resolved to 0 for an asynchronous run): refused before any engine is built.
+            refuse_sleeping_engines(pipe.async_ratio, self.infer_engine.sleep_level)
         if isinstance(self.data, DataConfig) and model.chat_template_kwargs:
             # Rows are rendered as the model's prompts are (qwen3_nothink's enable_thinking=false): SFT otherwise
             # taught the model to write the empty think block that its evaluation prompts already end with.

@@ -3,11 +3,14 @@
 A prompt batch holds the chat-templated token ids of each problem (`prompt_ids`), its ground truth (`answer`),
 id (`problem_id`), prompt text (`prompt_text`, the user message) and metadata (`metadata`: the problem's
 `metadata` with its `domain`), which reach rewards that declare them. Prompts longer than the limit are skipped
-and counted, never truncated (a truncated question has a different answer).
+and counted, never truncated (a truncated question has a different answer). An engine context
+(infer_engine.max_model_len) that cannot hold the chat template plus one generated token is a ConfigError before
+any rollout (`check_context`); a batch whose every prompt fills the engine's context, `PromptsFillContext`.
 
 Pictures (vision-language models, roll_core.multimodal): with a `VisionProcessor` (`vision_processor(model path,
 tokenizer, model config)`: None for a text model; the config's picture size bounds apply) a problem's `images`
-are placed in its user message (`<image>` markers, or first) and the prompt is encoded by the processor:
+are placed at the `<image>` markers of its user messages, in order (a chat row's earlier turns included), or first
+in its last user message, and the prompt is encoded by the processor:
 `prompt_ids` hold the expanded picture tokens (model.max_prompt_length counts them) and the batch gets the per-row
 field `mm_inputs` (an `MMInputs`, or None for a row without pictures), which `generate` hands to the inference
 engines and `assemble` carries into the training batch. A row whose pictures cannot be read or placed is skipped
@@ -35,6 +38,12 @@ class PromptsTooLong(ConfigError):
     """Every prompt of a batch was skipped: longer than model.max_prompt_length (or pictures unreadable). A config
     error where it ends a run (roll-train: one line, exit 2): raise model.max_prompt_length (or, for prompts with
     pictures, lower model.image_max_pixels)."""
+
+
+class PromptsFillContext(ConfigError):
+    """Every prompt of a batch fills the inference engine's context (infer_engine.max_model_len), so nothing can be
+    generated. A config error where it ends a run (roll-train: one line, exit 2); a ValueError, as before, for the
+    callers that count such a batch as skipped (the rollout-only shard)."""
 
 
 class BadPictures(ValueError):
@@ -76,16 +85,57 @@ def check_pictures(processor: Any, problems: Sequence[Any], model_path: str) -> 
             )
 
 
+def check_context(max_model_len: int | None, tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None) -> None:
+    """ConfigError when `infer_engine.max_model_len` cannot hold any prompt, before any rollout: the chat template
+    of an empty user message is the shortest prompt a task can give (a task's own messages only add to it), and an
+    engine refuses a prompt that leaves no room for one generated token. Left to the engines when the tokenizer
+    has no usable chat template (the prompts then fail to encode with their own error)."""
+    if max_model_len is None:
+        return
+    try:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": ""}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            **dict(template_kwargs or {}),
+        )
+    except Exception:  # no template, or one that needs more than a user message: nothing known to compare
+        return
+    least = len(ids["input_ids"] if isinstance(ids, dict) else ids)
+    if max_model_len <= least:
+        raise ConfigError(
+            f"infer_engine.max_model_len={max_model_len} holds no prompt: the chat template alone takes {least} "
+            f"tokens (an empty user message) and a prompt needs room for a generated token; raise "
+            f"infer_engine.max_model_len (prompt + response tokens) above model.max_prompt_length + "
+            "model.max_response_length, or leave it null (the model's context)"
+        )
+
+
 def _vision_messages(messages: list[dict[str, Any]], n_images: int) -> list[dict[str, Any]]:
-    """The task's messages with the pictures placed in the last user message (the problem's prompt)."""
-    from roll_core.multimodal import as_content
+    """The task's messages with the pictures placed: at the `<image>` markers of its user messages, in order across
+    them (a chat row's earlier turns may hold some), else first in the last user message (the problem's prompt).
+    BadPictures when the markers' count is not the pictures', or a marker stands in another role's message (only
+    the last user message's markers were counted once: an earlier turn's stayed literal text, which for LLaVA is
+    its picture token)."""
+    from roll_core.multimodal import IMAGE_MARKER, as_content
 
     out = [dict(m) for m in messages]
-    last = max((i for i, m in enumerate(out) if m.get("role") == "user"), default=None)
-    if last is None:
+    users = [i for i, m in enumerate(out) if m.get("role") == "user"]
+    if not users:
         raise BadPictures("the task's messages have no user message to put the pictures in")
+    markers = [m["content"].count(IMAGE_MARKER) if isinstance(m.get("content"), str) else 0 for m in out]
+    for i, m in enumerate(out):
+        if markers[i] and m.get("role") != "user":
+            raise BadPictures(f"message {i} ({m.get('role')}) has an {IMAGE_MARKER} marker: pictures go in user turns")
+    if sum(markers) not in (0, n_images):
+        raise BadPictures(f"the prompt has {sum(markers)} {IMAGE_MARKER} marker(s) but {n_images} picture(s)")
     try:
-        out[last]["content"] = as_content(out[last]["content"], n_images)
+        if not sum(markers):
+            out[users[-1]]["content"] = as_content(out[users[-1]]["content"], n_images)
+        for i in users:
+            if markers[i]:
+                out[i]["content"] = as_content(out[i]["content"], markers[i])
     except ValueError as exc:
         raise BadPictures(str(exc)) from None
     return out
@@ -237,7 +287,8 @@ def assemble(tokenizer: Any, prompts: Batch, gen: Batch, metrics: dict[str, Any]
 
     Rows whose prompt alone fills the engine's context (finish reason `prompt_too_long`) are dropped;
     `metrics["data/skipped_context_prompts"]` counts their prompts (a run of consecutive rows of one prompt, as
-    `repeat_interleave` lays a group out, is one prompt).
+    `repeat_interleave` lays a group out, is one prompt). When every row's does: PromptsFillContext (a ConfigError
+    naming infer_engine.max_model_len and model.max_prompt_length).
     """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch = prompts.union(gen)
@@ -258,8 +309,14 @@ def assemble(tokenizer: Any, prompts: Batch, gen: Batch, metrics: dict[str, Any]
             len(reasons) - len(keep),
             longest,
         )
-        if not keep:
-            raise ValueError(f"every prompt fills the inference engine's context (longest {longest} tokens)")
+        if not keep:  # nothing to generate from: the limits disagree with the data (one line, not a traceback)
+            shortest = min(len(p) for p in batch["prompt_ids"])
+            raise PromptsFillContext(
+                f"every prompt fills the inference engine's context (shortest {shortest} tokens, longest {longest}): "
+                "raise infer_engine.max_model_len (prompt + response tokens) above model.max_prompt_length + "
+                "model.max_response_length, or lower model.max_prompt_length below it (longer prompts are then "
+                "skipped before generation)"
+            )
         batch = batch.index(keep)
     cut_picture_tokens(tokenizer, batch, pad, metrics)
     p_ids, p_mask = pad_left(batch["prompt_ids"], pad)

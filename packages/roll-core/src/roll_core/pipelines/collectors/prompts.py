@@ -48,6 +48,7 @@ from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
 from roll_core.pipelines.rollout import (
     PromptsTooLong,
     assemble,
+    check_context,
     check_pictures,
     evaluate,
     picture_token_ids,
@@ -62,17 +63,27 @@ from roll_core.seeds import Purpose, derive_seed
 log = logging.getLogger(__name__)
 
 
+def env_label(cfg: Any) -> str | None:
+    """The run's env as a user names it: `env.name`, else (an agentic env's name is null: its display name)
+    `env.env`, the environment it plays."""
+    env = cfg.env
+    return getattr(env, "name", None) or getattr(env, "env", None)
+
+
 def check_task(cfg: Any, task: Any) -> None:
     """A single-turn task with training problems, and held-out ones when the run evaluates."""
     from roll_core.interfaces.tasks import AgenticTask
 
     if isinstance(task, AgenticTask):
-        raise ConfigError(f"env={cfg.env.name} is a multi-turn environment: use pipeline=agentic")
+        raise ConfigError(
+            f"env={env_label(cfg)} is a multi-turn environment, which pipeline={cfg.pipeline.name} cannot run "
+            "(it samples single-turn prompts): use pipeline=agentic"
+        )
     if not task.train_set():
-        raise ConfigError(f"env={cfg.env.name}: the training set is empty: check the data (env.path)")
+        raise ConfigError(f"env={env_label(cfg)}: the training set is empty: check the data (env.path)")
     if cfg.pipeline.eval_every > 0 and not task.eval_set()[: cfg.pipeline.eval_size]:
         raise ConfigError(
-            f"pipeline.eval_every={cfg.pipeline.eval_every} but the held-out set of env={cfg.env.name} is empty "
+            f"pipeline.eval_every={cfg.pipeline.eval_every} but the held-out set of env={env_label(cfg)} is empty "
             f"(pipeline.eval_size={cfg.pipeline.eval_size}): give it held-out problems (env.eval_size, "
             "env.eval_path) or set pipeline.eval_every=0"
         )
@@ -90,6 +101,7 @@ class PromptCollector:
         self.tokenizer, self.task, self.infer = ctx.tokenizer, ctx.task, ctx.infer
         self.sampling = ctx.sampling
         check_task(cfg, self.task)
+        check_context(cfg.infer_engine.max_model_len, self.tokenizer, cfg.model.chat_template_kwargs)
         self.train_set, self.eval_set = self.task.train_set(), self.task.eval_set()[: cfg.pipeline.eval_size]
         # A vision-language model's prompt processor (None for text); pictures for a text model end the run here.
         self.processor = vision_processor(ctx.model_path, self.tokenizer, cfg.model)

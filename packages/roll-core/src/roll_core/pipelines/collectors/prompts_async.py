@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from roll_core.config.engines import refuse_sleeping_engines
 from roll_core.data import LockedSampler
 from roll_core.errors import ConfigError
 from roll_core.interfaces import SamplingParams
@@ -53,11 +54,7 @@ def check_async(ctx: CollectorContext) -> None:
             f"pipeline.async_ratio={k} needs an inference engine with continuous batching; "
             f"infer_engine={ie.name} is synchronous-only: use pipeline.async_ratio=0"
         )
-    if int(ie.sleep_level):
-        raise ConfigError(
-            f"pipeline.async_ratio={k} keeps the engines generating while the trainer trains: "
-            f"set infer_engine.sleep_level=0 (it is {ie.sleep_level})"
-        )
+    refuse_sleeping_engines(k, ie.sleep_level)  # (refused at composition too: RLVRConfig)
     if cfg.algo.off_policy_correction is None:
         log.warning(
             "pipeline.async_ratio=%d without algo.off_policy_correction: samples up to %d versions old are trained "
@@ -152,10 +149,11 @@ class AsyncPromptCollector(PromptCollector):
                         self.skipped_context += 1
                         self.driver.discard(grp)
                         too_long += 1
-                if too_long > 10 * want and first is None:
-                    raise ValueError(
-                        f"{too_long} prompts in a row fill the inference engine's context: lower "
-                        "model.max_prompt_length below the engine's context (infer_engine.max_model_len)"
+                if too_long > 10 * want and first is None:  # (a ConfigError: one line from roll-train)
+                    raise ConfigError(
+                        f"{too_long} prompts in a row fill the inference engine's context: raise "
+                        "infer_engine.max_model_len (prompt + response tokens) above model.max_prompt_length + "
+                        "model.max_response_length, or lower model.max_prompt_length below the engine's context"
                     )
                 groups = fits
                 sampled += len(groups)

@@ -43,6 +43,7 @@ from roll_core.data import PromptSampler
 from roll_core.errors import ConfigError
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors.file_rows import FileRowsFactory
+from roll_core.pipelines.collectors.prompts import env_label
 from roll_core.pipelines.metrics import StepLog
 from roll_core.pipelines.rollout import evaluate
 from roll_core.posttrain.pairs import Pair
@@ -69,8 +70,9 @@ def check(cfg: RLVRConfig, task: Any) -> None:
         )
     if cfg.sft.eval_task and cfg.pipeline.eval_every > 0 and not _single_turn(task):
         raise ConfigError(
-            f"env={cfg.env.name} is a multi-turn environment: an SFT run evaluates single-turn tasks only; set "
-            "sft.eval_task=false (eval/sft_loss only) or a single-turn env"
+            f"env={env_label(cfg)} is a multi-turn environment: an SFT run evaluates single-turn tasks only; set "
+            "sft.eval_task=false (eval/sft_loss only) or a single-turn env (pipeline=agentic trains multi-turn "
+            "environments by RL)"
         )
 
 
