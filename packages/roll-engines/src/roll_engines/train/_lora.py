@@ -8,7 +8,8 @@ An inference engine that serves adapters itself (vLLM, `infer_engine.lora_sync=a
 `adapter_weights` instead: the adapter alone, in peft's saved names, with the scaling folded into B.
 On a vision-language model, "all-linear" adapts the language model's linear layers only. Every entry of a
 target list must adapt some layer (a misspelt one is a ConfigError); an untied embedding may carry an adapter
-(merged like a linear layer's; an adapter-serving engine refuses it).
+(merged like a linear layer's; an adapter-serving engine refuses it), and so may a convolution. A resume
+(`load_adapter`) refuses an adapter saved with another rank or alpha.
 
 Functions take a `full` callable that turns a (possibly sharded, FSDP2 DTensor) tensor into a full one, so the
 same code serves the hf and fsdp2 engines.
@@ -172,6 +173,13 @@ def _delta(module: Any, full: Callable[[Tensor], Tensor]) -> Tensor:
         return (b @ a).T * module.scaling[ADAPTER]
     a = full(module.lora_A[ADAPTER].weight.detach())
     b = full(module.lora_B[ADAPTER].weight.detach())
+    if a.dim() > 2:
+        if getattr(module.get_base_layer(), "groups", 1) != 1:  # (peft cannot merge those either)
+            raise ValueError("an adapter on a grouped convolution cannot be merged: leave it out of the targets")
+        # A convolution's adapter (a target list naming one, e.g. "proj" reaching Qwen2.5-VL's patch embedding, a
+        # Conv3d): A is a conv of the base's kernel (r, in, *k), B a 1x1 conv (out, r, 1...); `b @ a` on those
+        # raised at the first weight sync or save after training had started. B @ A over the flattened kernel.
+        return (b.flatten(1) @ a.flatten(1)).view(b.shape[0], *a.shape[1:]) * module.scaling[ADAPTER]
     delta = (b @ a) * module.scaling[ADAPTER]
     return delta.T if getattr(module, "fan_in_fan_out", False) else delta
 
@@ -194,7 +202,7 @@ def adapter_weights(model: torch.nn.Module, full: Callable[[Tensor], Tensor]) ->
     `<module>.lora_B.weight` [out, r] with B already multiplied by the layer's scaling (alpha / r), so a receiver
     serves the adapter with scaling 1 (lora_alpha = r) and needs no other setting. Collective on sharded engines.
 
-    Raises ValueError for layers an adapter-serving engine cannot take (embedding adapters)."""
+    Raises ValueError for layers an adapter-serving engine cannot take (embedding and convolution adapters)."""
     from peft.tuners.lora import LoraLayer
 
     for name, m in model.named_modules():
@@ -204,6 +212,8 @@ def adapter_weights(model: torch.nn.Module, full: Callable[[Tensor], Tensor]) ->
             raise ValueError(f"{name} has an embedding adapter: adapter weight sync serves linear layers only")
         if ADAPTER not in m.lora_A:
             continue
+        if m.lora_A[ADAPTER].weight.dim() != 2:
+            raise ValueError(f"{name} has a convolution adapter: adapter weight sync serves linear layers only")
         a = full(m.lora_A[ADAPTER].weight.detach())
         b = full(m.lora_B[ADAPTER].weight.detach())
         yield f"{name}.lora_A.weight", a
@@ -251,15 +261,41 @@ def save_adapter(model: torch.nn.Module, state: dict[str, Tensor], folder: Path)
 
 def load_adapter(model: torch.nn.Module, folder: Path) -> None:
     """Load adapter weights written by `save_adapter` into `model` (sharded parameters included)."""
-    set_adapter(model, read_adapter(folder))
+    set_adapter(model, read_adapter(folder, model))
 
 
-def read_adapter(folder: Path) -> dict[str, Tensor]:
+#: adapter_config.json fields that set what the adapter computes (its scaling, per-layer ranks and alphas).
+_SCALING_FIELDS = ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern")
+
+
+def read_adapter(folder: Path, model: torch.nn.Module) -> dict[str, Tensor]:
     """The adapter tensors of a `save_adapter` folder, in peft's saved names (the fsdp2 engine reads them on rank 0
-    only and broadcasts them)."""
+    only and broadcasts them). ValueError when the folder's adapter_config.json has another rank, alpha or scaling
+    rule than `model`'s adapter: a resume with a changed lora_alpha loaded A and B under the new alpha / r and
+    trained on from a policy that was never the saved one (a changed rank failed only on a tensor shape)."""
+    import json
+
     from safetensors.torch import load_file
 
+    saved = json.loads((folder / "adapter_config.json").read_text())
+    ours = model.peft_config[ADAPTER].to_dict()
+    differ = {k: (saved.get(k), ours.get(k)) for k in _SCALING_FIELDS if _norm(saved.get(k)) != _norm(ours.get(k))}
+    if differ:
+        raise ValueError(
+            f"{folder}: the saved adapter differs from this run's in "
+            + ", ".join(f"{k} (saved {a}, this run {b})" for k, (a, b) in differ.items())
+            + ": resume with the saved train_engine.lora_rank and lora_alpha"
+        )
     return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def _norm(value: Any) -> Any:
+    """A config field for comparison: numbers as floats (alpha 16 == 16.0), absent == false == empty."""
+    if isinstance(value, bool) or value is None:
+        return bool(value)
+    if isinstance(value, int | float):
+        return float(value)
+    return value or False
 
 
 def set_adapter(model: torch.nn.Module, state: dict[str, Tensor]) -> None:

@@ -237,7 +237,8 @@ class FSDP2TrainEngine(HFTrainEngine):
         for the moment of loading, as when every rank read the file."""
         from roll_engines.train._lora import read_adapter, set_adapter
 
-        set_adapter(self.model, L.tensors_from_rank0(lambda: read_adapter(folder), self.device, str(folder)))
+        read = lambda: read_adapter(folder, self.model)  # rank 0 also checks the saved rank and alpha
+        set_adapter(self.model, L.tensors_from_rank0(read, self.device, str(folder)))
 
     def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
         """Shard rank 0's full `weights`: a mismatch (missing, unexpected, misshapen) raises on every rank."""
