@@ -58,5 +58,20 @@ def test_an_adapter_on_a_convolution_merges_as_peft_does() -> None:
         torch.testing.assert_close(merged[k], v, atol=1e-5, rtol=1e-5, msg=k)
     conv = "model.visual.patch_embed.proj.weight"
     assert (merged[conv] - eng.model.get_base_model().model.visual.patch_embed.proj.base_layer.weight).abs().max() > 0.1
-    with pytest.raises(ValueError, match="convolution adapter"):  # vLLM serves adapters on linear layers only
+    with pytest.raises(ValueError, match="vision side"):  # vLLM serves the language model's adapters only
         dict(eng.iter_adapter())
+
+
+def test_adapter_sync_refuses_adapters_on_the_vision_tower() -> None:
+    """A target list (not "all-linear") reaches a vision-language model's vision tower too: Qwen2.5-VL's MLP names
+    adapt `model.visual.blocks.*.mlp.*`. vLLM serves LoRA on the language model only (its tower LoRA is off) and
+    dropped those adapters silently under lora_sync=adapter: its rollouts came from another policy than the
+    trainer's. Refused, naming them; the language model's adapters alone are sent."""
+    path = resolve_model_path("builtin:tiny-qwen2.5-vl")
+    eng = HFTrainEngine(path, lora_rank=4, lora_alpha=8.0, lora_target_modules=["gate_proj", "up_proj", "down_proj"])
+    assert any(".visual." in n for n in eng.model.targeted_module_names)
+    with pytest.raises(ValueError, match=r"adapted layers are on the vision side \(.*visual.*lora_sync=merged"):
+        dict(eng.iter_adapter())
+    text = HFTrainEngine(path, lora_rank=4, lora_alpha=8.0, lora_target_modules="all-linear")
+    sent = dict(text.iter_adapter())
+    assert sent and not any(".visual." in k for k in sent)

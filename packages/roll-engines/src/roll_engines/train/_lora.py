@@ -202,9 +202,22 @@ def adapter_weights(model: torch.nn.Module, full: Callable[[Tensor], Tensor]) ->
     `<module>.lora_B.weight` [out, r] with B already multiplied by the layer's scaling (alpha / r), so a receiver
     serves the adapter with scaling 1 (lora_alpha = r) and needs no other setting. Collective on sharded engines.
 
-    Raises ValueError for layers an adapter-serving engine cannot take (embedding and convolution adapters)."""
+    Raises ValueError for layers an adapter-serving engine cannot take (embedding and convolution adapters, and any
+    adapter on a vision-language model's vision side: vLLM serves LoRA on the language model only, and dropped a
+    vision tower's adapters silently, so its rollouts came from another policy than the trainer's)."""
+    import re
+
     from peft.tuners.lora import LoraLayer
 
+    vision = [n for n, m in model.named_modules() if isinstance(m, LoraLayer) and re.fullmatch(VISION_MODULES, n)]
+    if vision:
+        raise ValueError(
+            f"{len(vision)} adapted layers are on the vision side ({', '.join(vision[:3])}"
+            f"{', ...' if len(vision) > 3 else ''}): infer_engine.lora_sync=adapter serves the language model's "
+            "adapters only (vLLM would drop these silently). Target the language model alone "
+            "(train_engine.lora_target_modules=all-linear, which leaves the vision tower out, or a regex that "
+            "excludes visual/vision_tower/multi_modal_projector), or use infer_engine.lora_sync=merged"
+        )
     for name, m in model.named_modules():
         if not isinstance(m, LoraLayer):
             continue
