@@ -80,3 +80,25 @@ def test_episode_pipelines_refuse_a_reward_model_they_never_build(pipeline: str)
     with pytest.raises(ConfigError, match=want):
         refuse_prompt_only_settings(cfg)
     refuse_prompt_only_settings(load_config([f"pipeline={pipeline}"]))  # without one: accepted
+
+
+@pytest.mark.parametrize("pipeline", ["sft", "dpo", "distill_offline"])
+def test_file_row_pipelines_refuse_a_reward_model_they_never_build(pipeline: str, tmp_path: Path) -> None:
+    """The sft, dpo and offline distillation collectors train on the responses of their files and never build the
+    reward model: `reward_model=hf` passed their checks and its scores silently never reached anything."""
+    import json
+
+    from roll_core import registry
+
+    pairs = pipeline == "dpo"
+    rows = tmp_path / "rows.jsonl"
+    row = {"prompt": "Q", "chosen": "7", "rejected": "8"} if pairs else {"prompt": "Q", "completion": "7"}
+    rows.write_text("".join(json.dumps(row) + "\n" for _ in range(4)))
+    base = [f"pipeline={pipeline}", "model=tiny", f"data.path={rows}", "pipeline.eval_every=0"]
+    if pipeline == "distill_offline":
+        base.append("distill.teacher=builtin:tiny")  # rows without a stored top-k: the teacher scores them
+    factory = registry.load("roll.collectors", pipeline)
+    want = rf"reward_model=hf with pipeline={pipeline}: .*never builds the reward model.*set reward_model=none"
+    with pytest.raises(ConfigError, match=want):
+        factory.check(load_config([*base, "reward_model=hf", "reward_model.path=/unused/rm"]), None)
+    factory.check(load_config(base), None)  # the same run without a reward model: accepted

@@ -115,3 +115,75 @@ def test_a_task_picture_unreadable_at_prompt_time_is_a_counted_skip(vlm, monkeyp
     metrics: dict = {}
     batch = prompt_batch(tok, task, [*task.train_set(), *bad], 512, metrics, None, proc)
     assert len(batch) == 2 and metrics["data/skipped_bad_images"] == 3
+
+
+def test_chat_rows_place_pictures_at_the_markers_of_earlier_user_turns(vlm, tmp_path: Path) -> None:
+    """A chat-messages row whose `<image>` markers stand in earlier user turns: each picture replaces its marker
+    where it stands, in order across the messages. Only the last user message's markers were counted and every
+    picture went into it: the earlier marker stayed literal text (LLaVA's placeholder token itself) and a row with
+    markers in two turns was skipped for a count mismatch."""
+    from roll_core.pipelines.rollout import prompt_batch
+    from roll_envs.rewards.math import MathReward
+    from roll_envs.tasks.dataset import FileTask
+
+    tok, proc = vlm
+    small, wide = noise(1, 56), Image.fromarray(np.zeros((56, 112, 3), dtype=np.uint8), "RGB")  # 4 and 8 tokens
+    small.save(tmp_path / "small.png")
+    wide.save(tmp_path / "wide.png")
+
+    def chat(first: str, reply: str, last: str) -> list[dict[str, str]]:
+        return [
+            {"role": "system", "content": "Look closely."},
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": last},
+        ]
+
+    rows = [
+        {"prompt": chat("<image> What is this?", "Noise.", "And <image>?"), "images": ["small.png", "wide.png"]},
+        {"prompt": chat("<image> What is this?", "Noise.", "Its colour?"), "images": ["small.png"]},
+        {"prompt": chat("A <image> B <image>", "Two.", "Which is wider?"), "images": ["wide.png", "small.png"]},
+        {"prompt": chat("What is this?", "An <image>.", "Sure?"), "images": ["small.png"]},
+        {"prompt": chat("<image> and <image>?", "Two.", "Why?"), "images": ["small.png"]},
+    ]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({**r, "answer": "1"}) + "\n" for r in rows))
+    task = FileTask(MathReward(), path=str(data), eval_fraction=0.0)
+    reasons = {n: why for _, n, why in task.skipped}
+    assert sorted(reasons) == [4, 5]
+    assert "message 2 (assistant)" in reasons[4] and "pictures go in user messages" in reasons[4]
+    assert "2 <image> marker(s) but the row has 1 picture(s)" in reasons[5]
+
+    metrics: dict = {}
+    batch = prompt_batch(tok, task, task.train_set(), 1024, metrics, None, proc)
+    assert len(batch) == 3 and metrics["data/skipped_bad_images"] == 0
+    want = [  # image tokens per user turn, and the pictures in prompt order
+        ([4, 8], [small, wide]),
+        ([4, 0], [small]),
+        ([8 + 4, 0], [wide, small]),
+    ]
+    for ids, mm, (per_turn, pics) in zip(batch["prompt_ids"], batch["mm_inputs"], want):
+        text = tok.decode(ids)
+        assert "<image>" not in text  # every marker replaced by its picture
+        assert [t.count("<|image_pad|>") for t in text.split("<|user|>")[1:]] == per_turn
+        assert mm.digests == [digest(p) for p in pics] and sum(mm.tokens_per_image) == sum(per_turn)
+    # Pictures stand exactly where their markers stood: around the first turn's text of the third row.
+    third = tok.decode(batch["prompt_ids"][2]).split("<|user|>")[1]
+    assert third.index("A") < third.index("<|image_pad|>") < third.index("B") < third.rindex("<|image_pad|>")
+
+
+def test_a_task_marker_outside_user_messages_or_miscounted_is_a_counted_skip(vlm) -> None:
+    """Problems built by a task (not checked at load): a marker in a system message, or markers across the user
+    turns that do not match the pictures, skip the row (data/skipped_bad_images), never a literal marker."""
+    from roll_core.pipelines.rollout import prompt_batch
+
+    tok, proc = vlm
+    task = VisualTask(VisualReward(), train_size=1, eval_size=1)
+    pic = noise(2, 56)
+    bad = [
+        Problem("t:sys", "Q?", "1", images=[pic], context=({"role": "system", "content": "See <image>."},)),
+        Problem("t:two", "Q?", "1", images=[pic], context=({"role": "user", "content": "<image><image>"},)),
+    ]
+    metrics: dict = {}
+    batch = prompt_batch(tok, task, [*task.train_set(), *bad], 512, metrics, None, proc)
+    assert len(batch) == 1 and metrics["data/skipped_bad_images"] == 2

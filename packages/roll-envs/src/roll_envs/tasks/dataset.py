@@ -14,9 +14,11 @@ row's pictures: a list, or one value, of paths (relative to the data file's fold
 `datasets` folder's Image feature is read as: never decoded at load) or PIL images (roll_core.multimodal.images;
 URLs are refused: a run fetches nothing).
 The prompt places them with `<image>` markers (the common VLM RL row format, e.g. Geometry3K: `problem` text with
-`<image>`, `images`, `answer`); without markers they come first. A row whose pictures cannot be read (missing file,
-bytes that are no picture) or whose markers disagree with its picture count is a bad row like the others: skipped,
-counted, reported. Pictures are checked by their headers here (cheap) and decoded when their prompt is built.
+`<image>`, `images`, `answer`; in a chat row, the markers of all its user messages, in order); without markers they
+come first (in the last user message). A row whose pictures cannot be read (missing file, bytes that are no
+picture), whose markers disagree with its picture count, or with a marker in a system or assistant message is a
+bad row like the others: skipped, counted, reported. Pictures are checked by their headers here (cheap) and
+decoded when their prompt is built.
 A prompt may also be a list of chat messages (verl's prepared rows): its last user message is the prompt and the
 messages before it (the row's system message, earlier turns) its `context`, kept in the chat the model sees (a set
 env.system_prompt replaces the row's system message); messages after it (an answer turn) are not shown. A message
@@ -185,7 +187,7 @@ def _load(
         images: list[Any] = []
         own_domain, why = _row_domain(row) if why is None else (None, why)
         if why is None:
-            images, why = _row_images(row, images_key, prompt, path.parent)
+            images, why = _row_images(row, images_key, prompt, context, path.parent)
         if why is not None:
             skipped.append((lineno, why))
             seen_keys.update(row)
@@ -281,12 +283,22 @@ def _image_keys(images_key: str) -> tuple[str, ...]:
     return (images_key, "image") if images_key == "images" else (images_key,)
 
 
-def _row_images(row: dict[str, Any], images_key: str, prompt: str, base: Path) -> tuple[list[Any], str | None]:
-    """(the row's pictures, ready for load_image without a base folder; why the row is bad or None). Each picture
-    is checked by its header only (`check_image`): decoding every picture of a large data set at load costs minutes."""
+def _row_images(
+    row: dict[str, Any], images_key: str, prompt: str, context: tuple[dict[str, str], ...], base: Path
+) -> tuple[list[Any], str | None]:
+    """(the row's pictures, ready for load_image without a base folder; why the row is bad or None). The `<image>`
+    markers counted are those of every user message (a chat row's earlier turns, `context`, and its prompt): the
+    pictures are placed at them in order across the messages (roll_core.pipelines.rollout); a marker in a system or
+    assistant message has no picture to stand for (it stayed literal text: for LLaVA, its picture token itself).
+    Each picture is checked by its header only (`check_image`): decoding every picture of a large data set at load
+    costs minutes."""
     from roll_core.multimodal import IMAGE_MARKER
     from roll_core.multimodal.images import check_image
 
+    for i, m in enumerate(context):  # (context holds the row's messages before its prompt, numbered as in the row)
+        if m["role"] != "user" and IMAGE_MARKER in m["content"]:
+            where = f"message {i} ({m['role']}) of the prompt"
+            return [], f"{where} has an {IMAGE_MARKER} marker: pictures go in user messages"
     value = next((row[k] for k in _image_keys(images_key) if row.get(k) is not None), None)
     if value is None:
         values: list[Any] = []
@@ -294,7 +306,7 @@ def _row_images(row: dict[str, Any], images_key: str, prompt: str, base: Path) -
         values = list(value)  # (a 1-D numpy object array: how pandas hands a list column over)
     else:
         values = [value]
-    markers = prompt.count(IMAGE_MARKER)
+    markers = prompt.count(IMAGE_MARKER) + sum(m["content"].count(IMAGE_MARKER) for m in context if m["role"] == "user")
     if markers and markers != len(values):
         return [], f"the prompt has {markers} {IMAGE_MARKER} marker(s) but the row has {len(values)} picture(s)"
     out = []

@@ -129,6 +129,18 @@ def refuse_async(cfg: Any, pipeline: str, why: str) -> None:
         )
 
 
+def refuse_reward_model(cfg: Any, pipeline: str, why: str) -> None:
+    """ConfigError for `reward_model` other than none in a pipeline whose collector never builds it: only the prompt
+    collectors (pipeline=rlvr, distill, rollout) score their rows with a reward model; elsewhere it was accepted and
+    its scores silently never reached anything. `why` says what the pipeline trains on instead."""
+    rm = getattr(cfg, "reward_model", None)
+    if rm is not None and rm.enabled:
+        raise ConfigError(
+            f"reward_model={rm.name} with pipeline={pipeline}: {why}, and never builds the reward model (it scores the "
+            "sampled responses of pipeline=rlvr, distill and rollout): set reward_model=none"
+        )
+
+
 class _Prompts:
     """`pipeline=rlvr`: prompts of a single-turn task, scored by its reward (asynchronous when async_ratio > 0)."""
 

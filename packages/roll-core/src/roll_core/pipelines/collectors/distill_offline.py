@@ -353,9 +353,10 @@ class _OfflineDistill:
     on_policy = False
 
     def check(self, cfg: RLVRConfig, task: Any) -> None:
-        from roll_core.pipelines.collectors import refuse_async
+        from roll_core.pipelines.collectors import refuse_async, refuse_reward_model
 
         refuse_async(cfg, "distill_offline", "trains on stored rows and generates nothing while training")
+        refuse_reward_model(cfg, "distill_offline", "it trains on a teacher's top-k over the rows of its data files")
         check_offline_distill(cfg)
         if not cfg.data.paths:
             raise ConfigError(

@@ -1,8 +1,9 @@
 """The factory of collectors fed by row files (`pipeline=sft`, `pipeline=dpo`): rows read once, before any model.
 
-`check(cfg, task)` validates the settings, loads the run's tokenizer and reads and tokenises the rows, so bad data
-is an error before any model loads; the rows are handed to the collector built next for the same config (read
-again by the collector when none was checked: `roll-eval`, tools).
+`check(cfg, task)` validates the settings (`reward_model=hf` is refused: these collectors never build it), loads the
+run's tokenizer and reads and tokenises the rows, so bad data is an error before any model loads; the rows are
+handed to the collector built next for the same config (read again by the collector when none was checked:
+`roll-eval`, tools).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class FileRowsFactory:
         self._checked: tuple[RLVRConfig, PostTrainData] | None = None
 
     def check(self, cfg: RLVRConfig, task: Any) -> None:
+        """ConfigError for settings the pipeline cannot use (a reward model among them), then the rows read."""
+        from roll_core.pipelines.collectors import refuse_reward_model
+
+        name = getattr(cfg.pipeline, "name", self.objective)
+        refuse_reward_model(cfg, name, "it trains on the given responses of its data files")
         self._check(cfg, task)
         from transformers import AutoTokenizer
 
