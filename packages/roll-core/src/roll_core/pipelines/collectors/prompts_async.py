@@ -188,10 +188,12 @@ class AsyncPromptCollector(PromptCollector):
         out["data/sampled_groups"] = sampled
         out["data/refill_rounds"] = rounds - 1  # takes after the first (the sync collector's count)
         out["data/refill_short_groups"] = max(0, want - len(kept))
-        out["data/skipped_long_prompts"], self.skipped_long = self.skipped_long, 0
+        with self.driver.held():  # the driver's thread counts these in `_next_group`, under the same lock
+            out["data/skipped_long_prompts"], self.skipped_long = self.skipped_long, 0
+            bad_images, self.skipped_bad_images = self.skipped_bad_images, 0
         out["data/skipped_context_prompts"], self.skipped_context = self.skipped_context, 0
         if self.processor is not None:
-            out["data/skipped_bad_images"], self.skipped_bad_images = self.skipped_bad_images, 0
+            out["data/skipped_bad_images"] = bad_images
         if not kept:
             return None
         batch = self._assemble(generation_from_samples(kept, pad))
