@@ -24,11 +24,22 @@ def cpu_env(kv_cache_gb: int, threads: int | None, cache_root: str | None, tenso
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))  # vLLM parses an int (GiB)
     # One process: the engine core in this process uses every core (by default one is left to a scheduler process).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    n = threads or os.cpu_count() or 1
+    # The cores this process may use (affinity mask, cgroup CPU quota; ROLL_NUM_THREADS), as the HF engines count
+    # them: os.cpu_count() is the host's, and a pod limited to 2 CPUs on a 64-core node ran 64 throttled threads.
+    from roll_core.models import default_num_threads
+
+    n = threads or default_num_threads()
     per = max(1, n // tensor_parallel_size)  # cores per tensor-parallel rank
     os.environ["OMP_NUM_THREADS"] = str(per)  # Ray sets 1 in workers with fractional CPUs
-    # One core range per tensor-parallel rank ("|"-separated, vLLM's format); ranks never share a core.
-    binds = "|".join(f"{r * per}-{r * per + per - 1}" for r in range(tensor_parallel_size))
+    # One core list per tensor-parallel rank ("|"-separated, vLLM's format), taken from the affinity mask (taskset,
+    # Slurm, --cpuset-cpus): libgomp refuses a place outside it and then binds nothing. Ranks share no core unless
+    # the mask has fewer cores than they need (they then share the mask's, never stray outside it).
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity call (macOS)
+        allowed = []
+    cores = [allowed[i % len(allowed)] if allowed else i for i in range(per * tensor_parallel_size)]
+    binds = "|".join(",".join(map(str, cores[r * per : (r + 1) * per])) for r in range(tensor_parallel_size))
     given = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
     if len(given.split("|")) != tensor_parallel_size or given == "auto":  # unset, or set for another TP size
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binds
