@@ -16,7 +16,7 @@ import importlib.util
 import sys
 from collections.abc import Iterable
 
-from roll_hw.detect import get_platform_class, platform_names, resolve_platform
+from roll_hw.detect import _BUILTIN_DIST, GROUP, get_platform_class, platform_names, resolve_platform
 
 #: Optional engines and libraries: display name -> import name.
 OPTIONAL_ENGINES: dict[str, str] = {
@@ -88,13 +88,29 @@ PLUGIN_GROUPS: dict[str, str] = {
 
 
 def _plugins(group: str) -> str:
+    """`name (distribution)` for every entry point of `group`, sorted by name. A name several distributions declare
+    shows them all: a platform plugin that replaces roll-hw's (detect: the plugin wins) as `cuda (acme; replaces
+    roll-hw's)`, any other such name as a clash (an error where it is loaded). Keeping one per name showed whichever
+    distribution came last on sys.path: `cuda (roll-hw)` while a plugin's class ran."""
     from importlib.metadata import entry_points
 
-    found: dict[str, str] = {}
+    found: dict[str, list[str]] = {}
     for ep in entry_points(group=group):
         dist = getattr(ep, "dist", None)
-        found[ep.name] = f"{ep.name} ({dist.name})" if dist is not None else ep.name
-    return ", ".join(found[k] for k in sorted(found)) or "none installed"
+        owners = found.setdefault(ep.name, [])
+        if dist is not None and dist.name not in owners:
+            owners.append(dist.name)
+    out = []
+    for name in sorted(found):
+        owners = sorted(found[name])
+        others = [d for d in owners if d != _BUILTIN_DIST]
+        if len(owners) < 2:
+            out.append(f"{name} ({owners[0]})" if owners else name)
+        elif group == GROUP and len(others) == 1:
+            out.append(f"{name} ({others[0]}; replaces {_BUILTIN_DIST}'s)")
+        else:
+            out.append(f"{name} (CLASH: declared by {' and '.join(owners)})")
+    return ", ".join(out) or "none installed"
 
 
 def tracker_rows() -> list[tuple[str, str]]:
