@@ -18,7 +18,6 @@ import math
 import os
 import random
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -37,27 +36,12 @@ from roll_core.pipelines.collectors.prompts import _Resuming
 from roll_core.pipelines.rollout import evaluate
 from roll_core.protocol import Batch
 from roll_core.report import write_eval_report
+from roll_core.testing.echo import EchoProblem, EchoTask
 from roll_core.tracking import replace_file
 
 ANSWER = 5  # tokens of a complete answer: the reward grades a complete answer right, a shorter one wrong
 TOKEN = 40  # the token the engine answers with ("E" in the tiny tokenizer)
 LIMIT = 64  # model.max_prompt_length
-
-
-@dataclass
-class _Problem:
-    id: str
-    prompt: str
-    answer: str = "x"
-    domain: str | None = None
-
-
-class _Task:
-    def messages(self, problem: _Problem) -> list[dict[str, str]]:
-        return [{"role": "user", "content": problem.prompt}]
-
-    def extract_answer(self, text: str) -> str | None:
-        return text or None
 
 
 class _Engine:
@@ -119,12 +103,12 @@ def test_roll_eval_and_the_training_evaluation_agree_on_the_same_rows() -> None:
     (1 + 0 + 1 + 0) / 4, four problems scored, per domain the same; roll-eval's skips split by reason."""
     tokenizer = build_tiny_tokenizer()
     problems = [
-        _Problem("ok", "question 0", domain="a"),
-        _Problem("short", "question 1", domain="b"),
-        _Problem("cut", "question 2", domain="a"),
-        _Problem("nan", "question 3", answer="nan", domain="b"),
-        _Problem("ctx", "question 4", domain="a"),
-        _Problem("long", "question " * 200, domain="b"),
+        EchoProblem("ok", "question 0", domain="a"),
+        EchoProblem("short", "question 1", domain="b"),
+        EchoProblem("cut", "question 2", domain="a"),
+        EchoProblem("nan", "question 3", answer="nan", domain="b"),
+        EchoProblem("ctx", "question 4", domain="a"),
+        EchoProblem("long", "question " * 200, domain="b"),
     ]
     params = SamplingParams(max_new_tokens=16, temperature=1.0)
     collector = SimpleNamespace(
@@ -140,7 +124,7 @@ def test_roll_eval_and_the_training_evaluation_agree_on_the_same_rows() -> None:
         eval_temperature=1.0,
         scoring=_Scoring(tokenizer),
     )
-    rows, skipped, _ = sample_rows(collector, _Task(), 1)
+    rows, skipped, _ = sample_rows(collector, EchoTask(), 1)
     assert [r["problem"] for r in rows] == ["ok", "short", "cut", "nan"]
     assert [r["failed"] for r in rows] == [None, None, "engine", "reward"] and rows[2]["response"] == "EEEEE"
     assert skipped == {"prompt_length": 1, "engine_context": 1, "bad_pictures": 0}
@@ -148,7 +132,7 @@ def test_roll_eval_and_the_training_evaluation_agree_on_the_same_rows() -> None:
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     infer = _Resuming(_Engine(), pad, frozenset(), max_idle_aborts=3)  # what the prompts collector evaluates with
-    res = evaluate(infer, _Scoring(tokenizer), tokenizer, _Task(), problems, max_prompt_length=LIMIT, params=params)
+    res = evaluate(infer, _Scoring(tokenizer), tokenizer, EchoTask(), problems, max_prompt_length=LIMIT, params=params)
 
     assert res["accuracy"] == pytest.approx(m["accuracy"]) == pytest.approx(0.25)
     assert res["reward"] == pytest.approx(m["reward"]) == pytest.approx(0.5)

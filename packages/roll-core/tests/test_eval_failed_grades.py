@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,6 +18,7 @@ from roll_core.evaluate import sample_rows
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.models import build_tiny_tokenizer
 from roll_core.protocol import Batch
+from roll_core.testing.echo import EchoProblem, EchoTask
 
 ANSWER = 5  # tokens of a complete answer (the reward below grades any complete answer right)
 TOKEN = 40  # the token the engine answers with ("E" in the tiny tokenizer)
@@ -51,22 +51,6 @@ def test_failed_samples_count_as_wrong_in_accuracy_and_pass_at_k() -> None:
     # a reward failure graded right by a reward that also returned NaN for its score: wrong as well
     only = summarize([_row(0, 0, 1.0, failed="reward"), _row(1, 0, 1.0)], [1])
     assert only["accuracy"] == pytest.approx(0.5) and only["accuracy_stderr"] == pytest.approx(math.sqrt(0.25))
-
-
-@dataclass
-class _Problem:
-    id: str
-    prompt: str
-    answer: str = "x"
-    domain: str | None = None
-
-
-class _Task:
-    def messages(self, problem: _Problem) -> list[dict[str, str]]:
-        return [{"role": "user", "content": problem.prompt}]
-
-    def extract_answer(self, text: str) -> str | None:
-        return text or None
 
 
 class _Engine:
@@ -123,7 +107,7 @@ def test_a_refused_row_is_recorded_wrong_even_when_its_cut_response_grades_right
     """samples.jsonl's `correct` of a refused row, and of a row the reward failed on, is 0 (the metrics recomputed
     from it agree with roll-eval's)."""
     tokenizer = build_tiny_tokenizer()
-    problems = [_Problem(f"p{i}", f"question {i}") for i in range(2)]
+    problems = [EchoProblem(f"p{i}", f"question {i}") for i in range(2)]
     collector = SimpleNamespace(
         cfg=SimpleNamespace(
             model=SimpleNamespace(max_prompt_length=256, chat_template_kwargs={}),
@@ -137,7 +121,7 @@ def test_a_refused_row_is_recorded_wrong_even_when_its_cut_response_grades_right
         eval_temperature=1.0,
         scoring=_Scoring(tokenizer, nan=3),
     )
-    rows, skipped, _ = sample_rows(collector, _Task(), 2)
+    rows, skipped, _ = sample_rows(collector, EchoTask(), 2)
     assert sum(skipped.values()) == 0
     assert [r["failed"] for r in rows] == [None, None, "engine", "reward"]
     assert rows[2]["response"] == "EEEEE" and rows[2]["finish_reason"] == "abort"

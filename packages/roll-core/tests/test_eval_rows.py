@@ -6,7 +6,6 @@ counted as skipped; and the sampling checks refuse greedy decoding with n > 1 ho
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,25 +19,10 @@ from roll_core.idle_aborts import MAX_IDLE_ABORTS
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.models import build_tiny_tokenizer
 from roll_core.protocol import Batch
+from roll_core.testing.echo import EchoProblem, EchoTask
 
 ANSWER = 5  # tokens of a complete answer; the reward below grades a complete answer right, a cut one wrong
 A, B = 40, 41  # the token ids the engine answers with ("E" and "F" in the tiny tokenizer)
-
-
-@dataclass
-class _Problem:
-    id: str
-    prompt: str
-    answer: str = "x"
-    domain: str | None = None
-
-
-class _Task:
-    def messages(self, problem: _Problem) -> list[dict[str, str]]:
-        return [{"role": "user", "content": problem.prompt}]
-
-    def extract_answer(self, text: str) -> str | None:
-        return text or None
 
 
 class _Engine:
@@ -101,7 +85,7 @@ class _Scoring:
 
 
 def _collector(
-    engine: _Engine, problems: list[_Problem], unscored: set[int], max_idle_aborts: int = MAX_IDLE_ABORTS
+    engine: _Engine, problems: list[EchoProblem], unscored: set[int], max_idle_aborts: int = MAX_IDLE_ABORTS
 ) -> SimpleNamespace:
     tokenizer = build_tiny_tokenizer()
     model = SimpleNamespace(max_prompt_length=256, chat_template_kwargs={})
@@ -129,10 +113,10 @@ def test_aborted_rows_are_resumed_refused_and_unscored_rows_are_failed_not_wrong
     (roll-eval scored the cut answer: wrong, and not what eval/accuracy of the training run counts). Problem 1: one
     row the engine keeps refusing, one the reward could not score: both `failed`, neither a wrong answer of the
     model in samples.jsonl. Problem 2 fills the engine's context: a skipped problem (it went uncounted)."""
-    problems = [_Problem(f"p{i}", f"question {i}") for i in range(3)]
+    problems = [EchoProblem(f"p{i}", f"question {i}") for i in range(3)]
     engine = _Engine([p.prompt for p in problems], partial={1: 2, 2: 0}, refuse={1}, too_long={2})
     collector = _collector(engine, problems, unscored={3})
-    rows, skipped, _ = sample_rows(collector, _Task(), 2)
+    rows, skipped, _ = sample_rows(collector, EchoTask(), 2)
 
     assert skipped == {"prompt_length": 0, "engine_context": 1, "bad_pictures": 0}
     assert [(r["index"], r["sample"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -150,9 +134,9 @@ def test_aborted_rows_are_resumed_refused_and_unscored_rows_are_failed_not_wrong
 def test_a_row_is_refused_at_the_configured_max_idle_aborts(n: int) -> None:
     """roll-eval refused a row at the module's 8 idle aborts whatever `pipeline.max_idle_aborts` said: now at the
     N-th in a row (the batch's own abort the first, so N - 1 requests)."""
-    problems = [_Problem(f"p{i}", f"question {i}") for i in range(2)]
+    problems = [EchoProblem(f"p{i}", f"question {i}") for i in range(2)]
     engine = _Engine([p.prompt for p in problems], partial={2: 0}, refuse={1}, too_long=set())
-    rows, _, _ = sample_rows(_collector(engine, problems, unscored=set(), max_idle_aborts=n), _Task(), 2)
+    rows, _, _ = sample_rows(_collector(engine, problems, unscored=set(), max_idle_aborts=n), EchoTask(), 2)
     assert [r["failed"] for r in rows] == [None, None, "engine", None] and len(engine.requests) == n - 1
 
 
@@ -186,6 +170,6 @@ def test_the_vote_equivalence_comes_from_whoever_extracts_the_answers() -> None:
     same = answer_equivalence(SimpleNamespace(reward=Reward()))
     assert same is not None and same("X", "x") and same("X", "x") and not same("x", "y")
     assert calls == [("X", "x"), ("x", "y")]
-    assert answer_equivalence(_Task()) is None  # extracts, no equivalence: votes by key
+    assert answer_equivalence(EchoTask()) is None  # extracts, no equivalence: votes by key
     assert answer_equivalence(SimpleNamespace(extract_answer=str, reward=Reward())) is None  # the task's answers
     assert answer_equivalence(SimpleNamespace(reward=None)) is None
