@@ -186,6 +186,19 @@ def test_what_the_mapping_cannot_carry_is_refused(change: dict, message: str) ->
     check_supported(LlamaConfig(**shape), tp=1, pp=1)  # the plain model maps
 
 
+def test_an_mlp_width_tensor_parallelism_does_not_divide_is_refused() -> None:
+    """Megatron splits each MLP's width over the tensor-parallel ranks: intermediate_size=130 at TP=4 failed deep in
+    Megatron's layer build with a bare assertion; refused naming the setting."""
+    from transformers import LlamaConfig
+
+    from roll_engines.train.megatron._convert import check_supported
+
+    shape = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide the model's intermediate_size=130"):
+        check_supported(LlamaConfig(**shape, intermediate_size=130), tp=4, pp=1)
+    check_supported(LlamaConfig(**shape, intermediate_size=130), tp=2, pp=1)
+
+
 def test_a_checkpoint_tensor_the_mapping_does_not_carry_is_refused(tmp_path: Path) -> None:
     """A decoder tensor the HF -> Megatron mapping never reads (here an MLP bias added to the file) would be dropped
     on load, untrained and missing from every export: the engine refuses the checkpoint, naming it."""

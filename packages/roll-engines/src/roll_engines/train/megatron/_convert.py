@@ -130,6 +130,15 @@ def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1, sequence_para
         raise ValueError(
             f"tensor_parallel_size={tp} must divide the model's {hf_config.num_key_value_heads} key/value heads"
         )
+    # Megatron splits each MLP's width over the tensor-parallel ranks (column-parallel): a width TP does not
+    # divide failed deep inside Megatron's layer build with a bare assertion.
+    widths = {"intermediate_size": getattr(hf_config, "intermediate_size", None)}
+    if is_moe(hf_config):
+        widths["moe_intermediate_size"] = getattr(hf_config, "moe_intermediate_size", None)
+        widths["shared_expert_intermediate_size"] = getattr(hf_config, "shared_expert_intermediate_size", None)
+    for name, width in widths.items():
+        if width and width % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name}={width}")
     if hf_config.num_hidden_layers % pp:
         raise ValueError(f"pipeline_parallel_size={pp} must divide the model's {hf_config.num_hidden_layers} layers")
     if pp > 1 and hf_config.tie_word_embeddings:
