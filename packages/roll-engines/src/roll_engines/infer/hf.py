@@ -432,12 +432,15 @@ class HFInferEngine:
         """Copy tensors in place by name (the trainer's state-dict names); returns bytes received.
 
         Whatever it raises fails the whole sync: the tensors this sync wrote get their old values back (module
-        docstring), later buckets of it are refused, and `finish_weight_update` keeps the version. Outside a sync,
-        a call that raises is undone alone."""
+        docstring), later buckets of it are refused, and `finish_weight_update` keeps the version. Outside a sync
+        (no `begin_weight_update`) a call is a sync of its own: one that raises is undone alone, one that succeeds
+        is finished at once (the version moves on, cached prefixes of the old weights are dropped; they were served
+        to the next turn of a conversation)."""
         own = self.model.state_dict()
         nbytes = 0
         with self._lock, torch.no_grad():
-            undo = self._undo if self._undo is not None else SyncUndo(keep=not self._mixed)
+            alone = self._undo is None
+            undo = SyncUndo(keep=not self._mixed) if alone else self._undo
             if undo.error is not None:
                 raise RuntimeError(
                     f"{self.name} engine: this weight sync already failed ({undo.error}) and was undone; "
@@ -458,6 +461,9 @@ class HFInferEngine:
             except BaseException as exc:
                 self._fail_sync(undo, exc)
                 raise
+            if alone:
+                self._undo = undo
+                self.finish_weight_update()
         return nbytes
 
     def abort_weight_update(self, reason: str = "the caller aborted it") -> int:
