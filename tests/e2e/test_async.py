@@ -162,7 +162,9 @@ def test_a_resumed_async_run_trains_the_prompts_the_uninterrupted_run_would(
 def test_a_prompt_that_fills_the_engines_context_is_skipped_and_replaced(tmp_path: Path) -> None:
     """Every fourth prompt of 64 is ~40 tokens, the engine's context 40: the asynchronous collector drops such a
     group, counts it in data/skipped_context_prompts and starts the next one, so every step trains its 4 groups
-    (one such prompt raised and ended the run; the synchronous collector always skipped them)."""
+    (one such prompt raised and ended the run; the synchronous collector always skipped them). The take that
+    replaces it is no refill round: data/refill_rounds counted it with dynamic sampling off, unlike the synchronous
+    collector's (dynamic sampling's refills only)."""
     import json
 
     rows = [
@@ -176,6 +178,7 @@ def test_a_prompt_that_fills_the_engines_context_is_skipped_and_replaced(tmp_pat
     steps = [h for h in history if h["step"] > 0]
     assert [h["data/trained_groups"] for h in steps] == [4, 4, 4]
     assert sum(h["data/skipped_context_prompts"] for h in steps) >= 1
+    assert [(h["data/refill_rounds"], h["data/dropped_groups"]) for h in steps] == [(0, 0)] * 3
 
 
 @pytest.mark.parametrize(

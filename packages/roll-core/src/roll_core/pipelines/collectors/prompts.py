@@ -5,8 +5,9 @@ Contract: a step draws `pipeline.rollout_batch_size` prompts from the task's tra
 whose position is checkpointed, so a resumed run draws what the uninterrupted run would; a checkpoint's `pending`
 prompts, an asynchronous run's groups not yet trained, are drawn first); prompts longer than
 `model.max_prompt_length` are skipped and counted, never truncated; with `algo.drop_uniform_groups` (DAPO dynamic
-sampling) groups without reward variance are filtered out and more prompts are drawn until the batch is full or
-`algo.refill_max_batches` batches' worth were sampled. Scores get the overlong penalty and reward clipping.
+sampling) groups without reward variance are filtered out and more prompts are drawn, in rounds (data/refill_rounds,
+as the asynchronous collector counts them), until the batch is full or `algo.refill_max_batches` batches' worth were
+sampled. Scores get the overlong penalty and reward clipping.
 Evaluation: one sample per held-out problem at the eval temperature.
 Aborts: a row the engine aborts on its own (SGLang under memory pressure, vLLM at its preemption limit) is resumed
 from its partial output within its token budget, as the asynchronous driver resumes its samples

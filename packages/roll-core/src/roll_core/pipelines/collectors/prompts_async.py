@@ -5,12 +5,14 @@ The background driver (roll_core.scheduling.driver) keeps generating groups with
 `next` takes complete groups (oldest first, within the staleness bound), scores them, drops groups without
 reward variance when dynamic sampling is on (their budget starts new groups at once), drops (and replaces) groups
 whose prompt fills the engine's context (`data/skipped_context_prompts`), and returns an assembled batch with
-`behaviour_version` (B,) per row. The trainer then recomputes the proximal log-probs (`old_logprobs`)
-at its current version, and `algo.off_policy_correction` weighs each token by the truncated ratio
-pi_old / pi_behaviour (decoupled PPO); `begin_sync` / `finish_sync` bracket the weight sync so that partial
-rollout can abort and resume requests around it. `pipeline.async_batch_timeout_s` bounds the trainer's wait for a
-batch, `pipeline.async_abort_timeout_s` the wait for an aborted request's result and `pipeline.max_idle_aborts`
-the engine's own aborts of a sample in a row without a token before it counts as refused
+`behaviour_version` (B,) per row. `data/refill_rounds` means what the synchronous collector's does: the takes made
+to replace groups dynamic sampling dropped; a take that only replaces groups whose prompt filled the context is none
+(the synchronous collector does not replace those), so it is 0 with dynamic sampling off. The trainer then
+recomputes the proximal log-probs (`old_logprobs`) at its current version, and `algo.off_policy_correction` weighs
+each token by the truncated ratio pi_old / pi_behaviour (decoupled PPO); `begin_sync` / `finish_sync` bracket the
+weight sync so that partial rollout can abort and resume requests around it. `pipeline.async_batch_timeout_s` bounds
+the trainer's wait for a batch, `pipeline.async_abort_timeout_s` the wait for an aborted request's result and
+`pipeline.max_idle_aborts` the engine's own aborts of a sample in a row without a token before it counts as refused
 (roll_core.scheduling.driver).
 
 Checkpoints store the data sampler and the training-set indices of the groups started but not yet trained
@@ -136,10 +138,13 @@ class AsyncPromptCollector(PromptCollector):
         kept: list[GroupState] = []
         first: tuple[Batch, Batch] | None = None
         cols: dict[int, dict[str, torch.Tensor]] = {}  # gid -> its rows' scores, correct, formatted
-        sampled = rounds = too_long = 0
+        sampled = refills = too_long = 0
+        # Whether the previous take had a group dynamic sampling dropped: the next take refills it (a refill round).
+        uniform_dropped = False
         with out.timer("generate"):  # time the trainer waited for rollout
             while len(kept) < want and sampled < cap:
-                rounds += 1
+                refills += int(uniform_dropped)
+                uniform_dropped = False
                 groups = self.driver.take(min(want - len(kept), cap - sampled))
                 # A group whose prompt fills the engine's context generated nothing: dropped, counted and replaced
                 # by the next one (one such prompt ended the run); a step of nothing else is an error.
@@ -176,6 +181,7 @@ class AsyncPromptCollector(PromptCollector):
                         kept.append(grp)
                     else:
                         self.driver.discard(grp)
+                        uniform_dropped = True
         assert first is not None
         self.end_reward_step(step)
         b0, scored0 = first
@@ -186,7 +192,7 @@ class AsyncPromptCollector(PromptCollector):
         self.log_samples(step, b0, scored0)
         out["data/dropped_groups"] = sampled - len(kept)
         out["data/sampled_groups"] = sampled
-        out["data/refill_rounds"] = rounds - 1  # takes after the first (the sync collector's count)
+        out["data/refill_rounds"] = refills  # the sync collector's count (module docstring)
         out["data/refill_short_groups"] = max(0, want - len(kept))
         with self.driver.held():  # the driver's thread counts these in `_next_group`, under the same lock
             out["data/skipped_long_prompts"], self.skipped_long = self.skipped_long, 0
