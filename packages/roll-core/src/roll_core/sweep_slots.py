@@ -1,4 +1,4 @@
-"""Sweep slots: the bound on a Ray sweep's jobs at once (`hydra.launcher.max_concurrent`), held as leases in one
+"""Sweep slots: the bound on a Ray sweep's jobs at once (`cluster.max_concurrent`), held as leases in one
 detached Ray actor per sweep (`JobSlots`, named by `slots_name`, found by every job of the sweep).
 
 Contract: `job_slot(name, permits)` holds one of `permits` slots while its block runs and yields the seconds spent

@@ -425,7 +425,7 @@ def _base_gpu_id(name: str, device: str, base_gpu_id: int) -> int:
     index = int(device.split(":", 1)[1]) if ":" in device else 0
     if base_gpu_id not in (0, index):
         raise ValueError(
-            f"{name} engine: infer_engine.base_gpu_id={base_gpu_id} but this worker's device is {device}: SGLang "
+            f"{name} engine: base_gpu_id={base_gpu_id} but this worker's device is {device}: SGLang "
             "would load on another GPU than the one the worker was given; leave base_gpu_id at 0 (the device decides)"
         )
     if index:

@@ -69,7 +69,7 @@ def check_code_execution(
         raise ValueError(
             f"{library} environment {env_id!r} runs the model's code outside roll's sandbox ({how}): that code "
             "could read and change this machine's files. Use roll's code tasks or `code` tool (sandboxed), or set "
-            "env.env_kwargs.allow_unsandboxed_execution_i_understand_the_risk=true"
+            "+env.env_kwargs.allow_unsandboxed_execution_i_understand_the_risk=true"
         )
     log.warning("%s environment %r runs the model's code outside roll's sandbox (%s), as set", library, env_id, how)
 

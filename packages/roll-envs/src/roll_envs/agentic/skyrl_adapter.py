@@ -149,8 +149,8 @@ class SkyRLEnv:
             if not self.held_out:
                 raise ValueError(
                     f"{self.env_id}: held-out seed {seed} but no held-out rows (they would be training rows): give "
-                    "env.env_kwargs.eval_data_file (or eval_rows), or env.env_kwargs.eval_fraction > 0, or "
-                    "env.eval_size=0"
+                    "+env.env_kwargs.eval_data_file=<file> (or eval_rows), or +env.env_kwargs.eval_fraction=<f> "
+                    "(> 0), or env.eval_size=0"
                 )
             row = self.held_out[(seed - self.eval_seed_offset) % len(self.held_out)]
         else:

@@ -131,7 +131,7 @@ class MultiTask:
         rewards: Mapping[str, Any] | None = None,
     ) -> None:
         if not tasks:
-            raise ConfigError("env=multi needs at least one task: env.tasks.<domain>=<env option>")
+            raise ConfigError("env=multi needs at least one task: +env@env.tasks.<domain>=<env option>")
         if route not in ("task", "column"):
             raise ConfigError(f"env.route={route!r}: use task (a domain per sub-task) or column (the rows' domain)")
         self.name, self.route = name, route
