@@ -184,6 +184,39 @@ def test_a_ray_worker_exports_its_device_index_as_local_rank(
     }
 
 
+def test_local_rank_on_a_node_with_two_ray_switches_follows_the_platform_in_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An AMD node started with HIP_VISIBLE_DEVICES=2,3 from an image that sets Ray's CUDA and HIP switches: Worker.
+    setup refused it (CUDA's switch, CUDA_VISIBLE_DEVICES unset, read Ray's GPU 3 as device 3; HIP's as device 1)
+    though only HIP numbers the GPUs there. Detection (ROCm, faked: no AMD GPU here) decides: LOCAL_RANK=1."""
+    import sys
+
+    from roll_core.cluster.worker import Worker
+    from roll_core.devices import ray_local_rank
+    from roll_hw.rocm import RocmPlatform
+
+    switches = ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES")
+    _restored_after(monkeypatch, (*_DIST_VARS, "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", *switches))
+    for var in switches:
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "2,3")
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay("actor-1", ["3"]))
+    monkeypatch.setattr(roll_hw, "resolve_platform", lambda name=None: RocmPlatform)
+    Worker(rank=1, world_size=2).setup("127.0.0.1", 29500)
+    assert os.environ["LOCAL_RANK"] == "1"
+
+    # Detection that fails leaves a real ambiguity: refused, saying why the platform is not known.
+    def broken(name: str | None = None) -> type:
+        raise RuntimeError("acme plugin failed to import")
+
+    monkeypatch.setattr(roll_hw, "resolve_platform", broken)
+    with pytest.raises(
+        ValueError, match=r"give this worker different device indices .*detecting the platform here failed: Runt"
+    ):
+        ray_local_rank()
+
+
 def test_outside_ray_local_rank_stays_0(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 

@@ -1,9 +1,11 @@
 """`roll-doctor`'s list of installed plugins shows every distribution that declares a name: a platform plugin that
 replaces a built-in (detection runs the plugin's class) or two packages declaring one name (an error where loaded)
-must be visible there, not hidden behind whichever distribution came last on sys.path."""
+must be visible there, not hidden behind whichever distribution came last on sys.path; the replacement is also
+logged once per process, for run logs."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,21 @@ def test_a_name_two_packages_declare_is_shown_as_a_clash(site: Path) -> None:
     _install_dist(site, "acme-two", "roll.rewards", {"acme_score": "acme_two:score"})
     listed = doctor._plugins("roll.rewards").split(", ")
     assert "acme_score (CLASH: declared by acme-one and acme-two)" in listed
+
+
+def test_a_platform_plugin_that_replaces_a_builtin_is_logged_once(
+    site: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run logs said nothing: "cuda" ran another package's class with no line naming it (only roll-doctor did)."""
+    monkeypatch.setattr(detect, "_replacements_logged", set(), raising=False)  # as in a fresh process
+    _install_dist(site, "acme-gpu", detect.GROUP, {"cuda": "roll_hw.cpu:CpuPlatform"})
+    with caplog.at_level(logging.INFO, logger="roll_hw.detect"):
+        assert detect.get_platform_class("cuda") is CpuPlatform
+        detect.clear_cache()  # loaded again (a second resolution in the process): not logged again
+        assert detect.get_platform_class("cuda") is CpuPlatform
+        detect.get_platform_class("cpu")  # roll-hw's own: nothing to say
+    lines = [r.getMessage() for r in caplog.records if r.name == "roll_hw.detect"]
+    assert lines == [
+        "platform 'cuda' is the plugin roll_hw.cpu:CpuPlatform from acme-gpu, replacing roll-hw's built-in 'cuda' "
+        "(roll_hw.cuda:CudaPlatform)"
+    ]

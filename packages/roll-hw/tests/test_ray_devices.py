@@ -146,5 +146,28 @@ def test_local_rank_follows_the_switch_that_is_on() -> None:
     assert local_rank(platforms, {"GPU": [], "NPU": ["5"]}, npu) == 5
     assert local_rank(platforms, {"NPU": ["5"]}, {NOSET: "1"}) == 0  # the CUDA switch leaves NPUs to Ray
     both = {NOSET: "1", "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1", "HIP_VISIBLE_DEVICES": "2,3"}
-    with pytest.raises(ValueError, match=r"switches of cuda, rocm are all on and give this worker different"):
+    with pytest.raises(
+        ValueError,
+        match=r"switches of cuda, rocm are all on \(RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, "
+        r"RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES=1\) and give this worker different device indices "
+        r"\({'cuda': 3, 'rocm': 1}\), and which platform it runs is not known",
+    ):
         local_rank(platforms, {"GPU": ["3"]}, both)
+
+
+def test_local_rank_follows_the_switch_of_the_platform_in_use() -> None:
+    """A node image with Ray's CUDA and HIP switches both on: an AMD node started with HIP_VISIBLE_DEVICES=2,3 was
+    refused (CUDA's switch, CUDA_VISIBLE_DEVICES unset, read GPU 3 as device 3), though only HIP numbers its GPUs."""
+    platforms = (CudaPlatform, RocmPlatform, NpuPlatform)
+    both = {NOSET: "1", "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1", "HIP_VISIBLE_DEVICES": "2,3"}
+    assert local_rank(platforms, {"GPU": ["3"]}, both, in_use=RocmPlatform) == 1
+    assert local_rank(platforms, {"GPU": ["3"]}, both, in_use=CudaPlatform) == 3  # an NVIDIA node, same image
+    # The HIP switch alone on an NVIDIA node: Ray narrowed CUDA_VISIBLE_DEVICES to GPU 3, which is cuda:0.
+    hip_only = {"RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": "3"}
+    assert local_rank(platforms, {"GPU": ["3"]}, hip_only, in_use=CudaPlatform) == 0
+    assert local_rank(platforms, {"GPU": ["3"]}, both, in_use=CpuPlatform) == 0  # no Ray switch of its own
+    # Switches that agree need no platform: nothing to refuse.
+    agree = {**both, "CUDA_VISIBLE_DEVICES": "2,3"}
+    assert local_rank(platforms, {"GPU": ["3"]}, agree) == 1
+    with pytest.raises(ValueError, match=r"assigned GPU 5 but this worker sees HIP_VISIBLE_DEVICES='2,3'"):
+        local_rank(platforms, {"GPU": ["5"]}, both, in_use=RocmPlatform)  # the platform's own errors stay

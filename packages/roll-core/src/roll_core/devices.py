@@ -153,21 +153,42 @@ def narrow_ray_worker(platform: type[Platform], role: str = "?") -> dict[str, st
     return setting
 
 
-def ray_local_rank() -> int:
+def ray_local_rank(platform: type[Platform] | None = None) -> int:
     """The LOCAL_RANK this process exports as a Ray worker: its device's local index under a NOSET switch of the
     CUDA, ROCm or Ascend platform (roll_hw.ray_devices.local_rank; 0 for a worker spanning several devices, which
     `narrow_ray_worker` narrows), else 0: Ray narrowed visibility, the worker reserved no device, or this is no
     Ray actor. Out-of-tree platforms are narrowed by roll always (no NOSET switch), so 0 is their index too.
-    ValueError where the assigned device is not visible (roll_hw.ray_devices.local_device)."""
+
+    `platform` is the one this worker runs; by default, where the switches of several platforms apply, the one
+    `resolve_device` would resolve here for platform auto ($ROLL_PLATFORM, else detection). Only its switch counts
+    then: an AMD node whose image sets Ray's CUDA switch beside the HIP one was refused, though
+    CUDA_VISIBLE_DEVICES numbers nothing there. ValueError where the assigned device is not visible
+    (roll_hw.ray_devices.local_device), or where the platform cannot be told and the switches give different
+    indices."""
     ids = _accelerator_ids_in_ray_actor()
     if not ids:
         return 0
     from roll_hw.cuda import CudaPlatform
     from roll_hw.npu import NpuPlatform
-    from roll_hw.ray_devices import local_rank
+    from roll_hw.ray_devices import local_rank, ray_noset
     from roll_hw.rocm import RocmPlatform
 
-    return local_rank((CudaPlatform, RocmPlatform, NpuPlatform), ids)
+    builtins = (CudaPlatform, RocmPlatform, NpuPlatform)
+    failed = None
+    # Detection only where switches of several platforms apply: one alone (or none: Ray narrowed) decides as is.
+    if platform is None and sum(bool(ids.get(p.ray_resource or "")) and ray_noset(p) for p in builtins) > 1:
+        from roll_hw import resolve_platform
+
+        try:
+            platform = resolve_platform()
+        except Exception as exc:  # a broken plugin, say: the switches may still agree
+            failed = f"{type(exc).__name__}: {exc}"
+    try:
+        return local_rank(builtins, ids, in_use=platform)
+    except ValueError as exc:
+        if failed is None:
+            raise
+        raise ValueError(f"{exc} (detecting the platform here failed: {failed})") from exc
 
 
 def _device_runtime_started(platform: type[Platform]) -> bool:

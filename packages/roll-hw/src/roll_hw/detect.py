@@ -25,6 +25,7 @@ cause rather than being skipped.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from functools import lru_cache
@@ -121,15 +122,35 @@ def builtin_names() -> list[str]:
     return list(_declared()[0])
 
 
+#: Plugins already logged as replacing a built-in ("name = target from distribution"): once per process.
+_replacements_logged: set[str] = set()
+
+
 def _load_plugin(name: str) -> type[Platform]:
-    """The out-of-tree platform declared as `name`; an error where two distributions declare that name."""
-    ep = _declared()[1][name]
+    """The out-of-tree platform declared as `name`; an error where two distributions declare that name.
+
+    A plugin that takes a built-in's name is logged (INFO, once per process) naming its distribution and the
+    built-in it replaces: run logs otherwise showed only the name, e.g. "cuda", while another package's code ran.
+    """
+    own, plugins = _declared()
+    ep = plugins[name]
     if name in _clashes:
         raise PlatformPluginError(
             f"platform {name!r} is declared by more than one plugin ({'; '.join(_clashes[name])}): uninstall all "
             "but one"
         )
-    return _load(ep)
+    cls = _load(ep)
+    key = f"{name} = {_origin(ep)}"
+    if name in own and key not in _replacements_logged:
+        _replacements_logged.add(key)
+        logging.getLogger(__name__).info(
+            "platform %r is the plugin %s, replacing roll-hw's built-in %r (%s)",
+            name,
+            _origin(ep),
+            name,
+            own[name].value,
+        )
+    return cls
 
 
 @lru_cache(maxsize=1)
@@ -222,8 +243,6 @@ def _cpu(cls: type[Platform]) -> type[Platform]:
     why = None if cls is own else _runs(cls)
     if why is None:
         return cls
-    import logging
-
     logging.getLogger(__name__).warning(
         "platform plugin 'cpu' (%s.%s) %s: using roll-hw's own cpu platform", cls.__module__, cls.__qualname__, why
     )

@@ -20,7 +20,9 @@ Contract:
   must narrow before its own process starts the device runtime (roll_core.devices checks it).
 - `local_rank`: the LOCAL_RANK a Ray worker exports, its local device index as above (0 where Ray or roll
   narrowed): torch.distributed launch conventions, and libraries that pick their device from it (DeepSpeed,
-  accelerate, some vLLM/Megatron paths), then land on the worker's device, not device 0 of the node.
+  accelerate, some vLLM/Megatron paths), then land on the worker's device, not device 0 of the node. The switch
+  of the platform in use decides (a node may carry Ray's switches of several); only switches that disagree with
+  that platform unknown are an error.
 - An id the process cannot see is a `ValueError` that names the variables: never a silent fall back to device 0.
 - Platforms whose devices Ray does not manage (`ray_noset_env` None: out-of-tree platforms such as the test's
   DUMMY) are narrowed by roll itself (`Cluster._bundle_envs`), always: Ray has no switch for them.
@@ -141,27 +143,38 @@ def local_rank(
     platforms: Iterable[type[Platform]],
     accelerator_ids: Mapping[str, Sequence[str | int]],
     environ: Mapping[str, str] | None = None,
+    in_use: type[Platform] | None = None,
 ) -> int:
     """LOCAL_RANK of a Ray worker: the local index of its device (`local_device`, as after `noset_narrowing`) for
     the platforms among `platforms` whose NOSET switch is on in `environ` and whose `ray_resource` it was assigned
     ids of in `accelerator_ids` (Ray's `get_accelerator_ids()`); 0 where none is (Ray narrowed visibility, or the
     worker holds no device: its first visible device is its own, or it has none).
 
-    ValueError where those platforms disagree (two NOSET switches on, with visible-devices variables that number
-    the device differently), or as `local_device` where the device is not visible.
+    `in_use`: the platform this worker runs, when known. Only its switch counts then: another platform's switch
+    (a node image that sets both Ray's CUDA and HIP switches) names a variable this node's runtime does not number
+    its devices by. A platform in use that is not among `platforms` (CPU, a plugin that roll narrows itself) is 0.
+
+    ValueError where the platform in use is not known and the switches that are on disagree (visible-devices
+    variables that number the device differently: a real ambiguity), or as `local_device` where the device is not
+    visible.
     """
     env = dict(os.environ if environ is None else environ)
+    candidates = list(platforms)
+    if in_use is not None:
+        candidates = [p for p in candidates if p.name == in_use.name]
     found: dict[str, int] = {}
-    for platform in platforms:
+    for platform in candidates:
         ids = accelerator_ids.get(platform.ray_resource or "") or ()
         if not ids or not ray_noset(platform, env):
             continue
         view = {**env, **noset_narrowing(platform, ids, env)}
         found[platform.name] = local_device(platform, ids, view).index
     if len(set(found.values())) > 1:
+        switches = ", ".join(f"{p.ray_noset_env}=1" for p in candidates if p.name in found)
         raise ValueError(
-            f"the NOSET switches of {', '.join(found)} are all on and give this worker different device indices "
-            f"({found}): set only the switch of this node's accelerator"
+            f"Ray's NOSET switches of {', '.join(found)} are all on ({switches}) and give this worker different "
+            f"device indices ({found}), and which platform it runs is not known: set only the switch of this "
+            "node's accelerator, or name the platform (ROLL_PLATFORM, hw.platform)"
         )
     return next(iter(found.values()), 0)
 

@@ -125,22 +125,38 @@ def stop_window(stops: Sequence[str]) -> int:
     A token that is not special decodes to at least one byte, not one character: a byte-level or byte-fallback
     tokenizer spells a character it has no token for with up to 4 byte tokens, so a stop string of L characters
     may span 4L tokens (three emoji such a vocabulary lacks are 12 byte tokens: a window of L + 8 = 11 tokens never
-    held them whole and the stop string was never matched). 8 more cover special tokens and a first token whose
-    decoding loses a leading space.
+    held them whole and the stop string was never matched). 8 more are a margin (special tokens, merges).
     """
     return max((len(s.encode("utf-8")) for s in stops if s), default=0) + 8
+
+
+# Tokens decoded before the window as context, then cut off the text: a SentencePiece decoder (Llama 2, Mistral,
+# Gemma) drops the leading space of the first token of a string ("\u2581Human" alone is "Human"), so the window
+# must not start the string. vLLM decodes from the prompt on (a DecodeStream primed with the prompt's ids; the slow
+# path keeps 5 prompt tokens): its response text has that space, and " Human:" stops at the first response token.
+_CONTEXT = 4
 
 
 class StopStrings:
     """Finds the token that completes a stop string in a growing response, even when the token overhangs it.
 
+    Matched on the response's text as it reads after the prompt, as vLLM matches: the window is decoded behind a
+    few tokens of context (the prompt's last tokens while the response is short), which are then cut off, so a
+    stop string that lies in the prompt never matches. Special tokens stay in the text, as in roll's vLLM and
+    SGLang engines (both pass skip_special_tokens=False, vLLM's default being True: a stop string "<|im_start|>"
+    could not match).
+
     Only the tail of the response is decoded per token (`window` tokens, by default enough to hold the longest stop
     string: `stop_window`), so the cost per token does not grow with the response length.
     """
 
-    def __init__(self, tokenizer: object, stops: Sequence[str], window: int | None = None) -> None:
+    def __init__(
+        self, tokenizer: object, stops: Sequence[str], window: int | None = None, prompt: Sequence[int] = ()
+    ) -> None:
+        """`prompt`: the request's prompt ids (only its last few tokens are kept, as decoding context)."""
         self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
         self.window = window or stop_window(self.stops)
+        self.prompt_tail = list(prompt)[-_CONTEXT:]
 
     def __bool__(self) -> bool:
         return bool(self.stops)
@@ -149,8 +165,20 @@ class StopStrings:
         """True when the last token completes (or passes through the end of) a stop string."""
         if not self.stops or not tokens:
             return False
-        tail = list(tokens[-self.window :])
-        text = self.tokenizer.decode(tail)
-        before = self.tokenizer.decode(tail[:-1]) if len(tail) > 1 else ""
+        seq = self.prompt_tail + list(tokens[-(self.window + _CONTEXT) :])
+        n = min(len(tokens), self.window)
+        context, tail = seq[:-n][-_CONTEXT:], seq[-n:]
+        head = self.tokenizer.decode(context) if context else ""
+        text = self._after(head, context, tail)
+        before = self._after(head, context, tail[:-1]) if n > 1 else ""
         # The string must end inside the new token's characters: it was not complete before this token.
         return any(s in text and s not in before for s in self.stops)
+
+    def _after(self, head: str, context: list[int], tokens: list[int]) -> str:
+        """The text of `tokens` as it reads after `context` (decoded: `head`)."""
+        text = self.tokenizer.decode(context + tokens)
+        if not context or text.startswith(head):
+            return text[len(head) :]
+        # Cut where the two part: a context ending inside a character (byte tokens) decodes to U+FFFD there,
+        # which the whole text spells as the character.
+        return text[next((i for i, (a, b) in enumerate(zip(head, text)) if a != b), len(text)) :]

@@ -9,7 +9,8 @@ of `model.generate`, so that:
 - stop strings cut the response at the token that completes them, even when that token overhangs the string, and
   one that spans several tokens (as vLLM does: its token ids also end at the completing token; no text is
   returned, so `include_stop_str_in_output` has nothing to cut); each step decodes a tail of
-  roll_engines.infer._sampling.stop_window tokens;
+  roll_engines.infer._sampling.stop_window tokens behind the prompt's last tokens (the response's text as vLLM
+  reads it: " Human:" stops at a first token "\u2581Human" of a SentencePiece vocabulary);
 - requests join and leave the running batch between decode steps (the request API), and the n samples of a
   prompt share one prefill;
 - a prompt that is empty or holds an id outside the model's vocabulary is a ValueError to its caller, before it
@@ -366,7 +367,7 @@ class HFInferEngine:
             request=request,
             future=fut,
             generator=torch.Generator().manual_seed(seed),
-            stop=StopStrings(self.tokenizer, p.stop),
+            stop=StopStrings(self.tokenizer, p.stop, prompt=request.prompt_ids),
             max_new=p.max_new_tokens,
         )
         if p.structured is not None:  # compiled here (cached): a bad schema fails the caller, not the batch
