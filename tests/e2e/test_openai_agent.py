@@ -157,8 +157,15 @@ def _collector(task: Any, group_size: int, batch: int) -> Any:
     from roll_core.pipelines.collectors.agents import agent_collectors
 
     tok = build_tiny_tokenizer()
+    from roll_core.idle_aborts import MAX_IDLE_ABORTS
+
     pipe = SimpleNamespace(
-        seed=0, rollout_batch_size=batch, async_ratio=0, eval_temperature=0.0, async_abort_timeout_s=60.0
+        seed=0,
+        rollout_batch_size=batch,
+        async_ratio=0,
+        eval_temperature=0.0,
+        async_abort_timeout_s=60.0,
+        max_idle_aborts=MAX_IDLE_ABORTS,
     )
     model = SimpleNamespace(chat_template_kwargs={})
     cfg = SimpleNamespace(pipeline=pipe, algo=SimpleNamespace(group_size=group_size), model=model)
