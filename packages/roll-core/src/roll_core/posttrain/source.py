@@ -6,8 +6,10 @@ Kinds: `sft` (messages, prompt/completion, token rows; rollout rows read as toke
 filtered like SFT's). Files are read in order (`data.path` may be a list or a glob), each file's row form detected
 from its columns unless `data.format` names it; bad rows are counted skips (`RowSource.skipped`, reason -> count,
 logged once with the first rows); a file where every row is bad is a ConfigError naming the first reason.
-The held-out split is `data.eval_path` when given, else `data.eval_size` rows of `data.path` chosen by a stable
-hash of their prompt (deterministic, a prompt's rows on one side).
+The held-out split is `data.eval_path` when given (training examples whose prompt it holds too are counted in
+`stats["also_held_out"]` and logged, not dropped: a run may evaluate on its training rows on purpose), else
+`data.eval_size` rows of `data.path` chosen by a stable hash of their prompt (deterministic, a prompt's rows on one
+side).
 
 `RowSource.batch(indices)` gives a `Batch` in roll_core.protocol's layout: `prompts` (B, P) left-padded,
 `responses` / `response_mask` (B, R) right-padded (the mask is the loss mask and may have holes: multi-turn
@@ -20,6 +22,7 @@ Every batch has the field `where` ("file:row" per row).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +45,8 @@ from roll_core.posttrain.rows import RawRow, SkipRow, Skips, apply, held_out, re
 from roll_core.posttrain.tokenize import SFT_FORMATS, SFTTokenizer, TokenRow, detect_format
 from roll_core.protocol import Batch
 from roll_core.sequences import pad_left
+
+log = logging.getLogger(__name__)
 
 KINDS = ("sft", "preference", "distill")
 
@@ -176,13 +181,32 @@ def load_rows(
 
     train = load(data.paths, "data.path")
     if data.eval_paths:
-        return PostTrainData(train, load(data.eval_paths, "data.eval_path"))
+        held = load(data.eval_paths, "data.eval_path")
+        return PostTrainData(_count_shared_prompts(train, held), held)
     if data.eval_size:
         keys = [x.key for x in train.items]
         kept, held = held_out(train.items, keys, data.eval_size, "data.path")
         ev = RowSource(kind, held, pad, stats={"held_out": len(held)})
         return PostTrainData(RowSource(kind, kept, pad, skipped=train.skipped, stats=train.stats), ev)
     return PostTrainData(train)
+
+
+def _count_shared_prompts(train: RowSource, held: RowSource) -> RowSource:
+    """`train`, with `stats["also_held_out"]` counting its examples whose prompt (`key`) a `data.eval_path` example
+    has and one warning saying so: the held-out loss then measures rows the model trains on. Kept, not dropped: an
+    evaluation on (a copy of) the training rows is a use of its own (how well a student fits its teacher); what was
+    wrong is that nothing said so."""
+    keys = {x.key for x in held.items}
+    shared = sum(x.key in keys for x in train.items)
+    if shared:
+        log.warning(
+            "data.path: %d of its %d examples have a prompt that data.eval_path holds too: the held-out metrics "
+            "measure prompts the model trains on (remove them from one side for a held-out measure)",
+            shared,
+            len(train),
+        )
+        train.stats["also_held_out"] = shared
+    return train
 
 
 def _parse(

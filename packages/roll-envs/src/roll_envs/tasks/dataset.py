@@ -25,7 +25,8 @@ env.system_prompt replaces the row's system message); messages after it (an answ
 that is not a `{"role": system|user|assistant, "content": text}` object makes the row bad. An `answer_key` with
 dots reads a nested column (`reward_model.ground_truth`). A row's `domain` column (text) names its domain; a null
 or empty one is no domain (the default's), another type makes the row bad. A leading UTF-8 byte order mark (files
-saved by Windows editors) is ignored.
+saved by Windows editors) is ignored. A float32 (or float16) column reads as the decimals written (0.1, not
+0.10000000149011612).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import decimal
 import json
 import logging
 import math
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +72,8 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
                     split,
                 )
             ds = ds[split]
-        return [(i + 1, row) for i, row in enumerate(_encoded_rows(ds))], bad
+        narrow = {k: f.dtype for k, f in (ds.features or {}).items() if getattr(f, "dtype", None) in _NARROW_FLOATS}
+        return [(i + 1, _widened(row, narrow)) for i, row in enumerate(_encoded_rows(ds))], bad
     if path.suffix == ".parquet":
         from roll_envs.config import PYARROW
 
@@ -81,7 +84,8 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
             table = pq.read_table(path)
         except Exception as exc:  # pyarrow's own message does not say which setting pointed here
             raise ConfigError(f"{path}: cannot read it as Parquet ({exc}); check the file or env.path") from exc
-        return [(i + 1, row) for i, row in enumerate(table.to_pylist())], bad
+        narrow = {f.name: str(f.type) for f in table.schema if str(f.type) in _NARROW_FLOATS}
+        return [(i + 1, _widened(row, narrow)) for i, row in enumerate(table.to_pylist())], bad
     if path.suffix in (".jsonl", ".json"):
         array = _json_array(path) if path.suffix == ".json" else None
         if array is not None:
@@ -106,6 +110,29 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
     raise ConfigError(
         f"unsupported data file {path} (env.path / env.eval_path): use .jsonl, .parquet or a datasets folder"
     )
+
+
+# Arrow/datasets type names of the floats narrower than Python's -> their struct format.
+_NARROW_FLOATS = {"float": "<f", "float32": "<f", "halffloat": "<e", "float16": "<e"}
+
+
+def _widened(row: dict[str, Any], narrow: dict[str, str]) -> dict[str, Any]:
+    """`row` with each value of a float32/float16 column (`narrow`: column -> its type name) as the shortest
+    decimal that narrow type rounds to that value: 0.1 in a float32 column reads as 0.10000000149011612 in Python,
+    which became the answer "0.10000000149011612" that no correct response matched."""
+    for key, kind in narrow.items():
+        x = row.get(key)
+        if isinstance(x, float) and math.isfinite(x):
+            fmt = _NARROW_FLOATS[kind]
+            for digits in range(1, 18):
+                text = f"{x:.{digits}g}"
+                try:
+                    if struct.unpack(fmt, struct.pack(fmt, float(text)))[0] == x:
+                        row[key] = float(text)
+                        break
+                except OverflowError:  # rounded past the type's largest value: more digits
+                    continue
+    return row
 
 
 def _encoded_rows(ds: Any) -> Any:

@@ -19,6 +19,8 @@
   `pipeline.rollout_batch_size`); otherwise `weights` (a domain not named weighs 1: default equal) draws each
   prompt's domain at random, seeded and checkpointed. Every domain keeps its own epoch order.
 - `advantage_scale[d]` multiplies the advantages of domain d's rows (default 1: group-normalised as always).
+- Training and held-out sets share no problem: a training problem another sub-task holds out (same prompt and
+  pictures) is left out of training, with a warning per sub-task.
 - The held-out set interleaves the domains (round robin; held-out rows of a domain no training row has are left
   out, with a warning) so `pipeline.eval_size` keeps them balanced; evaluation
   and step metrics are reported per domain (`domain/<d>/...`, `eval/<d>/accuracy`).
@@ -142,6 +144,7 @@ class MultiTask:
         # (sub-task, problem) pairs -> domain problems; the sub-task stays reachable for its chat messages.
         train = [self._wrap(t, p) for t in self.tasks for p in self.tasks[t].train_set()]
         held = [[self._wrap(t, p) for p in self.tasks[t].eval_set()] for t in self.tasks]
+        train = _without_others_held_out(train, [p for ps in held for p in ps])
         self.domains = list(dict.fromkeys(p.domain for p in train))
         own_rewards = {t: task.reward for t, task in self.tasks.items()}
         extra = dict(rewards or {})
@@ -232,6 +235,42 @@ class MultiTask:
     def mixture(self) -> tuple[dict[str, float], dict[str, int]]:
         """(weights, counts): exactly one is non-empty; counts are prompts per batch."""
         return dict(self.weights), dict(self.counts)
+
+
+def _without_others_held_out(train: list[DomainProblem], held: list[DomainProblem]) -> list[DomainProblem]:
+    """`train` less the problems another sub-task holds out (same `split_key`: prompt and pictures), with one
+    warning per sub-task. Each sub-task keeps its own splits apart, but not from the others': a benchmark given as
+    one sub-task's env.eval_path and also inside another's training file was trained on and evaluated (the Task
+    contract: train and held-out never share a problem). A sub-task's own held-out rows are its business (a
+    file task whose env.eval_path is its env.path evaluates on its training rows, on purpose). A ConfigError when
+    that leaves a sub-task nothing to train on."""
+    from roll_envs.tasks.base import split_key
+
+    held_by: dict[str, set[str]] = {}
+    for p in held:
+        held_by.setdefault(split_key(p), set()).add(p.task)
+    kept: list[DomainProblem] = []
+    dropped: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for p in train:
+        total[p.task] = total.get(p.task, 0) + 1
+        if held_by.get(split_key(p), {p.task}) - {p.task}:
+            dropped[p.task] = dropped.get(p.task, 0) + 1
+        else:
+            kept.append(p)
+    for t, n in dropped.items():
+        if n == total[t]:
+            raise ConfigError(
+                f"env.tasks.{t}: every training problem is held out by another sub-task; give it other data"
+            )
+        log.warning(
+            "env=multi: %d of the %d training problems of env.tasks.%s are held out by another sub-task: left out "
+            "of training (a held-out problem that is trained on measures nothing)",
+            n,
+            total[t],
+            t,
+        )
+    return kept
 
 
 def _check_known(key: str, values: Mapping[str, Any], domains: list[str]) -> None:
