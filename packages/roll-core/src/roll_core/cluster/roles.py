@@ -27,7 +27,7 @@ from roll_core.cluster.worker import Dispatch, Worker, dispatch, node_address
 from roll_core.config.build import build
 from roll_core.interfaces import Task, TrainEngine
 from roll_core.interfaces.runtime import TrainEngineRuntime
-from roll_core.interfaces.training import METRIC_WEIGHT_PREFIX
+from roll_core.interfaces.training import METRIC_WEIGHT_PREFIX, is_max_metric, largest
 from roll_core.protocol import Batch
 from roll_core.seeds import Purpose, derive_seed
 
@@ -289,11 +289,15 @@ def merge_rank_metrics(per_rank: list[dict[str, float]], rows: list[int]) -> dic
     each rank reports for it (`METRIC_WEIGHT_PREFIX + key`: the loss units behind a token or sequence mean) where
     every reporting rank gives one, else by the rows each rank trained (`rows`, one per entry of `per_rank`). A rank
     given no rows (a batch smaller than the data-parallel size) reports no loss metrics and weighs nothing; where
-    no reporting rank has weight (an empty batch), the reporting ranks weigh alike. The weight keys are dropped."""
+    no reporting rank has weight (an empty batch), the reporting ranks weigh alike. A maximum (`*_max`,
+    `is_max_metric`) is the largest of the ranks' values. The weight keys are dropped."""
     out: dict[str, float] = {}
     for key in dict.fromkeys(k for d in per_rank for k in d if not k.startswith(METRIC_WEIGHT_PREFIX)):
         wkey = METRIC_WEIGHT_PREFIX + key
         reporting = [(d, n) for d, n in zip(per_rank, rows, strict=True) if key in d]
+        if is_max_metric(key):
+            out[key] = largest([d[key] for d, _ in reporting])
+            continue
         by_units = all(wkey in d for d, _ in reporting)
         pairs = [(d[key], float(d[wkey]) if by_units else n) for d, n in reporting]
         total = sum(w for _, w in pairs)

@@ -11,6 +11,7 @@ rank; methods marked collective must be called on all ranks together.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -21,6 +22,21 @@ if TYPE_CHECKING:
 
 #: Prefix of the per-rank metric weights `train_step` may report (see LossFn); the group's merge drops them.
 METRIC_WEIGHT_PREFIX = "_weight/"
+
+#: Suffix of the metrics that are maxima (the policy loss's `ratio_max`): a step reports the largest value over its
+#: micro-batches, mini-batches, epochs and data-parallel ranks, never their mean (see LossFn).
+MAX_METRIC_SUFFIX = "_max"
+
+
+def is_max_metric(key: str) -> bool:
+    """Whether the train metric `key` is a maximum (named `*_max`), merged by taking the largest value."""
+    return key.endswith(MAX_METRIC_SUFFIX)
+
+
+def largest(values: list[float]) -> float:
+    """The merge of a maximum's values: max(values), NaN when any is NaN (Python's max keeps or drops a NaN
+    depending on where it stands)."""
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
 
 
 @runtime_checkable
@@ -40,7 +56,9 @@ class LossFn(Protocol):
     objective forms itself, averaged alike. Beside each averaged metric `k` an engine may report its total weight
     as `METRIC_WEIGHT_PREFIX + k` (the units, or micro-batch count for summed keys, behind that mean on this rank):
     the group merges the data-parallel ranks' means by those weights (a token mean stays the batch's token mean
-    when ranks hold responses of different lengths) and by rows where an engine reports none.
+    when ranks hold responses of different lengths) and by rows where an engine reports none. A metric named
+    `*_max` (`is_max_metric`) is a maximum: the step's value is the largest over its micro-batches and the ranks
+    (averaged, a ratio of 5 on one token of one micro-batch in 6 was reported as 2.1).
     """
 
     needs_entropy: bool

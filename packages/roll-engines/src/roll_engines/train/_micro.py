@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from roll_core.interfaces.training import METRIC_WEIGHT_PREFIX
+from roll_core.interfaces.training import METRIC_WEIGHT_PREFIX, is_max_metric, largest
 from roll_core.routing import ROUTED_EXPERTS, UNROUTED
 from roll_engines.train._packing import _first_fit, _prompt_keys, prompt_order
 
@@ -153,7 +153,9 @@ class MetricMeans:
     tokens under token-mean aggregation, rows under sequence means): a per-micro-batch token mean (the correction
     weight's, the train/infer gap's, the clip fraction) averaged unweighted over micro-batches of different sizes
     (token-budget cuts, prompt-grouped packing) misweighted its tokens. Where every weight is 0 (micro-batches
-    without units) the values weigh alike."""
+    without units) the values weigh alike. A maximum (`*_max`: roll_core.interfaces.training.is_max_metric) is the
+    largest value (NaN if any is): a mean of micro-batch maxima depended on the cut (one token at ratio 5 in six
+    one-row micro-batches was reported as 2.1)."""
 
     def __init__(self) -> None:
         self._sums: dict[str, float] = {}
@@ -166,11 +168,14 @@ class MetricMeans:
         self._plain.setdefault(key, []).append(value)
 
     def means(self) -> dict[str, float]:
-        """Each key's weighted mean, and its total weight under `METRIC_WEIGHT_PREFIX + key` (what the group's
-        merge over data-parallel ranks weighs this rank's mean by: ranks hold different numbers of tokens)."""
-        out = {
-            k: self._sums[k] / self._weights[k] if self._weights[k] > 0 else sum(v) / len(v)
-            for k, v in self._plain.items()
-        }
+        """Each key's weighted mean (a maximum's largest value), and its total weight under `METRIC_WEIGHT_PREFIX +
+        key` (what the group's merge over data-parallel ranks weighs this rank's mean by: ranks hold different
+        numbers of tokens)."""
+        out = {}
+        for k, v in self._plain.items():
+            if is_max_metric(k):
+                out[k] = largest(v)
+            else:
+                out[k] = self._sums[k] / self._weights[k] if self._weights[k] > 0 else sum(v) / len(v)
         out.update({METRIC_WEIGHT_PREFIX + k: self._weights[k] for k in self._plain})
         return out

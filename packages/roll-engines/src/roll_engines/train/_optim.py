@@ -14,9 +14,18 @@ from typing import Any
 
 import torch
 
+#: The LR schedules after the warm-up (algo.lr_schedule).
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
-    """Multiplier of the base LR at optimizer step `s`: linear warm-up, then constant, cosine or linear decay."""
+    """Multiplier of the base LR at optimizer step `s`: linear warm-up, then constant, cosine or linear decay.
+
+    An unknown `schedule` is a ValueError here: the multiplier read it only past the warm-up, so an engine built
+    with a misspelt one trained through its warm-up and failed mid-run (or never, when the run was no longer than
+    its warm-up)."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown lr schedule {schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
 
     def fn(step: int) -> float:
         if warmup_steps > 0 and step < warmup_steps:
@@ -26,9 +35,7 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         if schedule == "cosine":
             return 0.5 * (1.0 + math.cos(math.pi * progress))
-        if schedule == "linear":
-            return 1.0 - progress
-        raise ValueError(f"unknown lr schedule {schedule!r}")
+        return 1.0 - progress  # linear
 
     return fn
 
