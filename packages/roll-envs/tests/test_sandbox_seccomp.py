@@ -293,7 +293,7 @@ def _verdict(action: int) -> int | str:
 def test_the_filter_decides_every_blocked_syscall_and_allows_the_rest() -> None:
     """Evaluated instruction by instruction: each entry of the table (those a capability-less program is refused by
     the kernel anyway too) is EPERM, the rest of the x86-64 table up to 470 is allowed, foreign ABIs are killed."""
-    program = seccomp._program(0xC000003E, sorted(seccomp.BLOCKED_X86_64.values()), 0x40000000, (56, 435), 157)
+    program = seccomp._program(0xC000003E, sorted(seccomp.BLOCKED_X86_64.values()), 0x40000000, (56, 435), 157, 41)
     if platform.machine().lower() in ("x86_64", "amd64"):
         assert seccomp.filter_program() == program  # the filter bwrap loads here
     new = ("open_tree", "open_tree_attr", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr")
@@ -309,6 +309,7 @@ def test_the_filter_decides_every_blocked_syscall_and_allows_the_rest() -> None:
         assert _decide(program, nr) == 0x7FFF0000, nr
     assert _decide(program, 435) == 0x00050026  # clone3: ENOSYS
     assert _decide(program, 56, arg0=0x10000000) == 0x00050001 and _decide(program, 157, arg0=1) == 0x00050001
+    assert _decide(program, 41, arg0=40) == 0x00050001 and _decide(program, 41, arg0=1) == 0x7FFF0000  # AF_VSOCK
     assert _decide(program, 0, arch=0x40000003) == 0x80000000 and _decide(program, 0x40000000 | 1) == 0x80000000
     with pytest.raises(ValueError, match="one-byte jumps"):
         seccomp._program(0xC000003E, list(range(300)), 0x40000000)
@@ -370,7 +371,7 @@ def test_aarch64_gets_a_filter_refusing_the_same_syscalls(
     assert set(blocked) == set(seccomp.BLOCKED_X86_64) - absent and _syscalls.AARCH64.absent == absent
     numbers = _syscalls.AARCH64.numbers
     assert {name: numbers[name] for name in KERNEL_AARCH64} == KERNEL_AARCH64
-    assert not set(AARCH64_EVERYDAY.values()) & set(numbers.values())
+    assert not set(AARCH64_EVERYDAY.values()) & set(blocked.values())
     # Evaluated instruction by instruction: every blocked syscall is EPERM, the rest of the table up to 470 runs.
     for name, nr in blocked.items():
         assert _verdict(_run_bpf(program, nr, AARCH64)) == EPERM, name
@@ -387,6 +388,7 @@ def test_aarch64_gets_a_filter_refusing_the_same_syscalls(
     assert _verdict(_run_bpf(program, 435, AARCH64)) == ENOSYS
     assert _verdict(_run_bpf(program, 167, AARCH64, (1, 0))) == EPERM
     assert _verdict(_run_bpf(program, 167, AARCH64, (15, 0))) == 0
+    assert _verdict(_run_bpf(program, 198, AARCH64, (40, 1, 0))) == EPERM  # socket(AF_VSOCK, ...)
     # 32-bit compat tasks (AUDIT_ARCH_ARM: other syscall numbers) and x86-64 numbers are killed, whatever the call.
     for nr in (0, 26, 63, 117, 220):
         assert _verdict(_run_bpf(program, nr, ARM)) == "kill", nr

@@ -3,8 +3,8 @@ supported architecture's numbers for those names.
 
 Contract: `BLOCKED_NAMES` is the one list of refused syscalls, shared by every architecture; a `SyscallTable` gives
 one architecture's audit arch, ABI bit and numbers, and checks on construction that it numbers every blocked name
-except those it lists as `absent` (syscalls the architecture never had: nothing to refuse), plus the three syscalls
-the filter inspects by argument (clone, clone3, prctl). `TABLES` holds the tables by `platform.machine()` name.
+except those it lists as `absent` (syscalls the architecture never had: nothing to refuse), plus the syscalls the filter
+inspects by argument (clone, clone3, prctl, socket). `TABLES` holds the tables by `platform.machine()` name.
 A name missing from a table, a number given twice or an unknown name is a ValueError at import, never a filter
 that silently lets a syscall through.
 """
@@ -32,11 +32,13 @@ BLOCKED_NAMES: tuple[str, ...] = (
     "settimeofday", "clock_settime", "clock_adjtime", "iopl", "ioperm", "syslog", "vhangup",
     # Obsolete interfaces (most are ENOSYS on current kernels; old ones may still have them).
     "uselib", "_sysctl", "ustat", "sysfs", "lookup_dcookie", "nfsservctl", "get_kernel_syms", "query_module",
-    # Memory outside every rlimit.
-    "shmget", "msgget", "memfd_create", "memfd_secret",
+    # Memory outside every rlimit: System V shared memory, semaphore sets (32000 semaphores, ~2 MiB of kernel memory
+    # a call) and message queues, memfd files, and extended attributes (a tmpfs keeps them in kernel memory outside
+    # its size cap: 500 MiB in 0.2 s on the sandbox's 64 MiB /tmp; setxattrat is Linux 6.13).
+    "shmget", "semget", "msgget", "memfd_create", "memfd_secret", "setxattr", "lsetxattr", "fsetxattr", "setxattrat",
 )  # fmt: skip
 #: Syscalls the filter checks by argument rather than by number alone.
-INSPECTED_NAMES = ("clone", "clone3", "prctl")
+INSPECTED_NAMES = ("clone", "clone3", "prctl", "socket")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,15 +97,17 @@ X86_64 = SyscallTable(
         "vhangup": 153,
         "uselib": 134, "_sysctl": 156, "ustat": 136, "sysfs": 139, "lookup_dcookie": 212, "nfsservctl": 180,
         "get_kernel_syms": 177, "query_module": 178,
-        "shmget": 29, "msgget": 68, "memfd_create": 319, "memfd_secret": 447,
-        "clone": 56, "clone3": 435, "prctl": 157,
+        "shmget": 29, "semget": 64, "msgget": 68, "memfd_create": 319, "memfd_secret": 447, "setxattr": 188,
+        "lsetxattr": 189, "fsetxattr": 190, "setxattrat": 463,
+        "clone": 56, "clone3": 435, "prctl": 157, "socket": 41,
     },
 )  # fmt: skip
 
 # arm64 (aarch64): the asm-generic table, include/uapi/asm-generic/unistd.h, checked against Linux 6.1's copy
 # (Debian linux-libc-dev 6.1) and scripts/syscall.tbl (where the table lives since 6.11) for open_tree_attr (467,
-# Linux 6.15). arm64 defines none of the 16 architecture-specific slots (244-259) and no x32-like ABI bit: its only
-# other ABI, 32-bit compat tasks, reports AUDIT_ARCH_ARM and is killed by the arch check. clone's flags are its first
+# Linux 6.15) and setxattrat (463, Linux 6.13, the same number as on x86-64). arm64 defines none of the 16
+# architecture-specific slots (244-259) and no x32-like ABI bit: its only other ABI, 32-bit compat tasks, reports
+# AUDIT_ARCH_ARM and is killed by the arch check. clone's flags are its first
 # argument (arm64 selects CONFIG_CLONE_BACKWARDS: clone(flags, newsp, parent_tid, tls, child_tid), kernel/fork.c;
 # only CLONE_BACKWARDS2, s390, moves them), so the clone check reads the same word as on x86-64.
 AARCH64 = SyscallTable(
@@ -122,8 +126,9 @@ AARCH64 = SyscallTable(
         "reboot": 142, "swapon": 224, "swapoff": 225, "acct": 89, "quotactl": 60, "quotactl_fd": 443,
         "settimeofday": 170, "clock_settime": 112, "clock_adjtime": 266, "syslog": 116, "vhangup": 58,
         "lookup_dcookie": 18, "nfsservctl": 42,
-        "shmget": 194, "msgget": 186, "memfd_create": 279, "memfd_secret": 447,
-        "clone": 220, "clone3": 435, "prctl": 167,
+        "shmget": 194, "semget": 190, "msgget": 186, "memfd_create": 279, "memfd_secret": 447, "setxattr": 5,
+        "lsetxattr": 6, "fsetxattr": 7, "setxattrat": 463,
+        "clone": 220, "clone3": 435, "prctl": 167, "socket": 198,
     },
     # Never in the asm-generic table, so an arm64 kernel has no code behind them to reach: iopl and ioperm are x86
     # I/O-port privileges; create_module, get_kernel_syms and query_module predate it (2.6 removed them); uselib,

@@ -20,8 +20,8 @@ Contract:
 - bwrap itself starts with `BWRAP_ENV`, none of the trainer's environment: no process of a run holds its secrets.
 - Sandboxed programs run under a seccomp filter (roll_envs.sandbox.seccomp; x86-64 and aarch64: elsewhere a
   warning says runs go without one) that refuses tracing, namespaces (unshare, setns, clone with a namespace flag),
-  mounts, keyrings, eBPF, perf, userfaultfd, io_uring, module loading, System V shared memory / message queues
-  and memfd_create with EPERM.
+  mounts, keyrings, eBPF, perf, userfaultfd, io_uring, module loading, System V shared memory / semaphores /
+  message queues, memfd_create, extended attributes and virtio sockets (AF_VSOCK) with EPERM.
 - Where a cgroup can be made (roll_envs.sandbox.cgroup), each run gets its own, capping the memory and processes
   of the whole run (`run_memory_mb`, `max_processes`); otherwise the limits are per process (RLIMIT_AS and the
   others of `SandboxLimits.rlimits`, applied in every mode).
