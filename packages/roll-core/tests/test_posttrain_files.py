@@ -241,6 +241,40 @@ def test_a_datasets_folder_of_splits_gives_train_rows_and_held_out_rows(tmp_path
     assert len(load("sft", tok, path=three, eval_path=f"{three}/validation").eval) == 2
 
 
+def test_a_datasets_folder_of_splits_as_data_path_says_which_it_reads(tmp_path, caplog):
+    """data.path naming a saved DatasetDict of several splits read its 'train' split and said nothing of the
+    others (a user who meant its 'test' split to be held out got a hash split of 'train' instead); the RL loader
+    warns in this case, and so does this one now, with the same words."""
+    import logging
+
+    datasets = pytest.importorskip("datasets")
+    tok = TOKS["tiny"]
+    rows = {s: [{"prompt": f"{s} {i}", "completion": "a"} for i in range(3)] for s in ("train", "test")}
+    folder = str(tmp_path / "dd")
+    datasets.DatasetDict({s: datasets.Dataset.from_list(r) for s, r in rows.items()}).save_to_disk(folder)
+    with caplog.at_level(logging.WARNING, logger="roll_core.posttrain.rows"):
+        data = load("sft", tok, path=folder)
+    assert len(data.train) == 3 and tok.decode(data.train.batch([0])["prompts"][0]).startswith("<|user|>train 0")
+    assert caplog.text.count("holds the splits ['test', 'train']: reading 'train' only") == 1
+    assert "its 'test' split is held out only when data.eval_path names this folder too" in caplog.text
+    caplog.clear()
+    three = str(tmp_path / "three")
+    datasets.DatasetDict(
+        {s: datasets.Dataset.from_list(rows["train"]) for s in ("train", "validation", "test")}
+    ).save_to_disk(three)
+    with caplog.at_level(logging.WARNING, logger="roll_core.posttrain.rows"):
+        load("sft", tok, path=three)
+    assert "holds the splits ['test', 'train', 'validation']: reading 'train' only (point data.eval_path" in (
+        caplog.text
+    )
+    caplog.clear()
+    (tmp_path / "one").mkdir()
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows["train"])}).save_to_disk(str(tmp_path / "one"))
+    with caplog.at_level(logging.WARNING, logger="roll_core.posttrain.rows"):
+        load("sft", tok, path=str(tmp_path / "one"))
+    assert "holds the splits" not in caplog.text  # one split: nothing left unread
+
+
 def test_held_out_split_is_stable_and_keeps_prompts_together(tmp_path):
     tok = TOKS["tiny"]
     rows = [{"prompt_ids": [5 + i % 10], "response_ids": [7, 8 + i]} for i in range(40)]  # 10 prompts x 4

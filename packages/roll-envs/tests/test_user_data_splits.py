@@ -1,7 +1,8 @@
 """Data files as tasks, the held-out side: env=multi keeps a problem one sub-task holds out out of every other
-sub-task's training; and Parquet/datasets float32 answer columns read as the decimals written, not as the binary
-float32 value's noise (0.1 read as "0.10000000149011612", which no correct answer matched). Real files in
-tmp_path, real tasks and rewards."""
+sub-task's training; a training row that is a held-out row's problem but for whitespace in its prompt is left out
+of training (counted, logged); and Parquet/datasets float32 answer columns read as the decimals written, not as
+the binary float32 value's noise (0.1 read as "0.10000000149011612", which no correct answer matched). Real files
+in tmp_path, real tasks and rewards."""
 
 from __future__ import annotations
 
@@ -85,3 +86,60 @@ def test_float32_answer_columns_read_as_the_decimals_written(tmp_path: Path) -> 
     rows = {"prompt": [f"q{i}?" for i in range(5)], "answer": values[:5]}
     datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(folder))
     assert [p.answer for p in load_problems(folder)[0]] == answers
+
+
+def test_a_prompt_repeated_but_for_whitespace_is_not_both_trained_and_held_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hash split hashes the raw prompt, so "Q?" and "Q?\\n" (or a doubled space) fell on different sides: with
+    300 problems each written twice that way, 53 of the 54 held-out problems were trained on too. The split itself
+    is unchanged (a resumed run keeps its sides); the training copies of held-out problems are left out, counted
+    and logged once. The same holds for rows of env.eval_path."""
+    from types import SimpleNamespace
+
+    from roll_envs.tasks.base import held_out_split, split_key, stable_fraction
+
+    rows = []
+    for i in range(300):
+        prompt = f"What is {i} + {i}? Box it."
+        rows += [{"prompt": prompt, "answer": str(2 * i)}, {"prompt": prompt + "\n", "answer": str(2 * i)}]
+        rows.append({"prompt": prompt.replace(" + ", "  +  "), "answer": str(2 * i)})
+    data = _write(tmp_path / "rows.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="roll_envs.tasks.base"):
+        task = FileTask(MathReward(), path=str(data), eval_size=1000)
+
+    def loose(p: object) -> str:
+        return " ".join(p.prompt.split())
+
+    held = {loose(p) for p in task.eval_set()}
+    assert len(held) > 20 and not held & {loose(p) for p in task.train_set()}
+    # The sides are still decided by the raw prompt's hash: every held-out row is still held out, nothing moved in.
+    assert all(stable_fraction(split_key(p)) < 0.1 for p in task.eval_set())
+    raw_train = [p for p in task.train_set() if stable_fraction(split_key(p)) >= 0.1]
+    assert len(raw_train) == len(task.train_set())
+    dropped = 900 - len(task.eval_set()) - len(task.train_set())
+    assert dropped > 0 and task.also_held_out == dropped
+    assert caplog.text.count("repeat a held-out row's prompt but for whitespace") == 1
+    assert f"{dropped} of its 900 rows repeat a held-out row's prompt" in caplog.text
+    # Exact repeats share a side already: nothing is left out, nothing said.
+    caplog.clear()
+    exact = _write(tmp_path / "exact.jsonl", [r for r in rows if not r["prompt"].endswith("\n")][::2] * 2)
+    with caplog.at_level(logging.WARNING, logger="roll_envs.tasks.base"):
+        plain = FileTask(MathReward(), path=str(exact), eval_size=1000)
+    assert plain.also_held_out == 0 and "but for whitespace" not in caplog.text
+    # env.eval_path holding a problem with other whitespace: its training copy is left out too.
+    bench = _write(tmp_path / "bench.jsonl", [{"prompt": r["prompt"] + " \n", "answer": r["answer"]} for r in rows[:9]])
+    with_bench = FileTask(MathReward(), path=str(data), eval_path=str(bench))
+    assert with_bench.also_held_out == 9 and len(with_bench.train_set()) == 891
+    # Pictures are part of the problem: the same question about another picture is another problem.
+    pics = [SimpleNamespace(prompt=f"Q{i}  about <image>", images=[f"{i}".encode()]) for i in range(200)]
+    near = [SimpleNamespace(prompt=f"Q{i} about <image>\n", images=[f"{i}".encode()]) for i in range(200)]
+    other = [SimpleNamespace(prompt=f"Q{i} about <image>\n", images=[b"other"]) for i in range(200)]
+    counts: dict[str, int] = {}
+    train, held_pics = held_out_split(
+        pics + near + other, None, eval_fraction=0.2, eval_size=600, path="p", counts=counts
+    )
+    held_keys = {(loose(p), bytes(p.images[0])) for p in held_pics}
+    assert not held_keys & {(loose(p), bytes(p.images[0])) for p in train}
+    assert all(p in train for p in other if stable_fraction(split_key(p)) >= 0.2)
+    assert counts["also_held_out"] == 600 - len(train) - len(held_pics) > 0

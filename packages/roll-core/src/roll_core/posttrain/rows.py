@@ -6,11 +6,12 @@ Contract:
   saved by `datasets.save_to_disk`) in order and returns `RawRow`s (where =
   "file:row", the row as a dict). Local only: a path that does not exist is a `ConfigError` naming the setting
   (roll never downloads from a hub). A `datasets` folder of several splits gives its `train` split to `data.path`
-  and its one other split (test, validation) to `data.eval_path`; other split sets are a `ConfigError` naming
-  them. An unknown file kind, an unreadable file, or a file with no rows at all is a `ConfigError` too. A row that
-  cannot be read (not UTF-8, not JSON, not an object, a CSV record with more fields than the header has columns:
-  its text was split at an unquoted comma) is recorded in `Skips` under a short reason code with its location and
-  detail; a file where every row is bad is a `ConfigError` naming the first reason.
+  (with a warning naming the splits it leaves) and its one other split (test, validation) to `data.eval_path`;
+  other split sets are a `ConfigError` naming them. An unknown file kind, an unreadable file, or a file with no
+  rows at all is a `ConfigError` too. A row that cannot be read (not UTF-8, not JSON, not an object, a CSV record
+  with more fields than the header has columns: its text was split at an unquoted comma) is recorded in `Skips`
+  under a short reason code with its location and detail; a file where every row is bad is a `ConfigError` naming
+  the first reason.
 - `Skips` counts skipped rows per reason (`counts`, the `skipped: dict[str, int]` runs log) and keeps the first
   few details; `check_any(kept, setting)` raises a `ConfigError` naming the first reason when nothing was kept.
 - `stable_fraction(key)` and `held_out(...)`: a deterministic held-out split by a stable hash of each row's
@@ -215,6 +216,14 @@ def _read_datasets(path: Path, setting: str) -> list[dict[str, Any]]:
                 f"{setting}: {path} holds splits {list(ds)}, not {which}: point {setting} at one split's folder "
                 f"({path / hint})"
             )
+        if not held:  # the other splits are never read here: say so, as the RL loader does (roll_envs.tasks.dataset)
+            others = [s for s in ds if s != "train"]
+            hint = (
+                f"its {others[0]!r} split is held out only when data.eval_path names this folder too"
+                if len(others) == 1
+                else "point data.eval_path at one split's folder to hold it out"
+            )
+            log.warning("%s holds the splits %s: reading 'train' only (%s)", path, sorted(ds), hint)
         ds = ds[splits[0]]
     elif isinstance(ds, datasets.DatasetDict):
         ds = next(iter(ds.values()))

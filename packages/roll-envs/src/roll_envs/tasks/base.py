@@ -50,12 +50,18 @@ def held_out_split(
     eval_size: int,
     path: str | None,
     eval_path: str | None = None,
+    counts: dict[str, int] | None = None,
 ) -> tuple[list[Any], list[Any]]:
     """(train, held-out) of a file-backed task: with `held` (the rows of env.eval_path) every row of `problems`
-    trains but those also in `held` (same `split_key`: dropped with one warning, so the two sets never share a
-    problem); without, prompts whose stable hash falls below `eval_fraction` are held out. The held-out list is cut
-    to `eval_size`. A ConfigError when nothing is left to train on. env.path and env.eval_path naming the same
-    file is an evaluation set (roll-eval --data): every row is both, with a warning."""
+    trains but those also in `held`; without, prompts whose stable hash (`split_key`) falls below `eval_fraction`
+    are held out, and training rows that repeat a held-out row but for whitespace are left out too (the hash of
+    the raw prompt put "Q?" and "Q?\n" on different sides: a held-out problem also trained on). Either way a row
+    is "also held out" when its `loose_key` (prompt with whitespace collapsed, and pictures) is a held-out row's:
+    such rows are dropped from training with one warning and counted in `counts["also_held_out"]` (when `counts`
+    is given), so the two sets never share a problem. `split_key` itself is unchanged: a resumed run keeps its
+    split. The held-out list is cut to `eval_size` (training does not depend on it). A ConfigError when nothing is
+    left to train on. env.path and env.eval_path naming the same file is an evaluation set (roll-eval --data):
+    every row is both, with a warning."""
     from roll_core.errors import ConfigError
 
     if held is not None and path and eval_path and _same_file(path, eval_path):
@@ -76,17 +82,32 @@ def held_out_split(
                 eval_size,
                 len(held) - eval_size,
             )
+        held_keys = {loose_key(p) for p in held}  # (all of them: the split is eval_size's business, not training's)
+        near = [p for p in train if loose_key(p) in held_keys]  # exact repeats already share a side
+        if near:
+            train = [p for p in train if loose_key(p) not in held_keys]
+            log.warning(
+                "%s: %d of its %d rows repeat a held-out row's prompt but for whitespace: left out of training (a "
+                "held-out problem that is trained on measures nothing)",
+                path,
+                len(near),
+                len(problems),
+            )
+        left_out = len(near)
     else:
-        evaluated = {split_key(p) for p in held}
-        train = [p for p in problems if split_key(p) not in evaluated]
-        if len(train) < len(problems):
+        evaluated = {loose_key(p) for p in held}
+        train = [p for p in problems if loose_key(p) not in evaluated]
+        left_out = len(problems) - len(train)
+        if left_out:
             log.warning(
                 "%s: %d of its %d rows are also in env.eval_path: left out of training (a held-out problem "
                 "that is trained on measures nothing)",
                 path,
-                len(problems) - len(train),
+                left_out,
                 len(problems),
             )
+    if counts is not None:
+        counts["also_held_out"] = left_out
     if not train:
         raise ConfigError(
             f"{path}: every row fell in the held-out split; lower env.eval_fraction or give env.eval_path"
@@ -119,6 +140,15 @@ def split_key(problem: Any) -> str:
     if not images:
         return problem.prompt
     return problem.prompt + "\x00" + "\x00".join(image_key(im) for im in images)
+
+
+def loose_key(problem: Any) -> str:
+    """`split_key` with the prompt's whitespace collapsed (runs of spaces, tabs and newlines to one space, none at
+    the ends): rows equal under it are one problem to a model (a trailing newline, a doubled space), so a training
+    row is never one of these of a held-out row. Not what decides a side: `split_key` does, unchanged."""
+    images = getattr(problem, "images", None) or ()
+    prompt = " ".join(problem.prompt.split())
+    return prompt + "".join("\x00" + image_key(im) for im in images)
 
 
 def image_key(image: Any) -> str:
@@ -155,6 +185,9 @@ class Task:
         self.examples: list[tuple[str, str]] = []
         # Bad rows skipped while loading data files: (file, row number, reason); generated tasks have none.
         self.skipped: list[tuple[str, int, str]] = []
+        # Training rows left out because a held-out row is the same problem (held_out_split's "also_held_out"):
+        # file tasks only; generated tasks draw disjoint splits.
+        self.also_held_out = 0
 
     @property
     def skipped_rows(self) -> dict[str, int]:

@@ -6,7 +6,9 @@ skipped, counted and reported with their 1-based line (or row) numbers in `skipp
 which the loop puts in the metrics and the run summary), and a summary is logged: never silently dropped, never a
 crash halfway through a file. A file that is missing, unreadable as a whole, of an unknown kind, or left empty after
 skipping is a `ConfigError` naming the setting (env.path / env.eval_path), so roll-train ends with one message and
-exit status 2, not a traceback. The held-out split is `eval_path` when given, else a stable-hash fraction of the rows.
+exit status 2, not a traceback. The held-out split is `eval_path` when given, else a stable-hash fraction of the rows;
+training rows that are a held-out row's problem but for whitespace in the prompt ("Q?" and "Q?\n") are left out of
+training, counted in `also_held_out` and logged (base.held_out_split).
 
 Pictures (vision-language data): the `images_key` column (default `images`; a lone `image` column too) holds a
 row's pictures: a list, or one value, of paths (relative to the data file's folder), encoded bytes, base64 text
@@ -389,9 +391,17 @@ class FileTask(Task):
         # Rows that name no domain (they have "math"): env=multi with route=column gives them the sub-task's own
         # domain instead (its reward), not whichever sub-task happens to be called "math".
         self.default_domain_ids = defaulted
+        counts: dict[str, int] = {}
         self._train, self._eval = held_out_split(
-            problems, held, eval_fraction=eval_fraction, eval_size=eval_size, path=path, eval_path=eval_path
+            problems,
+            held,
+            eval_fraction=eval_fraction,
+            eval_size=eval_size,
+            path=path,
+            eval_path=eval_path,
+            counts=counts,
         )
+        self.also_held_out = counts.get("also_held_out", 0)
 
     @classmethod
     def conformance_task(cls, seed: int, workdir: Path) -> FileTask:
