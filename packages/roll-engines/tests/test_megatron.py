@@ -138,8 +138,9 @@ def test_the_vocabulary_projection_runs_on_response_positions_only(packed: bool)
 
 
 def test_the_reported_learning_rate_is_hfs_step_for_step() -> None:
-    """With a warmup, each step's `lr` metric is the hf engine's (the schedule's value after the step): Megatron
-    reported the previous step's, one step behind hf's curve (the rate applied was the same)."""
+    """With a warmup, each step's `lr` metric is the hf engine's: the rate the step's optimizer step applied
+    (Megatron sets it on its optimizer's groups before stepping). Both reported the schedule's value after the step
+    (with a warm-up of 4, LR x 2/4 for a step that trained at LR x 1/4); Megatron once one step behind hf's."""
     from roll_core.models import resolve_model_path
     from roll_core.pipelines.objectives import PolicyObjective
     from roll_core.testing.batches import toy_batch
@@ -151,9 +152,11 @@ def test_the_reported_learning_rate_is_hfs_step_for_step() -> None:
     common = {"micro_batch_size": 3, "lr": 1e-3, "warmup_steps": 4, "total_steps": 10}
     hf = HFTrainEngine(path, **common)
     mega = MegatronTrainEngine(path, dist_backend="gloo", use_distributed_optimizer=False, **common)
-    for _ in range(2):
+    for step in range(2):
         want = hf.train_step(batch, PolicyObjective())["lr"]
-        assert mega.train_step(batch, PolicyObjective())["lr"] == pytest.approx(want)
+        got = mega.train_step(batch, PolicyObjective())["lr"]
+        assert want == pytest.approx(1e-3 * (step + 1) / 4)  # the warm-up's rate for this step
+        assert got == pytest.approx(want) and mega.optimizer.param_groups[0]["lr"] == pytest.approx(want)
 
 
 @pytest.mark.parametrize(

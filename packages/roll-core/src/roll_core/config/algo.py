@@ -50,7 +50,9 @@ class AlgoConfig:
     lr: float = 1e-6
     # Linear warm-up steps of the actor and critic learning rates (optimizer steps).
     warmup_steps: int = 0
-    # LR schedule after warm-up: constant | cosine | linear (decay to 0 at the last step).
+    # LR schedule after warm-up: constant | cosine | linear. cosine and linear decay towards 0 over the D = T -
+    # warmup_steps optimizer steps after the warm-up (T = pipeline.max_steps x ppo_epochs x mini-batches), as Hugging
+    # Face's schedules: the last step still trains (linear: at lr / D); 0 is the rate of the step after it.
     lr_schedule: str = "constant"
     # AdamW weight decay.
     weight_decay: float = 0.0

@@ -119,7 +119,13 @@ class TrainEngine(Protocol):
     ) -> dict[str, float]:
         """`epochs` x `mini_batches` optimizer steps over this rank's rows; averaged metrics (collective). Each
         mini-batch is cut into micro-batches of `micro_batch_size` rows, or of at most `micro_batch_tokens`
-        attended tokens when the engine was built with that budget > 0; the gradient is the same either way."""
+        attended tokens when the engine was built with that budget > 0; the gradient is the same either way.
+
+        The step's own metrics (logged as `actor/<name>`, `critic/<name>`): `optimizer_steps` taken and
+        `nonfinite_steps` skipped (a NaN/inf loss or gradient; weights, moments and LR schedule untouched);
+        `grad_norm`, the mean over the steps taken of the total gradient norm before clipping (absent when none
+        was taken: a skipped step has no norm); `lr`, the mean over the steps taken of the learning rate each
+        applied (with none taken, the rate the next step will apply)."""
         ...
 
     def compute_gradients(

@@ -433,9 +433,11 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
                     means.add(k, v, w)
                 if total == 0:
                     continue
+                lr = float(self.optimizer.param_groups[0]["lr"])  # what this step applies (the schedule's now)
                 norm, stepped, overflow = self._clip_and_step()
                 if stepped:
                     means.add("grad_norm", norm)
+                    means.add("lr", lr)
                 skipped += int(not stepped and not overflow)
                 scaler_skips += int(overflow)
                 steps += int(stepped)
@@ -446,7 +448,10 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         out["nonfinite_steps"], out["optimizer_steps"] = float(skipped), float(steps)
         if self.scaler is not None:
             out["scaler_skipped_steps"], out["loss_scale"] = float(scaler_skips), float(self.scaler.get_scale())
-        out["lr"] = self.scheduler.get_last_lr()[0] if self.scheduler else 0.0
+        # `lr`: the mean rate the step's optimizer steps applied (the schedule moves between them); a step that took
+        # none reports the rate the next one will apply. (It was the schedule's value after the step: with a warm-up
+        # of 4, a step that trained at lr/4 logged lr/2.)
+        out.setdefault("lr", float(self.optimizer.param_groups[0]["lr"]))
         out["train_seconds"] = time.perf_counter() - t0
         out["forward_tokens"] = self.forward_tokens - tokens0  # positions computed (padding included)
         out["micro_batches"] = float(self.micro_batches_run - micros0)  # forward/backward passes, padding included

@@ -30,7 +30,8 @@ over micro-batches (row counts or token budgets) and ranks: nothing is averaged.
 Metrics (pairs-weighted means over the step's mini-batches, with the pre-update policy of each): dpo/loss (the
 objective: preference loss + sft_weight x NLL), dpo/preference_loss, dpo/nll, dpo/reward_accuracy,
 dpo/reward_margin, dpo/rewards_chosen, dpo/rewards_rejected, dpo/chosen_logp, dpo/rejected_logp (mean summed
-log-probs); the actor's train metrics under actor/ (optimizer steps and non-finite steps summed over the step).
+log-probs); the actor's train metrics under actor/ (`merge_pass_metrics`: optimizer steps and non-finite steps
+summed over the step, `grad_norm` and `lr` means over the optimizer steps taken, a skipped pass weighing nothing).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from torch import Tensor
 from roll_algos.preference import preference_row_weights
 from roll_core.config.schema import RLVRConfig
 from roll_core.errors import ConfigError
+from roll_core.interfaces.training import is_max_metric, largest
 from roll_core.pipelines.collectors import Collected
 from roll_core.pipelines.metrics import StepLog
 from roll_core.pipelines.objectives import RoleNeeds
@@ -54,8 +56,17 @@ from roll_core.seeds import Purpose, derive_seed
 
 #: Batch keys the objective adds to each mini-batch for its loss.
 WEIGHT_KEY, ROW_KEY = "dpo_weight", "dpo_row"
-#: Train metrics that add up over the step's mini-batches (the others are averaged; `lr` is the last one's).
-_SUMMED = ("nonfinite_steps", "optimizer_steps", "train_seconds", "forward_tokens", "micro_batches")
+#: Train metrics that add up over the step's mini-batches (see `merge_pass_metrics` for the others).
+_SUMMED = (
+    "nonfinite_steps",
+    "optimizer_steps",
+    "scaler_skipped_steps",
+    "train_seconds",
+    "forward_tokens",
+    "micro_batches",
+)
+#: Train metrics that are means over a pass's optimizer steps taken (a skipped pass reports no step's value).
+_PER_STEP = ("grad_norm", "lr")
 
 
 @dataclass
@@ -159,8 +170,7 @@ class DPOObjective:
         n_mini = mini_batches_of(self.roles, n_pairs)
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.pipeline.seed, Purpose.SHUFFLE, step))
         dpo_sums: dict[str, float] = {}
-        train_sums: dict[str, float] = {}
-        passes = 0
+        train_passes: list[dict[str, float]] = []
         for _ in range(self.cfg.algo.ppo_epochs):
             order = torch.randperm(n_pairs, generator=gen)
             for pairs in torch.tensor_split(order, n_mini):
@@ -176,16 +186,13 @@ class DPOObjective:
                         mini_batches=1,
                         epochs=1,
                         temperature=1.0,
-                        shuffle_seed=derive_seed(self.cfg.pipeline.seed, Purpose.SHUFFLE, step, passes),
+                        shuffle_seed=derive_seed(self.cfg.pipeline.seed, Purpose.SHUFFLE, step, len(train_passes)),
                     )
-                passes += 1
-                for k, v in got.items():
-                    train_sums[k] = v if k == "lr" else train_sums.get(k, 0.0) + v
+                train_passes.append(got)
         epochs = self.cfg.algo.ppo_epochs
         out.update({f"dpo/{k}": v / (n_pairs * epochs) for k, v in dpo_sums.items()})
-        for k, v in train_sums.items():
-            value = v if k in _SUMMED or k == "lr" else v / passes
-            out[k if "/" in k else f"actor/{k}"] = value
+        for k, v in merge_pass_metrics(train_passes).items():
+            out[k if "/" in k else f"actor/{k}"] = v
         tokens = float(batch["response_mask"].sum())
         out["perf/response_tokens"] = tokens
         out["perf/train_tokens_per_s"] = tokens * epochs / max(out.timers.get("train_actor", 0.0), 1e-9)
@@ -227,6 +234,34 @@ class DPOObjective:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+def merge_pass_metrics(passes: list[dict[str, float]]) -> dict[str, float]:
+    """One step's train metrics from its passes' (one `train` call, one optimizer step each): counts and times
+    (`_SUMMED`) add up; `grad_norm` and `lr` are means over the optimizer steps taken (each pass weighted by its
+    `optimizer_steps`: a pass skipped for a non-finite gradient has no norm and applied no rate; with no step taken
+    `lr` is the last pass's, the rate the next step will apply, and `grad_norm` is absent); a maximum (`*_max`) is
+    the largest; any other metric is the mean over the passes that report it."""
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    values: dict[str, list[float]] = {}
+    for got in passes:
+        for k, v in got.items():
+            w = float(got.get("optimizer_steps", 1.0)) if k in _PER_STEP else 1.0
+            sums[k] = sums.get(k, 0.0) + v * w
+            weights[k] = weights.get(k, 0.0) + w
+            values.setdefault(k, []).append(v)
+    out: dict[str, float] = {}
+    for k, vs in values.items():
+        if k in _SUMMED:
+            out[k] = sum(vs)
+        elif is_max_metric(k):
+            out[k] = largest(vs)
+        elif weights[k] > 0:
+            out[k] = sums[k] / weights[k]
+        elif k == "lr":
+            out[k] = vs[-1]
+    return out
 
 
 def pair_arguments(d: Any, seq: Tensor, ref: Tensor | None, lengths: Tensor) -> dict[str, Any]:

@@ -471,14 +471,16 @@ class MegatronTrainEngine:
                     means.add(k, v, w)
                 if total == 0:
                     continue
+                lr = self.base_lr * self._lr(self._step)  # what this step applies
                 norm, ok = self._step_optimizer()
                 if ok:
                     means.add("grad_norm", norm)
+                    means.add("lr", lr)
                 skipped += int(not ok)
                 steps += int(ok)  # a skipped step is not an optimizer step
         out = means.means()
         out["nonfinite_steps"], out["optimizer_steps"] = float(skipped), float(steps)
-        out["lr"] = self.base_lr * self._lr(self._step)  # the next step's, as the hf engine reports (get_last_lr)
+        out.setdefault("lr", self.base_lr * self._lr(self._step))  # the steps' mean rate, as hf's; none: the next's
         if self.routing is not None:  # (position, MoE layer) pairs whose replayed experts differ from the trainer's own
             out["routing_replay_changed_fraction"] = self.routing.changed_fraction()
         out["train_seconds"] = time.perf_counter() - t0
