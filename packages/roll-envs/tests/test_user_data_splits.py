@@ -26,19 +26,21 @@ def _write(path: Path, rows: list) -> Path:
 def test_a_problem_another_sub_task_holds_out_is_not_trained_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A benchmark as one domain's env.eval_path, also inside another domain's training file: it was trained on
-    and evaluated (each file task kept only its own splits apart)."""
+    """A benchmark as one domain's env.eval_path, also inside another domain's training file (some rows but for
+    whitespace): it was trained on and evaluated (each file task kept only its own splits apart)."""
     bench = [{"prompt": f"benchmark {i}?", "answer": str(i)} for i in range(5)]
     math_path = _write(tmp_path / "math.jsonl", [{"prompt": f"math {i}?", "answer": str(i)} for i in range(20)])
     bench_path = _write(tmp_path / "bench.jsonl", bench)
-    mix_path = _write(tmp_path / "mix.jsonl", [{"prompt": f"mix {i}?", "answer": str(i)} for i in range(20)] + bench)
+    # The benchmark inside the other file: three rows as they are, two but for whitespace (one problem to a model).
+    copies = bench[:3] + [{**r, "prompt": r["prompt"].replace(" ", "  ") + "\n"} for r in bench[3:]]
+    mix_path = _write(tmp_path / "mix.jsonl", [{"prompt": f"mix {i}?", "answer": str(i)} for i in range(20)] + copies)
     tasks = {
         "math": FileTask(MathReward(), path=str(math_path), eval_path=str(bench_path)),
         "mix": FileTask(MathReward(), path=str(mix_path), eval_fraction=0.0),
     }
     with caplog.at_level(logging.WARNING, logger="roll_envs.tasks.multi"):
         task = MultiTask(tasks)
-    train = {p.prompt for p in task.train_set()}
+    train = {" ".join(p.prompt.split()) for p in task.train_set()}
     held = {p.prompt for p in task.eval_set()}
     assert held == {r["prompt"] for r in bench}
     assert not train & held

@@ -238,23 +238,23 @@ class MultiTask:
 
 
 def _without_others_held_out(train: list[DomainProblem], held: list[DomainProblem]) -> list[DomainProblem]:
-    """`train` less the problems another sub-task holds out (same `split_key`: prompt and pictures), with one
-    warning per sub-task. Each sub-task keeps its own splits apart, but not from the others': a benchmark given as
-    one sub-task's env.eval_path and also inside another's training file was trained on and evaluated (the Task
-    contract: train and held-out never share a problem). A sub-task's own held-out rows are its business (a
-    file task whose env.eval_path is its env.path evaluates on its training rows, on purpose). A ConfigError when
-    that leaves a sub-task nothing to train on."""
-    from roll_envs.tasks.base import split_key
+    """`train` less the problems another sub-task holds out (same `loose_key`: prompt but for whitespace, and
+    pictures), with one warning per sub-task. Each sub-task keeps its own splits apart, but not from the others': a
+    benchmark given as one sub-task's env.eval_path and also inside another's training file was trained on and
+    evaluated (the Task contract: train and held-out never share a problem). A sub-task's own held-out rows are its
+    business (a file task whose env.eval_path is its env.path evaluates on its training rows, on purpose). A
+    ConfigError when that leaves a sub-task nothing to train on."""
+    from roll_envs.tasks.base import loose_key
 
     held_by: dict[str, set[str]] = {}
     for p in held:
-        held_by.setdefault(split_key(p), set()).add(p.task)
+        held_by.setdefault(loose_key(p), set()).add(p.task)
     kept: list[DomainProblem] = []
     dropped: dict[str, int] = {}
     total: dict[str, int] = {}
     for p in train:
         total[p.task] = total.get(p.task, 0) + 1
-        if held_by.get(split_key(p), {p.task}) - {p.task}:
+        if held_by.get(loose_key(p), {p.task}) - {p.task}:
             dropped[p.task] = dropped.get(p.task, 0) + 1
         else:
             kept.append(p)
