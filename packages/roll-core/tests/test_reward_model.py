@@ -188,6 +188,29 @@ def test_text_template_and_offload(run_cfg, rm_path: str) -> None:
     torch.testing.assert_close(scored["scores"], torch.tensor(want), atol=1e-5, rtol=1e-5)
 
 
+def test_a_text_template_that_spells_the_bos_gets_one_bos() -> None:
+    """A text template written with the model's bos (`<s>Q: ...`) is tokenised with that one bos: the tokenizer
+    adding its own before it gave `<s><s>Q: ...` (an input the reward model never read); a template without one
+    gets the tokenizer's, and what the tokenizer appends after the text (eos) stays."""
+    from tokenizers import processors
+
+    from roll_core.cluster.reward_model import format_row
+    from roll_core.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    tok._tokenizer.post_processor = processors.TemplateProcessing(  # Llama's: bos before the text
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
+    text_ids = tok("Q: 1+1 A: 2", add_special_tokens=False)["input_ids"]
+    assert format_row(tok, "<s>Q: {prompt} A: {response}", "1+1", "2") == [bos, *text_ids]
+    assert format_row(tok, "Q: {prompt} A: {response}", "1+1", "2") == [bos, *text_ids]
+    tok._tokenizer.post_processor = processors.TemplateProcessing(  # add_eos_token: eos after the text too
+        single="<s> $A </s>", special_tokens=[("<s>", bos), ("</s>", eos)]
+    )
+    assert format_row(tok, "<s>Q: {prompt} A: {response}", "1+1", "2") == [bos, *text_ids, eos]
+
+
 def test_batch_zscore_and_add_with_weight_by_hand() -> None:
     raw = [1.0, 2.0, 3.0, 6.0]
     mean, var = 3.0, (4 + 1 + 0 + 9) / 4  # population variance 3.5

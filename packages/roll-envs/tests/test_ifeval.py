@@ -233,6 +233,20 @@ def test_reward_scores_the_fraction_met_and_counts_what_failed() -> None:
     assert strict.scores == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0] and strict.correct == res.correct
 
 
+def test_a_thinking_models_reasoning_is_not_held_to_the_constraints() -> None:
+    """Qwen3's reply starts with its <think> block: the constraints are met (or not) by the answer after it. The
+    reasoning's capitals, commas and words scored a correct lowercase JSON answer 0; a reply cut off inside its
+    reasoning has no answer (blank: nothing met, not formatted)."""
+    constraints = json.dumps([*FOUR[:1], {"type": "json", "keys": ["sea"]}, *FOUR[2:]])
+    reasoning = "<think>\nThe user wants JSON, all lowercase, without commas. Let me write it.\n</think>\n\n"
+    responses = [reasoning + '{"sea": "calm"}', '{"sea": "calm"}', "<think>\nThe user wants JSON, so", reasoning]
+    res = InstructionReward().score(responses, [constraints] * 4)
+    assert res.scores == [1.0, 1.0, 0.0, 0.0]
+    assert res.correct == [1.0, 1.0, 0.0, 0.0]
+    assert res.formatted == [1.0, 1.0, 0.0, 0.0]
+    assert res.counters["empty_response"] == 2
+
+
 def test_rows_with_bad_constraints_are_failed_not_wrong() -> None:
     """A row whose constraints are missing or malformed was not judged: `failed`, which the reward guard counts in
     failed_unscored, so a data set whose constraints never arrive stops the run (it trained on 0 for every row)."""

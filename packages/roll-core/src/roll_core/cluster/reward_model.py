@@ -76,12 +76,20 @@ def check_reward_model(path: str, *, trust_remote_code: bool = False, tokenizer:
 
 def format_row(tokenizer: Any, template: str, prompt: str, response: str) -> list[int]:
     """Token ids of one (prompt, response) row: the chat template over a user and an assistant turn
-    (`template="chat"`), or `template.format(prompt=..., response=...)` tokenised with the tokenizer's specials."""
+    (`template="chat"`), or `template.format(prompt=..., response=...)` tokenised with the tokenizer's specials;
+    a text template that spells those leading specials itself (`<|begin_of_text|>{prompt}...`) keeps its own, as
+    SFT's raw text does (the tokenizer's second bos is an input the reward model never saw)."""
     if template == CHAT_TEMPLATE:
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
         ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    return list(tokenizer(template.format(prompt=prompt, response=response))["input_ids"])
+    text = template.format(prompt=prompt, response=response)
+    with_specials = list(tokenizer(text)["input_ids"])
+    own = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    start = next((s for s in range(len(with_specials) - len(own) + 1) if with_specials[s : s + len(own)] == own), 0)
+    if own and 0 < start <= len(own) and own[:start] == with_specials[:start]:
+        return with_specials[start:]  # the text's own bos, then whatever the tokenizer adds after it (eos, sep)
+    return with_specials
 
 
 def truncate(ids: list[int], max_length: int, side: str, bos: int | None = None) -> tuple[list[int], bool]:

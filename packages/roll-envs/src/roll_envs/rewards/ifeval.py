@@ -43,6 +43,12 @@ Definitions (what each checker counts; tests/test_ifeval.py checks each by hand)
 - *no_commas*: no `,` and no fullwidth `，`.
 - *quotation*: the stripped response starts and ends with a double quote (" or “ ”) and holds a word inside.
 
+Reasoning: the constraints apply to the answer, the text after the last `</think>` (roll_envs.rewards.judge's
+`final_text`): a thinking model's reply (Qwen3's default) starts with its `<think>` block, whose words, commas,
+capitals and first line met or broke constraints on the answer's behalf (a correct JSON answer after its
+reasoning scored 0). A reply whose `<think>` block is never closed (cut off while reasoning) has no answer: it is
+blank.
+
 `InstructionReward.score` reads row i's constraints from `metadata[i]["constraints"]` (a list, or its JSON text)
 when given, else from `answers[i]` (the list as JSON). Scores: the fraction of the row's constraints met (1 or 0
 with `all_or_nothing`); `correct` = 1 when all are met; `formatted` = 1 when the response is not blank. A blank
@@ -64,6 +70,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from roll_envs.rewards.base import Reward, RewardResult
+from roll_envs.rewards.judge import final_text
 
 log = logging.getLogger(__name__)
 
@@ -398,6 +405,8 @@ class InstructionReward(Reward):
         for i, (response, answer) in enumerate(zip(responses, answers)):
             meta = metadata[i] if metadata is not None else None
             source = meta["constraints"] if isinstance(meta, Mapping) and "constraints" in meta else answer
+            answer_text = final_text(response)  # the answer after the reasoning (see the module docstring)
+            response = "" if answer_text is None else answer_text
             nonblank = bool(response.strip())
             formatted.append(float(nonblank))
             failed.append(False)
