@@ -278,6 +278,20 @@ def test_a_program_quoting_a_fence_and_a_float_answer_score_1(reward: CodeReward
     assert tolerant.score([precise, fenced("print(0.3334)\n")], [third, third]).scores == [1.0, 0.0]
 
 
+def test_only_a_program_after_the_reasoning_runs(reward: CodeReward) -> None:
+    """A thinking model's block inside its `<think>` block is no program: a reply cut off while reasoning has
+    none (`no_code`; its draft ran and passed), and a right draft in the reasoning does not pass for a wrong final
+    program. Without think tags the response is read whole, as before."""
+    answer = encode_tests([CodeTest("3\n", "9\n")])
+    square, wrong = fenced("print(int(input()) ** 2)\n"), fenced("print(0)\n")
+    cut = "<think>\nDraft:\n" + square + "\nNow check the edge cases"
+    draft_right = "<think>\n" + square + "\n</think>\n" + wrong
+    final_right = "<think>\n" + wrong + "\n</think>\n" + square
+    res = reward.score([cut, draft_right, final_right, wrong + square], [answer] * 4)
+    assert res.scores == [0.0, 0.0, 1.0, 1.0] and res.formatted == [0.0, 1.0, 1.0, 1.0], res
+    assert res.counters["no_code"] == 1 and res.counters["wrong_answers"] == 1
+
+
 def test_fraction_mode_format_weight_and_bad_answers() -> None:
     reward = _reward_or_skip(score_mode="fraction", format_weight=0.1, parallelism=2, timeout_s=1.5)
     answer = encode_tests(

@@ -84,6 +84,24 @@ def test_math_reward_scores_and_counts() -> None:
     assert res.counters["no_boxed"] == 2
 
 
+def test_math_reward_grades_only_the_answer_after_the_reasoning() -> None:
+    """A thinking model's box (or number) inside its `<think>` block is no answer: a reply cut off while reasoning
+    has none (it was graded right on a box from its reasoning), and one that boxes the truth only while reasoning
+    then answers wrong is wrong (right, when its reasoning's box came last). Without think tags: read whole."""
+    reward = MathReward(last_number_weight=0.5, format_weight=0.1)
+    cut = r"<think>Maybe \boxed{42}, let me check 6*7 = 42 and"
+    boxed_in_reasoning = r"<think>so \boxed{42}?</think>The answer is 41."
+    right = r"<think>try \boxed{41}... no.</think>The answer is \boxed{42}."
+    unboxed = r"<think>\boxed{41}?</think> It is 42"
+    plain = r"First \boxed{41}, then \boxed{42}"
+    res = reward.score([cut, boxed_in_reasoning, right, unboxed, plain], ["42"] * 5)
+    assert res.scores == pytest.approx([0.0, 0.0, 1.1, 0.5, 1.1])
+    assert res.correct == [0.0, 0.0, 1.0, 0.0, 1.0] and res.formatted == [0.0, 0.0, 1.0, 0.0, 1.0]
+    assert res.counters["no_boxed"] == 3
+    # roll-eval's majority vote reads the same answer.
+    assert [reward.extract_answer(r) for r in (cut, boxed_in_reasoning, right, plain)] == [None, None, "42", "42"]
+
+
 def test_majority_vote_counts_one_value_written_several_ways_once() -> None:
     """roll-eval's maj@n votes on `extract_answer`: samples boxing 1,000 / 1000 / 1000.0 / 1 000 agree (the reward
     grades each right), so they outvote two wrong 999s; as raw boxed strings they split and 999 won."""

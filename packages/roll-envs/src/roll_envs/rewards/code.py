@@ -8,6 +8,11 @@ after code on a line) is part of the program. An unclosed block (a truncated res
 response and is not a program; complete blocks before it still count. Up to as many spaces as the opening fence is
 indented are removed from each line of the program (a fence inside a list item).
 
+Reasoning: the program is read from the answer only, the text after the last `</think>` (roll_envs.rewards.judge's
+`final_text`, as the ifeval reward reads it): a block inside a thinking model's reasoning is no program. A response
+whose `<think>` block is never closed (cut off while reasoning) has no program (`no_code`). A response without
+think tags is read whole. (`extract_code` itself reads the text it is given.)
+
 Ground truth (a problem's `answer`) is JSON: `{"tests": [{"input": "...", "output": "..."}, ...]}` (`encode_tests`
 writes it, `parse_tests` reads it). A test passes when the program exits 0 and its stdout equals the expected
 output up to trailing whitespace on each line and trailing blank lines. With `float_tolerance` (off by default),
@@ -48,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from roll_envs.rewards.base import Reward, RewardResult
+from roll_envs.rewards.judge import final_text
 from roll_envs.sandbox import (
     OK,
     OUTPUT_LIMIT,
@@ -272,7 +278,8 @@ class CodeReward(Reward):
 
     def _score_one(self, response: str, answer: str) -> tuple[float, bool, bool, set[str]]:
         """(score, all passed, has code, counter kinds) of one response."""
-        code = extract_code(response) if isinstance(response, str) else None
+        answer_text = final_text(response) if isinstance(response, str) else None  # after the reasoning
+        code = extract_code(answer_text) if answer_text is not None else None
         if code is None:
             return 0.0, False, False, {"no_code"}
         bonus = self.format_weight

@@ -47,6 +47,11 @@ merges what one spelling cannot: `other` graded against a truth of `first` as a 
 and `\\frac{1}{\\sqrt{2}}`, `x=2` and `2`, `.5` and `0.5`); two quantities are one answer only when their keys are
 (the percent rule above); a check that times out or fails says "different".
 
+Reasoning: only the answer is graded, the text after the last `</think>` (roll_envs.rewards.judge's `final_text`,
+as the ifeval reward reads it): a box or number inside a thinking model's reasoning is no answer. A response whose
+`<think>` block is never closed (cut off while reasoning, at max_response_length) has no answer: `no_boxed`, no
+last-number credit. A response without think tags is read whole.
+
 Covers: numbers, fractions, LaTeX expressions math-verify understands. Does not cover: free-form proofs.
 """
 
@@ -61,6 +66,7 @@ from roll_core.isolation import CallTimeout, ChildError, ForkedWorker
 from roll_envs.boxed import extract_boxed
 from roll_envs.numeric import MAX_EXPONENT, fractions_equal, parse_number
 from roll_envs.rewards.base import Reward, RewardResult
+from roll_envs.rewards.judge import final_text
 
 #: A decimal number; a minus sign right after a digit, letter or closing bracket is a hyphen or an operator ("pages
 #: 10-12", "x-3"), not the number's sign.
@@ -261,6 +267,12 @@ def _verify_latex(boxed: str, answer: str, timeout_s: int) -> bool:
     return bool(verify(gold, pred, timeout_seconds=timeout_s, raise_on_error=True))
 
 
+def _answer_text(response: str) -> str:
+    """The answer part of a response (`final_text`); "" for one cut off inside its `<think>` block (no answer)."""
+    text = final_text(response)
+    return "" if text is None else text
+
+
 class MathReward(Reward):
     """Boxed-answer correctness with optional last-number credit and a format bonus."""
 
@@ -313,7 +325,7 @@ class MathReward(Reward):
     def extract_answer(self, response: str) -> str | None:
         """The answer this reward grades: the last non-empty \\boxed{} in one spelling per value
         (`canonical_answer`; None without one); roll-eval's majority vote counts these."""
-        boxed = extract_boxed(response) or None
+        boxed = extract_boxed(_answer_text(response)) or None
         return None if boxed is None else canonical_answer(boxed)
 
     def same_answer(self, first: str, other: str) -> bool:
@@ -331,6 +343,7 @@ class MathReward(Reward):
         counters = {"timeouts": 0, "errors": 0, "no_boxed": 0}
         scores, correct, formatted = [], [], []
         for response, answer in zip(responses, answers):
+            response = _answer_text(response)  # after the reasoning (module docstring)
             boxed = extract_boxed(response) or None  # an empty \boxed{} (copied from the prompt) is no answer
             ok = boxed is not None and self._verify(boxed, str(answer), counters)
             if boxed is None:
