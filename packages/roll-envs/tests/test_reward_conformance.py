@@ -77,3 +77,18 @@ def test_every_in_tree_reward_has_a_suite() -> None:
     assert set(IN_TREE) <= installed
     for name, cls in IN_TREE.items():
         assert registry.load("roll.rewards", name) is cls, name
+
+
+def test_countdown_grades_only_the_answer_after_the_reasoning() -> None:
+    """A box inside unfinished or finished reasoning is no answer; the one after `</think>` is (as the math and code
+    rewards read thinking models): a response cut off mid-reasoning scored 1 on the equation in its thinking."""
+    reward = CountdownReward()
+    responses = [
+        "<think>try \\boxed{3+4} hmm",  # cut off while reasoning
+        "<think>\\boxed{3+4}</think> I give up",  # the only box is in the reasoning
+        "<think>\\boxed{3*4}</think> so \\boxed{3+4}",  # the final answer after it
+        "\\boxed{3+4}",  # no tags: as before
+    ]
+    res = reward.score(responses, ["7|3,4"] * 4)
+    assert res.scores == [0.0, 0.0, 1.0, 1.0]
+    assert res.counters["no_boxed"] == 2

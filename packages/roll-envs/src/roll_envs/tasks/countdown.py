@@ -20,6 +20,7 @@ from pathlib import Path
 
 from roll_core.seeds import Purpose, derive_seed
 from roll_envs.rewards.base import Reward, RewardResult
+from roll_envs.rewards.judge import final_text
 from roll_envs.rewards.math import extract_boxed
 from roll_envs.tasks.base import Problem, Task, stable_fraction
 
@@ -149,7 +150,9 @@ def solve(nums: list[int], target: int) -> str | None:
 
 
 class CountdownReward(Reward):
-    """1 for a boxed equation that uses exactly the given numbers and equals the target; `format_weight` for a box."""
+    """1 for a boxed equation that uses exactly the given numbers and equals the target; `format_weight` for a box.
+    Read after a thinking model's last `</think>` (roll_envs.rewards.judge.final_text): a response cut off inside its
+    reasoning has no answer."""
 
     def __init__(self, format_weight: float = 0.0) -> None:
         self.format_weight = format_weight
@@ -158,7 +161,9 @@ class CountdownReward(Reward):
         counters = {"errors": 0, "no_boxed": 0, "wrong_numbers": 0}
         scores, correct, formatted = [], [], []
         for response, answer in zip(responses, answers, strict=True):
-            boxed = extract_boxed(response) or None  # an empty \boxed{} (copied from the prompt) is no answer
+            # Only the answer after a thinking model's reasoning counts; one cut off inside it has none.
+            answer_text = final_text(response) or ""
+            boxed = extract_boxed(answer_text) or None  # an empty \boxed{} (copied from the prompt) is no answer
             ok = False
             if boxed is None:
                 counters["no_boxed"] += 1
