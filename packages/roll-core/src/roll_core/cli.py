@@ -13,7 +13,9 @@ value is the run summary (final and best held-out accuracy), which Hydra sweeper
 Exit status of a signal (roll_core.pipelines.run_control): a run stopped by SIGINT/SIGTERM before its last step
 exits 128 + N after its checkpoint; one whose signal came in its last step or later is complete and exits 0 (its
 summary says what the signal skipped); one stopped while its pipeline was built says `stopped while building the
-pipeline` in one line, after shutting down what was started, and exits 128 + N. A sweep a signal stopped exits
+pipeline` in one line, after shutting down what was started, and exits 128 + N; a second signal aborting a stopping
+run says so in one line naming the checkpoint to resume from (roll_core.pipelines.loop.StopAborted), exit 128 + N of
+the first. A sweep a signal stopped exits
 128 + N after one line saying how many of its jobs finished, failed (naming them), were stopped and were not
 started, and where its summary is (roll_core.sweep_stop.SweepStopped).
 """
@@ -196,7 +198,7 @@ def train_main() -> None:
         signum = _build_stop_signal(exc)
         if signum is None:
             raise
-        # what the build had started is shut down and the run folder's lock released (roll_core.pipelines.loop)
+        # what the build (or the aborted run) had started is shut down and the run folder's lock released
         print(f"roll-train: {exc}", file=sys.stderr)
         sys.exit(128 + signum)
     except Exception as exc:
@@ -332,10 +334,13 @@ def _platform_message(exc: BaseException) -> str:
 
 
 def _build_stop_signal(exc: BaseException) -> int | None:
-    """The signal of run_control's StoppedWhileBuilding (a stop signal while the pipeline was built), else None
-    (looked up among the loaded modules, as above)."""
+    """The signal of run_control's StoppedWhileBuilding (a stop signal while the pipeline was built) or of loop's
+    StopAborted (a second one while the run stopped), else None (looked up among the loaded modules, as above)."""
     run_control = sys.modules.get("roll_core.pipelines.run_control")
-    return exc.signum if run_control is not None and isinstance(exc, run_control.StoppedWhileBuilding) else None
+    loop = sys.modules.get("roll_core.pipelines.loop")
+    if run_control is not None and isinstance(exc, run_control.StoppedWhileBuilding):
+        return exc.signum
+    return exc.signum if loop is not None and isinstance(exc, loop.StopAborted) else None
 
 
 def _is_checkpoint_failure(exc: BaseException) -> bool:
@@ -354,7 +359,8 @@ def _is_empty_steps(exc: BaseException) -> bool:
 def eval_main(argv: list[str] | None = None) -> int:
     """`roll-eval MODEL [MODEL ...] [overrides...]`: held-out accuracy of models, checkpoints or a run's every
     checkpoint, with pass@k and majority vote over --n responses per problem, per-domain and per-difficulty
-    breakdowns, samples.jsonl, a comparison table and plot, and report.md in --out."""
+    breakdowns, samples.jsonl, a comparison table and plot, and report.md in --out. A stop signal (Ctrl-C, SIGTERM)
+    writes the models already evaluated and exits 128 + N (roll_core.eval_stop)."""
     args = eval_parser().parse_intermixed_args(argv)  # options may sit between the models and the overrides
     logging.basicConfig(level=logging.WARNING)
     return run_eval(args, list(sys.argv if argv is None else ["roll-eval", *argv]))
@@ -428,6 +434,7 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     from roll_core.config.compose import compose
     from roll_core.eval_compare import existing_outputs, expand_targets, run_settings_notes, table, write_outputs
     from roll_core.eval_metrics import parse_ks
+    from roll_core.eval_stop import EvalStop, EvalStopped, stop_line, stop_note
     from roll_core.evaluate import check_sampling, eval_temperature, evaluate_model
     from roll_core.report import write_eval_report
 
@@ -473,12 +480,20 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
         notes = run_settings_notes(targets, configs, overrides, data=bool(args.data), samples=bool(args.samples))
         for note in notes:
             print(f"roll-eval: warning: {note}", file=sys.stderr, flush=True)
-        results = []
-        for t, cfg in zip(targets, configs):
-            if len(targets) > 1:
-                print(f"evaluating {t.label} ({t.model}) ...", file=sys.stderr, flush=True)
-            # Settings only checked against the world (a model folder, a held-out split) fail here the same way.
-            results.append((t, evaluate_model(cfg, samples=args.samples, n=args.n, ks=ks)))
+        results, stopped = [], None
+        try:
+            with EvalStop():  # a stop signal keeps the models already evaluated (roll_core.eval_stop)
+                for t, cfg in zip(targets, configs):
+                    if len(targets) > 1:
+                        print(f"evaluating {t.label} ({t.model}) ...", file=sys.stderr, flush=True)
+                    # Settings only checked against the world (a model folder, a held-out split) fail here alike.
+                    results.append((t, evaluate_model(cfg, samples=args.samples, n=args.n, ks=ks)))
+        except EvalStopped as exc:
+            stopped = exc.signum
+            print(stop_line(stopped, targets[len(results)].label, len(results), len(targets)), file=sys.stderr)
+            if not results:
+                return 128 + stopped
+            notes = [*notes, stop_note(stopped, [f"{t.label} ({t.model})" for t in targets[len(results) :]])]
     except ConfigError as exc:
         print(f"roll-eval: invalid config:\n{exc}", file=sys.stderr)
         return 2
@@ -525,7 +540,7 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
                 f"mean turns {result['mean_turns']:.2f}, invalid actions {result['invalid_action_rate']:.1%} of "
                 f"turns, ended by: {ends}; model {t.model})"
             )
-        return 0
+        return 0 if stopped is None else 128 + stopped
     files = write_outputs(out, results, ks, args.n, settings)
     files["report"] = write_eval_report(out, results, settings=settings, files=files, argv=argv, notes=notes)
     if len(results) == 1:  # the one-model line scripts (and the README tests) parse comes first
@@ -550,7 +565,8 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         print(table(results, ks, args.n))
     print(f"wrote {out}/ (report.md, comparison.md, comparison.csv, samples.jsonl)")
-    return _reward_failures(results)
+    failures = _reward_failures(results)
+    return failures if stopped is None else 128 + stopped
 
 
 def _reward_failures(results: list[Any]) -> int:

@@ -27,10 +27,11 @@ nothing: the step completes and is saved, the run is complete (`stopped_by_signa
 `finished`, a resume trains nothing) and the summary says what the signal skipped (`late_signal`, `skipped`: the
 final evaluation; `final_eval_accuracy` is then None, `roll-eval` on the last checkpoint gives it). One that
 arrives after the last step (final curves, the trackers' close, report.md) is logged and changes nothing but
-`late_signal`. A stop requested before a step's evaluation skips it (with a warning): the checkpoint comes first,
-within a preemption's grace period. The step that ends a run (a stop, a non-finite stop, a finished finite job) is
-logged; a run resumed at or past `pipeline.max_steps`, or after its finite job was done, trains nothing and says
-so.
+`late_signal`. A second signal aborts at once (`StopAborted`: report.md and roll-train's one line name the latest
+complete checkpoint; exit 128 + N). A stop requested before a step's evaluation skips it (with a warning): the
+checkpoint comes first, within a preemption's grace period. The step that ends a run (a stop, a non-finite stop, a
+finished finite job) is logged; a run resumed at or past `pipeline.max_steps`, or after its finite job was done,
+trains nothing and says so.
 Determinism:
 sampling seeds derive from (seed, purpose, step) and the collector's data position is checkpointed, so a resumed
 synchronous run on CPU reproduces the uninterrupted run's metrics.
@@ -202,6 +203,15 @@ class Pipeline:
             self.stop = stop  # a fault in the step a stop was asked in: no run restart (roll_core.run_control)
             try:
                 summary = self._run_steps(stop)
+            except KeyboardInterrupt as exc:
+                # a second signal (GracefulStop raises it only after a first): one line saying what is left, 128 + N
+                if not (stop.requested or stop.late_signum is not None) or isinstance(exc, StopAborted):
+                    self.report(f"failed: {type(exc).__name__}: {str(exc)[:300]}", self.wall_seconds())
+                    raise
+                signum = stop.signum or stop.late_signum or signal.SIGINT
+                aborted = StopAborted(signum, self.ckpt.latest(), steps_over=stop.ended)
+                self.report(str(aborted), self.wall_seconds())
+                raise aborted from exc
             except BaseException as exc:
                 self.report(f"failed: {type(exc).__name__}: {str(exc)[:300]}", self.wall_seconds())
                 raise
@@ -508,6 +518,13 @@ class Pipeline:
                 continue
             try:
                 close()
+            except KeyboardInterrupt as exc:
+                # a second signal after the run's stop: one line and 128 + N, not a traceback replacing its summary
+                stop = getattr(self, "stop", None)
+                signum = None if stop is None or isinstance(exc, StopAborted) else stop.signum or stop.late_signum
+                if signum is None:
+                    raise
+                raise StopAborted(signum, self.ckpt.latest(), steps_over=True) from exc
             except Exception as exc:
                 log.error("shutdown: closing the %s failed (%s: %s); going on", what, type(exc).__name__, exc)
 
@@ -524,6 +541,26 @@ PROGRESS_FIELDS = (
     ("rollout/rows", "rows", "{:.0f}"),
     ("perf/step_seconds", "sec", "{:.1f}"),
 )
+
+
+class StopAborted(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM aborted a stopping run (its step, its checkpoint save, its wrap-up or its shutdown):
+    `roll-train` prints the message, which names the checkpoint left to resume from, and exits 128 + `signum` (the
+    first signal). It was a KeyboardInterrupt traceback, exit 1 (report.md: `failed: KeyboardInterrupt:`)."""
+
+    def __init__(self, signum: int, latest: Path | None, steps_over: bool = False) -> None:
+        self.signum = signum
+        left = (
+            f"the latest complete checkpoint is {latest}: pipeline.resume=true continues from it"
+            if latest is not None
+            else "no checkpoint was written: a new run starts from step 1"
+        )
+        during = (
+            "ending the run (its steps were over: final curves, trackers, shutdown)"
+            if steps_over
+            else "stopping: the step in progress and any checkpoint being written were dropped"
+        )
+        super().__init__(f"aborted by a second {signal_name(signum)} while {during}; {left}")
 
 
 def signal_name(signum: int | None) -> str:
