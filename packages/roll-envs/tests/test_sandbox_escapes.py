@@ -117,8 +117,33 @@ def table(request: pytest.FixtureRequest) -> Iterator[None]:
             reporter.write_line(line)
 
 
+def _another_tests(pid: int) -> bool:
+    """Whether `pid` descends from another pytest process than this one (a parallel xdist worker's sandbox runs the
+    same child): walking up its parents meets a pytest process before this one. This process's own descendants, and
+    a process reparented to init (one that left its sandbox), are not another test's. A parent that exits during the
+    walk (a fork bomb's) reparents its children: the walk is tried again from the start."""
+    me = os.getpid()
+    for _ in range(5):
+        cur = pid
+        try:
+            for _ in range(64):
+                if cur == me or cur <= 1:
+                    return False
+                stat = Path(f"/proc/{cur}/stat").read_text()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])  # "pid (comm) state ppid ..."
+                if cur != pid and b"pytest" in Path(f"/proc/{cur}/cmdline").read_bytes():
+                    return True
+                cur = ppid
+            return False
+        except (OSError, ValueError, IndexError):
+            if cur == pid:
+                return False  # the process itself is gone
+    return False
+
+
 def _stray_sandbox_processes(programs_only: bool = False) -> list[str]:
-    """Pids of sandbox processes on the host (`programs_only`: the program's, not bwrap's own two)."""
+    """Pids of sandbox processes on the host (`programs_only`: the program's, not bwrap's own two), but those of
+    another test process (the other xdist worker's sandbox tests were counted: 9 of 8 processes, strays)."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -128,7 +153,8 @@ def _stray_sandbox_processes(programs_only: bool = False) -> list[str]:
         except OSError:
             continue
         if CHILD_MARKER.encode() in cmdline and not (programs_only and cmdline.split(b"\0")[0].endswith(b"bwrap")):
-            found.append(pid)
+            if not _another_tests(int(pid)):
+                found.append(pid)
     return found
 
 
