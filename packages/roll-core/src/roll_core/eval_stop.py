@@ -12,9 +12,9 @@ are installed from the main thread only (signals are delivered there).
 from __future__ import annotations
 
 import signal
-import threading
 from types import FrameType
-from typing import Any
+
+from roll_core.stop_signals import StopSignals
 
 
 class EvalStopped(KeyboardInterrupt):
@@ -25,25 +25,11 @@ class EvalStopped(KeyboardInterrupt):
         self.signum = signum
 
 
-class EvalStop:
+class EvalStop(StopSignals):
     """Context manager: SIGINT/SIGTERM raise `EvalStopped` inside it; the earlier handlers are restored on exit."""
 
-    def __init__(self) -> None:
-        self._old: dict[int, Any] = {}
-
-    @staticmethod
-    def _handle(signum: int, frame: FrameType | None) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         raise EvalStopped(signum)
-
-    def __enter__(self) -> EvalStop:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
 
 
 def stop_line(signum: int, current: str, done: int, total: int) -> str:

@@ -46,7 +46,6 @@ import dataclasses
 import json
 import logging
 import signal
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +53,7 @@ from types import FrameType
 from typing import Any
 
 from roll_core.errors import ConfigError
+from roll_core.stop_signals import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -249,16 +249,16 @@ def _run_once(pipeline: Any, cfg: Any, restarts: int) -> dict[str, Any] | Path:
             pipeline.shutdown()
 
 
-class GracefulStop:
+class GracefulStop(StopSignals):
     """Context manager turning the first SIGINT/SIGTERM into `requested = True` (see the module docstring)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.requested = False
         self.signum: int | None = None
         #: Set by `ending()`: the steps are over; a first signal is only logged (and recorded as `late_signum`).
         self.ended = False
         self.late_signum: int | None = None
-        self._old: dict[int, Any] = {}
 
     def ending(self, earlier: Any = None) -> None:
         """The steps are over: from here a first signal does not request a stop (there is none left to make), it is
@@ -286,16 +286,6 @@ class GracefulStop:
             "%s received: finishing this step, saving a checkpoint and stopping (send it again to abort now)", name
         )
 
-    def __enter__(self) -> GracefulStop:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
 
 class StoppedWhileBuilding(KeyboardInterrupt):
     """The first SIGINT/SIGTERM while a pipeline was built (see the module docstring). A KeyboardInterrupt: no
@@ -309,14 +299,14 @@ class StoppedWhileBuilding(KeyboardInterrupt):
         )
 
 
-class BuildStop:
+class BuildStop(StopSignals):
     """Context manager for a pipeline's build: the first SIGINT/SIGTERM raises `StoppedWhileBuilding`, a second
     KeyboardInterrupt (see the module docstring). `rearm()` installs the handlers again after code that replaced them
     (`ray.init` installs Ray's own SIGTERM handler, which aborts the process with a stack dump)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.signum: int | None = None
-        self._old: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:  # the cleanup of the first one is running: abort it
@@ -328,19 +318,3 @@ class BuildStop:
             signal.Signals(signum).name,
         )
         raise StoppedWhileBuilding(signum)
-
-    def rearm(self) -> None:
-        """(Re)install the handlers; the ones found first are those restored on exit."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            old = signal.signal(sig, self._handle)
-            self._old.setdefault(sig, old)
-
-    def __enter__(self) -> BuildStop:
-        self.rearm()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
