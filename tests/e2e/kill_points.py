@@ -86,8 +86,8 @@ def install(point: str, at: int, sig: signal.Signals) -> None:
     elif point == "rename":
         fsync_tree = checkpoint.fsync_tree
 
-        def killing_fsync_tree(root: Any) -> None:
-            fsync_tree(root)
+        def killing_fsync_tree(root: Any, *args: Any, **kwargs: Any) -> None:  # (a rank's `include` too)
+            fsync_tree(root, *args, **kwargs)
             if root.name == f"step_{at:06d}.tmp":
                 _die(sig)
 
