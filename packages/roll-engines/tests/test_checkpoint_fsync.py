@@ -112,5 +112,5 @@ def test_megatron_save_flushes_its_distributed_checkpoint(
     optimizer = tmp_path / "ckpt" / "optimizer"
     assert any(p.suffix == ".distcp" for p in optimizer.iterdir()) and (optimizer / "metadata.json").is_file()
     assert _unflushed(optimizer, flushed) == []
-    # model/ is written by the engine's save itself (megatron/engine.py, rank 0), which flushes it too.
+    # model/ is written by the engine's save itself (megatron/_weights.py, rank 0), which flushes it too.
     assert _unflushed(tmp_path / "ckpt" / "model", flushed) == []

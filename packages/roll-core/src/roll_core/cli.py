@@ -3,7 +3,7 @@
 `roll-train` is `@hydra.main` over the config groups the installed packages ship, with the user's conf folder
 searched first (roll_core.config.search_path), so every Hydra override, `-m` multirun and launcher plugin works:
 `roll-train experiment=quickstart`, `roll-train algo=ppo algo.lr=1e-6`. `roll-train --help` is roll's own page (usage,
-each group's options without their schemas, the composed config).
+each group's options without their schemas, the composed config: roll_core._train_help).
 Config errors (unknown keys, wrong types, failed invariants) print one explained message and exit 2 instead
 of a traceback, and so does a missing optional dependency of the chosen components (one line naming the pip
 extra, checked before anything is built), and a platform this machine cannot run (hw.platform, $ROLL_PLATFORM; one
@@ -30,6 +30,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from roll_core._train_help import (  # noqa: F401  (HELP_*, help_groups: re-exported, they lived here)
+    HELP_FOOTER,
+    HELP_HEADER,
+    help_groups,
+    register_help,
+)
 from roll_core.config.compose import ConfigError, explain, to_object
 from roll_core.config.search_path import check_package_conflicts, primary_config_path
 from roll_core.errors import MissingExtraError, check_installed, missing_sweep_plugin
@@ -241,73 +247,6 @@ def _end_unfinished_sweeps(exc: BaseException) -> None:
         file=sys.stderr,
     )
     sys.exit(1)
-
-
-HELP_HEADER = """roll-train: train a model with roll: RL from verifiable rewards (GRPO, PPO, ...), SFT, DPO,
-distillation, rollout-only data generation.
-
-Usage: roll-train [group=option ...] [key=value ...]
-  roll-train experiment=quickstart                  a ready-made run (the experiment group below)
-  roll-train algo=ppo model=qwen2_5 algo.lr=1e-6    pick options, set any key of the config below
-  roll-train -m algo.lr=1e-6,3e-6                   a sweep: one run per value
-  roll-train experiment=quickstart --cfg job        print the composed config without running
-  roll-train pipeline.resume=true                   continue the latest run of the experiment
-A misspelt key or option is an error naming the closest valid one (exit status 2)."""
-
-HELP_FOOTER = """Evaluate checkpoints: roll-eval --help. Check the machine: roll-doctor.
-Every key with its meaning: the documentation's config reference. Hydra's own flags: roll-train --hydra-help"""
-
-
-def help_groups() -> str:
-    """The config groups and their options, one group a line, as `roll-train --help` lists them: the YAML options
-    of the installed packages and the user's conf folder, and the options plugins store in Hydra's ConfigStore.
-    Hydra's own listing also showed each group's schema (`algo_schema`, the `<name>_schema` every option's YAML
-    extends), which is no option to pick."""
-    from hydra.core.config_store import ConfigStore
-
-    from roll_core.config.search_path import config_dirs
-
-    groups: dict[str, set[str]] = {}
-    for folder in config_dirs():
-        for path in folder.rglob("*.yaml"):
-            groups.setdefault(path.parent.relative_to(folder).as_posix(), set()).add(path.stem)
-    store = ConfigStore.instance()
-
-    def walk(group: str) -> None:
-        for name in store.list(group):
-            if name.endswith(".yaml"):
-                groups.setdefault(group, set()).add(name.removesuffix(".yaml"))
-            else:
-                walk(f"{group}/{name}" if group else name)
-
-    walk("")
-    return "\n".join(
-        f"{g}: {', '.join(sorted(o for o in opts if not o.endswith('_schema')))}"
-        for g, opts in sorted(groups.items())
-        if g not in (".", "") and g.split("/")[0] != "hydra" and any(not o.endswith("_schema") for o in opts)
-    )
-
-
-def register_help() -> str:
-    """Store roll-train's help page as the Hydra option `hydra/help=<name>` and return the name (Hydra's default
-    page introduced the program as "cli is powered by Hydra" and said nothing of how to run it)."""
-    from hydra.core.config_store import ConfigStore
-
-    template = "\n".join(
-        [
-            "${hydra.help.header}",
-            "",
-            "== Configuration groups (group=option) ==",
-            help_groups(),
-            "",
-            "== Config (set any key: key=value) ==",
-            "$CONFIG",
-            "${hydra.help.footer}",
-        ]
-    )
-    node = {"app_name": "roll-train", "header": HELP_HEADER, "footer": HELP_FOOTER, "template": template}
-    ConfigStore.instance().store(group="hydra/help", name="roll_train", node=node, provider="roll")
-    return "roll_train"
 
 
 def _is_reward_failure(exc: BaseException) -> bool:

@@ -28,10 +28,10 @@ nothing: the step completes and is saved, the run is complete (`stopped_by_signa
 final evaluation; `final_eval_accuracy` is then None, `roll-eval` on the last checkpoint gives it). One that
 arrives after the last step (final curves, the trackers' close, report.md) is logged and changes nothing but
 `late_signal`. A second signal aborts at once (`StopAborted`: report.md and roll-train's one line name the latest
-complete checkpoint; exit 128 + N). A stop requested before a step's evaluation skips it (with a warning): the
-checkpoint comes first, within a preemption's grace period. The step that ends a run (a stop, a non-finite stop, a
-finished finite job) is logged; a run resumed at or past `pipeline.max_steps`, or after its finite job was done,
-trains nothing and says so.
+complete checkpoint; exit 128 + N; its message and a failed save's: roll_core.pipelines._run_endings). A stop
+requested before a step's evaluation skips it (with a warning): the checkpoint comes first, within a preemption's
+grace period. The step that ends a run (a stop, a non-finite stop, a finished finite job) is logged; a run resumed at
+or past `pipeline.max_steps`, or after its finite job was done, trains nothing and says so.
 Determinism:
 sampling seeds derive from (seed, purpose, step) and the collector's data position is checkpointed, so a resumed
 synchronous run on CPU reproduces the uninterrupted run's metrics.
@@ -39,7 +39,6 @@ synchronous run on CPU reproduces the uninterrupted run's metrics.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import signal
@@ -56,6 +55,7 @@ from roll_core.config.build import build
 from roll_core.config.resume import check_checkpoint, config_dict
 from roll_core.config.schema import RLVRConfig
 from roll_core.models import resolve_model_path
+from roll_core.pipelines._run_endings import StopAborted, save_failure, signal_name
 from roll_core.pipelines.collectors import Collector, CollectorContext, CollectorFactory
 from roll_core.pipelines.empty_steps import EmptySteps, EmptyStepsError, total
 from roll_core.pipelines.metrics import StepLog, heavy_masking_warning
@@ -543,64 +543,9 @@ PROGRESS_FIELDS = (
 )
 
 
-class StopAborted(KeyboardInterrupt):
-    """A second SIGINT/SIGTERM aborted a stopping run (its step, its checkpoint save, its wrap-up or its shutdown):
-    `roll-train` prints the message, which names the checkpoint left to resume from, and exits 128 + `signum` (the
-    first signal). It was a KeyboardInterrupt traceback, exit 1 (report.md: `failed: KeyboardInterrupt:`)."""
-
-    def __init__(self, signum: int, latest: Path | None, steps_over: bool = False) -> None:
-        self.signum = signum
-        left = (
-            f"the latest complete checkpoint is {latest}: pipeline.resume=true continues from it"
-            if latest is not None
-            else "no checkpoint was written: a new run starts from step 1"
-        )
-        during = (
-            "ending the run (its steps were over: final curves, trackers, shutdown)"
-            if steps_over
-            else "stopping: the step in progress and any checkpoint being written were dropped"
-        )
-        super().__init__(f"aborted by a second {signal_name(signum)} while {during}; {left}")
-
-
-def signal_name(signum: int | None) -> str:
-    """`SIGTERM` for 15 (a number the platform does not name as it is)."""
-    try:
-        return signal.Signals(signum).name  # type: ignore[arg-type]
-    except ValueError:
-        return f"signal {signum}"
-
-
 def progress_fields(out: dict[str, Any]) -> dict[str, str]:
     """The progress bar's postfix: the PROGRESS_FIELDS the step logged."""
     return {short: fmt.format(out[key]) for key, short, fmt in PROGRESS_FIELDS if out.get(key) is not None}
-
-
-def save_failure(step: int, exc: BaseException, latest: Path | None) -> str:
-    """The message of a checkpoint save that failed with `exc`; `latest`: the complete checkpoint left."""
-    cause = f"{type(exc).__name__}: {exc}"
-    full = any(
-        (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left on device" in str(e)
-        for e in _chain(exc)
-    )
-    where = (
-        f"the latest complete checkpoint, {latest}, is intact: pipeline.resume=true continues from it"
-        if latest is not None
-        else "no earlier checkpoint exists: the run starts again from step 1"
-    )
-    hint = " The disk is full: free space (or lower pipeline.keep_last) before resuming." if full else ""
-    failed = f"step {step}: the checkpoint could not be written ({cause})"
-    return f"{failed}; its partial folder was deleted and {where}.{hint}"
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    """`exc` and its causes and contexts (a worker's OSError arrives wrapped)."""
-    seen: list[BaseException] = []
-    e: BaseException | None = exc
-    while e is not None and e not in seen:
-        seen.append(e)
-        e = e.__cause__ or e.__context__
-    return seen
 
 
 def _in_multirun() -> bool:

@@ -6,7 +6,7 @@ a model replica the same rows and collects results from the replica's last pipel
 export to Hugging Face folders (roll_engines.train.megatron._convert) and stream out, at most a layer at a time, for
 weight sync (_export); training uses Megatron's DistributedDataParallel, its optimizer (distributed optimizer
 optional) and its pipeline schedules, with activation recomputation as config. On CPU the engine applies roll's
-Megatron shims around every call (_cpu).
+Megatron shims around every call (_cpu). Weights out and in, and checkpoint folders: the _weights mixin.
 
 Contract (roll_core.interfaces.TrainEngine), with the same data layout and loss scaling as the `hf` engine: each
 micro-batch loss is weighted by its aggregation units over the units of the whole mini-batch across data-parallel
@@ -40,10 +40,8 @@ predict response tokens only (_vocab.logits_at).
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -52,7 +50,6 @@ from torch import Tensor
 from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.structured import refuse_constrained_batch
-from roll_engines.train._hf_checkpoint import fsync_written
 from roll_engines.train._logits import empty_outputs, gather_ids_of
 from roll_engines.train._micro import MetricMeans, check_micro_batch_tokens, micro_batches, padding_row
 from roll_engines.train._optim import lr_lambda
@@ -60,18 +57,19 @@ from roll_engines.train.megatron import _convert as C
 from roll_engines.train.megatron import _critic as V
 from roll_engines.train.megatron import _export as X
 from roll_engines.train.megatron import _lora as L
-from roll_engines.train.megatron._checkpoint import load_optimizer, optimizer_state_bytes, save_optimizer
+from roll_engines.train.megatron._checkpoint import optimizer_state_bytes
 from roll_engines.train.megatron._cpu import engine_shims
 from roll_engines.train.megatron._import import import_megatron
-from roll_engines.train.megatron._optimizer import build_optimizer, finish_param_gather, optimizer_step
+from roll_engines.train.megatron._optimizer import build_optimizer, optimizer_step
 from roll_engines.train.megatron._packed import model_inputs, prepare, rope_at
 from roll_engines.train.megatron._parallel import end_parallel, init_parallel
 from roll_engines.train.megatron._refusals import refuse_unsupported
 from roll_engines.train.megatron._routing import MegatronRoutingReplay
 from roll_engines.train.megatron._vocab import logits_at, response_logprobs, response_rows
+from roll_engines.train.megatron._weights import MegatronWeightsAndCheckpoints
 
 
-class MegatronTrainEngine:
+class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
     """Megatron-Core training engine (actor, reference or critic) over a Llama/Qwen-family HF model."""
 
     #: Structured-output constraints are not replayed here (vocab-parallel logits): constrained batches are refused.
@@ -257,11 +255,6 @@ class MegatronTrainEngine:
         return float(t.item())
 
     # ---- forward ------------------------------------------------------------------------------------------
-    def _weights(self, path: str) -> tuple[dict[str, Tensor], Any, dict[str, Tensor] | None]:
-        """(HF tensors of the folder at `path`, the HF config, the critic's value head or None): load_hf's input."""
-        hf = C.read_hf(path)
-        return hf, self.hf_config, V.head_tensors(hf, self.hf_config, self._seed) if self.critic else None
-
     def _logprobs(
         self,
         logits: Tensor,
@@ -488,13 +481,6 @@ class MegatronTrainEngine:
         out["optimizer_state_mb"] = optimizer_state_bytes(self.optimizer) / 2**20
         return out
 
-    def _gather_params(self) -> None:
-        """Finish the parameter all-gather that overlap_param_gather left to the next forward (collective): the
-        weights are read outside a forward (export, weight sync, save) or overwritten (load) right after a step."""
-        if self.optimizer is not None and self.overlap[1]:
-            with self._shims():
-                finish_param_gather(self.ddp)
-
     def _step_optimizer(self) -> tuple[float, bool]:
         """(grad norm, stepped): Megatron's optimizer skips a step with a non-finite gradient; the LR schedule
         then does not advance either."""
@@ -526,78 +512,3 @@ class MegatronTrainEngine:
             grads = dict(self._export(grads=True, dtype=torch.float32))
         self.ddp.zero_grad_buffer()
         return grads
-
-    # ---- weights ------------------------------------------------------------------------------------------
-    def _export(
-        self, grads: bool = False, changed_only: bool = False, dtype: torch.dtype | None = None
-    ) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, full tensor) of every weight (or main gradient), streamed piece by piece (_export): gathered
-        over TP, a MoE layer's experts over EP and fused as transformers holds them, each stage's pieces broadcast
-        over PP; in `dtype`, else the parameters' own. Collective; the same pairs in the same order on every rank."""
-        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-        self._gather_params()
-        offset = get_transformer_layer_offset(self.model.config)
-        local = X.local_tensors(self.model, bool(self.lora), grads, changed_only)
-        pieces = X.stage_pieces(local, self.hf_config, self.critic, offset, dtype)
-        yield from X.pairs(X.over_stages(pieces, self.device), self._shims)
-
-    @functools.cached_property
-    def _hf_skeleton(self) -> Any:
-        """The HF model on the meta device (built once: a meta model of a Qwen2-7B config takes 1.9 s here, which
-        every weight sync and save paid)."""
-        return V.hf_skeleton(self.hf_config, self.critic)
-
-    def iter_weights(self, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
-        """Full weights in HF names, streamed in the Megatron model's order, layer by layer, in the parameters' dtype
-        (a bf16 model's are bf16; collective over TP, PP and EP ranks, at most one layer in flight: _export). With
-        LoRA the weights are merged (W + alpha/r * B @ A) and `changed_only` sends only the adapted ones."""
-        yield from self._export(changed_only=changed_only and bool(self.lora))
-
-    def get_weights(self) -> dict[str, Tensor]:
-        """Every weight in HF names, fp32 CPU copies (as `save` writes them)."""
-        return {k: v.to("cpu", copy=True) for k, v in self._export(dtype=torch.float32)}
-
-    def save(self, folder: str | Path, tokenizer_path: str | None = None) -> None:
-        """`folder/model` (HF folder, written by global rank 0) and `folder/optimizer` (a Megatron distributed
-        checkpoint of the optimizer state, every parameter's moments under its global name and shape, written by
-        all ranks: collective). Both load at any TP/PP/DP layout. With LoRA, `model` is merged and `adapter` is a
-        peft adapter folder (the trained state; resume reads it, over the base of `model_path`)."""
-        import torch.distributed as dist
-
-        folder = Path(folder)
-        weights = {}  # every rank streams the export (collective); rank 0 writes it
-        for k, v in self._export(dtype=torch.float32):
-            if dist.get_rank() == 0:
-                weights[k] = v
-        if self.lora:
-            with self._shims():
-                adapter = X.all_stages(L.adapter_tensors(self.model, self.hf_config))
-            if dist.get_rank() == 0:
-                L.save_adapter(folder / "adapter", adapter, L.adapter_config(*self.lora, self.path))
-        if dist.get_rank() == 0:
-            from transformers import AutoTokenizer
-
-            self._hf_skeleton.save_pretrained(folder / "model", state_dict=weights, safe_serialization=True)
-            AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(folder / "model")
-            for part in (p for p in (folder / "model", folder / "adapter") if p.is_dir()):  # durable on return
-                fsync_written(part, 0, True)  # (roll_core.checkpoint, Writers: each rank flushes what it wrote)
-        if self.optimizer is None:
-            return
-        with self._shims():
-            save_optimizer(folder / "optimizer", self.model, self.optimizer, self._step)
-
-    def load(self, folder: str | Path) -> None:
-        """Weights from `folder/model` (with LoRA: the adapter from `folder/adapter`; the base stays what
-        `model_path` holds) and the optimizer state from `folder/optimizer`, both at any layout."""
-        folder = Path(folder)
-        self._gather_params()  # no pending all-gather of the old weights may land on the loaded ones
-        with self._shims():
-            if self.lora:
-                L.load_adapter(self.model, self.hf_config, folder / "adapter", self.lora[0], self.lora[1])
-            else:
-                C.load_hf(self.model, *self._weights(str(folder / "model")))
-        if self.optimizer is None:
-            return
-        with self._shims():
-            self._step = load_optimizer(folder / "optimizer", self.model, self.optimizer)

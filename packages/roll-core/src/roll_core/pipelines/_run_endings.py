@@ -1,0 +1,71 @@
+"""How a run that does not end normally says so: the messages the loop (roll_core.pipelines.loop) ends a run with.
+
+Contract: `StopAborted` is the KeyboardInterrupt a second SIGINT/SIGTERM raises while a run stops; `roll-train` prints
+its message (which names the latest complete checkpoint to resume from) and exits 128 + its `signum`, the first
+signal's number. `save_failure(step, exc, latest)` is the one message of a checkpoint save that failed: the step, the
+cause, the checkpoint left intact (`latest`, or that none exists) and, when the disk is full anywhere in `exc`'s chain
+of causes, what to free. `signal_name` names a signal in these messages (`SIGTERM`; `signal N` for a number the
+platform does not name). Pure functions of their arguments: no I/O, no logging. The loop imports all three, so
+`roll_core.pipelines.loop.StopAborted` (the name roll_core.cli looks up among the loaded modules) stays the same class.
+"""
+
+from __future__ import annotations
+
+import errno
+import signal
+from pathlib import Path
+
+
+class StopAborted(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM aborted a stopping run (its step, its checkpoint save, its wrap-up or its shutdown):
+    `roll-train` prints the message, which names the checkpoint left to resume from, and exits 128 + `signum` (the
+    first signal). It was a KeyboardInterrupt traceback, exit 1 (report.md: `failed: KeyboardInterrupt:`)."""
+
+    def __init__(self, signum: int, latest: Path | None, steps_over: bool = False) -> None:
+        self.signum = signum
+        left = (
+            f"the latest complete checkpoint is {latest}: pipeline.resume=true continues from it"
+            if latest is not None
+            else "no checkpoint was written: a new run starts from step 1"
+        )
+        during = (
+            "ending the run (its steps were over: final curves, trackers, shutdown)"
+            if steps_over
+            else "stopping: the step in progress and any checkpoint being written were dropped"
+        )
+        super().__init__(f"aborted by a second {signal_name(signum)} while {during}; {left}")
+
+
+def signal_name(signum: int | None) -> str:
+    """`SIGTERM` for 15 (a number the platform does not name as it is)."""
+    try:
+        return signal.Signals(signum).name  # type: ignore[arg-type]
+    except ValueError:
+        return f"signal {signum}"
+
+
+def save_failure(step: int, exc: BaseException, latest: Path | None) -> str:
+    """The message of a checkpoint save that failed with `exc`; `latest`: the complete checkpoint left."""
+    cause = f"{type(exc).__name__}: {exc}"
+    full = any(
+        (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left on device" in str(e)
+        for e in _chain(exc)
+    )
+    where = (
+        f"the latest complete checkpoint, {latest}, is intact: pipeline.resume=true continues from it"
+        if latest is not None
+        else "no earlier checkpoint exists: the run starts again from step 1"
+    )
+    hint = " The disk is full: free space (or lower pipeline.keep_last) before resuming." if full else ""
+    failed = f"step {step}: the checkpoint could not be written ({cause})"
+    return f"{failed}; its partial folder was deleted and {where}.{hint}"
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and its causes and contexts (a worker's OSError arrives wrapped)."""
+    seen: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in seen:
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    return seen

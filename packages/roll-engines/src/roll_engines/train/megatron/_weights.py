@@ -1,0 +1,134 @@
+"""Weights in and out of the `megatron` training engine: weight sync, HF exports and checkpoint folders.
+
+`MegatronWeightsAndCheckpoints` is a mixin of `MegatronTrainEngine` (roll_engines.train.megatron.engine), as
+roll_engines.train._hf_checkpoint is of the `hf` engine. It gives `iter_weights` (what weight sync sends: full tensors
+in HF names, streamed at most a layer at a time, collective over TP, PP and EP ranks: _export), `get_weights`, and
+`save`/`load` of a checkpoint folder: `model/` an HF folder written by global rank 0 (fsync'ed before `save` returns),
+`optimizer/` a Megatron distributed checkpoint written by every rank, and with LoRA `adapter/` a peft adapter folder
+(the trained state; `model/` is then merged). Both load at any TP/PP/DP layout. `_weights` reads an HF folder into
+_convert.load_hf's input (the engine's first load uses it too). It uses the engine's `model`, `ddp`, `optimizer`,
+`overlap`, `lora`, `hf_config`, `critic`, `device`, `path`, `_seed`, `_step` and `_shims()`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from roll_engines.train._hf_checkpoint import fsync_written
+from roll_engines.train.megatron import _convert as C
+from roll_engines.train.megatron import _critic as V
+from roll_engines.train.megatron import _export as X
+from roll_engines.train.megatron import _lora as L
+from roll_engines.train.megatron._checkpoint import load_optimizer, save_optimizer
+from roll_engines.train.megatron._optimizer import finish_param_gather
+
+
+class MegatronWeightsAndCheckpoints:
+    """Weights out (sync, export), weights in, and checkpoint folders of the megatron engine."""
+
+    model: Any
+    ddp: Any
+    optimizer: Any
+    overlap: tuple[bool, bool]
+    lora: tuple[int, float, list[str] | str] | None
+    hf_config: Any
+    critic: bool
+    device: torch.device
+    path: str
+    _seed: int
+    _step: int
+    _shims: Callable[[], AbstractContextManager[None]]  # the engine's (_cpu.engine_shims)
+
+    def _weights(self, path: str) -> tuple[dict[str, Tensor], Any, dict[str, Tensor] | None]:
+        """(HF tensors of the folder at `path`, the HF config, the critic's value head or None): load_hf's input."""
+        hf = C.read_hf(path)
+        return hf, self.hf_config, V.head_tensors(hf, self.hf_config, self._seed) if self.critic else None
+
+    def _gather_params(self) -> None:
+        """Finish the parameter all-gather that overlap_param_gather left to the next forward (collective): the
+        weights are read outside a forward (export, weight sync, save) or overwritten (load) right after a step."""
+        if self.optimizer is not None and self.overlap[1]:
+            with self._shims():
+                finish_param_gather(self.ddp)
+
+    # ---- weights ------------------------------------------------------------------------------------------
+    def _export(
+        self, grads: bool = False, changed_only: bool = False, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) of every weight (or main gradient), streamed piece by piece (_export): gathered
+        over TP, a MoE layer's experts over EP and fused as transformers holds them, each stage's pieces broadcast
+        over PP; in `dtype`, else the parameters' own. Collective; the same pairs in the same order on every rank."""
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        self._gather_params()
+        offset = get_transformer_layer_offset(self.model.config)
+        local = X.local_tensors(self.model, bool(self.lora), grads, changed_only)
+        pieces = X.stage_pieces(local, self.hf_config, self.critic, offset, dtype)
+        yield from X.pairs(X.over_stages(pieces, self.device), self._shims)
+
+    @functools.cached_property
+    def _hf_skeleton(self) -> Any:
+        """The HF model on the meta device (built once: a meta model of a Qwen2-7B config takes 1.9 s here, which
+        every weight sync and save paid)."""
+        return V.hf_skeleton(self.hf_config, self.critic)
+
+    def iter_weights(self, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """Full weights in HF names, streamed in the Megatron model's order, layer by layer, in the parameters' dtype
+        (a bf16 model's are bf16; collective over TP, PP and EP ranks, at most one layer in flight: _export). With
+        LoRA the weights are merged (W + alpha/r * B @ A) and `changed_only` sends only the adapted ones."""
+        yield from self._export(changed_only=changed_only and bool(self.lora))
+
+    def get_weights(self) -> dict[str, Tensor]:
+        """Every weight in HF names, fp32 CPU copies (as `save` writes them)."""
+        return {k: v.to("cpu", copy=True) for k, v in self._export(dtype=torch.float32)}
+
+    def save(self, folder: str | Path, tokenizer_path: str | None = None) -> None:
+        """`folder/model` (HF folder, written by global rank 0) and `folder/optimizer` (a Megatron distributed
+        checkpoint of the optimizer state, every parameter's moments under its global name and shape, written by
+        all ranks: collective). Both load at any TP/PP/DP layout. With LoRA, `model` is merged and `adapter` is a
+        peft adapter folder (the trained state; resume reads it, over the base of `model_path`)."""
+        import torch.distributed as dist
+
+        folder = Path(folder)
+        weights = {}  # every rank streams the export (collective); rank 0 writes it
+        for k, v in self._export(dtype=torch.float32):
+            if dist.get_rank() == 0:
+                weights[k] = v
+        if self.lora:
+            with self._shims():
+                adapter = X.all_stages(L.adapter_tensors(self.model, self.hf_config))
+            if dist.get_rank() == 0:
+                L.save_adapter(folder / "adapter", adapter, L.adapter_config(*self.lora, self.path))
+        if dist.get_rank() == 0:
+            from transformers import AutoTokenizer
+
+            self._hf_skeleton.save_pretrained(folder / "model", state_dict=weights, safe_serialization=True)
+            AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(folder / "model")
+            for part in (p for p in (folder / "model", folder / "adapter") if p.is_dir()):  # durable on return
+                fsync_written(part, 0, True)  # (roll_core.checkpoint, Writers: each rank flushes what it wrote)
+        if self.optimizer is None:
+            return
+        with self._shims():
+            save_optimizer(folder / "optimizer", self.model, self.optimizer, self._step)
+
+    def load(self, folder: str | Path) -> None:
+        """Weights from `folder/model` (with LoRA: the adapter from `folder/adapter`; the base stays what
+        `model_path` holds) and the optimizer state from `folder/optimizer`, both at any layout."""
+        folder = Path(folder)
+        self._gather_params()  # no pending all-gather of the old weights may land on the loaded ones
+        with self._shims():
+            if self.lora:
+                L.load_adapter(self.model, self.hf_config, folder / "adapter", self.lora[0], self.lora[1])
+            else:
+                C.load_hf(self.model, *self._weights(str(folder / "model")))
+        if self.optimizer is None:
+            return
+        with self._shims():
+            self._step = load_optimizer(folder / "optimizer", self.model, self.optimizer)
