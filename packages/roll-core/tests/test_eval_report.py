@@ -250,3 +250,13 @@ def test_report_shows_small_values_instead_of_zeros(tmp_path: Path) -> None:
     assert _report_numbers(tmp_path / "run", "".join(json.dumps(r) + "\n" for r in rows).encode())[-1] == (
         "| distillation KL (`distill/kl`) | 0.2500 (1) | 1.500e-04 (3) | 4.000e-05 (2) | 3 |"
     )
+
+
+def test_a_run_without_evaluations_is_not_reported_as_evaluating_every_0_steps(tmp_path: Path) -> None:
+    """pipeline.eval_every=0 turns the loop's evaluations off; the report's config row read "every 0 steps on 64
+    held-out problems (pipeline.eval_size 64), temperature ..." for a run that evaluated nothing."""
+    out, ckpts = _run_folder(tmp_path, overrides=None)
+    cfg = load_config(["model=tiny", "pipeline.eval_every=0"])
+    text = write_run_report(out, cfg, status="finished", wall_seconds=1.0, checkpoints=ckpts).read_text()
+    assert "| evaluation | none (pipeline.eval_every=0) |" in text
+    assert "every 0 steps" not in text

@@ -483,3 +483,65 @@ def test_sample_values_inside_lists_and_dicts_are_strict_json_too(tmp_path: Path
         {"step": 2, "task": {"x": None, "y": 0.5, "ids": [3, 4]}, "rewards": [None, 1.0]}
     ]
     tracker.close()
+
+
+def test_backends_get_the_sample_rows_as_written_not_numpy_values(tmp_path: Path) -> None:
+    """Backends were passed the collector's raw rows: W&B's table cell and SwanLab's text json.dumps them, and a
+    numpy reward or a numpy number in an episode's task row raised TypeError into the training loop (samples.jsonl,
+    and a resume's replay, held plain values)."""
+    import numpy as np
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.rows: list[tuple[int, list[dict[str, Any]]]] = []
+
+        def log(self, step: int, metrics: dict[str, float]) -> None:
+            pass
+
+        def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+            self.rows.append((step, rows))
+
+        def truncate(self, last_step: int) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    from roll_core.trackers.wandb import _cell
+
+    tracker = Tracker(tmp_path, trackers=())
+    recorder = Recorder()
+    tracker.backends.append(recorder)
+    tracker.samples(3, [{"reward": np.float32(0.5), "task": {"seed": np.int64(7), "x": float("nan")}}])
+    assert recorder.rows == [(3, [{"reward": 0.5, "task": {"seed": 7.0, "x": None}}])]
+    sent = recorder.rows[0][1][0]
+    assert type(sent["reward"]) is float and _cell(sent["reward"]) == 0.5
+    assert json.loads(_cell(sent["task"])) == {"seed": 7.0, "x": None}  # W&B's cell of a dict: its JSON text
+    written = json.loads((tmp_path / "samples.jsonl").read_text())
+    assert written == {"step": 3, **sent}  # what a resume replays to the backends
+    tracker.close()
+
+
+def test_a_new_run_or_a_resume_that_drops_steps_leaves_no_stale_curves(tmp_path: Path) -> None:
+    """report.md embeds curves.png: a fresh run in the folder of an attempt that never checkpointed kept that
+    attempt's picture (shown beside "No metrics were logged" when the new run ended before its first plot), and a
+    resume kept the curves of the steps it redoes. A resume that drops nothing keeps it (it is still true)."""
+    pytest.importorskip("matplotlib")
+    first = Tracker(tmp_path, trackers=())
+    for step in (1, 2, 3):
+        first.log(step, {"reward/mean": 0.1 * step})
+    assert first.plot() == tmp_path / "curves.png"
+    first.close()
+
+    resumed = Tracker(tmp_path, trackers=(), resume=True)
+    resumed.truncate(3)  # the checkpoint was at the last logged step: the picture is still the history
+    assert (tmp_path / "curves.png").is_file()
+    resumed.truncate(2)  # step 3 is redone: its point is not the run's any more
+    assert not (tmp_path / "curves.png").exists()
+    assert resumed.plot(force=False) == tmp_path / "curves.png"  # redrawn at once, not after PLOT_EVERY_S
+    resumed.close()
+
+    fresh = Tracker(tmp_path, trackers=())
+    assert not (tmp_path / "curves.png").exists()
+    assert fresh.plot() is None  # nothing logged yet: no picture, and none of the earlier attempt's
+    fresh.close()

@@ -205,10 +205,18 @@ def _duration(seconds: float | None) -> str:
 
 def config_rows(cfg: Any, eval_n: float | None = None) -> list[tuple[str, str]]:
     """(setting, value) lines of the config summary; `eval_n`: the held-out problems an evaluation scored (the
-    task's held-out split may be smaller than pipeline.eval_size)."""
+    task's held-out split may be smaller than pipeline.eval_size). A run with pipeline.eval_every=0 evaluates
+    nothing, and its row says so."""
     a, p, m = cfg.algo, cfg.pipeline, cfg.model
     g = getattr
     temp = p.eval_temperature if p.eval_temperature is not None else f"{cfg.infer_engine.temperature} (engine's)"
+    # eval_every=0 turns the loop's evaluations off: the row read "every 0 steps on 64 held-out problems"
+    evaluation = (
+        f"every {p.eval_every} steps on {int(eval_n) if eval_n else p.eval_size} held-out problems "
+        f"(pipeline.eval_size {p.eval_size}), temperature {temp}"
+        if p.eval_every > 0
+        else "none (pipeline.eval_every=0)"
+    )
     return [
         ("experiment", cfg.experiment),
         ("model", f"{m.path} ({m.dtype}; prompt <= {m.max_prompt_length}, response <= {m.max_response_length})"),
@@ -222,11 +230,7 @@ def config_rows(cfg: Any, eval_n: float | None = None) -> list[tuple[str, str]]:
         ("placement", f"{cfg.cluster.placement} on {cfg.cluster.backend} (hw {cfg.hw.platform})"),
         ("batch", f"{p.rollout_batch_size} prompts x {g(a, 'group_size', '?')} responses per step"),
         ("steps", f"{p.max_steps} (checkpoint every {p.save_every or 'run end'}, keep {p.keep_last})"),
-        (
-            "evaluation",
-            f"every {p.eval_every} steps on {int(eval_n) if eval_n else p.eval_size} held-out problems "
-            f"(pipeline.eval_size {p.eval_size}), temperature {temp}",
-        ),
+        ("evaluation", evaluation),
         ("seed", str(p.seed)),
     ]
 

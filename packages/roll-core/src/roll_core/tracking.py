@@ -59,6 +59,8 @@ AGREEMENT_PLOT_KEYS: tuple[str, ...] = ("actor/train_infer_logprob_diff", "actor
 #: Panels drawn on a log scale (when every value is positive): the gap spans 1e-6 (fp32) to 1e-1 (FP8).
 _LOG_SCALE = frozenset({"actor/train_infer_logprob_diff"})
 
+#: The run folder's plot of its history (`Tracker.plot`), embedded in report.md.
+CURVES = "curves.png"
 #: Panels per row of curves.png.
 _PANELS_PER_ROW = 4
 #: curves.png is redrawn at most this often (seconds) unless forced: a figure costs ~0.4 s on a small CPU, a large
@@ -199,7 +201,9 @@ class Tracker:
         self.metrics_path = self.dir / "metrics.jsonl"
         self._plotted_at: float | None = None  # time.monotonic() of the last curves.png
         if not resume:  # an earlier run's records in this folder (a run stopped before its first checkpoint)
-            for stale in (self.metrics_path, self.dir / "samples.jsonl"):
+            # curves.png too: report.md embeds it, and a run that ended before its first plot showed the earlier
+            # run's curves beside "No metrics were logged"
+            for stale in (self.metrics_path, self.dir / "samples.jsonl", self.dir / CURVES):
                 stale.unlink(missing_ok=True)
         self.history: list[dict[str, Any]] = self.read_metrics(self.metrics_path) if resume else []
         from roll_core.config.tracking import tracking_config
@@ -216,8 +220,13 @@ class Tracker:
 
     def truncate(self, last_step: int) -> None:
         """Drop records after `last_step` (a resumed run re-does the steps after its checkpoint): metrics,
-        samples, and each backend's (`TrackerBackend.truncate`)."""
-        self.history = [h for h in self.history if h["step"] <= last_step]
+        samples, and each backend's (`TrackerBackend.truncate`); curves.png when it drew a dropped step (redrawn at
+        the next `plot`)."""
+        kept = [h for h in self.history if h["step"] <= last_step]
+        if len(kept) < len(self.history):  # curves.png drew the dropped steps: gone until the next plot draws it
+            (self.dir / CURVES).unlink(missing_ok=True)
+            self._plotted_at = None
+        self.history = kept
         _replace_text(self.metrics_path, "".join(json.dumps(h) + "\n" for h in self.history))
         samples = self.dir / "samples.jsonl"
         if samples.exists():
@@ -260,7 +269,8 @@ class Tracker:
         Values are written as strict JSON: numpy and one-element torch numbers as numbers, NaN/inf as null (a bare
         NaN token is not JSON; a numpy float raised TypeError), also inside lists and dicts. A row may hold neither
         `step` (it would relabel it) nor `rows_left_out`. What is kept is bounded (`tracking.samples_per_step`,
-        `tracking.sample_max_chars`; see `bounded_samples`): the file grew by whatever the collectors passed."""
+        `tracking.sample_max_chars`; see `bounded_samples`): the file grew by whatever the collectors passed.
+        Backends receive the rows as written (plain Python values, NaN/inf as None)."""
         if any("step" in row for row in rows):
             raise ValueError("a sample row may not hold 'step' (it is the record's step number)")
         if any(LEFT_OUT in row for row in rows):
@@ -268,8 +278,11 @@ class Tracker:
         rows = bounded_samples(rows, self.samples_per_step, self.sample_max_chars)
         if not rows:
             return
+        # Backends get the rows as written, as a resume replays them: given the raw ones, W&B's and SwanLab's
+        # json.dumps raised TypeError into the training loop on a numpy number (a reward, an episode's task row).
+        rows = [_json_value(row) for row in rows]
         # built whole before the file opens: a value json cannot write leaves no partial rows behind
-        text = "".join(json.dumps({"step": step, **_json_value(row)}, allow_nan=False) + "\n" for row in rows)
+        text = "".join(json.dumps({"step": step, **row}, allow_nan=False) + "\n" for row in rows)
         with open(self.dir / "samples.jsonl", "a") as f:
             f.write(text)
         for backend in self.backends:
@@ -295,7 +308,7 @@ class Tracker:
         except ImportError:
             log.warning("matplotlib is not installed: no curves.png")
             return None
-        path = self.dir / "curves.png"
+        path = self.dir / CURVES
         fig = None
         try:  # a picture is never worth a run: a full disk or a flaky network folder only costs the plot
             fig = curve_figure(self.history, keys)
