@@ -254,3 +254,39 @@ def test_an_abort_that_comes_while_a_dist_receive_runs_waits_for_it_and_undoes_e
     finally:
         worker._sync_group = sender = None
         infer.shutdown()
+
+
+def test_a_begin_that_fails_on_one_rank_leaves_no_other_rank_paused() -> None:
+    """`begin_weight_update` pauses an engine's generation until the sync ends. When it raised on rank 1 (its engine
+    could not begin), the sync raised before any abort, and rank 0, begun, stayed paused: its requests waited
+    forever. Every rank is now ended by `abort_weight_update` (the hf engine's abort takes a rank whose begin failed)
+    and serves its old weights under its old version; the next sync goes through."""
+    path = resolve_model_path("builtin:tiny")
+    trainer = _Trainer(_perturbed(path))
+    infer = _infer(path, 2)
+    try:
+        sync = WeightSync(
+            trainer, infer, transport="auto", bucket_mb=4 / 1024, placement="colocated", platform=CpuPlatform
+        )
+        prompts = Batch(fields={"prompt_ids": PROMPTS})
+        before = infer.generate(prompts, GREEDY, n=1)["responses"]
+        versions = [infer.submit_request(Request(f"v{r}", PROMPTS[0], GREEDY), rank=r).result(60) for r in (0, 1)]
+        engine = infer.workers[1].engine
+        begin = engine.begin_weight_update
+
+        def refuse() -> None:
+            raise RuntimeError("rank 1's engine could not begin the sync")
+
+        engine.begin_weight_update = refuse
+        with pytest.raises(RuntimeError, match="could not begin"):
+            sync.sync()
+        # Rank 0 generates (it waited in its pause: the request timed out), on its old weights and version.
+        out = [infer.submit_request(Request(f"a{r}", PROMPTS[0], GREEDY), rank=r).result(30) for r in (0, 1)]
+        assert [o.weight_version for o in out] == [o.weight_version for o in versions]
+        assert torch.equal(infer.generate(prompts, GREEDY, n=1)["responses"], before)
+
+        engine.begin_weight_update = begin
+        assert sync.sync().version == versions[0].weight_version + 1
+        assert not torch.equal(infer.generate(prompts, GREEDY, n=1)["responses"], before)
+    finally:
+        infer.shutdown()

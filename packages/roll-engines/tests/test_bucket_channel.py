@@ -229,3 +229,61 @@ def test_a_receiver_gone_before_a_bucket_is_sent_fails_the_sync_naming_it() -> N
     finally:
         sender.close(ok=False)
         proc.join(timeout=60)
+
+
+_SMALL_SHM = r"""
+import sys, threading, torch
+from roll_engines.infer._bucket_channel import BucketSender, receive_buckets
+weight = torch.arange(1024 * 1024, dtype=torch.float32)  # 4 MiB: more than the 1 MiB /dev/shm (Docker's: 64 MiB)
+sender = BucketSender(1, "cpu", None, timeout_s=60)
+got = []
+thread = threading.Thread(target=lambda: got.extend(receive_buckets(sender.address, sender.authkey)), daemon=True)
+thread.start()
+try:
+    sender.send([("embed.weight", weight)])
+    print("staged in", sender._shm_path, flush=True)
+except RuntimeError as exc:
+    print("refused:", exc, flush=True)
+finally:
+    sender.close(ok=True)
+thread.join(30)
+print("received", len(got), bool(got) and torch.equal(got[0][1], weight), flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a private /dev/shm needs Linux namespaces")
+@pytest.mark.parametrize("tmp_room", ["disk", "none"])
+def test_a_dev_shm_too_small_for_the_staging_buffer_is_no_crash(tmp_path, tmp_room: str) -> None:
+    """The CPU staging buffer was a sparse file in /dev/shm: one larger than the room there (a Docker container's
+    64 MiB and an embedding of hundreds) killed the engine with SIGBUS at the first write past it, with no word of
+    why. Its blocks are reserved now: it is staged in the temp folder instead (`disk`), or, with no room there either
+    (`none`), the send raises an error naming the size and what to do. Run in a private mount namespace whose
+    /dev/shm is a 1 MiB tmpfs (`unshare`; skipped where that is not allowed)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-Urm", "true"]).returncode != 0:
+        pytest.skip("no unprivileged mount namespace here")
+    small = tmp_path / "small"
+    small.mkdir()
+    script = tmp_path / "stage.py"
+    script.write_text(_SMALL_SHM)
+    mounts = "mount -t tmpfs -o size=1m tmpfs /dev/shm"
+    if tmp_room == "none":
+        mounts += f" && mount -t tmpfs -o size=1m tmpfs {small}"
+    env = {**os.environ, "TMPDIR": str(small if tmp_room == "none" else tmp_path)}
+    done = subprocess.run(
+        ["unshare", "-Urm", "sh", "-c", f'{mounts} && exec "$0" "$1"', sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-2000:])  # -7 / 135: SIGBUS
+    if tmp_room == "disk":
+        assert f"staged in {tmp_path}" in done.stdout and "received 1 True" in done.stdout, done.stdout
+        assert "no room for a 4194304-byte staging buffer in ['/dev/shm" in done.stderr, done.stderr[-2000:]
+    else:
+        assert "refused: weight sync: no room for a staging buffer of 4194304 bytes" in done.stdout, done.stdout
+        assert "--shm-size" in done.stdout
+    assert not list(small.iterdir()) and not list(tmp_path.glob("roll-weights-*"))  # nothing left behind

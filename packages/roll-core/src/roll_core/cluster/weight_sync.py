@@ -35,6 +35,7 @@ A sync that fails part way (the trainer dies between buckets, an object-store bu
 broadcast breaks) ends with `InferWorker.abort_weight_update` on every receiver, never `finish_weight_update`: an
 engine that implements it (hf, vLLM) puts back what the sync wrote and keeps its weight version, so it serves the old
 weights whole rather than a mix under a new version; engines without it are finished as before (`abort_sync`).
+A `begin_weight_update` that raises on some rank is such a failure too: the ranks it had begun (paused) are ended.
 The abort reaches every receiver (on the local backend too: roll_core.cluster.group) and runs on each only after
 its receive returned or failed (roll_core.cluster.infer_role: a receiver the controller stopped waiting for, a
 `dist` one past `receivers_grace_s`, may still be writing buckets).
@@ -222,8 +223,8 @@ class ObjectStoreTransport(Transport):
     def restore(self, ranks: list[int]) -> int:
         """Every weight to the restarted inference `ranks` only (whatever the run's transport); bytes sent."""
         published = self.train.call(TrainWorker.publish_weights, self.bucket_bytes, False, *self._cast)[0]
-        self.infer.call_ranks(ranks, InferWorker.begin_weight_update)
         try:
+            self.infer.call_ranks(ranks, InferWorker.begin_weight_update)  # inside: as in WeightSync._sync
             self.infer.call_ranks(ranks, InferWorker.receive_weights_object_store, published["refs"])
         except BaseException as exc:
             abort_sync(self.infer, exc, ranks)
@@ -412,8 +413,9 @@ class WeightSync:
     def _sync(self, full: bool | None) -> SyncStats:
         full = (not self.synced_once) if full is None else full
         t0 = time.perf_counter()
-        self.infer.begin_weight_update()
         try:
+            # Inside: a begin that raised on one rank left the ranks it had begun paused, never ended.
+            self.infer.begin_weight_update()
             moved = self.transport.sync(not full)
         except BaseException as exc:
             abort_sync(self.infer, exc)

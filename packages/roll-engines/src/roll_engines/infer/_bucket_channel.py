@@ -6,7 +6,8 @@ of them cannot be serialised at all). So the adapter passes only an address thro
 workers pull the buckets through this channel, one at a time:
 
 - `BucketSender` (adapter side) owns one staging buffer of the largest bucket seen, never the whole model: host
-  shared memory (a file under /dev/shm that both processes map) on CPU, a device buffer shared through a CUDA IPC
+  shared memory (a file under /dev/shm that both processes map; the temp folder where /dev/shm has no room for it:
+  `_shared_file`) on CPU, a device buffer shared through a CUDA IPC
   handle on GPUs. Each bucket is cast to the engine's dtype as it is copied in (the trainer's fp32 never crosses,
   except for the weights the model keeps wider: `wide`),
   announced to every receiver over a local socket (`multiprocessing.connection`, pickled specs only), and the
@@ -25,6 +26,8 @@ the adapter's process.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import socket
 import sys
@@ -39,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+log = logging.getLogger(__name__)
 ALIGN = 64  # bytes: every tensor starts at an offset its dtype can be viewed at
 Spec = tuple[str, tuple[int, ...], str, int]  # name, shape, dtype, byte offset into the buffer
 
@@ -76,6 +80,41 @@ def _socket_address() -> str | None:
     """Linux: a socket in the abstract namespace (no file; gone with its last holder). A path socket sits in a
     `pymp-*` folder of /tmp that a killed engine or trainer never removes: one per sync of a killed process."""
     return "\0roll-bucket-" + os.urandom(8).hex() if sys.platform.startswith("linux") else None
+
+
+def _shared_file(nbytes: int, folders: Sequence[str] | None = None) -> str:
+    """A new file of `nbytes` to map as the staging buffer: in /dev/shm, else (no room there) the temp folder.
+
+    Its blocks are allocated here (`posix_fallocate`): a sparse file (`truncate`) in a /dev/shm too small for it
+    (Docker's default is 64 MiB; one embedding of a 0.5B model is 272 MiB) killed the engine with SIGBUS at the
+    first write past the room. A file in the temp folder is shared through the page cache as well (slower)."""
+    if folders is None:
+        folders = [f for f in ("/dev/shm",) if os.path.isdir(f)] + [tempfile.gettempdir()]
+    tried = []
+    for folder in folders:
+        path = os.path.join(folder, f"roll-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, nbytes)
+            else:  # macOS: no way to reserve the blocks
+                os.ftruncate(fd, nbytes)
+        except OSError as exc:
+            os.unlink(path)
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            tried.append(f"{folder} ({exc.strerror})")
+            continue
+        finally:
+            os.close(fd)
+        if tried:
+            log.warning("weight sync: no room for a %d-byte staging buffer in %s; staged in %s", nbytes, tried, folder)
+        return path
+    raise RuntimeError(
+        f"weight sync: no room for a staging buffer of {nbytes} bytes (the largest bucket, or a single tensor larger "
+        f"than infer_engine.sync_bucket_mb) in {', '.join(tried)}: give the container more shared memory "
+        "(docker run --shm-size) or free space there"
+    )
 
 
 class ChannelError(RuntimeError):
@@ -164,10 +203,7 @@ class BucketSender:
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._handle = ("cuda_ipc", reduce_tensor(self._buffer))
         else:
-            folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            self._shm_path = os.path.join(folder, f"roll-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-            with open(self._shm_path, "wb") as f:
-                f.truncate(nbytes)
+            self._shm_path = _shared_file(nbytes)
             self._buffer = torch.from_file(self._shm_path, shared=True, size=nbytes, dtype=torch.uint8)
             self._handle = ("shm", self._shm_path, nbytes)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, nbytes)
