@@ -148,3 +148,37 @@ def test_sentencepiece_continuations_are_tokenised_as_they_follow_the_conversati
     assert t.continuation([{"role": "user", "content": "go on"}]) == (
         after_stopped if template == "mistral" else [*gap, eos, *after_stopped]
     )
+
+
+def test_llama3_eom_ends_a_turn_in_place_of_eot() -> None:
+    """Llama 3.1+ ends a turn that calls a built-in tool with <|eom_id|>: the turn stops there (a stop token, as
+    <|eot_id|> is the tokenizer's eos) and the next turn follows it directly, as the template renders such a
+    turn; it used to get a second end, <|eot_id|>, appended after the sampled <|eom_id|>. A Llama 3.0 tokenizer
+    (no <|eom_id|>) is unchanged."""
+    from roll_core.testing.chat_templates import family_tokenizer
+
+    old = TurnTemplate(family_tokenizer("llama3"))
+    assert old.stop_token_ids == [] and old.turn_end_ids == {old.tokenizer.eos_token_id}
+    tok = family_tokenizer("llama3")
+    tok.add_special_tokens({"additional_special_tokens": ["<|eom_id|>", "<|end_of_text|>"]})
+    eom, eot = tok.convert_tokens_to_ids("<|eom_id|>"), tok.convert_tokens_to_ids("<|eot_id|>")
+    t = TurnTemplate(tok)
+    assert t.stop_token_ids == [eom] and t.turn_end_ids == {eot, eom}
+    reply = tok("calling the tool", add_special_tokens=False)["input_ids"]
+    after_eot = t.observation("result", [*reply, eot])
+    after_eom = t.observation("result", [*reply, eom])
+    assert after_eom == after_eot  # the header of the next turn, right after the sampled end
+    assert tok.decode(after_eom).startswith("<|start_header_id|>user<|end_header_id|>")
+    text = tok.decode(t.initial("question") + reply + [eom] + after_eom)
+    rendered = tok.apply_chat_template(
+        [
+            {"role": "user", "content": "question"},
+            {"role": "assistant", "content": "calling the tool"},
+            {"role": "user", "content": "result"},
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert text == rendered.replace("calling the tool<|eot_id|>", "calling the tool<|eom_id|>", 1)
+    # cut off (no end token): the whole closing, <|eot_id|> included, as before
+    assert tok.decode(t.observation("result", reply)).startswith("<|eot_id|><|start_header_id|>user")

@@ -126,6 +126,63 @@ def test_scores_equal_a_direct_transformers_forward(run_cfg, rm_path: str) -> No
     assert out["reward_model/raw_mean"] == pytest.approx(sum(want) / 7, abs=1e-5)
 
 
+def test_the_chat_template_reads_the_policys_whole_conversation(run_cfg, rm_path: str) -> None:
+    """A chat-format row (its own system message and an earlier exchange before the question): the prompt batch
+    carries the messages the policy's prompt was rendered from, and each row's score is the classifier's logit of
+    that whole conversation plus the response, not of the user message alone (which dropped the system message
+    and the earlier turns: another score)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from roll_core.pipelines.rollout import prompt_batch
+
+    system = {"role": "system", "content": "Answer in French."}
+    earlier = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Bonjour"}]
+    task = SimpleNamespace(messages=lambda p: [system, *earlier, {"role": "user", "content": p.prompt}])
+    problems = [SimpleNamespace(id=f"q{i}", prompt=q, answer="", metadata={}) for i, q in enumerate(["2+2?", "Sky?"])]
+    tok = AutoTokenizer.from_pretrained(rm_path)
+    batch = prompt_batch(tok, task, problems, 256, {})
+    assert batch["prompt_messages"] == [task.messages(p) for p in problems]
+    responses = ["quatre", "bleu"]
+    scored = Batch({"scores": torch.zeros(2)}, {"response_text": responses})
+    _scoring(run_cfg, rm_path).apply(batch, scored, StepLog())
+
+    model = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
+
+    def logit(messages: list[dict[str, str]]) -> float:
+        ids = tok.apply_chat_template(messages, tokenize=True, return_dict=False)
+        with torch.no_grad():
+            return float(model(torch.tensor([ids])).logits[0, 0])
+
+    answer = [{"role": "assistant", "content": r} for r in responses]
+    want = [logit([*task.messages(p), a]) for p, a in zip(problems, answer)]
+    user_only = [logit([{"role": "user", "content": p.prompt}, a]) for p, a in zip(problems, answer)]
+    torch.testing.assert_close(scored["scores"], torch.tensor(want), atol=1e-5, rtol=1e-5)
+    assert all(abs(w - u) > 1e-3 for w, u in zip(want, user_only)), (want, user_only)
+
+
+def test_a_template_without_a_system_role_gets_it_in_the_first_user_turn() -> None:
+    """A reward model whose chat template refuses the system role (Gemma's raises) reads the system prompt before
+    the first user message's text instead of failing the scoring call; other template errors still raise."""
+    from roll_core.cluster.reward_model import format_row
+    from roll_core.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    plain = tok.chat_template
+    tok.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}" + plain
+    )
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q"}]
+    want = tok.apply_chat_template(
+        [{"role": "user", "content": "Be brief.\n\nQ"}, {"role": "assistant", "content": "A"}],
+        tokenize=True,
+        return_dict=False,
+    )
+    assert format_row(tok, "chat", "Q", "A", convo) == list(want)
+    tok.chat_template = "{{ raise_exception('broken') }}"
+    with pytest.raises(Exception, match="broken"):
+        format_row(tok, "chat", "Q", "A", [{"role": "user", "content": "Q"}])
+
+
 def test_a_left_cut_keeps_a_leading_bos(run_cfg, rm_path: str) -> None:
     from roll_core.cluster.reward_model import truncate
 

@@ -251,10 +251,39 @@ def test_step_before_reset_is_a_programming_error() -> None:
         ("\\boxed{right}\uff01", "right"),
         ("**Up**.", "Up"),
         ("```\n```", None),
+        # A thinking model's reasoning is not the action: the text after the last </think> is read; a <think>
+        # block never closed (cut off while reasoning) has no action, whatever its last box or line says.
+        ("<think>\n\\boxed{left} hits a hole.\n</think>\n\nup", "up"),  # (the box in the reasoning was read)
+        ("<think>\nleft would fall in.\nso\n</think>\nright", "right"),
+        ("the template opened <think>\nnot left\n</think>\n\ndown", "down"),
+        ("<think>\nI will go \\boxed{left}", None),
+        ("<think>\nmaybe\nup", None),
+        ("<think>\nup\n</think>\n\n", None),
     ],
 )
 def test_extract_action(reply: str, action: str | None) -> None:
     assert extract_action(reply) == action
+
+
+def test_reasoning_is_neither_the_action_nor_a_tool_call() -> None:
+    """The box in the reasoning of a reply was taken as the move (FrozenLake stepped left into the reasoning's
+    choice), a reply cut off while reasoning moved by the reasoning's last word, and a `<tool>` block weighed in the
+    reasoning ran instead of the action after it. Now: the action after </think> moves; an unclosed <think> is an
+    invalid action (penalty, nothing moves, counted in info); a tool call in the reasoning is not made."""
+    env = FrozenLakeEnv(hole_prob=0.0)
+    env.reset(seed=0)
+    start = env.player
+    obs, reward, _, _, info = env.step("<think>\nI will go \\boxed{down}")
+    assert info["invalid_action"] is True and env.player == start and reward == pytest.approx(-0.1)
+    assert "never closed" in obs
+    _, reward, _, _, info = env.step("<think>\n\\boxed{up} leaves the board\n</think>\n\\boxed{down}")
+    assert info["invalid_action"] is False and env.player == (start[0] + 1, start[1]) and reward == 0
+    tools = ToolUseEnv(FrozenLakeEnv(hole_prob=0.0), tools=["calculator"], max_tool_calls=2)
+    tools.reset(seed=0)
+    _, _, _, _, info = tools.step("<think>\n<tool>calculator: 1+1</tool>? no need\n</think>\n\\boxed{down}")
+    assert info["tool_calls"] == 0 and info["invalid_action"] is False and tools.env.player == (1, 0)
+    obs, _, _, _, info = tools.step("<think>\nskip it\n</think>\n<tool>calculator: 2+3</tool>")
+    assert info["tool_calls"] == 1 and "5" in obs
 
 
 def test_unicode_direction_replies_move() -> None:

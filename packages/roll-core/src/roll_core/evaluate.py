@@ -293,7 +293,7 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
     too_long = len(collector.eval_set) - len(kept) - bad_pictures
     if not kept:
         raise ConfigError(f"every held-out prompt exceeds model.max_prompt_length={limit}: raise it")
-    prompts = Batch(fields={"prompt_ids": ids, **problem_fields([p for _, p in kept])})
+    prompts = Batch(fields={"prompt_ids": ids, **problem_fields([p for _, p in kept], task)})
     prompts["eval_index"] = [i for i, _ in kept]
     if processor is not None:
         prompts["mm_inputs"] = mms

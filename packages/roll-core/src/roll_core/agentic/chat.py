@@ -29,7 +29,10 @@ carries the template's whole closing, end-of-turn token included, so the next tu
 those ids are observation ids (loss mask 0). `turn_end_ids` are the tokenizer's eos ids plus the template's
 end-of-turn token when it is a special token (Gemma 3 ends turns with `<end_of_turn>` while its tokenizer's eos is
 `<eos>`): `stop_token_ids` lists the latter for SamplingParams, so that an engine whose model config lacks them
-still stops.
+still stops. A template's alternative end of turn (`ALT_TURN_ENDS`: Llama 3.1+ ends a turn that calls a built-in
+tool with `<|eom_id|>` where its template otherwise writes `<|eot_id|>`) is a turn end and a stop token too, when the
+tokenizer has it as a special token: a sampled one takes the place of the closing's end-of-turn token (the turn
+ends as the template renders such a turn), where it used to be followed by a second, `<|eot_id|>`, end.
 
 Tokenising the new text. Only the text between turns is encoded, never the sampled ids, and it is encoded as it
 follows the conversation (`encode_after` the template's rendering before it, the placeholder turn and the sampled
@@ -60,6 +63,9 @@ _ASSISTANT = "\u2063ROLL-ASSISTANT\u2063"
 _USER = "\u2063ROLL-USER\u2063"
 _FIRST_USER = "x"  # the placeholder conversation's first query (templates that need one before an assistant turn)
 _AFTER_ASSISTANT = ("user", "tool", "system")
+#: End-of-turn tokens a family's template writes instead of its usual one (keyed by that one), e.g. Llama 3.1's
+#: `<|eom_id|>` after a built-in tool call: the model samples it, and nothing else closes that turn.
+ALT_TURN_ENDS: dict[str, tuple[str, ...]] = {"<|eot_id|>": ("<|eom_id|>",)}
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -116,8 +122,14 @@ class TurnTemplate:
         self._stop_ids: list[int] = []
         if closing_ids and self._is_special(closing_ids[0]):
             self._stop_ids.append(closing_ids[0])
-        self.turn_end_ids: set[int] = self.eos_ids | set(self._stop_ids)
         self._turn_end_text = self.tokenizer.decode(closing_ids[:1]) if self._stop_ids else ""
+        # (a tokenizer without the token, Llama 3.0's, maps it to None or its unknown token: not one)
+        alts = [tokenizer.convert_tokens_to_ids(t) for t in ALT_TURN_ENDS.get(self._turn_end_text, ())]
+        self._alt_end_ids: set[int] = {
+            int(i) for i in alts if isinstance(i, int) and i != tokenizer.unk_token_id and self._is_special(int(i))
+        }
+        self._stop_ids += sorted(self._alt_end_ids)
+        self.turn_end_ids: set[int] = self.eos_ids | set(self._stop_ids)
 
     # ---- rendering ----------------------------------------------------------------------------------------
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool, tools: list[dict] | None) -> str:
@@ -173,7 +185,8 @@ class TurnTemplate:
     # ---- the API ------------------------------------------------------------------------------------------
     @property
     def stop_token_ids(self) -> list[int]:
-        """The template's end-of-turn token when it is not the tokenizer's eos (put it in SamplingParams)."""
+        """The template's end-of-turn token when it is not the tokenizer's eos, and its alternatives
+        (`ALT_TURN_ENDS`) (put them in SamplingParams)."""
         return [i for i in self._stop_ids if i not in self.eos_ids]
 
     def initial_messages(self, messages: Sequence[Mapping[str, Any]], tools: list[dict] | None = None) -> list[int]:
@@ -223,6 +236,10 @@ class TurnTemplate:
             # the template's whitespace before its end token (Llama 2's " </s>") was not sampled: the trajectory
             # goes on right after the sampled end token, and so does the context the new text is encoded after
             before, after = before + sampled_end, rest[len(sampled_end) :]
+        elif response_ids and int(response_ids[-1]) in self._alt_end_ids and rest.startswith(self._turn_end_text):
+            # <|eom_id|> ended the turn in <|eot_id|>'s place: adding the template's <|eot_id|> after it gave the
+            # model a turn with two ends, a context its template never renders
+            before, after = before + sampled_end, rest[len(self._turn_end_text) :]
         return encode_after(self.tokenizer, before, after)
 
     def initial(self, observation: str) -> list[int]:

@@ -2,8 +2,11 @@
 
 `RewardModelWorker` loads `AutoModelForSequenceClassification` (one label) on its device and scores rows in
 forward passes of `batch_size` rows; `RewardModelGroup` is the typed group the controller calls
-(`reward_model.score(batch) -> Batch`). A row is the prompt text and the response text, formatted by `format_row`
-(the tokenizer's chat template, or a `{prompt}`/`{response}` text template) and cut to `max_length` tokens
+(`reward_model.score(batch) -> Batch`). A row is the prompt and the response text, formatted by `format_row`: the
+tokenizer's chat template over the conversation the policy was prompted with (`prompt_messages`: system prompt,
+examples, earlier turns, the user message; the user message `prompt_text` alone where a batch has no messages) and
+the response as the assistant turn, or a `{prompt}`/`{response}` text template (`{prompt}`: the user message), cut
+to `max_length` tokens
 (`truncation_side`; a left cut keeps a leading BOS); the result carries `rm_scores` (B,) float32, the model's
 logit as it comes (normalisation and mixing with the task reward are the controller's:
 roll_core.pipelines.reward_model), and `rm_truncated` (B,) bool. Each score is the one an unpadded transformers
@@ -21,7 +24,7 @@ change rows' order, and never raises for odd text (empty responses, characters o
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -74,14 +77,27 @@ def check_reward_model(path: str, *, trust_remote_code: bool = False, tokenizer:
     return resolved
 
 
-def format_row(tokenizer: Any, template: str, prompt: str, response: str) -> list[int]:
-    """Token ids of one (prompt, response) row: the chat template over a user and an assistant turn
-    (`template="chat"`), or `template.format(prompt=..., response=...)` tokenised with the tokenizer's specials;
-    a text template that spells those leading specials itself (`<|begin_of_text|>{prompt}...`) keeps its own, as
-    SFT's raw text does (the tokenizer's second bos is an input the reward model never saw)."""
+def format_row(
+    tokenizer: Any,
+    template: str,
+    prompt: str,
+    response: str,
+    messages: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of one (prompt, response) row: the chat template over `messages` (the conversation the policy
+    was prompted with; None: a user turn of `prompt`) and an assistant turn of `response` (`template="chat"`), or
+    `template.format(prompt=..., response=...)` tokenised with the tokenizer's specials; a text template that
+    spells those leading specials itself (`<|begin_of_text|>{prompt}...`) keeps its own, as SFT's raw text does
+    (the tokenizer's second bos is an input the reward model never saw)."""
     if template == CHAT_TEMPLATE:
-        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        convo = [dict(m) for m in messages] if messages else [{"role": "user", "content": prompt}]
+        convo.append({"role": "assistant", "content": response})
+        try:
+            ids = tokenizer.apply_chat_template(convo, tokenize=True, return_dict=False)
+        except Exception:  # jinja's raise_exception: Gemma-style templates have no system role
+            if not convo or convo[0].get("role") != "system":
+                raise
+            ids = tokenizer.apply_chat_template(_system_folded(convo), tokenize=True, return_dict=False)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     text = template.format(prompt=prompt, response=response)
     with_specials = list(tokenizer(text)["input_ids"])
@@ -90,6 +106,18 @@ def format_row(tokenizer: Any, template: str, prompt: str, response: str) -> lis
     if own and 0 < start <= len(own) and own[:start] == with_specials[:start]:
         return with_specials[start:]  # the text's own bos, then whatever the tokenizer adds after it (eos, sep)
     return with_specials
+
+
+def _system_folded(convo: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`convo` with its leading system message put before the first user message's text (what Gemma's own
+    template does with one), for a reward model whose chat template refuses the system role: dropping it would
+    score the response against another instruction than the policy's."""
+    system, rest = convo[0], [dict(m) for m in convo[1:]]
+    first = next((m for m in rest if m.get("role") == "user"), None)
+    if first is None:
+        return rest
+    first["content"] = f"{system.get('content', '')}\n\n{first.get('content', '')}"
+    return rest
 
 
 def truncate(ids: list[int], max_length: int, side: str, bos: int | None = None) -> tuple[list[int], bool]:
@@ -169,12 +197,19 @@ class RewardModelWorker(Worker):
             self.model.to(self.device)
 
     # ---- scoring ------------------------------------------------------------------------------------------
-    def tokenize(self, prompts: Sequence[str], responses: Sequence[str]) -> tuple[list[list[int]], list[bool]]:
-        """Model input ids of each row, cut to `max_length` (a leading BOS kept), and whether each was cut."""
+    def tokenize(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        messages: Sequence[Sequence[Mapping[str, Any]] | None] | None = None,
+    ) -> tuple[list[list[int]], list[bool]]:
+        """Model input ids of each row (`messages`: each row's prompt conversation, see `format_row`), cut to
+        `max_length` (a leading BOS kept), and whether each was cut."""
         bos = self.tokenizer.bos_token_id
+        convos = messages if messages is not None else [None] * len(prompts)
         rows = [
-            truncate(format_row(self.tokenizer, self.template, p, r), self.max_length, self.truncation_side, bos)
-            for p, r in zip(prompts, responses)
+            truncate(format_row(self.tokenizer, self.template, p, r, m), self.max_length, self.truncation_side, bos)
+            for p, r, m in zip(prompts, responses, convos)
         ]
         return [ids for ids, _ in rows], [cut for _, cut in rows]
 
@@ -203,9 +238,10 @@ class RewardModelWorker(Worker):
 
     @dispatch(Dispatch.DP)
     def score(self, batch: Batch) -> Batch:
-        """`rm_scores` (B,) float32 and `rm_truncated` (B,) bool of `batch["prompt_text"]` x
-        `batch["response_text"]`."""
-        rows, cut = self.tokenize(batch["prompt_text"], batch["response_text"])
+        """`rm_scores` (B,) float32 and `rm_truncated` (B,) bool of `batch["prompt_text"]` (with
+        `batch["prompt_messages"]` where the batch has them) x `batch["response_text"]`."""
+        messages = batch["prompt_messages"] if "prompt_messages" in batch else None
+        rows, cut = self.tokenize(batch["prompt_text"], batch["response_text"], messages)
         if not rows:
             return Batch({"rm_scores": torch.empty(0), "rm_truncated": torch.empty(0, dtype=torch.bool)})
         woke = self._asleep
@@ -253,9 +289,10 @@ class RewardModelGroup(WorkerGroup[RewardModelWorker]):
     restartable = True
 
     def score(self, batch: Batch) -> Batch:
-        """Scores of every row of `batch` (fields `prompt_text`, `response_text`), split over the workers:
-        `rm_scores` (B,) float32 (the model's logit) and `rm_truncated` (B,) bool."""
-        return Batch.concat(self.submit(RewardModelWorker.score, batch.select("prompt_text", "response_text")).values())
+        """Scores of every row of `batch` (fields `prompt_text`, `response_text`, and `prompt_messages` when it has
+        them), split over the workers: `rm_scores` (B,) float32 (the model's logit) and `rm_truncated` (B,) bool."""
+        keys = ("prompt_text", "response_text", *(["prompt_messages"] if "prompt_messages" in batch else []))
+        return Batch.concat(self.submit(RewardModelWorker.score, batch.select(*keys)).values())
 
     def sleep(self) -> None:
         self.call(RewardModelWorker.sleep)

@@ -3,7 +3,8 @@
 `build_reward_model(ctx)` returns None for `reward_model=none`; otherwise it checks the model (a missing path, or a
 model that is not a sequence classifier with one label, is a ConfigError before the run starts), creates the role
 through the cluster and returns a `RewardModelScoring`. After the task reward scored a batch, a collector calls
-`scoring.apply(batch, scored, out)`: every row's (prompt_text, response_text) is scored by the role, the raw
+`scoring.apply(batch, scored, out)`: every row's (prompt_text, response_text) is scored by the role (with the
+conversation the policy saw, `prompt_messages`, where the batch has it: the chat template renders all of it), the raw
 scores are normalised (`none`; `batch`: z-score within the training batch; `running`: z-score by the running mean
 and variance of all scores seen, updated first with this batch) and `scored["scores"]` becomes, in place, the
 normalised score (`mode=replace`) or task score + weight x normalised score (`mode=add`). A training batch may be
@@ -123,6 +124,8 @@ class RewardModelScoring:
         update = out is not None if update is None else update
         prefix = "reward_model/" if update else "eval/reward_model/"
         rows = Batch(fields={"prompt_text": batch["prompt_text"], "response_text": scored["response_text"]})
+        if "prompt_messages" in batch:  # system prompt and earlier turns: the reward model sees the policy's prompt
+            rows["prompt_messages"] = batch["prompt_messages"]
         res = self.scorer.score(rows)
         raw, cut = res["rm_scores"].float(), res["rm_truncated"]
         finite = torch.isfinite(raw)

@@ -1,8 +1,10 @@
 """Rollout helpers shared by the RLVR pipeline and `roll-eval`: prompt batches, sequence assembly, evaluation.
 
 A prompt batch holds the chat-templated token ids of each problem (`prompt_ids`), its ground truth (`answer`),
-id (`problem_id`), prompt text (`prompt_text`, the user message) and metadata (`metadata`: the problem's
-`metadata` with its `domain`), which reach rewards that declare them. Prompts longer than the limit are skipped
+id (`problem_id`), prompt text (`prompt_text`, the user message), metadata (`metadata`: the problem's
+`metadata` with its `domain`), which reach rewards that declare them, and the chat messages the policy's prompt was
+rendered from (`prompt_messages`: system prompt, examples, a chat row's earlier turns, the user message), which a
+reward model's chat template renders (roll_core.cluster.reward_model). Prompts longer than the limit are skipped
 and counted, never truncated (a truncated question has a different answer). An engine context
 (infer_engine.max_model_len) that cannot hold the chat template plus one generated token is a ConfigError before
 any rollout (`check_context`); a batch whose every prompt fills the engine's context, `PromptsFillContext`.
@@ -253,14 +255,14 @@ def prompt_batch(
             f"every prompt exceeds model.max_prompt_length={max_prompt_length} (shortest: {shortest} "
             f"tokens){why}: raise model.max_prompt_length"
         )
-    fields: dict[str, list[Any]] = {"prompt_ids": ids, **problem_fields(kept)}
+    fields: dict[str, list[Any]] = {"prompt_ids": ids, **problem_fields(kept, task)}
     if processor is not None:
         fields["mm_inputs"] = mms
     return Batch(fields=fields)
 
 
 #: The per-row fields a problem contributes to a batch (besides its prompt ids).
-PROBLEM_FIELDS = ("answer", "problem_id", "prompt_text", "metadata")
+PROBLEM_FIELDS = ("answer", "problem_id", "prompt_text", "metadata", "prompt_messages")
 
 
 def problem_metadata(problem: Any) -> dict[str, Any]:
@@ -272,14 +274,18 @@ def problem_metadata(problem: Any) -> dict[str, Any]:
     return meta
 
 
-def problem_fields(problems: Sequence[Any]) -> dict[str, list[Any]]:
-    """The PROBLEM_FIELDS of `problems`, one entry per problem."""
-    return {
+def problem_fields(problems: Sequence[Any], task: Any = None) -> dict[str, list[Any]]:
+    """The PROBLEM_FIELDS of `problems`, one entry per problem; `prompt_messages` (`task.messages(problem)`) only
+    with the `task` (without it, `prompt_text` is all a reader has of the prompt)."""
+    fields = {
         "answer": [p.answer for p in problems],
         "problem_id": [p.id for p in problems],
         "prompt_text": [p.prompt for p in problems],
         "metadata": [problem_metadata(p) for p in problems],
     }
+    if task is not None:
+        fields["prompt_messages"] = [task.messages(p) for p in problems]
+    return fields
 
 
 def assemble(tokenizer: Any, prompts: Batch, gen: Batch, metrics: dict[str, Any] | None = None) -> Batch:

@@ -75,10 +75,11 @@ def group_rows(groups: torch.Tensor, group_size: int) -> torch.Tensor:
     return groups.repeat_interleave(group_size).nonzero(as_tuple=True)[0]
 
 
-def generation_from_samples(groups: Sequence[Any], pad_id: int) -> Batch:
+def generation_from_samples(groups: Sequence[Any], pad_id: int, task: Any = None) -> Batch:
     """A generation from scheduler groups (roll_core.scheduling.scheduler.GroupState, payload = the problem):
     every sample's tokens and behaviour log-probs over all its segments, plus `behaviour_version` (B,) long,
-    the oldest weight version any of its tokens was sampled under."""
+    the oldest weight version any of its tokens was sampled under; the problem fields (`problem_fields`, with the
+    `task`'s prompt messages when given)."""
     samples = [s for g in groups for s in g.samples]
     width = max((len(s.tokens) for s in samples), default=0)
     n = len(samples)
@@ -104,7 +105,7 @@ def generation_from_samples(groups: Sequence[Any], pad_id: int) -> Batch:
         },
         {
             "prompt_ids": [list(s.group.prompt_ids) for s in samples],
-            **problem_fields([s.group.payload for s in samples]),
+            **problem_fields([s.group.payload for s in samples], task),
             **pictures,
             "finish_reason": finish,
         },

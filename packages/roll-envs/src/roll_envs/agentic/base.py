@@ -1,7 +1,9 @@
 """Base class of roll's built-in text environments: action parsing, invalid actions, step limits and info keys.
 
 Contract (on top of `roll_core.interfaces.Env`):
-- The action is read from the model's whole reply: the content of the *last* `\\boxed{...}` if the reply has one
+- The action is read from the model's reply after its reasoning (the text after the last `</think>`, as rewards
+  read answers: roll_envs.rewards.judge.final_text; a reply whose `<think>` block is never closed has no action):
+  the content of the *last* `\\boxed{...}` if that text has one
   with balanced braces, else the *last line that holds more than wrapping* (a closing code fence or `**` line is
   passed over), stripped. `\\text{...}` wrappers, surrounding whitespace of any script (no-break, ideographic),
   zero-width characters, quotes, `*` and backticks, and trailing `.`/`!` (also the fullwidth and ideographic
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from roll_envs.boxed import extract_boxed
+from roll_envs.rewards.judge import final_text
 
 _TEXT_WRAP = re.compile(r"\\(?:text|textbf|mathrm|texttt)\s*\{([^{}]*)\}")
 
@@ -57,8 +60,13 @@ def trim_action(text: str) -> str:
 
 
 def extract_action(reply: str) -> str | None:
-    """The action text of a reply (last box, else last line with more than wrapping), normalised; None when
-    there is none."""
+    """The action text of a reply after its reasoning (last box, else last line with more than wrapping),
+    normalised; None when there is none (a `<think>` block never closed included)."""
+    # A thinking model's reasoning weighs moves ("\boxed{left} would hit a hole"): its last box or line is no action.
+    answer = final_text(reply)
+    if answer is None:
+        return None
+    reply = answer
     text = extract_boxed(reply)
     if text is None:
         # A closing ``` or ** line after the action is wrapping, not a (missing) action.
@@ -190,6 +198,8 @@ class TextEnv:
         outcome: Outcome | None = None
         if text is None:
             reason = "no action found in the reply"
+            if isinstance(action, str) and final_text(action) is None:  # (cut off while reasoning, say)
+                reason = "the <think> block is never closed: no action after it"
         elif len(text) > self.MAX_ACTION_CHARS:
             reason = f"the action is too long ({len(text)} characters)"
         else:

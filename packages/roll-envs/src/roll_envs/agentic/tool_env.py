@@ -1,8 +1,9 @@
 """Tool use: any environment (or a question/answer task) becomes one where the model may call tools between actions.
 
-Tool-call syntax: a reply containing `<tool>NAME: ARGUMENT</tool>` (e.g. `<tool>calculator: 12*(3+4)</tool>`) is a
-tool call: the first `<tool>...</tool>` block is run (any later ones are ignored; a malformed first block is an
-invalid action even when a later one is well formed), the environment itself does not move, and the tool's output
+Tool-call syntax: a reply containing `<tool>NAME: ARGUMENT</tool>` (e.g. `<tool>calculator: 12*(3+4)</tool>`)
+after its `<think>` reasoning, if any (one in the reasoning is not a call), is a tool call: the first
+`<tool>...</tool>` block is run (any later ones are ignored; a malformed first block is an invalid action even
+when a later one is well formed), the environment itself does not move, and the tool's output
 is the next observation. NAME is a tool's name; everything after the first colon up to `</tool>`
 (stripped) is the argument. Any reply without `<tool>` is passed to the wrapped environment as its action.
 The wrapped environment's observations must be text (one with pictures is a ValueError, not its repr).
@@ -36,6 +37,7 @@ from roll_core.interfaces.tasks import reward_kwargs
 from roll_envs.agentic.base import Outcome, TextEnv, echo, extract_action, trim_action
 from roll_envs.agentic.tools import Calculator, Tool, get_tool
 from roll_envs.numeric import numbers_equal
+from roll_envs.rewards.judge import final_text
 
 # The first `<tool>` block (up to the first `</tool>` after it) is THE call: searching for the first *well-formed*
 # block ran a later call after a malformed one (`<tool>oops</tool> then <tool>calculator: 2+2</tool>` ran 2+2).
@@ -329,13 +331,14 @@ class ToolUseEnv:
             info = self._info({"state": self._inner_state}, obs, 0, True)
             return note + obs, 0.0, terminated, truncated, info
         self.steps += 1
-        if "<tool>" not in text:
+        answer = final_text(text)  # a <tool> block in the reasoning is weighed, not called
+        if answer is None or "<tool>" not in answer:  # (the wrapped env reads the action after the reasoning)
             raw, reward, terminated, truncated, info = self.env.step(text)
             obs, terminated = _text(raw, self.env), bool(terminated)
             truncated = not terminated and (bool(truncated) or self.steps >= self.max_steps)
             self._last = (obs, terminated, truncated)
             return obs, float(reward), terminated, truncated, self._info(info, obs, 0, False)
-        block = _BLOCK.search(text)
+        block = _BLOCK.search(answer)
         match = _CALL.fullmatch(block.group(1)) if block is not None else None
         if match is None:
             obs, invalid = "Invalid tool call: write exactly <tool>NAME: ARGUMENT</tool>.", True

@@ -164,7 +164,7 @@ class AsyncPromptCollector(PromptCollector):
                 sampled += len(groups)
                 if not groups:
                     continue
-                batch = self._assemble(generation_from_samples(groups, pad))
+                batch = self._assemble(generation_from_samples(groups, pad, self.task))
                 scored = self.score(batch, out)
                 keys = ("scores", "correct", "formatted", *(k for k in RM_ROW_TENSORS if k in scored))
                 batch = batch.union(scored.select(*keys))
@@ -202,7 +202,7 @@ class AsyncPromptCollector(PromptCollector):
             out["data/skipped_bad_images"] = bad_images
         if not kept:
             return None
-        batch = self._assemble(generation_from_samples(kept, pad))
+        batch = self._assemble(generation_from_samples(kept, pad, self.task))
         for k in cols[kept[0].gid]:
             batch[k] = torch.cat([cols[grp.gid][k] for grp in kept])
         if self.reward_model is not None:  # normalize=batch: over the whole batch's rows, not each chunk's
