@@ -97,11 +97,69 @@ def _rendezvous_env_restored():
             os.environ[name] = value
 
 
+#: How much longer than its pytest-timeout a test may run before the watchdog below ends its process.
+WATCHDOG_GRACE_S = float(os.environ.get("ROLL_TEST_WATCHDOG_GRACE_S", "120"))
+#: How long a pytest process may take from its last test to its exit (reports, fixture teardown, unconfigure).
+WATCHDOG_FINISH_S = 600
+
+
+def _timeout_of(item: pytest.Item) -> float:
+    """The test's pytest-timeout limit in seconds (its `timeout` marker, else the command line's or the ini's); 0:
+    none (or pytest-timeout absent)."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and (marker.args or "timeout" in marker.kwargs):
+        value = marker.args[0] if marker.args else marker.kwargs["timeout"]
+    else:
+        value = item.config.getoption("timeout", None)
+        if value is None:
+            try:
+                value = item.config.getini("timeout")
+            except ValueError:  # pytest-timeout not installed: no limit to watch
+                value = 0
+    try:
+        return float(value or 0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _stderr_fd(config: pytest.Config) -> int:
+    """The process's real stderr: pytest's copy made before output capture (fd 2 goes to a capture file while a test
+    runs, and that file is lost when the watchdog ends the process)."""
+    try:
+        from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+        return config.stash[fault_handler_stderr_fd_key]
+    except (ImportError, KeyError):  # another pytest, or its faulthandler plugin off
+        return sys.__stderr__.fileno() if sys.__stderr__ is not None else 2
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """A watchdog over each test that pytest-timeout cannot miss. Its `signal` method raises in the main thread,
+    which only happens when that thread returns to Python: a test blocked inside C code (a collective, a native
+    wait that retries on EINTR) outlives it, and the CI run of 2026-12-07 hung from 98 % to its 90-minute limit
+    with nothing printed. faulthandler's thread needs no GIL: past the limit plus WATCHDOG_GRACE_S it writes every
+    thread's stack to stderr and ends the process (exit 1; xdist reports the test failed and starts a new worker)."""
+    import faulthandler
+
+    limit = _timeout_of(item)
+    if limit > 0:  # replaces an earlier one (there is one per process)
+        faulthandler.dump_traceback_later(limit + WATCHDOG_GRACE_S, exit=True, file=_stderr_fd(item.config))
+    try:
+        yield
+    finally:
+        if limit > 0:
+            faulthandler.cancel_dump_traceback_later()
+
+
 _EXIT_STATUS: list[int] = []
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _EXIT_STATUS.append(int(exitstatus))
+    # The same watchdog over the process's way out (a fixture teardown or a finalizer that hangs would keep an
+    # xdist worker, and so the whole run, from ending).
+    __import__("faulthandler").dump_traceback_later(WATCHDOG_FINISH_S, exit=True, file=_stderr_fd(session.config))
 
 
 def _leftovers() -> str:
