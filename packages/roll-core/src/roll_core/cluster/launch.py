@@ -9,12 +9,15 @@ A role's own `placement` (reward_model.placement) may choose `disaggregated` in 
 `colocated` in a disaggregated one (the trainer's devices are its own there: a ConfigError).
 Reward workers need no device and are scheduled freely with a small CPU share. On the CPU platform the bundles
 hold CPU only. Ray itself sets the visible-devices variable of GPU/NPU workers for the devices it assigns.
+A local Ray instance that a run starts listens on loopback only (`loopback_only`) and its processes run out of the
+driver's process group (`own_session`): a SIGTERM to the group stops the run gracefully, not Ray under it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -104,6 +107,43 @@ def loopback_only() -> Iterator[None]:
             os.environ[var] = old_env
 
 
+@contextmanager
+def own_session() -> Iterator[None]:
+    """While a new local Ray instance starts: the processes it starts (GCS, raylet, agents; the workers the raylet
+    starts inherit it) run in a session of their own, out of the driver's process group.
+
+    `kill -TERM -<pgid>` (schedulers, `timeout`, `docker stop`) and a terminal's Ctrl-C signal the whole process
+    group (Ray blocks SIGINT in the processes it starts, not SIGTERM): in it, Ray's GCS and raylet died while the
+    driver finished its step, the checkpoint relied on luck (any call needing them failed), and the shutdown hung 60 s
+    on the dead GCS before Ray ended the process (exit 1, the run folder's lock kept). Ray does the same on Windows
+    (CREATE_NEW_PROCESS_GROUP) when the kernel ties its processes to the driver's life; on Linux that tie is
+    PR_SET_PDEATHSIG, which a new session keeps: they still die with the driver, and `ray.shutdown()` stops them by
+    pid. Without it (macOS), Ray's reaper kills the driver's process group at exit, so its processes must stay in it:
+    nothing changes there.
+    """
+    from ray._private import services, utils
+
+    base = getattr(services, "ConsolePopen", None)
+    if sys.platform == "win32" or not utils.detect_fate_sharing_support():
+        yield
+        return
+    if base is None:  # Ray changed how it starts its processes
+        log.warning("Ray's processes share the driver's process group: a SIGTERM to the group reaches them")
+        yield
+        return
+
+    class SessionPopen(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["start_new_session"] = True
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = SessionPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = base
+
+
 class Cluster:
     """Creates worker groups for roles on the configured backend."""
 
@@ -175,7 +215,7 @@ class Cluster:
         # that for their private instances).
         if not self.cfg.ray_token_auth:
             os.environ["RAY_AUTH_MODE"] = "disabled"
-        with loopback_only():
+        with loopback_only(), own_session():
             ray.init(address="local", _node_ip_address="127.0.0.1", **kwargs)
         self._started_ray = True
 
