@@ -226,6 +226,28 @@ def test_a_ray_sweep_stopped_by_a_signal_reports_what_its_jobs_did(
     )
 
 
+def test_a_ray_sweep_stopped_between_batches_launches_no_more_jobs(tmp_path: Path, no_ray_launch: list[Any]) -> None:
+    """A signal between two batches (an Optuna sweeper asking its next trials, a grid sweep in batches) only marks
+    the sweep stopped; roll's Ray launcher then launched the next batch anyway and cancelled it half a second later:
+    jobs started after the stop (a pipeline built, GPUs taken, a race to finish). Now it launches none: they are
+    recorded `stopped` ("not started"), the sweep is summarised and ends with SweepStopped (exit 128 + N)."""
+    from roll_core import sweep_launcher
+
+    sw = tmp_path / "sweep"
+    sweep.start_sweep(sw)  # what on_multirun_start does
+    assert run_job(sw, "0", 0, ["algo.lr=1e-3"], lambda cfg: {"final_eval_accuracy": 0.5}) == 0.5  # batch 1
+    sweep.stop_sweep(sw, 15, "the sweep was stopped by signal 15")  # SIGTERM while the sweeper asks batch 2
+    jobs = {f"algo.lr={n}e-3": {} for n in (2, 3)}
+
+    with pytest.raises(SystemExit) as stopped:
+        sweep_launcher.launch_jobs(_launcher_of(sw, jobs), [[o] for o in jobs], 1)
+
+    assert no_ray_launch == []
+    assert stopped.value.code == 128 + 15
+    assert [(r["job"], r["status"]) for r in summary_rows(sw)] == [("0", "ok"), ("1", "stopped"), ("2", "stopped")]
+    assert "3 job(s): 1 finished, 0 failed, 0 stopped, 2 not started" in getattr(stopped.value, "report", "")
+
+
 def test_a_signal_that_stops_a_local_sweep_job_stops_the_sweep(tmp_path: Path) -> None:
     """Ctrl-C (or a scheduler's SIGTERM) in a local multirun stops the running job at a checkpoint; the sweep's later
     jobs are then not started but recorded as stopped, so the sweep ends, is summarised and exits 128+N, as a single
@@ -381,6 +403,61 @@ def test_a_resumed_sweep_refuses_a_job_folder_of_other_swept_values(tmp_path: Pa
     assert sweep_of(["3e-3", "1e-3"], "pipeline.max_steps=20") == [0.5, 0.5]  # no resume: the run refuses (not here)
     assert sweep_of(["1e-3", "3e-3"], "pipeline.resume=true") == [0.5, 0.5]  # the folders still say what they hold
     assert sweep_of(["3e-3", "1e-3"], "pipeline.resume=true") == [None, None]
+
+
+def test_a_job_that_never_ran_keeps_what_its_resumed_folder_holds(tmp_path: Path) -> None:
+    """A resumed sweep's job that never ran in its folder (not started after a stop; cancelled or killed by Ray
+    before its start record) wrote a record of its own values over the earlier sweep's, and the folder's
+    checkpoints lost the values they were trained with: a later resume with those new values continued job 1's
+    algo.lr=3e-3 run with algo.lr=5e-3. Its record now keeps what the folder holds (`folder_overrides`), and
+    that later resume is refused."""
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="install roll-core[sweep]")
+    from roll_core import sweep_launcher
+
+    sw = tmp_path / "sweep"
+    callback = sweep.SweepSummaryCallback()
+    ran: list[str] = []
+
+    def run(signum: int | None = None) -> Any:
+        def job(cfg: Any) -> dict[str, Any]:
+            from hydra.core.hydra_config import HydraConfig
+
+            hc = HydraConfig.get()
+            ran.append(hc.overrides.task[0])
+            (Path(hc.runtime.output_dir) / "checkpoints" / "step_5").mkdir(parents=True, exist_ok=True)
+            return {"final_eval_accuracy": 0.5, "stopped_by_signal": signum}
+
+        return job
+
+    resume = {"pipeline": {"resume": True}}
+    callback.on_multirun_start(multirun_config(sw))
+    assert [run_job(sw, str(n), n, [f"algo.lr={lr}"], run()) for n, lr in enumerate(["1e-3", "3e-3"])] == [0.5, 0.5]
+    callback.on_multirun_end(multirun_config(sw))
+    # resumed with job 1's value changed, stopped by Ctrl-C during job 0: job 1 is not started
+    callback.on_multirun_start(multirun_config(sw))
+    assert run_job(sw, "0", 0, ["algo.lr=1e-3", "pipeline.resume=true"], run(2), **resume) is None
+    assert run_job(sw, "1", 1, ["algo.lr=5e-3", "pipeline.resume=true"], run(), **resume) is None
+    with pytest.raises(SystemExit):
+        callback.on_multirun_end(multirun_config(sw))
+    assert json.loads((sw / "1" / sweep.STATUS_FILE).read_text())["folder_overrides"] == ["algo.lr=3e-3"]
+    # resumed again with the same values: job 1 would continue algo.lr=3e-3's run with 5e-3
+    callback.on_multirun_start(multirun_config(sw))
+    assert run_job(sw, "0", 0, ["algo.lr=1e-3", "pipeline.resume=true"], run(), **resume) == 0.5
+    assert run_job(sw, "1", 1, ["algo.lr=5e-3", "pipeline.resume=true"], run(), **resume) is None
+    assert ran == ["algo.lr=1e-3", "algo.lr=3e-3", "algo.lr=1e-3", "algo.lr=1e-3"]
+    assert (
+        "with algo.lr=3e-3; this job has algo.lr=5e-3"
+        in json.loads((sw / "1" / sweep.STATUS_FILE).read_text())["error"]
+    )
+    callback.on_multirun_end(multirun_config(sw))
+
+    # roll's Ray launcher: a job of a sweep into the folder cancelled before it wrote a start record
+    sweep.start_sweep(sw)
+    cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(sw), "subdir": "${hydra.job.num}"}, "job": {"num": 1}}})
+    sweep_launcher.killed(cfg, ["algo.lr=7e-3"], RuntimeError("cancelled"), stopped=15)
+    record = json.loads((sw / "1" / sweep.STATUS_FILE).read_text())
+    assert (record["overrides"], record["folder_overrides"]) == (["algo.lr=7e-3"], ["algo.lr=3e-3"])
+    sweep.end_sweep(sw)
 
 
 def test_only_a_folder_holding_just_what_hydra_wrote_for_an_unstarted_trial_is_removed(tmp_path: Path) -> None:

@@ -93,10 +93,10 @@ def test_failed_jobs_are_counted_even_when_the_summary_cannot_be_written(
     _job(sw, "0", 0, ["algo.lr=1e-3"], wall_seconds=1.0)
     _job(sw, "1", 1, ["algo.lr=3e-3"], "killed", error="WorkerCrashedError: died")
 
-    def broken_plot(*args: Any) -> None:
+    def broken_write(*args: Any) -> None:
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(sweep, "_plot", broken_plot)
+    monkeypatch.setattr(sweep, "_replace_atomically", broken_write)
     with caplog.at_level(logging.ERROR, logger="roll_core.sweep"):
         sweep.SweepSummaryCallback().on_multirun_end(multirun_config(sw))  # must not raise
 
@@ -377,3 +377,75 @@ def test_nan_metrics_are_never_the_best_and_give_the_sweeper_no_value(tmp_path: 
     assert run_job(sw, "1", 1, ["algo.lr=2e-3"], lambda cfg: {"final_eval_accuracy": nan}) is None
     assert run_job(sw, "2", 2, ["algo.lr=3e-3"], lambda cfg: {"final_eval_accuracy": None}) is None
     assert run_job(sw, "3", 3, ["algo.lr=4e-3"], lambda cfg: {"final_eval_accuracy": 1}) == 1.0
+
+
+def test_a_plot_that_fails_is_logged_and_the_summary_is_still_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A savefig that fails half-way (a full disk, a broken backend) raised out of the summary (summarize() failed a
+    sweep whose jobs had all finished) and left a half-written rewards.png over the earlier one. Now it is logged,
+    summary.csv and summary.md are written, the earlier rewards.png is kept whole and no temporary file is left."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    sw = tmp_path / "sweep"
+    for num in range(2):
+        metrics = [{"step": s, "reward/mean": 0.25 * s} for s in (1, 2)]
+        _job(sw, str(num), num, [f"algo.lr={num + 1}e-3"], metrics=metrics, wall_seconds=1.0)
+    (sw / "rewards.png").write_bytes(b"earlier picture")
+
+    def half_savefig(fig: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+        Path(path).write_bytes(b"\x89PNG half")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", half_savefig)
+    with caplog.at_level(logging.ERROR, logger="roll_core.sweep"):
+        rows = sweep.summarize(sw)  # must not raise
+
+    assert [(r["job"], r["final_reward"]) for r in rows] == [(0, 0.5), (1, 0.5)]
+    assert [r["status"] for r in summary_rows(sw)] == ["ok", "ok"]
+    assert (sw / "summary.md").read_text().count("| ok |") == 2
+    assert (sw / "rewards.png").read_bytes() == b"earlier picture"
+    assert "rewards.png" in caplog.text and "No space left on device" in caplog.text
+    assert sorted(p.name for p in sw.iterdir() if p.is_file()) == ["rewards.png", "summary.csv", "summary.md"]
+
+
+def test_a_summary_cut_off_while_it_is_written_leaves_the_earlier_one_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """summary.csv and summary.md were written in place: a sweep killed (or failing) while writing them left half a
+    table over the earlier, complete one. Each is written to a temporary file in the sweep folder and renamed over
+    it: the earlier summary stays whole and no temporary file is left."""
+    import csv
+
+    sw = tmp_path / "sweep"
+    for num in range(3):
+        _job(sw, str(num), num, [f"algo.lr={num + 1}e-3"], wall_seconds=1.0)
+    monkeypatch.setattr(sweep, "_plot", lambda curves, path: None)
+    sweep.summarize(sw)
+    before = {name: (sw / name).read_text() for name in ("summary.csv", "summary.md")}
+    _job(sw, "3", 3, ["algo.lr=4e-3"], "failed", error="RuntimeError: no data")
+
+    def cut_off(writer: Any, rows: Any) -> None:
+        writer.writerow(next(iter(rows)))
+        raise OSError("killed")
+
+    writerows = csv.DictWriter.writerows
+    monkeypatch.setattr(csv.DictWriter, "writerows", cut_off)
+    with pytest.raises(OSError, match="killed"):
+        sweep.summarize(sw)
+    assert {name: (sw / name).read_text() for name in before} == before
+    monkeypatch.setattr(csv.DictWriter, "writerows", writerows)
+    write_text = Path.write_text
+
+    def half_text(path: Path, text: str, *args: Any, **kwargs: Any) -> int:
+        write_text(path, text[: len(text) // 2])
+        raise OSError("killed")
+
+    monkeypatch.setattr(Path, "write_text", half_text)  # summary.md cut off half-way
+    with pytest.raises(OSError, match="killed"):
+        sweep.summarize(sw)
+    monkeypatch.setattr(Path, "write_text", write_text)
+    assert (sw / "summary.md").read_text() == before["summary.md"]
+    assert len(summary_rows(sw)) == 4  # the csv was written whole before the table failed
+    assert sorted(p.name for p in sw.iterdir() if p.is_file()) == ["summary.csv", "summary.md"]

@@ -39,12 +39,14 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
   "<experiment>-<job number>", so the jobs are distinct runs of one group (`sweep_tracking`).
 - After the last job, `SweepSummaryCallback.on_multirun_end` finds this sweep's job records anywhere under the
   sweep folder (job folders nest with `hydra.sweep.subdir=${hydra.job.override_dirname}`), writes `summary.csv`,
-  `summary.md` and `rewards.png` (every job's reward curve, one line per job) into it, and `roll-train` exits
-  non-zero if any job was not `ok` or no job record of the sweep was found. The failures are counted before the
-  summary is written, so a summary that cannot be written (Hydra turns a callback's exception into a warning)
-  never hides them. A sweep whose sweeper raises (hydra-optuna-sweeper when every trial failed: Optuna has no best
-  trial) skips `on_multirun_end`: `roll-train` then summarises it (`end_unfinished_sweeps`) and exits 1 with a
-  message naming the failed jobs and summary.md, instead of only the sweeper's traceback.
+  `summary.md` and `rewards.png` (every job's reward curve, one line per job) into it, each whole or not at all (a
+  temporary file renamed over it: a sweep killed while writing never leaves half a summary; a plot that fails is
+  logged, the tables are still written), and `roll-train` exits non-zero if any job was not `ok` or no job record of
+  the sweep was found. The failures are counted before the summary is written, so a summary that cannot be
+  written (Hydra turns a callback's exception into a warning) never hides them. A sweep whose sweeper raises
+  (hydra-optuna-sweeper when every trial failed: Optuna has no best trial) skips `on_multirun_end`: `roll-train`
+  then summarises it (`end_unfinished_sweeps`) and exits 1 with a message naming the failed jobs and summary.md,
+  instead of only the sweeper's traceback.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -67,7 +70,7 @@ from hydra.experimental.callback import Callback
 from roll_core import sweep_stop
 from roll_core.sweep_optuna import prepare_study_storage, unwatch, watch_sweep
 from roll_core.sweep_records import STATUS_FILE, job_labels, job_records, write_record
-from roll_core.sweep_resume import check_resumed_folder
+from roll_core.sweep_resume import check_resumed_folder, record_folder_run
 from roll_core.sweep_slots import SLOTS_NAMESPACE, job_slot, slots_name
 
 log = logging.getLogger(__name__)
@@ -105,6 +108,7 @@ def run_sweep_job(cfg: Any, run: Any) -> float | sweep_stop.UnstartedTrial | Non
         if str(sweep_dir) in _stopped:
             log.error("sweep job %s is not started: %s", hc.job.num, _stopped[str(sweep_dir)][1])
             record.update(status="stopped", error=f"not started: {_stopped[str(sweep_dir)][1]}")
+            record_folder_run(out, record)  # a resumed folder's record keeps what its checkpoints hold
             write_record(out, record)
             return None
         check_resumed_folder(cfg, out, sweep_dir, record)
@@ -326,18 +330,37 @@ def _write_summary(sweep_dir: Path, found: list[tuple[Path, dict[str, Any]]]) ->
         )
     if not rows:
         return rows
-    with open(sweep_dir / "summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+
+    def write_csv(tmp: Path) -> None:
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+    _replace_atomically(sweep_dir / "summary.csv", write_csv)
     header = [h for h in rows[0] if h != "overrides"]  # the CSV keeps every override; the table the swept ones
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         # Only the error is cut: params is what tells the jobs apart, and its differences may come late in it.
         lines.append("| " + " | ".join(_cell(r[k], 120 if k == "error" else None) for k in header) + " |")
-    (sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
-    _plot(curves, sweep_dir / "rewards.png")
+    _replace_atomically(sweep_dir / "summary.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+    try:  # a picture: a plotting error (a full disk, a broken backend) must not fail a sweep whose tables are written
+        _plot(curves, sweep_dir / "rewards.png")
+    except Exception:
+        log.exception("sweep: could not draw %s (summary.csv and summary.md are written)", sweep_dir / "rewards.png")
     return rows
+
+
+def _replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """Write `path` whole or not at all: `write` fills a temporary file in the same folder (one file system: the
+    rename is atomic), which then replaces `path`. A sweep killed or failing while it writes leaves the earlier
+    file (or none) and no temporary one, never half a summary."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _finite(v: Any) -> bool:
@@ -371,9 +394,12 @@ def _plot(curves: list[tuple[str, list[tuple[int, float]]]], path: Path) -> None
     ax.grid(alpha=0.3)
     if any(pts for _, pts in curves):
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.tight_layout()
+        # format: the temporary file's name does not end in .png
+        _replace_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:  # a failed savefig left the figure open (pyplot keeps every open figure)
+        plt.close(fig)
 
 
 class SweepSummaryCallback(Callback):
@@ -501,9 +527,9 @@ def start_sweep_ray(launcher: Any) -> bool:
 
     if ray.is_initialized():
         return False
-    from roll_core.cluster.launch import loopback_only
+    from roll_core.cluster.launch import loopback_only, own_session
 
-    with loopback_only():
+    with loopback_only(), own_session():  # out of the driver's process group: a `kill -TERM -<pgid>` stops jobs cleanly
         ray.init(address="local", _node_ip_address="127.0.0.1", **init)
     log.info("sweep: started a local Ray instance on loopback (hydra.launcher.ray.init.address=auto joins a cluster)")
     return True

@@ -27,7 +27,9 @@ and the jobs still running were abandoned with the driver. Jobs that raise are a
   cancels its jobs the gentle way: a running job gets a SIGINT, so its GracefulStop saves a checkpoint and it ends
   `stopped`; one waiting for its slot ends `stopped` ("not started"). They are waited for and the ones that left no
   end record are recorded `stopped` too, the sweep is summarised (Hydra skips on_multirun_end) and the launcher
-  raises SystemExit(128 + N): roll-train exits 128 + N, and no later batch (an Optuna sweeper's) is launched. A
+  raises SystemExit(128 + N): roll-train exits 128 + N, and no later batch (an Optuna sweeper's) is launched; a
+  batch the sweeper hands over after a stop between batches is not launched either (its jobs recorded `stopped`,
+  "not started": it was launched and cancelled half a second later, so its jobs could start after the stop). A
   second signal aborts: the jobs are killed (Ray's force cancel), recorded `stopped` and summarised. Either way
   the exit is roll_core.sweep_stop.SweepStopped, whose line roll-train prints (what the jobs did). Before, a
   SIGINT left the jobs `running` and no summary, and a SIGTERM aborted the driver (Ray's handler: a stack dump,
@@ -65,6 +67,7 @@ from roll_core.sweep import (
     sweep_marker,
     write_record,
 )
+from roll_core.sweep_resume import record_folder_run
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +91,12 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
             cfg.hydra.job.id = f"job_id_for_{idx}"  # set for real on the worker (a scheduler's id)
             cfg.hydra.job.num = idx
         cfgs.append(cfg)
+    stopped = stop_signal(sweep_dir)
+    if stopped is not None:  # between batches (the sweeper asking its next trials): no job starts after a stop
+        log.warning("sweep stopped by signal %s: its next %d job(s) are not started", stopped, len(cfgs))
+        for cfg, overrides in zip(cfgs, job_overrides):
+            killed(cfg, list(overrides), KeyboardInterrupt("the sweep was stopped before they were launched"), stopped)
+        end_stopped_sweep(sweep_dir, stopped)
     jobs: list[tuple[DictConfig, list[str], Any]] = []
     results: list[JobReturn | None] = []
     stopping: int | None = None  # the signal that stopped the sweep, once its jobs were asked to stop
@@ -234,6 +243,7 @@ def killed(cfg: DictConfig, overrides: list[str], exc: BaseException, stopped: i
         else:  # killed before it wrote its start record: unknown, shown as "-" (not 0)
             record["wall_seconds"] = None
         record["sweep_id"] = sweep_id  # also without a start record: it is this sweep's job
+        record_folder_run(folder, record)  # a resumed folder's record keeps what its checkpoints hold
         write_record(folder, record)
     return JobReturn(
         overrides=overrides,

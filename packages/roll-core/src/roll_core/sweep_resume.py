@@ -6,7 +6,9 @@ job with other values of the swept parameters (the overrides whose values differ
 names job folders by job number, so values given in another order, or an Optuna trial sampling other values, would
 continue another job's checkpoint with the job's own learning rate (a resume accepts a changed lr). Settings shared
 by every job (`pipeline.max_steps`) may change. Every job in a folder with checkpoints records, as
-`folder_overrides`, the overrides of the run those checkpoints belong to (roll_core.sweep's job records).
+`folder_overrides`, the overrides of the run those checkpoints belong to (roll_core.sweep's job records), also one
+that never ran there (`record_folder_run`: not started after a stop, cancelled or killed before its start record):
+its record replaced the folder's, and a later resume with its values continued the checkpoints of other ones.
 """
 
 from __future__ import annotations
@@ -27,6 +29,27 @@ def _folder_run(record: dict[str, Any]) -> dict[str, str]:
     return _swept(record.get("folder_overrides") or record["overrides"])
 
 
+def record_folder_run(job_dir: Path, record: dict[str, Any]) -> dict[str, Any] | None:
+    """When `job_dir` holds checkpoints and the record of an earlier sweep's job, set `record["folder_overrides"]`
+    (a job record of this sweep, about to replace that one) to the overrides of the run the checkpoints belong to,
+    and return the earlier record; None (record untouched) otherwise. Run for every record that replaces a
+    folder's: a job that never ran there must not leave its own values as what the folder holds."""
+    from roll_core.sweep_records import STATUS_FILE
+
+    if not any(job_dir.glob("checkpoints/*")):
+        return None
+    try:
+        earlier = json.loads((job_dir / STATUS_FILE).read_text())
+        _folder_run(earlier)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None  # no record of what the folder holds: nothing to keep
+    if earlier.get("sweep_id") == record.get("sweep_id"):
+        return None
+    # what the folder holds stays its first run's, also after a resume with other shared settings (max_steps)
+    record["folder_overrides"] = earlier.get("folder_overrides") or earlier["overrides"]
+    return earlier
+
+
 def check_resumed_folder(cfg: Any, job_dir: Path, sweep_dir: Path, record: dict[str, Any]) -> None:
     """Refuse a job of a resumed sweep (pipeline.resume=true) whose folder holds the checkpoints of an earlier
     sweep's run with other values of the swept parameters (overrides whose values differ between the folder's
@@ -36,17 +59,10 @@ def check_resumed_folder(cfg: Any, job_dir: Path, sweep_dir: Path, record: dict[
 
     from roll_core.sweep_records import STATUS_FILE
 
-    if not any(job_dir.glob("checkpoints/*")):
+    earlier = record_folder_run(job_dir, record)
+    if earlier is None:
         return
-    try:
-        earlier = json.loads((job_dir / STATUS_FILE).read_text())
-        theirs = _folder_run(earlier)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return  # no record of what the folder holds: nothing to compare
-    if earlier.get("sweep_id") == record.get("sweep_id"):
-        return
-    # what the folder holds stays its first run's, also after a resume with other shared settings (max_steps)
-    record["folder_overrides"] = earlier.get("folder_overrides") or earlier["overrides"]
+    theirs = _folder_run(earlier)
     if not OmegaConf.select(cfg, "pipeline.resume", default=False):
         return  # the run refuses a folder with checkpoints (roll_core.pipelines.run_control)
     values: dict[str, set[str]] = {}
