@@ -10,10 +10,11 @@ to replace groups dynamic sampling dropped; a take that only replaces groups who
 (the synchronous collector does not replace those), so it is 0 with dynamic sampling off. The trainer then
 recomputes the proximal log-probs (`old_logprobs`) at its current version, and `algo.off_policy_correction` weighs
 each token by the truncated ratio pi_old / pi_behaviour (decoupled PPO); `begin_sync` / `finish_sync` bracket the
-weight sync so that partial rollout can abort and resume requests around it. `pipeline.async_batch_timeout_s` bounds
-the trainer's wait for a batch, `pipeline.async_abort_timeout_s` the wait for an aborted request's result and
-`pipeline.max_idle_aborts` the engine's own aborts of a sample in a row without a token before it counts as refused
-(roll_core.scheduling.driver).
+weight sync so that partial rollout can abort and resume requests around it. A batch that no sync follows was not
+trained (a wrapper dropped it: pipeline=distill without teacher prompts): the next `next` gives its groups back to the
+budget as discards (`async/discarded_groups`). `pipeline.async_batch_timeout_s` bounds the trainer's wait for a batch,
+`pipeline.async_abort_timeout_s` the wait for an aborted request's result and `pipeline.max_idle_aborts` the engine's
+own aborts of a sample in a row without a token before it counts as refused (roll_core.scheduling.driver).
 
 Checkpoints store the data sampler and the training-set indices of the groups started but not yet trained
 (`pending`, in start order: the sampler's position is past them); a resumed run starts those prompts first, so
@@ -99,6 +100,9 @@ class AsyncPromptCollector(PromptCollector):
         self.skipped_context = 0  # groups whose prompt filled the engine's context (data/skipped_context_prompts)
         self.skipped_bad_images = 0
         self._last_batch_at: float | None = None  # when the previous batch was taken (rollout throughput)
+        # The groups of the batch handed out last, until the weight sync after its update: still held at the next
+        # `next`, nothing trained them (a wrapper dropped the batch: pipeline=distill without teacher prompts).
+        self._handed: list[GroupState] = []
         seed = derive_seed(p.seed, Purpose.ASYNC_ROLLOUT)
         self.driver = AsyncRollout(
             self.infer,
@@ -141,6 +145,13 @@ class AsyncPromptCollector(PromptCollector):
         sampled = refills = too_long = 0
         # Whether the previous take had a group dynamic sampling dropped: the next take refills it (a refill round).
         uniform_dropped = False
+        if self._handed:
+            # No sync followed the previous batch, so nothing trained it: its groups go back to the budget as
+            # discards. Left booked as trained, each such batch took one batch of the rollout's lead for good, and
+            # after async_ratio + 1 of them `take` waited out async_batch_timeout_s for groups never started.
+            for grp in self._handed:
+                self.driver.discard(grp)
+            self._handed = []
         with out.timer("generate"):  # time the trainer waited for rollout
             while len(kept) < want and sampled < cap:
                 refills += int(uniform_dropped)
@@ -202,6 +213,7 @@ class AsyncPromptCollector(PromptCollector):
             out["data/skipped_bad_images"] = bad_images
         if not kept:
             return None
+        self._handed = kept
         batch = self._assemble(generation_from_samples(kept, pad, self.task))
         for k in cols[kept[0].gid]:
             batch[k] = torch.cat([cols[grp.gid][k] for grp in kept])
@@ -247,6 +259,7 @@ class AsyncPromptCollector(PromptCollector):
         self.driver.begin_update()
 
     def finish_sync(self, version: int) -> None:
+        self._handed = []  # trained: the update this sync follows
         self.driver.finish_update()
 
     def close(self) -> None:
