@@ -58,7 +58,7 @@ class _Collector:
 
 
 class _Trainer:
-    stale, bad_steps = False, 0
+    stale, bad_steps, scaler_streak = False, 0, 0
 
     def __init__(self) -> None:
         self.updated: list[int] = []
@@ -79,6 +79,7 @@ def _pipeline(tmp_path: Path, collector: Any, max_empty_steps: int, max_steps: i
         save_every=0,
         progress=False,
         max_nonfinite_steps=3,
+        max_loss_scale_skips=32,
         max_empty_steps=max_empty_steps,
     )
     p.cfg = SimpleNamespace(pipeline=pipe, experiment="x", algo=SimpleNamespace(off_policy_correction=None))

@@ -251,6 +251,10 @@ class PipelineConfig:
     # Stop the run after this many consecutive steps whose loss or gradient was NaN/inf (each such optimizer step
     # is skipped, the LR schedule does not advance; counted in actor/nonfinite_steps). 0: never stop.
     max_nonfinite_steps: int = 3
+    # Stop the run after this many optimizer steps in a row that fp16's loss scaler skipped for an overflowing
+    # gradient (model.dtype=float16; counted in actor/scaler_skipped_steps). Each skip halves the scale: 32 in a row
+    # take it from 2^16 to 2^-16, a gradient no fp16 scale holds (every later step would be skipped). 0: never stop.
+    max_loss_scale_skips: int = 32
     # Stop the run after this many consecutive steps whose reward failed on every row (raised, timed out or NaN/inf:
     # nothing to learn from; counted in reward/failed_rows, totals in the run summary). 0: never stop.
     max_reward_failure_steps: int = 3
@@ -306,6 +310,7 @@ class PipelineConfig:
             raise ValueError(f"pipeline.trackers={list(self.trackers)!r} names {', '.join(twice)} twice")
         positive("pipeline.async_ratio", self.async_ratio, allow_zero=True)
         positive("pipeline.max_nonfinite_steps", self.max_nonfinite_steps, allow_zero=True)
+        positive("pipeline.max_loss_scale_skips", self.max_loss_scale_skips, allow_zero=True)
         positive("pipeline.max_reward_failure_steps", self.max_reward_failure_steps, allow_zero=True)
         positive("pipeline.max_empty_steps", self.max_empty_steps, allow_zero=True)
         positive("pipeline.max_run_restarts", self.max_run_restarts, allow_zero=True)

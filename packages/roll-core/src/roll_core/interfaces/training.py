@@ -53,8 +53,11 @@ class LossFn(Protocol):
     Metrics: `train_step` reports each metric's mean over the micro-batches weighted by their `units` (a token mean
     per micro-batch becomes the mini-batch's token mean under token-mean aggregation), except the keys a loss lists
     in `summed_metrics: tuple[str, ...]` (read with getattr, default none): sums (and their counts) whose ratio the
-    objective forms itself, averaged alike. Beside each averaged metric `k` an engine may report its total weight
-    as `METRIC_WEIGHT_PREFIX + k` (the units, or micro-batch count for summed keys, behind that mean on this rank):
+    objective forms itself, averaged alike, and the keys it lists in `token_metrics` (same reading): masked means
+    over the micro-batch's response tokens, weighted by its valid tokens (`response_mask`; under sequence-mean
+    aggregation the units are rows, and a token mean weighted by rows is not the batch's). Beside each averaged
+    metric `k` an engine may report its total weight as `METRIC_WEIGHT_PREFIX + k` (the units, tokens, or
+    micro-batch count for summed keys, behind that mean on this rank):
     the group merges the data-parallel ranks' means by those weights (a token mean stays the batch's token mean
     when ranks hold responses of different lengths) and by rows where an engine reports none. A metric named
     `*_max` (`is_max_metric`) is a maximum: the step's value is the largest over its micro-batches and the ranks

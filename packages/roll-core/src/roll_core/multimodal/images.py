@@ -11,7 +11,10 @@ bomb), so callers that skip bad rows on ValueError never crash on one.
 The picture is the one viewers, transformers' `load_image`, `datasets`' Image feature and vLLM show: the EXIF
 orientation is applied (a phone photo stored sideways is upright), and transparency is composited onto white as
 transformers' `convert_to_rgb`, Qwen-VL's own loader and vLLM do (PIL's plain `convert("RGB")` turns transparent
-pixels black: a diagram of black lines on a transparent background became an all-black picture).
+pixels black: a diagram of black lines on a transparent background became an all-black picture). Grey pictures
+deeper than 8 bits are scaled to 8 bits first (`_eight_bit`): a 16-bit PNG (mode I;16 or I) by 255/65535, a float
+one (mode F) from 0..1 (other float ranges are a ValueError: no scale is standard); PIL's `convert("RGB")` clipped
+them, every value over 255 (over 1/255 of a 16-bit range) turned white.
 
 `check_image(value, base_dir)` reads only a picture's header (cheap enough for every row of a data set at load) and
 returns the value in a form `load_image` reads without the base folder.
@@ -218,12 +221,41 @@ def _rgb(im: Any, copy: bool) -> Any:
         im, copy = ImageOps.exif_transpose(im), False
     if im.mode == "RGB":
         return im.copy() if copy else im
+    if im.mode in ("I", "F") or im.mode.startswith("I;16"):
+        im = _eight_bit(im)
     if _transparent(im):
         rgba = im.convert("RGBA")
         out = Image.new("RGB", rgba.size, WHITE)
         out.paste(rgba, mask=rgba.getchannel("A"))
         return out
     return im.convert("RGB")
+
+
+def _eight_bit(im: Any) -> Any:
+    """A 16-bit or 32-bit integer (I;16*, I) or float (F) grey picture as 8-bit grey (L), or grey and alpha (LA) when
+    a PNG's tRNS made one grey level transparent. Integer pictures are 16-bit ones (what PIL opens a 16-bit PNG as):
+    0..65535 scaled to 0..255; float ones are 0..1. Values outside that range are a ValueError (a 32-bit picture,
+    floats of another scale: clipping or guessing a scale would be a wrong picture)."""
+    import numpy as np
+    from PIL import Image
+
+    arr = np.asarray(im)
+    if im.mode == "F":
+        if not np.isfinite(arr).all():
+            raise ValueError("a float picture (mode F) holds NaN or infinite values")
+        top, scale = 1.0, "a float picture (mode F) must hold 0..1"
+    else:
+        arr = arr.astype(np.int64)  # (I;16B arrives big-endian; the values are what matter)
+        top, scale = 65535, f"a {im.mode} picture is read as 16-bit grey and must hold 0..65535"
+    low, high = arr.min(), arr.max()
+    if low < 0 or high > top:
+        raise ValueError(f"{scale}; got values {low:g}..{high:g}: give an 8-bit or 16-bit picture")
+    grey = Image.fromarray(np.rint(arr * (255.0 / top)).astype(np.uint8), "L")
+    level = im.info.get("transparency")
+    if im.mode == "F" or not isinstance(level, int):
+        return grey
+    alpha = Image.fromarray(np.where(arr == level, 0, 255).astype(np.uint8), "L")
+    return Image.merge("LA", (grey, alpha))
 
 
 def _transparent(im: Any) -> bool:

@@ -427,8 +427,18 @@ class Pipeline:
         return summary
 
     def _check_finite(self, step: int, out: StepLog) -> None:
-        """Stop after pipeline.max_nonfinite_steps steps in a row whose optimizer steps were all skipped; the step
-        that stops the run is logged first (its metrics show the blow-up; they were lost)."""
+        """Stop after pipeline.max_nonfinite_steps steps in a row whose optimizer steps were all skipped, or after
+        pipeline.max_loss_scale_skips optimizer steps in a row skipped by fp16's loss scaler; the step that stops
+        the run is logged first (its metrics show the blow-up; they were lost)."""
+        skips, skip_limit = self.trainer.scaler_streak, self.cfg.pipeline.max_loss_scale_skips
+        if skips and skip_limit and skips >= skip_limit:
+            self.tracker.log(step, out)
+            raise FloatingPointError(
+                f"step {step}: fp16's loss scaler skipped {skips} optimizer steps in a row for an overflowing gradient "
+                f"(pipeline.max_loss_scale_skips={skip_limit}): each skip halved the loss scale, so the gradient "
+                "overflows fp16 at any scale; train in model.dtype=bfloat16 or float32, or lower algo.lr and check "
+                "the rewards and data"
+            )
         bad, limit = self.trainer.bad_steps, self.cfg.pipeline.max_nonfinite_steps
         if not (bad and limit and bad >= limit):
             return

@@ -2,7 +2,9 @@
 
 They carry only plain numbers (picklable to Ray workers) and implement the engine's `LossFn` protocol: a call
 returning (loss, metrics) aggregated within the micro-batch, and `units(micro)` for exact gradient accumulation
-across micro-batches and data-parallel ranks.
+across micro-batches and data-parallel ranks. Metrics aggregated like the loss (`agg`) are weighted by those units
+across micro-batches; the masked token means listed in `token_metrics` by their valid tokens (under a sequence mean,
+units are rows: a mean of one-row micro-batches' token means was not the batch's token mean).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -45,6 +48,20 @@ class PolicyObjective:
     kl_kind: str = "k3"
     entropy_coef: float = 0.0
     needs_entropy: bool = True
+    #: Masked means over the micro-batch's response tokens (the engines weigh them by its valid tokens).
+    token_metrics: ClassVar[tuple[str, ...]] = tuple(
+        f"actor/{k}"
+        for k in (
+            "clipfrac_low",
+            "clipfrac_high",
+            "clipfrac_dual",
+            "approx_kl",
+            "ratio_mean",
+            "entropy",
+            "train_infer_logprob_diff",
+            "correction/weight_mean",
+        )
+    )
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.kl_loss_coef):  # `coef > 0` is False for NaN: the KL term silently disappeared
@@ -118,6 +135,8 @@ class ValueObjective:
     # Token-sum normaliser of agg=seq-mean-token-sum-norm (the response length limit), as in PolicyObjective.
     norm_length: int | None = None
     needs_entropy: bool = False
+    #: Masked means over the response tokens, as PolicyObjective's (`critic/vf_loss` is aggregated like the loss).
+    token_metrics: ClassVar[tuple[str, ...]] = ("critic/vf_clipfrac", "critic/abs_error")
 
     def units(self, micro: Mapping[str, Tensor]) -> float:
         return agg_units(micro["response_mask"], self.agg)

@@ -2,13 +2,14 @@
 
 `Trainer.update(step, collected, log)` hands engines that share devices with training to it (they sleep) and
 runs the pipeline's objective (roll_core.pipelines.objectives: RL, SFT, DPO, distillation; none for rollout-only
-runs), then counts the streak of non-finite steps. `Trainer.sync_weights(collector, log)` wakes sleeping engines,
+runs), then counts the streak of non-finite steps and the longest streak of fp16 loss-scaler skips its roles
+report (`*/scaler_skip_streak_max`). `Trainer.sync_weights(collector, log)` wakes sleeping engines,
 lets the collector pause or abort its requests, pushes the weights and tells the collector the new version;
 `stale` says whether the engines hold older weights than the actor (collectors that do not generate from the
 policy every step sync only before they evaluate).
 
 Must not generate or score: that is the collector's side. Owns the train-side checkpoint state (actor, critic,
-objective) and the streak of non-finite steps.
+objective) and the streaks (the loop stops the run on them: pipeline.max_nonfinite_steps, max_loss_scale_skips).
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class Trainer:
         self.stale = False  # the actor changed since the last push
         self.asleep = False  # the engines sleep (sleep_level > 0) from an update to the next sync
         self.bad_steps = 0  # consecutive steps whose optimizer steps were all skipped for NaN/inf
+        # The longest run of optimizer steps in a row that fp16's loss scaler skipped, as of the last update (0
+        # without fp16); the engines carry it across steps, so a step with one optimizer step still counts it.
+        self.scaler_streak = 0
 
     @property
     def trains(self) -> bool:
@@ -79,6 +83,9 @@ class Trainer:
         # blow-up (the other three trained, and the step's checkpoint is as healthy as any).
         skipped_all = out.get("actor/nonfinite_steps", 0.0) > 0 and out.get("actor/optimizer_steps", 0.0) == 0
         self.bad_steps = self.bad_steps + 1 if skipped_all else 0
+        # (actor/, critic/ and AsyPPO's critic_<m>/ engines each keep their own scaler)
+        streaks = [v for k, v in out.items() if k.endswith("/scaler_skip_streak_max")]
+        self.scaler_streak = int(max(streaks, default=0))
 
     # ---- engines around the update ------------------------------------------------------------------------
     def _give_devices_to_training(self) -> None:

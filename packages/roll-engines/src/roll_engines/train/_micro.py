@@ -148,11 +148,24 @@ def padding_row(batch: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
+def metric_weights(
+    loss_fn: Any, micro: Mapping[str, Any], metrics: Mapping[str, Any], units: float
+) -> list[tuple[str, float, float]]:
+    """(name, value, weight) of a real micro-batch's metrics for `MetricMeans.add`: a key of the loss's
+    `summed_metrics` weighs 1, one of its `token_metrics` (a masked token mean) the micro-batch's valid response
+    tokens, any other its loss `units`. Token means weighed by units were misweighted under sequence-mean
+    aggregation, where units are rows: one-row micro-batches of 1 and 7 tokens gave each row's mean half the say."""
+    summed, token = getattr(loss_fn, "summed_metrics", ()), getattr(loss_fn, "token_metrics", ())
+    tokens = float(micro["response_mask"].sum()) if token else units
+    return [(k, float(v), 1.0 if k in summed else tokens if k in token else units) for k, v in metrics.items()]
+
+
 class MetricMeans:
     """A step's metrics over its micro-batches, each weighted by its loss units (`loss_fn.units(micro)`: valid
-    tokens under token-mean aggregation, rows under sequence means): a per-micro-batch token mean (the correction
-    weight's, the train/infer gap's, the clip fraction) averaged unweighted over micro-batches of different sizes
-    (token-budget cuts, prompt-grouped packing) misweighted its tokens. Where every weight is 0 (micro-batches
+    tokens under token-mean aggregation, rows under sequence means) or, for a token mean, its valid tokens
+    (`metric_weights`): a per-micro-batch token mean (the correction weight's, the train/infer gap's, the clip
+    fraction) averaged unweighted over micro-batches of different sizes (token-budget cuts, prompt-grouped packing)
+    misweighted its tokens. Where every weight is 0 (micro-batches
     without units) the values weigh alike. A maximum (`*_max`: roll_core.interfaces.training.is_max_metric) is the
     largest value (NaN if any is): a mean of micro-batch maxima depended on the cut (one token at ratio 5 in six
     one-row micro-batches was reported as 2.1)."""

@@ -18,10 +18,10 @@ Contract:
 - `pack_sequences` (default on) runs each micro-batch / chunk packed (roll_engines.train._packing): a prompt
   shared by several rows is computed once, responses follow it without padding under a block attention mask.
   Rows are first grouped by prompt inside each mini-batch (and the scoring batch), so micro-batches share
-  prompts; the rows of each mini-batch, hence the gradient, stay the same (per-micro-batch metrics may average
-  differently). Sliding-window layers get the block mask cut to their window (_packed_masks); models that cannot
-  take the packed masks use the padded forward (logged once). Outputs at response positions outside the
-  attention mask are 0 when packed.
+  prompts; the rows of each mini-batch, hence the gradient, stay the same, and so do the step's metrics (token
+  means weighted by tokens, sequence means by rows: roll_engines.train._micro.metric_weights). Sliding-window
+  layers get the block mask cut to their window (_packed_masks); models that cannot take the packed masks use the
+  padded forward (logged once). Outputs at response positions outside the attention mask are 0 when packed.
 - Structured outputs: a batch may carry `structured` (roll_core.interfaces.inference.STRUCTURED_KEY, a (B, K) uint8
   tensor from `structured_rows`): the JSON schema / regex each row was sampled under. The log-probs (and
   entropies) of a constrained row are then those of the constrained distribution the sampler drew from: at each
@@ -59,7 +59,7 @@ from roll_engines.train._lora import (
     base_model,
     is_lora,
 )
-from roll_engines.train._micro import MetricMeans, check_micro_batch_tokens, micro_rows
+from roll_engines.train._micro import MetricMeans, check_micro_batch_tokens, metric_weights, micro_rows
 from roll_engines.train._micro import padding_row as _padding_row
 from roll_engines.train._optim import adamw_kernel, lr_lambda, param_groups
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
@@ -150,6 +150,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
             torch.amp.GradScaler(self.device.type) if self.trainable and self.compute_dtype == torch.float16 else None
         )
         self._loss_finite = True  # every micro-batch loss of the mini-batch being accumulated (fp16: see above)
+        self.scaler_streak = 0  # optimizer steps in a row the scaler skipped for an overflow, across train_step calls
         torch.manual_seed(seed)  # the critic's new value head is initialised from this seed
         self.vision = V.Vision.of(self.path, image_min_pixels, image_max_pixels)  # None for a text model
         # With LoRA only the adapters train: the frozen base needs no master copy (a bf16 base held in fp32 took
@@ -422,6 +423,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         if self.routing is not None:  # the step reports its own forwards' routing, not earlier old-logprob ones
             self.routing.changed_fraction()
         skipped = steps = scaler_skips = 0
+        longest = 0  # the longest streak an overflow of this call reached (streaks carried in count on)
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
             # A rank may hold fewer rows than mini-batches (uneven splits, dropped groups): its part is then empty,
@@ -440,6 +442,11 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
                     means.add("lr", lr)
                 skipped += int(not stepped and not overflow)
                 scaler_skips += int(overflow)
+                if overflow:
+                    self.scaler_streak += 1
+                    longest = max(longest, self.scaler_streak)
+                elif stepped:
+                    self.scaler_streak = 0
                 steps += int(stepped)
         out = means.means()
         # Optimizer steps taken, and those skipped for a non-finite loss or gradient (weights, moments and LR
@@ -448,6 +455,9 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         out["nonfinite_steps"], out["optimizer_steps"] = float(skipped), float(steps)
         if self.scaler is not None:
             out["scaler_skipped_steps"], out["loss_scale"] = float(scaler_skips), float(self.scaler.get_scale())
+            # Each skip halves the scale: a long streak is a gradient that overflows fp16 at any scale, which would
+            # skip every step for ever; the pipeline stops on it (pipeline.max_loss_scale_skips).
+            out["scaler_skip_streak_max"] = float(longest)
         # `lr`: the mean rate the step's optimizer steps applied (the schedule moves between them); a step that took
         # none reports the rate the next one will apply. (It was the schedule's value after the step: with a warm-up
         # of 4, a step that trained at lr/4 logged lr/2.)
@@ -501,8 +511,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
             else:
                 scaled.backward()
             if real:
-                units, summed = float(loss_fn.units(micro)), getattr(loss_fn, "summed_metrics", ())
-                out += [(k, float(v), 1.0 if k in summed else units) for k, v in metrics.items()]
+                out += metric_weights(loss_fn, micro, metrics, float(loss_fn.units(micro)))
         return out, total
 
     def compute_gradients(

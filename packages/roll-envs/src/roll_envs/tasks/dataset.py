@@ -27,8 +27,8 @@ env.system_prompt replaces the row's system message); messages after it (an answ
 that is not a `{"role": system|user|assistant, "content": text}` object makes the row bad. An `answer_key` with
 dots reads a nested column (`reward_model.ground_truth`). A row's `domain` column (text) names its domain; a null
 or empty one is no domain (the default's), another type makes the row bad. A leading UTF-8 byte order mark (files
-saved by Windows editors) is ignored. A float32 (or float16) column reads as the decimals written (0.1, not
-0.10000000149011612).
+saved by Windows editors) is ignored. A float32 (or float16) value reads as the decimals written (0.1, not
+0.10000000149011612), in a flat column or nested in lists, structs and maps (a struct answer, metadata columns).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
                     split,
                 )
             ds = ds[split]
-        narrow = {k: f.dtype for k, f in (ds.features or {}).items() if getattr(f, "dtype", None) in _NARROW_FLOATS}
+        narrow = _narrow_columns(ds.data.schema)  # (datasets' rows have the Arrow table's nesting)
         return [(i + 1, _widened(row, narrow)) for i, row in enumerate(_encoded_rows(ds))], bad
     if path.suffix == ".parquet":
         from roll_envs.config import PYARROW
@@ -86,7 +86,7 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
             table = pq.read_table(path)
         except Exception as exc:  # pyarrow's own message does not say which setting pointed here
             raise ConfigError(f"{path}: cannot read it as Parquet ({exc}); check the file or env.path") from exc
-        narrow = {f.name: str(f.type) for f in table.schema if str(f.type) in _NARROW_FLOATS}
+        narrow = _narrow_columns(table.schema)
         return [(i + 1, _widened(row, narrow)) for i, row in enumerate(table.to_pylist())], bad
     if path.suffix in (".jsonl", ".json"):
         array = _json_array(path) if path.suffix == ".json" else None
@@ -114,26 +114,67 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
     )
 
 
-# Arrow/datasets type names of the floats narrower than Python's -> their struct format.
-_NARROW_FLOATS = {"float": "<f", "float32": "<f", "halffloat": "<e", "float16": "<e"}
+# Arrow type names of the floats narrower than Python's -> their struct format.
+_NARROW_FLOATS = {"float": "<f", "halffloat": "<e"}
 
 
-def _widened(row: dict[str, Any], narrow: dict[str, str]) -> dict[str, Any]:
-    """`row` with each value of a float32/float16 column (`narrow`: column -> its type name) as the shortest
-    decimal that narrow type rounds to that value: 0.1 in a float32 column reads as 0.10000000149011612 in Python,
-    which became the answer "0.10000000149011612" that no correct response matched."""
+def _children(t: Any) -> list[Any]:
+    """The Arrow types nested in `t`: a struct's fields, a list's items, a map's keys and items; [] otherwise."""
+    import pyarrow.types as pat
+
+    if pat.is_struct(t):
+        return [t.field(i).type for i in range(t.num_fields)]
+    if pat.is_map(t):
+        return [t.key_type, t.item_type]
+    return [t.value_type] if hasattr(t, "value_type") and not pat.is_dictionary(t) else []
+
+
+def _has_narrow(t: Any) -> bool:
+    return str(t) in _NARROW_FLOATS or any(_has_narrow(c) for c in _children(t))
+
+
+def _narrow_columns(schema: Any) -> dict[str, Any]:
+    """Column -> Arrow type of the columns holding a float32/float16 value, flat or nested (lists, structs, maps)."""
+    return {f.name: f.type for f in schema if _has_narrow(f.type)}
+
+
+def _shortest(x: float, fmt: str) -> float:
+    """The shortest decimal the narrow float type `fmt` rounds to the value `x` it holds."""
+    for digits in range(1, 18):
+        text = f"{x:.{digits}g}"
+        try:
+            if struct.unpack(fmt, struct.pack(fmt, float(text)))[0] == x:
+                return float(text)
+        except OverflowError:  # rounded past the type's largest value: more digits
+            continue
+    return x
+
+
+def _widen(x: Any, t: Any) -> Any:
+    """The value `x` of Arrow type `t` (as `to_pylist` gives it: a struct a dict, a list a list, a map a list of
+    (key, item) pairs) with every float32/float16 value in it as its shortest decimal."""
+    import pyarrow.types as pat
+
+    if str(t) in _NARROW_FLOATS:
+        return _shortest(x, _NARROW_FLOATS[str(t)]) if isinstance(x, float) and math.isfinite(x) else x
+    if pat.is_struct(t) and isinstance(x, dict):
+        types = {t.field(i).name: t.field(i).type for i in range(t.num_fields)}
+        return {k: _widen(v, types[k]) if k in types else v for k, v in x.items()}
+    if pat.is_map(t) and isinstance(x, list):
+        return [(_widen(k, t.key_type), _widen(v, t.item_type)) for k, v in x]
+    if isinstance(x, list) and _children(t):
+        return [_widen(v, t.value_type) for v in x]
+    return x
+
+
+def _widened(row: dict[str, Any], narrow: dict[str, Any]) -> dict[str, Any]:
+    """`row` with each float32/float16 value of its columns (`narrow`: column -> its Arrow type), flat or nested,
+    as the shortest decimal that narrow type rounds to that value: 0.1 in a float32 column reads as
+    0.10000000149011612 in Python, which became the answer "0.10000000149011612" that no correct response
+    matched (a struct answer, `reward_model.ground_truth`, too)."""
     for key, kind in narrow.items():
-        x = row.get(key)
-        if isinstance(x, float) and math.isfinite(x):
-            fmt = _NARROW_FLOATS[kind]
-            for digits in range(1, 18):
-                text = f"{x:.{digits}g}"
-                try:
-                    if struct.unpack(fmt, struct.pack(fmt, float(text)))[0] == x:
-                        row[key] = float(text)
-                        break
-                except OverflowError:  # rounded past the type's largest value: more digits
-                    continue
+        if key in row:
+            row[key] = _widen(row[key], kind)
     return row
 
 

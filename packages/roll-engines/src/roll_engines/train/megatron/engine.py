@@ -51,7 +51,13 @@ from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.structured import refuse_constrained_batch
 from roll_engines.train._logits import empty_outputs, gather_ids_of
-from roll_engines.train._micro import MetricMeans, check_micro_batch_tokens, micro_batches, padding_row
+from roll_engines.train._micro import (
+    MetricMeans,
+    check_micro_batch_tokens,
+    metric_weights,
+    micro_batches,
+    padding_row,
+)
 from roll_engines.train._optim import lr_lambda
 from roll_engines.train.megatron import _convert as C
 from roll_engines.train.megatron import _critic as V
@@ -418,8 +424,7 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
             # tokens, so the two cancel.)
             scale = units / total * self.dp_size * len(micros) if total > 0 else 0.0
             if not pad:
-                summed = getattr(loss_fn, "summed_metrics", ())
-                metrics.extend((k, float(v), 1.0 if k in summed else float(units)) for k, v in m.items())
+                metrics.extend(metric_weights(loss_fn, micro, m, float(units)))
             return value * scale, {}
 
         self.model.train()
