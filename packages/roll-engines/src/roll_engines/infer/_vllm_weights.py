@@ -44,12 +44,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from roll_engines.infer._bucket_channel import BucketSender
+from roll_engines.infer._bucket_channel import BucketSender, ChannelError
 from roll_engines.infer._sync_undo import EXAMPLES, mixed_error
 
 log = logging.getLogger(__name__)
@@ -105,7 +107,11 @@ class VLLMWeightUpdates:
             self._loading = self._submit_control(
                 lambda: self.llm.collective_rpc("roll_load_weights", args=(sender.address, sender.authkey.hex(), keep))
             )
-        return self._sender.send(named)
+        try:
+            return self._sender.send(named)
+        except (ChannelError, OSError):  # a worker closed the channel: its own failure is the cause
+            _raise_workers_error(self._loading)
+            raise
 
     def finish_weight_update(self) -> int:
         if self._adapters is not None:
@@ -114,7 +120,11 @@ class VLLMWeightUpdates:
         loaded, error = False, "it could not finish"
         try:
             if sender is not None:
-                sender.close(ok=True)
+                try:
+                    sender.close(ok=True)
+                except OSError:  # a worker whose reload failed closed the channel: raise its error (the cause)
+                    _raise_workers_error(loading)
+                    raise
             if loading is not None:
                 loading.result()
             loaded = True
@@ -272,3 +282,14 @@ class VLLMWeightUpdates:
         self._control(do)
         self.last_sync = dict(adapters.last)
         return self._version
+
+
+def _raise_workers_error(loading: Future | None, wait_s: float = 60.0) -> None:
+    """Raise the workers' error where their reload failed (its call ends as it fails): the channel's own error
+    ("Broken pipe", "closed its connection") hid which weight they rejected and why. Returns if they did not."""
+    if loading is None:
+        return
+    try:
+        loading.result(timeout=wait_s)
+    except FutureTimeout:
+        return

@@ -166,6 +166,19 @@ def _saving(undo: _LayerUndo | None) -> Iterator[bool]:
             setattr(layerwise, name, fn)
 
 
+def _naming(exc: BaseException, loading: list[Any], count: int) -> BaseException:
+    """The error of a reload that failed while vLLM loaded one tensor, naming it: vLLM's loaders refuse a wrong
+    shape with a bare `assert` (the sync failed with "AssertionError()", through collective_rpc with "Worker failed
+    with error ''"), leaving the trainer no clue which of its tensors. `exc` itself for any other failure."""
+    if not loading or not isinstance(exc, Exception):
+        return exc
+    name, shape, dtype = loading
+    return RuntimeError(
+        f"vLLM's weight loader failed on {name!r} (shape {shape}, {dtype}), tensor {count} of this sync (a shape "
+        f"or name the engine's model does not have?): {type(exc).__name__}: {exc}"
+    )
+
+
 class RollWorkerExtension:
     """Methods vLLM adds to its worker (names prefixed `roll_`: vLLM refuses an extension that shadows its own)."""
 
@@ -183,13 +196,16 @@ class RollWorkerExtension:
         mixed = self._roll_mixed()
         undo = _LayerUndo(keep=keep and not mixed)  # a mix is not worth keeping (module docstring)
         undoable = False
+        loading: list[Any] = []  # the tensor vLLM's loader holds now (name, shape, dtype); empty between tensors
 
         def counted() -> Any:
             nonlocal count
             for item in stream:
                 count += 1
                 names.add(item[0])
+                loading[:] = [item[0], tuple(item[1].shape), str(item[1].dtype).removeprefix("torch.")]
                 yield item
+                loading.clear()  # the loader asks for the next one: done with this tensor (and its layer)
 
         try:
             with _saving(undo) as undoable:
@@ -203,8 +219,11 @@ class RollWorkerExtension:
         except SyncAborted:
             return {"received": count, "restored": self._roll_undo(undo, undoable, "the sender aborted it")}
         except BaseException as exc:
-            self._roll_undo(undo, undoable, repr(exc))
-            raise
+            error = _naming(exc, loading, count)
+            self._roll_undo(undo, undoable, repr(error))
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             stream.close()
         self._roll_refresh_tied_heads()

@@ -63,6 +63,7 @@ Attention heads need >= 32 dimensions on CPU (head_dim 16 fails at the first ste
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -70,7 +71,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -353,14 +354,30 @@ class VLLMInferEngine(VLLMWeightUpdates):
         state.logprobs += [float(d[t].logprob) for t, d in zip(new, completion.logprobs or [])]
         if out.finished:
             state.routing = completion.routed_experts
-            reason = completion.finish_reason if completion.finish_reason in ("stop", "length", "abort") else "stop"
-            self._resolve(rid, reason)
+            if completion.finish_reason in ("stop", "length", "abort"):
+                self._resolve(rid, completion.finish_reason)
+                return
+            # "error" (a grammar that rejected a sampled token, a request vLLM's core could not preprocess, a KV load
+            # failure; vLLM logs the cause): tokens cut short or none, never a response (it was reported as "stop").
+            self._forget(rid)
+            state.future.set_exception(
+                RuntimeError(
+                    f"{self.name} request {state.request.request_id!r}: vLLM ended it with finish_reason "
+                    f"{completion.finish_reason!r} after {len(state.tokens)} token(s) (vLLM's log names the cause)"
+                )
+            )
+            self._retire_adapters()
 
-    def _resolve(self, rid: str, reason: str) -> None:
+    def _forget(self, rid: str) -> _Pending:
+        """Drop a request's state from every map (driver thread); returns it."""
         state = self._pending.pop(rid)
         for internal in [k for k, v in self._internal.items() if v == rid]:
             del self._internal[internal]
         self._by_roll_id.pop(state.request.request_id, None)
+        return state
+
+    def _resolve(self, rid: str, reason: str) -> None:
+        state = self._forget(rid)
         r = state.request
         # The version it was admitted under: the oldest its tokens came from (a merged-weight update while it ran
         # changed the weights under it; with adapter sync it ran on the adapter it started with).
@@ -385,10 +402,7 @@ class VLLMInferEngine(VLLMWeightUpdates):
 
     def _fail_expansion(self, rid: str, state: _Pending, theirs: list[int]) -> None:
         self.engine.abort_request([rid])
-        self._pending.pop(rid)
-        for internal in [k for k, v in self._internal.items() if v == rid]:
-            del self._internal[internal]
-        self._by_roll_id.pop(state.request.request_id, None)
+        self._forget(rid)
         ours = state.request.prompt_ids
         state.future.set_exception(
             ValueError(
@@ -476,7 +490,10 @@ class VLLMInferEngine(VLLMWeightUpdates):
     # ---- batch and request API ----------------------------------------------------------------------------
     def submit(self, request: Request) -> Future[RequestOutput]:
         """Queue one request; a request whose pictures and placeholders disagree raises ValueError here, and any
-        request while the weights are a mix of two versions (a failed sync's undo failed) RuntimeError."""
+        request while the weights are a mix of two versions (a failed sync's undo failed) or after `shutdown`
+        RuntimeError."""
+        if self._stopped:  # no driver thread would ever take it
+            raise RuntimeError(f"{self.name} engine shut down")
         if self._mixed is not None:
             raise self._mixed_error()
         self._check_request(request)
@@ -562,13 +579,19 @@ class VLLMInferEngine(VLLMWeightUpdates):
         return {"weights": max(0, _device_used(self.device) - self._base_used), "kv_cache": 0}
 
     def shutdown(self) -> None:
+        """Stop the driver thread and fail every request it has not resolved (running, queued, or submitted during
+        a sync that never finished): their callers get an error, never wait forever."""
         self._stopped = True
         self._jobs.put(("control", lambda: None, Future()))
         self._driver.join(timeout=10)
-        for _, fut in self._deferred:  # submitted during a sync that never finished: fail, never hang the caller
-            if not fut.done():
+        futures = [fut for _, fut in self._deferred] + [state.future for state in self._pending.values()]
+        while not self._jobs.empty():  # queued, never taken (the driver has stopped: no other consumer)
+            futures.append(self._jobs.get_nowait()[2])
+        for fut in futures:
+            with contextlib.suppress(InvalidStateError):  # resolved meanwhile by a driver that outlived the join
                 fut.set_exception(RuntimeError(f"{self.name} engine shut down"))
         self._deferred = []
+        self._pending.clear()
         if self._adapters is not None:
             self._adapters.close()
         del self.llm, self.engine
