@@ -15,6 +15,8 @@ import errno
 import signal
 from pathlib import Path
 
+from roll_core.errors import exception_chain
+
 
 class StopAborted(KeyboardInterrupt):
     """A second SIGINT/SIGTERM aborted a stopping run (its step, its checkpoint save, its wrap-up or its shutdown):
@@ -49,7 +51,7 @@ def save_failure(step: int, exc: BaseException, latest: Path | None) -> str:
     cause = f"{type(exc).__name__}: {exc}"
     full = any(
         (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left on device" in str(e)
-        for e in _chain(exc)
+        for e in exception_chain(exc)
     )
     where = (
         f"the latest complete checkpoint, {latest}, is intact: pipeline.resume=true continues from it"
@@ -59,13 +61,3 @@ def save_failure(step: int, exc: BaseException, latest: Path | None) -> str:
     hint = " The disk is full: free space (or lower pipeline.keep_last) before resuming." if full else ""
     failed = f"step {step}: the checkpoint could not be written ({cause})"
     return f"{failed}; its partial folder was deleted and {where}.{hint}"
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    """`exc` and its causes and contexts (a worker's OSError arrives wrapped)."""
-    seen: list[BaseException] = []
-    e: BaseException | None = exc
-    while e is not None and e not in seen:
-        seen.append(e)
-        e = e.__cause__ or e.__context__
-    return seen
