@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from concurrent.futures import Future
 
 import pytest
@@ -207,3 +208,55 @@ def test_a_batch_taken_over_several_waits_is_returned_oldest_first() -> None:
     finally:
         driver.close()
     assert trainer.error is None and trainer.result == [0, 1]
+
+
+class _StuckHandle:
+    """A request handle whose `done()` does not return until `release` is set (a remote poll that hangs)."""
+
+    def __init__(self, release: threading.Event, entered: threading.Event) -> None:
+        self.release, self.entered = release, entered
+
+    def done(self) -> bool:
+        self.entered.set()
+        self.release.wait()
+        return False
+
+
+def test_a_close_that_outlives_its_wait_warns_naming_the_thread_and_where_it_is_stuck(caplog) -> None:
+    """close() joined the thread for 30 s and said nothing when it was still alive (left running, silently)."""
+    release, entered = threading.Event(), threading.Event()
+    engine = _Engine()
+    engine.submit_request = lambda request, rank=None: _StuckHandle(release, entered)  # type: ignore[method-assign]
+    driver = _driver(engine, timeout_s=5)
+    driver.close_timeout_s = 0.2
+    timer = threading.Timer(3.0, release.set)  # the thread ends after that (the old close waited it out, silent)
+    timer.start()
+    try:
+        driver.start()
+        assert entered.wait(5)
+        with caplog.at_level("WARNING", logger="roll_core.scheduling.driver"):
+            driver.close()
+    finally:
+        release.set()
+        timer.cancel()
+    (record,) = [r for r in caplog.records if "still alive" in r.getMessage()]
+    assert record.getMessage().startswith(
+        "async rollout: thread 'roll-async-rollout' still alive 0.2s after close() (left running, a daemon): polling "
+        "the request handles and reading the finished ones' results; stuck in "
+    )
+    assert "done (test_async_driver.py:" in record.getMessage() and "_run (driver.py:" in record.getMessage()
+    assert driver._thread is not None
+    driver._thread.join(5)
+    assert not driver._thread.is_alive()
+
+
+def test_the_async_prompt_collector_closes_its_reward_model_too() -> None:
+    """AsyncPromptCollector.close closed the driver only: the base's close (the reward model's) was skipped."""
+    from roll_core.pipelines.collectors.prompts_async import AsyncPromptCollector
+
+    closed: list[str] = []
+    collector = AsyncPromptCollector.__new__(AsyncPromptCollector)  # only what close reads
+    collector.driver = types.SimpleNamespace(close=lambda: closed.append("driver"))
+    collector.reward_model = types.SimpleNamespace(close=lambda: closed.append("reward_model"))
+    collector.close()
+    assert closed == ["driver", "reward_model"]

@@ -75,5 +75,34 @@ def test_a_take_that_times_out_names_the_config_key_the_unfinished_groups_and_th
         driver.close()
     assert str(err.value) == (
         "async rollout: 1 of 2 groups complete after 0.3s (pipeline.async_batch_timeout_s): 1 group(s) unfinished: "
-        f"1 (2 of 2 left); 2 request(s) running: {hung[0]}, {hung[1]} (a hung inference engine?)"
+        f"1 (2 of 2 left); 2 request(s) running: {hung[0]}, {hung[1]}; requests running without finishing (a hung or "
+        "slow inference engine?)"
+    )
+
+
+def test_a_take_starved_of_budget_says_so_and_names_async_ratio_not_a_hung_engine() -> None:
+    """A take of more groups than the budget lets start before the next weight update (B = 1, async_ratio 0, take
+    of 2): nothing runs, yet the error blamed "a hung inference engine?"; it says the groups never started for lack
+    of budget and names pipeline.async_ratio."""
+    engine = _Engine()
+    sched = RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=4, async_ratio=0)
+    prompts = iter(range(10**6))
+    driver = AsyncRollout(
+        engine, sched, lambda: ("p", [next(prompts)]), SamplingParams(max_new_tokens=4), timeout_s=0.3
+    )
+    try:
+        driver.start()
+        _wait(lambda: len(engine.running) == 1, "the request of group 0 running")
+        engine.finish(0)
+        _wait(lambda: sched.complete() == 1, "group 0 complete")
+        with pytest.raises(TimeoutError) as err:
+            driver.take(2)
+    finally:
+        driver.close()
+    assert str(err.value) == (
+        "async rollout: 1 of 2 groups complete after 0.3s (pipeline.async_batch_timeout_s): 0 group(s) unfinished: "
+        "none; 0 request(s) running: none; 1 group(s) never started for lack of budget: the scheduler's budget "
+        "(pipeline.async_ratio=0: at most 0 + 1 batches of 1 groups ahead of the trainer) is all started at version "
+        "0, and no group starts before the next weight update (take at most a batch per version, or raise "
+        "pipeline.async_ratio)"
     )

@@ -12,7 +12,14 @@ import threading
 import pytest
 import torch
 
-from roll_engines.infer._bucket_channel import BucketSender, ChannelError, SyncAborted, layout, receive_buckets
+from roll_engines.infer._bucket_channel import (
+    BucketSender,
+    ChannelError,
+    SenderTimeout,
+    SyncAborted,
+    layout,
+    receive_buckets,
+)
 
 
 def _receiver(address: str, authkey: bytes, out, stop_after: int | None) -> None:
@@ -229,6 +236,72 @@ def test_a_receiver_gone_before_a_bucket_is_sent_fails_the_sync_naming_it() -> N
     finally:
         sender.close(ok=False)
         proc.join(timeout=60)
+
+
+def test_a_receiver_dead_at_the_end_costs_the_others_nothing_and_is_named() -> None:
+    """close(ok=True) with receiver 0 gone (its reload stopped after the last bucket): the raw BrokenPipeError of
+    its `send(None)` stopped the loop, so receiver 1 never got the end, read EOF and failed a complete sync."""
+    sender = BucketSender(2, "cpu", None, timeout_s=60)
+    named = _named(2)
+    got: list[list[str]] = [[], []]
+    errors: list[list[BaseException]] = [[], []]
+
+    def receive(i: int) -> None:
+        stream = receive_buckets(sender.address, sender.authkey, timeout_s=60)
+        try:
+            for name, _ in stream:
+                got[i].append(name)
+                if i == 0 and len(got[i]) == len(named):  # the whole bucket acknowledged: then this worker stops
+                    break
+        except BaseException as exc:
+            errors[i].append(exc)
+        finally:
+            stream.close()
+
+    first = threading.Thread(target=receive, args=(0,), daemon=True)
+    first.start()
+    for _ in range(500):  # receiver 0 connects first: the connection order is the one the error names
+        if sender._conns:
+            break
+        threading.Event().wait(0.01)
+    second = threading.Thread(target=receive, args=(1,), daemon=True)
+    second.start()
+    sender.send(named)
+    first.join(timeout=30)
+    assert not first.is_alive()
+    with pytest.raises(ChannelError, match=r"1 weight receiver\(s\) closed .*: receiver 0 of 2 \(connection order\)"):
+        sender.close(ok=True)
+    second.join(timeout=30)
+    assert not second.is_alive()
+    assert errors == [[], []]
+    assert got == [[n for n, _ in named]] * 2
+
+
+def test_a_hung_sender_times_the_receiver_out_naming_the_bound() -> None:
+    """A sender alive but silent (no next bucket, no end): `conn.recv()` had no bound and held vLLM's worker, and
+    with it the engine, forever; now the receiver gives up after its timeout_s with an error naming it."""
+    sender = BucketSender(1, "cpu", None, timeout_s=60)
+    errors: list[BaseException] = []
+    got: list[str] = []
+
+    def receive() -> None:
+        try:
+            got.extend(name for name, _ in receive_buckets(sender.address, sender.authkey, timeout_s=0.5))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    try:
+        sender.send(_named(2))  # then the sender hangs: nothing more for the receiver
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+    finally:
+        sender.close(ok=False)
+    assert got == [n for n, _ in _named(2)]
+    assert [type(e) for e in errors] == [SenderTimeout]
+    assert "nothing from the sender for 0.5s after 1 bucket(s)" in str(errors[0])
+    assert "timeout_s" in str(errors[0]) and "infer_engine.sync_timeout_s" in str(errors[0])
 
 
 _SMALL_SHM = r"""

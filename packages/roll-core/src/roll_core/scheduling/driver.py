@@ -12,8 +12,10 @@ swallowed. An abort the engine made on its own resumes the sample (preemption), 
 (pipeline.max_idle_aborts, default `roll_core.idle_aborts.MAX_IDLE_ABORTS`) of them in a row for one sample within
 one version, none with a token, are a refusal (SGLang aborts a prompt longer than
 its KV cache holds): the thread fails naming the request, instead of resubmitting it in a busy loop while the
-trainer waits out `timeout_s`. `close()` aborts what runs and stops the thread; a `take` (or update, shrink)
-waiting then, or called later, raises at once.
+trainer waits out `timeout_s`. `close()` aborts what runs and stops the thread (one still alive after
+`close_timeout_s` is left, a daemon, with a warning naming what it was doing and where); a `take` (or update, shrink)
+waiting then, or called later, raises at once. A `take` that times out says why: groups that never started for lack
+of budget (pipeline.async_ratio), requests running without finishing (the engine), or samples no request carries.
 
 Requests that never return. A request this driver aborted (partial rollout at `begin_update`, a stale group's at
 `finish_update`, one moved by `shrink` / `expand`) normally brings its partial result within moments. If its handle
@@ -43,8 +45,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,6 +62,10 @@ log = logging.getLogger(__name__)
 
 class AsyncRollout:
     """Generates groups ahead of the trainer (see the module docstring)."""
+
+    #: How long `close` waits for the thread to stop; past it the thread is left (a daemon) and a warning says where
+    #: it was stuck.
+    close_timeout_s: float = 30.0
 
     def __init__(
         self,
@@ -100,6 +108,7 @@ class AsyncRollout:
         self._warned_version = -1  # the version whose first loss was warned about (one warning per version)
         self._unwarned: dict[str, int] = {}  # losses since that warning, by cause: summed up at finish_update
         self._idle_aborts: dict[tuple[int, int], int] = {}  # sample -> engine aborts without a token, this version
+        self._doing = "not started"  # what the thread does now, coarsely (a close that times out names it)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -116,7 +125,26 @@ class AsyncRollout:
         for rid in running:
             self.infer.abort(rid)
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=self.close_timeout_s)
+            if self._thread.is_alive():
+                log.warning(
+                    "async rollout: thread %r still alive %gs after close() (left running, a daemon): %s; stuck in "
+                    "%s (an engine call or next_group that does not return?)",
+                    self._thread.name,
+                    self.close_timeout_s,
+                    self._doing,
+                    self._where(),
+                )
+
+    def _where(self) -> str:
+        """The innermost frames of the driver thread, for the warning of a thread that outlived `close`."""
+        frame = sys._current_frames().get(self._thread.ident) if self._thread is not None else None
+        if frame is None:
+            return "(its stack is gone)"
+        return " <- ".join(
+            f"{fs.name} ({fs.filename.rsplit('/', 1)[-1]}:{fs.lineno})"
+            for fs in traceback.extract_stack(frame, limit=4)[::-1]
+        )
 
     # ---- the trainer's side -------------------------------------------------------------------------------
     def take(self, n: int) -> list[GroupState]:
@@ -144,15 +172,32 @@ class AsyncRollout:
 
     def _take_timeout(self, got: int, n: int) -> TimeoutError:
         """The error of a `take` that got `got` of `n` groups within `timeout_s` (lock held): the config key that
-        sets the bound, the unfinished groups (their samples left) and the requests running."""
+        sets the bound, the unfinished groups (their samples left), the requests running, and why: groups that
+        never started for lack of budget (pipeline.async_ratio bounds it), requests running without finishing (the
+        engine), samples no request carries (paused, or every engine shrunk away)."""
         waiting = [g for g in self.sched.groups.values() if not g.done]
         groups = ", ".join(f"{g.gid} ({len(g.samples) - g.finished} of {len(g.samples)} left)" for g in waiting[:5])
         running = list(self._handles)  # in submission order: the oldest, the likeliest hung, first
+        why = []
+        # Groups that exist (running, or complete and not yet taken) are all a take can still get; past them, only
+        # groups the budget lets start, and with none left they start only after the next weight update.
+        never = n - got - len(waiting) - self.sched.complete()
+        if never > 0 and self.sched.capacity() == 0:
+            why.append(
+                f"{never} group(s) never started for lack of budget: the scheduler's budget (pipeline.async_ratio="
+                f"{self.sched.k}: at most {self.sched.k} + 1 batches of {self.sched.batch_groups} groups ahead of the "
+                f"trainer) is all started at version {self.sched.version}, and no group starts before the next weight "
+                "update (take at most a batch per version, or raise pipeline.async_ratio)"
+            )
+        if running:
+            why.append("requests running without finishing (a hung or slow inference engine?)")
+        elif any(True for _ in self.sched.pending()):
+            why.append("samples waiting for a request (the driver paused for a weight update, or every engine shrunk)")
         return TimeoutError(
             f"async rollout: {got} of {n} groups complete after {self.timeout_s}s (pipeline.async_batch_timeout_s): "
             f"{len(waiting)} group(s) unfinished: {groups or 'none'}{' ...' if len(waiting) > 5 else ''}; "
             f"{len(running)} request(s) running: {', '.join(running[:5]) or 'none'}{' ...' if len(running) > 5 else ''}"
-            " (a hung inference engine?)"
+            f"{''.join(f'; {w}' for w in why)}"
         )
 
     @contextlib.contextmanager
@@ -289,8 +334,10 @@ class AsyncRollout:
                     if self._stopped:
                         return
                     if not self._paused:
+                        self._doing = "starting groups (next_group) and submitting their requests"
                         self._fill()
                     handles = list(self._handles.items())
+                self._doing = "polling the request handles and reading the finished ones' results"
                 progressed = False
                 failed: dict[str, BaseException] = {}  # aborted requests whose result() raised
                 for rid, h in handles:

@@ -21,7 +21,8 @@ workers pull the buckets through this channel, one at a time:
 `BucketSender.close()` ends the sync for the receivers: `ok=True` ends their stream (the sync is complete),
 `ok=False` makes it raise `SyncAborted` (the sync failed on the sending side: the receivers put back what it wrote,
 roll_engines.infer._vllm_worker). Either way it releases the staging buffer, so nothing of the sync stays behind in
-the adapter's process.
+the adapter's process. A receiver found dead at `close(ok=True)` does not cost the others their end: all live ones
+get it, then `ChannelError` names the dead ones. Neither side waits on the other unbounded (`TIMEOUT_S`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 ALIGN = 64  # bytes: every tensor starts at an offset its dtype can be viewed at
+#: Default bound of each side's wait for the other (the sender's for a connection or an acknowledgement, a
+#: receiver's for the next message). infer_engine.sync_timeout_s has the same default but does not reach this
+#: channel: it is a worker key (roll_core.cluster.engine_worker.WORKER_KEYS), never given to the vLLM engine.
+TIMEOUT_S = 600.0
 Spec = tuple[str, tuple[int, ...], str, int]  # name, shape, dtype, byte offset into the buffer
 
 
@@ -121,6 +126,10 @@ class ChannelError(RuntimeError):
     """The receiving side stopped (its process died or its reload raised) before the sync ended."""
 
 
+class SenderTimeout(TimeoutError):
+    """Raised by `receive_buckets` when the sender sent nothing (next bucket, end or abort) within its timeout."""
+
+
 class SyncAborted(Exception):
     """Raised by `receive_buckets` when the sender ended the sync as failed (`BucketSender.close(ok=False)`)."""
 
@@ -141,7 +150,7 @@ class BucketSender:
         device: torch.device | str,
         dtype: torch.dtype | None,
         alive: Callable[[], bool] = lambda: True,
-        timeout_s: float = 600.0,
+        timeout_s: float = TIMEOUT_S,
         wide: Mapping[str, str] | None = None,
     ) -> None:
         self.receivers, self.device, self.dtype = receivers, torch.device(device), dtype
@@ -257,10 +266,16 @@ class BucketSender:
         with self._lock:
             self._closed = True
             conns = list(self._conns)
+        gone: list[str] = []
         try:
             if ok and self.buckets:
-                for conn in conns:
-                    conn.send(None)
+                # Every live receiver gets the end, whichever died: stopping at the first dead one left the others
+                # to read EOF (their complete sync failed) and the caller with a bare BrokenPipeError.
+                for i, conn in enumerate(conns):
+                    try:
+                        conn.send(None)
+                    except OSError as exc:  # EPIPE, ECONNRESET: that receiver stopped (its reload failed)
+                        gone.append(f"receiver {i} of {len(conns)} (connection order) ({exc})")
             elif not ok:
                 for conn in conns:
                     try:
@@ -283,6 +298,11 @@ class BucketSender:
             self._release()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+        if gone:
+            raise ChannelError(
+                f"{len(gone)} weight receiver(s) closed their connection before the end of a complete sync: "
+                f"{'; '.join(gone)}; the others got the end"
+            )
 
 
 def _open(handle: Any, cache: dict[Any, Tensor]) -> Tensor:
@@ -296,13 +316,27 @@ def _open(handle: Any, cache: dict[Any, Tensor]) -> Tensor:
     return rebuild(*args)
 
 
-def receive_buckets(address: str, authkey: bytes) -> Iterator[tuple[str, Tensor]]:
+def receive_buckets(address: str, authkey: bytes, timeout_s: float = TIMEOUT_S) -> Iterator[tuple[str, Tensor]]:
     """Worker side: every (name, tensor) of one sync, in worker-owned memory (see module docstring); raises
-    `SyncAborted` where the sender aborted the sync."""
+    `SyncAborted` where the sender aborted the sync, and `SenderTimeout` where nothing came from it for `timeout_s`
+    (a sender hung while alive held vLLM's worker, and with it the engine, forever)."""
     conn = Client(address, family="AF_UNIX", authkey=authkey)
     cache: dict[Any, Tensor] = {}
+
+    def next_message() -> Any:
+        if not conn.poll(timeout_s):
+            raise SenderTimeout(
+                f"weight sync: nothing from the sender for {timeout_s:g}s after {received} bucket(s) (its process "
+                "hung, or its caller stopped between buckets without finishing or aborting the sync); the bound is "
+                f"receive_buckets' timeout_s ({TIMEOUT_S:.0f}s by default, the default of infer_engine.sync_timeout_s, "
+                "which does not reach this channel)"
+            )
+        return conn.recv()
+
+    received = 0
     try:
-        while (msg := conn.recv()) is not None:
+        while (msg := next_message()) is not None:
+            received += 1
             if "abort" in msg:
                 raise SyncAborted("the sender aborted the weight sync")
             try:

@@ -122,7 +122,7 @@ class VLLMWeightUpdates:
             if sender is not None:
                 try:
                     sender.close(ok=True)
-                except OSError:  # a worker whose reload failed closed the channel: raise its error (the cause)
+                except (ChannelError, OSError):  # a worker whose reload failed closed the channel: its error first
                     _raise_workers_error(loading)
                     raise
             if loading is not None:

@@ -263,4 +263,7 @@ class AsyncPromptCollector(PromptCollector):
         self.driver.finish_update()
 
     def close(self) -> None:
-        self.driver.close()
+        try:
+            self.driver.close()
+        finally:  # the base's: the reward model (skipped here before)
+            super().close()
