@@ -170,6 +170,42 @@ def test_a_killed_job_gives_its_slot_back(ray_cluster) -> None:
         ray.kill(actor)
 
 
+def test_a_live_job_whose_lease_lapsed_keeps_its_slot_until_it_dies(ray_cluster) -> None:
+    """A job that stopped renewing its lease (a long GC pause, a loaded machine) but still ran lost its slot to the
+    next job: max_concurrent + 1 jobs at once. The slots actor now asks Ray whether the holder's process lives (an
+    object it put): the slot stays its own while it does, and is reclaimed once it died."""
+    import time
+
+    import ray
+
+    from roll_core.sweep_slots import SLOTS_NAMESPACE, JobSlots
+
+    name = f"slots-live-{os.getpid()}"
+    slots = ray.remote(JobSlots).options(name=name, namespace=SLOTS_NAMESPACE, num_cpus=0).remote(1, 1.0)
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class Job:  # takes the slot and never renews it: paused, as far as the actor can tell
+        def take(self) -> bool:
+            self.owner = [ray.put("paused")]
+            return ray.get(slots.try_acquire.remote("paused", self.owner))
+
+    job = Job.remote()
+    try:
+        assert ray.get(job.take.remote())
+        time.sleep(1.5)  # its lease lapsed
+        assert not ray.get(slots.try_acquire.remote("next", [ray.put("next")]))
+        assert ray.get(slots.stats.remote()) == {"held": 1, "permits": 1, "expired": 0}
+        ray.kill(job)
+        deadline = time.monotonic() + 30
+        while not ray.get(slots.try_acquire.remote("next", [ray.put("next")])):
+            assert time.monotonic() < deadline, ray.get(slots.stats.remote())
+            time.sleep(0.2)
+        assert ray.get(slots.stats.remote()) == {"held": 1, "permits": 1, "expired": 1}
+    finally:
+        ray.kill(job)
+        ray.kill(slots)
+
+
 def _slots_actors(ray) -> dict[str, dict[str, int]]:
     """Every sweep slots actor in the cluster (whatever its name), with its stats."""
     from roll_core.sweep import SLOTS_NAMESPACE

@@ -226,6 +226,67 @@ def test_a_ray_sweep_stopped_by_a_signal_reports_what_its_jobs_did(
     )
 
 
+@pytest.mark.parametrize("error", ["launch", "interrupt"])
+def test_an_error_after_ray_jobs_started_cancels_records_and_summarises_them(
+    error: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_ray_launch: list[Any]
+) -> None:
+    """An error in roll's Ray launcher after some jobs started that is not a stop signal (`launch`: the 4th job's
+    launch fails; `interrupt`: a KeyboardInterrupt with no stop mark, roll's signal handlers not installed) removed
+    the slots actor and raised, while the started jobs ran on, unbounded, until the driver exited: never
+    cancelled, left `running`, no summary. Now each job not yet collected is force-cancelled and recorded (job 0,
+    ended ok before the error, keeps its record), the summary is written and the error raised on."""
+    import time
+
+    import ray
+
+    from roll_core import sweep_launcher
+
+    sw = tmp_path / "sweep"
+    sweep_id = sweep.start_sweep(sw)["sweep_id"]  # what on_multirun_start does
+    jobs = {f"algo.lr={n}e-3": {} for n in range(1, 5)}
+
+    def launch(context: Any, remote: Any, cfg: Any, task: Any, state: Any) -> int:
+        num = int(cfg.hydra.job.num)
+        overrides = [f"algo.lr={num + 1}e-3"]
+        if num == 0:  # ended, not yet collected
+            run_job(sw, "0", 0, overrides, lambda c: {"final_eval_accuracy": 0.5})
+        elif num == 1:  # its start record: it trains
+            record = {"job": 1, "overrides": overrides, "status": "running", "started_at": time.time() - 5}
+            sweep.write_record(sw / "1", {**record, "sweep_id": sweep_id})
+        elif num == 3 and error == "launch":
+            raise RuntimeError("no more workers")
+        return num  # its "ref"; job 2 waits for its slot (no record)
+
+    def wait(refs: list[int], num_returns: int, timeout: float) -> tuple[list[int], list[int]]:
+        raise KeyboardInterrupt()
+
+    cancelled: list[tuple[int, bool]] = []
+    monkeypatch.setattr(sweep_launcher, "launch_job_on_ray", launch)
+    monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(ray, "cancel", lambda ref, force=False: cancelled.append((ref, force)))
+    with pytest.raises(RuntimeError if error == "launch" else KeyboardInterrupt):
+        sweep_launcher.launch_jobs(_launcher_of(sw, jobs), [[o] for o in jobs], 0)
+
+    started = 3 if error == "launch" else 4
+    assert cancelled == [(n, True) for n in range(started)]
+    rows = {r["job"]: r for r in summary_rows(sw)}
+    assert sorted(rows) == [str(n) for n in range(started)]
+    assert rows["0"]["status"] == "ok"
+    if error == "launch":
+        assert [(rows[n]["status"], rows[n]["error"]) for n in ("1", "2")] == [
+            ("failed", "cancelled while it ran: the sweep raised RuntimeError: no more workers"),
+            ("failed", "not started: the sweep raised RuntimeError: no more workers"),
+        ]
+    else:
+        assert [(rows[n]["status"], rows[n]["error"]) for n in ("1", "2", "3")] == [
+            ("stopped", "stopped by signal 2: the sweep was stopped while it ran"),
+            ("stopped", "stopped by signal 2: not started: the sweep was stopped"),
+            ("stopped", "stopped by signal 2: not started: the sweep was stopped"),
+        ]
+    assert float(rows["1"]["wall_seconds"]) >= 5
+    assert len(sweep.failed_jobs()) == started - 1
+
+
 def test_a_ray_sweep_stopped_between_batches_launches_no_more_jobs(tmp_path: Path, no_ray_launch: list[Any]) -> None:
     """A signal between two batches (an Optuna sweeper asking its next trials, a grid sweep in batches) only marks
     the sweep stopped; roll's Ray launcher then launched the next batch anyway and cancelled it half a second later:

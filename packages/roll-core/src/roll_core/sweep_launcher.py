@@ -35,6 +35,10 @@ and the jobs still running were abandoned with the driver. Jobs that raise are a
   SIGINT left the jobs `running` and no summary, and a SIGTERM aborted the driver (Ray's handler: a stack dump,
   exit -6) with the jobs abandoned;
 - a sweep aborted while its jobs run removes its detached slots actor: Hydra skips `on_multirun_end`;
+- an error in the driver after jobs started (a later job's launch failed, a KeyboardInterrupt with no stop mark)
+  kills the jobs still running (Ray's force cancel), records them (`failed` with the error, or `stopped` for the
+  interrupt), writes the summary and raises the error on. Before, they ran on unbounded (the slots actor removed)
+  until the driver exited, with no record and no summary;
 - jobs are not retried by Ray (`remote.max_retries: 0` in conf/hydra/launcher/ray.yaml): a retried job would find
   its own checkpoints in its folder and be refused, and an out-of-memory job would usually die again.
 
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -135,12 +140,26 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
                     results[i] = killed(cfg, overrides, exc, stopping)
     except BaseException as exc:  # a second signal, a refused batch: Hydra skips on_multirun_end (and its slots' end)
         stopping = stopping or stop_signal(sweep_dir)
-        if stopping is not None:  # an abort: the jobs are killed, recorded stopped unless they had ended
-            for i, (cfg, overrides, ref) in enumerate(jobs):
-                if i >= len(results) or results[i] is None:
+        unended = [job for i, job in enumerate(jobs) if i >= len(results) or results[i] is None]
+        if isinstance(exc, KeyboardInterrupt) and stopping is None and unended:  # Ctrl-C without roll's handlers
+            stopping = int(getattr(exc, "signum", None) or signal.SIGINT)
+        if stopping is not None or unended:
+            # An abort, or an error (a later job's launch failed, the wait raised) after jobs started: they are killed
+            # and recorded (stopped, or failed with the error) unless they had ended; without this they ran on,
+            # with no slots actor bounding them, until the driver exited, and the summary was never written.
+            for cfg, overrides, ref in unended:
+                try:
                     ray.cancel(ref, force=True)
-                    killed(cfg, overrides, KeyboardInterrupt("the sweep was aborted"), stopping)
-            if isinstance(exc, SystemExit):  # the second signal's: summarised, with the stop's line for roll-train
+                except Exception as cancel_exc:  # the others must still be cancelled and every job recorded
+                    log.warning("could not cancel sweep job %s: %s", cfg.hydra.job.num, cancel_exc)
+                try:
+                    if stopping is not None:
+                        killed(cfg, overrides, KeyboardInterrupt("the sweep was aborted"), stopping)
+                    else:
+                        killed(cfg, overrides, exc, aborted=True)
+                except Exception:  # the error raised on is `exc`; the summary counts a job left `running` as failed
+                    log.exception("could not record sweep job %s", cfg.hydra.job.num)
+            if stopping is not None and isinstance(exc, SystemExit):  # the second signal's: with the stop's line
                 end_stopped_sweep(sweep_dir, stopping)
             end_sweep(sweep_dir)  # Hydra skips on_multirun_end
         remove_slots(sweep_dir)
@@ -206,11 +225,14 @@ def check_job_gpus(launcher: Any, cfgs: Sequence[DictConfig]) -> None:
         )
 
 
-def killed(cfg: DictConfig, overrides: list[str], exc: BaseException, stopped: int | None = None) -> JobReturn:
+def killed(
+    cfg: DictConfig, overrides: list[str], exc: BaseException, stopped: int | None = None, aborted: bool = False
+) -> JobReturn:
     """Record job `cfg` as killed (its folder's job_status.json) and the JobReturn Hydra gets for it. A job that had
     written its end record (ok, failed, stopped) before Ray lost it (its process died on its way out, its result
     was lost with its node) keeps that record, and the sweeper gets the value it would have returned. `stopped`:
-    the signal that stopped the sweep (its jobs were cancelled): the job is recorded `stopped`, not `killed`."""
+    the signal that stopped the sweep (its jobs were cancelled): the job is recorded `stopped`, not `killed`.
+    `aborted`: the launcher cancelled it because `exc` was raised in the driver: recorded `failed`, with that error."""
     num = int(cfg.hydra.job.num)
     folder = job_folder(cfg)
     reason = str(exc).strip().splitlines()
@@ -234,6 +256,10 @@ def killed(cfg: DictConfig, overrides: list[str], exc: BaseException, stopped: i
             why = "the sweep was stopped while it ran" if started else "not started: the sweep was stopped"
             log.error("sweep job %d: %s (%s)", num, why, error)
             record.update(job=num, overrides=overrides, status="stopped", error=f"stopped by signal {stopped}: {why}")
+        elif aborted:  # the driver's error, not the job's: the job was cancelled with the sweep
+            why = "cancelled while it ran" if started else "not started"
+            log.error("sweep job %d: %s: the sweep's launcher raised %s", num, why, error)
+            record.update(job=num, overrides=overrides, status="failed", error=f"{why}: the sweep raised {error}")
         else:
             log.error("sweep job %d was killed (%s); the sweep goes on", num, error)
             record.update(job=num, overrides=overrides, status="killed", error=error)
