@@ -173,6 +173,49 @@ class TestVLLMInferEngine(InferEngineTestSuite):
                 fut.result(timeout=300)
         assert engine.submit(Request("ok", prompts[0], greedy)).result(timeout=300).finish_reason == "length"
 
+    def test_a_running_request_id_is_refused_and_the_first_stays_abortable(
+        self, engine: Any, prompts: list[list[int]]
+    ) -> None:
+        """Two running requests shared one id entry: the second ran, and abort reached only one of them (the first
+        to finish dropped the entry, leaving the other unabortable). The second is refused; the first aborts."""
+        from roll_core.interfaces import Request
+
+        long = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True, seed=3)
+        first = engine.submit(Request("dup", prompts[0], long))
+        second = engine.submit(Request("dup", prompts[1], long))
+        with pytest.raises(ValueError, match=r"request id 'dup' is already running"):
+            second.result(timeout=300)
+        assert engine.abort("dup") is True
+        out = first.result(timeout=300)
+        assert out.finish_reason == "abort" and len(out.token_ids) < 400 and out.prompt_ids == prompts[0]
+        again = engine.submit(Request("dup", prompts[1], SamplingParams(max_new_tokens=3, ignore_eos=True)))
+        assert again.result(timeout=300).finish_reason == "length"  # the id is free once its request resolved
+
+    def test_a_failed_row_aborts_the_other_rows_of_its_batch(self, engine: Any, prompts: list[list[int]]) -> None:
+        """generate raised at the first failed row and left the batch's other rows running in vLLM, with nothing
+        to read or abort them: they are aborted before the error reaches the caller."""
+        real_start, real_submit = engine._start, engine.submit
+        futures: list[Any] = []
+
+        def start(request: Any, fut: Any) -> None:  # row 0 fails as it starts (a request vLLM refuses)
+            if list(request.prompt_ids) == prompts[0]:
+                raise RuntimeError("row 0 refused")
+            real_start(request, fut)
+
+        def submit(request: Any) -> Any:
+            futures.append(real_submit(request))
+            return futures[-1]
+
+        long = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True, seed=3)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(vars(engine), "_start", start)
+            patch.setitem(vars(engine), "submit", submit)
+            with pytest.raises(RuntimeError, match="row 0 refused"):
+                engine.generate([prompts[0], prompts[1], prompts[2]], long)
+        rest = [f.result(timeout=300) for f in futures[1:]]
+        assert [r.finish_reason for r in rest] == ["abort"] * 2, [(r.finish_reason, len(r.token_ids)) for r in rest]
+        assert not engine._pending
+
     def test_a_weight_vllm_rejects_is_named(self, engine: Any, prompts: list[list[int]]) -> None:
         """A weight of the wrong shape fails the sync with an error naming it, its shape and dtype: vLLM's loader
         raised a bare AssertionError() and the sync failed with nothing but that. The sync is undone."""

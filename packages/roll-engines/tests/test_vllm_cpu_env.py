@@ -69,3 +69,27 @@ def test_tensor_parallel_ranks_bind_cores_of_the_mask(host_cpus: list[int]) -> N
 
 def test_roll_num_threads_sizes_the_vllm_engine_as_the_hf_engines(host_cpus: list[int]) -> None:
     assert _cpu_env(host_cpus, ROLL_NUM_THREADS="1")["OMP_NUM_THREADS"] == "1"
+
+
+_KV_PROBE = """
+import os, sys
+from roll_engines.infer._vllm_args import cpu_env
+seen = []
+for gb in sys.argv[1:]:
+    cpu_env(int(gb), None, None)
+    seen.append(os.environ["VLLM_CPU_KVCACHE_SPACE"])
+print(",".join(seen))
+"""
+
+
+@pytest.mark.parametrize("exported", [None, "7"])
+def test_each_engine_gets_its_own_kv_cache_size(exported: str | None) -> None:
+    """vLLM-CPU reads VLLM_CPU_KVCACHE_SPACE at every engine's config: set with setdefault, a second engine of the
+    process (1 GiB, then 3) silently got the first one's size, and an exported value overrode kv_cache_gb."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    if exported is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = exported
+    cmd = [sys.executable, "-c", _KV_PROBE, "1", "3"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "1,3"
+    assert ("VLLM_CPU_KVCACHE_SPACE=7 in the environment is replaced" in out.stderr) == (exported is not None)

@@ -1,27 +1,44 @@
 """How the `vllm` engine's knobs become vLLM's engine arguments and environment (roll_engines.infer.vllm).
 
 Contract: `cpu_env` sets what vLLM's CPU backend reads at import, so it must run before `vllm` is imported (it only
-sets variables, a value the user exported is kept where that is safe); `engine_args` returns the keyword arguments
-of `vllm.LLM` for one engine and imports nothing from vLLM, so it can be checked without starting one. Refusals of
-combinations vLLM cannot serve (FP8 or routing on CPU, a vision model without torchvision) happen in the engine's
-constructor, before these are called. Values are the ones measured in roll's notes/cpu-engines.md and the module
-docstring of roll_engines.infer.vllm.
+sets variables, a value the user exported is kept where that is safe; the KV cache size is always the engine's
+`kv_cache_gb`, set anew for every engine, since vLLM reads it when each engine's config is built); `engine_args`
+returns the keyword arguments of `vllm.LLM` for one engine and imports nothing from vLLM, so it can be checked
+without starting one; `sampling_params` turns roll's SamplingParams into vLLM's for one request (n=1, processed
+log-probs of the sampled token, DELTA outputs), given vLLM's class. Refusals of combinations vLLM cannot serve (FP8
+or routing on CPU, a vision model without torchvision) happen in the engine's constructor, before these are called.
+Values are the ones measured in roll's notes/cpu-engines.md and the module docstring of roll_engines.infer.vllm.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from roll_engines.infer._adapters import vllm_max_rank
+
+if TYPE_CHECKING:
+    from roll_core.interfaces import SamplingParams
+
+log = logging.getLogger(__name__)
 
 #: roll's methods inside vLLM's worker processes (roll_engines.infer._vllm_worker).
 WORKER_EXTENSION = "roll_engines.infer._vllm_worker.RollWorkerExtension"
 
 
+#: The KV cache size cpu_env last set in this process (not a user's export, which it warns about replacing).
+_kv_set: list[str | None] = [None]
+
+
 def cpu_env(kv_cache_gb: int, threads: int | None, cache_root: str | None, tensor_parallel_size: int = 1) -> None:
     """Environment vLLM's CPU backend reads at import (measured settings of roll's notes/cpu-engines.md)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))  # vLLM parses an int (GiB)
+    # Overwritten, not setdefault: vLLM-CPU reads it at every engine's config (CpuPlatform.check_and_update_config),
+    # so a second engine of the process silently kept the first one's size. An export of another size is replaced.
+    given, kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE"), str(int(kv_cache_gb))  # vLLM parses an int (GiB)
+    if given not in (None, "", kv, _kv_set[0]):
+        log.warning("VLLM_CPU_KVCACHE_SPACE=%s in the environment is replaced by kv_cache_gb=%s", given, kv)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = _kv_set[0] = kv
     # One process: the engine core in this process uses every core (by default one is left to a scheduler process).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # The cores this process may use (affinity mask, cgroup CPU quota; ROLL_NUM_THREADS), as the HF engines count
@@ -123,6 +140,35 @@ def engine_args(
     if return_routing:
         kwargs["enable_return_routed_experts"] = True  # vLLM's AuxOutputConfig flag
     return kwargs
+
+
+def sampling_params(cls: Any, p: SamplingParams, max_tokens: int, delta: Any) -> Any:
+    """vLLM's SamplingParams (`cls`) of one request; `delta`: vLLM's RequestOutputKind.DELTA."""
+    structured = None
+    if p.structured is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        from roll_engines.structured import to_regex
+
+        structured = StructuredOutputsParams(regex=to_regex(p.structured))
+    return cls(
+        n=1,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k if p.top_k > 0 else -1,
+        max_tokens=max_tokens,
+        stop=list(p.stop) or None,
+        stop_token_ids=list(p.stop_token_ids) or None,
+        ignore_eos=p.ignore_eos,
+        seed=p.seed,
+        logprobs=0,
+        include_stop_str_in_output=True,
+        # Stop strings are matched on the decoded text: with special tokens in it, as the hf engine and SGLang
+        # match them (a stop string "<|im_start|>" never fired with vLLM's default).
+        skip_special_tokens=False,
+        output_kind=delta,
+        structured_outputs=structured,
+    )
 
 
 def model_context(path: str, trust_remote_code: bool) -> int:

