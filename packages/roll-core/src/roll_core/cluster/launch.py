@@ -7,7 +7,10 @@ Placement from `cluster.placement`:
 - `disaggregated`: each device role gets its own placement group and whole devices.
 A role's own `placement` (reward_model.placement) may choose `disaggregated` in a colocated cluster, not
 `colocated` in a disaggregated one (the trainer's devices are its own there: a ConfigError).
-Reward workers need no device and are scheduled freely with a small CPU share. On the CPU platform the bundles
+On a Ray instance the run starts itself (fixed resources, reserved by this run alone) a placement group that does
+not fit beside the run's others is a ConfigError at once, not a wait of `cluster.placement_timeout_s`; its
+`cluster.resources.GPU` is Ray's GPU count (`num_gpus`). Reward workers need no device and are scheduled freely with
+a small CPU share. On the CPU platform the bundles
 hold CPU only. Ray itself sets the visible-devices variable of GPU/NPU workers for the devices it assigns.
 A local Ray instance that a run starts listens on loopback only (`loopback_only`) and its processes run out of the
 driver's process group (`own_session`): a SIGTERM to the group stops the run gracefully, not Ray under it.
@@ -208,8 +211,22 @@ class Cluster:
         # Declare enough logical CPUs for every role's fractional share; torch threads are set per worker,
         # independently of Ray's CPU accounting.
         kwargs["num_cpus"] = self.cfg.num_cpus or max(os.cpu_count() or 1, 4)  # = ${roll_logical_cpus:}
-        if self.cfg.resources:
-            kwargs["resources"] = dict(self.cfg.resources)
+        resources = dict(self.cfg.resources)
+        # Ray takes GPUs as a count of its own (`num_gpus`), never among custom resources: +cluster.resources.GPU=2
+        # (the schema's example, for tests on a CPU machine) failed in ray.init with an AssertionError.
+        if "GPU" in resources:
+            gpus = resources.pop("GPU")
+            if gpus != int(gpus):
+                raise ConfigError(f"cluster.resources.GPU={gpus:g}: a Ray instance holds a whole number of GPUs")
+            kwargs["num_gpus"] = int(gpus)
+        reserved = sorted(set(resources) & {"CPU", "memory", "object_store_memory"})
+        if reserved:
+            raise ConfigError(
+                f"cluster.resources.{reserved[0]}: Ray counts {reserved[0]} itself, not as a custom resource"
+                + (": set cluster.num_cpus" if reserved[0] == "CPU" else "")
+            )
+        if resources:
+            kwargs["resources"] = resources
         # Ray's token authentication (on by default for a new local instance since Ray 2.5x) stays on unless the
         # user turns it off: cluster.ray_token_auth=false or RAY_AUTH_MODE=disabled in the environment (tests do
         # that for their private instances).
@@ -299,11 +316,42 @@ class Cluster:
         """Role -> per-rank facts (node id, pid, assigned resources, visible-devices variables)."""
         return {g.name: g.call(Worker.node_info) for g in self.groups}
 
+    def _beyond_own_instance(self, bundle: dict[str, float], n: int) -> str:
+        """What `n` bundles of `bundle`, beside this run's placement groups, need beyond the totals of a Ray instance
+        this run started here ("8 CPU (it holds 4)"; "" when they fit, or on a joined cluster, which may grow or
+        free resources).
+        Such an instance is fixed and nothing but this run reserves from it: a group that does not fit never will."""
+        if not self._started_ray or self.cfg.address:
+            return ""
+        import ray
+
+        need: dict[str, float] = {k: v * n for k, v in bundle.items()}
+        for pg, *_ in self._pgs.values():
+            for spec in pg.bundle_specs:
+                for k, v in spec.items():
+                    need[k] = need.get(k, 0.0) + v
+        total = ray.cluster_resources()
+        over = [(k, v, total.get(k, 0.0)) for k, v in need.items() if v > total.get(k, 0.0) + 1e-9]
+        return ", ".join(f"{v:g} {k} (it holds {t:g})" for k, v, t in over)
+
     def _wait_ready(self, pg: Any, role: str, bundle: dict[str, float], n: int) -> None:
         """Wait for a placement group; a cluster that cannot host it gets an error saying what was asked."""
         import ray
         from ray.exceptions import GetTimeoutError
 
+        short = self._beyond_own_instance(bundle, n)
+        if short:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(pg)
+            raise ConfigError(
+                f"placement of {role} ({n} x {bundle}) needs {short} with the placement groups of "
+                f"{', '.join(self._pgs) or 'no other role'}: more than the Ray instance this run started holds, so "
+                f"it would wait cluster.placement_timeout_s={self.cfg.placement_timeout_s:g}s for nothing. "
+                "Lower the roles' world_size (train_engine.world_size, infer_engine.world_size) or "
+                "cluster.cpus_per_worker, give the instance more (cluster.num_cpus, +cluster.resources.<name>), or "
+                "use cluster.placement=colocated"
+            )
         try:
             ray.get(pg.ready(), timeout=self.cfg.placement_timeout_s)
         except GetTimeoutError as exc:

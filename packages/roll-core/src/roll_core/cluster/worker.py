@@ -130,6 +130,20 @@ def node_address() -> str:
     return "127.0.0.1"
 
 
+#: torch.distributed launch variables a Ray worker drops before its set-up exports its own (a rank of one exports
+#: none: its engine starts a group of one); torchrun and PyTorchJob set them in the environment Ray workers inherit.
+INHERITED_LAUNCH_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+
+
 class Worker:
     """Base of role workers: knows its rank, the group size and the distributed rendezvous."""
 
@@ -155,10 +169,17 @@ class Worker:
 
         `export_env=False` for in-process (local) groups: their ranks share the controller's environment, and
         torch.distributed variables left there would make a later process group wait for ranks that never come.
-        LOCAL_RANK is this worker's local device index (roll_core.devices.ray_local_rank): 0, except under Ray's
-        NOSET switch, where it is the index of the device Ray assigned among the node's.
+        A Ray worker first drops the torch.distributed launch variables it inherited (`INHERITED_LAUNCH_ENV`): a rank
+        of one exports none. LOCAL_RANK is this worker's local device index (roll_core.devices.ray_local_rank): 0,
+        except under Ray's NOSET switch, where it is the index of the device Ray assigned among the node's.
         """
         self.rendezvous = (master_addr, master_port, chosen_by)
+        if export_env:
+            # A Ray worker inherits the environment of the driver or of `ray start` (a driver under torchrun, a
+            # PyTorchJob pod): a rank of one saw RANK=3 WORLD_SIZE=8 there and its engine's process group waited for
+            # ranks that never come, and torchrun's agent-store switch kept rank 0 from hosting the store.
+            for var in INHERITED_LAUNCH_ENV:
+                os.environ.pop(var, None)
         # torch.distributed reads these; set before any engine initialises a process group.
         if self.world_size > 1 and export_env:
             from roll_core.devices import ray_local_rank
