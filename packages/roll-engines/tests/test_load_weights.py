@@ -96,6 +96,68 @@ def test_load_weights_takes_get_weights_of_a_tied_model(tmp_path: Path) -> None:
     assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
 
 
+def _tied_vision_language_model(folder: Path) -> str:
+    """A tiny Qwen2.5-VL with tied embeddings (as Qwen2.5-VL-3B, Qwen2-VL-2B, Qwen3-VL-2B/4B): its embedding is
+    `model.language_model.embed_tokens`, its checkpoint holds no `lm_head.weight`."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from roll_core.multimodal.tiny import build_tiny_qwen_vl
+
+    build_tiny_qwen_vl(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    (shard,) = folder.glob("*.safetensors")
+    state = load_file(shard)
+    del state["lm_head.weight"]
+    save_file(state, shard, metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.mark.parametrize("kind", ["hf", "fsdp2"])
+def test_a_tied_vision_language_model_takes_back_its_weights_and_its_checkpoint(kind: str, tmp_path: Path) -> None:
+    """The tie is read from the model: the name rule (lm_head filled by `model.embed_tokens.weight`) refused a tied
+    vision-language model's own `get_weights` and checkpoint ("missing ['lm_head.weight']"), so it could not resume."""
+    import torch.distributed as dist
+
+    from roll_engines.train.fsdp2 import FSDP2TrainEngine
+
+    path = _tied_vision_language_model(tmp_path / "tied-vl")
+    make = (lambda: FSDP2TrainEngine.conformance_engine(path, lr=1e-3)) if kind == "fsdp2" else None
+    make = make or (lambda: HFTrainEngine(path, lr=1e-3))
+    try:
+        engine = make()
+        inner = engine.model
+        assert inner.lm_head.weight is inner.model.language_model.embed_tokens.weight
+        weights = {k: v + 0.5 for k, v in engine.get_weights().items()}
+        assert "lm_head.weight" not in weights  # sent once, under the embedding's name
+        engine.load_weights(weights)
+        got = engine.get_weights()
+        assert all(torch.equal(got[k], w) for k, w in weights.items())
+        assert inner.lm_head.weight is inner.model.language_model.embed_tokens.weight
+        engine.save(tmp_path / "ckpt", path)
+        fresh = make()
+        fresh.load(tmp_path / "ckpt")
+        resumed = fresh.get_weights()
+        assert all(torch.equal(resumed[k], w) for k, w in weights.items())
+    finally:
+        if kind == "fsdp2" and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_an_untied_head_left_out_is_refused(path: str) -> None:
+    """An untied LM head is its own tensor: a state dict without it leaves the head at its old weights, so it is
+    refused (the name rule let it through whenever the embedding was there)."""
+    engine = HFTrainEngine(path, lr=1e-3)
+    assert engine.model.lm_head.weight is not engine.model.model.embed_tokens.weight
+    weights = engine.get_weights()
+    del weights["lm_head.weight"]
+    with pytest.raises(RuntimeError, match=r"checkpoint mismatch: missing \['lm_head\.weight'\]"):
+        engine.load_weights(weights)
+
+
 def test_load_weights_refuses_an_incomplete_or_foreign_state_dict(path: str) -> None:
     engine = HFTrainEngine(path, lr=1e-3)
     weights = engine.get_weights()

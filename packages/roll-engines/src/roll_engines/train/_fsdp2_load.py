@@ -202,7 +202,7 @@ def _mismatch(model: torch.nn.Module, weights: Mapping[str, Tensor]) -> str | No
     """What makes `weights` no full state dict of `model` (None if they are one). Local."""
     own = model.state_dict()
     try:
-        check_loaded(weights, [k for k in own if k not in weights], [k for k in weights if k not in own])
+        check_loaded(weights, [k for k in own if k not in weights], [k for k in weights if k not in own], model)
     except RuntimeError as e:
         return str(e)
     shapes = [f"{k} {tuple(w.shape)} for {tuple(own[k].shape)}" for k, w in weights.items() if w.shape != own[k].shape]

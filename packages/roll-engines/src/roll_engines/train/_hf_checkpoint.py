@@ -187,7 +187,7 @@ class HFWeightsAndCheckpoints:
 
     def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        check_loaded(weights, missing, unexpected)
+        check_loaded(weights, missing, unexpected, self.model)
 
 
 #: A file torch.distributed.checkpoint names after the rank that wrote it (Megatron's torch_dist save too, which may
@@ -213,10 +213,29 @@ def fsync_written(folder: Path, rank: int, coordinator: bool) -> None:
     fsync_dir(folder.parent)
 
 
-def check_loaded(weights: Mapping[str, Tensor], missing: Sequence[str], unexpected: Sequence[str]) -> None:
-    """RuntimeError naming what a checkpoint's full state dict did not fill or did not match (a tied LM head,
-    saved once under the embedding's name, is not missing): a layer that silently kept its initial weights would
-    train on from the wrong start."""
-    missing = [k for k in missing if not (k.endswith("lm_head.weight") and "model.embed_tokens.weight" in weights)]
+def check_loaded(
+    weights: Mapping[str, Tensor], missing: Sequence[str], unexpected: Sequence[str], model: torch.nn.Module
+) -> None:
+    """RuntimeError naming what a checkpoint's full state dict did not fill or did not match: a layer that silently
+    kept its initial weights would train on from the wrong start. A name of `model`'s that shares its tensor with a
+    name `weights` holds (a tied LM head, saved and synced once under the embedding's name) is not missing.
+
+    Ties are read from the model, not guessed from names: the rule "lm_head.weight is filled by
+    model.embed_tokens.weight" refused every tied model whose embedding is named otherwise (a vision-language model's
+    `model.language_model.embed_tokens`, GPT-2's `transformer.wte`: they could neither resume nor take back their own
+    `get_weights`), and let an untied model's head be left out silently."""
+    filled = set(weights)
+    for names in shared_names(model):
+        if filled.intersection(names):
+            filled.update(names)
+    missing = [k for k in missing if k not in filled]
     if missing or unexpected:
         raise RuntimeError(f"checkpoint mismatch: missing {list(missing)[:5]}, unexpected {list(unexpected)[:5]}")
+
+
+def shared_names(model: torch.nn.Module) -> list[list[str]]:
+    """The names of each parameter `model` holds under more than one name (tied embeddings), in state-dict form."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
