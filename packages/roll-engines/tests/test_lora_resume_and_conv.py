@@ -40,6 +40,24 @@ def test_a_resume_with_another_lora_alpha_or_rank_is_refused(tmp_path: Path) -> 
     torch.testing.assert_close(same.compute_logprobs(batch)["logprobs"], eng.compute_logprobs(batch)["logprobs"])
 
 
+def test_an_adapter_file_missing_tensors_is_refused(tmp_path: Path) -> None:
+    """A partial adapter_model.safetensors (a copy cut short, a hand-edited file) loaded silently: the adapters it
+    lacked kept this run's fresh initialisation, a policy that was never the saved one."""
+    from safetensors.torch import load_file, save_file
+
+    path = resolve_model_path("builtin:tiny")
+    eng = HFTrainEngine(path, lr=1e-2, micro_batch_size=6, lora_rank=4, lora_alpha=8.0)
+    eng.train_step(toy_batch(path), PolicyObjective())
+    eng.save(tmp_path / "ckpt", path)
+    file = tmp_path / "ckpt" / "adapter" / "adapter_model.safetensors"
+    state = load_file(str(file))
+    dropped = sorted(state)[0]
+    del state[dropped]
+    save_file(state, str(file))
+    with pytest.raises(RuntimeError, match=r"adapter checkpoint mismatch: missing \['"):
+        HFTrainEngine(path, lr=1e-2, lora_rank=4, lora_alpha=8.0).load(tmp_path / "ckpt")
+
+
 def test_an_adapter_on_a_convolution_merges_as_peft_does() -> None:
     """["proj"] on Qwen2.5-VL adapts the vision tower's patch embedding, a Conv3d: the merge raised RuntimeError
     (`b @ a` on 5-D kernels) at the first weight sync after training had started."""

@@ -312,10 +312,16 @@ def _norm(value: Any) -> Any:
 
 
 def set_adapter(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
-    """Load `read_adapter`'s tensors into `model`'s adapters; RuntimeError for tensors the model has no place for."""
+    """Load `read_adapter`'s tensors into `model`'s adapters; RuntimeError for tensors the model has no place for,
+    and for adapters of the model the tensors leave out (they would keep this run's fresh initialisation: a policy
+    that was never the saved one)."""
     from peft import set_peft_model_state_dict
 
     result = set_peft_model_state_dict(model, state)
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
-    if unexpected:
-        raise RuntimeError(f"adapter checkpoint mismatch: unexpected {unexpected[:5]}")
+    # The load is non-strict over the whole model: its missing keys hold every base weight; the adapters' own
+    # (lora_A / lora_B / lora_embedding_*) are the ones the file had to bring.
+    missing = [k for k in getattr(result, "missing_keys", []) or [] if ".lora_" in k]
+    if unexpected or missing:
+        parts = [f"{name} {keys[:5]}" for name, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
+        raise RuntimeError(f"adapter checkpoint mismatch: {'; '.join(parts)}")
