@@ -67,6 +67,25 @@ def test_headline_first_last_best_with_direction() -> None:
     assert post["eval/dpo_loss"]["best"] == (1, 0.6) and post["eval/distill_kl"]["last"] == (2, 1.2)
 
 
+def test_a_domain_named_with_a_slash_is_in_the_numbers() -> None:
+    """`eval/<domain>/accuracy` for a domain with a "/" in its name (`math/algebra`): left out of the report's numbers
+    without a word; `eval/accuracy` stays the overall row, not a domain with an empty name."""
+    rows = {
+        r["key"]: r
+        for r in headline(
+            [
+                {"step": 0, "eval/accuracy": 0.5, "eval/math/algebra/accuracy": 0.25, "eval/code/accuracy": 0.75},
+                {"step": 2, "eval/accuracy": 0.6, "eval/math/algebra/accuracy": 0.5, "eval/code/accuracy": 0.7},
+            ]
+        )
+    }
+    assert list(rows) == ["eval/accuracy", "eval/code/accuracy", "eval/math/algebra/accuracy"]
+    algebra = rows["eval/math/algebra/accuracy"]
+    assert algebra["what"] == "held-out accuracy, math/algebra"
+    assert (algebra["first"], algebra["last"], algebra["best"]) == ((0, 0.25), (2, 0.5), (2, 0.5))
+    assert rows["eval/code/accuracy"]["what"] == "held-out accuracy, code"
+
+
 def test_run_report_numbers_curves_checkpoints_and_commands(tmp_path: Path) -> None:
     launched = ["experiment=quickstart", "algo.lr=1e-5", "pipeline.output_dir=/x/run", "pipeline.resume=true"]
     out, ckpts = _run_folder(tmp_path, overrides=launched)

@@ -103,8 +103,10 @@ def headline(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     record logged with each of them (`<key>_stderr`, e.g. an episode collector's eval/success_rate_stderr; None
     where it logged none)."""
     keys = [(k, what, up) for k, what, up in HEADLINE]
-    domains = sorted({k for h in history for k in h if k.startswith("eval/") and k.endswith("/accuracy")})
-    keys += [(k, f"held-out accuracy, {k.split('/')[1]}", True) for k in domains if k.count("/") == 2]
+    # the domain is everything between `eval/` and `/accuracy`: a domain named with a "/" (`eval/a/b/accuracy`) was
+    # left out of the numbers (`eval/accuracy` itself is the HEADLINE's)
+    domains = {k: k[len("eval/") : -len("/accuracy")] for h in history for k in h if _domain_key(k)}
+    keys += [(k, f"held-out accuracy, {d}", True) for k, d in sorted(domains.items())]
     rows = []
     for key, what, up in keys:
         recs = [h for h in history if _finite(h.get(key))]
@@ -126,6 +128,11 @@ def headline(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def _domain_key(key: str) -> bool:
+    """`eval/<domain>/accuracy` with a non-empty domain (which may hold "/")."""
+    return key.startswith("eval/") and key.endswith("/accuracy") and len(key) > len("eval//accuracy")
 
 
 def _finite(v: Any) -> bool:

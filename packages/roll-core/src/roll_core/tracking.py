@@ -193,7 +193,8 @@ class Tracker:
         self.dir.mkdir(parents=True, exist_ok=True)
         config: dict[str, Any] = {}
         if config_yaml is not None:
-            (self.dir / "config.yaml").write_text(config_yaml)
+            # whole or not at all: a resume reads it back, and a kill mid-write left it cut
+            replace_file(self.dir / "config.yaml", config_yaml)
             from omegaconf import OmegaConf
 
             parsed = OmegaConf.to_container(OmegaConf.create(config_yaml))
@@ -453,7 +454,7 @@ def replace_file(path: str | Path, data: str | bytes) -> None:
     """Write `path` whole or not at all: `data` (text is written as UTF-8) goes to a temporary file beside it,
     synced, then renamed over it (os.replace). A crash mid-write leaves the old file (or none), never half of the
     new one; the temporary file is removed when the write fails. Used for the run's history (`_replace_text`) and
-    for roll-eval's and the run's reports (report.md, comparison files, plots)."""
+    for the run folder's config.yaml, roll-eval's and the run's reports (report.md, comparison files, plots)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share one
     try:

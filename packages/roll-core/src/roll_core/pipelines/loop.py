@@ -213,6 +213,7 @@ class Pipeline:
                 self.report(str(aborted), self.wall_seconds())
                 raise aborted from exc
             except BaseException as exc:
+                self._final_plot()  # up to PLOT_EVERY_S of the last steps were not drawn yet
                 self.report(f"failed: {type(exc).__name__}: {str(exc)[:300]}", self.wall_seconds())
                 raise
             signum = summary.get("stopped_by_signal")
@@ -232,6 +233,15 @@ class Pipeline:
             summary["status"] = status
             self.report(status, summary["wall_seconds"])
         return summary
+
+    def _final_plot(self) -> None:
+        """Redraw curves.png on a failed run's way out (never raises: a plotting error must not hide the run's own).
+        Only the loop's end and checkpoints force a redraw; a run failing between them kept up to PLOT_EVERY_S of
+        steps out of the curves that report.md embeds."""
+        try:
+            self.tracker.plot(self._plot_keys(), force=True)
+        except Exception as exc:
+            log.warning("curves.png not redrawn after the failure: %s: %s", type(exc).__name__, exc)
 
     def _late_status(self, summary: dict[str, Any]) -> str:
         """The status of a complete run that received a stop signal in its last step or after it."""
@@ -398,12 +408,14 @@ class Pipeline:
         return out
 
     def summary(self, wall_seconds: float, signum: int | None, late: int | None = None) -> dict[str, Any]:
-        """Final, best and first held-out accuracy, the last reward, wall time, folder; `stopped_by_signal`: the
-        signal that stopped the run before its last step; `late_signal`: one that arrived in the last step or after
-        it (the run is complete); `skipped`: the evaluations a stop skipped. A complete run whose final evaluation
-        was skipped has no `final_eval_accuracy` (an earlier step's would pass for the final model's)."""
+        """Final, best and first held-out accuracy, the last logged reward (`final_reward`) and its step
+        (`final_reward_step`), wall time, folder; `stopped_by_signal`: the signal that stopped the run before its
+        last step; `late_signal`: one that arrived in the last step or after it (the run is complete); `skipped`: the
+        evaluations a stop skipped. A complete run whose final evaluation was skipped has no `final_eval_accuracy`
+        (an earlier step's would pass for the final model's)."""
         history = self.tracker.history
         evals = [h["eval/accuracy"] for h in history if h.get("eval/accuracy") is not None]
+        rewards = [(h["step"], h["reward/mean"]) for h in history if h.get("reward/mean") is not None]
         skipped_evals = getattr(self, "skipped_evals", [])
         last = max((h["step"] for h in history), default=None)
         final_skipped = signum is None and late is not None and last in skipped_evals
@@ -411,7 +423,9 @@ class Pipeline:
             "final_eval_accuracy": evals[-1] if evals and not final_skipped else None,
             "best_eval_accuracy": max(evals, default=None),
             "first_eval_accuracy": evals[0] if evals else None,
-            "final_reward": history[-1].get("reward/mean") if history else None,
+            # the last step that logged one: a last step without a reward (empty, its rewards all failed) read None
+            "final_reward": rewards[-1][1] if rewards else None,
+            "final_reward_step": rewards[-1][0] if rewards else None,
             "wall_seconds": wall_seconds,
             "output_dir": str(self.out),
             "stopped_by_signal": signum,

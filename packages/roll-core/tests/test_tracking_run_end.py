@@ -1,0 +1,119 @@
+"""What the run folder holds at a run's end and after a kill: the summary's last reward (the last step that logged
+one, with its step), curves.png redrawn when a run fails (the steps since the last throttled plot were missing),
+and config.yaml written whole or not at all (a resume reads it back)."""
+
+from __future__ import annotations
+
+import builtins
+import io
+import logging
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from roll_core import tracking
+from roll_core.pipelines.loop import Pipeline
+from roll_core.tracking import Tracker
+
+
+def _pipeline(tracker: Any, reports: list[str]) -> Pipeline:
+    """A Pipeline whose parts around the tracker are stand-ins (no cluster, no model)."""
+    pipe = Pipeline.__new__(Pipeline)
+    pipe.cfg = SimpleNamespace(pipeline=SimpleNamespace(eval_every=0, max_steps=5), experiment="x")
+    pipe.start_step, pipe.out = 1, "run"
+    pipe._created, pipe.wall_before = time.perf_counter(), 0.0
+    pipe.tracker = tracker
+    pipe.collector = SimpleNamespace(plot_keys=("reward/mean",), summary=dict)
+    pipe.report = lambda status, wall: reports.append(status)  # type: ignore[method-assign]
+    return pipe
+
+
+def test_the_final_reward_is_the_last_logged_one_with_its_step() -> None:
+    """The last step logged no reward (it trained nothing; its rewards all failed, logged as null): the summary read
+    None although steps 1 and 2 had one."""
+    history = [
+        {"step": 0, "eval/accuracy": 0.25},
+        {"step": 1, "reward/mean": 0.5},
+        {"step": 2, "reward/mean": 0.75},
+        {"step": 3, "reward/mean": None, "data/empty_steps": 1.0},
+        {"step": 4, "perf/step_seconds": 1.0},
+    ]
+    summary = _pipeline(SimpleNamespace(history=history), []).summary(1.0, None)
+    assert (summary["final_reward"], summary["final_reward_step"]) == (0.75, 2)
+    none = _pipeline(SimpleNamespace(history=history[:1]), []).summary(1.0, None)
+    assert (none["final_reward"], none["final_reward_step"]) == (None, None)
+
+
+def test_a_failed_run_redraws_its_curves_with_every_logged_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """curves.png is redrawn at most every PLOT_EVERY_S (forced only at checkpoints and the loop's end): a run that
+    failed in between kept the steps since its last plot out of the curves report.md embeds."""
+    drawn: list[list[int]] = []
+    monkeypatch.setattr(tracking, "curve_figure", lambda history, keys: drawn.append([h["step"] for h in history]))
+    tracker = Tracker(tmp_path, trackers=())
+    reports: list[str] = []
+    pipe = _pipeline(tracker, reports)
+
+    def loop(stop: Any) -> bool:
+        for step in (1, 2, 3):
+            tracker.log(step, {"reward/mean": step / 4})
+            tracker.plot(pipe._plot_keys(), force=False)  # drawn at step 1, then throttled
+        raise RuntimeError("engine died")
+
+    pipe._loop = loop  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="engine died"):
+        pipe.run()
+    assert drawn == [[1], [1, 2, 3]]
+    assert reports == ["failed: RuntimeError: engine died"]
+
+
+def test_a_plot_error_on_the_failure_path_never_hides_the_runs_exception(caplog: pytest.LogCaptureFixture) -> None:
+    def plot(keys: tuple[str, ...], force: bool = True) -> None:
+        raise OSError("disk full")
+
+    reports: list[str] = []
+    pipe = _pipeline(SimpleNamespace(history=[], plot=plot), reports)
+
+    def loop(stop: Any) -> bool:
+        raise ValueError("bad batch")
+
+    pipe._loop = loop  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError, match="bad batch"):
+        pipe.run()
+    assert reports == ["failed: ValueError: bad batch"]  # report.md is still written
+    assert "curves.png not redrawn after the failure: OSError: disk full" in caplog.text
+
+
+def test_a_config_yaml_write_cut_short_leaves_the_old_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume rewrites config.yaml; a kill or a full disk mid-write left it cut, and the next resume read the cut
+    file. Written through a temporary file renamed over it, the old one stays whole."""
+    Tracker(tmp_path, "experiment: demo\nalgo:\n  lr: 1.0e-05\n", []).close()
+    before = (tmp_path / "config.yaml").read_text()
+    real_open = builtins.open
+
+    class Crash(OSError):
+        pass
+
+    def crashing_open(file, mode="r", *args, **kwargs):  # every write goes halfway, then the disk is full
+        f = real_open(file, mode, *args, **kwargs)
+        if "w" in mode:
+            real_write = f.write
+
+            def write(data: Any) -> int:
+                real_write(data[: len(data) // 2])
+                raise Crash("No space left on device")
+
+            f.write = write
+        return f
+
+    monkeypatch.setattr(builtins, "open", crashing_open)
+    monkeypatch.setattr(io, "open", crashing_open)  # (what Path.write_text opens with)
+    with pytest.raises(Crash):
+        Tracker(tmp_path, "experiment: demo\nalgo:\n  lr: 2.0e-05\n", [], resume=True)
+    monkeypatch.undo()
+    assert (tmp_path / "config.yaml").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]  # no temporary file left behind
