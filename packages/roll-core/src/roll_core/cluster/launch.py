@@ -12,6 +12,10 @@ not fit beside the run's others is a ConfigError at once, not a wait of `cluster
 `cluster.resources.GPU` is Ray's GPU count (`num_gpus`). Reward workers need no device and are scheduled freely with
 a small CPU share. On the CPU platform the bundles
 hold CPU only. Ray itself sets the visible-devices variable of GPU/NPU workers for the devices it assigns.
+`cluster.num_cpus`, `cluster.resources` and `cluster.ray_token_auth` apply to a Ray instance the run starts: set
+(not default) with `cluster.address` or a Ray already running in the process they are a ConfigError. A failure after
+the run started (or joined) Ray, before the Cluster exists, stops (disconnects) it; `shutdown` does every step and
+raises the first error after.
 A local Ray instance that a run starts listens on loopback only (`loopback_only`) and its processes run out of the
 driver's process group (`own_session`): a SIGTERM to the group stops the run gracefully, not Ray under it.
 """
@@ -170,8 +174,14 @@ class Cluster:
         self._started_ray = False
         if cfg.backend == "ray":
             self._init_ray()
-            if hw.platform == "auto" and platform is None:
-                self._check_auto_platform()
+            try:
+                if hw.platform == "auto" and platform is None:
+                    self._check_auto_platform()
+            except BaseException:
+                # No Cluster is returned, so no shutdown() will stop the Ray this run started: the next run in this
+                # process (a sweep's job, a test) would join it, with this run's sizes, its own ignored.
+                self._stop_own_ray()
+                raise
 
     def _check_auto_platform(self) -> None:
         """hw.platform=auto is probed on the driver: a CPU-only head of an accelerator cluster would run every
@@ -195,6 +205,15 @@ class Cluster:
 
         ray = RAY.load()
 
+        joined = (
+            "Ray already runs in this process"
+            if ray.is_initialized()
+            else f"cluster.address={self.cfg.address} joins a running Ray"
+            if self.cfg.address
+            else ""
+        )
+        if joined:
+            self._refuse_instance_keys(joined)
         if ray.is_initialized():
             return
         kwargs: dict[str, Any] = {
@@ -235,6 +254,38 @@ class Cluster:
         with loopback_only(), own_session():
             ray.init(address="local", _node_ip_address="127.0.0.1", **kwargs)
         self._started_ray = True
+
+    def _refuse_instance_keys(self, joined: str) -> None:
+        """`cluster.num_cpus`, `cluster.resources` and `cluster.ray_token_auth` size and secure a Ray instance roll
+        starts: on a Ray this run joins they were ignored without a word (the run believed it had set them). A value
+        other than the default is a ConfigError naming the key."""
+        set_keys = [
+            f"cluster.{k}={v}"
+            for k, v, default in (
+                ("num_cpus", self.cfg.num_cpus, None),
+                ("resources", dict(self.cfg.resources), {}),
+                ("ray_token_auth", self.cfg.ray_token_auth, True),
+            )
+            if v != default
+        ]
+        if set_keys:
+            raise ConfigError(
+                f"{set_keys[0]} sizes or secures a Ray instance roll starts, but {joined}: it would be ignored. "
+                "Drop it and set it where that Ray starts (`ray start --num-cpus/--resources`, a sweep's "
+                "hydra.launcher.ray.init.*), or leave cluster.address null and start no Ray before the run"
+            )
+
+    def _stop_own_ray(self) -> None:
+        """Stop (or, joined, disconnect from) the Ray this run's `_init_ray` connected; never one it found running."""
+        if not self._started_ray:
+            return
+        import ray
+
+        self._started_ray = False
+        try:
+            ray.shutdown()
+        except Exception as exc:  # the error being handled matters more
+            log.warning("Ray could not be shut down: %s", exc)
 
     def _placement(
         self, role: str, world_size: int, devices_per_worker: int = 1, placement: str | None = None
@@ -481,12 +532,26 @@ class Cluster:
                 log.warning("placement group of %s could not be removed: %s", name, exc)
 
     def shutdown(self) -> None:
-        for g in self.groups:
-            g.shutdown()
-        self.groups = []
-        self._remove_placement_groups(list(self._pgs))
+        """Stop every group, remove the placement groups, then stop the Ray this run started, each step whatever
+        the ones before raised: a group whose shutdown failed left the others' actors, every placement group and
+        Ray running for the next run in this process. The first error is raised at the end, the others logged."""
+        errors: list[BaseException] = []
+        groups, self.groups = self.groups, []
+        for g in groups:
+            try:
+                g.shutdown()
+            except Exception as exc:
+                log.error("shutdown of %s failed: %s", g.name, exc)
+                errors.append(exc)
+        self._remove_placement_groups(list(self._pgs))  # logs its own errors
         if self._started_ray:  # a Ray instance this run started is this run's to stop
             import ray
 
-            ray.shutdown()
             self._started_ray = False
+            try:
+                ray.shutdown()
+            except Exception as exc:
+                log.error("Ray shutdown failed: %s", exc)
+                errors.append(exc)
+        if errors:
+            raise errors[0]
