@@ -453,3 +453,46 @@ def test_a_tool_call_with_empty_text_is_trained(tmp_path):
     assert src.skipped == {} and masked_segments(tok, b["responses"][0], b["response_mask"][0]) == [
         '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call><|im_end|>'
     ]
+
+
+def test_a_llama31_builtin_tool_call_turn_ends_with_eom(tmp_path):
+    """Llama 3.1's template ends an assistant turn that calls a built-in tool with <|eom_id|> (builtin_tools set),
+    where other turns end with <|eot_id|>: such a row was a template_mismatch skip (its turn did not end with the
+    usual closing). Trained, the turn ends with <|eom_id|> under mask 1 (what the model samples there), and the
+    row's ids are the template's rendering of the conversation, token for token (no second end)."""
+    from roll_core.testing.chat_templates import LLAMA3
+
+    tok = family_tokenizer("llama3")
+    tok.add_special_tokens({"additional_special_tokens": ["<|eom_id|>", "<|end_of_text|>"]})
+    eot = "{{- '<|eot_id|>' -}}"
+    at = LLAMA3.rindex(eot)  # the end of each message (Llama 3.1: eom after a tool call in ipython mode)
+    tok.chat_template = (
+        LLAMA3[:at]
+        + "{%- if m.tool_calls and builtin_tools is defined -%}{{- '<|eom_id|>' -}}{%- else -%}"
+        + eot
+        + "{%- endif -%}"
+        + LLAMA3[at + len(eot) :]
+    )
+    call = {"type": "function", "function": {"name": "brave_search", "arguments": {"query": "2+2"}}}
+    messages = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "4"},
+        {"role": "assistant", "content": "It is 4."},
+    ]
+    kwargs = {"builtin_tools": ["brave_search"]}
+    src = load(
+        "sft", tok, path=write_jsonl(tmp_path / "t.jsonl", [{"messages": messages}]), chat_template_kwargs=kwargs
+    )
+    b = src.train.batch([0])
+    assert src.train.skipped == {}
+    assert masked_segments(tok, b["responses"][0], b["response_mask"][0]) == [
+        '{"name": "brave_search", "parameters": {"query": "2+2"}}<|eom_id|>',
+        "It is 4.<|eot_id|>",
+    ]
+    att = b["attention_mask"][0].bool()
+    rendered = tok.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+    assert b["input_ids"][0][att].tolist() == list(rendered)
+    # without builtin_tools the template ends that turn with <|eot_id|>, as before
+    plain = load("sft", tok, path=write_jsonl(tmp_path / "p.jsonl", [{"messages": messages}])).train.batch([0])
+    assert masked_segments(tok, plain["responses"][0], plain["response_mask"][0])[0].endswith("}}<|eot_id|>")

@@ -367,6 +367,72 @@ def test_non_finite_scores_are_counted_and_neutral() -> None:
     assert scored["scores"].tolist() == pytest.approx([-1.0, 0.0, 1.0, 0.0], abs=1e-5)
 
 
+def test_a_text_template_reads_the_whole_conversation(run_cfg, rm_path: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A text template's {conversation} is the policy's whole prompt conversation (its system message and an
+    earlier exchange before the question) as `role: content` blocks, scored as that text; {prompt} stays the user
+    message alone (back-compat), and a worker reading it where the prompts carry more says so once, with counts."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from roll_core.cluster.reward_model import conversation_text, format_row
+    from roll_core.pipelines.rollout import prompt_batch
+
+    system = {"role": "system", "content": "Answer in French."}
+    earlier = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [{"type": "text", "text": "Yo"}]}]
+    task = SimpleNamespace(messages=lambda p: [system, *earlier, {"role": "user", "content": p.prompt}])
+    problems = [SimpleNamespace(id=f"q{i}", prompt=q, answer="", metadata={}) for i, q in enumerate(["2+2?", "Sky?"])]
+    tok = AutoTokenizer.from_pretrained(rm_path)
+    batch = prompt_batch(tok, task, problems, 256, {})
+    scored = Batch({"scores": torch.zeros(2)}, {"response_text": ["quatre", "bleu"]})
+    template = "{conversation}\n\nassistant: {response}"
+    _scoring(run_cfg, rm_path, template=template).apply(batch, scored, StepLog())
+
+    texts = [
+        f"system: Answer in French.\n\nuser: Hi\n\nassistant: Yo\n\nuser: {q}\n\nassistant: {r}"
+        for q, r in [("2+2?", "quatre"), ("Sky?", "bleu")]
+    ]
+    model = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
+    with torch.no_grad():
+        want = [float(model(torch.tensor([tok(t)["input_ids"]])).logits[0, 0]) for t in texts]
+        user_only = [
+            float(model(torch.tensor([tok(f"user: {q}\n\nassistant: r")["input_ids"]])).logits[0, 0])
+            for q in ("2+2?", "Sky?")
+        ]
+    torch.testing.assert_close(scored["scores"], torch.tensor(want), atol=1e-5, rtol=1e-5)
+    assert all(abs(w - u) > 1e-3 for w, u in zip(want, user_only)), (want, user_only)
+    # Without messages (a batch of plain prompts) {conversation} is the one user message; {prompt} is the user text.
+    assert conversation_text(None, "Q") == "user: Q"
+    convo = task.messages(problems[0])
+    assert format_row(tok, "{prompt}|{response}", "2+2?", "4", convo) == tok("2+2?|4")["input_ids"]
+
+    worker = _scoring(run_cfg, rm_path, template="Q: {prompt} A: {response}").scorer.workers[0]
+    with caplog.at_level("WARNING", logger="roll_core.cluster.reward_model"):
+        worker.tokenize(["a", "b", "c"], ["r"] * 3, [convo, [{"role": "user", "content": "b"}], None])
+        worker.tokenize(["a"], ["r"], [convo])
+    warned = [r.getMessage() for r in caplog.records if "{conversation}" in r.getMessage()]
+    assert warned == [
+        "reward_model.template reads {prompt}, the user message alone: 1 of 3 prompts also carry a system prompt or "
+        "earlier turns the reward model does not see; {conversation} renders them all"
+    ]
+
+
+def test_text_template_placeholders_are_checked_at_composition() -> None:
+    """Only {prompt}, {conversation} and {response} are placeholders: any other (a typo, an attribute, a literal
+    "{{prompt}}" that never renders the prompt) is a ConfigError before the run; {conversation} may stand for
+    {prompt}."""
+    for bad, why in [
+        ("{promt} {response}", r"unknown placeholder \{promt\}"),
+        ("{prompt.upper} {response}", r"unknown placeholder \{prompt.upper\}"),
+        ("{} {prompt} {response}", r"unknown placeholder \{\}"),
+        ("{prompt} {response} {", "Single '{'"),
+        ("{{prompt}} {response}", "neither {prompt} nor {conversation}"),
+        ("{conversation}", "has no {response}"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            load_config(["reward_model=hf", "reward_model.path=/x", f"reward_model.template='{bad}'"])
+    cfg = load_config(["reward_model=hf", "reward_model.path=/x", "reward_model.template='{conversation} {response}'"])
+    assert cfg.reward_model.template == "{conversation} {response}"
+
+
 def test_wrong_models_are_config_errors(run_cfg, tmp_path: Path) -> None:
     causal = _tiny_classifier(tmp_path / "lm", causal=True)
     with pytest.raises(ConfigError, match="LlamaForCausalLM, not a sequence classifier"):

@@ -329,3 +329,95 @@ def test_text2sql_runs_the_models_sql_on_a_read_write_database_and_is_refused(tm
     rows = [{"prompt": "How many rows?", "extras": extras}]
     with pytest.raises(ValueError, match=r"'text2sql' runs the model's code outside roll's sandbox \(.*read-write"):
         make_env("skyrl:text2sql", rows=rows, env_config={"db_path": str(tmp_path)})
+
+
+class _Guesser:
+    """A GEM-style environment that parses replies itself (its last `\\boxed{...}` is the guess, 7 wins), recording
+    the text it was given; 3 turns."""
+
+    max_turns = 3
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        self.seen = []
+        return "Guess a number from 1 to 10.", {}
+
+    def step(self, text: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        import re
+
+        self.seen.append(text)
+        guesses = re.findall(r"\\boxed\{(\d+)\}", text)
+        win = bool(guesses) and guesses[-1] == "7"
+        return "Right." if win else "Wrong.", float(win), win, len(self.seen) >= self.max_turns, {}
+
+
+def test_outside_environments_read_the_reply_after_its_reasoning() -> None:
+    """GEM and Gymnasium environments get the reply after its last `</think>`: a move weighed in the reasoning
+    ("\\boxed{3}? no") was read as the move (GEM takes the last box of the whole reply). A reply whose `<think>` is
+    never closed is an invalid action that never reaches the environment (-0.1, counted towards the step limit)."""
+    from roll_envs.agentic.gem_adapter import GemEnv, _Adapter
+
+    gem = GemEnv.__new__(GemEnv)  # GemEnv's own step over a stand-in (gem itself is an optional install)
+    _Adapter.__init__(gem, _Guesser(), 1.0, _Guesser.max_turns)
+    gem._rng = _PrivateGlobalRNG(0)
+    gem.reset(seed=0)
+    _, reward, terminated, _, info = gem.step("<think>\\boxed{7} or \\boxed{3}?</think>\n\\boxed{7}")
+    assert gem.env.seen == ["\n\\boxed{7}"] and (reward, terminated, info["success"]) == (1.0, True, True)
+    gem.reset(seed=0)
+    assert gem.step("<think>is it \\boxed{7}?</think>No idea.")[1] == 0.0  # the reasoning's box is no guess (was 1.0)
+    gem.reset(seed=0)
+    replies = ["<think>surely \\boxed{7}", "<think>a</think>\\boxed{2}", "<think>\\boxed{7} is it"]
+    steps = [gem.step(r) for r in replies]
+    assert gem.env.seen == ["\\boxed{2}"]  # the unclosed ones never reached it
+    assert [(s[1], s[2], s[3], s[4]["invalid_action"]) for s in steps] == [
+        (-0.1, False, False, True),
+        (0.0, False, False, False),
+        (-0.1, False, True, True),  # the third step: GEM's 3-turn limit, though GEM itself saw one turn
+    ]
+    assert steps[0][0].startswith("Invalid action: the reply's <think> block is never closed")
+    assert gem.step("\\boxed{7}")[4]["invalid_action"]  # over: never stepped again
+
+    env = GymTextEnv(_Corridor(), action_parser={"left": 0, "right": 1}.get)
+    env.reset(seed=0)
+    assert env.step("<think>left? no.</think>right")[0] == "1"  # the parser reads "right", not the whole reply
+    _, reward, _, _, info = env.step("<think>right")
+    assert (reward, info["invalid_action"], env.env.pos) == (-0.1, True, 1)
+
+
+def test_skyrl_environments_read_the_reply_after_its_reasoning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SkyRL-Gym environment gets the reply after its last `</think>` (gsm8k reads the last "#### N" of what it
+    is given: the reasoning's "#### 5" was read as the answer); an unclosed `<think>` is an invalid action scoring 0,
+    never stepped, and counts towards the turn limit."""
+    skyrl_gym = pytest.importorskip("skyrl_gym", exc_type=ImportError)
+    from skyrl_gym.envs.base_text_env import BaseTextEnv
+
+    seen: list[str] = []
+
+    class Recording(BaseTextEnv):
+        def __init__(self, env_config: Any = None, extras: Any = None) -> None:
+            super().__init__()
+            self.max_turns = 2
+
+        def step(self, action: str) -> Any:
+            seen.append(action)
+            self.turns += 1
+            done = action.strip().endswith("#### 5") or self.turns >= self.max_turns
+            return {"observations": [], "reward": float("#### 5" in action), "done": done, "metadata": {}}
+
+    registration = skyrl_gym.envs.registration
+    monkeypatch.setattr(registration, "registry", dict(registration.registry))
+    skyrl_gym.register(id="roll_test_thinking", entry_point=Recording)
+    env = make_env("skyrl:roll_test_thinking", rows=SKYRL_ROWS)
+    env.reset(seed=0)
+    _, reward, terminated, truncated, info = env.step("<think>#### 5? no</think> #### 6")
+    assert seen == [" #### 6"] and (reward, terminated, truncated, info["invalid_action"]) == (0.0, False, False, False)
+    env.reset(seed=0)
+    steps = [env.step("<think>#### 5"), env.step("<think>still #### 5")]
+    assert seen == [" #### 6"]  # never stepped
+    assert [(s[1], s[2], s[3], s[4]["invalid_action"]) for s in steps] == [
+        (0.0, False, False, True),
+        (0.0, False, True, True),
+    ]
+    assert env.step("#### 5")[0].startswith("The episode is over")

@@ -5,13 +5,15 @@ forward passes of `batch_size` rows; `RewardModelGroup` is the typed group the c
 (`reward_model.score(batch) -> Batch`). A row is the prompt and the response text, formatted by `format_row`: the
 tokenizer's chat template over the conversation the policy was prompted with (`prompt_messages`: system prompt,
 examples, earlier turns, the user message; the user message `prompt_text` alone where a batch has no messages) and
-the response as the assistant turn, or a `{prompt}`/`{response}` text template (`{prompt}`: the user message), cut
-to `max_length` tokens
-(`truncation_side`; a left cut keeps a leading BOS); the result carries `rm_scores` (B,) float32, the model's
-logit as it comes (normalisation and mixing with the task reward are the controller's:
-roll_core.pipelines.reward_model), and `rm_truncated` (B,) bool. Each score is the one an unpadded transformers
-forward of the row alone gives: with the model's own pad token, transformers' rule (the last token that is not it);
-without one (the tokenizer's pad fills the rows), the row's last token, even when it is the tokenizer's pad (an EOS).
+the response as the assistant turn, or a text template with `{response}` and `{prompt}` (the user message alone,
+as before) and/or `{conversation}` (the whole prompt conversation as plain text: `role: content` per message, blank
+lines between; a text template with `{prompt}` alone drops the policy's system prompt and earlier turns, logged once
+per worker), cut to `max_length` tokens (`truncation_side`; a left cut keeps a leading BOS); the result carries
+`rm_scores` (B,) float32, the model's logit as it comes (normalisation and mixing with the task reward are the
+controller's: roll_core.pipelines.reward_model), and `rm_truncated` (B,) bool. Each score is the one an unpadded
+transformers forward of the row alone gives: with the model's own pad token, transformers' rule (the last token
+that is not it); without one (the tokenizer's pad fills the rows), the row's last token, even when it is the
+tokenizer's pad (an EOS).
 
 Sleep: with `offload` the weights live in host memory and move to the device only for a scoring call, the way an
 inference engine's `sleep(1)` frees the device for the trainer (roll_engines' hf engine); `sleep()`/`wake_up()`
@@ -86,7 +88,8 @@ def format_row(
 ) -> list[int]:
     """Token ids of one (prompt, response) row: the chat template over `messages` (the conversation the policy
     was prompted with; None: a user turn of `prompt`) and an assistant turn of `response` (`template="chat"`), or
-    `template.format(prompt=..., response=...)` tokenised with the tokenizer's specials; a text template that
+    `template.format(prompt=..., conversation=conversation_text(messages, prompt), response=...)` tokenised with the
+    tokenizer's specials; a text template that
     spells those leading specials itself (`<|begin_of_text|>{prompt}...`) keeps its own, as SFT's raw text does
     (the tokenizer's second bos is an input the reward model never saw)."""
     if template == CHAT_TEMPLATE:
@@ -99,13 +102,37 @@ def format_row(
                 raise
             ids = tokenizer.apply_chat_template(_system_folded(convo), tokenize=True, return_dict=False)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    text = template.format(prompt=prompt, response=response)
+    text = template.format(prompt=prompt, conversation=conversation_text(messages, prompt), response=response)
     with_specials = list(tokenizer(text)["input_ids"])
     own = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     start = next((s for s in range(len(with_specials) - len(own) + 1) if with_specials[s : s + len(own)] == own), 0)
     if own and 0 < start <= len(own) and own[:start] == with_specials[:start]:
         return with_specials[start:]  # the text's own bos, then whatever the tokenizer adds after it (eos, sep)
     return with_specials
+
+
+def conversation_text(messages: Sequence[Mapping[str, Any]] | None, prompt: str) -> str:
+    """A text template's `{conversation}`: each message of the policy's prompt conversation (None: one user
+    message, `prompt`) as `role: content`, blank lines between; a content given as parts keeps its text parts (a
+    text reward model reads no pictures)."""
+    convo = list(messages) if messages else [{"role": "user", "content": prompt}]
+    return "\n\n".join(f"{m.get('role', 'user')}: {_content_text(m.get('content'))}" for m in convo)
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):
+        return "".join(str(p.get("text", "")) if isinstance(p, Mapping) else str(p) for p in content)
+    return str(content)
+
+
+def drops_context(messages: Sequence[Mapping[str, Any]] | None) -> bool:
+    """Whether a prompt conversation holds more than one user message (a system prompt, examples, earlier
+    turns): what a text template's `{prompt}` leaves out."""
+    return bool(messages) and not (len(messages) == 1 and messages[0].get("role") == "user")
 
 
 def _system_folded(convo: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -158,6 +185,7 @@ class RewardModelWorker(Worker):
         self.device = torch.device(resolved["device"])
         self.template, self.batch_size, self.max_length = template, batch_size, max_length
         self.truncation_side, self.offload = truncation_side, offload
+        self._warned = False  # the {prompt}-drops-the-system-prompt warning, given once
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust_remote_code)
         model = AutoModelForSequenceClassification.from_pretrained(
             path,
@@ -207,6 +235,18 @@ class RewardModelWorker(Worker):
         `max_length` (a leading BOS kept), and whether each was cut."""
         bos = self.tokenizer.bos_token_id
         convos = messages if messages is not None else [None] * len(prompts)
+        if not self._warned and self.template != CHAT_TEMPLATE and "{conversation}" not in self.template:
+            dropped = sum(drops_context(m) for m in convos)
+            if dropped:
+                # Kept for back-compat ({prompt} always was the user message), but the reward model then judges
+                # the response against less than the policy was told: say so once.
+                self._warned = True
+                log.warning(
+                    "reward_model.template reads {prompt}, the user message alone: %d of %d prompts also carry a "
+                    "system prompt or earlier turns the reward model does not see; {conversation} renders them all",
+                    dropped,
+                    len(convos),
+                )
         rows = [
             truncate(format_row(self.tokenizer, self.template, p, r, m), self.max_length, self.truncation_side, bos)
             for p, r, m in zip(prompts, responses, convos)

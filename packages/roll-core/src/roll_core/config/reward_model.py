@@ -12,6 +12,7 @@ Deliberately free of imports from roll_core.config.schema, which imports this mo
 from __future__ import annotations
 
 import math
+import string
 from dataclasses import dataclass
 
 from omegaconf import MISSING
@@ -24,6 +25,8 @@ TRUNCATION_SIDES = ("left", "right")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: `template` value that formats rows with the reward model tokenizer's chat template.
 CHAT_TEMPLATE = "chat"
+#: Placeholders of a text `template` (roll_core.cluster.reward_model.format_row fills them).
+TEXT_SLOTS = ("prompt", "conversation", "response")
 
 
 def _check(name: str, ok: bool, message: str) -> None:
@@ -42,8 +45,10 @@ class RewardModelConfig:
     path: str | None = MISSING
     # Tokenizer folder or id; null: `path`.
     tokenizer: str | None = None
-    # How a row becomes the model's input: "chat" (the tokenizer's chat template over a user turn holding the prompt
-    # and an assistant turn holding the response), or a text with {prompt} and {response} placeholders.
+    # How a row becomes the model's input: "chat" (the tokenizer's chat template over the policy's prompt conversation
+    # and an assistant turn holding the response), or a text with {response} and {prompt} (the user message alone)
+    # and/or {conversation} (the whole prompt conversation, system prompt and earlier turns included, as
+    # "role: content" blocks) placeholders.
     template: str = CHAT_TEMPLATE
     # Rows per forward pass.
     batch_size: int = 16
@@ -101,15 +106,33 @@ class RewardModelConfig:
             f"{self.weight} acts only with reward_model.mode=add (replace uses the model's score as is)",
         )
         if self.template != CHAT_TEMPLATE:
-            for slot in ("{prompt}", "{response}"):
-                _check("template", slot in self.template, f"{self.template!r} has no {slot} (or use 'chat')")
-            try:
-                self.template.format(prompt="", response="")
-            except (KeyError, IndexError, ValueError) as exc:
-                raise ValueError(
-                    f"reward_model.template: {self.template!r} is not a format string with only {{prompt}} and "
-                    f"{{response}} ({type(exc).__name__}: {exc}); write a literal brace as {{{{ or }}}}"
-                ) from None
+            self._check_text_template()
+
+    def _check_text_template(self) -> None:
+        # Parsed, not searched: "{{prompt}}" (a literal) contains "{prompt}", and "{prompt.upper}" formats a method.
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None]
+        except ValueError as exc:
+            fields, bad = [], f"ValueError: {exc}"
+        else:
+            unknown = [f for f in fields if f not in TEXT_SLOTS]
+            bad = f"unknown placeholder {{{unknown[0]}}}" if unknown else ""
+            if not bad:
+                try:  # (a placeholder nested in a format spec, "{prompt:{width}}", is not parsed above)
+                    self.template.format(**dict.fromkeys(TEXT_SLOTS, ""))
+                except (KeyError, IndexError, ValueError) as exc:
+                    bad = f"{type(exc).__name__}: {exc}"
+        if bad:
+            raise ValueError(
+                f"reward_model.template: {self.template!r} is not a format string with only "
+                f"{', '.join('{' + s + '}' for s in TEXT_SLOTS)} ({bad}); write a literal brace as {{{{ or }}}}"
+            )
+        _check("template", "response" in fields, f"{self.template!r} has no {{response}} (or use 'chat')")
+        _check(
+            "template",
+            "prompt" in fields or "conversation" in fields,
+            f"{self.template!r} has neither {{prompt}} nor {{conversation}} (or use 'chat')",
+        )
 
     @property
     def enabled(self) -> bool:

@@ -20,9 +20,10 @@ its rendered text (the template's rendering of that turn as the conversation's l
 closing: Qwen3's `<think>` block kept, Llama 3's trimming applied) encoded after the rendered conversation before it
 (`encode_after`), plus the end-of-turn token
 (the template's end-of-turn special token, else the tokenizer's eos: what sampling stops on and the model must
-learn to emit); between turns, `TurnTemplate.continuation` (the rest of the closing, the next messages, the next
-generation header) with mask 0, and between two assistant turns in a row the first's closing and the next one's
-header. An assistant turn whose text the template drops in part (a `<think>` block it strips) is skipped
+learn to emit; a turn the template ends with an alternative end token, Llama 3.1's `<|eom_id|>` after a built-in
+tool call, ends with that one); between turns, `TurnTemplate.continuation` (the rest of the closing, the next
+messages, the next generation header) with mask 0, and between two assistant turns in a row the first's closing and
+the next one's header. An assistant turn whose text the template drops in part (a `<think>` block it strips) is skipped
 (`template_drops_content`): trained as rendered, the model would learn to answer without it. Mask 1 covers
 exactly the trained assistant turns' ids and their end-of-turn tokens; untrained assistant turns after the first
 trained one are context (mask 0); messages after the last trained turn are dropped. An assistant turn to train
@@ -53,7 +54,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from roll_core.agentic.chat import TurnTemplate, encode_after
+from roll_core.agentic.chat import ALT_TURN_ENDS, TurnTemplate, encode_after
 from roll_core.errors import ConfigError
 from roll_core.posttrain.config import DataConfig
 from roll_core.posttrain.rows import RawRow, SkipRow
@@ -191,6 +192,16 @@ class ChatEncoder:
         last = self._render([{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}], False)
         # What a template writes after the last assistant turn's content (e.g. "<|im_end|>\n"; Phi-3 adds eos).
         self.final_closing = last[last.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
+        # (closing text, end-of-turn id) an assistant turn may end with: the usual one, and a template's alternative
+        # end in its place (Llama 3.1's <|eom_id|> after a built-in tool call, with builtin_tools set): that turn was
+        # a template_mismatch skip, and the model must learn to end it with <|eom_id|>, what it samples there.
+        self.closings = [(self.final_closing, self.end_id)]
+        end_text = tokenizer.decode([self.end_id])
+        if end_text and self.final_closing.startswith(end_text):
+            for alt in ALT_TURN_ENDS.get(end_text, ()):
+                alt_id = tokenizer.convert_tokens_to_ids(alt)
+                if alt_id in self.turns.turn_end_ids:  # (a special token of this tokenizer: Llama 3.0 has none)
+                    self.closings.append((alt + self.final_closing[len(end_text) :], int(alt_id)))
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool, tools: Any = None) -> str:
         kwargs = dict(self.kwargs)
@@ -205,7 +216,8 @@ class ChatEncoder:
         the turn (as the conversation's last message) without its closing, then the end-of-turn id."""
         before = self._render(history, True, tools)
         full = self._render([*history, message], False, tools)
-        if not full.startswith(before) or not full.endswith(self.final_closing):
+        closing, end_id = next(((c, i) for c, i in self.closings if full.endswith(c)), (None, self.end_id))
+        if not full.startswith(before) or closing is None:
             same = next((k for k, (a, b) in enumerate(zip(before, full)) if a != b), min(len(before), len(full)))
             raise SkipRow(
                 "template_mismatch",
@@ -214,7 +226,7 @@ class ChatEncoder:
                 f"{full[same:][:40]!r}: e.g. a header that opens <think> for a turn whose reasoning the template "
                 "drops), so the turn's text cannot be isolated",
             )
-        text = full[len(before) : len(full) - len(self.final_closing)]
+        text = full[len(before) : len(full) - len(closing)]
         if not text:
             raise SkipRow("empty", "an assistant turn renders to no text")
         content = message.get("content")
@@ -225,7 +237,7 @@ class ChatEncoder:
                 "it renders would teach the model to answer without it. Use a template that keeps it (Qwen3's "
                 "keeps the last turn's), or rows without it",
             )
-        return [*encode_after(self.tokenizer, before, text), self.end_id]
+        return [*encode_after(self.tokenizer, before, text), end_id]
 
     def encode(
         self, messages: list[dict[str, Any]], trained: list[bool], tools: Any = None

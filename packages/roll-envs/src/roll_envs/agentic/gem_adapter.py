@@ -10,6 +10,12 @@ As for roll's built-ins (roll_envs.agentic.base), stepping a finished episode ne
 it returns the last observation with reward 0, the same terminated/truncated flags and invalid_action True (a
 Gymnasium environment stepped past its end goes on: FrozenLake at its goal paid the goal again); `step()` before
 `reset()` is a RuntimeError. `close()` closes the wrapped environment (where it has one).
+The wrapped environment reads the reply after its reasoning (the text after the last `</think>`,
+roll_envs.rewards.judge.final_text, as roll's built-ins read actions): it parses replies itself, and a move named
+in the reasoning was read as the move. A reply whose `<think>` block is never closed has no move: it is an invalid
+action that never reaches the wrapped environment (reward `invalid_penalty`, -0.1 by default, GEM's own reward for
+a format error; the previous observation repeated with what went wrong), counted towards `max_steps` like any step.
+The trajectory keeps the whole reply (roll records the model's tokens, not this text).
 
 GEM (`GemEnv("game:GuessTheNumber-v0-easy")`): `pip install --no-deps gem-llm` (it pins antlr4 4.13 while
 omegaconf, hence Hydra, needs 4.9), plus what `import gem` needs: numpy and reasoning-gym (gem-llm 0.1.0 pins
@@ -49,7 +55,12 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from roll_envs.rewards.judge import final_text
+
 log = logging.getLogger(__name__)
+
+#: What the model is told when its reply has no move: a `<think>` block never closed (a reply cut off reasoning).
+UNCLOSED_THINK = "the reply's <think> block is never closed, so it holds no move."
 
 #: Entry-point modules of GEM environments that execute the model's code outside roll's sandbox (module docstring).
 RUNS_MODEL_CODE = {"gem.envs.code_env": "GEM runs its programs itself, by default with `python -c` as this user"}
@@ -108,8 +119,11 @@ class _PrivateGlobalRNG:
 class _Adapter:
     """Common conversion of a wrapped environment's outputs to roll's conventions."""
 
+    invalid_penalty = -0.1  # reward of an invalid reply (GEM's own for a format error)
+
     def __init__(self, env: Any, success_reward: float, max_steps: int | None) -> None:
         self.env, self.success_reward, self.max_steps = env, float(success_reward), max_steps
+        self.steps = 0  # steps of this episode, invalid ones included (the wrapped environment never sees those)
         self._last_obs = ""
         self._state = ""
         self._started = False
@@ -134,7 +148,22 @@ class _Adapter:
 
     def _begin(self, obs: str, info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         self._last_obs, self._state, self._started, self._end = obs, info["state"], True, None
+        self.steps = 0
         return obs, info
+
+    def _at_limit(self) -> bool:
+        return self.max_steps is not None and self.steps >= self.max_steps
+
+    def _invalid(self, why: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """The answer to an invalid reply (the wrapped environment is not stepped); it ends the episode as a
+        truncation at the step limit."""
+        obs = f"Invalid action: {why}\n\n{self._last_obs}"
+        info = {"success": False, "state": self._state, "invalid_action": True}
+        truncated = self._at_limit()
+        if truncated:
+            obs += f"\n\nThe step limit ({self.max_steps}) is reached; the episode is over."
+            self._end = (False, True)
+        return obs, self.invalid_penalty, False, truncated, info
 
     def _finished(self) -> tuple[str, float, bool, bool, dict[str, Any]] | None:
         """The answer to a step that must not reach the wrapped environment (episode over), else None."""
@@ -164,8 +193,13 @@ class _Adapter:
         over = self._finished()
         if over is not None:
             return over
-        text = action if isinstance(action, str) else str(action)
+        self.steps += 1
+        text = final_text(action if isinstance(action, str) else str(action))
+        if text is None:
+            return self._invalid(UNCLOSED_THINK)
         obs, reward, terminated, truncated, info = self._call(self.env.step, text)
+        # Invalid replies used steps the wrapped environment's own turn limit never counted.
+        truncated = not bool(terminated) and (bool(truncated) or self._at_limit())
         return self._record(str(obs), float(reward), terminated, truncated, info)
 
 
@@ -219,12 +253,12 @@ def _import_gem() -> Any:
 class GymTextEnv(_Adapter):
     """A Gymnasium-API environment (an instance, or an id for `gymnasium.make(env_id, **kwargs)`) as a text env.
 
-    Observations become `str(obs)` (or `obs_to_text(obs)`). The reply is passed as the action unless
-    `action_parser` is given: it maps the reply to the environment's action and returns None (or raises) for a
-    reply that is not one; such replies are invalid actions (the wrapped environment is not stepped, reward
-    `invalid_penalty`, the previous observation is repeated with what went wrong). Invalid replies count towards
-    `max_steps` (the wrapped spec's `max_episode_steps`) like valid ones, as in roll's built-ins: the wrapped
-    environment's own time limit never sees them, so a model that never acts was never truncated.
+    Observations become `str(obs)` (or `obs_to_text(obs)`). The reply after its reasoning (module docstring) is
+    passed as the action unless `action_parser` is given: it maps that text to the environment's action and returns
+    None (or raises) for a reply that is not one; such replies are invalid actions (the wrapped environment is not
+    stepped, reward `invalid_penalty`, the previous observation is repeated with what went wrong). Invalid replies
+    count towards `max_steps` (the wrapped spec's `max_episode_steps`) like valid ones, as in roll's built-ins: the
+    wrapped environment's own time limit never sees them, so a model that never acts was never truncated.
     """
 
     def __init__(
@@ -245,23 +279,20 @@ class GymTextEnv(_Adapter):
         limit = getattr(spec, "max_episode_steps", None)
         super().__init__(env, success_reward, limit if isinstance(limit, int) else None)
         self.action_parser, self.obs_to_text, self.invalid_penalty = action_parser, obs_to_text, float(invalid_penalty)
-        self.steps = 0
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         obs, info = self.env.reset(seed=seed)
         text = self.obs_to_text(obs)
-        self.steps = 0
         return self._begin(text, self._info(info, text))
-
-    def _at_limit(self) -> bool:
-        return self.max_steps is not None and self.steps >= self.max_steps
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         over = self._finished()
         if over is not None:
             return over
         self.steps += 1
-        text = action if isinstance(action, str) else str(action)
+        text = final_text(action if isinstance(action, str) else str(action))
+        if text is None:
+            return self._invalid(UNCLOSED_THINK)
         parsed: Any = text
         if self.action_parser is not None:
             try:
@@ -269,13 +300,7 @@ class GymTextEnv(_Adapter):
             except Exception:  # the parser sees raw model text: any failure means "not an action"
                 parsed = None
             if parsed is None:
-                obs = f"Invalid action: the reply is not a valid action.\n\n{self._last_obs}"
-                info = {"success": False, "state": self._state, "invalid_action": True}
-                truncated = self._at_limit()
-                if truncated:
-                    obs += f"\n\nThe step limit ({self.max_steps}) is reached; the episode is over."
-                    self._end = (False, True)
-                return obs, self.invalid_penalty, False, truncated, info
+                return self._invalid("the reply is not a valid action.")
         obs, reward, terminated, truncated, info = self.env.step(parsed)
         truncated = not terminated and (bool(truncated) or self._at_limit())
         return self._record(self.obs_to_text(obs), float(reward), terminated, truncated, info)

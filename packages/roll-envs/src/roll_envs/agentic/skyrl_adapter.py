@@ -11,8 +11,13 @@ The adapter gives it roll's shape: `rows` (or a JSONL `data_file`) are the datas
 without held-out rows is an error naming what to set;
 observations are the new messages' contents joined; `done` is a truncation when the environment's own turn limit
 (`max_turns`) ended the episode without success, else a termination; success = terminated with reward >=
-`success_reward`. SkyRL-Gym has no invalid-action notion, so `invalid_action` is always False (its environments
-score a malformed reply 0 and go on). Stepping a finished episode returns a note and reward 0.
+`success_reward`. SkyRL-Gym has no invalid-action notion (its environments score a malformed reply 0 and go on), so
+`invalid_action` is False but for one reply: the environment reads the reply after its reasoning (the text after
+the last `</think>`, roll_envs.rewards.judge.final_text, as roll's built-ins read actions: SkyRL-Gym parses replies
+itself, and an answer weighed in the reasoning was read as the answer), and a reply whose `<think>` block is never
+closed has none: it is an invalid action (reward 0, as SkyRL-Gym scores a malformed reply; the environment is not
+stepped, the turn counts towards its `max_turns`). The trajectory keeps the whole reply (roll records the model's
+tokens). Stepping a finished episode returns a note and reward 0.
 SkyRL-Gym environments are closed (`close()`): the one an episode used when the next reset replaces it, the probe
 built to read the turn limit, and the current one at `close()` (roll's env manager calls it). A close that raises
 while replacing is logged and counted in `close_errors` (the new episode goes on); `close()` itself raises it.
@@ -34,7 +39,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from roll_envs.agentic.gem_adapter import check_code_execution
+from roll_envs.agentic.gem_adapter import UNCLOSED_THINK, check_code_execution
+from roll_envs.rewards.judge import final_text
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +149,16 @@ class SkyRLEnv:
     def _info(self, success: bool = False) -> dict[str, Any]:
         return {"success": success, "state": f"{self._last}\n[turn {self._turn}]", "invalid_action": False}
 
+    def _invalid(self) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """An unclosed `<think>`: reward 0, the environment not stepped; at its turn limit the episode is truncated."""
+        limit = int(getattr(self.env, "max_turns", 0) or 0)
+        truncated = limit > 0 and self._turn >= limit
+        obs = f"Invalid action: {UNCLOSED_THINK}\n\n{self._last}"
+        if truncated:
+            self._done, self._end = True, (False, True)
+            obs += f"\n\nThe turn limit ({limit}) is reached; the episode is over."
+        return obs, 0.0, False, truncated, {**self._info(), "invalid_action": True}
+
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         seed = int(seed) if seed is not None else self._seeds.getrandbits(32)
         if seed >= self.eval_seed_offset:
@@ -170,12 +186,16 @@ class SkyRLEnv:
             raise RuntimeError("SkyRLEnv.step() called before reset()")
         if self._done:
             return "The episode is over; no further actions are taken.", 0.0, *self._end, self._info()
-        out = self.env.step(action if isinstance(action, str) else str(action))
+        text = final_text(action if isinstance(action, str) else str(action))
         self._turn += 1
+        if text is None:
+            return self._invalid()
+        out = self.env.step(text)
         reward, done = float(out["reward"]), bool(out["done"])
         self._last = self._text(out.get("observations")) or ("The episode is over." if done else "")
         success = done and reward >= self.success_reward
         limit = int(getattr(self.env, "max_turns", 0) or 0)
-        truncated = done and not success and limit > 0 and self._turn >= limit
-        self._done, self._end = done, (done and not truncated, truncated)
+        # Past the limit without the environment's say too: invalid turns (not stepped) never reached its count.
+        truncated = not success and limit > 0 and self._turn >= limit
+        self._done, self._end = done or truncated, (done and not truncated, truncated)
         return self._last, reward, done and not truncated, truncated, self._info(success)
