@@ -466,6 +466,42 @@ def test_a_resumed_sweep_refuses_a_job_folder_of_other_swept_values(tmp_path: Pa
     assert sweep_of(["3e-3", "1e-3"], "pipeline.resume=true") == [None, None]
 
 
+def test_a_resumed_sweep_of_one_job_refuses_a_changed_setting(tmp_path: Path) -> None:
+    """The swept settings were told from the folder's earlier records alone: after a sweep of one job every override
+    looked shared, so a resume with another learning rate (or one left out, back to the default) continued the
+    folder's run silently. Refused, naming the setting with its old and new value, however many jobs the earlier
+    sweep had; the run's length (pipeline.max_steps) may still change."""
+    sw = tmp_path / "sweep"
+    callback = sweep.SweepSummaryCallback()
+    ran: list[list[str]] = []
+
+    def run(cfg: Any) -> dict[str, Any]:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+        ran.append(list(hc.overrides.task))
+        (Path(hc.runtime.output_dir) / "checkpoints" / "step_5").mkdir(parents=True, exist_ok=True)
+        return {"final_eval_accuracy": 0.5}
+
+    def job(*overrides: str) -> float | None:
+        callback.on_multirun_start(multirun_config(sw))
+        resume = {"pipeline": {"resume": True}} if "pipeline.resume=true" in overrides else {}
+        return run_job(sw, "0", 0, list(overrides), run, **resume)
+
+    assert job("algo.lr=1e-3", "algo.group_size=8", "pipeline.max_steps=10") == 0.5
+    assert job("algo.lr=3e-3", "algo.group_size=8", "pipeline.max_steps=20", "pipeline.resume=true") is None
+    error = json.loads((sw / "0" / sweep.STATUS_FILE).read_text())["error"]
+    assert error.startswith("ConfigError: pipeline.resume=true:")
+    assert "holds the run of job 0 of an earlier sweep, with algo.lr=1e-3; this job has algo.lr=3e-3" in error
+    assert job("algo.group_size=8", "pipeline.resume=true") is None  # left out: the default is another value
+    error = json.loads((sw / "0" / sweep.STATUS_FILE).read_text())["error"]
+    assert "with algo.lr=1e-3; this job has algo.lr=(not given: the config's default)" in error
+    assert len(ran) == 1
+    # the same settings, a longer run: continued
+    assert job("algo.lr=1e-3", "algo.group_size=8", "pipeline.max_steps=20", "pipeline.resume=true") == 0.5
+    assert ran[1] == ["algo.lr=1e-3", "algo.group_size=8", "pipeline.max_steps=20", "pipeline.resume=true"]
+
+
 def test_a_job_that_never_ran_keeps_what_its_resumed_folder_holds(tmp_path: Path) -> None:
     """A resumed sweep's job that never ran in its folder (not started after a stop; cancelled or killed by Ray
     before its start record) wrote a record of its own values over the earlier sweep's, and the folder's

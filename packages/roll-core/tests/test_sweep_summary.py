@@ -449,3 +449,32 @@ def test_a_summary_cut_off_while_it_is_written_leaves_the_earlier_one_whole(
     assert (sw / "summary.md").read_text() == before["summary.md"]
     assert len(summary_rows(sw)) == 4  # the csv was written whole before the table failed
     assert sorted(p.name for p in sw.iterdir() if p.is_file()) == ["summary.csv", "summary.md"]
+
+
+def test_a_sweep_with_no_job_record_never_shows_an_earlier_sweeps_summary(tmp_path: Path) -> None:
+    """A sweep run again into a folder that found no job record of its own wrote no summary: the earlier sweep's
+    summary.md, summary.csv and rewards.png stayed, and the log (and a stopped sweep's one line) pointed to them as
+    this sweep's. summary.md now says there is none, and the earlier tables and plot are gone."""
+    pytest.importorskip("matplotlib")
+    sw = tmp_path / "sweep"
+    callback = sweep.SweepSummaryCallback()
+    callback.on_multirun_start(multirun_config(sw))
+    run_job(sw, "0", 0, ["algo.lr=1e-3"], lambda cfg: {"final_eval_accuracy": 0.5})
+    callback.on_multirun_end(multirun_config(sw))
+    assert {p.name for p in sw.iterdir()} >= {"summary.md", "summary.csv", "rewards.png"}
+
+    for stopped in (False, True):  # again, with no job: ended normally, then by a signal
+        callback.on_multirun_start(multirun_config(sw))
+        sweep_id = sweep.sweep_marker(sw)["sweep_id"]
+        if stopped:
+            sweep.stop_sweep(sw, 15, "the sweep was stopped by signal 15")
+            with pytest.raises(SystemExit) as stop:
+                callback.on_multirun_end(multirun_config(sw))
+            assert "0 job(s)" in stop.value.report and str(sw / "summary.md") in stop.value.report
+        else:
+            callback.on_multirun_end(multirun_config(sw))
+        summary = (sw / "summary.md").read_text()
+        assert "algo.lr=1e-3" not in summary
+        assert f"No job record (job_status.json) of sweep {sweep_id} was found" in summary
+        assert not (sw / "summary.csv").exists() and not (sw / "rewards.png").exists()
+    assert sweep.failed_jobs() == [f"no job_status.json of this sweep found under {sw}"] * 2

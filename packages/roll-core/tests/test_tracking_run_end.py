@@ -117,3 +117,91 @@ def test_a_config_yaml_write_cut_short_leaves_the_old_one(tmp_path: Path, monkey
     monkeypatch.undo()
     assert (tmp_path / "config.yaml").read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]  # no temporary file left behind
+
+
+def test_a_plot_killed_mid_save_leaves_the_earlier_curves_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """curves.png was saved in place: a kill (OOM, preemption) while savefig wrote it left a cut PNG that report.md
+    embeds. Drawn to memory and renamed over the old one, the earlier picture stays whole and no temporary file is
+    left."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    tracker = Tracker(tmp_path, trackers=())
+    tracker.log(1, {"reward/mean": 0.5})
+    assert tracker.plot() == tmp_path / "curves.png"
+    before = (tmp_path / "curves.png").read_bytes()
+    assert before.startswith(b"\x89PNG") and before.endswith(b"IEND\xaeB`\x82")  # a whole PNG
+    real = Figure.savefig
+
+    def killed_mid_save(self: Any, fname: Any, **kwargs: Any) -> None:
+        whole = io.BytesIO()
+        real(self, whole, **{**kwargs, "format": "png"})
+        half = whole.getvalue()[: len(whole.getvalue()) // 2]
+        if isinstance(fname, (str, Path)):
+            Path(fname).write_bytes(half)
+        else:
+            fname.write(half)
+        raise KeyboardInterrupt  # stands in for the kill: nothing after this line runs
+
+    tracker.log(2, {"reward/mean": 0.75})
+    monkeypatch.setattr(Figure, "savefig", killed_mid_save)
+    with pytest.raises(KeyboardInterrupt):
+        tracker.plot()
+    monkeypatch.undo()
+    assert (tmp_path / "curves.png").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl"]
+    assert tracker.plot() == tmp_path / "curves.png"  # the next plot draws both steps, whole
+    after = (tmp_path / "curves.png").read_bytes()
+    assert after != before and after.endswith(b"IEND\xaeB`\x82")
+    tracker.close()
+
+
+class _Backend:
+    """A tracker backend recording whether it was closed and the exception propagating then (how MLflow and W&B
+    tell a failed run: MLflow's `close` ends it FAILED, W&B's finishes it with exit code 1)."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.closed_during: list[BaseException | None] = []
+        self.error = error
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def truncate(self, last_step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        import sys
+
+        self.closed_during.append(sys.exc_info()[1])
+        if self.error is not None:
+            raise self.error
+
+
+def test_a_failed_run_closes_its_trackers_with_the_failure(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Only the loop's normal end closed the tracker backends: a run that raised left TensorBoard unflushed, its
+    W&B and MLflow runs open (shown running, or finished, never failed) unless a caller made `shutdown`. They are
+    closed on the failure path while the run's exception propagates; one backend's close error is logged, the others
+    still close and the run's own exception is what is raised."""
+    good, broken = _Backend(), _Backend(OSError("server away"))
+    tracker = Tracker(tmp_path, trackers=())
+    tracker.backends = [broken, good]
+    reports: list[str] = []
+    pipe = _pipeline(tracker, reports)
+
+    def loop(stop: Any) -> bool:
+        tracker.log(1, {"reward/mean": 0.5})
+        raise RuntimeError("engine died")
+
+    pipe._loop = loop  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError, match="engine died"):
+        pipe.run()
+    for backend in (good, broken):
+        (during,) = backend.closed_during
+        assert isinstance(during, RuntimeError) and str(during) == "engine died"
+    assert "closing the trackers after the failure failed: OSError: server away" in caplog.text
+    assert reports == ["failed: RuntimeError: engine died"]
+    tracker.close()  # shutdown's close after it: nothing is closed twice
+    assert len(good.closed_during) == len(broken.closed_during) == 1

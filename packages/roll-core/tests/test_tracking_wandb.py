@@ -283,3 +283,29 @@ def test_a_resume_while_wandb_is_away_goes_on_and_sends_its_steps_later(
     assert shown == {0: 0.0, 1: 1.0, 2: 2.0, 3: 30.0, 4: 40.0}
     assert tables == {3: [{"step": 3, "prompt": "p", "response": "r", "reward": 1.0}]}
     assert len({run["id"] for run in _current(tmp_path)}) == 1  # the same W&B run, continued
+
+
+def _exit_code(run_dir: Path) -> int:
+    """The exit code of the one offline W&B run under `run_dir` (its `exit` record): what W&B shows as its state."""
+    (file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    (code,) = [r.exit.exit_code for r in _finished(file) if r.WhichOneof("record_type") == "exit"]
+    return code
+
+
+def test_a_run_closed_while_its_exception_propagates_is_a_failed_wandb_run(tmp_path: Path) -> None:
+    """A failed run's W&B run was finished with exit code 0: W&B showed it `finished`, like a run that trained every
+    step. Closed while the run's exception propagates (the loop's failure path, `shutdown` in a `finally`), it
+    finishes with exit code 1 (`failed`); a run that ended normally keeps 0."""
+    pytest.importorskip("wandb", reason="the roll-core[wandb] extra")
+    cfg = yaml.safe_dump({"experiment": "ends", "tracking": {"wandb": {"mode": "offline", "project": "ends"}}})
+    failed = Tracker(tmp_path / "failed", cfg, ["wandb"])
+    failed.log(1, {"loss": 1.0})
+    with pytest.raises(RuntimeError, match="engine died"):
+        try:
+            raise RuntimeError("engine died")
+        finally:
+            failed.close()
+    ok = Tracker(tmp_path / "ok", cfg, ["wandb"])
+    ok.log(1, {"loss": 1.0})
+    ok.close()
+    assert (_exit_code(tmp_path / "failed"), _exit_code(tmp_path / "ok")) == (1, 0)

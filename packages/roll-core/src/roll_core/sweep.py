@@ -28,25 +28,27 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
   stopped and were not started, and where summary.md is (sweep_stop.SweepStopped: the exit came before roll-train's
   "N sweep job(s) failed" line, so a stopped sweep never said which jobs had failed).
 - A sweep resumed into an earlier sweep's folder (`pipeline.resume=true hydra.sweep.dir=<it>`) continues each job
-  folder's run: a job whose swept values differ from the ones the folder's earlier job ran with (values given in
-  another order, an Optuna trial sampling other values) fails with a clear error instead of continuing another
-  job's checkpoint with its own learning rate (a resume accepts a changed lr).
+  folder's run: a job whose settings differ from the ones the folder's earlier job ran with (values given in
+  another order, an Optuna trial sampling other values, a changed lr after a sweep of one job; only the run's
+  length, cadence, logging and cluster may change: sweep_resume.RESUMABLE) fails with a clear error instead of
+  continuing another job's checkpoint with its own learning rate (a resume accepts a changed lr).
 - `SweepSummaryCallback.on_multirun_start` writes `sweep_id.json` (a fresh id, the start time) into the sweep
   folder; every job record carries that id, so a sweep run again into the same folder summarises and counts its own
   jobs only (the earlier sweep's records are left out, with a warning).
 - Trackers see one sweep as one group: each job's `tracking.group` (unless given) is "<experiment>-<sweep folder>"
   (W&B group, MLflow experiment, SwanLab group) and its `tracking.run_name` (unless given) is
   "<experiment>-<job number>", so the jobs are distinct runs of one group (`sweep_tracking`).
-- After the last job, `SweepSummaryCallback.on_multirun_end` finds this sweep's job records anywhere under the
-  sweep folder (job folders nest with `hydra.sweep.subdir=${hydra.job.override_dirname}`), writes `summary.csv`,
+- After the last job, `SweepSummaryCallback.on_multirun_end` finds this sweep's job records anywhere under the sweep
+  folder (job folders nest with `hydra.sweep.subdir=${hydra.job.override_dirname}`), writes `summary.csv`,
   `summary.md` and `rewards.png` (every job's reward curve, one line per job) into it, each whole or not at all (a
   temporary file renamed over it: a sweep killed while writing never leaves half a summary; a plot that fails is
-  logged, the tables are still written), and `roll-train` exits non-zero if any job was not `ok` or no job record of
-  the sweep was found. The failures are counted before the summary is written, so a summary that cannot be
-  written (Hydra turns a callback's exception into a warning) never hides them. A sweep whose sweeper raises
-  (hydra-optuna-sweeper when every trial failed: Optuna has no best trial) skips `on_multirun_end`: `roll-train`
-  then summarises it (`end_unfinished_sweeps`) and exits 1 with a message naming the failed jobs and summary.md,
-  instead of only the sweeper's traceback.
+  logged, the tables are still written); with no job record, summary.md says so and an earlier sweep's summary.csv and
+  rewards.png are removed (never shown as this sweep's), and `roll-train` exits non-zero if any job was not `ok` or no
+  job record of the sweep was found. The failures are counted before the summary is written, so a summary that cannot
+  be written (Hydra turns a callback's exception into a warning) never hides them. A sweep whose sweeper raises
+  (hydra-optuna-sweeper when every trial failed: Optuna has no best trial) skips `on_multirun_end`: `roll-train` then
+  summarises it (`end_unfinished_sweeps`) and exits 1 with a message naming the failed jobs and summary.md, instead of
+  only the sweeper's traceback.
 """
 
 from __future__ import annotations
@@ -329,6 +331,7 @@ def _write_summary(sweep_dir: Path, found: list[tuple[Path, dict[str, Any]]]) ->
             }
         )
     if not rows:
+        _write_no_summary(sweep_dir)
         return rows
 
     def write_csv(tmp: Path) -> None:
@@ -349,6 +352,23 @@ def _write_summary(sweep_dir: Path, found: list[tuple[Path, dict[str, Any]]]) ->
     except Exception:
         log.exception("sweep: could not draw %s (summary.csv and summary.md are written)", sweep_dir / "rewards.png")
     return rows
+
+
+def _write_no_summary(sweep_dir: Path) -> None:
+    """A sweep with no job record: summary.md says so, and an earlier sweep's summary.csv and rewards.png in the
+    folder are removed. They were left as they were, and the stop message and the log sent the user to another
+    sweep's jobs as this one's."""
+    if not sweep_dir.is_dir():  # nothing to replace, and no folder to say it in
+        return
+    sweep_id = sweep_marker(sweep_dir).get("sweep_id")
+    which = f"sweep {sweep_id}" if sweep_id else "this sweep"
+    text = (
+        f"# No jobs\n\nNo job record ({STATUS_FILE}) of {which} was found under {sweep_dir}: none of its jobs "
+        "left one. Records of earlier sweeps into this folder are not this sweep's and are left out.\n"
+    )
+    _replace_atomically(sweep_dir / "summary.md", lambda tmp: tmp.write_text(text))
+    for stale in ("summary.csv", "rewards.png"):
+        (sweep_dir / stale).unlink(missing_ok=True)
 
 
 def _replace_atomically(path: Path, write: Callable[[Path], object]) -> None:

@@ -1,21 +1,41 @@
 """A sweep resumed into an earlier sweep's folder (`pipeline.resume=true hydra.sweep.dir=<it>`): each job continues
-its folder's run only when that run had the job's own swept values.
+its folder's run only when that run had the job's own settings.
 
 Contract: `check_resumed_folder` raises ConfigError for a job whose folder holds the checkpoints of an earlier sweep's
-job with other values of the swept parameters (the overrides whose values differ between the folder's runs): Hydra
-names job folders by job number, so values given in another order, or an Optuna trial sampling other values, would
-continue another job's checkpoint with the job's own learning rate (a resume accepts a changed lr). Settings shared
-by every job (`pipeline.max_steps`) may change. Every job in a folder with checkpoints records, as
-`folder_overrides`, the overrides of the run those checkpoints belong to (roll_core.sweep's job records), also one
-that never ran there (`record_folder_run`: not started after a stop, cancelled or killed before its start record):
-its record replaced the folder's, and a later resume with its values continued the checkpoints of other ones.
+job and whose overrides change a setting of that run (naming each setting with its old and new value): Hydra names
+job folders by job number, so values given in another order, or an Optuna trial sampling other values, would
+continue another job's checkpoint with the job's own learning rate (a resume accepts a changed lr). Which overrides
+were swept cannot be told from the folder's records (an earlier sweep of one job has no setting that differs
+between jobs), so any change is refused, except of the settings a resume is for (`RESUMABLE`: the run's length and
+cadence, logging, the cluster) unless the earlier sweep swept them (their values differ between its job records).
+Every job in a folder with checkpoints records, as `folder_overrides`, the overrides of the run those checkpoints
+belong to (roll_core.sweep's job records), also one that never ran there (`record_folder_run`: not started after a
+stop, cancelled or killed before its start record): its record replaced the folder's, and a later resume with its
+values continued the checkpoints of other ones.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from pathlib import Path
 from typing import Any
+
+#: Overrides (fnmatch patterns over the key) a resumed sweep may change in a job folder: how long and how often the
+#: run goes on, what it logs, where it runs. Everything else (the learning rate, the algorithm, the data) would make
+#: the folder's run another job's.
+RESUMABLE = (
+    "pipeline.max_steps",
+    "pipeline.save_every",
+    "pipeline.eval_every",
+    "pipeline.keep_last",
+    "pipeline.max_run_restarts",
+    "pipeline.progress",
+    "pipeline.trackers",
+    "tracking.*",
+    "cluster.*",
+    "hydra.*",
+)
 
 
 def _swept(overrides: list[str]) -> dict[str, str]:
@@ -52,8 +72,8 @@ def record_folder_run(job_dir: Path, record: dict[str, Any]) -> dict[str, Any] |
 
 def check_resumed_folder(cfg: Any, job_dir: Path, sweep_dir: Path, record: dict[str, Any]) -> None:
     """Refuse a job of a resumed sweep (pipeline.resume=true) whose folder holds the checkpoints of an earlier
-    sweep's run with other values of the swept parameters (overrides whose values differ between the folder's
-    runs): Hydra names job folders by job number, so the job would continue another job's run. Any job in a folder
+    sweep's run with other settings (any override but the `RESUMABLE` ones, and those too where the earlier sweep
+    swept them): Hydra names job folders by job number, so the job would continue another job's run. Any job in a folder
     with checkpoints records, as `folder_overrides`, the overrides of the run they belong to."""
     from omegaconf import OmegaConf
 
@@ -73,14 +93,26 @@ def check_resumed_folder(cfg: Any, job_dir: Path, sweep_dir: Path, record: dict[
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             continue
     mine = _swept(record["overrides"])
-    differ = sorted(k for k, v in values.items() if len(v) > 1 and theirs.get(k) != mine.get(k))
+    swept = {k for k, v in values.items() if len(v) > 1}
+    # A setting only one side gives counts as changed (the other side has the config's default); with one job in the
+    # earlier sweep nothing looks swept, and a changed lr was taken for a shared setting and continued silently.
+    differ = sorted(
+        k
+        for k in theirs.keys() | mine.keys()
+        if theirs.get(k) != mine.get(k) and (k in swept or not any(fnmatch.fnmatchcase(k, p) for p in RESUMABLE))
+    )
     if differ:
         from roll_core.errors import ConfigError
 
-        was = " ".join(f"{k}={theirs.get(k)}" for k in differ)
-        now = " ".join(f"{k}={mine.get(k)}" for k in differ)
+        was = " ".join(f"{k}={_shown(theirs, k)}" for k in differ)
+        now = " ".join(f"{k}={_shown(mine, k)}" for k in differ)
         raise ConfigError(
             f"pipeline.resume=true: {job_dir} holds the run of job {earlier.get('job')} of an earlier sweep, with "
             f"{was}; this job has {now} and would continue it. Hydra numbers job folders by job order: resume a "
-            "sweep with its swept values in the same order, or give this sweep another hydra.sweep.dir"
+            "sweep with its jobs' values in the same order and unchanged (only its length, cadence, logging and "
+            "cluster may change), or give this sweep another hydra.sweep.dir"
         )
+
+
+def _shown(overrides: dict[str, str], key: str) -> str:
+    return overrides[key] if key in overrides else "(not given: the config's default)"

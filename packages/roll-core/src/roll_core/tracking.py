@@ -22,6 +22,7 @@ run folder's own config.yaml keeps the config unredacted: it is the user's file,
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -315,7 +316,10 @@ class Tracker:
             fig = curve_figure(self.history, keys)
             if fig is None:
                 return None
-            fig.savefig(path, dpi=110)
+            # whole or not at all: report.md embeds it, and a kill mid-savefig left a cut PNG in the run folder
+            buf = io.BytesIO()
+            fig.savefig(buf, dpi=110, format="png")
+            replace_file(path, buf.getvalue())
         except Exception as exc:
             log.warning("curves.png not written: %s: %s", type(exc).__name__, exc)
             return None
@@ -453,8 +457,8 @@ def _replace_text(path: Path, text: str) -> None:
 def replace_file(path: str | Path, data: str | bytes) -> None:
     """Write `path` whole or not at all: `data` (text is written as UTF-8) goes to a temporary file beside it,
     synced, then renamed over it (os.replace). A crash mid-write leaves the old file (or none), never half of the
-    new one; the temporary file is removed when the write fails. Used for the run's history (`_replace_text`) and
-    for the run folder's config.yaml, roll-eval's and the run's reports (report.md, comparison files, plots)."""
+    new one; the temporary file is removed when the write fails. Used for the run's history (`_replace_text`), the run
+    folder's config.yaml and curves.png, roll-eval's and the run's reports (report.md, comparison files, plots)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share one
     try:

@@ -215,6 +215,7 @@ class Pipeline:
             except BaseException as exc:
                 self._final_plot()  # up to PLOT_EVERY_S of the last steps were not drawn yet
                 self.report(f"failed: {type(exc).__name__}: {str(exc)[:300]}", self.wall_seconds())
+                self._close_tracker_failed()
                 raise
             signum = summary.get("stopped_by_signal")
             saved = getattr(self, "stop_checkpoint", None)
@@ -242,6 +243,17 @@ class Pipeline:
             self.tracker.plot(self._plot_keys(), force=True)
         except Exception as exc:
             log.warning("curves.png not redrawn after the failure: %s: %s", type(exc).__name__, exc)
+
+    def _close_tracker_failed(self) -> None:
+        """Close the tracker's backends on a failed run's way out, while its exception propagates: they take it as
+        the run's failure (MLflow ends the run FAILED, W&B finishes it with exit code 1) and TensorBoard flushes its
+        writer. Only `_run_steps` closed them, so a failed run's were closed only by a `shutdown` the caller may not
+        make (Python API). Never raises: a backend's error must not hide the run's own (logged; `close` is
+        idempotent, so `shutdown` closes nothing twice)."""
+        try:
+            self.tracker.close()
+        except Exception as exc:
+            log.error("closing the trackers after the failure failed: %s: %s", type(exc).__name__, exc)
 
     def _late_status(self, summary: dict[str, Any]) -> str:
         """The status of a complete run that received a stop signal in its last step or after it."""

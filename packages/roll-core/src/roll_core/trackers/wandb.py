@@ -35,6 +35,7 @@ import logging
 import math
 import netrc
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -234,19 +235,21 @@ class WandbTracker:
         self.last_step = max(self.last_step, step)
         self._save_state()
 
-    def _finish(self) -> None:
+    def _finish(self, failed: bool = False) -> None:
         if self.run is not None:
-            self.run.finish()
+            self.run.finish(exit_code=1 if failed else None)  # None: W&B's default, 0
             self.run = None
 
     def close(self) -> None:
-        """Finish the W&B run (idempotent). A resumed run whose W&B run never opened tries once more to open it and
+        """Finish the W&B run (idempotent), with exit code 1 when closed while an exception propagates (a failed
+        run; W&B showed it `finished`). A resumed run whose W&B run never opened tries once more to open it and
         send its steps."""
+        failed = sys.exc_info()[0] is not None
         if self.run is None and self.resume_step is not None and not self.closed and not self._open(self.seen_step):
             log.error(
                 "W&B did not answer: this attempt's steps (up to %d) are not in W&B; a resume of this run sends them "
                 "from metrics.jsonl",
                 self.seen_step,
             )
-        self._finish()
+        self._finish(failed)
         self.closed = True
