@@ -215,3 +215,66 @@ def test_engines_without_support_refuse(tiny: str, monkeypatch: pytest.MonkeyPat
     monkeypatch.setitem(__import__("sys").modules, "outlines_core", None)
     with pytest.raises(MissingExtraError, match=r"roll-engines\[structured\]"):
         HFInferEngine.check_sampling(None, params)
+
+
+def test_schema_keywords_outlines_core_drops_are_refused() -> None:
+    """outlines-core's regex builder drops some restricting JSON-schema keywords without a word (and concatenates the
+    branches of a several-schema allOf): sampling under such a schema lets invalid values through. Each is refused,
+    naming the keyword and where it sits; a schema outlines-core enforces whole still compiles."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    from roll_engines.structured import to_regex
+
+    # Why: outlines-core's regexes accept values these schemas forbid.
+    assert re.fullmatch(build_regex_from_schema('{"type": "integer", "minimum": 0}'), "-3")
+    both = '{"allOf": [{"type": "string", "maxLength": 3}, {"type": "string", "minLength": 2}]}'
+    assert re.fullmatch(build_regex_from_schema(both), '"ab""cd"')  # not even JSON
+    score = {"type": "number", "minimum": 0, "maximum": 1}
+    for schema, match in (
+        ({"type": "integer", "minimum": 0}, r"'minimum' at \$"),
+        ({"type": "object", "properties": {"score": score}}, r"'maximum', 'minimum' at \$\.properties\.score"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems'"),
+        ({"type": "string", "not": {"const": "a"}}, "'not'"),
+        ({"$defs": {"A": {"type": "integer", "multipleOf": 2}}, "$ref": "#/$defs/A"}, r"\$\.\$defs\.A"),
+        ({"anyOf": [{"type": "null"}, {"type": "integer", "exclusiveMaximum": 3}]}, r"\$\.anyOf\[1\]"),
+        (json.loads(both), r"allOf of 2 schemas at \$"),
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, r"required \['b'\]"),
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 1}, "'minProperties'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            to_regex(StructuredOutput(json_schema=schema))
+    # Keywords outlines-core enforces, annotations, a one-schema allOf and a redundant additionalProperties pass.
+    fine = {
+        "title": "T",
+        "description": "d",
+        "type": "object",
+        "properties": {
+            "minimum": {"type": "integer", "default": 1, "examples": [1]},  # a property named like a keyword
+            "s": {"allOf": [{"type": "string", "minLength": 1, "maxLength": 4, "pattern": "[a-z]+"}]},
+        },
+        "required": ["minimum"],
+        "additionalProperties": False,
+    }
+    assert re.fullmatch(to_regex(StructuredOutput(json_schema=fine)), '{"minimum":7,"s":"ab"}')
+    assert to_regex(SCHEMA) and to_regex(StructuredOutput(json_schema={"type": "object", "minProperties": 1}))
+
+
+def test_ignore_eos_constraint_ends_at_its_eos_as_vllms(infer: Any) -> None:
+    """ignore_eos: once the constraint's EOS ends a complete match, vLLM's outlines backend stops masking (the
+    grammar is terminated: a full bitmask from then on). The hf sampler and the trainer's replay stop there too, so
+    every engine samples the same policy and the replayed masks agree with any of them."""
+    from roll_engines.structured import replay_mask
+
+    tok = infer.tokenizer
+    a, b, eos = tok.convert_tokens_to_ids("a"), tok.convert_tokens_to_ids("b"), tok.eos_token_id
+    c = StructuredOutput(regex="ab")
+    params = SamplingParams(temperature=T, max_new_tokens=12, seed=3, ignore_eos=True, structured=c)
+    out = infer.generate([tok("hello")["input_ids"]], params, 2)
+    v = infer.model.get_output_embeddings().weight.shape[0]
+    for i, reason in enumerate(out.finish_reasons):
+        tokens = out.responses[i].tolist()
+        assert reason == "length" and len(tokens) == 12 and tokens[:3] == [a, b, eos], tokens
+        # Unconstrained after the EOS: a random model's noise, not the final state's EOS-only mask.
+        assert any(t != eos for t in tokens[3:]), tokens
+        masks, k = replay_mask(c, tok, tokens, v)
+        assert k == 12 and masks[:3].any(-1).all() and not masks[3:].any()

@@ -4,13 +4,17 @@ and for the trainer's replay.
 Contract:
 - A constraint (roll_core.interfaces.inference.StructuredOutput) becomes one regex: a regex as given, a JSON schema
   through outlines-core's `build_regex_from_schema`. The vLLM and SGLang adapters send that same regex, so every
-  engine constrains the same language.
+  engine constrains the same language. A schema with a restricting keyword outlines-core drops silently (minimum,
+  uniqueItems, a several-schema allOf, ...: `_UNENFORCED`) is refused, not sampled from a larger language.
 - The token vocabulary is reduced exactly as vLLM's outlines backend does (token -> the bytes it decodes to; special
   tokens and EOS left out; EOS is allowed where the regex is complete), built once per tokenizer and cached; a
   compiled index is cached per (tokenizer, regex).
 - `Matcher` walks one sequence: `keep(V)` is the (V,) bool mask of ids allowed next, `advance(token)` moves on
   (False when the token was not allowed: callers count it, never crash). Masks are cached per (regex, state), so
   a long response in a JSON string (one state, ~all tokens allowed) costs one mask, not one per token.
+- The constraint's EOS in a complete match ends the constraint (`Matcher.done`): nothing is masked after it, as vLLM's
+  outlines backend fills a full bitmask once its grammar terminated. Only `ignore_eos` generates past that EOS; its
+  tokens are then the same unconstrained policy on every engine and in the replay.
 - The constrained distribution at a step is softmax over the allowed ids of the logits (after temperature), the
   others masked (`mask_logits`). Sampling masks before top-k/top-p, so the engine's processed log-probs are those
   of the constrained distribution; `replay_mask` gives the trainer the same masks from the response tokens.
@@ -23,6 +27,7 @@ outlines-core is optional (`roll-engines[structured]`); a missing one is one lin
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import threading
 import weakref
@@ -71,10 +76,63 @@ def _outlines_core() -> Any:
     return outlines_core
 
 
+#: Restricting JSON-schema keywords outlines-core's regex builder (0.2) drops without a word: the regex of a schema
+#: holding one accepts values the schema forbids ({"type": "integer", "minimum": 0} lets "-3" through), so sampling
+#: would be from a larger language than asked. Refused (`_refuse_unenforced`), naming the keyword and its place.
+_UNENFORCED = frozenset(
+    {
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems", "contains",
+        "minContains", "maxContains", "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
+        "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems", "not", "if", "then", "else",
+    }
+)  # fmt: skip
+
+
+def _refuse_unenforced(schema: Any, where: str = "$") -> None:
+    """ValueError for the first (sub)schema outlines-core would not enforce whole: a keyword of `_UNENFORCED`, an
+    allOf of several schemas (outlines-core concatenates their regexes: '"ab""cd"', not JSON), `minProperties` beside
+    `properties` (dropped there), a `required` name missing from `properties` (dropped)."""
+    if not isinstance(schema, dict):
+        return
+    bad = sorted(_UNENFORCED & schema.keys())
+    if "minProperties" in schema and "properties" in schema:
+        bad.append("minProperties")
+    if bad:
+        raise ValueError(
+            f"StructuredOutput.json_schema: {', '.join(map(repr, bad))} at {where} would not be enforced "
+            "(outlines-core drops it, and sampling would produce values the schema forbids): remove it (the reward "
+            "can check it) or constrain with a regex"
+        )
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        raise ValueError(
+            f"StructuredOutput.json_schema: allOf of {len(schema['allOf'])} schemas at {where} is not supported "
+            "(outlines-core concatenates them into text that is not JSON): merge them into one schema"
+        )
+    props = schema.get("properties")
+    if isinstance(props, dict) and isinstance(schema.get("required"), list):
+        missing = [name for name in schema["required"] if name not in props]
+        if missing:
+            raise ValueError(
+                f"StructuredOutput.json_schema: required {missing} at {where} are not in its properties (outlines-core "
+                "drops them, and sampling would leave them out): declare them under properties"
+            )
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                _refuse_unenforced(sub, f"{where}.{key}.{name}")
+    for key in ("items", "additionalProperties"):
+        _refuse_unenforced(schema.get(key), f"{where}.{key}")
+    for key in ("prefixItems", "anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                _refuse_unenforced(sub, f"{where}.{key}[{i}]")
+
+
 @functools.lru_cache(maxsize=256)
 def _regex(kind: str, text: str) -> str:
     if kind == "regex":
         return text
+    _refuse_unenforced(json.loads(text))
     oc = _outlines_core()
     try:
         return oc.json_schema.build_regex_from_schema(text)
@@ -204,13 +262,19 @@ class Matcher:
         self.index = self.vocab.index(self.regex)
         self.state = self.index.get_initial_state()
         self.dead = False  # a token outside the allowed set was fed: the walk stopped there
+        # The constraint's EOS ended a complete match: the constraint is over, every id allowed from here (vLLM's
+        # outlines grammar `is_terminated` then, and vLLM stops masking; with ignore_eos generation goes on).
+        self.done = False
 
     def allowed(self) -> list[int]:
-        """Token ids allowed next (EOS only where the text so far is a complete match)."""
-        return list(self.index.get_allowed_tokens(self.state))
+        """Token ids allowed next (EOS only where the text so far is a complete match); [] once `done` (the
+        constraint no longer applies: every id is allowed)."""
+        return [] if self.done else list(self.index.get_allowed_tokens(self.state))
 
     def keep(self, vocab_size: int) -> Tensor:
-        """(V,) bool CPU mask of `allowed()` (shared, cached: do not modify)."""
+        """(V,) bool CPU mask of `allowed()`, all True once `done` (shared, cached: do not modify)."""
+        if self.done:
+            return _everything(vocab_size)
         return self.vocab.keep(self.regex, self.index, self.state, vocab_size)
 
     @property
@@ -219,10 +283,14 @@ class Matcher:
         return bool(self.index.is_final_state(self.state))
 
     def advance(self, token: int) -> bool:
-        """Move past `token`; False (and dead from then on) when it was not allowed. EOS keeps the state."""
+        """Move past `token`; False (and dead from then on) when it was not allowed. EOS in a complete match ends
+        the constraint (`done`: every later token is allowed)."""
         if self.dead:
             return False
+        if self.done:
+            return True
         if token == self.vocab.eos_id and self.final:
+            self.done = True
             return True
         nxt = self.index.get_next_state(self.state, int(token))
         if nxt is None:
@@ -230,6 +298,12 @@ class Matcher:
             return False
         self.state = nxt
         return True
+
+
+@functools.lru_cache(maxsize=8)
+def _everything(vocab_size: int) -> Tensor:
+    """(V,) all-True mask: a constraint that ended allows every id."""
+    return torch.ones(vocab_size, dtype=torch.bool)
 
 
 def mask_logits(logits: Tensor, rows: Sequence[int], keeps: Sequence[Tensor]) -> Tensor:
@@ -263,7 +337,8 @@ def replay_mask(
     Returns:
         ((k, V) bool, True where disallowed, for the first k positions; k) where k = n when every token was allowed,
         else the position of the first disallowed token (that token and what follows are left unmasked: the
-        response was not sampled under this constraint, and -inf log-probs would poison the loss).
+        response was not sampled under this constraint, and -inf log-probs would poison the loss). Positions after
+        the constraint's EOS in a complete match (ignore_eos) are all False: the constraint ended there.
     """
     m = Matcher(constraint, tokenizer)
     rows = []
