@@ -18,6 +18,23 @@ class TestHFInferEngine(InferEngineTestSuite):
     def build_engine(cls, model_path: str, **kwargs: Any) -> HFInferEngine:
         return HFInferEngine(model_path, max_num_seqs=8, **kwargs)
 
+    def test_generate_rows_never_take_a_callers_running_id(self, model_path: str, prompts: list[list[int]]) -> None:
+        """generate named its rows `batch-0`, `batch-1`, ... : a caller's running request of such a name made the
+        row a refused duplicate (a running id is refused) and failed the batch. A fresh engine: its first row."""
+        from roll_core.interfaces import Request
+
+        engine = self.build_engine(model_path, seed=0)
+        try:
+            long = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True, seed=3)
+            theirs = engine.submit(Request("batch-0", prompts[0], long))
+            out = engine.generate([prompts[1]], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+            assert out.finish_reasons == ["length"]
+            engine.abort("batch-0")  # it may have finished meanwhile: either way it is the caller's, untouched
+            r = theirs.result(timeout=300)
+            assert r.prompt_ids == prompts[0] and (r.finish_reason == "abort" or len(r.token_ids) == 400)
+        finally:
+            engine.shutdown()
+
 
 class _WordTokenizer:
     """Multi-character tokens, so a stop string can end inside a token."""

@@ -2,6 +2,7 @@
 
 `infer_engine.max_num_seqs` is SGLang's `max_running_requests`, `max_model_len` its `context_length`; a null
 `mem_fraction_static` (a config built outside a run, which would resolve it by placement) is SGLang's usual 0.8.
+The adapter's request bookkeeping (a running id refused to a second request) runs against the fake too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ class _FakeEngine:
     def __init__(self, **kwargs: Any) -> None:
         type(self).last = kwargs
         self.loop = asyncio.new_event_loop()
+        self.aborted: set[str] = set()
+        self.tokenizer_manager = types.SimpleNamespace(abort_request=lambda rid: self.aborted.add(rid))
+
+    async def async_generate(self, input_ids: Any, sampling_params: Any, return_logprob: bool, rid: str) -> Any:
+        """Runs until aborted, then answers as SGLang does for an aborted request with nothing generated."""
+        while rid not in self.aborted:
+            await asyncio.sleep(0.005)
+        return {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}, "output_token_logprobs": []}}
 
     def shutdown(self) -> None:
         self.loop.close()
@@ -118,3 +127,28 @@ def test_a_worker_on_another_gpu_starts_sglang_there(fake_sglang) -> None:
         assert _FakeEngine.last["base_gpu_id"] == expected, (device, base)
     with pytest.raises(ValueError, match=r"base_gpu_id=1 but this worker's device is cuda:3"):
         SGLangInferEngine(path, device="cuda:3", base_gpu_id=1)
+
+
+def test_a_running_request_id_is_refused_and_the_first_stays_abortable(fake_sglang) -> None:
+    """A second request under a running request's id replaced its SGLang rid: abort reached only the second, and
+    the first to finish dropped the entry, leaving the other unabortable. The second is refused (as hf and vllm
+    refuse it); the first aborts; the id is free again once its request resolved."""
+    from roll_core.interfaces import Request, SamplingParams
+    from roll_core.models import resolve_model_path
+    from roll_engines.infer.sglang import SGLangInferEngine
+
+    engine = SGLangInferEngine(resolve_model_path("builtin:tiny"), device="cuda")
+    try:
+        params = SamplingParams(max_new_tokens=8)
+        first = engine.submit(Request("dup", [5, 6, 7], params))
+        second = engine.submit(Request("dup", [5, 6], params))
+        with pytest.raises(ValueError, match=r"sglang: request id 'dup' is already running"):
+            second.result(timeout=10)
+        assert engine.abort("dup") is True
+        out = first.result(timeout=10)
+        assert out.finish_reason == "abort" and out.prompt_ids == [5, 6, 7]
+        again = engine.submit(Request("dup", [5, 6], params))
+        assert engine.abort("dup") is True
+        assert again.result(timeout=10).prompt_ids == [5, 6]
+    finally:
+        engine.shutdown()

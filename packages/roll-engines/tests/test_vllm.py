@@ -13,6 +13,7 @@ still replaced and verified by the following sync.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, ClassVar
 
@@ -173,23 +174,22 @@ class TestVLLMInferEngine(InferEngineTestSuite):
                 fut.result(timeout=300)
         assert engine.submit(Request("ok", prompts[0], greedy)).result(timeout=300).finish_reason == "length"
 
-    def test_a_running_request_id_is_refused_and_the_first_stays_abortable(
-        self, engine: Any, prompts: list[list[int]]
-    ) -> None:
-        """Two running requests shared one id entry: the second ran, and abort reached only one of them (the first
-        to finish dropped the entry, leaving the other unabortable). The second is refused; the first aborts."""
+    def test_generate_rows_never_take_a_callers_running_id(self, engine: Any, prompts: list[list[int]]) -> None:
+        """generate named its rows `batch-N` from the engine's counter: a caller's running request of that name
+        (the id generate's next row would take) made the row a refused duplicate and failed the batch."""
         from roll_core.interfaces import Request
 
+        n = next(engine._ids)  # the caller's request takes n + 1 as it starts (`roll-N`), generate's row n + 2
         long = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True, seed=3)
-        first = engine.submit(Request("dup", prompts[0], long))
-        second = engine.submit(Request("dup", prompts[1], long))
-        with pytest.raises(ValueError, match=r"request id 'dup' is already running"):
-            second.result(timeout=300)
-        assert engine.abort("dup") is True
-        out = first.result(timeout=300)
-        assert out.finish_reason == "abort" and len(out.token_ids) < 400 and out.prompt_ids == prompts[0]
-        again = engine.submit(Request("dup", prompts[1], SamplingParams(max_new_tokens=3, ignore_eos=True)))
-        assert again.result(timeout=300).finish_reason == "length"  # the id is free once its request resolved
+        theirs = engine.submit(Request(f"batch-{n + 2}", prompts[0], long))
+        deadline = time.monotonic() + 60
+        while engine._pending.rid_of(f"batch-{n + 2}") is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out = engine.generate([prompts[1]], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+        assert out.finish_reasons == ["length"]
+        engine.abort(f"batch-{n + 2}")  # it may have finished meanwhile: either way it is the caller's, untouched
+        r = theirs.result(timeout=300)
+        assert r.prompt_ids == prompts[0] and (r.finish_reason == "abort" or len(r.token_ids) == 400)
 
     def test_a_failed_row_aborts_the_other_rows_of_its_batch(self, engine: Any, prompts: list[list[int]]) -> None:
         """generate raised at the first failed row and left the batch's other rows running in vLLM, with nothing
@@ -381,9 +381,10 @@ def test_tensor_parallel_2_in_a_placement_group(tmp_path_factory: pytest.TempPat
     assert out["before"][0].tolist() != out["after"][0].tolist()
 
 
-def test_shutdown_fails_running_and_queued_requests(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_shutdown_fails_requests_and_abort_after_it_returns(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Requests running or queued when the engine shuts down fail with an error (their callers waited forever: the
-    driver thread stopped without resolving them), and a request submitted afterwards is refused at once."""
+    driver thread stopped without resolving them), a request submitted afterwards is refused at once, and an abort
+    afterwards returns False at once."""
     from concurrent.futures import TimeoutError as FutureTimeout
 
     from roll_core.interfaces import Request
@@ -407,3 +408,9 @@ def test_shutdown_fails_running_and_queued_requests(tmp_path_factory: pytest.Tem
             assert len(out.token_ids) == 400, "only a request that finished before the shutdown may succeed"
     with pytest.raises(RuntimeError, match="shut down"):
         engine.submit(Request("late", [5, 6, 7], long))
+    # abort waited forever: its job was queued with no driver left to take it. Nothing runs: False at once.
+    answer: list[bool] = []
+    caller = threading.Thread(target=lambda: answer.append(engine.abort("r0")), daemon=True)
+    caller.start()
+    caller.join(timeout=30)
+    assert answer == [False], "abort after shutdown did not return"

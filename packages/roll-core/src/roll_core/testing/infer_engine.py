@@ -12,8 +12,9 @@ Usage::
 The suite runs on the built-in tiny model (override `model`) and checks the contract against plain transformers:
 layout and masks of the batch API, greedy tokens and log-probs equal to a cache-free transformers reference,
 sampled log-probs equal to the trainer's recomputation, seeded reproducibility, finish reasons, stop strings and
-stop tokens, the request API (concurrent requests, joining a running batch without changing results, abort),
-weight updates (outputs follow new weights; the version increases), sleep and wake-up, and over-long prompts.
+stop tokens, the request API (concurrent requests, joining a running batch without changing results, abort, a
+running request's id refused to a second request), weight updates (outputs follow new weights; the version
+increases), sleep and wake-up, and over-long prompts.
 `logprob_atol` states the engine's numerical tolerance against transformers in fp32.
 """
 
@@ -241,6 +242,22 @@ class InferEngineTestSuite:
         out = fut.result(timeout=300)
         assert len(out.token_ids) == len(out.logprobs)
         assert out.finish_reason == "abort" or len(out.token_ids) == 400
+
+    def test_a_running_request_id_is_refused_and_the_first_stays_abortable(
+        self, engine: InferEngine, prompts: list[list[int]]
+    ) -> None:
+        """A second request under the id of one still running is refused with a ValueError (raised by `submit` or
+        on its future): `abort` names requests by id and could reach only one of the two. The first runs on and
+        aborts; the id is free again once its request resolved."""
+        long = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True, seed=3)
+        first = engine.submit(Request("dup", prompts[0], long))
+        with pytest.raises(ValueError, match=r"request id 'dup' is already running"):
+            engine.submit(Request("dup", prompts[1], long)).result(timeout=300)
+        assert engine.abort("dup") is True
+        out = first.result(timeout=300)
+        assert out.finish_reason == "abort" and len(out.token_ids) < 400 and out.prompt_ids == prompts[0]
+        again = engine.submit(Request("dup", prompts[1], SamplingParams(max_new_tokens=3, ignore_eos=True)))
+        assert again.result(timeout=300).finish_reason == "length"
 
     def test_joining_a_running_batch_changes_nothing(self, engine: InferEngine, prompts: list[list[int]]) -> None:
         greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)

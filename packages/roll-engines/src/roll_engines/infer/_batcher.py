@@ -21,6 +21,9 @@ Vision-language models (`vision`, roll_engines.infer._vision): a prompt's pictur
 are equal only with equal pictures (ids and digests), positions are explicit (3D for mrope families) and each row
 decodes from its own `rope_delta`.
 
+A request id is held from `add` until its future resolves: `add` refuses (ValueError) an id still held, because
+`abort(request_id)` could stop only one of the two (the vllm engine refuses the same way).
+
 Not thread-safe by itself: the engine serialises `step()` and mutations with its lock.
 """
 
@@ -199,7 +202,9 @@ class ContinuousBatcher:
         prefix_cache_bytes: int = 0,
         vision: VisionInputs | None = None,
         routing: RoutingRecorder | None = None,
+        name: str = "hf",
     ) -> None:
+        self.name = name
         self.model, self.eos_ids, self.pad_id = model, eos_ids, pad_id
         self.routing = routing  # records each forward's MoE experts per request (return_routing)
         self.vision = vision
@@ -207,6 +212,9 @@ class ContinuousBatcher:
         self.version = version
         self.waiting: deque[Running] = deque()
         self.running: list[Running] = []
+        # Request id -> its queue entry, from `add`; an entry whose future is done no longer holds its id (pruned
+        # in `add`: requests resolve along many paths, and done futures are what they have in common).
+        self.held: dict[str, Running] = {}
         self.cache = None  # DynamicCache of the running rows, (B, H, L, D) per layer
         self.attn: Tensor | None = None  # (B, L) 1 on real cached tokens
         self.mergeable = True  # False once a cache turned out to have non-plain layers
@@ -221,6 +229,17 @@ class ContinuousBatcher:
 
     # ---- queue --------------------------------------------------------------------------------------------
     def add(self, seq: Running) -> None:
+        """Queue a request; ValueError when its id belongs to a request not yet resolved (module docstring)."""
+        rid = seq.request.request_id
+        other = self.held.get(rid)
+        if other is not None and not other.future.done():
+            raise ValueError(
+                f"{self.name}: request id {rid!r} is already running; a running request's id must be unique (abort "
+                "names requests by it)"
+            )
+        if len(self.held) > 2 * (len(self.waiting) + len(self.running)) + 64:  # amortised O(1) per request
+            self.held = {k: s for k, s in self.held.items() if not s.future.done()}
+        self.held[rid] = seq
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> bool:

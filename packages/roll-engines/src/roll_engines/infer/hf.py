@@ -57,6 +57,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, ClassVar
@@ -225,7 +226,6 @@ class HFInferEngine:
         self._undo: SyncUndo | None = None  # the sync in progress (begin_weight_update .. finish)
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self._ids = itertools.count()
         # MoE routed-expert replay: every RequestOutput carries its positions' experts (roll_engines.infer._routing).
         # A reused prefix's routing is not kept, so the prefix cache is off while recording.
         routing = RoutingRecorder(self.model) if return_routing else None
@@ -244,6 +244,7 @@ class HFInferEngine:
             prefix_cache_bytes=int(prefix_cache_mb * 2**20),
             vision=self.vision,
             routing=routing,
+            name=name,
         )
 
     # ---- facts --------------------------------------------------------------------------------------------
@@ -307,7 +308,8 @@ class HFInferEngine:
             for j in range(n):
                 row = k * n + j
                 seed = None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, first_row + row)
-                req = Request(f"batch-{next(self._ids)}", list(prompt), params.replace(seed=seed))
+                # A random id: a counter's `batch-N` could be a caller's running request id, refused as a duplicate.
+                req = Request(f"generate-{uuid.uuid4().hex}", list(prompt), params.replace(seed=seed))
                 req.mm = mm[k] if mm is not None else None  # the n samples share one object: one prefill
                 seqs.append(self._prepare(req))
         futures = [self._add(seq) for seq in seqs]

