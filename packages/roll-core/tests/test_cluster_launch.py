@@ -8,11 +8,19 @@ instance is started.
   `cluster.address` or a Ray already running they were ignored without a word. Now a ConfigError names the key.
 - `shutdown` stopped at the first group whose shutdown raised: the other groups, every placement group and Ray
   stayed. Now every step runs and the first error is raised after.
+- A pipeline whose build stopped inside ray.init (a stop signal while Ray starts: StoppedWhileBuilding) left the
+  started Ray running: the Cluster never existed, so neither it nor the pipeline's shutdown knew of it. Now it is
+  stopped. A build failing after the Cluster exists shuts down the Cluster's Ray too.
+- `cluster.ray_token_auth=false` set RAY_AUTH_MODE=disabled for good: every later Ray the process started (a sweep's
+  next job) ran without token authentication. Now the variable is put back once ray.init returns (or raises).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,6 +28,8 @@ import pytest
 from roll_core.cluster.launch import Cluster
 from roll_core.config.schema import ClusterConfig, HwConfig
 from roll_core.errors import ConfigError
+from roll_core.pipelines.loop import Pipeline
+from roll_core.pipelines.run_control import StoppedWhileBuilding
 
 ray = pytest.importorskip("ray")
 
@@ -130,3 +140,87 @@ def test_shutdown_does_every_step_and_raises_the_first_error(fake_ray: dict[str,
     assert fake_ray["shutdowns"] == 1 and not c._started_ray
     c.shutdown()  # nothing left: a second shutdown (the pipeline's close after an error) does nothing
     assert fake_ray["shutdowns"] == 1
+
+
+def _stopped_inside_init(state: dict[str, Any]) -> Any:
+    """A ray.init that started Ray's processes (not yet connected: `is_initialized()` still False) when a stop signal
+    arrived, as BuildStop raises it where the build is."""
+
+    def init(**kwargs: Any) -> None:
+        state["inits"].append(kwargs)
+        raise StoppedWhileBuilding(signal.SIGINT)
+
+    return init
+
+
+@pytest.mark.parametrize("address", [None, "auto"])
+def test_a_stop_inside_ray_init_stops_what_it_started(
+    fake_ray: dict[str, Any], monkeypatch: pytest.MonkeyPatch, address: str | None
+) -> None:
+    monkeypatch.setattr(ray, "init", _stopped_inside_init(fake_ray))
+    with pytest.raises(StoppedWhileBuilding):
+        Cluster(ClusterConfig(backend="ray", address=address), HwConfig(platform="cpu"))
+    assert len(fake_ray["inits"]) == 1 and fake_ray["shutdowns"] == 1
+
+
+def test_a_refused_setting_before_ray_init_stops_nothing(fake_ray: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match=r"cluster\.resources\.GPU=1\.5"):
+        Cluster(ClusterConfig(backend="ray", resources={"GPU": 1.5}), HwConfig(platform="cpu"))
+    assert fake_ray["inits"] == [] and fake_ray["shutdowns"] == 0
+
+
+@pytest.mark.parametrize("where", ["inside ray.init", "after the cluster"])
+def test_a_pipeline_whose_build_fails_stops_its_ray(
+    fake_ray: dict[str, Any], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """The pipeline's build fails (a stop signal while Ray starts; a ConfigError after the cluster exists, as a
+    later check or a model that does not load raises): the Ray it started is stopped before the error goes on, the
+    run folder's lock released after it; the next job of the process finds no Ray."""
+    order: list[str] = []
+    if where == "inside ray.init":
+        monkeypatch.setattr(ray, "init", _stopped_inside_init(fake_ray))
+    real_shutdown = ray.shutdown
+    monkeypatch.setattr(ray, "shutdown", lambda: (order.append("ray"), real_shutdown()))
+
+    def build(self: Pipeline, cfg: Any, output_dir: Any) -> None:
+        self.run_lock = SimpleNamespace(release=lambda: order.append("lock"))
+        self.cluster = Cluster(ClusterConfig(backend="ray"), HwConfig(platform="cpu"))
+        raise ConfigError("model.path: no such model")
+
+    monkeypatch.setattr(Pipeline, "_build", build)
+    with pytest.raises((StoppedWhileBuilding, ConfigError)):
+        Pipeline(SimpleNamespace())  # type: ignore[arg-type]
+    assert order == ["ray", "lock"] and fake_ray["shutdowns"] == 1 and not fake_ray["running"]
+
+
+@pytest.mark.parametrize("before", [None, "token", "disabled"])
+@pytest.mark.parametrize("fails", [False, True])
+def test_token_auth_off_sets_ray_auth_mode_for_the_start_only(
+    fake_ray: dict[str, Any], monkeypatch: pytest.MonkeyPatch, before: str | None, fails: bool
+) -> None:
+    """Ray reads RAY_AUTH_MODE while it starts (its processes inherit it; the driver caches it in its RayConfig and
+    keeps talking to the instance without it): the variable is the caller's again after ray.init, also when it
+    raised."""
+    if before is None:
+        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    else:
+        monkeypatch.setenv("RAY_AUTH_MODE", before)
+    seen: list[str | None] = []
+
+    def init(**kwargs: Any) -> None:
+        seen.append(os.environ.get("RAY_AUTH_MODE"))
+        fake_ray["running"] = True
+        if fails and len(seen) == 1:
+            raise RuntimeError("the raylet did not start")
+
+    monkeypatch.setattr(ray, "init", init)
+    if fails:
+        with pytest.raises(RuntimeError, match="raylet"):
+            Cluster(ClusterConfig(backend="ray", ray_token_auth=False), HwConfig(platform="cpu"))
+        assert fake_ray["shutdowns"] == 1
+    else:
+        Cluster(ClusterConfig(backend="ray", ray_token_auth=False), HwConfig(platform="cpu"))
+    assert seen == ["disabled"] and os.environ.get("RAY_AUTH_MODE") == before
+    fake_ray["running"] = False
+    Cluster(ClusterConfig(backend="ray"), HwConfig(platform="cpu"))  # the next run asks for token auth: untouched
+    assert seen[1] == before and os.environ.get("RAY_AUTH_MODE") == before

@@ -13,9 +13,10 @@ not fit beside the run's others is a ConfigError at once, not a wait of `cluster
 a small CPU share. On the CPU platform the bundles
 hold CPU only. Ray itself sets the visible-devices variable of GPU/NPU workers for the devices it assigns.
 `cluster.num_cpus`, `cluster.resources` and `cluster.ray_token_auth` apply to a Ray instance the run starts: set
-(not default) with `cluster.address` or a Ray already running in the process they are a ConfigError. A failure after
-the run started (or joined) Ray, before the Cluster exists, stops (disconnects) it; `shutdown` does every step and
-raises the first error after.
+(not default) with `cluster.address` or a Ray already running in the process they are a ConfigError;
+`ray_token_auth=false` sets RAY_AUTH_MODE=disabled for the start only (the variable is put back after ray.init). A
+failure after the run started (or joined) Ray or inside its ray.init, before the Cluster exists, stops (disconnects)
+it; `shutdown` does every step and raises the first error after.
 A local Ray instance that a run starts listens on loopback only (`loopback_only`) and its processes run out of the
 driver's process group (`own_session`): a SIGTERM to the group stops the run gracefully, not Ray under it.
 """
@@ -173,13 +174,14 @@ class Cluster:
         self._node_devices: dict[str, int] = {}  # node id -> device bundles placed there by this run
         self._started_ray = False
         if cfg.backend == "ray":
-            self._init_ray()
             try:
+                self._init_ray()
                 if hw.platform == "auto" and platform is None:
                     self._check_auto_platform()
             except BaseException:
-                # No Cluster is returned, so no shutdown() will stop the Ray this run started: the next run in this
-                # process (a sweep's job, a test) would join it, with this run's sizes, its own ignored.
+                # No Cluster is returned, so no shutdown() (the pipeline's included) will stop the Ray this run
+                # started: the next run in this process (a sweep's job, a test) would join it, with this run's sizes,
+                # its own ignored. A failure inside ray.init counts (a stop signal while the build waits for it).
                 self._stop_own_ray()
                 raise
 
@@ -222,9 +224,11 @@ class Cluster:
             "log_to_driver": True,
             "ignore_reinit_error": True,
         }
+        # Ours from the call on: ray.init interrupted (a stop signal, StoppedWhileBuilding) or failing after it started
+        # its processes or connected leaves them running, and ray.shutdown() is what stops them (a no-op otherwise).
         if self.cfg.address:
-            ray.init(address=self.cfg.address, **kwargs)
             self._started_ray = True
+            ray.init(address=self.cfg.address, **kwargs)
             return
         # A new local instance (even if a `ray start` cluster runs here: cluster.address=auto joins that one).
         # Declare enough logical CPUs for every role's fractional share; torch threads are set per worker,
@@ -248,12 +252,22 @@ class Cluster:
             kwargs["resources"] = resources
         # Ray's token authentication (on by default for a new local instance since Ray 2.5x) stays on unless the
         # user turns it off: cluster.ray_token_auth=false or RAY_AUTH_MODE=disabled in the environment (tests do
-        # that for their private instances).
+        # that for their private instances). Ray reads the variable while it starts (its processes inherit it, the
+        # driver caches it in its RayConfig): it is put back after, or every later Ray this process started (a
+        # sweep's next job) ran without token authentication, whatever that job asked for.
+        auth_before = os.environ.get("RAY_AUTH_MODE")
         if not self.cfg.ray_token_auth:
             os.environ["RAY_AUTH_MODE"] = "disabled"
-        with loopback_only(), own_session():
-            ray.init(address="local", _node_ip_address="127.0.0.1", **kwargs)
         self._started_ray = True
+        try:
+            with loopback_only(), own_session():
+                ray.init(address="local", _node_ip_address="127.0.0.1", **kwargs)
+        finally:
+            if not self.cfg.ray_token_auth:
+                if auth_before is None:
+                    os.environ.pop("RAY_AUTH_MODE", None)
+                else:
+                    os.environ["RAY_AUTH_MODE"] = auth_before
 
     def _refuse_instance_keys(self, joined: str) -> None:
         """`cluster.num_cpus`, `cluster.resources` and `cluster.ray_token_auth` size and secure a Ray instance roll
