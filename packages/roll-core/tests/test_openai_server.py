@@ -319,8 +319,10 @@ def test_response_format_constrains_the_turn_and_keeps_it_out_of_the_loss(hf_eng
     assert len(session.traj.tokens) == r.usage.completion_tokens
 
 
-def _request(url: str, method: str, body: bytes | None = None) -> tuple[int, str, Any]:
-    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+def _request(
+    url: str, method: str, body: bytes | None = None, content_type: str = "application/json"
+) -> tuple[int, str, Any]:
+    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": content_type})
     try:
         with urllib.request.urlopen(req) as resp:
             return resp.status, resp.headers.get("Content-Type", ""), json.loads(resp.read())
@@ -350,6 +352,33 @@ def test_every_http_error_is_an_openai_error(tokenizer: Any) -> None:
             assert (status, body["error"]["code"]) == (404, "not_found") and "chat/completions" in body["error"][
                 "message"
             ]
+    finally:
+        server.close()
+
+
+def test_an_unknown_charset_is_a_400_and_a_handlers_bug_an_openai_500(tokenizer: Any, caplog: Any) -> None:
+    """A body whose Content-Type names a charset Python does not know was a 500 `internal_error` logged as a bug
+    on the chat route (clients retry a 500) and aiohttp's plain-text 500 on the reward route; any bug in a handler
+    (here the reward's) was that plain text too instead of OpenAI's error JSON."""
+    sessions, server = serve(ScriptedTextEngine(tokenizer, []), tokenizer)
+    try:
+        sessions.open("z", PARAMS, SessionLimits(max_context_length=1024))
+        chat = (server.base_url("z") + "/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}]}')
+        for url, body in (chat, (server.reward_url("z"), b'{"reward": 1}')):
+            status, kind, answer = _request(url, "POST", body, "application/json; charset=nonesuch")
+            assert kind.startswith("application/json"), answer
+            assert (status, answer["error"]["code"]) == (400, "invalid_json")
+            assert "nonesuch" in answer["error"]["message"]
+        assert sessions.get("z").reward is None and sessions.get("z").requests == 0
+
+        def broken(value: Any) -> float:
+            raise KeyError("a bug")
+
+        sessions.get("z").set_reward = broken  # type: ignore[method-assign]
+        status, kind, answer = _request(server.reward_url("z"), "POST", b'{"reward": 1}')
+        assert kind.startswith("application/json"), answer
+        assert (status, answer["error"]["code"], answer["error"]["type"]) == (500, "internal_error", "server_error")
+        assert "KeyError" in answer["error"]["message"] and "reward failed" in caplog.text
     finally:
         server.close()
 

@@ -200,6 +200,16 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(tokenizer: Any) -> N
         ({"n": True}, "unsupported_parameter"),
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "invalid_tools"),
         ({"functions": [{"name": "add", "parameters": {"type": "object"}}]}, "unsupported_parameter"),
+        # vLLM's extensions (an agent written for a vLLM server sends them in extra_body): the reply was unconstrained,
+        # or did not stop where asked, with nothing to tell the agent.
+        ({"guided_json": {"type": "object"}}, "unsupported_parameter"),
+        ({"guided_choice": ["yes", "no"]}, "unsupported_parameter"),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, "unsupported_parameter"),
+        ({"stop_token_ids": [5]}, "unsupported_parameter"),
+        ({"min_tokens": 4}, "unsupported_parameter"),
+        ({"ignore_eos": True}, "unsupported_parameter"),
+        ({"repetition_penalty": 1.3}, "unsupported_parameter"),
+        ({"best_of": 2}, "unsupported_parameter"),
     ],
 )
 def test_malformed_or_unsupported_fields_are_400s_and_reach_no_engine(
@@ -207,13 +217,15 @@ def test_malformed_or_unsupported_fields_are_400s_and_reach_no_engine(
 ) -> None:
     """Each was answered 200 by a sample that ignored it: the legacy `functions` silently never reached the model
     (the agent got plain text where it expected a function call), a tool without a name was offered to the model,
-    and out-of-range or mistyped sampling fields, which OpenAI refuses, passed."""
+    and out-of-range or mistyped sampling fields, which OpenAI refuses, passed. vLLM's extensions at their neutral
+    values (and its top_k / min_p, which the run decides as it does temperature) are served."""
     engine = RefusingEngine(tokenizer, refuse_from=0, refusals=0)
     sessions, server = _serve(engine, tokenizer)
     try:
         sessions.open("f", PARAMS, LIMITS)
         status, body = _post(server.base_url("f") + "/chat/completions", json.dumps({"messages": HI, **field}).encode())
-        valid = {"messages": HI, "temperature": 0.0, "top_p": 1, "seed": 3, "n": 1}
+        valid = {"messages": HI, "temperature": 0.0, "top_p": 1, "seed": 3, "n": 1, "top_k": 20, "min_p": 0.05}
+        valid |= {"repetition_penalty": 1.0, "best_of": 1, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": []}
         ok, _ = _post(server.base_url("f") + "/chat/completions", json.dumps(valid).encode())
     finally:
         server.close()

@@ -25,7 +25,11 @@ format:
   so a request's temperature / top_p / seed are ignored (but must be what OpenAI takes: numbers in range, else
   400); what would change the distribution the trainer replays (presence / frequency penalties, logit_bias,
   logprobs, n > 1, tool_choice other than auto / none) is refused, as are the legacy `functions` (the model would
-  never see them: use `tools`).
+  never see them: use `tools`). vLLM's request extensions (what an agent written for a vLLM server sends in
+  `extra_body`) are refused the same way where they would change the reply: decoding constraints (`guided_*`,
+  `structured_outputs`: use `response_format`), `stop_token_ids`, `min_tokens`, `ignore_eos`, `bad_words`,
+  `allowed_token_ids`, `repetition_penalty` other than 1, beam search (they were ignored: a 200 whose reply the
+  agent took for constrained, or stopped where it asked); its `top_k` / `min_p` are ignored as temperature is.
 - A message's `content` is a string or a list of text parts, joined by newlines as vLLM's OpenAI server joins them
   (roll_core.agentic.agent_sessions.normalise_message); other parts (images, audio) are refused.
 - `max_completion_tokens` (else `max_tokens`) and `stop` are honoured within the session's limits.
@@ -172,7 +176,22 @@ _REFUSED = {
     "frequency_penalty": "frequency_penalty (it changes the sampled distribution the trainer replays)",
     # Legacy function calling: the functions went nowhere (the model never saw them, the agent got plain text).
     "functions": "the legacy functions field (send them as tools)",
+    # vLLM's extensions (module docstring): each was a 200 that had silently not done what it asks.
+    **dict.fromkeys(
+        ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+        "vLLM's guided decoding (send a decoding constraint as response_format)",
+    ),
+    **dict.fromkeys(
+        ("stop_token_ids", "min_tokens", "ignore_eos", "bad_words", "allowed_token_ids", "logits_processors"),
+        "this vLLM extension (send stop strings as stop; the run decides the rest)",
+    ),
+    "repetition_penalty": "repetition_penalty (it changes the sampled distribution the trainer replays)",
+    "use_beam_search": "beam search (the trainer replays sampled turns)",
+    "best_of": "best_of (one sample per request)",
+    "prompt_logprobs": "log-probs in responses",
 }
+#: The value of a `_REFUSED` field that asks for nothing beyond a falsy one (vLLM's defaults): accepted.
+_NEUTRAL = {"repetition_penalty": 1, "best_of": 1}
 #: Sampling fields a request may send but the run decides (see the module docstring): checked as OpenAI checks them.
 _IGNORED_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
 
@@ -189,7 +208,8 @@ def chat_turn(body: Any) -> ChatTurn:
     if not isinstance(messages, list) or not messages:
         raise SessionError(400, "invalid_message", "messages must be a non-empty list")
     for key, what in _REFUSED.items():
-        if body.get(key):
+        value = body.get(key)
+        if value and value != _NEUTRAL.get(key):
             raise SessionError(400, "unsupported_parameter", f"{key}: this endpoint does not support {what}")
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
@@ -295,8 +315,9 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_la
 
 
 async def _openai_errors(request: Any, handler: Any) -> Any:
-    """aiohttp's own refusals (unknown route, wrong method, body too large) in OpenAI's error JSON: clients parse
-    `error.message` / `error.code` and showed aiohttp's plain text as an unreadable error."""
+    """aiohttp's own refusals (unknown route, wrong method, body too large) and a handler's bug (500
+    `internal_error`, logged) in OpenAI's error JSON: clients parse `error.message` / `error.code` and showed
+    aiohttp's plain text as an unreadable error."""
     from aiohttp import web
 
     try:
@@ -311,6 +332,9 @@ async def _openai_errors(request: Any, handler: Any) -> Any:
         if isinstance(exc, web.HTTPMethodNotAllowed):
             resp.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
         return resp
+    except Exception as exc:  # a bug in a handler: aiohttp answered it in plain text ("Server got itself in trouble")
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, "internal_error", f"{type(exc).__name__}: {exc}", "server_error")
 
 
 # ---- the server -------------------------------------------------------------------------------------------------
@@ -504,6 +528,8 @@ async def _json(request: Any) -> Any:
         return await request.json()
     except (ValueError, RecursionError) as exc:  # deep nesting was a 500 with a traceback, which clients retry
         raise SessionError(400, "invalid_json", f"the request body is not JSON: {exc}") from exc
+    except LookupError as exc:  # an unknown Content-Type charset: a 500 "bug" with a traceback, which clients retry
+        raise SessionError(400, "invalid_json", f"the request body's charset: {exc}") from exc
     except web.HTTPRequestEntityTooLarge as exc:  # no ValueError: it was a 500 with a traceback, which clients retry
         raise SessionError(413, "request_too_large", f"the request body is too large: {exc.text}") from exc
 

@@ -14,6 +14,11 @@ The program is either
   shell wrapper leaves the real agent running otherwise), whether the command's own timeout fires or the
   collector's (`cancel_episode`).
 
+The endpoint is local (127.0.0.1), so it is reached without the environment's HTTP proxy: `report_reward` and the
+program's client ignore HTTP(S)_PROXY, and a command gets 127.0.0.1 and localhost added to NO_PROXY / no_proxy (a
+cluster's HTTP_PROXY without them sent every request of every episode to the proxy, which cannot reach this host's
+loopback: each episode failed with a connection error).
+
 Task rows (each a JSON object handed to the program as it is) come from a data file (`env.path`: JSONL/JSON lines,
 Parquet, a datasets folder) or a generator (`env.generator=module:function`, called with `env.generator_kwargs`,
 returning a list of dicts). The held-out rows are `env.eval_path`'s, else a stable-hash fraction of the rows
@@ -121,8 +126,22 @@ def report_reward(client: Any, reward: float) -> None:
     request = urllib.request.Request(
         url, data=json.dumps({"reward": reward}).encode(), headers={"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(request, timeout=30):
+    # No proxy: the endpoint is on this host's loopback (module docstring).
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=30):
         pass
+
+
+#: Hosts a command's NO_PROXY / no_proxy gets (the endpoint's address, and the name some clients resolve it to).
+LOCAL_HOSTS = ("127.0.0.1", "localhost")
+
+
+def no_proxy_env(env: dict[str, str]) -> dict[str, str]:
+    """NO_PROXY and no_proxy of `env` with `LOCAL_HOSTS` added (each kept as set, the hosts appended once)."""
+    out = {}
+    for key in ("NO_PROXY", "no_proxy"):
+        hosts = [h.strip() for h in env.get(key, "").split(",") if h.strip()]
+        out[key] = ",".join([*hosts, *(h for h in LOCAL_HOSTS if h not in hosts)])
+    return out
 
 
 def _load(ref: str, key: str) -> Any:
@@ -244,7 +263,8 @@ class OpenAIAgentTask:
             if self._http is None:
                 import openai
 
-                self._http = openai.DefaultHttpxClient()
+                # trust_env=False: no HTTP(S)_PROXY for the local endpoint (module docstring).
+                self._http = openai.DefaultHttpxClient(trust_env=False)
             return self._http
 
     def close(self) -> None:
@@ -264,6 +284,7 @@ class OpenAIAgentTask:
             "ROLL_REWARD_URL": reward_url,
             # Linux caps one environment string at 128 KiB (E2BIG failed every episode of a large row): stdin only
             "ROLL_TASK": text if len(text.encode()) <= MAX_ENV_TASK_BYTES else "",
+            **no_proxy_env(dict(os.environ)),  # the endpoint past the cluster's HTTP proxy (module docstring)
         }
         # A session of its own (a new process group): killing only the direct child left a launcher's agent running
         # after its episode, and after the run. Output as UTF-8 with replacement: a stray byte failed the episode.
