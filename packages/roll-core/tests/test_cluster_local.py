@@ -174,6 +174,48 @@ def test_partial_gpu_mode_places_every_request_on_the_engine_its_pool_chose() ->
     assert infer.workers[0].engine.seen == [] and len(infer.workers[1].engine.seen) == 5  # 4 samples + "direct"
 
 
+class _RoutingEngine:
+    """A MoE engine recording routing: each row of prompt k carries (len(prompt) + 2, 2 layers, top-2) ids = k."""
+
+    def generate(self, prompts, params, n, first_row: int = 0, **_):
+        from roll_core.interfaces import GenerateOutput, RequestOutput
+
+        outs = [
+            RequestOutput(
+                f"r{k}", list(p), [7, 8], [-0.1, -0.2], "length", routed_experts=torch.full((len(p) + 2, 2, 2), k)
+            )
+            for k, p in enumerate(prompts, start=first_row // n)
+            for _ in range(n)
+        ]
+        return GenerateOutput.from_requests(outs, 0)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_generate_with_routing_on_more_engines_than_prompts() -> None:
+    """3 engines, 2 prompts: the third rank generates nothing, so its part has no `routed_experts_rows` (the engine
+    adds the field only with rows); concatenating it with the others' raised ValueError (cannot concat), which broke
+    every refill round or eval set smaller than the engine count when routing was recorded."""
+    from roll_core.cluster.roles import InferGroup, InferWorker
+    from roll_core.interfaces import SamplingParams
+    from roll_core.routing import ROUTING_ROWS
+
+    class RoutingWorker(InferWorker):
+        def __init__(self, **base) -> None:
+            Worker.__init__(self, **base)
+            self.engine = _RoutingEngine()
+
+    infer = InferGroup(RoutingWorker, 3, "local", name="actor_infer")
+    gen = infer.generate(Batch({}, {"prompt_ids": [[1, 2], [3]]}), SamplingParams(max_new_tokens=2), n=2)
+    assert gen["responses"].tolist() == [[7, 8]] * 4
+    rows = gen[ROUTING_ROWS]
+    assert [tuple(r.shape) for r in rows] == [(4, 2, 2), (4, 2, 2), (3, 2, 2), (3, 2, 2)]
+    assert [int(r.unique()) for r in rows] == [0, 0, 1, 1]  # each row its own prompt's routing, in order
+    empty = infer.generate(Batch({}, {"prompt_ids": []}), SamplingParams(max_new_tokens=2), n=2)
+    assert len(empty) == 0
+
+
 def test_a_role_colocated_in_a_disaggregated_cluster_is_a_config_error_not_extra_devices(monkeypatch) -> None:
     """reward_model.placement=colocated promises the trainer's devices; with cluster.placement=disaggregated those
     are the trainer's whole, and the role got a new "shared" placement group: whole GPUs reserved for its 1/5 share

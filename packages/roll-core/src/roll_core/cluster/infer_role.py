@@ -250,7 +250,10 @@ class InferGroup(WorkerGroup[InferWorker]):
         sampled do not depend on the number of ranks: each rank seeds its rows by their place in `batch`."""
         indexed = batch.union(Batch({PROMPT_INDEX: torch.arange(len(batch))}))
         parts = self.submit(InferWorker.generate, indexed, params, n).values()
-        out = Batch.concat(_pad_responses(parts))
+        # A rank given no prompts (fewer prompts than engines: a refill round, a small eval set) lacks the per-row
+        # fields an engine adds only with rows (MoE routing, `routed_experts_rows`): Batch.concat refused its keys.
+        rows = [p for p in parts if len(p)] or parts[:1]
+        out = Batch.concat(_pad_responses(rows))
         out.meta["generate_seconds"] = max(p.meta.get("generate_seconds", 0.0) for p in parts)
         return out
 

@@ -160,6 +160,8 @@ class RoutingReplay:
                 if layer not in self._checked:
                     self._check(module, logits, output[1], own)
                     self._checked.add(layer)
-            return logits, weights.to(logits.dtype), idx
+            # In the dtype of the router's own weights: Mixtral keeps them fp32 in a bf16 model, and rounding them
+            # to bf16 changed its outputs (2e-3 in the logits) with its own experts replayed.
+            return logits, weights.to(output[1].dtype), idx
 
         return hook
