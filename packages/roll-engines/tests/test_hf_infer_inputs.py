@@ -205,3 +205,34 @@ def test_a_prefill_failure_fails_only_its_own_requests(
         assert static == (not engine.batcher.mergeable)
     finally:
         engine.shutdown()
+
+
+def test_a_generate_row_refused_part_way_aborts_the_rows_queued_before_it(
+    tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows are queued one by one; one refused as it is queued (here: a sync that failed on another thread left the
+    weights mixed just then) raised, and the rows queued before it stayed in the batch for nobody: `sleep` refused
+    ("requests run") and a background loop would decode them. They are aborted before the error is raised."""
+    engine = HFInferEngine(tiny)
+    name = next(iter(engine._tensor_names.values()))
+    add, queued = engine.batcher.add, []
+
+    def add_then_mix(seq: _batcher.Running) -> None:
+        add(seq)
+        queued.append(seq)
+        if len(queued) == 2:  # the third row is refused
+            engine._mixed.add({name}, "a weight sync that failed part way (injected)")
+
+    monkeypatch.setattr(engine.batcher, "add", add_then_mix)
+    try:
+        with pytest.raises(RuntimeError, match="mix of two versions since a weight sync that failed part way"):
+            engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, seed=0), n=3)
+        assert len(queued) == 2 and not engine.batcher.has_work()
+        assert [s.future.result(timeout=0).finish_reason for s in queued] == ["abort", "abort"]
+        engine._mixed.rewritten({name})
+        monkeypatch.setattr(engine.batcher, "add", add)
+        engine.sleep(1)  # nothing left running
+        engine.wake_up()
+        assert engine.generate([[5, 6]], SamplingParams(max_new_tokens=3, seed=0)).response_mask.sum() == 3
+    finally:
+        engine.shutdown()

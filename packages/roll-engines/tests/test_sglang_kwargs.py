@@ -152,3 +152,59 @@ def test_a_running_request_id_is_refused_and_the_first_stays_abortable(fake_sgla
         assert again.result(timeout=10).prompt_ids == [5, 6]
     finally:
         engine.shutdown()
+
+
+def test_shutdown_fails_running_and_queued_requests_and_later_calls_return_at_once(fake_sglang) -> None:
+    """shutdown stopped the driver and left every request it had not resolved (running in SGLang, or queued behind a
+    control call) unresolved, and `abort` or a control call after it waited for ever on a job no driver would take.
+    Now each such request fails naming the shutdown, `abort` answers False at once, and the rest raise at once."""
+    import threading
+    import time
+
+    from roll_core.interfaces import Request, SamplingParams
+    from roll_core.models import resolve_model_path
+    from roll_engines.infer.sglang import SGLangInferEngine
+
+    engine = SGLangInferEngine(resolve_model_path("builtin:tiny"), device="cuda")
+    params = SamplingParams(max_new_tokens=8)
+    running = engine.submit(Request("running", [5, 6, 7], params))
+    deadline = time.monotonic() + 10
+    while "running" not in engine._rids:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.005)
+    release = threading.Event()
+    # A control call holds the driver (a weight update, say): the next request waits in the queue behind it.
+    threading.Thread(target=engine._control, args=(release.wait,), daemon=True).start()
+    time.sleep(0.05)
+    queued = engine.submit(Request("queued", [5, 6], params))
+    stopping = threading.Thread(target=engine.shutdown, daemon=True)
+    stopping.start()
+    while not engine._stopped:
+        time.sleep(0.005)
+    release.set()
+    stopping.join(timeout=30)
+    assert not stopping.is_alive()
+    for fut in (running, queued):
+        with pytest.raises(RuntimeError, match="sglang engine shut down"):
+            fut.result(timeout=5)
+
+    def at_once(fn: Any) -> Any:
+        """fn() run where a hang cannot block the test: its result, or the exception it raised, within 5 s."""
+        box: list[Any] = []
+
+        def run() -> None:
+            try:
+                box.append(fn())
+            except Exception as exc:
+                box.append(exc)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(timeout=5)
+        assert box, f"{fn} waited for ever after shutdown"
+        return box[0]
+
+    assert at_once(lambda: engine.abort("running")) is False
+    for call in (engine.begin_weight_update, lambda: engine.submit(Request("late", [5], params))):
+        exc = at_once(call)
+        assert isinstance(exc, RuntimeError) and "sglang engine shut down" in str(exc), exc

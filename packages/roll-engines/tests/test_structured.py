@@ -259,6 +259,104 @@ def test_schema_keywords_outlines_core_drops_are_refused() -> None:
     assert to_regex(SCHEMA) and to_regex(StructuredOutput(json_schema={"type": "object", "minProperties": 1}))
 
 
+def _byte_index(regex: str) -> Any:
+    """outlines-core's Index of `regex` over the 256 single bytes (what vLLM's / SGLang's outlines backend compile)."""
+    import outlines_core
+
+    return outlines_core.Index(regex, outlines_core.Vocabulary(256, {bytes([b]): [b] for b in range(256)}))
+
+
+def _walk(regex: str, text: str) -> str:
+    idx = _byte_index(regex)
+    state = idx.get_initial_state()
+    for b in text.encode():
+        if (state := idx.get_next_state(state, b)) is None:
+            return "rejected"
+    return "matched" if idx.is_final_state(state) else "partial"
+
+
+def test_every_engines_check_sampling_compiles_the_constraint(infer: Any) -> None:
+    """The hf engine's check_sampling only checked that outlines-core was installed: a schema or regex outlines-core
+    cannot compile passed it (the OpenAI server's early check, a run's wiring) and failed only when submitted.
+    Every engine's check now compiles the constraint as vLLM and SGLang would."""
+    from roll_engines.infer.sglang import SGLangInferEngine
+    from roll_engines.infer.vllm import VLLMInferEngine
+
+    dangling = StructuredOutput(json_schema={"type": "object", "properties": {"a": {"$ref": "#/nope"}}})
+    checks = (infer.check_sampling, lambda p: VLLMInferEngine.check_sampling(None, p))
+    checks += (lambda p: SGLangInferEngine.check_sampling(None, p),)
+    for bad, match in (
+        (dangling, "json_schema cannot be compiled"),
+        (StructuredOutput(regex="a{,3}"), r"regex 'a\{,3\}' cannot be compiled by outlines-core.*\{0,n\} not \{,n\}"),
+        (StructuredOutput(regex="^ab$"), r"regex '\^ab\$': the anchor '\^'"),
+    ):
+        for check in checks:
+            with pytest.raises(ValueError, match=match):
+                check(SamplingParams(structured=bad))
+    for check in checks:
+        check(SamplingParams(structured=REGEX))
+        check(SamplingParams(structured=SCHEMA))
+
+
+@pytest.mark.parametrize(
+    "regex, construct, outlines",
+    [
+        ("^ab$", r"anchor '\^'", "fails"),
+        (r"\Aab", r"anchor '\\A'", "fails"),
+        ("ab$", r"anchor '\$'", "fails on 'ab$c'"),
+        ("(?m)(x|^y)", r"anchor '\^'", "fails"),
+        (r"a(?=b)b", r"lookaround '\(\?=\.\.\.\)'", "fails"),
+        (r"(?<!c)b", r"lookaround '\(\?<!\.\.\.\)'", "fails"),
+        (r"\bab\b", r"word boundary '\\b'", "fails"),
+        (r"a\Bb", r"word boundary '\\B'", "fails"),
+        (r"(a)b\1", "backreference", "fails"),
+        (r"(?P<x>a)(?P=x)", "backreference", "fails"),
+        (r"(a)?(?(1)b|c)", "conditional group", "fails"),
+        (r"(?>a)b", "atomic group", "fails"),
+        ("a*+a", "possessive quantifier", "matches 'aa', which Python's possessive a*+ never lets through"),
+        ("[[:alpha:]]", r"'\[' or a set operation .* inside a char", "rejects ':]', Python's '[[:alph]' ']'"),
+    ],
+)
+def test_regex_constructs_outside_outlines_cores_dialect_are_refused_naming_them(
+    regex: str, construct: str, outlines: str
+) -> None:
+    """Python's `re` accepts these (StructuredOutput compiles them), outlines-core (vLLM's and SGLang's outlines
+    backend, the hf sampler, the trainer's replay) fails on them when a request is compiled, or reads another
+    language: each is refused at the check, naming the construct."""
+    import warnings
+
+    from roll_engines.structured import to_regex
+
+    # Python warns that it may read '[[' as a nested set some day (this suite turns warnings into errors).
+    warnings.filterwarnings("ignore", "Possible nested set", FutureWarning)
+    # Why: Python takes it; outlines-core fails on it or constrains a different language.
+    re.compile(regex)
+    if outlines == "fails":
+        with pytest.raises(ValueError):
+            _byte_index(regex)
+    elif regex == "ab$":
+        assert _walk(regex, "ab") == "matched"
+        with pytest.raises(ValueError):
+            _byte_index("ab$c")  # Python: a valid regex that matches nothing
+    elif regex == "a*+a":
+        assert _walk(regex, "aa") == "matched" and re.fullmatch(regex, "aa") is None
+    else:
+        assert _walk(regex, ":]") == "rejected" and re.fullmatch(regex, ":]") is not None
+    named = f"StructuredOutput.regex .*: (a |an |the )?{construct}.* not supported by outlines-core"
+    with pytest.raises(ValueError, match=named):
+        to_regex(StructuredOutput(regex=regex))
+
+
+def test_regexes_outlines_core_builds_pass_the_check() -> None:
+    """What looks like an anchor or a word boundary but is a literal or a class member, and outlines-core's other
+    syntax, still compiles (and to the language Python reads)."""
+    from roll_engines.structured import to_regex
+
+    for regex, text in (("[$^]+", "^$"), (r"a\$", "a$"), (r"\d{2,}", "42"), ("(?i)ab", "aB"), ("(x|y)+", "xyx")):
+        assert to_regex(StructuredOutput(regex=regex)) == regex
+        assert re.fullmatch(regex, text) and _walk(regex, text) == "matched", regex
+
+
 def test_ignore_eos_constraint_ends_at_its_eos_as_vllms(infer: Any) -> None:
     """ignore_eos: once the constraint's EOS ends a complete match, vLLM's outlines backend stops masking (the
     grammar is terminated: a full bitmask from then on). The hf sampler and the trainer's replay stop there too, so

@@ -5,7 +5,10 @@ Contract:
 - A constraint (roll_core.interfaces.inference.StructuredOutput) becomes one regex: a regex as given, a JSON schema
   through outlines-core's `build_regex_from_schema`. The vLLM and SGLang adapters send that same regex, so every
   engine constrains the same language. A schema with a restricting keyword outlines-core drops silently (minimum,
-  uniqueItems, a several-schema allOf, ...: `_UNENFORCED`) is refused, not sampled from a larger language.
+  uniqueItems, a several-schema allOf, ...: `_UNENFORCED`) is refused, not sampled from a larger language. A regex
+  valid in Python but outside outlines-core's dialect (anchors, lookarounds, word boundaries, backreferences, ...:
+  `_UNSUPPORTED_REGEX`) is refused naming the construct, and every regex is compiled once over a byte vocabulary, so
+  that each engine's `check_sampling` fails on what vLLM / SGLang would fail on only when the request is submitted.
 - The token vocabulary is reduced exactly as vLLM's outlines backend does (token -> the bytes it decodes to; special
   tokens and EOS left out; EOS is allowed where the regex is complete), built once per tokenizer and cached; a
   compiled index is cached per (tokenizer, regex).
@@ -128,20 +131,114 @@ def _refuse_unenforced(schema: Any, where: str = "$") -> None:
                 _refuse_unenforced(sub, f"{where}.{key}[{i}]")
 
 
+#: Python `re` constructs outlines-core's regex dialect (Rust's regex syntax, compiled to a DFA; vLLM's outlines backend
+#: and the trainer's replay use the same) cannot build, by re's parser op (and the assertion's code): refused by name
+#: (`_refuse_unsupported_regex`) rather than with outlines-core's "error building NFA" inside vLLM or SGLang.
+_ANCHOR = "the anchor {} (the whole response must match the regex: it is anchored already; remove it)"
+_BOUNDARY = "the word boundary {} (a DFA cannot test one: spell the allowed text out)"
+_LOOK = "a lookaround {} (a DFA cannot look ahead or behind: spell the allowed text out)"
+_UNSUPPORTED_REGEX = {
+    ("AT", "AT_BEGINNING"): _ANCHOR.format("'^'"),
+    ("AT", "AT_BEGINNING_LINE"): _ANCHOR.format("'^'"),
+    ("AT", "AT_BEGINNING_STRING"): _ANCHOR.format("'\\A'"),
+    ("AT", "AT_END"): _ANCHOR.format("'$'"),
+    ("AT", "AT_END_LINE"): _ANCHOR.format("'$'"),
+    ("AT", "AT_END_STRING"): _ANCHOR.format("'\\Z'"),
+    ("AT", "AT_BOUNDARY"): _BOUNDARY.format("'\\b'"),
+    ("AT", "AT_NON_BOUNDARY"): _BOUNDARY.format("'\\B'"),
+    ("ASSERT", 1): _LOOK.format("'(?=...)'"),
+    ("ASSERT", -1): _LOOK.format("'(?<=...)'"),
+    ("ASSERT_NOT", 1): _LOOK.format("'(?!...)'"),
+    ("ASSERT_NOT", -1): _LOOK.format("'(?<!...)'"),
+    ("GROUPREF", None): "a backreference ('\\1', '(?P=name)': not a regular language; list the alternatives)",
+    ("GROUPREF_EXISTS", None): "a conditional group '(?(1)...|...)' (not a regular language; list the alternatives)",
+    ("ATOMIC_GROUP", None): "an atomic group '(?>...)' (use a plain group)",
+    ("POSSESSIVE_REPEAT", None): "a possessive quantifier ('*+', '++', '?+', '{m,n}+'; use a greedy one)",
+}
+
+
+def _unsupported_regex_construct(parsed: Any) -> str | None:
+    """The first construct of a parsed Python regex (re's parser tree) outlines-core cannot build, described."""
+    for op, av in parsed:
+        name = op.name
+        detail = av.name if name == "AT" else av[0] if name in ("ASSERT", "ASSERT_NOT") else None
+        if (name, detail) in _UNSUPPORTED_REGEX:
+            return _UNSUPPORTED_REGEX[name, detail]
+        subs: list[Any] = []
+        if name == "SUBPATTERN":
+            subs = [av[3]]
+        elif name in ("MAX_REPEAT", "MIN_REPEAT"):
+            subs = [av[2]]
+        elif name == "BRANCH":
+            subs = list(av[1])
+        for sub in subs:
+            found = _unsupported_regex_construct(sub)
+            if found is not None:
+                return found
+    return None
+
+
+def _refuse_unsupported_regex(regex: str) -> None:
+    """ValueError naming the first construct of `regex` (valid for Python's `re`: StructuredOutput checked it)
+    that outlines-core cannot build (`_UNSUPPORTED_REGEX`), or a nested set Python reads literally and outlines-core
+    as a class (`[[:alpha:]]`: Python's FutureWarning; the two would constrain different languages)."""
+    import warnings
+
+    try:
+        from re import _parser as sre_parser  # type: ignore[attr-defined]  # Python >= 3.11
+    except ImportError:  # Python 3.10
+        import sre_parse as sre_parser  # type: ignore[no-redef]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parsed = sre_parser.parse(regex)
+    construct = _unsupported_regex_construct(parsed)
+    if construct is None and any(issubclass(w.category, FutureWarning) for w in caught):
+        construct = (
+            "a '[' or a set operation ('&&', '--', '||', '~~') inside a character class (Python reads it literally, "
+            "outlines-core as a nested class or set operation: escape it)"
+        )
+    if construct is not None:
+        raise ValueError(
+            f"StructuredOutput.regex {regex[:200]!r}: {construct} is not supported by outlines-core's regex dialect "
+            "(the constraint every engine and the trainer's replay compile)"
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_vocabulary() -> Any:
+    """An outlines-core Vocabulary of the 256 single bytes: any text is reachable, so compiling an Index over it
+    checks a regex (syntax, DFA) without a tokenizer, as vLLM and SGLang would compile it (milliseconds)."""
+    return _outlines_core().Vocabulary(256, {bytes([b]): [b] for b in range(256)})
+
+
 @functools.lru_cache(maxsize=256)
 def _regex(kind: str, text: str) -> str:
-    if kind == "regex":
-        return text
-    _refuse_unenforced(json.loads(text))
     oc = _outlines_core()
+    if kind == "regex":
+        _refuse_unsupported_regex(text)
+        regex = text
+    else:
+        _refuse_unenforced(json.loads(text))
+        try:
+            regex = oc.json_schema.build_regex_from_schema(text)
+        except Exception as exc:  # outlines-core raises ValueError or its own errors for unsupported schemas
+            raise ValueError(f"StructuredOutput.json_schema cannot be compiled: {exc}") from None
     try:
-        return oc.json_schema.build_regex_from_schema(text)
-    except Exception as exc:  # outlines-core raises ValueError or its own errors for unsupported schemas
-        raise ValueError(f"StructuredOutput.json_schema cannot be compiled: {exc}") from None
+        oc.Index(regex, _byte_vocabulary())
+    except Exception as exc:  # what vLLM / SGLang would raise when the request is submitted
+        what = f"StructuredOutput.regex {text[:200]!r}" if kind == "regex" else "StructuredOutput.json_schema"
+        raise ValueError(
+            f"{what} cannot be compiled by outlines-core ({exc}); its dialect is Rust's regex syntax (e.g. "
+            "{0,n} not {,n}, \\x08 not [\\b], no (?#...) comments, inline flags i, m, s, x, U only)"
+        ) from None
+    return regex
 
 
 def to_regex(constraint: StructuredOutput) -> str:
-    """The regex a constraint stands for (a JSON schema through outlines-core); cached."""
+    """The regex a constraint stands for (a JSON schema through outlines-core), checked to compile as the engines
+    will compile it (ValueError naming what is wrong: an unsupported regex construct, schema keyword); cached."""
+    STRUCTURED.require()  # before the cache: a cached constraint must not hide a missing extra
     return _regex(*constraint.key())
 
 

@@ -261,12 +261,13 @@ class HFInferEngine:
         return self._version
 
     def check_sampling(self, params: SamplingParams) -> None:
-        """Every field of SamplingParams is supported by roll's own sampler (structured outputs need the
-        `roll-engines[structured]` extra: outlines-core)."""
+        """Every field of SamplingParams is supported by roll's own sampler. A structured constraint needs the
+        `roll-engines[structured]` extra (outlines-core) and must compile, as vLLM and SGLang check it: a bad schema or
+        regex fails here, naming itself (the OpenAI server's early check, a run's wiring), not when submitted."""
         if params.structured is not None:
-            from roll_engines.structured import STRUCTURED
+            from roll_engines.structured import to_regex
 
-            STRUCTURED.require()
+            to_regex(params.structured)
 
     def check_prompt(self, ids: Sequence[int], what: str) -> None:
         """A prompt the model can encode: at least one token (vLLM refuses empty prompts too; here one sampled from
@@ -296,7 +297,8 @@ class HFInferEngine:
         depend on how requests were batched, nor on how a batch was split over engines. `mm`: one `MMInputs` (or
         None) per prompt, the pictures of a vision-language prompt (a prompt batch's `mm_inputs` field). Every
         prompt is checked before any starts: a bad one raises ValueError naming it and nothing runs; one whose
-        prefill fails all the same raises PrefillError naming it once the others are done.
+        prefill fails all the same raises PrefillError naming it once the others are done. A row refused as it is
+        queued (the engine shut down or its weights left mixed meanwhile) aborts the rows queued before it first.
         """
         t0 = time.perf_counter()
         params = params or self.defaults
@@ -312,8 +314,18 @@ class HFInferEngine:
                 req = Request(f"generate-{uuid.uuid4().hex}", list(prompt), params.replace(seed=seed))
                 req.mm = mm[k] if mm is not None else None  # the n samples share one object: one prefill
                 seqs.append(self._prepare(req))
-        futures = [self._add(seq) for seq in seqs]
-        self._drive(futures)
+        futures: list[Future[RequestOutput]] = []
+        try:
+            for seq in seqs:  # one by one: rows queued before a refusal are aborted below
+                futures.append(self._add(seq))
+            self._drive(futures)
+        except BaseException:
+            # A row refused part way (the engine shut down, or weights left mixed by a failed sync meanwhile) or an
+            # interrupted wait: the rows already queued must not keep running (or holding the batch) for nobody.
+            with self._lock:
+                for seq in seqs[: len(futures)]:
+                    self.batcher.abort(seq.request.request_id)
+            raise
         outputs = []
         for i, f in enumerate(futures):
             if isinstance(exc := f.exception(), PrefillError):  # name the caller's prompt, not an internal id

@@ -34,12 +34,15 @@ How the contract maps:
   `grammar_backend="outlines"`), is NOT verified here (no SGLang on CPU): check on a GPU before trusting ratios.
 - Sleep: `release_memory_occupation(tags)` / `resume_memory_occupation(tags)` (needs `enable_memory_saver`);
   level 1 releases the KV cache and CUDA graphs, level 2 the weights too.
-- `shutdown()` kills every child process of this process (SGLang's behaviour): host one engine per Ray actor.
+- `shutdown()` fails every request and control call not yet resolved (their callers never wait for ever; later
+  calls raise at once, `abort` answers False), then kills every child process of this process (SGLang's
+  behaviour): host one engine per Ray actor.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -48,7 +51,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, ClassVar
 
 from torch import Tensor
@@ -220,6 +223,9 @@ class SGLangInferEngine:
         self._slept: list[str] = []
         self._paused = False  # between begin_weight_update and finish_weight_update the loop does not run
         self._stopped = False
+        # Held while checking `_stopped` and queueing a job, and by `shutdown` while setting it: a job queued after
+        # shutdown drained the queue would wait forever (no driver is left to take it).
+        self._queueing = threading.Lock()
         self._driver = threading.Thread(target=self._drive, name=f"{name}-driver", daemon=True)
         self._driver.start()
 
@@ -317,17 +323,25 @@ class SGLangInferEngine:
         self._tasks[task] = (request, fut, rid, self._version)
         self._rids[request.request_id] = rid
 
+    def _queue_job(self, kind: str, payload: Any, fut: Future) -> None:
+        with self._queueing:
+            if self._stopped:  # no driver thread would ever take it
+                raise RuntimeError(f"{self.name} engine shut down")
+            self._jobs.put((kind, payload, fut))
+
     def _control(self, fn: Callable[[], Any]) -> Any:
+        """`fn` on the driver thread; RuntimeError after `shutdown` (at once, or when shutdown fails the job)."""
         fut: Future = Future()
-        self._jobs.put(("control", fn, fut))
+        self._queue_job("control", fn, fut)
         return fut.result()
 
     # ---- batch and request API ----------------------------------------------------------------------------
     def submit(self, request: Request) -> Future[RequestOutput]:
+        """Queue one request; RuntimeError after `shutdown`."""
         self.check_sampling(request.params)
         _refuse_pictures(self.name, [request.mm], f"request {request.request_id!r}")
         fut: Future[RequestOutput] = Future()
-        self._jobs.put(("request", request, fut))
+        self._queue_job("request", request, fut)
         return fut
 
     def generate(
@@ -352,6 +366,8 @@ class SGLangInferEngine:
         return GenerateOutput.from_requests([f.result() for f in futures], self.pad_id, time.perf_counter() - t0)
 
     def abort(self, request_id: str) -> bool:
+        """False when `request_id` is not running; after `shutdown` (which failed every request) at once."""
+
         def do() -> bool:
             rid = self._rids.get(request_id)
             if rid is None:
@@ -359,7 +375,12 @@ class SGLangInferEngine:
             self.engine.tokenizer_manager.abort_request(rid=rid)
             return True
 
-        return bool(self._control(do))
+        try:
+            return bool(self._control(do))
+        except RuntimeError:
+            if self._stopped:  # shut down before the driver took it: nothing is left to abort
+                return False
+            raise
 
     # ---- weights ------------------------------------------------------------------------------------------
     def begin_weight_update(self) -> None:
@@ -414,9 +435,20 @@ class SGLangInferEngine:
         return {"weights": max(0, _device_used() - self._base_used), "kv_cache": 0}
 
     def shutdown(self) -> None:
-        self._stopped = True
-        self._jobs.put(("control", lambda: None, Future()))
+        """Stop the driver thread and fail every request and control call it has not resolved (running or queued):
+        their callers get an error, never wait forever; later calls raise at once (`abort`: False)."""
+        with self._queueing:  # no job is queued after this (`_queue_job`)
+            self._stopped = True
+            self._jobs.put(("control", lambda: None, Future()))
         self._driver.join(timeout=10)
+        futures = [fut for _, fut, _, _ in self._tasks.values()]
+        while not self._jobs.empty():  # queued, never taken (the driver has stopped: no other consumer)
+            futures.append(self._jobs.get_nowait()[2])
+        for fut in futures:
+            with contextlib.suppress(InvalidStateError):  # resolved meanwhile by a driver that outlived the join
+                fut.set_exception(RuntimeError(f"{self.name} engine shut down"))
+        self._tasks.clear()
+        self._rids.clear()
         self.engine.shutdown()
 
 
