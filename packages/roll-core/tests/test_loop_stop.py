@@ -40,7 +40,7 @@ class _Tracker:
     def plot(self, keys: tuple[str, ...], force: bool = True) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, failed: bool | None = None) -> None:
         signal.raise_signal(signal.SIGTERM)
 
 

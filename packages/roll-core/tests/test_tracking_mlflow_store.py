@@ -108,6 +108,32 @@ def test_the_table_list_tag_stays_json_and_a_long_run_resumes(tmp_path: Path) ->
     assert len(client.list_artifacts(run_id_of(tmp_path), "samples")) == 201  # every table stays an artifact
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (SQLAlchemy's, from MLflow's sqlite store)
+def test_the_run_ends_as_the_caller_says_not_as_sys_exc_info_reads(tmp_path: Path) -> None:
+    """`close()` read "failed" from sys.exc_info(): a run started and finished inside its caller's `except` (a retry
+    loop in user code) ended FAILED. Told how the run ended, MLflow shows that; a caller that says nothing still gets
+    FAILED while an exception propagates."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+
+    def status(name: str, failed: bool | None, propagating: bool) -> str:
+        tracker = Tracker(tmp_path / name, "experiment: ends\n", ["mlflow"])
+        tracker.log(1, {"loss": 1.0})
+        if not propagating:
+            tracker.close(failed)
+        else:
+            try:
+                raise RuntimeError("the first attempt failed")
+            except RuntimeError:
+                tracker.close(failed)
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / name / 'mlflow' / 'mlflow.db'}")
+        return client.get_run(run_id_of(tmp_path / name)).info.status
+
+    assert status("retry-ok", False, propagating=True) == "FINISHED"
+    assert status("told", True, propagating=False) == "FAILED"
+    assert status("unsaid", None, propagating=True) == "FAILED"
+
+
 def test_without_mlflow_the_error_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from roll_core.errors import MissingExtraError
 

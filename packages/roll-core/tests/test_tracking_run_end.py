@@ -205,3 +205,76 @@ def test_a_failed_run_closes_its_trackers_with_the_failure(tmp_path: Path, caplo
     assert reports == ["failed: RuntimeError: engine died"]
     tracker.close()  # shutdown's close after it: nothing is closed twice
     assert len(good.closed_during) == len(broken.closed_during) == 1
+
+
+class _StatusBackend:
+    """A backend ending its run as W&B, MLflow and SwanLab do: failed when told so, else (`failed=None`, a caller
+    that does not say) when an exception propagates."""
+
+    def __init__(self) -> None:
+        self.ends: list[bool] = []
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def truncate(self, last_step: int) -> None:
+        pass
+
+    def close(self, failed: bool | None = None) -> None:
+        import sys
+
+        self.ends.append(sys.exc_info()[0] is not None if failed is None else failed)
+
+
+def test_a_run_that_ends_well_inside_a_callers_except_block_is_not_failed(tmp_path: Path) -> None:
+    """The backends read "failed" from sys.exc_info(): a run started and finished inside its caller's `except` (a
+    retry loop in user code) ended FAILED in MLflow, exit code 1 in W&B, CRASHED in SwanLab. The loop says how the
+    run ended; a run that fails there is still failed."""
+    ends: dict[str, list[bool]] = {}
+    for name, error in (("retry", None), ("retry-fails", RuntimeError("engine died again"))):
+        backend = _StatusBackend()
+        tracker = Tracker(tmp_path / name, trackers=())
+        tracker.backends = [backend]
+        pipe = _pipeline(tracker, [])
+
+        def loop(stop: Any, error: BaseException | None = error, tracker: Tracker = tracker) -> bool:
+            tracker.log(1, {"reward/mean": 0.5})
+            if error is not None:
+                raise error
+            return True
+
+        pipe._loop = loop  # type: ignore[method-assign]
+        try:
+            raise RuntimeError("engine died")  # the first attempt
+        except RuntimeError:
+            if error is None:
+                assert pipe.run()["status"] == "finished"
+            else:
+                with pytest.raises(RuntimeError, match="again"):
+                    pipe.run()
+        tracker.close()  # shutdown's close after it: nothing is closed twice
+        ends[name] = backend.ends
+    assert ends == {"retry": [False], "retry-fails": [True]}
+
+
+def test_close_passes_failed_to_the_backends_that_take_it(tmp_path: Path) -> None:
+    """`Tracker.close(failed)` is the caller's word; without it, whether an exception propagates. A plugin whose
+    `close()` takes no argument is still closed (it may read sys.exc_info itself)."""
+
+    def close(failed: bool | None, propagating: bool) -> tuple[list[bool], list[Any]]:
+        status, plain = _StatusBackend(), _Backend()
+        tracker = Tracker(tmp_path, trackers=())
+        tracker.backends = [status, plain]
+        if not propagating:
+            tracker.close(failed) if failed is not None else tracker.close()
+        else:
+            try:
+                raise RuntimeError("propagating")
+            except RuntimeError:
+                tracker.close(failed) if failed is not None else tracker.close()
+        return status.ends, [type(e) if e else None for e in plain.closed_during]
+
+    assert close(None, propagating=False) == ([False], [None])
+    assert close(None, propagating=True) == ([True], [RuntimeError])
+    assert close(False, propagating=True) == ([False], [RuntimeError])
+    assert close(True, propagating=False) == ([True], [None])

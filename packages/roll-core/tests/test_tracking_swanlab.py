@@ -133,3 +133,36 @@ def test_a_resume_while_the_cloud_is_away_goes_on_and_sends_its_steps_later(
     assert {s: m["loss"] for s, m in run["history"].items()} == {0: 0.0, 1: 1.0, 2: 2.0, 3: 30.0}
     assert run["samples"] == {3: [{"prompt": "p", "response": "r", "reward": 1.0}]}
     assert "resumed" in run["tags"]
+
+
+def test_a_failed_run_is_a_crashed_swanlab_experiment(tmp_path: Path) -> None:
+    """`run.finish()` had no state: SwanLab showed a failed run as successful. Closed while the run's exception
+    propagates (or told `failed=True`), the experiment is CRASHED: its backup file (what `swanlab sync` uploads) says
+    not successful and the local dashboard lists it with status -1, with the error (credentials redacted). A run told
+    `failed=False` inside its caller's `except` (a retry that ended well) stays successful."""
+    pytest.importorskip("swanlab", reason="the roll-core[swanlab] extra")
+    options = {"project": "ends", "hardware_monitor": False}
+    cfg = yaml.safe_dump({"experiment": "ends", "tracking": {"swanlab": options}})
+
+    def end(name: str, how: str) -> tuple[bool, int]:
+        tracker = Tracker(tmp_path / name, cfg, ["swanlab"])
+        tracker.log(1, {"loss": 1.0})
+        if how == "ok":
+            tracker.close()
+        elif how == "told":
+            tracker.close(failed=True)
+        else:
+            try:
+                raise RuntimeError("engine died at https://user:secret@host/x")
+            except RuntimeError:
+                tracker.close() if how == "propagating" else tracker.close(failed=False)
+        with sqlite3.connect(tmp_path / name / "swanlog" / "runs.swanlab") as db:
+            ((status,),) = db.execute("select status from experiment").fetchall()
+        run = _current(tmp_path / name)
+        assert run["history"] == {1: {"loss": 1.0}}
+        return run["success"], status
+
+    ends = {how: end(how, how) for how in ("ok", "told", "propagating", "retry-ok")}
+    assert ends == {"ok": (True, 1), "told": (False, -1), "propagating": (False, -1), "retry-ok": (True, 1)}
+    errors = (tmp_path / "propagating" / "swanlog").glob("run-*/console/error.log")  # SwanLab's file of the error
+    assert [p.read_text().splitlines()[-1] for p in errors] == ["RuntimeError: engine died at https://***@host/x"]

@@ -421,3 +421,35 @@ def test_skyrl_environments_read_the_reply_after_its_reasoning(monkeypatch: pyte
         (0.0, False, True, True),
     ]
     assert env.step("#### 5")[0].startswith("The episode is over")
+
+
+def test_skyrl_system_messages_reach_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The observation text dropped system messages: a row's system prompt and a notice a SkyRL-Gym environment adds
+    mid-episode as a system message never reached the policy (roll gives it the observation as the turn's user
+    message). Every message's content is kept, in order; empty ones are skipped."""
+    skyrl_gym = pytest.importorskip("skyrl_gym", exc_type=ImportError)
+    from skyrl_gym.envs.base_text_env import BaseTextEnv
+
+    class Notices(BaseTextEnv):
+        def __init__(self, env_config: Any = None, extras: Any = None) -> None:
+            super().__init__()
+            self.max_turns = 3
+
+        def step(self, action: str) -> Any:
+            self.turns += 1
+            observations = [
+                {"role": "user", "content": "Wrong, try again."},
+                {"role": "system", "content": f"{self.max_turns - self.turns} turns left."},
+                {"role": "user", "content": ""},
+            ]
+            return {"observations": observations, "reward": 0.0, "done": False, "metadata": {}}
+
+    registration = skyrl_gym.envs.registration
+    monkeypatch.setattr(registration, "registry", dict(registration.registry))
+    skyrl_gym.register(id="roll_test_notices", entry_point=Notices)
+    rows = [{"prompt": [{"role": "system", "content": "Answer with #### N."}, {"role": "user", "content": "2 + 3?"}]}]
+    env = make_env("skyrl:roll_test_notices", rows=rows)
+    obs, _ = env.reset(seed=0)
+    assert obs == "Answer with #### N.\n\n2 + 3?"
+    obs, reward, terminated, truncated, _ = env.step("#### 6")
+    assert (obs, reward, terminated, truncated) == ("Wrong, try again.\n\n2 turns left.", 0.0, False, False)

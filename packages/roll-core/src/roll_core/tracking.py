@@ -22,12 +22,14 @@ run folder's own config.yaml keeps the config unredacted: it is the user's file,
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import logging
 import math
 import os
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -163,9 +165,22 @@ def open_backends(
             backends.append(cls(run_dir=run_dir, config=config, name=name, resume=resume))
     except BaseException:
         for backend in backends:
-            backend.close()
+            close_backend(backend, failed=True)
         raise
     return backends
+
+
+def close_backend(backend: TrackerBackend, failed: bool) -> None:
+    """`backend.close(failed=failed)` when its `close` takes `failed` (roll's own backends), else `backend.close()`
+    (a plugin written before it: it may still read sys.exc_info)."""
+    try:
+        takes_failed = "failed" in inspect.signature(backend.close).parameters
+    except (TypeError, ValueError):  # a close without a signature Python can read (a builtin): the plain call
+        takes_failed = False
+    if takes_failed:
+        backend.close(failed=failed)  # type: ignore[call-arg]
+    else:
+        backend.close()
 
 
 class Tracker:
@@ -328,14 +343,18 @@ class Tracker:
                 plt.close(fig)
         return path
 
-    def close(self) -> None:
+    def close(self, failed: bool | None = None) -> None:
         """Close every backend once (idempotent: a failed run's cleanup may call it again); all are closed even
-        when one raises, and the first error is raised after."""
+        when one raises, and the first error is raised after. `failed`: whether the run failed (W&B, MLflow and
+        SwanLab end their run failed); None, for a caller that does not know: whether an exception propagates. A
+        caller that knows says so: a run that ended well inside someone's `except` (a retry) read as failed."""
+        if failed is None:
+            failed = sys.exc_info()[0] is not None
         backends, self.backends = self.backends, []
         error: BaseException | None = None
         for backend in backends:
             try:
-                backend.close()
+                close_backend(backend, failed)
             except BaseException as exc:  # the others still close; the first error is re-raised below
                 error = error or exc
         if error is not None:

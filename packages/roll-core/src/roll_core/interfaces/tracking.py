@@ -12,7 +12,9 @@ plugin is). Several run side by side: `pipeline.trackers=[tensorboard,wandb]` is
   must go (they are logged again, possibly with other values);
 - `samples(step, rows)` with a few decoded completions (dicts of JSON values), only on backends that define it
   (`SampleTrackerBackend`);
-- `close()` at the end of the run, also of a failed one; it may be called twice.
+- `close()` at the end of the run, also of a failed one; it may be called twice. A backend whose service marks a
+  run failed defines `close(failed: bool | None = None)`: the Tracker then passes whether the run failed (its
+  caller's word, else whether an exception propagates); None, when used on its own: that same fallback.
 
 A backend may assume it is the only writer of its own state (a folder under `run_dir`, a remote run); it must not
 write metrics.jsonl, config.yaml, samples.jsonl or curves.png (the Tracker's). Its errors propagate into the

@@ -245,13 +245,13 @@ class Pipeline:
             log.warning("curves.png not redrawn after the failure: %s: %s", type(exc).__name__, exc)
 
     def _close_tracker_failed(self) -> None:
-        """Close the tracker's backends on a failed run's way out, while its exception propagates: they take it as
-        the run's failure (MLflow ends the run FAILED, W&B finishes it with exit code 1) and TensorBoard flushes its
-        writer. Only `_run_steps` closed them, so a failed run's were closed only by a `shutdown` the caller may not
-        make (Python API). Never raises: a backend's error must not hide the run's own (logged; `close` is
-        idempotent, so `shutdown` closes nothing twice)."""
+        """Close the tracker's backends on a failed run's way out, told that it failed (MLflow ends the run FAILED,
+        W&B finishes it with exit code 1, SwanLab CRASHED) and TensorBoard flushes its writer. Only `_run_steps`
+        closed them, so a failed run's were closed only by a `shutdown` the caller may not make (Python API). Never
+        raises: a backend's error must not hide the run's own (logged; `close` is idempotent, so `shutdown` closes
+        nothing twice)."""
         try:
-            self.tracker.close()
+            self.tracker.close(failed=True)
         except Exception as exc:
             log.error("closing the trackers after the failure failed: %s: %s", type(exc).__name__, exc)
 
@@ -297,7 +297,8 @@ class Pipeline:
             complete = self._loop(stop)
         stop.ending()  # the steps are over: a signal from here on has nothing left to stop
         self.tracker.plot(self._plot_keys())  # the last steps' curves, whatever ended the loop
-        self.tracker.close()
+        # not failed, said outright: the run may be a retry inside its caller's `except` (sys.exc_info is set there)
+        self.tracker.close(failed=False)
         # A stop in the last step stopped nothing: the run is complete, the signal is reported as a late one.
         late = stop.signum if complete and stop.requested else stop.late_signum
         return self.summary(self.wall_seconds(), None if complete else stop.signum, late=late)

@@ -425,14 +425,17 @@ class MlflowTracker(MlflowResume):
         if self._worker is not None:
             self._worker.wait()
 
-    def close(self) -> None:
-        """Run `_close` after the queued calls (FAILED when closed while an exception propagates) and stop the
-        worker, within `tracking.mlflow.close_timeout_s`; raise the first error of a queued call or of `_close`
-        (idempotent). Past the deadline it returns without the worker, having said what was not sent (`_abandon`)."""
+    def close(self, failed: bool | None = None) -> None:
+        """Run `_close` after the queued calls (the run ends FAILED when `failed`; None: whether an exception
+        propagates, for a caller that does not say) and stop the worker, within `tracking.mlflow.close_timeout_s`;
+        raise the first error of a queued call or of `_close` (idempotent). Past the deadline it returns without the
+        worker, having said what was not sent (`_abandon`)."""
         worker, self._worker = self._worker, None
         if worker is None:
             return
-        failed, limit = sys.exc_info()[0] is not None, self.options.close_timeout_s
+        if failed is None:
+            failed = sys.exc_info()[0] is not None
+        limit = self.options.close_timeout_s
         self._end = ("FAILED" if failed else "FINISHED", self._timestamp())
         self._requests_by = time.monotonic() + limit - CLOSE_RESERVE_S
         errors: list[BaseException] = []

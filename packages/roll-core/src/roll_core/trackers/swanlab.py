@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -40,7 +41,7 @@ from roll_core.config.tracking import SWANLAB, backend_options, tracking_config
 from roll_core.errors import Extra
 from roll_core.trackers.background import describe_failure, schedule_retry
 from roll_core.trackers.replay import kept_metrics, kept_samples
-from roll_core.tracking import redact_config
+from roll_core.tracking import redact_config, redact_text
 
 log = logging.getLogger(__name__)
 #: The run folder's record of its current SwanLab experiment: {"run_dir": ..., "last_step": ...}.
@@ -214,12 +215,32 @@ class SwanlabTracker:
         self.last_step = max(self.last_step, step)
         self._save_state()
 
-    def _finish(self) -> None:
+    def _finish(self, failed: bool = False) -> None:
         run, self.run = self.run, None
-        run.finish()
+        if not failed:
+            run.finish()
+            return
+        from swanlab import swanlab_settings
+        from swanlab.data.run.helper import SwanLabRunState
 
-    def close(self) -> None:
-        """Finish the experiment (idempotent). A resumed run whose experiment never started tries once more."""
+        # SwanLab 0.6 hands a crashed run's error to its callbacks (the local dashboard's status, the backup file's
+        # `success` that `swanlab sync` uploads) only while its console proxy covers stderr, and their status is
+        # "error given": with roll's proxy off, a CRASHED run read as successful everywhere but the cloud. The
+        # setting is read only at init and here, and `finish` resets SwanLab's settings after.
+        settings = swanlab_settings.get_settings()
+        swanlab_settings.set_settings(settings.model_copy(update={"log_proxy_type": "stderr"}))
+        try:
+            run.finish(state=SwanLabRunState.CRASHED, error=_failure_text())
+        except BaseException:
+            swanlab_settings.set_settings(settings)
+            raise
+
+    def close(self, failed: bool | None = None) -> None:
+        """Finish the experiment (idempotent), CRASHED when `failed` (None: whether an exception propagates, for a
+        caller that does not say; SwanLab showed a failed run as successful). A resumed run whose experiment never
+        started tries once more."""
+        if failed is None:
+            failed = sys.exc_info()[0] is not None
         if self.run is None and self.resume_step is not None and not self._open(self.seen_step):
             log.error(
                 "SwanLab did not answer: this attempt's steps (up to %d) are in no SwanLab experiment; a resume of "
@@ -228,7 +249,13 @@ class SwanlabTracker:
             )
         self.resume_step = None
         if self.run is not None:
-            self._finish()
+            self._finish(failed)
+
+
+def _failure_text() -> str:
+    """The error SwanLab records with a crashed run: the exception propagating (credentials redacted), if any."""
+    exc = sys.exc_info()[1]
+    return "the roll run failed" if exc is None else redact_text(f"{type(exc).__name__}: {exc}")
 
 
 def _unreachable(exc: BaseException) -> bool:

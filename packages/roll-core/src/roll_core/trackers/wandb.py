@@ -240,11 +240,12 @@ class WandbTracker:
             self.run.finish(exit_code=1 if failed else None)  # None: W&B's default, 0
             self.run = None
 
-    def close(self) -> None:
-        """Finish the W&B run (idempotent), with exit code 1 when closed while an exception propagates (a failed
-        run; W&B showed it `finished`). A resumed run whose W&B run never opened tries once more to open it and
-        send its steps."""
-        failed = sys.exc_info()[0] is not None
+    def close(self, failed: bool | None = None) -> None:
+        """Finish the W&B run (idempotent), with exit code 1 when `failed` (W&B showed a failed run `finished`;
+        None: whether an exception propagates, for a caller that does not say). A resumed run whose W&B run never
+        opened tries once more to open it and send its steps."""
+        if failed is None:
+            failed = sys.exc_info()[0] is not None
         if self.run is None and self.resume_step is not None and not self.closed and not self._open(self.seen_step):
             log.error(
                 "W&B did not answer: this attempt's steps (up to %d) are not in W&B; a resume of this run sends them "

@@ -9,15 +9,15 @@ The adapter gives it roll's shape: `rows` (or a JSONL `data_file`) are the datas
 `eval_data_file`, else the rows whose stable hash falls below `eval_fraction`), any other seed from the rest,
 `seed % len(...)`; the two never share a row (held-out success measures generalisation), and a held-out seed
 without held-out rows is an error naming what to set;
-observations are the new messages' contents joined; `done` is a truncation when the environment's own turn limit
-(`max_turns`) ended the episode without success, else a termination; success = terminated with reward >=
-`success_reward`. SkyRL-Gym has no invalid-action notion (its environments score a malformed reply 0 and go on), so
-`invalid_action` is False but for one reply: the environment reads the reply after its reasoning (the text after
-the last `</think>`, roll_envs.rewards.judge.final_text, as roll's built-ins read actions: SkyRL-Gym parses replies
-itself, and an answer weighed in the reasoning was read as the answer), and a reply whose `<think>` block is never
-closed has none: it is an invalid action (reward 0, as SkyRL-Gym scores a malformed reply; the environment is not
-stepped, the turn counts towards its `max_turns`). The trajectory keeps the whole reply (roll records the model's
-tokens). Stepping a finished episode returns a note and reward 0.
+observations are the new messages' contents joined, system messages too (`_text`); `done` is a truncation when the
+environment's own turn limit (`max_turns`) ended the episode without success, else a termination; success =
+terminated with reward >= `success_reward`. SkyRL-Gym has no invalid-action notion (its environments score a
+malformed reply 0 and go on), so `invalid_action` is False but for one reply: the environment reads the reply after
+its reasoning (the text after the last `</think>`, roll_envs.rewards.judge.final_text, as roll's built-ins read
+actions: SkyRL-Gym parses replies itself, and an answer weighed in the reasoning was read as the answer), and a
+reply whose `<think>` block is never closed has none: it is an invalid action (reward 0, as SkyRL-Gym scores a
+malformed reply; the environment is not stepped, the turn counts towards its `max_turns`). The trajectory keeps the
+whole reply (roll records the model's tokens). Stepping a finished episode returns a note and reward 0.
 SkyRL-Gym environments are closed (`close()`): the one an episode used when the next reset replaces it, the probe
 built to read the turn limit, and the current one at `close()` (roll's env manager calls it). A close that raises
 while replacing is logged and counted in `close_errors` (the new episode goes on); `close()` itself raises it.
@@ -142,9 +142,12 @@ class SkyRLEnv:
 
     @staticmethod
     def _text(messages: Any) -> str:
+        """The observation's messages as one text, in order, whatever their role: roll gives the policy an
+        environment's observation as the turn's user message, and a system message (a row's system prompt, a
+        notice an environment adds mid-episode) left out never reached it. Empty contents are skipped."""
         if isinstance(messages, str):
             return messages
-        return "\n\n".join(str(m.get("content", "")) for m in messages or [] if m.get("role") != "system")
+        return "\n\n".join(str(m["content"]) for m in messages or [] if m.get("content") not in (None, ""))
 
     def _info(self, success: bool = False) -> dict[str, Any]:
         return {"success": success, "state": f"{self._last}\n[turn {self._turn}]", "invalid_action": False}
