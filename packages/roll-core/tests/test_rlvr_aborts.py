@@ -299,3 +299,95 @@ def test_pipeline_max_idle_aborts_decides_when_the_sync_collector_refuses_a_prom
     rollout_out = StepLog()
     ro._rows(1, [0, 1], rollout_out)
     assert rollout_out["data/refused_rows"] == 2 and len(rolling.requests) == 2 * (n - 1)
+
+
+# ---- MoE routing of resumed rows (routed-expert replay) ---------------------------------------------------------
+class RoutedInfer(AbortingInfer):
+    """AbortingInfer recording MoE routing (1 layer, top-2): the batch's row i holds i + 1 at every computed
+    position; resumes follow `script` per request: "refused" (aborted before its prefill: nothing computed),
+    "too_long" (prompt_too_long: nothing computed), "finish" (the rest of the answer, 9 everywhere)."""
+
+    def __init__(self, partial: dict[int, int], script: list[str]) -> None:
+        super().__init__(partial)
+        self.script = script
+
+    def generate(self, prompts: Batch, params: SamplingParams, n: int) -> Batch:
+        from roll_core.routing import ROUTING_ROWS
+
+        out = super().generate(prompts, params, n)
+        lens = [len(prompts["prompt_ids"][i // n]) + int(out["response_mask"][i].sum()) - 1 for i in range(len(out))]
+        out[ROUTING_ROWS] = [torch.full((k, 1, 2), i + 1, dtype=torch.int16) for i, k in enumerate(lens)]
+        return out
+
+    def submit_request(self, request: Request, route_key: str | None = None) -> Future:
+        from roll_core.routing import UNROUTED
+
+        self.requests.append(request)
+        what, k = self.script.pop(0), len(request.prompt_ids)
+        ids = [8] * (ANSWER - (k - 3)) if what == "finish" else []
+        finish = {"refused": "abort", "too_long": "prompt_too_long", "finish": "stop"}[what]
+        routed = torch.full((k + max(len(ids) - 1, 0), 1, 2), 9 if ids else UNROUTED, dtype=torch.int16)
+        fut: Future = Future()
+        logp = [-0.3] * len(ids)
+        fut.set_result(RequestOutput(request.request_id, request.prompt_ids, ids, logp, finish, routed_experts=routed))
+        return fut
+
+
+def test_a_resumed_rows_routing_keeps_what_earlier_attempts_recorded() -> None:
+    """Each attempt's routing replaced the row's: a last attempt that computed nothing (prompt_too_long, or the hf
+    engine aborting it before its prefill) threw away the routing already recorded, and the row trained with the
+    trainer's own router. Positions the last attempt did not record now keep the earlier attempts' experts."""
+    from roll_core.routing import ROUTING_ROWS, UNROUTED
+
+    params = SamplingParams(max_new_tokens=16)
+    infer = RoutedInfer({1: 2}, ["refused", "too_long"])  # row 1: prompt 3 + 2 tokens, 4 positions recorded (2)
+    out, _, _ = resume_aborted(infer, _prompts(), infer.generate(_prompts(), params, 2), params, 2, 0)
+    assert out["finish_reason"][1] == "length"
+    row = out[ROUTING_ROWS][1][:, 0, 0].tolist()
+    assert row == [2, 2, 2, 2, UNROUTED]  # was: 5 x UNROUTED (the prompt_too_long attempt's)
+    # an attempt that records everything replaces the earlier ones (the same tokens, the latest weights' record)
+    infer = RoutedInfer({1: 2}, ["refused", "finish"])
+    out, _, _ = resume_aborted(infer, _prompts(), infer.generate(_prompts(), params, 2), params, 2, 0)
+    assert out[ROUTING_ROWS][1][:, 0, 0].tolist() == [9] * 7  # prompt 3 + 5 tokens, the last never fed back
+    assert [r.shape[0] for r in out[ROUTING_ROWS]] == [7, 7, 6, 6]
+
+
+def test_a_restarted_rows_routing_keeps_only_its_prompts() -> None:
+    """A constrained row is generated again from its prompt: the earlier response's positions are of other tokens,
+    only its prompt's routing lines up."""
+    from roll_core.interfaces.inference import StructuredOutput
+    from roll_core.routing import ROUTING_ROWS
+
+    params = SamplingParams(max_new_tokens=16, structured=StructuredOutput(regex="[0-9]+"))
+    infer = RoutedInfer({3: 2}, ["too_long"])  # row 3: prompt 2 + 2 tokens, 3 positions recorded (4)
+    out, _, _ = resume_aborted(infer, _prompts(), infer.generate(_prompts(), params, 2), params, 2, 0)
+    assert int(out["response_mask"][3].sum()) == 0
+    assert out[ROUTING_ROWS][3][:, 0, 0].tolist() == [4, 4]  # was: [-1, -1]; never the old response's third
+
+
+def test_assemble_counts_the_positions_the_trainer_routes_itself() -> None:
+    """Rows (or positions) with no recorded routing fell back to the trainer's router uncounted."""
+    from roll_core.pipelines.rollout import assemble
+    from roll_core.routing import ROUTED_EXPERTS, ROUTING_ROWS, UNROUTED
+
+    prompts = Batch(fields={"prompt_ids": [[11, 12, 13], [21, 22], [31]]})
+    gen = Batch(
+        {
+            "responses": torch.tensor([[7, 7, 7], [7, 7, 0], [7, 0, 0]]),
+            "behaviour_logprobs": torch.zeros(3, 3),
+            "response_mask": torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]]),
+        },
+        {
+            "finish_reason": ["stop"] * 3,
+            ROUTING_ROWS: [
+                torch.ones(5, 2, 2, dtype=torch.int16),  # prompt 3 + 3 tokens: all recorded
+                torch.tensor([1, 1, UNROUTED], dtype=torch.int16).view(3, 1, 1).repeat(1, 2, 2),  # one lost
+                torch.full((1, 2, 2), UNROUTED, dtype=torch.int16),  # nothing recorded (1 counted position)
+            ],
+        },
+    )
+    gen[ROUTING_ROWS][1][2, 1] = 1  # one MoE layer of the lost position recorded: the other is still the trainer's
+    counts: dict[str, Any] = {}
+    batch = assemble(SimpleNamespace(pad_token_id=0), prompts, gen, counts)
+    assert ROUTED_EXPERTS in batch
+    assert counts["routing/unreplayed_positions"] == 2 and counts["routing/unreplayed_rows"] == 1

@@ -294,7 +294,9 @@ def assemble(tokenizer: Any, prompts: Batch, gen: Batch, metrics: dict[str, Any]
     Rows whose prompt alone fills the engine's context (finish reason `prompt_too_long`) are dropped;
     `metrics["data/skipped_context_prompts"]` counts their prompts (a run of consecutive rows of one prompt, as
     `repeat_interleave` lays a group out, is one prompt). When every row's does: PromptsFillContext (a ConfigError
-    naming infer_engine.max_model_len and model.max_prompt_length).
+    naming infer_engine.max_model_len and model.max_prompt_length). A generation with MoE routing (ROUTING_ROWS)
+    gets it laid out as `routed_experts`; `metrics["routing/unreplayed_positions"]` and `["routing/unreplayed_rows"]`
+    count what the trainer will route itself for want of a record (roll_core.routing.unreplayed).
     """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch = prompts.union(gen)
@@ -329,11 +331,17 @@ def assemble(tokenizer: Any, prompts: Batch, gen: Batch, metrics: dict[str, Any]
     batch["prompts"] = p_ids
     for k, v in build_sequences(p_ids, p_mask, batch["responses"], batch["response_mask"]).items():
         batch[k] = v
-    from roll_core.routing import ROUTED_EXPERTS, ROUTING_ROWS, routing_layout
+    from roll_core.routing import ROUTED_EXPERTS, ROUTING_ROWS, routing_layout, unreplayed
 
     if ROUTING_ROWS in batch:  # the engine's MoE routing, aligned with input_ids (routed-expert replay)
         lens = [len(p) for p in batch["prompt_ids"]]
         batch[ROUTED_EXPERTS] = routing_layout(batch[ROUTING_ROWS], lens, p_ids.shape[1], batch["responses"].shape[1])
+        # positions with no record fall back to the trainer's own router: counted, not silent
+        positions, rows = unreplayed(batch[ROUTED_EXPERTS], batch["attention_mask"])
+        if metrics is not None:
+            metrics["routing/unreplayed_positions"], metrics["routing/unreplayed_rows"] = positions, rows
+        if rows:
+            log.warning("%d row(s) have no recorded MoE routing: the trainer routes them itself (no replay)", rows)
     return batch
 
 

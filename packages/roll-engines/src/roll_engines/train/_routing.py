@@ -110,7 +110,8 @@ class RoutingReplay:
                 f"{ROUTED_EXPERTS} has shape {tuple(routing.shape)}; this batch and model need {want} "
                 "(rows, P+R, MoE layers, top_k)"
             )
-        if int(routing.max()) >= self.num_experts or int(routing.min()) < UNROUTED:
+        # an empty micro-batch (a rank's share of a short batch) has no max: checked only when it has ids
+        if routing.numel() and (int(routing.max()) >= self.num_experts or int(routing.min()) < UNROUTED):
             raise ValueError(f"{ROUTED_EXPERTS} holds expert ids outside [-1, {self.num_experts})")
         flat = routing.reshape(-1, len(self.routers), self.top_k).long()
         if packed is not None:

@@ -58,7 +58,7 @@ from roll_core.pipelines.rollout import (
 )
 from roll_core.pipelines.sampling import RM_ROW_TENSORS, group_rows, informative_groups, merge_scored, pad_right
 from roll_core.protocol import Batch
-from roll_core.routing import ROUTING_ROWS
+from roll_core.routing import ROUTING_ROWS, carry_routing
 from roll_core.seeds import Purpose, derive_seed
 
 log = logging.getLogger(__name__)
@@ -458,7 +458,8 @@ def resume_aborted(
     A row with finish reason "abort" is submitted again (`infer.submit_request`) as its prompt followed by what it
     generated, with the rest of its budget (`params.max_new_tokens`) and a seed of its own per attempt, until it
     finishes: its tokens and behaviour log-probs are every attempt's in order, its finish reason the last one's, its
-    MoE routing (`routed_experts_rows`) the last request's, which covers the prompt and every token. An abort that
+    MoE routing (`routed_experts_rows`) the last request's, which covers the prompt and every token, with earlier
+    attempts' where it recorded none (roll_core.routing.carry_routing; a restart: its prompt's). An abort that
     left the whole budget generated, or a resume whose context the engine cannot hold, is a row cut at its limit
     ("length"); a prefix holding a picture placeholder is not resumed (the response is cut before it anyway:
     roll_core.pipelines.rollout.cut_picture_tokens, and the engine would refuse a placeholder without a picture)
@@ -518,8 +519,9 @@ def resume_aborted(
             out = handle.result()
             tokens[i] += list(out.token_ids)
             logprobs[i] += list(out.logprobs)
-            if routing is not None and out.routed_experts is not None:
-                routing[i] = out.routed_experts
+            if routing is not None:  # earlier attempts' records where this one has none (a restart: its prompt's)
+                keep = len(prompts["prompt_ids"][i // n]) if restarts else None
+                routing[i] = carry_routing(routing[i], out.routed_experts, keep)
             # the engine cannot hold prompt + prefix: the response is cut at the engine's limit
             reasons[i] = "length" if out.finish_reason == "prompt_too_long" else out.finish_reason
             if reasons[i] != "abort":
