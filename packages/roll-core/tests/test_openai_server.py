@@ -11,6 +11,7 @@ tests/e2e/test_openai_agent.py uses the real engine."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from typing import Any
@@ -404,5 +405,105 @@ def test_request_fields_are_read_as_openai_defines_them(tokenizer: Any) -> None:
             status, body = post_json(url, json.dumps({"messages": hi, "stream": bad}).encode())
             assert (status, body["error"]["code"]) == (400, "invalid_parameter"), bad
         assert len(infer.calls) == 1  # refused before sampling
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "named"),
+    [
+        # OpenAI answers each 400; they were 200s: usage chunks never sent, or sent for "false" (a truthy string).
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": "false"}}, "stream_options.include_usage"),
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+        # A user turn without text reached the template as "", a tool result matched to no call.
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": None}]}, "messages[1].content"),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "7"}]},
+            "messages[1].tool_call_id",
+        ),
+        ({"messages": [{"role": "tool", "content": "7", "tool_call_id": 3}]}, "messages[0].tool_call_id"),
+    ],
+)
+def test_fields_openai_refuses_are_400s_naming_the_field(tokenizer: Any, field: dict[str, Any], named: str) -> None:
+    infer = Recorder(ScriptedTextEngine(tokenizer, ["a", "b"]))
+    sessions, server = serve(infer, tokenizer)
+    try:
+        sessions.open("f", PARAMS, SessionLimits(max_context_length=1024))
+        url = server.base_url("f") + "/chat/completions"
+        status, body = post_json(url, json.dumps({"messages": [{"role": "user", "content": "hi"}], **field}).encode())
+        assert status == 400, body
+        assert body["error"]["type"] == "invalid_request_error" and re.match(
+            re.escape(named) + "[ :=]", body["error"]["message"]
+        )
+        assert infer.calls == []  # refused before sampling
+        # What OpenAI takes is still served: include_usage with a stream, an empty user turn, a tool result with its id.
+        chunks = list(
+            openai_client(server, "f").chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": ""}],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(
+            infer.calls[0][1].result().token_ids
+        )
+    finally:
+        server.close()
+
+
+def test_models_of_an_unknown_or_ended_session_are_refused_as_its_chat_is(tokenizer: Any) -> None:
+    """`GET /sessions/{sid}/v1/models` answered 200 for any sid: an agent checking its base_url passed, then every
+    chat was a 404."""
+    sessions, server = serve(ScriptedTextEngine(tokenizer, []), tokenizer)
+    try:
+        sessions.open("m", PARAMS, SessionLimits())
+        assert [m.id for m in openai_client(server, "m").models.list().data] == ["roll"]
+        status, _, body = _request(server.url + "/v1/models", "GET")
+        assert status == 200 and body["data"][0]["id"] == "roll"  # the session-less route serves as before
+        with pytest.raises(openai.NotFoundError) as nf:
+            openai_client(server, "nope").models.list()
+        assert nf.value.code == "session_not_found" and nf.value.body["type"] == "invalid_request_error"
+        sessions.open("gone", PARAMS, SessionLimits())
+        sessions.get("gone").closed = True  # an episode timed out, the collector has not dropped it yet
+        sessions.open("dropped", PARAMS, SessionLimits())
+        sessions.close("dropped")
+        for sid in ("gone", "dropped"):
+            status, _, body = _request(server.base_url(sid) + "/models", "GET")
+            assert (status, body["error"]["code"]) == (410, "session_closed"), sid
+    finally:
+        server.close()
+
+
+def test_the_response_format_verdicts_are_a_bounded_lru(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every distinct schema an agent sent stayed cached for the server's life (an agent that puts a request id in
+    its schema grew it by one entry per request)."""
+    from roll_core.agentic import openai_server
+    from roll_core.interfaces.inference import StructuredOutput
+
+    monkeypatch.setattr(openai_server, "MAX_CHECKED_FORMATS", 3, raising=False)
+    checks: list[Any] = []
+
+    class Counting(ScriptedTextEngine):
+        def check_sampling(self, params: SamplingParams) -> None:
+            checks.append(params.structured.key())
+            super().check_sampling(params)
+
+    _, server = serve(Counting(tokenizer, []), tokenizer)
+    try:
+        fmts = [StructuredOutput(json_schema={"type": "object", "title": f"t{k}"}) for k in range(5)]
+        for k in (0, 1, 2, 0, 3, 4):  # 0 is used again before 3 and 4 come: 1 and 2 are the least recently used
+            with pytest.raises(openai_server.SessionError):
+                server._check_structured(fmts[k])
+        assert len(checks) == 5 and list(server._checked) == [fmts[k].key() for k in (0, 3, 4)]
+        with pytest.raises(openai_server.SessionError) as again:
+            server._check_structured(fmts[0])  # remembered: not asked again
+        assert len(checks) == 5 and again.value.code == "unsupported_response_format"
+        with pytest.raises(openai_server.SessionError):
+            server._check_structured(fmts[1])  # dropped: asked again
+        assert len(checks) == 6 and len(server._checked) == 3
     finally:
         server.close()

@@ -1,7 +1,8 @@
 """OpenAI chat messages as the agent endpoint's sessions take them (roll_core.agentic.agent_sessions).
 
 Contract: `normalise_message` turns a request's message into {"role", "content": str | None, ["tool_calls"],
-["tool_call_id"], ["name"]} or raises `SessionError` (HTTP 400) naming the message; `turn_key` is what makes two
+["tool_call_id"], ["name"]} or raises `SessionError` (HTTP 400) naming the message (as OpenAI, content may be left
+out only by an assistant message, and a tool message needs its `tool_call_id`); `turn_key` is what makes two
 requests the same request (a client's retry); `template_message` is a normalised message as chat templates take it.
 """
 
@@ -45,6 +46,14 @@ def normalise_message(raw: Any, index: int) -> dict[str, Any]:
     if role not in ROLES:
         raise SessionError(400, "invalid_message", f"messages[{index}].role={role!r} is not one of {ROLES}")
     content = raw.get("content")
+    # OpenAI answers 400 to both: a user turn without text reached the template as "", and a tool result without
+    # the id of its call could not be matched to one (the agent's bug, hidden behind a 200 reply).
+    if content is None and role != "assistant":
+        raise SessionError(400, "invalid_message", f"messages[{index}].content is required for a {role} message")
+    if role == "tool" and not isinstance(raw.get("tool_call_id"), str):
+        raise SessionError(
+            400, "invalid_message", f"messages[{index}].tool_call_id is required (a string) for a tool message"
+        )
     if isinstance(content, list):
         texts = []
         for k, part in enumerate(content):

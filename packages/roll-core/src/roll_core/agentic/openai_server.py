@@ -3,7 +3,8 @@
 Routes (aiohttp, bound to 127.0.0.1 unless told otherwise; port 0 picks a free one):
 
     POST /sessions/{sid}/v1/chat/completions   the next assistant turn of episode `sid`
-    GET  /sessions/{sid}/v1/models             the served model (also GET /v1/models)
+    GET  /sessions/{sid}/v1/models             the served model (404 / 410 as chat for an unknown / ended session;
+                                               also GET /v1/models)
     POST /sessions/{sid}/reward                {"reward": <number>}: the episode's reward (the last report wins)
 
 An agent program uses `openai.OpenAI(base_url=server.base_url(sid), api_key=...)` unmodified (the key is not
@@ -43,8 +44,9 @@ format:
   parser's `markers` (`text_decoder`: some tokenizers mark `<tool_call>` special).
 - `stream=true` (a JSON boolean) is answered as server-sent events in OpenAI's chunk format (the whole turn is
   generated first, then sent as a role/content chunk, a tool-calls chunk and a final chunk, then `data: [DONE]`;
-  with `stream_options.include_usage` a usage chunk precedes it). A client that leaves before the stream is sent
-  does not undo the turn: it stays recorded, and the client's retry gets it.
+  with `stream_options.include_usage` a usage chunk precedes it; `stream_options` without `stream=true`, or an
+  `include_usage` that is not a JSON boolean, is a 400 as OpenAI answers it). A client that leaves before the
+  stream is sent does not undo the turn: it stays recorded, and the client's retry gets it.
 - `close()` ends the requests in flight (roll_core.agentic.agent_sessions.AgentSessions.abort_all) before it stops.
 """
 
@@ -58,6 +60,7 @@ import logging
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -73,6 +76,9 @@ from roll_core.agentic.agent_sessions import (
 from roll_core.errors import Extra
 
 log = logging.getLogger(__name__)
+
+#: Distinct response_format constraints whose engine verdict is remembered (least recently used dropped first).
+MAX_CHECKED_FORMATS = 1024
 
 AIOHTTP = Extra("aiohttp", "pipeline=agent (the OpenAI-compatible endpoint)", "aiohttp", "roll-core[agents]")
 
@@ -257,6 +263,13 @@ def chat_turn(body: Any) -> ChatTurn:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):  # read after the turn is generated: check it before
         raise SessionError(400, "invalid_parameter", "stream_options must be an object ({include_usage: bool})")
+    if options is not None and not stream:  # OpenAI answers 400: the options of a stream that was not asked for
+        raise SessionError(400, "invalid_parameter", "stream_options: only allowed when stream is true")
+    usage = (options or {}).get("include_usage")
+    if usage is not None and not isinstance(usage, bool):  # "false" (a string) was truthy: a usage chunk unasked for
+        raise SessionError(
+            400, "invalid_parameter", f"stream_options.include_usage={usage!r} must be true or false (a JSON boolean)"
+        )
     return ChatTurn(
         messages=[normalise_message(m, i) for i, m in enumerate(messages)],
         tools=tools or None,
@@ -361,7 +374,10 @@ class OpenAIServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: Any = None
-        self._checked: dict[Any, SessionError | None] = {}
+        # Engine verdicts on response_format constraints, most recently used last: bounded, as agents may send a new
+        # schema per request (a run's worth of them grew without limit); guarded as pool threads share it.
+        self._checked: OrderedDict[Any, SessionError | None] = OrderedDict()
+        self._checked_lock = threading.Lock()
         self.url = ""
         self._ids = 0
 
@@ -429,6 +445,13 @@ class OpenAIServer:
     async def _models(self, request: Any) -> Any:
         from aiohttp import web
 
+        sid = request.match_info.get("sid")
+        if sid is not None:  # an unknown session was a 200: the agent's check of its base_url passed, its chat 404ed
+            try:
+                if self.sessions.get(sid).closed:
+                    raise SessionError(410, "session_closed", f"session {sid} has ended (episode timeout or shutdown)")
+            except SessionError as exc:
+                return _refused(exc)
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "roll"}
         return web.json_response({"object": "list", "data": [model]})
 
@@ -481,19 +504,29 @@ class OpenAIServer:
     def _check_structured(self, structured: Any) -> None:
         """Refuse a constraint the engine cannot decode (asked once per distinct constraint)."""
         key = structured.key()
-        if key not in self._checked:
+        with self._checked_lock:
+            known = key in self._checked
+            if known:
+                self._checked.move_to_end(key)
+                verdict = self._checked[key]
+        if not known:
             from roll_core.interfaces import SamplingParams, UnsupportedSamplingError
 
+            verdict = None
             try:
                 check = getattr(self.sessions.infer, "check_sampling", None)
                 if check is None:
                     raise UnsupportedSamplingError("the inference group cannot say whether it constrains decoding")
                 check(SamplingParams(structured=structured))
-                self._checked[key] = None
             except (UnsupportedSamplingError, ValueError, TypeError) as exc:
-                self._checked[key] = SessionError(400, "unsupported_response_format", f"response_format: {exc}")
-        if self._checked[key] is not None:
-            raise self._checked[key]
+                verdict = SessionError(400, "unsupported_response_format", f"response_format: {exc}")
+            with self._checked_lock:
+                self._checked[key] = verdict
+                self._checked.move_to_end(key)
+                while len(self._checked) > MAX_CHECKED_FORMATS:
+                    self._checked.popitem(last=False)
+        if verdict is not None:
+            raise verdict
 
     async def _stream(self, request: Any, cid: str, reply: Reply, body: dict[str, Any]) -> Any:
         from aiohttp import web
