@@ -236,3 +236,38 @@ def test_a_generate_row_refused_part_way_aborts_the_rows_queued_before_it(
         assert engine.generate([[5, 6]], SamplingParams(max_new_tokens=3, seed=0)).response_mask.sum() == 3
     finally:
         engine.shutdown()
+
+
+def test_a_generate_interrupted_mid_decode_frees_its_rows_at_once(tiny: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupt (KeyboardInterrupt in the thread that drives generate) only marked the running rows aborted: with
+    no background loop (generate drives the batch itself) no next step came, so they stayed in the batch holding
+    their KV cache, their futures never resolved and `sleep` refused ("requests run"). They are retired at once."""
+    engine = HFInferEngine(tiny, prefix_cache_mb=0)
+    add, step, queued, steps = engine.batcher.add, engine.batcher.step, [], []
+
+    def add_and_keep(seq: _batcher.Running) -> None:
+        add(seq)
+        queued.append(seq)
+
+    def step_then_interrupt() -> None:
+        step()
+        steps.append(1)
+        if len(steps) == 3:  # decoding, 4 tokens each (the first step samples a first token and decodes one)
+            assert len(engine.batcher.running) == 4 and engine.batcher.kv_bytes() > 0
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.batcher, "add", add_and_keep)
+    monkeypatch.setattr(engine.batcher, "step", step_then_interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate([[5, 6, 7], [8, 9]], LONG, n=2)
+        assert engine._thread is None  # no background loop would step them later
+        assert not engine.batcher.has_work() and engine.batcher.kv_bytes() == 0
+        outs = [s.future.result(timeout=0) for s in queued]
+        assert [o.finish_reason for o in outs] == ["abort"] * 4 and all(len(o.token_ids) == 4 for o in outs)
+        engine.sleep(1)  # nothing left running
+        engine.wake_up()
+        monkeypatch.setattr(engine.batcher, "step", step)
+        assert engine.generate([[5, 6]], SamplingParams(max_new_tokens=3, seed=0)).response_mask.sum() == 3
+    finally:
+        engine.shutdown()

@@ -28,7 +28,10 @@ class _FakeEngine:
         self.tokenizer_manager = types.SimpleNamespace(abort_request=lambda rid: self.aborted.add(rid))
 
     async def async_generate(self, input_ids: Any, sampling_params: Any, return_logprob: bool, rid: str) -> Any:
-        """Runs until aborted, then answers as SGLang does for an aborted request with nothing generated."""
+        """Runs until aborted, then answers as SGLang does for an aborted request with nothing generated; the
+        prompt [666] fails at once (SGLang raising for a request, a row of a batch failing)."""
+        if list(input_ids) == [666]:
+            raise RuntimeError("row failed in SGLang")
         while rid not in self.aborted:
             await asyncio.sleep(0.005)
         return {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}, "output_token_logprobs": []}}
@@ -208,3 +211,25 @@ def test_shutdown_fails_running_and_queued_requests_and_later_calls_return_at_on
     for call in (engine.begin_weight_update, lambda: engine.submit(Request("late", [5], params))):
         exc = at_once(call)
         assert isinstance(exc, RuntimeError) and "sglang engine shut down" in str(exc), exc
+
+
+def test_a_failed_row_aborts_the_batchs_other_rows(fake_sglang) -> None:
+    """generate raised the first failed row's error and left the batch's other rows running in SGLang for nobody
+    (nothing aborted them). Now they are aborted before the error is raised, as the hf and vllm engines do."""
+    import time
+
+    from roll_core.interfaces import SamplingParams
+    from roll_core.models import resolve_model_path
+    from roll_engines.infer.sglang import SGLangInferEngine
+
+    engine = SGLangInferEngine(resolve_model_path("builtin:tiny"), device="cuda")
+    try:
+        with pytest.raises(RuntimeError, match="row failed in SGLang"):
+            engine.generate([[666], [5, 6], [7, 8, 9]], SamplingParams(max_new_tokens=8), n=2)
+        deadline = time.monotonic() + 10
+        while engine._tasks:  # the four healthy rows end once aborted (the fake runs until then)
+            assert time.monotonic() < deadline, f"{len(engine._tasks)} rows still running in SGLang after the error"
+            time.sleep(0.01)
+        assert len(engine.engine.aborted) == 4 and not engine._rids
+    finally:
+        engine.shutdown()

@@ -216,6 +216,29 @@ class TestVLLMInferEngine(InferEngineTestSuite):
         assert [r.finish_reason for r in rest] == ["abort"] * 2, [(r.finish_reason, len(r.token_ids)) for r in rest]
         assert not engine._pending
 
+    def test_a_duplicate_submitted_during_a_sync_is_refused_at_once(
+        self, engine: Any, prompts: list[list[int]]
+    ) -> None:
+        """Requests submitted during a sync wait for its end, and their ids were checked only then: two of one id
+        both queued, `abort` during the sync dropped the first and the second then ran. The second is refused as it
+        is queued (as a running id is), and the abort ends the one request of that id."""
+        from roll_core.interfaces import Request
+
+        long = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True, seed=3)
+        version = engine.submit(Request("v-dup", prompts[0], SamplingParams(max_new_tokens=1))).result(300)
+        engine.begin_weight_update()
+        try:
+            first = engine.submit(Request("dup-sync", prompts[0], long))
+            second = engine.submit(Request("dup-sync", prompts[1], long))
+            with pytest.raises(ValueError, match=r"request id 'dup-sync' is already running"):
+                second.result(timeout=20)  # the driver takes jobs during a sync: within its 0.5 s wait
+            assert engine.abort("dup-sync") is True
+            assert first.result(timeout=20).finish_reason == "abort"
+        finally:
+            assert engine.abort_weight_update("test: nothing sent") == version.weight_version
+            engine.abort("dup-sync")  # the old code's second request: not left running for the next test
+        assert engine.abort("dup-sync") is False and not engine._deferred
+
     def test_a_weight_vllm_rejects_is_named(self, engine: Any, prompts: list[list[int]]) -> None:
         """A weight of the wrong shape fails the sync with an error naming it, its shape and dtype: vLLM's loader
         raised a bare AssertionError() and the sync failed with nothing but that. The sync is undone."""

@@ -255,6 +255,10 @@ class ContinuousBatcher:
                 return True
         return False
 
+    def retire(self) -> None:
+        """Between steps: resolve and drop the finished and aborted rows now (their KV freed), as a step would."""
+        self._retire()
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -14,7 +14,7 @@ picture expansion that disagrees with roll's (`expansion_error`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,9 +72,11 @@ class RequestTable:
     def external_ids(self) -> list[str]:
         return list(self._states)
 
-    def check_new(self, request: Request) -> None:
-        """ValueError when `request`'s id is running already (module docstring); call before vLLM sees it."""
-        if request.request_id in self._by_roll_id:
+    def check_new(self, request: Request, queued: Iterable[Request] = ()) -> None:
+        """ValueError when `request`'s id is running already (module docstring), or is that of one of `queued` (the
+        requests deferred until a weight sync ends, which abort names as it names running ones); call before vLLM
+        sees it."""
+        if request.request_id in self._by_roll_id or any(q.request_id == request.request_id for q in queued):
             raise ValueError(
                 f"{self.name}: request id {request.request_id!r} is already running; a running request's id must be "
                 "unique (abort names requests by it)"

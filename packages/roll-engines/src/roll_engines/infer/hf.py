@@ -320,11 +320,12 @@ class HFInferEngine:
                 futures.append(self._add(seq))
             self._drive(futures)
         except BaseException:
-            # A row refused part way (the engine shut down, or weights left mixed by a failed sync meanwhile) or an
-            # interrupted wait: the rows already queued must not keep running (or holding the batch) for nobody.
+            # A row refused part way (engine shut down, weights left mixed meanwhile) or an interrupted wait: the rows
+            # queued are retired now, not at a next step that may never come (no background loop) holding their KV.
             with self._lock:
                 for seq in seqs[: len(futures)]:
                     self.batcher.abort(seq.request.request_id)
+                self.batcher.retire()
             raise
         outputs = []
         for i, f in enumerate(futures):

@@ -51,7 +51,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, wait
 from typing import Any, ClassVar
 
 from torch import Tensor
@@ -352,35 +352,52 @@ class SGLangInferEngine:
         mm: Sequence[Any] | None = None,
         first_row: int = 0,
     ) -> GenerateOutput:
+        """n samples per prompt (rows grouped per prompt; row i seeded by (params.seed, first_row + i)). When a row
+        fails (or the wait is interrupted), the batch's other rows are aborted before the error is raised: none keeps
+        running in SGLang for nobody (as the hf and vllm engines do)."""
         _refuse_pictures(self.name, mm or [], "a prompt")
         t0 = time.perf_counter()
         params = params or self.defaults
-        futures = []
+        self.check_sampling(params)  # before any row starts: a refusal part way would leave the first rows running
+        requests = []
         for k, prompt in enumerate(prompts):
             for j in range(n):
                 seed = (
                     None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, first_row + k * n + j)
                 )
-                req = Request(f"generate-{uuid.uuid4().hex}", list(prompt), params.replace(seed=seed))
+                requests.append(Request(f"generate-{uuid.uuid4().hex}", list(prompt), params.replace(seed=seed)))
+        futures: list[Future[RequestOutput]] = []
+        try:
+            for req in requests:  # one by one: rows submitted before a refusal are aborted below
                 futures.append(self.submit(req))
+            wait(futures, return_when=FIRST_EXCEPTION)  # not row by row: a late row's failure is seen at once
+            failed = next((f.exception() for f in futures if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                raise failed
+        except BaseException:
+            if futures and not self._stopped:  # after shutdown nothing runs, and no driver would take the job
+                with contextlib.suppress(RuntimeError):  # shut down meanwhile: nothing is left running
+                    self._control(lambda: [self._abort_now(r.request_id) for r in requests[: len(futures)]])
+            raise
         return GenerateOutput.from_requests([f.result() for f in futures], self.pad_id, time.perf_counter() - t0)
 
     def abort(self, request_id: str) -> bool:
         """False when `request_id` is not running; after `shutdown` (which failed every request) at once."""
 
-        def do() -> bool:
-            rid = self._rids.get(request_id)
-            if rid is None:
-                return False
-            self.engine.tokenizer_manager.abort_request(rid=rid)
-            return True
-
         try:
-            return bool(self._control(do))
+            return bool(self._control(lambda: self._abort_now(request_id)))
         except RuntimeError:
             if self._stopped:  # shut down before the driver took it: nothing is left to abort
                 return False
             raise
+
+    def _abort_now(self, request_id: str) -> bool:
+        """On the driver thread: abort `request_id` in SGLang; False when it is not running."""
+        rid = self._rids.get(request_id)
+        if rid is None:
+            return False
+        self.engine.tokenizer_manager.abort_request(rid=rid)
+        return True
 
     # ---- weights ------------------------------------------------------------------------------------------
     def begin_weight_update(self) -> None:

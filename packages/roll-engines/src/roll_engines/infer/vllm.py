@@ -377,7 +377,7 @@ class VLLMInferEngine(VLLMWeightUpdates):
             kind, payload, fut = job
             if kind == "request":
                 if self._paused:
-                    self._deferred.append((payload, fut))
+                    self._defer(payload, fut)
                 else:
                     self._start_or_fail(payload, fut)
             else:
@@ -389,6 +389,16 @@ class VLLMInferEngine(VLLMWeightUpdates):
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 return
+
+    def _defer(self, request: Request, fut: Future) -> None:
+        """Hold a request submitted during a sync until it ends; a duplicate id is refused now, not when the sync
+        ends: `abort` during the sync would drop one of two queued requests of that id and the other then ran."""
+        try:
+            self._pending.check_new(request, queued=(r for r, _ in self._deferred))
+        except ValueError as exc:
+            fut.set_exception(exc)
+            return
+        self._deferred.append((request, fut))
 
     def _start_or_fail(self, request: Request, fut: Future) -> None:
         try:
