@@ -125,6 +125,31 @@ def test_roll_train_hands_the_pipeline_the_folder_under_the_launch_directory(
     assert not (run / "runs").exists()
 
 
+@pytest.mark.usefixtures("hydra_isolated")
+def test_an_earlier_sweeps_failed_job_in_the_process_does_not_fail_this_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """failed_jobs() counts every sweep of the process: a single run after a sweep with a failed job (a second
+    train_main in a notebook, the test suite's CI run of 2026-12-07) exited 1 naming the earlier sweep's job."""
+    from roll_core import sweep
+
+    class Done:
+        def __init__(self, cfg: Any, output_dir: str | Path | None = None) -> None:
+            self.out = output_dir
+
+        def run(self) -> dict[str, Any]:
+            return {"wall_seconds": 0.0}
+
+        def shutdown(self) -> None:
+            pass
+
+    monkeypatch.setattr(sweep, "_failed_jobs", ["algo.lr=1"])  # an earlier sweep of this process
+    monkeypatch.setattr(cli, "pipeline_class", lambda name: Done)
+    monkeypatch.setattr(sys, "argv", ["roll-train", "pipeline.output_dir=runs/b"])
+    cli.train_main()  # returns: no SystemExit(1)
+    assert sweep.failed_jobs() == ["algo.lr=1"]
+
+
 def test_a_checkpoint_the_ranks_wrote_part_of_is_never_the_latest(tmp_path: Path) -> None:
     """The trainer's ranks write their shards from their own nodes into `step_N.tmp/`; only the driver marks a
     checkpoint complete (state.json, then the rename to `step_N`), after every rank's save returned. What a failed or

@@ -175,6 +175,10 @@ def train_main() -> None:
     from roll_core.run_folder import FolderRefused, release_claimed
     from roll_core.sweep_stop import SweepStopped
 
+    # failed_jobs() counts every sweep of this process: this command's are those after the ones already there (a
+    # second train_main in one process, a notebook, the test suite, exited 1 over an earlier sweep's failed job).
+    earlier = sys.modules.get("roll_core.sweep")
+    known = len(earlier.failed_jobs()) if earlier is not None else 0
     try:
         try:
             main()  # its first callback claims the run folder before Hydra writes into it (roll_core.run_folder)
@@ -187,8 +191,9 @@ def train_main() -> None:
             release_claimed()
         from roll_core.sweep import failed_jobs
 
-        if failed_jobs():
-            print(f"roll-train: {len(failed_jobs())} sweep job(s) failed: {'; '.join(failed_jobs())}", file=sys.stderr)
+        failed = failed_jobs()[known:]
+        if failed:
+            print(f"roll-train: {len(failed)} sweep job(s) failed: {'; '.join(failed)}", file=sys.stderr)
             sys.exit(1)
     except SweepStopped as exc:
         # a signal stopped the sweep: say what its jobs did (which failed, too: it exits before the line above)
