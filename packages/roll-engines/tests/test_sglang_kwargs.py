@@ -25,13 +25,20 @@ class _FakeEngine:
         type(self).last = kwargs
         self.loop = asyncio.new_event_loop()
         self.aborted: set[str] = set()
-        self.tokenizer_manager = types.SimpleNamespace(abort_request=lambda rid: self.aborted.add(rid))
+        # As SGLang's TokenizerManager: a request is in `rid_to_state` once its task has run, and an abort for a rid
+        # not there is dropped without a word.
+        self.tokenizer_manager = types.SimpleNamespace(rid_to_state={}, abort_request=self._abort_request)
+
+    def _abort_request(self, rid: str) -> None:
+        if rid in self.tokenizer_manager.rid_to_state:
+            self.aborted.add(rid)
 
     async def async_generate(self, input_ids: Any, sampling_params: Any, return_logprob: bool, rid: str) -> Any:
         """Runs until aborted, then answers as SGLang does for an aborted request with nothing generated; the
         prompt [666] fails at once (SGLang raising for a request, a row of a batch failing)."""
         if list(input_ids) == [666]:
             raise RuntimeError("row failed in SGLang")
+        self.tokenizer_manager.rid_to_state[rid] = "state"
         while rid not in self.aborted:
             await asyncio.sleep(0.005)
         return {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}, "output_token_logprobs": []}}
@@ -231,5 +238,25 @@ def test_a_failed_row_aborts_the_batchs_other_rows(fake_sglang) -> None:
             assert time.monotonic() < deadline, f"{len(engine._tasks)} rows still running in SGLang after the error"
             time.sleep(0.01)
         assert len(engine.engine.aborted) == 4 and not engine._rids
+    finally:
+        engine.shutdown()
+
+
+def test_an_abort_before_sglang_registered_the_request_is_not_lost(fake_sglang) -> None:
+    """SGLang drops an abort for a rid its tokenizer manager has not registered yet. A request submitted while the
+    loop was idle (here: a weight sync pausing it) and aborted before it ran was not aborted: it ran to its end (the
+    fake: for ever). The abort is now sent again once SGLang has registered the request."""
+    from roll_core.interfaces import Request, SamplingParams
+    from roll_core.models import resolve_model_path
+    from roll_engines.infer.sglang import SGLangInferEngine
+
+    engine = SGLangInferEngine(resolve_model_path("builtin:tiny"), device="cuda")
+    try:
+        engine.begin_weight_update()  # the driver stops running SGLang's loop
+        fut = engine.submit(Request("early", [5, 6, 7], SamplingParams(max_new_tokens=8)))
+        assert engine.abort("early") is True
+        engine.finish_weight_update()
+        out = fut.result(timeout=10)
+        assert out.finish_reason == "abort" and out.token_ids == [] and not engine._unsent_aborts
     finally:
         engine.shutdown()

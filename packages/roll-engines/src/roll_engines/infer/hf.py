@@ -57,7 +57,6 @@ import itertools
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, ClassVar
@@ -67,7 +66,6 @@ from torch import Tensor
 
 from roll_core.interfaces.inference import GenerateOutput, Request, RequestOutput, SamplingParams, StructuredOutput
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
-from roll_core.seeds import Purpose, derive_seed
 from roll_engines._onednn_linear import (
     SKINNY_ROWS,
     drop_packed,
@@ -81,6 +79,7 @@ from roll_engines.infer._constrained_batcher import Constrained, ConstrainedBatc
 from roll_engines.infer._decode_attention import use_decode_attention
 from roll_engines.infer._fp8_emulation import FP8Emulation
 from roll_engines.infer._routing import RoutingRecorder
+from roll_engines.infer._rows import row_requests
 from roll_engines.infer._sampling import StopStrings
 from roll_engines.infer._skinny_linear import use_skinny_linears
 from roll_engines.infer._sync_undo import MixedWeights, SyncUndo
@@ -304,16 +303,9 @@ class HFInferEngine:
         params = params or self.defaults
         if mm is not None and len(mm) != len(prompts):
             raise ValueError(f"{self.name} engine: {len(mm)} mm entries for {len(prompts)} prompts (one per prompt)")
-        seqs = []
         for k, prompt in enumerate(prompts):
             self.check_prompt(prompt, f"prompt {k}")
-            for j in range(n):
-                row = k * n + j
-                seed = None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, first_row + row)
-                # A random id: a counter's `batch-N` could be a caller's running request id, refused as a duplicate.
-                req = Request(f"generate-{uuid.uuid4().hex}", list(prompt), params.replace(seed=seed))
-                req.mm = mm[k] if mm is not None else None  # the n samples share one object: one prefill
-                seqs.append(self._prepare(req))
+        seqs = [self._prepare(req) for req in row_requests(prompts, params, n, first_row, mm)]
         futures: list[Future[RequestOutput]] = []
         try:
             for seq in seqs:  # one by one: rows queued before a refusal are aborted below

@@ -12,7 +12,9 @@ How the contract maps:
   when n > 1, which would make abort impossible. Abort matches ids by prefix, so roll's ids get a unique suffix.
   A request id still running is refused (ValueError on its future), as the hf and vllm engines do: `abort` names
   requests by it, and the first of two to finish dropped the shared entry. The batch API's rows go by random ids
-  (`generate-<uuid4>`), never one a caller's running request could hold.
+  (`generate-<uuid4>`), never one a caller's running request could hold. SGLang drops an abort for a request its
+  tokenizer manager has not registered yet (a task created while the loop was idle); such aborts are sent again
+  once it has.
 - Log-probs: SGLang reports `log_softmax(logits / T)` before top-k/top-p truncation, which equals roll's contract
   only without truncation; `check_sampling` therefore refuses top_p < 1 and top_k > 0 (use infer_engine=vllm).
   Greedy requests report `log_softmax(logits)`, as the contract says.
@@ -49,9 +51,8 @@ import os
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, wait
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, ClassVar
 
 from torch import Tensor
@@ -64,8 +65,8 @@ from roll_core.interfaces import (
     UnsupportedSamplingError,
 )
 from roll_core.models import resolve_model_path
-from roll_core.seeds import Purpose, derive_seed
 from roll_engines.infer._adapters import refuse_adapters
+from roll_engines.infer._rows import row_requests, run_rows
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +221,8 @@ class SGLangInferEngine:
         # task -> (request, its future, SGLang's rid, the weight version it started under)
         self._tasks: dict[asyncio.Task, tuple[Request, Future, str, int]] = {}
         self._rids: dict[str, str] = {}  # roll request id -> SGLang rid of the running request
+        # Aborted rids SGLang had not registered yet (it drops such an abort): sent again once it has.
+        self._unsent_aborts: set[str] = set()
         self._slept: list[str] = []
         self._paused = False  # between begin_weight_update and finish_weight_update the loop does not run
         self._stopped = False
@@ -261,6 +264,22 @@ class SGLangInferEngine:
                 )
                 for task in done:
                     self._complete(task)
+                self._resend_aborts()
+
+    def _resend_aborts(self) -> None:
+        """Send again the aborts SGLang dropped: a request whose task had not yet run (created while the loop was
+        idle: the same batch of jobs, or a weight sync pausing it) is not in its tokenizer manager's table, and
+        `abort_request` returns without a word; the request then ran to its end."""
+        if not self._unsent_aborts:
+            return
+        manager = self.engine.tokenizer_manager
+        live = {rid for _, _, rid, _ in self._tasks.values()}
+        for rid in list(self._unsent_aborts):
+            if rid not in live:  # ended meanwhile
+                self._unsent_aborts.discard(rid)
+            elif rid in getattr(manager, "rid_to_state", (rid,)):
+                manager.abort_request(rid=rid)
+                self._unsent_aborts.discard(rid)
 
     def _complete(self, task: asyncio.Task) -> None:
         request, fut, _, version = self._tasks.pop(task)
@@ -359,27 +378,15 @@ class SGLangInferEngine:
         t0 = time.perf_counter()
         params = params or self.defaults
         self.check_sampling(params)  # before any row starts: a refusal part way would leave the first rows running
-        requests = []
-        for k, prompt in enumerate(prompts):
-            for j in range(n):
-                seed = (
-                    None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, first_row + k * n + j)
-                )
-                requests.append(Request(f"generate-{uuid.uuid4().hex}", list(prompt), params.replace(seed=seed)))
-        futures: list[Future[RequestOutput]] = []
-        try:
-            for req in requests:  # one by one: rows submitted before a refusal are aborted below
-                futures.append(self.submit(req))
-            wait(futures, return_when=FIRST_EXCEPTION)  # not row by row: a late row's failure is seen at once
-            failed = next((f.exception() for f in futures if f.done() and f.exception() is not None), None)
-            if failed is not None:
-                raise failed
-        except BaseException:
-            if futures and not self._stopped:  # after shutdown nothing runs, and no driver would take the job
+        requests = row_requests(prompts, params, n, first_row)
+
+        def abort_submitted(submitted: Sequence[Request]) -> None:
+            if not self._stopped:  # after shutdown nothing runs, and no driver would take the job
                 with contextlib.suppress(RuntimeError):  # shut down meanwhile: nothing is left running
-                    self._control(lambda: [self._abort_now(r.request_id) for r in requests[: len(futures)]])
-            raise
-        return GenerateOutput.from_requests([f.result() for f in futures], self.pad_id, time.perf_counter() - t0)
+                    self._control(lambda: [self._abort_now(r.request_id) for r in submitted])
+
+        outputs = run_rows(requests, self.submit, abort_submitted)
+        return GenerateOutput.from_requests(outputs, self.pad_id, time.perf_counter() - t0)
 
     def abort(self, request_id: str) -> bool:
         """False when `request_id` is not running; after `shutdown` (which failed every request) at once."""
@@ -396,7 +403,10 @@ class SGLangInferEngine:
         rid = self._rids.get(request_id)
         if rid is None:
             return False
-        self.engine.tokenizer_manager.abort_request(rid=rid)
+        manager = self.engine.tokenizer_manager
+        manager.abort_request(rid=rid)
+        if rid not in getattr(manager, "rid_to_state", (rid,)):  # not registered yet: the abort was dropped
+            self._unsent_aborts.add(rid)
         return True
 
     # ---- weights ------------------------------------------------------------------------------------------
@@ -466,6 +476,7 @@ class SGLangInferEngine:
                 fut.set_exception(RuntimeError(f"{self.name} engine shut down"))
         self._tasks.clear()
         self._rids.clear()
+        self._unsent_aborts.clear()
         self.engine.shutdown()
 
 

@@ -73,9 +73,8 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, wait
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, ClassVar
 
 import torch
@@ -83,9 +82,9 @@ from torch import Tensor
 
 from roll_core.interfaces import GenerateOutput, Request, RequestOutput, SamplingParams, UnsupportedSamplingError
 from roll_core.models import resolve_model_path
-from roll_core.seeds import Purpose, derive_seed
 from roll_engines.infer._adapters import AdapterSync
 from roll_engines.infer._bucket_channel import BucketSender
+from roll_engines.infer._rows import row_requests, run_rows
 from roll_engines.infer._vision import check_vllm_vision, collapse_placeholders, pictures, refuse_pictures
 from roll_engines.infer._vllm_args import cpu_env, engine_args, sampling_params
 from roll_engines.infer._vllm_device import device_args, noset_env, vllm_has_device_ids
@@ -472,30 +471,15 @@ class VLLMInferEngine(VLLMWeightUpdates):
         params = params or self.defaults
         if mm is not None and len(mm) != len(prompts):
             raise ValueError(f"{self.name} engine: {len(mm)} mm entries for {len(prompts)} prompts (one per prompt)")
-        requests = []
-        for k, prompt in enumerate(prompts):
-            for j in range(n):
-                seed = (
-                    None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, first_row + k * n + j)
-                )
-                # A random id: a counter's `batch-N` could be a caller's running request id, refused as a duplicate.
-                req = Request(f"generate-{uuid.uuid4().hex}", list(prompt), params.replace(seed=seed))
-                req.mm = mm[k] if mm is not None else None
-                self._check_request(req)
-                requests.append(req)
-        futures: list[Future[RequestOutput]] = []
-        try:
-            for req in requests:  # one by one: rows submitted before a refusal are aborted below
-                futures.append(self.submit(req))
-            wait(futures, return_when=FIRST_EXCEPTION)  # not row by row: a late row's failure is seen at once
-            failed = next((f.exception() for f in futures if f.done() and f.exception() is not None), None)
-            if failed is not None:
-                raise failed
-        except BaseException:
-            if futures and not self._stopped:  # after shutdown nothing runs, and no driver would take the job
-                self._control(lambda: [self._abort_now(r.request_id) for r in requests[: len(futures)]])
-            raise
-        outputs = [f.result() for f in futures]
+        requests = row_requests(prompts, params, n, first_row, mm)
+        for req in requests:
+            self._check_request(req)
+
+        def abort_submitted(submitted: Sequence[Request]) -> None:
+            if not self._stopped:  # after shutdown nothing runs, and no driver would take the job
+                self._control(lambda: [self._abort_now(r.request_id) for r in submitted])
+
+        outputs = run_rows(requests, self.submit, abort_submitted)
         return GenerateOutput.from_requests(outputs, self.pad_id, time.perf_counter() - t0)
 
     def abort(self, request_id: str) -> bool:

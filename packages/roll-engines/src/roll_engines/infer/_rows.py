@@ -1,0 +1,61 @@
+"""The rows of a `generate` call, shared by the infer engines.
+
+Contract: `row_requests` builds row k*n + j (sample j of prompt k) with a fresh random id and, when the sampling
+params carry a seed, the stream seeded by (seed, first_row + row): results do not depend on how a batch was
+split over engines. `run_rows` submits rows one by one and waits for all; when one fails (refused as it is
+submitted, or failing later) or the wait is interrupted, the rows already submitted are aborted before the error
+is raised, so none keeps running in the engine for nobody.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from typing import Any
+
+from roll_core.interfaces import Request, RequestOutput, SamplingParams
+from roll_core.seeds import Purpose, derive_seed
+
+
+def row_requests(
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    n: int,
+    first_row: int = 0,
+    mm: Sequence[Any] | None = None,
+) -> list[Request]:
+    """`len(prompts) * n` requests, row k*n + j being sample j of prompt k; `mm[k]` (one object for the n samples of
+    prompt k: one prefill) is set as each row's `mm` when given."""
+    requests = []
+    for k, prompt in enumerate(prompts):
+        for j in range(n):
+            row = first_row + k * n + j
+            seed = None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, row)
+            # A random id: a counter's `batch-N` could be a caller's running request id, refused as a duplicate.
+            req = Request(f"generate-{uuid.uuid4().hex}", list(prompt), params.replace(seed=seed))
+            req.mm = mm[k] if mm is not None else None
+            requests.append(req)
+    return requests
+
+
+def run_rows(
+    requests: Sequence[Request],
+    submit: Callable[[Request], Future[RequestOutput]],
+    abort_submitted: Callable[[Sequence[Request]], None],
+) -> list[RequestOutput]:
+    """Submit `requests` one by one and return their outputs in order. On the first failure (or an interrupted
+    wait) `abort_submitted` gets the rows submitted so far, then the error is raised."""
+    futures: list[Future[RequestOutput]] = []
+    try:
+        for req in requests:  # one by one: rows submitted before a refusal are aborted below
+            futures.append(submit(req))
+        wait(futures, return_when=FIRST_EXCEPTION)  # not row by row: a late row's failure is seen at once
+        failed = next((f.exception() for f in futures if f.done() and f.exception() is not None), None)
+        if failed is not None:
+            raise failed
+    except BaseException:
+        if futures:
+            abort_submitted(requests[: len(futures)])
+        raise
+    return [f.result() for f in futures]
