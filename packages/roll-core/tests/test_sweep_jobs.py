@@ -268,7 +268,9 @@ def test_an_error_after_ray_jobs_started_cancels_records_and_summarises_them(
         sweep_launcher.launch_jobs(_launcher_of(sw, jobs), [[o] for o in jobs], 0)
 
     started = 3 if error == "launch" else 4
-    assert cancelled == [(n, True) for n in range(started)]
+    # An error: asked to stop at a checkpoint first (the fake's wait fails: then killed); an interrupt: killed at once
+    gentle = [(n, False) for n in range(started)] if error == "launch" else []
+    assert cancelled == gentle + [(n, True) for n in range(started)]
     rows = {r["job"]: r for r in summary_rows(sw)}
     assert sorted(rows) == [str(n) for n in range(started)]
     assert rows["0"]["status"] == "ok"
@@ -285,6 +287,76 @@ def test_an_error_after_ray_jobs_started_cancels_records_and_summarises_them(
         ]
     assert float(rows["1"]["wall_seconds"]) >= 5
     assert len(sweep.failed_jobs()) == started - 1
+
+
+def test_a_launcher_error_stops_jobs_at_a_checkpoint_and_records_them_once_they_are_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_ray_launch: list[Any]
+) -> None:
+    """After an error in roll's Ray launcher (here the 3rd job's launch fails) the running jobs were force-killed at
+    once: every step since their last checkpoint lost, where a stop signal lets them save one. And each was recorded
+    `failed` right after `ray.cancel`, which returns before the process is gone: a job finishing meanwhile wrote its
+    own `ok` record after the launcher's, and its folder said ok where the summary said failed. Now the jobs are asked
+    to stop gently first (job 0 saves a checkpoint and ends `stopped`), the rest are killed, and each kill is waited
+    for before recording (job 1 finished as it was killed: `ok` in its folder and in the summary)."""
+    import threading
+    import time
+
+    import ray
+
+    from roll_core import sweep_launcher
+
+    monkeypatch.setattr(sweep_launcher, "ERROR_GRACE_S", 1.0)
+    monkeypatch.setattr(sweep_launcher, "KILL_WAIT_S", 5.0)
+    sw = tmp_path / "sweep"
+    sweep_id = sweep.start_sweep(sw)["sweep_id"]  # what on_multirun_start does
+    jobs = {f"algo.lr={n}e-3": {} for n in range(1, 4)}
+    ended: set[int] = set()
+    timers: list[threading.Thread] = []
+
+    def record(num: int, status: str) -> None:
+        overrides = [f"algo.lr={num + 1}e-3"]
+        rec = {"job": num, "overrides": overrides, "status": status, "started_at": time.time() - 5}
+        sweep.write_record(sw / str(num), {**rec, "sweep_id": sweep_id, "wall_seconds": 5.0})
+
+    def launch(context: Any, remote: Any, cfg: Any, task: Any, state: Any) -> int:
+        num = int(cfg.hydra.job.num)
+        if num == 2:
+            raise RuntimeError("no more workers")
+        record(num, "running")
+        return num
+
+    def later(num: int, status: str) -> None:
+        def run() -> None:
+            time.sleep(0.3)  # the job's process is still going when ray.cancel returns
+            record(num, status)
+            ended.add(num)
+
+        timers.append(threading.Thread(target=run))
+        timers[-1].start()
+
+    def cancel(ref: int, force: bool = False) -> None:
+        if ref == 0 and not force:  # its GracefulStop: a checkpoint, then its own `stopped` record
+            later(0, "stopped")
+        elif ref == 1 and force:  # it was writing its `ok` record as it was killed
+            later(1, "ok")
+
+    def wait(refs: list[int], num_returns: int, timeout: float) -> tuple[list[int], list[int]]:
+        deadline = time.monotonic() + timeout
+        while not set(refs) <= ended and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return [r for r in refs if r in ended], [r for r in refs if r not in ended]
+
+    monkeypatch.setattr(sweep_launcher, "launch_job_on_ray", launch)
+    monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(ray, "cancel", cancel)
+    with pytest.raises(RuntimeError, match="no more workers"):
+        sweep_launcher.launch_jobs(_launcher_of(sw, jobs), [[o] for o in jobs], 0)
+    for t in timers:
+        t.join()
+
+    rows = {r["job"]: r["status"] for r in summary_rows(sw)}
+    folders = {n: json.loads((sw / n / sweep.STATUS_FILE).read_text())["status"] for n in ("0", "1")}
+    assert rows == folders == {"0": "stopped", "1": "ok"}
 
 
 def test_a_ray_sweep_stopped_between_batches_launches_no_more_jobs(tmp_path: Path, no_ray_launch: list[Any]) -> None:

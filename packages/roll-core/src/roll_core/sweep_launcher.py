@@ -35,10 +35,14 @@ and the jobs still running were abandoned with the driver. Jobs that raise are a
   SIGINT left the jobs `running` and no summary, and a SIGTERM aborted the driver (Ray's handler: a stack dump,
   exit -6) with the jobs abandoned;
 - a sweep aborted while its jobs run removes its detached slots actor: Hydra skips `on_multirun_end`;
-- an error in the driver after jobs started (a later job's launch failed, a KeyboardInterrupt with no stop mark)
-  kills the jobs still running (Ray's force cancel), records them (`failed` with the error, or `stopped` for the
-  interrupt), writes the summary and raises the error on. Before, they ran on unbounded (the slots actor removed)
-  until the driver exited, with no record and no summary;
+- an error in the driver after jobs started (a later job's launch failed, the wait raised) asks the jobs still
+  running to stop the gentle way (a SIGINT: a checkpoint, `stopped`) for up to ERROR_GRACE_S, then kills the rest
+  (Ray's force cancel) and records them (`failed` with the error); a KeyboardInterrupt with no stop mark kills them
+  at once (`stopped`). Either way the summary is written and the error raised on. Before, they ran on unbounded
+  (the slots actor removed) until the driver exited, with no record and no summary; then they were killed at once,
+  losing every step since their last checkpoint;
+- a killed job is recorded once its process is gone (waited for up to KILL_WAIT_S): a job ending meanwhile wrote
+  its own end record over the launcher's;
 - jobs are not retried by Ray (`remote.max_retries: 0` in conf/hydra/launcher/ray.yaml): a retried job would find
   its own checkpoints in its folder and be refused, and an out-of-memory job would usually die again.
 
@@ -75,6 +79,9 @@ from roll_core.sweep import (
 from roll_core.sweep_resume import record_folder_run
 
 log = logging.getLogger(__name__)
+
+ERROR_GRACE_S = 120.0  # after a launcher error: how long its jobs get to save a checkpoint and stop before a kill
+KILL_WAIT_S = 15.0  # how long a killed job's process gets to be gone before the launcher records the job
 
 
 def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[JobReturn]:
@@ -144,21 +151,11 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
         if isinstance(exc, KeyboardInterrupt) and stopping is None and unended:  # Ctrl-C without roll's handlers
             stopping = int(getattr(exc, "signum", None) or signal.SIGINT)
         if stopping is not None or unended:
-            # An abort, or an error (a later job's launch failed, the wait raised) after jobs started: they are killed
-            # and recorded (stopped, or failed with the error) unless they had ended; without this they ran on,
-            # with no slots actor bounding them, until the driver exited, and the summary was never written.
-            for cfg, overrides, ref in unended:
-                try:
-                    ray.cancel(ref, force=True)
-                except Exception as cancel_exc:  # the others must still be cancelled and every job recorded
-                    log.warning("could not cancel sweep job %s: %s", cfg.hydra.job.num, cancel_exc)
-                try:
-                    if stopping is not None:
-                        killed(cfg, overrides, KeyboardInterrupt("the sweep was aborted"), stopping)
-                    else:
-                        killed(cfg, overrides, exc, aborted=True)
-                except Exception:  # the error raised on is `exc`; the summary counts a job left `running` as failed
-                    log.exception("could not record sweep job %s", cfg.hydra.job.num)
+            # An abort, or an error (a later job's launch failed, the wait raised) after jobs started: they are stopped
+            # (an error: at a checkpoint first) and recorded (stopped, or failed with the error) unless they had ended;
+            # without this they ran on, with no slots actor bounding them, until the driver exited, and the summary
+            # was never written.
+            end_unended(unended, exc, stopping)
             if stopping is not None and isinstance(exc, SystemExit):  # the second signal's: with the stop's line
                 end_stopped_sweep(sweep_dir, stopping)
             end_sweep(sweep_dir)  # Hydra skips on_multirun_end
@@ -167,6 +164,61 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
     if stopping is not None:  # the sweep ends here: no later batch (an Optuna sweeper's) starts
         end_stopped_sweep(sweep_dir, stopping)
     return [r for r in results if r is not None]
+
+
+def end_unended(unended: Sequence[tuple[DictConfig, list[str], Any]], exc: BaseException, stopping: int | None) -> None:
+    """End and record the jobs the launcher no longer waits for. After an error in the driver (`stopping` None) they
+    are first asked to stop the gentle way (a SIGINT: GracefulStop saves a checkpoint and the job ends `stopped`, so a
+    resumed sweep loses nothing) for up to ERROR_GRACE_S; force-killed right away they lost every step since their
+    last checkpoint. An abort (a second signal) kills them at once. Every kill is waited for (up to KILL_WAIT_S)
+    before the job is recorded: `ray.cancel` returns before the process is gone, and a job ending meanwhile wrote its
+    own end record after (over) the launcher's, so its folder and the summary disagreed."""
+    left = [ref for _, _, ref in unended]
+    if stopping is None and left:
+        log.warning(
+            "the sweep's launcher raised %s: asking its %d job(s) still running to stop at a checkpoint (up to %.0f s)",
+            type(exc).__name__,
+            len(left),
+            ERROR_GRACE_S,
+        )
+        for ref in left:
+            _cancel(ref, force=False)
+        left = _wait_ended(left, ERROR_GRACE_S)
+    for ref in left:
+        _cancel(ref, force=True)
+    _wait_ended(left, KILL_WAIT_S)
+    for cfg, overrides, _ in unended:
+        try:  # a job that ended by itself (its own end record: ok, stopped at a checkpoint) keeps its record
+            if stopping is not None:
+                killed(cfg, overrides, KeyboardInterrupt("the sweep was aborted"), stopping)
+            else:
+                killed(cfg, overrides, exc, aborted=True)
+        except Exception:  # the error raised on is `exc`; the summary counts a job left `running` as failed
+            log.exception("could not record sweep job %s", cfg.hydra.job.num)
+
+
+def _cancel(ref: Any, force: bool) -> None:
+    import ray
+
+    try:
+        ray.cancel(ref, force=force)
+    except Exception as cancel_exc:  # the others must still be cancelled and every job recorded
+        log.warning("could not cancel a sweep job (force=%s): %s", force, cancel_exc)
+
+
+def _wait_ended(refs: list[Any], timeout_s: float) -> list[Any]:
+    """The refs still running after up to `timeout_s`; all of them when the wait itself fails or is interrupted (a
+    second signal during the grace: the jobs are then killed)."""
+    import ray
+
+    if not refs:
+        return []
+    try:
+        _, left = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    except BaseException as wait_exc:  # the launcher's own error is raised on by the caller
+        log.warning("stopped waiting for %d sweep job(s) to end: %s", len(refs), type(wait_exc).__name__)
+        return list(refs)
+    return list(left)
 
 
 def check_max_concurrent(launcher: Any, cfgs: Sequence[DictConfig]) -> None:
