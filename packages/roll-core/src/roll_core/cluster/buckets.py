@@ -4,7 +4,8 @@ A bucket is an ordered list of (HF name, tensor) of at most a size bound (a sing
 `flatten`/`unflatten` turn a bucket into one uint8 buffer and back (the `dist` and `cuda_ipc` transports move one
 buffer per bucket); `SyncGroup` is a torch.distributed group of the trainer's rank 0 and the inference workers
 outside any default group (its sender ends a sync early, with its error, when it cannot produce a bucket:
-`send_all`); `share_cuda`/`open_cuda` pass a device buffer to another process on the same GPU.
+`send_all`; a role `discard`s its group when a new rendezvous replaces it); `share_cuda`/`open_cuda` pass a device
+buffer to another process on the same GPU.
 The trainer's workers send and the inference workers receive with these (roll_core.cluster.roles); the controller
 side, one class per transport, is roll_core.cluster.weight_sync. No Ray and no worker classes here.
 """
@@ -149,7 +150,20 @@ class SyncGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
 
+    def close(self) -> None:
+        """Abort the group and let go of its rendezvous store (on rank 0, the port it listens on): a group being
+        replaced by a new rendezvous (after a failed sync, a restarted engine). Idempotent; a later broadcast
+        raises. Abort, not a graceful shutdown: a member of a group being replaced may never come back, and NCCL's
+        shutdown waits for its pending collectives. The references are dropped even if the abort raises, which is
+        then raised (`discard` logs it instead)."""
+        pg, self.pg, self._store = self.pg, None, None
+        abort = getattr(pg, "abort", None)
+        if callable(abort):
+            abort()
+
     def broadcast(self, t: Tensor) -> None:
+        if self.pg is None:
+            raise RuntimeError("this weight-sync group was closed (a new rendezvous replaced it)")
         self.pg.broadcast(t, 0).wait()
 
     # The stream of one sync, as rank 0 broadcasts it: per bucket a length (int64), the pickled specs, the flat
@@ -265,6 +279,17 @@ class SyncGroup:
         if error is not None:
             raise error
         return total
+
+
+def discard(group: SyncGroup | None) -> None:
+    """Close `group` (if any) without raising: what a role does with its old group before a new rendezvous. A
+    failure to close is logged, never raised: it must not keep the new group from being built."""
+    if group is None:
+        return
+    try:
+        group.close()
+    except Exception:
+        log.warning("weight sync: the previous sync group could not be closed; building the new one", exc_info=True)
 
 
 def nccl_options(dist: Any, timeout: datetime.timedelta) -> Any:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from roll_core.cluster.buckets import Bucket, SyncGroup, open_cuda
+from roll_core.cluster.buckets import Bucket, SyncGroup, discard, open_cuda
 from roll_core.cluster.engine_worker import EngineWorker, build_engine
 from roll_core.cluster.group import Handle, WorkerGroup
 from roll_core.cluster.worker import Dispatch, dispatch
@@ -166,6 +166,11 @@ class InferWorker(EngineWorker):
 
     @dispatch(Dispatch.BROADCAST, retry=False)
     def join_sync_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float = 600.0) -> None:
+        """Join the weight-sync group at `host:port` as rank 1 + this rank, closing the group held before first.
+        Not under the update lock: a receive still stuck in the old group (its sync failed) must not delay the new
+        rendezvous (closed, the old group's next broadcast raises; NCCL's abort also ends one in progress)."""
+        group, self._sync_group = getattr(self, "_sync_group", None), None
+        discard(group)
         self._sync_group = SyncGroup(host, port, 1 + self.rank, world_size, backend, timeout_s)
 
     @dispatch(Dispatch.BROADCAST, retry=False)

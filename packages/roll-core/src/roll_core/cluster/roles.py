@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from roll_core.cluster.buckets import SyncGroup, bucket_nbytes, buckets, cast, share_cuda
+from roll_core.cluster.buckets import SyncGroup, bucket_nbytes, buckets, cast, discard, share_cuda
 from roll_core.cluster.engine_worker import WORKER_KEYS, EngineWorker, build_engine, engine_kwargs
 from roll_core.cluster.group import WorkerGroup
 from roll_core.cluster.infer_role import PROMPT_INDEX, InferGroup, InferWorker, RequestHandle
@@ -58,8 +58,8 @@ class TrainWorker(EngineWorker):
         super().__init__(**base)
         self._engine_cfg, self._runtime = engine, runtime
         self._sync_group: SyncGroup | None = None
-        self._sync_store: Any = None  # rank 0's weight-sync TCPStore, opened by sync_endpoint
-        self._ipc: Any = None
+        self._sync_store: Any = None  # rank 0's weight-sync TCPStore, opened by sync_endpoint, until its group owns it
+        self._ipc: Any = None  # the cuda_ipc sync in progress: its bucket iterator and the buffer last shared
         # What weight sync sends: "merged" (iter_weights) or "adapter" (iter_adapter: the inference engines serve the
         # LoRA adapter themselves, infer_engine.lora_sync=adapter); set once by WeightSync.
         self.weight_format = "merged"
@@ -179,14 +179,24 @@ class TrainWorker(EngineWorker):
     @dispatch(Dispatch.RANK0)
     def sync_endpoint(self, world_size: int, timeout_s: float = 600.0) -> tuple[str, int]:
         """This node's address and the port of the weight-sync rendezvous rank 0 now listens on."""
+        # A new rendezvous replaces the last one (a failed sync, a restarted engine): its group and store (the port
+        # it listens on) are closed now, not whenever the last reference to them goes.
+        group, self._sync_group, self._sync_store = getattr(self, "_sync_group", None), None, None
+        discard(group)
         host = node_address()
         self._sync_store = SyncGroup.host_store(host, world_size, timeout_s)
         return host, int(self._sync_store.port)
 
     @dispatch(Dispatch.BROADCAST)
     def join_sync_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float = 600.0) -> None:
+        """Rank 0 joins the weight-sync group at `host:port` (its own store, from `sync_endpoint`), closing the
+        group it held before first; a rendezvous that fails leaves no group (the stale one is never reused)."""
         if self.rank == 0:
-            self._sync_group = SyncGroup(host, port, 0, world_size, backend, timeout_s, store=self._sync_store)
+            group, self._sync_group = getattr(self, "_sync_group", None), None
+            discard(group)
+            store = getattr(self, "_sync_store", None)
+            self._sync_group = SyncGroup(host, port, 0, world_size, backend, timeout_s, store=store)
+            self._sync_store = None  # the group holds it now: closing the group releases its port
 
     @dispatch(Dispatch.BROADCAST)
     def send_weights_dist(
@@ -203,19 +213,49 @@ class TrainWorker(EngineWorker):
     def start_ipc_sync(
         self, bucket_bytes: int, changed_only: bool, dtype: str | None = None, wide: dict[str, str] | None = None
     ) -> None:
+        """CUDA IPC transport: begin a sync (`next_ipc_bucket` yields its buckets). One left unfinished (it failed
+        part way) is ended first: its iterator closed, its last buffer released."""
+        self.end_ipc_sync()
         self._ipc = {"it": self.weight_buckets(bucket_bytes, changed_only, dtype, wide), "keep": None}
 
     @dispatch(Dispatch.BROADCAST)
     def next_ipc_bucket(self) -> dict[str, Any] | None:
-        """CUDA IPC transport: the next bucket of full tensors on this rank's device, as an IPC handle."""
-        self._ipc["keep"] = None  # the receivers copied the previous bucket
-        bucket = next(self._ipc["it"], None)
-        if bucket is None:
-            self._ipc = None
-            return None
-        handle, specs, flat = share_cuda(bucket)
-        self._ipc["keep"] = flat
+        """CUDA IPC transport: the next bucket of full tensors on this rank's device, as an IPC handle; None once the
+        sync ended. A bucket that cannot be produced or shared ends the sync here (`end_ipc_sync`) before raising."""
+        ipc = getattr(self, "_ipc", None)
+        if ipc is None:
+            raise RuntimeError("next_ipc_bucket outside a cuda_ipc weight sync: call start_ipc_sync first")
+        ipc["keep"] = None  # the receivers copied the previous bucket
+        try:
+            bucket = next(ipc["it"], None)
+            if bucket is None:
+                self.end_ipc_sync()
+                return None
+            handle, specs, flat = share_cuda(bucket)
+        except BaseException:
+            self.end_ipc_sync()  # the sync cannot go on: nothing of it stays on the device until the next one
+            raise
+        ipc["keep"] = flat
         return {"handle": handle, "specs": specs, "bytes": bucket_nbytes(bucket)}
+
+    @dispatch(Dispatch.BROADCAST)
+    def end_ipc_sync(self) -> None:
+        """CUDA IPC transport: end the sync in progress, if any: release the buffer last shared and close the bucket
+        iterator (the weights it was producing). Idempotent. For a controller whose sync failed on the receiving
+        side: the buffer and the iterator's tensors were otherwise held on the device until the next sync started.
+        A failure closing the iterator is logged: it must not keep a new sync from starting."""
+        ipc, self._ipc = getattr(self, "_ipc", None), None
+        if ipc is None:
+            return
+        ipc["keep"] = None
+        close = getattr(ipc["it"], "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:
+                log.warning(
+                    "weight sync: the bucket iterator of an unfinished cuda_ipc sync failed to close", exc_info=True
+                )
 
 
 def engine_inputs(batch: Batch) -> dict[str, Any]:
