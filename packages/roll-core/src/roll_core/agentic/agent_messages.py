@@ -2,8 +2,9 @@
 
 Contract: `normalise_message` turns a request's message into {"role", "content": str | None, ["tool_calls"],
 ["tool_call_id"], ["name"]} or raises `SessionError` (HTTP 400) naming the message (as OpenAI, content may be left
-out only by an assistant message, and a tool message needs its `tool_call_id`); `turn_key` is what makes two
-requests the same request (a client's retry); `template_message` is a normalised message as chat templates take it.
+out only by an assistant message with tool calls, and a tool message needs its `tool_call_id`); a field sent as JSON
+null is one not sent, as OpenAI reads it; `turn_key` is what makes two requests the same request (a client's retry);
+`template_message` is a normalised message as chat templates take it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from roll_core.agentic.agent_sessions import ChatTurn
+    from roll_core.agentic._agent_turns import ChatTurn
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -71,6 +72,12 @@ def normalise_message(raw: Any, index: int) -> dict[str, Any]:
         if role != "assistant" or not isinstance(calls, list):
             raise SessionError(400, "invalid_message", f"messages[{index}].tool_calls belongs to assistant messages")
         msg["tool_calls"] = [_normalise_call(c, index, k) for k, c in enumerate(calls)]
+    elif content is None and role == "assistant":
+        # OpenAI answers 400: an empty turn reached the template as "" (a prompt the model never sampled), and a
+        # session's reply always has one or the other (`AgentSessions._chat`), so this is the agent's bug.
+        raise SessionError(
+            400, "invalid_message", f"messages[{index}]: an assistant message needs content or tool_calls (got neither)"
+        )
     for key in ("tool_call_id", "name"):
         if raw.get(key) is not None:
             msg[key] = str(raw[key])
@@ -81,10 +88,14 @@ def _normalise_call(call: Any, index: int, k: int) -> dict[str, Any]:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise SessionError(400, "invalid_message", f"messages[{index}].tool_calls[{k}] needs function.name")
-    args = fn.get("arguments", "")
-    if not isinstance(args, str):
+    # null is "not given", as a left-out field (it was the text "null" / "None", a call the model never wrote).
+    args = fn.get("arguments")
+    if args is None:
+        args = ""
+    elif not isinstance(args, str):
         args = json.dumps(args)
-    return {"id": str(call.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+    cid = "" if call.get("id") is None else str(call["id"])
+    return {"id": cid, "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
 def message_key(msg: dict[str, Any]) -> tuple[Any, ...]:

@@ -87,9 +87,10 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from roll_core.agentic._agent_turns import ChatTurn, ParsedReply, Reply  # also importable from here
 from roll_core.agentic.agent_messages import (  # noqa: F401 (SessionError, ROLES, normalise_message: re-exported)
     ROLES,
     SessionError,
@@ -132,46 +133,6 @@ class SessionLimits:
     max_context_length: int = 2048
 
 
-@dataclass
-class ParsedReply:
-    """What a tool-call parser made of a response's text: the message content and OpenAI `tool_calls`."""
-
-    content: str | None
-    #: [{"name": str, "arguments": str (JSON text)}] in order.
-    calls: list[dict[str, str]] = field(default_factory=list)
-    #: Tool-call blocks that did not parse (left in the content as text).
-    invalid: int = 0
-
-
-@dataclass
-class ChatTurn:
-    """One chat-completions request, validated by the server."""
-
-    #: Normalised messages (see `normalise_message`).
-    messages: list[dict[str, Any]]
-    #: The request's `tools` (OpenAI format), None when absent.
-    tools: list[dict[str, Any]] | None = None
-    #: The request's max_tokens / max_completion_tokens (None: the session's per-turn limit).
-    max_tokens: int | None = None
-    stop: tuple[str, ...] = ()
-    #: A constraint from `response_format` (roll_core.interfaces.StructuredOutput), None when absent.
-    structured: Any = None
-    #: False with tool_choice="none": tool-call syntax stays in the content.
-    parse_tools: bool = True
-
-
-@dataclass
-class Reply:
-    """The assistant message a turn produced and what the response JSON reports."""
-
-    message: dict[str, Any]
-    finish_reason: str  # OpenAI's: stop | length | tool_calls
-    prompt_tokens: int
-    completion_tokens: int
-    token_ids: list[int]
-    logprobs: list[float]
-
-
 class AgentSession:
     """One episode's conversation and trajectory (see the module docstring)."""
 
@@ -204,8 +165,10 @@ class AgentSession:
         self.woken = threading.Event()  # set on close: ends a wait between a refused turn's tries
         self.lock = threading.Lock()
         # The request being served or last served (turn_key), and the reply recorded for the last one: a retry of
-        # it gets that reply again (see the module docstring).
+        # it gets that reply again (see the module docstring). `claim` makes taking `lock` and naming the request one
+        # step: a retry that came between the two was told 409, as if another request ran.
         self.current_key: str | None = None
+        self.claim = threading.Lock()
         self.last_reply: tuple[str, Reply] | None = None
         self.replays = 0
 
@@ -396,9 +359,12 @@ class AgentSessions:
         (`retry`) of the previous request gets its recorded reply (see the module docstring)."""
         session = self.get(sid)
         key = turn_key(turn)
-        if not session.lock.acquire(blocking=False):
-            if not retry or key != session.current_key:
+        with session.claim:
+            waits = not session.lock.acquire(blocking=False)
+            if waits and (not retry or key != session.current_key):
                 raise SessionError(409, "session_busy", f"session {sid}: another request of this session is running")
+            session.current_key = key
+        if waits:
             session.lock.acquire()  # a retry of the running request: its reply is this one's
         try:
             # Only a retry is answered again: an agent that repeats a request on purpose wants a new sample (its
@@ -412,7 +378,6 @@ class AgentSessions:
                     )
                 session.replays += 1
                 return session.last_reply[1]
-            session.current_key = key
             reply = self._chat(session, turn)
             session.last_reply = (key, reply)
             return reply
@@ -478,7 +443,10 @@ class AgentSessions:
                 text = text[:cut]
         parsed = self.parse(text) if turn.parse_tools else ParsedReply(text)
         s.invalid_tool_calls += parsed.invalid
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        # Content null without tool calls (a parser's empty reply) is what OpenAI refuses in a history: the agent's
+        # next request, repeating it, was a 400 (roll_core.agentic.agent_messages.normalise_message).
+        content = "" if parsed.content is None and not parsed.calls else parsed.content
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if parsed.calls:
             message["tool_calls"] = [
                 {"id": f"call_{s.requests}_{k}", "type": "function", "function": dict(c)}

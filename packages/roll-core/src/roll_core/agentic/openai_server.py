@@ -293,7 +293,9 @@ def _structured(fmt: Any) -> Any:
         if kind == "json_object":
             return StructuredOutput(json_schema={"type": "object"})
         if kind == "json_schema" and isinstance(fmt.get("json_schema"), dict):
-            return StructuredOutput(json_schema=fmt["json_schema"].get("schema", {}))
+            # OpenAI's schema is optional: null (clients that send every field) is a left-out one, not a 400.
+            schema = fmt["json_schema"].get("schema")
+            return StructuredOutput(json_schema={} if schema is None else schema)
     except ValueError as exc:
         raise SessionError(400, "invalid_response_format", str(exc)) from exc
     raise SessionError(400, "invalid_response_format", f"response_format={fmt!r}: text, json_object or json_schema")
