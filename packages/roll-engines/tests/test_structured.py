@@ -376,3 +376,32 @@ def test_ignore_eos_constraint_ends_at_its_eos_as_vllms(infer: Any) -> None:
         assert any(t != eos for t in tokens[3:]), tokens
         masks, k = replay_mask(c, tok, tokens, v)
         assert k == 12 and masks[:3].any(-1).all() and not masks[3:].any()
+
+
+def test_constrain_logits_masks_each_constrained_row_as_its_replay(infer: Any) -> None:
+    """The trainer's masking: each constrained row's first k positions get its replayed mask, every other entry
+    (unconstrained rows, padding, positions after a token the constraint never allowed) is untouched, the input is
+    not modified and gradients reach the kept entries only. Masked row by row (a (b, R, V) bool mask, as big as the
+    logits in elements, was built on the host and copied to the device)."""
+    from roll_engines.structured import constrain_logits, replay_mask
+
+    tok = infer.tokenizer
+    v = infer.model.get_output_embeddings().weight.shape[0]
+    a, b = tok.convert_tokens_to_ids("a"), tok.convert_tokens_to_ids("b")
+    c = StructuredOutput(regex="ab")
+    responses = torch.tensor([[a, b, tok.eos_token_id, 0], [a, a, b, 0], [b, b, b, b]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]])
+    logits = torch.randn(3, 4, v, requires_grad=True)
+    before = logits.detach().clone()
+    out, rejected = constrain_logits(logits, structured_rows([c, c, None]), responses, mask, tok)
+    assert rejected == 1 and torch.equal(logits.detach(), before)
+    floor = torch.finfo(logits.dtype).min
+    for i, n in ((0, 3), (1, 4)):
+        rows, k = replay_mask(c, tok, responses[i, :n].tolist(), v)
+        assert k == (3 if i == 0 else 1)
+        assert torch.equal(out[i, :k].detach(), before[i, :k].masked_fill(rows, floor))
+        assert torch.equal(out[i, k:].detach(), before[i, k:])
+    assert torch.equal(out[2].detach(), before[2])
+    out.sum().backward()
+    rows0, _ = replay_mask(c, tok, responses[0, :3].tolist(), v)
+    assert torch.equal(logits.grad[0, :3] == 0, rows0) and bool((logits.grad[1:] != 0).any())

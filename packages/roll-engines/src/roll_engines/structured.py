@@ -463,14 +463,17 @@ def constrain_logits(
         ((b, R, V) logits, masked entries at the dtype's most negative finite value; unconstrained rows, padding and
         positions from a token its constraint never allowed are unchanged), number of rows with such a token.
     """
-    b, r, v = logits.shape
-    full = torch.zeros((b, r, v), dtype=torch.bool)
-    rejected = 0
+    _, r, v = logits.shape
+    out, rejected = logits, 0
+    floor = torch.finfo(logits.dtype).min
     for i, c in enumerate(structured_from_rows(encoded)):
         if c is None:
             continue
         n = int(response_mask[i].sum()) if response_mask is not None else r
         rows, k = replay_mask(c, tokenizer, responses[i, :n].tolist(), v)
-        full[i, :k] = rows
         rejected += int(k < n)
-    return logits.masked_fill(full.to(logits.device), torch.finfo(logits.dtype).min), rejected
+        if k:
+            if out is logits:  # one copy for the batch, masked row by row: a (b, R, V) mask was as big as the logits
+                out = logits.clone()
+            out[i, :k] = out[i, :k].masked_fill(rows.to(logits.device), floor)
+    return out, rejected
