@@ -4,17 +4,22 @@ asks for (weight updates with partial rollout) and a few engine-side ones (preem
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import types
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
+import torch
 
+from roll_core.cluster.reward_guard import RewardFailureBudget
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
+from roll_core.protocol import Batch
 from roll_core.scheduling.driver import AsyncRollout
 from roll_core.scheduling.pool import EnginePool
-from roll_core.scheduling.scheduler import RolloutScheduler
+from roll_core.scheduling.scheduler import GroupState, RolloutScheduler, SampleState, Segment
 from roll_core.testing.threads import InThread
 
 
@@ -260,3 +265,122 @@ def test_the_async_prompt_collector_closes_its_reward_model_too() -> None:
     collector.reward_model = types.SimpleNamespace(close=lambda: closed.append("reward_model"))
     collector.close()
     assert closed == ["driver", "reward_model"]
+
+
+def test_a_close_while_the_thread_is_being_started_waits_for_it_and_no_take_starts_one_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A `close` from another thread (shutdown) while `take` was starting the thread: `start` had created it and
+    close joined it before it was started (RuntimeError); a `take` after `close` started a thread nothing joined.
+    Now `start` runs under the driver's lock and never after `close`."""
+    created, go = threading.Event(), threading.Event()
+
+    class _SlowStart(threading.Thread):
+        def start(self) -> None:  # the driver's thread: the window between its creation and its start, held open
+            if self.name == "roll-async-rollout":
+                created.set()
+                go.wait(5)
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", _SlowStart)
+    engine = _Engine()
+    driver = _driver(engine, timeout_s=5)
+    starter = InThread(driver.start)
+    assert created.wait(5)
+    closer = InThread(driver.close)
+    time.sleep(0.1)  # close is called while the thread is created and not yet started
+    go.set()
+    assert starter.join(5) and closer.join(5)
+    assert starter.error is None and closer.error is None, closer.error
+    assert driver._thread is not None
+    driver._thread.join(5)
+    assert not driver._thread.is_alive() and engine.submitted == 0
+
+    later = _driver(engine, timeout_s=5)
+    later.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        later.take(1)
+    assert later._thread is None  # no thread started after close
+
+
+def _group(gid: int, tokens: list[list[int]], mm: object) -> GroupState:
+    """A complete group of samples with these tokens (version 0), for a problem named p<gid>."""
+    problem = types.SimpleNamespace(answer="", id=f"p{gid}", prompt="q")
+    group = GroupState(gid, problem, [3, 4], 0, mm=mm)
+    group.samples = [
+        SampleState(group, i, [Segment(t, [-0.1] * len(t), 0)], finish="stop") for i, t in enumerate(tokens)
+    ]
+    group.finished = len(tokens)
+    return group
+
+
+def test_the_async_prompt_collector_counts_every_take_as_the_sync_one_counts_every_round() -> None:
+    """Dynamic sampling drops group 0 (no reward variance) and a second take replaces it. The step's reward counters
+    were the first take's only (`reward/rows` 4 of 6 scored, `reward/failed_rows` 1 of 2), the rollout's tokens
+    the trained groups' only (the dropped group's 6 were generated too), and `assemble`'s counts were not kept at
+    all (a vision-language run's `data/picture_token_cuts`: here group 0 sampled a picture placeholder)."""
+    from roll_core.pipelines.collectors.prompts_async import AsyncPromptCollector
+    from roll_core.pipelines.metrics import StepLog
+
+    picture = 9  # the tokenizer's <|image_pad|>
+    tokenizer = types.SimpleNamespace(
+        pad_token_id=0,
+        unk_token_id=None,
+        convert_tokens_to_ids=lambda name: picture if name == "<|image_pad|>" else None,
+    )
+    mm = types.SimpleNamespace(without_images=lambda: "pixels")
+    takes = [
+        [_group(0, [[5, picture, 5], [5, 5, 5]], mm), _group(1, [[6, 6], [6, 6]], mm)],
+        [_group(2, [[7] * 4] * 2, mm)],
+    ]
+    scores = [
+        ([1.0, 1.0, 1.0, 0.0], {"rows": 4, "failed_rows": 1}),  # group 0 uniform: dropped
+        ([0.0, 1.0], {"rows": 2, "failed_rows": 1}),
+    ]
+
+    class _Driver:
+        def __init__(self) -> None:
+            self.discarded: list[int] = []
+
+        def take(self, n: int) -> list[GroupState]:
+            return takes.pop(0)
+
+        def discard(self, group: GroupState) -> None:
+            self.discarded.append(group.gid)
+
+        def held(self) -> Any:
+            return contextlib.nullcontext()
+
+        def stats(self) -> dict[str, float]:
+            return {}
+
+    class _Reward:
+        def score(self, batch: Batch) -> Batch:
+            s, counters = scores.pop(0)
+            s = torch.tensor(s)
+            out = Batch({"scores": s, "correct": s, "formatted": torch.ones_like(s)}, {"response_text": [""] * len(s)})
+            out.meta["reward_counters"] = counters
+            return out
+
+    c = AsyncPromptCollector.__new__(AsyncPromptCollector)  # what `next` reads
+    algo = types.SimpleNamespace(
+        group_size=2, drop_uniform_groups=True, refill_max_batches=2.0, overlong_buffer=0, reward_clip=None
+    )
+    model = types.SimpleNamespace(max_response_length=8)
+    c.cfg = types.SimpleNamespace(algo=algo, model=model, pipeline=types.SimpleNamespace(rollout_batch_size=2))
+    c.ctx, c.tokenizer = types.SimpleNamespace(samples=lambda step, rows: None), tokenizer
+    c.task = types.SimpleNamespace(messages=lambda problem: [], skipped_rows={})
+    c.driver, c.sched, c.k, c._handed, c._last_batch_at = _Driver(), types.SimpleNamespace(version=0), 1, [], None
+    c.skipped_long = c.skipped_context = c.skipped_bad_images = 0
+    c.processor, c.sampling, c.sampler = object(), SamplingParams(), types.SimpleNamespace(progress=lambda: 0.0)
+    c.reward, c.reward_budget, c._step_counters, c._step_failure = _Reward(), RewardFailureBudget(3), {}, None
+    c.reward_model, c.domains, c.advantage_scale = None, [], None
+
+    out = StepLog()
+    collected = c.next(1, out)
+    assert [p for p in collected.batch["problem_id"]] == ["p1", "p1", "p2", "p2"] and c.driver.discarded == [0]
+    assert (out["data/sampled_groups"], out["data/dropped_groups"], out["data/refill_rounds"]) == (3, 1, 1)
+    assert (out["reward/rows"], out["reward/failed_rows"]) == (6.0, 2.0)
+    assert out.get("perf/rollout_tokens") == 6 + 4 + 8
+    assert out["perf/rollout_tokens_per_s"] == pytest.approx(18 / out.timers["generate"])
+    assert out.get("data/picture_token_cuts") == 1

@@ -391,3 +391,55 @@ def test_assemble_counts_the_positions_the_trainer_routes_itself() -> None:
     batch = assemble(SimpleNamespace(pad_token_id=0), prompts, gen, counts)
     assert ROUTED_EXPERTS in batch
     assert counts["routing/unreplayed_positions"] == 2 and counts["routing/unreplayed_rows"] == 1
+
+
+class _RoundsInfer(AbortingInfer):
+    """Every row answers ANSWER tokens; the engine reports `seconds[r]` for its r-th batch (generation round)."""
+
+    def __init__(self, seconds: list[float]) -> None:
+        super().__init__({})
+        self.seconds = list(seconds)
+
+    def generate(self, prompts: Batch, params: SamplingParams, n: int) -> Batch:
+        out = super().generate(prompts, params, n)
+        out.meta["generate_seconds"] = self.seconds.pop(0)
+        return out
+
+
+class _RoundsReward:
+    """Scores and reward counters scripted per call (one per generation round)."""
+
+    def __init__(self, script: list[tuple[list[float], dict[str, float]]]) -> None:
+        self.script = list(script)
+
+    def score(self, batch: Batch) -> Batch:
+        scores, counters = self.script.pop(0)
+        s = torch.tensor(scores)
+        out = Batch({"scores": s, "correct": s, "formatted": torch.ones_like(s)}, {"response_text": [""] * len(s)})
+        out.meta["reward_counters"] = dict(counters)
+        return out
+
+
+def test_dynamic_samplings_refill_rounds_count_in_the_steps_rollout_and_reward_counts() -> None:
+    """DAPO dynamic sampling (algo.drop_uniform_groups): round 0's two groups have no reward variance and are
+    dropped, a refill round draws two more. The step's reward counters (`reward/rows`, `reward/failed_rows`) were
+    round 0's only (4 rows, 1 failed, while the failure budget counted 8 and 3) and the rollout throughput was
+    round 0's tokens over round 0's time (20 tokens / 1 s); they now cover both rounds: 8 rows scored, 3 failed,
+    `perf/rollout_tokens` 40 generated in 1 + 3 s."""
+    c = _collector(_RoundsInfer([1.0, 3.0]))
+    c.cfg.algo.drop_uniform_groups, c.cfg.algo.refill_oversample, c.cfg.algo.refill_max_batches = True, 1.0, 2.0
+    c.reward = _RoundsReward(
+        [
+            ([1.0, 1.0, 0.0, 0.0], {"rows": 4, "failed_rows": 1, "failed_errors": 1}),  # both groups uniform
+            ([1.0, 0.0, 0.0, 1.0], {"rows": 4, "failed_rows": 2, "failed_errors": 2}),  # both informative
+        ]
+    )
+    out = StepLog()
+    collected = c.next(1, out)
+    assert len(collected.batch) == 4 and collected.scores.tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert (out["data/sampled_groups"], out["data/dropped_groups"], out["data/refill_rounds"]) == (4, 2, 1)
+    assert (out["reward/rows"], out["reward/failed_rows"], out["reward/failed_errors"]) == (8.0, 3.0, 3.0)
+    assert c.reward_budget.totals["rows"] == 8 and c.reward_budget.totals["failed_rows"] == 3  # the same counts
+    assert out.get("perf/rollout_tokens") == 2 * 4 * ANSWER
+    assert out["perf/rollout_tokens_per_s"] == pytest.approx(2 * 4 * ANSWER / 4.0)
+    assert out["reward/mean"] == 0.5  # the reward metrics stay round 0's unfiltered sample's

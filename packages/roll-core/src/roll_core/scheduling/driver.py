@@ -112,25 +112,32 @@ class AsyncRollout:
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="roll-async-rollout", daemon=True)
-            self._thread.start()
+        """Start the background thread (once; never after `close`)."""
+        # Under the lock, with the closed state checked: a `close` from another thread (shutdown) between the
+        # thread's creation and its start joined a thread not yet started (RuntimeError), and a `take` after `close`
+        # started a thread nothing would join.
+        with self._cv:
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._run, name="roll-async-rollout", daemon=True)
+                self._thread.start()
 
     def close(self) -> None:
+        """Abort what runs and stop the thread (module docstring); later calls raise that the driver is closed."""
         with self._cv:
             self._stopped = True
             running = list(self._handles)
             self._mark_aborting(running)
+            thread = self._thread  # read with the state: `start` sets it under this lock, started
             self._cv.notify_all()
         for rid in running:
             self.infer.abort(rid)
-        if self._thread is not None:
-            self._thread.join(timeout=self.close_timeout_s)
-            if self._thread.is_alive():
+        if thread is not None:
+            thread.join(timeout=self.close_timeout_s)
+            if thread.is_alive():
                 log.warning(
                     "async rollout: thread %r still alive %gs after close() (left running, a daemon): %s; stuck in "
                     "%s (an engine call or next_group that does not return?)",
-                    self._thread.name,
+                    thread.name,
                     self.close_timeout_s,
                     self._doing,
                     self._where(),

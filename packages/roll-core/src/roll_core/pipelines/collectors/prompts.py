@@ -7,7 +7,9 @@ prompts, an asynchronous run's groups not yet trained, are drawn first); prompts
 `model.max_prompt_length` are skipped and counted, never truncated; with `algo.drop_uniform_groups` (DAPO dynamic
 sampling) groups without reward variance are filtered out and more prompts are drawn, in rounds (data/refill_rounds,
 as the asynchronous collector counts them), until the batch is full or `algo.refill_max_batches` batches' worth were
-sampled. Scores get the overlong penalty and reward clipping.
+sampled; the step's counts cover every round (data/sampled_groups, data/dropped_groups, the skips, `reward/rows` and
+the reward's other counters, `perf/rollout_tokens`: response tokens generated), while the reward and length metrics
+describe the first round's unfiltered sample. Scores get the overlong penalty and reward clipping.
 Evaluation: one sample per held-out problem at the eval temperature.
 Aborts: a row the engine aborts on its own (SGLang under memory pressure, vLLM at its preemption limit) is resumed
 from its partial output within its token budget, as the asynchronous driver resumes its samples
@@ -27,7 +29,6 @@ pictures (the tensors suffice), the trainer. Problems with pictures and a text m
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
@@ -42,9 +43,9 @@ from roll_core.config.build import as_dict
 from roll_core.data import data_fingerprint, make_sampler
 from roll_core.errors import ConfigError
 from roll_core.idle_aborts import KEY as IDLE_ABORTS_KEY
-from roll_core.idle_aborts import MAX_IDLE_ABORTS, check_max_idle_aborts, idle_backoff_s
-from roll_core.interfaces import Request, SamplingParams
+from roll_core.idle_aborts import MAX_IDLE_ABORTS  # noqa: F401 (re-exported: callers import it from here)
 from roll_core.pipelines.collectors import Collected, CollectorContext
+from roll_core.pipelines.collectors._resume import _Resuming, resume_aborted
 from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
 from roll_core.pipelines.rollout import (
     PromptsTooLong,
@@ -56,9 +57,8 @@ from roll_core.pipelines.rollout import (
     prompt_batch,
     vision_processor,
 )
-from roll_core.pipelines.sampling import RM_ROW_TENSORS, group_rows, informative_groups, merge_scored, pad_right
+from roll_core.pipelines.sampling import RM_ROW_TENSORS, group_rows, informative_groups, merge_scored
 from roll_core.protocol import Batch
-from roll_core.routing import ROUTING_ROWS, carry_routing
 from roll_core.seeds import Purpose, derive_seed
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class PromptCollector:
             batch = self._keep_informative(step, batch, out)
         if self.reward_model is not None and batch is not None:  # normalize=batch: over the whole batch's rows
             batch = self.reward_model.renormalise(batch)
-        self.end_reward_step(step)
+        out.update(reward_counts(self.end_reward_step(step)))  # every round's rows, not the first round's only
         return self._collected(batch, out)
 
     def begin_sync(self) -> None:
@@ -281,7 +281,9 @@ class PromptCollector:
 
     def _generate_scored(self, step: int, n_prompts: int, round_: int, out: StepLog) -> Batch:
         """Sample `n_prompts` prompts x group_size responses, assemble and score them; the reward metrics of the
-        first round go to `out`, later rounds only add their timers."""
+        first round go to `out` (the unfiltered sample's), while the counts of every round (skips, resumed rows,
+        `perf/rollout_tokens`: the responses' tokens generated) add up, and `perf/rollout_tokens_per_s` is over
+        every round's tokens and generation time: a dynamic-sampling refill costs what it generates."""
         algo, model = self.cfg.algo, self.cfg.model
         first = round_ == 0
         g = algo.group_size
@@ -302,6 +304,12 @@ class PromptCollector:
                 self._cut_ids,
                 max_idle_aborts=self.cfg.pipeline.max_idle_aborts,  # the engine's idle aborts in a row: a refusal
             )
+        if first:
+            self._generated = [0, 0.0]  # the step's response tokens and the engine's seconds, every round
+        self._generated[0] += int(gen["response_mask"].sum())  # refused rows' included: the engine generated them
+        self._generated[1] += float(gen.meta["generate_seconds"])
+        out["perf/rollout_tokens"] = float(self._generated[0])
+        out["perf/rollout_tokens_per_s"] = self._generated[0] / max(self._generated[1], 1e-9)
         rows = prompts.repeat_interleave(g)
         if refused:  # the whole group goes: a group missing a row would shift its baseline (GRPO's mean and std)
             dropped = sorted({i // g for i in refused})
@@ -323,9 +331,6 @@ class PromptCollector:
         for k, v in counts.items():  # skips of every round count
             out[k] = out.get(k, 0) + v
         if first:
-            out["perf/rollout_tokens_per_s"] = float(gen["response_mask"].sum()) / max(
-                gen.meta["generate_seconds"], 1e-9
-            )
             lengths = batch["response_mask"].sum(-1)
             out.update(reward_metrics(batch, scored, lengths, model.max_response_length))
             if len(self.domains) > 1:
@@ -345,11 +350,13 @@ class PromptCollector:
         self._step_failure = self._step_failure or scored.meta.get("reward_failure")
         return scored
 
-    def end_reward_step(self, step: int) -> None:
-        """Charge the step's reward failures to the budget (raises RewardFailureError when it is spent)."""
+    def end_reward_step(self, step: int) -> dict[str, float]:
+        """Charge the step's reward failures to the budget (raises RewardFailureError when it is spent); returns
+        the step's reward counters, summed over every batch scored (dynamic sampling's refills included)."""
         counters, failure = self._step_counters, self._step_failure
         self._step_counters, self._step_failure = {}, None
         self.reward_budget.update(step, counters, failure)
+        return counters
 
     def _keep_informative(self, step: int, batch: Batch, out: StepLog) -> Batch:
         """DAPO dynamic sampling, a filter on the drawn groups: keep the groups whose rewards differ and draw more
@@ -438,146 +445,12 @@ class PromptCollector:
         )
 
 
-_resume_ids = itertools.count()
+def reward_counts(counters: dict[str, float]) -> dict[str, float]:
+    """The step metrics `reward/<counter>` (rows scored, failed rows by cause) of the step's summed reward counters.
 
-
-def resume_aborted(
-    infer: Any,
-    prompts: Batch,
-    gen: Batch,
-    params: SamplingParams,
-    n: int,
-    pad_id: int,
-    cut_ids: frozenset[int] = frozenset(),
-    *,
-    max_idle_aborts: int = MAX_IDLE_ABORTS,
-) -> tuple[Batch, list[int], int]:
-    """`gen` (a batched generation: `n` rows per prompt of `prompts`) with the rows the engine aborted on its own
-    resumed; returns (generation, refused row indices, rows resumed).
-
-    A row with finish reason "abort" is submitted again (`infer.submit_request`) as its prompt followed by what it
-    generated, with the rest of its budget (`params.max_new_tokens`) and a seed of its own per attempt, until it
-    finishes: its tokens and behaviour log-probs are every attempt's in order, its finish reason the last one's, its
-    MoE routing (`routed_experts_rows`) the last request's, which covers the prompt and every token, with earlier
-    attempts' where it recorded none (roll_core.routing.carry_routing; a restart: its prompt's). An abort that
-    left the whole budget generated, or a resume whose context the engine cannot hold, is a row cut at its limit
-    ("length"); a prefix holding a picture placeholder is not resumed (the response is cut before it anyway:
-    roll_core.pipelines.rollout.cut_picture_tokens, and the engine would refuse a placeholder without a picture)
-    and ends "stop"; a constrained row (`params.structured`) is generated again from its prompt (the engine would
-    start the constraint over after the prefix). A row aborted `max_idle_aborts` (pipeline.max_idle_aborts) times in
-    a row without a token (a constrained row: `max_idle_aborts` times, tokens or not), the batch's own abort
-    included, stays "abort" and is returned as refused (logged): the caller drops it (its group), it is not an
-    answer to score.
-
-    Why: scoring an aborted row trains the engine's preemption as the policy's failure (reward 0 for a cut answer);
-    resuming keeps the row a sample of the policy (dropping or resampling it would bias the batch against long
-    responses, the ones preemption hits)."""
-    check_max_idle_aborts(max_idle_aborts)
-    reasons = list(gen["finish_reason"])
-    todo = [i for i, r in enumerate(reasons) if r == "abort"]
-    if not todo:
-        return gen, [], 0
-    budget = params.max_new_tokens
-    resp, logp, mask = gen["responses"], gen["behaviour_logprobs"], gen["response_mask"].bool()
-    tokens = {i: resp[i][mask[i]].tolist() for i in todo}
-    logprobs = {i: logp[i][mask[i]].tolist() for i in todo}
-    routing = list(gen[ROUTING_ROWS]) if ROUTING_ROWS in gen else None
-    mm = prompts["mm_inputs"] if "mm_inputs" in prompts else None
-    # The engine's aborts in a row that brought no progress, this one included (a constrained row starts over at
-    # every attempt: each of its aborts counts, else one aborted every time after a token would never end).
-    restarts = params.structured is not None
-    idle = {i: int(restarts or not tokens[i]) for i in todo}
-    resumed: set[int] = set()
-    refused: list[int] = []
-    for attempt in itertools.count(1):
-        pending = []
-        for i in todo:
-            if len(tokens[i]) >= budget:
-                reasons[i] = "length"  # the abort raced the budget's end: the row is complete, cut at its limit
-            elif cut_ids.intersection(tokens[i]):
-                reasons[i] = "stop"
-            else:
-                pending.append(i)
-        if not pending:
-            break
-        handles = {}
-        for i in pending:
-            if restarts:  # a constraint cannot go on from a prefix (the engine would start it over there)
-                tokens[i], logprobs[i] = [], []
-            seed = None if params.seed is None else derive_seed(params.seed, Purpose.ENGINE_ROW, i, attempt)
-            rest = params.replace(max_new_tokens=budget - len(tokens[i]), seed=seed)
-            request = Request(
-                f"rlvr-resume-{next(_resume_ids)}",
-                list(prompts["prompt_ids"][i // n]) + tokens[i],
-                rest,
-                mm=None if mm is None else mm[i // n],
-            )
-            handles[i] = infer.submit_request(request)
-            resumed.add(i)
-        todo = []
-        for i, handle in handles.items():
-            out = handle.result()
-            tokens[i] += list(out.token_ids)
-            logprobs[i] += list(out.logprobs)
-            if routing is not None:  # earlier attempts' records where this one has none (a restart: its prompt's)
-                keep = len(prompts["prompt_ids"][i // n]) if restarts else None
-                routing[i] = carry_routing(routing[i], out.routed_experts, keep)
-            # the engine cannot hold prompt + prefix: the response is cut at the engine's limit
-            reasons[i] = "length" if out.finish_reason == "prompt_too_long" else out.finish_reason
-            if reasons[i] != "abort":
-                continue
-            idle[i] = 0 if out.token_ids and not restarts else idle[i] + 1
-            if idle[i] < max_idle_aborts or len(tokens[i]) >= budget:
-                todo.append(i)
-            else:
-                refused.append(i)
-        # Resubmitted at once, rows an engine preempted for a moment (KV-cache blocks still held) used up every try
-        # within milliseconds and their prompts were refused (roll_core.idle_aborts).
-        time.sleep(idle_backoff_s(max((idle[i] for i in todo if len(tokens[i]) < budget), default=0)))
-    if refused:
-        log.warning(
-            "the inference engine aborted %d row(s) %d times in a row without a token (prompts of up to %d tokens): "
-            "their prompts are refused (SGLang aborts a prompt longer than its KV cache holds; an engine that only "
-            "pauses that often: raise %s)",
-            len(refused),
-            max_idle_aborts,
-            max(len(prompts["prompt_ids"][i // n]) for i in refused),
-            IDLE_ABORTS_KEY,
-        )
-    width = max([resp.shape[1], *(len(t) for t in tokens.values())])
-    t = gen.tensors()
-    resp, logp = pad_right(resp, width, pad_id).clone(), pad_right(logp, width).clone()
-    mask = pad_right(gen["response_mask"], width).clone()
-    for i in tokens:
-        k = len(tokens[i])
-        resp[i], logp[i], mask[i] = pad_id, 0.0, 0
-        if k:
-            resp[i, :k] = torch.tensor(tokens[i], dtype=resp.dtype)
-            logp[i, :k] = torch.tensor(logprobs[i], dtype=logp.dtype)
-            mask[i, :k] = 1
-    t.update(responses=resp, behaviour_logprobs=logp, response_mask=mask)
-    t["truncated"] = torch.tensor([r == "length" for r in reasons], dtype=torch.long)
-    fields = {**gen.fields, "finish_reason": reasons}
-    if routing is not None:
-        fields[ROUTING_ROWS] = routing
-    return Batch(t, fields, gen.meta), sorted(refused), len(resumed)
-
-
-class _Resuming:
-    """An inference group whose batch `generate` resumes the rows the engine aborted on its own (`resume_aborted`):
-    what evaluation samples with (a row aborted `max_idle_aborts` times in a row without a token stays "abort",
-    logged)."""
-
-    def __init__(
-        self, infer: Any, pad_id: int, cut_ids: frozenset[int], max_idle_aborts: int = MAX_IDLE_ABORTS
-    ) -> None:
-        self.infer, self.pad_id, self.cut_ids = infer, pad_id, cut_ids
-        self.max_idle_aborts = max_idle_aborts
-
-    def generate(self, prompts: Batch, params: SamplingParams, n: int = 1) -> Batch:
-        gen = self.infer.generate(prompts, params, n=n)
-        cut, most = self.cut_ids, self.max_idle_aborts
-        return resume_aborted(self.infer, prompts, gen, params, n, self.pad_id, cut, max_idle_aborts=most)[0]
+    `reward_metrics` names them alike from the first batch scored; these replace them with every batch's (dynamic
+    sampling's refill rounds, the asynchronous collector's later takes), as the failure budget counts them."""
+    return {f"reward/{k}": float(v) for k, v in counters.items()}
 
 
 def without_images(rows: list[Any]) -> list[Any]:

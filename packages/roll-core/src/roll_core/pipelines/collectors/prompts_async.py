@@ -7,7 +7,10 @@ reward variance when dynamic sampling is on (their budget starts new groups at o
 whose prompt fills the engine's context (`data/skipped_context_prompts`), and returns an assembled batch with
 `behaviour_version` (B,) per row. `data/refill_rounds` means what the synchronous collector's does: the takes made
 to replace groups dynamic sampling dropped; a take that only replaces groups whose prompt filled the context is none
-(the synchronous collector does not replace those), so it is 0 with dynamic sampling off. The trainer then
+(the synchronous collector does not replace those), so it is 0 with dynamic sampling off. The step's counts cover
+every take as the synchronous collector's cover every round: `reward/rows` and the reward's other counters,
+`perf/rollout_tokens` (the taken groups' response tokens, dropped ones included; `perf/rollout_tokens_per_s` over the
+time between batches) and what `assemble` counts (`data/picture_token_cuts`). The trainer then
 recomputes the proximal log-probs (`old_logprobs`) at its current version, and `algo.off_policy_correction` weighs
 each token by the truncated ratio pi_old / pi_behaviour (decoupled PPO); `begin_sync` / `finish_sync` bracket the
 weight sync so that partial rollout can abort and resume requests around it. A batch that no sync follows was not
@@ -36,7 +39,7 @@ from roll_core.data import LockedSampler
 from roll_core.errors import ConfigError
 from roll_core.interfaces import SamplingParams
 from roll_core.pipelines.collectors import Collected, CollectorContext
-from roll_core.pipelines.collectors.prompts import PromptCollector
+from roll_core.pipelines.collectors.prompts import PromptCollector, reward_counts
 from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
 from roll_core.pipelines.rollout import PROBLEM_FIELDS, BadPictures, assemble, encode_prompt, picture_token_ids
 from roll_core.pipelines.sampling import RM_ROW_TENSORS, generation_from_samples, informative_groups
@@ -142,7 +145,8 @@ class AsyncPromptCollector(PromptCollector):
         kept: list[GroupState] = []
         first: tuple[Batch, Batch] | None = None
         cols: dict[int, dict[str, torch.Tensor]] = {}  # gid -> its rows' scores, correct, formatted
-        sampled = refills = too_long = 0
+        sampled = refills = too_long = tokens = 0
+        counts: dict[str, int] = {}  # what `assemble` counts in each take (picture cuts, MoE routing not replayed)
         # Whether the previous take had a group dynamic sampling dropped: the next take refills it (a refill round).
         uniform_dropped = False
         if self._handed:
@@ -173,9 +177,11 @@ class AsyncPromptCollector(PromptCollector):
                     )
                 groups = fits
                 sampled += len(groups)
+                # the engine's work for every take, groups dynamic sampling drops next included (throughput)
+                tokens += sum(len(s.tokens) for grp in groups for s in grp.samples)
                 if not groups:
                     continue
-                batch = self._assemble(generation_from_samples(groups, pad, self.task))
+                batch = self._assemble(generation_from_samples(groups, pad, self.task), counts)
                 scored = self.score(batch, out)
                 keys = ("scores", "correct", "formatted", *(k for k in RM_ROW_TENSORS if k in scored))
                 batch = batch.union(scored.select(*keys))
@@ -194,10 +200,12 @@ class AsyncPromptCollector(PromptCollector):
                         self.driver.discard(grp)
                         uniform_dropped = True
         assert first is not None
-        self.end_reward_step(step)
+        step_counters = self.end_reward_step(step)
         b0, scored0 = first
         lengths = b0["response_mask"].sum(-1)
         out.update(reward_metrics(b0, scored0, lengths, self.cfg.model.max_response_length))
+        out.update(reward_counts(step_counters))  # every take's rows, as the synchronous collector's every round's
+        out.update(counts)
         if len(self.domains) > 1:
             out.update(domain_metrics(b0, lengths, self.cfg.model.max_response_length, self.domains))
         self.log_samples(step, b0, scored0)
@@ -230,7 +238,8 @@ class AsyncPromptCollector(PromptCollector):
         now = time.monotonic()
         span = out.timers["generate"] if self._last_batch_at is None else now - self._last_batch_at
         self._last_batch_at = now
-        out["perf/rollout_tokens_per_s"] = float(batch["response_mask"].sum()) / max(span, 1e-9)
+        out["perf/rollout_tokens"] = float(tokens)  # as the synchronous collector's: every group taken
+        out["perf/rollout_tokens_per_s"] = tokens / max(span, 1e-9)
         out["perf/generate_wait_seconds"] = out.timers["generate"]
         return self._collected(batch, out)
 
@@ -239,11 +248,21 @@ class AsyncPromptCollector(PromptCollector):
         """Whether the engine refused `group`'s prompt as filling its context (every sample of a group shares it)."""
         return any(s.finish == "prompt_too_long" for s in group.samples)
 
-    def _assemble(self, gen: Batch) -> Batch:
+    def _assemble(self, gen: Batch, counts: dict[str, int] | None = None) -> Batch:
+        """`gen` (groups' samples) assembled; `counts` (when given) adds up what `assemble` counts, as the
+        synchronous collector sums it over its rounds: `data/picture_token_cuts`, and `routing/unreplayed_*` for a
+        generation that carries MoE routing."""
         own = ("prompt_ids", *PROBLEM_FIELDS, *(["mm_inputs"] if "mm_inputs" in gen else []))
         prompts = gen.select(*own)
         rest = [k for k in gen.keys() if k not in own]
-        return assemble(self.tokenizer, prompts, gen.select(*rest))
+        metrics: dict[str, Any] = {}
+        batch = assemble(self.tokenizer, prompts, gen.select(*rest), metrics)
+        if counts is not None:
+            # (its prompt_too_long count is 0 here: those groups were dropped before, data/skipped_context_prompts)
+            for k, v in metrics.items():
+                if k != "data/skipped_context_prompts":
+                    counts[k] = counts.get(k, 0) + v
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         """The base state, with `pending` the indices of the groups started and not yet trained (then any not yet
