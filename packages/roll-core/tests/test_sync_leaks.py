@@ -208,3 +208,70 @@ def test_a_new_ipc_sync_ends_the_unfinished_one_first(shared, caplog) -> None:
         worker.start_ipc_sync(64, False)
     assert "failed to close" in caplog.text
     assert worker.next_ipc_bucket()["specs"][0][0] == "w0"
+
+
+class _OneRank:
+    """A train group of one real `TrainWorker` (rank 0), called directly: what `CudaIpcTransport` asks of it."""
+
+    def __init__(self, worker: TrainWorker, fail_end: bool = False) -> None:
+        self.worker, self.world_size, self.fail_end, self.ended = worker, 1, fail_end, 0
+
+    def call(self, method: Any, *args: Any) -> list:
+        if method.__name__ == "end_ipc_sync":
+            self.ended += 1
+            if self.fail_end:
+                raise ConnectionError("the trainer actor died")
+        return [getattr(self.worker, method.__name__)(*args)]
+
+
+class _Receivers:
+    """Inference ranks whose engine refuses the second bucket."""
+
+    world_size = 1
+
+    def __init__(self) -> None:
+        self.received = 0
+
+    def call(self, method: Any, shared: list) -> list:
+        self.received += 1
+        if self.received == 2:
+            raise ValueError("the engine refused bucket 1")
+        return [entry["bytes"] for entry in shared]
+
+
+@pytest.mark.parametrize("fail_end", [False, True])
+def test_a_cuda_ipc_sync_that_failed_on_the_receivers_is_ended_on_the_trainer(shared, caplog, fail_end) -> None:
+    """A receiver raised after the first bucket: the transport ends the sync on the trainer before it raises, so the
+    last shared buffer and the weight iterator are released at once (they were held until the next sync). An
+    `end_ipc_sync` that fails itself is logged; the receivers' error is the one raised."""
+    from roll_core.cluster.weight_sync import CudaIpcTransport
+
+    engine = _Engine()
+    train = _OneRank(_trainer(engine), fail_end=fail_end)
+    transport = CudaIpcTransport(train, _Receivers(), bucket_bytes=64, dtype=None, dist_backend="nccl")
+    with (
+        caplog.at_level(logging.WARNING, logger="roll_core.cluster.weight_sync"),
+        pytest.raises(ValueError, match="refused"),
+    ):
+        transport.sync(False)
+    assert train.ended == 1
+    if fail_end:
+        assert "ending it on the trainer failed too: the trainer actor died" in caplog.text
+        assert train.worker._ipc is not None  # the fake trainer did not end it: the next start_ipc_sync will
+    else:
+        assert train.worker._ipc is None and engine.finished == 1 and shared.held() == []
+        assert caplog.text == ""
+
+
+def test_a_successful_cuda_ipc_sync_is_not_ended_twice(shared) -> None:
+    from roll_core.cluster.weight_sync import CudaIpcTransport
+
+    engine = _Engine()
+    train = _OneRank(_trainer(engine))
+
+    class Accepting(_Receivers):
+        def call(self, method: Any, shared: list) -> list:
+            return [entry["bytes"] for entry in shared]
+
+    moved = CudaIpcTransport(train, Accepting(), bucket_bytes=64, dtype=None, dist_backend="nccl").sync(False)
+    assert tuple(moved) == (256, 4, 4) and train.ended == 0 and engine.finished == 1 and shared.held() == []

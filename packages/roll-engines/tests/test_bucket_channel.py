@@ -360,3 +360,73 @@ def test_a_dev_shm_too_small_for_the_staging_buffer_is_no_crash(tmp_path, tmp_ro
         assert "refused: weight sync: no room for a staging buffer of 4194304 bytes" in done.stdout, done.stdout
         assert "--shm-size" in done.stdout
     assert not list(small.iterdir()) and not list(tmp_path.glob("roll-weights-*"))  # nothing left behind
+
+
+# ---- leftovers of killed processes in /dev/shm ----------------------------------------------------------------
+def _dead_pid() -> int:
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # reaped: its pid names no process (until reused, which would only keep its files)
+    return proc.pid
+
+
+def _ns() -> str:
+    return str(os.stat("/proc/self/ns/pid").st_ino)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/ns/pid"), reason="pid namespaces are told apart through /proc")
+def test_a_new_staging_file_removes_those_of_dead_processes_only(tmp_path, caplog) -> None:
+    """A process killed mid-sync (its close never ran) left its staging file in /dev/shm, RAM for as long as the node
+    runs. Creating a new one removes those of dead pids of this pid namespace and user; never a live process's (pid 1:
+    alive, or PermissionError), another namespace's (a container sharing /dev/shm), a LoRA folder or a foreign name."""
+    import logging
+
+    from roll_engines.infer import _bucket_channel as channel
+
+    dead, ns = _dead_pid(), _ns()
+    (tmp_path / f"roll-weights-{dead}-{ns}-aaaaaaaaaaaa").write_bytes(b"x" * 1000)
+    (tmp_path / f"roll-weights-{dead}-{ns}-bbbbbbbbbbbb").write_bytes(b"x" * 24)
+    keep = [
+        f"roll-weights-{os.getpid()}-{ns}-cccccccccccc",  # this process
+        f"roll-weights-1-{ns}-dddddddddddd",  # alive (PermissionError where not root)
+        f"roll-weights-{dead}-{int(ns) + 1}-eeeeeeeeeeee",  # another pid namespace: its pid may be alive there
+        f"roll-weights-{dead}-ffffffffffff",  # no namespace in the name: not one this sweep can judge
+        f"roll-lora-{dead}-{ns}-vllm-x",  # another kind
+        f"pymp-{dead}-{ns}-x",
+    ]
+    for name in keep:
+        (tmp_path / name).write_bytes(b"y")
+    with caplog.at_level(logging.WARNING, logger=channel.__name__):
+        path = channel._shared_file(64, [str(tmp_path)])
+    assert os.path.basename(path).startswith(f"roll-weights-{os.getpid()}-{ns}-") and os.path.getsize(path) == 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*keep, os.path.basename(path)])
+    assert f"removed 2 leftover roll-weights entries of dead processes (1024 bytes) from {tmp_path}" in caplog.text
+    caplog.clear()
+    assert channel.remove_dead_leftovers(str(tmp_path), "weights") == (0, 0) and caplog.text == ""
+
+
+def test_a_vllm_shutdown_closes_the_channel_of_an_unfinished_sync(tmp_path, monkeypatch) -> None:
+    """A sync whose caller failed between begin and finish left its sender open: the staging file stayed in /dev/shm
+    after the engine shut down (and its workers' stream waited out its timeout). The engine is built without vLLM:
+    shutdown needs only its driver thread and tables."""
+    import queue
+
+    from roll_engines.infer import _bucket_channel as channel
+    from roll_engines.infer._vllm_requests import RequestTable
+    from roll_engines.infer.vllm import VLLMInferEngine
+
+    shared_file = channel._shared_file
+    monkeypatch.setattr(channel, "_shared_file", lambda nbytes: shared_file(nbytes, [str(tmp_path)]))
+    engine = VLLMInferEngine.__new__(VLLMInferEngine)
+    engine.name, engine._queueing, engine._stopped, engine._jobs = "vllm", threading.Lock(), False, queue.Queue()
+    engine._driver = threading.Thread(target=lambda: engine._jobs.get())  # takes the stop job
+    engine._driver.start()
+    engine._deferred, engine._pending, engine._adapters = [], RequestTable("vllm"), None
+    engine.llm = engine.engine = object()
+    engine._sender = sender = BucketSender(1, "cpu", torch.bfloat16, timeout_s=5)
+    sender._reserve(64)  # the staging buffer of the sync's first bucket
+    assert [p.name for p in tmp_path.glob("roll-weights-*")] == [os.path.basename(sender._shm_path)]
+    engine.shutdown()
+    assert list(tmp_path.iterdir()) == [] and engine._sender is None and sender._listener._listener is None
+    assert not engine._driver.is_alive()

@@ -127,3 +127,31 @@ def test_config_errors_where_adapter_sync_cannot_work() -> None:
     assert refused_targets(["q_proj", "v_proj"]) == [] and refused_targets("all-linear") == []
     with pytest.raises(ValueError, match=r"infer_engine\.lora_sync"):
         C.VLLMInferEngineConfig(lora_sync="both")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/ns/pid"), reason="pid namespaces are told apart through /proc")
+def test_adapter_folders_of_dead_engines_are_removed_at_the_next_engine_start(tmp_path, caplog) -> None:
+    """An engine killed with LoRA serving on left its adapter folder in /dev/shm (only `close` removed it). The next
+    engine's start removes the folders of dead pids (this pid namespace); a live engine's folder stays."""
+    import logging
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    dead = tmp_path / f"roll-lora-{proc.pid}-{ns}-vllm-0-abc"
+    (dead / "v3").mkdir(parents=True)
+    (dead / "v3" / "adapter_model.safetensors").write_bytes(b"z" * 300)
+    live = tmp_path / f"roll-lora-{os.getpid()}-{ns}-vllm-1-def"
+    live.mkdir()
+    staging = tmp_path / f"roll-weights-{proc.pid}-{ns}-aaaaaaaaaaaa"  # another kind: the staging files' sweep
+    staging.write_bytes(b"w")
+    with caplog.at_level(logging.WARNING, logger="roll_engines.infer._bucket_channel"):
+        sync = AdapterSync("vllm-2", 4, torch.float32, folder=str(tmp_path))
+    try:
+        assert sync.root.parent == tmp_path and sync.root.name.startswith(f"roll-lora-{os.getpid()}-{ns}-vllm-2-")
+        assert not dead.exists() and live.exists() and staging.exists()
+        assert "removed 1 leftover roll-lora entry of dead processes (300 bytes)" in caplog.text
+    finally:
+        sync.close()
+    assert not sync.root.exists()

@@ -305,6 +305,24 @@ class CudaIpcTransport(Transport):
     name = "cuda_ipc"
 
     def sync(self, changed_only: bool) -> Moved:
+        """One sync, bucket by bucket. A failure (a receiver raised, a trainer rank failed or ran out of step) ends
+        the sync on the trainer before it is raised: its ranks released the bucket iterator and the last shared
+        buffer only at the next sync otherwise, holding device memory (and the weights being produced) meanwhile."""
+        try:
+            return self._sync(changed_only)
+        except Exception:
+            self._end_on_trainer()
+            raise
+
+    def _end_on_trainer(self) -> None:
+        # Best effort: the sync's own error is the one to raise; a trainer that cannot end it (dead, or failing
+        # again) ends it at its next `start_ipc_sync` anyway.
+        try:
+            self.train.call(TrainWorker.end_ipc_sync)
+        except Exception as exc:
+            log.warning("cuda_ipc weight sync failed; ending it on the trainer failed too: %s", exc)
+
+    def _sync(self, changed_only: bool) -> Moved:
         self.train.call(TrainWorker.start_ipc_sync, self.bucket_bytes, changed_only, *self._cast)
         nbytes = ntensors = nbuckets = 0
         while True:

@@ -5,7 +5,8 @@ trainer's rank (runtime `lora_rank`); each weight sync brings the adapter alone,
 `<module>.lora_B.weight` [out, r] in peft's saved names with the scaling already folded into B
 (roll_engines.train._lora.adapter_weights). `AdapterSync` collects them between `begin()` and `finish(version)`,
 checks every module has both matrices of one rank, and writes them as a peft adapter folder (adapter_config.json
-with lora_alpha = r, i.e. scaling 1; adapter_model.safetensors) under a per-engine folder in shared memory.
+with lora_alpha = r, i.e. scaling 1; adapter_model.safetensors) under a per-engine folder in shared memory (named
+with the engine process's pid: a killed engine's folder is removed when the next engine starts).
 
 Why a folder: vLLM 0.32 loads LoRA adapters from a path only (`LoRARequest.lora_path`; no tensor-based loading), and
 its worker processes (another process on GPUs, one per tensor-parallel rank) read the same node's shared memory.
@@ -29,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from roll_engines.infer._bucket_channel import leftover_prefix, remove_dead_leftovers
 
 #: vLLM's allowed `max_lora_rank` values (vllm.config.lora.MaxLoRARanks in 0.32); the engine rounds the rank up.
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -60,9 +63,13 @@ def _shared_memory() -> str | None:
 class AdapterSync:
     """The adapters of one engine: collected per sync, written as peft folders, retired when unused."""
 
-    def __init__(self, engine_name: str, lora_rank: int, dtype: torch.dtype) -> None:
+    def __init__(self, engine_name: str, lora_rank: int, dtype: torch.dtype, folder: str | None = None) -> None:
+        """`folder`: where the adapter folders go (default /dev/shm, else the temp folder). The folders that killed
+        engines left there (their `close` never ran) are removed first: /dev/shm is RAM that lives with the node."""
         self.name, self.rank, self.dtype = engine_name, int(lora_rank), dtype
-        self.root = Path(tempfile.mkdtemp(prefix=f"roll-lora-{engine_name}-", dir=_shared_memory()))
+        folder = folder or _shared_memory() or tempfile.gettempdir()
+        remove_dead_leftovers(folder, "lora")
+        self.root = Path(tempfile.mkdtemp(prefix=f"{leftover_prefix('lora')}{engine_name}-", dir=folder))
         self._parts: dict[str, Tensor] | None = None
         self.folders: dict[int, Path] = {}  # adapter id -> its folder, while vLLM may still load it
         self.requests: dict[int, Any] = {}  # adapter id -> its vLLM LoRARequest (what requests carry)

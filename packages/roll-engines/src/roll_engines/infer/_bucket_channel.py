@@ -23,13 +23,18 @@ workers pull the buckets through this channel, one at a time:
 roll_engines.infer._vllm_worker). Either way it releases the staging buffer, so nothing of the sync stays behind in
 the adapter's process. A receiver found dead at `close(ok=True)` does not cost the others their end: all live ones
 get it, then `ChannelError` names the dead ones. Neither side waits on the other unbounded (`TIMEOUT_S`).
+A process killed mid-sync never closes: its staging file (named with its pid and pid namespace) is removed when a
+later one is created (`remove_dead_leftovers`, which LoRA adapter folders use too: roll_engines.infer._adapters).
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
+import re
+import shutil
 import socket
 import sys
 import tempfile
@@ -87,17 +92,103 @@ def _socket_address() -> str | None:
     return "\0roll-bucket-" + os.urandom(8).hex() if sys.platform.startswith("linux") else None
 
 
+@functools.cache
+def _pid_namespace() -> str | None:
+    """This process's pid namespace (Linux: the inode of /proc/self/ns/pid; "0" where there are none), or None where
+    it cannot be told (Linux without /proc). Containers that share /dev/shm (docker --ipc=host, the containers of a
+    Kubernetes pod) have pid namespaces of their own: another's live process may have a pid that is dead here."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return None if sys.platform.startswith("linux") else "0"
+
+
+def leftover_prefix(kind: str) -> str:
+    """The start of the name of a shared-memory entry of `kind` ("weights": a staging file; "lora": an adapter
+    folder) that this process creates: its pid and pid namespace, by which `remove_dead_leftovers` tells whose it is."""
+    return f"roll-{kind}-{os.getpid()}-{_pid_namespace() or 0}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:  # 0 and negatives signal process groups: never a pid roll wrote
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):  # PermissionError: it exists under another user
+        return True
+    return True
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def remove_dead_leftovers(folder: str, kind: str) -> tuple[int, int]:
+    """Remove from `folder` the entries of `kind` (named by `leftover_prefix`) of dead processes: created in this pid
+    namespace, by this user, by a pid that no longer runs. A process killed mid-sync (OOM killer, SIGKILL, a node
+    agent) never ran its close, and /dev/shm is RAM that lives as long as the node: one staging buffer (the largest
+    bucket) or adapter folder stayed there per killed process. Entries of live pids, of other pid namespaces or
+    users, and any other name are kept. Returns (entries removed, their bytes), and logs them."""
+    ns = _pid_namespace()
+    if os.name == "nt" or ns is None:  # Windows: os.kill(pid, 0) would end the process; no namespace: cannot tell
+        return 0, 0
+    pattern = re.compile(rf"roll-{re.escape(kind)}-(\d+)-{ns}-")
+    removed = nbytes = 0
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0, 0
+    for entry in entries:
+        match = pattern.match(entry.name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if st.st_uid != os.getuid():
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                size = _tree_bytes(entry.path)
+                shutil.rmtree(entry.path)
+            else:
+                size = st.st_size
+                os.unlink(entry.path)
+        except OSError:  # removed meanwhile by another process's sweep, or not ours to remove after all
+            continue
+        removed, nbytes = removed + 1, nbytes + size
+    if removed:
+        log.warning(
+            "removed %d leftover roll-%s entr%s of dead processes (%d bytes) from %s",
+            removed,
+            kind,
+            "y" if removed == 1 else "ies",
+            nbytes,
+            folder,
+        )
+    return removed, nbytes
+
+
 def _shared_file(nbytes: int, folders: Sequence[str] | None = None) -> str:
     """A new file of `nbytes` to map as the staging buffer: in /dev/shm, else (no room there) the temp folder.
 
     Its blocks are allocated here (`posix_fallocate`): a sparse file (`truncate`) in a /dev/shm too small for it
     (Docker's default is 64 MiB; one embedding of a 0.5B model is 272 MiB) killed the engine with SIGBUS at the
-    first write past the room. A file in the temp folder is shared through the page cache as well (slower)."""
+    first write past the room. A file in the temp folder is shared through the page cache as well (slower). The
+    leftovers of killed processes in those folders are removed first (`remove_dead_leftovers`)."""
     if folders is None:
         folders = [f for f in ("/dev/shm",) if os.path.isdir(f)] + [tempfile.gettempdir()]
     tried = []
     for folder in folders:
-        path = os.path.join(folder, f"roll-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        remove_dead_leftovers(folder, "weights")
+        path = os.path.join(folder, leftover_prefix("weights") + uuid.uuid4().hex[:12])
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             if hasattr(os, "posix_fallocate"):

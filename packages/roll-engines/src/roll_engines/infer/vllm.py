@@ -541,10 +541,12 @@ class VLLMInferEngine(VLLMWeightUpdates):
 
     def shutdown(self) -> None:
         """Stop the driver thread and fail every request it has not resolved (running, queued, or submitted during
-        a sync that never finished): their callers get an error, never wait forever."""
+        a sync that never finished): their callers get an error, never wait forever. The channel of such a sync is
+        closed (aborted) first: its workers stop waiting for buckets and its staging file leaves /dev/shm."""
         with self._queueing:  # no job is queued after this (`_queue_job`)
             self._stopped = True
             self._jobs.put(("control", lambda: None, Future()))
+        self._close_sender()
         self._driver.join(timeout=10)
         futures = [fut for _, fut in self._deferred] + [state.future for state in self._pending.states()]
         while not self._jobs.empty():  # queued, never taken (the driver has stopped: no other consumer)
@@ -557,6 +559,20 @@ class VLLMInferEngine(VLLMWeightUpdates):
         if self._adapters is not None:
             self._adapters.close()
         del self.llm, self.engine
+
+    def _close_sender(self) -> None:
+        # The channel of a sync that never finished (its caller failed between begin and finish): its staging file
+        # in /dev/shm outlived the process, and its workers' stream (the driver's RPC) waited out its timeout. The
+        # abort ends both; a failure is logged, the shutdown goes on.
+        sender, self._sender = self._sender, None
+        if sender is None:
+            return
+        try:
+            sender.close(ok=False)
+        except Exception:
+            log.warning(
+                "%s: closing the channel of an unfinished weight sync failed at shutdown", self.name, exc_info=True
+            )
 
 
 def _device_used(device: torch.device) -> int:
