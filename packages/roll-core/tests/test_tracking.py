@@ -269,12 +269,56 @@ def test_numpy_and_tensor_scalars_are_metrics_and_step_is_not_a_metric_name(tmp_
     # numpy's bool, 0-d and one-element arrays were left out silently (not numbers.Real, no numel)
     tracker.log(2, {"g": np.bool_(True), "h": np.array(0.25), "i": np.array([0.5]), "j": np.array([1.0, 2.0])})
     assert Tracker.read_metrics(tmp_path / "metrics.jsonl") == [
-        {"step": 1, "a": 0.5, "b": 3.0, "c": 1.5, "d": 2.0, "f": 1.0},
+        {"step": 1, "a": 0.5, "b": 3, "c": 1.5, "d": 2.0, "f": 1.0},
         {"step": 2, "g": 1.0, "h": 0.25, "i": 0.5},
     ]
     with pytest.raises(ValueError, match="may not be named 'step'"):
         tracker.log(2, {"step": 99})
     tracker.close()
+
+
+def test_integer_metrics_stay_integers_whatever_their_type(tmp_path: Path) -> None:
+    """A count computed with numpy (np.int64) or torch was logged as a float (`3.0` in metrics.jsonl and to the
+    backends) where the same count as a Python int stayed `3`: a reader taking it as an int got a float. Integers
+    are ints whatever their type (numpy scalars, 0-d and one-element arrays and tensors); bools are 0.0/1.0 alike
+    (Python's, numpy's, torch's); in a sample row a bool stays a JSON boolean (`true` was written `1.0`)."""
+    import numpy as np
+    import torch
+
+    sent: list[dict[str, Any]] = []
+
+    class Recorder:
+        def log(self, step: int, metrics: dict[str, float]) -> None:
+            sent.append(metrics)
+
+        def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+            sent.append(rows[0])
+
+        def truncate(self, last_step: int) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    tracker = Tracker(tmp_path, trackers=())
+    tracker.backends.append(Recorder())
+    counts = {"py": 3, "np": np.int64(3), "u8": np.uint8(3), "np0d": np.array(3), "np1": np.array([3])}
+    counts.update({"pt0d": torch.tensor(3), "pt1": torch.tensor([3], dtype=torch.int32)})
+    flags = {"b": True, "npb": np.bool_(True), "npb0d": np.array(False), "ptb": torch.tensor(True)}
+    tracker.log(1, {**counts, **flags, "x": np.float32(0.5)})
+    tracker.samples(1, [{"ok": np.bool_(True), "py_ok": False, "n": np.int64(2), "ids": [np.int32(4)], "r": 1.0}])
+    tracker.close()
+    want = {**dict.fromkeys(counts, 3), "b": 1.0, "npb": 1.0, "npb0d": 0.0, "ptb": 1.0, "x": 0.5}
+    (record,) = Tracker.read_metrics(tmp_path / "metrics.jsonl")
+    for got in ({k: v for k, v in record.items() if k != "step"}, sent[0]):
+        assert got == want
+        assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in want.items()}
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert '"np": 3,' in line and '"pt1": 3,' in line and '"npb": 1.0' in line
+    row = {"ok": True, "py_ok": False, "n": 2, "ids": [4], "r": 1.0}
+    assert sent[1] == row and [type(sent[1][k]) for k in row] == [bool, bool, int, list, float]
+    assert json.loads((tmp_path / "samples.jsonl").read_text()) == {"step": 1, **row}
+    assert '"ok": true, "py_ok": false, "n": 2, "ids": [4]' in (tmp_path / "samples.jsonl").read_text()
 
 
 def test_a_resume_after_a_half_written_last_line_drops_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -513,10 +557,11 @@ def test_backends_get_the_sample_rows_as_written_not_numpy_values(tmp_path: Path
     recorder = Recorder()
     tracker.backends.append(recorder)
     tracker.samples(3, [{"reward": np.float32(0.5), "task": {"seed": np.int64(7), "x": float("nan")}}])
-    assert recorder.rows == [(3, [{"reward": 0.5, "task": {"seed": 7.0, "x": None}}])]
+    assert recorder.rows == [(3, [{"reward": 0.5, "task": {"seed": 7, "x": None}}])]
     sent = recorder.rows[0][1][0]
     assert type(sent["reward"]) is float and _cell(sent["reward"]) == 0.5
-    assert json.loads(_cell(sent["task"])) == {"seed": 7.0, "x": None}  # W&B's cell of a dict: its JSON text
+    assert type(sent["task"]["seed"]) is int  # a numpy seed is an int seed, as a Python one is
+    assert json.loads(_cell(sent["task"])) == {"seed": 7, "x": None}  # W&B's cell of a dict: its JSON text
     written = json.loads((tmp_path / "samples.jsonl").read_text())
     assert written == {"step": 3, **sent}  # what a resume replays to the backends
     tracker.close()

@@ -10,7 +10,7 @@ import logging
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -201,7 +201,8 @@ def test_a_failed_run_closes_its_trackers_with_the_failure(tmp_path: Path, caplo
     for backend in (good, broken):
         (during,) = backend.closed_during
         assert isinstance(during, RuntimeError) and str(during) == "engine died"
-    assert "closing the trackers after the failure failed: OSError: server away" in caplog.text
+    assert "closing the trackers after the failure failed: TrackerCloseError: " in caplog.text
+    assert "'_Backend': OSError: server away" in caplog.text
     assert reports == ["failed: RuntimeError: engine died"]
     tracker.close()  # shutdown's close after it: nothing is closed twice
     assert len(good.closed_during) == len(broken.closed_during) == 1
@@ -278,3 +279,89 @@ def test_close_passes_failed_to_the_backends_that_take_it(tmp_path: Path) -> Non
     assert close(None, propagating=True) == ([True], [RuntimeError])
     assert close(False, propagating=True) == ([False], [RuntimeError])
     assert close(True, propagating=False) == ([True], [None])
+
+
+class _Plugin:
+    """An out-of-tree backend built by name (`roll.trackers`) whose `close` raises `error` when set; records how
+    it was closed."""
+
+    errors: ClassVar[dict[str, BaseException | None]] = {}
+    ends: ClassVar[dict[str, list[bool]]] = {}
+
+    def __init__(self, *, run_dir: Path, config: dict[str, Any], name: str, resume: bool, plugin: str = "") -> None:
+        self.plugin = plugin
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def truncate(self, last_step: int) -> None:
+        pass
+
+    def close(self, failed: bool | None = None) -> None:
+        self.ends.setdefault(self.plugin, []).append(bool(failed))
+        error = self.errors.get(self.plugin)
+        if error is not None:
+            raise error
+
+
+def _plugins(monkeypatch: pytest.MonkeyPatch, errors: dict[str, BaseException | None]) -> None:
+    from functools import partial
+
+    from roll_core import registry
+
+    _Plugin.errors, _Plugin.ends = errors, {}
+    monkeypatch.setattr(registry, "load", lambda group, name: partial(_Plugin, plugin=name))
+
+
+def test_plugins_whose_close_raises_at_the_runs_end_are_named_and_the_others_still_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two plugins' `close` raise at a run's normal end: the run raised the first one's bare error (naming no
+    backend) and the second one's was lost. Every backend is closed once (its final flush), and one error names
+    each failed backend with its error; the run's report says it once."""
+    _plugins(monkeypatch, {"first": None, "broken": RuntimeError("flush refused"), "gone": OSError("server away")})
+    tracker = Tracker(tmp_path, None, ["broken", "first", "gone"])
+    reports: list[str] = []
+    pipe = _pipeline(tracker, reports)
+    pipe._loop = lambda stop: True  # type: ignore[method-assign]
+    with pytest.raises(tracking.TrackerCloseError) as err:
+        pipe.run()
+    assert _Plugin.ends == {"broken": [False], "first": [False], "gone": [False]}  # each closed once, not failed
+    message = str(err.value)
+    assert "'broken': RuntimeError: flush refused" in message and "'gone': OSError: server away" in message
+    assert "1 other backend(s) closed" in message and isinstance(err.value.__cause__, RuntimeError)
+    assert len(reports) == 1 and reports[0].startswith("failed: TrackerCloseError: ") and "'gone'" in reports[0]
+    tracker.close()  # shutdown's close after it: nothing is closed twice
+    assert _Plugin.ends == {"broken": [False], "first": [False], "gone": [False]}
+
+
+def test_a_plugin_whose_close_raises_while_the_trackers_start_keeps_the_start_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A later backend's constructor fails: the built ones are closed, and a close that raised there skipped the
+    backends after it and replaced the error saying why the run could not start."""
+    from functools import partial
+
+    from roll_core import registry
+
+    def load(group: str, name: str) -> Any:
+        if name == "bad":
+            raise ValueError("bad option")
+        return partial(_Plugin, plugin=name)
+
+    _Plugin.errors, _Plugin.ends = {"a": OSError("server away")}, {}
+    monkeypatch.setattr(registry, "load", load)
+    with caplog.at_level(logging.ERROR), pytest.raises(ValueError, match="bad option"):
+        Tracker(tmp_path, None, ["a", "b", "bad"])
+    assert _Plugin.ends == {"a": [True], "b": [True]}
+    assert "'a': OSError: server away" in caplog.text and "while the trackers' start failed" in caplog.text
+
+
+def test_an_interrupt_in_a_close_stays_an_interrupt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second Ctrl-C while a backend closes is still a KeyboardInterrupt (the loop turns it into its one-line
+    stop), and the backends after it are still closed."""
+    _plugins(monkeypatch, {"a": KeyboardInterrupt()})
+    tracker = Tracker(tmp_path, None, ["a", "b"])
+    with pytest.raises(KeyboardInterrupt):
+        tracker.close(failed=False)
+    assert _Plugin.ends == {"a": [False], "b": [False]}

@@ -9,6 +9,8 @@ roll_core.interfaces.tracking) named in `pipeline.trackers` and loaded from the 
 roll-core's own backends (roll_core.trackers: `tensorboard`, `jsonl`, `wandb`) are registered exactly as out-of-tree
 plugins are. Several run at once (`pipeline.trackers=[tensorboard,wandb]`); each reads its options from the config's
 `tracking` node (roll_core.config.tracking), and the run's name in them is `tracking.run_name`, else `experiment`.
+`trackers.json` records which backends were away while a resume redid steps (roll_core.trackers._away): a later
+resume with them drops their stale copies of those steps and resends the run folder's.
 
 Writing never raises into the training loop for a plot failure; a metric that is not a finite number is logged as
 null in JSONL and left out of what backends receive. A backend's own errors propagate (see its contract).
@@ -35,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from roll_core.interfaces.tracking import SampleTrackerBackend, TrackerBackend
+from roll_core.trackers._away import AwayRecord, keeps_records
 from roll_core.trackers.jsonl import JsonlTracker
+from roll_core.trackers.replay import kept_metrics, kept_samples
 from roll_core.trackers.tensorboard import TensorBoardTracker
 
 __all__ = [
@@ -46,6 +50,8 @@ __all__ = [
     "TensorBoardTracker",
     "Tracker",
     "TrackerBackend",
+    "TrackerCloseError",
+    "close_backends",
     "open_backends",
     "redact_config",
     "redact_exception",
@@ -164,8 +170,11 @@ def open_backends(
             cls = registry.load("roll.trackers", tracker)
             backends.append(cls(run_dir=run_dir, config=config, name=name, resume=resume))
     except BaseException:
-        for backend in backends:
-            close_backend(backend, failed=True)
+        # every built one is closed, and the construction error is the one raised: a close that raised here skipped
+        # the backends after it and replaced the error that says why the run could not start
+        closing = close_backends(list(zip(names, backends)), failed=True)
+        if closing is not None:
+            log.error("%s (while the trackers' start failed)", closing)
         raise
     return backends
 
@@ -181,6 +190,42 @@ def close_backend(backend: TrackerBackend, failed: bool) -> None:
         backend.close(failed=failed)  # type: ignore[call-arg]
     else:
         backend.close()
+
+
+class TrackerCloseError(RuntimeError):
+    """One or more tracker backends raised in `close` (the others were closed); the message names each and its
+    error, and the first backend's error is its cause."""
+
+
+def close_backends(named: Sequence[tuple[str, TrackerBackend]], failed: bool) -> BaseException | None:
+    """Close every backend (`close_backend`), whatever the others raise; returns None when all closed, else the one
+    error to report: a `TrackerCloseError` naming every backend whose close raised (a plugin's error said neither
+    which backend failed nor that the others were closed, and a second backend's error was lost), or an interrupt
+    (KeyboardInterrupt, SystemExit) as it is, with the other failures logged."""
+    failures: list[tuple[str, BaseException]] = []
+    for name, backend in named:
+        try:
+            close_backend(backend, failed)
+        except BaseException as exc:  # the others still close (their final flush); reported together below
+            failures.append((name, exc))
+    if not failures:
+        return None
+    said = "; ".join(f"{name!r}: {type(exc).__name__}: {exc}" for name, exc in failures)
+    others = f" ({len(named) - len(failures)} other backend(s) closed)" if len(named) > len(failures) else ""
+    message = redact_text(f"tracker backend(s) failed to close{others}: {said}")
+    interrupt = next((exc for _, exc in failures if not isinstance(exc, Exception)), None)
+    if interrupt is not None:  # a second Ctrl-C stays what it is; what else failed is said here, once
+        if len(failures) > 1:
+            log.error("%s", message)
+        return interrupt
+    error = TrackerCloseError(message)
+    error.__cause__ = redact_exception(failures[0][1])
+    return error
+
+
+def _backend_name(backend: TrackerBackend, names: dict[int, str]) -> str:
+    """The `pipeline.trackers` name a backend was opened under, else its class's name (one added by hand)."""
+    return names.get(id(backend), type(backend).__name__)
 
 
 class Tracker:
@@ -229,6 +274,10 @@ class Tracker:
         run_name = name or options.run_name or str(config.get("experiment") or self.dir.name)
         self.samples_per_step, self.sample_max_chars = options.samples_per_step, options.sample_max_chars
         self.backends: list[TrackerBackend] = open_backends(trackers, self.dir, config, run_name, resume)
+        self._names = {id(b): str(n) for n, b in zip(trackers, self.backends)}  # for messages about a backend
+        # which backends missed steps redone while they were away (a resume without them): trackers.json
+        recorded = [str(n) for n, b in zip(trackers, self.backends) if keeps_records(b)]
+        self._away = AwayRecord(self.dir, recorded, resume)
 
     @staticmethod
     def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -238,7 +287,8 @@ class Tracker:
     def truncate(self, last_step: int) -> None:
         """Drop records after `last_step` (a resumed run re-does the steps after its checkpoint): metrics,
         samples, and each backend's (`TrackerBackend.truncate`); curves.png when it drew a dropped step (redrawn at
-        the next `plot`)."""
+        the next `plot`). A backend that was away while an earlier attempt redid steps (trackers.json) is truncated
+        before them instead, and sent the steps after them up to `last_step` from the run folder's files."""
         kept = [h for h in self.history if h["step"] <= last_step]
         if len(kept) < len(self.history):  # curves.png drew the dropped steps: gone until the next plot draws it
             (self.dir / CURVES).unlink(missing_ok=True)
@@ -249,14 +299,28 @@ class Tracker:
         if samples.exists():
             keep = [row for row in read_records(samples) if row.get("step", 0) <= last_step]
             _replace_text(samples, "".join(json.dumps(row) + "\n" for row in keep))
+        floors = self._away.truncate(last_step)
         for backend in self.backends:
-            backend.truncate(last_step)
+            floor = floors.get(self._names.get(id(backend), ""), last_step)
+            backend.truncate(floor)
+            if floor < last_step:  # it holds stale steps after `floor`, redone while it was away: resent
+                self._resend(backend, floor, last_step)
+        self._away.caught_up(list(floors))
+
+    def _resend(self, backend: TrackerBackend, after: int, last_step: int) -> None:
+        """Log to `backend` the run folder's metrics (and samples) of the steps in (`after`, `last_step`]."""
+        samples = kept_samples(self.dir, last_step, after) if isinstance(backend, SampleTrackerBackend) else {}
+        for step, metrics in kept_metrics(self.dir, last_step, after):
+            backend.log(step, metrics)
+            if step in samples:
+                backend.samples(step, samples.pop(step))  # type: ignore[attr-defined]
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Append `step`'s numeric metrics to metrics.jsonl (NaN/inf as null) and pass the finite ones to backends.
 
-        Numbers are Python, numpy or one-element torch values (as floats; bools as 0/1); other values are not
-        metrics and are left out. A metric named `step` is a ValueError: it would relabel the record."""
+        Numbers are Python, numpy or one-element torch values: integers as ints (a numpy count stays `3`, not
+        `3.0`), others as floats, bools as 0.0/1.0; other values are not metrics and are left out. A metric named
+        `step` is a ValueError: it would relabel the record."""
         if "step" in metrics:
             raise ValueError("a metric may not be named 'step' (it is the record's step number)")
         clean = {k: v for k, v in ((k, _number(v)) for k, v in metrics.items()) if v is not _NOT_A_NUMBER}
@@ -345,18 +409,18 @@ class Tracker:
 
     def close(self, failed: bool | None = None) -> None:
         """Close every backend once (idempotent: a failed run's cleanup may call it again); all are closed even
-        when one raises, and the first error is raised after. `failed`: whether the run failed (W&B, MLflow and
-        SwanLab end their run failed); None, for a caller that does not know: whether an exception propagates. A
-        caller that knows says so: a run that ended well inside someone's `except` (a retry) read as failed."""
+        when one raises, and one error naming each that raised is raised after. `failed`: whether the run failed
+        (W&B, MLflow and SwanLab end their run failed); None, for a caller that does not know: whether an exception
+        propagates. A caller that knows says so: a run that ended well inside someone's `except` (a retry) read as
+        failed.
+
+        Raises:
+            TrackerCloseError: a backend's close raised (each such backend is named; the others were closed).
+        """
         if failed is None:
             failed = sys.exc_info()[0] is not None
         backends, self.backends = self.backends, []
-        error: BaseException | None = None
-        for backend in backends:
-            try:
-                close_backend(backend, failed)
-            except BaseException as exc:  # the others still close; the first error is re-raised below
-                error = error or exc
+        error = close_backends([(_backend_name(b, self._names), b) for b in backends], failed)
         if error is not None:
             raise error
 
@@ -418,19 +482,33 @@ def _cut_texts(v: Any, max_chars: int) -> Any:
 
 
 def _json_value(v: Any) -> Any:
-    """A sample value as strict JSON: numbers through `_number` (NaN/inf: None), lists, tuples and dicts item by
-    item (an agentic episode's task row, a list of scores: a NaN inside was written as a bare NaN token and a numpy
-    number inside raised TypeError into the training loop), anything else as it is."""
+    """A sample value as strict JSON: bools (numpy's and torch's too) as bools, numbers through `_number` (ints as
+    ints, NaN/inf: None), lists, tuples and dicts item by item (an agentic episode's task row, a list of scores: a
+    NaN inside was written as a bare NaN token and a numpy number inside raised TypeError into the training loop),
+    anything else as it is."""
     if isinstance(v, str) or v is None:
         return v
     if isinstance(v, dict):
         return {k: _json_value(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [_json_value(x) for x in v]
+    if _is_bool(v):  # JSON has booleans: a row's `correct: true` was written 1.0
+        return bool(v.item() if hasattr(v, "item") else v)
     number = _number(v)
     if number is _NOT_A_NUMBER:
         return v
     return None if number is not None and not math.isfinite(number) else number
+
+
+def _is_bool(v: Any) -> bool:
+    """Whether `v` is one boolean: Python's, numpy's (np.bool_, a 0-d or one-element bool array), a torch bool."""
+    if isinstance(v, bool):
+        return True
+    dtype = getattr(v, "dtype", None)
+    if dtype is None or not hasattr(v, "item"):
+        return False
+    one = v.numel() == 1 if hasattr(v, "numel") else getattr(v, "size", None) == 1
+    return one and (getattr(dtype, "kind", None) == "b" or str(dtype) == "torch.bool")
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -452,19 +530,31 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def _number(v: Any) -> Any:
-    """A metric value as a Python int/float (None stays None), or _NOT_A_NUMBER for anything else."""
+    """A metric value as a Python int/float (None stays None), or _NOT_A_NUMBER for anything else.
+
+    Integers stay integers whatever their type (Python, numpy, a 0-d or one-element numpy array or torch tensor):
+    a numpy count was written as `3.0`, unlike the same count as a Python int, and a reader that takes the value as
+    an int (a count, an index) got a float. Bools (Python's, numpy's, a bool tensor's) are 0.0/1.0 as documented."""
     import numbers
 
     if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)):
         return v
+    if hasattr(v, "numel") and hasattr(v, "item"):  # a torch tensor: one element, else not a metric
+        return _scalar(v.item()) if v.numel() == 1 else _NOT_A_NUMBER
     if isinstance(v, (bool, numbers.Real)):  # numpy scalars register as numbers.Real (numpy's bool does not)
-        return float(v)
-    if hasattr(v, "numel") and hasattr(v, "item") and v.numel() == 1:  # a one-element tensor
-        return float(v.item())
+        return _scalar(v.item() if hasattr(v, "item") else v)
     if hasattr(v, "dtype") and hasattr(v, "item") and getattr(v, "size", None) == 1:  # numpy: np.bool_, 0-d, [x]
-        item = v.item()
-        return float(item) if isinstance(item, (bool, numbers.Real)) else _NOT_A_NUMBER
+        return _scalar(v.item())
     return _NOT_A_NUMBER
+
+
+def _scalar(item: Any) -> Any:
+    """A Python scalar as a metric: an int as it is, a bool or other real number as a float, else _NOT_A_NUMBER."""
+    import numbers
+
+    if isinstance(item, int) and not isinstance(item, bool):
+        return int(item)
+    return float(item) if isinstance(item, (bool, numbers.Real)) else _NOT_A_NUMBER
 
 
 def _replace_text(path: Path, text: str) -> None:

@@ -16,6 +16,7 @@ class JsonlTracker:
     """Accepts every call and records nothing beyond the core files (see the module docstring)."""
 
     extra = None  # nothing to install
+    keeps_records = False  # the core files are its record: never stale (roll_core.trackers._away)
 
     def __init__(self, *, run_dir: Path, config: dict[str, Any], name: str, resume: bool) -> None:
         self.run_dir = Path(run_dir)
