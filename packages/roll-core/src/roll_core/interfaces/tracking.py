@@ -53,8 +53,9 @@ class TrackerBackend(Protocol):
             resume: the run continues an earlier one in the same folder; `truncate` follows before any `log`.
         """
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Record the finite metrics of `step`."""
+    def log(self, step: int, metrics: dict[str, float | int]) -> None:
+        """Record the finite metrics of `step`: floats, and Python ints for integer counts (numpy and tensor
+        integers arrive as ints; bools as 0.0/1.0)."""
 
     def truncate(self, last_step: int) -> None:
         """Forget every record of a step after `last_step` (a resumed run redoes them)."""
