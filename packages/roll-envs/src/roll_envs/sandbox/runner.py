@@ -24,7 +24,8 @@ Contract:
   message queues, memfd_create, extended attributes and virtio sockets (AF_VSOCK) with EPERM.
 - Where a cgroup can be made (roll_envs.sandbox.cgroup), each run gets its own, capping the memory and processes
   of the whole run (`run_memory_mb`, `max_processes`); otherwise the limits are per process (RLIMIT_AS and the
-  others of `SandboxLimits.rlimits`, applied in every mode).
+  others of `SandboxLimits.rlimits`, applied in every mode), and the constructor logs a warning saying so (once per
+  process), since `run_memory_mb` then holds nowhere.
 - Thread-safe: runs share no state, so a thread pool may call `run` concurrently. `max_concurrent_runs` caps
   how many runs of one `PythonSandbox` exist at once, whoever calls: the others wait for a slot (their wall clock
   starts when they get one), so many rollout threads or concurrent reward calls sharing a sandbox cannot start
@@ -45,6 +46,7 @@ from typing import Any
 
 from roll_envs.sandbox import bwrap as _bwrap
 from roll_envs.sandbox.cgroup import RunCgroup
+from roll_envs.sandbox.cgroup import available as cgroup_available
 from roll_envs.sandbox.process import OK, RunResult, SandboxLimits, run_captured
 from roll_envs.sandbox.seccomp import filter_program
 
@@ -125,6 +127,8 @@ class PythonSandbox:
                 self._bwrap_path = _bwrap.find_bwrap(self.bwrap)
             except FileNotFoundError as exc:
                 raise SandboxUnavailableError(f"the code sandbox needs bubblewrap: {exc}. {_INSTALL_HINT}") from exc
+        # Warns (once per process) where no run cgroup can be made: run_memory_mb then holds nowhere.
+        cgroup_available()
         self.check()
 
     @property
