@@ -138,6 +138,23 @@ def test_topk_errors() -> None:
         topk_distill_loss(x, x, torch.ones(2, 4))
 
 
+def test_top_1_lists_need_the_tail_bucket() -> None:
+    """Rows storing the teacher's top-1 with tail=False trained nothing: renormalised over one id both sides are
+    log 1, a loss and gradient of 0 whatever the student. With the tail it is the KL of two Bernoullis."""
+    student = torch.tensor([[[math.log(0.4)]]], dtype=torch.float64, requires_grad=True)
+    teacher = torch.tensor([[[math.log(0.7)]]], dtype=torch.float64)
+    mask = torch.ones(1, 1)
+    loss, _, _ = topk_distill_loss(student, teacher, mask, kind="forward", tail=True)
+    assert loss.item() == pytest.approx(0.7 * math.log(0.7 / 0.4) + 0.3 * math.log(0.3 / 0.6))
+    loss, _, _ = topk_distill_loss(student, teacher, mask, kind="reverse", tail=True)
+    assert loss.item() == pytest.approx(0.4 * math.log(0.4 / 0.7) + 0.6 * math.log(0.6 / 0.3))
+    loss.backward()
+    assert student.grad is not None and student.grad.abs().item() > 0.1
+    for kind in ("forward", "reverse"):
+        with pytest.raises(ValueError, match=r"K=1 top-k lists with tail=False give a KL of 0"):
+            topk_distill_loss(student, teacher, mask, kind=kind, tail=False)
+
+
 # ---------------------------------------------------------------- on-policy distillation
 def test_on_policy_advantages_sign_scale_and_mask() -> None:
     student = torch.tensor([[-1.0, -2.0, NAN], [-0.3, NAN, NAN]], requires_grad=True)

@@ -289,3 +289,15 @@ def test_held_out_split_is_stable_and_keeps_prompts_together(tmp_path):
     assert len(c.train) == 40 and len(c.eval) == 3
     with pytest.raises(ConfigError, match="every row fell in the held-out split"):
         load("sft", tok, path=path, eval_size=40)
+
+
+def test_eval_size_beside_eval_path_is_an_error(tmp_path):
+    """data.eval_path took the held-out side and data.eval_size was silently ignored: the 6 rows the user held out
+    of data.path trained (40 training rows, not 32)."""
+    rows = [{"prompt_ids": [5 + i % 10], "response_ids": [7, 8 + i]} for i in range(40)]
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    ev = write_jsonl(tmp_path / "ev.jsonl", rows[:3])
+    with pytest.raises(ValueError, match=r"data.eval_size=6 holds rows of data.path out, but data.eval_path is set"):
+        DataConfig(path=path, eval_path=ev, eval_size=6)
+    assert DataConfig(path=path, eval_path=ev).eval_paths == [ev]  # either one alone is fine
+    assert len(load("sft", TOKS["tiny"], path=path, eval_size=6).train) == 32

@@ -96,7 +96,8 @@ def topk_distill_loss(
         detached 0-dim metrics `kl` (token mean), `teacher_topk_mass`, `student_topk_mass` (token means of the
         probability mass on the K ids).
     Raises:
-        ValueError: unknown `kind` or `agg`, or shapes that are not (B, T, K) x2 and (B, T).
+        ValueError: unknown `kind` or `agg`, shapes that are not (B, T, K) x2 and (B, T), or K = 1 with
+            `tail=False` (a loss of 0 whatever the student).
     """
     if kind not in DISTILL_KL_KINDS:
         raise ValueError(f"unknown distillation KL kind {kind!r}; choose one of {', '.join(DISTILL_KL_KINDS)}")
@@ -104,6 +105,13 @@ def topk_distill_loss(
         raise ValueError(
             f"student_logp {tuple(student_logp.shape)} and teacher_logp {tuple(teacher_logp.shape)} must both be "
             "(B, T, K) with K >= 1"
+        )
+    if student_logp.shape[-1] == 1 and not tail:
+        # Renormalised over one id both sides are log 1: the loss and its gradient are 0 whatever the student
+        # (distill.topk=1 is refused with tail=false, but rows storing their own top-1 got here and trained nothing).
+        raise ValueError(
+            "K=1 top-k lists with tail=False give a KL of 0 whatever the student (both sides renormalised over one "
+            "id): keep the tail bucket (distill.tail=true) or give the teacher's top-k with K >= 2"
         )
     valid = _valid(mask, student_logp[..., 0])
     keep = valid[..., None]

@@ -47,7 +47,7 @@ class DataConfig:
     # `path` takes its train split); null: `eval_size` rows of `path` held out by a stable hash of their prompt (rows
     # sharing a prompt stay on one side).
     eval_path: Any = None
-    # Held-out rows taken from `path` when `eval_path` is null (0: no held-out split).
+    # Held-out rows taken from `path` when `eval_path` is null (0: no held-out split; with `eval_path` an error).
     eval_size: int = 0
     # Row form: auto (detected per file) | messages | prompt_completion | tokens (sft, distill_offline) |
     # preference | rollout (dpo: explicit pairs, or pairs built from a rollout-only output).
@@ -101,6 +101,12 @@ class DataConfig:
         _paths(self.eval_path, "data.eval_path")
         if self.eval_size < 0:
             raise ValueError(f"data.eval_size={self.eval_size} must be >= 0 (0: no held-out rows)")
+        if self.eval_size and _paths(self.eval_path, "data.eval_path"):
+            # eval_path wins in load_rows: eval_size was silently ignored and every row of `path` trained
+            raise ValueError(
+                f"data.eval_size={self.eval_size} holds rows of data.path out, but data.eval_path is set and is the "
+                "held-out split instead: drop one of them"
+            )
         if self.pairs_per_prompt < 1:
             raise ValueError(f"data.pairs_per_prompt={self.pairs_per_prompt} must be >= 1")
         if not math.isfinite(self.pair_margin) or self.pair_margin < 0:
