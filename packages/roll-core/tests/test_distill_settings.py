@@ -100,3 +100,38 @@ def test_stored_teacher_ids_beyond_the_models_vocabulary_are_refused_naming_the_
     outside = rf"outside the vocabulary of model\.path={re.escape(str(model))} \(its config's vocab_size={vocab}"
     with pytest.raises(ConfigError, match=rf"{where}, {outside}"):
         collector(bad)
+
+
+def test_stored_top_1_lists_without_the_tail_bucket_are_refused_when_the_collector_is_built(tmp_path: Path) -> None:
+    """Rows storing the teacher's top-1 with distill.tail=false train nothing (the KL over one id, renormalised on both
+    sides, is 0 whatever the student). The loss refuses it, but only at the first step inside the train worker; the
+    collector refuses it when it is built, naming the row. With the tail bucket the rows pass."""
+    from transformers import LlamaConfig
+
+    from roll_core.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    model = tmp_path / "model"
+    tok.save_pretrained(model)
+    small = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    LlamaConfig(vocab_size=len(tok), **small).save_pretrained(model)
+    path = tmp_path / "top1.jsonl"
+    rows = [
+        dict(
+            prompt_ids=[3, 4],
+            response_ids=[20 + i, 30],
+            teacher_topk_ids=[[40], [8]],
+            teacher_topk_logprobs=[[-0.1]] * 2,
+        )
+        for i in range(4)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def collector(tail: bool) -> OfflineDistillCollector:
+        paths = [f"model.path={model}", f"data.path={path}", f"pipeline.output_dir={tmp_path / 'run'}"]
+        cfg = load_config([*OFFLINE, *paths, "data.eval_size=0", "pipeline.eval_every=0", f"distill.tail={tail}"])
+        return OfflineDistillCollector(CollectorContext(cfg, None, None, None, tok, None, str(model)))
+
+    assert len(collector(True).data.train) == 4
+    with pytest.raises(ConfigError, match=r"top1\.jsonl:1: teacher_topk_ids holds top-1 lists and distill\.tail=false"):
+        collector(False)

@@ -120,7 +120,7 @@ class OfflineDistillCollector:
         if self.teacher is None:
             for source in (self.data.train, self.data.eval):
                 if source is not None:
-                    check_stored_ids(source, self.vocab, cfg.model.path)
+                    check_stored_ids(source, self.vocab, cfg.model.path, tail=cfg.distill.tail)
         # Teacher targets by (split, row index): (n, K) int32 ids and float32 log-probs, n = the row's response tokens.
         self.cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.task_eval = _TaskEval(ctx) if cfg.pipeline.eval_every > 0 and cfg.distill.eval_task else None
@@ -319,13 +319,20 @@ def _teacher_group(ctx: CollectorContext) -> Any:
     return ctx.teachers[TEACHER]
 
 
-def check_stored_ids(source: RowSource, vocab: int, model: str) -> None:
+def check_stored_ids(source: RowSource, vocab: int, model: str, tail: bool = True) -> None:
     """A ConfigError naming the first row of `source` whose stored teacher ids reach `vocab`, the model's output
     vocabulary: the rows were checked against the tokenizer (`len(tokenizer)`), which may hold more ids than the
     model's logits have (added tokens without rows in the embedding), and such an id failed inside the engine's
-    gather with no row named."""
+    gather with no row named. Without the tail bucket (`tail=False`) a row storing top-1 lists is refused too: its
+    KL is 0 whatever the student (the loss refuses it, but only at the first step, inside the train worker)."""
     for item in source.items:
         ids = item.aligned.get(TEACHER_IDS)
+        if ids is not None and not tail and ids.dim() >= 1 and ids.shape[-1] == 1:
+            raise ConfigError(
+                f"{item.where}: teacher_topk_ids holds top-1 lists and distill.tail=false: a KL over one id "
+                "renormalised on both sides is 0 whatever the student (nothing is learned). Set distill.tail=true "
+                "or store the teacher's top-k with K >= 2"
+            )
         if ids is not None and ids.numel() and (top := int(ids.max())) >= vocab:
             raise ConfigError(
                 f"{item.where}: teacher_topk_ids holds token id {top}, outside the vocabulary of model.path={model} "
