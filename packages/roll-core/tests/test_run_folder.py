@@ -187,3 +187,37 @@ def test_flags_that_run_nothing_neither_lock_nor_create_the_folder(
     for args in ([f"hydra.run.dir={folder}", "--cfg", "job"], ["--info", "config", f"pipeline.output_dir={folder}"]):
         assert _train(monkeypatch, *args) == (0, [])
     assert not folder.exists() and not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("where", ["command line", "preset"])
+def test_a_time_stamped_output_dir_is_new_to_each_launch_and_the_run_writes_there(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pipeline.output_dir=runs/${now:...}` is a time-stamped folder as Hydra's default is (resume-hunt). From the
+    command line a second launch in the same second had its .hydra/ record in `runs/<time>_2` while the pipeline got
+    the first run's `runs/<time>` (refused there as in use, or mixed into it); from a preset the stamp was resolved
+    before the claim, so the second launch took the first run's folder as a named one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    monkeypatch.setattr(hydra.core.utils, "datetime", _Frozen)
+    value = "runs/${now:%H-%M-%S}"
+    arg = (
+        f"pipeline.output_dir={value}"
+        if where == "command line"
+        else _preset(tmp_path, f"pipeline:\n  output_dir: {value}\n")
+    )
+    ran: list[tuple[Path, Path]] = []
+
+    def run(cfg: Any) -> dict[str, Any]:
+        ran.append((Path(HydraConfig.get().runtime.output_dir), tmp_path / cfg.pipeline.output_dir))
+        return {}
+
+    monkeypatch.setattr(cli, "run_job", run)
+    for _ in range(2):
+        monkeypatch.setattr(sys, "argv", ["roll-train", arg])
+        cli.train_main()
+
+    first = tmp_path / "runs" / "03-04-05"
+    second = first.with_name("03-04-05_2")
+    assert ran == [(first, first), (second, second)]
+    assert (first / ".hydra").is_dir() and (second / ".hydra").is_dir()

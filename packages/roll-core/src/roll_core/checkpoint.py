@@ -170,6 +170,51 @@ class CheckpointManager:
         return state
 
 
+def named_checkpoint_folder(folder: str | Path) -> Path | None:
+    """The checkpoint that `pipeline.resume_from=<run>/checkpoints/step_N` names, or None when `folder` names no
+    checkpoint (a run folder). A `step_*` folder of a `checkpoints/` folder is taken only when `list()` takes it: what
+    a killed save left (`step_N.tmp`: its state.json may be written, a rank's shards not), a pruned one being deleted
+    (`.deleting`) or an earlier save a newer one of its step replaced was taken before, and the run loaded it (partly,
+    or failed inside an engine's load) after moving its complete newer checkpoints aside. Those are a ConfigError
+    naming the complete checkpoints. Another name with a state.json (a user's copy, `checkpoints/best`) is taken as
+    before: no save or prune of roll's touches it."""
+    from roll_core.errors import ConfigError
+
+    folder = Path(folder).expanduser()
+    if folder.parent.name != "checkpoints":
+        return None
+    if step_of(folder) is None:
+        return folder if (folder / "state.json").exists() else None
+    run = folder.parent.parent
+    complete = CheckpointManager(run).list()
+    if any(p.name == folder.name for p in complete):
+        return folder
+    names = ", ".join(p.name for p in complete) or "none"
+    latest = f" (its latest, {complete[-1].name})" if complete else ""
+    raise ConfigError(
+        f"pipeline.resume_from={folder}: not a complete checkpoint ({_why_incomplete(folder)}); the complete "
+        f"checkpoints of {run} are: {names}. Name one of them, or pipeline.resume_from={run} to continue from the "
+        f"latest{latest}"
+    )
+
+
+def _why_incomplete(folder: Path) -> str:
+    """Why `list()` does not take `folder`, a `step_*` folder of a `checkpoints/` folder."""
+    name = folder.name
+    if not folder.is_dir():
+        return "no such folder"
+    if name.endswith(".tmp"):
+        return "the staging folder of a save that did not finish: it may hold part of the files"
+    if name.endswith(".deleting"):
+        return "a pruned checkpoint being deleted: its files may be gone"
+    m = _NAME.fullmatch(name)
+    if m is not None and m.group(2) and (folder.with_name(name.removesuffix(".replaced")) / "state.json").exists():
+        return f"an earlier save of its step, replaced by {name.removesuffix('.replaced')}"
+    if m is not None:
+        return "no state.json: its save did not finish"
+    return "not a checkpoint's name: step_N"
+
+
 def _delete(folder: Path) -> None:
     """Delete a checkpoint folder, first renamed out of `list()`'s sight (`.deleting`): with a state.json and
     without its weights, a half-deleted one was listed (in the run report, for `pipeline.resume_from`)."""

@@ -14,7 +14,9 @@ Contract:
 - A time-stamped folder (its value uses `${now:...}`: Hydra's default, or a user's `runs/${now:%H-%M-%S}`) is meant
   to be new to each launch: when it already exists (a run started in the same second, or earlier under a coarser
   stamp) this run takes `<folder>_2`, `_3`, ... (`claim_fresh_folder`: an exclusive mkdir, so two processes never
-  take one folder). Every run started together runs, each in its own folder.
+  take one folder). Every run started together runs, each in its own folder. A `pipeline.output_dir` stamped with
+  `${now:...}` (the command line's, or a config file's that becomes the run folder) is such a folder too, and the
+  folder taken is written back into it: the pipeline writes where pipeline.output_dir says (roll_core.cli.run_job).
 - `pipeline.output_dir` set in a config file while hydra.run.dir is Hydra's default becomes the run folder, as the
   command line's does (roll_core.cli.run_dir_overrides): .hydra/ and the job log go into the run's own folder, not a
   stray outputs/<date>/<time>/.
@@ -74,16 +76,16 @@ def release_claimed() -> None:
 
 def _claim(config: Any, kind: str) -> None:
     """Claim the folder of `hydra.<kind>.dir` (kind "run" or "sweep") and write the one taken back into `config`."""
-    if kind == "run":
-        _adopt_output_dir(config)
+    stamped = kind == "run" and _adopt_output_dir(config)
     node = config.hydra[kind]
     raw = str(OmegaConf.to_container(node, resolve=False)["dir"])
+    stamped = stamped or "${now:" in raw
     try:
         folder = Path(_resolve(config, f"hydra.{kind}.dir"))
     except Exception:  # a broken interpolation: Hydra's own resolution reports it, as without roll
         return
     try:
-        if "${now:" in raw:
+        if stamped:
             taken, lock = claim_fresh_folder(folder)
         else:
             taken, lock = folder, hold_run_folder(folder)
@@ -94,6 +96,8 @@ def _claim(config: Any, kind: str) -> None:
         raise FolderRefused(exc) from None
     with read_write(config.hydra), open_dict(config.hydra):
         node.dir = str(taken)
+    if kind == "run" and taken != folder:
+        _follow_output_dir(config, folder, taken)
 
 
 def _resolve(config: Any, key: str) -> str:
@@ -111,14 +115,28 @@ def _resolve(config: Any, key: str) -> str:
         OmegaConf.set_readonly(config.hydra, readonly)
 
 
-def _adopt_output_dir(config: Any) -> None:
-    """hydra.run.dir := pipeline.output_dir when a config file set the latter and left the former to Hydra."""
+def _adopt_output_dir(config: Any) -> bool:
+    """hydra.run.dir := pipeline.output_dir when a config file set the latter and left the former to Hydra; True when
+    the value adopted is time-stamped (`${now:...}` in pipeline.output_dir: resolved here, the stamp no longer shows
+    in hydra.run.dir, and the folder was taken as a named one, so a second launch in the same second shared it)."""
     out = OmegaConf.select(config, "pipeline.output_dir", default=None)
     raw = OmegaConf.to_container(config.hydra.run, resolve=False)["dir"]
     if out is None or not str(out).strip() or raw != HYDRA_DEFAULT_RUN_DIR:
-        return
+        return False
     with read_write(config.hydra), open_dict(config.hydra):
         config.hydra.run.dir = os.path.expanduser(str(out))
+    return "${now:" in str(OmegaConf.to_container(config.pipeline, resolve=False).get("output_dir"))
+
+
+def _follow_output_dir(config: Any, base: Path, taken: Path) -> None:
+    """pipeline.output_dir := `taken` where it names `base`, the time-stamped folder another launch had: the run folder
+    became `taken` (its .hydra/ record and job log), and the pipeline, which writes where pipeline.output_dir says
+    (roll_core.cli.run_job), wrote into the other launch's folder (or was refused there as in use)."""
+    out = OmegaConf.select(config, "pipeline.output_dir", default=None)
+    if out is None or os.path.abspath(os.path.expanduser(str(out))) != os.path.abspath(base):
+        return
+    with read_write(config), open_dict(config):
+        config.pipeline.output_dir = str(taken)
 
 
 def _pin_sweep_dir(config: Any, base: Path, folder: Path) -> None:

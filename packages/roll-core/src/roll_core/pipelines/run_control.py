@@ -88,11 +88,11 @@ def find_previous_run(out: Path, experiment: str) -> Path | None:
 
 
 def named_checkpoint(resume_from: str | None) -> Path | None:
-    """The checkpoint folder `pipeline.resume_from` names (`.../checkpoints/step_N`), or None (a run folder)."""
-    if not resume_from:
-        return None
-    folder = Path(resume_from).expanduser()
-    return folder if (folder / "state.json").exists() and folder.parent.name == "checkpoints" else None
+    """The checkpoint folder `pipeline.resume_from` names (`.../checkpoints/step_N`), or None (a run folder); a
+    ConfigError for a `step_*` folder that is no complete checkpoint (roll_core.checkpoint.named_checkpoint_folder)."""
+    from roll_core.checkpoint import named_checkpoint_folder
+
+    return named_checkpoint_folder(resume_from) if resume_from else None
 
 
 def set_aside_newer(checkpoint: Path) -> list[Path]:
