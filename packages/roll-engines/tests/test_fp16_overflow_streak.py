@@ -32,3 +32,15 @@ def test_an_overflow_streak_is_counted_across_steps_and_ends_with_a_taken_step(t
     assert good["optimizer_steps"] == 2 and good["scaler_skip_streak_max"] == 0.0
     again = eng.train_step(batch, _Overflowing(), mini_batches=1)
     assert again["scaler_skip_streak_max"] == 1.0  # a new streak
+
+
+def test_the_streak_carries_across_a_checkpoint(tiny: str, tmp_path) -> None:
+    """A resumed run counted pipeline.max_loss_scale_skips from 0 again (the streak was not in the checkpoint): a run
+    that overflows for ever and resumes went on skipping. The streak is saved with the scaler and restored."""
+    batch = toy_batch(tiny)
+    eng = HFTrainEngine(tiny, lr=1e-4, dtype="float16", param_dtype="float32", micro_batch_size=6)
+    eng.train_step(batch, _Overflowing(), mini_batches=2)
+    eng.save(tmp_path / "ckpt")
+    resumed = HFTrainEngine(tiny, lr=1e-4, dtype="float16", param_dtype="float32", micro_batch_size=6)
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.train_step(batch, _Overflowing(), mini_batches=1)["scaler_skip_streak_max"] == 3.0

@@ -137,6 +137,8 @@ class HFWeightsAndCheckpoints:
             state = {"scheduler": self.scheduler.state_dict()}
             if self.scaler is not None:
                 state["scaler"] = self.scaler.state_dict()
+                # The skips in a row so far: pipeline.max_loss_scale_skips counts across a resume, not from 0 again
+                state["scaler_streak"] = int(getattr(self, "scaler_streak", 0))
             torch.save(state, folder / "engine.pt")
 
     def _save_model(self, folder: Path) -> None:
@@ -170,6 +172,7 @@ class HFWeightsAndCheckpoints:
         reapply(self.optimizer, configured, self.scheduler)
         if self.scaler is not None and "scaler" in small:
             self.scaler.load_state_dict(small["scaler"])
+            self.scaler_streak = int(small.get("scaler_streak", 0))
 
     def _load_adapter(self, folder: Path) -> None:
         """Load a checkpoint's `adapter/` folder (the fsdp2 engine reads it on rank 0 and broadcasts it)."""
