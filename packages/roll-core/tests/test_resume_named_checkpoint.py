@@ -84,3 +84,15 @@ def test_a_replaced_folder_that_is_its_steps_only_copy_is_taken(run: CheckpointM
     replaced = run.root / "step_000004.replaced"
     assert replaced in run.list()
     assert named_checkpoint(str(replaced)) == replaced
+
+
+def test_a_checkpoint_a_rollback_set_aside_is_refused_saying_how_to_move_it_back(run: CheckpointManager) -> None:
+    """A rollback (resume_from an earlier step) moves the newer checkpoints to `checkpoints/abandoned-*/`. Naming one
+    of those was taken for a run folder and refused as "no complete checkpoint under .../step_N/checkpoints"; it now
+    says it was set aside and how to resume from it."""
+    from roll_core.pipelines.run_control import set_aside_newer
+
+    moved = set_aside_newer(run.root / "step_000002")
+    aside = next(p for p in moved if p.name == "step_000004")
+    with pytest.raises(ConfigError, match=r"set aside when the run was rolled back .* move it back \(mv "):
+        resolve_run_folder(run.root.parent, False, str(aside), "exp")

@@ -177,10 +177,20 @@ def named_checkpoint_folder(folder: str | Path) -> Path | None:
     (`.deleting`) or an earlier save a newer one of its step replaced was taken before, and the run loaded it (partly,
     or failed inside an engine's load) after moving its complete newer checkpoints aside. Those are a ConfigError
     naming the complete checkpoints. Another name with a state.json (a user's copy, `checkpoints/best`) is taken as
-    before: no save or prune of roll's touches it."""
+    before: no save or prune of roll's touches it. One a rollback set aside (`checkpoints/abandoned-*/step_N`) is a
+    ConfigError saying how to move it back."""
     from roll_core.errors import ConfigError
 
     folder = Path(folder).expanduser()
+    if folder.parent.name.startswith("abandoned-") and folder.parent.parent.name == "checkpoints":
+        # set aside by a rollback (pipeline/run_control.set_aside_newer): out of list()'s sight on purpose
+        home = folder.parent.parent
+        raise ConfigError(
+            f"pipeline.resume_from={folder}: a checkpoint set aside when the run was rolled back to an earlier one "
+            f"(in {folder.parent.name}/); roll resumes only from {home}. To resume from it, move it back "
+            f"(mv {folder} {home}/) after moving aside or deleting the checkpoints there that are newer than it, then "
+            f"pipeline.resume_from={home / folder.name}"
+        )
     if folder.parent.name != "checkpoints":
         return None
     if step_of(folder) is None:
