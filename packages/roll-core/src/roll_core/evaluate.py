@@ -29,7 +29,8 @@ truncated; `skipped_by_reason` splits the count (SKIP_REASONS: `prompt_length`, 
 
 Agentic tasks (env=sokoban, ...): one episode per held-out environment seed, through the agentic collector's
 evaluation, reporting success rate, mean turns and the invalid-action rate (n must be 1); agent programs
-(pipeline=agent) through theirs (accuracy and reward). Their rates come with a standard error over the episodes
+(pipeline=agent) through theirs (accuracy and reward); `samples` caps the seeds, or the program's held-out rows
+(`first_eval_rows`). Their rates come with a standard error over the episodes
 (`success_rate_stderr`, `accuracy_stderr`: `episode_result`). Runs in this process (no Ray), one inference worker per
 model.
 """
@@ -124,8 +125,9 @@ def restore_reward_model(collector: Any, model_path: str) -> bool:
 
 
 def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequence[int] = (1,)) -> dict[str, Any]:
-    """Evaluate `cfg.model` on `cfg.env`'s held-out split; `samples` caps the held-out problems (or seeds), `n` is
-    the responses per problem and `ks` the pass@k values (each <= n). See the module docstring for the result."""
+    """Evaluate `cfg.model` on `cfg.env`'s held-out split; `samples` caps the held-out problems (or seeds, or rows),
+    `n` is the responses per problem and `ks` the pass@k values (each <= n). See the module docstring for the
+    result."""
     check_sampling(cfg, n)
     task = build(cfg.env)
     agentic = isinstance(task, AgenticTask)
@@ -134,12 +136,16 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
         raise ConfigError(f"--n {n}: several responses per problem are for single-turn tasks; env={cfg.env.name}")
     # A single-turn task is scored by the prompts collector whatever pipeline trained the model (sft, dpo, ...).
     name = ("agentic" if agentic and cfg.pipeline.name == "rlvr" else cfg.pipeline.name) if episodes else "rlvr"
-    if not agentic and not task.eval_set()[: samples or cfg.pipeline.eval_size]:  # said before a model is loaded
+    # said before a model is loaded; an agent program has held-out rows (`eval_rows`), not problems (`eval_set`):
+    # asking it for `eval_set` was an AttributeError before any pipeline=agent evaluation
+    if not episodes and not task.eval_set()[: samples or cfg.pipeline.eval_size]:
         raise ConfigError(
             f"env={getattr(task, 'name', type(task).__name__)} has no held-out problems to evaluate "
             f"(pipeline.eval_size={cfg.pipeline.eval_size}, --samples={samples}): give the task held-out problems "
             "(env.eval_size, env.eval_path) or raise pipeline.eval_size"
         )
+    if episodes and not agentic:
+        first_eval_rows(task, samples)
     pipe = dataclasses.replace(
         cfg.pipeline, name=name, eval_every=1, eval_size=samples or cfg.pipeline.eval_size, async_ratio=0
     )
@@ -209,6 +215,28 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
         "reward_counters": counters,
         "rows": rows,
     }
+
+
+def first_eval_rows(task: Any, samples: int | None) -> None:
+    """Check that an agent-program task has held-out rows and cap them at `samples` (`--samples`; None: all).
+
+    Its collector (pipeline=agent) runs one episode per row of `task.eval_rows()` every time it evaluates, so the
+    cap has to be the task's own: the instance's `eval_rows` is replaced by one returning the first `samples` rows
+    (an agentic task's seeds are cut on its collector instead). `--samples` was silently ignored here: every
+    held-out row was evaluated.
+
+    Raises:
+        ConfigError: the task has no held-out rows (its collector would report a 0.0 rate over no episode).
+    """
+    rows = list(task.eval_rows())
+    if not rows:
+        raise ConfigError(
+            f"env={getattr(task, 'name', type(task).__name__)} has no held-out rows to evaluate: give the task "
+            "held-out rows (env.eval_size, env.eval_fraction)"
+        )
+    if samples is not None and samples < len(rows):
+        kept = rows[:samples]
+        task.eval_rows = lambda: list(kept)
 
 
 def episode_result(m: dict[str, float], task_name: str, agentic: bool) -> dict[str, Any]:
