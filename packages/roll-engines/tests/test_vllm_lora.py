@@ -139,3 +139,45 @@ def test_an_aborted_adapter_sync_loads_nothing(roles: Any) -> None:
     assert torch.equal(engine.generate([[5, 6, 7]], greedy).responses, before.responses)
     with pytest.raises(RuntimeError, match="outside begin_weight_update"):  # the aborted sync takes nothing more
         engine.update_weights(list(train.iter_adapter())[2:4])
+
+
+def test_an_adapter_id_is_never_reused_for_another_adapter(roles: Any, path: str, monkeypatch) -> None:
+    """vLLM keeps the adapter it holds under an id and does not reload it when asked to add that id again. A sync
+    whose adapter vLLM loaded and that then failed (its prefix-cache reset), or whose `add_lora` failed after a
+    worker had loaded it, kept the version, so the next sync reused the id: vLLM served the failed sync's adapter
+    instead of the new one. Now the next sync's adapter serves (equal to the merged model)."""
+    from roll_core.interfaces import SamplingParams
+    from roll_engines.infer.hf import HFInferEngine
+
+    train, engine, _ = roles
+    hf = HFInferEngine(path, device=DEVICE)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    real_add = engine.engine.add_lora
+
+    def fails_after_loading(request: Any) -> object:
+        real_add(request)  # as a worker that loaded it while another failed
+        raise RuntimeError("a worker failed to load the adapter")
+
+    def fails(*_: Any, **__: Any) -> bool:
+        raise RuntimeError("the prefix cache reset failed")
+
+    for seed, (obj, attr, broken) in enumerate(
+        [(engine, "_reset_prefix_cache", fails), (engine.engine, "add_lora", fails_after_loading)], start=10
+    ):
+        _step(train, path, seed)
+        with monkeypatch.context() as patch:
+            patch.setattr(obj, attr, broken)
+            engine.begin_weight_update()
+            engine.update_weights(list(train.iter_adapter()))
+            with pytest.raises(RuntimeError, match="failed"):
+                engine.finish_weight_update()
+        _step(train, path, seed + 100)  # a new adapter, synced under the next id
+        engine.begin_weight_update()
+        engine.update_weights(list(train.iter_adapter()))
+        version = engine.finish_weight_update()
+        assert set(engine.engine.list_loras()) == {engine._adapters.current} == {version}
+        hf.load_weights({k: v.detach().clone() for k, v in train.iter_weights()})  # the merged model
+        got, ref = engine.generate(prompts, greedy), hf.generate(prompts, greedy)
+        assert got.responses.tolist() == ref.responses.tolist()
+        torch.testing.assert_close(got.logprobs, ref.logprobs, atol=ATOL, rtol=0)

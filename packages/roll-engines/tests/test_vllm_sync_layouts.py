@@ -16,6 +16,8 @@
     undo itself fails the engine refuses to serve the mix of versions until a full sync.
 (g) After sleep(level=2) the engine refuses until completed syncs have rewritten every layer, a fused one only once
     all its parts were sent, and layers no full sync writes do not keep it refusing.
+(h) A nonzero bias the engine's model has no parameter for (a mismatched layout) fails the sync, naming it, and is
+    undone; a zero one is dropped (vLLM dropped every such bias, the sync completed on the engine's old layout).
 """
 
 from __future__ import annotations
@@ -338,6 +340,58 @@ def test_a_sync_that_fails_part_way_is_undone_in_the_worker(tmp_path, in_process
         with pytest.raises(RuntimeError, match=rf"{discarded}.*\(2 still to be rewritten\).*{qkv}"):
             engine.generate(PROMPTS, greedy)
         _sync(engine, [(k, v) for k, v in new.items() if ".layers.0.self_attn." in k or ".layers.1.self_attn" in k])
+        _assert_same(engine, str(tmp_path), new)
+    finally:
+        engine.shutdown()
+
+
+def test_a_bias_the_engine_lacks_is_refused_unless_zero(tmp_path) -> None:
+    """(h) A Llama engine (no attention biases) sent q_proj and o_proj biases, as a Qwen2-layout converter might:
+    vLLM drops any bias its model lacks (for GPTQ checkpoints' zero biases: its fused q|k|v layer's loader and its
+    generic one), so the sync completed, the version moved and the engine served without the trainer's biases. Now
+    a nonzero one fails the sync naming it (trainer and vLLM names) and the engine serves on unchanged; zero ones
+    change nothing and the sync completes."""
+    from transformers import AutoModelForCausalLM
+
+    from roll_core.interfaces import Request, SamplingParams
+    from roll_core.models import build_tiny_model
+    from roll_engines.infer.vllm import VLLMInferEngine
+
+    build_tiny_model(tmp_path, hidden=128, heads=4, kv_heads=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    torch.manual_seed(0)
+    new = {k: p.detach() + 0.05 * torch.randn_like(p) for k, p in model.named_parameters()}
+    names = list(new)
+    at = names.index("model.layers.1.self_attn.q_proj.weight")  # after layer 0: written, then undone
+    biases = {"q_proj": "model.layers.0.self_attn.q_proj.bias", "o_proj": "model.layers.0.self_attn.o_proj.bias"}
+    vllm_names = {
+        "q_proj": r"model\.layers\.0\.self_attn\.qkv_proj\.bias",
+        "o_proj": r"(model\.)?layers\.0\.self_attn\.o_proj\.bias",
+    }
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    engine = VLLMInferEngine(str(tmp_path), **ENGINE)
+    try:
+        before = engine.generate(PROMPTS, greedy)
+        version = engine.submit(Request("v", PROMPTS[0], greedy)).result().weight_version
+        for module, bias in biases.items():
+            sent = (
+                [(k, new[k]) for k in names[:at]]
+                + [(bias, torch.full((128,), 0.5))]
+                + [(k, new[k]) for k in names[at:]]
+            )
+            engine.begin_weight_update()
+            with pytest.raises(
+                Exception, match=rf"{module}\.bias.*no parameter '{vllm_names[module]}' for this nonzero"
+            ):
+                engine.update_weights(sent)
+                engine.finish_weight_update()
+            assert engine.abort_weight_update("refused") == version
+            after = engine.generate(PROMPTS, greedy)
+            assert torch.equal(after.responses, before.responses) and torch.equal(after.logprobs, before.logprobs)
+
+        zeros = [(bias, torch.zeros(128)) for bias in biases.values()]
+        _sync(engine, [(k, new[k]) for k in names[:at]] + zeros + [(k, new[k]) for k in names[at:]])
+        assert engine.submit(Request("v", PROMPTS[0], greedy)).result().weight_version == version + 1
         _assert_same(engine, str(tmp_path), new)
     finally:
         engine.shutdown()

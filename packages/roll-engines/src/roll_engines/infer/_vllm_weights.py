@@ -265,18 +265,38 @@ class VLLMWeightUpdates:
 
     def _finish_adapter_update(self) -> int:
         """Load the synced adapter as a new LoRA adapter (id = the new weight version) on the driver thread; new
-        requests use it, superseded adapters go once unused. A sync that brought no adapter keeps the current one."""
+        requests use it, superseded adapters go once unused. A sync that brought no adapter keeps the current one.
+
+        An id is never given to vLLM for two adapters: vLLM keeps the adapter it holds under an id and does not read
+        the folder again when asked to add that id (vllm/lora/worker_manager.py `add_adapter`), so a second adapter
+        under it would be served stale. Ids are versions, which move once vLLM holds the adapter, even where what
+        follows fails (retiring, the prefix cache); an `add_lora` that fails removes the id from vLLM (a worker may
+        hold it while another failed), since the next sync reuses it."""
         adapters, new_id = self._adapters, self._version + 1
         assert adapters is not None
 
-        def do() -> None:
+        def add_lora(request: Any) -> object:
             try:
-                if adapters.load(new_id, self.engine.add_lora):
+                return self.engine.add_lora(request)
+            except BaseException:
+                try:
+                    self.engine.remove_lora(request.lora_int_id)
+                except Exception:  # the add's own error is the one to raise
+                    log.exception("%s: could not remove adapter %d after its load failed", self.name, new_id)
+                raise
+
+        def do() -> None:
+            loaded = False
+            try:
+                loaded = adapters.load(new_id, add_lora)
+                if loaded:
                     self._retire_adapters()
                 self._reset_prefix_cache()
                 # Before the driver admits the requests queued behind this job (they run on the new adapter).
                 self._version = new_id
             finally:
+                if loaded:  # new requests run on it (`adapters.current`): its version, its id used up
+                    self._version = new_id
                 self._paused = False
 
         self._control(do)

@@ -166,6 +166,82 @@ def _saving(undo: _LayerUndo | None) -> Iterator[bool]:
             setattr(layerwise, name, fn)
 
 
+#: Endings of the names vLLM's AutoWeightsLoader may drop when the model has no such parameter
+#: (vllm/model_executor/models/utils.py `AutoWeightsLoader.load_weights` adds ".bias" for every model: "Ignore
+#: unexpected biases (typically from GPTQ models)", whose checkpoints carry a zero bias for every linear; Qwen3-MoE's
+#: and LFM2-MoE's loaders add "_bias" for quantized experts' checkpoints).
+_BIASES = (".bias", "_bias")
+
+
+@contextmanager
+def _refusing_biases(current: list[Any], dropped: list[str]) -> Iterator[None]:
+    """Within (one reload): a synced bias the engine's model has no parameter for, which vLLM 0.32 drops without a
+    word, raises naming it unless it is all zeros (what vLLM's rule is for, GPTQ checkpoints' zero biases: dropping
+    a zero bias changes nothing; its vLLM name is added to `dropped`). A nonzero one is a mismatched layout or a
+    converter's wrong name: the engine served without it, under the new version. vLLM drops them in two places:
+    `AutoWeightsLoader._can_ignore_unexpected` (a bias of any module: o_proj, down_proj, ...; `current` is [the
+    tensor vLLM's loader holds then]: it consumes a sync's tensors one at a time, as `_naming` relies on) and the
+    fused layers' own `load_weights` (vllm/model_executor/layers/linear.py, MergedColumnParallelLinear and
+    QKVParallelLinear: `if param is None and name == "bias": continue`, q/k/v and gate/up biases). Other names vLLM
+    drops by a model's own rule (prefixes, quantization scales) are left to it. Models whose hand-written loader
+    skips biases itself (DeepSeek-V2/V3, GLM-4-MoE-Lite, MiniCPM, Falcon, ...: `name not in params_dict`) are not
+    covered."""
+    try:
+        from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+        from vllm.model_executor.models.utils import AutoWeightsLoader
+    except ImportError:  # another vLLM version
+        yield
+        return
+
+    def check(qualname: str, tensor: Any) -> None:
+        if isinstance(tensor, torch.Tensor) and not torch.count_nonzero(tensor):
+            dropped.append(qualname)
+            return
+        raise ValueError(
+            f"the engine's model has no parameter {qualname!r} for this nonzero bias (vLLM drops biases its model "
+            "lacks, meant for GPTQ checkpoints' zero ones): the trainer's layout or weight names do not match it"
+        )
+
+    ignoring = AutoWeightsLoader.__dict__.get("_can_ignore_unexpected")
+
+    def strict(loader: Any, qualname: str) -> bool:
+        ignore = ignoring(loader, qualname)
+        if ignore and qualname.endswith(_BIASES):
+            if not any(qualname.startswith(p) for p in loader.ignore_unexpected_prefixes):  # the model's own rule
+                check(qualname, current[0] if current else None)
+        return ignore
+
+    def screening(load: Any) -> Any:
+        def load_weights(layer: torch.nn.Module, weights: Any) -> Any:
+            def screened() -> Iterator[tuple[str, Any]]:
+                for name, tensor in weights:
+                    if name == "bias" and getattr(layer, "bias", None) is None:
+                        check(f"{getattr(layer, 'prefix', '?')}.bias", tensor)
+                        continue
+                    yield name, tensor
+
+            return load(layer, screened())
+
+        return load_weights
+
+    patches: list[tuple[type, str, Any]] = []
+    if ignoring is not None:
+        patches.append((AutoWeightsLoader, "_can_ignore_unexpected", strict))
+    for cls in (MergedColumnParallelLinear, QKVParallelLinear):
+        if "load_weights" in cls.__dict__:
+            patches.append((cls, "load_weights", screening(cls.__dict__["load_weights"])))
+    if len(patches) < 3:
+        log.warning("vLLM's loaders are not 0.32's: some biases its model lacks may be dropped unchecked")
+    originals = [(cls, name, cls.__dict__[name]) for cls, name, _ in patches]
+    for cls, name, fn in patches:
+        setattr(cls, name, fn)
+    try:
+        yield
+    finally:
+        for cls, name, fn in originals:
+            setattr(cls, name, fn)
+
+
 def _naming(exc: BaseException, loading: list[Any], count: int) -> BaseException:
     """The error of a reload that failed while vLLM loaded one tensor, naming it: vLLM's loaders refuse a wrong
     shape with a bare `assert` (the sync failed with "AssertionError()", through collective_rpc with "Worker failed
@@ -197,6 +273,8 @@ class RollWorkerExtension:
         undo = _LayerUndo(keep=keep and not mixed)  # a mix is not worth keeping (module docstring)
         undoable = False
         loading: list[Any] = []  # the tensor vLLM's loader holds now (name, shape, dtype); empty between tensors
+        current: list[Any] = []  # ... and that tensor itself (`_refusing_biases`)
+        dropped: list[str] = []  # zero biases the engine's model has no parameter for (`_refusing_biases`)
 
         def counted() -> Any:
             nonlocal count
@@ -204,11 +282,13 @@ class RollWorkerExtension:
                 count += 1
                 names.add(item[0])
                 loading[:] = [item[0], tuple(item[1].shape), str(item[1].dtype).removeprefix("torch.")]
+                current[:] = [item[1]]
                 yield item
                 loading.clear()  # the loader asks for the next one: done with this tensor (and its layer)
+                current.clear()
 
         try:
-            with _saving(undo) as undoable:
+            with _saving(undo) as undoable, _refusing_biases(current, dropped):
                 try:
                     self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
                     for _ in stream:  # what the loader left unread: acknowledge it so the sender finishes the sync
@@ -226,6 +306,8 @@ class RollWorkerExtension:
             raise error from exc
         finally:
             stream.close()
+        if dropped:  # harmless (zero), but the trainer sends weights the engine does not have: say which
+            log.info("a weight sync sent %d zero bias(es) the engine's model lacks: %s", len(dropped), dropped[:8])
         self._roll_refresh_tied_heads()
         self._roll_repack_cpu_experts()
         if undoable:
