@@ -31,7 +31,7 @@ def test_scientific_notation_is_a_number_not_eulers_e() -> None:
     answers = ["1e-05", "0.00001", "1500", "602000000000000000000000", "1e-05", "1500"]
     res = reward.score(responses, answers)
     assert res.correct == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
-    assert res.counters == {"timeouts": 0, "errors": 0, "no_boxed": 0}
+    assert res.counters == {"timeouts": 0, "errors": 0, "no_boxed": 0, "bad_answers": 0}
     # One vote key per value; an exponent too large to compute exactly is no quantity (math-verify's case).
     assert canonical_answer("1.5e3") == canonical_answer("1500") == "1500"
     assert canonical_answer("1e-5") == "0.00001" and canonical_answer("1e99999") == "1e99999"

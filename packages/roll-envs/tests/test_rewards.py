@@ -252,7 +252,7 @@ def test_math_reward_counts_parse_failures_instead_of_raising() -> None:
     long_box = "\\boxed{" + "x+" * (MAX_BOXED_CHARS // 2 + 1) + "1}"
     res = MathReward().score([r"\boxed{\frac{1}{}}+++}", long_box], ["1/2", "1/2"])
     assert res.scores == [0.0, 0.0] and res.correct == [0.0, 0.0]
-    assert res.counters == {"timeouts": 0, "errors": 1, "no_boxed": 0}
+    assert res.counters == {"timeouts": 0, "errors": 1, "no_boxed": 0, "bad_answers": 0}
 
 
 def test_a_box_of_empty_boxes_is_empty() -> None:

@@ -36,6 +36,17 @@ Scoring (per response):
   agentic environment thread), verification runs in a forked child process (roll_core.isolation.ForkedWorker),
   where SIGALRM works again, and a deadline of three times `timeout_s` kills the child if even that fails (a hang
   in C code); a killed child is forked again for the next answer.
+- A ground truth math-verify cannot read (it parses to nothing, as a blank one, `\\text{}` or `\\ldots` does, or
+  its parse raises) cannot be matched by any response: a boxed response against it is not judged, but counted in
+  `bad_answers` (warned once) and marked `RewardResult.failed` (roll's reward guard counts it in
+  `failed_unscored`), scoring only its `format_weight`; it was a silent 0 for every sample. A response without a
+  box is `no_boxed` as ever.
+- What math-verify reads is one line, for the truth and the boxed answer alike: line breaks are spaces, and an
+  odd number of bare `$` signs are currency signs, escaped (`\\$`); pairs delimit math inside text and stay.
+  math-verify's own math-mode search does not cross a line break, so a matrix or tuple written over lines
+  (`\\begin{pmatrix}1\\\\` newline `2\\end{pmatrix}`) scored 0 against the same answer on one line; and a lone
+  `$` inside the box ended our `$...$` wrapper, so that `\\boxed{7 \\text{ or } $6}` was graded as its last
+  piece, `6` (right against a truth of 6).
 
 `extract_answer` (roll-eval's majority vote) gives the boxed answer in one spelling per value where that is
 certain, so that samples the grader would grade alike vote together: a quantity as its exact value (an integer;
@@ -57,6 +68,7 @@ Covers: numbers, fractions, LaTeX expressions math-verify understands. Does not 
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Sequence
@@ -67,6 +79,8 @@ from roll_envs.boxed import extract_boxed
 from roll_envs.numeric import MAX_EXPONENT, fractions_equal, parse_number
 from roll_envs.rewards.base import Reward, RewardResult
 from roll_envs.rewards.judge import final_text
+
+log = logging.getLogger(__name__)
 
 #: A decimal number; a minus sign right after a digit, letter or closing bracket is a hyphen or an operator ("pages
 #: 10-12", "x-3"), not the number's sign.
@@ -258,11 +272,39 @@ def _without_e(text: str, q: tuple[Fraction, bool] | None) -> str:
     return _value_key(q[0]) + ("\\%" if q[1] else "")
 
 
-def _verify_latex(boxed: str, answer: str, timeout_s: int) -> bool:
-    """math-verify's symbolic check of `boxed` against `answer`; its timeouts need the main thread (SIGALRM)."""
-    from math_verify import parse, verify
+#: Line breaks: math-verify's `$...$` search stops at them (module docstring).
+_LINE_BREAKS = re.compile(r"\s+")
+#: A dollar sign not escaped as `\$`. A lone one (an odd count) is a currency sign that would close the `$...$`
+#: `_verify_latex` wraps a text in; pairs delimit math inside prose (`The answer is $x+1$.`) and stay.
+_BARE_DOLLAR = re.compile(r"(?<!\\)\$")
 
-    gold = parse(f"${answer}$", parsing_timeout=timeout_s, raise_on_error=True)
+
+def _one_line(text: str) -> str:
+    """`text` as math-verify reads it: white space runs (line breaks included) as one space, and bare `$` signs
+    escaped as `\\$` (a currency sign) when they are not pairs of math delimiters."""
+    if len(_BARE_DOLLAR.findall(text)) % 2:
+        text = _BARE_DOLLAR.sub(r"\\$", text)
+    return _LINE_BREAKS.sub(" ", text).strip()
+
+
+class BadTruthError(ValueError):
+    """The ground truth parses to nothing math-verify can compare: no response can match it."""
+
+
+def _verify_latex(boxed: str, answer: str, timeout_s: int) -> bool:
+    """math-verify's symbolic check of `boxed` against `answer`; its timeouts need the main thread (SIGALRM).
+    Raises BadTruthError when `answer` parses to nothing or its parse fails (not a timeout)."""
+    from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
+
+    try:
+        gold = parse(f"${answer}$", parsing_timeout=timeout_s, raise_on_error=True)
+    except TimeoutException:
+        raise
+    except Exception as exc:
+        raise BadTruthError(f"the ground truth {answer[:80]!r} does not parse: {exc}") from exc
+    if not gold:  # verify() of an empty gold is False for every response: the truth, not the answer, is wrong
+        raise BadTruthError(f"the ground truth {answer[:80]!r} parses to nothing")
     pred = parse(f"${boxed}$", parsing_timeout=timeout_s, raise_on_error=True)
     return bool(verify(gold, pred, timeout_seconds=timeout_s, raise_on_error=True))
 
@@ -293,10 +335,13 @@ class MathReward(Reward):
         self.last_number_weight = last_number_weight
         self.format_weight = format_weight
         self.timeout_s = timeout_s
+        self._warned_truth = False  # a bad ground truth is logged once: every sample of its problem would repeat it
         # Off the main thread: verification in a forked child (see the module docstring), started on first use.
         self._child = ForkedWorker(_verify_latex, name="math-verify")
 
-    def _verify(self, boxed: str, answer: str, counters: dict[str, int]) -> bool:
+    def _verify(self, boxed: str, answer: str, counters: dict[str, int]) -> bool | None:
+        """Whether `boxed` is `answer`; None when `answer` is a ground truth math-verify cannot read (counted in
+        `bad_answers`). Failures of the check itself are False, counted in `timeouts` or `errors`."""
         from math_verify.errors import TimeoutException
 
         got, truth = quantity(boxed), quantity(answer)
@@ -309,6 +354,7 @@ class MathReward(Reward):
         if len(boxed) > MAX_BOXED_CHARS:
             counters["errors"] += 1
             return False
+        boxed, answer = _one_line(boxed), _one_line(answer)
         try:
             if threading.current_thread() is threading.main_thread():
                 return _verify_latex(boxed, answer, self.timeout_s)
@@ -316,11 +362,23 @@ class MathReward(Reward):
             return bool(self._child.call(boxed, answer, self.timeout_s, timeout=3 * self.timeout_s + 1))
         except (TimeoutException, CallTimeout):
             counters["timeouts"] += 1
+        except BadTruthError as exc:
+            return self._bad_truth(str(exc), counters)
         except ChildError as exc:
+            if exc.kind == BadTruthError.__name__:
+                return self._bad_truth(str(exc), counters)
             counters["timeouts" if exc.kind == TimeoutException.__name__ else "errors"] += 1
         except Exception:  # a malformed model answer must not stop training; it is counted
             counters["errors"] += 1
         return False
+
+    def _bad_truth(self, why: str, counters: dict[str, int]) -> None:
+        """Count a ground truth math-verify cannot read (logged once); None: `_verify`'s "not judged"."""
+        counters["bad_answers"] = counters.get("bad_answers", 0) + 1
+        if not self._warned_truth:
+            self._warned_truth = True
+            log.warning("math reward: %s; its rows are not judged (counted in bad_answers; logged once)", why)
+        return None
 
     def extract_answer(self, response: str) -> str | None:
         """The answer this reward grades: the last non-empty \\boxed{} in one spelling per value
@@ -335,17 +393,19 @@ class MathReward(Reward):
         a, b = quantity(first), quantity(other)
         if a is not None and b is not None:  # no symbolic check needed; 75% stays apart from 75 and 0.75
             return a[1] == b[1] and fractions_equal(a[0], b[0])
-        return self._verify(other, first, {"timeouts": 0, "errors": 0})  # a failed check: different answers
+        return bool(self._verify(other, first, {"timeouts": 0, "errors": 0}))  # a failed check: different answers
 
     def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
         if len(responses) != len(answers):
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
-        counters = {"timeouts": 0, "errors": 0, "no_boxed": 0}
-        scores, correct, formatted = [], [], []
+        counters = {"timeouts": 0, "errors": 0, "no_boxed": 0, "bad_answers": 0}
+        scores, correct, formatted, failed = [], [], [], []
         for response, answer in zip(responses, answers):
             response = _answer_text(response)  # after the reasoning (module docstring)
             boxed = extract_boxed(response) or None  # an empty \boxed{} (copied from the prompt) is no answer
-            ok = boxed is not None and self._verify(boxed, str(answer), counters)
+            verdict = boxed is not None and self._verify(boxed, str(answer), counters)
+            failed.append(verdict is None)  # a truth no response can match: not a verdict on this one
+            ok = bool(verdict)
             if boxed is None:
                 counters["no_boxed"] += 1
             score = self.correct_weight if ok else 0.0
@@ -358,4 +418,4 @@ class MathReward(Reward):
             scores.append(score)
             correct.append(float(ok))
             formatted.append(float(boxed is not None))
-        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters)
+        return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters, failed=failed)
