@@ -62,6 +62,7 @@ from roll_core.idle_aborts import KEY as IDLE_ABORTS_KEY
 from roll_core.idle_aborts import MAX_IDLE_ABORTS, check_max_idle_aborts, idle_backoff_s
 from roll_core.interfaces import Request, SamplingParams
 from roll_core.seeds import Purpose, derive_seed
+from roll_core.thinking import opens_think, reply_text
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,8 @@ class AgenticRollout:
             turn_params = params.replace(
                 max_new_tokens=min(lim.max_tokens_per_turn, room), seed=sample_seed, stop_token_ids=stops
             )
-            token_ids, logprobs, finish = self._generate(f"{key}-turn-{turn}", key, traj.context(), turn_params, traj)
+            context = traj.context()
+            token_ids, logprobs, finish = self._generate(f"{key}-turn-{turn}", key, context, turn_params, traj)
             if finish == "prompt_too_long":
                 del traj.versions[traj.turns :]  # no turn was taken
                 traj.end = "max_context"
@@ -239,8 +241,11 @@ class AgenticRollout:
             traj.add_response(token_ids, logprobs)
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
             traj.texts.append(text)
+            # a template that opened <think> in the prompt: the env reads the reply with its opening tag (cut off
+            # while reasoning, its tool call or answer is not taken: roll_core.thinking)
+            action = reply_text(text, opens_think(self.tokenizer, context))
             try:
-                obs, reward, terminated, truncated, info = self.envs.step(slot, text)
+                obs, reward, terminated, truncated, info = self.envs.step(slot, action)
             except EnvFailure as exc:
                 traj.turn_rewards.append(0.0)
                 traj.end, traj.error = exc.kind, str(exc)

@@ -293,10 +293,16 @@ class RewardWorker(Worker):
             self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
             for r, m in zip(batch["responses"], batch["response_mask"])
         ]
+        if "prompt_ids" in batch:  # a template that opens <think>: the reply's reasoning carries no opening tag
+            from roll_core.thinking import opens_think, reply_text
+
+            replies = [reply_text(t, opens_think(self.tokenizer, p)) for t, p in zip(texts, batch["prompt_ids"])]
+        else:
+            replies = texts
         # The prompt's text and the row's metadata reach rewards that declare them (judges, remote verifiers,
         # instruction following, multi-domain routing).
         res = self.reward.score(
-            texts,
+            replies,
             batch["answer"],
             prompts=batch["prompt_text"] if "prompt_text" in batch else None,
             metadata=batch["metadata"] if "metadata" in batch else None,
