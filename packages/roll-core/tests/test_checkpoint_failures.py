@@ -182,7 +182,7 @@ def test_a_write_error_flushing_the_rename_fails_the_save_and_prunes_nothing(
     _fsync_failing_on(monkeypatch, m.root, errno.EIO)
     with pytest.raises(OSError, match="Input/output error"):
         _save(m, 4)
-    assert [p.name for p in m.list()] == ["step_000002", "step_000004"]  # step 2 kept: 4 may not be on disk
+    assert [p.name for p in m.list()] == ["step_000002"]  # step 2 kept; 4, maybe not on disk, taken back (below)
     _fsync_failing_on(monkeypatch, m.root, errno.EINVAL)
     _save(m, 6)
     assert [p.name for p in m.list()] == ["step_000006"]
@@ -234,3 +234,59 @@ def test_the_first_save_flushes_the_new_checkpoints_folder_into_the_run_folder(
     m = CheckpointManager(run)
     _save(m, 1)
     assert synced.index(str(run)) > synced.index(str(m.root))  # after the rename's flush
+
+
+class _Saved:
+    """A trainer whose save writes its files and succeeds."""
+
+    def save(self, folder: Path, tokenizer: str) -> dict[str, Any]:
+        (folder / "weights").write_text("4")
+        return {}
+
+
+def test_a_save_whose_rename_did_not_reach_the_disk_names_the_checkpoint_that_did(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flush of the rename failed (EIO) after the new folder had its final name: `latest()` then listed it, and
+    the failure said "its partial folder was deleted and the latest complete checkpoint, step_000004, is intact"
+    of a folder neither deleted nor known on disk. It is taken back and deleted; step 2 is named. A step saved again
+    gets its old folder back."""
+    p = _pipeline(tmp_path, OSError(errno.EIO, "unused"))
+    p.trainer = _Saved()
+    _fsync_failing_on(monkeypatch, p.ckpt.root, errno.EIO)
+    with pytest.raises(CheckpointError) as info:
+        Pipeline.save(p, 4)
+    msg = str(info.value)
+    assert msg.startswith("step 4: the checkpoint could not be written (OSError: [Errno 5] Input/output error)")
+    assert f"the latest complete checkpoint, {p.ckpt.root / 'step_000002'}, is intact" in msg
+    assert sorted(x.name for x in p.ckpt.root.iterdir()) == ["step_000002"]
+
+    with pytest.raises(CheckpointError) as info:
+        Pipeline.save(p, 2)  # a rollback's redo of step 2: the old step 2 stays the one listed
+    assert f"the latest complete checkpoint, {p.ckpt.root / 'step_000002'}, is intact" in str(info.value)
+    assert sorted(x.name for x in p.ckpt.root.iterdir()) == ["step_000002"]
+    assert (p.ckpt.latest() / "weights").read_text() == "2"
+
+
+def test_a_new_checkpoint_that_cannot_be_taken_back_is_named_in_the_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the flush of the rename and then its undo fail, the error says the new folder may not be on disk."""
+    m = CheckpointManager(tmp_path, keep_last=1)
+    _save(m, 2)
+    _fsync_failing_on(monkeypatch, m.root, errno.EIO)
+    real = Path.rename
+
+    def rename(self: Path, target: Any) -> Any:
+        if self.name == "step_000004":  # the undo's
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(OSError) as info:
+        _save(m, 4)
+    assert str(info.value) == (
+        f"[Errno 5] Input/output error; {m.root / 'step_000004'} may not be on disk, and taking it back failed "
+        "([Errno 30] Read-only file system)"
+    )
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.EIO

@@ -144,6 +144,73 @@ def test_roll_eval_and_the_training_evaluation_agree_on_the_same_rows() -> None:
     assert res["by_domain"]["a"]["accuracy"] == pytest.approx(0.5)  # right + refused
 
 
+#: Four problems, two without a domain: right, wrong, right, refused.
+_FOUR = [
+    EchoProblem("ok", "question 0", domain="a"),
+    EchoProblem("short", "question 1"),
+    EchoProblem("ok2", "question 2"),
+    EchoProblem("cut", "question 3", domain="a"),
+]
+
+
+def _collector(problems: list[EchoProblem]) -> Any:
+    """What the prompts collector's `evaluate` (and roll-eval's `sample_rows`) use of a collector."""
+    tokenizer = build_tiny_tokenizer()
+    return SimpleNamespace(
+        cfg=SimpleNamespace(
+            model=SimpleNamespace(max_prompt_length=LIMIT, chat_template_kwargs={}),
+            pipeline=SimpleNamespace(seed=0, max_idle_aborts=3),
+        ),
+        tokenizer=tokenizer,
+        processor=None,
+        task=EchoTask(),
+        eval_set=problems,
+        infer=_Engine(),
+        sampling=SamplingParams(max_new_tokens=16, temperature=1.0),
+        eval_temperature=1.0,
+        scoring=_Scoring(tokenizer),
+        _pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        _cut_ids=frozenset(),
+    )
+
+
+def test_the_training_evaluation_labels_rows_without_a_domain_as_roll_eval_does() -> None:
+    """Rows without a domain were `eval/None/...` in a training run and `unknown` in roll-eval (and the docs): the
+    same rows under two metric names. Per domain two problems, one right."""
+    from roll_core.pipelines.collectors.prompts import PromptCollector
+
+    collector = _collector(_FOUR)
+    rows, _, _ = sample_rows(collector, EchoTask(), 1)
+    by = breakdown(rows, "domain", [1])
+    assert set(by) == {"a", "unknown"}
+
+    out = PromptCollector.evaluate(collector, 0)  # type: ignore[arg-type]
+
+    for d in ("a", "unknown"):
+        assert out[f"eval/{d}/accuracy"] == pytest.approx(by[d]["accuracy"]) == pytest.approx(0.5)
+        assert out[f"eval/{d}/n"] == by[d]["problems"] == 2
+    assert not any(k.startswith("eval/None/") for k in out)
+
+
+def test_the_training_evaluation_logs_the_accuracy_standard_error_roll_eval_gives() -> None:
+    """No eval/accuracy_stderr was logged, so report.md showed no ± for eval/accuracy. accuracy 1/2 over four
+    problems: sqrt((4 * 1/4 / 3) / 4) = 0.288675; per domain (two problems, one right): sqrt((2 * 1/4 / 1) / 2) =
+    0.5; one problem: none (null, as roll-eval's results)."""
+    from roll_core.pipelines.collectors.prompts import PromptCollector
+
+    collector = _collector(_FOUR)
+    rows, _, _ = sample_rows(collector, EchoTask(), 1)
+    m, by = summarize(rows, [1]), breakdown(rows, "domain", [1])
+
+    out = PromptCollector.evaluate(collector, 0)  # type: ignore[arg-type]
+
+    assert out["eval/accuracy"] == pytest.approx(m["accuracy"]) == pytest.approx(0.5)
+    assert out["eval/accuracy_stderr"] == pytest.approx(m["accuracy_stderr"]) == pytest.approx(math.sqrt(1 / 12))
+    for d in ("a", "unknown"):
+        assert out[f"eval/{d}/accuracy_stderr"] == pytest.approx(by[d]["accuracy_stderr"]) == pytest.approx(0.5)
+    assert PromptCollector.evaluate(_collector(_FOUR[:1]), 0)["eval/accuracy_stderr"] is None  # type: ignore[arg-type]
+
+
 def _result(skipped: dict[str, int] | None, total: int) -> dict[str, Any]:
     rows = [
         {

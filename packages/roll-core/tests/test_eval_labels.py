@@ -94,3 +94,21 @@ def test_models_scored_on_different_problems_are_said_to_be(tmp_path: Path, capl
     assert note in caplog.text
     write_outputs(tmp_path / "same", [(a, _result(["q1"])), (b, _result(["q1"]))], [1], 1, {})
     assert json.loads((tmp_path / "same" / "comparison.json").read_text())["warnings"] == []
+
+
+def test_labels_are_unique_whatever_the_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repeat was labelled `<label>#<count>` without looking at the other labels: `a`, `a`, `a#2` gave two `a#2`
+    (one table column, one results file, for two models). A repeat now takes the first `#k` no input or earlier
+    label holds; an input's own name is kept."""
+    monkeypatch.chdir(tmp_path)  # hub ids: not folders here
+
+    def labels(args: list[str]) -> list[str]:
+        return [t.label for t in expand_targets(args)]
+
+    assert labels(["a", "a", "a#2"]) == ["a", "a#3", "a#2"]
+    assert labels(["a#2", "a", "a"]) == ["a#2", "a", "a#3"]
+    assert labels(["a", "a", "a", "a#3"]) == ["a", "a#2", "a#4", "a#3"]
+    assert labels(["a#2", "a#2", "a"]) == ["a#2", "a#2#2", "a"]
+    for args in (["a", "a", "a#2", "a#2", "a#3", "a"], ["x"] * 5 + ["x#2", "x#4"]):
+        got = labels(args)
+        assert len(set(got)) == len(got), got

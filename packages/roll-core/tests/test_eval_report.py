@@ -279,3 +279,15 @@ def test_a_run_without_evaluations_is_not_reported_as_evaluating_every_0_steps(t
     text = write_run_report(out, cfg, status="finished", wall_seconds=1.0, checkpoints=ckpts).read_text()
     assert "| evaluation | none (pipeline.eval_every=0) |" in text
     assert "every 0 steps" not in text
+
+
+def test_an_evaluation_that_scored_no_problem_is_reported_as_zero_problems() -> None:
+    """`eval/n` 0 (every held-out prompt skipped) was falsy: the config row read "on 64 held-out problems", the
+    pipeline.eval_size, for an evaluation that scored none. No evaluation logged yet: the setting is all it knows."""
+    from roll_core.report import config_rows
+
+    cfg = load_config(["experiment=quickstart", "model=tiny"])
+    rows = dict(config_rows(cfg, 0.0))
+    assert rows["evaluation"].startswith("every 4 steps on 0 held-out problems (pipeline.eval_size 64), temperature")
+    assert dict(config_rows(cfg, 16.0))["evaluation"].startswith("every 4 steps on 16 held-out problems")
+    assert dict(config_rows(cfg))["evaluation"].startswith("every 4 steps on 64 held-out problems")

@@ -282,7 +282,7 @@ def test_pipeline_max_idle_aborts_decides_when_the_sync_collector_refuses_a_prom
 
     def evaluate(infer: Any, *args: Any, **kwargs: Any) -> dict[str, float]:  # the loop over the held-out set
         seen.append(infer)
-        return {"accuracy": 0.0, "reward": 0.0, "n": 0}
+        return {"accuracy": 0.0, "accuracy_stderr": None, "reward": 0.0, "n": 0}
 
     monkeypatch.setattr(prompts, "evaluate", evaluate)
     evaluating = AbortingInfer({1: 0}, refuse=(1,))

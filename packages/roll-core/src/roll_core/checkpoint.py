@@ -101,7 +101,9 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
 
     def commit(self, tmp: Path, step: int, state: dict[str, Any]) -> Path:
-        """Write state.json, rename the staging folder into place, prune old checkpoints."""
+        """Write state.json, rename the staging folder into place, prune old checkpoints. A flush of the rename that
+        fails takes the new folder back to `tmp` (the caller discards it) and the old one of the step back into
+        place before raising, so that the failure leaves, and `latest()` names, only checkpoints known on disk."""
         state = {**state, "step": step, "rng": rng_state()}
         torch.save(state.pop("rng"), tmp / "rng.pt")
         self._write_config(tmp)
@@ -116,12 +118,30 @@ class CheckpointManager:
         # Else a `.replaced` left alone (a crash between the renames of an earlier save) is the step's only complete
         # copy: it goes only once the new folder is in place.
         tmp.rename(final)
-        fsync_dir(self.root)  # the rename itself
-        fsync_dir(self.root.parent)  # and, at the first save, `checkpoints/` itself
+        try:
+            fsync_dir(self.root)  # the rename itself
+            fsync_dir(self.root.parent)  # and, at the first save, `checkpoints/` itself
+        except OSError as exc:
+            # Left in place, the new folder was listed as complete though its name may not be on disk: the save's
+            # failure message named it the intact checkpoint to resume from, and said its folder was deleted.
+            self._withdraw(final, tmp, replaced, exc)
+            raise
         shutil.rmtree(replaced, ignore_errors=True)
         for old in self.list()[: -self.keep_last]:
             _delete(old)
         return final
+
+    @staticmethod
+    def _withdraw(final: Path, tmp: Path, replaced: Path, cause: OSError) -> None:
+        """Undo `commit`'s renames after the flush failed with `cause`: the new folder back to `tmp`, the step's old
+        one (moved to `replaced`) back to `final`. When that fails too: an OSError (from `cause`) naming the folder."""
+        try:
+            final.rename(tmp)
+            if replaced.exists():
+                replaced.rename(final)
+        except OSError as undo:
+            why = f"{cause.strerror or cause}; {final} may not be on disk, and taking it back failed ({undo})"
+            raise OSError(cause.errno, why) from cause
 
     def list(self) -> list[Path]:
         """Complete checkpoints, oldest first: one per step, `step_N` or, when a crash left only that, the

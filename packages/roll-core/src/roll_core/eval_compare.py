@@ -119,18 +119,33 @@ def expand_targets(models: list[str]) -> list[EvalTarget]:
         else:
             raw.append((None, arg, None, arg, ""))
     runs = _run_names({r for r, *_ in raw if r is not None})
-    targets, seen = [], {}
-    for run, model, step, source, name in raw:
+    bases = []
+    for run, model, step, _, name in raw:
         if run is not None:
             label = f"step_{step}" if step is not None else name
-            label = f"{runs[run]}/{label}" if len(runs) > 1 else label
+            bases.append(f"{runs[run]}/{label}" if len(runs) > 1 else label)
         else:
-            label = model.rstrip("/").rsplit("/", 1)[-1] if Path(model).is_dir() else model
-        seen[label] = seen.get(label, 0) + 1
-        if seen[label] > 1:
-            label = f"{label}#{seen[label]}"
+            bases.append(model.rstrip("/").rsplit("/", 1)[-1] if Path(model).is_dir() else model)
+    targets = []
+    for (run, model, step, source, _), label in zip(raw, _unique_labels(bases), strict=True):
         targets.append(EvalTarget(label, model, step, source, runs[run] if run is not None else ""))
     return targets
+
+
+def _unique_labels(bases: list[str]) -> list[str]:
+    """`bases` made unique: a repeat gets `#k`, the smallest k >= 2 that neither an earlier label nor any input
+    holds (`a`, `a`, `a#2` gave two `a#2`, one table column and one results file for two models)."""
+    given = set(bases)  # a later input's own name stays its own
+    out: list[str] = []
+    used: set[str] = set()
+    for base in bases:
+        label, k = base, 1
+        while label in used or (label != base and label in given):
+            k += 1
+            label = f"{base}#{k}"
+        out.append(label)
+        used.add(label)
+    return out
 
 
 #: Settings that decide how a model is prompted, sampled and scored (fnmatch over dotted keys): a checkpoint evaluated

@@ -219,7 +219,8 @@ def config_rows(cfg: Any, eval_n: float | None = None) -> list[tuple[str, str]]:
     temp = p.eval_temperature if p.eval_temperature is not None else f"{cfg.infer_engine.temperature} (engine's)"
     # eval_every=0 turns the loop's evaluations off: the row read "every 0 steps on 64 held-out problems"
     evaluation = (
-        f"every {p.eval_every} steps on {int(eval_n) if eval_n else p.eval_size} held-out problems "
+        # `is not None`: an evaluation that scored none (every prompt skipped) read pipeline.eval_size problems
+        f"every {p.eval_every} steps on {int(eval_n) if eval_n is not None else p.eval_size} held-out problems "
         f"(pipeline.eval_size {p.eval_size}), temperature {temp}"
         if p.eval_every > 0
         else "none (pipeline.eval_every=0)"

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from roll_core.errors import ConfigError
-from roll_core.eval_metrics import counted_correct, failure
+from roll_core.eval_metrics import UNKNOWN, counted_correct, failure, std_error
 from roll_core.interfaces import SamplingParams
 from roll_core.protocol import Batch, build_sequences, pad_left
 
@@ -392,8 +392,10 @@ def evaluate(
     template_kwargs: Mapping[str, Any] | None = None,
     processor: Any = None,
 ) -> dict[str, float]:
-    """Accuracy and mean reward of one sample per problem (sampled with `params`; temperature 0 is greedy); with
-    several domains (a multi-domain task) also `by_domain`: {domain: {"accuracy", "reward", "n"}}.
+    """Accuracy (with `accuracy_stderr`, its standard error over the problems: eval_metrics.std_error, as roll-eval's)
+    and mean reward of one sample per problem (sampled with `params`; temperature 0 is greedy); with several domains
+    (a multi-domain task) also `by_domain`: {domain: {"accuracy", "accuracy_stderr", "reward", "n"}}, rows without
+    a domain under eval_metrics.UNKNOWN.
 
     Counted as roll-eval counts them (roll_core.eval_metrics `failure` and `counted_correct`), so that roll-eval of
     the same model with --n 1 gives the same accuracy: a row the engine left "abort" (refused after
@@ -417,18 +419,24 @@ def evaluate(
     )
     out: dict[str, Any] = {
         "accuracy": float(correct.mean()),
+        # over problems, as roll-eval's (one sample each here); None for fewer than two problems
+        "accuracy_stderr": std_error(correct.tolist()),
         "reward": float(scored["scores"].mean()),
         "n": len(batch),  # one row per scored problem
         "skipped_long": int(metrics.get("data/skipped_long_prompts", 0)),
         "skipped_context": int(metrics.get("data/skipped_context_prompts", 0)),
     }
+    # A row without a domain is grouped as roll-eval groups it (eval_metrics.breakdown: UNKNOWN), so that both
+    # name its metrics `eval/unknown/...` (the training's were `eval/None/...`).
     domains = [m.get("domain") for m in batch["metadata"]] if "metadata" in batch else []
+    domains = [UNKNOWN if d is None else str(d) for d in domains]
     if len(set(domains)) > 1 or len(getattr(task, "domains", ())) > 1:
         out["by_domain"] = {}
         for d in dict.fromkeys(domains):
             idx = [i for i, x in enumerate(domains) if x == d]
-            out["by_domain"][str(d)] = {
+            out["by_domain"][d] = {
                 "accuracy": float(correct[idx].mean()),
+                "accuracy_stderr": std_error(correct[idx].tolist()),
                 "reward": float(scored["scores"][idx].mean()),
                 "n": len(idx),
             }

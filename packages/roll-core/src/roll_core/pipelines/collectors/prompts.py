@@ -162,7 +162,8 @@ class PromptCollector:
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out accuracy: one sample per held-out problem at the eval temperature, a failed one (refused by the
-        engine, or the reward failed on it) counted wrong as roll-eval counts it; `eval/n`: the problems scored
+        engine, or the reward failed on it) counted wrong as roll-eval counts it, with `eval/accuracy_stderr` (its
+        standard error over the problems, None for fewer than two); `eval/n`: the problems scored
         (not those skipped for a prompt over model.max_prompt_length or one filling the engine's context)."""
         t0 = time.perf_counter()
         res = evaluate(
@@ -181,12 +182,15 @@ class PromptCollector:
         )
         out = {
             "eval/accuracy": res["accuracy"],
+            # roll-eval's standard error over the problems (rollout.evaluate): report.md shows it as `± se`
+            "eval/accuracy_stderr": res["accuracy_stderr"],
             "eval/reward": res["reward"],
             "eval/n": float(res["n"]),
             "eval/seconds": time.perf_counter() - t0,
         }
         for d, m in res.get("by_domain", {}).items():
             out[f"eval/{d}/accuracy"], out[f"eval/{d}/reward"], out[f"eval/{d}/n"] = m["accuracy"], m["reward"], m["n"]
+            out[f"eval/{d}/accuracy_stderr"] = m["accuracy_stderr"]
         return out
 
     def state_dict(self) -> dict[str, Any]:

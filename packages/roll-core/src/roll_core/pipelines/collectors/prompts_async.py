@@ -82,6 +82,11 @@ class AsyncPromptCollector(PromptCollector):
     """Prompts generated ahead of the trainer (see the module docstring); data, reward and evaluation as in the
     synchronous collector."""
 
+    # The trainer's weight version minus the scheduler's: the scheduler counts from 0 in every process (its budget
+    # and staleness bound are in its own count, which a resume must not move), the run's count goes on after a
+    # resume; `async/version` is the run's (it read 0 after resuming at version 3).
+    _version_base = 0
+
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
         check_async(ctx)
@@ -233,6 +238,7 @@ class AsyncPromptCollector(PromptCollector):
         out["async/staleness_mean"] = float(staleness.mean())
         out["async/staleness_max"] = float(staleness.max())
         out.update(self.driver.stats())
+        out["async/version"] = float(self.sched.version + self._version_base)  # the run's count, not this process's
         # The trainer's wait ("generate") is not the rollout's time when generation overlaps training: rollout
         # throughput is the batch's tokens over the time between two batches (the first batch: its own wait).
         now = time.monotonic()
@@ -270,16 +276,25 @@ class AsyncPromptCollector(PromptCollector):
         with self.driver.held():
             state = super().state_dict()
             pending = [self._index[id(g.payload)] for g in self.sched.groups.values()] + self._replay
+            state["version"] = self.sched.version + self._version_base  # the run's weight version
         if pending:
             state["pending"] = pending
         return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The base state; the run's weight version (`version`) goes on in `async/version` (absent in checkpoints
+        of before: 0, until the first weight sync tells it)."""
+        super().load_state_dict(state)
+        self._version_base = int(state.get("version", 0)) - self.sched.version
 
     def begin_sync(self) -> None:
         self.driver.begin_update()
 
     def finish_sync(self, version: int) -> None:
+        """After the weight sync to the trainer's `version`: the handed-out batch was trained, generation resumes."""
         self._handed = []  # trained: the update this sync follows
         self.driver.finish_update()
+        self._version_base = version - self.sched.version  # (the scheduler's bump is its own: driver.finish_update)
 
     def close(self) -> None:
         try:
