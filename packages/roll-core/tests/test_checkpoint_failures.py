@@ -290,3 +290,9 @@ def test_a_new_checkpoint_that_cannot_be_taken_back_is_named_in_the_error(
         "([Errno 30] Read-only file system)"
     )
     assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.EIO
+    # The run's message does not call the folder intact, nor say it was deleted (it named it the checkpoint to resume)
+    from roll_core.pipelines._run_endings import save_failure
+
+    message = save_failure(4, info.value, m.latest())
+    assert f"{m.root / 'step_000004'} is listed as the latest checkpoint but may not be on disk" in message
+    assert "intact" not in message and "deleted" not in message

@@ -50,6 +50,15 @@ CONFIG = "config.yaml"
 _NAME = re.compile(r"step_(\d+)(\.replaced)?")
 
 
+class UnsureCheckpointError(OSError):
+    """A save whose rename may not have reached the disk and could not be taken back: `folder` is listed as a
+    complete checkpoint but may be lost (or partial) after a crash."""
+
+    def __init__(self, errno_: int | None, message: str, folder: Path) -> None:
+        super().__init__(errno_, message)
+        self.folder = folder
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written (a full disk, a quota, a permission); the message names the step, the
     cause and the latest complete checkpoint, which the failed save left intact."""
@@ -141,7 +150,7 @@ class CheckpointManager:
                 replaced.rename(final)
         except OSError as undo:
             why = f"{cause.strerror or cause}; {final} may not be on disk, and taking it back failed ({undo})"
-            raise OSError(cause.errno, why) from cause
+            raise UnsureCheckpointError(cause.errno, why, final) from cause
 
     def list(self) -> list[Path]:
         """Complete checkpoints, oldest first: one per step, `step_N` or, when a crash left only that, the

@@ -60,4 +60,12 @@ def save_failure(step: int, exc: BaseException, latest: Path | None) -> str:
     )
     hint = " The disk is full: free space (or lower pipeline.keep_last) before resuming." if full else ""
     failed = f"step {step}: the checkpoint could not be written ({cause})"
+    from roll_core.checkpoint import UnsureCheckpointError
+
+    unsure = next((e for e in exception_chain(exc) if isinstance(e, UnsureCheckpointError)), None)
+    if unsure is not None:  # its rename may not be on disk and could not be undone: it is listed, not known intact
+        return (
+            f"{failed}; {unsure.folder} is listed as the latest checkpoint but may not be on disk: check that the "
+            f"disk holds it whole (or delete it) before resuming.{hint}"
+        )
     return f"{failed}; its partial folder was deleted and {where}.{hint}"
