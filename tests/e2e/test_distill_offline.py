@@ -185,6 +185,8 @@ def test_loss_matches_hand_kl_and_student_learns_the_teacher(
     assert by_step[8]["eval/distill_top1_agreement"] > by_step[0]["eval/distill_top1_agreement"] + 0.5
     assert 0.3 < by_step[1]["distill/teacher_topk_mass"] <= 1.0 and by_step[1]["distill/tokens"] == 8 * RESPONSE_LEN
     assert by_step[8]["eval/n"] == 16.0 and 0.0 <= by_step[8]["eval/accuracy"] <= 1.0
+    a = by_step[8]["eval/accuracy"]  # its standard error over the 16 problems, as roll-eval gives it
+    assert by_step[8]["eval/accuracy_stderr"] == pytest.approx(math.sqrt(a * (1 - a) / 15))
 
 
 def test_teacher_role_scores_each_row_once_and_resume_reproduces(

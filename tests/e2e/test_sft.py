@@ -90,6 +90,7 @@ def test_sft_learns_the_rows_and_generates_them(full: tuple[Path, dict[int, dict
     # Greedy generation of the env's held-out prompts reproduces the trained completion (the pushed weights).
     assert by_step[0]["eval/accuracy"] == 0.0
     assert by_step[STEPS]["eval/accuracy"] == 1.0 and by_step[STEPS]["eval/n"] == 8
+    assert by_step[0]["eval/accuracy_stderr"] == by_step[STEPS]["eval/accuracy_stderr"] == 0.0  # no spread
 
 
 def test_resumed_run_equals_the_uninterrupted_run(

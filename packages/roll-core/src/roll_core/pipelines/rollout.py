@@ -441,3 +441,19 @@ def evaluate(
                 "n": len(idx),
             }
     return out
+
+
+def eval_log(res: dict[str, Any]) -> dict[str, Any]:
+    """The step metrics of an `evaluate` result, as every pipeline logs them: `eval/accuracy` with its standard error
+    over the problems (`eval/accuracy_stderr`, report.md's `± se`), `eval/reward`, `eval/n`, and per domain
+    `eval/<d>/accuracy`, `accuracy_stderr`, `reward`, `n`."""
+    out: dict[str, Any] = {
+        "eval/accuracy": res["accuracy"],
+        "eval/accuracy_stderr": res.get("accuracy_stderr"),
+        "eval/reward": res["reward"],
+        "eval/n": float(res["n"]),
+    }
+    for d, m in res.get("by_domain", {}).items():
+        for key in ("accuracy", "accuracy_stderr", "reward", "n"):
+            out[f"eval/{d}/{key}"] = m.get(key)
+    return out

@@ -287,7 +287,7 @@ class _TaskEval:
     def __call__(self, step: int) -> dict[str, float]:
         if not self.problems:
             return {}
-        from roll_core.pipelines.rollout import evaluate
+        from roll_core.pipelines.rollout import eval_log, evaluate
         from roll_core.seeds import Purpose, derive_seed
 
         cfg, ctx = self.ctx.cfg, self.ctx
@@ -306,7 +306,7 @@ class _TaskEval:
             params=params,
             template_kwargs=cfg.model.chat_template_kwargs,
         )
-        return {"eval/accuracy": res["accuracy"], "eval/reward": res["reward"], "eval/n": float(res["n"])}
+        return eval_log(res)
 
 
 def _teacher_group(ctx: CollectorContext) -> Any:

@@ -40,7 +40,7 @@ from roll_core.pipelines.collectors.file_rows import FileRowsFactory
 from roll_core.pipelines.collectors.sft import rows_fingerprint, warn_if_other_rows
 from roll_core.pipelines.metrics import StepLog
 from roll_core.pipelines.objectives.dpo import pair_arguments, summed
-from roll_core.pipelines.rollout import evaluate
+from roll_core.pipelines.rollout import eval_log, evaluate
 from roll_core.posttrain.source import PostTrainData, RowSource, load_rows
 from roll_core.protocol import Batch
 from roll_core.seeds import Purpose, derive_seed
@@ -181,7 +181,7 @@ class DPOCollector:
                     seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL),
                 ),
             )
-            out.update({"eval/accuracy": res["accuracy"], "eval/reward": res["reward"], "eval/n": float(res["n"])})
+            out.update(eval_log(res))
         out["eval/seconds"] = time.perf_counter() - t0
         return out
 

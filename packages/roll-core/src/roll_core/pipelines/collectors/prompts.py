@@ -52,6 +52,7 @@ from roll_core.pipelines.rollout import (
     assemble,
     check_context,
     check_pictures,
+    eval_log,
     evaluate,
     picture_token_ids,
     prompt_batch,
@@ -180,17 +181,7 @@ class PromptCollector:
                 temperature=self.eval_temperature, seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL)
             ),
         )
-        out = {
-            "eval/accuracy": res["accuracy"],
-            # roll-eval's standard error over the problems (rollout.evaluate): report.md shows it as `± se`
-            "eval/accuracy_stderr": res["accuracy_stderr"],
-            "eval/reward": res["reward"],
-            "eval/n": float(res["n"]),
-            "eval/seconds": time.perf_counter() - t0,
-        }
-        for d, m in res.get("by_domain", {}).items():
-            out[f"eval/{d}/accuracy"], out[f"eval/{d}/reward"], out[f"eval/{d}/n"] = m["accuracy"], m["reward"], m["n"]
-            out[f"eval/{d}/accuracy_stderr"] = m["accuracy_stderr"]
+        out = {**eval_log(res), "eval/seconds": time.perf_counter() - t0}
         return out
 
     def state_dict(self) -> dict[str, Any]:

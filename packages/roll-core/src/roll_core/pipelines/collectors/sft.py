@@ -45,7 +45,7 @@ from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors.file_rows import FileRowsFactory
 from roll_core.pipelines.collectors.prompts import env_label
 from roll_core.pipelines.metrics import StepLog
-from roll_core.pipelines.rollout import evaluate
+from roll_core.pipelines.rollout import eval_log, evaluate
 from roll_core.posttrain.pairs import Pair
 from roll_core.posttrain.source import PostTrainData, RowSource, load_rows
 from roll_core.seeds import Purpose, derive_seed
@@ -197,13 +197,7 @@ class SFTCollector:
                     temperature=self.eval_temperature, seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL)
                 ),
             )
-            out.update({"eval/accuracy": res["accuracy"], "eval/reward": res["reward"], "eval/n": float(res["n"])})
-            for d, m in res.get("by_domain", {}).items():
-                out[f"eval/{d}/accuracy"], out[f"eval/{d}/reward"], out[f"eval/{d}/n"] = (
-                    m["accuracy"],
-                    m["reward"],
-                    m["n"],
-                )
+            out.update(eval_log(res))
         if out:
             out["eval/seconds"] = time.perf_counter() - t0
         return out
