@@ -1,10 +1,11 @@
 """User data as a task: JSONL, Parquet or a Hugging Face `datasets` folder with prompt and answer columns; a `.json`
-file holds JSON lines or one JSON array of rows (numbered from 1 like lines).
+or `.jsonl` file holds JSON lines or one JSON array of rows (numbered from 1 like lines).
 
-Bad rows (not UTF-8, not JSON, not an object, missing or empty prompt/answer, non-text values, NaN answers) are
-skipped, counted and reported with their 1-based line (or row) numbers in `skipped` (per file in `skipped_rows`,
-which the loop puts in the metrics and the run summary), and a summary is logged: never silently dropped, never a
-crash halfway through a file. A file that is missing, unreadable as a whole, of an unknown kind, or left empty after
+Bad rows (not UTF-8, not JSON, not an object, missing or empty prompt/answer, non-text values, NaN answers, text
+holding a lone surrogate: a `\\ud800` escape, valid JSON but no Unicode character) are skipped, counted and
+reported with their 1-based line (or row) numbers in `skipped` (per file in `skipped_rows`, which the loop puts in
+the metrics and the run summary), and a summary is logged: never silently dropped, never a crash halfway through a
+file. A file that is missing, unreadable as a whole, of an unknown kind, or left empty after
 skipping is a `ConfigError` naming the setting (env.path / env.eval_path), so roll-train ends with one message and
 exit status 2, not a traceback. The held-out split is `eval_path` when given, else a stable-hash fraction of the rows;
 training rows that are a held-out row's problem but for whitespace in the prompt ("Q?" and "Q?\n") are left out of
@@ -37,6 +38,7 @@ import decimal
 import json
 import logging
 import math
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -89,7 +91,8 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
         narrow = _narrow_columns(table.schema)
         return [(i + 1, _widened(row, narrow)) for i, row in enumerate(table.to_pylist())], bad
     if path.suffix in (".jsonl", ".json"):
-        array = _json_array(path) if path.suffix == ".json" else None
+        # (A .jsonl file too: an array saved under that name lost every row but the last, like a .json file did.)
+        array = _json_array(path)
         if array is not None:
             return array, bad
         rows = []
@@ -192,9 +195,9 @@ def _encoded_rows(ds: Any) -> Any:
 
 
 def _json_array(path: Path) -> list[tuple[int, Any]] | None:
-    """(element number, row) pairs of a `.json` file holding one JSON array of rows, or None for any other file
-    (JSON lines). Read line by line, such a file lost every row but the last of an array written one object per
-    line (the others end with a comma) and trained on that one: a warning was all that said so."""
+    """(element number, row) pairs of a `.json` or `.jsonl` file holding one JSON array of rows, or None for any
+    other file (JSON lines). Read line by line, such a file lost every row but the last of an array written one
+    object per line (the others end with a comma) and trained on that one: a warning was all that said so."""
     with open(path, "rb") as f:
         head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()  # (json.loads of bytes skips the BOM itself)
     if not head.startswith(b"["):
@@ -323,6 +326,8 @@ def _chat_prompt(key: str, value: Any) -> tuple[Any, tuple[dict[str, str], ...],
             return None, (), f"message {i} of {key!r} has role {role!r} ({where})"
         if not isinstance(content, str):
             return None, (), f"{key!r} has type list (message {i}: {type(content).__name__} content), expected text"
+        if (bad := _not_unicode(content)) is not None:
+            return None, (), f"message {i} of {key!r} {bad}"
     context = tuple({"role": m["role"], "content": m["content"]} for m in value[:last])
     return value[last]["content"], context, None
 
@@ -335,6 +340,8 @@ def _row_domain(row: dict[str, Any]) -> tuple[str | None, str | None]:
         return None, None
     if not isinstance(value, str):
         return None, f"'domain' has type {type(value).__name__} ({str(value)[:40]}), expected text"
+    if (bad := _not_unicode(value)) is not None:
+        return None, f"'domain' {bad}"
     return (value.strip() or None), None
 
 
@@ -397,7 +404,27 @@ def _text_problem(key: str, value: Any, *, numbers: bool) -> str | None:
     if not isinstance(value, str):
         kind = "text or a number" if numbers else "text"
         return f"{key!r} has type {type(value).__name__} ({str(value)[:40]}), expected {kind}"
+    if (bad := _not_unicode(value)) is not None:
+        return f"{key!r} {bad}"
     return None
+
+
+# UTF-16 surrogates: JSON decodes a proper pair of `\uXXXX` escapes to one character, so any left are lone.
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _not_unicode(text: str) -> str | None:
+    """Why `text` is no Unicode text (it holds a lone surrogate), or None. JSON's `\\ud800` escape (text cut in
+    the middle of a UTF-16 pair before it was dumped) loads as a str that no encoder takes: a prompt with one ended
+    FileTask in a bare UnicodeEncodeError (the held-out hash) naming neither file nor row, and in an answer or a
+    chat turn it failed mid-run in the tokenizer or the grader. (Parquet and `datasets` text is valid UTF-8.)"""
+    found = _SURROGATE.search(text)
+    if found is None:
+        return None
+    return (
+        f"is not valid Unicode text (a lone surrogate \\u{ord(found.group()):04x} at character {found.start()}, "
+        "a broken \\u escape)"
+    )
 
 
 class FileTask(Task):
