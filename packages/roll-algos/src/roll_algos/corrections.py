@@ -22,8 +22,11 @@ many tokens does not enlarge the step of the rest.
 logging every step whichever correction is on.
 
 Conventions as in `roll_algos.advantages`: per-token `(B, T)` with a 0/1 `mask`; values at masked positions never
-influence a result (NaN and inf included) and weights are 0 there. Log-ratios are clamped to +-20 before exp (as
-`roll_algos.losses.bounded_log_ratio`) and bounds are compared in log space, so nothing overflows in fp32.
+influence a result (NaN and inf included) and weights are 0 there. Token log-ratios are clamped to +-20 before exp
+(as `roll_algos.losses.bounded_log_ratio`); a row's log ratio (sequence_mask, geo_mask) is summed from the unclamped
+ones, so that clamped tokens cannot offset one another. Bounds are compared in log space, so nothing overflows in
+fp32. A token whose ratio is undefined (both log-probs -inf) is dropped, and so is every token of its row at
+sequence level.
 """
 
 from __future__ import annotations
@@ -106,6 +109,23 @@ def _log_ratio(old_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> tuple[
     return torch.clamp(lr, -_MAX_LOG_RATIO, _MAX_LOG_RATIO), valid
 
 
+def _row_log_ratio(old_logp: Tensor, behaviour_logp: Tensor, valid: Tensor, *, mean: bool) -> Tensor:
+    """A row's log ratio, sum_t log r_t (or its mean over the valid tokens), on each of its tokens: (B, T).
+
+    Summed from the unclamped token log ratios: clamping each to +-20 first let tokens offset one another (log r of
+    +25 and -21 summed to 0, a row whose ratio is e^4 passed a [0.5, 2] band), and a token without a ratio (NaN,
+    counted as +20) could be cancelled by a -20 and its row kept. Here a row holding a token whose ratio is 0 or
+    infinite has a log ratio of -inf or +inf, and a row with a token without a ratio (or both) gets +inf: every band
+    drops it. Compared with the band in log space, so nothing is exponentiated.
+    """
+    raw = torch.where(valid, old_logp.detach().float() - behaviour_logp.detach().float(), 0.0)
+    row = raw.sum(-1, keepdim=True)
+    if mean:
+        row = row / valid.sum(-1, keepdim=True).clamp_min(1)
+    row = torch.nan_to_num(row, nan=math.inf, posinf=math.inf, neginf=-math.inf)
+    return row.expand_as(raw)
+
+
 def _band(tested: Tensor, valid: Tensor, low: float, high: float, keep_value: Tensor | None) -> Correction:
     """Weights of a band test on `tested` (log ratios, (B, T), a row's value repeated on its tokens for sequence
     corrections): `keep_value` (or 1) inside [log low, log high], 0 outside and at padding."""
@@ -151,8 +171,8 @@ def sequence_mask(old_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, *, low
     Returns:
         `Correction` with (B, T) 0/1 weights, constant along each row's valid tokens.
     """
-    lr, valid = _log_ratio(old_logp, behaviour_logp, mask)
-    seq = lr.sum(-1, keepdim=True).expand_as(lr)
+    _, valid = _log_ratio(old_logp, behaviour_logp, mask)
+    seq = _row_log_ratio(old_logp, behaviour_logp, valid, mean=False)
     return _band(seq, valid, low, high, None)
 
 
@@ -183,8 +203,8 @@ def geo_mask(old_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, *, low: flo
     Returns:
         `Correction` with (B, T) 0/1 weights, constant along each row's valid tokens.
     """
-    lr, valid = _log_ratio(old_logp, behaviour_logp, mask)
-    mean = (lr.sum(-1) / valid.sum(-1).clamp_min(1)).unsqueeze(-1).expand_as(lr)
+    _, valid = _log_ratio(old_logp, behaviour_logp, mask)
+    mean = _row_log_ratio(old_logp, behaviour_logp, valid, mean=True)
     return _band(mean, valid, low, high, None)
 
 

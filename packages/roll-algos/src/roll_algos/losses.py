@@ -438,7 +438,9 @@ def off_policy_weights(
     """Truncated importance weights pi_old / pi_behaviour for rollouts from a stale or different engine (TIS).
 
     `token`: min(exp(old - behaviour), cap) per token. `sequence`: min(exp(sum_t (old - behaviour)), cap) per row,
-    placed on every valid token. The weights are detached; masked positions are 0.
+    placed on every valid token. The weights are detached (fp32 for half-precision inputs); masked positions are 0,
+    and so is a token (`sequence`: a row) whose ratio is undefined: both log-probs -inf, or at sequence level tokens
+    of ratio 0 and of ratio inf in one row.
 
     Args:
         old_logp: (B, T) log-probs under the training engine's copy of the rollout policy.
@@ -448,18 +450,20 @@ def off_policy_weights(
         (B, T) weights in [0, cap].
     """
     valid = _valid(mask, old_logp)
-    lr = torch.where(valid, old_logp.detach() - behaviour_logp.detach(), 0.0)
-    # A token both policies give probability 0 (-inf - -inf) has no ratio: weight 0 (its row's, at sequence level),
-    # where NaN would have poisoned the loss.
-    lr = torch.nan_to_num(lr, nan=-math.inf)
+    lr = torch.where(valid, _fp32(old_logp.detach()) - _fp32(behaviour_logp.detach()), 0.0)
     log_cap = math.log(cap)
     if level == "token":
-        w = torch.exp(torch.clamp(lr, max=log_cap))
+        log_w = lr
     elif level == "sequence":
-        w = torch.exp(torch.clamp(lr.sum(-1), max=log_cap))[:, None].expand_as(lr)
+        # Summed as they are: torch.nan_to_num before the sum also turned +-inf into +-3.4e38, so a row with one
+        # token the engine gave probability 0 (+inf) and one the trainer did (-inf) summed to 0 and got weight 1.
+        log_w = lr.sum(-1, keepdim=True).expand_as(lr)
     else:
         raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
-    return torch.where(valid, w, 0.0)
+    w = torch.exp(torch.clamp(log_w, max=log_cap))
+    # A token both policies give probability 0 (-inf - -inf) has no ratio, nor has a row holding one, or holding
+    # tokens of ratio 0 and of ratio inf (-inf + inf): weight 0, where NaN would have poisoned the loss.
+    return torch.where(valid, torch.nan_to_num(w, nan=0.0), 0.0)
 
 
 def overlong_penalty(lengths: Tensor, *, max_length: int, buffer: int) -> Tensor:
