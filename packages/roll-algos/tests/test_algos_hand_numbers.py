@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from roll_algos.advantages import gae
@@ -142,3 +143,15 @@ def test_cispo_and_tis_weights_carry_no_gradient_by_hand() -> None:
         loss.backward()
         close(loss.detach(), value)
         close(logp.grad, [[value]])
+
+
+def test_k3_of_half_precision_log_probs_is_computed_in_fp32() -> None:
+    """k3 = exp(-x) - 1 + x of a log ratio x = 0.01 is 4.98e-5; in bf16 the difference of two numbers near 0.01 is
+    rounding noise (bf16 resolves 0.01 to about 6e-5). Half-precision inputs are upcast first."""
+    logp = torch.tensor([[-1.0]], dtype=torch.bfloat16)
+    ref = logp - torch.tensor([[0.0078125]], dtype=torch.bfloat16)  # exactly representable: x = 2^-7
+    x = 0.0078125
+    want = math.exp(-x) - 1 + x  # 3.0314e-5
+    got = kl_estimate(logp, ref, "k3")
+    assert got.dtype == torch.float32
+    assert float(got) == pytest.approx(want, rel=1e-3)

@@ -44,10 +44,13 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
         ref_logp: (B, T) log-probs of the same tokens under the reference.
         kind: one of `KL_KINDS`.
     Returns:
-        (B, T) estimates; not masked.
+        (B, T) estimates; not masked; float32 for half-precision inputs (k3's exp(x) - 1 - x of a small log ratio
+        is far below bf16's resolution at x: computed in bf16 it is rounding noise).
     """
     if logp.shape != ref_logp.shape:
         raise ValueError(f"logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} differ in shape")
+    if logp.dtype in (torch.float16, torch.bfloat16) or ref_logp.dtype in (torch.float16, torch.bfloat16):
+        logp, ref_logp = logp.float(), ref_logp.float()
     log_ratio = logp - ref_logp
     if kind == "k1":
         return log_ratio
