@@ -340,7 +340,7 @@ CASES: list[Case] = [
         "env/step-reward-not-a-number",
         env_manager(malformed_env),
         "env_errors",
-        r"could not convert string to float: 'lots'",
+        r"step returned the reward 'lots'; rewards must be finite",
     ),
     C("env/agentic-run-malformed-env", agentic_malformed, "env/env_errors", r"2 steps"),
     # -- roll-eval -------------------------------------------------------------------------------------------------

@@ -213,3 +213,54 @@ def test_environments_are_closed_when_dropped_and_when_the_manager_closes() -> N
     assert m.counters() == {"env_errors": 3, "env_timeouts": 1, "leaked_threads": 1, "env_close_errors": 1}
     with pytest.raises(RuntimeError, match="closed"):
         m.reset(0, seed=1)
+
+
+class _Returns:
+    """An environment whose step returns `out` (what a third-party environment might return)."""
+
+    def __init__(self, out: tuple[Any, ...]) -> None:
+        self.out = out
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        return "start", {}
+
+    def step(self, action: str) -> tuple[Any, ...]:
+        return self.out
+
+
+def _step(out: tuple[Any, ...]) -> tuple[Any, ...]:
+    m = EnvManager(lambda: _Returns(out), 1, step_timeout_s=5.0)
+    m.reset(0, seed=3)
+    return m.step(0, "a")
+
+
+def test_numpy_rewards_and_flags_are_coerced() -> None:
+    np = pytest.importorskip("numpy")
+    assert _step(("o", np.float32(1.5), np.bool_(True), np.bool_(False), {})) == ("o", 1.5, True, False, {})
+    assert _step(("o", np.array(-2.0), np.array([False]), 0, {})) == ("o", -2.0, False, False, {})
+    assert _step(("o", 1, 1, np.int64(0), None)) == ("o", 1.0, True, False, {})
+
+
+@pytest.mark.parametrize(
+    "out, why",
+    [
+        # bool("False") is True: the episode ended "terminated" on a flag that said it goes on
+        (("o", 0.0, "False", False, {}), "terminated"),
+        (("o", 0.0, False, "True", {}), "truncated"),
+        (("o", 0.0, None, False, {}), "terminated"),
+        (("o", 0.0, 2, False, {}), "terminated"),
+        # float("1.0") made a string a reward; the contract says a reward that is not a number fails
+        (("o", "1.0", False, False, {}), "reward"),
+        (("o", None, False, False, {}), "reward"),
+        (("o", [1.0], False, False, {}), "reward"),
+        (("o", float("nan"), False, False, {}), "reward"),
+        (("o", 10**400, False, False, {}), "reward"),
+    ],
+)
+def test_a_malformed_reward_or_flag_fails_its_episode_clearly(out: tuple[Any, ...], why: str) -> None:
+    m = EnvManager(lambda: _Returns(out), 1, step_timeout_s=5.0)
+    m.reset(0, seed=3)
+    with pytest.raises(EnvFailure) as err:
+        m.step(0, "a")
+    assert err.value.kind == "env_error" and f"step returned the {why}" in str(err.value)
+    assert m.counters()["env_errors"] == 1

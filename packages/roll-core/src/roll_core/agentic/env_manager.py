@@ -1,10 +1,11 @@
 """Env managers: many environment instances stepped concurrently, each call under a timeout.
 
 Contract: `reset(slot, seed)` and `step(slot, action)` run the slot's environment on a worker thread and return its
-result, or raise `EnvFailure` with kind `env_error` (it raised, or returned a malformed result or a non-finite
-reward) or `env_timeout` (it did not answer within `step_timeout_s` of starting). At most `threads` calls run at
-once; a call that times out gives its place back at once, so a hung environment never delays (or times out) the
-calls of healthy ones. A failed slot gets a fresh environment instance; a hung one keeps its thread (Python threads
+result, or raise `EnvFailure` with kind `env_error` (it raised, or returned a malformed result: a reward that is
+not a finite real number, a terminated/truncated flag that is not a bool or 0/1; NumPy scalars are read) or
+`env_timeout` (it did not answer within `step_timeout_s` of starting). At most `threads` calls run at once; a call
+that times out gives its place back at once, so a hung environment never delays (or times out) the calls of
+healthy ones. A failed slot gets a fresh environment instance; a hung one keeps its thread (Python threads
 cannot be killed): it is a daemon thread, so it never blocks the process from exiting, and it is counted in
 `leaked_threads`. One broken episode never stops the others or the run. Counters (`counters()`) feed the run's metrics.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, wait
@@ -39,6 +41,42 @@ class EnvFailure(RuntimeError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+def _scalar(value: Any) -> Any:
+    """`value`, or the Python scalar of a one-element NumPy array or scalar (or tensor): third-party environments
+    return `np.float32` rewards and `np.bool_` flags."""
+    item = getattr(value, "item", None)
+    if callable(item) and not isinstance(value, (str, bytes)):
+        try:
+            return item()
+        except (TypeError, ValueError):  # more than one element: left as it is, refused by the caller
+            return value
+    return value
+
+
+def _reward(value: Any) -> float:
+    """A step's reward as a float; ValueError for anything but a finite real number (float() read the string "1.0"
+    as a reward)."""
+    reward = _scalar(value)
+    try:
+        finite = isinstance(reward, numbers.Real) and math.isfinite(reward)
+    except OverflowError:  # an int past float's range
+        finite = False
+    if not finite:
+        raise ValueError(f"step returned the reward {value!r:.80}; rewards must be finite numbers")
+    return float(reward)
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A step's `terminated`/`truncated` as a bool; ValueError for anything but a bool or 0/1 (bool() read the
+    string "False", or None, as a flag)."""
+    flag = _scalar(value)
+    if isinstance(flag, bool):
+        return flag
+    if isinstance(flag, numbers.Integral) and flag in (0, 1):
+        return bool(flag)
+    raise ValueError(f"step returned the {name} flag {value!r}; it must be a bool")
 
 
 class EnvManager:
@@ -176,9 +214,8 @@ class EnvManager:
             if env is None:
                 raise RuntimeError("the environment failed earlier in this episode; reset it first")
             obs, reward, terminated, truncated, info = env.step(action)
-            if not math.isfinite(float(reward)):
-                raise ValueError(f"step returned the reward {reward!r}; rewards must be finite numbers")
-            return normalize(obs), float(reward), bool(terminated), bool(truncated), dict(info or {})
+            flags = _flag(terminated, "terminated"), _flag(truncated, "truncated")
+            return normalize(obs), _reward(reward), *flags, dict(info or {})
 
         return self._call(slot, "step", step, [] if env is None else [env])
 

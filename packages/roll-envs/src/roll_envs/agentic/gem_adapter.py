@@ -21,9 +21,11 @@ GEM (`GemEnv("game:GuessTheNumber-v0-easy")`): `pip install --no-deps gem-llm` (
 omegaconf, hence Hydra, needs 4.9), plus what `import gem` needs: numpy and reasoning-gym (gem-llm 0.1.0 pins
 reasoning-gym 0.1.23; 0.1.25 works too). GEM environments use the process-global `random` and NumPy RNGs (a seeded
 `reset` calls `random.seed`), which would both clobber the trainer's RNGs and make concurrently stepped instances
-interfere; the adapter therefore runs every GEM call under one lock with the global RNG states swapped for the
-instance's own, so each instance is reproducible from its reset seed and the caller's RNGs are untouched. The lock
-serialises GEM calls of a process (they are cheap for the game environments). `import gem` also calls
+interfere; the adapter therefore runs GEM calls one at a time with the global RNG states swapped for the
+instance's own, so each instance is reproducible from its reset seed and the caller's RNGs are untouched. This
+serialises GEM calls of a process (they are cheap for the game environments); a call that holds the RNGs for over
+`rng_wait_s` (default 10 s; a hung environment) is handed over from, logged, so one hung instance never stalls the
+others (`_PrivateGlobalRNG`). `import gem` also calls
 `logging.basicConfig(INFO)`; the adapter restores the root logger's handlers and level afterwards.
 
 Verified with gem-llm 0.1.0 on Python 3.11 without network (reset/seeded reset/step of each registered id):
@@ -52,8 +54,9 @@ import logging
 import random
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from roll_envs.rewards.judge import final_text
 
@@ -87,33 +90,78 @@ def check_code_execution(
 
 class _PrivateGlobalRNG:
     """Swaps the process-global `random` (and NumPy's legacy global RNG, if NumPy is loaded) for an instance's own
-    states during a call, under a process-wide lock."""
+    states during a call, one call of the process at a time.
 
-    _lock = threading.Lock()
+    A call that holds the global RNGs for more than `wait_s` (a GEM environment that hangs: roll's env manager gives
+    up on it after its step timeout, but a thread cannot be killed) is handed over from: the next call takes them
+    (logged, counted in `handovers`), and the hung call, if it ever returns, leaves the global states alone (its
+    instance is dropped by the env manager). Before, it held one process-wide lock for good, and every GEM episode
+    of the process timed out from then on, healthy instances included, one leaked thread each. A hung call that
+    still draws from `random` can disturb the draws of the calls after the hand-over: nothing can stop it."""
 
-    def __init__(self, seed: int | None) -> None:
+    _guard: ClassVar[threading.Condition] = threading.Condition()
+    # Under _guard: the call using the global RNGs (a token), since when, the process's own states it saved on
+    # entry (restored by the last call out), and the calls handed over from.
+    _holder: ClassVar[object | None] = None
+    _since: ClassVar[float] = 0.0
+    _outside: ClassVar[tuple[Any, Any]] = (None, None)
+    _abandoned: ClassVar[set[object]] = set()
+    handovers: ClassVar[int] = 0
+
+    def __init__(self, seed: int | None, wait_s: float = 10.0) -> None:
         self._py: Any = random.Random(seed).getstate()
         self._np: Any = None  # taken over from the global state on first use (GEM seeds it in reset)
+        self.wait_s = float(wait_s)
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        with self._lock:
+    def _enter(self, token: object) -> None:
+        cls = type(self)
+        with cls._guard:
+            while cls._holder is not None:
+                left = cls._since + self.wait_s - time.monotonic()
+                if left <= 0:
+                    cls._abandoned.add(cls._holder)
+                    cls.handovers += 1
+                    log.warning(
+                        "a GEM call has held the global RNGs for over %.1fs (hung?): the next call goes on without "
+                        "it (counted: %d)",
+                        self.wait_s,
+                        cls.handovers,
+                    )
+                    break
+                cls._guard.wait(left)
             np = sys.modules.get("numpy")
-            saved_py = random.getstate()
-            saved_np = np.random.get_state() if np is not None else None
+            if cls._holder is None:  # a hand-over keeps the states the hung call saved: they are the process's
+                cls._outside = (random.getstate(), np.random.get_state() if np is not None else None)
+            cls._holder, cls._since = token, time.monotonic()
             random.setstate(self._py)
             if np is not None and self._np is not None:
                 np.random.set_state(self._np)
-            try:
-                yield
-            finally:
-                self._py = random.getstate()
-                random.setstate(saved_py)
-                np = sys.modules.get("numpy")  # the call may have imported it
-                if np is not None:
-                    self._np = np.random.get_state()
-                    if saved_np is not None:
-                        np.random.set_state(saved_np)
+
+    def _leave(self, token: object) -> None:
+        cls = type(self)
+        with cls._guard:
+            if token in cls._abandoned:  # another call owns the global RNGs now: touch nothing
+                cls._abandoned.discard(token)
+                return
+            self._py = random.getstate()
+            saved_py, saved_np = cls._outside
+            random.setstate(saved_py)
+            np = sys.modules.get("numpy")  # the call may have imported it
+            if np is not None:
+                self._np = np.random.get_state()
+                if saved_np is not None:
+                    np.random.set_state(saved_np)
+            cls._holder, cls._outside = None, (None, None)
+            cls._guard.notify_all()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        token = object()
+        self._enter(token)
+        try:
+            yield
+        finally:
+            self._leave(token)
 
 
 class _Adapter:
@@ -212,10 +260,11 @@ class GemEnv(_Adapter):
         success_reward: float = 1.0,
         seed: int | None = None,
         allow_unsandboxed_execution_i_understand_the_risk: bool = False,
+        rng_wait_s: float = 10.0,
         **kwargs: Any,
     ) -> None:
         self.env_id = env_id
-        self._rng = _PrivateGlobalRNG(seed)
+        self._rng = _PrivateGlobalRNG(seed, wait_s=rng_wait_s)
         gem = _import_gem()
         from gem.envs.registration import ENV_REGISTRY
 
