@@ -264,3 +264,38 @@ def test_a_malformed_reward_or_flag_fails_its_episode_clearly(out: tuple[Any, ..
         m.step(0, "a")
     assert err.value.kind == "env_error" and f"step returned the {why}" in str(err.value)
     assert m.counters()["env_errors"] == 1
+
+
+class _OldGymReset(_Returns):
+    """An old-Gym environment: reset returns the observation alone (here `reset_out`)."""
+
+    def __init__(self, reset_out: Any) -> None:
+        super().__init__(("o", 0.0, False, False, {}))
+        self.reset_out = reset_out
+
+    def reset(self, seed: int | None = None) -> Any:
+        return self.reset_out
+
+
+@pytest.mark.parametrize(
+    "reset_out",
+    [
+        # a 2-element observation was split into (observation, info): silently where the second part read as a
+        # dict (empty, or pairs), else with an error naming no contract
+        ("left", ""),
+        ("a", [("k", "v")]),
+        ("left", "right"),
+        (3, 5),
+        "abc",  # "too many values to unpack"
+        ("a", "b", {}),
+    ],
+)
+def test_a_reset_that_is_not_observation_and_info_fails_its_episode_naming_the_contract(reset_out: Any) -> None:
+    m = EnvManager(lambda: _OldGymReset(reset_out), 1, step_timeout_s=5.0)
+    with pytest.raises(EnvFailure) as err:
+        m.reset(0, seed=3)
+    assert err.value.kind == "env_error" and "reset returns a 2-tuple (observation, info dict)" in str(err.value)
+    assert m.counters()["env_errors"] == 1
+    # the contract's results pass, info None read as {}
+    assert EnvManager(lambda: _OldGymReset(("o", None)), 1).reset(0, seed=3) == ("o", {})
+    assert EnvManager(lambda: _OldGymReset(["o", {"k": 1}]), 1).reset(0, seed=3) == ("o", {"k": 1})

@@ -92,6 +92,25 @@ def test_gym_adapter_refuses_steps_after_the_end_and_before_reset() -> None:
     assert env.step("right")[1] == 0.0 and env.env.elapsed == 1
 
 
+class _GoalCorridor(_Corridor):
+    """A Gymnasium goal environment: reward 0 at the goal and -1 elsewhere, success in info["is_success"]."""
+
+    def step(self, action: int) -> tuple[int, float, bool, bool, dict[str, Any]]:
+        pos, _, terminated, truncated, _ = super().step(action)
+        return pos, 0.0 if terminated else -1.0, terminated, truncated, {"is_success": float(terminated)}
+
+
+def test_gymnasiums_is_success_info_key_is_read_as_success() -> None:
+    """The reward fallback (`reward >= success_reward`) read every success of a goal environment as a failure."""
+    env = GymTextEnv(_GoalCorridor(), action_parser={"left": 0, "right": 1}.get)
+    env.reset(seed=0)
+    assert [env.step("right")[4]["success"] for _ in range(3)] == [False, False, True]
+    env = GymTextEnv(_GoalCorridor(), action_parser={"left": 0, "right": 1}.get)
+    env.env.step = lambda a: (3, 0.0, True, False, {"is_success": 1.0, "success": False})  # type: ignore[method-assign]
+    env.reset(seed=0)
+    assert env.step("right")[4]["success"] is False  # the wrapped "success" comes first
+
+
 def test_private_global_rng_leaves_the_callers_rng_alone() -> None:
     rng = _PrivateGlobalRNG(seed=0)
     random.seed(123)

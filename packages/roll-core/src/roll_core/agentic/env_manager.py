@@ -1,9 +1,10 @@
 """Env managers: many environment instances stepped concurrently, each call under a timeout.
 
 Contract: `reset(slot, seed)` and `step(slot, action)` run the slot's environment on a worker thread and return its
-result, or raise `EnvFailure` with kind `env_error` (it raised, or returned a malformed result: a reward that is
-not a finite real number, a terminated/truncated flag that is not a bool or 0/1; NumPy scalars are read) or
-`env_timeout` (it did not answer within `step_timeout_s` of starting). At most `threads` calls run at once; a call
+result, or raise `EnvFailure` with kind `env_error` (it raised, or returned a malformed result: a reset that is not
+a 2-tuple (observation, info dict or None), a reward that is not a finite real number, a terminated/truncated flag
+that is not a bool or 0/1; NumPy scalars are read) or `env_timeout` (it did not answer within `step_timeout_s` of
+starting). At most `threads` calls run at once; a call
 that times out gives its place back at once, so a hung environment never delays (or times out) the calls of
 healthy ones. A failed slot gets a fresh environment instance; a hung one keeps its thread (Python threads
 cannot be killed): it is a daemon thread, so it never blocks the process from exiting, and it is counted in
@@ -25,7 +26,7 @@ import logging
 import math
 import numbers
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -77,6 +78,21 @@ def _flag(value: Any, name: str) -> bool:
     if isinstance(flag, numbers.Integral) and flag in (0, 1):
         return bool(flag)
     raise ValueError(f"step returned the {name} flag {value!r}; it must be a bool")
+
+
+def _reset_result(result: Any) -> tuple[Any, dict[str, Any]]:
+    """A reset's (observation, info); ValueError for anything else. An old-Gym `reset()` returns the observation
+    alone: unpacking it split a 2-element observation into (observation, info) silently, and raised a bare "too many
+    values to unpack" for the others."""
+    # a list as well: third-party environments return [obs, info] and worked; an old-Gym observation ending in a dict
+    # or None is too unlikely to refuse them for it
+    if isinstance(result, (tuple, list)) and len(result) == 2 and (result[1] is None or isinstance(result[1], Mapping)):
+        return result[0], dict(result[1] or {})
+    raise ValueError(
+        f"reset returned {type(result).__name__} {result!r:.80}; the Env contract (roll_core.interfaces) is that "
+        "reset returns a 2-tuple (observation, info dict): an old-Gym environment whose reset returns only the "
+        "observation must be wrapped to return (observation, {})"
+    )
 
 
 class EnvManager:
@@ -198,8 +214,8 @@ class EnvManager:
             if current is None:
                 used.append(self.factory())
             env = used[0]
-            obs, info = env.reset(seed=seed)
-            return env, normalize(obs), dict(info or {})
+            obs, info = _reset_result(env.reset(seed=seed))
+            return env, normalize(obs), info
 
         # Installed by this thread once the call answered in time: a build that timed out must not land in the
         # slot later, reset with its own episode's seed, under the next episode (which would step it unawares).

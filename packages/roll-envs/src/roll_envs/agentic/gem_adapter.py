@@ -2,7 +2,8 @@
 with the Gymnasium API (reset -> (obs, info), step -> 5-tuple).
 
 Both adapters return observations as `str` and a float reward, and add the info keys roll reads when the wrapped
-environment does not set them: "success" (the wrapped info's, else `terminated and reward >= success_reward`),
+environment does not set them: "success" (the wrapped info's "success", else its "is_success", Gymnasium's
+convention (Gymnasium-Robotics, Stable-Baselines3), else `terminated and reward >= success_reward`),
 "state" (the wrapped info's, else the observation) and "invalid_action" (the wrapped info's, else False).
 Exceptions raised by the wrapped environment propagate: roll's env manager ends that trajectory and counts it as an
 environment error, which keeps third-party bugs visible in the metrics instead of hiding them as truncations.
@@ -189,7 +190,10 @@ class _Adapter:
 
     def _info(self, info: Any, obs: str, reward: float = 0.0, terminated: bool = False) -> dict[str, Any]:
         out = dict(info) if isinstance(info, dict) else {}
-        out["success"] = bool(out.get("success", terminated and reward >= self.success_reward))
+        # Gymnasium's conventional key is `is_success` (a goal env pays 0 on success and -1 otherwise, so the reward
+        # fallback read every success as a failure)
+        fallback = out.get("is_success", terminated and reward >= self.success_reward)
+        out["success"] = bool(out.get("success", fallback))
         out["state"] = str(out.get("state", obs))
         out["invalid_action"] = bool(out.get("invalid_action", False))
         return out

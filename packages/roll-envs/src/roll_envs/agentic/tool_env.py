@@ -2,9 +2,9 @@
 
 Tool-call syntax: a reply containing `<tool>NAME: ARGUMENT</tool>` (e.g. `<tool>calculator: 12*(3+4)</tool>`)
 after its `<think>` reasoning, if any (one in the reasoning is not a call), is a tool call: the first
-`<tool>...</tool>` block is run (any later ones are ignored; a malformed first block is an invalid action even
-when a later one is well formed), the environment itself does not move, and the tool's output
-is the next observation. NAME is a tool's name; everything after the first colon up to `</tool>`
+`<tool>...</tool>` block is run (any later ones are ignored, and the observation says how many; a malformed
+first block is an invalid action even when a later one is well formed), the environment itself does not move, and
+the tool's output is the next observation. NAME is a tool's name; everything after the first colon up to `</tool>`
 (stripped) is the argument. Any reply without `<tool>` is passed to the wrapped environment as its action.
 The wrapped environment's observations must be text (one with pictures is a ValueError, not its repr).
 `step()` before `reset()` is a RuntimeError (no tool runs), as for roll's built-ins.
@@ -17,7 +17,11 @@ the wrapped environment's limit plus the tool budget), so a model that only call
 closes the wrapped environment (where it has one).
 
 info["tool_calls"] is the number of tool calls *made in this step* (0 or 1; roll sums it over an episode) and
-info["tool_calls_total"] the episode's count so far. info["state"] is the wrapped environment's state plus the tool
+info["tool_calls_total"] the episode's count so far. info["tool_errors"] (0 or 1) says this step's call raised: the
+model is shown `error: the tool failed (ExcType)`, the call uses the budget, and the first failure of each tool name
+is logged with its traceback (once per process; later ones only counted), so a tool broken for the whole run shows.
+info["ignored_tool_calls"] is the number of `<tool>` blocks after the first in this step's reply (not run); the
+observation tells the model so. info["state"] is the wrapped environment's state plus the tool
 calls made so far (what the model knows differs after a call).
 
 `QAEnv` turns one question/answer pair, or a roll task's problems, into a one-answer environment (with the task's
@@ -28,8 +32,10 @@ otherwise; the episode terminates at the first numeric answer.
 
 from __future__ import annotations
 
+import logging
 import random
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -44,6 +50,27 @@ from roll_envs.rewards.judge import final_text
 _BLOCK = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
 _CALL = re.compile(r"\s*([A-Za-z_][\w-]*)\s*:(.*)", re.DOTALL)
 _NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
+
+log = logging.getLogger(__name__)
+
+# Tool names whose failure was logged with its traceback in this process: each tool's first failure is logged
+# (a tool broken for the whole run went unnoticed: the model saw "error" and nothing else did), later ones are
+# only counted in info["tool_errors"] so that a broken tool does not flood the log. Envs run on several threads.
+_LOGGED_TOOL_ERRORS: set[str] = set()
+_LOGGED_LOCK = threading.Lock()
+
+
+def _log_tool_error(name: str) -> None:
+    """Log the exception being handled, with its traceback, if it is the first failure of tool `name` here."""
+    with _LOGGED_LOCK:
+        first = name not in _LOGGED_TOOL_ERRORS
+        _LOGGED_TOOL_ERRORS.add(name)
+    if first:
+        log.exception(
+            "tool %r raised (shown to the model as a failed call); its later failures are counted in "
+            "info['tool_errors'], not logged",
+            name,
+        )
 
 
 def _same_answer(given: str, answer: str) -> bool:
@@ -301,7 +328,9 @@ class ToolUseEnv:
         calls = "".join(f"\n[called {h}]" for h in self._history)
         return self._inner_state + calls
 
-    def _info(self, info: dict[str, Any], obs: str, calls: int, invalid: bool) -> dict[str, Any]:
+    def _info(
+        self, info: dict[str, Any], obs: str, calls: int, invalid: bool, errors: int = 0, ignored: int = 0
+    ) -> dict[str, Any]:
         out = dict(info)
         self._inner_state = str(info.get("state", obs))
         out.update(
@@ -309,6 +338,8 @@ class ToolUseEnv:
             invalid_action=bool(invalid or info.get("invalid_action", False)),
             tool_calls=calls,
             tool_calls_total=self.calls,
+            tool_errors=errors,
+            ignored_tool_calls=ignored,
         )
         out["state"] = self._state()
         return out
@@ -338,8 +369,9 @@ class ToolUseEnv:
             truncated = not terminated and (bool(truncated) or self.steps >= self.max_steps)
             self._last = (obs, terminated, truncated)
             return obs, float(reward), terminated, truncated, self._info(info, obs, 0, False)
-        block = _BLOCK.search(answer)
-        match = _CALL.fullmatch(block.group(1)) if block is not None else None
+        blocks = _BLOCK.findall(answer)
+        match = _CALL.fullmatch(blocks[0]) if blocks else None
+        errors, ignored = 0, max(len(blocks) - 1, 0)
         if match is None:
             obs, invalid = "Invalid tool call: write exactly <tool>NAME: ARGUMENT</tool>.", True
         elif match.group(1) not in self.tools:
@@ -352,18 +384,21 @@ class ToolUseEnv:
             try:
                 output = str(self.tools[name](arg))
             except Exception as exc:  # a tool must not raise; a user tool that does is reported, not propagated
-                output = f"error: the tool failed ({type(exc).__name__})"
+                output, errors = f"error: the tool failed ({type(exc).__name__})", 1
+                _log_tool_error(name)
             if len(output) > self.max_output_chars:
                 output = output[: self.max_output_chars] + "... [truncated]"
             self.calls += 1
             self._history.append(f"{name}: {arg[:200]} -> {output[:200]}")
             left = self.max_tool_calls - self.calls
             obs, invalid = f"<tool_output>\n{output}\n</tool_output>\n({left} tool calls left)", False
+        if ignored:  # the model was not told that its later calls never ran
+            obs += f"\nnote: only the first tool call of a reply runs; {ignored} ignored."
         truncated = self.steps >= self.max_steps
         if truncated:
             obs += f"\nThe step limit ({self.max_steps}) is reached; the episode is over."
         self._last = (obs, False, truncated)
-        info = self._info({"state": self._inner_state}, obs, 0 if invalid else 1, invalid)
+        info = self._info({"state": self._inner_state}, obs, 0 if invalid else 1, invalid, errors, ignored)
         return obs, self.invalid_penalty if invalid else 0.0, False, truncated, info
 
 
