@@ -1,7 +1,9 @@
 """The fsdp2 engine over two gloo ranks trains as the single-process hf engine on the whole batch: the loss of each
 micro-batch weighted by its units over the mini-batch's units on all ranks (uneven rows per rank), gradient
 clipping by the global norm (the squared norms of every rank's shards summed, not one shard's), and an optimizer
-checkpoint saved on two ranks resumes in one process (DCP resharding) with the same next step."""
+checkpoint saved on two ranks resumes in one process (DCP resharding) with the same next step; and a step's
+mini-batches hold, over both ranks, the rows one process gives them (2 rows a rank and 4 mini-batches took 2 optimizer
+steps of 2 rows, each rank cutting its own rows, where one process takes 4 of 1)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from roll_core.testing.batches import toy_batch
 #: lr large and max_grad_norm far below the gradient's norm (~1.7): a per-shard norm would clip differently.
 SETTINGS = {"lr": 1e-2, "micro_batch_size": 2, "max_grad_norm": 0.05}
 ROWS = ([0, 1, 2, 3], [4, 5])  # rank 0 holds twice rank 1's rows (and responses of other lengths)
+MINI_ROWS = ([0, 1], [2, 3])  # 4 mini-batches: rows dealt round-robin over the ranks, i.e. rows 0, 2, 1, 3
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +43,12 @@ def _rank(rank: int, port: int, path: str, out: str) -> None:
     metrics = engine.train_step({k: v[ROWS[rank]] for k, v in batch.items()}, PolicyObjective(agg="token-mean"))
     weights = engine.get_weights()
     engine.save(Path(out).parent / "ckpt", path)
+    minis = FSDP2TrainEngine(path, dist_backend="gloo", num_threads=1, **SETTINGS)
+    part = {k: v[MINI_ROWS[rank]] for k, v in batch.items()}
+    mini_metrics = minis.train_step(part, PolicyObjective(agg="token-mean"), mini_batches=4)
+    mini_weights = minis.get_weights()
     if rank == 0:
-        torch.save({"metrics": metrics, "weights": weights}, out)
+        torch.save({"metrics": metrics, "weights": weights, "minis": (mini_metrics, mini_weights)}, out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -77,6 +84,15 @@ def test_two_ranks_train_as_one_process_and_resume_in_one(path: str, tmp_path: P
     assert got["weights"].keys() == want.keys()
     for name, w in want.items():
         torch.testing.assert_close(got["weights"][name], w, atol=1e-6, rtol=1e-5, msg=name)
+
+    one = HFTrainEngine(path, **SETTINGS)
+    one_metrics = one.train_step({k: v[[0, 2, 1, 3]] for k, v in batch.items()}, objective, mini_batches=4)
+    mini_metrics, mini_weights = got["minis"]
+    assert mini_metrics["optimizer_steps"] == one_metrics["optimizer_steps"] == 4
+    for name, w in one.get_weights().items():
+        # atol 1e-5 over 4 AdamW steps: a near-zero gradient's rounding noise can move a weight by ~1e-2 * lr (one
+        # of 95k weights by 1.2e-6 here); another cut of the rows moves most by ~lr.
+        torch.testing.assert_close(mini_weights[name], w, atol=1e-5, rtol=0, msg=name)
 
     resumed = HFTrainEngine(path, **SETTINGS)
     resumed.load(tmp_path / "ckpt")

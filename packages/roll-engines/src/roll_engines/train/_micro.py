@@ -118,6 +118,28 @@ def micro_batches(
     return [{k: v[rows] for k, v in mini.items()} for rows in micro_rows(mini, size, budget, grouped)]
 
 
+def mini_batch_rows(order: Tensor, counts: list[int], rank: int, mini_batches: int) -> list[Tensor]:
+    """This data-parallel rank's rows of each of a step's `mini_batches` mini-batches: `order` (its row indices, in
+    the epoch's order) cut into consecutive runs, so that mini-batch i holds, over all ranks (`counts`: the rows of
+    every rank, this one's at `rank`), the rows one process would give it (`torch.tensor_split` of sum(counts)).
+
+    The ranks' rows are dealt round-robin (rank r's j-th row comes after every rank's (j-1)-th and ranks < r's j-th)
+    and that sequence is cut into the one-process sizes, so each rank's share of a mini-batch is within a row of
+    its proportion. Each rank cutting its own rows with `tensor_split` made the optimizer steps depend on the
+    data-parallel size: 2 ranks of 2 rows with 4 mini-batches took 2 steps of 2 rows, not 4 of 1 (the LR schedule
+    counts 4), and 2 ranks of 3 rows with 2 mini-batches took steps of 4 and 2 rows, not 3 and 3."""
+    if len(order) != counts[rank]:
+        raise ValueError(f"rank {rank} holds {len(order)} rows but the ranks' counts say {counts[rank]}")
+    sizes = [len(c) for c in torch.tensor_split(torch.arange(sum(counts)), mini_batches)]
+    ends = torch.tensor(sizes).cumsum(0)
+    # Place of this rank's j-th row in the round-robin sequence: every rank's rows before their j-th, then the
+    # j-th rows of the ranks before this one that have one.
+    j = torch.arange(counts[rank])
+    place = sum(torch.clamp(j, max=c) for c in counts) + sum((j < c).long() for c in counts[:rank])
+    local = torch.bincount(torch.bucketize(place, ends, right=True), minlength=mini_batches)[:mini_batches]
+    return list(torch.split(order, local.tolist()))
+
+
 def row_micros(n: int, size: int) -> list[list[int]]:
     """Consecutive runs of `size` rows (the last may be shorter)."""
     return [list(range(s, min(s + size, n))) for s in range(0, n, size)]

@@ -10,7 +10,8 @@ Contract:
 - `compute_logprobs(..., topk=K)` adds each response position's top-K log-probs and their ids (a distillation
   teacher's targets); a loss with `gather_ids_key` gets `gathered_logprobs`, the log-probs at the (b, R, K) ids
   its micro-batch holds under that key, differentiable (roll_engines.train._logits).
-- `train_step(batch, loss_fn, ...)` splits the batch into `mini_batches` optimizer steps per epoch and each into
+- `train_step(batch, loss_fn, ...)` splits the batch into `mini_batches` optimizer steps per epoch (over all
+  data-parallel ranks, of the sizes one process cuts: roll_engines.train._micro.mini_batch_rows) and each into
   micro-batches of `micro_batch_size` rows (rows, whatever their lengths), or with `micro_batch_tokens > 0` of at
   most that many attended tokens (roll_engines.train._micro), for gradient accumulation. Each micro-batch loss is
   scaled by `loss_fn.units(micro) / units of its whole mini-batch (over all data-parallel ranks)` times the
@@ -59,7 +60,13 @@ from roll_engines.train._lora import (
     base_model,
     is_lora,
 )
-from roll_engines.train._micro import MetricMeans, check_micro_batch_tokens, metric_weights, micro_rows
+from roll_engines.train._micro import (
+    MetricMeans,
+    check_micro_batch_tokens,
+    metric_weights,
+    micro_rows,
+    mini_batch_rows,
+)
 from roll_engines.train._micro import padding_row as _padding_row
 from roll_engines.train._optim import adamw_kernel, lr_lambda, param_groups
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
@@ -246,6 +253,14 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
     def _all_reduce_max(self, n: int) -> int:
         return n
 
+    def _row_counts(self, n: int) -> list[int]:
+        """The rows every data-parallel rank holds (this one's `n` at `dp_rank`; collective)."""
+        if self.dp_size == 1:
+            return [n]
+        t = torch.zeros(self.dp_size, dtype=torch.float64)
+        t[self.dp_rank] = n
+        return [int(x) for x in self._all_reduce_sum(t).tolist()]
+
     # ---- forward ------------------------------------------------------------------------------------------
     @property
     def lora(self) -> bool:
@@ -424,11 +439,13 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
             self.routing.changed_fraction()
         skipped = steps = scaler_skips = 0
         longest = 0  # the longest streak an overflow of this call reached (streaks carried in count on)
+        counts = self._row_counts(n)
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
-            # A rank may hold fewer rows than mini-batches (uneven splits, dropped groups): its part is then empty,
-            # and it still runs every collective; a mini-batch empty on all ranks takes no optimizer step.
-            for mb_rows in torch.tensor_split(order, mini_batches):
+            # Mini-batches of the sizes one process cuts, over all ranks (_micro.mini_batch_rows). A rank's part of
+            # one may be empty (fewer rows than mini-batches): it still runs every collective; a mini-batch empty on
+            # all ranks takes no optimizer step.
+            for mb_rows in mini_batch_rows(order, counts, self.dp_rank, mini_batches):
                 self.optimizer.zero_grad(set_to_none=True)
                 metrics, total = self._accumulate(V.take(tensors, mb_rows), loss_fn, temperature, template=tensors)
                 for k, v, w in metrics:
