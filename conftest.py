@@ -152,6 +152,19 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
             faulthandler.cancel_dump_traceback_later()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadfile` that survives a crashed worker (tests/xdist_loadfile.py: xdist 3.8's deadlocked)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "xdist_loadfile.py")
+    spec = importlib.util.spec_from_file_location("roll_xdist_loadfile", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_scheduler(config, log)
+
+
 _EXIT_STATUS: list[int] = []
 
 
