@@ -70,6 +70,9 @@ def _rank(rank: int, port: int, path: str, out: str) -> None:
         weights = eng.get_weights()
         grads = eng.compute_gradients(mine, _objective())
         results[name] = {"weights": weights, "grads": grads, "buckets": buckets}
+        if name == "plain":  # 3 rows a rank, 6 mini-batches: one process's 6 optimizer steps of one row each (each
+            # rank cutting its own 3 rows took 3, the other three mini-batches empty on both ranks)
+            results["mini_batch_steps"] = eng.train_step(mine, _objective(), mini_batches=6)["optimizer_steps"]
     if rank == 0:
         torch.save(results, out)
     dist.barrier()
@@ -105,6 +108,7 @@ def test_overlap_trains_the_same_weights_on_two_ranks(tmp_path: Path) -> None:
             pytest.fail("the two Megatron ranks did not finish in 180 s")
     got = torch.load(out, weights_only=False)
     plain = got["plain"]
+    assert got.pop("mini_batch_steps") == 6.0
     assert plain["buckets"] == 1 and got["both"]["buckets"] >= 3, {k: v["buckets"] for k, v in got.items()}
     # The same two steps by the single-process hf engine on the whole batch (both ranks' rows).
     from roll_core.testing.batches import toy_batch

@@ -56,6 +56,7 @@ from roll_engines.train._micro import (
     check_micro_batch_tokens,
     metric_weights,
     micro_batches,
+    mini_batch_rows,
     padding_row,
 )
 from roll_engines.train._optim import lr_lambda
@@ -251,6 +252,24 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         from megatron.core import parallel_state as ps
 
         return ps.get_data_parallel_world_size()
+
+    def _dp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return int(ps.get_data_parallel_rank())
+
+    def _dp_counts(self, n: int) -> list[int]:
+        """The rows every data-parallel rank holds (this one's `n` at its rank; collective over the DP group)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        size = int(ps.get_data_parallel_world_size())
+        if size == 1:
+            return [n]
+        t = torch.zeros(size, dtype=torch.float64, device=self.device)
+        t[self._dp_rank()] = n
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        return [int(x) for x in t.tolist()]
 
     def _dp_sum(self, x: float) -> float:
         import torch.distributed as dist
@@ -459,9 +478,11 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         if self.routing is not None:  # the step reports its own forwards' routing, not earlier old-logprob ones
             self.routing.changed_fraction()
         skipped = steps = 0
+        counts = self._dp_counts(n)
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
-            for rows in torch.tensor_split(order, mini_batches):
+            # mini-batches of the sizes one process cuts, over all data-parallel ranks (as the hf/fsdp2 engines)
+            for rows in mini_batch_rows(order, counts, self._dp_rank(), mini_batches):
                 self.ddp.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 pairs, total = self._backward({k: v[rows] for k, v in tensors.items()}, loss_fn, temperature)
