@@ -299,3 +299,14 @@ def test_a_reset_that_is_not_observation_and_info_fails_its_episode_naming_the_c
     # the contract's results pass, info None read as {}
     assert EnvManager(lambda: _OldGymReset(("o", None)), 1).reset(0, seed=3) == ("o", {})
     assert EnvManager(lambda: _OldGymReset(["o", {"k": 1}]), 1).reset(0, seed=3) == ("o", {"k": 1})
+
+
+@pytest.mark.parametrize("out", [("o", 1.0, True, {}), ("o", 1.0, False, False, {}, "extra"), "o"])
+def test_a_step_that_is_not_gymnasiums_five_values_fails_naming_the_contract(out: Any) -> None:
+    """An old-Gym step's (obs, reward, done, info) failed with a bare "not enough values to unpack"."""
+    m = EnvManager(lambda: _Returns(out), 1, step_timeout_s=5.0)
+    m.reset(0, seed=3)
+    with pytest.raises(EnvFailure) as err:
+        m.step(0, "a")
+    assert err.value.kind == "env_error" and "(observation, reward, terminated, truncated, info)" in str(err.value)
+    assert m.counters()["env_errors"] == 1

@@ -229,7 +229,15 @@ class EnvManager:
         def step() -> tuple[Observation, float, bool, bool, dict[str, Any]]:
             if env is None:
                 raise RuntimeError("the environment failed earlier in this episode; reset it first")
-            obs, reward, terminated, truncated, info = env.step(action)
+            result = env.step(action)
+            if not isinstance(result, (tuple, list)) or len(result) != 5:
+                # an old-Gym env's (obs, reward, done, info) has no truncation flag: its `done` cannot be split
+                got = f"{len(result)} values" if isinstance(result, (tuple, list)) else type(result).__name__
+                raise TypeError(
+                    f"step returned {got}; an environment's step returns (observation, reward, terminated, "
+                    "truncated, info), as Gymnasium's (wrap an old-Gym env in gymnasium's compatibility wrapper)"
+                )
+            obs, reward, terminated, truncated, info = result
             flags = _flag(terminated, "terminated"), _flag(truncated, "truncated")
             return normalize(obs), _reward(reward), *flags, dict(info or {})
 
