@@ -16,15 +16,15 @@ from typing import Any
 
 
 class EngineHold:
-    """Pause `engine` (a roll_engines.infer.hf.HFInferEngine) once a running request has `tokens` tokens."""
+    """Pause `engine` (a roll_engines.infer.hf.HFInferEngine) once `count` running requests have `tokens` tokens."""
 
-    def __init__(self, engine: Any, tokens: int) -> None:
+    def __init__(self, engine: Any, tokens: int, count: int = 1) -> None:
         self.engine, self.reached = engine, threading.Event()
         step = engine._step
 
         def held() -> None:  # the engine thread, under the engine's lock
             step()
-            if not self.reached.is_set() and self.running(tokens):
+            if not self.reached.is_set() and len(self.running(tokens)) >= count:
                 engine._paused = True
                 self.reached.set()
 

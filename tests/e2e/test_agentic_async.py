@@ -51,7 +51,9 @@ def test_a_turn_aborted_at_a_sync_resumes_and_keeps_every_token_once(tiny_model:
     params = SamplingParams(max_new_tokens=budget, ignore_eos=True, seed=3)
     result: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: result.update(trajs=rollout.run([1, 1, 2, 2], [0, 0, 1, 1], params)))
-    hold = EngineHold(engine, tokens=5)  # the engine pauses (as a weight update does) once a first turn is under way
+    # The engine pauses (as a weight update does) once the four episodes' first turns are under way: held at the
+    # first one, an episode whose first request came late (a loaded CI machine) ran wholly after the sync.
+    hold = EngineHold(engine, tokens=5, count=4)
     try:
         worker.start()
         deadline = time.monotonic() + 60

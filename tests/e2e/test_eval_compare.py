@@ -84,13 +84,20 @@ def test_run_report_holds_the_runs_numbers_curves_and_checkpoints(run: Path) -> 
     report = (run / "report.md").read_text()
     history = _history(run)
     assert "- status: finished" in report and "- steps done: 2 of 2" in report
+    by_step = {h["step"]: h for h in history}
+
+    def cell(key: str, step: int, value: float) -> str:
+        se = by_step[step].get(f"{key}_stderr")  # the held-out accuracy's standard error over the problems
+        return f"{value:.4f} ± {se:.4f} ({step})" if se is not None else f"{value:.4f} ({step})"
+
     for key in ("reward/mean", "reward/accuracy", "eval/accuracy", "eval/reward"):
         pts = [(h["step"], h[key]) for h in history if h.get(key) is not None]
         assert len(pts) >= 2, key
         best = max(pts, key=lambda p: p[1])
         row = next(line for line in report.splitlines() if f"(`{key}`)" in line)
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[1:4] == [f"{v:.4f} ({s})" for s, v in (pts[0], pts[-1], best)], row
+        assert cells[1:4] == [cell(key, s, v) for s, v in (pts[0], pts[-1], best)], row
+    assert all(by_step[s].get("eval/accuracy_stderr") is not None for s in (0, 2))
     assert [h["step"] for h in history if "eval/accuracy" in h] == [0, 2]  # eval_every=2: steps 0 and 2
     assert "![curves](curves.png)" in report and (run / "curves.png").stat().st_size > 1000
     checkpoints = re.findall(r"^- `(.+)`$", report, flags=re.M)
