@@ -5,6 +5,7 @@ asks for (weight updates with partial rollout) and a few engine-side ones (preem
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 import types
@@ -288,7 +289,20 @@ def test_a_close_while_the_thread_is_being_started_waits_for_it_and_no_take_star
     starter = InThread(driver.start)
     assert created.wait(5)
     closer = InThread(driver.close)
-    time.sleep(0.1)  # close is called while the thread is created and not yet started
+
+    # close is called while the thread is created and not yet started: it waits for the lock `start` holds (a fixed
+    # sleep here was too short on a loaded CI machine: close came after the thread had started and run)
+    def in_close() -> bool:
+        frame = sys._current_frames().get(closer._thread.ident)
+        while frame is not None and frame.f_code.co_name != "close":
+            frame = frame.f_back
+        return frame is not None
+
+    deadline = time.monotonic() + 5
+    while not in_close() and not closer.join(0):  # (ended already: the old driver's close did not wait)
+        assert time.monotonic() < deadline, "close was not called"
+        time.sleep(0.005)
+    time.sleep(0.05)  # (inside close: its first statement takes the lock)
     go.set()
     assert starter.join(5) and closer.join(5)
     assert starter.error is None and closer.error is None, closer.error
