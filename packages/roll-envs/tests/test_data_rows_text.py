@@ -1,15 +1,13 @@
-"""Data rows whose text is not what it seems: a `\\ud800` escape (valid JSON, no Unicode character) and a `.jsonl`
-file that holds one JSON array of rows."""
+"""Data rows whose text is not what it seems: a `\\ud800` escape (valid JSON, no Unicode character). A `.jsonl` file
+that holds one JSON array of rows: test_tasks.py, with its `.json` twin."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import pytest
-
 from roll_envs.rewards.math import MathReward
-from roll_envs.tasks import FileTask, load_problems
+from roll_envs.tasks import FileTask
 from roll_envs.tasks.code import load_code_problems
 
 
@@ -60,27 +58,3 @@ def test_rows_with_a_lone_surrogate_escape_are_counted_skips(tmp_path: Path) -> 
     problems, skipped = load_code_problems(code)
     assert [p.prompt for p in problems] == ["Echo it."]
     assert [n for n, _ in skipped] == [2] and "lone surrogate \\ud800" in skipped[0][1]
-
-
-@pytest.mark.parametrize("layout", ["one object a line", "indented", "one line"])
-def test_a_jsonl_file_holding_a_json_array_loads_every_row(tmp_path: Path, layout: str) -> None:
-    """A `.jsonl` file that is one JSON array (an export saved under the wrong extension) was read line by line:
-    written one object a line it trained on its last row only (the others, ending in a comma, were "invalid JSON"
-    skips), indented it had no usable row, on one line it was one bad "list" row."""
-    rows = [{"prompt": f"What is {i}+1?", "answer": str(i + 1)} for i in range(12)]
-    rows[4] = {"prompt": "", "answer": "1"}
-    text = {
-        "one object a line": "[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n",
-        "indented": json.dumps(rows, indent=2),
-        "one line": json.dumps(rows),
-    }[layout]
-    (tmp_path / "rows.jsonl").write_text(text)
-
-    problems, skipped = load_problems(tmp_path / "rows.jsonl")
-
-    assert [p.prompt for p in problems] == [r["prompt"] for r in rows if r["prompt"]]
-    assert skipped == [(5, "missing or empty 'prompt'")]  # numbered by element, from 1
-    # JSON lines whose first row is an array are still lines: that row is the one reported.
-    (tmp_path / "lines.jsonl").write_text('["a list"]\n' + "".join(json.dumps(r) + "\n" for r in rows[:3]))
-    problems, skipped = load_problems(tmp_path / "lines.jsonl")
-    assert len(problems) == 3 and skipped == [(1, "row is list, not an object")]

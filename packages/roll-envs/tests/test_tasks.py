@@ -161,10 +161,13 @@ def test_data_files_that_cannot_be_used_are_config_errors_naming_the_setting(tmp
         load_problems(tmp_path / "folder")
 
 
+@pytest.mark.parametrize("suffix", ["json", "jsonl"])
 @pytest.mark.parametrize("layout", ["one object a line", "indented", "one line"])
-def test_a_json_file_holding_an_array_of_rows_loads_every_row(tmp_path: Path, layout: str) -> None:
+def test_a_json_file_holding_an_array_of_rows_loads_every_row(tmp_path: Path, layout: str, suffix: str) -> None:
     """Read as JSON lines, an array written one object per line kept only its last row (the others end with a
-    comma) and the run trained on that one prompt; an indented array had no usable row at all."""
+    comma) and the run trained on that one prompt; an indented array had no usable row at all. The same for a
+    `.jsonl` file that is one JSON array (an export saved under the wrong extension: on one line it was one bad
+    "list" row)."""
     rows = [{"prompt": f"What is {i}+1?", "answer": str(i + 1)} for i in range(20)]
     rows[4] = {"prompt": "", "answer": "1"}
     text = {
@@ -172,13 +175,13 @@ def test_a_json_file_holding_an_array_of_rows_loads_every_row(tmp_path: Path, la
         "indented": json.dumps(rows, indent=2),
         "one line": json.dumps(rows),
     }[layout]
-    (tmp_path / "rows.json").write_text(text)
-    problems, skipped = load_problems(tmp_path / "rows.json")
+    (tmp_path / f"rows.{suffix}").write_text(text)
+    problems, skipped = load_problems(tmp_path / f"rows.{suffix}")
     assert [p.prompt for p in problems] == [r["prompt"] for r in rows if r["prompt"]]
     assert skipped == [(5, "missing or empty 'prompt'")]  # numbered by element, from 1
-    # A JSON-lines file named .json whose first row is an array is still read line by line, that row reported.
-    (tmp_path / "lines.json").write_text('["a list"]\n' + "".join(json.dumps(r) + "\n" for r in rows[:3]))
-    problems, skipped = load_problems(tmp_path / "lines.json")
+    # A JSON-lines file whose first row is an array is still read line by line, that row reported.
+    (tmp_path / f"lines.{suffix}").write_text('["a list"]\n' + "".join(json.dumps(r) + "\n" for r in rows[:3]))
+    problems, skipped = load_problems(tmp_path / f"lines.{suffix}")
     assert len(problems) == 3 and skipped == [(1, "row is list, not an object")]
 
 
