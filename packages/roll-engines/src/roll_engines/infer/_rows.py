@@ -4,7 +4,8 @@ Contract: `row_requests` builds row k*n + j (sample j of prompt k) with a fresh 
 params carry a seed, the stream seeded by (seed, first_row + row): results do not depend on how a batch was
 split over engines. `run_rows` submits rows one by one and waits for all; when one fails (refused as it is
 submitted, or failing later) or the wait is interrupted, the rows already submitted are aborted before the error
-is raised, so none keeps running in the engine for nobody.
+is raised, so none keeps running in the engine for nobody. `DriverAborts` is the abort side of the engines whose
+requests one driver thread owns (vllm, sglang).
 """
 
 from __future__ import annotations
@@ -59,3 +60,25 @@ def run_rows(
             abort_submitted(requests[: len(futures)])
         raise
     return [f.result() for f in futures]
+
+
+class DriverAborts:
+    """`abort` and the abort of a `generate` batch's submitted rows, for an engine whose requests one driver thread owns
+    (vllm, sglang). The engine provides `_control(fn)` (`fn` run on the driver thread; RuntimeError after `shutdown`),
+    `_stopped` and `_abort_now(request_id)` (on the driver thread: False when it is not running)."""
+
+    _stopped: bool
+
+    def abort(self, request_id: str) -> bool:
+        """False when `request_id` is not running; after `shutdown` (which failed every request) at once."""
+        try:
+            return bool(self._control(lambda: self._abort_now(request_id)))  # type: ignore[attr-defined]
+        except RuntimeError:
+            if self._stopped:  # shut down before the driver took it: nothing is left to abort
+                return False
+            raise
+
+    def _abort_rows(self, submitted: Sequence[Request]) -> None:
+        """Abort `submitted` on the driver thread (`run_rows`' `abort_submitted`)."""
+        if not self._stopped:  # after shutdown nothing runs, and no driver would take the job
+            self._control(lambda: [self._abort_now(r.request_id) for r in submitted])  # type: ignore[attr-defined]

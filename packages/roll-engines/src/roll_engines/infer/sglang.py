@@ -66,7 +66,7 @@ from roll_core.interfaces import (
 )
 from roll_core.models import resolve_model_path
 from roll_engines.infer._adapters import refuse_adapters
-from roll_engines.infer._rows import row_requests, run_rows
+from roll_engines.infer._rows import DriverAborts, row_requests, run_rows
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def to_request_output(request: Request, result: dict[str, Any], version: int) ->
     return RequestOutput(request.request_id, list(request.prompt_ids), tokens, logprobs, _finish_reason(meta), version)
 
 
-class SGLangInferEngine:
+class SGLangInferEngine(DriverAborts):
     """SGLang `Engine` (tensor parallel inside it) implementing roll_core.interfaces.InferEngine."""
 
     continuous_batching: ClassVar[bool] = True
@@ -381,22 +381,11 @@ class SGLangInferEngine:
         requests = row_requests(prompts, params, n, first_row)
 
         def abort_submitted(submitted: Sequence[Request]) -> None:
-            if not self._stopped:  # after shutdown nothing runs, and no driver would take the job
-                with contextlib.suppress(RuntimeError):  # shut down meanwhile: nothing is left running
-                    self._control(lambda: [self._abort_now(r.request_id) for r in submitted])
+            with contextlib.suppress(RuntimeError):  # shut down meanwhile: nothing is left running
+                self._abort_rows(submitted)
 
         outputs = run_rows(requests, self.submit, abort_submitted)
         return GenerateOutput.from_requests(outputs, self.pad_id, time.perf_counter() - t0)
-
-    def abort(self, request_id: str) -> bool:
-        """False when `request_id` is not running; after `shutdown` (which failed every request) at once."""
-
-        try:
-            return bool(self._control(lambda: self._abort_now(request_id)))
-        except RuntimeError:
-            if self._stopped:  # shut down before the driver took it: nothing is left to abort
-                return False
-            raise
 
     def _abort_now(self, request_id: str) -> bool:
         """On the driver thread: abort `request_id` in SGLang; False when it is not running."""

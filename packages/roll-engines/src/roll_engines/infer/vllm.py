@@ -84,7 +84,7 @@ from roll_core.interfaces import GenerateOutput, Request, RequestOutput, Samplin
 from roll_core.models import resolve_model_path
 from roll_engines.infer._adapters import AdapterSync
 from roll_engines.infer._bucket_channel import BucketSender
-from roll_engines.infer._rows import row_requests, run_rows
+from roll_engines.infer._rows import DriverAborts, row_requests, run_rows
 from roll_engines.infer._vision import check_vllm_vision, collapse_placeholders, pictures, refuse_pictures
 from roll_engines.infer._vllm_args import cpu_env, engine_args, sampling_params
 from roll_engines.infer._vllm_device import device_args, noset_env, vllm_has_device_ids
@@ -99,7 +99,7 @@ log = logging.getLogger(__name__)
 _MIN_TEMPERATURE = 0.01
 
 
-class VLLMInferEngine(VLLMWeightUpdates):
+class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
     """vLLM `LLM` (tensor parallel inside it on GPUs) implementing roll_core.interfaces.InferEngine."""
 
     continuous_batching: ClassVar[bool] = True
@@ -474,22 +474,8 @@ class VLLMInferEngine(VLLMWeightUpdates):
         requests = row_requests(prompts, params, n, first_row, mm)
         for req in requests:
             self._check_request(req)
-
-        def abort_submitted(submitted: Sequence[Request]) -> None:
-            if not self._stopped:  # after shutdown nothing runs, and no driver would take the job
-                self._control(lambda: [self._abort_now(r.request_id) for r in submitted])
-
-        outputs = run_rows(requests, self.submit, abort_submitted)
+        outputs = run_rows(requests, self.submit, self._abort_rows)
         return GenerateOutput.from_requests(outputs, self.pad_id, time.perf_counter() - t0)
-
-    def abort(self, request_id: str) -> bool:
-        """False when `request_id` is not running; after `shutdown` (which failed every request) at once."""
-        try:
-            return bool(self._control(lambda: self._abort_now(request_id)))
-        except RuntimeError:
-            if self._stopped:  # shut down before the driver took it: nothing is left to abort
-                return False
-            raise
 
     def _abort_now(self, request_id: str) -> bool:
         """abort on the driver thread."""
