@@ -17,7 +17,7 @@ up to the mini-batch's loss whatever the cut (exact gradient accumulation). The 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -138,6 +138,16 @@ def mini_batch_rows(order: Tensor, counts: list[int], rank: int, mini_batches: i
     place = sum(torch.clamp(j, max=c) for c in counts) + sum((j < c).long() for c in counts[:rank])
     local = torch.bincount(torch.bucketize(place, ends, right=True), minlength=mini_batches)[:mini_batches]
     return list(torch.split(order, local.tolist()))
+
+
+def rank_counts(n: int, rank: int, size: int, reduce_sum: Callable[[Tensor], Tensor]) -> list[int]:
+    """The rows every data-parallel rank holds (this one's `n` at `rank`), for `mini_batch_rows`: a (size,) tensor
+    holding `n` at `rank`, summed over the ranks by `reduce_sum` (collective; skipped for one rank)."""
+    if size == 1:
+        return [n]
+    t = torch.zeros(size, dtype=torch.float64)
+    t[rank] = n
+    return [int(x) for x in reduce_sum(t).tolist()]
 
 
 def row_micros(n: int, size: int) -> list[list[int]]:

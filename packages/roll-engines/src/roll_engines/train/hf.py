@@ -66,6 +66,7 @@ from roll_engines.train._micro import (
     metric_weights,
     micro_rows,
     mini_batch_rows,
+    rank_counts,
 )
 from roll_engines.train._micro import padding_row as _padding_row
 from roll_engines.train._optim import adamw_kernel, lr_lambda, param_groups
@@ -253,14 +254,6 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
     def _all_reduce_max(self, n: int) -> int:
         return n
 
-    def _row_counts(self, n: int) -> list[int]:
-        """The rows every data-parallel rank holds (this one's `n` at `dp_rank`; collective)."""
-        if self.dp_size == 1:
-            return [n]
-        t = torch.zeros(self.dp_size, dtype=torch.float64)
-        t[self.dp_rank] = n
-        return [int(x) for x in self._all_reduce_sum(t).tolist()]
-
     # ---- forward ------------------------------------------------------------------------------------------
     @property
     def lora(self) -> bool:
@@ -439,7 +432,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
             self.routing.changed_fraction()
         skipped = steps = scaler_skips = 0
         longest = 0  # the longest streak an overflow of this call reached (streaks carried in count on)
-        counts = self._row_counts(n)
+        counts = rank_counts(n, self.dp_rank, self.dp_size, self._all_reduce_sum)
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
             # Mini-batches of the sizes one process cuts, over all ranks (_micro.mini_batch_rows). A rank's part of

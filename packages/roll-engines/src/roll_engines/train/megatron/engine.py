@@ -58,6 +58,7 @@ from roll_engines.train._micro import (
     micro_batches,
     mini_batch_rows,
     padding_row,
+    rank_counts,
 )
 from roll_engines.train._optim import lr_lambda
 from roll_engines.train.megatron import _convert as C
@@ -258,26 +259,17 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
 
         return int(ps.get_data_parallel_rank())
 
-    def _dp_counts(self, n: int) -> list[int]:
-        """The rows every data-parallel rank holds (this one's `n` at its rank; collective over the DP group)."""
+    def _dp_reduce(self, t: Tensor) -> Tensor:
+        """`t` summed over the data-parallel group (collective), on the CPU."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        size = int(ps.get_data_parallel_world_size())
-        if size == 1:
-            return [n]
-        t = torch.zeros(size, dtype=torch.float64, device=self.device)
-        t[self._dp_rank()] = n
+        t = t.to(self.device, copy=True)
         dist.all_reduce(t, group=ps.get_data_parallel_group())
-        return [int(x) for x in t.tolist()]
+        return t.cpu()
 
     def _dp_sum(self, x: float) -> float:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        t = torch.tensor([x], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=ps.get_data_parallel_group())
-        return float(t.item())
+        return float(self._dp_reduce(torch.tensor([x], dtype=torch.float64))[0])
 
     # ---- forward ------------------------------------------------------------------------------------------
     def _logprobs(
@@ -478,7 +470,9 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         if self.routing is not None:  # the step reports its own forwards' routing, not earlier old-logprob ones
             self.routing.changed_fraction()
         skipped = steps = 0
-        counts = self._dp_counts(n)
+        from megatron.core import parallel_state as ps
+
+        counts = rank_counts(n, self._dp_rank(), int(ps.get_data_parallel_world_size()), self._dp_reduce)
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
             # mini-batches of the sizes one process cuts, over all data-parallel ranks (as the hf/fsdp2 engines)
