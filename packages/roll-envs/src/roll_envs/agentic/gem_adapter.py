@@ -5,6 +5,13 @@ Both adapters return observations as `str` and a float reward, and add the info 
 environment does not set them: "success" (the wrapped info's "success", else its "is_success", Gymnasium's
 convention (Gymnasium-Robotics, Stable-Baselines3), else `terminated and reward >= success_reward`),
 "state" (the wrapped info's, else the observation) and "invalid_action" (the wrapped info's, else False).
+What the wrapped environment returns is checked as roll's env manager checks roll's own environments (a ValueError
+naming the environment and the contract, which the env manager counts as an environment error): reset returns
+(observation, info mapping or None), step a 5-tuple (observation, reward, terminated, truncated, info mapping or
+None); the reward is a finite real number; terminated/truncated are bools or 0/1 (NumPy scalars are read); the
+info's "success", "is_success" and "invalid_action" are bools or 0/1 (None reads as absent). `bool()` read the string
+"False" as True, an old-Gym reset returning the observation alone was split into (observation, info), and an info
+that is a Mapping but not a dict (a MappingProxyType) was dropped with its success flag.
 Exceptions raised by the wrapped environment propagate: roll's env manager ends that trajectory and counts it as an
 environment error, which keeps third-party bugs visible in the metrics instead of hiding them as truncations.
 As for roll's built-ins (roll_envs.agentic.base), stepping a finished episode never reaches the wrapped environment:
@@ -52,6 +59,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import numbers
 import random
 import sys
 import threading
@@ -87,6 +96,43 @@ def check_code_execution(
             "+env.env_kwargs.allow_unsandboxed_execution_i_understand_the_risk=true"
         )
     log.warning("%s environment %r runs the model's code outside roll's sandbox (%s), as set", library, env_id, how)
+
+
+def _scalar(value: Any) -> Any:
+    """`value`, or the Python scalar of a one-element NumPy array or scalar (or tensor): third-party environments
+    return `np.float32` rewards and `np.bool_` flags."""
+    item = getattr(value, "item", None)
+    if callable(item) and not isinstance(value, (str, bytes)):
+        try:
+            return item()
+        except (TypeError, ValueError):  # more than one element: left as it is, refused by the caller
+            return value
+    return value
+
+
+def checked_reward(value: Any, env: str) -> float:
+    """A step's reward as a float; ValueError naming `env` for anything but a finite real number (float() read the
+    string "1.0" as a reward, and NaN or None failed later, far from the environment that returned it)."""
+    reward = _scalar(value)
+    try:
+        finite = isinstance(reward, numbers.Real) and math.isfinite(reward)
+    except OverflowError:  # an int past float's range
+        finite = False
+    if not finite:
+        raise ValueError(f"{env}: step returned the reward {value!r:.80}; rewards must be finite real numbers")
+    return float(reward)
+
+
+def checked_flag(value: Any, name: str, env: str, *, real: bool = False) -> bool:
+    """A flag as a bool: a bool, 0/1 or a NumPy bool (`real`: also 0.0/1.0, Gymnasium's float `is_success`);
+    ValueError naming `env` for anything else (bool() read the string "False", or None, as True)."""
+    flag = _scalar(value)
+    if isinstance(flag, bool):
+        return flag
+    kind = numbers.Real if real else numbers.Integral
+    if isinstance(flag, kind) and flag in (0, 1):
+        return bool(flag)
+    raise ValueError(f"{env}: the {name} flag is {value!r:.80}; it must be a bool (or 0/1)")
 
 
 class _PrivateGlobalRNG:
@@ -188,14 +234,61 @@ class _Adapter:
         if callable(close):
             self._call(close)
 
+    @property
+    def label(self) -> str:
+        """The wrapped environment as error messages name it."""
+        spec_id = getattr(getattr(self.env, "spec", None), "id", None)
+        return f"Gymnasium environment {spec_id or type(self.env).__name__!r}"
+
+    def _split_reset(self, result: Any) -> tuple[Any, Any]:
+        """A wrapped reset's (observation, info); ValueError for anything else (module docstring)."""
+        # a list as well, as roll's env manager reads it
+        if (
+            isinstance(result, (tuple, list))
+            and len(result) == 2
+            and (result[1] is None or isinstance(result[1], Mapping))
+        ):
+            return result[0], result[1]
+        raise ValueError(
+            f"{self.label}: reset returned {type(result).__name__} {result!r:.80}; the contract is that reset "
+            "returns a 2-tuple (observation, info dict): an old-Gym environment whose reset returns only the "
+            "observation must be wrapped to return (observation, {})"
+        )
+
+    def _split_step(self, result: Any) -> tuple[Any, float, bool, bool, Any]:
+        """A wrapped step's 5-tuple, reward and flags checked; ValueError for anything else (module docstring)."""
+        if not isinstance(result, (tuple, list)) or len(result) != 5:
+            # an old-Gym env's (obs, reward, done, info) has no truncation flag: its `done` cannot be split
+            got = f"{len(result)} values" if isinstance(result, (tuple, list)) else type(result).__name__
+            raise ValueError(
+                f"{self.label}: step returned {got}; the contract is (observation, reward, terminated, truncated, "
+                "info), as Gymnasium's (wrap an old-Gym env in gymnasium's compatibility wrapper)"
+            )
+        obs, reward, terminated, truncated, info = result
+        return (
+            obs,
+            checked_reward(reward, self.label),
+            checked_flag(terminated, "terminated", self.label),
+            checked_flag(truncated, "truncated", self.label),
+            info,
+        )
+
     def _info(self, info: Any, obs: str, reward: float = 0.0, terminated: bool = False) -> dict[str, Any]:
-        out = dict(info) if isinstance(info, dict) else {}
+        if info is not None and not isinstance(info, Mapping):
+            raise ValueError(
+                f"{self.label}: its info is {type(info).__name__} {info!r:.80}; it must be a dict (a Mapping) or None"
+            )
+        out = dict(info or {})
+
+        def flag(key: str, default: bool) -> bool:
+            value = out.get(key)
+            return default if value is None else checked_flag(value, f'info["{key}"]', self.label, real=True)
+
         # Gymnasium's conventional key is `is_success` (a goal env pays 0 on success and -1 otherwise, so the reward
         # fallback read every success as a failure)
-        fallback = out.get("is_success", terminated and reward >= self.success_reward)
-        out["success"] = bool(out.get("success", fallback))
+        out["success"] = flag("success", flag("is_success", terminated and reward >= self.success_reward))
         out["state"] = str(out.get("state", obs))
-        out["invalid_action"] = bool(out.get("invalid_action", False))
+        out["invalid_action"] = flag("invalid_action", False)
         return out
 
     def _begin(self, obs: str, info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -228,9 +321,8 @@ class _Adapter:
         return note + self._last_obs, 0.0, *self._end, info
 
     def _record(
-        self, obs: str, reward: float, terminated: Any, truncated: Any, info: Any
+        self, obs: str, reward: float, terminated: bool, truncated: bool, info: Any
     ) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        terminated, truncated = bool(terminated), bool(truncated)
         out = self._info(info, obs, reward, terminated)
         self._last_obs, self._state = obs, out["state"]
         if terminated or truncated:
@@ -238,7 +330,7 @@ class _Adapter:
         return obs, reward, terminated, truncated, out
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
-        obs, info = self._call(self.env.reset, seed=seed)
+        obs, info = self._split_reset(self._call(self.env.reset, seed=seed))
         return self._begin(str(obs), self._info(info, str(obs)))
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
@@ -249,10 +341,10 @@ class _Adapter:
         text = final_text(action if isinstance(action, str) else str(action))
         if text is None:
             return self._invalid(UNCLOSED_THINK)
-        obs, reward, terminated, truncated, info = self._call(self.env.step, text)
+        obs, reward, terminated, truncated, info = self._split_step(self._call(self.env.step, text))
         # Invalid replies used steps the wrapped environment's own turn limit never counted.
-        truncated = not bool(terminated) and (bool(truncated) or self._at_limit())
-        return self._record(str(obs), float(reward), terminated, truncated, info)
+        truncated = not terminated and (truncated or self._at_limit())
+        return self._record(str(obs), reward, terminated, truncated, info)
 
 
 class GemEnv(_Adapter):
@@ -281,6 +373,11 @@ class GemEnv(_Adapter):
             env = gem.make(env_id, **kwargs)
         max_turns = getattr(env, "max_turns", None)
         super().__init__(env, success_reward, max_turns if isinstance(max_turns, int) else None)
+
+    @property
+    def label(self) -> str:
+        """The wrapped environment as error messages name it."""
+        return f"GEM environment {getattr(self, 'env_id', type(self.env).__name__)!r}"
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         with self._rng.active():
@@ -334,7 +431,7 @@ class GymTextEnv(_Adapter):
         self.action_parser, self.obs_to_text, self.invalid_penalty = action_parser, obs_to_text, float(invalid_penalty)
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
-        obs, info = self.env.reset(seed=seed)
+        obs, info = self._split_reset(self.env.reset(seed=seed))
         text = self.obs_to_text(obs)
         return self._begin(text, self._info(info, text))
 
@@ -354,6 +451,6 @@ class GymTextEnv(_Adapter):
                 parsed = None
             if parsed is None:
                 return self._invalid("the reply is not a valid action.")
-        obs, reward, terminated, truncated, info = self.env.step(parsed)
-        truncated = not terminated and (bool(truncated) or self._at_limit())
-        return self._record(self.obs_to_text(obs), float(reward), terminated, truncated, info)
+        obs, reward, terminated, truncated, info = self._split_step(self.env.step(parsed))
+        truncated = not terminated and (truncated or self._at_limit())
+        return self._record(self.obs_to_text(obs), reward, terminated, truncated, info)

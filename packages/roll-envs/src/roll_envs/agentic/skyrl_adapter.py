@@ -10,8 +10,15 @@ The adapter gives it roll's shape: `rows` (or a JSONL `data_file`) are the datas
 `seed % len(...)`; the two never share a row (held-out success measures generalisation), and a held-out seed
 without held-out rows is an error naming what to set;
 observations are the new messages' contents joined, system messages too (`_text`); `done` is a truncation when the
-environment's own turn limit (`max_turns`) ended the episode without success, else a termination; success =
-terminated with reward >= `success_reward`. SkyRL-Gym has no invalid-action notion (its environments score a
+environment's own turn limit (`max_turns`) of more than one turn ended the episode without success, else a
+termination: a single-turn environment's (`max_turns` 1, SkyRL-Gym's default: gsm8k, aime) wrong answer is its
+terminal state, not a time limit (it read as truncated, so every failure of a single-turn task counted as a
+truncation in the end-reason metrics); success = terminated with reward >= `success_reward`.
+What the environment returns is checked (a ValueError naming it, which roll's env manager counts as an environment
+error): `init` returns (messages, metadata); `step` a mapping whose "reward" is a finite real number and whose
+"done" is a bool or 0/1 (NumPy scalars are read; `bool()` read the string "False" as done, `float()` of None raised
+a bare TypeError); observations are a message, a list of messages (mappings with a "content", or strings), a string
+or None, a content a string or a list of text parts. SkyRL-Gym has no invalid-action notion (its environments score a
 malformed reply 0 and go on), so `invalid_action` is False but for one reply: the environment reads the reply after
 its reasoning (the text after the last `</think>`, roll_envs.rewards.judge.final_text, as roll's built-ins read
 actions: SkyRL-Gym parses replies itself, and an answer weighed in the reasoning was read as the answer), and a
@@ -36,10 +43,11 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from roll_envs.agentic.gem_adapter import UNCLOSED_THINK, check_code_execution
+from roll_envs.agentic.gem_adapter import UNCLOSED_THINK, check_code_execution, checked_flag, checked_reward
 from roll_envs.rewards.judge import final_text
 
 log = logging.getLogger(__name__)
@@ -140,14 +148,37 @@ class SkyRLEnv:
         if env is not None:
             env.close()
 
-    @staticmethod
-    def _text(messages: Any) -> str:
+    @property
+    def label(self) -> str:
+        """The environment as error messages name it."""
+        return f"SkyRL-Gym environment {self.env_id!r}"
+
+    def _text(self, messages: Any) -> str:
         """The observation's messages as one text, in order, whatever their role: roll gives the policy an
         environment's observation as the turn's user message, and a system message (a row's system prompt, a
-        notice an environment adds mid-episode) left out never reached it. Empty contents are skipped."""
+        notice an environment adds mid-episode) left out never reached it. Empty contents are skipped; a message
+        that is not one (module docstring) is a ValueError (it raised a bare AttributeError, or read as its repr)."""
         if isinstance(messages, str):
             return messages
-        return "\n\n".join(str(m["content"]) for m in messages or [] if m.get("content") not in (None, ""))
+        if isinstance(messages, Mapping):  # one message, not in a list
+            messages = [messages]
+        if not isinstance(messages, (list, tuple)) and messages is not None:
+            raise ValueError(f"{self.label}: observations {messages!r:.80} are not a list of chat messages")
+        texts = (m if isinstance(m, str) else self._content(m) for m in messages or [])
+        return "\n\n".join(t for t in texts if t)
+
+    def _content(self, message: Any) -> str:
+        content = message.get("content") if isinstance(message, Mapping) else message
+        if content is None or isinstance(content, str):
+            return content or ""
+        if isinstance(content, (list, tuple)):  # OpenAI content parts: only text ones can reach a text policy
+            parts = [p if isinstance(p, str) else p.get("text") if isinstance(p, Mapping) else None for p in content]
+            if all(isinstance(p, str) for p in parts):
+                return "\n".join(p for p in parts if p)
+        raise ValueError(
+            f"{self.label}: the observation message {message!r:.80} is not a chat message with text content "
+            "(a mapping whose 'content' is a string or a list of text parts)"
+        )
 
     def _info(self, success: bool = False) -> dict[str, Any]:
         return {"success": success, "state": f"{self._last}\n[turn {self._turn}]", "invalid_action": False}
@@ -180,8 +211,16 @@ class SkyRLEnv:
         old, self.env = self.env, self._make(self.env_id, env_config=self.env_config, extras=extras)
         if old is not None:  # it was dropped without close: what it held stayed open for the run
             self._close_quietly(old, "the previous episode's environment")
-        obs, _ = self.env.init(messages)
-        self._done, self._turn, self._last = False, 0, self._text(obs)
+        started = self.env.init(messages)
+        # A list of two messages (init returning the messages alone) is no (messages, metadata): refused, not split.
+        if (
+            not isinstance(started, (tuple, list))
+            or len(started) != 2
+            or isinstance(started[0], Mapping)
+            or not (started[1] is None or isinstance(started[1], Mapping))
+        ):
+            raise ValueError(f"{self.label}: init returned {started!r:.80}; it must return (messages, metadata)")
+        self._done, self._turn, self._last = False, 0, self._text(started[0])
         return self._last, {**self._info(), "seed": seed}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
@@ -194,11 +233,17 @@ class SkyRLEnv:
         if text is None:
             return self._invalid()
         out = self.env.step(text)
-        reward, done = float(out["reward"]), bool(out["done"])
+        if not isinstance(out, Mapping) or "reward" not in out or "done" not in out:
+            raise ValueError(
+                f"{self.label}: step returned {out!r:.80}; it must return a mapping with 'observations', 'reward' "
+                "and 'done' (SkyRL-Gym's BaseTextEnvStepOutput)"
+            )
+        reward, done = checked_reward(out["reward"], self.label), checked_flag(out["done"], "'done'", self.label)
         self._last = self._text(out.get("observations")) or ("The episode is over." if done else "")
         success = done and reward >= self.success_reward
         limit = int(getattr(self.env, "max_turns", 0) or 0)
-        # Past the limit without the environment's say too: invalid turns (not stepped) never reached its count.
-        truncated = not success and limit > 0 and self._turn >= limit
+        # Past the limit without the environment's say too: invalid turns (not stepped) never reached its count. A
+        # single-turn environment's own end is its terminal state (module docstring), not its turn limit.
+        truncated = not success and limit > 0 and self._turn >= limit and (not done or limit > 1)
         self._done, self._end = done or truncated, (done and not truncated, truncated)
         return self._last, reward, done and not truncated, truncated, self._info(success)
