@@ -107,3 +107,30 @@ def test_a_training_set_smaller_than_a_batch_is_a_warning(caplog: pytest.LogCapt
         make_sampler(Small(), batch_size=3, seed=0)
     assert "domain 'a' has 1 training prompt(s), fewer than its 2 per batch" in caplog.text
     assert "'b'" not in caplog.text and "rollout_batch_size" not in caplog.text
+
+
+def test_a_domain_smaller_than_its_weighted_share_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Weights 3:1 over batches of 8 expect 6 prompts of 'a' per batch; 'a' has 2, so most batches repeat them.
+    Counts mode warned about that; weights mode said nothing."""
+
+    class Weighted:
+        def train_set(self) -> list[int]:
+            return list(range(12))
+
+        def domain_slices(self) -> dict[str, range]:
+            return {"a": range(0, 2), "b": range(2, 12)}
+
+        def mixture(self) -> tuple[dict[str, float], dict[str, int]]:
+            return {"a": 3.0, "b": 1.0, "c": 0.0}, {}
+
+    with caplog.at_level("WARNING", logger="roll_core.data"):
+        sampler = make_sampler(Weighted(), batch_size=8, seed=0)
+    assert "domain 'a' has 2 training prompt(s), fewer than the 6 per batch its weight gives" in caplog.text
+    assert "0.75 of pipeline.rollout_batch_size=8" in caplog.text
+    assert "'b'" not in caplog.text  # 10 prompts against its expected 2
+    batch = sampler.next(8)
+    assert sum(i < 2 for i in batch) > 2  # (what it warns about: 'a' drawn more often than it has prompts)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="roll_core.data"):
+        make_sampler(Weighted(), batch_size=2, seed=0)  # 'a' expects 1.5 of 2: its 2 prompts suffice
+    assert "roll_core.data" not in caplog.text and not caplog.records

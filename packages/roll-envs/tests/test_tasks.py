@@ -207,9 +207,36 @@ def test_numeric_answers_are_plain_decimals_a_grader_matches(tmp_path: Path) -> 
     path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": v}) + "\n" for i, v in enumerate(values)))
     problems, skipped = load_problems(path)
     assert not skipped
-    assert [p.answer for p in problems] == ["0.00001", "10000000000000000.0", "2.5", "3.0", "7", "-0.0000001"]
+    assert [p.answer for p in problems] == ["0.00001", "10000000000000000", "2.5", "3", "7", "-0.0000001"]
     boxed = [r"\boxed{0.00001}", r"\boxed{10000000000000000}", r"\boxed{2.5}", r"\boxed{3}", r"\boxed{7}"]
     assert MathReward().score(boxed, [p.answer for p in problems[:5]]).correct == [1.0] * 5
+
+
+def test_an_integer_answer_column_with_nulls_reads_as_integers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An integer column with a null in it is float64 in pandas and Arrow, so Parquet, a `datasets` folder and
+    pandas' JSON hold 3.0 for the answer 3: it was the answer "3.0", which a reward comparing text held against the
+    model's 3. A whole float is its integer now, a fraction stays, and the null rows are counted, logged skips."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    values = [3.0, None, 2.5, -4.0, 1e16, 0.0, float("nan")]
+    answers = ["3", "2.5", "-4", "10000000000000000", "0"]
+    missing = [(2, "missing or empty 'answer'")]
+    table = pa.table({"prompt": [f"q{i}?" for i in range(6)], "answer": pa.array(values[:6], type=pa.float64())})
+    pq.write_table(table, tmp_path / "a.parquet")
+    with caplog.at_level(logging.WARNING, logger="roll_envs.tasks.dataset"):
+        problems, skipped = load_problems(tmp_path / "a.parquet")
+    assert [p.answer for p in problems] == answers and skipped == missing
+    assert "skipped 1 bad row(s): line 2: missing or empty 'answer'" in caplog.text
+    # pandas' to_json of such a column writes 3.0 and null (and a NaN of its own, which is no answer either).
+    lines = [json.dumps({"prompt": f"q{i}?", "answer": v}) for i, v in enumerate(values)]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    problems, skipped = load_problems(tmp_path / "a.jsonl")
+    assert [p.answer for p in problems] == answers and skipped == [*missing, (7, "'answer' is nan, not a number")]
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset(table).save_to_disk(str(tmp_path / "ds"))
+    assert [p.answer for p in load_problems(tmp_path / "ds")[0]] == answers
 
 
 def test_held_out_rows_beyond_eval_size_are_said(caplog: pytest.LogCaptureFixture) -> None:

@@ -65,7 +65,7 @@ def test_float32_answer_columns_read_as_the_decimals_written(tmp_path: Path) -> 
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     values = [0.1, 2.3, 3.0, 1e-7, 123456.7, None]
-    answers = ["0.1", "2.3", "3.0", "0.0000001", "123456.7"]
+    answers = ["0.1", "2.3", "3", "0.0000001", "123456.7"]
     path = tmp_path / "f32.parquet"
     table = pa.table(
         {

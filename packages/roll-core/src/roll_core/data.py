@@ -18,7 +18,8 @@ refills, one at a time):
 `DomainSampler` mixes several domains (slices of one training list) by fixed per-batch counts or random weights;
 each domain keeps its own epoch order under the same contract (W: its count per batch, or the batch size for
 weights), and its state (each domain's state, draws made) resumes exactly too. `make_sampler` warns when a batch
-must repeat prompts: a training set (or a domain, for its fixed count) smaller than one batch.
+must repeat prompts: a training set (or a domain, for its fixed count or its weight's expected share) smaller than
+one batch.
 """
 
 from __future__ import annotations
@@ -226,7 +227,8 @@ class DomainSampler:
 def make_sampler(task: Any, *, batch_size: int, seed: int) -> PromptSampler | DomainSampler:
     """A `DomainSampler` for a multi-domain task (one with `domain_slices()` and `mixture()`), else a
     `PromptSampler` over the task's training set. A training set smaller than a batch (or a domain smaller than
-    its count per batch) is a warning: every batch then holds some prompts more than once."""
+    its count per batch, or than its expected share of a batch under weights) is a warning: every batch (most
+    batches, under weights) then holds some prompts more than once."""
     if hasattr(task, "domain_slices") and hasattr(task, "mixture"):
         weights, counts = task.mixture()
         slices = task.domain_slices()
@@ -238,6 +240,21 @@ def make_sampler(task: Any, *, batch_size: int, seed: int) -> PromptSampler | Do
                     d,
                     len(slices[d]),
                     n,
+                )
+        # Weights draw each batch's split at random, so a domain's count varies; one smaller than its expected
+        # share repeats prompts in most batches all the same (counts mode warned, weights said nothing).
+        total = sum(w for w in weights.values() if w > 0)
+        for d, w in weights.items():
+            expected = batch_size * w / total if w > 0 else 0.0
+            if d in slices and len(slices[d]) < expected:
+                log.warning(
+                    "domain %r has %d training prompt(s), fewer than the %.3g per batch its weight gives "
+                    "(env.weights: %.3g of pipeline.rollout_batch_size=%d): most batches repeat some of them",
+                    d,
+                    len(slices[d]),
+                    expected,
+                    w / total,
+                    batch_size,
                 )
         return DomainSampler(slices, weights=weights, counts=counts, batch_size=batch_size, seed=seed)
     size = len(task.train_set())

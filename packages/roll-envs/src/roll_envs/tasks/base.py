@@ -170,6 +170,32 @@ def stable_fraction(key: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
+#: Text that opens a prompt already rendered by a chat template (ChatML/Qwen, Llama 3, DeepSeek, Gemma, Llama 2 and
+#: Mistral, Phi-3/Zephyr). The pipeline applies the model's template to `Task.messages()`, so such a prompt was
+#: templated twice: the model saw a user turn holding a whole rendered chat, its own turn markers as plain text.
+CHAT_TEMPLATE_MARKERS = (
+    "<|im_start|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
+    "<\uff5cUser\uff5c>",
+    "<start_of_turn>",
+    "<bos><start_of_turn>",
+    "<s>[INST]",
+    "<s> [INST]",
+    "[INST]",
+    "<|user|>",
+    "<|system|>",
+)
+
+
+def templated_marker(text: str) -> str | None:
+    """The chat-template marker that `text` opens with (`CHAT_TEMPLATE_MARKERS`, after leading white space), or
+    None for a plain prompt."""
+    head = text.lstrip()
+    return next((m for m in CHAT_TEMPLATE_MARKERS if head.startswith(m)), None)
+
+
 class Task:
     """Base class: subclasses fill `_train` and `_eval` and set `reward`."""
 
@@ -209,7 +235,8 @@ class Task:
         """Chat messages for a problem: system prompt if any, worked examples, the row's earlier turns
         (`context`), then the user prompt. The system prompt is `system_prompt` (env.system_prompt: a setting
         beats the data), else the row's own system message; there is never more than one (chat templates refuse
-        a second)."""
+        a second). The pipeline applies the model's chat template to these messages: a prompt must be the raw
+        user text (file rows opening with a chat template's markers, `templated_marker`, are skipped at load)."""
         context = [dict(m) for m in getattr(problem, "context", None) or ()]
         system = self.system_prompt
         if context and context[0].get("role") == "system":

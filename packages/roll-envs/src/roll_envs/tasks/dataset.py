@@ -2,7 +2,9 @@
 or `.jsonl` file holds JSON lines or one JSON array of rows (numbered from 1 like lines).
 
 Bad rows (not UTF-8, not JSON, not an object, missing or empty prompt/answer, non-text values, NaN answers, text
-holding a lone surrogate: a `\\ud800` escape, valid JSON but no Unicode character) are skipped, counted and
+holding a lone surrogate: a `\\ud800` escape, valid JSON but no Unicode character, in the prompt, the answer or any
+other column; a prompt already chat-templated, opening with `<|im_start|>` or another template's markers
+(base.templated_marker), which the pipeline would template again) are skipped, counted and
 reported with their 1-based line (or row) numbers in `skipped` (per file in `skipped_rows`, which the loop puts in
 the metrics and the run summary), and a summary is logged: never silently dropped, never a crash halfway through a
 file. A file that is missing, unreadable as a whole, of an unknown kind, or left empty after
@@ -28,12 +30,15 @@ env.system_prompt replaces the row's system message); messages after it (an answ
 that is not a `{"role": system|user|assistant, "content": text}` object makes the row bad. An `answer_key` with
 dots reads a nested column (`reward_model.ground_truth`). A row's `domain` column (text) names its domain; a null
 or empty one is no domain (the default's), another type makes the row bad. A leading UTF-8 byte order mark (files
-saved by Windows editors) is ignored. A float32 (or float16) value reads as the decimals written (0.1, not
+saved by Windows editors) is ignored. A number answer is written in plain decimal, a whole one as an integer (3.0,
+what an integer column with a null in it holds in pandas, Arrow and the files written from them, is "3"; its null
+rows are skipped and counted as missing answers). A float32 (or float16) value reads as the decimals written (0.1, not
 0.10000000149011612), in a flat column or nested in lists, structs and maps (a struct answer, metadata columns).
 """
 
 from __future__ import annotations
 
+import collections
 import decimal
 import json
 import logging
@@ -45,7 +50,7 @@ from typing import Any
 
 from roll_core.errors import ConfigError
 from roll_envs.rewards.base import Reward
-from roll_envs.tasks.base import Problem, Task, eval_file_name, held_out_split
+from roll_envs.tasks.base import Problem, Task, eval_file_name, held_out_split, templated_marker
 
 log = logging.getLogger(__name__)
 
@@ -211,11 +216,16 @@ def _json_array(path: Path) -> list[tuple[int, Any]] | None:
 
 def _plain_number(x: float) -> str:
     """A number as a plain decimal: str(0.00001) is '1e-05' and str(1e16) '1e+16', which no grader matches against
-    a model's 0.00001 or 10000000000000000."""
+    a model's 0.00001 or 10000000000000000. A float holding a whole number is that integer ('3', not '3.0'): an
+    integer column with a null in it is float64 in pandas, Arrow and the Parquet or JSON written from them, so the
+    answer 3 read as '3.0', which any reward comparing text (a remote or custom one, a judge) held against the
+    model's 3."""
     if isinstance(x, int):
         return str(x)
-    text = format(decimal.Decimal(repr(x)), "f")  # repr: the shortest digits that round-trip, not binary noise
-    return text if "." in text else f"{text}.0"
+    number = decimal.Decimal(repr(x))  # repr: the shortest digits that round-trip, not binary noise
+    if x.is_integer():
+        return format(number.to_integral_value(), "f") if x else "0"  # (-0.0 too)
+    return format(number, "f")
 
 
 def load_problems(
@@ -244,12 +254,14 @@ def _load(
     defaulted: set[str] = set()
     seen_keys: set[str] = set()  # keys of the bad object rows, to name the columns a wrong prompt_key missed
     pictures = _image_keys(images_key)
+    # Only JSON text can hold a lone surrogate (a `\ud800` escape): Parquet and `datasets` strings are UTF-8.
+    check_text = not path.is_dir() and path.suffix in (".jsonl", ".json")
     for lineno, row in rows:
         if not isinstance(row, dict):
             skipped.append((lineno, f"row is {type(row).__name__}, not an object"))
             continue
         (prompt, context, why), answer = _chat_prompt(prompt_key, row.get(prompt_key)), _nested(row, answer_key)
-        why = why or _text_problem(prompt_key, prompt, numbers=False)
+        why = why or _text_problem(prompt_key, prompt, numbers=False) or _templated(prompt_key, prompt, context)
         if why is None:
             # Numbers are answers too (JSON 5 -> "5"); NaN/inf (JSON's NaN extension, a float column) are not.
             if isinstance(answer, (int, float)) and not isinstance(answer, bool):
@@ -258,6 +270,8 @@ def _load(
                 answer = format(answer, "f")
             why = _text_problem(answer_key, answer, numbers=True)
         images: list[Any] = []
+        metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, "domain", *pictures)}
+        why = why or (_metadata_problem(metadata) if check_text else None)
         own_domain, why = _row_domain(row) if why is None else (None, why)
         if why is None:
             images, why = _row_images(row, images_key, prompt, context, path.parent)
@@ -276,7 +290,7 @@ def _load(
                 domain=own_domain or domain,
                 # The row's other columns reach rewards that declare `metadata` (constraints, test cases, tags).
                 # (Not the pictures: metadata travels to the reward workers with every batch.)
-                metadata={k: v for k, v in row.items() if k not in (prompt_key, answer_key, "domain", *pictures)},
+                metadata=metadata,
                 images=images,
                 context=context,
             )
@@ -406,6 +420,43 @@ def _text_problem(key: str, value: Any, *, numbers: bool) -> str | None:
         return f"{key!r} has type {type(value).__name__} ({str(value)[:40]}), expected {kind}"
     if (bad := _not_unicode(value)) is not None:
         return f"{key!r} {bad}"
+    return None
+
+
+def _templated(key: str, prompt: str, context: tuple[dict[str, str], ...]) -> str | None:
+    """Why a row's prompt (or a message before it) is already chat-templated text, or None. The pipeline applies
+    the model's chat template itself: such a prompt was templated twice, and the model saw a rendered chat, its
+    turn markers as plain text, inside a user turn."""
+    earlier = ((f"message {i} of {key!r}", m["content"]) for i, m in enumerate(context))
+    for where, text in ((repr(key), prompt), *earlier):
+        marker = templated_marker(text)
+        if marker is not None:
+            return (
+                f"{where} is already chat-templated (it opens with {marker!r}) and would be templated again: give "
+                "the raw user text, or chat messages as a list of {role, content}"
+            )
+    return None
+
+
+def _metadata_problem(metadata: dict[str, Any]) -> str | None:
+    """Why a JSON row's other columns (its metadata, which rewards, the distillation teacher's prompt and the
+    samples written to disk read) are not Unicode text, or None: a lone surrogate in them loaded silently and failed
+    mid-run wherever they were encoded (a tokenizer, a remote reward's request, a UTF-8 file)."""
+    for key in metadata:
+        if (bad := _not_unicode(key)) is not None:
+            return f"a column name {bad}"
+    todo = collections.deque((f"column {k!r}", v) for k, v in metadata.items())  # (first bad value first)
+    while todo:
+        where, value = todo.popleft()
+        if isinstance(value, str) and (bad := _not_unicode(value)) is not None:
+            return f"{where} {bad}"
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(k, str) and (bad := _not_unicode(k)) is not None:
+                    return f"{where} has a key that {bad}"
+                todo.append((f"{where}[{k!r}]", v))
+        elif isinstance(value, list):
+            todo.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
     return None
 
 
