@@ -60,7 +60,10 @@ def cluster() -> Iterator[Any]:
     from roll_core.cluster.launch import Cluster
 
     if ray.is_initialized():
-        pytest.skip("another Ray instance is running in this process")
+        # An instance an earlier module of this process left running (tests/e2e's shared one, which the next
+        # module that wants it starts again): this module needs the one its Cluster starts, so it stops
+        # that one; it skipped instead, whenever it ran after an e2e module in the same xdist worker.
+        ray.shutdown()
     saved = dict(os.environ)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     os.environ.update(DRIVER_LAUNCH_ENV, RAY_AUTH_MODE="disabled")

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from roll_core.agentic.env_manager import EnvFailure, EnvManager
+from roll_core.testing.held_requests import threads_left
 
 
 class _Env:
@@ -115,10 +116,12 @@ def test_a_rebuild_that_timed_out_never_replaces_the_next_episodes_environment()
     """Episode B's rebuild of a failed slot hangs past the timeout (B ends, counted); episode C builds its own. When
     B's build finally returns it must not land in the slot: C would step an environment reset with B's seed."""
 
+    release = threading.Event()
+
     class Seeded:
         def __init__(self, slow: bool) -> None:
             if slow:
-                time.sleep(0.6)
+                release.wait(60)  # until episode C has built its own environment
             self.seed: int | None = None
 
         def reset(self, seed: int | None = None) -> tuple[str, dict]:
@@ -136,7 +139,8 @@ def test_a_rebuild_that_timed_out_never_replaces_the_next_episodes_environment()
         built.append(None)
         return Seeded(slow=len(built) == 2)  # the first rebuild (episode B's) is slow
 
-    manager = EnvManager(factory, 1, step_timeout_s=0.3)
+    # 2 s: room for C's quick build on a loaded machine; B's build waits for `release`, so it times out anyway.
+    manager = EnvManager(factory, 1, step_timeout_s=2.0)
     manager.reset(0, 111)
     with pytest.raises(EnvFailure):
         manager.step(0, "x")
@@ -144,7 +148,8 @@ def test_a_rebuild_that_timed_out_never_replaces_the_next_episodes_environment()
         manager.reset(0, 222)
     assert b.value.kind == "env_timeout"
     assert manager.reset(0, 333)[0] == "seed 333"
-    time.sleep(0.6)  # B's build returns in its leaked thread
+    release.set()  # B's build returns in its leaked thread: wait until that thread has done all it does
+    assert not threads_left("roll-env-0-", within_s=60)
     assert manager.step(0, "go")[0] == "stepped seed 333"
     assert len(built) == 3 and manager.counters()["leaked_threads"] == 1
 
@@ -184,7 +189,7 @@ def test_environments_are_closed_when_dropped_and_when_the_manager_closes() -> N
         built.append(_Closing(len(built), closed, release, close_raises=len(built) == 2))
         return built[-1]
 
-    m = EnvManager(factory, 4, step_timeout_s=0.3, threads=4)  # instances 0-3; 2's close raises
+    m = EnvManager(factory, 4, step_timeout_s=2.0, threads=4)  # instances 0-3; 2's close raises
     try:
         for slot in range(3):
             m.reset(slot, seed=slot)
@@ -200,7 +205,7 @@ def test_environments_are_closed_when_dropped_and_when_the_manager_closes() -> N
             m.step(0, "hang")
         assert err.value.kind == "env_timeout" and closed == [0, 2, 1]  # not closed while its step still runs
         release.set()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while 4 not in closed and time.monotonic() < deadline:
             time.sleep(0.01)
         assert closed == [0, 2, 1, 4]

@@ -39,7 +39,10 @@ def ray_session() -> Iterator[Any]:
     (SIGTERM, SIGINT) are given back, so later tests in the same process start from the ones they had."""
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
-        pytest.skip("another Ray instance is running in this process")
+        # An instance an earlier module of this process left running (tests/e2e's shared one, which the next
+        # module that wants it starts again): this module needs its own (its workers' PYTHONPATH, its CPUs), so it stops
+        # that one; it skipped instead, whenever it ran after an e2e module in the same xdist worker.
+        ray.shutdown()
     os.environ["RAY_AUTH_MODE"] = "disabled"
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     ray.init(

@@ -169,10 +169,10 @@ def test_a_retry_that_arrives_as_its_original_takes_the_session_gets_its_reply(t
 
     original = threading.Thread(target=ask, args=("original", False))
     original.start()
-    assert lock.taken.wait(5)
+    assert lock.taken.wait(60)
     retry = threading.Thread(target=ask, args=("retry", True))
     retry.start()
-    original.join(5)
-    retry.join(5)
+    original.join(60)
+    retry.join(60)
     assert replies == {"original": "one", "retry": "one"}
     assert session.replays == 1 and session.requests == 1 and engine.texts == [] and session.traj.turns == 1

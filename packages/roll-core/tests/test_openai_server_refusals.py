@@ -266,12 +266,12 @@ def test_closing_the_server_aborts_the_requests_in_flight(tokenizer: Any) -> Non
 
     client = threading.Thread(target=call, daemon=True)
     client.start()
-    assert engine.submitted.wait(10)
+    assert engine.submitted.wait(60)
     t0 = time.monotonic()
     server.close()
     took = time.monotonic() - t0
-    client.join(10)
-    workers = threads_left("roll-openai_", within_s=5)
+    client.join(60)
+    workers = threads_left("roll-openai_", within_s=60)
     assert took < 5, took
     assert engine.aborted == [engine.requests[0].request_id] and not engine.pending and not workers
     assert answers and answers[0] in (410, -1)
@@ -382,8 +382,10 @@ def test_a_turn_waits_out_an_engine_paused_for_a_moment(tokenizer: Any) -> None:
         session = sessions.close("w")
     finally:
         server.close()
-    assert reply.choices[0].message.content == "ok" and took < 3.0, took
-    assert 2 <= len(engine.requests) - 1 < MAX_IDLE_ABORTS  # idle aborts before the answer
+    assert reply.choices[0].message.content == "ok" and took < 10.0, took
+    # Idle aborts before the answer: at least one (the pause); 2 normally, but a loaded machine may delay the second
+    # try past the pause. The fault (no backoff) is the 503 above.
+    assert 1 <= len(engine.requests) - 1 < MAX_IDLE_ABORTS
     assert (session.traj.turns, session.traj.untrained, session.resumed) == (1, False, len(engine.requests) - 1)
 
 
@@ -400,7 +402,7 @@ def test_an_engine_that_never_answers_is_refused_in_bounded_time_and_a_close_end
         sessions.chat("n", ChatTurn(messages=HI))
     took = time.monotonic() - t0
     assert (err.value.status, err.value.code, len(engine.requests)) == (503, "engine_aborted", MAX_IDLE_ABORTS)
-    assert idle_backoff_total_s() * 0.95 <= took <= idle_backoff_total_s() + 2.0, took
+    assert idle_backoff_total_s() * 0.95 <= took <= idle_backoff_total_s() + 5.0, took
     gaps = [b - a for a, b in zip(engine.times, engine.times[1:])]
     assert all(g >= 0.95 * idle_backoff_s(k) for k, g in enumerate(gaps, 1)), gaps
 
@@ -408,21 +410,24 @@ def test_an_engine_that_never_answers_is_refused_in_bounded_time_and_a_close_end
     sessions = AgentSessions(engine, TurnTemplate(tokenizer), tokenizer.decode, HermesToolParser())
     sessions.open("c", PARAMS, LIMITS)
     errors: list[SessionError] = []
+    ended: list[float] = []
 
     def call() -> None:
         try:
             sessions.chat("c", ChatTurn(messages=HI))
         except SessionError as exc:
             errors.append(exc)
+        ended.append(time.monotonic())
 
     caller = threading.Thread(target=call, daemon=True)
     caller.start()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while len(engine.requests) < 5 and time.monotonic() < deadline:  # in its 5th wait (800 ms)
         time.sleep(0.01)
-    t0 = time.monotonic()
     sessions.close("c")
-    caller.join(5)
-    assert not caller.is_alive() and time.monotonic() - t0 < 0.5
+    caller.join(60)
+    assert not caller.is_alive()
     assert [(e.status, e.code) for e in errors] == [(410, "session_closed")]
     assert len(engine.requests) == 5
+    # Ended before the 5th wait was out (a wait sleeps at least its backoff, measured above), not after it.
+    assert ended[0] - engine.times[4] < idle_backoff_s(5), (ended[0] - engine.times[4], idle_backoff_s(5))

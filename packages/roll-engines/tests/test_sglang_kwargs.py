@@ -178,14 +178,14 @@ def test_shutdown_fails_running_and_queued_requests_and_later_calls_return_at_on
     engine = SGLangInferEngine(resolve_model_path("builtin:tiny"), device="cuda")
     params = SamplingParams(max_new_tokens=8)
     running = engine.submit(Request("running", [5, 6, 7], params))
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while "running" not in engine._rids:
         assert time.monotonic() < deadline, "the request never started"
         time.sleep(0.005)
-    release = threading.Event()
+    held, release = threading.Event(), threading.Event()
     # A control call holds the driver (a weight update, say): the next request waits in the queue behind it.
-    threading.Thread(target=engine._control, args=(release.wait,), daemon=True).start()
-    time.sleep(0.05)
+    threading.Thread(target=engine._control, args=(lambda: held.set() or release.wait(),), daemon=True).start()
+    assert held.wait(60)  # the driver runs it: it was queued before the request below
     queued = engine.submit(Request("queued", [5, 6], params))
     stopping = threading.Thread(target=engine.shutdown, daemon=True)
     stopping.start()
@@ -233,7 +233,7 @@ def test_a_failed_row_aborts_the_batchs_other_rows(fake_sglang) -> None:
     try:
         with pytest.raises(RuntimeError, match="row failed in SGLang"):
             engine.generate([[666], [5, 6], [7, 8, 9]], SamplingParams(max_new_tokens=8), n=2)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while engine._tasks:  # the four healthy rows end once aborted (the fake runs until then)
             assert time.monotonic() < deadline, f"{len(engine._tasks)} rows still running in SGLang after the error"
             time.sleep(0.01)

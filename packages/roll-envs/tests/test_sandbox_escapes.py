@@ -513,7 +513,7 @@ def test_escape_is_contained_and_scores_zero(
     assert host.secret.read_text() == host.token and host.checkpoint.read_text() == host.token
     assert not host.outside.exists() and not host.host_tmp.exists()
     assert host.server.is_alive() and host.connections == []
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while (stray := _stray_sandbox_processes()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not stray, f"{case} left sandbox processes running: {stray}"
@@ -524,7 +524,7 @@ def test_host_is_intact_after_the_suite(reward: CodeReward, host: Host) -> None:
     assert not host.outside.exists() and host.secret.read_text() == host.token
     with socket.create_connection(("127.0.0.1", host.port), timeout=2) as s:  # the server still serves
         s.sendall(b"test")
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 30
     while not host.connections and time.monotonic() < deadline:
         time.sleep(0.05)
     assert host.connections == [b"test"]
