@@ -164,6 +164,49 @@ def test_loader_eval_path_parquet_and_no_usable_rows(tmp_path: Path) -> None:
     assert len(problems) == 6 and not skipped
 
 
+def test_rows_with_lone_surrogates_in_tests_or_a_templated_prompt_are_counted_skips(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As env=file reads rows: a `\\ud800` escape in a test's input or output (in the row, or in tests given as
+    JSON text, as a Parquet column holds them) loaded silently, and the sandbox fed the program `?` for it or no
+    program could print the expected output: a wrong score with no row named. A prompt already chat-templated was
+    templated again. Both are counted skips naming the line."""
+    good = [{"input": "1\n", "output": "1\n"}]
+    rows: list[Any] = [{"prompt": f"Echo the number ({i}).", "tests": good} for i in range(6)]
+    rows[1] = {"prompt": "Bad input", "tests": [{"input": "1\n", "output": "1\n"}, {"input": "a\ud800", "output": "a"}]}
+    rows[2] = {"prompt": "Bad output", "tests": json.dumps({"inputs": ["x"], "outputs": ["y\udc80"]})}
+    rows[3] = {"prompt": "<|im_start|>user\nEcho it.<|im_end|>\n<|im_start|>assistant\n", "tests": good}
+    rows[4] = {"prompt": [{"role": "system", "content": "[INST] Be brief."}, {"role": "user", "content": "Echo."}]}
+    rows[4]["tests"] = good
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # (json.dumps writes the \ud800 escapes)
+    with caplog.at_level(logging.WARNING):
+        problems, skipped = load_code_problems(path)
+    assert [p.id for p in problems] == ["code:code.jsonl:1", "code:code.jsonl:6"]
+    escape = "is not valid Unicode text (a lone surrogate \\u{} at character {}, a broken \\u escape)"
+    fix = "and would be templated again: give the raw user text, or chat messages as a list of {role, content}"
+    assert skipped == [
+        (2, f"bad 'tests': test 1 'input' {escape.format('d800', 1)}"),
+        (3, f"bad 'tests': test 0 'output' {escape.format('dc80', 1)}"),
+        (4, f"'prompt' is already chat-templated (it opens with '<|im_start|>') {fix}"),
+        (5, f"message 0 of 'prompt' is already chat-templated (it opens with '[INST]') {fix}"),
+    ]
+    assert "skipped 4 bad row(s): line 2: bad 'tests': test 1 'input'" in caplog.text
+    for p in problems:
+        p.answer.encode("utf-8")  # (what the sandbox and any remote reward do with it)
+
+
+def test_rows_with_deeply_nested_json_tests_are_counted_skips(tmp_path: Path) -> None:
+    """Tests given as JSON text nested past Python's recursion limit ended the load in a bare RecursionError
+    naming no row."""
+    rows = [{"prompt": f"Echo ({i}).", "tests": [{"input": "1", "output": "1"}]} for i in range(2)]
+    rows.append({"prompt": "Deep", "tests": "[" * 100_000 + "]" * 100_000})
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    problems, skipped = load_code_problems(path)
+    assert len(problems) == 2 and skipped == [(3, "bad 'tests': tests are a string but not JSON (nested too deeply)")]
+
+
 def test_parse_row_tests_errors() -> None:
     assert parse_row_tests({"tests": [{"input": "a", "output": "b"}]}) == [CodeTest("a", "b")]
     for bad, match in [(None, "no tests"), ([{"input": 1, "output": "x"}], "no string 'input'"), ("{", "not JSON")]:

@@ -364,6 +364,38 @@ def test_skipped_rows_of_a_file_are_logged(tmp_path: Path, caplog: pytest.LogCap
     assert f"{path}: skipped 2 bad row(s): line 2: missing or empty 'prompt'; line 3: invalid JSON" in caplog.text
 
 
+def test_rows_with_lone_surrogates_or_a_templated_prompt_are_counted_skips(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As env=file reads rows: a prompt already chat-templated was templated again, and a `\\ud800` escape in the
+    constraints (a keyword no response can hold; also in constraints given as JSON text, as a Parquet column holds
+    them) or in another column (kept in the metadata the reward and the sample dumps encode) loaded silently. Each
+    is a counted skip naming the line, logged."""
+    lower = [{"type": "case", "mode": "lower"}]
+    rows: list = [{"prompt": f"Describe item {i} in lowercase.", "constraints": lower} for i in range(8)]
+    rows[1] = {"prompt": "<|im_start|>user\nDescribe it.<|im_end|>\n", "constraints": lower}
+    rows[2] = {"prompt": "Use a word.", "constraints": [{"type": "keywords", "include": ["ri\ud800ver"]}]}
+    rows[3] = {"prompt": "Use a word.", "constraints": json.dumps([{"type": "keywords", "include": ["s\udc80"]}])}
+    rows[4] = {"prompt": "Describe it.", "constraints": lower, "tags": ["ok", "b\udfffd"]}
+    rows[5] = {"prompt": [{"role": "system", "content": "<|system|>Be brief."}, {"role": "user", "content": "Hi."}]}
+    rows[5]["constraints"] = lower
+    path = _write(tmp_path / "rows.jsonl", rows)  # (json.dumps writes the \ud800 escapes)
+    with caplog.at_level("WARNING"):
+        task = InstructTask(InstructionReward(), path=path, eval_fraction=0.0)
+    assert sorted(p.id for p in task.train_set()) == [f"instruct:rows.jsonl:{n}" for n in (1, 7, 8)]
+    escape = "is not valid Unicode text (a lone surrogate \\u{} at character {}, a broken \\u escape)"
+    fix = "and would be templated again: give the raw user text, or chat messages as a list of {role, content}"
+    assert [(n, why) for _, n, why in task.skipped] == [
+        (2, f"'prompt' is already chat-templated (it opens with '<|im_start|>') {fix}"),
+        (3, f"column 'constraints'[0]['include'][0] {escape.format('d800', 2)}"),
+        (4, f"column 'constraints'[0]['include'][0] {escape.format('dc80', 1)}"),
+        (5, f"column 'tags'[1] {escape.format('dfff', 1)}"),
+        (6, f"message 0 of 'prompt' is already chat-templated (it opens with '<|system|>') {fix}"),
+    ]
+    assert task.skipped_rows == {path: 5}
+    assert f"{path}: skipped 5 bad row(s): line 2: 'prompt' is already" in caplog.text
+
+
 def test_env_instruct_composes_and_builds(tmp_path: Path) -> None:
     """`roll-train env=instruct ...` and `env=file env/reward=ifeval` as Hydra composes them (env node only: the
     rest of the run config is not this domain's)."""

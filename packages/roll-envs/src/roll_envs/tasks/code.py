@@ -9,9 +9,10 @@ the split does not depend on the seed: the seed picks the variants and the tests
 Your data (`path=...`): JSONL, Parquet or a datasets folder (as `FileTask`), one problem per row with a prompt
 (`prompt_key`) and tests (`tests_key`) given as `[{"input": ..., "output": ...}, ...]`, as
 `{"inputs": [...], "outputs": [...]}` (the APPS / TACO layout), or as a JSON string of either. Bad rows (not an
-object, empty prompt, no tests, a test without string input and output) are skipped, counted in `skipped` with
-their row numbers and reasons, and logged; an empty result is an error. The prompt is used as written; a prompt
-given as chat messages is read as env=file reads it (the last user message, the messages before it kept).
+object, empty prompt, no tests, a test without string input and output, text holding a lone surrogate: a `\\ud800`
+escape in the prompt or a test, a prompt already chat-templated, as env=file checks them) are skipped, counted in
+`skipped` with their row numbers and reasons, and logged; an empty result is an error. The prompt is used as written;
+a prompt given as chat messages is read as env=file reads it (the last user message, the messages before it kept).
 
 The ground truth of a problem is `rewards.code.encode_tests(tests)`; the reward is `CodeReward` by default.
 """
@@ -30,7 +31,7 @@ from roll_envs.rewards.base import Reward
 from roll_envs.rewards.code import CodeTest, encode_tests
 from roll_envs.tasks._code_problems import TEMPLATES, param_key, reference_program
 from roll_envs.tasks.base import Problem, Task, eval_file_name, stable_fraction
-from roll_envs.tasks.dataset import _chat_prompt, _rows, _text_problem, log_skipped
+from roll_envs.tasks.dataset import _chat_prompt, _not_unicode, _rows, _templated, _text_problem, log_skipped
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ def parse_row_tests(value: Any) -> list[CodeTest]:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ValueError(f"tests are a string but not JSON ({exc.msg})") from exc
+        except RecursionError:  # (nested past the recursion limit: a bare RecursionError named no row)
+            raise ValueError("tests are a string but not JSON (nested too deeply)") from None
     if isinstance(value, dict) and "tests" in value:
         value = value["tests"]
     if isinstance(value, dict):
@@ -62,6 +65,11 @@ def parse_row_tests(value: Any) -> list[CodeTest]:
             raise ValueError(f"test {i} has no string 'input'")
         if not isinstance(test.get("output"), str):
             raise ValueError(f"test {i} has no string 'output'")
+        # A `\ud800` escape (in the row, or in tests given as JSON text, as a Parquet column holds them) is no
+        # Unicode text: the sandbox fed the program `?` for it, and no program prints such an expected output.
+        for key in ("input", "output"):
+            if (bad := _not_unicode(test[key])) is not None:
+                raise ValueError(f"test {i} {key!r} {bad}")
         tests.append(CodeTest(test["input"], test["output"]))
     return tests
 
@@ -81,7 +89,7 @@ def load_code_problems(
             continue
         # (Chat-message prompts were skipped as "missing or empty", which they are not.)
         prompt, context, why = _chat_prompt(prompt_key, row.get(prompt_key))
-        why = why or _text_problem(prompt_key, prompt, numbers=False)
+        why = why or _text_problem(prompt_key, prompt, numbers=False) or _templated(prompt_key, prompt, context)
         if why is not None:
             skipped.append((lineno, why))
             continue

@@ -10,8 +10,9 @@ asked for; the seed picks which problems are drawn (the held-out draw has its ow
 
 From files (`path`, JSONL / Parquet / a datasets folder): each row has a prompt (`prompt_key`, used as written: it
 should state its constraints; chat messages are read as env=file reads them) and `constraints_key`, a list of
-constraint objects or its JSON text. A row that is not an object, has no prompt or a `domain` that is not text is
-skipped, counted (`skipped`) and logged, as env=file does; a row whose
+constraint objects or its JSON text. A row that is not an object, has no prompt, a prompt already chat-templated, a
+`domain` that is not text, or text holding a lone surrogate (a `\\ud800` escape) in its prompt, its constraints or
+another column is skipped, counted (`skipped`) and logged, as env=file does; a row whose
 constraints are missing, of an unknown type or with bad arguments is a ConfigError naming the file and line, before
 anything runs.
 The held-out split is `eval_path`, else a stable-hash fraction of the rows.
@@ -268,9 +269,20 @@ class InstructTask(Task):
     def _load(self, path: str, prompt_key: str, constraints_key: str, name: str) -> list[Problem]:
         """Problems of one file (ids `<name>:<file name>:<line>`); unreadable rows and rows without a prompt go to
         `skipped`."""
-        from roll_envs.tasks.dataset import _chat_prompt, _row_domain, _rows, _text_problem, log_skipped
+        from roll_envs.tasks.dataset import (
+            _chat_prompt,
+            _metadata_problem,
+            _row_domain,
+            _rows,
+            _templated,
+            _text_problem,
+            log_skipped,
+        )
 
         rows, bad = _rows(Path(path))
+        # Only JSON text holds a lone surrogate (a `\ud800` escape): Parquet and `datasets` strings are UTF-8. The
+        # constraints are checked whatever the file: given as JSON text (a Parquet string column) they hold escapes.
+        check_text = not Path(path).is_dir() and Path(path).suffix in (".jsonl", ".json")
         skipped = list(bad)
         problems = []
         for lineno, row in rows:
@@ -278,7 +290,7 @@ class InstructTask(Task):
                 skipped.append((lineno, f"row is {type(row).__name__}, not an object"))
                 continue
             prompt, context, why = _chat_prompt(prompt_key, row.get(prompt_key))
-            why = why or _text_problem(prompt_key, prompt, numbers=False)
+            why = why or _text_problem(prompt_key, prompt, numbers=False) or _templated(prompt_key, prompt, context)
             domain, why = _row_domain(row) if why is None else (None, why)
             if why is not None:
                 skipped.append((lineno, why))
@@ -291,16 +303,20 @@ class InstructTask(Task):
                 constraints = parse_constraints(row[constraints_key])
             except ValueError as exc:
                 raise ConfigError(f"{path} line {lineno}: bad {constraints_key!r}: {exc}") from None
+            # A surrogate in a keyword asks for text no response holds; in another column it failed mid-run
+            # wherever the metadata was encoded (a remote reward's request, the samples written to disk).
+            others = {k: v for k, v in row.items() if k not in (prompt_key, constraints_key, "domain")}
+            why = _metadata_problem({**(others if check_text else {}), constraints_key: constraints})
+            if why is not None:
+                skipped.append((lineno, why))
+                continue
             problems.append(
                 Problem(
                     id=f"{name}:{Path(path).name}:{lineno}",
                     prompt=prompt,
                     answer=json.dumps(constraints),
                     domain=domain or "instruct",  # (a null column was the domain "None")
-                    metadata={
-                        **{k: v for k, v in row.items() if k not in (prompt_key, constraints_key, "domain")},
-                        "constraints": constraints,
-                    },
+                    metadata={**others, "constraints": constraints},
                     context=context,
                 )
             )
