@@ -13,22 +13,29 @@ swallowed. An abort the engine made on its own resumes the sample (preemption), 
 one version, none with a token, are a refusal (SGLang aborts a prompt longer than
 its KV cache holds): the thread fails naming the request, instead of resubmitting it in a busy loop while the
 trainer waits out `timeout_s`. `close()` aborts what runs and stops the thread (one still alive after
-`close_timeout_s` is left, a daemon, with a warning naming what it was doing and where); a `take` (or update, shrink)
-waiting then, or called later, raises at once. A `take` that times out says why: groups that never started for lack
-of budget (pipeline.async_ratio), requests running without finishing (the engine), or samples no request carries.
+`close_timeout_s` is left, a daemon, with a warning naming what it was doing and where; a thread that holds the
+driver's lock that long, in `next_group`, is left the same way, and aborts what runs if it gets past it); a `take` (or
+update, shrink) waiting then, or called later, raises at once. The engine is called without the driver's lock, so
+an engine call that blocks (`submit_request`) never blocks `close`, nor `take`'s timeout. A `take` that times out
+says why: groups that never started for lack of budget (pipeline.async_ratio), requests running without finishing
+(the engine: the oldest named first, with how long each has run), submits that do not return, or samples no
+request carries.
 
 Requests that never return. A request this driver aborted (partial rollout at `begin_update`, a stale group's at
 `finish_update`, one moved by `shrink` / `expand`) normally brings its partial result within moments. If its handle
 has not completed `abort_timeout_s` (60 s) after the abort (the engine restarted, its worker died, the abort was
 lost), or its `result()` raises, the driver forgets it and reports it to `RolloutScheduler.lost`: a live sample
 resumes with its earlier prefix kept (what the lost request generated is gone), a stale group's id is forgotten;
-counted in `async/unanswered_aborts` and `async/failed_aborts` (and the scheduler's `async/lost_requests`), with
-one warning per version (the first loss at once, the rest summed up at the next `finish_update`). So neither the
-handles nor the scheduler's ids of such requests are kept for good, and a weight update waiting on an abort goes on
-after the bound instead of failing the run. A request that was NOT aborted and whose `result()` raises is an engine
-failure: the thread stops and the trainer's next call (`take`, `begin_update`, ...) raises a RuntimeError naming
-the request, its group and sample, chained to the engine's error; it is never retried or dropped silently (a batch
-waiting for that sample would otherwise wait out `timeout_s`, an hour in a run).
+counted in `async/unanswered_aborts` and `async/failed_aborts` (and the scheduler's `async/lost_requests`), with one
+warning per version (the first loss at once, the rest summed up at the next `finish_update`, or at `close` for the
+last version). So neither the handles nor the scheduler's ids of such requests are kept for good, and a weight
+update waiting on an abort goes on after the bound instead of failing the run. A request that was NOT aborted and
+whose `result()` raises is an engine failure: the thread stops and the trainer's next call (`take`, `begin_update`,
+...) raises a RuntimeError naming the request, its group and sample, chained to the engine's error; it is never
+retried or dropped silently (a batch waiting for that sample would otherwise wait out `timeout_s`, an hour in a
+run). A request that was NOT aborted and whose handle never completes has no bound of its own (a long generation is
+legitimate; only the engine can tell it from a hung one): the batch waiting for it is bounded by `timeout_s`, whose
+error names the oldest running requests with how long each has run.
 
 The same code runs on `cluster=local` (engines in this process: generation and training share its cores) and on
 Ray (engines in their own processes: real overlap).
@@ -54,6 +61,7 @@ from typing import Any
 
 from roll_core.idle_aborts import MAX_IDLE_ABORTS
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
+from roll_core.scheduling._driver_timeouts import submit_hang, take_timeout
 from roll_core.scheduling.pool import EnginePool
 from roll_core.scheduling.scheduler import GroupState, RolloutScheduler, SampleState
 
@@ -93,6 +101,12 @@ class AsyncRollout:
         self.pool = pool  # None: the infer group routes each request itself
         self._cv = threading.Condition()
         self._handles: dict[str, Any] = {}
+        # Requests handed to the engine (or being handed) -> when: a take that times out says how long the oldest
+        # ran. Removed with their handles.
+        self._since: dict[str, float] = {}
+        # Requests built and booked in the scheduler whose `submit_request` has not returned: the engine is called
+        # without the lock (a submit that blocks must not block `close`, `take`'s timeout, an update).
+        self._submitting: set[str] = set()
         self._paused = False
         self._stopped = False
         self._error: BaseException | None = None
@@ -123,25 +137,43 @@ class AsyncRollout:
 
     def close(self) -> None:
         """Abort what runs and stop the thread (module docstring); later calls raise that the driver is closed."""
-        with self._cv:
+        # Bounded: the thread holds the lock while it starts groups (`next_group`, user code that may block); a close
+        # that waited for the lock for ever hung the shutdown. Past the bound the flag is set without the lock (one
+        # assignment; the thread and every waiter read it at their next poll) and the thread is left, as below.
+        if not self._cv.acquire(timeout=self.close_timeout_s):
+            self._stopped = True
+            self._warn_stuck("held the driver's lock (its running requests are aborted if it gets past that)")
+            return
+        try:
             self._stopped = True
             running = list(self._handles)
             self._mark_aborting(running)
             thread = self._thread  # read with the state: `start` sets it under this lock, started
+            unwarned, self._unwarned = self._unwarned, {}
+            version = self.sched.version
             self._cv.notify_all()
+        finally:
+            self._cv.release()
+        self._warn_unwarned(unwarned, version)  # the losses since this version's warning: no finish_update sums them
+        # A request whose submit is still under way is aborted by the thread once the engine returns its handle.
         for rid in running:
             self.infer.abort(rid)
         if thread is not None:
             thread.join(timeout=self.close_timeout_s)
             if thread.is_alive():
-                log.warning(
-                    "async rollout: thread %r still alive %gs after close() (left running, a daemon): %s; stuck in "
-                    "%s (an engine call or next_group that does not return?)",
-                    thread.name,
-                    self.close_timeout_s,
-                    self._doing,
-                    self._where(),
-                )
+                self._warn_stuck("still alive")
+
+    def _warn_stuck(self, what: str) -> None:
+        """The warning of a close that gave up on the thread after `close_timeout_s`: what it does and where."""
+        log.warning(
+            "async rollout: thread %r %s %gs after close() (left running, a daemon): %s; stuck in %s (an engine call "
+            "or next_group that does not return?)",
+            self._thread.name if self._thread is not None else "roll-async-rollout",
+            what,
+            self.close_timeout_s,
+            self._doing,
+            self._where(),
+        )
 
     def _where(self) -> str:
         """The innermost frames of the driver thread, for the warning of a thread that outlived `close`."""
@@ -169,43 +201,13 @@ class AsyncRollout:
                         # Taken over several waits, orders "ready" and "deadline" return later groups first.
                         return sorted(out, key=lambda g: g.gid)
                     if time.monotonic() > deadline:
-                        raise self._take_timeout(len(out), n)
+                        raise take_timeout(self, len(out), n)
                     self._cv.wait(0.5)
             except BaseException:
                 # Taken, never returned: lost for good (no batch trained them, yet the budget booked them as
                 # trained), and a trainer that retried after a timeout waited for groups that no longer existed.
                 self.sched.untake(out)
                 raise
-
-    def _take_timeout(self, got: int, n: int) -> TimeoutError:
-        """The error of a `take` that got `got` of `n` groups within `timeout_s` (lock held): the config key that
-        sets the bound, the unfinished groups (their samples left), the requests running, and why: groups that
-        never started for lack of budget (pipeline.async_ratio bounds it), requests running without finishing (the
-        engine), samples no request carries (paused, or every engine shrunk away)."""
-        waiting = [g for g in self.sched.groups.values() if not g.done]
-        groups = ", ".join(f"{g.gid} ({len(g.samples) - g.finished} of {len(g.samples)} left)" for g in waiting[:5])
-        running = list(self._handles)  # in submission order: the oldest, the likeliest hung, first
-        why = []
-        # Groups that exist (running, or complete and not yet taken) are all a take can still get; past them, only
-        # groups the budget lets start, and with none left they start only after the next weight update.
-        never = n - got - len(waiting) - self.sched.complete()
-        if never > 0 and self.sched.capacity() == 0:
-            why.append(
-                f"{never} group(s) never started for lack of budget: the scheduler's budget (pipeline.async_ratio="
-                f"{self.sched.k}: at most {self.sched.k} + 1 batches of {self.sched.batch_groups} groups ahead of the "
-                f"trainer) is all started at version {self.sched.version}, and no group starts before the next weight "
-                "update (take at most a batch per version, or raise pipeline.async_ratio)"
-            )
-        if running:
-            why.append("requests running without finishing (a hung or slow inference engine?)")
-        elif any(True for _ in self.sched.pending()):
-            why.append("samples waiting for a request (the driver paused for a weight update, or every engine shrunk)")
-        return TimeoutError(
-            f"async rollout: {got} of {n} groups complete after {self.timeout_s}s (pipeline.async_batch_timeout_s): "
-            f"{len(waiting)} group(s) unfinished: {groups or 'none'}{' ...' if len(waiting) > 5 else ''}; "
-            f"{len(running)} request(s) running: {', '.join(running[:5]) or 'none'}{' ...' if len(running) > 5 else ''}"
-            f"{''.join(f'; {w}' for w in why)}"
-        )
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -235,11 +237,14 @@ class AsyncRollout:
         wait_s = self._wait_bound()
         deadline = time.monotonic() + wait_s
         with self._cv:
-            while any(rid in self._handles for rid in to_abort):
+            # A submit still under way would land on the weights being changed: it ends first (its request, when
+            # partial rollout aborted it, is aborted by the thread then, and waited for here).
+            while self._submitting or any(rid in self._handles for rid in to_abort):
                 self._raise()
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"async rollout: aborted requests were neither collected nor forgotten within {wait_s} s"
+                        f"{submit_hang(self)}"
                     )
                 self._cv.wait(0.05)
 
@@ -260,16 +265,22 @@ class AsyncRollout:
             version = self.sched.version
             self._paused = False
             self._cv.notify_all()
+        self._warn_unwarned(unwarned, version - 1)
+        # A doomed request whose submit is still under way is aborted by the thread once the engine returns it.
+        for rid in doomed:
+            self.infer.abort(rid)
+
+    @staticmethod
+    def _warn_unwarned(unwarned: dict[str, int], version: int) -> None:
+        """The summary of the losses at `version` after its first warning (at the update that ends it, or close)."""
         if unwarned:
             log.warning(
                 "async rollout: %d more aborted request(s) lost at version %d (%s): forgotten, their samples resume "
                 "with their earlier prefixes",
                 sum(unwarned.values()),
-                version - 1,
+                version,
                 ", ".join(f"async/{cause} {n}" for cause, n in sorted(unwarned.items())),
             )
-        for rid in doomed:
-            self.infer.abort(rid)
 
     # ---- partial-GPU mode: engines that leave and rejoin ---------------------------------------------------------
     def shrink(self, engines: list[Any], timeout_s: float | None = None) -> int:
@@ -287,10 +298,13 @@ class AsyncRollout:
         timeout_s = self._wait_bound() if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            while any(rid in self._handles for rid in moved) or pool.draining(engines):
+            while self._submitting or any(rid in self._handles for rid in moved) or pool.draining(engines):
                 self._raise()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"async rollout: requests of engines {engines} did not return in {timeout_s} s")
+                    raise TimeoutError(
+                        f"async rollout: requests of engines {engines} did not return in {timeout_s} s"
+                        f"{submit_hang(self)}"
+                    )
                 self._cv.wait(0.05)
         return len(moved)
 
@@ -335,14 +349,22 @@ class AsyncRollout:
 
     # ---- the background thread ----------------------------------------------------------------------------
     def _run(self) -> None:
+        left: list[str] = []
         try:
             while True:
+                batch: list[tuple[str, Request, Any]] = []
                 with self._cv:
                     if self._stopped:
-                        return
+                        # What close could not abort (it gave up on the lock while this thread started groups).
+                        left = [rid for rid in self._handles if rid not in self._aborting]
+                        break
                     if not self._paused:
-                        self._doing = "starting groups (next_group) and submitting their requests"
-                        self._fill()
+                        self._doing = "starting groups (next_group)"
+                        batch = self._fill()
+                if batch:
+                    self._doing = "submitting requests (the engine's submit_request)"
+                    self._submit(batch)
+                with self._cv:
                     handles = list(self._handles.items())
                 self._doing = "polling the request handles and reading the finished ones' results"
                 progressed = False
@@ -376,11 +398,15 @@ class AsyncRollout:
             with self._cv:
                 self._error = exc
                 self._cv.notify_all()
+            return
+        for rid in left:
+            self.infer.abort(rid)
 
     def _record(self, rid: str, out: RequestOutput) -> None:
         """Record a collected result (takes the lock)."""
         with self._cv:
             self._handles.pop(rid, None)
+            self._since.pop(rid, None)
             sample = self.sched.by_request.get(rid)
             asked = self._aborting.pop(rid, None) is not None
             if sample is not None:
@@ -412,7 +438,9 @@ class AsyncRollout:
             if at > cutoff:
                 break
             expired.append(rid)
-        gone = [rid for rid in expired if rid not in self._handles]  # collected already: nothing to forget
+        # Collected already: nothing to forget. One whose submit is under way stays: the thread aborts it, and
+        # forgets it in a later sweep, once the engine returned its handle.
+        gone = [rid for rid in expired if rid not in self._handles and rid not in self._submitting]
         for rid in gone:
             del self._aborting[rid]
         # A handle that completed just now is collected by this sweep instead: its partial result is kept.
@@ -426,6 +454,7 @@ class AsyncRollout:
         live sample resumes with its prefix kept, on any engine: the one it ran on may be gone)."""
         for rid in rids:
             self._handles.pop(rid, None)
+            self._since.pop(rid, None)
             self._aborting.pop(rid, None)
             sample = self.sched.by_request.get(rid)
             if self.pool is not None and self.pool.engine_of(rid) is not None:
@@ -438,7 +467,7 @@ class AsyncRollout:
 
     def _book_warning(self, lost: dict[str, list[str]]) -> int | None:
         """One warning per version (lock held): the version to warn about now if these are its first losses; later
-        ones are summed up at the next `finish_update`."""
+        ones are summed up at the next `finish_update` (or `close`)."""
         if not any(lost.values()):
             return None
         version = self.sched.version
@@ -488,22 +517,53 @@ class AsyncRollout:
                 f"an engine that only pauses that often: raise pipeline.max_idle_aborts, now {self.max_idle_aborts})"
             )
 
-    def _fill(self) -> None:
-        """Start groups up to the budget and submit every pending sample (lock held)."""
+    def _fill(self) -> list[tuple[str, Request, Any]]:
+        """Start groups up to the budget and book a request for every pending sample (lock held); returns them as
+        (id, request, engine or None), listed in `_submitting`, for `_submit` to hand to the engine."""
         while self.sched.capacity() > 0:
             payload, prompt_ids, *mm = self.next_group()
             self.sched.start(payload, prompt_ids, mm[0] if mm else None)
         if self.pool is not None and not self.pool.active:
-            return  # every engine is shrunk away: the samples wait for an expand
+            return []  # every engine is shrunk away: the samples wait for an expand
+        batch = []
         for sample, ids, remaining in list(self.sched.pending()):
             rid = f"async-{self._n}"
             self._n += 1
             seed = None if self.params.seed is None else (self.params.seed * 1_000_003 + self._n) % 2**62
             params = self.params.replace(max_new_tokens=max(1, remaining), seed=seed)
             self.sched.submitted(sample, rid)
-            request = Request(rid, ids, params, mm=sample.group.mm)
-            if self.pool is None:
-                self._handles[rid] = self.infer.submit_request(request)
-            else:
-                engine = self.pool.assign(rid, key=(sample.group.gid, sample.index))
-                self._handles[rid] = self.infer.submit_request(request, rank=engine)
+            engine = None if self.pool is None else self.pool.assign(rid, key=(sample.group.gid, sample.index))
+            batch.append((rid, Request(rid, ids, params, mm=sample.group.mm), engine))
+            self._submitting.add(rid)
+            self._since[rid] = time.monotonic()
+        return batch
+
+    def _submit(self, batch: list[tuple[str, Request, Any]]) -> None:
+        """Hand `_fill`'s requests to the engine without the lock (an engine call may block: `close`, `take`'s
+        timeout and the updates must not wait on it). What happened meanwhile is caught up under the lock after
+        each: a request aborted meanwhile (an update, a stale group, a shrink, close) is aborted now that the
+        engine knows it; `begin_update` and `shrink` wait until no submit is under way (none lands on weights being
+        changed or on an engine being taken away)."""
+        try:
+            for rid, request, engine in batch:
+                if self._stopped:  # closed: the rest is never submitted (nothing generates any more)
+                    return
+                handle = (
+                    self.infer.submit_request(request)
+                    if engine is None
+                    else self.infer.submit_request(request, rank=engine)
+                )
+                with self._cv:
+                    self._submitting.discard(rid)
+                    self._handles[rid] = handle
+                    abort = self._stopped or rid in self._aborting
+                    if abort:  # its abort's bound runs from now, when the engine knows it (at the end: time order)
+                        self._aborting.pop(rid, None)
+                        self._aborting[rid] = time.monotonic()
+                    self._cv.notify_all()
+                if abort:
+                    self.infer.abort(rid)
+        finally:
+            with self._cv:
+                self._submitting.difference_update(rid for rid, _, _ in batch)
+                self._cv.notify_all()
