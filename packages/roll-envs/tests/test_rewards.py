@@ -8,7 +8,14 @@ import time
 import pytest
 
 from roll_envs.rewards.base import RewardResult
-from roll_envs.rewards.math import MAX_BOXED_CHARS, MathReward, extract_boxed, last_number, quantity
+from roll_envs.rewards.math import (
+    MAX_BOXED_CHARS,
+    MathReward,
+    canonical_answer,
+    extract_boxed,
+    last_number,
+    quantity,
+)
 from roll_envs.tasks.countdown import CountdownReward, evaluate_equation
 
 
@@ -313,16 +320,93 @@ def test_last_number_reads_exponents_and_only_thousands_grouping() -> None:
 
 
 def test_words_that_change_the_value_are_not_units() -> None:
-    """`5 million`, `5 squared`, `5 halves` are not 5 with a unit: they were graded right against a truth of 5 (and
-    wrong against 5000000 or 25) and voted with 5."""
+    """`5 squared`, `5 halves`, `5 dozen` are not 5 with a unit: they were graded right against a truth of 5 (and
+    wrong against 25) and voted with 5. (Scale words multiply the value: test_scale_words_multiply_the_number.)"""
     reward = MathReward()
-    changed = ["5 million", "5 thousand", "5 dozen", "5 squared", "5 cubed", "5 factorial", "5 halves", "5 less"]
+    changed = ["5 dozen", "5 squared", "5 cubed", "5 factorial", "5 halves", "5 hundredths", "5 less"]
     for text in changed:
         assert quantity(text) is None, text
     graded = changed[:-1]  # math-verify itself reads `5 less` (like `5 or more`) as 5
     res = reward.score([f"\\boxed{{{t}}}" for t in graded] + [r"\boxed{5 cubic feet}"], ["5"] * (len(graded) + 1))
     assert res.correct == [0.0] * len(graded) + [1.0]
-    assert reward.extract_answer(r"\boxed{5 million}") == "5 million"
+    assert reward.extract_answer(r"\boxed{5 squared}") == "5 squared"
+
+
+#: (truth, boxed answer, correct): a scale word multiplies the number in the truth and the answer alike, and a
+#: scaled answer is never the unscaled number. The old grader scored `5\text{ million}` right against 5 and wrong
+#: against 5000000, and a bare `5 million` right only against itself.
+SCALE_CASES = [
+    (r"5\text{ million}", "5", 0.0),
+    (r"5\text{ million}", r"5\text{ million}", 1.0),
+    (r"5\text{ million}", "5000000", 1.0),
+    (r"5\text{ million}", "5,000,000", 1.0),
+    (r"5\text{ million}", "5 million", 1.0),
+    ("5 million", "5", 0.0),
+    ("5 million", "5000000", 1.0),
+    ("5 million", r"5\text{ million}", 1.0),
+    ("5 million", r"5\mbox{ Million}", 1.0),
+    ("5 million", r"5\mathrm{millions}", 1.0),
+    ("5 million", "5 million", 1.0),
+    ("5000000", r"5\text{ million}", 1.0),
+    ("5000000", "5 million", 1.0),
+    ("5000000", "5 Millions", 1.0),
+    ("5,000,000", r"\$5 million", 1.0),
+    ("5000000", r"5\text{ million dollars}", 1.0),
+    ("5000000", "5 million dollars", 1.0),
+    ("5000000", "5", 0.0),
+    ("5", r"5\text{ million}", 0.0),
+    ("5", "5 million", 0.0),
+    ("5", r"5\mbox{ thousand}", 0.0),
+    ("5", "5", 1.0),
+    ("1500000000", r"1.5\text{ billion}", 1.0),
+    ("3000000000000", r"\frac{3}{1}\text{ trillion}", 1.0),
+    ("2500", "2.5 thousand", 1.0),
+    ("2.5", "2.5 thousand", 0.0),
+    # not a quantity: the scale word reaches math-verify as a power of ten, never dropped with its \text{}
+    ("x = 5000000", r"x = 5\text{ million}", 1.0),
+    ("5", r"x = 5\text{ million}", 0.0),
+    (r"\sqrt{2}", r"\sqrt{2}\text{ million}", 0.0),
+    (r"1000000\sqrt{2}", r"\sqrt{2}\text{ million}", 1.0),
+    # percent is unchanged: its number or its hundredth
+    (r"75\%", "75", 1.0),
+    (r"75\%", "0.75", 1.0),
+    ("0.75", r"75\%", 1.0),
+    ("75", "75 percent", 1.0),
+    # units keep working
+    ("1000", r"1000\text{ dollars}", 1.0),
+    ("5", "5 cubic feet", 1.0),
+]
+
+
+@pytest.mark.parametrize(("truth", "answer", "expected"), SCALE_CASES)
+def test_scale_words_multiply_the_number(truth: str, answer: str, expected: float) -> None:
+    """One convention for scale words, in both directions and in the majority vote: equal values share a vote key
+    (and `same_answer`), a scaled answer and its unscaled number do neither."""
+    reward = MathReward()
+    res = reward.score([f"so \\boxed{{{answer}}}"], [truth])
+    assert res.correct == [expected] and res.counters["errors"] == res.counters["timeouts"] == 0
+    one_percent = any(p in truth for p in ("%", "percent")) != any(p in answer for p in ("%", "percent"))
+    vote = bool(expected) and not one_percent  # the vote keeps 75% apart from 75 and 0.75 (module docstring)
+    key_truth, key_answer = canonical_answer(truth), canonical_answer(answer)
+    assert reward.same_answer(key_truth, key_answer) == vote
+    if quantity(truth) is not None and quantity(answer) is not None:
+        assert (key_truth == key_answer) == vote
+
+
+def test_scale_word_quantities_and_stated_numbers() -> None:
+    """The values read, their vote keys, and the last-number credit: an unboxed `5 million` states 5000000."""
+    assert quantity("5 million") == (5_000_000, False) and quantity(r"5\text{ million}") == (5_000_000, False)
+    assert quantity(r"\$1.5\,\text{Billion}") == (1_500_000_000, False) and quantity("2 hundred") == (200, False)
+    assert quantity("5 million.") == (5_000_000, False) and quantity("5 millionaires") == (5, False)  # a unit
+    # a scaled percent, a second scale word, a scale word after a unit or a stray brace: no quantity
+    for text in ["5 million%", "5 million percent", "5 million million", "5 dollars million", "5 million}"]:
+        assert quantity(text) is None, text
+    assert canonical_answer("5 million") == canonical_answer(r"5\text{ million}") == "5000000"
+    assert last_number("it is 5 million") == "5000000" and last_number(r"so 1.5\text{ thousand} m") == "1500"
+    reward = MathReward(last_number_weight=0.5)
+    stated = ["it is 5 million", "it is 5 million", "it is 5000000", "it is 5"]
+    res = reward.score(stated, ["5", "5000000", r"5\text{ million}", "5 million"])
+    assert res.scores == [0.0, 0.5, 0.5, 0.0]
 
 
 def test_unicode_minus_is_a_minus_sign() -> None:

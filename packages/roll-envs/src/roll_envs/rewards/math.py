@@ -4,9 +4,9 @@ Scoring (per response):
 - `correct` = 1 when the last non-empty `\\boxed{...}` verifies against the ground truth (strict accuracy); a
   brace-less `\\boxed 5` is a box too, and escaped braces do not count toward balance (roll_envs.boxed).
 - `score` = `correct_weight` if correct; else, for a response without a boxed answer, `last_number_weight` if
-  its last number (`last_number`: `1.5e3` is 1500; `1,2345` is none) equals the ground truth (a softer signal
-  for small models that state the right number without boxing it; a wrong boxed answer earns none:
-  `\\boxed{\\frac{1}{2}}` ends with the number 2); plus
+  its last number (`last_number`: `1.5e3` is 1500, `5 million` 5000000; `1,2345` is none) equals the ground
+  truth (a softer signal for small models that state the right number without boxing it; a wrong boxed answer
+  earns none: `\\boxed{\\frac{1}{2}}` ends with the number 2); plus
   `format_weight` if a non-empty `\\boxed{...}` is present (small models copy the prompt's empty `\\boxed{}`;
   that earns nothing).
 - Quantities (`quantity`): when both the boxed answer and the truth are one number (integer, decimal, `a/b` or
@@ -20,7 +20,8 @@ Scoring (per response):
   `1000 dollars` was wrong); a unit is `\\text{...}`/`\\mathrm{...}` of words, a degree sign, or up to four
   words after a space (the first of three letters or more, or a short unit such as `cm`, `kg`, `ft`: `5 x`,
   `5 pi` or `5xy` are not units), never a word such as `and`, `or`, `times`, `sqrt`, nor one that changes the
-  value (`5 million`, `5 squared`, `5 halves`, `5 less`: no quantity, so never equal to a truth of `5`). A
+  value (`5 squared`, `5 halves`, `5 less`: no quantity, so never equal to a truth of `5`; math-verify drops a
+  `\\text{}` around such a word, `5\\text{ squared}`, and grades the number). A
   unicode minus (U+2212) is a minus sign. (A product of variables
   written with a space, `3 abc`, therefore equals a truth of plain `3`; against a truth `3abc` it is verified
   symbolically as before.) A percent (`%`, `\\%`, the word `percent`) equals its number or its
@@ -29,6 +30,16 @@ Scoring (per response):
   (`1000 dollars and 5`) is no quantity and is verified symbolically, so a unit never hides a second number. A
   quantity with an `e` exponent verified symbolically against a non-quantity reaches math-verify as its plain
   decimal (never as `e`).
+- Scale words: `hundred`, `thousand`, `million`, `billion`, `trillion` (a plural or capital too: `millions`,
+  `Million`) right after a quantity's value, bare or in `\\text{}`/`\\mbox{}`/`\\mathrm{}` (`5 million`,
+  `5\\text{ million}`, `\\$1.5 billion`, `5\\text{ million dollars}`), multiply it, in the truth and the answer
+  alike: `5 million`, `5\\text{ million}`, `5,000,000`, `5000000` and `5 \\times 10^6` are one answer, and a scaled
+  answer is never its unscaled number (`5 million` is not `5`, either way round). math-verify alone dropped a
+  `\\text{ million}` (`5\\text{ million}` was right against 5, wrong against 5000000) and read a bare `million` as
+  letters (`5 million` right only against itself). In a text that is no quantity, a scale word after a number or
+  a closing bracket reaches math-verify as `\\cdot 10^{k}` (`x = 5\\text{ million}` is `x = 5000000`,
+  `\\sqrt{2}\\text{ million}` is not `\\sqrt{2}`); a quantity with a scale word, as its plain value. A scaled percent
+  (`5 million%`) is no quantity (math-verify reads it, scale rewritten). The percent rule is unchanged.
 - Parsing or verification that crashes or times out, or a boxed answer longer than `MAX_BOXED_CHARS` (not a
   plain number), scores 0 for correctness and is counted (`reward/timeouts`, `reward/errors`). math-verify's
   timeout uses SIGALRM, which works only in a process's main thread: there it is used as is (each of parse and
@@ -50,13 +61,14 @@ Scoring (per response):
 
 `extract_answer` (roll-eval's majority vote) gives the boxed answer in one spelling per value where that is
 certain, so that samples the grader would grade alike vote together: a quantity as its exact value (an integer;
-a terminating decimal `0.5` for `\\frac{1}{2}`, `1/2`, `0.50`; else a reduced `\\frac{1}{3}` for `2/6`), units
-and currency dropped, `%` kept (`75%` is not merged with `75` or `0.75`: the grader equates each with `75%`, not
-with each other); `\\dfrac`/`\\tfrac` as `\\frac`; anything else as boxed. Decimals that only approximate a
-fraction (`0.333`) keep their own key. `same_answer(first, other)` (the vote's equivalence, roll_core.eval_metrics)
-merges what one spelling cannot: `other` graded against a truth of `first` as a response is (`\\frac{\\sqrt2}{2}`
-and `\\frac{1}{\\sqrt{2}}`, `x=2` and `2`, `.5` and `0.5`); two quantities are one answer only when their keys are
-(the percent rule above); a check that times out or fails says "different".
+a terminating decimal `0.5` for `\\frac{1}{2}`, `1/2`, `0.50`; else a reduced `\\frac{1}{3}` for `2/6`; `5000000`
+for `5 million`), units and currency dropped, `%` kept (`75%` is not merged with `75` or `0.75`: the grader
+equates each with `75%`, not with each other); `\\dfrac`/`\\tfrac` as `\\frac`; anything else as boxed.
+Decimals that only approximate a fraction (`0.333`) keep their own key. `same_answer(first, other)` (the vote's
+equivalence, roll_core.eval_metrics) merges what one spelling cannot: `other` graded against a truth of `first`
+as a response is (`\\frac{\\sqrt2}{2}` and `\\frac{1}{\\sqrt{2}}`, `x=2` and `2`, `.5` and `0.5`); two quantities
+are one answer only when their keys are (the percent rule above); a check that times out or fails says
+"different".
 
 Reasoning: only the answer is graded, the text after the last `</think>` (roll_envs.rewards.judge's `final_text`,
 as the ifeval reward reads it): a box or number inside a thinking model's reasoning is no answer. A response whose
@@ -109,14 +121,22 @@ def last_number(text: str) -> str | None:
     """The last integer or decimal in `text` (thousands separators removed; a decimal exponent kept, `1.5e3`, as
     `roll_envs.numeric.parse_number` reads it) that stands alone: not a part of a fraction, power or index
     (`_PART`); None when there is none, or when the last one has commas that are no thousands grouping (`1,2345`,
-    `1,5`, `1,2,3`: a decimal comma, a typo or a list written without spaces, no one number it surely states)."""
+    `1,5`, `1,2,3`: a decimal comma, a typo or a list written without spaces, no one number it surely states).
+    A number with a scale word after it is its value (`5 million` gives `5000000`, `1.5 thousand` `1500`)."""
     text = text.replace(_UNICODE_MINUS, "-")  # one character for one: positions stay
     for m in reversed(list(_STATED_NUMBER.finditer(text))):
         before, after = text[max(0, m.start() - 1) : m.start()], text[m.end() : m.end() + 2]
         if not (_PART.search(before) or _PART_AFTER.match(after)):
             if "," in m["int"] and not _THOUSANDS.fullmatch(m["int"]):
                 return None
-            return m.group().replace(",", "")
+            number = m.group().replace(",", "")
+            scale = _SCALE.match(text, _SEP.match(text, m.end()).end())
+            if scale is None:
+                return number
+            try:  # `5 million` states 5000000, not 5 (module docstring: "Scale words")
+                return _value_key(parse_number(number) * 10 ** _SCALES[scale["word"].lower().removesuffix("s")])
+            except ValueError:  # an exponent beyond numeric.MAX_EXPONENT: `_same_number` finds no value either
+                return number
     return None
 
 
@@ -142,7 +162,9 @@ _LEAD = re.compile(r"(?P<s1>-?)\s*(?:\\\$|\$)?\s*(?P<s2>-?)\s*")
 _SEP = re.compile(r"(?:\s|\\[ ,;:!]|~)*")
 _PERCENT = re.compile(r"\\?%")
 #: A unit: `\text{...}`-like of letters, a degree sign, or words after a space (`quantity`).
-_TEXT_UNIT = re.compile(r"\\(?:text|textrm|textnormal|textit|textbf|mathrm|mathit|mbox)\s*\{(?P<words>[A-Za-z .]*)\}")
+#: The text commands a unit (or a scale word) may be written in: `\text{ dollars}`, `\mbox{ million}`.
+_WRAP = r"\\(?:text|textrm|textnormal|textit|textbf|mathrm|mathit|mbox)\s*\{"
+_TEXT_UNIT = re.compile(_WRAP + r"(?P<words>[A-Za-z .]*)\}")
 _DEGREE = re.compile(r"\^\s*(?:\\circ|\{\s*\\circ\s*\})|°")
 _WORD_UNIT = re.compile(
     r"(?P<words>(?:[A-Za-z]{3,}|(?:cm|mm|km|kg|mg|ml|ft|lb|oz|hr|yd|mi)\b)(?:\s+[A-Za-z]{2,}){0,3})\.?"
@@ -151,7 +173,21 @@ _PERCENT_WORDS = {"percent", "percentage", "pct"}
 #: Words that make a trailing "unit" part of the answer: connectives and math functions written without `\`.
 _NOT_UNITS = {"and", "or", "plus", "minus", "times", "over", "divided", "by", "mod", "not", "sqrt", "root"}
 _NOT_UNITS |= {"sin", "cos", "tan", "cot", "csc", "log", "exp", "inf", "infty", "infinity", "pi", "e", "i"}
-#: Words that change the number (`5 million`, `5 squared`, `5 halves`, `5 less`): the value is not the number.
+#: Scale words and the power of ten they multiply the number by (module docstring: "Scale words"); a plural
+#: (`5 millions`) or a capital (`5 Million`) is the same word.
+_SCALES = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12}
+_SCALE_WORD = r"(?P<word>(?:hundred|thousand|million|billion|trillion)s?)(?![A-Za-z])"
+#: A scale word right after a quantity's value (and its space): bare, or opening a text command
+#: (`5\text{ million}`, `5\text{ million dollars}`, whose other words stay a unit).
+_SCALE = re.compile(rf"(?P<cmd>{_WRAP})?(?:\s|\\[ ,;:!]|~)*{_SCALE_WORD}(?(cmd)(?P<close>\s*\}})?)", re.IGNORECASE)
+#: A scale word after a number, a closing brace or parenthesis anywhere in a text that is no quantity
+#: (`\sqrt{2}\text{ million}`, `x = 5 million`): rewritten for math-verify as `\cdot 10^{k}` (`_for_verify`),
+#: which would otherwise drop a `\text{}` scale word and read `5\text{ million}` as 5.
+_SCALE_AFTER = re.compile(
+    rf"(?<=[\d}})])(?:\s|\\[ ,;:!]|~)*(?P<cmd>{_WRAP})?\s*{_SCALE_WORD}(?(cmd)(?P<close>\s*\}})?)", re.IGNORECASE
+)
+#: Words that change the number (`5 squared`, `5 halves`, `5 less`): the value is not the number. Scale words
+#: are read by `_SCALE` right after the value; anywhere else (`5 dollars million`) they make no quantity.
 _NOT_UNITS |= {"hundred", "hundreds", "thousand", "thousands", "million", "millions", "billion", "billions"}
 _NOT_UNITS |= {"trillion", "trillions", "dozen", "dozens", "squared", "cubed", "factorial", "fold", "power"}
 _NOT_UNITS |= {"half", "halves", "third", "thirds", "fourth", "fourths", "fifth", "fifths", "tenth", "tenths"}
@@ -192,13 +228,22 @@ def quantity(text: str) -> tuple[Fraction, bool] | None:
     if lead["s1"] or lead["s2"]:
         value = -value
     rest = t[_SEP.match(t, m.end()).end() :]
+    spaced = m.end() < len(t) and t[m.end()] in " \t\n~\\"  # a bare word unit needs a space before it
+    scale = _SCALE.match(rest)
+    if scale is not None:  # `5 million`, `5\text{ million}`: the value is 5000000 (module docstring)
+        value *= 10 ** _SCALES[scale["word"].lower().removesuffix("s")]
+        rest = rest[scale.end() :]
+        if scale["cmd"] and not scale["close"]:
+            rest = scale["cmd"] + rest  # `\text{ million dollars}`: the other words are a unit, `\text{ dollars}`
+        spaced = True  # the scale word ends at a non-letter (`_SCALE_WORD`): a word unit after it stands apart
+        rest = rest[_SEP.match(rest).end() :]
+        rest = "" if rest == "." else rest  # `5 million.` ends a sentence, as a word unit may (`_WORD_UNIT`)
     percent = bool(_PERCENT.match(rest))
     if percent:
         rest = rest[_PERCENT.match(rest).end() :].lstrip()
         rest = rest[_SEP.match(rest).end() :]
     if not rest:
-        return value, percent
-    spaced = m.end() < len(t) and t[m.end()] in " \t\n~\\"  # a bare word unit needs a space before it
+        return None if percent and scale else (value, percent)  # `5 million%`: which scale? no quantity
     for unit, needs_space in ((_TEXT_UNIT, False), (_DEGREE, False), (_WORD_UNIT, True)):
         u = unit.fullmatch(rest)
         if u is None or (needs_space and not (spaced or percent)):
@@ -207,8 +252,8 @@ def quantity(text: str) -> tuple[Fraction, bool] | None:
         if any(w in _NOT_UNITS for w in words) or (unit is _TEXT_UNIT and not words):
             return None
         if _PERCENT_WORDS.intersection(words):  # "75 percent (of them)": math-verify reads the word as \%
-            if percent:
-                return None  # "75% percent"
+            if percent or scale:
+                return None  # "75% percent", "5 million percent"
             percent = True
         return value, percent
     return None
@@ -264,10 +309,20 @@ def _same_number(number: str, answer: str) -> bool:
     return same_quantity((stated, False), truth)
 
 
-def _without_e(text: str, q: tuple[Fraction, bool] | None) -> str:
-    """`text` for math-verify: a quantity written with a decimal exponent (`1e-5`) as its plain decimal, since
-    math-verify reads the `e` as Euler's number; anything else unchanged."""
-    if q is None or not _E_EXPONENT.search(text):
+def _scale_power(m: re.Match[str]) -> str:
+    """A scale word matched by `_SCALE_AFTER` as the power of ten it stands for; a text command it opened
+    (`\\text{ million dollars}`) is opened again for the words after it."""
+    power = f" \\cdot 10^{{{_SCALES[m['word'].lower().removesuffix('s')]}}}"
+    return power + (m["cmd"] if m["cmd"] and not m["close"] else "")
+
+
+def _for_verify(text: str, q: tuple[Fraction, bool] | None) -> str:
+    """`text` for math-verify: a quantity written with a decimal exponent (`1e-5`) or a scale word as its plain
+    value, since math-verify reads the `e` as Euler's number and drops a `\\text{ million}`; in a text that is no
+    quantity, each scale word after a number as `\\cdot 10^{k}` (`_SCALE_AFTER`); anything else unchanged."""
+    if q is None:
+        return _SCALE_AFTER.sub(_scale_power, text)
+    if not (_E_EXPONENT.search(text) or _SCALE.search(text)):
         return text
     return _value_key(q[0]) + ("\\%" if q[1] else "")
 
@@ -347,7 +402,7 @@ class MathReward(Reward):
         got, truth = quantity(boxed), quantity(answer)
         if got is not None and truth is not None:
             return same_quantity(got, truth)  # exact, units and currency aside (module docstring)
-        boxed, answer = _without_e(boxed, got), _without_e(answer, truth)
+        boxed, answer = _for_verify(boxed, got), _for_verify(answer, truth)
         plain = _GROUP_SPACE.sub("", boxed.strip())
         if _NUMBER.fullmatch(plain) and _NUMBER.fullmatch(answer.strip()):  # too long for a quantity
             return plain.replace(",", "") == answer.strip().replace(",", "")
