@@ -207,6 +207,49 @@ def test_rows_with_deeply_nested_json_tests_are_counted_skips(tmp_path: Path) ->
     assert len(problems) == 2 and skipped == [(3, "bad 'tests': tests are a string but not JSON (nested too deeply)")]
 
 
+def _code_rows(path: Path, prompts: list[str]) -> str:
+    path.write_text("".join(json.dumps({"prompt": q, "tests": [{"input": "", "output": "1"}]}) + "\n" for q in prompts))
+    return str(path)
+
+
+def test_a_held_out_problem_differing_only_in_whitespace_is_not_trained_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With env.eval_path a training row was left out only when its prompt equalled a held-out one exactly: "Print
+    1." held out and "Print 1.\n" (or a doubled space) trained on, so the held-out score measured memory. The code
+    task now uses env=file's rule (base.held_out_split): left out, counted in also_held_out, logged. split-nesting"""
+    train_prompts = [f"Print {i}." for i in range(2, 8)] + ["Print 1.\n", "Print  0."]
+    train = _code_rows(tmp_path / "train.jsonl", train_prompts)
+    held = _code_rows(tmp_path / "held.jsonl", ["Print 0.", "Print 1."])
+    with caplog.at_level(logging.WARNING):
+        task = CodeTask(MathReward(), path=train, eval_path=held)
+    assert [p.prompt for p in task.train_set()] == [f"Print {i}." for i in range(2, 8)]
+    assert [p.prompt for p in task.eval_set()] == ["Print 0.", "Print 1."]
+    assert task.also_held_out == 2 and "2 of its 8 rows are also in env.eval_path" in caplog.text
+    # The same file as both is an evaluation set (roll-eval --data), as for env=file: it left nothing to train on.
+    same = CodeTask(MathReward(), path=train, eval_path=train)
+    assert len(same.train_set()) == 8 and len(same.eval_set()) == 8 and same.also_held_out == 0
+
+
+def test_the_hash_split_leaves_out_whitespace_twins_of_held_out_problems(tmp_path: Path) -> None:
+    """Without env.eval_path the split hashes the raw prompt: "Print 3." and "Print 3.\n" fell on different sides
+    and a held-out problem was trained on. Such twins are left out of training and counted (the split of other rows
+    is unchanged). split-nesting"""
+    from roll_envs.tasks.base import stable_fraction
+
+    base = [f"Print {i}." for i in range(40)]
+    prompts = base + [q + "\n" for q in base]
+    crossed = [q for q in base if (stable_fraction(q) < 0.5) != (stable_fraction(q + "\n") < 0.5)]
+    assert crossed  # (some twins do fall on different sides)
+    task = CodeTask(MathReward(), path=_code_rows(tmp_path / "code.jsonl", prompts), eval_fraction=0.5)
+    held = {" ".join(p.prompt.split()) for p in task.eval_set()}
+    trained = [p.prompt for p in task.train_set()]
+    assert not held & {" ".join(q.split()) for q in trained}
+    assert task.also_held_out == len(crossed) and len(trained) + len(task.eval_set()) == 80 - len(crossed)
+    # Rows without a held-out twin keep their side: the split of a resumed run is unchanged.
+    assert trained == [q for q in prompts if stable_fraction(q) >= 0.5 and q.strip() not in crossed]
+
+
 def test_parse_row_tests_errors() -> None:
     assert parse_row_tests({"tests": [{"input": "a", "output": "b"}]}) == [CodeTest("a", "b")]
     for bad, match in [(None, "no tests"), ([{"input": 1, "output": "x"}], "no string 'input'"), ("{", "not JSON")]:

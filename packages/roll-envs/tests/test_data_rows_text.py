@@ -4,6 +4,7 @@ that holds one JSON array of rows: test_tasks.py, with its `.json` twin."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,48 @@ def test_prompts_already_chat_templated_are_counted_skips(tmp_path: Path) -> Non
     path.write_text(json.dumps(rows[1]) + "\n")
     with pytest.raises(ConfigError, match=r"no usable rows \(1 skipped, first: line 1: 'prompt' is already chat-t"):
         FileTask(MathReward(), path=str(path))
+
+
+# Nested past Python's recursion limit: valid JSON that json.loads cannot read.
+DEEP = "[" * 100_000 + "]" * 100_000
+TOO_DEEP = "invalid JSON (nested too deeply: past Python's recursion limit)"
+
+
+@pytest.mark.parametrize("deep_line", [1, 3])
+def test_a_jsonl_row_nested_too_deeply_is_a_counted_skip(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, deep_line: int
+) -> None:
+    """A JSON line nested past the recursion limit ended the whole load in a bare RecursionError naming neither file
+    nor line (as the first line, from the whole-file array check; later, from the line itself). split-nesting"""
+    lines = [json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) for i in range(4)]
+    lines.insert(deep_line - 1, DEEP)
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+
+    with caplog.at_level("WARNING"):
+        problems, skipped = load_problems(path)
+
+    assert [p.answer for p in problems] == ["1", "2", "3", "4"]
+    assert skipped == [(deep_line, TOO_DEEP)]
+    assert f"skipped 1 bad row(s): line {deep_line}: {TOO_DEEP}" in caplog.text
+    # The code task reads its rows the same way.
+    code = [json.dumps({"prompt": f"Echo {i}.", "tests": [{"input": "1", "output": "1"}]}) for i in range(2)]
+    path.write_text("\n".join([*code, DEEP]) + "\n")
+    assert load_code_problems(path)[1] == [(3, TOO_DEEP)]
+
+
+def test_a_json_array_nested_too_deeply_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    """A `.json` array with a row nested past the recursion limit ended in a bare RecursionError naming no file: an
+    array over several lines cannot be read row by row, so it is a ConfigError naming the file; a one-line array is
+    read as its one line, a counted bad row (and a file of nothing else the usual "no usable rows"). split-nesting"""
+    good = json.dumps({"prompt": "What is 1 + 1?", "answer": "2"})
+    path = tmp_path / "rows.json"
+    path.write_text(f"[\n{good},\n{DEEP}\n]\n")
+    with pytest.raises(ConfigError, match=r"rows\.json: cannot read it as a JSON array \(nested too deeply"):
+        load_problems(path)
+    with pytest.raises(ConfigError, match=r"rows\.json: cannot read it as a JSON array \(nested too deeply"):
+        FileTask(MathReward(), path=str(path))
+
+    path.write_text(f"[{good}, {DEEP}]\n")
+    with pytest.raises(ConfigError, match=rf"no usable rows \(1 skipped, first: line 1: {re.escape(TOO_DEEP)}"):
+        load_problems(path)

@@ -13,6 +13,10 @@ object, empty prompt, no tests, a test without string input and output, text hol
 escape in the prompt or a test, a prompt already chat-templated, as env=file checks them) are skipped, counted in
 `skipped` with their row numbers and reasons, and logged; an empty result is an error. The prompt is used as written;
 a prompt given as chat messages is read as env=file reads it (the last user message, the messages before it kept).
+The held-out split is env=file's (base.held_out_split): `eval_path` when given, else a stable hash of the prompt
+below `eval_fraction`; either way a training row that is a held-out row's problem but for whitespace in the prompt
+("Q?" and "Q?\n") is left out of training, counted in `also_held_out` and logged, so a held-out problem is never
+trained on. `eval_path` naming the `path` file itself is an evaluation set (every row both trains and is evaluated).
 
 The ground truth of a problem is `rewards.code.encode_tests(tests)`; the reward is `CodeReward` by default.
 """
@@ -30,7 +34,7 @@ from roll_core.errors import ConfigError
 from roll_envs.rewards.base import Reward
 from roll_envs.rewards.code import CodeTest, encode_tests
 from roll_envs.tasks._code_problems import TEMPLATES, param_key, reference_program
-from roll_envs.tasks.base import Problem, Task, eval_file_name, stable_fraction
+from roll_envs.tasks.base import Problem, Task, eval_file_name, held_out_split, stable_fraction
 from roll_envs.tasks.dataset import _chat_prompt, _not_unicode, _rows, _templated, _text_problem, log_skipped
 
 log = logging.getLogger(__name__)
@@ -155,21 +159,27 @@ class CodeTask(Task):
             train = [p for p in problems if stable_fraction(p.id.split(":", 1)[1]) >= eval_fraction]
             held = [p for p in problems if stable_fraction(p.id.split(":", 1)[1]) < eval_fraction]
         else:
-            train, skipped = load_code_problems(path, prompt_key=prompt_key, tests_key=tests_key, name=name)
+            problems, skipped = load_code_problems(path, prompt_key=prompt_key, tests_key=tests_key, name=name)
             self.skipped = [(str(path), n, why) for n, why in skipped]
+            file_held = None
             if eval_path:
-                held, eval_skipped = load_code_problems(
+                file_held, eval_skipped = load_code_problems(
                     eval_path, prompt_key=prompt_key, tests_key=tests_key, name=eval_file_name(name, path, eval_path)
                 )
                 self.skipped += [(str(eval_path), n, why) for n, why in eval_skipped]
-                evaluated = {p.prompt for p in held}  # a held-out problem that also trains measures nothing
-                kept = [p for p in train if p.prompt not in evaluated]
-                if len(kept) < len(train):
-                    log.warning("%s: %d problems also in eval_path left out of training", path, len(train) - len(kept))
-                train = kept
-            else:
-                held = [p for p in train if stable_fraction(p.prompt) < eval_fraction]
-                train = [p for p in train if stable_fraction(p.prompt) >= eval_fraction]
+            # env=file's rule: a training row that is a held-out row's problem but for whitespace in the prompt is
+            # left out and counted (an exact-prompt check trained on "Q?\n" while evaluating "Q?").
+            counts: dict[str, int] = {}
+            train, held = held_out_split(
+                problems,
+                file_held,
+                eval_fraction=eval_fraction,
+                eval_size=eval_size,
+                path=path,
+                eval_path=eval_path,
+                counts=counts,
+            )
+            self.also_held_out = counts.get("also_held_out", 0)
         self._train, self._eval = train, held[:eval_size]
         if not self._train or not self._eval:
             raise ValueError(

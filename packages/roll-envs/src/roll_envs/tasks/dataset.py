@@ -1,17 +1,18 @@
 """User data as a task: JSONL, Parquet or a Hugging Face `datasets` folder with prompt and answer columns; a `.json`
 or `.jsonl` file holds JSON lines or one JSON array of rows (numbered from 1 like lines).
 
-Bad rows (not UTF-8, not JSON, not an object, missing or empty prompt/answer, non-text values, NaN answers, text
-holding a lone surrogate: a `\\ud800` escape, valid JSON but no Unicode character, in the prompt, the answer or any
-other column; a prompt already chat-templated, opening with `<|im_start|>` or another template's markers
-(base.templated_marker), which the pipeline would template again) are skipped, counted and
-reported with their 1-based line (or row) numbers in `skipped` (per file in `skipped_rows`, which the loop puts in
-the metrics and the run summary), and a summary is logged: never silently dropped, never a crash halfway through a
-file. A file that is missing, unreadable as a whole, of an unknown kind, or left empty after
-skipping is a `ConfigError` naming the setting (env.path / env.eval_path), so roll-train ends with one message and
-exit status 2, not a traceback. The held-out split is `eval_path` when given, else a stable-hash fraction of the rows;
-training rows that are a held-out row's problem but for whitespace in the prompt ("Q?" and "Q?\n") are left out of
-training, counted in `also_held_out` and logged (base.held_out_split).
+Bad rows (not UTF-8, not JSON or nested past Python's recursion limit, not an object, missing or empty
+prompt/answer, non-text values, NaN answers, text holding a lone surrogate: a `\\ud800` escape, valid JSON but no
+Unicode character, in the prompt, the answer or any other column; a prompt already chat-templated, opening with
+`<|im_start|>` or another template's markers (base.templated_marker), which the pipeline would template again) are
+skipped, counted and reported with their 1-based line (or row) numbers in `skipped` (per file in `skipped_rows`,
+which the loop puts in the metrics and the run summary), and a summary is logged: never silently dropped, never a
+crash halfway through a file. A file that is missing, unreadable as a whole (a JSON array over several lines nested
+past the recursion limit), of an unknown kind, or left empty after skipping is a `ConfigError` naming the setting
+(env.path / env.eval_path), so roll-train ends with one message and exit status 2, not a traceback. The held-out
+split is `eval_path` when given, else a stable-hash fraction of the rows; training rows that are a held-out row's
+problem but for whitespace in the prompt ("Q?" and "Q?\n") are left out of training, counted in `also_held_out` and
+logged (base.held_out_split).
 
 Pictures (vision-language data): the `images_key` column (default `images`; a lone `image` column too) holds a
 row's pictures: a list, or one value, of paths (relative to the data file's folder), encoded bytes, base64 text
@@ -116,6 +117,8 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
                     rows.append((lineno, json.loads(line)))
                 except json.JSONDecodeError as exc:
                     bad.append((lineno, f"invalid JSON ({exc.msg})"))
+                except RecursionError:  # (a bare RecursionError ended the whole load, naming no line)
+                    bad.append((lineno, _TOO_DEEP))
         return rows, bad
     raise ConfigError(
         f"unsupported data file {path} (env.path / env.eval_path): use .jsonl, .parquet or a datasets folder"
@@ -199,6 +202,10 @@ def _encoded_rows(ds: Any) -> Any:
     return (row for table in ds.with_format("arrow").iter(batch_size=1000) for row in table.to_pylist())
 
 
+#: Why a JSON row (or file) nested deeper than Python's recursion limit is not read.
+_TOO_DEEP = "invalid JSON (nested too deeply: past Python's recursion limit)"
+
+
 def _json_array(path: Path) -> list[tuple[int, Any]] | None:
     """(element number, row) pairs of a `.json` or `.jsonl` file holding one JSON array of rows, or None for any
     other file (JSON lines). Read line by line, such a file lost every row but the last of an array written one
@@ -211,6 +218,19 @@ def _json_array(path: Path) -> list[tuple[int, Any]] | None:
         value = json.loads(path.read_bytes())
     except ValueError:  # (not UTF-8 too) a JSON-lines file whose first row is a list: read as lines, reported
         return None
+    except RecursionError:  # nested past Python's recursion limit somewhere: a bare RecursionError named no file
+        with open(path, "rb") as f:
+            first = next((line for line in f if line.strip()), b"")
+        try:
+            json.loads(first)
+        except json.JSONDecodeError:  # the first line is no JSON value of its own ("[", "[{...},"): one array
+            raise ConfigError(
+                f"{path}: cannot read it as a JSON array (nested too deeply: past Python's recursion limit); fix "
+                "the file or check env.path / env.eval_path"
+            ) from None
+        except (ValueError, RecursionError):  # (not UTF-8; or the first line is the deep row itself)
+            return None  # JSON lines (or a one-line array): read as lines, the deep row a counted bad row
+        return None  # JSON lines whose first row is a list, a later row the deep one: read as lines, reported
     return [(i + 1, row) for i, row in enumerate(value)] if isinstance(value, list) else None
 
 
