@@ -126,6 +126,8 @@ class TrainEngine(Protocol):
 
         The step's own metrics (logged as `actor/<name>`, `critic/<name>`): `optimizer_steps` taken and
         `nonfinite_steps` skipped (a NaN/inf loss or gradient; weights, moments and LR schedule untouched);
+        `empty_mini_batches`, mini-batches without a trainable token on any rank (no step taken: weight decay and
+        Adam's momentum would move the weights on a zero loss);
         `grad_norm`, the mean over the steps taken of the total gradient norm before clipping (absent when none
         was taken: a skipped step has no norm); `lr`, the mean over the steps taken of the learning rate each
         applied (with none taken, the rate the next step will apply)."""

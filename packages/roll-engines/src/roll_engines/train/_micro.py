@@ -150,6 +150,19 @@ def rank_counts(n: int, rank: int, size: int, reduce_sum: Callable[[Tensor], Ten
     return [int(x) for x in reduce_sum(t).tolist()]
 
 
+def mini_batch_units(loss_fn: Any, micros: list[Mapping[str, Any]], reduce_sum: Callable[[Tensor], Tensor]) -> float:
+    """The loss units (`loss_fn.units`) of a mini-batch's `micros` summed over the data-parallel ranks by `reduce_sum`
+    (collective: every rank calls it once per mini-batch, and all get the same answer), or 0 when no rank holds a
+    trainable token (`response_mask`), which the engines take as "no optimizer step". Under seq-mean-token-sum(-norm)
+    the units are rows, empty ones included: a mini-batch of empty responses had units, a zero loss and still took
+    an AdamW step (weight decay and the moments moved the weights, the LR schedule advanced). A micro-batch without
+    a `response_mask` counts its rows as trainable (nothing tells them apart)."""
+    units = sum(loss_fn.units(m) for m in micros)
+    tokens = sum(float(m["response_mask"].sum()) if "response_mask" in m else len(m["input_ids"]) for m in micros)
+    total, trainable = reduce_sum(torch.tensor([units, tokens], dtype=torch.float64)).tolist()
+    return float(total) if trainable > 0 else 0.0
+
+
 def row_micros(n: int, size: int) -> list[list[int]]:
     """Consecutive runs of `size` rows (the last may be shorter)."""
     return [list(range(s, min(s + size, n))) for s in range(0, n, size)]

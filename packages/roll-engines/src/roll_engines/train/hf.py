@@ -66,6 +66,7 @@ from roll_engines.train._micro import (
     metric_weights,
     micro_rows,
     mini_batch_rows,
+    mini_batch_units,
     rank_counts,
 )
 from roll_engines.train._micro import padding_row as _padding_row
@@ -430,20 +431,21 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         t0, tokens0, micros0 = time.perf_counter(), self.forward_tokens, self.micro_batches_run
         if self.routing is not None:  # the step reports its own forwards' routing, not earlier old-logprob ones
             self.routing.changed_fraction()
-        skipped = steps = scaler_skips = 0
+        skipped = steps = scaler_skips = empty = 0
         longest = 0  # the longest streak an overflow of this call reached (streaks carried in count on)
         counts = rank_counts(n, self.dp_rank, self.dp_size, self._all_reduce_sum)
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
             # Mini-batches of the sizes one process cuts, over all ranks (_micro.mini_batch_rows). A rank's part of
-            # one may be empty (fewer rows than mini-batches): it still runs every collective; a mini-batch empty on
-            # all ranks takes no optimizer step.
+            # one may be empty (fewer rows than mini-batches): it still runs every collective; a mini-batch without
+            # a trainable token on any rank takes no optimizer step (_micro.mini_batch_units), counted as empty.
             for mb_rows in mini_batch_rows(order, counts, self.dp_rank, mini_batches):
                 self.optimizer.zero_grad(set_to_none=True)
                 metrics, total = self._accumulate(V.take(tensors, mb_rows), loss_fn, temperature, template=tensors)
                 for k, v, w in metrics:
                     means.add(k, v, w)
                 if total == 0:
+                    empty, self._loss_finite = empty + 1, True  # (no step: the next mini-batch starts clean)
                     continue
                 lr = float(self.optimizer.param_groups[0]["lr"])  # what this step applies (the schedule's now)
                 norm, stepped, overflow = self._clip_and_step()
@@ -463,6 +465,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         # schedule untouched): a skipped step is not an optimizer step. fp16's loss scaler overflowing (its first
         # steps do, by design, while it finds its scale) is the scaler's business, not a blow-up of the run's.
         out["nonfinite_steps"], out["optimizer_steps"] = float(skipped), float(steps)
+        out["empty_mini_batches"] = float(empty)  # no trainable token on any rank: no step, schedule unchanged
         if self.scaler is not None:
             out["scaler_skipped_steps"], out["loss_scale"] = float(scaler_skips), float(self.scaler.get_scale())
             # Each skip halves the scale: a long streak is a gradient that overflows fp16 at any scale, which would
@@ -504,8 +507,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
             mini = V.take(mini, order)
         rows = micro_rows(mini, self.micro_batch_size, self.micro_batch_tokens, grouped=order is not None)
         micros = [V.take(mini, r) for r in rows]
-        local = torch.tensor([sum(loss_fn.units(m) for m in micros)], dtype=torch.float64)
-        total = float(self._all_reduce_sum(local).item())
+        total = mini_batch_units(loss_fn, micros, self._all_reduce_sum)  # 0: no trainable token on any rank
         out = []
         for i in range(self._all_reduce_max(len(micros))):
             real = i < len(micros)

@@ -57,6 +57,7 @@ from roll_engines.train._micro import (
     metric_weights,
     micro_batches,
     mini_batch_rows,
+    mini_batch_units,
     padding_row,
     rank_counts,
 )
@@ -268,9 +269,6 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         dist.all_reduce(t, group=ps.get_data_parallel_group())
         return t.cpu()
 
-    def _dp_sum(self, x: float) -> float:
-        return float(self._dp_reduce(torch.tensor([x], dtype=torch.float64))[0])
-
     # ---- forward ------------------------------------------------------------------------------------------
     def _logprobs(
         self,
@@ -419,7 +417,7 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         if self.routing is not None:
             self.routing.check(mini)
         micros = micro_batches(mini, self.micro_batch_size, self.micro_batch_tokens, self.pack_sequences)
-        total = self._dp_sum(sum(loss_fn.units(m) for m in micros))
+        total = mini_batch_units(loss_fn, micros, self._dp_reduce)  # 0: no trainable token on any rank
         micros, real = self._balanced(micros, mini)
         metrics: list[tuple[str, float, float]] = []
 
@@ -469,7 +467,7 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         t0 = time.perf_counter()
         if self.routing is not None:  # the step reports its own forwards' routing, not earlier old-logprob ones
             self.routing.changed_fraction()
-        skipped = steps = 0
+        skipped = steps = empty = 0
         from megatron.core import parallel_state as ps
 
         counts = rank_counts(n, self._dp_rank(), int(ps.get_data_parallel_world_size()), self._dp_reduce)
@@ -482,7 +480,8 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
                 pairs, total = self._backward({k: v[rows] for k, v in tensors.items()}, loss_fn, temperature)
                 for k, v, w in pairs:
                     means.add(k, v, w)
-                if total == 0:
+                if total == 0:  # no trainable token on any data-parallel rank: no step, schedule unchanged
+                    empty += 1
                     continue
                 lr = self.base_lr * self._lr(self._step)  # what this step applies
                 norm, ok = self._step_optimizer()
@@ -493,6 +492,7 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
                 steps += int(ok)  # a skipped step is not an optimizer step
         out = means.means()
         out["nonfinite_steps"], out["optimizer_steps"] = float(skipped), float(steps)
+        out["empty_mini_batches"] = float(empty)
         out.setdefault("lr", self.base_lr * self._lr(self._step))  # the steps' mean rate, as hf's; none: the next's
         if self.routing is not None:  # (position, MoE layer) pairs whose replayed experts differ from the trainer's own
             out["routing_replay_changed_fraction"] = self.routing.changed_fraction()
