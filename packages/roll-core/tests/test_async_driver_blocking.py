@@ -154,3 +154,39 @@ def test_a_close_while_next_group_blocks_returns_after_its_bound() -> None:
         release.set()
         engine.release()
     assert engine.requests == [] and not engine.running  # nothing was submitted after close
+
+
+def test_a_close_while_next_group_blocks_draws_no_more_data_after_it() -> None:
+    """Budget for three groups; the data's `next_group` blocks on the second one and close gives up on the lock.
+    When that call returned, the thread went on starting groups up to the budget, drawing a third prompt from the
+    data (a call that may block as long) for a driver already closed. Now it stops drawing at once."""
+    entered, release = threading.Event(), threading.Event()
+    drawn: list[int] = []
+    prompts = iter(range(10**6))
+
+    def next_group() -> tuple:
+        prompt = next(prompts)
+        drawn.append(prompt)
+        if prompt == 1:
+            entered.set()
+            release.wait(60)
+        return ("p", [prompt])
+
+    engine = HeldRequestEngine(abort_tokens=[7], serve_tokens=[8])
+    # (k + 1) B = 3 groups of one sample
+    sched = RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=4, async_ratio=2)
+    driver = AsyncRollout(engine, sched, next_group, SamplingParams(max_new_tokens=4), timeout_s=30)
+    driver.close_timeout_s = 0.3
+    try:
+        driver.start()
+        assert entered.wait(10)
+        closer = InThread(driver.close)
+        assert closer.join(10) and closer.error is None, closer.error
+        release.set()
+        assert driver._thread is not None
+        driver._thread.join(10)
+        assert not driver._thread.is_alive()
+    finally:
+        release.set()
+        engine.release()
+    assert drawn == [0, 1] and engine.requests == []

@@ -219,3 +219,39 @@ def test_a_live_request_whose_handle_raises_fails_the_batch_naming_it() -> None:
 def test_abort_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="abort_timeout_s=0"):
         _driver(_engine(), _partial_sched(), abort_timeout_s=0)
+
+
+def test_a_stale_groups_request_the_scheduler_pruned_is_not_counted_again_as_lost(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Order "ready", dropped_ttl=1, an engine that answers no abort. At version 2 groups 0 and 1 are dropped as
+    stale (async-0, async-1 aborted); at version 3 the scheduler forgets their ids (`pruned_requests`, warned). When
+    the driver's abort bound ran out, it counted both again in `async/unanswered_aborts` and warned about them again,
+    while `async/lost_requests` (the scheduler's) said 0: two counts and two warnings for one loss. Now the pruned
+    ones are forgotten without a second count: unanswered_aborts agrees with lost_requests."""
+    engine = _engine(on_abort="deaf")
+    sched = RolloutScheduler(
+        batch_groups=1, group_size=1, max_new_tokens=4, async_ratio=1, order="ready", dropped_ttl=1
+    )
+    driver = _driver(engine, sched, abort_timeout_s=3600)  # nothing is forgotten until the bound is lowered below
+    caplog.set_level(logging.WARNING, logger="roll_core.scheduling.driver")
+    try:
+        driver.start()
+        engine.wait_running(2)  # async-0, async-1 (groups 0 and 1, version 0)
+        for _ in range(3):
+            driver.begin_update()
+            driver.finish_update()
+        assert sched.counters["stale_groups"] == 2 and sched.counters["pruned_requests"] == 2
+        assert sched.dropped_requests() == 0
+        driver.abort_timeout_s = BOUND
+        gone = {"async-0", "async-1"}
+        deadline = time.monotonic() + 60
+        while gone & (set(driver._handles) | set(driver._aborting)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not gone & (set(driver._handles) | set(driver._aborting))
+        stats = driver.stats()
+    finally:
+        driver.close()
+    assert stats["async/pruned_requests"] == 2 and stats["async/lost_requests"] == 0
+    assert stats["async/unanswered_aborts"] == 0 and stats["async/failed_aborts"] == 0
+    assert [w for w in _driver_warnings(caplog) if "lost at version" in w] == []

@@ -9,6 +9,7 @@ engines, no Ray."""
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import types
@@ -241,7 +242,9 @@ def test_a_turn_request_the_engine_fails_stops_the_collector_naming_the_episode_
 
 
 def test_a_hung_engine_times_the_batch_out_naming_the_running_requests() -> None:
-    """An engine that never answers a live request: the batch wait timed out without saying what it waited for."""
+    """An engine that never answers a live request: the batch wait timed out without saying what it waited for;
+    then it named the requests but not how long each had run (nothing aborts a live request, so this timeout is its
+    only bound: the age tells a hung request from a slow batch), as the prompts collector's take timeout does."""
     engine = _engine()
     c = _collector(engine, timeout_s=2.0)  # room for the turn to reach the engine on a loaded machine
     try:
@@ -254,4 +257,13 @@ def test_a_hung_engine_times_the_batch_out_naming_the_running_requests() -> None
         c.envs.close()
     msg = str(err.value)
     assert "batch not complete after 2.0s (pipeline.async_batch_timeout_s)" in msg
-    assert "1 episode(s) of groups 0..0 unfinished; 1 turn request(s) running: episode-0-turn-0" in msg
+    match = re.fullmatch(
+        re.escape(
+            "async episodes: batch not complete after 2.0s (pipeline.async_batch_timeout_s): 1 episode(s) of groups "
+            "0..0 unfinished; 1 turn request(s) running (oldest first, time since submitted): episode-0-turn-0 (AGE "
+            "s); requests running without finishing (a hung or slow inference engine?)"
+        ).replace("AGE", r"(\d+\.\d)"),
+        msg,
+    )
+    assert match is not None, msg
+    assert float(match.group(1)) <= 60, msg  # since the turn's submit, within this test (not a stray clock)

@@ -93,7 +93,8 @@ class TurnGate:
         self.version = 0
         self._cv = threading.Condition()
         self._paused = self._closed = False
-        self._running: set[str] = set()
+        # Running requests -> when they entered (a batch that times out says how long each has run).
+        self._running: dict[str, float] = {}
         self._aborted: dict[str, float] = {}  # running requests the gate aborted -> when (until they leave)
         self._ended: set[str] = set()  # ... of those, the ones `abort` ended (their callers do not resume them)
         self._counters = dict.fromkeys(CAUSES, 0)  # requests lost, by cause
@@ -108,7 +109,7 @@ class TurnGate:
                 self._cv.wait()
             if self._closed:
                 raise GateClosed("the collector is closed")
-            self._running.add(request_id)
+            self._running[request_id] = time.monotonic()
             return self.version
 
     def wait(self, request_id: str, handle: Any) -> Any:
@@ -143,7 +144,7 @@ class TurnGate:
     def leave(self, request_id: str) -> bool:
         """The request returned or was lost; True when the gate aborted it for a sync (resume it after the sync)."""
         with self._cv:
-            self._running.discard(request_id)
+            self._running.pop(request_id, None)
             self._cv.notify_all()
             aborted = self._aborted.pop(request_id, None) is not None
             ended = request_id in self._ended
@@ -217,6 +218,11 @@ class TurnGate:
         """The requests running now (entered, not yet left)."""
         with self._cv:
             return sorted(self._running)
+
+    def running_since(self) -> dict[str, float]:
+        """The requests running now -> when each entered (`time.monotonic()`: just before its submit)."""
+        with self._cv:
+            return dict(self._running)
 
     def stats(self) -> dict[str, float]:
         """Aborted requests lost since the previous call, by cause (`async/unanswered_aborts`,

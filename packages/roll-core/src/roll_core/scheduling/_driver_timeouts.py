@@ -1,10 +1,12 @@
 """What `AsyncRollout`'s waits say when they time out (roll_core.scheduling.driver): a `take` that got fewer groups
-than it asked for within `timeout_s`, an update or shrink whose submits never returned. Kept apart from the driver so
-that it stays one readable module; these read the driver's state with its lock held and change nothing."""
+than it asked for within `timeout_s`, an update or shrink whose submits never returned; and the list of running
+requests with their ages that the agentic collector's batch timeout shares (`running_aged`). Kept apart from the
+driver so that it stays one readable module; these read the driver's state with its lock held and change nothing."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,11 +22,8 @@ def take_timeout(driver: AsyncRollout, got: int, n: int) -> TimeoutError:
     sched = driver.sched
     waiting = [g for g in sched.groups.values() if not g.done]
     groups = ", ".join(f"{g.gid} ({len(g.samples) - g.finished} of {len(g.samples)} left)" for g in waiting[:5])
-    running = list(driver._handles)  # in submission order: the oldest, the likeliest hung, first
+    running = list(driver._handles)
     now = time.monotonic()
-    # How long each has run tells a hung request (one the engine never answers and nothing aborts: only this timeout
-    # bounds it) from a batch that is merely slow.
-    aged = ", ".join(f"{rid} ({now - driver._since.get(rid, now):.1f} s)" for rid in running[:5])
     why = []
     # Groups that exist (running, or complete and not yet taken) are all a take can still get; past them, only
     # groups the budget lets start, and with none left they start only after the next weight update.
@@ -45,10 +44,23 @@ def take_timeout(driver: AsyncRollout, got: int, n: int) -> TimeoutError:
     return TimeoutError(
         f"async rollout: {got} of {n} groups complete after {driver.timeout_s}s (pipeline.async_batch_timeout_s): "
         f"{len(waiting)} group(s) unfinished: {groups or 'none'}{' ...' if len(waiting) > 5 else ''}; "
-        f"{len(running)} request(s) running{' (oldest first, time since submitted)' if running else ''}: "
-        f"{aged or 'none'}"
-        f"{' ...' if len(running) > 5 else ''}"
+        f"{running_aged({rid: driver._since.get(rid, now) for rid in running}, 'request(s)', now)}"
         f"{''.join(f'; {w}' for w in why)}"
+    )
+
+
+def running_aged(since: Mapping[str, float], noun: str, now: float | None = None) -> str:
+    """`N <noun> running (oldest first, time since submitted): a (3.0 s), b (1.2 s)` for the requests in `since`
+    (request id -> `time.monotonic()` when submitted), at most five named (then ` ...`); `0 <noun> running: none`.
+    How long each has run tells a hung request (one the engine never answers and nothing aborts: only a batch
+    timeout bounds it) from a batch that is merely slow."""
+    now = time.monotonic() if now is None else now
+    # Stable: requests submitted at the same moment keep their order (the driver's is submission order).
+    oldest = sorted(since, key=lambda rid: since[rid])
+    aged = ", ".join(f"{rid} ({now - since[rid]:.1f} s)" for rid in oldest[:5])
+    return (
+        f"{len(oldest)} {noun} running{' (oldest first, time since submitted)' if oldest else ''}: {aged or 'none'}"
+        f"{' ...' if len(oldest) > 5 else ''}"
     )
 
 

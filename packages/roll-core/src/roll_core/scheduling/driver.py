@@ -26,10 +26,11 @@ Requests that never return. A request this driver aborted (partial rollout at `b
 has not completed `abort_timeout_s` (60 s) after the abort (the engine restarted, its worker died, the abort was
 lost), or its `result()` raises, the driver forgets it and reports it to `RolloutScheduler.lost`: a live sample
 resumes with its earlier prefix kept (what the lost request generated is gone), a stale group's id is forgotten;
-counted in `async/unanswered_aborts` and `async/failed_aborts` (and the scheduler's `async/lost_requests`), with one
-warning per version (the first loss at once, the rest summed up at the next `finish_update`, or at `close` for the
-last version). So neither the handles nor the scheduler's ids of such requests are kept for good, and a weight
-update waiting on an abort goes on after the bound instead of failing the run. A request that was NOT aborted and
+counted in `async/unanswered_aborts` and `async/failed_aborts` (and the scheduler's `async/lost_requests`; one the
+scheduler already forgot after `dropped_ttl` versions is in its `async/pruned_requests` only), with one warning per
+version (the first loss at once, the rest summed up at the next `finish_update`, or at `close` for the last
+version). So neither the handles nor the scheduler's ids of such requests are kept for good, and a weight update
+waiting on an abort goes on after the bound instead of failing the run. A request that was NOT aborted and
 whose `result()` raises is an engine failure: the thread stops and the trainer's next call (`take`, `begin_update`,
 ...) raises a RuntimeError naming the request, its group and sample, chained to the engine's error; it is never
 retried or dropped silently (a batch waiting for that sample would otherwise wait out `timeout_s`, an hour in a
@@ -385,12 +386,11 @@ class AsyncRollout:
                 # The losses are booked and the warning decided in one hold of the lock: a caller waiting for these
                 # handles to go (begin_update) sees them go together with the bookkeeping, never before it.
                 with self._cv:
-                    if failed:
-                        self._lose(list(failed), "failed_aborts")
-                    lost = {"failed_aborts": list(failed), "unanswered_aborts": self._forget_unanswered()}
+                    failed_lost = self._lose(list(failed), "failed_aborts") if failed else []
+                    lost = {"failed_aborts": failed_lost, "unanswered_aborts": self._forget_unanswered()}
                     warn = self._book_warning(lost)
                 if warn is not None:
-                    self._warn_lost(warn, lost, list(failed.values()))
+                    self._warn_lost(warn, lost, [failed[rid] for rid in failed_lost])
                 if not progressed:
                     time.sleep(self.poll_s)
         except BaseException as exc:  # surfaced in the trainer's thread by _raise
@@ -431,7 +431,8 @@ class AsyncRollout:
 
     def _forget_unanswered(self) -> list[str]:
         """Forget the aborted requests without a result `abort_timeout_s` after their abort (lock held); returns
-        them. `_aborting` is in abort-time order: stop at the first one still within the bound."""
+        those counted as lost (`_lose`). `_aborting` is in abort-time order: stop at the first one still within the
+        bound."""
         cutoff = time.monotonic() - self.abort_timeout_s
         expired = []
         for rid, at in self._aborting.items():
@@ -445,13 +446,15 @@ class AsyncRollout:
             del self._aborting[rid]
         # A handle that completed just now is collected by this sweep instead: its partial result is kept.
         expired = [rid for rid in expired if rid in self._handles and not self._handles[rid].done()]
-        if expired:
-            self._lose(expired, "unanswered_aborts")
-        return expired
+        return self._lose(expired, "unanswered_aborts") if expired else []
 
-    def _lose(self, rids: list[str], cause: str) -> None:
+    def _lose(self, rids: list[str], cause: str) -> list[str]:
         """Aborted requests that will bring no result (lock held): forget their handles and tell the scheduler (a
-        live sample resumes with its prefix kept, on any engine: the one it ran on may be gone)."""
+        live sample resumes with its prefix kept, on any engine: the one it ran on may be gone). Returns the ones
+        counted under `cause` (and warned about): those the scheduler still waited for. A stale group's request it
+        already forgot (`dropped_ttl` versions without a result) was counted and warned about there, in
+        `async/pruned_requests`: one request, one count (counted here too, `async/unanswered_aborts` exceeded
+        `async/lost_requests` for no extra loss)."""
         for rid in rids:
             self._handles.pop(rid, None)
             self._since.pop(rid, None)
@@ -461,9 +464,10 @@ class AsyncRollout:
                 self.pool.release(rid)
                 if sample is not None:
                     self.pool.forget((sample.group.gid, sample.index))
-        self.sched.lost(rids)
-        self._counters[cause] += len(rids)
+        known = [rid for rid in rids if self.sched.lost([rid])]
+        self._counters[cause] += len(known)
         self._cv.notify_all()
+        return known
 
     def _book_warning(self, lost: dict[str, list[str]]) -> int | None:
         """One warning per version (lock held): the version to warn about now if these are its first losses; later
@@ -520,7 +524,9 @@ class AsyncRollout:
     def _fill(self) -> list[tuple[str, Request, Any]]:
         """Start groups up to the budget and book a request for every pending sample (lock held); returns them as
         (id, request, engine or None), listed in `_submitting`, for `_submit` to hand to the engine."""
-        while self.sched.capacity() > 0:
+        # `_stopped` too: a close that gave up on the lock while `next_group` blocked set it without the lock, and
+        # the groups left in the budget drew more data (each call maybe blocking as long) for a closed driver.
+        while not self._stopped and self.sched.capacity() > 0:
             payload, prompt_ids, *mm = self.next_group()
             self.sched.start(payload, prompt_ids, mm[0] if mm else None)
         if self.pool is not None and not self.pool.active:

@@ -21,7 +21,7 @@ Contract:
 - Failures: an episode whose turn request fails in the engine (not aborted) stops the run: the trainer's next call
   (`next`, `begin_sync`) raises a RuntimeError naming the group, episode, request and turn, chained to the engine's
   error. `next` waits `pipeline.async_batch_timeout_s` for a batch at most, then raises a TimeoutError naming the
-  turn requests still running (a hung engine).
+  turn requests still running, oldest first with how long each has run (a hung engine).
 - Group i belongs to step `first_step + i // B` and uses that step's environment seeds, as the synchronous
   collector would. Checkpoints hold nothing more (episodes in flight at a save are not stored: a resumed run
   starts fresh ones), so an async run resumes correctly but not bit for bit.
@@ -44,6 +44,7 @@ from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors.episodes import EpisodeCollector
 from roll_core.pipelines.collectors.prompts_async import check_async
 from roll_core.pipelines.metrics import StepLog
+from roll_core.scheduling._driver_timeouts import running_aged
 from roll_core.seeds import Purpose, derive_seed
 
 log = logging.getLogger(__name__)
@@ -165,12 +166,12 @@ class AsyncEpisodeCollector(EpisodeCollector):
     def _timeout(self, wanted: range) -> TimeoutError:
         """The error of a batch not complete after `timeout_s` (lock held): what it waits for, what runs."""
         missing = sum(t is None for i in wanted for t in self._results.get(i, [None] * self.group_size))
-        running = self.gate.running()
+        running = self.gate.running_since()
         return TimeoutError(
             f"async episodes: batch not complete after {self.timeout_s}s (pipeline.async_batch_timeout_s): "
-            f"{missing} episode(s) of groups {wanted.start}..{wanted.stop - 1} unfinished; {len(running)} turn "
-            f"request(s) running: {', '.join(running[:5]) or 'none'}{' ...' if len(running) > 5 else ''} (a hung "
-            "inference engine?)"
+            f"{missing} episode(s) of groups {wanted.start}..{wanted.stop - 1} unfinished; "
+            f"{running_aged(running, 'turn request(s)')}"
+            f"{'; requests running without finishing (a hung or slow inference engine?)' if running else ''}"
         )
 
     def _fill(self) -> None:
