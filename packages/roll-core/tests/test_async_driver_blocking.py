@@ -120,6 +120,41 @@ def test_an_update_waits_for_a_submit_under_way_and_aborts_its_request_once_subm
         engine.release()
 
 
+def test_a_submit_that_raises_during_an_update_fails_the_update_naming_the_request() -> None:
+    """The engine's submit of async-1 blocks, the trainer begins a weight update (it waits for the submit), then
+    the submit raises. The submit's end was signalled before the thread stored the error, so the update woke to no
+    submit under way and went on as if nothing had failed (the error came at some later call, naming no request).
+    Now the update raises, naming the request and chained to the engine's error."""
+    entered, release = threading.Event(), threading.Event()
+    engine = HeldRequestEngine(abort_tokens=[7], serve_tokens=[8])
+
+    def on_submit(request: Request) -> None:
+        if request.request_id == "async-1":
+            entered.set()
+            release.wait(60)
+            raise ConnectionError("engine went away")
+
+    engine.on_submit = on_submit
+    driver = _driver(engine, _prompts())
+    try:
+        driver.start()
+        assert entered.wait(10)
+        engine.wait_running(1)  # async-0
+        update = InThread(driver.begin_update)
+        _wait(lambda: "async-0" in engine.aborts, "begin_update aborted the running request", within_s=60)
+        release.set()
+        assert update.join(60)
+        assert isinstance(update.error, RuntimeError), "the update went on past a failed submit"
+        assert "request async-1 (group 1, sample 0) failed in the inference engine: ConnectionError" in str(
+            update.error
+        ), update.error
+        assert isinstance(update.error.__cause__.__cause__, ConnectionError)
+    finally:
+        release.set()
+        driver.close()
+        engine.release()
+
+
 def test_a_close_while_next_group_blocks_returns_after_its_bound() -> None:
     """The data's `next_group` blocks while the thread holds the driver's lock (it starts groups under it, so a
     checkpoint reads a consistent data position): close waited for the lock for good. Now it returns after

@@ -569,6 +569,13 @@ class AsyncRollout:
                     self._cv.notify_all()
                 if abort:
                     self.infer.abort(rid)
+        except Exception as exc:
+            # The failure is stored in the same hold that ends the submit (`finally`): a `begin_update` waiting for
+            # the submit to end woke to an empty `_submitting` before the thread stored the error, and went on.
+            with self._cv:
+                failure = self._engine_failure(rid, exc)
+                self._error = failure
+            raise failure from exc
         finally:
             with self._cv:
                 self._submitting.difference_update(rid for rid, _, _ in batch)
