@@ -409,6 +409,130 @@ def test_scale_word_quantities_and_stated_numbers() -> None:
     assert res.scores == [0.0, 0.5, 0.5, 0.0]
 
 
+def _graded_and_voted(truth: str, answer: str, expected: float) -> None:
+    """`answer` boxed is graded `expected` against `truth` (no errors, no timeouts); the majority vote agrees: equal
+    answers share `same_answer`, and equal quantities their vote key."""
+    reward = MathReward()
+    res = reward.score([f"so \\boxed{{{answer}}}"], [truth])
+    assert res.correct == [expected] and res.counters["errors"] == res.counters["timeouts"] == 0
+    key_truth, key_answer = canonical_answer(truth), canonical_answer(answer)
+    assert reward.same_answer(key_truth, key_answer) == bool(expected)
+    if quantity(truth) is not None and quantity(answer) is not None:
+        assert (key_truth == key_answer) == bool(expected)
+
+
+#: (truth, boxed answer, correct): words that change the value inside `\text{}`/`\mbox{}`/`\mathrm{}` grade as the
+#: bare words do, never as the number. math-verify dropped the text command: the old grader scored `5\text{ dozen}`
+#: right against 5 (and `5 squared` wrong against `5\text{ squared}`), and `\text{5 dollars}` wrong against 5.
+VALUE_WORD_CASES = [
+    ("5", r"5\text{ squared}", 0.0),
+    ("5", r"5\text{ dozen}", 0.0),
+    ("5", r"5\text{ halves}", 0.0),
+    ("5", r"5\mbox{ factorial}", 0.0),
+    ("5", r"5\mathrm{cubed}", 0.0),
+    ("5", r"5\textbf{ thirds}", 0.0),
+    ("5", r"5\text{ and a half}", 0.0),
+    ("5", r"x = 5\text{ dozen}", 0.0),
+    (r"5\text{ squared}", "5", 0.0),
+    ("5 squared", r"5\text{ squared}", 1.0),
+    (r"5\text{ squared}", "5 squared", 1.0),
+    (r"5\text{ squared}", r"5\text{ squared}", 1.0),
+    ("5", "5 squared", 0.0),
+    ("5", "5 dozen", 0.0),
+    ("5", r"\text{5 squared}", 0.0),
+    # genuine units keep working, in a text command or wholly inside one
+    ("5", r"5\text{ cm}", 1.0),
+    ("5", r"5\text{ apples}", 1.0),
+    ("5", r"5\text{ times}", 1.0),
+    ("5", r"\text{5 dollars}", 1.0),
+    (r"\text{5 dollars}", "5", 1.0),
+    (r"\text{5}", "5", 1.0),
+    ("6", r"\text{5 dollars}", 0.0),
+    # `squared`/`cubed` after a unit word raise the unit, bare or in a text command
+    ("5", r"5\text{ cm squared}", 1.0),
+    ("5", "5 cm squared", 1.0),
+    ("5", r"5\text{ feet cubed}", 1.0),
+]
+
+
+@pytest.mark.parametrize(("truth", "answer", "expected"), VALUE_WORD_CASES)
+def test_value_words_in_text_commands_are_not_units(truth: str, answer: str, expected: float) -> None:
+    r"""`5\text{ squared}` grades as `5 squared` does: never as the bare number 5."""
+    _graded_and_voted(truth, answer, expected)
+
+
+#: (truth, boxed answer, correct): LaTeX thousands separators read as `5,000` and `5 000` do. The old grader read
+#: `5{,}000`, `5\!000` and `5\!,\!000` as no quantity (the vote kept them apart from 5000) and last_number read
+#: `5{,}000` as 000. A comma that is no thousands separator stays one (`1{,}5` is not 1.5, `5, 000` not 5000),
+#: and a tuple stays a tuple.
+SEPARATOR_CASES = [
+    ("5000", r"5{,}000", 1.0),
+    (r"5{,}000", "5000", 1.0),
+    ("5,000", r"5{,}000", 1.0),
+    ("5000000", r"5{,}000{,}000", 1.0),
+    ("5000", r"\$5{,}000", 1.0),
+    ("5000", r"5{,}000\text{ dollars}", 1.0),
+    ("5000", r"5\!,\!000", 1.0),
+    ("5000", r"5\!000", 1.0),
+    (r"5\!000", "5000", 1.0),
+    ("5000", r"5\,000", 1.0),
+    ("5", r"5{,}000", 0.0),
+    ("1.5", r"1{,}5", 0.0),
+    ("15", r"1{,}5", 0.0),
+    ("5000", "5, 000", 0.0),
+    ("(5, 000)", r"(5{,}000)", 1.0),
+    ("5000", r"(5{,}000)", 0.0),
+]
+
+
+@pytest.mark.parametrize(("truth", "answer", "expected"), SEPARATOR_CASES)
+def test_latex_thousands_separators(truth: str, answer: str, expected: float) -> None:
+    r"""`5{,}000`, `5\,000` and `5\!000` are 5000, both ways round, and vote as 5000 (one key, not `5{,}000`)."""
+    _graded_and_voted(truth, answer, expected)
+    if expected and not truth.startswith("("):
+        assert canonical_answer(truth) == canonical_answer(answer) == canonical_answer(truth.replace("{,}", ","))
+
+
+def test_latex_thousands_separators_in_stated_numbers() -> None:
+    """The last-number credit reads LaTeX separators as `quantity` does (it read `5{,}000` as 000); a plain space in
+    prose is still no separator, and a LaTeX comma no thousands grouping states no number, as `1,2345` does not."""
+    assert last_number(r"it is 5{,}000") == last_number(r"it is 5\,000") == last_number(r"it is 5\!000") == "5000"
+    assert last_number(r"so 5{,}000{,}000 of them") == "5000000" and last_number(r"about 1{,}2345") is None
+    assert last_number(r"about 1{,}5") is None and last_number("pages 1, 000") == "000"
+    reward = MathReward(last_number_weight=0.5)
+    stated = [r"it is 5{,}000", r"it is 5\!000", r"it is 5\,000", "it is 5000", "it is 5000", r"it is 5{,}000"]
+    res = reward.score(stated, ["5000", "5000", "5000", r"5{,}000", r"5\!000", "0"])
+    assert res.scores == [0.5] * 5 + [0.0]
+
+
+#: (truth, boxed answer, correct): a quantity wholly inside a text command is read there, scale word included;
+#: nothing is written into a text command. The old grader rewrote `\text{5 million}` as `\text{5 \cdot 10^{6}}`,
+#: which math-verify reads as 10: right against 10 and against `\text{3 million}`, wrong against 5000000.
+TEXT_SCALE_CASES = [
+    (r"\text{5 million}", "10", 0.0),
+    (r"\text{5 million}", r"\text{3 million}", 0.0),
+    (r"\text{5 million}", "5000000", 1.0),
+    (r"\text{5 million}", "5 million", 1.0),
+    (r"\text{5 million}", r"\text{5 million}", 1.0),
+    (r"\text{5 million}", "5", 0.0),
+    ("5000000", r"\text{5 million}", 1.0),
+    ("5", r"\text{5 million}", 0.0),
+    (r"\text{5 million dollars}", "5000000", 1.0),
+    (r"\mbox{1.5 billion}", "1500000000", 1.0),
+    (r"\text{about 5 million}", "10", 0.0),
+    ("10", r"\text{about 5 million}", 0.0),
+    (r"\text{about 5 million}", r"\text{about 5 million}", 1.0),
+    # outside a text command the rewrite stays
+    ("x = 5000000", r"x = 5\text{ million}", 1.0),
+]
+
+
+@pytest.mark.parametrize(("truth", "answer", "expected"), TEXT_SCALE_CASES)
+def test_scale_words_inside_a_text_command(truth: str, answer: str, expected: float) -> None:
+    r"""`\text{5 million}` is 5000000, never what math-verify makes of a power of ten written into a text."""
+    _graded_and_voted(truth, answer, expected)
+
+
 def test_unicode_minus_is_a_minus_sign() -> None:
     """U+2212 (copied from rendered math) is `-`: `\u22121,000` and `\u22125\\%` were graded wrong against -1000
     and -0.05, an unboxed `\u22125` earned no last-number credit, and the vote split `\u22120.5` from -0.5."""

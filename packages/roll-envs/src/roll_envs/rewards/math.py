@@ -20,8 +20,12 @@ Scoring (per response):
   `1000 dollars` was wrong); a unit is `\\text{...}`/`\\mathrm{...}` of words, a degree sign, or up to four
   words after a space (the first of three letters or more, or a short unit such as `cm`, `kg`, `ft`: `5 x`,
   `5 pi` or `5xy` are not units), never a word such as `and`, `or`, `times`, `sqrt`, nor one that changes the
-  value (`5 squared`, `5 halves`, `5 less`: no quantity, so never equal to a truth of `5`; math-verify drops a
-  `\\text{}` around such a word, `5\\text{ squared}`, and grades the number). A
+  value (`5 squared`, `5 halves`, `5 less`, bare or in `\\text{}`: no quantity, never equal to a truth of `5`;
+  math-verify dropped the `\\text{}` of `5\\text{ dozen}` and graded 5, so such a text reaches it as bare words;
+  `squared`/`cubed` after a unit word raise the unit, `5 cm squared` is 5). An answer wholly in one text command
+  is read inside it (`\\text{5 dollars}` is 5; math-verify read it as one symbol, never 5). Thousands separators
+  may be LaTeX: `5{,}000` and `5\\!,\\!000` are `5,000` (so `1{,}5` is no number, as `1,5` is not), and a thin
+  space `5\\,000`/`5\\!000` a separator as a space is (in `last_number` too, where `5{,}000` stated 000). A
   unicode minus (U+2212) is a minus sign. (A product of variables
   written with a space, `3 abc`, therefore equals a truth of plain `3`; against a truth `3abc` it is verified
   symbolically as before.) A percent (`%`, `\\%`, the word `percent`) equals its number or its
@@ -38,7 +42,9 @@ Scoring (per response):
   `\\text{ million}` (`5\\text{ million}` was right against 5, wrong against 5000000) and read a bare `million` as
   letters (`5 million` right only against itself). In a text that is no quantity, a scale word after a number or
   a closing bracket reaches math-verify as `\\cdot 10^{k}` (`x = 5\\text{ million}` is `x = 5000000`,
-  `\\sqrt{2}\\text{ million}` is not `\\sqrt{2}`); a quantity with a scale word, as its plain value. A scaled percent
+  `\\sqrt{2}\\text{ million}` is not `\\sqrt{2}`), never inside a text command (math-verify read the
+  `\\text{5 \\cdot 10^{6}}` that `\\text{5 million}` became as 10: right against 10 and `\\text{3 million}`;
+  `\\text{5 million}` is the quantity 5000000); a quantity with a scale word, as its plain value. A scaled percent
   (`5 million%`) is no quantity (math-verify reads it, scale rewritten). The percent rule is unchanged.
 - Parsing or verification that crashes or times out, or a boxed answer longer than `MAX_BOXED_CHARS` (not a
   plain number), scores 0 for correctness and is counted (`reward/timeouts`, `reward/errors`). math-verify's
@@ -109,8 +115,13 @@ _UNICODE_MINUS = "\u2212"
 #: number the response states: `last_number` skips it.
 _PART = re.compile(r"[/^_{]$")
 _PART_AFTER = re.compile(r"^(?:/|\}\{|\^)")
-#: A space (or LaTeX thin space) between thousands groups, as in `1 000` or `1\,000`; `1 2` is not twelve.
-_GROUP_SPACE = re.compile(r"(?<=\d)(?:\s|\\,|\\ |~)(?=\d{3}(?!\d))")
+#: A space (or LaTeX thin space) between thousands groups, as in `1 000`, `1\,000` or `1\!000`; `1 2` is not twelve.
+_GROUP_SPACE = re.compile(r"(?<=\d)(?:\s|\\[,!]|\\ |~)(?=\d{3}(?!\d))")
+#: The same, LaTeX thin spaces only: in prose (`last_number`) a plain space between numbers is no separator.
+_LATEX_GROUP_SPACE = re.compile(r"(?<=\d)\\[,!](?=\d{3}(?!\d))")
+#: A LaTeX comma between digits, `5{,}000` or `5\!,\!000` (spacing aside, the comma of `5,000`): read as `,`, so
+#: that what holds for `5,000` (thousands separator or not) holds for it; `5, 000` (a list) is untouched.
+_LATEX_COMMA = re.compile(r"(?<=\d)(?:\\!)*(?:\{,\}|,)(?:\\!)*(?=\d)")
 #: Longest boxed answer verified symbolically. Longer ones (model output of thousands of nested braces or
 #: parentheses) score 0 and count in `errors` at once: math-verify would spend its whole timeout on them, and its
 #: SIGALRM timeout cannot interrupt C code (a regex over the text), so the time is not even bounded.
@@ -123,7 +134,9 @@ def last_number(text: str) -> str | None:
     (`_PART`); None when there is none, or when the last one has commas that are no thousands grouping (`1,2345`,
     `1,5`, `1,2,3`: a decimal comma, a typo or a list written without spaces, no one number it surely states).
     A number with a scale word after it is its value (`5 million` gives `5000000`, `1.5 thousand` `1500`)."""
-    text = text.replace(_UNICODE_MINUS, "-")  # one character for one: positions stay
+    text = text.replace(_UNICODE_MINUS, "-")
+    # `5{,}000` and `5\,000` state 5000 (not 000): LaTeX separators read as `quantity` reads them
+    text = _LATEX_GROUP_SPACE.sub("", _LATEX_COMMA.sub(",", text))
     for m in reversed(list(_STATED_NUMBER.finditer(text))):
         before, after = text[max(0, m.start() - 1) : m.start()], text[m.end() : m.end() + 2]
         if not (_PART.search(before) or _PART_AFTER.match(after)):
@@ -186,12 +199,41 @@ _SCALE = re.compile(rf"(?P<cmd>{_WRAP})?(?:\s|\\[ ,;:!]|~)*{_SCALE_WORD}(?(cmd)(
 _SCALE_AFTER = re.compile(
     rf"(?<=[\d}})])(?:\s|\\[ ,;:!]|~)*(?P<cmd>{_WRAP})?\s*{_SCALE_WORD}(?(cmd)(?P<close>\s*\}})?)", re.IGNORECASE
 )
-#: Words that change the number (`5 squared`, `5 halves`, `5 less`): the value is not the number. Scale words
-#: are read by `_SCALE` right after the value; anywhere else (`5 dollars million`) they make no quantity.
+#: Words that change the number (`5 less`, and `_VALUE_WORDS`): the value is not the number. Scale words are read
+#: by `_SCALE` right after the value; anywhere else (`5 dollars million`) they make no quantity.
 _NOT_UNITS |= {"hundred", "hundreds", "thousand", "thousands", "million", "millions", "billion", "billions"}
-_NOT_UNITS |= {"trillion", "trillions", "dozen", "dozens", "squared", "cubed", "factorial", "fold", "power"}
-_NOT_UNITS |= {"half", "halves", "third", "thirds", "fourth", "fourths", "fifth", "fifths", "tenth", "tenths"}
-_NOT_UNITS |= {"hundredth", "hundredths", "thousandth", "thousandths", "less", "more", "fewer", "than"}
+_NOT_UNITS |= {"trillion", "trillions", "less", "more", "fewer", "than"}
+#: Words that change the number (`5 squared`, `5 halves`) whose `\text{}` math-verify drops, grading `5\text{ dozen}`
+#: as 5: such a text reaches it as bare words (`_for_verify`), read as letters, as the bare `5 dozen` is.
+#: (`5\text{ less}` needs no such care: math-verify reads the bare `5 less` as 5 too.)
+_VALUE_WORDS = {"dozen", "dozens", "squared", "cubed", "factorial", "fold", "power", "half", "halves", "third"}
+_VALUE_WORDS |= {"thirds", "fourth", "fourths", "fifth", "fifths", "tenth", "tenths", "hundredth", "hundredths"}
+_VALUE_WORDS |= {"thousandth", "thousandths"}
+#: After a unit word these raise the unit, not the number (`5 cm squared`, `5\text{ feet cubed}`): still a unit.
+_UNIT_POWERS = {"squared", "cubed"}
+
+
+def _unit_words(words: str) -> list[str]:
+    """The lower-case words of a unit (`_TEXT_UNIT`, `_WORD_UNIT`); a dot (`ft.`) separates words."""
+    return words.replace(".", " ").lower().split()
+
+
+def _changes_value(words: list[str]) -> bool:
+    """Whether unit words after a number change its value (`_VALUE_WORDS`): `5 squared`, `5 dozen eggs`,
+    `5 cm halves`; `5 cm squared` is a unit."""
+    return bool(words) and (
+        words[0] in _VALUE_WORDS or any(w in _VALUE_WORDS and w not in _UNIT_POWERS for w in words[1:])
+    )
+
+
+#: A whole answer in one text command, `\text{5 million}`, `\text{5 dollars}`: `quantity` reads what is inside it.
+#: (math-verify reads such a text as one symbol, `5dollars`, never equal to 5.)
+_WHOLE_TEXT = re.compile(_WRAP + r"(?P<body>[^{}]*)\}")
+#: A text command and its body (group 1 ends where the body starts): `_for_verify` writes nothing into a body.
+_TEXT_BODY = re.compile(rf"({_WRAP})[^{{}}]*\}}")
+#: A text command of words after a number or a closing bracket, which math-verify drops (`5\text{ dozen}` is 5; a
+#: text alone, `\text{half}`, it reads as a symbol): `_bare_value_words` checks its words.
+_TEXT_AFTER = re.compile(rf"(?<=[\d}})])(?:\s|\\[ ,;:!]|~)*{_WRAP}(?P<words>[A-Za-z .]*)\}}")
 
 
 def quantity(text: str) -> tuple[Fraction, bool] | None:
@@ -200,7 +242,9 @@ def quantity(text: str) -> tuple[Fraction, bool] | None:
     and for a text longer than `_MAX_QUANTITY_CHARS`."""
     if len(text) > _MAX_QUANTITY_CHARS:
         return None
-    t = _GROUP_SPACE.sub("", text.strip().replace(_UNICODE_MINUS, "-"))
+    whole = _WHOLE_TEXT.fullmatch(text.strip())
+    text = text if whole is None else whole["body"]
+    t = _GROUP_SPACE.sub("", _LATEX_COMMA.sub(",", text.strip().replace(_UNICODE_MINUS, "-")))
     lead = _LEAD.match(t)
     if lead is None or (lead["s1"] and lead["s2"]):
         return None
@@ -248,8 +292,8 @@ def quantity(text: str) -> tuple[Fraction, bool] | None:
         u = unit.fullmatch(rest)
         if u is None or (needs_space and not (spaced or percent)):
             continue
-        words = (u.groupdict().get("words") or "").replace(".", " ").lower().split()
-        if any(w in _NOT_UNITS for w in words) or (unit is _TEXT_UNIT and not words):
+        words = _unit_words(u.groupdict().get("words") or "")
+        if any(w in _NOT_UNITS for w in words) or _changes_value(words) or (unit is _TEXT_UNIT and not words):
             return None
         if _PERCENT_WORDS.intersection(words):  # "75 percent (of them)": math-verify reads the word as \%
             if percent or scale:
@@ -316,13 +360,27 @@ def _scale_power(m: re.Match[str]) -> str:
     return power + (m["cmd"] if m["cmd"] and not m["close"] else "")
 
 
+def _bare_value_words(m: re.Match[str]) -> str:
+    """A text command matched by `_TEXT_AFTER` as its bare words when they change the value (`_changes_value`),
+    which math-verify reads as letters instead of dropping them; else unchanged."""
+    return f" {m['words'].strip()} " if _changes_value(_unit_words(m["words"])) else m.group()
+
+
 def _for_verify(text: str, q: tuple[Fraction, bool] | None) -> str:
-    """`text` for math-verify: a quantity written with a decimal exponent (`1e-5`) or a scale word as its plain
-    value, since math-verify reads the `e` as Euler's number and drops a `\\text{ million}`; in a text that is no
-    quantity, each scale word after a number as `\\cdot 10^{k}` (`_SCALE_AFTER`); anything else unchanged."""
+    """`text` for math-verify: a quantity written with a decimal exponent (`1e-5`), a scale word or in one text
+    command (`\\text{5 dollars}`) as its plain value, since math-verify reads the `e` as Euler's number, drops a
+    `\\text{ million}` and reads `\\text{5 dollars}` as one symbol; in a text that is no quantity, each scale word
+    after a number as `\\cdot 10^{k}` (`_SCALE_AFTER`), but never inside a text command (math-verify reads
+    `\\text{5 \\cdot 10^{6}}` as 10), and a text command of words that change the value as those bare words
+    (`_bare_value_words`); anything else unchanged."""
     if q is None:
-        return _SCALE_AFTER.sub(_scale_power, text)
-    if not (_E_EXPONENT.search(text) or _SCALE.search(text)):
+        inside = [(m.end(1), m.end()) for m in _TEXT_BODY.finditer(text)]
+
+        def scale_power(m: re.Match[str]) -> str:
+            return m.group() if any(s <= m.start() < e for s, e in inside) else _scale_power(m)
+
+        return _TEXT_AFTER.sub(_bare_value_words, _SCALE_AFTER.sub(scale_power, text))
+    if not (_E_EXPONENT.search(text) or _SCALE.search(text) or _WHOLE_TEXT.fullmatch(text.strip())):
         return text
     return _value_key(q[0]) + ("\\%" if q[1] else "")
 
