@@ -355,6 +355,29 @@ def test_rows_from_a_file(tmp_path: Path) -> None:
         InstructTask(InstructionReward(), path=path, eval_path=str(tmp_path / "missing.jsonl"))
 
 
+def test_whitespace_twins_of_held_out_rows_are_left_out_and_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """env=file's rule: a training row that is a held-out row's prompt but for whitespace is left out, logged, and
+    counted in `also_held_out` (held_out_split was called without `counts`: the count stayed 0)."""
+    lower = [{"type": "case", "mode": "lower"}]
+    prompts = [f"Describe item {i} in lowercase." for i in range(60)]
+    rows = [{"prompt": p, "constraints": lower} for p in prompts]
+    rows += [{"prompt": p + "\n", "constraints": lower} for p in prompts]  # twins: a trailing newline
+    path = _write(tmp_path / "rows.jsonl", rows)
+    with caplog.at_level("WARNING"):
+        task = InstructTask(InstructionReward(), path=path, eval_fraction=0.25, eval_size=1000)
+    held = {" ".join(p.prompt.split()) for p in task.eval_set()}
+    assert held and not held & {" ".join(p.prompt.split()) for p in task.train_set()}
+    dropped = 120 - len(task.train_set()) - len(task.eval_set())
+    assert dropped > 0 and task.also_held_out == dropped
+    assert f"{dropped} of its 120 rows repeat a held-out row's prompt but for whitespace" in caplog.text
+    # env.eval_path: its rows' training twins are counted the same way.
+    bench = _write(tmp_path / "bench.jsonl", [{"prompt": p + "  ", "constraints": lower} for p in prompts[:7]])
+    with_bench = InstructTask(InstructionReward(), path=path, eval_path=bench)
+    assert with_bench.also_held_out == 14 and len(with_bench.train_set()) == 106
+
+
 def test_skipped_rows_of_a_file_are_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """As env=file does: the rows were counted in the summary, but nothing said so while the task loaded."""
     row = {"prompt": "Describe the sea in lowercase.", "constraints": [{"type": "case", "mode": "lower"}]}

@@ -22,9 +22,10 @@ loopback: each episode failed with a connection error).
 Task rows (each a JSON object handed to the program as it is) come from a data file (`env.path`: JSONL/JSON lines,
 Parquet, a datasets folder) or a generator (`env.generator=module:function`, called with `env.generator_kwargs`,
 returning a list of dicts). The held-out rows are `env.eval_path`'s, else a stable-hash fraction of the rows
-(`env.eval_fraction`, at most `env.eval_size`). Limits: turns, tokens per turn, context, and the episode's wall time
-(`episode_timeout_s`); what happens on history rewrites and failed episodes is the collector's
-(roll_core.pipelines.collectors.agents).
+(`env.eval_fraction`, at most `env.eval_size`); a training row that is a held-out row but for whitespace in its
+strings is left out of training, counted (`also_held_out`) and logged, as env=file does (`split_rows`). Limits:
+turns, tokens per turn, context, and the episode's wall time (`episode_timeout_s`); what happens on history rewrites
+and failed episodes is the collector's (roll_core.pipelines.collectors.agents).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import signal
 import subprocess
 import threading
 import urllib.request
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -214,22 +216,20 @@ class OpenAIAgentTask:
             rows, source = _file_rows(str(path), "env.path"), f"env.path={path}"
         if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
             raise ConfigError(f"{source} must give a non-empty list of task rows (JSON objects)")
-        if eval_path:
-            held = _file_rows(eval_path, "env.eval_path")
-            evaluated = {json.dumps(r, sort_keys=True, default=str) for r in held}
-            self._train = [r for r in rows if json.dumps(r, sort_keys=True, default=str) not in evaluated]
-            if len(self._train) < len(rows):  # a held-out task that also trains measures nothing
-                left_out = len(rows) - len(self._train)
-                log.warning("%s: %d rows also in env.eval_path left out of training", source, left_out)
-        else:
-            from roll_envs.tasks.base import stable_fraction
-
-            keyed = [(stable_fraction(json.dumps(r, sort_keys=True, default=str)), r) for r in rows]
-            self._train = [r for f, r in keyed if f >= eval_fraction]
-            held = [r for f, r in keyed if f < eval_fraction]
-        self._eval = held[:eval_size]
-        if not self._train:
-            raise ConfigError(f"{source}: every row fell in the held-out split; lower env.eval_fraction")
+        held = _file_rows(eval_path, "env.eval_path") if eval_path else None
+        counts: dict[str, int] = {}
+        self._train, self._eval = split_rows(
+            rows,
+            held,
+            eval_fraction=eval_fraction,
+            eval_size=eval_size,
+            source=source,
+            path=path,
+            eval_path=eval_path,
+            counts=counts,
+        )
+        # Training rows left out as a held-out row but for whitespace (split_rows).
+        self.also_held_out = counts.get("also_held_out", 0)
 
     def train_rows(self, count: int, seed: int) -> list[dict[str, Any]]:
         """`count` training rows drawn with `seed` (distinct while the split has that many)."""
@@ -353,6 +353,93 @@ def _kill_group(proc: subprocess.Popen, reap: bool = True) -> None:
 
 #: The largest row (as JSON) also passed in ROLL_TASK; larger ones reach the command on its stdin only.
 MAX_ENV_TASK_BYTES = 64 * 1024
+
+
+def row_key(row: dict[str, Any]) -> str:
+    """A task row's text for the held-out hash: its JSON with sorted keys (unchanged, so a resumed run keeps its
+    split)."""
+    return json.dumps(row, sort_keys=True, default=str)
+
+
+def _collapsed(value: Any) -> Any:
+    """`value` with the whitespace of every string in it collapsed (runs to one space, none at the ends)."""
+    if isinstance(value, str):
+        return " ".join(value.split())
+    if isinstance(value, Mapping):  # (a config's rows are DictConfig / ListConfig)
+        return {k: _collapsed(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
+        return [_collapsed(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class _Row:
+    """A task row as roll_envs.tasks.base.held_out_split reads a problem: `prompt` is the row's JSON with its
+    strings' whitespace collapsed, so `loose_key` finds whitespace twins. (`row_key`'s JSON would not do: it
+    escapes a newline as the two characters `\\n`, which no whitespace collapsing removes.)"""
+
+    prompt: str
+    row: dict[str, Any] = field(compare=False)
+
+    @classmethod
+    def of(cls, row: dict[str, Any]) -> _Row:
+        return cls(json.dumps(_collapsed(row), sort_keys=True, default=str), row)
+
+
+def split_rows(
+    rows: list[dict[str, Any]],
+    held: list[dict[str, Any]] | None,
+    *,
+    eval_fraction: float,
+    eval_size: int,
+    source: str,
+    path: str | None = None,
+    eval_path: str | None = None,
+    counts: dict[str, int] | None = None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training, held-out) task rows by env=file's rule (roll_envs.tasks.base.held_out_split): with `held` (the
+    rows of `eval_path`) every row trains but those also held out; without, rows whose stable hash (`row_key`)
+    falls below `eval_fraction` are held out. Either way a training row that is a held-out row but for whitespace
+    in its strings ({"task": "Q?\\n"} and {"task": "Q?"}: one task to the agent) is left out of training, logged
+    once and counted in `counts["also_held_out"]`, so the two sets never share a task; the hash itself is
+    unchanged (a resumed run keeps its split). `path` and `eval_path` naming one file is an evaluation set: every
+    row is both. The held-out list is cut to `eval_size`. A ConfigError (naming `source`) when nothing is left to
+    train on."""
+    from roll_envs.tasks.base import held_out_split, loose_key, stable_fraction
+
+    if held is not None:
+        if counts is not None:
+            counts["also_held_out"] = 0  # (an evaluation set, path = eval_path, leaves nothing out)
+        train, kept = held_out_split(
+            [_Row.of(r) for r in rows],
+            [_Row.of(r) for r in held],
+            eval_fraction=eval_fraction,
+            eval_size=eval_size,
+            path=path or source,
+            eval_path=eval_path,
+            counts=counts,
+        )
+        return [w.row for w in train], [w.row for w in kept]
+    # held_out_split's own hash branch hashes the text its loose key collapses; a row's hash text (`row_key`)
+    # cannot be that text (newlines escaped) without moving rows to the other side, so the sides are decided here
+    # by `row_key` as before and the twins found with the same `loose_key`.
+    sides = [(stable_fraction(row_key(r)) < eval_fraction, _Row.of(r)) for r in rows]
+    held_keys = {loose_key(w) for out, w in sides if out}
+    train = [w.row for out, w in sides if not out and loose_key(w) not in held_keys]
+    left_out = sum(not out for out, _ in sides) - len(train)
+    if left_out:
+        log.warning(
+            "%s: %d of its %d rows repeat a held-out row but for whitespace: left out of training (a held-out task "
+            "that is trained on measures nothing)",
+            source,
+            left_out,
+            len(rows),
+        )
+    if counts is not None:
+        counts["also_held_out"] = left_out
+    if not train:
+        raise ConfigError(f"{source}: every row fell in the held-out split; lower env.eval_fraction")
+    return train, [w.row for out, w in sides if out][:eval_size]
 
 
 def _file_rows(path: str, key: str) -> list[dict[str, Any]]:

@@ -7,8 +7,9 @@ The adapter gives it roll's shape: `rows` (or a JSONL `data_file`) are the datas
 "extras": {...}}` per line; `reset(seed)` picks a row and builds a fresh environment for it: a held-out seed
 (>= `eval_seed_offset`, env.eval_seed_offset's default) picks from the held-out rows (`eval_rows` /
 `eval_data_file`, else the rows whose stable hash falls below `eval_fraction`), any other seed from the rest,
-`seed % len(...)`; the two never share a row (held-out success measures generalisation), and a held-out seed
-without held-out rows is an error naming what to set;
+`seed % len(...)`; the two never share a row (held-out success measures generalisation: a training row that is a
+held-out row but for whitespace in its strings is left out of training, counted in `also_held_out` and logged, as
+env=file does), and a held-out seed without held-out rows is an error naming what to set;
 observations are the new messages' contents joined, system messages too (`_text`); `done` is a truncation when the
 environment's own turn limit (`max_turns`) of more than one turn ended the episode without success, else a
 termination: a single-turn environment's (`max_turns` 1, SkyRL-Gym's default: gsm8k, aime) wrong answer is its
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from roll_envs.agentic.gem_adapter import UNCLOSED_THINK, check_code_execution, checked_flag, checked_reward
+from roll_envs.agentic.openai_agent import split_rows
 from roll_envs.rewards.judge import final_text
 
 log = logging.getLogger(__name__)
@@ -66,11 +68,6 @@ RUNS_MODEL_CODE = {
 
 def _read_rows(path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def _key(row: dict[str, Any]) -> str:
-    """What makes two rows the same problem (the held-out split's key)."""
-    return json.dumps(row, sort_keys=True, default=str)
 
 
 class SkyRLEnv:
@@ -105,16 +102,21 @@ class SkyRLEnv:
         if eval_rows is not None and eval_data_file is not None:
             raise ValueError("SkyRLEnv takes at most one of eval_rows= and eval_data_file=")
         held = _read_rows(eval_data_file) if eval_data_file is not None else eval_rows
-        if held is not None:
-            keys = {_key(r) for r in held}
-            train = [r for r in rows if _key(r) not in keys]
-        else:
-            from roll_envs.tasks.base import stable_fraction
-
-            train = [r for r in rows if stable_fraction(_key(r)) >= eval_fraction]
-            held = [r for r in rows if stable_fraction(_key(r)) < eval_fraction]
-        if not train:
-            raise ValueError("SkyRLEnv: every row is held out; give more rows or lower eval_fraction")
+        # env=file's rule, as env=openai_agent splits its rows (split_rows): a training row that is a held-out row
+        # but for whitespace is left out, counted and logged (an exact-JSON check trained on "Q?\n" while holding
+        # out "Q?"); the hash is the row's JSON as before, so a resumed run keeps its split.
+        counts: dict[str, int] = {}
+        train, held = split_rows(
+            rows,
+            held,
+            eval_fraction=eval_fraction,
+            eval_size=len(rows) + len(held or ()),  # no cap: every held-out row is a held-out seed's choice
+            source=f"SkyRLEnv({env_id})" + (f" {data_file}" if data_file else ""),
+            path=data_file,
+            eval_path=eval_data_file,
+            counts=counts,
+        )
+        self.also_held_out = counts.get("also_held_out", 0)
         self.held_out, self.eval_seed_offset = held, int(eval_seed_offset)
         if env_id not in skyrl_gym.envs.registration.registry:
             known = ", ".join(sorted(skyrl_gym.envs.registration.registry))

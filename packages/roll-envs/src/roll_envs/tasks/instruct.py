@@ -15,7 +15,9 @@ constraint objects or its JSON text. A row that is not an object, has no prompt,
 another column is skipped, counted (`skipped`) and logged, as env=file does; a row whose
 constraints are missing, of an unknown type or with bad arguments is a ConfigError naming the file and line, before
 anything runs.
-The held-out split is `eval_path`, else a stable-hash fraction of the rows.
+The held-out split is env=file's (base.held_out_split): `eval_path`, else a stable-hash fraction of the rows; a
+training row that repeats a held-out row's prompt but for whitespace is left out of training, counted
+(`also_held_out`) and logged.
 
 Every problem has domain "instruct" (a file row's `domain` column wins), `metadata["constraints"]` (the validated
 list; a file row's other columns are kept too) and `answer` = the constraints as JSON, so the ifeval reward scores
@@ -262,9 +264,19 @@ class InstructTask(Task):
         held = None
         if eval_path:
             held = self._load(eval_path, prompt_key, constraints_key, eval_file_name(self.name, path, eval_path))
+        # counts=: without it the rows left out as held-out rows' whitespace twins were logged but the task's
+        # also_held_out stayed 0, as if none were.
+        counts: dict[str, int] = {}
         self._train, self._eval = held_out_split(
-            problems, held, eval_fraction=eval_fraction, eval_size=eval_size, path=path, eval_path=eval_path
+            problems,
+            held,
+            eval_fraction=eval_fraction,
+            eval_size=eval_size,
+            path=path,
+            eval_path=eval_path,
+            counts=counts,
         )
+        self.also_held_out = counts.get("also_held_out", 0)
 
     def _load(self, path: str, prompt_key: str, constraints_key: str, name: str) -> list[Problem]:
         """Problems of one file (ids `<name>:<file name>:<line>`); unreadable rows and rows without a prompt go to
