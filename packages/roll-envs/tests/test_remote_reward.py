@@ -75,6 +75,8 @@ class Script:
                 bad = [{"score": math.nan}, {"score": "x"}, {"correct": 1}, {"score": 1.0, "correct": 2}]
                 bad.append({"score": 10**400})
                 return web.Response(text=json.dumps({"rows": [*bad, {"score": 0.25}]}))
+            if route == "deep":  # valid JSON, nested deeper than Python's decoder recurses
+                return web.Response(text="[" * 100_000 + "]" * 100_000)
             if route == "refused":
                 return web.Response(status=400, text="unknown field")
             if route == "list":
@@ -201,6 +203,24 @@ def test_failures_are_counted_rows(server: Any) -> None:
     assert "HTTP 400" in reward.last_failure and "unknown field" in reward.last_failure
     # A bare list of numbers is a reply too.
     assert _remote(f"{base}/list").score(["a", "b"], ["", ""]).scores == [0.5, 1.0]
+
+
+def test_a_request_that_breaks_unforeseen_is_a_counted_error(server: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A reply too deep to decode (RecursionError) or metadata JSON cannot encode (a tuple key: TypeError) left
+    the rows unscored with no remote_* counter, no `last_failure` and asyncio's "Task exception was never
+    retrieved"; now they count in remote_errors, the other requests' rows unharmed."""
+    _, base = server
+    reward = _remote(f"{base}/deep", batch_size=2)
+    res = reward.score(["a", "b", "c"], ["x"] * 3)
+    assert res.failed == [True] * 3 and res.scores == [0.0] * 3
+    assert (res.counters["remote_errors"], res.counters["unscored"]) == (3, 3)
+    assert reward.last_failure is not None and "RecursionError" in reward.last_failure
+    reward = _remote(f"{base}/plain", batch_size=1)
+    res = reward.score(["a", "bb", "ccc"], ["a"] * 3, metadata=[{}, {("tuple", "key"): 1}, {}])
+    assert res.scores == [1.0, 0.0, 3.0] and res.failed == [False, True, False]  # rows stay matched to requests
+    assert (res.counters["remote_errors"], res.counters["unscored"]) == (1, 1)
+    assert reward.last_failure is not None and "rows 1..1: TypeError" in reward.last_failure
+    assert "never retrieved" not in caplog.text
 
 
 def test_a_dead_service_fails_every_row_after_its_retries() -> None:

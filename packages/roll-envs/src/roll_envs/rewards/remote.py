@@ -23,7 +23,8 @@ dead or refusing service, which fails every row, stops the run after `pipeline.m
 through its RewardFailureBudget, instead of training on `error_score` forever), and in one of (counts of rows,
 except `remote_retries`):
 - `remote_timeouts`: its request got no answer within `timeout_s`, on every try;
-- `remote_errors`: connection errors, or an HTTP status other than 200 (the last try's);
+- `remote_errors`: connection errors, an HTTP status other than 200 (the last try's), or anything else that broke a
+  request (rows JSON cannot encode, such as metadata keyed by tuples; a reply nested too deep to decode);
 - `remote_malformed`: a reply that is not JSON or has the wrong number of rows (every row of the request), or a
   row whose score is missing, not a number or not finite, whose `correct`/`formatted` is not 0/1 or whose
   `failed` is not a JSON boolean (that row);
@@ -235,6 +236,11 @@ class RemoteReward(Reward):
                     except _Failed as exc:
                         counters[exc.kind] += len(batch)
                         self._fail(exc.kind, f"rows {start}..{start + len(batch) - 1}: {exc}")
+                        return
+                    except Exception as exc:  # unforeseen: its rows were left unscored with no counter
+                        counters["remote_errors"] += len(batch)
+                        where = f"rows {start}..{start + len(batch) - 1}"
+                        self._fail("remote_errors", f"{where}: {type(exc).__name__}: {str(exc)[:_EXCERPT]}")
                         return
                 results[start : start + len(batch)] = parsed
 

@@ -1,0 +1,126 @@
+"""Parsing a generative judge's reply into a reward (roll_envs.rewards.judge documents the rules); also
+`final_text`, which every built-in reward uses to read a thinking model's answer without its reasoning."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+from roll_core.errors import ConfigError
+
+_THINK_END = "</think>"
+
+# A decimal comma (`8,5`, as judges writing German or French do) has one or two digits after it and no further
+# digit, comma or point: `8,9,10` is a list (read as 8). A number that runs on is no score: `1,000` (a thousands
+# separator), `3,14159`, `1.2.3`, `1e1`, `0x5`, `6½`, `1_0` and a range `7-8` used to be read as their first digits
+# (1, 3, 1, 1, 0, 6, 1, 7: a silent wrong reward); they are invalid verdicts now.
+_RUNS_ON = r"(?!\d|\.\d|,\d{3}|[eE][-+]?\d|[xX][0-9a-fA-F]|_\d|[\u00bc-\u00be\u2150-\u215e]| ?[-\u2013] ?\d)"
+_NUM = rf"([-+]?\d+(?:\.\d+|,\d{{1,2}}(?![.,]?\d))?){_RUNS_ON}"
+#: `Score: 7`, `score = 7.5`, `Score: 8,5`, `Rating: **8**/10`, `**Score**: 8`, `__Score__: 8`, ``Score: `8` ``,
+#: `Score: [[7]]`, `[[7]]` (the number is the first group that matched).
+DEFAULT_SCORE_PATTERN = (
+    rf"(?i)(?<![a-z])(?:score|rating)(?![a-z])[*_`]*\s*(?:is|[:=])?[\s*_`]*(?:\[\[\s*)?{_NUM}|\[\[\s*{_NUM}\s*\]\]"
+)
+# What follows a score that names its scale: `8/10`, `**8**/10`, `[[8]]/10`, `8 out of 10`.
+_SCALE = re.compile(r"(?i)[\s*_`\]]*(?:/|out\s+of)\s*[*_`]*(\d+(?:\.\d+)?)")
+# A negation right before a verdict label (`not correct`, `isn't **yes**`, `never acceptable`).
+_NEGATED = re.compile(r"(?i)(?:\b(?:not|never)|n['\u2019]t)[\s*_`\"']+$")
+
+
+def final_text(reply: str) -> str | None:
+    """The reply without its reasoning: the text after the last `</think>`; None when a `<think>` block was
+    opened and never closed (a reply cut off while reasoning has no verdict)."""
+    if _THINK_END in reply:
+        return reply.rsplit(_THINK_END, 1)[1]
+    if "<think>" in reply:
+        return None
+    return reply
+
+
+class ScoreParser:
+    """`score` mode: the last number `pattern` captures, in [lo, hi], mapped to [0, 1]."""
+
+    def __init__(self, lo: float, hi: float, pattern: str | None = None) -> None:
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+            raise ConfigError(f"env.reward.score_range=[{lo}, {hi}] must be two finite numbers, low < high")
+        source = pattern or DEFAULT_SCORE_PATTERN
+        try:
+            self.pattern = re.compile(source)
+        except re.error as exc:
+            raise ConfigError(f"env.reward.score_pattern={source!r} is not a regular expression: {exc}") from None
+        if self.pattern.groups < 1:
+            raise ConfigError(f"env.reward.score_pattern={source!r} needs a capture group around the number")
+        self.lo, self.hi = lo, hi
+        # Your own pattern says itself what follows the number; the default one reads the scale a judge names.
+        self.check_scale = pattern is None
+
+    def __call__(self, reply: str) -> float | None:
+        """The reward in [0, 1], or None for an invalid verdict (no match, not a number, out of range, a scale
+        other than score_range's high)."""
+        text = final_text(reply)
+        if text is None:
+            return None
+        matches = list(self.pattern.finditer(text))
+        if not matches:
+            return None
+        raw = next((g for g in matches[-1].groups() if g is not None), None)
+        if raw is not None and raw.count(",") == 1 and "." not in raw:  # a decimal comma: 8,5 is 8.5
+            raw = raw.replace(",", ".")
+        try:
+            x = float(raw)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None
+        if not (math.isfinite(x) and self.lo <= x <= self.hi):
+            return None
+        scale = _SCALE.match(text, matches[-1].end()) if self.check_scale else None
+        if scale is not None and float(scale.group(1)) != self.hi:
+            return None  # `Score: 4/5` on a 0-10 scale is not 4 of 10 (it was read as 0.4)
+        return (x - self.lo) / (self.hi - self.lo)
+
+
+class VerdictParser:
+    """`verdict` mode: the judge's label (roll_envs.rewards.judge's docstring) mapped to its reward."""
+
+    def __init__(self, labels: Mapping[str, float]) -> None:
+        if not labels:
+            raise ConfigError("env.reward.labels must map at least one verdict label to a reward")
+        self.values: dict[str, float] = {}
+        for label, value in labels.items():
+            key = str(label).strip().lower()
+            if not key:
+                raise ConfigError("env.reward.labels: a verdict label is empty")
+            if key in self.values:
+                raise ConfigError(f"env.reward.labels: {label!r} appears twice (labels are case-insensitive)")
+            if not math.isfinite(float(value)):
+                raise ConfigError(f"env.reward.labels: the reward of {label!r} must be finite, got {value}")
+            self.values[key] = float(value)
+        # Longest first, so that "not correct" wins over "correct" at the same position.
+        alts = "|".join(re.escape(k) for k in sorted(self.values, key=len, reverse=True))
+        after = rf"[*_`]*\s*[:=][\s*_\"'`]*({alts})(?!\w)"  # `: yes`, `**: **yes**`, ``: `yes` ``
+        self.marked = re.compile(rf"(?i)\[\[\s*({alts})\s*\]\]|\b(?:verdict|judgement|judgment){after}")
+        self.answered = re.compile(rf"(?i)\banswer{after}")
+        self.word = re.compile(rf"(?i)(?<!\w)({alts})(?!\w)")
+
+    def __call__(self, reply: str) -> float | None:
+        """The label's reward, or None for an invalid verdict (no label, several without a marked one, or a
+        negated one)."""
+        text = final_text(reply)
+        if text is None:
+            return None
+        marked = list(self.marked.finditer(text)) or list(self.answered.finditer(text))
+        if marked:
+            label = next(g for g in marked[-1].groups() if g is not None)
+            return self.values[label.lower()]
+        found = list(self.word.finditer(text))
+        if not found:
+            return None
+        first = found[0]
+        if not text[: first.start()].strip(" \t\n*_\"'`#>-"):  # the reply opens with a label ("Yes. Because ...")
+            return self.values[first.group(1).lower()]
+        # "Verdict: not correct" or "The response is not correct." named only the label `correct` and scored as
+        # correct; the labels cannot say "not <label>" (unless one is that phrase, which matches whole first).
+        if any(_NEGATED.search(text, max(0, m.start() - 16), m.start()) for m in found):
+            return None
+        named = {m.group(1).lower() for m in found}
+        return self.values[named.pop()] if len(named) == 1 else None
