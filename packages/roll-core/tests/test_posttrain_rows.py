@@ -496,3 +496,58 @@ def test_a_llama31_builtin_tool_call_turn_ends_with_eom(tmp_path):
     # without builtin_tools the template ends that turn with <|eot_id|>, as before
     plain = load("sft", tok, path=write_jsonl(tmp_path / "p.jsonl", [{"messages": messages}])).train.batch([0])
     assert masked_segments(tok, plain["responses"][0], plain["response_mask"][0])[0].endswith("}}<|eot_id|>")
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}
+
+
+def test_a_template_without_tool_support_skips_tool_rows_and_says_so(tmp_path):
+    """ChatML (SmolLM2's template) renders neither `tools` nor `tool_calls`: a row's tool schemas were left out of
+    its prompt, and an assistant turn that calls a tool was trained as its text alone ("Let me add." then the end of
+    the turn: the model learned to announce a call and stop), silently; a call-only turn was an `empty` skip."""
+    tok = TOKS["chatml"]
+    ask = {"role": "user", "content": "2+2?"}
+    rows = [
+        {"messages": [ask, {"role": "assistant", "content": "4"}], "tools": TOOLS},
+        {"messages": [ask, {"role": "assistant", "content": "Let me add.", "tool_calls": [CALL]}]},
+        {"messages": [ask, {"role": "assistant", "content": "", "tool_calls": [CALL]}]},
+        {"messages": [ask, {"role": "assistant", "content": "4"}]},
+    ]
+    src = load("sft", tok, path=write_jsonl(tmp_path / "t.jsonl", rows)).train
+    assert src.skipped == {"template_drops_tools": 1, "template_drops_tool_calls": 2} and len(src) == 1
+    b = src.batch([0])
+    assert masked_segments(tok, b["responses"][0], b["response_mask"][0]) == ["4<|im_end|>"]
+    pairs = [{"prompt": "2+2?", "chosen": "4", "rejected": "5", "tools": t} for t in (TOOLS, None)]
+    assert load("preference", tok, path=write_jsonl(tmp_path / "p.jsonl", pairs)).train.skipped == {
+        "template_drops_tools": 1
+    }
+
+
+def test_tools_and_tool_calls_as_json_text_are_read_as_lists(tmp_path):
+    """Datasets store `tools` (and OpenAI-style `tool_calls`) as JSON text: such a row was a template_error skip
+    (transformers' "Tools should either be a JSON schema ..." naming neither column nor row). Now read as the list
+    it spells; text that is not a JSON list, or a call that names no function, is a wrong_type skip."""
+    import json
+
+    tok = family_tokenizer("qwen2.5")
+    ask = {"role": "user", "content": "2+2?"}
+
+    def row(tools: object, calls: object) -> dict:
+        return {"messages": [ask, {"role": "assistant", "content": "", "tool_calls": calls}], "tools": tools}
+
+    rows = [
+        row(TOOLS, [CALL]),
+        row(json.dumps(TOOLS), json.dumps([CALL])),
+        row("not json", [CALL]),
+        row({"name": "add"}, [CALL]),
+        row(TOOLS, [{"type": "function", "function": {"arguments": {"a": 2}}}]),
+    ]
+    src = load("sft", tok, path=write_jsonl(tmp_path / "t.jsonl", rows), max_prompt=1000).train
+    assert src.skipped == {"wrong_type": 3} and len(src) == 2
+    a, b = src.batch([0]), src.batch([1])
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["response_mask"], b["response_mask"])
+    assert '"name": "add"' in tok.decode(a["prompts"][0])  # the schema is in the prompt
+    assert masked_segments(tok, a["responses"][0], a["response_mask"][0]) == [
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call><|im_end|>'
+    ]

@@ -1,10 +1,10 @@
 """SFT rows to token rows: a prompt, a response region and its loss mask, as a sampled trajectory would hold them.
 
 Row forms (`detect_format` picks one per file from its columns, or `data.format` names it):
-- `messages`: `{"messages": [{"role", "content"}, ...]}` (optional `tools` column). Every assistant message is
-  trained unless it has `"train": false` or OpenAI's `"weight": 0` (a `train` that is not true, false or null, or
-  a `weight` that is not 0 or 1, is a `wrong_type` skip);
-  system / user / tool messages are context.
+- `messages`: `{"messages": [{"role", "content"}, ...]}` (optional `tools` column: a list of tool schemas, or that
+  list as JSON text; an assistant message's `tool_calls` likewise, each call naming its function). Every assistant
+  message is trained unless it has `"train": false` or OpenAI's `"weight": 0` (a `train` that is not true, false or
+  null, or a `weight` that is not 0 or 1, is a `wrong_type` skip); system / user / tool messages are context.
 - `prompt_completion`: `{"prompt": str | messages, "completion": str | messages}` (TRL's standard and
   conversational forms). Text with `data.chat_template=true` becomes a user message and an assistant message;
   with false, the prompt's ids (the tokenizer's leading special tokens added, e.g. bos, unless the text already
@@ -29,7 +29,10 @@ exactly the trained assistant turns' ids and their end-of-turn tokens; untrained
 trained one are context (mask 0); messages after the last trained turn are dropped. An assistant turn to train
 that is blank (empty or whitespace text, no tool calls) is skipped (`empty`), whatever the template renders for it
 (ChatML a bare end-of-turn token, Qwen3 an empty think block): the model would learn to end its turn without
-answering; so is blank text of a prompt, completion or preference response.
+answering; so is blank text of a prompt, completion or preference response. A template that does not render
+what a row gives it is a counted skip, not a row trained without it: the row's `tools` (`template_drops_tools`: the
+model would call tools it was never shown) or the tool calls of an assistant turn after the prompt
+(`template_drops_tool_calls`: the model would learn to announce a call and end its turn without making it).
 
 Ids after a context (`encode_after`): text is tokenised together with the text before it and the context's own ids
 are taken off, when they are a prefix of the whole's (else, where BPE merges across the boundary, on its own: the ids
@@ -47,7 +50,6 @@ tokenizers can be compared by a string, and a file stamped with it stays valid a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -56,8 +58,30 @@ from typing import Any
 
 from roll_core.agentic.chat import ALT_TURN_ENDS, TurnTemplate, encode_after
 from roll_core.errors import ConfigError
+from roll_core.posttrain._fingerprint import FINGERPRINT_PROBES, legacy_tokenizer_fingerprint, tokenizer_fingerprint
 from roll_core.posttrain.config import DataConfig
 from roll_core.posttrain.rows import RawRow, SkipRow
+
+# The fingerprint lives in a sibling module (this one's size) and stays part of this module's API.
+__all__ = [
+    "FINGERPRINT_PROBES",
+    "SFT_FORMATS",
+    "ChatEncoder",
+    "SFTTokenizer",
+    "TokenRow",
+    "blank",
+    "check_ids",
+    "check_messages",
+    "check_text",
+    "check_tools",
+    "detect_format",
+    "legacy_tokenizer_fingerprint",
+    "need",
+    "row_format",
+    "tokenizer_fingerprint",
+    "tool_call_names",
+    "train_flag",
+]
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +175,46 @@ def check_messages(value: Any, key: str) -> list[dict[str, Any]]:
         if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
             raise SkipRow("wrong_type", f"{key!r}[{i}] content is {type(content).__name__}, expected text")
         # Parquet / datasets give every message every column of the struct (None where absent): drop those.
-        out.append({k: v for k, v in m.items() if v is not None or k == "content"})
+        message = {k: v for k, v in m.items() if v is not None or k == "content"}
+        if "tool_calls" in message:
+            message["tool_calls"] = _json_list(message["tool_calls"], f"{key!r}[{i}] 'tool_calls'", "tool calls")
+            tool_call_names(message)  # a call naming no function: this row's fault, said before any template runs
+        out.append(message)
     return out
+
+
+def check_tools(value: Any) -> list[dict[str, Any]] | None:
+    """A row's `tools` column as a chat template takes it: a list of tool schemas (None when absent or empty). The
+    list may be JSON text (datasets store it so, one schema per Arrow column being impossible): transformers
+    refused that text with an error naming neither the column nor the row. Anything else is a `wrong_type` skip."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    return _json_list(value, "'tools'", "tool schemas") or None
+
+
+def _json_list(value: Any, where: str, what: str) -> list[dict[str, Any]]:
+    """`value` as a list of mappings, parsing JSON text; a `wrong_type` skip naming `where` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise SkipRow("wrong_type", f"{where} is text that is not JSON ({exc.msg}): {value[:60]!r}") from None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, Mapping) for v in value):
+        raise SkipRow("wrong_type", f"{where} must be a list of {what} (or that list as JSON), got {str(value)[:60]}")
+    return [dict(v) for v in value]
+
+
+def tool_call_names(message: Mapping[str, Any]) -> list[str]:
+    """The function names of a message's tool calls (OpenAI's `{"function": {"name", ...}}` or a flat
+    `{"name", ...}`); a `wrong_type` skip for a call without one."""
+    names = []
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call.get("function"), Mapping) else call
+        name = function.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise SkipRow("wrong_type", f"a tool call names no function ({str(call)[:60]})")
+        names.append(name)
+    return names
 
 
 def check_text(value: Any, key: str) -> str:
@@ -227,6 +289,17 @@ class ChatEncoder:
                 "drops), so the turn's text cannot be isolated",
             )
         text = full[len(before) : len(full) - len(closing)]
+        if message.get("tool_calls"):
+            # a template without tool support renders the text alone (ChatML, Phi-3): the same turn without its
+            # calls (the text may well name the function, so looking for the name in it proves nothing)
+            bare = {k: v for k, v in message.items() if k != "tool_calls"}
+            if self._render([*history, {**bare, "content": bare.get("content") or ""}], False, tools) == full:
+                raise SkipRow(
+                    "template_drops_tool_calls",
+                    f"the chat template does not render this assistant turn's call of {tool_call_names(message)}: "
+                    "trained as rendered, the model would end its turn without making the call. Use a template "
+                    "with tool support",
+                )
         if not text:
             raise SkipRow("empty", "an assistant turn renders to no text")
         content = message.get("content")
@@ -252,6 +325,12 @@ class ChatEncoder:
             raise SkipRow("no_prompt", "the conversation starts with the assistant turn to train: it has no prompt")
         clean = [{k: v for k, v in m.items() if k not in ("train", "weight")} for m in messages]
         try:
+            if tools and self._render(clean[:first], True, tools) == self._render(clean[:first], True):
+                raise SkipRow(
+                    "template_drops_tools",
+                    f"the chat template does not render the row's {len(tools)} tool schema(s): the model would "
+                    "learn to call tools its prompt never shows. Use a template with tool support",
+                )
             prompt = self.turns.initial_messages(clean[:first], tools)
             response: list[int] = []
             mask: list[int] = []
@@ -393,7 +472,7 @@ class SFTTokenizer:
 
     def chat_row(self, messages: list[dict[str, Any]], trained: list[bool], tools: Any) -> TokenRow:
         """A conversation through the chat template (`trained[i]`: assistant message i is trained)."""
-        prompt, response, mask = self.chat.encode(messages, trained, tools)
+        prompt, response, mask = self.chat.encode(messages, trained, check_tools(tools))
         return TokenRow(prompt, response, mask, key=json.dumps(prompt))
 
     def raw_text(self, prompt: str, completion: str) -> TokenRow:
@@ -440,110 +519,3 @@ class SFTTokenizer:
         if not any(row.mask):
             raise SkipRow("no_trained_tokens", "no response token has loss mask 1")
         return row
-
-
-# ---- tokenizer identity -----------------------------------------------------------------------------------------
-#: Texts whose ids show what a tokenizer's normalizer, pre-tokenizer and post-processor do: case, accents and
-#: combining marks, compatibility forms (NFKC), whitespace runs, digit grouping, contractions, several scripts,
-#: characters a byte-level or byte-fallback model splits, zero-width characters and code.
-FINGERPRINT_PROBES = (
-    "Hello, world! The QUICK brown fox's jumps: 12345 + 67.89 = 1e3 -- don't, I'll, we've, 1,000,000",
-    "  leading spaces\tand\ttabs\n\nnew lines\r\n  trailing  \n",
-    "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u00c5ngstr\u00f6m e\u0301 \ufb01 \u2460 "
-    "\uff21\uff22 \u00bd x\u00b2 \u2126 \u00df",
-    "\u4f60\u597d\uff0c\u4e16\u754c\u3002 \u3053\u3093\u306b\u3061\u306f \uc548\ub155 \u0645\u0631\u062d\u0628\u0627 "
-    "\u05e9\u05dc\u05d5\u05dd \u0928\u092e\u0938\u094d\u0924\u0947 \u041f\u0440\u0438\u0432\u0435\u0442",
-    "emoji \U0001f600\U0001f44d\U0001f3fd \u200b zero\u200dwidth \u00a0nbsp \U0001d54f \ufffd",
-    "def f(x):\n    return {'a': [1, 2]}  # comment\n```json\n{\"k\": null}\n```",
-)
-#: Added tokens shown inside text (a probe each side of every one) when a tokenizer has at most this many.
-_PROBED_ADDED = 1024
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A hash of what decides the ids a tokenizer gives any text and conversation, and of nothing else.
-
-    Hashed: the vocabulary (token -> id, added tokens included); the tokenisation model's data and settings (BPE
-    merges as token pairs, Unigram scores, unk token, byte fallback, ...: defaults left out); each added token's
-    content, id and matching flags (special, lstrip, rstrip, single_word, normalized); the ids of the bos, eos,
-    unk, sep, cls and mask roles; the chat template; and the ids of `FINGERPRINT_PROBES` and of the added tokens
-    inside text, with and without the special tokens the tokenizer adds: the normalizer, pre-tokenizer and
-    post-processor are compared by what they do, not by how a library version serialises them.
-
-    Not hashed, so equal tokenizers keep equal fingerprints across transformers / tokenizers upgrades and saves:
-    the serialised JSON's layout (tokenizers 0.20 writes merges as pairs, newer versions add keys at their
-    default), the decoder (text from ids, not ids), padding / truncation settings and the pad token (padding is
-    never attended nor trained).
-    """
-    vocab = sorted((int(i), str(t)) for t, i in tokenizer.get_vocab().items())
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    flags = ("special", "lstrip", "rstrip", "single_word", "normalized")
-    added_spec = sorted((int(i), str(t), *(bool(getattr(t, f, False)) for f in flags)) for i, t in added.items())
-    contents = [str(t) for _, t in sorted(added.items())][:_PROBED_ADDED]
-    probes = [*FINGERPRINT_PROBES, "".join(f" a{c}b " for c in contents)]
-
-    def ids(text: str, specials: bool) -> list[int]:
-        # verbose=False: a probe longer than model_max_length is no model input (no "longer than" warning)
-        return [int(x) for x in tokenizer.encode(text, add_special_tokens=specials, verbose=False)]
-
-    parts = {
-        "vocab": vocab,
-        "model": _model_spec(tokenizer),
-        "added": added_spec,
-        "roles": {r: getattr(tokenizer, f"{r}_token_id", None) for r in ("bos", "eos", "unk", "sep", "cls", "mask")},
-        "chat_template": getattr(tokenizer, "chat_template", None),
-        "probes": [[ids(t, False), ids(t, True)] for t in probes],
-    }
-    blob = json.dumps(parts, sort_keys=True, ensure_ascii=False, default=str).encode()
-    return "sha256:" + hashlib.sha256(blob).hexdigest()[:32]
-
-
-def _model_spec(tokenizer: Any) -> dict[str, Any] | None:
-    """A fast tokenizer's tokenisation model in a version-independent form (None for a slow tokenizer: its
-    vocabulary and probes stand for it): settings without their defaults (None, false, ""), BPE merges as pairs
-    (tokenizers < 0.20 wrote "a b" strings), Unigram's scores; the vocabulary itself is hashed from `get_vocab`."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    model = json.loads(backend.to_str()).get("model") or {}
-    spec = {k: v for k, v in model.items() if k not in ("vocab", "merges") and v is not None and v is not False}
-    spec = {k: v for k, v in spec.items() if v != ""}
-    if "merges" in model:
-        spec["merges"] = [_merge_pair(m) for m in model["merges"]]
-    if model.get("type") == "Unigram":
-        spec["scores"] = [float(score) for _, score in model.get("vocab", [])]
-    return spec
-
-
-def _merge_pair(merge: Any) -> list[str]:
-    """A BPE merge as [left, right], whichever way tokenizers serialised it."""
-    if isinstance(merge, str):
-        parts = merge.split(" ")
-        return parts if len(parts) == 2 else [merge]
-    return [str(x) for x in merge]
-
-
-def legacy_tokenizer_fingerprint(tokenizer: Any) -> str:
-    """The fingerprint roll wrote before `tokenizer_fingerprint` hashed a version-independent form: a hash of the
-    serialised tokenizer JSON (it changes with the tokenizers version that serialises it). Kept only so that
-    distillation files stamped with it by the same library versions still load."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        spec: Any = json.loads(backend.to_str())
-        for runtime in ("truncation", "padding"):  # set per call by transformers, not part of the tokenizer
-            spec.pop(runtime, None)
-    else:
-        spec = sorted(tokenizer.get_vocab().items())
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    roles = {
-        name: getattr(tokenizer, name, None)
-        for name in ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
-    }
-    parts = {
-        "model": spec,
-        "added": sorted((int(i), str(t), bool(getattr(t, "special", False))) for i, t in added.items()),
-        "roles": {k: str(v) if v is not None else None for k, v in roles.items()},
-        "chat_template": getattr(tokenizer, "chat_template", None),
-    }
-    blob = json.dumps(parts, sort_keys=True, default=str).encode()
-    return "sha256:" + hashlib.sha256(blob).hexdigest()[:32]
