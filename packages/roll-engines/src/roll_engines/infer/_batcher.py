@@ -250,7 +250,8 @@ class ContinuousBatcher:
                 self._resolve(seq)
                 return True
         for seq in self.running:
-            if seq.request.request_id == request_id and seq.finish is None:
+            # A second abort stops nothing (False, as for a finished request and in the vllm engine).
+            if seq.request.request_id == request_id and seq.finish is None and not seq.aborted:
                 seq.aborted = True  # leaves at the next step boundary with what it generated so far
                 return True
         return False

@@ -542,6 +542,7 @@ class HFInferEngine:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         with self._lock:
+            self.batcher.retire()  # rows aborted since the last step leave now: a caller may abort, then sleep
             if self.batcher.has_work():
                 raise RuntimeError(f"{self.name} engine: cannot sleep while requests run; finish or abort them")
             self.batcher.release()
