@@ -130,6 +130,13 @@ def test_skyrl_leaves_out_whitespace_twins_of_given_held_out_rows() -> None:
     given = make_env("skyrl:gsm8k_multi_turn", rows=rows, eval_rows=held)
     assert not _keys(given.held_out) & _keys(given.rows)
     assert given.also_held_out == 10 and len(given.rows) == 110
+    # The agentic task reports its environment's count (roll_core.interfaces.tasks.DataCounts: the run's metrics
+    # and summary); a seeded game has none to report.
+    from roll_envs.agentic.task import AgenticTask
+
+    task = AgenticTask("skyrl:gsm8k_multi_turn", env_kwargs={"rows": rows, "eval_rows": held}, eval_size=5)
+    assert task.also_held_out == 10
+    assert AgenticTask("guess_number", eval_size=4).also_held_out is None
     # Training seeds never pick a twin of a held-out row.
     prompts = {" ".join(given.reset(seed=s)[0].split()) for s in range(200)}
     assert not prompts & {" ".join(r["prompt"].split()) for r in held}

@@ -46,6 +46,13 @@ def test_a_problem_another_sub_task_holds_out_is_not_trained_on(
     assert not train & held
     assert len(task.train_set()) == 40 and task.domain_slices() == {"math": range(0, 20), "mix": range(20, 40)}
     assert "5 of the 25 training problems of env.tasks.mix are held out by another sub-task" in caplog.text
+    assert task.also_held_out == 5  # what the run's data/also_held_out and summary report
+    # A sub-task's own twins of its held-out rows count too: two of math's rows are benchmark rows but for spaces.
+    twins = [{**r, "prompt": r["prompt"] + "\n"} for r in bench[:2]]
+    math_rows = [{"prompt": f"math {i}?", "answer": str(i)} for i in range(20)]
+    math_twins = _write(tmp_path / "math2.jsonl", math_rows + twins)
+    both = {"math": FileTask(MathReward(), path=str(math_twins), eval_path=str(bench_path)), "mix": tasks["mix"]}
+    assert both["math"].also_held_out == 2 and MultiTask(both).also_held_out == 2 + 5
     # A sub-task evaluating on its own training rows (env.eval_path = env.path) keeps them: that is on purpose.
     same = MultiTask({"math": FileTask(MathReward(), path=str(bench_path), eval_path=str(bench_path))})
     assert len(same.train_set()) == 5 and len(same.eval_set()) == 5

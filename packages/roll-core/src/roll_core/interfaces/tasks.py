@@ -8,11 +8,14 @@ Context: besides responses and answers, a reward may take `prompts` (the problem
 before any chat template) and `metadata` (the row's metadata: its `domain` and every other column of its data
 row) as keyword arguments. The reward role passes each only to a `score` that declares it (`reward_kwargs`), so a
 reward written for `score(responses, answers)` keeps working.
+
+Data counts: any task may say what loading and splitting its data left out (`DataCounts`: bad rows skipped, training
+rows left out as held out); the collectors put them in the run's metrics and summary (`data_counts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -96,6 +99,56 @@ class Task(Protocol):
     def messages(self, problem: ProblemLike) -> list[dict[str, str]]:
         """Chat messages of a problem (the pipeline applies the model's chat template)."""
         ...
+
+
+@runtime_checkable
+class DataCounts(Protocol):
+    """Optional attributes of any task (`Task`, `AgenticTask`, an agent-program task): what loading and splitting
+    its data left out. The RLVR and agentic collectors read them with `data_counts` and report them in every
+    training step's metrics (`data/skipped_rows`, `data/also_held_out`) and in the run summary (`skipped_rows`,
+    `also_held_out`), as the post-training collectors report their files' counts. A task without them reports
+    `skipped_rows` {} and no `also_held_out`.
+
+    - `skipped_rows`: bad data rows skipped at load, per data file ({} when none).
+    - `also_held_out`: training rows left out because a held-out row is the same problem but for whitespace (and
+      so would be trained on and measured as held out); None where the task draws disjoint splits itself
+      (generated problems, environment seeds) and so has nothing to count."""
+
+    skipped_rows: Mapping[str, int]
+    also_held_out: int | None
+
+
+def data_counts(task: Any) -> dict[str, Any]:
+    """The run summary's entries of `task`'s optional `DataCounts`: `skipped_rows` ({file: rows}; {} when the
+    task has none) and `also_held_out` (an int; absent when the task does not say). A value of the wrong type is
+    a TypeError naming the task: a count the run cannot read is not reported as 0."""
+    what = type(task).__name__
+    skipped = getattr(task, "skipped_rows", None) or {}
+    if not isinstance(skipped, Mapping) or not all(_count(n) for n in skipped.values()):
+        raise TypeError(f"{what}.skipped_rows must map data files to row counts (ints >= 0), got {skipped!r}")
+    out: dict[str, Any] = {"skipped_rows": {str(f): int(n) for f, n in skipped.items()}}
+    also = getattr(task, "also_held_out", None)
+    if also is not None:
+        if not _count(also):
+            raise TypeError(f"{what}.also_held_out must be a row count (an int >= 0) or None, got {also!r}")
+        out["also_held_out"] = int(also)
+    return out
+
+
+def data_metrics(counts: Mapping[str, Any]) -> dict[str, float]:
+    """A training step's metrics of `data_counts(task)`: `data/skipped_rows` (all files) and, when the task
+    counts it, `data/also_held_out`."""
+    out = {"data/skipped_rows": float(sum(counts["skipped_rows"].values()))}
+    if "also_held_out" in counts:
+        out["data/also_held_out"] = float(counts["also_held_out"])
+    return out
+
+
+def _count(n: Any) -> bool:
+    """Whether `n` is a row count: an int >= 0 (numpy's too), not a bool."""
+    import numbers
+
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 0
 
 
 @runtime_checkable

@@ -20,7 +20,8 @@
   prompt's domain at random, seeded and checkpointed. Every domain keeps its own epoch order.
 - `advantage_scale[d]` multiplies the advantages of domain d's rows (default 1: group-normalised as always).
 - Training and held-out sets share no problem: a training problem another sub-task holds out (same prompt and
-  pictures) is left out of training, with a warning per sub-task.
+  pictures) is left out of training, with a warning per sub-task, and counted with the sub-tasks' own in
+  `also_held_out` (the run's data/also_held_out).
 - The held-out set interleaves the domains (round robin; held-out rows of a domain no training row has are left
   out, with a warning) so `pipeline.eval_size` keeps them balanced; evaluation
   and step metrics are reported per domain (`domain/<d>/...`, `eval/<d>/accuracy`).
@@ -144,7 +145,13 @@ class MultiTask:
         # (sub-task, problem) pairs -> domain problems; the sub-task stays reachable for its chat messages.
         train = [self._wrap(t, p) for t in self.tasks for p in self.tasks[t].train_set()]
         held = [[self._wrap(t, p) for p in self.tasks[t].eval_set()] for t in self.tasks]
-        train = _without_others_held_out(train, [p for ps in held for p in ps])
+        kept = _without_others_held_out(train, [p for ps in held for p in ps])
+        # Training rows left out as held out (roll_core.interfaces.tasks.DataCounts): each sub-task's own and those
+        # another sub-task holds out; None when no sub-task splits rows and none were left out here.
+        own = [n for n in (getattr(t, "also_held_out", None) for t in self.tasks.values()) if n is not None]
+        left_out = len(train) - len(kept)
+        self.also_held_out: int | None = sum(own) + left_out if own or left_out else None
+        train = kept
         self.domains = list(dict.fromkeys(p.domain for p in train))
         own_rewards = {t: task.reward for t, task in self.tasks.items()}
         extra = dict(rewards or {})
@@ -216,6 +223,7 @@ class MultiTask:
 
     @property
     def skipped_rows(self) -> dict[str, int]:
+        """Bad rows the sub-tasks skipped, per data file (roll_core.interfaces.tasks.DataCounts)."""
         out: dict[str, int] = {}
         for task in self.tasks.values():
             for file, n in (getattr(task, "skipped_rows", None) or {}).items():

@@ -38,6 +38,8 @@ timed-out episode is episode/end_env_timeout, its aborted request in flight notw
 episode per held-out row (greedy unless pipeline.eval_temperature says otherwise); eval/success_rate (= eval/accuracy)
 comes with its standard error over the eval/n episodes with an outcome (eval/success_rate_stderr,
 eval/accuracy_stderr: roll_core.eval_metrics.rate_stderr, as roll-eval reports it; None for fewer than two).
+What the task's rows lost (DataCounts, roll_core.interfaces.tasks: training rows left out as held out) is in every
+step's data/also_held_out and in the summary.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from roll_core.agentic.trajectory import Trajectory, to_tensors
 from roll_core.errors import ConfigError
 from roll_core.eval_metrics import rate_stderr
 from roll_core.interfaces import SamplingParams
+from roll_core.interfaces.tasks import data_counts, data_metrics
 from roll_core.pipelines.collectors import Collected, Collector, CollectorContext
 from roll_core.pipelines.metrics import StepLog
 from roll_core.protocol import Batch
@@ -204,6 +207,7 @@ class AgentCollector:
         kept = [e.traj for e in episodes if e.traj.turns > 0 and not e.aborted and not (drop and e.failure)]
         out["data/dropped_episodes"] = len(episodes) - len(kept)
         out["data/aborted_episodes"] = sum(e.aborted for e in episodes)
+        out.update(data_metrics(data_counts(self.task)))  # data/skipped_rows, data/also_held_out
         if not kept:
             return None
         tensors = to_tensors(kept, self.tokenizer.pad_token_id or 0)
@@ -252,7 +256,8 @@ class AgentCollector:
         return None
 
     def summary(self) -> dict[str, Any]:
-        return {}
+        """The rows the task's files lost (`data_counts`: training rows left out as held out)."""
+        return data_counts(self.task)
 
     def close(self) -> None:
         self.server.close()

@@ -22,7 +22,9 @@ carries each trajectory's pictures in the per-row field `mm_inputs` (roll_core.a
 Structured outputs (`infer_engine.structured`) are refused for training (roll-eval may use them): the trainer cannot
 replay a per-turn constraint over a trajectory (see `refuse_turn_constraints`).
 
-Metrics: success rate, mean turns, invalid-action rate, environment errors and timeouts, why episodes ended.
+Metrics: success rate, mean turns, invalid-action rate, environment errors and timeouts, why episodes ended; what
+the task's data lost (DataCounts, roll_core.interfaces.tasks: data/skipped_rows, data/also_held_out, also in the
+summary).
 Evaluation: one episode per held-out seed (greedy unless pipeline.eval_temperature says otherwise); eval/success_rate
 (= eval/accuracy) comes with its standard error over the eval/n episodes with an outcome (eval/success_rate_stderr,
 eval/accuracy_stderr: roll_core.eval_metrics.rate_stderr, as roll-eval reports it; None for fewer than two).
@@ -42,7 +44,7 @@ from roll_core.agentic.trajectory import Trajectory, to_tensors
 from roll_core.config.build import as_dict
 from roll_core.errors import ConfigError
 from roll_core.eval_metrics import rate_stderr
-from roll_core.interfaces.tasks import AgenticTask
+from roll_core.interfaces.tasks import AgenticTask, data_counts, data_metrics
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.metrics import StepLog
 from roll_core.protocol import Batch
@@ -215,7 +217,9 @@ class EpisodeCollector:
         return None
 
     def summary(self) -> dict[str, Any]:
-        return {}  # environment failures are per-step metrics (env/*)
+        """The rows the task's data files lost (`data_counts`: a dataset-backed environment's training rows left
+        out as held out); environment failures are per-step metrics (env/*)."""
+        return data_counts(self.task)
 
     def close(self) -> None:
         self.envs.close()
@@ -242,6 +246,7 @@ class EpisodeCollector:
         kept = [t for t in trajs if t.turns > 0 and not t.untrained and not (drop and t.end in ENV_FAILURES)]
         out["data/dropped_episodes"] = len(trajs) - len(kept)
         out["data/aborted_episodes"] = sum(t.untrained for t in trajs)
+        out.update(data_metrics(data_counts(self.task)))  # data/skipped_rows, data/also_held_out
         if not kept:
             return None
         tensors = to_tensors(kept, self.tokenizer.pad_token_id or 0)

@@ -11,6 +11,8 @@ sampled; the step's counts cover every round (data/sampled_groups, data/dropped_
 the reward's other counters, `perf/rollout_tokens`: response tokens generated), while the reward and length metrics
 describe the first round's unfiltered sample. Scores get the overlong penalty and reward clipping.
 Evaluation: one sample per held-out problem at the eval temperature.
+Data counts: the task's bad rows skipped at load and training rows left out as held out (DataCounts,
+roll_core.interfaces.tasks) are in every trained step's data/skipped_rows and data/also_held_out and in the summary.
 Aborts: a row the engine aborts on its own (SGLang under memory pressure, vLLM at its preemption limit) is resumed
 from its partial output within its token budget, as the asynchronous driver resumes its samples
 (`resume_aborted`, counted in data/resumed_rows), never scored as an incomplete answer; a prompt the engine keeps
@@ -44,6 +46,7 @@ from roll_core.data import data_fingerprint, make_sampler
 from roll_core.errors import ConfigError
 from roll_core.idle_aborts import KEY as IDLE_ABORTS_KEY
 from roll_core.idle_aborts import MAX_IDLE_ABORTS  # noqa: F401 (re-exported: callers import it from here)
+from roll_core.interfaces.tasks import data_counts, data_metrics
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors._resume import _Resuming, resume_aborted
 from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
@@ -213,9 +216,9 @@ class PromptCollector:
             self.reward_model.load_state_dict(state["reward_model"])
 
     def summary(self) -> dict[str, Any]:
-        """Reward failures of the run (rows, failed rows by cause, steps whose rows all failed) and the data rows
-        skipped when the task loaded its files."""
-        out = {**self.reward_budget.summary(), "skipped_rows": dict(getattr(self.task, "skipped_rows", {}) or {})}
+        """Reward failures of the run (rows, failed rows by cause, steps whose rows all failed), the data rows
+        skipped when the task loaded its files and the training rows it left out as held out (`data_counts`)."""
+        out = {**self.reward_budget.summary(), **data_counts(self.task)}
         if self.reward_model is not None:
             out["reward_model"] = self.reward_model.summary()
         return out
@@ -246,7 +249,7 @@ class PromptCollector:
         if batch is None or len(batch) == 0:
             return None
         out["data/trained_groups"] = len(batch) // self.cfg.algo.group_size
-        out["data/skipped_rows"] = float(sum((getattr(self.task, "skipped_rows", {}) or {}).values()))
+        out.update(data_metrics(data_counts(self.task)))  # data/skipped_rows, data/also_held_out
         # Epochs of the training set drawn (the least drawn domain's with several; the asynchronous collector's
         # includes the groups it started ahead).
         out["data/epoch"] = self.sampler.progress()
