@@ -528,3 +528,146 @@ def test_env_reward_judge_composes_and_builds() -> None:
         JudgeRewardConfig()  # the schema's own checks (run by load_config)
     with pytest.raises(Exception, match="templat"):
         load_config([*base, "env.reward.base_url=http://x/v1", "env.reward.templat=verdict"])
+
+
+# ---- judge-backends: truncated reasoning, retry waits, close during a batch ---------------------------------------
+def test_a_reasoning_judge_cut_off_without_text_is_truncated_not_an_error(server: ChatServer) -> None:
+    """A reasoning judge that spends max_tokens thinking replies `content: null`, finish_reason `length`: it was
+    counted in judge_errors (a broken reply); it is a truncated one (judge_truncated), like a text reply cut off.
+    A null content that was not cut off stays an error."""
+    server.script["reasoner"] = ("cut", None)
+    server.script["mute"] = ("reply", None)
+    res = _reward(server.url).score(["reasoner", "mute", "good"], ["4"] * 3, ["q"] * 3, [{"domain": "d"}] * 3)
+    assert (res.counters["judge_truncated"], res.counters["judge_errors"]) == (1, 1)
+    assert res.counters["judge_invalid"] == 0
+    assert res.failed == [True, True, False] and res.scores == pytest.approx([-1.0, -1.0, 0.9])
+
+
+def test_retry_waits_are_capped_by_max_backoff_s(server: ChatServer) -> None:
+    """`retry_backoff_s * 2**attempt` had no cap: 5 retries from 0.5 s waited 15.5 s for a row the server fails.
+    max_backoff_s caps each wait (0.5 s here: 2.5 s in all)."""
+    from roll_envs.rewards.judge import JudgeRewardConfig
+
+    reward = _reward(server.url, retry_backoff_s=0.5, max_backoff_s=0.5, max_retries=5, batch_timeout_s=60)
+    t0 = time.perf_counter()
+    res = reward.score(["broken", "good"], ["4"] * 2, ["q"] * 2, [{"domain": "d"}] * 2)
+    assert time.perf_counter() - t0 < 10  # uncapped: 15.5 s of waits alone
+    assert server.attempts["broken"] == 6 and res.counters["judge_retries"] == 5
+    assert (res.counters["judge_errors"], res.counters["judge_timeouts"]) == (1, 0)
+    assert JudgeRewardConfig(base_url=server.url, max_backoff_s=2.0).max_backoff_s == 2.0
+    with pytest.raises(ConfigError, match="max_backoff_s must be >= 0"):
+        JudgeRewardConfig(base_url=server.url, max_backoff_s=-1.0)
+
+
+def test_a_retry_that_would_start_past_the_batch_deadline_is_not_waited_for(server: ChatServer) -> None:
+    """A retry wait longer than what is left of batch_timeout_s slept until the batch was cut off: the call took
+    the whole batch_timeout_s and the row, failed by the server, counted as a timeout. Now the row is an error at
+    once, with the server's failure as its detail."""
+    reward = _reward(server.url, retry_backoff_s=60, max_retries=3, batch_timeout_s=20)  # capped at 30 s > 20 s
+    t0 = time.perf_counter()
+    res = reward.score(["broken", "good"], ["4"] * 2, ["q"] * 2, [{"domain": "d"}] * 2)
+    assert time.perf_counter() - t0 < 10  # before: 20 s, the whole batch_timeout_s
+    assert (res.counters["judge_errors"], res.counters["judge_timeouts"], res.counters["judge_retries"]) == (1, 0, 0)
+    assert server.attempts["broken"] == 1 and res.scores == pytest.approx([-1.0, 0.9])
+    replies = reward.backend.complete([[{"role": "user", "content": "broken"}]])
+    assert replies[0].kind == "error" and "HTTP 500" in replies[0].detail and "batch_timeout_s=20" in replies[0].detail
+
+
+class _StoppingEngine:
+    """A request engine (roll_core.interfaces.InferEngine's request API) like a remote plugin's: `shutdown` leaves
+    its requests unresolved and `abort` then raises. The first request is answered `reply` at once, the others
+    run; `on_second_submit` runs as the second request is submitted (a close from another thread)."""
+
+    max_context_length = 512
+
+    def __init__(self, reply: list[int], on_second_submit: Callable[[], None] | None = None) -> None:
+        self.reply, self.on_second_submit = reply, on_second_submit
+        self.stopped = False
+        self.submitted: list[str] = []
+
+    def submit(self, request: Any) -> Any:
+        from concurrent.futures import Future
+
+        from roll_core.interfaces import RequestOutput
+
+        if self.stopped:
+            raise RuntimeError("stopping engine is shut down")
+        self.submitted.append(request.request_id)
+        fut: Future = Future()
+        if len(self.submitted) == 1:
+            logprobs = [0.0] * len(self.reply)
+            fut.set_result(RequestOutput(request.request_id, request.prompt_ids, self.reply, logprobs, "stop"))
+        elif len(self.submitted) == 2 and self.on_second_submit is not None:
+            self.on_second_submit()
+        return fut
+
+    def abort(self, request_id: str) -> bool:
+        if self.stopped:
+            raise RuntimeError("stopping engine is shut down")
+        return True
+
+    def shutdown(self) -> None:
+        self.stopped = True
+
+
+def _engine_judge(monkeypatch: pytest.MonkeyPatch, make: Callable[[Any], _StoppingEngine]) -> JudgeReward:
+    """A judge on the engine backend whose engine is `make(tokenizer)` (built where the hf engine would be)."""
+    engine = {"name": "hf", "device": "cpu", "dtype": "float32"}
+    reward = JudgeReward(backend="engine", model="builtin:tiny", template="{response}", engine=engine, timeout_s=0.5)
+    backend = reward.backend
+    monkeypatch.setattr(backend, "_cls", lambda: lambda **kw: make(backend._tokenizer))
+    return reward
+
+
+def test_a_close_from_another_thread_fails_the_open_rows_instead_of_raising(monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() while a batch is in flight: the engine's abort of a row that ran out of timeout_s raised (the engine
+    was shut down) out of `score` in the scoring thread. The rows end as counted failures: the running one a
+    timeout, the one submitted after the close an error; the answered one keeps its verdict."""
+    box: dict[str, Any] = {}
+    submitted, closed = threading.Event(), threading.Event()
+
+    def close_elsewhere() -> None:
+        submitted.set()
+        assert closed.wait(60), "the closing thread did not close the judge"
+
+    def make(tokenizer: Any) -> _StoppingEngine:
+        box["engine"] = _StoppingEngine(tokenizer.encode("Score: 7", add_special_tokens=False), close_elsewhere)
+        return box["engine"]
+
+    reward = _engine_judge(monkeypatch, make)
+
+    def closer() -> None:
+        if submitted.wait(60):
+            reward.close()
+        closed.set()
+
+    thread = threading.Thread(target=closer, name="judge-closer")
+    thread.start()
+    try:
+        res = reward.score(["a", "b", "c"], ["4"] * 3)
+    finally:
+        closed.set()
+        thread.join(60)
+    assert box["engine"].stopped and res.scores == pytest.approx([0.7, 0.0, 0.0])
+    assert res.failed == [False, True, True]
+    assert (res.counters["judge_timeouts"], res.counters["judge_errors"]) == (1, 1)
+
+
+def test_a_close_right_after_the_engine_is_built_fails_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A close from another thread between building the engine and using it left `_engine` None under the batch:
+    AttributeError out of `complete`. Now the batch uses the engine it built, which refuses the rows (errors)."""
+    reward = _engine_judge(monkeypatch, lambda tok: _StoppingEngine(tok.encode("Score: 7", add_special_tokens=False)))
+    backend = reward.backend
+    start = backend.start
+
+    def start_then_close_elsewhere() -> Any:
+        engine = start()
+        thread = threading.Thread(target=backend.close, name="judge-closer")
+        thread.start()
+        thread.join(60)
+        return engine
+
+    monkeypatch.setattr(backend, "start", start_then_close_elsewhere)
+    replies = backend.complete([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]])
+    assert [r.kind for r in replies] == ["error", "error"]
+    assert all("shut down" in r.detail for r in replies)

@@ -326,6 +326,8 @@ class JudgeRewardConfig:
     max_retries: int = 3
     # openai: seconds before the first retry, doubled for each next one (a Retry-After header wins, up to 60 s).
     retry_backoff_s: float = 1.0
+    # openai: the longest of those doubled waits; a retry that would start after batch_timeout_s is not waited for.
+    max_backoff_s: float = 30.0
     # Tokens the judge may generate per reply.
     max_tokens: int = 512
     # Sampling temperature of the judge (0: greedy).
@@ -370,8 +372,10 @@ def _check_settings(s: Mapping[str, Any]) -> None:
     for key in ("timeout_s", "batch_timeout_s"):
         if not (math.isfinite(s[key]) and s[key] > 0):
             raise ConfigError(f"env.reward.{key}={s[key]} must be > 0")
-    if s["max_retries"] < 0 or not (math.isfinite(s["retry_backoff_s"]) and s["retry_backoff_s"] >= 0):
-        raise ConfigError("env.reward.max_retries and env.reward.retry_backoff_s must be >= 0")
+    if s["max_retries"] < 0 or not all(math.isfinite(s[k]) and s[k] >= 0 for k in ("retry_backoff_s", "max_backoff_s")):
+        raise ConfigError(
+            "env.reward.max_retries, env.reward.retry_backoff_s and env.reward.max_backoff_s must be >= 0"
+        )
     if not (math.isfinite(s["temperature"]) and s["temperature"] >= 0):
         raise ConfigError(f"env.reward.temperature={s['temperature']} must be >= 0 (0: greedy)")
     if not math.isfinite(s["invalid_score"]):
@@ -400,6 +404,7 @@ class JudgeReward(Reward):
         batch_timeout_s: float = 240.0,
         max_retries: int = 3,
         retry_backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
         max_tokens: int = 512,
         temperature: float = 0.0,
         extra_body: Mapping[str, Any] | None = None,
@@ -424,6 +429,7 @@ class JudgeReward(Reward):
                 batch_timeout_s=batch_timeout_s,
                 max_retries=max_retries,
                 retry_backoff_s=retry_backoff_s,
+                max_backoff_s=max_backoff_s,
                 max_tokens=max_tokens,
                 temperature=temperature,
                 extra_body=dict(extra_body or {}),

@@ -8,14 +8,19 @@ reply with a one-line detail. Nothing starts (no connection, no model load) befo
 
 - `OpenAIBackend`: POST <base_url>/chat/completions with aiohttp (the `roll-envs[remote]` extra), at most
   `concurrency` requests in flight, each within `timeout_s` (not retried: a slow judge stays slow), 429 / 5xx and
-  connection failures retried `max_retries` times with exponential backoff (a Retry-After header wins, up to 60 s);
-  the whole call ends after `batch_timeout_s`, the rows still open becoming timeouts. Each call runs its own event
-  loop (asyncio.run), so the backend works in any thread and in a forked child.
+  connection failures retried `max_retries` times with exponential backoff of at most `max_backoff_s` (a
+  Retry-After header wins, up to 60 s); the whole call ends after `batch_timeout_s`, the rows still open becoming
+  timeouts. A retry whose wait would end past that deadline is not waited for: the row is an error at once (its
+  last failure), not a timeout the judge never had a chance to avoid. A reply cut off by max_tokens without any
+  text (`content: null`, finish_reason `length`: a reasoning judge that spent its budget thinking) is an ok reply
+  with empty text, marked truncated. Each call runs its own event loop (asyncio.run), so the backend works in any
+  thread and in a forked child.
 - `EngineBackend`: an inference engine built from an infer-engine config through roll-core's plugin registry
   (`roll.infer_engines` entry points: roll-envs never imports roll-engines) on the first call, in the process that
   calls (an engine inherited across a fork has no threads; it is built again there). Prompts are the judge model's
   chat template; every row is submitted at once through the request API and rows not finished within `timeout_s`
-  are aborted (timeouts).
+  are aborted (timeouts). `close` from another thread while a batch is in flight fails that batch's open rows
+  (errors, or timeouts where an abort is needed), never raises into the scoring thread.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ class OpenAIBackend:
         batch_timeout_s: float,
         max_retries: int,
         retry_backoff_s: float,
+        max_backoff_s: float,
         max_tokens: int,
         temperature: float,
         extra_body: Mapping[str, Any],
@@ -96,7 +102,7 @@ class OpenAIBackend:
             self.body["chat_template_kwargs"] = dict(chat_template_kwargs)
         self.body.update(extra_body)
         self.concurrency, self.timeout_s, self.batch_timeout_s = concurrency, timeout_s, batch_timeout_s
-        self.max_retries, self.retry_backoff_s = max_retries, retry_backoff_s
+        self.max_retries, self.retry_backoff_s, self.max_backoff_s = max_retries, retry_backoff_s, max_backoff_s
 
     def complete(self, conversations: Sequence[Messages]) -> list[Reply]:
         """One reply per conversation (module docstring)."""
@@ -118,8 +124,9 @@ class OpenAIBackend:
         limit = asyncio.Semaphore(self.concurrency)
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         connector = aiohttp.TCPConnector(limit=self.concurrency)
+        deadline = asyncio.get_running_loop().time() + self.batch_timeout_s
         async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=self.headers) as session:
-            tasks = [asyncio.create_task(self._one(session, limit, c)) for c in conversations]
+            tasks = [asyncio.create_task(self._one(session, limit, c, deadline)) for c in conversations]
             done, pending = await asyncio.wait(tasks, timeout=self.batch_timeout_s) if tasks else (set(), set())
             for task in pending:
                 task.cancel()
@@ -134,14 +141,14 @@ class OpenAIBackend:
                 out.append(task.result())
         return out
 
-    async def _one(self, session: Any, limit: asyncio.Semaphore, messages: Messages) -> Reply:
+    async def _one(self, session: Any, limit: asyncio.Semaphore, messages: Messages, deadline: float) -> Reply:
         import aiohttp
 
         body = {**self.body, "messages": messages}
         retries, last = 0, ""
         async with limit:
             for attempt in range(self.max_retries + 1):
-                delay = self.retry_backoff_s * 2**attempt
+                delay = min(self.retry_backoff_s * 2**attempt, self.max_backoff_s)
                 try:
                     async with session.post(self.url, json=body) as resp:
                         text = await resp.text(errors="replace")
@@ -156,6 +163,14 @@ class OpenAIBackend:
                 except aiohttp.ClientError as exc:
                     last = f"{type(exc).__name__}: {exc}"
                 if attempt < self.max_retries:
+                    left = deadline - asyncio.get_running_loop().time()
+                    if delay >= left:  # the batch would be cut off while waiting: the failure is what we know
+                        return Reply(
+                            "error",
+                            detail=f"{last} (after {retries} retries; the next, in {delay:.3g} s, would pass "
+                            f"batch_timeout_s={self.batch_timeout_s})",
+                            retries=retries,
+                        )
                     retries += 1
                     await asyncio.sleep(delay)
         return Reply("error", detail=f"{last} (after {retries} retries)", retries=retries)
@@ -173,12 +188,16 @@ def _chat_reply(text: str, retries: int) -> Reply:
     """The assistant text of a chat-completions body, or an error reply naming what is malformed."""
     try:
         choice = json.loads(text)["choices"][0]
-        content = choice["message"]["content"]
+        content = choice["message"].get("content")  # null or absent: checked below
         truncated = choice.get("finish_reason") == "length"
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return Reply("error", detail=f"malformed chat-completions reply: {text[:200]!r}", retries=retries)
     if isinstance(content, list):  # content parts: keep the text ones
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if content is None and truncated:
+        # A reasoning judge cut off while thinking (its reasoning, if any, in reasoning_content): it answered
+        # nothing in its budget, which is a truncated reply (judge_truncated), not a broken one (judge_errors).
+        return Reply("ok", text="", retries=retries, truncated=True)
     if not isinstance(content, str):
         return Reply("error", detail=f"reply without text content: {text[:200]!r}", retries=retries)
     return Reply("ok", text=content, retries=retries, truncated=truncated)
@@ -256,11 +275,13 @@ class EngineBackend:
             return get_object(self.target)
         return registry.load("roll.infer_engines", self.name)
 
-    def start(self) -> None:
-        """Build the engine and the judge model's tokenizer here (once per process; see the module docstring)."""
+    def start(self) -> Any:
+        """Build the engine and the judge model's tokenizer here (once per process; see the module docstring) and
+        return the engine (read under the lock: a `close` from another thread may clear `_engine` right after)."""
         with self._lock:
             if self._engine is None or self._pid != os.getpid():
                 self._start()
+            return self._engine
 
     def _start(self) -> None:
         from transformers import AutoTokenizer
@@ -286,8 +307,8 @@ class EngineBackend:
 
         from roll_core.interfaces import Request
 
-        self.start()
-        engine, limit = self._engine, self._engine.max_context_length
+        engine = self.start()
+        limit = engine.max_context_length
         replies: list[Reply | None] = [None] * len(conversations)
         futures: dict[int, Any] = {}
         ids: dict[int, str] = {}
@@ -307,8 +328,11 @@ class EngineBackend:
         wait(list(futures.values()), timeout=self.timeout_s)
         for i, fut in futures.items():
             if not fut.done():
-                engine.abort(ids[i])
                 replies[i] = Reply("timeout", detail=f"not generated within timeout_s={self.timeout_s}")
+                try:
+                    engine.abort(ids[i])
+                except Exception as exc:  # an engine `close`d by another thread meanwhile may refuse the abort
+                    replies[i] = Reply("timeout", detail=f"{replies[i].detail} (abort failed: {exc})")
                 continue
             try:
                 out = fut.result()
@@ -323,10 +347,12 @@ class EngineBackend:
         return [r if r is not None else Reply("error", detail="no reply") for r in replies]
 
     def close(self) -> None:
-        """Shut the engine down when this process started it (an inherited one belongs to the parent)."""
-        if self._engine is not None and self._pid == os.getpid():
-            self._engine.shutdown()
-        self._engine = None
+        """Shut the engine down when this process started it (an inherited one belongs to the parent). Under the
+        lock: a close during another thread's `start` shuts down the engine it builds, instead of missing it."""
+        with self._lock:
+            if self._engine is not None and self._pid == os.getpid():
+                self._engine.shutdown()
+            self._engine = None
 
 
 def _accepted(cls: Any) -> frozenset[str]:

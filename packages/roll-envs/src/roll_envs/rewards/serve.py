@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 #: Largest request body accepted, bytes (16 rows of long responses fit many times over).
 MAX_BODY_BYTES = 64 * 1024 * 1024
+#: Seconds `RunningServer.stop` lets requests in flight finish before cutting them off (aiohttp's own default, 60 s,
+#: outlasted stop's wait: stop returned with the server thread still running a slow score).
+STOP_GRACE_S = 5.0
 
 
 def _web() -> Any:
@@ -194,12 +197,17 @@ def make_app(reward: Reward, *, name: str = "reward", threads: int = 1, max_rows
 
 class RunningServer:
     """A server started by `serve_in_thread`: `url` is its scoring endpoint; `stop()` (or leaving the `with`
-    block) shuts it down. Its thread is a daemon: it also ends with the process."""
+    block) shuts it down: requests in flight get `grace_s` seconds to finish, then their connections are closed (a
+    score still running in a worker thread finishes there, its reply unsent). Its thread is a daemon: it also ends
+    with the process."""
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(self, app: Any, host: str, port: int, grace_s: float = STOP_GRACE_S) -> None:
         web = _web()
         self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(app)
+        self._grace_s = grace_s
+        # aiohttp waits shutdown_timeout for a handler to finish, then as long again after cancelling its request,
+        # before it cancels the handler: half each keeps the whole cut-off within grace_s.
+        self._runner = web.AppRunner(app, shutdown_timeout=grace_s / 2)
         ready, box = threading.Event(), {}
 
         def run() -> None:
@@ -227,9 +235,10 @@ class RunningServer:
         self.url = f"http://{host}:{self.port}/score"
 
     def stop(self) -> None:
+        """Shut the server down, waiting up to `grace_s` + 10 s for its thread to end."""
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=self._grace_s + 10)
 
     def __enter__(self) -> RunningServer:
         return self
