@@ -42,7 +42,8 @@ class Quitter(Worker):
 
 
 class Finisher(Worker):
-    """A worker whose `work()` sleeps, then appends its rank to a marker file: the file counts finished runs."""
+    """A worker whose `work()` appends its rank to `<marker>.started`, sleeps, then appends its rank to the marker
+    file: the files count started and finished runs."""
 
     def __init__(self, marker: str, **base) -> None:
         super().__init__(**base)
@@ -50,6 +51,8 @@ class Finisher(Worker):
 
     @dispatch(Dispatch.BROADCAST)
     def work(self, seconds: float) -> int:
+        with Path(f"{self.marker}.started").open("a") as f:
+            f.write(f"{self.rank}\n")
         time.sleep(seconds)
         with self.marker.open("a") as f:
             f.write(f"{self.rank}\n")

@@ -283,8 +283,11 @@ def test_a_rank_another_caller_restarted_is_rerun_once_and_the_running_ranks_are
         Finisher, 2, "ray", name="finishers", ray_options=RayOptions(num_cpus=0.1), max_restarts=1, marker=str(marker)
     )
     try:
-        handle = group.submit(Finisher.work, 3.0)
-        time.sleep(0.5)
+        handle = group.submit(Finisher.work, 5.0)
+        started, deadline = Path(f"{marker}.started"), time.monotonic() + 60
+        while not (started.exists() and len(started.read_text().split()) == 2):  # both ranks work (no fixed sleep)
+            assert time.monotonic() < deadline, "the ranks never started working"
+            time.sleep(0.05)
         group.restart([0], "another caller saw rank 0 die")  # what a concurrent caller's fault repair does
         first = handle.values()
         assert len(first) == 2 and group.restarts == 1

@@ -129,20 +129,43 @@ def test_a_parsers_empty_reply_is_served_with_content_the_agent_can_send_back(to
 
 
 class ClaimedLock:
-    """A session's request lock that keeps the request that takes it there (between taking the lock and going on)
-    until `others_done` is set or 0.5 s passed: the window in which a client's retry used to arrive."""
+    """A session's request lock that keeps the first request to take it there (between taking the lock and going
+    on) until a later request reached the session (`arrived`: it tried this lock, or the session's claim lock, see
+    `claim`): the window in which a client's retry used to arrive, held open however the threads are scheduled (a
+    fixed 0.5 s window let a late retry on a loaded machine find the request named, and the test pass untested)."""
 
     def __init__(self) -> None:
-        self.inner, self.taken, self.others_done = threading.Lock(), threading.Event(), threading.Event()
+        self.inner, self.taken, self.arrived = threading.Lock(), threading.Event(), threading.Event()
+        self.waited: bool | None = None  # whether the first request saw a later one arrive while it held the lock
 
     def acquire(self, blocking: bool = True) -> bool:
+        if self.taken.is_set():
+            self.arrived.set()  # a later request tries the lock
         got = self.inner.acquire(blocking)
         if got and not self.taken.is_set():
             self.taken.set()
-            self.others_done.wait(0.5)
+            self.waited = self.arrived.wait(60)
         return got
 
     def release(self) -> None:
+        self.inner.release()
+
+    def claim(self) -> _Claim:
+        """The session's claim lock (taking the request lock and naming the request are one step under it): a later
+        request that enters it while the first holds the request lock has arrived."""
+        return _Claim(self)
+
+
+class _Claim:
+    def __init__(self, lock: ClaimedLock) -> None:
+        self.lock, self.inner = lock, threading.Lock()
+
+    def __enter__(self) -> None:
+        if self.lock.taken.is_set():
+            self.lock.arrived.set()  # blocks below until the first request named itself and let go
+        self.inner.acquire()
+
+    def __exit__(self, *exc: object) -> None:
         self.inner.release()
 
 
@@ -155,6 +178,7 @@ def test_a_retry_that_arrives_as_its_original_takes_the_session_gets_its_reply(t
     sessions.open("r", PARAMS, LIMITS)
     session = sessions.get("r")
     lock = session.lock = ClaimedLock()
+    session.claim = lock.claim()
     turn = chat_turn({"messages": HI})
     replies: dict[str, Any] = {}
 
@@ -165,7 +189,7 @@ def test_a_retry_that_arrives_as_its_original_takes_the_session_gets_its_reply(t
             replies[name] = exc.status
         finally:
             if retry:
-                lock.others_done.set()
+                lock.arrived.set()  # a retry that failed before reaching the session does not hold the original
 
     original = threading.Thread(target=ask, args=("original", False))
     original.start()
@@ -174,5 +198,6 @@ def test_a_retry_that_arrives_as_its_original_takes_the_session_gets_its_reply(t
     retry.start()
     original.join(60)
     retry.join(60)
+    assert lock.waited, "the retry never reached the session while the original held its lock"
     assert replies == {"original": "one", "retry": "one"}
     assert session.replays == 1 and session.requests == 1 and engine.texts == [] and session.traj.turns == 1

@@ -479,16 +479,24 @@ def test_a_weight_update_pauses_at_the_next_step_boundary(tiny: str) -> None:
     engine.batcher.step = counted
     # Long enough to be running when the update comes (the tiny model decodes a step in about a millisecond).
     long = SamplingParams(temperature=1.0, max_new_tokens=480, seed=0, ignore_eos=True)
-    during = []
-    for trial in range(8):  # CI time: 8 trials of ~2 s (12 took 27 s on 2 cores)
+    during: list[int] = []
+    # CI time: 8 trials of ~2 s (12 took 27 s on 2 cores); a loaded machine may stall this thread until a batch has
+    # finished, so trials go on (16 at most) until 8 updates found their batch decoding.
+    for trial in range(16):
         batch = [engine.submit(Request(f"long-{trial}-{i}", [5, 6, 7, 8 + i], long)) for i in range(8)]
-        time.sleep(0.05)  # admitted and decoding
+        first = steps[0]
+        deadline = time.monotonic() + 60
+        while steps[0] < first + 2:  # a step admits every queued row: all 8 admitted and decoding (no fixed sleep)
+            assert time.monotonic() < deadline, f"the batch never started decoding: {steps[0] - first} steps in 60 s"
+            time.sleep(0.001)
         before = steps[0]
         engine.begin_weight_update()
         if not any(f.done() for f in batch):  # an update that found the batch running (a loaded machine may not)
             during.append(steps[0] - before)
         engine.finish_weight_update()
         assert all(len(f.result(timeout=300).token_ids) == 480 for f in batch)  # resumed and finished
+        if len(during) == 8:
+            break
     assert len(during) >= 4, f"the batch had finished before most updates: {during}"
     assert max(during) <= 1, f"decode steps that started while an update waited: {during}"
     engine.shutdown()

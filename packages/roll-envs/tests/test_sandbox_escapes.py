@@ -508,7 +508,9 @@ def test_escape_is_contained_and_scores_zero(
 
     assert res.scores == [0.0] and res.correct == [0.0], f"{case} scored {res.scores}"
     assert res.counters["sandbox_errors"] == 0, f"{case}: the sandbox itself failed"
-    assert seconds < 10, f"{case} took {seconds:.1f} s: the timeout did not hold"
+    # 45 s: room for a loaded machine past the 2 s timeout, and below the 60 s the shortest uncontained program
+    # (fork_memory_bomb) would run.
+    assert seconds < 45, f"{case} took {seconds:.1f} s: the timeout did not hold"
     # The host is unaffected.
     assert host.secret.read_text() == host.token and host.checkpoint.read_text() == host.token
     assert not host.outside.exists() and not host.host_tmp.exists()

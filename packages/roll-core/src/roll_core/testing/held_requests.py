@@ -22,8 +22,9 @@ return"). No Ray, no model, no pytest.
 
 Records, guarded by `lock`: `requests` (every request submitted, in order), `aborts` (every id `abort` was called
 with, "deaf" ones included), `futures` (every handle). `release()` completes the handles still pending, so that no
-thread of a failing test stays blocked: call it in the test's `finally`. `wait_running(n)` waits (10 s) until `n`
-requests run and returns their ids, or raises AssertionError saying how many run.
+thread of a failing test stays blocked: call it in the test's `finally`. `wait_running(n)` waits (60 s: a loaded
+machine may take seconds to schedule the submitting thread) until `n` requests run and returns their ids, or raises
+AssertionError saying how many run.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class HeldRequestEngine:
             if not fut.done():
                 fut.set_result(RequestOutput("x", [], [], [], "abort"))
 
-    def wait_running(self, n: int, timeout_s: float = 10.0) -> list[str]:
+    def wait_running(self, n: int, timeout_s: float = 60.0) -> list[str]:
         """Wait until at least `n` requests run; their ids, sorted. AssertionError after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
