@@ -240,3 +240,36 @@ def test_an_untied_checkpoint_without_lm_head_is_refused(tmp_path: Path) -> None
     save_file(tensors, weights, metadata={"format": "pt"})
     with pytest.raises(RuntimeError, match=r"no lm_head\.weight and its config does not tie it"):
         MegatronTrainEngine(str(folder), dist_backend="gloo", use_distributed_optimizer=False)
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["distributed-optimizer", "plain-optimizer"])
+def test_a_checkpoint_saved_before_the_first_update_resumes_as_a_fresh_engine(
+    tiny: str, tmp_path: Path, distributed: bool
+) -> None:
+    """A save before the optimizer ever stepped (the first steps trained nothing: every response masked): the
+    distributed optimizer's save failed on its missing Adam `step`, ending the run. The save holds a fresh
+    optimizer's state; the engine that saved and one resumed from the folder both take a fresh engine's update."""
+    from roll_core.pipelines.objectives import PolicyObjective
+    from roll_core.testing.batches import toy_batch
+    from roll_engines.train.megatron import MegatronTrainEngine
+
+    batch = toy_batch(tiny)
+    empty = {**batch, "response_mask": torch.zeros_like(batch["response_mask"])}
+
+    def build() -> MegatronTrainEngine:
+        kw = {"lr": 1e-3, "weight_decay": 0.1, "micro_batch_size": 6, "use_distributed_optimizer": distributed}
+        return MegatronTrainEngine(tiny, dist_backend="gloo", **kw)
+
+    def stepped(engine: MegatronTrainEngine) -> dict[str, torch.Tensor]:
+        assert engine.train_step(batch, PolicyObjective())["optimizer_steps"] == 1
+        return engine.get_weights()
+
+    want = stepped(build())
+    saved = build()
+    assert saved.train_step(empty, PolicyObjective())["optimizer_steps"] == 0
+    saved.save(tmp_path / "ckpt", tiny)
+    resumed = build()
+    resumed.load(tmp_path / "ckpt")
+    for got in (stepped(saved), stepped(resumed)):
+        for name, w in want.items():
+            torch.testing.assert_close(got[name], w, atol=1e-6, rtol=0, msg=name)

@@ -164,3 +164,26 @@ def test_bf16_compute_tracks_fp32_and_keeps_fp32_masters(tmp_path: Path) -> None
 
     ratio = dist(mixed, ref) / dist(ref, w0)
     assert ratio < 0.15, f"the bf16-compute run is {ratio:.0%} of the update away from fp32"
+
+
+def test_the_exported_folder_keeps_the_models_generation_config(three_layers: str, tmp_path: Path) -> None:
+    """`checkpoints/step_N/actor/model` is a model folder of its own (another run's model.path, a serving engine's
+    model): it carries model_path's generation_config.json, as the hf engine's save does. Built from the config
+    alone, the megatron folder dropped the sampling defaults and the extra stop id below, so the exported model
+    generated past the end of a turn."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from roll_engines.train.megatron import MegatronTrainEngine
+
+    src = tmp_path / "src"
+    shutil.copytree(three_layers, src)
+    gen = GenerationConfig.from_pretrained(src)
+    gen.update(do_sample=True, temperature=0.6, top_p=0.9, eos_token_id=[gen.eos_token_id, 5])
+    gen.save_pretrained(src)
+    engine = MegatronTrainEngine(str(src), trainable=False, dist_backend="gloo", use_distributed_optimizer=False)
+    engine.save(tmp_path / "ckpt", str(src))
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model").generation_config
+    assert (saved.do_sample, saved.temperature, saved.top_p) == (True, 0.6, 0.9)
+    assert saved.eos_token_id == [gen.eos_token_id[0], 5]

@@ -49,6 +49,43 @@ def prime_optimizer_state(optimizer: Any) -> None:
 
 
 @contextlib.contextmanager
+def primed_while_saving(optimizer: Any) -> Iterator[None]:
+    """A never-stepped optimizer (a save before the first update, or after steps that trained nothing) saved as
+    step 0 with zero moments, what a fresh one starts from: the distributed optimizer's state dict asserted one
+    common `step` over a state that has none, so the save failed and the run ended. The primed entries are
+    dropped again after the save: the live optimizer stays fresh, and its first update is a fresh one's."""
+    fresh = [(opt.optimizer, p) for opt in parts(optimizer) for g in opt.optimizer.param_groups for p in g["params"]]
+    fresh = [(inner, p) for inner, p in fresh if not inner.state.get(p)]
+    prime_optimizer_state(optimizer)
+    try:
+        yield
+    finally:
+        for inner, p in fresh:
+            inner.state.pop(p, None)
+
+
+def zero_steps_restored(state: Any) -> None:
+    """Give the torch optimizer states inside a plain (not distributed) Megatron optimizer's loaded `state` back the
+    Adam step 0 of a save before the first update (`primed_while_saving`): Megatron writes the common step only
+    when it is truthy, so such a checkpoint's moments came back without any `step` and torch's Adam refused them
+    (KeyError: 'step'). A state that has its step, or moments saved with it, is left as it is."""
+    if isinstance(state, dict):
+        inner = state.get("state")
+        if isinstance(inner, dict) and "param_groups" in state and "common_step" not in inner:
+            per_param = [v for v in inner.values() if isinstance(v, dict)]
+            if per_param and not any("step" in v for v in per_param):
+                inner["common_step"] = torch.tensor(0.0)
+            return
+        children: Any = state.values()
+    elif isinstance(state, (list, tuple)):
+        children = state
+    else:
+        return
+    for child in children:
+        zero_steps_restored(child)
+
+
+@contextlib.contextmanager
 def quiet_dist_checkpointing() -> Iterator[None]:
     """Megatron's dist_checkpointing calls torch APIs that torch deprecates (ShardedTensor, DCP's load_state_dict):
     their FutureWarnings are about Megatron's code, not the user's."""
@@ -158,7 +195,7 @@ def save_optimizer(folder: Path, model: Any, optimizer: Any, step: int) -> None:
     from roll_engines.train._hf_checkpoint import fsync_written
 
     folder.mkdir(parents=True, exist_ok=True)
-    with quiet_dist_checkpointing(), in_process_write_results():
+    with quiet_dist_checkpointing(), in_process_write_results(), primed_while_saving(optimizer):
         dist_checkpointing.save(optimizer_state(model, optimizer, step, loading=False), str(folder))
     # Megatron names a rank's shards after its global rank, and its coordinator (global rank 0) writes the rest.
     rank = dist.get_rank()
@@ -188,6 +225,8 @@ def load_optimizer(folder: Path, model: Any, optimizer: Any) -> int:
     configured = snapshot(optimizer)  # this run's weight decay and betas: the checkpoint's would win
     with quiet_dist_checkpointing():
         loaded = dist_checkpointing.load(optimizer_state(model, optimizer, 0, loading=True), str(folder))
+        if optimizer_kind(optimizer).startswith("plain"):
+            zero_steps_restored(loaded["optimizer"])
         with torch_adam_steps_restored(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
     # The LR is set from this run's base_lr and schedule before every step; the position is the saved one.

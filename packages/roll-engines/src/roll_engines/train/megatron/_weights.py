@@ -76,8 +76,18 @@ class MegatronWeightsAndCheckpoints:
     @functools.cached_property
     def _hf_skeleton(self) -> Any:
         """The HF model on the meta device (built once: a meta model of a Qwen2-7B config takes 1.9 s here, which
-        every weight sync and save paid)."""
-        return V.hf_skeleton(self.hf_config, self.critic)
+        every weight sync and save paid). A causal LM carries `model_path`'s generation_config.json, as
+        `from_pretrained` would: built from the config alone, the exported folder lost the model's sampling defaults
+        and extra stop ids (an `eos_token_id` list), so the folder generated past the turn's end."""
+        skeleton = V.hf_skeleton(self.hf_config, self.critic)
+        if skeleton.can_generate():
+            from transformers import GenerationConfig
+
+            try:
+                skeleton.generation_config = GenerationConfig.from_pretrained(self.path)
+            except OSError:  # the folder has none: the config's defaults are what from_pretrained would give too
+                pass
+        return skeleton
 
     def iter_weights(self, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
         """Full weights in HF names, streamed in the Megatron model's order, layer by layer, in the parameters' dtype
