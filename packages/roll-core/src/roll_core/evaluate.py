@@ -49,6 +49,7 @@ from roll_core.cluster.roles import InferGroup
 from roll_core.config.build import as_dict, build
 from roll_core.config.compose import ConfigError
 from roll_core.eval_metrics import SameAnswer, breakdown, difficulty_of, failure, memoized, rate_stderr, summarize
+from roll_core.interfaces.inference import GREEDY_TEMPERATURE
 from roll_core.interfaces.tasks import AgenticTask
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.collectors import CollectorContext
@@ -72,11 +73,11 @@ def check_sampling(cfg: Any, n: int) -> None:
     temperature): n copies of one response, which pass@k and maj@n would count as n independent samples."""
     if n < 1:
         raise ConfigError(f"--n {n}: sample at least one response per problem")
-    if n > 1 and eval_temperature(cfg) <= 0:
+    if n > 1 and eval_temperature(cfg) < GREEDY_TEMPERATURE:
         raise ConfigError(
-            f"--n {n} samples {n} responses per problem, but the evaluation temperature is 0 (greedy: {n} copies "
-            "of one response, so pass@k and maj@n would say nothing): set pipeline.eval_temperature=0.7 (or any "
-            "value > 0), or use --n 1"
+            f"--n {n} samples {n} responses per problem, but the evaluation temperature {eval_temperature(cfg)} is "
+            f"below {GREEDY_TEMPERATURE} (greedy: {n} copies of one response, so pass@k and maj@n would say nothing): "
+            "set pipeline.eval_temperature=0.7 (or any value > 0), or use --n 1"
         )
     if n > 1 and int(getattr(cfg.infer_engine, "top_k", 0) or 0) == 1:
         raise ConfigError(

@@ -97,7 +97,7 @@ class InferEngineConfig:
     name: str = MISSING
     # Engine workers (data-parallel replicas); each may span several devices (tensor_parallel_size).
     world_size: int = 1
-    # Sampling temperature (> 0 for RL: the trainer's log-probs divide by it).
+    # Sampling temperature (>= GREEDY_TEMPERATURE, 1e-5, for RL: the trainer's log-probs divide by it).
     temperature: float = 1.0
     # Nucleus sampling mass; 1 disables. Log-probs are then those of the truncated distribution.
     top_p: float = 1.0
@@ -145,10 +145,15 @@ class InferEngineConfig:
             raise ValueError(f"infer_engine.max_concurrency={self.max_concurrency} must be >= 1 (or null: a default)")
         if self.dtype is not None:
             one_of("infer_engine.dtype", self.dtype, DTYPES)
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
+        from roll_core.interfaces.inference import GREEDY_TEMPERATURE
+
+        # The trainer divides logits by this temperature: one below GREEDY_TEMPERATURE is greedy in the engines
+        # (whose log-probs are then log_softmax(logits)) yet would be a huge divisor in the trainer.
+        if not (math.isfinite(self.temperature) and self.temperature >= GREEDY_TEMPERATURE):
             raise ValueError(
-                f"infer_engine.temperature={self.temperature} must be > 0 for RL sampling "
-                "(greedy decoding is for evaluation: pipeline.eval_temperature)"
+                f"infer_engine.temperature={self.temperature} must be > 0 for RL sampling, at least "
+                f"{GREEDY_TEMPERATURE} (below it engines decode greedily; greedy decoding is for evaluation: "
+                "pipeline.eval_temperature)"
             )
         if any(not s for s in self.stop):  # matched nowhere (the hf engine dropped it), yet refused partial_rollout
             raise ValueError(

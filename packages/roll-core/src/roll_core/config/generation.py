@@ -27,7 +27,7 @@ from typing import Any
 class GenerationConfig:
     """Sampling defaults published for a model (its model card or generation_config.json)."""
 
-    # Softmax temperature (> 0: RL rollouts sample, and the trainer's log-probs divide by it).
+    # Softmax temperature (>= 1e-5, GREEDY_TEMPERATURE: RL rollouts sample, and the trainer's log-probs divide by it).
     temperature: float = 1.0
     # Nucleus sampling mass; 1 disables.
     top_p: float = 1.0
@@ -35,8 +35,14 @@ class GenerationConfig:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"model.generation.temperature={self.temperature} must be > 0")
+        from roll_core.interfaces.inference import GREEDY_TEMPERATURE
+
+        # It defaults infer_engine.temperature, the trainer's divisor: below GREEDY_TEMPERATURE engines are greedy.
+        if not (math.isfinite(self.temperature) and self.temperature >= GREEDY_TEMPERATURE):
+            raise ValueError(
+                f"model.generation.temperature={self.temperature} must be > 0, at least {GREEDY_TEMPERATURE} (below it "
+                "engines decode greedily, while the trainer divides logits by it)"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"model.generation.top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:

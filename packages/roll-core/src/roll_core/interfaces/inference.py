@@ -6,14 +6,15 @@ An `InferEngine` serves two APIs over the same weights:
 - the request API, `submit(request) -> Future`, `abort(request_id)`: one conversation turn at a time, with
   continuous batching inside engines that have it (multi-turn rollout and partial rollout build on it).
 
-Log-probs: for every generated token the engine reports its log-probability under the distribution that sampled
-it: `log_softmax(logits / temperature)` after top-k/top-p truncation and renormalisation (identical to the
-trainer's recomputation `log_softmax(logits / temperature)` when top_k=0 and top_p=1). Greedy requests
-(temperature 0) report `log_softmax(logits)`. No other logits processor (repetition penalty, a model's
-`generation_config.json`) may change the sampled distribution. Structured outputs (`SamplingParams.structured`)
-are the one exception, and they are part of the policy: the engine masks the tokens the constraint forbids at each
-step (EOS only where the constraint is complete) and reports log-probs of the masked, renormalised distribution;
-the trainer must replay the same constraint over the response tokens to recompute the same distribution.
+Log-probs: for every generated token the engine reports its log-probability under the distribution that sampled it:
+`log_softmax(logits / temperature)` after top-k/top-p truncation and renormalisation (identical to the trainer's
+recomputation `log_softmax(logits / temperature)` when top_k=0 and top_p=1). Greedy requests (temperature below
+`GREEDY_TEMPERATURE`, 0 included) report `log_softmax(logits)`. No other logits processor (repetition penalty, a
+model's `generation_config.json`) may change the sampled distribution. Structured outputs
+(`SamplingParams.structured`) are the one exception, and they are part of the policy: the engine masks the tokens the
+constraint forbids at each step (EOS only where the constraint is complete) and reports log-probs of the masked,
+renormalised distribution; the trainer must replay the same constraint over the response tokens to recompute the same
+distribution.
 
 A response ends at the first EOS / stop token (kept, mask 1), at the token that completes a stop string (kept,
 even when the token overhangs the string's end), or at `max_new_tokens` (finish reason `length`). Rows are
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -35,6 +37,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch is imported where a tensor is built: composing a config (`roll-train --help`) needs none
     from torch import Tensor
+
+#: Temperatures below this are greedy decoding in every engine roll drives (vLLM's own threshold, `_SAMPLING_EPS`):
+#: dividing logits by a tinier one overflows (1e-38 in fp32: inf, then NaN log-probs and a garbage token), and the
+#: distribution is one-hot to float precision anyway. Engines send such a request to their backend as temperature 0;
+#: a run's sampling temperature (which the trainer divides logits by) must be at least this.
+GREEDY_TEMPERATURE = 1e-5
 
 #: Why a response ended. `prompt_too_long`: the prompt alone fills the engine's context (nothing generated).
 FINISH_REASONS = ("stop", "length", "abort", "prompt_too_long")
@@ -166,13 +174,14 @@ def structured_from_rows(encoded: Tensor) -> list[StructuredOutput | None]:
 class SamplingParams:
     """How to sample one response. Engines must honour every field or refuse it (`check_sampling`)."""
 
-    # Softmax temperature; 0 is greedy decoding.
+    # Softmax temperature, finite and >= 0; below GREEDY_TEMPERATURE (1e-5, 0 included) greedy decoding, in every
+    # engine (vLLM's threshold: a tinier divisor overflows the logits).
     temperature: float = 1.0
-    # Nucleus sampling mass (1 disables).
+    # Nucleus sampling mass, in (0, 1] (1 disables).
     top_p: float = 1.0
-    # Keep only the k most likely tokens (0 disables).
+    # Keep only the k most likely tokens, >= 0 (0 disables; vLLM's -1 is refused, not read as "disabled").
     top_k: int = 0
-    # Maximum tokens to generate.
+    # Maximum tokens to generate, >= 1.
     max_new_tokens: int = 128
     # Strings that end a response (the completing token is kept).
     stop: tuple[str, ...] = ()
@@ -186,8 +195,11 @@ class SamplingParams:
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        # NaN compares false with everything: `< 0` alone let it through (NaN logits), and inf sampled uniformly.
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(
+                f"temperature={self.temperature} must be >= 0 and finite (below {GREEDY_TEMPERATURE}: greedy)"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
@@ -201,7 +213,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Greedy decoding: temperature below GREEDY_TEMPERATURE (0 included)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def replace(self, **changes: object) -> SamplingParams:
         """A copy with some fields changed."""

@@ -22,7 +22,10 @@ are equal only with equal pictures (ids and digests), positions are explicit (3D
 decodes from its own `rope_delta`.
 
 A request id is held from `add` until its future resolves: `add` refuses (ValueError) an id still held, because
-`abort(request_id)` could stop only one of the two (the vllm engine refuses the same way).
+`abort(request_id)` could stop only one of the two (the vllm engine refuses the same way). A caller that cancels its
+future (`Future.cancel()`) aborts the request: it is never admitted, or its row leaves at the next step boundary; the
+batcher never sets a result or an exception on a cancelled future (that raised InvalidStateError, which failed
+every request of the engine).
 
 Not thread-safe by itself: the engine serialises `step()` and mutations with its lock.
 """
@@ -32,7 +35,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
@@ -152,6 +155,19 @@ class PrefillError(RuntimeError):
         self.request_id = request_id
 
 
+def settle(future: Future, result: object = None, exc: BaseException | None = None) -> None:
+    """Resolve `future` unless its caller cancelled it (or it is resolved already): a cancelled request is aborted,
+    and its outcome has no one to go to. Checked under the future's own lock (`set_*` raise once it is done), as a
+    `done()` test first could race a cancel from another thread."""
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
 def plain_layers(cache: object) -> bool:
     return all(type(layer) is DynamicLayer for layer in cache.layers)
 
@@ -244,14 +260,19 @@ class ContinuousBatcher:
 
     def abort(self, request_id: str) -> bool:
         for seq in list(self.waiting):
-            if seq.request.request_id == request_id:
+            if seq.request.request_id == request_id and not seq.future.done():  # done: cancelled, its id free
                 self.waiting.remove(seq)
                 seq.finish = "abort"
                 self._resolve(seq)
                 return True
         for seq in self.running:
             # A second abort stops nothing (False, as for a finished request and in the vllm engine).
-            if seq.request.request_id == request_id and seq.finish is None and not seq.aborted:
+            if (
+                seq.request.request_id == request_id
+                and seq.finish is None
+                and not seq.aborted
+                and not seq.future.done()
+            ):
                 seq.aborted = True  # leaves at the next step boundary with what it generated so far
                 return True
         return False
@@ -307,12 +328,14 @@ class ContinuousBatcher:
 
     def _sample(self, seqs: list[Running], logits: Tensor) -> None:
         params = [s.request.params for s in seqs]
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
-        # Greedy rows report log_softmax(logits) whatever top-k/top-p they carry (the protocol; vLLM does the same).
+        # Greedy rows (`greedy`: temperature below GREEDY_TEMPERATURE) go in as temperature 0 and report
+        # log_softmax(logits) whatever top-k/top-p they carry (the protocol; vLLM does the same).
+        greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
+        temp = torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=logits.device)
         top_k = [0 if p.greedy else p.top_k for p in params]
         top_p = [1.0 if p.greedy else p.top_p for p in params]
         logp = processed_logprobs(logits, temp, top_k, top_p)
-        tokens = sample_rows(logp, temp == 0, [s.generator for s in seqs])
+        tokens = sample_rows(logp, greedy, [s.generator for s in seqs])
         chosen = logp.gather(-1, tokens[:, None])[:, 0].tolist()
         for seq, tok, lp in zip(seqs, tokens.tolist(), chosen):
             seq.tokens.append(tok)
@@ -333,8 +356,10 @@ class ContinuousBatcher:
         new: list[Running] = []
         while self.waiting and len(new) < room:
             seq = self.waiting.popleft()
+            if seq.future.cancelled():  # its caller gave up waiting: nothing to compute
+                continue
             if not seq.prompt_len:  # its row would attend to nothing (or an all-empty prefill fail the batch)
-                seq.future.set_exception(ValueError(f"request {seq.request.request_id!r}: empty prompt"))
+                settle(seq.future, exc=ValueError(f"request {seq.request.request_id!r}: empty prompt"))
                 continue
             if seq.prompt_len >= self.max_context:
                 seq.finish = "prompt_too_long"
@@ -354,8 +379,7 @@ class ContinuousBatcher:
                 self._merge(seqs, cache, attn)
         except BaseException as exc:  # the new requests are in neither queue yet: fail them here, never drop them
             for seq in new:
-                if not seq.future.done():
-                    seq.future.set_exception(exc)
+                settle(seq.future, exc=exc)
             raise
 
     def _prefill(self, new: list[Running]) -> list[Prefilled]:
@@ -405,7 +429,7 @@ class ContinuousBatcher:
             log.warning("request %r failed at its prefill (%r); the rest of its batch goes on", rid, exc)
             err = PrefillError(rid, f"request {rid!r}: its prefill failed ({type(exc).__name__}: {exc})")
             err.__cause__ = exc
-            seq.future.set_exception(err)
+            settle(seq.future, exc=err)
 
     def _prefill_batch(self, groups: list[list[Running]]) -> Prefilled:
         """The forward of one left-padded batch of distinct prompts; each request gets its prompt's cache row."""
@@ -494,7 +518,8 @@ class ContinuousBatcher:
     # ---- retirement ---------------------------------------------------------------------------------------
     def _retire(self) -> None:
         for s in self.running:
-            if s.aborted and s.finish is None:
+            # A cancelled future is an abort: its row stops generating for no one and frees its KV.
+            if (s.aborted or s.future.cancelled()) and s.finish is None:
                 s.finish = "abort"
         done = [i for i, s in enumerate(self.running) if s.finish is not None]
         if not done:
@@ -544,14 +569,12 @@ class ContinuousBatcher:
             weight_version=seq.kv_version if seq.kv_version >= 0 else self.version(),
             routed_experts=self.routing.result(seq) if self.routing is not None else None,
         )
-        if not seq.future.done():
-            seq.future.set_result(out)
+        settle(seq.future, out)
 
     def fail_all(self, exc: BaseException) -> None:
         """Resolve every queued and running request with `exc` (the engine is broken)."""
         for seq in [*self.waiting, *self.running]:
-            if not seq.future.done():
-                seq.future.set_exception(exc)
+            settle(seq.future, exc=exc)
         self.waiting.clear()
         self.running = []
         self.cache, self.attn = None, None

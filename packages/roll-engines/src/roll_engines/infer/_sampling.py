@@ -1,10 +1,10 @@
 """Sampling primitives shared by roll's own decode loops: processed log-probs, seeded per-row sampling, stop strings.
 
-Contract (roll_core.interfaces.inference): a token's reported log-prob is taken from the distribution that sampled
-it, `log_softmax(logits / T)` with top-k / top-p truncation applied (and renormalised); greedy rows (T = 0) report
-`log_softmax(logits)`. Nothing else touches the logits: no repetition penalty, no `generation_config.json`
-processors, so the trainer's recomputation `log_softmax(logits / T)` equals the reported value when top_k=0 and
-top_p=1.
+Contract (roll_core.interfaces.inference): a token's reported log-prob is taken from the distribution that sampled it,
+`log_softmax(logits / T)` with top-k / top-p truncation applied (and renormalised); greedy rows (T below
+`GREEDY_TEMPERATURE`, 0 included) report `log_softmax(logits)`. Nothing else touches the logits: no repetition
+penalty, no `generation_config.json` processors, so the trainer's recomputation `log_softmax(logits / T)` equals the
+reported value when top_k=0 and top_p=1.
 """
 
 from __future__ import annotations
@@ -14,20 +14,24 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from roll_core.interfaces.inference import GREEDY_TEMPERATURE
+
 
 def processed_logprobs(logits: Tensor, temperature: Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> Tensor:
     """Log-probs of the sampling distribution of each row.
 
     Args:
         logits: (B, V) raw next-token logits.
-        temperature: (B,) temperatures; rows with 0 are greedy and use temperature 1 here.
+        temperature: (B,) temperatures; rows below GREEDY_TEMPERATURE (0 included) are greedy and use temperature 1
+            here (a tinier divisor overflows fp32 logits: inf, then NaN log-probs).
         top_k: B values, 0 disables.
         top_p: B values, 1 disables.
 
     Returns:
         (B, V) float32 log-probs, -inf outside the truncated support.
     """
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(torch.float32)
+    t = temperature.to(torch.float32)
+    t = torch.where(t >= GREEDY_TEMPERATURE, t, torch.ones_like(t))
     x = logits.float() / t[:, None]
     v = x.shape[-1]
     for k, p in sorted(set(zip(top_k, top_p))):

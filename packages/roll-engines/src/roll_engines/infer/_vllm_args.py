@@ -153,7 +153,8 @@ def sampling_params(cls: Any, p: SamplingParams, max_tokens: int, delta: Any) ->
         structured = StructuredOutputsParams(regex=to_regex(p.structured))
     return cls(
         n=1,
-        temperature=p.temperature,
+        # Greedy by roll's rule (below GREEDY_TEMPERATURE): vLLM would raise a temperature in (0, 0.01) to 0.01.
+        temperature=0.0 if p.greedy else p.temperature,
         top_p=p.top_p,
         top_k=p.top_k if p.top_k > 0 else -1,
         max_tokens=max_tokens,

@@ -79,7 +79,8 @@ def _finish_reason(meta: dict[str, Any]) -> str:
 def to_sglang_sampling(params: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
     """roll SamplingParams -> SGLang's sampling_params dict (n is always 1)."""
     out: dict[str, Any] = {
-        "temperature": params.temperature,
+        # Greedy by roll's rule (below GREEDY_TEMPERATURE), where SGLang's own threshold is 1e-6.
+        "temperature": 0.0 if params.greedy else params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k or -1,
         "max_new_tokens": max_new_tokens,

@@ -257,11 +257,11 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
         return int(self._pad_id)
 
     def check_sampling(self, params: SamplingParams) -> None:
-        """vLLM honours every SamplingParams field (log-probs in processed mode) but temperatures in (0, 0.01),
+        """vLLM honours every SamplingParams field (log-probs in processed mode) but non-greedy temperatures < 0.01,
         which it raises to 0.01 (its SamplingParams' lower bound): its tokens and log-probs would then be another
         distribution's than the one the trainer recomputes, so they are refused. A structured constraint must
         compile (a bad schema fails here, naming itself, rather than inside vLLM's engine)."""
-        if 0 < params.temperature < _MIN_TEMPERATURE:
+        if not params.greedy and params.temperature < _MIN_TEMPERATURE:
             raise UnsupportedSamplingError(
                 f"infer_engine={getattr(self, 'name', 'vllm')}: temperature={params.temperature} is below vLLM's "
                 f"lower bound {_MIN_TEMPERATURE} (vLLM would sample at {_MIN_TEMPERATURE}): use 0 (greedy) or a "
