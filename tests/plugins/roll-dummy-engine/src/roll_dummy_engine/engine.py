@@ -87,16 +87,17 @@ class RecomputeInferEngine:
                 reason = "abort"
                 break
             logits = self.model(torch.tensor([ids], device=self.device)).logits[0, -1].float().cpu()
-            x = logits / (p.temperature or 1.0)
-            # Greedy reports the full distribution (the protocol): no truncation for temperature 0.
-            if p.top_k and p.temperature > 0:
+            # Greedy (below GREEDY_TEMPERATURE, 0 included) reports the full distribution (the protocol): no
+            # truncation, no division by a near-zero temperature.
+            x = logits if p.greedy else logits / p.temperature
+            if p.top_k and not p.greedy:
                 x = x.masked_fill(x < torch.topk(x, min(p.top_k, x.numel())).values[-1], float("-inf"))
-            if p.top_p < 1 and p.temperature > 0:
+            if p.top_p < 1 and not p.greedy:
                 sx, order = torch.sort(x, descending=True)
                 pr = torch.softmax(sx, -1)
                 x[order[(pr.cumsum(-1) - pr) >= p.top_p]] = float("-inf")
             lp = torch.log_softmax(x, -1)
-            tok = int(lp.argmax()) if p.temperature == 0 else int(torch.multinomial(lp.exp(), 1, generator=gen))
+            tok = int(lp.argmax()) if p.greedy else int(torch.multinomial(lp.exp(), 1, generator=gen))
             tokens.append(tok)
             logps.append(float(lp[tok]))
             ids.append(tok)
