@@ -110,6 +110,15 @@ def test_majority_vote_counts_and_breaks_ties_by_first_appearance() -> None:
     assert majority_vote([]) == (None, -1)
 
 
+def test_majority_vote_index_is_the_first_sample_of_the_winning_group() -> None:
+    """With an answer check, the early stop leaves a clearly beaten spelling unplaced; majority_vote then gave the
+    first sample of the winner's own spelling (index 1) although sample 0 is the same answer."""
+    same = lambda a, b: a.lower() == b.lower()
+    assert majority_vote(["A", "a", " a"], same) == ("a", 0)  # "a" x2 leads "A" x1 by more than is left to place
+    assert majority_vote(["b", "A", "a", "a"], same) == ("a", 1)
+    assert majority_vote(["b", "B", "a"], same) == ("b", 0)  # unchanged where every key was placed
+
+
 def _rows(spec: list[list[tuple[str | None, int]]], **fields: object) -> list[dict]:
     """Sample records of problems given as [(extracted answer, correct), ...] per problem."""
     out = []

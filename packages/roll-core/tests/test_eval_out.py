@@ -118,6 +118,28 @@ def test_agentic_success_rate_has_its_standard_error_in_results_and_report(tmp_p
     assert "| o | - | 0.7500 | 0.7500 | 0.5000 | 2.5000 | 0.1000 | 1 |" in md
 
 
+def test_agent_program_episodes_the_engine_refused_are_counted_and_none_with_an_outcome_is_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An agent program's roll-eval left the episodes the engine refused out of `n` and the accuracy without a
+    count, and with every episode refused reported an accuracy of 0.0 on 0 problems."""
+    from roll_core.config.compose import ConfigError
+    from roll_core.evaluate import episode_result
+
+    # what pipeline=agent's evaluate returns: 6 held-out rows, 2 refused, 1 of the other 4 succeeded, 1 failed
+    m = {"eval/accuracy": 0.25, "eval/reward": 0.25, "eval/n": 4.0, "eval/aborted_episodes": 2.0}
+    m["eval/failed_episodes"] = 1.0
+    with caplog.at_level("WARNING", logger="roll_core.evaluate"):
+        r = episode_result(m, "agent", agentic=False)
+    assert r["n"] == 4 and r["aborted_episodes"] == 2 and r["failed_episodes"] == 1
+    assert r["accuracy_stderr"] == pytest.approx(0.25)  # sqrt(.25 * .75 / 3), over the 4 with an outcome
+    assert "2 held-out episode(s) of agent were refused" in caplog.text
+    with pytest.raises(ConfigError, match="no held-out episode had an outcome"):
+        episode_result({**m, "eval/n": 0.0, "eval/accuracy": 0.0, "eval/aborted_episodes": 6.0}, "agent", False)
+    with pytest.raises(ConfigError, match="no held-out episode had an outcome"):  # agentic: every seed refused
+        episode_result({**m, "eval/n": 0.0, "eval/success_rate": 0.0}, "sokoban", True)
+
+
 def test_summarize_gives_each_means_standard_error_over_problems() -> None:
     """Per problem, not per response: the 8 responses below are 4 problems, not 8 independent draws."""
     m = summarize(_rows(PROBLEMS), [1, 2])

@@ -95,8 +95,15 @@ def mean_pass_at_k(counts: Iterable[tuple[int, int]], k: int) -> float:
 
 def majority_vote(answers: Sequence[str | None], same_answer: SameAnswer | None = None) -> tuple[str | None, int]:
     """(the majority answer, the index of its first sample); (None, -1) when no sample has an answer. Ties: the
-    answer seen first wins; `same_answer` merges equal answers (see the module docstring)."""
-    return _majority(vote_keys(answers, same_answer))
+    answer seen first wins; `same_answer` merges equal answers (see the module docstring). The index is the first
+    sample in the winner's group, an equal answer the early stop left unplaced included (it gave the first sample
+    of the winner's own spelling: ["A", "a", "a"] with a case-blind check answered index 1, not 0)."""
+    keys = [_vote_key(a) for a in answers]
+    groups = _Groups(keys, same_answer, MAX_CHECKS)
+    answer, _ = _majority(groups.votes(keys))
+    if answer is None:
+        return None, -1
+    return answer, next(i for i, k in enumerate(keys) if k is not None and groups.in_group(k, answer))
 
 
 def vote_keys(

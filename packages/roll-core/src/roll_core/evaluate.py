@@ -244,8 +244,25 @@ def episode_result(m: dict[str, float], task_name: str, agentic: bool) -> dict[s
     """roll-eval's result from an episode collector's `evaluate` metrics `m`: an agentic task's success rate, turns,
     invalid actions and end reasons, or an agent program's accuracy and reward. Both rates are the fraction of the
     `eval/n` episodes (one per held-out seed or row) that succeeded, so each comes with its standard error over
-    those episodes (`<rate>_stderr`, roll_core.eval_metrics.rate_stderr; None for one episode)."""
+    those episodes (`<rate>_stderr`, roll_core.eval_metrics.rate_stderr; None for one episode).
+
+    Episodes the inference engine refused (an agent program's `eval/aborted_episodes`; an agentic task's end
+    `abort`, in `ends`) have no outcome and are left out of `n` and the rates: an agent program's count is
+    `aborted_episodes` (with `failed_episodes`, which count as unsuccessful) and a warning; before, `n` shrank with
+    no word of why.
+
+    Raises:
+        ConfigError: no episode had an outcome (`eval/n` 0): the collector's rates are then 0.0 over nothing,
+            which was reported as an accuracy of 0.0000 on 0 held-out problems.
+    """
     n = int(m["eval/n"])
+    aborted = int(m.get("eval/aborted_episodes") or 0)
+    if n < 1:
+        raise ConfigError(
+            f"env={task_name}: no held-out episode had an outcome ({aborted or 'every'} episode(s) were refused by "
+            "the inference engine, see the warnings above): there is no rate to report; give the engine room "
+            "(infer_engine.max_model_len, its memory) and evaluate again"
+        )
     out: dict[str, Any] = {
         "accuracy": m["eval/accuracy"],
         "accuracy_stderr": rate_stderr(m["eval/accuracy"], n),
@@ -254,7 +271,16 @@ def episode_result(m: dict[str, float], task_name: str, agentic: bool) -> dict[s
         "task": task_name,
     }
     if not agentic:  # an agent program: its collector's held-out accuracy and reward
-        return out
+        if aborted:
+            log.warning(
+                "%d held-out episode(s) of %s were refused by the inference engine: left out of the accuracy, which "
+                "is over the %d episodes with an outcome",
+                aborted,
+                task_name,
+                n,
+            )
+        failed = int(m.get("eval/failed_episodes") or 0)
+        return {**out, "aborted_episodes": aborted, "failed_episodes": failed}
     return {
         **out,
         "success_rate": m["eval/success_rate"],
