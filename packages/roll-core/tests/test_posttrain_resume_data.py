@@ -64,6 +64,7 @@ def _collector(name: str, path: Path, rows: list[dict]) -> Any:
     cls = {"sft": SFTCollector, "dpo": DPOCollector, "distill_offline": OfflineDistillCollector}[name]
     c = object.__new__(cls)
     c.cfg = SimpleNamespace(pipeline=SimpleNamespace(rollout_batch_size=BATCH, seed=0))
+    c.data = data  # (the run's data counts)
     if name == "sft":
         c.train = data.train
     elif name == "dpo":

@@ -32,6 +32,12 @@ def test_data_counts_reads_the_optional_attributes_and_refuses_wrong_types() -> 
             data_counts(SimpleNamespace(also_held_out=bad))
     with pytest.raises(TypeError, match=r"skipped_rows must map data files to row counts"):
         data_counts(SimpleNamespace(skipped_rows={"a.jsonl": "4"}))
+    # held-out rows neither trained nor evaluated (a hash split beyond env.eval_size), when the task counts them
+    idle = data_counts(SimpleNamespace(also_held_out=0, unused_held_out=np.int64(40)))
+    assert idle == {"skipped_rows": {}, "also_held_out": 0, "unused_held_out": 40}
+    assert data_metrics(idle) == {"data/skipped_rows": 0.0, "data/also_held_out": 0.0, "data/unused_held_out": 40.0}
+    with pytest.raises(TypeError, match=r"SimpleNamespace\.unused_held_out must be a row count"):
+        data_counts(SimpleNamespace(unused_held_out=-2))
 
 
 def test_an_rlvr_run_reports_the_rows_left_out_as_held_out(tmp_path: Path) -> None:
@@ -56,6 +62,7 @@ def test_an_rlvr_run_reports_the_rows_left_out_as_held_out(tmp_path: Path) -> No
     summary, history = run_pipeline(overrides)
     assert summary["also_held_out"] == 3
     assert summary["skipped_rows"] == {str(data): 1}
+    assert summary["unused_held_out"] == 0  # env.eval_path's rows are evaluated or were never training rows
     steps = [h for h in history if h["step"] > 0]
     assert [h["step"] for h in steps] == [1]
     assert all(h["data/also_held_out"] == 3.0 and h["data/skipped_rows"] == 1.0 for h in steps)

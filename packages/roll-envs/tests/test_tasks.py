@@ -250,11 +250,14 @@ def test_held_out_rows_beyond_eval_size_are_said(caplog: pytest.LogCaptureFixtur
 
     rows = [SimpleNamespace(prompt=f"problem {i}", answer=str(i)) for i in range(200)]
     held = sum(stable_fraction(split_key(r)) < 0.5 for r in rows)
+    counts: dict[str, int] = {}
     with caplog.at_level(logging.WARNING, logger="roll_envs.tasks.base"):
-        train, evaluated = held_out_split(rows, None, eval_fraction=0.5, eval_size=10, path="rows.jsonl")
+        train, evaluated = held_out_split(rows, None, eval_fraction=0.5, eval_size=10, path="rows.jsonl", counts=counts)
     assert len(evaluated) == 10 and len(train) == 200 - held
     assert f"{held} rows fell in the held-out split" in caplog.text and f"the other {held - 10} are" in caplog.text
+    # counted too: the run's summary and data/unused_held_out (roll_core.interfaces.tasks.data_counts)
+    assert counts == {"also_held_out": 0, "unused_held_out": held - 10}
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="roll_envs.tasks.base"):
-        held_out_split(rows, None, eval_fraction=0.5, eval_size=held, path="rows.jsonl")
-    assert "held-out split" not in caplog.text
+        held_out_split(rows, None, eval_fraction=0.5, eval_size=held, path="rows.jsonl", counts=counts)
+    assert "held-out split" not in caplog.text and counts["unused_held_out"] == 0

@@ -220,3 +220,23 @@ def test_held_out_rows_of_a_domain_no_training_row_has_are_said(
     with caplog.at_level(logging.WARNING):
         multi = MultiTask({"a": FileTask(MathReward(), path=str(train), eval_path=str(held))}, route="column")
     assert multi.eval_set() == [] and "held-out rows of domain(s) {'b': 3}" in caplog.text
+    assert multi.unused_held_out == 3  # counted too: the run's summary and data/unused_held_out
+
+
+def test_held_out_rows_neither_trained_nor_evaluated_are_counted(tmp_path: Path) -> None:
+    """A file's hash split beyond env.eval_size is idle (only logged before): FileTask counts it in
+    `unused_held_out` (roll_core.interfaces.tasks.data_counts puts it in the run's summary and metrics), env=multi
+    adds its sub-tasks'; env.eval_path's rows were never training rows (0); generated tasks have none (None)."""
+    from roll_core.interfaces.tasks import data_counts
+
+    path = _write(tmp_path / "rows.jsonl", [{"prompt": f"q{i}", "answer": "1"} for i in range(400)])
+    task = FileTask(MathReward(), path=str(path), eval_fraction=0.5, eval_size=10)
+    held = 400 - len(task.train_set())
+    assert len(task.eval_set()) == 10 and held > 100 and task.unused_held_out == held - 10
+    assert data_counts(task)["unused_held_out"] == held - 10
+    other = _write(tmp_path / "held.jsonl", [{"prompt": f"h{i}", "answer": "1"} for i in range(30)])
+    given = FileTask(MathReward(), path=str(path), eval_path=str(other), eval_size=10)
+    assert len(given.eval_set()) == 10 and given.unused_held_out == 0
+    assert MultiTask({"a": task, "b": given}).unused_held_out == held - 10
+    generated = ArithmeticTask(MathReward())
+    assert generated.unused_held_out is None and "unused_held_out" not in data_counts(generated)

@@ -13,11 +13,12 @@ from roll_core.interfaces.inference import (
     SamplingParams,
     UnsupportedSamplingError,
 )
-from roll_core.interfaces.tasks import ProblemLike, Reward, RewardResult, Task
+from roll_core.interfaces.tasks import DataCounts, ProblemLike, Reward, RewardResult, Task
 from roll_core.interfaces.training import LossFn, TrainEngine
 
 __all__ = [
     "FINISH_REASONS",
+    "DataCounts",
     "Env",
     "EnvWithInstructions",
     "GenerateOutput",

@@ -106,13 +106,18 @@ class DataCounts(Protocol):
     """Optional attributes of any task (`Task`, `AgenticTask`, an agent-program task): what loading and splitting
     its data left out. The RLVR and agentic collectors read them with `data_counts` and report them in every
     training step's metrics (`data/skipped_rows`, `data/also_held_out`) and in the run summary (`skipped_rows`,
-    `also_held_out`), as the post-training collectors report their files' counts. A task without them reports
+    `also_held_out`); the post-training collectors (sft, dpo, distill_offline) report their data files' counts
+    under the same names (roll_core.posttrain.source.PostTrainData: skips by reason, and training rows whose
+    prompt the held-out file holds too, which they keep and train on). A task without them reports
     `skipped_rows` {} and no `also_held_out`.
 
     - `skipped_rows`: bad data rows skipped at load, per data file ({} when none).
     - `also_held_out`: training rows left out because a held-out row is the same problem but for whitespace (and
       so would be trained on and measured as held out); None where the task draws disjoint splits itself
-      (generated problems, environment seeds) and so has nothing to count."""
+      (generated problems, environment seeds) and so has nothing to count.
+    - `unused_held_out` (optional: not a member, so tasks written before it still match): held-out rows neither
+      trained on nor evaluated (a file's hash split beyond `env.eval_size`, env=multi's held-out rows of a domain
+      no training row has); reported as `unused_held_out` / `data/unused_held_out` when a task sets it."""
 
     skipped_rows: Mapping[str, int]
     also_held_out: int | None
@@ -121,26 +126,29 @@ class DataCounts(Protocol):
 def data_counts(task: Any) -> dict[str, Any]:
     """The run summary's entries of `task`'s optional `DataCounts`: `skipped_rows` ({file: rows}; {} when the
     task has none) and `also_held_out` (an int; absent when the task does not say). A value of the wrong type is
-    a TypeError naming the task: a count the run cannot read is not reported as 0."""
+    a TypeError naming the task: a count the run cannot read is not reported as 0. `unused_held_out`, when the
+    task sets it, likewise."""
     what = type(task).__name__
     skipped = getattr(task, "skipped_rows", None) or {}
     if not isinstance(skipped, Mapping) or not all(_count(n) for n in skipped.values()):
         raise TypeError(f"{what}.skipped_rows must map data files to row counts (ints >= 0), got {skipped!r}")
     out: dict[str, Any] = {"skipped_rows": {str(f): int(n) for f, n in skipped.items()}}
-    also = getattr(task, "also_held_out", None)
-    if also is not None:
-        if not _count(also):
-            raise TypeError(f"{what}.also_held_out must be a row count (an int >= 0) or None, got {also!r}")
-        out["also_held_out"] = int(also)
+    for key in ("also_held_out", "unused_held_out"):
+        n = getattr(task, key, None)
+        if n is not None:
+            if not _count(n):
+                raise TypeError(f"{what}.{key} must be a row count (an int >= 0) or None, got {n!r}")
+            out[key] = int(n)
     return out
 
 
 def data_metrics(counts: Mapping[str, Any]) -> dict[str, float]:
     """A training step's metrics of `data_counts(task)`: `data/skipped_rows` (all files) and, when the task
-    counts it, `data/also_held_out`."""
+    counts them, `data/also_held_out` and `data/unused_held_out`."""
     out = {"data/skipped_rows": float(sum(counts["skipped_rows"].values()))}
-    if "also_held_out" in counts:
-        out["data/also_held_out"] = float(counts["also_held_out"])
+    for key in ("also_held_out", "unused_held_out"):
+        if key in counts:
+            out[f"data/{key}"] = float(counts[key])
     return out
 
 

@@ -7,7 +7,8 @@ filtered like SFT's). Files are read in order (`data.path` may be a list or a gl
 from its columns unless `data.format` names it; bad rows are counted skips (`RowSource.skipped`, reason -> count,
 logged once with the first rows); a file where every row is bad is a ConfigError naming the first reason.
 The held-out split is `data.eval_path` when given (training examples whose prompt it holds too are counted in
-`stats["also_held_out"]` and logged, not dropped: a run may evaluate on its training rows on purpose), else
+`stats["also_held_out"]`, logged and reported in the run's `also_held_out` (`PostTrainData`), not dropped: a run
+may evaluate on its training rows on purpose), else
 `data.eval_size` rows of `data.path` chosen by a stable hash of their prompt (deterministic, a prompt's rows on one
 side).
 
@@ -132,10 +133,33 @@ class RowSource:
 
 @dataclass
 class PostTrainData:
-    """The training rows and the held-out rows (None without `data.eval_path` or `data.eval_size`)."""
+    """The training rows and the held-out rows (None without `data.eval_path` or `data.eval_size`).
+
+    Its `skipped_rows` and `also_held_out` are roll_core.interfaces.tasks.DataCounts: the post-training collectors
+    report them as the RLVR and agentic ones report their task's (`data_counts`: the run summary's `skipped_rows`
+    and `also_held_out`, every step's `data/skipped_rows` and `data/also_held_out`)."""
 
     train: RowSource
     eval: RowSource | None = None
+
+    @property
+    def skipped_rows(self) -> dict[str, int]:
+        """Bad rows skipped reading `data.path` and `data.eval_path`, by reason (a post-training skip names its
+        reason, e.g. `template_error`, where a task's names its file; the log names the rows)."""
+        out = dict(self.train.skipped)
+        for reason, n in (self.eval.skipped if self.eval is not None else {}).items():
+            out[reason] = out.get(reason, 0) + n
+        return out
+
+    @property
+    def also_held_out(self) -> int | None:
+        """Training examples whose prompt a held-out example has too (`_count_shared_prompts`): kept and trained
+        on, unlike the RLVR tasks' (which leave them out), since evaluating on training rows may be the point; so
+        the held-out metrics partly measure trained prompts. 0 for a `data.eval_size` split (a prompt's rows
+        stay on one side); None without held-out rows (nothing to count)."""
+        if self.eval is None:
+            return None
+        return int(self.train.stats.get("also_held_out", 0))
 
 
 def pad_id_of(tokenizer: Any) -> int:

@@ -59,7 +59,9 @@ def held_out_split(
     is "also held out" when its `loose_key` (prompt with whitespace collapsed, and pictures) is a held-out row's:
     such rows are dropped from training with one warning and counted in `counts["also_held_out"]` (when `counts`
     is given), so the two sets never share a problem. `split_key` itself is unchanged: a resumed run keeps its
-    split. The held-out list is cut to `eval_size` (training does not depend on it). A ConfigError when nothing is
+    split. The held-out list is cut to `eval_size` (training does not depend on it); the hash split's rows beyond it
+    are neither trained nor evaluated, counted in `counts["unused_held_out"]` (0 with `held`: env.eval_path's rows
+    were never training rows) and logged. A ConfigError when nothing is
     left to train on. env.path and env.eval_path naming the same file is an evaluation set (roll-eval --data):
     every row is both, with a warning."""
     from roll_core.errors import ConfigError
@@ -67,6 +69,7 @@ def held_out_split(
     if held is not None and path and eval_path and _same_file(path, eval_path):
         log.warning("%s is both env.path and env.eval_path: an evaluation set (its rows also train)", path)
         return list(problems), held[:eval_size]
+    unused = 0
     if held is None:
         train = [p for p in problems if stable_fraction(split_key(p)) >= eval_fraction]
         held = [p for p in problems if stable_fraction(split_key(p)) < eval_fraction]
@@ -82,6 +85,7 @@ def held_out_split(
                 eval_size,
                 len(held) - eval_size,
             )
+            unused = len(held) - eval_size
         held_keys = {loose_key(p) for p in held}  # (all of them: the split is eval_size's business, not training's)
         near = [p for p in train if loose_key(p) in held_keys]  # exact repeats already share a side
         if near:
@@ -108,6 +112,7 @@ def held_out_split(
             )
     if counts is not None:
         counts["also_held_out"] = left_out
+        counts["unused_held_out"] = unused
     if not train:
         raise ConfigError(
             f"{path}: every row fell in the held-out split; lower env.eval_fraction or give env.eval_path"
@@ -214,6 +219,9 @@ class Task:
         # Training rows left out because a held-out row is the same problem (held_out_split's "also_held_out"):
         # file tasks only; generated tasks draw disjoint splits.
         self.also_held_out = 0
+        # Held-out rows neither trained nor evaluated (held_out_split's "unused_held_out", DataCounts): file tasks
+        # set it; None for generated tasks (they draw only the held-out problems they evaluate).
+        self.unused_held_out: int | None = None
 
     @property
     def skipped_rows(self) -> dict[str, int]:

@@ -180,6 +180,7 @@ class CodeTask(Task):
                 counts=counts,
             )
             self.also_held_out = counts.get("also_held_out", 0)
+            self.unused_held_out = counts.get("unused_held_out", 0)
         self._train, self._eval = train, held[:eval_size]
         if not self._train or not self._eval:
             raise ValueError(

@@ -541,6 +541,7 @@ class FileTask(Task):
             counts=counts,
         )
         self.also_held_out = counts.get("also_held_out", 0)
+        self.unused_held_out = counts.get("unused_held_out", 0)
 
     @classmethod
     def conformance_task(cls, seed: int, workdir: Path) -> FileTask:

@@ -277,6 +277,7 @@ class InstructTask(Task):
             counts=counts,
         )
         self.also_held_out = counts.get("also_held_out", 0)
+        self.unused_held_out = counts.get("unused_held_out", 0)
 
     def _load(self, path: str, prompt_key: str, constraints_key: str, name: str) -> list[Problem]:
         """Problems of one file (ids `<name>:<file name>:<line>`); unreadable rows and rows without a prompt go to

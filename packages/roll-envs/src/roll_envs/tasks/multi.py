@@ -23,7 +23,8 @@
   pictures) is left out of training, with a warning per sub-task, and counted with the sub-tasks' own in
   `also_held_out` (the run's data/also_held_out).
 - The held-out set interleaves the domains (round robin; held-out rows of a domain no training row has are left
-  out, with a warning) so `pipeline.eval_size` keeps them balanced; evaluation
+  out, with a warning, and counted with the sub-tasks' own in `unused_held_out`, the run's data/unused_held_out)
+  so `pipeline.eval_size` keeps them balanced; evaluation
   and step metrics are reported per domain (`domain/<d>/...`, `eval/<d>/accuracy`).
 """
 
@@ -187,6 +188,10 @@ class MultiTask:
                 untrained,
                 self.domains,
             )
+        # Held-out rows neither trained nor evaluated (DataCounts): the sub-tasks' own (a hash split beyond its
+        # eval_size) and those of an untrained domain; None when no sub-task counts and none were left out here.
+        unused = [n for n in (getattr(t, "unused_held_out", None) for t in self.tasks.values()) if n is not None]
+        self.unused_held_out: int | None = sum(unused) + sum(untrained.values()) if unused or untrained else None
         # Round robin, so that pipeline.eval_size (a prefix) keeps every domain.
         self._eval = [p for row in itertools.zip_longest(*per_domain) for p in row if p is not None]
 

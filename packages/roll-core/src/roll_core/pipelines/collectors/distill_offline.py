@@ -11,6 +11,9 @@ Contract:
   so a resumed run continues with the rows the uninterrupted run would see; with it the checkpoint holds a
   fingerprint of the tokenised training rows, and resuming onto rows edited in place, same number, is a warning as
   in the RLVR collectors; a checkpoint without one resumes unchecked); `data/epoch` is epochs drawn, fractional;
+  `data/skipped_rows` (bad rows of both files) and `data/also_held_out` (training rows whose prompt
+  `data.eval_path` holds too, kept) are in every step and in the run summary (`skipped_rows` by reason,
+  `also_held_out`), as RLVR reports its task's (roll_core.posttrain.source.PostTrainData);
   the batch is in roll_core.protocol's layout plus `teacher_topk_ids` (B, R, K) long and `teacher_topk_logprobs`
   (B, R, K) float32, 0 where `response_mask` is 0; scores are zeros (nothing is rewarded). `on_policy = False`:
   the engines get the trained weights only before an evaluation.
@@ -41,6 +44,7 @@ import torch
 from roll_algos.distill import topk_distill_loss
 from roll_core.config.schema import RLVRConfig
 from roll_core.errors import ConfigError
+from roll_core.interfaces.tasks import data_counts, data_metrics
 from roll_core.pipelines.collectors import Collected, Collector, CollectorContext
 from roll_core.pipelines.collectors.sft import rows_fingerprint, warn_if_other_rows
 from roll_core.pipelines.metrics import StepLog
@@ -131,7 +135,7 @@ class OfflineDistillCollector:
         indices = self.sampler.next(self.cfg.pipeline.rollout_batch_size)
         batch = self._batch("train", self.data.train, indices, out)
         out["data/epoch"] = self.sampler.progress()
-        out["data/skipped_rows"] = float(sum(self.data.train.skipped.values()))
+        out.update(data_metrics(data_counts(self.data)))  # data/skipped_rows, data/also_held_out
         return Collected(batch, torch.zeros(len(batch)))
 
     def begin_sync(self) -> None:
@@ -163,9 +167,10 @@ class OfflineDistillCollector:
         return rows_fingerprint(self.data.train)  # the training rows never change within a run
 
     def summary(self) -> dict[str, Any]:
-        """Rows skipped or cut when the files were read, and rows the teacher scored."""
+        """Rows skipped (by reason) or cut when the files were read, training rows also held out (`data_counts`),
+        and rows the teacher scored."""
         return {
-            "skipped_rows": dict(self.data.train.skipped),
+            **data_counts(self.data),
             "truncated_rows": self.data.train.truncated,
             "teacher_scored_rows": len(self.cache),
         }

@@ -5,7 +5,10 @@ rollout-only output file, `data.format=rollout`), tokenised once at start. A ste
 pairs in a per-epoch order seeded by `pipeline.seed` (roll_core.data.PromptSampler: its position is checkpointed,
 so a resumed run takes the pairs the uninterrupted run would; with it the checkpoint holds a fingerprint of the
 tokenised training pairs, and resuming onto pairs edited in place, same number, is a warning as in the RLVR
-collectors; a checkpoint without one resumes unchecked). `data/epoch`: epochs drawn, fractional. Its batch holds
+collectors; a checkpoint without one resumes unchecked). `data/epoch`: epochs drawn, fractional; `data/skipped_rows`
+(bad rows of both files) and `data/also_held_out` (training pairs whose prompt `data.eval_path` holds too, kept) are
+in every step and in the run summary (`skipped_rows` by reason, `also_held_out`) as RLVR reports its task's
+(roll_core.posttrain.source.PostTrainData); `pair_stats` keeps the pair-building counts. Its batch holds
 2N rows, pair i's chosen at row 2i and its rejected at 2i+1 (`pair_index`, `is_chosen`), and `row_id` = 2 x the
 pair's index in the data + (0 chosen, 1 rejected): the objective's reference cache key. Scores are 1 for chosen
 rows, 0 for rejected ones. It does not sample from the policy (`on_policy = False`): the weights reach the
@@ -35,6 +38,7 @@ from roll_core.config.build import as_dict
 from roll_core.config.schema import RLVRConfig
 from roll_core.data import PromptSampler
 from roll_core.errors import ConfigError
+from roll_core.interfaces.tasks import data_counts, data_metrics
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors.file_rows import FileRowsFactory
 from roll_core.pipelines.collectors.sft import rows_fingerprint, warn_if_other_rows
@@ -108,6 +112,7 @@ class DPOCollector:
         check(cfg, ctx.task)
         self.cfg, self.ctx = cfg, ctx
         data = data if data is not None else read_pairs(cfg, ctx.tokenizer)
+        self.data = data  # (its skipped_rows and also_held_out are the run's data counts)
         self.train_pairs: RowSource = data.train
         self.eval_pairs: RowSource | None = data.eval if ctx.train is not None else None
         log.info(
@@ -150,6 +155,7 @@ class DPOCollector:
         batch["row_id"] = 2 * pair_ids + (~batch["is_chosen"]).long()
         out["data/epoch"] = self.sampler.progress()
         out["data/pairs"] = float(len(idx))
+        out.update(data_metrics(data_counts(self.data)))  # data/skipped_rows, data/also_held_out
         out["response/length_mean"] = float(batch["response_mask"].sum(-1).float().mean())
         return Collected(batch, batch["is_chosen"].float())
 
@@ -217,12 +223,13 @@ class DPOCollector:
         return rows_fingerprint(self.train_pairs)  # the training pairs never change within a run
 
     def summary(self) -> dict[str, Any]:
-        """How the files were read: pairs, skipped rows by reason, truncated responses, pair-building counts."""
+        """How the files were read: pairs, skipped rows by reason and training pairs also held out
+        (`data_counts`), truncated responses, pair-building counts."""
         src = self.train_pairs
         return {
             "pairs": len(src),
             "held_out_pairs": len(self.eval_pairs) if self.eval_pairs is not None else 0,
-            "skipped_rows": dict(src.skipped),
+            **data_counts(self.data),
             "truncated_responses": src.truncated,
             **({"pair_stats": dict(src.stats)} if src.stats else {}),
         }

@@ -4,8 +4,10 @@ Contract:
 - Rows come from `data` (roll_core.posttrain `load_rows("sft", ...)`: chat messages, prompt/completion, token rows
   from a rollout-only output; `data.min_score` keeps only rollout samples that scored at least that: `min_score=1`
   on the 0/1 `correct` flag, SFT on correct samples; with `data.correct_key=null`, a threshold on the reward, e.g. a
-  judge's score). Bad rows are counted skips (`data/skipped_rows`, the run summary's `skipped_rows`); no usable row, an
-  empty file, a missing file are ConfigErrors before training starts.
+  judge's score). Bad rows are counted skips (`data/skipped_rows`, the run summary's `skipped_rows` by reason, held-out
+  file's included); training rows whose prompt `data.eval_path` holds too are kept and counted (`data/also_held_out`,
+  the summary's `also_held_out`: roll_core.posttrain.source.PostTrainData, as RLVR reports its task's); no usable
+  row, an empty file, a missing file are ConfigErrors before training starts.
 - A step is `pipeline.rollout_batch_size` training rows drawn epoch by epoch in a seeded shuffle (a
   `PromptSampler`: the permutation of epoch e depends only on (pipeline.seed, e)); the state is the data position,
   so a resumed run draws exactly the rows of the uninterrupted run. The state also holds a fingerprint of the
@@ -41,6 +43,7 @@ from roll_core.config.build import as_dict
 from roll_core.config.schema import RLVRConfig
 from roll_core.data import PromptSampler
 from roll_core.errors import ConfigError
+from roll_core.interfaces.tasks import data_counts, data_metrics
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors.file_rows import FileRowsFactory
 from roll_core.pipelines.collectors.prompts import env_label
@@ -135,6 +138,7 @@ class SFTCollector:
         cfg = ctx.cfg
         self.cfg, self.ctx = cfg, ctx
         data = data or read_rows(cfg, ctx.tokenizer)
+        self.data = data  # (its skipped_rows and also_held_out are the run's data counts)
         self.train: RowSource = data.train
         self.held_out: RowSource | None = data.eval
         self.sampler = PromptSampler(len(self.train), seed=cfg.pipeline.seed, window=cfg.pipeline.rollout_batch_size)
@@ -165,7 +169,7 @@ class SFTCollector:
             batch = self.train.batch(self.sampler.next(self.cfg.pipeline.rollout_batch_size))
         out["data/epoch"] = self.sampler.progress()
         out["data/rows"] = float(len(batch))
-        out["data/skipped_rows"] = float(sum(self.train.skipped.values()))
+        out.update(data_metrics(data_counts(self.data)))  # data/skipped_rows, data/also_held_out
         out["data/truncated_rows"] = float(self.train.truncated)
         lengths = batch["response_mask"].sum(-1).float()
         out["response/length_mean"] = float(lengths.mean())
@@ -225,12 +229,10 @@ class SFTCollector:
         warn_if_other_rows(state, self._fingerprint, len(self.train), "rows", log)
 
     def summary(self) -> dict[str, Any]:
-        """How the files were read: rows skipped by reason, responses truncated, rows trained and held out."""
-        skipped = dict(self.train.skipped)
-        for k, v in (self.held_out.skipped if self.held_out is not None else {}).items():
-            skipped[k] = skipped.get(k, 0) + v
+        """How the files were read: rows skipped by reason, training rows also held out (`data_counts`), responses
+        truncated, rows trained and held out."""
         return {
-            "skipped_rows": skipped,
+            **data_counts(self.data),
             "truncated_rows": self.train.truncated + (self.held_out.truncated if self.held_out is not None else 0),
             "train_rows": len(self.train),
             "held_out_rows": len(self.held_out or ()),
