@@ -250,13 +250,97 @@ def test_schema_keywords_outlines_core_drops_are_refused() -> None:
         "type": "object",
         "properties": {
             "minimum": {"type": "integer", "default": 1, "examples": [1]},  # a property named like a keyword
-            "s": {"allOf": [{"type": "string", "minLength": 1, "maxLength": 4, "pattern": "[a-z]+"}]},
+            "s": {"allOf": [{"type": "string", "minLength": 1, "maxLength": 4}]},
         },
         "required": ["minimum"],
         "additionalProperties": False,
     }
     assert re.fullmatch(to_regex(StructuredOutput(json_schema=fine)), '{"minimum":7,"s":"ab"}')
     assert to_regex(SCHEMA) and to_regex(StructuredOutput(json_schema={"type": "object", "minProperties": 1}))
+
+
+@pytest.mark.parametrize(
+    "schema, forbidden, match",
+    [
+        # outlines-core reads one keyword per schema (properties, allOf, anyOf, oneOf, prefixItems, enum, const, $ref,
+        # type; for a string minLength/maxLength, else pattern, else format) and drops the others beside it.
+        ({"type": "object", "required": ["a"]}, "{}", r"'required' beside 'type' at \$"),
+        ({"type": "integer", "enum": [1, "x"]}, '"x"', r"'type' 'integer' beside 'enum' at \$.*x is sampled"),
+        ({"type": "string", "const": 1}, "1", r"'type' 'string' beside 'const'"),
+        ({"enum": ["a", "bcd"], "maxLength": 2}, '"bcd"', r"'maxLength' beside 'enum'"),
+        ({"type": "string", "pattern": "[a-z]+", "maxLength": 5}, '"12"', r"'pattern' beside 'type'"),
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"required": ["a"]}]}, "{}", "'anyOf'"),
+        ({"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "type": "string"}, "1", r"'type' beside '\$ref'"),
+        ({"type": "string", "properties": {}}, "{}", r"'type' 'string' beside 'properties'.*an object is sampled"),
+        ({"prefixItems": [{"type": "integer"}], "minItems": 3}, "[1]", r"'minItems'/'maxItems' beside 'prefixItems'"),
+        # Text written between a JSON string's quotes unescaped: not JSON.
+        ({"type": "string", "pattern": "[^a]+"}, '"x"y"', r"pattern '\[\^a\]\+' at \$\.pattern.*can match"),
+        ({"type": "string", "format": "email"}, '""x"@a.bc"', r"format 'email' at \$\.format"),
+        ({"type": "string", "format": "time"}, '"00:00:00\\q1"', r"format 'time'"),
+        (
+            {"type": "object", "properties": {'c"d': {"type": "integer"}}, "required": ['c"d']},
+            '{"c"d":1}',
+            r"property names \['c\"d'\]",
+        ),
+        # oneOf sampled as anyOf: a value valid under two branches is invalid.
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "1", r"oneOf branches 0 and 1 at \$"),
+        (
+            {"oneOf": [{"properties": {"b": {}}, "required": ["b"]}, {"properties": {"a": {}}}]},
+            None,  # outlines-core samples {"b":1} for branch 0, which branch 1 accepts (extra properties allowed)
+            "oneOf branches 0 and 1",
+        ),
+    ],
+)
+def test_schemas_outlines_core_misreads_are_refused(schema: dict[str, Any], forbidden: str | None, match: str) -> None:
+    """outlines-core's regex of each schema accepts a text the schema forbids (or that is not JSON at all) without a
+    word; to_regex refused none of them, so sampling produced outputs the user's parser or validator rejects. Each is
+    now refused, naming the keyword and where it stands."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    from roll_engines.structured import to_regex
+
+    if forbidden is not None:  # why: outlines-core's own regex lets a forbidden text through
+        assert re.fullmatch(build_regex_from_schema(json.dumps(schema)), forbidden), forbidden
+        with pytest.raises((ValueError, jsonschema.ValidationError)):
+            jsonschema.validate(json.loads(forbidden), schema)
+    with pytest.raises(ValueError, match=f"StructuredOutput.json_schema: .*{match}") as refused:
+        to_regex(StructuredOutput(json_schema=schema))
+    assert "would not be enforced" in str(refused.value)
+
+
+def test_schemas_outlines_core_enforces_compile_exactly() -> None:
+    """What outlines-core enforces whole still compiles: a keyword that does not apply to the sampled type, oneOf
+    branches of distinct types or with a const discriminator (pydantic's discriminated union), a pattern that keeps
+    to JSON string text. An unanchored alternation in a pattern ('a|b', which outlines-core bound to the quotes:
+    '"a' or 'b"') is grouped, so the pattern's language is sampled."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    from roll_engines.structured import to_regex
+
+    union = {
+        "$defs": {
+            "A": {"type": "object", "properties": {"k": {"const": "a"}, "x": {"type": "integer"}}, "required": ["k"]},
+            "B": {"type": "object", "properties": {"k": {"const": "b", "type": "string"}}, "required": ["k"]},
+        },
+        "oneOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}],
+        "discriminator": {"propertyName": "k"},
+    }
+    for schema, text in (
+        ({"enum": [1, 2], "maxLength": 1, "title": "t"}, "2"),
+        ({"type": "integer", "pattern": "x"}, "12"),
+        ({"oneOf": [{"type": "string"}, {"type": "null"}]}, "null"),
+        ({"oneOf": [{"type": "integer"}, {"const": 1.5}]}, "1.5"),
+        (union, '{"k":"b"}'),
+        ({"type": "string", "pattern": '^[^"\\\\\\x00-\\x1f]+$'}, '"x y"'),
+        ({"type": ["object", "null"], "properties": {"a": {"type": "integer"}}}, '{"a":1}'),
+    ):
+        regex = to_regex(StructuredOutput(json_schema=schema))
+        assert re.fullmatch(regex, text), (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+    alternation = {"type": "string", "pattern": "a|b"}
+    assert re.fullmatch(build_regex_from_schema(json.dumps(alternation)), 'b"')  # why: not JSON
+    regex = to_regex(StructuredOutput(json_schema=alternation))
+    assert [t for t in ('"a"', '"b"', '"a', 'b"') if re.fullmatch(regex, t)] == ['"a"', '"b"']
 
 
 def _byte_index(regex: str) -> Any:

@@ -5,10 +5,13 @@ Contract:
 - A constraint (roll_core.interfaces.inference.StructuredOutput) becomes one regex: a regex as given, a JSON schema
   through outlines-core's `build_regex_from_schema`. The vLLM and SGLang adapters send that same regex, so every
   engine constrains the same language. A schema with a restricting keyword outlines-core drops silently (minimum,
-  uniqueItems, a several-schema allOf, ...: `_UNENFORCED`) is refused, not sampled from a larger language. A regex
-  valid in Python but outside outlines-core's dialect (anchors, lookarounds, word boundaries, backreferences, ...:
-  `_UNSUPPORTED_REGEX`) is refused naming the construct, and every regex is compiled once over a byte vocabulary, so
-  that each engine's `check_sampling` fails on what vLLM / SGLang would fail on only when the request is submitted.
+  uniqueItems, a several-schema allOf, a keyword beside the one outlines-core reads there, a pattern or format whose
+  text is not JSON, a oneOf whose branches are not shown exclusive: roll_engines._structured_schema) is refused, not
+  sampled from a larger language. A regex valid in Python but outside outlines-core's dialect (anchors, lookarounds,
+  word boundaries, backreferences, ...: `_UNSUPPORTED_REGEX`) is refused naming the construct, and every regex is
+  compiled once over a byte vocabulary, so that each engine's `check_sampling` fails on what vLLM / SGLang would fail
+  on only when the request is submitted. Unicode classes ('\\d', '\\w', '\\s') follow Rust's tables, not Python's: they
+  differ on a few characters outside ASCII.
 - The token vocabulary is reduced exactly as vLLM's outlines backend does (token -> the bytes it decodes to; special
   tokens and EOS left out; EOS is allowed where the regex is complete), built once per tokenizer and cached; a
   compiled index is cached per (tokenizer, regex).
@@ -43,6 +46,7 @@ from torch import Tensor
 
 from roll_core.errors import Extra
 from roll_core.interfaces.inference import STRUCTURED_ENGINES, STRUCTURED_KEY, StructuredOutput, structured_from_rows
+from roll_engines._structured_schema import byte_vocabulary, check_schema
 
 log = logging.getLogger(__name__)
 
@@ -77,58 +81,6 @@ def _outlines_core() -> Any:
     import outlines_core
 
     return outlines_core
-
-
-#: Restricting JSON-schema keywords outlines-core's regex builder (0.2) drops without a word: the regex of a schema
-#: holding one accepts values the schema forbids ({"type": "integer", "minimum": 0} lets "-3" through), so sampling
-#: would be from a larger language than asked. Refused (`_refuse_unenforced`), naming the keyword and its place.
-_UNENFORCED = frozenset(
-    {
-        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems", "contains",
-        "minContains", "maxContains", "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
-        "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems", "not", "if", "then", "else",
-    }
-)  # fmt: skip
-
-
-def _refuse_unenforced(schema: Any, where: str = "$") -> None:
-    """ValueError for the first (sub)schema outlines-core would not enforce whole: a keyword of `_UNENFORCED`, an
-    allOf of several schemas (outlines-core concatenates their regexes: '"ab""cd"', not JSON), `minProperties` beside
-    `properties` (dropped there), a `required` name missing from `properties` (dropped)."""
-    if not isinstance(schema, dict):
-        return
-    bad = sorted(_UNENFORCED & schema.keys())
-    if "minProperties" in schema and "properties" in schema:
-        bad.append("minProperties")
-    if bad:
-        raise ValueError(
-            f"StructuredOutput.json_schema: {', '.join(map(repr, bad))} at {where} would not be enforced "
-            "(outlines-core drops it, and sampling would produce values the schema forbids): remove it (the reward "
-            "can check it) or constrain with a regex"
-        )
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        raise ValueError(
-            f"StructuredOutput.json_schema: allOf of {len(schema['allOf'])} schemas at {where} is not supported "
-            "(outlines-core concatenates them into text that is not JSON): merge them into one schema"
-        )
-    props = schema.get("properties")
-    if isinstance(props, dict) and isinstance(schema.get("required"), list):
-        missing = [name for name in schema["required"] if name not in props]
-        if missing:
-            raise ValueError(
-                f"StructuredOutput.json_schema: required {missing} at {where} are not in its properties (outlines-core "
-                "drops them, and sampling would leave them out): declare them under properties"
-            )
-    for key in ("properties", "$defs", "definitions"):
-        if isinstance(schema.get(key), dict):
-            for name, sub in schema[key].items():
-                _refuse_unenforced(sub, f"{where}.{key}.{name}")
-    for key in ("items", "additionalProperties"):
-        _refuse_unenforced(schema.get(key), f"{where}.{key}")
-    for key in ("prefixItems", "anyOf", "oneOf", "allOf"):
-        if isinstance(schema.get(key), list):
-            for i, sub in enumerate(schema[key]):
-                _refuse_unenforced(sub, f"{where}.{key}[{i}]")
 
 
 #: Python `re` constructs outlines-core's regex dialect (Rust's regex syntax, compiled to a DFA; vLLM's outlines backend
@@ -205,13 +157,6 @@ def _refuse_unsupported_regex(regex: str) -> None:
         )
 
 
-@functools.lru_cache(maxsize=1)
-def _byte_vocabulary() -> Any:
-    """An outlines-core Vocabulary of the 256 single bytes: any text is reachable, so compiling an Index over it
-    checks a regex (syntax, DFA) without a tokenizer, as vLLM and SGLang would compile it (milliseconds)."""
-    return _outlines_core().Vocabulary(256, {bytes([b]): [b] for b in range(256)})
-
-
 @functools.lru_cache(maxsize=256)
 def _regex(kind: str, text: str) -> str:
     oc = _outlines_core()
@@ -219,13 +164,14 @@ def _regex(kind: str, text: str) -> str:
         _refuse_unsupported_regex(text)
         regex = text
     else:
-        _refuse_unenforced(json.loads(text))
+        # Refused where outlines-core's regex would sample values the schema forbids (roll_engines._structured_schema)
+        schema = check_schema(json.loads(text))
         try:
-            regex = oc.json_schema.build_regex_from_schema(text)
+            regex = oc.json_schema.build_regex_from_schema(json.dumps(schema))
         except Exception as exc:  # outlines-core raises ValueError or its own errors for unsupported schemas
             raise ValueError(f"StructuredOutput.json_schema cannot be compiled: {exc}") from None
     try:
-        oc.Index(regex, _byte_vocabulary())
+        oc.Index(regex, byte_vocabulary())
     except Exception as exc:  # what vLLM / SGLang would raise when the request is submitted
         what = f"StructuredOutput.regex {text[:200]!r}" if kind == "regex" else "StructuredOutput.json_schema"
         raise ValueError(
