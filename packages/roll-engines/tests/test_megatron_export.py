@@ -1,7 +1,8 @@
 """The `megatron` engine's weight export (roll_engines.train.megatron._export) in process at TP=PP=EP=1: weight sync
 streams it, so `iter_weights` holds at most about one layer beyond the model's own tensors, in the parameters'
 dtype (a bf16 model's weights leave as bf16). PP=2 and EP=2 stream on Ray (tests/e2e/test_megatron_ray.py). And
-Megatron in bf16 compute: a step tracks the fp32 step, its master weights stay fp32."""
+Megatron in bf16 compute: a step tracks the fp32 step, its master weights stay fp32, and its exported model folder
+is bf16."""
 
 from __future__ import annotations
 
@@ -187,3 +188,69 @@ def test_the_exported_folder_keeps_the_models_generation_config(three_layers: st
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model").generation_config
     assert (saved.do_sample, saved.temperature, saved.top_p) == (True, 0.6, 0.9)
     assert saved.eos_token_id == [gen.eos_token_id[0], 5]
+
+
+@pytest.mark.parametrize("kind", ["actor", "critic", "lora"])
+def test_a_bf16_run_exports_its_model_in_bf16(tmp_path: Path, kind: str) -> None:
+    """A bf16 run's `checkpoints/step_N/<role>/model` holds the weights the model computes with, in bf16 (its fp32
+    masters, rounded: the optimizer checkpoint keeps the masters themselves), and config.json says bfloat16, as the
+    hf engine writes its parameters in their own dtype. The folder loads with plain transformers in bf16 and gives
+    the engine's log-probs (values for the critic; the merged model for LoRA). The megatron engine wrote bf16 values
+    upcast to fp32: twice the size, labelled float32."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from roll_core.models import resolve_model_path
+    from roll_core.pipelines.objectives import PolicyObjective, ValueObjective
+    from roll_core.testing.batches import critic_batch, toy_batch
+    from roll_core.testing.models import tiny_critic
+    from roll_engines.train.megatron import MegatronTrainEngine
+
+    os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path / "cache"))
+    critic = kind == "critic"
+    path = tiny_critic(tmp_path) if critic else resolve_model_path("builtin:tiny")
+    batch = critic_batch(path) if critic else toy_batch(path)
+    lora = {"lora_rank": 4, "lora_alpha": 8.0} if kind == "lora" else {}
+    engine = MegatronTrainEngine(
+        path,
+        role="critic" if critic else "actor",
+        dtype="bfloat16",
+        lr=1e-2,  # the weights move well past bf16's rounding: the export is the trained model's
+        micro_batch_size=6,
+        dist_backend="gloo",
+        use_distributed_optimizer=False,
+        **lora,
+    )
+    before = engine.get_weights()
+    for _ in range(2):
+        engine.train_step(batch, ValueObjective(clip=0.2) if critic else PolicyObjective())
+    engine.save(tmp_path / "ckpt", path)
+
+    folder = tmp_path / "ckpt" / "model"
+    saved = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert {v.dtype for v in saved.values()} == {torch.bfloat16}
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    live = {k: v.detach().cpu() for k, v in engine.iter_weights()}  # what the model computes with (LoRA merged)
+    assert saved.keys() == live.keys()
+    moved = [k for k in live if not torch.equal(live[k].float(), before[k])]
+    assert moved, "training changed no weight"
+    for name, w in live.items():
+        assert w.dtype == torch.bfloat16 and torch.equal(saved[name], w), name
+
+    hf = (AutoModelForTokenClassification if critic else AutoModelForCausalLM).from_pretrained(folder).eval()
+    assert hf.dtype == torch.bfloat16
+    ids, mask, resp = batch["input_ids"], batch["attention_mask"], batch["responses"]
+    r = resp.shape[1]
+    with torch.no_grad():
+        out = hf(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits.float()
+    if critic:
+        want, got = out[:, -r - 1 : -1, 0], engine.compute_values(batch)["values"]
+    else:
+        want = torch.log_softmax(out[:, -r - 1 : -1], -1).gather(-1, resp[..., None])[..., 0]
+        got = engine.compute_logprobs(batch)["logprobs"]
+    m = batch["response_mask"].bool()
+    # bf16 kernels differ between Megatron and transformers (log-probs 4e-3 apart here; values of ~16 one bf16 step,
+    # 0.0625); the two steps moved the outputs by ~0.5 and more.
+    torch.testing.assert_close(got[m], want[m], atol=3e-2, rtol=1e-2)

@@ -7,7 +7,7 @@ in HF names, streamed at most a layer at a time, collective over TP, PP and EP r
 `optimizer/` a Megatron distributed checkpoint written by every rank, and with LoRA `adapter/` a peft adapter folder
 (the trained state; `model/` is then merged). Both load at any TP/PP/DP layout. `_weights` reads an HF folder into
 _convert.load_hf's input (the engine's first load uses it too). It uses the engine's `model`, `ddp`, `optimizer`,
-`overlap`, `lora`, `hf_config`, `critic`, `device`, `path`, `_seed`, `_step` and `_shims()`.
+`overlap`, `lora`, `hf_config`, `critic`, `compute_dtype`, `device`, `path`, `_seed`, `_step` and `_shims()`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class MegatronWeightsAndCheckpoints:
     lora: tuple[int, float, list[str] | str] | None
     hf_config: Any
     critic: bool
+    compute_dtype: torch.dtype  # Megatron's params_dtype: the model's weights (the fp32 masters are the optimizer's)
     device: torch.device
     path: str
     _seed: int
@@ -79,7 +80,8 @@ class MegatronWeightsAndCheckpoints:
         every weight sync and save paid). A causal LM carries `model_path`'s generation_config.json, as
         `from_pretrained` would: built from the config alone, the exported folder lost the model's sampling defaults
         and extra stop ids (an `eos_token_id` list), so the folder generated past the turn's end."""
-        skeleton = V.hf_skeleton(self.hf_config, self.critic)
+        # In the exported dtype: save_pretrained writes the skeleton's parameter dtype into config.json (meta: free).
+        skeleton = V.hf_skeleton(self.hf_config, self.critic).to(self.compute_dtype)
         if skeleton.can_generate():
             from transformers import GenerationConfig
 
@@ -96,21 +98,27 @@ class MegatronWeightsAndCheckpoints:
         yield from self._export(changed_only=changed_only and bool(self.lora))
 
     def get_weights(self) -> dict[str, Tensor]:
-        """Every weight in HF names, fp32 CPU copies (as `save` writes them)."""
+        """Every weight in HF names, fp32 CPU copies (tests, tools; exact: the weights' own values upcast)."""
         return {k: v.to("cpu", copy=True) for k, v in self._export(dtype=torch.float32)}
 
     def save(self, folder: str | Path, tokenizer_path: str | None = None) -> None:
         """`folder/model` (HF folder, written by global rank 0) and `folder/optimizer` (a Megatron distributed
         checkpoint of the optimizer state, every parameter's moments under its global name and shape, written by
         all ranks: collective). Both load at any TP/PP/DP layout. With LoRA, `model` is merged and `adapter` is a
-        peft adapter folder (the trained state; resume reads it, over the base of `model_path`)."""
+        peft adapter folder (the trained state; resume reads it, over the base of `model_path`).
+
+        `model` holds the weights the model computes with, in their own dtype (the compute dtype, Megatron's
+        params_dtype, which config.json names), as the hf engine writes its parameters in theirs: a bf16 run's
+        folder is bf16. The fp32 masters are the optimizer's and travel in `optimizer` (resume restores them)."""
         import torch.distributed as dist
 
         folder = Path(folder)
         weights = {}  # every rank streams the export (collective); rank 0 writes it
-        for k, v in self._export(dtype=torch.float32):
+        # Each tensor is copied to host at once: uncast, the export may hand out a live parameter (no gather
+        # needed), and device copies of the whole model on rank 0 would double its accelerator memory until the write.
+        for k, v in self._export():
             if dist.get_rank() == 0:
-                weights[k] = v
+                weights[k] = v.to("cpu", copy=True)
         if self.lora:
             with self._shims():
                 adapter = X.all_stages(L.adapter_tensors(self.model, self.hf_config))
