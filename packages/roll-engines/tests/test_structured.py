@@ -489,3 +489,72 @@ def test_constrain_logits_masks_each_constrained_row_as_its_replay(infer: Any) -
     out.sum().backward()
     rows0, _ = replay_mask(c, tok, responses[0, :3].tolist(), v)
     assert torch.equal(logits.grad[0, :3] == 0, rows0) and bool((logits.grad[1:] != 0).any())
+
+
+class _NarrowLogits:
+    """The engine's model with its logits cut to the first `width` ids: a tokenizer with tokens past the model's
+    vocabulary (added tokens the model has no logits for), as the sampler sees it."""
+
+    def __init__(self, model: Any, width: int) -> None:
+        self.model, self.width, self.config = model, width, model.config
+
+    def __call__(self, **kwargs: Any) -> Any:
+        out = self.model(**kwargs)
+        out.logits = out.logits[..., : self.width]
+        return out
+
+
+def test_a_state_allowing_no_id_within_the_logits_fails_its_request(
+    infer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A constraint whose next tokens all lie past the model's logits width fails its request naming the constraint
+    (it masked every entry, and the sampler drew uniformly over all tokens: a response outside the constraint,
+    reported as a normal one). The tokens it could not allow are warned about; other requests go on."""
+    from roll_core.interfaces.inference import Request
+    from roll_engines.structured import ConstraintViolation
+
+    tok = infer.tokenizer
+    a = tok.convert_tokens_to_ids("a")
+    c = StructuredOutput(regex="ab")
+    prompt = tok("hello")["input_ids"]
+    monkeypatch.setattr(infer.batcher, "model", _NarrowLogits(infer.batcher.model, a))  # 'a' (the only start) cut
+    with caplog.at_level("WARNING", logger="roll_engines.structured"):
+        with pytest.raises(RuntimeError, match=r"regex 'ab'.*none below the model's logits width") as err:
+            infer.generate([prompt], SamplingParams(temperature=T, max_new_tokens=8, seed=3, structured=c))
+    assert isinstance(err.value, ConstraintViolation)
+    assert any("logits have only" in r.getMessage() for r in caplog.records)
+    # Beside it an unconstrained request samples as usual (within the narrowed width), and the failed row left.
+    bad = infer.submit(Request("narrow-bad", prompt, SamplingParams(max_new_tokens=4, seed=1, structured=c)))
+    good = infer.submit(Request("narrow-good", prompt, SamplingParams(max_new_tokens=4, seed=1, ignore_eos=True)))
+    with pytest.raises(ConstraintViolation, match="narrow-bad"):
+        bad.result(timeout=120)
+    out = good.result(timeout=120)
+    assert out.finish_reason == "length" and len(out.token_ids) == 4 and max(out.token_ids) < a
+    assert not infer.batcher.running
+
+
+def test_a_sampled_token_the_constraint_refuses_fails_its_request(infer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Matcher.advance` False in the sampler (the mask let through a token the constraint refuses) fails the
+    request naming the constraint and the token; it was ignored, and the response went on outside the constraint.
+    The engine serves constrained requests afterwards as before."""
+    from roll_engines.structured import ConstraintViolation, Matcher
+
+    tok = infer.tokenizer
+    b = tok.convert_tokens_to_ids("b")
+    c = StructuredOutput(regex="ab")
+    prompt = tok("hello")["input_ids"]
+    params = SamplingParams(temperature=T, max_new_tokens=6, seed=3, structured=c)
+
+    def only_b(self: Any, width: int) -> torch.Tensor:  # a broken mask: 'b' where the constraint needs 'a'
+        keep = torch.zeros(width, dtype=torch.bool)
+        keep[b] = True
+        return keep
+
+    with monkeypatch.context() as m:
+        m.setattr(Matcher, "keep", only_b)
+        with pytest.raises(ConstraintViolation, match=rf"regex 'ab'.*sampled token {b} .*does not allow"):
+            infer.generate([prompt], params)
+    assert not infer.batcher.running
+    out = infer.generate([prompt], params)
+    a, eos = tok.convert_tokens_to_ids("a"), tok.eos_token_id
+    assert out.finish_reasons == ["stop"] and out.responses[0, :3].tolist() == [a, b, eos]

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from roll_core.interfaces.tasks import data_counts
 from roll_envs.agentic.openai_agent import OpenAIAgentTask
 from roll_envs.tasks.base import stable_fraction
 
@@ -95,6 +96,26 @@ def test_openai_agent_leaves_out_whitespace_twins_of_eval_path_rows(tmp_path: Pa
     assert len(same._train) == len(same.eval_rows()) == 600 and same.also_held_out == 0
 
 
+def test_openai_agent_counts_held_out_rows_neither_trained_nor_evaluated(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hash split's held-out rows past env.eval_size are neither trained nor evaluated: counted in
+    `unused_held_out` (the run's data/unused_held_out and summary, as env=file reports them) and logged; they were
+    dropped without a word. A split that evaluates all its held-out rows, and env.eval_path's rows, count 0."""
+    rows = _twinned_rows(200)
+    data = _write(tmp_path / "rows.jsonl", rows)
+    held = sum(stable_fraction(row_key(r)) < 0.2 for r in rows)
+    with caplog.at_level(logging.WARNING):
+        task = OpenAIAgentTask(command=["true"], path=data, eval_fraction=0.2, eval_size=10)
+    assert held > 20 and len(task.eval_rows()) == 10 and task.unused_held_out == held - 10
+    assert f"the other {held - 10} are neither trained nor evaluated" in caplog.text
+    assert data_counts(task)["unused_held_out"] == held - 10
+    assert OpenAIAgentTask(command=["true"], path=data, eval_fraction=0.2, eval_size=1000).unused_held_out == 0
+    bench = _write(tmp_path / "bench.jsonl", rows[:30])
+    assert OpenAIAgentTask(command=["true"], path=data, eval_path=bench, eval_size=10).unused_held_out == 0
+    assert OpenAIAgentTask(command=["true"], path=data, eval_path=data, eval_size=10).unused_held_out == 0
+
+
 def _skyrl_rows(n: int) -> list[dict[str, Any]]:
     """`n` gsm8k-style rows, each also written with a trailing newline."""
     rows = []
@@ -137,6 +158,11 @@ def test_skyrl_leaves_out_whitespace_twins_of_given_held_out_rows() -> None:
     task = AgenticTask("skyrl:gsm8k_multi_turn", env_kwargs={"rows": rows, "eval_rows": held}, eval_size=5)
     assert task.also_held_out == 10
     assert AgenticTask("guess_number", eval_size=4).also_held_out is None
+    # Held-out rows neither trained nor evaluated: none (every held-out row is a held-out seed's choice), and said so
+    # (a dataset-backed environment's 0, like env=file's); a seeded game has none to report.
+    assert given.unused_held_out == 0 and task.unused_held_out == 0
+    assert data_counts(task) == {"skipped_rows": {}, "also_held_out": 10, "unused_held_out": 0}
+    assert AgenticTask("guess_number", eval_size=4).unused_held_out is None
     # Training seeds never pick a twin of a held-out row.
     prompts = {" ".join(given.reset(seed=s)[0].split()) for s in range(200)}
     assert not prompts & {" ".join(r["prompt"].split()) for r in held}

@@ -16,8 +16,11 @@ Contract:
   tokens and EOS left out; EOS is allowed where the regex is complete), built once per tokenizer and cached; a
   compiled index is cached per (tokenizer, regex).
 - `Matcher` walks one sequence: `keep(V)` is the (V,) bool mask of ids allowed next, `advance(token)` moves on
-  (False when the token was not allowed: callers count it, never crash). Masks are cached per (regex, state), so
-  a long response in a JSON string (one state, ~all tokens allowed) costs one mask, not one per token.
+  (False when the token was not allowed: the trainer's replay counts it; the sampler fails the request with a
+  `ConstraintViolation`, as it does when a state allows no id below the logits width V, which a tokenizer with ids
+  the model has no logits for can cause: sampling from that row would ignore the constraint). Masks are cached per
+  (regex, state), so a long response in a JSON string (one state, ~all tokens allowed) costs one mask, not one per
+  token; allowed ids at or past V are dropped with a warning (once per vocabulary and V).
 - The constraint's EOS in a complete match ends the constraint (`Matcher.done`): nothing is masked after it, as vLLM's
   outlines backend fills a full bitmask once its grammar terminated. Only `ignore_eos` generates past that EOS; its
   tokens are then the same unconstrained policy on every engine and in the replay.
@@ -191,6 +194,16 @@ def to_regex(constraint: StructuredOutput) -> str:
 # ---- vocabulary ------------------------------------------------------------------------------------------------
 
 
+class ConstraintViolation(RuntimeError):
+    """A constrained request the sampler cannot keep in its constraint: a state that allows no id within the model's
+    logits width, or a sampled token the constraint does not allow. Its request fails with this error (its batch goes
+    on) rather than returning a response the constraint does not hold for."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
 class TokenVocabulary:
     """outlines-core's Vocabulary of one tokenizer, and the facts masks need (EOS id, ids the tokenizer knows)."""
 
@@ -204,6 +217,7 @@ class TokenVocabulary:
         self.indexes: OrderedDict[str, Any] = OrderedDict()  # regex -> compiled Index (LRU)
         self.masks: OrderedDict[tuple[str, int, int], Tensor] = OrderedDict()  # (regex, state, V) -> keep (LRU)
         self.lock = threading.Lock()
+        self.warned_widths: set[int] = set()  # logits widths V already warned about (ids >= V the regex allows)
 
     def keep(self, regex: str, index: Any, state: int, vocab_size: int) -> Tensor:
         """(V,) bool CPU mask of the ids `index` allows in `state` (ids >= V dropped); cached, 1024 most recent."""
@@ -215,7 +229,20 @@ class TokenVocabulary:
                 return mask
         ids = torch.tensor(list(index.get_allowed_tokens(state)), dtype=torch.long)
         mask = torch.zeros(vocab_size, dtype=torch.bool)
-        mask[ids[ids < vocab_size]] = True
+        inside = ids < vocab_size
+        mask[ids[inside]] = True
+        if not bool(inside.all()) and vocab_size not in self.warned_widths:
+            # The model has no logits for these ids (a tokenizer with tokens added past the model's vocabulary):
+            # they are never sampled, so the constrained language loses them; a state left with no id is refused by
+            # the sampler (ConstraintViolation), never sampled unmasked.
+            self.warned_widths.add(vocab_size)
+            log.warning(
+                "structured outputs: the constraint allows token ids up to %d but the model's logits have only %d "
+                "entries (a tokenizer with more tokens than the model's vocabulary?): ids >= %d are never allowed",
+                int(ids.max()),
+                vocab_size,
+                vocab_size,
+            )
         with self.lock:
             self.masks[key] = mask
             while len(self.masks) > 1024:
@@ -301,6 +328,7 @@ class Matcher:
 
     def __init__(self, constraint: StructuredOutput, tokenizer: Any) -> None:
         self.vocab = vocabulary(tokenizer)
+        self.constraint = constraint
         self.regex = to_regex(constraint)
         self.index = self.vocab.index(self.regex)
         self.state = self.index.get_initial_state()
@@ -319,6 +347,11 @@ class Matcher:
         if self.done:
             return _everything(vocab_size)
         return self.vocab.keep(self.regex, self.index, self.state, vocab_size)
+
+    def describe(self) -> str:
+        """The constraint in a line, for errors: its kind and (the start of) its regex or schema text."""
+        kind, text = self.constraint.key()
+        return f"{kind} {text[:200]!r}"
 
     @property
     def final(self) -> bool:

@@ -228,8 +228,10 @@ class OpenAIAgentTask:
             eval_path=eval_path,
             counts=counts,
         )
-        # Training rows left out as a held-out row but for whitespace (split_rows).
+        # Training rows left out as a held-out row but for whitespace, and held-out rows past eval_size, neither
+        # trained nor evaluated (split_rows): the run's data counts (roll_core.interfaces.tasks.DataCounts).
         self.also_held_out = counts.get("also_held_out", 0)
+        self.unused_held_out = counts.get("unused_held_out", 0)
 
     def train_rows(self, count: int, seed: int) -> list[dict[str, Any]]:
         """`count` training rows drawn with `seed` (distinct while the split has that many)."""
@@ -403,13 +405,15 @@ def split_rows(
     in its strings ({"task": "Q?\\n"} and {"task": "Q?"}: one task to the agent) is left out of training, logged
     once and counted in `counts["also_held_out"]`, so the two sets never share a task; the hash itself is
     unchanged (a resumed run keeps its split). `path` and `eval_path` naming one file is an evaluation set: every
-    row is both. The held-out list is cut to `eval_size`. A ConfigError (naming `source`) when nothing is left to
-    train on."""
+    row is both. The held-out list is cut to `eval_size`; the hash split's rows beyond it are neither trained nor
+    evaluated, logged and counted in `counts["unused_held_out"]` (0 with `held`, as held_out_split counts). A
+    ConfigError (naming `source`) when nothing is left to train on."""
     from roll_envs.tasks.base import held_out_split, loose_key, stable_fraction
 
     if held is not None:
         if counts is not None:
-            counts["also_held_out"] = 0  # (an evaluation set, path = eval_path, leaves nothing out)
+            # (an evaluation set, path = eval_path, leaves nothing out: held_out_split sets no counts there)
+            counts["also_held_out"] = counts["unused_held_out"] = 0
         train, kept = held_out_split(
             [_Row.of(r) for r in rows],
             [_Row.of(r) for r in held],
@@ -435,11 +439,26 @@ def split_rows(
             left_out,
             len(rows),
         )
+    held_rows = [w.row for out, w in sides if out]
+    unused = max(0, len(held_rows) - eval_size)
+    if unused:  # the split is by hash (stable whatever eval_size): the rest is idle, say so (as held_out_split)
+        log.warning(
+            "%s: %d rows fell in the held-out split (env.eval_fraction=%g) and env.eval_size=%d evaluates the first "
+            "%d: the other %d are neither trained nor evaluated (raise env.eval_size or lower env.eval_fraction to "
+            "use them)",
+            source,
+            len(held_rows),
+            eval_fraction,
+            eval_size,
+            eval_size,
+            unused,
+        )
     if counts is not None:
         counts["also_held_out"] = left_out
+        counts["unused_held_out"] = unused
     if not train:
         raise ConfigError(f"{source}: every row fell in the held-out split; lower env.eval_fraction")
-    return train, [w.row for out, w in sides if out][:eval_size]
+    return train, held_rows[:eval_size]
 
 
 def _file_rows(path: str, key: str) -> list[dict[str, Any]]:

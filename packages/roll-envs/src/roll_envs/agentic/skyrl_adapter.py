@@ -117,6 +117,7 @@ class SkyRLEnv:
             counts=counts,
         )
         self.also_held_out = counts.get("also_held_out", 0)
+        self.unused_held_out = counts.get("unused_held_out", 0)  # (0: every held-out row is a held-out seed's)
         self.held_out, self.eval_seed_offset = held, int(eval_seed_offset)
         if env_id not in skyrl_gym.envs.registration.registry:
             known = ", ".join(sorted(skyrl_gym.envs.registration.registry))

@@ -70,9 +70,11 @@ class AgenticTask:
         self.eval_size, self.eval_seed_offset = eval_size, eval_seed_offset
         self._system_prompt = system_prompt
         probe = self.make_env()  # fails here, with the registry's message, for an unknown name or bad kwargs
-        # A dataset-backed environment's training rows left out as held out (skyrl:<id>'s split_rows), for the run's
-        # metrics and summary (roll_core.interfaces.tasks.DataCounts); None for seeded games (nothing to count).
+        # A dataset-backed environment's training rows left out as held out and its held-out rows neither trained
+        # nor evaluated (skyrl:<id>'s split_rows), for the run's metrics and summary
+        # (roll_core.interfaces.tasks.DataCounts); None for seeded games (nothing to count).
         self.also_held_out: int | None = getattr(probe, "also_held_out", None)
+        self.unused_held_out: int | None = getattr(probe, "unused_held_out", None)
         self._instructions = probe.instructions() if hasattr(probe, "instructions") else ""
         self._examples = self._demonstrate(int(demonstrations))
         # unseen_eval: the held-out boards, and each training seed's board once looked up (one env, one at a time:
