@@ -53,6 +53,16 @@ def test_programs_run_and_errors_are_readable(tool: CodeTool) -> None:
     assert counts == {"ok": 3, "runtime_error": 1, "timeout": 1, "output_limit": 1, "refused": 1}
 
 
+def test_a_failed_program_s_exit_status_or_signal_is_shown(tool: CodeTool) -> None:
+    """`sys.exit(3)`, or a kill (the memory limit's SIGKILL), printed nothing on stderr: the model read a bare
+    "error: the program failed" with no hint of why."""
+    assert tool("import sys\nprint('hi')\nsys.exit(3)") == "hi\n\nerror: the program failed (exit status 3)"
+    killed = tool("import os\nos.kill(os.getpid(), 9)")
+    assert killed.startswith("error: the program failed (killed by SIGKILL; the memory limit ends a program")
+    crash = tool("1 / 0")
+    assert crash.startswith("error: the program failed (exit status 1):\n") and "ZeroDivisionError" in crash
+
+
 def test_programs_run_outside_this_process(tool: CodeTool, tmp_path: Path) -> None:
     secret = tmp_path / "secret.txt"
     secret.write_text("TOP-SECRET-42")

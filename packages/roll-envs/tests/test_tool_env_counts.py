@@ -58,3 +58,63 @@ def test_the_ignored_tool_calls_of_a_reply_are_told_and_counted() -> None:
     assert info["ignored_tool_calls"] == 0 and "ignored" not in obs
     _, _, _, _, info = env.step(f"\\boxed{{{env.env.target}}}")
     assert info["ignored_tool_calls"] == 0 and info["tool_errors"] == 0 and info["success"]
+
+
+def _returning(name: str, value: object) -> object:
+    def tool(arg: str) -> object:
+        return value
+
+    tool.name, tool.description = name, "returns a fixed value"  # type: ignore[attr-defined]
+    return tool
+
+
+def test_tool_names_a_call_cannot_spell_or_given_twice_are_refused() -> None:
+    """A tool named `web.search` could never be called (every call was an invalid "write exactly" action), and a
+    second tool of one name silently replaced the first."""
+    with pytest.raises(ValueError, match=r"tool name 'web\.search' cannot be called"):
+        ToolUseEnv(GuessNumberEnv(), tools=[_returning("web.search", "x")])
+    with pytest.raises(ValueError, match=r"tool name '2nd' cannot be called"):
+        ToolUseEnv(GuessNumberEnv(), tools=[_returning("2nd", "x")])
+    with pytest.raises(ValueError, match="two tools are named 'calculator'"):
+        ToolUseEnv(GuessNumberEnv(), tools=["calculator", {"name": "calculator", "max_digits": 10}])
+    env = ToolUseEnv(GuessNumberEnv(), tools=[_returning("web_search-2", "found")])
+    env.reset(seed=0)
+    assert env.step("<tool>web_search-2: q</tool>")[0].startswith("<tool_output>\nfound\n")
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ({"b": 1, "a": ["é", 2.5]}, '{"a": ["é", 2.5], "b": 1}'),
+        ({"z", "a", "m"}, '["a", "m", "z"]'),
+        ((1, {"y": None, "x": True}), '[1, {"x": true, "y": null}]'),
+        (None, "null"),
+        (42, "42"),
+        (0.5, "0.5"),
+    ],
+)
+def test_non_text_tool_results_are_shown_as_deterministic_text(value: object, shown: str) -> None:
+    """str() of a tool's dict showed a Python repr in the key order it was built in, and of a set an order that
+    changes with the process's hash seed: the same episode showed the model different observations."""
+    env = ToolUseEnv(GuessNumberEnv(), tools=[_returning("lookup", value)])
+    env.reset(seed=0)
+    obs, reward, _, _, info = env.step("<tool>lookup: q</tool>")
+    assert obs.startswith(f"<tool_output>\n{shown}\n</tool_output>\n") and reward == 0
+    assert info["tool_calls"] == 1 and info["tool_errors"] == 0 and not info["invalid_action"]
+
+
+def test_a_tool_answering_with_an_error_is_counted() -> None:
+    """A call whose tool answers `error: ...` (a bad argument) is shown to the model and counted in
+    info["tool_error_outputs"]; it is a valid call that uses the budget, neither invalid nor a raised tool."""
+    env = ToolUseEnv(GuessNumberEnv(), tools=["calculator"], max_tool_calls=3)
+    env.reset(seed=0)
+    obs, reward, _, _, info = env.step("<tool>calculator: 1/0</tool>")
+    assert "<tool_output>\nerror: division by zero\n" in obs and reward == 0
+    assert info["tool_error_outputs"] == 1 and info["tool_errors"] == 0 and info["tool_calls"] == 1
+    assert not info["invalid_action"] and info["tool_calls_total"] == 1
+    _, _, _, _, info = env.step("<tool>calculator:</tool>")  # missing argument
+    assert info["tool_error_outputs"] == 1 and info["tool_calls_total"] == 2
+    _, _, _, _, info = env.step("<tool>calculator: 6*7</tool>")
+    assert info["tool_error_outputs"] == 0 and info["tool_calls"] == 1
+    _, _, _, _, info = env.step("<tool>nope: 1</tool>")  # invalid: no tool ran
+    assert info["tool_error_outputs"] == 0 and info["invalid_action"]

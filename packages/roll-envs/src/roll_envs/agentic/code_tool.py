@@ -7,9 +7,10 @@ namespace, rlimits, a wall clock and an output budget (see `roll_envs.sandbox`).
 each call is a new program, so state must be recomputed (the instructions say so).
 
 What the model reads back: the program's stdout (cut to `max_output_chars`), and on failure a line starting with
-"error:" that names the outcome (the last lines of a traceback, a timeout, an output flood, a refused sandbox),
-so a model can fix its program. Outcomes are counted per tool in `counts` (ok / runtime_error / timeout /
-output_limit / sandbox_error) for logs.
+"error:" that names the outcome (a failed program's exit status or the signal that killed it, and the last lines
+of its traceback; a timeout, an output flood, a refused sandbox), so a model can fix its program (`sys.exit(3)` or
+a kill by the memory limit printed nothing and read as a bare "the program failed"). Outcomes are counted per
+tool in `counts` (ok / runtime_error / timeout / output_limit / sandbox_error) for logs.
 
 Sandbox availability: the sandbox is built on first use and shared by every `CodeTool` of the process with the
 same options (building one runs a probe program). Without a working bubblewrap the constructor raises
@@ -25,6 +26,7 @@ many threads wait for a slot; a program's wall clock starts when it gets one).
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from collections import Counter
 from typing import ClassVar
@@ -70,6 +72,31 @@ def strip_fence(text: str) -> str:
     response (`extract_code`), or `text` itself when it holds no fenced block; outer whitespace stripped."""
     code = extract_code(text)
     return (text if code is None else code).strip()
+
+
+def _signal_name(number: int) -> str | None:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return None
+
+
+def _exit_note(returncode: int | None) -> str:
+    """How a failed program ended, for its error line: ` (exit status 3)`, ` (killed by SIGKILL)`. bubblewrap
+    reports a program killed by signal n as exit status 128 + n (the sandbox reads it so too)."""
+    if returncode is None:
+        return ""
+    if returncode < 0:
+        name = _signal_name(-returncode)
+    elif returncode > 128:
+        name = _signal_name(returncode - 128)
+    else:
+        name = None
+    if name is None:
+        return f" (exit status {returncode})"
+    # SIGKILL is what the run's memory limit (a cgroup's out-of-memory kill) sends: the model can act on that.
+    hint = "; the memory limit ends a program this way" if name == "SIGKILL" else ""
+    return f" (killed by {name}{hint})"
 
 
 class CodeTool:
@@ -134,14 +161,14 @@ class CodeTool:
         out = self._cut(result.stdout)
         if result.status == OK:
             return out if out.strip() else "(the program printed nothing; use print() to see values)"
-        return self._error(result.status, result.stderr, out)
+        return self._error(result.status, result.stderr, out, result.returncode)
 
     def _cut(self, text: str) -> str:
         if len(text) <= self.max_output_chars:
             return text
         return text[: self.max_output_chars] + f"... [{len(text) - self.max_output_chars} more characters]"
 
-    def _error(self, status: str, stderr: str, stdout: str) -> str:
+    def _error(self, status: str, stderr: str, stdout: str, returncode: int | None = None) -> str:
         limits = self.sandbox.limits
         if status == TIMEOUT:
             msg = f"error: the program ran longer than {limits.timeout_s:g} s and was stopped"
@@ -151,7 +178,7 @@ class CodeTool:
             msg = "error: the sandbox failed to start the program; try again"
         else:
             tail = [line[:200] for line in stderr.strip().splitlines() if line.strip()][-3:]
-            msg = "error: the program failed" + (":\n" + "\n".join(tail) if tail else "")
+            msg = f"error: the program failed{_exit_note(returncode)}" + (":\n" + "\n".join(tail) if tail else "")
         if stdout.strip():
             msg = f"{stdout}\n{msg}"
         return msg

@@ -21,8 +21,17 @@ info["tool_calls_total"] the episode's count so far. info["tool_errors"] (0 or 1
 model is shown `error: the tool failed (ExcType)`, the call uses the budget, and the first failure of each tool name
 is logged with its traceback (once per process; later ones only counted), so a tool broken for the whole run shows.
 info["ignored_tool_calls"] is the number of `<tool>` blocks after the first in this step's reply (not run); the
-observation tells the model so. info["state"] is the wrapped environment's state plus the tool
+observation tells the model so. info["tool_error_outputs"] (0 or 1) says this step's call ran and its tool answered
+with an error (its output starts with `error:`, the tools' contract: a bad argument, a program that failed); the
+call uses the budget. info["state"] is the wrapped environment's state plus the tool
 calls made so far (what the model knows differs after a call).
+
+A tool's output is cut to `max_output_chars` (default 2000) characters followed by `... [truncated]`. A tool should
+return text; anything else is shown as text: numbers as `str()`, and containers (dict, list, tuple, set), booleans
+and None as JSON with sorted keys and sorted sets (the repr of a set of strings changes with the process's hash
+seed, so the same episode showed the model a different observation from run to run). Tool names must be usable in
+a call (letters, digits, `_` and `-`, not starting with a digit or `-`) and distinct: a ValueError otherwise (a
+tool named `web.search` could never be called, and a second tool of one name replaced the first).
 
 `QAEnv` turns one question/answer pair, or a roll task's problems, into a one-answer environment (with the task's
 reward, the reward alone decides what is an answer and whether it is right; see QAEnv); `ToolMathEnv` is
@@ -32,6 +41,7 @@ otherwise; the episode terminates at the first numeric answer.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import re
@@ -50,6 +60,7 @@ from roll_envs.rewards.judge import final_text
 _BLOCK = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
 _CALL = re.compile(r"\s*([A-Za-z_][\w-]*)\s*:(.*)", re.DOTALL)
 _NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
+_NAME = re.compile(r"[A-Za-z_][\w-]*")  # the tool names _CALL can read
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +271,30 @@ def _build_tool(spec: str | Mapping[str, Any] | Tool) -> Tool:
     return spec
 
 
+def _jsonable(value: Any) -> Any:
+    """`value` with its sets sorted (by their JSON text, so mixed types sort too), for a deterministic dump."""
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        items = [_jsonable(v) for v in value]
+        return sorted(items, key=lambda v: json.dumps(v, sort_keys=True, ensure_ascii=False, default=str))
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _tool_text(result: Any) -> str:
+    """A tool's result as the text the model reads (module docstring): text as is, numbers by str(), containers,
+    booleans and None as JSON with sorted keys and sets, anything else by str()."""
+    if isinstance(result, str):
+        return result
+    if isinstance(result, (int, float)) and not isinstance(result, bool):
+        return str(result)
+    if result is None or isinstance(result, (bool, Mapping, list, tuple, set, frozenset)):
+        return json.dumps(_jsonable(result), sort_keys=True, ensure_ascii=False, default=str)
+    return str(result)
+
+
 def _text(obs: Any, env: Any) -> str:
     """A wrapped environment's observation as text. One with pictures is refused (ValueError: the episode fails as
     a counted env_error): the wrapper's observations are text, and str() of it showed the model a dict's repr with
@@ -292,7 +327,16 @@ class ToolUseEnv:
         self.tools: dict[str, Tool] = {}
         for t in tools:
             tool = _build_tool(t)
-            self.tools[tool.name] = tool
+            name = getattr(tool, "name", None)
+            # A name the call syntax cannot spell made every call to the tool an invalid action, silently.
+            if not isinstance(name, str) or not _NAME.fullmatch(name):
+                raise ValueError(
+                    f"tool name {name!r} cannot be called as <tool>NAME: ARGUMENT</tool>: use letters, digits, "
+                    "'_' and '-', starting with a letter or '_'"
+                )
+            if name in self.tools:  # the later one silently replaced the earlier one
+                raise ValueError(f"two tools are named {name!r}; tool names must be distinct")
+            self.tools[name] = tool
         if not self.tools or max_tool_calls < 0:
             raise ValueError("ToolUseEnv needs at least one tool and max_tool_calls >= 0")
         self.max_tool_calls, self.invalid_penalty = max_tool_calls, float(invalid_penalty)
@@ -329,7 +373,14 @@ class ToolUseEnv:
         return self._inner_state + calls
 
     def _info(
-        self, info: dict[str, Any], obs: str, calls: int, invalid: bool, errors: int = 0, ignored: int = 0
+        self,
+        info: dict[str, Any],
+        obs: str,
+        calls: int,
+        invalid: bool,
+        errors: int = 0,
+        ignored: int = 0,
+        error_outputs: int = 0,
     ) -> dict[str, Any]:
         out = dict(info)
         self._inner_state = str(info.get("state", obs))
@@ -340,6 +391,7 @@ class ToolUseEnv:
             tool_calls_total=self.calls,
             tool_errors=errors,
             ignored_tool_calls=ignored,
+            tool_error_outputs=error_outputs,
         )
         out["state"] = self._state()
         return out
@@ -371,7 +423,7 @@ class ToolUseEnv:
             return obs, float(reward), terminated, truncated, self._info(info, obs, 0, False)
         blocks = _BLOCK.findall(answer)
         match = _CALL.fullmatch(blocks[0]) if blocks else None
-        errors, ignored = 0, max(len(blocks) - 1, 0)
+        errors, ignored, error_outputs = 0, max(len(blocks) - 1, 0), 0
         if match is None:
             obs, invalid = "Invalid tool call: write exactly <tool>NAME: ARGUMENT</tool>.", True
         elif match.group(1) not in self.tools:
@@ -382,7 +434,8 @@ class ToolUseEnv:
         else:
             name, arg = match.group(1), match.group(2).strip()
             try:
-                output = str(self.tools[name](arg))
+                output = _tool_text(self.tools[name](arg))
+                error_outputs = int(output.startswith("error:"))
             except Exception as exc:  # a tool must not raise; a user tool that does is reported, not propagated
                 output, errors = f"error: the tool failed ({type(exc).__name__})", 1
                 _log_tool_error(name)
@@ -398,7 +451,8 @@ class ToolUseEnv:
         if truncated:
             obs += f"\nThe step limit ({self.max_steps}) is reached; the episode is over."
         self._last = (obs, False, truncated)
-        info = self._info({"state": self._inner_state}, obs, 0 if invalid else 1, invalid, errors, ignored)
+        calls = 0 if invalid else 1
+        info = self._info({"state": self._inner_state}, obs, calls, invalid, errors, ignored, error_outputs)
         return obs, self.invalid_penalty if invalid else 0.0, False, truncated, info
 
 
