@@ -284,3 +284,109 @@ def test_prompts_and_metadata_reach_rewards_that_declare_them(isolation: str) ->
     ]
     with pytest.raises(ValueError, match="2 responses but 1 prompts"):
         guard.score(["a", "b"], ["x", "y"], prompts=["p"])
+
+
+#: The values BadGrades returns, by the name a response gives.
+GRADES = {"nan": float("nan"), "inf": float("inf"), "0.5": 0.5, "'yes'": "yes", "'1'": "1", "None": None, "True": True}
+
+
+class BadGrades:
+    """Scores 1 per row; a response "correct=<v>" / "formatted=<v>" returns GRADES[v] (or int(v)) there."""
+
+    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
+        grades = {"correct": [1.0] * len(responses), "formatted": [1.0] * len(responses)}
+        for i, r in enumerate(responses):
+            if "=" in r:
+                field, value = r.split("=")
+                grades[field][i] = GRADES[value] if value in GRADES else int(value)
+        return RewardResult([1.0] * len(responses), grades["correct"], grades["formatted"])
+
+
+def _agree(res: RewardResult) -> None:
+    """roll-eval's per-row `failed` (from `res.failed`) and the guard's failed_rows count the same rows."""
+    assert res.failed is not None and sum(res.failed) == res.counters["failed_rows"]
+    causes = ("failed_errors", "failed_timeouts", "failed_nonfinite", "failed_unscored")
+    assert sum(res.counters[k] for k in causes) == res.counters["failed_rows"]
+
+
+@pytest.mark.parametrize("row_by_row", [False, True])
+@pytest.mark.parametrize(
+    "bad, kind, grade",
+    [
+        ("correct=nan", "nonfinite", "correct=nan"),
+        ("correct=inf", "nonfinite", "correct=inf"),
+        ("correct=0.5", "errors", "correct=0.5"),
+        ("correct='yes'", "errors", "correct='yes'"),
+        ("correct='1'", "errors", "correct='1'"),
+        ("formatted=nan", "nonfinite", "formatted=nan"),
+    ],
+)
+def test_a_row_whose_grade_is_no_grade_fails_and_is_counted_like_a_nan_score(
+    row_by_row: bool, bad: str, kind: str, grade: str
+) -> None:
+    """A finite score beside a NaN (or 0.5, or "yes") `correct` was a silent 0: a wrong answer in the accuracy of
+    training eval and roll-eval, not flagged failed and not counted. It is a failed row now, scored error_score."""
+    reward = BadGrades()
+    if row_by_row:  # a wrong row count sends the guard row by row; the rows themselves are the same
+        reward.score = lambda r, a, s=reward.score: s(r, a) if len(r) == 1 else RewardResult([], [], [])
+    guard = GuardedReward(reward, isolation="inline", error_score=-1.0)
+    res = guard.score(["ok", bad, "ok"], ["1"] * 3)
+    assert res.scores == [1.0, -1.0, 1.0] and res.failed == [False, True, False]
+    assert res.correct[1] == 0.0 or bad.startswith("formatted")  # a valid grade beside a bad one is kept
+    assert (res.counters[kind], res.counters[f"failed_{kind}"], res.counters["failed_rows"]) == (1, 1, 1)
+    assert guard.last_failure == f"row 1: the reward returned {grade}"
+    _agree(res)
+
+
+def test_valid_grades_are_kept_and_a_none_grade_is_zero() -> None:
+    res = GuardedReward(BadGrades(), isolation="inline").score(["correct=True", "correct=None", "correct=0"], ["1"] * 3)
+    assert res.correct == [1.0, 0.0, 0.0] and res.failed == [False] * 3 and res.counters["failed_rows"] == 0
+
+
+class CountsUnscored:
+    """Scores 1 per row; rows "?" it could not score (fallback 0), reported by its `unscored` counter, and also by
+    `failed` flags on the rows "!" (flags=True: on every such row)."""
+
+    def __init__(self, flags: bool = False) -> None:
+        self.flags = flags
+        self.calls: list[int] = []
+
+    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
+        self.calls.append(len(responses))
+        bad = [r in "?!" for r in responses]
+        ok = [0.0 if b else 1.0 for b in bad]
+        failed = bad if self.flags else [r == "!" for r in responses]
+        return RewardResult(ok, ok, ok, counters={"unscored": sum(bad)}, failed=failed if any(failed) else None)
+
+
+def test_an_unscored_count_flags_its_rows_or_the_batch_is_rescored_to_find_them() -> None:
+    """A reward's `unscored` count without per-row flags reached failed_rows while its rows kept `failed: None` in
+    roll-eval's rows: the metrics' `failed` count was lower than reward_counters["failed_rows"]."""
+    # 2 of 4 counted, 1 flagged: which other row is not known from the batch; row by row, each row says.
+    reward = CountsUnscored()
+    res = GuardedReward(reward, isolation="inline").score(["a", "?", "!", "b"], ["1"] * 4)
+    assert reward.calls == [4, 1, 1, 1, 1]
+    assert res.failed == [False, True, True, False] and res.scores == [1.0, 0.0, 0.0, 1.0]
+    assert (res.counters["failed_unscored"], res.counters["failed_rows"], res.counters["unscored"]) == (2, 2, 2)
+    assert res.counters["failed_errors"] == 0  # the refused batch is no row's failure
+    _agree(res)
+    # The count covers every row it did not flag: determinable, flagged without rescoring.
+    reward = CountsUnscored()
+    res = GuardedReward(reward, isolation="inline").score(["?", "!", "?"], ["1"] * 3)
+    assert reward.calls == [3] and res.failed == [True] * 3 and res.counters["failed_unscored"] == 3
+    assert all_rows_failed(res.counters)
+    _agree(res)
+    # Flags on every counted row: one call, as before.
+    reward = CountsUnscored(flags=True)
+    res = GuardedReward(reward, isolation="inline").score(["a", "?", "!", "b"], ["1"] * 4)
+    assert reward.calls == [4] and res.failed == [False, True, True, False]
+    _agree(res)
+
+
+def test_a_row_flagged_and_nan_counts_once_and_flags_agree_with_counts() -> None:
+    res = GuardedReward(NanForFailedRows(), isolation="inline").score(["broken", "ok", "broken"], ["1"] * 3)
+    assert res.counters["failed_nonfinite"] == 2 and res.counters["failed_unscored"] == 0
+    _agree(res)
+    res = _guard(**HANG_CLOCKS).score(["a", "hang", "nan", "raise", "b"], ["1"] * 5)
+    assert res.failed == [False, True, True, True, False]
+    _agree(res)

@@ -10,14 +10,24 @@
    `timeouts`. So a reward that always hangs costs batch_timeout_s + hung_after x timeout_s per call (6.5 minutes
    with the defaults) instead of batch_timeout_s + rows x timeout_s (37 minutes for 64 rows), and any reward at
    most 2 x batch_timeout_s + hung_after x timeout_s;
-3. replaces a NaN/inf score with `error_score` (counted in `nonfinite`), and NaN/inf `correct`/`formatted` with 0.
+3. checks every row's result: a score that is not a finite number, or a `correct`/`formatted` that is not a grade
+   (0, 1, a bool, or None, which is 0: no claim), fails the row: it scores `error_score`, its invalid grades 0
+   (its valid ones are kept), it is flagged `failed`, and it counts once, by its first bad field (score, correct,
+   formatted): NaN/inf in `nonfinite`, any other value (0.5, "yes") in `errors`, as a malformed result. A NaN
+   `correct` became 0 unflagged before, a wrong answer in the accuracy; now it is a failed row, never graded.
 The counters are added to the reward's own (`RewardResult.counters`), which the pipeline logs as `reward/<name>`
 (a math reward's own `errors`/`timeouts` for malformed answers add to the same keys: rows whose scoring failed).
 Apart from those, the guard reports what it had to replace, whatever the reward counts itself (FAILURE_COUNTERS):
-`rows` scored, `failed_rows` replaced by `error_score`, split by cause into `failed_errors`, `failed_timeouts` and
-`failed_nonfinite`, plus `failed_unscored`: rows the reward itself reports it could not score (its counter
-`unscored` or its `RewardResult.failed` flags: a remote verifier that failed, which scores such rows with its own
-fallback instead of raising; a flagged row whose fallback is NaN/inf counts once, in `failed_nonfinite`).
+`rows` scored, `failed_rows` the rows the result flags `failed`, split by cause into `failed_errors`,
+`failed_timeouts` and `failed_nonfinite` (replaced by `error_score`) plus `failed_unscored`: rows the reward itself
+flags in `RewardResult.failed` (a remote verifier that failed, which scores such rows with its own fallback
+instead of raising; a flagged row whose result is also invalid counts once, by the guard's cause). So
+`failed_rows` is always the number of rows flagged `failed`, and a row counts in one cause at most.
+A reward may also report such rows only by its counter `unscored`. The guard marks which rows only where that is
+determinable: when the count covers every row the reward did not flag, those are all flagged. Otherwise (3 rows
+counted, 1 flagged, which 2 of the other 9 unknown) the result is refused as malformed, like a wrong row count:
+the batch is rescored row by row, where a single row's count says which row it is. A count without flags is never
+added to `failed_rows` without flagging its rows (roll-eval's rows and its `failed` count would disagree).
 `all_rows_failed(counters)` says a call (or a step's sum of calls) learned nothing, and `RewardFailureBudget` stops
 a run after `pipeline.max_reward_failure_steps` such steps in a row.
 The first failure of each kind is logged once per worker with its traceback; later ones are only counted.
@@ -116,7 +126,7 @@ class GuardedReward:
         try:
             res = self._call(responses, answers, context, self.batch_timeout_s)
             _check_rows(res, len(responses))
-            res = _count_flagged(res)
+            res = _flag_unscored(res)
         except Exception as exc:
             failure = exc
         if failure is not None:
@@ -165,7 +175,7 @@ class GuardedReward:
                 row = {k: None if v is None else [v[i]] for k, v in context.items()}
                 one = self._call([response], [answer], row, min(self.timeout_s, left))
                 _check_rows(one, 1)
-                one = _count_flagged(one)
+                one = _flag_unscored(one)
                 hung = 0
                 failed.append(bool(one.failed[0]) if one.failed else False)
             except CallTimeout:
@@ -208,45 +218,50 @@ class GuardedReward:
         return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=own, failed=failed)
 
     def _sanitise(self, res: RewardResult, counters: dict[str, int]) -> RewardResult:
-        scores = []
-        failed = list(res.failed) if res.failed is not None else [False] * len(res.scores)
-        overlap = 0  # rows the reward marked failed and scored NaN/inf: counted once, as nonfinite
-        for i, s in enumerate(res.scores):
-            if _finite(s):
+        flags = list(res.failed) if res.failed is not None else [False] * len(res.scores)
+        scores, correct, formatted, failed = [], [], [], []
+        for i, (s, c, f) in enumerate(zip(res.scores, res.correct, res.formatted)):
+            bad = _invalid_field(s, c, f)
+            # Only the invalid grades become 0: a valid one is kept beside the failed flag, which the accuracy reads.
+            correct.append(_grade(c) or 0.0)
+            formatted.append(_grade(f) or 0.0)
+            if bad is None:
                 scores.append(float(s))
+                failed.append(bool(flags[i]))
                 continue
-            overlap += bool(failed[i])
-            failed[i] = True
-            counters["nonfinite"] += 1
-            counters["failed_nonfinite"] += 1
-            self._note(f"row {i}: the reward returned {s!r}")
+            field, value, kind = bad
+            what = repr(value) if field == "score" else f"{field}={value!r}"
+            counters[kind] += 1
+            counters[f"failed_{kind}"] += 1
+            self._note(f"row {i}: the reward returned {what}")
             self._log_once(
-                "nonfinite",
-                "%s returned %r for row %d: scored %s, counted in reward/nonfinite (logged once)",
+                kind if field == "score" else f"{kind} {field}",
+                "%s returned %s for row %d: scored %s, counted in reward/%s (logged once)",
                 self.name,
-                s,
+                what,
                 i,
                 self.error_score,
+                kind,
             )
             scores.append(self.error_score)
-        # Rows the reward itself says it could not score (and no other cause already counted: at most the rest).
-        # Its flagged rows that were also NaN are nonfinite already (counted twice, half a batch read as all of it).
+            failed.append(True)
+        # Every row the guard replaced is flagged; the other flagged rows are the reward's own (module docstring).
         replaced = counters["failed_errors"] + counters["failed_timeouts"] + counters["failed_nonfinite"]
-        unscored = max(0, min(int(res.counters.get(UNSCORED, 0) or 0) - overlap, len(scores) - replaced))
-        if unscored:
-            counters["failed_unscored"] += unscored
-            self._note(f"{self.name} could not score {unscored} of {len(scores)} rows itself (see its counters)")
-        counters["failed_rows"] = replaced + counters["failed_unscored"]
+        counters["failed_rows"] = sum(failed)
+        counters["failed_unscored"] = counters["failed_rows"] - replaced
+        if counters["failed_unscored"]:
+            n = counters["failed_unscored"]
+            self._note(f"{self.name} could not score {n} of {len(scores)} rows itself (see its counters)")
         # FAILURE_COUNTERS are the guard's alone: a reward's own counter of the same name is dropped.
         merged = {k: v for k, v in res.counters.items() if k not in FAILURE_COUNTERS}
         for k, v in counters.items():
             merged[k] = merged.get(k, 0) + v
         return RewardResult(
             scores=scores,
-            correct=[float(c) if _finite(c) else 0.0 for c in res.correct],
-            formatted=[float(f) if _finite(f) else 0.0 for f in res.formatted],
+            correct=correct,
+            formatted=formatted,
             counters=merged,
-            failed=[bool(f) for f in failed],  # per row: the score is error_score (or the reward's fallback)
+            failed=failed,  # per row: the score is error_score (or the reward's fallback)
         )
 
     def _note(self, failure: str) -> None:
@@ -264,12 +279,24 @@ class GuardedReward:
             self._child.close()
 
 
-def _count_flagged(res: RewardResult) -> RewardResult:
-    """`res` with its `unscored` counter at least the rows its `failed` flags mark (a reward may say either)."""
-    flagged = sum(map(bool, getattr(res, "failed", None) or []))
-    if flagged > int(res.counters.get(UNSCORED, 0) or 0):
-        res = dataclasses.replace(res, counters={**res.counters, UNSCORED: flagged})
-    return res
+def _flag_unscored(res: RewardResult) -> RewardResult:
+    """`res` with its `failed` flags and its `unscored` counter in agreement (module docstring): a count beyond the
+    flags flags the unflagged rows when it covers them all; a count of some of them is a ValueError (which rows is
+    not known: the caller rescores row by row, where it is). The counter is raised to the flags' count."""
+    n = len(res.scores)
+    flags = [bool(f) for f in res.failed] if res.failed is not None else [False] * n
+    count = max(0, int(res.counters.get(UNSCORED, 0) or 0))  # not a number: ValueError/TypeError, a malformed result
+    flagged = sum(flags)
+    unflagged = n - flagged
+    if count > flagged and count - flagged < unflagged:
+        raise ValueError(
+            f"the reward counts {count} rows {UNSCORED!r} but flags {flagged} in RewardResult.failed: which "
+            f"{count - flagged} of the other {unflagged} rows is not known"
+        )
+    if count > flagged:  # every unflagged row is one the reward could not score
+        flags = [True] * n
+    counters = res.counters if sum(flags) == count else {**res.counters, UNSCORED: sum(flags)}
+    return dataclasses.replace(res, failed=flags if any(flags) else res.failed, counters=counters)
 
 
 def budget_within(timeout: float) -> float:
@@ -368,8 +395,37 @@ def _constant(score: float) -> RewardResult:
 def _finite(x: Any) -> bool:
     try:
         return math.isfinite(float(x))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return False
+
+
+def _grade(x: Any) -> float | None:
+    """A `correct`/`formatted` value as 0.0 or 1.0 (None is 0.0: no claim); None when it is no grade."""
+    if x is None:
+        return 0.0
+    if isinstance(x, (str, bytes)) or not _finite(x):  # float("1") parses, but a string is no grade
+        return None
+    value = float(x)
+    return value if value in (0.0, 1.0) else None
+
+
+def _invalid_field(score: Any, correct: Any, formatted: Any) -> tuple[str, Any, str] | None:
+    """The first invalid field of a row's result: (its name, its value, the counter it fails the row under)."""
+    if not _finite(score):
+        return "score", score, "nonfinite"
+    for field, value in (("correct", correct), ("formatted", formatted)):
+        if _grade(value) is None:
+            nonfinite = not isinstance(value, (str, bytes)) and _is_number(value) and not _finite(value)
+            return field, value, "nonfinite" if nonfinite else "errors"
+    return None
+
+
+def _is_number(x: Any) -> bool:
+    try:
+        float(x)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return True
 
 
 def _describe(exc: BaseException) -> str:

@@ -16,6 +16,8 @@ Protocol (JSON over HTTP POST to `url`; `roll_envs.rewards.serve` is a reference
   marking the rows) is kept: a reply whose `unscored` exceeds the rows it marks `failed` or that are malformed has
   that many more rows counted in `unscored` and `remote_failed` (their scores stay the service's fallbacks, as
   which rows they are is not known; when they are all the reply's remaining rows, those score `error_score`).
+  Behind roll-core's reward guard such a batch is scored again row by row, where each reply's count names its
+  row (the guard never counts a failed row it cannot flag): a service that marks its failed rows saves that cost.
 
 Failures are counted rows, never an exception out of `score`. A failed row scores `error_score`, with
 correct = formatted = 0, counts in `unscored` (roll-core's reward guard counts those rows in `failed_rows`, so a
