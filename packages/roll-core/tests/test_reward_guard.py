@@ -390,3 +390,15 @@ def test_a_row_flagged_and_nan_counts_once_and_flags_agree_with_counts() -> None
     res = _guard(**HANG_CLOCKS).score(["a", "hang", "nan", "raise", "b"], ["1"] * 5)
     assert res.failed == [False, True, True, True, False]
     _agree(res)
+
+
+@pytest.mark.parametrize("flag", ["false", "True", 0.5, None, float("nan")])
+def test_a_failed_flag_that_is_not_a_bool_is_refused(flag: object) -> None:
+    """`RewardResult.failed` entries were read with bool(): a reward's string "false" counted its row as failed."""
+    with pytest.raises(ValueError, match="each entry must be a bool"):
+        RewardResult([1.0, 0.0], [1.0, 0.0], [1.0, 0.0], failed=[False, flag])  # type: ignore[list-item]
+    # bools, NumPy bools and 0/1 are flags
+    import numpy as np
+
+    assert RewardResult([1.0], [1.0], [1.0], failed=[np.bool_(True)]).failed == [np.bool_(True)]
+    assert RewardResult([1.0, 0.0], [1.0, 0.0], [1.0, 0.0], failed=[0, 1]).failed == [0, 1]

@@ -30,7 +30,10 @@ class RewardResult:
     formatted: list[float]
     counters: dict[str, int] = field(default_factory=dict)
     #: Optional, per response: True where the score is a fallback, not a verdict (the scorer failed on that row:
-    #: roll's reward guard and the remote verifier set it); None: every row was scored.
+    #: roll's reward guard and the remote verifier set it); None: every row was scored. A reward that can only
+    #: count its failures (`counters["unscored"]` beyond the rows it flags) gets its remaining rows flagged when the
+    #: count covers them all, else its batch scored again row by row (roll_core.cluster.reward_guard): a failed row
+    #: is never counted without its flag. Each entry must be a bool (a string "false" is refused, not read as True).
     failed: list[bool] | None = None
 
     def __post_init__(self) -> None:
@@ -38,6 +41,9 @@ class RewardResult:
             raise ValueError("scores, correct and formatted must have one entry per response")
         if self.failed is not None and len(self.failed) != len(self.scores):
             raise ValueError("failed must have one entry per response")
+        if self.failed is not None and not all(isinstance(f, bool) or f in (0, 1) for f in self.failed):
+            bad = next(f for f in self.failed if not (isinstance(f, bool) or f in (0, 1)))
+            raise ValueError(f"failed holds {bad!r}: each entry must be a bool (or 0/1)")
 
 
 @runtime_checkable
