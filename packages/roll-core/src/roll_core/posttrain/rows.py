@@ -15,7 +15,7 @@ Contract:
 - `Skips` counts skipped rows per reason (`counts`, the `skipped: dict[str, int]` runs log) and keeps the first
   few details; `check_any(kept, setting)` raises a `ConfigError` naming the first reason when nothing was kept.
 - `stable_fraction(key)` and `held_out(...)`: a deterministic held-out split by a stable hash of each row's
-  prompt (the same on every machine), rows sharing a prompt on one side.
+  prompt (the same on every machine), rows sharing a prompt, or one but for whitespace, on one side.
 """
 
 from __future__ import annotations
@@ -270,10 +270,16 @@ def stable_fraction(key: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
-def held_out(items: Sequence[T], keys: Sequence[str], size: int, setting: str) -> tuple[list[T], list[T]]:
+def held_out(
+    items: Sequence[T], keys: Sequence[str], size: int, setting: str, loose_keys: Sequence[str] | None = None
+) -> tuple[list[T], list[T]]:
     """(train, held-out): whole prompt groups (items with equal `keys`) in the order of their stable hash are held
     out until at least `size` items are (so it may exceed `size` by part of one group); order kept on both sides.
-    A ConfigError when nothing is left to train on."""
+    With `loose_keys` (one per item: `loose_prompt_keys`), an item whose loose key a held-out item has is held out
+    too, counted in one warning: "Q?" and "Q?\\n" are one problem to the model, and their exact keys' hashes could
+    put them on both sides (a held-out problem also trained on). The sides of prompts without such twins are what
+    they were (the exact key's hash decides them), so a resumed run keeps its split. A ConfigError when nothing is
+    left to train on."""
     if size <= 0:
         return list(items), []
     groups: dict[str, int] = {}
@@ -286,6 +292,17 @@ def held_out(items: Sequence[T], keys: Sequence[str], size: int, setting: str) -
             break
         held_keys.add(k)
         n += groups[k]
+    if loose_keys is not None:
+        near = {lk for lk, k in zip(loose_keys, keys, strict=True) if k in held_keys}
+        twins = [k for lk, k in zip(loose_keys, keys, strict=True) if k not in held_keys and lk in near]
+        if twins:
+            log.warning(
+                "%s: %d row(s) repeat a held-out row's prompt but for whitespace: held out with it (a held-out "
+                "problem that is trained on measures nothing)",
+                setting,
+                len(twins),
+            )
+            held_keys.update(twins)
     train = [it for it, k in zip(items, keys, strict=True) if k not in held_keys]
     held = [it for it, k in zip(items, keys, strict=True) if k in held_keys]
     if not train:

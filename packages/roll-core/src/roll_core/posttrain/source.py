@@ -6,11 +6,11 @@ Kinds: `sft` (messages, prompt/completion, token rows; rollout rows read as toke
 filtered like SFT's). Files are read in order (`data.path` may be a list or a glob), each file's row form detected
 from its columns unless `data.format` names it; bad rows are counted skips (`RowSource.skipped`, reason -> count,
 logged once with the first rows); a file where every row is bad is a ConfigError naming the first reason.
-The held-out split is `data.eval_path` when given (training examples whose prompt it holds too are counted in
-`stats["also_held_out"]`, logged and reported in the run's `also_held_out` (`PostTrainData`), not dropped: a run
-may evaluate on its training rows on purpose), else
-`data.eval_size` rows of `data.path` chosen by a stable hash of their prompt (deterministic, a prompt's rows on one
-side).
+The held-out split is `data.eval_path` when given (training examples whose prompt it holds too, whitespace aside,
+are counted in `stats["also_held_out"]`, logged and reported in the run's `also_held_out` (`PostTrainData`), not
+dropped: a run may evaluate on its training rows on purpose), else `data.eval_size` rows of `data.path` chosen by a
+stable hash of their prompt (deterministic, a prompt's rows on one side, and those of a prompt equal to it but for
+whitespace with them: roll_core.posttrain.tokenize `loose_prompt_keys`).
 
 `RowSource.batch(indices)` gives a `Batch` in roll_core.protocol's layout: `prompts` (B, P) left-padded,
 `responses` / `response_mask` (B, R) right-padded (the mask is the loss mask and may have holes: multi-turn
@@ -43,7 +43,7 @@ from roll_core.posttrain.pairs import (
     score_of,
 )
 from roll_core.posttrain.rows import RawRow, SkipRow, Skips, apply, held_out, read_rows
-from roll_core.posttrain.tokenize import SFT_FORMATS, SFTTokenizer, TokenRow, detect_format
+from roll_core.posttrain.tokenize import SFT_FORMATS, SFTTokenizer, TokenRow, detect_format, loose_prompt_keys
 from roll_core.protocol import Batch
 from roll_core.sequences import pad_left
 
@@ -155,8 +155,9 @@ class PostTrainData:
     def also_held_out(self) -> int | None:
         """Training examples whose prompt a held-out example has too (`_count_shared_prompts`): kept and trained
         on, unlike the RLVR tasks' (which leave them out), since evaluating on training rows may be the point; so
-        the held-out metrics partly measure trained prompts. 0 for a `data.eval_size` split (a prompt's rows
-        stay on one side); None without held-out rows (nothing to count)."""
+        the held-out metrics partly measure trained prompts. 0 for a `data.eval_size` split (a prompt's rows,
+        and those of a prompt equal to it but for whitespace, stay on one side); None without held-out rows
+        (nothing to count)."""
         if self.eval is None:
             return None
         return int(self.train.stats.get("also_held_out", 0))
@@ -206,31 +207,38 @@ def load_rows(
     train = load(data.paths, "data.path")
     if data.eval_paths:
         held = load(data.eval_paths, "data.eval_path")
-        return PostTrainData(_count_shared_prompts(train, held), held)
+        return PostTrainData(_count_shared_prompts(train, held, tokenizer), held)
     if data.eval_size:
         keys = [x.key for x in train.items]
-        kept, held = held_out(train.items, keys, data.eval_size, "data.path")
+        kept, held = held_out(train.items, keys, data.eval_size, "data.path", _loose_keys(train, tokenizer))
         ev = RowSource(kind, held, pad, stats={"held_out": len(held)})
         return PostTrainData(RowSource(kind, kept, pad, skipped=train.skipped, stats=train.stats), ev)
     return PostTrainData(train)
 
 
-def _count_shared_prompts(train: RowSource, held: RowSource) -> RowSource:
-    """`train`, with `stats["also_held_out"]` counting its examples whose prompt (`key`) a `data.eval_path` example
-    has and one warning saying so: the held-out loss then measures rows the model trains on. Kept, not dropped: an
-    evaluation on (a copy of) the training rows is a use of its own (how well a student fits its teacher); what was
-    wrong is that nothing said so."""
-    keys = {x.key for x in held.items}
-    shared = sum(x.key in keys for x in train.items)
+def _count_shared_prompts(train: RowSource, held: RowSource, tokenizer: Any) -> RowSource:
+    """`train`, with `stats["also_held_out"]` counting its examples whose prompt a `data.eval_path` example has, but
+    for whitespace (`loose_prompt_keys`: "Q?" and "Q?\\n" are one prompt, as the RL tasks count them), and one
+    warning saying so: the held-out loss then measures rows the model trains on. Kept, not dropped: an evaluation on
+    (a copy of) the training rows is a use of its own (how well a student fits its teacher); what was wrong is that
+    nothing said so."""
+    keys = set(_loose_keys(held, tokenizer))
+    shared = sum(k in keys for k in _loose_keys(train, tokenizer))
     if shared:
         log.warning(
-            "data.path: %d of its %d examples have a prompt that data.eval_path holds too: the held-out metrics "
-            "measure prompts the model trains on (remove them from one side for a held-out measure)",
+            "data.path: %d of its %d examples have a prompt that data.eval_path holds too (whitespace aside): the "
+            "held-out metrics measure prompts the model trains on (remove them from one side for a held-out measure)",
             shared,
             len(train),
         )
         train.stats["also_held_out"] = shared
     return train
+
+
+def _loose_keys(source: RowSource, tokenizer: Any) -> list[str]:
+    """Each example's prompt as `loose_prompt_keys` (a pair's: its chosen row's, the same prompt as its rejected)."""
+    prompts = [x.chosen.prompt_ids if isinstance(x, Pair) else x.prompt_ids for x in source.items]
+    return loose_prompt_keys(tokenizer, prompts)
 
 
 def _parse(

@@ -58,6 +58,7 @@ from typing import Any
 
 from roll_core.agentic.chat import ALT_TURN_ENDS, TurnTemplate, encode_after
 from roll_core.errors import ConfigError
+from roll_core.near_duplicates import loose_text
 from roll_core.posttrain._fingerprint import FINGERPRINT_PROBES, legacy_tokenizer_fingerprint, tokenizer_fingerprint
 from roll_core.posttrain.config import DataConfig
 from roll_core.posttrain.rows import RawRow, SkipRow
@@ -76,6 +77,7 @@ __all__ = [
     "check_tools",
     "detect_format",
     "legacy_tokenizer_fingerprint",
+    "loose_prompt_keys",
     "need",
     "row_format",
     "tokenizer_fingerprint",
@@ -92,7 +94,8 @@ SFT_FORMATS = ("messages", "prompt_completion", "tokens")
 @dataclass
 class TokenRow:
     """One tokenised example: `prompt_ids`, `response_ids` and the 0/1 loss `mask` over them, where it came from,
-    `key` (its prompt, for the held-out split and pairing), `aligned` sequences (first dimension: one item per
+    `key` (its prompt ids exactly: pairing, and the hash that decides its held-out side; `loose_prompt_keys` says
+    which prompts are one problem but for whitespace), `aligned` sequences (first dimension: one item per
     response token, e.g. a teacher's top-k as an (R, K) tensor) that are cut with the response, and `truncated`
     (the length limit cut its response)."""
 
@@ -103,6 +106,34 @@ class TokenRow:
     key: str = ""
     aligned: dict[str, list[Any]] = field(default_factory=dict)
     truncated: bool = False
+
+
+def loose_prompt_keys(tokenizer: Any, prompts: Sequence[Sequence[int]]) -> list[str]:
+    """A near-duplicate key per prompt (token ids): prompts with equal keys are one problem to a model but for
+    whitespace ("Q?" and "Q?\\n", a doubled space), as the RL tasks' held-out split sees them
+    (roll_core.near_duplicates). Each run of text between the tokenizer's special and added tokens (ChatML's
+    `<|im_start|>`, Llama 3's headers: where a template puts the message) is decoded and whitespace-collapsed
+    (`loose_text`), so whitespace at a message's ends is gone too; the tokens themselves are kept by id.
+
+    Why not `TokenRow.key` (the exact ids): "Q?" and "Q?\\n" tokenise to other ids, so they were counted as
+    distinct prompts and could fall on both sides of a held-out split."""
+    marks = set(getattr(tokenizer, "all_special_ids", None) or ()) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    runs: list[list[int]] = []  # every prompt's text runs, decoded in one call (a fast tokenizer batches them)
+    shapes: list[list[int | None]] = []  # per prompt: a mark's id, or None for the next text run
+    for ids in prompts:
+        shape: list[int | None] = [None]
+        runs.append([])
+        for t in ids:
+            t = int(t)
+            if t in marks:
+                shape += [t, None]
+                runs.append([])
+            else:
+                runs[-1].append(t)
+        shapes.append(shape)
+    texts = iter(tokenizer.batch_decode(runs, clean_up_tokenization_spaces=False) if runs else [])
+    # JSON of [text, id, text, ...]: a mark and a text that spells its id stay apart
+    return [json.dumps([loose_text(next(texts)) if p is None else p for p in shape]) for shape in shapes]
 
 
 # ---- format detection -------------------------------------------------------------------------------------------

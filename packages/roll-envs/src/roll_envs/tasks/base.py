@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# one definition of a near-duplicate for the RL tasks and post-training's rows (imported from here too)
+from roll_core.near_duplicates import image_key, loose_key
 from roll_envs.rewards.base import Reward, RewardResult
 
 log = logging.getLogger(__name__)
@@ -145,28 +147,6 @@ def split_key(problem: Any) -> str:
     if not images:
         return problem.prompt
     return problem.prompt + "\x00" + "\x00".join(image_key(im) for im in images)
-
-
-def loose_key(problem: Any) -> str:
-    """`split_key` with the prompt's whitespace collapsed (runs of spaces, tabs and newlines to one space, none at
-    the ends): rows equal under it are one problem to a model (a trailing newline, a doubled space), so a training
-    row is never one of these of a held-out row. Not what decides a side: `split_key` does, unchanged."""
-    images = getattr(problem, "images", None) or ()
-    prompt = " ".join(problem.prompt.split())
-    return prompt + "".join("\x00" + image_key(im) for im in images)
-
-
-def image_key(image: Any) -> str:
-    """A stable text id of a picture as a row holds it, without decoding it: the hash of its bytes, its path, or
-    its pixels (PIL images, arrays)."""
-    if isinstance(image, dict):
-        image = image.get("bytes") if image.get("bytes") is not None else image.get("path")
-    if isinstance(image, (bytes, bytearray, memoryview)):
-        return hashlib.blake2b(bytes(image), digest_size=8).hexdigest()
-    if isinstance(image, (str, Path)):
-        return str(image)
-    data = image.tobytes() if hasattr(image, "tobytes") else repr(image).encode()
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
 def stable_fraction(key: str) -> float:

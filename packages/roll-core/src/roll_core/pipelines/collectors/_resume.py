@@ -1,6 +1,7 @@
 """Rows an inference engine aborted on its own, resumed from their partial output (`resume_aborted`), and the
 inference group that evaluation samples with (`_Resuming`): the synchronous prompts collector's, pipeline=rollout's and
-roll-eval's (roll_core.pipelines.collectors.prompts re-exports both)."""
+roll-eval's (roll_core.pipelines.collectors.prompts re-exports both); `resuming` builds it for the post-training
+collectors' task evaluation (pipeline=sft, dpo, distill_offline, and pipeline=distill's teacher accuracy)."""
 
 from __future__ import annotations
 
@@ -162,3 +163,13 @@ class _Resuming:
         gen = self.infer.generate(prompts, params, n=n)
         cut, most = self.cut_ids, self.max_idle_aborts
         return resume_aborted(self.infer, prompts, gen, params, n, self.pad_id, cut, max_idle_aborts=most)[0]
+
+
+def resuming(infer: Any, tokenizer: Any, max_idle_aborts: int = MAX_IDLE_ABORTS) -> _Resuming:
+    """`infer` (an inference group) as a text evaluation samples with (`_Resuming`): rows the engine aborted on its
+    own are resumed, padded with `tokenizer`'s pad id (0 without one), and refused after `max_idle_aborts`
+    (pipeline.max_idle_aborts) idle aborts in a row. For the collectors that evaluate a task's held-out problems
+    beside training rows from files (pipeline=sft, dpo, distill_offline): they sampled with the bare group, so one
+    preemption of a row under load (vLLM's preemption, SGLang's memory pressure) scored it an engine failure."""
+    pad = tokenizer.pad_token_id
+    return _Resuming(infer, 0 if pad is None else int(pad), frozenset(), max_idle_aborts)

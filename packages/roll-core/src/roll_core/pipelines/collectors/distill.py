@@ -83,6 +83,7 @@ class DistillCollector:
     def evaluate_teacher(self) -> dict[str, float]:
         """Held-out accuracy of the teacher's prompts (problems lacking a template field are left out), sampled
         as `evaluate` samples the student's."""
+        from roll_core.pipelines.collectors._resume import resuming
         from roll_core.pipelines.rollout import evaluate
         from roll_core.seeds import Purpose, derive_seed
 
@@ -98,7 +99,8 @@ class DistillCollector:
             return {}
         view = _TeacherView(self.ctx.task, texts)
         res = evaluate(
-            inner.infer,
+            # an engine's own abort is resumed, as the student's evaluation resumes it (not scored an engine failure)
+            resuming(inner.infer, self.ctx.tokenizer, cfg.pipeline.max_idle_aborts),
             inner.scoring,
             self.ctx.tokenizer,
             view,

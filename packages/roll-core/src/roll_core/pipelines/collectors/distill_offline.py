@@ -292,6 +292,7 @@ class _TaskEval:
     def __call__(self, step: int) -> dict[str, float]:
         if not self.problems:
             return {}
+        from roll_core.pipelines.collectors._resume import resuming
         from roll_core.pipelines.rollout import eval_log, evaluate
         from roll_core.seeds import Purpose, derive_seed
 
@@ -302,7 +303,8 @@ class _TaskEval:
             seed=derive_seed(cfg.pipeline.seed, Purpose.EVAL),
         )
         res = evaluate(
-            ctx.infer,
+            # an engine's own abort is resumed, as RLVR's evaluation resumes it (not scored an engine failure)
+            resuming(ctx.infer, ctx.tokenizer, cfg.pipeline.max_idle_aborts),
             self.reward,
             ctx.tokenizer,
             ctx.task,

@@ -40,6 +40,7 @@ from roll_core.data import PromptSampler
 from roll_core.errors import ConfigError
 from roll_core.interfaces.tasks import data_counts, data_metrics
 from roll_core.pipelines.collectors import Collected, CollectorContext
+from roll_core.pipelines.collectors._resume import resuming
 from roll_core.pipelines.collectors.file_rows import FileRowsFactory
 from roll_core.pipelines.collectors.sft import rows_fingerprint, warn_if_other_rows
 from roll_core.pipelines.metrics import StepLog
@@ -175,7 +176,8 @@ class DPOCollector:
             sampling = self.ctx.sampling
             t = self.cfg.pipeline.eval_temperature
             res = evaluate(
-                self.ctx.infer,
+                # an engine's own abort is resumed, as RLVR's evaluation resumes it (not scored an engine failure)
+                resuming(self.ctx.infer, self.ctx.tokenizer, self.cfg.pipeline.max_idle_aborts),
                 self.reward,
                 self.ctx.tokenizer,
                 self.ctx.task,

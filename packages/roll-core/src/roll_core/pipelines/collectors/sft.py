@@ -45,6 +45,7 @@ from roll_core.data import PromptSampler
 from roll_core.errors import ConfigError
 from roll_core.interfaces.tasks import data_counts, data_metrics
 from roll_core.pipelines.collectors import Collected, CollectorContext
+from roll_core.pipelines.collectors._resume import resuming
 from roll_core.pipelines.collectors.file_rows import FileRowsFactory
 from roll_core.pipelines.collectors.prompts import env_label
 from roll_core.pipelines.metrics import StepLog
@@ -190,7 +191,8 @@ class SFTCollector:
             out["eval/sft_ppl"] = math.exp(min(out["eval/sft_loss"], 80.0))
         if self.eval_problems:
             res = evaluate(
-                self.ctx.infer,
+                # an engine's own abort is resumed, as RLVR's evaluation resumes it (not scored an engine failure)
+                resuming(self.ctx.infer, self.ctx.tokenizer, self.cfg.pipeline.max_idle_aborts),
                 self._reward(),
                 self.ctx.tokenizer,
                 self.ctx.task,
