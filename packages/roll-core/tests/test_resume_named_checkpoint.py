@@ -96,3 +96,26 @@ def test_a_checkpoint_a_rollback_set_aside_is_refused_saying_how_to_move_it_back
     aside = next(p for p in moved if p.name == "step_000004")
     with pytest.raises(ConfigError, match=r"set aside when the run was rolled back .* move it back \(mv "):
         resolve_run_folder(run.root.parent, False, str(aside), "exp")
+
+
+def test_a_users_copy_of_a_checkpoint_rolls_back_by_its_recorded_step(run: CheckpointManager, tmp_path: Path) -> None:
+    """`pipeline.resume_from=<run>/checkpoints/best` (a user's copy of step 4, a name without a step) was read as
+    step 0: the rollback moved every `step_N` aside, the older step 2 and the copied step 4 too, as "newer" (a fault
+    before the next save then found no checkpoint to restart from). Only the run's checkpoints after its recorded step
+    go now. A run folder holding nothing but such a copy was refused as having "no complete checkpoint"."""
+    import shutil
+
+    from roll_core.pipelines.run_control import set_aside_newer
+
+    later = run.commit(run.staging(6), 6, {})  # (the staging call deletes the crashed save's step_000006.tmp)
+    best = run.root / "best"
+    shutil.copytree(run.root / "step_000004", best)
+    assert resolve_run_folder(tmp_path / "x", False, str(best), "x") == run.root.parent
+    moved = set_aside_newer(best)
+    assert [p.name for p in moved] == [later.name]
+    assert [p.name for p in run.list()] == ["step_000002", "step_000004"]
+
+    alone = tmp_path / "copied" / "checkpoints" / "best"
+    shutil.copytree(best, alone)
+    assert resolve_run_folder(tmp_path / "x", False, str(alone), "x") == alone.parent.parent
+    assert set_aside_newer(alone) == []

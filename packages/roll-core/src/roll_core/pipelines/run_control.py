@@ -100,7 +100,7 @@ def set_aside_newer(checkpoint: Path) -> list[Path]:
     (a rollback: they are kept, out of `latest()`'s and pruning's sight); returns where they went."""
     from roll_core.checkpoint import step_of
 
-    root, named = checkpoint.parent, step_of(checkpoint)
+    root, named = checkpoint.parent, _checkpoint_step(checkpoint)
     # Compared as numbers: by name, `step_1000000` sorted before `step_999999` and stayed in `latest()`'s sight.
     newer = [
         p
@@ -126,13 +126,33 @@ def set_aside_newer(checkpoint: Path) -> list[Path]:
     return moved
 
 
+def _checkpoint_step(checkpoint: Path) -> int:
+    """The step checkpoint `checkpoint` was saved at: its name's (`step_N`), else its state.json's (a user's copy
+    such as `checkpoints/best`, whose name holds none: read as step 0, every `step_N` of the run, the older ones
+    and the one it copies too, was set aside as newer than it)."""
+    from roll_core.checkpoint import step_of
+
+    named = step_of(checkpoint)
+    if named is not None:
+        return named
+    try:
+        return int(json.loads((checkpoint / "state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"pipeline.resume_from={checkpoint}: its state.json records no step ({type(exc).__name__}: {exc}), so the "
+            "run's checkpoints newer than it cannot be told: name a checkpoints/step_N folder"
+        ) from exc
+
+
 def resolve_run_folder(out: Path, resume: bool, resume_from: str | None, experiment: str, search: bool = True) -> Path:
     """The folder this run writes to: `out`, or the run it resumes (see the module docstring). `search`: whether
     `resume=true` may continue another run near `out` (only for Hydra's generated folders)."""
     if resume_from:
         named = named_checkpoint(resume_from)
         folder = named.parent.parent if named is not None else Path(resume_from).expanduser()
-        if _latest_checkpoint(folder) is None:
+        # A named checkpoint is complete (named_checkpoint checked it): a user's copy (`checkpoints/best`) in a run
+        # folder holding no `step_N` was refused as "no complete checkpoint" though it is the one to resume from.
+        if named is None and _latest_checkpoint(folder) is None:
             raise ConfigError(f"pipeline.resume_from={resume_from}: no complete checkpoint under {folder}/checkpoints")
         # A named checkpoint's newer ones are moved aside by the loop once its config was accepted (`set_aside_newer`):
         # a refused resume leaves the run as it was.
