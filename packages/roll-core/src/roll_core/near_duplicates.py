@@ -7,6 +7,7 @@ the post-training rows' (roll_core.posttrain: `loose_text` of each text run of a
   at the ends).
 - `loose_key(problem)`: a problem's `prompt` as `loose_text`, and its pictures (`images`) by `image_key`.
 - `image_key(image)`: a stable text id of a picture as a row holds it, without decoding it.
+- `stable_fraction(key)`: a number in [0, 1) from a key alone, the side of the hash splits both use.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["image_key", "loose_key", "loose_text"]
+__all__ = ["image_key", "loose_key", "loose_text", "stable_fraction"]
 
 
 def loose_text(text: str) -> str:
@@ -43,3 +44,9 @@ def image_key(image: Any) -> str:
         return str(image)
     data = image.tobytes() if hasattr(image, "tobytes") else repr(image).encode()
     return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def stable_fraction(key: str) -> float:
+    """A number in [0, 1) derived from `key` alone (same on every machine and Python run)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64

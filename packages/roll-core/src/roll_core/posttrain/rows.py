@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import csv
 import glob
-import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from roll_core.errors import ConfigError
+from roll_core.near_duplicates import stable_fraction
 from roll_core.posttrain.config import DATASETS, PYARROW
 
 log = logging.getLogger(__name__)
@@ -264,12 +264,6 @@ def _read_json(path: Path, setting: str, skips: Skips) -> list[RawRow]:
 
 
 # ---- held-out split ---------------------------------------------------------------------------------------------
-def stable_fraction(key: str) -> float:
-    """A number in [0, 1) derived from `key` alone (same on every machine and Python run)."""
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64
-
-
 def held_out(
     items: Sequence[T], keys: Sequence[str], size: int, setting: str, loose_keys: Sequence[str] | None = None
 ) -> tuple[list[T], list[T]]:

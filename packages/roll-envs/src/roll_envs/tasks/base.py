@@ -11,7 +11,6 @@ the pipeline feeds them to a vision-language model (a text model given pictures 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 # one definition of a near-duplicate for the RL tasks and post-training's rows (imported from here too)
-from roll_core.near_duplicates import image_key, loose_key
+from roll_core.near_duplicates import image_key, loose_key, stable_fraction
 from roll_envs.rewards.base import Reward, RewardResult
 
 log = logging.getLogger(__name__)
@@ -147,12 +146,6 @@ def split_key(problem: Any) -> str:
     if not images:
         return problem.prompt
     return problem.prompt + "\x00" + "\x00".join(image_key(im) for im in images)
-
-
-def stable_fraction(key: str) -> float:
-    """A number in [0, 1) derived from `key` alone (same on every machine and Python run)."""
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64
 
 
 #: Text that opens a prompt already rendered by a chat template (ChatML/Qwen, Llama 3, DeepSeek, Gemma, Llama 2 and
