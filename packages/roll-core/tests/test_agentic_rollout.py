@@ -427,3 +427,58 @@ def test_pipeline_max_idle_aborts_decides_when_an_episodes_turn_is_given_up(n: i
         collector.close()
     assert (traj.end, traj.turns, traj.untrained) == ("abort", 1, True)
     assert sum("-turn-1" in r.request_id for r in engine.requests) == n
+
+
+class Toolbox(Corridor):
+    """A Corridor whose steps report the tool counters of roll_envs' ToolUseEnv: step k (from 1) reports
+    tool_errors 1 on even steps, ignored_tool_calls k, tool_error_outputs 1 on step 3 (as a float, as JSON gives)."""
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        self.k = 0
+        # a reset's info is no step: its counts are not summed
+        return super().reset(seed)[0], {"state": "0", "tool_errors": 7, "ignored_tool_calls": 7}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        obs, reward, done, truncated, info = super().step(action)
+        self.k += 1
+        counts = {"tool_calls": 1, "tool_errors": int(self.k % 2 == 0), "ignored_tool_calls": self.k}
+        return obs, reward, done, truncated, {**info, **counts, "tool_error_outputs": 1.0 if self.k == 3 else 0}
+
+
+def test_the_envs_tool_counters_are_summed_per_episode_and_reach_the_metrics() -> None:
+    """ToolUseEnv's tool_errors, ignored_tool_calls and tool_error_outputs were dropped by the rollout (only
+    tool_calls reached the metrics): a tool that raised on every call did not show in the run's metrics."""
+    tok = build_tiny_tokenizer()
+    envs = EnvManager(Toolbox, 0, step_timeout_s=10)
+    rollout = AgenticRollout(ScriptedEngine(tok, [2]), envs, TurnTemplate(tok), tok, EpisodeLimits(4, 2048, 4))
+    trajs = rollout.run([0, 1], [0, 0], SamplingParams(max_new_tokens=4))
+    assert [(t.end, t.turns, t.tool_calls) for t in trajs] == [("max_turns", 4, 4)] * 2
+    # 4 steps: errors on steps 2 and 4, ignored 1+2+3+4, one error output (step 3)
+    want = {"tool_errors": 2, "ignored_tool_calls": 10, "tool_error_outputs": 1}
+    assert [t.counters for t in trajs] == [want] * 2
+    trajs[1].counters = {"tool_errors": 0, "ignored_tool_calls": 0, "tool_error_outputs": 0}
+    m = _episode_metrics(trajs, None, None)
+    assert m["episode/tool_calls_mean"] == 4.0
+    assert m["episode/tool_errors_mean"] == 1.0
+    assert m["episode/ignored_tool_calls_mean"] == 5.0
+    assert m["episode/tool_error_outputs_mean"] == 0.5
+    quiet = _episode_metrics(_run(EpisodeLimits(2, 2048, 4), [2])[0], None, None)  # an env without tools: zeros
+    assert [quiet[f"episode/{k}_mean"] for k in want] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("bad", ["1", -1, 0.5, float("nan")])
+def test_a_tool_count_that_is_no_count_fails_its_episode_as_an_env_error(bad: Any) -> None:
+    """A count that is not a whole number >= 0 would be a wrong metric (or, as a string, raised out of the rollout
+    and stopped the run): the env manager fails that step as a counted env_error naming the key."""
+
+    class BadCount(Corridor):
+        def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+            obs, reward, done, truncated, info = super().step(action)
+            return obs, reward, done, truncated, {**info, "tool_errors": bad}
+
+    tok = build_tiny_tokenizer()
+    envs = EnvManager(BadCount, 0, step_timeout_s=10)
+    rollout = AgenticRollout(ScriptedEngine(tok, [2]), envs, TurnTemplate(tok), tok, EpisodeLimits(4, 2048, 4))
+    (traj,) = rollout.run([0], [0], SamplingParams(max_new_tokens=4))
+    assert (traj.end, traj.turns) == ("env_error", 1) and "info['tool_errors']" in traj.error
+    assert envs.counters()["env_errors"] == 1

@@ -3,7 +3,8 @@
 Contract: `reset(slot, seed)` and `step(slot, action)` run the slot's environment on a worker thread and return its
 result, or raise `EnvFailure` with kind `env_error` (it raised, or returned a malformed result: a reset that is not
 a 2-tuple (observation, info dict or None), a reward that is not a finite real number, a terminated/truncated flag
-that is not a bool or 0/1; NumPy scalars are read) or `env_timeout` (it did not answer within `step_timeout_s` of
+that is not a bool or 0/1, an info count (`tool_calls`, roll_core.interfaces.agentic.INFO_COUNTERS) that is not a
+whole number >= 0; NumPy scalars are read) or `env_timeout` (it did not answer within `step_timeout_s` of
 starting). At most `threads` calls run at once; a call
 that times out gives its place back at once, so a hung environment never delays (or times out) the calls of
 healthy ones. A failed slot gets a fresh environment instance; a hung one keeps its thread (Python threads
@@ -32,6 +33,7 @@ from typing import Any
 
 from roll_core.agentic.observation import Observation, normalize
 from roll_core.interfaces import Env
+from roll_core.interfaces.agentic import INFO_COUNTERS, info_count
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +241,10 @@ class EnvManager:
                 )
             obs, reward, terminated, truncated, info = result
             flags = _flag(terminated, "terminated"), _flag(truncated, "truncated")
-            return normalize(obs), _reward(reward), *flags, dict(info or {})
+            info = dict(info or {})
+            for key in ("tool_calls", *INFO_COUNTERS):  # summed per episode: a bad count is a wrong metric
+                info_count(info, key)
+            return normalize(obs), _reward(reward), *flags, info
 
         return self._call(slot, "step", step, [] if env is None else [env])
 

@@ -61,6 +61,7 @@ from roll_core.agentic.turn_gate import GateClosed, TurnGate
 from roll_core.idle_aborts import KEY as IDLE_ABORTS_KEY
 from roll_core.idle_aborts import MAX_IDLE_ABORTS, check_max_idle_aborts, idle_backoff_s
 from roll_core.interfaces import Request, SamplingParams
+from roll_core.interfaces.agentic import INFO_COUNTERS, info_count
 from roll_core.seeds import Purpose, derive_seed
 from roll_core.thinking import opens_think, reply_text
 
@@ -252,7 +253,9 @@ class AgenticRollout:
                 break
             traj.turn_rewards.append(reward)
             traj.invalid_actions += int(bool(info.get("invalid_action")))
-            traj.tool_calls += int(info.get("tool_calls", 0) or 0)
+            traj.tool_calls += info_count(info, "tool_calls")
+            for counter in INFO_COUNTERS:  # tool errors, ignored calls...: summed per episode (the env contract)
+                traj.counters[counter] = traj.counters.get(counter, 0) + info_count(info, counter)
             if terminated or truncated:
                 traj.success = bool(info.get("success", False))
                 traj.end = "terminated" if terminated else "truncated"

@@ -49,6 +49,9 @@ class Trajectory:
     state_keys: list[str] = field(default_factory=list)  # environment state before each turn's action
     invalid_actions: int = 0
     tool_calls: int = 0
+    # The episode's sums of the env's numeric info counters (roll_core.interfaces.agentic.INFO_COUNTERS: tool errors,
+    # ignored tool calls, error outputs), each key present once a step was taken.
+    counters: dict[str, int] = field(default_factory=dict)
     cut_turns: int = 0  # responses stopped by the per-turn token limit (passed to the environment as they are)
     success: bool = False
     end: str = ""

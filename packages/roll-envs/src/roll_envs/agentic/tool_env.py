@@ -17,7 +17,8 @@ the wrapped environment's limit plus the tool budget), so a model that only call
 closes the wrapped environment (where it has one).
 
 info["tool_calls"] is the number of tool calls *made in this step* (0 or 1; roll sums it over an episode) and
-info["tool_calls_total"] the episode's count so far. info["tool_errors"] (0 or 1) says this step's call raised: the
+info["tool_calls_total"] the episode's count so far. info["tool_errors"] (0 or 1) says this step's call raised (any
+Exception, or SystemExit: a tool calling `sys.exit` fails its call, not the step; KeyboardInterrupt propagates): the
 model is shown `error: the tool failed (ExcType)`, the call uses the budget, and the first failure of each tool name
 is logged with its traceback (once per process; later ones only counted), so a tool broken for the whole run shows.
 info["ignored_tool_calls"] is the number of `<tool>` blocks after the first in this step's reply (not run); the
@@ -26,7 +27,11 @@ with an error (its output starts with `error:`, the tools' contract: a bad argum
 call uses the budget. info["state"] is the wrapped environment's state plus the tool
 calls made so far (what the model knows differs after a call).
 
-A tool's output is cut to `max_output_chars` (default 2000) characters followed by `... [truncated]`. A tool should
+A tool's output is cut to `max_output_chars` (default 2000) characters followed by `... [truncated]`, and is shown
+between `<tool_output>` and `</tool_output>` lines followed by `(N tool calls left)`. The framing markers inside the
+output (any case, spaces inside the brackets) are written in parentheses, `(/tool_output)`, as the judge does for its
+field markers: a document or program that prints `</tool_output>` cannot close the block and write text the model
+reads as the environment's own (a fake budget line or task message). A tool should
 return text; anything else is shown as text: numbers as `str()`, and containers (dict, list, tuple, set), booleans
 and None as JSON with sorted keys and sorted sets (the repr of a set of strings changes with the process's hash
 seed, so the same episode showed the model a different observation from run to run). Tool names must be usable in
@@ -61,6 +66,7 @@ _BLOCK = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
 _CALL = re.compile(r"\s*([A-Za-z_][\w-]*)\s*:(.*)", re.DOTALL)
 _NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
 _NAME = re.compile(r"[A-Za-z_][\w-]*")  # the tool names _CALL can read
+_MARKER = re.compile(r"<\s*/?\s*tool_output\s*>", re.IGNORECASE)  # the observation's framing (_defang)
 
 log = logging.getLogger(__name__)
 
@@ -295,6 +301,13 @@ def _tool_text(result: Any) -> str:
     return str(result)
 
 
+def _defang(output: str) -> str:
+    """`output` with each framing marker it holds (`<tool_output>`, `</tool_output>`, any case or inner spaces) in
+    parentheses: `(/tool_output)`. A document or program that printed `</tool_output>` closed the block early and
+    what followed (`(9 tool calls left)`, a fake task message) read as the environment's own text."""
+    return _MARKER.sub(lambda m: f"({m.group(0)[1:-1]})", output)
+
+
 def _text(obs: Any, env: Any) -> str:
     """A wrapped environment's observation as text. One with pictures is refused (ValueError: the episode fails as
     a counted env_error): the wrapper's observations are text, and str() of it showed the model a dict's repr with
@@ -436,11 +449,15 @@ class ToolUseEnv:
             try:
                 output = _tool_text(self.tools[name](arg))
                 error_outputs = int(output.startswith("error:"))
-            except Exception as exc:  # a tool must not raise; a user tool that does is reported, not propagated
+            # A tool must not raise; a user tool that does is reported, not propagated. SystemExit too (a tool
+            # calling sys.exit or exit() ended the step, and the env's caller, with it); KeyboardInterrupt is the
+            # user's and goes through.
+            except (Exception, SystemExit) as exc:
                 output, errors = f"error: the tool failed ({type(exc).__name__})", 1
                 _log_tool_error(name)
             if len(output) > self.max_output_chars:
                 output = output[: self.max_output_chars] + "... [truncated]"
+            output = _defang(output)
             self.calls += 1
             self._history.append(f"{name}: {arg[:200]} -> {output[:200]}")
             left = self.max_tool_calls - self.calls

@@ -22,7 +22,9 @@ carries each trajectory's pictures in the per-row field `mm_inputs` (roll_core.a
 Structured outputs (`infer_engine.structured`) are refused for training (roll-eval may use them): the trainer cannot
 replay a per-turn constraint over a trajectory (see `refuse_turn_constraints`).
 
-Metrics: success rate, mean turns, invalid-action rate, environment errors and timeouts, why episodes ended; what
+Metrics: success rate, mean turns, invalid-action rate, tool calls and the environment's other info counters per
+episode (episode/tool_calls_mean, episode/<counter>_mean for roll_core.interfaces.agentic.INFO_COUNTERS: tool
+errors, ignored tool calls, tool error outputs), environment errors and timeouts, why episodes ended; what
 the task's data lost (DataCounts, roll_core.interfaces.tasks: data/skipped_rows, data/also_held_out, also in the
 summary).
 Evaluation: one episode per held-out seed (greedy unless pipeline.eval_temperature says otherwise); eval/success_rate
@@ -44,6 +46,7 @@ from roll_core.agentic.trajectory import Trajectory, to_tensors
 from roll_core.config.build import as_dict
 from roll_core.errors import ConfigError
 from roll_core.eval_metrics import rate_stderr
+from roll_core.interfaces.agentic import INFO_COUNTERS
 from roll_core.interfaces.tasks import AgenticTask, data_counts, data_metrics
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.metrics import StepLog
@@ -204,6 +207,7 @@ class EpisodeCollector:
             "eval/mean_turns": m["episode/turns_mean"],
             "eval/invalid_action_rate": m["episode/invalid_action_rate"],
             "eval/tool_calls_mean": m["episode/tool_calls_mean"],
+            **{f"eval/{k}_mean": m[f"episode/{k}_mean"] for k in INFO_COUNTERS},
             "eval/n": float(n),
             **{f"eval/end_{k.removeprefix('episode/end_')}": v for k, v in m.items() if k.startswith("episode/end_")},
             **{f"eval/{k.removeprefix('env/')}": v for k, v in m.items() if k.startswith("env/")},
@@ -302,8 +306,8 @@ def score_failures(task: Any, trajs: list[Trajectory]) -> bool:
 def episode_metrics(
     trajs: list[Trajectory], before: dict[str, int] | None, after: dict[str, int] | None
 ) -> dict[str, float]:
-    """Success rate, turns, invalid actions, tool calls, lengths and end reasons of finished episodes; with
-    `before`/`after` environment counters, their change (env/<counter>).
+    """Success rate, turns, invalid actions, tool calls (and the env's other info counters), lengths and end
+    reasons of finished episodes; with `before`/`after` environment counters, their change (env/<counter>).
 
     Every metric but the end reasons (episode/end_<reason>, over all episodes) is over the episodes with an outcome:
     an `untrained` one (end `abort`: a turn aborted for good cut it) has a partial reward and a shortened length
@@ -325,6 +329,8 @@ def episode_metrics(
         "episode/turns_mean": turns / n,
         "episode/invalid_action_rate": sum(t.invalid_actions for t in trajs) / max(turns, 1),
         "episode/tool_calls_mean": sum(t.tool_calls for t in trajs) / n,
+        # the env's info counters (roll_core.interfaces.agentic.INFO_COUNTERS), per episode as tool_calls
+        **{f"episode/{k}_mean": sum(t.counters.get(k, 0) for t in trajs) / n for k in INFO_COUNTERS},
         "episode/cut_turn_rate": sum(t.cut_turns for t in trajs) / max(turns, 1),
         "episode/length_mean": sum(t.length for t in trajs) / n,
         "response/length_mean": sum(sum(t.mask) for t in trajs) / max(turns, 1),  # generated tokens per turn
