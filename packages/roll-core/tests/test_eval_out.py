@@ -100,12 +100,14 @@ def test_agentic_success_rate_has_its_standard_error_in_results_and_report(tmp_p
         "eval/mean_turns": 2.5,
         "eval/invalid_action_rate": 0.1,
         "eval/tool_calls_mean": 0.0,
+        "eval/tool_errors_mean": 0.5,
         "eval/end_success": 0.75,
         "eval/seconds": 1.0,
     }
     r = episode_result(m, "sokoban", agentic=True)
     assert r["success_rate"] == 0.75 and r["success_rate_stderr"] == pytest.approx(0.25)  # sqrt(.75 * .25 / 3)
     assert r["accuracy_stderr"] == pytest.approx(0.25) and r["n"] == 4 and r["ends"] == {"success": 0.75}
+    assert r["tool_errors_mean"] == 0.5  # the envs' tool counters reach results.json as training's eval logs them
     program = episode_result({**m, "eval/accuracy": 0.2, "eval/n": 5.0}, "agent", agentic=False)
     assert program["accuracy_stderr"] == pytest.approx(0.2) and "success_rate" not in program  # 1 of 5 episodes
     one = episode_result({**m, "eval/n": 1.0}, "sokoban", agentic=True)

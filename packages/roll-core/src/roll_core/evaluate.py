@@ -49,6 +49,7 @@ from roll_core.cluster.roles import InferGroup
 from roll_core.config.build import as_dict, build
 from roll_core.config.compose import ConfigError
 from roll_core.eval_metrics import SameAnswer, breakdown, difficulty_of, failure, memoized, rate_stderr, summarize
+from roll_core.interfaces.agentic import INFO_COUNTERS
 from roll_core.interfaces.inference import GREEDY_TEMPERATURE
 from roll_core.interfaces.tasks import AgenticTask
 from roll_core.models import resolve_model_path
@@ -288,6 +289,12 @@ def episode_result(m: dict[str, float], task_name: str, agentic: bool) -> dict[s
         "mean_turns": m["eval/mean_turns"],
         "invalid_action_rate": m["eval/invalid_action_rate"],
         "tool_calls_mean": m["eval/tool_calls_mean"],
+        # the envs' other tool counters (interfaces.agentic.INFO_COUNTERS), as training's eval logs them
+        **{
+            k.removeprefix("eval/"): v
+            for k, v in m.items()
+            if k.removeprefix("eval/").removesuffix("_mean") in INFO_COUNTERS
+        },
         "ends": {k.removeprefix("eval/end_"): v for k, v in m.items() if k.startswith("eval/end_")},
         "agentic": True,
     }

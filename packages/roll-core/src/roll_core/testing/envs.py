@@ -41,6 +41,7 @@ import pytest
 
 from roll_core.agentic.observation import images_of, normalize, text_of
 from roll_core.interfaces import Env, EnvWithInstructions
+from roll_core.interfaces.agentic import INFO_COUNTERS
 
 MALFORMED = [
     "",
@@ -96,8 +97,11 @@ class EnvTestSuite:
             assert key in info, f"info lacks {key!r}: {sorted(info)}"
             assert isinstance(info[key], bool), f"info[{key!r}] must be a bool, got {type(info[key]).__name__}"
         assert isinstance(info.get("state"), str), f"info['state'] must be a str, got {info.get('state')!r:.80}"
-        if "tool_calls" in info:
-            assert isinstance(info["tool_calls"], int) and info["tool_calls"] >= 0
+        for key in ("tool_calls", *INFO_COUNTERS):  # counts roll sums per episode: whole numbers >= 0
+            if key in info:
+                assert isinstance(info[key], int) and info[key] >= 0, (
+                    f"info[{key!r}] must be an int >= 0: {info[key]!r}"
+                )
 
     @staticmethod
     def observation_text(obs: Any) -> str:
