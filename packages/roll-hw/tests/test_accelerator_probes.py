@@ -150,6 +150,23 @@ def test_rocm_unavailable_reason_names_the_variable_that_hides_the_devices(gpu_n
         resolve_platform()
 
 
+@pytest.mark.parametrize("platform", [CudaPlatform, RocmPlatform])
+def test_without_torch_the_reason_names_the_pip_extra(monkeypatch, platform) -> None:
+    """ROLL_PLATFORM=cuda (or rocm) on a machine without torch said "torch is not installed", not what to install."""
+    from roll_hw import _torch_gpu
+
+    monkeypatch.setattr(_torch_gpu, "torch_importable", lambda: False)
+    monkeypatch.setenv("ROLL_PLATFORM", platform.name)
+    assert not platform.is_available()
+    with pytest.raises(PlatformUnavailableError) as err:
+        resolve_platform()
+    message = str(err.value)
+    assert message == (
+        f"platform {platform.name!r} forced by ROLL_PLATFORM={platform.name} is unavailable: torch is not installed; "
+        f"install roll-hw[{platform.name}] (a {'CUDA' if platform is CudaPlatform else 'ROCm'} build of torch)"
+    )
+
+
 def test_npu_reason_names_ascend_rt_visible_devices(monkeypatch) -> None:
     monkeypatch.setattr(NpuPlatform, "_torch_npu", classmethod(lambda cls: SimpleNamespace()))
     monkeypatch.setattr(torch, "npu", SimpleNamespace(device_count=lambda: 0), raising=False)

@@ -31,17 +31,18 @@ class AcmePlatform(CpuPlatform):
 
     @classmethod
     def is_available(cls):
-        raise OSError("libacme_driver.so: cannot open shared object file")
+        {probe}
 '''
+_RAISES = 'raise OSError("libacme_driver.so: cannot open shared object file")'
 
 
 @pytest.fixture
 def install_plugin(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """Install a raising platform plugin under `name` (a module on sys.path, an entry point of another dist)."""
 
-    def install(name: str) -> None:
+    def install(name: str, probe: str = _RAISES) -> None:
         module = f"roll_acme_raising_{name}"
-        (tmp_path / f"{module}.py").write_text(textwrap.dedent(_PLUGIN.format(name=name)))
+        (tmp_path / f"{module}.py").write_text(textwrap.dedent(_PLUGIN.format(name=name, probe=probe)))
         monkeypatch.syspath_prepend(str(tmp_path))
         real = detect.entry_points
         ep = EntryPoint(name=name, value=f"{module}:AcmePlatform", group=detect.GROUP)
@@ -94,6 +95,22 @@ def test_a_raising_plugin_leaves_a_named_cpu_working_and_says_so_when_auto_detec
     assert "raised OSError: libacme_driver.so" in message and "ROLL_PLATFORM=<platform>" in message
     with pytest.raises(PlatformUnavailableError, match=r"'acme' \(requested\): its probe .* raised OSError"):
         resolve_platform("acme")
+
+
+def test_a_plugin_named_cpu_never_wins_over_an_accelerator(install_plugin, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin that replaces roll-hw's CPU platform (always available, as a CPU is) was probed with the out-of-tree
+    platforms, before the accelerators: a CUDA node with it installed trained on the CPU, and beside another active
+    plugin it was "more than one out-of-tree platform is active". It takes the CPU's place, last."""
+    install_plugin("cpu", probe="return True")
+    monkeypatch.setattr(CudaPlatform, "is_available", classmethod(lambda cls: True))
+    assert resolve_platform() is CudaPlatform
+    monkeypatch.setattr(CudaPlatform, "is_available", classmethod(lambda cls: False))
+    for other in (RocmPlatform, NpuPlatform):
+        monkeypatch.setattr(other, "is_available", classmethod(lambda cls: False))
+    tuned = resolve_platform()
+    assert tuned.__module__ == "roll_acme_raising_cpu" and resolve_platform("cpu") is tuned  # no accelerator: it runs
+    install_plugin("acme", probe="return True")
+    assert resolve_platform().__module__ == "roll_acme_raising_acme"  # an active vendor platform, not an error
 
 
 def test_the_doctor_reports_a_raising_plugin_without_crashing(install_plugin) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from roll_hw.cpu import CpuPlatform
@@ -84,6 +86,35 @@ def test_a_device_this_worker_cannot_see_is_an_error_not_device_0() -> None:
         local_device(CudaPlatform, ["GPU-aa"], {NOSET: "1"})
     with pytest.raises(ValueError, match="reserved no device"):
         local_device(CudaPlatform, [], {NOSET: "1"})
+
+
+@pytest.mark.parametrize(
+    ("visible", "ray_id", "sees"),
+    [
+        ("0,1,-1,2", "2", "0,1"),  # CUDA stops at -1: Ray counted 4 GPUs, the worker has 2 (cuda:3 was its device)
+        ("0,1,-1,2", "-1", "0,1"),
+        ("4,4,5", "5", "no device"),  # a repeated entry hides every device
+        ("GPU-aa,GPU-bb,7", "7", "GPU-aa,GPU-bb"),  # a UUID list ends at an entry that is no UUID
+        ("1,x,2", "2", "1"),
+    ],
+)
+def test_under_noset_an_entry_cuda_does_not_read_is_not_a_device(visible: str, ray_id: str, sees: str) -> None:
+    """Ray splits the node's CUDA_VISIBLE_DEVICES at every comma; CUDA reads it up to the first entry that names no
+    device, and a repeat hides all. An id past the cut was given its place in the full list: a device index this
+    worker does not have. It is an error that says how CUDA reads the variable; entries before the cut still count."""
+    env = {NOSET: "1", "CUDA_VISIBLE_DEVICES": visible}
+    read_as = rf"CUDA_VISIBLE_DEVICES='{visible}', which cuda reads as {sees} \("
+    with pytest.raises(ValueError, match=read_as + "it stops at .*where the node's raylet starts"):
+        local_device(CudaPlatform, [ray_id], env)
+    with pytest.raises(ValueError, match=read_as + rf".*without (.*, )?{re.escape(ray_id)} \(.*raylet starts"):
+        noset_narrowing(CudaPlatform, [visible.split(",")[0], ray_id], env)
+    if sees != "no device":
+        assert local_device(CudaPlatform, [sees.split(",")[-1]], env).index == sees.count(",")
+    hip = {"RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1", "HIP_VISIBLE_DEVICES": visible}
+    with pytest.raises(ValueError, match=r"which rocm reads as"):  # ROCm's runtime (and torch there) read it alike
+        local_device(RocmPlatform, [ray_id], hip)
+    # Spaces around entries and "1gpu" (strtoul's reading: device 1) name devices, as before.
+    assert local_device(CudaPlatform, ["2"], {NOSET: "1", "CUDA_VISIBLE_DEVICES": "0, 1gpu, 2"}).index == 2
 
 
 def test_under_noset_a_multi_device_worker_is_narrowed_to_its_ids_as_ray_would() -> None:

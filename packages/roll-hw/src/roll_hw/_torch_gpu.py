@@ -28,8 +28,8 @@ class TorchCudaLikePlatform(TorchAcceleratorPlatform):
 
     @classmethod
     def unavailable_reason(cls) -> str:
-        if not torch_importable():
-            return "torch is not installed"
+        if not torch_importable():  # the pip extra too: what to install is the point of this message
+            return f"torch is not installed; install {cls.install_hint}"
         import torch
 
         if not cls._torch_build_matches():

@@ -11,7 +11,8 @@ Resolution order (first match wins):
 2. Out-of-tree platforms (entry points of any distribution other than roll-hw) whose probe says available.
    Exactly one may be active: two active plugins are an error. A plugin that takes a built-in's name replaces it;
    two plugins (other distributions) that declare one name with different targets are an error wherever that name
-   is loaded (it was whichever sys.path listed last).
+   is loaded (it was whichever sys.path listed last). A plugin named `cpu` is not probed here: it replaces the CPU
+   in step 3, so it never wins over an accelerator.
 3. roll-hw's own platforms, probed in `PROBE_ORDER` (accelerators first; cpu, always available, last).
 
 `cpu` always resolves, auto-detected or named: a plugin registered as `cpu` (it replaces roll-hw's) that is
@@ -207,10 +208,9 @@ def resolve_platform(name: str | None = None) -> type[Platform]:
         if not _probe(forced, cls, source):
             raise PlatformUnavailableError(f"platform {forced!r} {source} is unavailable: {cls.unavailable_reason()}")
         return cls
-    # A plugin named cpu that raises is not an error here: the CPU stays reachable (`_cpu` says why it was not used).
-    active = [
-        cls for name, cls in plugin_platforms().items() if (_runs(cls) is None if name == "cpu" else _probe(name, cls))
-    ]
+    # A plugin named cpu takes roll-hw's CPU's place, last (the built-ins' loop below, through `_cpu`): always
+    # available, it was active here and won over a CUDA node's GPUs (or made a second active plugin an error).
+    active = [cls for name, cls in plugin_platforms().items() if name != "cpu" and _probe(name, cls)]
     if len(active) > 1:
         names = ", ".join(c.name for c in active)
         raise PlatformPluginError(f"more than one out-of-tree platform is active ({names}); set {ENV_VAR} to choose")

@@ -31,6 +31,7 @@ Contract:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -83,7 +84,7 @@ def local_device(
                 f"under {platform.ray_noset_env}=1: cannot tell which local device it is"
             )
         return LocalDevice(int(ids[0]), ids, True, why + "unset (every device of the node visible)")
-    visible = _entries(seen)
+    visible = _entries(platform, seen)
     if len(ids) > 1 and visible == list(ids):
         # noset_narrowing's result (or a node whose list is exactly this worker's devices): the first is 0.
         return LocalDevice(
@@ -95,9 +96,9 @@ def local_device(
         )
     if ids[0] not in visible:
         raise ValueError(
-            f"{platform.name}: Ray assigned {platform.ray_resource} {ids[0]} but this worker sees {var}={seen!r} "
-            f"({platform.ray_noset_env}=1: Ray did not narrow it); the node's raylet and this worker disagree on "
-            f"{var}: start them with the same value"
+            f"{platform.name}: Ray assigned {platform.ray_resource} {ids[0]} but this worker sees {var}={seen!r}"
+            f"{_read_as(platform, seen, visible)} ({platform.ray_noset_env}=1: Ray did not narrow it); "
+            f"{_advice(platform, seen, visible)}"
         )
     return LocalDevice(visible.index(ids[0]), ids, True, why + f"as the node had it ({var}={seen})")
 
@@ -126,15 +127,15 @@ def noset_narrowing(
                 f"unset under {platform.ray_noset_env}=1: cannot narrow this worker to its devices"
             )
     else:
-        visible = _entries(seen)
+        visible = _entries(platform, seen)
         if visible == list(ids):
             return {}
         hidden = [i for i in ids if i not in visible]
         if hidden:
             raise ValueError(
                 f"{platform.name}: Ray assigned {platform.ray_resource} {', '.join(ids)} but this worker sees "
-                f"{var}={seen!r}, without {', '.join(hidden)} ({platform.ray_noset_env}=1: Ray did not narrow it); "
-                f"the node's raylet and this worker disagree on {var}: start them with the same value"
+                f"{var}={seen!r}{_read_as(platform, seen, visible)}, without {', '.join(hidden)} "
+                f"({platform.ray_noset_env}=1: Ray did not narrow it); {_advice(platform, seen, visible)}"
             )
     return {var: ",".join(ids)}
 
@@ -179,9 +180,62 @@ def local_rank(
     return next(iter(found.values()), 0)
 
 
-def _entries(value: str) -> list[str]:
-    """The entries of a visible-devices variable, as the runtimes split it."""
+def _entries(platform: type[Platform], value: str) -> list[str]:
+    """The entries of a visible-devices variable that name devices, as `platform`'s runtime reads them.
+
+    CUDA and ROCm (torch's `device_type` "cuda"; the drivers' rule, which torch's `_parse_visible_devices` copies):
+    the entries up to the first that names no device (a negative index such as -1, text that does not start with
+    digits, in a `GPU-`/`MIG-` UUID list an entry without that prefix), and none at all where an entry repeats.
+    Ray splits the variable at every comma, so under NOSET it can assign an entry past the cut ("0,1,-1,2": Ray
+    counts 4 GPUs, CUDA sees 2): its place in the full list was a device index the worker does not have. Other
+    runtimes: every non-empty entry.
+    """
+    if platform.device_type != "cuda":
+        return _split(value)
+    entries = [v.strip() for v in value.split(",")]
+    prefix = next((p for p in ("GPU-", "MIG-") if entries[0].startswith(p)), None)
+    out: list[str] = []
+    seen: set[object] = set()
+    for entry in entries:
+        key: object = entry
+        if prefix is not None:
+            if not entry.startswith(prefix):
+                break
+        else:
+            found = re.match(r"[+-]?\d+", entry)  # read as strtoul reads it: "1gpu" is device 1
+            if found is None or int(found.group()) < 0:
+                break
+            key = int(found.group())
+        if key in seen:
+            return []
+        seen.add(key)
+        out.append(entry)
+    return out
+
+
+def _read_as(platform: type[Platform], value: str, visible: list[str]) -> str:
+    """ ", which <runtime> reads as ..." where `platform`'s runtime reads fewer entries than the commas separate."""
+    if visible == _split(value):
+        return ""
+    shown = ",".join(visible) or "no device"
+    return (
+        f", which {platform.name} reads as {shown} (it stops at the first entry naming no device, and a repeated "
+        "entry hides all)"
+    )
+
+
+def _split(value: str) -> list[str]:
+    """Every non-empty entry between the commas of a visible-devices variable (how Ray reads it, stripped)."""
     return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _advice(platform: type[Platform], value: str, visible: list[str]) -> str:
+    """What to do about an assigned device this worker does not see: a variable the runtime reads short is the
+    node's to fix (Ray made a device of every entry); otherwise the raylet and this worker were started apart."""
+    var = platform.visible_devices_env
+    if visible != _split(value):
+        return f"set {var} where the node's raylet starts to a list of this node's devices without repeats"
+    return f"the node's raylet and this worker disagree on {var}: start them with the same value"
 
 
 def describe(platform: type[Platform], device: LocalDevice) -> str:
