@@ -3,7 +3,8 @@
 Contract: `normalise_message` turns a request's message into {"role", "content": str | None, ["tool_calls"],
 ["tool_call_id"], ["name"]} or raises `SessionError` (HTTP 400) naming the message (as OpenAI, content may be left
 out only by an assistant message with tool calls, and a tool message needs its `tool_call_id`); a field sent as JSON
-null is one not sent, as OpenAI reads it; `turn_key` is what makes two requests the same request (a client's retry);
+null is one not sent, as OpenAI reads it; `check_tool_results` refuses (400) a tool message that answers no call of
+the assistant message it follows; `turn_key` is what makes two requests the same request (a client's retry);
 `template_message` is a normalised message as chat templates take it.
 """
 
@@ -84,6 +85,27 @@ def normalise_message(raw: Any, index: int) -> dict[str, Any]:
     return msg
 
 
+def check_tool_results(messages: list[dict[str, Any]]) -> None:
+    """Raise SessionError (400, as OpenAI answers) for a tool message (normalised) that answers no tool call: its
+    `tool_call_id` must be the id of a call of the assistant message it follows (with only tool messages between).
+    Chat templates render results in message order without their ids, so a result sent for another call, or after
+    a user turn, reached the model as the answer to a call it did not make, behind a 200 reply."""
+    ids: list[str] = []  # the calls of the assistant message the tool messages so far follow
+    for index, msg in enumerate(messages):
+        if msg["role"] == "assistant":
+            ids = [c["id"] for c in msg.get("tool_calls", [])]
+        elif msg["role"] != "tool":
+            ids = []
+        elif msg["tool_call_id"] not in ids:
+            where = f"the calls {ids}" if ids else "no tool calls"
+            raise SessionError(
+                400,
+                "invalid_message",
+                f"messages[{index}].tool_call_id={msg['tool_call_id']!r} answers no tool call: a tool message must "
+                f"follow the assistant message whose call it answers (the assistant message before it has {where})",
+            )
+
+
 def _normalise_call(call: Any, index: int, k: int) -> dict[str, Any]:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -125,7 +147,7 @@ def turn_key(turn: ChatTurn) -> str:
 def _json_value(text: str) -> str:
     try:
         return json.dumps(json.loads(text), sort_keys=True)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # deep nesting: compared as text (it was a 500)
         return text
 
 
@@ -147,7 +169,7 @@ def template_message(msg: dict[str, Any]) -> dict[str, Any]:
         for c in msg["tool_calls"]:
             try:
                 args = json.loads(c["function"]["arguments"])
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, RecursionError):
                 args = c["function"]["arguments"]
             calls.append({"id": c["id"], "type": "function", "function": {**c["function"], "arguments": args}})
         out["tool_calls"] = calls

@@ -453,7 +453,9 @@ class AgentSessions:
                 for k, c in enumerate(parsed.calls)
             ]
         s.record(turn, context, added, restart, token_ids, logprobs, finish, message)
-        reason = "tool_calls" if parsed.calls else ("length" if finish == "length" else "stop")
+        # A reply cut off by its token budget is "length" even with calls parsed before the cut (OpenAI's
+        # precedence): "tool_calls" told the agent its reply was whole while a block after them was cut off.
+        reason = "length" if finish == "length" else ("tool_calls" if parsed.calls else "stop")
         return Reply(message, reason, len(context), len(token_ids), list(token_ids), list(logprobs))
 
     def _generate(

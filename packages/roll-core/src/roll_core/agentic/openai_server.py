@@ -37,11 +37,18 @@ format:
 - `response_format` json_object / json_schema becomes a decoding constraint (roll_core.interfaces.StructuredOutput)
   when the engine supports one (`check_sampling`), else 400 `unsupported_response_format`.
 - Tool calls: the request's `tools` go to the chat template; the response text is parsed by the model family's
-  tool-call parser (`PARSERS`: `hermes` for Qwen / Hermes `<tool_call>{json}</tool_call>`, `none`, or a
-  `module:Class` of your own) into OpenAI `tool_calls` (finish_reason `tool_calls`). A block that does not parse
-  (hermes: not JSON, no name, or arguments that are not a JSON object) is left in the content and counted on the
-  session, as is an unclosed `<tool_call>`. The reply is decoded without special tokens but with the
-  parser's `markers` (`text_decoder`: some tokenizers mark `<tool_call>` special).
+  tool-call parser (`PARSERS`, roll_core.agentic._tool_calls: `hermes` for Qwen / Hermes
+  `<tool_call>{json}</tool_call>`, `none`, or a `module:Class` of your own) into OpenAI `tool_calls` (finish_reason
+  `tool_calls`, or `length` when the reply was cut off by its token budget, calls or not). A block that does not
+  parse (hermes: not JSON, no name, or arguments that are not a JSON object) is left in the content and counted on
+  the session, as is an unclosed `<tool_call>`; blocks inside `<think>` reasoning are no calls. A call names the
+  function the model wrote, one the request did not offer included (the agent answers it, as under vLLM).
+  `tool_choice` "none" leaves the reply's tool-call syntax in the content (the tools still reach the template, as
+  vLLM does); "required" and a named function are refused (400: nothing would force the call). A tool message
+  must answer a call of the assistant message it follows (its `tool_call_id`), else 400 as OpenAI answers. The
+  reply is decoded without special tokens but with the parser's `markers` (`text_decoder`: some tokenizers mark
+  `<tool_call>` special). The trajectory keeps the sampled ids, never a re-rendering of the parsed calls; the
+  agent's echo of a reply matches it with the arguments compared as JSON values (spacing and key order free).
 - `stream=true` (a JSON boolean) is answered as server-sent events in OpenAI's chunk format (the whole turn is
   generated first, then sent as a role/content chunk, a tool-calls chunk and a final chunk, then `data: [DONE]`;
   with `stream_options.include_usage` a usage chunk precedes it; `stream_options` without `stream=true`, or an
@@ -54,21 +61,25 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import json
 import logging
-import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from roll_core.agentic._tool_calls import (  # noqa: F401 (re-exported: the parsers' public home is this module)
+    PARSERS,
+    HermesToolParser,
+    NoToolParser,
+    text_decoder,
+    tool_parser,
+)
+from roll_core.agentic.agent_messages import check_tool_results
 from roll_core.agentic.agent_sessions import (
     AgentSessions,
     ChatTurn,
-    ParsedReply,
     Reply,
     SessionError,
     normalise_message,
@@ -81,96 +92,6 @@ log = logging.getLogger(__name__)
 MAX_CHECKED_FORMATS = 1024
 
 AIOHTTP = Extra("aiohttp", "pipeline=agent (the OpenAI-compatible endpoint)", "aiohttp", "roll-core[agents]")
-
-
-# ---- tool-call parsers (one per model family) -------------------------------------------------------------------
-class HermesToolParser:
-    """Qwen2.5 / Qwen3 / Hermes tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks."""
-
-    pattern = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-    #: Tokens the reply text must keep for this parser (see `text_decoder`).
-    markers: tuple[str, ...] = ("<tool_call>", "</tool_call>")
-
-    def __call__(self, text: str) -> ParsedReply:
-        calls: list[dict[str, str]] = []
-        invalid = 0
-        kept: list[str] = []
-        last = end = 0  # end of the last kept call / of the last block, parsed or not
-        for m in self.pattern.finditer(text):
-            end = m.end()
-            call = _call_of(m.group(1))
-            if call is None:
-                invalid += 1
-                continue  # left in the content below
-            kept.append(text[last : m.start()])
-            last = m.end()
-            calls.append(call)
-        # An opening marker after the last block has no closing one (a block cut off by max_tokens): invalid too.
-        # Counted from the last block's end, not as opens minus closes: a stray `</tool_call>` cancelled an
-        # invalid block (`<tool_call>bad</tool_call> stray </tool_call>` counted 0).
-        invalid += text.count("<tool_call>", end)
-        rest = text[last:]
-        content = ("".join(kept) + rest).strip() if calls else text
-        return ParsedReply(content if content or not calls else None, calls, invalid)
-
-
-def _call_of(body: str) -> dict[str, str] | None:
-    """{"name", "arguments" (JSON text of an object)} of one tool-call block, None when it is not one.
-
-    OpenAI's `arguments` is the JSON text of an object: a block whose arguments are anything else (`5`, `[1]`,
-    `"[1]"`, `null`) is no call (it was served as f("5"), uncounted); missing arguments are `{}`."""
-    try:
-        obj = json.loads(body.strip())
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            if not isinstance(json.loads(args), dict):
-                return None
-        except ValueError:
-            return None
-        return {"name": obj["name"], "arguments": args}
-    if not isinstance(args, dict):
-        return None
-    return {"name": obj["name"], "arguments": json.dumps(args)}
-
-
-class NoToolParser:
-    """Tool calls stay text (models without a tool-call syntax)."""
-
-    def __call__(self, text: str) -> ParsedReply:
-        return ParsedReply(text)
-
-
-PARSERS: dict[str, type] = {"hermes": HermesToolParser, "qwen": HermesToolParser, "none": NoToolParser}
-
-
-def text_decoder(tokenizer: Any, keep: tuple[str, ...] = ()) -> Callable[[list[int]], str]:
-    """`tokenizer.decode(ids, skip_special_tokens=True)`, except that the tokens named in `keep` (a tool-call
-    parser's `markers`) stay in the text: a tokenizer that marks `<tool_call>` special would otherwise drop it, and
-    every tool call of the run would reach the agent as plain content."""
-    unk = getattr(tokenizer, "unk_token_id", None)
-    kept = {i for i in map(tokenizer.convert_tokens_to_ids, keep) if isinstance(i, int) and i != unk}
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
-    if not kept & special:  # nothing to keep that the plain decode would drop
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-    drop = special - kept
-    return lambda ids: tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False)
-
-
-def tool_parser(name: str) -> Callable[[str], ParsedReply]:
-    """The parser of a model family by name (`PARSERS`), or `module:Class` (a class called with no arguments whose
-    instances map text to roll_core.agentic.agent_sessions.ParsedReply)."""
-    if name in PARSERS:
-        return PARSERS[name]()
-    module, _, cls = name.partition(":")
-    if not cls:
-        raise ValueError(f"tool parser {name!r}: one of {sorted(PARSERS)} or module:Class")
-    return getattr(importlib.import_module(module), cls)()
 
 
 # ---- request validation ---------------------------------------------------------------------------------------
@@ -270,8 +191,10 @@ def chat_turn(body: Any) -> ChatTurn:
         raise SessionError(
             400, "invalid_parameter", f"stream_options.include_usage={usage!r} must be true or false (a JSON boolean)"
         )
+    normalised = [normalise_message(m, i) for i, m in enumerate(messages)]
+    check_tool_results(normalised)
     return ChatTurn(
-        messages=[normalise_message(m, i) for i, m in enumerate(messages)],
+        messages=normalised,
         tools=tools or None,
         max_tokens=max_tokens,
         stop=stops,
