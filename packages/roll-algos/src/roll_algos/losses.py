@@ -9,8 +9,9 @@ tensor); fp32 and fp64 inputs keep their dtype.
 Aggregation modes (`aggregate`), with m the mask and L the per-token loss:
 - `token-mean`: sum(L*m) / sum(m)  (0 when no token is valid)
 - `seq-mean-token-mean`: mean over sequences with >= 1 valid token of (sum_t L*m / sum_t m)
-- `seq-mean-token-sum`: mean over all B sequences of sum_t L*m
-- `seq-mean-token-sum-norm` (Dr.GRPO): sum(L*m) / (B * norm_length)
+- `seq-mean-token-sum`: mean over all B sequences of sum_t L*m (rows without a valid token count, as the engines'
+  row units do; verl's agg_loss leaves them out of the mean)
+- `seq-mean-token-sum-norm` (Dr.GRPO): sum(L*m) / (B * norm_length) (the paper's 1/G; verl's agg_loss omits the 1/B)
 
 Policy losses are a plugin kind. Each variant is one function of the `PolicyLoss` protocol (sanitised tensors and
 `PolicyLossSettings` in, per-token loss, ratio and metrics out) declared by name under the entry-point group
@@ -210,9 +211,12 @@ def gspo_loss(
     token t is weighted by its own advantage A_t. With one advantage per row this is GSPO exactly (the paper shows
     the two coincide); with per-token advantages (GAE, token-level correction weights, AsyPPO's or attention
     credit's masks) a token whose advantage is 0 gets no gradient, where a gradient through the row mean would give
-    every token the row's mean advantage."""
-    log_ratio = bounded_log_ratio(logp, old_logp)
-    seq_log_ratio = _seq_mean(log_ratio, mask).detach()[:, None]
+    every token the row's mean advantage.
+
+    log s_i is the mean of the true token log ratios, bounded to +-20 only after averaging (exp stays finite):
+    clamping each token first let extreme tokens offset (log r of 25 and -21 read as s = 1, not e^2)."""
+    seq_log_ratio = torch.clamp(_seq_mean(logp - old_logp, mask), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    seq_log_ratio = seq_log_ratio.detach()[:, None]
     ratio = torch.exp(seq_log_ratio + (logp - logp.detach()))
     return _clipped_surrogate(ratio, advantages, mask, settings)
 
@@ -225,7 +229,10 @@ def _weighted(logp: Tensor, advantages: Tensor, ratio: Tensor, weight: Tensor) -
 def cispo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, settings: PolicyLossSettings
 ) -> PolicyLossTerms:
-    """`cispo`: -sg(clip(r, 1-clip_low, 1+clip_high)) A logp."""
+    """`cispo`: -sg(clip(r, 1-clip_low, 1+clip_high)) A logp.
+
+    The weight floor 1-clip_low is verl's; the CISPO paper (MiniMax-M1, arXiv 2506.13585) sets no lower bound
+    (its eps_low is large); a clip_low near 1 (roll's config keeps it < 1) comes closest to the paper's weight."""
     ratio = torch.exp(bounded_log_ratio(logp, old_logp))
     weight = torch.clamp(ratio, 1.0 - settings.clip_low, 1.0 + settings.clip_high)
     return _weighted(logp, advantages, ratio, weight)
