@@ -3,6 +3,7 @@ or the hub cannot be reached (transformers retried for ~50 s and raised from ins
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -103,3 +104,21 @@ def test_engine_threads_default_to_the_cores_this_process_may_use(monkeypatch: p
     assert default_num_threads() == usable
     monkeypatch.setenv("ROLL_NUM_THREADS", "3")
     assert default_num_threads() == 3
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "2.5", "4 threads"])
+def test_a_bad_roll_num_threads_is_one_error_naming_the_variable(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """ROLL_NUM_THREADS=abc raised int()'s bare ValueError (no variable named); "0" gave 0, which callers'
+    `threads or default_num_threads()` passed on to torch.set_num_threads(0). Now one error says what is allowed;
+    unset or empty keeps the default."""
+    import roll_hw.cpu
+    from roll_core.models import default_num_threads
+
+    monkeypatch.setenv("ROLL_NUM_THREADS", value)
+    with pytest.raises(ConfigError, match=rf"ROLL_NUM_THREADS='{re.escape(value)}': expected a whole number .*>= 1"):
+        default_num_threads()
+    monkeypatch.setattr(roll_hw.cpu, "usable_cpu_count", lambda: 7)
+    monkeypatch.setenv("ROLL_NUM_THREADS", "")
+    assert default_num_threads() == 7
+    monkeypatch.setenv("ROLL_NUM_THREADS", " 2 ")
+    assert default_num_threads() == 2

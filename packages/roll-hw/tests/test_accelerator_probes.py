@@ -212,6 +212,31 @@ def test_a_broken_torch_npu_is_imported_once_and_its_first_error_reported(
         sys.modules.pop("torch_npu", None)
 
 
+_MULTI_LINE_TORCH_NPU = """
+raise RuntimeError("Failed to load libascendcl.so\\nTraceback of the loader:\\n  dlopen: undefined symbol: aclInit")
+"""
+
+
+def test_a_multi_line_torch_npu_import_error_is_reported_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A broken CANN install can raise an error whose text is a multi-line log: the reason (the doctor's table, a
+    PlatformUnavailableError) is one line, its first, with " ..." for the rest."""
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text(_MULTI_LINE_TORCH_NPU)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(NpuPlatform, "_import_error", None)
+    monkeypatch.setattr(NpuPlatform, "_import_failed", False)
+    monkeypatch.delattr(torch, "npu", raising=False)
+    try:
+        reason = NpuPlatform.unavailable_reason()
+    finally:
+        sys.modules.pop("torch_npu", None)
+    assert "\n" not in reason
+    assert reason.startswith("torch_npu failed to import: RuntimeError: Failed to load libascendcl.so ...; install ")
+    assert "aclInit" not in reason
+
+
 def test_visible_devices_for_a_plugin_worker() -> None:
     """The variable roll sets for devices Ray does not manage (cluster/launch.py): ids joined, empty for none."""
     assert CudaPlatform.visible_devices_for([2, 3]) == {"CUDA_VISIBLE_DEVICES": "2,3"}

@@ -64,6 +64,30 @@ def test_the_vendor_is_read_from_proc_cpuinfo() -> None:
     assert (vendor and f": {vendor}" in text) or "vendor_id" not in text
 
 
+def test_cpuinfo_lines_without_a_colon_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A /proc/cpuinfo line that starts with the key but has no ':' (a truncated file, an emulator's odd line) raised
+    IndexError from every reader (the vendor, the family, the flags, so the platform's bf16 and linear-library
+    choices); it is skipped, and the key's real line is read. A longer name that starts with the key is not it."""
+    import io
+
+    text = (
+        "processor\t: 0\n"
+        "vendor_id\n"
+        "vendor_id_extra\t: Other\n"
+        "vendor_id\t: AuthenticAMD\n"
+        "cpu family\n"
+        "cpu family\t: 25\n"
+        "flags\n"
+        "flags\t\t: fpu avx2 avx512f\n"
+    )
+    monkeypatch.setattr(cpu, "open", lambda path, *a, **k: io.StringIO(text), raising=False)
+    assert cpu.cpu_vendor() == "AuthenticAMD"
+    assert cpu.cpu_family() == 25
+    assert cpu._cpu_flags() == {"fpu", "avx2", "avx512f"}
+    monkeypatch.setattr(cpu, "open", lambda path, *a, **k: io.StringIO("vendor_id\nflags\n"), raising=False)
+    assert (cpu.cpu_vendor(), cpu.cpu_family(), cpu._cpu_flags()) == ("", 0, set())
+
+
 def test_the_doctor_names_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROLL_CPU_LINEAR", "onednn")
     assert cpu.CpuPlatform.describe()["fp32 linears (roll engines)"].startswith("onednn (")

@@ -154,6 +154,35 @@ def test_two_plugins_declaring_one_name_are_an_error_naming_both(monkeypatch: py
         detect.clear_cache()
 
 
+@pytest.mark.parametrize("spelling", ["roll_hw", "Roll.HW"])
+def test_roll_hw_metadata_spelled_otherwise_still_declares_the_built_ins(
+    monkeypatch: pytest.MonkeyPatch, spelling: str
+) -> None:
+    """A build whose metadata spells the distribution `roll_hw` is roll-hw (PEP 503 names compare normalised): its
+    platforms stay built-ins in probe order, none is taken for a plugin."""
+    real = detect.entry_points
+
+    def respelled(group: str) -> list[EntryPoint]:
+        out = []
+        for ep in real(group=group):
+            if ep.dist is not None and ep.dist.name == "roll-hw":
+                ep = EntryPoint(name=ep.name, value=ep.value, group=ep.group)
+                vars(ep)["dist"] = _Dist(spelling)  # attached the way importlib.metadata does
+            out.append(ep)
+        return out
+
+    monkeypatch.setattr(detect, "entry_points", respelled)
+    monkeypatch.delenv("ROLL_PLATFORM", raising=False)
+    detect.clear_cache()
+    try:
+        assert detect.builtin_names() == ["cuda", "rocm", "npu", "cpu"]
+        assert not set(detect._declared()[1]) & {"cuda", "rocm", "npu", "cpu"}
+        assert detect.get_platform_class("cpu") is CpuPlatform
+    finally:
+        monkeypatch.undo()
+        detect.clear_cache()
+
+
 def test_one_plugin_seen_twice_is_not_a_clash(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same target declared twice (one distribution on two sys.path entries) loads as one plugin."""
     real = detect.entry_points

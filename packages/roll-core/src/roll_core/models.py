@@ -345,10 +345,25 @@ def torch_dtype(name: str):  # -> torch.dtype
 def default_num_threads() -> int:
     """torch threads for an engine process: `$ROLL_NUM_THREADS`, else every core this process may use
     (roll_hw.cpu.usable_cpu_count: its affinity mask capped at its cgroup CPU quota; `os.cpu_count()` is the host's,
-    and a pod limited to 2 CPUs on a 64-core node ran 64 throttled threads)."""
+    and a pod limited to 2 CPUs on a 64-core node ran 64 throttled threads).
+
+    Raises ConfigError where `$ROLL_NUM_THREADS` is set but not a whole number >= 1 (unset or empty: the default).
+    """
     from roll_hw.cpu import usable_cpu_count
 
-    return int(os.environ.get("ROLL_NUM_THREADS") or usable_cpu_count())
+    raw = os.environ.get("ROLL_NUM_THREADS", "").strip()
+    if not raw:
+        return usable_cpu_count()
+    # A bare int() error named no variable, and "0" reached torch.set_num_threads(0) through callers'
+    # `threads or default_num_threads()`: one error that says what is allowed instead.
+    if not re.fullmatch(r"[0-9]+", raw) or int(raw) < 1:
+        from roll_core.errors import ConfigError
+
+        raise ConfigError(
+            f"ROLL_NUM_THREADS={raw!r}: expected a whole number of torch threads >= 1 "
+            "(or unset: every CPU this process may use)"
+        )
+    return int(raw)
 
 
 def prepare_engine_process(device: str, num_threads: int | None = None) -> None:

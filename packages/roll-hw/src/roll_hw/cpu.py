@@ -239,8 +239,11 @@ def _cpuinfo(key: str) -> str | None:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(key):
-                    return line.split(":", 1)[1].strip()
+                # The name before the ':' must be `key` itself (a prefix matched a longer name); a line without
+                # ':' (a truncated file, a kernel's or emulator's odd line) is no `key: value` line and is skipped.
+                name, colon, value = line.partition(":")
+                if colon and name.strip() == key:
+                    return value.strip()
     except OSError:
         pass
     return None

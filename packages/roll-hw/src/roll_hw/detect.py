@@ -69,6 +69,11 @@ def _source_entry_points() -> list[EntryPoint]:
 _clashes: dict[str, list[str]] = {}
 
 
+def _normalized(name: str) -> str:
+    """A distribution name as PEP 503 compares it: runs of `-`, `_` and `.` are one `-`, lower case."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _origin(ep: EntryPoint) -> str:
     dist = getattr(ep, "dist", None)
     return f"{ep.value} from {dist.name if dist is not None else 'an unnamed distribution'}"
@@ -86,7 +91,9 @@ def _declared() -> tuple[dict[str, EntryPoint], dict[str, EntryPoint]]:
     _clashes.clear()
     for ep in entry_points(group=GROUP):
         dist = getattr(ep, "dist", None)
-        if dist is not None and dist.name == _BUILTIN_DIST:
+        # Compared as PEP 503 names: a build whose metadata spells it `roll_hw` (or `Roll.HW`) is still roll-hw;
+        # compared as written, its built-ins were taken for plugins and roll-hw was left declaring none.
+        if dist is not None and _normalized(dist.name) == _BUILTIN_DIST:
             own[ep.name] = ep
             continue
         first = plugins.setdefault(ep.name, ep)

@@ -45,7 +45,13 @@ class NpuPlatform(TorchAcceleratorPlatform):
 
             return torch_npu
         except Exception as exc:  # a broken CANN install raises all sorts of errors
-            cls._import_error = f"torch_npu failed to import: {type(exc).__name__}: {exc}"
+            # One line, as every platform's reason is (the doctor's table, a PlatformUnavailableError): CANN's
+            # errors can carry a multi-line library-loading log; its first line says what is missing.
+            lines = str(exc).strip().splitlines()
+            first = lines[0].rstrip() if lines else ""
+            if len(lines) > 1:
+                first += " ..."
+            cls._import_error = f"torch_npu failed to import: {type(exc).__name__}: {first}"
             cls._import_failed = True
             return None
 

@@ -11,7 +11,6 @@ any installed engine's schema extends, and the env group as `Any`.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -503,6 +502,17 @@ class RLVRConfig:
             )
 
 
+def logical_cpus() -> int:
+    """Logical CPUs for a Ray instance started here (`${roll_logical_cpus:}`): the CPUs this process may use
+    (roll_hw.cpu.usable_cpu_count: its affinity mask capped at its cgroup CPU quota), at least 4. Why not
+    `os.cpu_count()`: that is the host's, so a pod limited to 2 CPUs on a 64-core node advertised 64 and Ray
+    scheduled 64 CPUs' worth of tasks onto 2. The floor of 4 lets every role's fractional share fit on a small
+    machine; torch threads are set per worker (`default_num_threads`), independently of Ray's accounting."""
+    from roll_hw.cpu import usable_cpu_count
+
+    return max(usable_cpu_count(), 4)
+
+
 def register_configs() -> None:
     """Store roll-core's schemas in Hydra's ConfigStore and put its packaged YAML (`roll_core/conf`: the primary
     config and the core groups) on roll's config search path (idempotent)."""
@@ -514,9 +524,7 @@ def register_configs() -> None:
     add_config_package(PRIMARY_PACKAGE)
 
     if not OmegaConf.has_resolver("roll_logical_cpus"):
-        # Logical CPUs for a Ray instance started here: every role's fractional share must fit; torch threads
-        # are set per worker, so this does not oversubscribe the machine.
-        OmegaConf.register_new_resolver("roll_logical_cpus", lambda: max(os.cpu_count() or 1, 4))
+        OmegaConf.register_new_resolver("roll_logical_cpus", logical_cpus)
     cs = ConfigStore.instance()
     cs.store(name="rlvr_schema", node=RLVRConfig)
     cs.store(group="algo", name="algo_schema", node=AlgoConfig)
