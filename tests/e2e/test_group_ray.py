@@ -142,8 +142,9 @@ def test_a_successor_that_cannot_be_set_up_is_killed_and_the_restart_fails_clear
     ray_cluster: Any, tmp_path: Path
 ) -> None:
     """Rank 0 dies in a call; its successor's set-up raises. The restart fails with a WorkerDiedError that quotes the
-    successor's error, and the successor is killed: it stayed alive, holding its CPUs (or bundle), and the error was
-    the successor's raw set-up error, as if the call itself had raised it."""
+    successor's error and the death that called for the restart, and the successor is killed: it stayed alive,
+    holding its CPUs (or bundle), and the error was the successor's raw set-up error, as if the call itself had
+    raised it."""
     ray = ray_cluster
     total = ray.cluster_resources()["CPU"]
     group = PhoenixGroup(
@@ -159,6 +160,8 @@ def test_a_successor_that_cannot_be_set_up_is_killed_and_the_restart_fails_clear
         with pytest.raises(WorkerDiedError, match=r"phoenix: rank\(s\) \[0\] could not be restarted") as err:
             group.call(Phoenix.die)
         assert "the engine cannot be rebuilt" in str(err.value)
+        # Why the restart was needed (the death and Ray's account of it) is kept: it was dropped.
+        assert "The restart was for: rank 0 died during die() (" in str(err.value)
         assert len(_live_actors("Phoenix", expected=1)) == 1  # rank 1 alone
     finally:
         group.shutdown()

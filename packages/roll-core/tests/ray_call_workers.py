@@ -5,10 +5,13 @@ pytest's importlib mode, is not importable by name).
   ran, so a test can see that every rank ran the call whatever another rank raised.
 - `BlockingReceiver`: a real `InferWorker` (its weight-update steps and their lock, as a pipeline's engines run them)
   around `BlockingEngine`, whose receive blocks until the test releases it, and which logs every step in order.
+- `Restorable`: rank 0's first incarnation dies in `die()` (a marker file says it died); a successor starts
+  unrestored until a restart hook calls `mark_restored`; `raise_actor_error` raises a RayActorError of its own.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -107,3 +110,36 @@ class BlockingReceiver(InferWorker):
     @dispatch(Dispatch.BROADCAST)
     def weights(self) -> dict[str, float]:
         return dict(self.engine.weights)
+
+
+class Restorable(Worker):
+    """Rank 0 dies in its first `die()` (leaving the `marker` file); a worker built after that (a successor) is
+    unrestored until `mark_restored` (what a restart hook restores), which `restored` reports."""
+
+    def __init__(self, marker: str, **base: Any) -> None:
+        super().__init__(**base)
+        self.marker = marker
+        self.is_restored = not os.path.exists(marker)
+
+    @dispatch(Dispatch.BROADCAST)
+    def die(self) -> int:
+        if self.rank == 0 and not os.path.exists(self.marker):
+            with open(self.marker, "w") as f:
+                f.write(str(os.getpid()))
+            os._exit(1)
+        return self.rank
+
+    @dispatch(Dispatch.BROADCAST)
+    def mark_restored(self) -> None:
+        self.is_restored = True
+
+    @dispatch(Dispatch.BROADCAST)
+    def restored(self) -> bool:
+        return self.is_restored
+
+    @dispatch(Dispatch.BROADCAST)
+    def raise_actor_error(self) -> int:
+        """Raises Ray's error for a dead actor as its own (what a method whose call to another actor failed does)."""
+        import ray
+
+        raise ray.exceptions.ActorDiedError()

@@ -7,6 +7,11 @@
   (`max_concurrency`, the request API): an `abort_weight_update` sent while a receive still runs waits for it, then
   puts back the old weights. Run beside it, the abort restored the old weights and the bucket landing afterwards was
   written into them (a mix, served under the old version).
+- Restarts of a restartable group: its restart hooks run once per restart, in order; a hook that fails is raised
+  (noted with role, ranks, hook and cause) and its unrestored successor stopped, so the next call restarts and
+  restores it again (it was kept and served calls unrestored); a call from another thread to a rank being restored
+  waits for its hooks (it reached the unrestored successor); a method that raises a RayActorError of its own (an
+  actor it called died) fails the call with its error and restarts nothing (it was taken for its worker's death).
 
 One Ray instance for the module (`ray_session`); workers live in ray_call_workers.py, which Ray workers import.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +34,7 @@ from roll_core.cluster.infer_role import InferWorker
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))  # the controller imports the workers as Ray workers do (the fixture's PYTHONPATH)
-from ray_call_workers import BlockingReceiver, Flaky, RowMissing  # noqa: E402
+from ray_call_workers import BlockingReceiver, Flaky, Restorable, RowMissing  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -115,5 +121,113 @@ def test_an_abort_sent_while_a_receive_runs_waits_for_it_on_a_threaded_ray_actor
             ["begin", "receive started", "abort called", "receive ended", "abort"]
         ]
         assert group.call(BlockingReceiver.weights) == [{"w": 0.0}]  # the old weights whole, not the bucket's
+    finally:
+        group.shutdown()
+
+
+class RestorableGroup(WorkerGroup[Restorable]):
+    worker_cls = Restorable
+    restartable = True
+
+
+def _restorable(tmp_path: Path, max_restarts: int) -> RestorableGroup:
+    return RestorableGroup(
+        Restorable,
+        2,
+        "ray",
+        name="restorable",
+        ray_options=RayOptions(num_cpus=0.1),
+        max_restarts=max_restarts,
+        marker=str(tmp_path / "died"),
+    )
+
+
+def test_a_failed_restore_hook_is_raised_and_its_unrestored_successor_is_restarted_by_the_next_call(
+    ray_session: Any, tmp_path: Path
+) -> None:
+    group = _restorable(tmp_path, max_restarts=2)
+    ran: list[tuple[str, list[int]]] = []
+
+    def reload(ranks: list[int]) -> None:
+        ran.append(("reload", ranks))
+        if len(ran) == 1:
+            raise ConnectionError("the trainer could not publish its weights")
+        group.call_ranks(ranks, Restorable.mark_restored)
+
+    def resync(ranks: list[int]) -> None:
+        ran.append(("resync", ranks))
+
+    group.add_restart_hook(reload)
+    group.add_restart_hook(resync)
+    try:
+        with pytest.raises(ConnectionError, match="could not publish") as raised:
+            group.call(Restorable.die)
+        notes = " ".join(getattr(raised.value, "__notes__", []))
+        assert "restorable: rank(s) [0] were restarted (rank 0 died during die()" in notes, notes
+        assert "restart hook test_a_failed_restore_hook" in notes and "reload failed to restore them" in notes, notes
+        assert ran == [("reload", [0])]  # the failed hook stopped the restore: the next hook did not run
+        # The successor that was not restored is not served: the call restarts rank 0 again and its hooks run again,
+        # in order, once each; it answered False (kept, unrestored) with the restart count still 1.
+        assert group.call(Restorable.restored) == [True, True]
+        assert ran == [("reload", [0]), ("reload", [0]), ("resync", [0])]
+        assert group.restarts == 2
+    finally:
+        group.shutdown()
+
+
+def test_a_call_from_another_thread_waits_until_the_restored_rank_is_restored(ray_session: Any, tmp_path: Path) -> None:
+    group = _restorable(tmp_path, max_restarts=1)
+    restoring, release = threading.Event(), threading.Event()
+
+    def reload(ranks: list[int]) -> None:
+        restoring.set()
+        assert release.wait(120), "the test never released the restore"
+        group.call_ranks(ranks, Restorable.mark_restored)
+
+    group.add_restart_hook(reload)
+    seen: list[list[bool]] = []
+    errors: list[BaseException] = []
+
+    def run(fn: Any) -> threading.Thread:
+        def target() -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        return thread
+
+    try:
+        dying = run(lambda: group.call(Restorable.die))
+        assert restoring.wait(120), "rank 0 was never restarted"
+        asking = run(lambda: seen.append(group.call(Restorable.restored)))
+        # While the hook restores rank 0, the other thread's call waits for it (it got [False, True] at once).
+        asking.join(timeout=3.0)
+        assert asking.is_alive() and not seen, seen
+        release.set()
+        dying.join(timeout=120)
+        asking.join(timeout=120)
+        assert not errors, errors
+        assert seen == [[True, True]] and group.restarts == 1
+    finally:
+        release.set()
+        group.shutdown()
+
+
+def test_a_method_raising_a_ray_actor_error_of_its_own_fails_the_call_and_restarts_nothing(
+    ray_session: Any, tmp_path: Path
+) -> None:
+    ray = ray_session
+    group = _restorable(tmp_path, max_restarts=2)
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError) as raised:
+            group.call(Restorable.raise_actor_error)
+        notes = getattr(raised.value, "__notes__", [])
+        assert [n for n in notes if n.startswith("restorable.raise_actor_error() raised on rank(s)")], notes
+        # The workers were healthy: nothing restarted (they were, twice, and the call failed as a death).
+        assert group.restarts == 0
+        assert group.call(Restorable.restored) == [True, True]
     finally:
         group.shutdown()

@@ -29,7 +29,12 @@ Faults (Ray only; an in-process call cannot time out or die apart from the contr
   inference engine gets the trainer's weights: roll_core.cluster.weight_sync) and the call is rerun on the new
   worker, so its caller sees the result, not the fault. Ranks that answered keep their results, ranks still
   running are waited for, and a `Handle` waits once: asking it again returns the same results (or error), never
-  reruns. `restarts` and `timeouts` count the faults.
+  reruns. `restarts` and `timeouts` count the faults. The hooks run once per restart, in order; calls from other
+  threads to the restarted ranks wait until they end. A hook that raises stops the restore: the unrestored new
+  workers are killed (the next call restarts them again, within `max_restarts`) and the hook's error is raised,
+  noted with the role, ranks, hook and the restart's cause.
+- A method that raised a Ray error of its own (a RayActorError: an actor it called died) is its error, not its
+  worker's death: it is raised, noted, and nothing is restarted.
 - A method declared `retry=False` is not rerun: the worker is restarted, then `WorkerRestartedError` asks the
   caller to redo the protocol the call belongs to.
 - A group that may not restart (sharded trainers: their ranks share torch.distributed groups) fails with the
@@ -42,10 +47,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
+from roll_core.cluster._group_faults import (  # the errors are imported from here
+    CallTimeoutError,
+    WorkerDiedError,
+    WorkerRestartedError,
+    death_summary,
+    failed_note,
+    hook_name,
+    ray_report,
+    wait_all,
+)
 from roll_core.cluster.handle import Handle
 from roll_core.cluster.mesh import Mesh
 from roll_core.cluster.ports import free_port, reserve_port  # noqa: F401  (re-exported: old imports work)
@@ -75,22 +90,6 @@ class RayOptions:
     python: str | None = None
     # Calls one actor may serve at once (threads): request-level engines serve many blocking requests.
     max_concurrency: int = 1
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker process died during a call; the message names role, rank and node."""
-
-
-class WorkerRestartedError(WorkerDiedError):
-    """A worker died during a `retry=False` call and was restarted: the caller must redo its protocol."""
-
-    def __init__(self, message: str, ranks: list[int]) -> None:
-        super().__init__(message)
-        self.ranks = ranks
-
-
-class CallTimeoutError(TimeoutError):
-    """A call did not finish within the role's call timeout; the message names role, method, ranks and timeout."""
 
 
 class WorkerGroup(Generic[W]):
@@ -131,6 +130,11 @@ class WorkerGroup(Generic[W]):
         self.restart_lock = threading.RLock()
         self.timeouts = 0  # calls (per rank) that passed their deadline
         self._restart_hooks: list[Callable[[list[int]], None]] = []
+        # While restart hooks restore ranks: (the thread running them, those ranks). Calls from other threads to
+        # those ranks wait for the end of the restore (`_actors`); `_state_lock` makes a restart's swap of actors and
+        # incarnations atomic for the calls that read them.
+        self._restoring: tuple[threading.Thread, frozenset[int]] | None = None
+        self._state_lock = threading.Lock()
         #: Appended to a fatal fault's message (the pipeline names the checkpoint to resume from).
         self.death_hint: Callable[[], str] | None = None
         self.mesh = mesh or Mesh(dp=world_size)
@@ -204,13 +208,14 @@ class WorkerGroup(Generic[W]):
                 self._actor_options.append(options)
                 actors.append(self._spawn(r))
             # Bounded: an actor Ray cannot place (its bundle's share used up) would otherwise be waited for forever.
-            nodes = self._wait_all([a.node_id.remote() for a in actors], "start", self.start_timeout_s)
+            nodes = wait_all(self.name, self.nodes, [a.node_id.remote() for a in actors], "start", self.start_timeout_s)
             self.nodes = [str(n) for n in nodes]
             # Phase two: rank 0 (wherever it landed) picks the rendezvous on its own node; then every rank sets up.
             endpoint = ray.get(actors[0].rendezvous_endpoint.remote())
             self._endpoint = endpoint  # a restarted rank sets up with the same rendezvous
             self.workers = actors
-            self._wait_all([a.setup.remote(*endpoint) for a in actors], "set up", None)  # unbounded: loads models
+            # Unbounded: the set-up loads models.
+            wait_all(self.name, self.nodes, [a.setup.remote(*endpoint) for a in actors], "set up", None)
         except BaseException:
             for a in actors:
                 try:
@@ -220,39 +225,6 @@ class WorkerGroup(Generic[W]):
             self.workers = []
             raise
         return actors
-
-    def _wait_all(self, refs: list[Any], what: str, timeout: float | None) -> list[Any]:
-        """Per-rank results of a start-up step (`what`), failing at the first rank that fails: a constructor that
-        raised (or a process that died) is a WorkerDiedError naming the rank and quoting Ray's report; a method that
-        raised is its own error (its type kept: a ConfigError stays one), noted with the rank. `timeout` (None:
-        unbounded) bounds the whole step."""
-        import ray
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        rank_of = {ref: r for r, ref in enumerate(refs)}
-        pending, results = list(refs), {}
-        while pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-            if not ready:
-                raise WorkerDiedError(
-                    f"{self.name}: rank(s) {sorted(rank_of[p] for p in pending)} of its {len(refs)} worker(s) did not "
-                    f"{what} within {timeout:.0f} s (cluster.placement_timeout_s): Ray could not place them, or they "
-                    "are still loading; `ray status` shows what the cluster lacks"
-                )
-            r = rank_of[ready[0]]
-            where = f"rank {r}" if what == "start" else f"rank {r} on node {self.nodes[r]}"
-            try:
-                results[r] = ray.get(ready[0])
-            except ray.exceptions.RayActorError as exc:
-                raise WorkerDiedError(
-                    f"{self.name}: {where} failed to {what}; the group's {len(refs)} worker(s) were stopped. "
-                    f"Ray's report: {_report(exc)}"
-                ) from exc
-            except Exception as exc:
-                exc.add_note(f"{self.name}: {where} failed to {what}; the group's {len(refs)} worker(s) were stopped")
-                raise
-        return [results[r] for r in range(len(refs))]
 
     def _spawn(self, rank: int) -> Any:
         """A new actor for `rank`, with the options (resources, placement bundle, environment) of the first."""
@@ -301,10 +273,24 @@ class WorkerGroup(Generic[W]):
             keep = [ranks.index(r) for r in self.mesh.output_ranks()]
         if self.backend == "local":
             return Handle(self._call_local(method, args, kwargs), mode, lambda p: p, keep)
-        parts = [getattr(self.workers[r], method).remote(*a, **kwargs) for r, a in args.items()]
+        actors, born = self._actors(args)
+        parts = [getattr(actors[r], method).remote(*a, **kwargs) for r, a in args.items()]
         deadline = self._deadline()
-        born = {r: self._incarnation[r] for r in args} if self.backend == "ray" else {}
         return Handle(parts, mode, lambda p: self._collect(method, args, kwargs, p, deadline, born), keep, remote=True)
+
+    def _actors(self, ranks: Iterable[int]) -> tuple[dict[int, Any], dict[int, int]]:
+        """The actors of `ranks` and their incarnations, read together (a restart swaps both). A rank whose restart
+        hooks still restore it is waited for, unless this thread runs them (their own calls): a call from another
+        thread (a request, a health check) reached the new worker before its state was restored, and an engine
+        served its initial weights as the current ones."""
+        wanted = list(ranks)
+        while True:
+            with self._state_lock:
+                busy = self._restoring
+                if busy is None or busy[0] is threading.current_thread() or busy[1].isdisjoint(wanted):
+                    return {r: self.workers[r] for r in wanted}, {r: self._incarnation[r] for r in wanted}
+            with self.restart_lock:  # the restoring thread holds it until its hooks end
+                pass
 
     def _call_local(self, method: str, args: dict[int, Sequence[Any]], kwargs: dict[str, Any]) -> list[Any]:
         """Per-rank results of an in-process call (module doc: every rank is called, then the first error raised).
@@ -321,7 +307,8 @@ class WorkerGroup(Generic[W]):
         if errors:
             first, exc = next(iter(errors.items()))
             others = "".join(f"; rank {r}: {type(e).__name__}: {e}" for r, e in errors.items() if r != first)
-            exc.add_note(f"{_failed(self.name, method, list(errors), len(args))}; rank {first}'s error raised{others}")
+            note = failed_note(self.name, method, list(errors), len(args))
+            exc.add_note(f"{note}; rank {first}'s error raised{others}")
             raise exc
         return parts
 
@@ -370,24 +357,27 @@ class WorkerGroup(Generic[W]):
                 for r in [r for r, ref in waiting.items() if ref in ready]:
                     try:
                         results[r] = ray.get(waiting.pop(r))
+                    except ray.exceptions.RayTaskError as exc:  # the method raised: the first to answer is raised
+                        # First: a method that raised a RayActorError of its own (an actor it called died) gets an
+                        # instance of both, and was taken for its worker's death (a healthy worker restarted).
+                        exc.add_note(failed_note(self.name, method, [r], len(args)))
+                        raise
                     except ray.exceptions.RayActorError as exc:
                         dead.append(r)
                         deaths[r] = exc
-                    except ray.exceptions.RayTaskError as exc:  # the method raised: the first to answer is raised
-                        exc.add_note(_failed(self.name, method, [r], len(args)))
-                        raise
                 if dead and self.restarts + len(dead) > self.max_restarts:
                     break
             if not dead and not hung:
                 break
             self._recover(method, dead, hung, born, deaths)
             rerun = dead + hung
-            born = {**born, **{r: self._incarnation[r] for r in rerun}}
+            actors, reborn = self._actors(rerun)
+            born = {**born, **reborn}
             deadline = self._deadline()
             # Ranks not yet answered when a death stopped the wait (one another caller's restart had repaired) are
             # still running: wait for them too, with the reruns.
             pending = {r: ref for r, ref in waiting.items() if r not in rerun}
-            pending.update({r: getattr(self.workers[r], method).remote(*args[r], **kwargs) for r in rerun})
+            pending.update({r: getattr(actors[r], method).remote(*args[r], **kwargs) for r in rerun})
         return [results[r] for r in args]
 
     def _recover(
@@ -425,7 +415,7 @@ class WorkerGroup(Generic[W]):
                 where = ", ".join(f"rank {r} on node {self.nodes[r]}" for r in dead)
                 # Why it died (OOM killer, segfault, a failed constructor's traceback) is in Ray's report alone.
                 cause = next((deaths[r] for r in dead if r in deaths), None)
-                report = f"\nRay's report: {_report(cause)}" if cause is not None else ""
+                report = f"\nRay's report: {ray_report(cause)}" if cause is not None else ""
                 raise WorkerDiedError(f"{self.name} {where} died during {method}(){budget}{hint}{report}") from cause
             raise CallTimeoutError(
                 f"{self.name}.{method}() did not return within {self.call_timeout_s}s on rank(s) "
@@ -433,7 +423,7 @@ class WorkerGroup(Generic[W]):
                 f"{budget}{hint}"
             )
         reason = ", ".join(
-            [f"rank {r} died during {method}(){_summary(deaths.get(r))}" for r in dead]
+            [f"rank {r} died during {method}(){death_summary(deaths.get(r))}" for r in dead]
             + [f"rank {r} hung in {method}() past {self.call_timeout_s}s" for r in hung]
         )
         self.restart(failed, reason)
@@ -454,6 +444,7 @@ class WorkerGroup(Generic[W]):
             self.restarts + len(ranks),
             self.max_restarts,
         )
+        dead = {r: self.workers[r] for r in ranks}
         for r in ranks:
             try:
                 ray.kill(self.workers[r], no_restart=True)  # a hung worker must free its bundle for its successor
@@ -476,17 +467,54 @@ class WorkerGroup(Generic[W]):
                     pass
             if not isinstance(exc, ray.exceptions.RayError):
                 raise
-            why = type(exc).__name__ if isinstance(exc, ray.exceptions.GetTimeoutError) else _report(exc)
+            why = type(exc).__name__ if isinstance(exc, ray.exceptions.GetTimeoutError) else ray_report(exc)
             raise WorkerDiedError(
                 f"{self.name}: rank(s) {ranks} could not be restarted within {wait}s ({why}); "
-                f"the cluster has {ray.available_resources()} free"
+                f"the cluster has {ray.available_resources()} free. The restart was for: {reason}"
             ) from exc
-        for (r, actor), node in zip(fresh.items(), nodes):
-            self.workers[r], self.nodes[r] = actor, str(node)
-            self._incarnation[r] += 1
+        with self._state_lock:
+            for (r, actor), node in zip(fresh.items(), nodes):
+                self.workers[r], self.nodes[r] = actor, str(node)
+                self._incarnation[r] += 1
+            outer = self._restoring  # a restart inside a hook (the restored rank died again) keeps the outer's ranks
+            self._restoring = (threading.current_thread(), frozenset(ranks) | (outer[1] if outer else frozenset()))
         self.restarts += len(ranks)
+        try:
+            self._restore(ranks, reason, fresh, dead)
+        finally:
+            with self._state_lock:
+                self._restoring = outer
+
+    def _restore(self, ranks: list[int], reason: str, fresh: dict[int, Any], dead: dict[int, Any]) -> None:
+        """Run the restart hooks once each, in order. A hook that raises stops the restore: the new workers it
+        left unrestored are killed (kept, they served calls with a fresh state: an engine's initial weights, not the
+        trainer's) and their ranks get back their `dead` actors, so the next call restarts them and the hooks run
+        again, within cluster.max_restarts; the hook's error is raised, noted with the role, ranks, hook and the
+        restart's cause."""
+        import ray
+
         for hook in self._restart_hooks:
-            hook(list(ranks))
+            try:
+                hook(list(ranks))
+            except BaseException as exc:
+                # A successor a restart inside the hook replaced is that restart's (its hooks restored it).
+                with self._state_lock:
+                    stale = [r for r, a in fresh.items() if self.workers[r] is a]
+                    # Ray's kill is asynchronous (a call sent now could still run on the successor); the dead actor
+                    # fails every call at once: its death is long known.
+                    for r in stale:
+                        self.workers[r] = dead[r]
+                for r in stale:
+                    try:
+                        ray.kill(fresh[r], no_restart=True)
+                    except Exception:
+                        pass  # already gone
+                exc.add_note(
+                    f"{self.name}: rank(s) {ranks} were restarted ({reason}), but the restart hook {hook_name(hook)} "
+                    f"failed to restore them; the unrestored new worker(s) of rank(s) {stale} were stopped (the next "
+                    f"call restarts them: {self.restarts} of cluster.max_restarts={self.max_restarts} used)"
+                )
+                raise
 
     def check_health(self, timeout: float = 30.0) -> list[int]:
         """Ping every rank and restart those that died (restartable groups); returns the restarted ranks. A rank
@@ -495,7 +523,9 @@ class WorkerGroup(Generic[W]):
             return []
         import ray
 
-        refs = [w.ping.remote() for w in self.workers]
+        # The incarnations the pings reach: a rank another thread restarts meanwhile is not restarted twice.
+        actors, born = self._actors(range(self.world_size))
+        refs = [actors[r].ping.remote() for r in range(self.world_size)]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         ready_set, dead, deaths = set(ready), [], {}
         for r, ref in enumerate(refs):
@@ -506,7 +536,7 @@ class WorkerGroup(Generic[W]):
                     dead.append(r)
                     deaths[r] = exc
         if dead:
-            self._recover("ping", dead, [], {r: self._incarnation[r] for r in dead}, deaths)
+            self._recover("ping", dead, [], {r: born[r] for r in dead}, deaths)
         return dead
 
     def call(self, method: Method[W, P, R], *args: P.args, **kwargs: P.kwargs) -> Any:
@@ -538,23 +568,3 @@ class WorkerGroup(Generic[W]):
                 except Exception:  # a failed run's engine may be broken: release the others regardless
                     log.exception("%s rank %d: teardown failed", self.name, w.rank)
         self.workers = []
-
-
-def _failed(name: str, method: str, ranks: list[int], called: int) -> str:
-    """The note on a call's error naming the ranks where it failed (the same words on both backends)."""
-    return f"{name}.{method}() raised on rank(s) {', '.join(map(str, ranks))} of the {called} called"
-
-
-def _report(exc: BaseException) -> str:
-    """Ray's report of a worker's death (its pid and node, and why: killed, OOM, exit detail, a constructor's
-    traceback), or the exception's type for an error without a message."""
-    return str(exc).strip() or type(exc).__name__
-
-
-def _summary(exc: BaseException | None) -> str:
-    """One line of Ray's report of a death for a log (the sentence that says why), prefixed for appending."""
-    if exc is None:
-        return ""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    why = next((ln for ln in lines if ln.startswith("The actor is dead because")), lines[0] if lines else "")
-    return f" ({why[:300]})" if why else ""
