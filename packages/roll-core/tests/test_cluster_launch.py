@@ -224,3 +224,16 @@ def test_token_auth_off_sets_ray_auth_mode_for_the_start_only(
     fake_ray["running"] = False
     Cluster(ClusterConfig(backend="ray"), HwConfig(platform="cpu"))  # the next run asks for token auth: untouched
     assert seen[1] == before and os.environ.get("RAY_AUTH_MODE") == before
+
+
+def test_a_new_instance_declares_the_cpus_this_process_may_use(
+    fake_ray: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without cluster.num_cpus, a Ray instance roll starts declared the host's cores (os.cpu_count), not a
+    CPU-limited pod's: now the usable CPUs (affinity, cgroup quota), at least 4, as ${roll_logical_cpus:} says."""
+    import roll_hw.cpu
+
+    fake_ray["running"] = False
+    monkeypatch.setattr(roll_hw.cpu, "usable_cpu_count", lambda: (os.cpu_count() or 1) + 5)
+    Cluster(ClusterConfig(backend="ray"), HwConfig(platform="cpu"))
+    assert fake_ray["inits"][-1]["num_cpus"] == (os.cpu_count() or 1) + 5

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from roll_core.cluster.group import RayOptions, WorkerGroup
 from roll_core.cluster.worker import Worker
-from roll_core.config.schema import ClusterConfig, HwConfig
+from roll_core.config.schema import ClusterConfig, HwConfig, logical_cpus
 from roll_core.errors import ConfigError
 from roll_hw import Platform
 
@@ -233,7 +233,7 @@ class Cluster:
         # A new local instance (even if a `ray start` cluster runs here: cluster.address=auto joins that one).
         # Declare enough logical CPUs for every role's fractional share; torch threads are set per worker,
         # independently of Ray's CPU accounting.
-        kwargs["num_cpus"] = self.cfg.num_cpus or max(os.cpu_count() or 1, 4)  # = ${roll_logical_cpus:}
+        kwargs["num_cpus"] = self.cfg.num_cpus or logical_cpus()  # = ${roll_logical_cpus:} (a pod's CPUs)
         resources = dict(self.cfg.resources)
         # Ray takes GPUs as a count of its own (`num_gpus`), never among custom resources: +cluster.resources.GPU=2
         # (the schema's example, for tests on a CPU machine) failed in ray.init with an AssertionError.
