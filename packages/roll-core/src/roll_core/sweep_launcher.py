@@ -43,6 +43,13 @@ and the jobs still running were abandoned with the driver. Jobs that raise are a
   losing every step since their last checkpoint;
 - a killed job is recorded once its process is gone (waited for up to KILL_WAIT_S): a job ending meanwhile wrote
   its own end record over the launcher's;
+- jobs whose config roll refuses (an unknown key forced in with `+key=`, a value a schema's check refuses, e.g.
+  `algo.lr=1e-3,-1`) are refused before any starts, naming the job (roll_core.sweep_checks): each job checked its
+  own config when it ran, so a sweep whose one value was bad failed that job after the ones before it had trained;
+- a job's own Ray task asking for more than any node of a Ray instance started here has (`hydra.launcher.ray.remote`
+  num_gpus on a machine without GPUs, num_cpus over its cores) is refused before any starts: Ray keeps an infeasible
+  task pending forever, so the sweep hung with no error (on a joined cluster, which an autoscaler may grow, a
+  warning);
 - jobs are not retried by Ray (`remote.max_retries: 0` in conf/hydra/launcher/ray.yaml): a retried job would find
   its own checkpoints in its folder and be refused, and an out-of-memory job would usually die again.
 
@@ -76,6 +83,7 @@ from roll_core.sweep import (
     sweep_marker,
     write_record,
 )
+from roll_core.sweep_checks import check_job_configs, check_job_resources
 from roll_core.sweep_resume import record_folder_run
 
 log = logging.getLogger(__name__)
@@ -118,8 +126,10 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
         check_max_concurrent(launcher, cfgs)
         check_job_folders(launcher, cfgs)
         check_job_gpus(launcher, cfgs)
+        check_job_configs(cfgs, job_overrides)
         start_ray(launcher.ray_cfg.init)
         sweep_stop.rearm()  # a Ray started here replaced the sweep's SIGTERM handler with its own (an abort)
+        check_job_resources(launcher)
         for cfg, overrides in zip(cfgs, job_overrides):
             log.info("\t#%d : %s", cfg.hydra.job.num, " ".join(filter_overrides(overrides)))
             ref = launch_job_on_ray(
