@@ -551,3 +551,90 @@ def test_tools_and_tool_calls_as_json_text_are_read_as_lists(tmp_path):
     assert masked_segments(tok, a["responses"][0], a["response_mask"][0]) == [
         '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call><|im_end|>'
     ]
+
+
+@pytest.mark.parametrize("family", list(END))
+def test_a_blank_untrained_turn_is_context_and_the_row_still_trains(tmp_path, family):
+    """A blank assistant turn marked `train: false` (or `weight: 0`) after a trained one skipped the whole row as
+    `empty` ("renders to no text" under ChatML): it is context, rendered as the template renders it (mask 0), and
+    the row's trained turns train. Only a blank turn to train is an `empty` skip."""
+    tok, end = TOKS[family], END[family]
+    t1, t3 = THINK.get(family, ("", ""))
+
+    def row(say: str = " ", **flag: object) -> dict:
+        turns = [("q1", t1 + "A1", {}), ("q2", say, flag), ("q3", t3 + "A3", {})]
+        return {"messages": [m for q, a, f in turns for m in ({"role": "user", "content": q},
+                                                              {"role": "assistant", "content": a, **f})]}  # fmt: skip
+
+    src = load("sft", tok, path=write_jsonl(tmp_path / "b.jsonl", [row("", train=False), row(weight=0), row()])).train
+    assert src.skipped == {"empty": 1} and len(src) == 2
+    for i in (0, 1):
+        b = src.batch([i])
+        assert masked_segments(tok, b["responses"][0], b["response_mask"][0]) == [t1 + "A1" + end, t3 + "A3" + end]
+        response = tok.decode(b["responses"][0][b["attention_mask"][0, b["prompts"].shape[1] :].bool()])
+        assert "q2" in response and "q3" in response
+    if family == "chatml":  # the row's ids are the template's rendering of the conversation, blank turn included
+        b = src.batch([0])
+        clean = [{k: v for k, v in m.items() if k != "train"} for m in row("", train=False)["messages"]]
+        rendered = tok.apply_chat_template(clean, tokenize=False)
+        assert "<|im_start|>assistant\n<|im_end|>" in rendered
+        assert tok.decode(b["input_ids"][0][b["attention_mask"][0].bool()]) == rendered.removesuffix("\n")
+
+
+def test_sharegpt_rows_are_read_as_messages(tmp_path):
+    """ShareGPT rows (`conversations` of `{"from": "human" | "gpt" | "system", "value"}`) gave no_assistant_turn
+    skips (or wrong_type: no 'role') saying nothing of the roles: read as the messages they spell. Roles that are
+    not the template's still skip, now naming the roles seen and the ones expected."""
+    tok = TOKS["chatml"]
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = [{"from": names[m["role"]], "value": m["content"]} for m in messages]
+    rows = [{"conversations": sharegpt}, {"messages": sharegpt}, {"messages": messages}]
+    src = load("sft", tok, path=write_jsonl(tmp_path / "s.jsonl", rows)).train
+    assert src.skipped == {} and len(src) == 3
+    b = src.batch([0, 1, 2])
+    assert torch.equal(b["input_ids"][0], b["input_ids"][2]) and torch.equal(b["input_ids"][1], b["input_ids"][2])
+    assert masked_segments(tok, b["responses"][0], b["response_mask"][0]) == ["4<|im_end|>"]
+    odd = [{"messages": [{"role": "human", "content": "2+2?"}, {"role": "gpt", "content": "4"}]}]
+    with pytest.raises(ConfigError, match=r"no_assistant_turn: .*roles are \['gpt', 'human'\]; expected 'assistant'"):
+        load("sft", tok, path=write_jsonl(tmp_path / "odd.jsonl", odd))
+
+
+def test_tool_call_arguments_as_json_text_are_not_double_encoded(tmp_path):
+    """Qwen2.5's own template writes `arguments | tojson`: arguments given as JSON text (OpenAI's form) rendered as
+    a quoted string of escaped JSON, which the model learned to write. Parsed where the template tojsons them (text
+    that is not JSON is then a wrong_type skip); a template that writes text as it is gets the text."""
+    from roll_core.testing.chat_templates import QWEN25
+
+    passthrough = (
+        "{%- if tool_call.arguments is string -%}{{- tool_call.arguments -}}"
+        "{%- else -%}{{- tool_call.arguments | tojson -}}{%- endif -%}"
+    )
+    assert passthrough in QWEN25
+    real = family_tokenizer("qwen2.5")
+    real.chat_template = QWEN25.replace(passthrough, "{{- tool_call.arguments | tojson -}}")
+    ask = {"role": "user", "content": "2+2?"}
+
+    def row(arguments: object) -> dict:
+        call = {"type": "function", "function": {"name": "add", "arguments": arguments}}
+        return {"messages": [ask, {"role": "assistant", "content": "", "tool_calls": [call]}]}
+
+    rows = [row({"a": 2}), row('{"a": 2}'), row("a=2")]
+    expected = ['<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call><|im_end|>']
+    src = load("sft", real, path=write_jsonl(tmp_path / "r.jsonl", rows)).train
+    assert src.skipped == {"wrong_type": 1} and len(src) == 2
+    for i in (0, 1):
+        b = src.batch([i])
+        assert masked_segments(real, b["responses"][0], b["response_mask"][0]) == expected
+    # a flat call ({"name", "arguments"}) and tool_calls as JSON text too
+    flat = {"messages": [ask, {"role": "assistant", "content": "", "tool_calls": '[{"name": "add", "arguments": '
+                                                                               '"{\\"a\\": 2}"}]'}]}  # fmt: skip
+    b = load("sft", real, path=write_jsonl(tmp_path / "f.jsonl", [flat])).train.batch([0])
+    assert masked_segments(real, b["responses"][0], b["response_mask"][0]) == expected
+    # the fixture's template writes text arguments as they are: nothing parsed, nothing skipped
+    src = load("sft", family_tokenizer("qwen2.5"), path=write_jsonl(tmp_path / "p.jsonl", rows)).train
+    assert src.skipped == {} and len(src) == 3

@@ -5,6 +5,8 @@ Row forms (`detect_format` picks one per file from its columns, or `data.format`
   list as JSON text; an assistant message's `tool_calls` likewise, each call naming its function). Every assistant
   message is trained unless it has `"train": false` or OpenAI's `"weight": 0` (a `train` that is not true, false or
   null, or a `weight` that is not 0 or 1, is a `wrong_type` skip); system / user / tool messages are context.
+  ShareGPT rows alike: a `conversations` column (when the row has no `messages`) of `{"from", "value"}` messages,
+  `from` human / gpt / system read as user / assistant / system (another is kept as the role).
 - `prompt_completion`: `{"prompt": str | messages, "completion": str | messages}` (TRL's standard and
   conversational forms). Text with `data.chat_template=true` becomes a user message and an assistant message;
   with false, the prompt's ids (the tokenizer's leading special tokens added, e.g. bos, unless the text already
@@ -15,24 +17,27 @@ Row forms (`detect_format` picks one per file from its columns, or `data.format`
   re-tokenisation; the ids must be in the vocabulary.
 
 Chat layout (the same an agentic RL trajectory has, so SFT trains exactly what sampling produces): the prompt is
-`TurnTemplate.initial_messages` of the messages before the first trained assistant turn; each assistant turn is
-its rendered text (the template's rendering of that turn as the conversation's last message, minus the turn's
-closing: Qwen3's `<think>` block kept, Llama 3's trimming applied) encoded after the rendered conversation before it
-(`encode_after`), plus the end-of-turn token
-(the template's end-of-turn special token, else the tokenizer's eos: what sampling stops on and the model must
-learn to emit; a turn the template ends with an alternative end token, Llama 3.1's `<|eom_id|>` after a built-in
-tool call, ends with that one); between turns, `TurnTemplate.continuation` (the rest of the closing, the next
-messages, the next generation header) with mask 0, and between two assistant turns in a row the first's closing and
-the next one's header. An assistant turn whose text the template drops in part (a `<think>` block it strips) is skipped
-(`template_drops_content`): trained as rendered, the model would learn to answer without it. Mask 1 covers
-exactly the trained assistant turns' ids and their end-of-turn tokens; untrained assistant turns after the first
-trained one are context (mask 0); messages after the last trained turn are dropped. An assistant turn to train
+`TurnTemplate.initial_messages` of the messages before the first trained assistant turn; each assistant turn is its
+rendered text (the template's rendering of that turn as the conversation's last message, minus the turn's closing:
+Qwen3's `<think>` block kept, Llama 3's trimming applied) encoded after the rendered conversation before it
+(`encode_after`), plus the end-of-turn token (the template's end-of-turn special token, else the tokenizer's eos: what
+sampling stops on and the model must learn to emit; a turn the template ends with an alternative end token, Llama
+3.1's `<|eom_id|>` after a built-in tool call, ends with that one); between turns, `TurnTemplate.continuation` (the
+rest of the closing, the next messages, the next generation header) with mask 0, and between two assistant turns in a
+row the first's closing and the next one's header. An assistant turn whose text the template drops in part (a
+`<think>` block it strips) is skipped (`template_drops_content`): trained as rendered, the model would learn to answer
+without it. Mask 1 covers exactly the trained assistant turns' ids and their end-of-turn tokens; untrained assistant
+turns after the first trained one are context (mask 0); messages after the last trained turn are dropped (a blank
+untrained turn is context too, as the template renders it: typically a bare end of turn). An assistant turn to train
 that is blank (empty or whitespace text, no tool calls) is skipped (`empty`), whatever the template renders for it
 (ChatML a bare end-of-turn token, Qwen3 an empty think block): the model would learn to end its turn without
-answering; so is blank text of a prompt, completion or preference response. A template that does not render
-what a row gives it is a counted skip, not a row trained without it: the row's `tools` (`template_drops_tools`: the
-model would call tools it was never shown) or the tool calls of an assistant turn after the prompt
-(`template_drops_tool_calls`: the model would learn to announce a call and end its turn without making it).
+answering; so is blank text of a prompt, completion or preference response. A template that does not render what a row
+gives it is a counted skip, not a row trained without it: the row's `tools` (`template_drops_tools`: the model would
+call tools it was never shown) or the tool calls of an assistant turn after the prompt (`template_drops_tool_calls`:
+the model would learn to announce a call and end its turn without making it). A tool call's `arguments` given as JSON
+text is parsed to the object it spells when the template `tojson`s arguments (Qwen2.5's, Llama 3.1's): rendered as
+given, the model would learn escaped JSON in a string; text that is not JSON is then a `wrong_type` skip. Templates
+that write text arguments as they are (Qwen3's, DeepSeek's) get the text.
 
 Ids after a context (`encode_after`): text is tokenised together with the text before it and the context's own ids
 are taken off, when they are a prefix of the whole's (else, where BPE merges across the boundary, on its own: the ids
@@ -88,6 +93,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _PLACEHOLDER = "\u2063ROLL-SFT-ASSISTANT\u2063"
+_SHAREGPT_COLUMN = "conversations"
+_SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+_ARGS_PROBE = '{"roll_probe": 1}'  # tool-call arguments as text: a template that tojsons them writes them quoted
 SFT_FORMATS = ("messages", "prompt_completion", "tokens")
 
 
@@ -144,7 +152,7 @@ def row_format(row: Mapping[str, Any], cfg: DataConfig) -> str | None:
         return "preference"
     if cfg.prompt_ids_key in row and cfg.response_ids_key in row:
         return "rollout" if (cfg.reward_key in row or cfg.correct_key in row) else "tokens"
-    if cfg.messages_key in row:
+    if cfg.messages_key in row or _SHAREGPT_COLUMN in row:
         return "messages"
     if cfg.prompt_key in row and cfg.completion_key in row:
         return "prompt_completion"
@@ -200,6 +208,9 @@ def check_messages(value: Any, key: str) -> list[dict[str, Any]]:
         raise SkipRow("wrong_type", f"{key!r} must be a non-empty list of messages, got {str(value)[:60]}")
     out = []
     for i, m in enumerate(value):
+        if isinstance(m, Mapping) and "role" not in m and isinstance(m.get("from"), str):  # ShareGPT
+            rest = {k: v for k, v in m.items() if k not in ("from", "value")}
+            m = {**rest, "role": _SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")}
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise SkipRow("wrong_type", f"{key!r}[{i}] is not a message with a 'role' ({str(m)[:60]})")
         content = m.get("content")
@@ -273,6 +284,7 @@ class ChatEncoder:
                 "prompt/completion text rows with data.chat_template=false)"
             )
         self.tokenizer = tokenizer
+        self._tojsons: bool | None = None  # tojsons_arguments, probed on the first text arguments
         self.kwargs = dict(chat_template_kwargs or {})
         self.turns = TurnTemplate(tokenizer, chat_template_kwargs=self.kwargs)
         closing = self.turns.encode(self.turns.closing)
@@ -306,7 +318,8 @@ class ChatEncoder:
 
     def assistant_ids(self, history: list[dict[str, Any]], message: dict[str, Any], tools: Any = None) -> list[int]:
         """Ids of one assistant turn as the model would generate it after `history`: the template's rendering of
-        the turn (as the conversation's last message) without its closing, then the end-of-turn id."""
+        the turn (as the conversation's last message) without its closing, then the end-of-turn id. A blank turn
+        (context: `encode` refuses a blank one to train) may render to no text: its ids are the end-of-turn id."""
         before = self._render(history, True, tools)
         full = self._render([*history, message], False, tools)
         closing, end_id = next(((c, i) for c, i in self.closings if full.endswith(c)), (None, self.end_id))
@@ -331,7 +344,7 @@ class ChatEncoder:
                     "trained as rendered, the model would end its turn without making the call. Use a template "
                     "with tool support",
                 )
-        if not text:
+        if not text and not blank(message):
             raise SkipRow("empty", "an assistant turn renders to no text")
         content = message.get("content")
         if isinstance(content, str) and not _kept(content, text):
@@ -341,7 +354,38 @@ class ChatEncoder:
                 "it renders would teach the model to answer without it. Use a template that keeps it (Qwen3's "
                 "keeps the last turn's), or rows without it",
             )
-        return [*encode_after(self.tokenizer, before, text), end_id]
+        return [*(encode_after(self.tokenizer, before, text) if text else []), end_id]
+
+    def tojsons_arguments(self) -> bool:
+        """Whether the template writes a tool call's text `arguments` quoted (`| tojson`: Qwen2.5's, Llama 3.1's)."""
+        if self._tojsons is None:
+            call = {"type": "function", "function": {"name": "roll_probe", "arguments": _ARGS_PROBE}}
+            turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+            try:
+                text = self._render([{"role": "user", "content": "x"}, turn], False)
+            except Exception:  # no tool calls in this template: its rows fail (counted) whatever is given
+                text = ""
+            self._tojsons = json.dumps(_ARGS_PROBE, ensure_ascii=False) in text
+        return self._tojsons
+
+    def _parse_arguments(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The message with its tool calls' JSON-text `arguments` parsed, where the template tojsons them."""
+        calls = [(c, isinstance(c.get("function"), Mapping)) for c in message.get("tool_calls") or ()]
+        text_args = any(isinstance((c["function"] if n else c).get("arguments"), str) for c, n in calls)
+        if not text_args or not self.tojsons_arguments():
+            return message
+        out = []
+        for call, nested in calls:
+            function = dict(call["function"] if nested else call)
+            if isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError as exc:
+                    text = function["arguments"][:60]
+                    why = f"a tool call's arguments are text that is not JSON ({exc.msg}): {text!r}"
+                    raise SkipRow("wrong_type", why + "; the chat template writes them as JSON") from None
+            out.append({**call, "function": function} if nested else function)
+        return {**message, "tool_calls": out}
 
     def encode(
         self, messages: list[dict[str, Any]], trained: list[bool], tools: Any = None
@@ -350,11 +394,14 @@ class ChatEncoder:
         trained (ignored for other roles)."""
         idx = [i for i, m in enumerate(messages) if m["role"] == "assistant" and trained[i]]
         if not idx:
-            raise SkipRow("no_assistant_turn", "no assistant message to train on")
+            roles = sorted({m["role"] for m in messages})
+            marked = " (each is marked train: false / weight: 0)" if "assistant" in roles else ""
+            why = f"no assistant message to train on{marked}: the roles are {roles}; expected 'assistant' turns after "
+            raise SkipRow("no_assistant_turn", why + "'system' / 'user' / 'tool' ones (ShareGPT's 'gpt' after 'human')")
         first, last = idx[0], idx[-1]
         if first == 0:
             raise SkipRow("no_prompt", "the conversation starts with the assistant turn to train: it has no prompt")
-        clean = [{k: v for k, v in m.items() if k not in ("train", "weight")} for m in messages]
+        clean = [self._parse_arguments({k: v for k, v in m.items() if k not in ("train", "weight")}) for m in messages]
         try:
             if tools and self._render(clean[:first], True, tools) == self._render(clean[:first], True):
                 raise SkipRow(
@@ -482,7 +529,8 @@ class SFTTokenizer:
                 mask = [int(m) for m in mask]
             return TokenRow(prompt, response, mask, key=json.dumps(prompt))
         if form == "messages":
-            messages = check_messages(need(row, cfg.messages_key), cfg.messages_key)
+            key = cfg.messages_key if cfg.messages_key in row or _SHAREGPT_COLUMN not in row else _SHAREGPT_COLUMN
+            messages = check_messages(need(row, key), key)
             trained = [train_flag(m) for m in messages]
             return self.chat_row(messages, trained, row.get("tools"))
         if form == "prompt_completion":
