@@ -32,6 +32,10 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
   another order, an Optuna trial sampling other values, a changed lr after a sweep of one job; only the run's
   length, cadence, logging and cluster may change: sweep_resume.RESUMABLE) fails with a clear error instead of
   continuing another job's checkpoint with its own learning rate (a resume accepts a changed lr).
+- A job given the folder of another job of its sweep (`hydra.sweep.subdir=${hydra.job.override_dirname}` with a
+  repeated value, an Optuna trial sampling a point again) under a launcher that cannot refuse it at launch (Hydra's
+  basic one; roll's Ray launcher does) fails without writing there, its record in `refused_jobs/job_<number>`
+  (roll_core._sweep_folders): it replaced the other job's record, which left the summary, or continued its run.
 - `SweepSummaryCallback.on_multirun_start` writes `sweep_id.json` (a fresh id, the start time) into the sweep
   folder; every job record carries that id, so a sweep run again into the same folder summarises and counts its own
   jobs only (the earlier sweep's records are left out, with a warning).
@@ -58,7 +62,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import socket
 import time
@@ -70,6 +73,10 @@ from typing import Any, NoReturn
 from hydra.experimental.callback import Callback
 
 from roll_core import sweep_stop
+from roll_core._sweep_folders import folder_owner, refused_folder, shared_folder_error
+from roll_core._sweep_tracking import sweep_group as sweep_group  # re-exported: its home was here
+from roll_core._sweep_tracking import sweep_tracking
+from roll_core.errors import ConfigError
 from roll_core.sweep_optuna import prepare_study_storage, unwatch, watch_sweep
 from roll_core.sweep_records import STATUS_FILE, job_labels, job_records, write_record
 from roll_core.sweep_resume import check_resumed_folder, record_folder_run
@@ -102,11 +109,17 @@ def run_sweep_job(cfg: Any, run: Any) -> float | sweep_stop.UnstartedTrial | Non
     record: dict[str, Any] = {"job": hc.job.num, "overrides": list(hc.overrides.task), "status": "running"}
     t0 = time.perf_counter()
     sweep_dir: Path | None = None
+    dest = out  # where this job's record goes: elsewhere when `out` is another job's (roll_core._sweep_folders)
     try:
         sweep_dir = job_sweep_dir(hc)
         record["sweep_id"] = sweep_marker(sweep_dir).get("sweep_id")  # which sweep this record belongs to
         if str(sweep_dir) in _stopped and str(sweep_dir) in _sweeps and sweep_stop.asks_trials(hc):
             return _unstarted_trial(hc, out, sweep_dir)
+        owner = folder_owner(out, record)
+        if owner is not None:  # before anything is written: that job's record and run stay its own
+            dest = refused_folder(sweep_dir, hc.job.num)
+            record["folder"] = str(out)
+            raise ConfigError(shared_folder_error(out, record, owner, dest))
         if str(sweep_dir) in _stopped:
             log.error("sweep job %s is not started: %s", hc.job.num, _stopped[str(sweep_dir)][1])
             record.update(status="stopped", error=f"not started: {_stopped[str(sweep_dir)][1]}")
@@ -159,7 +172,7 @@ def run_sweep_job(cfg: Any, run: Any) -> float | sweep_stop.UnstartedTrial | Non
         log.error("sweep job %s failed: %s", hc.job.num, exc)
         record.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
     record["total_seconds"] = time.perf_counter() - t0
-    write_record(out, record)
+    write_record(dest, record)
     return job_value(record)
 
 
@@ -251,29 +264,6 @@ def sweep_marker(sweep_dir: str | Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return marker if isinstance(marker, dict) else {}
-
-
-def sweep_group(experiment: str, sweep_dir: str | Path) -> str:
-    """The tracker group of a sweep: "<experiment>-<sweep folder name>", with the date folder of Hydra's default
-    layout (multirun/<date>/<time>) kept in it, so two days' sweeps started at the same time are two groups."""
-    path = Path(sweep_dir)
-    label = path.name
-    if re.fullmatch(r"\d{4}-\d{2}-\d{2}", path.parent.name):
-        label = f"{path.parent.name}_{label}"
-    return f"{experiment}-{label}"
-
-
-def sweep_tracking(cfg: Any, sweep_dir: str | Path, job_num: int) -> None:
-    """Set a sweep job's `tracking.group` (the sweep's, shared) and `tracking.run_name` (the job's own) on its
-    composed config, in place, unless the command line set them; config.yaml then records both."""
-    tracking = cfg.get("tracking") if hasattr(cfg, "get") else None
-    if tracking is None:  # a config without the node (another primary config): nothing to name
-        return
-    experiment = str(cfg.get("experiment") or "sweep")
-    if tracking.get("group") is None:
-        tracking.group = sweep_group(experiment, sweep_dir)
-    if tracking.get("run_name") is None:
-        tracking.run_name = f"{experiment}-{job_num}"
 
 
 def _metrics(job_dir: Path) -> list[dict[str, Any]]:

@@ -1,0 +1,72 @@
+"""A sweep job whose folder already holds another job of its sweep: refused without touching that job's record.
+
+Why: `hydra.sweep.subdir=${hydra.job.override_dirname}` with a repeated value (`algo.lr=1e-3,1e-3`, an Optuna trial
+that samples a point again) gives two jobs one folder. roll's Ray launcher refuses that before any job starts
+(roll_core.sweep_launcher.check_job_folders); Hydra's basic launcher has no hook that sees every job first, so the
+check is the job's own (roll_core.sweep.run_sweep_job). Without it the second job wrote its job_status.json over the
+first's before its run refused the folder, and the first job dropped out of the summary; with pipeline.resume=true it
+continued the first job's finished run and recorded it under its own values.
+
+Contract:
+- `folder_owner` returns the record in a job's folder that belongs to another job of the same sweep (the same
+  `sweep_id`, another job number or other overrides), else None. A record of an earlier sweep is no clash: a resumed
+  sweep continues its folders (roll_core.sweep_resume checks their settings), and folders named by overrides match
+  jobs across sweeps by their values, not their numbers. The same job again (same number and overrides: a retried
+  task) is no clash either. Without a sweep id (no sweep_id.json: no SweepSummaryCallback) sweeps cannot be told
+  apart and nothing is refused.
+- A refused job records its failure in `refused_folder` (`<sweep folder>/refused_jobs/job_<number>`), where the
+  summary finds it under its own number; nothing in the shared folder is written by roll (Hydra has already written
+  its `.hydra/` configs and job log there before the job runs: that is outside roll's reach).
+Reading only: the caller writes the record.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from roll_core.sweep_records import STATUS_FILE
+
+#: Under the sweep folder: where a job refused for sharing another job's folder leaves its record.
+REFUSED_DIR = "refused_jobs"
+
+
+def folder_owner(job_dir: Path, record: dict[str, Any]) -> dict[str, Any] | None:
+    """The record in `job_dir` of another job of the sweep `record` (this job's record: `job`, `overrides`,
+    `sweep_id`) belongs to, or None: no record, an unreadable one, an earlier sweep's, or this same job's."""
+    if record.get("sweep_id") is None:
+        return None
+    try:
+        earlier = json.loads((job_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None  # written whole or not at all (sweep_records.write_record): nothing to tell apart
+    if not isinstance(earlier, dict) or earlier.get("sweep_id") != record["sweep_id"]:
+        return None
+    same_job = str(earlier.get("job")) == str(record.get("job"))
+    if same_job and list(earlier.get("overrides") or []) == list(record.get("overrides") or []):
+        return None
+    return earlier
+
+
+def refused_folder(sweep_dir: Path, job_num: Any) -> Path:
+    """Where job `job_num` of the sweep in `sweep_dir` records that it was refused for another job's folder: its own
+    folder under the sweep folder, found by the summary (it looks at any depth) and named by the job's number."""
+    return sweep_dir / REFUSED_DIR / f"job_{job_num}"
+
+
+def shared_folder_error(job_dir: Path, record: dict[str, Any], owner: dict[str, Any], where: Path) -> str:
+    """The error of job `record` refused because `job_dir` holds job `owner`'s record; `where`: its own record's
+    folder. Names both jobs, what the folder holds, and how to give every job its own folder."""
+
+    def named(r: dict[str, Any]) -> str:
+        return f"job {r.get('job')} ({' '.join(str(o) for o in r.get('overrides') or []) or 'no overrides'})"
+
+    return (
+        f"sweep {named(record)} was given the folder {job_dir} of {named(owner)} of the same sweep "
+        f"(hydra.sweep.subdir resolves alike for both): it was not run, so it neither replaces nor continues that "
+        f"job's record and run (this record is in {where}). Give every job its own folder: distinct values (a "
+        "repeated value such as algo.lr=1e-3,1e-3 is one folder with hydra.job.override_dirname; an Optuna trial may "
+        "sample a point again), or a numbered subdir, e.g. "
+        "hydra.sweep.subdir=${hydra.job.num}_${hydra.job.override_dirname}"
+    )
