@@ -6,13 +6,16 @@ pytest's importlib mode, is not importable by name).
 - `BlockingReceiver`: a real `InferWorker` (its weight-update steps and their lock, as a pipeline's engines run them)
   around `BlockingEngine`, whose receive blocks until the test releases it, and which logs every step in order.
 - `Restorable`: rank 0's first incarnation dies in `die()` (a marker file says it died); a successor starts
-  unrestored until a restart hook calls `mark_restored`; `raise_actor_error` raises a RayActorError of its own.
+  unrestored until a restart hook calls `mark_restored`; `raise_actor_error` raises a RayActorError of its own;
+  `receive` (a restore's retry=False step) kills rank 0's first successor in it.
+- `Unstartable`: a `Restorable` whose successors of rank 0 cannot start (the constructor raises, or hangs).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -143,3 +146,26 @@ class Restorable(Worker):
         import ray
 
         raise ray.exceptions.ActorDiedError()
+
+    @dispatch(Dispatch.BROADCAST, retry=False)
+    def receive(self) -> int:
+        """A restore's step: rank 0's first successor dies in it (a `.receive` marker says one did)."""
+        if self.rank == 0 and not os.path.exists(self.marker + ".receive"):
+            with open(self.marker + ".receive", "w") as f:
+                f.write(str(os.getpid()))
+            os._exit(1)
+        return self.rank
+
+
+class Unstartable(Restorable):
+    """Rank 0's successors (built once the `marker` file exists) cannot start: each appends a line to
+    `marker.starts`, then raises (a worker without its GPU) or, with `hang`, sleeps past any start timeout."""
+
+    def __init__(self, marker: str, hang: bool = False, **base: Any) -> None:
+        super().__init__(marker, **base)
+        if self.rank == 0 and os.path.exists(marker):
+            with open(marker + ".starts", "a") as f:
+                f.write(f"{os.getpid()}\n")
+            if hang:
+                time.sleep(3600)
+            raise RuntimeError("no GPU is visible to this worker (CUDA_VISIBLE_DEVICES is empty)")

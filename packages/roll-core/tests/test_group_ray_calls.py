@@ -12,6 +12,10 @@
   restores it again (it was kept and served calls unrestored); a call from another thread to a rank being restored
   waits for its hooks (it reached the unrestored successor); a method that raises a RayActorError of its own (an
   actor it called died) fails the call with its error and restarts nothing (it was taken for its worker's death).
+- A restart whose new worker fails to start (its constructor raises, or hangs past `start_timeout_s`) counts against
+  `max_restarts`: once spent, a call fails at once naming the role, rank, attempts and the last start failure (each
+  call tried again, for ever, waiting up to `start_timeout_s`). A rank that dies again while a restart hook restores
+  it is restarted and restored inside the hook, and the caller's call is rerun (it failed, the group healthy).
 
 One Ray instance for the module (`ray_session`); workers live in ray_call_workers.py, which Ray workers import.
 """
@@ -29,12 +33,12 @@ from typing import Any
 
 import pytest
 
-from roll_core.cluster.group import RayOptions, WorkerGroup
+from roll_core.cluster.group import RayOptions, WorkerDiedError, WorkerGroup
 from roll_core.cluster.infer_role import InferWorker
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))  # the controller imports the workers as Ray workers do (the fixture's PYTHONPATH)
-from ray_call_workers import BlockingReceiver, Flaky, Restorable, RowMissing  # noqa: E402
+from ray_call_workers import BlockingReceiver, Flaky, Restorable, RowMissing, Unstartable  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -228,6 +232,81 @@ def test_a_method_raising_a_ray_actor_error_of_its_own_fails_the_call_and_restar
         assert [n for n in notes if n.startswith("restorable.raise_actor_error() raised on rank(s)")], notes
         # The workers were healthy: nothing restarted (they were, twice, and the call failed as a death).
         assert group.restarts == 0
+        assert group.call(Restorable.restored) == [True, True]
+    finally:
+        group.shutdown()
+
+
+class UnstartableGroup(WorkerGroup[Unstartable]):
+    worker_cls = Unstartable
+    restartable = True
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["constructor-raises", "start-times-out"])
+def test_restarts_whose_worker_fails_to_start_spend_the_budget_then_calls_fail_at_once_naming_why(
+    ray_session: Any, tmp_path: Path, hang: bool
+) -> None:
+    group = UnstartableGroup(
+        Unstartable,
+        2,
+        "ray",
+        name="unstartable",
+        ray_options=RayOptions(num_cpus=0.1),
+        max_restarts=2,
+        marker=str(tmp_path / "died"),
+        hang=hang,
+    )
+    # Set after the group's own start (a loaded machine may take longer): a hanging successor is given up on after a
+    # few seconds; one whose constructor raises is given time to start (a worker process may take seconds to start).
+    group.start_timeout_s = 3.0 if hang else 120.0
+    starts = tmp_path / "died.starts"
+    try:
+        # Two calls, two attempts: each fails its call and spends one restart.
+        for used, call in [(1, Restorable.die), (2, Restorable.restored)]:
+            with pytest.raises(WorkerDiedError, match=r"rank\(s\) \[0\] could not be restarted") as raised:
+                group.call(call)
+            assert group.restarts == used
+            assert f"{used} of cluster.max_restarts=2 restart(s) used" in str(raised.value)
+        attempts = len(starts.read_text().splitlines()) if starts.exists() else 0
+        # Budget spent: the next calls fail at once, trying no start (each tried again, waiting start_timeout_s).
+        for _ in range(2):
+            with pytest.raises(WorkerDiedError) as raised:
+                group.call(Restorable.restored)
+            message = str(raised.value)
+            assert message.startswith("unstartable rank 0 on node "), message
+            assert "2 restart(s) already, cluster.max_restarts=2" in message, message
+            assert "Rank 0 failed to start in its last 2 restart attempt(s); the last failure: " in message, message
+            if hang:
+                assert "not up within 3.0s (GetTimeoutError)" in message, message
+            else:
+                assert "no GPU is visible to this worker" in message, message
+                assert raised.value.__cause__ is not None and "no GPU" in str(raised.value.__cause__)
+        assert group.restarts == 2
+        assert (len(starts.read_text().splitlines()) if starts.exists() else 0) == attempts
+        if not hang:
+            assert attempts == 2  # each attempt built one successor, and none after the budget
+    finally:
+        group.shutdown()
+
+
+def test_a_rank_that_dies_again_during_its_restore_is_restored_inside_it_and_the_call_succeeds(
+    ray_session: Any, tmp_path: Path
+) -> None:
+    group = _restorable(tmp_path, max_restarts=2)
+    ran: list[list[int]] = []
+
+    def reload(ranks: list[int]) -> None:
+        # As WeightSync.restore: retry=False steps; the first successor dies in `receive`, and is restarted and
+        # restored by a restart inside this hook, whose own call then fails (WorkerRestartedError).
+        ran.append(ranks)
+        group.call_ranks(ranks, Restorable.receive)
+        group.call_ranks(ranks, Restorable.mark_restored)
+
+    group.add_restart_hook(reload)
+    try:
+        # Rank 0 dies, its successor dies in the restore, the next one is restored: the call is rerun there.
+        assert group.call(Restorable.die) == [0, 1]
+        assert ran == [[0], [0]] and group.restarts == 2
         assert group.call(Restorable.restored) == [True, True]
     finally:
         group.shutdown()

@@ -81,3 +81,18 @@ def death_summary(exc: BaseException | None) -> str:
 def hook_name(hook: Callable[..., Any]) -> str:
     """A restart hook as an error names it: `WeightSync.restore`, a function's qualified name, else its repr."""
     return str(getattr(hook, "__qualname__", None) or repr(hook))
+
+
+def start_failures_note(
+    failures: dict[int, tuple[int, BaseException, str]], ranks: list[int]
+) -> tuple[str, BaseException | None]:
+    """For an error saying a group's restart budget is spent: the words naming those of `ranks` whose last restart
+    attempts failed to start (how many in a row, and the last failure: Ray's report or the timeout), and the last
+    such failure (the error's cause); ("", None) when none did. `failures`: rank -> (attempts, error, words)."""
+    failed = [r for r in ranks if r in failures]
+    words = "".join(
+        f". Rank {r} failed to start in its last {failures[r][0]} restart attempt(s); the last failure: "
+        f"{failures[r][2]}"
+        for r in failed
+    )
+    return words, (failures[failed[-1]][1] if failed else None)

@@ -29,10 +29,17 @@ Faults (Ray only; an in-process call cannot time out or die apart from the contr
   inference engine gets the trainer's weights: roll_core.cluster.weight_sync) and the call is rerun on the new
   worker, so its caller sees the result, not the fault. Ranks that answered keep their results, ranks still
   running are waited for, and a `Handle` waits once: asking it again returns the same results (or error), never
-  reruns. `restarts` and `timeouts` count the faults. The hooks run once per restart, in order; calls from other
-  threads to the restarted ranks wait until they end. A hook that raises stops the restore: the unrestored new
+  reruns. `restarts` and `timeouts` count the faults. `restarts` counts restart attempts, per rank: one whose new
+  worker fails to start (its constructor or set-up raises, or it is not up within `start_timeout_s`) counts
+  against `max_restarts` too and fails its call (the next call tries again, within the budget); once the budget
+  is spent, a call to the rank fails at once, naming the role, rank, attempts and the last start failure (a worker
+  that can never start, a bad config or a missing GPU, would otherwise make every call wait `start_timeout_s` and
+  fail, for ever). The hooks run once per restart, in order; calls from other threads to the restarted ranks wait
+  until they end. A hook that raises stops the restore: the unrestored new
   workers are killed (the next call restarts them again, within `max_restarts`) and the hook's error is raised,
-  noted with the role, ranks, hook and the restart's cause.
+  noted with the role, ranks, hook and the restart's cause. A hook that fails with a WorkerDiedError because every
+  rank it restored died and was restarted (and restored, by the inner restart's hooks) inside it leaves a healthy
+  group: it is logged, and the call is rerun.
 - A method that raised a Ray error of its own (a RayActorError: an actor it called died) is its error, not its
   worker's death: it is raised, noted, and nothing is restarted.
 - A method declared `retry=False` is not rerun: the worker is restarted, then `WorkerRestartedError` asks the
@@ -59,6 +66,7 @@ from roll_core.cluster._group_faults import (  # the errors are imported from he
     failed_note,
     hook_name,
     ray_report,
+    start_failures_note,
     wait_all,
 )
 from roll_core.cluster.handle import Handle
@@ -122,7 +130,9 @@ class WorkerGroup(Generic[W]):
         self.call_timeout_s = call_timeout_s or None
         self.max_restarts = max_restarts if self.restartable else 0
         self.start_timeout_s = start_timeout_s  # a restarted worker's start and set-up (an engine loads its model)
-        self.restarts = 0  # workers re-created so far
+        self.restarts = 0  # restart attempts (per rank) so far, whether their new workers started or not
+        # Per rank: (restart attempts in a row whose worker failed to start, the last one's error and its words).
+        self._start_failures: dict[int, tuple[int, BaseException, str]] = {}
         # Incarnation of each rank (bumped by a restart): a call that fails on a rank another thread has already
         # restarted is rerun there, not restarted twice. Restarts and their hooks run under `restart_lock`
         # (re-entrant: hooks make calls); code that must not interleave with a restore takes it too (weight sync).
@@ -411,16 +421,20 @@ class WorkerGroup(Generic[W]):
                 else ""
             )
             hint = f". {self.death_hint()}" if self.death_hint is not None else ""
+            # A rank whose last restart failed to start is dead because it was killed then: its start failure says why.
+            unstarted, start_error = start_failures_note(self._start_failures, failed)
             if dead:
                 where = ", ".join(f"rank {r} on node {self.nodes[r]}" for r in dead)
                 # Why it died (OOM killer, segfault, a failed constructor's traceback) is in Ray's report alone.
-                cause = next((deaths[r] for r in dead if r in deaths), None)
-                report = f"\nRay's report: {ray_report(cause)}" if cause is not None else ""
-                raise WorkerDiedError(f"{self.name} {where} died during {method}(){budget}{hint}{report}") from cause
+                cause = start_error or next((deaths[r] for r in dead if r in deaths), None)
+                report = f"\nRay's report: {ray_report(cause)}" if cause is not None and not unstarted else ""
+                raise WorkerDiedError(
+                    f"{self.name} {where} died during {method}(){budget}{unstarted}{hint}{report}"
+                ) from cause
             raise CallTimeoutError(
                 f"{self.name}.{method}() did not return within {self.call_timeout_s}s on rank(s) "
                 f"{', '.join(map(str, hung))} (cluster.call_timeout_s, or cluster.call_timeouts.{self.name})"
-                f"{budget}{hint}"
+                f"{budget}{unstarted}{hint}"
             )
         reason = ", ".join(
             [f"rank {r} died during {method}(){death_summary(deaths.get(r))}" for r in dead]
@@ -436,12 +450,14 @@ class WorkerGroup(Generic[W]):
     def _restart(self, ranks: list[int], reason: str) -> None:
         import ray
 
+        # Counted before the start: an attempt whose worker never comes up spends the budget too (module doc).
+        self.restarts += len(ranks)
         log.warning(
             "%s: %s; restarting rank(s) %s (%d of cluster.max_restarts=%d used)",
             self.name,
             reason,
             ranks,
-            self.restarts + len(ranks),
+            self.restarts,
             self.max_restarts,
         )
         dead = {r: self.workers[r] for r in ranks}
@@ -467,18 +483,23 @@ class WorkerGroup(Generic[W]):
                     pass
             if not isinstance(exc, ray.exceptions.RayError):
                 raise
-            why = type(exc).__name__ if isinstance(exc, ray.exceptions.GetTimeoutError) else ray_report(exc)
+            timed_out = isinstance(exc, ray.exceptions.GetTimeoutError)
+            why = type(exc).__name__ if timed_out else ray_report(exc)
+            for r in ranks:
+                tries = self._start_failures.get(r, (0,))[0] + 1
+                self._start_failures[r] = (tries, exc, f"not up within {wait}s ({why})" if timed_out else why)
             raise WorkerDiedError(
                 f"{self.name}: rank(s) {ranks} could not be restarted within {wait}s ({why}); "
-                f"the cluster has {ray.available_resources()} free. The restart was for: {reason}"
+                f"the cluster has {ray.available_resources()} free; {self.restarts} of "
+                f"cluster.max_restarts={self.max_restarts} restart(s) used. The restart was for: {reason}"
             ) from exc
         with self._state_lock:
             for (r, actor), node in zip(fresh.items(), nodes):
                 self.workers[r], self.nodes[r] = actor, str(node)
                 self._incarnation[r] += 1
+                self._start_failures.pop(r, None)
             outer = self._restoring  # a restart inside a hook (the restored rank died again) keeps the outer's ranks
             self._restoring = (threading.current_thread(), frozenset(ranks) | (outer[1] if outer else frozenset()))
-        self.restarts += len(ranks)
         try:
             self._restore(ranks, reason, fresh, dead)
         finally:
@@ -490,7 +511,8 @@ class WorkerGroup(Generic[W]):
         left unrestored are killed (kept, they served calls with a fresh state: an engine's initial weights, not the
         trainer's) and their ranks get back their `dead` actors, so the next call restarts them and the hooks run
         again, within cluster.max_restarts; the hook's error is raised, noted with the role, ranks, hook and the
-        restart's cause."""
+        restart's cause. A hook that failed because every rank died again and was restarted inside it (whose hooks
+        restored them) ends the restore: the group is healthy (a WeightSync restore's receive fails then)."""
         import ray
 
         for hook in self._restart_hooks:
@@ -500,6 +522,9 @@ class WorkerGroup(Generic[W]):
                 # A successor a restart inside the hook replaced is that restart's (its hooks restored it).
                 with self._state_lock:
                     stale = [r for r, a in fresh.items() if self.workers[r] is a]
+                    if not stale and isinstance(exc, WorkerDiedError):
+                        log.warning("%s: rank(s) %s restored by a restart inside %s", self.name, ranks, hook_name(hook))
+                        return
                     # Ray's kill is asynchronous (a call sent now could still run on the successor); the dead actor
                     # fails every call at once: its death is long known.
                     for r in stale:
