@@ -150,7 +150,7 @@ def test_greedy_decoding_with_several_samples_is_refused_however_it_is_asked_for
         check_sampling(cfg, 4)
     check_sampling(cfg, 1)  # one greedy response per problem is a fine evaluation
     check_sampling(load_config(["model=tiny", "pipeline.eval_temperature=0.7", "infer_engine.top_k=2"]), 4)
-    with pytest.raises(ConfigError, match=r"evaluation temperature 0.0 is below .*greedy"):
+    with pytest.raises(ConfigError, match=r"evaluation temperature is 0.0, below .*greedy"):
         check_sampling(load_config(["model=tiny", "pipeline.eval_temperature=0"]), 2)
 
 

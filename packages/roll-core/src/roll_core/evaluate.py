@@ -76,9 +76,9 @@ def check_sampling(cfg: Any, n: int) -> None:
         raise ConfigError(f"--n {n}: sample at least one response per problem")
     if n > 1 and eval_temperature(cfg) < GREEDY_TEMPERATURE:
         raise ConfigError(
-            f"--n {n} samples {n} responses per problem, but the evaluation temperature {eval_temperature(cfg)} is "
+            f"--n {n} samples {n} responses per problem, but the evaluation temperature is {eval_temperature(cfg)}, "
             f"below {GREEDY_TEMPERATURE} (greedy: {n} copies of one response, so pass@k and maj@n would say nothing): "
-            "set pipeline.eval_temperature=0.7 (or any value > 0), or use --n 1"
+            f"set pipeline.eval_temperature=0.7 (or any value >= {GREEDY_TEMPERATURE}), or use --n 1"
         )
     if n > 1 and int(getattr(cfg.infer_engine, "top_k", 0) or 0) == 1:
         raise ConfigError(
