@@ -44,7 +44,7 @@ def test_flags_that_are_not_bools_are_refused(build: Any) -> None:
     """A terminated flag "False" read as True (the episode ended on a step the environment said goes on)."""
     env = build(("obs", 0.0, "False", False, {}))
     env.reset(seed=0)
-    with pytest.raises(ValueError, match=r"_Scripted'|Scripted-v0'.*terminated flag is 'False'; it must be a bool"):
+    with pytest.raises(ValueError, match=r"_Scripted'|Scripted-v0'.*terminated flag 'False'; it must be a bool"):
         env.step("a")
     for bad in (None, 2, 0.5, "no"):
         env = build(("obs", 0.0, False, bad, {}))
@@ -109,7 +109,7 @@ def test_mapping_infos_are_read_and_their_flags_checked(build: Any) -> None:
     for key in ("success", "is_success", "invalid_action"):
         env = build(("obs", 0.0, True, False, {key: "False"}))
         env.reset(seed=0)
-        with pytest.raises(ValueError, match=rf"info\[\"{key}\"\] flag is 'False'"):
+        with pytest.raises(ValueError, match=rf"info\[\"{key}\"\] flag 'False'"):
             env.step("a")
     with pytest.raises(ValueError, match=r"info\[\"success\"\] flag"):
         build(reset=("obs", {"success": "yes"})).reset(seed=0)
@@ -172,7 +172,7 @@ def test_skyrl_step_outputs_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
     """`bool(out["done"])` read "False" as done, `float(out["reward"])` of None raised a bare TypeError."""
     name = "SkyRL-Gym environment 'roll_test_scripted'"
     for out, error in [
-        ({"observations": [], "reward": 0.0, "done": "False"}, "'done' flag is 'False'"),
+        ({"observations": [], "reward": 0.0, "done": "False"}, "'done' flag 'False'"),
         ({"observations": [], "reward": None, "done": False}, "rewards must be finite"),
         ({"observations": [], "reward": float("nan"), "done": True}, "rewards must be finite"),
         ({"observations": [], "done": True}, "a mapping with 'observations', 'reward' and 'done'"),

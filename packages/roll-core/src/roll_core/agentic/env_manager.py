@@ -24,14 +24,13 @@ PIL pictures; a malformed observation (or a picture that does not load) fails it
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
 from typing import Any
 
 from roll_core.agentic.observation import Observation, normalize
+from roll_core.agentic.step_values import checked_flag, checked_reward
 from roll_core.interfaces import Env
 from roll_core.interfaces.agentic import INFO_COUNTERS, info_count
 
@@ -44,42 +43,6 @@ class EnvFailure(RuntimeError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
-
-
-def _scalar(value: Any) -> Any:
-    """`value`, or the Python scalar of a one-element NumPy array or scalar (or tensor): third-party environments
-    return `np.float32` rewards and `np.bool_` flags."""
-    item = getattr(value, "item", None)
-    if callable(item) and not isinstance(value, (str, bytes)):
-        try:
-            return item()
-        except (TypeError, ValueError):  # more than one element: left as it is, refused by the caller
-            return value
-    return value
-
-
-def _reward(value: Any) -> float:
-    """A step's reward as a float; ValueError for anything but a finite real number (float() read the string "1.0"
-    as a reward)."""
-    reward = _scalar(value)
-    try:
-        finite = isinstance(reward, numbers.Real) and math.isfinite(reward)
-    except OverflowError:  # an int past float's range
-        finite = False
-    if not finite:
-        raise ValueError(f"step returned the reward {value!r:.80}; rewards must be finite numbers")
-    return float(reward)
-
-
-def _flag(value: Any, name: str) -> bool:
-    """A step's `terminated`/`truncated` as a bool; ValueError for anything but a bool or 0/1 (bool() read the
-    string "False", or None, as a flag)."""
-    flag = _scalar(value)
-    if isinstance(flag, bool):
-        return flag
-    if isinstance(flag, numbers.Integral) and flag in (0, 1):
-        return bool(flag)
-    raise ValueError(f"step returned the {name} flag {value!r}; it must be a bool")
 
 
 def _reset_result(result: Any) -> tuple[Any, dict[str, Any]]:
@@ -240,11 +203,11 @@ class EnvManager:
                     "truncated, info), as Gymnasium's (wrap an old-Gym env in gymnasium's compatibility wrapper)"
                 )
             obs, reward, terminated, truncated, info = result
-            flags = _flag(terminated, "terminated"), _flag(truncated, "truncated")
+            flags = checked_flag(terminated, "terminated"), checked_flag(truncated, "truncated")
             info = dict(info or {})
             for key in ("tool_calls", *INFO_COUNTERS):  # summed per episode: a bad count is a wrong metric
                 info_count(info, key)
-            return normalize(obs), _reward(reward), *flags, info
+            return normalize(obs), checked_reward(reward), *flags, info
 
         return self._call(slot, "step", step, [] if env is None else [env])
 

@@ -59,8 +59,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import numbers
 import random
 import sys
 import threading
@@ -68,6 +66,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
+from roll_core.agentic.step_values import checked_flag, checked_reward
 from roll_envs.rewards.judge import final_text
 
 log = logging.getLogger(__name__)
@@ -96,43 +95,6 @@ def check_code_execution(
             "+env.env_kwargs.allow_unsandboxed_execution_i_understand_the_risk=true"
         )
     log.warning("%s environment %r runs the model's code outside roll's sandbox (%s), as set", library, env_id, how)
-
-
-def _scalar(value: Any) -> Any:
-    """`value`, or the Python scalar of a one-element NumPy array or scalar (or tensor): third-party environments
-    return `np.float32` rewards and `np.bool_` flags."""
-    item = getattr(value, "item", None)
-    if callable(item) and not isinstance(value, (str, bytes)):
-        try:
-            return item()
-        except (TypeError, ValueError):  # more than one element: left as it is, refused by the caller
-            return value
-    return value
-
-
-def checked_reward(value: Any, env: str) -> float:
-    """A step's reward as a float; ValueError naming `env` for anything but a finite real number (float() read the
-    string "1.0" as a reward, and NaN or None failed later, far from the environment that returned it)."""
-    reward = _scalar(value)
-    try:
-        finite = isinstance(reward, numbers.Real) and math.isfinite(reward)
-    except OverflowError:  # an int past float's range
-        finite = False
-    if not finite:
-        raise ValueError(f"{env}: step returned the reward {value!r:.80}; rewards must be finite real numbers")
-    return float(reward)
-
-
-def checked_flag(value: Any, name: str, env: str, *, real: bool = False) -> bool:
-    """A flag as a bool: a bool, 0/1 or a NumPy bool (`real`: also 0.0/1.0, Gymnasium's float `is_success`);
-    ValueError naming `env` for anything else (bool() read the string "False", or None, as True)."""
-    flag = _scalar(value)
-    if isinstance(flag, bool):
-        return flag
-    kind = numbers.Real if real else numbers.Integral
-    if isinstance(flag, kind) and flag in (0, 1):
-        return bool(flag)
-    raise ValueError(f"{env}: the {name} flag is {value!r:.80}; it must be a bool (or 0/1)")
 
 
 class _PrivateGlobalRNG:
