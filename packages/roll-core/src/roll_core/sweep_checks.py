@@ -2,12 +2,12 @@
 
 Contract:
 - `check_job_configs` refuses (ConfigError naming the job and its overrides) a job whose config roll would refuse
-  when the job starts: a key no schema declares (`+algo.bogus=1`, which Hydra's struct mode lets in) or a value a
-  schema's check refuses (`algo.lr=1e-3,-1`). Hydra's sweepers only compose the jobs' configs before a batch
-  starts; roll's own checks ran inside each job, so a sweep with one bad value failed that job after the jobs before
-  it had trained (hours), and one with a bad key in every job started them all to fail each. A job whose config
-  cannot be resolved here (an interpolation of the driver's environment, `${oc.env:...}` set only on the workers)
-  is left to its own check, with a warning: that is no proof the job's config is wrong.
+  when the job starts: a key no schema declares (a misspelt key added with a `+`, which Hydra's struct mode lets
+  in) or a value a schema's check refuses (`algo.lr=1e-3,-1`). Hydra's sweepers only compose the jobs' configs
+  before a batch starts; roll's own checks ran inside each job, so a sweep with one bad value failed that job after
+  the jobs before it had trained (hours), and one with a bad key in every job started them all to fail each. A job
+  whose config cannot be resolved here (an interpolation of the driver's environment, `${oc.env:...}` set only on
+  the workers) is left to its own check, with a warning: that is no proof the job's config is wrong.
 - `check_job_resources` refuses a job's own Ray task (`hydra.launcher.ray.remote`: num_cpus, num_gpus, memory,
   resources) that no node of a Ray instance started by the sweep can hold: Ray keeps such a task pending forever
   (it only logs "infeasible"), so the sweep hung with no error. On a joined cluster (`init.address`), which an
