@@ -72,8 +72,9 @@ def held_out_split(
         return list(problems), held[:eval_size]
     unused = 0
     if held is None:
-        train = [p for p in problems if stable_fraction(split_key(p)) >= eval_fraction]
-        held = [p for p in problems if stable_fraction(split_key(p)) < eval_fraction]
+        in_held = [stable_fraction(split_key(p)) < eval_fraction for p in problems]
+        train = [p for p, h in zip(problems, in_held, strict=True) if not h]
+        held = [p for p, h in zip(problems, in_held, strict=True) if h]
         if len(held) > eval_size:  # the split is by hash (stable whatever eval_size): the rest is idle, say so
             log.warning(
                 "%s: %d rows fell in the held-out split (env.eval_fraction=%g) and env.eval_size=%d evaluates the "
@@ -195,6 +196,15 @@ class Task:
         # Held-out rows neither trained nor evaluated (held_out_split's "unused_held_out", DataCounts): file tasks
         # set it; None for generated tasks (they draw only the held-out problems they evaluate).
         self.unused_held_out: int | None = None
+
+    def split_held_out(self, problems: list[Any], held: list[Any] | None, **kwargs: Any) -> tuple[list[Any], list[Any]]:
+        """`held_out_split(problems, held, **kwargs)`, its counts kept as this task's `also_held_out` and
+        `unused_held_out` (what a run reports: roll_core.interfaces.tasks.DataCounts)."""
+        counts: dict[str, int] = {}
+        train, evaluated = held_out_split(problems, held, counts=counts, **kwargs)
+        self.also_held_out = counts.get("also_held_out", 0)
+        self.unused_held_out = counts.get("unused_held_out", 0)
+        return train, evaluated
 
     @property
     def skipped_rows(self) -> dict[str, int]:

@@ -34,7 +34,7 @@ from roll_core.errors import ConfigError
 from roll_envs.rewards.base import Reward
 from roll_envs.rewards.code import CodeTest, encode_tests
 from roll_envs.tasks._code_problems import TEMPLATES, param_key, reference_program
-from roll_envs.tasks.base import Problem, Task, eval_file_name, held_out_split, stable_fraction
+from roll_envs.tasks.base import Problem, Task, eval_file_name, stable_fraction
 from roll_envs.tasks.dataset import _chat_prompt, _not_unicode, _rows, _templated, _text_problem, log_skipped
 
 log = logging.getLogger(__name__)
@@ -169,18 +169,14 @@ class CodeTask(Task):
                 self.skipped += [(str(eval_path), n, why) for n, why in eval_skipped]
             # env=file's rule: a training row that is a held-out row's problem but for whitespace in the prompt is
             # left out and counted (an exact-prompt check trained on "Q?\n" while evaluating "Q?").
-            counts: dict[str, int] = {}
-            train, held = held_out_split(
+            train, held = self.split_held_out(
                 problems,
                 file_held,
                 eval_fraction=eval_fraction,
                 eval_size=eval_size,
                 path=path,
                 eval_path=eval_path,
-                counts=counts,
             )
-            self.also_held_out = counts.get("also_held_out", 0)
-            self.unused_held_out = counts.get("unused_held_out", 0)
         self._train, self._eval = train, held[:eval_size]
         if not self._train or not self._eval:
             raise ValueError(

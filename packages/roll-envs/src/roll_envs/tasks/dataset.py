@@ -51,7 +51,7 @@ from typing import Any
 
 from roll_core.errors import ConfigError
 from roll_envs.rewards.base import Reward
-from roll_envs.tasks.base import Problem, Task, eval_file_name, held_out_split, templated_marker
+from roll_envs.tasks.base import Problem, Task, eval_file_name, templated_marker
 
 log = logging.getLogger(__name__)
 
@@ -530,18 +530,14 @@ class FileTask(Task):
         # Rows that name no domain (they have "math"): env=multi with route=column gives them the sub-task's own
         # domain instead (its reward), not whichever sub-task happens to be called "math".
         self.default_domain_ids = defaulted
-        counts: dict[str, int] = {}
-        self._train, self._eval = held_out_split(
+        self._train, self._eval = self.split_held_out(
             problems,
             held,
             eval_fraction=eval_fraction,
             eval_size=eval_size,
             path=path,
             eval_path=eval_path,
-            counts=counts,
         )
-        self.also_held_out = counts.get("also_held_out", 0)
-        self.unused_held_out = counts.get("unused_held_out", 0)
 
     @classmethod
     def conformance_task(cls, seed: int, workdir: Path) -> FileTask:

@@ -39,7 +39,7 @@ from roll_core.errors import ConfigError
 from roll_core.seeds import Purpose, derive_seed
 from roll_envs.rewards.base import Reward
 from roll_envs.rewards.ifeval import KINDS, bounds, check, describe, parse_constraints, words
-from roll_envs.tasks.base import Problem, Task, eval_file_name, held_out_split, stable_fraction
+from roll_envs.tasks.base import Problem, Task, eval_file_name, stable_fraction
 
 #: Short open requests a small model can answer in a few words or sentences.
 REQUESTS = [
@@ -264,20 +264,16 @@ class InstructTask(Task):
         held = None
         if eval_path:
             held = self._load(eval_path, prompt_key, constraints_key, eval_file_name(self.name, path, eval_path))
-        # counts=: without it the rows left out as held-out rows' whitespace twins were logged but the task's
-        # also_held_out stayed 0, as if none were.
-        counts: dict[str, int] = {}
-        self._train, self._eval = held_out_split(
+        # split_held_out keeps the split's counts on the task: the rows left out as held-out rows' whitespace twins
+        # were logged while the task's also_held_out stayed 0, as if none were.
+        self._train, self._eval = self.split_held_out(
             problems,
             held,
             eval_fraction=eval_fraction,
             eval_size=eval_size,
             path=path,
             eval_path=eval_path,
-            counts=counts,
         )
-        self.also_held_out = counts.get("also_held_out", 0)
-        self.unused_held_out = counts.get("unused_held_out", 0)
 
     def _load(self, path: str, prompt_key: str, constraints_key: str, name: str) -> list[Problem]:
         """Problems of one file (ids `<name>:<file name>:<line>`); unreadable rows and rows without a prompt go to
