@@ -135,29 +135,14 @@ def test_a_resumed_sweep_keeps_job_folders_named_by_their_overrides() -> None:
     Hydra put into every job's folder name, so each job found no checkpoint in its new folder and trained again from
     step 1 beside the run it was to continue. The resume overrides are left out of the folder name; the swept
     values still name it."""
-    from hydra import compose, initialize_config_dir, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
+    from roll_core.config.compose import compose
 
-    from roll_core.config.search_path import primary_config_path
-    from roll_core.registry import register_all_configs
-
-    register_all_configs()
-    primary = primary_config_path()
-    GlobalHydra.instance().clear()
-    try:
-        if primary.startswith("pkg://"):
-            init = initialize_config_module(config_module=primary.removeprefix("pkg://"), version_base=None)
-        else:
-            init = initialize_config_dir(config_dir=primary, version_base=None)
-        with init:
-            names = [
-                compose("rlvr", overrides=overrides, return_hydra_config=True).hydra.job.override_dirname
-                for overrides in (
-                    ["algo.lr=1e-3", "algo.group_size=4"],
-                    ["algo.lr=1e-3", "algo.group_size=4", "pipeline.resume=true"],
-                    ["algo.lr=1e-3", "pipeline.resume_from=/runs/x", "algo.group_size=4"],
-                )
-            ]
-    finally:
-        GlobalHydra.instance().clear()
+    names = [
+        compose(overrides, return_hydra_config=True).hydra.job.override_dirname
+        for overrides in (
+            ["algo.lr=1e-3", "algo.group_size=4"],
+            ["algo.lr=1e-3", "algo.group_size=4", "pipeline.resume=true"],
+            ["algo.lr=1e-3", "pipeline.resume_from=/runs/x", "algo.group_size=4"],
+        )
+    ]
     assert names == ["algo.group_size=4,algo.lr=1e-3"] * 3

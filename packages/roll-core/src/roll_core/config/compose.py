@@ -163,6 +163,8 @@ def compose(
     overrides: Sequence[str] = (),
     config_name: str = "rlvr",
     conf_dir: str | Path | None = None,
+    *,
+    return_hydra_config: bool = False,
 ) -> DictConfig:
     """Compose `config_name` with Hydra overrides; raises `ConfigError` with an explained message.
 
@@ -172,6 +174,7 @@ def compose(
         overrides: Hydra override strings, e.g. ["algo=ppo", "algo.lr=1e-6"].
         config_name: primary config (roll-core ships `rlvr`).
         conf_dir: a folder layered over the packaged configs; default `search_path.user_conf_dir()`.
+        return_hydra_config: keep Hydra's own node (`cfg.hydra`: the job's override_dirname, run and sweep dirs).
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir, initialize_config_module
@@ -189,7 +192,9 @@ def compose(
         else:
             init = initialize_config_dir(config_dir=primary, version_base=None)
         with init:
-            return hydra_compose(config_name=config_name, overrides=list(overrides))
+            return hydra_compose(
+                config_name=config_name, overrides=list(overrides), return_hydra_config=return_hydra_config
+            )
     except Exception as exc:
         raise ConfigError(explain(exc)) from exc
     finally:
