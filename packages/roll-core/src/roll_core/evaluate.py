@@ -290,11 +290,7 @@ def episode_result(m: dict[str, float], task_name: str, agentic: bool) -> dict[s
         "invalid_action_rate": m["eval/invalid_action_rate"],
         "tool_calls_mean": m["eval/tool_calls_mean"],
         # the envs' other tool counters (interfaces.agentic.INFO_COUNTERS), as training's eval logs them
-        **{
-            k.removeprefix("eval/"): v
-            for k, v in m.items()
-            if k.removeprefix("eval/").removesuffix("_mean") in INFO_COUNTERS
-        },
+        **{f"{c}_mean": m[f"eval/{c}_mean"] for c in INFO_COUNTERS if f"eval/{c}_mean" in m},
         "ends": {k.removeprefix("eval/end_"): v for k, v in m.items() if k.startswith("eval/end_")},
         "agentic": True,
     }

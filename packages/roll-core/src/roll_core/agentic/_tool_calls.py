@@ -24,9 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from roll_core.agentic._agent_turns import ParsedReply
+from roll_core.thinking import THINK_CLOSE, THINK_OPEN
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 _JSON = json.JSONDecoder()
 _SPACE = " \t\r\n"
 
@@ -70,13 +70,13 @@ class HermesToolParser:
 def _reasoning(text: str) -> tuple[int, int]:
     """[start, end) of the reply's reasoning block ((0, 0) without one): `<think>` to the end of its `</think>`, to
     the text's end when the block is not closed (cut off), from the start for a `</think>` with no opening one."""
-    close = text.find(_THINK_CLOSE)
-    opening = text.find(_THINK_OPEN)
+    close = text.find(THINK_CLOSE)
+    opening = text.find(THINK_OPEN)
     if close < 0:
         return (opening, len(text)) if opening >= 0 else (0, 0)
     if opening < 0 or opening > close:
         opening = 0
-    return opening, close + len(_THINK_CLOSE)
+    return opening, close + len(THINK_CLOSE)
 
 
 def _opens(text: str, start: int) -> list[int]:

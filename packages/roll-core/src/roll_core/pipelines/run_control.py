@@ -105,7 +105,7 @@ def set_aside_newer(checkpoint: Path) -> list[Path]:
     newer = [
         p
         for p in sorted(root.glob("step_*"), key=lambda p: (step_of(p) or 0, p.name))
-        if p.is_dir() and not p.name.endswith(".tmp") and (step_of(p) or 0) > (named or 0)
+        if p.is_dir() and not p.name.endswith(".tmp") and (step_of(p) or 0) > named
     ]
     if not newer:
         return []

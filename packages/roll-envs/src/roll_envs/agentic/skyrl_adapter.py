@@ -48,7 +48,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from roll_envs.agentic.gem_adapter import UNCLOSED_THINK, check_code_execution, checked_flag, checked_reward
+from roll_core.agentic.step_values import checked_flag, checked_reward
+from roll_envs.agentic.gem_adapter import UNCLOSED_THINK, check_code_execution
 from roll_envs.agentic.openai_agent import split_rows
 from roll_envs.rewards.judge import final_text
 

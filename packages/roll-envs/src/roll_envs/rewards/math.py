@@ -147,7 +147,7 @@ def last_number(text: str) -> str | None:
             if scale is None:
                 return number
             try:  # `5 million` states 5000000, not 5 (module docstring: "Scale words")
-                return _value_key(parse_number(number) * 10 ** _SCALES[scale["word"].lower().removesuffix("s")])
+                return _value_key(parse_number(number) * 10 ** _scale_exponent(scale["word"]))
             except ValueError:  # an exponent beyond numeric.MAX_EXPONENT: `_same_number` finds no value either
                 return number
     return None
@@ -275,7 +275,7 @@ def quantity(text: str) -> tuple[Fraction, bool] | None:
     spaced = m.end() < len(t) and t[m.end()] in " \t\n~\\"  # a bare word unit needs a space before it
     scale = _SCALE.match(rest)
     if scale is not None:  # `5 million`, `5\text{ million}`: the value is 5000000 (module docstring)
-        value *= 10 ** _SCALES[scale["word"].lower().removesuffix("s")]
+        value *= 10 ** _scale_exponent(scale["word"])
         rest = rest[scale.end() :]
         if scale["cmd"] and not scale["close"]:
             rest = scale["cmd"] + rest  # `\text{ million dollars}`: the other words are a unit, `\text{ dollars}`
@@ -353,10 +353,15 @@ def _same_number(number: str, answer: str) -> bool:
     return same_quantity((stated, False), truth)
 
 
+def _scale_exponent(word: str) -> int:
+    """The power of ten a scale word (`_SCALE_WORD`: any case, plural or not) multiplies by."""
+    return _SCALES[word.lower().removesuffix("s")]
+
+
 def _scale_power(m: re.Match[str]) -> str:
     """A scale word matched by `_SCALE_AFTER` as the power of ten it stands for; a text command it opened
     (`\\text{ million dollars}`) is opened again for the words after it."""
-    power = f" \\cdot 10^{{{_SCALES[m['word'].lower().removesuffix('s')]}}}"
+    power = f" \\cdot 10^{{{_scale_exponent(m['word'])}}}"
     return power + (m["cmd"] if m["cmd"] and not m["close"] else "")
 
 

@@ -35,9 +35,11 @@ def optimizer_state_bytes(optimizer: Any) -> int:
     )
 
 
-def prime_optimizer_state(optimizer: Any) -> None:
+def prime_optimizer_state(optimizer: Any) -> list[tuple[Any, Any]]:
     """Give a fresh optimizer zero moments and step 0, as a first step would: the distributed optimizer builds
-    its loading template from its own state, and without Apex/TE it requires every parameter's `step`."""
+    its loading template from its own state, and without Apex/TE it requires every parameter's `step`. Returns the
+    (inner optimizer, parameter) pairs it primed."""
+    primed = []
     for opt in parts(optimizer):
         inner = opt.optimizer
         for group in inner.param_groups:
@@ -46,6 +48,8 @@ def prime_optimizer_state(optimizer: Any) -> None:
                     inner.state[p].update(
                         exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=torch.tensor(0.0)
                     )
+                    primed.append((inner, p))
+    return primed
 
 
 @contextlib.contextmanager
@@ -54,9 +58,7 @@ def primed_while_saving(optimizer: Any) -> Iterator[None]:
     step 0 with zero moments, what a fresh one starts from: the distributed optimizer's state dict asserted one
     common `step` over a state that has none, so the save failed and the run ended. The primed entries are
     dropped again after the save: the live optimizer stays fresh, and its first update is a fresh one's."""
-    fresh = [(opt.optimizer, p) for opt in parts(optimizer) for g in opt.optimizer.param_groups for p in g["params"]]
-    fresh = [(inner, p) for inner, p in fresh if not inner.state.get(p)]
-    prime_optimizer_state(optimizer)
+    fresh = prime_optimizer_state(optimizer)
     try:
         yield
     finally:

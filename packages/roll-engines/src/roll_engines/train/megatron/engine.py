@@ -468,9 +468,7 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         if self.routing is not None:  # the step reports its own forwards' routing, not earlier old-logprob ones
             self.routing.changed_fraction()
         skipped = steps = empty = 0
-        from megatron.core import parallel_state as ps
-
-        counts = rank_counts(n, self._dp_rank(), int(ps.get_data_parallel_world_size()), self._dp_reduce)
+        counts = rank_counts(n, self._dp_rank(), int(self.dp_size), self._dp_reduce)
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if gen is not None else torch.arange(n)
             # mini-batches of the sizes one process cuts, over all data-parallel ranks (as the hf/fsdp2 engines)
