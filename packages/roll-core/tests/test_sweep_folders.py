@@ -119,3 +119,53 @@ def test_only_another_job_of_the_same_sweep_owns_a_folder(tmp_path: Path) -> Non
     assert folder_owner(tmp_path / "none", {"job": 1, "overrides": ["a=1"], "sweep_id": "s1"}) is None
     assert folder_owner(tmp_path, {"job": 1, "overrides": ["a=1"], "sweep_id": "s1"})["job"] == 0
     assert folder_owner(tmp_path, {"job": 0, "overrides": ["a=2"], "sweep_id": "s1"})["job"] == 0
+
+
+def test_two_jobs_that_both_passed_the_record_check_meet_at_the_claim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parallel launcher (joblib), or jobs queued for a cluster.max_concurrent slot: job 0 has passed the record
+    check but not yet written its record when job 1 of the same folder starts. Both ran in one folder (job 1's
+    record then job 0's over it). Now job 0's claim, made at its check, refuses job 1; job 0 still runs."""
+    sw = tmp_path / "sweep"
+    callback = sweep.SweepSummaryCallback()
+    callback.on_multirun_start(multirun_config(sw))
+    ran: list[tuple[int, str]] = []
+    shared = "algo.lr=1e-3"
+    inner: list[float | None] = []
+    real_check = sweep.check_resumed_folder
+
+    def job_1_starts_meanwhile(cfg: Any, out: Path, sweep_dir: Path, record: dict[str, Any]) -> None:
+        if record["job"] == 0:  # job 0 is between its check and its record: job 1 comes now
+            inner.append(run_job(sw, shared, 1, [shared], _training(ran)))
+        real_check(cfg, out, sweep_dir, record)
+
+    monkeypatch.setattr(sweep, "check_resumed_folder", job_1_starts_meanwhile)
+    assert run_job(sw, shared, 0, [shared], _training(ran)) == 0.5
+    callback.on_multirun_end(multirun_config(sw))
+
+    assert inner == [None] and ran == [(0, shared)]
+    assert (_record(sw / shared)["job"], _record(sw / shared)["status"]) == (0, "ok")
+    refused = _record(sw / "refused_jobs" / "job_1")
+    assert refused["status"] == "failed" and "of job 0 (algo.lr=1e-3) of the same sweep" in refused["error"]
+    assert [(r["job"], r["status"]) for r in summary_rows(sw)] == [("0", "ok"), ("1", "failed")]
+
+
+def test_a_claim_is_atomic_and_the_same_job_finds_its_own(tmp_path: Path) -> None:
+    """Of several jobs claiming one folder the first owns it: the others get its job and overrides; the same job
+    again (a retried task) finds its own claim; another sweep claims the folder for itself; no sweep id, no claim;
+    no temporary file is left behind."""
+    from roll_core._sweep_folders import claim_folder
+
+    job0 = {"job": 0, "overrides": ["a=1"], "sweep_id": "s1"}
+    assert claim_folder(tmp_path / "f", job0) is None
+    assert claim_folder(tmp_path / "f", dict(job0)) is None
+    assert claim_folder(tmp_path / "f", {"job": 1, "overrides": ["a=1"], "sweep_id": "s1"}) == {
+        "job": 0,
+        "overrides": ["a=1"],
+    }
+    assert claim_folder(tmp_path / "f", {"job": 0, "overrides": ["a=2"], "sweep_id": "s1"})["job"] == 0
+    assert claim_folder(tmp_path / "f", {"job": 3, "overrides": ["a=1"], "sweep_id": "s2"}) is None
+    assert claim_folder(tmp_path / "g", {"job": 1, "overrides": ["a=1"], "sweep_id": None}) is None
+    assert sorted(p.name for p in (tmp_path / "f").iterdir()) == [".roll_claim_s1.json", ".roll_claim_s2.json"]
+    assert not (tmp_path / "g").exists()

@@ -17,12 +17,18 @@ Contract:
 - A refused job records its failure in `refused_folder` (`<sweep folder>/refused_jobs/job_<number>`), where the
   summary finds it under its own number; nothing in the shared folder is written by roll (Hydra has already written
   its `.hydra/` configs and job log there before the job runs: that is outside roll's reach).
-Reading only: the caller writes the record.
+- `claim_folder` makes that check atomic across processes (a parallel launcher such as joblib, or jobs queued for a
+  `cluster.max_concurrent` slot, all pass `folder_owner` before any writes its record): the first job of a sweep to
+  hard-link its claim file (`.roll_claim_<sweep_id>.json`, whole before it appears) into a folder owns it; a later
+  job of the sweep finds that claim and is refused. The same job again finds its own claim and goes on.
+`folder_owner` only reads; `claim_folder` writes the claim file and nothing else: the caller writes the record.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +49,45 @@ def folder_owner(job_dir: Path, record: dict[str, Any]) -> dict[str, Any] | None
         return None  # written whole or not at all (sweep_records.write_record): nothing to tell apart
     if not isinstance(earlier, dict) or earlier.get("sweep_id") != record["sweep_id"]:
         return None
-    same_job = str(earlier.get("job")) == str(record.get("job"))
-    if same_job and list(earlier.get("overrides") or []) == list(record.get("overrides") or []):
+    return None if _same_job(earlier, record) else earlier
+
+
+def _same_job(earlier: dict[str, Any], record: dict[str, Any]) -> bool:
+    return str(earlier.get("job")) == str(record.get("job")) and list(earlier.get("overrides") or []) == list(
+        record.get("overrides") or []
+    )
+
+
+def claim_folder(job_dir: Path, record: dict[str, Any]) -> dict[str, Any] | None:
+    """Claim `job_dir` for job `record` (`job`, `overrides`, `sweep_id`) of its sweep, atomically: None when the claim
+    is this job's (made now, or earlier by this same job), else the claim of the other job of the sweep that made it
+    first (its `job` and `overrides`). Without a sweep id nothing is claimed (None). The claim is written to a
+    temporary file and hard-linked into place: a link fails when the name exists, so of two jobs racing for a folder
+    exactly one wins, and a reader never sees a half-written claim."""
+    sweep_id = record.get("sweep_id")
+    if sweep_id is None:
         return None
-    return earlier
+    job_dir.mkdir(parents=True, exist_ok=True)
+    claim = job_dir / f".roll_claim_{sweep_id}.json"
+    mine = {"job": record.get("job"), "overrides": list(record.get("overrides") or []), "sweep_id": sweep_id}
+    fd, tmp = tempfile.mkstemp(dir=job_dir, prefix=".roll_claim_", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(mine, f)
+        try:
+            os.link(tmp, claim)
+            return None
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(tmp)
+    try:
+        earlier = json.loads(claim.read_text())
+    except (OSError, ValueError):
+        earlier = {}
+    if not isinstance(earlier, dict):
+        earlier = {}
+    return None if _same_job(earlier, record) else {"job": earlier.get("job"), "overrides": earlier.get("overrides")}
 
 
 def refused_folder(sweep_dir: Path, job_num: Any) -> Path:

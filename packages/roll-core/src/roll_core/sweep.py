@@ -73,7 +73,7 @@ from typing import Any, NoReturn
 from hydra.experimental.callback import Callback
 
 from roll_core import sweep_stop
-from roll_core._sweep_folders import folder_owner, refused_folder, shared_folder_error
+from roll_core._sweep_folders import claim_folder, folder_owner, refused_folder, shared_folder_error
 from roll_core._sweep_tracking import sweep_group as sweep_group  # re-exported: its home was here
 from roll_core._sweep_tracking import sweep_tracking
 from roll_core.errors import ConfigError
@@ -115,7 +115,9 @@ def run_sweep_job(cfg: Any, run: Any) -> float | sweep_stop.UnstartedTrial | Non
         record["sweep_id"] = sweep_marker(sweep_dir).get("sweep_id")  # which sweep this record belongs to
         if str(sweep_dir) in _stopped and str(sweep_dir) in _sweeps and sweep_stop.asks_trials(hc):
             return _unstarted_trial(hc, out, sweep_dir)
-        owner = folder_owner(out, record)
+        # The record's check, then the atomic claim: jobs that all passed the first before any wrote its record
+        # (a parallel launcher, jobs queued for a max_concurrent slot) meet at the second.
+        owner = folder_owner(out, record) or claim_folder(out, record)
         if owner is not None:  # before anything is written: that job's record and run stay its own
             dest = refused_folder(sweep_dir, hc.job.num)
             record["folder"] = str(out)
