@@ -169,3 +169,25 @@ def test_a_claim_is_atomic_and_the_same_job_finds_its_own(tmp_path: Path) -> Non
     assert claim_folder(tmp_path / "g", {"job": 1, "overrides": ["a=1"], "sweep_id": None}) is None
     assert sorted(p.name for p in (tmp_path / "f").iterdir()) == [".roll_claim_s1.json", ".roll_claim_s2.json"]
     assert not (tmp_path / "g").exists()
+
+
+def test_a_filesystem_without_hard_links_claims_by_exclusive_create(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some FUSE mounts refuse hard links (EPERM): the claim falls back to an exclusive create instead of failing
+    every job of the sweep."""
+    import errno
+    import os
+
+    from roll_core._sweep_folders import claim_folder
+
+    def no_links(src: str, dst: str) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    assert claim_folder(tmp_path, {"job": 0, "overrides": ["a=1"], "sweep_id": "s1"}) is None
+    assert claim_folder(tmp_path, {"job": 1, "overrides": ["a=1"], "sweep_id": "s1"}) == {
+        "job": 0,
+        "overrides": ["a=1"],
+    }
+    assert [p.name for p in tmp_path.iterdir()] == [".roll_claim_s1.json"]

@@ -79,6 +79,13 @@ def claim_folder(job_dir: Path, record: dict[str, Any]) -> dict[str, Any] | None
             return None
         except FileExistsError:
             pass
+        except OSError:  # a filesystem without hard links (some FUSE mounts): an exclusive create is atomic too
+            try:
+                with open(claim, "x") as f:
+                    json.dump(mine, f)
+                return None
+            except FileExistsError:
+                pass
     finally:
         os.unlink(tmp)
     try:
