@@ -481,7 +481,7 @@ def test_tool_budget_is_enforced() -> None:
     env = ToolUseEnv(GuessNumberEnv(), tools=["calculator", boom], max_tool_calls=2, max_output_chars=50)
     env.reset(seed=0)
     obs, reward, _, _, info = env.step("<tool>calculator: 10**40</tool>")
-    assert "1" + "0" * 40 in obs and "[truncated]" not in obs and info["tool_calls"] == 1 and reward == 0
+    assert "1" + "0" * 40 in obs and "[truncated" not in obs and info["tool_calls"] == 1 and reward == 0
     obs, _, _, _, info = env.step("Let me check. <tool>boom: x</tool>")
     assert "error: the tool failed (RuntimeError)" in obs and info["tool_calls"] == 1
     assert info["tool_calls_total"] == 2
@@ -492,7 +492,7 @@ def test_tool_budget_is_enforced() -> None:
     assert info["success"] and info["tool_calls"] == 0 and info["tool_calls_total"] == 2
     long = ToolUseEnv(GuessNumberEnv(), tools=["python"], max_output_chars=10)
     long.reset(seed=0)
-    assert "[truncated]" in long.step("<tool>python: 9**99</tool>")[0]
+    assert "2951266543... [truncated: 85 more characters]" in long.step("<tool>python: 9**99</tool>")[0]
 
 
 def test_tools_around_a_visual_environment_are_refused_not_shown_as_a_dict_repr() -> None:

@@ -8,6 +8,9 @@ Hermes / Qwen (`HermesToolParser`): a block is `<tool_call>` JSON `</tool_call>`
 - Blocks inside the reply's reasoning (`<think>` ... `</think>`, or up to a `</think>` without an opening one, for
   templates whose generation header opens the block) are no calls and not counted: the model thinking about a call
   is not making it (vLLM's reasoning parser takes them out before its tool parser). They stay in the content.
+  A `<think>` or `</think>` inside a block's JSON (a program that prints it) is the argument's text, not a reasoning
+  marker: a call whose code held `</think>` was read as reasoning and dropped, uncounted, and one holding `<think>`
+  dropped every later call of the reply.
 - A block that does not parse (not JSON, nested too deep for the JSON reader, no name, or arguments that are not a
   JSON object) stays in the content and counts as invalid, as does an opening marker with no closing one (a reply
   cut off by max_tokens), unless a whole JSON value ends the text after it (a request that stops on
@@ -69,12 +72,31 @@ class HermesToolParser:
 
 def _reasoning(text: str) -> tuple[int, int]:
     """[start, end) of the reply's reasoning block ((0, 0) without one): `<think>` to the end of its `</think>`, to
-    the text's end when the block is not closed (cut off), from the start for a `</think>` with no opening one."""
-    close = text.find(THINK_CLOSE)
-    opening = text.find(THINK_OPEN)
+    the text's end when the block is not closed (cut off), from the start for a `</think>` with no opening one.
+    Markers inside a block's JSON value (one followed by `</tool_call>`, or ending the text) are skipped."""
+    pos, opening, close = 0, -1, -1
+    while True:
+        found = {
+            "close": text.find(THINK_CLOSE, pos),
+            "call": text.find(_OPEN, pos),
+            "open": text.find(THINK_OPEN, pos) if opening < 0 else -1,
+        }
+        found = {k: i for k, i in found.items() if i >= 0}
+        if not found:
+            break
+        kind = min(found, key=found.__getitem__)
+        at = found[kind]
+        if kind == "close":
+            close = at
+            break
+        if kind == "open":
+            opening, pos = at, at + len(THINK_OPEN)
+            continue
+        _, end, _ = _value(text, at + len(_OPEN))
+        pos = end if end >= 0 else at + len(_OPEN)
     if close < 0:
         return (opening, len(text)) if opening >= 0 else (0, 0)
-    if opening < 0 or opening > close:
+    if opening < 0:
         opening = 0
     return opening, close + len(THINK_CLOSE)
 
@@ -87,29 +109,38 @@ def _opens(text: str, start: int) -> list[int]:
     return out
 
 
-def _block(text: str, body: int) -> tuple[dict[str, str] | None, int]:
-    """(the call, or None for an invalid block; the index after its `</tool_call>`, -1 when none follows) of the
-    block whose JSON starts at `body`."""
+def _value(text: str, body: int) -> tuple[Any, int, int]:
+    """(the JSON value starting at `body` (after whitespace), the index after the block's `</tool_call>` or -1 when
+    the value is not followed by one, the index after the value or -1 when there is no JSON value)."""
     i = body
     while i < len(text) and text[i] in _SPACE:
         i += 1
     try:
         obj, j = _JSON.raw_decode(text, i)
     except (ValueError, RecursionError):  # deep nesting raised past the parser: a 500 and an unrecorded turn
-        obj, j = None, -1
-    if j >= 0:
-        while j < len(text) and text[j] in _SPACE:
-            j += 1
-        if text.startswith(_CLOSE, j):
-            return _call_of(obj), j + len(_CLOSE)
-        if j == len(text):
-            # A whole JSON value that ends the text: the closing marker was the request's stop string (cut off the
-            # served text, as OpenAI's contract says), or the budget ran out after the value. vLLM's parser takes
-            # it as well; every call of an agent that stops on `</tool_call>` was an invalid block.
-            return _call_of(obj), j
+        return None, -1, -1
+    after = j
+    while j < len(text) and text[j] in _SPACE:
+        j += 1
+    if text.startswith(_CLOSE, j):
+        return obj, j + len(_CLOSE), after
+    if j == len(text):
+        # A whole JSON value that ends the text: the closing marker was the request's stop string (cut off the
+        # served text, as OpenAI's contract says), or the budget ran out after the value. vLLM's parser takes
+        # it as well; every call of an agent that stops on `</tool_call>` was an invalid block.
+        return obj, j, after
+    return None, -1, after
+
+
+def _block(text: str, body: int) -> tuple[dict[str, str] | None, int]:
+    """(the call, or None for an invalid block; the index after its `</tool_call>`, -1 when none follows) of the
+    block whose JSON starts at `body`."""
+    obj, end, after = _value(text, body)
+    if end >= 0:
+        return _call_of(obj), end
     # Not one JSON value followed by the closing marker: the block runs to the next closing marker (after the
     # value, when there is one: a marker inside its strings is no end), invalid.
-    close = text.find(_CLOSE, body if j < 0 else j)
+    close = text.find(_CLOSE, body if after < 0 else after)
     return None, (-1 if close < 0 else close + len(_CLOSE))
 
 

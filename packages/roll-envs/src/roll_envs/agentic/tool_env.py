@@ -2,18 +2,23 @@
 
 Tool-call syntax: a reply containing `<tool>NAME: ARGUMENT</tool>` (e.g. `<tool>calculator: 12*(3+4)</tool>`)
 after its `<think>` reasoning, if any (one in the reasoning is not a call), is a tool call: the first
-`<tool>...</tool>` block is run (any later ones are ignored, and the observation says how many; a malformed
-first block is an invalid action even when a later one is well formed), the environment itself does not move, and
-the tool's output is the next observation. NAME is a tool's name; everything after the first colon up to `</tool>`
-(stripped) is the argument. Any reply without `<tool>` is passed to the wrapped environment as its action.
-The wrapped environment's observations must be text (one with pictures is a ValueError, not its repr).
+`<tool>...</tool>` block is run (any later ones, closed or not, are ignored, and the observation says how many; a
+malformed or unclosed first block is an invalid action even when a later one is well formed), the environment
+itself does not move, and the tool's output is the next observation. NAME is a tool's name; everything after the
+first colon up to the block's `</tool>` (stripped) is the argument, which may hold the markers themselves (a
+program printing `</tool>` or `</think>`): where a block and the reasoning end is
+roll_envs.agentic._tool_syntax's reading. Any reply without a `<tool>` block after its reasoning is passed to the
+wrapped environment as its action.
+The wrapped environment's observations must be text (one with pictures is a ValueError, not its repr); the
+framing markers in them are defanged as in a tool's output (below): an observation cannot pose as a tool's output.
 `step()` before `reset()` is a RuntimeError (no tool runs), as for roll's built-ins.
 Tools are given by name (`tools=["calculator", "code"]`), as a mapping with the name and the tool's options (what a
-Hydra list entry gives: `{name: code, timeout_s: 2}`), or as built objects. Each episode allows `max_tool_calls` calls
-(default 4). A call over the budget, to an unknown tool, or a malformed
-`<tool>` block is an invalid action (info["invalid_action"] True, reward `invalid_penalty`, nothing changes) whose
-observation says why; it does not use the budget. The wrapper truncates after `max_steps` replies in all (default:
-the wrapped environment's limit plus the tool budget), so a model that only calls tools still ends. `close()`
+Hydra list entry gives: `{name: code, timeout_s: 2}`), or as built objects. Each episode allows `max_tool_calls`
+calls (default 4; `max_tool_calls` >= 0, `max_steps` and `max_output_chars` >= 1, else a ValueError). A call over
+the budget, to an unknown tool, or a malformed or unclosed `<tool>` block is an invalid action
+(info["invalid_action"] True, reward `invalid_penalty`, nothing changes) whose observation says why; it does not
+use the budget. The wrapper truncates after `max_steps` replies in all (default: the wrapped environment's limit
+plus the tool budget), so a model that only calls tools still ends. `close()`
 closes the wrapped environment (where it has one).
 
 info["tool_calls"] is the number of tool calls *made in this step* (0 or 1; roll sums it over an episode) and
@@ -27,12 +32,13 @@ with an error (its output starts with `error:`, the tools' contract: a bad argum
 call uses the budget. info["state"] is the wrapped environment's state plus the tool
 calls made so far (what the model knows differs after a call).
 
-A tool's output is cut to `max_output_chars` (default 2000) characters followed by `... [truncated]`, and is shown
-between `<tool_output>` and `</tool_output>` lines followed by `(N tool calls left)`. The framing markers inside the
-output (any case, spaces inside the brackets) are written in parentheses, `(/tool_output)`, as the judge does for its
-field markers: a document or program that prints `</tool_output>` cannot close the block and write text the model
-reads as the environment's own (a fake budget line or task message). A tool should
-return text; anything else is shown as text: numbers as `str()`, and containers (dict, list, tuple, set), booleans
+A tool's output is cut to `max_output_chars` (default 2000) characters followed by `... [truncated: N more
+characters]` (how much the model did not see, as the code tool says it), and is shown between `<tool_output>` and
+`</tool_output>` lines followed by `(N tool calls left)`. The framing markers inside the output (any case, spaces
+inside the brackets) are written in parentheses, `(/tool_output)`, as the judge does for its field markers
+(roll_envs.markers.defang): a document or program that prints `</tool_output>` cannot close the block and write
+text the model reads as the environment's own (a fake budget line or task message). A tool should return text;
+anything else is shown as text: numbers as `str()`, and containers (dict, list, tuple, set), booleans
 and None as JSON with sorted keys and sorted sets (the repr of a set of strings changes with the process's hash
 seed, so the same episode showed the model a different observation from run to run). Tool names must be usable in
 a call (letters, digits, `_` and `-`, not starting with a digit or `-`) and distinct: a ValueError otherwise (a
@@ -55,18 +61,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from roll_core.interfaces.tasks import reward_kwargs
+from roll_envs.agentic._tool_syntax import find_calls
 from roll_envs.agentic.base import Outcome, TextEnv, echo, extract_action, trim_action
 from roll_envs.agentic.tools import Calculator, Tool, get_tool
+from roll_envs.markers import defang
 from roll_envs.numeric import numbers_equal
-from roll_envs.rewards.judge import final_text
 
-# The first `<tool>` block (up to the first `</tool>` after it) is THE call: searching for the first *well-formed*
-# block ran a later call after a malformed one (`<tool>oops</tool> then <tool>calculator: 2+2</tool>` ran 2+2).
-_BLOCK = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
+# The first `<tool>` block is THE call: searching for the first *well-formed* block ran a later call after a
+# malformed one (`<tool>oops</tool> then <tool>calculator: 2+2</tool>` ran 2+2).
 _CALL = re.compile(r"\s*([A-Za-z_][\w-]*)\s*:(.*)", re.DOTALL)
 _NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
 _NAME = re.compile(r"[A-Za-z_][\w-]*")  # the tool names _CALL can read
-_MARKER = re.compile(r"<\s*/?\s*tool_output\s*>", re.IGNORECASE)  # the observation's framing (_defang)
+_FRAMING = ("<tool_output>", "</tool_output>")  # the observation's framing (_defang)
 
 log = logging.getLogger(__name__)
 
@@ -305,21 +311,22 @@ def _defang(output: str) -> str:
     """`output` with each framing marker it holds (`<tool_output>`, `</tool_output>`, any case or inner spaces) in
     parentheses: `(/tool_output)`. A document or program that printed `</tool_output>` closed the block early and
     what followed (`(9 tool calls left)`, a fake task message) read as the environment's own text."""
-    return _MARKER.sub(lambda m: f"({m.group(0)[1:-1]})", output)
+    return defang(output, _FRAMING, inner_spaces=True)
 
 
 def _text(obs: Any, env: Any) -> str:
-    """A wrapped environment's observation as text. One with pictures is refused (ValueError: the episode fails as
-    a counted env_error): the wrapper's observations are text, and str() of it showed the model a dict's repr with
-    the pictures lost."""
+    """A wrapped environment's observation as text, its framing markers defanged (an observation that quotes
+    `</tool_output>` and a budget line read as a tool's output). One with pictures is refused (ValueError: the
+    episode fails as a counted env_error): the wrapper's observations are text, and str() of it showed the model a
+    dict's repr with the pictures lost."""
     if not isinstance(obs, Mapping):
-        return str(obs)
+        return _defang(str(obs))
     if obs.get("images"):
         raise ValueError(
             f"ToolUseEnv wraps text environments: {type(env).__name__} returned an observation with "
             f"{len(obs['images'])} picture(s)"
         )
-    return str(obs.get("text", ""))
+    return _defang(str(obs.get("text", "")))
 
 
 class ToolUseEnv:
@@ -352,6 +359,11 @@ class ToolUseEnv:
             self.tools[name] = tool
         if not self.tools or max_tool_calls < 0:
             raise ValueError("ToolUseEnv needs at least one tool and max_tool_calls >= 0")
+        if max_output_chars < 1 or (max_steps is not None and max_steps < 1):
+            # max_output_chars=-5 cut the last 5 characters of every output, 0 showed none (marked truncated).
+            raise ValueError(
+                f"ToolUseEnv needs max_output_chars >= 1 and max_steps >= 1, got {max_output_chars}, {max_steps}"
+            )
         self.max_tool_calls, self.invalid_penalty = max_tool_calls, float(invalid_penalty)
         inner = getattr(env, "max_steps", None)
         if max_steps is None:
@@ -427,17 +439,18 @@ class ToolUseEnv:
             info = self._info({"state": self._inner_state}, obs, 0, True)
             return note + obs, 0.0, terminated, truncated, info
         self.steps += 1
-        answer = final_text(text)  # a <tool> block in the reasoning is weighed, not called
-        if answer is None or "<tool>" not in answer:  # (the wrapped env reads the action after the reasoning)
+        found = find_calls(text)  # a <tool> block in the reasoning is weighed, not called
+        if not found.count:  # (the wrapped env reads the action after the reasoning)
             raw, reward, terminated, truncated, info = self.env.step(text)
             obs, terminated = _text(raw, self.env), bool(terminated)
             truncated = not terminated and (bool(truncated) or self.steps >= self.max_steps)
             self._last = (obs, terminated, truncated)
             return obs, float(reward), terminated, truncated, self._info(info, obs, 0, False)
-        blocks = _BLOCK.findall(answer)
-        match = _CALL.fullmatch(blocks[0]) if blocks else None
-        errors, ignored, error_outputs = 0, max(len(blocks) - 1, 0), 0
-        if match is None:
+        match = None if found.first is None else _CALL.fullmatch(found.first)
+        errors, ignored, error_outputs = 0, found.count - 1, 0
+        if found.first is None:  # (a reply cut off by max_tokens in its call)
+            obs, invalid = "Invalid tool call: the <tool> block is not closed; write <tool>NAME: ARGUMENT</tool>.", True
+        elif match is None:
             obs, invalid = "Invalid tool call: write exactly <tool>NAME: ARGUMENT</tool>.", True
         elif match.group(1) not in self.tools:
             obs = f"Invalid tool call: unknown tool {echo(match.group(1))}; available: {', '.join(self.tools)}."
@@ -456,7 +469,8 @@ class ToolUseEnv:
                 output, errors = f"error: the tool failed ({type(exc).__name__})", 1
                 _log_tool_error(name)
             if len(output) > self.max_output_chars:
-                output = output[: self.max_output_chars] + "... [truncated]"
+                cut = len(output) - self.max_output_chars
+                output = output[: self.max_output_chars] + f"... [truncated: {cut} more characters]"
             output = _defang(output)
             self.calls += 1
             self._history.append(f"{name}: {arg[:200]} -> {output[:200]}")

@@ -72,6 +72,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roll_core.errors import ConfigError, Extra
+from roll_envs.markers import defang
 from roll_envs.rewards._judge_parse import DEFAULT_SCORE_PATTERN, ScoreParser, VerdictParser, final_text
 from roll_envs.rewards.base import Reward, RewardResult
 
@@ -270,9 +271,8 @@ class JudgeSpec:
         return [*head, {"role": "user", "content": user}]
 
     def _defang(self, value: str) -> str:
-        for marker in self.markers:
-            value = re.sub(re.escape(marker), lambda m: f"({m.group(0)[1:-1]})", value, flags=re.IGNORECASE)
-        return value
+        """`value` with the template's field markers (any case) in parentheses (roll_envs.markers.defang)."""
+        return defang(value, self.markers)
 
 
 class _Strict(dict):
