@@ -328,7 +328,7 @@ CASES: list[Case] = [
         "env/step-malformed-result",
         env_manager(malformed_env),
         "env_errors",
-        r"raised TypeError: step returned 3 values; an environment's step returns \(observation, reward, terminated",
+        r"raised ValueError: step returned 3 values; an environment's step returns \(observation, reward, terminated",
     ),
     C(
         "env/step-nan-reward",

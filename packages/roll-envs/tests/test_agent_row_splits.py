@@ -72,7 +72,7 @@ def test_openai_agent_leaves_out_whitespace_twins_of_held_out_rows(
     dropped = 600 - len(train) - len(held)
     assert dropped > 0 and task.also_held_out == dropped
     assert caplog.text.count("but for whitespace") == 1
-    assert f"{dropped} of its 600 rows repeat a held-out row but for whitespace" in caplog.text
+    assert f"{dropped} of its 600 rows repeat a held-out row's prompt but for whitespace" in caplog.text
     # Exact repeats only: nothing left out, nothing said.
     caplog.clear()
     plain = _write(tmp_path / "plain.jsonl", rows[::3] * 2)
@@ -138,7 +138,7 @@ def test_skyrl_leaves_out_whitespace_twins_of_held_out_rows(caplog: pytest.LogCa
     assert all(stable_fraction(row_key(r)) >= 0.3 for r in env.rows)
     dropped = 120 - len(env.rows) - len(env.held_out)
     assert dropped > 0 and env.also_held_out == dropped
-    assert f"{dropped} of its 120 rows repeat a held-out row but for whitespace" in caplog.text
+    assert f"{dropped} of its 120 rows repeat a held-out row's prompt but for whitespace" in caplog.text
 
 
 def test_skyrl_leaves_out_whitespace_twins_of_given_held_out_rows() -> None:
@@ -166,3 +166,45 @@ def test_skyrl_leaves_out_whitespace_twins_of_given_held_out_rows() -> None:
     # Training seeds never pick a twin of a held-out row.
     prompts = {" ".join(given.reset(seed=s)[0].split()) for s in range(200)}
     assert not prompts & {" ".join(r["prompt"].split()) for r in held}
+
+
+def test_split_rows_is_held_out_splits_rule_with_the_same_sides() -> None:
+    """split_rows repeated held_out_split's hash branch with its own hash text; it now calls the shared function
+    with `key=` (one rule). Which rows land on which side must not move (a resumed run keeps its split): these
+    indices are what the repeated branch gave for this input."""
+    from roll_envs.agentic.openai_agent import split_rows
+
+    rows: list[dict[str, Any]] = [{"task": f"Solve puzzle {i}.", "n": i} for i in range(24)]
+    rows += [{"task": f"Solve puzzle {i}.\n", "n": i} for i in range(0, 24, 3)]  # whitespace twins: rows 24-31
+    index = {id(r): i for i, r in enumerate(rows)}
+    counts: dict[str, int] = {}
+    train, held = split_rows(rows, None, eval_fraction=0.3, eval_size=100, source="pin", counts=counts)
+    assert [index[id(r)] for r in held] == [1, 3, 6, 8, 23, 24, 26, 28, 31]
+    # 0, 12, 21 and 25 are whitespace twins of held-out rows (24, 28, 31 and 3): left out of training
+    assert [index[id(r)] for r in train] == [2, 4, 5, 7, 9, 10, 11, *range(13, 21), 22, 27, 29, 30]
+    assert counts == {"also_held_out": 4, "unused_held_out": 0}
+    counts = {}
+    train, held = split_rows(rows, None, eval_fraction=0.3, eval_size=3, source="pin", counts=counts)
+    assert [index[id(r)] for r in held] == [1, 3, 6] and len(train) == 19
+    assert counts == {"also_held_out": 4, "unused_held_out": 6}
+
+
+def test_held_out_split_takes_the_hash_key() -> None:
+    """The shared split hashes what `key` gives (split_key by default): the row splits' hash text is a row's JSON."""
+    from dataclasses import dataclass
+
+    from roll_envs.tasks.base import held_out_split
+
+    @dataclass(frozen=True)
+    class P:
+        prompt: str
+        tag: str
+
+    problems = [P(f"Q{i}", f"t{i}") for i in range(40)]
+    train, held = held_out_split(problems, None, eval_fraction=0.4, eval_size=40, path="p", key=lambda p: p.tag)
+    assert held == [p for p in problems if stable_fraction(p.tag) < 0.4]
+    assert train == [p for p in problems if stable_fraction(p.tag) >= 0.4]
+    assert held != [p for p in problems if stable_fraction(p.prompt) < 0.4]  # not the prompt's hash
+    counts: dict[str, int] = {}  # an evaluation set (path = eval_path) counts nothing left out
+    held_out_split(problems, problems, eval_fraction=0.4, eval_size=5, path="p", eval_path="p", counts=counts)
+    assert counts == {"also_held_out": 0, "unused_held_out": 0}

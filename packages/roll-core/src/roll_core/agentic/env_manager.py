@@ -1,12 +1,14 @@
 """Env managers: many environment instances stepped concurrently, each call under a timeout.
 
 Contract: `reset(slot, seed)` and `step(slot, action)` run the slot's environment on a worker thread and return its
-result, or raise `EnvFailure` with kind `env_error` (it raised, or returned a malformed result: a reset that is not
-a 2-tuple (observation, info dict or None), a reward that is not a finite real number, a terminated/truncated flag
-that is not a bool or 0/1, an info count (`tool_calls`, roll_core.interfaces.agentic.INFO_COUNTERS) that is not a
-whole number >= 0; NumPy scalars are read) or `env_timeout` (it did not answer within `step_timeout_s` of
-starting). At most `threads` calls run at once; a call
-that times out gives its place back at once, so a hung environment never delays (or times out) the calls of
+result, or raise `EnvFailure` with kind `env_error` (it raised, or returned a malformed result, as
+roll_core.agentic.step_values checks it for the third-party adapters too: a reset that is not a 2-tuple
+(observation, info dict or None), a step that is not Gymnasium's 5 values, a reward that is not a finite real
+number, a terminated/truncated flag or an info's "success"/"invalid_action" that is not a bool or 0/1, an info that
+is not a dict or None, an observation None but on the step that ends the episode (there it is ""), an info count
+(`tool_calls`, roll_core.interfaces.agentic.INFO_COUNTERS) that is not a whole number >= 0; NumPy scalars are
+read) or `env_timeout` (it did not answer within `step_timeout_s` of starting). At most `threads` calls run at
+once; a call that times out gives its place back at once, so a hung environment never delays (or times out) the calls of
 healthy ones. A failed slot gets a fresh environment instance; a hung one keeps its thread (Python threads
 cannot be killed): it is a daemon thread, so it never blocks the process from exiting, and it is counted in
 `leaked_threads`. One broken episode never stops the others or the run. Counters (`counters()`) feed the run's metrics.
@@ -25,12 +27,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import Any
 
 from roll_core.agentic.observation import Observation, normalize
-from roll_core.agentic.step_values import checked_flag, checked_reward
+from roll_core.agentic.step_values import checked_reset, checked_step
 from roll_core.interfaces import Env
 from roll_core.interfaces.agentic import INFO_COUNTERS, info_count
 
@@ -43,21 +45,6 @@ class EnvFailure(RuntimeError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
-
-
-def _reset_result(result: Any) -> tuple[Any, dict[str, Any]]:
-    """A reset's (observation, info); ValueError for anything else. An old-Gym `reset()` returns the observation
-    alone: unpacking it split a 2-element observation into (observation, info) silently, and raised a bare "too many
-    values to unpack" for the others."""
-    # a list as well: third-party environments return [obs, info] and worked; an old-Gym observation ending in a dict
-    # or None is too unlikely to refuse them for it
-    if isinstance(result, (tuple, list)) and len(result) == 2 and (result[1] is None or isinstance(result[1], Mapping)):
-        return result[0], dict(result[1] or {})
-    raise ValueError(
-        f"reset returned {type(result).__name__} {result!r:.80}; the Env contract (roll_core.interfaces) is that "
-        "reset returns a 2-tuple (observation, info dict): an old-Gym environment whose reset returns only the "
-        "observation must be wrapped to return (observation, {})"
-    )
 
 
 class EnvManager:
@@ -179,7 +166,7 @@ class EnvManager:
             if current is None:
                 used.append(self.factory())
             env = used[0]
-            obs, info = _reset_result(env.reset(seed=seed))
+            obs, info = checked_reset(env.reset(seed=seed))
             return env, normalize(obs), info
 
         # Installed by this thread once the call answered in time: a build that timed out must not land in the
@@ -194,20 +181,10 @@ class EnvManager:
         def step() -> tuple[Observation, float, bool, bool, dict[str, Any]]:
             if env is None:
                 raise RuntimeError("the environment failed earlier in this episode; reset it first")
-            result = env.step(action)
-            if not isinstance(result, (tuple, list)) or len(result) != 5:
-                # an old-Gym env's (obs, reward, done, info) has no truncation flag: its `done` cannot be split
-                got = f"{len(result)} values" if isinstance(result, (tuple, list)) else type(result).__name__
-                raise TypeError(
-                    f"step returned {got}; an environment's step returns (observation, reward, terminated, "
-                    "truncated, info), as Gymnasium's (wrap an old-Gym env in gymnasium's compatibility wrapper)"
-                )
-            obs, reward, terminated, truncated, info = result
-            flags = checked_flag(terminated, "terminated"), checked_flag(truncated, "truncated")
-            info = dict(info or {})
+            obs, reward, terminated, truncated, info = checked_step(env.step(action))
             for key in ("tool_calls", *INFO_COUNTERS):  # summed per episode: a bad count is a wrong metric
                 info_count(info, key)
-            return normalize(obs), checked_reward(reward), *flags, info
+            return normalize(obs), reward, terminated, truncated, info
 
         return self._call(slot, "step", step, [] if env is None else [env])
 

@@ -5,13 +5,17 @@ Both adapters return observations as `str` and a float reward, and add the info 
 environment does not set them: "success" (the wrapped info's "success", else its "is_success", Gymnasium's
 convention (Gymnasium-Robotics, Stable-Baselines3), else `terminated and reward >= success_reward`),
 "state" (the wrapped info's, else the observation) and "invalid_action" (the wrapped info's, else False).
-What the wrapped environment returns is checked as roll's env manager checks roll's own environments (a ValueError
-naming the environment and the contract, which the env manager counts as an environment error): reset returns
-(observation, info mapping or None), step a 5-tuple (observation, reward, terminated, truncated, info mapping or
-None); the reward is a finite real number; terminated/truncated are bools or 0/1 (NumPy scalars are read); the
-info's "success", "is_success" and "invalid_action" are bools or 0/1 (None reads as absent). `bool()` read the string
-"False" as True, an old-Gym reset returning the observation alone was split into (observation, info), and an info
-that is a Mapping but not a dict (a MappingProxyType) was dropped with its success flag.
+What the wrapped environment returns is checked by roll's env manager's own rule (roll_core.agentic.step_values: a
+ValueError naming the environment and the contract, which the env manager counts as an environment error): reset
+returns (observation, info mapping or None), step a 5-tuple (observation, reward, terminated, truncated, info
+mapping or None); the reward is a finite real number; terminated/truncated are bools or 0/1 (NumPy scalars are
+read); the info's "success", "is_success" and "invalid_action" are bools or 0/1 (None reads as absent, as does a
+"state" of None). An observation of None is an error (it reached the model as the text "None"), but on the step
+that ends the episode, where it is the empty observation "" (no turn reads it); a first observation that is empty
+(or only whitespace) is an error too: GEM states the task in it, and the model was asked to act on nothing.
+`bool()` read the string "False" as True, an old-Gym reset returning the observation alone was split into
+(observation, info), and an info that is a Mapping but not a dict (a MappingProxyType) was dropped with its success
+flag.
 Exceptions raised by the wrapped environment propagate: roll's env manager ends that trajectory and counts it as an
 environment error, which keeps third-party bugs visible in the metrics instead of hiding them as truncations.
 As for roll's built-ins (roll_envs.agentic.base), stepping a finished episode never reaches the wrapped environment:
@@ -66,7 +70,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
-from roll_core.agentic.step_values import checked_flag, checked_reward
+from roll_core.agentic.step_values import checked_flag, checked_reset, checked_step
 from roll_envs.rewards.judge import final_text
 
 log = logging.getLogger(__name__)
@@ -202,45 +206,13 @@ class _Adapter:
         spec_id = getattr(getattr(self.env, "spec", None), "id", None)
         return f"Gymnasium environment {spec_id or type(self.env).__name__!r}"
 
-    def _split_reset(self, result: Any) -> tuple[Any, Any]:
-        """A wrapped reset's (observation, info); ValueError for anything else (module docstring)."""
-        # a list as well, as roll's env manager reads it
-        if (
-            isinstance(result, (tuple, list))
-            and len(result) == 2
-            and (result[1] is None or isinstance(result[1], Mapping))
-        ):
-            return result[0], result[1]
-        raise ValueError(
-            f"{self.label}: reset returned {type(result).__name__} {result!r:.80}; the contract is that reset "
-            "returns a 2-tuple (observation, info dict): an old-Gym environment whose reset returns only the "
-            "observation must be wrapped to return (observation, {})"
-        )
+    def _text(self, obs: Any) -> str:
+        """A wrapped observation as the model reads it."""
+        return str(obs)
 
-    def _split_step(self, result: Any) -> tuple[Any, float, bool, bool, Any]:
-        """A wrapped step's 5-tuple, reward and flags checked; ValueError for anything else (module docstring)."""
-        if not isinstance(result, (tuple, list)) or len(result) != 5:
-            # an old-Gym env's (obs, reward, done, info) has no truncation flag: its `done` cannot be split
-            got = f"{len(result)} values" if isinstance(result, (tuple, list)) else type(result).__name__
-            raise ValueError(
-                f"{self.label}: step returned {got}; the contract is (observation, reward, terminated, truncated, "
-                "info), as Gymnasium's (wrap an old-Gym env in gymnasium's compatibility wrapper)"
-            )
-        obs, reward, terminated, truncated, info = result
-        return (
-            obs,
-            checked_reward(reward, self.label),
-            checked_flag(terminated, "terminated", self.label),
-            checked_flag(truncated, "truncated", self.label),
-            info,
-        )
-
-    def _info(self, info: Any, obs: str, reward: float = 0.0, terminated: bool = False) -> dict[str, Any]:
-        if info is not None and not isinstance(info, Mapping):
-            raise ValueError(
-                f"{self.label}: its info is {type(info).__name__} {info!r:.80}; it must be a dict (a Mapping) or None"
-            )
-        out = dict(info or {})
+    def _info(self, info: dict[str, Any], obs: str, reward: float = 0.0, terminated: bool = False) -> dict[str, Any]:
+        """The checked info (roll_core.agentic.step_values.checked_info) with roll's keys added (module docstring)."""
+        out = dict(info)
 
         def flag(key: str, default: bool) -> bool:
             value = out.get(key)
@@ -249,7 +221,8 @@ class _Adapter:
         # Gymnasium's conventional key is `is_success` (a goal env pays 0 on success and -1 otherwise, so the reward
         # fallback read every success as a failure)
         out["success"] = flag("success", flag("is_success", terminated and reward >= self.success_reward))
-        out["state"] = str(out.get("state", obs))
+        state = out.get("state")  # None reads as absent: it was the text "None"
+        out["state"] = obs if state is None else str(state)
         out["invalid_action"] = flag("invalid_action", False)
         return out
 
@@ -292,8 +265,24 @@ class _Adapter:
         return obs, reward, terminated, truncated, out
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
-        obs, info = self._split_reset(self._call(self.env.reset, seed=seed))
-        return self._begin(str(obs), self._info(info, str(obs)))
+        obs, info = checked_reset(self._call(self.env.reset, seed=seed), self.label)
+        text = self._text(obs)
+        if not text.strip():  # GEM (and a text game) states its task in the first observation
+            raise ValueError(
+                f"{self.label}: reset returned the empty observation {text!r}; the first observation is all the "
+                "model is told of its task"
+            )
+        return self._begin(text, self._info(info, text))
+
+    def _stepped(self, action: Any) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Step the wrapped environment with `action` (a valid one) and record what it returned, checked."""
+        result = self._call(self.env.step, action)
+        obs, reward, terminated, truncated, info = checked_step(result, self.label)
+        # Invalid replies used steps the wrapped environment's own turn limit never counted.
+        truncated = not terminated and (truncated or self._at_limit())
+        # a None observation that ends the episode is "" (step_values), not converted: obs_to_text expects the
+        # environment's own observations
+        return self._record("" if result[0] is None else self._text(obs), reward, terminated, truncated, info)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         over = self._finished()
@@ -303,10 +292,7 @@ class _Adapter:
         text = final_text(action if isinstance(action, str) else str(action))
         if text is None:
             return self._invalid(UNCLOSED_THINK)
-        obs, reward, terminated, truncated, info = self._split_step(self._call(self.env.step, text))
-        # Invalid replies used steps the wrapped environment's own turn limit never counted.
-        truncated = not terminated and (truncated or self._at_limit())
-        return self._record(str(obs), reward, terminated, truncated, info)
+        return self._stepped(text)
 
 
 class GemEnv(_Adapter):
@@ -392,10 +378,15 @@ class GymTextEnv(_Adapter):
         super().__init__(env, success_reward, limit if isinstance(limit, int) else None)
         self.action_parser, self.obs_to_text, self.invalid_penalty = action_parser, obs_to_text, float(invalid_penalty)
 
-    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
-        obs, info = self._split_reset(self.env.reset(seed=seed))
+    def _text(self, obs: Any) -> str:
+        """`obs_to_text(obs)`, which must be a str: anything else was passed on as it was (the env manager read a
+        dict as text with pictures, None as the text "None")."""
         text = self.obs_to_text(obs)
-        return self._begin(text, self._info(info, text))
+        if not isinstance(text, str):
+            raise ValueError(
+                f"{self.label}: obs_to_text returned {type(text).__name__} {text!r:.80}; it must return a str"
+            )
+        return text
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         over = self._finished()
@@ -413,6 +404,4 @@ class GymTextEnv(_Adapter):
                 parsed = None
             if parsed is None:
                 return self._invalid("the reply is not a valid action.")
-        obs, reward, terminated, truncated, info = self._split_step(self.env.step(parsed))
-        truncated = not terminated and (truncated or self._at_limit())
-        return self._record(self.obs_to_text(obs), reward, terminated, truncated, info)
+        return self._stepped(parsed)

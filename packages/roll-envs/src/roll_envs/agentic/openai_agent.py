@@ -407,58 +407,23 @@ def split_rows(
     unchanged (a resumed run keeps its split). `path` and `eval_path` naming one file is an evaluation set: every
     row is both. The held-out list is cut to `eval_size`; the hash split's rows beyond it are neither trained nor
     evaluated, logged and counted in `counts["unused_held_out"]` (0 with `held`, as held_out_split counts). A
-    ConfigError (naming `source`) when nothing is left to train on."""
-    from roll_envs.tasks.base import held_out_split, loose_key, stable_fraction
+    ConfigError (naming `path`, else `source`) when nothing is left to train on."""
+    from roll_envs.tasks.base import held_out_split
 
-    if held is not None:
-        if counts is not None:
-            # (an evaluation set, path = eval_path, leaves nothing out: held_out_split sets no counts there)
-            counts["also_held_out"] = counts["unused_held_out"] = 0
-        train, kept = held_out_split(
-            [_Row.of(r) for r in rows],
-            [_Row.of(r) for r in held],
-            eval_fraction=eval_fraction,
-            eval_size=eval_size,
-            path=path or source,
-            eval_path=eval_path,
-            counts=counts,
-        )
-        return [w.row for w in train], [w.row for w in kept]
-    # held_out_split's own hash branch hashes the text its loose key collapses; a row's hash text (`row_key`)
-    # cannot be that text (newlines escaped) without moving rows to the other side, so the sides are decided here
-    # by `row_key` as before and the twins found with the same `loose_key`.
-    sides = [(stable_fraction(row_key(r)) < eval_fraction, _Row.of(r)) for r in rows]
-    held_keys = {loose_key(w) for out, w in sides if out}
-    train = [w.row for out, w in sides if not out and loose_key(w) not in held_keys]
-    left_out = sum(not out for out, _ in sides) - len(train)
-    if left_out:
-        log.warning(
-            "%s: %d of its %d rows repeat a held-out row but for whitespace: left out of training (a held-out task "
-            "that is trained on measures nothing)",
-            source,
-            left_out,
-            len(rows),
-        )
-    held_rows = [w.row for out, w in sides if out]
-    unused = max(0, len(held_rows) - eval_size)
-    if unused:  # the split is by hash (stable whatever eval_size): the rest is idle, say so (as held_out_split)
-        log.warning(
-            "%s: %d rows fell in the held-out split (env.eval_fraction=%g) and env.eval_size=%d evaluates the first "
-            "%d: the other %d are neither trained nor evaluated (raise env.eval_size or lower env.eval_fraction to "
-            "use them)",
-            source,
-            len(held_rows),
-            eval_fraction,
-            eval_size,
-            eval_size,
-            unused,
-        )
-    if counts is not None:
-        counts["also_held_out"] = left_out
-        counts["unused_held_out"] = unused
-    if not train:
-        raise ConfigError(f"{source}: every row fell in the held-out split; lower env.eval_fraction")
-    return train, held_rows[:eval_size]
+    # One rule with env=file's: only the hash text differs, a row's JSON (`row_key`, unchanged: a resumed run keeps
+    # its split), where its loose key (whitespace twins) is `_Row.prompt` (newlines escaped in `row_key` would
+    # hide the twins).
+    train, kept = held_out_split(
+        [_Row.of(r) for r in rows],
+        None if held is None else [_Row.of(r) for r in held],
+        eval_fraction=eval_fraction,
+        eval_size=eval_size,
+        path=path or source,
+        eval_path=eval_path,
+        counts=counts,
+        key=lambda w: row_key(w.row),
+    )
+    return [w.row for w in train], [w.row for w in kept]
 
 
 def _file_rows(path: str, key: str) -> list[dict[str, Any]]:

@@ -19,13 +19,21 @@ What the environment returns is checked (a ValueError naming it, which roll's en
 error): `init` returns (messages, metadata); `step` a mapping whose "reward" is a finite real number and whose
 "done" is a bool or 0/1 (NumPy scalars are read; `bool()` read the string "False" as done, `float()` of None raised
 a bare TypeError); observations are a message, a list of messages (mappings with a "content", or strings), a string
-or None, a content a string or a list of text parts. SkyRL-Gym has no invalid-action notion (its environments score a
-malformed reply 0 and go on), so `invalid_action` is False but for one reply: the environment reads the reply after
-its reasoning (the text after the last `</think>`, roll_envs.rewards.judge.final_text, as roll's built-ins read
-actions: SkyRL-Gym parses replies itself, and an answer weighed in the reasoning was read as the answer), and a
-reply whose `<think>` block is never closed has none: it is an invalid action (reward 0, as SkyRL-Gym scores a
-malformed reply; the environment is not stepped, the turn counts towards its `max_turns`). The trajectory keeps the
-whole reply (roll records the model's tokens). Stepping a finished episode returns a note and reward 0.
+or None, a content a string or a list of text parts.
+Empty observations: a row's prompt must be a non-blank string or chat messages with text (one message, or a list
+of them), checked when the rows are read (a ValueError naming the rows: a single message was read as the list of
+its keys, an empty prompt asked the model nothing); a first observation (what `init` returns) with no text is a
+ValueError at reset, as the model would be asked nothing. A step that goes on with no observation (an empty string
+or list, None: SkyRL-Gym's search environment does this when its tool finds nothing) gives the model an empty user
+turn before its next reply, as SkyRL-Gym gives it no new message: counted in `empty_observations` and logged once
+per instance; a step that ends the episode with none reads "The episode is over.".
+SkyRL-Gym has no invalid-action notion (its environments score a malformed reply 0 and go on), so `invalid_action`
+is False but for one reply: the environment reads the reply after its reasoning (the text after the last `</think>`,
+roll_envs.rewards.judge.final_text, as roll's built-ins read actions: SkyRL-Gym parses replies itself, and an answer
+weighed in the reasoning was read as the answer), and a reply whose `<think>` block is never closed has none: it is
+an invalid action (reward 0, as SkyRL-Gym scores a malformed reply; the environment is not stepped, the turn counts
+towards its `max_turns`). The trajectory keeps the whole reply (roll records the model's tokens). Stepping a
+finished episode returns a note and reward 0.
 SkyRL-Gym environments are closed (`close()`): the one an episode used when the next reset replaces it, the probe
 built to read the turn limit, and the current one at `close()` (roll's env manager calls it). A close that raises
 while replacing is logged and counted in `close_errors` (the new episode goes on); `close()` itself raises it.
@@ -71,6 +79,38 @@ def _read_rows(path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def _prompt_problem(prompt: Any) -> str | None:
+    """Why a row's prompt cannot start an episode, or None: it must be a non-blank string, or chat messages (one
+    message, or a non-empty list of them: mappings with a "role" and a "content") with some non-blank text."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "is blank (the model would be asked nothing)"
+    messages = [prompt] if isinstance(prompt, Mapping) else prompt
+    if not isinstance(messages, (list, tuple)) or not messages:
+        return f"is {type(prompt).__name__} {prompt!r:.60}, not a string or chat messages"
+    if not all(isinstance(m, Mapping) and "role" in m and "content" in m for m in messages):
+        return f"{prompt!r:.60} holds an item that is not a chat message (a mapping with 'role' and 'content')"
+    if not any(isinstance(m["content"], str) and m["content"].strip() for m in messages):
+        return "has no message with text (the model would be asked nothing)"
+    return None
+
+
+def _check_rows(rows: list[dict[str, Any]], source: str) -> None:
+    """ValueError naming the rows (1-based, the first five) whose prompt or extras cannot start an episode (a
+    single message as the prompt was read as its keys, an empty one asked the model nothing, extras None raised a
+    bare TypeError at the episode's reset)."""
+    bad = []
+    for i, row in enumerate(rows, 1):
+        why = _prompt_problem(row["prompt"]) if isinstance(row, Mapping) and "prompt" in row else None
+        if not isinstance(row, Mapping) or "prompt" not in row:
+            bad.append(f"row {i} has no 'prompt'")
+        elif why is not None:
+            bad.append(f"row {i}'s prompt {why}")
+        elif not isinstance(row.get("extras") or {}, Mapping):
+            bad.append(f"row {i}'s extras {row['extras']!r:.60} are not a mapping")
+    if bad:
+        raise ValueError(f"{source}: {len(bad)} rows cannot start an episode: " + "; ".join(bad[:5]))
+
+
 class SkyRLEnv:
     """One SkyRL-Gym environment id over a list of dataset rows; see the module docstring."""
 
@@ -103,6 +143,9 @@ class SkyRLEnv:
         if eval_rows is not None and eval_data_file is not None:
             raise ValueError("SkyRLEnv takes at most one of eval_rows= and eval_data_file=")
         held = _read_rows(eval_data_file) if eval_data_file is not None else eval_rows
+        _check_rows(rows, f"SkyRLEnv({env_id}) " + (data_file or "rows"))
+        if held is not None:
+            _check_rows(held, f"SkyRLEnv({env_id}) " + (eval_data_file or "eval_rows"))
         # env=file's rule, as env=openai_agent splits its rows (split_rows): a training row that is a held-out row
         # but for whitespace is left out, counted and logged (an exact-JSON check trained on "Q?\n" while holding
         # out "Q?"); the hash is the row's JSON as before, so a resumed run keeps its split.
@@ -134,14 +177,17 @@ class SkyRLEnv:
         self._done, self._last, self._turn = True, "", 0
         self._end = (False, True)  # (terminated, truncated) of the step that ended the episode
         self.close_errors = 0
-        probe = self._make(env_id, env_config=self.env_config, extras=dict(rows[0].get("extras", {})))
+        self.empty_observations = 0  # steps that went on with no observation (module docstring)
+        probe = self._make(env_id, env_config=self.env_config, extras=dict(rows[0].get("extras") or {}))
         self.max_steps = int(getattr(probe, "max_turns", 0) or 0) or None
         self._close_quietly(probe, "the probe")
 
     def _close_quietly(self, env: Any, which: str) -> None:
         """Close a SkyRL-Gym environment roll no longer uses; one that raises is logged and counted, not raised."""
         try:
-            env.close()
+            close = getattr(env, "close", None)
+            if callable(close):
+                close()
         except Exception as exc:
             self.close_errors += 1
             log.warning("%s: closing %s raised %s: %s (counted)", self.env_id, which, type(exc).__name__, exc)
@@ -149,8 +195,9 @@ class SkyRLEnv:
     def close(self) -> None:
         """Close the current SkyRL-Gym environment, if any (its close's error is raised: the caller counts it)."""
         env, self.env, self._done = self.env, None, True
-        if env is not None:
-            env.close()
+        close = getattr(env, "close", None)
+        if callable(close):  # (an environment not built on SkyRL-Gym's BaseTextEnv may have none)
+            close()
 
     @property
     def label(self) -> str:
@@ -209,9 +256,15 @@ class SkyRLEnv:
             row = self.held_out[(seed - self.eval_seed_offset) % len(self.held_out)]
         else:
             row = self.rows[seed % len(self.rows)]
-        prompt = row["prompt"]
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        extras = dict(row.get("extras", {}))
+        prompt = row["prompt"]  # (checked: _check_rows)
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        else:  # one message (it was read as the list of its keys), or a list of them
+            messages = [prompt] if isinstance(prompt, Mapping) else list(prompt)
+        extras = dict(row.get("extras") or {})
+        # No step reaches the new environment before its init has answered (a failed init left the last
+        # episode's "not done" in place, and a step went to an environment never started).
+        self._done, self._end = True, (False, True)
         old, self.env = self.env, self._make(self.env_id, env_config=self.env_config, extras=extras)
         if old is not None:  # it was dropped without close: what it held stayed open for the run
             self._close_quietly(old, "the previous episode's environment")
@@ -224,7 +277,13 @@ class SkyRLEnv:
             or not (started[1] is None or isinstance(started[1], Mapping))
         ):
             raise ValueError(f"{self.label}: init returned {started!r:.80}; it must return (messages, metadata)")
-        self._done, self._turn, self._last = False, 0, self._text(started[0])
+        first = self._text(started[0])
+        if not first.strip():
+            raise ValueError(
+                f"{self.label}: init returned no text for seed {seed}'s row ({started[0]!r:.80}): the first "
+                "observation is the model's task, and an empty one asks it nothing"
+            )
+        self._done, self._turn, self._last = False, 0, first
         return self._last, {**self._info(), "seed": seed}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
@@ -250,4 +309,12 @@ class SkyRLEnv:
         # single-turn environment's own end is its terminal state (module docstring), not its turn limit.
         truncated = not success and limit > 0 and self._turn >= limit and (not done or limit > 1)
         self._done, self._end = done or truncated, (done and not truncated, truncated)
+        if not self._last and not self._done:  # documented (module docstring): an empty user turn, counted
+            self.empty_observations += 1
+            if self.empty_observations == 1:
+                log.warning(
+                    "%s returned no observation on a step that does not end the episode: the model's next turn "
+                    "follows an empty user message (counted in empty_observations; said once per instance)",
+                    self.label,
+                )
         return self._last, reward, done and not truncated, truncated, self._info(success)

@@ -12,7 +12,7 @@ the pipeline feeds them to a vision-language model (a text model given pictures 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,9 +52,11 @@ def held_out_split(
     path: str | None,
     eval_path: str | None = None,
     counts: dict[str, int] | None = None,
+    key: Callable[[Any], str] | None = None,
 ) -> tuple[list[Any], list[Any]]:
     """(train, held-out) of a file-backed task: with `held` (the rows of env.eval_path) every row of `problems`
-    trains but those also in `held`; without, prompts whose stable hash (`split_key`) falls below `eval_fraction`
+    trains but those also in `held`; without, problems whose stable hash (`stable_fraction(key(problem))`, `key`
+    is `split_key` unless given: env=openai_agent and skyrl:<id> hash a row's JSON) falls below `eval_fraction`
     are held out, and training rows that repeat a held-out row but for whitespace are left out too (the hash of
     the raw prompt put "Q?" and "Q?\n" on different sides: a held-out problem also trained on). Either way a row
     is "also held out" when its `loose_key` (prompt with whitespace collapsed, and pictures) is a held-out row's:
@@ -69,10 +71,13 @@ def held_out_split(
 
     if held is not None and path and eval_path and _same_file(path, eval_path):
         log.warning("%s is both env.path and env.eval_path: an evaluation set (its rows also train)", path)
+        if counts is not None:  # nothing left out
+            counts["also_held_out"] = counts["unused_held_out"] = 0
         return list(problems), held[:eval_size]
     unused = 0
     if held is None:
-        in_held = [stable_fraction(split_key(p)) < eval_fraction for p in problems]
+        hash_key = key or split_key
+        in_held = [stable_fraction(hash_key(p)) < eval_fraction for p in problems]
         train = [p for p, h in zip(problems, in_held, strict=True) if not h]
         held = [p for p, h in zip(problems, in_held, strict=True) if h]
         if len(held) > eval_size:  # the split is by hash (stable whatever eval_size): the rest is idle, say so
