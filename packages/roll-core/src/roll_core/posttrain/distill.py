@@ -28,14 +28,9 @@ from typing import Any
 import torch
 
 from roll_core.errors import ConfigError
+from roll_core.posttrain.row_values import need
 from roll_core.posttrain.rows import RawRow, SkipRow
-from roll_core.posttrain.tokenize import (
-    SFTTokenizer,
-    TokenRow,
-    legacy_tokenizer_fingerprint,
-    need,
-    tokenizer_fingerprint,
-)
+from roll_core.posttrain.tokenize import SFTTokenizer, TokenRow, legacy_tokenizer_fingerprint, tokenizer_fingerprint
 
 TEACHER_IDS = "teacher_topk_ids"
 TEACHER_LOGPROBS = "teacher_topk_logprobs"

@@ -7,8 +7,12 @@ longest common prefix of the two lists, which must end on a non-assistant messag
 counted `prompt_not_shared` skip otherwise: the two would answer different prompts). Lists that already hold the
 prompt are read as the implicit form, the `prompt` column aside (it would otherwise be rendered twice): beside a
 text prompt, lists that start with a non-assistant message (HuggingFaceH4/ultrafeedback_binarized's layout, as
-TRL's `maybe_extract_prompt` reads it); beside a message-list prompt, lists that start with its messages (same
-roles and contents). Text prompt and responses follow `data.chat_template` like SFT's prompt/completion rows.
+TRL's `maybe_extract_prompt` reads it), one of whose messages before the answer holds the prompt's text (else a
+counted `prompt_not_in_conversation` skip: read as a conversation the row would lose its prompt); beside a
+message-list prompt, lists that start with its messages (same roles and contents). Text prompt and responses follow
+`data.chat_template` like SFT's prompt/completion rows, when all three are text: a message-list side puts both
+through the template. Sides whose messages before their answers differ (a system prompt in one only) are a counted
+`prompt_not_shared` skip naming the difference (they were `prompt_mismatch` or `no_prompt`).
 Both sides tokenise through `SFTTokenizer` (so chosen and rejected have the same prompt ids and each response ends
 with its end-of-turn token) and get the length limits; a row whose either side is skipped is skipped.
 
@@ -38,8 +42,9 @@ from typing import Any
 
 from roll_core.errors import ConfigError
 from roll_core.posttrain.config import DataConfig
+from roll_core.posttrain.row_values import check_messages, check_text, need, train_flag
 from roll_core.posttrain.rows import RawRow, SkipRow, Skips
-from roll_core.posttrain.tokenize import SFTTokenizer, TokenRow, check_messages, check_text, need, train_flag
+from roll_core.posttrain.tokenize import SFTTokenizer, TokenRow
 
 PREFERENCE_FORMATS = ("preference", "rollout")
 
@@ -64,15 +69,22 @@ def parse_preference(raw: RawRow, sft: SFTTokenizer) -> Pair:
     row = raw.row
     chosen, rejected = need(row, cfg.chosen_key), need(row, cfg.rejected_key)
     prompt = row.get(cfg.prompt_key)
-    if prompt is None or _hold_prompt(prompt, chosen, rejected):
+    if prompt is None or _hold_prompt(prompt, chosen, rejected, cfg):
         prompt, chosen, rejected = _implicit_prompt(chosen, rejected, cfg)
+    # text without a template only when every part is text: a message-list side takes the template, and so does the
+    # other (one side raw text, the other rendered, tokenised to two prompts: a prompt_mismatch blaming the template)
+    as_text = all(isinstance(v, str) for v in (prompt, chosen, rejected)) and not cfg.chat_template
     sides = []
+    contexts = []
     for value, key in ((chosen, cfg.chosen_key), (rejected, cfg.rejected_key)):
-        if isinstance(prompt, str) and isinstance(value, str) and not cfg.chat_template:
+        if as_text:
             tokens = sft.raw_text(check_text(prompt, cfg.prompt_key), check_text(value, key))
         else:
             p = sft.as_messages(prompt, cfg.prompt_key, "user")
             c = sft.as_messages(value, key, "assistant")
+            contexts.append(_before_answer(c))
+            if len(contexts) == 2 and contexts[0] != contexts[1]:
+                raise SkipRow("prompt_not_shared", _context_diff(contexts, cfg))
             trained = [False] * len(p) + [train_flag(m) for m in c]
             tokens = sft.chat_row(p + c, trained, row.get("tools"))
         tokens.where = f"{raw.where}:{key}"
@@ -99,15 +111,56 @@ def _content(t: TokenRow) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(t.response_ids), tuple(t.mask)
 
 
-def _hold_prompt(prompt: Any, chosen: Any, rejected: Any) -> bool:
+def _before_answer(messages: Sequence[Mapping[str, Any]]) -> list[tuple[Any, Any]]:
+    """(role, content) of the messages before a side's first assistant message: context the side adds to the
+    prompt (a system prompt in its list, say), which both sides must share."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant":
+            break
+        out.append((m.get("role"), m.get("content")))
+    return out
+
+
+def _context_diff(contexts: list[list[tuple[Any, Any]]], cfg: DataConfig) -> str:
+    """What differs between two sides' messages before their answers (`_before_answer`), for a skip's detail."""
+    keys = (cfg.chosen_key, cfg.rejected_key)
+    rest = [[m for m in c if m[0] != "system"] for c in contexts]
+    systems = [[m for m in c if m[0] == "system"] for c in contexts]
+    if rest[0] == rest[1] and not all(systems):
+        which = keys[0] if systems[0] else keys[1]
+        return f"a system prompt only in {which!r} (before its answer): the two answer different prompts"
+    if rest[0] == rest[1]:
+        return f"{keys[0]!r} and {keys[1]!r} have different system prompts: the two answer different prompts"
+    at = next((i for i, (a, b) in enumerate(zip(*contexts)) if a != b), min(map(len, contexts)))
+    roles = [c[at][0] if at < len(c) else None for c in contexts]
+    return (
+        f"{keys[0]!r} and {keys[1]!r} differ at message {at} before their answers ({roles[0]!r} / {roles[1]!r}): "
+        "they answer different prompts"
+    )
+
+
+def _hold_prompt(prompt: Any, chosen: Any, rejected: Any, cfg: DataConfig) -> bool:
     """Whether `chosen` and `rejected` are whole conversations that already begin with `prompt` (see the module
-    doc): a text prompt beside lists starting with a non-assistant message, or a message-list prompt that both
-    lists start with."""
+    doc): a text prompt beside lists starting with a non-assistant message (one of them, before the answer, must
+    hold the prompt's text: a `prompt_not_in_conversation` skip otherwise, the prompt would be dropped), or a
+    message-list prompt that both lists start with."""
     sides = (chosen, rejected)
     if not all(isinstance(s, (list, tuple)) and s and all(isinstance(m, Mapping) for m in s) for s in sides):
         return False
     if isinstance(prompt, str):
-        return all(s[0].get("role") != "assistant" for s in sides)
+        if not all(s[0].get("role") != "assistant" for s in sides):
+            return False
+        for side, key in zip(sides, (cfg.chosen_key, cfg.rejected_key)):
+            held = [c for _, c in _before_answer(side) if isinstance(c, str)]
+            if prompt.strip() not in (c.strip() for c in held):
+                raise SkipRow(
+                    "prompt_not_in_conversation",
+                    f"{cfg.prompt_key!r} is text that {key!r}, a conversation with its own prompt messages, does not "
+                    f"hold: read as a whole conversation the row loses the prompt, read as an answer the prompt is "
+                    "said twice",
+                )
+        return True
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping) for m in prompt):
 
         def turns(messages: Sequence[Mapping[str, Any]]) -> list[tuple[Any, Any]]:
@@ -126,6 +179,9 @@ def _implicit_prompt(chosen: Any, rejected: Any, cfg: DataConfig) -> tuple[list,
         n += 1
     if n == 0:
         sides = f"{cfg.chosen_key!r}/{cfg.rejected_key!r}"
+        contexts = [_before_answer(c), _before_answer(r)]
+        if contexts[0] and contexts[1]:  # both have prompt messages, different ones (a system prompt in one only)
+            raise SkipRow("prompt_not_shared", _context_diff(contexts, cfg))
         raise SkipRow("no_prompt", f"{sides} share no first message to take the prompt from")
     if n == len(c) or n == len(r):
         raise SkipRow("same_response", "chosen and rejected are identical (or one extends the other)")

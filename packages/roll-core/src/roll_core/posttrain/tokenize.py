@@ -5,8 +5,10 @@ Row forms (`detect_format` picks one per file from its columns, or `data.format`
   list as JSON text; an assistant message's `tool_calls` likewise, each call naming its function). Every assistant
   message is trained unless it has `"train": false` or OpenAI's `"weight": 0` (a `train` that is not true, false or
   null, or a `weight` that is not 0 or 1, is a `wrong_type` skip); system / user / tool messages are context.
-  ShareGPT rows alike: a `conversations` column (when the row has no `messages`) of `{"from", "value"}` messages,
-  `from` human / gpt / system read as user / assistant / system (another is kept as the role).
+  ShareGPT rows alike (LLaMA-Factory's `sharegpt` format): a `conversations` column (when the row has no
+  `messages`) of `{"from", "value"}` messages, read by roll_core.posttrain.row_values (human / gpt / system /
+  function_call / observation; another `from` is an `unknown_role` skip), with its `system` and `tools` columns.
+  What a row's values may hold (and each skip they give) is row_values' contract; this module tokenises them.
 - `prompt_completion`: `{"prompt": str | messages, "completion": str | messages}` (TRL's standard and
   conversational forms). Text with `data.chat_template=true` becomes a user message and an assistant message;
   with false, the prompt's ids (the tokenizer's leading special tokens added, e.g. bos, unless the text already
@@ -34,10 +36,13 @@ that is blank (empty or whitespace text, no tool calls) is skipped (`empty`), wh
 answering; so is blank text of a prompt, completion or preference response. A template that does not render what a row
 gives it is a counted skip, not a row trained without it: the row's `tools` (`template_drops_tools`: the model would
 call tools it was never shown) or the tool calls of an assistant turn after the prompt (`template_drops_tool_calls`:
-the model would learn to announce a call and end its turn without making it). A tool call's `arguments` given as JSON
-text is parsed to the object it spells when the template `tojson`s arguments (Qwen2.5's, Llama 3.1's): rendered as
-given, the model would learn escaped JSON in a string; text that is not JSON is then a `wrong_type` skip. Templates
-that write text arguments as they are (Qwen3's, DeepSeek's) get the text.
+the model would learn to announce a call and end its turn without making it). Whether a template renders tools
+and tool calls at all is probed once per tokenizer, template and template arguments (on probe messages, cached),
+not per row; a row whose prompt lacks one of its tools' names, or a turn whose rendering lacks one of its calls'
+names, is skipped alike (a template that renders them only in some conversations). A tool call's `arguments` given
+as JSON text is parsed to the object it spells when the template `tojson`s arguments (Qwen2.5's, Llama 3.1's):
+rendered as given, the model would learn escaped JSON in a string; text that is not JSON is then a `wrong_type`
+skip. Templates that write text arguments as they are (Qwen3's, DeepSeek's) get the text.
 
 Ids after a context (`encode_after`): text is tokenised together with the text before it and the context's own ids
 are taken off, when they are a prefix of the whole's (else, where BPE merges across the boundary, on its own: the ids
@@ -57,6 +62,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,9 +72,22 @@ from roll_core.errors import ConfigError
 from roll_core.near_duplicates import loose_text
 from roll_core.posttrain._fingerprint import FINGERPRINT_PROBES, legacy_tokenizer_fingerprint, tokenizer_fingerprint
 from roll_core.posttrain.config import DataConfig
+from roll_core.posttrain.row_values import (
+    SHAREGPT_COLUMN,
+    blank,
+    check_ids,
+    check_messages,
+    check_text,
+    check_tools,
+    need,
+    row_messages,
+    tool_call_names,
+    train_flag,
+)
 from roll_core.posttrain.rows import RawRow, SkipRow
 
-# The fingerprint lives in a sibling module (this one's size) and stays part of this module's API.
+# The fingerprint and the row value checks live in sibling modules (this one's size) and stay part of this module's
+# API (row_values: what a row's columns may hold; this module: how they become ids).
 __all__ = [
     "FINGERPRINT_PROBES",
     "SFT_FORMATS",
@@ -93,9 +112,31 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _PLACEHOLDER = "\u2063ROLL-SFT-ASSISTANT\u2063"
-_SHAREGPT_COLUMN = "conversations"
-_SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 _ARGS_PROBE = '{"roll_probe": 1}'  # tool-call arguments as text: a template that tojsons them writes them quoted
+_PROBE_USER = {"role": "user", "content": "x"}
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "roll_probe", "description": "probe", "parameters": {"type": "object", "properties": {}}},
+    }
+]
+_PROBE_CALL = {"id": "rollprobe", "type": "function", "function": {"name": "roll_probe", "arguments": {}}}
+# tokenizer -> {(template, its arguments, special tokens) as JSON: {probe name: result}} (see ChatEncoder.renders)
+_PROBES: weakref.WeakKeyDictionary[Any, dict[str, dict[str, bool | None]]] = weakref.WeakKeyDictionary()
+
+
+def _probe_cache(tokenizer: Any, kwargs: Mapping[str, Any]) -> dict[str, bool | None]:
+    """The probe results of one tokenizer's current template with `kwargs` (shared by every ChatEncoder of it)."""
+    key = json.dumps(
+        [tokenizer.chat_template, kwargs, getattr(tokenizer, "special_tokens_map", None)], sort_keys=True, default=repr
+    )
+    try:
+        per_template = _PROBES.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that cannot be weakly referenced: probed once per encoder instead
+        return {}
+    return per_template.setdefault(key, {})
+
+
 SFT_FORMATS = ("messages", "prompt_completion", "tokens")
 
 
@@ -152,7 +193,7 @@ def row_format(row: Mapping[str, Any], cfg: DataConfig) -> str | None:
         return "preference"
     if cfg.prompt_ids_key in row and cfg.response_ids_key in row:
         return "rollout" if (cfg.reward_key in row or cfg.correct_key in row) else "tokens"
-    if cfg.messages_key in row or _SHAREGPT_COLUMN in row:
+    if cfg.messages_key in row or SHAREGPT_COLUMN in row:
         return "messages"
     if cfg.prompt_key in row and cfg.completion_key in row:
         return "prompt_completion"
@@ -182,97 +223,6 @@ def detect_format(rows: Sequence[RawRow], cfg: DataConfig, allowed: Sequence[str
     return max(votes, key=lambda f: votes[f])
 
 
-# ---- value checks -----------------------------------------------------------------------------------------------
-def need(row: Mapping[str, Any], key: str) -> Any:
-    """row[key], or a `missing_field` skip."""
-    value = row.get(key)
-    if value is None:
-        raise SkipRow("missing_field", f"no {key!r} (the row has {sorted(row)[:10]})")
-    return value
-
-
-def check_ids(value: Any, key: str, vocab: int, *, allow_empty: bool = False) -> list[int]:
-    """A list of token ids in [0, vocab), or a skip (`wrong_type`, `bad_token_id`, `empty`)."""
-    if not isinstance(value, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        raise SkipRow("wrong_type", f"{key!r} must be a list of integer token ids, got {str(value)[:60]}")
-    if not value and not allow_empty:
-        raise SkipRow("empty", f"{key!r} is empty")
-    bad = [x for x in value if not 0 <= x < vocab]
-    if bad:
-        raise SkipRow("bad_token_id", f"{key!r} holds id {bad[0]} outside the vocabulary [0, {vocab})")
-    return [int(x) for x in value]
-
-
-def check_messages(value: Any, key: str) -> list[dict[str, Any]]:
-    if not isinstance(value, (list, tuple)) or not value:
-        raise SkipRow("wrong_type", f"{key!r} must be a non-empty list of messages, got {str(value)[:60]}")
-    out = []
-    for i, m in enumerate(value):
-        if isinstance(m, Mapping) and "role" not in m and isinstance(m.get("from"), str):  # ShareGPT
-            rest = {k: v for k, v in m.items() if k not in ("from", "value")}
-            m = {**rest, "role": _SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")}
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise SkipRow("wrong_type", f"{key!r}[{i}] is not a message with a 'role' ({str(m)[:60]})")
-        content = m.get("content")
-        if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
-            raise SkipRow("wrong_type", f"{key!r}[{i}] content is {type(content).__name__}, expected text")
-        # Parquet / datasets give every message every column of the struct (None where absent): drop those.
-        message = {k: v for k, v in m.items() if v is not None or k == "content"}
-        if "tool_calls" in message:
-            message["tool_calls"] = _json_list(message["tool_calls"], f"{key!r}[{i}] 'tool_calls'", "tool calls")
-            tool_call_names(message)  # a call naming no function: this row's fault, said before any template runs
-        out.append(message)
-    return out
-
-
-def check_tools(value: Any) -> list[dict[str, Any]] | None:
-    """A row's `tools` column as a chat template takes it: a list of tool schemas (None when absent or empty). The
-    list may be JSON text (datasets store it so, one schema per Arrow column being impossible): transformers
-    refused that text with an error naming neither the column nor the row. Anything else is a `wrong_type` skip."""
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    return _json_list(value, "'tools'", "tool schemas") or None
-
-
-def _json_list(value: Any, where: str, what: str) -> list[dict[str, Any]]:
-    """`value` as a list of mappings, parsing JSON text; a `wrong_type` skip naming `where` otherwise."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise SkipRow("wrong_type", f"{where} is text that is not JSON ({exc.msg}): {value[:60]!r}") from None
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, Mapping) for v in value):
-        raise SkipRow("wrong_type", f"{where} must be a list of {what} (or that list as JSON), got {str(value)[:60]}")
-    return [dict(v) for v in value]
-
-
-def tool_call_names(message: Mapping[str, Any]) -> list[str]:
-    """The function names of a message's tool calls (OpenAI's `{"function": {"name", ...}}` or a flat
-    `{"name", ...}`); a `wrong_type` skip for a call without one."""
-    names = []
-    for call in message.get("tool_calls") or ():
-        function = call.get("function") if isinstance(call.get("function"), Mapping) else call
-        name = function.get("name")
-        if not isinstance(name, str) or not name.strip():
-            raise SkipRow("wrong_type", f"a tool call names no function ({str(call)[:60]})")
-        names.append(name)
-    return names
-
-
-def check_text(value: Any, key: str) -> str:
-    if not isinstance(value, str):
-        raise SkipRow("wrong_type", f"{key!r} must be non-empty text or a list of messages, got {str(value)[:60]}")
-    if not value.strip():
-        raise SkipRow("empty", f"{key!r} is blank ({value!r})")
-    return value
-
-
-def blank(message: Mapping[str, Any]) -> bool:
-    """Whether a message says nothing: text content that is empty or whitespace, and no tool calls."""
-    content = message.get("content")
-    return isinstance(content, str) and not content.strip() and not message.get("tool_calls")
-
-
 # ---- chat rendering ---------------------------------------------------------------------------------------------
 class ChatEncoder:
     """Chat rows to (prompt ids, response ids, mask) through one tokenizer's chat template (see module doc)."""
@@ -284,8 +234,8 @@ class ChatEncoder:
                 "prompt/completion text rows with data.chat_template=false)"
             )
         self.tokenizer = tokenizer
-        self._tojsons: bool | None = None  # tojsons_arguments, probed on the first text arguments
         self.kwargs = dict(chat_template_kwargs or {})
+        self._probes = _probe_cache(tokenizer, self.kwargs)  # results of `renders`, per tokenizer and template
         self.turns = TurnTemplate(tokenizer, chat_template_kwargs=self.kwargs)
         closing = self.turns.encode(self.turns.closing)
         if closing and closing[0] in self.turns.turn_end_ids:
@@ -334,10 +284,14 @@ class ChatEncoder:
             )
         text = full[len(before) : len(full) - len(closing)]
         if message.get("tool_calls"):
-            # a template without tool support renders the text alone (ChatML, Phi-3): the same turn without its
-            # calls (the text may well name the function, so looking for the name in it proves nothing)
-            bare = {k: v for k, v in message.items() if k != "tool_calls"}
-            if self._render([*history, {**bare, "content": bare.get("content") or ""}], False, tools) == full:
+            # a template without tool support renders the text alone (ChatML, Phi-3). Probed once (`renders`); a
+            # call whose name is not in the turn's rendering is not rendered either (the name in the turn's text
+            # alone proves nothing: the text may well name the function, hence the probe)
+            renders = self.renders("tool_calls")
+            if renders is None:  # the probe could not tell: the same turn without its calls, as this row has it
+                bare = {k: v for k, v in message.items() if k != "tool_calls"}
+                renders = self._render([*history, {**bare, "content": bare.get("content") or ""}], False, tools) != full
+            if not renders or not all(name in text for name in tool_call_names(message)):
                 raise SkipRow(
                     "template_drops_tool_calls",
                     f"the chat template does not render this assistant turn's call of {tool_call_names(message)}: "
@@ -356,17 +310,34 @@ class ChatEncoder:
             )
         return [*(encode_after(self.tokenizer, before, text) if text else []), end_id]
 
+    def renders(self, what: str) -> bool | None:
+        """Whether the template renders `what` at all, probed once per tokenizer, template and template arguments on
+        probe messages (None when the probe conversation fails to render: each row is then checked on its own):
+        `tools` (the schemas in a prompt), `tool_calls` (an assistant turn's calls), `tojson` (a call's text
+        arguments written quoted, `| tojson`: Qwen2.5's, Llama 3.1's)."""
+        if what not in self._probes:
+            self._probes[what] = self._probe(what)
+        return self._probes[what]
+
+    def _probe(self, what: str) -> bool | None:
+        try:
+            if what == "tools":
+                return self._render([_PROBE_USER], True, _PROBE_TOOLS) != self._render([_PROBE_USER], True)
+            bare = {"role": "assistant", "content": ""}
+            if what == "tool_calls":
+                turn = {**bare, "tool_calls": [_PROBE_CALL]}
+                return self._render([_PROBE_USER, turn], False) != self._render([_PROBE_USER, bare], False)
+            if what == "tojson":
+                call = {"type": "function", "function": {"name": "roll_probe", "arguments": _ARGS_PROBE}}
+                text = self._render([_PROBE_USER, {**bare, "tool_calls": [call]}], False)
+                return json.dumps(_ARGS_PROBE, ensure_ascii=False) in text
+        except Exception:  # the probe messages do not suit this template: tojson no, the others row by row
+            return False if what == "tojson" else None
+        raise ValueError(f"unknown template probe {what!r}")
+
     def tojsons_arguments(self) -> bool:
         """Whether the template writes a tool call's text `arguments` quoted (`| tojson`: Qwen2.5's, Llama 3.1's)."""
-        if self._tojsons is None:
-            call = {"type": "function", "function": {"name": "roll_probe", "arguments": _ARGS_PROBE}}
-            turn = {"role": "assistant", "content": "", "tool_calls": [call]}
-            try:
-                text = self._render([{"role": "user", "content": "x"}, turn], False)
-            except Exception:  # no tool calls in this template: its rows fail (counted) whatever is given
-                text = ""
-            self._tojsons = json.dumps(_ARGS_PROBE, ensure_ascii=False) in text
-        return self._tojsons
+        return bool(self.renders("tojson"))
 
     def _parse_arguments(self, message: dict[str, Any]) -> dict[str, Any]:
         """The message with its tool calls' JSON-text `arguments` parsed, where the template tojsons them."""
@@ -387,6 +358,19 @@ class ChatEncoder:
             out.append({**call, "function": function} if nested else function)
         return {**message, "tool_calls": out}
 
+    def _prompt_has_tools(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], ids: list[int]) -> bool:
+        """Whether a prompt (`messages`, its `ids`) shows its tools: the template renders tools (`renders`, else
+        this prompt with and without them differ), and the prompt spells every tool's name."""
+        renders = self.renders("tools")
+        if renders is None:
+            renders = self._render(messages, True, tools) != self._render(messages, True)
+        if not renders:
+            return False
+        functions = [t["function"] if isinstance(t.get("function"), Mapping) else t for t in tools]
+        names = [f.get("name") for f in functions if isinstance(f.get("name"), str)]
+        text = self.tokenizer.decode(ids) if names else ""
+        return all(name in text for name in names)
+
     def encode(
         self, messages: list[dict[str, Any]], trained: list[bool], tools: Any = None
     ) -> tuple[list[int], list[int], list[int]]:
@@ -403,13 +387,13 @@ class ChatEncoder:
             raise SkipRow("no_prompt", "the conversation starts with the assistant turn to train: it has no prompt")
         clean = [self._parse_arguments({k: v for k, v in m.items() if k not in ("train", "weight")}) for m in messages]
         try:
-            if tools and self._render(clean[:first], True, tools) == self._render(clean[:first], True):
+            prompt = self.turns.initial_messages(clean[:first], tools)
+            if tools and not self._prompt_has_tools(clean[:first], tools, prompt):
                 raise SkipRow(
                     "template_drops_tools",
                     f"the chat template does not render the row's {len(tools)} tool schema(s): the model would "
                     "learn to call tools its prompt never shows. Use a template with tool support",
                 )
-            prompt = self.turns.initial_messages(clean[:first], tools)
             response: list[int] = []
             mask: list[int] = []
             previous: list[int] = []
@@ -471,24 +455,6 @@ def _kept(content: str, rendered: str) -> bool:
     return content.strip() in rendered
 
 
-def train_flag(message: Mapping[str, Any]) -> bool:
-    """A message's `train` flag: true, false, or absent/null (trained); any other value is a counted skip (`0` or
-    `"false"` read as true would train a turn the data says not to). OpenAI's fine-tuning files say the same with
-    `"weight": 0` or `1` on assistant messages: read alike (it was ignored, and a turn weighted 0 trained); a
-    weight of another value, or one that contradicts `train`, is a counted skip."""
-    flag = message.get("train")
-    if flag is not None and not isinstance(flag, bool):
-        raise SkipRow("wrong_type", f"a message's 'train' is {flag!r}: use true or false")
-    weight = message.get("weight")
-    if weight is None:
-        return flag is not False
-    if isinstance(weight, bool) or weight not in (0, 1):
-        raise SkipRow("wrong_type", f"a message's 'weight' is {weight!r}: OpenAI's format takes 0 or 1")
-    if flag is not None and flag != bool(weight):
-        raise SkipRow("wrong_type", f"a message says 'train': {flag} and 'weight': {weight}")
-    return bool(weight)
-
-
 class SFTTokenizer:
     """SFT (and distillation) rows of one form to `TokenRow`s, with the length limits applied."""
 
@@ -529,8 +495,7 @@ class SFTTokenizer:
                 mask = [int(m) for m in mask]
             return TokenRow(prompt, response, mask, key=json.dumps(prompt))
         if form == "messages":
-            key = cfg.messages_key if cfg.messages_key in row or _SHAREGPT_COLUMN not in row else _SHAREGPT_COLUMN
-            messages = check_messages(need(row, key), key)
+            messages = row_messages(row, cfg.messages_key)
             trained = [train_flag(m) for m in messages]
             return self.chat_row(messages, trained, row.get("tools"))
         if form == "prompt_completion":

@@ -1,0 +1,259 @@
+"""Row values: one row's columns checked and normalised into what tokenisation takes, or a counted `SkipRow`.
+
+Contract: every function here reads values of one row (no tokenizer, no template) and returns them in the form the
+chat template and the tokenizer take (messages as dicts with a `role` and text `content`, tool schemas and tool calls
+as lists of mappings, token ids as ints), or raises `SkipRow` with a short reason code and a detail naming the column
+(`missing_field`, `wrong_type`, `empty`, `bad_token_id`, `bad_text`, `unknown_role`). Nothing here drops or renames
+a value silently: what cannot be read as the data means it is a skip.
+
+- `need(row, key)`: the value, or `missing_field`.
+- `check_text(value, key)`: non-blank text (`wrong_type`, `empty`); text holding a lone UTF-16 surrogate (half of
+  an escaped pair, "\\ud83d" without its partner: the tokenizer refuses it) is `bad_text`, in any text this module
+  reads (message contents, tool calls, tool schemas).
+- `check_ids(value, key, vocab)`: token ids in [0, vocab).
+- `check_messages(value, key)`: a non-empty list of messages (an empty list is `empty`, as blank text is).
+  Parquet's absent-field Nones are dropped; `tool_calls` given as JSON text are parsed, and each call must name its
+  function (`tool_call_names`). ShareGPT messages (`{"from", "value"}`, as LLaMA-Factory's `sharegpt` format writes
+  them) are read by `sharegpt_message`: `from` human / gpt / system / function_call / observation (and the chat
+  roles user / assistant / system / tool) become user / assistant / system, an assistant message whose `tool_calls`
+  are the JSON of a `function_call` turn (a call `{"name", "arguments"}` or a list of them), and a `tool` message;
+  any other `from` is an `unknown_role` skip naming it (it was kept as the role: a template rendered a turn of that
+  name, or the row lost its answer).
+- `row_messages(row, messages_key)`: the messages of a `messages` row (or its ShareGPT `conversations` column), with
+  LLaMA-Factory's `system` column (text beside ShareGPT messages) put first as a system message; a row with both
+  that column and a different leading system turn is a `wrong_type` skip (which one the data means is unknown).
+- `check_tools(value)`: a row's `tools` column (a list of schemas, or its JSON text; None when absent or empty).
+- `train_flag(message)`: whether an assistant message is trained (`train` true / false, OpenAI's `weight` 0 / 1).
+- `blank(message)`: whether a message says nothing (blank text and no tool calls).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from roll_core.posttrain.rows import SkipRow
+
+__all__ = [
+    "SHAREGPT_COLUMN",
+    "SHAREGPT_ROLES",
+    "SHAREGPT_SYSTEM_COLUMN",
+    "blank",
+    "check_ids",
+    "check_messages",
+    "check_text",
+    "check_tools",
+    "need",
+    "row_messages",
+    "sharegpt_message",
+    "tool_call_names",
+    "train_flag",
+]
+
+SHAREGPT_COLUMN = "conversations"
+SHAREGPT_SYSTEM_COLUMN = "system"  # LLaMA-Factory's system prompt column beside ShareGPT conversations
+# `from` values to roles; function_call and observation are handled by `sharegpt_message` (a call and a tool result)
+SHAREGPT_ROLES = {
+    "human": "user",
+    "gpt": "assistant",
+    "system": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "function_call": "assistant",
+    "observation": "tool",
+}
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def need(row: Mapping[str, Any], key: str) -> Any:
+    """row[key], or a `missing_field` skip."""
+    value = row.get(key)
+    if value is None:
+        raise SkipRow("missing_field", f"no {key!r} (the row has {sorted(row)[:10]})")
+    return value
+
+
+def _check_unicode(value: Any, where: str) -> None:
+    """A `bad_text` skip when any text in `value` (nested lists and mappings too) holds a lone surrogate."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        if found:
+            raise SkipRow(
+                "bad_text",
+                f"{where} holds a lone UTF-16 surrogate {found.group()!r} at character {found.start()} (half of an "
+                "escaped pair such as \\ud83d\\ude00, the other half lost): not text a tokenizer can encode",
+            )
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            _check_unicode(v, where)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_unicode(v, where)
+
+
+def check_text(value: Any, key: str) -> str:
+    """Non-blank text without lone surrogates, or a skip (`wrong_type`, `empty`, `bad_text`)."""
+    if not isinstance(value, str):
+        raise SkipRow("wrong_type", f"{key!r} must be non-empty text or a list of messages, got {str(value)[:60]}")
+    if not value.strip():
+        raise SkipRow("empty", f"{key!r} is blank ({value!r})")
+    _check_unicode(value, repr(key))
+    return value
+
+
+def check_ids(value: Any, key: str, vocab: int, *, allow_empty: bool = False) -> list[int]:
+    """A list of token ids in [0, vocab), or a skip (`wrong_type`, `bad_token_id`, `empty`)."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise SkipRow("wrong_type", f"{key!r} must be a list of integer token ids, got {str(value)[:60]}")
+    if not value and not allow_empty:
+        raise SkipRow("empty", f"{key!r} is empty")
+    bad = [x for x in value if not 0 <= x < vocab]
+    if bad:
+        raise SkipRow("bad_token_id", f"{key!r} holds id {bad[0]} outside the vocabulary [0, {vocab})")
+    return [int(x) for x in value]
+
+
+def _is_sharegpt(m: Any) -> bool:
+    return isinstance(m, Mapping) and "role" not in m and isinstance(m.get("from"), str)
+
+
+def sharegpt_message(m: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A ShareGPT message (`{"from", "value"}`) as a chat message (see the module doc); an `unknown_role` skip for
+    a `from` it does not know, a `wrong_type` skip for a function_call whose value is not a call's JSON."""
+    source = m["from"]
+    role = SHAREGPT_ROLES.get(source)
+    if role is None:
+        known = ", ".join(sorted(SHAREGPT_ROLES))
+        raise SkipRow("unknown_role", f"{where} is from {source!r}: a ShareGPT message is from one of {known}")
+    rest = {k: v for k, v in m.items() if k not in ("from", "value")}
+    value = m.get("value")
+    if source != "function_call":
+        return {**rest, "role": role, "content": value}
+    # LLaMA-Factory: the assistant's tool call(s) as JSON text, {"name", "arguments"} or a list of them
+    try:
+        calls = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as exc:
+        text = value[:60]
+        raise SkipRow("wrong_type", f"{where} (function_call) is not JSON ({exc.msg}): {text!r}") from None
+    calls = [calls] if isinstance(calls, Mapping) else calls
+    if not isinstance(calls, list) or not calls or not all(isinstance(c, Mapping) and "name" in c for c in calls):
+        why = f"{where} (function_call) must be a call's JSON, {{'name', 'arguments'}} or a list of them"
+        raise SkipRow("wrong_type", f"{why}, got {str(value)[:60]}")
+    tool_calls = [
+        {"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in calls
+    ]
+    return {**rest, "role": role, "content": "", "tool_calls": tool_calls}
+
+
+def check_messages(value: Any, key: str) -> list[dict[str, Any]]:
+    """A non-empty list of chat messages (ShareGPT's read as such), each with a role and text content (None only
+    beside tool calls), or a skip (see the module doc)."""
+    if isinstance(value, (list, tuple)) and not value:  # an empty completion, as blank text is
+        raise SkipRow("empty", f"{key!r} is an empty list of messages")
+    if not isinstance(value, (list, tuple)):
+        raise SkipRow("wrong_type", f"{key!r} must be a non-empty list of messages, got {str(value)[:60]}")
+    out = []
+    for i, m in enumerate(value):
+        if _is_sharegpt(m):
+            m = sharegpt_message(m, f"{key!r}[{i}]")
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise SkipRow("wrong_type", f"{key!r}[{i}] is not a message with a 'role' ({str(m)[:60]})")
+        content = m.get("content")
+        if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
+            raise SkipRow("wrong_type", f"{key!r}[{i}] content is {type(content).__name__}, expected text")
+        # Parquet / datasets give every message every column of the struct (None where absent): drop those.
+        message = {k: v for k, v in m.items() if v is not None or k == "content"}
+        if "tool_calls" in message:
+            message["tool_calls"] = _json_list(message["tool_calls"], f"{key!r}[{i}] 'tool_calls'", "tool calls")
+            tool_call_names(message)  # a call naming no function: this row's fault, said before any template runs
+        _check_unicode([message.get("content"), message.get("tool_calls")], f"{key!r}[{i}]")
+        out.append(message)
+    return out
+
+
+def row_messages(row: Mapping[str, Any], messages_key: str) -> list[dict[str, Any]]:
+    """The checked messages of a `messages` row: the `messages_key` column, or ShareGPT's `conversations` when the
+    row has no `messages_key`; beside ShareGPT messages, a text `system` column becomes the first message."""
+    key = messages_key if messages_key in row or SHAREGPT_COLUMN not in row else SHAREGPT_COLUMN
+    value = need(row, key)
+    messages = check_messages(value, key)
+    system = row.get(SHAREGPT_SYSTEM_COLUMN)
+    if system is None or not isinstance(value, (list, tuple)) or not any(_is_sharegpt(m) for m in value):
+        return messages
+    if not isinstance(system, str):
+        raise SkipRow("wrong_type", f"{SHAREGPT_SYSTEM_COLUMN!r} must be text, got {str(system)[:60]}")
+    if not system.strip():
+        return messages
+    _check_unicode(system, repr(SHAREGPT_SYSTEM_COLUMN))
+    if messages[0]["role"] == "system":
+        if messages[0]["content"] == system:
+            return messages
+        raise SkipRow(
+            "wrong_type",
+            f"the row has a {SHAREGPT_SYSTEM_COLUMN!r} column and {key!r} starts with a different system message: "
+            "which system prompt the row means is unknown",
+        )
+    return [{"role": "system", "content": system}, *messages]
+
+
+def check_tools(value: Any) -> list[dict[str, Any]] | None:
+    """A row's `tools` column as a chat template takes it: a list of tool schemas (None when absent or empty). The
+    list may be JSON text (datasets store it so, one schema per Arrow column being impossible): transformers
+    refused that text with an error naming neither the column nor the row. Anything else is a `wrong_type` skip."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    tools = _json_list(value, "'tools'", "tool schemas") or None
+    _check_unicode(tools, "'tools'")
+    return tools
+
+
+def _json_list(value: Any, where: str, what: str) -> list[dict[str, Any]]:
+    """`value` as a list of mappings, parsing JSON text; a `wrong_type` skip naming `where` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise SkipRow("wrong_type", f"{where} is text that is not JSON ({exc.msg}): {value[:60]!r}") from None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, Mapping) for v in value):
+        raise SkipRow("wrong_type", f"{where} must be a list of {what} (or that list as JSON), got {str(value)[:60]}")
+    return [dict(v) for v in value]
+
+
+def tool_call_names(message: Mapping[str, Any]) -> list[str]:
+    """The function names of a message's tool calls (OpenAI's `{"function": {"name", ...}}` or a flat
+    `{"name", ...}`); a `wrong_type` skip for a call without one."""
+    names = []
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call.get("function"), Mapping) else call
+        name = function.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise SkipRow("wrong_type", f"a tool call names no function ({str(call)[:60]})")
+        names.append(name)
+    return names
+
+
+def blank(message: Mapping[str, Any]) -> bool:
+    """Whether a message says nothing: text content that is empty or whitespace, and no tool calls."""
+    content = message.get("content")
+    return isinstance(content, str) and not content.strip() and not message.get("tool_calls")
+
+
+def train_flag(message: Mapping[str, Any]) -> bool:
+    """A message's `train` flag: true, false, or absent/null (trained); any other value is a counted skip (`0` or
+    `"false"` read as true would train a turn the data says not to). OpenAI's fine-tuning files say the same with
+    `"weight": 0` or `1` on assistant messages: read alike (it was ignored, and a turn weighted 0 trained); a
+    weight of another value, or one that contradicts `train`, is a counted skip."""
+    flag = message.get("train")
+    if flag is not None and not isinstance(flag, bool):
+        raise SkipRow("wrong_type", f"a message's 'train' is {flag!r}: use true or false")
+    weight = message.get("weight")
+    if weight is None:
+        return flag is not False
+    if isinstance(weight, bool) or weight not in (0, 1):
+        raise SkipRow("wrong_type", f"a message's 'weight' is {weight!r}: OpenAI's format takes 0 or 1")
+    if flag is not None and flag != bool(weight):
+        raise SkipRow("wrong_type", f"a message says 'train': {flag} and 'weight': {weight}")
+    return bool(weight)
