@@ -101,8 +101,9 @@ def _consumed(schema: dict[str, Any]) -> tuple[str, set[str], frozenset[str]]:
     return branch, read, types | ({"number"} if "integer" in types else set())
 
 
-def _check_node(schema: dict[str, Any], where: str) -> None:
-    """Refuse what outlines-core's branch for this (sub)schema drops or samples against the schema."""
+def _check_node(schema: dict[str, Any], where: str) -> tuple[str, set[str], frozenset[str]]:
+    """Refuse what outlines-core's branch for this (sub)schema drops or samples against the schema; returns the
+    node's `_consumed` (computed once per node: the caller's later checks read it too)."""
     bad = sorted(UNENFORCED & schema.keys())
     if "minProperties" in schema and "properties" in schema:
         bad.append("minProperties")
@@ -140,6 +141,7 @@ def _check_node(schema: dict[str, Any], where: str) -> None:
         odd = [n for n in props if any(ord(c) in _UNSAFE_BYTES for c in n)]
         if odd:
             _fail(where, f"property names {odd}", "outlines-core writes '\"', '\\' and control characters unescaped")
+    return branch, read, sampled
 
 
 def _walk(schema: Any, where: str, visit: Any) -> None:
@@ -259,9 +261,10 @@ def check_schema(schema: dict[str, Any]) -> dict[str, Any]:
     schema = copy.deepcopy(schema)
 
     def visit(node: dict[str, Any], where: str) -> None:
-        _check_node(node, where)
+        # Once per node (the pattern rewrite below leaves it a string: what is read does not change).
+        branch, read, _ = _check_node(node, where)
         pattern = node.get("pattern")
-        if isinstance(pattern, str) and "string" in _types(node) and "pattern" in _consumed(node)[1]:
+        if isinstance(pattern, str) and "string" in _types(node) and "pattern" in read:
             core = _pattern_core(pattern)
             if _unsafe_bytes(core):
                 _fail(
@@ -272,10 +275,10 @@ def check_schema(schema: dict[str, Any]) -> dict[str, Any]:
                 )
             node["pattern"] = f"^(?:{core})$"  # outlines-core strips '^...$' and puts the rest between quotes
         fmt = node.get("format")
-        if isinstance(fmt, str) and "format" in _consumed(node)[1] and _format_unsafe(fmt):
+        if isinstance(fmt, str) and "format" in read and _format_unsafe(fmt):
             _fail(f"{where}.format", f"format {fmt!r}", "outlines-core's regex for it writes text that is not JSON")
         branches = node.get("oneOf")
-        if isinstance(branches, list) and _consumed(node)[0] == "oneOf":
+        if isinstance(branches, list) and branch == "oneOf":
             for i in range(len(branches)):
                 for j in range(i + 1, len(branches)):
                     if not _exclusive(branches[i], branches[j], schema):

@@ -197,11 +197,13 @@ def to_regex(constraint: StructuredOutput) -> str:
 class ConstraintViolation(RuntimeError):
     """A constrained request the sampler cannot keep in its constraint: a state that allows no id within the model's
     logits width, or a sampled token the constraint does not allow. Its request fails with this error (its batch goes
-    on) rather than returning a response the constraint does not hold for."""
+    on) rather than returning a response the constraint does not hold for. `detail`: the message without the
+    request's id (a `generate` caller never saw it; roll_engines.infer._rows.caller_error names the row instead)."""
 
-    def __init__(self, request_id: str, message: str) -> None:
+    def __init__(self, request_id: str, message: str, detail: str | None = None) -> None:
         super().__init__(message)
         self.request_id = request_id
+        self.detail = message if detail is None else detail
 
 
 class TokenVocabulary:

@@ -148,11 +148,13 @@ class GrowingLayer(DynamicLayer):
 
 
 class PrefillError(RuntimeError):
-    """A request whose prompt's forward raised when run without the rest of its batch (the cause is chained)."""
+    """A request whose prompt's forward raised when run without the rest of its batch (the cause is chained).
+    `detail`: the message without the request's id (roll_engines.infer._rows.caller_error)."""
 
-    def __init__(self, request_id: str, message: str) -> None:
+    def __init__(self, request_id: str, message: str, detail: str | None = None) -> None:
         super().__init__(message)
         self.request_id = request_id
+        self.detail = message if detail is None else detail
 
 
 def settle(future: Future, result: object = None, exc: BaseException | None = None) -> None:
@@ -427,7 +429,8 @@ class ContinuousBatcher:
         for seq in seqs:
             rid = seq.request.request_id
             log.warning("request %r failed at its prefill (%r); the rest of its batch goes on", rid, exc)
-            err = PrefillError(rid, f"request {rid!r}: its prefill failed ({type(exc).__name__}: {exc})")
+            detail = f"its prefill failed ({type(exc).__name__}: {exc})"
+            err = PrefillError(rid, f"request {rid!r}: {detail}", detail)
             err.__cause__ = exc
             settle(seq.future, exc=err)
 

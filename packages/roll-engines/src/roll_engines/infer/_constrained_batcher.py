@@ -39,7 +39,7 @@ class ConstrainedBatcher(ContinuousBatcher):
     kept fails with a ConstraintViolation (module docstring)."""
 
     def _sample(self, seqs: list[Running], logits: Tensor) -> None:
-        from roll_engines.structured import ConstraintViolation, mask_logits
+        from roll_engines.structured import mask_logits
 
         width = logits.shape[-1]
         rows: list[int] = []
@@ -50,12 +50,11 @@ class ConstrainedBatcher(ContinuousBatcher):
             keep = seq.matcher.keep(width)
             if not bool(keep.any()):
                 allowed = seq.matcher.allowed()
-                seq.error = ConstraintViolation(
-                    seq.request.request_id,
-                    f"request {seq.request.request_id!r}: structured output {seq.matcher.describe()}: after "
-                    f"{len(seq.tokens)} generated tokens the constraint allows {len(allowed)} token ids, none below "
-                    f"the model's logits width {width} (lowest {min(allowed, default=None)}): the tokenizer has ids "
-                    "the model has no logits for, and sampling this row would ignore the constraint",
+                seq.error = _violation(
+                    seq,
+                    f"after {len(seq.tokens)} generated tokens the constraint allows {len(allowed)} token ids, none "
+                    f"below the model's logits width {width} (lowest {min(allowed, default=None)}): the tokenizer has "
+                    "ids the model has no logits for, and sampling this row would ignore the constraint",
                 )
                 continue  # sampled unmasked below with the batch, its token discarded: the request fails
             rows.append(i)
@@ -66,12 +65,11 @@ class ConstrainedBatcher(ContinuousBatcher):
         for i in rows:
             seq = seqs[i]
             token = seq.tokens[-1]
-            if not seq.matcher.advance(token):
-                seq.error = ConstraintViolation(
-                    seq.request.request_id,
-                    f"request {seq.request.request_id!r}: structured output {seq.matcher.describe()}: sampled token "
-                    f"{token} (generated token {len(seq.tokens)}), which the constraint does not allow there: the "
-                    "logits mask and the constraint's matcher disagree",
+            if not seq.matcher.advance(token):  # its state stays where the token was refused
+                seq.error = _violation(
+                    seq,
+                    f"sampled token {token} (generated token {len(seq.tokens)}), which the constraint does not allow "
+                    "there: the logits mask and the constraint's matcher disagree",
                 )
             # The constraint's EOS ends a complete match even where the model's EOS set lacks it.
             elif seq.finish is None and not seq.request.params.ignore_eos and token == seq.matcher.vocab.eos_id:
@@ -87,3 +85,13 @@ class ConstrainedBatcher(ContinuousBatcher):
             settle(seq.future, exc=error)
             return
         super()._resolve(seq)
+
+
+def _violation(seq: Constrained, what: str) -> BaseException:
+    """The ConstraintViolation of `seq`: its constraint, the matcher's state (in the constraint's automaton) and
+    `what` went wrong; its `detail` leaves out the request id (a `generate` caller names the row instead)."""
+    from roll_engines.structured import ConstraintViolation
+
+    rid = seq.request.request_id
+    detail = f"structured output {seq.matcher.describe()} (automaton state {seq.matcher.state}): {what}"
+    return ConstraintViolation(rid, f"request {rid!r}: {detail}", detail)

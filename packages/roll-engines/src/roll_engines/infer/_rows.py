@@ -4,8 +4,9 @@ Contract: `row_requests` builds row k*n + j (sample j of prompt k) with a fresh 
 params carry a seed, the stream seeded by (seed, first_row + row): results do not depend on how a batch was
 split over engines. `run_rows` submits rows one by one and waits for all; when one fails (refused as it is
 submitted, or failing later) or the wait is interrupted, the rows already submitted are aborted before the error
-is raised, so none keeps running in the engine for nobody. `DriverAborts` is the abort side of the engines whose
-requests one driver thread owns (vllm, sglang).
+is raised, so none keeps running in the engine for nobody. `caller_error` renames a row's failure that names the
+internal request id (a `generate` caller never saw it) by the caller's prompt index and row. `DriverAborts` is the
+abort side of the engines whose requests one driver thread owns (vllm, sglang).
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ def row_requests(
             req.mm = mm[k] if mm is not None else None
             requests.append(req)
     return requests
+
+
+def caller_error(exc: BaseException, name: str, row: int, n: int) -> BaseException:
+    """`exc` of row `row` of a `generate` call (`n` samples per prompt) as its caller should read it: an error that
+    names the row's internal request id (it has `request_id` and `detail`: PrefillError, ConstraintViolation) is
+    remade, same type, naming prompt `row // n` and the row instead (the original chained by the raiser); any
+    other error is returned as is."""
+    detail = getattr(exc, "detail", None)
+    if getattr(exc, "request_id", None) is None or not isinstance(detail, str):
+        return exc
+    return type(exc)(exc.request_id, f"{name} engine: prompt {row // n} (row {row}): {detail}", detail)
 
 
 def run_rows(
@@ -79,6 +91,15 @@ class DriverAborts:
             raise
 
     def _abort_rows(self, submitted: Sequence[Request]) -> None:
-        """Abort `submitted` on the driver thread (`run_rows`' `abort_submitted`)."""
-        if not self._stopped:  # after shutdown nothing runs, and no driver would take the job
+        """Abort `submitted` on the driver thread (`run_rows`' `abort_submitted`). An engine shut down before the
+        job ran (`_control`'s RuntimeError, `_stopped` set) has nothing left running: that is not an error, and the
+        batch's own error is raised. Any other failure of the abort (the engine's abort raised, also a RuntimeError
+        while the engine runs) is raised: rows may still run in the engine for nobody."""
+        if self._stopped:  # after shutdown nothing runs, and no driver would take the job
+            return
+        try:
             self._control(lambda: [self._abort_now(r.request_id) for r in submitted])  # type: ignore[attr-defined]
+        except RuntimeError:
+            if self._stopped:  # shut down meanwhile (the job refused or failed by shutdown): nothing runs
+                return
+            raise

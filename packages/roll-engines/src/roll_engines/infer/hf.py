@@ -31,10 +31,10 @@ of `model.generate`, so that:
 - `return_routing=True` (MoE models): each output carries the top-k experts every MoE layer chose at every prompt
   and generated position (`RequestOutput.routed_experts`, roll_engines.infer._routing), for the trainer's
   routed-expert replay; the prefix cache is off then.
-- on CPU, `use_cpu_kernels` picks the kernels: fp32 linears through oneDNN or MKL, prepacked weights (fp32, and
-  bf16 where the CPU computes it natively), the skinny product for a batch's last rows, and the decode-step
-  attention layout for bf16/fp16 (roll_engines.infer._decode_attention). Prepacked copies count in
-  `memory_bytes()` and go at `sleep(level=2)`.
+- on CPU, `use_cpu_kernels` (roll_engines.infer._cpu_kernels) picks the kernels: fp32 linears through oneDNN or
+  MKL, prepacked weights (fp32, and bf16 where the CPU computes it natively), the skinny product for a batch's last
+  rows, and the decode-step attention layout for bf16/fp16 (roll_engines.infer._decode_attention). Prepacked copies
+  count in `memory_bytes()` and go at `sleep(level=2)`.
 
 Threads: the batch API drives decode steps in the caller's thread. The request API starts one background thread
 on first use; both step under one lock, so a `generate` call and requests can share a batch. A weight sync pauses
@@ -66,25 +66,17 @@ from torch import Tensor
 
 from roll_core.interfaces.inference import GenerateOutput, Request, RequestOutput, SamplingParams, StructuredOutput
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
-from roll_engines._onednn_linear import (
-    SKINNY_ROWS,
-    drop_packed,
-    packed_bytes,
-    use_onednn_linears,
-    use_packed_bf16_linears,
-)
+from roll_engines._onednn_linear import drop_packed, packed_bytes
 from roll_engines.infer._adapters import refuse_adapters
-from roll_engines.infer._batcher import PrefillError, Running
+from roll_engines.infer._batcher import Running
 from roll_engines.infer._constrained_batcher import Constrained, ConstrainedBatcher
-from roll_engines.infer._decode_attention import use_decode_attention
+from roll_engines.infer._cpu_kernels import use_cpu_kernels
 from roll_engines.infer._fp8_emulation import FP8Emulation
 from roll_engines.infer._routing import RoutingRecorder
-from roll_engines.infer._rows import row_requests
+from roll_engines.infer._rows import caller_error, row_requests
 from roll_engines.infer._sampling import StopStrings
-from roll_engines.infer._skinny_linear import use_skinny_linears
 from roll_engines.infer._sync_undo import MixedWeights, SyncUndo
 from roll_engines.infer._vision import VisionInputs, refuse_pictures
-from roll_hw.cpu import cpu_bf16_instructions, fp32_linear_library
 
 log = logging.getLogger(__name__)
 
@@ -93,25 +85,6 @@ def on_device(where: torch.device, device: torch.device) -> bool:
     """Whether a tensor on `where` is on the engine's `device`: "cuda" (no index, as engines are built) holds
     cuda:0, cuda:1, ...; an indexed device only itself (torch.device("cuda:0") != torch.device("cuda"))."""
     return where.type == device.type and (device.index is None or where.index == device.index)
-
-
-def use_cpu_kernels(model: torch.nn.Module, *, vision: bool = False) -> None:
-    """Give a CPU inference model the engine's kernels (bench/bench_rollout.py's ceiling uses the same).
-
-    fp32 linears through oneDNN where MKL is the slower library (roll_engines._onednn_linear), a decode step's last
-    few rows (memory-bound) through the skinny operand order (roll_engines.infer._skinny_linear); weights change
-    only at syncs, so oneDNN's blocked copies of them (1.23x on the quickstart rollout). bf16 where the CPU computes
-    it natively: products on prepacked weights as well (1.7-2.4x per product). bf16/fp16 decode steps without a
-    mask: grouped query heads as rows of their key/value head (roll_engines.infer._decode_attention; 1.35-1.7x on
-    the bf16 quickstart rollout).
-    """
-    onednn = fp32_linear_library() == "onednn"
-    if not (onednn and use_onednn_linears(model, skinny_rows=SKINNY_ROWS, prepack=True)):
-        use_skinny_linears(model)
-    if model.dtype == torch.bfloat16 and cpu_bf16_instructions() is not None:
-        use_packed_bf16_linears(model)
-    if model.dtype in (torch.bfloat16, torch.float16) and not vision:
-        use_decode_attention(model)
 
 
 class HFInferEngine:
@@ -262,7 +235,19 @@ class HFInferEngine:
     def check_sampling(self, params: SamplingParams) -> None:
         """Every field of SamplingParams is supported by roll's own sampler. A structured constraint needs the
         `roll-engines[structured]` extra (outlines-core) and must compile, as vLLM and SGLang check it: a bad schema or
-        regex fails here, naming itself (the OpenAI server's early check, a run's wiring), not when submitted."""
+        regex fails here, naming itself (the OpenAI server's early check, a run's wiring), not when submitted.
+
+        Refused as vLLM refuses them (the same params must not run on one engine and fail on the other): an empty stop
+        string (vLLM: "stop cannot contain an empty string"; it was dropped here), a stop token id that is not an int
+        or lies outside the model's vocabulary [0, V) (vLLM's out-of-vocab check; it could never stop a response)."""
+        if any(not s for s in params.stop):
+            raise ValueError(f"{self.name} engine: stop={list(params.stop)!r} holds an empty string (vLLM refuses it)")
+        bad = [t for t in params.stop_token_ids if type(t) is not int or not 0 <= t < self._vocab]
+        if bad:
+            raise ValueError(
+                f"{self.name} engine: stop_token_ids {bad!r} are not token ids of the model's vocabulary [0, "
+                f"{self._vocab}) (vLLM refuses them; none could be sampled)"
+            )
         if params.structured is not None:
             from roll_engines.structured import to_regex
 
@@ -321,8 +306,8 @@ class HFInferEngine:
             raise
         outputs = []
         for i, f in enumerate(futures):
-            if isinstance(exc := f.exception(), PrefillError):  # name the caller's prompt, not an internal id
-                raise PrefillError(exc.request_id, f"{self.name} engine: prompt {i // n} (row {i}): {exc}") from exc
+            if (exc := f.exception()) is not None and (named := caller_error(exc, self.name, i, n)) is not exc:
+                raise named from exc  # the caller's prompt and row, not an internal request id
             outputs.append(f.result())
         return GenerateOutput.from_requests(outputs, self.pad_id, time.perf_counter() - t0)
 

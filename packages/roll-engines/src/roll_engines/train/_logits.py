@@ -17,6 +17,7 @@ is for scoring passes only (no-grad callers).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,6 +55,20 @@ def check_gather_ids(ids: Tensor, vocab: int) -> None:
         raise ValueError(
             f"gather ids must be token ids in [0, {vocab}) (the vocabulary size); got ids from {int(ids.min())} "
             f"to {int(ids.max())}"
+        )
+
+
+def check_temperature(temperature: float) -> None:
+    """A scoring or training temperature must be finite and at least GREEDY_TEMPERATURE (1e-5): the logits are
+    divided by it, and 0 (or a tinier divisor) gives inf and NaN log-probs. Greedy decoding has no log-probs to
+    recompute at its temperature (the sampler reports log_softmax(logits) for it: score those at temperature 1)."""
+    from roll_core.interfaces.inference import GREEDY_TEMPERATURE
+
+    if not (math.isfinite(float(temperature)) and float(temperature) >= GREEDY_TEMPERATURE):
+        raise ValueError(
+            f"temperature={temperature!r} must be finite and at least GREEDY_TEMPERATURE={GREEDY_TEMPERATURE}: the "
+            "logits are divided by it (0 gives inf/NaN log-probs); greedy rollouts report log_softmax(logits), "
+            "scored at temperature 1"
         )
 
 

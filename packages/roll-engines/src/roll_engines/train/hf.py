@@ -54,7 +54,14 @@ from roll_engines._onednn_linear import use_onednn_linears
 from roll_engines.train import _vision as V  # vision-language models: pictures travel with their rows
 from roll_engines.train._hf_attention import HFAttentionCredit
 from roll_engines.train._hf_checkpoint import HFWeightsAndCheckpoints, check_loaded
-from roll_engines.train._logits import check_topk, empty_outputs, entropy_request, gather_ids_of, response_outputs
+from roll_engines.train._logits import (
+    check_temperature,
+    check_topk,
+    empty_outputs,
+    entropy_request,
+    gather_ids_of,
+    response_outputs,
+)
 from roll_engines.train._lora import (
     apply_lora,
     base_model,
@@ -354,7 +361,9 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         `base=True` scores with LoRA adapters disabled: the frozen base model, i.e. the reference policy.
         `topk=K > 0` adds "topk_ids" (B, R, K) long and "topk_logprobs" (B, R, K) fp32: the top-K of
         log_softmax(logits / temperature) at each response position, sorted descending.
+        `temperature` below GREEDY_TEMPERATURE (0 included) is a ValueError (`check_temperature`).
         """
+        check_temperature(temperature)
         if self.role == "critic" and topk:
             raise ValueError("topk scores a policy's vocabulary: the critic has none")
         if base and self.lora:
@@ -424,6 +433,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         """`epochs` passes of `mini_batches` optimizer steps over this rank's rows; returns averaged metrics."""
         if not self.trainable or self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine is not trainable")
+        check_temperature(temperature)
         tensors = V.checked_batch(batch, self.vision, self.path)
         n = tensors["input_ids"].shape[0]
         means = MetricMeans()
@@ -531,6 +541,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
     ) -> dict[str, Tensor]:
         """Gradients of `loss_fn` over this rank's rows as one mini-batch, without an optimizer step (checks).
         Under fp16's loss scaler they are unscaled (the backward runs on the scaled loss: they came back 2^16 x)."""
+        check_temperature(temperature)
         self.model.zero_grad(set_to_none=True)
         self._accumulate(V.checked_batch(batch, self.vision, self.path), loss_fn, temperature)
         self._loss_finite = True  # (no step follows: the next train_step starts clean)

@@ -50,7 +50,7 @@ from torch import Tensor
 from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.structured import refuse_constrained_batch
-from roll_engines.train._logits import empty_outputs, gather_ids_of
+from roll_engines.train._logits import check_temperature, empty_outputs, gather_ids_of
 from roll_engines.train._micro import (
     MetricMeans,
     check_micro_batch_tokens,
@@ -356,9 +356,11 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
     ) -> dict[str, Tensor]:
         """Log-probs (B, R) on the last pipeline stage (zeros elsewhere: the group keeps the last stage's).
         `base=True` scores with the LoRA adapters disabled: the reference policy. `topk=K` adds "topk_ids" and
-        "topk_logprobs" (B, R, K), merged over the TP shards of the vocabulary (_vocab.vocab_parallel_topk)."""
+        "topk_logprobs" (B, R, K), merged over the TP shards of the vocabulary (_vocab.vocab_parallel_topk).
+        `temperature` below GREEDY_TEMPERATURE (0 included) is a ValueError (_logits.check_temperature)."""
         from megatron.core import parallel_state as ps
 
+        check_temperature(temperature)
         if topk and self.critic:
             raise ValueError("topk scores a policy's vocabulary: the critic has none")
         if base and not self.lora:
@@ -459,6 +461,7 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
     ) -> dict[str, float]:
         if not self.trainable or self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine is not trainable")
+        check_temperature(temperature)
         refuse_constrained_batch(batch, "megatron")
         tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
         n = tensors["input_ids"].shape[0]
@@ -513,6 +516,7 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
     ) -> dict[str, Tensor]:
         """Full gradients in HF names of one mini-batch, without a step (data-parallel reduced; collective). With
         LoRA: the adapter's gradients in peft's names (a fused layer's shared A gradient under each projection)."""
+        check_temperature(temperature)
         self.ddp.zero_grad_buffer()
         if self.optimizer is not None:
             # Megatron's plain optimizer leaves each param.grad aliasing its main_grad after a step: autograd would
