@@ -5,9 +5,11 @@ InvalidStateError that fails the engine's other requests)."""
 from __future__ import annotations
 
 import math
+import threading
 import time
 from concurrent.futures import Future
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -135,19 +137,33 @@ def test_an_abort_reaches_the_request_that_reused_a_cancelled_ones_id(engine: HF
 
 
 def test_a_submitted_request_cancelled_by_its_caller_stops_at_the_next_step(engine: HFInferEngine) -> None:
-    """Through the engine's own loop thread: the cancelled row decodes no further token (the step retires it first)."""
-    fut = engine.submit(Request("bg", [5, 6, 7], LONG))
-    deadline = time.monotonic() + 120
-    while True:
-        assert time.monotonic() < deadline, "the request never started"
-        with engine._lock:  # no step runs while we look and cancel
-            seq = next((s for s in engine.batcher.running if s.request.request_id == "bg" and s.tokens), None)
-            if seq is not None:
-                n = len(seq.tokens)
-                assert fut.cancel()
-                break
-        time.sleep(0.001)
-    while engine.batcher.has_work():
-        assert time.monotonic() < deadline, "the cancelled row never left"
-        time.sleep(0.001)
+    """Through the engine's own loop thread: the cancelled row decodes no further token (the step retires it first).
+    The loop's step is held after the row's first token until the caller has cancelled (polling for it under the
+    engine's lock raced the loop, which may take the lock back for every step and finish all 300 tokens first)."""
+    started, cancelled = threading.Event(), threading.Event()
+    seen: list[tuple[Any, int]] = []
+    step = engine.batcher.step
+
+    def stepping() -> None:
+        step()
+        seq = next((s for s in engine.batcher.running if s.request.request_id == "bg" and s.tokens), None)
+        if seq is not None and not started.is_set():
+            seen.append((seq, len(seq.tokens)))
+            started.set()
+            cancelled.wait(60)  # the caller cancels between two steps
+
+    engine.batcher.step = stepping  # type: ignore[method-assign]
+    try:
+        fut = engine.submit(Request("bg", [5, 6, 7], LONG))
+        assert started.wait(120), "the request never started"
+        assert fut.cancel()
+        cancelled.set()
+        deadline = time.monotonic() + 120
+        while engine.batcher.has_work():
+            assert time.monotonic() < deadline, "the cancelled row never left"
+            time.sleep(0.001)
+    finally:
+        cancelled.set()
+        del engine.batcher.step
+    (seq, n) = seen[0]
     assert len(seq.tokens) == n < LONG.max_new_tokens
