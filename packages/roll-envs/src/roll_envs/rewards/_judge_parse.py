@@ -1,5 +1,21 @@
 """Parsing a generative judge's reply into a reward (roll_envs.rewards.judge documents the rules); also
-`final_text`, which every built-in reward uses to read a thinking model's answer without its reasoning."""
+`final_text`, which every built-in reward uses to read a thinking model's answer without its reasoning.
+
+Verdict rules (`VerdictParser`, after dropping the reasoning): a reply whose verdict is ambiguous is an invalid
+verdict (None: counted in `judge_invalid`), never a guess that may be the wrong grade.
+1. Marked labels (`[[yes]]`, `Verdict: yes`, `Judgement: yes`; not one followed by `?`): the label they all name;
+   marked labels that disagree (`Verdict: yes ... the verdict: no`) are invalid (the last one was taken).
+2. Else `Answer: yes` labels, those on a line of their own (`Answer: no`, `**Final answer**: no`) before those
+   inside a sentence (`the response's answer: yes`, a quote): the label they all name, else invalid.
+3. Else a label the reply opens with that states it (followed by the end, a line break, `.`, `!`, `,`, `;`, a
+   bracket or a dash: `Yes.`, `**Incorrect**`): its label, unless another label stated after it, not negated,
+   takes it back (`Yes, wait, no.`; `Incorrect. It is not correct.` stays incorrect). A label followed by `?` or
+   `:` or a word states nothing: `Correct? No.` (a question; it was scored correct), `Correct: no` (a field name),
+   `No doubt, it is correct` and `no errors` (a word; scored as no).
+4. Else the only label the reply names, when one of its mentions states it, none is negated (`not correct`: labels
+   cannot say "not") and no `?` comes before it (`Incorrect? Yes.` answers the judge's own question, which may be
+   the opposite of the template's).
+"""
 
 from __future__ import annotations
 
@@ -79,8 +95,18 @@ class ScoreParser:
         return (x - self.lo) / (self.hi - self.lo)
 
 
+#: What follows a label that states it (`yes.`, `**No**`, `correct,`, `no (`, `yes - because`, the end): a label
+#: followed by a word (`no doubt`, `no errors`, `correct in form`), a question mark or a colon states nothing.
+_STATES = re.compile(r"[*_`\"'\]]*[ \t]*(?:$|\n|[.!,;()]|[\u2013\u2014]|-(?:\s|$))")
+#: What follows a label in a question (`Correct?`, `Verdict: yes?`): no verdict.
+_ASKED = re.compile(r"[*_`\"'\]]*\s*\?")
+#: Markup a reply's first label may follow (`**Yes**`, `> No`, `# Correct`).
+_MARKUP = " \t\n*_\"'`#>-"
+
+
 class VerdictParser:
-    """`verdict` mode: the judge's label (roll_envs.rewards.judge's docstring) mapped to its reward."""
+    """`verdict` mode: the judge's label (roll_envs.rewards.judge's docstring) mapped to its reward. An ambiguous
+    reply is an invalid verdict, never a guess (module docstring: "Verdict rules")."""
 
     def __init__(self, labels: Mapping[str, float]) -> None:
         if not labels:
@@ -103,24 +129,48 @@ class VerdictParser:
         self.word = re.compile(rf"(?i)(?<!\w)({alts})(?!\w)")
 
     def __call__(self, reply: str) -> float | None:
-        """The label's reward, or None for an invalid verdict (no label, several without a marked one, or a
-        negated one)."""
+        """The label's reward, or None for an invalid verdict (module docstring: "Verdict rules")."""
         text = final_text(reply)
         if text is None:
             return None
-        marked = list(self.marked.finditer(text)) or list(self.answered.finditer(text))
+        marked = [m for m in self.marked.finditer(text) if not _ASKED.match(text, m.end())]
         if marked:
-            label = next(g for g in marked[-1].groups() if g is not None)
-            return self.values[label.lower()]
+            return self._agreed(marked)
+        answered = [m for m in self.answered.finditer(text) if not _ASKED.match(text, m.end())]
+        own_line = [m for m in answered if _own_line(text, m.start())]
+        if answered:  # `Answer: no` on a line of its own wins over a quoted `the response's answer: yes`
+            return self._agreed(own_line or answered)
         found = list(self.word.finditer(text))
-        if not found:
-            return None
+        stated = [m for m in found if _STATES.match(text, m.end())]
+        if not stated:
+            return None  # only labels in questions (`Correct? No.`), as field names or as words (`no doubt`)
         first = found[0]
-        if not text[: first.start()].strip(" \t\n*_\"'`#>-"):  # the reply opens with a label ("Yes. Because ...")
-            return self.values[first.group(1).lower()]
+        if stated[0] is first and not text[: first.start()].strip(_MARKUP):  # "Yes. Because ..."
+            label = first.group(1).lower()
+            # ... unless taken back: another label stated after it, not negated ("Yes, wait, no.")
+            if any(m.group(1).lower() != label and not self._negated(text, m) for m in stated[1:]):
+                return None
+            return self.values[label]
         # "Verdict: not correct" or "The response is not correct." named only the label `correct` and scored as
         # correct; the labels cannot say "not <label>" (unless one is that phrase, which matches whole first).
-        if any(_NEGATED.search(text, max(0, m.start() - 16), m.start()) for m in found):
+        if any(self._negated(text, m) for m in found):
             return None
-        named = {m.group(1).lower() for m in found}
+        if "?" in text[: stated[0].start()]:  # "Incorrect? Yes.": an answer to the judge's own question
+            return None
+        return self._agreed(found)  # the only label named ("so, no."); "correct or incorrect." names two
+
+    def _agreed(self, matches: list[re.Match[str]]) -> float | None:
+        """The reward of the one label `matches` name; None when they name several."""
+        named = {next(g for g in m.groups() if g is not None).lower() for m in matches}
         return self.values[named.pop()] if len(named) == 1 else None
+
+    @staticmethod
+    def _negated(text: str, m: re.Match[str]) -> bool:
+        """Whether a negation (`not`, `never`, `n't`) stands right before the label `m`."""
+        return _NEGATED.search(text, max(0, m.start() - 16), m.start()) is not None
+
+
+def _own_line(text: str, at: int) -> bool:
+    """Whether what precedes position `at` on its line is only markup or `final` (`**Final answer**: no`)."""
+    before = text[text.rfind("\n", 0, at) + 1 : at].strip(_MARKUP).lower()
+    return before in ("", "final")

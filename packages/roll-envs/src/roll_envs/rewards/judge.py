@@ -24,11 +24,13 @@ Parsing the judge's reply (after dropping a `<think>...</think>` block: only the
   (`1,000`, `3,14159`, `1e1`, `6½`, a range `7-8`) and, with the default pattern, a score on another scale than
   score_range's high (`Score: 4/5` on 0-10; `8/10` and `8 out of 10` are fine) are invalid verdicts, never their
   first digits. A reply that is only a number (`8`), a refusal or an empty reply is an invalid verdict.
-- `verdict` mode: `labels` map verdict words to rewards ({"yes": 1, "no": 0}). The verdict is the last marked label
-  (`[[yes]]`, `Verdict: yes`, `**Verdict**: yes`, `Judgement: yes`); else the last `Answer: yes` (weaker: a judge
-  also writes "the response's answer: yes" while explaining, after its verdict); else the reply's first word when it
-  is a label; else the only label the reply names, unless a negation precedes one of its labels (`not correct`,
-  `isn't yes`: an invalid verdict, as labels cannot say "not"). Labels match whole words, case-insensitively.
+- `verdict` mode: `labels` map verdict words to rewards ({"yes": 1, "no": 0}). The verdict is the marked label
+  (`[[yes]]`, `Verdict: yes`, `**Verdict**: yes`, `Judgement: yes`); else `Answer: yes` (weaker: a judge also
+  writes "the response's answer: yes" while explaining, after its verdict); else the label the reply opens with;
+  else the only label the reply names, unless a negation precedes one of its labels (`not correct`, `isn't yes`:
+  labels cannot say "not"). An ambiguous reply is an invalid verdict, never a guess: marked labels that disagree,
+  a leading label taken back (`Yes, wait, no.`), a label in a question (`Correct? No.`) or used as a word (`no
+  doubt`) (roll_envs.rewards._judge_parse's "Verdict rules"). Labels match whole words, case-insensitively.
 A reply that does not parse (or a score out of range) is an invalid verdict: counted in `judge_invalid`, scored
 `invalid_score`, correct 0. `correct` is 1 when the reward >= `correct_threshold` (built-in templates have one:
 correctness 0.7, verdict 1; null on your own template: correct is always 0). In score mode the threshold is on the

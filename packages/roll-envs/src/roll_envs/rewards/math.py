@@ -22,11 +22,19 @@ Scoring (per response):
   `5 pi` or `5xy` are not units), never a word such as `and`, `or`, `times`, `sqrt`, nor one that changes the
   value (`5 squared`, `5 halves`, `5 less`, bare or in `\\text{}`: no quantity, never equal to a truth of `5`;
   math-verify dropped the `\\text{}` of `5\\text{ dozen}` and graded 5, so such a text reaches it as bare words;
-  `squared`/`cubed` after a unit word raise the unit, `5 cm squared` is 5). An answer wholly in one text command
+  `squared`/`cubed` after a unit word raise the unit, `5 cm squared` is 5). `n-fold` is the multiplier n: `5-fold`,
+  `5\\text{-fold}`, `5\\text{ fold}`, `5 fold` and `5` are one answer, either way round (math-verify dropped the
+  text of `5\\text{-fold}`, grading 5, but read `5-fold` as 5 minus letters, never 5; in a text that is no quantity
+  the fold reaches it dropped, `x = 5-fold` is `x = 5`); a number word is not read (`three-fold`, as `three`, is
+  no 3), and a percent of a multiplier (`5-fold%`) is no quantity. An answer wholly in one text command
   is read inside it (`\\text{5 dollars}` is 5; math-verify read it as one symbol, never 5). Thousands separators
-  may be LaTeX: `5{,}000` and `5\\!,\\!000` are `5,000` (so `1{,}5` is no number, as `1,5` is not), and a thin
-  space `5\\,000`/`5\\!000` a separator as a space is (in `last_number` too, where `5{,}000` stated 000). A
-  unicode minus (U+2212) is a minus sign. (A product of variables
+  may be LaTeX: `5{,}000` and `5\\!,\\!000` are `5,000` (so `1{,}5` is no number, as `1,5` is not). Spaces
+  between thousands groups (`5 000`, `1 234 567`, `5\\,000`, `5\\!000`, a thin space) join them where the
+  grouping is certain (roll_envs.rewards._digit_groups: a first group of one to three digits, then groups of three,
+  and no other number in the run): in the box, in the truth, in what reaches math-verify (`x = 5 000` was 5 times
+  000 to it, right against 0) and in `last_number` alike (`the answer is 5 000` stated 000 there, `5{,}000` too);
+  `3 4`, `1234 567` and `10 20 300` are numbers side by side, never merged. A unicode minus (U+2212) is a minus
+  sign. (A product of variables
   written with a space, `3 abc`, therefore equals a truth of plain `3`; against a truth `3abc` it is verified
   symbolically as before.) A percent (`%`, `\\%`, the word `percent`) equals its number or its
   hundredth (`75\\%` = `75` = `0.75`, as in both conventions; math-verify graded `75%` right against `0.75` but
@@ -95,6 +103,7 @@ from fractions import Fraction
 from roll_core.isolation import CallTimeout, ChildError, ForkedWorker
 from roll_envs.boxed import extract_boxed
 from roll_envs.numeric import MAX_EXPONENT, fractions_equal, parse_number
+from roll_envs.rewards._digit_groups import join_digit_groups
 from roll_envs.rewards.base import Reward, RewardResult
 from roll_envs.rewards.judge import final_text
 
@@ -115,10 +124,6 @@ _UNICODE_MINUS = "\u2212"
 #: number the response states: `last_number` skips it.
 _PART = re.compile(r"[/^_{]$")
 _PART_AFTER = re.compile(r"^(?:/|\}\{|\^)")
-#: A space (or LaTeX thin space) between thousands groups, as in `1 000`, `1\,000` or `1\!000`; `1 2` is not twelve.
-_GROUP_SPACE = re.compile(r"(?<=\d)(?:\s|\\[,!]|\\ |~)(?=\d{3}(?!\d))")
-#: The same, LaTeX thin spaces only: in prose (`last_number`) a plain space between numbers is no separator.
-_LATEX_GROUP_SPACE = re.compile(r"(?<=\d)\\[,!](?=\d{3}(?!\d))")
 #: A LaTeX comma between digits, `5{,}000` or `5\!,\!000` (spacing aside, the comma of `5,000`): read as `,`, so
 #: that what holds for `5,000` (thousands separator or not) holds for it; `5, 000` (a list) is untouched.
 _LATEX_COMMA = re.compile(r"(?<=\d)(?:\\!)*(?:\{,\}|,)(?:\\!)*(?=\d)")
@@ -129,14 +134,15 @@ MAX_BOXED_CHARS = 1000
 
 
 def last_number(text: str) -> str | None:
-    """The last integer or decimal in `text` (thousands separators removed; a decimal exponent kept, `1.5e3`, as
+    """The last integer or decimal in `text` (thousands separators removed, spaces between thousands groups too
+    where the grouping is certain, as `quantity` reads them: `5 000` is 5000; a decimal exponent kept, `1.5e3`, as
     `roll_envs.numeric.parse_number` reads it) that stands alone: not a part of a fraction, power or index
     (`_PART`); None when there is none, or when the last one has commas that are no thousands grouping (`1,2345`,
     `1,5`, `1,2,3`: a decimal comma, a typo or a list written without spaces, no one number it surely states).
     A number with a scale word after it is its value (`5 million` gives `5000000`, `1.5 thousand` `1500`)."""
     text = text.replace(_UNICODE_MINUS, "-")
-    # `5{,}000` and `5\,000` state 5000 (not 000): LaTeX separators read as `quantity` reads them
-    text = _LATEX_GROUP_SPACE.sub("", _LATEX_COMMA.sub(",", text))
+    # `5{,}000`, `5\,000` and `5 000` state 5000 (not 000): separators read as `quantity` reads them
+    text = join_digit_groups(_LATEX_COMMA.sub(",", text))
     for m in reversed(list(_STATED_NUMBER.finditer(text))):
         before, after = text[max(0, m.start() - 1) : m.start()], text[m.end() : m.end() + 2]
         if not (_PART.search(before) or _PART_AFTER.match(after)):
@@ -226,6 +232,13 @@ def _changes_value(words: list[str]) -> bool:
     )
 
 
+#: `n-fold` right after a quantity's value (and its scale word): the multiplier n (module docstring), bare (`5-fold`,
+#: `5 fold`, `5fold`) or in a text command (`5\text{-fold}`, `5\text{ fold increase}`, whose other words stay a unit).
+_FOLD = re.compile(rf"(?:(?P<cmd>{_WRAP})\s*-?\s*|-?)fold(?![A-Za-z])(?(cmd)(?P<close>\s*\}})?)", re.IGNORECASE)
+#: The same after a number in a text that is no quantity (`x = 5-fold`): `_for_verify` drops it.
+_FOLD_AFTER = re.compile(rf"(?<=\d)(?:\s|\\[ ,;:!]|~)*(?:{_WRAP}\s*-?\s*fold\s*\}}|-?fold(?![A-Za-z]))", re.IGNORECASE)
+
+
 #: A whole answer in one text command, `\text{5 million}`, `\text{5 dollars}`: `quantity` reads what is inside it.
 #: (math-verify reads such a text as one symbol, `5dollars`, never equal to 5.)
 _WHOLE_TEXT = re.compile(_WRAP + r"(?P<body>[^{}]*)\}")
@@ -244,7 +257,7 @@ def quantity(text: str) -> tuple[Fraction, bool] | None:
         return None
     whole = _WHOLE_TEXT.fullmatch(text.strip())
     text = text if whole is None else whole["body"]
-    t = _GROUP_SPACE.sub("", _LATEX_COMMA.sub(",", text.strip().replace(_UNICODE_MINUS, "-")))
+    t = join_digit_groups(_LATEX_COMMA.sub(",", text.strip().replace(_UNICODE_MINUS, "-")))
     lead = _LEAD.match(t)
     if lead is None or (lead["s1"] and lead["s2"]):
         return None
@@ -282,12 +295,20 @@ def quantity(text: str) -> tuple[Fraction, bool] | None:
         spaced = True  # the scale word ends at a non-letter (`_SCALE_WORD`): a word unit after it stands apart
         rest = rest[_SEP.match(rest).end() :]
         rest = "" if rest == "." else rest  # `5 million.` ends a sentence, as a word unit may (`_WORD_UNIT`)
+    fold = _FOLD.match(rest)
+    if fold is not None:  # `5-fold`, `5\text{-fold}`: the multiplier 5 (module docstring)
+        rest = rest[fold.end() :]
+        if fold["cmd"] and not fold["close"]:
+            rest = fold["cmd"] + rest  # `\text{-fold increase}`: the other words are a unit
+        spaced = True
+        rest = rest[_SEP.match(rest).end() :]
+        rest = "" if rest == "." else rest
     percent = bool(_PERCENT.match(rest))
     if percent:
         rest = rest[_PERCENT.match(rest).end() :].lstrip()
         rest = rest[_SEP.match(rest).end() :]
-    if not rest:
-        return None if percent and scale else (value, percent)  # `5 million%`: which scale? no quantity
+    if not rest:  # `5 million%`: which scale? `5-fold%`: a percent of what? no quantity
+        return None if percent and (scale or fold) else (value, percent)
     for unit, needs_space in ((_TEXT_UNIT, False), (_DEGREE, False), (_WORD_UNIT, True)):
         u = unit.fullmatch(rest)
         if u is None or (needs_space and not (spaced or percent)):
@@ -296,8 +317,8 @@ def quantity(text: str) -> tuple[Fraction, bool] | None:
         if any(w in _NOT_UNITS for w in words) or _changes_value(words) or (unit is _TEXT_UNIT and not words):
             return None
         if _PERCENT_WORDS.intersection(words):  # "75 percent (of them)": math-verify reads the word as \%
-            if percent or scale:
-                return None  # "75% percent", "5 million percent"
+            if percent or scale or fold:
+                return None  # "75% percent", "5 million percent", "5-fold percent"
             percent = True
         return value, percent
     return None
@@ -378,7 +399,9 @@ def _for_verify(text: str, q: tuple[Fraction, bool] | None) -> str:
     after a number as `\\cdot 10^{k}` (`_SCALE_AFTER`), but never inside a text command (math-verify reads
     `\\text{5 \\cdot 10^{6}}` as 10), and a text command of words that change the value as those bare words
     (`_bare_value_words`); anything else unchanged."""
+    text = join_digit_groups(text)  # (`x = 5 000` was 5 times 000 to math-verify)
     if q is None:
+        text = _FOLD_AFTER.sub("", text)  # `x = 5-fold` is `x = 5` (math-verify read `5\text{-fold}` so already)
         inside = [(m.end(1), m.end()) for m in _TEXT_BODY.finditer(text)]
 
         def scale_power(m: re.Match[str]) -> str:
@@ -466,7 +489,7 @@ class MathReward(Reward):
         if got is not None and truth is not None:
             return same_quantity(got, truth)  # exact, units and currency aside (module docstring)
         boxed, answer = _for_verify(boxed, got), _for_verify(answer, truth)
-        plain = _GROUP_SPACE.sub("", boxed.strip())
+        plain = join_digit_groups(boxed.strip())
         if _NUMBER.fullmatch(plain) and _NUMBER.fullmatch(answer.strip()):  # too long for a quantity
             return plain.replace(",", "") == answer.strip().replace(",", "")
         if len(boxed) > MAX_BOXED_CHARS:

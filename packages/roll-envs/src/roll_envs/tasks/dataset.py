@@ -33,8 +33,10 @@ dots reads a nested column (`reward_model.ground_truth`). A row's `domain` colum
 or empty one is no domain (the default's), another type makes the row bad. A leading UTF-8 byte order mark (files
 saved by Windows editors) is ignored. A number answer is written in plain decimal, a whole one as an integer (3.0,
 what an integer column with a null in it holds in pandas, Arrow and the files written from them, is "3"; its null
-rows are skipped and counted as missing answers). A float32 (or float16) value reads as the decimals written (0.1, not
-0.10000000149011612), in a flat column or nested in lists, structs and maps (a struct answer, metadata columns).
+rows are skipped and counted as missing answers); the other columns of such an integer column with nulls read as
+ints and None, not 3.0 and NaN (roll_envs.tasks._int_columns), in the rows every file task reads. A float32 (or
+float16) value reads as the decimals written (0.1, not 0.10000000149011612), in a flat column or nested in lists,
+structs and maps (a struct answer, metadata columns).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from typing import Any
 
 from roll_core.errors import ConfigError
 from roll_envs.rewards.base import Reward
+from roll_envs.tasks._int_columns import restore_int_columns
 from roll_envs.tasks.base import Problem, Task, eval_file_name, templated_marker
 
 log = logging.getLogger(__name__)
@@ -83,7 +86,8 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
                 )
             ds = ds[split]
         narrow = _narrow_columns(ds.data.schema)  # (datasets' rows have the Arrow table's nesting)
-        return [(i + 1, _widened(row, narrow)) for i, row in enumerate(_encoded_rows(ds))], bad
+        rows = [(i + 1, _widened(row, narrow)) for i, row in enumerate(_encoded_rows(ds))]
+        return restore_int_columns(rows, _float_columns(ds.data.schema)), bad
     if path.suffix == ".parquet":
         from roll_envs.config import PYARROW
 
@@ -95,12 +99,13 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
         except Exception as exc:  # pyarrow's own message does not say which setting pointed here
             raise ConfigError(f"{path}: cannot read it as Parquet ({exc}); check the file or env.path") from exc
         narrow = _narrow_columns(table.schema)
-        return [(i + 1, _widened(row, narrow)) for i, row in enumerate(table.to_pylist())], bad
+        rows = [(i + 1, _widened(row, narrow)) for i, row in enumerate(table.to_pylist())]
+        return restore_int_columns(rows, _float_columns(table.schema)), bad
     if path.suffix in (".jsonl", ".json"):
         # (A .jsonl file too: an array saved under that name lost every row but the last, like a .json file did.)
         array = _json_array(path)
         if array is not None:
-            return array, bad
+            return restore_int_columns(array), bad
         rows = []
         # Bytes, decoded line by line: one line that is not UTF-8 is a bad row, not a UnicodeDecodeError that ends
         # the whole file with neither its name nor a line number.
@@ -119,7 +124,7 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
                     bad.append((lineno, f"invalid JSON ({exc.msg})"))
                 except RecursionError:  # (a bare RecursionError ended the whole load, naming no line)
                     bad.append((lineno, _TOO_DEEP))
-        return rows, bad
+        return restore_int_columns(rows), bad
     raise ConfigError(
         f"unsupported data file {path} (env.path / env.eval_path): use .jsonl, .parquet or a datasets folder"
     )
@@ -127,6 +132,13 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
 
 # Arrow type names of the floats narrower than Python's -> their struct format.
 _NARROW_FLOATS = {"float": "<f", "halffloat": "<e"}
+
+
+def _float_columns(schema: Any) -> list[str]:
+    """The top-level floating-point columns of an Arrow schema (`restore_int_columns` reads them)."""
+    import pyarrow.types as pat
+
+    return [f.name for f in schema if pat.is_floating(f.type)]
 
 
 def _children(t: Any) -> list[Any]:

@@ -12,7 +12,9 @@ the reward's other counters, `perf/rollout_tokens`: response tokens generated), 
 describe the first round's unfiltered sample. Scores get the overlong penalty and reward clipping.
 Evaluation: one sample per held-out problem at the eval temperature.
 Data counts: the task's bad rows skipped at load and training rows left out as held out (DataCounts,
-roll_core.interfaces.tasks) are in every trained step's data/skipped_rows and data/also_held_out and in the summary.
+roll_core.interfaces.tasks) are in every trained step's data/skipped_rows and data/also_held_out and in the summary;
+held-out rows neither trained on nor evaluated in data/unused_held_out and the summary's `unused_held_out`: the
+task's own count plus the held-out problems beyond pipeline.eval_size (evaluation reads the first eval_size).
 Aborts: a row the engine aborts on its own (SGLang under memory pressure, vLLM at its preemption limit) is resumed
 from its partial output within its token budget, as the asynchronous driver resumes its samples
 (`resume_aborted`, counted in data/resumed_rows), never scored as an incomplete answer; a prompt the engine keeps
@@ -107,7 +109,10 @@ class PromptCollector:
         self.sampling = ctx.sampling
         check_task(cfg, self.task)
         check_context(cfg.infer_engine.max_model_len, self.tokenizer, cfg.model.chat_template_kwargs)
-        self.train_set, self.eval_set = self.task.train_set(), self.task.eval_set()[: cfg.pipeline.eval_size]
+        held = self.task.eval_set()
+        self.train_set, self.eval_set = self.task.train_set(), held[: cfg.pipeline.eval_size]
+        # Held-out problems beyond pipeline.eval_size: neither trained nor evaluated (`_data_counts`).
+        self.eval_cut = len(held) - len(self.eval_set)
         # A vision-language model's prompt processor (None for text); pictures for a text model end the run here.
         self.processor = vision_processor(ctx.model_path, self.tokenizer, cfg.model)
         check_pictures(self.processor, [*self.train_set, *self.eval_set], cfg.model.path)
@@ -218,7 +223,7 @@ class PromptCollector:
     def summary(self) -> dict[str, Any]:
         """Reward failures of the run (rows, failed rows by cause, steps whose rows all failed), the data rows
         skipped when the task loaded its files and the training rows it left out as held out (`data_counts`)."""
-        out = {**self.reward_budget.summary(), **data_counts(self.task)}
+        out = {**self.reward_budget.summary(), **self._data_counts()}
         if self.reward_model is not None:
             out["reward_model"] = self.reward_model.summary()
         return out
@@ -228,6 +233,14 @@ class PromptCollector:
             self.reward_model.close()
 
     # ---- pieces -------------------------------------------------------------------------------------------
+    def _data_counts(self) -> dict[str, Any]:
+        """The task's `data_counts`, its `unused_held_out` plus the held-out problems beyond pipeline.eval_size
+        (`eval_cut`), which the run neither trains on nor evaluates (the cut was not counted anywhere)."""
+        out = data_counts(self.task)
+        if getattr(self, "eval_cut", 0):
+            out["unused_held_out"] = out.get("unused_held_out", 0) + self.eval_cut
+        return out
+
     @property
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
@@ -249,7 +262,7 @@ class PromptCollector:
         if batch is None or len(batch) == 0:
             return None
         out["data/trained_groups"] = len(batch) // self.cfg.algo.group_size
-        out.update(data_metrics(data_counts(self.task)))  # data/skipped_rows, data/also_held_out
+        out.update(data_metrics(self._data_counts()))  # data/skipped_rows, data/also_held_out, ...
         # Epochs of the training set drawn (the least drawn domain's with several; the asynchronous collector's
         # includes the groups it started ahead).
         out["data/epoch"] = self.sampler.progress()
