@@ -12,7 +12,13 @@ counted `prompt_not_in_conversation` skip: read as a conversation the row would 
 message-list prompt, lists that start with its messages (same roles and contents). Text prompt and responses follow
 `data.chat_template` like SFT's prompt/completion rows, when all three are text: a message-list side puts both
 through the template. Sides whose messages before their answers differ (a system prompt in one only) are a counted
-`prompt_not_shared` skip naming the difference (they were `prompt_mismatch` or `no_prompt`).
+`prompt_not_shared` skip naming the difference (they were `prompt_mismatch` or `no_prompt`). Message lists in
+ShareGPT's form (`{"from", "value"}`) are read as the SFT rows' are (roll_core.posttrain.row_values), also where
+they are compared with the prompt (a text prompt inside ShareGPT conversations was a `prompt_not_in_conversation`
+skip; a message-list prompt was rendered a second time before them).
+A pair whose two responses differ only in whitespace or in trailing special tokens (an end-of-turn, eos) is a
+`same_response` skip as identical responses are (`_same`: roll_core.near_duplicates' whitespace rule, `loose_text`,
+over the decoded responses and over their trained tokens): it has next to no preference signal.
 Both sides tokenise through `SFTTokenizer` (so chosen and rejected have the same prompt ids and each response ends
 with its end-of-turn token) and get the length limits; a row whose either side is skipped is skipped.
 
@@ -24,8 +30,9 @@ a judge's or a reward model's continuous score). A row without that column is a 
 every score: a flag was compared with another row's reward). `check_score_settings` refuses `data.min_score` and
 `data.pair_margin` values that mean nothing on the flag (min_score 0.7, pair_margin 0.2: they were read as 1 and 0,
 silently). Within one prompt, a candidate pair is two samples whose scores differ by more than `data.pair_margin`,
-the higher one chosen, whose responses differ (tokens or loss mask), and whose contents (chosen's and rejected's
-tokens) no earlier candidate has (a response sampled twice gave the same pair twice, training it twice as hard).
+the higher one chosen, whose responses differ (`_same`: more than whitespace or trailing special tokens, or in
+the loss mask), and whose contents (chosen's and rejected's tokens) no earlier candidate has (a response sampled
+twice gave the same pair twice, training it twice as hard).
 Up to `data.pairs_per_prompt` candidates are taken in an order shuffled by a stream seeded from (seed, prompt id),
 preferring samples not yet in a pair, so the pairs depend on the seed and the rows, not on the file's order across
 prompts. Prompts without any candidate are counted (`prompts_without_pair`).
@@ -41,8 +48,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from roll_core.errors import ConfigError
+from roll_core.near_duplicates import loose_text
 from roll_core.posttrain.config import DataConfig
-from roll_core.posttrain.row_values import check_messages, check_text, need, train_flag
+from roll_core.posttrain.row_values import chat_messages, check_messages, check_text, need, train_flag
 from roll_core.posttrain.rows import RawRow, SkipRow, Skips
 from roll_core.posttrain.tokenize import SFTTokenizer, TokenRow
 
@@ -91,19 +99,40 @@ def parse_preference(raw: RawRow, sft: SFTTokenizer) -> Pair:
         sides.append(sft.limit(tokens))
     if sides[0].prompt_ids != sides[1].prompt_ids:  # a template that renders the prompt after reading the answer
         raise SkipRow("prompt_mismatch", "chosen and rejected tokenise to different prompts")
-    if _same(sides[0], sides[1]):  # the same answer twice, or cut to model.max_response_length before they differ
-        what = (
-            "cut to max_response_length before they differ"
-            if sides[0].truncated or sides[1].truncated
-            else "the same answer"
-        )
+    tok = sft.tokenizer
+    if _same(sides[0], sides[1], tok):  # the same answer twice, or cut to max_response_length before they differ
+        if sides[0].truncated or sides[1].truncated:
+            what = "cut to max_response_length before they differ"
+        elif _content(sides[0]) == _content(sides[1]):
+            what = "the same answer"
+        else:
+            what = "the same answer but for whitespace or a trailing end-of-turn / eos token"
         raise SkipRow("same_response", f"chosen and rejected train the same tokens ({what}): no preference signal")
     return Pair(sides[0], sides[1], raw.where)
 
 
-def _same(a: TokenRow, b: TokenRow) -> bool:
-    """Whether two sides train the same tokens (a pair of them has a loss of log 2 and no gradient)."""
-    return a.response_ids == b.response_ids and a.mask == b.mask
+def _loose(t: TokenRow, tokenizer: Any) -> tuple[str, str]:
+    """A side's response as `_same` compares it: the decoded response ids and the decoded trained ids (mask 1),
+    each without its trailing special tokens (end-of-turn, eos) and with whitespace collapsed (`loose_text`)."""
+    specials = set(getattr(tokenizer, "all_special_ids", None) or ())
+
+    def text(ids: list[int]) -> str:
+        while ids and ids[-1] in specials:
+            ids = ids[:-1]
+        return loose_text(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+    trained = [i for i, m in zip(t.response_ids, t.mask) if m]
+    return text(list(t.response_ids)), text(trained)
+
+
+def _same(a: TokenRow, b: TokenRow, tokenizer: Any, keys: tuple[Any, Any] | None = None) -> bool:
+    """Whether two sides train the same tokens, or the same text but for whitespace or trailing special tokens
+    (`_loose`; `keys`: theirs, when known): a pair of them has next to no preference signal (equal tokens: a loss
+    of log 2 and no gradient)."""
+    if a.response_ids == b.response_ids and a.mask == b.mask:
+        return True
+    first, second = keys if keys is not None else (_loose(a, tokenizer), _loose(b, tokenizer))
+    return first == second
 
 
 def _content(t: TokenRow) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -145,7 +174,9 @@ def _hold_prompt(prompt: Any, chosen: Any, rejected: Any, cfg: DataConfig) -> bo
     doc): a text prompt beside lists starting with a non-assistant message (one of them, before the answer, must
     hold the prompt's text: a `prompt_not_in_conversation` skip otherwise, the prompt would be dropped), or a
     message-list prompt that both lists start with."""
-    sides = (chosen, rejected)
+    # ShareGPT's {"from", "value"} read as chat messages first (their role and content were None here)
+    sides = (chat_messages(chosen, cfg.chosen_key), chat_messages(rejected, cfg.rejected_key))
+    prompt = chat_messages(prompt, cfg.prompt_key)
     if not all(isinstance(s, (list, tuple)) and s and all(isinstance(m, Mapping) for m in s) for s in sides):
         return False
     if isinstance(prompt, str):
@@ -309,12 +340,16 @@ def build_pairs(
         skips.merge(file_skips)
     pairs: list[Pair] = []
     without = 0
+    tok = sft.tokenizer
     for group, samples in groups.items():
         candidates: list[tuple[int, int]] = []
         seen: set[tuple[tuple[int, ...], ...]] = set()
+        loose = [_loose(s.tokens, tok) for s in samples]
         for i, a in enumerate(samples):
             for j, b in enumerate(samples):
-                if a.score - b.score <= cfg.pair_margin or _same(a.tokens, b.tokens):  # truncated alike: no signal
+                if a.score - b.score <= cfg.pair_margin:
+                    continue
+                if _same(a.tokens, b.tokens, tok, (loose[i], loose[j])):  # truncated alike, or but for whitespace
                     continue
                 content = (*_content(a.tokens), *_content(b.tokens))
                 if content not in seen:  # a response sampled twice: one pair, not the same pair twice

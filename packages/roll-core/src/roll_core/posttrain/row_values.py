@@ -22,7 +22,15 @@ a value silently: what cannot be read as the data means it is a skip.
 - `row_messages(row, messages_key)`: the messages of a `messages` row (or its ShareGPT `conversations` column), with
   LLaMA-Factory's `system` column (text beside ShareGPT messages) put first as a system message; a row with both
   that column and a different leading system turn is a `wrong_type` skip (which one the data means is unknown).
-- `check_tools(value)`: a row's `tools` column (a list of schemas, or its JSON text; None when absent or empty).
+- `check_tools(value)`: a row's `tools` column (a list of schemas, or its JSON text; None when absent or empty),
+  each schema in OpenAI's form `{"type": "function", "function": {"name", "description", "parameters"}}`, the form
+  transformers' `get_json_schema` gives `apply_chat_template(tools=...)` and chat templates read
+  (`tool.function.name`): a flat schema `{"name", "description", "parameters"}` (LLaMA-Factory's, many datasets')
+  is wrapped so (it was passed as it was: Qwen2.5's template showed the model a schema of another shape than it
+  was trained on, templates reading `tool.function` failed or showed nothing); a schema naming no function is a
+  `wrong_type` skip.
+- `chat_messages(value, key)`: a message list with its ShareGPT messages read as chat messages (anything else as it
+  is): for code that compares messages before `check_messages` runs (the preference rows' prompt).
 - `train_flag(message)`: whether an assistant message is trained (`train` true / false, OpenAI's `weight` 0 / 1).
 - `blank(message)`: whether a message says nothing (blank text and no tool calls).
 """
@@ -41,6 +49,7 @@ __all__ = [
     "SHAREGPT_ROLES",
     "SHAREGPT_SYSTEM_COLUMN",
     "blank",
+    "chat_messages",
     "check_ids",
     "check_messages",
     "check_text",
@@ -207,7 +216,35 @@ def check_tools(value: Any) -> list[dict[str, Any]] | None:
         return None
     tools = _json_list(value, "'tools'", "tool schemas") or None
     _check_unicode(tools, "'tools'")
-    return tools
+    return [_openai_tool(t) for t in tools] if tools else None
+
+
+def _openai_tool(schema: dict[str, Any]) -> dict[str, Any]:
+    """One tool schema in OpenAI's form (see the module doc), or a `wrong_type` skip when it names no function."""
+    function = schema.get("function")
+    if isinstance(function, Mapping):
+        name = function.get("name")
+    elif schema.get("type", "function") == "function" and "function" not in schema:
+        name = schema.get("name")
+        function = {k: v for k, v in schema.items() if k != "type"}
+        schema = {"type": "function", "function": function}
+    else:
+        name = None
+    if not isinstance(name, str) or not name.strip():
+        raise SkipRow(
+            "wrong_type",
+            "a tool schema names no function: expected {'name', 'description', 'parameters'} or OpenAI's "
+            f"{{'type': 'function', 'function': {{'name', ...}}}}, got {str(schema)[:60]}",
+        )
+    return schema
+
+
+def chat_messages(value: Any, key: str) -> Any:
+    """`value` with its ShareGPT messages read as chat messages (`sharegpt_message`), when it is a list; anything
+    else as it is (what it may hold is `check_messages`' to say)."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    return [sharegpt_message(m, f"{key!r}[{i}]") if _is_sharegpt(m) else m for i, m in enumerate(value)]
 
 
 def _json_list(value: Any, where: str, what: str) -> list[dict[str, Any]]:

@@ -39,10 +39,13 @@ call tools it was never shown) or the tool calls of an assistant turn after the 
 the model would learn to announce a call and end its turn without making it). Whether a template renders tools
 and tool calls at all is probed once per tokenizer, template and template arguments (on probe messages, cached),
 not per row; a row whose prompt lacks one of its tools' names, or a turn whose rendering lacks one of its calls'
-names, is skipped alike (a template that renders them only in some conversations). A tool call's `arguments` given
-as JSON text is parsed to the object it spells when the template `tojson`s arguments (Qwen2.5's, Llama 3.1's):
-rendered as given, the model would learn escaped JSON in a string; text that is not JSON is then a `wrong_type`
-skip. Templates that write text arguments as they are (Qwen3's, DeepSeek's) get the text.
+names, is skipped alike (a template that renders them only in some conversations). A name counts where the
+template adds it for the tools, not where a message spells it (a user asking to "use add"): a prompt whose
+messages (or whose template's own text) may spell a name is rendered without its tools too, and must spell every
+name more often with them. Probe results are looked up by the template the tokenizer has at each lookup. A tool
+call's `arguments` given as JSON text is parsed to the object it spells when the template `tojson`s arguments
+(Qwen2.5's, Llama 3.1's): rendered as given, the model would learn escaped JSON in a string; text that is not JSON
+is then a `wrong_type` skip. Templates that write text arguments as they are (Qwen3's, DeepSeek's) get the text.
 
 Ids after a context (`encode_after`): text is tokenised together with the text before it and the context's own ids
 are taken off, when they are a prefix of the whole's (else, where BPE merges across the boundary, on its own: the ids
@@ -62,6 +65,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -125,15 +129,20 @@ _PROBE_CALL = {"id": "rollprobe", "type": "function", "function": {"name": "roll
 _PROBES: weakref.WeakKeyDictionary[Any, dict[str, dict[str, bool | None]]] = weakref.WeakKeyDictionary()
 
 
-def _probe_cache(tokenizer: Any, kwargs: Mapping[str, Any]) -> dict[str, bool | None]:
-    """The probe results of one tokenizer's current template with `kwargs` (shared by every ChatEncoder of it)."""
+def _probe_cache(
+    tokenizer: Any, kwargs: Mapping[str, Any], own: dict[str, dict[str, bool | None]]
+) -> dict[str, bool | None]:
+    """The probe results of one tokenizer's current template with `kwargs` (shared by every ChatEncoder of it;
+    `own`: an encoder's cache, for a tokenizer that cannot be weakly referenced). Keyed by the template string read
+    now, at each lookup: a template set on the tokenizer after its encoder was made is probed anew (the encoder kept
+    the results of the one it was made with)."""
     key = json.dumps(
         [tokenizer.chat_template, kwargs, getattr(tokenizer, "special_tokens_map", None)], sort_keys=True, default=repr
     )
     try:
         per_template = _PROBES.setdefault(tokenizer, {})
     except TypeError:  # a tokenizer that cannot be weakly referenced: probed once per encoder instead
-        return {}
+        per_template = own
     return per_template.setdefault(key, {})
 
 
@@ -235,7 +244,7 @@ class ChatEncoder:
             )
         self.tokenizer = tokenizer
         self.kwargs = dict(chat_template_kwargs or {})
-        self._probes = _probe_cache(tokenizer, self.kwargs)  # results of `renders`, per tokenizer and template
+        self._own_probes: dict[str, dict[str, bool | None]] = {}  # see _probe_cache
         self.turns = TurnTemplate(tokenizer, chat_template_kwargs=self.kwargs)
         closing = self.turns.encode(self.turns.closing)
         if closing and closing[0] in self.turns.turn_end_ids:
@@ -315,9 +324,10 @@ class ChatEncoder:
         probe messages (None when the probe conversation fails to render: each row is then checked on its own):
         `tools` (the schemas in a prompt), `tool_calls` (an assistant turn's calls), `tojson` (a call's text
         arguments written quoted, `| tojson`: Qwen2.5's, Llama 3.1's)."""
-        if what not in self._probes:
-            self._probes[what] = self._probe(what)
-        return self._probes[what]
+        probes = _probe_cache(self.tokenizer, self.kwargs, self._own_probes)  # the template set now
+        if what not in probes:
+            probes[what] = self._probe(what)
+        return probes[what]
 
     def _probe(self, what: str) -> bool | None:
         try:
@@ -359,17 +369,32 @@ class ChatEncoder:
         return {**message, "tool_calls": out}
 
     def _prompt_has_tools(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], ids: list[int]) -> bool:
-        """Whether a prompt (`messages`, its `ids`) shows its tools: the template renders tools (`renders`, else
-        this prompt with and without them differ), and the prompt spells every tool's name."""
+        """Whether a prompt (`messages`, its `ids`) shows its tools: the template renders tools (`renders`), and
+        every tool's name is in what the template adds for them: the prompt rendered with its tools spells the name
+        more often than without them. A name the messages or the template's own text may spell (a user asking to
+        "use add", an earlier call of it, a tool named like a header) proved nothing when looked up in the whole
+        prompt: a template that shows tools only in some conversations trained the row without them. Only then is
+        the prompt rendered without its tools; otherwise the name in the prompt can only come from its tools."""
         renders = self.renders("tools")
-        if renders is None:
-            renders = self._render(messages, True, tools) != self._render(messages, True)
-        if not renders:
+        if renders is False:
             return False
         functions = [t["function"] if isinstance(t.get("function"), Mapping) else t for t in tools]
-        names = [f.get("name") for f in functions if isinstance(f.get("name"), str)]
-        text = self.tokenizer.decode(ids) if names else ""
-        return all(name in text for name in names)
+        names = [f["name"] for f in functions if isinstance(f.get("name"), str) and f["name"]]
+        if renders and names and not self._may_spell(messages, names):
+            text = self.tokenizer.decode(ids)
+            return all(name in text for name in names)
+        shown, bare = self._render(messages, True, tools), self._render(messages, True)
+        if not names:
+            return shown != bare
+        return all(shown.count(name) > bare.count(name) for name in names)
+
+    def _may_spell(self, messages: list[dict[str, Any]], names: list[str]) -> bool:
+        """Whether a prompt may spell one of its tools' `names` without its tools: a message's text (content, tool
+        calls) or the template's arguments hold it, or the template's own text holds it as a word."""
+        given = json.dumps([messages, self.kwargs], ensure_ascii=False, default=repr)
+        template = str(self.tokenizer.chat_template or "")
+        word = "|".join(re.escape(n) for n in names)
+        return any(n in given for n in names) or re.search(rf"(?<![\w-])(?:{word})(?![\w-])", template) is not None
 
     def encode(
         self, messages: list[dict[str, Any]], trained: list[bool], tools: Any = None
