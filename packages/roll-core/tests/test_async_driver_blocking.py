@@ -1,8 +1,8 @@
 """AsyncRollout (roll_core.scheduling.driver) with a call that blocks: the engine's `submit_request`, or the data's
 `next_group`. The driver thread submitted while holding the driver's lock, so a submit that never returned blocked
 `close` (shutdown hung for good instead of `close_timeout_s`), `take` (its `timeout_s` never fired) and the weight
-updates. Now the engine is called without the lock, and `close` waits for the lock at most `close_timeout_s` (the
-thread holds it while it starts groups). Fake engines, no Ray."""
+updates. Now the engine is called without the lock, `next_group` on a data thread without it
+(test_async_driver_data_waits), and `close` waits for the lock at most `close_timeout_s`. Fake engines, no Ray."""
 
 from __future__ import annotations
 
@@ -156,10 +156,11 @@ def test_a_submit_that_raises_during_an_update_fails_the_update_naming_the_reque
 
 
 def test_a_close_while_next_group_blocks_returns_after_its_bound() -> None:
-    """The data's `next_group` blocks while the thread holds the driver's lock (it starts groups under it, so a
-    checkpoint reads a consistent data position): close waited for the lock for good. Now it returns after
-    `close_timeout_s` with a warning, a take raises that the driver is closed, and when `next_group` returns the
-    thread submits nothing more and ends."""
+    """The data's `next_group` blocks while the thread held the driver's lock (it started groups under it, so a
+    checkpoint reads a consistent data position): close waited for the lock for good. Now `next_group` runs on the
+    data thread without it: close returns (after `close_timeout_s` for that thread, with a warning), a take raises
+    that the driver is closed, and when `next_group` returns nothing more is submitted and the threads end. (The
+    first group, drawn before, runs meanwhile: close aborts it.)"""
     entered, release = threading.Event(), threading.Event()
     prompts = iter(range(10**6))
 
@@ -176,19 +177,23 @@ def test_a_close_while_next_group_blocks_returns_after_its_bound() -> None:
     try:
         driver.start()
         assert entered.wait(10)
+        assert engine.wait_running(1) == ["async-0"]  # the group drawn before the blocked one
         closer = InThread(driver.close)
         assert closer.join(10), "close did not return: it waits for the lock next_group's caller holds"
         assert closer.error is None, closer.error
         release.set()
-        assert driver._thread is not None
-        driver._thread.join(10)
-        assert not driver._thread.is_alive()
+        for thread in (driver._thread, driver._feeder):
+            assert thread is not None
+            thread.join(10)
+            assert not thread.is_alive()
         with pytest.raises(RuntimeError, match="closed"):
             driver.take(1)
     finally:
         release.set()
         engine.release()
-    assert engine.requests == [] and not engine.running  # nothing was submitted after close
+    # nothing was submitted after close, and what ran was aborted
+    assert [r.request_id for r in engine.requests] == ["async-0"] and engine.aborts == ["async-0"]
+    assert not engine.running
 
 
 def test_a_close_while_next_group_blocks_draws_no_more_data_after_it() -> None:
@@ -215,13 +220,15 @@ def test_a_close_while_next_group_blocks_draws_no_more_data_after_it() -> None:
     try:
         driver.start()
         assert entered.wait(10)
+        assert engine.wait_running(1) == ["async-0"]  # the group drawn before the blocked one
         closer = InThread(driver.close)
         assert closer.join(10) and closer.error is None, closer.error
         release.set()
-        assert driver._thread is not None
-        driver._thread.join(10)
-        assert not driver._thread.is_alive()
+        for thread in (driver._thread, driver._feeder):
+            assert thread is not None
+            thread.join(10)
+            assert not thread.is_alive()
     finally:
         release.set()
         engine.release()
-    assert drawn == [0, 1] and engine.requests == []
+    assert drawn == [0, 1] and [r.request_id for r in engine.requests] == ["async-0"]

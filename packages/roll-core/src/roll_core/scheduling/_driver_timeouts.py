@@ -1,24 +1,32 @@
 """What `AsyncRollout`'s waits say when they time out (roll_core.scheduling.driver): a `take` that got fewer groups
-than it asked for within `timeout_s`, an update or shrink whose submits never returned; and the list of running
+than it asked for within `timeout_s`, an update or shrink whose submits never returned, a `close` that gave up on
+a thread (`warn_stuck`: what it does and where), aborted requests forgotten after `abort_timeout_s` (`warn_lost`,
+`warn_unwarned`); and the list of running
 requests with their ages that the agentic collector's batch timeout shares (`running_aged`). Kept apart from the
 driver so that it stays one readable module; these read the driver's state with its lock held and change nothing."""
 
 from __future__ import annotations
 
+import logging
+import sys
+import threading
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from roll_core.scheduling.driver import AsyncRollout
+
+log = logging.getLogger("roll_core.scheduling.driver")  # the driver's warnings, under its logger
 
 
 def take_timeout(driver: AsyncRollout, got: int, n: int) -> TimeoutError:
     """The error of a `take` that got `got` of `n` groups within `timeout_s` (lock held): the config key that sets
     the bound, the unfinished groups (their samples left), the requests running, oldest first with how long each has
-    run, and why: groups that never started for lack of budget (pipeline.async_ratio bounds it), requests running
-    without finishing (the engine), submits that do not return, samples no request carries (paused, or every engine
-    shrunk away)."""
+    run, and why: groups that never started for lack of budget (pipeline.async_ratio bounds it), a data source whose
+    `next_group` does not return (named, with how long it has blocked), requests running without finishing (the
+    engine), submits that do not return, samples no request carries (paused, or every engine shrunk away)."""
     sched = driver.sched
     waiting = [g for g in sched.groups.values() if not g.done]
     groups = ", ".join(f"{g.gid} ({len(g.samples) - g.finished} of {len(g.samples)} left)" for g in waiting[:5])
@@ -27,13 +35,20 @@ def take_timeout(driver: AsyncRollout, got: int, n: int) -> TimeoutError:
     why = []
     # Groups that exist (running, or complete and not yet taken) are all a take can still get; past them, only
     # groups the budget lets start, and with none left they start only after the next weight update.
-    never = n - got - len(waiting) - sched.complete()
+    drawing = driver._drawing_since
+    # The group being drawn has its budget already (reserved): it starts once next_group returns.
+    never = n - got - len(waiting) - sched.complete() - (drawing is not None)
     if never > 0 and sched.capacity() == 0:
         why.append(
             f"{never} group(s) never started for lack of budget: the scheduler's budget (pipeline.async_ratio="
             f"{sched.k}: at most {sched.k} + 1 batches of {sched.batch_groups} groups ahead of the trainer) is all "
             f"started at version {sched.version}, and no group starts before the next weight update (take at most a "
             "batch per version, or raise pipeline.async_ratio)"
+        )
+    if drawing is not None:
+        why.append(
+            f"the data source {source_name(driver.next_group)} has not returned a group for {now - drawing:.1f} s "
+            "(its next_group blocks: a slow or stuck dataloader, an environment reset?)"
         )
     if running:
         why.append("requests running without finishing (a hung or slow inference engine?)")
@@ -64,15 +79,79 @@ def running_aged(since: Mapping[str, float], noun: str, now: float | None = None
     )
 
 
-def submit_hang(driver: AsyncRollout) -> str:
-    """What a wait that timed out adds about submits under way (lock held; empty if none): the engine's
-    `submit_request` has not returned, since when."""
-    if not driver._submitting:
+def source_name(next_group: Callable[..., Any]) -> str:
+    """The data source as a timeout names it: the callable's qualified name (a bound method's class and name)."""
+    return getattr(next_group, "__qualname__", None) or repr(next_group)
+
+
+def submit_hang(driver: AsyncRollout, among: Iterable[str] | None = None) -> str:
+    """What a wait that timed out adds about submits under way (lock held; empty if none), of the requests `among`
+    when given (a shrink's: those of the engines it removes): the engine's `submit_request` has not returned, since
+    when."""
+    under_way = driver._submitting if among is None else driver._submitting.intersection(among)
+    if not under_way:
         return ""
-    rids = sorted(driver._submitting, key=lambda rid: driver._since.get(rid, 0.0))
+    rids = sorted(under_way, key=lambda rid: driver._since.get(rid, 0.0))
     now = time.monotonic()
     age = now - driver._since.get(rids[0], now)
     return (
         f"; {len(rids)} request(s) ({', '.join(rids[:5])}{' ...' if len(rids) > 5 else ''}) still being submitted, "
         f"the oldest for {age:.1f} s (the engine's submit_request does not return)"
     )
+
+
+def warn_stuck(driver: AsyncRollout, what: str, thread: threading.Thread | None = None) -> None:
+    """The warning of a `close` that gave up on a thread of the driver after `close_timeout_s` (default: the
+    rollout's thread; the data thread is in `next_group`): what it does and where."""
+    feeder = thread is not None and thread is not driver._thread
+    thread = driver._thread if thread is None else thread
+    log.warning(
+        "async rollout: thread %r %s %gs after close() (left running, a daemon): %s; stuck in %s (an engine call "
+        "or next_group that does not return?)",
+        thread.name if thread is not None else "roll-async-rollout",
+        what,
+        driver.close_timeout_s,
+        f"drawing a group ({source_name(driver.next_group)})" if feeder else driver._doing,
+        _where(thread),
+    )
+
+
+def _where(thread: threading.Thread | None) -> str:
+    """The innermost frames of `thread`, for the warning of a thread that outlived `close`."""
+    frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident is not None else None
+    if frame is None:
+        return "(its stack is gone)"
+    return " <- ".join(
+        f"{fs.name} ({fs.filename.rsplit('/', 1)[-1]}:{fs.lineno})"
+        for fs in traceback.extract_stack(frame, limit=4)[::-1]
+    )
+
+
+def warn_lost(driver: AsyncRollout, version: int, lost: dict[str, list[str]], errors: list[BaseException]) -> None:
+    """The warning about the first aborted requests lost at `version` (by cause: no result within
+    `abort_timeout_s`, or a result that raised, `errors` theirs)."""
+    what = []
+    if lost["unanswered_aborts"]:
+        rids = lost["unanswered_aborts"]
+        what.append(f"{len(rids)} ({', '.join(rids[:5])}) brought no result within {driver.abort_timeout_s} s")
+    if lost["failed_aborts"]:
+        rids = lost["failed_aborts"]
+        what.append(f"{len(rids)} ({', '.join(rids[:5])}) raised {type(errors[0]).__name__}: {errors[0]}")
+    log.warning(
+        "async rollout: aborted requests lost at version %d: %s; forgotten, their samples resume with their "
+        "earlier prefixes (an engine restart or a lost worker?)",
+        version,
+        "; ".join(what),
+    )
+
+
+def warn_unwarned(unwarned: dict[str, int], version: int) -> None:
+    """The summary of the losses at `version` after its first warning (at the update that ends it, or close)."""
+    if unwarned:
+        log.warning(
+            "async rollout: %d more aborted request(s) lost at version %d (%s): forgotten, their samples resume "
+            "with their earlier prefixes",
+            sum(unwarned.values()),
+            version,
+            ", ".join(f"async/{cause} {n}" for cause, n in sorted(unwarned.items())),
+        )

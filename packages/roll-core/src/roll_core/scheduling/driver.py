@@ -1,25 +1,29 @@
-"""The asynchronous rollout driver: `RolloutScheduler` over a real inference group, in a background thread.
+"""The asynchronous rollout driver: `RolloutScheduler` over a real inference group, in background threads.
 
-Contract: after `start()`, a daemon thread keeps the scheduler's budget filled (new groups from `next_group`:
-(payload, prompt ids) or (payload, prompt ids, the prompt's pictures as MMInputs)), submits every pending sample
-as one request (`infer.submit_request`, with the group's pictures) and records finished requests. The trainer's
-thread calls `take(n)` (blocks until n complete groups within the staleness bound exist, or `timeout_s` passes;
-a `take` that raises gives the groups it had taken back to the scheduler, for the next `take`), and brackets
-every weight sync with `begin_update()` / `finish_update()`: with partial rollout the running
+Contract: after `start()`, a daemon data thread keeps the scheduler's budget filled (new groups from `next_group`:
+(payload, prompt ids) or (payload, prompt ids, the prompt's pictures as MMInputs)), and a daemon rollout thread
+submits every pending sample as one request (`infer.submit_request`, with the group's pictures) and records finished
+requests. The trainer's thread calls `take(n)` (blocks until n complete groups within the staleness bound exist, or
+`timeout_s` passes; a `take` that raises gives the groups it had taken back to the scheduler, for the next `take`),
+and brackets every weight sync with `begin_update()` / `finish_update()`: with partial rollout the running
 requests are aborted first and their prefixes resumed under the new weights; groups that became too stale are
-aborted and never returned. A failure in the thread (engine error) is raised in the trainer's next call, never
-swallowed. An abort the engine made on its own resumes the sample (preemption), but `max_idle_aborts`
-(pipeline.max_idle_aborts, default `roll_core.idle_aborts.MAX_IDLE_ABORTS`) of them in a row for one sample within
-one version, none with a token, are a refusal (SGLang aborts a prompt longer than
+aborted and never returned. A failure in a thread (engine error, a `next_group` that raises) is raised in the
+trainer's next call, never swallowed. An abort the engine made on its own resumes the sample (preemption), but
+`max_idle_aborts` (pipeline.max_idle_aborts, default `roll_core.idle_aborts.MAX_IDLE_ABORTS`) of them in a row for
+one sample within one version, none with a token, are a refusal (SGLang aborts a prompt longer than
 its KV cache holds): the thread fails naming the request, instead of resubmitting it in a busy loop while the
-trainer waits out `timeout_s`. `close()` aborts what runs and stops the thread (one still alive after
-`close_timeout_s` is left, a daemon, with a warning naming what it was doing and where; a thread that holds the
-driver's lock that long, in `next_group`, is left the same way, and aborts what runs if it gets past it); a `take` (or
-update, shrink) waiting then, or called later, raises at once. The engine is called without the driver's lock, so
-an engine call that blocks (`submit_request`) never blocks `close`, nor `take`'s timeout. A `take` that times out
-says why: groups that never started for lack of budget (pipeline.async_ratio), requests running without finishing
-(the engine: the oldest named first, with how long each has run), submits that do not return, or samples no
-request carries.
+trainer waits out `timeout_s`. `close()` aborts what runs and stops the threads (one still alive after
+`close_timeout_s` is left, a daemon, with a warning naming what it was doing and where: the data thread blocked in
+`next_group` submits nothing after close); a `take` (or update, shrink) waiting then, or called later, raises at
+once. The engine and the data source are called without the driver's lock, and `next_group` on a thread of its
+own, so an engine call that blocks (`submit_request`) never blocks `close`, nor `take`'s timeout, and a
+`next_group` that blocks (a slow dataloader, an environment reset) blocks none of `close`, `take`'s timeout,
+`begin_update`, `shrink`, nor the collection of the results they wait for (a group whose data comes during an
+update is pending until `finish_update`; only `held`, which reads the data position with the groups, waits for
+the draw). A `take` that times out says why: groups that never started for lack of budget (pipeline.async_ratio),
+the data source blocked in `next_group` (named, with for how long), requests running without finishing (the
+engine: the oldest named first, with how long each has run), submits that do not return, or samples no request
+carries.
 
 Requests that never return. A request this driver aborted (partial rollout at `begin_update`, a stale group's at
 `finish_update`, one moved by `shrink` / `expand`) normally brings its partial result within moments. If its handle
@@ -44,7 +48,8 @@ Ray (engines in their own processes: real overlap).
 Partial-GPU mode (ROLL's partial_gpu_mode): with an `EnginePool` (roll_core.scheduling.pool) the driver places every
 request on an engine itself (`infer.submit_request(request, rank=engine)`) and the set of engines can change while
 requests run: `shrink(engines)` (before the trainer takes those devices back) aborts their requests and waits until
-the partial results are recorded, so the samples resume on the engines that stay with their prefixes kept;
+the partial results are recorded (a submit under way to one of those engines included; one to an engine that stays
+is not waited for), so the samples resume on the engines that stay with their prefixes kept;
 `expand(engines)` (their engines woken at the current weights) routes to them again and moves the newest requests of
 the loaded engines onto them.
 """
@@ -53,16 +58,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from roll_core.idle_aborts import MAX_IDLE_ABORTS
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
-from roll_core.scheduling._driver_timeouts import submit_hang, take_timeout
+from roll_core.scheduling._driver_timeouts import (
+    submit_hang,
+    take_timeout,
+    warn_lost,
+    warn_stuck,
+    warn_unwarned,
+)
 from roll_core.scheduling.pool import EnginePool
 from roll_core.scheduling.scheduler import GroupState, RolloutScheduler, SampleState
 
@@ -108,10 +117,15 @@ class AsyncRollout:
         # Requests built and booked in the scheduler whose `submit_request` has not returned: the engine is called
         # without the lock (a submit that blocks must not block `close`, `take`'s timeout, an update).
         self._submitting: set[str] = set()
+        # Held by the data thread while it draws a group (`next_group`, without `_cv`) and starts it; `held` takes
+        # it first (lock order: `_data_lock`, then `_cv`; no thread waits for it holding `_cv`).
+        self._data_lock = threading.RLock()
+        self._drawing_since: float | None = None  # when the `next_group` under way was called (None: none is)
         self._paused = False
         self._stopped = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._feeder: threading.Thread | None = None  # the data thread (`_feed`)
         self._n = 0
         self._last: dict[str, int] = {}
         self.max_idle_aborts = max_idle_aborts
@@ -127,7 +141,7 @@ class AsyncRollout:
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the background thread (once; never after `close`)."""
+        """Start the background threads (once; never after `close`): the rollout's, and the data's (`_feed`)."""
         # Under the lock, with the closed state checked: a `close` from another thread (shutdown) between the
         # thread's creation and its start joined a thread not yet started (RuntimeError), and a `take` after `close`
         # started a thread nothing would join.
@@ -135,56 +149,41 @@ class AsyncRollout:
             if self._thread is None and not self._stopped:
                 self._thread = threading.Thread(target=self._run, name="roll-async-rollout", daemon=True)
                 self._thread.start()
+                self._feeder = threading.Thread(target=self._feed, name="roll-async-data", daemon=True)
+                self._feeder.start()
 
     def close(self) -> None:
-        """Abort what runs and stop the thread (module docstring); later calls raise that the driver is closed."""
-        # Bounded: the thread holds the lock while it starts groups (`next_group`, user code that may block); a close
-        # that waited for the lock for ever hung the shutdown. Past the bound the flag is set without the lock (one
-        # assignment; the thread and every waiter read it at their next poll) and the thread is left, as below.
+        """Abort what runs and stop the threads (module docstring); later calls raise that the driver is closed."""
+        # Bounded: a close that waited for the lock for ever hung the shutdown (the thread held it in `next_group`,
+        # which it now calls without it; a caller may hold it long in `held`). Past the bound the flag is set without
+        # the lock (one assignment; the thread and every waiter read it at their next poll) and the thread is left.
         if not self._cv.acquire(timeout=self.close_timeout_s):
             self._stopped = True
-            self._warn_stuck("held the driver's lock (its running requests are aborted if it gets past that)")
+            warn_stuck(self, "held the driver's lock (its running requests are aborted if it gets past that)")
             return
         try:
             self._stopped = True
             running = list(self._handles)
             self._mark_aborting(running)
-            thread = self._thread  # read with the state: `start` sets it under this lock, started
+            thread, feeder = self._thread, self._feeder  # read with the state: `start` sets them under this lock
             unwarned, self._unwarned = self._unwarned, {}
             version = self.sched.version
             self._cv.notify_all()
         finally:
             self._cv.release()
-        self._warn_unwarned(unwarned, version)  # the losses since this version's warning: no finish_update sums them
+        warn_unwarned(unwarned, version)  # the losses since this version's warning: no finish_update sums them
         # A request whose submit is still under way is aborted by the thread once the engine returns its handle.
         for rid in running:
             self.infer.abort(rid)
+        deadline = time.monotonic() + self.close_timeout_s
         if thread is not None:
             thread.join(timeout=self.close_timeout_s)
             if thread.is_alive():
-                self._warn_stuck("still alive")
-
-    def _warn_stuck(self, what: str) -> None:
-        """The warning of a close that gave up on the thread after `close_timeout_s`: what it does and where."""
-        log.warning(
-            "async rollout: thread %r %s %gs after close() (left running, a daemon): %s; stuck in %s (an engine call "
-            "or next_group that does not return?)",
-            self._thread.name if self._thread is not None else "roll-async-rollout",
-            what,
-            self.close_timeout_s,
-            self._doing,
-            self._where(),
-        )
-
-    def _where(self) -> str:
-        """The innermost frames of the driver thread, for the warning of a thread that outlived `close`."""
-        frame = sys._current_frames().get(self._thread.ident) if self._thread is not None else None
-        if frame is None:
-            return "(its stack is gone)"
-        return " <- ".join(
-            f"{fs.name} ({fs.filename.rsplit('/', 1)[-1]}:{fs.lineno})"
-            for fs in traceback.extract_stack(frame, limit=4)[::-1]
-        )
+                warn_stuck(self, "still alive")
+        if feeder is not None:  # blocked in next_group: it submits nothing after close, and ends when that returns
+            feeder.join(timeout=max(0.0, deadline - time.monotonic()))
+            if feeder.is_alive():
+                warn_stuck(self, "still in next_group", thread=feeder)
 
     # ---- the trainer's side -------------------------------------------------------------------------------
     def take(self, n: int) -> list[GroupState]:
@@ -213,8 +212,9 @@ class AsyncRollout:
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         """The driver's lock, held: no group starts (no `next_group` call) and no result is recorded meanwhile (a
-        checkpoint reads the data position and the groups not yet trained as one state)."""
-        with self._cv:
+        checkpoint reads the data position and the groups not yet trained as one state). Waits for a `next_group`
+        under way (its data and its group are one state)."""
+        with self._data_lock, self._cv:
             yield
 
     def discard(self, group: GroupState) -> None:
@@ -266,22 +266,10 @@ class AsyncRollout:
             version = self.sched.version
             self._paused = False
             self._cv.notify_all()
-        self._warn_unwarned(unwarned, version - 1)
+        warn_unwarned(unwarned, version - 1)
         # A doomed request whose submit is still under way is aborted by the thread once the engine returns it.
         for rid in doomed:
             self.infer.abort(rid)
-
-    @staticmethod
-    def _warn_unwarned(unwarned: dict[str, int], version: int) -> None:
-        """The summary of the losses at `version` after its first warning (at the update that ends it, or close)."""
-        if unwarned:
-            log.warning(
-                "async rollout: %d more aborted request(s) lost at version %d (%s): forgotten, their samples resume "
-                "with their earlier prefixes",
-                sum(unwarned.values()),
-                version,
-                ", ".join(f"async/{cause} {n}" for cause, n in sorted(unwarned.items())),
-            )
 
     # ---- partial-GPU mode: engines that leave and rejoin ---------------------------------------------------------
     def shrink(self, engines: list[Any], timeout_s: float | None = None) -> int:
@@ -299,12 +287,15 @@ class AsyncRollout:
         timeout_s = self._wait_bound() if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            while self._submitting or any(rid in self._handles for rid in moved) or pool.draining(engines):
+            # Only the removed engines' requests: a submit under way to one of them is placed there (`_book_requests`
+            # assigns before the submit, the pool releases it only once collected or lost), so `draining` waits for
+            # it too; a submit to an engine that stays does not touch the devices taken back.
+            while any(rid in self._handles for rid in moved) or pool.draining(engines):
                 self._raise()
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"async rollout: requests of engines {engines} did not return in {timeout_s} s"
-                        f"{submit_hang(self)}"
+                        f"{submit_hang(self, pool.draining(engines))}"
                     )
                 self._cv.wait(0.05)
         return len(moved)
@@ -356,12 +347,13 @@ class AsyncRollout:
                 batch: list[tuple[str, Request, Any]] = []
                 with self._cv:
                     if self._stopped:
-                        # What close could not abort (it gave up on the lock while this thread started groups).
+                        # What close could not abort (it gave up on the lock while a caller held it).
                         left = [rid for rid in self._handles if rid not in self._aborting]
                         break
+                    if self._error is not None:  # the data thread failed (next_group raised): raised by _raise
+                        return
                     if not self._paused:
-                        self._doing = "starting groups (next_group)"
-                        batch = self._fill()
+                        batch = self._book_requests()
                 if batch:
                     self._doing = "submitting requests (the engine's submit_request)"
                     self._submit(batch)
@@ -390,7 +382,7 @@ class AsyncRollout:
                     lost = {"failed_aborts": failed_lost, "unanswered_aborts": self._forget_unanswered()}
                     warn = self._book_warning(lost)
                 if warn is not None:
-                    self._warn_lost(warn, lost, [failed[rid] for rid in failed_lost])
+                    warn_lost(self, warn, lost, [failed[rid] for rid in failed_lost])
                 if not progressed:
                     time.sleep(self.poll_s)
         except BaseException as exc:  # surfaced in the trainer's thread by _raise
@@ -464,7 +456,9 @@ class AsyncRollout:
                 self.pool.release(rid)
                 if sample is not None:
                     self.pool.forget((sample.group.gid, sample.index))
-        known = [rid for rid in rids if self.sched.lost([rid])]
+        known = [rid for rid in rids if self.sched.expects_result(rid)]
+        if known:
+            self.sched.lost(known)  # one call for the sweep (it counts exactly these: `expects_result`)
         self._counters[cause] += len(known)
         self._cv.notify_all()
         return known
@@ -482,22 +476,6 @@ class AsyncRollout:
             if rids:
                 self._unwarned[cause] = self._unwarned.get(cause, 0) + len(rids)
         return None
-
-    def _warn_lost(self, version: int, lost: dict[str, list[str]], errors: list[BaseException]) -> None:
-        """The warning about the first requests lost at `version`."""
-        what = []
-        if lost["unanswered_aborts"]:
-            rids = lost["unanswered_aborts"]
-            what.append(f"{len(rids)} ({', '.join(rids[:5])}) brought no result within {self.abort_timeout_s} s")
-        if lost["failed_aborts"]:
-            rids = lost["failed_aborts"]
-            what.append(f"{len(rids)} ({', '.join(rids[:5])}) raised {type(errors[0]).__name__}: {errors[0]}")
-        log.warning(
-            "async rollout: aborted requests lost at version %d: %s; forgotten, their samples resume with their "
-            "earlier prefixes (an engine restart or a lost worker?)",
-            version,
-            "; ".join(what),
-        )
 
     def _engine_failure(self, rid: str, exc: BaseException) -> RuntimeError:
         """The error a live request's failure stops the rollout with (lock held): it names the request."""
@@ -521,14 +499,50 @@ class AsyncRollout:
                 f"an engine that only pauses that often: raise pipeline.max_idle_aborts, now {self.max_idle_aborts})"
             )
 
-    def _fill(self) -> list[tuple[str, Request, Any]]:
-        """Start groups up to the budget and book a request for every pending sample (lock held); returns them as
-        (id, request, engine or None), listed in `_submitting`, for `_submit` to hand to the engine."""
-        # `_stopped` too: a close that gave up on the lock while `next_group` blocked set it without the lock, and
-        # the groups left in the budget drew more data (each call maybe blocking as long) for a closed driver.
-        while not self._stopped and self.sched.capacity() > 0:
-            payload, prompt_ids, *mm = self.next_group()
-            self.sched.start(payload, prompt_ids, mm[0] if mm else None)
+    def _feed(self) -> None:
+        """The data thread: start groups up to the budget (not while paused or closed), each drawn from `next_group`
+        WITHOUT the driver's lock and apart from the rollout's thread, so a data source that blocks (a slow
+        dataloader, an environment reset) blocks neither `take`, the updates, `shrink`, `close`, nor the collection
+        of results they wait for. The draw holds `_data_lock` (`held` waits for it: a checkpoint never sees the
+        data drawn and its group not started). The group's budget is reserved before the draw, so it is admitted as
+        if the draw were instant; one whose data comes during an update is pending, submitted after `finish_update`.
+        A `next_group` that raises fails the rollout (the trainer's next call raises it)."""
+        try:
+            while True:
+                with self._cv:
+                    # `_stopped` too: a close while `next_group` blocked; the groups left in the budget drew more
+                    # data (each call maybe blocking as long) for a closed driver.
+                    while self._paused or self.sched.capacity() < 1:
+                        if self._stopped or self._error is not None:
+                            return
+                        self._cv.wait(0.05)  # (a take that drops stale groups frees budget without a notify)
+                    if self._stopped or self._error is not None:
+                        return
+                with self._data_lock:
+                    with self._cv:
+                        if self._stopped or self._paused or self.sched.capacity() < 1:  # changed meanwhile
+                            continue
+                        self.sched.reserve()
+                        self._drawing_since = time.monotonic()
+                    try:
+                        payload, prompt_ids, *mm = self.next_group()
+                    except BaseException:
+                        with self._cv:
+                            self._drawing_since = None
+                            self.sched.unreserve()
+                        raise
+                    with self._cv:
+                        self._drawing_since = None
+                        self.sched.start(payload, prompt_ids, mm[0] if mm else None, reserved=True)
+        except BaseException as exc:  # surfaced in the trainer's thread by _raise
+            log.exception("async rollout: the data source (next_group) failed")
+            with self._cv:
+                self._error = exc
+                self._cv.notify_all()
+
+    def _book_requests(self) -> list[tuple[str, Request, Any]]:
+        """Book a request for every pending sample (lock held); returns them as (id, request, engine or None),
+        listed in `_submitting`, for `_submit` to hand to the engine."""
         if self.pool is not None and not self.pool.active:
             return []  # every engine is shrunk away: the samples wait for an expand
         batch = []
@@ -545,11 +559,11 @@ class AsyncRollout:
         return batch
 
     def _submit(self, batch: list[tuple[str, Request, Any]]) -> None:
-        """Hand `_fill`'s requests to the engine without the lock (an engine call may block: `close`, `take`'s
+        """Hand `_book_requests`' requests to the engine without the lock (an engine call may block: `close`, `take`'s
         timeout and the updates must not wait on it). What happened meanwhile is caught up under the lock after
         each: a request aborted meanwhile (an update, a stale group, a shrink, close) is aborted now that the
-        engine knows it; `begin_update` and `shrink` wait until no submit is under way (none lands on weights being
-        changed or on an engine being taken away)."""
+        engine knows it; `begin_update` waits until no submit is under way (none lands on weights being changed),
+        `shrink` until none to the engines it removes is. Waiters are woken once per round, at its end."""
         try:
             for rid, request, engine in batch:
                 if self._stopped:  # closed: the rest is never submitted (nothing generates any more)
@@ -559,14 +573,13 @@ class AsyncRollout:
                     if engine is None
                     else self.infer.submit_request(request, rank=engine)
                 )
-                with self._cv:
+                with self._cv:  # no notify: no waiter can go on before `_submitting` is empty (`finally`)
                     self._submitting.discard(rid)
                     self._handles[rid] = handle
                     abort = self._stopped or rid in self._aborting
                     if abort:  # its abort's bound runs from now, when the engine knows it (at the end: time order)
                         self._aborting.pop(rid, None)
                         self._aborting[rid] = time.monotonic()
-                    self._cv.notify_all()
                 if abort:
                     self.infer.abort(rid)
         except Exception as exc:

@@ -221,7 +221,8 @@ class RolloutScheduler:
         self.groups: dict[int, GroupState] = {}  # started, not yet taken or discarded (start order)
         self.by_request: dict[str, SampleState] = {}
         self._gids = itertools.count()
-        self._budget_used = 0  # groups started and not discarded
+        self._budget_used = 0  # groups started (or reserved) and not discarded
+        self._reserved = 0  # groups `reserve`d whose `start` has not come
         self._short = 0  # groups the batches of earlier versions fell short of B by (budget module docstring)
         self._taken: set[int] = set()  # groups taken at this version and not discarded: the batch being trained
         self._complete = 0  # groups in `groups` that are done (O(1) capacity checks on every driver poll)
@@ -258,16 +259,38 @@ class RolloutScheduler:
                 return True
         return False
 
-    def start(self, payload: Any, prompt_ids: list[int], mm: Any = None) -> GroupState:
-        """Register a new group (its samples become `pending`); `mm`: its prompt's pictures, if any."""
+    def reserve(self) -> None:
+        """Book one group's budget before its data is drawn (a caller that draws without its lock: the draw may
+        block); the `start(..., reserved=True)` that follows uses it, `unreserve` gives it back. The group is
+        admitted now: the budget left cannot take it back meanwhile (the tail groups' allowance may shrink)."""
         if self.capacity() < 1:
             raise RuntimeError("no capacity: the rollout would run more than async_ratio batches ahead")
+        self._budget_used += 1
+        self._reserved += 1
+
+    def unreserve(self) -> None:
+        """Give back a `reserve`d group's budget (its data never came)."""
+        if self._reserved < 1:
+            raise RuntimeError("unreserve() without a reserve(): no group budget is booked")
+        self._reserved -= 1
+        self._budget_used -= 1
+
+    def start(self, payload: Any, prompt_ids: list[int], mm: Any = None, *, reserved: bool = False) -> GroupState:
+        """Register a new group (its samples become `pending`); `mm`: its prompt's pictures, if any; `reserved`: on
+        the budget an earlier `reserve` booked."""
+        if reserved:
+            if self._reserved < 1:
+                raise RuntimeError("start(reserved=True) without a reserve(): no group budget is booked")
+            self._reserved -= 1
+        elif self.capacity() < 1:
+            raise RuntimeError("no capacity: the rollout would run more than async_ratio batches ahead")
+        else:
+            self._budget_used += 1
         g = GroupState(next(self._gids), payload, list(prompt_ids), self.version, mm=mm)
         g.samples = [SampleState(g, j, submitted_version=self.version) for j in range(self.group_size)]
         self.groups[g.gid] = g
         for smp in g.samples:
             self._pending[(g.gid, smp.index)] = smp
-        self._budget_used += 1
         self.counters["started_groups"] += 1
         return g
 
@@ -314,6 +337,11 @@ class RolloutScheduler:
             s.awaiting_env = True
             return None
         return self._finish(s, "length" if finish == "abort" or (used_up and not final) else finish)
+
+    def expects_result(self, request_id: str) -> bool:
+        """Whether a result of `request_id` is still awaited (a running sample's request, or a dropped group's whose
+        result has not come): what `lost` counts."""
+        return request_id in self.by_request or request_id in self._dropped_requests
 
     def lost(self, request_ids: Iterable[str]) -> int:
         """Requests that will bring no result (the engine running them restarted, its worker died, an abort was
