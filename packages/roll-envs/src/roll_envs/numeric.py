@@ -8,13 +8,17 @@ decimals). Raises ValueError when either is not a plain decimal number. A comma 
 between groups of three digits (`1,000`, `12,345.6`): `1,5` (a decimal comma) or `1,00` is no plain number,
 never read as 15 or 100. A decimal exponent (`1e-5`, `1.5E3`, as Python's str() writes floats) is part of the
 number, up to `MAX_EXPONENT` (a larger one is a ValueError: its exact value would take too long to compute); not
-after a thousands separator.
+after a comma thousands separator. Thousands written with spaces are joined by the math grader's rule
+(roll_envs._digit_groups `join_digit_groups`, so the grader and the environments agree): `5 000`, `1 234 567`,
+`5\\,000`, `-1 234.5` are one number; `3 4`, `1234 567`, `5 00` or `1 234,5` are no plain number (ValueError).
 """
 
 from __future__ import annotations
 
 import re
 from fractions import Fraction
+
+from roll_envs._digit_groups import join_digit_groups
 
 _DECIMAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE](?P<exp>[+-]?\d+))?")
 _GROUPED = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
@@ -24,8 +28,9 @@ MAX_EXPONENT = 1000
 
 
 def parse_number(text: str) -> Fraction:
-    """`text` as an exact fraction ("1,234.50" -> 2469/2); ValueError when it is not a plain decimal number."""
-    t = text.strip()
+    """`text` as an exact fraction ("1,234.50" -> 2469/2, "5 000" -> 5000); ValueError when it is not a plain
+    decimal number (module docstring)."""
+    t = join_digit_groups(text.strip())
     if "," in t:
         if not _GROUPED.fullmatch(t):
             raise ValueError(f"not a plain decimal number (a comma only between groups of three digits): {text!r}")

@@ -123,7 +123,11 @@ class DataCounts(Protocol):
       (generated problems, environment seeds) and so has nothing to count.
     - `unused_held_out` (optional: not a member, so tasks written before it still match): held-out rows neither
       trained on nor evaluated (a file's hash split beyond `env.eval_size`, env=multi's held-out rows of a domain
-      no training row has); reported as `unused_held_out` / `data/unused_held_out` when a task sets it."""
+      no training row has); reported as `unused_held_out` / `data/unused_held_out` when a task sets it. A task
+      counts only its own split, not the run's `pipeline.eval_size` cut: evaluation samples the first
+      `pipeline.eval_size` problems of `eval_set()` and the collector adds the rest to the run's `unused_held_out`
+      (the RLVR collectors to their task's count; sft, dpo and distill_offline, which count their data files, the
+      env task's problems beyond the cut when they sample it for eval/accuracy: collectors._eval_cut)."""
 
     skipped_rows: Mapping[str, int]
     also_held_out: int | None

@@ -61,6 +61,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from roll_core.interfaces.tasks import reward_kwargs
+from roll_envs._digit_groups import join_digit_groups
 from roll_envs.agentic._tool_syntax import find_calls
 from roll_envs.agentic.base import Outcome, TextEnv, echo, extract_action, trim_action
 from roll_envs.agentic.tools import Calculator, Tool, get_tool
@@ -106,6 +107,13 @@ def _same_answer(given: str, answer: str) -> bool:
     except ValueError:
         g, a = trim_action(g), trim_action(a)
         return " ".join(g.lower().split()) == " ".join(a.lower().split())
+
+
+def _is_number(text: str) -> bool:
+    """Whether `text` reads as a number to the env's own check (commas dropped; thousands written with spaces
+    joined by the math grader's rule, roll_envs._digit_groups, as `_same_answer` reads them: `5 000` is a number,
+    `3 4` is not)."""
+    return _NUMBER.fullmatch(join_digit_groups(text.strip()).replace(",", "")) is not None
 
 
 def _reads_boxes(reward: Any) -> bool:
@@ -242,8 +250,8 @@ class QAEnv(TextEnv):
 
     # ---- without a reward: the env's own reading (TextEnv.step) ----------------------------------------------------
     def _parse(self, action: str) -> str | None:
-        if _NUMBER.fullmatch(self.answer.replace(",", "").strip()):
-            return action if _NUMBER.fullmatch(action.replace(",", "").strip()) else None
+        if _is_number(self.answer):
+            return action if _is_number(action) else None
         return action
 
     def _apply(self, action: str) -> Outcome:
@@ -254,7 +262,7 @@ class QAEnv(TextEnv):
         return "Correct!" if ok else f"Wrong: the answer was {self.answer}."
 
     def _action_format(self) -> str:
-        numeric = _NUMBER.fullmatch(self.answer.replace(",", "").strip())
+        numeric = _is_number(self.answer)
         return "the final answer in \\boxed{}" + (" as a number, e.g. \\boxed{42}" if numeric else "")
 
     def _rules(self) -> str:

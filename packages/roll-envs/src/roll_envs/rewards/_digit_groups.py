@@ -1,38 +1,8 @@
-"""Thousands written with spaces, read as one number only where the grouping is certain (roll_envs.rewards.math).
-
-`join_digit_groups(text)` removes the separators of each run of digit groups that is a thousands grouping: a first
-group of one to three digits, then groups of exactly three, each after one separator (a plain, no-break, thin or
-narrow no-break space, LaTeX `\\,`, `\\!`, `\\ ` or `~`): `5 000`, `1 234 567`, `5\\,000`, `-1 234.5` become `5000`,
-`1234567`, `5000`, `-1234.5`. The run is the whole stretch of numbers apart by such separators, so two numbers side
-by side are never merged: `3 4`, `1234 567` (a first group of four), `10 20 300` (three numbers, though `20 300`
-alone would be a grouping) and `2023 100` stay as they are. Neither is a run that continues a number or a symbol
-(after a digit, a letter, `.`, `,`, `^` or `_`: `3.141 592`, `x_1 234`, `a^2 345`) or that a comma and a digit follow
-(`1 234,5`: a decimal comma or a list, no one number). A comma between digits is untouched (`1,000` is
-roll_envs.numeric's business). Pure Python.
-"""
+"""`join_digit_groups`, the math grader's rule for thousands written with spaces: it lives in roll_envs._digit_groups,
+shared with `roll_envs.numeric.parse_number` (one rule for rewards and environments); re-exported here."""
 
 from __future__ import annotations
 
-import re
+from roll_envs._digit_groups import join_digit_groups
 
-#: One separator between digit groups.
-_SEP = r"(?:[ \u00a0\u2009\u202f~]|\\[,!]|\\ )"
-#: A run of at least two digit groups apart by separators, not continuing a number or a symbol.
-_RUN = re.compile(rf"(?<![\w.,^])(?<!\d[ \u00a0\u2009\u202f~])(?<!\d\\[,!])(?<!\d\\ )\d+(?:{_SEP}\d+)+")
-_SEPS = re.compile(_SEP)
-#: A run followed by a comma and a digit is no one number (`1 234,5`).
-_COMMA_DIGIT = re.compile(r",\d")
-
-
-def join_digit_groups(text: str) -> str:
-    """`text` with each thousands grouping written with spaces as plain digits (module docstring); other runs of
-    numbers apart by spaces unchanged."""
-
-    def join(m: re.Match[str]) -> str:
-        groups = _SEPS.split(m.group())
-        grouped = 1 <= len(groups[0]) <= 3 and all(len(g) == 3 for g in groups[1:])
-        if not grouped or _COMMA_DIGIT.match(text, m.end()):
-            return m.group()
-        return "".join(groups)
-
-    return _RUN.sub(join, text)
+__all__ = ["join_digit_groups"]

@@ -27,7 +27,8 @@ Contract:
   teacher's, over loss tokens), with no gradient: the actor's `compute_logprobs` cannot gather at given ids, so
   it scores the full vocabulary (`topk=V`) in row chunks of bounded size and the ids are gathered here; plus the
   task's generation accuracy (`eval/accuracy`, as RL reports it) when the run's `env` has held-out problems and
-  `distill.eval_task` is true.
+  `distill.eval_task` is true (up to `pipeline.eval_size` problems, the rest counted in `data/unused_held_out` and
+  the summary's `unused_held_out`, as RLVR counts them).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ import torch
 from roll_algos.distill import topk_distill_loss
 from roll_core.config.schema import RLVRConfig
 from roll_core.errors import ConfigError
-from roll_core.interfaces.tasks import data_counts, data_metrics
+from roll_core.interfaces.tasks import data_metrics
 from roll_core.pipelines.collectors import Collected, Collector, CollectorContext
+from roll_core.pipelines.collectors._eval_cut import first_eval_size, with_eval_cut
 from roll_core.pipelines.collectors.sft import rows_fingerprint, warn_if_other_rows
 from roll_core.pipelines.metrics import StepLog
 from roll_core.pipelines.objectives.distill_offline import TEACHER, TEMPERATURE, check_offline_distill
@@ -135,7 +137,7 @@ class OfflineDistillCollector:
         indices = self.sampler.next(self.cfg.pipeline.rollout_batch_size)
         batch = self._batch("train", self.data.train, indices, out)
         out["data/epoch"] = self.sampler.progress()
-        out.update(data_metrics(data_counts(self.data)))  # data/skipped_rows, data/also_held_out
+        out.update(data_metrics(self._data_counts()))  # data/skipped_rows, data/also_held_out, ...
         return Collected(batch, torch.zeros(len(batch)))
 
     def begin_sync(self) -> None:
@@ -168,15 +170,22 @@ class OfflineDistillCollector:
 
     def summary(self) -> dict[str, Any]:
         """Rows skipped (by reason) or cut when the files were read, training rows also held out (`data_counts`),
-        and rows the teacher scored."""
+        and rows the teacher scored; with distill.eval_task, the task's held-out problems beyond pipeline.eval_size
+        in `unused_held_out` (`_data_counts`)."""
         return {
-            **data_counts(self.data),
+            **self._data_counts(),
             "truncated_rows": self.data.train.truncated,
             "teacher_scored_rows": len(self.cache),
         }
 
     def close(self) -> None:
         return None
+
+    def _data_counts(self) -> dict[str, Any]:
+        """The data files' counts (`data_counts`) and, in `unused_held_out`, the env task's held-out problems
+        beyond pipeline.eval_size (sampled for eval/accuracy, the rest neither trained nor evaluated)."""
+        task_eval = getattr(self, "task_eval", None)
+        return with_eval_cut(self.data, task_eval.cut if task_eval is not None else 0)
 
     # ---- batches with teacher targets ---------------------------------------------------------------------
     def _batch(self, split: str, source: RowSource, indices: Sequence[int], out: StepLog | None) -> Batch:
@@ -271,10 +280,13 @@ class _TaskEval:
         cfg, task = ctx.cfg, ctx.task
         self.ctx = ctx
         self.problems: list[Any] = []
+        self.cut = 0  # held-out problems beyond pipeline.eval_size
         if isinstance(task, AgenticTask):
             log.info("env=%s is multi-turn: offline distillation reports no task accuracy", cfg.env.name)
             return
-        self.problems = list(task.eval_set()[: cfg.pipeline.eval_size])
+        # Held-out problems beyond pipeline.eval_size: neither trained nor evaluated (the collector's `_data_counts`).
+        kept, self.cut = first_eval_size(task.eval_set(), cfg.pipeline.eval_size)
+        self.problems = list(kept)
         if not self.problems:
             return
         from roll_core.cluster.roles import RewardGroup

@@ -20,13 +20,15 @@ the preference loss + dpo.sft_weight x eval/dpo_nll), eval/dpo_preference_loss, 
 eval/dpo_margin, against reference log-probs computed when the collector is built, i.e. by the actor's initial
 weights (the reference: the model the run starts from; with LoRA its base, adapters off) before any update or
 checkpoint restore; and, with `dpo.generate_eval`, one sample per held-out problem of the env task
-(eval/accuracy, as the RL pipelines report it; reward workers are started only then).
+(eval/accuracy, as the RL pipelines report it; reward workers are started only then): up to `pipeline.eval_size`
+problems, the rest counted in `data/unused_held_out` and the summary's `unused_held_out` (as RLVR counts them).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
@@ -38,8 +40,9 @@ from roll_core.config.build import as_dict
 from roll_core.config.schema import RLVRConfig
 from roll_core.data import PromptSampler
 from roll_core.errors import ConfigError
-from roll_core.interfaces.tasks import data_counts, data_metrics
+from roll_core.interfaces.tasks import data_metrics
 from roll_core.pipelines.collectors import Collected, CollectorContext
+from roll_core.pipelines.collectors._eval_cut import first_eval_size, with_eval_cut
 from roll_core.pipelines.collectors._resume import resuming
 from roll_core.pipelines.collectors.file_rows import FileRowsFactory
 from roll_core.pipelines.collectors.sft import rows_fingerprint, warn_if_other_rows
@@ -135,9 +138,11 @@ class DPOCollector:
                 logp = ctx.train.compute_logprobs(self.eval_batch, 1.0, base=base)["logprobs"]
                 self.eval_ref = summed(logp, self.eval_batch["response_mask"])
         self.reward: RewardGroup | None = None
-        self.eval_set: list[Any] = []
+        self.eval_set: Sequence[Any] = []
+        # The task's held-out problems beyond pipeline.eval_size: neither trained nor evaluated (`_data_counts`).
+        self.eval_cut = 0
         if _generates(cfg, ctx.task):
-            self.eval_set = ctx.task.eval_set()[: cfg.pipeline.eval_size]
+            self.eval_set, self.eval_cut = first_eval_size(ctx.task.eval_set(), cfg.pipeline.eval_size)
             self.reward = ctx.cluster.group(
                 RewardGroup,
                 "reward",
@@ -156,7 +161,7 @@ class DPOCollector:
         batch["row_id"] = 2 * pair_ids + (~batch["is_chosen"]).long()
         out["data/epoch"] = self.sampler.progress()
         out["data/pairs"] = float(len(idx))
-        out.update(data_metrics(data_counts(self.data)))  # data/skipped_rows, data/also_held_out
+        out.update(data_metrics(self._data_counts()))  # data/skipped_rows, data/also_held_out, ...
         out["response/length_mean"] = float(batch["response_mask"].sum(-1).float().mean())
         return Collected(batch, batch["is_chosen"].float())
 
@@ -226,18 +231,24 @@ class DPOCollector:
 
     def summary(self) -> dict[str, Any]:
         """How the files were read: pairs, skipped rows by reason and training pairs also held out
-        (`data_counts`), truncated responses, pair-building counts."""
+        (`data_counts`), truncated responses, pair-building counts; with dpo.generate_eval, the task's held-out
+        problems beyond pipeline.eval_size in `unused_held_out` (`_data_counts`)."""
         src = self.train_pairs
         return {
             "pairs": len(src),
             "held_out_pairs": len(self.eval_pairs) if self.eval_pairs is not None else 0,
-            **data_counts(self.data),
+            **self._data_counts(),
             "truncated_responses": src.truncated,
             **({"pair_stats": dict(src.stats)} if src.stats else {}),
         }
 
     def close(self) -> None:
         return None
+
+    def _data_counts(self) -> dict[str, Any]:
+        """The data files' counts (`data_counts`) and, in `unused_held_out`, the env task's held-out problems
+        beyond pipeline.eval_size (`eval_cut`: sampled for eval/accuracy, the rest neither trained nor evaluated)."""
+        return with_eval_cut(self.data, getattr(self, "eval_cut", 0))
 
 
 #: `pipeline=dpo`: preference pairs from files, trained by the `dpo` objective.

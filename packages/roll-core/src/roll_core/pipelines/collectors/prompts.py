@@ -48,8 +48,9 @@ from roll_core.data import data_fingerprint, make_sampler
 from roll_core.errors import ConfigError
 from roll_core.idle_aborts import KEY as IDLE_ABORTS_KEY
 from roll_core.idle_aborts import MAX_IDLE_ABORTS  # noqa: F401 (re-exported: callers import it from here)
-from roll_core.interfaces.tasks import data_counts, data_metrics
+from roll_core.interfaces.tasks import data_metrics
 from roll_core.pipelines.collectors import Collected, CollectorContext
+from roll_core.pipelines.collectors._eval_cut import first_eval_size, with_eval_cut
 from roll_core.pipelines.collectors._resume import _Resuming, resume_aborted
 from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
 from roll_core.pipelines.rollout import (
@@ -109,10 +110,9 @@ class PromptCollector:
         self.sampling = ctx.sampling
         check_task(cfg, self.task)
         check_context(cfg.infer_engine.max_model_len, self.tokenizer, cfg.model.chat_template_kwargs)
-        held = self.task.eval_set()
-        self.train_set, self.eval_set = self.task.train_set(), held[: cfg.pipeline.eval_size]
+        self.train_set = self.task.train_set()
         # Held-out problems beyond pipeline.eval_size: neither trained nor evaluated (`_data_counts`).
-        self.eval_cut = len(held) - len(self.eval_set)
+        self.eval_set, self.eval_cut = first_eval_size(self.task.eval_set(), cfg.pipeline.eval_size)
         # A vision-language model's prompt processor (None for text); pictures for a text model end the run here.
         self.processor = vision_processor(ctx.model_path, self.tokenizer, cfg.model)
         check_pictures(self.processor, [*self.train_set, *self.eval_set], cfg.model.path)
@@ -236,10 +236,7 @@ class PromptCollector:
     def _data_counts(self) -> dict[str, Any]:
         """The task's `data_counts`, its `unused_held_out` plus the held-out problems beyond pipeline.eval_size
         (`eval_cut`), which the run neither trains on nor evaluates (the cut was not counted anywhere)."""
-        out = data_counts(self.task)
-        if getattr(self, "eval_cut", 0):
-            out["unused_held_out"] = out.get("unused_held_out", 0) + self.eval_cut
-        return out
+        return with_eval_cut(self.task, getattr(self, "eval_cut", 0))
 
     @property
     def _pad_id(self) -> int:

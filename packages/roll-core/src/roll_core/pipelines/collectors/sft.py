@@ -22,7 +22,9 @@ Contract:
   scored by the actor's train group without gradient) and, when `sft.eval_task` and the run's `env` task has
   held-out problems, the task's generation accuracy (`eval/accuracy`, `eval/reward`, `eval/n`: one sample per
   held-out problem at `pipeline.eval_temperature`, up to `pipeline.eval_size` problems, scored by a reward role
-  built on first use), the same evaluation an RL run reports.
+  built on first use), the same evaluation an RL run reports. The task's held-out problems beyond
+  `pipeline.eval_size` are neither trained on nor evaluated: counted in `data/unused_held_out` and the summary's
+  `unused_held_out` (roll_core.pipelines.collectors._eval_cut, as RLVR counts them).
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ from roll_core.config.build import as_dict
 from roll_core.config.schema import RLVRConfig
 from roll_core.data import PromptSampler
 from roll_core.errors import ConfigError
-from roll_core.interfaces.tasks import data_counts, data_metrics
+from roll_core.interfaces.tasks import data_metrics
 from roll_core.pipelines.collectors import Collected, CollectorContext
+from roll_core.pipelines.collectors._eval_cut import first_eval_size, with_eval_cut
 from roll_core.pipelines.collectors._resume import resuming
 from roll_core.pipelines.collectors.file_rows import FileRowsFactory
 from roll_core.pipelines.collectors.prompts import env_label
@@ -144,7 +147,8 @@ class SFTCollector:
         self.held_out: RowSource | None = data.eval
         self.sampler = PromptSampler(len(self.train), seed=cfg.pipeline.seed, window=cfg.pipeline.rollout_batch_size)
         problems = ctx.task.eval_set() if cfg.sft.eval_task and _single_turn(ctx.task) else []
-        self.eval_problems = list(problems)[: cfg.pipeline.eval_size]
+        # The task's held-out problems beyond pipeline.eval_size: neither trained nor evaluated (`_data_counts`).
+        self.eval_problems, self.eval_cut = first_eval_size(list(problems), cfg.pipeline.eval_size)
         self.reward: RewardGroup | None = None  # built on the first accuracy evaluation
         if cfg.pipeline.eval_every > 0 and self.held_out is None and not self.eval_problems:
             log.warning(
@@ -170,7 +174,7 @@ class SFTCollector:
             batch = self.train.batch(self.sampler.next(self.cfg.pipeline.rollout_batch_size))
         out["data/epoch"] = self.sampler.progress()
         out["data/rows"] = float(len(batch))
-        out.update(data_metrics(data_counts(self.data)))  # data/skipped_rows, data/also_held_out
+        out.update(data_metrics(self._data_counts()))  # data/skipped_rows, data/also_held_out, ...
         out["data/truncated_rows"] = float(self.train.truncated)
         lengths = batch["response_mask"].sum(-1).float()
         out["response/length_mean"] = float(lengths.mean())
@@ -232,9 +236,10 @@ class SFTCollector:
 
     def summary(self) -> dict[str, Any]:
         """How the files were read: rows skipped by reason, training rows also held out (`data_counts`), responses
-        truncated, rows trained and held out."""
+        truncated, rows trained and held out; the task's held-out problems beyond pipeline.eval_size in
+        `unused_held_out` (`_data_counts`)."""
         return {
-            **data_counts(self.data),
+            **self._data_counts(),
             "truncated_rows": self.train.truncated + (self.held_out.truncated if self.held_out is not None else 0),
             "train_rows": len(self.train),
             "held_out_rows": len(self.held_out or ()),
@@ -244,6 +249,11 @@ class SFTCollector:
         return None
 
     # ---- pieces -------------------------------------------------------------------------------------------
+    def _data_counts(self) -> dict[str, Any]:
+        """The data files' counts (`data_counts`) and, in `unused_held_out`, the env task's held-out problems
+        beyond pipeline.eval_size (`eval_cut`: sampled for eval/accuracy, the rest neither trained nor evaluated)."""
+        return with_eval_cut(self.data, getattr(self, "eval_cut", 0))
+
     @cached_property
     def _fingerprint(self) -> str:
         return rows_fingerprint(self.train)  # the training rows never change within a run
