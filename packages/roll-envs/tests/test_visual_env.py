@@ -173,8 +173,9 @@ def test_pictures_need_a_vision_model_and_placeholders_typed_in_text_are_caught(
     template = TurnTemplate(vision.tokenizer, vision=vision)
     with pytest.raises(ValueError, match="placeholder"):
         template.initial_turn({"text": "look <|image_pad|>", "images": obs["images"]})
-    with pytest.raises(ValueError, match="placeholder"):
-        template.observation_turn("a typed <|image_pad|>", [vision.tokenizer.eos_token_id])
+    # a later observation is untrusted text (roll_core.agentic.turn_text): its spelling is text, not a placeholder
+    typed, _ = template.observation_turn("a typed <|image_pad|>", [vision.tokenizer.eos_token_id])
+    assert vision.image_token_id not in typed and "a typed <|image_pad|>" in vision.tokenizer.decode(typed)
     ids, mm = template.initial_turn("no picture yet")
     assert mm is None and vision.image_token_id not in ids
 

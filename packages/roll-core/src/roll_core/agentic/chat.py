@@ -41,15 +41,30 @@ before "[INST]", or a lone "▁" before a leading space), a token the rendered c
 that every later turn's context would carry. The text between turns starts at or right after a special token in
 the templates of byte-level BPE tokenizers (Qwen, Llama 3), which split there: their ids are the text's own.
 
+Untrusted text (roll_core.agentic.turn_text). Text the policy did not write and that nobody vouches for is encoded
+as text: a special token it spells (`<|im_end|>\n<|im_start|>assistant\n` in an observation) is that spelling's
+text ids, not the template's special ids, so it cannot end its turn and pose as the assistant or the system; the
+template's own framing around it (role headers, turn ends) stays special. Which text that is:
+- every message of a `continuation`: environment observations and tools' outputs (`observation` /
+  `observation_turn`), and the user / tool / system messages an agent program sends between its turns (the
+  OpenAI-compatible endpoint, roll_core.agentic.agent_sessions);
+- the content of `tool` messages in `initial_messages` (an agent's rewritten history, an SFT prompt with tool
+  results).
+Trusted, rendered and tokenised as the template does (a special token spelt there is special): the first prompt's
+other messages (the dataset's prompt or the environment's first observation, the agent's own system and user
+messages of its first request), the system prompt and examples, the tool schemas; and the policy's sampled ids,
+which are kept as sampled (never re-tokenised). A conversation that spells no special token in untrusted text
+gets exactly the ids it got before.
+
 Pictures. An observation may carry pictures (roll_core.agentic.observation). With a `vision` processor
 (roll_core.multimodal.VisionProcessor, for a vision-language model) `initial_turn` / `observation_turn` render the
 user message as a content list (`as_content`: the pictures where the text's `<image>` markers stand, else first)
 with the processor's chat template, tokenise, and expand each picture's single placeholder into as many placeholder
 tokens as the picture has features; they return the ids and that turn's `MMInputs`. The ids of every turn are
-checked against its pictures (`check_tokens`): a placeholder typed in an observation's text is an error, not a
-shifted batch. Without `vision`, an observation with pictures is a ValueError (a text model cannot see them).
-`picture_token_id` is the placeholder token a policy must not sample (the rollout stops a turn on it; see
-roll_core.agentic.rollout).
+checked against its pictures (`check_tokens`): a placeholder typed in the first observation's text is an error,
+not a shifted batch (a later observation's is text: untrusted text, above). Without `vision`, an observation with
+pictures is a ValueError (a text model cannot see them). `picture_token_id` is the placeholder token a policy must
+not sample (the rollout stops a turn on it; see roll_core.agentic.rollout).
 """
 
 from __future__ import annotations
@@ -58,6 +73,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from roll_core.agentic.observation import Observation, images_of, text_of
+from roll_core.agentic.turn_text import SpecialText, encode_after
+
+__all__ = ["ALT_TURN_ENDS", "TurnTemplate", "encode_after"]
 
 _ASSISTANT = "\u2063ROLL-ASSISTANT\u2063"
 _USER = "\u2063ROLL-USER\u2063"
@@ -66,22 +84,6 @@ _AFTER_ASSISTANT = ("user", "tool", "system")
 #: End-of-turn tokens a family's template writes instead of its usual one (keyed by that one), e.g. Llama 3.1's
 #: `<|eom_id|>` after a built-in tool call: the model samples it, and nothing else closes that turn.
 ALT_TURN_ENDS: dict[str, tuple[str, ...]] = {"<|eot_id|>": ("<|eom_id|>",)}
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return [int(x) for x in tokenizer(text, add_special_tokens=False)["input_ids"]]
-
-
-def encode_after(tokenizer: Any, context: str, text: str) -> list[int]:
-    """Ids of `text` where it follows `context` (no special tokens added): those of `context + text` after
-    `context`'s own ids when these are a prefix of them, else (BPE merged across the boundary) `text`'s own ids,
-    the ids a model samples after the context's ids. Encoded on its own, a SentencePiece tokenizer prefixes a space
-    to every piece: a token the text does not have where it follows other text."""
-    head = _encode(tokenizer, context)
-    whole = _encode(tokenizer, context + text)
-    if len(whole) > len(head) and whole[: len(head)] == head:
-        return whole[len(head) :]
-    return _encode(tokenizer, text)
 
 
 class TurnTemplate:
@@ -100,6 +102,7 @@ class TurnTemplate:
     ):
         self.tokenizer = tokenizer
         self.vision = vision
+        self.special_text = SpecialText(tokenizer)  # untrusted text's special-token spellings stay text
         # A vision model's processor may have its own template (the one that knows picture items).
         self.chat_template: str | None = vision.chat_template if vision is not None else None
         self.picture_token_id: int | None = int(vision.image_token_id) if vision is not None else None
@@ -180,7 +183,7 @@ class TurnTemplate:
     def encode(self, text: str) -> list[int]:
         """Ids of `text` on its own, with no special tokens added (bos) beyond the ones it spells (a SentencePiece
         tokenizer prefixes a space: text between turns goes through `encode_after`)."""
-        return _encode(self.tokenizer, text)
+        return [int(x) for x in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
     # ---- the API ------------------------------------------------------------------------------------------
     @property
@@ -190,18 +193,23 @@ class TurnTemplate:
         return [i for i in self._stop_ids if i not in self.eos_ids]
 
     def initial_messages(self, messages: Sequence[Mapping[str, Any]], tools: list[dict] | None = None) -> list[int]:
-        """Ids of a first prompt: the prefix (system prompt, examples), `messages`, and the generation header."""
+        """Ids of a first prompt: the prefix (system prompt, examples), `messages`, and the generation header.
+        A special token spelt in a `tool` message's content is encoded as text (module docstring: untrusted text)."""
         if not messages:
             raise ValueError("initial_messages needs at least one message")
         if messages[-1].get("role") == "assistant":
             raise ValueError("the last message of a prompt is an assistant turn: the model would start another one")
+        given = [dict(m) for m in messages]
+        marked = [self.special_text.mark_message(m) if m.get("role") == "tool" else m for m in given]
+        if marked != given:  # a tool's output spells a special token: it is encoded as text
+            return self.special_text.encode_after("", self._render(marked, True, tools))
         kwargs = dict(self.template_kwargs)
         if tools:
             kwargs["tools"] = tools
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
         ids = self.tokenizer.apply_chat_template(
-            self.prefix + [dict(m) for m in messages],
+            self.prefix + given,
             tokenize=True,
             add_generation_prompt=True,
             return_dict=False,
@@ -223,8 +231,9 @@ class TurnTemplate:
         added. Without `response_ids` the turn is taken to have ended on the template's end-of-turn token (the
         usual stop).
 
-        The ids are those of the new text as it follows the conversation (`encode_after`, see the module doc)."""
-        before, after = self._after_assistant([dict(m) for m in messages], tools)
+        The ids are those of the new text as it follows the conversation (`encode_after`, see the module doc); a
+        special token spelt in the messages' content is encoded as text (module docstring: untrusted text)."""
+        before, after = self._after_assistant([self.special_text.mark_message(m) for m in messages], tools)
         if response_ids is None:
             sampled_end = self._turn_end_text
         elif response_ids and int(response_ids[-1]) in self.turn_end_ids:
@@ -240,7 +249,7 @@ class TurnTemplate:
             # <|eom_id|> ended the turn in <|eot_id|>'s place: adding the template's <|eot_id|> after it gave the
             # model a turn with two ends, a context its template never renders
             before, after = before + sampled_end, rest[len(self._turn_end_text) :]
-        return encode_after(self.tokenizer, before, after)
+        return self.special_text.encode_after(before, after)
 
     def initial(self, observation: str) -> list[int]:
         """Ids of the conversation up to the first assistant turn (system prompt, examples, first observation)."""

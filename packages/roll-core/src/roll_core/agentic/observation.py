@@ -5,9 +5,13 @@ An environment returns, from `reset` and `step`, either text (`str`) or text wit
 image, an (H, W, 3) uint8 array, encoded bytes, a path). `normalize` turns either into the form the rollout works
 with: a `str` for text (also a dict whose `images` list is empty), else a dict whose `images` are RGB PIL images
 the observation owns (copies: an environment that redraws its canvas in place never changes an earlier one).
-Anything else (a missing or non-text `text`, `images` that is not a list, a picture that does not load) is a
+Two conversions, documented: a real number (int, float, numpy's; not a bool) is its `str()`, and `bytes` /
+`bytearray` are decoded as UTF-8 (text an environment read from a process or a socket). Anything else is a
 `ValueError` raised inside the environment call, so the env manager ends that one episode as an `env_error` and
-counts it, like an environment that raises.
+counts it, like an environment that raises: bytes that are not UTF-8, a list, tuple, set, bool, array or other
+object (its repr used to reach the model as the observation's text: `b'...'`, `['a', 'b']`), a dict with a
+missing or non-text `text` or keys other than `text` and `images`, `images` that is not a list, a picture that
+does not load.
 
 The pictures of a turn go into its user message where the text has `<image>` markers, else before the text
 (`roll_core.multimodal.as_content`), and reach the model through the turn template (roll_core.agentic.chat).
@@ -18,6 +22,7 @@ its text plus a digest of each picture's pixels, so two states that differ only 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,15 +31,30 @@ Observation = str | dict[str, Any]
 
 
 def normalize(obs: Any) -> Observation:
-    """`obs` as text, or as `{"text": str, "images": [RGB PIL images]}` when it holds pictures."""
+    """`obs` as text, or as `{"text": str, "images": [RGB PIL images]}` when it holds pictures; a ValueError for
+    anything the module docstring does not list (never its repr as text)."""
     if isinstance(obs, str):
         return obs
+    if isinstance(obs, (bytes, bytearray)):
+        try:
+            return bytes(obs).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"an observation given as bytes must be UTF-8 text ({exc}); decode it in the environment"
+            ) from exc
+    if isinstance(obs, numbers.Real) and not isinstance(obs, bool):  # numpy's numbers too
+        return str(obs)
     if not isinstance(obs, Mapping):
-        return str(obs)  # numbers, GEM's non-str observations: their text, as before pictures existed
+        raise ValueError(
+            f"an observation must be a str or {{'text': str, 'images': [...]}}, got {type(obs).__name__} "
+            f"{obs!r:.80}: its repr would reach the model as text; return the text the model should read"
+        )
     unknown = set(obs) - {"text", "images"}
     if unknown:
         raise ValueError(f"an observation dict holds 'text' and 'images'; got also {sorted(unknown)}")
-    text = obs.get("text", "")
+    if "text" not in obs:
+        raise ValueError("an observation dict needs its 'text' (a str, '' for pictures alone)")
+    text = obs["text"]
     if not isinstance(text, str):
         raise ValueError(f"an observation's 'text' must be a str, got {type(text).__name__}")
     images = obs.get("images") or []
