@@ -176,6 +176,42 @@ class TestVLLMInferEngine(InferEngineTestSuite):
                 fut.result(timeout=300)
         assert engine.submit(Request("ok", prompts[0], greedy)).result(timeout=300).finish_reason == "length"
 
+    def test_stops_hf_refuses_are_refused_before_a_row_and_failed_rows_name_prompt_and_row(
+        self, engine: Any, prompts: list[list[int]]
+    ) -> None:
+        """An empty stop string (vLLM's SamplingParams refused it on the driver thread) and a stop id past the
+        vocabulary (refused by vLLM's add_request) failed a row after the batch's first rows were queued, with
+        vLLM's own message: now refused with the hf engine's message before anything reaches vLLM. A row vLLM ends
+        with finish_reason "error" fails `generate` naming the caller's prompt and row, not `generate-<hex>`."""
+        core, real_step, real_add = engine.engine, engine.engine.step, engine.engine.add_request
+        added: list[str] = []
+
+        def add_request(rid: str, *args: Any, **kwargs: Any) -> Any:
+            added.append(rid)
+            return real_add(rid, *args, **kwargs)
+
+        def step() -> list[Any]:  # vLLM's own outputs, prompt 1's rows ended as vLLM ends a request in error
+            outs = real_step()
+            for out in outs:
+                if out.finished and list(out.prompt_token_ids or ()) == prompts[1]:
+                    out.outputs[0].finish_reason = "error"
+            return outs
+
+        greedy = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+        vocab = core.model_config.get_vocab_size()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(core, "add_request", add_request)
+            with pytest.raises(ValueError, match=r"stop=\['</s>', ''\] holds an empty string"):
+                engine.generate(prompts[:2], greedy.replace(stop=("</s>", "")), n=2)
+            with pytest.raises(ValueError, match=rf"stop_token_ids \[{vocab}\] are not token ids of the model's"):
+                engine.generate(prompts[:2], greedy.replace(stop_token_ids=(3, vocab)), n=2)
+            assert added == []
+            patch.setattr(core, "step", step)
+            with pytest.raises(RuntimeError, match=r"^vllm engine: prompt 1 \(row [23]\): vLLM ended it with") as err:
+                engine.generate(prompts[:2], greedy, n=2)
+        assert "generate-" not in str(err.value) and "generate-" in str(err.value.__cause__)
+        assert len(added) == 4 and not engine._pending
+
     def test_generate_rows_never_take_a_callers_running_id(self, engine: Any, prompts: list[list[int]]) -> None:
         """generate named its rows `batch-N` from the engine's counter: a caller's running request of that name
         (the id generate's next row would take) made the row a refused duplicate and failed the batch."""

@@ -5,8 +5,10 @@ params carry a seed, the stream seeded by (seed, first_row + row): results do no
 split over engines. `run_rows` submits rows one by one and waits for all; when one fails (refused as it is
 submitted, or failing later) or the wait is interrupted, the rows already submitted are aborted before the error
 is raised, so none keeps running in the engine for nobody. `caller_error` renames a row's failure that names the
-internal request id (a `generate` caller never saw it) by the caller's prompt index and row. `DriverAborts` is the
-abort side of the engines whose requests one driver thread owns (vllm, sglang).
+internal request id (a `generate` caller never saw it) by the caller's prompt index and row; `run_rows` does so for
+the engines that give it their name. `RequestFailed` / `RequestRefused` are such errors (RuntimeError / ValueError
+naming a request id, with the message without it as `detail`) for the engines' own request failures. `DriverAborts`
+is the abort side of the engines whose requests one driver thread owns (vllm, sglang).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
-from typing import Any
+from typing import Any, TypeVar
 
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.seeds import Purpose, derive_seed
@@ -41,6 +43,35 @@ def row_requests(
     return requests
 
 
+_E = TypeVar("_E", bound="_NamesRequest")
+
+
+class _NamesRequest(Exception):
+    """An error of one request that names its id in the message; `detail` is the message without it (what
+    `caller_error` puts after a `generate` caller's prompt and row instead)."""
+
+    def __init__(self, request_id: str, message: str, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.detail = message if detail is None else detail
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled whole (a Ray actor's error reaches its caller so)
+        return type(self), (self.request_id, str(self), self.detail)
+
+    @classmethod
+    def of(cls: type[_E], name: str, request_id: str, detail: str) -> _E:
+        """The error of engine `name`'s request `request_id`: "<name> request '<id>': <detail>"."""
+        return cls(request_id, f"{name} request {request_id!r}: {detail}", detail)
+
+
+class RequestFailed(_NamesRequest, RuntimeError):
+    """A request the engine failed while running it (vLLM's finish_reason "error")."""
+
+
+class RequestRefused(_NamesRequest, ValueError):
+    """A request whose input or output the engine could not take (pictures expanded otherwise, no log-probs)."""
+
+
 def caller_error(exc: BaseException, name: str, row: int, n: int) -> BaseException:
     """`exc` of row `row` of a `generate` call (`n` samples per prompt) as its caller should read it: an error that
     names the row's internal request id (it has `request_id` and `detail`: PrefillError, ConstraintViolation) is
@@ -56,20 +87,29 @@ def run_rows(
     requests: Sequence[Request],
     submit: Callable[[Request], Future[RequestOutput]],
     abort_submitted: Callable[[Sequence[Request]], None],
+    name: str | None = None,
+    n: int = 1,
 ) -> list[RequestOutput]:
     """Submit `requests` one by one and return their outputs in order. On the first failure (or an interrupted
-    wait) `abort_submitted` gets the rows submitted so far, then the error is raised."""
+    wait) `abort_submitted` gets the rows submitted so far, then the error is raised: with `name` (the engine's)
+    and `n` (samples per prompt) given, a failure that names the row's internal request id is raised as
+    `caller_error` remakes it (prompt and row; the original chained as its cause)."""
     futures: list[Future[RequestOutput]] = []
+    row: int | None = None  # the row that failed (None: an interrupted wait)
     try:
         for req in requests:  # one by one: rows submitted before a refusal are aborted below
+            row = len(futures)
             futures.append(submit(req))
+        row = None
         wait(futures, return_when=FIRST_EXCEPTION)  # not row by row: a late row's failure is seen at once
-        failed = next((f.exception() for f in futures if f.done() and f.exception() is not None), None)
-        if failed is not None:
-            raise failed
-    except BaseException:
+        row = next((i for i, f in enumerate(futures) if f.done() and f.exception() is not None), None)
+        if row is not None:
+            raise futures[row].exception()  # type: ignore[misc]
+    except BaseException as exc:
         if futures:
             abort_submitted(requests[: len(futures)])
+        if name is not None and row is not None and (named := caller_error(exc, name, row, n)) is not exc:
+            raise named from exc  # the caller's prompt and row, not an internal request id
         raise
     return [f.result() for f in futures]
 

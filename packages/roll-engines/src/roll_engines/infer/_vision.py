@@ -47,12 +47,14 @@ def mm_key(request: Request) -> tuple[str, ...]:
     return mm.key() if mm is not None else ()
 
 
-def refuse_pictures(request: Request, engine: str, path: str) -> None:
-    """A text model given pictures: ValueError naming the request (the pictures would be dropped silently)."""
+def refuse_pictures(request: Request, engine: str, path: str, what: str | None = None) -> None:
+    """A text model given pictures: ValueError naming the request, or `what` (a `generate` caller's prompt) when
+    given (the pictures would be dropped silently)."""
     mm = pictures(request)
     if mm is not None:
+        what = what or f"request {request.request_id!r}"
         raise ValueError(
-            f"{engine} engine: request {request.request_id!r} carries {mm.num_images} picture(s) but {path} is not "
+            f"{engine} engine: {what} carries {mm.num_images} picture(s) but {path} is not "
             f"a vision-language model (model_type {model_type(path)!r}; supported: {', '.join(sorted(FAMILIES))})"
         )
 

@@ -9,7 +9,9 @@ and the first to finish dropped the shared entry, leaving the other unabortable.
 (roll_core.scheduling.pool refuses a request id placed twice); an id is free again once its request resolves
 (`forget`). `Pending.extend` accumulates vLLM's DELTA outputs, so an aborted request resolves with what it generated.
 A finished output whose finish reason is not in `RESPONSE_REASONS` fails its request (`finish_error`), as does a
-picture expansion that disagrees with roll's (`expansion_error`).
+picture expansion that disagrees with roll's (`expansion_error`): errors that name the request's id and carry the
+message without it, so that `generate` names a failed row by its caller's prompt and row instead
+(roll_engines.infer._rows.caller_error).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roll_core.interfaces import Request
+from roll_engines.infer._rows import RequestFailed, RequestRefused
 
 #: vLLM's finish reasons that end a response. Any other ("error": a grammar that rejected a sampled token, a request
 #: vLLM's core could not preprocess, a KV load failure; vLLM logs the cause) leaves tokens cut short or none, never a
@@ -112,20 +115,22 @@ class RequestTable:
         self._by_roll_id.clear()
 
 
-def finish_error(name: str, state: Pending, reason: str) -> RuntimeError:
-    """The error of a request vLLM finished with a reason not in RESPONSE_REASONS."""
-    return RuntimeError(
-        f"{name} request {state.request.request_id!r}: vLLM ended it with finish_reason {reason!r} after "
-        f"{len(state.tokens)} token(s) (vLLM's log names the cause)"
+def finish_error(name: str, state: Pending, reason: str) -> RequestFailed:
+    """The error of a request vLLM finished with a reason not in RESPONSE_REASONS (a RuntimeError naming the
+    request's id; a `generate` row's is renamed by its prompt and row, roll_engines.infer._rows.caller_error)."""
+    detail = (
+        f"vLLM ended it with finish_reason {reason!r} after {len(state.tokens)} token(s) (vLLM's log names the cause)"
     )
+    return RequestFailed.of(name, state.request.request_id, detail)
 
 
-def expansion_error(name: str, state: Pending, theirs: list[int], image_token_id: int | None) -> ValueError:
-    """The error of a request whose pictures vLLM's processor expanded to other prompt ids (`theirs`) than roll's."""
+def expansion_error(name: str, state: Pending, theirs: list[int], image_token_id: int | None) -> RequestRefused:
+    """The error of a request whose pictures vLLM's processor expanded to other prompt ids (`theirs`) than roll's (a
+    ValueError naming the request's id, renamed as `finish_error`'s is)."""
     ours = list(state.request.prompt_ids)
-    return ValueError(
-        f"{name} request {state.request.request_id!r}: vLLM's processor expanded the pictures to a prompt of "
-        f"{len(theirs)} tokens ({theirs.count(image_token_id)} placeholders), roll's to {len(ours)} "
-        f"({ours.count(image_token_id)}): the image processor configs disagree, and the tokens would not be the ones "
-        "the trainer replays"
+    detail = (
+        f"vLLM's processor expanded the pictures to a prompt of {len(theirs)} tokens "
+        f"({theirs.count(image_token_id)} placeholders), roll's to {len(ours)} ({ours.count(image_token_id)}): the "
+        "image processor configs disagree, and the tokens would not be the ones the trainer replays"
     )
+    return RequestRefused.of(name, state.request.request_id, detail)

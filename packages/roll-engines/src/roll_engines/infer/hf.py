@@ -75,6 +75,7 @@ from roll_engines.infer._fp8_emulation import FP8Emulation
 from roll_engines.infer._routing import RoutingRecorder
 from roll_engines.infer._rows import caller_error, row_requests
 from roll_engines.infer._sampling import StopStrings
+from roll_engines.infer._stop_checks import check_stops
 from roll_engines.infer._sync_undo import MixedWeights, SyncUndo
 from roll_engines.infer._vision import VisionInputs, refuse_pictures
 
@@ -239,15 +240,9 @@ class HFInferEngine:
 
         Refused as vLLM refuses them (the same params must not run on one engine and fail on the other): an empty stop
         string (vLLM: "stop cannot contain an empty string"; it was dropped here), a stop token id that is not an int
-        or lies outside the model's vocabulary [0, V) (vLLM's out-of-vocab check; it could never stop a response)."""
-        if any(not s for s in params.stop):
-            raise ValueError(f"{self.name} engine: stop={list(params.stop)!r} holds an empty string (vLLM refuses it)")
-        bad = [t for t in params.stop_token_ids if type(t) is not int or not 0 <= t < self._vocab]
-        if bad:
-            raise ValueError(
-                f"{self.name} engine: stop_token_ids {bad!r} are not token ids of the model's vocabulary [0, "
-                f"{self._vocab}) (vLLM refuses them; none could be sampled)"
-            )
+        or lies outside the model's vocabulary [0, V) (vLLM's out-of-vocab check; it could never stop a response):
+        roll_engines.infer._stop_checks, the check every engine runs."""
+        check_stops(getattr(self, "name", "hf"), params, getattr(self, "_vocab", None))  # also called on the class
         if params.structured is not None:
             from roll_engines.structured import to_regex
 

