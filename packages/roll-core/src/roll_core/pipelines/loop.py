@@ -285,7 +285,7 @@ class Pipeline:
         # large benchmark runs) killed the process outright, and a Ctrl-C ended it with a traceback.
         if self.start_step == 1 and pipe.eval_every > 0:
             self.tracker.log(0, self.collector.evaluate(0))
-        self.skipped_evals: list[int] = []  # the steps whose due evaluation a stop skipped
+        self.skipped_evals: list[int] = list(getattr(self, "skipped_evals", ()))  # stop-skipped evals (+restored)
         complete = False  # every step trained (to pipeline.max_steps, or the collector's job done)
         if stop.requested and self.start_step <= pipe.max_steps:
             if self.start_step == 1:
@@ -424,14 +424,15 @@ class Pipeline:
         """Final, best and first held-out accuracy, the last logged reward (`final_reward`) and its step
         (`final_reward_step`), wall time, folder; `stopped_by_signal`: the signal that stopped the run before its
         last step; `late_signal`: one that arrived in the last step or after it (the run is complete); `skipped`: the
-        evaluations a stop skipped. A complete run whose final evaluation was skipped has no `final_eval_accuracy`
-        (an earlier step's would pass for the final model's)."""
+        evaluations a stop skipped (the earlier processes' too: checkpointed). A complete run whose final evaluation
+        was skipped, also one resumed since, has no `final_eval_accuracy` (an earlier step's would pass for the
+        final model's)."""
         history = self.tracker.history
         evals = [h["eval/accuracy"] for h in history if h.get("eval/accuracy") is not None]
         rewards = [(h["step"], h["reward/mean"]) for h in history if h.get("reward/mean") is not None]
         skipped_evals = getattr(self, "skipped_evals", [])
         last = max((h["step"] for h in history), default=None)
-        final_skipped = signum is None and late is not None and last in skipped_evals
+        final_skipped = signum is None and last in skipped_evals  # (a late signal skipped it, maybe before a resume)
         summary = {
             "final_eval_accuracy": evals[-1] if evals and not final_skipped else None,
             "best_eval_accuracy": max(evals, default=None),
@@ -516,6 +517,7 @@ class Pipeline:
             trainer = self.trainer.save(tmp, self.cfg.model.tokenizer or self.model_path)
             state = {"trainer": trainer, "collector": self.collector.state_dict(), "experiment": self.cfg.experiment}
             state["wall_seconds"] = self.wall_seconds()
+            state["skipped_evals"] = list(getattr(self, "skipped_evals", ()))  # a resumed run's summary names them
             return self.ckpt.commit(tmp, step, state)
         except BaseException as exc:
             if tmp is not None:
@@ -533,6 +535,7 @@ class Pipeline:
             self.collector.load_state_dict(state["collector"])
         self.start_step = state["step"] + 1
         self.wall_before = float(state.get("wall_seconds", 0.0))  # (the earlier process's time after it: redone)
+        self.skipped_evals = [int(s) for s in state.get("skipped_evals", ()) if int(s) <= state["step"]]
         self.healthy_checkpoint = folder
         self.tracker.truncate(state["step"])
         self.empty_steps.resume(self.tracker.history)  # a streak of empty steps before the checkpoint goes on

@@ -23,8 +23,10 @@ Contract:
   error. `next` waits `pipeline.async_batch_timeout_s` for a batch at most, then raises a TimeoutError naming the
   turn requests still running, oldest first with how long each has run (a hung engine).
 - Group i belongs to step `first_step + i // B` and uses that step's environment seeds, as the synchronous
-  collector would. Checkpoints hold nothing more (episodes in flight at a save are not stored: a resumed run
-  starts fresh ones), so an async run resumes correctly but not bit for bit.
+  collector would. Checkpoints hold the run's weight version (`version`: `async/version` goes on after a resume,
+  as the prompts collector's does; it read 0 after resuming at version 2, while admission and the staleness bound
+  stay in this process's own count of syncs) and nothing more (episodes in flight at a save are not stored: a
+  resumed run starts fresh ones), so an async run resumes correctly but not bit for bit.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ log = logging.getLogger(__name__)
 
 class AsyncEpisodeCollector(EpisodeCollector):
     """Episodes generated ahead of the trainer (see the module docstring)."""
+
+    # The trainer's weight version minus this process's syncs (`_version`, which admission, the gate's versions and
+    # the staleness bound count in): `async/version` is the run's count, also after a resume.
+    _version_base = 0
 
     def __init__(self, ctx: CollectorContext) -> None:
         p = ctx.cfg.pipeline
@@ -107,7 +113,7 @@ class AsyncEpisodeCollector(EpisodeCollector):
             self._fill()
         collected = self.collected(step, trajs, out)
         out["async/in_flight_groups"] = float(in_flight)
-        out["async/version"] = float(self._version)
+        out["async/version"] = float(self._version + self._version_base)  # the run's count, not this process's
         resumed = sum(t.resumed_turns for t in trajs)
         out["async/resumed_turns"] = float(resumed)
         out.update(self.gate.stats())  # aborted turn requests lost since the previous batch
@@ -134,10 +140,24 @@ class AsyncEpisodeCollector(EpisodeCollector):
         self.gate.begin_update()
 
     def finish_sync(self, version: int) -> None:
+        """After the weight sync to the trainer's `version`: admission and the gate go on in this process's count."""
         with self._cv:
             self._version += 1
+            self._version_base = version - self._version
             self.gate.finish_update(self._version)
             self._fill()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's weight version (`version`); episodes in flight are not stored (see the module docstring)."""
+        with self._cv:
+            return {**super().state_dict(), "version": self._version + self._version_base}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """`async/version` goes on from the checkpoint's `version` (absent in checkpoints of before, or of a
+        synchronous run: 0 until the first weight sync tells it)."""
+        super().load_state_dict(state)
+        with self._cv:
+            self._version_base = int(state.get("version", 0)) - self._version
 
     def close(self) -> None:
         with self._cv:
