@@ -178,7 +178,9 @@ def test_a_broken_sandbox_is_a_sandbox_error_not_a_wrong_answer(monkeypatch: pyt
 
 def test_command_line_exposes_only_the_interpreter_and_system_libraries(tmp_path: Path) -> None:
     interp = bwrap_module.interpreter(None)
-    argv = bwrap_module.bwrap_argv("bwrap", interp, as_root=False, tmp_bytes=1 << 20, code_fd=9, status_fd=10)
+    argv = bwrap_module.bwrap_argv(
+        "bwrap", interp, as_root=False, tmp_bytes=1 << 20, shm_bytes=1 << 20, code_fd=9, status_fd=10
+    )
     for flag in ("--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--clearenv", "--as-pid-1"):
         assert flag in argv
     assert "--share-net" not in argv and "--bind" not in argv  # nothing writable
@@ -193,7 +195,9 @@ def test_command_line_exposes_only_the_interpreter_and_system_libraries(tmp_path
     for hidden in ("/home", "/work", "/tmp", "/root", "/etc", os.getcwd(), str(tmp_path)):
         assert not any(hidden == s or s.startswith(hidden.rstrip("/") + "/") for s in others), hidden
     assert argv.index("--remount-ro") > max(i for i, a in enumerate(argv) if a in ("--ro-bind", "--tmpfs"))
-    root = bwrap_module.bwrap_argv("bwrap", interp, as_root=True, tmp_bytes=1 << 20, code_fd=9, status_fd=10)
+    root = bwrap_module.bwrap_argv(
+        "bwrap", interp, as_root=True, tmp_bytes=1 << 20, shm_bytes=1 << 20, code_fd=9, status_fd=10
+    )
     assert "--unshare-user" not in root and "--unshare-net" in root and "--unshare-pid" in root
     assert root[root.index("--cap-drop") + 1] == "ALL"
     assert [root[i + 1] for i, a in enumerate(root) if a == "--cap-add"] == ["CAP_SETUID", "CAP_SETGID"]
@@ -220,7 +224,7 @@ for path, flags in (("/dev/full", os.O_WRONLY), ("/dev/new", os.O_WRONLY | os.O_
 """
     res = sandbox.run(program, "in")
     assert res.status == OK, res.stderr
-    devices = ["fd", "full", "null", "random", "stderr", "stdin", "stdout", "urandom", "zero"]
+    devices = ["fd", "full", "null", "random", "shm", "stderr", "stdin", "stdout", "urandom", "zero"]
     no_ptys = ["ENOENT"] * 3  # openpty, /dev/ptmx, /dev/tty
     assert res.stdout.splitlines() == [str(devices), *no_ptys, "8 b'\\x00\\x00' in", "ENOSPC", "EROFS"]
 

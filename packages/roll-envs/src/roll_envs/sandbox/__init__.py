@@ -1,9 +1,9 @@
 """An OS sandbox for model-written Python programs (bubblewrap), used by the code reward.
 
 `PythonSandbox(limits).run(code, stdin) -> RunResult` runs one program on one input in a fresh sandbox: no
-network, a read-only view of the interpreter and system libraries only, a private size-capped /tmp, its own PID
-namespace, resource limits, a wall clock and an output budget (bwrap.py, process.py and runner.py state the
-contracts). The caller judges the output outside the sandbox. Nothing here ever runs model text in the calling
+network, a read-only view of the interpreter and system libraries only, a private size-capped /tmp and /dev/shm,
+its own PID namespace, resource limits, a wall clock and an output budget (bwrap.py, process.py and runner.py state
+the contracts). The caller judges the output outside the sandbox. Nothing here ever runs model text in the calling
 process. `make_sandbox(limits, ...)` builds one the way the code reward and the code tool do: bubblewrap where it
 works, else (only when allowed) the unsandboxed fallback, loudly logged.
 """

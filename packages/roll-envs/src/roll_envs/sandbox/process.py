@@ -8,7 +8,8 @@ start on a loaded machine never eats the program's time and turns a right answer
 longer than the two together plus the time the kernel takes to reap. Killing a run kills the init of its PID
 namespace (known from bwrap's `--json-status-fd`, held as a pidfd checked to be in that namespace, so a recycled pid
 is never hit), which takes every process of the namespace with it whatever the program did to itself (a cleared
-parent-death signal, a new session), then the command's process group. The child signals through `ready_fd` that its
+parent-death signal, a new session), then the command's process group; an error while the run is watched (a
+KeyboardInterrupt) kills it the same way before it reaches the caller. The child signals through `ready_fd` that its
 setup finished; a child that exits without signalling, or reaches the wall clock or the output budget before
 signalling (a start slower than `start_timeout_s`), is a `sandbox_error` (the sandbox, not the program, failed).
 Exit status 0 is `ok`, any other exit or a signal is `runtime_error`, CPU-time exhaustion (SIGXCPU) is `timeout`; a
@@ -48,7 +49,8 @@ STDERR_KEPT = 8192
 class SandboxLimits:
     """Limits of one run. Memory and file limits are per process; where a writable cgroup exists (see
     roll_envs.sandbox.cgroup) all processes of a run together are also held to `run_memory_mb` and
-    `max_processes` (without one, a run may hold up to `max_processes * memory_mb`)."""
+    `max_processes` (without one, a run may hold up to `max_processes * memory_mb`, plus `tmp_mb` and `shm_mb` of
+    files)."""
 
     # Wall-clock seconds of the program, from the moment the sandbox is up (CPU seconds are capped at the same
     # value, rounded up).
@@ -66,6 +68,9 @@ class SandboxLimits:
     max_file_mb: int = 16
     # Size of the writable /tmp, MiB.
     tmp_mb: int = 64
+    # Size of the writable /dev/shm (POSIX semaphores and shared memory: multiprocessing's locks, queues, pools),
+    # MiB. Its pages, like /tmp's, count towards run_memory_mb where a run cgroup exists.
+    shm_mb: int = 64
     # stdout + stderr bytes read before the run is killed.
     max_output_bytes: int = 1 << 20
     # Memory of all the run's processes together, MiB (a cgroup, where one is writable).
@@ -76,8 +81,9 @@ class SandboxLimits:
             raise ValueError(
                 f"timeout_s and start_timeout_s must be > 0 seconds, got {self.timeout_s}, {self.start_timeout_s}"
             )
-        if min(self.memory_mb, self.max_processes, self.max_open_files, self.max_file_mb, self.tmp_mb) < 1:
-            raise ValueError("memory_mb, max_processes, max_open_files, max_file_mb and tmp_mb must be >= 1")
+        sizes = (self.memory_mb, self.max_processes, self.max_open_files, self.max_file_mb, self.tmp_mb, self.shm_mb)
+        if min(sizes) < 1:
+            raise ValueError("memory_mb, max_processes, max_open_files, max_file_mb, tmp_mb and shm_mb must be >= 1")
         if self.run_memory_mb < 64:
             raise ValueError(f"run_memory_mb={self.run_memory_mb} is too small for a Python interpreter: use >= 64")
         if self.memory_mb < 64:
@@ -186,8 +192,11 @@ def _signalled(returncode: int, sig: int) -> bool:
 
 
 def _take_ready(ready_fd: int) -> bool:
-    """Whether the ready byte is waiting in `ready_fd` (read without blocking)."""
-    return bool(select.select([ready_fd], [], [], 0)[0]) and bool(os.read(ready_fd, 1))
+    """Whether the ready byte is waiting in `ready_fd` (read without blocking). poll, not select: a busy trainer's
+    descriptors pass 1023, which select() refuses (a ValueError that left the run unkilled)."""
+    poller = select.poll()
+    poller.register(ready_fd, select.POLLIN)
+    return bool(poller.poll(0)) and bool(os.read(ready_fd, 1))
 
 
 def run_captured(
@@ -239,60 +248,66 @@ def run_captured(
     stdout, stderr = bytearray(), bytearray()
     total, ready, status = 0, False, None
     namespace = _Namespace()
-    with selectors.DefaultSelector() as sel:
-        for fd in (out_fd, err_fd, ready_fd, status_fd):
-            if fd is not None:
-                sel.register(fd, selectors.EVENT_READ)
-        while sel.get_map() and status is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 and not ready and ready_fd in sel.get_map() and _take_ready(ready_fd):
-                # The byte came at the start's deadline, unread yet: the program starts now, with its own clock.
-                ready, deadline = True, time.monotonic() + timeout_s
-                sel.unregister(ready_fd)
-                continue
-            if remaining <= 0:
-                status = TIMEOUT if ready else SANDBOX_ERROR
-                break
-            for key, _ in sel.select(remaining):
-                chunk = os.read(key.fd, 65536)
-                if key.fd == ready_fd:
-                    if chunk and not ready:
-                        ready, deadline = True, time.monotonic() + timeout_s
-                    sel.unregister(ready_fd)  # one byte says it all; EOF would wait for bwrap itself
+    try:
+        with selectors.DefaultSelector() as sel:
+            for fd in (out_fd, err_fd, ready_fd, status_fd):
+                if fd is not None:
+                    sel.register(fd, selectors.EVENT_READ)
+            while sel.get_map() and status is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 and not ready and ready_fd in sel.get_map() and _take_ready(ready_fd):
+                    # The byte came at the start's deadline, unread yet: the program starts now, with its own clock.
+                    ready, deadline = True, time.monotonic() + timeout_s
+                    sel.unregister(ready_fd)
                     continue
-                if key.fd == status_fd:
-                    if not namespace.feed(chunk):  # EOF, or the init is known: the rest is not needed
-                        sel.unregister(status_fd)
-                    continue
-                if not chunk:
-                    sel.unregister(key.fd)
-                    continue
-                total += len(chunk)
-                if total > max_output_bytes:
-                    status = OUTPUT_LIMIT
+                if remaining <= 0:
+                    status = TIMEOUT if ready else SANDBOX_ERROR
                     break
-                if key.fd == out_fd:
-                    stdout += chunk
-                elif len(stderr) < STDERR_KEPT:
-                    stderr += chunk[: STDERR_KEPT - len(stderr)]
-    if status == OUTPUT_LIMIT and not ready:
-        # The budget ran out before the ready byte was read: output the program could not have written (it starts
-        # after the byte) is the sandbox's, unless the byte is there, unread, in the same batch.
-        ready = _take_ready(ready_fd)
-        if not ready:
-            status = SANDBOX_ERROR
-    returncode: int | None = None
-    if status is None:
-        try:
-            returncode = proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        except subprocess.TimeoutExpired:  # closed its pipes but kept running
-            status = TIMEOUT
-    if status is not None:
+                for key, _ in sel.select(remaining):
+                    chunk = os.read(key.fd, 65536)
+                    if key.fd == ready_fd:
+                        if chunk and not ready:
+                            ready, deadline = True, time.monotonic() + timeout_s
+                        sel.unregister(ready_fd)  # one byte says it all; EOF would wait for bwrap itself
+                        continue
+                    if key.fd == status_fd:
+                        if not namespace.feed(chunk):  # EOF, or the init is known: the rest is not needed
+                            sel.unregister(status_fd)
+                        continue
+                    if not chunk:
+                        sel.unregister(key.fd)
+                        continue
+                    total += len(chunk)
+                    if total > max_output_bytes:
+                        status = OUTPUT_LIMIT
+                        break
+                    if key.fd == out_fd:
+                        stdout += chunk
+                    elif len(stderr) < STDERR_KEPT:
+                        stderr += chunk[: STDERR_KEPT - len(stderr)]
+        if status == OUTPUT_LIMIT and not ready:
+            # The budget ran out before the ready byte was read: output the program could not have written (it starts
+            # after the byte) is the sandbox's, unless the byte is there, unread, in the same batch.
+            ready = _take_ready(ready_fd)
+            if not ready:
+                status = SANDBOX_ERROR
+        returncode: int | None = None
+        if status is None:
+            try:
+                returncode = proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:  # closed its pipes but kept running
+                status = TIMEOUT
+        if status is not None:
+            _kill(proc, namespace)
+            proc.wait()
+    except BaseException:  # anything unforeseen (a KeyboardInterrupt too): no run outlives its reader
         _kill(proc, namespace)
         proc.wait()
-    namespace.close()
-    proc.stdout.close()
-    proc.stderr.close()
+        raise
+    finally:
+        namespace.close()
+        proc.stdout.close()
+        proc.stderr.close()
     if status is None:
         assert returncode is not None
         if not ready:

@@ -195,6 +195,7 @@ class PythonSandbox:
                 self._interp,
                 as_root=self._as_root,
                 tmp_bytes=limits.tmp_mb * 1024 * 1024,
+                shm_bytes=limits.shm_mb * 1024 * 1024,
                 code_fd=code_fd,
                 status_fd=status_w,
                 extra_ro_binds=self.extra_ro_binds,
