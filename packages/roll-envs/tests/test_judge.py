@@ -292,6 +292,7 @@ def test_openai_backend_scores_counts_and_sends_the_rendered_prompt(
         "judge_retries": 3,
         "judge_deduplicated": 0,
         "judge_no_answer": 0,
+        "judge_special_text": 0,
     }
     assert server.attempts["broken"] == 3 and server.attempts["denied"] == 1 and server.attempts["flaky"] == 2
     first = next(b for b in server.bodies if "A: good" in b["messages"][-1]["content"])
