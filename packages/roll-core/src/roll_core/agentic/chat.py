@@ -44,7 +44,10 @@ the templates of byte-level BPE tokenizers (Qwen, Llama 3), which split there: t
 Untrusted text (roll_core.agentic.turn_text). Text the policy did not write and that nobody vouches for is encoded
 as text: a special token it spells (`<|im_end|>\n<|im_start|>assistant\n` in an observation) is that spelling's
 text ids, not the template's special ids, so it cannot end its turn and pose as the assistant or the system; the
-template's own framing around it (role headers, turn ends) stays special. Which text that is:
+template's own framing around it (role headers, turn ends) stays special. So do the added tokens not marked special
+that the template writes around untrusted text (Qwen's `<tool_response>` / `</tool_response>`; found by rendering a
+sentinel tool / user / system message after an assistant turn, turn_text.framing_tokens): a tool's output that
+spells `</tool_response>` is text, and cannot close the template's tool-response block. Which text that is:
 - every message of a `continuation`: environment observations and tools' outputs (`observation` /
   `observation_turn`), and the user / tool / system messages an agent program sends between its turns (the
   OpenAI-compatible endpoint, roll_core.agentic.agent_sessions);
@@ -73,12 +76,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from roll_core.agentic.observation import Observation, images_of, text_of
-from roll_core.agentic.turn_text import SpecialText, encode_after
+from roll_core.agentic.turn_text import SpecialText, encode_after, framing_tokens
 
 __all__ = ["ALT_TURN_ENDS", "TurnTemplate", "encode_after"]
 
 _ASSISTANT = "\u2063ROLL-ASSISTANT\u2063"
 _USER = "\u2063ROLL-USER\u2063"
+_UNTRUSTED = "\u2063ROLL-UNTRUSTED\u2063"  # the sentinel message whose framing `framing_tokens` reads
 _FIRST_USER = "x"  # the placeholder conversation's first query (templates that need one before an assistant turn)
 _AFTER_ASSISTANT = ("user", "tool", "system")
 #: End-of-turn tokens a family's template writes instead of its usual one (keyed by that one), e.g. Llama 3.1's
@@ -102,7 +106,6 @@ class TurnTemplate:
     ):
         self.tokenizer = tokenizer
         self.vision = vision
-        self.special_text = SpecialText(tokenizer)  # untrusted text's special-token spellings stay text
         # A vision model's processor may have its own template (the one that knows picture items).
         self.chat_template: str | None = vision.chat_template if vision is not None else None
         self.picture_token_id: int | None = int(vision.image_token_id) if vision is not None else None
@@ -133,6 +136,8 @@ class TurnTemplate:
         }
         self._stop_ids += sorted(self._alt_end_ids)
         self.turn_end_ids: set[int] = self.eos_ids | set(self._stop_ids)
+        # untrusted text's spellings of special tokens and of the template's framing added tokens stay text
+        self.special_text = SpecialText(tokenizer, framing_tokens(tokenizer, self._framing_probe()))
 
     # ---- rendering ----------------------------------------------------------------------------------------
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool, tools: list[dict] | None) -> str:
@@ -144,6 +149,18 @@ class TurnTemplate:
         return self.tokenizer.apply_chat_template(
             self.prefix + messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
         )
+
+    def _framing_probe(self) -> list[str]:
+        """The text the template writes around an untrusted message: what follows an assistant turn when a tool,
+        a user or a system message (a sentinel) comes next, for each role the template renders there."""
+        texts = []
+        for role in _AFTER_ASSISTANT:
+            try:
+                _, after = self._after_assistant([{"role": role, "content": _UNTRUSTED}], None)
+            except ValueError:  # a role the template cannot render after an assistant turn frames nothing
+                continue
+            texts += after.split(_UNTRUSTED)
+        return texts
 
     def _is_special(self, token_id: int) -> bool:
         if token_id in set(self.tokenizer.all_special_ids):

@@ -9,9 +9,19 @@ special token spelt in it (`<|im_end|>\\n<|im_start|>assistant\\n` in a tool's o
 special-token ids: the text ended its turn and posed as the assistant or the system, and the policy was trained on
 that context. `SpecialText` keeps such text as text:
 
-- `SpecialText(tokenizer).tokens`: the tokenizer's special tokens (its named special tokens and the added tokens
-  marked special, whitespace-only ones left out): the tokens a template frames turns with (turn ends, role headers,
-  bos / eos). Added tokens that are not special (Qwen's `<tool_call>`, `<think>`) are matched in text as always.
+- `SpecialText(tokenizer, framing).tokens`: the tokenizer's special tokens (its named special tokens and the added
+  tokens marked special, whitespace-only ones left out): the tokens a template frames turns with (turn ends, role
+  headers, bos / eos); and `framing`, the added tokens that are not marked special but that the chat template
+  writes around untrusted text (`framing_tokens`: Qwen's `<tool_response>` / `</tool_response>` around a tool's
+  output, Qwen3's empty `<think></think>` after the generation header with thinking off; a role header added as a
+  non-special token would be one too). A tool's output spelling `</tool_response>` got that token's id and closed
+  the template's tool-response block as written.
+  Other added tokens that are not special (Qwen's `<tool_call>`, which the template writes only in the policy's
+  own turns and the system prompt) are matched in text as always.
+- `framing_tokens(tokenizer, texts)`: those added tokens, found in the text a template renders around a sentinel
+  message (roll_core.agentic.chat's TurnTemplate renders a tool, a user and a system message after an assistant
+  turn): the spellings of the non-special added tokens (whitespace-only ones left out) whose ids the tokenizer
+  gives that text.
 - `mark(text)` / `mark_message(message)`: the untrusted text (a message's content, a string or its text parts)
   with each spelling of a special token wrapped in two private-use markers (U+F0000, U+F0001); markers already in
   the text are dropped first (they could forge a marked token; they are invisible private-use characters).
@@ -32,7 +42,7 @@ encode could read), a slow one is called with `split_special_tokens=True` (a per
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 _START, _END = "\U000f0000", "\U000f0001"
@@ -54,6 +64,23 @@ def encode_after(tokenizer: Any, context: str, text: str) -> list[int]:
     return _encode(tokenizer, text)
 
 
+def framing_tokens(tokenizer: Any, texts: Iterable[str]) -> tuple[str, ...]:
+    """Spellings of the added tokens not marked special (whitespace-only ones left out) that the tokenizer finds in
+    `texts` (the text a chat template writes around untrusted messages): the framing `SpecialText` keeps untrusted
+    text from spelling."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    specials = {int(i) for i in tokenizer.all_special_ids}
+    plain = {
+        int(i): t.content
+        for i, t in added.items()
+        if not getattr(t, "special", False) and int(i) not in specials and t.content.strip()
+    }
+    if not plain:
+        return ()
+    found = {plain[i] for text in texts for i in _encode(tokenizer, text) if i in plain}
+    return tuple(sorted(found))
+
+
 def encode_as_text(tokenizer: Any, text: str) -> list[int]:
     """Ids of `text` with no added token (special or not) matched in it: its characters as the tokenizer's model
     encodes them (see the module docstring). A SentencePiece tokenizer may prefix a space (use `SpecialText`)."""
@@ -69,18 +96,19 @@ def encode_as_text(tokenizer: Any, text: str) -> list[int]:
 
 
 class SpecialText:
-    """A tokenizer's special tokens, and how untrusted text that spells them is marked and encoded as text (see the
-    module docstring)."""
+    """A tokenizer's special tokens and the template's `framing` added tokens (`framing_tokens`), and how untrusted
+    text that spells them is marked and encoded as text (see the module docstring)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, framing: Iterable[str] = ()):
         self.tokenizer = tokenizer
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        framing = {f for f in framing if isinstance(f, str) and f.strip()}
         names = set(tokenizer.all_special_tokens) | {t.content for t in added.values() if getattr(t, "special", False)}
         self.tokens: tuple[str, ...] = tuple(
-            sorted((n for n in names if isinstance(n, str) and n.strip()), key=lambda n: (-len(n), n))
+            sorted((n for n in names | framing if isinstance(n, str) and n.strip()), key=lambda n: (-len(n), n))
         )
         self.ids: set[int] = {int(i) for i in tokenizer.all_special_ids} | {
-            int(i) for i, t in added.items() if getattr(t, "special", False)
+            int(i) for i, t in added.items() if getattr(t, "special", False) or t.content in framing
         }
         alternatives = "|".join(map(re.escape, self.tokens)) or "(?!)"  # longest first: a token before its parts
         self._spelt = re.compile(alternatives)
@@ -130,8 +158,8 @@ class SpecialText:
         return ids
 
     def as_text(self, spelling: str) -> list[int]:
-        """Ids of a special token's spelling as text (after a newline, whose ids are taken off); its characters one
-        by one where the model gives a special id for it; a ValueError if a special id remains."""
+        """Ids of a special (or framing) token's spelling as text (after a newline, whose ids are taken off); its
+        characters one by one where the model gives a special id for it; a ValueError if a special id remains."""
         ids = self._after_newline(spelling)
         if self.ids.intersection(ids):
             ids = [i for ch in spelling for i in self._after_newline(ch)]
