@@ -1,7 +1,7 @@
 """What `AsyncRollout`'s waits say when they time out (roll_core.scheduling.driver): a `take` that got fewer groups
 than it asked for within `timeout_s`, an update or shrink whose submits never returned, a `close` that gave up on
-a thread (`warn_stuck`: what it does and where), aborted requests forgotten after `abort_timeout_s` (`warn_lost`,
-`warn_unwarned`); and the list of running
+a thread (`warn_stuck`: what it does and where), a `held` that gave up on the data thread's draw (`held_timeout`),
+aborted requests forgotten after `abort_timeout_s` (`warn_lost`, `warn_unwarned`); and the list of running
 requests with their ages that the agentic collector's batch timeout shares (`running_aged`). Kept apart from the
 driver so that it stays one readable module; these read the driver's state with its lock held and change nothing."""
 
@@ -76,6 +76,22 @@ def running_aged(since: Mapping[str, float], noun: str, now: float | None = None
     return (
         f"{len(oldest)} {noun} running{' (oldest first, time since submitted)' if oldest else ''}: {aged or 'none'}"
         f"{' ...' if len(oldest) > 5 else ''}"
+    )
+
+
+def held_timeout(driver: AsyncRollout, bound: float, blocked_s: float | None) -> TimeoutError:
+    """The error of a `held` that waited `bound` s for the data thread's draw (`blocked_s`: how long its
+    `next_group` has not returned; None: none is under way, another `held` holds the data lock)."""
+    if blocked_s is None:
+        why = "no draw is under way: another held() holds the data lock"
+    else:
+        why = (
+            f"the data source {source_name(driver.next_group)} has not returned a group for {blocked_s:.1f} s (its "
+            "next_group blocks: a slow or stuck dataloader, an environment reset?)"
+        )
+    return TimeoutError(
+        f"async rollout: held() gave up after {bound:g} s (pipeline.async_batch_timeout_s) waiting for the data "
+        f"thread: {why}; a checkpoint reads the data position with the groups started, so not during a draw"
     )
 
 

@@ -5,25 +5,26 @@ Contract: after `start()`, a daemon data thread keeps the scheduler's budget fil
 submits every pending sample as one request (`infer.submit_request`, with the group's pictures) and records finished
 requests. The trainer's thread calls `take(n)` (blocks until n complete groups within the staleness bound exist, or
 `timeout_s` passes; a `take` that raises gives the groups it had taken back to the scheduler, for the next `take`),
-and brackets every weight sync with `begin_update()` / `finish_update()`: with partial rollout the running
-requests are aborted first and their prefixes resumed under the new weights; groups that became too stale are
-aborted and never returned. A failure in a thread (engine error, a `next_group` that raises) is raised in the
-trainer's next call, never swallowed. An abort the engine made on its own resumes the sample (preemption), but
-`max_idle_aborts` (pipeline.max_idle_aborts, default `roll_core.idle_aborts.MAX_IDLE_ABORTS`) of them in a row for
-one sample within one version, none with a token, are a refusal (SGLang aborts a prompt longer than
-its KV cache holds): the thread fails naming the request, instead of resubmitting it in a busy loop while the
-trainer waits out `timeout_s`. `close()` aborts what runs and stops the threads (one still alive after
-`close_timeout_s` is left, a daemon, with a warning naming what it was doing and where: the data thread blocked in
-`next_group` submits nothing after close); a `take` (or update, shrink) waiting then, or called later, raises at
-once. The engine and the data source are called without the driver's lock, and `next_group` on a thread of its
-own, so an engine call that blocks (`submit_request`) never blocks `close`, nor `take`'s timeout, and a
-`next_group` that blocks (a slow dataloader, an environment reset) blocks none of `close`, `take`'s timeout,
-`begin_update`, `shrink`, nor the collection of the results they wait for (a group whose data comes during an
-update is pending until `finish_update`; only `held`, which reads the data position with the groups, waits for
-the draw). A `take` that times out says why: groups that never started for lack of budget (pipeline.async_ratio),
-the data source blocked in `next_group` (named, with for how long), requests running without finishing (the
-engine: the oldest named first, with how long each has run), submits that do not return, or samples no request
-carries.
+and brackets every weight sync with `begin_update()` / `finish_update()`: with partial rollout the running requests
+are aborted first and their prefixes resumed under the new weights; groups that became too stale are aborted and never
+returned. A failure in a thread (engine error, a `next_group` that raises or returns something else than its contract
+says: roll_core.scheduling._driver_data) is raised in the trainer's next call, never swallowed; the first failure is
+the one kept (the other thread's, after it, is logged only). An abort the engine made on its own resumes the sample
+(preemption), but `max_idle_aborts` (pipeline.max_idle_aborts, default `roll_core.idle_aborts.MAX_IDLE_ABORTS`) of
+them in a row for one sample within one version, none with a token, are a refusal (SGLang aborts a prompt longer than
+its KV cache holds): the thread fails naming the request, instead of resubmitting it in a busy loop while the trainer
+waits out `timeout_s`. `close()` aborts what runs and stops the threads (one still alive after `close_timeout_s` is
+left, a daemon, with a warning naming what it was doing and where: the data thread blocked in `next_group` submits
+nothing after close); a `take` (or update, shrink) waiting then, or called later, raises at once. The engine and the
+data source are called without the driver's lock, and `next_group` on a thread of its own, so an engine call that
+blocks (`submit_request`) never blocks `close`, nor `take`'s timeout, and a `next_group` that blocks (a slow
+dataloader, an environment reset) blocks none of `close`, `take`'s timeout, `begin_update`, `shrink`, nor the
+collection of the results they wait for (a group whose data comes during an update is pending until `finish_update`;
+only `held`, which reads the data position with the groups, waits for the draw, at most `timeout_s`: past it a
+TimeoutError names the data source). A `take` that times out says why: groups that never started for lack of budget
+(pipeline.async_ratio), the data source blocked in `next_group` (named, with for how long), requests running without
+finishing (the engine: the oldest named first, with how long each has run), submits that do not return, or samples no
+request carries.
 
 Requests that never return. A request this driver aborted (partial rollout at `begin_update`, a stale group's at
 `finish_update`, one moved by `shrink` / `expand`) normally brings its partial result within moments. If its handle
@@ -65,7 +66,9 @@ from typing import Any
 
 from roll_core.idle_aborts import MAX_IDLE_ABORTS
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
+from roll_core.scheduling._driver_data import feed
 from roll_core.scheduling._driver_timeouts import (
+    held_timeout,
     submit_hang,
     take_timeout,
     warn_lost,
@@ -210,12 +213,22 @@ class AsyncRollout:
                 raise
 
     @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
+    def held(self, timeout_s: float | None = None) -> Iterator[None]:
         """The driver's lock, held: no group starts (no `next_group` call) and no result is recorded meanwhile (a
         checkpoint reads the data position and the groups not yet trained as one state). Waits for a `next_group`
-        under way (its data and its group are one state)."""
-        with self._data_lock, self._cv:
-            yield
+        under way (its data and its group are one state), at most `timeout_s` (default: the driver's `timeout_s`,
+        a take's bound): past it a TimeoutError names the data source and how long it has blocked (a checkpoint
+        that waited for it hung the run for as long, without a word)."""
+        bound = self.timeout_s if timeout_s is None else timeout_s
+        if not self._data_lock.acquire(timeout=max(0.0, bound)):
+            with self._cv:
+                drawing = self._drawing_since
+            raise held_timeout(self, bound, None if drawing is None else time.monotonic() - drawing)
+        try:
+            with self._cv:
+                yield
+        finally:
+            self._data_lock.release()
 
     def discard(self, group: GroupState) -> None:
         """A taken group that will not be trained on (its budget starts a new group)."""
@@ -331,6 +344,14 @@ class AsyncRollout:
             out["async/version"] = float(self.sched.version)
             return out
 
+    def _fail(self, exc: BaseException) -> None:
+        """Store a thread's failure for `_raise` and wake the waiters: the first one (a failure of the other thread
+        after it, often its consequence, replaced it: the trainer's next call raised another cause than its first)."""
+        with self._cv:
+            if self._error is None:
+                self._error = exc
+            self._cv.notify_all()
+
     def _raise(self) -> None:
         """Raise the thread's failure, or that the driver is closed (lock held): after `close` nothing generates,
         and a `take` waiting then (shutdown from another thread) waited out `timeout_s`, an hour in a run."""
@@ -387,9 +408,7 @@ class AsyncRollout:
                     time.sleep(self.poll_s)
         except BaseException as exc:  # surfaced in the trainer's thread by _raise
             log.exception("async rollout thread failed")
-            with self._cv:
-                self._error = exc
-                self._cv.notify_all()
+            self._fail(exc)
             return
         for rid in left:
             self.infer.abort(rid)
@@ -500,45 +519,9 @@ class AsyncRollout:
             )
 
     def _feed(self) -> None:
-        """The data thread: start groups up to the budget (not while paused or closed), each drawn from `next_group`
-        WITHOUT the driver's lock and apart from the rollout's thread, so a data source that blocks (a slow
-        dataloader, an environment reset) blocks neither `take`, the updates, `shrink`, `close`, nor the collection
-        of results they wait for. The draw holds `_data_lock` (`held` waits for it: a checkpoint never sees the
-        data drawn and its group not started). The group's budget is reserved before the draw, so it is admitted as
-        if the draw were instant; one whose data comes during an update is pending, submitted after `finish_update`.
-        A `next_group` that raises fails the rollout (the trainer's next call raises it)."""
-        try:
-            while True:
-                with self._cv:
-                    # `_stopped` too: a close while `next_group` blocked; the groups left in the budget drew more
-                    # data (each call maybe blocking as long) for a closed driver.
-                    while self._paused or self.sched.capacity() < 1:
-                        if self._stopped or self._error is not None:
-                            return
-                        self._cv.wait(0.05)  # (a take that drops stale groups frees budget without a notify)
-                    if self._stopped or self._error is not None:
-                        return
-                with self._data_lock:
-                    with self._cv:
-                        if self._stopped or self._paused or self.sched.capacity() < 1:  # changed meanwhile
-                            continue
-                        self.sched.reserve()
-                        self._drawing_since = time.monotonic()
-                    try:
-                        payload, prompt_ids, *mm = self.next_group()
-                    except BaseException:
-                        with self._cv:
-                            self._drawing_since = None
-                            self.sched.unreserve()
-                        raise
-                    with self._cv:
-                        self._drawing_since = None
-                        self.sched.start(payload, prompt_ids, mm[0] if mm else None, reserved=True)
-        except BaseException as exc:  # surfaced in the trainer's thread by _raise
-            log.exception("async rollout: the data source (next_group) failed")
-            with self._cv:
-                self._error = exc
-                self._cv.notify_all()
+        """The data thread (roll_core.scheduling._driver_data): start groups up to the budget, each drawn from
+        `next_group` without the driver's lock, its budget reserved first; `held` waits for a draw under way."""
+        feed(self)
 
     def _book_requests(self) -> list[tuple[str, Request, Any]]:
         """Book a request for every pending sample (lock held); returns them as (id, request, engine or None),
@@ -587,7 +570,8 @@ class AsyncRollout:
             # the submit to end woke to an empty `_submitting` before the thread stored the error, and went on.
             with self._cv:
                 failure = self._engine_failure(rid, exc)
-                self._error = failure
+                if self._error is None:  # (the first failure is kept: `_fail`)
+                    self._error = failure
             raise failure from exc
         finally:
             with self._cv:

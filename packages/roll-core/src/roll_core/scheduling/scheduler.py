@@ -277,7 +277,8 @@ class RolloutScheduler:
 
     def start(self, payload: Any, prompt_ids: list[int], mm: Any = None, *, reserved: bool = False) -> GroupState:
         """Register a new group (its samples become `pending`); `mm`: its prompt's pictures, if any; `reserved`: on
-        the budget an earlier `reserve` booked."""
+        the budget an earlier `reserve` booked (a start that raises leaves it booked: `unreserve` gives it back)."""
+        ids = list(prompt_ids)  # (before the booking: a start that raises uses no budget)
         if reserved:
             if self._reserved < 1:
                 raise RuntimeError("start(reserved=True) without a reserve(): no group budget is booked")
@@ -286,7 +287,7 @@ class RolloutScheduler:
             raise RuntimeError("no capacity: the rollout would run more than async_ratio batches ahead")
         else:
             self._budget_used += 1
-        g = GroupState(next(self._gids), payload, list(prompt_ids), self.version, mm=mm)
+        g = GroupState(next(self._gids), payload, ids, self.version, mm=mm)
         g.samples = [SampleState(g, j, submitted_version=self.version) for j in range(self.group_size)]
         self.groups[g.gid] = g
         for smp in g.samples:

@@ -22,13 +22,17 @@ own aborts of a sample in a row without a token before it counts as refused (rol
 Checkpoints store the data sampler and the training-set indices of the groups started but not yet trained
 (`pending`, in start order: the sampler's position is past them); a resumed run starts those prompts first, so
 no prompt is skipped or repeated. Their responses are not stored (they are generated again), so an async run
-resumes with the uninterrupted run's prompts but not bit for bit.
+resumes with the uninterrupted run's prompts but not bit for bit. A checkpoint waits for a draw under way on the
+driver's data thread (the data position and the groups are one state), at most `pipeline.async_batch_timeout_s`:
+past it, a TimeoutError names the data source whose `next_group` blocks. `next` never waits for a draw (the skip
+counts the data thread keeps have a lock of their own).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from typing import Any
 
@@ -86,6 +90,9 @@ class AsyncPromptCollector(PromptCollector):
     # and staleness bound are in its own count, which a resume must not move), the run's count goes on after a
     # resume; `async/version` is the run's (it read 0 after resuming at version 3).
     _version_base = 0
+    # Guards the skip counts `_next_group` keeps on the driver's data thread against `next`'s reset, held for one
+    # increment or one swap (the driver's `held` waits for a draw under way: a blocked data source stalled `next`).
+    _skips_lock = threading.Lock()
 
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
@@ -123,8 +130,8 @@ class AsyncPromptCollector(PromptCollector):
         )
 
     def _next_group(self) -> tuple[Any, list[int], Any]:
-        """The next training problem whose prompt fits, its ids and pictures (runs on the driver's thread; long
-        ones and ones with unreadable pictures are counted)."""
+        """The next training problem whose prompt fits, its ids and pictures (runs on the driver's data thread; long
+        ones and ones with unreadable pictures are counted, under `_skips_lock`)."""
         limit = self.cfg.model.max_prompt_length
         for _ in range(10_000):
             problem = self.train_set[self._draw(1)[0]]
@@ -134,11 +141,13 @@ class AsyncPromptCollector(PromptCollector):
                 )
             except BadPictures as exc:
                 log.warning("problem %s skipped: its pictures: %s", problem.id, exc)
-                self.skipped_bad_images += 1
+                with self._skips_lock:
+                    self.skipped_bad_images += 1
                 continue
             if ids is not None:
                 return problem, ids, mm
-            self.skipped_long += 1
+            with self._skips_lock:
+                self.skipped_long += 1
         raise ValueError(f"10000 prompts in a row exceed model.max_prompt_length={limit}: raise it")
 
     def next(self, step: int, out: StepLog) -> Collected | None:
@@ -218,7 +227,7 @@ class AsyncPromptCollector(PromptCollector):
         out["data/sampled_groups"] = sampled
         out["data/refill_rounds"] = refills  # the sync collector's count (module docstring)
         out["data/refill_short_groups"] = max(0, want - len(kept))
-        with self.driver.held():  # the driver's thread counts these in `_next_group`, under the same lock
+        with self._skips_lock:  # the driver's data thread counts these in `_next_group`, under the same lock
             out["data/skipped_long_prompts"], self.skipped_long = self.skipped_long, 0
             bad_images, self.skipped_bad_images = self.skipped_bad_images, 0
         out["data/skipped_context_prompts"], self.skipped_context = self.skipped_context, 0
@@ -272,7 +281,9 @@ class AsyncPromptCollector(PromptCollector):
 
     def state_dict(self) -> dict[str, Any]:
         """The base state, with `pending` the indices of the groups started and not yet trained (then any not yet
-        restarted after a resume), read with the driver held: no group starts, no prompt is drawn meanwhile."""
+        restarted after a resume), read with the driver held: no group starts, no prompt is drawn meanwhile. It waits
+        for a draw under way at most the driver's `timeout_s` (pipeline.async_batch_timeout_s), then raises a
+        TimeoutError naming the data source (it waited without limit: a stuck data source hung the run silently)."""
         with self.driver.held():
             state = super().state_dict()
             pending = [self._index[id(g.payload)] for g in self.sched.groups.values()] + self._replay
