@@ -119,6 +119,23 @@ def test_a_resume_after_an_attempt_without_tensorboard_replays_the_steps_it_miss
     }
 
 
+def test_a_resume_after_an_attempt_that_died_before_its_record_draws_each_step_once(tmp_path: Path) -> None:
+    """The event files hold steps 0-4 and tensorboard/last_step.json says 2 (the attempt died between a flush and
+    its record). The resume from the checkpoint at step 3 replays step 3: the purge began after step 3, so step 3
+    was drawn twice. It begins after the recorded step: one point per step."""
+    pytest.importorskip("tensorboard", reason="the roll-core[track] extra")
+    tracker = Tracker(tmp_path, "experiment: died\n")
+    for step in range(5):
+        tracker.log(step, {"loss": float(step)})
+    tracker.close()
+    (tmp_path / "tensorboard" / "last_step.json").write_text(json.dumps({"last_step": 2}))
+    resumed = Tracker(tmp_path, "experiment: died\n", resume=True)
+    resumed.truncate(3)
+    resumed.log(4, {"loss": 14.0})
+    resumed.close()
+    assert _scalars(tmp_path / "tensorboard") == {"loss": [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0)]}
+
+
 def test_a_resume_in_a_folder_from_before_the_record_replays_nothing(tmp_path: Path) -> None:
     """Event files without tensorboard/last_step.json (written before roll kept it) hold every step: a replay would
     draw each point twice."""

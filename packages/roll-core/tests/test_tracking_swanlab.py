@@ -166,3 +166,26 @@ def test_a_failed_run_is_a_crashed_swanlab_experiment(tmp_path: Path) -> None:
     assert ends == {"ok": (True, 1), "told": (False, -1), "propagating": (False, -1), "retry-ok": (True, 1)}
     errors = (tmp_path / "propagating" / "swanlog").glob("run-*/console/error.log")  # SwanLab's file of the error
     assert [p.read_text().splitlines()[-1] for p in errors] == ["RuntimeError: engine died at https://***@host/x"]
+
+
+def test_metric_names_swanlab_refuses_are_renamed_not_raised(tmp_path: Path) -> None:
+    """SwanLab refuses a blank name and one starting or ending with `.` or `/` (ValueError into the training loop:
+    the step lost, the run ended, the metrics logged before it in that step kept). Each is logged under a name it
+    takes, distinct from every other key's and from the `samples` column; metrics.jsonl keeps the keys as given."""
+    cfg = yaml.safe_dump({"experiment": "names", "tracking": {"swanlab": {"hardware_monitor": False}}})
+    metrics = {"big": 1.0, "": 2.0, "/lead": 3.0, "_lead": 4.0, "eval/": 5.0, " pad ": 6.0, "samples": 7.0}
+    tracker = Tracker(tmp_path, cfg, ["swanlab"])
+    tracker.log(1, metrics)
+    tracker.log(2, {"/lead": 8.0})
+    tracker.close()
+    shown = _current(tmp_path)["history"]
+    assert shown[1]["big"] == 1.0 and shown[1]["_"] == 2.0 and shown[1]["eval_"] == 5.0 and shown[1]["pad"] == 6.0
+    assert shown[1]["_lead"] == 4.0  # a name SwanLab takes as it is keeps it; `/lead` gets a suffix beside it
+    (lead,) = [k for k, v in shown[1].items() if v == 3.0]
+    (samples,) = [k for k, v in shown[1].items() if v == 7.0]
+    assert lead.startswith("_lead-") and samples.startswith("samples-") and shown[2] == {lead: 8.0}
+    assert len(shown[1]) == len(metrics)  # none lost, none merged
+    assert Tracker.read_metrics(tmp_path / "metrics.jsonl")[0] == {"step": 1, **metrics}
+    from roll_core.trackers.swanlab import swanlab_key
+
+    assert [swanlab_key(k) for k in ("a" * 300, "x" * 254 + "/y", "./a/.")] == ["a" * 255, "x" * 254 + "_", "_/a/_"]

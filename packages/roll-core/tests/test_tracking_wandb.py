@@ -316,3 +316,24 @@ def test_a_run_closed_while_its_exception_propagates_is_a_failed_wandb_run(tmp_p
     except RuntimeError:
         retry.close(failed=False)
     assert [_exit_code(tmp_path / name) for name in ("failed", "ok", "retry")] == [1, 0, 0]
+
+
+def test_a_metric_named_as_wandbs_own_keys_is_renamed_not_lost(tmp_path: Path) -> None:
+    """W&B dropped a metric named `_step` or "" and overwrote `_runtime` with its own, without a word: the run's
+    W&B charts lacked them. Each is logged under another name (a suffix), as is one named as the sample table;
+    metrics.jsonl keeps the keys as given."""
+    cfg = yaml.safe_dump({"experiment": "names", "tracking": {"wandb": {"mode": "offline"}}})
+    metrics = {"_step": 7.0, "_runtime": 8.0, "": 9.0, "samples": 10.0, "_other": 11.0, "loss": 12.0}
+    tracker = Tracker(tmp_path, cfg, ["wandb"])
+    tracker.log(1, metrics)
+    tracker.close()
+    assert len(_current(tmp_path)) == 1
+    shown = {}
+    for record in _finished(next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))):
+        if record.WhichOneof("record_type") == "history":
+            shown.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    assert shown["_step"] == 1 and shown["_other"] == 11.0 and shown["loss"] == 12.0 and shown["_"] == 9.0
+    for key in ("_step", "_runtime", "samples"):
+        (name,) = [k for k in shown if k.startswith(f"{key}-")]
+        assert shown[name] == metrics[key]
+    assert Tracker.read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, **metrics}]

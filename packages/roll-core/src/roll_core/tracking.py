@@ -262,6 +262,7 @@ class Tracker:
             config = parsed if isinstance(parsed, dict) else {}
         self.metrics_path = self.dir / "metrics.jsonl"
         self._plotted_at: float | None = None  # time.monotonic() of the last curves.png
+        self._too_large: set[str] = set()  # metrics warned about: an int past a float's range (`log`)
         if not resume:  # an earlier run's records in this folder (a run stopped before its first checkpoint)
             # curves.png too: report.md embeds it, and a run that ended before its first plot showed the earlier
             # run's curves beside "No metrics were logged"
@@ -316,7 +317,8 @@ class Tracker:
                 backend.samples(step, samples.pop(step))  # type: ignore[attr-defined]
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Append `step`'s numeric metrics to metrics.jsonl (NaN/inf as null) and pass the finite ones to backends.
+        """Append `step`'s numeric metrics to metrics.jsonl (NaN/inf, and an int past a float's range, as null) and
+        pass the finite ones to backends.
 
         Numbers are Python, numpy or one-element torch values: integers as ints (a numpy count stays `3`, not
         `3.0`), others as floats, bools as 0.0/1.0; other values are not metrics and are left out. A metric named
@@ -324,7 +326,7 @@ class Tracker:
         if "step" in metrics:
             raise ValueError("a metric may not be named 'step' (it is the record's step number)")
         clean = {k: v for k, v in ((k, _number(v)) for k, v in metrics.items()) if v is not _NOT_A_NUMBER}
-        clean = {k: (v if v is None or math.isfinite(v) else None) for k, v in clean.items()}
+        clean = {k: (v if _finite(k, v, self._too_large) else None) for k, v in clean.items()}
         record = {"step": step, **clean}
         self.history.append(record)
         with open(self.metrics_path, "a") as f:
@@ -495,8 +497,8 @@ def _json_value(v: Any) -> Any:
     if _is_bool(v):  # JSON has booleans: a row's `correct: true` was written 1.0
         return bool(v.item() if hasattr(v, "item") else v)
     number = _number(v)
-    if number is _NOT_A_NUMBER:
-        return v
+    if number is _NOT_A_NUMBER or isinstance(number, int):  # (JSON holds any int: one past a float's range too)
+        return v if number is _NOT_A_NUMBER else number
     return None if number is not None and not math.isfinite(number) else number
 
 
@@ -546,6 +548,19 @@ def _number(v: Any) -> Any:
     if hasattr(v, "dtype") and hasattr(v, "item") and getattr(v, "size", None) == 1:  # numpy: np.bool_, 0-d, [x]
         return _scalar(v.item())
     return _NOT_A_NUMBER
+
+
+def _finite(key: str, v: int | float | None, warned: set[str]) -> bool:
+    """Whether a metric's value is a finite number. An int past a float's range (a double's: what every backend
+    stores) is not: it raised OverflowError into the training loop; it is null, as inf is, warned about once per
+    metric (`warned`: the metrics warned about)."""
+    try:
+        return v is not None and math.isfinite(v)
+    except OverflowError:
+        if key not in warned:
+            warned.add(key)
+            log.warning("metric %r: an int past a float's range is logged as null (as inf is)", key)
+        return False
 
 
 def _scalar(item: Any) -> Any:

@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 log = logging.getLogger("roll_core.trackers.mlflow")
@@ -48,47 +48,63 @@ def mlflow_key(key: str) -> str:
 class KeyNames:
     """Each key's MLflow name, distinct per key, given at the key's first appearance and kept.
 
-    The name is `mlflow_key(key)`; when another key already has it, it is that name cut to fit and ended with
-    `-<the first 8 hex digits of the key's SHA-1>` (deterministic: a replay or a resume that sees the keys in the
-    same order names them the same), and a warning says so once. Among keys first seen together (one step's
-    metrics, one config), those MLflow takes as they are claim their names first, so `a/b_c` keeps its name
-    beside `a/b=c`. `reserved` names are never given to a key (a metric of roll's own)."""
+    The name is `clean(key)` (`mlflow_key(key)` for MLflow); when another key already has it, it is that name cut
+    to fit and ended with `-<the first 8 hex digits of the key's SHA-1>` (deterministic: a replay or a resume that
+    sees the keys in the same order names them the same), and a warning says so once. Among keys first seen
+    together (one step's metrics, one config), those MLflow takes as they are claim their names first, so `a/b_c`
+    keeps its name beside `a/b=c`. `reserved` names are never given to a key (a metric of roll's own).
 
-    def __init__(self, kind: str, reserved: Iterable[str] = ()) -> None:
+    Another backend with its own rules passes them: `clean` (a key as that backend takes it, at most `max_len`
+    long; mlflow_key by default), `backend` (its name in the messages) and `logger` (its own)."""
+
+    def __init__(
+        self,
+        kind: str,
+        reserved: Iterable[str] = (),
+        *,
+        clean: Callable[[str], str] | None = None,
+        max_len: int = MAX_KEY,
+        backend: str = "MLflow",
+        logger: logging.Logger = log,
+    ) -> None:
         self.kind = kind  # "metric" or "param", for messages
+        self.clean, self.max_len, self.backend, self.log = clean or mlflow_key, max_len, backend, logger
         self.names: dict[str, str] = {}
         self.owners: dict[str, str | None] = dict.fromkeys(reserved)  # name -> the key that has it (None: roll's)
 
     def names_of(self, keys: Iterable[str]) -> dict[str, str]:
-        """{key: its MLflow name} of `keys`; new keys are named (see the class docstring)."""
+        """{key: its name in the backend} of `keys`; new keys are named (see the class docstring)."""
         keys = list(dict.fromkeys(keys))
         new = [k for k in keys if k not in self.names]
-        for key in sorted(new, key=lambda k: mlflow_key(k) != k):  # stable: valid names first, else as given
+        for key in sorted(new, key=lambda k: self.clean(k) != k):  # stable: valid names first, else as given
             self._name(key)
         return {k: self.names[k] for k in keys}
 
     def _name(self, key: str) -> None:
-        name = mlflow_key(key)
+        name = self.clean(key)
         if name in self.owners:
             digest = hashlib.sha1(key.encode()).hexdigest()
             taken = name
             for n in range(_DIGEST, len(digest) + 1):  # a longer digest in the (astronomical) case it is taken too
-                name = mlflow_key(f"{taken[: MAX_KEY - n - 1]}-{digest[:n]}")
+                name = self.clean(f"{taken[: self.max_len - n - 1]}-{digest[:n]}")
                 if name not in self.owners:
                     break
             else:
-                raise ValueError(f"MLflow: no distinct name for {self.kind} {key!r}")
+                raise ValueError(f"{self.backend}: no distinct name for {self.kind} {key!r}")
             owner = self.owners[taken]
-            log.warning(
-                "MLflow: %s %r is logged as %r (%r already names %s)",
+            self.log.warning(
+                "%s: %s %r is logged as %r (%r already names %s)",
+                self.backend,
                 self.kind,
                 key,
                 name,
                 taken,
-                f"roll's own {self.kind}" if owner is None else repr(owner),
+                f"a reserved {self.kind} (the backend's or roll's)" if owner is None else repr(owner),
             )
         elif name != key and self.kind == "metric":  # (a param's name is in the params MLflow shows)
-            log.info("MLflow: %s %r is logged as %r (characters MLflow refuses)", self.kind, key, name)
+            self.log.info(
+                "%s: %s %r is logged as %r (a name %s refuses)", self.backend, self.kind, key, name, self.backend
+            )
         self.names[key], self.owners[name] = name, key
 
 

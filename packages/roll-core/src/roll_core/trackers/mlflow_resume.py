@@ -6,6 +6,8 @@ tracker's worker thread like the rest of its calls.
 logged to it. MLflow cannot delete metric points (a point logged again at the same step is a second point, not a
 replacement), so `truncate(last_step)` does one of two things:
 - the MLflow run holds nothing after `last_step` (a preemption right after a checkpoint): the same run continues;
+  run.json's last step and the server's last point must agree on that (an attempt that ended mid-send left the
+  server holding steps run.json does not name: a new run, as below);
 - it holds later steps (a crash between checkpoints; the run redoes them with other values): a new MLflow run
   (same experiment and name, tag `roll.resumed_from=<old id>`) replays steps 0..last_step from the run folder's
   metrics.jsonl and samples.jsonl, then continues; the old run gets tag `roll.superseded_by=<new id>` and is
@@ -29,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Any
 
 from roll_core.trackers.mlflow_buffer import LOGGED_ARTIFACTS_TAG
 from roll_core.trackers.mlflow_end import reopened
@@ -81,7 +84,8 @@ class MlflowResume:
         # run.json holds the URI without userinfo (one written before that: with it)
         same_store = state is not None and state.get("tracking_uri") in (self.shown_uri, self.uri)
         try:
-            if same_store and int(state["last_step"]) <= self.resume_step and self._continue(str(state["run_id"])):
+            recorded = int(state["last_step"]) if same_store else None
+            if recorded is not None and recorded <= self.resume_step and self._continue(str(state["run_id"]), recorded):
                 self.resume_step = None
                 self.last_step = self.held_step = int(state["last_step"])
                 self._save_state()
@@ -111,11 +115,15 @@ class MlflowResume:
         self.seen_step = max(self.seen_step, step)
         return time.monotonic() >= self.retry_at and self._open(step - 1)
 
-    def _continue(self, run_id: str) -> bool:
-        """Continue the recorded run; False when the store no longer has it (deleted or another store)."""
+    def _continue(self, run_id: str, recorded: int) -> bool:
+        """Continue the recorded run; False when the store no longer has it (deleted or another store), or when it
+        holds a step after `recorded`, run.json's last step: an attempt died after the server took points and
+        before run.json said so (a kill mid-send, a slow server's answer never read). Continued, that run showed
+        its own step twice (replayed from metrics.jsonl) and the abandoned values of the steps redone after it."""
         try:
             with self._http():
                 run = self.client.get_run(run_id)
+                held = _last_step(self.client, run)
         except Exception as exc:
             if is_network_error(exc):
                 raise Unreachable(
@@ -123,6 +131,13 @@ class MlflowResume:
                 ) from redact_exception(exc)
             return False
         if run.info.lifecycle_stage == "deleted":
+            return False
+        if held > recorded:
+            log.warning(
+                "MLflow: run %s holds steps up to %d, after the %d that %s records (an attempt ended while sending): "
+                "a new run replays the run folder's steps",
+                *(run_id, held, recorded, self.dir / STATE_FILE),
+            )
             return False
         self.run_id = run_id
         try:
@@ -173,3 +188,13 @@ class MlflowResume:
         self.pending_metrics = [tuple(m) for m in unsent["metrics"]] + self.pending_metrics  # type: ignore[misc]
         self.pending_artifacts = {**unsent["artifacts"], **self.pending_artifacts}
         log.info("MLflow: %d metric points of an earlier attempt are sent now", len(unsent["metrics"]))
+
+
+def _last_step(client: Any, run: Any) -> int:
+    """The last step at which an MLflow run holds a metric point (-1: none). MLflow's latest value of a metric is
+    that of its last step: the run's own record has them (`RunData._metric_objs`, no request), else each metric's
+    history is read."""
+    latest = getattr(run.data, "_metric_objs", None)
+    if latest is None:
+        latest = [p for key in run.data.metrics for p in client.get_metric_history(run.info.run_id, key)]
+    return max((int(point.step) for point in latest), default=-1)

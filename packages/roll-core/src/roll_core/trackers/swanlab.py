@@ -7,7 +7,10 @@ login`), else `local`: files under `<run>/swanlog` only, no network and no login
 `swanlab watch <run>/swanlog`. `offline` writes the same backup file without the dashboard's database (upload later
 with `swanlab sync <run>/swanlog/run-*`). SwanLab 0.6 has no run groups: `tracking.swanlab.group` (else
 `tracking.group`, a sweep's) becomes a tag. Metrics are logged at their step; samples as a `samples` text column at
-their step, one text per row (the row as JSON, its reward as caption). The console is not captured (SwanLab's log
+their step, one text per row (the row as JSON, its reward as caption). A metric name SwanLab refuses (blank, or
+starting or ending with `.` or `/`: SwanLab raised ValueError into the training loop) or cuts (past 255
+characters) is logged under a name it takes (`swanlab_key`), kept distinct from every other key's and from
+`samples` (roll_core.trackers.mlflow_keys.KeyNames: a suffix and a warning). The console is not captured (SwanLab's log
 proxy is off) and the hardware monitor follows `tracking.swanlab.hardware_monitor`.
 
 Resume. SwanLab 0.6 cannot reopen an experiment and ignores a step logged twice, so a resumed run (`truncate`) is a
@@ -40,6 +43,7 @@ from typing import Any
 from roll_core.config.tracking import SWANLAB, backend_options, tracking_config
 from roll_core.errors import Extra
 from roll_core.trackers.background import describe_failure, schedule_retry
+from roll_core.trackers.mlflow_keys import KeyNames
 from roll_core.trackers.replay import kept_metrics, kept_samples
 from roll_core.tracking import redact_config, redact_text
 
@@ -53,6 +57,20 @@ SWANBOARD = Extra("swanboard", "tracking.swanlab.mode=local", "swanboard", "roll
 #: Seconds before a resumed run whose SwanLab cloud did not answer tries to start its experiment again (doubling).
 RETRY_S = 300.0
 MAX_RETRY_S = 3600.0
+#: SwanLab's longest metric name (it cuts longer ones, and raised ValueError for two cut alike in one log).
+MAX_KEY = 255
+
+
+def swanlab_key(key: str) -> str:
+    """`key` as SwanLab 0.6 takes it (swanlab.data.formatter.check_key_format): no blank at either end, at most
+    MAX_KEY long, not empty, neither starting nor ending with `.` or `/` (such an end becomes `_`). Not
+    one-to-one: the tracker's KeyNames keeps distinct keys distinct."""
+    clean = key.strip()[:MAX_KEY].rstrip() or "_"
+    if clean[0] in "./":
+        clean = "_" + clean[1:]
+    if clean[-1] in "./":
+        clean = clean[:-1] + "_"
+    return clean
 
 
 def _import_swanlab() -> ModuleType:
@@ -108,6 +126,7 @@ class SwanlabTracker:
         self.seen_step = -1  # the last step given to this backend while no experiment is open
         self.failures = 0  # failed tries to start it (warned about at the first)
         self.retry_at = 0.0
+        self.keys = KeyNames("metric", [SAMPLES_KEY], clean=swanlab_key, max_len=MAX_KEY, backend="SwanLab", logger=log)
         if not resume:
             self._start()
         # On resume, the first truncate (or log) starts the experiment that replays the kept steps.
@@ -199,7 +218,8 @@ class SwanlabTracker:
         if not self._ensure_run(step):
             return  # metrics.jsonl holds the step: sent when the experiment starts
         if metrics:
-            self.run.log(dict(metrics), step=step)
+            names = self.keys.names_of(metrics)  # (a name SwanLab refuses raised into the training loop)
+            self.run.log({names[k]: v for k, v in metrics.items()}, step=step)
         self.last_step = max(self.last_step, step)
         self._save_state()
 

@@ -64,14 +64,16 @@ class TensorBoardTracker:
 
     def truncate(self, last_step: int) -> None:
         """Purge the events after `last_step` (a new writer over the same folder), then write the steps up to
-        `last_step` that the event files lack, from metrics.jsonl."""
+        `last_step` that the event files lack, from metrics.jsonl. The purge starts after the last step the record
+        names when that is earlier: those replayed steps' events, written by an attempt that died before its record
+        said so, were drawn twice."""
         from torch.utils.tensorboard import SummaryWriter
 
         if self.writer is not None:
             self.writer.close()
         _wait_for_a_later_second(self.dir)
-        self.writer = SummaryWriter(str(self.dir), purge_step=last_step + 1)
         held = min(self.written, last_step)
+        self.writer = SummaryWriter(str(self.dir), purge_step=held + 1)
         for step, metrics in kept_metrics(self.run_dir, last_step, after=held):
             self.log(step, metrics)
         self._record(last_step)

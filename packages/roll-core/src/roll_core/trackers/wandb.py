@@ -6,7 +6,9 @@ run name, group=tracking.wandb.group or tracking.group, config=the resolved conf
 default) is online only when W&B can authenticate (WANDB_API_KEY, or a `wandb login` in ~/.netrc) or WANDB_MODE
 says otherwise; else offline: nothing leaves the machine, and
 `wandb sync <run>/wandb/offline-run-*` uploads later. Metrics are logged at the trainer's step (W&B's own step);
-samples as a `samples` table (step, prompt, response, reward, ...) at their step.
+samples as a `samples` table (step, prompt, response, reward, ...) at their step. A metric named as W&B's own
+(RESERVED: W&B dropped `_step` and overwrote `_runtime` without a word) or the table, or named "" (dropped), is
+logged under another name, with a warning (roll_core.trackers.mlflow_keys.KeyNames: the name and a suffix).
 
 Resume. `<run>/wandb/roll-run.json` records the W&B run id and the last step W&B holds. W&B history cannot be
 deleted (its "rewind" is a private preview), so `truncate(last_step)` on a resumed run does one of two things:
@@ -43,6 +45,7 @@ from urllib.parse import urlparse
 
 from roll_core.config.tracking import WANDB, backend_options, tracking_config
 from roll_core.trackers.background import describe_failure, schedule_retry
+from roll_core.trackers.mlflow_keys import KeyNames
 from roll_core.trackers.replay import kept_metrics, kept_samples
 from roll_core.tracking import redact_config
 
@@ -54,6 +57,13 @@ SAMPLES_KEY = "samples"
 #: Seconds before a resumed run whose W&B did not answer tries to open its W&B run again (doubling per failure).
 RETRY_S = 300.0
 MAX_RETRY_S = 3600.0
+#: History keys W&B writes itself (a metric so named was lost), and the sample table's.
+RESERVED = ("_step", "_runtime", "_timestamp", "_wandb", SAMPLES_KEY)
+
+
+def wandb_key(key: str) -> str:
+    """`key` as W&B keeps it: an empty (or blank) name, which W&B dropped, is `_`; others as they are."""
+    return key if key.strip() else "_"
 
 
 def has_api_key() -> bool:
@@ -108,6 +118,7 @@ class WandbTracker:
         self.seen_step = -1  # the last step given to this backend while its run is not open
         self.failures = 0  # failed tries to open it (warned about at the first)
         self.retry_at = 0.0
+        self.keys = KeyNames("metric", RESERVED, clean=wandb_key, max_len=1000, backend="W&B", logger=log)
         if not resume:
             self._start()
         # On resume, the first truncate (or log) decides: continue the recorded W&B run or start a new one.
@@ -221,7 +232,8 @@ class WandbTracker:
         """Log the metrics at W&B step `step`."""
         if not self._ensure_run(step):
             return  # metrics.jsonl holds the step: sent when the W&B run opens
-        self.run.log(dict(metrics), step=step)
+        names = self.keys.names_of(metrics)  # (W&B dropped a metric named as its own, without a word)
+        self.run.log({names[k]: v for k, v in metrics.items()}, step=step)
         self.last_step = max(self.last_step, step)
         self._save_state()
 
