@@ -46,13 +46,14 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
   folder (job folders nest with `hydra.sweep.subdir=${hydra.job.override_dirname}`), writes `summary.csv`,
   `summary.md` and `rewards.png` (every job's reward curve, one line per job) into it, each whole or not at all (a
   temporary file renamed over it: a sweep killed while writing never leaves half a summary; a plot that fails is
-  logged, the tables are still written); with no job record, summary.md says so and an earlier sweep's summary.csv and
-  rewards.png are removed (never shown as this sweep's), and `roll-train` exits non-zero if any job was not `ok` or no
-  job record of the sweep was found. The failures are counted before the summary is written, so a summary that cannot
-  be written (Hydra turns a callback's exception into a warning) never hides them. A sweep whose sweeper raises
-  (hydra-optuna-sweeper when every trial failed: Optuna has no best trial) skips `on_multirun_end`: `roll-train` then
-  summarises it (`end_unfinished_sweeps`) and exits 1 with a message naming the failed jobs and summary.md, instead of
-  only the sweeper's traceback.
+  logged, the tables are still written; a job's final held-out accuracy is its run summary's: missing where a stop
+  skipped its final evaluation, its error cell saying so); with no job record, summary.md says so and an earlier
+  sweep's summary.csv and rewards.png are removed (never shown as this sweep's), and `roll-train` exits non-zero if
+  any job was not `ok` or no job record of the sweep was found. The failures are counted before the summary is
+  written, so a summary that cannot be written (Hydra turns a callback's exception into a warning) never hides them. A
+  sweep whose sweeper raises (hydra-optuna-sweeper when every trial failed: Optuna has no best trial) skips
+  `on_multirun_end`: `roll-train` then summarises it (`end_unfinished_sweeps`) and exits 1 with a message naming the
+  failed jobs and summary.md, instead of only the sweeper's traceback.
 """
 
 from __future__ import annotations
@@ -304,6 +305,7 @@ def _write_summary(sweep_dir: Path, found: list[tuple[Path, dict[str, Any]]]) ->
         # NaN and skipped a later one)
         finite_rewards = [r for _, r in rewards if _finite(r)]
         finite_evals = [a for a in evals if _finite(a)]
+        final_eval, skipped_note = _final_eval(st, evals)
         # One curve per job, named with its number: two jobs with the same swept values (a repeat, an Optuna trial
         # that samples a point again) are two lines, not one overwriting the other.
         curves.append((label if label == f"job {st.get('job')}" else f"{st.get('job')}: {label}", rewards))
@@ -314,11 +316,11 @@ def _write_summary(sweep_dir: Path, found: list[tuple[Path, dict[str, Any]]]) ->
                 "status": st.get("status", "unknown"),
                 "final_reward": rewards[-1][1] if rewards else None,
                 "best_reward": max(finite_rewards, default=None),
-                "final_eval_accuracy": evals[-1] if evals else None,
+                "final_eval_accuracy": final_eval,
                 "best_eval_accuracy": max(finite_evals, default=None),
                 "wall_seconds": _seconds(st.get("wall_seconds")),
                 "queued_seconds": _seconds(st.get("queued_seconds")),
-                "error": st.get("error", ""),
+                "error": st.get("error", "") or skipped_note,
                 "overrides": " ".join(st["overrides"]),
             }
         )
@@ -373,6 +375,20 @@ def _replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _final_eval(record: dict[str, Any], evals: list[Any]) -> tuple[Any, str]:
+    """A job's final held-out accuracy and a note for its error cell: its run summary's where the record holds one
+    (None when a stop skipped the final evaluation, whose model the last logged accuracy is not: the note names the
+    skipped evaluations), else the last one its metrics.jsonl logged (a failed or killed job) and no note."""
+    summary = record.get("summary")
+    if not isinstance(summary, dict) or "final_eval_accuracy" not in summary:
+        return (evals[-1] if evals else None), ""
+    skipped = summary.get("skipped") if record.get("status") == "ok" else None
+    note = ""
+    if isinstance(skipped, list) and skipped:
+        note = f"skipped by a stop: {', '.join(map(str, skipped))} (roll-eval the checkpoint)"
+    return summary["final_eval_accuracy"], note
 
 
 def _finite(v: Any) -> bool:

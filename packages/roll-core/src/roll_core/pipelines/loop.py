@@ -20,12 +20,13 @@ Steps that train nothing (the collector returned no batch, not by design: roll_c
 warned about with their reason and counted (`data/empty_steps`, the summary's `empty_steps`); after
 `pipeline.max_empty_steps` in a row the step is logged and the run ends with `EmptyStepsError`.
 Stops (roll_core.pipelines.run_control): a SIGINT/SIGTERM while the pipeline is built stops the build at once
-(`StoppedWhileBuilding`; what was started is shut down, the lock released). From the evaluation before step 1 on,
-a stop signal ends the run after the step it arrives in (saved: `stopped_by_signal`, report.md `stopped by
-signal N`). One that arrives in the last step (`pipeline.max_steps`, or the step that finishes a finite job) stops
-nothing: the step completes and is saved, the run is complete (`stopped_by_signal` None, exit 0, report.md
-`finished`, a resume trains nothing) and the summary says what the signal skipped (`late_signal`, `skipped`: the
-final evaluation; `final_eval_accuracy` is then None, `roll-eval` on the last checkpoint gives it). One that
+(`StoppedWhileBuilding`; what was started is shut down, the lock released). From the evaluation before step 1 on, a
+stop signal ends the run after the step it arrives in (saved: `stopped_by_signal`, report.md `stopped by signal N`).
+One that arrives in the last step (`pipeline.max_steps`, or the step that finishes a finite job) stops nothing: the
+step completes and is saved, the run is complete (`stopped_by_signal` None, exit 0, report.md `finished`, a resume
+trains nothing) and the summary says what the signal skipped (`late_signal`, `skipped`: the final evaluation;
+`final_eval_accuracy` is then None, `roll-eval` on the last checkpoint gives it), as do a resumed run's summary and
+report.md status (the skipped steps are checkpointed; both are written by roll_core.pipelines._run_summary). One that
 arrives after the last step (final curves, the trackers' close, report.md) is logged and changes nothing but
 `late_signal`. A second signal aborts at once (`StopAborted`: report.md and roll-train's one line name the latest
 complete checkpoint; exit 128 + N; its message and a failed save's: roll_core.pipelines._run_endings). A stop
@@ -48,7 +49,7 @@ from typing import Any
 
 from roll_core import registry
 from roll_core.algorithms import load_estimator
-from roll_core.checkpoint import CheckpointError, CheckpointManager, step_of
+from roll_core.checkpoint import CheckpointError, CheckpointManager
 from roll_core.cluster.launch import Cluster
 from roll_core.cluster.shared_fs import check_run_folder
 from roll_core.config.build import build
@@ -56,8 +57,9 @@ from roll_core.config.resume import check_checkpoint, config_dict
 from roll_core.config.schema import RLVRConfig
 from roll_core.models import resolve_model_path
 from roll_core.pipelines._run_endings import StopAborted, save_failure, signal_name
+from roll_core.pipelines._run_summary import end_status, restored_skips, run_summary
 from roll_core.pipelines.collectors import Collector, CollectorContext, CollectorFactory
-from roll_core.pipelines.empty_steps import EmptySteps, EmptyStepsError, total
+from roll_core.pipelines.empty_steps import EmptySteps, EmptyStepsError
 from roll_core.pipelines.metrics import StepLog, heavy_masking_warning
 from roll_core.pipelines.objectives import load_objective
 from roll_core.pipelines.run_control import (
@@ -217,20 +219,17 @@ class Pipeline:
                 self.report(f"failed: {type(exc).__name__}: {str(exc)[:300]}", self.wall_seconds())
                 self._close_tracker_failed()
                 raise
-            signum = summary.get("stopped_by_signal")
-            saved = getattr(self, "stop_checkpoint", None)
-            where = f"resume from {saved.name}" if saved is not None else "no checkpoint to resume from"
-            status = f"stopped by signal {signum} ({where})" if signum else "finished"
-            if not signum and summary.get("late_signal"):  # complete: the signal stopped nothing but an evaluation
-                status = self._late_status(summary)
-            if not signum and getattr(self.collector, "exhausted", True) is False:
-                # a finite job (rollout-only) cut by pipeline.max_steps: its output is partial, which "finished" hid
-                status = (
-                    f"stopped at pipeline.max_steps={self.cfg.pipeline.max_steps} before the job was done "
-                    "(partial output; raise pipeline.max_steps and resume with pipeline.resume=true)"
-                )
+            # stopped, finished (naming the evaluations stops skipped, earlier processes' too), or a partial job
+            status = end_status(
+                summary,
+                self.tracker.history,
+                healthy_checkpoint=getattr(self, "healthy_checkpoint", None),
+                stop_checkpoint=getattr(self, "stop_checkpoint", None),
+                exhausted=getattr(self.collector, "exhausted", True),
+                max_steps=self.cfg.pipeline.max_steps,
+            )
+            if summary.get("incomplete"):
                 log.warning("run %s", status)
-                summary["incomplete"] = True
             summary["status"] = status
             self.report(status, summary["wall_seconds"])
         return summary
@@ -254,19 +253,6 @@ class Pipeline:
             self.tracker.close(failed=True)
         except Exception as exc:
             log.error("closing the trackers after the failure failed: %s: %s", type(exc).__name__, exc)
-
-    def _late_status(self, summary: dict[str, Any]) -> str:
-        """The status of a complete run that received a stop signal in its last step or after it."""
-        ckpt = getattr(self, "healthy_checkpoint", None)
-        skipped = summary.get("skipped") or []
-        what = f"skipped the {', '.join(skipped)}" if skipped else "skipped nothing"
-        if skipped and ckpt is not None:
-            what += f" (roll-eval {ckpt} gives it)"
-        last = max((h["step"] for h in self.tracker.history), default=None)
-        saved = ""
-        if ckpt is not None:  # not the last step's inside a non-finite streak (no checkpoint there)
-            saved = f" and saved ({ckpt.name})" if step_of(ckpt) == last else f" (latest checkpoint {ckpt.name})"
-        return f"finished: every step trained{saved}; {signal_name(summary['late_signal'])} received at the end {what}"
 
     def wall_seconds(self) -> float:
         """The run's wall time so far: every process's, setup included (a resumed run's earlier processes up to
@@ -427,30 +413,15 @@ class Pipeline:
         evaluations a stop skipped (the earlier processes' too: checkpointed). A complete run whose final evaluation
         was skipped, also one resumed since, has no `final_eval_accuracy` (an earlier step's would pass for the
         final model's)."""
-        history = self.tracker.history
-        evals = [h["eval/accuracy"] for h in history if h.get("eval/accuracy") is not None]
-        rewards = [(h["step"], h["reward/mean"]) for h in history if h.get("reward/mean") is not None]
-        skipped_evals = getattr(self, "skipped_evals", [])
-        last = max((h["step"] for h in history), default=None)
-        final_skipped = signum is None and last in skipped_evals  # (a late signal skipped it, maybe before a resume)
-        summary = {
-            "final_eval_accuracy": evals[-1] if evals and not final_skipped else None,
-            "best_eval_accuracy": max(evals, default=None),
-            "first_eval_accuracy": evals[0] if evals else None,
-            # the last step that logged one: a last step without a reward (empty, its rewards all failed) read None
-            "final_reward": rewards[-1][1] if rewards else None,
-            "final_reward_step": rewards[-1][0] if rewards else None,
-            "wall_seconds": wall_seconds,
-            "output_dir": str(self.out),
-            "stopped_by_signal": signum,
-            "late_signal": late,
-            "skipped": [
-                f"{'final evaluation' if final_skipped and n == last else 'evaluation'} (step {n})"
-                for n in skipped_evals
-            ],
-            "empty_steps": total(history),  # steps that trained nothing (not by design), earlier processes' too
-            **self.collector.summary(),
-        }
+        summary = run_summary(
+            self.tracker.history,
+            getattr(self, "skipped_evals", []),
+            wall_seconds=wall_seconds,
+            output_dir=str(self.out),
+            signum=signum,
+            late=late,
+            collector_summary=self.collector.summary(),
+        )
         log.info("run finished: %s", summary)
         return summary
 
@@ -535,7 +506,7 @@ class Pipeline:
             self.collector.load_state_dict(state["collector"])
         self.start_step = state["step"] + 1
         self.wall_before = float(state.get("wall_seconds", 0.0))  # (the earlier process's time after it: redone)
-        self.skipped_evals = [int(s) for s in state.get("skipped_evals", ()) if int(s) <= state["step"]]
+        self.skipped_evals = restored_skips(state)
         self.healthy_checkpoint = folder
         self.tracker.truncate(state["step"])
         self.empty_steps.resume(self.tracker.history)  # a streak of empty steps before the checkpoint goes on

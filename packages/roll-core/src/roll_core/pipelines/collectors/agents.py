@@ -4,7 +4,8 @@ agentic rollout.
 The collector serves roll's inference engines behind an OpenAI-compatible endpoint on 127.0.0.1
 (roll_core.agentic.openai_server) for the whole run. A step draws `pipeline.rollout_batch_size` task rows (from
 the run seed and the step only) and runs the task's agent program `algo.group_size` times on each, all
-concurrently, every episode with a session of its own (`base_url = .../sessions/<id>/v1`). The program reports
+concurrently, every episode with a session of its own (`base_url = .../sessions/<id>/v1`; ids `ep<N>`, unique for the
+run, resumes included: the count is the collector's checkpointed state). The program reports
 its episode's reward by returning it or by POSTing it to the session's reward URL (a returned number wins). The
 sessions record the exact ids the engine sampled per turn, token-in-token-out (roll_core.agentic.agent_sessions),
 so the batch is trajectories like `pipeline=agentic`'s: the first prompt is the prompt, everything after it the
@@ -188,7 +189,10 @@ class AgentCollector:
         concurrency = max(self.cfg.pipeline.rollout_batch_size * self.cfg.algo.group_size, len(task.eval_rows()), 1)
         self.server = OpenAIServer(self.sessions, model_name=task.model_name, max_workers=concurrency)
         self.server.start()
-        self._episodes = 0  # session ids are unique for the run
+        # Session ids (`ep<N>`, in the agent program's URLs and logs) are unique for the run, across resumes too: the
+        # count is checkpointed (they restarted at ep0, so a program keeping per-session state, or logs joined across
+        # the resume, mixed two episodes). A step redone after a resume (one after the checkpoint) reuses its ids.
+        self._episodes = 0
 
     # ---- the collector contract ---------------------------------------------------------------------------
     def next(self, step: int, out: StepLog) -> Collected | None:
@@ -250,10 +254,19 @@ class AgentCollector:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {}  # training rows follow from (run seed, step)
+        """The episodes run so far (the next session id's number); training rows follow from (run seed, step)."""
+        return {"episodes": self._episodes}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        return None
+        """Continue the session ids after the checkpoint's (a checkpoint written before they were saved has none:
+        they start at ep0 again, with a warning)."""
+        episodes = state.get("episodes")
+        if episodes is None:
+            log.warning("the checkpoint has no agent session count: session ids restart at ep0 (ids before it repeat)")
+            return
+        if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 0:
+            raise ValueError(f"the checkpoint's agent session count is {episodes!r}, not a count of episodes")
+        self._episodes = max(self._episodes, episodes)
 
     def summary(self) -> dict[str, Any]:
         """The rows the task's files lost (`data_counts`: training rows left out as held out)."""
