@@ -98,3 +98,32 @@ def test_a_refusal_on_the_worker_is_raised_by_the_next_call(tmp_path: Path, monk
     assert read_run(*_store(tmp_path)) == {s: {"loss": float(s)} for s in range(3)}
     with pytest.raises(RuntimeError, match="after close"):
         backend.log(3, {"loss": 3.0})
+
+
+def test_a_literal_dotted_key_and_the_nested_one_it_reads_as_are_two_params(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A config with a literal `a.b` key beside a nested `a: {b: ...}` flattened both to the param `a.b`, the second
+    silently overwriting the first (MLflow showed one value of two). The nested one keeps `a.b`; the literal one is
+    `a.b-<digest of its path>`, with a warning naming it; a resume that continues the run names them as before."""
+    from roll_core.trackers.mlflow import flatten_config
+
+    config = {"experiment": "dots", "a.b": 1, "a": {"b": 2, "c.d": 3, "c": {"d": 4}}, "x.y": 5}
+    literal = {k: _suffixed(k, json.dumps(path)) for k, path in (("a.b", ["a.b"]), ("a.c.d", ["a", "c.d"]))}
+    with caplog.at_level(logging.WARNING, logger="roll_core.trackers.mlflow"):
+        tracker = Tracker(tmp_path, yaml.safe_dump(config), ["mlflow"])
+        tracker.log(0, {"loss": 1.0})
+        tracker.close()
+    client, run_id = _store(tmp_path)
+    params = client.get_run(run_id).data.params
+    want = {"a.b": "2", literal["a.b"]: "1", "a.c.d": "4", literal["a.c.d"]: "3", "x.y": "5"}
+    assert {k: v for k, v in params.items() if k.startswith(("a.", "x."))} == want
+    said = [r.getMessage() for r in caplog.records if "reads as" in r.getMessage()]
+    assert len(said) == 2 and f"'a.b' is logged as {literal['a.b']!r}" in said[0], said
+    assert flatten_config(config) == params  # the same names at every call (a resume compares them)
+
+    resumed = Tracker(tmp_path, yaml.safe_dump(config), ["mlflow"], resume=True)
+    resumed.truncate(0)  # continued: its params are the run's, unchanged
+    resumed.log(1, {"loss": 0.5})
+    resumed.close()
+    assert _store(tmp_path)[1] == run_id and client.get_run(run_id).data.params == params

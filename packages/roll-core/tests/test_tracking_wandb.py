@@ -337,3 +337,55 @@ def test_a_metric_named_as_wandbs_own_keys_is_renamed_not_lost(tmp_path: Path) -
         (name,) = [k for k in shown if k.startswith(f"{key}-")]
         assert shown[name] == metrics[key]
     assert Tracker.read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, **metrics}]
+
+
+class _Killed(BaseException):
+    """The process killed (a preemption, an OOM kill) at a point of the hand-over of a step to W&B."""
+
+
+class _KilledAtLog:
+    """A W&B run whose `log` of step `at` is cut by a kill: just after W&B got it, or just before."""
+
+    def __init__(self, run: Any, at: int, after: bool) -> None:
+        self._run, self._at, self._after = run, at, after
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._run, name)
+
+    def log(self, data: dict[str, Any], step: int) -> None:
+        if step == self._at and not self._after:
+            raise _Killed
+        self._run.log(data, step=step)
+        if step == self._at:
+            raise _Killed
+
+
+@pytest.mark.parametrize("after", [True, False], ids=["after-wandb-got-it", "before-wandb-got-it"])
+def test_a_kill_while_a_step_goes_to_wandb_never_leaves_a_stale_or_missing_step(tmp_path: Path, after: bool) -> None:
+    """roll-run.json was updated after `run.log` handed the step to W&B: a kill between the two left it a step
+    behind W&B, so the resume (its checkpoint the step before) continued the same W&B run and redid a step that W&B
+    already held (W&B drops a step below its current one, or merges it into the stale row): step 3 kept the killed
+    attempt's value. The record is updated before the step is handed over: a kill in between makes the record say
+    W&B may hold the step, and the resume starts a new W&B run replaying steps 0..2 (a step recorded but never
+    sent costs a new W&B run, never a stale or a missing value)."""
+    pytest.importorskip("wandb", reason="the roll-core[wandb] extra")
+    cfg = yaml.safe_dump({"experiment": "kill", "tracking": {"wandb": {"mode": "offline", "project": "kill"}}})
+    first = Tracker(tmp_path, cfg, ["wandb"])
+    for step in range(3):
+        first.log(step, {"loss": float(step)})
+    backend = first.backends[0]
+    backend.run = _KilledAtLog(backend.run, at=3, after=after)  # type: ignore[attr-defined]
+    with pytest.raises(_Killed):
+        first.log(3, {"loss": 3.0})
+    first.close(failed=True)  # (W&B's service writes what it got: read back below)
+    old_id = json.loads((tmp_path / "wandb" / "roll-run.json").read_text())["id"]
+
+    resumed = Tracker(tmp_path, cfg, ["wandb"], resume=True)
+    resumed.truncate(2)  # the checkpoint was at step 2: step 3 is redone, with another value
+    resumed.log(3, {"loss": 30.0})
+    resumed.log(4, {"loss": 40.0})
+    resumed.close()
+    points = sorted((s, m["loss"]) for run in _current(tmp_path) for s, m in run["history"].items() if "loss" in m)
+    assert points == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]  # each step once, the redone value
+    (current,) = _current(tmp_path)  # a new W&B run, from the resumed one
+    assert current["id"] != old_id and current["config"]["roll_resumed_from"] == old_id

@@ -13,7 +13,9 @@ plugins are. Several run at once (`pipeline.trackers=[tensorboard,wandb]`); each
 resume with them drops their stale copies of those steps and resends the run folder's.
 
 Writing never raises into the training loop for a plot failure; a metric that is not a finite number is logged as
-null in JSONL and left out of what backends receive. A backend's own errors propagate (see its contract).
+null in JSONL and left out of what backends receive; a value that is not a number is left out, warned about once
+per key; a key that is not a str is a TypeError before anything is recorded (roll_core.tracking_values). A
+backend's own errors propagate (see its contract).
 
 Secrets. Backends receive the config as it is (a backend may need its own credentials, e.g. an MLflow tracking URI
 with `user:token@`), and redact what they send to a shared service with `redact_config` (params, the W&B/SwanLab
@@ -28,7 +30,6 @@ import inspect
 import io
 import json
 import logging
-import math
 import os
 import re
 import sys
@@ -41,6 +42,7 @@ from roll_core.trackers._away import AwayRecord, keeps_records
 from roll_core.trackers.jsonl import JsonlTracker
 from roll_core.trackers.replay import kept_metrics, kept_samples
 from roll_core.trackers.tensorboard import TensorBoardTracker
+from roll_core.tracking_values import MetricValues, json_value
 
 __all__ = [
     "AGREEMENT_PLOT_KEYS",
@@ -262,7 +264,7 @@ class Tracker:
             config = parsed if isinstance(parsed, dict) else {}
         self.metrics_path = self.dir / "metrics.jsonl"
         self._plotted_at: float | None = None  # time.monotonic() of the last curves.png
-        self._too_large: set[str] = set()  # metrics warned about: an int past a float's range (`log`)
+        self._values = MetricValues()  # checks and converts `log`'s metrics, warning once per key
         if not resume:  # an earlier run's records in this folder (a run stopped before its first checkpoint)
             # curves.png too: report.md embeds it, and a run that ended before its first plot showed the earlier
             # run's curves beside "No metrics were logged"
@@ -321,16 +323,21 @@ class Tracker:
         pass the finite ones to backends.
 
         Numbers are Python, numpy or one-element torch values: integers as ints (a numpy count stays `3`, not
-        `3.0`), others as floats, bools as 0.0/1.0; other values are not metrics and are left out. A metric named
-        `step` is a ValueError: it would relabel the record."""
+        `3.0`), others as floats, bools as 0.0/1.0; other values are not metrics and are left out, with a warning
+        once per key (roll_core.tracking_values). Nothing of the step is recorded when a key is refused.
+
+        Raises:
+            TypeError: a key is not a str (it names the key and its type).
+            ValueError: a metric is named `step` (it would relabel the record).
+        """
         if "step" in metrics:
             raise ValueError("a metric may not be named 'step' (it is the record's step number)")
-        clean = {k: v for k, v in ((k, _number(v)) for k, v in metrics.items()) if v is not _NOT_A_NUMBER}
-        clean = {k: (v if _finite(k, v, self._too_large) else None) for k, v in clean.items()}
+        clean = self._values.record(metrics)
         record = {"step": step, **clean}
+        line = json.dumps(record) + "\n"  # (built before anything is kept: the history and the file agree)
         self.history.append(record)
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(line)
         finite = {k: v for k, v in clean.items() if v is not None}
         for backend in self.backends:
             backend.log(step, finite)
@@ -363,7 +370,7 @@ class Tracker:
             return
         # Backends get the rows as written, as a resume replays them: given the raw ones, W&B's and SwanLab's
         # json.dumps raised TypeError into the training loop on a numpy number (a reward, an episode's task row).
-        rows = [_json_value(row) for row in rows]
+        rows = [json_value(row) for row in rows]
         # built whole before the file opens: a value json cannot write leaves no partial rows behind
         text = "".join(json.dumps({"step": step, **row}, allow_nan=False) + "\n" for row in rows)
         with open(self.dir / "samples.jsonl", "a") as f:
@@ -453,9 +460,6 @@ def curve_figure(history: Sequence[dict[str, Any]], keys: Sequence[str]):  # -> 
     return fig
 
 
-_NOT_A_NUMBER: Any = object()
-
-
 #: The key of a step's last kept sample row that counts the rows `tracking.samples_per_step` left out.
 LEFT_OUT = "rows_left_out"
 
@@ -483,36 +487,6 @@ def _cut_texts(v: Any, max_chars: int) -> Any:
     return v
 
 
-def _json_value(v: Any) -> Any:
-    """A sample value as strict JSON: bools (numpy's and torch's too) as bools, numbers through `_number` (ints as
-    ints, NaN/inf: None), lists, tuples and dicts item by item (an agentic episode's task row, a list of scores: a
-    NaN inside was written as a bare NaN token and a numpy number inside raised TypeError into the training loop),
-    anything else as it is."""
-    if isinstance(v, str) or v is None:
-        return v
-    if isinstance(v, dict):
-        return {k: _json_value(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_value(x) for x in v]
-    if _is_bool(v):  # JSON has booleans: a row's `correct: true` was written 1.0
-        return bool(v.item() if hasattr(v, "item") else v)
-    number = _number(v)
-    if number is _NOT_A_NUMBER or isinstance(number, int):  # (JSON holds any int: one past a float's range too)
-        return v if number is _NOT_A_NUMBER else number
-    return None if number is not None and not math.isfinite(number) else number
-
-
-def _is_bool(v: Any) -> bool:
-    """Whether `v` is one boolean: Python's, numpy's (np.bool_, a 0-d or one-element bool array), a torch bool."""
-    if isinstance(v, bool):
-        return True
-    dtype = getattr(v, "dtype", None)
-    if dtype is None or not hasattr(v, "item"):
-        return False
-    one = v.numel() == 1 if hasattr(v, "numel") else getattr(v, "size", None) == 1
-    return one and (getattr(dtype, "kind", None) == "b" or str(dtype) == "torch.bool")
-
-
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The JSON records of a .jsonl file the tracker appends to ([] when missing). A half-written last line (a
     process killed mid-write: OOM, preemption, a full disk) is dropped with a warning, as the resume that reads it
@@ -529,47 +503,6 @@ def read_records(path: Path) -> list[dict[str, Any]]:
                 raise ValueError(f"{path}:{i} is not a JSON record ({exc}): fix or remove that line") from None
             log.warning("%s: its last line (%d) is half-written (a process killed mid-write): dropped", path, i)
     return out
-
-
-def _number(v: Any) -> Any:
-    """A metric value as a Python int/float (None stays None), or _NOT_A_NUMBER for anything else.
-
-    Integers stay integers whatever their type (Python, numpy, a 0-d or one-element numpy array or torch tensor):
-    a numpy count was written as `3.0`, unlike the same count as a Python int, and a reader that takes the value as
-    an int (a count, an index) got a float. Bools (Python's, numpy's, a bool tensor's) are 0.0/1.0 as documented."""
-    import numbers
-
-    if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)):
-        return v
-    if hasattr(v, "numel") and hasattr(v, "item"):  # a torch tensor: one element, else not a metric
-        return _scalar(v.item()) if v.numel() == 1 else _NOT_A_NUMBER
-    if isinstance(v, (bool, numbers.Real)):  # numpy scalars register as numbers.Real (numpy's bool does not)
-        return _scalar(v.item() if hasattr(v, "item") else v)
-    if hasattr(v, "dtype") and hasattr(v, "item") and getattr(v, "size", None) == 1:  # numpy: np.bool_, 0-d, [x]
-        return _scalar(v.item())
-    return _NOT_A_NUMBER
-
-
-def _finite(key: str, v: int | float | None, warned: set[str]) -> bool:
-    """Whether a metric's value is a finite number. An int past a float's range (a double's: what every backend
-    stores) is not: it raised OverflowError into the training loop; it is null, as inf is, warned about once per
-    metric (`warned`: the metrics warned about)."""
-    try:
-        return v is not None and math.isfinite(v)
-    except OverflowError:
-        if key not in warned:
-            warned.add(key)
-            log.warning("metric %r: an int past a float's range is logged as null (as inf is)", key)
-        return False
-
-
-def _scalar(item: Any) -> Any:
-    """A Python scalar as a metric: an int as it is, a bool or other real number as a float, else _NOT_A_NUMBER."""
-    import numbers
-
-    if isinstance(item, int) and not isinstance(item, bool):
-        return int(item)
-    return float(item) if isinstance(item, (bool, numbers.Real)) else _NOT_A_NUMBER
 
 
 def _replace_text(path: Path, text: str) -> None:

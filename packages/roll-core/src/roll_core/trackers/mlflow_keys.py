@@ -3,6 +3,8 @@
 A key MLflow refuses has its refused characters and path-like parts replaced (`mlflow_key`); two keys may then read
 the same (`a/b=c` and `a/b_c`), and MLflow would show one series holding both keys' points (one param overwriting
 the other). `KeyNames` keeps every key's name distinct: the later key gets a deterministic suffix, with a warning.
+Config params join nested keys with dots, so a literal dotted key (`a.b`) reads as the nested one (`a: {b: ...}`):
+`flatten_config` keeps both, the literal one suffixed, with a warning.
 """
 
 from __future__ import annotations
@@ -112,22 +114,57 @@ def _value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def _flat(config: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, str]]:
+def _flat(config: Mapping[str, Any], path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], str]]:
+    """(the key path, the value as param text) of each leaf of `config` (an empty mapping is a leaf)."""
     for key, value in config.items():
-        name = f"{prefix}{key}"
+        here = (*path, str(key))
         if isinstance(value, Mapping) and value:
-            yield from _flat(value, f"{name}.")
+            yield from _flat(value, here)
             continue
         text = _value(dict(value) if isinstance(value, Mapping) else value)
         if len(text) > MAX_PARAM_VALUE:
             text = text[: MAX_PARAM_VALUE - len(PARAM_CUT_NOTE)] + PARAM_CUT_NOTE
-        yield name, text
+        yield here, text
+
+
+def _joined_names(paths: list[tuple[str, ...]], prefix: str) -> dict[tuple[str, ...], str]:
+    """{key path: its param name}: the path joined with dots, distinct per path. A literal dotted key (`a.b: 1`)
+    joins as a nested one (`a: {b: 2}`) does: of the paths that read the same, the one with the most parts (the
+    nested one; the config's order among equals) keeps the name, each other one is the name and
+    `-<the first 8 hex digits of the SHA-1 of its path as JSON>`, with a warning (one param overwrote the other,
+    without a word)."""
+    by_name: dict[str, list[tuple[str, ...]]] = {}
+    for path in paths:
+        by_name.setdefault(prefix + ".".join(path), []).append(path)
+    names = {same[0]: name for name, same in by_name.items() if len(same) == 1}
+    for name, same in by_name.items():
+        if len(same) == 1:
+            continue
+        keeper, *others = sorted(same, key=len, reverse=True)  # (stable: the config's order among equals)
+        names[keeper] = name
+        for path in others:
+            moved = f"{name}-{hashlib.sha1(json.dumps(list(path)).encode()).hexdigest()[:_DIGEST]}"
+            if moved in by_name or moved in names.values():  # (astronomical: a key named as the suffixed name)
+                raise ValueError(f"MLflow: no distinct param name for the config's key path {list(path)}")
+            names[path] = moved
+            log.warning(
+                "MLflow: the config's key %r is logged as %r: the param of its path %s reads as that of %s "
+                "(both are kept)",
+                name,
+                moved,
+                list(path),
+                list(keeper),
+            )
+    return names
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """The config as MLflow params: nested keys joined with dots, leaves as text (lists as JSON text), keys named
     by `KeyNames` (valid, and distinct per key), values over MLflow's 6000 characters cut with PARAM_CUT_NOTE at
-    the end."""
-    flat = dict(_flat(config, prefix))
+    the end. A literal dotted key and the nested keys it reads as (`a.b` and `a: {b: ...}`) are two params: the
+    nested one's is `a.b`, the literal one's is suffixed, with a warning (`_joined_names`)."""
+    leaves = list(_flat(config, ()))
+    joined = _joined_names([path for path, _ in leaves], prefix)
+    flat = {joined[path]: text for path, text in leaves}
     names = KeyNames("param").names_of(flat)
     return {names[k]: v for k, v in flat.items()}

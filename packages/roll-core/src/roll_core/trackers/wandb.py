@@ -10,8 +10,12 @@ samples as a `samples` table (step, prompt, response, reward, ...) at their step
 (RESERVED: W&B dropped `_step` and overwrote `_runtime` without a word) or the table, or named "" (dropped), is
 logged under another name, with a warning (roll_core.trackers.mlflow_keys.KeyNames: the name and a suffix).
 
-Resume. `<run>/wandb/roll-run.json` records the W&B run id and the last step W&B holds. W&B history cannot be
-deleted (its "rewind" is a private preview), so `truncate(last_step)` on a resumed run does one of two things:
+Resume. `<run>/wandb/roll-run.json` records the W&B run id and the last step W&B holds, written before a step is
+handed to W&B (`run.log`): a kill between the two leaves it a step ahead of W&B, never behind. Ahead, the resume
+from the step before starts a new W&B run that replays the history (below): a W&B run more, no value lost or
+stale. Behind (it was written after), the resume continued the W&B run and redid a step W&B held: W&B drops a step
+below its current one, or merges it into the stale row. W&B history cannot be deleted (its "rewind" is a private
+preview), so `truncate(last_step)` on a resumed run does one of two things:
 - W&B holds nothing after `last_step` (the checkpoint was at the last logged step, as after a preemption):
   the same W&B run id is resumed (`resume="allow"`) and continues, sent first the steps up to `last_step` it
   lacks (an attempt that ran without wandb) from metrics.jsonl; nothing is lost or duplicated.
@@ -233,9 +237,8 @@ class WandbTracker:
         if not self._ensure_run(step):
             return  # metrics.jsonl holds the step: sent when the W&B run opens
         names = self.keys.names_of(metrics)  # (W&B dropped a metric named as its own, without a word)
+        self._handing(step)
         self.run.log({names[k]: v for k, v in metrics.items()}, step=step)
-        self.last_step = max(self.last_step, step)
-        self._save_state()
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Log the rows as the `samples` table at `step` (columns: step, then every key in the rows' order)."""
@@ -243,9 +246,16 @@ class WandbTracker:
             return  # (samples.jsonl holds the rows: sent when the W&B run opens)
         columns = ["step", *dict.fromkeys(k for row in rows for k in row if k != "step")]
         data = [[step, *(_cell(row.get(c)) for c in columns[1:])] for row in rows]
-        self.run.log({SAMPLES_KEY: self._wandb.Table(columns=columns, data=data)}, step=step)
-        self.last_step = max(self.last_step, step)
-        self._save_state()
+        table = self._wandb.Table(columns=columns, data=data)
+        self._handing(step)
+        self.run.log({SAMPLES_KEY: table}, step=step)
+
+    def _handing(self, step: int) -> None:
+        """Record that W&B may hold `step`, before it is handed over (module docstring, Resume: a kill between
+        the two leaves the record ahead of W&B, never behind)."""
+        if step > self.last_step:
+            self.last_step = step
+            self._save_state()
 
     def _finish(self, failed: bool = False) -> None:
         if self.run is not None:
