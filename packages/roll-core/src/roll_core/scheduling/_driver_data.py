@@ -14,9 +14,14 @@ Contract:
 - A draw that raises or returns something else gives the reservation back (`unreserve`) and fails the rollout with
   an error naming the data source (an exhausted iterator's bare StopIteration read "async rollout failed: "); the
   trainer's next call raises it (`AsyncRollout._raise`; the first failure of either thread is the one kept).
-- Data that comes during an update starts a pending group, submitted after `finish_update`; data that comes after
-  `close` starts its group too (the data position is past it: a checkpoint then lists it as pending), and the thread
-  then ends.
+- Data that comes during an update starts a pending group, submitted after `finish_update` (at the new version:
+  it generated nothing, so the update does not make it stale, `RolloutScheduler.finish_update`); data that comes
+  after `close` starts its group too (the data position is past it: a checkpoint then lists it as pending), and the
+  thread then ends.
+- A draw that raises or returns something else after `close` (a dataloader torn down at shutdown) is expected: one
+  line at INFO, the thread ends, the driver stays closed (later calls say closed, not failed).
+- `driver._data_doing` says what the thread waits for when it is not drawing (budget, the data lock): a `close`
+  that gives up on the thread says it (`_driver_timeouts.warn_stuck`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ def feed(driver: AsyncRollout) -> None:
     cv, sched = driver._cv, driver.sched
     try:
         while True:
+            driver._data_doing = "waiting for budget (pipeline.async_ratio) or for a weight update to end"
             with cv:
                 # `_stopped` too: a close while `next_group` blocked; the groups left in the budget drew more data
                 # (each call maybe blocking as long) for a closed driver.
@@ -52,7 +58,9 @@ def feed(driver: AsyncRollout) -> None:
                     cv.wait(0.05)  # (a take that drops stale groups frees budget without a notify)
                 if driver._stopped or driver._error is not None:
                     return
+            driver._data_doing = "waiting for the driver's data lock (a held() under way: a checkpoint?)"
             with driver._data_lock:
+                driver._data_doing = "waiting for the driver's lock"
                 with cv:
                     if driver._stopped or driver._paused or driver._error is not None or sched.capacity() < 1:
                         continue  # changed meanwhile
@@ -68,9 +76,16 @@ def feed(driver: AsyncRollout) -> None:
                         driver._drawing_since = None
                         sched.unreserve()  # (a `start` that raises keeps the reservation: given back here)
                     raise
-    except BaseException as exc:  # surfaced in the trainer's thread by _raise
+    except BaseException as exc:
+        if driver._stopped:  # closed meanwhile: the data source went with the shutdown (module docstring)
+            log.info(
+                "async rollout: the data source failed after close() (a shutdown): %s: %s", type(exc).__name__, exc
+            )
+            return
         log.exception("async rollout: the data source (next_group) failed")
-        driver._fail(exc)
+        driver._fail(exc)  # surfaced in the trainer's thread by _raise
+    finally:
+        driver._data_doing = "ended"
 
 
 def draw(driver: AsyncRollout) -> tuple[Any, list[Any], Any]:

@@ -1,7 +1,8 @@
 """What `AsyncRollout`'s waits say when they time out (roll_core.scheduling.driver): a `take` that got fewer groups
 than it asked for within `timeout_s`, an update or shrink whose submits never returned, a `close` that gave up on
 a thread (`warn_stuck`: what it does and where), a `held` that gave up on the data thread's draw (`held_timeout`),
-aborted requests forgotten after `abort_timeout_s` (`warn_lost`, `warn_unwarned`); and the list of running
+aborted requests forgotten after `abort_timeout_s` (`warn_lost`, `warn_unwarned`); the errors a request's failure
+(`engine_failure`) or the engine's refusal (`idle_refusal`) stops the rollout with; and the list of running
 requests with their ages that the agentic collector's batch timeout shares (`running_aged`). Kept apart from the
 driver so that it stays one readable module; these read the driver's state with its lock held and change nothing."""
 
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from roll_core.scheduling.driver import AsyncRollout
+    from roll_core.scheduling.scheduler import SampleState
 
 log = logging.getLogger("roll_core.scheduling.driver")  # the driver's warnings, under its logger
 
@@ -61,6 +63,26 @@ def take_timeout(driver: AsyncRollout, got: int, n: int) -> TimeoutError:
         f"{len(waiting)} group(s) unfinished: {groups or 'none'}{' ...' if len(waiting) > 5 else ''}; "
         f"{running_aged({rid: driver._since.get(rid, now) for rid in running}, 'request(s)', now)}"
         f"{''.join(f'; {w}' for w in why)}"
+    )
+
+
+def engine_failure(driver: AsyncRollout, rid: str, exc: BaseException) -> RuntimeError:
+    """The error a live request's failure stops the rollout with (lock held): it names the request, its group and
+    sample."""
+    sample = driver.sched.by_request.get(rid)
+    where = f" (group {sample.group.gid}, sample {sample.index})" if sample is not None else ""
+    return RuntimeError(f"request {rid}{where} failed in the inference engine: {type(exc).__name__}: {exc}")
+
+
+def idle_refusal(rid: str, sample: SampleState, n: int, max_idle_aborts: int) -> RuntimeError:
+    """The error of a request the engine aborted `n` (= `max_idle_aborts`) times in a row without a token: a
+    refusal (the driver's module docstring)."""
+    return RuntimeError(
+        f"the engine aborted request {rid} (group {sample.group.gid} sample {sample.index}, "
+        f"{len(sample.group.prompt_ids) + len(sample.tokens)} tokens of prompt and prefix) {n} times in a "
+        "row without generating a token: it refuses the request (SGLang aborts a prompt longer than it "
+        "accepts, e.g. more than its KV cache holds: lower model.max_prompt_length or give it more memory; "
+        f"an engine that only pauses that often: raise pipeline.max_idle_aborts, now {max_idle_aborts})"
     )
 
 
@@ -118,7 +140,9 @@ def submit_hang(driver: AsyncRollout, among: Iterable[str] | None = None) -> str
 
 def warn_stuck(driver: AsyncRollout, what: str, thread: threading.Thread | None = None) -> None:
     """The warning of a `close` that gave up on a thread of the driver after `close_timeout_s` (default: the
-    rollout's thread; the data thread is in `next_group`): what it does and where."""
+    rollout's thread): what it does and where. The data thread's is what it waits for: a draw (`next_group`, named,
+    with how long it has not returned) or, when none is under way, what `_driver_data.feed` says it waits for (a
+    lock, budget)."""
     feeder = thread is not None and thread is not driver._thread
     thread = driver._thread if thread is None else thread
     log.warning(
@@ -127,9 +151,20 @@ def warn_stuck(driver: AsyncRollout, what: str, thread: threading.Thread | None 
         thread.name if thread is not None else "roll-async-rollout",
         what,
         driver.close_timeout_s,
-        f"drawing a group ({source_name(driver.next_group)})" if feeder else driver._doing,
+        _data_doing(driver) if feeder else driver._doing,
         _where(thread),
     )
+
+
+def _data_doing(driver: AsyncRollout) -> str:
+    """What the data thread does now, for `warn_stuck`: drawing a group (since when), else its own account."""
+    since = driver._drawing_since
+    if since is not None:
+        return (
+            f"drawing a group: the data source {source_name(driver.next_group)} has not returned for "
+            f"{time.monotonic() - since:.1f} s"
+        )
+    return driver._data_doing
 
 
 def _where(thread: threading.Thread | None) -> str:

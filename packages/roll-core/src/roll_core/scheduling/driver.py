@@ -1,30 +1,32 @@
 """The asynchronous rollout driver: `RolloutScheduler` over a real inference group, in background threads.
 
 Contract: after `start()`, a daemon data thread keeps the scheduler's budget filled (new groups from `next_group`:
-(payload, prompt ids) or (payload, prompt ids, the prompt's pictures as MMInputs)), and a daemon rollout thread
-submits every pending sample as one request (`infer.submit_request`, with the group's pictures) and records finished
-requests. The trainer's thread calls `take(n)` (blocks until n complete groups within the staleness bound exist, or
-`timeout_s` passes; a `take` that raises gives the groups it had taken back to the scheduler, for the next `take`),
-and brackets every weight sync with `begin_update()` / `finish_update()`: with partial rollout the running requests
-are aborted first and their prefixes resumed under the new weights; groups that became too stale are aborted and never
-returned. A failure in a thread (engine error, a `next_group` that raises or returns something else than its contract
-says: roll_core.scheduling._driver_data) is raised in the trainer's next call, never swallowed; the first failure is
-the one kept (the other thread's, after it, is logged only). An abort the engine made on its own resumes the sample
-(preemption), but `max_idle_aborts` (pipeline.max_idle_aborts, default `roll_core.idle_aborts.MAX_IDLE_ABORTS`) of
-them in a row for one sample within one version, none with a token, are a refusal (SGLang aborts a prompt longer than
-its KV cache holds): the thread fails naming the request, instead of resubmitting it in a busy loop while the trainer
-waits out `timeout_s`. `close()` aborts what runs and stops the threads (one still alive after `close_timeout_s` is
-left, a daemon, with a warning naming what it was doing and where: the data thread blocked in `next_group` submits
-nothing after close); a `take` (or update, shrink) waiting then, or called later, raises at once. The engine and the
-data source are called without the driver's lock, and `next_group` on a thread of its own, so an engine call that
-blocks (`submit_request`) never blocks `close`, nor `take`'s timeout, and a `next_group` that blocks (a slow
-dataloader, an environment reset) blocks none of `close`, `take`'s timeout, `begin_update`, `shrink`, nor the
-collection of the results they wait for (a group whose data comes during an update is pending until `finish_update`;
-only `held`, which reads the data position with the groups, waits for the draw, at most `timeout_s`: past it a
-TimeoutError names the data source). A `take` that times out says why: groups that never started for lack of budget
-(pipeline.async_ratio), the data source blocked in `next_group` (named, with for how long), requests running without
-finishing (the engine: the oldest named first, with how long each has run), submits that do not return, or samples no
-request carries.
+(payload, prompt ids) or (payload, prompt ids, the prompt's pictures as MMInputs)), and a daemon rollout thread submits
+every pending sample as one request (`infer.submit_request`, with the group's pictures) and records finished requests.
+The trainer's thread calls `take(n)` (blocks until n complete groups within the staleness bound exist, or `timeout_s`
+passes; a `take` that raises gives the groups it had taken back to the scheduler, for the next `take`), and brackets
+every weight sync with `begin_update()` / `finish_update()`: with partial rollout the running requests are aborted first
+and their prefixes resumed under the new weights; groups that became too stale are aborted and never returned. A failure
+in a thread (engine error, a `next_group` that raises or returns something else than its contract says:
+roll_core.scheduling._driver_data) is raised in the trainer's next call, never swallowed; the first failure is the one
+kept (the other thread's, after it, is logged only), and the running requests are aborted at once (they generated for
+nobody until `close`). A `next_group` that fails after `close` (its data torn down by the shutdown) is expected: logged
+in one line, the driver stays closed. An abort the engine made on its own resumes the sample (preemption), but
+`max_idle_aborts` (pipeline.max_idle_aborts, default `roll_core.idle_aborts.MAX_IDLE_ABORTS`) of them in a row for one
+sample within one version, none with a token, are a refusal (SGLang aborts a prompt longer than its KV cache holds): the
+thread fails naming the request, instead of resubmitting it in a busy loop while the trainer waits out `timeout_s`.
+`close()` aborts what runs and stops the threads (one still alive after `close_timeout_s` is left, a daemon, with a
+warning naming what it was doing and where, both threads joined against one deadline: the data thread blocked in
+`next_group`, or waiting for a lock, submits nothing after close); a `take` (or update, shrink) waiting then, or called
+later, raises at once. The engine and the data source are called without the driver's lock, and `next_group` on a thread
+of its own, so an engine call that blocks (`submit_request`) never blocks `close`, nor `take`'s timeout, and a
+`next_group` that blocks (a slow dataloader, an environment reset) blocks none of `close`, `take`'s timeout,
+`begin_update`, `shrink`, nor the collection of the results they wait for (a group whose data comes during an update is
+pending until `finish_update`, and starts at the new version: the scheduler's `readmitted_groups`; only `held`, which
+reads the data position with the groups, waits for the draw, at most `timeout_s`: past it a TimeoutError names the data
+source). A `take` that times out says why: groups that never started for lack of budget (pipeline.async_ratio), the data
+source blocked in `next_group` (named, with for how long), requests running without finishing (the engine: the oldest
+named first, with how long each has run), submits that do not return, or samples no request carries.
 
 Requests that never return. A request this driver aborted (partial rollout at `begin_update`, a stale group's at
 `finish_update`, one moved by `shrink` / `expand`) normally brings its partial result within moments. If its handle
@@ -68,7 +70,9 @@ from roll_core.idle_aborts import MAX_IDLE_ABORTS
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.scheduling._driver_data import feed
 from roll_core.scheduling._driver_timeouts import (
+    engine_failure,
     held_timeout,
+    idle_refusal,
     submit_hang,
     take_timeout,
     warn_lost,
@@ -141,6 +145,7 @@ class AsyncRollout:
         self._unwarned: dict[str, int] = {}  # losses since that warning, by cause: summed up at finish_update
         self._idle_aborts: dict[tuple[int, int], int] = {}  # sample -> engine aborts without a token, this version
         self._doing = "not started"  # what the thread does now, coarsely (a close that times out names it)
+        self._data_doing = "not started"  # what the data thread waits for when not drawing (`_driver_data.feed`)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -178,15 +183,16 @@ class AsyncRollout:
         # A request whose submit is still under way is aborted by the thread once the engine returns its handle.
         for rid in running:
             self.infer.abort(rid)
+        # One deadline for both: they were stopped together and end independently, so each has had the whole
+        # `close_timeout_s` when its join gives up (the data thread's join getting "what is left" is that bound). A
+        # data thread still alive then is blocked in next_group or on a lock (the warning says which); it submits
+        # nothing after close, and ends when that returns.
         deadline = time.monotonic() + self.close_timeout_s
-        if thread is not None:
-            thread.join(timeout=self.close_timeout_s)
-            if thread.is_alive():
-                warn_stuck(self, "still alive")
-        if feeder is not None:  # blocked in next_group: it submits nothing after close, and ends when that returns
-            feeder.join(timeout=max(0.0, deadline - time.monotonic()))
-            if feeder.is_alive():
-                warn_stuck(self, "still in next_group", thread=feeder)
+        for t in (thread, feeder):
+            if t is not None:
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+                if t.is_alive():
+                    warn_stuck(self, "still alive", thread=t)
 
     # ---- the trainer's side -------------------------------------------------------------------------------
     def take(self, n: int) -> list[GroupState]:
@@ -218,7 +224,12 @@ class AsyncRollout:
         checkpoint reads the data position and the groups not yet trained as one state). Waits for a `next_group`
         under way (its data and its group are one state), at most `timeout_s` (default: the driver's `timeout_s`,
         a take's bound): past it a TimeoutError names the data source and how long it has blocked (a checkpoint
-        that waited for it hung the run for as long, without a word)."""
+        that waited for it hung the run for as long, without a word).
+
+        The body must not wait for new groups nor for results (a `take`, an update's wait, polling the scheduler
+        until a group completes): it holds the lock the data thread starts groups under and the rollout thread
+        records results under, so nothing it waits for can come (such a wait ends only at its own timeout). Read or
+        write the state, and leave."""
         bound = self.timeout_s if timeout_s is None else timeout_s
         if not self._data_lock.acquire(timeout=max(0.0, bound)):
             with self._cv:
@@ -367,12 +378,11 @@ class AsyncRollout:
             while True:
                 batch: list[tuple[str, Request, Any]] = []
                 with self._cv:
-                    if self._stopped:
-                        # What close could not abort (it gave up on the lock while a caller held it).
-                        left = [rid for rid in self._handles if rid not in self._aborting]
+                    if self._stopped or self._error is not None:
+                        # What close could not abort (it gave up on the lock while a caller held it), or the data
+                        # thread failed (raised by _raise): requests generating for nobody, aborted at once.
+                        left = self._abandon()
                         break
-                    if self._error is not None:  # the data thread failed (next_group raised): raised by _raise
-                        return
                     if not self._paused:
                         batch = self._book_requests()
                 if batch:
@@ -392,7 +402,7 @@ class AsyncRollout:
                     except Exception as exc:  # an aborted request's: a loss; a live one's: raised
                         with self._cv:
                             if rid not in self._aborting:
-                                raise self._engine_failure(rid, exc) from exc
+                                raise engine_failure(self, rid, exc) from exc
                         failed[rid] = exc
                         continue
                     self._record(rid, out)
@@ -409,9 +419,22 @@ class AsyncRollout:
         except BaseException as exc:  # surfaced in the trainer's thread by _raise
             log.exception("async rollout thread failed")
             self._fail(exc)
-            return
+            with self._cv:
+                left = self._abandon()  # the other requests would run until close(), for nobody
         for rid in left:
-            self.infer.abort(rid)
+            try:
+                self.infer.abort(rid)
+            except Exception as exc:  # (the engine may be what failed) the failure is raised already, or closed
+                log.info(
+                    "async rollout: abort of %s after the rollout stopped raised %s: %s", rid, type(exc).__name__, exc
+                )
+
+    def _abandon(self) -> list[str]:
+        """The running requests not yet aborted, marked aborted (lock held): the rollout stopped (closed or failed),
+        the caller aborts them (not those whose handle completed: a failed one's, say)."""
+        left = [rid for rid, h in self._handles.items() if rid not in self._aborting and not h.done()]
+        self._mark_aborting(left)
+        return left
 
     def _record(self, rid: str, out: RequestOutput) -> None:
         """Record a collected result (takes the lock)."""
@@ -496,12 +519,6 @@ class AsyncRollout:
                 self._unwarned[cause] = self._unwarned.get(cause, 0) + len(rids)
         return None
 
-    def _engine_failure(self, rid: str, exc: BaseException) -> RuntimeError:
-        """The error a live request's failure stops the rollout with (lock held): it names the request."""
-        sample = self.sched.by_request.get(rid)
-        where = f" (group {sample.group.gid}, sample {sample.index})" if sample is not None else ""
-        return RuntimeError(f"request {rid}{where} failed in the inference engine: {type(exc).__name__}: {exc}")
-
     def _count_idle_abort(self, sample: SampleState, rid: str, out: RequestOutput, asked: bool) -> None:
         """Count the engine's own aborts of `sample` that brought no token (lock held); too many: raise."""
         key = (sample.group.gid, sample.index)
@@ -510,13 +527,7 @@ class AsyncRollout:
             return
         n = self._idle_aborts[key] = self._idle_aborts.get(key, 0) + 1
         if n >= self.max_idle_aborts:
-            raise RuntimeError(
-                f"the engine aborted request {rid} (group {sample.group.gid} sample {sample.index}, "
-                f"{len(sample.group.prompt_ids) + len(sample.tokens)} tokens of prompt and prefix) {n} times in a "
-                "row without generating a token: it refuses the request (SGLang aborts a prompt longer than it "
-                "accepts, e.g. more than its KV cache holds: lower model.max_prompt_length or give it more memory; "
-                f"an engine that only pauses that often: raise pipeline.max_idle_aborts, now {self.max_idle_aborts})"
-            )
+            raise idle_refusal(rid, sample, n, self.max_idle_aborts)
 
     def _feed(self) -> None:
         """The data thread (roll_core.scheduling._driver_data): start groups up to the budget, each drawn from
@@ -549,7 +560,7 @@ class AsyncRollout:
         `shrink` until none to the engines it removes is. Waiters are woken once per round, at its end."""
         try:
             for rid, request, engine in batch:
-                if self._stopped:  # closed: the rest is never submitted (nothing generates any more)
+                if self._stopped or self._error is not None:  # closed or failed: nothing generates any more
                     return
                 handle = (
                     self.infer.submit_request(request)
@@ -569,7 +580,7 @@ class AsyncRollout:
             # The failure is stored in the same hold that ends the submit (`finally`): a `begin_update` waiting for
             # the submit to end woke to an empty `_submitting` before the thread stored the error, and went on.
             with self._cv:
-                failure = self._engine_failure(rid, exc)
+                failure = engine_failure(self, rid, exc)
                 if self._error is None:  # (the first failure is kept: `_fail`)
                     self._error = failure
             raise failure from exc

@@ -59,7 +59,11 @@ Contract:
   sampled at version >= v - k. Older groups are never trained on: completed ones are dropped at `take`, running
   ones are aborted at `finish_update` (counted in `stale_groups`, their tokens in `stale_tokens`), and their budget
   goes to fresh groups. In orders "start" and "deadline" this is a safety net that triggers only if the trainer
-  takes fewer than B groups per version.
+  takes fewer than B groups per version. A group that generated nothing and has no request running at
+  `finish_update` (its data came during the update: with k = 0 it was dropped, its prompt lost from the epoch) is
+  admitted again at the new version instead (`readmitted_groups`; only the newest such groups, so admission
+  versions stay in start order): it holds no token to be stale, its deadline only moves later, the budget is
+  unchanged.
 - `stale_tokens` counts every token the policy generated for a dropped group and that is thrown away: the
   generated segments it holds when dropped (partial ones of aborted requests included), plus what its requests
   still running then generate until their abort, booked when their results arrive (`on_result` ignores them
@@ -238,6 +242,7 @@ class RolloutScheduler:
             "started_groups": 0,
             "lost_requests": 0,  # requests the caller reported lost (`lost`): no result will come
             "pruned_requests": 0,  # dropped groups' requests forgotten after dropped_ttl versions without a result
+            "readmitted_groups": 0,  # groups that generated nothing, admitted again at a new version (not stale)
         }
 
     # ---- starting -----------------------------------------------------------------------------------------
@@ -508,10 +513,43 @@ class RolloutScheduler:
         self.version += 1
         self._prune_dropped()
         doomed: list[str] = []
-        for g in list(self.groups.values()):
+        for g in list(self.groups.values()):  # first the stale groups that generated or run
+            if not g.done and self._stale(g) and not self._unused(g):
+                doomed += self._drop(g)
+        self._readmit_unused()
+        for g in list(self.groups.values()):  # an unused one that could not be readmitted (a newer group ran)
             if not g.done and self._stale(g):
                 doomed += self._drop(g)
         return doomed
+
+    @staticmethod
+    def _unused(g: GroupState) -> bool:
+        """No sample of `g` generated a token, finished, runs a request or waits for its environment."""
+        return not any(
+            s.request_id is not None or s.finish is not None or s.awaiting_env or s.tokens for s in g.samples
+        )
+
+    def _readmit_unused(self) -> None:
+        """Stale groups that generated nothing and have no request running (their data came during the update that
+        ends, with async_ratio 0; or every request of theirs was aborted before its first token) are admitted again
+        at the new version (counted in `readmitted_groups`): no token of theirs is old, so none is stale. Dropped,
+        their prompts were lost from the epoch (the data position is past them) for a version they never used.
+        Only among the newest unused groups (back to the first that generated or runs), and every unused group
+        after a readmitted one too, so admission versions stay in start order."""
+        suffix: list[GroupState] = []
+        for g in reversed(self.groups.values()):
+            if not self._unused(g):
+                break
+            suffix.append(g)
+        suffix.reverse()
+        first = next((i for i, g in enumerate(suffix) if self._stale(g)), None)
+        if first is None:
+            return
+        for g in suffix[first:]:
+            g.start_version = self.version
+            for smp in g.samples:
+                smp.submitted_version = self.version
+            self.counters["readmitted_groups"] += 1
 
     def _prune_dropped(self) -> None:
         """Forget the dropped groups' requests still without a result `dropped_ttl` versions after their drop
