@@ -2,8 +2,9 @@
 
 Inputs are per pair (N,): the policy's summed log-prob of the chosen and the rejected response (sum over the
 response's loss-masked tokens), the reference model's the same, and, for the length-normalised variants, each
-response's token count. Variants, as TRL defines them (beta > 0; sigma the logistic function; eps the label
-smoothing; for a response y, pi(y) its summed policy log-prob, ref(y) the reference's, |y| its token count):
+response's token count. Variants, as TRL's DPOTrainer defines them (simpo: its CPOTrainer; beta > 0; sigma the
+logistic function; eps the label smoothing; for a response y, pi(y) its summed policy log-prob, ref(y) the
+reference's, |y| its token count):
 
 - `sigmoid` (DPO; reference): h = (pi(yc) - ref(yc)) - (pi(yr) - ref(yr));
   loss = -(1-eps) log sigma(beta h) - eps log sigma(-beta h).
@@ -11,15 +12,23 @@ smoothing; for a response y, pi(y) its summed policy log-prob, ref(y) the refere
   loss = (h - 1/(2 beta))^2.
 - `hinge` (SLiC; reference): h as `sigmoid`; loss = max(0, 1 - beta h).
 - `simpo` (no reference): h = pi(yc)/|yc| - pi(yr)/|yr|; with z = beta h - gamma,
-  loss = -(1-eps) log sigma(z) - eps log sigma(-z)  (TRL's CPO trainer with loss_type=simpo).
+  loss = -(1-eps) log sigma(z) - eps log sigma(-z)  (TRL's CPO trainer with loss_type=simpo and cpo_alpha=0, the
+  SimPO paper's setting; CPOTrainer's default cpo_alpha=1 adds the chosen tokens' mean NLL, which the dpo
+  objective adds with its sft_weight).
 
-Label smoothing with eps > 0 is conservative DPO (cDPO); it applies to the two logistic variants only, and
+Label smoothing with eps > 0 is conservative DPO (cDPO), as TRL <= 0.28's `sigmoid` with label_smoothing; TRL >=
+0.29's `sigmoid` ignores label_smoothing (it reads it for its `robust` and `exo_pair` only), so compare with those
+at eps = 0. TRL's `robust` (Robust DPO's unbiased loss, ((1-eps) (-log sigma(beta h)) + eps log sigma(-beta h)) /
+(1 - 2 eps)) is a different loss and is not offered. Label smoothing applies to the two logistic variants only, and
 `simpo_gamma` to `simpo` only: passing either to another variant is an error rather than a silently ignored setting.
 A reference variant refuses a missing reference and `simpo` refuses a given one.
 
 The implicit rewards reported are the quantities the loss compares: beta * (pi - ref) for `sigmoid` and `hinge`,
-the length-averaged beta * (pi - ref) / |y| for `ipo` (TRL averages the log-probs before computing its rewards), and
-beta * pi / |y| for `simpo` (without the gamma margin).
+the length-averaged beta * (pi - ref) / |y| for `ipo`, and beta * pi / |y| for `simpo` (without the gamma margin,
+as CPOTrainer). For `ipo` these are TRL <= 0.28's rewards (it averaged both models' log-probs first); TRL >= 0.29
+reports beta * (pi - ref) of the summed log-probs for `ipo` as well, so its rewards, margins and accuracies differ
+from roll's there (the loss does not). The accuracy is the fraction of pairs with chosen reward > rejected reward,
+as TRL's rewards/accuracies.
 
 `preference_row_weights` turns any variant into per-sequence weights for a surrogate with detached weights, so a
 trainer can apply the exact preference gradient through an engine that only knows per-token losses (see there).
