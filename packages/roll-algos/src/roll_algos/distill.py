@@ -10,18 +10,30 @@ buckets: the K ids and one "tail" bucket holding the remaining mass, tail = 1 - 
 and q the second, KL(p || q) = sum_k p_k (log p_k - log q_k) + p_tail (log p_tail - log q_tail); `forward` is
 KL(teacher || student) (mass-covering), `reverse` is KL(student || teacher) (mode-seeking). With K = V the tails are
 0 and this is the exact full-vocabulary KL. The bucketed KL is a lower bound of the full KL (merging outcomes never
-increases a KL), so it is >= 0 and 0 when the student matches the teacher on the K ids.
+increases a KL), so it is >= 0 and 0 when the student matches the teacher on the K ids. Without the tail bucket
+(`tail=False`) it is the KL between the two distributions conditioned on the K ids: >= 0, but no bound of the full
+KL (it can exceed it). An id where p_k = 0 (log-prob -inf) adds 0 (0 log 0 = 0), one where q_k = 0 < p_k adds +inf.
+
+Peers (TRL's GKDTrainer `generalized_jsd_loss`, Agarwal et al. 2024 eq. 1): `forward` is its beta = 0 and `reverse`
+its beta = 1 (at K = V), with its conventions: both sides at the same temperature, applied to the logits before the
+softmax (the train engines' log_softmax(logits / temperature); offline distillation uses temperature 1), masked
+tokens excluded and the loss a mean over the unmasked tokens (`token-mean`, TRL's batchmean over labels != -100).
+The generalized JSD of 0 < beta < 1 (beta KL(T || M) + (1 - beta) KL(S || M), M = beta T + (1 - beta) S) is not
+offered: it needs the student's full distribution, which a top-k target does not determine.
 
 Numerics: each tail is computed as -expm1(logsumexp_k log p_k) (exact for tails near 0 and near 1), floored at 0 when
 rounding makes the top-k mass exceed 1. Inside the logarithms both tails are clamped at `TAIL_EPS` = 1e-6, so
 log q_tail is finite when a distribution puts (numerically) all its mass on the K ids; the multiplying p_tail is not
 clamped, so a tail of 0 contributes exactly 0 (0 log 0 = 0) and a KL with both tails under 1e-6 has no tail term.
 The clamp bounds the tail term of a student whose top-k mass is ~1 while the teacher's is not at
-p_tail * (log p_tail - log 1e-6), a large but finite penalty with a finite gradient.
+p_tail * (log p_tail - log 1e-6), a large but finite penalty with a finite gradient (none through the clamped tail:
+fp32 log-probs cannot resolve a tail below it).
 
-On-policy distillation (Thinking Machines' "On-Policy Distillation"; Agarwal et al.'s GKD with lambda = 1): the
-student samples, the teacher scores the sampled tokens, and each token's advantage is the negative per-token
-reverse-KL estimate -(log pi_S(y_t) - log pi_T(y_t)), trained with any policy-gradient loss.
+On-policy distillation (Thinking Machines' "On-Policy Distillation"; Agarwal et al.'s GKD with lambda = 1 and
+beta = 1, reverse KL): the student samples, the teacher scores the sampled tokens, and each token's advantage is the
+negative per-token reverse-KL estimate -(log pi_S(y_t) - log pi_T(y_t)), trained with any policy-gradient loss. At a
+fixed context, E_{y ~ pi_S}[A(y) grad log pi_S(y)] = -grad KL(pi_S || pi_T): the policy gradient is an unbiased
+one-sample estimate of GKD's per-token reverse-KL gradient (later tokens' terms are not credited to earlier ones).
 """
 
 from __future__ import annotations
@@ -51,6 +63,16 @@ def _log_tail(logp: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return torch.exp(log_mass), tail, torch.log(tail.clamp_min(TAIL_EPS))
 
 
+def _xlogy_kl(p_logp: Tensor, q_logp: Tensor) -> Tensor:
+    """sum_k p_k (log p_k - log q_k) with 0 log 0 = 0: an id where p_k = 0 (log-prob -inf) adds 0 whatever q_k,
+    with a zero gradient (the -inf is replaced before any arithmetic: 0 * -inf would be NaN, forward and backward).
+    An id where q_k = 0 < p_k adds +inf (the KL is infinite)."""
+    absent = p_logp == float("-inf")
+    p = torch.where(absent, 0.0, p_logp)
+    q = torch.where(absent, 0.0, q_logp)
+    return torch.where(absent, 0.0, torch.exp(p) * (p - q)).sum(-1)
+
+
 def _bucket_kl(p_logp: Tensor, q_logp: Tensor, tail: bool) -> Tensor:
     """KL(p || q) over the K ids (+ the tail bucket when `tail`). (B, T, K) x2 -> (B, T)."""
     if not tail:
@@ -58,7 +80,7 @@ def _bucket_kl(p_logp: Tensor, q_logp: Tensor, tail: bool) -> Tensor:
         # conditionals given "the token is among the teacher's top-k".
         p_logp = p_logp - torch.logsumexp(p_logp, dim=-1, keepdim=True)
         q_logp = q_logp - torch.logsumexp(q_logp, dim=-1, keepdim=True)
-    kl = (torch.exp(p_logp) * (p_logp - q_logp)).sum(-1)
+    kl = _xlogy_kl(p_logp, q_logp)
     if tail:
         _, p_tail, p_log_tail = _log_tail(p_logp)
         _, _, q_log_tail = _log_tail(q_logp)

@@ -16,7 +16,10 @@ Teachers: `Roles.teachers` by name (RoleNeeds from `distill.teacher_paths`): a r
 scores the batch's responses after its own prompt when the collector put one there (`teacher_prompts`,
 `teacher_prompt_mask`: (B, Pt) left-padded, roll_core.pipelines.collectors.distill), else after the student's.
 Teacher log-probs use the rollout temperature, as the student's do: both sides of the KL are the same tempered
-family.
+family. Vocabularies align by token id (the teacher's tokenizer must be the student's: collectors.distill); the
+logits' widths may differ (vocabulary padding), each side normalised over its own logits, so a teacher's padding
+rows hold part of its mass (none when their logits are -inf). A non-finite teacher log-prob at a response token is
+an error (`teacher_logprobs`).
 
 Metrics: distill/reverse_kl (token mean of student - teacher log-prob over sampled tokens), distill/teacher_logp,
 distill/student_logp, distill/<teacher>/reverse_kl and distill/<teacher>/rows per teacher, actor/* as in RL.
@@ -153,8 +156,11 @@ class DistillObjective(RLObjective):
         out["perf/response_tokens"] = float(mask.sum())
 
     def teacher_logprobs(self, batch: Batch, student: torch.Tensor, out: StepLog) -> torch.Tensor:
-        """(B, R) log-probs of the sampled response tokens under each row's teacher (0 where the mask is 0); each
-        teacher's rows and reverse KL go to `out` (distill/<teacher>/rows, distill/<teacher>/reverse_kl)."""
+        """(B, R) log-probs of the sampled response tokens under each row's teacher (0 where the mask is 0, whatever
+        the teacher gave there); each teacher's rows and reverse KL go to `out` (distill/<teacher>/rows,
+        distill/<teacher>/reverse_kl). A non-finite log-prob at a response token (NaN, or -inf: the teacher gives
+        the student's sample probability 0, an infinite reverse KL) is a FloatingPointError naming the teacher, row
+        and position: its advantage would be -inf and the whitened batch NaN."""
         names = self.roles.teachers
         routed: dict[str, list[int]] = {}
         for i, meta in enumerate(batch["metadata"] if "metadata" in batch else [{}] * len(batch)):
@@ -170,7 +176,16 @@ class DistillObjective(RLObjective):
         for name, rows in routed.items():
             logp = names[name].compute_logprobs(teacher_batch(batch, rows), self.temperature)["logprobs"]
             idx = torch.as_tensor(rows)
-            teacher[idx] = logp.to(teacher.dtype) * mask[idx]
+            valid = mask[idx].bool()
+            bad = valid & ~torch.isfinite(logp)
+            if bad.any():
+                r, t = (int(x) for x in bad.nonzero()[0])
+                raise FloatingPointError(
+                    f"teacher {name} gives log-prob {float(logp[r, t])} to the sampled token of row {rows[r]} at "
+                    f"response position {t}: a reverse KL to it is not finite (-inf: the teacher's probability of "
+                    "the student's token is 0)"
+                )
+            teacher[idx] = torch.where(valid, logp.to(teacher.dtype), 0.0)  # x * 0 is NaN for a masked NaN / inf
             out[f"distill/{name}/rows"] = float(len(rows))
             kl = reverse_kl_per_token(student[idx], teacher[idx], mask[idx])
             out[f"distill/{name}/reverse_kl"] = float(masked_mean(kl, mask[idx]))
