@@ -5,10 +5,12 @@ seed), then per turn submit one request with the exact token ids of the conversa
 to the inference group (continuous batching merges the turns of all running episodes), decode the response into
 the action, step the environment, and append the observation's template ids. An episode ends when the
 environment terminates or truncates, at `max_turns`, when the next turn would not fit `max_context_length`
-(prompt + everything so far + at least one new token), or when its environment fails (counted, the run goes on).
+(prompt + everything so far + at least one new token; the collectors lower it to the inference engine's context
+where that is shorter, warned: `fit_engine_context`), or when its environment fails (counted, the run goes on).
 A trajectory ends with its last response: the observation after the last allowed turn is not encoded or appended
 (no turn would read it; it would only lengthen the training sequence, and a long or unencodable one would end a
-`max_turns` episode as `max_context` or `env_error`).
+`max_turns` episode as `max_context` or `env_error`), and an observation whose next turn was not taken (the engine
+refused its prompt as too long, the turn was aborted or sampled a picture placeholder, below) is cut off again.
 A response cut by `max_tokens_per_turn` does not end the episode: the environment judges the cut text (usually an
 invalid action, which teaches brevity); such turns are counted (`Trajectory.cut_turns`, `episode/cut_turn_rate`).
 
@@ -45,6 +47,7 @@ on: the episode is dropped, counted in data/dropped_episodes).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -75,6 +78,25 @@ class EpisodeLimits:
     max_turns: int = 8
     max_context_length: int = 2048
     max_tokens_per_turn: int = 128
+
+
+def fit_engine_context(limits: Any, infer: Any) -> Any:
+    """`limits` (EpisodeLimits, roll_core.agentic.agent_sessions.SessionLimits) with `max_context_length` lowered to
+    the inference engine's context (`infer.max_context_length()`, where it has one) when the task's is longer, with a
+    warning. Past the engine's context a turn was cut by the engine (judged by the environment as the policy's
+    reply), the next prompt refused, and a training row ran past the model's context."""
+    get = getattr(infer, "max_context_length", None)
+    engine = get() if callable(get) else None
+    if isinstance(engine, bool) or not isinstance(engine, int) or engine < 1 or engine >= limits.max_context_length:
+        return limits
+    log.warning(
+        "the task's max_context_length=%d exceeds the inference engine's context of %d tokens: episodes end at %d "
+        "(end max_context); lower the env's max_context_length or raise infer_engine.max_model_len",
+        limits.max_context_length,
+        engine,
+        engine,
+    )
+    return dataclasses.replace(limits, max_context_length=engine)
 
 
 def task_turns(
@@ -206,6 +228,8 @@ class AgenticRollout:
             return Trajectory(env_seed=seed, group=group, prompt_ids=[], end=failure.kind, error=str(failure))
         traj = Trajectory(env_seed=seed, group=group, prompt_ids=prompt_ids, mm=mm)
         key = f"episode-{next(self._ids)}"
+        fed = prompt_ids  # the ids the template put before this turn (they end with its generation header)
+        unread: tuple[int, Any] | None = None  # where the last observation starts, and the pictures before it
         for turn in range(lim.max_turns):
             room = lim.max_context_length - traj.length
             if room < 1:
@@ -222,6 +246,10 @@ class AgenticRollout:
             )
             context = traj.context()
             token_ids, logprobs, finish = self._generate(f"{key}-turn-{turn}", key, context, turn_params, traj)
+            picture = self.template.picture_token_id
+            sampled_picture = picture is not None and picture in token_ids
+            if unread is not None and (finish in ("prompt_too_long", "abort") or sampled_picture):
+                traj.truncate(*unread)  # no kept turn reads the last observation (module docstring)
             if finish == "prompt_too_long":
                 del traj.versions[traj.turns :]  # no turn was taken
                 traj.end = "max_context"
@@ -233,7 +261,7 @@ class AgenticRollout:
                 traj.end, traj.untrained = "abort", True
                 traj.error = "collector closed" if self.gate is not None and self.gate.closed else "engine abort"
                 break
-            if self.template.picture_token_id is not None and self.template.picture_token_id in token_ids:
+            if sampled_picture:
                 del traj.versions[traj.turns :]  # the cut turn's weight version (gate runs)
                 traj.end = "image_token"
                 break
@@ -244,7 +272,8 @@ class AgenticRollout:
             traj.texts.append(text)
             # a template that opened <think> in the prompt: the env reads the reply with its opening tag (cut off
             # while reasoning, its tool call or answer is not taken: roll_core.thinking)
-            action = reply_text(text, opens_think(self.tokenizer, context))
+            # (only the template's ids before this turn: an earlier turn's unclosed <think> did not open this one)
+            action = reply_text(text, opens_think(self.tokenizer, fed))
             try:
                 obs, reward, terminated, truncated, info = self.envs.step(slot, action)
             except EnvFailure as exc:
@@ -272,6 +301,7 @@ class AgenticRollout:
             if traj.length + len(obs_ids) >= lim.max_context_length:  # picture tokens included
                 traj.end = "max_context"
                 break
+            unread, fed = (len(traj.tokens), traj.mm), obs_ids
             traj.add_observation(obs_ids, obs_mm)
         else:
             traj.end = "max_turns"

@@ -98,6 +98,12 @@ class Trajectory:
         self.logprobs += [0.0] * len(ids)
         self.turn_ids += [-1] * len(ids)
 
+    def truncate(self, n: int, mm: MMInputs | None) -> None:
+        """Keep the first `n` ids after the prompt (cut an observation no kept turn read) and the pictures `mm` (the
+        ones before it)."""
+        del self.tokens[n:], self.mask[n:], self.logprobs[n:], self.turn_ids[n:]
+        self.mm = mm
+
     def context(self) -> list[int]:
         """The model's input for its next turn: every id so far, exactly as produced."""
         return self.prompt_ids + self.tokens

@@ -159,6 +159,7 @@ class AgentCollector:
     def __init__(self, ctx: CollectorContext) -> None:
         from roll_core.agentic.chat import TurnTemplate
         from roll_core.agentic.openai_server import OpenAIServer, text_decoder, tool_parser
+        from roll_core.agentic.rollout import fit_engine_context
 
         check_task(ctx.cfg, ctx.task)
         if ctx.train is not None:  # the run-level constraint on every turn: refused as for episodes (roll-eval may)
@@ -168,6 +169,7 @@ class AgentCollector:
         self.cfg, self.ctx, self.task, self.tokenizer = ctx.cfg, ctx, ctx.task, ctx.tokenizer
         task = self.task
         self.limits = SessionLimits(task.max_turns, task.max_tokens_per_turn, task.max_context_length)
+        self.limits = fit_engine_context(self.limits, ctx.infer)  # never past the engine's context (warned)
         # The model preset's kwargs (model.chat_template_kwargs), then the task's own on top.
         kwargs = {**self.cfg.model.chat_template_kwargs, **task.chat_template_kwargs}
         template = TurnTemplate(self.tokenizer, chat_template_kwargs=kwargs)

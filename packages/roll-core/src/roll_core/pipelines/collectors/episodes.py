@@ -5,7 +5,9 @@ checkpoint but the step); every seed runs `algo.group_size` episodes (a group sh
 group-relative estimators compare like with like), all concurrently, token-in-token-out
 (roll_core.agentic.rollout), each turn one request to the inference engines. The batch is trajectories: the first
 prompt is the prompt, everything after it the response, with a loss mask that is 1 on generated tokens only, plus
-`group_ids` and the turn tensors the trajectory estimators read (roll_core.algorithms). Episodes whose environment
+`group_ids` and the turn tensors the trajectory estimators read (roll_core.algorithms). An episode never runs past
+the inference engine's context: a task's max_context_length longer than it is lowered to it, with a warning
+(roll_core.agentic.rollout.fit_engine_context; pipeline=agent's sessions too). Episodes whose environment
 failed at reset give nothing to train on (counted in data/dropped_episodes). An episode whose environment step
 raised or hung (end `env_error` / `env_timeout`) is, per the task's `on_failure`, trained with its failing turn's
 reward set to `failure_reward` (`score`, the default; 0.0) or dropped (`drop`, counted in data/dropped_episodes):
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 
 from roll_core.agentic.env_manager import EnvManager
-from roll_core.agentic.rollout import AgenticRollout, TurnGate, task_turns
+from roll_core.agentic.rollout import AgenticRollout, TurnGate, fit_engine_context, task_turns
 from roll_core.agentic.trajectory import Trajectory, to_tensors
 from roll_core.config.build import as_dict
 from roll_core.errors import ConfigError
@@ -145,6 +147,7 @@ class EpisodeCollector:
         else:
             self.envs = EnvManager.for_task(task)
         turns, limits = task_turns(task, self.tokenizer, cfg.model.chat_template_kwargs, vision_processor(ctx))
+        limits = fit_engine_context(limits, ctx.infer)  # never past the engine's context (warned)
         self.rollout = AgenticRollout(
             ctx.infer,
             self.envs,
