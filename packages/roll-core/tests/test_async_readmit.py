@@ -1,8 +1,9 @@
-"""A group that generated nothing is not stale (roll_core.scheduling.scheduler `finish_update`, `readmitted_groups`):
-with async_ratio 0 a group whose data the driver's data thread drew during a weight update was started at the old
-version and dropped as stale at `finish_update` without having generated a token (`stale_groups`), its prompt lost
-from the epoch (the data position was past it, and a checkpoint's pending groups no longer listed it). Now it starts
-at the new version and is trained. Fake engines, no Ray, no fixed sleeps."""
+"""A group that generated nothing is not stale (roll_core.scheduling.scheduler `finish_update`, `readmitted_groups`; the
+other stale groups are restarted, test_async_restart): with async_ratio 0 a group whose data the driver's data thread
+drew during a weight update was started at the old version and dropped as stale at `finish_update` without having
+generated a token (`stale_groups`), its prompt lost from the epoch (the data position was past it, and a checkpoint's
+pending groups no longer listed it). Now it starts at the new version and is trained. Fake engines, no Ray, no fixed
+sleeps."""
 
 from __future__ import annotations
 
@@ -83,11 +84,13 @@ def test_a_group_drawn_during_an_update_with_async_ratio_0_starts_at_the_new_ver
         engine.release()
 
 
-def test_finish_update_readmits_the_stale_groups_that_generated_nothing_and_drops_the_others() -> None:
+def test_finish_update_readmits_the_stale_groups_that_generated_nothing_and_restarts_the_others() -> None:
     """async_ratio 0, two groups per batch, three groups started at version 0 (the batch discarded one): group 0's
-    request runs across the update (stale: dropped, its request aborted); group 1's request was aborted before its
+    request runs across the update (stale: its request aborted, the group restarted from scratch at version 1 as a
+    new group after the others, its prompt kept: scheduler `finish_update`); group 1's request was aborted before its
     first token (partial rollout) and group 2 was never submitted: neither generated, both start again at version 1
-    (before: both dropped, stale_groups 3). A group that generated only an aborted prefix is still dropped."""
+    in place (before: both dropped, stale_groups 3). A group that generated only an aborted prefix is restarted too
+    (its token thrown away, counted); order "ready" still drops the stale groups that generated."""
     s = RolloutScheduler(batch_groups=3, group_size=1, max_new_tokens=4, async_ratio=0)
     _, g1, g2 = (s.start(f"p{i}", [i]) for i in range(3))
     for sample, _, _ in list(s.pending())[:2]:
@@ -95,15 +98,27 @@ def test_finish_update_readmits_the_stale_groups_that_generated_nothing_and_drop
     s.on_result("r1", [], [], "abort")  # aborted before its first token: pending again
     doomed = s.finish_update()
     assert doomed == ["r0"]
-    assert list(s.groups) == [g1.gid, g2.gid] and g1.start_version == g2.start_version == 1
-    assert s.counters["stale_groups"] == 1 and s.counters["readmitted_groups"] == 2
+    assert list(s.groups) == [g1.gid, g2.gid, 3] and g1.start_version == g2.start_version == 1
+    assert (s.groups[3].payload, s.groups[3].prompt_ids, s.groups[3].start_version) == ("p0", [0], 1)
+    assert s.counters["stale_groups"] == 0 and s.counters["readmitted_groups"] == 2
+    assert s.counters["restarted_groups"] == 1
     pending = sorted((smp.group.gid, ids, smp.submitted_version) for smp, ids, _ in s.pending())
-    assert pending == [(1, [1], 1), (2, [2], 1)]
+    assert pending == [(1, [1], 1), (2, [2], 1), (3, [0], 1)]
 
     t = RolloutScheduler(batch_groups=1, group_size=1, max_new_tokens=4, async_ratio=0)
     h = t.start("p", [0])
     ((sample, _, _),) = list(t.pending())
     t.submitted(sample, "r0")
     t.on_result("r0", [5], [-0.5], "abort")  # a prefix generated at version 0: stale at version 1
-    assert t.finish_update() == [] and not t.groups and h.start_version == 0
-    assert t.counters["stale_groups"] == 1 and t.counters["stale_tokens"] == 1 and t.counters["readmitted_groups"] == 0
+    assert t.finish_update() == [] and h.gid not in t.groups and h.start_version == 0
+    ((again, ids, left),) = list(t.pending())  # the same prompt, from scratch at version 1
+    assert (again.group.payload, ids, left, again.group.start_version) == ("p", [0], 4, 1)
+    assert t.counters["stale_groups"] == 0 and t.counters["stale_tokens"] == 1 and t.counters["restarted_groups"] == 1
+
+    r = RolloutScheduler(batch_groups=3, group_size=1, max_new_tokens=4, async_ratio=0, order="ready")
+    _, r1, r2 = (r.start(f"p{i}", [i]) for i in range(3))
+    for sample, _, _ in list(r.pending())[:1]:
+        r.submitted(sample, "r0")
+    assert r.finish_update() == ["r0"] and list(r.groups) == [r1.gid, r2.gid]
+    assert r.counters["stale_groups"] == 1 and r.counters["restarted_groups"] == 0
+    assert r.counters["readmitted_groups"] == 2

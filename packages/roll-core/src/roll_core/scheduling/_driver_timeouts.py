@@ -1,10 +1,12 @@
-"""What `AsyncRollout`'s waits say when they time out (roll_core.scheduling.driver): a `take` that got fewer groups
-than it asked for within `timeout_s`, an update or shrink whose submits never returned, a `close` that gave up on
-a thread (`warn_stuck`: what it does and where), a `held` that gave up on the data thread's draw (`held_timeout`),
-aborted requests forgotten after `abort_timeout_s` (`warn_lost`, `warn_unwarned`); the errors a request's failure
-(`engine_failure`) or the engine's refusal (`idle_refusal`) stops the rollout with; and the list of running
-requests with their ages that the agentic collector's batch timeout shares (`running_aged`). Kept apart from the
-driver so that it stays one readable module; these read the driver's state with its lock held and change nothing."""
+"""What `AsyncRollout`'s waits say when they time out (roll_core.scheduling.driver): a `take` that got fewer groups than
+it asked for within `timeout_s`, an update or shrink whose submits never returned, a `close` that gave up on a thread
+(`warn_stuck`: what it does and where) or on the driver's lock (`warn_lock_held`: who holds it), a `held` that gave
+up on the data thread's draw (`held_timeout`), aborted requests forgotten after `abort_timeout_s` (`warn_lost` once
+per version, `book_warning`; `warn_unwarned`); the errors a request's failure (`engine_failure`) or the engine's
+refusal (`idle_refusal`) stops the rollout with; and the list of running requests with their ages that the agentic
+collector's batch timeout shares (`running_aged`). Kept apart from the driver so that it stays one readable module;
+these read the driver's state with its lock held (`warn_lock_held`, `warn_stuck`: without it, the close gave up on
+it) and change nothing but the record of what was warned about (`book_warning`)."""
 
 from __future__ import annotations
 
@@ -156,6 +158,29 @@ def warn_stuck(driver: AsyncRollout, what: str, thread: threading.Thread | None 
     )
 
 
+def warn_lock_held(driver: AsyncRollout) -> None:
+    """The warning of a `close` that could not get the driver's lock within `close_timeout_s`: who holds it (the
+    lock knows: `_driver_lock.OwnedLock`), what it does and where; when it let go just as close gave up (none holds
+    it now), a caller of `held()` or the rollout thread (what holds the lock for long)."""
+    owner = driver._lock.owner
+    if owner is None:
+        holder, doing = "a caller of held() or the rollout thread (it let go as close gave up)", ""
+    elif owner is driver._thread:
+        holder, doing = f"the rollout thread {owner.name!r}", f": {driver._doing}; stuck in {_where(owner)}"
+    elif owner is driver._feeder:
+        holder, doing = f"the data thread {owner.name!r}", f": {_data_doing(driver)}; stuck in {_where(owner)}"
+    else:
+        what = "a caller of held() (a checkpoint reading the groups?)" if owner is driver._held_by else "a caller"
+        holder, doing = f"thread {owner.name!r}", f", {what}: stuck in {_where(owner)}"
+    log.warning(
+        "async rollout: close() could not get the driver's lock within %gs: %s holds it%s. The driver is closed "
+        "without it (the rollout thread aborts its running requests once it gets the lock)",
+        driver.close_timeout_s,
+        holder,
+        doing,
+    )
+
+
 def _data_doing(driver: AsyncRollout) -> str:
     """What the data thread does now, for `warn_stuck`: drawing a group (since when), else its own account."""
     since = driver._drawing_since
@@ -176,6 +201,22 @@ def _where(thread: threading.Thread | None) -> str:
         f"{fs.name} ({fs.filename.rsplit('/', 1)[-1]}:{fs.lineno})"
         for fs in traceback.extract_stack(frame, limit=4)[::-1]
     )
+
+
+def book_warning(driver: AsyncRollout, lost: dict[str, list[str]]) -> int | None:
+    """One warning per version (lock held; it books which version was warned about, and the losses after its
+    warning): the version to warn about now (`warn_lost`) if these are its first losses; later ones are summed up at
+    the next `finish_update` (or `close`: `warn_unwarned`)."""
+    if not any(lost.values()):
+        return None
+    version = driver.sched.version
+    if driver._warned_version != version:
+        driver._warned_version = version
+        return version
+    for cause, rids in lost.items():
+        if rids:
+            driver._unwarned[cause] = driver._unwarned.get(cause, 0) + len(rids)
+    return None
 
 
 def warn_lost(driver: AsyncRollout, version: int, lost: dict[str, list[str]], errors: list[BaseException]) -> None:

@@ -6,27 +6,31 @@ every pending sample as one request (`infer.submit_request`, with the group's pi
 The trainer's thread calls `take(n)` (blocks until n complete groups within the staleness bound exist, or `timeout_s`
 passes; a `take` that raises gives the groups it had taken back to the scheduler, for the next `take`), and brackets
 every weight sync with `begin_update()` / `finish_update()`: with partial rollout the running requests are aborted first
-and their prefixes resumed under the new weights; groups that became too stale are aborted and never returned. A failure
-in a thread (engine error, a `next_group` that raises or returns something else than its contract says:
+and their prefixes resumed under the new weights; the requests of groups that became too stale are aborted (the
+scheduler restarts those groups from scratch at the new version, or drops them in order "ready"). A failure in a thread
+(engine error, a `next_group` that raises or returns something else than its contract says:
 roll_core.scheduling._driver_data) is raised in the trainer's next call, never swallowed; the first failure is the one
 kept (the other thread's, after it, is logged only), and the running requests are aborted at once (they generated for
-nobody until `close`). A `next_group` that fails after `close` (its data torn down by the shutdown) is expected: logged
-in one line, the driver stays closed. An abort the engine made on its own resumes the sample (preemption), but
-`max_idle_aborts` (pipeline.max_idle_aborts, default `roll_core.idle_aborts.MAX_IDLE_ABORTS`) of them in a row for one
-sample within one version, none with a token, are a refusal (SGLang aborts a prompt longer than its KV cache holds): the
-thread fails naming the request, instead of resubmitting it in a busy loop while the trainer waits out `timeout_s`.
-`close()` aborts what runs and stops the threads (one still alive after `close_timeout_s` is left, a daemon, with a
-warning naming what it was doing and where, both threads joined against one deadline: the data thread blocked in
-`next_group`, or waiting for a lock, submits nothing after close); a `take` (or update, shrink) waiting then, or called
-later, raises at once. The engine and the data source are called without the driver's lock, and `next_group` on a thread
-of its own, so an engine call that blocks (`submit_request`) never blocks `close`, nor `take`'s timeout, and a
-`next_group` that blocks (a slow dataloader, an environment reset) blocks none of `close`, `take`'s timeout,
-`begin_update`, `shrink`, nor the collection of the results they wait for (a group whose data comes during an update is
-pending until `finish_update`, and starts at the new version: the scheduler's `readmitted_groups`; only `held`, which
-reads the data position with the groups, waits for the draw, at most `timeout_s`: past it a TimeoutError names the data
-source). A `take` that times out says why: groups that never started for lack of budget (pipeline.async_ratio), the data
-source blocked in `next_group` (named, with for how long), requests running without finishing (the engine: the oldest
-named first, with how long each has run), submits that do not return, or samples no request carries.
+nobody until `close`). A `next_group` or a `submit_request` that fails after `close` (its data or engine torn down by
+the shutdown) is expected: logged in one line, the driver stays closed (later calls say closed, not failed). Every
+request is aborted once (`_mark_aborting`: an update's, a shrink's, close's), never again by a later one. An abort the
+engine made on its own resumes the sample (preemption), but `max_idle_aborts` (pipeline.max_idle_aborts, default
+`roll_core.idle_aborts.MAX_IDLE_ABORTS`) of them in a row for one sample within one version, none with a token, are a
+refusal (SGLang aborts a prompt longer than its KV cache holds): the thread fails naming the request, instead of
+resubmitting it in a busy loop while the trainer waits out `timeout_s`. `close()` aborts what runs and stops the threads
+(one still alive after `close_timeout_s` is left, a daemon, with a warning naming what it was doing and where; a close
+that cannot get the driver's lock names who holds it: a caller inside `held()`, the rollout or the data thread; both
+threads joined against one deadline: the data thread blocked in `next_group`, or waiting for a lock, submits nothing
+after close); a `take` (or update, shrink) waiting then, or called later, raises at once. The engine and the data source
+are called without the driver's lock, and `next_group` on a thread of its own, so an engine call that blocks
+(`submit_request`) never blocks `close`, nor `take`'s timeout, and a `next_group` that blocks (a slow dataloader, an
+environment reset) blocks none of `close`, `take`'s timeout, `begin_update`, `shrink`, nor the collection of the results
+they wait for (a group whose data comes during an update is pending until `finish_update`, and starts at the new
+version: the scheduler's `readmitted_groups`; only `held`, which reads the data position with the groups, waits for the
+draw, at most `timeout_s`: past it a TimeoutError names the data source). A `take` that times out says why: groups that
+never started for lack of budget (pipeline.async_ratio), the data source blocked in `next_group` (named, with for how
+long), requests running without finishing (the engine: the oldest named first, with how long each has run), submits that
+do not return, or samples no request carries.
 
 Requests that never return. A request this driver aborted (partial rollout at `begin_update`, a stale group's at
 `finish_update`, one moved by `shrink` / `expand`) normally brings its partial result within moments. If its handle
@@ -66,15 +70,18 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from roll_core.idle_aborts import MAX_IDLE_ABORTS
+from roll_core.idle_aborts import MAX_IDLE_ABORTS, check_max_idle_aborts
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.scheduling._driver_data import feed
+from roll_core.scheduling._driver_lock import OwnedLock
 from roll_core.scheduling._driver_timeouts import (
+    book_warning,
     engine_failure,
     held_timeout,
     idle_refusal,
     submit_hang,
     take_timeout,
+    warn_lock_held,
     warn_lost,
     warn_stuck,
     warn_unwarned,
@@ -111,12 +118,12 @@ class AsyncRollout:
         as a refusal (module docstring)."""
         if not abort_timeout_s > 0:
             raise ValueError(f"abort_timeout_s={abort_timeout_s} must be > 0 (seconds an abort may take to return)")
-        if isinstance(max_idle_aborts, bool) or not isinstance(max_idle_aborts, int) or max_idle_aborts < 1:
-            raise ValueError(f"max_idle_aborts={max_idle_aborts!r} must be an integer >= 1 (aborts in a row)")
         self.infer, self.sched, self.next_group, self.params = infer, scheduler, next_group, params
         self.poll_s, self.timeout_s = poll_s, timeout_s
         self.pool = pool  # None: the infer group routes each request itself
-        self._cv = threading.Condition()
+        self._lock = OwnedLock()  # knows its holder: a close that cannot get it names it (`warn_lock_held`)
+        self._cv = threading.Condition(self._lock)
+        self._held_by: threading.Thread | None = None  # the caller inside `held()`, if any
         self._handles: dict[str, Any] = {}
         # Requests handed to the engine (or being handed) -> when: a take that times out says how long the oldest
         # ran. Removed with their handles.
@@ -135,10 +142,10 @@ class AsyncRollout:
         self._feeder: threading.Thread | None = None  # the data thread (`_feed`)
         self._n = 0
         self._last: dict[str, int] = {}
-        self.max_idle_aborts = max_idle_aborts
+        self.max_idle_aborts = check_max_idle_aborts(max_idle_aborts)
         self.abort_timeout_s = abort_timeout_s
         # Requests this driver aborted, result not yet collected -> when first aborted (insertion order is time
-        # order: `setdefault` keeps the first abort's time, so the expired ones are at the front).
+        # order: `_mark_aborting` keeps the first abort's time, so the expired ones are at the front).
         self._aborting: dict[str, float] = {}
         self._counters = {"unanswered_aborts": 0, "failed_aborts": 0}  # requests forgotten as lost, by cause
         self._warned_version = -1  # the version whose first loss was warned about (one warning per version)
@@ -167,12 +174,11 @@ class AsyncRollout:
         # the lock (one assignment; the thread and every waiter read it at their next poll) and the thread is left.
         if not self._cv.acquire(timeout=self.close_timeout_s):
             self._stopped = True
-            warn_stuck(self, "held the driver's lock (its running requests are aborted if it gets past that)")
+            warn_lock_held(self)  # names the holder: a caller inside held(), the rollout or the data thread
             return
         try:
             self._stopped = True
-            running = list(self._handles)
-            self._mark_aborting(running)
+            running = self._mark_aborting(list(self._handles))  # (those aborted before are not aborted again)
             thread, feeder = self._thread, self._feeder  # read with the state: `start` sets them under this lock
             unwarned, self._unwarned = self._unwarned, {}
             version = self.sched.version
@@ -237,7 +243,11 @@ class AsyncRollout:
             raise held_timeout(self, bound, None if drawing is None else time.monotonic() - drawing)
         try:
             with self._cv:
-                yield
+                outer, self._held_by = self._held_by, threading.current_thread()
+                try:
+                    yield
+                finally:
+                    self._held_by = outer
         finally:
             self._data_lock.release()
 
@@ -254,8 +264,8 @@ class AsyncRollout:
             self._raise()
             self._paused = True
             to_abort = self.sched.begin_update()
-            self._mark_aborting(to_abort)
-        for rid in to_abort:
+            send = self._mark_aborting(to_abort)
+        for rid in send:
             self.infer.abort(rid)
         # The thread collects them, or forgets them as lost after abort_timeout_s (the sync then goes on): this
         # wait fails only if the thread is stuck.
@@ -277,10 +287,9 @@ class AsyncRollout:
         """After a weight sync: bump the version, abort groups now too stale, resume generation."""
         with self._cv:
             before = list(self.sched.groups.values()) if self.pool is not None else []
-            doomed = self.sched.finish_update()
-            self._mark_aborting(doomed)
-            # The homes of the samples of groups dropped as stale: nothing else forgets them (only a sample that
-            # finishes is forgotten), and the pool's routing table grew by them every version, run-long.
+            doomed = self._mark_aborting(self.sched.finish_update())
+            # The homes of the samples of groups dropped as stale (or restarted: under a new gid): nothing else forgets
+            # them (only a sample that finishes is forgotten), and the pool's routing table grew by them every version.
             for g in before:
                 if g.gid not in self.sched.groups:
                     for smp in g.samples:
@@ -305,8 +314,8 @@ class AsyncRollout:
         with self._cv:
             self._raise()
             moved = pool.shrink(engines)
-            self._mark_aborting(moved)
-        for rid in moved:
+            send = self._mark_aborting(moved)
+        for rid in send:
             self.infer.abort(rid)
         timeout_s = self._wait_bound() if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
@@ -331,9 +340,9 @@ class AsyncRollout:
         with self._cv:
             self._raise()
             moved = pool.expand(engines, rebalance=rebalance)
-            self._mark_aborting(moved)
+            send = self._mark_aborting(moved)
             self._cv.notify_all()
-        for rid in moved:
+        for rid in send:
             self.infer.abort(rid)
         return len(moved)
 
@@ -411,7 +420,7 @@ class AsyncRollout:
                 with self._cv:
                     failed_lost = self._lose(list(failed), "failed_aborts") if failed else []
                     lost = {"failed_aborts": failed_lost, "unanswered_aborts": self._forget_unanswered()}
-                    warn = self._book_warning(lost)
+                    warn = book_warning(self, lost)
                 if warn is not None:
                     warn_lost(self, warn, lost, [failed[rid] for rid in failed_lost])
                 if not progressed:
@@ -432,9 +441,7 @@ class AsyncRollout:
     def _abandon(self) -> list[str]:
         """The running requests not yet aborted, marked aborted (lock held): the rollout stopped (closed or failed),
         the caller aborts them (not those whose handle completed: a failed one's, say)."""
-        left = [rid for rid, h in self._handles.items() if rid not in self._aborting and not h.done()]
-        self._mark_aborting(left)
-        return left
+        return self._mark_aborting([rid for rid, h in self._handles.items() if not h.done()])
 
     def _record(self, rid: str, out: RequestOutput) -> None:
         """Record a collected result (takes the lock)."""
@@ -452,11 +459,15 @@ class AsyncRollout:
                     self.pool.forget((sample.group.gid, sample.index))
             self._cv.notify_all()
 
-    def _mark_aborting(self, rids: list[str]) -> None:
-        """`rids` are about to be aborted (lock held): the bound runs from the first abort of each."""
+    def _mark_aborting(self, rids: list[str]) -> list[str]:
+        """`rids` are about to be aborted (lock held): the bound runs from the first abort of each. Returns the ones
+        the caller aborts: each once, if its engine knows it (a handle); one aborted before is not aborted again, and
+        one whose submit is under way is aborted by `_submit` once the engine returns its handle."""
         now = time.monotonic()
-        for rid in rids:
-            self._aborting.setdefault(rid, now)
+        new = [rid for rid in dict.fromkeys(rids) if rid not in self._aborting]
+        for rid in new:
+            self._aborting[rid] = now
+        return [rid for rid in new if rid in self._handles]
 
     def _wait_bound(self) -> float:
         """How long a caller waits for aborts the thread collects or forgets after abort_timeout_s: that plus a
@@ -504,20 +515,6 @@ class AsyncRollout:
         self._counters[cause] += len(known)
         self._cv.notify_all()
         return known
-
-    def _book_warning(self, lost: dict[str, list[str]]) -> int | None:
-        """One warning per version (lock held): the version to warn about now if these are its first losses; later
-        ones are summed up at the next `finish_update` (or `close`)."""
-        if not any(lost.values()):
-            return None
-        version = self.sched.version
-        if self._warned_version != version:
-            self._warned_version = version
-            return version
-        for cause, rids in lost.items():
-            if rids:
-                self._unwarned[cause] = self._unwarned.get(cause, 0) + len(rids)
-        return None
 
     def _count_idle_abort(self, sample: SampleState, rid: str, out: RequestOutput, asked: bool) -> None:
         """Count the engine's own aborts of `sample` that brought no token (lock held); too many: raise."""
@@ -580,9 +577,13 @@ class AsyncRollout:
             # The failure is stored in the same hold that ends the submit (`finally`): a `begin_update` waiting for
             # the submit to end woke to an empty `_submitting` before the thread stored the error, and went on.
             with self._cv:
+                closed = self._stopped and self._error is None  # the engine shuts down after close: expected
                 failure = engine_failure(self, rid, exc)
-                if self._error is None:  # (the first failure is kept: `_fail`)
+                if not self._stopped and self._error is None:  # (the first failure is kept: `_fail`)
                     self._error = failure
+            if closed:  # one line, the driver stays closed (later calls say closed, not failed)
+                log.info("async rollout: a submit after close() (a shutdown) raised: %s", failure)
+                return
             raise failure from exc
         finally:
             with self._cv:

@@ -39,7 +39,7 @@ Contract:
   batch's free slots: calling `take` again for the same batch (after waiting, or after `discard`) keeps the
   reservation, since a taken group lowers both n_W (or the slots left for later deadlines) and the limit.
   A batch shorter than B (dynamic sampling at its refill cap, the end of a run) can leave a due group behind: the
-  staleness filter below then drops it (counted), as in any order.
+  staleness filter below then restarts it at the next version (a new deadline).
   What it cannot do: beat order "start" after the first k + 1 batches. The budget (kept full, no discards)
   admits (k + 1) B groups at version 0 and B at each later version, and batches 0..W hold (W + 1) B groups; a
   policy that trains every group by its deadline must fit the (W + 1) B groups of deadline <= W (W >= k) into
@@ -56,28 +56,34 @@ Contract:
   per sample, but it drops the long groups: 30-40 % of generated tokens in the simulator, trained responses ~20 %
   shorter than generated ones.
 - Staleness bound, in every order: a batch taken at trainer version v holds only groups whose every token was
-  sampled at version >= v - k. Older groups are never trained on: completed ones are dropped at `take`, running
-  ones are aborted at `finish_update` (counted in `stale_groups`, their tokens in `stale_tokens`), and their budget
-  goes to fresh groups. In orders "start" and "deadline" this is a safety net that triggers only if the trainer
-  takes fewer than B groups per version. A group that generated nothing and has no request running at
-  `finish_update` (its data came during the update: with k = 0 it was dropped, its prompt lost from the epoch) is
-  admitted again at the new version instead (`readmitted_groups`; only the newest such groups, so admission
-  versions stay in start order): it holds no token to be stale, its deadline only moves later, the budget is
-  unchanged.
-- `stale_tokens` counts every token the policy generated for a dropped group and that is thrown away: the
-  generated segments it holds when dropped (partial ones of aborted requests included), plus what its requests
+  sampled at version >= v - k. Older tokens are never trained on. In order "ready" completed stale groups are
+  dropped at `take`, running ones at `finish_update` (their requests aborted; counted in `stale_groups`, their
+  tokens in `stale_tokens`), and their budget goes to fresh groups (their prompts are skipped: the data position is
+  past them). In orders "start" and "deadline" (where this is a safety net that triggers only if the trainer takes
+  fewer than B groups per version: dynamic sampling's refills, a short batch) no prompt is dropped: at
+  `finish_update` every stale group, running or complete, is restarted instead (`restarted_groups`): its tokens
+  (old weights) are thrown away and counted in `stale_tokens`, its running requests are returned to abort (their
+  results are ignored, counted there too), and the same prompt starts again at the new version from scratch as a
+  new group (a new gid, last in start order, so admission versions stay in start order; on the budget it held; a
+  checkpoint lists it as pending, its prompt not lost from the epoch: with k = 0 the refill of a discarded group
+  that ran across the update was dropped); `stale_groups` stays 0. A group that generated nothing and has no
+  request running at `finish_update` (its data came during the update) is admitted again at the new version, in
+  every order (`readmitted_groups`; in place when it is among the newest groups, else as a restart): it holds no
+  token to be stale, its deadline only moves later, the budget is unchanged.
+- `stale_tokens` counts every token the policy generated for a dropped or restarted group and that is thrown away:
+  the generated segments it holds when dropped (partial ones of aborted requests included), plus what its requests
   still running then generate until their abort, booked when their results arrive (`on_result` ignores them
   otherwise). Observation tokens are not counted (not generated), nor tokens of groups the caller `discard`s
   (`discarded_groups`: trained-on-or-not is the caller's choice, not staleness).
-- Requests of dropped groups (`_drop`: stale at `take` or `finish_update`) are aborted by the caller; until their
-  results arrive their ids are kept so that `on_result` books what they generated (above) and then forgets them. A
-  result may never arrive (the engine running it restarted, its worker died, its abort was lost): the caller says
-  so with `lost(request_ids)`, which forgets them (a live request's sample resumes as after an abort, its prefix
-  kept), counted in `lost_requests`. As a backstop against a caller that cannot tell, an id still waiting
-  `dropped_ttl` versions after its drop is forgotten at `finish_update` (counted in `pruned_requests`, warned):
-  an abort's result arrives within moments, so by then none will; one arriving later is ignored like a discarded
-  group's (its tokens missing from `stale_tokens`). So the ids kept never exceed `dropped_ttl` versions' worth of
-  drops (each version drops at most the samples in flight), however long the run.
+- Requests of dropped or restarted groups (`_remove`: stale at `take` or `finish_update`) are aborted by the caller;
+  until their results arrive their ids are kept so that `on_result` books what they generated (above) and then
+  forgets them. A result may never arrive (the engine running it restarted, its worker died, its abort was lost): the
+  caller says so with `lost(request_ids)`, which forgets them (a live request's sample resumes as after an abort, its
+  prefix kept), counted in `lost_requests`. As a backstop against a caller that cannot tell, an id still waiting
+  `dropped_ttl` versions after its drop is forgotten at `finish_update` (counted in `pruned_requests`, warned): an
+  abort's result arrives within moments, so by then none will; one arriving later is ignored like a discarded group's
+  (its tokens missing from `stale_tokens`). So the ids kept never exceed `dropped_ttl` versions' worth of drops (each
+  version drops at most the samples in flight), however long the run.
 - Tail groups (order "ready" only): while groups of an earlier version run and fewer than B are complete,
   `tail_groups` more may start.
 - Partial rollout: `begin_update` names every running request; the driver aborts them, reports what they
@@ -97,6 +103,8 @@ import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from roll_core.scheduling._stale_update import retire_stale
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +176,7 @@ class GroupState:
     samples: list[SampleState] = field(default_factory=list)
     finished: int = 0  # samples with a final finish reason (kept by the scheduler: `done` is O(1))
     mm: Any = None  # the prompt's pictures (roll_core.multimodal.MMInputs) for a vision-language model
+    restarts: int = 0  # times its prompt was restarted as stale (roll_core.scheduling._stale_update)
 
     @property
     def done(self) -> bool:
@@ -243,6 +252,8 @@ class RolloutScheduler:
             "lost_requests": 0,  # requests the caller reported lost (`lost`): no result will come
             "pruned_requests": 0,  # dropped groups' requests forgotten after dropped_ttl versions without a result
             "readmitted_groups": 0,  # groups that generated nothing, admitted again at a new version (not stale)
+            "restarted_groups": 0,  # stale groups started again from scratch at a new version (start, deadline)
+            "dropped_restarts": 0,  # of stale_groups: prompts dropped after _stale_update.MAX_RESTARTS restarts
         }
 
     # ---- starting -----------------------------------------------------------------------------------------
@@ -292,12 +303,17 @@ class RolloutScheduler:
             raise RuntimeError("no capacity: the rollout would run more than async_ratio batches ahead")
         else:
             self._budget_used += 1
+        g = self._admit(payload, ids, mm)
+        self.counters["started_groups"] += 1
+        return g
+
+    def _admit(self, payload: Any, ids: list[int], mm: Any) -> GroupState:
+        """A new group at the current version, last in start order, its samples pending (no budget booked)."""
         g = GroupState(next(self._gids), payload, ids, self.version, mm=mm)
         g.samples = [SampleState(g, j, submitted_version=self.version) for j in range(self.group_size)]
         self.groups[g.gid] = g
         for smp in g.samples:
             self._pending[(g.gid, smp.index)] = smp
-        self.counters["started_groups"] += 1
         return g
 
     def pending(self) -> Iterator[tuple[SampleState, list[int], int]]:
@@ -482,13 +498,20 @@ class RolloutScheduler:
         self.counters["discarded_groups"] += 1
 
     def _drop(self, g: GroupState) -> list[str]:
-        """Drop a stale group (counted); returns its running requests (to abort: their results are ignored)."""
+        """Drop a stale group (counted, its prompt gone); returns its running requests (to abort: their results are
+        ignored)."""
+        self.counters["stale_groups"] += 1
+        return self._remove(g)
+
+    def _remove(self, g: GroupState) -> list[str]:
+        """Take a stale group out (`_drop`; a restart, `_stale_update.retire_stale`): its budget given back, its
+        generated tokens counted as thrown away; returns its running requests (to abort: their results are booked in
+        `stale_tokens`)."""
         if self.groups.pop(g.gid, None) is not None and g.done:
             self._complete -= 1
         for smp in g.samples:
             self._pending.pop((g.gid, smp.index), None)
         self._budget_used -= 1
-        self.counters["stale_groups"] += 1
         self.counters["stale_tokens"] += sum(len(seg.tokens) for s in g.samples for seg in s.segments if seg.generated)
         running = [s.request_id for s in g.samples if s.request_id is not None]
         for rid in running:
@@ -507,49 +530,14 @@ class RolloutScheduler:
     def finish_update(self) -> list[str]:
         """The trainer pushed new weights: bump the version; returns requests of running groups that can no longer
         be trained on (abort them: their results are ignored). A batch of fewer than B groups at the version that
-        ends lowers the budget by the difference (module docstring)."""
+        ends lowers the budget by the difference (module docstring). Stale groups that generated nothing are
+        readmitted; in orders "start" and "deadline" the other stale groups are restarted, in order "ready" the
+        running ones are dropped (module docstring: staleness bound; roll_core.scheduling._stale_update)."""
         self._short += max(0, self.batch_groups - len(self._taken))
         self._taken = set()
         self.version += 1
         self._prune_dropped()
-        doomed: list[str] = []
-        for g in list(self.groups.values()):  # first the stale groups that generated or run
-            if not g.done and self._stale(g) and not self._unused(g):
-                doomed += self._drop(g)
-        self._readmit_unused()
-        for g in list(self.groups.values()):  # an unused one that could not be readmitted (a newer group ran)
-            if not g.done and self._stale(g):
-                doomed += self._drop(g)
-        return doomed
-
-    @staticmethod
-    def _unused(g: GroupState) -> bool:
-        """No sample of `g` generated a token, finished, runs a request or waits for its environment."""
-        return not any(
-            s.request_id is not None or s.finish is not None or s.awaiting_env or s.tokens for s in g.samples
-        )
-
-    def _readmit_unused(self) -> None:
-        """Stale groups that generated nothing and have no request running (their data came during the update that
-        ends, with async_ratio 0; or every request of theirs was aborted before its first token) are admitted again
-        at the new version (counted in `readmitted_groups`): no token of theirs is old, so none is stale. Dropped,
-        their prompts were lost from the epoch (the data position is past them) for a version they never used.
-        Only among the newest unused groups (back to the first that generated or runs), and every unused group
-        after a readmitted one too, so admission versions stay in start order."""
-        suffix: list[GroupState] = []
-        for g in reversed(self.groups.values()):
-            if not self._unused(g):
-                break
-            suffix.append(g)
-        suffix.reverse()
-        first = next((i for i, g in enumerate(suffix) if self._stale(g)), None)
-        if first is None:
-            return
-        for g in suffix[first:]:
-            g.start_version = self.version
-            for smp in g.samples:
-                smp.submitted_version = self.version
-            self.counters["readmitted_groups"] += 1
+        return retire_stale(self)
 
     def _prune_dropped(self) -> None:
         """Forget the dropped groups' requests still without a result `dropped_ttl` versions after their drop
