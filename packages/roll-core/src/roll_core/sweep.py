@@ -211,12 +211,22 @@ def job_value(record: dict[str, Any]) -> float | None:
         return float(value)
     if record.get("status") == "ok":
         log.error(
-            "sweep job %s finished without a finite final held-out accuracy (%r): a failed trial for a sweeper "
-            "(pipeline.eval_every=0 evaluates nothing)",
+            "sweep job %s finished without a finite final held-out accuracy (%r): a failed trial for a sweeper (%s)",
             record.get("job"),
             value,
+            _no_final_accuracy(record, value),
         )
     return None
+
+
+def _no_final_accuracy(record: dict[str, Any], value: Any) -> str:
+    """Why an `ok` job has no finite final accuracy: a stop skipped it (summary's `skipped`), NaN, or none logged."""
+    final = [str(s) for s in (record.get("summary") or {}).get("skipped") or [] if str(s).startswith("final eval")]
+    if final:
+        return f"a stop skipped its {final[0]}: roll-eval its last checkpoint for it"
+    if value is not None:
+        return "the evaluation gave a non-finite accuracy"
+    return "no held-out evaluation was logged: pipeline.eval_every=0 evaluates nothing"
 
 
 def job_sweep_dir(hc: Any) -> Path:

@@ -5,8 +5,11 @@ response region, masked context tokens of a multi-turn row included), the teache
 most likely next tokens there. A row is a counted skip unless: both lists have one entry per response token; every
 entry has the same K (and the same K as the file's first good row: batches are (B, R, K)); ids are integers in the
 student tokenizer's vocabulary (`len(tokenizer)`; the offline distillation collector refuses, naming the row, an id
-the model's `vocab_size` lacks), distinct within a position; log-probs are finite and <= 1e-6 (log-softmax
-rounding may land a hair above 0); each position's top-k mass sum(exp) <= 1 + 1e-4. A row carrying a `tokenizer`
+the model's `vocab_size` lacks), distinct within a position; log-probs are <= 1e-6 (log-softmax rounding may land a
+hair above 0), never NaN or +inf, and -inf (probability 0: the loss counts 0 log 0 = 0, roll_algos.distill) only
+beside a listed token of positive probability; each position's top-k mass sum(exp) is in (0, 1 + 1e-4]. (A
+reverse KL to a teacher probability of 0 is infinite: the offline distillation collector refuses such rows with
+distill.kind=reverse, naming the row.) A row carrying a `tokenizer`
 fingerprint that differs from the student tokenizer's is an error naming both: the teacher's ids would index another
 vocabulary (the fingerprint roll wrote before it became version-independent is accepted too when it matches).
 They are kept as (R, K) int32 / float32 tensors in `TokenRow.aligned`, cut with the response when it is truncated.
@@ -129,11 +132,14 @@ class DistillParser:
             raise SkipRow("bad_token_id", f"teacher ids outside the student's vocabulary [0, {vocab})")
         if n and k > 1 and (ids_t.sort(dim=1).values.diff(dim=1) == 0).any():
             raise SkipRow("teacher_duplicate_ids", "a position lists one token id twice")
-        if not torch.isfinite(lps_t).all():
-            raise SkipRow("teacher_nonfinite", "a teacher log-prob is NaN or infinite")
+        if bool((torch.isnan(lps_t) | (lps_t == float("inf"))).any()):
+            raise SkipRow("teacher_nonfinite", "a teacher log-prob is NaN or +inf")
         if n and lps_t.max() > LOGPROB_TOLERANCE:
             raise SkipRow("teacher_positive_logprob", f"a teacher log-prob is {lps_t.max().item():.3g} > 0")
         mass = lps_t.exp().sum(dim=1)
+        if n and bool((lps_t == float("-inf")).all(dim=1).any()):  # -inf is probability 0: allowed, not everywhere
+            pos = int((lps_t == float("-inf")).all(dim=1).nonzero()[0])
+            raise SkipRow("teacher_mass", f"every top-k log-prob is -inf (top-k mass 0) at response position {pos}")
         if n and mass.max() > 1 + MASS_TOLERANCE:
             pos = int(mass.argmax())
             raise SkipRow("teacher_mass", f"top-k mass {mass[pos].item():.6f} > 1 at response position {pos}")

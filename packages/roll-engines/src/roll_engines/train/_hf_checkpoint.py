@@ -27,6 +27,7 @@ from roll_engines.train._lora import (
     adapter_weights,
     base_model,
     in_parents,
+    is_linear,
     load_adapter,
     merged_weights,
     save_lora,
@@ -63,7 +64,7 @@ class HFWeightsAndCheckpoints:
             return
         persistent = set(self.model.state_dict().keys())
         # A frozen parameter beside a trained one in the same module still goes (fused groups arrive whole).
-        linears = {f"{n}.weight" for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)}
+        linears = {f"{n}.weight" for n, m in self.model.named_modules() if is_linear(m)}
         trained = (n for n, p in self.model.named_parameters() if p.requires_grad and n in linears)
         parents = sync_parents(trained) if changed_only else set()
         for name, p in self.model.named_parameters():  # deduplicates shared (tied) parameters

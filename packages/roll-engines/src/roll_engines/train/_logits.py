@@ -13,6 +13,11 @@ is for scoring passes only (no-grad callers).
 - `gathered_logprobs` (.., K) fp32: log softmax at the ids of the micro-batch's `loss_fn.gather_ids_key` tensor
   (b, R, K) long, differentiable. An id outside [0, V) is a ValueError (`check_gather_ids`), never a silent wrong
   value: the packed path's advanced indexing would read a negative id as counted from the end of the vocabulary.
+
+A batch's `responses` are checked once, on the host, before any forward (`check_response_ids`): every id must be
+in [0, V) for the model's logits width V (and its input embedding's, as the response is also its input). An id
+outside is a ValueError naming the engine, the id and the width: on a GPU the gather (or the embedding lookup)
+would fail with a device-side assert that leaves the CUDA context unusable.
 """
 
 from __future__ import annotations
@@ -56,6 +61,36 @@ def check_gather_ids(ids: Tensor, vocab: int) -> None:
             f"gather ids must be token ids in [0, {vocab}) (the vocabulary size); got ids from {int(ids.min())} "
             f"to {int(ids.max())}"
         )
+
+
+def _rows(module: Any) -> int | None:
+    """Rows of an embedding or output projection (its vocabulary width), None when it has none we can read."""
+    # A LoRA-adapted layer is peft's wrapper, whose out_features is an embedding's dimension: read its base layer.
+    module = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+    for attr in ("num_embeddings", "out_features"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def check_response_ids(responses: Tensor, model: torch.nn.Module, who: str) -> None:
+    """Every id of the host tensor `responses` (B, R) must be a token of `model` (a transformers model, not a
+    peft wrapper): in [0, V) for V the rows of its output projection (the logits' width, what the log-probs gather
+    at) and of its input embedding (the response is fed back as input). A model with no output projection (a
+    critic's score head) is checked against its input embedding only. `who` names the engine in the error."""
+    if not responses.numel():
+        return
+    lo, hi = int(responses.min()), int(responses.max())
+    widths = {"logits": _rows(model.get_output_embeddings()), "input embedding": _rows(model.get_input_embeddings())}
+    for what, width in widths.items():
+        if width is not None and (lo < 0 or hi >= width):
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"{who}: response token id {bad} is outside [0, {width}), the width of the model's {what} (a student "
+                "whose padded vocabulary is wider than this model's, or a corrupted batch?); on a GPU it would fail "
+                "with a device-side assert"
+            )
 
 
 def check_temperature(temperature: float) -> None:

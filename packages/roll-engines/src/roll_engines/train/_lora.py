@@ -141,9 +141,7 @@ def merged_weights(
     base = base_model(model)
     lora_modules = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
     persistent = set(base.state_dict())
-    parents = sync_parents(
-        f"{owner}.weight" for owner, m in lora_modules.items() if isinstance(m.get_base_layer(), torch.nn.Linear)
-    )
+    parents = sync_parents(f"{owner}.weight" for owner, m in lora_modules.items() if is_linear(m.get_base_layer()))
     for name, p in base.named_parameters():
         if ".lora_" in name:
             continue
@@ -182,6 +180,15 @@ def _delta(module: Any, full: Callable[[Tensor], Tensor]) -> Tensor:
         return (b.flatten(1) @ a.flatten(1)).view(b.shape[0], *a.shape[1:]) * module.scaling[ADAPTER]
     delta = (b @ a) * module.scaling[ADAPTER]
     return delta.T if getattr(module, "fan_in_fan_out", False) else delta
+
+
+def is_linear(module: torch.nn.Module) -> bool:
+    """A linear layer: torch's, or transformers' `Conv1D` (GPT-2's fused q|k|v `c_attn`, whose weight is stored
+    transposed). Changed-only syncs found their fused groups (`sync_parents`) from torch's alone, so a GPT-2
+    adapter's sync sent `c_attn.weight` without `c_attn.bias`, the gap `sync_parents` closes for vLLM's layers."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, torch.nn.Linear | Conv1D)
 
 
 def sync_parents(changed: Iterable[str]) -> set[str]:

@@ -52,9 +52,11 @@ from roll_core.interfaces.inference import STRUCTURED_KEY
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines._onednn_linear import use_onednn_linears
 from roll_engines.train import _vision as V  # vision-language models: pictures travel with their rows
+from roll_engines.train._dropout import disable_dropout
 from roll_engines.train._hf_attention import HFAttentionCredit
 from roll_engines.train._hf_checkpoint import HFWeightsAndCheckpoints, check_loaded
 from roll_engines.train._logits import (
+    check_response_ids,
     check_temperature,
     check_topk,
     empty_outputs,
@@ -153,7 +155,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         # would round to nothing. A frozen reference needs no master copy and is held in the compute dtype.
         self.compute_dtype = torch_dtype(dtype)
         self.dtype = torch_dtype(param_dtype) if self.trainable else self.compute_dtype
-        if self.dtype == torch.float16:
+        if self.dtype == torch.float16 and self.trainable:  # (a frozen reference or teacher may hold fp16 weights)
             raise ValueError("param_dtype=float16 cannot train (updates underflow): keep float32 master weights")
         if self.dtype.itemsize < self.compute_dtype.itemsize:  # dtype=auto may resolve to fp32 here
             raise ValueError(
@@ -230,10 +232,9 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         model = self._instantiate(V.model_class(self.vision, self.role), kwargs)
         model.config.use_cache = False
         # No dropout anywhere (as peers do): the log-probs and values a step trains on must be the ones the
-        # scoring passes computed in eval mode (a token-classification head brings dropout 0.1 by default).
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
+        # scoring passes computed in eval mode (a token-classification head brings dropout 0.1 by default; an
+        # attention layer's rate is a plain float: roll_engines.train._dropout).
+        disable_dropout(model)
         return self._place(model)
 
     def _instantiate(self, model_class: Any, kwargs: dict[str, Any]) -> torch.nn.Module:
@@ -382,7 +383,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         self, batch: Mapping[str, Tensor], temperature: float, with_entropy: bool, topk: int = 0
     ) -> dict[str, Tensor]:
         check_topk(topk, int(V.vocab_size(self.model.config) or topk))
-        tensors = V.checked_batch(batch, self.vision, self.path)
+        tensors = self._checked(batch)
         was_training = self.model.training
         self.model.eval()  # no dropout in scoring passes
         n = tensors["input_ids"].shape[0]
@@ -410,6 +411,12 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
             out = {k: v[torch.argsort(order)] for k, v in out.items()}
         return out
 
+    def _checked(self, batch: Mapping[str, Tensor]) -> dict[str, Any]:
+        """The batch's tensors (_vision.checked_batch), its response ids checked once against the vocabulary."""
+        tensors = V.checked_batch(batch, self.vision, self.path)
+        check_response_ids(tensors["responses"], base_model(self.model), f"{self.role} engine {self.name!r}")
+        return tensors
+
     def _prompt_order(self, tensors: Mapping[str, Any]) -> Tensor | None:
         """Row permutation (B,) grouping rows that share a prompt (ids and pictures), when packing; None keeps the
         order."""
@@ -434,7 +441,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         if not self.trainable or self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine is not trainable")
         check_temperature(temperature)
-        tensors = V.checked_batch(batch, self.vision, self.path)
+        tensors = self._checked(batch)
         n = tensors["input_ids"].shape[0]
         means = MetricMeans()
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
@@ -543,7 +550,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         Under fp16's loss scaler they are unscaled (the backward runs on the scaled loss: they came back 2^16 x)."""
         check_temperature(temperature)
         self.model.zero_grad(set_to_none=True)
-        self._accumulate(V.checked_batch(batch, self.vision, self.path), loss_fn, temperature)
+        self._accumulate(self._checked(batch), loss_fn, temperature)
         self._loss_finite = True  # (no step follows: the next train_step starts clean)
         grads = self.gradients()
         if self.scaler is not None:

@@ -126,7 +126,7 @@ class OfflineDistillCollector:
         if self.teacher is None:
             for source in (self.data.train, self.data.eval):
                 if source is not None:
-                    check_stored_ids(source, self.vocab, cfg.model.path, tail=cfg.distill.tail)
+                    check_stored_ids(source, self.vocab, cfg.model.path, tail=cfg.distill.tail, kind=cfg.distill.kind)
         # Teacher targets by (split, row index): (n, K) int32 ids and float32 log-probs, n = the row's response tokens.
         self.cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.task_eval = _TaskEval(ctx) if cfg.pipeline.eval_every > 0 and cfg.distill.eval_task else None
@@ -338,13 +338,24 @@ def _teacher_group(ctx: CollectorContext) -> Any:
     return ctx.teachers[TEACHER]
 
 
-def check_stored_ids(source: RowSource, vocab: int, model: str, tail: bool = True) -> None:
+def check_stored_ids(source: RowSource, vocab: int, model: str, tail: bool = True, kind: str = "forward") -> None:
     """A ConfigError naming the first row of `source` whose stored teacher ids reach `vocab`, the model's output
     vocabulary: the rows were checked against the tokenizer (`len(tokenizer)`), which may hold more ids than the
     model's logits have (added tokens without rows in the embedding), and such an id failed inside the engine's
     gather with no row named. Without the tail bucket (`tail=False`) a row storing top-1 lists is refused too: its
-    KL is 0 whatever the student (the loss refuses it, but only at the first step, inside the train worker)."""
+    KL is 0 whatever the student (the loss refuses it, but only at the first step, inside the train worker). With
+    `kind="reverse"` a -inf teacher log-prob (probability 0) at a loss token is refused: KL(student || teacher) is
+    infinite there (the forward KL counts it 0 log 0 = 0) and every step holding the row would be skipped."""
     for item in source.items:
+        lps = item.aligned.get(TEACHER_LOGPROBS)
+        if kind == "reverse" and lps is not None and lps.numel():
+            zero = (lps == float("-inf")).any(-1) & torch.tensor(item.mask[: len(lps)], dtype=torch.bool)
+            if bool(zero.any()):
+                raise ConfigError(
+                    f"{item.where}: teacher_topk_logprobs holds -inf (probability 0) at response position "
+                    f"{int(zero.nonzero()[0])}: distill.kind=reverse's KL(student || teacher) is infinite there. "
+                    "Use distill.kind=forward (it counts a probability of 0 as 0 log 0 = 0), or drop the row"
+                )
         ids = item.aligned.get(TEACHER_IDS)
         if ids is not None and not tail and ids.dim() >= 1 and ids.shape[-1] == 1:
             raise ConfigError(

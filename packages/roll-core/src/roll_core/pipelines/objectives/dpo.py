@@ -27,11 +27,14 @@ rows = `RowWeightedLogprob.rows`; the micro-batch's loss is rows / units(micro) 
 gradient is then sum over micro-batches of units/U x U/units x grad(part of S) = grad S, whatever the split of rows
 over micro-batches (row counts or token budgets) and ranks: nothing is averaged.
 
-Metrics (pairs-weighted means over the step's mini-batches, with the pre-update policy of each): dpo/loss (the
-objective: preference loss + sft_weight x NLL), dpo/preference_loss, dpo/nll, dpo/reward_accuracy,
-dpo/reward_margin, dpo/rewards_chosen, dpo/rewards_rejected, dpo/chosen_logp, dpo/rejected_logp (mean summed
-log-probs); the actor's train metrics under actor/ (`merge_pass_metrics`: optimizer steps and non-finite steps
-summed over the step, `grad_norm` and `lr` means over the optimizer steps taken, a skipped pass weighing nothing).
+Metrics (pairs-weighted means over the step's mini-batches, with the pre-update policy of each): dpo/preference_loss,
+dpo/reward_accuracy, dpo/reward_margin, dpo/rewards_chosen, dpo/rewards_rejected, dpo/chosen_logp,
+dpo/rejected_logp (mean summed log-probs); dpo/nll, the token mean over all the step's chosen trained tokens (the
+chosen rows' summed NLL over their token count, every mini-batch and epoch together: not a mean of the mini-batches'
+own token means, which weighs a token of a short mini-batch more), and dpo/loss = dpo/preference_loss + sft_weight x
+dpo/nll (as eval/dpo_loss); the actor's train metrics under actor/ (`merge_pass_metrics`: optimizer steps and
+non-finite steps summed over the step, `grad_norm` and `lr` means over the optimizer steps taken, a skipped pass
+weighing nothing).
 """
 
 from __future__ import annotations
@@ -170,6 +173,7 @@ class DPOObjective:
         n_mini = mini_batches_of(self.roles, n_pairs)
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.pipeline.seed, Purpose.SHUFFLE, step))
         dpo_sums: dict[str, float] = {}
+        nll_sum = chosen_tokens = 0.0  # the step's chosen NLL and tokens (dpo/nll: a token mean, not a pair mean)
         train_passes: list[dict[str, float]] = []
         for _ in range(self.cfg.algo.ppo_epochs):
             order = torch.randperm(n_pairs, generator=gen)
@@ -177,6 +181,9 @@ class DPOObjective:
                 rows = torch.stack([2 * pairs, 2 * pairs + 1], dim=1).flatten()
                 with out.timer("policy_logprobs"):
                     mini, loss_fn, metrics = self.surrogate(batch.index(rows), None if ref is None else ref[rows])
+                tokens = float(mini["response_mask"][0::2].sum())
+                nll_sum, chosen_tokens = nll_sum + metrics.pop("nll") * tokens, chosen_tokens + tokens
+                del metrics["loss"]  # (the step's is put together below from its terms)
                 for k, v in metrics.items():
                     dpo_sums[k] = dpo_sums.get(k, 0.0) + v * len(pairs)
                 with out.timer("train_actor"):
@@ -191,6 +198,8 @@ class DPOObjective:
                 train_passes.append(got)
         epochs = self.cfg.algo.ppo_epochs
         out.update({f"dpo/{k}": v / (n_pairs * epochs) for k, v in dpo_sums.items()})
+        out["dpo/nll"] = nll_sum / chosen_tokens  # (check_pair_batch: every row has a response token)
+        out["dpo/loss"] = out["dpo/preference_loss"] + self.dpo.sft_weight * out["dpo/nll"]
         for k, v in merge_pass_metrics(train_passes).items():
             out[k if "/" in k else f"actor/{k}"] = v
         tokens = float(batch["response_mask"].sum())
