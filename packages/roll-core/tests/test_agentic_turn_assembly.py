@@ -140,7 +140,9 @@ def test_training_ids_are_what_the_hf_engine_was_fed_and_sampled(hf_tiny: Any) -
         assert batch["response_mask"][row].tolist()[: len(t.tokens)] == t.mask
         assert batch["behaviour_logprobs"][row, : len(t.tokens)].tolist() == pytest.approx(t.logprobs)
         assert t.turn_rewards == [0.25 * (k + 1) for k in range(t.turns)]
-        assert t.cut_turns == sum(out.finish_reason == "length" for _, out in turns)
+        cuts = [len(out.token_ids) for _, out in turns if out.finish_reason == "length"]
+        # cut by max_tokens_per_turn (10), or short of it by the context left
+        assert (t.cut_turns, t.context_cut_turns) == (cuts.count(10), len(cuts) - cuts.count(10))
         assert t.length <= ENGINE_CONTEXT
     assert "length" in finishes  # a turn cut by its budget was among them (the random tiny model rarely stops)
 

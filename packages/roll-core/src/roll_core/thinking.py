@@ -6,12 +6,20 @@ opening tag. Rewards and environments read a reply's answer after its last `</th
 unclosed `<think>` as cut off while reasoning (no verdict: roll_envs.rewards.judge.final_text). A reply of such a
 model cut off mid-reasoning had neither tag and was read whole: a `\\boxed{}` or a tool call in its unfinished
 reasoning was graded or acted on. `reply_text` gives rewards and environments the reply as the model wrote it
-after its prompt, the opening tag included, when `opens_think` says the prompt opened one.
+after its prompt, the opening tag included, when the prompt opened one.
+
+Which prompts open one. `header_opens_think` asks the chat template itself: its generation header (the text it
+writes after the last message's content, up to where the model starts) opens `<think>` and does not close it. An
+agentic episode reads it once per template (roll_core.agentic.rollout): an observation is untrusted text, and
+one whose last ids spell `<think>` (an added token that is not the template's framing keeps its id there) sat
+within the ids `opens_think` reads, so the environment took the next reply for unfinished reasoning.
+`opens_think` reads a prompt's last TAIL_TOKENS ids instead, for callers that have the ids and no template (the
+reward worker's single-turn prompts, whose text the dataset vouches for).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 THINK_OPEN = "<think>"
@@ -22,12 +30,41 @@ THINK_CLOSE = "</think>"
 TAIL_TOKENS = 16
 
 
+#: The content of the last message when a template's generation header is read (no template writes it).
+_SENTINEL = "\u2063ROLL-HEADER\u2063"
+
+
+def _leaves_open(text: str) -> bool:
+    """Whether `text`'s last `<think>` is not closed after it."""
+    at = text.rfind(THINK_OPEN)
+    return at >= 0 and THINK_CLOSE not in text[at:]
+
+
 def opens_think(tokenizer: Any, prompt_ids: Sequence[int]) -> bool:
     """Whether the prompt ends inside a `<think>` block its template opened (the last `<think>` of its final
-    TAIL_TOKENS tokens is not closed after it)."""
-    tail = tokenizer.decode([int(i) for i in list(prompt_ids)[-TAIL_TOKENS:]], skip_special_tokens=False)
-    at = tail.rfind(THINK_OPEN)
-    return at >= 0 and THINK_CLOSE not in tail[at:]
+    TAIL_TOKENS tokens is not closed after it). Text of the prompt's last message within those tokens counts too:
+    where the template is known, `header_opens_think` reads its header alone."""
+    return _leaves_open(tokenizer.decode([int(i) for i in list(prompt_ids)[-TAIL_TOKENS:]], skip_special_tokens=False))
+
+
+def header_opens_think(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]] = (),
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    chat_template: str | None = None,
+) -> bool:
+    """Whether the chat template's own generation header opens a `<think>` block it does not close: the text it
+    renders after a user message's content (that turn's closing, the assistant header) when the user message
+    follows `messages`, rendered with `chat_template_kwargs` (and `chat_template` in place of the tokenizer's). No
+    message's content is read: a `<think>` an observation spells does not count."""
+    kwargs = dict(chat_template_kwargs or {})
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    convo = [*(dict(m) for m in messages), {"role": "user", "content": _SENTINEL}]
+    text = tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=True, **kwargs)
+    if text.count(_SENTINEL) != 1:
+        raise ValueError("the chat template does not render a user message's content once, verbatim")
+    return _leaves_open(text[text.index(_SENTINEL) + len(_SENTINEL) :])
 
 
 def reply_text(text: str, opened: bool) -> str:

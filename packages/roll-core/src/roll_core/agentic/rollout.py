@@ -13,12 +13,19 @@ A trajectory ends with its last response: the observation after the last allowed
 refused its prompt as too long, the turn was aborted or sampled a picture placeholder, below) is cut off again.
 A response cut by `max_tokens_per_turn` does not end the episode: the environment judges the cut text (usually an
 invalid action, which teaches brevity); such turns are counted (`Trajectory.cut_turns`, `episode/cut_turn_rate`).
+A response cut short of `max_tokens_per_turn` by the context (its budget was what was left of
+`max_context_length`, or the engine stopped it at its own context) is judged alike but counted apart
+(`Trajectory.context_cut_turns`, `episode/context_cut_turn_rate`): it says the context is too small, not the turns
+too long.
 
 Asynchronous collection passes a `TurnGate`: every turn request enters the gate (blocking while a weight sync
 runs) and records the weight version it was sampled under (`Trajectory.versions`). With partial rollout the gate
 aborts the turns in flight when a sync begins; such a turn keeps its generated tokens and behaviour log-probs and
 is resumed under the new weights (prompt + everything so far + the partial turn), within the turn's token budget,
-so an episode never loses a turn to a sync. Without partial rollout a sync waits for the running turns. An aborted
+so an episode never loses a turn to a sync. A stop string split across the attempts (the first ends with `</ans`,
+the resumed one goes on with `wer>`) is matched by no engine (each reads only its request's new text): it is
+matched over the joined tokens and the turn cut at its completing token, finish `stop`, as an unaborted turn
+(roll_core.agentic.resume_stops). Without partial rollout a sync waits for the running turns. An aborted
 turn request that never brings its result, or whose result raises, is lost after a bound (roll_core.agentic.turn_gate,
 "Requests that never return"): the turn resumes with what its earlier attempts generated.
 
@@ -48,6 +55,7 @@ on: the episode is dropped, counted in data/dropped_episodes).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -59,6 +67,7 @@ from typing import Any
 from roll_core.agentic.chat import TurnTemplate
 from roll_core.agentic.env_manager import EnvFailure, EnvManager
 from roll_core.agentic.observation import state_key
+from roll_core.agentic.resume_stops import split_stop
 from roll_core.agentic.trajectory import Trajectory
 from roll_core.agentic.turn_gate import GateClosed, TurnGate
 from roll_core.idle_aborts import KEY as IDLE_ABORTS_KEY
@@ -66,7 +75,7 @@ from roll_core.idle_aborts import MAX_IDLE_ABORTS, check_max_idle_aborts, idle_b
 from roll_core.interfaces import Request, SamplingParams
 from roll_core.interfaces.agentic import INFO_COUNTERS, info_count
 from roll_core.seeds import Purpose, derive_seed
-from roll_core.thinking import opens_think, reply_text
+from roll_core.thinking import header_opens_think, reply_text
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +139,17 @@ class AgenticRollout:
         self.max_idle_aborts = check_max_idle_aborts(max_idle_aborts)
         self._ids = itertools.count()
 
+    @functools.cached_property
+    def _header_opens_think(self) -> tuple[bool, bool]:
+        """Whether the template's generation header opens `<think>` (roll_core.thinking.header_opens_think): before
+        the first turn, and after an observation (read once; the messages' own text never counts)."""
+        t = self.template
+        later = [*t.prefix, {"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}]
+        first, then = (
+            header_opens_think(self.tokenizer, m, t.template_kwargs, t.chat_template) for m in (t.prefix, later)
+        )
+        return first, then
+
     def run(
         self, seeds: list[int], groups: list[int], params: SamplingParams, *, first_slot: int = 0
     ) -> list[Trajectory]:
@@ -146,7 +166,8 @@ class AgenticRollout:
     def _generate(self, rid: str, key: str, context: list[int], params: SamplingParams, traj: Trajectory) -> Any:
         """One turn's response (token ids, log-probs, finish reason), resumed after an abort (see the module
         docstring): "abort" only when the collector closed or the engine refused the request `max_idle_aborts`
-        times in a row; "length" when an abort left the turn's whole budget generated."""
+        times in a row; "length" when an abort left the turn's whole budget generated; "stop" where a stop string
+        of `params.stop` split across attempts completes (cut there, as without the abort)."""
         tokens: list[int] = []
         logprobs: list[float] = []
         version: int | None = None
@@ -178,8 +199,14 @@ class AgenticRollout:
                 out_tokens, out_logprobs, finish = [], [], "abort"
             else:
                 out_tokens, out_logprobs, finish = list(out.token_ids), list(out.logprobs), out.finish_reason
+            earlier = len(tokens)
             tokens += out_tokens
             logprobs += out_logprobs
+            # a stop string the earlier attempts began and this one completed: no engine saw it whole
+            cut = split_stop(self.tokenizer, context, tokens, earlier, params.stop) if params.stop else None
+            if cut is not None:
+                del tokens[cut:], logprobs[cut:]
+                finish = "stop"  # cut where an unaborted turn stopped (roll_core.agentic.resume_stops)
             if finish == "abort" and len(tokens) >= params.max_new_tokens:
                 finish = "length"  # the abort raced the budget's end: the turn is complete, cut at its limit
             closed = self.gate is not None and self.gate.closed
@@ -228,7 +255,6 @@ class AgenticRollout:
             return Trajectory(env_seed=seed, group=group, prompt_ids=[], end=failure.kind, error=str(failure))
         traj = Trajectory(env_seed=seed, group=group, prompt_ids=prompt_ids, mm=mm)
         key = f"episode-{next(self._ids)}"
-        fed = prompt_ids  # the ids the template put before this turn (they end with its generation header)
         unread: tuple[int, Any] | None = None  # where the last observation starts, and the pictures before it
         for turn in range(lim.max_turns):
             room = lim.max_context_length - traj.length
@@ -265,15 +291,18 @@ class AgenticRollout:
                 del traj.versions[traj.turns :]  # the cut turn's weight version (gate runs)
                 traj.end = "image_token"
                 break
-            traj.cut_turns += int(finish == "length")
+            if finish == "length":  # short of max_tokens_per_turn: the context cut it (its budget, or the engine)
+                by_context = len(token_ids) < lim.max_tokens_per_turn
+                traj.context_cut_turns += int(by_context)
+                traj.cut_turns += int(not by_context)
             traj.state_keys.append(str(info["state"]) if "state" in info else state_key(obs))
             traj.add_response(token_ids, logprobs)
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
             traj.texts.append(text)
-            # a template that opened <think> in the prompt: the env reads the reply with its opening tag (cut off
-            # while reasoning, its tool call or answer is not taken: roll_core.thinking)
-            # (only the template's ids before this turn: an earlier turn's unclosed <think> did not open this one)
-            action = reply_text(text, opens_think(self.tokenizer, fed))
+            # a template whose generation header opens <think>: the env reads the reply with its opening tag (cut
+            # off while reasoning, its tool call or answer is not taken: roll_core.thinking). Only the header counts:
+            # an earlier turn's unclosed <think>, or an observation's, did not open this one.
+            action = reply_text(text, self._header_opens_think[turn > 0])
             try:
                 obs, reward, terminated, truncated, info = self.envs.step(slot, action)
             except EnvFailure as exc:
@@ -301,7 +330,7 @@ class AgenticRollout:
             if traj.length + len(obs_ids) >= lim.max_context_length:  # picture tokens included
                 traj.end = "max_context"
                 break
-            unread, fed = (len(traj.tokens), traj.mm), obs_ids
+            unread = (len(traj.tokens), traj.mm)
             traj.add_observation(obs_ids, obs_mm)
         else:
             traj.end = "max_turns"

@@ -53,6 +53,8 @@ class Trajectory:
     # ignored tool calls, error outputs), each key present once a step was taken.
     counters: dict[str, int] = field(default_factory=dict)
     cut_turns: int = 0  # responses stopped by the per-turn token limit (passed to the environment as they are)
+    # responses stopped by the context instead: a budget cut to the context left, or the engine's own context
+    context_cut_turns: int = 0
     success: bool = False
     end: str = ""
     error: str = ""

@@ -285,19 +285,36 @@ def _check_critic_vocabulary(critic_path: str, tokenizer_path: str, trust_remote
         )
 
 
-def _check_infer_engine(cfg: RLVRConfig, infer: InferGroup, sampling: SamplingParams) -> None:
-    """Refuse sampling the engine cannot honour, and warn when prompt + response exceed its context."""
-    import logging
+#: Pipelines whose sequences are episodes: their length is the task's max_context_length (model.max_prompt_length
+#: and max_response_length are not read).
+EPISODE_PIPELINES = ("agentic", "agent")
 
+
+def _check_infer_engine(cfg: RLVRConfig, infer: InferGroup, sampling: SamplingParams) -> None:
+    """Refuse sampling the engine cannot honour, and warn when a sequence may exceed its context: prompt + response,
+    or for pipeline=agentic / agent the task's max_context_length (the collectors then lower it to the engine's,
+    warned again: roll_core.agentic.rollout.fit_engine_context)."""
     name = cfg.infer_engine.name
     try:
         infer.check_sampling(sampling)
     except UnsupportedSamplingError as exc:
         raise ConfigError(f"infer_engine={name}: {exc}") from exc
     context = infer.max_context_length()
+    if getattr(cfg.pipeline, "name", None) in EPISODE_PIPELINES:
+        task = getattr(cfg.env, "max_context_length", None)
+        if isinstance(task, int) and not isinstance(task, bool) and task > context:
+            log.warning(
+                "env.max_context_length=%d exceeds the %s engine's context of %d tokens: episodes will end at %d "
+                "(end max_context); lower env.max_context_length or raise infer_engine.max_model_len",
+                task,
+                name,
+                context,
+                context,
+            )
+        return
     need = cfg.model.max_prompt_length + cfg.model.max_response_length
     if need > context:
-        logging.getLogger(__name__).warning(
+        log.warning(
             "model.max_prompt_length + max_response_length = %d exceeds the %s engine's context of %d tokens: "
             "long prompts get shorter responses (finish reason 'length')",
             need,

@@ -334,7 +334,9 @@ def episode_metrics(
         "episode/tool_calls_mean": sum(t.tool_calls for t in trajs) / n,
         # the env's info counters (roll_core.interfaces.agentic.INFO_COUNTERS), per episode as tool_calls
         **{f"episode/{k}_mean": sum(t.counters.get(k, 0) for t in trajs) / n for k in INFO_COUNTERS},
-        "episode/cut_turn_rate": sum(t.cut_turns for t in trajs) / max(turns, 1),
+        "episode/cut_turn_rate": sum(t.cut_turns for t in trajs) / max(turns, 1),  # by max_tokens_per_turn
+        # by the context: a budget cut to what was left of max_context_length, or the engine's own context
+        "episode/context_cut_turn_rate": sum(t.context_cut_turns for t in trajs) / max(turns, 1),
         "episode/length_mean": sum(t.length for t in trajs) / n,
         "response/length_mean": sum(sum(t.mask) for t in trajs) / max(turns, 1),  # generated tokens per turn
         "episode/resumed_turns": float(resumed),  # turn requests an abort interrupted, resumed (partial rollout)
