@@ -53,3 +53,23 @@ def test_training_checks_the_batch_too(tiny: str) -> None:
         eng.train_step(bad, objective)
     with pytest.raises(ValueError, match=rf"token id {vocab + 1}"):
         eng.compute_gradients(bad, objective)
+
+
+def test_a_prompt_id_past_the_embedding_is_named(tiny: str) -> None:
+    """`input_ids` are checked too (roll_engines.train._logits.check_batch_ids), prompts and their padding: an id
+    outside the input embedding was a bare IndexError on CPU (a device-side assert on a GPU), padded or packed."""
+    eng = HFTrainEngine(tiny, name="policy", lr=1e-3)
+    vocab = int(eng.model.get_input_embeddings().num_embeddings)
+    for pack in (True, False):
+        eng.pack_sequences = pack
+        batch = _batch(vocab, [[3, 4, 5], [3, 4, 5]])
+        batch["input_ids"][1, 1] = vocab + 3  # row 1's prompt token (left-padded by one)
+        with pytest.raises(ValueError, match=rf"actor engine 'policy': input_ids token id {vocab + 3} \(row 1, "):
+            eng.compute_logprobs(batch)
+        batch["input_ids"][1, 1] = 7
+        batch["input_ids"][0, 0] = -2
+        for call in (eng.train_step, eng.compute_gradients):
+            with pytest.raises(ValueError, match=rf"input_ids token id -2 \(row 0, position 0\).*\[0, {vocab}\)"):
+                call(batch, PolicyObjective())
+        batch["input_ids"][0, 0] = 5
+        assert torch.isfinite(eng.compute_logprobs(batch)["logprobs"]).all()  # the repaired batch scores

@@ -14,10 +14,13 @@ is for scoring passes only (no-grad callers).
   (b, R, K) long, differentiable. An id outside [0, V) is a ValueError (`check_gather_ids`), never a silent wrong
   value: the packed path's advanced indexing would read a negative id as counted from the end of the vocabulary.
 
-A batch's `responses` are checked once, on the host, before any forward (`check_response_ids`): every id must be
-in [0, V) for the model's logits width V (and its input embedding's, as the response is also its input). An id
-outside is a ValueError naming the engine, the id and the width: on a GPU the gather (or the embedding lookup)
-would fail with a device-side assert that leaves the CUDA context unusable.
+A batch's token ids are checked once, on the host, before any forward (`check_batch_ids`; the megatron engine calls
+`check_token_ids` with its config's vocabulary): every id of `responses` must be in [0, V) for the model's logits
+width V (and its input embedding's, as the response is also its input), and every id of `input_ids` (the prompts,
+padding included: the padded layout embeds every position) in [0, V') for its input embedding's width V'. An id
+outside is a ValueError naming the engine, the tensor, the id, its row and position and the width: on a CPU the
+embedding lookup fails with a bare IndexError, on a GPU the gather or the lookup with a device-side assert that
+leaves the CUDA context unusable.
 """
 
 from __future__ import annotations
@@ -74,23 +77,38 @@ def _rows(module: Any) -> int | None:
     return None
 
 
+def check_token_ids(ids: Tensor, width: int | None, who: str, which: str, what: str) -> None:
+    """Every id of the host tensor `ids` (B, L) must be in [0, `width`) (None: nothing to check against); else a
+    ValueError naming the engine (`who`), the tensor (`which`), the first offending id with its row and position, and
+    the width (`what` says what it is the width of)."""
+    if width is None or not ids.numel():
+        return
+    bad = (ids < 0) | (ids >= width)
+    if bool(bad.any()):
+        at = [int(i) for i in bad.nonzero()[0]]
+        where = f"row {at[0]}, position {at[1]}" if len(at) == 2 else f"index {tuple(at)}"
+        raise ValueError(
+            f"{who}: {which} token id {int(ids[tuple(at)])} ({where}) is outside [0, {width}), the width of {what} "
+            "(a prompt or a student from another tokenizer, a wider padded vocabulary than this model's, or a "
+            "corrupted batch?); on a CPU it fails with a bare IndexError, on a GPU with a device-side assert"
+        )
+
+
 def check_response_ids(responses: Tensor, model: torch.nn.Module, who: str) -> None:
     """Every id of the host tensor `responses` (B, R) must be a token of `model` (a transformers model, not a
     peft wrapper): in [0, V) for V the rows of its output projection (the logits' width, what the log-probs gather
     at) and of its input embedding (the response is fed back as input). A model with no output projection (a
     critic's score head) is checked against its input embedding only. `who` names the engine in the error."""
-    if not responses.numel():
-        return
-    lo, hi = int(responses.min()), int(responses.max())
-    widths = {"logits": _rows(model.get_output_embeddings()), "input embedding": _rows(model.get_input_embeddings())}
-    for what, width in widths.items():
-        if width is not None and (lo < 0 or hi >= width):
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"{who}: response token id {bad} is outside [0, {width}), the width of the model's {what} (a student "
-                "whose padded vocabulary is wider than this model's, or a corrupted batch?); on a GPU it would fail "
-                "with a device-side assert"
-            )
+    check_token_ids(responses, _rows(model.get_output_embeddings()), who, "response", "the model's logits")
+    check_token_ids(responses, _rows(model.get_input_embeddings()), who, "response", "the model's input embedding")
+
+
+def check_batch_ids(tensors: Mapping[str, Tensor], model: torch.nn.Module, who: str) -> None:
+    """`check_response_ids` on `tensors["responses"]`, then every id of `tensors["input_ids"]` (B, P+R), the
+    prompts and their padding included, against the rows of `model`'s input embedding."""
+    check_response_ids(tensors["responses"], model, who)
+    width = _rows(model.get_input_embeddings())
+    check_token_ids(tensors["input_ids"], width, who, "input_ids", "the model's input embedding")
 
 
 def check_temperature(temperature: float) -> None:

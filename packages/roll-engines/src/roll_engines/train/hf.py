@@ -56,7 +56,7 @@ from roll_engines.train._dropout import disable_dropout
 from roll_engines.train._hf_attention import HFAttentionCredit
 from roll_engines.train._hf_checkpoint import HFWeightsAndCheckpoints, check_loaded
 from roll_engines.train._logits import (
-    check_response_ids,
+    check_batch_ids,
     check_temperature,
     check_topk,
     empty_outputs,
@@ -412,9 +412,9 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         return out
 
     def _checked(self, batch: Mapping[str, Tensor]) -> dict[str, Any]:
-        """The batch's tensors (_vision.checked_batch), its response ids checked once against the vocabulary."""
+        """The batch's tensors (_vision.checked_batch), its token ids checked once against the vocabulary."""
         tensors = V.checked_batch(batch, self.vision, self.path)
-        check_response_ids(tensors["responses"], base_model(self.model), f"{self.role} engine {self.name!r}")
+        check_batch_ids(tensors, base_model(self.model), f"{self.role} engine {self.name!r}")
         return tensors
 
     def _prompt_order(self, tensors: Mapping[str, Any]) -> Tensor | None:

@@ -50,7 +50,7 @@ from torch import Tensor
 from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.structured import refuse_constrained_batch
-from roll_engines.train._logits import check_temperature, empty_outputs, gather_ids_of
+from roll_engines.train._logits import check_temperature, check_token_ids, empty_outputs, gather_ids_of
 from roll_engines.train._micro import (
     MetricMeans,
     check_micro_batch_tokens,
@@ -269,6 +269,19 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         dist.all_reduce(t, group=ps.get_data_parallel_group())
         return t.cpu()
 
+    def _tensors(self, batch: Mapping[str, Any]) -> dict[str, Tensor]:
+        """The batch's tensors (a constrained batch refused), its token ids checked once, on the host, before any
+        forward: `responses` and `input_ids` in [0, V) for the config's vocab_size V (_logits.check_token_ids). The
+        vocabulary is padded to a multiple of TP: an id in the padding rows is no token (log-prob -inf, a zero
+        embedding), and one past them was read as 0 by the cross entropy and embedded as zeros under TP."""
+        refuse_constrained_batch(batch, "megatron")
+        tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+        vocab, who = int(self.hf_config.vocab_size), f"{self.role} engine {self.name!r}"
+        what = f"the model's vocabulary (vocab_size={vocab}; Megatron pads it to a multiple of TP)"
+        check_token_ids(tensors["responses"], vocab, who, "response", what)
+        check_token_ids(tensors["input_ids"], vocab, who, "input_ids", what)
+        return tensors
+
     # ---- forward ------------------------------------------------------------------------------------------
     def _logprobs(
         self,
@@ -365,9 +378,7 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
             raise ValueError("topk scores a policy's vocabulary: the critic has none")
         if base and not self.lora:
             raise ValueError("base=True scores the model without its LoRA adapters: this engine has none")
-        refuse_constrained_batch(batch, "megatron")
-
-        tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+        tensors = self._tensors(batch)
         if self.routing is not None:
             self.routing.check(tensors)
         n, r = tensors["input_ids"].shape[0], tensors["responses"].shape[1]
@@ -462,8 +473,7 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         if not self.trainable or self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine is not trainable")
         check_temperature(temperature)
-        refuse_constrained_batch(batch, "megatron")
-        tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+        tensors = self._tensors(batch)
         n = tensors["input_ids"].shape[0]
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
         means = MetricMeans()
@@ -524,8 +534,7 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
             self.optimizer.zero_grad()
         # The distributed optimizer's reduction is a reduce-scatter: each rank's gradients are whole only in the
         # shard it updates. Here every rank needs them whole, so this backward's reduction is an all-reduce.
-        refuse_constrained_batch(batch, "megatron")
-        tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+        tensors = self._tensors(batch)
         self._backward(tensors, loss_fn, temperature, force_all_reduce=True)
         if self.lora:
             with self._shims():
